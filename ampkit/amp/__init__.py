@@ -1,0 +1,1 @@
+"""The mixed-precision engine: loss scalers, combined unscaling, opt levels, casting."""

@@ -1,0 +1,1 @@
+"""Callbacks: one concern each."""
