@@ -1,0 +1,214 @@
+"""Apex's O0-O3 optimization levels and their override rules, with a ``dtype`` replacing hard-coded half.
+
+``resolve_opt_level("O2", dtype="bfloat16", loss_scale=128)`` returns the frozen
+:class:`OptLevelProperties` the casting, scaling and master-weight code reads. The table and the
+rules are Apex's (``apex/amp/frontend.py`` before its removal); an override that Apex rejects
+raises ``RuntimeError`` naming the option, a value of the wrong kind raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
+
+OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+_CAST_DTYPE_NAMES: dict[str, torch.dtype] = {**_DTYPE_NAMES, "float32": torch.float32, "fp32": torch.float32}
+
+LossScale = float | Literal["dynamic"]
+
+
+@dataclass(frozen=True)
+class OptLevelProperties:
+    """The resolved mixed-precision recipe: what gets cast, how losses are scaled, where weights live.
+
+    Attributes:
+        opt_level: ``"O0"`` .. ``"O3"``.
+        dtype: the low-precision type (``torch.float16`` or ``torch.bfloat16``) used by autocast (O1)
+            and by the model cast (O2/O3).
+        cast_model_type: type the model's parameters are cast to, or ``None`` to leave them alone.
+        patch_torch_functions: O1's per-function casting (autocast here).
+        keep_batchnorm_fp32: keep batch-norm layers in float32 when the model is cast.
+        master_weights: keep float32 master copies of low-precision parameters in the optimizer.
+        loss_scale: ``"dynamic"`` or a static float scale.
+        enabled: ``False`` turns every mechanism off (plain float32 training).
+    """
+
+    opt_level: str
+    dtype: torch.dtype
+    cast_model_type: torch.dtype | None
+    patch_torch_functions: bool
+    keep_batchnorm_fp32: bool | None
+    master_weights: bool | None
+    loss_scale: LossScale
+    enabled: bool = True
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale adapts to overflows."""
+        return self.loss_scale == "dynamic"
+
+
+def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
+    """Map ``float16``/``fp16``/``half``/``bfloat16``/``bf16`` (or the torch dtypes) to a torch dtype."""
+    if value in (torch.float16, torch.bfloat16):
+        return value
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ValueError(f"{option}={value!r} is not a low-precision dtype; use float16 or bfloat16")
+
+
+def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
+    """Return ``"dynamic"`` or a positive finite float, as Apex's ``float(value)`` rule allows."""
+    if value == "dynamic":
+        return "dynamic"
+    if isinstance(value, bool):
+        raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number")
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{option}={value!r}: a static loss scale must be finite and > 0")
+    return scale
+
+
+def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
+    if value is None or value is False:
+        return value
+    if isinstance(value, torch.dtype) and value in _CAST_DTYPE_NAMES.values():
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _CAST_DTYPE_NAMES:
+        return _CAST_DTYPE_NAMES[value.lower().removeprefix("torch.")]
+    raise ValueError(
+        f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16"
+    )
+
+
+def _parse_keep_batchnorm_fp32(value: Any) -> bool | None:
+    if value == "True":
+        return True
+    if value == "False":
+        return False
+    if value is None or value is True or value is False:
+        return value
+    raise ValueError(
+        f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None"
+    )
+
+
+def _parse_bool_or_none(value: Any, option: str) -> bool | None:
+    if value is None or value is True or value is False:
+        return value
+    raise ValueError(f"{option}={value!r}: expected True, False or None")
+
+
+def resolve_opt_level(
+    opt_level: str = "O1",
+    *,
+    dtype: torch.dtype | str | None = None,
+    enabled: bool = True,
+    cast_model_type: torch.dtype | str | bool | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+) -> OptLevelProperties:
+    """Apply Apex's table for ``opt_level`` and then the user's overrides (those that are not ``None``).
+
+    Args:
+        opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
+        dtype: low-precision type, float16 (default) or bfloat16. When omitted and ``cast_model_type``
+            names a low-precision type, that type is used.
+        enabled: ``False`` resolves to O0's float32 recipe whatever ``opt_level`` says.
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
+            Apex's overrides.
+
+    Raises:
+        RuntimeError: unknown ``opt_level`` or an override Apex forbids at that level.
+        ValueError: an override of the wrong kind, or ``dtype`` conflicting with ``cast_model_type``.
+
+    Example:
+        >>> resolve_opt_level("O2", dtype="bf16").cast_model_type
+        torch.bfloat16
+    """
+    if opt_level not in OPT_LEVELS:
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3'. "
+            "Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero."
+        )
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled={enabled!r}: expected True or False")
+    parsed_cast = _parse_cast_model_type(cast_model_type)
+    low = parse_dtype(dtype) if dtype is not None else None
+    if isinstance(parsed_cast, torch.dtype) and parsed_cast != torch.float32:
+        if low is not None and low != parsed_cast:
+            raise ValueError(f"cast_model_type={parsed_cast} conflicts with dtype={low}; give one of them")
+        low = parsed_cast
+    low = low or torch.float16
+
+    table: dict[str, dict[str, Any]] = {
+        "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
+                   master_weights=False, loss_scale=1.0),
+        "O1": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+                   master_weights=None, loss_scale="dynamic"),
+        "O2": dict(cast_model_type=low, patch_torch_functions=False, keep_batchnorm_fp32=True,
+                   master_weights=True, loss_scale="dynamic"),
+        "O3": dict(cast_model_type=low, patch_torch_functions=False, keep_batchnorm_fp32=False,
+                   master_weights=False, loss_scale=1.0),
+    }  # fmt: skip
+    props = dict(table[opt_level])
+    o1 = opt_level == "O1"
+
+    if cast_model_type is not None:
+        if o1 and parsed_cast not in (False, torch.float32):
+            raise RuntimeError(
+                "O1 inserts casts around torch functions rather than casting the model weights, so with O1 "
+                "the weights stay float32; use opt_level='O2' or 'O3' to cast the model. "
+                f"cast_model_type was {cast_model_type!r}"
+            )
+        props["cast_model_type"] = parsed_cast or None
+    if patch_torch_functions is not None:
+        value = _parse_bool_or_none(patch_torch_functions, "patch_torch_functions")
+        if value and not o1:
+            raise RuntimeError(
+                f"patch_torch_functions=True is only valid with opt_level='O1' (got opt_level={opt_level!r})"
+            )
+        props["patch_torch_functions"] = value
+    if keep_batchnorm_fp32 is not None:
+        value = _parse_keep_batchnorm_fp32(keep_batchnorm_fp32)
+        if o1:
+            raise RuntimeError(
+                "With opt_level O1, batchnorm runs in float32 automatically, so keep_batchnorm_fp32 should "
+                f"be None. keep_batchnorm_fp32 was {keep_batchnorm_fp32!r}"
+            )
+        props["keep_batchnorm_fp32"] = value
+    if master_weights is not None:
+        value = _parse_bool_or_none(master_weights, "master_weights")
+        if o1:
+            raise RuntimeError(
+                "master_weights makes no sense with opt_level O1: the model weights themselves stay float32. "
+                f"master_weights was {master_weights!r}"
+            )
+        props["master_weights"] = value
+    if loss_scale is not None:
+        props["loss_scale"] = parse_loss_scale(loss_scale)
+
+    if not enabled:
+        props = dict(table["O0"], loss_scale=1.0)
+    return OptLevelProperties(opt_level=opt_level, dtype=low, enabled=enabled, **props)

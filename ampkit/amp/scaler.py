@@ -1,0 +1,162 @@
+"""One loss scaler, static or dynamic, with Apex's semantics and torch.amp's knob names.
+
+The scale lives on the host as a Python float: scaling a loss and building the unscale factor cost
+no device sync, and :meth:`LossScaler.update` syncs at most once (when handed a device flag).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ampkit.amp.opt_levels import parse_loss_scale
+
+__all__ = ["LossScaler"]
+
+
+def _positive(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{option}={value!r}: expected a number")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{option}={value!r}: expected a finite number > 0")
+    if above_one and value <= 1.0:
+        raise ValueError(f"{option}={value!r}: expected a number > 1")
+    if below_one and value >= 1.0:
+        raise ValueError(f"{option}={value!r}: expected a number in (0, 1)")
+    return value
+
+
+class LossScaler:
+    """Scales one loss and adapts the scale to overflows.
+
+    Dynamic scaling (``loss_scale="dynamic"``): starts at ``min(init_scale, max_scale)``; an update
+    that saw an overflow multiplies the scale by ``backoff_factor`` (floored at ``min_scale`` when
+    given, otherwise unbounded below, as in Apex) and resets the clean-update counter; the
+    ``growth_interval``-th consecutive clean update multiplies it by ``growth_factor`` (capped at
+    ``max_scale``). A static scale (a number) never changes.
+
+    Call :meth:`update` exactly once per iteration, after every optimizer that used this loss stepped.
+
+    Args:
+        loss_scale: ``"dynamic"`` or a positive static scale (Apex's ``float()`` rule: ``"128.0"`` works).
+        init_scale: first dynamic scale (Apex's ``dynamic_init_scale``), default ``2**16``.
+        growth_factor: multiplier after ``growth_interval`` clean updates (> 1), default 2.
+        backoff_factor: multiplier after an overflow (in (0, 1)), default 0.5.
+        growth_interval: clean updates between growths (Apex's ``scale_window``), default 2000.
+        min_scale: floor for the dynamic scale, or ``None`` for none.
+        max_scale: cap for the dynamic scale, or ``None`` for none; default ``2**24``.
+
+    Example:
+        >>> scaler = LossScaler()
+        >>> scaler.update(found_inf=True)
+        (65536.0, 32768.0)
+    """
+
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+    ) -> None:
+        mode = parse_loss_scale(loss_scale)
+        self.dynamic: bool = mode == "dynamic"
+        self.growth_factor = _positive(growth_factor, "growth_factor", above_one=True)
+        self.backoff_factor = _positive(backoff_factor, "backoff_factor", below_one=True)
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval={growth_interval!r}: expected an integer >= 1")
+        self.growth_interval = growth_interval
+        self.min_scale = None if min_scale is None else _positive(min_scale, "min_scale")
+        self.max_scale = None if max_scale is None else _positive(max_scale, "max_scale")
+        if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
+            raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
+        if self.dynamic:
+            start = _positive(init_scale, "init_scale")
+            if self.max_scale is not None:
+                start = min(start, self.max_scale)
+            if self.min_scale is not None:
+                start = max(start, self.min_scale)
+        else:
+            start = float(mode)
+        self._scale: float = start
+        self.unskipped: int = 0
+        self._inv_scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale."""
+        return self._scale
+
+    def loss_scale(self) -> float:
+        """The current loss scale (Apex's spelling, read by legacy logging code)."""
+        return self._scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss`` in float32 times the scale (float32 so the scaled loss itself cannot overflow)."""
+        return loss.float() * self._scale
+
+    def inv_scale_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """``1/scale`` as a one-element float32 tensor on ``device``, cached until the scale changes."""
+        device = torch.device(device)
+        cached = self._inv_scale_cache.get(device)
+        if cached is None or cached[0] != self._scale:
+            cached = (self._scale, torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device))
+            self._inv_scale_cache[device] = cached
+        return cached[1]
+
+    def update(self, found_inf: bool | torch.Tensor) -> tuple[float, float]:
+        """Record one iteration's overflow verdict and adapt the scale; returns ``(old, new)``.
+
+        ``found_inf`` may be a bool or a tensor (non-zero means overflow; reading it is the one sync).
+        """
+        if isinstance(found_inf, torch.Tensor):
+            found_inf = bool(found_inf.item())
+        old = self._scale
+        if not self.dynamic:
+            self.unskipped += 1
+            return old, old
+        if found_inf:
+            new = old * self.backoff_factor
+            if self.min_scale is not None:
+                new = max(new, self.min_scale)
+            self.unskipped = 0
+        else:
+            new = old
+            self.unskipped += 1
+            if self.unskipped == self.growth_interval:
+                new = old * self.growth_factor
+                if self.max_scale is not None:
+                    new = min(new, self.max_scale)
+                self.unskipped = 0
+        self._scale = new
+        return old, new
+
+    def state_dict(self) -> dict[str, Any]:
+        """Apex's per-scaler format: ``{"loss_scale": float, "unskipped": int}``."""
+        return {"loss_scale": self._scale, "unskipped": self.unskipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry); knobs stay as configured."""
+        missing = {"loss_scale", "unskipped"} - set(state)
+        if missing:
+            raise KeyError(f"loss scaler state is missing {sorted(missing)}; got keys {sorted(state)}")
+        scale, unskipped = state["loss_scale"], state["unskipped"]
+        if isinstance(scale, torch.Tensor):
+            scale = scale.item()
+        if isinstance(unskipped, torch.Tensor):
+            unskipped = int(unskipped.item())
+        self._scale = _positive(scale, "loss_scale")
+        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
+            raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
+        self.unskipped = unskipped
+
+    def __repr__(self) -> str:
+        mode = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({mode}, scale={self._scale}, unskipped={self.unskipped})"

@@ -1,0 +1,114 @@
+"""LossScaler: growth, backoff floor, cap, static scale, Apex state format, knob errors."""
+
+import pytest
+import torch
+
+from ampkit.amp.scaler import LossScaler
+
+
+def test_defaults_match_apex_and_torch():
+    s = LossScaler()
+    assert s.dynamic and s.scale == 2.0**16 and s.loss_scale() == 2.0**16
+    assert (s.growth_factor, s.backoff_factor, s.growth_interval) == (2.0, 0.5, 2000)
+    assert s.min_scale is None and s.max_scale == 2.0**24
+    assert LossScaler(init_scale=2.0**30).scale == 2.0**24
+
+
+@pytest.mark.parametrize("interval", [1, 3, 7])
+def test_growth_after_exactly_interval_clean_updates(interval):
+    s = LossScaler(init_scale=8.0, growth_interval=interval)
+    for _ in range(interval - 1):
+        assert s.update(False) == (8.0, 8.0)
+    assert s.update(False) == (8.0, 16.0)
+    assert s.unskipped == 0
+    # an overflow resets the clean-update count
+    for _ in range(interval - 1):
+        s.update(False)
+    assert s.update(True) == (16.0, 8.0)
+    for _ in range(interval - 1):
+        assert s.update(False) == (8.0, 8.0)
+    assert s.update(torch.zeros(1)) == (8.0, 16.0)
+
+
+def test_backoff_floored_at_min_scale_and_unbounded_without():
+    s = LossScaler(init_scale=8.0, min_scale=2.0)
+    assert [s.update(torch.ones(1))[1] for _ in range(4)] == [4.0, 2.0, 2.0, 2.0]
+    s = LossScaler(init_scale=8.0)
+    for _ in range(20):
+        s.update(True)
+    assert s.scale == 8.0 * 2.0**-20
+
+
+def test_growth_capped_at_max_scale():
+    s = LossScaler(init_scale=6.0, growth_interval=1, max_scale=20.0, growth_factor=3.0)
+    assert [s.update(False)[1] for _ in range(3)] == [18.0, 20.0, 20.0]
+    s = LossScaler(init_scale=1.0, growth_interval=1, max_scale=None)
+    for _ in range(40):
+        s.update(False)
+    assert s.scale == 2.0**40
+
+
+@pytest.mark.parametrize("value", [128.0, "128.0", 1])
+def test_static_never_changes(value):
+    s = LossScaler(value)
+    assert not s.dynamic
+    for found in [True, False, True] * 5:
+        assert s.update(found) == (float(value), float(value))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scale_loss_is_float32(dtype):
+    s = LossScaler(init_scale=2.0**16)
+    loss = torch.tensor(2.0, dtype=dtype)
+    scaled = s.scale_loss(loss)
+    assert scaled.dtype == torch.float32 and scaled.item() == 2.0**17  # would overflow fp16
+    inv = s.inv_scale_tensor("cpu")
+    assert inv.dtype == torch.float32 and inv.item() == 2.0**-16
+    assert s.inv_scale_tensor("cpu") is inv
+    s.update(True)
+    assert s.inv_scale_tensor("cpu").item() == 2.0**-15
+
+
+def test_state_dict_round_trip_apex_format():
+    s = LossScaler(init_scale=1024.0, growth_interval=5)
+    s.update(True)
+    s.update(False)
+    s.update(False)
+    state = s.state_dict()
+    assert state == {"loss_scale": 512.0, "unskipped": 2}
+    t = LossScaler(init_scale=1024.0, growth_interval=5)
+    t.load_state_dict(state)
+    for found in [False, False, False, True, False]:
+        assert t.update(found) == s.update(found)
+    t.load_state_dict({"loss_scale": torch.tensor(4.0), "unskipped": torch.tensor(3)})
+    assert (t.scale, t.unskipped) == (4.0, 3)
+
+
+def test_load_state_dict_errors():
+    s = LossScaler()
+    with pytest.raises(KeyError, match="missing \\['unskipped'\\]"):
+        s.load_state_dict({"loss_scale": 2.0})
+    with pytest.raises(ValueError, match="loss_scale=-2.0"):
+        s.load_state_dict({"loss_scale": -2.0, "unskipped": 0})
+    with pytest.raises(ValueError, match="unskipped=-1"):
+        s.load_state_dict({"loss_scale": 2.0, "unskipped": -1})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"growth_factor": 1.0}, "growth_factor=1.0: expected a number > 1"),
+        ({"backoff_factor": 1.5}, r"backoff_factor=1.5: expected a number in \(0, 1\)"),
+        ({"backoff_factor": 0}, "backoff_factor=0"),
+        ({"growth_interval": 0}, "growth_interval=0"),
+        ({"growth_interval": 2.5}, "growth_interval=2.5"),
+        ({"init_scale": float("inf")}, "init_scale=inf"),
+        ({"min_scale": -1.0}, "min_scale=-1.0"),
+        ({"max_scale": "big"}, "max_scale='big'"),
+        ({"min_scale": 8.0, "max_scale": 4.0}, "min_scale=8.0 is larger than max_scale=4.0"),
+        ({"loss_scale": "dyn"}, "loss_scale='dyn'"),
+    ],
+)
+def test_bad_knobs_name_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossScaler(**kwargs)
