@@ -1,0 +1,124 @@
+"""Casting rules for the opt levels, keyed on dtype and device only (CPU tensors are cast too).
+
+- O1: :func:`autocast_for` runs the forward under ``torch.autocast`` on the model's device type.
+- O2/O3: :func:`cast_model` casts a model's floating-point parameters and buffers, optionally keeping
+  batch-norm layers in float32; :func:`add_boundary_casts` casts floating inputs to the model's type at
+  its boundary and its floating outputs back (Apex casts outputs to float32 unless told otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BoundaryCasts",
+    "add_boundary_casts",
+    "autocast_for",
+    "cast_floating",
+    "cast_model",
+    "model_device",
+]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a model with neither."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def autocast_for(model_or_device: nn.Module | torch.device | str, dtype: torch.dtype, enabled: bool = True):
+    """``torch.autocast`` on the device type of ``model_or_device`` with ``dtype`` (O1's casting)."""
+    if isinstance(model_or_device, nn.Module):
+        device = model_device(model_or_device)
+    else:
+        device = torch.device(model_or_device)
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=enabled)
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors inside ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
+
+    Integer tensors, strings and other objects pass through unchanged.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        return type(value)({k: cast_floating(v, dtype) for k, v in value.items()})
+    return value
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool | None = False) -> nn.Module:
+    """Cast the floating-point parameters and buffers of ``model`` to ``dtype`` in place.
+
+    With ``keep_batchnorm_fp32`` the batch-norm layers (``_BatchNorm`` subclasses, SyncBatchNorm
+    included) keep float32 weights and running statistics; torch's batch norm accepts low-precision
+    inputs with float32 parameters on CPU and CUDA. Returns ``model``.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: expected a floating-point torch dtype")
+    for module in model.modules():
+        keep = keep_batchnorm_fp32 and _is_batchnorm(module)
+        target = torch.float32 if keep else dtype
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != target:
+                param.data = param.data.to(target)
+                if param.grad is not None:
+                    param.grad = param.grad.to(target)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != target:
+                module._buffers[name] = buf.to(target)
+    return model
+
+
+class BoundaryCasts:
+    """Handle for the hooks :func:`add_boundary_casts` installed; :meth:`remove` takes them off."""
+
+    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        """Remove the input and output casting hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def add_boundary_casts(
+    model: nn.Module,
+    input_dtype: torch.dtype | None,
+    output_dtype: torch.dtype | None = torch.float32,
+) -> BoundaryCasts:
+    """Cast floating inputs (positional and keyword) of ``model`` to ``input_dtype`` and its floating
+    outputs to ``output_dtype``; ``None`` leaves that side alone.
+    """
+    handles = []
+    if input_dtype is not None:
+
+        def cast_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return cast_floating(args, input_dtype), cast_floating(kwargs, input_dtype)
+
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if output_dtype is not None:
+
+        def cast_outputs(_: nn.Module, args: tuple, output: Any) -> Any:
+            return cast_floating(output, output_dtype)
+
+        handles.append(model.register_forward_hook(cast_outputs))
+    return BoundaryCasts(handles)

@@ -1,0 +1,410 @@
+"""Combined unscaling: each backward's new gradients are unscaled by their own loss's scale and added
+to what earlier backwards of the same iteration left, with the inf/nan check on the new part only.
+
+Per backward: :meth:`GradientCombiner.prepare_backward` (stash the gradients that exist), run the
+scaled backward, then :meth:`GradientCombiner.combine` with that loss's scaler:
+
+    grad = new * (1 / scale_k) + stash        found_inf = any(~isfinite(new))
+
+so an overflow in loss 0 never backs off scaler 1, and accumulation over several backwards is exact
+(up to the rounding of ``new / scale_k``). With master weights the stash is the fp32 master gradient
+and the low-precision model gradient is upcast before unscaling (unscaling in fp16 would flush small
+gradients to zero).
+
+``flat=True`` (Ascend's ``combine_grad``) relocates the gradients of each (device, dtype) into one
+flat buffer whose slices are the ``.grad`` tensors, so unscale, inf check, stash and zeroing are one
+kernel per buffer instead of one per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ampkit.amp.scaler import LossScaler
+
+__all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check_"]
+
+
+def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Multiply ``tensors`` in place by ``inv_scale`` and set ``found_inf`` to 1 if any holds inf/nan.
+
+    ``found_inf`` and ``inv_scale`` are one-element float32 tensors on the tensors' device. This is the
+    seam where ampkit's multi-tensor kernels replace torch's ``_amp_foreach_non_finite_check_and_unscale_``.
+    """
+    if tensors:
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
+    """Read several found_inf flags to the host with a single sync (non-zero means overflow)."""
+    if not flags:
+        return []
+    device = flags[0].device
+    stacked = torch.cat([f.reshape(-1)[:1].to(device, torch.float32) for f in flags])
+    return [v != 0.0 for v in stacked.tolist()]
+
+
+@dataclass(frozen=True)
+class CombineResult:
+    """What one :meth:`GradientCombiner.combine` saw.
+
+    Attributes:
+        found_inf: one-element float32 tensor (not synced), non-zero if the new gradients held inf/nan.
+        reached: the model parameters that received a new gradient, in the combiner's order.
+    """
+
+    found_inf: torch.Tensor
+    reached: tuple[torch.Tensor, ...]
+
+
+def _inv_scale(scaler: LossScaler | float, device: torch.device) -> torch.Tensor:
+    if isinstance(scaler, LossScaler):
+        return scaler.inv_scale_tensor(device)
+    return torch.full((1,), 1.0 / float(scaler), dtype=torch.float32, device=device)
+
+
+class _Flags:
+    """One lazily created found_inf tensor per device, merged into one tensor at the end."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        flag = self.by_device.get(device)
+        if flag is None:
+            flag = self.by_device[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        return flag
+
+    def merged(self, fallback: torch.device) -> torch.Tensor:
+        flags = list(self.by_device.values())
+        if not flags:
+            return torch.zeros(1, dtype=torch.float32, device=fallback)
+        total = flags[0]
+        for flag in flags[1:]:
+            total = total + flag.to(total.device)
+        return total
+
+
+def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return groups
+
+
+class _FlatGroup:
+    """Params of one (device, model dtype, grad-owner dtype) whose gradients live in flat buffers."""
+
+    def __init__(self, params: list[torch.Tensor], owners: list[torch.Tensor] | None) -> None:
+        self.params = params
+        self.owners = owners  # None: each param owns its gradient
+        first = params[0]
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        self.views = self._views(self.buffer, params)
+        self.owner_buffer: torch.Tensor | None = None
+        self.owner_views: list[torch.Tensor] = []
+        if owners is not None:
+            self.owner_buffer = torch.zeros(numel, dtype=owners[0].dtype, device=first.device)
+            self.owner_views = self._views(self.owner_buffer, owners)
+        self.stash: torch.Tensor | None = None  # lazily allocated copy of the buffer that stashes/upcasts
+        self.dirty = False  # whether the gradient-owning buffer may hold non-zero values
+        self.has_stash = False
+        with torch.no_grad():
+            holders = owners if owners is not None else params
+            views = self.owner_views if owners is not None else self.views
+            for t, view in zip(holders, views, strict=True):
+                if t.grad is not None:
+                    view.copy_(t.grad)
+                    self.dirty = True
+                t.grad = view
+            if owners is not None:
+                for p, view in zip(params, self.views, strict=True):
+                    p.grad = view
+
+    @staticmethod
+    def _views(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        views, offset = [], 0
+        for t in tensors:
+            views.append(buffer[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return views
+
+    @staticmethod
+    def _reattach(tensors: list[torch.Tensor], views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+        """Point ``.grad`` back at the buffer; returns whether the buffer is known to be all zero."""
+        missing = []
+        foreign = False
+        for t, view in zip(tensors, views, strict=True):
+            grad = t.grad
+            if grad is view:
+                continue
+            if grad is None:
+                missing.append((t, view))
+            else:
+                view.copy_(grad)
+                t.grad = view
+                foreign = True
+        if len(missing) == len(tensors):
+            buffer.zero_()
+        else:
+            for _, view in missing:
+                view.zero_()
+        for t, view in missing:
+            t.grad = view
+        return len(missing) == len(tensors) and not foreign
+
+    def prepare(self) -> None:
+        with torch.no_grad():
+            if self.owners is None:
+                if self._reattach(self.params, self.views, self.buffer):
+                    self.dirty = False
+                self.has_stash = self.dirty
+                if self.has_stash:
+                    if self.stash is None:
+                        self.stash = torch.empty_like(self.buffer)
+                    self.stash.copy_(self.buffer)
+                    self.buffer.zero_()
+            else:
+                if self._reattach(self.owners, self.owner_views, self.owner_buffer):
+                    self.dirty = False
+                self._reattach(self.params, self.views, self.buffer)
+                self.buffer.zero_()
+
+    def combine(self, reached: list[int], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        with torch.no_grad():
+            for i in reached:  # autograd replaces .grad instead of accumulating into it under create_graph
+                param, view = self.params[i], self.views[i]
+                if param.grad is not view:
+                    view.copy_(param.grad.detach())
+                    param.grad = view
+            if self.owners is None:
+                unscale_and_check_([self.buffer], found_inf, inv_scale)
+                if self.has_stash:
+                    self.buffer.add_(self.stash)
+                self.dirty = True
+                return
+            if not self.dirty:
+                self.owner_buffer.copy_(self.buffer)
+                unscale_and_check_([self.owner_buffer], found_inf, inv_scale)
+            else:
+                if self.stash is None:
+                    self.stash = torch.empty_like(self.owner_buffer)
+                self.stash.copy_(self.buffer)
+                unscale_and_check_([self.stash], found_inf, inv_scale)
+                self.owner_buffer.add_(self.stash)
+            self.buffer.zero_()
+            self.dirty = True
+
+    def zero_grad(self) -> None:
+        with torch.no_grad():
+            self.buffer.zero_()
+            if self.owner_buffer is not None:
+                self.owner_buffer.zero_()
+        self.dirty = False
+
+
+class GradientCombiner:
+    """Stashes, unscales and combines the gradients of one set of parameters, one backward at a time.
+
+    Args:
+        params: the model parameters autograd writes gradients to.
+        grad_owners: for each param, the tensor whose ``.grad`` the optimizer reads (an fp32 master
+            weight), or the param itself; ``None`` means every param owns its gradient.
+        flat: keep gradients in one flat buffer per (device, dtype) so each operation is one kernel
+            per buffer (``.grad`` become views of the buffer).
+
+    Example:
+        >>> combiner = GradientCombiner(model.parameters())
+        >>> combiner.prepare_backward()
+        >>> scaler.scale_loss(loss).backward()
+        >>> result = combiner.combine(scaler)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        grad_owners: Iterable[torch.Tensor] | None = None,
+        *,
+        flat: bool = False,
+    ) -> None:
+        self.params: list[torch.Tensor] = list(params)
+        owners = self.params if grad_owners is None else list(grad_owners)
+        if len(owners) != len(self.params):
+            raise ValueError(f"grad_owners has {len(owners)} tensors but params has {len(self.params)}")
+        for i, (p, o) in enumerate(zip(self.params, owners, strict=True)):
+            if not p.requires_grad:
+                raise ValueError(
+                    f"params[{i}] does not require grad; only trainable parameters can be combined"
+                )
+            if o is not p and (o.shape != p.shape or o.device != p.device):
+                raise ValueError(
+                    f"grad_owners[{i}] has shape {tuple(o.shape)} on {o.device}, params[{i}] has "
+                    f"{tuple(p.shape)} on {p.device}; a master weight must match its parameter"
+                )
+            if not (p.is_floating_point() and o.is_floating_point()):
+                raise ValueError(
+                    f"params[{i}] has dtype {p.dtype}; only floating-point params have gradients"
+                )
+        self.grad_owners: list[torch.Tensor] = owners
+        self.flat = flat
+        self._self_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is p]
+        self._master_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is not p]
+        self._stash: list[torch.Tensor | None] = [None] * len(self._self_idx)
+        self._pending = False
+        self._groups: list[_FlatGroup] = []
+        self._group_of: list[tuple[int, int]] = []  # param index -> (group, index inside group)
+        self._reached: dict[int, None] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        if flat:
+            self._build_flat_groups()
+
+    @property
+    def pending(self) -> bool:
+        """True between :meth:`prepare_backward` and :meth:`combine` (the gradients are still scaled)."""
+        return self._pending
+
+    def _build_flat_groups(self) -> None:
+        keys: dict[tuple, list[int]] = {}
+        for i, (p, o) in enumerate(zip(self.params, self.grad_owners, strict=True)):
+            keys.setdefault((p.device, p.dtype, o.dtype, o is p), []).append(i)
+        self._group_of = [(0, 0)] * len(self.params)
+        for g, ((_, _, _, owns), idx) in enumerate(keys.items()):
+            params = [self.params[i] for i in idx]
+            owners = None if owns else [self.grad_owners[i] for i in idx]
+            self._groups.append(_FlatGroup(params, owners))
+            for j, i in enumerate(idx):
+                self._group_of[i] = (g, j)
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._marker(i)))
+
+    def _marker(self, index: int):
+        def mark(_: torch.Tensor) -> None:
+            if self._pending:
+                self._reached[index] = None
+
+        return mark
+
+    def prepare_backward(self) -> None:
+        """Stash the gradients that exist so the next backward's gradients arrive alone.
+
+        Raises:
+            RuntimeError: if called again before :meth:`combine`.
+        """
+        if self._pending:
+            raise RuntimeError(
+                "prepare_backward() called twice without combine(); combine the pending grads first"
+            )
+        self._pending = True
+        self._reached.clear()
+        if self.flat:
+            for group in self._groups:
+                group.prepare()
+            return
+        params = self.params
+        for k, i in enumerate(self._self_idx):
+            p = params[i]
+            self._stash[k] = p.grad
+            p.grad = None
+        for i in self._master_idx:
+            params[i].grad = None
+
+    def combine(self, scaler: LossScaler | float) -> CombineResult:
+        """Unscale the gradients that arrived since :meth:`prepare_backward` by ``scaler`` (a
+        :class:`LossScaler` or a scale), check them for inf/nan and add the stash.
+
+        Returns:
+            the (unsynced) found_inf flag and the parameters reached by the backward(s).
+        """
+        if not self._pending:
+            raise RuntimeError("combine() called without prepare_backward(); call it before the backward")
+        self._pending = False
+        flags = _Flags()
+        fallback = self.params[0].device if self.params else torch.device("cpu")
+        if self.flat:
+            return self._combine_flat(scaler, flags, fallback)
+        params, owners = self.params, self.grad_owners
+        reached: list[int] = []
+        fresh: list[torch.Tensor] = []
+        with_stash: list[torch.Tensor] = []
+        stashes: list[torch.Tensor] = []
+        for k, i in enumerate(self._self_idx):
+            p, stash = params[i], self._stash[k]
+            self._stash[k] = None
+            grad = p.grad
+            if grad is None:
+                if stash is not None:
+                    p.grad = stash
+                continue
+            reached.append(i)
+            if stash is None:
+                fresh.append(grad)
+            else:
+                with_stash.append(grad)
+                stashes.append(stash)
+        upcast: list[torch.Tensor] = []
+        upcast_targets: list[torch.Tensor] = []
+        for i in self._master_idx:
+            p, owner = params[i], owners[i]
+            grad = p.grad
+            if grad is None:
+                continue
+            reached.append(i)
+            p.grad = None
+            new = grad.detach().to(owner.dtype, copy=True)
+            if owner.grad is None:
+                owner.grad = new
+                fresh.append(new)
+            else:
+                upcast.append(new)
+                upcast_targets.append(owner.grad)
+        with torch.no_grad():
+            for device, tensors in _by_device(fresh + with_stash + upcast).items():
+                unscale_and_check_(tensors, flags.get(device), _inv_scale(scaler, device))
+            if with_stash:
+                torch._foreach_add_(with_stash, stashes)
+            if upcast:
+                torch._foreach_add_(upcast_targets, upcast)
+        reached.sort()
+        return CombineResult(flags.merged(fallback), tuple(params[i] for i in reached))
+
+    def _combine_flat(
+        self, scaler: LossScaler | float, flags: _Flags, fallback: torch.device
+    ) -> CombineResult:
+        reached = sorted(self._reached)
+        self._reached.clear()
+        per_group: list[list[int]] = [[] for _ in self._groups]
+        for i in reached:
+            g, j = self._group_of[i]
+            per_group[g].append(j)
+        for group, idx in zip(self._groups, per_group, strict=True):
+            device = group.buffer.device
+            group.combine(idx, flags.get(device), _inv_scale(scaler, device))
+        return CombineResult(flags.merged(fallback), tuple(self.params[i] for i in reached))
+
+    def zero_grad(self) -> None:
+        """Zero every gradient (flat: one kernel per buffer, else ``.grad = None``) and drop the stash."""
+        self._pending = False
+        self._reached.clear()
+        if self.flat:
+            for group in self._groups:
+                group.zero_grad()
+            return
+        self._stash = [None] * len(self._self_idx)
+        for p in self.params:
+            p.grad = None
+        for i in self._master_idx:
+            self.grad_owners[i].grad = None
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers holding the gradients the optimizer reads (empty unless ``flat=True``)."""
+        return [g.buffer if g.owner_buffer is None else g.owner_buffer for g in self._groups]
+
+    def remove(self) -> None:
+        """Remove the gradient hooks the flat path registered (the ``.grad`` views stay valid tensors)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,102 @@
+"""O2's float32 master weights, kept inside the optimizer so ``optimizer.step()`` updates them.
+
+The optimizer's ``param_groups`` hold fp32 copies of the model's low-precision parameters (fp32
+parameters stay as they are). Gradients reach the masters through :class:`GradientCombiner`
+(``params=model_params, grad_owners=master_params``); after each step :meth:`copy_to_model` writes
+the masters back into the model. :meth:`state_dict` saves the masters themselves (Apex did not, and
+resumed O2 runs spiked), so a resumed run continues bit-identically.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["MasterWeights"]
+
+_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its MasterWeights
+
+
+class MasterWeights:
+    """Float32 master copies of an optimizer's low-precision parameters.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` already built on the (cast) model's parameters; its
+            low-precision parameters are replaced by fp32 masters in its ``param_groups`` and any
+            optimizer state moves with them. One ``MasterWeights`` per optimizer.
+
+    Attributes:
+        model_params: every parameter of the optimizer as the model holds it.
+        master_params: for each of ``model_params``, the tensor the optimizer updates (its fp32
+            master, or the parameter itself when it is already fp32).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if optimizer in _OWNED:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} already has master weights; reuse that MasterWeights (its "
+                "param_groups now hold fp32 masters, so a second one would find nothing to manage)"
+            )
+        _OWNED[optimizer] = self
+        self.optimizer = optimizer
+        self.model_params: list[torch.Tensor] = []
+        self.master_params: list[torch.Tensor] = []
+        self._low: list[torch.Tensor] = []  # model params that have a separate master
+        self._low_masters: list[torch.Tensor] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Create masters for parameters added to the optimizer since (``add_param_group``)."""
+        known = {id(t) for t in self.master_params}
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for k, param in enumerate(params):
+                if id(param) in known:
+                    continue
+                if param.is_floating_point() and param.dtype != torch.float32:
+                    master = param.detach().to(torch.float32, copy=True).requires_grad_(param.requires_grad)
+                    if param.grad is not None:
+                        master.grad = param.grad.detach().float()
+                    params[k] = master
+                    if param in state:
+                        state[master] = state.pop(param)
+                    self._low.append(param)
+                    self._low_masters.append(master)
+                else:
+                    master = param
+                self.model_params.append(param)
+                self.master_params.append(master)
+                known.add(id(master))
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Write the masters into the model's low-precision parameters (after ``optimizer.step()``)."""
+        if self._low:
+            torch._foreach_copy_(self._low, self._low_masters)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The masters' values (in ``param_groups`` order), for checkpoints."""
+        return {"master_params": [m.detach().clone() for m in self._low_masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the masters and copy them into the model."""
+        if "master_params" not in state:
+            raise KeyError(f"master weights state needs 'master_params'; got keys {sorted(state)}")
+        saved = state["master_params"]
+        if len(saved) != len(self._low_masters):
+            raise ValueError(
+                f"checkpoint holds {len(saved)} master weights but the optimizer has {len(self._low_masters)}"
+            )
+        for i, (master, value) in enumerate(zip(self._low_masters, saved, strict=True)):
+            if value.shape != master.shape:
+                raise ValueError(
+                    f"master_params[{i}] has shape {tuple(value.shape)}, expected {tuple(master.shape)}"
+                )
+            master.copy_(value)
+        self.copy_to_model()

@@ -1,0 +1,91 @@
+"""O1 autocast on CPU, O2/O3 model casts keeping batch norm fp32, casts at the model boundary."""
+
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.amp.casting import add_boundary_casts, autocast_for, cast_floating, cast_model, model_device
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 2)
+        self.seen = []
+
+    def forward(self, x, scale=None):
+        self.seen.append((x.dtype, None if scale is None else scale.dtype))
+        y = self.bn(self.conv(x)).relu().mean((2, 3))
+        return {"logits": self.head(y), "pair": (y, torch.arange(2))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep_bn", [True, False])
+def test_cast_model_keeps_batchnorm_fp32_when_asked(dtype, keep_bn):
+    model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=keep_bn)
+    bn_type = torch.float32 if keep_bn else dtype
+    assert model.conv.weight.dtype == model.head.bias.dtype == dtype
+    assert model.bn.weight.dtype == model.bn.running_mean.dtype == model.bn.running_var.dtype == bn_type
+    assert model.bn.num_batches_tracked.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_o2_forward_backward_with_boundary_casts(dtype):
+    torch.manual_seed(0)
+    model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=True)
+    params_before = list(model.parameters())
+    add_boundary_casts(model, dtype, torch.float32)
+    x = torch.randn(2, 3, 5, 5)
+    out = model(x, scale=torch.ones(1))
+    assert model.seen == [(dtype, dtype)]  # positional and keyword inputs cast at the boundary
+    assert out["logits"].dtype == torch.float32 and out["pair"][0].dtype == torch.float32
+    assert out["pair"][1].dtype == torch.int64
+    out["logits"].sum().backward()
+    assert list(model.parameters()) == params_before  # casting kept parameter identity
+    assert model.conv.weight.grad.dtype == dtype and model.bn.weight.grad.dtype == torch.float32
+
+
+def test_boundary_casts_none_and_remove():
+    model = ConvNet()
+    handle = add_boundary_casts(model, None, None)
+    model(torch.randn(1, 3, 4, 4))
+    assert model.seen[-1][0] == torch.float32
+    handle.remove()
+    model = cast_model(ConvNet(), torch.bfloat16)
+    handle = add_boundary_casts(model, torch.bfloat16, output_dtype=None)
+    assert model(torch.randn(1, 3, 4, 4))["logits"].dtype == torch.bfloat16
+    handle.remove()
+    with pytest.raises(RuntimeError):  # no cast any more: fp32 input into a bf16 conv
+        model(torch.randn(1, 3, 4, 4))
+
+
+def test_cast_floating_recurses_and_leaves_others():
+    Pair = namedtuple("Pair", "a b")
+    value = {"x": [torch.ones(1), (torch.ones(1, dtype=torch.int32), "s")], "p": Pair(torch.ones(1), 3)}
+    out = cast_floating(value, torch.float16)
+    assert out["x"][0].dtype == torch.float16 and out["x"][1][0].dtype == torch.int32
+    assert out["x"][1][1] == "s" and isinstance(out["p"], Pair) and out["p"].a.dtype == torch.float16
+    t = torch.ones(2, dtype=torch.float16)
+    assert cast_floating(t, torch.float16) is t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autocast_for_cpu_model(dtype):
+    model = nn.Linear(4, 4)
+    assert model_device(model) == torch.device("cpu")
+    with autocast_for(model, dtype):
+        assert model(torch.randn(2, 4)).dtype == dtype
+    with autocast_for("cpu", dtype, enabled=False):
+        assert model(torch.randn(2, 4)).dtype == torch.float32
+    assert model_device(nn.ReLU()) == torch.device("cpu")
+
+
+def test_cast_model_rejects_bad_dtype():
+    with pytest.raises(ValueError, match="dtype=torch.int8"):
+        cast_model(nn.Linear(2, 2), torch.int8)

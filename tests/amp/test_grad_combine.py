@@ -1,0 +1,212 @@
+"""Combined unscaling: per-loss inf flags, exact accumulation, flat buffers equal the per-tensor path."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ampkit.amp.grad_combine import GradientCombiner, read_flags
+from ampkit.amp.scaler import LossScaler
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def make_params(dtype, shapes=((3, 4), (5,), (2, 2))):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+
+
+def backward_with(params, grads, scale):
+    """A backward whose gradient for each param is exactly ``grads[i] * scale`` (None: not reached)."""
+    loss = sum(
+        (p * (g.to(p.dtype) * scale)).sum() for p, g in zip(params, grads, strict=True) if g is not None
+    )
+    loss.backward()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inf_in_loss_a_does_not_flag_loss_b(dtype, flat):
+    params = make_params(dtype)
+    combiner = GradientCombiner(params, flat=flat)
+    scaler_a, scaler_b = LossScaler(init_scale=4.0), LossScaler(init_scale=8.0)
+    ones = [torch.ones(p.shape) for p in params]
+    bad = [g.clone() for g in ones]
+    bad[1][2] = float("inf")
+
+    combiner.prepare_backward()
+    backward_with(params, bad, scaler_a.scale)
+    result_a = combiner.combine(scaler_a)
+    combiner.prepare_backward()
+    backward_with(params, ones, scaler_b.scale)
+    result_b = combiner.combine(scaler_b)
+
+    assert read_flags([result_a.found_inf, result_b.found_inf]) == [True, False]
+    assert scaler_a.update(result_a.found_inf) == (4.0, 2.0)
+    assert scaler_b.update(result_b.found_inf) == (8.0, 8.0)
+    assert torch.isinf(params[1].grad[2])  # the optimizer still sees loss A's overflow
+    assert len(result_a.reached) == len(result_b.reached) == 3
+
+
+def exact_grads(shapes, gen):
+    # small integers times powers of two: every partial sum is exact in fp16, bf16 and fp32
+    grads = []
+    for shape in shapes:
+        exponent = torch.randint(-3, 2, (), generator=gen).item()
+        grads.append(torch.randint(-8, 9, shape, generator=gen).float() * 2.0**exponent)
+    return grads
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("masters", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_accumulation_over_backwards_equals_fp32_sum(dtype, masters, flat):
+    shapes = [(3, 4), (5,), (2, 2)]
+    params = make_params(dtype, shapes)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners, flat=flat)
+    gen = torch.Generator().manual_seed(1)
+    expected = [torch.zeros(s) for s in shapes]
+    for scale in [2.0**10, 2.0**3, 1.0, 2.0**7]:
+        grads = exact_grads(shapes, gen)
+        grads[2] = None if scale == 2.0**3 else grads[2]
+        combiner.prepare_backward()
+        backward_with(params, grads, scale)
+        result = combiner.combine(LossScaler(init_scale=scale))
+        assert not read_flags([result.found_inf])[0]
+        assert len(result.reached) == (2 if grads[2] is None else 3)
+        for e, g in zip(expected, grads, strict=True):
+            if g is not None:
+                e += g
+    holders = owners if masters else params
+    for holder, e in zip(holders, expected, strict=True):
+        assert holder.grad.dtype == (torch.float32 if masters else dtype)
+        torch.testing.assert_close(holder.grad.float(), e, rtol=0, atol=0)
+    if masters:
+        assert all(p.grad is None or not p.grad.any() for p in params)
+
+
+def run_sequence(dtype, masters, flat, plan, seed=3):
+    """Replay a plan of (scale, inf position or None, reached mask) backwards; return the final grads."""
+    shapes = [(7,), (3, 5), (1,), (4, 1)]
+    params = make_params(dtype, shapes)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners, flat=flat)
+    gen = torch.Generator().manual_seed(seed)
+    flags, reached = [], []
+    for scale, inf_at, mask in plan:
+        grads = [torch.randn(s, generator=gen) if m else None for s, m in zip(shapes, mask, strict=True)]
+        if inf_at is not None and grads[inf_at % len(shapes)] is not None:
+            grads[inf_at % len(shapes)].view(-1)[-1] = float("nan") if inf_at % 2 else float("inf")
+        combiner.prepare_backward()
+        if any(mask):
+            backward_with(params, grads, scale)
+        result = combiner.combine(scale)
+        flags.append(result.found_inf)
+        reached.append(tuple(id(p) for p in result.reached))
+    holders = owners if masters else params
+    return [h.grad for h in holders], read_flags(flags), [len(r) for r in reached], combiner
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    masters=st.booleans(),
+    plan=st.lists(
+        st.tuples(
+            st.sampled_from([1.0, 2.0**-2, 2.0**5, 2.0**12]),
+            st.one_of(st.none(), st.integers(0, 7)),
+            st.lists(st.booleans(), min_size=4, max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_flat_buffers_match_per_tensor_path(dtype, masters, plan):
+    per_tensor = run_sequence(dtype, masters, False, plan)
+    flat = run_sequence(dtype, masters, True, plan)
+    assert per_tensor[1] == flat[1] and per_tensor[2] == flat[2]
+    for a, b in zip(per_tensor[0], flat[0], strict=True):
+        if a is None:  # never reached on the per-tensor path: zero in the flat buffer
+            assert not b.any()
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("masters", [False, True])
+def test_flat_grads_are_views_of_one_buffer_per_dtype(masters):
+    params = make_params(torch.float16) + make_params(torch.bfloat16) + make_params(torch.float32)
+    owners = [p.detach().float().requires_grad_() if p.dtype != torch.float32 else p for p in params]
+    combiner = GradientCombiner(params, owners if masters else None, flat=True)
+    holders = owners if masters else params
+    buffers = combiner.flat_buffers()
+    assert len(buffers) == 3
+    for buffer in buffers:
+        members = [
+            h for h in holders if h.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        ]
+        assert len(members) == 3 and all(h.grad.dtype == buffer.dtype for h in members)
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params], 2.0)
+    combiner.combine(2.0)
+    assert sum(b.sum().item() for b in buffers) == sum(p.numel() for p in params)
+    combiner.zero_grad()
+    assert all(not b.any() for b in buffers)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_zero_grad_set_to_none_between_iterations(flat):
+    params = make_params(torch.float32)
+    opt = torch.optim.SGD(params, lr=1.0)
+    combiner = GradientCombiner(params, flat=flat)
+    for it in range(2):
+        opt.zero_grad(set_to_none=True)
+        combiner.prepare_backward()
+        backward_with(params, [torch.full(p.shape, 4.0) for p in params], 4.0)
+        result = combiner.combine(4.0)
+        assert len(result.reached) == 3
+        assert all(torch.equal(p.grad, torch.full(p.shape, 4.0)) for p in params), it
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_flat_path_survives_create_graph_backward():
+    params = make_params(torch.float32)
+    combiner = GradientCombiner(params, flat=True)
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params], 1.0)
+    combiner.combine(1.0)
+    combiner.prepare_backward()
+    loss = sum((p * p).sum() for p in params[:1])
+    loss.backward(create_graph=True)
+    result = combiner.combine(2.0)
+    assert result.reached == (params[0],)
+    expected = torch.ones(params[0].shape) + params[0].detach()
+    torch.testing.assert_close(params[0].grad, expected)
+    buffer = combiner.flat_buffers()[0]
+    assert params[0].grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_state_errors():
+    params = make_params(torch.float32)
+    combiner = GradientCombiner(params)
+    with pytest.raises(RuntimeError, match="without prepare_backward"):
+        combiner.combine(1.0)
+    combiner.prepare_backward()
+    assert combiner.pending
+    with pytest.raises(RuntimeError, match="prepare_backward\\(\\) called twice"):
+        combiner.prepare_backward()
+    with pytest.raises(ValueError, match="grad_owners has 1 tensors but params has 3"):
+        GradientCombiner(params, params[:1])
+    with pytest.raises(ValueError, match="grad_owners\\[0\\] has shape \\(4,\\)"):
+        GradientCombiner(params[:1], [torch.zeros(4)])
+    with pytest.raises(ValueError, match="params\\[0\\] does not require grad"):
+        GradientCombiner([torch.zeros(2)])
+
+
+def test_unreached_optimizer_gets_no_grads_and_no_flag():
+    params = make_params(torch.float32)
+    combiner = GradientCombiner(params)
+    combiner.prepare_backward()
+    result = combiner.combine(LossScaler())
+    assert result.reached == () and read_flags([result.found_inf]) == [False]
+    assert all(p.grad is None for p in params)

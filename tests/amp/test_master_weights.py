@@ -1,0 +1,136 @@
+"""O2 master weights: fp32 masters in the optimizer, copy back after the step, bit-exact resume."""
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.amp.casting import add_boundary_casts, cast_model
+from ampkit.amp.grad_combine import GradientCombiner, read_flags
+from ampkit.amp.master_weights import MasterWeights
+from ampkit.amp.scaler import LossScaler
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def build(dtype, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    cast_model(model, dtype, keep_batchnorm_fp32=True)
+    add_boundary_casts(model, dtype, torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    masters = MasterWeights(optimizer)
+    return model, optimizer, masters
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masters_live_in_the_optimizer(dtype):
+    model, optimizer, masters = build(dtype)
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in opt_params)
+    assert opt_params == masters.master_params
+    assert masters.model_params == list(model.parameters())
+    low = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True) if p is not m]
+    assert len(low) == 4  # the two Linear layers; BatchNorm stayed fp32 and is its own master
+    assert all(torch.equal(m, p.float()) for p, m in low)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_step_updates_masters_then_model(dtype, flat):
+    model, _, masters = build(dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    masters = MasterWeights(optimizer)
+    combiner = GradientCombiner(masters.model_params, masters.master_params, flat=flat)
+    scaler = LossScaler(init_scale=2.0**8)
+    before = [m.detach().clone() for m in masters.master_params]
+    combiner.prepare_backward()
+    scaler.scale_loss(model(torch.randn(4, 6)).square().mean()).backward()
+    result = combiner.combine(scaler)
+    assert read_flags([result.found_inf]) == [False]
+    grads = [m.grad.clone() for m in masters.master_params]
+    assert all(g.dtype == torch.float32 for g in grads)
+    optimizer.step()
+    masters.copy_to_model()
+    for p, m, b, g in zip(masters.model_params, masters.master_params, before, grads, strict=True):
+        torch.testing.assert_close(m, b - 0.5 * g, rtol=0, atol=0)
+        assert torch.equal(p, m.to(p.dtype))
+
+
+def train(model, optimizer, masters, combiner, scaler, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 6, generator=gen)
+        combiner.zero_grad()
+        combiner.prepare_backward()
+        scaler.scale_loss(model(x).square().mean()).backward()
+        found = combiner.combine(scaler).found_inf
+        if not read_flags([found])[0]:
+            optimizer.step()
+            masters.copy_to_model()
+        scaler.update(found)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_checkpoint_round_trip_continues_bit_identically(dtype, flat):
+    model, optimizer, masters = build(dtype)
+    scaler = LossScaler(init_scale=2.0**4, growth_interval=2)
+    combiner = GradientCombiner(masters.model_params, masters.master_params, flat=flat)
+    train(model, optimizer, masters, combiner, scaler, 3, seed=1)
+    checkpoint = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "masters": masters.state_dict(),
+        "scaler": scaler.state_dict(),
+    }
+    checkpoint = torch.load(_round_trip(checkpoint), weights_only=True)
+    train(model, optimizer, masters, combiner, scaler, 3, seed=2)
+
+    model2, optimizer2, masters2 = build(dtype, seed=7)  # different init: everything must come from the file
+    model2.load_state_dict(checkpoint["model"])
+    optimizer2.load_state_dict(checkpoint["optimizer"])
+    masters2.load_state_dict(checkpoint["masters"])
+    scaler2 = LossScaler(init_scale=2.0**4, growth_interval=2)
+    scaler2.load_state_dict(checkpoint["scaler"])
+    combiner2 = GradientCombiner(masters2.model_params, masters2.master_params, flat=flat)
+    train(model2, optimizer2, masters2, combiner2, scaler2, 3, seed=2)
+
+    assert scaler2.state_dict() == scaler.state_dict()
+    for a, b in zip(masters.master_params, masters2.master_params, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _round_trip(obj):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_refresh_after_add_param_group_and_state_moves():
+    model, optimizer, masters = build(torch.float16)
+    extra = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    optimizer.add_param_group({"params": [extra]})
+    masters.refresh()
+    assert masters.model_params[-1] is extra and masters.master_params[-1].dtype == torch.float32
+    assert optimizer.param_groups[-1]["params"][0] is masters.master_params[-1]
+
+
+def test_load_state_dict_errors():
+    _, _, masters = build(torch.float16)
+    with pytest.raises(KeyError, match="master_params"):
+        masters.load_state_dict({})
+    with pytest.raises(ValueError, match="checkpoint holds 1 master weights but the optimizer has 4"):
+        masters.load_state_dict({"master_params": [torch.zeros(1)]})
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        MasterWeights([torch.zeros(1)])
+
+
+def test_second_master_weights_on_one_optimizer_is_an_error():
+    _, optimizer, _ = build(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="already has master weights"):
+        MasterWeights(optimizer)
