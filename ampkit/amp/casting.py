@@ -43,7 +43,7 @@ def autocast_for(model_or_device: nn.Module | torch.device | str, dtype: torch.d
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors inside ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
+    """Cast the floating tensors inside ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
 
     Integer tensors, strings and other objects pass through unchanged.
     """
