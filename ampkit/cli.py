@@ -14,9 +14,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     fit = commands.add_parser("fit", help="train the Trainer named by a config file")
     fit.add_argument("--config", required=True, help="YAML file naming trainer_class and its settings")
-    fit.add_argument(
-        "--resume", default=None, help="'last' (newest last.pt under run_dir) or a checkpoint path"
-    )
+    fit.add_argument("--resume", default=None, help="'last' (newest last.pt under run_dir) or a checkpoint path")
     fit.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     return parser
 

@@ -88,9 +88,7 @@ def import_object(path: str, what: str = "trainer_class") -> Any:
     try:
         return getattr(module, attr)
     except AttributeError:
-        public = sorted(
-            n for n in vars(module) if not n.startswith("_") and isinstance(vars(module)[n], type)
-        )
+        public = sorted(n for n in vars(module) if not n.startswith("_") and isinstance(vars(module)[n], type))
         raise ConfigError(
             f"{what}: module '{module_name}' has no '{attr}'; classes it defines: {', '.join(public) or 'none'}"
         ) from None

@@ -69,9 +69,7 @@ class TensorBoardLogger(Callback):
             self.writer.add_scalar(f"train/lr/{name}", optimizer.param_groups[0]["lr"], step)
         now = time.perf_counter()
         if step > self._last_step and now > self._last_time:
-            self.writer.add_scalar(
-                "train/steps_per_sec", (step - self._last_step) / (now - self._last_time), step
-            )
+            self.writer.add_scalar("train/steps_per_sec", (step - self._last_step) / (now - self._last_time), step)
         self._last_time, self._last_step = now, step
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:

@@ -78,9 +78,7 @@ class Trainer:
     automatic_optimization: ClassVar[bool] = True
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
-        self.cfg: DictConfig = (
-            cfg if isinstance(cfg, DictConfig) else build_config(self.config_class, cfg or {})
-        )
+        self.cfg: DictConfig = cfg if isinstance(cfg, DictConfig) else build_config(self.config_class, cfg or {})
         self._validate_config()
         self.state = LoopState()
         self.device = self._resolve_device(self.cfg.trainer.device)
@@ -104,9 +102,7 @@ class Trainer:
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
         """Build and return the model (``self.cfg`` holds the config)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} must implement configure_model() returning a Module"
-        )
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_model() returning a Module")
 
     def configure_optimizers(self) -> Any:
         """Return an optimizer, a list of them, or dicts with ``optimizer``/``lr_scheduler``/``name``."""
@@ -141,14 +137,11 @@ class Trainer:
         """The single optimizer (an error when there are several: use ``self.optimizers[name]``)."""
         if len(self.optimizers) != 1:
             raise AttributeError(
-                f"there are {len(self.optimizers)} optimizers ({', '.join(self.optimizers)}); "
-                "use self.optimizers[name]"
+                f"there are {len(self.optimizers)} optimizers ({', '.join(self.optimizers)}); use self.optimizers[name]"
             )
         return next(iter(self.optimizers.values()))
 
-    def backward(
-        self, loss: torch.Tensor, loss_id: Any = 0, optimizer: torch.optim.Optimizer | None = None
-    ) -> None:
+    def backward(self, loss: torch.Tensor, loss_id: Any = 0, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` limits which params get grads."""
         inputs = None
         if optimizer is not None:
@@ -192,12 +185,8 @@ class Trainer:
         """Total L2 norm of ``optimizer``'s gradients, computed once per backward and shared by callbacks."""
         opt_state = self.optimizer_state[optimizer]
         if opt_state.grad_norm is None:
-            grads = [
-                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-            ]
-            opt_state.grad_norm = (
-                torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-            )
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            opt_state.grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
         return opt_state.grad_norm
 
     def log(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
@@ -373,8 +362,7 @@ class Trainer:
             default_callbacks(self.cfg) + self.configure_callbacks() + self._user_callbacks
         )
         self._hooks = {
-            hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)]
-            for hook in HOOKS
+            hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
 
     def _count_train_batches(self) -> int | None:
@@ -434,12 +422,9 @@ class Trainer:
             FORMAT_KEY: FORMAT_VERSION,
             "model": self.module.state_dict(),
             "optimizers": {spec.name: spec.optimizer.state_dict() for spec in self._specs},
-            "schedulers": {
-                spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs
-            },
+            "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
-                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps}
-                for st in self.optimizer_state.values()
+                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
             "rng": capture_rng(),
@@ -459,9 +444,7 @@ class Trainer:
                 for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(
-                f"checkpoint '{path}' does not fit this run's model/optimizers: {exc}"
-            ) from None
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {exc}") from None
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
@@ -495,11 +478,7 @@ class Trainer:
 
     @staticmethod
     def _inside_run(path: Path | None) -> bool:
-        return (
-            path is not None
-            and path.parent.name == "checkpoints"
-            and (path.parent.parent / "config.yaml").is_file()
-        )
+        return path is not None and path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file()
 
     def _save_config(self) -> None:
         text = OmegaConf.to_yaml(self.cfg, resolve=True)
