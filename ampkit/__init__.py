@@ -1,6 +1,6 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
-from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, TrainerConfig
+from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
 from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
 
 __version__ = "0.1.0"
@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "LoggingConfig",
     "OptimizerState",
+    "PrecisionConfig",
     "Trainer",
     "TrainerConfig",
 ]

@@ -59,6 +59,34 @@ class LoggingConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half).
+
+    ``None`` means the opt level's default (Apex's table); ``loss_scale`` is ``dynamic`` or a number.
+    """
+
+    opt_level: str = "O0"
+    dtype: str = "float16"  # float16 | bfloat16
+    loss_scale: Any = None  # dynamic | <number>
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int | None = None  # 2000; alias scale_window
+    scale_window: int | None = None
+    min_scale: float | None = None
+    max_scale: float | None = 16777216.0
+    num_losses: int | None = None  # int loss_ids must be below it; named loss_ids are always accepted
+    combine_grad: bool = False  # one flat gradient buffer per dtype
+    keep_batchnorm_fp32: Any = None  # True | False | "True" | "False"
+    master_weights: bool | None = None
+    cast_model_outputs: str | None = None  # O2/O3 outputs are cast to float32 unless this names a dtype
+    cast_modules: list[str] = field(default_factory=list)  # submodules cast at their boundary ([]: the model)
+    clip_grad_norm: float | None = None  # same as trainer.clip_grad_norm
+    warn_consecutive_skips: int = 10  # warn after this many skipped steps in a row (0: never)
+    max_overflows_at_min_scale: int = 10  # error after this many overflows in a row at min_scale (0: never)
+
+
+@dataclass
 class Config:
     """The root schema; a Trainer subclass extends it with its own sections (model, data, optim...)."""
 
@@ -68,6 +96,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
 
 def import_object(path: str, what: str = "trainer_class") -> Any:

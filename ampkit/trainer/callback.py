@@ -23,10 +23,12 @@ HOOKS: tuple[str, ...] = (
     "on_train_batch_start",
     "on_before_backward",
     "on_after_backward",
+    "on_after_unscale",
     "on_before_optimizer_step",
     "on_after_optimizer_step",
     "on_optimizer_step_skipped",
     "on_before_zero_grad",
+    "on_loss_scale_update",
     "on_train_batch_end",
     "on_validation_start",
     "on_validation_end",
@@ -80,6 +82,9 @@ class Callback:
     def on_after_backward(self, trainer: Trainer, backward: BackwardState) -> None:
         """After autograd has written this loss's gradients."""
 
+    def on_after_unscale(self, trainer: Trainer, optimizer: torch.optim.Optimizer, found_inf: bool) -> None:
+        """Mixed precision: ``optimizer``'s gradients are unscaled; ``found_inf`` says whether it will skip."""
+
     def on_before_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer.step()``; set ``trainer.optimizer_state[optimizer].found_inf`` to skip it."""
 
@@ -93,6 +98,9 @@ class Callback:
 
     def on_before_zero_grad(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
         """At the end of an iteration, before the optimizer's gradients are cleared."""
+
+    def on_loss_scale_update(self, trainer: Trainer, loss_id: Any, old: float, new: float) -> None:
+        """Mixed precision: loss scaler ``loss_id`` updated its scale at the end of an iteration."""
 
     def on_train_batch_end(self, trainer: Trainer, outputs: dict[str, Any], batch: Any) -> None:
         """After the batch (and, at the end of an iteration, schedulers, zeroing and due validation)."""
