@@ -377,17 +377,16 @@ class Trainer:
 
     def _epoch_batches(self) -> Iterator[Any]:
         """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""
-        skip = 0
-        if self._resume is not None:
-            skip = self._resume["batches_done"]
-            restore_rng(self._resume["epoch_rng"] if skip else self._resume["rng"])
+        resume, self._resume = self._resume, None
+        skip = resume["batches_done"] if resume else 0
+        if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
+            restore_rng(resume["epoch_rng"] if skip else resume["rng"])
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
         for _ in range(skip):
             next(iterator)
-        if self._resume is not None:
-            restore_rng(self._resume["rng"])
-            self._resume = None
+        if skip:
+            restore_rng(resume["rng"])
         for index, batch in enumerate(iterator, start=skip):
             if self._num_train_batches is not None and index >= self._num_train_batches:
                 return
