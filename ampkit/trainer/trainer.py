@@ -19,6 +19,10 @@ An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
 and ``step`` on every optimizer; otherwise ``training_step`` calls ``self.backward(loss, loss_id=...,
 optimizer=...)`` and ``self.step(optimizer)`` itself (e.g. a GAN's D step then G step).
+
+Callbacks share facts only through the Trainer's state: ``trainer.state`` (loop position),
+``trainer.optimizer_state[opt]`` (``found_inf`` skips the step; ``loss_ids`` reached it; ``stepped``/``skipped``)
+and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, e.g. set by a loss scaler).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
-from ampkit.trainer.state import BackwardState, LoopState, OptimizerState
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 
 
 def _every(n: int, count: int) -> bool:
@@ -91,6 +95,7 @@ class Trainer:
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
+        self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.logged_scalars: list[tuple[str, Any, int]] = []
         self.version_dir: Path | None = None
@@ -147,6 +152,10 @@ class Trainer:
         if optimizer is not None:
             inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         backward = BackwardState(loss=loss, loss_id=loss_id, inputs=inputs)
+        loss_state = self.loss_state.get(loss_id)
+        if loss_state is None:
+            loss_state = self.loss_state[loss_id] = LossState(loss_id)
+        loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
         self.fire("on_before_backward", backward)
@@ -254,6 +263,8 @@ class Trainer:
         if s.is_iteration_start:
             for opt_state in self.optimizer_state.values():
                 opt_state.begin_iteration()
+            for loss_state in self.loss_state.values():
+                loss_state.begin_iteration()
         batch = self._to_device(batch)
         self.fire("on_train_batch_start", batch)
         outputs = self._training_step(batch)
