@@ -41,6 +41,15 @@ from omegaconf import DictConfig, OmegaConf
 from ampkit.config import Config, ConfigError, build_config
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint
+from ampkit.trainer.distributed import (
+    DistributedEnv,
+    all_reduce_sum,
+    broadcast_object,
+    check_same_config,
+    distributed_loader,
+    setup_distributed,
+    teardown_distributed,
+)
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -86,9 +95,7 @@ class Trainer:
         self._validate_config()
         self.state = LoopState()
         self.device = self._resolve_device(self.cfg.trainer.device)
-        self.global_rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        rank_zero_only.rank = self.global_rank
+        self.dist = DistributedEnv()
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
@@ -208,12 +215,31 @@ class Trainer:
             method(self, *args)
 
     @property
+    def global_rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
     def is_global_zero(self) -> bool:
-        return self.global_rank == 0
+        return self.dist.rank == 0
 
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"`` for the newest ``last.pt`` under ``run_dir``."""
+        self.dist = setup_distributed(self.cfg)
+        rank_zero_only.rank = self.dist.rank
+        try:
+            self._fit(resume)
+        finally:
+            teardown_distributed(self.dist)
+
+    def _fit(self, resume: str | os.PathLike | None) -> None:
+        if self.dist.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        check_same_config(self.cfg, self.dist)
         checkpoint_path = self._resolve_resume(resume)
         self._setup(checkpoint_path)
         try:
@@ -339,7 +365,8 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + float(value) * n
             seen += n
         self.module.train(was_training)
-        self.val_metrics = {key: total / max(seen, 1) for key, total in sums.items()}
+        *totals, seen = all_reduce_sum([*sums.values(), float(seen)], self.dist)
+        self.val_metrics = {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
         self.fire("on_validation_end", dict(self.val_metrics))
 
     # ----------------------------------------------------------------- set-up and data
@@ -354,8 +381,9 @@ class Trainer:
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        self._train_loader = self.train_dataloader()
-        self._val_loader = self.val_dataloader()
+        seed = self.cfg.trainer.seed or 0
+        self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
+        self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = self._count_train_batches()
         self._setup_callbacks()
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
@@ -369,9 +397,7 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
-        self.callbacks = order_callbacks(
-            default_callbacks(self.cfg) + self.configure_callbacks() + self._user_callbacks
-        )
+        self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
         self._hooks = {
             hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
@@ -392,6 +418,9 @@ class Trainer:
         skip = resume["batches_done"] if resume else 0
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
             restore_rng(resume["epoch_rng"] if skip else resume["rng"])
+        sampler = getattr(self._train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on every rank
+            sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
         for _ in range(skip):
@@ -479,8 +508,8 @@ class Trainer:
     def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
         if resume is None:
             return None
-        if str(resume) == "last":
-            return latest_checkpoint(self.cfg.run_dir)
+        if str(resume) == "last":  # rank zero decides, so every rank loads the same file
+            return broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
         path = Path(resume)
         if not path.is_file():
             raise CheckpointError(f"resume: no checkpoint file at '{path}' (pass a path or 'last')")
