@@ -87,6 +87,20 @@ class PrecisionConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """torch.distributed under ``torchrun`` (gloo on CPU, NCCL on GPU); ignored in a single process."""
+
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the run instead of hanging
+    grad_sync: str = "auto"  # auto | ddp | step  (auto: ddp under automatic optimization, else step)
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+    sync_batchnorm: bool = False
+
+
+@dataclass
 class Config:
     """The root schema; a Trainer subclass extends it with its own sections (model, data, optim...)."""
 
@@ -97,6 +111,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def import_object(path: str, what: str = "trainer_class") -> Any:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
+from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.callbacks.precision_config import precision_callbacks
@@ -14,8 +15,12 @@ from ampkit.callbacks.tensorboard import TensorBoardLogger
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 
+if TYPE_CHECKING:
+    from ampkit.trainer.trainer import Trainer
+
 __all__ = [
     "Callback",
+    "DistributedSync",
     "GradientClipping",
     "LossScaling",
     "MixedPrecision",
@@ -27,9 +32,20 @@ __all__ = [
 ]
 
 
-def default_callbacks(cfg: DictConfig) -> list[Callback]:
-    """The callbacks that ``cfg`` switches on, in no particular order (each declares its own)."""
+def default_callbacks(trainer: Trainer) -> list[Callback]:
+    """The callbacks the trainer's config switches on, in no particular order (each declares its own)."""
+    cfg = trainer.cfg
     callbacks: list[Callback] = precision_callbacks(cfg.precision)
+    if trainer.world_size > 1:
+        d = cfg.distributed
+        grad_sync = d.grad_sync if d.grad_sync != "auto" else "ddp" if trainer.automatic_optimization else "step"
+        ddp_kwargs = {
+            "find_unused_parameters": d.find_unused_parameters,
+            "static_graph": d.static_graph,
+            "gradient_as_bucket_view": d.gradient_as_bucket_view,
+            "bucket_cap_mb": d.bucket_cap_mb,
+        }
+        callbacks.append(DistributedSync(grad_sync, ddp_kwargs, sync_batchnorm=d.sync_batchnorm))
     clip, precision_clip = cfg.trainer.clip_grad_norm, cfg.precision.clip_grad_norm
     if clip is not None and precision_clip is not None and clip != precision_clip:
         raise ConfigError(

@@ -7,9 +7,15 @@ time clipping or logging look at them, accumulation over batches and several los
 overflow is attributed to the loss that produced it.
 
 Skip rule: an optimizer steps only if none of the losses that reached its parameters overflowed in this
-iteration (``trainer.optimizer_state[opt].found_inf``). Each scaler updates once per iteration, after
-every optimizer step (torch's recipe; updating after each optimizer step, as Lightning and Accelerate do,
-unscales the second optimizer with the wrong scale), and only if its loss was used in the iteration.
+iteration. The verdicts travel through the Trainer's state: ``trainer.loss_state[loss_id].found_inf`` per
+loss (agreed across ranks by ``DistributedSync``, which runs before this callback) and
+``trainer.optimizer_state[opt].found_inf`` / ``.loss_ids`` per optimizer. Each scaler updates once per
+iteration, after every optimizer step (torch's recipe; updating after each optimizer step, as Lightning
+and Accelerate do, unscales the second optimizer with the wrong scale), and only if its loss was used.
+
+Host syncs: the found_inf flags stay on the device until the batch that ends the iteration; its first
+backward reads all pending flags in one sync (so accumulation over micro-batches costs one sync per
+iteration; a GAN's D and G backwards cost one each, as their steps need the verdict in between).
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ class LossScaling(Callback):
     and ``on_loss_scale_update`` after each scaler update.
     """
 
-    after = ("MixedPrecision",)
-    before = ("DistributedSync", "GradientClipping")
+    after = ("MixedPrecision", "DistributedSync")
+    before = ("GradientClipping",)
 
     def __init__(
         self,
@@ -88,8 +94,6 @@ class LossScaling(Callback):
         self.scalers: dict[Any, LossScaler] = {}
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
         self._pending_flags: dict[Any, list[torch.Tensor]] = {}  # loss_id -> unsynced found_inf tensors
-        self._overflowed: dict[Any, bool] = {}  # loss_id -> overflowed in this iteration (resolved)
-        self._used: dict[Any, None] = {}  # loss ids backpropagated in this iteration, in order
         self._consecutive_skips: dict[str, int] = {}
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
@@ -155,36 +159,44 @@ class LossScaling(Callback):
             if result.reached:
                 trainer.optimizer_state[optimizer].loss_ids.add(loss_id)
                 flags.append(result.found_inf)
-        self._used[loss_id] = None
+        if trainer.state.is_iteration_end:  # steps may follow: their skip decisions need the verdicts
+            self._resolve(trainer)
 
-    def _resolve(self) -> None:
-        """Read every pending found_inf flag to the host with one sync."""
-        ids = [(loss_id, len(flags)) for loss_id, flags in self._pending_flags.items() if flags]
+    def _resolve(self, trainer) -> None:
+        """Read every pending found_inf flag with one sync into ``trainer.loss_state[loss_id].found_inf``."""
+        if not self._pending_flags:
+            return
+        ids = [(loss_id, len(flags)) for loss_id, flags in self._pending_flags.items()]
         values = read_flags([f for flags in self._pending_flags.values() for f in flags])
         self._pending_flags.clear()
         at = 0
         for loss_id, count in ids:
-            self._overflowed[loss_id] = self._overflowed.get(loss_id, False) or any(values[at : at + count])
+            if any(values[at : at + count]):
+                trainer.loss_state[loss_id].found_inf = True
             at += count
 
     # ------------------------------------------------------------------ step or skip
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        self._resolve()
+        self._resolve(trainer)
         opt_state = trainer.optimizer_state[optimizer]
-        found_inf = any(self._overflowed.get(loss_id, False) for loss_id in opt_state.loss_ids)
-        if found_inf:
+        if any(trainer.loss_state[loss_id].found_inf for loss_id in opt_state.loss_ids):
             opt_state.found_inf = True
-        trainer.fire("on_after_unscale", optimizer, found_inf)
+        trainer.fire("on_after_unscale", optimizer, opt_state.found_inf)
+
+    def on_before_zero_grad(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        self._resolve(trainer)  # verdicts of backwards no step looked at, before ranks agree on them
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
-        self._resolve()
+        self._resolve(trainer)
         step = trainer.state.iteration
         logged = step % trainer.cfg.logging.log_every_n_steps == 0
-        for loss_id in self._used:
-            scaler = self.scalers[loss_id]
-            overflowed = self._overflowed.get(loss_id, False)
+        for loss_id, loss_state in trainer.loss_state.items():
+            if not loss_state.backwards:
+                continue
+            scaler = self.scaler(loss_id)
+            overflowed = loss_state.found_inf
             old, new = scaler.update(overflowed)
             self._check_floor(loss_id, scaler, overflowed, old)
             trainer.fire("on_loss_scale_update", loss_id, old, new)
@@ -197,8 +209,6 @@ class LossScaling(Callback):
             self._count_skips(opt_state)
             if logged or opt_state.skipped:
                 trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps)
-        self._used.clear()
-        self._overflowed.clear()
 
     def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
         key = self._key(loss_id)

@@ -36,6 +36,8 @@ class MixedPrecision(Callback):
     optimizer states are reloaded onto the cast parameters so they keep the dtype they were saved with.
     """
 
+    before = ("DistributedSync",)  # cast before DistributedDataParallel wraps the model
+
     def __init__(
         self,
         properties: OptLevelProperties,

@@ -3,7 +3,7 @@
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
-from ampkit.trainer.state import BackwardState, LoopState, OptimizerState
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 from ampkit.trainer.trainer import Trainer
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "CallbackOrderError",
     "CheckpointError",
     "LoopState",
+    "LossState",
     "OptimizerState",
     "Trainer",
     "load_checkpoint",

@@ -46,6 +46,23 @@ class OptimizerState:
 
 
 @dataclass
+class LossState:
+    """Per-loss facts for the current iteration, keyed by ``loss_id`` in ``trainer.loss_state``.
+
+    Mixed precision sets ``found_inf`` when a backward of this loss produced non-finite gradients; distributed
+    training agrees on it across ranks before any skip decision or scaler update.
+    """
+
+    loss_id: Any
+    found_inf: bool = False
+    backwards: int = 0  # backward calls of this loss in this iteration
+
+    def begin_iteration(self) -> None:
+        self.found_inf = False
+        self.backwards = 0
+
+
+@dataclass
 class BackwardState:
     """One ``Trainer.backward`` call: callbacks may replace ``loss`` (e.g. scale it) before autograd."""
 

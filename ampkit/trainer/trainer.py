@@ -19,6 +19,10 @@ An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
 and ``step`` on every optimizer; otherwise ``training_step`` calls ``self.backward(loss, loss_id=...,
 optimizer=...)`` and ``self.step(optimizer)`` itself (e.g. a GAN's D step then G step).
+
+Callbacks share facts only through the Trainer's state: ``trainer.state`` (loop position),
+``trainer.optimizer_state[opt]`` (``found_inf`` skips the step; ``loss_ids`` reached it; ``stepped``/``skipped``)
+and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, e.g. set by a loss scaler).
 """
 
 from __future__ import annotations
@@ -37,11 +41,20 @@ from omegaconf import DictConfig, OmegaConf
 from ampkit.config import Config, ConfigError, build_config
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint
+from ampkit.trainer.distributed import (
+    DistributedEnv,
+    all_reduce_sum,
+    broadcast_object,
+    check_same_config,
+    distributed_loader,
+    setup_distributed,
+    teardown_distributed,
+)
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
-from ampkit.trainer.state import BackwardState, LoopState, OptimizerState
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 
 
 def _every(n: int, count: int) -> bool:
@@ -82,15 +95,14 @@ class Trainer:
         self._validate_config()
         self.state = LoopState()
         self.device = self._resolve_device(self.cfg.trainer.device)
-        self.global_rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        rank_zero_only.rank = self.global_rank
+        self.dist = DistributedEnv()
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
+        self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.logged_scalars: list[tuple[str, Any, int]] = []
         self.version_dir: Path | None = None
@@ -147,6 +159,10 @@ class Trainer:
         if optimizer is not None:
             inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         backward = BackwardState(loss=loss, loss_id=loss_id, inputs=inputs)
+        loss_state = self.loss_state.get(loss_id)
+        if loss_state is None:
+            loss_state = self.loss_state[loss_id] = LossState(loss_id)
+        loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
         self.fire("on_before_backward", backward)
@@ -199,12 +215,31 @@ class Trainer:
             method(self, *args)
 
     @property
+    def global_rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
     def is_global_zero(self) -> bool:
-        return self.global_rank == 0
+        return self.dist.rank == 0
 
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"`` for the newest ``last.pt`` under ``run_dir``."""
+        self.dist = setup_distributed(self.cfg)
+        rank_zero_only.rank = self.dist.rank
+        try:
+            self._fit(resume)
+        finally:
+            teardown_distributed(self.dist)
+
+    def _fit(self, resume: str | os.PathLike | None) -> None:
+        if self.dist.enabled and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        check_same_config(self.cfg, self.dist)
         checkpoint_path = self._resolve_resume(resume)
         self._setup(checkpoint_path)
         try:
@@ -254,6 +289,8 @@ class Trainer:
         if s.is_iteration_start:
             for opt_state in self.optimizer_state.values():
                 opt_state.begin_iteration()
+            for loss_state in self.loss_state.values():
+                loss_state.begin_iteration()
         batch = self._to_device(batch)
         self.fire("on_train_batch_start", batch)
         outputs = self._training_step(batch)
@@ -328,7 +365,8 @@ class Trainer:
                 sums[key] = sums.get(key, 0.0) + float(value) * n
             seen += n
         self.module.train(was_training)
-        self.val_metrics = {key: total / max(seen, 1) for key, total in sums.items()}
+        *totals, seen = all_reduce_sum([*sums.values(), float(seen)], self.dist)
+        self.val_metrics = {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
         self.fire("on_validation_end", dict(self.val_metrics))
 
     # ----------------------------------------------------------------- set-up and data
@@ -343,8 +381,9 @@ class Trainer:
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        self._train_loader = self.train_dataloader()
-        self._val_loader = self.val_dataloader()
+        seed = self.cfg.trainer.seed or 0
+        self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
+        self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = self._count_train_batches()
         self._setup_callbacks()
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
@@ -358,9 +397,7 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
-        self.callbacks = order_callbacks(
-            default_callbacks(self.cfg) + self.configure_callbacks() + self._user_callbacks
-        )
+        self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
         self._hooks = {
             hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
@@ -377,17 +414,19 @@ class Trainer:
 
     def _epoch_batches(self) -> Iterator[Any]:
         """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""
-        skip = 0
-        if self._resume is not None:
-            skip = self._resume["batches_done"]
-            restore_rng(self._resume["epoch_rng"] if skip else self._resume["rng"])
+        resume, self._resume = self._resume, None
+        skip = resume["batches_done"] if resume else 0
+        if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
+            restore_rng(resume["epoch_rng"] if skip else resume["rng"])
+        sampler = getattr(self._train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on every rank
+            sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
         for _ in range(skip):
             next(iterator)
-        if self._resume is not None:
-            restore_rng(self._resume["rng"])
-            self._resume = None
+        if skip:
+            restore_rng(resume["rng"])
         for index, batch in enumerate(iterator, start=skip):
             if self._num_train_batches is not None and index >= self._num_train_batches:
                 return
@@ -469,8 +508,8 @@ class Trainer:
     def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
         if resume is None:
             return None
-        if str(resume) == "last":
-            return latest_checkpoint(self.cfg.run_dir)
+        if str(resume) == "last":  # rank zero decides, so every rank loads the same file
+            return broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
         path = Path(resume)
         if not path.is_file():
             raise CheckpointError(f"resume: no checkpoint file at '{path}' (pass a path or 'last')")

@@ -1,0 +1,121 @@
+"""Process-group set-up from torchrun's environment, and the few collectives the loop itself needs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from ampkit.config import ConfigError, flatten
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # the Trainer created the process group, so it destroys it
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_distributed(cfg: DictConfig) -> DistributedEnv:
+    """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if world_size <= 1:
+        return DistributedEnv()
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
+    owns = not dist.is_initialized()
+    if owns:
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))
+    return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                          owns_group=owns)  # fmt: skip
+
+
+def teardown_distributed(env: DistributedEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(value: Any, env: DistributedEnv) -> Any:
+    """Rank zero's ``value`` on every rank."""
+    if not env.enabled:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
+    """Fail at start-up, on every rank, when ranks were launched with different configs."""
+    if not env.enabled:
+        return
+    flat = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    digest = hashlib.sha256(repr(sorted(flat.items())).encode()).hexdigest()
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, (digest, flat))
+    reference = gathered[0][1]
+    for rank, (other_digest, other) in enumerate(gathered):
+        if other_digest == gathered[0][0]:
+            continue
+        keys = sorted(k for k in set(reference) | set(other) if reference.get(k) != other.get(k))
+        shown = "; ".join(f"{k}: rank 0 has {reference.get(k)!r}, rank {rank} has {other.get(k)!r}" for k in keys[:8])
+        raise ConfigError(f"ranks were launched with different configs ({shown})")
+
+
+def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
+    """Element-wise sum over ranks (one collective)."""
+    if not env.enabled:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor)
+    return tensor.cpu().tolist()
+
+
+def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:
+    """``loader`` rebuilt with a ``DistributedSampler`` (each rank its shard; reseeded per epoch by the loop).
+
+    Loaders that already shard (a DistributedSampler, an IterableDataset) and non-DataLoader iterables are
+    returned as they are.
+    """
+    from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not env.enabled or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
+        return loader
+    if type(loader.batch_sampler).__name__ != "BatchSampler":
+        raise ValueError(
+            "a custom batch_sampler cannot be sharded across ranks automatically; give the "
+            "DataLoader a DistributedSampler yourself"
+        )
+    shuffle = isinstance(loader.sampler, RandomSampler) if shuffle_default else False
+    sampler = DistributedSampler(loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle,
+                                 seed=seed)  # fmt: skip
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        persistent_workers=loader.persistent_workers,
+    )  # fmt: skip

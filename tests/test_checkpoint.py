@@ -1,0 +1,182 @@
+"""Checkpoints: atomic, safe to load, and a SIGKILLed run resumes to bit-identical parameters."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import CheckpointError
+from ampkit.trainer.checkpoint_io import load_checkpoint, save_atomic
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def _final_params(version_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(version_dir / "checkpoints" / "last.pt")["model"]
+
+
+def _assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_resume_from_any_checkpoint_in_process_is_bit_identical(tmp_path, accumulate):
+    common = {
+        "trainer.max_epochs": 3,
+        "trainer.accumulate_grad_batches": accumulate,
+        "logging.tensorboard": False,
+        "checkpoint.every_n_steps": 1,
+        "checkpoint.keep_last": 100,
+    }
+    full = ToyTrainer(toy_cfg(tmp_path / "full", **common))
+    full.fit()
+    saved = sorted((full.version_dir / "checkpoints").glob("*-*.pt"))
+    mid_epoch = [p for p in saved if load_checkpoint(p)["loop"]["batches_done"] not in (0, 8)][:2]
+    epoch_end = [p for p in saved if p.name.startswith("epoch-")][:2]
+    last_batch = [p for p in saved if load_checkpoint(p)["loop"]["batches_done"] == 8][:1]
+    assert len(mid_epoch) == 2 and len(epoch_end) == 2 and len(last_batch) == 1
+    for checkpoint in mid_epoch + epoch_end + last_batch:
+        resumed = ToyTrainer(toy_cfg(tmp_path / checkpoint.stem, **common))
+        resumed.fit(resume=checkpoint)
+        assert resumed.state.global_step == full.state.global_step
+        _assert_bit_identical(resumed.module.state_dict(), full.module.state_dict())
+        opt_a, opt_b = full.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+        for key in opt_a:
+            assert torch.equal(opt_a[key]["momentum_buffer"], opt_b[key]["momentum_buffer"])
+
+
+def _cli(cfg_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ampkit", "fit", "--config", str(cfg_path), *extra]
+
+
+def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
+    settings = {
+        "trainer_class": "toy_trainers:SlowToyTrainer",
+        "trainer": {"max_epochs": 3},
+        "checkpoint": {"every_n_steps": 1},
+        "logging": {"log_every_n_steps": 4},
+    }
+    cfg_path = tmp_path / "toy.yaml"
+    OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "killed")}), cfg_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.pt"
+    killed = False
+    for _attempt in range(3):
+        proc = subprocess.Popen(_cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(random.uniform(0.0, 0.2))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed = True
+            break
+        proc.wait()
+    assert killed, "the training process finished before it could be killed"
+    step_at_kill = load_checkpoint(last)["loop"]["global_step"]  # loadable after SIGKILL
+    assert 0 < step_at_kill < 24
+    result = subprocess.run(
+        _cli(cfg_path, "--resume", "last"), cwd=TESTS, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    resumed = load_checkpoint(last)
+    assert resumed["loop"]["global_step"] == 24
+
+    full = ToyTrainer(toy_cfg(tmp_path / "full", **{"trainer.max_epochs": 3, "logging.tensorboard": False}))
+    full.fit()
+    _assert_bit_identical(resumed["model"], full.module.state_dict())
+
+
+def test_checkpoint_holds_everything_needed(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
+    trainer.fit()
+    ckpt = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
+    assert set(ckpt) >= {"model", "optimizers", "schedulers", "callbacks", "loop", "rng", "epoch_rng", "config"}
+    assert set(ckpt["rng"]) >= {"python", "torch", "numpy"}
+    assert ckpt["loop"] == {"epoch": 1, "batches_done": 0, "global_step": 8}
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_malicious_pickle_is_refused_and_not_executed(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pt"
+    torch.save({"ampkit_checkpoint": 1, "model": _Payload()}, path)
+    with pytest.raises(CheckpointError, match="refusing to load .*weights_only=True"):
+        load_checkpoint(path)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_corrupt_truncated_foreign_and_missing_checkpoints(tmp_path):
+    good = save_atomic({"ampkit_checkpoint": 1, "x": torch.ones(1000)}, tmp_path / "good.pt")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(truncated)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(pickle.dumps([1, 2, 3], protocol=2) + b"\x00junk")
+    with pytest.raises(CheckpointError):
+        load_checkpoint(garbage)
+    foreign = save_atomic({"state_dict": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="not an ampkit checkpoint"):
+        load_checkpoint(foreign)
+    with pytest.raises(CheckpointError, match="no checkpoint file"):
+        load_checkpoint(tmp_path / "absent.pt")
+
+
+def test_resume_with_a_checkpoint_of_another_model_fails_clearly_and_keeps_files(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
+    trainer.fit()
+    last = trainer.version_dir / "checkpoints" / "last.pt"
+    before = last.read_bytes()
+
+    class Wider(ToyTrainer):
+        def configure_model(self):
+            return torch.nn.Linear(6, 3)
+
+    with pytest.raises(CheckpointError, match="does not fit"):
+        Wider(toy_cfg(tmp_path, **{"trainer.max_epochs": 2})).fit(resume="last")
+    assert last.read_bytes() == before
+
+
+def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False})
+    first, second = ToyTrainer(cfg), ToyTrainer(cfg)
+    first.fit()
+    second.fit()
+    assert first.version_dir.name == "version_0" and second.version_dir.name == "version_1"
+    assert (first.version_dir / "checkpoints" / "last.pt").is_file()
+
+
+def test_keep_last_prunes_old_files_but_last_survives(tmp_path):
+    cfg = toy_cfg(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 1,
+            "logging.tensorboard": False,
+            "checkpoint.every_n_steps": 1,
+            "checkpoint.keep_last": 2,
+        },
+    )
+    trainer = ToyTrainer(cfg)
+    trainer.fit()
+    names = sorted(p.name for p in (trainer.version_dir / "checkpoints").glob("*.pt"))
+    assert names == ["epoch-0001.pt", "last.pt", "step-00000008.pt"]

@@ -1,0 +1,104 @@
+"""Config errors name the dotted key, the bad value and what is valid — before any training starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_loads_yaml_with_overrides_into_the_trainer_schema(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    cls, cfg = load_config(REPO / "configs/digits.yaml", ["trainer.max_epochs=3", "optim.lr=0.01"])
+    assert cls.__name__ == "DigitsTrainer"
+    assert cfg.trainer.max_epochs == 3 and cfg.optim.lr == 0.01
+    assert cfg.model.hidden == 128  # from the YAML
+    assert cfg.trainer.accumulate_grad_batches == 1  # from the schema's defaults
+
+
+def test_unknown_key_names_dotted_path_and_valid_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/digits.yaml", ["trainer.max_epoch=3"])
+    msg = str(err.value)
+    assert "trainer.max_epoch" in msg and "max_epochs" in msg and "accumulate_grad_batches" in msg
+
+
+def test_unknown_key_in_yaml_user_section(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    path = _write(tmp_path, "trainer_class: examples.digits:DigitsTrainer\nmodel:\n  hiden: 3\n")
+    with pytest.raises(ConfigError, match=r"model\.hiden.*valid keys at 'model': dropout, hidden"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_and_value(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/digits.yaml", ["trainer.max_epochs=lots"])
+    assert "trainer.max_epochs" in str(err.value) and "lots" in str(err.value)
+
+
+def test_missing_trainer_class_module_and_attribute(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError, match="cannot import module 'examples.nope'"):
+        load_config(_write(tmp_path, "trainer_class: examples.nope:Trainer\n"))
+    with pytest.raises(ConfigError, match="has no 'Nope'.*DigitsTrainer"):
+        load_config(_write(tmp_path, "trainer_class: examples.digits:Nope\n"))
+    with pytest.raises(ConfigError, match="must set trainer_class"):
+        load_config(_write(tmp_path, "name: x\n"))
+    with pytest.raises(ConfigError, match="not a subclass of ampkit.Trainer"):
+        load_config(_write(tmp_path, "trainer_class: examples.digits:DigitsConfig\n"))
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(REPO / "configs/digits.yaml", ["trainer.max_epochs"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("trainer.accumulate_grad_batches", 0, "an integer >= 1"),
+        ("trainer.device", "gpu", "use auto, cpu, cuda or cuda:N"),
+        ("trainer.clip_grad_norm", -1.0, "a number > 0"),
+    ],
+)
+def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):
+    with pytest.raises(ConfigError, match=expected) as err:
+        ToyTrainer(toy_cfg(tmp_path, **{key: value}))
+    assert key in str(err.value)
+
+
+def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ampkit", "fit", "--config", "configs/digits.yaml", "trainer.max_epoch=2",
+         f"run_dir={tmp_path}/run"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("ampkit: error: unknown config key 'trainer.max_epoch'")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
+    trainer.fit()
+    saved = OmegaConf.load(trainer.version_dir / "config.yaml")
+    assert saved.run_dir == str(tmp_path / "run") and saved.trainer.max_epochs == 1

@@ -1,0 +1,216 @@
+"""Loop semantics: several optimizers per step, skipped steps, scheduler gating, stopping, compile."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+from ampkit import Callback
+from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
+
+QUIET = {"logging.tensorboard": False, "checkpoint.enabled": False}
+
+
+class _InitialWeights(Callback):
+    def on_train_start(self, trainer):
+        self.state = copy.deepcopy(trainer.module.state_dict())
+
+
+def _gan_losses(G: nn.Module, D: nn.Module, x: torch.Tensor) -> tuple:
+    loss_d = F.softplus(-D(x)).mean() + F.softplus(D(G(x).detach())).mean()
+    return loss_d, lambda: F.softplus(-D(G(x))).mean()
+
+
+class TwoPlayer(ToyTrainer):
+    """A GAN-shaped step: D then G, each with its own optimizer and loss_id, in one training_step."""
+
+    automatic_optimization = False
+
+    def configure_model(self):
+        return nn.ModuleDict({"G": nn.Linear(6, 6), "D": nn.Linear(6, 1)})
+
+    def configure_optimizers(self):
+        d, g = self.module["D"].parameters(), self.module["G"].parameters()
+        return [{"optimizer": torch.optim.SGD(d, lr=0.1, momentum=0.5), "name": "D"},
+                {"optimizer": torch.optim.SGD(g, lr=0.1, momentum=0.5), "name": "G"}]  # fmt: skip
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(64), batch_size=8)
+
+    def val_dataloader(self):
+        return None
+
+    def training_step(self, batch):
+        loss_d, loss_g_fn = _gan_losses(self.model["G"], self.model["D"], batch[0])
+        self.backward(loss_d, loss_id="D", optimizer=self.optimizers["D"])
+        self.step(self.optimizers["D"])
+        loss_g = loss_g_fn()
+        self.backward(loss_g, loss_id="G", optimizer=self.optimizers["G"])
+        self.step(self.optimizers["G"])
+        return {"loss_D": loss_d, "loss_G": loss_g}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_optimizers_in_one_step_equal_a_hand_written_gan_loop(tmp_path, accumulate):
+    initial = _InitialWeights()
+    trainer = TwoPlayer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "trainer.accumulate_grad_batches": accumulate,
+                                             **QUIET}), callbacks=[initial])  # fmt: skip
+    trainer.fit()
+
+    model = nn.ModuleDict({"G": nn.Linear(6, 6), "D": nn.Linear(6, 1)})
+    model.load_state_dict(initial.state)
+    G, D = model["G"], model["D"]
+    opt_d = torch.optim.SGD(D.parameters(), lr=0.1, momentum=0.5)
+    opt_g = torch.optim.SGD(G.parameters(), lr=0.1, momentum=0.5)
+    for _epoch in range(2):
+        for i, (x, _) in enumerate(DataLoader(toy_dataset(64), batch_size=8)):
+            loss_d, loss_g_fn = _gan_losses(G, D, x)
+            loss_d.backward(inputs=list(D.parameters()))
+            if (i + 1) % accumulate == 0:
+                opt_d.step()
+            loss_g_fn().backward(inputs=list(G.parameters()))
+            if (i + 1) % accumulate == 0:
+                opt_g.step()
+                opt_d.zero_grad()
+                opt_g.zero_grad()
+    for key, value in model.state_dict().items():
+        assert torch.equal(trainer.module.state_dict()[key], value), key
+    assert trainer.optimizer_state[trainer.optimizers["G"]].steps == 16 // accumulate
+
+
+class _SkipAt(Callback):
+    """Marks an optimizer's step as overflowed at chosen iterations (what a loss scaler does)."""
+
+    def __init__(self, name: str, iterations: set[int]) -> None:
+        self.target, self.iterations, self.skipped = name, iterations, []
+
+    def on_before_optimizer_step(self, trainer, optimizer):
+        state = trainer.optimizer_state[optimizer]
+        if state.name == self.target and trainer.state.iteration in self.iterations:
+            state.found_inf = True
+            state.loss_ids.add("D")
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+        self.skipped.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name, loss_ids))
+
+
+def test_a_skipped_step_leaves_params_state_and_scheduler_untouched(tmp_path):
+    class WithSchedulers(TwoPlayer):
+        def configure_optimizers(self):
+            specs = super().configure_optimizers()
+            for spec in specs:
+                spec["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(spec["optimizer"], step_size=1, gamma=0.5)
+            return specs
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, batch):
+            self.before = copy.deepcopy(trainer.module["D"].state_dict())
+            self.opt_before = copy.deepcopy(trainer.optimizers["D"].state_dict())
+
+        def on_train_batch_end(self, trainer, outputs, batch):
+            if trainer.state.iteration == 3:
+                for key, value in trainer.module["D"].state_dict().items():
+                    assert torch.equal(self.before[key], value)
+                assert str(trainer.optimizers["D"].state_dict()) == str(self.opt_before)
+
+    skip = _SkipAt("D", {3})
+    trainer = WithSchedulers(toy_cfg(tmp_path, **{"trainer.max_steps": 5, **QUIET}), callbacks=[skip, Watch()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        trainer.fit()
+    d_state, g_state = (trainer.optimizer_state[trainer.optimizers[n]] for n in "DG")
+    assert (d_state.steps, d_state.skipped_steps, g_state.steps) == (4, 1, 5)
+    assert skip.skipped == [(3, "D", ["D"])]
+    assert trainer.optimizers["D"].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+    assert trainer.optimizers["G"].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**5)
+
+
+def test_an_optimizer_without_gradients_is_not_stepped(tmp_path):
+    class OnlyD(TwoPlayer):
+        def training_step(self, batch):
+            loss_d, _ = _gan_losses(self.model["G"], self.model["D"], batch[0])
+            self.backward(loss_d, optimizer=self.optimizers["D"])
+            return {"D": self.step(self.optimizers["D"]), "G": self.step(self.optimizers["G"])}
+
+    trainer = OnlyD(toy_cfg(tmp_path, **{"trainer.max_steps": 3, **QUIET}))
+    trainer.fit()
+    assert trainer.optimizer_state[trainer.optimizers["G"]].steps == 0
+    assert trainer.optimizer_state[trainer.optimizers["D"]].steps == 3
+
+
+def test_stepping_twice_in_one_iteration_is_an_error(tmp_path):
+    class Twice(TwoPlayer):
+        def training_step(self, batch):
+            loss_d, _ = _gan_losses(self.model["G"], self.model["D"], batch[0])
+            self.backward(loss_d)
+            self.step(self.optimizers["D"])
+            self.step(self.optimizers["D"])
+
+    with pytest.raises(RuntimeError, match="'D' was already stepped in this iteration"):
+        Twice(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+def test_epoch_scheduler_with_monitor_and_max_steps_stop(tmp_path):
+    class Plateau(ToyTrainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch", "monitor": "val/mse"}}
+
+    trainer = Plateau(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, **QUIET}))
+    trainer.fit()
+    # threshold=10 (relative, mode min) means no epoch ever counts as an improvement: the LR halves every epoch.
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**3)
+    stopped = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 10, "trainer.max_steps": 11, **QUIET}))
+    stopped.fit()
+    assert (stopped.state.global_step, stopped.state.epoch, stopped.state.batches_done) == (11, 1, 3)
+
+
+def test_training_step_must_return_a_loss_under_automatic_optimization(tmp_path):
+    class NoLoss(ToyTrainer):
+        def training_step(self, batch):
+            return 3
+
+    with pytest.raises(TypeError, match="must return the loss tensor.*automatic_optimization = False"):
+        NoLoss(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+def test_callbacks_are_ordered_by_declarations_and_cycles_are_named():
+    def make(name, after=(), before=()):
+        return type(name, (Callback,), {"after": after, "before": before})()
+
+    a, b, c = make("A", after=("B",)), make("B"), make("C", before=("B",))
+    last, missing = make("Last", after=("*",)), make("Loose", after=("NotThere",))
+    assert [cb.name for cb in order_callbacks([last, a, b, c, missing])] == ["C", "B", "A", "Loose", "Last"]
+    with pytest.raises(CallbackOrderError, match="cycle among: X, Y"):
+        order_callbacks([make("X", after=("Y",)), make("Y", after=("X",)), make("Z")])
+    with pytest.raises(CallbackOrderError, match="unique"):
+        order_callbacks([make("A"), make("A")])
+
+
+class NoDropout(ToyTrainer):
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_compiled_model_trains_and_checkpoints_plain_state(tmp_path):
+    torch._dynamo.reset()
+    trainer = NoDropout(toy_cfg(tmp_path, **{"trainer.compile": True, "trainer.max_epochs": 2,
+                                              "logging.tensorboard": False}))  # fmt: skip
+    trainer.fit()
+    assert trainer.model is not trainer.module and hasattr(trainer.model, "_orig_mod")
+    from ampkit.trainer.checkpoint_io import load_checkpoint
+
+    saved = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["model"]
+    assert set(saved) == set(trainer.module.state_dict())  # no "_orig_mod." prefixes
+    eager = NoDropout(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **QUIET}))
+    eager.fit()
+    for key, value in eager.module.state_dict().items():
+        torch.testing.assert_close(trainer.module.state_dict()[key], value, rtol=1e-4, atol=1e-5)

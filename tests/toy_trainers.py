@@ -1,0 +1,87 @@
+"""Small trainers on synthetic data shared by the Trainer's tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ampkit
+
+
+@dataclass
+class ToyData:
+    n: int = 64
+    batch_size: int = 8
+
+
+@dataclass
+class ToyConfig(ampkit.Config):
+    data: ToyData = field(default_factory=ToyData)
+    lr: float = 0.05
+
+
+def toy_dataset(n: int, seed: int = 123) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x @ torch.randn(6, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(n, generator=g)
+    return TensorDataset(x, y)
+
+
+def toy_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+
+
+class ToyTrainer(ampkit.Trainer):
+    """Regression with dropout (so RNG matters) and shuffling (so data order matters)."""
+
+    config_class = ToyConfig
+
+    def configure_model(self):
+        return toy_model()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=self.cfg.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(self.cfg.data.n), batch_size=self.cfg.data.batch_size, shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(24, seed=7), batch_size=8)
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x).squeeze(1), y)
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"mse": F.mse_loss(self.model(x).squeeze(1), y)}
+
+
+def toy_cfg(tmp_path, **overrides) -> dict:
+    """A config dict for ToyTrainer writing under ``tmp_path``; ``overrides`` use dotted keys."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.create({"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run")})
+    dotted = OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])
+    return OmegaConf.to_container(OmegaConf.merge(base, dotted))
+
+
+class _Sleep(ampkit.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        import time
+
+        time.sleep(self.seconds)
+
+
+class SlowToyTrainer(ToyTrainer):
+    """ToyTrainer that sleeps after each batch, so a test can kill it mid-run."""
+
+    def configure_callbacks(self):
+        return [_Sleep(0.02)]
