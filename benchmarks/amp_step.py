@@ -5,8 +5,9 @@ Run: ``PYTHONPATH=. python benchmarks/amp_step.py [--steps 60] [--models mlp,con
 Rows per model: a float32 hand loop, a raw ``torch.autocast`` bf16 hand loop (no scaler), and the Trainer
 at O0 / O1 bf16 / O1 fp16 / O2 bf16 / O2 fp16 (dynamic loss scaling, per-loss combined unscale, skip
 checks). Target: Trainer O1 bf16 >= 0.95x the autocast hand loop (ratio = hand time / Trainer time).
-Times are the median per-step wall time after warm-up, best of ``--repeats`` runs (other jobs on the
-machine make single runs noisy). fp16 on CPU is slow (FACTS.md), so fp16 conv rows use fewer steps.
+Times are the median per-step wall time after warm-up, best of ``--repeats`` runs; the rows are
+interleaved within each repeat so that load from other jobs on the machine hits them alike. fp16 on
+CPU is slow (FACTS.md), so fp16 conv rows use fewer steps and one run.
 """
 
 from __future__ import annotations
@@ -136,19 +137,19 @@ def main() -> None:
     torch.set_num_threads(2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median ms/step, best of {args.repeats}")
     for kind in args.models.split(","):
-        results: dict[str, float] = {}
-        for label, runner, setting in ROWS:
-            slow_fp16 = kind == "conv" and "fp16" in label
-            steps = max(args.warmup + 5, args.steps // 4) if slow_fp16 else args.steps
-            batches = make_batches(kind, steps)
-            best = float("inf")
-            for _ in range(1 if slow_fp16 else args.repeats):
+        results = {label: float("inf") for label, _, _ in ROWS}
+        for repeat in range(args.repeats):
+            for label, runner, setting in ROWS:
+                slow_fp16 = kind == "conv" and "fp16" in label
+                if slow_fp16 and repeat:
+                    continue
+                steps = max(args.warmup + 5, args.steps // 4) if slow_fp16 else args.steps
+                batches = make_batches(kind, steps)
                 if runner == "hand":
                     times = hand_loop(kind, batches, setting)
                 else:
                     times = trainer_loop(kind, batches, setting)
-                best = min(best, median_after_warmup(times, args.warmup))
-            results[label] = best
+                results[label] = min(results[label], median_after_warmup(times, args.warmup))
         fp32, autocast = results["hand loop fp32"], results["hand loop autocast bf16"]
         print(f"\n{kind}: {'configuration':32s} {'ms/step':>9s} {'speed vs fp32 hand':>19s} {'vs autocast hand':>17s}")
         for label, value in results.items():

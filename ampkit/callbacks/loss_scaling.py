@@ -97,6 +97,7 @@ class LossScaling(Callback):
         self._consecutive_skips: dict[str, int] = {}
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
+        self._log_every = 1
         if num_losses is not None:
             for loss_id in range(num_losses):
                 self.scaler(loss_id)
@@ -141,6 +142,9 @@ class LossScaling(Callback):
             self._combiners[optimizer] = GradientCombiner(
                 [p for p, _ in pairs], [m for _, m in pairs], flat=self.combine_grad
             )
+
+    def on_fit_start(self, trainer) -> None:
+        self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
         scaler = self.scaler(backward.loss_id)
@@ -191,7 +195,7 @@ class LossScaling(Callback):
             return
         self._resolve(trainer)
         step = trainer.state.iteration
-        logged = step % trainer.cfg.logging.log_every_n_steps == 0
+        logged = step % self._log_every == 0
         for loss_id, loss_state in trainer.loss_state.items():
             if not loss_state.backwards:
                 continue

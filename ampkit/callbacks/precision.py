@@ -23,8 +23,10 @@ from ampkit.trainer.state import BackwardState
 class MixedPrecision(Callback):
     """Applies an :class:`~ampkit.amp.OptLevelProperties` recipe to the Trainer's model and optimizers.
 
-    - O1 (``patch_torch_functions``): forwards run under ``torch.autocast`` on the model's device type
-      (CPU too); autocast is paused for backward and optimizer steps, and on during validation.
+    - O1 (``patch_torch_functions``): the training step runs under ``torch.autocast`` on the model's device
+      type (CPU too), paused for each backward (on CPU, autograd runs on the calling thread and would
+      otherwise autocast backward ops too); validation runs under it as well. Optimizer steps are not
+      affected: autocast only changes matmul/conv-like ops, which optimizers do not call.
     - O2/O3 (``cast_model_type``): the model is cast (batch norm kept fp32 when ``keep_batchnorm_fp32``);
       floating inputs are cast at the boundary of the model, or of each module named in ``cast_modules``
       (e.g. ``["generator", "discriminator"]`` when training code calls submodules directly), and outputs
@@ -55,7 +57,8 @@ class MixedPrecision(Callback):
         self.masters: dict[torch.optim.Optimizer, MasterWeights] = {}
         self._ready = False
         self._pending_state: dict[str, Any] | None = None
-        self._autocast: Any = None  # the entered torch.autocast context, while forwards may run
+        self._autocast: Any = None  # the torch.autocast context, built once at set-up (O1 only)
+        self._autocast_active = False
         self._resume_after_validation = False
         self._master_to_model: dict[int, torch.Tensor] = {}
         self._name_of: dict[torch.optim.Optimizer, str] = {}
@@ -79,6 +82,8 @@ class MixedPrecision(Callback):
         self._ready = True
         self._name_of = {optimizer: name for name, optimizer in trainer.optimizers.items()}
         props = self.properties
+        if props.patch_torch_functions:
+            self._autocast = autocast_for(model_device(trainer.module), props.dtype)
         cast_type = props.cast_model_type
         if cast_type is not None and cast_type != torch.float32:
             cast_model(trainer.module, cast_type, keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32))
@@ -121,18 +126,18 @@ class MixedPrecision(Callback):
         self._pending_state = state
 
     # ------------------------------------------------------------------ O1 autocast around forwards
-    def _autocast_on(self, trainer) -> None:
-        if self.properties.patch_torch_functions and self._autocast is None:
-            self._autocast = autocast_for(model_device(trainer.module), self.properties.dtype)
+    def _autocast_on(self) -> None:
+        if self._autocast is not None and not self._autocast_active:
             self._autocast.__enter__()
+            self._autocast_active = True
 
     def _autocast_off(self) -> None:
-        if self._autocast is not None:
-            context, self._autocast = self._autocast, None
-            context.__exit__(None, None, None)
+        if self._autocast_active:
+            self._autocast_active = False
+            self._autocast.__exit__(None, None, None)
 
     def on_train_batch_start(self, trainer, batch: Any) -> None:
-        self._autocast_on(trainer)
+        self._autocast_on()
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
         self._autocast_off()
@@ -142,26 +147,19 @@ class MixedPrecision(Callback):
             backward.inputs = [self._master_to_model.get(id(t), t) for t in backward.inputs]
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
-        self._autocast_on(trainer)
-
-    def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        self._autocast_off()
+        self._autocast_on()  # a further forward may follow (a GAN's generator step)
 
     def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         masters = self.masters.get(optimizer)
         if masters is not None:
             masters.copy_to_model()
-        self._autocast_on(trainer)
-
-    def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
-        self._autocast_on(trainer)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         self._autocast_off()
 
     def on_validation_start(self, trainer) -> None:
-        self._resume_after_validation = self._autocast is not None
-        self._autocast_on(trainer)
+        self._resume_after_validation = self._autocast_active
+        self._autocast_on()
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if not self._resume_after_validation:

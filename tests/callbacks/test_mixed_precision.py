@@ -300,25 +300,27 @@ def test_skip_warning_and_min_scale_error(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_o1_autocasts_forward_only(tmp_path, dtype):
+def test_o1_autocasts_forward_not_backward(tmp_path, dtype):
     class Probe(SharedBackwardTrainer):
+        forward_dtypes, backward_autocast, val_dtypes = [], [], []
+
         def training_step(self, batch):
             out = self.model(batch[0])
-            self.forward_dtypes = getattr(self, "forward_dtypes", []) + [out.dtype]
+            self.forward_dtypes.append(out.dtype)
+            out.register_hook(lambda grad: self.backward_autocast.append(torch.is_autocast_enabled("cpu")))
             return (out.float() - batch[1]).square().mean()
 
-    class StepProbe(ampkit.Callback):
-        seen = []
+        def val_dataloader(self):
+            return make_batches(1)
 
-        def on_before_optimizer_step(self, trainer, optimizer):
-            self.seen.append(torch.is_autocast_enabled("cpu"))
+        def validation_step(self, batch):
+            self.val_dtypes.append(self.model(batch[0]).dtype)
+            return {}
 
-    probe = StepProbe()
-    cfg = config(tmp_path, opt_level="O1", dtype=dtype)
-    trainer = Probe(cfg, callbacks=[probe])
+    trainer = Probe(config(tmp_path, opt_level="O1", dtype=dtype))
     trainer.fit()
-    assert set(trainer.forward_dtypes) == {getattr(torch, dtype)}
-    assert probe.seen and not any(probe.seen)
+    assert set(trainer.forward_dtypes) == set(trainer.val_dtypes) == {getattr(torch, dtype)}
+    assert trainer.backward_autocast and not any(trainer.backward_autocast)
     assert not torch.is_autocast_enabled("cpu")
     assert all(p.dtype == torch.float32 for p in trainer.module.parameters())
 
