@@ -7,6 +7,7 @@ import sys
 
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.distributed import DistributedError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"ampkit: error: {exc}", file=sys.stderr)
         return 2
+    except DistributedError as exc:
+        print(f"ampkit: error: {exc}", file=sys.stderr)
+        return 1
     if trainer.is_global_zero:
         shown = ", ".join(f"val/{k}={v:.4f}" for k, v in trainer.val_metrics.items())
         print(

@@ -201,14 +201,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     return trainer_class, build_config(trainer_class.config_class, raw, cli)
 
 
-def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
+def flatten(cfg: DictConfig | dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     """``{"a/b": value}`` with TensorBoard-friendly scalars (lists and None become strings)."""
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     flat: dict[str, Any] = {}
     for key, value in container.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
         if isinstance(value, dict):
-            flat.update(flatten(value, name))
+            flat.update(flatten(value, name, sep))
         elif isinstance(value, bool | int | float | str):
             flat[name] = value
         else:

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback
+from ampkit.trainer.distributed import DistributedError, is_communication_failure
 
 
 class DistributedSync(Callback):
@@ -44,7 +46,7 @@ class DistributedSync(Callback):
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
         if self.sync_batchnorm:
-            trainer.module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(trainer.module)
+            trainer.module = convert_sync_batchnorm(trainer.module)
             trainer.model = trainer.module
         if self.grad_sync == "ddp":
             device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
@@ -107,14 +109,23 @@ class DistributedSync(Callback):
     def _comm_device(trainer) -> torch.device:
         return trainer.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
+    def on_exception(self, trainer, exception: BaseException) -> None:
+        if isinstance(exception, DistributedError) or not is_communication_failure(exception):
+            return
+        raise self._diagnose("a collective during training", exception) from exception
+
     def _collective(self, what: str, fn, *args) -> None:
         try:
             fn(*args)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            raise RuntimeError(
-                f"rank {dist.get_rank()}: {what} failed: {self._missing_ranks()} "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
-            ) from exc
+        except RuntimeError as exc:
+            if not is_communication_failure(exc):
+                raise
+            raise self._diagnose(what, exc) from exc
+
+    def _diagnose(self, what: str, exc: BaseException) -> DistributedError:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        message = f"rank {dist.get_rank()}: {what} failed: {self._missing_ranks()} ({type(exc).__name__}: {first_line})"
+        return DistributedError(message)
 
     def _missing_ranks(self) -> str:
         """After a failed collective, survivors check in through the rendezvous store; absentees are named."""

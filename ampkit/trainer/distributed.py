@@ -15,6 +15,16 @@ from omegaconf import DictConfig, OmegaConf
 from ampkit.config import ConfigError, flatten
 
 
+class DistributedError(RuntimeError):
+    """A collective failed: a rank died, stopped responding, or the ranks diverged."""
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the process group's transport rather than from user code."""
+    markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
+
+
 @dataclass(frozen=True)
 class DistributedEnv:
     """This process's place in the job."""
@@ -67,7 +77,7 @@ def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
     """Fail at start-up, on every rank, when ranks were launched with different configs."""
     if not env.enabled:
         return
-    flat = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    flat = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
     digest = hashlib.sha256(repr(sorted(flat.items())).encode()).hexdigest()
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, (digest, flat))

@@ -1,0 +1,161 @@
+"""One rank of a distributed test: ``python dist_worker.py SCENARIO OUT_DIR`` with torchrun-style env vars."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_dataset
+
+import ampkit
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+class Plain(ToyTrainer):
+    """No dropout, no shuffling: 2 ranks x batch B see exactly 1 process x batch 2B."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
+
+
+class TwoLosses(Plain):
+    automatic_optimization = False
+
+    def configure_model(self):
+        return nn.ModuleDict({"G": nn.Linear(6, 6), "D": nn.Linear(6, 1)})
+
+    def configure_optimizers(self):
+        return [{"optimizer": torch.optim.SGD(self.module["D"].parameters(), lr=0.1), "name": "D"},
+                {"optimizer": torch.optim.SGD(self.module["G"].parameters(), lr=0.1), "name": "G"}]  # fmt: skip
+
+    def val_dataloader(self):
+        return None
+
+    def training_step(self, batch):
+        x = batch[0]
+        G, D = self.model["G"], self.model["D"]
+        loss_d = F.softplus(-D(x)).mean() + F.softplus(D(G(x).detach())).mean()
+        self.backward(loss_d, loss_id=0, optimizer=self.optimizers["D"])
+        self.step(self.optimizers["D"])
+        loss_g = F.softplus(-D(G(x))).mean()
+        self.backward(loss_g, loss_id=1, optimizer=self.optimizers["G"])
+        self.step(self.optimizers["G"])
+
+
+class OverflowOnRank1(ampkit.Callback):
+    """Rank 1 alone sees a non-finite gradient in loss 1 (reaching optimizer G) at iteration 3."""
+
+    def __init__(self):
+        self.skips = []
+
+    def on_after_backward(self, trainer, backward):
+        for opt, state in trainer.optimizer_state.items():
+            if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+                state.loss_ids.add(backward.loss_id)
+        if RANK == 1 and backward.loss_id == 1 and trainer.state.iteration == 3:
+            trainer.loss_state[1].found_inf = True
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+        self.skips.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name))
+
+
+class SuicideAt(ampkit.Callback):
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if RANK == 1 and trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class BatchNormNet(ToyTrainer):
+    """Unequal per-rank batches (3 and 5 rows); loss scaled so averaged grads equal the 8-row batch's."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        x = toy_dataset(8).tensors[0]
+        return [x[:3]] if RANK == 0 else [x[3:]]
+
+    def val_dataloader(self):
+        return None
+
+    def training_step(self, batch):
+        return (self.model(batch) ** 2).sum() * 2 / 8
+
+
+class GradSpy(ampkit.Callback):
+    def on_before_optimizer_step(self, trainer, optimizer):
+        self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
+
+    after = ("DistributedSync",)
+
+
+def main(scenario: str, out: Path) -> None:
+    base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False},
+            "trainer": {"progress_bar": False}}  # fmt: skip
+    extra: dict = {}
+    if scenario in ("ddp", "ddp_accumulate"):
+        accumulate = 2 if scenario == "ddp_accumulate" else 1
+        cfg = {
+            **base,
+            "data": {"batch_size": 4},
+            "checkpoint": {"enabled": False},
+            "trainer": {"max_epochs": 2, "accumulate_grad_batches": accumulate, "val_every_n_epochs": 1},
+        }
+        trainer = Plain(cfg)
+    elif scenario == "overflow":
+        spy = OverflowOnRank1()
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}}
+        trainer = TwoLosses(cfg, callbacks=[spy])
+        extra = {"skips": spy.skips}
+    elif scenario == "kill":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_epochs": 5},
+               "distributed": {"timeout_s": 30}}  # fmt: skip
+        trainer = Plain(cfg, callbacks=[SuicideAt()])
+    elif scenario.startswith("resume"):
+        cfg = {
+            **base,
+            "data": {"batch_size": 4},
+            "checkpoint": {"every_n_steps": 3, "keep_last": 50},
+            "trainer": {"max_epochs": 2},
+        }
+        trainer = ToyTrainer(cfg)  # shuffling and dropout: the sampler and RNG must be restored too
+        resume_from = os.environ.get("RESUME_FROM")
+        trainer.fit(resume=resume_from)
+        scenario = "done"
+    elif scenario == "syncbn":
+        spy = GradSpy()
+        cfg = {
+            **base,
+            "checkpoint": {"enabled": False},
+            "trainer": {"max_steps": 1},
+            "distributed": {"sync_batchnorm": True},
+        }
+        trainer = BatchNormNet(cfg, callbacks=[spy])
+    elif scenario == "mismatch":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 1 + RANK}}
+        trainer = Plain(cfg)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    if scenario != "done":
+        trainer.fit()
+    if scenario == "syncbn":
+        extra = {"grads": spy.grads}
+    torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
+                "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

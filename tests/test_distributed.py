@@ -1,0 +1,140 @@
+"""Two gloo ranks on CPU, launched the way torchrun launches them (RANK/WORLD_SIZE/MASTER_* env vars)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from toy_trainers import toy_dataset
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "dist_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, out: Path, extra_env: dict | None = None, timeout: float = 180) -> list:
+    port = _free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), **(extra_env or {})}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return results
+
+
+def _ok(results) -> list[dict]:
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return [torch.load(Path(r.args[3]) / f"rank{i}.pt", weights_only=True) for i, r in enumerate(results)]
+
+
+def _equal(a: dict, b: dict) -> None:
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "ddp_accumulate"])
+def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenario):
+    rank0, rank1 = _ok(launch(scenario, tmp_path))
+    _equal(rank0["model"], rank1["model"])
+    from dist_worker import Plain
+
+    accumulate = 2 if scenario == "ddp_accumulate" else 1
+    single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                    "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
+                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": accumulate}})  # fmt: skip
+    single.fit()
+    for key, value in single.module.state_dict().items():
+        torch.testing.assert_close(rank0["model"][key], value, rtol=1e-5, atol=1e-6)
+    assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
+
+
+def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
+    rank0, rank1 = _ok(launch("overflow", tmp_path))
+    assert rank0["skips"] == rank1["skips"] == [(3, "G")]
+    _equal(rank0["model"], rank1["model"])
+
+
+def test_sync_batchnorm_with_unequal_batches_equals_one_process_on_the_concatenation(tmp_path):
+    rank0, rank1 = _ok(launch("syncbn", tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    x = toy_dataset(8).tensors[0]
+    ((model(x) ** 2).sum() / 8).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(rank0["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank1["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+    single_stats = _one_forward_stats(x)
+    for key, value in single_stats.items():
+        torch.testing.assert_close(rank0["model"][f"1.{key}"], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rank1["model"][f"1.{key}"], value, rtol=1e-5, atol=1e-6)
+
+
+def _one_forward_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))
+    model.train()(x)
+    return {k: v for k, v in model[1].state_dict().items() if k.startswith("running")}
+
+
+def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
+    start = time.monotonic()
+    rank0, rank1 = launch("kill", tmp_path, timeout=120)
+    elapsed = time.monotonic() - start
+    assert rank1.returncode == -9
+    assert rank0.returncode != 0
+    assert "rank(s) 1 died or stopped responding" in rank0.stderr, rank0.stderr[-2000:]
+    assert elapsed < 60
+
+
+def test_resumed_two_rank_run_equals_uninterrupted(tmp_path):
+    full = _ok(launch("resume", tmp_path / "full"))
+    middle = Path(full[0]["version_dir"]) / "checkpoints" / "step-00000009.pt"
+    assert middle.is_file()
+    resumed = _ok(launch("resume", tmp_path / "resumed", {"RESUME_FROM": str(middle)}))
+    _equal(full[0]["model"], resumed[0]["model"])
+    _equal(resumed[0]["model"], resumed[1]["model"])
+
+
+def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):
+    results = launch("mismatch", tmp_path)
+    for r in results:
+        assert r.returncode != 0
+        assert "ranks were launched with different configs" in r.stderr
+        assert "trainer.max_steps: rank 0 has 1, rank 1 has 2" in r.stderr
+
+
+def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader
+
+    loader = DataLoader(toy_dataset(10), batch_size=2, shuffle=True)
+    shards = [distributed_loader(loader, 0, DistributedEnv(rank=r, world_size=2), True) for r in range(2)]
+    seen = []
+    for epoch in range(2):
+        order = []
+        for shard in shards:
+            shard.sampler.set_epoch(epoch)
+            order.append([i for batch in shard.sampler for i in [batch]])
+        assert sorted(order[0] + order[1]) == list(range(10))
+        seen.append(order)
+    assert seen[0] != seen[1]
