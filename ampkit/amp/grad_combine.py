@@ -272,6 +272,8 @@ class GradientCombiner:
                 raise ValueError(f"params[{i}] has dtype {p.dtype}; only floating-point params have gradients")
         self.grad_owners: list[torch.Tensor] = owners
         self.flat = flat
+        devices = {p.device for p in self.params}
+        self._device: torch.device | None = devices.pop() if len(devices) == 1 else None
         self._self_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is p]
         self._master_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is not p]
         self._stash: list[torch.Tensor | None] = [None] * len(self._self_idx)
@@ -381,8 +383,12 @@ class GradientCombiner:
                 upcast.append(new)
                 upcast_targets.append(owner.grad)
         with torch.no_grad():
-            for device, tensors in _by_device(fresh + with_stash + upcast).items():
-                unscale_and_check_(tensors, flags.get(device), _inv_scale(scaler, device))
+            tensors = fresh + with_stash + upcast
+            if self._device is not None:  # the common case: one device, no grouping
+                unscale_and_check_(tensors, flags.get(self._device), _inv_scale(scaler, self._device))
+            else:
+                for device, group in _by_device(tensors).items():
+                    unscale_and_check_(group, flags.get(device), _inv_scale(scaler, device))
             if with_stash:
                 torch._foreach_add_(with_stash, stashes)
             if upcast:
