@@ -167,7 +167,7 @@ def params_of(trainer):
 # ---------------------------------------------------------------------- parity
 
 
-def hand_loop_two_optimizers(steps, scale_schedule=None):
+def hand_loop_two_optimizers(steps, clip=None):
     torch.manual_seed(0)
     model = TwoHeadNet()
     body = torch.optim.SGD(model.body.parameters(), lr=0.1)
@@ -178,6 +178,8 @@ def hand_loop_two_optimizers(steps, scale_schedule=None):
             o.zero_grad()
         (model(x) - y).square().mean().backward()
         for o in (body, head):
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], clip, foreach=True)
             o.step()
         for s in scheds:
             s.step()
@@ -200,6 +202,18 @@ def test_two_optimizers_sharing_one_backward_equal_fp32_reference(tmp_path, prec
         assert [u[2:] for u in recorder.scale_updates] == [(1.0, 1.0)] * 6  # static: never changes
     else:
         assert recorder.scale_updates == []  # O0 installs no precision callbacks at all
+
+
+def test_clipping_sees_unscaled_grads_with_two_optimizers(tmp_path):
+    # Scale 2**16 and growing: clipping the still-scaled gradients (Lightning #18089) would clip far harder.
+    trainer, _ = fit(
+        SharedBackwardTrainer, tmp_path, trainer_cfg={"clip_grad_norm": 0.05}, loss_scale="dynamic", growth_interval=1
+    )
+    reference = hand_loop_two_optimizers(6, clip=0.05)
+    for key, value in params_of(trainer).items():
+        assert torch.equal(value, reference[key]), key
+    unclipped = hand_loop_two_optimizers(6)
+    assert not torch.equal(reference["head.weight"], unclipped["head.weight"])  # the clip did bite
 
 
 def test_o0_accumulation_equals_hand_loop(tmp_path):
