@@ -63,8 +63,9 @@ def scale_loss(
         )
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
-    if not _amp_state.opt_properties.master_weights and not scaler.dynamic and scaler.loss_scale() == 1.0:
-        yield loss.float()
+    unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
+    if unit_static and not _amp_state.opt_properties.master_weights and not any(s.combine_grad for s in stashes):
+        yield loss.float()  # nothing to unscale (O0/O3 defaults); flat combine_grad buffers still need the pass
         return
     for stash in stashes:
         stash.prepare_backward()
