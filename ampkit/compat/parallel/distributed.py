@@ -44,8 +44,9 @@ class _ApexReduceOptions:
     always_fp32: bool
 
 
-def _apex_allreduce_hook(options: _ApexReduceOptions, bucket: dist.GradBucket) -> torch.futures.Future:
-    """Allreduce one bucket the way Apex did: optional fp32 reduction, predivide, then average or sum."""
+def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
+    """Allreduce one ``dist.GradBucket`` the way Apex did: optional fp32 reduction, predivide, then
+    average or sum; returns a future of the reduced bucket."""
     group = options.process_group if options.process_group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()
