@@ -1,3 +1,20 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
+from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
+from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "BackwardState",
+    "Callback",
+    "CheckpointConfig",
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "LoggingConfig",
+    "OptimizerState",
+    "PrecisionConfig",
+    "Trainer",
+    "TrainerConfig",
+]

@@ -13,7 +13,8 @@ gradients to zero).
 
 ``flat=True`` (Ascend's ``combine_grad``) relocates the gradients of each (device, dtype) into one
 flat buffer whose slices are the ``.grad`` tensors, so unscale, inf check, stash and zeroing are one
-kernel per buffer instead of one per parameter.
+kernel per buffer instead of one per parameter. Both paths leave ``.grad`` ``None`` for a parameter
+that had none and no backward reached, so optimizers skip it exactly as they would without combining.
 """
 
 from __future__ import annotations
@@ -113,14 +114,18 @@ class _FlatGroup:
         self.stash: torch.Tensor | None = None  # lazily allocated copy of the buffer that stashes/upcasts
         self.dirty = False  # whether the gradient-owning buffer may hold non-zero values
         self.has_stash = False
+        self.was_none: list[int] = []  # gradient holders whose .grad was None before this backward
+        self.zeroed: set[int] = set()  # holders whose .grad is None over a slice known to be zero
         with torch.no_grad():
             holders = owners if owners is not None else params
             views = self.owner_views if owners is not None else self.views
-            for t, view in zip(holders, views, strict=True):
-                if t.grad is not None:
-                    view.copy_(t.grad)
-                    self.dirty = True
+            for i, (t, view) in enumerate(zip(holders, views, strict=True)):
+                if t.grad is None:
+                    self.zeroed.add(i)
+                    continue
+                view.copy_(t.grad)
                 t.grad = view
+                self.dirty = True
             if owners is not None:
                 for p, view in zip(params, self.views, strict=True):
                     p.grad = view
@@ -134,33 +139,37 @@ class _FlatGroup:
         return views
 
     @staticmethod
-    def _reattach(tensors: list[torch.Tensor], views: list[torch.Tensor], buffer: torch.Tensor) -> bool:
-        """Point ``.grad`` back at the buffer; returns whether the buffer is known to be all zero."""
+    def _reattach(
+        tensors: list[torch.Tensor], views: list[torch.Tensor], buffer: torch.Tensor, zeroed: set[int]
+    ) -> list[int]:
+        """Point every ``.grad`` back at the buffer, zeroing the slices of those that were ``None``
+        (except the ``zeroed`` ones, known to be zero); returns the indices that were ``None``."""
         missing = []
-        foreign = False
-        for t, view in zip(tensors, views, strict=True):
+        for i, (t, view) in enumerate(zip(tensors, views, strict=True)):
             grad = t.grad
             if grad is view:
                 continue
             if grad is None:
-                missing.append((t, view))
+                missing.append(i)
             else:
                 view.copy_(grad)
                 t.grad = view
-                foreign = True
         if len(missing) == len(tensors):
-            buffer.zero_()
+            if len(zeroed) != len(tensors):
+                buffer.zero_()
         else:
-            for _, view in missing:
-                view.zero_()
-        for t, view in missing:
-            t.grad = view
-        return len(missing) == len(tensors) and not foreign
+            for i in missing:
+                if i not in zeroed:
+                    views[i].zero_()
+        for i in missing:
+            tensors[i].grad = views[i]
+        return missing
 
     def prepare(self) -> None:
         with torch.no_grad():
             if self.owners is None:
-                if self._reattach(self.params, self.views, self.buffer):
+                self.was_none = self._reattach(self.params, self.views, self.buffer, self.zeroed)
+                if len(self.was_none) == len(self.params):
                     self.dirty = False
                 self.has_stash = self.dirty
                 if self.has_stash:
@@ -169,10 +178,12 @@ class _FlatGroup:
                     self.stash.copy_(self.buffer)
                     self.buffer.zero_()
             else:
-                if self._reattach(self.owners, self.owner_views, self.owner_buffer):
+                self.was_none = self._reattach(self.owners, self.owner_views, self.owner_buffer, self.zeroed)
+                if len(self.was_none) == len(self.owners):
                     self.dirty = False
-                self._reattach(self.params, self.views, self.buffer)
+                self._reattach(self.params, self.views, self.buffer, set())
                 self.buffer.zero_()
+            self.zeroed = set()
 
     def combine(self, reached: list[int], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
         with torch.no_grad():
@@ -185,9 +196,7 @@ class _FlatGroup:
                 unscale_and_check_([self.buffer], found_inf, inv_scale)
                 if self.has_stash:
                     self.buffer.add_(self.stash)
-                self.dirty = True
-                return
-            if not self.dirty:
+            elif not self.dirty:
                 self.owner_buffer.copy_(self.buffer)
                 unscale_and_check_([self.owner_buffer], found_inf, inv_scale)
             else:
@@ -196,15 +205,31 @@ class _FlatGroup:
                 self.stash.copy_(self.buffer)
                 unscale_and_check_([self.stash], found_inf, inv_scale)
                 self.owner_buffer.add_(self.stash)
-            self.buffer.zero_()
+            if self.owners is not None:
+                self.buffer.zero_()
             self.dirty = True
+            self._restore_none(set(reached))
+
+    def _restore_none(self, reached: set[int]) -> None:
+        """Give ``.grad = None`` back to holders that had none and that no backward reached."""
+        holders = self.params if self.owners is None else self.owners
+        for i in self.was_none:
+            if i not in reached:
+                holders[i].grad = None
+                self.zeroed.add(i)
+        self.was_none = []
 
     def zero_grad(self) -> None:
         with torch.no_grad():
             self.buffer.zero_()
             if self.owner_buffer is not None:
                 self.owner_buffer.zero_()
+        holders = self.params if self.owners is None else self.owners
+        for t in holders:
+            t.grad = None
+        self.zeroed = set(range(len(holders)))
         self.dirty = False
+        self.was_none = []
 
 
 class GradientCombiner:
@@ -237,18 +262,14 @@ class GradientCombiner:
             raise ValueError(f"grad_owners has {len(owners)} tensors but params has {len(self.params)}")
         for i, (p, o) in enumerate(zip(self.params, owners, strict=True)):
             if not p.requires_grad:
-                raise ValueError(
-                    f"params[{i}] does not require grad; only trainable parameters can be combined"
-                )
+                raise ValueError(f"params[{i}] does not require grad; only trainable parameters can be combined")
             if o is not p and (o.shape != p.shape or o.device != p.device):
                 raise ValueError(
                     f"grad_owners[{i}] has shape {tuple(o.shape)} on {o.device}, params[{i}] has "
                     f"{tuple(p.shape)} on {p.device}; a master weight must match its parameter"
                 )
             if not (p.is_floating_point() and o.is_floating_point()):
-                raise ValueError(
-                    f"params[{i}] has dtype {p.dtype}; only floating-point params have gradients"
-                )
+                raise ValueError(f"params[{i}] has dtype {p.dtype}; only floating-point params have gradients")
         self.grad_owners: list[torch.Tensor] = owners
         self.flat = flat
         self._self_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is p]
@@ -295,9 +316,7 @@ class GradientCombiner:
             RuntimeError: if called again before :meth:`combine`.
         """
         if self._pending:
-            raise RuntimeError(
-                "prepare_backward() called twice without combine(); combine the pending grads first"
-            )
+            raise RuntimeError("prepare_backward() called twice without combine(); combine the pending grads first")
         self._pending = True
         self._reached.clear()
         if self.flat:
@@ -371,9 +390,7 @@ class GradientCombiner:
         reached.sort()
         return CombineResult(flags.merged(fallback), tuple(params[i] for i in reached))
 
-    def _combine_flat(
-        self, scaler: LossScaler | float, flags: _Flags, fallback: torch.device
-    ) -> CombineResult:
+    def _combine_flat(self, scaler: LossScaler | float, flags: _Flags, fallback: torch.device) -> CombineResult:
         reached = sorted(self._reached)
         self._reached.clear()
         per_group: list[list[int]] = [[] for _ in self._groups]
@@ -386,7 +403,7 @@ class GradientCombiner:
         return CombineResult(flags.merged(fallback), tuple(self.params[i] for i in reached))
 
     def zero_grad(self) -> None:
-        """Zero every gradient (flat: one kernel per buffer, else ``.grad = None``) and drop the stash."""
+        """Set every gradient to ``None`` (flat: zero the buffers, one kernel each) and drop the stash."""
         self._pending = False
         self._reached.clear()
         if self.flat:

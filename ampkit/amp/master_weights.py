@@ -49,6 +49,11 @@ class MasterWeights:
         self._low_masters: list[torch.Tensor] = []
         self.refresh()
 
+    @staticmethod
+    def of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
+        """The :class:`MasterWeights` managing ``optimizer``, or ``None`` if it has none."""
+        return _OWNED.get(optimizer)
+
     def refresh(self) -> None:
         """Create masters for parameters added to the optimizer since (``add_param_group``)."""
         known = {id(t) for t in self.master_params}
@@ -95,8 +100,6 @@ class MasterWeights:
             )
         for i, (master, value) in enumerate(zip(self._low_masters, saved, strict=True)):
             if value.shape != master.shape:
-                raise ValueError(
-                    f"master_params[{i}] has shape {tuple(value.shape)}, expected {tuple(master.shape)}"
-                )
+                raise ValueError(f"master_params[{i}] has shape {tuple(value.shape)}, expected {tuple(master.shape)}")
             master.copy_(value)
         self.copy_to_model()

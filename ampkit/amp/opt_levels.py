@@ -95,9 +95,7 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in _CAST_DTYPE_NAMES:
         return _CAST_DTYPE_NAMES[value.lower().removeprefix("torch.")]
-    raise ValueError(
-        f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16"
-    )
+    raise ValueError(f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16")
 
 
 def _parse_keep_batchnorm_fp32(value: Any) -> bool | None:
@@ -107,9 +105,7 @@ def _parse_keep_batchnorm_fp32(value: Any) -> bool | None:
         return False
     if value is None or value is True or value is False:
         return value
-    raise ValueError(
-        f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None"
-    )
+    raise ValueError(f"keep_batchnorm_fp32={value!r}: expected True, False, the string 'True' or 'False', or None")
 
 
 def _parse_bool_or_none(value: Any, option: str) -> bool | None:

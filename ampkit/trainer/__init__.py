@@ -1,1 +1,20 @@
-"""The training loop."""
+"""The training loop and what it exposes to callbacks."""
+
+from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
+from ampkit.trainer.state import BackwardState, LoopState, OptimizerState
+from ampkit.trainer.trainer import Trainer
+
+__all__ = [
+    "HOOKS",
+    "BackwardState",
+    "Callback",
+    "CallbackOrderError",
+    "CheckpointError",
+    "LoopState",
+    "OptimizerState",
+    "Trainer",
+    "load_checkpoint",
+    "order_callbacks",
+]

@@ -18,9 +18,7 @@ def make_params(dtype, shapes=((3, 4), (5,), (2, 2))):
 
 def backward_with(params, grads, scale):
     """A backward whose gradient for each param is exactly ``grads[i] * scale`` (None: not reached)."""
-    loss = sum(
-        (p * (g.to(p.dtype) * scale)).sum() for p, g in zip(params, grads, strict=True) if g is not None
-    )
+    loss = sum((p * (g.to(p.dtype) * scale)).sum() for p, g in zip(params, grads, strict=True) if g is not None)
     loss.backward()
 
 
@@ -127,8 +125,8 @@ def test_flat_buffers_match_per_tensor_path(dtype, masters, plan):
     flat = run_sequence(dtype, masters, True, plan)
     assert per_tensor[1] == flat[1] and per_tensor[2] == flat[2]
     for a, b in zip(per_tensor[0], flat[0], strict=True):
-        if a is None:  # never reached on the per-tensor path: zero in the flat buffer
-            assert not b.any()
+        if a is None:  # never reached: both paths leave .grad None so optimizers skip the param
+            assert b is None
         else:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
@@ -141,17 +139,24 @@ def test_flat_grads_are_views_of_one_buffer_per_dtype(masters):
     holders = owners if masters else params
     buffers = combiner.flat_buffers()
     assert len(buffers) == 3
-    for buffer in buffers:
-        members = [
-            h for h in holders if h.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        ]
-        assert len(members) == 3 and all(h.grad.dtype == buffer.dtype for h in members)
+    assert all(h.grad is None for h in holders)  # no grad yet: the buffers are not handed out early
     combiner.prepare_backward()
     backward_with(params, [torch.ones(p.shape) for p in params], 2.0)
     combiner.combine(2.0)
+    for buffer in buffers:
+        ptr = buffer.untyped_storage().data_ptr()
+        members = [h for h in holders if h.grad.untyped_storage().data_ptr() == ptr]
+        assert len(members) == 3 and all(h.grad.dtype == buffer.dtype for h in members)
     assert sum(b.sum().item() for b in buffers) == sum(p.numel() for p in params)
     combiner.zero_grad()
-    assert all(not b.any() for b in buffers)
+    assert all(not b.any() for b in buffers) and all(h.grad is None for h in holders)
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params[:4]] + [None] * 5, 2.0)
+    result = combiner.combine(2.0)
+    assert result.reached == tuple(params[:4])
+    assert [h.grad is None for h in holders] == [False] * 4 + [True] * 5
+    ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+    assert all(h.grad.untyped_storage().data_ptr() in ptrs for h in holders[:4])
 
 
 @pytest.mark.parametrize("flat", [False, True])

@@ -134,3 +134,5 @@ def test_second_master_weights_on_one_optimizer_is_an_error():
     _, optimizer, _ = build(torch.bfloat16)
     with pytest.raises(RuntimeError, match="already has master weights"):
         MasterWeights(optimizer)
+    assert MasterWeights.of(optimizer).optimizer is optimizer
+    assert MasterWeights.of(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)) is None

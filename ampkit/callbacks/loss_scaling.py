@@ -1,0 +1,247 @@
+"""Per-loss loss scalers, combined unscaling after every backward, and the step-or-skip decision.
+
+Per ``trainer.backward(loss, loss_id=k)``: every optimizer's gradients are stashed, the loss is scaled by
+scaler ``k``, and after autograd the new gradients are unscaled by scaler ``k``'s scale, checked for
+inf/nan and added to the stash (:class:`ampkit.amp.GradientCombiner`). So gradients are unscaled by the
+time clipping or logging look at them, accumulation over batches and several losses is exact, and an
+overflow is attributed to the loss that produced it.
+
+Skip rule: an optimizer steps only if none of the losses that reached its parameters overflowed in this
+iteration (``trainer.optimizer_state[opt].found_inf``). Each scaler updates once per iteration, after
+every optimizer step (torch's recipe; updating after each optimizer step, as Lightning and Accelerate do,
+unscales the second optimizer with the wrong scale), and only if its loss was used in the iteration.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, read_flags
+from ampkit.trainer.callback import Callback
+from ampkit.trainer.state import BackwardState
+
+
+class LossScaling(Callback):
+    """One :class:`~ampkit.amp.LossScaler` per ``loss_id`` (int or name) and the combined unscale.
+
+    Args:
+        loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale: the
+            knobs of every :class:`~ampkit.amp.LossScaler`.
+        num_losses: when given, scalers ``0..num_losses-1`` exist from the start and an integer
+            ``loss_id`` outside that range is an error; named loss ids are always accepted.
+        combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
+        warn_consecutive_skips: warn when an optimizer skipped this many steps in a row (0: never).
+        max_overflows_at_min_scale: raise when a scaler overflows this many iterations in a row while
+            already at ``min_scale`` (0: never) — scaling cannot help, the loss itself is non-finite.
+
+    TensorBoard tags (through ``trainer.log``): ``amp/loss_scale/<loss_id>`` at every logged step,
+    ``amp/overflow/<loss_id>`` (1 at each iteration that overflowed, 0 at logged clean ones) and
+    ``amp/skipped_steps/<optimizer>`` (cumulative). Fires ``on_after_unscale`` before each optimizer step
+    and ``on_loss_scale_update`` after each scaler update.
+    """
+
+    after = ("MixedPrecision",)
+    before = ("DistributedSync", "GradientClipping")
+
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        max_scale: float | None = 2.0**24,
+        num_losses: int | None = None,
+        combine_grad: bool = False,
+        warn_consecutive_skips: int = 10,
+        max_overflows_at_min_scale: int = 10,
+    ) -> None:
+        self._knobs = dict(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+        )
+        self.loss_scale = loss_scale
+        LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
+        if num_losses is not None and (
+            isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1
+        ):
+            raise ValueError(f"num_losses={num_losses!r}: expected None or an integer >= 1")
+        for option, value in (
+            ("warn_consecutive_skips", warn_consecutive_skips),
+            ("max_overflows_at_min_scale", max_overflows_at_min_scale),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{option}={value!r}: expected an integer >= 0 (0 disables it)")
+        self.num_losses = num_losses
+        self.combine_grad = combine_grad
+        self.warn_consecutive_skips = warn_consecutive_skips
+        self.max_overflows_at_min_scale = max_overflows_at_min_scale
+        self.scalers: dict[Any, LossScaler] = {}
+        self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
+        self._pending_flags: dict[Any, list[torch.Tensor]] = {}  # loss_id -> unsynced found_inf tensors
+        self._overflowed: dict[Any, bool] = {}  # loss_id -> overflowed in this iteration (resolved)
+        self._used: dict[Any, None] = {}  # loss ids backpropagated in this iteration, in order
+        self._consecutive_skips: dict[str, int] = {}
+        self._overflows_at_min: dict[str, int] = {}
+        self._loaded: dict[str, Any] = {}
+        if num_losses is not None:
+            for loss_id in range(num_losses):
+                self.scaler(loss_id)
+
+    # ------------------------------------------------------------------ scalers
+    @staticmethod
+    def _key(loss_id: Any) -> str:
+        return f"loss_scaler{loss_id}"
+
+    def scaler(self, loss_id: Any = 0) -> LossScaler:
+        """The scaler of ``loss_id``, created on first use."""
+        scaler = self.scalers.get(loss_id)
+        if scaler is not None:
+            return scaler
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int | str):
+            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
+        if isinstance(loss_id, int) and self.num_losses is not None and not 0 <= loss_id < self.num_losses:
+            raise ValueError(
+                f"loss_id={loss_id} is out of range for precision.num_losses={self.num_losses} "
+                f"(valid: 0..{self.num_losses - 1}, or a name)"
+            )
+        scaler = self.scalers[loss_id] = LossScaler(self.loss_scale, **self._knobs)
+        state = self._loaded.pop(self._key(loss_id), None)
+        if state is not None:
+            scaler.load_state_dict(state)
+        return scaler
+
+    @property
+    def scales(self) -> dict[Any, float]:
+        """The current scale of every loss id."""
+        return {loss_id: scaler.scale for loss_id, scaler in self.scalers.items()}
+
+    # ------------------------------------------------------------------ backward
+    def _build_combiners(self, trainer) -> None:
+        for optimizer in trainer.optimizers.values():
+            masters = MasterWeights.of(optimizer)
+            if masters is not None:
+                pairs = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True)]
+            else:
+                pairs = [(p, p) for group in optimizer.param_groups for p in group["params"]]
+            pairs = [(p, m) for p, m in pairs if p.requires_grad]
+            self._combiners[optimizer] = GradientCombiner(
+                [p for p, _ in pairs], [m for _, m in pairs], flat=self.combine_grad
+            )
+
+    def on_before_backward(self, trainer, backward: BackwardState) -> None:
+        scaler = self.scaler(backward.loss_id)
+        if not self._combiners:
+            self._build_combiners(trainer)
+        for combiner in self._combiners.values():
+            combiner.prepare_backward()
+        backward.loss = scaler.scale_loss(backward.loss)
+
+    def on_after_backward(self, trainer, backward: BackwardState) -> None:
+        loss_id = backward.loss_id
+        scaler = self.scalers[loss_id]
+        flags = self._pending_flags.setdefault(loss_id, [])
+        for optimizer, combiner in self._combiners.items():
+            result = combiner.combine(scaler)
+            if result.reached:
+                trainer.optimizer_state[optimizer].loss_ids.add(loss_id)
+                flags.append(result.found_inf)
+        self._used[loss_id] = None
+
+    def _resolve(self) -> None:
+        """Read every pending found_inf flag to the host with one sync."""
+        ids = [(loss_id, len(flags)) for loss_id, flags in self._pending_flags.items() if flags]
+        values = read_flags([f for flags in self._pending_flags.values() for f in flags])
+        self._pending_flags.clear()
+        at = 0
+        for loss_id, count in ids:
+            self._overflowed[loss_id] = self._overflowed.get(loss_id, False) or any(values[at : at + count])
+            at += count
+
+    # ------------------------------------------------------------------ step or skip
+    def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        self._resolve()
+        opt_state = trainer.optimizer_state[optimizer]
+        found_inf = any(self._overflowed.get(loss_id, False) for loss_id in opt_state.loss_ids)
+        if found_inf:
+            opt_state.found_inf = True
+        trainer.fire("on_after_unscale", optimizer, found_inf)
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        if not trainer.state.is_iteration_end:
+            return
+        self._resolve()
+        step = trainer.state.iteration
+        logged = step % trainer.cfg.logging.log_every_n_steps == 0
+        for loss_id in self._used:
+            scaler = self.scalers[loss_id]
+            overflowed = self._overflowed.get(loss_id, False)
+            old, new = scaler.update(overflowed)
+            self._check_floor(loss_id, scaler, overflowed, old)
+            trainer.fire("on_loss_scale_update", loss_id, old, new)
+            if logged or overflowed:
+                trainer.log(f"amp/overflow/{loss_id}", float(overflowed))
+        if logged:
+            for loss_id, scaler in self.scalers.items():
+                trainer.log(f"amp/loss_scale/{loss_id}", scaler.scale)
+        for opt_state in trainer.optimizer_state.values():
+            self._count_skips(opt_state)
+            if logged or opt_state.skipped:
+                trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps)
+        self._used.clear()
+        self._overflowed.clear()
+
+    def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
+        key = self._key(loss_id)
+        at_floor = overflowed and scaler.dynamic and scaler.min_scale is not None and old <= scaler.min_scale
+        self._overflows_at_min[key] = self._overflows_at_min.get(key, 0) + 1 if at_floor else 0
+        limit = self.max_overflows_at_min_scale
+        if limit and self._overflows_at_min[key] >= limit:
+            raise RuntimeError(
+                f"loss scaler for loss_id {loss_id!r} overflowed {self._overflows_at_min[key]} iterations in a row "
+                f"at min_scale={scaler.min_scale}: its gradients are non-finite whatever the scale (a NaN/inf "
+                "loss or input?). Lower precision.min_scale or fix the loss."
+            )
+
+    def _count_skips(self, opt_state) -> None:
+        name = opt_state.name
+        if opt_state.skipped:
+            self._consecutive_skips[name] = self._consecutive_skips.get(name, 0) + 1
+            count = self._consecutive_skips[name]
+            if self.warn_consecutive_skips and count % self.warn_consecutive_skips == 0:
+                culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
+                warnings.warn(
+                    f"optimizer '{name}' skipped {count} steps in a row: non-finite gradients from loss_id "
+                    f"{culprits} (scales: {self.scales})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        elif opt_state.stepped:
+            self._consecutive_skips[name] = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        scalers = {self._key(loss_id): scaler.state_dict() for loss_id, scaler in self.scalers.items()}
+        return {
+            "loss_scalers": {**self._loaded, **scalers},
+            "consecutive_skips": dict(self._consecutive_skips),
+            "overflows_at_min_scale": dict(self._overflows_at_min),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loaded = dict(state.get("loss_scalers", {}))
+        for loss_id, scaler in self.scalers.items():
+            saved = self._loaded.pop(self._key(loss_id), None)
+            if saved is not None:
+                scaler.load_state_dict(saved)
+        self._consecutive_skips = dict(state.get("consecutive_skips", {}))
+        self._overflows_at_min = dict(state.get("overflows_at_min_scale", {}))

@@ -1,0 +1,169 @@
+"""Casting for the opt levels: O1 autocast around forwards, O2/O3 model casts, O2 fp32 master weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ampkit.amp import (
+    MasterWeights,
+    OptLevelProperties,
+    add_boundary_casts,
+    autocast_for,
+    cast_model,
+    model_device,
+    parse_dtype,
+)
+from ampkit.trainer.callback import Callback
+from ampkit.trainer.state import BackwardState
+
+
+class MixedPrecision(Callback):
+    """Applies an :class:`~ampkit.amp.OptLevelProperties` recipe to the Trainer's model and optimizers.
+
+    - O1 (``patch_torch_functions``): forwards run under ``torch.autocast`` on the model's device type
+      (CPU too); autocast is paused for backward and optimizer steps, and on during validation.
+    - O2/O3 (``cast_model_type``): the model is cast (batch norm kept fp32 when ``keep_batchnorm_fp32``);
+      floating inputs are cast at the boundary of the model, or of each module named in ``cast_modules``
+      (e.g. ``["generator", "discriminator"]`` when training code calls submodules directly), and outputs
+      cast back to float32 (or ``cast_model_outputs``).
+    - ``master_weights``: each optimizer holds fp32 masters; they are copied into the model after every
+      step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical.
+
+    Casting happens at ``on_fit_start``, or earlier at ``on_load_checkpoint`` when resuming, where the
+    optimizer states are reloaded onto the cast parameters so they keep the dtype they were saved with.
+    """
+
+    def __init__(
+        self,
+        properties: OptLevelProperties,
+        cast_modules: Sequence[str] = (),
+        cast_model_outputs: torch.dtype | str | None = None,
+    ) -> None:
+        self.properties = properties
+        self.cast_modules = tuple(cast_modules)
+        if isinstance(cast_model_outputs, str):
+            name = cast_model_outputs.lower().removeprefix("torch.")
+            cast_model_outputs = (
+                torch.float32 if name in ("float32", "fp32") else parse_dtype(name, "cast_model_outputs")
+            )
+        self.cast_model_outputs = cast_model_outputs
+        self.masters: dict[torch.optim.Optimizer, MasterWeights] = {}
+        self._ready = False
+        self._pending_state: dict[str, Any] | None = None
+        self._autocast: Any = None  # the entered torch.autocast context, while forwards may run
+        self._resume_after_validation = False
+        self._master_to_model: dict[int, torch.Tensor] = {}
+        self._name_of: dict[torch.optim.Optimizer, str] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def _boundaries(self, trainer) -> list[torch.nn.Module]:
+        if not self.cast_modules:
+            return [trainer.module]
+        modules = dict(trainer.module.named_modules())
+        missing = [name for name in self.cast_modules if name not in modules]
+        if missing:
+            children = ", ".join(name for name, _ in trainer.module.named_children()) or "none"
+            raise ValueError(
+                f"precision.cast_modules names {missing}, which the model does not have; its children: {children}"
+            )
+        return [modules[name] for name in self.cast_modules]
+
+    def _setup(self, trainer) -> None:
+        if self._ready:
+            return
+        self._ready = True
+        self._name_of = {optimizer: name for name, optimizer in trainer.optimizers.items()}
+        props = self.properties
+        cast_type = props.cast_model_type
+        if cast_type is not None and cast_type != torch.float32:
+            cast_model(trainer.module, cast_type, keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32))
+            for module in self._boundaries(trainer):
+                add_boundary_casts(module, cast_type, self.cast_model_outputs or torch.float32)
+        elif self.cast_model_outputs is not None:
+            for module in self._boundaries(trainer):
+                add_boundary_casts(module, None, self.cast_model_outputs)
+        if props.master_weights:
+            for optimizer in trainer.optimizers.values():
+                masters = MasterWeights.of(optimizer) or MasterWeights(optimizer)
+                self.masters[optimizer] = masters
+                for param, master in zip(masters.model_params, masters.master_params, strict=True):
+                    self._master_to_model[id(master)] = param
+
+    def on_fit_start(self, trainer) -> None:
+        self._setup(trainer)
+
+    def on_load_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
+        self._setup(trainer)
+        # The Trainer loaded the optimizer states before the cast: reload them onto the cast parameters
+        # (or the masters) so every state tensor has the dtype it was saved with.
+        for name, optimizer in trainer.optimizers.items():
+            optimizer.load_state_dict(checkpoint["optimizers"][name])
+        saved = (self._pending_state or {}).get("master_weights", {})
+        for name, optimizer in trainer.optimizers.items():
+            if optimizer in self.masters:
+                if name not in saved:
+                    raise KeyError(
+                        f"checkpoint has no master weights for optimizer '{name}' (it has {sorted(saved)}); "
+                        "was it saved with precision.master_weights off?"
+                    )
+                self.masters[optimizer].load_state_dict(saved[name])
+        self._pending_state = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"master_weights": {self._name_of[opt]: masters.state_dict() for opt, masters in self.masters.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending_state = state
+
+    # ------------------------------------------------------------------ O1 autocast around forwards
+    def _autocast_on(self, trainer) -> None:
+        if self.properties.patch_torch_functions and self._autocast is None:
+            self._autocast = autocast_for(model_device(trainer.module), self.properties.dtype)
+            self._autocast.__enter__()
+
+    def _autocast_off(self) -> None:
+        if self._autocast is not None:
+            context, self._autocast = self._autocast, None
+            context.__exit__(None, None, None)
+
+    def on_train_batch_start(self, trainer, batch: Any) -> None:
+        self._autocast_on(trainer)
+
+    def on_before_backward(self, trainer, backward: BackwardState) -> None:
+        self._autocast_off()
+        if backward.inputs is not None and self._master_to_model:
+            # ``backward(loss, optimizer=opt)`` names the optimizer's tensors: the masters are not in the
+            # graph, their model parameters are.
+            backward.inputs = [self._master_to_model.get(id(t), t) for t in backward.inputs]
+
+    def on_after_backward(self, trainer, backward: BackwardState) -> None:
+        self._autocast_on(trainer)
+
+    def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        self._autocast_off()
+
+    def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        masters = self.masters.get(optimizer)
+        if masters is not None:
+            masters.copy_to_model()
+        self._autocast_on(trainer)
+
+    def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
+        self._autocast_on(trainer)
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        self._autocast_off()
+
+    def on_validation_start(self, trainer) -> None:
+        self._resume_after_validation = self._autocast is not None
+        self._autocast_on(trainer)
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        if not self._resume_after_validation:
+            self._autocast_off()
+
+    def on_exception(self, trainer, exception: BaseException) -> None:
+        self._autocast_off()

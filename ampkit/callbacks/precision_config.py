@@ -1,0 +1,53 @@
+"""Turn the ``precision:`` config section into the mixed-precision callbacks (or none, for O0)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ampkit.amp import resolve_opt_level
+from ampkit.callbacks.loss_scaling import LossScaling
+from ampkit.callbacks.precision import MixedPrecision
+from ampkit.config import ConfigError
+from ampkit.trainer.callback import Callback
+
+
+def precision_callbacks(precision: DictConfig) -> list[Callback]:
+    """``[MixedPrecision, LossScaling]`` for O1-O3; ``[]`` for O0 (plain float32, identical to a hand loop).
+
+    Raises:
+        ConfigError: an invalid option or combination (Apex's rules), naming ``precision.<option>``.
+    """
+    p = precision
+    if p.growth_interval is not None and p.scale_window is not None and p.growth_interval != p.scale_window:
+        raise ConfigError(
+            f"config keys 'precision.growth_interval' ({p.growth_interval}) and its alias "
+            f"'precision.scale_window' ({p.scale_window}) disagree; set one of them"
+        )
+    growth_interval = p.growth_interval if p.growth_interval is not None else p.scale_window
+    try:
+        props = resolve_opt_level(
+            p.opt_level,
+            dtype=p.dtype,
+            keep_batchnorm_fp32=p.keep_batchnorm_fp32,
+            master_weights=p.master_weights,
+            loss_scale=p.loss_scale,
+        )
+        if props.opt_level == "O0" and p.loss_scale is None:
+            return []
+        casting = MixedPrecision(props, cast_modules=list(p.cast_modules), cast_model_outputs=p.cast_model_outputs)
+        scaling = LossScaling(
+            props.loss_scale,
+            init_scale=p.init_scale,
+            growth_factor=p.growth_factor,
+            backoff_factor=p.backoff_factor,
+            growth_interval=2000 if growth_interval is None else growth_interval,
+            min_scale=p.min_scale,
+            max_scale=p.max_scale,
+            num_losses=p.num_losses,
+            combine_grad=p.combine_grad,
+            warn_consecutive_skips=p.warn_consecutive_skips,
+            max_overflows_at_min_scale=p.max_overflows_at_min_scale,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"config section 'precision': {exc}") from None
+    return [casting, scaling]

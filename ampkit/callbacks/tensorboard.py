@@ -1,0 +1,91 @@
+"""TensorBoard logging (rank zero only): losses, learning rates, gradient norms, steps/s, val metrics, hparams."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from ampkit.config import flatten
+from ampkit.trainer.callback import Callback
+
+
+class TensorBoardLogger(Callback):
+    """Writes ``<version_dir>/tensorboard`` event files.
+
+    Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
+    ``train/lr/<optimizer>``, ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer
+    is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
+    flattened hparams; and every scalar other callbacks queue with ``trainer.log(tag, value)``.
+    """
+
+    after = ("*",)
+
+    def __init__(self, log_every_n_steps: int = 10) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.writer: Any = None
+        self._sums: dict[str, torch.Tensor] = {}
+        self._batches = 0
+        self._last_time = 0.0
+        self._last_step = 0
+
+    def _due(self, trainer) -> bool:
+        return trainer.state.iteration % self.log_every_n_steps == 0
+
+    def on_fit_start(self, trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"))
+        params = flatten(OmegaConf.to_container(trainer.cfg, resolve=True, enum_to_str=True))
+        experiment, start, end = hparams(params, {})
+        for summary in (experiment, start, end):
+            self.writer.file_writer.add_summary(summary)
+        self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        if self.writer is None:
+            return
+        for tag, value, at_step in trainer.logged_scalars:
+            self.writer.add_scalar(tag, float(value), at_step)
+        for key, value in outputs.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.detach().float()
+                self._sums[key] = self._sums[key] + value if key in self._sums else value
+            elif isinstance(value, int | float):
+                self._sums[key] = self._sums.get(key, 0.0) + torch.tensor(float(value))
+        self._batches += 1
+        step = trainer.state.iteration
+        if not (trainer.state.is_iteration_end and self._due(trainer)):
+            return
+        for key, total in self._sums.items():
+            self.writer.add_scalar(f"train/{key}", (total / self._batches).item(), step)
+        self._sums, self._batches = {}, 0
+        for name, optimizer in trainer.optimizers.items():
+            self.writer.add_scalar(f"train/lr/{name}", optimizer.param_groups[0]["lr"], step)
+        now = time.perf_counter()
+        if step > self._last_step and now > self._last_time:
+            self.writer.add_scalar("train/steps_per_sec", (step - self._last_step) / (now - self._last_time), step)
+        self._last_time, self._last_step = now, step
+
+    def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        if self.writer is not None and self._due(trainer):
+            name = trainer.optimizer_state[optimizer].name
+            norm = trainer.grad_norm(optimizer)
+            self.writer.add_scalar(f"train/grad_norm/{name}", norm.item(), trainer.state.iteration)
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        for key, value in metrics.items():
+            self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
+        self.writer.flush()
+
+    def on_fit_end(self, trainer) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

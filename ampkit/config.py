@@ -1,0 +1,201 @@
+"""Structured configuration: dataclass schemas merged with a YAML file and ``key=value`` overrides.
+
+A run's YAML names its Trainer subclass (``trainer_class: package.module:ClassName``); that class's
+``config_class`` (a dataclass extending :class:`Config`) is the schema, so unknown keys and wrong types
+anywhere fail before training with the dotted path, the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: the message names the dotted key, the bad value and the valid choices."""
+
+
+@dataclass
+class TrainerConfig:
+    """The loop."""
+
+    max_epochs: int = 1
+    max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
+    accumulate_grad_batches: int = 1
+    limit_train_batches: int | None = None
+    limit_val_batches: int | None = None
+    val_every_n_epochs: int = 1  # 0 disables epoch-end validation
+    val_every_n_steps: int = 0  # 0 disables step-based validation
+    clip_grad_norm: float | None = None
+    seed: int | None = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    compile: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when to write checkpoints (``<run_dir>/version_N/checkpoints``)."""
+
+    enabled: bool = True
+    every_n_steps: int = 0
+    every_n_epochs: int = 1
+    keep_last: int = 2  # step/epoch files kept besides last.pt
+
+
+@dataclass
+class LoggingConfig:
+    """TensorBoard logging."""
+
+    tensorboard: bool = True
+    log_every_n_steps: int = 10
+
+
+@dataclass
+class PrecisionConfig:
+    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half).
+
+    ``None`` means the opt level's default (Apex's table); ``loss_scale`` is ``dynamic`` or a number.
+    """
+
+    opt_level: str = "O0"
+    dtype: str = "float16"  # float16 | bfloat16
+    loss_scale: Any = None  # dynamic | <number>
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int | None = None  # 2000; alias scale_window
+    scale_window: int | None = None
+    min_scale: float | None = None
+    max_scale: float | None = 16777216.0
+    num_losses: int | None = None  # int loss_ids must be below it; named loss_ids are always accepted
+    combine_grad: bool = False  # one flat gradient buffer per dtype
+    keep_batchnorm_fp32: Any = None  # True | False | "True" | "False"
+    master_weights: bool | None = None
+    cast_model_outputs: str | None = None  # O2/O3 outputs are cast to float32 unless this names a dtype
+    cast_modules: list[str] = field(default_factory=list)  # submodules cast at their boundary ([]: the model)
+    clip_grad_norm: float | None = None  # same as trainer.clip_grad_norm
+    warn_consecutive_skips: int = 10  # warn after this many skipped steps in a row (0: never)
+    max_overflows_at_min_scale: int = 10  # error after this many overflows in a row at min_scale (0: never)
+
+
+@dataclass
+class Config:
+    """The root schema; a Trainer subclass extends it with its own sections (model, data, optim...)."""
+
+    trainer_class: str = MISSING
+    name: str = "run"
+    run_dir: str = "runs/${name}"
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+
+def import_object(path: str, what: str = "trainer_class") -> Any:
+    """Import ``package.module:Name`` (or ``package.module.Name``); the working directory is importable."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{what}: '{path}' is not an import path; expected 'package.module:ClassName'")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"{what}: cannot import module '{module_name}' of '{path}' ({exc})") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and isinstance(vars(module)[n], type))
+        raise ConfigError(
+            f"{what}: module '{module_name}' has no '{attr}'; classes it defines: {', '.join(public) or 'none'}"
+        ) from None
+
+
+def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
+    node = OmegaConf.select(schema, parent) if parent else schema
+    return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
+    full_key = str(getattr(exc, "full_key", "") or "")
+    message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+    if type(exc).__name__ == "ConfigKeyError" or "not in" in message:
+        parent = full_key.rpartition(".")[0]
+        valid = _valid_keys(schema, parent)
+        where = f"'{parent}'" if parent else "the top level"
+        return ConfigError(f"unknown config key '{full_key}'; valid keys at {where}: {', '.join(valid)}")
+    return ConfigError(f"config key '{full_key}': {message}")
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+
+
+def build_config(schema_class: type, *sources: Any) -> DictConfig:
+    """Merge ``sources`` (dicts/DictConfigs) onto the dataclass ``schema_class``; errors become ConfigError."""
+    if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):
+        raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {schema_class!r}")
+    schema = OmegaConf.structured(schema_class)
+    try:
+        cfg = OmegaConf.merge(schema, *sources)
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise _explain(exc, schema) from None
+    OmegaConf.set_struct(cfg, True)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[type, DictConfig]:
+    """Read ``path`` and ``overrides``, import the named Trainer class, validate against its schema."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as exc:  # yaml errors come in several types
+        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+    cli = _parse_overrides(list(overrides or []))
+    target = OmegaConf.select(cli, "trainer_class") or OmegaConf.select(raw, "trainer_class")
+    if not target:
+        raise ConfigError(f"config '{path}' must set trainer_class: 'package.module:TrainerSubclass'")
+    from ampkit.trainer.trainer import Trainer
+
+    trainer_class = import_object(str(target))
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise ConfigError(f"trainer_class: '{target}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
+    return trainer_class, build_config(trainer_class.config_class, raw, cli)
+
+
+def flatten(cfg: DictConfig | dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a/b": value}`` with TensorBoard-friendly scalars (lists and None become strings)."""
+    container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    flat: dict[str, Any] = {}
+    for key, value in container.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, dict):
+            flat.update(flatten(value, name))
+        elif isinstance(value, bool | int | float | str):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

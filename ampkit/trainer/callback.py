@@ -1,0 +1,130 @@
+"""The callback base: every hook the Trainer fires, as a no-op to override.
+
+Hooks run in the order documented on :class:`ampkit.Trainer`. A callback says which others must run
+before or after it by name (``after = ("LossScaling",)``); ``"*"`` means "after every callback that does
+not itself say ``"*"``" (checkpointing uses it so it saves the final state of an iteration). Names that
+are not present are ignored, so callbacks stay independent of one another.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ampkit.trainer.state import BackwardState
+    from ampkit.trainer.trainer import Trainer
+
+HOOKS: tuple[str, ...] = (
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_after_unscale",
+    "on_before_optimizer_step",
+    "on_after_optimizer_step",
+    "on_optimizer_step_skipped",
+    "on_before_zero_grad",
+    "on_loss_scale_update",
+    "on_train_batch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_train_end",
+    "on_fit_end",
+    "on_exception",
+)
+
+
+class Callback:
+    """A unit of behaviour plugged into the Trainer's loop; override only the hooks you need."""
+
+    after: ClassVar[tuple[str, ...]] = ()
+    before: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def name(self) -> str:
+        """The name other callbacks use in ``after``/``before``."""
+        return type(self).__name__
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's ``state_dict`` inside a checkpoint."""
+        return self.name
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (plain containers and tensors only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """After set-up (model, optimizers, data, resume) and before the first epoch."""
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Just before the first training epoch runs."""
+
+    def on_train_epoch_start(self, trainer: Trainer) -> None:
+        """At the start of every training epoch."""
+
+    def on_train_batch_start(self, trainer: Trainer, batch: Any) -> None:
+        """Before ``training_step``; ``trainer.state`` says the batch index and whether it ends an iteration."""
+
+    def on_before_backward(self, trainer: Trainer, backward: BackwardState) -> None:
+        """Before autograd runs; may replace ``backward.loss`` (e.g. with a scaled loss)."""
+
+    def on_after_backward(self, trainer: Trainer, backward: BackwardState) -> None:
+        """After autograd has written this loss's gradients."""
+
+    def on_after_unscale(self, trainer: Trainer, optimizer: torch.optim.Optimizer, found_inf: bool) -> None:
+        """Mixed precision: ``optimizer``'s gradients are unscaled; ``found_inf`` says whether it will skip."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer.step()``; set ``trainer.optimizer_state[optimizer].found_inf`` to skip it."""
+
+    def on_after_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()`` ran (not called for a skipped step)."""
+
+    def on_optimizer_step_skipped(
+        self, trainer: Trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]
+    ) -> None:
+        """Instead of the step when a non-finite gradient was found; ``loss_ids`` are the culprits."""
+
+    def on_before_zero_grad(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
+        """At the end of an iteration, before the optimizer's gradients are cleared."""
+
+    def on_loss_scale_update(self, trainer: Trainer, loss_id: Any, old: float, new: float) -> None:
+        """Mixed precision: loss scaler ``loss_id`` updated its scale at the end of an iteration."""
+
+    def on_train_batch_end(self, trainer: Trainer, outputs: dict[str, Any], batch: Any) -> None:
+        """After the batch (and, at the end of an iteration, schedulers, zeroing and due validation)."""
+
+    def on_validation_start(self, trainer: Trainer) -> None:
+        """Before a validation run."""
+
+    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After a validation run, with its averaged metrics."""
+
+    def on_train_epoch_end(self, trainer: Trainer) -> None:
+        """At the end of every training epoch (after the epoch's validation, if due)."""
+
+    def on_save_checkpoint(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """While a checkpoint is assembled; may add entries."""
+
+    def on_load_checkpoint(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """While a checkpoint is restored, after the model, optimizers and callback states."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """After the last epoch."""
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        """At the very end of ``fit()``, also after an exception."""
+
+    def on_exception(self, trainer: Trainer, exception: BaseException) -> None:
+        """When ``fit()`` raises; the exception propagates afterwards."""

@@ -1,0 +1,84 @@
+"""Atomic checkpoint files, and loading that never executes a pickle payload."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_KEY = "ampkit_checkpoint"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, unsafe or not ampkit's."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """Write ``obj`` to a temp file beside ``path``, fsync it, then rename: readers see old or new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def link_atomic(source: Path, alias: Path) -> None:
+    """Point ``alias`` at ``source``'s bytes (hard link, copy if links are unsupported), atomically."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{alias.name}.", suffix=".tmp", dir=alias.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, alias)
+    _fsync_dir(alias.parent)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load an ampkit checkpoint with ``weights_only=True``; every failure is one :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint file at '{path}'")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"refusing to load '{path}': it holds pickled objects other than tensors and plain containers, "
+            f"which could run code ({first_line}). ampkit loads checkpoints with weights_only=True."
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {exc}") from None
+    if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
+        raise CheckpointError(f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry)")
+    if checkpoint[FORMAT_KEY] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]}; this ampkit reads up to {FORMAT_VERSION}"
+        )
+    return checkpoint

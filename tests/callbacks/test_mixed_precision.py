@@ -1,0 +1,402 @@
+"""Mixed precision through the Trainer: skip semantics, per-loss scalers, parity, resume, logging."""
+
+import math
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ampkit
+from ampkit.callbacks import LossScaling, MixedPrecision
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def make_batches(n, seed=0, batch=8):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 4, generator=gen), torch.randn(batch, 2, generator=gen)) for _ in range(n)]
+
+
+class Recorder(ampkit.Callback):
+    """Records the mixed-precision hooks and snapshots parameters around every batch."""
+
+    def __init__(self):
+        self.skipped, self.scale_updates, self.unscaled = [], [], []
+        self.before = {}
+        self.changed = []
+
+    @staticmethod
+    def tensors(trainer, name, optimizer):
+        """The optimizer's tensors (fp32 masters under O2) and the model's parameters it trains."""
+        owned = [p for g in optimizer.param_groups for p in g["params"]]
+        return owned + list(trainer.module.get_submodule(name).parameters())
+
+    def on_train_batch_start(self, trainer, batch):
+        self.before = {
+            name: [t.detach().clone() for t in self.tensors(trainer, name, opt)]
+            for name, opt in trainer.optimizers.items()
+        }
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        changed = {}
+        for name, opt in trainer.optimizers.items():
+            now = self.tensors(trainer, name, opt)
+            changed[name] = [not torch.equal(a, b) for a, b in zip(self.before[name], now, strict=True)]
+        self.changed.append({name: any(flags) for name, flags in changed.items()})
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+        self.skipped.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name))
+
+    def on_loss_scale_update(self, trainer, loss_id, old, new):
+        self.scale_updates.append((trainer.state.iteration, loss_id, old, new))
+
+    def on_after_unscale(self, trainer, optimizer, found_inf):
+        self.unscaled.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name, found_inf))
+
+
+class TwoHeadNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class SharedBackwardTrainer(ampkit.Trainer):
+    """One loss, two optimizers (body and head) stepped from one backward: Lightning's failing case."""
+
+    def configure_model(self):
+        torch.manual_seed(0)
+        return TwoHeadNet()
+
+    def configure_optimizers(self):
+        body = torch.optim.SGD(self.module.body.parameters(), lr=0.1)
+        head = torch.optim.SGD(self.module.head.parameters(), lr=0.1)
+        return [
+            {"optimizer": body, "name": "body", "lr_scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5)},
+            {"optimizer": head, "name": "head", "lr_scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5)},
+        ]
+
+    def train_dataloader(self):
+        return make_batches(self.cfg.trainer.limit_train_batches or 6)
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = (self.model(x) - y).square().mean()
+        inject = getattr(self, "inject", {})
+        if inject.get(0) == self.state.iteration:
+            loss = loss * math.inf
+        return loss
+
+
+class TwoLossTrainer(ampkit.Trainer):
+    """Manual optimization with two losses: "A" reaches both optimizers, "B" only the head's."""
+
+    automatic_optimization = False
+
+    def configure_model(self):
+        torch.manual_seed(0)
+        return TwoHeadNet()
+
+    def configure_optimizers(self):
+        body = torch.optim.Adam(self.module.body.parameters(), lr=1e-2)
+        head = torch.optim.Adam(self.module.head.parameters(), lr=1e-2)
+        return [
+            {"optimizer": body, "name": "body", "lr_scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5)},
+            {"optimizer": head, "name": "head", "lr_scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5)},
+        ]
+
+    def train_dataloader(self):
+        return make_batches(6)
+
+    def training_step(self, batch):
+        x, y = batch
+        inject = getattr(self, "inject", {})
+        out = self.model(x)
+        loss_a = (out - y).square().mean()
+        if inject.get("A") == self.state.iteration:
+            loss_a = loss_a * math.inf
+        self.backward(loss_a, loss_id="A")
+        feats = self.module.body(x).detach()
+        loss_b = self.module.head(feats).abs().mean()
+        if inject.get("B") == self.state.iteration:
+            loss_b = loss_b * math.nan
+        self.backward(loss_b, loss_id="B", optimizer=self.optimizers["head"])
+        for optimizer in self.optimizers.values():
+            self.step(optimizer)
+        return {"loss_a": loss_a.detach(), "loss_b": loss_b.detach()}
+
+
+def config(run_dir, **precision):
+    return {
+        "trainer_class": "tests:unused",
+        "run_dir": str(run_dir),
+        "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu", "seed": 0},
+        "checkpoint": {"enabled": False},
+        "logging": {"tensorboard": False, "log_every_n_steps": 1},
+        "precision": precision,
+    }
+
+
+def fit(trainer_class, run_dir, inject=None, resume=None, trainer_cfg=None, checkpoint=None, logging=None, **precision):
+    cfg = config(run_dir, **precision)
+    cfg["trainer"].update(trainer_cfg or {})
+    cfg["checkpoint"].update(checkpoint or {})
+    cfg["logging"].update(logging or {})
+    recorder = Recorder()
+    trainer = trainer_class(cfg, callbacks=[recorder])
+    trainer.inject = inject or {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(resume=resume)
+    trainer.caught = [str(w.message) for w in caught]
+    return trainer, recorder
+
+
+def params_of(trainer):
+    return {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- parity
+
+
+def hand_loop_two_optimizers(steps, scale_schedule=None):
+    torch.manual_seed(0)
+    model = TwoHeadNet()
+    body = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    head = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in (body, head)]
+    for x, y in make_batches(steps):
+        for o in (body, head):
+            o.zero_grad()
+        (model(x) - y).square().mean().backward()
+        for o in (body, head):
+            o.step()
+        for s in scheds:
+            s.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", [{}, {"loss_scale": 1.0}, {"loss_scale": "dynamic", "growth_interval": 1}])
+def test_two_optimizers_sharing_one_backward_equal_fp32_reference(tmp_path, precision):
+    # With growth_interval=1 the scale doubles after every iteration. Updating the scaler after the
+    # first optimizer's step (Lightning, Accelerate) would unscale the second optimizer's gradients with
+    # the doubled scale; here both use the scale of the backward, so the result is exactly fp32's.
+    trainer, recorder = fit(SharedBackwardTrainer, tmp_path, **precision)
+    reference = hand_loop_two_optimizers(6)
+    for key, value in params_of(trainer).items():
+        assert torch.equal(value, reference[key]), key
+    if precision.get("growth_interval") == 1:
+        assert [new for *_, new in recorder.scale_updates] == [2.0**17, 2.0**18, 2.0**19, 2.0**20, 2.0**21, 2.0**22]
+        assert [u[1:] for u in recorder.unscaled[:2]] == [("body", False), ("head", False)]
+    elif precision:
+        assert [u[2:] for u in recorder.scale_updates] == [(1.0, 1.0)] * 6  # static: never changes
+    else:
+        assert recorder.scale_updates == []  # O0 installs no precision callbacks at all
+
+
+def test_o0_accumulation_equals_hand_loop(tmp_path):
+    trainer, _ = fit(SharedBackwardTrainer, tmp_path, trainer_cfg={"accumulate_grad_batches": 2}, loss_scale=8.0)
+    torch.manual_seed(0)
+    model = TwoHeadNet()
+    opts = [torch.optim.SGD(model.body.parameters(), lr=0.1), torch.optim.SGD(model.head.parameters(), lr=0.1)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in opts]
+    for i, (x, y) in enumerate(make_batches(6)):
+        ((model(x) - y).square().mean() / 2).backward()
+        if i % 2 == 1:
+            for o in opts:
+                o.step()
+            for s in scheds:
+                s.step()
+            for o in opts:
+                o.zero_grad()
+    for key, value in params_of(trainer).items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
+# ---------------------------------------------------------------------- injected overflows
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    loss=st.sampled_from(["A", "B"]),
+    step=st.integers(1, 6),
+    opt_level=st.sampled_from(["O1", "O2"]),
+    dtype=st.sampled_from(DTYPES),
+    combine_grad=st.booleans(),
+)
+def test_injected_overflow_skips_exactly_the_reached_optimizers(loss, step, opt_level, dtype, combine_grad):
+    with tempfile.TemporaryDirectory() as run_dir:
+        trainer, rec = fit(
+            TwoLossTrainer,
+            run_dir,
+            inject={loss: step},
+            opt_level=opt_level,
+            dtype=dtype,
+            growth_interval=2,
+            init_scale=2.0**10,
+            combine_grad=combine_grad,
+            cast_modules=["body", "head"],  # training_step calls both submodules directly
+        )
+    expected = {"body", "head"} if loss == "A" else {"head"}  # loss A reaches both, B only the head
+    assert sorted(rec.skipped) == sorted((step, name) for name in expected)
+    assert {name for name, changed in rec.changed[step - 1].items() if changed} == {"body", "head"} - expected
+    for name, changed in rec.changed[step - 1].items():
+        if name in expected:
+            assert not changed  # skipped: bit-unchanged parameters (and masters)
+    for it in range(6):
+        if it + 1 != step:
+            assert all(rec.changed[it].values()), it
+    for name in ("body", "head"):
+        opt_state = trainer.optimizer_state[trainer.optimizers[name]]
+        assert opt_state.skipped_steps == (name in expected)
+        assert opt_state.steps == 6 - (name in expected)
+        # schedulers step only after real steps: gamma 0.5 per step
+        assert trainer.optimizers[name].param_groups[0]["lr"] == pytest.approx(
+            (1e-2) * 0.5**opt_state.steps, rel=0, abs=0
+        )
+    assert not [w for w in trainer.caught if "lr_scheduler.step()" in w]
+    # only the overflowing loss's scaler backed off; growth after exactly 2 clean updates
+    for loss_id in ("A", "B"):
+        scale, clean = 2.0**10, 0
+        for it, lid, old, new in [u for u in rec.scale_updates if u[1] == loss_id]:
+            assert old == scale
+            if lid == loss and it == step:
+                scale, clean = scale / 2, 0
+            else:
+                clean += 1
+                if clean == 2:
+                    scale, clean = scale * 2, 0
+            assert new == scale, (loss_id, it)
+
+
+def test_skip_warning_and_min_scale_error(tmp_path):
+    trainer, _ = fit(
+        TwoLossTrainer,
+        tmp_path / "warn",
+        inject={"B": 2},
+        opt_level="O1",
+        warn_consecutive_skips=1,
+        max_overflows_at_min_scale=0,
+    )
+    assert any("optimizer 'head' skipped 1 steps in a row" in w and "'B'" in w for w in trainer.caught)
+
+    class AlwaysNan(SharedBackwardTrainer):
+        def training_step(self, batch):
+            return super().training_step(batch) * math.nan
+
+    with pytest.raises(RuntimeError, match="loss_id 0 overflowed 3 iterations in a row at min_scale=4.0"):
+        fit(AlwaysNan, tmp_path / "err", opt_level="O1", init_scale=16.0, min_scale=4.0, max_overflows_at_min_scale=3)
+
+
+# ---------------------------------------------------------------------- casting
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_o1_autocasts_forward_only(tmp_path, dtype):
+    class Probe(SharedBackwardTrainer):
+        def training_step(self, batch):
+            out = self.model(batch[0])
+            self.forward_dtypes = getattr(self, "forward_dtypes", []) + [out.dtype]
+            return (out.float() - batch[1]).square().mean()
+
+    class StepProbe(ampkit.Callback):
+        seen = []
+
+        def on_before_optimizer_step(self, trainer, optimizer):
+            self.seen.append(torch.is_autocast_enabled("cpu"))
+
+    probe = StepProbe()
+    cfg = config(tmp_path, opt_level="O1", dtype=dtype)
+    trainer = Probe(cfg, callbacks=[probe])
+    trainer.fit()
+    assert set(trainer.forward_dtypes) == {getattr(torch, dtype)}
+    assert probe.seen and not any(probe.seen)
+    assert not torch.is_autocast_enabled("cpu")
+    assert all(p.dtype == torch.float32 for p in trainer.module.parameters())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_o2_casts_model_keeps_batchnorm_and_masters(tmp_path, dtype):
+    trainer, _ = fit(SharedBackwardTrainer, tmp_path, opt_level="O2", dtype=dtype)
+    low = getattr(torch, dtype)
+    assert trainer.module.head.weight.dtype == trainer.module.body[0].weight.dtype == low
+    assert trainer.module.body[1].weight.dtype == torch.float32
+    for opt in trainer.optimizers.values():
+        masters = [p for g in opt.param_groups for p in g["params"]]
+        assert all(m.dtype == torch.float32 for m in masters)
+    head_master = trainer.optimizers["head"].param_groups[0]["params"][0]
+    assert torch.equal(head_master.to(low), trainer.module.head.weight)
+
+
+def test_config_errors_name_the_option(tmp_path):
+    with pytest.raises(ampkit.ConfigError, match="'O0', 'O1', 'O2', 'O3'"):
+        fit(SharedBackwardTrainer, tmp_path, opt_level="01")
+    with pytest.raises(ampkit.ConfigError, match="master_weights"):
+        fit(SharedBackwardTrainer, tmp_path, opt_level="O1", master_weights=True)
+    with pytest.raises(ampkit.ConfigError, match="precision.scale_window"):
+        fit(SharedBackwardTrainer, tmp_path, opt_level="O1", growth_interval=10, scale_window=20)
+    with pytest.raises(ampkit.ConfigError, match="backoff_factor=2.0"):
+        fit(SharedBackwardTrainer, tmp_path, opt_level="O1", backoff_factor=2.0)
+    with pytest.raises(ValueError, match="cast_modules names \\['decoder'\\].*children: body, head"):
+        fit(SharedBackwardTrainer, tmp_path, opt_level="O2", cast_modules=["decoder"])
+    with pytest.raises(ValueError, match="loss_id=2 is out of range for precision.num_losses=2"):
+        LossScaling(num_losses=2).scaler(2)
+
+
+# ---------------------------------------------------------------------- resume and logging
+
+
+@pytest.mark.parametrize("combine_grad", [False, True])
+@pytest.mark.parametrize("opt_level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")])
+def test_resumed_run_continues_bit_identically(tmp_path, opt_level, dtype, combine_grad):
+    kwargs = dict(opt_level=opt_level, dtype=dtype, combine_grad=combine_grad, growth_interval=2, init_scale=2.0**20)
+    kwargs["cast_modules"] = ["body", "head"]
+    full, _ = fit(TwoLossTrainer, tmp_path / "full", inject={"B": 2}, **kwargs)
+    first, _ = fit(
+        TwoLossTrainer,
+        tmp_path / "part",
+        inject={"B": 2},
+        checkpoint={"enabled": True, "every_n_steps": 3, "every_n_epochs": 0},
+        trainer_cfg={"max_steps": 3},
+        **kwargs,
+    )
+    checkpoint = next(Path(first.version_dir, "checkpoints").glob("step-00000003.pt"))
+    resumed, _ = fit(TwoLossTrainer, tmp_path / "part", inject={"B": 2}, resume=checkpoint, **kwargs)
+    for key, value in params_of(full).items():
+        assert torch.equal(value, params_of(resumed)[key]), key
+    for name in ("body", "head"):
+        a = [p for g in full.optimizers[name].param_groups for p in g["params"]]
+        b = [p for g in resumed.optimizers[name].param_groups for p in g["params"]]
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    scaling = [cb for cb in resumed.callbacks if isinstance(cb, LossScaling)][0]
+    full_scaling = [cb for cb in full.callbacks if isinstance(cb, LossScaling)][0]
+    assert scaling.state_dict() == full_scaling.state_dict()
+    assert any(isinstance(cb, MixedPrecision) for cb in resumed.callbacks)
+
+
+def test_tensorboard_amp_tags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, _ = fit(
+        TwoLossTrainer, tmp_path, inject={"A": 3}, logging={"tensorboard": True}, opt_level="O1", init_scale=1024.0
+    )
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"amp/loss_scale/A", "amp/loss_scale/B", "amp/overflow/A", "amp/skipped_steps/body"} <= tags
+    assert {"train/grad_norm/body", "train/grad_norm/head"} <= tags
+    scale_a = [(e.step, e.value) for e in events.Scalars("amp/loss_scale/A")]
+    assert scale_a[:4] == [(1, 1024.0), (2, 1024.0), (3, 512.0), (4, 512.0)]
+    assert [e.value for e in events.Scalars("amp/loss_scale/B")][:4] == [1024.0] * 4
+    assert [(e.step, e.value) for e in events.Scalars("amp/overflow/A")][:4] == [(1, 0), (2, 0), (3, 1), (4, 0)]
+    assert [e.value for e in events.Scalars("amp/skipped_steps/body")] == [0, 0, 1, 1, 1, 1]
+    norms = [e.value for e in events.Scalars("train/grad_norm/head")]
+    assert all(math.isfinite(v) and v < 100 for v in norms[:2])  # unscaled: not ~65536 times too big
