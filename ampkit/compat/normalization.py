@@ -6,7 +6,8 @@ import importlib
 from typing import Any
 
 _TARGET_MODULE = "ampkit.ops.norms"
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"]
+_APEX_NAMES = ("FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm")
+__all__ = list(_APEX_NAMES)
 
 
 def __getattr__(name: str) -> Any:

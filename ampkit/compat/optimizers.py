@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _TARGET_MODULE = "ampkit.ops.optimizers"
-__all__ = [
+_APEX_NAMES = (
     "FusedAdam",
     "FusedSGD",
     "FusedLAMB",
@@ -22,7 +22,8 @@ __all__ = [
     "FusedRMSprop",
     "FusedRMSpropTF",
     "FusedMixedPrecisionLamb",
-]
+)
+__all__ = list(_APEX_NAMES)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ Two models, two optimizers, ``num_losses=2`` (the discriminator's loss is ``loss
 generator's ``loss_id=1``), and the loss scales logged through ``amp._amp_state`` as legacy scripts did.
 """
 
+# ruff: noqa: UP031  (%-formatting kept as the Apex-era script had it)
 import argparse
 import math
 

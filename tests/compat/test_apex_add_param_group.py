@@ -40,7 +40,7 @@ def _train(level, add_late, combine_grad):
 def test_group_added_after_initialize_trains_like_one_given_up_front(level, combine_grad):
     late_model, late_optimizer = _train(level, add_late=True, combine_grad=combine_grad)
     early_model, _ = _train_reference(level, combine_grad)
-    for late, early in zip(late_model.parameters(), early_model.parameters()):
+    for late, early in zip(late_model.parameters(), early_model.parameters(), strict=True):
         assert torch.equal(late, early)
     if level == "O2":
         assert all(p.dtype == torch.float32 for p in amp.master_params(late_optimizer))

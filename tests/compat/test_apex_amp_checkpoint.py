@@ -68,7 +68,7 @@ def test_restored_run_continues_identically(level, num_losses):
     for it in range(SAVE_AFTER + 1, ITERS):
         _iteration(model, optimizer, it, num_losses, dynamic)
     assert amp.state_dict() == final_amp
-    for restored, uninterrupted in zip(model.parameters(), final):
+    for restored, uninterrupted in zip(model.parameters(), final, strict=True):
         assert torch.equal(restored, uninterrupted)
     masters = [p.detach() for p in amp.master_params(optimizer)]
     assert all(m.dtype == torch.float32 for m in masters) == (level in ("O0", "O1", "O2"))

@@ -72,7 +72,7 @@ def test_property_table(level, weight_dtype, bn_dtype, master_weights, scale, dy
     assert model[1].weight.dtype == bn_dtype and model[1].running_mean.dtype == bn_dtype
     optimizer_dtypes = {p.dtype for p in amp.master_params(optimizer)}
     assert optimizer_dtypes == ({torch.float32} if master_weights or level in ("O0", "O1") else {weight_dtype})
-    separate_master = [p is not q for p, q in zip(amp.master_params(optimizer), model.parameters())]
+    separate_master = [p is not q for p, q in zip(amp.master_params(optimizer), model.parameters(), strict=True)]
     assert separate_master == [master_weights and q.dtype != torch.float32 for q in model.parameters()]
     scaler = amp._amp_state.loss_scalers[0]
     assert scaler.loss_scale() == scale and scaler.dynamic == dynamic

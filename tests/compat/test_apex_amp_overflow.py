@@ -93,7 +93,9 @@ def _train_with_amp(level, inject_iter, inject_loss, combine_grad=False, **kwarg
 
 
 @pytest.mark.parametrize("inject_loss", [0, 1])
-@pytest.mark.parametrize("level, extra, tol", [("O0", {"loss_scale": "dynamic"}, 0.0), ("O1", {}, 2e-2), ("O2", {}, 2e-2)])
+@pytest.mark.parametrize(
+    "level, extra, tol", [("O0", {"loss_scale": "dynamic"}, 0.0), ("O1", {}, 2e-2), ("O2", {}, 2e-2)]
+)
 def test_inf_in_one_backward_skips_exactly_the_optimizers_it_reached(inject_loss, level, extra, tol):
     inject_iter = 1
     m0, m1, (before, after) = _train_with_amp(level, inject_iter, inject_loss, **extra)
@@ -108,7 +110,7 @@ def test_inf_in_one_backward_skips_exactly_the_optimizers_it_reached(inject_loss
     assert m1_untouched == (inject_loss == 1)
     ref0, ref1 = _reference(inject_iter, inject_loss)
     for got, want in ((m0, ref0), (m1, ref1)):
-        for p, q in zip(got.parameters(), want.parameters()):
+        for p, q in zip(got.parameters(), want.parameters(), strict=True):
             assert torch.isfinite(p).all()
             torch.testing.assert_close(p.float(), q, atol=tol, rtol=tol)
 
@@ -119,8 +121,8 @@ def test_combine_grad_flat_buffers_give_bitwise_the_same_training(level):
     plain_scales = amp.state_dict()
     flat = _train_with_amp(level, inject_iter=2, inject_loss=1, combine_grad=True)
     assert amp.state_dict() == plain_scales
-    for got, want in zip(flat[:2], plain[:2]):
-        for p, q in zip(got.parameters(), want.parameters()):
+    for got, want in zip(flat[:2], plain[:2], strict=True):
+        for p, q in zip(got.parameters(), want.parameters(), strict=True):
             assert torch.equal(p, q)
 
 
@@ -136,7 +138,7 @@ def test_forced_fp16_overflow_halves_the_right_scaler_exactly_n_times(which, cap
         outs = [m0(x), m1(torch.tanh(x))]
         if it < n:
             outs[which] = outs[which] * 70000.0  # overflows float16 (max 65504) in forward and backward
-        for loss_id, (out, opt) in enumerate(zip(outs, (opt0, opt1))):
+        for loss_id, (out, opt) in enumerate(zip(outs, (opt0, opt1), strict=True)):
             opt.zero_grad()
             with amp.scale_loss(out.float().mean() * 0.01, opt, loss_id=loss_id) as scaled:
                 scaled.backward()
@@ -201,7 +203,7 @@ def test_delay_unscale_accumulates_exactly_and_checks_at_the_last_backward(level
         reference(x).pow(2).mean().backward()
     grads = [p.grad for p in amp.master_params(opt0)]
     tol = 0.0 if level == "O0" else 2e-2
-    for got, want in zip(grads, (reference.weight.grad, reference.bias.grad)):
+    for got, want in zip(grads, (reference.weight.grad, reference.bias.grad), strict=True):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # an inf in a delayed backward is caught when the gradients are finally unscaled
     opt0.zero_grad()

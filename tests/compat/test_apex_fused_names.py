@@ -43,7 +43,7 @@ def test_fused_adam_steps_through_the_apex_shim():
         before = [p.detach().clone() for p in model.parameters()]
         model(torch.randn(4, 8)).pow(2).sum().backward()
         optimizer.step()
-        assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     finally:
         uninstall_apex_shim()
 

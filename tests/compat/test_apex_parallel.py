@@ -26,7 +26,7 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip):
             local = min(local / lr, 1.0)
         expected.append(p.detach() - lr * local * (p.grad + wd * p.detach()))
     optimizer.step()
-    for p, want in zip(model.parameters(), expected):
+    for p, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.detach(), want)
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
@@ -67,8 +67,8 @@ def _worker(rank, world_size, init_file):
             model.load_state_dict(base.state_dict())
             model(_rank_data(r)[0]).pow(2).sum().backward()
             per_rank.append([p.grad.clone() for p in model.parameters()])
-        mean = [sum(g) / world_size for g in zip(*per_rank)]
-        total = [sum(g) for g in zip(*per_rank)]
+        mean = [sum(g) / world_size for g in zip(*per_rank, strict=True)]
+        total = [sum(g) for g in zip(*per_rank, strict=True)]
         cases = [
             (dict(), mean),
             (dict(gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
@@ -80,7 +80,7 @@ def _worker(rank, world_size, init_file):
             model.load_state_dict(base.state_dict())
             ddp = DistributedDataParallel(model, **kwargs)
             ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-            for p, w in zip(model.parameters(), want):
+            for p, w in zip(model.parameters(), want, strict=True):
                 torch.testing.assert_close(p.grad, w, msg=f"DDP grads wrong with {kwargs}")
 
         # SyncBatchNorm on CPU: statistics (and their gradients) over both ranks' halves of a batch.
@@ -106,3 +106,18 @@ def _worker(rank, world_size, init_file):
 def test_two_process_gloo_ddp_options_and_cpu_sync_batchnorm(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+def test_larc_goes_through_amp_initialize_and_scale_loss():
+    from ampkit.compat import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in amp.master_params(optimizer))
+    before = model.weight.detach().clone()
+    with amp.scale_loss(model(torch.randn(3, 4)).float().pow(2).mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert model.weight.dtype == torch.float16 and not torch.equal(model.weight, before)

@@ -64,7 +64,7 @@ def test_master_param_helpers_round_trip(flat_master):
             m.add_(1.0)
     before = [p.detach().float().clone() for p in model_params]
     master_params_to_model_params(model_params, master_params, flat_master=flat_master)
-    for p, b in zip(model_params, before):
+    for p, b in zip(model_params, before, strict=True):
         assert torch.equal(p.float(), (b + 1.0).half().float())
 
 
@@ -86,7 +86,7 @@ def test_fp16_optimizer_trains_like_fp32_with_masters():
     reference = _half_model()
     model = copy.deepcopy(reference).half()
     with torch.no_grad():
-        for p, q in zip(reference.parameters(), model.parameters()):
+        for p, q in zip(reference.parameters(), model.parameters(), strict=True):
             p.copy_(q.float())  # same starting point
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0)
@@ -98,7 +98,7 @@ def test_fp16_optimizer_trains_like_fp32_with_masters():
         _loss(reference, x, y).backward()
         ref_opt.step()
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.dtype == torch.float16
         torch.testing.assert_close(p.float(), q, atol=5e-3, rtol=5e-3)
 
@@ -108,7 +108,7 @@ def test_fp16_optimizer_dynamic_overflow_skips_and_backs_off(capsys):
     optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
     assert optimizer.loss_scale == 2.0**32  # Apex's DynamicLossScaler default: overflows at once in fp16
     weights = [p.detach().clone() for p in model.parameters()]
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     steps_skipped = 0
     while True:
         optimizer.zero_grad()
@@ -117,23 +117,32 @@ def test_fp16_optimizer_dynamic_overflow_skips_and_backs_off(capsys):
             break
         optimizer.step()
         steps_skipped += 1
-        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
     optimizer.step()
     assert optimizer.loss_scale == 2.0 ** (32 - steps_skipped) and steps_skipped > 10
-    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    assert "OVERFLOW! Skipping step. Attempted loss scale: 4294967296.0, reducing to 2147483648.0" in capsys.readouterr().out
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert (
+        "OVERFLOW! Skipping step. Attempted loss scale: 4294967296.0, reducing to 2147483648.0"
+        in capsys.readouterr().out
+    )
 
 
 def test_fp16_optimizer_clip_master_grads_returns_the_norm():
     model = _half_model().half()
     optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=64.0)
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     optimizer.backward(_loss(model, x, y))
     masters = [p for g in optimizer.param_groups for p in g["params"]]
     norm = torch.linalg.vector_norm(torch.cat([m.grad.reshape(-1) for m in masters])).item()
     assert optimizer.clip_master_grads(norm / 2) == pytest.approx(norm, rel=1e-5)
     clipped = torch.linalg.vector_norm(torch.cat([m.grad.reshape(-1) for m in masters])).item()
     assert clipped == pytest.approx(norm / 2, rel=1e-4)
+
+
+def _dynamic_adam(model):
+    args = {"init_scale": 2.0**20, "scale_window": 2}
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return FP16_Optimizer(adam, dynamic_loss_scale=True, dynamic_loss_args=args, verbose=False)
 
 
 def test_fp16_optimizer_state_dict_resumes_identically():
@@ -145,28 +154,26 @@ def test_fp16_optimizer_state_dict_resumes_identically():
 
     batches = _batches(6)
     model = _half_model().half()
-    optimizer = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), dynamic_loss_scale=True,
-                               dynamic_loss_args={"init_scale": 2.0**20, "scale_window": 2}, verbose=False)  # fmt: skip
+    optimizer = _dynamic_adam(model)
     run(model, optimizer, batches[:3])
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     run(model, optimizer, batches[3:])
     model2 = _half_model().half()
-    optimizer2 = FP16_Optimizer(torch.optim.Adam(model2.parameters(), lr=1e-2), dynamic_loss_scale=True,
-                                dynamic_loss_args={"init_scale": 2.0**20, "scale_window": 2}, verbose=False)  # fmt: skip
+    optimizer2 = _dynamic_adam(model2)
     state = torch.load(io.BytesIO(buffer.getvalue()))
     model2.load_state_dict(state["model"])
     optimizer2.load_state_dict(state["optimizer"])
     run(model2, optimizer2, batches[3:])
     assert optimizer2.loss_scale == optimizer.loss_scale
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
 def test_fp16_optimizer_closure_and_bad_args():
     model = _half_model().half()
     optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     before = [p.detach().clone() for p in model.parameters()]
 
     def closure():
@@ -176,7 +183,7 @@ def test_fp16_optimizer_closure_and_bad_args():
         return loss
 
     assert torch.isfinite(optimizer.step(closure))
-    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     with pytest.raises(ValueError, match="scale_windw"):
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
                        dynamic_loss_args={"scale_windw": 3})  # fmt: skip

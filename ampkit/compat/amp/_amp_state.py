@@ -38,9 +38,7 @@ class AmpState:
     def casts_active(self) -> bool:
         """Whether O1's function casts apply right now (O1 enabled and not inside ``disable_casts``)."""
         props = self.opt_properties
-        return (
-            props is not None and props.enabled and props.patch_torch_functions and self.casts_disabled_depth == 0
-        )
+        return props is not None and props.enabled and props.patch_torch_functions and self.casts_disabled_depth == 0
 
 
 _amp_state = AmpState()

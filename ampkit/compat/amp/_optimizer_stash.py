@@ -52,7 +52,7 @@ class AmpOptimizerStash:
     @torch.no_grad()
     def _seed_masters(self, fp32_values: dict[int, torch.Tensor]) -> None:
         """Start the masters from the weights as they were before the model cast (not from their rounding)."""
-        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params):
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
             original = fp32_values.get(id(param))
             if master is not param and original is not None:
                 master.copy_(original)
@@ -64,7 +64,7 @@ class AmpOptimizerStash:
 
     def _build_combiner(self) -> GradientCombiner:
         if self.master_weights is not None:
-            pairs = zip(self.master_weights.model_params, self.master_weights.master_params)
+            pairs = zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
         else:
             params = (p for group in self.optimizer.param_groups for p in group["params"])
             pairs = ((p, p) for p in params)
@@ -90,12 +90,9 @@ class AmpOptimizerStash:
         """Drop the fp32 master gradients (Apex did after every step and skip; the model grads stay)."""
         if self.master_weights is None:
             return
-        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params):
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
             if master is not param:
-                if self.combine_grad and master.grad is not None:
-                    master.grad.zero_()
-                else:
-                    master.grad = None
+                master.grad = None
 
     def schedule_skip(self, loss_id: int, scaler: LossScaler) -> None:
         """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message."""

@@ -75,9 +75,7 @@ def _check_optimizers(optimizers: list[Any]) -> None:
 
 
 def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, num_losses: int) -> None:
-    maybe_print(
-        f"Selected optimization level {properties.opt_level}:  {_LEVEL_DESCRIPTIONS[properties.opt_level]}\n"
-    )
+    maybe_print(f"Selected optimization level {properties.opt_level}:  {_LEVEL_DESCRIPTIONS[properties.opt_level]}\n")
     maybe_print("Optimization options are:")
     rows = {
         "enabled": properties.enabled,

@@ -71,7 +71,7 @@ class FP16_Optimizer:
     def _build_combiner(self) -> GradientCombiner:
         pairs = [
             (p, m)
-            for p, m in zip(self.master_weights.model_params, self.master_weights.master_params)
+            for p, m in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
             if p.requires_grad and p.is_floating_point()
         ]
         return GradientCombiner([p for p, _ in pairs], [m for _, m in pairs])

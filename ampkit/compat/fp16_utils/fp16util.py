@@ -83,7 +83,9 @@ def prep_param_lists(
     if flat_master:
         dtypes = {p.dtype for p in model_params}
         if len(dtypes) > 1:
-            raise TypeError(f"flat_master=True needs all model params to share one dtype, got {sorted(map(str, dtypes))}")
+            raise TypeError(
+                f"flat_master=True needs all model params to share one dtype, got {sorted(map(str, dtypes))}"
+            )
         master = torch.nn.Parameter(_flatten_dense_tensors([p.detach() for p in model_params]).float())
         return model_params, [master]
     master_params = [torch.nn.Parameter(p.detach().clone().float()) for p in model_params]
@@ -98,7 +100,7 @@ def model_grads_to_master_grads(
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
         master_params[0].grad = _flatten_dense_tensors([g.detach() for g in grads]).float()
         return
-    for model, master in zip(model_params, master_params):
+    for model, master in zip(model_params, master_params, strict=True):
         if model.grad is None:
             master.grad = None
         elif master.grad is None:
@@ -113,10 +115,12 @@ def master_params_to_model_params(
     """Copy the fp32 master values back into the (lower-precision) model params."""
     with torch.no_grad():
         if flat_master:
-            for model, master in zip(model_params, _unflatten_dense_tensors(master_params[0], model_params)):
+            for model, master in zip(
+                model_params, _unflatten_dense_tensors(master_params[0], model_params), strict=True
+            ):
                 model.copy_(master)
             return
-        for model, master in zip(model_params, master_params):
+        for model, master in zip(model_params, master_params, strict=True):
             model.copy_(master)
 
 

@@ -71,7 +71,9 @@ class LARC:
                     grad_norm = torch.linalg.vector_norm(p.grad.float())
                     if param_norm == 0 or grad_norm == 0:
                         continue
-                    adaptive_lr = self.trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + self.eps)
+                    adaptive_lr = (
+                        self.trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + self.eps)
+                    )
                     if self.clip:
                         adaptive_lr = torch.clamp(adaptive_lr / group["lr"], max=1.0)
                     p.grad.add_(p, alpha=weight_decay)
@@ -79,5 +81,5 @@ class LARC:
         try:
             return self.optim.step(closure) if closure is not None else self.optim.step()
         finally:
-            for group, weight_decay in zip(self.optim.param_groups, saved_weight_decays):
+            for group, weight_decay in zip(self.optim.param_groups, saved_weight_decays, strict=True):
                 group["weight_decay"] = weight_decay
