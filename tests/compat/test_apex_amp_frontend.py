@@ -17,12 +17,12 @@ def _sgd(model):
 
 
 @pytest.mark.parametrize("models_as_list", [False, True])
-@pytest.mark.parametrize("optimizers_as", [None, "single", "list"])
+@pytest.mark.parametrize("optimizers_as", [None, "single", "list", "tuple"])
 def test_models_and_optimizers_come_back_in_the_shape_given(models_as_list, optimizers_as):
     model = _model()
     optimizer = _sgd(model)
     models = [model] if models_as_list else model
-    optimizers = {None: None, "single": optimizer, "list": [optimizer]}[optimizers_as]
+    optimizers = {None: None, "single": optimizer, "list": [optimizer], "tuple": (optimizer,)}[optimizers_as]
     result = amp.initialize(models, optimizers, opt_level="O1", verbosity=0)
     expected_models = [model] if models_as_list else model
     if optimizers_as is None:
@@ -30,7 +30,7 @@ def test_models_and_optimizers_come_back_in_the_shape_given(models_as_list, opti
     else:
         got_models, got_optimizers = result
         assert got_models == expected_models
-        assert got_optimizers == ([optimizer] if optimizers_as == "list" else optimizer)
+        assert got_optimizers == optimizers and type(got_optimizers) is type(optimizers)
 
 
 def test_zero_one_is_rejected_naming_the_valid_levels():

@@ -28,7 +28,6 @@ class AmpState:
         self.verbosity: int = 1
         self.cast_device_types: tuple[str, ...] = ("cpu",)
         self.casts_disabled_depth: int = 0
-        self.hard_override: bool = getattr(self, "hard_override", False)
         self.allow_incoming_model_not_fp32: bool = getattr(self, "allow_incoming_model_not_fp32", False)
 
     @property

@@ -26,10 +26,11 @@ def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
 
 
-def _as_list(value: Any, kind: str) -> tuple[list[Any], bool]:
+def _as_list(value: Any) -> tuple[list[Any], type | None]:
+    """The items, and the container type to hand them back in (``None`` for a single object)."""
     if isinstance(value, (list, tuple)):
-        return list(value), True
-    return [value], False
+        return list(value), type(value)
+    return [value], None
 
 
 def _check_models(models: list[Any]) -> None:
@@ -93,12 +94,14 @@ def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, n
         maybe_print(f"{key:22} : {value}")
 
 
-def _return_shape(models: list[Any], models_was_list: bool, optimizers: list[Any], optimizers_was_list: bool,
-                  optimizers_given: bool) -> Any:  # fmt: skip
-    model_out = models if models_was_list else models[0]
+def _return_shape(
+    models: list[Any], models_container: type | None, optimizers: list[Any], optimizers_container: type | None,
+    optimizers_given: bool,
+) -> Any:
+    model_out = models[0] if models_container is None else models_container(models)
     if not optimizers_given:
         return model_out
-    return model_out, (optimizers if optimizers_was_list else optimizers[0])
+    return model_out, (optimizers[0] if optimizers_container is None else optimizers_container(optimizers))
 
 
 def initialize(
@@ -158,9 +161,9 @@ def initialize(
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
     ):
         raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: expected a floating torch dtype or None")
-    model_list, models_was_list = _as_list(models, "models")
+    model_list, models_container = _as_list(models)
     optimizers_given = optimizers is not None
-    optimizer_list, optimizers_was_list = _as_list(optimizers, "optimizers") if optimizers_given else ([], False)
+    optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
     _check_models(model_list)
     _check_optimizers(optimizer_list)
     scalers = [
@@ -177,7 +180,7 @@ def initialize(
     ]
     _amp_state.opt_properties = properties
     if not enabled:
-        return _return_shape(model_list, models_was_list, optimizer_list, optimizers_was_list, optimizers_given)
+        return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
     _print_properties(properties, cast_model_outputs, num_losses)
     device_types = {model_device(m).type for m in model_list} | {"cpu"}
     _amp_state.cast_device_types = tuple(sorted(device_types))
@@ -191,7 +194,7 @@ def initialize(
     _amp_state.loss_scalers = scalers
     if properties.patch_torch_functions:
         functions.apply_registered_functions()
-    return _return_shape(model_list, models_was_list, optimizer_list, optimizers_was_list, optimizers_given)
+    return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
