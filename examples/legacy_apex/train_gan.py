@@ -68,9 +68,7 @@ for it in range(1, opt.iters + 1):
     optimizerD.zero_grad()
     out_real = netD(real)
     out_fake = netD(fake.detach())
-    errD = criterion(out_real.float(), torch.ones_like(out_real.float())) + criterion(
-        out_fake.float(), torch.zeros_like(out_fake.float())
-    )
+    errD = criterion(out_real, torch.ones_like(out_real)) + criterion(out_fake, torch.zeros_like(out_fake))
     with amp.scale_loss(errD, optimizerD, loss_id=0) as errD_scaled:
         errD_scaled.backward()
     optimizerD.step()
@@ -78,7 +76,7 @@ for it in range(1, opt.iters + 1):
     # (2) Update G: maximize log(D(G(z)))
     optimizerG.zero_grad()
     out = netD(fake)
-    errG = criterion(out.float(), torch.ones_like(out.float()))
+    errG = criterion(out, torch.ones_like(out))
     with amp.scale_loss(errG, optimizerG, loss_id=1) as errG_scaled:
         errG_scaled.backward()
     optimizerG.step()

@@ -95,8 +95,8 @@ def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
     assert plain.returncode == 0, plain.stderr
     assert "A real apex is installed" in plain.stderr and "shim False" in plain.stdout
     assert "argv ['a', '--b']" in plain.stdout
-    forced = _legacy("--force-shim", script, extra_path=[tmp_path])
+    forced = _legacy("--force-shim", "-m", "which_apex", "c", extra_path=[tmp_path])
     assert forced.returncode == 0, forced.stderr
-    assert "shim True" in forced.stdout
+    assert "shim True" in forced.stdout and "argv ['c']" in forced.stdout
     missing = _legacy(tmp_path / "nope.py")
     assert missing.returncode != 0 and "script not found" in missing.stderr
