@@ -100,3 +100,23 @@ def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
     assert "shim True" in forced.stdout and "argv ['c']" in forced.stdout
     missing = _legacy(tmp_path / "nope.py")
     assert missing.returncode != 0 and "script not found" in missing.stderr
+
+
+def test_spawned_child_processes_of_a_legacy_run_see_the_shim(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(
+        "import multiprocessing as mp\n"
+        "from apex import amp\n"
+        "def child(queue):\n"
+        "    queue.put(amp.__name__)\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    queue = ctx.Queue()\n"
+        "    worker = ctx.Process(target=child, args=(queue,))\n"
+        "    worker.start()\n"
+        "    print('child sees', queue.get(timeout=120))\n"
+        "    worker.join()\n"
+    )
+    result = _legacy(script)
+    assert result.returncode == 0, result.stderr
+    assert "child sees ampkit.compat.amp" in result.stdout

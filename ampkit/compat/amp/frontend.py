@@ -95,7 +95,10 @@ def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, n
 
 
 def _return_shape(
-    models: list[Any], models_container: type | None, optimizers: list[Any], optimizers_container: type | None,
+    models: list[Any],
+    models_container: type | None,
+    optimizers: list[Any],
+    optimizers_container: type | None,
     optimizers_given: bool,
 ) -> Any:
     model_out = models[0] if models_container is None else models_container(models)
