@@ -162,3 +162,20 @@ def test_decorators_cast_only_while_o1_is_active():
     assert promoted(x.half(), x) == (torch.float32, torch.float32)
     amp.initialize(Probe(), opt_level="O2", verbosity=0)
     assert as_half(x).dtype == torch.float32
+
+
+def test_cast_weights_are_not_cached_across_iterations():
+    """Apex's test_cache: after a step the next forward sees the updated weights, not a stale fp16 copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        out = model(x)
+        expected = F.linear(x.half(), model.weight.detach().half(), model.bias.detach().half())
+        assert torch.equal(out, expected)
+        optimizer.zero_grad()
+        with amp.scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
