@@ -1,4 +1,4 @@
-"""Shared fixtures for the Apex API tests: a silent amp and small deterministic models."""
+"""Every Apex API test starts and ends with amp uninitialized, as in a fresh process."""
 
 import pytest
 import torch
@@ -11,15 +11,5 @@ def _fresh_amp_state():
     """Each test starts (and leaves) amp uninitialized, as a new process would."""
     amp._amp_state.reset()
     yield
-    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)  # undoes O1 function patches
     amp._amp_state.reset()
-
-
-def half_exact_linear(n_in: int, n_out: int, seed: int) -> torch.nn.Linear:
-    """A Linear whose fp32 weights are exactly representable in fp16 (so casts lose nothing)."""
-    torch.manual_seed(seed)
-    layer = torch.nn.Linear(n_in, n_out)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(p.half().float())
-    return layer

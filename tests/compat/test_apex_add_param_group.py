@@ -6,7 +6,7 @@ training with both groups present from the start, bit for bit.
 
 import pytest
 import torch
-from conftest import half_exact_linear
+from apex_test_helpers import half_exact_linear
 
 from ampkit.compat import amp
 

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import half_exact_linear
+from apex_test_helpers import half_exact_linear
 
 from ampkit.compat import amp
 
