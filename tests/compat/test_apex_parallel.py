@@ -37,12 +37,17 @@ def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     with torch.no_grad():
         bn.weight.fill_(2.0)
         bn.running_mean.fill_(0.5)
-    converted = convert_syncbn_model(model)
+    converted = convert_syncbn_model(model, channel_last=True)
     new_bn = converted[1][0]
+    assert new_bn.channel_last
     assert isinstance(new_bn, SyncBatchNorm) and isinstance(converted[0], torch.nn.Conv2d)
     assert new_bn.weight is bn.weight and torch.equal(new_bn.running_mean, bn.running_mean)
     x = torch.randn(2, 4, 3, 3)
     torch.testing.assert_close(new_bn(x), torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True))
+    fused = SyncBatchNorm(4, fuse_relu=True)
+    z = torch.randn_like(x)
+    expected = torch.relu(torch.nn.functional.batch_norm(x, None, None, training=True) + z)
+    torch.testing.assert_close(fused(x, z), expected)
 
 
 def test_ddp_rejects_shared_param():
