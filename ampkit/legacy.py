@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         args.pop(0)
     if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit(_USAGE)
+    if args[0] != "-m" and not os.path.isfile(args[0]):
+        raise SystemExit(f"ampkit.legacy: script not found: {args[0]!r}\n{_USAGE}")
     if install_apex_shim(force=force):
         _share_shim_with_child_processes()
     if args[0] == "-m":
@@ -48,8 +50,6 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script, rest = args[0], args[1:]
-    if not os.path.isfile(script):
-        raise SystemExit(f"ampkit.legacy: script not found: {script!r}\n{_USAGE}")
     sys.argv = [script, *rest]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")

@@ -121,6 +121,8 @@ def install_apex_shim(force: bool = False) -> bool:
         real_origin = getattr(loaded, "__file__", None) or repr(loaded)
     elif loaded is None:
         spec = importlib.util.find_spec("apex")
+        if _installed_finder() is not None:  # a legacy run's child process: its lazy shim just installed itself
+            return True
         if spec is not None:
             real_origin = spec.origin or ", ".join(spec.submodule_search_locations or []) or "unknown location"
     if real_origin is not None and not force:

@@ -98,8 +98,18 @@ def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
     forced = _legacy("--force-shim", "-m", "which_apex", "c", extra_path=[tmp_path])
     assert forced.returncode == 0, forced.stderr
     assert "shim True" in forced.stdout and "argv ['c']" in forced.stdout
-    missing = _legacy(tmp_path / "nope.py")
-    assert missing.returncode != 0 and "script not found" in missing.stderr
+
+
+def test_legacy_launcher_argument_errors(tmp_path, capsys):
+    from ampkit.legacy import main
+
+    with pytest.raises(SystemExit, match="script not found"):
+        main([str(tmp_path / "nope.py")])
+    with pytest.raises(SystemExit, match="usage"):
+        main(["-m"])
+    main(["--help"])
+    assert "--force-shim" in capsys.readouterr().out
+    assert "AMPKIT_APEX_SHIM" not in os.environ and "apex" not in sys.modules  # nothing was installed
 
 
 def test_spawned_child_processes_of_a_legacy_run_see_the_shim(tmp_path):
