@@ -34,6 +34,7 @@ _MODULE_ALIASES = {
     "apex.optimizers.fused_mixed_precision_lamb": "ampkit.compat.optimizers",
     "apex.parallel.distributed": "ampkit.compat.parallel.distributed",
     "apex.parallel.LARC": "ampkit.compat.parallel.larc",
+    "apex.parallel.sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
 }

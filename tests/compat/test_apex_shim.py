@@ -41,6 +41,9 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     )  # fmt: skip
     assert apex.parallel is parallel
     assert ampkit.compat.amp.__spec__.name == "ampkit.compat.amp"  # the module itself is not renamed
+    from apex.parallel.LARC import LARC as larc_by_module_path
+
+    assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
     with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
         import apex.contrib  # noqa: F401
 

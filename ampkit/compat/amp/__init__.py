@@ -6,9 +6,7 @@ through the shim).
 Apex's semantics; ``_amp_state.loss_scalers[i].loss_scale()`` keeps working for legacy logging code.
 """
 
-import sys
-import types
-
+from ampkit.compat._exported_names import keep_exported_names
 from ampkit.compat.amp._amp_state import _amp_state, master_params
 from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
 from ampkit.compat.amp.functions import (
@@ -39,18 +37,4 @@ __all__ = [
 ]
 
 
-class _AmpPackage(types.ModuleType):
-    """Keeps ``amp._amp_state`` the state object, as in Apex.
-
-    The submodule of the same name is imported as ``apex.amp._amp_state`` by legacy code; importing a
-    submodule under a new name makes Python set it as an attribute of the package, which would shadow the
-    state object that ``amp._amp_state.loss_scalers`` must reach.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "_amp_state" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _AmpPackage
+keep_exported_names(__name__)  # amp._amp_state stays the state object (see _exported_names)
