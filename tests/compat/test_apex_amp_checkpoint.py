@@ -72,3 +72,20 @@ def test_restored_run_continues_identically(level, num_losses):
         assert torch.equal(restored, uninterrupted)
     masters = [p.detach() for p in amp.master_params(optimizer)]
     assert all(m.dtype == torch.float32 for m in masters) == (level in ("O0", "O1", "O2"))
+
+
+def test_o2_weights_loaded_into_the_model_after_initialize_are_trained_from():
+    """Apex built O2 masters at the first backward, so `initialize` then `model.load_state_dict(pretrained)`
+    trained the pretrained weights; the masters must follow the loaded model, not the initial weights."""
+    torch.manual_seed(0)
+    pretrained = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model.load_state_dict(pretrained.state_dict())
+    with amp.scale_loss(model(torch.randn(3, 4)).float().mean() * 0.01, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()  # lr 0: the weights must stay the loaded ones
+    assert torch.equal(model.weight, pretrained.weight.detach().half())
+    masters = list(amp.master_params(optimizer))
+    assert torch.equal(masters[0], pretrained.weight.detach().half().float())

@@ -46,6 +46,7 @@ class AmpOptimizerStash:
         self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
+        self._masters_checked = self.master_weights is None
         self.combiner = self._build_combiner()
         self._patch_methods()
 
@@ -77,8 +78,19 @@ class AmpOptimizerStash:
                 owners.append(owner)
         return GradientCombiner(model, owners, flat=self.combine_grad)
 
+    @torch.no_grad()
+    def _adopt_model_changes(self) -> None:
+        """Before the first backward, take over weights loaded into the model after ``initialize`` (a
+        pretrained checkpoint): Apex built its masters at this point, so loading then training worked."""
+        self._masters_checked = True
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
+            if master is not param and not torch.equal(master.to(param.dtype), param):
+                master.copy_(param)
+
     def prepare_backward(self) -> None:
         """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
+        if not self._masters_checked:
+            self._adopt_model_changes()
         if not self.combiner.pending:
             self.combiner.prepare_backward()
 
@@ -160,6 +172,7 @@ class AmpOptimizerStash:
             original_load_state_dict(state_dict)
             if stash.master_weights is not None and masters is not None:
                 stash.master_weights.load_state_dict(masters)
+                stash._masters_checked = True  # the checkpoint's masters are the truth, the model follows them
 
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
