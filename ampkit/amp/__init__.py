@@ -41,3 +41,22 @@ __all__ = [
     "resolve_opt_level",
     "unscale_and_check_",
 ]
+
+# Apex's ``amp.initialize`` & co. by name, so ``from ampkit import amp; amp.initialize(...)`` works as the
+# issue asks. They live in ``ampkit.compat.amp`` (which sits on top of this engine) and are looked up on
+# first access only: importing the engine never imports compat, and no engine module refers to them.
+_APEX_API = frozenset(
+    {
+        "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "disable_casts",
+        "register_half_function", "register_float_function", "register_promote_function",
+        "half_function", "float_function", "promote_function", "_amp_state",
+    }
+)  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in _APEX_API:
+        import importlib
+
+        return getattr(importlib.import_module("ampkit.compat.amp"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""Child processes of ``python -m ampkit.legacy``: resolve ``import apex`` to ampkit, as in the parent.
+
+Active only when ``AMPKIT_APEX_SHIM`` is set (the launcher sets it after installing the shim). Nothing of
+ampkit is imported until the first ``import apex``; then the real shim is installed and answers. The
+environment's own ``sitecustomize`` (shadowed by this one) is run afterwards.
+"""
+
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _InstallShimOnFirstApexImport:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "apex" and not fullname.startswith("apex."):
+            return None
+        sys.meta_path.remove(self)
+        from ampkit.compat.shim import _installed_finder, install_apex_shim
+
+        install_apex_shim(force=True)  # the parent already decided that the shim wins
+        return _installed_finder().find_spec(fullname, path, target)
+
+
+def _run_shadowed_sitecustomize():
+    for entry in sys.path:
+        if os.path.abspath(entry or os.curdir) == _HERE:
+            continue
+        candidate = os.path.join(entry or os.curdir, "sitecustomize.py")
+        if os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("_shadowed_sitecustomize", candidate)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return
+
+
+if os.environ.get("AMPKIT_APEX_SHIM"):
+    sys.meta_path.insert(0, _InstallShimOnFirstApexImport())
+_run_shadowed_sitecustomize()

@@ -1,0 +1,40 @@
+"""Apex's ``apex.amp`` API on ampkit's engine: ``from ampkit.compat import amp`` (or ``from apex import amp``
+through the shim).
+
+``initialize``, ``scale_loss``, ``master_params``, ``state_dict`` / ``load_state_dict``, ``disable_casts``,
+``register_{half,float,promote}_function`` and the ``{half,float,promote}_function`` decorators, with
+Apex's semantics; ``_amp_state.loss_scalers[i].loss_scale()`` keeps working for legacy logging code.
+"""
+
+from ampkit.compat._exported_names import keep_exported_names
+from ampkit.compat.amp._amp_state import _amp_state, master_params
+from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
+from ampkit.compat.amp.functions import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from ampkit.compat.amp.handle import scale_loss
+
+__all__ = [
+    "_amp_state",
+    "disable_casts",
+    "float_function",
+    "half_function",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "scale_loss",
+    "state_dict",
+]
+
+
+keep_exported_names(__name__)  # amp._amp_state stays the state object (see _exported_names)

@@ -1,0 +1,181 @@
+"""Per-optimizer bookkeeping of the Apex API (``optimizer._amp_stash``), built on the engine.
+
+``amp.initialize`` attaches an :class:`AmpOptimizerStash` to each optimizer: a
+:class:`~ampkit.amp.GradientCombiner` over the parameters it updates (with fp32 masters from
+:class:`~ampkit.amp.MasterWeights` under O2), and instance-level patches of ``step`` / ``zero_grad`` /
+``add_param_group`` / ``state_dict`` / ``load_state_dict`` that keep masters, model and combiner in step.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
+from ampkit.amp.grad_combine import CombineResult
+from ampkit.compat.amp._amp_state import maybe_print
+
+_MASTER_STATE_KEY = "ampkit_master_weights"
+
+
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` behind a wrapper such as LARC (``.optim``), or the optimizer itself."""
+    inner = getattr(optimizer, "optim", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(
+            f"expected a torch.optim.Optimizer (or apex.parallel.LARC around one), got {type(optimizer).__name__}"
+        )
+    return inner
+
+
+class AmpOptimizerStash:
+    """Everything amp keeps about one optimizer: masters, the gradient combiner, the pending skip."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        properties: OptLevelProperties,
+        combine_grad: bool,
+        fp32_values: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.combine_grad = combine_grad
+        self.already_patched = False
+        self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
+        if self.master_weights is not None and fp32_values:
+            self._seed_masters(fp32_values)
+        self._masters_checked = self.master_weights is None
+        self.combiner = self._build_combiner()
+        self._patch_methods()
+
+    @torch.no_grad()
+    def _seed_masters(self, fp32_values: dict[int, torch.Tensor]) -> None:
+        """Start the masters from the weights as they were before the model cast (not from their rounding)."""
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
+            original = fp32_values.get(id(param))
+            if master is not param and original is not None:
+                master.copy_(original)
+
+    @property
+    def params_have_scaled_gradients(self) -> bool:
+        """True while gradients of a ``delay_unscale`` backward are still scaled (Apex's flag)."""
+        return self.combiner.pending
+
+    def _build_combiner(self) -> GradientCombiner:
+        if self.master_weights is not None:
+            pairs = zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
+        else:
+            params = (p for group in self.optimizer.param_groups for p in group["params"])
+            pairs = ((p, p) for p in params)
+        model, owners = [], []
+        seen: set[int] = set()
+        for param, owner in pairs:
+            if param.requires_grad and param.is_floating_point() and id(param) not in seen:
+                seen.add(id(param))
+                model.append(param)
+                owners.append(owner)
+        return GradientCombiner(model, owners, flat=self.combine_grad)
+
+    @torch.no_grad()
+    def _adopt_model_changes(self) -> None:
+        """Before the first backward, take over weights loaded into the model after ``initialize`` (a
+        pretrained checkpoint): Apex built its masters at this point, so loading then training worked."""
+        self._masters_checked = True
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
+            if master is not param and not torch.equal(master.to(param.dtype), param):
+                master.copy_(param)
+
+    def prepare_backward(self) -> None:
+        """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
+        if not self._masters_checked:
+            self._adopt_model_changes()
+        if not self.combiner.pending:
+            self.combiner.prepare_backward()
+
+    def combine(self, scaler: LossScaler) -> CombineResult:
+        """Unscale the new gradients by ``scaler`` and add the stash."""
+        return self.combiner.combine(scaler)
+
+    def clear_master_grads(self) -> None:
+        """Drop the fp32 master gradients (Apex did after every step and skip; the model grads stay)."""
+        if self.master_weights is None:
+            return
+        for param, master in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True):
+            if master is not param:
+                master.grad = None
+
+    def schedule_skip(self, loss_id: int, scaler: LossScaler) -> None:
+        """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message."""
+        if self.already_patched:
+            return
+        optimizer = self.optimizer
+        real_step = optimizer.step
+
+        def skip_step(closure: Any = None) -> None:
+            if closure is not None:
+                raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            maybe_print(
+                f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to {scaler.loss_scale()}"
+            )
+            self.clear_master_grads()
+            optimizer.step = real_step
+            self.already_patched = False
+
+        optimizer.step = skip_step
+        self.already_patched = True
+
+    def _patch_methods(self) -> None:
+        optimizer, stash = self.optimizer, self
+        original_step = optimizer.step
+        original_zero_grad = optimizer.zero_grad
+        original_add_param_group = optimizer.add_param_group
+        original_state_dict = optimizer.state_dict
+        original_load_state_dict = optimizer.load_state_dict
+
+        def step(self: Any, closure: Any = None) -> Any:
+            if closure is not None:
+                raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            result = original_step()
+            if stash.master_weights is not None:
+                stash.master_weights.copy_to_model()
+                stash.clear_master_grads()
+            return result
+
+        def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
+            if stash.master_weights is not None or stash.combine_grad:
+                stash.combiner.zero_grad()
+            elif set_to_none is None:
+                original_zero_grad()
+            else:
+                original_zero_grad(set_to_none=set_to_none)
+
+        def add_param_group(self: Any, param_group: dict[str, Any]) -> None:
+            if stash.combiner.pending:
+                raise RuntimeError("add_param_group() while a delay_unscale backward is pending; step first")
+            original_add_param_group(param_group)
+            if stash.master_weights is not None:
+                stash.master_weights.refresh()
+            stash.combiner.remove()
+            stash.combiner = stash._build_combiner()
+
+        def state_dict(self: Any) -> dict[str, Any]:
+            state = original_state_dict()
+            if stash.master_weights is not None:
+                state[_MASTER_STATE_KEY] = stash.master_weights.state_dict()
+            return state
+
+        def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+            state_dict = dict(state_dict)
+            masters = state_dict.pop(_MASTER_STATE_KEY, None)
+            original_load_state_dict(state_dict)
+            if stash.master_weights is not None and masters is not None:
+                stash.master_weights.load_state_dict(masters)
+                stash._masters_checked = True  # the checkpoint's masters are the truth, the model follows them
+
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+        optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)

@@ -1,0 +1,228 @@
+"""``amp.initialize`` and ``amp.state_dict`` / ``amp.load_state_dict`` with Apex's signature and formats."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ampkit.amp import LossScaler, OptLevelProperties, resolve_opt_level
+from ampkit.amp.casting import model_device
+from ampkit.compat.amp import functions
+from ampkit.compat.amp._amp_state import _amp_state, maybe_print
+from ampkit.compat.amp._model_casts import apply_model_casts
+from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
+
+_LEVEL_DESCRIPTIONS = {
+    "O0": "Pure FP32 training.",
+    "O1": "Insert automatic casts around Pytorch functions and Tensor methods.",
+    "O2": "FP16 training with FP32 batchnorm and FP32 master weights.",
+    "O3": "Pure FP16 training.",
+}
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
+
+
+def _as_list(value: Any) -> tuple[list[Any], type | None]:
+    """The items, and the container type to hand them back in (``None`` for a single object)."""
+    if isinstance(value, (list, tuple)):
+        return list(value), type(value)
+    return [value], None
+
+
+def _check_models(models: list[Any]) -> None:
+    for i, model in enumerate(models):
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            raise RuntimeError(
+                f"Incoming model {i} is an instance of {type(model).__name__}. Parallel wrappers should only "
+                "be applied to the model(s) AFTER the model(s) have been returned from amp.initialize."
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"models[{i}] is a {type(model).__name__}; amp.initialize expects torch.nn.Module(s)")
+        if _amp_state.allow_incoming_model_not_fp32:
+            continue
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                raise RuntimeError(
+                    f"Found param {name} with dtype {param.dtype}, expected torch.float32. When using "
+                    "amp.initialize, you do not need to call .half() on your model before passing it, no matter "
+                    "what optimization level you choose (a model already initialized under O2/O3 is cast: build "
+                    "a fresh one, or set amp._amp_state.allow_incoming_model_not_fp32 = True)."
+                )
+
+
+def _check_optimizers(optimizers: list[Any]) -> None:
+    for i, optimizer in enumerate(optimizers):
+        if type(optimizer).__name__ == "FP16_Optimizer":
+            raise RuntimeError(
+                "An incoming optimizer is an instance of FP16_Optimizer. amp.initialize takes care of that "
+                "itself: pass the torch optimizer FP16_Optimizer wraps."
+            )
+        if not _is_optimizer(optimizer):
+            raise TypeError(
+                f"optimizers[{i}] is a {type(optimizer).__name__}; expected a torch.optim.Optimizer or LARC"
+            )
+        if hasattr(optimizer, "_amp_stash"):
+            raise RuntimeError(
+                f"optimizers[{i}] ({type(optimizer).__name__}) was already passed through amp.initialize. "
+                "A given optimizer should only be passed through amp.initialize once; build a new optimizer "
+                "for a new run."
+            )
+    if len({id(inner_optimizer(o)) for o in optimizers}) != len(optimizers):
+        raise RuntimeError("the same optimizer appears twice in the optimizers passed to amp.initialize")
+
+
+def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, num_losses: int) -> None:
+    maybe_print(f"Selected optimization level {properties.opt_level}:  {_LEVEL_DESCRIPTIONS[properties.opt_level]}\n")
+    maybe_print("Optimization options are:")
+    rows = {
+        "enabled": properties.enabled,
+        "opt_level": properties.opt_level,
+        "dtype": properties.dtype,
+        "cast_model_type": properties.cast_model_type,
+        "patch_torch_functions": properties.patch_torch_functions,
+        "keep_batchnorm_fp32": properties.keep_batchnorm_fp32,
+        "master_weights": properties.master_weights,
+        "loss_scale": properties.loss_scale,
+        "cast_model_outputs": cast_model_outputs,
+        "num_losses": num_losses,
+    }
+    for key, value in rows.items():
+        maybe_print(f"{key:22} : {value}")
+
+
+def _return_shape(
+    models: list[Any],
+    models_container: type | None,
+    optimizers: list[Any],
+    optimizers_container: type | None,
+    optimizers_given: bool,
+) -> Any:
+    model_out = models[0] if models_container is None else models_container(models)
+    if not optimizers_given:
+        return model_out
+    return model_out, (optimizers[0] if optimizers_container is None else optimizers_container(optimizers))
+
+
+def initialize(
+    models: torch.nn.Module | list[torch.nn.Module],
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | None = None,
+    patch_torch_functions: bool | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | None = None,
+    loss_scale: float | str | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    dynamic_init_scale: float = 2.0**16,
+    scale_growth_factor: float = 2.0,
+    scale_backoff_factor: float = 0.5,
+    scale_window: int = 2000,
+    combine_grad: bool | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> Any:
+    """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level`` (Apex's ``amp.initialize``).
+
+    Models (and optimizers, when given) come back in the shape they were passed: a single object or a list.
+    Apex's O0-O3 table and override rules apply; the Ascend knobs (``dynamic_init_scale``,
+    ``scale_growth_factor``, ``scale_backoff_factor``, ``scale_window``, ``combine_grad``) configure the
+    dynamic scalers and flat gradient buffers. ``dtype`` (ampkit's addition, keyword-only) picks float16
+    (default) or bfloat16 for O1's autocast and O2/O3's model cast. Everything keys on dtype and device:
+    CPU models really run in low precision. Calling ``initialize`` again starts a new run (fresh scalers,
+    casts and registrations); passing an optimizer a second time is an error.
+
+    Example:
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")  # doctest: +SKIP
+    """
+    functions.restore_registered_functions()
+    _amp_state.reset()
+    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+        raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
+    _amp_state.verbosity = verbosity
+    properties = resolve_opt_level(
+        opt_level,
+        dtype=dtype,
+        enabled=enabled,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+    )
+    if cast_model_outputs is not None and not (
+        isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
+    ):
+        raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: expected a floating torch dtype or None")
+    model_list, models_container = _as_list(models)
+    optimizers_given = optimizers is not None
+    optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
+    _check_models(model_list)
+    _check_optimizers(optimizer_list)
+    scalers = [
+        LossScaler(
+            properties.loss_scale,
+            init_scale=dynamic_init_scale,
+            growth_factor=scale_growth_factor,
+            backoff_factor=scale_backoff_factor,
+            growth_interval=scale_window,
+            min_scale=min_loss_scale,
+            max_scale=max_loss_scale,
+        )
+        for _ in range(num_losses)
+    ]
+    _amp_state.opt_properties = properties
+    if not enabled:
+        return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
+    _print_properties(properties, cast_model_outputs, num_losses)
+    device_types = {model_device(m).type for m in model_list} | {"cpu"}
+    _amp_state.cast_device_types = tuple(sorted(device_types))
+    fp32_values = None
+    if properties.master_weights and properties.cast_model_type not in (None, torch.float32):
+        fp32_values = {id(p): p.detach().clone() for m in model_list for p in m.parameters()}
+    for model in model_list:
+        apply_model_casts(model, properties, cast_model_outputs)
+    for optimizer in optimizer_list:
+        optimizer._amp_stash = AmpOptimizerStash(optimizer, properties, bool(combine_grad), fp32_values)
+    _amp_state.loss_scalers = scalers
+    if properties.patch_torch_functions:
+        functions.apply_registered_functions()
+    return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
+
+
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apex's format: ``{"loss_scaler0": {"loss_scale": s, "unskipped": n}, ...}``, one entry per loss."""
+    if destination is None:
+        destination = OrderedDict()
+    for idx, scaler in enumerate(_amp_state.loss_scalers):
+        destination[f"loss_scaler{idx}"] = scaler.state_dict()
+    return destination
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore the scalers from :func:`state_dict` (Apex's rules: extra scalers skipped, other keys an error)."""
+    scalers = _amp_state.loss_scalers
+    if len(state_dict) != len(scalers):
+        print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
+    unexpected = [key for key in state_dict if "loss_scaler" not in key]
+    if unexpected:
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{k}"' for k in unexpected)
+            + ". Expected loss_scaler0, loss_scaler1, ..."
+        )
+    for idx, key in enumerate(state_dict):
+        if idx >= len(scalers):
+            print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(scalers)}")
+            break
+        scalers[idx].load_state_dict(state_dict[key])

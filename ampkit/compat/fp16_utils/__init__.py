@@ -1,0 +1,31 @@
+"""Apex's ``apex.fp16_utils``: manual mixed precision with fp32 master weights, keyed on dtype not CUDA types."""
+
+from ampkit.compat.fp16_utils.fp16_optimizer import FP16_Optimizer
+from ampkit.compat.fp16_utils.fp16util import (
+    BN_convert_float,
+    FP16Model,
+    clip_grad_norm,
+    convert_module,
+    convert_network,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+    tofp16,
+)
+
+__all__ = [
+    "BN_convert_float",
+    "FP16Model",
+    "FP16_Optimizer",
+    "clip_grad_norm",
+    "convert_module",
+    "convert_network",
+    "master_params_to_model_params",
+    "model_grads_to_master_grads",
+    "network_to_half",
+    "prep_param_lists",
+    "to_python_float",
+    "tofp16",
+]

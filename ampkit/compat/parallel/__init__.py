@@ -1,0 +1,15 @@
+"""Apex's ``apex.parallel`` on torch.distributed: DDP, SyncBatchNorm, LARC, Reducer.
+
+Apex's own implementations (CUDA streams, flat allreduce buffers, a CUDA-only SyncBatchNorm) were removed
+in May 2025; these keep its constructors and behaviour on top of ``torch.nn.parallel`` so legacy scripts run
+unchanged on CPU (gloo) or CUDA (NCCL).
+"""
+
+from ampkit.compat._exported_names import keep_exported_names
+from ampkit.compat.parallel.distributed import DistributedDataParallel, Reducer
+from ampkit.compat.parallel.larc import LARC
+from ampkit.compat.parallel.sync_batchnorm import SyncBatchNorm, convert_syncbn_model
+
+__all__ = ["DistributedDataParallel", "LARC", "Reducer", "SyncBatchNorm", "convert_syncbn_model"]
+
+keep_exported_names(__name__)  # parallel.LARC stays the class when apex.parallel.LARC (the module) is imported

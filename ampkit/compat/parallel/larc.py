@@ -1,0 +1,85 @@
+"""Apex's LARC: layer-wise adaptive rate control wrapped around any optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class LARC:
+    """Scale each parameter's gradient by ``trust_coefficient * ||w|| / (||g|| + wd * ||w|| + eps)``.
+
+    With ``clip=True`` the local rate is ``min(local_lr / lr, 1)`` (LARC clipping); otherwise it multiplies
+    the group's learning rate (LARS scaling). Weight decay is folded into the gradient before scaling and
+    switched off inside the wrapped optimizer for that step, exactly as Apex did.
+
+    Example:
+        >>> opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True, eps: float = 1e-8
+    ) -> None:
+        if trust_coefficient <= 0:
+            raise ValueError(f"trust_coefficient must be positive, got {trust_coefficient}")
+        self.optim = optimizer
+        self.trust_coefficient = trust_coefficient
+        self.eps = eps
+        self.clip = clip
+
+    @property
+    def state(self) -> Any:
+        return self.optim.state
+
+    def __repr__(self) -> str:
+        return f"LARC({self.optim!r}, trust_coefficient={self.trust_coefficient}, clip={self.clip})"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Rescale the gradients layer by layer, then step the wrapped optimizer."""
+        with torch.no_grad():
+            saved_weight_decays = []
+            for group in self.optim.param_groups:
+                weight_decay = group.get("weight_decay", 0.0)
+                saved_weight_decays.append(weight_decay)
+                group["weight_decay"] = 0
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    param_norm = torch.linalg.vector_norm(p.float())
+                    grad_norm = torch.linalg.vector_norm(p.grad.float())
+                    if param_norm == 0 or grad_norm == 0:
+                        continue
+                    adaptive_lr = (
+                        self.trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + self.eps)
+                    )
+                    if self.clip:
+                        adaptive_lr = torch.clamp(adaptive_lr / group["lr"], max=1.0)
+                    p.grad.add_(p, alpha=weight_decay)
+                    p.grad.mul_(adaptive_lr.to(p.grad.dtype))
+        try:
+            return self.optim.step(closure) if closure is not None else self.optim.step()
+        finally:
+            for group, weight_decay in zip(self.optim.param_groups, saved_weight_decays, strict=True):
+                group["weight_decay"] = weight_decay

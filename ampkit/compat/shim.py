@@ -1,0 +1,146 @@
+"""The ``apex`` import shim: ``import apex`` / ``from apex import amp`` resolve to :mod:`ampkit.compat`.
+
+A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
+objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
+whose submodules load on first touch. A real apex installation wins unless the shim is forced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+import warnings
+from typing import Any
+
+APEX_SUBPACKAGES = {
+    "amp": "ampkit.compat.amp",
+    "fp16_utils": "ampkit.compat.fp16_utils",
+    "parallel": "ampkit.compat.parallel",
+    "optimizers": "ampkit.compat.optimizers",
+    "normalization": "ampkit.compat.normalization",
+}
+# Apex modules that legacy code imported by file name rather than through the package.
+_MODULE_ALIASES = {
+    "apex.normalization.fused_layer_norm": "ampkit.compat.normalization",
+    "apex.optimizers.fused_adam": "ampkit.compat.optimizers",
+    "apex.optimizers.fused_sgd": "ampkit.compat.optimizers",
+    "apex.optimizers.fused_lamb": "ampkit.compat.optimizers",
+    "apex.optimizers.fused_novograd": "ampkit.compat.optimizers",
+    "apex.optimizers.fused_adagrad": "ampkit.compat.optimizers",
+    "apex.optimizers.fused_mixed_precision_lamb": "ampkit.compat.optimizers",
+    "apex.parallel.distributed": "ampkit.compat.parallel.distributed",
+    "apex.parallel.LARC": "ampkit.compat.parallel.larc",
+    "apex.parallel.sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
+    "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
+    "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
+}
+_SHIM_MARKER = "__ampkit_apex_shim__"
+
+
+def _target_module_name(fullname: str) -> str:
+    if fullname in _MODULE_ALIASES:
+        return _MODULE_ALIASES[fullname]
+    _, _, rest = fullname.partition(".")
+    head, _, tail = rest.partition(".")
+    if head not in APEX_SUBPACKAGES:
+        raise ModuleNotFoundError(
+            f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}; {fullname!r} is not one of them",
+            name=fullname,
+        )
+    return APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
+
+
+def _make_apex_package() -> types.ModuleType:
+    package = types.ModuleType("apex", "ampkit's stand-in for NVIDIA apex (see ampkit.compat).")
+    package.__path__ = []
+    package.__version__ = "0.1+ampkit"
+    setattr(package, _SHIM_MARKER, True)
+
+    def __getattr__(name: str) -> Any:
+        if name in APEX_SUBPACKAGES:
+            return importlib.import_module(f"apex.{name}")
+        raise AttributeError(f"module 'apex' (ampkit shim) has no attribute {name!r}")
+
+    package.__getattr__ = __getattr__
+    return package
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands out an existing ampkit module under an ``apex`` name, leaving the module itself untouched."""
+
+    def __init__(self, target: str | None) -> None:
+        self.target = target
+        self._original_spec: Any = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _make_apex_package() if self.target is None else importlib.import_module(self.target)
+        self._original_spec = getattr(module, "__spec__", None)
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if self.target is not None:
+            module.__spec__ = self._original_spec
+
+
+class _ApexShimFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "apex":
+            return importlib.machinery.ModuleSpec("apex", _AliasLoader(None), is_package=True)
+        if not fullname.startswith("apex."):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
+
+
+def _installed_finder() -> _ApexShimFinder | None:
+    return next((f for f in sys.meta_path if isinstance(f, _ApexShimFinder)), None)
+
+
+def _forget_apex_modules() -> None:
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]
+
+
+def install_apex_shim(force: bool = False) -> bool:
+    """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``)
+    resolve to ampkit.
+
+    Args:
+        force: install even when a real apex is importable (it is then shadowed for this process).
+
+    Returns:
+        True when the shim is active, False when a real apex was found and left in place (a warning says so).
+    """
+    if _installed_finder() is not None:
+        return True
+    loaded = sys.modules.get("apex")
+    real_origin: str | None = None
+    if loaded is not None and not getattr(loaded, _SHIM_MARKER, False):
+        real_origin = getattr(loaded, "__file__", None) or repr(loaded)
+    elif loaded is None:
+        spec = importlib.util.find_spec("apex")
+        if _installed_finder() is not None:  # a legacy run's child process: its lazy shim just installed itself
+            return True
+        if spec is not None:
+            real_origin = spec.origin or ", ".join(spec.submodule_search_locations or []) or "unknown location"
+    if real_origin is not None and not force:
+        warnings.warn(
+            f"A real apex is installed ({real_origin}); ampkit's apex shim was NOT installed. "
+            "Use install_apex_shim(force=True) or `python -m ampkit.legacy --force-shim` to use ampkit instead.",
+            stacklevel=2,
+        )
+        return False
+    _forget_apex_modules()
+    sys.meta_path.insert(0, _ApexShimFinder())
+    return True
+
+
+def uninstall_apex_shim() -> None:
+    """Remove the shim and forget every ``apex`` module it served (a later ``import apex`` searches again)."""
+    finder = _installed_finder()
+    if finder is not None:
+        sys.meta_path.remove(finder)
+    _forget_apex_modules()

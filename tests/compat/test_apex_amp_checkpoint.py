@@ -1,0 +1,91 @@
+"""Checkpoint save/restore (the semantics of Apex's test_checkpointing): O0-O3 x num_losses 1-2.
+
+A run saved mid-way and restored into fresh models/optimizers after a re-``initialize`` continues
+bit-identically to the uninterrupted run, scaler state (scale and growth counter) included; under O2 the
+fp32 master weights travel in ``optimizer.state_dict()`` (Apex lost them).
+"""
+
+import io
+
+import pytest
+import torch
+
+from ampkit.compat import amp
+
+ITERS, SAVE_AFTER = 6, 2
+
+
+def _build(level, num_losses):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)  # eps representable in fp16 (O3)
+    return amp.initialize(model, optimizer, opt_level=level, num_losses=num_losses, scale_window=3, verbosity=0)
+
+
+def _iteration(model, optimizer, it, num_losses, dynamic):
+    generator = torch.Generator().manual_seed(100 + it)
+    x = torch.randn(16, 6, generator=generator)
+    target = torch.randn(16, 3, generator=generator)
+    optimizer.zero_grad()
+    out = model(x).float()
+    losses = [(out - target).pow(2).mean(), out.abs().mean()][:num_losses]
+    for loss_id, loss in enumerate(losses):
+        if dynamic and it == 1 and loss_id == num_losses - 1:
+            loss = loss * float("inf")
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+            scaled.backward(retain_graph=loss_id + 1 < num_losses)
+    optimizer.step()
+
+
+def _save(*objects):
+    buffer = io.BytesIO()
+    torch.save(objects, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("num_losses", [1, 2])
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_restored_run_continues_identically(level, num_losses):
+    dynamic = level in ("O1", "O2")
+    model, optimizer = _build(level, num_losses)
+    checkpoint = None
+    for it in range(ITERS):
+        _iteration(model, optimizer, it, num_losses, dynamic)
+        if it == SAVE_AFTER:
+            checkpoint = _save(model.state_dict(), optimizer.state_dict(), amp.state_dict())
+    final = [p.detach().clone() for p in model.parameters()]
+    final_amp = amp.state_dict()
+    if dynamic:  # overflow at iteration 1 halves, three clean updates (scale_window=3) double it back
+        assert final_amp[f"loss_scaler{num_losses - 1}"] == {"loss_scale": 2.0**16, "unskipped": 1}
+        if num_losses == 2:
+            assert final_amp["loss_scaler0"] == {"loss_scale": 2.0**18, "unskipped": 0}
+
+    model, optimizer = _build(level, num_losses)
+    model_state, optimizer_state, amp_state = torch.load(io.BytesIO(checkpoint))
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    amp.load_state_dict(amp_state)
+    for it in range(SAVE_AFTER + 1, ITERS):
+        _iteration(model, optimizer, it, num_losses, dynamic)
+    assert amp.state_dict() == final_amp
+    for restored, uninterrupted in zip(model.parameters(), final, strict=True):
+        assert torch.equal(restored, uninterrupted)
+    masters = [p.detach() for p in amp.master_params(optimizer)]
+    assert all(m.dtype == torch.float32 for m in masters) == (level in ("O0", "O1", "O2"))
+
+
+def test_o2_weights_loaded_into_the_model_after_initialize_are_trained_from():
+    """Apex built O2 masters at the first backward, so `initialize` then `model.load_state_dict(pretrained)`
+    trained the pretrained weights; the masters must follow the loaded model, not the initial weights."""
+    torch.manual_seed(0)
+    pretrained = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    model.load_state_dict(pretrained.state_dict())
+    with amp.scale_loss(model(torch.randn(3, 4)).float().mean() * 0.01, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()  # lr 0: the weights must stay the loaded ones
+    assert torch.equal(model.weight, pretrained.weight.detach().half())
+    masters = list(amp.master_params(optimizer))
+    assert torch.equal(masters[0], pretrained.weight.detach().half().float())

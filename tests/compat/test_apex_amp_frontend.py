@@ -1,0 +1,196 @@
+"""amp.initialize: signature, return shapes, Apex's property table and override errors, re-initialization."""
+
+import io
+
+import pytest
+import torch
+
+from ampkit.compat import amp
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("models_as_list", [False, True])
+@pytest.mark.parametrize("optimizers_as", [None, "single", "list", "tuple"])
+def test_models_and_optimizers_come_back_in_the_shape_given(models_as_list, optimizers_as):
+    model = _model()
+    optimizer = _sgd(model)
+    models = [model] if models_as_list else model
+    optimizers = {None: None, "single": optimizer, "list": [optimizer], "tuple": (optimizer,)}[optimizers_as]
+    result = amp.initialize(models, optimizers, opt_level="O1", verbosity=0)
+    expected_models = [model] if models_as_list else model
+    if optimizers_as is None:
+        assert result == expected_models
+    else:
+        got_models, got_optimizers = result
+        assert got_models == expected_models
+        assert got_optimizers == optimizers and type(got_optimizers) is type(optimizers)
+
+
+def test_zero_one_is_rejected_naming_the_valid_levels():
+    with pytest.raises(RuntimeError) as err:
+        amp.initialize(_model(), opt_level="01", verbosity=0)
+    for level in ("O0", "O1", "O2", "O3"):
+        assert level in str(err.value)
+    assert "letter O" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, option",
+    [
+        (dict(opt_level="O1", cast_model_type=torch.float16), "cast_model_type"),
+        (dict(opt_level="O1", keep_batchnorm_fp32=True), "keep_batchnorm_fp32"),
+        (dict(opt_level="O1", master_weights=True), "master_weights"),
+        (dict(opt_level="O2", patch_torch_functions=True), "patch_torch_functions"),
+    ],
+)
+def test_overrides_apex_forbids_raise_naming_the_option(overrides, option):
+    with pytest.raises(RuntimeError, match=option):
+        amp.initialize(_model(), verbosity=0, **overrides)
+
+
+@pytest.mark.parametrize(
+    "level, weight_dtype, bn_dtype, master_weights, scale, dynamic",
+    [
+        ("O0", torch.float32, torch.float32, False, 1.0, False),
+        ("O1", torch.float32, torch.float32, False, 2.0**16, True),
+        ("O2", torch.float16, torch.float32, True, 2.0**16, True),
+        ("O3", torch.float16, torch.float16, False, 1.0, False),
+    ],
+)
+def test_property_table(level, weight_dtype, bn_dtype, master_weights, scale, dynamic):
+    model = _model()
+    optimizer = _sgd(model)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+    assert model[0].weight.dtype == weight_dtype
+    assert model[1].weight.dtype == bn_dtype and model[1].running_mean.dtype == bn_dtype
+    optimizer_dtypes = {p.dtype for p in amp.master_params(optimizer)}
+    assert optimizer_dtypes == ({torch.float32} if master_weights or level in ("O0", "O1") else {weight_dtype})
+    separate_master = [p is not q for p, q in zip(amp.master_params(optimizer), model.parameters(), strict=True)]
+    assert separate_master == [master_weights and q.dtype != torch.float32 for q in model.parameters()]
+    scaler = amp._amp_state.loss_scalers[0]
+    assert scaler.loss_scale() == scale and scaler.dynamic == dynamic
+    output = model(torch.randn(3, 4))
+    assert output.dtype == (torch.float16 if level == "O1" else torch.float32)
+
+
+def test_overrides_that_apex_allows():
+    model = _model()
+    model, optimizer = amp.initialize(
+        model, _sgd(model), opt_level="O2", keep_batchnorm_fp32="False", loss_scale="128.0", verbosity=0
+    )
+    assert model[1].weight.dtype == torch.float16
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 128.0
+    assert not amp._amp_state.loss_scalers[0].dynamic
+
+
+def test_ascend_knobs_configure_the_dynamic_scalers():
+    model = _model()
+    amp.initialize(
+        model, _sgd(model), opt_level="O1", num_losses=2, dynamic_init_scale=2.0**10, scale_growth_factor=4.0,
+        scale_backoff_factor=0.25, scale_window=3, min_loss_scale=8.0, max_loss_scale=2.0**12, verbosity=0,
+    )  # fmt: skip
+    for scaler in amp._amp_state.loss_scalers:
+        assert scaler.loss_scale() == 2.0**10
+        assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == (4.0, 0.25, 3)
+        assert (scaler.min_scale, scaler.max_scale) == (8.0, 2.0**12)
+
+
+def test_bfloat16_on_request():
+    model = _model()
+    model, _ = amp.initialize(model, _sgd(model), opt_level="O2", dtype="bfloat16", verbosity=0)
+    assert model[0].weight.dtype == torch.bfloat16
+    o1 = _model()
+    amp.initialize(o1, _sgd(o1), opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    assert o1(torch.randn(3, 4)).dtype == torch.bfloat16
+
+
+def test_disabled_returns_inputs_and_scale_loss_is_a_passthrough():
+    model = _model()
+    optimizer = _sgd(model)
+    assert amp.initialize(model, optimizer, enabled=False, opt_level="O2", verbosity=0) == (model, optimizer)
+    assert model[0].weight.dtype == torch.float32
+    loss = model(torch.randn(3, 4)).sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        assert scaled is loss
+
+
+def test_scale_loss_before_initialize_is_a_clear_error():
+    model = _model()
+    with pytest.raises(RuntimeError, match="amp.initialize"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), _sgd(model)):
+            pass
+
+
+def test_loss_id_out_of_range_names_num_losses():
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(ValueError, match="num_losses=2"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=2):
+            pass
+
+
+def test_initializing_the_same_optimizer_twice_is_an_error():
+    model = _model()
+    optimizer = _sgd(model)
+    amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="only be passed through amp.initialize once"):
+        amp.initialize(_model(), optimizer, opt_level="O1", verbosity=0)
+
+
+def test_wrapped_models_and_cast_models_are_rejected():
+    with pytest.raises(RuntimeError, match="AFTER"):
+        amp.initialize(torch.nn.DataParallel(_model()), opt_level="O1", verbosity=0)
+    with pytest.raises(RuntimeError, match="do not need to call .half"):
+        amp.initialize(_model().half(), opt_level="O1", verbosity=0)
+
+
+def test_reinitialize_starts_a_new_run_without_stale_state():
+    first = _model()
+    first, opt1 = amp.initialize(first, _sgd(first), opt_level="O1", num_losses=2, verbosity=0)
+    state = amp._amp_state
+    state.loss_scalers[1].update(found_inf=True)
+    second = _model()
+    second, opt2 = amp.initialize(second, _sgd(second), opt_level="O0", verbosity=0)
+    assert amp._amp_state is state  # references taken by legacy code see the new run
+    assert len(state.loss_scalers) == 1 and state.loss_scalers[0].loss_scale() == 1.0
+    assert not state.casts_active()
+    # The same model may be initialized again at another level: its old O1 hooks are replaced.
+    third_opt = _sgd(first)
+    amp.initialize(first, third_opt, opt_level="O0", verbosity=0)
+    assert first(torch.randn(3, 4)).dtype == torch.float32
+
+
+def test_verbosity_controls_the_setup_printout(capsys):
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O2", verbosity=1)
+    out = capsys.readouterr().out
+    assert "Selected optimization level O2" in out and "master_weights" in out
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+    assert capsys.readouterr().out == ""
+
+
+def test_state_dict_has_apex_format_and_round_trips():
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    amp._amp_state.loss_scalers[1].update(found_inf=True)
+    amp._amp_state.loss_scalers[0].update(found_inf=False)
+    state = amp.state_dict()
+    assert list(state) == ["loss_scaler0", "loss_scaler1"]
+    assert state["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 1}
+    assert state["loss_scaler1"] == {"loss_scale": 2.0**15, "unskipped": 0}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    amp.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    assert amp.state_dict() == state
+    with pytest.raises(RuntimeError, match='Unexpected key.*"optimizer"'):
+        amp.load_state_dict({"optimizer": {}, "loss_scaler0": state["loss_scaler0"]})

@@ -1,0 +1,181 @@
+"""O1 casting and promotion (the semantics of Apex's test_basic_casts / test_promotion), on CPU.
+
+O1 runs each initialized model's forward under ``torch.autocast`` for the model's device with the chosen
+dtype; user registrations add Apex's per-function rules on top.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import amp
+
+LOW = [torch.float16, torch.bfloat16]
+
+
+class Probe(torch.nn.Module):
+    """Runs ``fn`` inside its forward, i.e. where O1's casts apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.fn = None
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _o1_probe(dtype, **kwargs):
+    probe = Probe()
+    amp.initialize(probe, opt_level="O1", dtype=dtype, verbosity=0, **kwargs)
+    return probe
+
+
+def _run(probe, fn, x=None):
+    probe.fn = fn
+    return probe(torch.randn(4, 4) if x is None else x)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("linear", lambda p, x: p.linear(x)),
+        ("matmul", lambda p, x: x @ x),
+        ("bmm", lambda p, x: torch.bmm(x[None], x[None])),
+        ("addmm", lambda p, x: torch.addmm(x, x, x)),
+        ("conv1d", lambda p, x: F.conv1d(x[None], x[:, :, None])),
+    ],
+)
+def test_matmul_like_ops_run_in_low_precision(dtype, name, fn):
+    probe = _o1_probe(dtype)
+    assert _run(probe, lambda x: fn(probe, x)).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.mse_loss(x, x * 2),
+        lambda x: F.cross_entropy(x, torch.zeros(4, dtype=torch.long)),
+        lambda x: F.binary_cross_entropy_with_logits(x, torch.ones_like(x)),
+        lambda x: torch.prod(x),
+    ],
+)
+def test_loss_functions_run_in_float32_even_on_low_precision_inputs(dtype, fn):
+    probe = _o1_probe(dtype)
+    assert _run(probe, lambda x: fn(x.to(dtype))).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_promotion_to_the_widest_type(dtype):
+    probe = _o1_probe(dtype)
+    assert _run(probe, lambda x: x.to(dtype) + x).dtype == torch.float32
+    assert _run(probe, lambda x: torch.cat([x.to(dtype), x])).dtype == torch.float32
+    assert _run(probe, lambda x: torch.stack([x, x.to(dtype)])).dtype == torch.float32
+    assert _run(probe, lambda x: torch.addcmul(x, x.to(dtype), x.to(dtype))).dtype == torch.float32
+
+    def inplace(x):
+        low = x.to(dtype)
+        low.add_(x)
+        return low
+
+    assert _run(probe, inplace).dtype == dtype  # in-place ops keep the destination's type
+    assert _run(probe, lambda x: F.relu(x.to(dtype))).dtype == dtype  # type-preserving ops preserve
+    assert _run(probe, lambda x: F.relu(x)).dtype == torch.float32
+
+
+def test_weights_and_their_grads_stay_float32_and_casts_end_with_the_forward():
+    probe = _o1_probe(torch.float16)
+    out = _run(probe, lambda x: probe.linear(x))
+    out.float().sum().backward()
+    assert probe.linear.weight.dtype == torch.float32 and probe.linear.weight.grad.dtype == torch.float32
+    assert probe.linear(torch.randn(2, 4)).dtype == torch.float32  # called outside the O1 model's forward
+
+
+def test_cast_model_outputs_casts_o1_outputs():
+    probe = _o1_probe(torch.float16, cast_model_outputs=torch.float32)
+    assert _run(probe, lambda x: probe.linear(x)).dtype == torch.float32
+
+
+def test_disable_casts_turns_o1_off_inside_the_block():
+    probe = _o1_probe(torch.float16)
+
+    def fn(x):
+        with amp.disable_casts():
+            inside = probe.linear(x)
+        return inside, probe.linear(x)
+
+    inside, after = _run(probe, fn)
+    assert inside.dtype == torch.float32 and after.dtype == torch.float16
+
+
+def test_registered_functions_apply_from_the_next_o1_initialize_and_are_undone_after():
+    namespace = types.SimpleNamespace(
+        softmax=F.softmax, mix=lambda a, b: a * b, add=lambda a, b: a + b, original=F.softmax
+    )
+    amp.register_float_function(namespace, "softmax")
+    amp.register_promote_function(namespace, "mix")
+    amp.register_half_function(namespace, "add")
+    try:
+        probe = _o1_probe(torch.float16)
+        assert _run(probe, lambda x: namespace.softmax(x.half(), -1)).dtype == torch.float32
+        assert _run(probe, lambda x: namespace.mix(x.half(), x)).dtype == torch.float32
+        assert _run(probe, lambda x: x + x).dtype == torch.float32  # autocast leaves add alone
+        assert _run(probe, lambda x: namespace.add(x, x)).dtype == torch.float16
+        with amp.disable_casts():
+            assert namespace.softmax(torch.randn(2, 2).half(), -1).dtype == torch.float16
+        amp.initialize(Probe(), opt_level="O0", verbosity=0)
+        assert namespace.softmax is namespace.original
+    finally:
+        from ampkit.compat.amp import functions
+
+        functions._registry.clear()
+        functions.restore_registered_functions()
+
+
+def test_register_rejects_missing_functions():
+    with pytest.raises(ValueError, match="no_such_fn"):
+        amp.register_half_function(torch, "no_such_fn")
+
+
+def test_decorators_cast_only_while_o1_is_active():
+    @amp.half_function
+    def as_half(x):
+        return x * 1
+
+    @amp.float_function
+    def as_float(x):
+        return x * 1
+
+    @amp.promote_function
+    def promoted(a, b):
+        return a.dtype, b.dtype
+
+    x = torch.randn(3)
+    assert as_half(x).dtype == torch.float32  # amp not initialized: no casts
+    amp.initialize(Probe(), opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    assert as_half(x).dtype == torch.bfloat16
+    assert as_float(x.half()).dtype == torch.float32
+    assert promoted(x.half(), x) == (torch.float32, torch.float32)
+    amp.initialize(Probe(), opt_level="O2", verbosity=0)
+    assert as_half(x).dtype == torch.float32
+
+
+def test_cast_weights_are_not_cached_across_iterations():
+    """Apex's test_cache: after a step the next forward sees the updated weights, not a stale fp16 copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        out = model(x)
+        expected = F.linear(x.half(), model.weight.detach().half(), model.bias.detach().half())
+        assert torch.equal(out, expected)
+        optimizer.zero_grad()
+        with amp.scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()

@@ -1,0 +1,135 @@
+"""The apex import shim and ``python -m ampkit.legacy``: unmodified Apex scripts run on ampkit."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ampkit.compat.amp
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def test_apex_names_resolve_to_ampkit_modules(shim):
+    import apex
+    import apex.amp._amp_state
+    from apex import amp
+    from apex.amp._amp_state import _amp_state
+    from apex.fp16_utils import FP16_Optimizer, FP16Model
+    from apex.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+
+    import ampkit.compat.fp16_utils as fp16_utils
+    import ampkit.compat.parallel as parallel
+
+    assert amp is ampkit.compat.amp and apex.amp is amp
+    assert _amp_state is amp._amp_state
+    assert apex.amp._amp_state is amp._amp_state
+    assert (FP16_Optimizer, FP16Model) == (fp16_utils.FP16_Optimizer, fp16_utils.FP16Model)
+    assert (LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model) == (
+        parallel.LARC, parallel.DistributedDataParallel, parallel.SyncBatchNorm, parallel.convert_syncbn_model,
+    )  # fmt: skip
+    assert apex.parallel is parallel
+    assert ampkit.compat.amp.__spec__.name == "ampkit.compat.amp"  # the module itself is not renamed
+    from apex.parallel.LARC import LARC as larc_by_module_path
+
+    assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
+    with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
+        import apex.contrib  # noqa: F401
+
+
+def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
+    fake = tmp_path / "apex"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match=re.escape(str(fake))):
+            assert install_apex_shim() is False
+        import apex
+
+        assert apex.REAL
+        assert install_apex_shim(force=True) is True
+        import apex
+
+        assert not hasattr(apex, "REAL") and apex.amp is ampkit.compat.amp
+    finally:
+        uninstall_apex_shim()
+
+
+def _legacy(*args, cwd=REPO, extra_path=()):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *map(str, extra_path)]), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "ampkit.legacy", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_legacy_gan_example_trains_through_the_shim(tmp_path):
+    result = _legacy(
+        "examples/legacy_apex/train_gan.py", "--iters", 100, "--print_every", 50, "--checkpoint", tmp_path / "ck.pt"
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Selected optimization level O1" in out
+    assert re.search(r"\[100/100\] Loss_D: [\d.]+ Loss_G: [\d.]+ loss_scale D: \d+ G: \d+", out)
+    start = float(re.search(r"start: fraction near a mode ([\d.]+)", out).group(1))
+    end = float(re.search(r"end: fraction near a mode ([\d.]+)", out).group(1))
+    assert end > start
+    assert "saved and reloaded checkpoint with amp state {'loss_scaler0'" in out
+
+
+def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    script = tmp_path / "which_apex.py"
+    script.write_text("import sys, apex\nprint('argv', sys.argv[1:])\nprint('shim', hasattr(apex, 'amp'))\n")
+    plain = _legacy(script, "a", "--b", extra_path=[tmp_path])
+    assert plain.returncode == 0, plain.stderr
+    assert "A real apex is installed" in plain.stderr and "shim False" in plain.stdout
+    assert "argv ['a', '--b']" in plain.stdout
+    forced = _legacy("--force-shim", "-m", "which_apex", "c", extra_path=[tmp_path])
+    assert forced.returncode == 0, forced.stderr
+    assert "shim True" in forced.stdout and "argv ['c']" in forced.stdout
+
+
+def test_legacy_launcher_argument_errors(tmp_path, capsys):
+    from ampkit.legacy import main
+
+    with pytest.raises(SystemExit, match="script not found"):
+        main([str(tmp_path / "nope.py")])
+    with pytest.raises(SystemExit, match="usage"):
+        main(["-m"])
+    main(["--help"])
+    assert "--force-shim" in capsys.readouterr().out
+    assert "AMPKIT_APEX_SHIM" not in os.environ and "apex" not in sys.modules  # nothing was installed
+
+
+def test_spawned_child_processes_of_a_legacy_run_see_the_shim(tmp_path):
+    script = tmp_path / "spawning.py"
+    script.write_text(
+        "import multiprocessing as mp\n"
+        "from apex import amp\n"
+        "def child(queue):\n"
+        "    queue.put(amp.__name__)\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context('spawn')\n"
+        "    queue = ctx.Queue()\n"
+        "    worker = ctx.Process(target=child, args=(queue,))\n"
+        "    worker.start()\n"
+        "    print('child sees', queue.get(timeout=120))\n"
+        "    worker.join()\n"
+    )
+    result = _legacy(script)
+    assert result.returncode == 0, result.stderr
+    assert "child sees ampkit.compat.amp" in result.stdout

@@ -1,0 +1,189 @@
+"""apex.fp16_utils on CPU: FP16Model / network_to_half casting, master-param helpers, FP16_Optimizer."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+from ampkit.compat.fp16_utils import (
+    FP16_Optimizer,
+    FP16Model,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+)
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.bn_no_affine = torch.nn.BatchNorm2d(4, affine=False)
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.bn_no_affine(self.bn(self.conv(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp16model_casts_all_but_affine_batchnorm(dtype):
+    model = FP16Model(ConvNet(), dtype=dtype)
+    net = model.network
+    assert net.conv.weight.dtype == dtype and net.fc.weight.dtype == dtype
+    assert net.bn.weight.dtype == torch.float32 and net.bn.running_mean.dtype == torch.float32
+    assert net.bn_no_affine.running_mean.dtype == dtype
+    out = model(torch.randn(2, 3, 6, 6))  # float32 input is cast on entry
+    assert out.dtype == dtype
+    out.float().sum().backward()
+    assert net.conv.weight.grad.dtype == dtype and net.bn.weight.grad.dtype == torch.float32
+
+
+def test_network_to_half_casts_input_and_keeps_batchnorm_float():
+    model = network_to_half(ConvNet())
+    assert model[1].conv.weight.dtype == torch.float16 and model[1].bn.weight.dtype == torch.float32
+    assert model(torch.randn(2, 3, 6, 6)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("flat_master", [False, True])
+def test_master_param_helpers_round_trip(flat_master):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).half()
+    model_params, master_params = prep_param_lists(model, flat_master=flat_master)
+    assert all(m.dtype == torch.float32 and m.requires_grad for m in master_params)
+    assert sum(m.numel() for m in master_params) == sum(p.numel() for p in model_params)
+    model(torch.randn(4, 3).half()).float().sum().backward()
+    model_grads_to_master_grads(model_params, master_params, flat_master=flat_master)
+    flat_grads = torch.cat([p.grad.float().reshape(-1) for p in model_params])
+    assert torch.equal(torch.cat([m.grad.reshape(-1) for m in master_params]), flat_grads)
+    with torch.no_grad():
+        for m in master_params:
+            m.add_(1.0)
+    before = [p.detach().float().clone() for p in model_params]
+    master_params_to_model_params(model_params, master_params, flat_master=flat_master)
+    for p, b in zip(model_params, before, strict=True):
+        assert torch.equal(p.float(), (b + 1.0).half().float())
+
+
+def _half_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return (model(x.to(next(model.parameters()).dtype)).float() - y).pow(2).mean()
+
+
+def test_fp16_optimizer_trains_like_fp32_with_masters():
+    reference = _half_model()
+    model = copy.deepcopy(reference).half()
+    with torch.no_grad():
+        for p, q in zip(reference.parameters(), model.parameters(), strict=True):
+            p.copy_(q.float())  # same starting point
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0)
+    for x, y in _batches(5):
+        optimizer.zero_grad()
+        optimizer.backward(_loss(model, x, y))
+        optimizer.step()
+        ref_opt.zero_grad()
+        _loss(reference, x, y).backward()
+        ref_opt.step()
+    assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.dtype == torch.float16
+        torch.testing.assert_close(p.float(), q, atol=5e-3, rtol=5e-3)
+
+
+def test_fp16_optimizer_dynamic_overflow_skips_and_backs_off(capsys):
+    model = _half_model().half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+    assert optimizer.loss_scale == 2.0**32  # Apex's DynamicLossScaler default: overflows at once in fp16
+    weights = [p.detach().clone() for p in model.parameters()]
+    ((x, y),) = _batches(1)
+    steps_skipped = 0
+    while True:
+        optimizer.zero_grad()
+        optimizer.backward(_loss(model, x, y))
+        if optimizer.clip_master_grads(1.0) != -1:
+            break
+        optimizer.step()
+        steps_skipped += 1
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    optimizer.step()
+    assert optimizer.loss_scale == 2.0 ** (32 - steps_skipped) and steps_skipped > 10
+    assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    assert (
+        "OVERFLOW! Skipping step. Attempted loss scale: 4294967296.0, reducing to 2147483648.0"
+        in capsys.readouterr().out
+    )
+
+
+def test_fp16_optimizer_clip_master_grads_returns_the_norm():
+    model = _half_model().half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=64.0)
+    ((x, y),) = _batches(1)
+    optimizer.backward(_loss(model, x, y))
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = torch.linalg.vector_norm(torch.cat([m.grad.reshape(-1) for m in masters])).item()
+    assert optimizer.clip_master_grads(norm / 2) == pytest.approx(norm, rel=1e-5)
+    clipped = torch.linalg.vector_norm(torch.cat([m.grad.reshape(-1) for m in masters])).item()
+    assert clipped == pytest.approx(norm / 2, rel=1e-4)
+
+
+def _dynamic_adam(model):
+    args = {"init_scale": 2.0**20, "scale_window": 2}
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return FP16_Optimizer(adam, dynamic_loss_scale=True, dynamic_loss_args=args, verbose=False)
+
+
+def test_fp16_optimizer_state_dict_resumes_identically():
+    def run(model, optimizer, batches):
+        for x, y in batches:
+            optimizer.zero_grad()
+            optimizer.backward(_loss(model, x, y))
+            optimizer.step()
+
+    batches = _batches(6)
+    model = _half_model().half()
+    optimizer = _dynamic_adam(model)
+    run(model, optimizer, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    run(model, optimizer, batches[3:])
+    model2 = _half_model().half()
+    optimizer2 = _dynamic_adam(model2)
+    state = torch.load(io.BytesIO(buffer.getvalue()))
+    model2.load_state_dict(state["model"])
+    optimizer2.load_state_dict(state["optimizer"])
+    run(model2, optimizer2, batches[3:])
+    assert optimizer2.loss_scale == optimizer.loss_scale
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_fp16_optimizer_closure_and_bad_args():
+    model = _half_model().half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
+    ((x, y),) = _batches(1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = _loss(model, x, y)
+        optimizer.backward(loss)
+        return loss
+
+    assert torch.isfinite(optimizer.step(closure))
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    with pytest.raises(ValueError, match="scale_windw"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                       dynamic_loss_args={"scale_windw": 3})  # fmt: skip
