@@ -1,0 +1,80 @@
+"""The JIT loader: mode switch, one-line compile message, warn-once fallback, cross-process cache."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from ampkit.ops import _build
+
+BROKEN_SOURCE = '#error "deliberately broken ampkit test source"\n'
+
+
+@pytest.fixture
+def broken_family(tmp_path, monkeypatch):
+    """A family whose only source fails to compile, built into a private cache directory."""
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "broken.cpp"
+    source.write_text(BROKEN_SOURCE)
+    name = f"ampkit_broken_{tmp_path.name.replace('-', '_')}"
+    yield _build.register_family(name, [source])
+    _build.FAMILIES.pop(name, None)
+
+
+def test_reference_mode_never_builds(broken_family, monkeypatch, capfd):
+    monkeypatch.setenv("AMPKIT_OPS", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert broken_family.use_kernel() is False
+    assert "compiling" not in capfd.readouterr().err
+    assert broken_family.name not in _build._loaded
+
+
+def test_broken_build_falls_back_with_one_warning(broken_family, monkeypatch, capfd):
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    with pytest.warns(RuntimeWarning, match=broken_family.name) as record:
+        assert broken_family.use_kernel() is False
+        assert broken_family.use_kernel() is False
+    assert len(record) == 1
+    assert "deliberately broken" in str(record[0].message)
+    err = capfd.readouterr().err
+    assert err.count(f"ampkit: compiling C++ ops '{broken_family.name}'") == 1
+
+
+def test_kernel_mode_raises_naming_the_family(broken_family, monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match=f"{broken_family.name}.*AMPKIT_OPS=kernel"):
+            broken_family.use_kernel()
+
+
+def test_missing_compiler_warns_once_for_all_families(broken_family, tmp_path, monkeypatch):
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    monkeypatch.setenv("CXX", "ampkit-no-such-compiler")
+    monkeypatch.setattr(_build, "_warned_no_compiler", False)
+    other = _build.register_family(broken_family.name + "_other", broken_family.sources)
+    try:
+        with pytest.warns(RuntimeWarning, match="ampkit-no-such-compiler") as record:
+            assert broken_family.use_kernel() is False
+            assert other.use_kernel() is False
+        assert len(record) == 1
+    finally:
+        _build.FAMILIES.pop(other.name)
+
+
+def test_invalid_mode_names_the_valid_ones(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "fast")
+    with pytest.raises(ValueError, match="AMPKIT_OPS='fast'.*auto, reference, kernel"):
+        _build.ops_mode()
+
+
+def test_cache_key_follows_header_edits(tmp_path):
+    source = tmp_path / "op.cpp"
+    header = tmp_path / "op.h"
+    source.write_text("int f();\n")
+    header.write_text("#define A 1\n")
+    before = _build.extension_dir("ampkit_x", [source], with_cuda=False)
+    header.write_text("#define A 2\n")
+    assert _build.extension_dir("ampkit_x", [source], with_cuda=False) != before
