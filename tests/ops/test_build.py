@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from ampkit.ops import _build
 
 BROKEN_SOURCE = '#error "deliberately broken ampkit test source"\n'
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -78,3 +82,27 @@ def test_cache_key_follows_header_edits(tmp_path):
     before = _build.extension_dir("ampkit_x", [source], with_cuda=False)
     header.write_text("#define A 2\n")
     assert _build.extension_dir("ampkit_x", [source], with_cuda=False) != before
+
+
+def test_built_family_is_reused_by_a_new_process():
+    """The second process loads the cached library: no compile message, kernel mode succeeds."""
+    script = (
+        "import torch\n"
+        "from ampkit.ops.multi_tensor import _FAMILY\n"
+        "assert _FAMILY.use_kernel()\n"
+        "print(_FAMILY.name in str(torch.ops.loaded_libraries))\n"
+    )
+    env = {"PYTHONPATH": str(REPO_ROOT), "AMPKIT_OPS": "kernel"}
+    run = [sys.executable, "-c", script]
+    first = subprocess.run(run, env=_with_path(env), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run(run, env=_with_path(env), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "compiling" not in second.stderr
+    assert second.stdout.strip() == "True"
+
+
+def _with_path(env: dict[str, str]) -> dict[str, str]:
+    import os
+
+    return {**os.environ, **env}
