@@ -7,7 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include "common/contiguous.h"
 
 #include <algorithm>
 #include <atomic>
@@ -60,34 +60,6 @@ class ChunkPlan {
  private:
   std::vector<Segment> segments_;
   std::vector<int64_t> chunk_starts_;
-};
-
-// Contiguous versions of read-only inputs (a copy only for the non-contiguous ones).
-inline std::vector<at::Tensor> contiguous_inputs(at::TensorList list) {
-  std::vector<at::Tensor> out;
-  out.reserve(list.size());
-  for (const auto& t : list) out.push_back(t.contiguous());
-  return out;
-}
-
-// Outputs are written through contiguous buffers: a non-contiguous output gets a scratch tensor that
-// finish() copies back, so every op gives the correct result on strided views, at the cost of a copy.
-class OutputBuffers {
- public:
-  explicit OutputBuffers(at::TensorList outputs) : targets_(outputs) {
-    work_.reserve(outputs.size());
-    for (const auto& t : outputs) work_.push_back(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
-  }
-  const std::vector<at::Tensor>& tensors() const { return work_; }
-  void finish() {
-    for (size_t i = 0; i < work_.size(); ++i) {
-      if (!work_[i].is_same(targets_[i])) targets_[i].copy_(work_[i]);
-    }
-  }
-
- private:
-  at::TensorList targets_;
-  std::vector<at::Tensor> work_;
 };
 
 // Collects "a non-finite value was seen" from all threads and raises the flag tensor once.

@@ -1,9 +1,9 @@
 // CPU kernels of the element-wise multi-tensor ops: scale_, axpby_, combine_.
 #include "common/accumulate.h"
-#include "common/checks.h"
 #include "common/dispatch.h"
 #include "common/multi_tensor_cpu.h"
 #include "multi_tensor/functors.h"
+#include "multi_tensor/multi_tensor_checks.h"
 #include "multi_tensor/multi_tensor_cpu.h"
 
 namespace ampkit {
@@ -11,7 +11,7 @@ namespace {
 
 using cpu::ChunkPlan;
 using cpu::NonFiniteFlag;
-using cpu::OutputBuffers;
+
 using cpu::Segment;
 
 template <typename TI, typename TO, typename A>
@@ -71,13 +71,9 @@ void dispatch_in_out(const at::Tensor& in, const at::Tensor& out, const char* op
 
 void scale_cpu(at::TensorList inputs, at::TensorList outputs, double scale, const at::Tensor& found_inf) {
   constexpr const char* op = "ampkit_multi_tensor.scale_";
-  check_same_length(op, outputs, "outputs", inputs.size(), "inputs");
-  const auto device = found_inf.device();
-  check_flag(op, found_inf, "found_inf", device);
-  check_list(op, inputs, "inputs", device);
-  check_list_like(op, outputs, "outputs", inputs, device);
+  check_scale_args(op, inputs, outputs, found_inf);
 
-  const auto in = cpu::contiguous_inputs(inputs);
+  const auto in = contiguous_inputs(inputs);
   OutputBuffers out(outputs);
   NonFiniteFlag flag;
   ChunkPlan(in).parallel_for_each([&](int64_t, const Segment& s) {
@@ -98,22 +94,10 @@ void scale_cpu(at::TensorList inputs, at::TensorList outputs, double scale, cons
 void axpby_cpu(at::TensorList x, at::TensorList y, at::TensorList out, double a, double b, int64_t arg_to_check,
                const at::Tensor& found_inf) {
   constexpr const char* op = "ampkit_multi_tensor.axpby_";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": `arg_to_check` is ", arg_to_check,
-              "; expected -1 (check x and y), 0 (check x) or 1 (check y)");
-  check_same_length(op, y, "y", x.size(), "x");
-  check_same_length(op, out, "out", x.size(), "x");
-  const auto device = found_inf.device();
-  check_flag(op, found_inf, "found_inf", device);
-  check_list(op, x, "x", device);
-  check_list_like(op, y, "y", x, device);
-  check_list_like(op, out, "out", x, device);
-  for (size_t i = 0; i < x.size(); ++i) {
-    TORCH_CHECK(x[i].scalar_type() == y[i].scalar_type(), op, ": `y[", i, "]` has dtype ", y[i].scalar_type(),
-                " but `x[", i, "]` has ", x[i].scalar_type(), "; x and y must share a dtype");
-  }
+  check_axpby_args(op, x, y, out, arg_to_check, found_inf);
 
-  const auto xs = cpu::contiguous_inputs(x);
-  const auto ys = cpu::contiguous_inputs(y);
+  const auto xs = contiguous_inputs(x);
+  const auto ys = contiguous_inputs(y);
   OutputBuffers outs(out);
   NonFiniteFlag flag;
   ChunkPlan(xs).parallel_for_each([&](int64_t, const Segment& s) {
@@ -140,25 +124,9 @@ void axpby_cpu(at::TensorList x, at::TensorList y, at::TensorList out, double a,
 void combine_cpu(at::TensorList fresh, const c10::List<std::optional<at::Tensor>>& stash, at::TensorList out,
                  double inv_scale, const at::Tensor& found_inf) {
   constexpr const char* op = "ampkit_multi_tensor.combine_";
-  check_same_length(op, out, "out", fresh.size(), "new");
-  const bool has_stash = !stash.empty();
-  TORCH_CHECK(!has_stash || stash.size() == fresh.size(), op, ": `stash` has ", stash.size(),
-              " entries but `new` has ", fresh.size(), "; pass one per tensor (None where nothing is stashed)");
-  const auto device = found_inf.device();
-  check_flag(op, found_inf, "found_inf", device);
-  check_list(op, fresh, "new", device);
-  check_list_like(op, out, "out", fresh, device);
-  std::vector<at::Tensor> stashed(fresh.size());
-  for (size_t i = 0; has_stash && i < fresh.size(); ++i) {
-    const std::optional<at::Tensor> entry = stash[i];
-    if (!entry.has_value() || !entry->defined()) continue;
-    check_tensor(op, *entry, "stash", i, device, fresh[i].numel());
-    TORCH_CHECK(entry->scalar_type() == out[i].scalar_type(), op, ": `stash[", i, "]` has dtype ",
-                entry->scalar_type(), " but `out[", i, "]` has ", out[i].scalar_type(), "; they must match");
-    stashed[i] = entry->contiguous();
-  }
+  const std::vector<at::Tensor> stashed = check_combine_args(op, fresh, stash, out, found_inf);
 
-  const auto fresh_c = cpu::contiguous_inputs(fresh);
+  const auto fresh_c = contiguous_inputs(fresh);
   OutputBuffers outs(out);
   NonFiniteFlag flag;
   ChunkPlan(fresh_c).parallel_for_each([&](int64_t, const Segment& s) {

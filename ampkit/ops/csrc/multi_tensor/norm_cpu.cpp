@@ -8,6 +8,7 @@
 #include "common/dispatch.h"
 #include "common/multi_tensor_cpu.h"
 #include "multi_tensor/functors.h"
+#include "multi_tensor/multi_tensor_checks.h"
 #include "multi_tensor/multi_tensor_cpu.h"
 
 #include <cmath>
@@ -18,7 +19,7 @@ namespace {
 
 using cpu::ChunkPlan;
 using cpu::NonFiniteFlag;
-using cpu::OutputBuffers;
+
 using cpu::Segment;
 
 constexpr int kLanes = 32;
@@ -55,17 +56,10 @@ double sum_squares_segment(const TI* x, TO* out, int64_t n, acc_t<TI> factor, bo
   return total;
 }
 
-at::ScalarType norm_dtype(const std::vector<at::Tensor>& inputs) {
-  for (const auto& t : inputs) {
-    if (t.scalar_type() == at::kDouble) return at::kDouble;
-  }
-  return at::kFloat;
-}
-
 // Shared body of both norms; `outputs` empty means "do not write".
 std::tuple<at::Tensor, at::Tensor> norms(const char* op, at::TensorList inputs, at::TensorList outputs, double factor,
                                          const at::Tensor* found_inf, bool per_tensor, const at::Device& device) {
-  const auto in = cpu::contiguous_inputs(inputs);
+  const auto in = contiguous_inputs(inputs);
   OutputBuffers outs(outputs);
   const bool write = !outputs.empty();
   ChunkPlan plan(in);
@@ -124,11 +118,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList inputs, bool per_te
 std::tuple<at::Tensor, at::Tensor> unscale_l2norm_cpu(at::TensorList inputs, at::TensorList outputs, double inv_scale,
                                                       const at::Tensor& found_inf, bool per_tensor) {
   constexpr const char* op = "ampkit_multi_tensor.unscale_l2norm";
-  if (!outputs.empty()) check_same_length(op, outputs, "outputs", inputs.size(), "inputs");
+  check_unscale_l2norm_args(op, inputs, outputs, found_inf);
   const auto device = found_inf.device();
-  check_flag(op, found_inf, "found_inf", device);
-  check_list(op, inputs, "inputs", device);
-  check_list_like(op, outputs, "outputs", inputs, device);
   return norms(op, inputs, outputs, inv_scale, &found_inf, per_tensor, device);
 }
 
