@@ -8,7 +8,7 @@ Run from the repository root::
 
 It pins ``--threads`` (default 2) intra-op threads, measures the machine's memory-bandwidth ceiling
 (STREAM-like read, copy and in-place triad over large fp32 buffers) and prints one table. Times are
-medians over repeated calls on warmed buffers (fresh allocations cost page faults, ~0.3 ms/MB).
+the best of repeated calls on warmed buffers (fresh allocations cost page faults, ~0.3 ms/MB).
 
 Sections. This file times the multi-tensor primitives and the build; it then imports the optional
 sections ``benchmarks/ops_optimizers.py`` and ``benchmarks/ops_norms.py`` (by path, if present).
@@ -22,8 +22,8 @@ Each returned row is a dict with these keys (build rows with :meth:`BenchContext
     name            str            what ampkit ran, e.g. "AdamW step"
     baseline        str            the PyTorch form it is compared with, e.g. "AdamW(fused=True)"
     size            str            e.g. "10M" or "8192x1024 bf16"
-    ms              float          ampkit's median time
-    torch_ms        float | None   the baseline's median time, same process, same buffers
+    ms              float          ampkit's time (best of repeated calls)
+    torch_ms        float | None   the baseline's time, same process, same buffers, same timer
     ratio           float | None   torch_ms / ms (> 1: ampkit is faster)
     gbps            float | None   bytes the op must move / ms
     pct_of_ceiling  float | None   gbps as % of the ceiling for its access pattern
@@ -44,7 +44,6 @@ import argparse
 import importlib.util
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,7 +85,11 @@ class BenchContext:
         return self._lists[key]
 
     def time_ms(self, fn: Callable[[], object], min_time_s: float = 0.3, min_iters: int = 5) -> float:
-        """Median wall time of fn() in ms, after warm-up calls."""
+        """Best (minimum) wall time of fn() in ms over repeated calls, after warm-up calls.
+
+        The minimum, not the median: on a shared 2-core machine a call that loses a core to another
+        process mid-way (an OpenMP region waits for its slowest thread) costs a whole scheduler slice.
+        """
         for _ in range(3):
             fn()
         times = []
@@ -97,7 +100,7 @@ class BenchContext:
             times.append((time.perf_counter() - start) * 1e3)
             if len(times) >= 200:
                 break
-        return statistics.median(times)
+        return min(times)
 
     def ceiling_gbps(self, pattern: str) -> float:
         """Bandwidth ceiling for an access pattern: "read" or "read_write" (in place)."""

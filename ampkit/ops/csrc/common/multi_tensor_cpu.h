@@ -18,6 +18,8 @@ namespace ampkit {
 namespace cpu {
 
 constexpr int64_t kChunkElements = 32768;
+// A thread gets at least this many chunks: below ~64K elements an OpenMP region costs more than it saves.
+constexpr int64_t kMinChunksPerThread = 2;
 
 struct Segment {
   int64_t tensor;  // index into the tensor list
@@ -52,7 +54,7 @@ class ChunkPlan {
   // Calls f(segment_index, segment) for every segment; chunks run in parallel.
   template <typename F>
   void parallel_for_each(const F& f) const {
-    at::parallel_for(0, num_chunks(), 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    at::parallel_for(0, num_chunks(), kMinChunksPerThread, [&](int64_t chunk_begin, int64_t chunk_end) {
       for (int64_t s = chunk_starts_[chunk_begin]; s < chunk_starts_[chunk_end]; ++s) f(s, segments_[s]);
     });
   }
