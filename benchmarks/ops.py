@@ -31,6 +31,7 @@ Each returned row is a dict with these keys (build rows with :meth:`BenchContext
 ``BenchContext`` gives sections: ``threads``, ``quick``, ``sizes`` (param counts), ``param_list(n)``
 (a cached, warmed transformer-like list of fp32 tensors: per layer 4 d x d attention matrices,
 d x 4d and 4d x d MLP matrices, biases and LayerNorm vectors; 4 layers), ``time_ms(fn)``,
+``compare_ms(torch_fn, ampkit_fn)`` (calls interleaved so both see the same load: use it for rows),
 ``ceiling_gbps(pattern)`` with pattern "read" (read-only stream) or "read_write" (in-place
 update, read+write), and ``row(...)`` which fills ratio, GB/s and % of ceiling.
 
@@ -90,17 +91,26 @@ class BenchContext:
         The minimum, not the median: on a shared 2-core machine a call that loses a core to another
         process mid-way (an OpenMP region waits for its slowest thread) costs a whole scheduler slice.
         """
-        for _ in range(3):
-            fn()
-        times = []
-        deadline = time.perf_counter() + min_time_s
-        while len(times) < min_iters or time.perf_counter() < deadline:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            if len(times) >= 200:
+        return self.compare_ms(fn, min_time_s=min_time_s, min_iters=min_iters)[0]
+
+    def compare_ms(
+        self, *fns: Callable[[], object], min_time_s: float = 0.5, min_iters: int = 5
+    ) -> list[float]:
+        """Best wall time in ms of each fn, calls interleaved (a, b, a, b, ...) so that every candidate
+        sees the same machine load; use it for an ampkit-vs-torch pair."""
+        for fn in fns:
+            for _ in range(3):
+                fn()
+        times: list[list[float]] = [[] for _ in fns]
+        deadline = time.perf_counter() + min_time_s * len(fns)
+        while len(times[0]) < min_iters or time.perf_counter() < deadline:
+            for fn, bucket in zip(fns, times, strict=True):
+                start = time.perf_counter()
+                fn()
+                bucket.append((time.perf_counter() - start) * 1e3)
+            if len(times[0]) >= 200:
                 break
-        return min(times)
+        return [min(bucket) for bucket in times]
 
     def ceiling_gbps(self, pattern: str) -> float:
         """Bandwidth ceiling for an access pattern: "read" or "read_write" (in place)."""
@@ -133,26 +143,33 @@ class BenchContext:
 
 
 def measure_ceilings(ctx: BenchContext) -> list[dict]:
-    """STREAM-like bandwidth over buffers far larger than the caches; fills ctx.ceilings."""
+    """STREAM-like bandwidth over buffers far larger than the caches; fills ctx.ceilings.
+
+    Each pattern's ceiling is the best of the torch kernels measured for it: "read" the faster of a
+    sum and a vector norm (4 B/element), "read_write" the faster of an in-place scale (8 B/element)
+    and an in-place triad a += s*b (12 B/element).
+    """
     n = (16 if ctx.quick else 64) * 2**20
     a, b, c = torch.rand(n), torch.rand(n), torch.rand(n)
-    read = ctx.time_ms(lambda: a.sum())
-    copy = ctx.time_ms(lambda: b.copy_(a))
-    triad = ctx.time_ms(lambda: torch.add(b, c, alpha=1.0, out=a))
-    in_place = ctx.time_ms(lambda: a.add_(b, alpha=1.0))
-    gb = n * 4 / 1e6
-    ctx.ceilings["read"] = gb / read
-    ctx.ceilings["read_write"] = max(2 * gb / copy, 3 * gb / in_place)
+    gb = n * 4 / 1e9
     size = f"{n // 2**20}M fp32"
-    rows = []
-    for name, ms, nbytes, pattern in [
-        ("read (sum)", read, gb, "read"),
-        ("copy", copy, 2 * gb, "read_write"),
-        ("triad a=b+s*c", triad, 3 * gb, "read_write"),
-        ("in-place triad a+=s*b", in_place, 3 * gb, "read_write"),
-    ]:
-        rows.append(ctx.row("ceiling", name, "-", size, ms, None, nbytes * 1e6, pattern))
-    return rows
+    cases = [
+        ("read: sum", lambda: a.sum(), 1, "read"),
+        ("read: vector_norm", lambda: torch.linalg.vector_norm(a), 1, "read"),
+        ("copy b=a", lambda: b.copy_(a), 2, "read_write"),
+        ("triad a=b+s*c", lambda: torch.add(b, c, alpha=1.0, out=a), 3, "read_write"),
+        ("in-place scale a*=s", lambda: a.mul_(1.0), 2, "read_write"),
+        ("in-place triad a+=s*b", lambda: a.add_(b, alpha=1.0), 3, "read_write"),
+    ]
+    times = ctx.compare_ms(*(fn for _, fn, _, _ in cases), min_time_s=0.3)
+    for (name, _, streams, pattern), ms in zip(cases, times, strict=True):
+        if name.startswith("copy") or name.startswith("triad"):
+            continue  # write-allocate traffic makes these slower than in-place updates: reported only
+        ctx.ceilings[pattern] = max(ctx.ceilings.get(pattern, 0.0), streams * gb / (ms / 1e3))
+    return [
+        ctx.row("ceiling", name, "-", size, ms, None, streams * gb * 1e9, pattern)
+        for (name, _, streams, pattern), ms in zip(cases, times, strict=True)
+    ]
 
 
 def _multi_tensor_cases(grads: list[torch.Tensor], found: torch.Tensor) -> list[tuple]:
@@ -191,8 +208,7 @@ def multi_tensor_rows(ctx: BenchContext) -> list[dict]:
         count = sum(g.numel() for g in grads)
         size = f"{count / 1e6:.1f}M ({len(grads)} tensors)"
         for name, baseline, torch_fn, ours, per_param, pattern in _multi_tensor_cases(grads, torch.zeros(1)):
-            torch_ms = ctx.time_ms(torch_fn)
-            ms = ctx.time_ms(ours)
+            torch_ms, ms = ctx.compare_ms(torch_fn, ours)
             rows.append(
                 ctx.row("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param, pattern)
             )

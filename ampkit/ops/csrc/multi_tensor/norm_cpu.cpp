@@ -12,6 +12,7 @@
 #include "multi_tensor/multi_tensor_cpu.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace ampkit {
@@ -25,10 +26,12 @@ using cpu::Segment;
 constexpr int kLanes = 32;
 
 // Sum of squares of x[i] * factor over n elements; with kCheck also reports a non-finite x, with
-// kWrite also stores x[i] * factor to out.
-template <bool kCheck, bool kWrite, typename TI, typename TO>
-double sum_squares_segment(const TI* x, TO* out, int64_t n, acc_t<TI> factor, bool* nonfinite) {
+// kWrite also stores x[i] * factor to out. kInPlace (out == x, same dtype) reads through `out`, so
+// gcc sees one pointer and vectorizes without a runtime alias check.
+template <bool kCheck, bool kWrite, bool kInPlace, typename TI, typename TO>
+double sum_squares_segment(const TI* x_arg, TO* out, int64_t n, acc_t<TI> factor, bool* nonfinite) {
   using A = acc_t<TI>;
+  const TI* x = kInPlace ? reinterpret_cast<const TI*>(out) : x_arg;
   const ScaleOp<A> unscale{factor};
   A lanes[kLanes] = {};
   int bad = 0;
@@ -74,14 +77,20 @@ std::tuple<at::Tensor, at::Tensor> norms(const char* op, at::TensorList inputs, 
       const auto f = static_cast<acc_t<TI>>(factor);
       bool bad = false;
       if (found_inf == nullptr) {
-        partial[index] = sum_squares_segment<false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
+        partial[index] = sum_squares_segment<false, false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
       } else if (!write) {
-        partial[index] = sum_squares_segment<true, false, TI, TI>(xp, nullptr, s.length, f, &bad);
+        partial[index] = sum_squares_segment<true, false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
       } else {
         dispatch_float(o.scalar_type(), op, [&](auto out_tag) {
           using TO = decltype(out_tag);
-          partial[index] =
-              sum_squares_segment<true, true, TI, TO>(xp, o.data_ptr<TO>() + s.begin, s.length, f, &bad);
+          TO* op = o.data_ptr<TO>() + s.begin;
+          if constexpr (std::is_same_v<TI, TO>) {
+            if (op == xp) {
+              partial[index] = sum_squares_segment<true, true, true, TI, TO>(xp, op, s.length, f, &bad);
+              return;
+            }
+          }
+          partial[index] = sum_squares_segment<true, true, false, TI, TO>(xp, op, s.length, f, &bad);
         });
       }
       flag.note(bad);
