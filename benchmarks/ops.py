@@ -191,6 +191,12 @@ def _multi_tensor_cases(grads: list[torch.Tensor], found: torch.Tensor) -> list[
         torch_unscale()
         return torch_norm()
 
+    stash = [g.clone() for g in grads]
+
+    def torch_combine():  # the amp engine's combined unscale, in torch ops: new/scale, checked, + stash
+        torch_unscale()
+        torch._foreach_add_(stash, grads)
+
     return [
         ("unscale+inf check", "_amp_foreach_non_finite_check_and_unscale_", torch_unscale,
          lambda: mt.scale_(grads, 1.0, found), 8, "read_write"),
@@ -199,11 +205,13 @@ def _multi_tensor_cases(grads: list[torch.Tensor], found: torch.Tensor) -> list[
          lambda: mt.unscale_l2norm(grads, 1.0, found, out=grads), 8, "read_write"),
         ("unscale+check+norm (read-only)", "unscale_ then _foreach_norm", torch_unscale_norm,
          lambda: mt.unscale_l2norm(grads, 1.0, found), 4, "read"),
+        ("combine: stash += new*inv_scale, check new", "unscale_ then _foreach_add_", torch_combine,
+         lambda: mt.combine_(grads, stash, stash, 1.0, found), 12, "read_write"),
     ]  # fmt: skip
 
 
 def multi_tensor_rows(ctx: BenchContext) -> list[dict]:
-    """Unscale+inf check, L2 norm and unscale+norm vs the torch forms GradScaler/clip_grad_norm_ use."""
+    """Unscale+inf check, L2 norm, unscale+norm and combine vs the torch forms GradScaler/clip use."""
     os.environ["AMPKIT_OPS"] = "kernel"
     rows = []
     for n in ctx.sizes:
