@@ -64,10 +64,15 @@ def _kernel_runs_on(device: torch.device) -> bool:
 
 
 def _run(kernel_name: str, reference_op, kernel_args: tuple, reference_args: tuple):
-    """Run the kernel; if the dispatcher has none for these tensors' backends (e.g. a meta tensor in
-    a CPU list), run the reference, which raises an error naming the offending argument."""
+    """Run the kernel (outside autograd: these ops update grads and params in place); if the
+    dispatcher has none for these tensors' backends (e.g. a meta tensor in a CPU list), run the
+    reference, which raises an error naming the offending argument."""
+    op = getattr(torch.ops.ampkit_multi_tensor, kernel_name)
     try:
-        return getattr(torch.ops.ampkit_multi_tensor, kernel_name)(*kernel_args)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return op(*kernel_args)
+        return op(*kernel_args)
     except NotImplementedError:
         return reference_op(*reference_args)
 
@@ -88,7 +93,6 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
     return float(value)
 
 
-@torch.no_grad()
 def scale_(
     inputs: Sequence[torch.Tensor],
     factor: float | torch.Tensor,
@@ -110,7 +114,6 @@ def scale_(
         reference.scale_(inputs, outputs, factor, found_inf)
 
 
-@torch.no_grad()
 def axpby_(
     a: float,
     x: Sequence[torch.Tensor],
@@ -134,7 +137,6 @@ def axpby_(
         reference.axpby_(a, x, b, y, out, found_inf, arg_to_check)
 
 
-@torch.no_grad()
 def combine_(
     new: Sequence[torch.Tensor],
     stash: Sequence[torch.Tensor | None] | None,
@@ -158,7 +160,6 @@ def combine_(
         reference.combine_(new, stash, out, inv_scale, found_inf)
 
 
-@torch.no_grad()
 def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Norm:
     """L2 norm of all tensors together (and of each, if ``per_tensor``), accumulated in float32 or better.
 
@@ -174,7 +175,6 @@ def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Nor
     return L2Norm(total, per if per_tensor else None)
 
 
-@torch.no_grad()
 def unscale_l2norm(
     inputs: Sequence[torch.Tensor],
     inv_scale: float | torch.Tensor,

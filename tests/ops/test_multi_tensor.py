@@ -323,3 +323,12 @@ def test_bad_input_names_the_argument(case):
 def test_a_single_tensor_is_not_a_list():
     with pytest.raises(TypeError, match="`inputs` must be a list or tuple of tensors"):
         mt.l2norm(torch.ones(3))
+
+
+@pytest.mark.usefixtures("any_mode")
+def test_params_that_require_grad_are_updated_in_place_outside_autograd():
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(40_000))]
+    expected = [p.detach().double() * 0.5 for p in params]
+    mt.scale_(params, 0.5, flag())
+    assert_lists_close([p.detach() for p in params], expected, torch.float32)
+    assert mt.l2norm(params).total.requires_grad is False

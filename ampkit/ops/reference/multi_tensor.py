@@ -68,6 +68,7 @@ def _raise_flag(flag: torch.Tensor, seen: bool) -> None:
         flag.fill_(1)
 
 
+@torch.no_grad()
 def scale_(
     inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], factor: float, found_inf: torch.Tensor
 ) -> None:
@@ -87,6 +88,7 @@ def scale_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def axpby_(
     a: float,
     x: Sequence[torch.Tensor],
@@ -126,6 +128,7 @@ def axpby_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def combine_(
     new: Sequence[torch.Tensor],
     stash: Sequence[torch.Tensor | None] | None,
@@ -166,6 +169,7 @@ def combine_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def l2norm(inputs: Sequence[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(total L2 norm, per-tensor norms or an empty tensor), float32 (float64 if an input is float64)."""
     op = "ampkit_multi_tensor.l2norm"
@@ -174,6 +178,7 @@ def l2norm(inputs: Sequence[torch.Tensor], per_tensor: bool) -> tuple[torch.Tens
     return _norms(inputs, [], 1.0, None, per_tensor, device)
 
 
+@torch.no_grad()
 def unscale_l2norm(
     inputs: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor],
