@@ -113,7 +113,7 @@ class BenchContext:
                 start = time.perf_counter()
                 fn()
                 bucket.append((time.perf_counter() - start) * 1e3)
-            if len(times[0]) >= 200:
+            if len(times[0]) >= 5000:
                 break
         return [min(bucket) for bucket in times]
 
