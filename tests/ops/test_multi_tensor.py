@@ -268,16 +268,16 @@ def ones(n=3, dtype=torch.float32, device="cpu"):
 BAD_CALLS = {
     "length": (
         lambda: mt.scale_([ones()] * 2, 2.0, flag(), out=[ones()]),
-        r"`outputs` has 1 tensors but `inputs` has 2",
+        r"`out` has 1 tensors but `inputs` has 2",
     ),
     "dtype": (lambda: mt.scale_([ones(), ones(dtype=torch.int64)], 2.0, flag()), r"`inputs\[1\]` has dtype"),
     "numel": (
         lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(4)]),
-        r"`outputs\[0\]` has 4 elements but the matching input has 3",
+        r"`out\[0\]` has 4 elements but the matching input has 3",
     ),
     "device": (
         lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(device="meta")]),
-        r"`outputs\[0\]` is on meta",
+        r"`out\[0\]` is on meta",
     ),
     "flag_size": (
         lambda: mt.scale_([ones()], 2.0, torch.zeros(2)),
@@ -307,7 +307,7 @@ BAD_CALLS = {
     "norm_dtype": (lambda: mt.l2norm([ones(), ones(2, dtype=torch.int32)]), r"`inputs\[1\]` has dtype"),
     "norm_out_length": (
         lambda: mt.unscale_l2norm([ones()], 1.0, flag(), out=[ones(), ones()]),
-        r"`outputs` has 2 tensors but `inputs` has 1",
+        r"`out` has 2 tensors but `inputs` has 1",
     ),
 }
 
