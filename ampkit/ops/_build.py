@@ -1,0 +1,238 @@
+"""Just-in-time loader for ampkit's C++/CUDA op families, with a pure-PyTorch fallback.
+
+Each op family (``ampkit_multi_tensor``, ``ampkit_optimizers``, ``ampkit_norms``) is one shared library
+that registers its ops with ``TORCH_LIBRARY(<family>, m)``; once loaded they live at
+``torch.ops.<family>.*``. The library is compiled on first use with torch's extension tooling (ninja)
+and cached across processes in ``$AMPKIT_EXTENSIONS_DIR`` (default: torch's extension root,
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) under a directory keyed by a hash of the
+sources, every header under their csrc root, the flags, torch/Python versions and the CPU's feature
+flags (we build with ``-march=native``), so an edited header or another machine never reuses a stale
+binary. A warm load is a plain ``dlopen`` of the cached library (no ninja run).
+
+``AMPKIT_OPS`` selects the implementation, read at every call so tests can switch it:
+
+* unset / ``auto``: use the kernel; if no compiler is present or the build fails, warn once (naming
+  the cause) and use the reference.
+* ``reference``: never build; always use the pure-PyTorch reference.
+* ``kernel``: a missing compiler or failed build raises ``RuntimeError`` naming the family — for
+  tests of kernels, so a broken build cannot silently pass against the reference.
+
+A family frontend declares itself once and asks on every op call (a dict lookup after the first)::
+
+    _OPS = register_family("ampkit_multi_tensor", sources=[CSRC_DIR / "multi_tensor" / "multi_tensor.cpp"])
+    if _OPS.use_kernel():
+        torch.ops.ampkit_multi_tensor.scale_(...)
+    else:
+        reference.scale_(...)
+
+``python -m ampkit.ops.build`` compiles every registered family ahead of time (see
+:mod:`ampkit.ops.build`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+
+# -fno-math-errno lets gcc vectorize sqrt (FACTS.md: 0.5x of torch without it). -fopenmp makes
+# at::parallel_for (an inline header template) open OpenMP regions; the GOMP symbols resolve
+# against the libgomp that libtorch_cpu already loaded, so threads follow torch.set_num_threads.
+# The C++ standard is left to torch (c++20 for torch 2.13). CUDA: no fast-math, so GPU results
+# round like the CPU kernels that the tests check.
+CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+CUDA_FLAGS = ("-O3",)
+
+_MODES = ("auto", "reference", "kernel")
+_loaded: dict[str, bool] = {}
+_failures: dict[str, str] = {}
+_warned_no_compiler = False
+
+
+@dataclass(frozen=True)
+class Family:
+    """One op family: the shared library ``name`` built from ``sources`` (+ ``cuda_sources`` on GPU hosts)."""
+
+    name: str
+    sources: tuple[Path, ...]
+    cuda_sources: tuple[Path, ...] = ()
+
+    def use_kernel(self) -> bool:
+        """True when this family's ops should run compiled (see :func:`use_kernel`)."""
+        return use_kernel(self.name, self.sources, self.cuda_sources)
+
+    def load(self) -> bool:
+        """Build or load the library now; True on success (see :func:`load_extension`)."""
+        return load_extension(self.name, self.sources, self.cuda_sources)
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(
+    name: str, sources: Sequence[str | Path], cuda_sources: Sequence[str | Path] = ()
+) -> Family:
+    """Declare an op family (idempotent); the ahead-of-time build compiles every registered one."""
+    family = Family(name, tuple(Path(s) for s in sources), tuple(Path(s) for s in cuda_sources))
+    FAMILIES[name] = family
+    return family
+
+
+def ops_mode() -> str:
+    """The implementation ``AMPKIT_OPS`` selects: ``auto`` (default), ``reference`` or ``kernel``."""
+    mode = os.environ.get("AMPKIT_OPS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"AMPKIT_OPS={mode!r} is not valid; use one of {', '.join(_MODES)}")
+    return mode
+
+
+def use_kernel(name: str, sources: Sequence[str | Path], cuda_sources: Sequence[str | Path] = ()) -> bool:
+    """True when ops of family ``name`` should run the compiled kernel (building it if needed).
+
+    Returns False in ``reference`` mode, or in ``auto`` mode after a failed build (warned once).
+    Raises ``RuntimeError`` in ``kernel`` mode if the family cannot be built.
+    """
+    mode = ops_mode()
+    if mode == "reference":
+        return False
+    ok = _loaded.get(name)
+    if ok is None:
+        ok = load_extension(name, sources, cuda_sources)
+    if not ok and mode == "kernel":
+        raise RuntimeError(
+            f"ampkit: C++ ops {name!r} are unavailable and AMPKIT_OPS=kernel forbids the reference "
+            f"fallback: {_failures.get(name, 'unknown cause')}"
+        )
+    return ok
+
+
+def load_extension(name: str, sources: Sequence[str | Path], cuda_sources: Sequence[str | Path] = ()) -> bool:
+    """Build (or load from cache) the extension ``name`` and register its ops; True on success.
+
+    ``cuda_sources`` (``.cu`` files and the ``*_cuda.cpp`` that registers their CUDA dispatch) join
+    the build only when torch sees a CUDA device and a CUDA toolkit. On failure the cause is
+    recorded, one warning is issued (unless ``AMPKIT_OPS=kernel``, where the caller raises), and
+    False is returned; the result is remembered for the life of the process.
+    """
+    if name in _loaded:
+        return _loaded[name]
+    try:
+        _build_and_load(name, [Path(s) for s in sources], [Path(s) for s in cuda_sources])
+    except _NoCompiler as exc:
+        _record_failure(name, str(exc), per_family_warning=False)
+        return False
+    except Exception as exc:  # a failed build must not take the training run down in auto mode
+        _record_failure(name, _short_cause(exc), per_family_warning=True)
+        return False
+    _loaded[name] = True
+    return True
+
+
+def extension_dir(name: str, sources: Sequence[Path], with_cuda: bool) -> Path:
+    """The cache directory for this exact build of ``name`` (keyed by content, flags and platform)."""
+    root = os.environ.get("AMPKIT_EXTENSIONS_DIR") or os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        root = os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    return Path(root) / "ampkit" / f"{name}-{_build_key(sources, with_cuda)}"
+
+
+class _NoCompiler(RuntimeError):
+    pass
+
+
+def _build_and_load(name: str, sources: list[Path], cuda_sources: list[Path]) -> None:
+    with_cuda = bool(cuda_sources) and torch.cuda.is_available() and _cuda_toolkit_present()
+    all_sources = sources + (cuda_sources if with_cuda else [])
+    build_dir = extension_dir(name, all_sources, with_cuda)
+    library = build_dir / f"{name}.so"
+    marker = build_dir / "ampkit.ok"
+    if marker.exists() and library.exists():
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:
+            marker.unlink(missing_ok=True)  # a corrupt cache entry: rebuild it below
+    _check_toolchain()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    print(f"ampkit: compiling C++ ops {name!r} (first use, ~30 s)...", file=sys.stderr, flush=True)
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in all_sources],
+        extra_cflags=list(CXX_FLAGS),
+        extra_cuda_cflags=list(CUDA_FLAGS),
+        extra_include_paths=[str(CSRC_DIR)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=False,
+    )
+    marker.write_text(name)
+
+
+def _check_toolchain() -> None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise _NoCompiler(f"no C++ compiler found ({cxx!r} is not on PATH; set CXX to choose one)")
+    if shutil.which("ninja") is None:
+        raise _NoCompiler("ninja is not installed (pip install ninja)")
+
+
+def _cuda_toolkit_present() -> bool:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return shutil.which("nvcc") is not None or bool(home and Path(home, "bin", "nvcc").exists())
+
+
+def _build_key(sources: Sequence[Path], with_cuda: bool) -> str:
+    digest = hashlib.sha256()
+    for part in (torch.__version__, sys.version, platform.machine(), str(with_cuda), *CXX_FLAGS, *CUDA_FLAGS):
+        digest.update(part.encode())
+    digest.update(_cpu_flags().encode())
+    files = {Path(s).resolve() for s in sources}
+    for source in list(files):  # a family may include headers from anywhere under its csrc root
+        files.update(p.resolve() for p in source.parent.parent.rglob("*.h"))
+        files.update(p.resolve() for p in source.parent.parent.rglob("*.cuh"))
+    for path in sorted(files):
+        digest.update(str(path.name).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _short_cause(exc: BaseException, limit: int = 2000) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _record_failure(name: str, cause: str, per_family_warning: bool) -> None:
+    global _warned_no_compiler
+    _loaded[name] = False
+    _failures[name] = cause
+    if ops_mode() == "kernel":
+        return
+    if not per_family_warning:
+        if _warned_no_compiler:
+            return
+        _warned_no_compiler = True
+        message = f"ampkit: {cause}; ampkit.ops uses its pure-PyTorch reference ops (slower)."
+    else:
+        message = f"ampkit: could not build C++ ops {name!r}; using the pure-PyTorch reference. {cause}"
+    warnings.warn(message + " Set AMPKIT_OPS=reference to silence this.", RuntimeWarning, stacklevel=4)

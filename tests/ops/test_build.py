@@ -1,0 +1,114 @@
+"""The JIT loader: mode switch, one-line compile message, warn-once fallback, cross-process cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from ampkit.ops import _build
+
+BROKEN_SOURCE = '#error "deliberately broken ampkit test source"\n'
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def broken_family(tmp_path, monkeypatch):
+    """A family whose only source fails to compile, built into a private cache directory."""
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "broken.cpp"
+    source.write_text(BROKEN_SOURCE)
+    name = f"ampkit_broken_{tmp_path.name.replace('-', '_')}"
+    yield _build.register_family(name, [source])
+    _build.FAMILIES.pop(name, None)
+
+
+def test_reference_mode_never_builds(broken_family, monkeypatch, capfd):
+    monkeypatch.setenv("AMPKIT_OPS", "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert broken_family.use_kernel() is False
+    assert "compiling" not in capfd.readouterr().err
+    assert broken_family.name not in _build._loaded
+
+
+def test_broken_build_falls_back_with_one_warning(broken_family, monkeypatch, capfd):
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    with pytest.warns(RuntimeWarning, match=broken_family.name) as record:
+        assert broken_family.use_kernel() is False
+        assert broken_family.use_kernel() is False
+    assert len(record) == 1
+    assert "deliberately broken" in str(record[0].message)
+    err = capfd.readouterr().err
+    assert err.count(f"ampkit: compiling C++ ops '{broken_family.name}'") == 1
+
+
+def test_kernel_mode_raises_naming_the_family(broken_family, monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match=f"{broken_family.name}.*AMPKIT_OPS=kernel"):
+            broken_family.use_kernel()
+
+
+def test_missing_compiler_warns_once_for_all_families(broken_family, tmp_path, monkeypatch):
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    monkeypatch.setenv("CXX", "ampkit-no-such-compiler")
+    monkeypatch.setattr(_build, "_warned_no_compiler", False)
+    other = _build.register_family(broken_family.name + "_other", broken_family.sources)
+    try:
+        with pytest.warns(RuntimeWarning, match="ampkit-no-such-compiler") as record:
+            assert broken_family.use_kernel() is False
+            assert other.use_kernel() is False
+        assert len(record) == 1
+    finally:
+        _build.FAMILIES.pop(other.name)
+
+
+def test_invalid_mode_names_the_valid_ones(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "fast")
+    with pytest.raises(ValueError, match="AMPKIT_OPS='fast'.*auto, reference, kernel"):
+        _build.ops_mode()
+
+
+def test_cache_key_follows_header_edits(tmp_path):
+    """Any header under the family's csrc root (here csrc/common/) is part of the cache key."""
+    (tmp_path / "csrc" / "family").mkdir(parents=True)
+    (tmp_path / "csrc" / "common").mkdir()
+    source = tmp_path / "csrc" / "family" / "op.cpp"
+    header = tmp_path / "csrc" / "common" / "op.h"
+    source.write_text("int f();\n")
+    header.write_text("#define A 1\n")
+    before = _build.extension_dir("ampkit_x", [source], with_cuda=False)
+    header.write_text("#define A 2\n")
+    assert _build.extension_dir("ampkit_x", [source], with_cuda=False) != before
+
+
+def test_ahead_of_time_build_is_reused_by_a_new_process():
+    """`python -m ampkit.ops.build` fills the cache; a new process then loads it without compiling."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    build = subprocess.run(
+        [sys.executable, "-m", "ampkit.ops.build"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert build.returncode == 0, build.stderr
+    assert "ampkit_multi_tensor: ready in" in build.stdout
+    script = (
+        "import torch\n"
+        "from ampkit.ops.multi_tensor import _FAMILY\n"
+        "assert _FAMILY.use_kernel()\n"
+        "print(torch.ops.ampkit_multi_tensor.l2norm([torch.ones(4)], False)[0].item())\n"
+    )
+    load = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "AMPKIT_OPS": "kernel"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert load.returncode == 0, load.stderr
+    assert "compiling" not in load.stderr
+    assert load.stdout.strip() == "2.0"
