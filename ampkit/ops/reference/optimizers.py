@@ -25,6 +25,8 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
     for name, values in lists.items():
         if len(values) != len(params):
             raise ValueError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
+        if name == "steps":  # one scalar counter per tensor
+            continue
         for i, (t, p) in enumerate(zip(values, params)):
             if t.shape != p.shape:
                 raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")

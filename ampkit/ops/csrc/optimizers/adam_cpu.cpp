@@ -63,7 +63,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ampkit_optimizers, CPU, m) { m.impl("adam_step", &adam_step_cpu); }
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) { m.impl("adam_step", &adam_step_cpu); }
 
 }  // namespace optim
 }  // namespace ampkit

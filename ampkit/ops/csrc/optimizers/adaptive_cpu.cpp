@@ -157,7 +157,7 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ampkit_optimizers, CPU, m) {
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) {
   m.impl("adagrad_step", &adagrad_step_cpu);
   m.impl("rmsprop_step", &rmsprop_step_cpu);
   m.impl("rmsprop_tf_step", &rmsprop_tf_step_cpu);

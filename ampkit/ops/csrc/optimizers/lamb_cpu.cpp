@@ -125,7 +125,7 @@ void novograd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ampkit_optimizers, CPU, m) {
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) {
   m.impl("lamb_stage1", &lamb_stage1_cpu);
   m.impl("lamb_stage2", &lamb_stage2_cpu);
   m.impl("novograd_step", &novograd_step_cpu);

@@ -137,7 +137,7 @@ at::Tensor per_tensor_norms_cpu(at::TensorList tensors, double factor) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ampkit_optimizers, CPU, m) {
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) {
   m.impl("grad_norm_and_check", &grad_norm_and_check_cpu);
   m.impl("per_tensor_norms", &per_tensor_norms_cpu);
 }

@@ -1,5 +1,6 @@
 // Schemas of the ampkit_optimizers ops (torch.ops.ampkit_optimizers.*). The CPU implementations are
-// registered beside their kernels; a CUDA build registers the same schemas for the CUDA key.
+// registered beside their kernels under CompositeExplicitAutograd, so calls with only empty lists (no
+// tensor to pick a device from) still dispatch; they reject non-CPU tensors by name.
 #include <torch/library.h>
 
 TORCH_LIBRARY(ampkit_optimizers, m) {

@@ -46,7 +46,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ampkit_optimizers, CPU, m) { m.impl("sgd_step", &sgd_step_cpu); }
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) { m.impl("sgd_step", &sgd_step_cpu); }
 
 }  // namespace optim
 }  // namespace ampkit
