@@ -45,7 +45,7 @@ def make_params(shapes: list[tuple[int, ...]], seed: int) -> list[torch.nn.Param
 
 
 def best_ms(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> float:
-    """Best wall time of ``fn`` over ``reps`` runs after two warm-up runs (``setup`` runs untimed before each)."""
+    """Best wall time of ``fn`` over ``reps`` runs after two warm-ups (``setup`` runs untimed before each)."""
     times = []
     for i in range(reps + 2):
         if setup is not None:
@@ -119,7 +119,9 @@ def _best_torch(candidates: dict[str, Callable[[list[torch.nn.Parameter]], objec
     return best
 
 
-def _row(name: str, n: int, bytes_per_param: int, ms: float, torch_ms: float, torch_name: str, ceiling: float):
+def _row(
+    name: str, n: int, bytes_per_param: int, ms: float, torch_ms: float, torch_name: str, ceiling: float
+):
     gbps = bytes_per_param * n / ms / 1e6
     return {
         "name": name,
@@ -137,22 +139,51 @@ def rows(threads: int = 2, sizes: tuple[int, ...] = SIZES) -> list[dict]:
     """Benchmark rows (one dict per measurement) with ``threads`` intra-op threads."""
     torch.set_num_threads(threads)
     ceiling = triad_gbps()
-    out = [{"name": "in-place triad (ceiling)", "params": 64_000_000, "ms": float("nan"), "GB/s": ceiling,
-            "baseline": "", "baseline_ms": float("nan"), "ratio": float("nan"), "of_ceiling": 1.0}]
+    out = [
+        {
+            "name": "in-place triad (ceiling)",
+            "params": 64_000_000,
+            "ms": float("nan"),
+            "GB/s": ceiling,
+            "baseline": "",
+            "baseline_ms": float("nan"),
+            "ratio": float("nan"),
+            "of_ceiling": 1.0,
+        }
+    ]
     families = [
         # (row name, ampkit factory, torch candidates, bytes/param)
-        ("AdamW", lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
-         {"AdamW(fused)": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True)}, 28),
-        ("SGD momentum", lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
-         {"SGD(fused)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
-          "SGD(foreach)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True)}, 20),
-        ("Adagrad", lambda p: FusedAdagrad(p, lr=1e-2),
-         {"Adagrad(fused)": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
-          "Adagrad(foreach)": lambda p: torch.optim.Adagrad(p, lr=1e-2, foreach=True)}, 20),
-        ("RMSprop", lambda p: FusedRMSprop(p, lr=1e-3),
-         {"RMSprop(foreach)": lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True)}, 20),
-        ("LAMB", lambda p: FusedLAMB(p, lr=1e-3),
-         {"LAMB(foreach ops)": _TorchLamb}, 52),
+        (
+            "AdamW",
+            lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
+            {"AdamW(fused)": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True)},
+            28,
+        ),
+        (
+            "SGD momentum",
+            lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+            {
+                "SGD(fused)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+                "SGD(foreach)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True),
+            },
+            20,
+        ),
+        (
+            "Adagrad",
+            lambda p: FusedAdagrad(p, lr=1e-2),
+            {
+                "Adagrad(fused)": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
+                "Adagrad(foreach)": lambda p: torch.optim.Adagrad(p, lr=1e-2, foreach=True),
+            },
+            20,
+        ),
+        (
+            "RMSprop",
+            lambda p: FusedRMSprop(p, lr=1e-3),
+            {"RMSprop(foreach)": lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True)},
+            20,
+        ),
+        ("LAMB", lambda p: FusedLAMB(p, lr=1e-3), {"LAMB(foreach ops)": _TorchLamb}, 52),
     ]
     for n in sizes:
         shapes = transformer_shapes(n)
@@ -165,7 +196,9 @@ def rows(threads: int = 2, sizes: tuple[int, ...] = SIZES) -> list[dict]:
             ms = best_ms(ours.step, reps)
             del ours, params
             torch_ms, torch_name = _best_torch(candidates, shapes, reps)
-            out.append(_row(f"{name} ({len(shapes)} tensors)", count, nbytes, ms, torch_ms, torch_name, ceiling))
+            out.append(
+                _row(f"{name} ({len(shapes)} tensors)", count, nbytes, ms, torch_ms, torch_name, ceiling)
+            )
         out.append(_pipeline_row(shapes, count, reps, ceiling))
     return out
 
@@ -176,17 +209,16 @@ def _pipeline_row(shapes, count: int, reps: int, ceiling: float) -> dict:
     scaled = [p.grad.mul_(LOSS_SCALE).clone() for p in ours_params]
     ours = FusedAdam(ours_params, lr=1e-3, weight_decay=0.01)
     ms = best_ms(lambda: fused_unscale_clip_step_(ours, 1.0 / LOSS_SCALE, 1.0), reps)
-    del ours, ours_params
 
     params = make_params(shapes, seed=2)
-    for p, g in zip(params, scaled):
+    for p, g in zip(params, scaled, strict=True):
         p.grad.copy_(g)
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=1_000_000)
     scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
 
     def restore() -> None:
-        for p, g in zip(params, scaled):
+        for p, g in zip(params, scaled, strict=True):
             p.grad.copy_(g)
 
     def torch_step() -> None:
@@ -196,8 +228,15 @@ def _pipeline_row(shapes, count: int, reps: int, ceiling: float) -> dict:
         scaler.update()
 
     torch_ms = best_ms(torch_step, reps, setup=restore)
-    return _row("pipeline unscale+check+clip+AdamW", count, 32, ms, torch_ms, "unscale_+clip_grad_norm_+AdamW(fused)",
-                ceiling)
+    return _row(
+        "pipeline unscale+check+clip+AdamW",
+        count,
+        32,
+        ms,
+        torch_ms,
+        "unscale_+clip_grad_norm_+AdamW(fused)",
+        ceiling,
+    )
 
 
 def format_table(table: list[dict]) -> str:
@@ -214,7 +253,9 @@ def format_table(table: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="comma-separated param counts")
+    parser.add_argument(
+        "--sizes", default=",".join(str(s) for s in SIZES), help="comma-separated param counts"
+    )
     args = parser.parse_args()
     sizes = tuple(int(float(s)) for s in args.sizes.split(","))
     print(format_table(rows(args.threads, sizes)))

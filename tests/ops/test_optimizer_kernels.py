@@ -218,7 +218,10 @@ CASES = {
     ),
     "adadelta": ("adadelta_step", adadelta_args),
     "lamb_stage1": ("lamb_stage1", lamb_stage1_args),
-    "lamb_stage1_l2": ("lamb_stage1", lambda *a: lamb_stage1_args(*a, adam_w_mode=False, grad_averaging=False)),
+    "lamb_stage1_l2": (
+        "lamb_stage1",
+        lambda *a: lamb_stage1_args(*a, adam_w_mode=False, grad_averaging=False),
+    ),
     "lamb_stage2": ("lamb_stage2", lamb_stage2_args),
     "novograd": ("novograd_step", novograd_args),
     "novograd_reg_inside": ("novograd_step", lambda *a: novograd_args(*a, reg_inside_moment=True)),
@@ -234,7 +237,11 @@ def clone_args(args: dict, dtype: torch.dtype | None = None) -> dict:
         return t.to(dtype)
 
     return {
-        k: [conv(t, k) for t in v] if isinstance(v, list) else conv(v, k) if isinstance(v, torch.Tensor) else v
+        k: [conv(t, k) for t in v]
+        if isinstance(v, list)
+        else conv(v, k)
+        if isinstance(v, torch.Tensor)
+        else v
         for k, v in args.items()
     }
 
@@ -244,7 +251,10 @@ def assert_args_close(actual: dict, expected: dict, **tol) -> None:
         if isinstance(value, list):
             for i, (a, e) in enumerate(zip(actual[key], value, strict=True)):
                 torch.testing.assert_close(
-                    a.to(torch.float64), e.to(torch.float64), msg=lambda m, k=key, i=i: f"{k}[{i}]: {m}", **tol
+                    a.to(torch.float64),
+                    e.to(torch.float64),
+                    msg=lambda m, k=key, i=i: f"{k}[{i}]: {m}",
+                    **tol,
                 )
 
 
@@ -271,7 +281,9 @@ def test_float32_kernel_matches_float64_reference(case):
 @pytest.mark.parametrize("grad_dtype", ["same", "float32"])
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"])
+@pytest.mark.parametrize(
+    "case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"]
+)
 def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_dtype):
     name, build = CASES[case]
     gd = dtype if grad_dtype == "same" else torch.float32
@@ -284,9 +296,11 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
     for key, value in expected.items():
         if isinstance(value, list) and key not in ("params", "grads"):
             assert_args_close({key: args[key]}, {key: value}, rtol=1e-5, atol=1e-6)
-    assert_args_close({"params": args["params"]}, {"params": expected["params"]}, rtol=half_eps, atol=half_eps)
+    assert_args_close(
+        {"params": args["params"]}, {"params": expected["params"]}, rtol=half_eps, atol=half_eps
+    )
     if master:  # the half parameter is the rounded master
-        for p, m in zip(args["params"], args["master_params"]):
+        for p, m in zip(args["params"], args["master_params"], strict=True):
             torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)
 
 
@@ -304,7 +318,9 @@ def test_grad_norm_and_per_tensor_norms_match_reference(dtype):
     stats = kernel("grad_norm_and_check")(low, 0.125)
     expected = ref.grad_norm_and_check(low, 0.125)
     torch.testing.assert_close(stats, expected, rtol=1e-6, atol=0)
-    torch.testing.assert_close(kernel("per_tensor_norms")(low, 0.5), ref.per_tensor_norms(low, 0.5), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        kernel("per_tensor_norms")(low, 0.5), ref.per_tensor_norms(low, 0.5), rtol=1e-6, atol=0
+    )
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
@@ -356,11 +372,27 @@ def test_dense_permuted_tensors_are_updated_elementwise():
 BAD_INPUTS = [
     ("length", lambda a: a.update(exp_avgs=a["exp_avgs"][:-1]), r"exp_avgs has \d+ tensors but params has"),
     ("shape", lambda a: a["grads"].__setitem__(2, torch.randn(4)), r"grads\[2\] has shape"),
-    ("state dtype", lambda a: a["exp_avg_sqs"].__setitem__(0, torch.rand(1).half()), r"exp_avg_sqs\[0\] has dtype"),
+    (
+        "state dtype",
+        lambda a: a["exp_avg_sqs"].__setitem__(0, torch.rand(1).half()),
+        r"exp_avg_sqs\[0\] has dtype",
+    ),
     ("grad dtype", lambda a: a.update(grads=[g.double() for g in a["grads"]]), r"grads have dtype Double"),
-    ("int params", lambda a: a["params"].__setitem__(0, torch.ones(1, dtype=torch.int32)), r"params\[0\] has dtype"),
-    ("mixed params", lambda a: a["params"].__setitem__(1, a["params"][1].double()), r"params must share one dtype"),
-    ("fp32 master", lambda a: a.update(master_params=[p.clone() for p in a["params"]]), r"master_params are only"),
+    (
+        "int params",
+        lambda a: a["params"].__setitem__(0, torch.ones(1, dtype=torch.int32)),
+        r"params\[0\] has dtype",
+    ),
+    (
+        "mixed params",
+        lambda a: a["params"].__setitem__(1, a["params"][1].double()),
+        r"params must share one dtype",
+    ),
+    (
+        "fp32 master",
+        lambda a: a.update(master_params=[p.clone() for p in a["params"]]),
+        r"master_params are only",
+    ),
     ("amsgrad list", lambda a: a.update(max_exp_avg_sqs=a["exp_avg_sqs"]), r"max_exp_avg_sqs must be empty"),
     ("step", lambda a: a["steps"].__setitem__(0, torch.tensor([1, 2])), r"steps\[0\] must be a one-element"),
 ]

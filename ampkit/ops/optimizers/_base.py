@@ -46,7 +46,7 @@ class Bucket:
 
 
 def is_dense(t: Tensor) -> bool:
-    """True if ``t`` covers its memory exactly once in some dimension order (contiguous, channels-last, ...)."""
+    """True if ``t`` covers its memory exactly once in some dimension order (contiguous, channels-last)."""
     if t.is_contiguous():
         return True
     order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
@@ -91,13 +91,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
             if not is_dense(p):
                 raise ValueError(
-                    f"{type(self).__name__}: params[{i}] (shape {tuple(p.shape)}, strides {p.stride()}) is not "
-                    "dense; fused optimizers update parameters in place over their memory and need dense tensors"
+                    f"{type(self).__name__}: params[{i}] (shape {tuple(p.shape)}, strides {p.stride()}) is "
+                    "not dense; fused optimizers update parameters in place over their memory and need "
+                    "dense tensors"
                 )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimization step; skipped entirely (no state or step-count change) if GradScaler found an inf."""
+        """One optimization step; skipped (state and step counts untouched) if GradScaler found an inf."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -157,6 +158,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
         raise NotImplementedError
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
+        # this optimizer's constructor values.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then state is put back in the accumulate dtype (torch casts it to the param dtype).
 
@@ -165,15 +174,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         super().load_state_dict(state_dict)
         saved_groups = state_dict["param_groups"]
-        for group, saved in zip(self.param_groups, saved_groups):
-            for p, pid in zip(group["params"], saved["params"]):
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for p, pid in zip(group["params"], saved["params"], strict=True):
                 incoming = state_dict["state"].get(pid)
                 if incoming is None or p not in self.state:
                     continue
                 state = self.state[p]
                 for key, value in incoming.items():
                     if key == "step":
-                        state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+                        state["step"] = (
+                            torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+                        )
                     elif key == "master_param" or key in self._acc_state_keys:
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)

@@ -19,7 +19,9 @@ from torch import Tensor
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
 
 
-def _project(param: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float) -> float:
+def _project(
+    param: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float
+) -> float:
     """Remove the radial component of ``perturb`` in place if ``param`` looks scale-invariant.
 
     Returns the weight-decay multiplier (``wd_ratio`` if projected, else 1).
@@ -63,7 +65,13 @@ class FusedAdamP(FusedOptimizer):
         check_hyper("delta", delta)
         check_hyper("wd_ratio", wd_ratio)
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, delta=delta, wd_ratio=wd_ratio, nesterov=nesterov
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            delta=delta,
+            wd_ratio=wd_ratio,
+            nesterov=nesterov,
         )
         super().__init__(params, defaults, master_weights)
 
@@ -77,7 +85,8 @@ class FusedAdamP(FusedOptimizer):
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         masters = bucket.masters()
         values = masters or [p if p.dtype == acc_dtype(p) else p.to(acc_dtype(p)) for p in bucket.params]
-        grads = torch._foreach_mul([g.to(v.dtype) for g, v in zip(bucket.grads, values)], grad_factor)
+        grads = [g.to(v.dtype) for g, v in zip(bucket.grads, values, strict=True)]
+        grads = torch._foreach_mul(grads, grad_factor)
         exp_avgs, exp_avg_sqs = bucket.state_list("exp_avg"), bucket.state_list("exp_avg_sq")
         steps = bucket.state_list("step")
         torch._foreach_add_(steps, 1.0)

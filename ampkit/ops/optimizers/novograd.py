@@ -26,7 +26,7 @@ class FusedNovoGrad(FusedOptimizer):
         >>> opt = FusedNovoGrad(model.parameters(), lr=1e-2, weight_decay=1e-3)  # doctest: +SKIP
     """
 
-    _acc_state_keys = ("exp_avg",)
+    _acc_state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
-        state["exp_avg_sq"] = torch.tensor(0.0 if group["init_zero"] else _UNSET, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.tensor(0.0 if group["init_zero"] else _UNSET, dtype=acc_dtype(param))
 
     def step_with_grad_factor(self, grad_factor: float) -> None:
         for group in self.param_groups:
@@ -83,7 +83,7 @@ class FusedNovoGrad(FusedOptimizer):
         previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
         blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
         blended = torch.where(previous == _UNSET, norms, blended)
-        torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.to(torch.float32).unbind()))
+        torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
         denoms = (blended / bc2_sqrt + group["eps"]).contiguous()

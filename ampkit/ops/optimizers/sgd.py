@@ -60,7 +60,7 @@ class FusedSGD(FusedOptimizer):
             return
         fresh = Bucket(has_master=bucket.has_master)
         seen = Bucket(has_master=bucket.has_master)
-        for p, g, s in zip(bucket.params, bucket.grads, bucket.states):
+        for p, g, s in zip(bucket.params, bucket.grads, bucket.states, strict=True):
             target = seen if "momentum_buffer" in s else fresh
             if target is fresh:
                 s["momentum_buffer"] = torch.empty_like(p, dtype=acc_dtype(p))
@@ -72,7 +72,12 @@ class FusedSGD(FusedOptimizer):
                 self._launch(group, part, part.state_list("momentum_buffer"), first, grad_factor)
 
     def _launch(
-        self, group: dict[str, Any], bucket: Bucket, buffers: list[Tensor], first_step: bool, grad_factor: float
+        self,
+        group: dict[str, Any],
+        bucket: Bucket,
+        buffers: list[Tensor],
+        first_step: bool,
+        grad_factor: float,
     ) -> None:
         op("sgd_step", bucket.device)(
             bucket.params,

@@ -27,9 +27,11 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
             raise ValueError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
         if name == "steps":  # one scalar counter per tensor
             continue
-        for i, (t, p) in enumerate(zip(values, params)):
+        for i, (t, p) in enumerate(zip(values, params, strict=True)):
             if t.shape != p.shape:
-                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
+                raise ValueError(
+                    f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}"
+                )
 
 
 def _bump(step: Tensor) -> float:
@@ -280,7 +282,9 @@ def lamb_stage1(
     grad_factor: float,
 ) -> None:
     """LAMB stage 1 (Apex): update the moments, write the raw direction into ``updates``."""
-    _check_lists("lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates)
+    _check_lists(
+        "lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates
+    )
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i in range(len(params)):
         step = _bump(steps[i])
@@ -342,7 +346,7 @@ def novograd_step(
 
 @torch.no_grad()
 def grad_norm_and_check(grads: TensorList, grad_factor: float) -> Tensor:
-    """float64 ``[norm, found_inf]``: L2 norm of all grads x grad_factor (nan if any is inf/nan) and the flag."""
+    """float64 ``[norm, found_inf]``: L2 norm of all grads x grad_factor (nan on inf/nan) and the flag."""
     total = torch.zeros((), dtype=torch.float64)
     found = False
     for g in grads:
@@ -359,5 +363,7 @@ def per_tensor_norms(tensors: TensorList, factor: float) -> Tensor:
     out = []
     for t in tensors:
         t64 = t.to(torch.float64)
-        out.append(math.nan if not bool(torch.isfinite(t64).all()) else float((t64 * factor).square().sum().sqrt()))
+        out.append(
+            math.nan if not bool(torch.isfinite(t64).all()) else float((t64 * factor).square().sum().sqrt())
+        )
     return torch.tensor(out, dtype=torch.float64)

@@ -1,3 +1,8 @@
+// First line of the translation unit, so every function shares the attribute and still inlines and
+// vectorizes: no FMA contraction, to round like torch.optim (see optimizer_math.h).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 // Fused Adam/AdamW step over a list of tensors (CPU): one pass reading param, grad and both moments.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

@@ -1,3 +1,8 @@
+// First line of the translation unit, so every function shares the attribute and still inlines and
+// vectorizes: no FMA contraction, to round like torch.optim (see optimizer_math.h).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 // Fused LAMB (two stages around per-tensor norms) and NovoGrad element updates over tensor lists (CPU).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

@@ -5,6 +5,10 @@
 // receives the raw gradient and multiplies it by `grad_factor` first: that factor carries the loss-scale
 // unscaling, the global-norm clip coefficient and the sign for `maximize`, so no separate pass over the
 // gradients is needed.
+// The CPU translation units that use these functors are compiled without fused multiply-add contraction
+// (a `#pragma GCC optimize("fp-contract=off")` on their first line): torch.optim's CPU kernels round each
+// product and sum separately, and matching that keeps 100-step trajectories within ~3e-8 of torch instead
+// of ~1e-6 (neither is closer to float64). The kernels are memory-bound, so FMA would buy nothing.
 #pragma once
 
 #include <c10/macros/Macros.h>
