@@ -1,8 +1,9 @@
 """The fused amp step: unscale + inf/nan check + global L2 norm + clip + optimizer update in two passes.
 
-Pass 1 reads every gradient once and returns both the non-finite flag and the norm of the *unscaled*
-gradients (``grad * inv_scale``). Pass 2 is the fused optimizer's own kernel, which multiplies each
-gradient by the combined factor ``inv_scale * clip_coef`` as it reads it. The unfused sequence
+Pass 1 (``ampkit.ops.multi_tensor.unscale_l2norm``, read-only) reads every gradient once and returns
+both the non-finite flag and the norm of the *unscaled* gradients (``grad * inv_scale``). Pass 2 is
+the fused optimizer's own kernel, which multiplies each gradient by the combined factor
+``inv_scale * clip_coef`` as it reads it. The unfused sequence
 (``GradScaler.unscale_`` + ``clip_grad_norm_`` + ``step``) reads the gradients three times and writes
 them twice; here the gradients are only read and are left as they were (still scaled).
 """
@@ -15,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import FusedOptimizer
-from ampkit.ops.optimizers._kernels import op
 
 # clip_grad_norm_'s guard against division by zero, kept so clipping matches torch bit for bit in fp32.
 _CLIP_EPS = np.float32(1e-6)
@@ -57,11 +58,12 @@ def fused_unscale_clip_step_(
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return False, torch.zeros((), dtype=torch.float32)
-    stats = op("grad_norm_and_check", grads[0].device)([g.contiguous() for g in grads], inv_scale)
-    norm, found_inf = np.float32(stats[0]), bool(stats[1])
+    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+    total = multi_tensor.unscale_l2norm(grads, inv_scale, found).total
+    if bool(found.item()):
+        return True, torch.tensor(math.nan, dtype=torch.float32)
+    norm = np.float32(total.item())
     grad_norm = torch.tensor(norm, dtype=torch.float32)
-    if found_inf:
-        return True, grad_norm
     factor = inv_scale
     if max_norm is not None:
         clip_coef = np.float32(max_norm) / (norm + _CLIP_EPS)

@@ -306,42 +306,7 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
 
 def test_empty_lists_are_a_no_op():
     kernel("adam_step")([], [], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, True, 1.0)
-    stats = kernel("grad_norm_and_check")([], 1.0)
-    assert stats.tolist() == [0.0, 0.0]
-    assert kernel("per_tensor_norms")([], 1.0).numel() == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_grad_norm_and_per_tensor_norms_match_reference(dtype):
-    tensors = [t * 100 for t in rand_list(torch.float64)]
-    low = [t.to(dtype) for t in tensors]
-    stats = kernel("grad_norm_and_check")(low, 0.125)
-    expected = ref.grad_norm_and_check(low, 0.125)
-    torch.testing.assert_close(stats, expected, rtol=1e-6, atol=0)
-    torch.testing.assert_close(
-        kernel("per_tensor_norms")(low, 0.5), ref.per_tensor_norms(low, 0.5), rtol=1e-6, atol=0
-    )
-
-
-@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
-@pytest.mark.parametrize("position", ["first", "middle", "last"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_grad_norm_flags_inf_and_nan_anywhere(dtype, position, value):
-    tensors = [t.to(dtype) for t in rand_list(torch.float64)]
-    target = tensors[3]  # the 65537-element tensor: first/middle/last also cover chunk edges
-    index = {"first": 0, "middle": target.numel() // 2, "last": target.numel() - 1}[position]
-    target.view(-1)[index] = value
-    norm, found = kernel("grad_norm_and_check")(tensors, 1.0 / 1024).tolist()
-    assert found == 1.0 and math.isnan(norm)
-    per_tensor = kernel("per_tensor_norms")(tensors, 1.0)
-    assert math.isnan(per_tensor[3]) and torch.isfinite(per_tensor[:3]).all()
-
-
-def test_huge_finite_grads_are_not_flagged():
-    tensors = [torch.full((100,), 3e38)]
-    norm, found = kernel("grad_norm_and_check")(tensors, 1e-30).tolist()
-    assert found == 0.0
-    assert norm == pytest.approx(3e8 * 10, rel=1e-6)
+    kernel("lamb_stage2")([], [], [], torch.zeros(0, dtype=torch.float64))
 
 
 def test_strided_tensors_are_rejected_with_the_list_named():
@@ -354,8 +319,6 @@ def test_strided_tensors_are_rejected_with_the_list_named():
     args["exp_avgs"][3] = torch.randn(65537 * 2)[::2]
     with pytest.raises(RuntimeError, match=r"params\[3\] is not dense"):
         kernel("adam_step")(**args)
-    with pytest.raises(RuntimeError, match=r"tensors\[0\] is not dense"):
-        kernel("grad_norm_and_check")([torch.randn(10, 2)[:, 0]], 1.0)
 
 
 def test_dense_permuted_tensors_are_updated_elementwise():

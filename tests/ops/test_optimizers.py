@@ -40,7 +40,8 @@ def clone_params(params, dtype=None):
 
 def rel_diff(actual, expected) -> float:
     num = max(
-        float((a.detach().double() - e.double()).abs().max()) for a, e in zip(actual, expected, strict=True)
+        float((a.detach().double() - e.detach().double()).abs().max())
+        for a, e in zip(actual, expected, strict=True)
     )
     den = max(float(e.detach().double().abs().max()) for e in expected)
     return num / den

@@ -17,7 +17,6 @@ _CPU_SOURCES = [
         "sgd_cpu.cpp",
         "adaptive_cpu.cpp",
         "lamb_cpu.cpp",
-        "norms_cpu.cpp",
     )
 ]
 

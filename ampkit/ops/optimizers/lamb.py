@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
@@ -70,10 +71,7 @@ class FusedLAMB(FusedOptimizer):
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        global_norm = 0.0
-        if grads:
-            norm_op = op("grad_norm_and_check", grads[0].device)
-            global_norm = float(norm_op([g.contiguous() for g in grads], grad_factor)[0])
+        global_norm = abs(grad_factor) * float(multi_tensor.l2norm(grads).total) if grads else 0.0
         for group in self.param_groups:
             max_norm = group["max_grad_norm"]
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
@@ -115,9 +113,8 @@ class FusedLAMB(FusedOptimizer):
         )
         lr = group["lr"]
         if group["use_nvlamb"] or group["weight_decay"] != 0:
-            norms = op("per_tensor_norms", device)
-            param_norms = norms(masters or bucket.params, 1.0)
-            update_norms = norms(updates, 1.0)
+            param_norms = multi_tensor.l2norm(masters or bucket.params, per_tensor=True).per_tensor.double()
+            update_norms = multi_tensor.l2norm(updates, per_tensor=True).per_tensor.double()
             usable = (param_norms > 0) & (update_norms > 0)
             ratios = torch.where(usable, param_norms / update_norms.where(usable, 1.0), 1.0) * lr
         else:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
@@ -79,7 +80,7 @@ class FusedNovoGrad(FusedOptimizer):
         device = bucket.device
         beta1, beta2 = group["betas"]
         step = group["step"]
-        norms = op("per_tensor_norms", device)(bucket.grads, abs(grad_factor))
+        norms = abs(grad_factor) * multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double()
         previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
         blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
         blended = torch.where(previous == _UNSET, norms, blended)

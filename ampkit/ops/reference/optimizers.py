@@ -342,28 +342,3 @@ def novograd_step(
             m.copy_(beta1 * m + beta3 * g)
             p = p - lr * ((m / bias_correction1) / d + weight_decay * p)
         _store(params, master_params, i, p)
-
-
-@torch.no_grad()
-def grad_norm_and_check(grads: TensorList, grad_factor: float) -> Tensor:
-    """float64 ``[norm, found_inf]``: L2 norm of all grads x grad_factor (nan on inf/nan) and the flag."""
-    total = torch.zeros((), dtype=torch.float64)
-    found = False
-    for g in grads:
-        g64 = g.to(torch.float64)
-        found = found or not bool(torch.isfinite(g64).all())
-        total += (g64 * grad_factor).square().sum()
-    norm = math.nan if found else math.sqrt(float(total))
-    return torch.tensor([norm, 1.0 if found else 0.0], dtype=torch.float64)
-
-
-@torch.no_grad()
-def per_tensor_norms(tensors: TensorList, factor: float) -> Tensor:
-    """float64 ``[n]``: the L2 norm of each tensor x factor (nan where a tensor holds inf/nan)."""
-    out = []
-    for t in tensors:
-        t64 = t.to(torch.float64)
-        out.append(
-            math.nan if not bool(torch.isfinite(t64).all()) else float((t64 * factor).square().sum().sqrt())
-        )
-    return torch.tensor(out, dtype=torch.float64)

@@ -39,6 +39,4 @@ TORCH_LIBRARY(ampkit_optimizers, m) {
       "novograd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(e!)[] master_params, "
       "Tensor denoms, float lr, float beta1, float weight_decay, bool reg_inside_moment, bool grad_averaging, "
       "float bias_correction1, float grad_factor) -> ()");
-  m.def("grad_norm_and_check(Tensor[] grads, float grad_factor) -> Tensor");
-  m.def("per_tensor_norms(Tensor[] tensors, float factor) -> Tensor");
 }
