@@ -12,11 +12,9 @@ from ampkit.ops.reference import optimizers as reference
 _CPU_SOURCES = [
     CSRC_DIR / "optimizers" / name
     for name in (
-        "registration.cpp",
-        "adam_cpu.cpp",
-        "sgd_cpu.cpp",
-        "adaptive_cpu.cpp",
-        "lamb_cpu.cpp",
+        "optimizers_cpu.cpp",  # op schemas, Adam/AdamW, SGD
+        "adaptive_cpu.cpp",  # Adagrad, Adadelta, RMSprop, RMSpropTF
+        "lamb_cpu.cpp",  # LAMB stages, NovoGrad
     )
 ]
 
