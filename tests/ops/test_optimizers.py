@@ -397,6 +397,16 @@ def test_grad_scaler_explicit_unscale_then_step():
     assert rel_diff(a, b) <= 1e-6
 
 
+@pytest.mark.parametrize("set_grad_none", [True, False])
+def test_zero_grad_default_follows_set_grad_none(set_grad_none):
+    params = make_params()
+    opt = FusedSGD(params, lr=0.1, set_grad_none=set_grad_none)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.zero_grad()
+    assert all((p.grad is None) == set_grad_none for p in params)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad(set_to_none):
     params = make_params()
@@ -515,6 +525,9 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
+    (lambda p: FusedAdam(p, capturable=True), ValueError, "does not support capturable=True"),
+    (lambda p: FusedSGD(p, lr=0.1, wd_after_momentum=True), ValueError, "does not support wd_after_momentum"),
+    (lambda p: FusedAdagrad(p, adagrad_w_mode=True), ValueError, "does not support adagrad_w_mode"),
 ]
 
 

@@ -53,6 +53,12 @@ def is_dense(t: Tensor) -> bool:
     return t.permute(order).is_contiguous()
 
 
+def reject_option(cls: str, name: str, value: object, default: object) -> None:
+    """Raise ValueError for an Apex option this implementation does not support, unless left at default."""
+    if value != default:
+        raise ValueError(f"{cls} does not support {name}={value!r} (only {name}={default!r})")
+
+
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
     """Raise ValueError naming ``name`` unless ``low <= value`` (and ``value < high`` when given)."""
     if not (value >= low) or (high is not None and not value < high):
@@ -68,6 +74,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: default hyper-parameters of a group.
         master_weights: keep an fp32 copy (``state["master_param"]``) of each fp16/bf16 parameter, update
             the copy and write the rounded result back to the parameter after each step.
+        set_grad_none: what ``zero_grad()`` without an argument does (Apex's option; torch's default).
     """
 
     # torch.amp.GradScaler calls step() directly and sets ``grad_scale``/``found_inf`` on the optimizer.
@@ -75,11 +82,22 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Names of the per-parameter state tensors that must be kept in the accumulate dtype.
     _acc_state_keys: tuple[str, ...] = ()
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
         self.master_weights = master_weights
+        self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Reset gradients: to None, or to zeros; ``set_to_none=None`` follows ``set_grad_none`` (Apex)."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -30,13 +30,14 @@ class FusedAdadelta(FusedOptimizer):
         weight_decay: float = 0.0,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("rho", rho, 0.0, 1.0 + 1e-12)
         check_hyper("eps", eps)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

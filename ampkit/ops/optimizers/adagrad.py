@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -31,7 +31,10 @@ class FusedAdagrad(FusedOptimizer):
         eps: float = 1e-10,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
     ) -> None:
+        reject_option("FusedAdagrad", "adagrad_w_mode", adagrad_w_mode, False)
         check_hyper("lr", lr)
         check_hyper("lr_decay", lr_decay)
         check_hyper("weight_decay", weight_decay)
@@ -45,7 +48,7 @@ class FusedAdagrad(FusedOptimizer):
             eps=eps,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -37,7 +37,10 @@ class FusedAdam(FusedOptimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
     ) -> None:
+        reject_option("FusedAdam", "capturable", capturable, False)
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         check_hyper("betas[0]", betas[0], 0.0, 1.0)
@@ -53,7 +56,7 @@ class FusedAdam(FusedOptimizer):
             amsgrad=amsgrad,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

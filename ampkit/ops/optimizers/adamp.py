@@ -56,6 +56,7 @@ class FusedAdamP(FusedOptimizer):
         wd_ratio: float = 0.1,
         nesterov: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
@@ -73,7 +74,7 @@ class FusedAdamP(FusedOptimizer):
             wd_ratio=wd_ratio,
             nesterov=nesterov,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

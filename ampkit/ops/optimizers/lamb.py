@@ -45,6 +45,7 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
@@ -65,7 +66,7 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
         self._update_buffers: dict[Tensor, Tensor] = {}
 
     @torch.no_grad()
@@ -143,6 +144,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         reduced_precision_dtype: torch.dtype | None = None,
+        set_grad_none: bool = True,
     ) -> None:
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
@@ -162,5 +164,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
             master_weights=True,
+            set_grad_none=set_grad_none,
         )
         self.reduced_precision_dtype = reduced_precision_dtype

@@ -43,6 +43,7 @@ class FusedNovoGrad(FusedOptimizer):
         norm_type: int = 2,
         init_zero: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
@@ -64,7 +65,7 @@ class FusedNovoGrad(FusedOptimizer):
             norm_type=norm_type,
             init_zero=init_zero,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))

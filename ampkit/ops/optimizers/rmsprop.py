@@ -44,6 +44,7 @@ class FusedRMSprop(FusedOptimizer):
         centered: bool = False,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("alpha", alpha)
@@ -59,7 +60,7 @@ class FusedRMSprop(FusedOptimizer):
             centered=centered,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 0.0)
@@ -107,6 +108,7 @@ class FusedRMSpropTF(FusedOptimizer):
         lr_in_momentum: bool = True,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("alpha", alpha)
@@ -124,7 +126,7 @@ class FusedRMSpropTF(FusedOptimizer):
             lr_in_momentum=lr_in_momentum,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 1.0)

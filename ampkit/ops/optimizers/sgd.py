@@ -8,12 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
 from ampkit.ops.optimizers._kernels import op
 
 
 class FusedSGD(FusedOptimizer):
     """SGD as ``torch.optim.SGD`` (state ``momentum_buffer``, created on a parameter's first step).
+
+    Apex's ``materialize_master_grads`` is accepted for compatibility and has no effect: with
+    ``master_weights=True`` the kernel reads the fp16/bf16 gradients directly.
 
     Example:
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)  # doctest: +SKIP
@@ -31,7 +34,11 @@ class FusedSGD(FusedOptimizer):
         nesterov: bool = False,
         maximize: bool = False,
         master_weights: bool = False,
+        set_grad_none: bool = True,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
     ) -> None:
+        reject_option("FusedSGD", "wd_after_momentum", wd_after_momentum, False)
         check_hyper("lr", lr)
         check_hyper("momentum", momentum)
         check_hyper("weight_decay", weight_decay)
@@ -48,7 +55,7 @@ class FusedSGD(FusedOptimizer):
             nesterov=nesterov,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """torch.optim.SGD keeps no state until the first momentum step; nothing to create here."""
