@@ -16,6 +16,8 @@ A section module exposes::
 
     def run(ctx: BenchContext) -> list[dict]
 
+(A module with only ``rows(threads, sizes) -> list[dict]`` is accepted too; its keys "GB/s",
+"baseline_ms", "params" and "of_ceiling" (a fraction) are mapped onto the ones below.)
 Each returned row is a dict with these keys (build rows with :meth:`BenchContext.row`):
 
     section         str            the table section ("multi_tensor", "optimizers", "norms", ...)
@@ -111,7 +113,7 @@ class BenchContext:
                 start = time.perf_counter()
                 fn()
                 bucket.append((time.perf_counter() - start) * 1e3)
-            if len(times[0]) >= 200:
+            if len(times[0]) >= 5000:
                 break
         return [min(bucket) for bucket in times]
 
@@ -274,15 +276,36 @@ def load_sections() -> list:
     return modules
 
 
+# Keys some section modules used before this interface was fixed, mapped onto the documented ones.
+_KEY_ALIASES = {"GB/s": "gbps", "baseline_ms": "torch_ms", "params": "size"}
+
+
+def section_rows(section, ctx: BenchContext) -> list[dict]:
+    """Rows of one section: ``run(ctx)``, or the older ``rows(threads, sizes)`` with its keys mapped."""
+    if hasattr(section, "run"):
+        return section.run(ctx)
+    out = []
+    for raw in section.rows(threads=ctx.threads, sizes=ctx.sizes):
+        row = {_KEY_ALIASES.get(k, k): v for k, v in raw.items()}
+        if "of_ceiling" in row:
+            row["pct_of_ceiling"] = 100 * row.pop("of_ceiling")
+        row.setdefault("section", section.__name__.removeprefix("ops_"))
+        for key in ("name", "baseline", "size", "ms", "torch_ms", "ratio", "gbps", "pct_of_ceiling"):
+            value = row.get(key)
+            row[key] = None if isinstance(value, float) and math.isnan(value) else value
+        out.append(row)
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
     def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
+        return "-" if value is None or isinstance(value, str) else format(value, spec)
 
     header = ("section", "name", "size", "ms", "torch ms", "ratio", "GB/s", "% ceiling", "baseline")
     lines = [
-        (r["section"], r["name"], r["size"], fmt(r["ms"], ".3f"), fmt(r["torch_ms"], ".3f"),
+        (r["section"], r["name"], str(r["size"] or "-"), fmt(r["ms"], ".3f"), fmt(r["torch_ms"], ".3f"),
          fmt(r["ratio"], ".2f") + ("x" if r["ratio"] else ""), fmt(r["gbps"], ".1f"),
-         fmt(r["pct_of_ceiling"], ".0f"), r["baseline"])
+         fmt(r["pct_of_ceiling"], ".0f"), r["baseline"] or "-")
         for r in rows
     ]  # fmt: skip
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
@@ -308,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure_ceilings(ctx) + rows
     rows += multi_tensor_rows(ctx)
     for section in load_sections():
-        rows += section.run(ctx)
+        rows += section_rows(section, ctx)
     print_table(rows)
     return 0
 

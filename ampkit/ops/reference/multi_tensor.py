@@ -74,11 +74,11 @@ def scale_(
 ) -> None:
     """outputs[i] = inputs[i] * factor; found_inf = 1 if any input is non-finite."""
     op = "ampkit_multi_tensor.scale_"
-    _check_length(op, outputs, "outputs", len(inputs), "inputs")
+    _check_length(op, outputs, "out", len(inputs), "inputs")
     device = found_inf.device
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
-    _check_list(op, outputs, "outputs", device, like=inputs)
+    _check_list(op, outputs, "out", device, like=inputs)
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -189,11 +189,11 @@ def unscale_l2norm(
     """Norms of inputs * inv_scale; found_inf = 1 on a non-finite input; outputs (if any) get the values."""
     op = "ampkit_multi_tensor.unscale_l2norm"
     if outputs:
-        _check_length(op, outputs, "outputs", len(inputs), "inputs")
+        _check_length(op, outputs, "out", len(inputs), "inputs")
     device = found_inf.device
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
-    _check_list(op, outputs, "outputs", device, like=inputs)
+    _check_list(op, outputs, "out", device, like=inputs)
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 
