@@ -1,0 +1,173 @@
+// First line of the translation unit, so every function shares the attribute and still inlines and
+// vectorizes: no FMA contraction, to round like torch.optim (see optimizer_math.h).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+// Fused Adagrad, Adadelta, RMSprop and TF-style RMSprop steps over a list of tensors (CPU).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "cpu_multi_tensor.h"
+#include "optimizer_math.h"
+
+namespace ampkit {
+namespace optim {
+namespace {
+
+void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                      at::TensorList master_params, at::TensorList steps, double lr, double lr_decay,
+                      double weight_decay, double eps, double grad_factor) {
+  const ListChecker check("adagrad_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  check.state("state_sums", state_sums);
+  const bool has_master = check.master(master_params);
+  check.steps(steps);
+  std::vector<double> clr(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    clr[i] = lr / (1.0 + (bump_step(steps[i]) - 1.0) * lr_decay);
+  }
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+      const AdagradHyper<acc_t> h{acc_t(grad_factor), acc_t(clr[t]), acc_t(weight_decay), acc_t(eps)};
+      const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+      acc_t* __restrict__ sum = ptr<acc_t>(state_sums[t]);
+      acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+      update_params(ptr<param_t>(params[t]), master, begin, end,
+                    [&](acc_t& p, int64_t i) { adagrad_element<acc_t>(p, static_cast<acc_t>(g[i]), sum[i], h); });
+    });
+  });
+}
+
+void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                      at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
+                      at::TensorList steps, double lr, double alpha, double eps, double weight_decay, double momentum,
+                      bool centered, double grad_factor) {
+  const ListChecker check("rmsprop_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  const bool use_momentum = momentum > 0.0;
+  check.state("square_avgs", square_avgs);
+  check.optional_state("grad_avgs", grad_avgs, centered);
+  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
+  const bool has_master = check.master(master_params);
+  check.steps(steps);
+  for (const at::Tensor& s : steps) bump_step(s);
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    const RMSpropHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),           acc_t(alpha),   acc_t(1.0 - alpha),
+                                acc_t(eps),         acc_t(weight_decay), acc_t(momentum)};
+    dispatch_bool(centered, [&](auto cen) {
+      dispatch_bool(use_momentum, [&](auto mom) {
+        parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+          const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+          acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
+          acc_t* __restrict__ ga = cen ? ptr<acc_t>(grad_avgs[t]) : nullptr;
+          acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
+          acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+          update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
+            acc_t a = cen ? ga[i] : acc_t(0);
+            acc_t b = mom ? buf[i] : acc_t(0);
+            rmsprop_element<acc_t, decltype(cen)::value, decltype(mom)::value>(p, static_cast<acc_t>(g[i]), sq[i], a,
+                                                                               b, h);
+            if (cen) ga[i] = a;
+            if (mom) buf[i] = b;
+          });
+        });
+      });
+    });
+  });
+}
+
+void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                         at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
+                         at::TensorList steps, double lr, double alpha, double eps, double weight_decay,
+                         double momentum, bool centered, bool decoupled_decay, bool lr_in_momentum,
+                         double grad_factor) {
+  const ListChecker check("rmsprop_tf_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  const bool use_momentum = momentum > 0.0;
+  check.state("square_avgs", square_avgs);
+  check.optional_state("grad_avgs", grad_avgs, centered);
+  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
+  const bool has_master = check.master(master_params);
+  check.steps(steps);
+  for (const at::Tensor& s : steps) bump_step(s);
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    const RMSpropTFHyper<acc_t> h{acc_t(grad_factor),
+                                  acc_t(lr),
+                                  acc_t(alpha),
+                                  acc_t(1.0 - alpha),
+                                  acc_t(eps),
+                                  acc_t(decoupled_decay ? 0.0 : weight_decay),
+                                  acc_t(decoupled_decay ? 1.0 - lr * weight_decay : 1.0),
+                                  acc_t(momentum)};
+    dispatch_bool(centered, [&](auto cen) {
+      dispatch_bool(use_momentum, [&](auto mom) {
+        dispatch_bool(lr_in_momentum, [&](auto lim) {
+          parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+            const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+            acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
+            acc_t* __restrict__ ga = cen ? ptr<acc_t>(grad_avgs[t]) : nullptr;
+            acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
+            acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+            update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
+              acc_t a = cen ? ga[i] : acc_t(0);
+              acc_t b = mom ? buf[i] : acc_t(0);
+              rmsprop_tf_element<acc_t, decltype(cen)::value, decltype(mom)::value, decltype(lim)::value>(
+                  p, static_cast<acc_t>(g[i]), sq[i], a, b, h);
+              if (cen) ga[i] = a;
+              if (mom) buf[i] = b;
+            });
+          });
+        });
+      });
+    });
+  });
+}
+
+void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
+                       at::TensorList acc_deltas, at::TensorList master_params, at::TensorList steps, double lr,
+                       double rho, double eps, double weight_decay, double grad_factor) {
+  const ListChecker check("adadelta_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  check.state("square_avgs", square_avgs);
+  check.state("acc_deltas", acc_deltas);
+  const bool has_master = check.master(master_params);
+  check.steps(steps);
+  for (const at::Tensor& s : steps) bump_step(s);
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    const AdadeltaHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),           acc_t(rho),
+                                 acc_t(1.0 - rho),   acc_t(eps),          acc_t(weight_decay)};
+    parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+      const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+      acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
+      acc_t* __restrict__ ad = ptr<acc_t>(acc_deltas[t]);
+      acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+      update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
+        adadelta_element<acc_t>(p, static_cast<acc_t>(g[i]), sq[i], ad[i], h);
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) {
+  m.impl("adagrad_step", &adagrad_step_cpu);
+  m.impl("rmsprop_step", &rmsprop_step_cpu);
+  m.impl("rmsprop_tf_step", &rmsprop_tf_step_cpu);
+  m.impl("adadelta_step", &adadelta_step_cpu);
+}
+
+}  // namespace optim
+}  // namespace ampkit

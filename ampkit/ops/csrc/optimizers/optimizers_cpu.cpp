@@ -1,0 +1,155 @@
+// First line of the translation unit, so every function shares the attribute and still inlines and
+// vectorizes: no FMA contraction, to round like torch.optim (see optimizer_math.h).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+// The ampkit_optimizers op schemas (torch.ops.ampkit_optimizers.*) and the first-order kernels: Adam/AdamW
+// (one pass reading param, grad and both moments) and SGD with momentum. Kernels are registered under
+// CompositeExplicitAutograd, so calls whose lists are all empty (no tensor to pick a device from) still
+// dispatch; they reject non-CPU tensors by name. Kept in one translation unit with the schemas: each
+// unit costs ~10 s of torch-header parsing in the cold build.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "cpu_multi_tensor.h"
+#include "optimizer_math.h"
+
+TORCH_LIBRARY(ampkit_optimizers, m) {
+  m.def(
+      "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool adam_w_mode, bool amsgrad, bool bias_correction, "
+      "float grad_factor) -> ()");
+  m.def(
+      "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
+      "float lr, float weight_decay, float momentum, float dampening, bool nesterov, bool first_step, "
+      "float grad_factor) -> ()");
+  m.def(
+      "adagrad_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
+      "Tensor(f!)[] steps, float lr, float lr_decay, float weight_decay, float eps, float grad_factor) -> ()");
+  m.def(
+      "rmsprop_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
+      "Tensor(d!)[] momentum_buffers, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float alpha, "
+      "float eps, float weight_decay, float momentum, bool centered, float grad_factor) -> ()");
+  m.def(
+      "rmsprop_tf_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
+      "Tensor(d!)[] momentum_buffers, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float alpha, "
+      "float eps, float weight_decay, float momentum, bool centered, bool decoupled_decay, bool lr_in_momentum, "
+      "float grad_factor) -> ()");
+  m.def(
+      "adadelta_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] acc_deltas, "
+      "Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float rho, float eps, float weight_decay, "
+      "float grad_factor) -> ()");
+  m.def(
+      "lamb_stage1(Tensor[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] updates, Tensor[] master_params, Tensor(f!)[] steps, float beta1, float beta2, float eps, "
+      "float weight_decay, bool adam_w_mode, bool grad_averaging, bool bias_correction, float grad_factor) -> ()");
+  m.def(
+      "lamb_stage2(Tensor(a!)[] params, Tensor[] updates, Tensor(e!)[] master_params, Tensor ratios) -> ()");
+  m.def(
+      "novograd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(e!)[] master_params, "
+      "Tensor denoms, float lr, float beta1, float weight_decay, bool reg_inside_moment, bool grad_averaging, "
+      "float bias_correction1, float grad_factor) -> ()");
+}
+
+namespace ampkit {
+namespace optim {
+namespace {
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
+                   at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor) {
+  const ListChecker check("adam_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  check.state("exp_avgs", exp_avgs);
+  check.state("exp_avg_sqs", exp_avg_sqs);
+  check.optional_state("max_exp_avg_sqs", max_exp_avg_sqs, amsgrad);
+  const bool has_master = check.master(master_params);
+  check.steps(steps);
+
+  std::vector<AdamHyper<double>> hyper(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double step = bump_step(steps[i]);
+    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, step) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
+    hyper[i] = {grad_factor,  beta1,        beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay,
+                1.0 - lr * weight_decay, lr / bc1, std::sqrt(bc2)};
+  }
+
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    dispatch_bool(adam_w_mode, [&](auto adamw) {
+      dispatch_bool(amsgrad, [&](auto ams) {
+        parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+          const AdamHyper<double>& hd = hyper[t];
+          const AdamHyper<acc_t> h{acc_t(hd.grad_factor),     acc_t(hd.beta1),        acc_t(hd.beta2),
+                                   acc_t(hd.one_minus_beta1), acc_t(hd.one_minus_beta2), acc_t(hd.eps),
+                                   acc_t(hd.weight_decay),    acc_t(hd.decay_factor), acc_t(hd.step_size),
+                                   acc_t(hd.bias_correction2_sqrt)};
+          const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+          acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
+          acc_t* __restrict__ v = ptr<acc_t>(exp_avg_sqs[t]);
+          acc_t* __restrict__ vmax = ams ? ptr<acc_t>(max_exp_avg_sqs[t]) : v;
+          acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+          update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
+            acc_t vm = ams ? vmax[i] : acc_t(0);
+            adam_element<acc_t, decltype(adamw)::value, decltype(ams)::value>(p, static_cast<acc_t>(g[i]), m[i],
+                                                                              v[i], vm, h);
+            if (ams) vmax[i] = vm;
+          });
+        });
+      });
+    });
+  });
+}
+
+
+void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
+                  bool nesterov, bool first_step, double grad_factor) {
+  const ListChecker check("sgd_step", params);
+  const at::ScalarType grad_dtype = check.grads(grads);
+  const bool use_momentum = momentum != 0.0;
+  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
+  const bool has_master = check.master(master_params);
+
+  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    const SGDHyper<acc_t> h{acc_t(grad_factor), acc_t(lr), acc_t(weight_decay), acc_t(momentum),
+                            acc_t(1.0 - dampening)};
+    dispatch_bool(use_momentum, [&](auto mom) {
+      dispatch_bool(nesterov, [&](auto nest) {
+        dispatch_bool(first_step, [&](auto first) {
+          parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
+            const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+            acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
+            acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+            update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
+              acc_t b = mom ? buf[i] : acc_t(0);
+              sgd_element<acc_t, decltype(mom)::value, decltype(nest)::value, decltype(first)::value>(
+                  p, static_cast<acc_t>(g[i]), b, h);
+              if (mom) buf[i] = b;
+            });
+          });
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ampkit_optimizers, CompositeExplicitAutograd, m) {
+  m.impl("adam_step", &adam_step_cpu);
+  m.impl("sgd_step", &sgd_step_cpu);
+}
+
+}  // namespace optim
+}  // namespace ampkit

@@ -1,0 +1,272 @@
+// CUDA kernels of the fused optimizers. The per-element math is optimizer_math.h, the code the CPU
+// kernels run and the CPU tests check; only the grid-stride loops and launches are CUDA-only.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include "optimizers/optimizers_cuda.h"
+
+namespace ampkit {
+namespace optim {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
+}
+
+void check_launch(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+template <typename param_t, typename acc_t>
+__device__ inline acc_t load_param(const ParamSlot<param_t, acc_t>& p, int64_t i) {
+  return p.master != nullptr ? p.master[i] : static_cast<acc_t>(p.param[i]);
+}
+
+template <typename param_t, typename acc_t>
+__device__ inline void store_param(const ParamSlot<param_t, acc_t>& p, int64_t i, acc_t value) {
+  if (p.master != nullptr) p.master[i] = value;
+  p.param[i] = static_cast<param_t>(value);
+}
+
+#define AMPKIT_GRID_STRIDE(i, n) \
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(blockDim.x) * gridDim.x)
+
+template <typename param_t, typename grad_t, typename acc_t, bool ADAMW, bool AMSGRAD>
+__global__ void adam_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* m, acc_t* v, acc_t* vmax,
+                            int64_t n, AdamHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    acc_t vm = AMSGRAD ? vmax[i] : acc_t(0);
+    adam_element<acc_t, ADAMW, AMSGRAD>(value, static_cast<acc_t>(grad[i]), m[i], v[i], vm, h);
+    if (AMSGRAD) vmax[i] = vm;
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t, bool MOMENTUM, bool NESTEROV, bool FIRST>
+__global__ void sgd_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* buf, int64_t n,
+                           SGDHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    acc_t b = MOMENTUM ? buf[i] : acc_t(0);
+    sgd_element<acc_t, MOMENTUM, NESTEROV, FIRST>(value, static_cast<acc_t>(grad[i]), b, h);
+    if (MOMENTUM) buf[i] = b;
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+__global__ void adagrad_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sum, int64_t n,
+                               AdagradHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    adagrad_element<acc_t>(value, static_cast<acc_t>(grad[i]), sum[i], h);
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t, bool CENTERED, bool MOMENTUM>
+__global__ void rmsprop_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ga, acc_t* buf,
+                               int64_t n, RMSpropHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    acc_t a = CENTERED ? ga[i] : acc_t(0);
+    acc_t b = MOMENTUM ? buf[i] : acc_t(0);
+    rmsprop_element<acc_t, CENTERED, MOMENTUM>(value, static_cast<acc_t>(grad[i]), sq[i], a, b, h);
+    if (CENTERED) ga[i] = a;
+    if (MOMENTUM) buf[i] = b;
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t, bool CENTERED, bool MOMENTUM, bool LR_IN_MOMENTUM>
+__global__ void rmsprop_tf_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ga,
+                                  acc_t* buf, int64_t n, RMSpropTFHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    acc_t a = CENTERED ? ga[i] : acc_t(0);
+    acc_t b = MOMENTUM ? buf[i] : acc_t(0);
+    rmsprop_tf_element<acc_t, CENTERED, MOMENTUM, LR_IN_MOMENTUM>(value, static_cast<acc_t>(grad[i]), sq[i], a, b,
+                                                                  h);
+    if (CENTERED) ga[i] = a;
+    if (MOMENTUM) buf[i] = b;
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+__global__ void adadelta_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ad, int64_t n,
+                                AdadeltaHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    adadelta_element<acc_t>(value, static_cast<acc_t>(grad[i]), sq[i], ad[i], h);
+    store_param(p, i, value);
+  }
+}
+
+template <typename param_t, typename grad_t, typename acc_t, bool ADAMW>
+__global__ void lamb_stage1_kernel(const param_t* param, const acc_t* master, const grad_t* grad, acc_t* m,
+                                   acc_t* v, acc_t* update, int64_t n, LambHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    const acc_t value = master != nullptr ? master[i] : static_cast<acc_t>(param[i]);
+    lamb_stage1_element<acc_t, ADAMW>(value, static_cast<acc_t>(grad[i]), m[i], v[i], update[i], h);
+  }
+}
+
+template <typename param_t, typename acc_t>
+__global__ void lamb_stage2_kernel(ParamSlot<param_t, acc_t> p, const acc_t* update, int64_t n, acc_t ratio) {
+  AMPKIT_GRID_STRIDE(i, n) { store_param(p, i, load_param(p, i) - ratio * update[i]); }
+}
+
+template <typename param_t, typename grad_t, typename acc_t, bool REG_OUTSIDE_MOMENT>
+__global__ void novograd_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* m, int64_t n,
+                                NovoGradHyper<acc_t> h) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t value = load_param(p, i);
+    novograd_element<acc_t, REG_OUTSIDE_MOMENT>(value, static_cast<acc_t>(grad[i]), m[i], h);
+    store_param(p, i, value);
+  }
+}
+
+// Launches kernel<..., B>(args) with a runtime bool turned into a template argument.
+#define AMPKIT_BOOL_SWITCH(flag, NAME, ...) \
+  do {                                      \
+    if (flag) {                             \
+      constexpr bool NAME = true;           \
+      __VA_ARGS__;                          \
+    } else {                                \
+      constexpr bool NAME = false;          \
+      __VA_ARGS__;                          \
+    }                                       \
+  } while (0)
+
+}  // namespace
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_adam(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq,
+                 acc_t* max_exp_avg_sq, int64_t n, const AdamHyper<acc_t>& h, bool adam_w_mode, cudaStream_t stream) {
+  const bool amsgrad = max_exp_avg_sq != nullptr;
+  AMPKIT_BOOL_SWITCH(adam_w_mode, ADAMW, AMPKIT_BOOL_SWITCH(amsgrad, AMS, {
+    adam_kernel<param_t, grad_t, acc_t, ADAMW, AMS>
+        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, h);
+  }));
+  check_launch("adam_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_sgd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* momentum_buffer, int64_t n,
+                const SGDHyper<acc_t>& h, bool nesterov, bool first_step, cudaStream_t stream) {
+  const bool momentum = momentum_buffer != nullptr;
+  AMPKIT_BOOL_SWITCH(momentum, MOM, AMPKIT_BOOL_SWITCH(nesterov, NEST, AMPKIT_BOOL_SWITCH(first_step, FIRST, {
+    sgd_kernel<param_t, grad_t, acc_t, MOM, NEST, FIRST>
+        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, momentum_buffer, n, h);
+  })));
+  check_launch("sgd_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_adagrad(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* state_sum, int64_t n,
+                    const AdagradHyper<acc_t>& h, cudaStream_t stream) {
+  adagrad_kernel<param_t, grad_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(p, grad, state_sum, n, h);
+  check_launch("adagrad_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_rmsprop(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
+                    acc_t* momentum_buffer, int64_t n, const RMSpropHyper<acc_t>& h, cudaStream_t stream) {
+  AMPKIT_BOOL_SWITCH(grad_avg != nullptr, CEN, AMPKIT_BOOL_SWITCH(momentum_buffer != nullptr, MOM, {
+    rmsprop_kernel<param_t, grad_t, acc_t, CEN, MOM>
+        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, grad_avg, momentum_buffer, n, h);
+  }));
+  check_launch("rmsprop_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_rmsprop_tf(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
+                       acc_t* momentum_buffer, int64_t n, const RMSpropTFHyper<acc_t>& h, bool lr_in_momentum,
+                       cudaStream_t stream) {
+  AMPKIT_BOOL_SWITCH(grad_avg != nullptr, CEN, AMPKIT_BOOL_SWITCH(momentum_buffer != nullptr, MOM,
+    AMPKIT_BOOL_SWITCH(lr_in_momentum, LIM, {
+      rmsprop_tf_kernel<param_t, grad_t, acc_t, CEN, MOM, LIM>
+          <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, grad_avg, momentum_buffer, n, h);
+    })));
+  check_launch("rmsprop_tf_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_adadelta(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* acc_delta,
+                     int64_t n, const AdadeltaHyper<acc_t>& h, cudaStream_t stream) {
+  adadelta_kernel<param_t, grad_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, acc_delta, n, h);
+  check_launch("adadelta_step");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_lamb_stage1(const param_t* param, const acc_t* master, const grad_t* grad, acc_t* exp_avg,
+                        acc_t* exp_avg_sq, acc_t* update, int64_t n, const LambHyper<acc_t>& h, bool adam_w_mode,
+                        cudaStream_t stream) {
+  AMPKIT_BOOL_SWITCH(adam_w_mode, ADAMW, {
+    lamb_stage1_kernel<param_t, grad_t, acc_t, ADAMW>
+        <<<blocks_for(n), kThreads, 0, stream>>>(param, master, grad, exp_avg, exp_avg_sq, update, n, h);
+  });
+  check_launch("lamb_stage1");
+}
+
+template <typename param_t, typename acc_t>
+void launch_lamb_stage2(ParamSlot<param_t, acc_t> p, const acc_t* update, int64_t n, acc_t ratio,
+                        cudaStream_t stream) {
+  lamb_stage2_kernel<param_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(p, update, n, ratio);
+  check_launch("lamb_stage2");
+}
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_novograd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, int64_t n,
+                     const NovoGradHyper<acc_t>& h, bool reg_inside_moment, cudaStream_t stream) {
+  AMPKIT_BOOL_SWITCH(!reg_inside_moment, OUTSIDE, {
+    novograd_kernel<param_t, grad_t, acc_t, OUTSIDE><<<blocks_for(n), kThreads, 0, stream>>>(p, grad, exp_avg, n, h);
+  });
+  check_launch("novograd_step");
+}
+
+// The (param, grad) pairs the CPU kernels accept: fp64/fp64, fp32/fp32, fp16|bf16 with same-type or fp32 grads.
+#define AMPKIT_INSTANTIATE(P, G, A)                                                                               \
+  template void launch_adam<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t, const AdamHyper<A>&, bool,    \
+                                     cudaStream_t);                                                               \
+  template void launch_sgd<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const SGDHyper<A>&, bool, bool,        \
+                                    cudaStream_t);                                                                \
+  template void launch_adagrad<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const AdagradHyper<A>&,            \
+                                        cudaStream_t);                                                            \
+  template void launch_rmsprop<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t, const RMSpropHyper<A>&,    \
+                                        cudaStream_t);                                                            \
+  template void launch_rmsprop_tf<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t,                         \
+                                           const RMSpropTFHyper<A>&, bool, cudaStream_t);                         \
+  template void launch_adadelta<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, int64_t, const AdadeltaHyper<A>&,      \
+                                         cudaStream_t);                                                           \
+  template void launch_lamb_stage1<P, G, A>(const P*, const A*, const G*, A*, A*, A*, int64_t,                     \
+                                            const LambHyper<A>&, bool, cudaStream_t);                             \
+  template void launch_novograd<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const NovoGradHyper<A>&, bool,    \
+                                         cudaStream_t);
+
+AMPKIT_INSTANTIATE(double, double, double)
+AMPKIT_INSTANTIATE(float, float, float)
+AMPKIT_INSTANTIATE(c10::Half, c10::Half, float)
+AMPKIT_INSTANTIATE(c10::Half, float, float)
+AMPKIT_INSTANTIATE(c10::BFloat16, c10::BFloat16, float)
+AMPKIT_INSTANTIATE(c10::BFloat16, float, float)
+
+template void launch_lamb_stage2<double, double>(ParamSlot<double, double>, const double*, int64_t, double,
+                                                 cudaStream_t);
+template void launch_lamb_stage2<float, float>(ParamSlot<float, float>, const float*, int64_t, float, cudaStream_t);
+template void launch_lamb_stage2<c10::Half, float>(ParamSlot<c10::Half, float>, const float*, int64_t, float,
+                                                   cudaStream_t);
+template void launch_lamb_stage2<c10::BFloat16, float>(ParamSlot<c10::BFloat16, float>, const float*, int64_t, float,
+                                                       cudaStream_t);
+
+}  // namespace cuda
+}  // namespace optim
+}  // namespace ampkit

@@ -1,0 +1,208 @@
+"""Base class of ampkit's fused optimizers: GradScaler contract, master weights, per-dtype buckets.
+
+A subclass declares its state (``_init_state``) and applies one multi-tensor update per bucket of
+parameters sharing a dtype (``_update``); this class gathers the parameters that have gradients,
+normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16 parameters, and turns
+torch's GradScaler contract (``grad_scale``/``found_inf`` attributes) into one ``grad_factor`` that the
+kernels fold into their single pass over memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
+
+
+def acc_dtype(param: Tensor) -> torch.dtype:
+    """The dtype optimizer state is kept in: float64 for float64 parameters, float32 otherwise."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class Bucket:
+    """Parameters of one group sharing (param dtype, grad dtype), with their grads and state dicts."""
+
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Any]] = field(default_factory=list)
+    has_master: bool = False
+
+    def state_list(self, key: str) -> list[Tensor]:
+        return [s[key] for s in self.states]
+
+    def masters(self) -> list[Tensor]:
+        return self.state_list("master_param") if self.has_master else []
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+
+def is_dense(t: Tensor) -> bool:
+    """True if ``t`` covers its memory exactly once in some dimension order (contiguous, channels-last)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
+def reject_option(cls: str, name: str, value: object, default: object) -> None:
+    """Raise ValueError for an Apex option this implementation does not support, unless left at default."""
+    if value != default:
+        raise ValueError(f"{cls} does not support {name}={value!r} (only {name}={default!r})")
+
+
+def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
+    """Raise ValueError naming ``name`` unless ``low <= value`` (and ``value < high`` when given)."""
+    if not (value >= low) or (high is not None and not value < high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery of the fused optimizers (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
+        defaults: default hyper-parameters of a group.
+        master_weights: keep an fp32 copy (``state["master_param"]``) of each fp16/bf16 parameter, update
+            the copy and write the rounded result back to the parameter after each step.
+        set_grad_none: what ``zero_grad()`` without an argument does (Apex's option; torch's default).
+    """
+
+    # torch.amp.GradScaler calls step() directly and sets ``grad_scale``/``found_inf`` on the optimizer.
+    _step_supports_amp_scaling = True
+    # Names of the per-parameter state tensors that must be kept in the accumulate dtype.
+    _acc_state_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
+        self.master_weights = master_weights
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, defaults)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Reset gradients: to None, or to zeros; ``set_to_none=None`` follows ``set_grad_none`` (Apex)."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: params[{i}] has dtype {p.dtype}; expected float32, float64, "
+                    "float16 or bfloat16"
+                )
+            if not is_dense(p):
+                raise ValueError(
+                    f"{type(self).__name__}: params[{i}] (shape {tuple(p.shape)}, strides {p.stride()}) is "
+                    "not dense; fused optimizers update parameters in place over their memory and need "
+                    "dense tensors"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One optimization step; skipped (state and step counts untouched) if GradScaler found an inf."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item()):
+            return loss
+        grad_scale = getattr(self, "grad_scale", None)
+        self.step_with_grad_factor(1.0 if grad_scale is None else 1.0 / float(grad_scale))
+        return loss
+
+    @torch.no_grad()
+    def step_with_grad_factor(self, grad_factor: float) -> None:
+        """One step with every gradient multiplied by ``grad_factor`` inside the kernel (unscale x clip).
+
+        The gradients themselves are not modified. Used by ``step`` and by ``ampkit.ops.pipeline``.
+        """
+        for group in self.param_groups:
+            factor = -grad_factor if group.get("maximize", False) else grad_factor
+            for bucket in self._buckets(group):
+                self._update(group, bucket, factor)
+
+    def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
+        buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
+                g = g.to(p.dtype)
+            if g.stride() != p.stride():
+                g = torch.empty_like(p, dtype=g.dtype).copy_(g)
+            state = self.state[p]
+            if len(state) == 0:
+                self._init_state(p, state, group)
+                if self.master_weights and p.dtype in _HALF_DTYPES:
+                    state["master_param"] = p.detach().to(torch.float32, copy=True)
+            key = (p.dtype, g.dtype, p.device)
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = Bucket(has_master="master_param" in state)
+            if ("master_param" in state) != bucket.has_master:
+                raise RuntimeError(
+                    f"{type(self).__name__}: some {p.dtype} params have fp32 master copies and some do not; "
+                    "load a state_dict saved with the same master_weights setting"
+                )
+            bucket.params.append(p)
+            bucket.grads.append(g)
+            bucket.states.append(state)
+        return list(buckets.values())
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        raise NotImplementedError
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
+        # this optimizer's constructor values.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader, then state is put back in the accumulate dtype (torch casts it to the param dtype).
+
+        A state dict saved by the ``torch.optim`` counterpart loads as is; fp32 master copies and fp32
+        moments of fp16/bf16 parameters keep their precision.
+        """
+        super().load_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for p, pid in zip(group["params"], saved["params"], strict=True):
+                incoming = state_dict["state"].get(pid)
+                if incoming is None or p not in self.state:
+                    continue
+                state = self.state[p]
+                for key, value in incoming.items():
+                    if key == "step":
+                        state["step"] = (
+                            torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+                        )
+                    elif key == "master_param" or key in self._acc_state_keys:
+                        if isinstance(value, Tensor):
+                            state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)

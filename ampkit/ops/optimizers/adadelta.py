@@ -1,0 +1,60 @@
+"""FusedAdadelta: torch.optim.Adadelta maths in one pass over parameters, gradients and both averages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._kernels import op
+
+
+class FusedAdadelta(FusedOptimizer):
+    """Adadelta as ``torch.optim.Adadelta`` (state ``step``, ``square_avg``, ``acc_delta``).
+
+    Example:
+        >>> opt = FusedAdadelta(model.parameters(), lr=1.0)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("square_avg", "acc_delta")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        maximize: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        check_hyper("lr", lr)
+        check_hyper("rho", rho, 0.0, 1.0 + 1e-12)
+        check_hyper("eps", eps)
+        check_hyper("weight_decay", weight_decay)
+        defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["square_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
+        state["acc_delta"] = torch.zeros_like(param, dtype=acc_dtype(param))
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        op("adadelta_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("square_avg"),
+            bucket.state_list("acc_delta"),
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            group["rho"],
+            group["eps"],
+            group["weight_decay"],
+            grad_factor,
+        )

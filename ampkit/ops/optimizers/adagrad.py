@@ -1,0 +1,69 @@
+"""FusedAdagrad: torch.optim.Adagrad maths in one pass over parameters, gradients and the square sums."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
+from ampkit.ops.optimizers._kernels import op
+
+
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad as ``torch.optim.Adagrad`` (state ``step``, ``sum``).
+
+    Example:
+        >>> opt = FusedAdagrad(model.parameters(), lr=1e-2)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("sum",)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        maximize: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+    ) -> None:
+        reject_option("FusedAdagrad", "adagrad_w_mode", adagrad_w_mode, False)
+        check_hyper("lr", lr)
+        check_hyper("lr_decay", lr_decay)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("initial_accumulator_value", initial_accumulator_value)
+        check_hyper("eps", eps)
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        op("adagrad_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("sum"),
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            group["lr_decay"],
+            group["weight_decay"],
+            group["eps"],
+            grad_factor,
+        )

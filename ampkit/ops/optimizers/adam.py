@@ -1,0 +1,88 @@
+"""FusedAdam: Adam/AdamW in one pass over parameters, gradients and moments (Apex semantics)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
+from ampkit.ops.optimizers._kernels import op
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam with decoupled weight decay by default (``adam_w_mode=True``, i.e. AdamW), as Apex's FusedAdam.
+
+    State (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) matches ``torch.optim.Adam``/``AdamW``,
+    so checkpoints move between them. ``adam_w_mode=False`` adds ``weight_decay * param`` to the gradient
+    (torch.optim.Adam). Unlike Apex, ``amsgrad`` is supported.
+
+    Example:
+        >>> opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+    ) -> None:
+        reject_option("FusedAdam", "capturable", capturable, False)
+        check_hyper("lr", lr)
+        check_hyper("eps", eps)
+        check_hyper("betas[0]", betas[0], 0.0, 1.0)
+        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_hyper("weight_decay", weight_decay)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        amsgrad = group["amsgrad"]
+        beta1, beta2 = group["betas"]
+        op("adam_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("exp_avg"),
+            bucket.state_list("exp_avg_sq"),
+            bucket.state_list("max_exp_avg_sq") if amsgrad else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["adam_w_mode"],
+            amsgrad,
+            group["bias_correction"],
+            grad_factor,
+        )

@@ -1,0 +1,169 @@
+"""FusedLAMB and FusedMixedPrecisionLamb (Apex semantics): global grad-norm clipping, per-tensor trust ratio.
+
+One step reads the gradients once for the global norm, then runs two multi-tensor kernels around the
+per-tensor norms: stage 1 updates the moments and writes the Adam direction into a reusable buffer,
+stage 2 applies ``lr * ||param|| / ||update||`` to each tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops import multi_tensor
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._kernels import op
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB as Apex's FusedLAMB (state ``step``, ``exp_avg``, ``exp_avg_sq``; no torch.optim counterpart).
+
+    Gradients are first scaled by ``1 / max(1, global_norm / max_grad_norm)`` (the norm over every
+    gradient of every group; ``max_grad_norm=0`` disables it). The trust ratio applies when
+    ``weight_decay != 0`` or ``use_nvlamb``; a zero parameter or update norm falls back to ratio 1.
+
+    Example:
+        >>> opt = FusedLAMB(model.parameters(), lr=1e-3, weight_decay=0.01)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
+        check_hyper("lr", lr)
+        check_hyper("eps", eps)
+        check_hyper("betas[0]", betas[0], 0.0, 1.0)
+        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("max_grad_norm", max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+        self._update_buffers: dict[Tensor, Tensor] = {}
+
+    @torch.no_grad()
+    def step_with_grad_factor(self, grad_factor: float) -> None:
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        global_norm = abs(grad_factor) * float(multi_tensor.l2norm(grads).total) if grads else 0.0
+        for group in self.param_groups:
+            max_norm = group["max_grad_norm"]
+            clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
+            for bucket in self._buckets(group):
+                self._update(group, bucket, grad_factor / clip)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
+
+    def _update_buffer(self, param: Tensor) -> Tensor:
+        buf = self._update_buffers.get(param)
+        if buf is None or buf.dtype != acc_dtype(param):
+            buf = self._update_buffers[param] = torch.empty_like(param, dtype=acc_dtype(param))
+        return buf
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        device = bucket.device
+        beta1, beta2 = group["betas"]
+        updates = [self._update_buffer(p) for p in bucket.params]
+        masters = bucket.masters()
+        op("lamb_stage1", device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("exp_avg"),
+            bucket.state_list("exp_avg_sq"),
+            updates,
+            masters,
+            bucket.state_list("step"),
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["adam_w_mode"],
+            group["grad_averaging"],
+            group["bias_correction"],
+            grad_factor,
+        )
+        lr = group["lr"]
+        if group["use_nvlamb"] or group["weight_decay"] != 0:
+            param_norms = multi_tensor.l2norm(masters or bucket.params, per_tensor=True).per_tensor.double()
+            update_norms = multi_tensor.l2norm(updates, per_tensor=True).per_tensor.double()
+            usable = (param_norms > 0) & (update_norms > 0)
+            ratios = torch.where(usable, param_norms / update_norms.where(usable, 1.0), 1.0) * lr
+        else:
+            ratios = torch.full((len(bucket.params),), lr, dtype=torch.float64)
+        op("lamb_stage2", device)(bucket.params, updates, masters, ratios)
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """FusedLAMB for fp16/bf16 models: fp32 master weights and moments, as Apex's FusedMixedPrecisionLamb.
+
+    ``reduced_precision_dtype`` (Apex's argument) only selects which dtype may be reduced; every
+    fp16/bf16 parameter gets an fp32 master copy.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        reduced_precision_dtype: torch.dtype | None = None,
+        set_grad_none: bool = True,
+    ) -> None:
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                "reduced_precision_dtype must be None, torch.float16 or torch.bfloat16; "
+                f"got {reduced_precision_dtype}"
+            )
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+            master_weights=True,
+            set_grad_none=set_grad_none,
+        )
+        self.reduced_precision_dtype = reduced_precision_dtype

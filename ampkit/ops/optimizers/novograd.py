@@ -1,0 +1,105 @@
+"""FusedNovoGrad (Apex semantics): per-tensor second moments of the gradient norm, one element pass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops import multi_tensor
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._kernels import op
+
+_UNSET = -1.0  # exp_avg_sq before a parameter's first step (norms are >= 0)
+
+
+class FusedNovoGrad(FusedOptimizer):
+    """NovoGrad as Apex's FusedNovoGrad with ``norm_type=2`` (no torch.optim counterpart).
+
+    State: ``exp_avg`` per element and ``exp_avg_sq`` per tensor (the running blend
+    ``sqrt(beta2 * v^2 + (1 - beta2) * ||g||^2)``, seeded with ``||g||`` unless ``init_zero``); the step
+    count is per group (``group["step"]``) as in Apex.
+
+    Example:
+        >>> opt = FusedNovoGrad(model.parameters(), lr=1e-2, weight_decay=1e-3)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
+        if norm_type != 2:
+            raise ValueError(f"FusedNovoGrad supports norm_type=2 only; got norm_type={norm_type!r}")
+        check_hyper("lr", lr)
+        check_hyper("eps", eps)
+        check_hyper("betas[0]", betas[0], 0.0, 1.0)
+        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_hyper("weight_decay", weight_decay)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            reg_inside_moment=reg_inside_moment,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
+        state["exp_avg_sq"] = torch.tensor(0.0 if group["init_zero"] else _UNSET, dtype=acc_dtype(param))
+
+    def step_with_grad_factor(self, grad_factor: float) -> None:
+        for group in self.param_groups:
+            if any(p.grad is not None for p in group["params"]):
+                group["step"] = group.get("step", 0) + 1
+        super().step_with_grad_factor(grad_factor)
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        device = bucket.device
+        beta1, beta2 = group["betas"]
+        step = group["step"]
+        norms = abs(grad_factor) * multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double()
+        previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
+        blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
+        blended = torch.where(previous == _UNSET, norms, blended)
+        torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
+        bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
+        bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
+        denoms = (blended / bc2_sqrt + group["eps"]).contiguous()
+        op("novograd_step", device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("exp_avg"),
+            bucket.masters(),
+            denoms,
+            group["lr"],
+            beta1,
+            group["weight_decay"],
+            group["reg_inside_moment"],
+            group["grad_averaging"],
+            bc1,
+            grad_factor,
+        )

@@ -1,0 +1,152 @@
+"""FusedRMSprop (torch.optim.RMSprop maths) and FusedRMSpropTF (TensorFlow/timm maths), one pass each."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._kernels import op
+
+
+def _init_rmsprop_state(
+    param: Tensor, state: dict[str, Any], group: dict[str, Any], square_init: float
+) -> None:
+    dtype = acc_dtype(param)
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["square_avg"] = torch.full_like(param, square_init, dtype=dtype)
+    if group["momentum"] > 0:
+        state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
+    if group["centered"]:
+        state["grad_avg"] = torch.zeros_like(param, dtype=dtype)
+
+
+class FusedRMSprop(FusedOptimizer):
+    """RMSprop as ``torch.optim.RMSprop`` (state ``step``, ``square_avg``, ``momentum_buffer``, ``grad_avg``).
+
+    Example:
+        >>> opt = FusedRMSprop(model.parameters(), lr=1e-2, momentum=0.9, centered=True)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        maximize: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        check_hyper("lr", lr)
+        check_hyper("alpha", alpha)
+        check_hyper("eps", eps)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("momentum", momentum)
+        defaults = dict(
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        _init_rmsprop_state(param, state, group, 0.0)
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        op("rmsprop_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("square_avg"),
+            bucket.state_list("grad_avg") if group["centered"] else [],
+            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            group["alpha"],
+            group["eps"],
+            group["weight_decay"],
+            group["momentum"],
+            group["centered"],
+            grad_factor,
+        )
+
+
+class FusedRMSpropTF(FusedOptimizer):
+    """TensorFlow-style RMSprop as timm's ``RMSpropTF``: ``eps`` inside the square root, ``square_avg``
+    starting at one, optional decoupled weight decay, and (by default) the learning rate applied inside
+    the momentum buffer, which keeps the buffer consistent when the learning rate changes.
+
+    Example:
+        >>> opt = FusedRMSpropTF(model.parameters(), lr=1e-2, momentum=0.9)  # doctest: +SKIP
+    """
+
+    _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-2,
+        alpha: float = 0.9,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        decoupled_decay: bool = False,
+        lr_in_momentum: bool = True,
+        maximize: bool = False,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
+        check_hyper("lr", lr)
+        check_hyper("alpha", alpha)
+        check_hyper("eps", eps)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("momentum", momentum)
+        defaults = dict(
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+            decoupled_decay=decoupled_decay,
+            lr_in_momentum=lr_in_momentum,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        _init_rmsprop_state(param, state, group, 1.0)
+
+    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+        op("rmsprop_tf_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("square_avg"),
+            bucket.state_list("grad_avg") if group["centered"] else [],
+            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            group["alpha"],
+            group["eps"],
+            group["weight_decay"],
+            group["momentum"],
+            group["centered"],
+            group["decoupled_decay"],
+            group["lr_in_momentum"],
+            grad_factor,
+        )

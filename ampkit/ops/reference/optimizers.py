@@ -1,0 +1,344 @@
+"""Pure-PyTorch references of the ``ampkit_optimizers`` ops, with the same signatures and in-place effects.
+
+They are the fallback when the C++ ops cannot be built, and the ground truth the kernel tests compare
+against (run on float64 copies). Each loops over tensors in Python and computes in the accumulate dtype
+(float64 for float64 parameters, float32 otherwise), mirroring the per-element math of
+``csrc/optimizers/optimizer_math.h`` operation by operation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+TensorList = Sequence[Tensor]
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
+    for name, values in lists.items():
+        if len(values) != len(params):
+            raise ValueError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
+        if name == "steps":  # one scalar counter per tensor
+            continue
+        for i, (t, p) in enumerate(zip(values, params, strict=True)):
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}"
+                )
+
+
+def _bump(step: Tensor) -> float:
+    step += 1
+    return float(step.item())
+
+
+def _load(params: TensorList, master_params: TensorList, i: int) -> Tensor:
+    p = params[i]
+    return master_params[i].clone() if master_params else p.to(_acc_dtype(p))
+
+
+def _store(params: TensorList, master_params: TensorList, i: int, value: Tensor) -> None:
+    if master_params:
+        master_params[i].copy_(value)
+    params[i].copy_(value)
+
+
+def _grad(grads: TensorList, i: int, dtype: torch.dtype, grad_factor: float) -> Tensor:
+    return grads[i].to(dtype) * grad_factor
+
+
+@torch.no_grad()
+def adam_step(
+    params: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    max_exp_avg_sqs: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    amsgrad: bool,
+    bias_correction: bool,
+    grad_factor: float,
+) -> None:
+    """Adam (L2 weight decay) or AdamW (decoupled) step, torch.optim semantics."""
+    _check_lists("adam_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    for i in range(len(params)):
+        step = _bump(steps[i])
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor)
+        if adam_w_mode:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        m.add_((g - m) * (1 - beta1))
+        v.copy_(beta2 * v + (1 - beta2) * g * g)
+        second = v
+        if amsgrad:
+            torch.maximum(max_exp_avg_sqs[i], v, out=max_exp_avg_sqs[i])
+            second = max_exp_avg_sqs[i]
+        denom = second.sqrt() / math.sqrt(bc2) + eps
+        _store(params, master_params, i, p - (lr / bc1) * m / denom)
+
+
+@torch.no_grad()
+def sgd_step(
+    params: TensorList,
+    grads: TensorList,
+    momentum_buffers: TensorList,
+    master_params: TensorList,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    first_step: bool,
+    grad_factor: float,
+) -> None:
+    """SGD step with optional momentum/dampening/Nesterov; ``first_step`` seeds the buffers with the grad."""
+    _check_lists("sgd_step", params, grads=grads)
+    for i in range(len(params)):
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor) + weight_decay * p
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            buf.copy_(g if first_step else momentum * buf + (1 - dampening) * g)
+            g = g + momentum * buf if nesterov else buf
+        _store(params, master_params, i, p - lr * g)
+
+
+@torch.no_grad()
+def adagrad_step(
+    params: TensorList,
+    grads: TensorList,
+    state_sums: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    grad_factor: float,
+) -> None:
+    """Adagrad step, torch.optim semantics."""
+    _check_lists("adagrad_step", params, grads=grads, state_sums=state_sums, steps=steps)
+    for i in range(len(params)):
+        clr = lr / (1 + (_bump(steps[i]) - 1) * lr_decay)
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor) + weight_decay * p
+        s = state_sums[i]
+        s.add_(g * g)
+        _store(params, master_params, i, p - clr * g / (s.sqrt() + eps))
+
+
+@torch.no_grad()
+def rmsprop_step(
+    params: TensorList,
+    grads: TensorList,
+    square_avgs: TensorList,
+    grad_avgs: TensorList,
+    momentum_buffers: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    alpha: float,
+    eps: float,
+    weight_decay: float,
+    momentum: float,
+    centered: bool,
+    grad_factor: float,
+) -> None:
+    """RMSprop step (centered, momentum), torch.optim semantics."""
+    _check_lists("rmsprop_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
+    for i in range(len(params)):
+        _bump(steps[i])
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor) + weight_decay * p
+        sq = square_avgs[i]
+        sq.copy_(alpha * sq + (1 - alpha) * g * g)
+        if centered:
+            ga = grad_avgs[i]
+            ga.add_((1 - alpha) * (g - ga))
+            avg = (sq - ga * ga).sqrt() + eps
+        else:
+            avg = sq.sqrt() + eps
+        if momentum > 0:
+            buf = momentum_buffers[i]
+            buf.copy_(momentum * buf + g / avg)
+            p = p - lr * buf
+        else:
+            p = p - lr * g / avg
+        _store(params, master_params, i, p)
+
+
+@torch.no_grad()
+def rmsprop_tf_step(
+    params: TensorList,
+    grads: TensorList,
+    square_avgs: TensorList,
+    grad_avgs: TensorList,
+    momentum_buffers: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    alpha: float,
+    eps: float,
+    weight_decay: float,
+    momentum: float,
+    centered: bool,
+    decoupled_decay: bool,
+    lr_in_momentum: bool,
+    grad_factor: float,
+) -> None:
+    """TensorFlow-style RMSprop (timm's RMSpropTF): eps inside the sqrt, optional lr inside momentum."""
+    _check_lists("rmsprop_tf_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
+    for i in range(len(params)):
+        _bump(steps[i])
+        p = _load(params, master_params, i)
+        if decoupled_decay:
+            p = p * (1 - lr * weight_decay)
+        g = _grad(grads, i, p.dtype, grad_factor)
+        if not decoupled_decay:
+            g = g + weight_decay * p
+        sq = square_avgs[i]
+        sq.add_((1 - alpha) * (g * g - sq))
+        if centered:
+            ga = grad_avgs[i]
+            ga.add_((1 - alpha) * (g - ga))
+            avg = (sq - ga * ga + eps).sqrt()
+        else:
+            avg = (sq + eps).sqrt()
+        if momentum > 0:
+            buf = momentum_buffers[i]
+            if lr_in_momentum:
+                buf.copy_(momentum * buf + lr * g / avg)
+                p = p - buf
+            else:
+                buf.copy_(momentum * buf + g / avg)
+                p = p - lr * buf
+        else:
+            p = p - lr * g / avg
+        _store(params, master_params, i, p)
+
+
+@torch.no_grad()
+def adadelta_step(
+    params: TensorList,
+    grads: TensorList,
+    square_avgs: TensorList,
+    acc_deltas: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    rho: float,
+    eps: float,
+    weight_decay: float,
+    grad_factor: float,
+) -> None:
+    """Adadelta step, torch.optim semantics."""
+    _check_lists("adadelta_step", params, grads=grads, square_avgs=square_avgs, acc_deltas=acc_deltas)
+    for i in range(len(params)):
+        _bump(steps[i])
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor) + weight_decay * p
+        sq, ad = square_avgs[i], acc_deltas[i]
+        sq.copy_(rho * sq + (1 - rho) * g * g)
+        delta = (ad + eps).sqrt() / (sq + eps).sqrt() * g
+        ad.copy_(rho * ad + (1 - rho) * delta * delta)
+        _store(params, master_params, i, p - lr * delta)
+
+
+@torch.no_grad()
+def lamb_stage1(
+    params: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    updates: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_averaging: bool,
+    bias_correction: bool,
+    grad_factor: float,
+) -> None:
+    """LAMB stage 1 (Apex): update the moments, write the raw direction into ``updates``."""
+    _check_lists(
+        "lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates
+    )
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for i in range(len(params)):
+        step = _bump(steps[i])
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor)
+        if not adam_w_mode:
+            g = g + weight_decay * p
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        m.copy_(beta1 * m + beta3 * g)
+        v.copy_(beta2 * v + (1 - beta2) * g * g)
+        u = (m / bc1) / ((v / bc2).sqrt() + eps)
+        if adam_w_mode:
+            u = u + weight_decay * p
+        updates[i].copy_(u)
+
+
+@torch.no_grad()
+def lamb_stage2(params: TensorList, updates: TensorList, master_params: TensorList, ratios: Tensor) -> None:
+    """LAMB stage 2: ``param -= ratios[i] * update`` (ratios = lr x trust ratio per tensor)."""
+    _check_lists("lamb_stage2", params, updates=updates)
+    for i in range(len(params)):
+        p = _load(params, master_params, i)
+        _store(params, master_params, i, p - float(ratios[i]) * updates[i])
+
+
+@torch.no_grad()
+def novograd_step(
+    params: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    master_params: TensorList,
+    denoms: Tensor,
+    lr: float,
+    beta1: float,
+    weight_decay: float,
+    reg_inside_moment: bool,
+    grad_averaging: bool,
+    bias_correction1: float,
+    grad_factor: float,
+) -> None:
+    """NovoGrad element update (Apex) given each tensor's denominator."""
+    _check_lists("novograd_step", params, grads=grads, exp_avgs=exp_avgs)
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for i in range(len(params)):
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor)
+        m, d = exp_avgs[i], float(denoms[i])
+        if reg_inside_moment:
+            g = g / d + weight_decay * p
+            m.copy_(beta1 * m + beta3 * g)
+            p = p - lr * (m / bias_correction1)
+        else:
+            m.copy_(beta1 * m + beta3 * g)
+            p = p - lr * ((m / bias_correction1) / d + weight_decay * p)
+        _store(params, master_params, i, p)

@@ -1,0 +1,157 @@
+"""Optimizers section of ``benchmarks/ops.py``: fused optimizers and the fused amp step vs torch.
+
+Run it inside the full table (``PYTHONPATH=$PWD python benchmarks/ops.py``) or alone::
+
+    PYTHONPATH=$PWD python benchmarks/ops_optimizers.py [--threads 2] [--quick]
+
+Every row times one step on ``ctx.param_list(n)`` (transformer-like: many small 1-D tensors plus large
+matrices) at 1M / 10M / 50M fp32 params; ampkit and torch get their own copy of the parameters and
+state, share the gradients, are warmed, and are timed interleaved (best of repeated calls). GB/s counts
+the bytes each ampkit step moves per parameter: Adam 28 (read param, grad, two moments; write param and
+moments), SGD-momentum/Adagrad/RMSprop 20, LAMB 52 (global norm 4, stage 1 28, trust-ratio norms 8,
+stage 2 12), pipeline 32 (read grads once for inf + norm, then the Adam pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedRMSprop, FusedSGD
+from ampkit.ops.pipeline import fused_unscale_clip_step_
+
+SECTION = "optimizers"
+
+
+def _params_with_grads(base: list[Tensor], grads: list[Tensor]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(t.clone()) for t in base]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    return params
+
+
+class _ForeachLamb:
+    """Apex-semantics LAMB in torch foreach ops: the best plain-PyTorch form (torch has no LAMB)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 1e-3, wd: float = 0.01) -> None:
+        self.params, self.lr, self.wd = params, lr, wd
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        beta1, beta2, eps = 0.9, 0.999, 1e-6
+        self.steps += 1
+        grads = [p.grad for p in self.params]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        grads = torch._foreach_div(grads, torch.clamp(norm, min=1.0))
+        torch._foreach_lerp_(self.m, grads, 1 - beta1)
+        torch._foreach_mul_(self.v, beta2)
+        torch._foreach_addcmul_(self.v, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(torch._foreach_div(self.v, 1 - beta2**self.steps))
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(torch._foreach_div(self.m, 1 - beta1**self.steps), denom)
+        torch._foreach_add_(update, self.params, alpha=self.wd)
+        p_norm = torch.stack(torch._foreach_norm(self.params))
+        u_norm = torch.stack(torch._foreach_norm(update))
+        ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm)) * -self.lr
+        torch._foreach_mul_(update, list(ratio.unbind()))
+        torch._foreach_add_(self.params, update)
+
+
+# (name, ampkit factory, {torch form: factory}, bytes per param)
+FAMILIES: list[tuple[str, Callable, dict[str, Callable], int]] = [
+    ("AdamW step", lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
+     {"AdamW(fused=True)": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True)}, 28),
+    ("SGD momentum step", lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+     {"SGD(fused=True)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+      "SGD(foreach=True)": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, foreach=True)}, 20),
+    ("Adagrad step", lambda p: FusedAdagrad(p, lr=1e-2),
+     {"Adagrad(fused=True)": lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True),
+      "Adagrad(foreach=True)": lambda p: torch.optim.Adagrad(p, lr=1e-2, foreach=True)}, 20),
+    ("RMSprop step", lambda p: FusedRMSprop(p, lr=1e-3),
+     {"RMSprop(foreach=True)": lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True)}, 20),
+    ("LAMB step", lambda p: FusedLAMB(p, lr=1e-3), {"LAMB in foreach ops": _ForeachLamb}, 52),
+]  # fmt: skip
+
+
+def _best_torch_form(ctx, base, grads, forms: dict[str, Callable]) -> tuple[str, Callable]:
+    """The fastest torch form for this list (a quick pre-timing), as (name, step)."""
+    best = None
+    for name, make in forms.items():
+        opt = make(_params_with_grads(base, grads))
+        ms = ctx.time_ms(opt.step, min_time_s=0.1)
+        if best is None or ms < best[0]:
+            best = (ms, name, opt.step)
+    return best[1], best[2]
+
+
+def _pipeline_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, Callable]:
+    """(torch sequence, ampkit pipeline). Scale 1 and a max_norm that never clips keep every call's
+    inputs identical; both sides still multiply every gradient (torch special-cases neither)."""
+    max_norm = 1e30
+    ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
+    params = _params_with_grads(base, [g.clone() for g in grads])
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
+
+    def torch_step() -> None:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+
+    return torch_step, lambda: fused_unscale_clip_step_(ours, 1.0, max_norm)
+
+
+def run(ctx) -> list[dict]:
+    """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format)."""
+    os.environ["AMPKIT_OPS"] = "kernel"
+    rows = []
+    for n in ctx.sizes:
+        base = ctx.param_list(n)
+        count = sum(t.numel() for t in base)
+        size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
+        grads = [torch.randn_like(t) * 1e-3 for t in base]
+        for name, make_ours, forms, per_param in FAMILIES:
+            baseline, torch_step = _best_torch_form(ctx, base, grads, forms)
+            ours = make_ours(_params_with_grads(base, grads))
+            torch_ms, ms = ctx.compare_ms(torch_step, ours.step)
+            rows.append(ctx.row(SECTION, name, baseline, size, ms, torch_ms, count * per_param))
+            del ours, torch_step
+        torch_fn, ours_fn = _pipeline_pair(base, grads)
+        torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
+        baseline = "GradScaler.unscale_ + clip_grad_norm_(foreach) + AdamW(fused)"
+        rows.append(
+            ctx.row(SECTION, "pipeline: unscale+check+clip+AdamW", baseline, size, ms, torch_ms, count * 32)
+        )
+    return rows
+
+
+def main() -> None:
+    spec = importlib.util.spec_from_file_location("ops_bench", Path(__file__).resolve().parent / "ops.py")
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = harness  # dataclasses look their module up there
+    spec.loader.exec_module(harness)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="1M and 10M params only")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000)
+    ctx = harness.BenchContext(threads=args.threads, quick=args.quick, sizes=sizes)
+    rows = harness.measure_ceilings(ctx)
+    harness.print_table(rows + run(ctx))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""ampkit_optimizers kernels vs their pure-PyTorch reference, computed in float64 on fresh random inputs.
+
+Each op runs (a) in float64 against the float64 reference (the same arithmetic, tight tolerance), (b) on
+float32 inputs against the float64 reference of the same inputs, (c) on fp16/bf16 params (with and
+without fp32 master weights, with fp16/bf16 or fp32 grads) against the reference run on identical
+inputs. Non-dense tensors are rejected with an error naming the list; the optimizers copy strided
+gradients into the parameter's layout before calling the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ampkit.ops.reference import optimizers as ref
+
+# Odd sizes, an empty tensor, one spanning several parallel chunks (65537 > 2**16), many small ones.
+SHAPES = [(1,), (7, 13), (0,), (65537,), (3, 5, 4), *[(n,) for n in range(5, 120, 19)]]
+HALF = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    """The compiled kernel must build here: a failed build is an error, never a silent fallback."""
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def kernel(name: str) -> Callable[..., object]:
+    from ampkit.ops.optimizers._kernels import op
+
+    return op(name, torch.device("cpu"))
+
+
+def rand_list(dtype: torch.dtype, kind: str = "randn", shapes=SHAPES) -> list[torch.Tensor]:
+    make = {"randn": torch.randn, "rand": torch.rand}[kind]
+    return [make(s, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def steps(start: float = 3.0) -> list[torch.Tensor]:
+    return [torch.tensor(start) for _ in SHAPES]
+
+
+# Each case: op name, builder(param dtype, grad dtype, with_master) -> kwargs in schema order.
+def adam_args(pd, gd, master, adam_w_mode=True, amsgrad=False, bias_correction=True):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        exp_avgs=rand_list(sd),
+        exp_avg_sqs=rand_list(sd, "rand"),
+        max_exp_avg_sqs=rand_list(sd, "rand") if amsgrad else [],
+        master_params=[p.float() for p in params] if master else [],
+        steps=steps(),
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        adam_w_mode=adam_w_mode,
+        amsgrad=amsgrad,
+        bias_correction=bias_correction,
+        grad_factor=0.5,
+    )
+
+
+def sgd_args(pd, gd, master, momentum=0.9, nesterov=False, first_step=False):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        momentum_buffers=rand_list(sd) if momentum else [],
+        master_params=[p.float() for p in params] if master else [],
+        lr=1e-2,
+        weight_decay=0.1,
+        momentum=momentum,
+        dampening=0.0 if nesterov else 0.2,
+        nesterov=nesterov,
+        first_step=first_step,
+        grad_factor=-0.25,
+    )
+
+
+def adagrad_args(pd, gd, master):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        state_sums=rand_list(sd, "rand"),
+        master_params=[p.float() for p in params] if master else [],
+        steps=steps(),
+        lr=1e-2,
+        lr_decay=0.01,
+        weight_decay=0.1,
+        eps=1e-10,
+        grad_factor=2.0,
+    )
+
+
+def rmsprop_args(pd, gd, master, centered=True, momentum=0.9):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        square_avgs=[t + 1 for t in rand_list(sd, "rand")],
+        grad_avgs=[t * 0.1 for t in rand_list(sd, "rand")] if centered else [],
+        momentum_buffers=rand_list(sd) if momentum else [],
+        master_params=[p.float() for p in params] if master else [],
+        steps=steps(),
+        lr=1e-2,
+        alpha=0.99,
+        eps=1e-8,
+        weight_decay=0.1,
+        momentum=momentum,
+        centered=centered,
+        grad_factor=0.5,
+    )
+
+
+def rmsprop_tf_args(pd, gd, master, centered=False, momentum=0.9, decoupled_decay=True, lr_in_momentum=True):
+    args = rmsprop_args(pd, gd, master, centered, momentum)
+    args.update(alpha=0.9, eps=1e-3, decoupled_decay=decoupled_decay, lr_in_momentum=lr_in_momentum)
+    order = list(rmsprop_args(pd, gd, master, centered, momentum))[:-1]
+    order += ["decoupled_decay", "lr_in_momentum", "grad_factor"]
+    return {k: args[k] for k in order}
+
+
+def adadelta_args(pd, gd, master):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        square_avgs=rand_list(sd, "rand"),
+        acc_deltas=rand_list(sd, "rand"),
+        master_params=[p.float() for p in params] if master else [],
+        steps=steps(),
+        lr=1.0,
+        rho=0.9,
+        eps=1e-6,
+        weight_decay=0.1,
+        grad_factor=0.5,
+    )
+
+
+def lamb_stage1_args(pd, gd, master, adam_w_mode=True, grad_averaging=True):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        exp_avgs=rand_list(sd),
+        exp_avg_sqs=rand_list(sd, "rand"),
+        updates=[torch.full(s, math.nan, dtype=sd) for s in SHAPES],
+        master_params=[p.float() for p in params] if master else [],
+        steps=steps(),
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-6,
+        weight_decay=0.01,
+        adam_w_mode=adam_w_mode,
+        grad_averaging=grad_averaging,
+        bias_correction=True,
+        grad_factor=0.3,
+    )
+
+
+def lamb_stage2_args(pd, gd, master):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        updates=rand_list(sd),
+        master_params=[p.float() for p in params] if master else [],
+        ratios=torch.rand(len(SHAPES), dtype=torch.float64),
+    )
+
+
+def novograd_args(pd, gd, master, reg_inside_moment=False):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd)
+    return dict(
+        params=params,
+        grads=rand_list(gd),
+        exp_avgs=rand_list(sd),
+        master_params=[p.float() for p in params] if master else [],
+        denoms=torch.rand(len(SHAPES), dtype=torch.float64) + 0.5,
+        lr=1e-2,
+        beta1=0.95,
+        weight_decay=0.1,
+        reg_inside_moment=reg_inside_moment,
+        grad_averaging=True,
+        bias_correction1=0.4,
+        grad_factor=0.5,
+    )
+
+
+CASES = {
+    "adamw": ("adam_step", adam_args),
+    "adam_l2_amsgrad": ("adam_step", lambda *a: adam_args(*a, adam_w_mode=False, amsgrad=True)),
+    "adam_no_bias_correction": ("adam_step", lambda *a: adam_args(*a, bias_correction=False)),
+    "sgd_momentum": ("sgd_step", sgd_args),
+    "sgd_nesterov_first": ("sgd_step", lambda *a: sgd_args(*a, nesterov=True, first_step=True)),
+    "sgd_plain": ("sgd_step", lambda *a: sgd_args(*a, momentum=0.0)),
+    "adagrad": ("adagrad_step", adagrad_args),
+    "rmsprop_centered_momentum": ("rmsprop_step", rmsprop_args),
+    "rmsprop_plain": ("rmsprop_step", lambda *a: rmsprop_args(*a, centered=False, momentum=0.0)),
+    "rmsprop_tf": ("rmsprop_tf_step", rmsprop_tf_args),
+    "rmsprop_tf_centered_l2": (
+        "rmsprop_tf_step",
+        lambda *a: rmsprop_tf_args(*a, centered=True, decoupled_decay=False, lr_in_momentum=False),
+    ),
+    "adadelta": ("adadelta_step", adadelta_args),
+    "lamb_stage1": ("lamb_stage1", lamb_stage1_args),
+    "lamb_stage1_l2": (
+        "lamb_stage1",
+        lambda *a: lamb_stage1_args(*a, adam_w_mode=False, grad_averaging=False),
+    ),
+    "lamb_stage2": ("lamb_stage2", lamb_stage2_args),
+    "novograd": ("novograd_step", novograd_args),
+    "novograd_reg_inside": ("novograd_step", lambda *a: novograd_args(*a, reg_inside_moment=True)),
+}
+
+
+def clone_args(args: dict, dtype: torch.dtype | None = None) -> dict:
+    """Deep copy of the tensor arguments (cast to ``dtype`` when given, steps stay float32)."""
+
+    def conv(t: torch.Tensor, key: str) -> torch.Tensor:
+        if dtype is None or key == "steps" or key in ("ratios", "denoms"):
+            return t.clone()
+        return t.to(dtype)
+
+    return {
+        k: [conv(t, k) for t in v]
+        if isinstance(v, list)
+        else conv(v, k)
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in args.items()
+    }
+
+
+def assert_args_close(actual: dict, expected: dict, **tol) -> None:
+    for key, value in expected.items():
+        if isinstance(value, list):
+            for i, (a, e) in enumerate(zip(actual[key], value, strict=True)):
+                torch.testing.assert_close(
+                    a.to(torch.float64),
+                    e.to(torch.float64),
+                    msg=lambda m, k=key, i=i: f"{k}[{i}]: {m}",
+                    **tol,
+                )
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float64_kernel_matches_reference(case):
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    expected = clone_args(args)
+    kernel(name)(**args)
+    getattr(ref, name)(**expected)
+    assert_args_close(args, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_kernel_matches_float64_reference(case):
+    name, build = CASES[case]
+    args64 = build(torch.float64, torch.float64, False)
+    args32 = clone_args(args64, torch.float32)
+    kernel(name)(**args32)
+    getattr(ref, name)(**args64)
+    assert_args_close(args32, args64, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("grad_dtype", ["same", "float32"])
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    "case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"]
+)
+def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_dtype):
+    name, build = CASES[case]
+    gd = dtype if grad_dtype == "same" else torch.float32
+    args = build(dtype, gd, master)
+    expected = clone_args(args)
+    kernel(name)(**args)
+    getattr(ref, name)(**expected)
+    # State and master copies are fp32 in both; params may differ by one rounding of the half type.
+    half_eps = torch.finfo(dtype).eps
+    for key, value in expected.items():
+        if isinstance(value, list) and key not in ("params", "grads"):
+            assert_args_close({key: args[key]}, {key: value}, rtol=1e-5, atol=1e-6)
+    assert_args_close(
+        {"params": args["params"]}, {"params": expected["params"]}, rtol=half_eps, atol=half_eps
+    )
+    if master:  # the half parameter is the rounded master
+        for p, m in zip(args["params"], args["master_params"], strict=True):
+            torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)
+
+
+def test_empty_lists_are_a_no_op():
+    kernel("adam_step")([], [], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, True, 1.0)
+    kernel("lamb_stage2")([], [], [], torch.zeros(0, dtype=torch.float64))
+
+
+def test_strided_tensors_are_rejected_with_the_list_named():
+    args = adam_args(torch.float32, torch.float32, False)
+    args["grads"][1] = torch.randn(13, 7).t()
+    with pytest.raises(RuntimeError, match=r"grads\[1\] has strides"):
+        kernel("adam_step")(**args)
+    args = adam_args(torch.float32, torch.float32, False)
+    args["params"][3] = torch.randn(65537 * 2)[::2]
+    args["exp_avgs"][3] = torch.randn(65537 * 2)[::2]
+    with pytest.raises(RuntimeError, match=r"params\[3\] is not dense"):
+        kernel("adam_step")(**args)
+
+
+def test_dense_permuted_tensors_are_updated_elementwise():
+    """A channels-last-like (permuted, dense) layout is fine when every list shares it."""
+    args = adam_args(torch.float64, torch.float64, False)
+    for key in ("params", "grads", "exp_avgs", "exp_avg_sqs"):
+        args[key][1] = args[key][1].t().contiguous().t()
+    expected = clone_args(args)
+    kernel("adam_step")(**args)
+    ref.adam_step(**expected)
+    assert_args_close(args, expected, rtol=1e-12, atol=1e-12)
+
+
+BAD_INPUTS = [
+    ("length", lambda a: a.update(exp_avgs=a["exp_avgs"][:-1]), r"exp_avgs has \d+ tensors but params has"),
+    ("shape", lambda a: a["grads"].__setitem__(2, torch.randn(4)), r"grads\[2\] has shape"),
+    (
+        "state dtype",
+        lambda a: a["exp_avg_sqs"].__setitem__(0, torch.rand(1).half()),
+        r"exp_avg_sqs\[0\] has dtype",
+    ),
+    ("grad dtype", lambda a: a.update(grads=[g.double() for g in a["grads"]]), r"grads have dtype Double"),
+    (
+        "int params",
+        lambda a: a["params"].__setitem__(0, torch.ones(1, dtype=torch.int32)),
+        r"params\[0\] has dtype",
+    ),
+    (
+        "mixed params",
+        lambda a: a["params"].__setitem__(1, a["params"][1].double()),
+        r"params must share one dtype",
+    ),
+    (
+        "fp32 master",
+        lambda a: a.update(master_params=[p.clone() for p in a["params"]]),
+        r"master_params are only",
+    ),
+    ("amsgrad list", lambda a: a.update(max_exp_avg_sqs=a["exp_avg_sqs"]), r"max_exp_avg_sqs must be empty"),
+    ("step", lambda a: a["steps"].__setitem__(0, torch.tensor([1, 2])), r"steps\[0\] must be a one-element"),
+]
+
+
+@pytest.mark.parametrize("mutate,message", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_errors_name_the_argument(mutate, message):
+    args = adam_args(torch.float32, torch.float32, False)
+    mutate(args)
+    with pytest.raises(RuntimeError, match=message):
+        kernel("adam_step")(**args)

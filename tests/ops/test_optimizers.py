@@ -1,0 +1,551 @@
+"""Fused optimizers vs torch.optim (100 fp32 steps), vs float64 references of the Apex/timm/AdamP maths,
+state_dict round trips, the GradScaler contract, master weights and argument errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ampkit.ops.optimizers import (
+    FusedAdadelta,
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamP,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+    FusedSGD,
+)
+
+SHAPES = [(7, 13), (29,), (3, 5, 4), (1,)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def make_params(dtype=torch.float32, shapes=SHAPES):
+    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s in shapes]
+
+
+def clone_params(params, dtype=None):
+    return [torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True)) for p in params]
+
+
+def rel_diff(actual, expected) -> float:
+    num = max(
+        float((a.detach().double() - e.detach().double()).abs().max())
+        for a, e in zip(actual, expected, strict=True)
+    )
+    den = max(float(e.detach().double().abs().max()) for e in expected)
+    return num / den
+
+
+def run_side_by_side(ours, theirs, a_params, b_params, steps=100, skip_every=0):
+    """Feed identical fresh random grads to both; param 1 gets no grad every ``skip_every`` steps."""
+    for step in range(steps):
+        for i, (a, b) in enumerate(zip(a_params, b_params, strict=True)):
+            if skip_every and i == 1 and step % skip_every == 0:
+                a.grad = b.grad = None
+                continue
+            g = torch.randn(a.shape, dtype=torch.float64)
+            a.grad, b.grad = g.to(a.dtype), g.to(b.dtype)
+        ours.step()
+        theirs.step()
+
+
+TORCH_PAIRS = {
+    "adamw": (
+        lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.05),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05),
+    ),
+    "adam_l2_amsgrad": (
+        lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.05, adam_w_mode=False, amsgrad=True),
+        lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.05, amsgrad=True),
+    ),
+    "adam_maximize": (
+        lambda p: FusedAdam(p, lr=1e-3, betas=(0.8, 0.99), maximize=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.0, maximize=True),
+    ),
+    "sgd_momentum_dampening": (
+        lambda p: FusedSGD(p, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+    ),
+    "sgd_nesterov": (
+        lambda p: FusedSGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+    ),
+    "sgd_plain": (lambda p: FusedSGD(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=1e-2)),
+    "adagrad": (
+        lambda p: FusedAdagrad(p, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2, initial_accumulator_value=0.1),
+        lambda p: torch.optim.Adagrad(
+            p, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2, initial_accumulator_value=0.1
+        ),
+    ),
+    "rmsprop_centered_momentum": (
+        lambda p: FusedRMSprop(p, lr=1e-3, momentum=0.9, centered=True, weight_decay=1e-2),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True, weight_decay=1e-2),
+    ),
+    "rmsprop_plain": (lambda p: FusedRMSprop(p, lr=1e-3), lambda p: torch.optim.RMSprop(p, lr=1e-3)),
+    "adadelta": (
+        lambda p: FusedAdadelta(p, lr=1.0, weight_decay=1e-2),
+        lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=1e-2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_PAIRS))
+def test_matches_torch_optim_over_100_fp32_steps(case):
+    make_ours, make_theirs = TORCH_PAIRS[case]
+    a = make_params()
+    b = clone_params(a)
+    run_side_by_side(make_ours(a), make_theirs(b), a, b, steps=100, skip_every=7)
+    assert rel_diff(a, b) <= 1e-6
+
+
+def test_param_groups_keep_their_own_hyperparameters():
+    a = make_params()
+    b = clone_params(a)
+    ours = FusedAdam(
+        [{"params": a[:2]}, {"params": a[2:], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1
+    )
+    theirs = torch.optim.AdamW(
+        [{"params": b[:2]}, {"params": b[2:], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1
+    )
+    run_side_by_side(ours, theirs, a, b, steps=20)
+    assert rel_diff(a, b) <= 1e-6
+
+
+def test_strided_gradients_are_used_correctly():
+    a = [torch.nn.Parameter(torch.randn(13, 7))]
+    b = clone_params(a)
+    ours, theirs = FusedAdam(a, lr=1e-2), torch.optim.AdamW(a and b, lr=1e-2, weight_decay=0.0)
+    for _ in range(5):
+        g = torch.randn(7, 13).t()  # same shape as the param, transposed strides
+        a[0].grad, b[0].grad = g, g.clone()
+        ours.step()
+        theirs.step()
+    assert rel_diff(a, b) <= 1e-6
+
+
+# ----------------------------------------------------------------- float64 references (no torch.optim twin)
+
+
+def lamb_reference(params, grad_seq, lr, betas, eps, wd, max_grad_norm, adam_w_mode=True, use_nvlamb=False):
+    """Apex FusedLAMB maths, per tensor in float64."""
+    beta1, beta2 = betas
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grad_seq, start=1):
+        norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+        clip = norm / max_grad_norm if norm > max_grad_norm else 1.0
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+        for i, p in enumerate(params):
+            g = grads[i] / clip
+            if not adam_w_mode:
+                g = g + wd * p
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            u = (m[i] / bc1) / ((v[i] / bc2).sqrt() + eps)
+            if adam_w_mode:
+                u = u + wd * p
+            pn, un = float(p.norm()), float(u.norm())
+            ratio = lr * pn / un if (wd != 0 or use_nvlamb) and pn > 0 and un > 0 else lr
+            params[i] = p - ratio * u
+    return params
+
+
+def novograd_reference(params, grad_seq, lr, betas, eps, wd, reg_inside_moment=False):
+    """Apex FusedNovoGrad maths (norm_type=2, grad averaging, init with the first norm), float64."""
+    beta1, beta2 = betas
+    m = [torch.zeros_like(p) for p in params]
+    v = [None] * len(params)
+    for step, grads in enumerate(grad_seq, start=1):
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+        for i, p in enumerate(params):
+            g = grads[i]
+            n = float(g.norm())
+            v[i] = n if v[i] is None else math.sqrt(beta2 * v[i] ** 2 + (1 - beta2) * n**2)
+            denom = v[i] / math.sqrt(bc2) + eps
+            if reg_inside_moment:
+                m[i] = beta1 * m[i] + (1 - beta1) * (g / denom + wd * p)
+                params[i] = p - lr * m[i] / bc1
+            else:
+                m[i] = beta1 * m[i] + (1 - beta1) * g
+                params[i] = p - lr * (m[i] / bc1 / denom + wd * p)
+    return params
+
+
+def adamp_reference(params, grad_seq, lr, betas, eps, wd, delta=0.1, wd_ratio=0.1, nesterov=False):
+    """clovaai/AdamP maths, float64."""
+    beta1, beta2 = betas
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grad_seq, start=1):
+        for i, p in enumerate(params):
+            g = grads[i]
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+            denom = v[i].sqrt() / math.sqrt(bc2) + eps
+            perturb = (beta1 * m[i] + (1 - beta1) * g) / denom if nesterov else m[i] / denom
+            ratio = 1.0
+            if p.dim() > 1:
+                for view in (lambda x: x.reshape(x.size(0), -1), lambda x: x.reshape(1, -1)):
+                    cos = (view(g) * view(p)).sum(1) / (
+                        view(g).norm(dim=1).clamp_min(eps) * view(p).norm(dim=1).clamp_min(eps)
+                    )
+                    if float(cos.abs().max()) < delta / math.sqrt(view(p).size(1)):
+                        shape = [-1] + [1] * (p.dim() - 1)
+                        unit = p / (view(p).norm(dim=1).view(shape) + eps)
+                        perturb = perturb - unit * view(unit * perturb).sum(1).view(shape)
+                        ratio = wd_ratio
+                        break
+            if wd > 0:
+                p = p * (1 - lr * wd * ratio)
+            params[i] = p - lr / bc1 * perturb
+    return params
+
+
+def rmsprop_tf_reference(params, grad_seq, lr, alpha, eps, wd, momentum, decoupled_decay=False):
+    """timm RMSpropTF maths (lr inside momentum, square_avg starts at one), float64."""
+    sq = [torch.ones_like(p) for p in params]
+    buf = [torch.zeros_like(p) for p in params]
+    for grads in grad_seq:
+        for i, p in enumerate(params):
+            g = grads[i]
+            if decoupled_decay:
+                p = p * (1 - lr * wd)
+            else:
+                g = g + wd * p
+            sq[i] = sq[i] + (1 - alpha) * (g * g - sq[i])
+            avg = (sq[i] + eps).sqrt()
+            buf[i] = momentum * buf[i] + lr * g / avg
+            params[i] = p - buf[i]
+    return params
+
+
+REFERENCE_CASES = {
+    "lamb": (
+        lambda p: FusedLAMB(p, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0),
+        lambda p, gs: lamb_reference(p, gs, 1e-2, (0.9, 0.999), 1e-6, 0.01, 1.0),
+    ),
+    "lamb_l2_nvlamb": (
+        lambda p: FusedLAMB(
+            p, lr=1e-2, weight_decay=0.0, adam_w_mode=False, use_nvlamb=True, max_grad_norm=50.0
+        ),
+        lambda p, gs: lamb_reference(
+            p, gs, 1e-2, (0.9, 0.999), 1e-6, 0.0, 50.0, adam_w_mode=False, use_nvlamb=True
+        ),
+    ),
+    "novograd": (
+        lambda p: FusedNovoGrad(p, lr=1e-2, betas=(0.95, 0.98), weight_decay=1e-3),
+        lambda p, gs: novograd_reference(p, gs, 1e-2, (0.95, 0.98), 1e-8, 1e-3),
+    ),
+    "novograd_reg_inside": (
+        lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=1e-3, reg_inside_moment=True),
+        lambda p, gs: novograd_reference(p, gs, 1e-2, (0.9, 0.999), 1e-8, 1e-3, reg_inside_moment=True),
+    ),
+    "adamp": (
+        lambda p: FusedAdamP(p, lr=1e-2, weight_decay=1e-2),
+        lambda p, gs: adamp_reference(p, gs, 1e-2, (0.9, 0.999), 1e-8, 1e-2),
+    ),
+    "rmsprop_tf": (
+        lambda p: FusedRMSpropTF(p, lr=1e-3, momentum=0.9, weight_decay=1e-2),
+        lambda p, gs: rmsprop_tf_reference(p, gs, 1e-3, 0.9, 1e-10, 1e-2, 0.9),
+    ),
+}
+
+
+def scale_invariant_grads(params):
+    """Gradients orthogonal to their (2-D+) parameter, so AdamP's projection branch is exercised."""
+    grads = []
+    for p in params:
+        g = torch.randn(p.shape, dtype=torch.float64)
+        if p.dim() > 1:
+            flat_p, flat_g = p.detach().double().reshape(1, -1), g.reshape(1, -1)
+            g = (flat_g - flat_p * (flat_g * flat_p).sum() / flat_p.square().sum()).reshape(p.shape)
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_matches_float64_reference_over_100_steps(case, dtype, tol):
+    make_ours, reference = REFERENCE_CASES[case]
+    params = make_params(dtype)
+    expected = [p.detach().double().clone() for p in params]
+    opt = make_ours(params)
+    grad_seq = []
+    for _ in range(100):
+        grads = (
+            scale_invariant_grads(params)
+            if case == "adamp"
+            else [torch.randn(p.shape).double() for p in params]
+        )
+        grad_seq.append(grads)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.to(dtype)
+        opt.step()
+    expected = reference(expected, grad_seq)
+    assert rel_diff(params, expected) <= tol
+
+
+# ----------------------------------------------------------------- state_dict compatibility
+
+STATE_PAIRS = {
+    "adamw": (
+        lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    ),
+    "adam_amsgrad": (
+        lambda p: FusedAdam(p, lr=1e-3, adam_w_mode=False, amsgrad=True),
+        lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+    ),
+    "sgd": (
+        lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    ),
+    "adagrad": (lambda p: FusedAdagrad(p, lr=1e-2), lambda p: torch.optim.Adagrad(p, lr=1e-2)),
+    "rmsprop": (
+        lambda p: FusedRMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5, centered=True),
+    ),
+    "adadelta": (lambda p: FusedAdadelta(p), lambda p: torch.optim.Adadelta(p)),
+}
+
+
+@pytest.mark.parametrize("direction", ["fused_to_torch", "torch_to_fused"])
+@pytest.mark.parametrize("case", list(STATE_PAIRS))
+def test_state_dict_moves_between_fused_and_torch(case, direction):
+    make_fused, make_torch = STATE_PAIRS[case]
+    first, second = (make_fused, make_torch) if direction == "fused_to_torch" else (make_torch, make_fused)
+    a = make_params()
+    opt_a = first(a)
+    for _ in range(5):
+        for p in a:
+            p.grad = torch.randn(p.shape)
+        opt_a.step()
+    saved = copy.deepcopy(opt_a.state_dict())  # as torch.save + torch.load would (no shared tensors)
+    b = clone_params(a)
+    opt_b = second(b)
+    opt_b.load_state_dict(saved)
+    for pa, pb in zip(a, b, strict=True):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert set(sa) == set(sb)
+        for key in sa:
+            torch.testing.assert_close(torch.as_tensor(sb[key]).float(), torch.as_tensor(sa[key]).float())
+    run_side_by_side(opt_a, opt_b, a, b, steps=5)
+    assert rel_diff(b, a) <= 1e-6
+
+
+# ----------------------------------------------------------------- GradScaler contract, zero_grad
+
+
+def test_grad_scaler_step_unscales_inside_the_kernel_and_skips_on_inf():
+    scale = 2.0**10
+    a = make_params()
+    b = clone_params(a)
+    ours, theirs = FusedAdam(a, lr=1e-3), torch.optim.AdamW(b, lr=1e-3, weight_decay=0.0)
+    scaler_a = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler_b = torch.amp.GradScaler("cpu", init_scale=scale)
+    assert FusedAdam._step_supports_amp_scaling
+    for step in range(6):
+        grads = [torch.randn(p.shape) for p in a]
+        if step == 3:
+            grads[2].view(-1)[5] = math.inf
+        before = [p.detach().clone() for p in a]
+        state_before = {k: v.clone() for k, v in ours.state[a[0]].items()} if ours.state else {}
+        for p, q, g in zip(a, b, grads, strict=True):
+            scaler_a.scale(torch.ones(()))
+            scaler_b.scale(torch.ones(()))
+            p.grad, q.grad = g * scale, g * scale
+        scaler_a.step(ours)
+        scaler_b.step(theirs)
+        scaler_a.update()
+        scaler_b.update()
+        if step == 3:
+            assert all(torch.equal(x, y) for x, y in zip(a, before, strict=True))
+            for key, value in state_before.items():
+                assert torch.equal(ours.state[a[0]][key], value), key
+        scale = scaler_a.get_scale()
+    assert scaler_a.get_scale() == scaler_b.get_scale()
+    assert float(ours.state[a[0]]["step"]) == 5.0
+    assert rel_diff(a, b) <= 1e-6
+
+
+def test_grad_scaler_explicit_unscale_then_step():
+    a = make_params()
+    b = clone_params(a)
+    ours, theirs = FusedSGD(a, lr=0.1, momentum=0.9), torch.optim.SGD(b, lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for _ in range(3):
+        scaler.scale(torch.ones(()))
+        for p, q in zip(a, b, strict=True):
+            g = torch.randn(p.shape)
+            p.grad, q.grad = g * 256.0, g.clone()
+        scaler.unscale_(ours)
+        scaler.step(ours)
+        scaler.update()
+        theirs.step()
+    assert rel_diff(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("set_grad_none", [True, False])
+def test_zero_grad_default_follows_set_grad_none(set_grad_none):
+    params = make_params()
+    opt = FusedSGD(params, lr=0.1, set_grad_none=set_grad_none)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.zero_grad()
+    assert all((p.grad is None) == set_grad_none for p in params)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(set_to_none):
+    params = make_params()
+    opt = FusedAdam(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in params:
+        assert p.grad is None if set_to_none else torch.equal(p.grad, torch.zeros_like(p))
+
+
+# ----------------------------------------------------------------- fp16/bf16 params with fp32 master weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "make_ours,make_theirs",
+    [
+        (
+            lambda p, **k: FusedAdam(p, lr=1e-2, weight_decay=0.1, **k),
+            lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        ),
+        (
+            lambda p, **k: FusedSGD(p, lr=1e-2, momentum=0.9, **k),
+            lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+        ),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_half_params_with_master_weights_track_an_fp32_model(dtype, make_ours, make_theirs):
+    half = make_params(dtype)
+    full = clone_params(half, torch.float32)
+    ours, theirs = make_ours(half, master_weights=True), make_theirs(full)
+    for _ in range(20):
+        for h, f in zip(half, full, strict=True):
+            g = torch.randn(h.shape).to(dtype)
+            h.grad, f.grad = g, g.float()
+        ours.step()
+        theirs.step()
+    masters = [ours.state[p]["master_param"] for p in half]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert rel_diff(masters, full) <= 1e-6
+    for p, m in zip(half, masters, strict=True):
+        assert torch.equal(p, m.to(dtype))
+    state_dtypes = {v.dtype for s in ours.state.values() for k, v in s.items() if k != "step"}
+    assert state_dtypes == {torch.float32}
+
+
+def test_master_weights_and_fp32_state_survive_a_state_dict_round_trip():
+    half = make_params(torch.float16)
+    opt = FusedAdam(half, lr=1e-2, master_weights=True)
+    for _ in range(3):
+        for p in half:
+            p.grad = torch.randn(p.shape).half()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    twins = clone_params(half)
+    restored = FusedAdam(twins, lr=1e-2, master_weights=True)
+    restored.load_state_dict(saved)
+    for p, q in zip(half, twins, strict=True):
+        for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            assert restored.state[q][key].dtype == torch.float32
+            assert torch.equal(restored.state[q][key], opt.state[p][key])
+
+
+def test_half_params_without_master_weights_update_in_place():
+    half = make_params(torch.bfloat16)
+    before = [p.detach().clone() for p in half]
+    opt = FusedAdagrad(half, lr=0.1)
+    for p in half:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(half, before, strict=True))
+    assert "master_param" not in opt.state[half[0]]
+
+
+def test_mixed_precision_lamb_keeps_fp32_masters():
+    half = make_params(torch.bfloat16)
+    opt = FusedMixedPrecisionLamb(half, lr=1e-2)
+    for p in half:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    assert all(opt.state[p]["master_param"].dtype == torch.float32 for p in half)
+    assert all(torch.equal(p, opt.state[p]["master_param"].bfloat16()) for p in half)
+
+
+def test_reference_mode_runs_the_same_maths(monkeypatch):
+    a = make_params()
+    b = clone_params(a)
+    kernel_opt = FusedRMSprop(a, lr=1e-2, momentum=0.9)
+    reference_opt = FusedRMSprop(b, lr=1e-2, momentum=0.9)
+    for _ in range(10):
+        for p, q in zip(a, b, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        kernel_opt.step()
+        monkeypatch.setenv("AMPKIT_OPS", "reference")
+        reference_opt.step()
+        monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    assert rel_diff(a, b) <= 1e-6
+
+
+# ----------------------------------------------------------------- errors
+
+BAD_CONSTRUCTIONS = [
+    (lambda p: FusedAdam(p, lr=-1.0), ValueError, "Invalid lr"),
+    (lambda p: FusedAdam(p, betas=(1.0, 0.999)), ValueError, r"Invalid betas\[0\]"),
+    (lambda p: FusedAdam(p, weight_decay=-0.1), ValueError, "Invalid weight_decay"),
+    (lambda p: FusedAdam(p, master_weights="yes"), TypeError, "master_weights must be a bool"),
+    (lambda p: FusedSGD(p, lr=0.1, nesterov=True), ValueError, "Nesterov momentum requires"),
+    (lambda p: FusedLAMB(p, amsgrad=True), RuntimeError, "does not support the AMSGrad"),
+    (lambda p: FusedNovoGrad(p, norm_type=0), ValueError, "norm_type=2 only"),
+    (
+        lambda p: FusedMixedPrecisionLamb(p, reduced_precision_dtype=torch.int8),
+        ValueError,
+        "reduced_precision_dtype",
+    ),
+    (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
+    (lambda p: FusedAdam(p, capturable=True), ValueError, "does not support capturable=True"),
+    (lambda p: FusedSGD(p, lr=0.1, wd_after_momentum=True), ValueError, "does not support wd_after_momentum"),
+    (lambda p: FusedAdagrad(p, adagrad_w_mode=True), ValueError, "does not support adagrad_w_mode"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", BAD_CONSTRUCTIONS)
+def test_bad_hyperparameters_are_named(make, error, message):
+    with pytest.raises(error, match=message):
+        make(make_params())
+
+
+def test_bad_params_are_named():
+    with pytest.raises(TypeError, match=r"params\[1\] has dtype torch.int64"):
+        FusedAdam([torch.nn.Parameter(torch.zeros(2)), torch.zeros(2, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"params\[0\] .* is not dense"):
+        FusedAdam([torch.nn.Parameter(torch.zeros(4, 6)[:, ::2])])
+
+
+def test_sparse_gradients_are_rejected():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        FusedAdam([p]).step()
