@@ -49,7 +49,11 @@ __all__ = [
     "mixed_dtype_fused_rms_norm_affine",
 ]
 
-_FAMILY = register_family("ampkit_norms", sources=[CSRC_DIR / "norms" / "norms_cpu.cpp"])
+_FAMILY = register_family(
+    "ampkit_norms",
+    sources=[CSRC_DIR / "norms" / "norms_cpu.cpp"],
+    cuda_sources=[CSRC_DIR / "norms" / "norms_cuda.cu", CSRC_DIR / "norms" / "norms_cuda.cpp"],
+)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
