@@ -99,7 +99,8 @@ def _check_inputs(
             raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
         if tuple(param.shape) != normalized_shape:
             raise ValueError(
-                f"{op}: {name} has shape {list(param.shape)}, expected normalized_shape {list(normalized_shape)}"
+                f"{op}: {name} has shape {list(param.shape)}, "
+                f"expected normalized_shape {list(normalized_shape)}"
             )
         if param.device != input.device:
             raise ValueError(f"{op}: {name} is on {param.device} but input is on {input.device}")
@@ -130,13 +131,11 @@ def _autocast_args(*args: object) -> tuple:
     if not torch.is_autocast_enabled(device_type):
         return args
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(
-        a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
-    )
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
-    """LayerNorm through the C++/CUDA kernels; ``weight``/``bias`` may be None, ``output_dtype`` None = input's."""
+    """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
 
     @staticmethod
     def forward(
@@ -182,7 +181,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
-    """RMSNorm through the C++/CUDA kernels; ``weight`` may be None, ``output_dtype`` None = input's."""
+    """RMSNorm through the C++/CUDA kernels (``weight`` may be None; output dtype defaults to input's)."""
 
     @staticmethod
     def forward(
@@ -195,7 +194,9 @@ class FusedRMSNormFunction(torch.autograd.Function):
         output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         input = input.contiguous()
-        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(input, list(normalized_shape), weight, eps, output_dtype)
+        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(
+            input, list(normalized_shape), weight, eps, output_dtype
+        )
         ctx.normalized_shape = list(normalized_shape)
         ctx.memory_efficient = memory_efficient
         ctx.input_dtype = input.dtype
@@ -233,7 +234,9 @@ def _layer_norm(
     output_dtype = weight.dtype if mixed and weight is not None else None
     with torch.autocast(input.device.type, enabled=False):
         if _use_kernel(input):
-            return FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
+            return FusedLayerNormFunction.apply(
+                input, weight, bias, shape, eps, memory_efficient, output_dtype
+            )
         return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
 
 
@@ -265,7 +268,9 @@ def fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the input's dtype (Apex signature)."""
-    return _layer_norm("fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False)
+    return _layer_norm(
+        "fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False
+    )
 
 
 def fused_layer_norm(
@@ -285,7 +290,14 @@ def mixed_dtype_fused_layer_norm_affine(
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the weight's dtype (Apex signature)."""
     return _layer_norm(
-        "mixed_dtype_fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, True
+        "mixed_dtype_fused_layer_norm_affine",
+        input,
+        weight,
+        bias,
+        normalized_shape,
+        eps,
+        memory_efficient,
+        True,
     )
 
 
@@ -368,7 +380,14 @@ class FusedLayerNorm(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
         return _layer_norm(
-            name, input, self.weight, self.bias, self.normalized_shape, self.eps, self.memory_efficient, self._mixed
+            name,
+            input,
+            self.weight,
+            self.bias,
+            self.normalized_shape,
+            self.eps,
+            self.memory_efficient,
+            self._mixed,
         )
 
     def extra_repr(self) -> str:
@@ -417,7 +436,9 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        return _rms_norm(name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed)
+        return _rms_norm(
+            name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -440,9 +461,13 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
     _mixed = True
 
-    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
+        )
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
@@ -450,6 +475,10 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     _mixed = True
 
-    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
+        )

@@ -85,7 +85,7 @@ def _assert_matches(kind, x, w, b, normalized_shape, tol, memory_efficient=False
     assert y.dtype == expected_dtype and y.shape == x.shape
     torch.testing.assert_close(y.double(), y_ref, **tol["y"])
     names = ("grad_input", "grad_weight", "grad_bias")
-    for name, got, want, like in zip(names, grads, grads_ref, (x, w, b)):
+    for name, got, want, like in zip(names, grads, grads_ref, (x, w, b), strict=True):
         if like is None:
             continue
         assert got is not None and got.dtype == like.dtype, name
@@ -166,7 +166,7 @@ def test_memory_efficient_equals_plain(kind, dtype):
     torch.testing.assert_close(y1, y0, rtol=0, atol=0)
     # Recomputing xhat from the rounded output costs precision in bf16, not in fp32.
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
-    for got, want in zip((x1.grad, w1.grad, None if b1 is None else b1.grad), g0):
+    for got, want in zip((x1.grad, w1.grad, None if b1 is None else b1.grad), g0, strict=True):
         if want is not None:
             torch.testing.assert_close(got, want, **tol)
 
@@ -268,7 +268,9 @@ def test_bad_weight_and_bias_are_named():
 
 
 def test_non_float_input_is_named():
-    with pytest.raises(TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int64"):
+    with pytest.raises(
+        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int64"
+    ):
         fused_layer_norm(torch.ones(3, 4, dtype=torch.int64), 4)
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         FusedRMSNorm(4)([1.0, 2.0, 3.0, 4.0])
@@ -341,7 +343,7 @@ def test_reference_mode_gives_the_same_results(monkeypatch):
         y_ref.backward(dy)
         monkeypatch.setenv("AMPKIT_OPS", "kernel")
         torch.testing.assert_close(y_ref, y_kernel, rtol=1e-5, atol=1e-5)
-        for got, want in zip((x_ref.grad, w_ref.grad), g_kernel):
+        for got, want in zip((x_ref.grad, w_ref.grad), g_kernel[:2], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -362,7 +364,7 @@ def test_cuda_matches_cpu_kernel(kind, dtype):
     y_gpu, _, g_gpu = _run_on_cuda(kind, x, w, b, dy)
     tol = FP32_TOL["grad"] if dtype == torch.float32 else HALF_TOL[dtype]["grad"]
     torch.testing.assert_close(y_gpu.cpu(), y_cpu, **tol)
-    for got, want in zip(g_gpu, g_cpu):
+    for got, want in zip(g_gpu, g_cpu, strict=True):
         if want is not None:
             torch.testing.assert_close(got.cpu(), want, rtol=tol["rtol"], atol=tol["atol"] * 20)
 
