@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from ampkit.ops import _build
 
 BROKEN_SOURCE = '#error "deliberately broken ampkit test source"\n'
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -78,3 +83,29 @@ def test_cache_key_follows_header_edits(tmp_path):
     before = _build.extension_dir("ampkit_x", [source], with_cuda=False)
     header.write_text("#define A 2\n")
     assert _build.extension_dir("ampkit_x", [source], with_cuda=False) != before
+
+
+def test_ahead_of_time_build_is_reused_by_a_new_process():
+    """`python -m ampkit.ops.build` fills the cache; a new process then loads it without compiling."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    build = subprocess.run(
+        [sys.executable, "-m", "ampkit.ops.build"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert build.returncode == 0, build.stderr
+    assert "ampkit_multi_tensor: ready in" in build.stdout
+    script = (
+        "import torch\n"
+        "from ampkit.ops.multi_tensor import _FAMILY\n"
+        "assert _FAMILY.use_kernel()\n"
+        "print(torch.ops.ampkit_multi_tensor.l2norm([torch.ones(4)], False)[0].item())\n"
+    )
+    load = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "AMPKIT_OPS": "kernel"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert load.returncode == 0, load.stderr
+    assert "compiling" not in load.stderr
+    assert load.stdout.strip() == "2.0"

@@ -1,0 +1,55 @@
+// Argument checks for multi-tensor ops: every message names the op, the argument and the index.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+namespace ampkit {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// `list` must have as many tensors as `ref` (named `ref_name`).
+inline void check_same_length(const char* op, at::TensorList list, const char* name, int64_t ref_len,
+                              const char* ref_name) {
+  TORCH_CHECK(static_cast<int64_t>(list.size()) == ref_len, op, ": `", name, "` has ", list.size(),
+              " tensors but `", ref_name, "` has ", ref_len, "; the lists must have the same length");
+}
+
+// Element i of `list` is a float32/float16/bfloat16/float64 tensor on `device` with `numel` elements.
+inline void check_tensor(const char* op, const at::Tensor& t, const char* name, size_t i,
+                         const at::Device& device, std::optional<int64_t> numel) {
+  TORCH_CHECK(t.defined(), op, ": `", name, "[", i, "]` is undefined (None)");
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": `", name, "[", i, "]` has dtype ",
+              t.scalar_type(), "; expected float32, float16, bfloat16 or float64");
+  TORCH_CHECK(t.device() == device, op, ": `", name, "[", i, "]` is on ", t.device(),
+              " but the op runs on ", device, "; all tensors must be on one device");
+  if (numel.has_value()) {
+    TORCH_CHECK(t.numel() == *numel, op, ": `", name, "[", i, "]` has ", t.numel(),
+                " elements but the matching input has ", *numel);
+  }
+}
+
+inline void check_list(const char* op, at::TensorList list, const char* name, const at::Device& device) {
+  for (size_t i = 0; i < list.size(); ++i) check_tensor(op, list[i], name, i, device, std::nullopt);
+}
+
+// `list[i]` matches `ref[i]` in size (same length already checked).
+inline void check_list_like(const char* op, at::TensorList list, const char* name, at::TensorList ref,
+                            const at::Device& device) {
+  for (size_t i = 0; i < list.size(); ++i) check_tensor(op, list[i], name, i, device, ref[i].numel());
+}
+
+// The overflow flag: one float32 or int32 element on the op's device, set to 1 on a non-finite value.
+inline void check_flag(const char* op, const at::Tensor& flag, const char* name, const at::Device& device) {
+  TORCH_CHECK(flag.numel() == 1, op, ": `", name, "` must have exactly one element, got ", flag.numel());
+  TORCH_CHECK(flag.scalar_type() == at::kFloat || flag.scalar_type() == at::kInt, op, ": `", name,
+              "` has dtype ", flag.scalar_type(), "; expected float32 or int32");
+  TORCH_CHECK(flag.device() == device, op, ": `", name, "` is on ", flag.device(), " but the tensors are on ",
+              device);
+}
+
+}  // namespace ampkit

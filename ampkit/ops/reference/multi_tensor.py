@@ -1,0 +1,215 @@
+"""Pure-PyTorch reference of the multi-tensor ops: the semantics the kernels must match.
+
+Each function validates its arguments with the same messages as the C++ kernels (``RuntimeError``
+naming the argument and index), then computes tensor by tensor in the accumulation type: float32 for
+half inputs, float64 when an input or output is float64. Fed float64 tensors it is the float64 ground
+truth the tests compare kernels against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _check_length(op: str, tensors: Sequence, name: str, ref_len: int, ref_name: str) -> None:
+    if len(tensors) != ref_len:
+        raise RuntimeError(
+            f"{op}: `{name}` has {len(tensors)} tensors but `{ref_name}` has {ref_len}; "
+            "the lists must have the same length"
+        )
+
+
+def _check_tensor(
+    op: str, t: torch.Tensor, name: str, i: int, device: torch.device, numel: int | None
+) -> None:
+    if t is None:
+        raise RuntimeError(f"{op}: `{name}[{i}]` is undefined (None)")
+    if t.dtype not in _FLOATS:
+        raise RuntimeError(
+            f"{op}: `{name}[{i}]` has dtype {t.dtype}; expected float32, float16, bfloat16 or float64"
+        )
+    if t.device != device:
+        raise RuntimeError(
+            f"{op}: `{name}[{i}]` is on {t.device} but the op runs on {device}; "
+            "all tensors must be on one device"
+        )
+    if numel is not None and t.numel() != numel:
+        raise RuntimeError(f"{op}: `{name}[{i}]` has {t.numel()} elements but the matching input has {numel}")
+
+
+def _check_list(op: str, tensors: Sequence[torch.Tensor], name: str, device: torch.device, like=None) -> None:
+    for i, t in enumerate(tensors):
+        _check_tensor(op, t, name, i, device, None if like is None else like[i].numel())
+
+
+def _check_flag(op: str, flag: torch.Tensor, device: torch.device) -> None:
+    if flag.numel() != 1:
+        raise RuntimeError(f"{op}: `found_inf` must have exactly one element, got {flag.numel()}")
+    if flag.dtype not in (torch.float32, torch.int32):
+        raise RuntimeError(f"{op}: `found_inf` has dtype {flag.dtype}; expected float32 or int32")
+    if flag.device != device:
+        raise RuntimeError(f"{op}: `found_inf` is on {flag.device} but the tensors are on {device}")
+
+
+def _nonfinite(t: torch.Tensor) -> bool:
+    return bool((~torch.isfinite(t)).any())
+
+
+def _raise_flag(flag: torch.Tensor, seen: bool) -> None:
+    if seen:
+        flag.fill_(1)
+
+
+def scale_(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], factor: float, found_inf: torch.Tensor
+) -> None:
+    """outputs[i] = inputs[i] * factor; found_inf = 1 if any input is non-finite."""
+    op = "ampkit_multi_tensor.scale_"
+    _check_length(op, outputs, "outputs", len(inputs), "inputs")
+    device = found_inf.device
+    _check_flag(op, found_inf, device)
+    _check_list(op, inputs, "inputs", device)
+    _check_list(op, outputs, "outputs", device, like=inputs)
+    seen = False
+    for x, out in zip(inputs, outputs, strict=True):
+        acc = _acc_dtype(x.dtype, out.dtype)
+        xa = x.to(acc)
+        seen |= _nonfinite(xa)
+        out.copy_((xa * factor).reshape(out.shape))
+    _raise_flag(found_inf, seen)
+
+
+def axpby_(
+    a: float,
+    x: Sequence[torch.Tensor],
+    b: float,
+    y: Sequence[torch.Tensor],
+    out: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    arg_to_check: int = -1,
+) -> None:
+    """out[i] = a * x[i] + b * y[i]; found_inf = 1 if x (0), y (1) or either (-1) has a non-finite value."""
+    op = "ampkit_multi_tensor.axpby_"
+    if arg_to_check not in (-1, 0, 1):
+        raise RuntimeError(
+            f"{op}: `arg_to_check` is {arg_to_check}; expected -1 (check x and y), 0 (check x) or 1 (check y)"
+        )
+    _check_length(op, y, "y", len(x), "x")
+    _check_length(op, out, "out", len(x), "x")
+    device = found_inf.device
+    _check_flag(op, found_inf, device)
+    _check_list(op, x, "x", device)
+    _check_list(op, y, "y", device, like=x)
+    _check_list(op, out, "out", device, like=x)
+    for i, (xi, yi) in enumerate(zip(x, y, strict=True)):
+        if xi.dtype != yi.dtype:
+            raise RuntimeError(
+                f"{op}: `y[{i}]` has dtype {yi.dtype} but `x[{i}]` has {xi.dtype}; x and y must share a dtype"
+            )
+    seen = False
+    for xi, yi, oi in zip(x, y, out, strict=True):
+        acc = _acc_dtype(xi.dtype, oi.dtype)
+        xa, ya = xi.to(acc), yi.to(acc)
+        if arg_to_check in (-1, 0):
+            seen |= _nonfinite(xa)
+        if arg_to_check in (-1, 1):
+            seen |= _nonfinite(ya)
+        oi.copy_((a * xa + b * ya).reshape(oi.shape))
+    _raise_flag(found_inf, seen)
+
+
+def combine_(
+    new: Sequence[torch.Tensor],
+    stash: Sequence[torch.Tensor | None] | None,
+    out: Sequence[torch.Tensor],
+    inv_scale: float,
+    found_inf: torch.Tensor,
+) -> None:
+    """out[i] = new[i] * inv_scale + stash[i] (None counts as 0); found_inf = 1 if new is non-finite."""
+    op = "ampkit_multi_tensor.combine_"
+    _check_length(op, out, "out", len(new), "new")
+    stash = list(stash or [])
+    if stash and len(stash) != len(new):
+        raise RuntimeError(
+            f"{op}: `stash` has {len(stash)} entries but `new` has {len(new)}; "
+            "pass one per tensor (None where nothing is stashed)"
+        )
+    device = found_inf.device
+    _check_flag(op, found_inf, device)
+    _check_list(op, new, "new", device)
+    _check_list(op, out, "out", device, like=new)
+    for i, s in enumerate(stash):
+        if s is None:
+            continue
+        _check_tensor(op, s, "stash", i, device, new[i].numel())
+        if s.dtype != out[i].dtype:
+            raise RuntimeError(
+                f"{op}: `stash[{i}]` has dtype {s.dtype} but `out[{i}]` has {out[i].dtype}; they must match"
+            )
+    seen = False
+    for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
+        acc = _acc_dtype(ni.dtype, oi.dtype)
+        na = ni.to(acc)
+        seen |= _nonfinite(na)
+        value = na * inv_scale
+        if stash and stash[i] is not None:
+            value = value + stash[i].to(acc).reshape(value.shape)
+        oi.copy_(value.reshape(oi.shape))
+    _raise_flag(found_inf, seen)
+
+
+def l2norm(inputs: Sequence[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(total L2 norm, per-tensor norms or an empty tensor), float32 (float64 if an input is float64)."""
+    op = "ampkit_multi_tensor.l2norm"
+    device = inputs[0].device if inputs else torch.device("cpu")
+    _check_list(op, inputs, "inputs", device)
+    return _norms(inputs, [], 1.0, None, per_tensor, device)
+
+
+def unscale_l2norm(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    inv_scale: float,
+    found_inf: torch.Tensor,
+    per_tensor: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms of inputs * inv_scale; found_inf = 1 on a non-finite input; outputs (if any) get the values."""
+    op = "ampkit_multi_tensor.unscale_l2norm"
+    if outputs:
+        _check_length(op, outputs, "outputs", len(inputs), "inputs")
+    device = found_inf.device
+    _check_flag(op, found_inf, device)
+    _check_list(op, inputs, "inputs", device)
+    _check_list(op, outputs, "outputs", device, like=inputs)
+    return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
+
+
+def _norms(inputs, outputs, factor, found_inf, per_tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = _acc_dtype(*(t.dtype for t in inputs))
+    squares = []
+    seen = False
+    for i, x in enumerate(inputs):
+        xa = x.to(_acc_dtype(x.dtype))
+        seen |= _nonfinite(xa)
+        value = xa * factor
+        if outputs:
+            outputs[i].copy_(value.reshape(outputs[i].shape))
+        squares.append(value.to(torch.float64).square().sum())
+    if found_inf is not None:
+        _raise_flag(found_inf, seen)
+    per = torch.stack(squares) if squares else torch.zeros(0, dtype=torch.float64)
+    total = per.sum().sqrt().to(dtype=dtype, device=device)
+    per_norm = (
+        per.sqrt().to(dtype=dtype, device=device)
+        if per_tensor
+        else torch.empty(0, dtype=dtype, device=device)
+    )
+    return total, per_norm

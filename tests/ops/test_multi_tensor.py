@@ -1,0 +1,325 @@
+"""Multi-tensor kernels vs their pure-PyTorch reference computed in float64, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ampkit.ops import multi_tensor as mt
+from ampkit.ops.reference import multi_tensor as ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Odd sizes, an empty tensor, one spanning several 32768-element chunks, and many small ones.
+SIZES = [1, 3, 0, 17, 1000, 33333, 100_003, *range(5, 300, 7)]
+TOL = {
+    torch.float32: dict(rtol=2e-6, atol=1e-6),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=8e-3, atol=8e-3),
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+}
+POSITIONS = ["first", "middle", "last"]
+BAD_VALUES = [float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    """Every test here runs the compiled kernel; a failed build is an error, never a silent fallback."""
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def randn_list(sizes, dtype, noncontiguous=False, scale=1.0):
+    """Fresh random tensors; non-contiguous ones are every other element of a wider tensor."""
+    if noncontiguous:
+        return [(torch.randn(n, 2) * scale)[:, 1].to(dtype) for n in sizes]
+    return [(torch.randn(n) * scale).to(dtype) for n in sizes]
+
+
+def as64(tensors):
+    return [t.to(torch.float64) for t in tensors]
+
+
+def put(tensors, index, position, value):
+    t = tensors[index]
+    t.view(-1)[{"first": 0, "middle": t.numel() // 2, "last": -1}[position]] = value
+
+
+def assert_lists_close(actual, expected, dtype):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a.to(torch.float64), e, equal_nan=True, **TOL[dtype])
+
+
+def flag():
+    return torch.zeros(1)
+
+
+# ---------------------------------------------------------------- scale_
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_scale_matches_reference(in_dtype, out_dtype):
+    xs = randn_list(SIZES, in_dtype, scale=100.0)
+    outs = [torch.empty(x.shape, dtype=out_dtype) for x in xs]
+    found = flag()
+    mt.scale_(xs, 1 / 1024, found, out=outs)
+    expected = [torch.empty(x.shape, dtype=torch.float64) for x in xs]
+    ref.scale_(as64(xs), expected, 1 / 1024, torch.zeros(1))
+    assert_lists_close(outs, expected, out_dtype)
+    assert found.item() == 0
+
+
+def test_scale_in_place_and_noncontiguous():
+    xs = randn_list([5, 40_000, 7], torch.float32, noncontiguous=True)
+    assert not xs[1].is_contiguous()
+    expected = [x.double() * 3.5 for x in xs]
+    mt.scale_(xs, torch.tensor(3.5), flag())  # in place, factor as a tensor
+    assert_lists_close(xs, expected, torch.float32)
+    transposed = torch.empty(300, 200).t()  # non-contiguous output
+    src = [torch.randn(200, 300)]
+    mt.scale_(src, 2.0, flag(), out=[transposed])
+    torch.testing.assert_close(transposed, src[0] * 2.0)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("value", BAD_VALUES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_flags_nonfinite(position, value, dtype):
+    xs = randn_list([10, 70_001, 33], dtype)
+    put(xs, 1, position, value)
+    expected = [x.double() * 0.5 for x in xs]
+    found = flag()
+    mt.scale_(xs, 0.5, found)
+    assert found.item() == 1
+    assert_lists_close(xs, expected, dtype)
+
+
+def test_flag_is_never_cleared_and_may_be_int():
+    found = torch.ones(1, dtype=torch.int32)
+    mt.scale_(randn_list([10], torch.float32), 2.0, found)
+    assert found.item() == 1
+    found = torch.zeros(1, dtype=torch.int32)
+    xs = randn_list([10], torch.float32)
+    xs[0][3] = float("nan")
+    mt.scale_(xs, 2.0, found)
+    assert found.dtype == torch.int32 and found.item() == 1
+
+
+# ---------------------------------------------------------------- axpby_
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_axpby_matches_reference(dtype, noncontiguous):
+    xs = randn_list(SIZES, dtype, noncontiguous)
+    ys = randn_list(SIZES, dtype, noncontiguous)
+    outs = [torch.empty(x.shape, dtype=torch.float32) for x in xs]
+    mt.axpby_(0.75, xs, -1.25, ys, outs, flag())
+    expected = [torch.empty(x.shape, dtype=torch.float64) for x in xs]
+    ref.axpby_(0.75, as64(xs), -1.25, as64(ys), expected, torch.zeros(1))
+    assert_lists_close(outs, expected, torch.float32)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize(("bad_arg", "arg_to_check", "flagged"), [
+    ("x", -1, True), ("y", -1, True), ("x", 0, True), ("y", 0, False), ("x", 1, False), ("y", 1, True),
+])  # fmt: skip
+def test_axpby_checks_the_chosen_argument(position, bad_arg, arg_to_check, flagged):
+    xs, ys = randn_list([9, 50_000], torch.float32), randn_list([9, 50_000], torch.float32)
+    put(xs if bad_arg == "x" else ys, 1, position, float("inf"))
+    found = flag()
+    mt.axpby_(2.0, xs, 3.0, ys, ys, found, arg_to_check=arg_to_check)  # out aliases y
+    assert found.item() == float(flagged)
+
+
+# ---------------------------------------------------------------- combine_
+
+
+@pytest.mark.parametrize("new_dtype", DTYPES)
+def test_combine_matches_reference(new_dtype):
+    sizes = SIZES
+    new = randn_list(sizes, new_dtype, scale=1024.0)  # finite in fp16
+    stash = [torch.randn(n) if i % 3 else None for i, n in enumerate(sizes)]
+    out = [torch.empty(n) for n in sizes]
+    found = flag()
+    mt.combine_(new, stash, out, 1 / 65536, found)
+    expected = [torch.empty(n, dtype=torch.float64) for n in sizes]
+    stash64 = [None if s is None else s.double() for s in stash]
+    ref.combine_(as64(new), stash64, expected, 1 / 65536, torch.zeros(1))
+    assert_lists_close(out, expected, torch.float32)
+    assert found.item() == 0
+
+
+def test_combine_accumulates_in_place_into_the_stash():
+    new = randn_list([7, 40_000], torch.float16, noncontiguous=True)
+    grads = randn_list([7, 40_000], torch.float32)
+    expected = [n.double() / 8 + g.double() for n, g in zip(new, grads, strict=True)]
+    mt.combine_(new, grads, grads, 1 / 8, flag())
+    assert_lists_close(grads, expected, torch.float32)
+    no_stash = randn_list([3, 5], torch.float32)
+    expected = [n.double() / 8 for n in no_stash]
+    mt.combine_(no_stash, None, no_stash, torch.tensor(1 / 8), flag())
+    assert_lists_close(no_stash, expected, torch.float32)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_combine_checks_only_the_new_grads(position):
+    new, stash = randn_list([11, 40_000], torch.float32), randn_list([11, 40_000], torch.float32)
+    put(stash, 1, position, float("nan"))
+    found = flag()
+    mt.combine_(new, stash, [torch.empty(11), torch.empty(40_000)], 0.5, found)
+    assert found.item() == 0
+    put(new, 1, position, float("-inf"))
+    mt.combine_(new, stash, [torch.empty(11), torch.empty(40_000)], 0.5, found)
+    assert found.item() == 1
+
+
+# ---------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64])
+@pytest.mark.parametrize("noncontiguous", [False, True])
+def test_l2norm_matches_reference(dtype, noncontiguous):
+    xs = randn_list(SIZES, dtype, noncontiguous)
+    total, per = mt.l2norm(xs, per_tensor=True)
+    ref_total, ref_per = ref.l2norm(as64(xs), True)
+    assert total.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    tol = TOL[torch.float64] if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total.double(), ref_total, **tol)
+    torch.testing.assert_close(per.double(), ref_per, **tol)
+    assert mt.l2norm(xs).per_tensor is None
+
+
+def test_l2norm_of_mixed_dtypes_and_matrices():
+    xs = [torch.randn(64, 33), torch.randn(1001).half(), torch.randn(7, 3, 5).bfloat16()]
+    total, per = mt.l2norm(xs, per_tensor=True)
+    expected = torch.stack([x.double().norm() for x in xs])
+    torch.testing.assert_close(per.double(), expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(total.double(), expected.norm(), rtol=1e-5, atol=0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(0, 70_000), max_size=12))
+def test_l2norm_any_size_mix(sizes):
+    xs = randn_list(sizes, torch.float32)
+    total, per = mt.l2norm(xs, per_tensor=True)
+    expected = torch.stack([x.double().norm() for x in xs]) if xs else torch.zeros(0, dtype=torch.float64)
+    torch.testing.assert_close(per.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total.double(), expected.norm(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("write", [False, True])
+def test_unscale_l2norm_matches_reference(dtype, write):
+    xs = randn_list(SIZES, dtype, scale=4096.0)
+    before = [x.clone() for x in xs]
+    found = flag()
+    total, per = mt.unscale_l2norm(xs, 1 / 4096, found, out=xs if write else None, per_tensor=True)
+    expected_out = [torch.empty(x.shape, dtype=torch.float64) for x in xs]
+    ref_total, ref_per = ref.unscale_l2norm(as64(before), expected_out, 1 / 4096, torch.zeros(1), True)
+    torch.testing.assert_close(total.double(), ref_total, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per.double(), ref_per, rtol=1e-5, atol=1e-6)
+    assert_lists_close(xs, expected_out if write else as64(before), dtype)
+    assert found.item() == 0
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_unscale_l2norm_flags_nonfinite(position, value):
+    xs = randn_list([3, 70_000, 8], torch.bfloat16)
+    put(xs, 1, position, value)
+    found = flag()
+    total, _ = mt.unscale_l2norm(xs, 0.5, found)
+    assert found.item() == 1
+    assert not torch.isfinite(total)
+
+
+def test_unscale_l2norm_flags_nonfinite_inputs_not_overflowing_squares():
+    found = flag()
+    total, _ = mt.unscale_l2norm([torch.full((100,), 3e38)], 1.0, found)
+    assert found.item() == 0 and total.item() == float("inf")
+
+
+# ---------------------------------------------------------------- empty lists and bad input
+
+
+def test_empty_lists_do_nothing():
+    found = flag()
+    mt.scale_([], 2.0, found)
+    mt.axpby_(1.0, [], 1.0, [], [], found)
+    mt.combine_([], None, [], 1.0, found)
+    assert mt.l2norm([]).total.item() == 0
+    total, per = mt.unscale_l2norm([], 1.0, found, per_tensor=True)
+    assert total.item() == 0 and per.numel() == 0 and found.item() == 0
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def any_mode(request, monkeypatch):
+    """Bad input gets the same error, naming the argument, from the kernel and from the reference."""
+    monkeypatch.setenv("AMPKIT_OPS", request.param)
+
+
+def ones(n=3, dtype=torch.float32, device="cpu"):
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+BAD_CALLS = {
+    "length": (
+        lambda: mt.scale_([ones()] * 2, 2.0, flag(), out=[ones()]),
+        r"`outputs` has 1 tensors but `inputs` has 2",
+    ),
+    "dtype": (lambda: mt.scale_([ones(), ones(dtype=torch.int64)], 2.0, flag()), r"`inputs\[1\]` has dtype"),
+    "numel": (
+        lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(4)]),
+        r"`outputs\[0\]` has 4 elements but the matching input has 3",
+    ),
+    "device": (
+        lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(device="meta")]),
+        r"`outputs\[0\]` is on meta",
+    ),
+    "flag_size": (
+        lambda: mt.scale_([ones()], 2.0, torch.zeros(2)),
+        r"`found_inf` must have exactly one element",
+    ),
+    "flag_dtype": (lambda: mt.scale_([ones()], 2.0, torch.zeros(1).half()), r"`found_inf` has dtype"),
+    "axpby_length": (
+        lambda: mt.axpby_(1.0, [ones()], 1.0, [ones()], [], flag()),
+        r"`out` has 0 tensors but `x` has 1",
+    ),
+    "axpby_dtype": (
+        lambda: mt.axpby_(1.0, [ones()], 1.0, [ones(dtype=torch.half)], [ones()], flag()),
+        r"`y\[0\]` has dtype .* must share a dtype",
+    ),
+    "axpby_check": (
+        lambda: mt.axpby_(1.0, [ones()], 1.0, [ones()], [ones()], flag(), arg_to_check=2),
+        r"`arg_to_check` is 2",
+    ),
+    "stash_length": (
+        lambda: mt.combine_([ones()], [None, None], [ones()], 1.0, flag()),
+        r"`stash` has 2 entries but `new` has 1",
+    ),
+    "stash_dtype": (
+        lambda: mt.combine_([ones()], [ones(dtype=torch.half)], [ones()], 1.0, flag()),
+        r"`stash\[0\]` has dtype .* but `out\[0\]`",
+    ),
+    "norm_dtype": (lambda: mt.l2norm([ones(), ones(2, dtype=torch.int32)]), r"`inputs\[1\]` has dtype"),
+    "norm_out_length": (
+        lambda: mt.unscale_l2norm([ones()], 1.0, flag(), out=[ones(), ones()]),
+        r"`outputs` has 2 tensors but `inputs` has 1",
+    ),
+}
+
+
+@pytest.mark.usefixtures("any_mode")
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_names_the_argument(case):
+    call, message = BAD_CALLS[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_a_single_tensor_is_not_a_list():
+    with pytest.raises(TypeError, match="`inputs` must be a list or tuple of tensors"):
+        mt.l2norm(torch.ones(3))
