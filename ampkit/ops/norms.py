@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops.reference import norms as reference
@@ -162,6 +163,7 @@ class FusedLayerNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
         if mean is None:
@@ -204,6 +206,7 @@ class FusedRMSNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         saved, weight, rstd = ctx.saved_tensors
         grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(

@@ -380,3 +380,11 @@ def _run_on_cuda(kind, x, w, b, dy):
     assert "Fused" in type(y.grad_fn).__name__, "CUDA path fell back to the reference"
     y.backward(dy.cuda())
     return y.detach(), dy, (x.grad, w.grad, None if b is None else b.grad)
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = _weight((8,), torch.float64).requires_grad_()
+    (grad_x,) = torch.autograd.grad(fused_rms_norm_affine(x, w, 8).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        grad_x.sum().backward()
