@@ -17,6 +17,10 @@ Behaviour follows ``apex.normalization``:
 * under autocast the inputs and parameters are cast to the autocast dtype and the kernel runs on
   them with float32 statistics (Apex's ``_cast_if_autocast_enabled``).
 
+SyncBatchNorm's local statistics live here too: :func:`batch_norm_stats` (a CPU kernel; torch has
+none) and :func:`batch_norm_backward_reduce` (torch's own CPU/CUDA kernels, which are already
+single-pass).
+
 Inputs: float16/bfloat16/float32/float64; the weight (and bias) has the input's dtype or, for
 float16/bfloat16 inputs, float32. Non-contiguous inputs are accepted and made contiguous (one copy),
 as Apex does.
@@ -42,6 +46,8 @@ __all__ = [
     "FusedRMSNormFunction",
     "MixedFusedLayerNorm",
     "MixedFusedRMSNorm",
+    "batch_norm_backward_reduce",
+    "batch_norm_stats",
     "fused_layer_norm",
     "fused_layer_norm_affine",
     "fused_rms_norm",
@@ -52,7 +58,7 @@ __all__ = [
 
 _FAMILY = register_family(
     "ampkit_norms",
-    sources=[CSRC_DIR / "norms" / "norms_cpu.cpp"],
+    sources=[CSRC_DIR / "norms" / "norms_cpu.cpp", CSRC_DIR / "norms" / "batch_norm_stats_cpu.cpp"],
     cuda_sources=[CSRC_DIR / "norms" / "norms_cuda.cu", CSRC_DIR / "norms" / "norms_cuda.cpp"],
 )
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -485,3 +491,62 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         super().__init__(
             normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
         )
+
+
+def _check_batch_norm_input(op: str, input: torch.Tensor) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+    if input.dim() < 2 or input.numel() == 0:
+        raise ValueError(
+            f"{op}: input must be (N, C, ...) with at least one element, got shape {list(input.shape)}"
+        )
+
+
+def _channels_last_or_contiguous(input: torch.Tensor) -> torch.Tensor:
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if input.is_contiguous() or (
+        input.dim() in formats and input.is_contiguous(memory_format=formats[input.dim()])
+    ):
+        return input
+    return input.contiguous()
+
+
+def batch_norm_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and ``1 / sqrt(var + eps)`` (biased var) of an (N, C, ...) input: SyncBatchNorm's
+    local statistics, as ``torch.batch_norm_stats`` (which has no CPU kernel). Statistics are float32
+    (float64 for float64 input). Contiguous and channels-last inputs are read in place; others are copied.
+    """
+    _check_batch_norm_input("batch_norm_stats", input)
+    if input.device.type == "cuda":
+        return torch.batch_norm_stats(input, eps)
+    input = _channels_last_or_contiguous(input)
+    if input.device.type == "cpu" and _FAMILY.use_kernel():
+        return torch.ops.ampkit_norms.batch_norm_stats(input, eps)
+    return reference.batch_norm_stats(input, eps)
+
+
+def batch_norm_backward_reduce(
+    grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))`` for SyncBatchNorm's backward, by torch's kernels.
+
+    On CPU this is ``native_batch_norm_backward`` with only the weight/bias gradients requested (one
+    vectorised pass; ``sum_dy_xmu = grad_weight / invstd``), on CUDA ``torch.batch_norm_backward_reduce``.
+    """
+    _check_batch_norm_input("batch_norm_backward_reduce", input)
+    if grad_output.shape != input.shape or grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"batch_norm_backward_reduce: grad_output {list(grad_output.shape)} {grad_output.dtype} "
+            f"must match input {list(input.shape)} {input.dtype}"
+        )
+    if input.device.type == "cuda":
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            grad_output, input, mean, invstd, None, True, False, False
+        )
+        return sum_dy, sum_dy_xmu
+    _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+    )
+    return grad_bias, grad_weight / invstd

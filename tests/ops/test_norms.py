@@ -15,6 +15,8 @@ from ampkit.ops.norms import (
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
+    batch_norm_backward_reduce,
+    batch_norm_stats,
     fused_layer_norm,
     fused_layer_norm_affine,
     fused_rms_norm,
@@ -351,6 +353,74 @@ def test_public_names():
     for name in ("FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"):
         assert issubclass(getattr(norms, name), torch.nn.Module)
     assert set(norms.__all__) <= set(dir(norms))
+
+
+# -- SyncBatchNorm local statistics ----------------------------------------------------------------
+
+BN_CASES = [
+    ((8, 6, 9, 11), torch.contiguous_format),
+    ((8, 6, 9, 11), torch.channels_last),
+    ((3, 5, 2, 4, 3), torch.channels_last_3d),
+    ((300, 7), torch.contiguous_format),
+    ((4, 3, 17), torch.contiguous_format),
+    ((1, 2, 1, 1), torch.contiguous_format),
+]
+
+
+@pytest.mark.parametrize("shape,memory_format", BN_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_batch_norm_stats_match_float64_reference(shape, memory_format, dtype):
+    # A large common offset: a naive sum-of-squares formula loses the variance here.
+    x = (torch.randn(shape) * 2 + 1000).to(dtype).contiguous(memory_format=memory_format)
+    mean, invstd = batch_norm_stats(x, EPS)
+    mean_ref, invstd_ref = reference.batch_norm_stats(x.double(), EPS)
+    assert mean.dtype == invstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(mean.double(), mean_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(invstd.double(), invstd_ref, rtol=1e-4, atol=0)
+
+
+def test_batch_norm_stats_many_rows_and_odd_strides():
+    x = torch.randn(4099, 33)
+    torch.testing.assert_close(
+        batch_norm_stats(x, EPS), reference.batch_norm_stats(x.double(), EPS), check_dtype=False
+    )
+    strided = torch.randn(6, 10, 7)[:, ::2]  # neither contiguous nor channels-last: copied
+    torch.testing.assert_close(
+        batch_norm_stats(strided, EPS), reference.batch_norm_stats(strided.double(), EPS), check_dtype=False
+    )
+
+
+def test_batch_norm_stats_propagate_non_finite_per_channel():
+    x = torch.randn(4, 3, 5, 5)
+    x[2, 1, 4, 4] = float("nan")
+    mean, invstd = batch_norm_stats(x, EPS)
+    assert mean[1].isnan() and invstd[1].isnan()
+    assert mean[[0, 2]].isfinite().all() and invstd[[0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_batch_norm_backward_reduce_matches_reference(memory_format):
+    x = torch.randn(6, 5, 7, 3).contiguous(memory_format=memory_format)
+    dy = torch.randn(6, 5, 7, 3).contiguous(memory_format=memory_format)
+    mean, invstd = batch_norm_stats(x, EPS)
+    sum_dy, sum_dy_xmu = batch_norm_backward_reduce(dy, x, mean, invstd)
+    ref_dy, ref_dy_xmu = reference.batch_norm_backward_reduce(dy.double(), x.double(), mean.double())
+    torch.testing.assert_close(sum_dy.double(), ref_dy, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sum_dy_xmu.double(), ref_dy_xmu, rtol=1e-5, atol=1e-4)
+
+
+def test_batch_norm_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"batch_norm_stats: input must be \(N, C, ...\)"):
+        batch_norm_stats(torch.randn(5), EPS)
+    with pytest.raises(ValueError, match="at least one element"):
+        batch_norm_stats(torch.randn(0, 3, 2), EPS)
+    with pytest.raises(
+        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int32"
+    ):
+        batch_norm_stats(torch.ones(2, 3, dtype=torch.int32), EPS)
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="grad_output"):
+        batch_norm_backward_reduce(torch.randn(2, 3, 5), x, *batch_norm_stats(x, EPS))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

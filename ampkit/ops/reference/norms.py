@@ -54,3 +54,22 @@ def rms_norm(
     if weight is not None:
         y = y * weight.to(acc)
     return y.to(output_dtype or input.dtype)
+
+
+def batch_norm_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (dim 1) mean and ``1 / sqrt(biased var + eps)``, as ``torch.batch_norm_stats``."""
+    acc = _accumulate_dtype(input.dtype)
+    dims = [0, *range(2, input.dim())]
+    var, mean = torch.var_mean(input.to(acc), dims, correction=0)
+    return mean, torch.rsqrt(var + eps)
+
+
+def batch_norm_backward_reduce(
+    grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))``: what SyncBatchNorm all-reduces in backward."""
+    acc = _accumulate_dtype(input.dtype)
+    dims = [0, *range(2, input.dim())]
+    shape = [1, -1] + [1] * (input.dim() - 2)
+    dy = grad_output.to(acc)
+    return dy.sum(dims), (dy * (input.to(acc) - mean.to(acc).view(shape))).sum(dims)
