@@ -14,6 +14,10 @@ warm pages for both torch and ampkit, as with a caching allocator in a training 
 fresh 16-512 MB buffer pays ~0.3 ms/MB of page faults on both sides and the table measures the
 kernel's page-fault handler.
 
+SyncBatchNorm's local statistics (per-channel mean and invstd, NCHW and channels-last) are compared
+with ``torch.batch_norm_update_stats``, torch's only CPU kernel for them (``torch.batch_norm_stats`` is
+CUDA-only); bytes: the input, read once, against the read ceiling.
+
 Targets (issue 5): fp32 ratio >= 3x (LayerNorm) and >= 10x (RMSNorm), and >= 50% of the ceiling.
 """
 
@@ -34,11 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ampkit.ops.norms import fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
+from ampkit.ops.norms import batch_norm_stats, fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
 
 EPS = 1e-5
 SHAPES = ((8192, 1024), (32768, 4096))
 DTYPES = (torch.float32, torch.bfloat16)
+BN_SHAPES = ((64, 64, 56, 56), (32, 256, 14, 14))
 BIG = 1 << 26  # elements above which a case runs only a few timed calls (torch RMSNorm takes seconds)
 
 
@@ -87,6 +92,23 @@ def run(ctx) -> list[dict]:
                 torch_ms = ctx.time_ms(_fwd_bwd(kind, False, x, w, b, dy), **few)
                 rows.append(ctx.row("norms", f"{kind} fwd+bwd", baseline, size, ms, torch_ms, nbytes))
             del x, dy, w, b
+    rows += batch_norm_stats_rows(ctx)
+    return rows
+
+
+def batch_norm_stats_rows(ctx) -> list[dict]:
+    """SyncBatchNorm local statistics: ampkit's CPU kernel vs torch.batch_norm_update_stats."""
+    rows = []
+    for shape in BN_SHAPES[1:] if ctx.quick else BN_SHAPES:
+        for fmt, fmt_name in ((torch.contiguous_format, "NCHW"), (torch.channels_last, "NHWC")):
+            x = torch.randn(shape).contiguous(memory_format=fmt)
+            ms = ctx.time_ms(lambda x=x: batch_norm_stats(x, EPS))
+            torch_ms = ctx.time_ms(lambda x=x: torch.batch_norm_update_stats(x, None, None, 0.1))
+            size = f"{'x'.join(map(str, shape))} {fmt_name}"
+            rows.append(
+                ctx.row("norms", "SyncBN local stats", "batch_norm_update_stats", size, ms, torch_ms,
+                        x.numel() * 4, "read")
+            )  # fmt: skip
     return rows
 
 
