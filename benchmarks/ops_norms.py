@@ -54,7 +54,8 @@ def keep_freed_memory_warm() -> bool:
     except OSError:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+    int_max = 2**31 - 1  # mallopt takes a C int: larger values wrap (1 << 40 would become 0: always trim)
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, int_max))
 
 
 def _fwd_bwd(kind: str, fused: bool, x, w, b, dy) -> Callable[[], None]:
