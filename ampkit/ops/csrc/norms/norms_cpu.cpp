@@ -7,7 +7,6 @@
 // weight/bias gradients are summed into one acc_t partial row per chunk of rows, reduced at the end.
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <vector>
@@ -19,11 +18,10 @@ namespace ampkit {
 namespace norms {
 namespace {
 
-using at::Tensor;
-
-// Loops run on raw element types that gcc vectorizes: c10::Half and c10::BFloat16 convert through
-// class temporaries that block vectorization, so half is read as _Float16 (vcvtph2ps) and bfloat16 as
-// its uint16_t bits, rounded to nearest-even on store exactly as c10::BFloat16 does (NaN -> 0x7FC0).
+// Loops run on raw element types: c10::Half and c10::BFloat16 convert through class temporaries that
+// block vectorization, so bfloat16 is handled as its uint16_t bits (vectorized; rounded to nearest-even
+// on store exactly as c10::BFloat16 does, NaN -> 0x7FC0) and half as _Float16 (exact F16C conversions;
+// gcc vectorizes those only on CPUs with AVX512-FP16, so float16 rows run scalar elsewhere).
 template <typename T>
 struct RawOf {
   using type = T;
