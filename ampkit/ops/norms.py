@@ -1,0 +1,552 @@
+"""Fused LayerNorm and RMSNorm: autograd Functions, Apex-named functional forms and ``nn.Module``s.
+
+The kernels (``torch.ops.ampkit_norms.*``, C++ on CPU, CUDA where built) read each row once, keep the
+row statistics in float32 (float64 for float64 inputs) whatever the input dtype, and compute dx, dweight
+and dbias in one backward pass. Where the kernels are unavailable (no compiler, ``AMPKIT_OPS=reference``,
+a CUDA tensor without a CUDA build, tracing or ``torch.compile``) the same maths runs through
+:mod:`ampkit.ops.reference.norms`.
+
+Behaviour follows ``apex.normalization``:
+
+* modules default to ``eps=1e-5``, the functional forms to Apex's ``eps=1e-6``;
+* ``memory_efficient=True`` saves the output instead of the input and recomputes the normalized
+  values in backward as ``(y - bias) / weight`` (so a zero weight element gives non-finite gradients,
+  as in Apex);
+* ``Mixed*`` variants return the weight's dtype (bf16 input + fp32 weight -> fp32 output); the plain
+  ones return the input's dtype;
+* under autocast the inputs and parameters are cast to the autocast dtype and the kernel runs on
+  them with float32 statistics (Apex's ``_cast_if_autocast_enabled``).
+
+SyncBatchNorm's local statistics live here too: :func:`batch_norm_stats` (a CPU kernel; torch has
+none) and :func:`batch_norm_backward_reduce` (torch's own CPU/CUDA kernels, which are already
+single-pass).
+
+Inputs: float16/bfloat16/float32/float64; the weight (and bias) has the input's dtype or, for
+float16/bfloat16 inputs, float32. Non-contiguous inputs are accepted and made contiguous (one copy),
+as Apex does.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops.reference import norms as reference
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedLayerNormFunction",
+    "FusedRMSNorm",
+    "FusedRMSNormFunction",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "batch_norm_backward_reduce",
+    "batch_norm_stats",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+_FAMILY = register_family(
+    "ampkit_norms",
+    sources=[CSRC_DIR / "norms" / "norms_cpu.cpp", CSRC_DIR / "norms" / "batch_norm_stats_cpu.cpp"],
+    cuda_sources=[CSRC_DIR / "norms" / "norms_cuda.cu", CSRC_DIR / "norms" / "norms_cuda.cpp"],
+)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+ShapeLike = int | Sequence[int] | torch.Size
+
+
+def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    try:
+        shape = tuple(int(s) for s in normalized_shape)
+    except TypeError:
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        ) from None
+    if not shape:
+        raise ValueError("normalized_shape must name at least one dimension, got ()")
+    return shape
+
+
+def _check_inputs(
+    op: str,
+    input: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> None:
+    """Raise a clear error naming the bad argument; shared by the kernel and the reference path."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+    k = len(normalized_shape)
+    if input.dim() < k or tuple(input.shape[input.dim() - k :]) != normalized_shape:
+        raise ValueError(
+            f"{op}: normalized_shape {list(normalized_shape)} does not match the trailing dimensions "
+            f"of input with shape {list(input.shape)}"
+        )
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is None:
+            continue
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
+        if tuple(param.shape) != normalized_shape:
+            raise ValueError(
+                f"{op}: {name} has shape {list(param.shape)}, "
+                f"expected normalized_shape {list(normalized_shape)}"
+            )
+        if param.device != input.device:
+            raise ValueError(f"{op}: {name} is on {param.device} but input is on {input.device}")
+        allowed = (input.dtype, torch.float32) if input.dtype in _HALF_DTYPES else (input.dtype,)
+        if param.dtype not in allowed:
+            raise TypeError(
+                f"{op}: {name} dtype {param.dtype} does not fit input dtype {input.dtype}; "
+                f"use {' or '.join(str(d) for d in allowed)}"
+            )
+    if weight is not None and bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+
+
+def _use_kernel(input: torch.Tensor) -> bool:
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if input.device.type == "cpu":
+        return _FAMILY.use_kernel()
+    return _FAMILY.use_kernel() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "ampkit_norms::layer_norm_fwd", input.device.type.upper()
+    )
+
+
+def _autocast_args(*args: object) -> tuple:
+    """Apex's ``_cast_if_autocast_enabled``: cast floating tensors to the active autocast dtype."""
+    input = args[0]
+    device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+    if not torch.is_autocast_enabled(device_type):
+        return args
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        normalized_shape: tuple[int, ...],
+        eps: float,
+        memory_efficient: bool = False,
+        output_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        input = input.contiguous()
+        out, mean, rstd = torch.ops.ampkit_norms.layer_norm_fwd(
+            input, list(normalized_shape), weight, bias, eps, output_dtype
+        )
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.memory_efficient = memory_efficient
+        ctx.input_dtype = input.dtype
+        if memory_efficient:
+            ctx.save_for_backward(out, weight, bias, None, rstd)
+        else:
+            ctx.save_for_backward(input, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        saved, weight, bias, mean, rstd = ctx.saved_tensors
+        if mean is None:
+            mean = rstd.new_empty(0)
+        grad_input, grad_weight, grad_bias = torch.ops.ampkit_norms.layer_norm_bwd(
+            grad_output.contiguous(),
+            saved,
+            mean,
+            rstd,
+            ctx.normalized_shape,
+            weight,
+            bias,
+            ctx.memory_efficient,
+            ctx.input_dtype,
+        )
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """RMSNorm through the C++/CUDA kernels (``weight`` may be None; output dtype defaults to input's)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        normalized_shape: tuple[int, ...],
+        eps: float,
+        memory_efficient: bool = False,
+        output_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        input = input.contiguous()
+        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(
+            input, list(normalized_shape), weight, eps, output_dtype
+        )
+        ctx.normalized_shape = list(normalized_shape)
+        ctx.memory_efficient = memory_efficient
+        ctx.input_dtype = input.dtype
+        ctx.save_for_backward(out if memory_efficient else input, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        saved, weight, rstd = ctx.saved_tensors
+        grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(
+            grad_output.contiguous(),
+            saved,
+            rstd,
+            ctx.normalized_shape,
+            weight,
+            ctx.memory_efficient,
+            ctx.input_dtype,
+        )
+        return grad_input, grad_weight, None, None, None, None
+
+
+def _layer_norm(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_shape: ShapeLike,
+    eps: float,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
+    shape = _as_shape(normalized_shape)
+    input, weight, bias = _autocast_args(input, weight, bias)
+    _check_inputs(op, input, shape, weight, bias)
+    output_dtype = weight.dtype if mixed and weight is not None else None
+    with torch.autocast(input.device.type, enabled=False):
+        if _use_kernel(input):
+            return FusedLayerNormFunction.apply(
+                input, weight, bias, shape, eps, memory_efficient, output_dtype
+            )
+        return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
+
+
+def _rms_norm(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    normalized_shape: ShapeLike,
+    eps: float,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
+    shape = _as_shape(normalized_shape)
+    input, weight = _autocast_args(input, weight)
+    _check_inputs(op, input, shape, weight, None)
+    output_dtype = weight.dtype if mixed and weight is not None else None
+    with torch.autocast(input.device.type, enabled=False):
+        if _use_kernel(input):
+            return FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
+        return reference.rms_norm(input, shape, weight, eps, output_dtype)
+
+
+def fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    normalized_shape: ShapeLike,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """LayerNorm with a weight and bias; output in the input's dtype (Apex signature)."""
+    return _layer_norm(
+        "fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False
+    )
+
+
+def fused_layer_norm(
+    input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
+    """LayerNorm without affine parameters (Apex signature)."""
+    return _layer_norm("fused_layer_norm", input, None, None, normalized_shape, eps, memory_efficient, False)
+
+
+def mixed_dtype_fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    normalized_shape: ShapeLike,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """LayerNorm with a weight and bias; output in the weight's dtype (Apex signature)."""
+    return _layer_norm(
+        "mixed_dtype_fused_layer_norm_affine",
+        input,
+        weight,
+        bias,
+        normalized_shape,
+        eps,
+        memory_efficient,
+        True,
+    )
+
+
+def fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: ShapeLike,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """RMSNorm with a weight; output in the input's dtype (Apex signature)."""
+    return _rms_norm("fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, False)
+
+
+def fused_rms_norm(
+    input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
+    """RMSNorm without a weight (Apex signature)."""
+    return _rms_norm("fused_rms_norm", input, None, normalized_shape, eps, memory_efficient, False)
+
+
+def mixed_dtype_fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: ShapeLike,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
+    return _rms_norm(
+        "mixed_dtype_fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, True
+    )
+
+
+class FusedLayerNorm(nn.Module):
+    """``apex.normalization.FusedLayerNorm``: LayerNorm over the trailing ``normalized_shape`` dims.
+
+    Args:
+        normalized_shape: trailing shape to normalize over (an int means the last dimension).
+        eps: added to the variance. Default: 1e-5.
+        elementwise_affine: learn a per-element weight (init 1) and bias (init 0).
+        memory_efficient: save the output instead of the input for backward.
+
+    Example:
+        >>> norm = FusedLayerNorm(16)
+        >>> norm(torch.randn(4, 16)).shape
+        torch.Size([4, 16])
+    """
+
+    _mixed = False
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        return _layer_norm(
+            name,
+            input,
+            self.weight,
+            self.bias,
+            self.normalized_shape,
+            self.eps,
+            self.memory_efficient,
+            self._mixed,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"memory_efficient={self.memory_efficient}"
+        )
+
+
+class FusedRMSNorm(nn.Module):
+    """``apex.normalization.FusedRMSNorm``: ``x / sqrt(mean(x**2) + eps) * weight`` over ``normalized_shape``.
+
+    Args:
+        normalized_shape: trailing shape to normalize over (an int means the last dimension).
+        eps: added to the mean square. Default: 1e-5.
+        elementwise_affine: learn a per-element weight (init 1).
+        memory_efficient: save the output instead of the input for backward.
+    """
+
+    _mixed = False
+
+    def __init__(
+        self,
+        normalized_shape: ShapeLike,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_as_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        return _rms_norm(
+            name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"memory_efficient={self.memory_efficient}"
+        )
+
+
+def _mixed_affine_only(cls_name: str, kwargs: dict) -> dict:
+    """Apex's Mixed modules are always affine: warn on ``elementwise_affine``, refuse False."""
+    if "elementwise_affine" in kwargs:
+        warnings.warn(f"{cls_name} does not support `elementwise_affine` argument", stacklevel=3)
+        if not kwargs.pop("elementwise_affine"):
+            raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
+    return kwargs
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """``apex.normalization.MixedFusedLayerNorm``: always affine; output in the weight's dtype."""
+
+    _mixed = True
+
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
+        kwargs = _mixed_affine_only(type(self).__name__, kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
+        )
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """``apex.normalization.MixedFusedRMSNorm``: always affine; output in the weight's dtype."""
+
+    _mixed = True
+
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
+        kwargs = _mixed_affine_only(type(self).__name__, kwargs)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
+        )
+
+
+def _check_batch_norm_input(op: str, input: torch.Tensor) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+    if input.dim() < 2 or input.numel() == 0:
+        raise ValueError(
+            f"{op}: input must be (N, C, ...) with at least one element, got shape {list(input.shape)}"
+        )
+
+
+def _channels_last_or_contiguous(input: torch.Tensor) -> torch.Tensor:
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if input.is_contiguous() or (
+        input.dim() in formats and input.is_contiguous(memory_format=formats[input.dim()])
+    ):
+        return input
+    return input.contiguous()
+
+
+def batch_norm_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and ``1 / sqrt(var + eps)`` (biased var) of an (N, C, ...) input: SyncBatchNorm's
+    local statistics, as ``torch.batch_norm_stats`` (which has no CPU kernel). Statistics are float32
+    (float64 for float64 input). Contiguous and channels-last inputs are read in place; others are copied.
+    """
+    _check_batch_norm_input("batch_norm_stats", input)
+    if input.device.type == "cuda":
+        return torch.batch_norm_stats(input, eps)
+    input = _channels_last_or_contiguous(input)
+    if input.device.type == "cpu" and _FAMILY.use_kernel():
+        return torch.ops.ampkit_norms.batch_norm_stats(input, eps)
+    return reference.batch_norm_stats(input, eps)
+
+
+def batch_norm_backward_reduce(
+    grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))`` for SyncBatchNorm's backward, by torch's kernels.
+
+    On CPU this is ``native_batch_norm_backward`` with only the weight/bias gradients requested (one
+    vectorised pass; ``sum_dy_xmu = grad_weight / invstd``), on CUDA ``torch.batch_norm_backward_reduce``.
+    """
+    _check_batch_norm_input("batch_norm_backward_reduce", input)
+    if grad_output.shape != input.shape or grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"batch_norm_backward_reduce: grad_output {list(grad_output.shape)} {grad_output.dtype} "
+            f"must match input {list(input.shape)} {input.dtype}"
+        )
+    if input.device.type == "cuda":
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+            grad_output, input, mean, invstd, None, True, False, False
+        )
+        return sum_dy, sum_dy_xmu
+    _, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+        grad_output, input, None, None, None, mean, invstd, True, 0.0, [False, True, True]
+    )
+    return grad_bias, grad_weight / invstd

@@ -1,0 +1,460 @@
+"""Fused LayerNorm/RMSNorm kernels against the pure-PyTorch reference computed in float64.
+
+Every test runs with ``AMPKIT_OPS=kernel`` (a broken build fails instead of silently testing the
+reference against itself), on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampkit.ops import norms
+from ampkit.ops.norms import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
+    batch_norm_backward_reduce,
+    batch_norm_stats,
+    fused_layer_norm,
+    fused_layer_norm_affine,
+    fused_rms_norm,
+    fused_rms_norm_affine,
+    mixed_dtype_fused_layer_norm_affine,
+    mixed_dtype_fused_rms_norm_affine,
+)
+from ampkit.ops.reference import norms as reference
+
+EPS = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def _weight(shape, dtype=torch.float32):
+    """Weights bounded away from zero, so memory_efficient's (y - b) / w stays well conditioned."""
+    magnitude = torch.rand(shape, dtype=torch.float64) + 0.5
+    sign = torch.randint(0, 2, shape, dtype=torch.float64) * 2 - 1
+    return (magnitude * sign).to(dtype)
+
+
+def _run(kind, x, w, b, normalized_shape, memory_efficient=False, mixed=False):
+    """Forward + backward through ampkit's fused op; returns (y, dy, grads of x, w, b)."""
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_() if w is not None else None
+    b = b.detach().requires_grad_() if b is not None else None
+    if kind == "layer":
+        if w is None:
+            y = fused_layer_norm(x, normalized_shape, EPS, memory_efficient)
+        elif mixed:
+            y = mixed_dtype_fused_layer_norm_affine(x, w, b, normalized_shape, EPS, memory_efficient)
+        else:
+            y = fused_layer_norm_affine(x, w, b, normalized_shape, EPS, memory_efficient)
+    else:
+        if w is None:
+            y = fused_rms_norm(x, normalized_shape, EPS, memory_efficient)
+        elif mixed:
+            y = mixed_dtype_fused_rms_norm_affine(x, w, normalized_shape, EPS, memory_efficient)
+        else:
+            y = fused_rms_norm_affine(x, w, normalized_shape, EPS, memory_efficient)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    return y.detach(), dy, (x.grad, None if w is None else w.grad, None if b is None else b.grad)
+
+
+def _reference64(kind, x, w, b, normalized_shape, dy):
+    """The reference in float64: output and grads of x, w, b."""
+    x = x.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_() if w is not None else None
+    b = b.detach().double().requires_grad_() if b is not None else None
+    if kind == "layer":
+        y = reference.layer_norm(x, normalized_shape, w, b, EPS)
+    else:
+        y = reference.rms_norm(x, normalized_shape, w, EPS)
+    y.backward(dy.double())
+    return y.detach(), (x.grad, None if w is None else w.grad, None if b is None else b.grad)
+
+
+def _assert_matches(kind, x, w, b, normalized_shape, tol, memory_efficient=False, mixed=False):
+    if kind == "rms":
+        b = None
+    y, dy, grads = _run(kind, x, w, b, normalized_shape, memory_efficient, mixed)
+    y_ref, grads_ref = _reference64(kind, x, w, b, normalized_shape, dy)
+    expected_dtype = w.dtype if mixed else x.dtype
+    assert y.dtype == expected_dtype and y.shape == x.shape
+    torch.testing.assert_close(y.double(), y_ref, **tol["y"])
+    names = ("grad_input", "grad_weight", "grad_bias")
+    for name, got, want, like in zip(names, grads, grads_ref, (x, w, b), strict=True):
+        if like is None:
+            continue
+        assert got is not None and got.dtype == like.dtype, name
+        # Weight/bias grads sum over rows: scale the tolerance by the number of rows.
+        rows = x.numel() // like.numel() if name != "grad_input" else 1
+        atol = tol["grad"]["atol"] * max(1.0, rows**0.5)
+        torch.testing.assert_close(got.double(), want, rtol=tol["grad"]["rtol"], atol=atol, msg=name)
+
+
+FP32_TOL = {"y": {"rtol": 1e-5, "atol": 1e-5}, "grad": {"rtol": 1e-4, "atol": 1e-4}}
+
+SHAPES = [
+    ((4, 1), (1,)),
+    ((6, 3), (3,)),
+    ((5, 1000), (1000,)),
+    ((3, 1023), (1023,)),
+    ((2, 3, 17), (3, 17)),
+    ((1037, 31), (31,)),
+    ((7,), (7,)),
+]
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("shape,normalized_shape", SHAPES)
+@pytest.mark.parametrize("affine", [True, False])
+def test_fp32_matches_float64_reference(kind, shape, normalized_shape, affine):
+    x = torch.randn(shape) * 3 + 1
+    w = _weight(normalized_shape) if affine else None
+    b = torch.randn(normalized_shape) if affine else None
+    _assert_matches(kind, x, w, b, normalized_shape, FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_memory_efficient_matches_float64_reference(kind, affine):
+    x = torch.randn(33, 257)
+    w = _weight((257,)) if affine else None
+    b = torch.randn(257) if affine else None
+    _assert_matches(kind, x, w, b, (257,), FP32_TOL, memory_efficient=True)
+
+
+HALF_TOL = {
+    torch.float16: {"y": {"rtol": 2e-3, "atol": 2e-3}, "grad": {"rtol": 4e-3, "atol": 4e-3}},
+    torch.bfloat16: {"y": {"rtol": 1.6e-2, "atol": 1.6e-2}, "grad": {"rtol": 3e-2, "atol": 3e-2}},
+}
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", ["same", torch.float32])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_half_inputs_accumulate_in_fp32(kind, dtype, weight_dtype, mixed):
+    weight_dtype = dtype if weight_dtype == "same" else weight_dtype
+    x = (torch.randn(65, 515) * 2).to(dtype)
+    w = _weight((515,), weight_dtype)
+    b = torch.randn(515).to(weight_dtype)
+    tol = HALF_TOL[dtype]
+    if mixed and weight_dtype == torch.float32:
+        # fp32 output: only the inputs were rounded, so the output is as exact as fp32's.
+        tol = {"y": FP32_TOL["y"], "grad": tol["grad"]}
+    _assert_matches(kind, x, w, b, (515,), tol, mixed=mixed)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_efficient_equals_plain(kind, dtype):
+    x = torch.randn(40, 96).to(dtype)
+    w = _weight((96,), dtype)
+    b = torch.randn(96).to(dtype) if kind == "layer" else None
+    y0, dy, g0 = _run(kind, x, w, b, (96,), memory_efficient=False)
+    x1, w1 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b1 = b.detach().requires_grad_() if b is not None else None
+    if kind == "layer":
+        y1 = fused_layer_norm_affine(x1, w1, b1, 96, EPS, memory_efficient=True)
+    else:
+        y1 = fused_rms_norm_affine(x1, w1, 96, EPS, memory_efficient=True)
+    y1.backward(dy)
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    # Recomputing xhat from the rounded output costs precision in bf16, not in fp32.
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    for got, want in zip((x1.grad, w1.grad, None if b1 is None else b1.grad), g0, strict=True):
+        if want is not None:
+            torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_gradcheck_float64(memory_efficient):
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    w = _weight((3, 5), torch.float64).requires_grad_()
+    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    shape = (3, 5)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: fused_layer_norm_affine(x, w, b, shape, EPS, memory_efficient), (x, w, b)
+    )
+    assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, shape, EPS, memory_efficient), (x,))
+    assert torch.autograd.gradcheck(
+        lambda x, w: fused_rms_norm_affine(x, w, shape, EPS, memory_efficient), (x, w)
+    )
+    assert torch.autograd.gradcheck(lambda x: fused_rms_norm(x, shape, EPS, memory_efficient), (x,))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_non_contiguous_input_is_made_contiguous(kind):
+    base = torch.randn(64, 2 * 129)
+    x = base[:, ::2]
+    assert not x.is_contiguous()
+    w, b = _weight((129,)), torch.randn(129)
+    _assert_matches(kind, x, w, b, (129,), FP32_TOL)
+    transposed = torch.randn(129, 50).t()
+    _assert_matches(kind, transposed, w, b, (129,), FP32_TOL)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_non_finite_input_poisons_only_its_row(kind, bad, position):
+    n = 37
+    x = torch.randn(5, n)
+    col = {"first": 0, "middle": n // 2, "last": n - 1}[position]
+    x[2, col] = bad
+    w, b = _weight((n,)), torch.randn(n) if kind == "layer" else None
+    y, dy, (dx, dw, db) = _run(kind, x, w, b, (n,))
+    y_ref, (dx_ref, dw_ref, db_ref) = _reference64(kind, x, w, b, (n,), dy)
+    clean = [0, 1, 3, 4]
+    torch.testing.assert_close(y[clean].double(), y_ref[clean], **FP32_TOL["y"])
+    torch.testing.assert_close(dx[clean].double(), dx_ref[clean], **FP32_TOL["grad"])
+    # The poisoned row is non-finite exactly where the reference's is, and so are the param grads.
+    assert torch.equal(y[2].isfinite(), y_ref[2].isfinite())
+    assert not y[2].isfinite().all()
+    assert torch.equal(dw.isfinite(), dw_ref.isfinite())
+    if db is not None:
+        torch.testing.assert_close(db.double(), db_ref, **FP32_TOL["grad"])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_empty_batch(kind):
+    x = torch.randn(0, 8)
+    w, b = _weight((8,)), torch.randn(8)
+    y, _, (dx, dw, db) = _run(kind, x, w, b if kind == "layer" else None, (8,))
+    assert y.shape == (0, 8) and dx.shape == (0, 8)
+    assert torch.equal(dw, torch.zeros(8))
+    if kind == "layer":
+        assert torch.equal(db, torch.zeros(8))
+
+
+def test_many_rows_split_across_threads():
+    x = torch.randn(4099, 64)
+    w, b = _weight((64,)), torch.randn(64)
+    for kind in ("layer", "rms"):
+        _assert_matches(kind, x, w, b, (64,), FP32_TOL)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_wrong_normalized_shape_is_named():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"normalized_shape \[5\] does not match .*\[4, 6\]"):
+        fused_layer_norm(x, 5)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        fused_rms_norm(x, (2, 4, 6))
+    with pytest.raises(ValueError, match="at least one dimension"):
+        fused_layer_norm(x, ())
+
+
+def test_bad_weight_and_bias_are_named():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"weight has shape \[5\]"):
+        fused_layer_norm_affine(x, torch.ones(5), torch.zeros(6), 6)
+    with pytest.raises(ValueError, match=r"bias has shape \[3\]"):
+        fused_layer_norm_affine(x, torch.ones(6), torch.zeros(3), 6)
+    with pytest.raises(TypeError, match="weight dtype torch.float16 does not fit input dtype torch.float32"):
+        fused_rms_norm_affine(x, torch.ones(6, dtype=torch.float16), 6)
+    with pytest.raises(TypeError, match="weight dtype torch.bfloat16 does not fit input dtype torch.float16"):
+        fused_layer_norm_affine(x.half(), torch.ones(6, dtype=torch.bfloat16), None, 6)
+    with pytest.raises(TypeError, match="bias dtype torch.float16 differs from weight dtype torch.float32"):
+        fused_layer_norm_affine(x.half(), torch.ones(6), torch.zeros(6, dtype=torch.float16), 6)
+    with pytest.raises(ValueError, match="weight is on meta but input is on cpu"):
+        fused_layer_norm_affine(x, torch.ones(6, device="meta"), None, 6)
+
+
+def test_non_float_input_is_named():
+    with pytest.raises(
+        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int64"
+    ):
+        fused_layer_norm(torch.ones(3, 4, dtype=torch.int64), 4)
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        FusedRMSNorm(4)([1.0, 2.0, 3.0, 4.0])
+
+
+# -- modules --------------------------------------------------------------------------------------
+
+
+def test_modules_have_apex_defaults_and_torch_compatible_state():
+    ln = FusedLayerNorm([3, 5])
+    assert ln.eps == 1e-5 and ln.elementwise_affine and not ln.memory_efficient
+    assert ln.normalized_shape == torch.Size([3, 5])
+    assert torch.equal(ln.weight, torch.ones(3, 5)) and torch.equal(ln.bias, torch.zeros(3, 5))
+    torch_ln = torch.nn.LayerNorm([3, 5], eps=1e-5)
+    torch_ln.load_state_dict(ln.state_dict())
+    rms = FusedRMSNorm(5, elementwise_affine=False)
+    assert rms.weight is None and list(rms.parameters()) == []
+    x = torch.randn(2, 3, 5)
+    torch.testing.assert_close(ln(x), torch_ln(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rms(x), torch.nn.functional.rms_norm(x, (5,), eps=1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_modules_output_weight_dtype():
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    for mixed_cls, plain_cls in ((MixedFusedLayerNorm, FusedLayerNorm), (MixedFusedRMSNorm, FusedRMSNorm)):
+        assert mixed_cls(16)(x).dtype == torch.float32
+        assert plain_cls(16)(x).dtype == torch.bfloat16
+        with pytest.warns(UserWarning, match="does not support `elementwise_affine`"):
+            mixed_cls(16, elementwise_affine=True)
+        with pytest.raises(RuntimeError, match="elementwise_affine = False"), pytest.warns(UserWarning):
+            mixed_cls(16, elementwise_affine=False)
+
+
+def test_module_memory_efficient_trains_like_plain():
+    x = torch.randn(12, 40)
+    plain, lean = FusedLayerNorm(40), FusedLayerNorm(40, memory_efficient=True)
+    with torch.no_grad():
+        plain.weight.copy_(_weight((40,)))
+        lean.weight.copy_(plain.weight)
+    for m in (plain, lean):
+        m(x).square().sum().backward()
+    torch.testing.assert_close(lean.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lean.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_autocast_runs_in_autocast_dtype_like_apex():
+    ln = FusedLayerNorm(32)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ln(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert ln.weight.grad is not None and ln.weight.grad.dtype == torch.float32
+
+
+def test_reference_mode_gives_the_same_results(monkeypatch):
+    x = torch.randn(10, 48)
+    w, b = _weight((48,)), torch.randn(48)
+    for kind in ("layer", "rms"):
+        bb = b if kind == "layer" else None
+        y_kernel, dy, g_kernel = _run(kind, x, w, bb, (48,))
+        monkeypatch.setenv("AMPKIT_OPS", "reference")
+        x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
+        b_ref = bb.clone().requires_grad_() if bb is not None else None
+        if kind == "layer":
+            y_ref = fused_layer_norm_affine(x_ref, w_ref, b_ref, 48, EPS)
+        else:
+            y_ref = fused_rms_norm_affine(x_ref, w_ref, 48, EPS)
+        assert y_ref.grad_fn is not None and "Fused" not in type(y_ref.grad_fn).__name__
+        y_ref.backward(dy)
+        monkeypatch.setenv("AMPKIT_OPS", "kernel")
+        torch.testing.assert_close(y_ref, y_kernel, rtol=1e-5, atol=1e-5)
+        for got, want in zip((x_ref.grad, w_ref.grad), g_kernel[:2], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_public_names():
+    for name in ("FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"):
+        assert issubclass(getattr(norms, name), torch.nn.Module)
+    assert set(norms.__all__) <= set(dir(norms))
+
+
+# -- SyncBatchNorm local statistics ----------------------------------------------------------------
+
+BN_CASES = [
+    ((8, 6, 9, 11), torch.contiguous_format),
+    ((8, 6, 9, 11), torch.channels_last),
+    ((3, 5, 2, 4, 3), torch.channels_last_3d),
+    ((300, 7), torch.contiguous_format),
+    ((4, 3, 17), torch.contiguous_format),
+    ((1, 2, 1, 1), torch.contiguous_format),
+]
+
+
+@pytest.mark.parametrize("shape,memory_format", BN_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_batch_norm_stats_match_float64_reference(shape, memory_format, dtype):
+    # A large common offset: a naive sum-of-squares formula loses the variance here.
+    x = (torch.randn(shape) * 2 + 1000).to(dtype).contiguous(memory_format=memory_format)
+    mean, invstd = batch_norm_stats(x, EPS)
+    mean_ref, invstd_ref = reference.batch_norm_stats(x.double(), EPS)
+    assert mean.dtype == invstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(mean.double(), mean_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(invstd.double(), invstd_ref, rtol=1e-4, atol=0)
+
+
+def test_batch_norm_stats_many_rows_and_odd_strides():
+    x = torch.randn(4099, 33)
+    torch.testing.assert_close(
+        batch_norm_stats(x, EPS), reference.batch_norm_stats(x.double(), EPS), check_dtype=False
+    )
+    strided = torch.randn(6, 10, 7)[:, ::2]  # neither contiguous nor channels-last: copied
+    torch.testing.assert_close(
+        batch_norm_stats(strided, EPS), reference.batch_norm_stats(strided.double(), EPS), check_dtype=False
+    )
+
+
+def test_batch_norm_stats_propagate_non_finite_per_channel():
+    x = torch.randn(4, 3, 5, 5)
+    x[2, 1, 4, 4] = float("nan")
+    mean, invstd = batch_norm_stats(x, EPS)
+    assert mean[1].isnan() and invstd[1].isnan()
+    assert mean[[0, 2]].isfinite().all() and invstd[[0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_batch_norm_backward_reduce_matches_reference(memory_format):
+    x = torch.randn(6, 5, 7, 3).contiguous(memory_format=memory_format)
+    dy = torch.randn(6, 5, 7, 3).contiguous(memory_format=memory_format)
+    mean, invstd = batch_norm_stats(x, EPS)
+    sum_dy, sum_dy_xmu = batch_norm_backward_reduce(dy, x, mean, invstd)
+    ref_dy, ref_dy_xmu = reference.batch_norm_backward_reduce(dy.double(), x.double(), mean.double())
+    torch.testing.assert_close(sum_dy.double(), ref_dy, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sum_dy_xmu.double(), ref_dy_xmu, rtol=1e-5, atol=1e-4)
+
+
+def test_batch_norm_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"batch_norm_stats: input must be \(N, C, ...\)"):
+        batch_norm_stats(torch.randn(5), EPS)
+    with pytest.raises(ValueError, match="at least one element"):
+        batch_norm_stats(torch.randn(0, 3, 2), EPS)
+    with pytest.raises(
+        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int32"
+    ):
+        batch_norm_stats(torch.ones(2, 3, dtype=torch.int32), EPS)
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="grad_output"):
+        batch_norm_backward_reduce(torch.randn(2, 3, 5), x, *batch_norm_stats(x, EPS))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu_kernel(kind, dtype):
+    x = torch.randn(300, 1000).to(dtype)
+    w, b = _weight((1000,), dtype), torch.randn(1000).to(dtype)
+    b = b if kind == "layer" else None
+    y_cpu, dy, g_cpu = _run(kind, x, w, b, (1000,))
+    y_gpu, _, g_gpu = _run_on_cuda(kind, x, w, b, dy)
+    tol = FP32_TOL["grad"] if dtype == torch.float32 else HALF_TOL[dtype]["grad"]
+    torch.testing.assert_close(y_gpu.cpu(), y_cpu, **tol)
+    for got, want in zip(g_gpu, g_cpu, strict=True):
+        if want is not None:
+            torch.testing.assert_close(got.cpu(), want, rtol=tol["rtol"], atol=tol["atol"] * 20)
+
+
+def _run_on_cuda(kind, x, w, b, dy):
+    x = x.cuda().requires_grad_()
+    w = w.cuda().requires_grad_()
+    b = b.cuda().requires_grad_() if b is not None else None
+    if kind == "layer":
+        y = fused_layer_norm_affine(x, w, b, x.shape[-1], EPS)
+    else:
+        y = fused_rms_norm_affine(x, w, x.shape[-1], EPS)
+    assert "Fused" in type(y.grad_fn).__name__, "CUDA path fell back to the reference"
+    y.backward(dy.cuda())
+    return y.detach(), dy, (x.grad, w.grad, None if b is None else b.grad)
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = _weight((8,), torch.float64).requires_grad_()
+    (grad_x,) = torch.autograd.grad(fused_rms_norm_affine(x, w, 8).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        grad_x.sum().backward()
