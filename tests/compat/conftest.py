@@ -1,9 +1,14 @@
 """Every Apex API test starts and ends with amp uninitialized, as in a fresh process."""
 
+import os
+import sys
+
 import pytest
 import torch
 
 from ampkit.compat import amp
+
+sys.path.insert(0, os.path.dirname(__file__))  # apex_test_helpers (pytest runs in importlib mode)
 
 
 @pytest.fixture(autouse=True)
