@@ -99,7 +99,7 @@ class BenchContext:
         return self.compare_ms(fn, min_time_s=min_time_s, min_iters=min_iters)[0]
 
     def compare_ms(
-        self, *fns: Callable[[], object], min_time_s: float = 0.5, min_iters: int = 5
+        self, *fns: Callable[[], object], min_time_s: float = 1.0, min_iters: int = 5
     ) -> list[float]:
         """Best wall time in ms of each fn, calls interleaved (a, b, a, b, ...) so that every candidate
         sees the same machine load; use it for an ampkit-vs-torch pair."""
