@@ -109,6 +109,15 @@ def test_matches_torch_optim_over_100_fp32_steps(case):
     assert rel_diff(a, b) <= 1e-6
 
 
+@pytest.mark.parametrize("case", ["adamw", "sgd_nesterov", "rmsprop_centered_momentum"])
+def test_float64_params_match_torch_optim_to_rounding(case):
+    make_ours, make_theirs = TORCH_PAIRS[case]
+    a = make_params(torch.float64)
+    b = clone_params(a)
+    run_side_by_side(make_ours(a), make_theirs(b), a, b, steps=20)
+    assert rel_diff(a, b) <= 1e-13
+
+
 def test_param_groups_keep_their_own_hyperparameters():
     a = make_params()
     b = clone_params(a)

@@ -154,3 +154,17 @@ def test_bad_arguments_are_named(kwargs, error, message):
 def test_torch_optimizer_is_rejected():
     with pytest.raises(TypeError, match="ampkit fused optimizer"):
         fused_unscale_clip_step_(torch.optim.AdamW(make_params()), 1.0, 1.0)
+
+
+def test_strided_gradients_match_the_unfused_sequence():
+    a = [torch.nn.Parameter(torch.randn(13, 7))]
+    b = twin(a)
+    fused, unfused = FusedAdam(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, weight_decay=0.0)
+    for _ in range(3):
+        g = torch.randn(7, 13).t() * SCALE  # the parameter's shape with transposed strides
+        a[0].grad, b[0].grad = g, g.clone()
+        fused_unscale_clip_step_(fused, 1.0 / SCALE, 1.0)
+        b[0].grad.mul_(1.0 / SCALE)
+        torch.nn.utils.clip_grad_norm_(b, 1.0)
+        unfused.step()
+    assert rel_diff(a, b) <= 1e-6
