@@ -5,9 +5,9 @@ that registers its ops with ``TORCH_LIBRARY(<family>, m)``; once loaded they liv
 ``torch.ops.<family>.*``. The library is compiled on first use with torch's extension tooling (ninja)
 and cached across processes in ``$AMPKIT_EXTENSIONS_DIR`` (default: torch's extension root,
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) under a directory keyed by a hash of the
-sources, headers, flags, torch/Python versions and the CPU's feature flags (we build with
-``-march=native``), so an edited header or another machine never reuses a stale binary. A warm load
-is a plain ``dlopen`` of the cached library (no ninja run).
+sources, every header under their csrc root, the flags, torch/Python versions and the CPU's feature
+flags (we build with ``-march=native``), so an edited header or another machine never reuses a stale
+binary. A warm load is a plain ``dlopen`` of the cached library (no ninja run).
 
 ``AMPKIT_OPS`` selects the implementation, read at every call so tests can switch it:
 
@@ -200,9 +200,9 @@ def _build_key(sources: Sequence[Path], with_cuda: bool) -> str:
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     files = {Path(s).resolve() for s in sources}
-    for source in list(files):  # headers live beside the sources and in csrc/common
-        files.update(p.resolve() for p in source.parent.glob("*.h"))
-    files.update(p.resolve() for p in (CSRC_DIR / "common").glob("*.h"))
+    for source in list(files):  # a family may include headers from anywhere under its csrc root
+        files.update(p.resolve() for p in source.parent.parent.rglob("*.h"))
+        files.update(p.resolve() for p in source.parent.parent.rglob("*.cuh"))
     for path in sorted(files):
         digest.update(str(path.name).encode())
         digest.update(path.read_bytes())

@@ -9,7 +9,8 @@ kernels on GPU) or, with ``AMPKIT_OPS=reference`` or no compiler, the pure-PyTor
   into fp32 master grads). Math runs in float32 (float64 if either side is float64).
 * Non-contiguous tensors give the correct result: inputs are read through a contiguous copy and
   outputs written through a scratch buffer that is copied back (one extra pass; grads and params
-  are contiguous in practice, so the hot path never pays it).
+  are contiguous in practice, so the hot path never pays it). An output may be the very tensor an
+  input is (in place) but must not partially overlap one.
 * ``found_inf`` is a one-element float32 or int32 tensor on the tensors' device, like torch's
   ``found_inf`` (float) or Apex's ``noop_flag`` (int). Ops set it to 1 when they see a non-finite
   value and never clear it, so one flag can collect several calls; the ops here do not skip work
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops._build import CSRC_DIR, ops_mode, register_family
 from ampkit.ops.reference import multi_tensor as reference
 
 __all__ = ["L2Norm", "axpby_", "combine_", "l2norm", "scale_", "unscale_l2norm"]
@@ -48,20 +49,30 @@ class L2Norm(NamedTuple):
 
 
 def _kernel_runs_on(device: torch.device) -> bool:
+    """True when the compiled ops serve this device (CPU always; CUDA if the build included it)."""
+    if device.type not in ("cpu", "cuda") or not _FAMILY.use_kernel():
+        return False
     if device.type == "cpu":
-        return _FAMILY.use_kernel()
-    if device.type == "cuda":
-        return _FAMILY.use_kernel() and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "ampkit_multi_tensor::scale_", "CUDA"
+        return True
+    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("ampkit_multi_tensor::scale_", "CUDA")
+    if not has_cuda and ops_mode() == "kernel":
+        raise RuntimeError(
+            "ampkit: ampkit_multi_tensor was built without CUDA kernels (no CUDA toolkit at build time) "
+            "and AMPKIT_OPS=kernel forbids the reference fallback"
         )
-    return False
+    return has_cuda
 
 
 def _run(kernel_name: str, reference_op, kernel_args: tuple, reference_args: tuple):
-    """Run the kernel; if the dispatcher has none for these tensors' backends (e.g. a meta tensor in
-    a CPU list), run the reference, which raises an error naming the offending argument."""
+    """Run the kernel (outside autograd: these ops update grads and params in place); if the
+    dispatcher has none for these tensors' backends (e.g. a meta tensor in a CPU list), run the
+    reference, which raises an error naming the offending argument."""
+    op = getattr(torch.ops.ampkit_multi_tensor, kernel_name)
     try:
-        return getattr(torch.ops.ampkit_multi_tensor, kernel_name)(*kernel_args)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return op(*kernel_args)
+        return op(*kernel_args)
     except NotImplementedError:
         return reference_op(*reference_args)
 
@@ -82,7 +93,6 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
     return float(value)
 
 
-@torch.no_grad()
 def scale_(
     inputs: Sequence[torch.Tensor],
     factor: float | torch.Tensor,
@@ -104,7 +114,6 @@ def scale_(
         reference.scale_(inputs, outputs, factor, found_inf)
 
 
-@torch.no_grad()
 def axpby_(
     a: float,
     x: Sequence[torch.Tensor],
@@ -128,7 +137,6 @@ def axpby_(
         reference.axpby_(a, x, b, y, out, found_inf, arg_to_check)
 
 
-@torch.no_grad()
 def combine_(
     new: Sequence[torch.Tensor],
     stash: Sequence[torch.Tensor | None] | None,
@@ -152,7 +160,6 @@ def combine_(
         reference.combine_(new, stash, out, inv_scale, found_inf)
 
 
-@torch.no_grad()
 def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Norm:
     """L2 norm of all tensors together (and of each, if ``per_tensor``), accumulated in float32 or better.
 
@@ -168,7 +175,6 @@ def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Nor
     return L2Norm(total, per if per_tensor else None)
 
 
-@torch.no_grad()
 def unscale_l2norm(
     inputs: Sequence[torch.Tensor],
     inv_scale: float | torch.Tensor,

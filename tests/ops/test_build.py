@@ -76,8 +76,11 @@ def test_invalid_mode_names_the_valid_ones(monkeypatch):
 
 
 def test_cache_key_follows_header_edits(tmp_path):
-    source = tmp_path / "op.cpp"
-    header = tmp_path / "op.h"
+    """Any header under the family's csrc root (here csrc/common/) is part of the cache key."""
+    (tmp_path / "csrc" / "family").mkdir(parents=True)
+    (tmp_path / "csrc" / "common").mkdir()
+    source = tmp_path / "csrc" / "family" / "op.cpp"
+    header = tmp_path / "csrc" / "common" / "op.h"
     source.write_text("int f();\n")
     header.write_text("#define A 1\n")
     before = _build.extension_dir("ampkit_x", [source], with_cuda=False)

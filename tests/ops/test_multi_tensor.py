@@ -268,16 +268,16 @@ def ones(n=3, dtype=torch.float32, device="cpu"):
 BAD_CALLS = {
     "length": (
         lambda: mt.scale_([ones()] * 2, 2.0, flag(), out=[ones()]),
-        r"`outputs` has 1 tensors but `inputs` has 2",
+        r"`out` has 1 tensors but `inputs` has 2",
     ),
     "dtype": (lambda: mt.scale_([ones(), ones(dtype=torch.int64)], 2.0, flag()), r"`inputs\[1\]` has dtype"),
     "numel": (
         lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(4)]),
-        r"`outputs\[0\]` has 4 elements but the matching input has 3",
+        r"`out\[0\]` has 4 elements but the matching input has 3",
     ),
     "device": (
         lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(device="meta")]),
-        r"`outputs\[0\]` is on meta",
+        r"`out\[0\]` is on meta",
     ),
     "flag_size": (
         lambda: mt.scale_([ones()], 2.0, torch.zeros(2)),
@@ -307,7 +307,7 @@ BAD_CALLS = {
     "norm_dtype": (lambda: mt.l2norm([ones(), ones(2, dtype=torch.int32)]), r"`inputs\[1\]` has dtype"),
     "norm_out_length": (
         lambda: mt.unscale_l2norm([ones()], 1.0, flag(), out=[ones(), ones()]),
-        r"`outputs` has 2 tensors but `inputs` has 1",
+        r"`out` has 2 tensors but `inputs` has 1",
     ),
 }
 
@@ -323,3 +323,64 @@ def test_bad_input_names_the_argument(case):
 def test_a_single_tensor_is_not_a_list():
     with pytest.raises(TypeError, match="`inputs` must be a list or tuple of tensors"):
         mt.l2norm(torch.ones(3))
+
+
+@pytest.mark.usefixtures("any_mode")
+def test_params_that_require_grad_are_updated_in_place_outside_autograd():
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(40_000))]
+    expected = [p.detach().double() * 0.5 for p in params]
+    mt.scale_(params, 0.5, flag())
+    assert_lists_close([p.detach() for p in params], expected, torch.float32)
+    assert mt.l2norm(params).total.requires_grad is False
+
+
+# ---------------------------------------------------------------- CUDA (runs where a GPU exists)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_kernels_match_the_reference(dtype):
+    sizes = [*SIZES, 200_001, *([3] * 80)]  # more tensors than one launch's metadata holds
+    xs = randn_list(sizes, dtype)
+    ys = randn_list(sizes, dtype)
+    put(xs, len(xs) - 1, "last", float("nan"))
+    on_gpu = [x.cuda() for x in xs]
+    found = torch.zeros(1, device="cuda")
+    outs = [torch.empty(x.shape, device="cuda") for x in xs]
+    mt.scale_(on_gpu, 0.25, found, out=outs)
+    assert found.item() == 1
+    assert_lists_close([o.cpu() for o in outs], [x.double() * 0.25 for x in xs], torch.float32)
+
+    mt.axpby_(2.0, on_gpu, -1.0, [y.cuda() for y in ys], outs, found, arg_to_check=1)
+    expected = [2 * x.double() - y.double() for x, y in zip(xs, ys, strict=True)]
+    assert_lists_close([o.cpu() for o in outs], expected, torch.float32)
+
+    stash = [y.float().cuda() if i % 2 else None for i, y in enumerate(ys)]
+    combined = [torch.empty(x.shape, device="cuda") for x in xs]
+    mt.combine_(on_gpu, stash, combined, 0.5, found)
+    expected = [
+        x.double() * 0.5 + (y.double() if i % 2 else 0) for i, (x, y) in enumerate(zip(xs, ys, strict=True))
+    ]
+    assert_lists_close([c.cpu() for c in combined], expected, torch.float32)
+
+    clean = [y.cuda() for y in ys]
+    flag_gpu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    total, per = mt.unscale_l2norm(clean, 0.5, flag_gpu, per_tensor=True)
+    ref_total, ref_per = ref.l2norm([y.double() * 0.5 for y in ys], True)
+    torch.testing.assert_close(total.cpu().double(), ref_total, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per.cpu().double(), ref_per, rtol=1e-5, atol=1e-6)
+    assert flag_gpu.item() == 0
+
+
+@needs_cuda
+def test_cuda_tensor_split_across_launches():
+    """A tensor with more chunks than one launch holds (320 x 65536 elements) continues in the next."""
+    x = torch.randn(330 * 65536 + 5)
+    found = torch.zeros(1, device="cuda")
+    on_gpu = [torch.randn(7, device="cuda"), x.cuda()]
+    total, per = mt.unscale_l2norm(on_gpu, 2.0, found, out=on_gpu, per_tensor=True)
+    torch.testing.assert_close(on_gpu[1].cpu(), x * 2.0)
+    torch.testing.assert_close(per[1].cpu().double(), (x.double() * 2).norm(), rtol=1e-5, atol=0)
+    assert found.item() == 0

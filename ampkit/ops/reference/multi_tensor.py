@@ -68,16 +68,17 @@ def _raise_flag(flag: torch.Tensor, seen: bool) -> None:
         flag.fill_(1)
 
 
+@torch.no_grad()
 def scale_(
     inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], factor: float, found_inf: torch.Tensor
 ) -> None:
     """outputs[i] = inputs[i] * factor; found_inf = 1 if any input is non-finite."""
     op = "ampkit_multi_tensor.scale_"
-    _check_length(op, outputs, "outputs", len(inputs), "inputs")
+    _check_length(op, outputs, "out", len(inputs), "inputs")
     device = found_inf.device
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
-    _check_list(op, outputs, "outputs", device, like=inputs)
+    _check_list(op, outputs, "out", device, like=inputs)
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -87,6 +88,7 @@ def scale_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def axpby_(
     a: float,
     x: Sequence[torch.Tensor],
@@ -126,6 +128,7 @@ def axpby_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def combine_(
     new: Sequence[torch.Tensor],
     stash: Sequence[torch.Tensor | None] | None,
@@ -166,6 +169,7 @@ def combine_(
     _raise_flag(found_inf, seen)
 
 
+@torch.no_grad()
 def l2norm(inputs: Sequence[torch.Tensor], per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(total L2 norm, per-tensor norms or an empty tensor), float32 (float64 if an input is float64)."""
     op = "ampkit_multi_tensor.l2norm"
@@ -174,6 +178,7 @@ def l2norm(inputs: Sequence[torch.Tensor], per_tensor: bool) -> tuple[torch.Tens
     return _norms(inputs, [], 1.0, None, per_tensor, device)
 
 
+@torch.no_grad()
 def unscale_l2norm(
     inputs: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor],
@@ -184,11 +189,11 @@ def unscale_l2norm(
     """Norms of inputs * inv_scale; found_inf = 1 on a non-finite input; outputs (if any) get the values."""
     op = "ampkit_multi_tensor.unscale_l2norm"
     if outputs:
-        _check_length(op, outputs, "outputs", len(inputs), "inputs")
+        _check_length(op, outputs, "out", len(inputs), "inputs")
     device = found_inf.device
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
-    _check_list(op, outputs, "outputs", device, like=inputs)
+    _check_list(op, outputs, "out", device, like=inputs)
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 

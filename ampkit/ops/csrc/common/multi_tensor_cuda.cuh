@@ -19,7 +19,7 @@ constexpr int64_t kChunkElements = 65536;
 
 template <int Depth>
 struct TensorListMeta {
-  static constexpr int kMaxTensors = Depth == 1 ? 110 : Depth == 2 ? 64 : Depth == 3 ? 48 : 36;
+  static constexpr int kMaxTensors = Depth == 1 ? 90 : Depth == 2 ? 64 : Depth == 3 ? 48 : 36;
   static constexpr int kMaxBlocks = 320;
   void* ptr[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
@@ -27,6 +27,10 @@ struct TensorListMeta {
   unsigned char block_to_tensor[kMaxBlocks];
   int block_to_chunk[kMaxBlocks];
 };
+
+// Kernel parameters are limited to 4 KB; leave room for the op's own arguments.
+static_assert(sizeof(TensorListMeta<1>) <= 3900 && sizeof(TensorListMeta<2>) <= 3900, "metadata too large");
+static_assert(sizeof(TensorListMeta<3>) <= 3900 && sizeof(TensorListMeta<4>) <= 3900, "metadata too large");
 
 template <int Depth, typename Body, typename... Args>
 __global__ void __launch_bounds__(kBlockThreads) multi_tensor_kernel(TensorListMeta<Depth> meta, Body body, Args... args) {

@@ -13,11 +13,11 @@
 namespace ampkit {
 
 inline void check_scale_args(const char* op, at::TensorList inputs, at::TensorList outputs, const at::Tensor& flag) {
-  check_same_length(op, outputs, "outputs", inputs.size(), "inputs");
+  check_same_length(op, outputs, "out", inputs.size(), "inputs");
   const auto device = flag.device();
   check_flag(op, flag, "found_inf", device);
   check_list(op, inputs, "inputs", device);
-  check_list_like(op, outputs, "outputs", inputs, device);
+  check_list_like(op, outputs, "out", inputs, device);
 }
 
 inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y, at::TensorList out,
@@ -63,11 +63,11 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
 
 inline void check_unscale_l2norm_args(const char* op, at::TensorList inputs, at::TensorList outputs,
                                       const at::Tensor& flag) {
-  if (!outputs.empty()) check_same_length(op, outputs, "outputs", inputs.size(), "inputs");
+  if (!outputs.empty()) check_same_length(op, outputs, "out", inputs.size(), "inputs");
   const auto device = flag.device();
   check_flag(op, flag, "found_inf", device);
   check_list(op, inputs, "inputs", device);
-  check_list_like(op, outputs, "outputs", inputs, device);
+  check_list_like(op, outputs, "out", inputs, device);
 }
 
 // Norm results are float32, or float64 when an input is float64.

@@ -5,14 +5,14 @@
 #include "multi_tensor/multi_tensor_cpu.h"
 
 TORCH_LIBRARY(ampkit_multi_tensor, m) {
-  m.def("scale_(Tensor[] inputs, Tensor(a!)[] outputs, float scale, Tensor(b!) found_inf) -> ()");
+  m.def("scale_(Tensor[] inputs, Tensor(a!)[] out, float scale, Tensor(b!) found_inf) -> ()");
   m.def(
       "axpby_(Tensor[] x, Tensor[] y, Tensor(a!)[] out, float a, float b, int arg_to_check, "
       "Tensor(b!) found_inf) -> ()");
   m.def("combine_(Tensor[] new, Tensor?[] stash, Tensor(a!)[] out, float inv_scale, Tensor(b!) found_inf) -> ()");
   m.def("l2norm(Tensor[] inputs, bool per_tensor) -> (Tensor, Tensor)");
   m.def(
-      "unscale_l2norm(Tensor[] inputs, Tensor(a!)[] outputs, float inv_scale, Tensor(b!) found_inf, "
+      "unscale_l2norm(Tensor[] inputs, Tensor(a!)[] out, float inv_scale, Tensor(b!) found_inf, "
       "bool per_tensor) -> (Tensor, Tensor)");
 }
 

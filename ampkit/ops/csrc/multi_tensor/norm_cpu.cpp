@@ -12,6 +12,7 @@
 #include "multi_tensor/multi_tensor_cpu.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace ampkit {
@@ -25,24 +26,29 @@ using cpu::Segment;
 constexpr int kLanes = 32;
 
 // Sum of squares of x[i] * factor over n elements; with kCheck also reports a non-finite x, with
-// kWrite also stores x[i] * factor to out.
-template <bool kCheck, bool kWrite, typename TI, typename TO>
-double sum_squares_segment(const TI* x, TO* out, int64_t n, acc_t<TI> factor, bool* nonfinite) {
+// kWrite also stores x[i] * factor to out. kInPlace (out == x, same dtype) reads through `out`, so
+// gcc sees one pointer and vectorizes without a runtime alias check.
+template <bool kCheck, bool kWrite, bool kInPlace, typename TI, typename TO>
+double sum_squares_segment(const TI* x_arg, TO* out, int64_t n, acc_t<TI> factor, bool* nonfinite) {
   using A = acc_t<TI>;
+  const TI* x = kInPlace ? reinterpret_cast<const TI*>(out) : x_arg;
   const ScaleOp<A> unscale{factor};
   A lanes[kLanes] = {};
-  int bad = 0;
+  // Lane-wise non-finite probe: raw - raw is 0 for finite values and nan otherwise, so the probe
+  // stays in vector registers (an int flag OR-reduced per block costs a horizontal reduction).
+  A probe[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
       const A raw = static_cast<A>(x[i + j]);
-      if (kCheck) bad |= is_nonfinite(raw);
+      if (kCheck) probe[j] += raw - raw;
       const A v = unscale(raw);
       if (kWrite) out[i + j] = static_cast<TO>(v);
       lanes[j] += square(v);
     }
   }
   A tail = 0;
+  bool bad = false;
   for (; i < n; ++i) {
     const A raw = static_cast<A>(x[i]);
     if (kCheck) bad |= is_nonfinite(raw);
@@ -51,9 +57,19 @@ double sum_squares_segment(const TI* x, TO* out, int64_t n, acc_t<TI> factor, bo
     tail += square(v);
   }
   double total = tail;
-  for (int j = 0; j < kLanes; ++j) total += lanes[j];
-  if (kCheck) *nonfinite = bad != 0;
+  for (int j = 0; j < kLanes; ++j) {
+    total += lanes[j];
+    bad |= is_nonfinite(probe[j]);
+  }
+  if (kCheck) *nonfinite = bad;
   return total;
+}
+
+template <typename T>
+bool any_nonfinite(const T* x, int64_t n) {
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= is_nonfinite(static_cast<acc_t<T>>(x[i]));
+  return bad != 0;
 }
 
 // Shared body of both norms; `outputs` empty means "do not write".
@@ -74,14 +90,23 @@ std::tuple<at::Tensor, at::Tensor> norms(const char* op, at::TensorList inputs, 
       const auto f = static_cast<acc_t<TI>>(factor);
       bool bad = false;
       if (found_inf == nullptr) {
-        partial[index] = sum_squares_segment<false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
+        partial[index] = sum_squares_segment<false, false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
       } else if (!write) {
-        partial[index] = sum_squares_segment<true, false, TI, TI>(xp, nullptr, s.length, f, &bad);
+        // A non-finite input makes the sum of squares non-finite, so the plain norm loop runs and
+        // only a non-finite sum (rare: an overflow or an inf) pays a second read to tell which.
+        partial[index] = sum_squares_segment<false, false, false, TI, TI>(xp, nullptr, s.length, f, &bad);
+        if (!std::isfinite(partial[index])) bad = any_nonfinite(xp, s.length);
       } else {
         dispatch_float(o.scalar_type(), op, [&](auto out_tag) {
           using TO = decltype(out_tag);
-          partial[index] =
-              sum_squares_segment<true, true, TI, TO>(xp, o.data_ptr<TO>() + s.begin, s.length, f, &bad);
+          TO* op = o.data_ptr<TO>() + s.begin;
+          if constexpr (std::is_same_v<TI, TO>) {
+            if (op == xp) {
+              partial[index] = sum_squares_segment<true, true, true, TI, TO>(xp, op, s.length, f, &bad);
+              return;
+            }
+          }
+          partial[index] = sum_squares_segment<true, true, false, TI, TO>(xp, op, s.length, f, &bad);
         });
       }
       flag.note(bad);
