@@ -523,6 +523,13 @@ def batch_norm_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, tor
         return torch.batch_norm_stats(input, eps)
     input = _channels_last_or_contiguous(input)
     if input.device.type == "cpu" and _FAMILY.use_kernel():
+        planes = input.is_contiguous() and input.dim() > 2 and input[0, 0].numel() > 1
+        if not planes and input.dtype in (torch.float32, torch.float64):
+            # Channels-last and (N, C) inputs: torch's CPU kernel is vectorised there and measured as
+            # fast as ours (0.75-1.0x); for NCHW it runs scalar double loops (ours: 5-7x faster). It
+            # returns half-precision statistics for half inputs, so those stay on our kernel.
+            mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+            return mean, torch.rsqrt(var + eps)
         return torch.ops.ampkit_norms.batch_norm_stats(input, eps)
     return reference.batch_norm_stats(input, eps)
 

@@ -379,8 +379,9 @@ def test_batch_norm_stats_match_float64_reference(shape, memory_format, dtype):
     torch.testing.assert_close(invstd.double(), invstd_ref, rtol=1e-4, atol=0)
 
 
-def test_batch_norm_stats_many_rows_and_odd_strides():
-    x = torch.randn(4099, 33)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_stats_many_rows_and_odd_strides(dtype):
+    x = torch.randn(4099, 33).to(dtype)  # bf16 (N, C) runs the kernel's row-blocked path across threads
     torch.testing.assert_close(
         batch_norm_stats(x, EPS), reference.batch_norm_stats(x.double(), EPS), check_dtype=False
     )

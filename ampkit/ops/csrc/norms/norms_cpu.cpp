@@ -134,25 +134,18 @@ void forward_rows(const in_t* x_, const at::opmath_type<in_t>* w, const at::opma
 
 // dx for one row, plus the row's contribution to the weight/bias gradient partials (either may be
 // null). A function of its own so that __restrict holds and gcc vectorizes without alias checks.
-template <typename acc_t, typename dy_raw, typename dx_raw>
+template <typename acc_t, typename dy_raw, typename dx_raw, typename Xhat>
 inline void grad_row(const NormInputGrad<acc_t>& f, const dy_raw* __restrict dy, const acc_t* __restrict w,
-                     const acc_t* __restrict xhat, dx_raw* __restrict dx, acc_t* __restrict dw,
-                     acc_t* __restrict db, int64_t n) {
+                     Xhat&& xhat, dx_raw* __restrict dx, acc_t* __restrict dw, acc_t* __restrict db, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dx[i] = from_acc<dx_raw>(f(to_acc(dy[i]) * w[i], xhat(i)));
   if (dw && db) {
     for (int64_t i = 0; i < n; ++i) {
       const acc_t d = to_acc(dy[i]);
-      dx[i] = from_acc<dx_raw>(f(d * w[i], xhat[i]));
-      dw[i] += d * xhat[i];
+      dw[i] += d * xhat(i);
       db[i] += d;
     }
   } else if (dw) {
-    for (int64_t i = 0; i < n; ++i) {
-      const acc_t d = to_acc(dy[i]);
-      dx[i] = from_acc<dx_raw>(f(d * w[i], xhat[i]));
-      dw[i] += d * xhat[i];
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) dx[i] = from_acc<dx_raw>(f(to_acc(dy[i]) * w[i], xhat[i]));
+    for (int64_t i = 0; i < n; ++i) dw[i] += to_acc(dy[i]) * xhat(i);
   }
 }
 
@@ -168,8 +161,6 @@ void backward_rows(const out_t* dy_, const saved_t* saved_, const at::opmath_typ
   auto* dx = raw(dx_);
   const acc_t inv_n = acc_t(1) / acc_t(n);
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<acc_t> xhat_buf(n);
-    acc_t* __restrict xhat = xhat_buf.data();
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       acc_t* __restrict dwp = dw_partial ? dw_partial + c * n : nullptr;
       acc_t* __restrict dbp = db_partial ? db_partial + c * n : nullptr;
@@ -182,34 +173,25 @@ void backward_rows(const out_t* dy_, const saved_t* saved_, const at::opmath_typ
         const auto* __restrict dyr = dy + r * n;
         auto* __restrict dxr = dx + r * n;
         const acc_t rs = rstd[r];
-        // Pass 1 (row from memory): xhat into the cached scratch row, and the two row sums.
+        // xhat of element i, recomputed from the saved row (in cache after pass 1) where needed.
+        const auto xhat = [&](int64_t i) {
+          if constexpr (kFromOutput) {
+            return NormalizedFromOutput<acc_t>{}(to_acc(sr[i]), w[i], kRms ? acc_t(0) : b[i]);
+          } else {
+            return NormalizedFromInput<acc_t>{kRms ? acc_t(0) : mean[r], rs}(to_acc(sr[i]));
+          }
+        };
+        // Pass 1 (rows from memory): the two row sums.
         acc_t sum_g = 0, sum_gxhat = 0;
-        if constexpr (kFromOutput) {
-          const NormalizedFromOutput<acc_t> fx{};
-          row_sums<acc_t>(
-              n,
-              [&](int64_t i, acc_t& sg, acc_t& sgx) {
-                const acc_t xh = fx(to_acc(sr[i]), w[i], kRms ? acc_t(0) : b[i]);
-                const acc_t g = to_acc(dyr[i]) * w[i];
-                xhat[i] = xh;
-                sg += g;
-                sgx += g * xh;
-              },
-              sum_g, sum_gxhat);
-        } else {
-          const NormalizedFromInput<acc_t> fx{kRms ? acc_t(0) : mean[r], rs};
-          row_sums<acc_t>(
-              n,
-              [&](int64_t i, acc_t& sg, acc_t& sgx) {
-                const acc_t xh = fx(to_acc(sr[i]));
-                const acc_t g = to_acc(dyr[i]) * w[i];
-                xhat[i] = xh;
-                sg += g;
-                sgx += g * xh;
-              },
-              sum_g, sum_gxhat);
-        }
-        // Pass 2 (dy from cache): dx, and this chunk's weight/bias gradient partials.
+        row_sums<acc_t>(
+            n,
+            [&](int64_t i, acc_t& sg, acc_t& sgx) {
+              const acc_t g = to_acc(dyr[i]) * w[i];
+              sg += g;
+              sgx += g * xhat(i);
+            },
+            sum_g, sum_gxhat);
+        // Pass 2 (rows from cache): dx, and this chunk's weight/bias gradient partials.
         const NormInputGrad<acc_t> f{rs, kRms ? acc_t(0) : sum_g * inv_n, sum_gxhat * inv_n};
         grad_row(f, dyr, w, xhat, dxr, dwp, dbp, n);
       }
