@@ -214,3 +214,25 @@ def test_compiled_model_trains_and_checkpoints_plain_state(tmp_path):
     eager.fit()
     for key, value in eager.module.state_dict().items():
         torch.testing.assert_close(trainer.module.state_dict()[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_skip_hook_names_only_the_losses_that_overflowed(tmp_path):
+    class Flags(Callback):
+        def on_after_backward(self, trainer, backward):
+            for state in trainer.optimizer_state.values():
+                state.loss_ids.update({"D", "G"})  # both losses reached both optimizers
+            if backward.loss_id == "G" and trainer.state.iteration == 2:
+                trainer.loss_state["G"].found_inf = True
+
+        def on_before_optimizer_step(self, trainer, optimizer):
+            state = trainer.optimizer_state[optimizer]
+            state.found_inf = any(trainer.loss_state[k].found_inf for k in state.loss_ids if k in trainer.loss_state)
+
+    skipped = []
+
+    class Record(Callback):
+        def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+            skipped.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name, loss_ids))
+
+    TwoPlayer(toy_cfg(tmp_path, **{"trainer.max_steps": 3, **QUIET}), callbacks=[Flags(), Record()]).fit()
+    assert skipped == [(2, "G", ["G"])]  # D stepped before G's backward flagged the overflow

@@ -188,7 +188,9 @@ class Trainer:
         if opt_state.found_inf:
             opt_state.skipped = True
             opt_state.skipped_steps += 1
-            self.fire("on_optimizer_step_skipped", optimizer, sorted(opt_state.loss_ids, key=str))
+            reached = sorted(opt_state.loss_ids, key=str)
+            culprits = [k for k in reached if k in self.loss_state and self.loss_state[k].found_inf]
+            self.fire("on_optimizer_step_skipped", optimizer, culprits or reached)
             return False
         optimizer.step()
         opt_state.stepped = True
