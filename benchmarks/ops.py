@@ -98,9 +98,7 @@ class BenchContext:
         """
         return self.compare_ms(fn, min_time_s=min_time_s, min_iters=min_iters)[0]
 
-    def compare_ms(
-        self, *fns: Callable[[], object], min_time_s: float = 1.0, min_iters: int = 5
-    ) -> list[float]:
+    def compare_ms(self, *fns: Callable[[], object], min_time_s: float = 1.0, min_iters: int = 5) -> list[float]:
         """Best wall time in ms of each fn, calls interleaved (a, b, a, b, ...) so that every candidate
         sees the same machine load; use it for an ampkit-vs-torch pair."""
         for fn in fns:
@@ -222,9 +220,7 @@ def multi_tensor_rows(ctx: BenchContext) -> list[dict]:
         size = f"{count / 1e6:.1f}M ({len(grads)} tensors)"
         for name, baseline, torch_fn, ours, per_param, pattern in _multi_tensor_cases(grads, torch.zeros(1)):
             torch_ms, ms = ctx.compare_ms(torch_fn, ours)
-            rows.append(
-                ctx.row("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param, pattern)
-            )
+            rows.append(ctx.row("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param, pattern))
     return rows
 
 
@@ -241,9 +237,7 @@ def build_rows(ctx: BenchContext) -> list[dict]:
         if build.returncode != 0:
             raise RuntimeError(f"cold build failed:\n{build.stdout}\n{build.stderr}")
         families = ", ".join(line.split(":")[0] for line in build.stdout.splitlines() if "ready in" in line)
-        rows.append(
-            ctx.row("build", f"cold build, all families ({families})", "-", "-", cold_s * 1e3, None, None)
-        )
+        rows.append(ctx.row("build", f"cold build, all families ({families})", "-", "-", cold_s * 1e3, None, None))
         probe = (
             "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter()\n"
             "from ampkit.ops.build import import_frontends; from ampkit.ops._build import FAMILIES\n"
@@ -257,9 +251,7 @@ def build_rows(ctx: BenchContext) -> list[dict]:
         if ok != "True" or "compiling" in warm.stderr:
             raise RuntimeError(f"warm import rebuilt or failed: {warm.stderr}")
         baseline = f"after import torch ({float(torch_s):.2f} s, not counted)"
-        rows.append(
-            ctx.row("build", "warm import + load all families", baseline, "-", float(ops_s) * 1e3, None, None)
-        )
+        rows.append(ctx.row("build", "warm import + load all families", baseline, "-", float(ops_s) * 1e3, None, None))
     return rows
 
 
@@ -318,9 +310,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--quick", action="store_true", help="1M and 10M params only, smaller ceiling buffers"
-    )
+    parser.add_argument("--quick", action="store_true", help="1M and 10M params only, smaller ceiling buffers")
     parser.add_argument("--skip-build", action="store_true", help="skip the cold-build and warm-import rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

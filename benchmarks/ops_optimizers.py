@@ -131,9 +131,7 @@ def run(ctx) -> list[dict]:
         torch_fn, ours_fn = _pipeline_pair(base, grads)
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         baseline = "GradScaler.unscale_ + clip_grad_norm_(foreach) + AdamW(fused)"
-        rows.append(
-            ctx.row(SECTION, "pipeline: unscale+check+clip+AdamW", baseline, size, ms, torch_ms, count * 32)
-        )
+        rows.append(ctx.row(SECTION, "pipeline: unscale+check+clip+AdamW", baseline, size, ms, torch_ms, count * 32))
     return rows
 
 

@@ -52,6 +52,30 @@ class TwoLosses(Plain):
         self.step(self.optimizers["G"])
 
 
+class InfOnRank1(TwoLosses):
+    """Rank 1 alone gets an inf loss 1 at iteration 3; the real loss scalers must agree across ranks."""
+
+    def training_step(self, batch):
+        x = batch[0]
+        G, D = self.model["G"], self.model["D"]
+        loss_d = F.softplus(-D(x)).mean() + F.softplus(D(G(x).detach())).mean()
+        self.backward(loss_d, loss_id=0, optimizer=self.optimizers["D"])
+        self.step(self.optimizers["D"])
+        loss_g = F.softplus(-D(G(x))).mean()
+        if RANK == 1 and self.state.iteration == 3:
+            loss_g = loss_g * float("inf")
+        self.backward(loss_g, loss_id=1, optimizer=self.optimizers["G"])
+        self.step(self.optimizers["G"])
+
+
+class SkipRecorder(ampkit.Callback):
+    def __init__(self):
+        self.skips = []
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+        self.skips.append((trainer.state.iteration, trainer.optimizer_state[optimizer].name))
+
+
 class OverflowOnRank1(ampkit.Callback):
     """Rank 1 alone sees a non-finite gradient in loss 1 (reaching optimizer G) at iteration 3."""
 
@@ -120,6 +144,12 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}}
         trainer = TwoLosses(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}
+    elif scenario == "overflow_amp":
+        spy = SkipRecorder()
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6},
+               "precision": {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic"}}  # fmt: skip
+        trainer = InfOnRank1(cfg, callbacks=[spy])
+        extra = {"skips": spy.skips}
     elif scenario == "kill":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_epochs": 5},
                "distributed": {"timeout_s": 30}}  # fmt: skip
@@ -153,6 +183,9 @@ def main(scenario: str, out: Path) -> None:
         trainer.fit()
     if scenario == "syncbn":
         extra = {"grads": spy.grads}
+    if scenario == "overflow_amp":
+        scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
+        extra["scales"] = {str(k): v for k, v in scaling.scales().items()}
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

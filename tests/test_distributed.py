@@ -75,6 +75,13 @@ def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tm
     _equal(rank0["model"], rank1["model"])
 
 
+def test_real_loss_scalers_agree_when_only_rank_1_overflows_in_loss_1(tmp_path):
+    rank0, rank1 = _ok(launch("overflow_amp", tmp_path))
+    assert rank0["skips"] == rank1["skips"] == [(3, "G")]
+    assert rank0["scales"] == rank1["scales"] == {"0": 2.0**16, "1": 2.0**15}
+    _equal(rank0["model"], rank1["model"])
+
+
 def test_sync_batchnorm_with_unequal_batches_equals_one_process_on_the_concatenation(tmp_path):
     rank0, rank1 = _ok(launch("syncbn", tmp_path))
     torch.manual_seed(0)

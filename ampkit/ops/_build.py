@@ -79,9 +79,7 @@ class Family:
 FAMILIES: dict[str, Family] = {}
 
 
-def register_family(
-    name: str, sources: Sequence[str | Path], cuda_sources: Sequence[str | Path] = ()
-) -> Family:
+def register_family(name: str, sources: Sequence[str | Path], cuda_sources: Sequence[str | Path] = ()) -> Family:
     """Declare an op family (idempotent); the ahead-of-time build compiles every registered one."""
     family = Family(name, tuple(Path(s) for s in sources), tuple(Path(s) for s in cuda_sources))
     FAMILIES[name] = family

@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--arch", default="sm_80")
-    parser.add_argument(
-        "--root", type=Path, default=CSRC_DIR, help="source tree to check (default: ampkit's)"
-    )
+    parser.add_argument("--root", type=Path, default=CSRC_DIR, help="source tree to check (default: ampkit's)")
     args = parser.parse_args(argv)
     nvcc = shutil.which("nvcc")
     if nvcc is None:

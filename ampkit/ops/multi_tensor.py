@@ -86,9 +86,7 @@ def _as_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
 def _factor(value: float | torch.Tensor, name: str) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(
-                f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}"
-            )
+            raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
         return float(value.item())
     return float(value)
 

@@ -73,9 +73,7 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     try:
         shape = tuple(int(s) for s in normalized_shape)
     except TypeError:
-        raise TypeError(
-            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
-        ) from None
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
     return shape
@@ -106,8 +104,7 @@ def _check_inputs(
             raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
         if tuple(param.shape) != normalized_shape:
             raise ValueError(
-                f"{op}: {name} has shape {list(param.shape)}, "
-                f"expected normalized_shape {list(normalized_shape)}"
+                f"{op}: {name} has shape {list(param.shape)}, expected normalized_shape {list(normalized_shape)}"
             )
         if param.device != input.device:
             raise ValueError(f"{op}: {name} is on {param.device} but input is on {input.device}")
@@ -202,9 +199,7 @@ class FusedRMSNormFunction(torch.autograd.Function):
         output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         input = input.contiguous()
-        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(
-            input, list(normalized_shape), weight, eps, output_dtype
-        )
+        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(input, list(normalized_shape), weight, eps, output_dtype)
         ctx.normalized_shape = list(normalized_shape)
         ctx.memory_efficient = memory_efficient
         ctx.input_dtype = input.dtype
@@ -243,9 +238,7 @@ def _layer_norm(
     output_dtype = weight.dtype if mixed and weight is not None else None
     with torch.autocast(input.device.type, enabled=False):
         if _use_kernel(input):
-            return FusedLayerNormFunction.apply(
-                input, weight, bias, shape, eps, memory_efficient, output_dtype
-            )
+            return FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
         return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
 
 
@@ -277,9 +270,7 @@ def fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the input's dtype (Apex signature)."""
-    return _layer_norm(
-        "fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False
-    )
+    return _layer_norm("fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False)
 
 
 def fused_layer_norm(
@@ -336,9 +327,7 @@ def mixed_dtype_fused_rms_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
-    return _rms_norm(
-        "mixed_dtype_fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, True
-    )
+    return _rms_norm("mixed_dtype_fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, True)
 
 
 class FusedLayerNorm(nn.Module):
@@ -445,9 +434,7 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        return _rms_norm(
-            name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed
-        )
+        return _rms_norm(name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed)
 
     def extra_repr(self) -> str:
         return (
@@ -470,13 +457,9 @@ class MixedFusedLayerNorm(FusedLayerNorm):
 
     _mixed = True
 
-    def __init__(
-        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
-    ):
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
-        super().__init__(
-            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
-        )
+        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
@@ -484,13 +467,9 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     _mixed = True
 
-    def __init__(
-        self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
-    ):
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
-        super().__init__(
-            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs
-        )
+        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
 
 
 def _check_batch_norm_input(op: str, input: torch.Tensor) -> None:
@@ -499,16 +478,12 @@ def _check_batch_norm_input(op: str, input: torch.Tensor) -> None:
     if input.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     if input.dim() < 2 or input.numel() == 0:
-        raise ValueError(
-            f"{op}: input must be (N, C, ...) with at least one element, got shape {list(input.shape)}"
-        )
+        raise ValueError(f"{op}: input must be (N, C, ...) with at least one element, got shape {list(input.shape)}")
 
 
 def _channels_last_or_contiguous(input: torch.Tensor) -> torch.Tensor:
     formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if input.is_contiguous() or (
-        input.dim() in formats and input.is_contiguous(memory_format=formats[input.dim()])
-    ):
+    if input.is_contiguous() or (input.dim() in formats and input.is_contiguous(memory_format=formats[input.dim()])):
         return input
     return input.contiguous()
 

@@ -46,8 +46,7 @@ def fused_unscale_clip_step_(
     """
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(
-            "optimizer must be an ampkit fused optimizer (ampkit.ops.optimizers); "
-            f"got {type(optimizer).__name__}"
+            f"optimizer must be an ampkit fused optimizer (ampkit.ops.optimizers); got {type(optimizer).__name__}"
         )
     inv_scale = float(inv_scale)
     if not (math.isfinite(inv_scale) and inv_scale > 0):

@@ -38,7 +38,7 @@ from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import Config, ConfigError, build_config
+from ampkit.config import Config, ConfigError, TrainerConfig, build_config
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint
 from ampkit.trainer.distributed import (
@@ -93,8 +93,10 @@ class Trainer:
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
         self.cfg: DictConfig = cfg if isinstance(cfg, DictConfig) else build_config(self.config_class, cfg or {})
         self._validate_config()
+        # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
+        self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
         self.state = LoopState()
-        self.device = self._resolve_device(self.cfg.trainer.device)
+        self.device = self._resolve_device(self.settings.device)
         self.dist = DistributedEnv()
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []
@@ -257,7 +259,7 @@ class Trainer:
             self.fire("on_fit_end")
 
     def _finished(self) -> bool:
-        s, t = self.state, self.cfg.trainer
+        s, t = self.state, self.settings
         return s.should_stop or s.epoch >= t.max_epochs or 0 <= t.max_steps <= s.global_step
 
     def _run_epoch(self) -> None:
@@ -269,13 +271,13 @@ class Trainer:
         exhausted = True
         for batch in self._epoch_batches():
             self._run_batch(batch)
-            if 0 <= self.cfg.trainer.max_steps <= s.global_step:
+            if 0 <= self.settings.max_steps <= s.global_step:
                 s.should_stop = True
                 exhausted = s.batches_done == self._num_train_batches
                 break
         s.epoch_finished = exhausted
         if exhausted:
-            if _every(self.cfg.trainer.val_every_n_epochs, s.epoch + 1):
+            if _every(self.settings.val_every_n_epochs, s.epoch + 1):
                 self._validate()
             self._step_schedulers("epoch")
         self.fire("on_train_epoch_end")
@@ -283,7 +285,7 @@ class Trainer:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
 
     def _run_batch(self, batch: Any) -> None:
-        s, accumulate = self.state, self.cfg.trainer.accumulate_grad_batches
+        s, accumulate = self.state, self.settings.accumulate_grad_batches
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
@@ -313,7 +315,7 @@ class Trainer:
                 f"optimization; got {type(out).__name__}. Set automatic_optimization = False to "
                 "call self.backward/self.step yourself."
             )
-        accumulate = self.cfg.trainer.accumulate_grad_batches
+        accumulate = self.settings.accumulate_grad_batches
         self.backward(loss / accumulate if accumulate > 1 else loss)
         for optimizer in self.optimizers.values():
             self.step(optimizer)
@@ -325,7 +327,7 @@ class Trainer:
             self.fire("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
-        if _every(self.cfg.trainer.val_every_n_steps, self.state.global_step):
+        if _every(self.settings.val_every_n_steps, self.state.global_step):
             self._validate()
 
     def _step_schedulers(self, interval: str) -> None:
@@ -356,7 +358,7 @@ class Trainer:
         self.module.eval()
         sums: dict[str, float] = {}
         seen = 0
-        limit = self.cfg.trainer.limit_val_batches
+        limit = self.settings.limit_val_batches
         for i, batch in enumerate(self._val_loader):
             if limit is not None and i >= limit:
                 break
@@ -373,17 +375,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- set-up and data
     def _setup(self, checkpoint_path: Path | None) -> None:
-        if self.cfg.trainer.seed is not None:
-            seed_everything(self.cfg.trainer.seed)
+        if self.settings.seed is not None:
+            seed_everything(self.settings.seed)
         module = self.configure_model()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         self.module = module.to(self.device)
-        self.model = torch.compile(self.module) if self.cfg.trainer.compile else self.module
+        self.model = torch.compile(self.module) if self.settings.compile else self.module
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        seed = self.cfg.trainer.seed or 0
+        seed = self.settings.seed or 0
         self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = self._count_train_batches()
@@ -409,7 +411,7 @@ class Trainer:
             total = len(self._train_loader)
         except TypeError:
             total = None
-        limit = self.cfg.trainer.limit_train_batches
+        limit = self.settings.limit_train_batches
         if limit is not None:
             total = limit if total is None else min(total, limit)
         return total

@@ -360,9 +360,7 @@ def test_cuda_kernels_match_the_reference(dtype):
     stash = [y.float().cuda() if i % 2 else None for i, y in enumerate(ys)]
     combined = [torch.empty(x.shape, device="cuda") for x in xs]
     mt.combine_(on_gpu, stash, combined, 0.5, found)
-    expected = [
-        x.double() * 0.5 + (y.double() if i % 2 else 0) for i, (x, y) in enumerate(zip(xs, ys, strict=True))
-    ]
+    expected = [x.double() * 0.5 + (y.double() if i % 2 else 0) for i, (x, y) in enumerate(zip(xs, ys, strict=True))]
     assert_lists_close([c.cpu() for c in combined], expected, torch.float32)
 
     clean = [y.cuda() for y in ys]

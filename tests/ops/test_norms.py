@@ -183,9 +183,7 @@ def test_gradcheck_float64(memory_efficient):
         lambda x, w, b: fused_layer_norm_affine(x, w, b, shape, EPS, memory_efficient), (x, w, b)
     )
     assert torch.autograd.gradcheck(lambda x: fused_layer_norm(x, shape, EPS, memory_efficient), (x,))
-    assert torch.autograd.gradcheck(
-        lambda x, w: fused_rms_norm_affine(x, w, shape, EPS, memory_efficient), (x, w)
-    )
+    assert torch.autograd.gradcheck(lambda x, w: fused_rms_norm_affine(x, w, shape, EPS, memory_efficient), (x, w))
     assert torch.autograd.gradcheck(lambda x: fused_rms_norm(x, shape, EPS, memory_efficient), (x,))
 
 
@@ -270,9 +268,7 @@ def test_bad_weight_and_bias_are_named():
 
 
 def test_non_float_input_is_named():
-    with pytest.raises(
-        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int64"
-    ):
+    with pytest.raises(TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int64"):
         fused_layer_norm(torch.ones(3, 4, dtype=torch.int64), 4)
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         FusedRMSNorm(4)([1.0, 2.0, 3.0, 4.0])
@@ -382,9 +378,7 @@ def test_batch_norm_stats_match_float64_reference(shape, memory_format, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_norm_stats_many_rows_and_odd_strides(dtype):
     x = torch.randn(4099, 33).to(dtype)  # bf16 (N, C) runs the kernel's row-blocked path across threads
-    torch.testing.assert_close(
-        batch_norm_stats(x, EPS), reference.batch_norm_stats(x.double(), EPS), check_dtype=False
-    )
+    torch.testing.assert_close(batch_norm_stats(x, EPS), reference.batch_norm_stats(x.double(), EPS), check_dtype=False)
     strided = torch.randn(6, 10, 7)[:, ::2]  # neither contiguous nor channels-last: copied
     torch.testing.assert_close(
         batch_norm_stats(strided, EPS), reference.batch_norm_stats(strided.double(), EPS), check_dtype=False
@@ -415,9 +409,7 @@ def test_batch_norm_bad_input_is_named():
         batch_norm_stats(torch.randn(5), EPS)
     with pytest.raises(ValueError, match="at least one element"):
         batch_norm_stats(torch.randn(0, 3, 2), EPS)
-    with pytest.raises(
-        TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int32"
-    ):
+    with pytest.raises(TypeError, match="input must be float16, bfloat16, float32 or float64, got torch.int32"):
         batch_norm_stats(torch.ones(2, 3, dtype=torch.int32), EPS)
     x = torch.randn(2, 3, 4)
     with pytest.raises(ValueError, match="grad_output"):

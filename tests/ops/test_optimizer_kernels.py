@@ -237,11 +237,7 @@ def clone_args(args: dict, dtype: torch.dtype | None = None) -> dict:
         return t.to(dtype)
 
     return {
-        k: [conv(t, k) for t in v]
-        if isinstance(v, list)
-        else conv(v, k)
-        if isinstance(v, torch.Tensor)
-        else v
+        k: [conv(t, k) for t in v] if isinstance(v, list) else conv(v, k) if isinstance(v, torch.Tensor) else v
         for k, v in args.items()
     }
 
@@ -281,9 +277,7 @@ def test_float32_kernel_matches_float64_reference(case):
 @pytest.mark.parametrize("grad_dtype", ["same", "float32"])
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize(
-    "case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"]
-)
+@pytest.mark.parametrize("case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"])
 def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_dtype):
     name, build = CASES[case]
     gd = dtype if grad_dtype == "same" else torch.float32
@@ -296,9 +290,7 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
     for key, value in expected.items():
         if isinstance(value, list) and key not in ("params", "grads"):
             assert_args_close({key: args[key]}, {key: value}, rtol=1e-5, atol=1e-6)
-    assert_args_close(
-        {"params": args["params"]}, {"params": expected["params"]}, rtol=half_eps, atol=half_eps
-    )
+    assert_args_close({"params": args["params"]}, {"params": expected["params"]}, rtol=half_eps, atol=half_eps)
     if master:  # the half parameter is the rounded master
         for p, m in zip(args["params"], args["master_params"], strict=True):
             torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)

@@ -40,8 +40,7 @@ def clone_params(params, dtype=None):
 
 def rel_diff(actual, expected) -> float:
     num = max(
-        float((a.detach().double() - e.detach().double()).abs().max())
-        for a, e in zip(actual, expected, strict=True)
+        float((a.detach().double() - e.detach().double()).abs().max()) for a, e in zip(actual, expected, strict=True)
     )
     den = max(float(e.detach().double().abs().max()) for e in expected)
     return num / den
@@ -84,9 +83,7 @@ TORCH_PAIRS = {
     "sgd_plain": (lambda p: FusedSGD(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=1e-2)),
     "adagrad": (
         lambda p: FusedAdagrad(p, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2, initial_accumulator_value=0.1),
-        lambda p: torch.optim.Adagrad(
-            p, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2, initial_accumulator_value=0.1
-        ),
+        lambda p: torch.optim.Adagrad(p, lr=1e-2, lr_decay=1e-3, weight_decay=1e-2, initial_accumulator_value=0.1),
     ),
     "rmsprop_centered_momentum": (
         lambda p: FusedRMSprop(p, lr=1e-3, momentum=0.9, centered=True, weight_decay=1e-2),
@@ -121,9 +118,7 @@ def test_float64_params_match_torch_optim_to_rounding(case):
 def test_param_groups_keep_their_own_hyperparameters():
     a = make_params()
     b = clone_params(a)
-    ours = FusedAdam(
-        [{"params": a[:2]}, {"params": a[2:], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1
-    )
+    ours = FusedAdam([{"params": a[:2]}, {"params": a[2:], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1)
     theirs = torch.optim.AdamW(
         [{"params": b[:2]}, {"params": b[2:], "lr": 1e-2, "weight_decay": 0.0}], lr=1e-3, weight_decay=0.1
     )
@@ -246,12 +241,8 @@ REFERENCE_CASES = {
         lambda p, gs: lamb_reference(p, gs, 1e-2, (0.9, 0.999), 1e-6, 0.01, 1.0),
     ),
     "lamb_l2_nvlamb": (
-        lambda p: FusedLAMB(
-            p, lr=1e-2, weight_decay=0.0, adam_w_mode=False, use_nvlamb=True, max_grad_norm=50.0
-        ),
-        lambda p, gs: lamb_reference(
-            p, gs, 1e-2, (0.9, 0.999), 1e-6, 0.0, 50.0, adam_w_mode=False, use_nvlamb=True
-        ),
+        lambda p: FusedLAMB(p, lr=1e-2, weight_decay=0.0, adam_w_mode=False, use_nvlamb=True, max_grad_norm=50.0),
+        lambda p, gs: lamb_reference(p, gs, 1e-2, (0.9, 0.999), 1e-6, 0.0, 50.0, adam_w_mode=False, use_nvlamb=True),
     ),
     "novograd": (
         lambda p: FusedNovoGrad(p, lr=1e-2, betas=(0.95, 0.98), weight_decay=1e-3),
@@ -293,11 +284,7 @@ def test_matches_float64_reference_over_100_steps(case, dtype, tol):
     opt = make_ours(params)
     grad_seq = []
     for _ in range(100):
-        grads = (
-            scale_invariant_grads(params)
-            if case == "adamp"
-            else [torch.randn(p.shape).double() for p in params]
-        )
+        grads = scale_invariant_grads(params) if case == "adamp" else [torch.randn(p.shape).double() for p in params]
         grad_seq.append(grads)
         for p, g in zip(params, grads, strict=True):
             p.grad = g.to(dtype)

@@ -29,8 +29,7 @@ def twin(params):
 
 def rel_diff(actual, expected) -> float:
     num = max(
-        float((a.detach().double() - e.detach().double()).abs().max())
-        for a, e in zip(actual, expected, strict=True)
+        float((a.detach().double() - e.detach().double()).abs().max()) for a, e in zip(actual, expected, strict=True)
     )
     return num / max(float(e.detach().double().abs().max()) for e in expected)
 

@@ -200,9 +200,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 for key, value in incoming.items():
                     if key == "step":
-                        state["step"] = (
-                            torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
-                        )
+                        state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
                     elif key == "master_param" or key in self._acc_state_keys:
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)

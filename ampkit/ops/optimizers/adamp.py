@@ -19,9 +19,7 @@ from torch import Tensor
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
 
 
-def _project(
-    param: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float
-) -> float:
+def _project(param: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float) -> float:
     """Remove the radial component of ``perturb`` in place if ``param`` looks scale-invariant.
 
     Returns the weight-decay multiplier (``wd_ratio`` if projected, else 1).

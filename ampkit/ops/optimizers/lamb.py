@@ -148,8 +148,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     ) -> None:
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
-                "reduced_precision_dtype must be None, torch.float16 or torch.bfloat16; "
-                f"got {reduced_precision_dtype}"
+                f"reduced_precision_dtype must be None, torch.float16 or torch.bfloat16; got {reduced_precision_dtype}"
             )
         super().__init__(
             params,

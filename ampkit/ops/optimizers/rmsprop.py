@@ -12,9 +12,7 @@ from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check
 from ampkit.ops.optimizers._kernels import op
 
 
-def _init_rmsprop_state(
-    param: Tensor, state: dict[str, Any], group: dict[str, Any], square_init: float
-) -> None:
+def _init_rmsprop_state(param: Tensor, state: dict[str, Any], group: dict[str, Any], square_init: float) -> None:
     dtype = acc_dtype(param)
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     state["square_avg"] = torch.full_like(param, square_init, dtype=dtype)

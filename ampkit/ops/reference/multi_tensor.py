@@ -27,19 +27,14 @@ def _check_length(op: str, tensors: Sequence, name: str, ref_len: int, ref_name:
         )
 
 
-def _check_tensor(
-    op: str, t: torch.Tensor, name: str, i: int, device: torch.device, numel: int | None
-) -> None:
+def _check_tensor(op: str, t: torch.Tensor, name: str, i: int, device: torch.device, numel: int | None) -> None:
     if t is None:
         raise RuntimeError(f"{op}: `{name}[{i}]` is undefined (None)")
     if t.dtype not in _FLOATS:
-        raise RuntimeError(
-            f"{op}: `{name}[{i}]` has dtype {t.dtype}; expected float32, float16, bfloat16 or float64"
-        )
+        raise RuntimeError(f"{op}: `{name}[{i}]` has dtype {t.dtype}; expected float32, float16, bfloat16 or float64")
     if t.device != device:
         raise RuntimeError(
-            f"{op}: `{name}[{i}]` is on {t.device} but the op runs on {device}; "
-            "all tensors must be on one device"
+            f"{op}: `{name}[{i}]` is on {t.device} but the op runs on {device}; all tensors must be on one device"
         )
     if numel is not None and t.numel() != numel:
         raise RuntimeError(f"{op}: `{name}[{i}]` has {t.numel()} elements but the matching input has {numel}")
@@ -212,9 +207,5 @@ def _norms(inputs, outputs, factor, found_inf, per_tensor, device) -> tuple[torc
         _raise_flag(found_inf, seen)
     per = torch.stack(squares) if squares else torch.zeros(0, dtype=torch.float64)
     total = per.sum().sqrt().to(dtype=dtype, device=device)
-    per_norm = (
-        per.sqrt().to(dtype=dtype, device=device)
-        if per_tensor
-        else torch.empty(0, dtype=dtype, device=device)
-    )
+    per_norm = per.sqrt().to(dtype=dtype, device=device) if per_tensor else torch.empty(0, dtype=dtype, device=device)
     return total, per_norm

@@ -29,9 +29,7 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
             continue
         for i, (t, p) in enumerate(zip(values, params, strict=True)):
             if t.shape != p.shape:
-                raise ValueError(
-                    f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}"
-                )
+                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
 
 
 def _bump(step: Tensor) -> float:
@@ -282,9 +280,7 @@ def lamb_stage1(
     grad_factor: float,
 ) -> None:
     """LAMB stage 1 (Apex): update the moments, write the raw direction into ``updates``."""
-    _check_lists(
-        "lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates
-    )
+    _check_lists("lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates)
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i in range(len(params)):
         step = _bump(steps[i])
