@@ -147,7 +147,7 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "overflow_amp":
         spy = SkipRecorder()
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6},
-               "precision": {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic"}}  # fmt: skip
+               "precision": {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}}  # fmt: skip
         trainer = InfOnRank1(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}
     elif scenario == "kill":
@@ -185,7 +185,7 @@ def main(scenario: str, out: Path) -> None:
         extra = {"grads": spy.grads}
     if scenario == "overflow_amp":
         scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
-        extra["scales"] = {str(k): v for k, v in scaling.scales().items()}
+        extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

@@ -55,8 +55,9 @@ class DistributedSync(Callback):
             )
             trainer.model = torch.compile(self._ddp) if trainer.cfg.trainer.compile else self._ddp
         else:
-            for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
-                self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)
+            with torch.no_grad():  # an in-place collective on a parameter must not enter the autograd graph
+                for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
+                    self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)
 
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
