@@ -146,8 +146,8 @@ def main(scenario: str, out: Path) -> None:
         extra = {"skips": spy.skips}
     elif scenario == "overflow_amp":
         spy = SkipRecorder()
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6},
-               "precision": {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}}  # fmt: skip
+        precision = {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}, "precision": precision}
         trainer = InfOnRank1(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}
     elif scenario == "kill":
