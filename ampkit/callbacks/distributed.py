@@ -59,6 +59,11 @@ class DistributedSync(Callback):
                 for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
                     self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)
 
+    def on_fit_end(self, trainer) -> None:
+        if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
+            trainer.model = torch.compile(trainer.module) if trainer.cfg.trainer.compile else trainer.module
+            self._ddp = None
+
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
         if trainer.state.is_iteration_start:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 from dataclasses import dataclass
@@ -59,9 +60,18 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
                           owns_group=owns)  # fmt: skip
 
 
-def teardown_distributed(env: DistributedEnv) -> None:
+def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
+    """Destroy the process group; after a clean run, only once every rank got here.
+
+    A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail,
+    which aborts that process ("terminate called without an active exception") after all its work is
+    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead).
+    """
     if env.owns_group and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
+        gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
 
 
 def broadcast_object(value: Any, env: DistributedEnv) -> Any:

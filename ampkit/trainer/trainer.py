@@ -235,10 +235,12 @@ class Trainer:
         """Train. ``resume``: a checkpoint path, or ``"last"`` for the newest ``last.pt`` under ``run_dir``."""
         self.dist = setup_distributed(self.cfg)
         rank_zero_only.rank = self.dist.rank
+        clean = False
         try:
             self._fit(resume)
+            clean = True
         finally:
-            teardown_distributed(self.dist)
+            teardown_distributed(self.dist, clean)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
         if self.dist.enabled and self.device.type == "cuda":

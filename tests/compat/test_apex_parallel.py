@@ -104,6 +104,7 @@ def _worker(rank, world_size, init_file):
         torch.testing.assert_close(local.grad, full_input.grad[rows])
         torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
         torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
+        dist.barrier()  # leave together: a rank exiting while its peer still runs gloo work can abort it
     finally:
         dist.destroy_process_group()
 
