@@ -41,6 +41,7 @@ class DistributedSync(Callback):
         self.sync_batchnorm = sync_batchnorm
         self.failure_wait_s = failure_wait_s
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
         self._synced: set[Any] = set()
 
     # ---------------------------------------------------------------- set-up
@@ -49,6 +50,7 @@ class DistributedSync(Callback):
             trainer.module = convert_sync_batchnorm(trainer.module)
             trainer.model = trainer.module
         if self.grad_sync == "ddp":
+            self._unwrapped = trainer.model
             device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
             self._ddp = torch.nn.parallel.DistributedDataParallel(
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
@@ -61,8 +63,7 @@ class DistributedSync(Callback):
 
     def on_fit_end(self, trainer) -> None:
         if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
-            trainer.model = torch.compile(trainer.module) if trainer.cfg.trainer.compile else trainer.module
-            self._ddp = None
+            trainer.model, self._unwrapped, self._ddp = self._unwrapped, None, None
 
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
