@@ -1,6 +1,7 @@
 """apex.parallel on torch.distributed: LARC maths, convert_syncbn_model, and 2-process gloo runs of
 DistributedDataParallel (Apex's reduction options) and the CPU SyncBatchNorm."""
 
+import gc
 import os
 
 import pytest
@@ -104,9 +105,14 @@ def _worker(rank, world_size, init_file):
         torch.testing.assert_close(local.grad, full_input.grad[rows])
         torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
         torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
+        del ddp, model
+        # DDP's reducer holds the process group (its comm hook makes a reference cycle): free it now, with the
+        # interpreter alive, not in finalization, where gloo's teardown can abort the process (SIGABRT).
+        gc.collect()
         dist.barrier()  # leave together: a rank exiting while its peer still runs gloo work can abort it
     finally:
         dist.destroy_process_group()
+        gc.collect()
 
 
 def test_two_process_gloo_ddp_options_and_cpu_sync_batchnorm(tmp_path):
