@@ -15,6 +15,11 @@ from ampkit.amp.opt_levels import parse_loss_scale
 
 __all__ = ["LossScaler"]
 
+# Without ``min_scale`` the dynamic scale still stops here: the unscale factor ``1/scale`` is a float32,
+# and 2**-126 (float32's smallest normal number) is the last power of two whose reciprocal float32 holds.
+# Apex let the scale decay to 1e-200; its unscale factor was a Python float.
+LOWEST_SCALE = 2.0**-126
+
 
 def _positive(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -33,8 +38,9 @@ class LossScaler:
     """Scales one loss and adapts the scale to overflows.
 
     Dynamic scaling (``loss_scale="dynamic"``): starts at ``min(init_scale, max_scale)``; an update
-    that saw an overflow multiplies the scale by ``backoff_factor`` (floored at ``min_scale`` when
-    given, otherwise unbounded below, as in Apex) and resets the clean-update counter; the
+    that saw an overflow multiplies the scale by ``backoff_factor`` (floored at :attr:`floor`:
+    ``min_scale`` when given, else 2**-126, where float32 can no longer hold ``1/scale``) and resets
+    the clean-update counter; the
     ``growth_interval``-th consecutive clean update multiplies it by ``growth_factor`` (capped at
     ``max_scale``). A static scale (a number) never changes.
 
@@ -94,6 +100,11 @@ class LossScaler:
         """The current loss scale."""
         return self._scale
 
+    @property
+    def floor(self) -> float:
+        """The lowest dynamic scale: ``min_scale``, and never below 2**-126 (``1/scale`` is a float32)."""
+        return LOWEST_SCALE if self.min_scale is None else max(self.min_scale, LOWEST_SCALE)
+
     def loss_scale(self) -> float:
         """The current loss scale (Apex's spelling, read by legacy logging code)."""
         return self._scale
@@ -123,9 +134,7 @@ class LossScaler:
             self.unskipped += 1
             return old, old
         if found_inf:
-            new = old * self.backoff_factor
-            if self.min_scale is not None:
-                new = max(new, self.min_scale)
+            new = max(old * self.backoff_factor, self.floor)
             self.unskipped = 0
         else:
             new = old

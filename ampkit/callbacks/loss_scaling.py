@@ -41,7 +41,8 @@ class LossScaling(Callback):
         combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
         warn_consecutive_skips: warn when an optimizer skipped this many steps in a row (0: never).
         max_overflows_at_min_scale: raise when a scaler overflows this many iterations in a row while
-            already at ``min_scale`` (0: never) — scaling cannot help, the loss itself is non-finite.
+            already at its floor (``min_scale``, or 2**-126 without one; 0: never) — scaling cannot help,
+            the loss itself is non-finite.
 
     TensorBoard tags (through ``trainer.log``): ``amp/loss_scale/<loss_id>`` at every logged step,
     ``amp/overflow/<loss_id>`` (1 at each iteration that overflowed, 0 at logged clean ones) and
@@ -216,14 +217,15 @@ class LossScaling(Callback):
 
     def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
         key = self._key(loss_id)
-        at_floor = overflowed and scaler.dynamic and scaler.min_scale is not None and old <= scaler.min_scale
+        at_floor = overflowed and scaler.dynamic and old <= scaler.floor
         self._overflows_at_min[key] = self._overflows_at_min.get(key, 0) + 1 if at_floor else 0
         limit = self.max_overflows_at_min_scale
         if limit and self._overflows_at_min[key] >= limit:
+            floor = f"min_scale={scaler.min_scale}" if scaler.floor == scaler.min_scale else f"its floor {scaler.floor}"
             raise RuntimeError(
                 f"loss scaler for loss_id {loss_id!r} overflowed {self._overflows_at_min[key]} iterations in a row "
-                f"at min_scale={scaler.min_scale}: its gradients are non-finite whatever the scale (a NaN/inf "
-                "loss or input?). Lower precision.min_scale or fix the loss."
+                f"at {floor}: its gradients are non-finite whatever the scale (a NaN/inf loss or input, or "
+                "parameters already non-finite?). Lower precision.min_scale or fix the loss."
             )
 
     def _count_skips(self, opt_state) -> None:

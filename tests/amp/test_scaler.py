@@ -30,13 +30,17 @@ def test_growth_after_exactly_interval_clean_updates(interval):
     assert s.update(torch.zeros(1)) == (8.0, 16.0)
 
 
-def test_backoff_floored_at_min_scale_and_unbounded_without():
+def test_backoff_floored_at_min_scale_and_at_the_float32_limit_without():
     s = LossScaler(init_scale=8.0, min_scale=2.0)
     assert [s.update(torch.ones(1))[1] for _ in range(4)] == [4.0, 2.0, 2.0, 2.0]
     s = LossScaler(init_scale=8.0)
     for _ in range(20):
         s.update(True)
-    assert s.scale == 8.0 * 2.0**-20
+    assert s.scale == 8.0 * 2.0**-20  # far below 1: no floor before float32's limit
+    for _ in range(200):
+        s.update(True)
+    assert s.scale == s.floor == 2.0**-126
+    assert torch.isfinite(s.inv_scale_tensor("cpu")).all()  # the unscale factor stays a finite float32
 
 
 def test_growth_capped_at_max_scale():

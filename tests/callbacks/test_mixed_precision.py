@@ -308,6 +308,9 @@ def test_skip_warning_and_min_scale_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="loss_id 0 overflowed 3 iterations in a row at min_scale=4.0"):
         fit(AlwaysNan, tmp_path / "err", opt_level="O1", init_scale=16.0, min_scale=4.0, max_overflows_at_min_scale=3)
+    # Without min_scale the scale halves down to 2**-126 (1/scale must stay a float32), then the same error.
+    with pytest.raises(RuntimeError, match=r"loss_id 0 overflowed 2 iterations in a row at its floor 1\.17\d*e-38"):
+        fit(AlwaysNan, tmp_path / "err2", opt_level="O1", init_scale=2.0**-125, max_overflows_at_min_scale=2)
 
 
 # ---------------------------------------------------------------------- casting
