@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import child_env
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
@@ -72,7 +73,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     }
     cfg_path = tmp_path / "toy.yaml"
     OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "killed")}), cfg_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    env = child_env(TESTS, REPO)
     last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.pt"
     killed = False
     for _attempt in range(3):

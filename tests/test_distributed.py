@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import child_env
 from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import toy_dataset
@@ -30,9 +30,9 @@ def launch(scenario: str, out: Path, extra_env: dict | None = None, timeout: flo
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]), **(extra_env or {})}  # fmt: skip
+        ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = child_env(TESTS, TESTS.parent, **ranks, **rendezvous, **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     results = []

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 import ampkit.compat.amp
 from ampkit.compat import install_apex_shim, uninstall_apex_shim
@@ -68,7 +69,7 @@ def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
 
 
 def _legacy(*args, cwd=REPO, extra_path=()):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *map(str, extra_path)]), OMP_NUM_THREADS="1")
+    env = child_env(REPO, *extra_path, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "ampkit.legacy", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=300,

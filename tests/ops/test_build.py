@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 from ampkit.ops import _build
 
@@ -90,7 +90,7 @@ def test_cache_key_follows_header_edits(tmp_path):
 
 def test_ahead_of_time_build_is_reused_by_a_new_process():
     """`python -m ampkit.ops.build` fills the cache; a new process then loads it without compiling."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = child_env(REPO_ROOT)
     build = subprocess.run(
         [sys.executable, "-m", "ampkit.ops.build"], env=env, capture_output=True, text=True, timeout=300
     )
