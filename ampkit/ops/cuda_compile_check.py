@@ -20,7 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+from ampkit.ops._build import CSRC_DIR, CUDA_FLAGS  # the flags the JIT build passes nvcc
+
 # The CPU wheel ships c10/cuda headers but not their CMake-generated config header.
 DEFINES = ("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",)
 
@@ -55,7 +56,7 @@ def _command(source: Path, nvcc: str, includes: list[str], arch: str, out_dir: P
             nvcc,
             "-c",
             "-std=c++20",
-            "-O3",
+            *CUDA_FLAGS,
             f"-arch={arch}",
             *DEFINES,
             *includes,

@@ -359,3 +359,75 @@ def test_bad_input_errors_name_the_argument(mutate, message):
     mutate(args)
     with pytest.raises(RuntimeError, match=message):
         kernel("adam_step")(**args)
+
+
+# ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+HOST_ARGS = ("steps", "ratios", "denoms")  # read on the host by both CPU and CUDA kernels
+
+
+def to_cuda(args: dict) -> dict:
+    def move(t: torch.Tensor, key: str) -> torch.Tensor:
+        return t.clone() if key in HOST_ARGS else t.cuda()
+
+    return {
+        k: [move(t, k) for t in v] if isinstance(v, list) else move(v, k) if isinstance(v, torch.Tensor) else v
+        for k, v in args.items()
+    }
+
+
+def cuda_kernel(name: str) -> Callable[..., object]:
+    from ampkit.ops.optimizers._kernels import op
+
+    return op(name, torch.device("cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_float64_kernel_matches_reference(case):
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    on_gpu = to_cuda(args)
+    cuda_kernel(name)(**on_gpu)
+    getattr(ref, name)(**args)
+    assert_args_close({k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}, args,
+                      rtol=1e-12, atol=1e-12)  # fmt: skip
+    if "steps" in args:  # step counters advance on the host exactly as on CPU
+        assert [float(s) for s in on_gpu["steps"]] == [float(s) for s in args["steps"]]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_float32_kernel_matches_float64_reference(case):
+    name, build = CASES[case]
+    args64 = build(torch.float64, torch.float64, False)
+    on_gpu = to_cuda(clone_args(args64, torch.float32))
+    cuda_kernel(name)(**on_gpu)
+    getattr(ref, name)(**args64)
+    assert_args_close({k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}, args64,
+                      rtol=2e-5, atol=2e-6)  # fmt: skip
+
+
+@needs_cuda
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"])
+def test_cuda_half_params_match_reference(case, dtype, master):
+    name, build = CASES[case]
+    args = build(dtype, torch.float32, master)
+    on_gpu = to_cuda(args)
+    cuda_kernel(name)(**on_gpu)
+    getattr(ref, name)(**args)
+    half_eps = torch.finfo(dtype).eps
+    got = {k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}
+    state = {k: v for k, v in args.items() if isinstance(v, list) and k not in ("params", "grads")}
+    assert_args_close(got, state, rtol=1e-5, atol=1e-6)
+    assert_args_close(got, {"params": args["params"]}, rtol=half_eps, atol=half_eps)
+
+
+@needs_cuda
+def test_cuda_kernel_rejects_a_list_on_another_device():
+    args = to_cuda(adam_args(torch.float32, torch.float32, False))
+    args["exp_avgs"][2] = args["exp_avgs"][2].cpu()
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] is on cpu; expected cuda"):
+        cuda_kernel("adam_step")(**args)

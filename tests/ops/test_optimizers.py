@@ -545,3 +545,66 @@ def test_sparse_gradients_are_rejected():
     p.grad = torch.zeros(4).to_sparse()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         FusedAdam([p]).step()
+
+
+# ----------------------------------------------------------------- the CUDA kernels, where a GPU exists
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(TORCH_PAIRS))
+def test_cuda_matches_torch_optim_over_100_fp32_steps(case):
+    make_ours, make_theirs = TORCH_PAIRS[case]
+    a = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    b = clone_params(a)
+    ours, theirs = make_ours(a), make_theirs(b)
+    for step in range(100):
+        for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+            if i == 1 and step % 7 == 0:
+                pa.grad = pb.grad = None
+                continue
+            g = torch.randn(pa.shape, device="cuda")
+            pa.grad, pb.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert rel_diff(a, b) <= 1e-6
+    assert all(s["step"].device.type == "cpu" for s in ours.state.values() if "step" in s)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("case", list(REFERENCE_CASES))
+def test_cuda_matches_float64_reference_over_100_steps(case, dtype, tol):
+    make_ours, reference = REFERENCE_CASES[case]
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtype)]
+    expected = [p.detach().double().cpu() for p in params]
+    opt = make_ours(params)
+    grad_seq = []
+    for _ in range(100):
+        grads = scale_invariant_grads([p.cpu() for p in params]) if case == "adamp" else None
+        grads = grads or [torch.randn(p.shape).double() for p in params]
+        grad_seq.append(grads)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.to(device="cuda", dtype=dtype)
+        opt.step()
+    expected = reference(expected, grad_seq)
+    assert rel_diff([p.cpu() for p in params], expected) <= tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_half_params_with_master_weights_track_an_fp32_model(dtype):
+    half = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtype)]
+    full = clone_params(half, torch.float32)
+    ours = FusedAdam(half, lr=1e-2, weight_decay=0.1, master_weights=True)
+    theirs = torch.optim.AdamW(full, lr=1e-2, weight_decay=0.1)
+    for _ in range(20):
+        for h, f in zip(half, full, strict=True):
+            g = torch.randn(h.shape, device="cuda").to(dtype)
+            h.grad, f.grad = g, g.float()
+        ours.step()
+        theirs.step()
+    masters = [ours.state[h]["master_param"] for h in half]
+    assert rel_diff(masters, full) <= 1e-6
+    for h, m in zip(half, masters, strict=True):
+        assert torch.equal(h, m.to(dtype))

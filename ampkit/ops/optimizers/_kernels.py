@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops._build import CSRC_DIR, ops_mode, register_family
 from ampkit.ops.reference import optimizers as reference
 
 _CPU_SOURCES = [
@@ -18,14 +18,23 @@ _CPU_SOURCES = [
     )
 ]
 
-FAMILY = register_family("ampkit_optimizers", sources=_CPU_SOURCES)
+_CUDA_SOURCES = [CSRC_DIR / "optimizers" / "optimizers_cuda.cpp", CSRC_DIR / "optimizers" / "optimizers_kernels.cu"]
+
+FAMILY = register_family("ampkit_optimizers", sources=_CPU_SOURCES, cuda_sources=_CUDA_SOURCES)
 
 
 def op(name: str, device: torch.device) -> Callable[..., object]:
-    """The op ``name`` for tensors on ``device``: the C++ kernel on CPU when it builds, else the reference.
+    """The op ``name`` for tensors on ``device``: the C++/CUDA kernel when built for it, else the reference.
 
-    The CUDA sources compile in CI but are not linked into this CPU build, so GPU tensors use the reference.
+    CUDA kernels join the build only where torch sees a GPU and nvcc at build time; without them CUDA
+    tensors use the reference (an error under ``AMPKIT_OPS=kernel``).
     """
-    if device.type == "cpu" and FAMILY.use_kernel():
-        return getattr(torch.ops.ampkit_optimizers, name)
+    if device.type in ("cpu", "cuda") and FAMILY.use_kernel():
+        if device.type == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(f"ampkit_optimizers::{name}", "CUDA"):
+            return getattr(torch.ops.ampkit_optimizers, name)
+        if ops_mode() == "kernel":
+            raise RuntimeError(
+                "ampkit: ampkit_optimizers was built without CUDA kernels (no CUDA toolkit at build time) "
+                "and AMPKIT_OPS=kernel forbids the reference fallback"
+            )
     return getattr(reference, name)

@@ -120,7 +120,8 @@ class FusedLAMB(FusedOptimizer):
             ratios = torch.where(usable, param_norms / update_norms.where(usable, 1.0), 1.0) * lr
         else:
             ratios = torch.full((len(bucket.params),), lr, dtype=torch.float64)
-        op("lamb_stage2", device)(bucket.params, updates, masters, ratios)
+        # The kernels read the per-tensor ratios on the host (a float64 CPU vector, one sync on CUDA).
+        op("lamb_stage2", device)(bucket.params, updates, masters, ratios.cpu())
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

@@ -69,7 +69,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
-        state["exp_avg_sq"] = torch.tensor(0.0 if group["init_zero"] else _UNSET, dtype=acc_dtype(param))
+        init = 0.0 if group["init_zero"] else _UNSET
+        state["exp_avg_sq"] = torch.tensor(init, dtype=acc_dtype(param), device=param.device)
 
     def step_with_grad_factor(self, grad_factor: float) -> None:
         for group in self.param_groups:
@@ -88,7 +89,7 @@ class FusedNovoGrad(FusedOptimizer):
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
-        denoms = (blended / bc2_sqrt + group["eps"]).contiguous()
+        denoms = (blended / bc2_sqrt + group["eps"]).cpu().contiguous()  # read on the host by the kernels
         op("novograd_step", device)(
             bucket.params,
             bucket.grads,

@@ -1,0 +1,181 @@
+// Host-side plumbing shared by the CPU and CUDA optimizer dispatch: argument checks that name the
+// offending list, step counters (one-element CPU tensors, as torch.optim keeps them), and dtype dispatch
+// over (parameter, gradient) pairs. No parallel loops and no device code here.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace ampkit {
+namespace optim {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Validates the lists of one multi-tensor optimizer call against `params` (the list that defines the
+// number of tensors, their sizes and strides). Every message names the op and the list.
+class ListChecker {
+ public:
+  // `device_type`: where this kernel runs (CPU or CUDA); every list must sit on params[0]'s device.
+  ListChecker(const char* op, at::TensorList params, c10::DeviceType device_type = c10::DeviceType::CPU)
+      : op_(op), params_(params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      TORCH_CHECK(p.device().type() == device_type, op_, ": params[", i, "] is on ", p.device(),
+                  "; this kernel runs on ", c10::DeviceTypeName(device_type, /*lower_case=*/true),
+                  " tensors only");
+      TORCH_CHECK(p.device() == params[0].device(), op_, ": params must share one device; params[0] is on ",
+                  params[0].device(), " but params[", i, "] is on ", p.device());
+      TORCH_CHECK(is_supported_float(p.scalar_type()), op_, ": params[", i, "] has dtype ", p.scalar_type(),
+                  "; expected float32, float64, float16 or bfloat16");
+      TORCH_CHECK(p.scalar_type() == params[0].scalar_type(), op_, ": params must share one dtype; params[0] is ",
+                  params[0].scalar_type(), " but params[", i, "] is ", p.scalar_type());
+      TORCH_CHECK(p.is_non_overlapping_and_dense(), op_, ": params[", i,
+                  "] is not dense (a strided view); pass contiguous or dense tensors");
+    }
+  }
+
+  at::ScalarType param_dtype() const { return params_.empty() ? at::kFloat : params_[0].scalar_type(); }
+
+  // The accumulate dtype state tensors must have: float64 for float64 params, else float32.
+  at::ScalarType acc_dtype() const { return param_dtype() == at::kDouble ? at::kDouble : at::kFloat; }
+
+  // A list matched element-wise to params: same length, sizes and strides, dtype `dtype`.
+  void same_layout(const char* name, at::TensorList list, at::ScalarType dtype) const {
+    TORCH_CHECK(list.size() == params_.size(), op_, ": ", name, " has ", list.size(), " tensors but params has ",
+                params_.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& t = list[i];
+      TORCH_CHECK(t.device() == params_[i].device(), op_, ": ", name, "[", i, "] is on ", t.device(), "; expected ",
+                  params_[i].device());
+      TORCH_CHECK(t.scalar_type() == dtype, op_, ": ", name, "[", i, "] has dtype ", t.scalar_type(), "; expected ",
+                  dtype);
+      TORCH_CHECK(t.sizes() == params_[i].sizes(), op_, ": ", name, "[", i, "] has shape ", t.sizes(),
+                  " but params[", i, "] has shape ", params_[i].sizes());
+      TORCH_CHECK(t.strides() == params_[i].strides(), op_, ": ", name, "[", i, "] has strides ", t.strides(),
+                  " but params[", i, "] has strides ", params_[i].strides(),
+                  "; pass tensors laid out like their parameter");
+    }
+  }
+
+  // Gradients: the parameter dtype, or float32 for float16/bfloat16 parameters. Returns their dtype.
+  at::ScalarType grads(at::TensorList grads) const {
+    const at::ScalarType g = grads.empty() ? param_dtype() : grads[0].scalar_type();
+    const bool ok = g == param_dtype() || (g == at::kFloat && acc_dtype() == at::kFloat);
+    TORCH_CHECK(ok, op_, ": grads have dtype ", g, " but params have ", param_dtype(),
+                "; expected the parameter dtype or float32");
+    same_layout("grads", grads, g);
+    return g;
+  }
+
+  void state(const char* name, at::TensorList list) const { same_layout(name, list, acc_dtype()); }
+
+  // Optional list: empty, or matched to params.
+  void optional_state(const char* name, at::TensorList list, bool required) const {
+    if (required) {
+      state(name, list);
+    } else {
+      TORCH_CHECK(list.empty(), op_, ": ", name, " must be empty for these options; got ", list.size(), " tensors");
+    }
+  }
+
+  // fp32 master copies: empty, or one per float16/bfloat16 parameter.
+  bool master(at::TensorList master_params) const {
+    if (master_params.empty()) return false;
+    TORCH_CHECK(param_dtype() == at::kHalf || param_dtype() == at::kBFloat16, op_,
+                ": master_params are only meaningful for float16/bfloat16 params, but params are ", param_dtype());
+    same_layout("master_params", master_params, at::kFloat);
+    return true;
+  }
+
+  void steps(at::TensorList steps) const {
+    TORCH_CHECK(steps.size() == params_.size(), op_, ": steps has ", steps.size(), " tensors but params has ",
+                params_.size());
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const at::Tensor& s = steps[i];
+      TORCH_CHECK(s.device().is_cpu() && s.numel() == 1 &&
+                      (s.scalar_type() == at::kFloat || s.scalar_type() == at::kDouble),
+                  op_, ": steps[", i, "] must be a one-element float32/float64 CPU tensor; got ", s.scalar_type(),
+                  " of shape ", s.sizes(), " on ", s.device());
+    }
+  }
+
+  std::vector<int64_t> numels() const {
+    std::vector<int64_t> n(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) n[i] = params_[i].numel();
+    return n;
+  }
+
+ private:
+  const char* op_;
+  at::TensorList params_;
+};
+
+// Adds one to a step counter and returns the new value.
+inline double bump_step(const at::Tensor& step) {
+  if (step.scalar_type() == at::kDouble) {
+    double* s = step.data_ptr<double>();
+    *s += 1.0;
+    return *s;
+  }
+  float* s = step.data_ptr<float>();
+  *s += 1.0f;
+  return static_cast<double>(*s);
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <typename param_t>
+using acc_type_for = std::conditional_t<std::is_same<param_t, double>::value, double, float>;
+
+// Calls f(TypeTag<param_t>{}, TypeTag<grad_t>{}) for the supported (param, grad) dtype pairs.
+template <class F>
+void dispatch_param_grad(at::ScalarType param, at::ScalarType grad, const F& f) {
+  switch (param) {
+    case at::kDouble:
+      return f(TypeTag<double>{}, TypeTag<double>{});
+    case at::kFloat:
+      return f(TypeTag<float>{}, TypeTag<float>{});
+    case at::kHalf:
+      if (grad == at::kFloat) return f(TypeTag<c10::Half>{}, TypeTag<float>{});
+      return f(TypeTag<c10::Half>{}, TypeTag<c10::Half>{});
+    case at::kBFloat16:
+      if (grad == at::kFloat) return f(TypeTag<c10::BFloat16>{}, TypeTag<float>{});
+      return f(TypeTag<c10::BFloat16>{}, TypeTag<c10::BFloat16>{});
+    default:
+      TORCH_CHECK(false, "ampkit optimizers: unsupported parameter dtype ", param);
+  }
+}
+
+// Calls f(std::integral_constant<bool, b>{}) with a runtime flag turned into a compile-time one.
+template <class F>
+void dispatch_bool(bool b, const F& f) {
+  if (b) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <typename T>
+inline T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+template <typename T>
+inline T* ptr_or_null(at::TensorList list, size_t i) {
+  return list.empty() ? nullptr : static_cast<T*>(list[i].data_ptr());
+}
+
+}  // namespace optim
+}  // namespace ampkit

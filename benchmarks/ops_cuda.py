@@ -1,0 +1,185 @@
+"""ampkit.ops on a CUDA GPU: every ratio against PyTorch's CUDA form measured in the same process.
+
+Run from the repository root on a machine with a GPU (and nvcc, so the CUDA kernels build)::
+
+    PYTHONPATH=$PWD python benchmarks/ops_cuda.py            # 1M / 10M / 50M / 200M params
+    PYTHONPATH=$PWD python benchmarks/ops_cuda.py --quick    # 1M / 10M
+
+Timing: CUDA events around a batch of calls (the mean over the batch, best of several batches, calls of
+torch and ampkit interleaved batch by batch), after warm-up. The parameter lists are the transformer-like
+lists of ``benchmarks/ops.py`` (many small 1-D tensors plus large matrices), on the GPU. The ceiling is a
+device-to-device copy (bytes read + written). Optimizer rows compare with the fastest torch form of each
+(fused where torch has one). Norm rows time ``y = norm(x); y.backward(dy)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ampkit.ops import multi_tensor as mt  # noqa: E402
+from ampkit.ops.optimizers import FusedAdam  # noqa: E402
+from ampkit.ops.pipeline import fused_unscale_clip_step_  # noqa: E402
+
+
+def _load(name: str):
+    """A sibling benchmark script, loaded by path once (its dataclasses look their module up)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+def time_ms(*fns: Callable[[], object], batch: int = 20, rounds: int = 7) -> list[float]:
+    """Mean time per call in ms of each fn over a batch, best of ``rounds`` batches, interleaved."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            best[i] = min(best[i], start.elapsed_time(end) / batch)
+    return best
+
+
+def param_list(n: int) -> list[torch.Tensor]:
+    return [t.cuda() for t in _load("ops").BenchContext(threads=1, quick=False, sizes=()).param_list(n)]
+
+
+def copy_ceiling_gbps() -> float:
+    src = torch.empty(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    (ms,) = time_ms(lambda: dst.copy_(src), batch=10)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def multi_tensor_cases(grads: list[torch.Tensor]) -> list[tuple]:
+    found = torch.zeros(1, device="cuda")
+    one = torch.ones(1, device="cuda")
+
+    def torch_unscale():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+
+    def torch_norm():
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+
+    def torch_unscale_norm():
+        torch_unscale()
+        return torch_norm()
+
+    return [
+        ("unscale+inf check", "_amp_foreach_non_finite_check_and_unscale_", torch_unscale,
+         lambda: mt.scale_(grads, 1.0, found), 8),
+        ("L2 norm", "_foreach_norm+stack+norm", torch_norm, lambda: mt.l2norm(grads), 4),
+        ("unscale+check+norm (read-only)", "unscale_ then _foreach_norm", torch_unscale_norm,
+         lambda: mt.unscale_l2norm(grads, 1.0, found), 4),
+    ]  # fmt: skip
+
+
+def optimizer_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[tuple]:
+    opt_bench = _load("ops_optimizers")
+    count = sum(t.numel() for t in base)
+    grads = [torch.randn_like(t) * 1e-3 for t in base]
+    rows = []
+    for name, make_ours, forms, per_param in opt_bench.FAMILIES:
+        best = None
+        for form, make in forms.items():
+            opt = make(opt_bench._params_with_grads(base, grads))
+            try:
+                (ms,) = time_ms(opt.step, rounds=2)
+            except RuntimeError:  # a form torch does not offer on CUDA (e.g. Adagrad(fused=True))
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, form, opt)
+        ours = make_ours(opt_bench._params_with_grads(base, grads))
+        torch_ms, ms = time_ms(best[2].step, ours.step)
+        rows.append(("optimizers", name, best[1], size, ms, torch_ms, count * per_param / ms / 1e6, ceiling))
+        del ours, best
+    # pipeline: unscale + inf check + clip + AdamW
+    params = opt_bench._params_with_grads(base, [g.clone() for g in grads])
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones((), device="cuda"))
+
+    def torch_step() -> None:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, 1e30, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+
+    ours = FusedAdam(opt_bench._params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
+    torch_ms, ms = time_ms(torch_step, lambda: fused_unscale_clip_step_(ours, 1.0, 1e30))
+    rows.append(("optimizers", "pipeline: unscale+check+clip+AdamW", "GradScaler + clip_grad_norm_ + AdamW(fused)",
+                 size, ms, torch_ms, count * 32 / ms / 1e6, ceiling))  # fmt: skip
+    return rows
+
+
+def norm_rows(ceiling: float, quick: bool) -> list[tuple]:
+    fwd_bwd = _load("ops_norms")._fwd_bwd  # the CPU table's step: y = norm(x); y.backward(dy)
+    rows = []
+    shapes = ((8192, 1024),) if quick else ((8192, 1024), (32768, 4096))
+    for n_rows, n in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(n_rows, n, device="cuda", dtype=dtype).requires_grad_()
+            dy = torch.randn_like(x)
+            w = (torch.rand(n, device="cuda") + 0.5).to(dtype).requires_grad_()
+            b = torch.randn(n, device="cuda", dtype=dtype).requires_grad_()
+            nbytes = 5 * x.numel() * x.element_size()
+            size = f"{n_rows}x{n} {str(dtype).removeprefix('torch.')}"
+            for kind, baseline in (("LayerNorm", "F.layer_norm"), ("RMSNorm", "F.rms_norm")):
+                torch_ms, ms = time_ms(fwd_bwd(kind, False, x, w, b, dy), fwd_bwd(kind, True, x, w, b, dy))
+                rows.append(("norms", f"{kind} fwd+bwd", baseline, size, ms, torch_ms, nbytes / ms / 1e6, ceiling))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1M and 10M params, the small norm shape")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ops_cuda: no CUDA GPU here; run benchmarks/ops.py for the CPU table", file=sys.stderr)
+        return 2
+    os.environ["AMPKIT_OPS"] = "kernel"  # a missing CUDA build is an error, not a reference-op timing
+    ceiling = copy_ceiling_gbps()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; device copy ceiling {ceiling:.0f} GB/s")
+    rows = []
+    for n in (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000, 200_000_000):
+        base = param_list(n)
+        count = sum(t.numel() for t in base)
+        size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
+        for name, baseline, torch_fn, ours, per_param in multi_tensor_cases([t.clone() for t in base]):
+            torch_ms, ms = time_ms(torch_fn, ours)
+            rows.append(("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param / ms / 1e6, ceiling))
+        rows += optimizer_rows(base, size, ceiling)
+        del base
+        torch.cuda.empty_cache()
+    rows += norm_rows(ceiling, args.quick)
+    print(f"{'section':<13}{'op':<36}{'size':<22}{'ampkit ms':>10}{'torch ms':>10}{'ratio':>8}{'GB/s':>8}"
+          f"{'%ceil':>7}  baseline")  # fmt: skip
+    for section, name, baseline, size, ms, torch_ms, gbps, ceil in rows:
+        print(f"{section:<13}{name:<36}{size:<22}{ms:>10.3f}{torch_ms:>10.3f}{torch_ms / ms:>7.2f}x"
+              f"{gbps:>8.0f}{100 * gbps / ceil:>6.0f}%  {baseline}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
