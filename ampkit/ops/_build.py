@@ -35,6 +35,7 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 # The kernels are memory-bound; contraction buys no time.
 CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
 CUDA_FLAGS = ("-O3", "--fmad=false")
+# Part of the cache key: libraries linked before libstdc++ was named explicitly are rebuilt once.
+_LINK_KEY = "shared-libstdc++"
 
 _MODES = ("auto", "reference", "kernel")
 _loaded: dict[str, bool] = {}
@@ -172,6 +175,7 @@ def _build_and_load(name: str, sources: list[Path], cuda_sources: list[Path]) ->
         sources=[str(s) for s in all_sources],
         extra_cflags=list(CXX_FLAGS),
         extra_cuda_cflags=list(CUDA_FLAGS),
+        extra_ldflags=_shared_libstdcxx(),
         extra_include_paths=[str(CSRC_DIR)],
         build_directory=str(build_dir),
         with_cuda=with_cuda,
@@ -189,6 +193,26 @@ def _check_toolchain() -> None:
         raise _NoCompiler("ninja is not installed (pip install ninja)")
 
 
+def _shared_libstdcxx() -> list[str]:
+    """The shared C++ runtime as an explicit link input, so the library never carries its own copy.
+
+    A toolchain seen on a GPU machine (g++ 13) linked libstdc++ statically into the extension; that
+    private copy's locale is never initialised, and the first error message that formats a number
+    (``params[3] ...``) segfaulted. Named on the link line before g++'s implicit ``-lstdc++``, the
+    shared runtime resolves every libstdc++ symbol. Empty where the compiler cannot name the file.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        found = subprocess.run(
+            [os.environ.get("CXX", "c++"), "-print-file-name=libstdc++.so.6"],
+            capture_output=True, text=True, timeout=60, check=False,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [found] if os.path.isabs(found) and os.path.exists(found) else []
+
+
 def _cuda_toolkit_present() -> bool:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     return shutil.which("nvcc") is not None or bool(home and Path(home, "bin", "nvcc").exists())
@@ -196,7 +220,8 @@ def _cuda_toolkit_present() -> bool:
 
 def _build_key(sources: Sequence[Path], with_cuda: bool) -> str:
     digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, platform.machine(), str(with_cuda), *CXX_FLAGS, *CUDA_FLAGS):
+    parts = (torch.__version__, sys.version, platform.machine(), str(with_cuda), *CXX_FLAGS, *CUDA_FLAGS, _LINK_KEY)
+    for part in parts:
         digest.update(part.encode())
     digest.update(_cpu_flags().encode())
     files = {Path(s).resolve() for s in sources}
