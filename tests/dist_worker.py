@@ -121,8 +121,9 @@ class GradSpy(ampkit.Callback):
 
 
 def main(scenario: str, out: Path) -> None:
-    base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False},
-            "trainer": {"progress_bar": False}}  # fmt: skip
+    # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).
+    cpu = {"progress_bar": False, "device": "cpu"}
+    base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False}, "trainer": cpu}
     extra: dict = {}
     if scenario in ("ddp", "ddp_accumulate"):
         accumulate = 2 if scenario == "ddp_accumulate" else 1
@@ -130,22 +131,22 @@ def main(scenario: str, out: Path) -> None:
             **base,
             "data": {"batch_size": 4},
             "checkpoint": {"enabled": False},
-            "trainer": {"max_epochs": 2, "accumulate_grad_batches": accumulate, "val_every_n_epochs": 1},
+            "trainer": {**cpu, "max_epochs": 2, "accumulate_grad_batches": accumulate, "val_every_n_epochs": 1},
         }
         trainer = Plain(cfg)
     elif scenario == "overflow":
         spy = OverflowOnRank1()
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}}
         trainer = TwoLosses(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}
     elif scenario == "overflow_amp":
         spy = SkipRecorder()
         precision = {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}, "precision": precision}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}, "precision": precision}
         trainer = InfOnRank1(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}
     elif scenario == "kill":
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_epochs": 5},
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_epochs": 5},
                "distributed": {"timeout_s": 30}}  # fmt: skip
         trainer = Plain(cfg, callbacks=[SuicideAt()])
     elif scenario.startswith("resume"):
@@ -153,7 +154,7 @@ def main(scenario: str, out: Path) -> None:
             **base,
             "data": {"batch_size": 4},
             "checkpoint": {"every_n_steps": 3, "keep_last": 50},
-            "trainer": {"max_epochs": 2},
+            "trainer": {**cpu, "max_epochs": 2},
         }
         trainer = ToyTrainer(cfg)  # shuffling and dropout: the sampler and RNG must be restored too
         resume_from = os.environ.get("RESUME_FROM")
@@ -164,12 +165,12 @@ def main(scenario: str, out: Path) -> None:
         cfg = {
             **base,
             "checkpoint": {"enabled": False},
-            "trainer": {"max_steps": 1},
+            "trainer": {**cpu, "max_steps": 1},
             "distributed": {"sync_batchnorm": True},
         }
         trainer = BatchNormNet(cfg, callbacks=[spy])
     elif scenario == "mismatch":
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 1 + RANK}}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)
     else:
         raise SystemExit(f"unknown scenario {scenario}")

@@ -145,3 +145,20 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
         assert sorted(order[0] + order[1]) == list(range(10))
         seen.append(order)
     assert seen[0] != seen[1]
+
+
+def test_more_nccl_ranks_than_gpus_is_a_clear_error_before_any_collective(monkeypatch):
+    """Two ranks on a one-GPU machine would hang in NCCL's init (seen on an H100 box); they fail at once."""
+    from omegaconf import OmegaConf
+
+    from ampkit import ConfigError
+    from ampkit.config import Config
+    from ampkit.trainer.distributed import setup_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = OmegaConf.structured(Config)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs cuda:1, but this machine has 1 GPU\(s\)"):
+        setup_distributed(cfg)

@@ -51,6 +51,12 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
         backend = "nccl" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
+            "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
+            "to train on CPU processes with gloo"
+        )
     owns = not dist.is_initialized()
     if owns:
         if backend == "nccl":
