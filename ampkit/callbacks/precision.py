@@ -147,7 +147,10 @@ class MixedPrecision(Callback):
             backward.inputs = [self._master_to_model.get(id(t), t) for t in backward.inputs]
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
-        self._autocast_on()  # a further forward may follow (a GAN's generator step)
+        # Manual optimization may run a further forward (a GAN's generator step); under automatic
+        # optimization only the optimizer step follows, and it runs outside autocast as in torch's recipe.
+        if not trainer.automatic_optimization:
+            self._autocast_on()
 
     def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         masters = self.masters.get(optimizer)

@@ -334,12 +334,34 @@ def test_o1_autocasts_forward_not_backward(tmp_path, dtype):
             self.val_dtypes.append(self.model(batch[0]).dtype)
             return {}
 
-    trainer = Probe(config(tmp_path, opt_level="O1", dtype=dtype))
+    class StepProbe(ampkit.Callback):
+        step_autocast: list[bool] = []
+
+        def on_before_optimizer_step(self, trainer, optimizer):
+            self.step_autocast.append(torch.is_autocast_enabled("cpu"))
+
+    probe = StepProbe()
+    trainer = Probe(config(tmp_path, opt_level="O1", dtype=dtype), callbacks=[probe])
     trainer.fit()
     assert set(trainer.forward_dtypes) == set(trainer.val_dtypes) == {getattr(torch, dtype)}
     assert trainer.backward_autocast and not any(trainer.backward_autocast)
+    assert probe.step_autocast and not any(probe.step_autocast)  # the optimizer step runs in full precision
     assert not torch.is_autocast_enabled("cpu")
     assert all(p.dtype == torch.float32 for p in trainer.module.parameters())
+
+
+def test_o1_manual_optimization_autocasts_a_forward_after_a_backward(tmp_path):
+    class SecondForward(TwoLossTrainer):
+        second_forward_dtypes = []
+
+        def training_step(self, batch):
+            out = super().training_step(batch)  # backward of loss A and B, then the steps
+            self.second_forward_dtypes.append(self.module.head(self.module.body(batch[0])).dtype)
+            return out
+
+    trainer = SecondForward(config(tmp_path, opt_level="O1", dtype="bfloat16"))
+    trainer.fit()
+    assert set(trainer.second_forward_dtypes) == {torch.bfloat16}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
