@@ -8,7 +8,7 @@
 #include <torch/library.h>
 
 #include "cpu_multi_tensor.h"
-#include "optimizer_math.h"
+#include "hyper.h"
 
 namespace ampkit {
 namespace optim {
@@ -22,16 +22,13 @@ void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   check.state("state_sums", state_sums);
   const bool has_master = check.master(master_params);
   check.steps(steps);
-  std::vector<double> clr(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    clr[i] = lr / (1.0 + (bump_step(steps[i]) - 1.0) * lr_decay);
-  }
+  const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
-      const AdagradHyper<acc_t> h{acc_t(grad_factor), acc_t(clr[t]), acc_t(weight_decay), acc_t(eps)};
+      const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, grad_factor);
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sum = ptr<acc_t>(state_sums[t]);
       acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
@@ -53,13 +50,12 @@ void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
   const bool has_master = check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const RMSpropHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),           acc_t(alpha),   acc_t(1.0 - alpha),
-                                acc_t(eps),         acc_t(weight_decay), acc_t(momentum)};
+    const auto h = rmsprop_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, grad_factor);
     dispatch_bool(centered, [&](auto cen) {
       dispatch_bool(use_momentum, [&](auto mom) {
         parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
@@ -95,19 +91,12 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
   const bool has_master = check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const RMSpropTFHyper<acc_t> h{acc_t(grad_factor),
-                                  acc_t(lr),
-                                  acc_t(alpha),
-                                  acc_t(1.0 - alpha),
-                                  acc_t(eps),
-                                  acc_t(decoupled_decay ? 0.0 : weight_decay),
-                                  acc_t(decoupled_decay ? 1.0 - lr * weight_decay : 1.0),
-                                  acc_t(momentum)};
+    const auto h = rmsprop_tf_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, decoupled_decay, grad_factor);
     dispatch_bool(centered, [&](auto cen) {
       dispatch_bool(use_momentum, [&](auto mom) {
         dispatch_bool(lr_in_momentum, [&](auto lim) {
@@ -141,13 +130,12 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   check.state("acc_deltas", acc_deltas);
   const bool has_master = check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const AdadeltaHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),           acc_t(rho),
-                                 acc_t(1.0 - rho),   acc_t(eps),          acc_t(weight_decay)};
+    const auto h = adadelta_hyper<acc_t>(lr, rho, eps, weight_decay, grad_factor);
     parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);

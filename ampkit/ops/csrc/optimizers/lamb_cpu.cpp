@@ -7,10 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "cpu_multi_tensor.h"
-#include "optimizer_math.h"
+#include "hyper.h"
 
 namespace ampkit {
 namespace optim {
@@ -28,30 +26,19 @@ void lamb_stage1_cpu(at::TensorList params, at::TensorList grads, at::TensorList
   check.state("updates", updates);
   const bool has_master = check.master(master_params);
   check.steps(steps);
-  std::vector<LambHyper<double>> hyper(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const double step = bump_step(steps[i]);
-    hyper[i] = {grad_factor,
-                beta1,
-                beta2,
-                grad_averaging ? 1.0 - beta1 : 1.0,
-                1.0 - beta2,
-                eps,
-                weight_decay,
-                bias_correction ? 1.0 - std::pow(beta1, step) : 1.0,
-                bias_correction ? 1.0 - std::pow(beta2, step) : 1.0};
-  }
+  const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
+    std::vector<LambHyper<acc_t>> hyper;
+    for (const double s : step) {
+      hyper.push_back(
+          lamb_hyper<acc_t>(s, beta1, beta2, eps, weight_decay, grad_averaging, bias_correction, grad_factor));
+    }
     dispatch_bool(adam_w_mode, [&](auto adamw) {
       parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
-        const LambHyper<double>& hd = hyper[t];
-        const LambHyper<acc_t> h{acc_t(hd.grad_factor),     acc_t(hd.beta1),           acc_t(hd.beta2),
-                                 acc_t(hd.beta3),           acc_t(hd.one_minus_beta2), acc_t(hd.eps),
-                                 acc_t(hd.weight_decay),    acc_t(hd.bias_correction1),
-                                 acc_t(hd.bias_correction2)};
+        const LambHyper<acc_t>& h = hyper[t];
         const param_t* __restrict__ p = ptr<param_t>(params[t]);
         const acc_t* __restrict__ master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
         const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
@@ -73,11 +60,7 @@ void lamb_stage2_cpu(at::TensorList params, at::TensorList updates, at::TensorLi
   const ListChecker check("lamb_stage2", params);
   check.state("updates", updates);
   const bool has_master = check.master(master_params);
-  TORCH_CHECK(ratios.device().is_cpu() && ratios.scalar_type() == at::kDouble && ratios.dim() == 1 &&
-                  ratios.numel() == static_cast<int64_t>(params.size()) && ratios.is_contiguous(),
-              "lamb_stage2: ratios must be a contiguous float64 CPU vector with one entry per param (",
-              params.size(), "); got ", ratios.scalar_type(), " of shape ", ratios.sizes());
-  const double* r = ratios.data_ptr<double>();
+  const double* r = per_tensor_values("lamb_stage2", "ratios", ratios, params.size());
   dispatch_param_grad(check.param_dtype(), check.param_dtype(), [&](auto ptag, auto) {
     using param_t = typename decltype(ptag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -99,24 +82,15 @@ void novograd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   const at::ScalarType grad_dtype = check.grads(grads);
   check.state("exp_avgs", exp_avgs);
   const bool has_master = check.master(master_params);
-  TORCH_CHECK(denoms.device().is_cpu() && denoms.scalar_type() == at::kDouble && denoms.dim() == 1 &&
-                  denoms.numel() == static_cast<int64_t>(params.size()) && denoms.is_contiguous(),
-              "novograd_step: denoms must be a contiguous float64 CPU vector with one entry per param (",
-              params.size(), "); got ", denoms.scalar_type(), " of shape ", denoms.sizes());
-  const double* d = denoms.data_ptr<double>();
+  const double* d = per_tensor_values("novograd_step", "denoms", denoms, params.size());
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     dispatch_bool(!reg_inside_moment, [&](auto outside) {
       parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
-        const NovoGradHyper<acc_t> h{acc_t(grad_factor),
-                                     acc_t(lr),
-                                     acc_t(beta1),
-                                     acc_t(grad_averaging ? 1.0 - beta1 : 1.0),
-                                     acc_t(weight_decay),
-                                     acc_t(bias_correction1),
-                                     acc_t(d[t])};
+        const auto h =
+            novograd_hyper<acc_t>(d[t], lr, beta1, weight_decay, grad_averaging, bias_correction1, grad_factor);
         const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
         acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
         acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;

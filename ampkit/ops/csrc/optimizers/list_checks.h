@@ -139,6 +139,24 @@ template <typename param_t>
 using acc_type_for = std::conditional_t<std::is_same<param_t, double>::value, double, float>;
 
 // Calls f(TypeTag<param_t>{}, TypeTag<grad_t>{}) for the supported (param, grad) dtype pairs.
+// Adds one to every step counter; returns the new values.
+inline std::vector<double> bump_steps(at::TensorList steps) {
+  std::vector<double> values;
+  values.reserve(steps.size());
+  for (const at::Tensor& s : steps) values.push_back(bump_step(s));
+  return values;
+}
+
+// A float64 CPU vector with one entry per tensor (LAMB's lr x trust ratios, NovoGrad's denominators),
+// read on the host by the CPU and CUDA kernels alike.
+inline const double* per_tensor_values(const char* op, const char* name, const at::Tensor& values, size_t n) {
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kDouble && values.dim() == 1 &&
+                  values.numel() == static_cast<int64_t>(n) && values.is_contiguous(),
+              op, ": ", name, " must be a contiguous float64 CPU vector with one entry per param (", n, "); got ",
+              values.scalar_type(), " of shape ", values.sizes(), " on ", values.device());
+  return values.data_ptr<double>();
+}
+
 template <class F>
 void dispatch_param_grad(at::ScalarType param, at::ScalarType grad, const F& f) {
   switch (param) {

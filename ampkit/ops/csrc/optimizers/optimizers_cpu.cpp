@@ -11,10 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "cpu_multi_tensor.h"
-#include "optimizer_math.h"
+#include "hyper.h"
 
 TORCH_LIBRARY(ampkit_optimizers, m) {
   m.def(
@@ -70,27 +68,20 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   const bool has_master = check.master(master_params);
   check.steps(steps);
 
-  std::vector<AdamHyper<double>> hyper(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const double step = bump_step(steps[i]);
-    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, step) : 1.0;
-    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
-    hyper[i] = {grad_factor,  beta1,        beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay,
-                1.0 - lr * weight_decay, lr / bc1, std::sqrt(bc2)};
-  }
+  const std::vector<double> step = bump_steps(steps);
 
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
+    std::vector<AdamHyper<acc_t>> hyper;
+    for (const double s : step) {
+      hyper.push_back(adam_hyper<acc_t>(s, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_factor));
+    }
     dispatch_bool(adam_w_mode, [&](auto adamw) {
       dispatch_bool(amsgrad, [&](auto ams) {
         parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
-          const AdamHyper<double>& hd = hyper[t];
-          const AdamHyper<acc_t> h{acc_t(hd.grad_factor),     acc_t(hd.beta1),        acc_t(hd.beta2),
-                                   acc_t(hd.one_minus_beta1), acc_t(hd.one_minus_beta2), acc_t(hd.eps),
-                                   acc_t(hd.weight_decay),    acc_t(hd.decay_factor), acc_t(hd.step_size),
-                                   acc_t(hd.bias_correction2_sqrt)};
+          const AdamHyper<acc_t>& h = hyper[t];
           const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
           acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
           acc_t* __restrict__ v = ptr<acc_t>(exp_avg_sqs[t]);
@@ -122,8 +113,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const SGDHyper<acc_t> h{acc_t(grad_factor), acc_t(lr), acc_t(weight_decay), acc_t(momentum),
-                            acc_t(1.0 - dampening)};
+    const SGDHyper<acc_t> h = sgd_hyper<acc_t>(lr, weight_decay, momentum, dampening, grad_factor);
     dispatch_bool(use_momentum, [&](auto mom) {
       dispatch_bool(nesterov, [&](auto nest) {
         dispatch_bool(first_step, [&](auto first) {

@@ -8,9 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <vector>
 
+#include "optimizers/hyper.h"
 #include "optimizers/list_checks.h"
 #include "optimizers/optimizers_cuda.h"
 
@@ -46,25 +46,18 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   check.optional_state("max_exp_avg_sqs", max_exp_avg_sqs, amsgrad);
   check.master(master_params);
   check.steps(steps);
+  const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    for (size_t t = 0; t < params.size(); ++t) {
-      const double step = bump_step(steps[t]);
-      if (params[t].numel() == 0) continue;
-      const c10::cuda::CUDAGuard guard(params[t].device());
-      const double bc1 = bias_correction ? 1.0 - std::pow(beta1, step) : 1.0;
-      const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
-      const AdamHyper<acc_t> h{acc_t(grad_factor),    acc_t(beta1),        acc_t(beta2),
-                               acc_t(1.0 - beta1),    acc_t(1.0 - beta2),  acc_t(eps),
-                               acc_t(weight_decay),   acc_t(1.0 - lr * weight_decay),
-                               acc_t(lr / bc1),       acc_t(std::sqrt(bc2))};
+    for_each_tensor(params, [&](size_t t) {
+      const auto h = adam_hyper<acc_t>(step[t], lr, beta1, beta2, eps, weight_decay, bias_correction, grad_factor);
       cuda::launch_adam<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(exp_avgs[t]),
           ptr<acc_t>(exp_avg_sqs[t]), amsgrad ? ptr<acc_t>(max_exp_avg_sqs[t]) : nullptr, params[t].numel(), h,
           adam_w_mode, current_stream());
-    }
+    });
   });
 }
 
@@ -80,8 +73,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const SGDHyper<acc_t> h{acc_t(grad_factor), acc_t(lr), acc_t(weight_decay), acc_t(momentum),
-                            acc_t(1.0 - dampening)};
+    const SGDHyper<acc_t> h = sgd_hyper<acc_t>(lr, weight_decay, momentum, dampening, grad_factor);
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_sgd<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                ptr<grad_t>(grads[t]),
@@ -99,14 +91,13 @@ void adagrad_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   check.state("state_sums", state_sums);
   check.master(master_params);
   check.steps(steps);
-  std::vector<double> clr(params.size());
-  for (size_t i = 0; i < params.size(); ++i) clr[i] = lr / (1.0 + (bump_step(steps[i]) - 1.0) * lr_decay);
+  const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     for_each_tensor(params, [&](size_t t) {
-      const AdagradHyper<acc_t> h{acc_t(grad_factor), acc_t(clr[t]), acc_t(weight_decay), acc_t(eps)};
+      const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, grad_factor);
       cuda::launch_adagrad<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                    ptr<grad_t>(grads[t]), ptr<acc_t>(state_sums[t]),
                                                    params[t].numel(), h, current_stream());
@@ -126,13 +117,12 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
   check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const RMSpropHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),           acc_t(alpha),   acc_t(1.0 - alpha),
-                                acc_t(eps),         acc_t(weight_decay), acc_t(momentum)};
+    const auto h = rmsprop_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, grad_factor);
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_rmsprop<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -155,19 +145,12 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
   check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const RMSpropTFHyper<acc_t> h{acc_t(grad_factor),
-                                  acc_t(lr),
-                                  acc_t(alpha),
-                                  acc_t(1.0 - alpha),
-                                  acc_t(eps),
-                                  acc_t(decoupled_decay ? 0.0 : weight_decay),
-                                  acc_t(decoupled_decay ? 1.0 - lr * weight_decay : 1.0),
-                                  acc_t(momentum)};
+    const auto h = rmsprop_tf_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, decoupled_decay, grad_factor);
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_rmsprop_tf<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -186,13 +169,12 @@ void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   check.state("acc_deltas", acc_deltas);
   check.master(master_params);
   check.steps(steps);
-  for (const at::Tensor& s : steps) bump_step(s);
+  bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const AdadeltaHyper<acc_t> h{acc_t(grad_factor), acc_t(lr),  acc_t(rho),
-                                 acc_t(1.0 - rho),   acc_t(eps), acc_t(weight_decay)};
+    const auto h = adadelta_hyper<acc_t>(lr, rho, eps, weight_decay, grad_factor);
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_adadelta<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                     ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -213,38 +195,20 @@ void lamb_stage1_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   check.state("updates", updates);
   check.master(master_params);
   check.steps(steps);
+  const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    for (size_t t = 0; t < params.size(); ++t) {
-      const double step = bump_step(steps[t]);
-      if (params[t].numel() == 0) continue;
-      const c10::cuda::CUDAGuard guard(params[t].device());
-      const LambHyper<acc_t> h{acc_t(grad_factor),
-                               acc_t(beta1),
-                               acc_t(beta2),
-                               acc_t(grad_averaging ? 1.0 - beta1 : 1.0),
-                               acc_t(1.0 - beta2),
-                               acc_t(eps),
-                               acc_t(weight_decay),
-                               acc_t(bias_correction ? 1.0 - std::pow(beta1, step) : 1.0),
-                               acc_t(bias_correction ? 1.0 - std::pow(beta2, step) : 1.0)};
+    for_each_tensor(params, [&](size_t t) {
+      const auto h = lamb_hyper<acc_t>(step[t], beta1, beta2, eps, weight_decay, grad_averaging, bias_correction,
+                                       grad_factor);
       cuda::launch_lamb_stage1<param_t, grad_t, acc_t>(
           ptr<param_t>(params[t]), master_params.empty() ? nullptr : ptr<acc_t>(master_params[t]),
           ptr<grad_t>(grads[t]), ptr<acc_t>(exp_avgs[t]), ptr<acc_t>(exp_avg_sqs[t]), ptr<acc_t>(updates[t]),
           params[t].numel(), h, adam_w_mode, current_stream());
-    }
+    });
   });
-}
-
-// A float64 CPU vector with one entry per tensor (LAMB's lr x trust ratios, NovoGrad's denominators).
-const double* per_tensor_values(const char* op, const char* name, const at::Tensor& values, size_t n) {
-  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kDouble && values.dim() == 1 &&
-                  values.numel() == static_cast<int64_t>(n) && values.is_contiguous(),
-              op, ": ", name, " must be a contiguous float64 CPU vector with one entry per param (", n, "); got ",
-              values.scalar_type(), " of shape ", values.sizes(), " on ", values.device());
-  return values.data_ptr<double>();
 }
 
 void lamb_stage2_cuda(at::TensorList params, at::TensorList updates, at::TensorList master_params,
@@ -278,13 +242,8 @@ void novograd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     for_each_tensor(params, [&](size_t t) {
-      const NovoGradHyper<acc_t> h{acc_t(grad_factor),
-                                   acc_t(lr),
-                                   acc_t(beta1),
-                                   acc_t(grad_averaging ? 1.0 - beta1 : 1.0),
-                                   acc_t(weight_decay),
-                                   acc_t(bias_correction1),
-                                   acc_t(d[t])};
+      const auto h =
+          novograd_hyper<acc_t>(d[t], lr, beta1, weight_decay, grad_averaging, bias_correction1, grad_factor);
       cuda::launch_novograd<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                     ptr<grad_t>(grads[t]), ptr<acc_t>(exp_avgs[t]),
                                                     params[t].numel(), h, reg_inside_moment, current_stream());
