@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ampkit.amp.scaler import LossScaler
+from ampkit.ops import multi_tensor
 
 __all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check_"]
 
@@ -32,10 +33,17 @@ __all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check
 def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """Multiply ``tensors`` in place by ``inv_scale`` and set ``found_inf`` to 1 if any holds inf/nan.
 
-    ``found_inf`` and ``inv_scale`` are one-element float32 tensors on the tensors' device. This is the
-    seam where ampkit's multi-tensor kernels replace torch's ``_amp_foreach_non_finite_check_and_unscale_``.
+    ``found_inf`` and ``inv_scale`` are one-element float32 tensors on the tensors' device. On CPU this
+    runs ampkit's multi-tensor kernel (one parallel pass; 1.0-1.4x torch's op in ``benchmarks/ops.py``)
+    when it is built; elsewhere, and without a compiler, torch's
+    ``_amp_foreach_non_finite_check_and_unscale_``, which reads ``inv_scale`` on the device (no sync on
+    CUDA, where it also beats ampkit's kernel). Both compute ``x * inv_scale`` in float32: same bits.
     """
-    if tensors:
+    if not tensors:
+        return
+    if found_inf.device.type == "cpu" and multi_tensor.kernel_available(found_inf.device):
+        multi_tensor.scale_(tensors, inv_scale, found_inf)
+    else:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 

@@ -31,7 +31,7 @@ import torch
 from ampkit.ops._build import CSRC_DIR, ops_mode, register_family
 from ampkit.ops.reference import multi_tensor as reference
 
-__all__ = ["L2Norm", "axpby_", "combine_", "l2norm", "scale_", "unscale_l2norm"]
+__all__ = ["L2Norm", "axpby_", "combine_", "kernel_available", "l2norm", "scale_", "unscale_l2norm"]
 
 _SRC = CSRC_DIR / "multi_tensor"
 _FAMILY = register_family(
@@ -61,6 +61,11 @@ def _kernel_runs_on(device: torch.device) -> bool:
             "and AMPKIT_OPS=kernel forbids the reference fallback"
         )
     return has_cuda
+
+
+def kernel_available(device: torch.device) -> bool:
+    """True when these ops run compiled on ``device`` (building the family on first call), not the reference."""
+    return _kernel_runs_on(torch.device(device))
 
 
 def _run(kernel_name: str, reference_op, kernel_args: tuple, reference_args: tuple):

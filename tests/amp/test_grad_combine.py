@@ -1,5 +1,7 @@
 """Combined unscaling: per-loss inf flags, exact accumulation, flat buffers equal the per-tensor path."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -215,3 +217,24 @@ def test_unreached_optimizer_gets_no_grads_and_no_flag():
     result = combiner.combine(LossScaler())
     assert result.reached == () and read_flags([result.found_inf]) == [False]
     assert all(p.grad is None for p in params)
+
+
+def test_cpu_unscale_runs_ampkit_kernel_with_torchs_bits(monkeypatch):
+    """The engine's unscale on CPU is ampkit's multi-tensor kernel, bit-identical to torch's op."""
+    from ampkit.amp.grad_combine import unscale_and_check_
+    from ampkit.ops import multi_tensor
+
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")  # a failed build fails the test instead of falling back
+    grads = [torch.randn(n) * 2.0**12 for n in (1, 7, 65537)] + [torch.randn(13).half(), torch.randn(5).bfloat16()]
+    grads[2][40000] = math.inf
+    inv_scale = torch.full((1,), 2.0**-12)
+    expected, torch_found = [g.clone() for g in grads], torch.zeros(1)
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, torch_found, inv_scale)
+    calls = []
+    real_scale = multi_tensor.scale_
+    monkeypatch.setattr(multi_tensor, "scale_", lambda *a, **k: calls.append(1) or real_scale(*a, **k))
+    found = torch.zeros(1)
+    unscale_and_check_(grads, found, inv_scale)
+    assert calls and found.item() == torch_found.item() == 1.0
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
