@@ -136,6 +136,10 @@ def test_corrupt_truncated_foreign_and_missing_checkpoints(tmp_path):
     garbage.write_bytes(pickle.dumps([1, 2, 3], protocol=2) + b"\x00junk")
     with pytest.raises(CheckpointError):
         load_checkpoint(garbage)
+    text = tmp_path / "text.pt"
+    text.write_text("not a checkpoint\n")
+    with pytest.raises(CheckpointError, match="corrupt or not a torch checkpoint: Unsupported operand"):
+        load_checkpoint(text)
     foreign = save_atomic({"state_dict": {}}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not an ampkit checkpoint"):
         load_checkpoint(foreign)

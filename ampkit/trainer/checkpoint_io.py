@@ -60,6 +60,21 @@ def link_atomic(source: Path, alias: Path) -> None:
     _fsync_dir(alias.parent)
 
 
+# Words of torch's weights-only unpickler when a pickle names code (a GLOBAL, a reduce call, a class), as
+# opposed to bytes no unpickler can read ("Unsupported operand 103" for a text file).
+_CODE_WORDS = ("GLOBAL", "global", "reduce", "class")
+
+
+def _unpickler_detail(exc: pickle.UnpicklingError) -> tuple[bool, str]:
+    """``(names_code, reason)`` from torch's weights-only unpickler error (its message is mostly advice)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    advice = ("(1)", "(2)", "Please file", "Check the documentation")
+    reasons = [line.split("WeightsUnpickler error:", 1)[-1].strip() for line in lines[1:]]
+    reasons = [r for r in reasons if r and not r.startswith(advice)]
+    reason = reasons[-1] if reasons else (lines[0] if lines else type(exc).__name__)
+    return any(word in reason for word in _CODE_WORDS), reason
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load an ampkit checkpoint with ``weights_only=True``; every failure is one :class:`CheckpointError`."""
     path = Path(path)
@@ -68,10 +83,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        names_code, detail = _unpickler_detail(exc)
+        if not names_code:
+            raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {detail}") from None
         raise CheckpointError(
             f"refusing to load '{path}': it holds pickled objects other than tensors and plain containers, "
-            f"which could run code ({first_line}). ampkit loads checkpoints with weights_only=True."
+            f"which could run code ({detail}). ampkit loads checkpoints with weights_only=True."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {exc}") from None
