@@ -80,6 +80,25 @@ class Family:
         """Build or load the library now; True on success (see :func:`load_extension`)."""
         return load_extension(self.name, self.sources, self.cuda_sources)
 
+    def serves(self, device: torch.device, probe_op: str) -> bool:
+        """True when this family's compiled ops run on ``device`` (CPU or CUDA), building it on first call.
+
+        CUDA counts only if the build registered ``probe_op`` (an op name of the family) for CUDA, i.e. a
+        GPU and nvcc were there at build time. Under ``AMPKIT_OPS=kernel`` a CUDA device the build left
+        out is an error instead of a silent fallback to the reference.
+        """
+        if device.type not in ("cpu", "cuda") or not self.use_kernel():
+            return False
+        if device.type == "cpu":
+            return True
+        served = torch._C._dispatch_has_kernel_for_dispatch_key(f"{self.name}::{probe_op}", "CUDA")
+        if not served and ops_mode() == "kernel":
+            raise RuntimeError(
+                f"ampkit: {self.name} was built without CUDA kernels (no CUDA toolkit at build time) "
+                "and AMPKIT_OPS=kernel forbids the reference fallback"
+            )
+        return served
+
 
 FAMILIES: dict[str, Family] = {}
 

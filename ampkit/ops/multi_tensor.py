@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ampkit.ops._build import CSRC_DIR, ops_mode, register_family
+from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops.reference import multi_tensor as reference
 
 __all__ = ["L2Norm", "axpby_", "combine_", "kernel_available", "l2norm", "scale_", "unscale_l2norm"]
@@ -50,17 +50,7 @@ class L2Norm(NamedTuple):
 
 def _kernel_runs_on(device: torch.device) -> bool:
     """True when the compiled ops serve this device (CPU always; CUDA if the build included it)."""
-    if device.type not in ("cpu", "cuda") or not _FAMILY.use_kernel():
-        return False
-    if device.type == "cpu":
-        return True
-    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("ampkit_multi_tensor::scale_", "CUDA")
-    if not has_cuda and ops_mode() == "kernel":
-        raise RuntimeError(
-            "ampkit: ampkit_multi_tensor was built without CUDA kernels (no CUDA toolkit at build time) "
-            "and AMPKIT_OPS=kernel forbids the reference fallback"
-        )
-    return has_cuda
+    return _FAMILY.serves(device, "scale_")
 
 
 def kernel_available(device: torch.device) -> bool:

@@ -121,11 +121,7 @@ def _check_inputs(
 def _use_kernel(input: torch.Tensor) -> bool:
     if torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
-    if input.device.type == "cpu":
-        return _FAMILY.use_kernel()
-    return _FAMILY.use_kernel() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "ampkit_norms::layer_norm_fwd", input.device.type.upper()
-    )
+    return _FAMILY.serves(input.device, "layer_norm_fwd")
 
 
 def _autocast_args(*args: object) -> tuple:

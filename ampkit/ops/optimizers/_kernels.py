@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ampkit.ops._build import CSRC_DIR, ops_mode, register_family
+from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops.reference import optimizers as reference
 
 _CPU_SOURCES = [
@@ -29,12 +29,6 @@ def op(name: str, device: torch.device) -> Callable[..., object]:
     CUDA kernels join the build only where torch sees a GPU and nvcc at build time; without them CUDA
     tensors use the reference (an error under ``AMPKIT_OPS=kernel``).
     """
-    if device.type in ("cpu", "cuda") and FAMILY.use_kernel():
-        if device.type == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(f"ampkit_optimizers::{name}", "CUDA"):
-            return getattr(torch.ops.ampkit_optimizers, name)
-        if ops_mode() == "kernel":
-            raise RuntimeError(
-                "ampkit: ampkit_optimizers was built without CUDA kernels (no CUDA toolkit at build time) "
-                "and AMPKIT_OPS=kernel forbids the reference fallback"
-            )
+    if FAMILY.serves(device, name):
+        return getattr(torch.ops.ampkit_optimizers, name)
     return getattr(reference, name)
