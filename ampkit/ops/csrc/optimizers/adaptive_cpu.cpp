@@ -9,6 +9,7 @@
 
 #include "cpu_multi_tensor.h"
 #include "hyper.h"
+#include "op_checks.h"
 
 namespace ampkit {
 namespace optim {
@@ -18,12 +19,9 @@ void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList master_params, at::TensorList steps, double lr, double lr_decay,
                       double weight_decay, double eps, double grad_factor) {
   const ListChecker check("adagrad_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("state_sums", state_sums);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
   const std::vector<double> step = bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -31,7 +29,7 @@ void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
       const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, grad_factor);
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sum = ptr<acc_t>(state_sums[t]);
-      acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+      acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
       update_params(ptr<param_t>(params[t]), master, begin, end,
                     [&](acc_t& p, int64_t i) { adagrad_element<acc_t>(p, static_cast<acc_t>(g[i]), sum[i], h); });
     });
@@ -43,15 +41,11 @@ void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList steps, double lr, double alpha, double eps, double weight_decay, double momentum,
                       bool centered, double grad_factor) {
   const ListChecker check("rmsprop_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum > 0.0;
-  check.state("square_avgs", square_avgs);
-  check.optional_state("grad_avgs", grad_avgs, centered);
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
+                                              master_params, steps, centered, use_momentum);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -63,7 +57,7 @@ void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
           acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
           acc_t* __restrict__ ga = cen ? ptr<acc_t>(grad_avgs[t]) : nullptr;
           acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
-          acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+          acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
           update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
             acc_t a = cen ? ga[i] : acc_t(0);
             acc_t b = mom ? buf[i] : acc_t(0);
@@ -84,15 +78,11 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
                          double momentum, bool centered, bool decoupled_decay, bool lr_in_momentum,
                          double grad_factor) {
   const ListChecker check("rmsprop_tf_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum > 0.0;
-  check.state("square_avgs", square_avgs);
-  check.optional_state("grad_avgs", grad_avgs, centered);
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
+                                              master_params, steps, centered, use_momentum);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -105,7 +95,7 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
             acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
             acc_t* __restrict__ ga = cen ? ptr<acc_t>(grad_avgs[t]) : nullptr;
             acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
-            acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+            acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
             update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
               acc_t a = cen ? ga[i] : acc_t(0);
               acc_t b = mom ? buf[i] : acc_t(0);
@@ -125,13 +115,9 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList acc_deltas, at::TensorList master_params, at::TensorList steps, double lr,
                        double rho, double eps, double weight_decay, double grad_factor) {
   const ListChecker check("adadelta_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("square_avgs", square_avgs);
-  check.state("acc_deltas", acc_deltas);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -140,7 +126,7 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
       acc_t* __restrict__ ad = ptr<acc_t>(acc_deltas[t]);
-      acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+      acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
       update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
         adadelta_element<acc_t>(p, static_cast<acc_t>(g[i]), sq[i], ad[i], h);
       });

@@ -9,6 +9,7 @@
 
 #include "cpu_multi_tensor.h"
 #include "hyper.h"
+#include "op_checks.h"
 
 namespace ampkit {
 namespace optim {
@@ -20,14 +21,9 @@ void lamb_stage1_cpu(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList steps, double beta1, double beta2, double eps, double weight_decay,
                      bool adam_w_mode, bool grad_averaging, bool bias_correction, double grad_factor) {
   const ListChecker check("lamb_stage1", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  check.state("exp_avg_sqs", exp_avg_sqs);
-  check.state("updates", updates);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_lamb_stage1_args(check, grads, exp_avgs, exp_avg_sqs, updates, master_params, steps);
   const std::vector<double> step = bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -40,7 +36,7 @@ void lamb_stage1_cpu(at::TensorList params, at::TensorList grads, at::TensorList
       parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
         const LambHyper<acc_t>& h = hyper[t];
         const param_t* __restrict__ p = ptr<param_t>(params[t]);
-        const acc_t* __restrict__ master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+        const acc_t* __restrict__ master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
         const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
         acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
         acc_t* __restrict__ v = ptr<acc_t>(exp_avg_sqs[t]);
@@ -79,11 +75,9 @@ void novograd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        double weight_decay, bool reg_inside_moment, bool grad_averaging, double bias_correction1,
                        double grad_factor) {
   const ListChecker check("novograd_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  const bool has_master = check.master(master_params);
+  const CheckedArgs args = check_novograd_args(check, grads, exp_avgs, master_params);
   const double* d = per_tensor_values("novograd_step", "denoms", denoms, params.size());
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -93,7 +87,7 @@ void novograd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
             novograd_hyper<acc_t>(d[t], lr, beta1, weight_decay, grad_averaging, bias_correction1, grad_factor);
         const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
         acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
-        acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+        acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
         update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
           novograd_element<acc_t, decltype(outside)::value>(p, static_cast<acc_t>(g[i]), m[i], h);
         });

@@ -13,6 +13,7 @@
 
 #include "cpu_multi_tensor.h"
 #include "hyper.h"
+#include "op_checks.h"
 
 TORCH_LIBRARY(ampkit_optimizers, m) {
   m.def(
@@ -61,16 +62,12 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay,
                    bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor) {
   const ListChecker check("adam_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  check.state("exp_avg_sqs", exp_avg_sqs);
-  check.optional_state("max_exp_avg_sqs", max_exp_avg_sqs, amsgrad);
-  const bool has_master = check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args =
+      check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
 
   const std::vector<double> step = bump_steps(steps);
 
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -86,7 +83,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
           acc_t* __restrict__ m = ptr<acc_t>(exp_avgs[t]);
           acc_t* __restrict__ v = ptr<acc_t>(exp_avg_sqs[t]);
           acc_t* __restrict__ vmax = ams ? ptr<acc_t>(max_exp_avg_sqs[t]) : v;
-          acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+          acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
           update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
             acc_t vm = ams ? vmax[i] : acc_t(0);
             adam_element<acc_t, decltype(adamw)::value, decltype(ams)::value>(p, static_cast<acc_t>(g[i]), m[i],
@@ -104,12 +101,10 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
                   at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
                   bool nesterov, bool first_step, double grad_factor) {
   const ListChecker check("sgd_step", params);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum != 0.0;
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  const bool has_master = check.master(master_params);
+  const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
 
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -120,7 +115,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
           parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
             const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
             acc_t* __restrict__ buf = mom ? ptr<acc_t>(momentum_buffers[t]) : nullptr;
-            acc_t* master = has_master ? ptr<acc_t>(master_params[t]) : nullptr;
+            acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
             update_params(ptr<param_t>(params[t]), master, begin, end, [&](acc_t& p, int64_t i) {
               acc_t b = mom ? buf[i] : acc_t(0);
               sgd_element<acc_t, decltype(mom)::value, decltype(nest)::value, decltype(first)::value>(

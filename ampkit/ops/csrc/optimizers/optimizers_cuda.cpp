@@ -12,6 +12,7 @@
 
 #include "optimizers/hyper.h"
 #include "optimizers/list_checks.h"
+#include "optimizers/op_checks.h"
 #include "optimizers/optimizers_cuda.h"
 
 namespace ampkit {
@@ -40,14 +41,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay,
                     bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor) {
   const ListChecker check("adam_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  check.state("exp_avg_sqs", exp_avg_sqs);
-  check.optional_state("max_exp_avg_sqs", max_exp_avg_sqs, amsgrad);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args =
+      check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
   const std::vector<double> step = bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -65,11 +62,9 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
                    bool nesterov, bool first_step, double grad_factor) {
   const ListChecker check("sgd_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum != 0.0;
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  check.master(master_params);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -87,12 +82,9 @@ void adagrad_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList master_params, at::TensorList steps, double lr, double lr_decay,
                        double weight_decay, double eps, double grad_factor) {
   const ListChecker check("adagrad_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("state_sums", state_sums);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
   const std::vector<double> step = bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -110,15 +102,11 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        at::TensorList steps, double lr, double alpha, double eps, double weight_decay,
                        double momentum, bool centered, double grad_factor) {
   const ListChecker check("rmsprop_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum > 0.0;
-  check.state("square_avgs", square_avgs);
-  check.optional_state("grad_avgs", grad_avgs, centered);
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
+                                              master_params, steps, centered, use_momentum);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -138,15 +126,11 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
                           double momentum, bool centered, bool decoupled_decay, bool lr_in_momentum,
                           double grad_factor) {
   const ListChecker check("rmsprop_tf_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
   const bool use_momentum = momentum > 0.0;
-  check.state("square_avgs", square_avgs);
-  check.optional_state("grad_avgs", grad_avgs, centered);
-  check.optional_state("momentum_buffers", momentum_buffers, use_momentum);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
+                                              master_params, steps, centered, use_momentum);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -164,13 +148,9 @@ void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         at::TensorList acc_deltas, at::TensorList master_params, at::TensorList steps, double lr,
                         double rho, double eps, double weight_decay, double grad_factor) {
   const ListChecker check("adadelta_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("square_avgs", square_avgs);
-  check.state("acc_deltas", acc_deltas);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
   bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -189,14 +169,9 @@ void lamb_stage1_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList steps, double beta1, double beta2, double eps, double weight_decay,
                       bool adam_w_mode, bool grad_averaging, bool bias_correction, double grad_factor) {
   const ListChecker check("lamb_stage1", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  check.state("exp_avg_sqs", exp_avg_sqs);
-  check.state("updates", updates);
-  check.master(master_params);
-  check.steps(steps);
+  const CheckedArgs args = check_lamb_stage1_args(check, grads, exp_avgs, exp_avg_sqs, updates, master_params, steps);
   const std::vector<double> step = bump_steps(steps);
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
@@ -233,11 +208,9 @@ void novograd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         double weight_decay, bool reg_inside_moment, bool grad_averaging, double bias_correction1,
                         double grad_factor) {
   const ListChecker check("novograd_step", params, c10::DeviceType::CUDA);
-  const at::ScalarType grad_dtype = check.grads(grads);
-  check.state("exp_avgs", exp_avgs);
-  check.master(master_params);
+  const CheckedArgs args = check_novograd_args(check, grads, exp_avgs, master_params);
   const double* d = per_tensor_values("novograd_step", "denoms", denoms, params.size());
-  dispatch_param_grad(check.param_dtype(), grad_dtype, [&](auto ptag, auto gtag) {
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
