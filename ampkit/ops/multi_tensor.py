@@ -48,14 +48,9 @@ class L2Norm(NamedTuple):
     per_tensor: torch.Tensor | None
 
 
-def _kernel_runs_on(device: torch.device) -> bool:
-    """True when the compiled ops serve this device (CPU always; CUDA if the build included it)."""
-    return _FAMILY.serves(device, "scale_")
-
-
 def kernel_available(device: torch.device) -> bool:
     """True when these ops run compiled on ``device`` (building the family on first call), not the reference."""
-    return _kernel_runs_on(torch.device(device))
+    return _FAMILY.serves(torch.device(device), "scale_")
 
 
 def _run(kernel_name: str, reference_op, kernel_args: tuple, reference_args: tuple):
@@ -100,7 +95,7 @@ def scale_(
     inputs = _as_list(inputs, "inputs")
     outputs = inputs if out is None else _as_list(out, "out")
     factor = _factor(factor, "factor")
-    if _kernel_runs_on(found_inf.device):
+    if kernel_available(found_inf.device):
         args = (inputs, outputs, factor, found_inf)
         _run("scale_", reference.scale_, args, args)
     else:
@@ -123,7 +118,7 @@ def axpby_(
     """
     x, y, out = _as_list(x, "x"), _as_list(y, "y"), _as_list(out, "out")
     a, b = _factor(a, "a"), _factor(b, "b")
-    if _kernel_runs_on(found_inf.device):
+    if kernel_available(found_inf.device):
         kernel_args = (x, y, out, a, b, arg_to_check, found_inf)
         _run("axpby_", reference.axpby_, kernel_args, (a, x, b, y, out, found_inf, arg_to_check))
     else:
@@ -146,7 +141,7 @@ def combine_(
     new, out = _as_list(new, "new"), _as_list(out, "out")
     stash = [] if stash is None else _as_list(stash, "stash")
     inv_scale = _factor(inv_scale, "inv_scale")
-    if _kernel_runs_on(found_inf.device):
+    if kernel_available(found_inf.device):
         args = (new, stash, out, inv_scale, found_inf)
         _run("combine_", reference.combine_, args, args)
     else:
@@ -161,7 +156,7 @@ def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Nor
     """
     inputs = _as_list(inputs, "inputs")
     device = inputs[0].device if inputs else torch.device("cpu")
-    if inputs and _kernel_runs_on(device):
+    if inputs and kernel_available(device):
         total, per = _run("l2norm", reference.l2norm, (inputs, per_tensor), (inputs, per_tensor))
     else:
         total, per = reference.l2norm(inputs, per_tensor)
@@ -184,7 +179,7 @@ def unscale_l2norm(
     inputs = _as_list(inputs, "inputs")
     outputs = [] if out is None else _as_list(out, "out")
     inv_scale = _factor(inv_scale, "inv_scale")
-    if _kernel_runs_on(found_inf.device):
+    if kernel_available(found_inf.device):
         args = (inputs, outputs, inv_scale, found_inf, per_tensor)
         total, per = _run("unscale_l2norm", reference.unscale_l2norm, args, args)
     else:

@@ -376,6 +376,11 @@ def to_cuda(args: dict) -> dict:
     }
 
 
+def lists_on_cpu(args: dict) -> dict:
+    """The tensor-list arguments of a CUDA call, copied back to the host for comparison."""
+    return {k: [t.cpu() for t in v] for k, v in args.items() if isinstance(v, list)}
+
+
 def cuda_kernel(name: str) -> Callable[..., object]:
     from ampkit.ops.optimizers._kernels import op
 
@@ -390,8 +395,7 @@ def test_cuda_float64_kernel_matches_reference(case):
     on_gpu = to_cuda(args)
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args)
-    assert_args_close({k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}, args,
-                      rtol=1e-12, atol=1e-12)  # fmt: skip
+    assert_args_close(lists_on_cpu(on_gpu), args, rtol=1e-12, atol=1e-12)
     if "steps" in args:  # step counters advance on the host exactly as on CPU
         assert [float(s) for s in on_gpu["steps"]] == [float(s) for s in args["steps"]]
 
@@ -404,8 +408,7 @@ def test_cuda_float32_kernel_matches_float64_reference(case):
     on_gpu = to_cuda(clone_args(args64, torch.float32))
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args64)
-    assert_args_close({k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}, args64,
-                      rtol=2e-5, atol=2e-6)  # fmt: skip
+    assert_args_close(lists_on_cpu(on_gpu), args64, rtol=2e-5, atol=2e-6)
 
 
 @needs_cuda
@@ -419,7 +422,7 @@ def test_cuda_half_params_match_reference(case, dtype, master):
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args)
     half_eps = torch.finfo(dtype).eps
-    got = {k: [t.cpu() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}
+    got = lists_on_cpu(on_gpu)
     state = {k: v for k, v in args.items() if isinstance(v, list) and k not in ("params", "grads")}
     assert_args_close(got, state, rtol=1e-5, atol=1e-6)
     assert_args_close(got, {"params": args["params"]}, rtol=half_eps, atol=half_eps)
