@@ -49,7 +49,7 @@ _APEX_API = frozenset(
     {
         "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict", "disable_casts",
         "register_half_function", "register_float_function", "register_promote_function",
-        "half_function", "float_function", "promote_function", "_amp_state",
+        "half_function", "float_function", "promote_function", "_amp_state", "init",
     }
 )  # fmt: skip
 

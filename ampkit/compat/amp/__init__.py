@@ -1,9 +1,10 @@
 """Apex's ``apex.amp`` API on ampkit's engine: ``from ampkit.compat import amp`` (or ``from apex import amp``
 through the shim).
 
-``initialize``, ``scale_loss``, ``master_params``, ``state_dict`` / ``load_state_dict``, ``disable_casts``,
-``register_{half,float,promote}_function`` and the ``{half,float,promote}_function`` decorators, with
-Apex's semantics; ``_amp_state.loss_scalers[i].loss_scale()`` keeps working for legacy logging code.
+``initialize``, ``scale_loss``, ``init`` (the original handle API), ``master_params``, ``state_dict`` /
+``load_state_dict``, ``disable_casts``, ``register_{half,float,promote}_function`` and the
+``{half,float,promote}_function`` decorators, with Apex's semantics; the scalers in
+``_amp_state.loss_scalers`` answer to Apex's attributes (``_loss_scale`` read and written, ``_unskipped``, ...).
 """
 
 from ampkit.compat._exported_names import keep_exported_names
@@ -18,13 +19,16 @@ from ampkit.compat.amp.functions import (
     register_half_function,
     register_promote_function,
 )
-from ampkit.compat.amp.handle import scale_loss
+from ampkit.compat.amp.handle import AmpHandle, NoOpHandle, init, scale_loss
 
 __all__ = [
+    "AmpHandle",
+    "NoOpHandle",
     "_amp_state",
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from ampkit.amp import LossScaler, OptLevelProperties
+from ampkit.amp import OptLevelProperties
+from ampkit.compat.amp.scaler import ApexLossScaler
 
 
 class AmpState:
@@ -22,22 +23,19 @@ class AmpState:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the previous run (called at the start of every ``initialize``)."""
+        """Forget the previous run (called at the start of every ``initialize``); its O1 casts are undone."""
+        handle = getattr(self, "handle", None)
+        if handle is not None:
+            handle._deactivate()
+        self.handle: Any = None  # the AmpHandle of O1 (``amp.init`` or an O1 ``initialize``), else None
         self.opt_properties: OptLevelProperties | None = None
-        self.loss_scalers: list[LossScaler] = []
+        self.loss_scalers: list[ApexLossScaler] = []
         self.verbosity: int = 1
-        self.cast_device_types: tuple[str, ...] = ("cpu",)
-        self.casts_disabled_depth: int = 0
         self.allow_incoming_model_not_fp32: bool = getattr(self, "allow_incoming_model_not_fp32", False)
 
     @property
     def initialized(self) -> bool:
         return self.opt_properties is not None
-
-    def casts_active(self) -> bool:
-        """Whether O1's function casts apply right now (O1 enabled and not inside ``disable_casts``)."""
-        props = self.opt_properties
-        return props is not None and props.enabled and props.patch_torch_functions and self.casts_disabled_depth == 0
 
 
 _amp_state = AmpState()

@@ -1,4 +1,5 @@
-"""How ``amp.initialize`` casts models: O1 runs each forward under autocast, O2/O3 cast the weights.
+"""How ``amp.initialize`` casts models: O2/O3 cast the weights and the model's inputs and outputs; O1 casts
+no model (it patches torch's functions, see ``o1_casts``) but may cast its outputs.
 
 Everything is hooks (no ``model.forward`` replaced), so models stay picklable, and each model's hooks
 are remembered so that a later ``initialize`` of the same model removes them before adding its own.
@@ -13,27 +14,9 @@ import torch
 from torch import nn
 
 from ampkit.amp import OptLevelProperties
-from ampkit.amp.casting import add_boundary_casts, autocast_for, cast_model
+from ampkit.amp.casting import add_boundary_casts, cast_model
 
 _installed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-
-
-class _AutocastAroundForward:
-    """Forward pre-hook + always-called forward hook that enter and leave ``torch.autocast``."""
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.model = weakref.ref(model)
-        self.dtype = dtype
-        self._active: list[Any] = []
-
-    def enter(self, module: nn.Module, args: tuple) -> None:
-        context = autocast_for(module, self.dtype)
-        context.__enter__()
-        self._active.append(context)
-
-    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._active:
-            self._active.pop().__exit__(None, None, None)
 
 
 def remove_model_casts(model: nn.Module) -> None:
@@ -53,11 +36,7 @@ def apply_model_casts(model: nn.Module, properties: OptLevelProperties, cast_mod
         if output_dtype is None:
             output_dtype = torch.float32
         handles.append(add_boundary_casts(model, properties.cast_model_type, output_dtype))
-    elif properties.patch_torch_functions:
-        around = _AutocastAroundForward(model, properties.dtype)
-        handles.append(model.register_forward_pre_hook(around.enter))
-        handles.append(model.register_forward_hook(around.leave, always_call=True))
-        if output_dtype is not None:
-            handles.append(add_boundary_casts(model, None, output_dtype))
+    elif output_dtype is not None:
+        handles.append(add_boundary_casts(model, None, output_dtype))
     if handles:
         _installed[model] = handles

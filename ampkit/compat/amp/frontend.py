@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from ampkit.amp import LossScaler, OptLevelProperties, resolve_opt_level
-from ampkit.amp.casting import model_device
-from ampkit.compat.amp import functions
+from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
+from ampkit.compat.amp.handle import init
+from ampkit.compat.amp.scaler import ApexLossScaler
 
 _LEVEL_DESCRIPTIONS = {
     "O0": "Pure FP32 training.",
@@ -143,7 +143,6 @@ def initialize(
     Example:
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")  # doctest: +SKIP
     """
-    functions.restore_registered_functions()
     _amp_state.reset()
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
@@ -170,7 +169,7 @@ def initialize(
     _check_models(model_list)
     _check_optimizers(optimizer_list)
     scalers = [
-        LossScaler(
+        ApexLossScaler(
             properties.loss_scale,
             init_scale=dynamic_init_scale,
             growth_factor=scale_growth_factor,
@@ -185,8 +184,6 @@ def initialize(
     if not enabled:
         return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
     _print_properties(properties, cast_model_outputs, num_losses)
-    device_types = {model_device(m).type for m in model_list} | {"cpu"}
-    _amp_state.cast_device_types = tuple(sorted(device_types))
     fp32_values = None
     if properties.master_weights and properties.cast_model_type not in (None, torch.float32):
         fp32_values = {id(p): p.detach().clone() for m in model_list for p in m.parameters()}
@@ -196,7 +193,7 @@ def initialize(
         optimizer._amp_stash = AmpOptimizerStash(optimizer, properties, bool(combine_grad), fp32_values)
     _amp_state.loss_scalers = scalers
     if properties.patch_torch_functions:
-        functions.apply_registered_functions()
+        init(loss_scale=properties.loss_scale, verbose=verbosity == 2, patch_type=properties.dtype)
     return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
 
 

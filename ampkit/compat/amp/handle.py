@@ -1,4 +1,6 @@
-"""``amp.scale_loss``: per-loss scaling, combined unscaling, one scale update per backward, one-shot skips."""
+"""``amp.scale_loss`` (per-loss scaling, combined unscaling, one scale update per backward, one-shot skips)
+and Apex's original handle API: ``handle = amp.init()``, ``handle.scale_loss``, ``handle.wrap_optimizer``.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ from typing import Any
 
 import torch
 
+from ampkit.amp import GradientCombiner
 from ampkit.amp.grad_combine import read_flags
-from ampkit.compat.amp._amp_state import _amp_state
+from ampkit.compat.amp import functions, o1_casts
+from ampkit.compat.amp._amp_state import _amp_state, maybe_print
+from ampkit.compat.amp.scaler import ApexLossScaler
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
@@ -66,17 +71,297 @@ def scale_loss(
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
     if unit_static and not _amp_state.opt_properties.master_weights and not any(s.combine_grad for s in stashes):
         yield loss.float()  # nothing to unscale (O0/O3 defaults); flat combine_grad buffers still need the pass
+        _clear_cast_cache()
         return
     for stash in stashes:
         stash.prepare_backward()
     yield loss.float() * scaler.loss_scale()
     if delay_unscale:
+        _clear_cast_cache()
         return
-    flags = [stash.combine(scaler).found_inf for stash in stashes]
-    if delay_overflow_check:
-        return
-    found_inf = any(read_flags(flags))
-    scaler.update(found_inf)
-    if found_inf and scaler.dynamic:
-        for stash in stashes:
-            stash.schedule_skip(loss_id, scaler)
+    with _casts_disabled():  # amp's own arithmetic is not the model's: no O1 casts inside it
+        flags = [stash.combine(scaler).found_inf for stash in stashes]
+    if not delay_overflow_check:
+        scaler.clear_overflow_state()
+        found_inf = any(read_flags(flags))
+        scaler.update(found_inf)
+        if found_inf and scaler.dynamic:
+            for stash in stashes:
+                stash.schedule_skip(loss_id, scaler)
+    _clear_cast_cache()
+
+
+def _clear_cast_cache() -> None:
+    """Drop O1's cached weight casts: the weights change at the step that follows (Apex did it here)."""
+    if _amp_state.handle is not None:
+        _amp_state.handle._clear_cache()
+
+
+def _casts_disabled() -> contextlib.AbstractContextManager:
+    handle = _amp_state.handle
+    return handle._disable_casts() if handle is not None else contextlib.nullcontext()
+
+
+class _OneShotSkip:
+    """Replaces ``optimizer.step`` once: the overflowed iteration's step is skipped with a message."""
+
+    def __init__(self, optimizer: Any, message: str) -> None:
+        self.optimizer, self.real_step, self.message = optimizer, optimizer.step, message
+        optimizer.step = self
+
+    def __call__(self, closure: Any = None) -> None:
+        self.optimizer.step = self.real_step
+        maybe_print(self.message)
+
+
+class _LossScaling:
+    """One loss's scaler and the combiner that unscales the gradients of one optimizer's parameters."""
+
+    def __init__(self, optimizer: Any, loss_scale: float | str) -> None:
+        self.scaler = ApexLossScaler(loss_scale)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for p in params if p.requires_grad and p.is_floating_point()]
+        self.combiner = GradientCombiner(params, params)
+
+
+class AmpHandle:
+    """What ``amp.init()`` returns: O1's casts are active through it until :meth:`_deactivate`.
+
+    ``scale_loss(loss, optimizer)`` scales with the handle's default scaler and unscales that optimizer's
+    gradients on exit; ``wrap_optimizer(optimizer, num_loss)`` gives an optimizer with one scaler per loss
+    (``with optimizer.scale_loss(loss):``, one per loss, then ``optimizer.step()``). An overflow skips the
+    next step and halves that loss's scale, as in Apex's first API.
+    """
+
+    def __init__(
+        self,
+        loss_scale: float | str = "dynamic",
+        enable_caching: bool = True,
+        verbose: bool = False,
+        dtype: torch.dtype = torch.float16,
+    ) -> None:
+        self._enable_caching = enable_caching
+        self._verbose = verbose
+        self._cache: dict[torch.Tensor, torch.Tensor] = {}
+        self._loss_scale = loss_scale
+        self._default_scaler: ApexLossScaler | None = ApexLossScaler(loss_scale)
+        self._scalings: dict[int, _LossScaling] = {}
+        self._is_active = True
+        self._patches: o1_casts.CastPatches | None = None
+        self.dtype = dtype
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        was_active, self._is_active = self._is_active, False
+        try:
+            yield
+        finally:
+            self._is_active = was_active
+
+    def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> OptimWrapper:
+        """Wrap ``optimizer`` for ``num_loss`` losses; use ``optimizer.scale_loss(loss)`` from then on."""
+        self._default_scaler = None
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        """Yield the scaled loss; on exit unscale ``optimizer``'s new gradients and update the scale."""
+        if not self.is_active():
+            yield loss
+            return
+        if self._default_scaler is None:
+            raise RuntimeError(
+                "After calling `handle.wrap_optimizer()`, you must explicitly use `optimizer.scale_loss(loss)`."
+            )
+        scaling = self._scalings.get(id(optimizer))
+        if scaling is None:
+            scaling = self._scalings[id(optimizer)] = _LossScaling(optimizer, self._loss_scale)
+            scaling.scaler = self._default_scaler
+        scaling.combiner.prepare_backward()
+        yield loss.float() * scaling.scaler.loss_scale()
+        if _unscale(self, scaling):
+            _OneShotSkip(optimizer, "Gradient overflow, skipping update")
+        self._clear_cache()
+
+    def _clear_cache(self) -> None:
+        self._cache.clear()
+
+    def _deactivate(self) -> None:
+        """Undo every patch this handle made and stop casting."""
+        if self._patches is not None:
+            self._patches.restore()
+            self._patches = None
+        self._is_active = False
+        self._cache.clear()
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    @property
+    def cache(self) -> dict[torch.Tensor, torch.Tensor]:
+        return self._cache
+
+    def remove_cache(self, param: torch.Tensor) -> None:
+        self._cache.pop(param, None)
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+
+def _unscale(handle: AmpHandle | NoOpHandle, scaling: _LossScaling) -> bool:
+    """Unscale the gradients of one backward and update its scaler; True when it overflowed (dynamic)."""
+    with handle._disable_casts():
+        flag = scaling.combiner.combine(scaling.scaler).found_inf
+    scaling.scaler.clear_overflow_state()
+    found_inf = read_flags([flag])[0]
+    scaling.scaler.update(found_inf)
+    return found_inf and scaling.scaler.dynamic
+
+
+class NoOpHandle:
+    """What ``amp.init(enabled=False)`` returns: nothing is cast or scaled."""
+
+    def is_active(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self) -> Iterator[None]:
+        yield
+
+    def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> OptimWrapper:
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        yield loss
+
+    @property
+    def has_cache(self) -> bool:
+        return False
+
+    @property
+    def cache(self) -> dict[torch.Tensor, torch.Tensor]:
+        return {}
+
+    @property
+    def verbose(self) -> bool:
+        return False
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def remove_cache(self, param: torch.Tensor) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+
+class OptimWrapper:
+    """An optimizer with one loss scaler per loss (``handle.wrap_optimizer``); other attributes pass through.
+
+    Each ``with optimizer.scale_loss(loss)`` uses the next loss's scaler; ``step()`` starts over at loss 0
+    and is skipped when any loss of the iteration overflowed.
+    """
+
+    def __init__(self, optimizer: Any, amp_handle: AmpHandle | NoOpHandle, num_loss: int) -> None:
+        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"num_loss={num_loss!r}: expected an integer >= 1")
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        self._skip_next = [False] * num_loss
+        self._scalings = [_LossScaling(optimizer, "dynamic") for _ in range(num_loss)]
+        self._loss_scaler = [s.scaler for s in self._scalings]
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Yield ``loss`` times the current loss's scale; on exit unscale the gradients it produced."""
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if not 0 <= self._loss_idx < self._num_loss:
+            raise RuntimeError(
+                f"scale_loss called {self._loss_idx + 1} times before step(), but the optimizer was wrapped for "
+                f"num_loss={self._num_loss}"
+            )
+        scaling = self._scalings[self._loss_idx]
+        scaling.combiner.prepare_backward()
+        yield loss.float() * scaling.scaler.loss_scale()
+        self._skip_next[self._loss_idx] = _unscale(self._amp_handle, scaling)
+        self._loss_idx += 1
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._amp_handle.is_active():
+            return self._optimizer.step(closure=closure)
+        self._loss_idx = 0
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                self._amp_handle.remove_cache(p)
+        if closure is not None:
+            raise NotImplementedError("The `closure` argument is unsupported by the amp optimizer wrapper.")
+        if any(self._skip_next):
+            maybe_print("Gradient overflow, skipping update")
+            self._skip_next = [False] * self._num_loss
+            return None
+        return self._optimizer.step()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._optimizer, attr)
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+        self._scalings = [_LossScaling(self._optimizer, "dynamic") for _ in range(self._num_loss)]
+        for scaling, scaler in zip(self._scalings, self._loss_scaler, strict=True):
+            scaling.scaler = scaler
+
+
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+    patch_type: torch.dtype = torch.float16,
+) -> AmpHandle | NoOpHandle:
+    """Apex's original entry point: patch torch for O1 casting process-wide and return the handle.
+
+    The casts stay on until ``handle._deactivate()`` (or the next ``amp.init``/``amp.initialize``).
+    ``patch_type`` is the low-precision dtype (float16 or bfloat16); ``allow_banned=True`` runs
+    ``binary_cross_entropy`` in float32 instead of refusing low-precision inputs.
+
+    Example:
+        >>> handle = amp.init()  # doctest: +SKIP
+        >>> with handle.scale_loss(loss, optimizer) as scaled_loss:  # doctest: +SKIP
+        ...     scaled_loss.backward()
+    """
+    if patch_type not in o1_casts.LOW_PRECISION:
+        raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
+    previous = _amp_state.handle
+    if previous is not None:
+        previous._deactivate()
+    if not enabled:
+        handle: AmpHandle | NoOpHandle = NoOpHandle()
+    else:
+        handle = AmpHandle(loss_scale, enable_caching, verbose, patch_type)
+        handle._patches = o1_casts.install_o1_casts(handle, patch_type, allow_banned, functions.registered_casts())
+    _amp_state.handle = handle
+    return handle

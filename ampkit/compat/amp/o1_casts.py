@@ -1,0 +1,330 @@
+"""Apex's O1: torch functions patched process-wide to cast their arguments, as ``amp.init()`` did.
+
+While the handle that installed them is active, whitelist functions (``linear``, ``conv*``, ``mm``,
+``matmul``, ``@``, RNNs ...) run in the low-precision dtype, blacklist functions (``softmax``, losses,
+``exp``, ``pow``, ``sum``, ``.cpu()`` ...) in float32, multi-argument functions (``add``, ``mul``,
+``atan2``, ``cat`` ...) in the widest type among their arguments, in-place methods in ``self``'s type,
+and a low-precision ``binary_cross_entropy`` is an error unless banned functions are allowed. Casts of
+float32 ``Parameter`` s to the low dtype are cached per iteration (the handle's ``cache``).
+
+Where ampkit differs from Apex: casts apply to tensors on every device (Apex cast CUDA tensors only,
+so CPU runs silently stayed float32), float64 tensors are never cast (they are not amp's business), and
+promotion between types amp did not make (e.g. float32 with float64) is left to torch instead of
+raising.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+
+from ampkit.compat.amp import _o1_lists as lists
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class CastState(Protocol):
+    """What the wrappers ask of the handle that installed them."""
+
+    def is_active(self) -> bool: ...
+
+    @property
+    def has_cache(self) -> bool: ...
+
+    @property
+    def cache(self) -> dict[torch.Tensor, torch.Tensor]: ...
+
+
+def _castable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in _CASTABLE
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _cast_value(x: Any, dtype: torch.dtype) -> Any:
+    """Cast a tensor, or a list/tuple made only of castable tensors (Apex's rule); anything else as is."""
+    if _castable(x):
+        return _cast(x, dtype)
+    if isinstance(x, (list, tuple)) and x and all(_castable(y) for y in x):
+        return type(x)(_cast(y, dtype) for y in x)
+    return x
+
+
+def _cast_deep(x: Any, dtype: torch.dtype) -> Any:
+    """Cast every castable tensor inside nested lists/tuples (RNN weight lists)."""
+    if _castable(x):
+        return _cast(x, dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_deep(y, dtype) for y in x)
+    return x
+
+
+def _cached_cast(x: Any, dtype: torch.dtype, state: CastState) -> Any:
+    """Cast a float32 Parameter through the handle's cache: once per iteration, re-cast when it changed."""
+    if not (isinstance(x, torch.nn.Parameter) and x.dtype == torch.float32):
+        return _cast_value(x, dtype)
+    cache = state.cache
+    cached = cache.get(x)
+    if cached is not None:
+        stale = cached.dtype != dtype or cached._ampkit_source_version != x._version
+        if torch.is_grad_enabled() and x.requires_grad != cached.requires_grad:
+            stale = True  # cast under no_grad (eval): it has no autograd edge back to the weight
+        if not stale:
+            return cached
+    cast = x.to(dtype)
+    cast._ampkit_source_version = x._version
+    cache[x] = cast
+    return cast
+
+
+def _floating_dtypes(values: Iterable[Any]) -> set[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            found.add(x.dtype)
+        elif isinstance(x, (list, tuple)):
+            found |= _floating_dtypes(x)
+    return found
+
+
+def _is_amp_mix(dtypes: set[torch.dtype]) -> bool:
+    """One low-precision dtype beside float32: the mix O1's casts create, promoted to float32."""
+    return len(dtypes) == 2 and torch.float32 in dtypes and bool(dtypes & set(LOW_PRECISION))
+
+
+class CastPatches:
+    """The attributes one handle replaced, so that ``restore`` puts every original back."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any, bool]] = []
+
+    def replace(self, owner: Any, name: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+        """Wrap ``owner.name`` (skipped when this torch build has no such attribute)."""
+        if not hasattr(owner, name):
+            return
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original, name in vars(owner)))
+        setattr(owner, name, make_wrapper(original))
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        """Replace ``owner.name`` by ``value`` outright."""
+        self._saved.append((owner, name, getattr(owner, name), name in vars(owner)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        """Undo every replacement, newest first (a wrapper of a wrapper unwinds in order)."""
+        while self._saved:
+            owner, name, original, was_own = self._saved.pop()
+            if was_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # it was inherited (e.g. from torch._C.TensorBase)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def cast_arguments(
+    state: CastState, dtype: torch.dtype, try_caching: bool, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """Cast floating arguments to ``dtype`` (through the cache for low-precision casts of weights)."""
+    if try_caching and state.has_cache:
+        return tuple(_cached_cast(a, dtype, state) for a in args), {
+            k: _cached_cast(v, dtype, state) for k, v in kwargs.items()
+        }
+    return tuple(_cast_value(a, dtype) for a in args), {k: _cast_value(v, dtype) for k, v in kwargs.items()}
+
+
+def cast_wrapper(state: CastState, dtype: torch.dtype, try_caching: bool) -> Callable[[Callable], Callable]:
+    """Wrap a function so that, while ``state`` is active, its floating arguments are cast to ``dtype``."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not state.is_active():
+                return original(*args, **kwargs)
+            args, kwargs = cast_arguments(state, dtype, try_caching, args, kwargs)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """Cast to float32 when the arguments mix a low-precision dtype with float32."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if state.is_active() and _is_amp_mix(_floating_dtypes((*args, *kwargs.values()))):
+                args = tuple(_cast_value(a, torch.float32) for a in args)
+                kwargs = {k: _cast_value(v, torch.float32) for k, v in kwargs.items()}
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def sequence_promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """``cat``/``stack``: cast the sequence to float32 when it mixes a low-precision dtype with float32."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(seq: Any, *args: Any, **kwargs: Any) -> Any:
+            if state.is_active() and isinstance(seq, (list, tuple)) and _is_amp_mix(_floating_dtypes(seq)):
+                seq = [_cast(x, torch.float32) if _castable(x) else x for x in seq]
+            return original(seq, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def match_self_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """In-place methods: cast the other arguments to ``self``'s type, so ``self`` keeps its dtype."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if state.is_active() and _castable(self):
+                args = tuple(_cast_value(a, self.dtype) for a in args)
+                kwargs = {k: _cast_value(v, self.dtype) for k, v in kwargs.items()}
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def error_if_self_low_wrapper(state: CastState, name: str) -> Callable[[Callable], Callable]:
+    """In-place blacklist methods (``exp_``): an error on a low-precision ``self``, float32 otherwise."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not state.is_active():
+                return original(self, *args, **kwargs)
+            if isinstance(self, torch.Tensor) and self.dtype in LOW_PRECISION:
+                raise NotImplementedError(
+                    f"Cannot call in-place method {name} on {self.dtype} tensors under amp O1: it must run in "
+                    "float32. Call the out-of-place form, or cast the tensor to float first."
+                )
+            args = tuple(_cast_value(a, torch.float32) for a in args)
+            kwargs = {k: _cast_value(v, torch.float32) for k, v in kwargs.items()}
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def error_if_any_low_wrapper(state: CastState, message: str) -> Callable[[Callable], Callable]:
+    """An error when any floating argument is low precision (in-place blacklist functions, banned ones)."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if state.is_active() and _floating_dtypes((*args, *kwargs.values())) & set(LOW_PRECISION):
+                raise NotImplementedError(message)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+class _RnnBackend:
+    """Stands in for ``torch._VF`` inside ``torch.nn.modules.rnn``: its RNN kernels run in low precision."""
+
+    def __init__(self, backend: Any, state: CastState, dtype: torch.dtype) -> None:
+        self._backend = backend
+        for name in lists.RNN_BACKEND_FUNCTIONS:
+            if hasattr(backend, name):
+                setattr(self, name, self._wrap(getattr(backend, name), state, dtype))
+
+    @staticmethod
+    def _wrap(original: Callable, state: CastState, dtype: torch.dtype) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not state.is_active():
+                return original(*args, **kwargs)
+            return original(*_cast_deep(args, dtype), **{k: _cast_deep(v, dtype) for k, v in kwargs.items()})
+
+        return wrapper
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def _rnn_check_input_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """torch's RNN modules refuse an input whose dtype differs from their weights unless autocast is on;
+    under O1 the backend casts both, so check the shape only (as autocast does)."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(self: Any, input: torch.Tensor, batch_sizes: Any) -> None:
+            weight_dtype = self._flat_weights[0].dtype if self._flat_weights else input.dtype
+            if state.is_active() and input.dtype != weight_dtype:
+                input = torch.empty(input.shape, dtype=weight_dtype, device="meta")
+            return original(self, input, batch_sizes)
+
+        return wrapper
+
+    return make
+
+
+def _as_inplace(names: Iterable[str]) -> list[str]:
+    return [name + "_" for name in names]
+
+
+def install_o1_casts(
+    state: CastState,
+    dtype: torch.dtype,
+    allow_banned: bool,
+    user_casts: Iterable[tuple[Any, str, str]] = (),
+) -> CastPatches:
+    """Patch torch as Apex's ``amp.init`` did and return the patches (``restore()`` undoes them).
+
+    ``user_casts`` are ``(module, name, kind)`` registrations, kind ``"half"``/``"float"``/``"promote"``;
+    they are applied first, so the built-in lists wrap them (Apex's order).
+    """
+    patches = CastPatches()
+    low, fp32 = cast_wrapper(state, dtype, True), cast_wrapper(state, torch.float32, False)
+    for module, name, kind in user_casts:
+        patches.replace(module, name, {"half": low, "float": fp32, "promote": promote_wrapper(state)}[kind])
+    tables = [
+        (lists.FUNCTIONAL, lists.FUNCTIONAL_LOW, low),
+        (lists.FUNCTIONAL, lists.FUNCTIONAL_FP32, fp32),
+        (lists.TORCH, lists.TORCH_LOW, low),
+        (lists.TORCH, lists.TORCH_FP32, fp32),
+        (lists.TENSOR, lists.TENSOR_LOW, low),
+        (lists.TENSOR, lists.TENSOR_FP32, fp32),
+        (lists.TORCH, lists.TORCH_PROMOTE, promote_wrapper(state)),
+        (lists.TENSOR, lists.TENSOR_PROMOTE, promote_wrapper(state)),
+        (lists.TORCH, lists.TORCH_SEQUENCE_PROMOTE, sequence_promote_wrapper(state)),
+    ]
+    for owner, names, wrapper in tables:
+        for name in names:
+            patches.replace(owner, name, wrapper)
+    for name in _as_inplace(lists.TORCH_FP32):
+        message = f"Cannot call in-place function {name} with low-precision arguments under amp O1."
+        patches.replace(lists.TORCH, name, error_if_any_low_wrapper(state, message))
+    for name in _as_inplace(lists.TENSOR_FP32):
+        patches.replace(lists.TENSOR, name, error_if_self_low_wrapper(state, name))
+    for name in _as_inplace([*lists.TENSOR_LOW, *lists.TENSOR_PROMOTE]):
+        patches.replace(lists.TENSOR, name, match_self_wrapper(state))
+    rnn_module = torch.nn.modules.rnn
+    patches.set(rnn_module, "_VF", _RnnBackend(rnn_module._VF, state, dtype))
+    patches.replace(rnn_module.RNNBase, "check_input", _rnn_check_input_wrapper(state))
+    for name in lists.FUNCTIONAL_BANNED:
+        if allow_banned:
+            patches.replace(lists.FUNCTIONAL, name, fp32)
+        else:
+            patches.replace(lists.FUNCTIONAL, name, error_if_any_low_wrapper(state, lists.BANNED_MESSAGE))
+    return patches

@@ -1,0 +1,74 @@
+"""Apex's ``LossScaler`` surface on ampkit's engine scaler, for code that reaches into ``_amp_state``.
+
+NVIDIA's own scripts and tests read and write the scaler's private attributes (``_loss_scale`` set
+from ``--init_loss_scale``, ``_unskipped`` for logging): every one of them is a live view of the engine's
+state here, so a write changes the scale the next ``scale_loss`` uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampkit.amp import LossScaler
+
+
+class ApexLossScaler(LossScaler):
+    """An engine :class:`~ampkit.amp.LossScaler` that also answers to Apex's attribute names."""
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._scale = float(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return self.unskipped
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self.unskipped = int(value)
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        self.growth_interval = int(value)
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self.min_scale
+
+    @_min_loss_scale.setter
+    def _min_loss_scale(self, value: float | None) -> None:
+        self.min_scale = None if value is None else float(value)
+
+    @property
+    def _max_loss_scale(self) -> float | None:
+        return self.max_scale
+
+    @_max_loss_scale.setter
+    def _max_loss_scale(self, value: float | None) -> None:
+        self.max_scale = None if value is None else float(value)
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether the last update saw an overflow (Apex kept it until the next ``clear_overflow_state``)."""
+        return self.last_found_inf
+
+    last_found_inf: bool = False
+
+    def update(self, found_inf: bool | torch.Tensor) -> tuple[float, float]:
+        """The engine's update; the verdict is kept for ``_has_overflow``."""
+        if isinstance(found_inf, torch.Tensor):
+            found_inf = bool(found_inf.item())
+        self.last_found_inf = bool(found_inf)
+        return super().update(self.last_found_inf)
+
+    def clear_overflow_state(self) -> None:
+        """Forget the last overflow (Apex calls it before each unscale)."""
+        self.last_found_inf = False
