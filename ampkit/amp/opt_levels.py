@@ -1,4 +1,7 @@
-"""Apex's O0-O3 optimization levels and their override rules, with a ``dtype`` replacing hard-coded half.
+"""Apex's O0-O5 optimization levels and their override rules, with a ``dtype`` replacing hard-coded half.
+
+O4 and O5 are Apex's bfloat16 levels (O1 and O2 in bfloat16, with a static loss scale of 1: bfloat16
+has float32's range, so nothing overflows that scaling would rescue).
 
 ``resolve_opt_level("O2", dtype="bfloat16", loss_scale=128)`` returns the frozen
 :class:`OptLevelProperties` the casting, scaling and master-weight code reads. The table and the
@@ -16,7 +19,8 @@ import torch
 
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
-OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
+OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
+_BF16_LEVELS = ("O4", "O5")
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -128,9 +132,9 @@ def resolve_opt_level(
     """Apply Apex's table for ``opt_level`` and then the user's overrides (those that are not ``None``).
 
     Args:
-        opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
-        dtype: low-precision type, float16 (default) or bfloat16. When omitted and ``cast_model_type``
-            names a low-precision type, that type is used.
+        opt_level: ``"O0"`` .. ``"O5"`` (the letter O); O4/O5 are O1/O2 in bfloat16 with loss scale 1.
+        dtype: low-precision type, float16 (default; bfloat16 at O4/O5) or bfloat16. When omitted and
+            ``cast_model_type`` names a low-precision type, that type is used.
         enabled: ``False`` resolves to O0's float32 recipe whatever ``opt_level`` says.
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
             Apex's overrides.
@@ -145,7 +149,7 @@ def resolve_opt_level(
     """
     if opt_level not in OPT_LEVELS:
         raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3'. "
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
             "Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero."
         )
     if not isinstance(enabled, bool):
@@ -156,7 +160,9 @@ def resolve_opt_level(
         if low is not None and low != parsed_cast:
             raise ValueError(f"cast_model_type={parsed_cast} conflicts with dtype={low}; give one of them")
         low = parsed_cast
-    low = low or torch.float16
+    if opt_level in _BF16_LEVELS and low not in (None, torch.bfloat16):
+        raise ValueError(f"opt_level={opt_level!r} is a bfloat16 level; dtype={low} conflicts with it")
+    low = low or (torch.bfloat16 if opt_level in _BF16_LEVELS else torch.float16)
 
     table: dict[str, dict[str, Any]] = {
         "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
@@ -167,9 +173,13 @@ def resolve_opt_level(
                    master_weights=True, loss_scale="dynamic"),
         "O3": dict(cast_model_type=low, patch_torch_functions=False, keep_batchnorm_fp32=False,
                    master_weights=False, loss_scale=1.0),
+        "O4": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
+                   master_weights=None, loss_scale=1.0),
+        "O5": dict(cast_model_type=low, patch_torch_functions=False, keep_batchnorm_fp32=True,
+                   master_weights=True, loss_scale=1.0),
     }  # fmt: skip
     props = dict(table[opt_level])
-    o1 = opt_level == "O1"
+    o1 = opt_level in ("O1", "O4")
 
     if cast_model_type is not None:
         if o1 and parsed_cast not in (False, torch.float32):
@@ -183,7 +193,7 @@ def resolve_opt_level(
         value = _parse_bool_or_none(patch_torch_functions, "patch_torch_functions")
         if value and not o1:
             raise RuntimeError(
-                f"patch_torch_functions=True is only valid with opt_level='O1' (got opt_level={opt_level!r})"
+                f"patch_torch_functions=True is only valid with opt_level='O1' or 'O4' (got opt_level={opt_level!r})"
             )
         props["patch_torch_functions"] = value
     if keep_batchnorm_fp32 is not None:

@@ -43,11 +43,27 @@ def test_dtype_conflict_and_bad_dtype_name_the_option():
         parse_dtype(torch.int8)
 
 
-@pytest.mark.parametrize("bad", ["01", "O4", "o1", "", None])
+@pytest.mark.parametrize("bad", ["01", "O6", "o1", "", None])
 def test_unknown_level_lists_valid_levels(bad):
-    with pytest.raises(RuntimeError, match="'O0', 'O1', 'O2', 'O3'.*letter O"):
+    with pytest.raises(RuntimeError, match="'O0', 'O1', 'O2', 'O3', 'O4', 'O5'.*letter O"):
         resolve_opt_level(bad)
-    assert OPT_LEVELS == ("O0", "O1", "O2", "O3")
+    assert OPT_LEVELS == ("O0", "O1", "O2", "O3", "O4", "O5")
+
+
+def test_o4_and_o5_are_apex_bfloat16_levels_without_loss_scaling():
+    o4, o5 = resolve_opt_level("O4"), resolve_opt_level("O5")
+    assert (o4.dtype, o4.patch_torch_functions, o4.cast_model_type, o4.loss_scale) == (torch.bfloat16, True, None, 1.0)
+    assert (o5.dtype, o5.cast_model_type, o5.master_weights, o5.keep_batchnorm_fp32, o5.loss_scale) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        True,
+        True,
+        1.0,
+    )
+    with pytest.raises(RuntimeError, match="cast_model_type was"):
+        resolve_opt_level("O4", cast_model_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 level"):
+        resolve_opt_level("O5", dtype="float16")
 
 
 @pytest.mark.parametrize("cast", [torch.float16, torch.bfloat16, "float16"])
@@ -74,9 +90,9 @@ def test_o1_rejects_master_weights(value):
         resolve_opt_level("O1", master_weights=value)
 
 
-@pytest.mark.parametrize("level", ["O0", "O2", "O3"])
+@pytest.mark.parametrize("level", ["O0", "O2", "O3", "O5"])
 def test_patch_torch_functions_only_with_o1(level):
-    with pytest.raises(RuntimeError, match="patch_torch_functions=True is only valid with opt_level='O1'"):
+    with pytest.raises(RuntimeError, match="patch_torch_functions=True is only valid with opt_level='O1' or 'O4'"):
         resolve_opt_level(level, patch_torch_functions=True)
     assert resolve_opt_level(level, patch_torch_functions=False).patch_torch_functions is False
     assert resolve_opt_level("O1", patch_torch_functions=False).patch_torch_functions is False

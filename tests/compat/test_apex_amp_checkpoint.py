@@ -89,3 +89,66 @@ def test_o2_weights_loaded_into_the_model_after_initialize_are_trained_from():
     assert torch.equal(model.weight, pretrained.weight.detach().half())
     masters = list(amp.master_params(optimizer))
     assert torch.equal(masters[0], pretrained.weight.detach().half().float())
+
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+
+
+def _bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_model_state_dict_holds_float32_at_every_level(level):
+    """Apex's O2/O3 register a state-dict hook: checkpoints hold float32 whatever the model runs in."""
+    model = _bn_model()
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    assert (model[0].weight.dtype == torch.float16) == (level in ("O2", "O3"))
+    for key, value in model.state_dict().items():
+        assert value.dtype == (torch.int64 if key.endswith("num_batches_tracked") else torch.float32), key
+
+
+@pytest.mark.parametrize("amp_before_load", [True, False])
+@pytest.mark.parametrize("num_losses", [1, 2])
+def test_checkpoints_restore_across_every_pair_of_levels_and_training_goes_on(num_losses, amp_before_load):
+    for level in LEVELS:
+        torch.manual_seed(0)
+        model = _bn_model()
+        model, optimizer = amp.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=1e-2), opt_level=level, num_losses=num_losses, verbosity=0
+        )
+        for it in range(2):
+            _iteration(model, optimizer, it, num_losses, dynamic=False)
+        saved = torch.load(io.BytesIO(_save(model.state_dict(), optimizer.state_dict())))
+        reference = {k: v.clone() for k, v in model.state_dict().items()}
+        for restore_level in LEVELS:
+            restored = _bn_model()
+            optimizer = torch.optim.SGD(restored.parameters(), lr=1e-2)
+            if amp_before_load:
+                restored, optimizer = amp.initialize(
+                    restored, optimizer, opt_level=restore_level, num_losses=num_losses, verbosity=0
+                )
+            restored.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            if not amp_before_load:
+                restored, optimizer = amp.initialize(
+                    restored, optimizer, opt_level=restore_level, num_losses=num_losses, verbosity=0
+                )
+            if restore_level in ("O0", "O1"):  # float32 models take the checkpoint's values exactly
+                for key, value in restored.state_dict().items():
+                    assert torch.equal(value, reference[key]), (level, restore_level, key)
+            before = [p.detach().clone() for p in restored.parameters()]
+            _iteration(restored, optimizer, 5, num_losses, dynamic=False)
+            assert any(not torch.equal(b, p) for b, p in zip(before, restored.parameters(), strict=True))
+            assert all(torch.isfinite(p).all() for p in restored.parameters())
+
+
+def test_o2_checkpoint_holds_the_float32_masters_not_their_fp16_rounding():
+    torch.manual_seed(0)
+    model = _bn_model()
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-2), opt_level="O2", verbosity=0)
+    for it in range(3):
+        _iteration(model, optimizer, it, 1, dynamic=False)
+    masters = list(amp.master_params(optimizer))
+    state = model.state_dict()
+    assert torch.equal(state["0.weight"], masters[0]) and not torch.equal(state["0.weight"], model[0].weight.float())

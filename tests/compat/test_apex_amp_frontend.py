@@ -160,7 +160,7 @@ def test_reinitialize_starts_a_new_run_without_stale_state():
     second, opt2 = amp.initialize(second, _sgd(second), opt_level="O0", verbosity=0)
     assert amp._amp_state is state  # references taken by legacy code see the new run
     assert len(state.loss_scalers) == 1 and state.loss_scalers[0].loss_scale() == 1.0
-    assert state.handle is None  # the O1 casts of the first run are undone
+    assert not state.handle.is_active()  # the O1 casts of the first run are undone
     # The same model may be initialized again at another level: its old O1 hooks are replaced.
     third_opt = _sgd(first)
     amp.initialize(first, third_opt, opt_level="O0", verbosity=0)

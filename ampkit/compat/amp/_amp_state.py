@@ -24,10 +24,11 @@ class AmpState:
 
     def reset(self) -> None:
         """Forget the previous run (called at the start of every ``initialize``); its O1 casts are undone."""
-        handle = getattr(self, "handle", None)
-        if handle is not None:
-            handle._deactivate()
-        self.handle: Any = None  # the AmpHandle of O1 (``amp.init`` or an O1 ``initialize``), else None
+        # The AmpHandle of the last O1 (``amp.init`` or an O1 ``initialize``); as in Apex it stays reachable
+        # after a later ``initialize``, deactivated, so ``_amp_state.handle._deactivate()`` keeps working.
+        self.handle: Any = getattr(self, "handle", None)
+        if self.handle is not None:
+            self.handle._deactivate()
         self.opt_properties: OptLevelProperties | None = None
         self.loss_scalers: list[ApexLossScaler] = []
         self.verbosity: int = 1

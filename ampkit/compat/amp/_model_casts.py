@@ -8,6 +8,7 @@ are remembered so that a later ``initialize`` of the same model removes them bef
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,18 +20,44 @@ from ampkit.amp.casting import add_boundary_casts, cast_model
 _installed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
+class Float32StateDict:
+    """State-dict hook of O2/O3 models: low-precision parameters and buffers are saved as float32.
+
+    Apex registered the same hook, so checkpoints load into a model at any opt level. Where the
+    optimizer keeps a float32 master of a parameter (O2), the master is saved rather than the upcast
+    low-precision copy: a checkpoint then holds the weights training really continues from.
+    """
+
+    def __init__(self) -> None:
+        # Each source returns ``id(model parameter) -> float32 master``; asked at save time, so params added
+        # with ``add_param_group`` after ``initialize`` are found too.
+        self.master_sources: list[Callable[[], dict[int, torch.Tensor]]] = []
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        by_name = {prefix + name: p for name, p in module.named_parameters(remove_duplicate=False)}
+        masters = {k: v for source in self.master_sources for k, v in source().items()}
+        for key, value in state_dict.items():
+            if not (isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16)):
+                continue
+            master = masters.get(id(by_name.get(key)))
+            state_dict[key] = master.detach().clone() if master is not None else value.to(torch.float32)
+
+
 def remove_model_casts(model: nn.Module) -> None:
     """Take off the hooks a previous ``initialize`` put on ``model``."""
     for handle in _installed.pop(model, []):
         handle.remove()
 
 
-def apply_model_casts(model: nn.Module, properties: OptLevelProperties, cast_model_outputs: Any) -> None:
-    """Cast ``model`` as ``properties`` say and install the forward hooks of its opt level."""
+def apply_model_casts(
+    model: nn.Module, properties: OptLevelProperties, cast_model_outputs: Any, state_dict_hook: Float32StateDict
+) -> None:
+    """Cast ``model`` as ``properties`` say and install the forward and state-dict hooks of its opt level."""
     remove_model_casts(model)
     handles: list[Any] = []
     output_dtype = cast_model_outputs
     if properties.cast_model_type is not None:
+        handles.append(model._register_state_dict_hook(state_dict_hook))
         keep_bn = bool(properties.keep_batchnorm_fp32)
         cast_model(model, properties.cast_model_type, keep_batchnorm_fp32=keep_bn)
         if output_dtype is None:

@@ -58,6 +58,13 @@ class AmpOptimizerStash:
             if master is not param and original is not None:
                 master.copy_(original)
 
+    def masters_by_param(self) -> dict[int, torch.Tensor]:
+        """``id(model parameter) -> float32 master`` for the parameters that have a separate master."""
+        if self.master_weights is None:
+            return {}
+        pairs = zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
+        return {id(param): master for param, master in pairs if master is not param}
+
     @property
     def params_have_scaled_gradients(self) -> bool:
         """True while gradients of a ``delay_unscale`` backward are still scaled (Apex's flag)."""

@@ -9,7 +9,7 @@ import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
-from ampkit.compat.amp._model_casts import apply_model_casts
+from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
 from ampkit.compat.amp.handle import init
 from ampkit.compat.amp.scaler import ApexLossScaler
@@ -19,6 +19,8 @@ _LEVEL_DESCRIPTIONS = {
     "O1": "Insert automatic casts around Pytorch functions and Tensor methods.",
     "O2": "FP16 training with FP32 batchnorm and FP32 master weights.",
     "O3": "Pure FP16 training.",
+    "O4": "Insert automatic casts around Pytorch functions and Tensor methods. BFLOAT16 training.",
+    "O5": "BFLOAT16 training with FP32 batchnorm and FP32 master weights.",
 }
 
 
@@ -133,7 +135,7 @@ def initialize(
     """Set up mixed precision for ``models`` and ``optimizers`` at ``opt_level`` (Apex's ``amp.initialize``).
 
     Models (and optimizers, when given) come back in the shape they were passed: a single object or a list.
-    Apex's O0-O3 table and override rules apply; the Ascend knobs (``dynamic_init_scale``,
+    Apex's O0-O5 table and override rules apply; the Ascend knobs (``dynamic_init_scale``,
     ``scale_growth_factor``, ``scale_backoff_factor``, ``scale_window``, ``combine_grad``) configure the
     dynamic scalers and flat gradient buffers. ``dtype`` (ampkit's addition, keyword-only) picks float16
     (default) or bfloat16 for O1's autocast and O2/O3's model cast. Everything keys on dtype and device:
@@ -187,10 +189,12 @@ def initialize(
     fp32_values = None
     if properties.master_weights and properties.cast_model_type not in (None, torch.float32):
         fp32_values = {id(p): p.detach().clone() for m in model_list for p in m.parameters()}
+    state_dict_hook = Float32StateDict()
     for model in model_list:
-        apply_model_casts(model, properties, cast_model_outputs)
+        apply_model_casts(model, properties, cast_model_outputs, state_dict_hook)
     for optimizer in optimizer_list:
         optimizer._amp_stash = AmpOptimizerStash(optimizer, properties, bool(combine_grad), fp32_values)
+        state_dict_hook.master_sources.append(optimizer._amp_stash.masters_by_param)
     _amp_state.loss_scalers = scalers
     if properties.patch_torch_functions:
         init(loss_scale=properties.loss_scale, verbose=verbosity == 2, patch_type=properties.dtype)
