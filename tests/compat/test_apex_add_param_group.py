@@ -1,7 +1,9 @@
 """add_param_group after amp.initialize (the semantics of Apex's test_add_param_group).
 
-Training with a group added after ``initialize`` (under O2 it gets fp32 masters on the spot) matches
-training with both groups present from the start, bit for bit.
+Training with a group added after ``initialize`` (under O2/O5 it gets fp32 masters on the spot) matches
+training with both groups present from the start, bit for bit: at every opt level, whether the gradients
+are zeroed through the model, the optimizer or ``param.grad = None``, with one or two backwards per
+iteration, and with momentum state picked up by the new group.
 """
 
 import pytest
@@ -11,7 +13,33 @@ from apex_test_helpers import half_exact_linear
 from ampkit.compat import amp
 
 
-def _train(level, add_late, combine_grad):
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+ZEROING = ["model", "optimizer", "set_none"]
+
+
+def _zero(how, model, optimizer):
+    if how == "model":
+        model.zero_grad()
+    elif how == "optimizer":
+        optimizer.zero_grad()
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+def _backward(model, optimizer, x, accumulate):
+    out = model(x).float()
+    if accumulate:  # two backwards in one iteration: the grads of both add up
+        with amp.scale_loss(out.pow(2).mean(), optimizer) as scaled:
+            scaled.backward(retain_graph=True)
+        with amp.scale_loss(out.abs().mean(), optimizer) as scaled:
+            scaled.backward()
+    else:
+        with amp.scale_loss(out.pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+
+
+def _train(level, add_late, combine_grad, how_to_zero="optimizer", accumulate=False):
     first, second = half_exact_linear(4, 4, seed=3), half_exact_linear(4, 2, seed=4)
     model = torch.nn.Sequential(first, torch.nn.Tanh(), second)
     if add_late:
@@ -24,10 +52,9 @@ def _train(level, add_late, combine_grad):
     for it in range(4):
         if add_late and it == 1:
             optimizer.add_param_group({"params": second.parameters(), "lr": 0.05})
-        optimizer.zero_grad()
+        _zero(how_to_zero, model, optimizer)
         x = torch.linspace(-1, 1, 24).reshape(6, 4) * (it + 1)
-        with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
-            scaled.backward()
+        _backward(model, optimizer, x, accumulate)
         if add_late and it == 0:
             second.weight.grad = None
             second.bias.grad = None  # not in the optimizer yet: the reference does not train it either
@@ -36,18 +63,31 @@ def _train(level, add_late, combine_grad):
 
 
 @pytest.mark.parametrize("combine_grad", [False, True])
-@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("level", LEVELS)
 def test_group_added_after_initialize_trains_like_one_given_up_front(level, combine_grad):
-    late_model, late_optimizer = _train(level, add_late=True, combine_grad=combine_grad)
-    early_model, _ = _train_reference(level, combine_grad)
+    _check_late_matches_early(level, combine_grad, "optimizer", accumulate=False)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["one-backward", "two-backwards"])
+@pytest.mark.parametrize("how_to_zero", ZEROING)
+@pytest.mark.parametrize("level", LEVELS)
+def test_added_group_trains_whichever_way_grads_are_zeroed(level, how_to_zero, accumulate):
+    _check_late_matches_early(level, False, how_to_zero, accumulate)
+
+
+def _check_late_matches_early(level, combine_grad, how_to_zero, accumulate):
+    late_model, late_optimizer = _train(level, True, combine_grad, how_to_zero, accumulate)
+    early_model, _ = _train_reference(level, combine_grad, how_to_zero, accumulate)
     for late, early in zip(late_model.parameters(), early_model.parameters(), strict=True):
         assert torch.equal(late, early)
-    if level == "O2":
+    if level in ("O2", "O5"):
         assert all(p.dtype == torch.float32 for p in amp.master_params(late_optimizer))
-        assert len(late_optimizer.param_groups) == 2
+    assert len(late_optimizer.param_groups) == 2
+    momentum = [late_optimizer.state[p].get("momentum_buffer") for p in late_optimizer.param_groups[1]["params"]]
+    assert all(buf is not None and buf.abs().sum() > 0 for buf in momentum)  # the new group has momentum now
 
 
-def _train_reference(level, combine_grad):
+def _train_reference(level, combine_grad, how_to_zero="optimizer", accumulate=False):
     """Both groups from the start, but the second one frozen during the first iteration."""
     first, second = half_exact_linear(4, 4, seed=3), half_exact_linear(4, 2, seed=4)
     model = torch.nn.Sequential(first, torch.nn.Tanh(), second)
@@ -58,10 +98,9 @@ def _train_reference(level, combine_grad):
     lr = optimizer.param_groups[1]["lr"]
     for it in range(4):
         optimizer.param_groups[1]["lr"] = 0.0 if it == 0 else lr
-        optimizer.zero_grad()
+        _zero(how_to_zero, model, optimizer)
         x = torch.linspace(-1, 1, 24).reshape(6, 4) * (it + 1)
-        with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
-            scaled.backward()
+        _backward(model, optimizer, x, accumulate)
         if it == 0:
             for p in amp.master_params(optimizer):
                 if p.shape[0] == 2:
