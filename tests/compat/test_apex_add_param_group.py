@@ -12,7 +12,6 @@ from apex_test_helpers import half_exact_linear
 
 from ampkit.compat import amp
 
-
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 ZEROING = ["model", "optimizer", "set_none"]
 
