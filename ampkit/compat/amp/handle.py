@@ -117,8 +117,8 @@ class _OneShotSkip:
 class _LossScaling:
     """One loss's scaler and the combiner that unscales the gradients of one optimizer's parameters."""
 
-    def __init__(self, optimizer: Any, loss_scale: float | str) -> None:
-        self.scaler = ApexLossScaler(loss_scale)
+    def __init__(self, optimizer: Any, scaler: ApexLossScaler) -> None:
+        self.scaler = scaler
         params = [p for group in optimizer.param_groups for p in group["params"]]
         params = [p for p in params if p.requires_grad and p.is_floating_point()]
         self.combiner = GradientCombiner(params, params)
@@ -143,7 +143,6 @@ class AmpHandle:
         self._enable_caching = enable_caching
         self._verbose = verbose
         self._cache: dict[torch.Tensor, torch.Tensor] = {}
-        self._loss_scale = loss_scale
         self._default_scaler: ApexLossScaler | None = ApexLossScaler(loss_scale)
         self._scalings: dict[int, _LossScaling] = {}
         self._is_active = True
@@ -178,8 +177,7 @@ class AmpHandle:
             )
         scaling = self._scalings.get(id(optimizer))
         if scaling is None:
-            scaling = self._scalings[id(optimizer)] = _LossScaling(optimizer, self._loss_scale)
-            scaling.scaler = self._default_scaler
+            scaling = self._scalings[id(optimizer)] = _LossScaling(optimizer, self._default_scaler)
         scaling.combiner.prepare_backward()
         yield loss.float() * scaling.scaler.loss_scale()
         if _unscale(self, scaling):
@@ -277,8 +275,8 @@ class OptimWrapper:
         self._num_loss = num_loss
         self._loss_idx = 0
         self._skip_next = [False] * num_loss
-        self._scalings = [_LossScaling(optimizer, "dynamic") for _ in range(num_loss)]
-        self._loss_scaler = [s.scaler for s in self._scalings]
+        self._loss_scaler = [ApexLossScaler("dynamic") for _ in range(num_loss)]
+        self._scalings = [_LossScaling(optimizer, scaler) for scaler in self._loss_scaler]
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -329,9 +327,7 @@ class OptimWrapper:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(param_group)
-        self._scalings = [_LossScaling(self._optimizer, "dynamic") for _ in range(self._num_loss)]
-        for scaling, scaler in zip(self._scalings, self._loss_scaler, strict=True):
-            scaling.scaler = scaler
+        self._scalings = [_LossScaling(self._optimizer, scaler) for scaler in self._loss_scaler]
 
 
 def init(
