@@ -2,6 +2,7 @@
 
 from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
 from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
+from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
 
@@ -17,4 +18,5 @@ __all__ = [
     "PrecisionConfig",
     "Trainer",
     "TrainerConfig",
+    "consolidate_checkpoint",
 ]

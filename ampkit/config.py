@@ -87,9 +87,20 @@ class PrecisionConfig:
 
 
 @dataclass
-class DistributedConfig:
-    """torch.distributed under ``torchrun`` (gloo on CPU, NCCL on GPU); ignored in a single process."""
+class FSDPConfig:
+    """FSDP2 sharding (only with ``distributed.strategy: fsdp``)."""
 
+    shard_modules: list[str] = field(default_factory=list)  # module class names sharded one by one, then the root
+    reshard_after_forward: bool | None = None  # None: True (free gathered parameters after each forward)
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory
+
+
+@dataclass
+class DistributedConfig:
+    """torch.distributed under ``torchrun`` (gloo on CPU, NCCL on GPU); ignored in a single process, except
+    ``strategy: fsdp``, which also shards (trivially) on one process so its checkpoints resume at any world size."""
+
+    strategy: str = "ddp"  # ddp (every rank holds the whole model) | fsdp (FSDP2: parameters, grads, state sharded)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run instead of hanging
     grad_sync: str = "auto"  # auto | ddp | step  (auto: ddp under automatic optimization, else step)
@@ -98,6 +109,7 @@ class DistributedConfig:
     static_graph: bool = False
     bucket_cap_mb: float = 25.0
     sync_batchnorm: bool = False
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass

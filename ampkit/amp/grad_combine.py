@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ampkit.amp.scaler import LossScaler
 from ampkit.ops import multi_tensor
@@ -41,6 +42,8 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     """
     if not tensors:
         return
+    # FSDP's sharded gradients: unscale and check this rank's shard (ranks agree on found_inf afterwards).
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     if found_inf.device.type == "cpu" and multi_tensor.kernel_available(found_inf.device):
         multi_tensor.scale_(tensors, inv_scale, found_inf)
     else:

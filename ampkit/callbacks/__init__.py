@@ -35,10 +35,11 @@ __all__ = [
 def default_callbacks(trainer: Trainer) -> list[Callback]:
     """The callbacks the trainer's config switches on, in no particular order (each declares its own)."""
     cfg = trainer.cfg
-    callbacks: list[Callback] = precision_callbacks(cfg.precision)
+    callbacks: list[Callback] = precision_callbacks(cfg.precision, sharded=trainer.sharded)
     if trainer.world_size > 1:
         d = cfg.distributed
         grad_sync = d.grad_sync if d.grad_sync != "auto" else "ddp" if trainer.automatic_optimization else "step"
+        grad_sync = "fsdp" if trainer.sharded else grad_sync
         ddp_kwargs = {
             "find_unused_parameters": d.find_unused_parameters,
             "static_graph": d.static_graph,

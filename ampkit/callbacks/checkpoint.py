@@ -1,4 +1,4 @@
-"""Periodic checkpoints (rank zero), written atomically; ``last.pt`` always names the newest."""
+"""Periodic checkpoints, written atomically (by rank zero; under FSDP every rank writes its shards)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
+from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
 
 class ModelCheckpoint(Callback):
@@ -48,6 +49,8 @@ class ModelCheckpoint(Callback):
         """Write a checkpoint named ``filename`` and point ``last.pt`` at it (rank zero only)."""
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         self._saved_at = trainer.loop_position()
+        if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
+            return self._save_sharded(trainer, checkpoint, Path(filename).stem)
         if not trainer.is_global_zero:
             return None
         directory = trainer.version_dir / "checkpoints"
@@ -56,4 +59,12 @@ class ModelCheckpoint(Callback):
         kept = sorted((p for p in directory.glob("*-*.pt")), key=lambda p: p.stat().st_mtime_ns)
         for old in kept[: -self.keep_last]:
             old.unlink(missing_ok=True)
+        return path
+
+    def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str) -> Path:
+        directory = trainer.version_dir / "checkpoints"
+        path = save_sharded(checkpoint, trainer.module, trainer.optimizers, directory / name, trainer.is_global_zero)
+        if trainer.is_global_zero:
+            point_last_at(path)
+            prune_sharded(directory, self.keep_last)
         return path

@@ -28,14 +28,15 @@ class DistributedSync(Callback):
     the forward, as DDP reads it there). ``grad_sync="step"`` averages an optimizer's gradients right before
     its step: it works for any number of forwards and backwards per step (a GAN's D and G passes, backward
     restricted to one optimizer's parameters), which DDP's one-forward-one-backward reducer does not.
+    ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients; only the flags are agreed.
     """
 
     before = ("GradientClipping",)
 
     def __init__(self, grad_sync: str = "ddp", ddp_kwargs: dict[str, Any] | None = None,
                  sync_batchnorm: bool = False, failure_wait_s: float = 5.0) -> None:  # fmt: skip
-        if grad_sync not in ("ddp", "step"):
-            raise ValueError(f"DistributedSync: grad_sync must be 'ddp' or 'step', got {grad_sync!r}")
+        if grad_sync not in ("ddp", "step", "fsdp"):
+            raise ValueError(f"DistributedSync: grad_sync must be 'ddp', 'step' or 'fsdp', got {grad_sync!r}")
         self.grad_sync = grad_sync
         self.ddp_kwargs = dict(ddp_kwargs or {})
         self.sync_batchnorm = sync_batchnorm
@@ -56,7 +57,7 @@ class DistributedSync(Callback):
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
             trainer.model = torch.compile(self._ddp) if trainer.cfg.trainer.compile else self._ddp
-        else:
+        elif self.grad_sync == "step":
             with torch.no_grad():  # an in-place collective on a parameter must not enter the autograd graph
                 for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
                     self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)

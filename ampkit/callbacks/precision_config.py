@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 
 from ampkit.amp import resolve_opt_level
@@ -11,8 +13,11 @@ from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 
 
-def precision_callbacks(precision: DictConfig) -> list[Callback]:
+def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
     """``[MixedPrecision, LossScaling]`` for O1-O3; ``[]`` for O0 (plain float32, identical to a hand loop).
+
+    ``sharded`` (FSDP): O2's model cast and fp32 masters are FSDP's (its policy computes in ``dtype`` from
+    sharded fp32 parameters), so MixedPrecision leaves the model and optimizers alone.
 
     Raises:
         ConfigError: an invalid option or combination (Apex's rules), naming ``precision.<option>``.
@@ -34,6 +39,8 @@ def precision_callbacks(precision: DictConfig) -> list[Callback]:
         )
         if props.opt_level == "O0" and p.loss_scale is None:
             return []
+        if sharded:
+            props = dataclasses.replace(props, cast_model_type=None, master_weights=False)
         casting = MixedPrecision(props, cast_modules=list(p.cast_modules), cast_model_outputs=p.cast_model_outputs)
         scaling = LossScaling(
             props.loss_scale,

@@ -73,9 +73,11 @@ class TensorBoardLogger(Callback):
         self._last_time, self._last_step = now, step
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        if self.writer is not None and self._due(trainer):
+        if not self._due(trainer):
+            return
+        norm = trainer.grad_norm(optimizer)  # on every rank: a sharded model's norm is a collective
+        if self.writer is not None:
             name = trainer.optimizer_state[optimizer].name
-            norm = trainer.grad_norm(optimizer)
             self.writer.add_scalar(f"train/grad_norm/{name}", norm.item(), trainer.state.iteration)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:

@@ -45,7 +45,14 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world_size <= 1:
-        return DistributedEnv()
+        if cfg.distributed.strategy != "fsdp" or dist.is_initialized():
+            return DistributedEnv()
+        # FSDP needs a process group even alone: one process shards trivially, so its checkpoints are
+        # the same DCP format as a multi-rank run's and resume at any world size.
+        on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)  # fmt: skip
+        return DistributedEnv(owns_group=True)
     backend = cfg.distributed.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "gloo"

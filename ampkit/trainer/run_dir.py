@@ -31,9 +31,10 @@ def new_version_dir(root: str | Path) -> Path:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """``checkpoints/last.pt`` of the newest version under ``root`` that has one."""
+    """``checkpoints/last.pt`` (or ``checkpoints/last``, the link to a sharded checkpoint directory) of the
+    newest version under ``root`` that has one."""
     for _, version in reversed(_versions(Path(root))):
-        last = version / "checkpoints" / "last.pt"
-        if last.is_file():
-            return last
+        for last in (version / "checkpoints" / "last.pt", version / "checkpoints" / "last"):
+            if last.is_file() or (last / ".metadata").is_file():
+                return last
     return None

@@ -50,10 +50,12 @@ from ampkit.trainer.distributed import (
     setup_distributed,
     teardown_distributed,
 )
+from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
+from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 
 
@@ -98,6 +100,7 @@ class Trainer:
         self.state = LoopState()
         self.device = self._resolve_device(self.settings.device)
         self.dist = DistributedEnv()
+        self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
@@ -168,7 +171,10 @@ class Trainer:
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
         self.fire("on_before_backward", backward)
-        backward.loss.backward(inputs=backward.inputs)
+        if self.sharded:
+            backward_to(backward.loss, backward.inputs, self.module)
+        else:
+            backward.loss.backward(inputs=backward.inputs)
         self.fire("on_after_backward", backward)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -206,7 +212,8 @@ class Trainer:
         opt_state = self.optimizer_state[optimizer]
         if opt_state.grad_norm is None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            opt_state.grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            opt_state.grad_norm = full_norm(norm)  # sharded grads: the global norm (a collective)
         return opt_state.grad_norm
 
     def log(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
@@ -383,6 +390,8 @@ class Trainer:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         self.module = module.to(self.device)
+        if self.sharded:  # before the optimizers: they must hold the sharded parameters
+            self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
@@ -395,10 +404,16 @@ class Trainer:
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
         if self.is_global_zero and self.version_dir is None:
             self.version_dir = new_version_dir(self.cfg.run_dir)
+        if self.sharded:  # every rank writes its shards into the checkpoint directory
+            self.version_dir = broadcast_object(self.version_dir, self.dist)
         if self.is_global_zero:
             self._save_config()
         if checkpoint_path is not None:
-            self._restore(load_checkpoint(checkpoint_path), checkpoint_path)
+            if is_sharded_checkpoint(checkpoint_path):
+                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
+            else:
+                checkpoint = load_checkpoint(checkpoint_path)
+            self._restore(checkpoint, checkpoint_path)
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -462,11 +477,12 @@ class Trainer:
         return {"epoch": s.epoch, "batches_done": s.batches_done, "global_step": s.global_step}
 
     def checkpoint_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG."""
+        """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG.
+
+        Under FSDP the model and optimizer shards are not in it: every rank writes its own (``save_sharded``).
+        """
         checkpoint = {
             FORMAT_KEY: FORMAT_VERSION,
-            "model": self.module.state_dict(),
-            "optimizers": {spec.name: spec.optimizer.state_dict() for spec in self._specs},
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
                 st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
@@ -478,6 +494,9 @@ class Trainer:
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
+        if not self.sharded:
+            checkpoint["model"] = self.module.state_dict()
+            checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
         self.fire("on_save_checkpoint", checkpoint)
         return checkpoint
 
@@ -517,8 +536,10 @@ class Trainer:
         if str(resume) == "last":  # rank zero decides, so every rank loads the same file
             return broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
         path = Path(resume)
-        if not path.is_file():
-            raise CheckpointError(f"resume: no checkpoint file at '{path}' (pass a path or 'last')")
+        if not (path.is_file() or is_sharded_checkpoint(path)):
+            raise CheckpointError(
+                f"resume: no checkpoint file or sharded checkpoint at '{path}' (pass a path or 'last')"
+            )
         return path
 
     @staticmethod
@@ -563,6 +584,7 @@ class Trainer:
         for key, (value, ok, valid) in rules.items():
             if not ok:
                 raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
+        validate_strategy(self.cfg)
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

@@ -1,0 +1,140 @@
+"""Sharded checkpoints (``torch.distributed.checkpoint``) for FSDP runs: one directory per checkpoint.
+
+Layout of ``checkpoints/step-00000009/``: DCP's ``.metadata`` and one ``*.distcp`` file per rank holding
+the model and optimizer shards (keyed by parameter name, so any world size can load them), plus
+``trainer.pt`` with everything else (loop position, RNG, loss scalers, schedulers, callbacks, config),
+written by rank zero and loaded weights-only. Every rank writes into ``.step-00000009.tmp`` and rank zero
+renames the finished directory into place, so a crash mid-save leaves the previous checkpoint (and
+``last``, a symlink to the newest) intact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ampkit.trainer.checkpoint_io import CheckpointError, _fsync_dir, load_checkpoint, save_atomic
+
+TRAINER_FILE = "trainer.pt"
+LAST = "last"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (or the ``last`` link to one)."""
+    path = Path(path)
+    return path.is_dir() and (path / TRAINER_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    return {
+        "model": get_model_state_dict(module),
+        "optimizers": {name: get_optimizer_state_dict(module, opt) for name, opt in optimizers.items()},
+    }
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded(
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    path: Path,
+    is_zero: bool,
+) -> Path:
+    """Write ``module``'s and ``optimizers``' shards (every rank) and ``checkpoint`` (rank zero) to ``path``.
+
+    Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    if is_zero:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(_tensor_state(module, optimizers), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+    if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
+        save_atomic(checkpoint, tmp / TRAINER_FILE)
+        aside = path.with_name(f".{path.name}.old")
+        if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    _barrier()
+    return path
+
+
+def point_last_at(path: Path) -> None:
+    """Make ``last`` beside ``path`` a symlink to it, replaced atomically (rank zero)."""
+    link = path.parent / LAST
+    tmp = path.parent / f".{LAST}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(path.name, tmp)
+    os.replace(tmp, link)
+    _fsync_dir(path.parent)
+
+
+def prune_sharded(directory: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoint directories (never the one ``last`` points at)."""
+    last = (directory / LAST).resolve()
+    kept = sorted((p for p in directory.glob("*-*") if is_sharded_checkpoint(p)), key=lambda p: p.stat().st_mtime_ns)
+    for old in kept[:-keep_last]:
+        if old.resolve() != last:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    """Load the shards at ``path`` into ``module`` and ``optimizers`` (resharded to this run's world size).
+
+    Returns ``trainer.pt``'s dict, with ``model``/``optimizers`` set to the loaded states so the Trainer's
+    plain restore path can apply them as for an unsharded checkpoint.
+    """
+    checkpoint = load_checkpoint(path / TRAINER_FILE)
+    state = _tensor_state(module, optimizers)
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_model_state_dict(module, state["model"])
+        for name, opt in optimizers.items():
+            set_optimizer_state_dict(module, opt, state["optimizers"][name])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's model/optimizers: {exc}") from None
+    checkpoint["model"] = module.state_dict()
+    checkpoint["optimizers"] = {name: opt.state_dict() for name, opt in optimizers.items()}
+    return checkpoint
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's full state dict from an ampkit checkpoint (sharded directory or ``.pt`` file), in one
+    process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        return load_checkpoint(path)["model"]
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    prefix = "model."
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

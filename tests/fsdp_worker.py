@@ -1,0 +1,78 @@
+"""One rank of an FSDP test: ``python fsdp_worker.py SCENARIO OUT_DIR`` with torchrun-style env vars (or none:
+one process, which shards trivially)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from dist_worker import InfOnRank1, Plain, SkipRecorder
+from torch.distributed.tensor import DTensor
+
+import ampkit
+from ampkit.trainer.distributed import all_reduce_sum
+
+RANK = int(os.environ.get("RANK", 0))
+FSDP = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+
+
+class LossRecorder(ampkit.Callback):
+    """The loss curve: each iteration's loss averaged over ranks (= one process's loss on the whole batch)."""
+
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        (total,) = all_reduce_sum([float(outputs["loss"])], trainer.dist)
+        self.losses[trainer.state.iteration] = total / trainer.world_size
+
+
+class KeepFinalState(ampkit.Callback):
+    """Gathers the model at the end of training, while the process group still exists."""
+
+    def on_train_end(self, trainer):
+        self.state = full_state(trainer.module)
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (a collective: all ranks call it)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) -> dict:
+    """Train one scenario; returns what the test compares (also called in-process for one-process runs)."""
+    cpu = {"progress_bar": False, "device": "cpu"}
+    base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False}, "trainer": cpu,
+            "distributed": FSDP, "data": {"batch_size": batch_size}}  # fmt: skip
+    extra: dict = {}
+    keep = KeepFinalState()
+    if scenario == "clip":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_epochs": 2, "clip_grad_norm": 0.5}}
+        trainer = Plain(cfg, callbacks=[keep])
+    elif scenario == "overflow_o2":
+        spy = SkipRecorder()
+        precision = {"opt_level": "O2", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}, "precision": precision}
+        trainer = InfOnRank1(cfg, callbacks=[spy, keep])
+        extra = {"skips": spy.skips}
+    elif scenario == "resume":
+        losses = LossRecorder()
+        cfg = {**base, "checkpoint": {"every_n_steps": 3, "keep_last": 50}, "trainer": {**cpu, "max_epochs": 2}}
+        trainer = Plain(cfg, callbacks=[losses, keep])
+        extra = {"losses": losses.losses}
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    trainer.fit(resume=resume)
+    if scenario == "overflow_o2":
+        scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
+        extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
+        extra["param_dtypes"] = sorted({str(p.dtype) for p in trainer.module.parameters()})
+    return {"model": keep.state, "version_dir": str(trainer.version_dir), "val": trainer.val_metrics, **extra}
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    result = run(scenario, out, int(os.environ.get("BATCH", 4)), os.environ.get("RESUME_FROM"))
+    torch.save(result, out / f"rank{RANK}.pt")

@@ -1,0 +1,160 @@
+"""FSDP2 sharding (``distributed.strategy: fsdp``): config errors, parity with one process, per-loss scalers on
+sharded gradients, DCP checkpoints that resume on another world size, consolidation."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from child_env import child_env
+from dist_worker import Plain
+from fsdp_worker import run
+from test_distributed import _free_port
+from toy_trainers import ToyTrainer
+
+import ampkit
+from ampkit import consolidate_checkpoint
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "fsdp_worker.py"
+
+
+def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | None = None) -> list[dict]:
+    """Two gloo ranks of ``fsdp_worker.py``; returns each rank's result."""
+    port = _free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(2):
+        env = child_env(TESTS, TESTS.parent, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", BATCH=str(batch_size),
+                        **({"RESUME_FROM": str(resume)} if resume else {}))  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-3000:]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _cfg(tmp_path, **sections) -> dict:
+    cpu = {"progress_bar": False, "device": "cpu"}
+    return {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+            "trainer": cpu, **sections}  # fmt: skip
+
+
+# ------------------------------------------------------------------ bad input, before training
+@pytest.mark.parametrize(
+    ("distributed", "extra", "key"),
+    [
+        ({"strategy": "zero3"}, {}, "distributed.strategy"),
+        ({"fsdp": {"shard_modules": ["Linear"]}}, {}, "distributed.fsdp.shard_modules"),
+        ({"fsdp": {"cpu_offload": True}}, {}, "distributed.fsdp.cpu_offload"),
+        ({"strategy": "fsdp"}, {"trainer": {"compile": True}}, "trainer.compile"),
+        ({"strategy": "fsdp"}, {"precision": {"opt_level": "O1", "combine_grad": True}}, "precision.combine_grad"),
+        ({"strategy": "fsdp"}, {"precision": {"opt_level": "O3"}}, "precision.opt_level"),
+        ({"strategy": "fsdp", "grad_sync": "step"}, {}, "distributed.grad_sync"),
+    ],
+)
+def test_bad_strategy_settings_fail_at_construction_naming_the_key(tmp_path, distributed, extra, key):
+    cfg = _cfg(tmp_path, distributed=distributed)
+    for section, values in extra.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
+        ToyTrainer(cfg)
+
+
+def test_a_shard_class_the_model_lacks_fails_before_training_listing_its_classes(tmp_path):
+    cfg = _cfg(tmp_path, distributed={"strategy": "fsdp", "fsdp": {"shard_modules": ["Block"]}})
+    trainer = ToyTrainer(cfg)
+    with pytest.raises(ampkit.ConfigError, match=r"distributed.fsdp.shard_modules.*\['Block'\].*Dropout, Linear"):
+        trainer.fit()
+    assert trainer.state.global_step == 0
+
+
+# ------------------------------------------------------------------ training on sharded parameters
+def test_two_sharded_ranks_with_clipping_equal_one_plain_process(tmp_path):
+    """Clipping to the global norm over shards: a per-shard norm would clip differently on each rank."""
+    rank0, rank1 = launch("clip", tmp_path / "fsdp")
+    _close(rank0["model"], rank1["model"])
+    single = Plain(_cfg(tmp_path / "single", data={"batch_size": 8}, checkpoint={"enabled": False},
+                        trainer={"max_epochs": 2, "clip_grad_norm": 0.5, "progress_bar": False}))  # fmt: skip
+    single.fit()
+    _close(rank0["model"], single.module.state_dict())
+    unclipped = Plain(_cfg(tmp_path / "unclipped", data={"batch_size": 8}, checkpoint={"enabled": False},
+                           trainer={"max_epochs": 2, "progress_bar": False}))  # fmt: skip
+    unclipped.fit()
+    assert not torch.allclose(unclipped.module.state_dict()["0.weight"], single.module.state_dict()["0.weight"])
+
+
+def test_fp16_o2_per_loss_scalers_on_sharded_grads_agree_when_only_rank_1_overflows(tmp_path):
+    rank0, rank1 = launch("overflow_o2", tmp_path)
+    assert rank0["skips"] == rank1["skips"] == [(3, "G")]
+    assert rank0["scales"] == rank1["scales"] == {"0": 1024.0, "1": 512.0}
+    assert rank0["param_dtypes"] == ["torch.float32"]  # the sharded fp32 parameters are the masters
+    _close(rank0["model"], rank1["model"])
+
+
+# ------------------------------------------------------------------ sharded checkpoints across world sizes
+def _copied(version_dir: str, name: str, to: Path) -> Path:
+    """A checkpoint copied out of its run, so resuming it starts a new run directory."""
+    source = Path(version_dir) / "checkpoints" / name
+    assert (source / ".metadata").is_file() and (source / "trainer.pt").is_file()
+    return Path(shutil.copytree(source, to / name))
+
+
+def test_sharded_checkpoints_resume_from_two_ranks_on_one_and_from_one_on_two(tmp_path):
+    two = launch("resume", tmp_path / "two")[0]
+    last = Path(two["version_dir"]) / "checkpoints" / "last"
+    assert last.is_symlink() and last.resolve().name == "epoch-0002"
+    assert not list(last.parent.glob(".*"))  # no temp directories left behind
+
+    two_then_one = run(
+        "resume", tmp_path / "2to1", batch_size=8, resume=_copied(two["version_dir"], "step-00000009", tmp_path)
+    )
+    written_by_one = _copied(two_then_one["version_dir"], "step-00000012", tmp_path)
+    one_then_two = launch("resume", tmp_path / "1to2", resume=written_by_one)[0]
+    for resumed, first in ((two_then_one, 10), (one_then_two, 13)):
+        assert sorted(resumed["losses"]) == list(range(first, 17))
+        for iteration, loss in resumed["losses"].items():
+            assert loss == pytest.approx(two["losses"][iteration], rel=1e-5)
+        _close(resumed["model"], two["model"])
+
+
+def test_a_save_failing_midway_leaves_last_at_the_previous_checkpoint_and_resume_cleans_up(tmp_path, monkeypatch):
+    real_save = dcp.save
+
+    def fail_at_step_6(state, *, checkpoint_id, **kwargs):
+        if Path(checkpoint_id).name == ".step-00000006.tmp":
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+            raise OSError("No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", fail_at_step_6)
+    with pytest.raises(OSError, match="No space left"):
+        run("resume", tmp_path, batch_size=8)
+    monkeypatch.undo()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert (checkpoints / "last").resolve().name == "step-00000003"
+    resumed = run("resume", tmp_path, batch_size=8, resume=checkpoints / "last")
+    assert sorted(resumed["losses"]) == list(range(4, 17))
+    assert (checkpoints / "step-00000006" / ".metadata").is_file()
+    assert not list(checkpoints.glob(".*"))  # the half-written temp directory was replaced, then renamed
+
+
+def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):
+    result = run("resume", tmp_path, batch_size=8)
+    weights = consolidate_checkpoint(Path(result["version_dir"]) / "checkpoints" / "last")
+    _close(weights, result["model"])
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    plain.load_state_dict(weights)
