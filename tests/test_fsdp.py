@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from child_env import child_env
-from dist_worker import Plain
-from fsdp_worker import run
+from dist_worker import Plain, TwoLosses
+from fsdp_worker import KeepFinalState, run
 from test_distributed import _free_port
 from toy_trainers import ToyTrainer
 
@@ -49,9 +49,9 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def _cfg(tmp_path, **sections) -> dict:
-    cpu = {"progress_bar": False, "device": "cpu"}
+    trainer = {"progress_bar": False, "device": "cpu", **sections.pop("trainer", {})}
     return {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
-            "trainer": cpu, **sections}  # fmt: skip
+            "trainer": trainer, **sections}  # fmt: skip
 
 
 # ------------------------------------------------------------------ bad input, before training
@@ -65,6 +65,7 @@ def _cfg(tmp_path, **sections) -> dict:
         ({"strategy": "fsdp"}, {"precision": {"opt_level": "O1", "combine_grad": True}}, "precision.combine_grad"),
         ({"strategy": "fsdp"}, {"precision": {"opt_level": "O3"}}, "precision.opt_level"),
         ({"strategy": "fsdp", "grad_sync": "step"}, {}, "distributed.grad_sync"),
+        ({"strategy": "fsdp", "fsdp": {"cpu_offload": True}}, {}, "distributed.fsdp.cpu_offload"),
     ],
 )
 def test_bad_strategy_settings_fail_at_construction_naming_the_key(tmp_path, distributed, extra, key):
@@ -89,11 +90,11 @@ def test_two_sharded_ranks_with_clipping_equal_one_plain_process(tmp_path):
     rank0, rank1 = launch("clip", tmp_path / "fsdp")
     _close(rank0["model"], rank1["model"])
     single = Plain(_cfg(tmp_path / "single", data={"batch_size": 8}, checkpoint={"enabled": False},
-                        trainer={"max_epochs": 2, "clip_grad_norm": 0.5, "progress_bar": False}))  # fmt: skip
+                        trainer={"max_epochs": 2, "clip_grad_norm": 0.5}))  # fmt: skip
     single.fit()
     _close(rank0["model"], single.module.state_dict())
     unclipped = Plain(_cfg(tmp_path / "unclipped", data={"batch_size": 8}, checkpoint={"enabled": False},
-                           trainer={"max_epochs": 2, "progress_bar": False}))  # fmt: skip
+                           trainer={"max_epochs": 2}))  # fmt: skip
     unclipped.fit()
     assert not torch.allclose(unclipped.module.state_dict()["0.weight"], single.module.state_dict()["0.weight"])
 
@@ -104,6 +105,27 @@ def test_fp16_o2_per_loss_scalers_on_sharded_grads_agree_when_only_rank_1_overfl
     assert rank0["scales"] == rank1["scales"] == {"0": 1024.0, "1": 512.0}
     assert rank0["param_dtypes"] == ["torch.float32"]  # the sharded fp32 parameters are the masters
     _close(rank0["model"], rank1["model"])
+
+
+@pytest.mark.parametrize("fsdp", [{}, {"reshard_after_forward": False}])
+def test_one_sharded_process_trains_as_an_unsharded_one_whatever_the_knobs(tmp_path, fsdp):
+    settings = {"data": {"batch_size": 8}, "checkpoint": {"enabled": False}, "trainer": {"max_steps": 6}}
+    keep = KeepFinalState()
+    Plain(_cfg(tmp_path / "fsdp", distributed={"strategy": "fsdp", "fsdp": fsdp}, **settings), callbacks=[keep]).fit()
+    plain = Plain(_cfg(tmp_path / "plain", **settings))
+    plain.fit()
+    _close(keep.state, plain.module.state_dict())
+
+
+def test_manual_optimization_keeps_each_optimizers_grads_to_its_own_loss_under_fsdp(tmp_path):
+    """backward(loss, optimizer=D) cannot name FSDP's sharded parameters to autograd; G's grads must not leak."""
+    settings = {"checkpoint": {"enabled": False}, "trainer": {"max_steps": 4, "accumulate_grad_batches": 2}}
+    keep = KeepFinalState()
+    TwoLosses(_cfg(tmp_path / "fsdp", distributed={"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}},
+                   **settings), callbacks=[keep]).fit()  # fmt: skip
+    plain = TwoLosses(_cfg(tmp_path / "plain", **settings))
+    plain.fit()
+    _close(keep.state, plain.module.state_dict())
 
 
 # ------------------------------------------------------------------ sharded checkpoints across world sizes
@@ -147,7 +169,7 @@ def test_a_save_failing_midway_leaves_last_at_the_previous_checkpoint_and_resume
     monkeypatch.undo()
     checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
     assert (checkpoints / "last").resolve().name == "step-00000003"
-    resumed = run("resume", tmp_path, batch_size=8, resume=checkpoints / "last")
+    resumed = run("resume", tmp_path, batch_size=8, resume="last")
     assert sorted(resumed["losses"]) == list(range(4, 17))
     assert (checkpoints / "step-00000006" / ".metadata").is_file()
     assert not list(checkpoints.glob(".*"))  # the half-written temp directory was replaced, then renamed

@@ -69,6 +69,10 @@ def validate_strategy(cfg: DictConfig) -> None:
             d.grad_sync != "auto",
             "FSDP reduce-scatters gradients itself; leave it at auto",
         ),
+        "distributed.fsdp.cpu_offload": (
+            d.fsdp.cpu_offload and (cfg.trainer.device == "cpu" or not torch.cuda.is_available()),
+            "it moves shards between GPU and CPU memory; with trainer.device cpu they are in CPU memory already",
+        ),
         "distributed.sync_batchnorm": (d.sync_batchnorm, "it is supported with strategy ddp only"),
         "distributed.find_unused_parameters": (d.find_unused_parameters, "it is a DDP knob"),
         "distributed.static_graph": (d.static_graph, "it is a DDP knob"),
@@ -143,7 +147,8 @@ def backward_to(loss: torch.Tensor, inputs: list[torch.Tensor] | None, module: n
     """``loss.backward(inputs=inputs)`` for a sharded model.
 
     Autograd reaches FSDP's gathered copies, not the sharded parameters, so ``inputs`` cannot name them:
-    the backward runs over every parameter and the gradients it added outside ``inputs`` are put back.
+    the backward runs over every parameter and the gradients outside ``inputs`` are put back as they were
+    (set aside, since FSDP accumulates into an existing gradient in place).
     """
     if inputs is None:
         loss.backward()
@@ -151,6 +156,8 @@ def backward_to(loss: torch.Tensor, inputs: list[torch.Tensor] | None, module: n
     targets = {id(t) for t in inputs}
     others = [p for p in module.parameters() if id(p) not in targets]
     before = [p.grad for p in others]
+    for param in others:
+        param.grad = None
     loss.backward()
     for param, grad in zip(others, before, strict=True):
         param.grad = grad
