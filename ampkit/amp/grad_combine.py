@@ -19,11 +19,11 @@ that had none and no backward reached, so optimizers skip it exactly as they wou
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ampkit.amp.scaler import LossScaler
 from ampkit.ops import multi_tensor
@@ -42,12 +42,23 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     """
     if not tensors:
         return
-    # FSDP's sharded gradients: unscale and check this rank's shard (ranks agree on found_inf afterwards).
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    tensors = _local_shards(tensors)
     if found_inf.device.type == "cpu" and multi_tensor.kernel_available(found_inf.device):
         multi_tensor.scale_(tensors, inv_scale, found_inf)
     else:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FSDP's sharded gradients as this rank's shards (ranks agree on found_inf afterwards).
+
+    DTensor's module is looked up, not imported: it is loaded by whoever made DTensors, and importing it
+    costs every other run a noticeable start-up time.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor.DTensor) else t for t in tensors]
 
 
 def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:

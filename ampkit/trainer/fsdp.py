@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ampkit.amp import parse_dtype
 from ampkit.config import ConfigError
@@ -140,6 +139,8 @@ def shard_model(module: nn.Module, cfg: DictConfig, device: torch.device) -> nn.
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:
     """A gradient norm as a plain tensor: the global value when it was computed over DTensor shards."""
+    from torch.distributed.tensor import DTensor
+
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 

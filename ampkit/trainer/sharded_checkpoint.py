@@ -18,17 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ampkit.trainer.checkpoint_io import CheckpointError, _fsync_dir, load_checkpoint, save_atomic
+
+# torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
 TRAINER_FILE = "trainer.pt"
 LAST = "last"
@@ -41,6 +35,8 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     return {
         "model": get_model_state_dict(module),
         "optimizers": {name: get_optimizer_state_dict(module, opt) for name, opt in optimizers.items()},
@@ -63,6 +59,8 @@ def save_sharded(
 
     Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete.
     """
+    import torch.distributed.checkpoint as dcp
+
     tmp = path.with_name(f".{path.name}.tmp")
     if is_zero:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
@@ -107,6 +105,9 @@ def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.opti
     Returns ``trainer.pt``'s dict, with ``model``/``optimizers`` set to the loaded states so the Trainer's
     plain restore path can apply them as for an unsharded checkpoint.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     checkpoint = load_checkpoint(path / TRAINER_FILE)
     state = _tensor_state(module, optimizers)
     try:
@@ -124,6 +125,9 @@ def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.opti
 def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The model's full state dict from an ampkit checkpoint (sharded directory or ``.pt`` file), in one
     process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     path = Path(path)
     if not is_sharded_checkpoint(path):
         return load_checkpoint(path)["model"]

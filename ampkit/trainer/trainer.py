@@ -213,7 +213,7 @@ class Trainer:
         if opt_state.grad_norm is None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-            opt_state.grad_norm = full_norm(norm)  # sharded grads: the global norm (a collective)
+            opt_state.grad_norm = full_norm(norm) if self.sharded else norm  # sharded: a collective
         return opt_state.grad_norm
 
     def log(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
