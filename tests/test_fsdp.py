@@ -3,6 +3,7 @@ sharded gradients, DCP checkpoints that resume on another world size, consolidat
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, TwoLosses
 from fsdp_worker import KeepFinalState, run
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
 from toy_trainers import ToyTrainer
 
@@ -191,7 +193,7 @@ def test_gan_example_trains_sharded_on_two_torchrun_agents_joined_by_c10d_rendez
     fit = ["-m", "ampkit", "fit", "--config", "configs/gan.yaml", f"run_dir={tmp_path}", "distributed.strategy=fsdp",
            "distributed.fsdp.shard_modules=[Sequential]", "precision.opt_level=O2", "trainer.max_steps=4",
            "trainer.device=cpu", "trainer.progress_bar=false", "model.hidden=32", "data.samples=1024",
-           "logging.tensorboard=false"]  # fmt: skip
+           "logging.log_every_n_steps=2"]  # fmt: skip
     agents = [
         subprocess.Popen(
             [
@@ -228,6 +230,10 @@ def test_gan_example_trains_sharded_on_two_torchrun_agents_joined_by_c10d_rendez
     assert sorted(scalers) == ["loss_scalerD", "loss_scalerG"]
     weights = consolidate_checkpoint(last)
     assert weights["generator.0.weight"].shape == (32, 8) and weights["generator.0.weight"].dtype == torch.float32
+    events = EventAccumulator(str(tmp_path / "version_0" / "tensorboard"))
+    events.Reload()  # the global grad norm is a collective: rank 0 logs it, every rank computes it
+    norms = [e.value for e in events.Scalars("train/grad_norm/generator")]
+    assert len(norms) == 2 and all(math.isfinite(v) and v > 0 for v in norms)
 
 
 @pytest.mark.slow
