@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, TwoLosses
 from fsdp_worker import KeepFinalState, run
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
 from toy_trainers import ToyTrainer
@@ -22,6 +23,7 @@ from toy_trainers import ToyTrainer
 import ampkit
 from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.fsdp import fsdp_param_dtype
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "fsdp_worker.py"
@@ -76,6 +78,21 @@ def test_bad_strategy_settings_fail_at_construction_naming_the_key(tmp_path, dis
         cfg[section] = {**cfg.get(section, {}), **values}
     with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
         ToyTrainer(cfg)
+
+
+@pytest.mark.parametrize(
+    ("precision", "param_dtype"),
+    [
+        ({"opt_level": "O0"}, None),
+        ({"opt_level": "O1"}, None),  # autocast over fp32 parameters, as without FSDP
+        ({"opt_level": "O2"}, torch.float16),
+        ({"opt_level": "O2", "dtype": "bfloat16"}, torch.bfloat16),
+        ({"opt_level": "O5", "dtype": "bfloat16"}, torch.bfloat16),
+    ],
+)
+def test_fsdp_computes_in_the_model_cast_dtype_of_levels_with_fp32_masters(precision, param_dtype):
+    cfg = OmegaConf.merge(OmegaConf.structured(ampkit.PrecisionConfig), precision)
+    assert fsdp_param_dtype(cfg) == param_dtype
 
 
 def test_a_shard_class_the_model_lacks_fails_before_training_listing_its_classes(tmp_path):

@@ -16,7 +16,7 @@ from ampkit.trainer.callback import Callback
 def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
     """``[MixedPrecision, LossScaling]`` for O1-O3; ``[]`` for O0 (plain float32, identical to a hand loop).
 
-    ``sharded`` (FSDP): O2's model cast and fp32 masters are FSDP's (its policy computes in ``dtype`` from
+    ``sharded`` (FSDP): O2/O5's model cast and fp32 masters are FSDP's (its policy computes in ``dtype`` from
     sharded fp32 parameters), so MixedPrecision leaves the model and optimizers alone.
 
     Raises:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ampkit.amp import parse_dtype
+from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.config import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
@@ -56,13 +56,9 @@ def validate_strategy(cfg: DictConfig) -> None:
             "FSDP already keeps each rank's gradient shard in one flat buffer; set it to false",
         ),
         "precision.opt_level": (
-            str(p.opt_level).upper() == "O3",
-            "O3 keeps no fp32 weights, but FSDP's sharded parameters are fp32; use O2 (sharded fp32 masters, "
-            "compute in precision.dtype) or O1",
-        ),
-        "precision.master_weights": (
-            p.master_weights is False and str(p.opt_level).upper() == "O2",
-            "FSDP's sharded fp32 parameters are the master weights; leave it unset",
+            fsdp_param_dtype(p) is None and _recipe(p).cast_model_type not in (None, torch.float32),
+            "a cast model without fp32 master weights (O3, or master_weights false) cannot be sharded: FSDP's "
+            "sharded parameters are the fp32 masters; use O2/O5 (compute in precision.dtype) or O1/O4",
         ),
         "distributed.grad_sync": (
             d.grad_sync != "auto",
@@ -83,9 +79,25 @@ def validate_strategy(cfg: DictConfig) -> None:
             raise ConfigError(f"config key '{key}': {value!r} cannot be used with distributed.strategy: fsdp ({why})")
 
 
+def _recipe(precision: DictConfig) -> OptLevelProperties:
+    try:
+        return resolve_opt_level(
+            precision.opt_level,
+            dtype=precision.dtype,
+            keep_batchnorm_fp32=precision.keep_batchnorm_fp32,
+            master_weights=precision.master_weights,
+            loss_scale=precision.loss_scale,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"config section 'precision': {exc}") from None
+
+
 def fsdp_param_dtype(precision: DictConfig) -> torch.dtype | None:
-    """The dtype FSDP gathers parameters in for compute: ``precision.dtype`` under O2, else None (fp32)."""
-    return parse_dtype(precision.dtype, "precision.dtype") if str(precision.opt_level).upper() == "O2" else None
+    """The dtype FSDP gathers parameters in for compute: the model cast of a level with fp32 master weights
+    (O2, O5), else None (fp32 parameters; O1/O4 autocast as without FSDP)."""
+    recipe = _recipe(precision)
+    cast = recipe.cast_model_type
+    return cast if cast not in (None, torch.float32) and recipe.master_weights else None
 
 
 def shard_model(module: nn.Module, cfg: DictConfig, device: torch.device) -> nn.Module:
