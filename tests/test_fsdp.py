@@ -104,16 +104,22 @@ def test_a_shard_class_the_model_lacks_fails_before_training_listing_its_classes
 
 
 # ------------------------------------------------------------------ training on sharded parameters
-def test_two_sharded_ranks_with_clipping_equal_one_plain_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """One two-rank FSDP run (clipping, a checkpoint every 3 steps), shared by the tests that read it."""
+    return launch("resume", tmp_path_factory.mktemp("two"))
+
+
+def test_two_sharded_ranks_with_clipping_equal_one_plain_process(two_ranks, tmp_path):
     """Clipping to the global norm over shards: a per-shard norm would clip differently on each rank."""
-    rank0, rank1 = launch("clip", tmp_path / "fsdp")
+    rank0, rank1 = two_ranks
     _close(rank0["model"], rank1["model"])
-    single = Plain(_cfg(tmp_path / "single", data={"batch_size": 8}, checkpoint={"enabled": False},
-                        trainer={"max_epochs": 2, "clip_grad_norm": 0.5}))  # fmt: skip
+    settings = {"data": {"batch_size": 8}, "checkpoint": {"enabled": False}}
+    single = Plain(_cfg(tmp_path / "single", trainer={"max_epochs": 2, "clip_grad_norm": 0.5}, **settings))
     single.fit()
     _close(rank0["model"], single.module.state_dict())
-    unclipped = Plain(_cfg(tmp_path / "unclipped", data={"batch_size": 8}, checkpoint={"enabled": False},
-                           trainer={"max_epochs": 2}))  # fmt: skip
+    assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
+    unclipped = Plain(_cfg(tmp_path / "unclipped", trainer={"max_epochs": 2}, **settings))
     unclipped.fit()
     assert not torch.allclose(unclipped.module.state_dict()["0.weight"], single.module.state_dict()["0.weight"])
 
@@ -155,8 +161,8 @@ def _copied(version_dir: str, name: str, to: Path) -> Path:
     return Path(shutil.copytree(source, to / name))
 
 
-def test_sharded_checkpoints_resume_from_two_ranks_on_one_and_from_one_on_two(tmp_path):
-    two = launch("resume", tmp_path / "two")[0]
+def test_sharded_checkpoints_resume_from_two_ranks_on_one_and_from_one_on_two(two_ranks, tmp_path):
+    two = two_ranks[0]
     last = Path(two["version_dir"]) / "checkpoints" / "last"
     assert last.is_symlink() and last.resolve().name == "epoch-0002"
     assert not list(last.parent.glob(".*"))  # no temp directories left behind
