@@ -52,10 +52,12 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """TensorBoard logging."""
+    """TensorBoard logging and the console."""
 
     tensorboard: bool = True
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
+    console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
+    grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
 
 
 @dataclass

@@ -76,7 +76,7 @@ def test_full_fit_hook_sequence(tmp_path):
             seq += ["on_before_optimizer_step", "on_after_optimizer_step", "on_before_zero_grad"]
         return seq + ["on_train_batch_end"]
 
-    validation = ["on_validation_start"] + ["validation_step"] * 3 + ["on_validation_end"]
+    validation = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
     epoch = ["on_train_epoch_start", *batch(False), *batch(True), *batch(True), *validation, "on_train_epoch_end"]
     expected = [
         "configure_model", "configure_optimizers", "train_dataloader", "val_dataloader",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.distributed import DistributedSync
+from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.callbacks.precision_config import precision_callbacks
@@ -22,6 +23,7 @@ __all__ = [
     "Callback",
     "DistributedSync",
     "GradientClipping",
+    "GradientHistograms",
     "LossScaling",
     "MixedPrecision",
     "ModelCheckpoint",
@@ -61,9 +63,11 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
             )
         callbacks.append(GradientClipping(clip))
     if cfg.trainer.progress_bar:
-        callbacks.append(ProgressBar())
+        callbacks.append(ProgressBar(every_n_steps=cfg.logging.console_every_n_steps))
     if cfg.logging.tensorboard:
         callbacks.append(TensorBoardLogger(log_every_n_steps=cfg.logging.log_every_n_steps))
+        if cfg.logging.grad_histograms_every_n_steps > 0:
+            callbacks.append(GradientHistograms(every_n_steps=cfg.logging.grad_histograms_every_n_steps))
     if cfg.checkpoint.enabled:
         callbacks.append(
             ModelCheckpoint(

@@ -206,14 +206,14 @@ class LossScaling(Callback):
             self._check_floor(loss_id, scaler, overflowed, old)
             trainer.fire("on_loss_scale_update", loss_id, old, new)
             if logged or overflowed:
-                trainer.log(f"amp/overflow/{loss_id}", float(overflowed))
+                trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
         if logged:
             for loss_id, scaler in self.scalers.items():
                 trainer.log(f"amp/loss_scale/{loss_id}", scaler.scale)
         for opt_state in trainer.optimizer_state.values():
             self._count_skips(opt_state)
             if logged or opt_state.skipped:
-                trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps)
+                trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps, always=True)
 
     def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
         key = self._key(loss_id)

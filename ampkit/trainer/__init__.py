@@ -2,6 +2,7 @@
 
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 from ampkit.trainer.trainer import Trainer
@@ -12,6 +13,7 @@ __all__ = [
     "Callback",
     "CallbackOrderError",
     "CheckpointError",
+    "Logger",
     "LoopState",
     "LossState",
     "OptimizerState",

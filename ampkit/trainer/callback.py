@@ -31,6 +31,7 @@ HOOKS: tuple[str, ...] = (
     "on_loss_scale_update",
     "on_train_batch_end",
     "on_validation_start",
+    "on_validation_batch_end",
     "on_validation_end",
     "on_train_epoch_end",
     "on_save_checkpoint",
@@ -107,6 +108,9 @@ class Callback:
 
     def on_validation_start(self, trainer: Trainer) -> None:
         """Before a validation run."""
+
+    def on_validation_batch_end(self, trainer: Trainer, metrics: dict[str, Any], batch: Any) -> None:
+        """After ``validation_step`` returned ``metrics`` for one batch."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After a validation run, with its averaged metrics."""

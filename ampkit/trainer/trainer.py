@@ -51,6 +51,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
+from ampkit.trainer.logger import Logger
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -62,6 +63,15 @@ from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerS
 def _every(n: int, count: int) -> bool:
     """Event filter: the ``count``-th occurrence is due every ``n`` (``n <= 0`` never)."""
     return n > 0 and count % n == 0
+
+
+def _batches_in(loader: Any, limit: int | None) -> int | None:
+    """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    return total if limit is None else limit if total is None else min(total, limit)
 
 
 def _batch_size(batch: Any) -> int:
@@ -97,6 +107,7 @@ class Trainer:
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
+        self._log_every: int = self.cfg.logging.log_every_n_steps
         self.state = LoopState()
         self.device = self._resolve_device(self.settings.device)
         self.dist = DistributedEnv()
@@ -109,7 +120,10 @@ class Trainer:
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
-        self.logged_scalars: list[tuple[str, Any, int]] = []
+        self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
+        self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
+        self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
+        self._epoch_sums: dict[str, list[Any]] = {}
         self.version_dir: Path | None = None
         self._specs: list[OptimizerSpec] = []
         self._hooks: dict[str, list[Any]] = {}
@@ -216,14 +230,48 @@ class Trainer:
             opt_state.grad_norm = full_norm(norm) if self.sharded else norm  # sharded: a collective
         return opt_state.grad_norm
 
-    def log(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
-        """Queue a scalar for the loggers; it is written at the end of the batch (default step: this iteration)."""
-        self.logged_scalars.append((tag, value, self.state.iteration if step is None else step))
+    def log(
+        self,
+        tag: str,
+        value: float | torch.Tensor,
+        *,
+        on_step: bool = True,
+        on_epoch: bool = False,
+        always: bool = False,
+        step: int | None = None,
+    ) -> None:
+        """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
+
+        ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
+        or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
+        over the epoch, written at the epoch's end. With both, the tags get ``_step`` and ``_epoch`` suffixes.
+        """
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+            value = value.detach()
+        if on_step and (always or _every(self._log_every, self.state.iteration)):
+            step_tag = f"{tag}_step" if on_epoch else tag
+            self.logged_scalars.append((step_tag, value, self.state.iteration if step is None else step))
+        if on_epoch:
+            total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
+            total[0] += value.float() if isinstance(value, torch.Tensor) else float(value)
+            total[1] += 1
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback that overrides it, in the declared order."""
         for method in self._hooks[hook]:
             method(self, *args)
+
+    @property
+    def num_train_batches(self) -> int | None:
+        """Batches per training epoch (after ``limit_train_batches``); None for an iterable without a length."""
+        return self._num_train_batches
+
+    @property
+    def num_val_batches(self) -> int | None:
+        """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
 
     @property
     def global_rank(self) -> int:
@@ -289,6 +337,8 @@ class Trainer:
             if _every(self.settings.val_every_n_epochs, s.epoch + 1):
                 self._validate()
             self._step_schedulers("epoch")
+        self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
+        self._epoch_sums = {}
         self.fire("on_train_epoch_end")
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
@@ -377,6 +427,7 @@ class Trainer:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * n
             seen += n
+            self.fire("on_validation_batch_end", metrics, batch)
         self.module.train(was_training)
         *totals, seen = all_reduce_sum([*sums.values(), float(seen)], self.dist)
         self.val_metrics = {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
@@ -399,7 +450,7 @@ class Trainer:
         seed = self.settings.seed or 0
         self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
-        self._num_train_batches = self._count_train_batches()
+        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._setup_callbacks()
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
         if self.is_global_zero and self.version_dir is None:
@@ -422,16 +473,6 @@ class Trainer:
         self._hooks = {
             hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
-
-    def _count_train_batches(self) -> int | None:
-        try:
-            total = len(self._train_loader)
-        except TypeError:
-            total = None
-        limit = self.settings.limit_train_batches
-        if limit is not None:
-            total = limit if total is None else min(total, limit)
-        return total
 
     def _epoch_batches(self) -> Iterator[Any]:
         """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""
@@ -579,6 +620,16 @@ class Trainer:
                 self.cfg.logging.log_every_n_steps,
                 self.cfg.logging.log_every_n_steps >= 1,
                 "an integer >= 1",
+            ),
+            "logging.console_every_n_steps": (
+                self.cfg.logging.console_every_n_steps,
+                self.cfg.logging.console_every_n_steps >= 1,
+                "an integer >= 1",
+            ),
+            "logging.grad_histograms_every_n_steps": (
+                self.cfg.logging.grad_histograms_every_n_steps,
+                self.cfg.logging.grad_histograms_every_n_steps >= 0,
+                "0 (off) or an integer >= 1",
             ),
         }
         for key, (value, ok, valid) in rules.items():
