@@ -104,7 +104,7 @@ def test_logger_images_histograms_and_text_read_back(tmp_path):
 
     from PIL import Image  # tensorboard's own image plugin depends on it
 
-    pixels = torch.from_numpy(np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")))
+    pixels = torch.from_numpy(np.array(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")))
     assert pixels[1, 2].tolist() == [255, 0, 0] and int(pixels.long().sum()) == 255
     (histogram,) = events.Histograms("pictures/values")
     value = histogram.histogram_value

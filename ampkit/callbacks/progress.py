@@ -31,14 +31,16 @@ def _duration(seconds: float) -> str:
 
 
 class ProgressBar(Callback):
-    """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset);
-    otherwise print a plain status line every ``every_n_steps`` iterations."""
+    """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset),
+    redrawn at most every ``refresh_s`` seconds; otherwise print a plain status line every ``every_n_steps``
+    iterations."""
 
-    def __init__(self, bar: bool | None = None, every_n_steps: int = 50) -> None:
+    def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
         if every_n_steps < 1:
             raise ValueError(f"ProgressBar(every_n_steps={every_n_steps!r}): expected an integer >= 1")
         self.bar = _interactive() if bar is None else bar
         self.every_n_steps = every_n_steps
+        self.refresh_s = refresh_s
         self._train_bar: Any = None
         self._val_bar: Any = None
         self._scales: dict[Any, float] = {}
@@ -114,6 +116,7 @@ class ProgressBar(Callback):
                 desc=f"epoch {trainer.state.epoch}",
                 dynamic_ncols=True,
                 leave=False,
+                mininterval=self.refresh_s,
             )
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
@@ -121,11 +124,11 @@ class ProgressBar(Callback):
             return
         s = trainer.state
         if self._train_bar is not None:
-            self._train_bar.update(1)
             now = time.perf_counter()
-            if s.is_iteration_end and now - self._last_postfix > 0.5:  # reading losses syncs a GPU: not every step
+            if s.is_iteration_end and now - self._last_postfix >= 5 * self.refresh_s:  # reading losses syncs a GPU
                 self._last_postfix = now
                 self._train_bar.set_postfix_str(" ".join(self._status(trainer, outputs)), refresh=False)
+            self._train_bar.update(1)
         elif s.is_iteration_end and s.iteration % self.every_n_steps == 0:
             elapsed = time.perf_counter() - self._epoch_start
             rate = (s.iteration - self._epoch_first_step) / elapsed if elapsed > 0 else 0.0
@@ -142,7 +145,13 @@ class ProgressBar(Callback):
         if self.bar:
             from tqdm.auto import tqdm
 
-            self._val_bar = tqdm(total=trainer.num_val_batches, desc="validation", dynamic_ncols=True, leave=False)
+            self._val_bar = tqdm(
+                total=trainer.num_val_batches,
+                desc="validation",
+                dynamic_ncols=True,
+                leave=False,
+                mininterval=self.refresh_s,
+            )
 
     def on_validation_batch_end(self, trainer, metrics: dict[str, Any], batch: Any) -> None:
         if self._val_bar is not None:
