@@ -85,3 +85,18 @@ class SlowToyTrainer(ToyTrainer):
 
     def configure_callbacks(self):
         return [_Sleep(0.02)]
+
+
+class _RunsAfterB(ampkit.Callback):
+    after = ("_RunsAfterA",)
+
+
+class _RunsAfterA(ampkit.Callback):
+    after = ("_RunsAfterB",)
+
+
+class CyclicCallbacksTrainer(ToyTrainer):
+    """Its two callbacks each insist on running after the other: a CallbackOrderError at set-up."""
+
+    def configure_callbacks(self):
+        return [_RunsAfterA(), _RunsAfterB()]
