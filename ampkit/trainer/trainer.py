@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.overrides import is_overridden
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config
@@ -52,6 +52,7 @@ from ampkit.trainer.distributed import (
 )
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
+from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
@@ -85,13 +86,20 @@ class Trainer:
             def configure_optimizers(self):  return torch.optim.AdamW(self.module.parameters(), lr=1e-3)
             def train_dataloader(self):      return DataLoader(train_set, batch_size=64, shuffle=True)
             def training_step(self, batch):  return F.cross_entropy(self.model(batch[0]), batch[1])
+
+    A subclass may define any hook of :class:`Callback` without the ``trainer`` argument
+    (``def on_train_epoch_end(self)``); it runs after the callbacks' (a misspelt hook is an error).
     """
 
     config_class: ClassVar[type] = Config
     automatic_optimization: ClassVar[bool] = True
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
-        self.cfg: DictConfig = cfg if isinstance(cfg, DictConfig) else build_config(self.config_class, cfg or {})
+        self._own_hooks = own_hooks(type(self), Trainer)
+        if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
+            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+            cfg = build_config(self.config_class, here, cfg or {})
+        self.cfg: DictConfig = cfg
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
@@ -214,7 +222,7 @@ class Trainer:
         self.logged_scalars.append((tag, value, self.state.iteration if step is None else step))
 
     def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every callback that overrides it, in the declared order."""
+        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer."""
         for method in self._hooks[hook]:
             method(self, *args)
 
@@ -345,10 +353,15 @@ class Trainer:
                     continue
                 key = sched.monitor.removeprefix("val/")
                 if key not in self.val_metrics:
-                    raise KeyError(
-                        f"scheduler of '{spec.name}' monitors '{sched.monitor}', but validation "
+                    which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+                    problem = (
+                        f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
                     )
+                    if sched.strict:
+                        raise KeyError(problem)
+                    rank_zero_warn(f"{problem}; not stepping it (strict=False)")
+                    continue
                 sched.scheduler.step(self.val_metrics[key])
 
     @torch.no_grad()
@@ -407,6 +420,8 @@ class Trainer:
         self._hooks = {
             hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
+        for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
+            self._hooks[hook].append(getattr(type(self), hook))
 
     def _count_train_batches(self) -> int | None:
         try:
