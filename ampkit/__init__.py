@@ -1,7 +1,7 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
 from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
-from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
+from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer, load_model
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,5 @@ __all__ = [
     "PrecisionConfig",
     "Trainer",
     "TrainerConfig",
+    "load_model",
 ]

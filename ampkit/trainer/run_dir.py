@@ -30,10 +30,10 @@ def new_version_dir(root: str | Path) -> Path:
             n += 1
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """``checkpoints/last.pt`` of the newest version under ``root`` that has one."""
+def latest_checkpoint(root: str | Path, name: str = "last.pt") -> Path | None:
+    """``checkpoints/<name>`` (``last.pt``, ``best.pt``) of the newest version under ``root`` that has one."""
     for _, version in reversed(_versions(Path(root))):
-        last = version / "checkpoints" / "last.pt"
-        if last.is_file():
-            return last
+        found = version / "checkpoints" / name
+        if found.is_file():
+            return found
     return None
