@@ -1,6 +1,15 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
-from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
+from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    EarlyStoppingConfig,
+    LoggingConfig,
+    PrecisionConfig,
+    TrainerConfig,
+)
 from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer, load_model
 
 __version__ = "0.1.0"
@@ -12,6 +21,8 @@ __all__ = [
     "CheckpointError",
     "Config",
     "ConfigError",
+    "EarlyStopping",
+    "EarlyStoppingConfig",
     "LoggingConfig",
     "OptimizerState",
     "PrecisionConfig",

@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 class ConfigError(ValueError):
     """Invalid configuration: the message names the dotted key, the bad value and the valid choices."""
+
+
+class MonitorMode(str, Enum):
+    """Which way a monitored metric improves (OmegaConf rejects any other value, listing these)."""
+
+    min = "min"
+    max = "max"
 
 
 @dataclass
@@ -48,6 +56,20 @@ class CheckpointConfig:
     every_n_steps: int = 0
     every_n_epochs: int = 1
     keep_last: int = 2  # step/epoch files kept besides last.pt
+    monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
+    mode: MonitorMode = MonitorMode.min  # which way monitor improves
+    save_top_k: int = 1  # best files kept
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop when validation metric ``monitor`` has not improved by more than ``min_delta`` for ``patience``
+    validations in a row (off while ``monitor`` is null)."""
+
+    monitor: str | None = None
+    mode: MonitorMode = MonitorMode.min
+    patience: int = 3
+    min_delta: float = 0.0
 
 
 @dataclass
@@ -109,6 +131,7 @@ class Config:
     run_dir: str = "runs/${name}"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -294,6 +294,7 @@ class Trainer:
             self._run_batch(batch)
             if 0 <= self.settings.max_steps <= s.global_step:
                 s.should_stop = True
+            if s.should_stop:  # max_steps reached, or a callback (early stopping) asked
                 exhausted = s.batches_done == self._num_train_batches
                 break
         s.epoch_finished = exhausted
@@ -643,6 +644,21 @@ class Trainer:
                 t.clip_grad_norm,
                 t.clip_grad_norm is None or t.clip_grad_norm > 0,
                 "null or a number > 0",
+            ),
+            "checkpoint.save_top_k": (
+                self.cfg.checkpoint.save_top_k,
+                self.cfg.checkpoint.save_top_k >= 1,
+                "an integer >= 1",
+            ),
+            "early_stopping.patience": (
+                self.cfg.early_stopping.patience,
+                self.cfg.early_stopping.patience >= 1,
+                "an integer >= 1",
+            ),
+            "early_stopping.min_delta": (
+                self.cfg.early_stopping.min_delta,
+                self.cfg.early_stopping.min_delta >= 0,
+                "a number >= 0",
             ),
             "logging.log_every_n_steps": (
                 self.cfg.logging.log_every_n_steps,
