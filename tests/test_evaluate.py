@@ -61,7 +61,7 @@ def test_test_and_predict_use_their_own_loaders_and_the_loaded_weights(tmp_path)
 
 
 def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):
-    with pytest.raises(ValueError, match=r"ToyTrainer.test\(\) needs test_dataloader\(\) to return batches"):
+    with pytest.raises(NotImplementedError, match=r"ToyTrainer.test\(\) needs test_dataloader\(\) to return batches"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET)).test()
     with pytest.raises(ampkit.CheckpointError, match=r"validate: no 'best.pt' under"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET)).validate(ckpt="best")

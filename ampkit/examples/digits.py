@@ -88,6 +88,9 @@ class DigitsTrainer(ampkit.Trainer):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._splits()[1], batch_size=256)
 
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()  # the held-out images: `ampkit predict --config digits --output p.pt`
+
     def training_step(self, batch):
         x, y = batch
         return F.cross_entropy(self.model(x), y)

@@ -15,6 +15,10 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
       at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
+A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
+checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
+batch → on_<validation|test|predict>_end. Hooks defined on the subclass run after the callbacks' hooks.
+
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
 and ``step`` on every optimizer; otherwise ``training_step`` calls ``self.backward(loss, loss_id=...,
@@ -436,7 +440,9 @@ class Trainer:
             self._setup_callbacks()
         loader = getattr(self, stage.dataloader)()
         if loader is None:
-            raise ValueError(f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches")
+            raise NotImplementedError(
+                f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
+            )
         loader = distributed_loader(loader, self.settings.seed or 0, self.dist, shuffle_default=False)
         self.state.stage = stage.name
         try:
