@@ -23,12 +23,11 @@ class Stage:
     dataloader: str  # the Trainer method returning its batches
     step: str  # the Trainer method run on each batch
     hook: str  # fires on_<hook>_start / on_<hook>_end
-    prefix: str  # how its metrics are shown: val/acc, test/acc
 
 
-VALIDATE = Stage("validate", "val_dataloader", "validation_step", "validation", "val")
-TEST = Stage("test", "test_dataloader", "test_step", "test", "test")
-PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict", "predict")
+VALIDATE = Stage("validate", "val_dataloader", "validation_step", "validation")
+TEST = Stage("test", "test_dataloader", "test_step", "test")
+PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
 def batch_size(batch: Any) -> int:
