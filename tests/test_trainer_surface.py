@@ -19,12 +19,13 @@ def test_hooks_defined_on_the_subclass_run_after_the_callbacks(tmp_path):
         def on_train_epoch_end(self, trainer):
             calls.append("callback")
 
-    class Hooked(ToyTrainer):
-        def on_train_epoch_end(self):
-            calls.append(f"trainer epoch {self.state.epoch}")
-
+    class ValidationHook:  # a mixin's hooks count too
         def on_validation_end(self, metrics):
             calls.append(f"trainer val {sorted(metrics)}")
+
+    class Hooked(ValidationHook, ToyTrainer):
+        def on_train_epoch_end(self):
+            calls.append(f"trainer epoch {self.state.epoch}")
 
     Hooked(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}), callbacks=[Recorder()]).fit()
     assert calls == [

@@ -27,7 +27,7 @@ def own_hooks(cls: type, base: type) -> list[str]:
     defined = {
         name
         for klass in cls.__mro__
-        if klass is not base and issubclass(klass, base)
+        if klass not in base.__mro__  # the subclass and any mixin it inherits from
         for name, value in vars(klass).items()
         if name.startswith("on_") and callable(value)
     }
