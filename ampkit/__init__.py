@@ -1,7 +1,16 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
-from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
-from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
+from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    EarlyStoppingConfig,
+    LoggingConfig,
+    PrecisionConfig,
+    TrainerConfig,
+)
+from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer, load_model
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
@@ -13,10 +22,13 @@ __all__ = [
     "CheckpointError",
     "Config",
     "ConfigError",
+    "EarlyStopping",
+    "EarlyStoppingConfig",
     "LoggingConfig",
     "OptimizerState",
     "PrecisionConfig",
     "Trainer",
     "TrainerConfig",
     "consolidate_checkpoint",
+    "load_model",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.distributed import DistributedSync
+from ampkit.callbacks.early_stopping import EarlyStopping
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.callbacks.precision_config import precision_callbacks
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Callback",
     "DistributedSync",
+    "EarlyStopping",
     "GradientClipping",
     "LossScaling",
     "MixedPrecision",
@@ -65,11 +69,29 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     if cfg.logging.tensorboard:
         callbacks.append(TensorBoardLogger(log_every_n_steps=cfg.logging.log_every_n_steps))
     if cfg.checkpoint.enabled:
-        callbacks.append(
-            ModelCheckpoint(
-                every_n_steps=cfg.checkpoint.every_n_steps,
-                every_n_epochs=cfg.checkpoint.every_n_epochs,
-                keep_last=cfg.checkpoint.keep_last,
+        c = cfg.checkpoint
+        with _config_section("checkpoint"):
+            callbacks.append(
+                ModelCheckpoint(
+                    every_n_steps=c.every_n_steps,
+                    every_n_epochs=c.every_n_epochs,
+                    keep_last=c.keep_last,
+                    monitor=c.monitor,
+                    mode=c.mode.value,
+                    save_top_k=c.save_top_k,
+                )
             )
-        )
+    if cfg.early_stopping.monitor:
+        e = cfg.early_stopping
+        with _config_section("early_stopping"):
+            callbacks.append(EarlyStopping(e.monitor, mode=e.mode.value, patience=e.patience, min_delta=e.min_delta))
     return callbacks
+
+
+@contextmanager
+def _config_section(section: str) -> Iterator[None]:
+    """A callback's invalid argument reported as a config error of ``section``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ConfigError(f"config section '{section}': {exc}") from None

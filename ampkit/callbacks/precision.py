@@ -34,6 +34,8 @@ class MixedPrecision(Callback):
     - ``master_weights``: each optimizer holds fp32 masters; they are copied into the model after every
       step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical.
 
+    A standalone ``validate``/``test``/``predict`` casts at ``on_evaluation_setup`` and runs under autocast too.
+
     Casting happens at ``on_fit_start``, or earlier at ``on_load_checkpoint`` when resuming, where the
     optimizer states are reloaded onto the cast parameters so they keep the dtype they were saved with.
     """
@@ -167,6 +169,21 @@ class MixedPrecision(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if not self._resume_after_validation:
             self._autocast_off()
+
+    def on_evaluation_setup(self, trainer, stage: str) -> None:
+        self._setup(trainer)
+
+    def on_test_start(self, trainer) -> None:
+        self._autocast_on()
+
+    def on_test_end(self, trainer, metrics: dict[str, float]) -> None:
+        self._autocast_off()
+
+    def on_predict_start(self, trainer) -> None:
+        self._autocast_on()
+
+    def on_predict_end(self, trainer, predictions: list[Any]) -> None:
+        self._autocast_off()
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._autocast_off()

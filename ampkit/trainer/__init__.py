@@ -2,6 +2,7 @@
 
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.inference import load_model
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 from ampkit.trainer.trainer import Trainer
@@ -17,5 +18,6 @@ __all__ = [
     "OptimizerState",
     "Trainer",
     "load_checkpoint",
+    "load_model",
     "order_callbacks",
 ]

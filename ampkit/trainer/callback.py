@@ -32,6 +32,11 @@ HOOKS: tuple[str, ...] = (
     "on_train_batch_end",
     "on_validation_start",
     "on_validation_end",
+    "on_evaluation_setup",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
     "on_train_epoch_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
@@ -110,6 +115,22 @@ class Callback:
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After a validation run, with its averaged metrics."""
+
+    def on_evaluation_setup(self, trainer: Trainer, stage: str) -> None:
+        """A standalone ``validate``/``test``/``predict`` (``stage``) built the model and loaded its weights;
+        fit does this set-up in ``on_fit_start`` (e.g. the precision casts)."""
+
+    def on_test_start(self, trainer: Trainer) -> None:
+        """Before :meth:`Trainer.test` runs its batches."""
+
+    def on_test_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After :meth:`Trainer.test`, with its averaged metrics."""
+
+    def on_predict_start(self, trainer: Trainer) -> None:
+        """Before :meth:`Trainer.predict` runs its batches."""
+
+    def on_predict_end(self, trainer: Trainer, predictions: list[Any]) -> None:
+        """After :meth:`Trainer.predict`, with the per-batch outputs."""
 
     def on_train_epoch_end(self, trainer: Trainer) -> None:
         """At the end of every training epoch (after the epoch's validation, if due)."""

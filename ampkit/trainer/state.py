@@ -21,6 +21,7 @@ class LoopState:
     is_iteration_end: bool = True  # the current batch closes it: optimizers step after it
     epoch_finished: bool = False
     should_stop: bool = False
+    stage: str = "fit"  # fit | validate | test | predict: what the Trainer is running now
 
 
 @dataclass
