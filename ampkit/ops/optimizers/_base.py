@@ -212,6 +212,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
 
+    def _state_in_acc_dtype(self, key: str, saved: dict[str, Any]) -> bool:
+        """Whether ``state[key]`` lives in the accumulate dtype (else in the param dtype, as torch loads it)."""
+        return key == "master_param" or key in self._acc_state_keys
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then state is put back in the accumulate dtype (torch casts it to the param dtype).
 
@@ -229,6 +233,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for key, value in incoming.items():
                     if key == "step":
                         state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
-                    elif key == "master_param" or key in self._acc_state_keys:
+                    elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)
