@@ -521,7 +521,6 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
-    (lambda p: FusedAdam(p, capturable=True), ValueError, "does not support capturable=True"),
     (lambda p: FusedSGD(p, lr=0.1, wd_after_momentum=True), ValueError, "does not support wd_after_momentum"),
     (lambda p: FusedAdagrad(p, adagrad_w_mode=True), ValueError, "does not support adagrad_w_mode"),
 ]
@@ -679,3 +678,33 @@ def test_sgd_fp32_momentum_knob_and_master_weights_keep_fp32_buffers():
     assert {s["momentum_buffer"].dtype for s in restored.state.values()} == {torch.float32}
     with pytest.raises(TypeError, match="fp32_momentum must be a bool"):
         FusedSGD(half, fp32_momentum="yes")
+
+
+# ----------------------------------------------------------------- FusedAdam(capturable=True), Apex's spelling
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capturable_adam_with_master_weights_and_tensor_lr_steps_as_the_plain_one(dtype):
+    plain_params = make_params(dtype)
+    capturable_params = clone_params(plain_params)
+    master = dtype == torch.float16
+    lr = 2.0**-7  # exact in float32, so the tensor lr is the same number
+    plain = FusedAdam(plain_params, lr=lr, weight_decay=0.01, master_weights=master)
+    capturable = FusedAdam(
+        capturable_params, lr=torch.tensor(lr), weight_decay=0.01, capturable=True, master_weights=master
+    )
+    assert capturable.param_groups[0]["capturable"] and not plain.param_groups[0]["capturable"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for _ in range(5):
+        scaler.scale(torch.ones(()))
+        for p, q in zip(plain_params, capturable_params, strict=True):
+            g = torch.randn(p.shape).to(dtype)
+            p.grad, q.grad = g, g * 2.0**8
+        plain.step()
+        scaler.step(capturable)
+        scaler.update()
+    for p, q in zip(plain_params, capturable_params, strict=True):
+        assert torch.equal(p, q)
+        if master:
+            assert capturable.state[q]["master_param"].dtype == torch.float32
+            assert torch.equal(capturable.state[q]["master_param"], plain.state[p]["master_param"])
