@@ -100,22 +100,55 @@ class FusedSGD(FusedOptimizer):
         first_step: bool,
         grad_factor: float,
     ) -> None:
-        # The kernel does its math in float32 on float32 buffers: a half-precision buffer goes through a float32
-        # copy and is rounded once on the way back (the update itself uses the unrounded value, as Apex's).
-        staged = [b if b.dtype == acc_dtype(b) else b.float() for b in buffers]
-        op("sgd_step", bucket.device)(
+        sgd_step(
             bucket.params,
             bucket.grads,
-            staged,
+            buffers,
             bucket.masters(),
-            group["lr"],
-            group["weight_decay"],
-            group["momentum"],
-            group["dampening"],
-            group["nesterov"],
-            first_step,
-            grad_factor,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            first_step=first_step,
+            grad_factor=grad_factor,
         )
-        for buffer, value in zip(buffers, staged, strict=True):
-            if buffer is not value:
-                buffer.copy_(value)
+
+
+def sgd_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    master_params: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    first_step: bool,
+    grad_factor: float,
+) -> None:
+    """One ``sgd_step`` kernel launch; momentum buffers may be in float32 or in the (half) param dtype.
+
+    The kernel does its math in float32 on float32 buffers: a half-precision buffer goes through a float32
+    copy and is rounded once on the way back (the update itself uses the unrounded value, as Apex's does).
+    """
+    staged = [b if b.dtype == acc_dtype(b) else b.float() for b in momentum_buffers]
+    device = params[0].device if params else torch.device("cpu")
+    op("sgd_step", device)(
+        params,
+        grads,
+        staged,
+        master_params,
+        lr,
+        weight_decay,
+        momentum,
+        dampening,
+        nesterov,
+        first_step,
+        grad_factor,
+    )
+    for buffer, value in zip(momentum_buffers, staged, strict=True):
+        if buffer is not value:
+            buffer.copy_(value)
