@@ -24,6 +24,8 @@ __all__ = [
     "multi_tensor_adam",
     "multi_tensor_axpby",
     "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_l2norm_scale",
     "multi_tensor_lamb",
     "multi_tensor_scale",
     "multi_tensor_sgd",
@@ -87,6 +89,24 @@ def multi_tensor_l2norm(
     (inputs,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
     result = multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor))
     total, per = _norm_outputs(result)
+    _flag_if_not_finite(total, noop_flag)
+    return total, per
+
+
+def multi_tensor_l2norm_mp(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Apex's mixed-precision l2norm: the same float32-accumulated norms as ``multi_tensor_l2norm``."""
+    return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+
+def multi_tensor_l2norm_scale(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float, per_tensor: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Norms of ``in`` (before scaling) while writing ``out = in * scale`` for ``[in, out]``; flags inf/nan."""
+    inputs, outputs = _lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
+    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor)))
+    multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
     _flag_if_not_finite(total, noop_flag)
     return total, per
 

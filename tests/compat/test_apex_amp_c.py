@@ -54,7 +54,7 @@ def test_amp_c_and_the_applier_import_through_the_shim_only():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("amp_C")
     with pytest.raises(AttributeError, match="it provides multi_tensor_adam"):
-        _ = amp_C.multi_tensor_lamb_mp
+        _ = amp_C.multi_tensor_lamb_mp  # Apex's capturable mixed-precision LAMB: not provided
 
 
 def test_applier_passes_its_chunk_size_first():
@@ -121,10 +121,20 @@ def test_l2norm_and_unscale_l2norm_return_apex_shapes(dtype):
     assert torch.allclose(norm.double(), expected.norm().view(1) * 0.125, rtol=1e-6)
     assert torch.allclose(per.double(), expected * 0.125, rtol=1e-6)
     assert buf.item() == 0 and all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+    norm_mp, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm_mp, flag(), [tensors])
+    assert torch.equal(norm_mp, multi_tensor_applier(amp_C.multi_tensor_l2norm, flag(), [tensors])[0])
+    scaled = [torch.empty(t.shape) for t in tensors]
+    norm, per = multi_tensor_applier(amp_C.multi_tensor_l2norm_scale, flag(), [tensors, scaled], 0.5, True)
+    assert torch.allclose(norm.double(), expected.norm().view(1), rtol=1e-6), "the norm is of the unscaled input"
+    assert all(torch.equal(s, t.float() * 0.5) for s, t in zip(scaled, tensors, strict=True))
     tensors[1][7] = math.nan
-    for op, args in ((amp_C.multi_tensor_l2norm, ()), (amp_C.multi_tensor_unscale_l2norm, (0.5,))):
+    for op, lists, args in (
+        (amp_C.multi_tensor_l2norm, [tensors], ()),
+        (amp_C.multi_tensor_unscale_l2norm, [tensors], (0.5,)),
+        (amp_C.multi_tensor_l2norm_scale, [tensors, scaled], (0.5,)),
+    ):
         buf = flag()
-        multi_tensor_applier(op, buf, [tensors], *args)
+        multi_tensor_applier(op, buf, lists, *args)
         assert buf.item() == 1
 
 
