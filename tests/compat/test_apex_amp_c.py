@@ -246,3 +246,18 @@ def test_lamb_matches_apex_math_with_global_norm_clipping():
     for p, m, (rp, rm) in zip(params, exp_avgs, ref, strict=True):
         assert torch.allclose(p.double(), rp, rtol=1e-5, atol=1e-6)
         assert torch.allclose(m.double(), rm, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_lists_do_nothing():
+    buf = flag()
+    norm, per = amp_C.multi_tensor_l2norm(2048, buf, [[]], True)
+    assert norm.tolist() == [0.0] and per.numel() == 0
+    amp_C.multi_tensor_axpby(2048, buf, [[], [], []], 1.0, 1.0, -1)
+    amp_C.multi_tensor_adam(2048, buf, [[], [], [], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    amp_C.multi_tensor_sgd(2048, buf, [[], [], []], 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0)
+    amp_C.multi_tensor_lamb(2048, buf, [[], [], [], []], 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.0, 1, 1, torch.zeros(1), 1.0)
+    assert buf.item() == 0
+    with pytest.raises(RuntimeError, match="tensor_lists has 2 lists; expected 4"):
+        amp_C.multi_tensor_adam(2048, buf, [[], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    with pytest.raises(RuntimeError, match=r"tensor_lists\[1\] has 0 tensors but tensor_lists\[0\] has 1"):
+        amp_C.multi_tensor_scale(2048, buf, [[torch.ones(2)], []], 1.0)
