@@ -79,6 +79,11 @@ def multi_tensor_axpby(
     x, y, out = _lists("multi_tensor_axpby", tensor_lists, (3,))
     if arg_to_check not in (-1, 0, 1):
         raise RuntimeError(f"multi_tensor_axpby: arg_to_check={arg_to_check!r}; expected -1, 0 or 1")
+    # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
+    # so a pair that differs is read through float32 copies (exact), at the cost of one extra pass.
+    for i, (xi, yi) in enumerate(zip(x, y, strict=True)):
+        if xi.dtype != yi.dtype:
+            x[i], y[i] = xi.float(), yi.float()
     multi_tensor.axpby_(a, x, b, y, out, noop_flag, arg_to_check=arg_to_check)
 
 

@@ -91,7 +91,7 @@ def test_scale_matches_float64_and_flags_inf_nan(in_dtype, out_dtype):
 @pytest.mark.parametrize("arg_to_check", [-1, 0, 1])
 def test_axpby_matches_float64_and_checks_the_named_argument(arg_to_check):
     x, y = randn_list(torch.float16), randn_list(torch.float32)
-    x = [t.float() for t in x]
+    x[1:3] = [t.float() for t in x[1:3]]  # x/y pairs of mixed and of equal dtypes, as Apex allows
     out = [torch.empty(t.shape, dtype=torch.float16) for t in x]
     buf = flag()
     multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [x, y, out], 2.0, -0.5, arg_to_check)
