@@ -30,6 +30,7 @@ __all__ = [
     "multi_tensor_scale",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
 ]
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -262,6 +263,44 @@ def multi_tensor_lamb(
         use_nvlamb=bool(use_nvlamb),
         grad_factor=1.0 / clip,
     )
+
+
+def update_scale_hysteresis(
+    current_scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> torch.Tensor:
+    """Apex's ``amp_C.update_scale_hysteresis``: the dynamic-scale update that backs off only after
+    ``hysteresis`` consecutive overflows (Megatron's scaler). Updates the one-element tensors in place,
+    on their device, with no host read; returns ``current_scale``.
+
+    An overflow counts the hysteresis tracker down; while it stays above zero only the growth tracker
+    resets. Past it, each overflow multiplies the scale by ``backoff_factor`` (a result below float32's
+    smallest normal becomes 0, as the CUDA kernel's flush-to-zero gives). ``growth_interval`` clean
+    updates in a row multiply it by ``growth_factor`` unless that overflows float32. A clean update
+    refills the hysteresis tracker.
+    """
+    inf = found_inf.reshape(-1)[:1] > 0
+    tracker = torch.where(inf, hysteresis_tracker - 1, hysteresis_tracker)
+    hold = inf & (tracker > 0)  # an overflow absorbed by the hysteresis: only the growth tracker resets
+    backed_off = current_scale.double() * backoff_factor
+    backed_off = torch.where(backed_off < torch.finfo(torch.float32).tiny, torch.zeros_like(backed_off), backed_off)
+    successful = growth_tracker + 1
+    grow = ~inf & (successful == growth_interval)
+    grown = (current_scale.double() * growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, current_scale)
+    new_scale = torch.where(inf & ~hold, backed_off.float(), torch.where(grow, grown, current_scale))
+    new_growth = torch.where(inf | grow, torch.zeros_like(growth_tracker), successful.to(growth_tracker.dtype))
+    new_hysteresis = torch.where(inf, tracker, torch.full_like(tracker, hysteresis))
+    current_scale.copy_(new_scale)
+    growth_tracker.copy_(new_growth)
+    hysteresis_tracker.copy_(new_hysteresis.to(hysteresis_tracker.dtype))
+    return current_scale
 
 
 def __getattr__(name: str) -> object:

@@ -261,3 +261,42 @@ def test_empty_lists_do_nothing():
         amp_C.multi_tensor_adam(2048, buf, [[], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
     with pytest.raises(RuntimeError, match=r"tensor_lists\[1\] has 0 tensors but tensor_lists\[0\] has 1"):
         amp_C.multi_tensor_scale(2048, buf, [[torch.ones(2)], []], 1.0)
+
+
+# ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
+def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
+    """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
+    once it reaches zero; a clean step grows after ``interval`` in a row and refills the hysteresis."""
+    if found:
+        hyst -= 1
+        if hyst > 0:
+            return scale, 0, hyst
+        return scale * backoff, 0, hyst
+    growth += 1
+    if growth == interval:
+        grown = scale * growth_factor
+        return (grown if grown < 3.4e38 else scale), 0, hysteresis
+    return scale, growth, hysteresis
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_update_scale_hysteresis_follows_its_state_machine_over_a_random_overflow_pattern(hysteresis):
+    generator = torch.Generator().manual_seed(hysteresis)
+    pattern = (torch.rand(60, generator=generator) < 0.35).tolist()
+    scale, growth, hyst = torch.tensor([2.0**20]), torch.zeros(1, dtype=torch.int32), torch.tensor([hysteresis])
+    expected = (2.0**20, 0, hysteresis)
+    for found in pattern:
+        out = amp_C.update_scale_hysteresis(scale, growth, hyst, torch.tensor([float(found)]), 2.0, 0.5, 3, hysteresis)
+        expected = _hysteresis_reference(*expected, found, 2.0, 0.5, 3, hysteresis)
+        assert out is scale
+        assert (scale.item(), growth.item(), hyst.item()) == expected
+    assert growth.dtype == torch.int32 and scale.dtype == torch.float32
+
+
+def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_zero():
+    scale, growth, hyst = torch.tensor([3.0e38]), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.zeros(1), 2.0, 0.5, 1, 1)
+    assert scale.item() == pytest.approx(3.0e38) and growth.item() == 0
+    scale.fill_(torch.finfo(torch.float32).tiny)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 1, 1)
+    assert scale.item() == 0.0
