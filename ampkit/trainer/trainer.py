@@ -575,6 +575,11 @@ class Trainer:
                 t.clip_grad_norm is None or t.clip_grad_norm > 0,
                 "null or a number > 0",
             ),
+            "precision.clip_grad_norm": (
+                self.cfg.precision.clip_grad_norm,
+                self.cfg.precision.clip_grad_norm is None or self.cfg.precision.clip_grad_norm > 0,
+                "null or a number > 0",
+            ),
             "logging.log_every_n_steps": (
                 self.cfg.logging.log_every_n_steps,
                 self.cfg.logging.log_every_n_steps >= 1,
@@ -585,6 +590,17 @@ class Trainer:
             if not ok:
                 raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
         validate_strategy(self.cfg)
+        clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
+        if clip is not None and precision_clip is not None and clip != precision_clip:
+            raise ConfigError(
+                f"config keys 'trainer.clip_grad_norm' ({clip}) and 'precision.clip_grad_norm' ({precision_clip}) "
+                "disagree; set one of them"
+            )
+        from ampkit.callbacks import precision_callbacks  # lazily, as _setup_callbacks does
+
+        # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
+        # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
+        precision_callbacks(self.cfg.precision)
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

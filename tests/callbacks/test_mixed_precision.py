@@ -441,3 +441,21 @@ def test_tensorboard_amp_tags(tmp_path):
     assert [e.value for e in events.Scalars("amp/skipped_steps/body")] == [0, 0, 1, 1, 1, 1]
     norms = [e.value for e in events.Scalars("train/grad_norm/head")]
     assert all(math.isfinite(v) and v < 100 for v in norms[:2])  # unscaled: not ~65536 times too big
+
+
+@pytest.mark.parametrize(
+    ("precision", "message"),
+    [
+        ({"opt_level": "O9"}, "Unexpected optimization level 'O9'"),
+        ({"opt_level": "O1", "dtype": "float8"}, "dtype='float8'"),
+        ({"opt_level": "O1", "growth_factor": 0.5}, "growth_factor=0.5"),
+        ({"opt_level": "O1", "clip_grad_norm": -1.0}, "'precision.clip_grad_norm': -1.0"),
+    ],
+)
+def test_precision_is_validated_at_construction_before_user_code(tmp_path, precision, message):
+    class Untouchable(SharedBackwardTrainer):
+        def configure_model(self):
+            raise AssertionError("user code ran before the precision config was checked")
+
+    with pytest.raises(ampkit.ConfigError, match=message):
+        Untouchable(config(tmp_path, **precision))
