@@ -1,7 +1,7 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
 from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
-from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Trainer
+from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Phase, Trainer
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "LoggingConfig",
     "OptimizerState",
+    "Phase",
     "PrecisionConfig",
     "Trainer",
     "TrainerConfig",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
@@ -14,11 +14,11 @@ class ModelCheckpoint(Callback):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt``.
 
-    Runs after every other callback so it captures an iteration's final state (e.g. updated loss scales).
+    Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
     """
 
-    after = ("*",)
+    phase = Phase.PERSIST
 
     def __init__(self, every_n_steps: int = 0, every_n_epochs: int = 1, keep_last: int = 2) -> None:
         if every_n_steps < 0 or every_n_epochs < 0 or keep_last < 1:
