@@ -36,7 +36,8 @@ class LossScaling(Callback):
 
     Args:
         loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale: the
-            knobs of every :class:`~ampkit.amp.LossScaler`.
+            knobs of every :class:`~ampkit.amp.LossScaler`. ``loss_scale="none"``: no scalers; gradients are
+            still combined onto O2's fp32 master weights (bfloat16 needs no scaling).
         num_losses: when given, scalers ``0..num_losses-1`` exist from the start and an integer
             ``loss_id`` outside that range is an error; named loss ids are always accepted.
         combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
@@ -44,6 +45,8 @@ class LossScaling(Callback):
         max_overflows_at_min_scale: raise when a scaler overflows this many iterations in a row while
             already at its floor (``min_scale``, or 2**-126 without one; 0: never) — scaling cannot help,
             the loss itself is non-finite.
+        check_nonfinite: report found_inf without scalers too (``precision.skip_nonfinite``); scaled
+            losses always report it.
 
     TensorBoard tags (through ``trainer.log``): ``amp/loss_scale/<loss_id>`` at every logged step,
     ``amp/overflow/<loss_id>`` (1 at each iteration that overflowed, 0 at logged clean ones) and
@@ -66,6 +69,7 @@ class LossScaling(Callback):
         combine_grad: bool = False,
         warn_consecutive_skips: int = 10,
         max_overflows_at_min_scale: int = 10,
+        check_nonfinite: bool = True,
     ) -> None:
         self._knobs = dict(
             init_scale=init_scale,
@@ -76,7 +80,10 @@ class LossScaling(Callback):
             max_scale=max_scale,
         )
         self.loss_scale = loss_scale
-        LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
+        self.scaled = loss_scale != "none"
+        self.check_nonfinite = check_nonfinite or self.scaled
+        if self.scaled:
+            LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
         if num_losses is not None and (
             isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1
         ):
@@ -97,7 +104,7 @@ class LossScaling(Callback):
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
         self._log_every = 1
-        if num_losses is not None:
+        if num_losses is not None and self.scaled:
             for loss_id in range(num_losses):
                 self.scaler(loss_id)
 
@@ -146,21 +153,22 @@ class LossScaling(Callback):
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
-        scaler = self.scaler(backward.loss_id)
         if not self._combiners:
             self._build_combiners(trainer)
         for combiner in self._combiners.values():
             combiner.prepare_backward()
-        trainer.loss_state[backward.loss_id].scaler = scaler  # the Trainer updates it once per iteration
-        backward.loss = scaler.scale_loss(backward.loss)
+        if self.scaled:
+            scaler = trainer.loss_state[backward.loss_id].scaler = self.scaler(backward.loss_id)  # Trainer updates it
+            backward.loss = scaler.scale_loss(backward.loss)
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
         loss_state = trainer.loss_state[backward.loss_id]
         for optimizer, combiner in self._combiners.items():
-            result = combiner.combine(loss_state.scaler)
+            result = combiner.combine(loss_state.scaler if self.scaled else 1.0)
             if result.reached:
                 trainer.optimizer_state[optimizer].loss_ids.add(backward.loss_id)
-                loss_state.report_found_inf(result.found_inf)
+                if self.check_nonfinite:
+                    loss_state.report_found_inf(result.found_inf)
 
     # ------------------------------------------------------------------ after the Trainer's update
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
