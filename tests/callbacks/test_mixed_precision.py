@@ -510,3 +510,13 @@ def test_bf16_loss_scaling_on_request_and_fp16_needs_its_scaler(tmp_path):
     assert {"LossScaling", "NonFiniteCheck"}.isdisjoint(cb.name for cb in fp16.callbacks)
     with pytest.raises(ampkit.ConfigError, match="skip_nonfinite=False needs loss_scale: none"):
         SharedBackwardTrainer(config(tmp_path, opt_level="O1", dtype="float16", skip_nonfinite=False))
+
+
+@pytest.mark.parametrize(("opt_level", "combines"), [("O4", False), ("O5", True)])
+def test_apex_bf16_levels_train_in_bfloat16_without_a_scaler(tmp_path, opt_level, combines):
+    trainer, recorder = fit(SharedBackwardTrainer, tmp_path, opt_level=opt_level, cast_modules=["body", "head"])
+    names = [cb.name for cb in trainer.callbacks]
+    assert ("LossScaling" in names) == combines  # O5's fp32 masters still receive the gradients
+    assert recorder.scale_updates == [] and trainer.loss_state[0].scale is None
+    low = [p.dtype for p in trainer.module.head.parameters()]
+    assert low == ([torch.bfloat16] * 2 if combines else [torch.float32] * 2)  # O4 autocasts, O5 casts the model
