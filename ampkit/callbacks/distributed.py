@@ -26,7 +26,7 @@ class DistributedSync(Callback):
     the forward, as DDP reads it there). ``grad_sync="step"`` averages an optimizer's gradients right before
     its step: it works for any number of forwards and backwards per step (a GAN's D and G passes, backward
     restricted to one optimizer's parameters), which DDP's one-forward-one-backward reducer does not.
-    ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients; only the flags are agreed.
+    ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients itself.
     """
 
     phase = Phase.DISTRIBUTE  # after the model is cast, before clipping reads the averaged gradients
