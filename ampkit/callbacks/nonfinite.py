@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ampkit.amp import unscale_and_check_
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
@@ -44,9 +45,6 @@ class NonFiniteCheck(Callback):
         one = self._one.get(device)
         if one is None:
             one = self._one[device] = torch.ones(1, dtype=torch.float32, device=device)
-        # torch's fused op (GradScaler's), not ampkit's multi-tensor kernel: a check touches the few gradients
-        # of one step, where one C++ call costs a fraction of the kernel's Python dispatch. ``grad * 1.0``
-        # leaves every bit as it was.
-        with torch.no_grad():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        with torch.no_grad():  # ``grad * 1.0`` leaves every bit as it was; FSDP's shards are checked locally
+            unscale_and_check_(grads, found_inf, one)
         trainer.loss_state[backward.loss_id].report_found_inf(found_inf)
