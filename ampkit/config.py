@@ -82,14 +82,20 @@ class LoggingConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half).
+    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half;
+    O4/O5 are O1/O2 in bfloat16).
 
-    ``None`` means the opt level's default (Apex's table); ``loss_scale`` is ``dynamic`` or a number.
+    ``None`` means the opt level's default (Apex's table), except that bfloat16 has no loss scaler by default:
+    its range is float32's, so torch's recipe and Lightning's ``bf16-mixed`` scale nothing.
+    ``skip_nonfinite`` (default true) keeps "never apply a non-finite update" without a scaler: one fused
+    inf/nan check of the gradients per iteration, and the Trainer skips the step when it finds one (false:
+    no check, torch's bare autocast recipe). A loss scaler always skips the steps it overflows.
     """
 
     opt_level: str = "O0"
-    dtype: str = "float16"  # float16 | bfloat16
-    loss_scale: Any = None  # dynamic | <number>
+    dtype: str | None = None  # float16 | bfloat16; null: the opt level's (float16, bfloat16 at O4/O5)
+    loss_scale: Any = None  # dynamic | <number> | none (no scaler); null: the opt level's, none for bfloat16
+    skip_nonfinite: bool = True  # without a loss scaler: check gradients for inf/nan and skip such steps
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5

@@ -124,8 +124,6 @@ class GradSpy(ampkit.Callback):
     def on_before_optimizer_step(self, trainer, optimizer):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
 
-    after = ("DistributedSync",)
-
 
 def main(scenario: str, out: Path) -> None:
     # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).

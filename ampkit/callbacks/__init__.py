@@ -51,18 +51,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
             "bucket_cap_mb": d.bucket_cap_mb,
         }
         callbacks.append(DistributedSync(grad_sync, ddp_kwargs, sync_batchnorm=d.sync_batchnorm))
-    clip, precision_clip = cfg.trainer.clip_grad_norm, cfg.precision.clip_grad_norm
-    if clip is not None and precision_clip is not None and clip != precision_clip:
-        raise ConfigError(
-            f"config keys 'trainer.clip_grad_norm' ({clip}) and 'precision.clip_grad_norm' ({precision_clip}) "
-            "disagree; set one of them"
-        )
-    clip = clip if clip is not None else precision_clip
-    if clip is not None:
-        if not clip > 0:
-            raise ConfigError(
-                f"config key 'precision.clip_grad_norm': {clip!r} is invalid; expected null or a number > 0"
-            )
+    clip = cfg.trainer.clip_grad_norm if cfg.trainer.clip_grad_norm is not None else cfg.precision.clip_grad_norm
+    if clip is not None:  # both keys were checked when the Trainer was built
         callbacks.append(GradientClipping(clip))
     if cfg.trainer.progress_bar:
         callbacks.append(ProgressBar())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit.callbacks.monitor import Monitor
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
@@ -17,7 +17,7 @@ class ModelCheckpoint(Callback):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt``.
 
-    Runs after every other callback so it captures an iteration's final state (e.g. updated loss scales).
+    Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
 
     With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k``
@@ -25,7 +25,7 @@ class ModelCheckpoint(Callback):
     checkpoints, so a resumed run keeps it. A file leaves the top k only after its replacement is written.
     """
 
-    after = ("*",)
+    phase = Phase.PERSIST
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from ampkit.amp import (
     model_device,
     parse_dtype,
 )
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
 
@@ -40,7 +40,7 @@ class MixedPrecision(Callback):
     optimizer states are reloaded onto the cast parameters so they keep the dtype they were saved with.
     """
 
-    before = ("DistributedSync",)  # cast before DistributedDataParallel wraps the model
+    phase = Phase.CAST  # cast before DistributedDataParallel wraps the model
 
     def __init__(
         self,
@@ -96,8 +96,8 @@ class MixedPrecision(Callback):
                 add_boundary_casts(module, None, self.cast_model_outputs)
         if props.master_weights:
             for optimizer in trainer.optimizers.values():
-                masters = MasterWeights.of(optimizer) or MasterWeights(optimizer)
-                self.masters[optimizer] = masters
+                masters = self.masters[optimizer] = MasterWeights(optimizer)
+                trainer.optimizer_state[optimizer].master_weights = masters  # gradients go to the masters
                 for param, master in zip(masters.model_params, masters.master_params, strict=True):
                     self._master_to_model[id(master)] = param
 

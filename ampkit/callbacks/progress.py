@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 
 
 def _interactive() -> bool:
@@ -14,6 +14,8 @@ def _interactive() -> bool:
 
 class ProgressBar(Callback):
     """Shows batches of the current epoch and the latest loss; prints nothing when not interactive."""
+
+    phase = Phase.OBSERVE
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = _interactive() if enabled is None else enabled

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ampkit.config import flatten
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 
 
 class TensorBoardLogger(Callback):
@@ -21,7 +21,7 @@ class TensorBoardLogger(Callback):
     flattened hparams; and every scalar other callbacks queue with ``trainer.log(tag, value)``.
     """
 
-    after = ("*",)
+    phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
         self.log_every_n_steps = log_every_n_steps

@@ -7,9 +7,11 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
     per epoch:  on_train_epoch_start
       per batch:  on_train_batch_start → training_step
                     (backward:  on_before_backward → autograd → on_after_backward)
-                    (step, at the end of an iteration:  on_before_optimizer_step →
+                    (step, at the end of an iteration:  facts agreed across ranks → on_after_unscale (when
+                       a loss was scaled) → on_before_optimizer_step → the skip verdict →
                        optimizer.step() → on_after_optimizer_step   |   on_optimizer_step_skipped)
-                  at the end of an iteration: step-interval schedulers (only of optimizers that stepped)
+                  at the end of an iteration: each loss scaler updates once (on_loss_scale_update)
+                    → step-interval schedulers (only of optimizers that stepped)
                     → on_before_zero_grad → zero_grad → validation if due (on_validation_start/_end)
                   → on_train_batch_end
       at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
@@ -24,9 +26,16 @@ counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward
 and ``step`` on every optimizer; otherwise ``training_step`` calls ``self.backward(loss, loss_id=...,
 optimizer=...)`` and ``self.step(optimizer)`` itself (e.g. a GAN's D step then G step).
 
+Mixed precision, as a reader finds it below: the loss is scaled (``on_before_backward``) → autograd →
+gradients unscaled and checked, per loss (``on_after_backward``) → in ``step``: facts agreed across ranks in
+one collective (:meth:`Trainer._agree_facts`) → clip (``on_before_optimizer_step``) → the one verdict
+(:func:`~ampkit.trainer.state.skip_verdict`) → step or skip → at the end of the iteration each loss scaler
+updates once (:meth:`Trainer._end_iteration`).
+
 Callbacks share facts only through the Trainer's state: ``trainer.state`` (loop position),
-``trainer.optimizer_state[opt]`` (``found_inf`` skips the step; ``loss_ids`` reached it; ``stepped``/``skipped``)
-and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, e.g. set by a loss scaler).
+``trainer.optimizer_state[opt]`` (``loss_ids`` reached it; ``grad_norm_nonfinite``/``found_inf`` make it
+skip; ``stepped``/``skipped`` and counts) and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, agreed
+across ranks; ``scaler``/``scale`` when the loss is scaled).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.distributed import (
     DistributedEnv,
+    any_rank,
     broadcast_object,
     check_same_config,
     distributed_loader,
@@ -61,7 +71,7 @@ from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
-from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 
 
 def _every(n: int, count: int) -> bool:
@@ -116,6 +126,7 @@ class Trainer:
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
+        self._facts_pending = False  # a backward ran since the facts were last agreed
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -190,18 +201,19 @@ class Trainer:
         loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
-        self.fire("on_before_backward", backward)
+        self.fire("on_before_backward", backward)  # mixed precision scales the loss here
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
-        self.fire("on_after_backward", backward)
+        self._facts_pending = True
+        self.fire("on_after_backward", backward)  # ... and unscales the new gradients, reporting found_inf
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` if this batch ends an iteration; returns whether it stepped.
 
-        It is skipped (parameters, state and step count untouched) when a callback set ``found_inf``, and
-        not stepped at all when none of its parameters received a gradient this iteration.
+        It is skipped (parameters, state and step count untouched) when :func:`skip_verdict` says so, and not
+        stepped at all when none of its parameters received a gradient this iteration.
         """
         if not self.state.is_iteration_end:
             return False
@@ -212,13 +224,15 @@ class Trainer:
             raise RuntimeError(f"optimizer '{opt_state.name}' was already stepped in this iteration")
         if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             return False
-        self.fire("on_before_optimizer_step", optimizer)
-        if opt_state.found_inf:
+        self._agree_facts()
+        if any(self.loss_state[k].scaler is not None for k in opt_state.loss_ids if k in self.loss_state):
+            self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
+        self.fire("on_before_optimizer_step", optimizer)  # clipping
+        culprits = skip_verdict(opt_state, self.loss_state)
+        if culprits is not None:
             opt_state.skipped = True
             opt_state.skipped_steps += 1
-            reached = sorted(opt_state.loss_ids, key=str)
-            culprits = [k for k in reached if k in self.loss_state and self.loss_state[k].found_inf]
-            self.fire("on_optimizer_step_skipped", optimizer, culprits or reached)
+            self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
         optimizer.step()
         opt_state.stepped = True
@@ -354,7 +368,34 @@ class Trainer:
             self.step(optimizer)
         return self._detached(out if isinstance(out, dict) else {"loss": loss})
 
+    def _agree_facts(self) -> None:
+        """Read every reported per-loss found_inf flag (one device-to-host read) and agree them across ranks
+        (one collective), so that every rank takes the same skip verdicts and scaler updates."""
+        if not self._facts_pending:
+            return
+        self._facts_pending = False
+        losses = [s for s in self.loss_state.values() if s.reported or self.dist.enabled]
+        if not losses:
+            return
+        if self.dist.enabled:  # the same order on every rank
+            losses.sort(key=lambda s: str(s.loss_id))
+        flags: list[torch.Tensor | bool] = []
+        for loss in losses:
+            reported, loss.reported = loss.reported, []
+            if not reported:
+                flags.append(loss.found_inf)
+            else:
+                flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
+                flags.append(flag + 1.0 if loss.found_inf else flag)
+        for loss, found_inf in zip(losses, any_rank(flags, self.dist), strict=True):
+            loss.found_inf = found_inf
+
     def _end_iteration(self) -> None:
+        self._agree_facts()  # also losses that no stepped optimizer looked at: their scalers update below
+        for loss in self.loss_state.values():
+            if loss.scaler is not None and loss.backwards:
+                old, new = loss.scaler.update(loss.found_inf)
+                self.fire("on_loss_scale_update", loss.loss_id, old, new)
         self._step_schedulers("step")
         for optimizer in self.optimizers.values():
             self.fire("on_before_zero_grad", optimizer)
@@ -692,6 +733,11 @@ class Trainer:
                 self.cfg.early_stopping.min_delta >= 0,
                 "a number >= 0",
             ),
+            "precision.clip_grad_norm": (
+                self.cfg.precision.clip_grad_norm,
+                self.cfg.precision.clip_grad_norm is None or self.cfg.precision.clip_grad_norm > 0,
+                "null or a number > 0",
+            ),
             "logging.log_every_n_steps": (
                 self.cfg.logging.log_every_n_steps,
                 self.cfg.logging.log_every_n_steps >= 1,
@@ -702,6 +748,17 @@ class Trainer:
             if not ok:
                 raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
         validate_strategy(self.cfg)
+        clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
+        if clip is not None and precision_clip is not None and clip != precision_clip:
+            raise ConfigError(
+                f"config keys 'trainer.clip_grad_norm' ({clip}) and 'precision.clip_grad_norm' ({precision_clip}) "
+                "disagree; set one of them"
+            )
+        from ampkit.callbacks import precision_callbacks  # lazily, as _setup_callbacks does
+
+        # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
+        # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
+        precision_callbacks(self.cfg.precision)
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:
