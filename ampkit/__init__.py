@@ -1,7 +1,16 @@
 """ampkit: a PyTorch training loop built around mixed precision done right."""
 
-from ampkit.config import CheckpointConfig, Config, ConfigError, LoggingConfig, PrecisionConfig, TrainerConfig
-from ampkit.trainer import BackwardState, Callback, CheckpointError, Logger, OptimizerState, Trainer
+from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    EarlyStoppingConfig,
+    LoggingConfig,
+    PrecisionConfig,
+    TrainerConfig,
+)
+from ampkit.trainer import BackwardState, Callback, CheckpointError, Logger, OptimizerState, Phase, Trainer, load_model
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
@@ -14,10 +23,14 @@ __all__ = [
     "Logger",
     "Config",
     "ConfigError",
+    "EarlyStopping",
+    "EarlyStoppingConfig",
     "LoggingConfig",
     "OptimizerState",
+    "Phase",
     "PrecisionConfig",
     "Trainer",
     "TrainerConfig",
     "consolidate_checkpoint",
+    "load_model",
 ]

@@ -1,5 +1,10 @@
-"""``ampkit fit --config FILE [--resume last|PATH] [--print-config] [--debug] [key=value ...]`` (also
-``python -m ampkit``)."""
+"""``ampkit fit|validate|test|predict --config FILE [--print-config] [--debug] [key=value ...]`` (also
+``python -m ampkit``).
+
+``fit [--resume last|best|PATH]`` trains; ``validate``/``test`` print the averaged metrics of a checkpoint
+(``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions.
+``--config`` is a YAML file or the name of a built-in config (``digits``).
+"""
 
 from __future__ import annotations
 
@@ -19,9 +24,29 @@ from ampkit.trainer.ordering import CallbackOrderError
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it).
 USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError)
 
+# (help, description) of each command; every command takes --config, --print-config, --debug and overrides.
+COMMANDS = {
+    "fit": (
+        "train the Trainer named by a config file",
+        "Train the Trainer subclass that the config file names (trainer_class: package.module:Class).",
+    ),
+    "validate": (
+        "print the validation metrics of a checkpoint",
+        "Run validation_step over val_dataloader once with a checkpoint's weights and print the averaged metrics.",
+    ),
+    "test": (
+        "print the test metrics of a checkpoint (test_dataloader/test_step)",
+        "Run test_step over test_dataloader once with a checkpoint's weights and print the averaged metrics.",
+    ),
+    "predict": (
+        "save the predictions of a checkpoint (predict_dataloader)",
+        "Run predict_step over predict_dataloader with a checkpoint's weights and save its outputs with torch.save.",
+    ),
+}
+
 
 def _schema_for_help(argv: list[str]) -> tuple[type, str]:
-    """The schema whose keys ``fit --help`` lists: the named config's Trainer's, else the base one."""
+    """The schema whose keys a command's ``--help`` lists: the named config's Trainer's, else the base one."""
     if {"-h", "--help"} & set(argv) and "--config" in argv[:-1]:
         try:
             trainer_class, _ = load_config(argv[argv.index("--config") + 1])
@@ -40,19 +65,31 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     schema, whose = _schema_for_help(argv)
-    fit = commands.add_parser(
-        "fit",
-        help="train the Trainer named by a config file",
-        description="Train the Trainer subclass that the config file names (trainer_class: package.module:Class).",
-        epilog=f"config keys{whose}, with defaults:\n{help_text(schema)}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parsers = {}
+    for name, (summary, description) in COMMANDS.items():
+        command = parsers[name] = commands.add_parser(
+            name,
+            help=summary,
+            description=description,
+            epilog=f"config keys{whose}, with defaults:\n{help_text(schema)}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")
+    parsers["fit"].add_argument(
+        "--resume", default=None, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
     )
-    fit.add_argument("--config", required=True, help="YAML file naming trainer_class and its settings")
-    fit.add_argument("--resume", default=None, help="'last' (newest last.pt under run_dir) or a checkpoint path")
-    fit.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    fit.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    fit.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
+    for name in ("validate", "test", "predict"):
+        parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
+    parsers["predict"].add_argument("--output", required=True, help="file to torch.save the per-batch predictions to")
+    for command in parsers.values():
+        command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+        command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+        command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     return parser
+
+
+def _metrics(prefix: str, metrics: dict[str, float]) -> str:
+    return ", ".join(f"{prefix}/{k}={v:.4f}" for k, v in metrics.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
         trainer = trainer_class(cfg)
-        trainer.fit(resume=args.resume)
+        if args.command == "fit":
+            trainer.fit(resume=args.resume)
+        elif args.command == "predict":
+            predictions = trainer.predict(ckpt=args.ckpt, output=args.output)
+        else:
+            metrics = getattr(trainer, args.command)(ckpt=args.ckpt)
     except USER_ERRORS as exc:
         if args.debug:
             raise
@@ -73,15 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print("ampkit: interrupted (--resume last continues from the newest checkpoint)", file=sys.stderr)
+        resume = " (--resume last continues from the newest checkpoint)" if args.command == "fit" else ""
+        print(f"ampkit: interrupted{resume}", file=sys.stderr)
         return 130
-    if trainer.is_global_zero:
-        shown = ", ".join(f"val/{k}={v:.4f}" for k, v in trainer.val_metrics.items())
+    if not trainer.is_global_zero:
+        return 0
+    if args.command == "fit":
+        shown = _metrics("val", trainer.val_metrics)
         print(
             f"ampkit: finished {trainer.state.global_step} steps in {trainer.state.epoch} epochs"
             + (f"; {shown}" if shown else "")
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
+    elif args.command == "predict":
+        where = args.output if trainer.world_size == 1 else f"one file per rank beside {args.output}"
+        print(f"ampkit: predictions of {len(predictions)} batches saved to {where}")
+    else:
+        print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
     return 0
 
 

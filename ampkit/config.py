@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 class ConfigError(ValueError):
     """Invalid configuration: the message names the dotted key, the bad value and the valid choices."""
+
+
+class MonitorMode(str, Enum):
+    """Which way a monitored metric improves (OmegaConf rejects any other value, listing these)."""
+
+    min = "min"
+    max = "max"
 
 
 @dataclass
@@ -48,6 +56,20 @@ class CheckpointConfig:
     every_n_steps: int = 0
     every_n_epochs: int = 1
     keep_last: int = 2  # step/epoch files kept besides last.pt
+    monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
+    mode: MonitorMode = MonitorMode.min  # which way monitor improves
+    save_top_k: int = 1  # best files kept
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """Stop when validation metric ``monitor`` has not improved by more than ``min_delta`` for ``patience``
+    validations in a row (off while ``monitor`` is null)."""
+
+    monitor: str | None = None
+    mode: MonitorMode = MonitorMode.min
+    patience: int = 3
+    min_delta: float = 0.0
 
 
 @dataclass
@@ -62,14 +84,20 @@ class LoggingConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half).
+    """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half;
+    O4/O5 are O1/O2 in bfloat16).
 
-    ``None`` means the opt level's default (Apex's table); ``loss_scale`` is ``dynamic`` or a number.
+    ``None`` means the opt level's default (Apex's table), except that bfloat16 has no loss scaler by default:
+    its range is float32's, so torch's recipe and Lightning's ``bf16-mixed`` scale nothing.
+    ``skip_nonfinite`` (default true) keeps "never apply a non-finite update" without a scaler: one fused
+    inf/nan check of the gradients per iteration, and the Trainer skips the step when it finds one (false:
+    no check, torch's bare autocast recipe). A loss scaler always skips the steps it overflows.
     """
 
     opt_level: str = "O0"
-    dtype: str = "float16"  # float16 | bfloat16
-    loss_scale: Any = None  # dynamic | <number>
+    dtype: str | None = None  # float16 | bfloat16; null: the opt level's (float16, bfloat16 at O4/O5)
+    loss_scale: Any = None  # dynamic | <number> | none (no scaler); null: the opt level's, none for bfloat16
+    skip_nonfinite: bool = True  # without a loss scaler: check gradients for inf/nan and skip such steps
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -123,13 +151,27 @@ class Config:
     run_dir: str = "runs/${name}"
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-def import_object(path: str, what: str = "trainer_class") -> Any:
-    """Import ``package.module:Name`` (or ``package.module.Name``); the working directory is importable."""
+def _project_root(start: Path, module_name: str) -> Path | None:
+    """The nearest of ``start`` and its parents holding the module's top package (``examples/`` or ``examples.py``)."""
+    top = module_name.partition(".")[0]
+    for folder in (start, *start.parents):
+        if (folder / top).is_dir() or (folder / f"{top}.py").is_file():
+            return folder
+    return None
+
+
+def import_object(path: str, what: str = "trainer_class", search_from: Path | None = None) -> Any:
+    """Import ``package.module:Name`` (or ``package.module.Name``).
+
+    The working directory is importable; failing that, the nearest of ``search_from`` (a config file's folder)
+    and its parents that holds the module's top package, so a repository's configs run from any directory.
+    """
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
@@ -142,7 +184,11 @@ def import_object(path: str, what: str = "trainer_class") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"{what}: cannot import module '{module_name}' of '{path}' ({exc})") from None
+        root = _project_root(search_from.resolve(), module_name) if search_from is not None else None
+        if root is None or str(root) in sys.path:
+            raise ConfigError(f"{what}: cannot import module '{module_name}' of '{path}' ({exc})") from None
+        sys.path.append(str(root))
+        return import_object(path, what)
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -192,11 +238,29 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     return cfg
 
 
+def builtin_configs() -> dict[str, Path]:
+    """The configs shipped inside the package (``ampkit/configs/*.yaml``), by name."""
+    folder = Path(__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` if it is a file, else the built-in config of that name (``digits``)."""
+    candidate = Path(path)
+    if candidate.is_file():
+        return candidate
+    builtin = builtin_configs()
+    if str(path) in builtin:
+        return builtin[str(path)]
+    raise ConfigError(
+        f"config file '{path}' does not exist, and it is no built-in config (built-in: {', '.join(builtin) or 'none'})"
+    )
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[type, DictConfig]:
-    """Read ``path`` and ``overrides``, import the named Trainer class, validate against its schema."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+    """Read ``path`` (a file, or the name of a built-in config such as ``digits``) and ``overrides``, import the
+    named Trainer class, validate against its schema."""
+    path = resolve_config_path(path)
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # yaml errors come in several types
@@ -209,7 +273,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
         raise ConfigError(f"config '{path}' must set trainer_class: 'package.module:TrainerSubclass'")
     from ampkit.trainer.trainer import Trainer
 
-    trainer_class = import_object(str(target))
+    trainer_class = import_object(str(target), search_from=path.parent)
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ConfigError(f"trainer_class: '{target}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
     return trainer_class, build_config(trainer_class.config_class, raw, cli)

@@ -65,7 +65,7 @@ def hand_loop(kind: str, batches, autocast_dtype: torch.dtype | None) -> list[fl
 class StepTimer(ampkit.Callback):
     """Wall time of each batch, from on_train_batch_start to on_train_batch_end."""
 
-    after = ("*",)
+    phase = ampkit.Phase.PERSIST  # last at every hook: times everything else in the batch
 
     def __init__(self) -> None:
         self.times: list[float] = []

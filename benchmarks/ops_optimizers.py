@@ -9,7 +9,8 @@ matrices) at 1M / 10M / 50M fp32 params; ampkit and torch get their own copy of 
 state, share the gradients, are warmed, and are timed interleaved (best of repeated calls). GB/s counts
 the bytes each ampkit step moves per parameter: Adam 28 (read param, grad, two moments; write param and
 moments), SGD-momentum/Adagrad/RMSprop 20, LAMB 52 (global norm 4, stage 1 28, trust-ratio norms 8,
-stage 2 12), pipeline 32 (read grads once for inf + norm, then the Adam pass).
+stage 2 12), pipeline 32 (read grads once for inf + norm, then the Adam pass), AdamW through
+GradScaler.step 40 (GradScaler's inf check reads the grads, the Adam pass, the grads written back unscaled).
 """
 
 from __future__ import annotations
@@ -113,6 +114,26 @@ def _pipeline_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, C
     return torch_step, lambda: fused_unscale_clip_step_(ours, 1.0, max_norm)
 
 
+def _grad_scaler_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, Callable]:
+    """(torch, ampkit) AdamW steps through ``GradScaler.step``: both read the scaled grads and leave them
+    unscaled. Scale 1 keeps every call's inputs identical; both sides still divide every gradient."""
+
+    def through_scaler(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+        scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
+
+        def step() -> None:
+            scaler.step(opt)
+            scaler.update()
+
+        return step
+
+    ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
+    params = _params_with_grads(base, [g.clone() for g in grads])
+    theirs = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    return through_scaler(theirs), through_scaler(ours)
+
+
 def run(ctx) -> list[dict]:
     """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format)."""
     os.environ["AMPKIT_OPS"] = "kernel"
@@ -132,6 +153,10 @@ def run(ctx) -> list[dict]:
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         baseline = "GradScaler.unscale_ + clip_grad_norm_(foreach) + AdamW(fused)"
         rows.append(ctx.row(SECTION, "pipeline: unscale+check+clip+AdamW", baseline, size, ms, torch_ms, count * 32))
+        torch_fn, ours_fn = _grad_scaler_pair(base, grads)
+        torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
+        baseline = "GradScaler.step(AdamW(fused=True))"
+        rows.append(ctx.row(SECTION, "GradScaler.step(FusedAdam)", baseline, size, ms, torch_ms, count * 40))
     return rows
 
 

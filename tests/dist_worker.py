@@ -28,6 +28,13 @@ class Plain(ToyTrainer):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
 
 
+class Evaluated(Plain):
+    """Predicts on the validation set (24 samples: 12 per rank, no padding)."""
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
 class TwoLosses(Plain):
     automatic_optimization = False
 
@@ -117,8 +124,6 @@ class GradSpy(ampkit.Callback):
     def on_before_optimizer_step(self, trainer, optimizer):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
 
-    after = ("DistributedSync",)
-
 
 def main(scenario: str, out: Path) -> None:
     # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).
@@ -169,6 +174,12 @@ def main(scenario: str, out: Path) -> None:
             "distributed": {"sync_batchnorm": True},
         }
         trainer = BatchNormNet(cfg, callbacks=[spy])
+    elif scenario == "evaluate":  # the checkpoint under out/run was written by a single process
+        trainer = Evaluated({**base, "checkpoint": {"enabled": False}})
+        metrics = trainer.validate(ckpt="last")
+        predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
+        torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
+        return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

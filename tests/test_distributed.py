@@ -69,6 +69,28 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
 
 
+def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_process(tmp_path):
+    from dist_worker import Evaluated
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"max_epochs": 1, "progress_bar": False}}  # fmt: skip
+    single = Evaluated(cfg)
+    single.fit()
+    expected_val = single.validate()
+    expected_predictions = torch.cat(single.predict())
+    results = launch("evaluate", tmp_path)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in range(2)]
+    for rank in ranks:
+        assert rank["val"]["mse"] == pytest.approx(expected_val["mse"], rel=1e-6)
+    shards = [torch.load(tmp_path / f"predictions.rank{i}.pt", weights_only=True) for i in range(2)]
+    assert [torch.cat(shard).shape[0] for shard in shards] == [12, 12]
+    torch.testing.assert_close(torch.cat(ranks[1]["predictions"]), torch.cat(shards[1]))
+    interleaved = torch.stack([torch.cat(shards[0]), torch.cat(shards[1])], dim=1).reshape(-1, 1)
+    torch.testing.assert_close(interleaved, expected_predictions)  # DistributedSampler deals rank = index % 2
+
+
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
     rank0, rank1 = _ok(launch("overflow", tmp_path))
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]

@@ -1,16 +1,33 @@
-"""The exact sequence of hooks and user methods in a full fit(): 2 epochs, accumulation 2, validation."""
+"""The exact sequence of hooks and user methods in a full fit(), per precision recipe and loop shape."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback
 from ampkit.trainer.callback import HOOKS
 
+QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
+
 
 class Recorder(Callback):
-    def __init__(self, calls: list[str]) -> None:
+    """Records every hook; the mixed-precision ones with what they say (optimizer, verdict, loss id)."""
+
+    def __init__(self, calls: list) -> None:
         self.calls = calls
+
+    def on_after_unscale(self, trainer, optimizer, found_inf):
+        self.calls.append(("on_after_unscale", trainer.optimizer_state[optimizer].name, found_inf))
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, loss_ids):
+        self.calls.append(("on_optimizer_step_skipped", trainer.optimizer_state[optimizer].name, loss_ids))
+
+    def on_loss_scale_update(self, trainer, loss_id, old, new):
+        self.calls.append(("on_loss_scale_update", loss_id))
 
 
 def _recording_hook(name: str):
@@ -21,11 +38,13 @@ def _recording_hook(name: str):
 
 
 for _hook in HOOKS:
-    setattr(Recorder, _hook, _recording_hook(_hook))
+    if _hook not in vars(Recorder):
+        setattr(Recorder, _hook, _recording_hook(_hook))
 
 
 class RecordingTrainer(ToyTrainer):
-    calls: list[str]
+    calls: list
+    overflow_at: int | None = None  # iteration whose loss is made infinite
 
     def configure_model(self):
         self.calls.append("configure_model")
@@ -45,46 +64,148 @@ class RecordingTrainer(ToyTrainer):
 
     def training_step(self, batch):
         self.calls.append("training_step")
-        return super().training_step(batch)
+        loss = super().training_step(batch)
+        return loss * math.inf if self.state.iteration == self.overflow_at else loss
 
     def validation_step(self, batch):
         self.calls.append("validation_step")
         return super().validation_step(batch)
 
 
-def test_full_fit_hook_sequence(tmp_path):
-    calls: list[str] = []
-    cfg = toy_cfg(
-        tmp_path,
-        **{
-            "data.n": 24,
-            "trainer.max_epochs": 2,
-            "trainer.accumulate_grad_batches": 2,
-            "checkpoint.enabled": False,
-            "logging.tensorboard": False,
-            "trainer.progress_bar": False,
-        },
-    )
-    trainer = RecordingTrainer(cfg, callbacks=[Recorder(calls)])
+class TwoLossRecordingTrainer(RecordingTrainer):
+    """Manual optimization: loss "A" reaches both optimizers, loss "B" only the head's."""
+
+    automatic_optimization = False
+
+    def configure_optimizers(self):
+        self.calls.append("configure_optimizers")
+        body = torch.optim.SGD(self.module[0].parameters(), lr=0.05)
+        head = torch.optim.SGD(self.module[3].parameters(), lr=0.05)
+        return [{"optimizer": body, "name": "body"}, {"optimizer": head, "name": "head"}]
+
+    def training_step(self, batch):
+        self.calls.append("training_step")
+        x, y = batch
+        loss_a = (self.model(x).squeeze(1) - y).square().mean()
+        self.backward(loss_a * math.inf if self.state.iteration == self.overflow_at else loss_a, loss_id="A")
+        features = self.module[1](self.module[0](x)).detach()
+        self.backward(self.module[3](features).abs().mean(), loss_id="B", optimizer=self.optimizers["head"])
+        for optimizer in self.optimizers.values():
+            self.step(optimizer)
+
+
+def fit_recording(tmp_path, trainer_class=RecordingTrainer, overflow_at=None, **overrides) -> list:
+    calls: list = []
+    trainer = trainer_class(toy_cfg(tmp_path, **{**QUIET, **overrides}), callbacks=[Recorder(calls)])
+    trainer.calls, trainer.overflow_at = calls, overflow_at
+    trainer.fit()
+    return calls
+
+
+SET_UP = ["configure_model", "configure_optimizers", "train_dataloader", "val_dataloader", "on_fit_start"]
+
+
+def step(name: str = "sgd", scaled: bool = False, overflow: bool = False, culprits=(0,)) -> list:
+    """One optimizer's step hooks at the end of an iteration."""
+    seq = [("on_after_unscale", name, overflow)] if scaled else []
+    seq += ["on_before_optimizer_step"]
+    return seq + ([("on_optimizer_step_skipped", name, list(culprits))] if overflow else ["on_after_optimizer_step"])
+
+
+def batch(backwards: int = 1, steps: list | None = None, scale_updates=(), optimizers: int = 1) -> list:
+    """One batch; ``steps`` (the step hooks) only for a batch that ends an iteration."""
+    seq = ["on_train_batch_start", "training_step"] + ["on_before_backward", "on_after_backward"] * backwards
+    if steps is not None:
+        seq += steps + [("on_loss_scale_update", k) for k in scale_updates] + ["on_before_zero_grad"] * optimizers
+    return seq + ["on_train_batch_end"]
+
+
+def fit_of(*batches: list) -> list:
+    inner = [call for b in batches for call in b]
+    return [
+        *SET_UP,
+        "on_train_start",
+        "on_train_epoch_start",
+        *inner,
+        "on_train_epoch_end",
+        "on_train_end",
+        "on_fit_end",
+    ]
+
+
+def test_full_fit_hook_sequence_fp32_with_accumulation_and_validation(tmp_path):
+    calls: list = []
+    overrides = {"data.n": 24, "trainer.max_epochs": 2, "trainer.accumulate_grad_batches": 2}
+    trainer = RecordingTrainer(toy_cfg(tmp_path, **{**QUIET, **overrides}), callbacks=[Recorder(calls)])
     trainer.calls = calls
     trainer.fit()
-
-    # 24 samples / batch 8 = 3 batches per epoch; accumulation 2 -> iterations of 2 batches, then 1.
-    def batch(ends_iteration: bool) -> list[str]:
-        seq = ["on_train_batch_start", "training_step", "on_before_backward", "on_after_backward"]
-        if ends_iteration:
-            seq += ["on_before_optimizer_step", "on_after_optimizer_step", "on_before_zero_grad"]
-        return seq + ["on_train_batch_end"]
-
-    validation = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
-    epoch = ["on_train_epoch_start", *batch(False), *batch(True), *batch(True), *validation, "on_train_epoch_end"]
-    expected = [
-        "configure_model", "configure_optimizers", "train_dataloader", "val_dataloader",
-        "on_fit_start", "on_train_start", *epoch, *epoch, "on_train_end", "on_fit_end",
-    ]  # fmt: skip
-    assert calls == expected
     assert trainer.state.global_step == 4
     assert trainer.optimizer_state[trainer.optimizer].steps == 4
+    # 24 samples / batch 8 = 3 batches per epoch; accumulation 2 -> iterations of 2 batches, then 1.
+    validation = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
+    epoch = ["on_train_epoch_start", *batch(), *batch(steps=step()), *batch(steps=step()), *validation]
+    epoch += ["on_train_epoch_end"]
+    assert calls == [*SET_UP, "on_train_start", *epoch, *epoch, "on_train_end", "on_fit_end"]
+
+
+NO_VAL = {"data.n": 24, "trainer.val_every_n_epochs": 0, "precision.init_scale": 256}  # no overflow of its own
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "overrides", "overflow_at", "expected"),
+    [
+        pytest.param(
+            RecordingTrainer,
+            {"precision.opt_level": "O2"},
+            None,
+            fit_of(*[batch(steps=step(scaled=True), scale_updates=[0])] * 3),
+            id="O2-fp16",
+        ),
+        pytest.param(
+            RecordingTrainer,
+            {"precision.opt_level": "O1", "trainer.accumulate_grad_batches": 2},
+            None,
+            fit_of(
+                batch(),
+                batch(steps=step(scaled=True), scale_updates=[0]),
+                batch(steps=step(scaled=True), scale_updates=[0]),
+            ),
+            id="O1-fp16-accumulate-2",
+        ),
+        pytest.param(
+            RecordingTrainer,
+            {"precision.opt_level": "O1"},
+            2,
+            fit_of(
+                batch(steps=step(scaled=True), scale_updates=[0]),
+                batch(steps=step(scaled=True, overflow=True), scale_updates=[0]),
+                batch(steps=step(scaled=True), scale_updates=[0]),
+            ),
+            id="O1-fp16-overflow",
+        ),
+        pytest.param(
+            TwoLossRecordingTrainer,
+            {"precision.opt_level": "O1"},
+            2,
+            fit_of(
+                batch(2, step("body", True) + step("head", True), ["A", "B"], optimizers=2),
+                batch(2, step("body", True, True, ["A"]) + step("head", True, True, ["A"]), ["A", "B"], 2),
+                batch(2, step("body", True) + step("head", True), ["A", "B"], optimizers=2),
+            ),
+            id="O1-fp16-two-losses-manual-overflow",
+        ),
+        pytest.param(
+            RecordingTrainer,
+            {"precision.opt_level": "O1", "precision.dtype": "bfloat16"},
+            2,
+            fit_of(batch(steps=step()), batch(steps=step(overflow=True)), batch(steps=step())),
+            id="O1-bf16-no-scaler-overflow",
+        ),
+    ],
+)
+def test_full_fit_hook_sequence_mixed_precision(tmp_path, trainer_class, overrides, overflow_at, expected):
+    calls = fit_recording(tmp_path, trainer_class, overflow_at, **{**NO_VAL, **overrides})
+    assert calls == expected
 
 
 def test_exception_fires_on_exception_then_on_fit_end(tmp_path):

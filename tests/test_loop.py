@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
-from ampkit import Callback
+from ampkit import Callback, Phase
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 
 QUIET = {"logging.tensorboard": False, "checkpoint.enabled": False}
@@ -182,15 +182,14 @@ def test_training_step_must_return_a_loss_under_automatic_optimization(tmp_path)
         NoLoss(toy_cfg(tmp_path, **QUIET)).fit()
 
 
-def test_callbacks_are_ordered_by_declarations_and_cycles_are_named():
-    def make(name, after=(), before=()):
-        return type(name, (Callback,), {"after": after, "before": before})()
+def test_callbacks_are_ordered_by_phase_ties_keep_the_given_order():
+    def make(name, phase=Phase.DEFAULT):
+        return type(name, (Callback,), {"phase": phase})()
 
-    a, b, c = make("A", after=("B",)), make("B"), make("C", before=("B",))
-    last, missing = make("Last", after=("*",)), make("Loose", after=("NotThere",))
-    assert [cb.name for cb in order_callbacks([last, a, b, c, missing])] == ["C", "B", "A", "Loose", "Last"]
-    with pytest.raises(CallbackOrderError, match="cycle among: X, Y"):
-        order_callbacks([make("X", after=("Y",)), make("Y", after=("X",)), make("Z")])
+    given = [make("Save", Phase.PERSIST), make("U1"), make("Clip", Phase.CLIP), make("Cast", Phase.CAST), make("U2")]
+    given += [make("Log", Phase.OBSERVE), make("Scale", Phase.SCALE), make("Sync", Phase.DISTRIBUTE)]
+    ordered = [cb.name for cb in order_callbacks(given)]
+    assert ordered == ["Cast", "Sync", "Scale", "Clip", "U1", "U2", "Log", "Save"]
     with pytest.raises(CallbackOrderError, match="unique"):
         order_callbacks([make("A"), make("A")])
 

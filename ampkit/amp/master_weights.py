@@ -9,14 +9,11 @@ resumed O2 runs spiked), so a resumed run continues bit-identically.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 
 __all__ = ["MasterWeights"]
-
-_OWNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its MasterWeights
 
 
 class MasterWeights:
@@ -36,23 +33,12 @@ class MasterWeights:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if optimizer in _OWNED:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} already has master weights; reuse that MasterWeights (its "
-                "param_groups now hold fp32 masters, so a second one would find nothing to manage)"
-            )
-        _OWNED[optimizer] = self
         self.optimizer = optimizer
         self.model_params: list[torch.Tensor] = []
         self.master_params: list[torch.Tensor] = []
         self._low: list[torch.Tensor] = []  # model params that have a separate master
         self._low_masters: list[torch.Tensor] = []
         self.refresh()
-
-    @staticmethod
-    def of(optimizer: torch.optim.Optimizer) -> MasterWeights | None:
-        """The :class:`MasterWeights` managing ``optimizer``, or ``None`` if it has none."""
-        return _OWNED.get(optimizer)
 
     def refresh(self) -> None:
         """Create masters for parameters added to the optimizer since (``add_param_group``)."""

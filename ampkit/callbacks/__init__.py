@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.distributed import DistributedSync
+from ampkit.callbacks.early_stopping import EarlyStopping
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.precision import MixedPrecision
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Callback",
     "DistributedSync",
+    "EarlyStopping",
     "GradientClipping",
     "GradientHistograms",
     "LossScaling",
@@ -49,18 +53,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
             "bucket_cap_mb": d.bucket_cap_mb,
         }
         callbacks.append(DistributedSync(grad_sync, ddp_kwargs, sync_batchnorm=d.sync_batchnorm))
-    clip, precision_clip = cfg.trainer.clip_grad_norm, cfg.precision.clip_grad_norm
-    if clip is not None and precision_clip is not None and clip != precision_clip:
-        raise ConfigError(
-            f"config keys 'trainer.clip_grad_norm' ({clip}) and 'precision.clip_grad_norm' ({precision_clip}) "
-            "disagree; set one of them"
-        )
-    clip = clip if clip is not None else precision_clip
-    if clip is not None:
-        if not clip > 0:
-            raise ConfigError(
-                f"config key 'precision.clip_grad_norm': {clip!r} is invalid; expected null or a number > 0"
-            )
+    clip = cfg.trainer.clip_grad_norm if cfg.trainer.clip_grad_norm is not None else cfg.precision.clip_grad_norm
+    if clip is not None:  # both keys were checked when the Trainer was built
         callbacks.append(GradientClipping(clip))
     if cfg.trainer.progress_bar:
         callbacks.append(ProgressBar(every_n_steps=cfg.logging.console_every_n_steps))
@@ -69,11 +63,29 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
         if cfg.logging.grad_histograms_every_n_steps > 0:
             callbacks.append(GradientHistograms(every_n_steps=cfg.logging.grad_histograms_every_n_steps))
     if cfg.checkpoint.enabled:
-        callbacks.append(
-            ModelCheckpoint(
-                every_n_steps=cfg.checkpoint.every_n_steps,
-                every_n_epochs=cfg.checkpoint.every_n_epochs,
-                keep_last=cfg.checkpoint.keep_last,
+        c = cfg.checkpoint
+        with _config_section("checkpoint"):
+            callbacks.append(
+                ModelCheckpoint(
+                    every_n_steps=c.every_n_steps,
+                    every_n_epochs=c.every_n_epochs,
+                    keep_last=c.keep_last,
+                    monitor=c.monitor,
+                    mode=c.mode.value,
+                    save_top_k=c.save_top_k,
+                )
             )
-        )
+    if cfg.early_stopping.monitor:
+        e = cfg.early_stopping
+        with _config_section("early_stopping"):
+            callbacks.append(EarlyStopping(e.monitor, mode=e.mode.value, patience=e.patience, min_delta=e.min_delta))
     return callbacks
+
+
+@contextmanager
+def _config_section(section: str) -> Iterator[None]:
+    """A callback's invalid argument reported as a config error of ``section``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ConfigError(f"config section '{section}': {exc}") from None

@@ -1,11 +1,14 @@
-"""Periodic checkpoints, written atomically (by rank zero; under FSDP every rank writes its shards)."""
+"""Periodic and best-k checkpoints, written atomically (by rank zero; under FSDP every rank writes its shards);
+``last.pt`` always names the newest, ``best.pt`` the best by the monitored metric."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
-from ampkit.trainer.callback import Callback
+from ampkit.callbacks.monitor import Monitor
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
@@ -14,32 +17,89 @@ class ModelCheckpoint(Callback):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt``.
 
-    Runs after every other callback so it captures an iteration's final state (e.g. updated loss scales).
+    Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
+
+    With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k``
+    best so far is saved as ``best-<step>.pt`` and ``best.pt`` names the best one; the ranking is saved in
+    checkpoints, so a resumed run keeps it. A file leaves the top k only after its replacement is written.
     """
 
-    after = ("*",)
+    phase = Phase.PERSIST
 
-    def __init__(self, every_n_steps: int = 0, every_n_epochs: int = 1, keep_last: int = 2) -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 0,
+        every_n_epochs: int = 1,
+        keep_last: int = 2,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+    ) -> None:
         if every_n_steps < 0 or every_n_epochs < 0 or keep_last < 1:
             raise ValueError(
                 f"ModelCheckpoint: every_n_steps ({every_n_steps}) and every_n_epochs ({every_n_epochs}) "
                 f"must be >= 0 and keep_last ({keep_last}) >= 1"
             )
+        if save_top_k < 1:
+            raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1")
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
+        self.monitor = Monitor(monitor, mode) if monitor else None
+        self.save_top_k = save_top_k
+        self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self._saved_at: dict[str, int] | None = None
+        self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
         if s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0:
             self.save(trainer, f"step-{s.global_step:08d}.pt")
+        self._save_if_best(trainer)
 
     def on_train_epoch_end(self, trainer) -> None:
         s = trainer.state
         if s.epoch_finished and self.every_n_epochs > 0 and (s.epoch + 1) % self.every_n_epochs == 0:
             self.save(trainer, f"epoch-{s.epoch + 1:04d}.pt")
+        self._save_if_best(trainer)
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        if self.monitor is not None and trainer.state.stage == "fit":
+            self._pending = self.monitor.value(metrics)
+
+    def _save_if_best(self, trainer) -> None:
+        value, self._pending = self._pending, None
+        if value is None:
+            return
+        ranked = list(self.best_k.items())
+        if len(ranked) >= self.save_top_k and not self.monitor.improves(value, ranked[-1][1]):
+            return
+        if not self.monitor.improves(value, None):  # NaN or inf: never among the best
+            return
+        name = f"best-{trainer.state.global_step:08d}" + ("" if trainer.sharded else ".pt")
+        ranked.append((name, value))
+        ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")
+        self.best_k = dict(ranked[: self.save_top_k])  # recorded first: the new file's own state includes it
+        path = self.save(trainer, name)
+        if path is None or not trainer.is_global_zero:
+            return
+        directory = path.parent
+        if trainer.sharded:  # directories: ``best`` is a symlink, as ``last`` is
+            point_last_at(directory / next(iter(self.best_k)), "best")
+        else:
+            link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
+        for dropped, _ in ranked[self.save_top_k :]:
+            if trainer.sharded:
+                shutil.rmtree(directory / dropped, ignore_errors=True)
+            else:
+                (directory / dropped).unlink(missing_ok=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_k": dict(self.best_k)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_k = dict(state.get("best_k", {}))
 
     def on_train_end(self, trainer) -> None:
         if self._saved_at != trainer.loop_position():
@@ -56,7 +116,8 @@ class ModelCheckpoint(Callback):
         directory = trainer.version_dir / "checkpoints"
         path = save_atomic(checkpoint, directory / filename)
         link_atomic(path, directory / "last.pt")
-        kept = sorted((p for p in directory.glob("*-*.pt")), key=lambda p: p.stat().st_mtime_ns)
+        periodic = (p for p in directory.glob("*-*.pt") if not p.name.startswith("best-"))
+        kept = sorted(periodic, key=lambda p: p.stat().st_mtime_ns)
         for old in kept[: -self.keep_last]:
             old.unlink(missing_ok=True)
         return path

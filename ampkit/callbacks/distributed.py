@@ -1,8 +1,6 @@
-"""Keep ranks in lock-step: DDP or step-time gradient averaging, rank-agreed overflow flags, SyncBatchNorm.
+"""Keep ranks in lock-step: DDP or step-time gradient averaging, SyncBatchNorm, a named dead rank.
 
-Every skip decision and loss-scale update must be identical on all ranks, or the next collective hangs.
-Per-loss and per-optimizer ``found_inf`` flags are therefore all-reduced (MAX) right before each optimizer
-step, so an inf that appears on one rank only makes every rank skip the same optimizer.
+(The Trainer itself agrees the per-loss ``found_inf`` facts across ranks before every skip verdict.)
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, is_communication_failure
 
 
@@ -28,10 +26,10 @@ class DistributedSync(Callback):
     the forward, as DDP reads it there). ``grad_sync="step"`` averages an optimizer's gradients right before
     its step: it works for any number of forwards and backwards per step (a GAN's D and G passes, backward
     restricted to one optimizer's parameters), which DDP's one-forward-one-backward reducer does not.
-    ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients; only the flags are agreed.
+    ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients itself.
     """
 
-    before = ("GradientClipping",)
+    phase = Phase.DISTRIBUTE  # after the model is cast, before clipping reads the averaged gradients
 
     def __init__(self, grad_sync: str = "ddp", ddp_kwargs: dict[str, Any] | None = None,
                  sync_batchnorm: bool = False, failure_wait_s: float = 5.0) -> None:  # fmt: skip
@@ -43,7 +41,6 @@ class DistributedSync(Callback):
         self.failure_wait_s = failure_wait_s
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
-        self._synced: set[Any] = set()
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
@@ -68,38 +65,16 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
-        if trainer.state.is_iteration_start:
-            self._synced = set()
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = trainer.state.is_iteration_end
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        opt_state = trainer.optimizer_state[optimizer]
-        loss_ids = sorted(trainer.loss_state, key=str)
-        flags = [float(trainer.loss_state[k].found_inf) for k in loss_ids] + [float(opt_state.found_inf)]
-        agreed = self._all_reduce_max(flags, trainer)
-        for key, flag in zip(loss_ids, agreed, strict=False):
-            trainer.loss_state[key].found_inf = bool(flag)
-        self._synced.update(loss_ids)
-        opt_state.found_inf = bool(agreed[-1]) or any(trainer.loss_state[k].found_inf for k in opt_state.loss_ids)
-        if self.grad_sync == "step" and not opt_state.found_inf:
-            self._average_grads(optimizer, trainer)
-            opt_state.grad_norm = None  # a norm cached before averaging is stale
-
-    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
-        unsynced = sorted((k for k in trainer.loss_state if k not in self._synced), key=str)
-        if trainer.state.is_iteration_end and unsynced:  # losses no stepped optimizer saw: agree before updates
-            agreed = self._all_reduce_max([float(trainer.loss_state[k].found_inf) for k in unsynced], trainer)
-            for key, flag in zip(unsynced, agreed, strict=True):
-                trainer.loss_state[key].found_inf = bool(flag)
+        if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
+            self._average_grads(optimizer)
+            trainer.optimizer_state[optimizer].grad_norm = None  # a norm cached before averaging is stale
 
     # ---------------------------------------------------------------- collectives
-    def _all_reduce_max(self, values: list[float], trainer) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float32, device=self._comm_device(trainer))
-        self._collective("all-reduce of overflow flags", dist.all_reduce, tensor, dist.ReduceOp.MAX)
-        return tensor.cpu().tolist()
-
-    def _average_grads(self, optimizer: torch.optim.Optimizer, trainer) -> None:
+    def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -112,10 +87,6 @@ class DistributedSync(Callback):
             flat.div_(world)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(synced)
-
-    @staticmethod
-    def _comm_device(trainer) -> torch.device:
-        return trainer.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import MasterWeights
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 
 
 def parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -29,6 +29,8 @@ class GradientHistograms(Callback):
     ``grad/<parameter>``, and on every skipped step the parameters whose gradients held inf/nan, as the text
     ``amp/overflow_params/<optimizer>`` (also kept in :attr:`overflowed`). Writes through ``trainer.logger``.
     """
+
+    phase = Phase.OBSERVE  # reads the gradients once unscaled, averaged and clipped
 
     def __init__(self, every_n_steps: int = 100) -> None:
         if every_n_steps < 1:

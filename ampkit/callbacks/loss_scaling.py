@@ -1,4 +1,4 @@
-"""Per-loss loss scalers, combined unscaling after every backward, and the step-or-skip decision.
+"""Per-loss loss scalers and combined unscaling after every backward; each loss's found_inf as a fact.
 
 Per ``trainer.backward(loss, loss_id=k)``: every optimizer's gradients are stashed, the loss is scaled by
 scaler ``k``, and after autograd the new gradients are unscaled by scaler ``k``'s scale, checked for
@@ -6,16 +6,17 @@ inf/nan and added to the stash (:class:`ampkit.amp.GradientCombiner`). So gradie
 time clipping or logging look at them, accumulation over batches and several losses is exact, and an
 overflow is attributed to the loss that produced it.
 
-Skip rule: an optimizer steps only if none of the losses that reached its parameters overflowed in this
-iteration. The verdicts travel through the Trainer's state: ``trainer.loss_state[loss_id].found_inf`` per
-loss (agreed across ranks by ``DistributedSync``, which runs before this callback) and
-``trainer.optimizer_state[opt].found_inf`` / ``.loss_ids`` per optimizer. Each scaler updates once per
-iteration, after every optimizer step (torch's recipe; updating after each optimizer step, as Lightning
-and Accelerate do, unscales the second optimizer with the wrong scale), and only if its loss was used.
+This callback only reports facts into the Trainer's state: each combine's found_inf flag (on the device,
+unread) with ``trainer.loss_state[loss_id].report_found_inf``, the loss ids that reached each optimizer in
+``trainer.optimizer_state[opt].loss_ids``, and each loss's scaler in ``trainer.loss_state[loss_id].scaler``.
+The Trainer reads and agrees the flags across ranks, decides step or skip (an optimizer skips when a loss
+that reached it overflowed), and updates each used scaler once per iteration after every optimizer step
+(torch's recipe; updating after each optimizer step, as Lightning and Accelerate do, unscales the second
+optimizer with the wrong scale).
 
-Host syncs: the found_inf flags stay on the device until the batch that ends the iteration; its first
-backward reads all pending flags in one sync (so accumulation over micro-batches costs one sync per
-iteration; a GAN's D and G backwards cost one each, as their steps need the verdict in between).
+Host syncs: the flags stay on the device until the Trainer's first step of the iteration reads them all at
+once (so accumulation over micro-batches, or several losses before the steps, cost one read per iteration;
+a GAN's D step between its D and G backwards needs the verdict in between, so two).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, read_flags
-from ampkit.trainer.callback import Callback
+from ampkit.amp import GradientCombiner, LossScaler
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
 
@@ -35,7 +36,8 @@ class LossScaling(Callback):
 
     Args:
         loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale: the
-            knobs of every :class:`~ampkit.amp.LossScaler`.
+            knobs of every :class:`~ampkit.amp.LossScaler`. ``loss_scale="none"``: no scalers; gradients are
+            still combined onto O2's fp32 master weights (bfloat16 needs no scaling).
         num_losses: when given, scalers ``0..num_losses-1`` exist from the start and an integer
             ``loss_id`` outside that range is an error; named loss ids are always accepted.
         combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
@@ -43,15 +45,15 @@ class LossScaling(Callback):
         max_overflows_at_min_scale: raise when a scaler overflows this many iterations in a row while
             already at its floor (``min_scale``, or 2**-126 without one; 0: never) — scaling cannot help,
             the loss itself is non-finite.
+        check_nonfinite: report found_inf without scalers too (``precision.skip_nonfinite``); scaled
+            losses always report it.
 
     TensorBoard tags (through ``trainer.log``): ``amp/loss_scale/<loss_id>`` at every logged step,
     ``amp/overflow/<loss_id>`` (1 at each iteration that overflowed, 0 at logged clean ones) and
-    ``amp/skipped_steps/<optimizer>`` (cumulative). Fires ``on_after_unscale`` before each optimizer step
-    and ``on_loss_scale_update`` after each scaler update.
+    ``amp/skipped_steps/<optimizer>`` (cumulative).
     """
 
-    after = ("MixedPrecision", "DistributedSync")
-    before = ("GradientClipping",)
+    phase = Phase.SCALE
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class LossScaling(Callback):
         combine_grad: bool = False,
         warn_consecutive_skips: int = 10,
         max_overflows_at_min_scale: int = 10,
+        check_nonfinite: bool = True,
     ) -> None:
         self._knobs = dict(
             init_scale=init_scale,
@@ -77,7 +80,10 @@ class LossScaling(Callback):
             max_scale=max_scale,
         )
         self.loss_scale = loss_scale
-        LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
+        self.scaled = loss_scale != "none"
+        self.check_nonfinite = check_nonfinite or self.scaled
+        if self.scaled:
+            LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
         if num_losses is not None and (
             isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1
         ):
@@ -94,12 +100,11 @@ class LossScaling(Callback):
         self.max_overflows_at_min_scale = max_overflows_at_min_scale
         self.scalers: dict[Any, LossScaler] = {}
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
-        self._pending_flags: dict[Any, list[torch.Tensor]] = {}  # loss_id -> unsynced found_inf tensors
         self._consecutive_skips: dict[str, int] = {}
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
         self._log_every = 1
-        if num_losses is not None:
+        if num_losses is not None and self.scaled:
             for loss_id in range(num_losses):
                 self.scaler(loss_id)
 
@@ -134,7 +139,7 @@ class LossScaling(Callback):
     # ------------------------------------------------------------------ backward
     def _build_combiners(self, trainer) -> None:
         for optimizer in trainer.optimizers.values():
-            masters = MasterWeights.of(optimizer)
+            masters = trainer.optimizer_state[optimizer].master_weights
             if masters is not None:
                 pairs = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True)]
             else:
@@ -148,65 +153,34 @@ class LossScaling(Callback):
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
-        scaler = self.scaler(backward.loss_id)
         if not self._combiners:
             self._build_combiners(trainer)
         for combiner in self._combiners.values():
             combiner.prepare_backward()
-        backward.loss = scaler.scale_loss(backward.loss)
+        if self.scaled:
+            scaler = trainer.loss_state[backward.loss_id].scaler = self.scaler(backward.loss_id)  # Trainer updates it
+            backward.loss = scaler.scale_loss(backward.loss)
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
-        loss_id = backward.loss_id
-        scaler = self.scalers[loss_id]
-        flags = self._pending_flags.setdefault(loss_id, [])
+        loss_state = trainer.loss_state[backward.loss_id]
         for optimizer, combiner in self._combiners.items():
-            result = combiner.combine(scaler)
+            result = combiner.combine(loss_state.scaler if self.scaled else 1.0)
             if result.reached:
-                trainer.optimizer_state[optimizer].loss_ids.add(loss_id)
-                flags.append(result.found_inf)
-        if trainer.state.is_iteration_end:  # steps may follow: their skip decisions need the verdicts
-            self._resolve(trainer)
+                trainer.optimizer_state[optimizer].loss_ids.add(backward.loss_id)
+                if self.check_nonfinite:
+                    loss_state.report_found_inf(result.found_inf)
 
-    def _resolve(self, trainer) -> None:
-        """Read every pending found_inf flag with one sync into ``trainer.loss_state[loss_id].found_inf``."""
-        if not self._pending_flags:
-            return
-        ids = [(loss_id, len(flags)) for loss_id, flags in self._pending_flags.items()]
-        values = read_flags([f for flags in self._pending_flags.values() for f in flags])
-        self._pending_flags.clear()
-        at = 0
-        for loss_id, count in ids:
-            if any(values[at : at + count]):
-                trainer.loss_state[loss_id].found_inf = True
-            at += count
-
-    # ------------------------------------------------------------------ step or skip
-    def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        self._resolve(trainer)
-        opt_state = trainer.optimizer_state[optimizer]
-        if any(trainer.loss_state[loss_id].found_inf for loss_id in opt_state.loss_ids):
-            opt_state.found_inf = True
-        trainer.fire("on_after_unscale", optimizer, opt_state.found_inf)
-
-    def on_before_zero_grad(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        self._resolve(trainer)  # verdicts of backwards no step looked at, before ranks agree on them
+    # ------------------------------------------------------------------ after the Trainer's update
+    def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
+        overflowed = trainer.loss_state[loss_id].found_inf
+        self._check_floor(loss_id, self.scalers[loss_id], overflowed, old)
+        if overflowed or trainer.state.iteration % self._log_every == 0:
+            trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
-        self._resolve(trainer)
-        step = trainer.state.iteration
-        logged = step % self._log_every == 0
-        for loss_id, loss_state in trainer.loss_state.items():
-            if not loss_state.backwards:
-                continue
-            scaler = self.scaler(loss_id)
-            overflowed = loss_state.found_inf
-            old, new = scaler.update(overflowed)
-            self._check_floor(loss_id, scaler, overflowed, old)
-            trainer.fire("on_loss_scale_update", loss_id, old, new)
-            if logged or overflowed:
-                trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
+        logged = trainer.state.iteration % self._log_every == 0
         if logged:
             for loss_id, scaler in self.scalers.items():
                 trainer.log(f"amp/loss_scale/{loss_id}", scaler.scale)

@@ -16,7 +16,7 @@ from ampkit.amp import (
     model_device,
     parse_dtype,
 )
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
 
@@ -34,11 +34,13 @@ class MixedPrecision(Callback):
     - ``master_weights``: each optimizer holds fp32 masters; they are copied into the model after every
       step that ran (not after a skipped one) and saved in checkpoints, so a resumed run is bit-identical.
 
+    A standalone ``validate``/``test``/``predict`` casts at ``on_evaluation_setup`` and runs under autocast too.
+
     Casting happens at ``on_fit_start``, or earlier at ``on_load_checkpoint`` when resuming, where the
     optimizer states are reloaded onto the cast parameters so they keep the dtype they were saved with.
     """
 
-    before = ("DistributedSync",)  # cast before DistributedDataParallel wraps the model
+    phase = Phase.CAST  # cast before DistributedDataParallel wraps the model
 
     def __init__(
         self,
@@ -94,8 +96,8 @@ class MixedPrecision(Callback):
                 add_boundary_casts(module, None, self.cast_model_outputs)
         if props.master_weights:
             for optimizer in trainer.optimizers.values():
-                masters = MasterWeights.of(optimizer) or MasterWeights(optimizer)
-                self.masters[optimizer] = masters
+                masters = self.masters[optimizer] = MasterWeights(optimizer)
+                trainer.optimizer_state[optimizer].master_weights = masters  # gradients go to the masters
                 for param, master in zip(masters.model_params, masters.master_params, strict=True):
                     self._master_to_model[id(master)] = param
 
@@ -167,6 +169,21 @@ class MixedPrecision(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if not self._resume_after_validation:
             self._autocast_off()
+
+    def on_evaluation_setup(self, trainer, stage: str) -> None:
+        self._setup(trainer)
+
+    def on_test_start(self, trainer) -> None:
+        self._autocast_on()
+
+    def on_test_end(self, trainer, metrics: dict[str, float]) -> None:
+        self._autocast_off()
+
+    def on_predict_start(self, trainer) -> None:
+        self._autocast_on()
+
+    def on_predict_end(self, trainer, predictions: list[Any]) -> None:
+        self._autocast_off()
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._autocast_off()

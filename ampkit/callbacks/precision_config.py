@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from omegaconf import DictConfig
 
 from ampkit.amp import resolve_opt_level
 from ampkit.callbacks.loss_scaling import LossScaling
+from ampkit.callbacks.nonfinite import NonFiniteCheck
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 
+NO_LOSS_SCALE = "none"
+
 
 def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
-    """``[MixedPrecision, LossScaling]`` for O1-O3; ``[]`` for O0 (plain float32, identical to a hand loop).
+    """The callbacks ``precision`` asks for; ``[]`` for O0 (plain float32, identical to a hand loop).
+
+    O1-O3 get :class:`MixedPrecision` (casting), plus :class:`LossScaling` when the losses are scaled or O2's
+    fp32 master weights need the gradients combined onto them, else :class:`NonFiniteCheck` when
+    ``skip_nonfinite`` is on. bfloat16 has no loss scaler unless ``loss_scale`` asks for one.
 
     ``sharded`` (FSDP): O2/O5's model cast and fp32 masters are FSDP's (its policy computes in ``dtype`` from
     sharded fp32 parameters), so MixedPrecision leaves the model and optimizers alone.
@@ -29,21 +37,30 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
             f"'precision.scale_window' ({p.scale_window}) disagree; set one of them"
         )
     growth_interval = p.growth_interval if p.growth_interval is not None else p.scale_window
+    unscaled = isinstance(p.loss_scale, str) and p.loss_scale.lower() == NO_LOSS_SCALE
     try:
         props = resolve_opt_level(
             p.opt_level,
             dtype=p.dtype,
             keep_batchnorm_fp32=p.keep_batchnorm_fp32,
             master_weights=p.master_weights,
-            loss_scale=p.loss_scale,
+            loss_scale=None if unscaled else p.loss_scale,
         )
-        if props.opt_level == "O0" and p.loss_scale is None:
+        if props.opt_level == "O0" and (p.loss_scale is None or unscaled):
             return []
         if sharded:
             props = dataclasses.replace(props, cast_model_type=None, master_weights=False)
+        unscaled = unscaled or (p.loss_scale is None and props.dtype == torch.bfloat16)
+        if not (unscaled or p.skip_nonfinite):
+            raise ValueError(
+                "skip_nonfinite=False needs loss_scale: none (a loss scaler skips every step it overflows); "
+                f"loss_scale is {props.loss_scale!r}"
+            )
         casting = MixedPrecision(props, cast_modules=list(p.cast_modules), cast_model_outputs=p.cast_model_outputs)
+        if unscaled and not props.master_weights:
+            return [casting, NonFiniteCheck()] if p.skip_nonfinite else [casting]
         scaling = LossScaling(
-            props.loss_scale,
+            NO_LOSS_SCALE if unscaled else props.loss_scale,
             init_scale=p.init_scale,
             growth_factor=p.growth_factor,
             backoff_factor=p.backoff_factor,
@@ -54,7 +71,30 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
             combine_grad=p.combine_grad,
             warn_consecutive_skips=p.warn_consecutive_skips,
             max_overflows_at_min_scale=p.max_overflows_at_min_scale,
+            check_nonfinite=p.skip_nonfinite,
         )
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"config section 'precision': {exc}") from None
     return [casting, scaling]
+
+
+def describe_precision(precision: DictConfig) -> str:
+    """One line naming what ``precision`` runs, e.g. ``O1 bfloat16`` or ``O2 float16, loss scale dynamic``.
+
+    Resolved as :func:`precision_callbacks` does (the opt level's dtype, no scaler for bfloat16 by default);
+    ``precision`` must already be valid.
+    """
+    p = precision
+    explicit_none = isinstance(p.loss_scale, str) and p.loss_scale.lower() == NO_LOSS_SCALE
+    props = resolve_opt_level(
+        p.opt_level,
+        dtype=p.dtype,
+        keep_batchnorm_fp32=p.keep_batchnorm_fp32,
+        master_weights=p.master_weights,
+        loss_scale=None if explicit_none else p.loss_scale,
+    )
+    if props.opt_level == "O0" and (p.loss_scale is None or explicit_none):
+        return "O0 (float32)"
+    unscaled = explicit_none or (p.loss_scale is None and props.dtype == torch.bfloat16)
+    dtype = str(props.dtype).removeprefix("torch.")
+    return f"{p.opt_level} {dtype}" + ("" if unscaled else f", loss scale {props.loss_scale}")

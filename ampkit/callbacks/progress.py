@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ampkit.trainer.callback import Callback
+from ampkit.callbacks.precision_config import describe_precision
+from ampkit.trainer.callback import Callback, Phase
 
 
 def _interactive() -> bool:
@@ -34,6 +35,8 @@ class ProgressBar(Callback):
     """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset),
     redrawn at most every ``refresh_s`` seconds; otherwise print a plain status line every ``every_n_steps``
     iterations."""
+
+    phase = Phase.OBSERVE
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
         if every_n_steps < 1:
@@ -81,10 +84,7 @@ class ProgressBar(Callback):
         params = list(trainer.module.parameters())
         total = sum(p.numel() for p in params)
         trainable = sum(p.numel() for p in params if p.requires_grad)
-        p = trainer.cfg.precision
-        precision = "O0 (float32)" if p.opt_level == "O0" else f"{p.opt_level} {p.dtype}"
-        if p.opt_level != "O0" and p.loss_scale is not None:
-            precision += f", loss scale {p.loss_scale}"
+        precision = describe_precision(trainer.cfg.precision)
         t = trainer.settings
         length = f"{t.max_epochs} epochs" + (f", at most {t.max_steps} steps" if t.max_steps >= 0 else "")
         batches = trainer.num_train_batches
@@ -145,8 +145,9 @@ class ProgressBar(Callback):
         if self.bar:
             from tqdm.auto import tqdm
 
+            during_fit = trainer.state.stage == "fit"  # trainer.validate() runs over a loader of its own
             self._val_bar = tqdm(
-                total=trainer.num_val_batches,
+                total=trainer.num_val_batches if during_fit else None,
                 desc="validation",
                 dynamic_ncols=True,
                 leave=False,
@@ -169,7 +170,8 @@ class ProgressBar(Callback):
             return
         values = " ".join(f"{k}={_number(v)}" for k, v in shown.items())
         took = time.perf_counter() - self._val_start
-        where = f"epoch {trainer.state.epoch} step {trainer.state.global_step}"
+        s = trainer.state
+        where = f"epoch {s.epoch} step {s.global_step}" if s.stage == "fit" else s.stage
         self._print(f"{where} | {values} | validation {took:.1f} s")
 
     def on_train_epoch_end(self, trainer) -> None:

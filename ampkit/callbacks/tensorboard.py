@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ampkit.config import flatten
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.logger import Logger, check_image
 
 
@@ -50,7 +50,7 @@ class TensorBoardLogger(Callback):
     images, histograms and text.
     """
 
-    after = ("*",)
+    phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
         self.log_every_n_steps = log_every_n_steps

@@ -2,7 +2,8 @@
 
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
-whose submodules load on first touch. A real apex installation wins unless the shim is forced.
+whose submodules load on first touch, plus Apex's top-level ``amp_C`` extension module. A real apex
+installation wins unless the shim is forced.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ APEX_SUBPACKAGES = {
     "parallel": "ampkit.compat.parallel",
     "optimizers": "ampkit.compat.optimizers",
     "normalization": "ampkit.compat.normalization",
+    "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
 }
+# Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
+_TOP_LEVEL_MODULES = {"amp_C": "ampkit.compat.amp_c"}
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
     "apex.normalization.fused_layer_norm": "ampkit.compat.normalization",
@@ -90,6 +94,8 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "apex":
             return importlib.machinery.ModuleSpec("apex", _AliasLoader(None), is_package=True)
+        if fullname in _TOP_LEVEL_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_TOP_LEVEL_MODULES[fullname]))
         if not fullname.startswith("apex."):
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
@@ -100,13 +106,13 @@ def _installed_finder() -> _ApexShimFinder | None:
 
 
 def _forget_apex_modules() -> None:
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.") or n in _TOP_LEVEL_MODULES]:
         del sys.modules[name]
 
 
 def install_apex_shim(force: bool = False) -> bool:
-    """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``)
-    resolve to ampkit.
+    """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
+    ``.multi_tensor_apply``) and Apex's ``import amp_C`` resolve to ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).

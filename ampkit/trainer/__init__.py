@@ -1,10 +1,11 @@
 """The training loop and what it exposes to callbacks."""
 
-from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.callback import HOOKS, Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.inference import load_model
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
-from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.trainer import Trainer
 
 __all__ = [
@@ -17,7 +18,10 @@ __all__ = [
     "LoopState",
     "LossState",
     "OptimizerState",
+    "Phase",
     "Trainer",
     "load_checkpoint",
+    "load_model",
     "order_callbacks",
+    "skip_verdict",
 ]

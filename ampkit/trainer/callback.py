@@ -1,13 +1,14 @@
 """The callback base: every hook the Trainer fires, as a no-op to override.
 
-Hooks run in the order documented on :class:`ampkit.Trainer`. A callback says which others must run
-before or after it by name (``after = ("LossScaling",)``); ``"*"`` means "after every callback that does
-not itself say ``"*"``" (checkpointing uses it so it saves the final state of an iteration). Names that
-are not present are ignored, so callbacks stay independent of one another.
+Hooks run in the order documented on :class:`ampkit.Trainer`. At every hook, callbacks run in the order
+of the :class:`Phase` they serve (casting before data parallelism before loss scaling before clipping
+before user code before loggers before checkpoints); callbacks of one phase keep the order they were
+given in. No correctness depends on another callback's name.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -33,6 +34,11 @@ HOOKS: tuple[str, ...] = (
     "on_validation_start",
     "on_validation_batch_end",
     "on_validation_end",
+    "on_evaluation_setup",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
     "on_train_epoch_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
@@ -42,15 +48,26 @@ HOOKS: tuple[str, ...] = (
 )
 
 
+class Phase(IntEnum):
+    """The part of a step a callback serves; the Trainer runs callbacks in this order at every hook."""
+
+    CAST = 1  # casts the model, runs autocast: before anything wraps the model or scales a loss
+    DISTRIBUTE = 2  # wraps the model for data parallelism, averages gradients before anything reads them
+    SCALE = 3  # scales losses, unscales gradients and reports each loss's found_inf
+    CLIP = 4  # clips the unscaled, averaged gradients (may report a non-finite norm)
+    DEFAULT = 5  # user callbacks: they see finished gradients and agreed facts
+    OBSERVE = 6  # logging and progress: they read an iteration's final facts
+    PERSIST = 7  # checkpoints: they save an iteration's final state
+
+
 class Callback:
     """A unit of behaviour plugged into the Trainer's loop; override only the hooks you need."""
 
-    after: ClassVar[tuple[str, ...]] = ()
-    before: ClassVar[tuple[str, ...]] = ()
+    phase: ClassVar[Phase] = Phase.DEFAULT
 
     @property
     def name(self) -> str:
-        """The name other callbacks use in ``after``/``before``."""
+        """The callback's name (unique among a Trainer's callbacks)."""
         return type(self).__name__
 
     @property
@@ -84,10 +101,12 @@ class Callback:
         """After autograd has written this loss's gradients."""
 
     def on_after_unscale(self, trainer: Trainer, optimizer: torch.optim.Optimizer, found_inf: bool) -> None:
-        """Mixed precision: ``optimizer``'s gradients are unscaled; ``found_inf`` says whether it will skip."""
+        """Mixed precision, in ``step``: ``optimizer``'s gradients are unscaled and every rank agreed on
+        ``found_inf`` (whether they hold inf/nan, so the step will be skipped)."""
 
     def on_before_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
-        """Before ``optimizer.step()``; set ``trainer.optimizer_state[optimizer].found_inf`` to skip it."""
+        """Before the skip verdict and ``optimizer.step()`` (clipping runs here); facts set here must be the
+        same on every rank, e.g. ``trainer.optimizer_state[optimizer].found_inf = True`` to skip the step."""
 
     def on_after_optimizer_step(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.step()`` ran (not called for a skipped step)."""
@@ -101,7 +120,7 @@ class Callback:
         """At the end of an iteration, before the optimizer's gradients are cleared."""
 
     def on_loss_scale_update(self, trainer: Trainer, loss_id: Any, old: float, new: float) -> None:
-        """Mixed precision: loss scaler ``loss_id`` updated its scale at the end of an iteration."""
+        """Mixed precision: loss scaler ``loss_id`` updated its scale, once at the end of an iteration."""
 
     def on_train_batch_end(self, trainer: Trainer, outputs: dict[str, Any], batch: Any) -> None:
         """After the batch (and, at the end of an iteration, schedulers, zeroing and due validation)."""
@@ -114,6 +133,22 @@ class Callback:
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After a validation run, with its averaged metrics."""
+
+    def on_evaluation_setup(self, trainer: Trainer, stage: str) -> None:
+        """A standalone ``validate``/``test``/``predict`` (``stage``) built the model and loaded its weights;
+        fit does this set-up in ``on_fit_start`` (e.g. the precision casts)."""
+
+    def on_test_start(self, trainer: Trainer) -> None:
+        """Before :meth:`Trainer.test` runs its batches."""
+
+    def on_test_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """After :meth:`Trainer.test`, with its averaged metrics."""
+
+    def on_predict_start(self, trainer: Trainer) -> None:
+        """Before :meth:`Trainer.predict` runs its batches."""
+
+    def on_predict_end(self, trainer: Trainer, predictions: list[Any]) -> None:
+        """After :meth:`Trainer.predict`, with the per-batch outputs."""
 
     def on_train_epoch_end(self, trainer: Trainer) -> None:
         """At the end of every training epoch (after the epoch's validation, if due)."""

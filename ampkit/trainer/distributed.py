@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -122,6 +123,30 @@ def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
         tensor = tensor.cuda()
     dist.all_reduce(tensor)
     return tensor.cpu().tolist()
+
+
+def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[bool]:
+    """For each flag (a bool, or a one-element tensor that is set when non-zero), whether it is set on any
+    rank: one device-to-host read, and one collective when distributed. Every rank passes as many flags."""
+    if not env.enabled and len(flags) == 1 and isinstance(flags[0], torch.Tensor):
+        return [flags[0].reshape(-1)[0].item() != 0]  # the common case: one loss, one process
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    if env.enabled:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        device = device or torch.device("cpu")
+    else:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    values = torch.stack(
+        [
+            f.reshape(()).to(device, torch.float32)
+            if isinstance(f, torch.Tensor)
+            else torch.tensor(float(f), device=device)
+            for f in flags
+        ]
+    )
+    if env.enabled:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [v != 0 for v in values.tolist()]
 
 
 def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:

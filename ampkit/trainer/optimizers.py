@@ -17,6 +17,8 @@ class SchedulerSpec:
     interval: str = "step"
     frequency: int = 1
     monitor: str | None = None
+    strict: bool = True  # a missing monitored metric is an error (False: warn and skip the step)
+    name: str | None = None  # how messages name it (Lightning's LR-monitor name)
 
 
 @dataclass
@@ -26,19 +28,21 @@ class OptimizerSpec:
     schedulers: list[SchedulerSpec] = field(default_factory=list)
 
 
+_SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _ACCEPTED = (
-    "an Optimizer, a list of Optimizers, or dicts {'optimizer': opt, 'lr_scheduler': sched or "
-    "{'scheduler': sched, 'interval': 'step'|'epoch', 'frequency': n, 'monitor': 'val/metric'}, 'name': str}"
+    "an Optimizer, a list of Optimizers, a pair ([optimizers], [schedulers]), or dicts {'optimizer': opt, "
+    "'lr_scheduler': sched or {'scheduler': sched, 'interval': 'step'|'epoch', 'frequency': n, "
+    "'monitor': 'val/metric', 'strict': bool, 'name': str}, 'monitor': 'val/metric', 'name': str}"
 )
 
 
 def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     if isinstance(value, dict):
-        unknown = set(value) - {"scheduler", "interval", "frequency", "monitor"}
+        unknown = set(value) - _SCHEDULER_KEYS
         if unknown or "scheduler" not in value:
             raise ValueError(
                 f"{where}: lr_scheduler dict needs 'scheduler' and may have interval/frequency/"
-                f"monitor; got keys {sorted(value)}"
+                f"monitor/strict/name; got keys {sorted(value)}"
             )
         spec = SchedulerSpec(**value)
     else:
@@ -50,8 +54,35 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     return spec
 
 
+def _is_lists_pair(result: Any) -> bool:
+    """Lightning's ``([opt1, opt2], [sched1, sched2])``."""
+    return (
+        isinstance(result, list | tuple)
+        and len(result) == 2
+        and all(isinstance(part, list | tuple) for part in result)
+        and bool(result[0])
+        and all(isinstance(opt, torch.optim.Optimizer) for opt in result[0])
+    )
+
+
+def _attach_schedulers(optimizers: list[Any], schedulers: list[Any]) -> list[dict[str, Any]]:
+    """One dict per optimizer holding the schedulers that step it (a scheduler's ``.optimizer``)."""
+    items: list[dict[str, Any]] = [{"optimizer": opt, "lr_scheduler": []} for opt in optimizers]
+    for j, sched in enumerate(schedulers):
+        target = getattr(sched.get("scheduler") if isinstance(sched, dict) else sched, "optimizer", None)
+        owner = next((item for item in items if item["optimizer"] is target), None)
+        if owner is None:
+            raise ValueError(
+                f"configure_optimizers()[1][{j}] is a scheduler of an optimizer missing from the list of optimizers"
+            )
+        owner["lr_scheduler"].append(sched)
+    return items
+
+
 def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     """Accept the usual shapes; names default to the lower-cased class name, suffixed when repeated."""
+    if _is_lists_pair(result):
+        result = _attach_schedulers(list(result[0]), list(result[1]))
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
         raise ValueError(f"configure_optimizers returned nothing; return {_ACCEPTED}")
@@ -61,17 +92,16 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         if isinstance(item, torch.optim.Optimizer):
             specs.append(OptimizerSpec(name="", optimizer=item))
         elif isinstance(item, dict) and isinstance(item.get("optimizer"), torch.optim.Optimizer):
-            unknown = set(item) - {"optimizer", "lr_scheduler", "name"}
+            unknown = set(item) - {"optimizer", "lr_scheduler", "monitor", "name"}
             if unknown:
                 raise ValueError(f"{where}: unknown keys {sorted(unknown)}; return {_ACCEPTED}")
             scheds = item.get("lr_scheduler")
             scheds = scheds if isinstance(scheds, list) else ([] if scheds is None else [scheds])
+            sched_specs = [_scheduler_spec(s, where) for s in scheds]
+            for spec in sched_specs:  # Lightning puts 'monitor' beside 'optimizer' too
+                spec.monitor = spec.monitor or item.get("monitor")
             specs.append(
-                OptimizerSpec(
-                    name=str(item.get("name") or ""),
-                    optimizer=item["optimizer"],
-                    schedulers=[_scheduler_spec(s, where) for s in scheds],
-                )
+                OptimizerSpec(name=str(item.get("name") or ""), optimizer=item["optimizer"], schedulers=sched_specs)
             )
         else:
             raise ValueError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")

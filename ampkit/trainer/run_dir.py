@@ -30,11 +30,12 @@ def new_version_dir(root: str | Path) -> Path:
             n += 1
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """``checkpoints/last.pt`` (or ``checkpoints/last``, the link to a sharded checkpoint directory) of the
-    newest version under ``root`` that has one."""
+def latest_checkpoint(root: str | Path, name: str = "last.pt") -> Path | None:
+    """``checkpoints/<name>`` (``last.pt``, ``best.pt``, or ``last``/``best``, the links to sharded checkpoint
+    directories) of the newest version under ``root`` that has one."""
+    candidates = [name, name.removesuffix(".pt")]  # a .pt file, or the link to a sharded checkpoint directory
     for _, version in reversed(_versions(Path(root))):
-        for last in (version / "checkpoints" / "last.pt", version / "checkpoints" / "last"):
-            if last.is_file() or (last / ".metadata").is_file():
-                return last
+        for found in (version / "checkpoints" / c for c in candidates):
+            if found.is_file() or (found / ".metadata").is_file():
+                return found
     return None

@@ -80,10 +80,10 @@ def save_sharded(
     return path
 
 
-def point_last_at(path: Path) -> None:
-    """Make ``last`` beside ``path`` a symlink to it, replaced atomically (rank zero)."""
-    link = path.parent / LAST
-    tmp = path.parent / f".{LAST}.tmp"
+def point_last_at(path: Path, alias: str = LAST) -> None:
+    """Make ``alias`` (``last``, or ``best``) beside ``path`` a symlink to it, replaced atomically (rank zero)."""
+    link = path.parent / alias
+    tmp = path.parent / f".{alias}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(path.name, tmp)
     os.replace(tmp, link)
@@ -91,9 +91,11 @@ def point_last_at(path: Path) -> None:
 
 
 def prune_sharded(directory: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoint directories (never the one ``last`` points at)."""
+    """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
+    ``best-*`` ones are the best-k ranking's to keep or drop)."""
     last = (directory / LAST).resolve()
-    kept = sorted((p for p in directory.glob("*-*") if is_sharded_checkpoint(p)), key=lambda p: p.stat().st_mtime_ns)
+    periodic = (p for p in directory.glob("*-*") if is_sharded_checkpoint(p) and not p.name.startswith("best-"))
+    kept = sorted(periodic, key=lambda p: p.stat().st_mtime_ns)
     for old in kept[:-keep_last]:
         if old.resolve() != last:
             shutil.rmtree(old, ignore_errors=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,16 +22,22 @@ class LoopState:
     is_iteration_end: bool = True  # the current batch closes it: optimizers step after it
     epoch_finished: bool = False
     should_stop: bool = False
+    stage: str = "fit"  # fit | validate | test | predict: what the Trainer is running now
 
 
 @dataclass
 class OptimizerState:
-    """Per-optimizer facts for the current iteration, plus cumulative counts."""
+    """Per-optimizer facts for the current iteration, plus cumulative counts.
+
+    Facts come from callbacks; the Trainer turns them into its one verdict, :func:`skip_verdict`.
+    """
 
     name: str
-    found_inf: bool = False  # any callback may set it; the step is then skipped
+    found_inf: bool = False  # a callback may set it to skip this iteration's step
+    grad_norm_nonfinite: bool = False  # clipping found the total gradient norm inf/nan
     loss_ids: set[Any] = field(default_factory=set)  # losses whose gradients reached this optimizer
     grad_norm: torch.Tensor | None = None  # cached total L2 norm, see Trainer.grad_norm
+    master_weights: Any = None  # the casting callback's MasterWeights: who owns the gradients the optimizer reads
     stepped: bool = False  # stepped in this iteration
     skipped: bool = False  # skipped in this iteration (``step_was_skipped``)
     steps: int = 0
@@ -39,27 +46,64 @@ class OptimizerState:
 
     def begin_iteration(self) -> None:
         self.found_inf = False
+        self.grad_norm_nonfinite = False
         self.loss_ids = set()
         self.grad_norm = None
         self.stepped = False
         self.skipped = False
 
 
+class LossScaleUpdater(Protocol):
+    """What the Trainer needs of a loss scaler: its scale, and one update per iteration."""
+
+    @property
+    def scale(self) -> float: ...
+
+    def update(self, found_inf: bool) -> tuple[float, float]: ...
+
+
 @dataclass
 class LossState:
     """Per-loss facts for the current iteration, keyed by ``loss_id`` in ``trainer.loss_state``.
 
-    Mixed precision sets ``found_inf`` when a backward of this loss produced non-finite gradients; distributed
-    training agrees on it across ranks before any skip decision or scaler update.
+    A callback that checks this loss's gradients reports each check with :meth:`report_found_inf` (a device
+    flag, not read yet); the Trainer reads all reported flags with one sync and agrees them across ranks in
+    one collective, into ``found_inf``, before any skip verdict or scaler update.
     """
 
     loss_id: Any
-    found_inf: bool = False
+    found_inf: bool = False  # agreed across ranks: a backward of this loss produced inf/nan gradients
     backwards: int = 0  # backward calls of this loss in this iteration
+    scaler: LossScaleUpdater | None = None  # this loss's scaler (mixed precision); the Trainer updates it
+    reported: list[torch.Tensor] = field(default_factory=list)  # found_inf flags not yet read and agreed
+
+    @property
+    def scale(self) -> float | None:
+        """The current loss scale, or ``None`` when this loss is not scaled."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def report_found_inf(self, flag: torch.Tensor) -> None:
+        """Report a check of this loss's new gradients: ``flag`` (one element, on the device) non-zero = inf/nan."""
+        self.reported.append(flag)
 
     def begin_iteration(self) -> None:
         self.found_inf = False
         self.backwards = 0
+        self.reported = []
+
+
+def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> list[Any] | None:
+    """The skip rule, the only one: ``None`` when the optimizer steps, else the loss ids to blame.
+
+    It skips when a loss that reached it had inf/nan gradients on any rank, when clipping found a non-finite
+    norm, or when a callback set ``found_inf``. Blamed are the overflowing losses, else every loss that
+    reached it.
+    """
+    reached = sorted(opt_state.loss_ids, key=str)
+    culprits = [k for k in reached if k in losses and losses[k].found_inf]
+    if culprits or opt_state.found_inf or opt_state.grad_norm_nonfinite:
+        return culprits or reached
+    return None
 
 
 @dataclass

@@ -7,22 +7,35 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
     per epoch:  on_train_epoch_start
       per batch:  on_train_batch_start → training_step
                     (backward:  on_before_backward → autograd → on_after_backward)
-                    (step, at the end of an iteration:  on_before_optimizer_step →
+                    (step, at the end of an iteration:  facts agreed across ranks → on_after_unscale (when
+                       a loss was scaled) → on_before_optimizer_step → the skip verdict →
                        optimizer.step() → on_after_optimizer_step   |   on_optimizer_step_skipped)
-                  at the end of an iteration: step-interval schedulers (only of optimizers that stepped)
+                  at the end of an iteration: each loss scaler updates once (on_loss_scale_update)
+                    → step-interval schedulers (only of optimizers that stepped)
                     → on_before_zero_grad → zero_grad → validation if due (on_validation_start/_end)
                   → on_train_batch_end
       at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
+
+A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
+checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
+batch → on_<validation|test|predict>_end. Hooks defined on the subclass run after the callbacks' hooks.
 
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
 and ``step`` on every optimizer; otherwise ``training_step`` calls ``self.backward(loss, loss_id=...,
 optimizer=...)`` and ``self.step(optimizer)`` itself (e.g. a GAN's D step then G step).
 
+Mixed precision, as a reader finds it below: the loss is scaled (``on_before_backward``) → autograd →
+gradients unscaled and checked, per loss (``on_after_backward``) → in ``step``: facts agreed across ranks in
+one collective (:meth:`Trainer._agree_facts`) → clip (``on_before_optimizer_step``) → the one verdict
+(:func:`~ampkit.trainer.state.skip_verdict`) → step or skip → at the end of the iteration each loss scaler
+updates once (:meth:`Trainer._end_iteration`).
+
 Callbacks share facts only through the Trainer's state: ``trainer.state`` (loop position),
-``trainer.optimizer_state[opt]`` (``found_inf`` skips the step; ``loss_ids`` reached it; ``stepped``/``skipped``)
-and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, e.g. set by a loss scaler).
+``trainer.optimizer_state[opt]`` (``loss_ids`` reached it; ``grad_norm_nonfinite``/``found_inf`` make it
+skip; ``stepped``/``skipped`` and counts) and ``trainer.loss_state[loss_id]`` (``found_inf`` per loss, agreed
+across ranks; ``scaler``/``scale`` when the loss is scaled).
 """
 
 from __future__ import annotations
@@ -35,29 +48,31 @@ from typing import Any, ClassVar
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.overrides import is_overridden
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.distributed import (
     DistributedEnv,
-    all_reduce_sum,
+    any_rank,
     broadcast_object,
     check_same_config,
     distributed_loader,
     setup_distributed,
     teardown_distributed,
 )
+from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
+from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
-from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint, load_sharded
-from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
+from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
+from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 
 
 def _every(n: int, count: int) -> bool:
@@ -74,17 +89,6 @@ def _batches_in(loader: Any, limit: int | None) -> int | None:
     return total if limit is None else limit if total is None else min(total, limit)
 
 
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
-    for value in values:
-        size = _batch_size(value)
-        if size:
-            return size
-    return 0
-
-
 class Trainer:
     """Subclass it, implement ``configure_model``, ``configure_optimizers``, ``train_dataloader`` and
     ``training_step`` (plus ``val_dataloader``/``validation_step`` to validate), then call :meth:`fit`.
@@ -97,13 +101,20 @@ class Trainer:
             def configure_optimizers(self):  return torch.optim.AdamW(self.module.parameters(), lr=1e-3)
             def train_dataloader(self):      return DataLoader(train_set, batch_size=64, shuffle=True)
             def training_step(self, batch):  return F.cross_entropy(self.model(batch[0]), batch[1])
+
+    A subclass may define any hook of :class:`Callback` without the ``trainer`` argument
+    (``def on_train_epoch_end(self)``); it runs after the callbacks' (a misspelt hook is an error).
     """
 
     config_class: ClassVar[type] = Config
     automatic_optimization: ClassVar[bool] = True
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
-        self.cfg: DictConfig = cfg if isinstance(cfg, DictConfig) else build_config(self.config_class, cfg or {})
+        self._own_hooks = own_hooks(type(self), Trainer)
+        if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
+            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+            cfg = build_config(self.config_class, here, cfg or {})
+        self.cfg: DictConfig = cfg
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
@@ -129,6 +140,7 @@ class Trainer:
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
+        self._facts_pending = False  # a backward ran since the facts were last agreed
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -158,6 +170,25 @@ class Trainer:
             "validation_step(batch) returning a dict of metrics"
         )
 
+    def test_dataloader(self) -> Any:
+        """Return an iterable of test batches for :meth:`test`."""
+        return None
+
+    def test_step(self, batch: Any) -> dict[str, Any]:
+        """Return metrics for one test batch; the Trainer averages them weighted by batch size."""
+        raise NotImplementedError(
+            f"{type(self).__name__} returns a test_dataloader, so it must implement test_step(batch) "
+            "returning a dict of metrics"
+        )
+
+    def predict_dataloader(self) -> Any:
+        """Return an iterable of batches for :meth:`predict`."""
+        return None
+
+    def predict_step(self, batch: Any) -> Any:
+        """One batch's predictions: by default the model's output on the batch (on its first element if a tuple)."""
+        return self.model(batch[0] if isinstance(batch, list | tuple) else batch)
+
     def configure_callbacks(self) -> list[Callback]:
         """Extra callbacks this Trainer always wants."""
         return []
@@ -184,18 +215,19 @@ class Trainer:
         loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
-        self.fire("on_before_backward", backward)
+        self.fire("on_before_backward", backward)  # mixed precision scales the loss here
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
-        self.fire("on_after_backward", backward)
+        self._facts_pending = True
+        self.fire("on_after_backward", backward)  # ... and unscales the new gradients, reporting found_inf
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` if this batch ends an iteration; returns whether it stepped.
 
-        It is skipped (parameters, state and step count untouched) when a callback set ``found_inf``, and
-        not stepped at all when none of its parameters received a gradient this iteration.
+        It is skipped (parameters, state and step count untouched) when :func:`skip_verdict` says so, and not
+        stepped at all when none of its parameters received a gradient this iteration.
         """
         if not self.state.is_iteration_end:
             return False
@@ -206,13 +238,15 @@ class Trainer:
             raise RuntimeError(f"optimizer '{opt_state.name}' was already stepped in this iteration")
         if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
             return False
-        self.fire("on_before_optimizer_step", optimizer)
-        if opt_state.found_inf:
+        self._agree_facts()
+        if any(self.loss_state[k].scaler is not None for k in opt_state.loss_ids if k in self.loss_state):
+            self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
+        self.fire("on_before_optimizer_step", optimizer)  # clipping
+        culprits = skip_verdict(opt_state, self.loss_state)
+        if culprits is not None:
             opt_state.skipped = True
             opt_state.skipped_steps += 1
-            reached = sorted(opt_state.loss_ids, key=str)
-            culprits = [k for k in reached if k in self.loss_state and self.loss_state[k].found_inf]
-            self.fire("on_optimizer_step_skipped", optimizer, culprits or reached)
+            self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
         optimizer.step()
         opt_state.stepped = True
@@ -259,7 +293,7 @@ class Trainer:
             total[1] += 1
 
     def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every callback that overrides it, in the declared order."""
+        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer."""
         for method in self._hooks[hook]:
             method(self, *args)
 
@@ -287,9 +321,8 @@ class Trainer:
 
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
-        """Train. ``resume``: a checkpoint path, or ``"last"`` for the newest ``last.pt`` under ``run_dir``."""
-        self.dist = setup_distributed(self.cfg)
-        rank_zero_only.rank = self.dist.rank
+        """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``."""
+        self._start_distributed()
         clean = False
         try:
             self._fit(resume)
@@ -297,11 +330,15 @@ class Trainer:
         finally:
             teardown_distributed(self.dist, clean)
 
-    def _fit(self, resume: str | os.PathLike | None) -> None:
+    def _start_distributed(self) -> None:
+        self.dist = setup_distributed(self.cfg)
+        rank_zero_only.rank = self.dist.rank
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         check_same_config(self.cfg, self.dist)
-        checkpoint_path = self._resolve_resume(resume)
+
+    def _fit(self, resume: str | os.PathLike | None) -> None:
+        checkpoint_path = self._resolve_checkpoint(resume)
         self._setup(checkpoint_path)
         try:
             self.fire("on_fit_start")
@@ -330,6 +367,7 @@ class Trainer:
             self._run_batch(batch)
             if 0 <= self.settings.max_steps <= s.global_step:
                 s.should_stop = True
+            if s.should_stop:  # max_steps reached, or a callback (early stopping) asked
                 exhausted = s.batches_done == self._num_train_batches
                 break
         s.epoch_finished = exhausted
@@ -380,7 +418,34 @@ class Trainer:
             self.step(optimizer)
         return self._detached(out if isinstance(out, dict) else {"loss": loss})
 
+    def _agree_facts(self) -> None:
+        """Read every reported per-loss found_inf flag (one device-to-host read) and agree them across ranks
+        (one collective), so that every rank takes the same skip verdicts and scaler updates."""
+        if not self._facts_pending:
+            return
+        self._facts_pending = False
+        losses = [s for s in self.loss_state.values() if s.reported or self.dist.enabled]
+        if not losses:
+            return
+        if self.dist.enabled:  # the same order on every rank
+            losses.sort(key=lambda s: str(s.loss_id))
+        flags: list[torch.Tensor | bool] = []
+        for loss in losses:
+            reported, loss.reported = loss.reported, []
+            if not reported:
+                flags.append(loss.found_inf)
+            else:
+                flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
+                flags.append(flag + 1.0 if loss.found_inf else flag)
+        for loss, found_inf in zip(losses, any_rank(flags, self.dist), strict=True):
+            loss.found_inf = found_inf
+
     def _end_iteration(self) -> None:
+        self._agree_facts()  # also losses that no stepped optimizer looked at: their scalers update below
+        for loss in self.loss_state.values():
+            if loss.scaler is not None and loss.backwards:
+                old, new = loss.scaler.update(loss.found_inf)
+                self.fire("on_loss_scale_update", loss.loss_id, old, new)
         self._step_schedulers("step")
         for optimizer in self.optimizers.values():
             self.fire("on_before_zero_grad", optimizer)
@@ -402,39 +467,99 @@ class Trainer:
                     continue
                 key = sched.monitor.removeprefix("val/")
                 if key not in self.val_metrics:
-                    raise KeyError(
-                        f"scheduler of '{spec.name}' monitors '{sched.monitor}', but validation "
+                    which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+                    problem = (
+                        f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
                     )
+                    if sched.strict:
+                        raise KeyError(problem)
+                    rank_zero_warn(f"{problem}; not stepping it (strict=False)")
+                    continue
                 sched.scheduler.step(self.val_metrics[key])
 
-    @torch.no_grad()
     def _validate(self) -> None:
         if self._val_loader is None:
             return
         self.fire("on_validation_start")
-        was_training = self.module.training
-        self.module.eval()
-        sums: dict[str, float] = {}
-        seen = 0
-        limit = self.settings.limit_val_batches
-        for i, batch in enumerate(self._val_loader):
-            if limit is not None and i >= limit:
-                break
-            batch = self._to_device(batch)
-            metrics = self.validation_step(batch)
-            n = _batch_size(batch) or 1
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * n
-            seen += n
-            self.fire("on_validation_batch_end", metrics, batch)
-        self.module.train(was_training)
-        *totals, seen = all_reduce_sum([*sums.values(), float(seen)], self.dist)
-        self.val_metrics = {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
+        self.val_metrics = average_metrics(
+            self, self._val_loader, self.validation_step, self.settings.limit_val_batches, "on_validation_batch_end"
+        )
         self.fire("on_validation_end", dict(self.val_metrics))
 
+    # ----------------------------------------------------------------- validate, test, predict
+    def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
+
+        ``ckpt``: ``"last"``, ``"best"`` (the newest under ``run_dir``), a path, or None for the current weights.
+        Runs under the configured precision and, under ``torchrun``, each rank on its shard.
+        """
+        self.val_metrics = self._evaluate(VALIDATE, ckpt)
+        return dict(self.val_metrics)
+
+    def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics (``ckpt`` as in validate)."""
+        return self._evaluate(TEST, ckpt)
+
+    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+        """``predict_step``'s output for each batch of ``predict_dataloader()`` (tensors on the CPU).
+
+        ``output``: also save them there (``torch.save``; under ``torchrun`` each rank writes
+        ``<stem>.rank<N><suffix>`` with its shard).
+        """
+        predictions = self._evaluate(PREDICT, ckpt)
+        if output is not None:
+            path = Path(output)
+            if self.world_size > 1:
+                path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
+            save_atomic(predictions, path)
+        return predictions
+
+    def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+        self._start_distributed()
+        clean = False
+        try:
+            result = self._run_stage(stage, ckpt)
+            clean = True
+        finally:
+            teardown_distributed(self.dist, clean)
+        return result
+
+    def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+        path = self._resolve_checkpoint(ckpt)
+        if ckpt is not None and path is None:
+            raise CheckpointError(f"{stage.name}: no '{ckpt}.pt' under '{self.cfg.run_dir}' (pass a path)")
+        fresh = self.module is None  # not fitted in this process: build the model as fit would
+        if fresh:
+            self._setup_model()
+        if path is not None:
+            self._load_weights(path)
+        if fresh:
+            self._setup_callbacks()
+        loader = getattr(self, stage.dataloader)()
+        if loader is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
+            )
+        loader = distributed_loader(loader, self.settings.seed or 0, self.dist, shuffle_default=False)
+        self.state.stage = stage.name
+        try:
+            if fresh:
+                self.fire("on_evaluation_setup", stage.name)
+            self.fire(f"on_{stage.hook}_start")
+            step = getattr(self, stage.step)
+            if stage is PREDICT:
+                result = collect_predictions(self, loader, step)
+            else:
+                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
+                result = average_metrics(self, loader, step, batch_end_hook=batch_end)
+            self.fire(f"on_{stage.hook}_end", result)
+        finally:
+            self.state.stage = "fit"
+        return result
+
     # ----------------------------------------------------------------- set-up and data
-    def _setup(self, checkpoint_path: Path | None) -> None:
+    def _setup_model(self) -> None:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         module = self.configure_model()
@@ -444,6 +569,9 @@ class Trainer:
         if self.sharded:  # before the optimizers: they must hold the sharded parameters
             self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
+
+    def _setup(self, checkpoint_path: Path | None) -> None:
+        self._setup_model()
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
@@ -473,6 +601,8 @@ class Trainer:
         self._hooks = {
             hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
         }
+        for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
+            self._hooks[hook].append(getattr(type(self), hook))
 
     def _epoch_batches(self) -> Iterator[Any]:
         """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""
@@ -571,15 +701,28 @@ class Trainer:
         }
         self.fire("on_load_checkpoint", checkpoint)
 
-    def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
-        if resume is None:
+    def _load_weights(self, path: Path) -> None:
+        """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
+        if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
+            load_sharded(path, self.module, {})
+            return
+        try:
+            state = consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_checkpoint(path)["model"]
+            self.module.load_state_dict(state)
+        except (KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
+
+    def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
+        """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
+        if ckpt is None:
             return None
-        if str(resume) == "last":  # rank zero decides, so every rank loads the same file
-            return broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
-        path = Path(resume)
+        if str(ckpt) in ("last", "best"):  # rank zero decides, so every rank loads the same file
+            found = latest_checkpoint(self.cfg.run_dir, f"{ckpt}.pt") if self.is_global_zero else None
+            return broadcast_object(found, self.dist)
+        path = Path(ckpt)
         if not (path.is_file() or is_sharded_checkpoint(path)):
             raise CheckpointError(
-                f"resume: no checkpoint file or sharded checkpoint at '{path}' (pass a path or 'last')"
+                f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')"
             )
         return path
 
@@ -616,6 +759,26 @@ class Trainer:
                 t.clip_grad_norm is None or t.clip_grad_norm > 0,
                 "null or a number > 0",
             ),
+            "checkpoint.save_top_k": (
+                self.cfg.checkpoint.save_top_k,
+                self.cfg.checkpoint.save_top_k >= 1,
+                "an integer >= 1",
+            ),
+            "early_stopping.patience": (
+                self.cfg.early_stopping.patience,
+                self.cfg.early_stopping.patience >= 1,
+                "an integer >= 1",
+            ),
+            "early_stopping.min_delta": (
+                self.cfg.early_stopping.min_delta,
+                self.cfg.early_stopping.min_delta >= 0,
+                "a number >= 0",
+            ),
+            "precision.clip_grad_norm": (
+                self.cfg.precision.clip_grad_norm,
+                self.cfg.precision.clip_grad_norm is None or self.cfg.precision.clip_grad_norm > 0,
+                "null or a number > 0",
+            ),
             "logging.log_every_n_steps": (
                 self.cfg.logging.log_every_n_steps,
                 self.cfg.logging.log_every_n_steps >= 1,
@@ -636,6 +799,17 @@ class Trainer:
             if not ok:
                 raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
         validate_strategy(self.cfg)
+        clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
+        if clip is not None and precision_clip is not None and clip != precision_clip:
+            raise ConfigError(
+                f"config keys 'trainer.clip_grad_norm' ({clip}) and 'precision.clip_grad_norm' ({precision_clip}) "
+                "disagree; set one of them"
+            )
+        from ampkit.callbacks import precision_callbacks  # lazily, as _setup_callbacks does
+
+        # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
+        # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
+        precision_callbacks(self.cfg.precision)
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

@@ -220,12 +220,14 @@ def test_unreached_optimizer_gets_no_grads_and_no_flag():
 
 
 def test_cpu_unscale_runs_ampkit_kernel_with_torchs_bits(monkeypatch):
-    """The engine's unscale on CPU is ampkit's multi-tensor kernel, bit-identical to torch's op."""
-    from ampkit.amp.grad_combine import unscale_and_check_
+    """The engine's unscale of a large list on CPU is ampkit's multi-tensor kernel, bit-identical to torch's op;
+    a small list (one step of a small model) goes to torch's op, whose dispatch is cheaper."""
+    from ampkit.amp.grad_combine import KERNEL_MIN_NUMEL, unscale_and_check_
     from ampkit.ops import multi_tensor
 
     monkeypatch.setenv("AMPKIT_OPS", "kernel")  # a failed build fails the test instead of falling back
-    grads = [torch.randn(n) * 2.0**12 for n in (1, 7, 65537)] + [torch.randn(13).half(), torch.randn(5).bfloat16()]
+    sizes = (1, 7, KERNEL_MIN_NUMEL)
+    grads = [torch.randn(n) * 2.0**12 for n in sizes] + [torch.randn(13).half(), torch.randn(5).bfloat16()]
     grads[2][40000] = math.inf
     inv_scale = torch.full((1,), 2.0**-12)
     expected, torch_found = [g.clone() for g in grads], torch.zeros(1)
@@ -238,3 +240,6 @@ def test_cpu_unscale_runs_ampkit_kernel_with_torchs_bits(monkeypatch):
     assert calls and found.item() == torch_found.item() == 1.0
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    small = [torch.randn(1000)]
+    unscale_and_check_(small, torch.zeros(1), inv_scale)
+    assert len(calls) == 1

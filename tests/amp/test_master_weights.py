@@ -128,11 +128,3 @@ def test_load_state_dict_errors():
         masters.load_state_dict({"master_params": [torch.zeros(1)]})
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         MasterWeights([torch.zeros(1)])
-
-
-def test_second_master_weights_on_one_optimizer_is_an_error():
-    _, optimizer, _ = build(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="already has master weights"):
-        MasterWeights(optimizer)
-    assert MasterWeights.of(optimizer).optimizer is optimizer
-    assert MasterWeights.of(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)) is None

@@ -521,7 +521,6 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
-    (lambda p: FusedAdam(p, capturable=True), ValueError, "does not support capturable=True"),
     (lambda p: FusedSGD(p, lr=0.1, wd_after_momentum=True), ValueError, "does not support wd_after_momentum"),
     (lambda p: FusedAdagrad(p, adagrad_w_mode=True), ValueError, "does not support adagrad_w_mode"),
 ]
@@ -608,3 +607,104 @@ def test_cuda_half_params_with_master_weights_track_an_fp32_model(dtype):
     assert rel_diff(masters, full) <= 1e-6
     for h, m in zip(half, masters, strict=True):
         assert torch.equal(h, m.to(dtype))
+
+
+# ----------------------------------------------------------------- FusedSGD momentum buffer of fp16/bf16 params
+
+
+def apex_sgd_reference(params, grads_per_step, lr, momentum, dampening, weight_decay, nesterov):
+    """Apex's multi_tensor_sgd on half params and buffers: float32 math, buffer rounded to the param dtype,
+    the param updated with the unrounded buffer."""
+    params = [p.detach().clone() for p in params]
+    buffers = [None] * len(params)
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            g32 = g.float() + weight_decay * p.float()
+            buf = g32 if buffers[i] is None else buffers[i].float() * momentum + (1 - dampening) * g32
+            step = g32 + momentum * buf if nesterov else buf
+            params[i] = (p.float() - lr * step).to(p.dtype)
+            buffers[i] = buf.to(p.dtype)
+    return params, buffers
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hyper",
+    [dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(momentum=0.8, dampening=0.25, weight_decay=0.01)],
+    ids=["momentum", "nesterov", "dampening_wd"],
+)
+def test_sgd_half_momentum_buffer_is_in_param_dtype_with_fp32_math_as_apex(dtype, hyper):
+    from ampkit.compat.optimizers import FusedSGD as ApexFusedSGD
+
+    params = make_params(dtype)
+    grads_per_step = [[torch.randn(p.shape).to(dtype) for p in params] for _ in range(7)]
+    full = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False) | hyper
+    expected_params, expected_buffers = apex_sgd_reference(params, grads_per_step, lr=0.1, **full)
+    opt = ApexFusedSGD(params, lr=0.1, **hyper)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+    for p, want, buf in zip(params, expected_params, expected_buffers, strict=True):
+        assert opt.state[p]["momentum_buffer"].dtype == dtype
+        assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+        assert torch.equal(p.detach(), want)
+    saved = opt.state_dict()
+    assert {s["momentum_buffer"].dtype for s in saved["state"].values()} == {dtype}
+    twins = clone_params(params)
+    restored = FusedSGD(twins, lr=0.1, **hyper)
+    restored.load_state_dict(copy.deepcopy(saved))
+    assert all(restored.state[q]["momentum_buffer"].dtype == dtype for q in twins)
+
+
+def test_sgd_fp32_momentum_knob_and_master_weights_keep_fp32_buffers():
+    half = make_params(torch.float16)
+    full = clone_params(half, torch.float32)
+    knob = FusedSGD(clone_params(half), lr=0.1, momentum=0.9, fp32_momentum=True)
+    master = FusedSGD(half, lr=0.1, momentum=0.9, master_weights=True)
+    fp32 = torch.optim.SGD(full, lr=0.1, momentum=0.9)
+    knob_params = knob.param_groups[0]["params"]
+    for _ in range(5):
+        for h, k, f in zip(half, knob_params, full, strict=True):
+            g = torch.randn(h.shape).half()
+            h.grad, k.grad, f.grad = g, g.clone(), g.float()
+        for opt in (knob, master, fp32):
+            opt.step()
+    for opt in (knob, master):
+        assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.float32}
+    assert rel_diff([master.state[p]["master_param"] for p in half], full) <= 1e-6
+    restored = FusedSGD(clone_params(knob_params), lr=0.1, momentum=0.9, fp32_momentum=True)
+    restored.load_state_dict(knob.state_dict())
+    assert {s["momentum_buffer"].dtype for s in restored.state.values()} == {torch.float32}
+    with pytest.raises(TypeError, match="fp32_momentum must be a bool"):
+        FusedSGD(half, fp32_momentum="yes")
+
+
+# ----------------------------------------------------------------- FusedAdam(capturable=True), Apex's spelling
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_capturable_adam_with_master_weights_and_tensor_lr_steps_as_the_plain_one(dtype):
+    plain_params = make_params(dtype)
+    capturable_params = clone_params(plain_params)
+    master = dtype == torch.float16
+    lr = 2.0**-7  # exact in float32, so the tensor lr is the same number
+    plain = FusedAdam(plain_params, lr=lr, weight_decay=0.01, master_weights=master)
+    capturable = FusedAdam(
+        capturable_params, lr=torch.tensor(lr), weight_decay=0.01, capturable=True, master_weights=master
+    )
+    assert capturable.param_groups[0]["capturable"] and not plain.param_groups[0]["capturable"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for _ in range(5):
+        scaler.scale(torch.ones(()))
+        for p, q in zip(plain_params, capturable_params, strict=True):
+            g = torch.randn(p.shape).to(dtype)
+            p.grad, q.grad = g, g * 2.0**8
+        plain.step()
+        scaler.step(capturable)
+        scaler.update()
+    for p, q in zip(plain_params, capturable_params, strict=True):
+        assert torch.equal(p, q)
+        if master:
+            assert capturable.state[q]["master_param"].dtype == torch.float32
+            assert torch.equal(capturable.state[q]["master_param"], plain.state[p]["master_param"])

@@ -1,7 +1,8 @@
-"""Child processes of ``python -m ampkit.legacy``: resolve ``import apex`` to ampkit, as in the parent.
+"""Child processes of ``python -m ampkit.legacy``: resolve ``import apex`` (and ``amp_C``) to ampkit, as in
+the parent.
 
 Active only when ``AMPKIT_APEX_SHIM`` is set (the launcher sets it after installing the shim). Nothing of
-ampkit is imported until the first ``import apex``; then the real shim is installed and answers. The
+ampkit is imported until the first ``import apex`` or ``import amp_C``; then the real shim is installed and answers. The
 environment's own ``sitecustomize`` (shadowed by this one) is run afterwards.
 """
 
@@ -14,7 +15,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 class _InstallShimOnFirstApexImport:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "apex" and not fullname.startswith("apex."):
+        if fullname not in ("apex", "amp_C") and not fullname.startswith("apex."):
             return None
         sys.meta_path.remove(self)
         from ampkit.compat.shim import _installed_finder, install_apex_shim

@@ -4,7 +4,8 @@ A subclass declares its state (``_init_state``) and applies one multi-tensor upd
 parameters sharing a dtype (``_update``); this class gathers the parameters that have gradients,
 normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16 parameters, and turns
 torch's GradScaler contract (``grad_scale``/``found_inf`` attributes) into one ``grad_factor`` that the
-kernels fold into their single pass over memory.
+kernels fold into their single pass over memory (the grads are then unscaled in place, as torch's fused
+optimizers leave them).
 """
 
 from __future__ import annotations
@@ -115,18 +116,45 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One optimization step; skipped (state and step counts untouched) if GradScaler found an inf."""
+    def step(
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
+    ) -> float | None:
+        """One optimization step under torch's GradScaler contract (as ``torch.optim.Adam(fused=True)``).
+
+        ``grad_scale``/``found_inf`` (keywords, else the attributes GradScaler sets) are one-element tensors.
+        A non-zero ``found_inf`` skips the step: parameters, state, step counts and the (scaled) grads are left
+        untouched. Otherwise the kernels read each grad divided by ``grad_scale`` and the grads are unscaled in
+        place, so code reading ``.grad`` after the step (grad-norm logging, EMA) sees unscaled values.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
+        found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
+        grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
+        # One host read of each flag: the kernels take their hyper-parameters as numbers.
         if found_inf is not None and bool(found_inf.item()):
             return loss
-        grad_scale = getattr(self, "grad_scale", None)
-        self.step_with_grad_factor(1.0 if grad_scale is None else 1.0 / float(grad_scale))
+        if grad_scale is None:
+            self.step_with_grad_factor(1.0)
+            return loss
+        self.step_with_grad_factor(1.0 / float(grad_scale))
+        self._unscale_grads_(grad_scale)
         return loss
+
+    def _unscale_grads_(self, grad_scale: Tensor) -> None:
+        """Divide every grad by ``grad_scale`` in place (torch's fused optimizers divide, they do not multiply)."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+        for device, grads in by_device.items():
+            torch._foreach_div_(grads, grad_scale.to(device=device, dtype=torch.float32))
 
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
@@ -184,6 +212,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
 
+    def _state_in_acc_dtype(self, key: str, saved: dict[str, Any]) -> bool:
+        """Whether ``state[key]`` lives in the accumulate dtype (else in the param dtype, as torch loads it)."""
+        return key == "master_param" or key in self._acc_state_keys
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then state is put back in the accumulate dtype (torch casts it to the param dtype).
 
@@ -201,6 +233,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for key, value in incoming.items():
                     if key == "step":
                         state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
-                    elif key == "master_param" or key in self._acc_state_keys:
+                    elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -18,6 +18,10 @@ class FusedAdam(FusedOptimizer):
     State (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) matches ``torch.optim.Adam``/``AdamW``,
     so checkpoints move between them. ``adam_w_mode=False`` adds ``weight_decay * param`` to the gradient
     (torch.optim.Adam). Unlike Apex, ``amsgrad`` is supported.
+
+    ``capturable=True`` is accepted as in Apex (which requires it for ``master_weights=True``; here either works
+    alone) and ``lr`` may be a one-element tensor; the update is the same. The kernels read the step count and
+    ``lr`` on the host, so the step is not CUDA-graph capturable.
 
     Example:
         >>> opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)  # doctest: +SKIP
@@ -40,8 +44,7 @@ class FusedAdam(FusedOptimizer):
         set_grad_none: bool = True,
         capturable: bool = False,
     ) -> None:
-        reject_option("FusedAdam", "capturable", capturable, False)
-        check_hyper("lr", lr)
+        check_hyper("lr", float(lr))
         check_hyper("eps", eps)
         check_hyper("betas[0]", betas[0], 0.0, 1.0)
         check_hyper("betas[1]", betas[1], 0.0, 1.0)
@@ -55,6 +58,7 @@ class FusedAdam(FusedOptimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
+            capturable=capturable,
         )
         super().__init__(params, defaults, master_weights, set_grad_none)
 
@@ -76,7 +80,7 @@ class FusedAdam(FusedOptimizer):
             bucket.state_list("max_exp_avg_sq") if amsgrad else [],
             bucket.masters(),
             bucket.state_list("step"),
-            group["lr"],
+            float(group["lr"]),
             beta1,
             beta2,
             group["eps"],

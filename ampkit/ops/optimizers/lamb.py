@@ -91,37 +91,77 @@ class FusedLAMB(FusedOptimizer):
         return buf
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        device = bucket.device
         beta1, beta2 = group["betas"]
-        updates = [self._update_buffer(p) for p in bucket.params]
-        masters = bucket.masters()
-        op("lamb_stage1", device)(
+        lamb_step(
             bucket.params,
             bucket.grads,
             bucket.state_list("exp_avg"),
             bucket.state_list("exp_avg_sq"),
-            updates,
-            masters,
+            [self._update_buffer(p) for p in bucket.params],
+            bucket.masters(),
             bucket.state_list("step"),
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
-            group["adam_w_mode"],
-            group["grad_averaging"],
-            group["bias_correction"],
-            grad_factor,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adam_w_mode=group["adam_w_mode"],
+            grad_averaging=group["grad_averaging"],
+            bias_correction=group["bias_correction"],
+            use_nvlamb=group["use_nvlamb"],
+            grad_factor=grad_factor,
         )
-        lr = group["lr"]
-        if group["use_nvlamb"] or group["weight_decay"] != 0:
-            param_norms = multi_tensor.l2norm(masters or bucket.params, per_tensor=True).per_tensor.double()
-            update_norms = multi_tensor.l2norm(updates, per_tensor=True).per_tensor.double()
-            usable = (param_norms > 0) & (update_norms > 0)
-            ratios = torch.where(usable, param_norms / update_norms.where(usable, 1.0), 1.0) * lr
-        else:
-            ratios = torch.full((len(bucket.params),), lr, dtype=torch.float64)
-        # The kernels read the per-tensor ratios on the host (a float64 CPU vector, one sync on CUDA).
-        op("lamb_stage2", device)(bucket.params, updates, masters, ratios.cpu())
+
+
+def lamb_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    updates: list[Tensor],
+    master_params: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_averaging: bool,
+    bias_correction: bool,
+    use_nvlamb: bool,
+    grad_factor: float,
+) -> None:
+    """One LAMB update of tensors on one device: stage 1 (moments, raw direction into ``updates``), the
+    per-tensor trust ratios, stage 2 (``param -= lr * ratio * update``)."""
+    device = params[0].device if params else torch.device("cpu")
+    op("lamb_stage1", device)(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        updates,
+        master_params,
+        steps,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adam_w_mode,
+        grad_averaging,
+        bias_correction,
+        grad_factor,
+    )
+    if use_nvlamb or weight_decay != 0:
+        param_norms = multi_tensor.l2norm(master_params or params, per_tensor=True).per_tensor.double()
+        update_norms = multi_tensor.l2norm(updates, per_tensor=True).per_tensor.double()
+        usable = (param_norms > 0) & (update_norms > 0)
+        ratios = torch.where(usable, param_norms / update_norms.where(usable, 1.0), 1.0) * lr
+    else:
+        ratios = torch.full((len(params),), lr, dtype=torch.float64)
+    # The kernels read the per-tensor ratios on the host (a float64 CPU vector, one sync on CUDA).
+    op("lamb_stage2", device)(params, updates, master_params, ratios.cpu())
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

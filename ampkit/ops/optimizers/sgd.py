@@ -15,14 +15,16 @@ from ampkit.ops.optimizers._kernels import op
 class FusedSGD(FusedOptimizer):
     """SGD as ``torch.optim.SGD`` (state ``momentum_buffer``, created on a parameter's first step).
 
+    The momentum buffer of an fp16/bf16 parameter is kept in the parameter's dtype with float32 math, as
+    ``torch.optim.SGD`` and Apex do; ``fp32_momentum=True`` keeps it in float32 instead (less rounding, twice
+    the memory). With ``master_weights=True`` the buffer belongs to the fp32 master and is float32.
+
     Apex's ``materialize_master_grads`` is accepted for compatibility and has no effect: with
     ``master_weights=True`` the kernel reads the fp16/bf16 gradients directly.
 
     Example:
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)  # doctest: +SKIP
     """
-
-    _acc_state_keys = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class FusedSGD(FusedOptimizer):
         set_grad_none: bool = True,
         wd_after_momentum: bool = False,
         materialize_master_grads: bool = True,
+        fp32_momentum: bool = False,
     ) -> None:
         reject_option("FusedSGD", "wd_after_momentum", wd_after_momentum, False)
         check_hyper("lr", lr)
@@ -47,6 +50,9 @@ class FusedSGD(FusedOptimizer):
                 f"Nesterov momentum requires momentum > 0 and dampening == 0; got momentum={momentum}, "
                 f"dampening={dampening}"
             )
+        if not isinstance(fp32_momentum, bool):
+            raise TypeError(f"fp32_momentum must be a bool; got {fp32_momentum!r}")
+        self.fp32_momentum = fp32_momentum
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -60,6 +66,14 @@ class FusedSGD(FusedOptimizer):
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """torch.optim.SGD keeps no state until the first momentum step; nothing to create here."""
 
+    def _state_in_acc_dtype(self, key: str, saved: dict[str, Any]) -> bool:
+        if key == "momentum_buffer":
+            return self.fp32_momentum or "master_param" in saved
+        return super()._state_in_acc_dtype(key, saved)
+
+    def _buffer_dtype(self, param: Tensor, has_master: bool) -> torch.dtype:
+        return acc_dtype(param) if self.fp32_momentum or has_master else param.dtype
+
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
         momentum = group["momentum"]
         if momentum == 0:
@@ -70,7 +84,7 @@ class FusedSGD(FusedOptimizer):
         for p, g, s in zip(bucket.params, bucket.grads, bucket.states, strict=True):
             target = seen if "momentum_buffer" in s else fresh
             if target is fresh:
-                s["momentum_buffer"] = torch.empty_like(p, dtype=acc_dtype(p))
+                s["momentum_buffer"] = torch.empty_like(p, dtype=self._buffer_dtype(p, bucket.has_master))
             target.params.append(p)
             target.grads.append(g)
             target.states.append(s)
@@ -86,16 +100,55 @@ class FusedSGD(FusedOptimizer):
         first_step: bool,
         grad_factor: float,
     ) -> None:
-        op("sgd_step", bucket.device)(
+        sgd_step(
             bucket.params,
             bucket.grads,
             buffers,
             bucket.masters(),
-            group["lr"],
-            group["weight_decay"],
-            group["momentum"],
-            group["dampening"],
-            group["nesterov"],
-            first_step,
-            grad_factor,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            first_step=first_step,
+            grad_factor=grad_factor,
         )
+
+
+def sgd_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    master_params: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    first_step: bool,
+    grad_factor: float,
+) -> None:
+    """One ``sgd_step`` kernel launch; momentum buffers may be in float32 or in the (half) param dtype.
+
+    The kernel does its math in float32 on float32 buffers: a half-precision buffer goes through a float32
+    copy and is rounded once on the way back (the update itself uses the unrounded value, as Apex's does).
+    """
+    staged = [b if b.dtype == acc_dtype(b) else b.float() for b in momentum_buffers]
+    device = params[0].device if params else torch.device("cpu")
+    op("sgd_step", device)(
+        params,
+        grads,
+        staged,
+        master_params,
+        lr,
+        weight_decay,
+        momentum,
+        dampening,
+        nesterov,
+        first_step,
+        grad_factor,
+    )
+    for buffer, value in zip(momentum_buffers, staged, strict=True):
+        if buffer is not value:
+            buffer.copy_(value)

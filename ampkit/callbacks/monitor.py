@@ -1,0 +1,35 @@
+"""A monitored validation metric: which one, whether lower or higher is better, and by how much."""
+
+from __future__ import annotations
+
+import math
+
+MODES = ("min", "max")
+
+
+class Monitor:
+    """``metric`` (``val/loss`` or ``loss``) read from validation's averaged metrics; ``mode`` min or max."""
+
+    def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
+        if not min_delta >= 0:
+            raise ValueError(f"min_delta {min_delta!r} is invalid; expected a number >= 0")
+        self.metric = metric
+        self.key = metric.removeprefix("val/")
+        self.mode = mode
+        self.min_delta = min_delta
+
+    def value(self, metrics: dict[str, float]) -> float:
+        """The monitored value among ``metrics`` (an error naming the ones there are when it is missing)."""
+        if self.key not in metrics:
+            raise KeyError(f"monitor '{self.metric}' is not a validation metric; validation produced {sorted(metrics)}")
+        return float(metrics[self.key])
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` beats ``best`` by more than ``min_delta`` (a non-finite value never does)."""
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta

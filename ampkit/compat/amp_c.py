@@ -1,0 +1,307 @@
+"""Apex's ``amp_C`` extension on ampkit's kernels (CPU and CUDA): ``import amp_C`` under the apex shim.
+
+Every op takes Apex's arguments in Apex's order, ``op(chunk_size, noop_flag, tensor_lists, *args)``, as
+``multi_tensor_applier(op, noop_flag, tensor_lists, *args)`` passes them. ``chunk_size`` only tuned Apex's
+CUDA launch and does not change results here. ``noop_flag`` is a one-element int32 (or float32) tensor on the
+tensors' device with Apex's meaning per op: ``multi_tensor_scale``/``axpby``/``l2norm``/``unscale_l2norm``
+set it to 1 when they meet inf/nan (and never clear it); ``multi_tensor_sgd`` does nothing while it is set;
+``multi_tensor_adam``/``multi_tensor_lamb`` ignore it, as Apex's non-capturable kernels do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ampkit.ops import multi_tensor
+from ampkit.ops.optimizers._kernels import op
+from ampkit.ops.optimizers.lamb import lamb_step
+from ampkit.ops.optimizers.sgd import sgd_step
+
+__all__ = [
+    "multi_tensor_adam",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_l2norm_scale",
+    "multi_tensor_lamb",
+    "multi_tensor_scale",
+    "multi_tensor_sgd",
+    "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
+]
+
+TensorLists = Sequence[Sequence[Tensor]]
+
+
+def _lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
+    """``tensor_lists`` as lists, checked to hold one of ``counts`` lists of equal length."""
+    lists = [list(t) for t in tensor_lists]
+    if len(lists) not in counts:
+        expected = " or ".join(str(c) for c in counts)
+        raise RuntimeError(f"{op_name}: tensor_lists has {len(lists)} lists; expected {expected}")
+    for i, t in enumerate(lists[1:], start=1):
+        if len(t) != len(lists[0]):
+            raise RuntimeError(
+                f"{op_name}: tensor_lists[{i}] has {len(t)} tensors but tensor_lists[0] has {len(lists[0])}"
+            )
+    return lists
+
+
+def _flag_if_not_finite(norm: Tensor, noop_flag: Tensor) -> None:
+    """Apex's norm kernels raise the flag when a partial sum of squares is inf/nan."""
+    noop_flag.masked_fill_(~torch.isfinite(norm).all().to(noop_flag.device), 1)
+
+
+def _norm_outputs(result: multi_tensor.L2Norm) -> tuple[Tensor, Tensor]:
+    """Apex's return shapes: the total as a one-element tensor, per-tensor norms or an empty tensor."""
+    total = result.total.reshape(1).float()
+    per = result.per_tensor if result.per_tensor is not None else total.new_empty(0)
+    return total, per.float()
+
+
+def _steps_before(step: int | Tensor, count: int) -> list[Tensor]:
+    """Per-tensor step counters holding ``step - 1``: ampkit's kernels count the step they are taking."""
+    return [torch.full((), float(step) - 1.0, dtype=torch.float32) for _ in range(count)]
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs."""
+    inputs, outputs = _lists("multi_tensor_scale", tensor_lists, (2,))
+    multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
+
+
+def multi_tensor_axpby(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
+) -> None:
+    """``out = a * x + b * y`` for ``[x, y, out]``; flags inf/nan in x and y (-1), x only (0) or y only (1)."""
+    x, y, out = _lists("multi_tensor_axpby", tensor_lists, (3,))
+    if arg_to_check not in (-1, 0, 1):
+        raise RuntimeError(f"multi_tensor_axpby: arg_to_check={arg_to_check!r}; expected -1, 0 or 1")
+    # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
+    # so a pair that differs is read through float32 copies (exact), at the cost of one extra pass.
+    for i, (xi, yi) in enumerate(zip(x, y, strict=True)):
+        if xi.dtype != yi.dtype:
+            x[i], y[i] = xi.float(), yi.float()
+    multi_tensor.axpby_(a, x, b, y, out, noop_flag, arg_to_check=arg_to_check)
+
+
+def multi_tensor_l2norm(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(norm, per_tensor_norms)`` of ``tensor_lists[0]`` in float32; per-tensor norms are empty unless asked."""
+    (inputs,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
+    result = multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor))
+    total, per = _norm_outputs(result)
+    _flag_if_not_finite(total, noop_flag)
+    return total, per
+
+
+def multi_tensor_l2norm_mp(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Apex's mixed-precision l2norm: the same float32-accumulated norms as ``multi_tensor_l2norm``."""
+    return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+
+def multi_tensor_l2norm_scale(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float, per_tensor: bool | None = None
+) -> tuple[Tensor, Tensor]:
+    """Norms of ``in`` (before scaling) while writing ``out = in * scale`` for ``[in, out]``; flags inf/nan."""
+    inputs, outputs = _lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
+    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor)))
+    multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
+    _flag_if_not_finite(total, noop_flag)
+    return total, per
+
+
+def multi_tensor_unscale_l2norm(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    inv_scale: Tensor | float,
+    per_tensor: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Norms of ``tensor_lists[0] * inv_scale`` (the tensors are not written), as ``multi_tensor_l2norm``."""
+    (inputs,) = _lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
+    result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=bool(per_tensor))
+    total, per = _norm_outputs(result)
+    _flag_if_not_finite(total, noop_flag)
+    return total, per
+
+
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """Adam on ``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 adds L2 to the grad, 1 decays (AdamW).
+
+    ``step`` is the step being taken (1 on the first). Moments of fp16/bf16 params are float32, as in Apex.
+    """
+    grads, params, exp_avgs, exp_avg_sqs = _lists("multi_tensor_adam", tensor_lists, (4,))
+    if mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    if not params:
+        return
+    op("adam_step", params[0].device)(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        [],
+        _steps_before(step, len(params)),
+        float(lr),
+        beta1,
+        beta2,
+        epsilon,
+        weight_decay,
+        mode == 1,
+        False,
+        bool(bias_correction),
+        1.0,
+    )
+
+
+def multi_tensor_sgd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    wd: float,
+    momentum: float,
+    dampening: float,
+    lr: float,
+    nesterov: bool,
+    first_run: bool,
+    wd_after_momentum: bool,
+    scale: float,
+) -> None:
+    """SGD on ``[grads, weights, momentum_buffers]``, or with a fourth list of fp16 model weights that receive
+    a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
+    """
+    lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    if wd_after_momentum and wd != 0:
+        raise RuntimeError(
+            "multi_tensor_sgd: wd_after_momentum=True with wd != 0 is not supported by ampkit's kernel "
+            "(weight decay is applied before momentum, torch.optim.SGD's order)"
+        )
+    if not lists[0] or bool(noop_flag.item()):
+        return
+    grads, weights, buffers = lists[:3]
+    if len(lists) == 4:
+        params, masters = lists[3], weights
+    else:
+        params, masters = weights, []
+    sgd_step(
+        params,
+        grads,
+        buffers if momentum != 0 else [],
+        masters,
+        lr=lr,
+        weight_decay=wd,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        first_step=first_run,
+        grad_factor=scale,
+    )
+
+
+def multi_tensor_lamb(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool | None = None,
+) -> None:
+    """LAMB on ``[grads, params, exp_avgs, exp_avg_sqs]``: grads divided by ``global_grad_norm / max_grad_norm``
+    when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW."""
+    grads, params, exp_avgs, exp_avg_sqs = _lists("multi_tensor_lamb", tensor_lists, (4,))
+    if mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    if not params:
+        return
+    global_norm = float(global_grad_norm)
+    clip = global_norm / max_grad_norm if max_grad_norm > 0 and global_norm > max_grad_norm else 1.0
+    lamb_step(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [torch.empty_like(m) for m in exp_avgs],
+        [],
+        _steps_before(step, len(params)),
+        lr=float(lr),
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        grad_averaging=bool(grad_averaging),
+        bias_correction=bool(bias_correction),
+        use_nvlamb=bool(use_nvlamb),
+        grad_factor=1.0 / clip,
+    )
+
+
+def update_scale_hysteresis(
+    current_scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    hysteresis_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> torch.Tensor:
+    """Apex's ``amp_C.update_scale_hysteresis``: the dynamic-scale update that backs off only after
+    ``hysteresis`` consecutive overflows (Megatron's scaler). Updates the one-element tensors in place,
+    on their device, with no host read; returns ``current_scale``.
+
+    An overflow counts the hysteresis tracker down; while it stays above zero only the growth tracker
+    resets. Past it, each overflow multiplies the scale by ``backoff_factor`` (a result below float32's
+    smallest normal becomes 0, as the CUDA kernel's flush-to-zero gives). ``growth_interval`` clean
+    updates in a row multiply it by ``growth_factor`` unless that overflows float32. A clean update
+    refills the hysteresis tracker.
+    """
+    inf = found_inf.reshape(-1)[:1] > 0
+    tracker = torch.where(inf, hysteresis_tracker - 1, hysteresis_tracker)
+    hold = inf & (tracker > 0)  # an overflow absorbed by the hysteresis: only the growth tracker resets
+    backed_off = current_scale.double() * backoff_factor
+    backed_off = torch.where(backed_off < torch.finfo(torch.float32).tiny, torch.zeros_like(backed_off), backed_off)
+    successful = growth_tracker + 1
+    grow = ~inf & (successful == growth_interval)
+    grown = (current_scale.double() * growth_factor).float()
+    grown = torch.where(torch.isfinite(grown), grown, current_scale)
+    new_scale = torch.where(inf & ~hold, backed_off.float(), torch.where(grow, grown, current_scale))
+    new_growth = torch.where(inf | grow, torch.zeros_like(growth_tracker), successful.to(growth_tracker.dtype))
+    new_hysteresis = torch.where(inf, tracker, torch.full_like(tracker, hysteresis))
+    current_scale.copy_(new_scale)
+    growth_tracker.copy_(new_growth)
+    hysteresis_tracker.copy_(new_hysteresis.to(hysteresis_tracker.dtype))
+    return current_scale
+
+
+def __getattr__(name: str) -> object:
+    raise AttributeError(f"ampkit's amp_C has no {name!r}; it provides {', '.join(__all__)}")

@@ -1,0 +1,85 @@
+"""The evaluation loops: metrics averaged over a data set (validation, test) and per-batch predictions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from ampkit.trainer.distributed import all_reduce_sum
+
+if TYPE_CHECKING:
+    from ampkit.trainer.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one evaluation entry point runs: its Trainer methods and the hooks around it."""
+
+    name: str  # validate | test | predict
+    dataloader: str  # the Trainer method returning its batches
+    step: str  # the Trainer method run on each batch
+    hook: str  # fires on_<hook>_start / on_<hook>_end
+
+
+VALIDATE = Stage("validate", "val_dataloader", "validation_step", "validation")
+TEST = Stage("test", "test_dataloader", "test_step", "test")
+PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
+
+
+def batch_size(batch: Any) -> int:
+    """The leading size of the first tensor found in ``batch`` (0 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    for value in values:
+        size = batch_size(value)
+        if size:
+            return size
+    return 0
+
+
+@torch.no_grad()
+def average_metrics(
+    trainer: Trainer,
+    loader: Any,
+    step: Callable[[Any], dict[str, Any]],
+    limit: int | None = None,
+    batch_end_hook: str | None = None,
+) -> dict[str, float]:
+    """Run ``step`` on every batch (the model in eval mode) and average its metrics weighted by batch size,
+    over all ranks; ``batch_end_hook`` fires with each batch's metrics and the batch."""
+    was_training = trainer.module.training
+    trainer.module.eval()
+    sums: dict[str, float] = {}
+    seen = 0
+    for i, batch in enumerate(loader):
+        if limit is not None and i >= limit:
+            break
+        batch = trainer._to_device(batch)
+        metrics = step(batch)
+        n = batch_size(batch) or 1
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * n
+        seen += n
+        if batch_end_hook is not None:
+            trainer.fire(batch_end_hook, metrics, batch)
+    trainer.module.train(was_training)
+    *totals, seen = all_reduce_sum([*sums.values(), float(seen)], trainer.dist)
+    return {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
+
+
+@torch.no_grad()
+def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any]) -> list[Any]:
+    """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU."""
+    was_training = trainer.module.training
+    trainer.module.eval()
+    predictions = [
+        apply_to_collection(step(trainer._to_device(batch)), torch.Tensor, lambda t: t.detach().cpu())
+        for batch in loader
+    ]
+    trainer.module.train(was_training)
+    return predictions

@@ -1,0 +1,39 @@
+"""A trained model back from a checkpoint, for inference outside any training loop."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ampkit.config import import_object
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.trainer import Trainer
+
+
+def load_model(
+    ckpt: str | os.PathLike, trainer_class: type[Trainer] | None = None, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
+    """The model of an ampkit checkpoint in eval mode: its Trainer's ``configure_model()`` with the saved weights.
+
+    The Trainer class and its config come from the checkpoint (``trainer_class`` names another, e.g. one
+    defined in a script's ``__main__``). The weights load in the model's own dtypes (an O2 run's half
+    weights become float32 in a float32 model).
+    """
+    path = Path(ckpt)
+    checkpoint = load_checkpoint(path)
+    config = dict(checkpoint.get("config") or {})
+    if trainer_class is None:
+        if not config.get("trainer_class"):
+            raise CheckpointError(f"checkpoint '{path}' names no trainer_class; pass trainer_class=")
+        trainer_class = import_object(config["trainer_class"], search_from=path.parent)
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise CheckpointError(f"trainer_class of '{path}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
+    config["trainer"] = {**config.get("trainer", {}), "device": "cpu"}  # where it trained need not exist here
+    module = trainer_class(config).configure_model()
+    try:
+        module.load_state_dict(checkpoint["model"])
+    except (KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint '{path}' does not fit {trainer_class.__name__}'s model: {exc}") from None
+    return module.to(device).eval()

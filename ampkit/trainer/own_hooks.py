@@ -1,0 +1,51 @@
+"""Hooks a Trainer subclass defines on itself (``def on_train_epoch_end(self)``), checked before anything runs.
+
+They take a callback hook's arguments minus ``trainer`` and run after every callback, as Lightning runs its
+module's hooks. A method named ``on_...`` that is not a hook, or that cannot take the hook's arguments,
+is refused at construction: silently never calling it would hide the mistake.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+
+from ampkit.trainer.callback import HOOKS, Callback
+
+
+def _hook_arguments(hook: str) -> list[str]:
+    """The arguments a hook passes after ``trainer`` (e.g. ``["outputs", "batch"]``)."""
+    return list(inspect.signature(getattr(Callback, hook)).parameters)[2:]
+
+
+def own_hooks(cls: type, base: type) -> list[str]:
+    """Names of the hooks ``cls`` defines below ``base``, in :data:`HOOKS` order.
+
+    Raises:
+        TypeError: a method named ``on_...`` that is no hook, or whose signature cannot take the hook's arguments.
+    """
+    defined = {
+        name
+        for klass in cls.__mro__
+        if klass not in base.__mro__  # the subclass and any mixin it inherits from
+        for name, value in vars(klass).items()
+        if name.startswith("on_") and callable(value)
+    }
+    for name in sorted(defined - set(HOOKS)):
+        close = difflib.get_close_matches(name, HOOKS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise TypeError(
+            f"{cls.__name__}.{name} is not a hook the Trainer calls; {hint}hooks: {', '.join(HOOKS)}. "
+            "Rename a helper method that is not meant as a hook."
+        )
+    for name in defined:
+        arguments = _hook_arguments(name)
+        try:
+            inspect.signature(getattr(cls, name)).bind(None, *arguments)
+        except TypeError:
+            expected = ", ".join(["self", *arguments])
+            raise TypeError(
+                f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} cannot take the hook's arguments; "
+                f"define it as def {name}({expected}) (a Trainer's hooks get no 'trainer' argument: it is self)"
+            ) from None
+    return [hook for hook in HOOKS if hook in defined]

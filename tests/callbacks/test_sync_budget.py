@@ -1,0 +1,101 @@
+"""CUDA sync budget: at most one device-to-host read per iteration under O1/O2 fp16, whatever the number of
+losses and optimizers (the per-loss found_inf flags stay on the device until the Trainer reads them all at
+once). Counted with ``torch.cuda.set_sync_debug_mode``, which warns at every synchronizing CUDA call."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+from ampkit import Callback
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts CUDA synchronizations")
+
+QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
+SMALL_SCALE = {"precision.init_scale": 256}  # the toy model overflows fp16 at 2**16: let the steps run
+
+
+class CudaBatches(ToyTrainer):
+    """Batches already on the GPU, so the only host reads are the loop's own."""
+
+    def train_dataloader(self):
+        x, y = toy_dataset(64).tensors
+        return [(x[i : i + 8].cuda(), y[i : i + 8].cuda()) for i in range(0, 64, 8)]
+
+    def val_dataloader(self):
+        return None
+
+
+class TwoLosses(CudaBatches):
+    """Manual optimization: loss "A" reaches both optimizers, loss "B" only the head's."""
+
+    automatic_optimization = False
+
+    def configure_optimizers(self):
+        body = torch.optim.Adam(self.module[0].parameters(), lr=1e-3)
+        head = torch.optim.Adam(self.module[3].parameters(), lr=1e-3)
+        return [{"optimizer": body, "name": "body"}, {"optimizer": head, "name": "head"}]
+
+    def training_step(self, batch):
+        x, y = batch
+        self.backward((self.model(x).squeeze(1) - y).square().mean(), loss_id="A")
+        features = self.module[1](self.module[0](x)).detach()
+        self.backward(self.module[3](features).abs().mean(), loss_id="B", optimizer=self.optimizers["head"])
+        for optimizer in self.optimizers.values():
+            self.step(optimizer)
+
+
+class SyncCounter(Callback):
+    """Synchronizing CUDA calls per iteration, from the first batch of an iteration to the end of its last."""
+
+    def __init__(self) -> None:
+        self.per_iteration: list[int] = []
+        self._caught: list = []
+        self._guard: warnings.catch_warnings | None = None
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if trainer.state.is_iteration_start:
+            self._guard = warnings.catch_warnings(record=True)
+            self._caught = self._guard.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.is_iteration_end:
+            torch.cuda.set_sync_debug_mode("default")
+            self._guard.__exit__(None, None, None)
+            self.per_iteration.append(sum("synchronizing" in str(w.message) for w in self._caught))
+
+    def on_exception(self, trainer, exception) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_counter_sees_a_host_read():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            torch.ones(1, device="cuda").item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert any("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "overrides"),
+    [
+        (TwoLosses, {"precision.opt_level": "O1"}),
+        (TwoLosses, {"precision.opt_level": "O2", "precision.cast_modules": "[0,3]"}),
+        (CudaBatches, {"precision.opt_level": "O1", "trainer.accumulate_grad_batches": 2}),
+        (CudaBatches, {"precision.opt_level": "O2", "precision.combine_grad": True}),
+    ],
+)
+def test_at_most_one_host_read_per_iteration_fp16(tmp_path, trainer_class, overrides):
+    counter = SyncCounter()
+    cfg = toy_cfg(tmp_path, **{**QUIET, **SMALL_SCALE, "trainer.device": "cuda", "trainer.max_steps": 4, **overrides})
+    trainer_class(cfg, callbacks=[counter]).fit()
+    assert len(counter.per_iteration) == 4
+    assert counter.per_iteration[1:] == [1, 1, 1]  # the found_inf read; the first iteration also builds buffers

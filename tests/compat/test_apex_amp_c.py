@@ -1,0 +1,302 @@
+"""Apex's ``amp_C`` ops and ``multi_tensor_applier`` on ampkit's kernels: argument order, overflow-buffer
+semantics and results against float64 references (odd sizes, non-contiguous tensors, empty lists, inf/nan)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+
+from ampkit.compat import amp_c as amp_C
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+from ampkit.compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+
+SIZES = [(7, 13), (29,), (3, 5, 4), (1,), (6, 5)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def flag():
+    return torch.zeros(1, dtype=torch.int32)
+
+
+def randn_list(dtype, sizes=SIZES, scale=1.0):
+    """Fresh random tensors; the last one is a transposed (non-contiguous) view."""
+    tensors = [(torch.randn(s, dtype=torch.float64) * scale).to(dtype) for s in sizes]
+    tensors[-1] = tensors[-1].t()
+    return tensors
+
+
+# ----------------------------------------------------------------- the import surface
+
+
+def test_amp_c_and_the_applier_import_through_the_shim_only():
+    assert "amp_C" not in sys.modules
+    install_apex_shim()
+    try:
+        imported = importlib.import_module("amp_C")
+        from amp_C import multi_tensor_scale
+        from apex.multi_tensor_apply import multi_tensor_applier as applier
+        from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply as by_module_path
+
+        assert imported is amp_C and multi_tensor_scale is amp_C.multi_tensor_scale
+        assert applier is multi_tensor_applier and applier.available
+        assert by_module_path is MultiTensorApply
+    finally:
+        uninstall_apex_shim()
+    assert "amp_C" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("amp_C")
+    with pytest.raises(AttributeError, match="it provides multi_tensor_adam"):
+        _ = amp_C.multi_tensor_lamb_mp  # Apex's capturable mixed-precision LAMB: not provided
+
+
+def test_applier_passes_its_chunk_size_first():
+    seen = []
+    MultiTensorApply(333)(lambda *args: seen.append(args), "flag", [["x"]], 1.5)
+    assert seen == [(333, "flag", [["x"]], 1.5)]
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        MultiTensorApply(0)
+
+
+# ----------------------------------------------------------------- scale, axpby, norms
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_scale_matches_float64_and_flags_inf_nan(in_dtype, out_dtype):
+    inputs = randn_list(in_dtype)
+    outputs = [torch.empty(t.shape, dtype=out_dtype) for t in inputs]
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_scale, buf, [inputs, outputs], 0.25)
+    assert buf.item() == 0
+    for i, o in zip(inputs, outputs, strict=True):
+        assert torch.equal(o, (i.double() * 0.25).to(out_dtype))
+    for bad in (math.inf, math.nan):
+        inputs[2].view(-1)[5] = bad
+        buf = flag()
+        multi_tensor_applier(amp_C.multi_tensor_scale, buf, [inputs, outputs], 0.25)
+        assert buf.item() == 1
+        multi_tensor_applier(amp_C.multi_tensor_scale, buf, [inputs[:2], outputs[:2]], 0.25)
+        assert buf.item() == 1, "the flag is raised, never cleared"
+    multi_tensor_applier(amp_C.multi_tensor_scale, flag(), [[], []], 0.25)
+
+
+@pytest.mark.parametrize("arg_to_check", [-1, 0, 1])
+def test_axpby_matches_float64_and_checks_the_named_argument(arg_to_check):
+    x, y = randn_list(torch.float16), randn_list(torch.float32)
+    x[1:3] = [t.float() for t in x[1:3]]  # x/y pairs of mixed and of equal dtypes, as Apex allows
+    out = [torch.empty(t.shape, dtype=torch.float16) for t in x]
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [x, y, out], 2.0, -0.5, arg_to_check)
+    assert buf.item() == 0
+    for a, b, o in zip(x, y, out, strict=True):
+        assert torch.equal(o, (2.0 * a.double() - 0.5 * b.double()).float().half())
+    x[0].view(-1)[3] = math.inf
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [x, y, out], 2.0, -0.5, arg_to_check)
+    assert buf.item() == (arg_to_check in (-1, 0))
+    with pytest.raises(RuntimeError, match="arg_to_check=2"):
+        amp_C.multi_tensor_axpby(2048, flag(), [x, y, out], 1.0, 1.0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_l2norm_and_unscale_l2norm_return_apex_shapes(dtype):
+    tensors = randn_list(dtype, scale=8.0)
+    expected = torch.stack([t.double().norm() for t in tensors])
+    norm, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag(), [tensors])
+    assert norm.shape == (1,) and norm.dtype == torch.float32 and per.numel() == 0
+    assert torch.allclose(norm.double(), expected.norm().view(1), rtol=1e-6)
+    norm, per = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag(), [tensors], True)
+    assert torch.allclose(per.double(), expected, rtol=1e-6)
+    before = [t.clone() for t in tensors]
+    buf = flag()
+    norm, per = multi_tensor_applier(amp_C.multi_tensor_unscale_l2norm, buf, [tensors], torch.tensor([0.125]), True)
+    assert torch.allclose(norm.double(), expected.norm().view(1) * 0.125, rtol=1e-6)
+    assert torch.allclose(per.double(), expected * 0.125, rtol=1e-6)
+    assert buf.item() == 0 and all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+    norm_mp, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm_mp, flag(), [tensors])
+    assert torch.equal(norm_mp, multi_tensor_applier(amp_C.multi_tensor_l2norm, flag(), [tensors])[0])
+    scaled = [torch.empty(t.shape) for t in tensors]
+    norm, per = multi_tensor_applier(amp_C.multi_tensor_l2norm_scale, flag(), [tensors, scaled], 0.5, True)
+    assert torch.allclose(norm.double(), expected.norm().view(1), rtol=1e-6), "the norm is of the unscaled input"
+    assert all(torch.equal(s, t.float() * 0.5) for s, t in zip(scaled, tensors, strict=True))
+    tensors[1][7] = math.nan
+    for op, lists, args in (
+        (amp_C.multi_tensor_l2norm, [tensors], ()),
+        (amp_C.multi_tensor_unscale_l2norm, [tensors], (0.5,)),
+        (amp_C.multi_tensor_l2norm_scale, [tensors, scaled], (0.5,)),
+    ):
+        buf = flag()
+        multi_tensor_applier(op, buf, lists, *args)
+        assert buf.item() == 1
+
+
+# ----------------------------------------------------------------- optimizer ops
+
+
+def adam_reference(p, g, m, v, lr, beta1, beta2, eps, step, mode, bias_correction, wd):
+    """Apex's multi_tensor_adam element math in float64."""
+    p, g, m, v = p.double(), g.double(), m.double(), v.double()
+    if mode == 0:
+        g = g + wd * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    c1, c2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
+    update = (m / c1) / ((v / c2).sqrt() + eps)
+    if mode == 1:
+        update = update + wd * p
+    return p - lr * update, m, v
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("bias_correction", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_adam_matches_apex_math(mode, bias_correction, dtype):
+    params = [t.contiguous() for t in randn_list(dtype)]
+    exp_avgs = [torch.zeros(p.shape) for p in params]
+    exp_avg_sqs = [torch.zeros(p.shape) for p in params]
+    ref = [(p.double(), m.double(), v.double()) for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True)]
+    buf = flag()
+    buf.fill_(1)  # Apex's non-capturable Adam ignores the overflow buffer
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape).to(dtype) for p in params]
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam, buf, [grads, params, exp_avgs, exp_avg_sqs],
+            1e-2, 0.9, 0.999, 1e-8, step, mode, bias_correction, 0.1,
+        )  # fmt: skip
+        ref = [
+            adam_reference(p, g, m, v, 1e-2, 0.9, 0.999, 1e-8, step, mode, bias_correction, 0.1)
+            for (p, m, v), g in zip(ref, grads, strict=True)
+        ]
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for p, m, (rp, rm, _) in zip(params, exp_avgs, ref, strict=True):
+        assert m.dtype == torch.float32
+        assert torch.allclose(p.double(), rp, rtol=tol, atol=tol)
+        assert torch.allclose(m.double(), rm, rtol=tol, atol=tol)
+
+
+def sgd_reference(w, g, mom, wd, momentum, dampening, lr, nesterov, first_run, scale):
+    g = g.double() * scale + wd * w.double()
+    mom = g if first_run else mom.double() * momentum + (1 - dampening) * g
+    step = g + momentum * mom if nesterov else mom
+    return w.double() - lr * step, mom
+
+
+@pytest.mark.parametrize("layout", ["fp32", "fp16", "fp16_grads_fp32_master"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, nesterov):
+    weight_dtype = torch.float16 if layout == "fp16" else torch.float32
+    grad_dtype = torch.float32 if layout == "fp32" else torch.float16
+    weights = [t.contiguous() for t in randn_list(weight_dtype)]
+    moms = [torch.zeros(w.shape, dtype=weight_dtype) for w in weights]
+    model_copies = [w.half() for w in weights]
+    ref_w, ref_m = [w.double() for w in weights], [m.double() for m in moms]
+    hyper = dict(wd=0.01, momentum=0.9, dampening=0.0, lr=0.1, nesterov=nesterov)
+    for first_run in (True, False, False):
+        grads = [torch.randn(w.shape).to(grad_dtype) for w in weights]
+        lists = [grads, weights, moms] + ([model_copies] if layout == "fp16_grads_fp32_master" else [])
+        multi_tensor_applier(amp_C.multi_tensor_sgd, flag(), lists, *hyper.values(), first_run, False, 0.5)
+        for i, g in enumerate(grads):
+            ref_w[i], ref_m[i] = sgd_reference(ref_w[i], g, ref_m[i], **hyper, first_run=first_run, scale=0.5)
+    tol = 1e-6 if weight_dtype == torch.float32 else 1e-2
+    for i, w in enumerate(weights):
+        assert moms[i].dtype == weight_dtype
+        assert torch.allclose(w.double(), ref_w[i], rtol=tol, atol=tol)
+        if layout == "fp16_grads_fp32_master":
+            assert torch.equal(model_copies[i], w.half())
+    frozen = [w.clone() for w in weights]
+    raised = flag().fill_(1)
+    multi_tensor_applier(amp_C.multi_tensor_sgd, raised, [grads, weights, moms], *hyper.values(), False, False, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(weights, frozen, strict=True))
+    with pytest.raises(RuntimeError, match="wd_after_momentum=True"):
+        amp_C.multi_tensor_sgd(2048, flag(), [grads, weights, moms], 0.01, 0.9, 0.0, 0.1, False, False, True, 1.0)
+
+
+def test_lamb_matches_apex_math_with_global_norm_clipping():
+    params = [t.contiguous() for t in randn_list(torch.float32)]
+    exp_avgs = [torch.zeros(p.shape) for p in params]
+    exp_avg_sqs = [torch.zeros(p.shape) for p in params]
+    ref = [(p.double(), torch.zeros(p.shape, dtype=torch.float64)) for p in params]
+    ref_v = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+    lr, beta1, beta2, eps, wd, max_norm = 1e-2, 0.9, 0.999, 1e-6, 0.01, 1.0
+    for step in (1, 2):
+        grads = [torch.randn(p.shape) for p in params]
+        global_norm = torch.stack([g.double().norm() for g in grads]).norm().float().view(1)
+        assert global_norm.item() > max_norm
+        multi_tensor_applier(
+            amp_C.multi_tensor_lamb, flag(), [grads, params, exp_avgs, exp_avg_sqs],
+            lr, beta1, beta2, eps, step, 1, wd, 1, 1, global_norm, max_norm, False,
+        )  # fmt: skip
+        clip = global_norm.double().item() / max_norm
+        for i, g in enumerate(grads):
+            p, m = ref[i]
+            g = g.double() / clip
+            m = beta1 * m + (1 - beta1) * g
+            ref_v[i] = beta2 * ref_v[i] + (1 - beta2) * g * g
+            update = (m / (1 - beta1**step)) / ((ref_v[i] / (1 - beta2**step)).sqrt() + eps) + wd * p
+            ratio = p.norm() / update.norm()
+            ref[i] = (p - lr * ratio * update, m)
+    for p, m, (rp, rm) in zip(params, exp_avgs, ref, strict=True):
+        assert torch.allclose(p.double(), rp, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(m.double(), rm, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_lists_do_nothing():
+    buf = flag()
+    norm, per = amp_C.multi_tensor_l2norm(2048, buf, [[]], True)
+    assert norm.tolist() == [0.0] and per.numel() == 0
+    amp_C.multi_tensor_axpby(2048, buf, [[], [], []], 1.0, 1.0, -1)
+    amp_C.multi_tensor_adam(2048, buf, [[], [], [], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    amp_C.multi_tensor_sgd(2048, buf, [[], [], []], 0.0, 0.9, 0.0, 0.1, False, True, False, 1.0)
+    amp_C.multi_tensor_lamb(2048, buf, [[], [], [], []], 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.0, 1, 1, torch.zeros(1), 1.0)
+    assert buf.item() == 0
+    with pytest.raises(RuntimeError, match="tensor_lists has 2 lists; expected 4"):
+        amp_C.multi_tensor_adam(2048, buf, [[], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    with pytest.raises(RuntimeError, match=r"tensor_lists\[1\] has 0 tensors but tensor_lists\[0\] has 1"):
+        amp_C.multi_tensor_scale(2048, buf, [[torch.ones(2)], []], 1.0)
+
+
+# ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
+def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
+    """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
+    once it reaches zero; a clean step grows after ``interval`` in a row and refills the hysteresis."""
+    if found:
+        hyst -= 1
+        if hyst > 0:
+            return scale, 0, hyst
+        return scale * backoff, 0, hyst
+    growth += 1
+    if growth == interval:
+        grown = scale * growth_factor
+        return (grown if grown < 3.4e38 else scale), 0, hysteresis
+    return scale, growth, hysteresis
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_update_scale_hysteresis_follows_its_state_machine_over_a_random_overflow_pattern(hysteresis):
+    generator = torch.Generator().manual_seed(hysteresis)
+    pattern = (torch.rand(60, generator=generator) < 0.35).tolist()
+    scale, growth, hyst = torch.tensor([2.0**20]), torch.zeros(1, dtype=torch.int32), torch.tensor([hysteresis])
+    expected = (2.0**20, 0, hysteresis)
+    for found in pattern:
+        out = amp_C.update_scale_hysteresis(scale, growth, hyst, torch.tensor([float(found)]), 2.0, 0.5, 3, hysteresis)
+        expected = _hysteresis_reference(*expected, found, 2.0, 0.5, 3, hysteresis)
+        assert out is scale
+        assert (scale.item(), growth.item(), hyst.item()) == expected
+    assert growth.dtype == torch.int32 and scale.dtype == torch.float32
+
+
+def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_zero():
+    scale, growth, hyst = torch.tensor([3.0e38]), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.zeros(1), 2.0, 0.5, 1, 1)
+    assert scale.item() == pytest.approx(3.0e38) and growth.item() == 0
+    scale.fill_(torch.finfo(torch.float32).tiny)
+    amp_C.update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 1, 1)
+    assert scale.item() == 0.0

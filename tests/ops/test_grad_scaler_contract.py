@@ -1,0 +1,169 @@
+"""torch.amp.GradScaler driving every fused optimizer: grads after ``step`` are unscaled exactly as
+``torch.optim.Adam(fused=True)`` leaves them, the update equals an unscaled step, and an inf skips the step
+with parameters, state and (still scaled) grads untouched."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ampkit.ops.optimizers import (
+    FusedAdadelta,
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamP,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+    FusedSGD,
+)
+
+# Odd sizes, a non-contiguous (transposed) parameter and a one-element one.
+SHAPES = [(7, 13), (29,), (3, 5, 4), (1,)]
+
+EVERY_OPTIMIZER = {
+    "adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01),
+    "adam_master": lambda p: FusedAdam(p, lr=1e-2, master_weights=True),
+    "sgd": lambda p: FusedSGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "adagrad": lambda p: FusedAdagrad(p, lr=0.1),
+    "adadelta": lambda p: FusedAdadelta(p),
+    "adamp": lambda p: FusedAdamP(p, lr=1e-2),
+    "lamb": lambda p: FusedLAMB(p, lr=1e-2),
+    "mixed_precision_lamb": lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
+    "novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
+    "rmsprop": lambda p: FusedRMSprop(p, lr=1e-2, momentum=0.9, centered=True),
+    "rmsprop_tf": lambda p: FusedRMSpropTF(p, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.fixture(autouse=True)
+def kernel_mode(monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+
+
+def make_params(dtype):
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s in SHAPES]
+    params.append(torch.nn.Parameter(torch.randn(6, 5, dtype=torch.float64).to(dtype).t()))
+    return params
+
+
+def scaled_step(scaler, opt, params, grads):
+    """What ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` does to the grads."""
+    scaler.scale(torch.ones(()))  # lazily creates the scale tensor, as a real backward would
+    scale = scaler.get_scale()
+    for p, g in zip(params, grads, strict=True):
+        p.grad = (g * scale).to(p.dtype)
+    scaler.step(opt)
+    scaler.update()
+
+
+def state_snapshot(opt):
+    return {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_grads_after_step_equal_torch_fused_adam_and_update_equals_an_unscaled_step(name, dtype):
+    make = EVERY_OPTIMIZER[name]
+    ours = make_params(dtype)
+    unscaled = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt, twin = make(ours), make(unscaled)
+    torch_opt = torch.optim.Adam(torch_params, lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for _ in range(4):
+        grads = [torch.randn(p.shape).to(dtype).float() for p in ours]
+        scaled_step(scaler, opt, ours, grads)
+        scaled_step(torch_scaler, torch_opt, torch_params, grads)
+        for p, q, t, g in zip(unscaled, ours, torch_params, grads, strict=True):
+            p.grad = g.to(dtype)
+            assert torch.equal(q.grad, t.grad)
+            assert torch.equal(q.grad, g.to(dtype)), "a power-of-two scale unscales exactly"
+        twin.step()
+        for p, q in zip(ours, unscaled, strict=True):
+            assert torch.equal(p, q)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_inf_step_is_skipped_leaving_params_state_and_grads_as_torch_does(name):
+    make = EVERY_OPTIMIZER[name]
+    ours = make_params(torch.float32)
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = make(ours)
+    torch_opt = torch.optim.Adam(torch_params, lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaled_step(scaler, opt, ours, [torch.randn(p.shape) for p in ours])
+    scaled_step(torch_scaler, torch_opt, torch_params, [torch.randn(p.shape) for p in ours])
+    params_before = [p.detach().clone() for p in ours]
+    state_before = state_snapshot(opt)
+    grads = [torch.randn(p.shape) for p in ours]
+    grads[2].view(-1)[3] = math.inf
+    scaled_step(scaler, opt, ours, grads)
+    scaled_step(torch_scaler, torch_opt, torch_params, grads)
+    assert scaler.get_scale() == torch_scaler.get_scale() == 2.0**9
+    for p, before in zip(ours, params_before, strict=True):
+        assert torch.equal(p, before)
+    after = state_snapshot(opt)
+    for key, state in state_before.items():
+        for k, v in state.items():
+            assert torch.equal(after[key][k], v) if torch.is_tensor(v) else after[key][k] == v, k
+    for p, q in zip(ours, torch_params, strict=True):
+        assert torch.equal(p.grad, q.grad)  # still scaled, nan-free where finite: as torch leaves them
+
+
+def test_step_takes_grad_scale_and_found_inf_as_keywords():
+    params = make_params(torch.float32)
+    opt = FusedSGD(params, lr=0.5)
+    grads = [torch.randn(p.shape) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g * 8.0
+    before = [p.detach().clone() for p in params]
+    opt.step(grad_scale=torch.tensor(8.0), found_inf=torch.tensor(1.0))
+    assert all(
+        torch.equal(p, b) and torch.equal(p.grad, g * 8.0) for p, b, g in zip(params, before, grads, strict=True)
+    )
+    opt.step(grad_scale=torch.tensor(8.0), found_inf=torch.tensor(0.0))
+    for p, b, g in zip(params, before, grads, strict=True):
+        assert torch.equal(p.grad, g)
+        assert torch.equal(p, b - 0.5 * g)
+
+
+def test_scale_that_is_not_a_power_of_two_divides_like_torch():
+    params = make_params(torch.float32)
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    grads = [torch.randn(p.shape) * 3.0 for p in params]
+    for p, q, g in zip(params, torch_params, grads, strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    scale, no_inf = torch.tensor(3.0), torch.tensor(0.0)
+    FusedAdam(params).step(grad_scale=scale, found_inf=no_inf)
+    torch_opt = torch.optim.Adam(torch_params, fused=True)
+    torch_opt.grad_scale, torch_opt.found_inf = scale, no_inf
+    torch_opt.step()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, torch_params, strict=True))
+
+
+def test_explicit_unscale_then_step_does_not_unscale_twice():
+    params = make_params(torch.float32)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9)
+    twin_params = copy.deepcopy(params)
+    twin = FusedSGD(twin_params, lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for _ in range(3):
+        scaler.scale(torch.ones(()))
+        grads = [torch.randn(p.shape) for p in params]
+        for p, q, g in zip(params, twin_params, grads, strict=True):
+            p.grad, q.grad = g * 256.0, g.clone()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        twin.step()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, twin_params, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True))

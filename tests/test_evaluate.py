@@ -1,0 +1,94 @@
+"""validate/test/predict on the Trainer and in the CLI, and ampkit.load_model for inference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+import ampkit
+from ampkit.cli import main
+from ampkit.trainer.checkpoint_io import load_checkpoint
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+class Evaluated(ToyTrainer):
+    def test_dataloader(self):
+        return DataLoader(toy_dataset(16, seed=11), batch_size=5)
+
+    def test_step(self, batch):
+        x, y = batch
+        return {"mae": (self.model(x).squeeze(1) - y).abs().mean()}
+
+    def predict_dataloader(self):
+        return DataLoader(toy_dataset(10, seed=11), batch_size=4)
+
+
+def _fitted(tmp_path, **overrides) -> Evaluated:
+    trainer = Evaluated(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}, **overrides))
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("precision", ["O0", "O2"])
+def test_validate_a_checkpoint_in_a_fresh_trainer_reproduces_fit_under_its_precision(tmp_path, precision):
+    overrides = {} if precision == "O0" else {"precision.opt_level": "O2", "precision.dtype": "bfloat16"}
+    fitted = _fitted(tmp_path, **overrides)
+    saved = load_checkpoint(fitted.version_dir / "checkpoints" / "last.pt")["val_metrics"]
+    fresh = Evaluated(toy_cfg(tmp_path, **QUIET, **overrides))
+    assert fresh.validate(ckpt="last") == saved  # same weights, same casts, same arithmetic
+    if precision == "O2":
+        assert fresh.module[0].weight.dtype == torch.bfloat16
+        plain = Evaluated(toy_cfg(tmp_path, **QUIET)).validate(ckpt="last")
+        assert plain != saved  # the same weights in float32 give other numbers: the cast was applied
+
+
+def test_test_and_predict_use_their_own_loaders_and_the_loaded_weights(tmp_path):
+    fitted = _fitted(tmp_path)
+    x, y = toy_dataset(16, seed=11).tensors
+    fitted.module.eval()
+    with torch.no_grad():
+        expected_mae = (fitted.module(x).squeeze(1) - y).abs().mean().item()
+        expected_pred = fitted.module(toy_dataset(10, seed=11).tensors[0])
+    fresh = Evaluated(toy_cfg(tmp_path, **QUIET))
+    assert fresh.test(ckpt="last")["mae"] == pytest.approx(expected_mae, rel=1e-6)
+    predictions = fresh.predict(ckpt=fitted.version_dir / "checkpoints" / "last.pt", output=tmp_path / "p.pt")
+    assert [p.shape[0] for p in predictions] == [4, 4, 2]
+    torch.testing.assert_close(torch.cat(predictions), expected_pred)
+    torch.testing.assert_close(torch.load(tmp_path / "p.pt"), predictions)
+
+
+def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):
+    with pytest.raises(NotImplementedError, match=r"ToyTrainer.test\(\) needs test_dataloader\(\) to return batches"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET)).test()
+    with pytest.raises(ampkit.CheckpointError, match=r"validate: no 'best.pt' under"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET)).validate(ckpt="best")
+
+
+def test_cli_validate_test_predict(tmp_path, capsys, monkeypatch):
+    fitted = _fitted(tmp_path)
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"trainer_class: {__name__}:Evaluated\nrun_dir: {tmp_path / 'run'}\n")
+    metrics = Evaluated(toy_cfg(tmp_path, **QUIET)).validate(ckpt="last")
+    capsys.readouterr()
+    assert main(["validate", "--config", str(config), "trainer.progress_bar=false"]) == 0
+    assert capsys.readouterr().out.strip() == f"ampkit: validate: val/mse={metrics['mse']:.4f}"
+    assert main(["test", "--config", str(config), "--ckpt", "last"]) == 0
+    assert capsys.readouterr().out.startswith("ampkit: test: test/mae=")
+    out = tmp_path / "preds.pt"
+    assert main(["predict", "--config", str(config), "--ckpt", str(fitted.version_dir / "checkpoints/last.pt"),
+                 "--output", str(out)]) == 0  # fmt: skip
+    assert len(torch.load(out)) == 3
+    assert main(["validate", "--config", str(config), "--ckpt", str(tmp_path / "nope.pt")]) == 2
+    assert "no checkpoint file or sharded checkpoint at" in capsys.readouterr().err
+
+
+def test_load_model_returns_the_trained_module_for_inference(tmp_path):
+    fitted = _fitted(tmp_path)
+    model = ampkit.load_model(fitted.version_dir / "checkpoints" / "last.pt")
+    assert not model.training
+    x = torch.randn(3, 6)
+    fitted.module.eval()
+    torch.testing.assert_close(model(x), fitted.module(x))

@@ -1,0 +1,124 @@
+"""EarlyStopping and best-k checkpointing by a monitored validation metric, both resumable."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import Callback, ConfigError, consolidate_checkpoint
+from ampkit.trainer.checkpoint_io import load_checkpoint
+
+# validation after every iteration, none at epoch ends; 8 batches per epoch
+EVERY_STEP = {
+    "trainer.val_every_n_steps": 1,
+    "trainer.val_every_n_epochs": 0,
+    "trainer.max_epochs": 3,
+    "logging.tensorboard": False,
+    "trainer.progress_bar": False,
+}
+
+
+class Scripted(ToyTrainer):
+    """Validation reports ``scores[i]`` after iteration ``i + 1`` (so a resumed run sees the same values)."""
+
+    scores: ClassVar[list[float]] = []
+
+    def validation_step(self, batch):
+        return {"score": self.scores[self.state.global_step - 1]}
+
+
+def _fit(tmp_path, scores, resume=None, **overrides) -> Scripted:
+    Scripted.scores = scores
+    trainer = Scripted(toy_cfg(tmp_path, **EVERY_STEP, **overrides))
+    trainer.fit(resume=resume)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("mode", "min_delta", "scores", "stop_step"),
+    [
+        ("min", 0.0, [5, 4, 4.5, 4.2, 4.1, 3, 2, 1], 5),  # best 4 at step 2, then three without improvement
+        ("min", 0.5, [5, 4.6, 4.4, 4.2, 4.0, 3.95, 1], 6),  # only 4.4 beats its best by more than 0.5
+        ("max", 0.0, [1, 2, 3, 3, 2, 2.5, 9], 6),
+    ],
+)
+def test_early_stopping_stops_after_patience_validations_without_improvement(
+    tmp_path, mode, min_delta, scores, stop_step
+):
+    es = {"early_stopping.monitor": "val/score", "early_stopping.mode": mode, "early_stopping.min_delta": min_delta}
+    trainer = _fit(tmp_path, scores, **es, **{"early_stopping.patience": 3, "checkpoint.enabled": False})
+    assert trainer.state.global_step == stop_step
+
+
+def test_early_stopping_resumes_its_count(tmp_path):
+    scores = [5, 4, 4.5, 4.2, 4.1, 3, 2, 1]
+    es = {"early_stopping.monitor": "score", "early_stopping.patience": 3, "checkpoint.every_n_steps": 1}
+    _fit(tmp_path, scores, **es, **{"trainer.max_steps": 4})  # stopped by max_steps, two validations waited
+    resumed = _fit(tmp_path, scores, resume="last", **es)
+    assert resumed.state.global_step == 5  # the third validation without improvement, as uninterrupted
+
+
+def test_best_k_keeps_the_top_files_and_best_pt_names_the_best(tmp_path):
+    scores = [5, 3, 4, 1, 2, 6]
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 6}
+    trainer = _fit(tmp_path, scores, **best)
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best*.pt")) == ["best-00000004.pt", "best-00000005.pt", "best.pt"]
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 4
+    assert load_checkpoint(checkpoints / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"] == {
+        "best-00000004.pt": 1.0,
+        "best-00000005.pt": 2.0,
+    }
+
+
+def test_best_k_ranking_survives_a_resume(tmp_path):
+    scores = [5, 3, 4, 1, 2, 6]
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.mode": "max"}
+    _fit(tmp_path, scores, **best, **{"trainer.max_steps": 3})
+    resumed = _fit(tmp_path, scores, resume="last", **best, **{"trainer.max_steps": 6})
+    checkpoints = resumed.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == ["best-00000001.pt", "best-00000006.pt"]
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 6
+
+
+def test_validate_best_loads_the_best_checkpoint(tmp_path):
+    seen: list[float] = []
+
+    class Record(Callback):
+        def on_validation_end(self, trainer, metrics):
+            seen.append(metrics["mse"])
+
+    cfg = toy_cfg(tmp_path, **EVERY_STEP, **{"checkpoint.monitor": "val/mse", "trainer.max_steps": 10})
+    ToyTrainer(cfg, callbacks=[Record()]).fit()
+    assert ToyTrainer(cfg).validate(ckpt="best")["mse"] == min(seen)
+
+
+def test_bad_monitor_settings_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'checkpoint.mode': Invalid value 'lowest'"):
+        ToyTrainer(toy_cfg(tmp_path, **{"checkpoint.mode": "lowest"}))
+    with pytest.raises(ConfigError, match=r"'early_stopping.patience': 0 is invalid; expected an integer >= 1"):
+        ToyTrainer(toy_cfg(tmp_path, **{"early_stopping.patience": 0}))
+    with pytest.raises(KeyError, match=r"monitor 'val/acc' is not a validation metric; validation produced \['mse'\]"):
+        ToyTrainer(toy_cfg(tmp_path, **EVERY_STEP, **{"early_stopping.monitor": "val/acc"})).fit()
+
+
+def test_best_k_under_fsdp_keeps_directories_and_best_links_the_best(tmp_path):
+    scores = [5, 3, 4, 1, 2, 6]
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 6,
+            "checkpoint.every_n_epochs": 0, "distributed.strategy": "fsdp", "trainer.device": "cpu"}  # fmt: skip
+    trainer = _fit(tmp_path, scores, **best)
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best*")) == ["best", "best-00000004", "best-00000005"]
+    assert (checkpoints / "best").is_symlink() and (checkpoints / "best").resolve().name == "best-00000004"
+    assert (checkpoints / "best-00000004" / ".metadata").is_file()
+    weights = consolidate_checkpoint(checkpoints / "best")
+    sharded = Scripted(toy_cfg(tmp_path, **EVERY_STEP, **best))
+    sharded.validate(ckpt="best")  # the shards loaded into a sharded model
+    plain = Scripted(toy_cfg(tmp_path / "plain", **EVERY_STEP))
+    plain.validate(ckpt=checkpoints / "best")  # consolidated into a plain one
+    for key, value in weights.items():
+        torch.testing.assert_close(sharded.module.state_dict()[key].full_tensor(), value)
+        torch.testing.assert_close(plain.module.state_dict()[key], value)

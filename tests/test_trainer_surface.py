@@ -1,0 +1,114 @@
+"""What a Lightning user reaches for first: hooks on the Trainer subclass, no trainer_class in Python,
+Lightning's ``configure_optimizers`` return forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import Callback
+
+QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+def test_hooks_defined_on_the_subclass_run_after_the_callbacks(tmp_path):
+    calls: list[str] = []
+
+    class Recorder(Callback):
+        def on_train_epoch_end(self, trainer):
+            calls.append("callback")
+
+    class ValidationHook:  # a mixin's hooks count too
+        def on_validation_end(self, metrics):
+            calls.append(f"trainer val {sorted(metrics)}")
+
+    class Hooked(ValidationHook, ToyTrainer):
+        def on_train_epoch_end(self):
+            calls.append(f"trainer epoch {self.state.epoch}")
+
+    Hooked(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}), callbacks=[Recorder()]).fit()
+    assert calls == [
+        "trainer val ['mse']",
+        "callback",
+        "trainer epoch 0",
+        "trainer val ['mse']",
+        "callback",
+        "trainer epoch 1",
+    ]
+
+
+def test_a_misspelt_or_misshapen_hook_is_refused_before_anything_runs(tmp_path):
+    class Misspelt(ToyTrainer):
+        def on_validation_epoch_end(self):
+            pass
+
+    with pytest.raises(
+        TypeError, match=r"Misspelt.on_validation_epoch_end is not a hook.*did you mean 'on_validation_end'"
+    ):
+        Misspelt(toy_cfg(tmp_path))
+
+    class CallbackShaped(ToyTrainer):
+        def on_train_batch_end(self, trainer, outputs, batch):
+            pass
+
+    with pytest.raises(TypeError, match=r"define it as def on_train_batch_end\(self, outputs, batch\)"):
+        CallbackShaped(toy_cfg(tmp_path))
+
+
+def test_trainer_class_is_optional_in_python(tmp_path):
+    quiet = {"checkpoint": {"enabled": False}, "logging": {"tensorboard": False}, "trainer": {"progress_bar": False}}
+    trainer = ToyTrainer({"run_dir": str(tmp_path / "run"), **quiet})
+    trainer.fit()
+    assert trainer.cfg.trainer_class == "toy_trainers:ToyTrainer"
+    assert "trainer_class: toy_trainers:ToyTrainer" in (trainer.version_dir / "config.yaml").read_text()
+
+
+class TwoOptimizersTwoSchedulers(ToyTrainer):
+    """Lightning's ``([opt1, opt2], [sched1, sched2])``, schedulers listed in the other order."""
+
+    def configure_optimizers(self):
+        first, last = self.module[0], self.module[3]
+        opt_a = torch.optim.SGD(first.parameters(), lr=0.1)
+        opt_b = torch.optim.SGD(last.parameters(), lr=0.2)
+        sched_b = {"scheduler": torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5), "name": "decay_b"}
+        return [opt_a, opt_b], [sched_b, torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.1)]
+
+
+def test_lightning_pair_of_lists_attaches_each_scheduler_to_its_optimizer(tmp_path):
+    trainer = TwoOptimizersTwoSchedulers(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3}))
+    trainer.fit()
+    lrs = {name: opt.param_groups[0]["lr"] for name, opt in trainer.optimizers.items()}
+    assert lrs == pytest.approx({"sgd_0": 0.1 * 0.1**3, "sgd_1": 0.2 * 0.5**3})
+    assert [s.schedulers[0].name for s in trainer._specs] == [None, "decay_b"]
+
+
+def test_a_scheduler_of_an_unlisted_optimizer_is_refused(tmp_path):
+    class Stray(ToyTrainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            other = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            return [opt], [torch.optim.lr_scheduler.StepLR(other, 1)]
+
+    with pytest.raises(ValueError, match=r"configure_optimizers\(\)\[1\]\[0\] is a scheduler of an optimizer missing"):
+        Stray(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+def test_top_level_monitor_and_non_strict_scheduler(tmp_path):
+    class Plateau(ToyTrainer):
+        strict = True
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {"scheduler": sched, "interval": "step", "strict": self.strict, "name": "plateau"},
+                "monitor": "val/mse",
+            }
+
+    with pytest.raises(KeyError, match="scheduler 'plateau' of 'sgd' monitors 'val/mse'"):
+        Plateau(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1})).fit()
+    Plateau.strict = False
+    with pytest.warns(UserWarning, match="not stepping it"):
+        Plateau(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1})).fit()
