@@ -10,10 +10,12 @@ from ampkit.amp import MasterWeights
 from ampkit.trainer.callback import Callback, Phase
 
 
-def parameter_names(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor ``optimizer`` updates; an O2 fp32 master takes its model parameter's name."""
+def parameter_names(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, masters: MasterWeights | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor ``optimizer`` updates; an O2 fp32 master (of ``masters``) takes its
+    model parameter's name."""
     names = {id(p): name for name, p in module.named_parameters()}
-    masters = MasterWeights.of(optimizer)
     if masters is not None:
         pairs = zip(masters.model_params, masters.master_params, strict=True)
         names.update({id(master): names.get(id(param), "") for param, master in pairs})
@@ -42,13 +44,14 @@ class GradientHistograms(Callback):
         step = trainer.state.iteration
         if step % self.every_n_steps:
             return
-        for name, param in parameter_names(trainer.module, optimizer):
+        masters = trainer.optimizer_state[optimizer].master_weights
+        for name, param in parameter_names(trainer.module, optimizer, masters):
             if param.grad is not None:
                 grad = param.grad.detach()
                 trainer.logger.log_histogram(f"grad/{name}", grad[grad.isfinite()], step)
 
     def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
-        params = parameter_names(trainer.module, optimizer)
+        params = parameter_names(trainer.module, optimizer, trainer.optimizer_state[optimizer].master_weights)
         grads = [p.grad for _, p in params if p.grad is not None]
         finite = torch.stack([g.isfinite().all() for g in grads]).tolist() if grads else []  # one sync
         with_grad = [name for name, p in params if p.grad is not None]

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ampkit.amp import MasterWeights
 from ampkit.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,5 +24,5 @@ def test_digits_cnn_o2_channels_last_reaches_95_percent(tmp_path, monkeypatch):
     assert {m.weight.dtype for m in convs} == {torch.float16}
     assert {t.dtype for m in norms for t in (m.weight, m.running_mean, m.running_var)} == {torch.float32}
     assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs)
-    masters = MasterWeights.of(trainer.optimizer).master_params
+    masters = trainer.optimizer_state[trainer.optimizer].master_weights.master_params
     assert masters and {p.dtype for p in masters} == {torch.float32}
