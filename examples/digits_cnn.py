@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ampkit
-from examples.digits import DataConfig, OptimConfig, load_digits_split
+from ampkit.examples.digits import DataConfig, OptimConfig, load_digits_split
 
 
 @dataclass
