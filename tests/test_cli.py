@@ -28,12 +28,13 @@ def test_version(capsys):
 
 
 def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsys):
-    for argv in (["--help"], ["fit", "--help"], ["fit", "--config", _config(tmp_path), "--help"]):
+    helps = [["--help"], *([command, "--help"] for command in ("fit", "validate", "test", "predict"))]
+    for argv in (*helps, ["validate", "--config", _config(tmp_path), "--help"]):
         with pytest.raises(SystemExit):
             main(argv)
         text = capsys.readouterr().out
         assert "``" not in text and ":class:" not in text
-        if argv[0] == "fit":
+        if argv[0] != "--help":
             assert any(line.split()[:2] == ["trainer.max_epochs", "1"] for line in text.splitlines())
             assert re.search(r"^  trainer\.device +auto +auto \| cpu \| cuda \| cuda:N$", text, re.M)
     assert "config keys of ToyTrainer" in text
@@ -52,7 +53,7 @@ def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, ca
     ("trainer_class", "override", "message"),
     [
         ("toy_trainers:ToyTrainer", "trainer.max_epoch=2", "unknown config key 'trainer.max_epoch'; valid keys at"),
-        ("toy_trainers:CyclicCallbacksTrainer", "trainer.max_epochs=1", "callback order has a cycle among: "),
+        ("toy_trainers:DuplicateCallbacksTrainer", "trainer.max_epochs=1", "callback names must be unique, got"),
     ],
 )
 def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, trainer_class, override, message):
@@ -61,6 +62,17 @@ def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"ampkit: error: {message}")
     assert err.rstrip().endswith("(--debug shows the traceback)")
-    expected = CallbackOrderError if "Cyclic" in trainer_class else ampkit.ConfigError
+    expected = CallbackOrderError if "Duplicate" in trainer_class else ampkit.ConfigError
     with pytest.raises(expected, match=message.split(";")[0]):
         main(["fit", "--config", config, override, "--debug"])
+
+
+def test_evaluation_commands_report_errors_in_one_line_too(tmp_path, capsys):
+    config = _config(tmp_path, logging={"tensorboard": False})
+    assert main(["validate", "--config", config, "--ckpt", "best"]) == 2  # nothing trained under run_dir yet
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ampkit: error: validate: no 'best.pt' under ")
+    with pytest.raises(ampkit.CheckpointError):
+        main(["validate", "--config", config, "--ckpt", "best", "--debug"])
+    assert main(["predict", "--config", config, "--output", str(tmp_path / "p.pt"), "--print-config"]) == 0
+    assert OmegaConf.create(capsys.readouterr().out).run_dir == str(tmp_path / "runs")

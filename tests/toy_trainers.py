@@ -87,16 +87,12 @@ class SlowToyTrainer(ToyTrainer):
         return [_Sleep(0.02)]
 
 
-class _RunsAfterB(ampkit.Callback):
-    after = ("_RunsAfterA",)
+class _Marker(ampkit.Callback):
+    pass
 
 
-class _RunsAfterA(ampkit.Callback):
-    after = ("_RunsAfterB",)
-
-
-class CyclicCallbacksTrainer(ToyTrainer):
-    """Its two callbacks each insist on running after the other: a CallbackOrderError at set-up."""
+class DuplicateCallbacksTrainer(ToyTrainer):
+    """Two callbacks of one name (checkpoints could not tell their states apart): a CallbackOrderError at set-up."""
 
     def configure_callbacks(self):
-        return [_RunsAfterA(), _RunsAfterB()]
+        return [_Marker(), _Marker()]
