@@ -66,10 +66,10 @@ class EarlyStoppingConfig:
     """Stop when validation metric ``monitor`` has not improved by more than ``min_delta`` for ``patience``
     validations in a row (off while ``monitor`` is null)."""
 
-    monitor: str | None = None
+    monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
     mode: MonitorMode = MonitorMode.min
-    patience: int = 3
-    min_delta: float = 0.0
+    patience: int = 3  # validations in a row without an improvement before stopping
+    min_delta: float = 0.0  # a change of at most this does not count as an improvement
 
 
 @dataclass

@@ -12,6 +12,7 @@ import inspect
 import io
 import tokenize
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
@@ -64,7 +65,10 @@ def sections(schema: type, prefix: str = "") -> list[tuple[str, str, list[Config
         if dataclasses.is_dataclass(default):
             nested += sections(type(default), f"{key}.")
         else:
-            leaves.append(ConfigKey(key, str(field.type), default, comments.get(field.name, "")))
+            meaning = comments.get(field.name, "")
+            if isinstance(default, Enum) and not meaning:
+                meaning = " | ".join(member.name for member in type(default))
+            leaves.append(ConfigKey(key, str(field.type), default, meaning))
     return [(prefix.rstrip("."), doc, leaves), *nested]
 
 
@@ -75,6 +79,8 @@ def _shown(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, Enum):
+        return value.name  # as YAML spells it
     return str(list(value) if isinstance(value, tuple) else value)
 
 
