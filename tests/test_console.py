@@ -87,3 +87,31 @@ def test_terminal_bars_for_training_and_validation(tmp_path, capsys):
     assert "epoch 0:" in captured.err and "8/8" in captured.err and "loss=" in captured.err
     assert "validation:" in captured.err and "3/3" in captured.err  # 24 samples in batches of 8
     assert re.search(r"^epoch 0 \| 8 steps in .* \| val/mse=", captured.out, re.M)
+
+
+def test_bf16_without_a_scaler_shows_no_loss_scale_but_counts_the_skipped_step(tmp_path, capsys):
+    cfg = toy_cfg(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 1,
+            "trainer.progress_bar": False,
+            "precision.opt_level": "O4",  # bfloat16 by the opt level; no scaler: skip_nonfinite skips step 3
+            "logging.tensorboard": False,
+        },
+    )
+    trainer = _NamedLossesOverflowAt3(cfg, callbacks=[ProgressBar(bar=False, every_n_steps=4)])
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "  precision   O4 bfloat16\n" in out
+    (at_4,) = [line for line in out.splitlines() if line.startswith("epoch 0 batch 4/8")]
+    assert re.search(r"\| loss=[\d.]+ mse_x2=[\d.]+ skipped=1 \|", at_4), at_4
+    assert "scale[" not in out
+
+
+def test_validate_stage_prints_its_metrics_under_the_stage_name(tmp_path, capsys):
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.tensorboard": False})
+    trainer = ToyTrainer(cfg, callbacks=[ProgressBar(bar=True, refresh_s=0.0)])
+    metrics = trainer.validate()
+    captured = capsys.readouterr()
+    assert re.search(rf"^validate \| val/mse={metrics['mse']:.4g} \| validation [\d.]+ s$", captured.out, re.M)
+    assert "validation: " in captured.err and "3it" in captured.err  # a bar counting the 3 batches
