@@ -21,8 +21,9 @@ from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 
-# What a user can fix from the message alone: one line, no traceback (``--debug`` shows it).
-USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError)
+# What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
+# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader).
+USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError, NotImplementedError)
 
 # (help, description) of each command; every command takes --config, --print-config, --debug and overrides.
 COMMANDS = {

@@ -74,5 +74,10 @@ def test_evaluation_commands_report_errors_in_one_line_too(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("ampkit: error: validate: no 'best.pt' under ")
     with pytest.raises(ampkit.CheckpointError):
         main(["validate", "--config", config, "--ckpt", "best", "--debug"])
+    assert main(["fit", "--config", config, "trainer.progress_bar=false"]) == 0
+    capsys.readouterr()
+    assert main(["test", "--config", config]) == 2  # last.pt exists now; ToyTrainer has no test_dataloader
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ampkit: error: ToyTrainer.test() needs test_dataloader()")
     assert main(["predict", "--config", config, "--output", str(tmp_path / "p.pt"), "--print-config"]) == 0
     assert OmegaConf.create(capsys.readouterr().out).run_dir == str(tmp_path / "runs")
