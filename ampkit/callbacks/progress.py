@@ -165,14 +165,15 @@ class ProgressBar(Callback):
             self._val_bar.close()
             self._val_bar = None
         shown = {f"val/{key}": value for key, value in metrics.items()}
-        if trainer.state.epoch_finished:  # the epoch line reports it
+        s = trainer.state
+        if s.stage != "fit":  # trainer.validate() returns its metrics (the CLI prints them)
+            return
+        if s.epoch_finished:  # the epoch line reports it
             self._epoch_val = shown
             return
         values = " ".join(f"{k}={_number(v)}" for k, v in shown.items())
         took = time.perf_counter() - self._val_start
-        s = trainer.state
-        where = f"epoch {s.epoch} step {s.global_step}" if s.stage == "fit" else s.stage
-        self._print(f"{where} | {values} | validation {took:.1f} s")
+        self._print(f"epoch {s.epoch} step {s.global_step} | {values} | validation {took:.1f} s")
 
     def on_train_epoch_end(self, trainer) -> None:
         if not trainer.is_global_zero:
