@@ -38,7 +38,7 @@ from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config
+from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint
 from ampkit.trainer.distributed import (
@@ -54,7 +54,7 @@ from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, 
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, unwritable_reason
 from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState
 
@@ -556,34 +556,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
-        t = self.cfg.trainer
-        rules = {
-            "trainer.max_epochs": (t.max_epochs, t.max_epochs >= 0, "an integer >= 0"),
-            "trainer.max_steps": (t.max_steps, t.max_steps >= -1, "-1 (no limit) or an integer >= 0"),
-            "trainer.accumulate_grad_batches": (
-                t.accumulate_grad_batches,
-                t.accumulate_grad_batches >= 1,
-                "an integer >= 1",
-            ),
-            "trainer.limit_train_batches": (
-                t.limit_train_batches,
-                t.limit_train_batches is None or t.limit_train_batches >= 1,
-                "null or an integer >= 1",
-            ),
-            "trainer.clip_grad_norm": (
-                t.clip_grad_norm,
-                t.clip_grad_norm is None or t.clip_grad_norm > 0,
-                "null or a number > 0",
-            ),
-            "logging.log_every_n_steps": (
-                self.cfg.logging.log_every_n_steps,
-                self.cfg.logging.log_every_n_steps >= 1,
-                "an integer >= 1",
-            ),
-        }
-        for key, (value, ok, valid) in rules.items():
-            if not ok:
-                raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
+        check_values(self.cfg)
+        if os.environ.get("RANK", "0") == "0":  # only rank zero writes the run directory
+            reason = unwritable_reason(self.cfg.run_dir)
+            if reason is not None:
+                raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
         validate_strategy(self.cfg)
 
     @staticmethod
