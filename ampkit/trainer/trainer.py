@@ -254,7 +254,10 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
         check_same_config(self.cfg, self.dist)
         checkpoint_path = self._resolve_resume(resume)
-        self._setup(checkpoint_path)
+        # Loaded before any user code runs, so an empty or foreign file fails at once (shards need the model).
+        plain = checkpoint_path is not None and not is_sharded_checkpoint(checkpoint_path)
+        checkpoint = load_checkpoint(checkpoint_path) if plain else None
+        self._setup(checkpoint, checkpoint_path)
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
@@ -383,7 +386,7 @@ class Trainer:
         self.fire("on_validation_end", dict(self.val_metrics))
 
     # ----------------------------------------------------------------- set-up and data
-    def _setup(self, checkpoint_path: Path | None) -> None:
+    def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         module = self.configure_model()
@@ -401,6 +404,10 @@ class Trainer:
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = self._count_train_batches()
         self._setup_callbacks()
+        if checkpoint_path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
+            if checkpoint is None:
+                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
+            self._restore(checkpoint, checkpoint_path)
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
         if self.is_global_zero and self.version_dir is None:
             self.version_dir = new_version_dir(self.cfg.run_dir)
@@ -408,12 +415,6 @@ class Trainer:
             self.version_dir = broadcast_object(self.version_dir, self.dist)
         if self.is_global_zero:
             self._save_config()
-        if checkpoint_path is not None:
-            if is_sharded_checkpoint(checkpoint_path):
-                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
-            else:
-                checkpoint = load_checkpoint(checkpoint_path)
-            self._restore(checkpoint, checkpoint_path)
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -534,7 +535,13 @@ class Trainer:
         if resume is None:
             return None
         if str(resume) == "last":  # rank zero decides, so every rank loads the same file
-            return broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+            last = broadcast_object(latest_checkpoint(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+            if last is None:
+                raise CheckpointError(
+                    f"resume='last': no checkpoint under run_dir '{self.cfg.run_dir}' (no version_N/checkpoints/"
+                    "last.pt); check run_dir, or start without resume for a fresh run"
+                )
+            return last
         path = Path(resume)
         if not (path.is_file() or is_sharded_checkpoint(path)):
             raise CheckpointError(
