@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ampkit.callbacks.nonfinite import NonFiniteError
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"ampkit: error: {exc}", file=sys.stderr)
         return 2
-    except DistributedError as exc:
+    except (DistributedError, NonFiniteError) as exc:
         print(f"ampkit: error: {exc}", file=sys.stderr)
         return 1
     if trainer.is_global_zero:
