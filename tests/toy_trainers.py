@@ -99,3 +99,11 @@ class NaNLossToyTrainer(ToyTrainer):
             return loss
         nan = torch.tensor(float("nan"))
         return loss * nan if not self.detached else loss + (nan * loss).detach()
+
+
+def fit_toy_resuming(cfg: dict) -> None:
+    """Run ToyTrainer on ``cfg``, resuming the newest checkpoint under its run_dir if there is one."""
+    from ampkit.trainer.run_dir import latest_checkpoint
+
+    torch.set_num_threads(1)
+    ToyTrainer(cfg).fit(resume="last" if latest_checkpoint(cfg["run_dir"]) else None)
