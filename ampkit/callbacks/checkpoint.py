@@ -33,8 +33,10 @@ class ModelCheckpoint(Callback):
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop half-written temp files and files beyond ``keep_last``."""
+        if not trainer.is_global_zero:  # other ranks have no run directory
+            return
         directory = trainer.version_dir / "checkpoints"
-        if not trainer.is_global_zero or not directory.is_dir():
+        if not directory.is_dir():
             return
         for tmp in directory.glob(".*.tmp"):  # save_atomic's and link_atomic's, left by a kill before the rename
             tmp.unlink(missing_ok=True)
