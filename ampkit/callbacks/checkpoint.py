@@ -39,7 +39,8 @@ class ModelCheckpoint(Callback):
         if not directory.is_dir():
             return
         for tmp in directory.glob(".*.tmp"):  # save_atomic's and link_atomic's, left by a kill before the rename
-            tmp.unlink(missing_ok=True)
+            if tmp.is_file():  # a sharded save's temp directory is the sharded writer's to clean
+                tmp.unlink(missing_ok=True)
         self._prune(directory)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
