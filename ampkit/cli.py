@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as exc:
         print(f"ampkit: error: {exc}", file=sys.stderr)
         return 2
-    except DistributedError as exc:
+    except (DistributedError, NonFiniteError) as exc:
         print(f"ampkit: error: {exc}", file=sys.stderr)
         return 1
     if not trainer.is_global_zero:
