@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 import ampkit
+from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.config import Config, ConfigError, load_config
 from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
@@ -23,7 +24,7 @@ from ampkit.trainer.ordering import CallbackOrderError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
 # NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader).
-USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError, NotImplementedError)
+USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError, NotImplementedError, NonFiniteError)
 
 # (help, description) of each command; every command takes --config, --print-config, --debug and overrides.
 COMMANDS = {
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
-        return 1 if isinstance(exc, DistributedError) else 2
+        return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
     except KeyboardInterrupt:
         if args.debug:
             raise

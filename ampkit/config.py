@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -164,6 +166,64 @@ def _project_root(start: Path, module_name: str) -> Path | None:
         if (folder / top).is_dir() or (folder / f"{top}.py").is_file():
             return folder
     return None
+
+
+def _at_least(low: int) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f"an integer >= {low}"
+
+
+def _optional(rule: tuple[Callable[[Any], bool], str], none_means: str) -> tuple[Callable[[Any], bool], str]:
+    check, valid = rule
+    return (lambda v: v is None or check(v)), f"null ({none_means}) or {valid}"
+
+
+def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in choices), "one of " + ", ".join(choices)
+
+
+_POSITIVE_NUMBER = (lambda v: v > 0 and not math.isnan(v)), "a number > 0"
+
+# Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
+VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "run_dir": ((lambda v: bool(v.strip())), "a non-empty path"),
+    "trainer.max_epochs": _at_least(0),
+    "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
+    "trainer.accumulate_grad_batches": _at_least(1),
+    "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
+    "trainer.limit_val_batches": _optional(_at_least(1), "all batches; val_every_n_epochs=0 turns validation off"),
+    "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
+    "trainer.val_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
+    "trainer.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
+    "trainer.seed": (
+        (lambda v: v is None or -(2**63) <= v < 2**64),
+        "null (no seeding) or an integer in [-2**63, 2**64)",
+    ),
+    "checkpoint.every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
+    "checkpoint.every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
+    "checkpoint.keep_last": _at_least(1),
+    "checkpoint.save_top_k": _at_least(1),
+    "early_stopping.patience": _at_least(1),
+    "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
+    "precision.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
+    "logging.log_every_n_steps": _at_least(1),
+    "logging.console_every_n_steps": _at_least(1),
+    "logging.grad_histograms_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),
+    "distributed.backend": _one_of("auto", "gloo", "nccl"),
+    "distributed.timeout_s": _POSITIVE_NUMBER,
+    "distributed.grad_sync": _one_of("auto", "ddp", "step"),
+    "distributed.bucket_cap_mb": _POSITIVE_NUMBER,
+}
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Check every key of :data:`VALUE_RULES`; one :class:`ConfigError` names each bad dotted key and its range."""
+    problems = []
+    for key, (ok, valid) in VALUE_RULES.items():
+        value = OmegaConf.select(cfg, key)
+        if not ok(value):
+            problems.append(f"config key '{key}': {value!r} is invalid; expected {valid}")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def import_object(path: str, what: str = "trainer_class", search_from: Path | None = None) -> Any:

@@ -17,6 +17,7 @@ from child_env import child_env
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
+import ampkit
 from ampkit import CheckpointError
 from ampkit.trainer.checkpoint_io import load_checkpoint, save_atomic
 
@@ -136,10 +137,13 @@ def test_corrupt_truncated_foreign_and_missing_checkpoints(tmp_path):
     garbage.write_bytes(pickle.dumps([1, 2, 3], protocol=2) + b"\x00junk")
     with pytest.raises(CheckpointError):
         load_checkpoint(garbage)
-    text = tmp_path / "text.pt"
-    text.write_text("not a checkpoint\n")
-    with pytest.raises(CheckpointError, match="corrupt or not a torch checkpoint: Unsupported operand"):
-        load_checkpoint(text)
+    for name, text in [("text.pt", "not a checkpoint\n"), ("metrics.csv", "epoch,loss\n1,0.5\n"), ("e.json", "{}")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(CheckpointError, match=f"'{tmp_path / name}' is not a torch checkpoint"):
+            load_checkpoint(tmp_path / name)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty.pt' is an empty file$"):
+        load_checkpoint(tmp_path / "empty.pt")
     foreign = save_atomic({"state_dict": {}}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not an ampkit checkpoint"):
         load_checkpoint(foreign)
@@ -160,6 +164,62 @@ def test_resume_with_a_checkpoint_of_another_model_fails_clearly_and_keeps_files
     with pytest.raises(CheckpointError, match="does not fit"):
         Wider(toy_cfg(tmp_path, **{"trainer.max_epochs": 2})).fit(resume="last")
     assert last.read_bytes() == before
+
+
+def test_resume_last_without_a_checkpoint_is_an_error_naming_run_dir(tmp_path):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False})
+    (tmp_path / "run" / "version_0").mkdir(parents=True)  # killed before its first checkpoint
+    with pytest.raises(CheckpointError, match=f"no checkpoint under run_dir '{tmp_path / 'run'}'"):
+        ToyTrainer(cfg).fit(resume="last")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0"]
+
+
+def test_bad_resume_files_leave_nothing_behind(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.tensorboard": False}))
+    trainer.fit()
+    before = {p: p.read_bytes() for p in trainer.version_dir.rglob("*") if p.is_file()}
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+
+    class Wider(ToyTrainer):
+        def configure_model(self):
+            return torch.nn.Linear(6, 3)
+
+    for trainer_class, resume in [(ToyTrainer, text), (ToyTrainer, tmp_path / "absent.pt"), (Wider, "last")]:
+        with pytest.raises(CheckpointError):
+            trainer_class(toy_cfg(tmp_path, **{"trainer.max_epochs": 3})).fit(resume=resume)
+    after = {p: p.read_bytes() for p in trainer.version_dir.rglob("*") if p.is_file()}
+    assert after == before  # no config.resumed_at_step_*.yaml
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # no empty version_N
+
+
+def test_resumed_run_saves_its_changed_config_under_the_restored_step(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
+    trainer.fit()
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.tensorboard": False})).fit(resume="last")
+    assert (trainer.version_dir / "config.resumed_at_step_8.yaml").is_file()
+
+
+def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):
+    common = {"logging.tensorboard": False, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, **common}))
+    trainer.fit()
+    directory = trainer.version_dir / "checkpoints"
+    # What a SIGKILL leaves: a half-written temp file and step files saved but not yet pruned.
+    (directory / ".step-00000009.pt.x1y2.tmp").write_bytes(b"PK\x03\x04half")
+    (directory / ".last.pt.a1b2.tmp").write_bytes(b"")
+    for step in (1, 2, 3):
+        save_atomic({"ampkit_checkpoint": 1}, directory / f"step-{step:08d}.pt")
+    os.utime(directory / "step-00000001.pt", ns=(0, 0))  # the oldest by time, whatever its number
+    seen_at_start: list[str] = []
+
+    class ListCheckpoints(ampkit.Callback):
+        def on_train_start(self, trainer) -> None:
+            seen_at_start.extend(sorted(p.name for p in directory.iterdir()))
+
+    restarted = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **common}), callbacks=[ListCheckpoints()])
+    restarted.fit(resume="last")
+    assert seen_at_start == ["last.pt", "step-00000002.pt", "step-00000003.pt"]
 
 
 def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):

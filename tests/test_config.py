@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,12 +78,55 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("trainer.accumulate_grad_batches", 0, "an integer >= 1"),
         ("trainer.device", "gpu", "use auto, cpu, cuda or cuda:N"),
         ("trainer.clip_grad_norm", -1.0, "a number > 0"),
+        ("trainer.limit_val_batches", -1, "null \\(all batches.*\\) or an integer >= 1"),
+        ("trainer.val_every_n_steps", -3, "an integer >= 0"),
+        ("trainer.val_every_n_epochs", -1, "an integer >= 0"),
+        ("trainer.max_steps", -2, "-1 \\(no limit\\) or an integer >= 0"),
+        ("checkpoint.keep_last", 0, "an integer >= 1"),
+        ("checkpoint.every_n_steps", -1, "an integer >= 0"),
+        ("checkpoint.every_n_epochs", -1, "an integer >= 0"),
+        ("logging.log_every_n_steps", 0, "an integer >= 1"),
+        ("distributed.backend", "mpi", "one of auto, gloo, nccl"),
+        ("distributed.grad_sync", "fsdp", "one of auto, ddp, step"),
+        ("distributed.timeout_s", 0, "a number > 0"),
+        ("distributed.bucket_cap_mb", "nan", "a number > 0"),
+        ("run_dir", "' '", "a non-empty path"),
     ],
 )
 def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):
     with pytest.raises(ConfigError, match=expected) as err:
         ToyTrainer(toy_cfg(tmp_path, **{key: value}))
     assert key in str(err.value)
+
+
+class _RecordsUserCode(ToyTrainer):
+    called = False
+
+    def configure_model(self):
+        type(self).called = True
+        return super().configure_model()
+
+
+def test_every_bad_key_is_named_at_once_before_user_code(tmp_path):
+    cfg = toy_cfg(tmp_path, **{"checkpoint.keep_last": 0, "trainer.limit_val_batches": -1})
+    with pytest.raises(ConfigError) as err:
+        _RecordsUserCode(cfg).fit()
+    assert "'trainer.limit_val_batches': -1" in str(err.value) and "'checkpoint.keep_last': 0" in str(err.value)
+    assert not _RecordsUserCode.called and not (tmp_path / "run").exists()
+
+
+def test_run_dir_under_a_file_is_refused_at_construction(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"'run_dir': cannot create .*a_file' is not a directory"):
+        ToyTrainer(toy_cfg(tmp_path, run_dir=str(tmp_path / "a_file" / "runs")))
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes through permission bits")
+def test_read_only_run_dir_is_refused_at_construction(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match=r"'run_dir': cannot create .*locked' is not writable"):
+        ToyTrainer(toy_cfg(tmp_path, run_dir=str(locked / "runs")))
 
 
 def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):

@@ -96,3 +96,25 @@ class DuplicateCallbacksTrainer(ToyTrainer):
 
     def configure_callbacks(self):
         return [_Marker(), _Marker()]
+
+
+class NaNLossToyTrainer(ToyTrainer):
+    """ToyTrainer whose loss is NaN in iteration ``nan_at`` (only in its reported value when ``detached``)."""
+
+    nan_at = 6
+    detached = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.iteration != self.nan_at:
+            return loss
+        nan = torch.tensor(float("nan"))
+        return loss * nan if not self.detached else loss + (nan * loss).detach()
+
+
+def fit_toy_resuming(cfg: dict) -> None:
+    """Run ToyTrainer on ``cfg``, resuming the newest checkpoint under its run_dir if there is one."""
+    from ampkit.trainer.run_dir import latest_checkpoint
+
+    torch.set_num_threads(1)
+    ToyTrainer(cfg).fit(resume="last" if latest_checkpoint(cfg["run_dir"]) else None)

@@ -12,6 +12,7 @@ from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.early_stopping import EarlyStopping
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
+from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.callbacks.precision_config import precision_callbacks
 from ampkit.callbacks.progress import ProgressBar
@@ -31,6 +32,8 @@ __all__ = [
     "LossScaling",
     "MixedPrecision",
     "ModelCheckpoint",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "ProgressBar",
     "TensorBoardLogger",
     "default_callbacks",
@@ -42,6 +45,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     """The callbacks the trainer's config switches on, in no particular order (each declares its own)."""
     cfg = trainer.cfg
     callbacks: list[Callback] = precision_callbacks(cfg.precision, sharded=trainer.sharded)
+    if not trainer.sharded:  # its model check reads whole tensors; FSDP's are sharded DTensors
+        callbacks.append(NonFiniteGuard(check_every_n_steps=cfg.logging.log_every_n_steps))
     if trainer.world_size > 1:
         d = cfg.distributed
         grad_sync = d.grad_sync if d.grad_sync != "auto" else "ddp" if trainer.automatic_optimization else "step"

@@ -52,6 +52,18 @@ class ModelCheckpoint(Callback):
         self._saved_at: dict[str, int] | None = None
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
+    def on_fit_start(self, trainer) -> None:
+        """Tidy up after a killed run: drop half-written temp files and files beyond ``keep_last``."""
+        if not trainer.is_global_zero:  # other ranks have no run directory
+            return
+        directory = trainer.version_dir / "checkpoints"
+        if not directory.is_dir():
+            return
+        for tmp in directory.glob(".*.tmp"):  # save_atomic's and link_atomic's, left by a kill before the rename
+            if tmp.is_file():  # a sharded save's temp directory is the sharded writer's to clean
+                tmp.unlink(missing_ok=True)
+        self._prune(directory)
+
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
         if s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0:
@@ -116,11 +128,14 @@ class ModelCheckpoint(Callback):
         directory = trainer.version_dir / "checkpoints"
         path = save_atomic(checkpoint, directory / filename)
         link_atomic(path, directory / "last.pt")
-        periodic = (p for p in directory.glob("*-*.pt") if not p.name.startswith("best-"))
+        self._prune(directory)
+        return path
+
+    def _prune(self, directory: Path) -> None:
+        periodic = (p for p in directory.glob("*-*.pt") if not p.name.startswith("best-"))  # best-k prunes its own
         kept = sorted(periodic, key=lambda p: p.stat().st_mtime_ns)
         for old in kept[: -self.keep_last]:
             old.unlink(missing_ok=True)
-        return path
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str) -> Path:
         directory = trainer.version_dir / "checkpoints"

@@ -75,11 +75,25 @@ def _unpickler_detail(exc: pickle.UnpicklingError) -> tuple[bool, str]:
     return any(word in reason for word in _CODE_WORDS), reason
 
 
+# How every file torch.save writes begins: a zip archive (the default) or a pickle stream (the legacy format).
+_TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load an ampkit checkpoint with ``weights_only=True``; every failure is one :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at '{path}'")
+    with path.open("rb") as f:
+        start = f.read(4)
+    if not start:
+        raise CheckpointError(f"checkpoint '{path}' is an empty file")
+    if not start.startswith(_TORCH_FILE_STARTS):
+        raise CheckpointError(f"'{path}' is not a torch checkpoint (torch.save writes a zip archive or a pickle)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -91,7 +105,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"which could run code ({detail}). ampkit loads checkpoints with weights_only=True."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {exc}") from None
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {_describe(exc)}") from None
+    except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {_describe(exc)}") from None
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry)")
     if checkpoint[FORMAT_KEY] > FORMAT_VERSION:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -13,6 +14,18 @@ def _versions(root: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION.match(p.name)) and p.is_dir()]
     return sorted(found)
+
+
+def unwritable_reason(root: str | Path) -> str | None:
+    """Why ``version_N`` could not be created under ``root`` (a file in the way, no write access), or None."""
+    existing = Path(root).absolute()
+    while not existing.exists() and not existing.is_symlink():  # climb to the part that is already there
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"'{existing}' is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"'{existing}' is not writable"
+    return None
 
 
 def new_version_dir(root: str | Path) -> Path:

@@ -51,7 +51,7 @@ from lightning_utilities.core.overrides import is_overridden
 from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config
+from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.distributed import (
@@ -70,7 +70,7 @@ from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, unwritable_reason
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 
@@ -338,8 +338,11 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
-        checkpoint_path = self._resolve_checkpoint(resume)
-        self._setup(checkpoint_path)
+        checkpoint_path = self._resolve_resume(resume)
+        # Loaded before any user code runs, so an empty or foreign file fails at once (shards need the model).
+        plain = checkpoint_path is not None and not is_sharded_checkpoint(checkpoint_path)
+        checkpoint = load_checkpoint(checkpoint_path) if plain else None
+        self._setup(checkpoint, checkpoint_path)
         try:
             self.fire("on_fit_start")
             self.fire("on_train_start")
@@ -570,7 +573,7 @@ class Trainer:
             self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
 
-    def _setup(self, checkpoint_path: Path | None) -> None:
+    def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
         self._setup_model()
         self._specs = normalize_optimizers(self.configure_optimizers())
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
@@ -580,6 +583,10 @@ class Trainer:
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._setup_callbacks()
+        if checkpoint_path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
+            if checkpoint is None:
+                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
+            self._restore(checkpoint, checkpoint_path)
         self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
         if self.is_global_zero and self.version_dir is None:
             self.version_dir = new_version_dir(self.cfg.run_dir)
@@ -587,12 +594,6 @@ class Trainer:
             self.version_dir = broadcast_object(self.version_dir, self.dist)
         if self.is_global_zero:
             self._save_config()
-        if checkpoint_path is not None:
-            if is_sharded_checkpoint(checkpoint_path):
-                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
-            else:
-                checkpoint = load_checkpoint(checkpoint_path)
-            self._restore(checkpoint, checkpoint_path)
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -712,6 +713,16 @@ class Trainer:
         except (KeyError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
 
+    def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
+        """The checkpoint ``fit(resume=...)`` continues from; ``last``/``best`` with none under run_dir is an error."""
+        path = self._resolve_checkpoint(resume)
+        if resume is not None and path is None:
+            raise CheckpointError(
+                f"resume='{resume}': no checkpoint under run_dir '{self.cfg.run_dir}' (no version_N/checkpoints/"
+                f"{resume}.pt); check run_dir, or start without resume for a fresh run"
+            )
+        return path
+
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
         """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
         if ckpt is None:
@@ -740,64 +751,12 @@ class Trainer:
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
+        check_values(self.cfg)
+        if os.environ.get("RANK", "0") == "0":  # only rank zero writes the run directory
+            reason = unwritable_reason(self.cfg.run_dir)
+            if reason is not None:
+                raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
         t = self.cfg.trainer
-        rules = {
-            "trainer.max_epochs": (t.max_epochs, t.max_epochs >= 0, "an integer >= 0"),
-            "trainer.max_steps": (t.max_steps, t.max_steps >= -1, "-1 (no limit) or an integer >= 0"),
-            "trainer.accumulate_grad_batches": (
-                t.accumulate_grad_batches,
-                t.accumulate_grad_batches >= 1,
-                "an integer >= 1",
-            ),
-            "trainer.limit_train_batches": (
-                t.limit_train_batches,
-                t.limit_train_batches is None or t.limit_train_batches >= 1,
-                "null or an integer >= 1",
-            ),
-            "trainer.clip_grad_norm": (
-                t.clip_grad_norm,
-                t.clip_grad_norm is None or t.clip_grad_norm > 0,
-                "null or a number > 0",
-            ),
-            "checkpoint.save_top_k": (
-                self.cfg.checkpoint.save_top_k,
-                self.cfg.checkpoint.save_top_k >= 1,
-                "an integer >= 1",
-            ),
-            "early_stopping.patience": (
-                self.cfg.early_stopping.patience,
-                self.cfg.early_stopping.patience >= 1,
-                "an integer >= 1",
-            ),
-            "early_stopping.min_delta": (
-                self.cfg.early_stopping.min_delta,
-                self.cfg.early_stopping.min_delta >= 0,
-                "a number >= 0",
-            ),
-            "precision.clip_grad_norm": (
-                self.cfg.precision.clip_grad_norm,
-                self.cfg.precision.clip_grad_norm is None or self.cfg.precision.clip_grad_norm > 0,
-                "null or a number > 0",
-            ),
-            "logging.log_every_n_steps": (
-                self.cfg.logging.log_every_n_steps,
-                self.cfg.logging.log_every_n_steps >= 1,
-                "an integer >= 1",
-            ),
-            "logging.console_every_n_steps": (
-                self.cfg.logging.console_every_n_steps,
-                self.cfg.logging.console_every_n_steps >= 1,
-                "an integer >= 1",
-            ),
-            "logging.grad_histograms_every_n_steps": (
-                self.cfg.logging.grad_histograms_every_n_steps,
-                self.cfg.logging.grad_histograms_every_n_steps >= 0,
-                "0 (off) or an integer >= 1",
-            ),
-        }
-        for key, (value, ok, valid) in rules.items():
-            if not ok:
-                raise ConfigError(f"config key '{key}': {value!r} is invalid; expected {valid}")
         validate_strategy(self.cfg)
         clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
         if clip is not None and precision_clip is not None and clip != precision_clip:

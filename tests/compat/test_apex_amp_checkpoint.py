@@ -152,3 +152,9 @@ def test_o2_checkpoint_holds_the_float32_masters_not_their_fp16_rounding():
     masters = list(amp.master_params(optimizer))
     state = model.state_dict()
     assert torch.equal(state["0.weight"], masters[0]) and not torch.equal(state["0.weight"], model[0].weight.float())
+
+
+def test_load_state_dict_of_a_path_says_it_wants_the_dict():
+    _build("O1", 1)
+    with pytest.raises(TypeError, match=r"expects the dict from amp.state_dict\(\), got str \(load the file first"):
+        amp.load_state_dict("/path/to/file.pt")

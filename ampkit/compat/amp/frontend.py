@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -212,6 +214,15 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Restore the scalers from :func:`state_dict` (Apex's rules: extra scalers skipped, other keys an error)."""
+    if not isinstance(state_dict, Mapping):
+        hint = (
+            " (load the file first: amp.load_state_dict(torch.load(path)['amp']))"
+            if isinstance(state_dict, str | bytes | os.PathLike)
+            else ""
+        )
+        raise TypeError(
+            f"amp.load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}{hint}"
+        )
     scalers = _amp_state.loss_scalers
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")

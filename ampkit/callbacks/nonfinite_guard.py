@@ -1,0 +1,96 @@
+"""Stop a run whose model turned NaN/inf before that model is checkpointed over a finite one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampkit.trainer.callback import Callback
+from ampkit.trainer.distributed import all_reduce_sum
+
+
+class NonFiniteError(RuntimeError):
+    """The model's parameters or buffers became NaN/inf; the message names the first step that made them so."""
+
+
+def nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """Names of the floating-point tensors in ``state`` (a model's state dict) holding a NaN or an inf."""
+    names = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not names:
+        return []
+    finite = torch.stack([torch.isfinite(state[k]).all() for k in names]).tolist()  # one sync for all
+    return [name for name, ok in zip(names, finite, strict=True) if not ok]
+
+
+class NonFiniteGuard(Callback):
+    """Checks the model before every checkpoint, and every ``check_every_n_steps`` iterations whether a loss
+    whose gradients were applied (a step that was not skipped) was non-finite; a non-finite model stops the
+    run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
+
+    Cheap: per backward it only keeps a reference to the loss; the periodic check stacks them (one sync) and
+    reads the parameters only when a loss was non-finite. Steps a loss scaler or clipping skipped never count.
+    """
+
+    def __init__(self, check_every_n_steps: int = 10) -> None:
+        if check_every_n_steps < 1:
+            raise ValueError(f"NonFiniteGuard: check_every_n_steps must be >= 1, got {check_every_n_steps}")
+        self.check_every_n_steps = check_every_n_steps
+        self._pending: list[torch.Tensor] = []  # this iteration's losses, until their optimizer step
+        self._applied: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) of steps taken since the last check
+        self._finite_at = 0  # the last global step at which the model was seen finite
+
+    def on_fit_start(self, trainer) -> None:
+        self._finite_at = trainer.state.global_step
+
+    def on_before_backward(self, trainer, backward) -> None:
+        self._pending.append(backward.loss.detach())
+
+    def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        iteration = trainer.state.iteration
+        self._applied.extend((iteration, loss) for loss in self._pending)
+        self._pending = []
+
+    def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
+        self._pending = []
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        s = trainer.state
+        if not s.is_iteration_end:
+            return
+        self._pending = []
+        if s.global_step % self.check_every_n_steps == 0:
+            first_bad = self._first_nonfinite_loss()
+            # Every rank must agree to look at the model (identical on all ranks), or one would stop alone.
+            if all_reduce_sum([float(first_bad is not None)], trainer.dist)[0]:
+                self._check_model(trainer, trainer.module.state_dict(), first_bad)
+            self._applied = []
+
+    def on_save_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
+        self._check_model(trainer, checkpoint["model"], self._first_nonfinite_loss())
+        self._applied = []
+
+    def _first_nonfinite_loss(self) -> tuple[int, float] | None:
+        if not self._applied:
+            return None
+        finite = torch.isfinite(torch.stack([loss.float() for _, loss in self._applied])).tolist()
+        for (iteration, loss), ok in zip(self._applied, finite, strict=True):
+            if not ok:
+                return iteration, loss.item()
+        return None
+
+    def _check_model(self, trainer, model_state: dict[str, Any], first_bad: tuple[int, float] | None) -> None:
+        bad = nonfinite_entries(model_state)
+        step = trainer.state.global_step
+        if not bad:
+            self._finite_at = step
+            return
+        if first_bad is not None:
+            since = f"step {first_bad[0]} applied a loss of {first_bad[1]}"
+        else:
+            since = f"somewhere in steps {self._finite_at + 1}..{step} (every loss was finite: a step overflowed)"
+        raise NonFiniteError(
+            f"the model is not finite at step {step} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} "
+            f"hold NaN/inf): {since}. Stopped before checkpointing it, so the last checkpoint keeps a finite "
+            "model. Lower the learning rate, clip gradients, or use a loss scaler (precision.opt_level)."
+        )

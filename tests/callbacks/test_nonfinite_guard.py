@@ -1,0 +1,66 @@
+"""A NaN that reaches the weights stops the run, naming its step, before it is written over a finite checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from toy_trainers import NaNLossToyTrainer, toy_cfg
+
+from ampkit import cli
+from ampkit.callbacks import NonFiniteError
+from ampkit.callbacks.nonfinite_guard import nonfinite_entries
+from ampkit.trainer.checkpoint_io import load_checkpoint
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+
+
+def test_nan_loss_in_fp32_stops_before_overwriting_the_last_finite_checkpoint(tmp_path):
+    trainer = NaNLossToyTrainer(toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 1}))
+    with pytest.raises(NonFiniteError, match=r"not finite at step 6 \(0.weight, .*\): step 6 applied a loss of nan"):
+        trainer.fit()
+    last = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 5 and not nonfinite_entries(last["model"])
+
+
+def test_without_checkpoints_the_periodic_check_names_the_first_bad_step(tmp_path):
+    cfg = toy_cfg(tmp_path, **QUIET, **{"checkpoint.enabled": False, "logging.log_every_n_steps": 5})
+    with pytest.raises(NonFiniteError, match="not finite at step 10 .*: step 6 applied a loss of nan"):
+        NaNLossToyTrainer(cfg).fit()
+
+
+def test_a_nan_that_never_reaches_the_weights_does_not_stop_the_run(tmp_path):
+    class NaNReportedOnly(NaNLossToyTrainer):
+        detached = True
+
+    trainer = NaNReportedOnly(toy_cfg(tmp_path, **QUIET, **{"logging.log_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.state.global_step == 16 and not nonfinite_entries(trainer.module.state_dict())
+
+
+def test_a_step_the_loss_scaler_skips_is_not_a_fault(tmp_path):
+    cfg = toy_cfg(tmp_path, **QUIET, **{"precision.opt_level": "O1", "logging.log_every_n_steps": 2})
+
+    class NoNaN(NaNLossToyTrainer):
+        nan_at = -1
+
+    with_nan, without = NaNLossToyTrainer(cfg), NoNaN(cfg)
+    with_nan.fit()
+    without.fit()
+    skipped = [t.optimizer_state[t.optimizer].skipped_steps for t in (with_nan, without)]
+    assert skipped[0] == skipped[1] + 1 and with_nan.state.global_step == 16
+    assert not nonfinite_entries(with_nan.module.state_dict())
+
+
+def test_cli_reports_it_in_one_line(tmp_path, capsys):
+    path = tmp_path / "nan.yaml"
+    cfg = toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 1})
+    OmegaConf.save(OmegaConf.create({**cfg, "trainer_class": "toy_trainers:NaNLossToyTrainer"}), path)
+    assert cli.main(["fit", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ampkit: error: the model is not finite at step 6") and err.count("\n") == 1
+
+
+def test_nonfinite_entries_reads_floats_only():
+    state = {"w": torch.tensor([1.0, float("inf")]), "b": torch.zeros(2), "count": torch.tensor(3)}
+    assert nonfinite_entries(state) == ["w"]

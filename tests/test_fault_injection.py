@@ -1,0 +1,96 @@
+"""Fault injection: SIGKILL a small run at random moments, over and over; every kill leaves a loadable
+``last.pt``, every restart tidies what the kill left, and every run, restarted after each kill until it
+finishes, ends bit-identical (parameters, momenta, loop position) to a run never killed.
+
+Children fork from a forkserver that imported torch and ampkit once, so a kill-and-restart costs
+milliseconds, not an interpreter start; the seed is printed so a failing schedule can be replayed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+from toy_trainers import fit_toy_resuming, toy_cfg
+
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.run_dir import latest_checkpoint
+
+KILLS = 20
+SETTINGS = {
+    "trainer.max_epochs": 2,
+    "trainer.progress_bar": False,
+    "logging.tensorboard": False,
+    "checkpoint.every_n_steps": 1,
+    "checkpoint.keep_last": 2,
+}
+
+
+def _assert_same_training_state(a: dict, b: dict) -> None:
+    assert a["loop"] == b["loop"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    momenta = [(s["momentum_buffer"], t["momentum_buffer"]) for s, t in zip(
+        a["optimizers"]["sgd"]["state"].values(), b["optimizers"]["sgd"]["state"].values(), strict=True)]  # fmt: skip
+    assert all(torch.equal(x, y) for x, y in momenta)
+
+
+def _assert_finished_and_tidy(run_dir: Path, reference: dict) -> None:
+    last = latest_checkpoint(run_dir)
+    _assert_same_training_state(load_checkpoint(last), reference)
+    names = sorted(p.name for p in last.parent.iterdir())  # what the kills left, the restarts removed
+    assert not [n for n in names if n.endswith(".tmp")], names
+    assert len(names) <= SETTINGS["checkpoint.keep_last"] + 1, names
+
+
+def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"fault-injection seed {seed}")
+    rng = random.Random(seed)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch._dynamo", "ampkit.callbacks", "toy_trainers"])  # optimizers import dynamo
+
+    def start(run_dir: Path) -> multiprocessing.Process:
+        proc = ctx.Process(target=fit_toy_resuming, args=(toy_cfg(run_dir, **SETTINGS),))
+        proc.start()
+        return proc
+
+    references = []
+    for name in ("cold", "warm"):  # the second run, with the forkserver up, times a whole run
+        began = time.perf_counter()
+        reference_run = start(tmp_path / name)
+        reference_run.join(300)
+        duration = time.perf_counter() - began
+        assert reference_run.exitcode == 0
+        references.append(load_checkpoint(latest_checkpoint(tmp_path / name / "run")))
+    reference = references[0]
+    _assert_same_training_state(references[1], reference)
+    assert reference["loop"]["global_step"] == 16
+
+    resumed_from: set[int] = set()  # the steps of the last.pt files that kills left for the next start
+    kills = runs = 0
+    while kills < KILLS:
+        run_dir = tmp_path / f"killed{runs}" / "run"
+        proc = start(run_dir.parent)
+        proc.join(rng.uniform(0.0, duration))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            kills += 1
+            last = latest_checkpoint(run_dir)
+            if last is not None:  # loadable, whatever the moment of the kill
+                resumed_from.add(load_checkpoint(last)["loop"]["global_step"])
+            continue
+        # This run, restarted after each kill until it finished, ends exactly where the reference did.
+        assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
+        _assert_finished_and_tidy(run_dir, reference)
+        runs += 1
+    proc = start(run_dir.parent)  # finish the run the last kill interrupted
+    proc.join(300)
+    assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
+    _assert_finished_and_tidy(run_dir, reference)
+    assert len(resumed_from) >= KILLS // 4, f"seed {seed}: kills landed at too few steps: {sorted(resumed_from)}"
