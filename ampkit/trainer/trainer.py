@@ -12,14 +12,16 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                        optimizer.step() → on_after_optimizer_step   |   on_optimizer_step_skipped)
                   at the end of an iteration: each loss scaler updates once (on_loss_scale_update)
                     → step-interval schedulers (only of optimizers that stepped)
-                    → on_before_zero_grad → zero_grad → validation if due (on_validation_start/_end)
+                    → on_before_zero_grad → zero_grad → validation if due (on_validation_start →
+                       validation_step → on_validation_batch_end per batch → on_validation_end)
                   → on_train_batch_end
       at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
 checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
-batch → on_<validation|test|predict>_end. Hooks defined on the subclass run after the callbacks' hooks.
+batch (validate: then on_validation_batch_end) → on_<validation|test|predict>_end. Hooks defined on the
+subclass run after the callbacks' hooks.
 
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
