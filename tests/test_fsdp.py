@@ -88,6 +88,7 @@ def test_bad_strategy_settings_fail_at_construction_naming_the_key(tmp_path, dis
         ({"opt_level": "O2"}, torch.float16),
         ({"opt_level": "O2", "dtype": "bfloat16"}, torch.bfloat16),
         ({"opt_level": "O5", "dtype": "bfloat16"}, torch.bfloat16),
+        ({"opt_level": "O5", "loss_scale": "none"}, torch.bfloat16),  # bf16 without a scaler, spelled out
     ],
 )
 def test_fsdp_computes_in_the_model_cast_dtype_of_levels_with_fp32_masters(precision, param_dtype):

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from omegaconf import DictConfig
 
-from ampkit.amp import resolve_opt_level
+from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite import NonFiniteCheck
 from ampkit.callbacks.precision import MixedPrecision
@@ -15,6 +15,25 @@ from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 
 NO_LOSS_SCALE = "none"
+
+
+def _unscaled(precision: DictConfig) -> bool:
+    return isinstance(precision.loss_scale, str) and precision.loss_scale.lower() == NO_LOSS_SCALE
+
+
+def resolve_precision(precision: DictConfig) -> OptLevelProperties:
+    """The opt level's recipe with the section's overrides (``loss_scale: none``: the level's default scale is
+    dropped); an invalid option is a :class:`ConfigError` naming the section."""
+    try:
+        return resolve_opt_level(
+            precision.opt_level,
+            dtype=precision.dtype,
+            keep_batchnorm_fp32=precision.keep_batchnorm_fp32,
+            master_weights=precision.master_weights,
+            loss_scale=None if _unscaled(precision) else precision.loss_scale,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"config section 'precision': {exc}") from None
 
 
 def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
@@ -37,15 +56,9 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
             f"'precision.scale_window' ({p.scale_window}) disagree; set one of them"
         )
     growth_interval = p.growth_interval if p.growth_interval is not None else p.scale_window
-    unscaled = isinstance(p.loss_scale, str) and p.loss_scale.lower() == NO_LOSS_SCALE
+    unscaled = _unscaled(p)
+    props = resolve_precision(p)
     try:
-        props = resolve_opt_level(
-            p.opt_level,
-            dtype=p.dtype,
-            keep_batchnorm_fp32=p.keep_batchnorm_fp32,
-            master_weights=p.master_weights,
-            loss_scale=None if unscaled else p.loss_scale,
-        )
         if props.opt_level == "O0" and (p.loss_scale is None or unscaled):
             return []
         if sharded:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from ampkit.amp import OptLevelProperties, resolve_opt_level
+from ampkit.amp import OptLevelProperties
 from ampkit.config import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
@@ -80,16 +80,9 @@ def validate_strategy(cfg: DictConfig) -> None:
 
 
 def _recipe(precision: DictConfig) -> OptLevelProperties:
-    try:
-        return resolve_opt_level(
-            precision.opt_level,
-            dtype=precision.dtype,
-            keep_batchnorm_fp32=precision.keep_batchnorm_fp32,
-            master_weights=precision.master_weights,
-            loss_scale=precision.loss_scale,
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise ConfigError(f"config section 'precision': {exc}") from None
+    from ampkit.callbacks.precision_config import resolve_precision  # the callbacks package imports the trainer's
+
+    return resolve_precision(precision)
 
 
 def fsdp_param_dtype(precision: DictConfig) -> torch.dtype | None:

@@ -489,6 +489,33 @@ def test_mixed_precision_lamb_keeps_fp32_masters():
     assert all(torch.equal(p, opt.state[p]["master_param"].bfloat16()) for p in half)
 
 
+@pytest.mark.parametrize("ops_mode", ["kernel", "reference"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_mixed_precision_lamb_fp16_follows_float64_lamb_where_fp16_moments_underflow(
+    monkeypatch, ops_mode, weight_decay
+):
+    """Apex's fp16 test setup (global norm ~77, so clipping divides every grad by it): a weight whose clipped
+    grad times (1 - beta1) is below fp16's smallest subnormal still moves, because moments, clipping and the
+    update stay in fp32 and only the new weight is rounded to fp16."""
+    monkeypatch.setenv("AMPKIT_OPS", ops_mode)
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(18011, generator=gen).half()
+    grads = torch.rand(18011, generator=gen).half()
+    tiny = torch.arange(0, 18011, 997)
+    weights[tiny], grads[tiny] = 0.01, 2e-5  # 0.1 * 2e-5 / 77 = 2.6e-8 < 2**-25: an fp16 moment flushes to 0
+    param = torch.nn.Parameter(weights.clone())
+    opt = FusedMixedPrecisionLamb([param], lr=5e-4, eps=1e-8, weight_decay=weight_decay, use_nvlamb=True)
+    param.grad = grads.clone()
+    opt.step()
+    (expected,) = lamb_reference(
+        [weights.double()], [[grads.double()]], 5e-4, (0.9, 0.999), 1e-8, weight_decay, 1.0, use_nvlamb=True
+    )
+    assert float(grads.double().norm()) > 50
+    torch.testing.assert_close(opt.state[param]["master_param"], expected.float())
+    torch.testing.assert_close(param.detach(), expected.half())
+    assert (weights[tiny] - param.detach()[tiny]).min() > 2e-4  # moved by about lr * trust ratio, not 0
+
+
 def test_reference_mode_runs_the_same_maths(monkeypatch):
     a = make_params()
     b = clone_params(a)

@@ -168,7 +168,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     """FusedLAMB for fp16/bf16 models: fp32 master weights and moments, as Apex's FusedMixedPrecisionLamb.
 
     ``reduced_precision_dtype`` (Apex's argument) only selects which dtype may be reduced; every
-    fp16/bf16 parameter gets an fp32 master copy.
+    fp16/bf16 parameter gets an fp32 master copy. Unlike Apex, the LAMB direction is not written into
+    ``.grad`` (rounded to the grad's dtype) but kept in an fp32 buffer; only the new weight is rounded.
     """
 
     def __init__(
