@@ -98,16 +98,9 @@ def describe_precision(precision: DictConfig) -> str:
     ``precision`` must already be valid.
     """
     p = precision
-    explicit_none = isinstance(p.loss_scale, str) and p.loss_scale.lower() == NO_LOSS_SCALE
-    props = resolve_opt_level(
-        p.opt_level,
-        dtype=p.dtype,
-        keep_batchnorm_fp32=p.keep_batchnorm_fp32,
-        master_weights=p.master_weights,
-        loss_scale=None if explicit_none else p.loss_scale,
-    )
-    if props.opt_level == "O0" and (p.loss_scale is None or explicit_none):
+    props = resolve_precision(p)
+    if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
         return "O0 (float32)"
-    unscaled = explicit_none or (p.loss_scale is None and props.dtype == torch.bfloat16)
+    unscaled = _unscaled(p) or (p.loss_scale is None and props.dtype == torch.bfloat16)
     dtype = str(props.dtype).removeprefix("torch.")
     return f"{p.opt_level} {dtype}" + ("" if unscaled else f", loss scale {props.loss_scale}")
