@@ -10,7 +10,7 @@ from ampkit.config import (
     PrecisionConfig,
     TrainerConfig,
 )
-from ampkit.trainer import BackwardState, Callback, CheckpointError, OptimizerState, Phase, Trainer, load_model
+from ampkit.trainer import BackwardState, Callback, CheckpointError, Logger, OptimizerState, Phase, Trainer, load_model
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
@@ -20,6 +20,7 @@ __all__ = [
     "Callback",
     "CheckpointConfig",
     "CheckpointError",
+    "Logger",
     "Config",
     "ConfigError",
     "EarlyStopping",

@@ -1,4 +1,5 @@
-"""``ampkit fit|validate|test|predict --config FILE [key=value ...]`` (also ``python -m ampkit``).
+"""``ampkit fit|validate|test|predict --config FILE [--print-config] [--debug] [key=value ...]`` (also
+``python -m ampkit``).
 
 ``fit [--resume last|best|PATH]`` trains; ``validate``/``test`` print the averaged metrics of a checkpoint
 (``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions.
@@ -10,25 +11,81 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+from omegaconf import OmegaConf
+
+import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
-from ampkit.config import ConfigError, load_config
+from ampkit.config import Config, ConfigError, load_config
+from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
+from ampkit.trainer.ordering import CallbackOrderError
+
+# What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
+# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader).
+USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError, NotImplementedError, NonFiniteError)
+
+# (help, description) of each command; every command takes --config, --print-config, --debug and overrides.
+COMMANDS = {
+    "fit": (
+        "train the Trainer named by a config file",
+        "Train the Trainer subclass that the config file names (trainer_class: package.module:Class).",
+    ),
+    "validate": (
+        "print the validation metrics of a checkpoint",
+        "Run validation_step over val_dataloader once with a checkpoint's weights and print the averaged metrics.",
+    ),
+    "test": (
+        "print the test metrics of a checkpoint (test_dataloader/test_step)",
+        "Run test_step over test_dataloader once with a checkpoint's weights and print the averaged metrics.",
+    ),
+    "predict": (
+        "save the predictions of a checkpoint (predict_dataloader)",
+        "Run predict_step over predict_dataloader with a checkpoint's weights and save its outputs with torch.save.",
+    ),
+}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ampkit", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    fit = commands.add_parser("fit", help="train the Trainer named by a config file")
-    fit.add_argument("--resume", default=None, help="'last' or 'best' (newest under run_dir) or a checkpoint path")
-    validate = commands.add_parser("validate", help="print the validation metrics of a checkpoint")
-    test = commands.add_parser("test", help="print the test metrics of a checkpoint (test_dataloader/test_step)")
-    predict = commands.add_parser("predict", help="save the predictions of a checkpoint (predict_dataloader)")
-    predict.add_argument("--output", required=True, help="file to torch.save the per-batch predictions to")
-    for command in (validate, test, predict):
-        command.add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
-    for command in (fit, validate, test, predict):
+def _schema_for_help(argv: list[str]) -> tuple[type, str]:
+    """The schema whose keys a command's ``--help`` lists: the named config's Trainer's, else the base one."""
+    if {"-h", "--help"} & set(argv) and "--config" in argv[:-1]:
+        try:
+            trainer_class, _ = load_config(argv[argv.index("--config") + 1])
+            return trainer_class.config_class, f" of {trainer_class.__name__}"
+        except Exception:  # help must print even when the config cannot load
+            pass
+    return Config, " (those every Trainer has; add --config FILE to see its Trainer's own)"
+
+
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ampkit", description="ampkit: a PyTorch training loop built around mixed precision."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"ampkit {ampkit.__version__} (torch {torch.__version__})"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    schema, whose = _schema_for_help(argv)
+    parsers = {}
+    for name, (summary, description) in COMMANDS.items():
+        command = parsers[name] = commands.add_parser(
+            name,
+            help=summary,
+            description=description,
+            epilog=f"config keys{whose}, with defaults:\n{help_text(schema)}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")
+    parsers["fit"].add_argument(
+        "--resume", default=None, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
+    )
+    for name in ("validate", "test", "predict"):
+        parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
+    parsers["predict"].add_argument("--output", required=True, help="file to torch.save the per-batch predictions to")
+    for command in parsers.values():
+        command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+        command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
         command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
     return parser
 
@@ -38,9 +95,13 @@ def _metrics(prefix: str, metrics: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(argv).parse_args(argv)
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            return 0
         trainer = trainer_class(cfg)
         if args.command == "fit":
             trainer.fit(resume=args.resume)
@@ -48,12 +109,17 @@ def main(argv: list[str] | None = None) -> int:
             predictions = trainer.predict(ckpt=args.ckpt, output=args.output)
         else:
             metrics = getattr(trainer, args.command)(ckpt=args.ckpt)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"ampkit: error: {exc}", file=sys.stderr)
-        return 2
-    except (DistributedError, NonFiniteError) as exc:
-        print(f"ampkit: error: {exc}", file=sys.stderr)
-        return 1
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
+        return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        resume = " (--resume last continues from the newest checkpoint)" if args.command == "fit" else ""
+        print(f"ampkit: interrupted{resume}", file=sys.stderr)
+        return 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit":

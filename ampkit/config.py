@@ -68,18 +68,20 @@ class EarlyStoppingConfig:
     """Stop when validation metric ``monitor`` has not improved by more than ``min_delta`` for ``patience``
     validations in a row (off while ``monitor`` is null)."""
 
-    monitor: str | None = None
+    monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
     mode: MonitorMode = MonitorMode.min
-    patience: int = 3
-    min_delta: float = 0.0
+    patience: int = 3  # validations in a row without an improvement before stopping
+    min_delta: float = 0.0  # a change of at most this does not count as an improvement
 
 
 @dataclass
 class LoggingConfig:
-    """TensorBoard logging."""
+    """TensorBoard logging and the console."""
 
     tensorboard: bool = True
-    log_every_n_steps: int = 10
+    log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
+    console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
+    grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
 
 
 @dataclass
@@ -204,6 +206,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
     "precision.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
     "logging.log_every_n_steps": _at_least(1),
+    "logging.console_every_n_steps": _at_least(1),
+    "logging.grad_histograms_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),
     "distributed.backend": _one_of("auto", "gloo", "nccl"),
     "distributed.timeout_s": _POSITIVE_NUMBER,
     "distributed.grad_sync": _one_of("auto", "ddp", "step"),

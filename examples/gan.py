@@ -5,7 +5,8 @@ networks to half with fp32 master weights; ``precision.dtype=bfloat16`` for bf16
 step is skipped by ``precision.skip_nonfinite``). Under float16 each loss has its own
 ``loss_id`` ("D", "G"), hence its own dynamic loss scaler: an overflow in the discriminator's loss skips
 only the discriminator's step and backs off only its scale. TensorBoard shows ``amp/loss_scale/D`` and
-``amp/loss_scale/G``.
+``amp/loss_scale/G``, and under Images ``samples``: every ``samples.every_n_steps`` iterations, where the
+generator's points land (white) against the ring's centres (red).
 """
 
 from __future__ import annotations
@@ -44,10 +45,18 @@ class GanOptimConfig:
 
 
 @dataclass
+class GanSamplesConfig:
+    every_n_steps: int = 100  # 0: never
+    points: int = 4096
+    pixels: int = 128
+
+
+@dataclass
 class GanConfig(ampkit.Config):
     model: GanModelConfig = field(default_factory=GanModelConfig)
     data: GanDataConfig = field(default_factory=GanDataConfig)
     optim: GanOptimConfig = field(default_factory=GanOptimConfig)
+    samples: GanSamplesConfig = field(default_factory=GanSamplesConfig)
 
 
 def ring_centers(modes: int, radius: float) -> torch.Tensor:
@@ -61,6 +70,19 @@ def sample_ring(n: int, modes: int, radius: float, std: float, seed: int) -> tor
     centers = ring_centers(modes, radius)
     which = torch.randint(0, modes, (n,), generator=gen)
     return centers[which] + std * torch.randn(n, 2, generator=gen)
+
+
+def samples_image(points: torch.Tensor, centers: torch.Tensor, extent: float, pixels: int) -> torch.Tensor:
+    """An RGB image (3, pixels, pixels) of the square [-extent, extent]^2: point density in white, centres red."""
+    bounds = [-extent, extent, -extent, extent]
+    density, _ = torch.histogramdd(points.detach().float().cpu(), bins=[pixels, pixels], range=bounds)
+    density = (density / density.max().clamp(min=1)).sqrt()  # sqrt: a lone point stays visible
+    marks, _ = torch.histogramdd(centers.float().cpu(), bins=[pixels, pixels], range=bounds)
+    size = 2 * (pixels // 64) + 1  # centres drawn as squares of ~1/40 of the image
+    marks = F.max_pool2d((marks > 0).float()[None], size, stride=1, padding=size // 2)[0]
+    red = torch.maximum(density, marks)
+    image = torch.stack([red, density, density])  # indexed [x, y]; images are [row, column], row 0 on top
+    return image.transpose(1, 2).flip(1)
 
 
 class Gan(nn.Module):
@@ -123,7 +145,17 @@ class GanTrainer(ampkit.Trainer):
         loss_g = F.binary_cross_entropy_with_logits(d_fake, torch.ones_like(d_fake))
         self.backward(loss_g, loss_id="G", optimizer=g_opt)
         self.step(g_opt)
+        every = self.cfg.samples.every_n_steps
+        if every and self.state.is_iteration_end and self.state.iteration % every == 0:
+            self._log_samples()
         return {"loss_d": loss_d, "loss_g": loss_g}
+
+    @torch.no_grad()
+    def _log_samples(self) -> None:
+        d, s = self.cfg.data, self.cfg.samples
+        points = self.module.generator(self._noise(s.points))
+        image = samples_image(points, ring_centers(d.modes, d.radius), d.radius * 1.5, s.pixels)
+        self.logger.log_image("samples", image)
 
     def validation_step(self, batch):
         d = self.cfg.data

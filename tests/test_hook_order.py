@@ -142,7 +142,7 @@ def test_full_fit_hook_sequence_fp32_with_accumulation_and_validation(tmp_path):
     assert trainer.state.global_step == 4
     assert trainer.optimizer_state[trainer.optimizer].steps == 4
     # 24 samples / batch 8 = 3 batches per epoch; accumulation 2 -> iterations of 2 batches, then 1.
-    validation = ["on_validation_start"] + ["validation_step"] * 3 + ["on_validation_end"]
+    validation = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
     epoch = ["on_train_epoch_start", *batch(), *batch(steps=step()), *batch(steps=step()), *validation]
     epoch += ["on_train_epoch_end"]
     assert calls == [*SET_UP, "on_train_start", *epoch, *epoch, "on_train_end", "on_fit_end"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from toy_trainers import ToyTrainer, toy_cfg
@@ -12,7 +14,7 @@ from ampkit import Callback
 
 
 def _events(trainer) -> EventAccumulator:
-    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"), size_guidance={"histograms": 0})
     events.Reload()
     return events
 
@@ -50,10 +52,21 @@ def test_tags_steps_values_and_hparams(tmp_path):
     assert all(math.isclose(e.value, 0.01, rel_tol=1e-6) for e in events.Scalars("train/lr/sgd"))
     logged = [e.value for e in events.Scalars("train/grad_norm/sgd")]
     assert len(logged) == 8 and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(logged, grad_norms, strict=True))
-    assert [e.value for e in events.Scalars("custom/batches")][:3] == [1, 2, 3]
-    assert len(events.Scalars("custom/batches")) == 16  # queued scalars are written at every batch
-    plugins = events.PluginTagToContent("hparams")
-    assert plugins, "hparams were not logged"
+    # trainer.log follows log_every_n_steps: batches 2, 4, 6, 8 of each 8-batch epoch
+    assert [(e.step, e.value) for e in events.Scalars("custom/batches")] == [
+        (step, (step - 1) % 8 + 1) for step in range(2, 17, 2)
+    ]
+    experiment = _hparams_plugin_data(events, "_hparams_/experiment").experiment
+    assert [m.name.tag for m in experiment.metric_infos] == ["val/mse"]  # the HParams tab compares runs by it
+    assert "lr" in {h.name for h in experiment.hparam_infos}
+    start = _hparams_plugin_data(events, "_hparams_/session_start_info").session_start_info
+    assert start.hparams["lr"].number_value == 0.01
+
+
+def _hparams_plugin_data(events: EventAccumulator, tag: str):
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    return HParamsPluginData.FromString(events.PluginTagToContent("hparams")[tag])
 
 
 def test_logged_loss_is_the_mean_over_the_window(tmp_path):
@@ -69,3 +82,121 @@ def test_logged_loss_is_the_mean_over_the_window(tmp_path):
     logged = [e.value for e in _events(trainer).Scalars("train/loss")]
     expected = [torch.tensor(losses[i : i + 4]).mean().item() for i in (0, 4)]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(logged, expected, strict=True))
+
+
+class _LogsPictures(Callback):
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.iteration == 3:
+            image = torch.zeros(3, 5, 7)
+            image[0, 1, 2] = 1.0
+            trainer.logger.log_image("pictures/red_dot", image)
+            trainer.logger.log_histogram("pictures/values", torch.arange(10.0))
+            trainer.logger.log_text("pictures/note", "step three")
+
+
+def test_logger_images_histograms_and_text_read_back(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1}), callbacks=[_LogsPictures()])
+    trainer.fit()
+    events = _events(trainer)
+    (image,) = events.Images("pictures/red_dot")
+    assert (image.step, image.width, image.height) == (3, 7, 5)
+    import io
+
+    from PIL import Image  # tensorboard's own image plugin depends on it
+
+    pixels = torch.from_numpy(np.array(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB")))
+    assert pixels[1, 2].tolist() == [255, 0, 0] and int(pixels.long().sum()) == 255
+    (histogram,) = events.Histograms("pictures/values")
+    value = histogram.histogram_value
+    assert (histogram.step, value.num, value.sum, value.min, value.max) == (3, 10, 45.0, 0.0, 9.0)
+    assert "pictures/note/text_summary" in events.Tags()["tensors"]
+    assert type(trainer.logger).__name__ == "Logger"  # the writer is gone with the run
+
+
+def test_logger_rejects_non_images_and_non_finite_histograms(tmp_path):
+    class Bad(Callback):
+        def __init__(self, call):
+            self.call = call
+
+        def on_train_batch_end(self, trainer, outputs, batch):
+            self.call(trainer.logger)
+
+    for call, message in [
+        (lambda log: log.log_image("x", torch.zeros(5, 4, 4)), r"shape \(5, 4, 4\) is not an image"),
+        (lambda log: log.log_histogram("h", torch.tensor([1.0, math.inf])), "hold inf/nan"),
+    ]:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **{"checkpoint.enabled": False}), callbacks=[Bad(call)])
+        with pytest.raises(ValueError, match=message):
+            trainer.fit()
+
+
+class _LogsLoss(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.seen.append((self.state.epoch, loss.item()))
+        self.log("sq", loss, on_step=True, on_epoch=True)
+        self.log("plain", 1.0)
+        self.queued.extend(value for _, value, _ in self.logged_scalars)
+        return loss
+
+
+def test_log_detaches_follows_log_every_n_steps_and_averages_epochs(tmp_path):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 4})
+    trainer = _LogsLoss(cfg)
+    trainer.seen, trainer.queued = [], []
+    trainer.fit()
+    assert trainer.queued and not any(isinstance(v, torch.Tensor) and v.requires_grad for v in trainer.queued)
+    events = _events(trainer)
+    assert [e.step for e in events.Scalars("plain")] == [4, 8, 12, 16]
+    assert [e.step for e in events.Scalars("sq_step")] == [4, 8, 12, 16]
+    epoch_means = [torch.tensor([v for ep, v in trainer.seen if ep == epoch]).mean().item() for epoch in (0, 1)]
+    logged = events.Scalars("sq_epoch")
+    assert [e.step for e in logged] == [8, 16]
+    assert all(math.isclose(e.value, m, rel_tol=1e-5) for e, m in zip(logged, epoch_means, strict=True))
+    assert trainer.epoch_scalars.keys() == {"sq_epoch"}
+
+
+def test_log_rejects_a_non_scalar(tmp_path):
+    class LogsVector(ToyTrainer):
+        def training_step(self, batch):
+            self.log("v", torch.ones(3))
+            return super().training_step(batch)
+
+    with pytest.raises(ValueError, match=r"log\('v'\): expected a scalar, got a tensor of shape \(3,\)"):
+        LogsVector(toy_cfg(tmp_path, **{"checkpoint.enabled": False})).fit()
+
+
+class _OverflowsBias(ToyTrainer):
+    """The last layer's bias gets an infinite gradient at iteration 3 (and only it)."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        if self.state.iteration == 3:
+            loss = loss + math.inf * self.module[3].bias.sum()
+        return loss
+
+
+def test_gradient_histograms_and_the_parameters_that_overflowed(tmp_path):
+    cfg = toy_cfg(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 1,
+            "logging.grad_histograms_every_n_steps": 2,
+            "precision.opt_level": "O1",
+            "precision.dtype": "bfloat16",
+            "precision.loss_scale": "dynamic",
+        },
+    )
+    trainer = _OverflowsBias(cfg)
+    trainer.fit()
+    (histograms,) = [cb for cb in trainer.callbacks if cb.name == "GradientHistograms"]
+    assert histograms.overflowed == {"sgd": ["3.bias"]}
+    assert trainer.optimizer_state[trainer.optimizer].skipped_steps == 1
+    events = _events(trainer)
+    names = {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert {f"grad/{n}" for n in names} <= set(events.Tags()["histograms"])
+    assert [e.step for e in events.Histograms("grad/0.weight")] == [2, 4, 6, 8]
+    assert events.Histograms("grad/0.weight")[0].histogram_value.num == 16 * 6
+    (note,) = events.Tensors("amp/overflow_params/sgd/text_summary")
+    assert note.step == 3
+    assert "non-finite gradients in 3.bias" in note.tensor_proto.string_val[0].decode()

@@ -87,6 +87,17 @@ class SlowToyTrainer(ToyTrainer):
         return [_Sleep(0.02)]
 
 
+class _Marker(ampkit.Callback):
+    pass
+
+
+class DuplicateCallbacksTrainer(ToyTrainer):
+    """Two callbacks of one name (checkpoints could not tell their states apart): a CallbackOrderError at set-up."""
+
+    def configure_callbacks(self):
+        return [_Marker(), _Marker()]
+
+
 class NaNLossToyTrainer(ToyTrainer):
     """ToyTrainer whose loss is NaN in iteration ``nan_at`` (only in its reported value when ``detached``)."""
 

@@ -10,6 +10,7 @@ from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from ampkit.callbacks.precision import MixedPrecision
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedSync",
     "EarlyStopping",
     "GradientClipping",
+    "GradientHistograms",
     "LossScaling",
     "MixedPrecision",
     "ModelCheckpoint",
@@ -60,9 +62,11 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     if clip is not None:  # both keys were checked when the Trainer was built
         callbacks.append(GradientClipping(clip))
     if cfg.trainer.progress_bar:
-        callbacks.append(ProgressBar())
+        callbacks.append(ProgressBar(every_n_steps=cfg.logging.console_every_n_steps))
     if cfg.logging.tensorboard:
         callbacks.append(TensorBoardLogger(log_every_n_steps=cfg.logging.log_every_n_steps))
+        if cfg.logging.grad_histograms_every_n_steps > 0:
+            callbacks.append(GradientHistograms(every_n_steps=cfg.logging.grad_histograms_every_n_steps))
     if cfg.checkpoint.enabled:
         c = cfg.checkpoint
         with _config_section("checkpoint"):

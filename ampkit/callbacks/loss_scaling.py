@@ -175,7 +175,7 @@ class LossScaling(Callback):
         overflowed = trainer.loss_state[loss_id].found_inf
         self._check_floor(loss_id, self.scalers[loss_id], overflowed, old)
         if overflowed or trainer.state.iteration % self._log_every == 0:
-            trainer.log(f"amp/overflow/{loss_id}", float(overflowed))
+            trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
@@ -187,7 +187,7 @@ class LossScaling(Callback):
         for opt_state in trainer.optimizer_state.values():
             self._count_skips(opt_state)
             if logged or opt_state.skipped:
-                trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps)
+                trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps, always=True)
 
     def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
         key = self._key(loss_id)

@@ -89,3 +89,18 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"config section 'precision': {exc}") from None
     return [casting, scaling]
+
+
+def describe_precision(precision: DictConfig) -> str:
+    """One line naming what ``precision`` runs, e.g. ``O1 bfloat16`` or ``O2 float16, loss scale dynamic``.
+
+    Resolved as :func:`precision_callbacks` does (the opt level's dtype, no scaler for bfloat16 by default);
+    ``precision`` must already be valid.
+    """
+    p = precision
+    props = resolve_precision(p)
+    if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
+        return "O0 (float32)"
+    unscaled = _unscaled(p) or (p.loss_scale is None and props.dtype == torch.bfloat16)
+    dtype = str(props.dtype).removeprefix("torch.")
+    return f"{p.opt_level} {dtype}" + ("" if unscaled else f", loss scale {props.loss_scale}")

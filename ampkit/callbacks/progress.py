@@ -1,56 +1,203 @@
-"""A tqdm progress bar per epoch; quiet when stderr is not a terminal or under CI."""
+"""What the console shows (rank zero): a start banner, progress, validation and per-epoch lines.
+
+In a terminal: a tqdm bar per epoch (named losses, the loss scale of each ``loss_id``, skipped steps) and
+one per validation run. When stdout is not a terminal (``nohup``, a batch scheduler, ``| tee``) or under
+CI: the same facts as a plain line every ``every_n_steps`` iterations, so a log file shows progress.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from datetime import timedelta
+from typing import Any
 
+import torch
+
+from ampkit.callbacks.precision_config import describe_precision
 from ampkit.trainer.callback import Callback, Phase
 
 
 def _interactive() -> bool:
-    return sys.stderr.isatty() and not os.environ.get("CI")
+    return sys.stdout.isatty() and not os.environ.get("CI")
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _duration(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
 
 
 class ProgressBar(Callback):
-    """Shows batches of the current epoch and the latest loss; prints nothing when not interactive."""
+    """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset),
+    redrawn at most every ``refresh_s`` seconds; otherwise print a plain status line every ``every_n_steps``
+    iterations."""
 
     phase = Phase.OBSERVE
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = _interactive() if enabled is None else enabled
-        self._bar = None
+    def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"ProgressBar(every_n_steps={every_n_steps!r}): expected an integer >= 1")
+        self.bar = _interactive() if bar is None else bar
+        self.every_n_steps = every_n_steps
+        self.refresh_s = refresh_s
+        self._train_bar: Any = None
+        self._val_bar: Any = None
+        self._scales: dict[Any, float] = {}
+        self._epoch_val: dict[str, float] = {}
+        self._fit_start = self._epoch_start = self._val_start = self._last_postfix = 0.0
+        self._epoch_first_step = 0
+
+    # ------------------------------------------------------------------ output
+    def _print(self, text: str) -> None:
+        if self._train_bar is not None or self._val_bar is not None:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def _status(self, trainer, outputs: dict[str, Any]) -> list[str]:
+        """``name=value`` for each scalar output, the loss scale of each loss_id and the skipped steps."""
+        shown = [
+            f"{key}={_number(float(value))}"
+            for key, value in outputs.items()
+            if isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        ]
+        shown += [f"scale[{loss_id}]={value:g}" for loss_id, value in self._scales.items()]
+        states = list(trainer.optimizer_state.values())
+        if self._scales or any(st.skipped_steps for st in states):
+            if len(states) == 1:
+                shown.append(f"skipped={states[0].skipped_steps}")
+            else:
+                shown += [f"skipped[{st.name}]={st.skipped_steps}" for st in states]
+        return shown
+
+    # ------------------------------------------------------------------ hooks
+    def on_fit_start(self, trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._fit_start = time.perf_counter()
+        params = list(trainer.module.parameters())
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        precision = describe_precision(trainer.cfg.precision)
+        t = trainer.settings
+        length = f"{t.max_epochs} epochs" + (f", at most {t.max_steps} steps" if t.max_steps >= 0 else "")
+        batches = trainer.num_train_batches
+        lines = [
+            f"ampkit: training {type(trainer).__name__}",
+            f"  device      {trainer.device}" + (f" x {trainer.world_size} ranks" if trainer.world_size > 1 else ""),
+            f"  precision   {precision}",
+            f"  parameters  {total:,} ({trainable:,} trainable)",
+            f"  data        {'?' if batches is None else batches} batches/epoch, {length}, "
+            f"accumulate {t.accumulate_grad_batches}",
+            f"  run dir     {trainer.version_dir}",
+        ]
+        self._print("\n".join(lines))
+
+    def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
+        self._scales[loss_id] = new
 
     def on_train_epoch_start(self, trainer) -> None:
-        if not (self.enabled and trainer.is_global_zero):
+        if not trainer.is_global_zero:
             return
-        from tqdm.auto import tqdm
+        self._epoch_start, self._epoch_first_step = time.perf_counter(), trainer.state.global_step
+        self._epoch_val = {}
+        if self.bar:
+            from tqdm.auto import tqdm
 
-        self._bar = tqdm(
-            total=trainer._num_train_batches,
-            initial=trainer.state.batches_done,
-            desc=f"epoch {trainer.state.epoch}",
-            dynamic_ncols=True,
-            leave=False,
-        )
+            self._train_bar = tqdm(
+                total=trainer.num_train_batches,
+                initial=trainer.state.batches_done,
+                desc=f"epoch {trainer.state.epoch}",
+                dynamic_ncols=True,
+                leave=False,
+                mininterval=self.refresh_s,
+            )
 
-    def on_train_batch_end(self, trainer, outputs, batch) -> None:
-        if self._bar is None:
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        if not trainer.is_global_zero:
             return
-        self._bar.update(1)
-        if trainer.state.is_iteration_end and "loss" in outputs:
-            self._bar.set_postfix(loss=f"{float(outputs['loss']):.4f}", refresh=False)
+        s = trainer.state
+        if self._train_bar is not None:
+            now = time.perf_counter()
+            if s.is_iteration_end and now - self._last_postfix >= 5 * self.refresh_s:  # reading losses syncs a GPU
+                self._last_postfix = now
+                self._train_bar.set_postfix_str(" ".join(self._status(trainer, outputs)), refresh=False)
+            self._train_bar.update(1)
+        elif s.is_iteration_end and s.iteration % self.every_n_steps == 0:
+            elapsed = time.perf_counter() - self._epoch_start
+            rate = (s.iteration - self._epoch_first_step) / elapsed if elapsed > 0 else 0.0
+            total = trainer.num_train_batches
+            where = f"epoch {s.epoch} batch {s.batches_done}/{'?' if total is None else total} step {s.iteration}"
+            parts = [where, " ".join(self._status(trainer, outputs)), f"{rate:.1f} it/s"]
+            parts.append(f"elapsed {_duration(time.perf_counter() - self._fit_start)}")
+            self._print(" | ".join(part for part in parts if part))
+
+    def on_validation_start(self, trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._val_start = time.perf_counter()
+        if self.bar:
+            from tqdm.auto import tqdm
+
+            during_fit = trainer.state.stage == "fit"  # trainer.validate() runs over a loader of its own
+            self._val_bar = tqdm(
+                total=trainer.num_val_batches if during_fit else None,
+                desc="validation",
+                dynamic_ncols=True,
+                leave=False,
+                mininterval=self.refresh_s,
+            )
+
+    def on_validation_batch_end(self, trainer, metrics: dict[str, Any], batch: Any) -> None:
+        if self._val_bar is not None:
+            self._val_bar.update(1)
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        if not trainer.is_global_zero:
+            return
+        if self._val_bar is not None:
+            self._val_bar.close()
+            self._val_bar = None
+        shown = {f"val/{key}": value for key, value in metrics.items()}
+        s = trainer.state
+        if s.stage != "fit":  # trainer.validate() returns its metrics (the CLI prints them)
+            return
+        if s.epoch_finished:  # the epoch line reports it
+            self._epoch_val = shown
+            return
+        values = " ".join(f"{k}={_number(v)}" for k, v in shown.items())
+        took = time.perf_counter() - self._val_start
+        self._print(f"epoch {s.epoch} step {s.global_step} | {values} | validation {took:.1f} s")
 
     def on_train_epoch_end(self, trainer) -> None:
-        self._close()
-        if self.enabled and trainer.is_global_zero and trainer.val_metrics:
-            shown = ", ".join(f"{k}={v:.4f}" for k, v in trainer.val_metrics.items())
-            print(f"epoch {trainer.state.epoch}: {shown}", file=sys.stderr)
+        if not trainer.is_global_zero:
+            return
+        self._close_bars()
+        s = trainer.state
+        took = time.perf_counter() - self._epoch_start
+        steps = s.global_step - self._epoch_first_step
+        parts = [f"epoch {s.epoch}", f"{steps} steps in {_duration(took)} ({steps / took if took > 0 else 0:.1f} it/s)"]
+        for metrics in (trainer.epoch_scalars, self._epoch_val):
+            if metrics:
+                parts.append(" ".join(f"{k}={_number(v)}" for k, v in metrics.items()))
+        self._print(" | ".join(parts))
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.is_global_zero:
+            took = time.perf_counter() - self._fit_start
+            self._print(f"ampkit: trained {trainer.state.global_step} steps in {_duration(took)}")
 
     def on_fit_end(self, trainer) -> None:
-        self._close()
+        self._close_bars()
 
-    def _close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+    def _close_bars(self) -> None:
+        for bar in (self._val_bar, self._train_bar):
+            if bar is not None:
+                bar.close()
+        self._train_bar = self._val_bar = None

@@ -1,8 +1,10 @@
-"""TensorBoard logging (rank zero only): losses, learning rates, gradient norms, steps/s, val metrics, hparams."""
+"""TensorBoard logging (rank zero only): losses, learning rates, gradient norms, steps/s, val metrics, hparams,
+and ``trainer.logger``'s images, histograms and text."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +12,31 @@ from omegaconf import OmegaConf
 
 from ampkit.config import flatten
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.logger import Logger, check_image
+
+
+class TensorBoardWriter(Logger):
+    """``trainer.logger`` while :class:`TensorBoardLogger` runs: writes to its event files."""
+
+    def __init__(self, writer: Any, current_step: Callable[[], int]) -> None:
+        self.writer = writer
+        self._current_step = current_step
+
+    def _step(self, step: int | None) -> int:
+        return self._current_step() if step is None else step
+
+    def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
+        dataformats = check_image(tag, image)
+        self.writer.add_image(tag, image.detach().cpu(), self._step(step), dataformats=dataformats)
+
+    def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
+        values = values.detach().float().cpu()
+        if not bool(values.isfinite().all()):
+            raise ValueError(f"log_histogram('{tag}'): the values hold inf/nan; log the finite ones")
+        self.writer.add_histogram(tag, values, self._step(step))
+
+    def log_text(self, tag: str, text: str, step: int | None = None) -> None:
+        self.writer.add_text(tag, text, self._step(step))
 
 
 class TensorBoardLogger(Callback):
@@ -18,7 +45,9 @@ class TensorBoardLogger(Callback):
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
     ``train/lr/<optimizer>``, ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer
     is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
-    flattened hparams; and every scalar other callbacks queue with ``trainer.log(tag, value)``.
+    flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
+    queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
+    images, histograms and text.
     """
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
@@ -38,13 +67,12 @@ class TensorBoardLogger(Callback):
         if not trainer.is_global_zero:
             return
         from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
 
         self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"))
-        params = flatten(OmegaConf.to_container(trainer.cfg, resolve=True, enum_to_str=True))
-        experiment, start, end = hparams(params, {})
-        for summary in (experiment, start, end):
-            self.writer.file_writer.add_summary(summary)
+        trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration)
+        # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
+        _, start, _ = _hparams_summaries(trainer, {})
+        self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
@@ -87,7 +115,29 @@ class TensorBoardLogger(Callback):
             self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
         self.writer.flush()
 
+    def on_train_epoch_end(self, trainer) -> None:
+        if self.writer is None:
+            return
+        for tag, value in trainer.epoch_scalars.items():
+            self.writer.add_scalar(tag, value, trainer.state.global_step)
+
+    def on_train_end(self, trainer) -> None:
+        if self.writer is None:
+            return
+        final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
+        experiment, _, end = _hparams_summaries(trainer, final)
+        self.writer.file_writer.add_summary(experiment)
+        self.writer.file_writer.add_summary(end)
+
     def on_fit_end(self, trainer) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+            trainer.logger = Logger()
+
+
+def _hparams_summaries(trainer, metrics: dict[str, float]) -> tuple[Any, Any, Any]:
+    """TensorBoard's (experiment, session start, session end) summaries for the flattened config."""
+    from torch.utils.tensorboard.summary import hparams  # imports tensorboard's protobufs: only when logging
+
+    return hparams(flatten(OmegaConf.to_container(trainer.cfg, resolve=True, enum_to_str=True)), metrics)

@@ -186,7 +186,12 @@ def _build_and_load(name: str, sources: list[Path], cuda_sources: list[Path]) ->
             marker.unlink(missing_ok=True)  # a corrupt cache entry: rebuild it below
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(f"ampkit: compiling C++ ops {name!r} (first use, ~30 s)...", file=sys.stderr, flush=True)
+    print(
+        f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
+        f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
+        file=sys.stderr,
+        flush=True,
+    )
     from torch.utils import cpp_extension
 
     cpp_extension.load(

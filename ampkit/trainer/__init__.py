@@ -3,6 +3,7 @@
 from ampkit.trainer.callback import HOOKS, Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.inference import load_model
+from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.trainer import Trainer
@@ -13,6 +14,7 @@ __all__ = [
     "Callback",
     "CallbackOrderError",
     "CheckpointError",
+    "Logger",
     "LoopState",
     "LossState",
     "OptimizerState",

@@ -32,6 +32,7 @@ HOOKS: tuple[str, ...] = (
     "on_loss_scale_update",
     "on_train_batch_end",
     "on_validation_start",
+    "on_validation_batch_end",
     "on_validation_end",
     "on_evaluation_setup",
     "on_test_start",
@@ -126,6 +127,9 @@ class Callback:
 
     def on_validation_start(self, trainer: Trainer) -> None:
         """Before a validation run."""
+
+    def on_validation_batch_end(self, trainer: Trainer, metrics: dict[str, Any], batch: Any) -> None:
+        """After ``validation_step`` returned ``metrics`` for one batch."""
 
     def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         """After a validation run, with its averaged metrics."""

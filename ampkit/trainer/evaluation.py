@@ -44,10 +44,14 @@ def batch_size(batch: Any) -> int:
 
 @torch.no_grad()
 def average_metrics(
-    trainer: Trainer, loader: Any, step: Callable[[Any], dict[str, Any]], limit: int | None = None
+    trainer: Trainer,
+    loader: Any,
+    step: Callable[[Any], dict[str, Any]],
+    limit: int | None = None,
+    batch_end_hook: str | None = None,
 ) -> dict[str, float]:
     """Run ``step`` on every batch (the model in eval mode) and average its metrics weighted by batch size,
-    over all ranks."""
+    over all ranks; ``batch_end_hook`` fires with each batch's metrics and the batch."""
     was_training = trainer.module.training
     trainer.module.eval()
     sums: dict[str, float] = {}
@@ -61,6 +65,8 @@ def average_metrics(
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
         seen += n
+        if batch_end_hook is not None:
+            trainer.fire(batch_end_hook, metrics, batch)
     trainer.module.train(was_training)
     *totals, seen = all_reduce_sum([*sums.values(), float(seen)], trainer.dist)
     return {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}

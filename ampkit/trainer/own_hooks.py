@@ -32,8 +32,8 @@ def own_hooks(cls: type, base: type) -> list[str]:
         if name.startswith("on_") and callable(value)
     }
     for name in sorted(defined - set(HOOKS)):
-        close = difflib.get_close_matches(name, HOOKS, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
+        close = difflib.get_close_matches(name, HOOKS, n=2)  # two: on_validation_epoch_end is near both val hooks
+        hint = f"did you mean {' or '.join(repr(hook) for hook in close)}? " if close else ""
         raise TypeError(
             f"{cls.__name__}.{name} is not a hook the Trainer calls; {hint}hooks: {', '.join(HOOKS)}. "
             "Rename a helper method that is not meant as a hook."

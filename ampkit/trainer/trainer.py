@@ -12,14 +12,16 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                        optimizer.step() → on_after_optimizer_step   |   on_optimizer_step_skipped)
                   at the end of an iteration: each loss scaler updates once (on_loss_scale_update)
                     → step-interval schedulers (only of optimizers that stepped)
-                    → on_before_zero_grad → zero_grad → validation if due (on_validation_start/_end)
+                    → on_before_zero_grad → zero_grad → validation if due (on_validation_start →
+                       validation_step → on_validation_batch_end per batch → on_validation_end)
                   → on_train_batch_end
       at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
 checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
-batch → on_<validation|test|predict>_end. Hooks defined on the subclass run after the callbacks' hooks.
+batch (validate: then on_validation_batch_end) → on_<validation|test|predict>_end. Hooks defined on the
+subclass run after the callbacks' hooks.
 
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
@@ -65,6 +67,7 @@ from ampkit.trainer.distributed import (
 )
 from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
+from ampkit.trainer.logger import Logger
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
@@ -77,6 +80,15 @@ from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerS
 def _every(n: int, count: int) -> bool:
     """Event filter: the ``count``-th occurrence is due every ``n`` (``n <= 0`` never)."""
     return n > 0 and count % n == 0
+
+
+def _batches_in(loader: Any, limit: int | None) -> int | None:
+    """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
+    try:
+        total = len(loader)
+    except TypeError:
+        total = None
+    return total if limit is None else limit if total is None else min(total, limit)
 
 
 class Trainer:
@@ -108,6 +120,7 @@ class Trainer:
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
+        self._log_every: int = self.cfg.logging.log_every_n_steps
         self.state = LoopState()
         self.device = self._resolve_device(self.settings.device)
         self.dist = DistributedEnv()
@@ -120,7 +133,10 @@ class Trainer:
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
-        self.logged_scalars: list[tuple[str, Any, int]] = []
+        self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
+        self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
+        self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
+        self._epoch_sums: dict[str, list[Any]] = {}
         self.version_dir: Path | None = None
         self._specs: list[OptimizerSpec] = []
         self._hooks: dict[str, list[Any]] = {}
@@ -250,14 +266,48 @@ class Trainer:
             opt_state.grad_norm = full_norm(norm) if self.sharded else norm  # sharded: a collective
         return opt_state.grad_norm
 
-    def log(self, tag: str, value: float | torch.Tensor, step: int | None = None) -> None:
-        """Queue a scalar for the loggers; it is written at the end of the batch (default step: this iteration)."""
-        self.logged_scalars.append((tag, value, self.state.iteration if step is None else step))
+    def log(
+        self,
+        tag: str,
+        value: float | torch.Tensor,
+        *,
+        on_step: bool = True,
+        on_epoch: bool = False,
+        always: bool = False,
+        step: int | None = None,
+    ) -> None:
+        """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
+
+        ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
+        or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
+        over the epoch, written at the epoch's end. With both, the tags get ``_step`` and ``_epoch`` suffixes.
+        """
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+            value = value.detach()
+        if on_step and (always or _every(self._log_every, self.state.iteration)):
+            step_tag = f"{tag}_step" if on_epoch else tag
+            self.logged_scalars.append((step_tag, value, self.state.iteration if step is None else step))
+        if on_epoch:
+            total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
+            total[0] += value.float() if isinstance(value, torch.Tensor) else float(value)
+            total[1] += 1
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer."""
         for method in self._hooks[hook]:
             method(self, *args)
+
+    @property
+    def num_train_batches(self) -> int | None:
+        """Batches per training epoch (after ``limit_train_batches``); None for an iterable without a length."""
+        return self._num_train_batches
+
+    @property
+    def num_val_batches(self) -> int | None:
+        """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
 
     @property
     def global_rank(self) -> int:
@@ -330,6 +380,8 @@ class Trainer:
             if _every(self.settings.val_every_n_epochs, s.epoch + 1):
                 self._validate()
             self._step_schedulers("epoch")
+        self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
+        self._epoch_sums = {}
         self.fire("on_train_epoch_end")
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
@@ -436,7 +488,7 @@ class Trainer:
             return
         self.fire("on_validation_start")
         self.val_metrics = average_metrics(
-            self, self._val_loader, self.validation_step, self.settings.limit_val_batches
+            self, self._val_loader, self.validation_step, self.settings.limit_val_batches, "on_validation_batch_end"
         )
         self.fire("on_validation_end", dict(self.val_metrics))
 
@@ -504,7 +556,8 @@ class Trainer:
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step)
             else:
-                result = average_metrics(self, loader, step)
+                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
+                result = average_metrics(self, loader, step, batch_end_hook=batch_end)
             self.fire(f"on_{stage.hook}_end", result)
         finally:
             self.state.stage = "fit"
@@ -530,7 +583,7 @@ class Trainer:
         seed = self.settings.seed or 0
         self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
-        self._num_train_batches = self._count_train_batches()
+        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._setup_callbacks()
         if checkpoint_path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
             if checkpoint is None:
@@ -553,16 +606,6 @@ class Trainer:
         }
         for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
             self._hooks[hook].append(getattr(type(self), hook))
-
-    def _count_train_batches(self) -> int | None:
-        try:
-            total = len(self._train_loader)
-        except TypeError:
-            total = None
-        limit = self.settings.limit_train_batches
-        if limit is not None:
-            total = limit if total is None else min(total, limit)
-        return total
 
     def _epoch_batches(self) -> Iterator[Any]:
         """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""

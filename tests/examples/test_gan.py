@@ -29,6 +29,7 @@ def test_gan_example_two_loss_scalers(tmp_path, monkeypatch, opt_level):
             "data.samples=2048",
             "precision.init_scale=1024",
             "precision.growth_interval=4",
+            "samples.every_n_steps=4",
         ],
     )
     trainer = trainer_class(cfg)
@@ -49,4 +50,18 @@ def test_gan_example_two_loss_scalers(tmp_path, monkeypatch, opt_level):
         assert len(scales) == 4  # logged at steps 2, 4, 6, 8
         assert overflowed or scales == [1024.0, 2048.0, 2048.0, 4096.0]  # growth after every 4 clean updates
     assert all(math.isfinite(e.value) for e in events.Scalars("train/loss_d"))
+    images = events.Images("samples")
+    assert [(i.step, i.width, i.height) for i in images] == [(4, 128, 128), (8, 128, 128)]
     assert (trainer.version_dir / "checkpoints" / "last.pt").exists()
+
+
+def test_samples_image_puts_points_where_a_plot_would():
+    from examples.gan import samples_image
+
+    points = torch.tensor([[1.5, 1.5]] * 3 + [[-1.5, -1.5]])  # upper right (x 3 times), lower left (once)
+    image = samples_image(points, centers=torch.tensor([[0.0, 1.0]]), extent=2.0, pixels=4)
+    assert image.shape == (3, 4, 4)
+    white = image[1]  # green and blue carry the point density only
+    assert white[0, 3] == 1.0 and math.isclose(white[3, 0].item(), (1 / 3) ** 0.5, rel_tol=1e-6)
+    assert int((white > 0).sum()) == 2
+    assert image[0, 0, 2] == 1.0 and image[1, 0, 2] == 0.0  # the centre (0, 1): red only, in the top row

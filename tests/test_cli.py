@@ -1,0 +1,83 @@
+"""The command line: --version, help that lists config keys, --print-config, one-line errors and --debug."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+import ampkit
+from ampkit.cli import main
+from ampkit.trainer.ordering import CallbackOrderError
+
+
+def _config(tmp_path, trainer_class: str = "toy_trainers:ToyTrainer", **settings) -> str:
+    path = tmp_path / "run.yaml"
+    OmegaConf.save(
+        OmegaConf.create({"trainer_class": trainer_class, "run_dir": str(tmp_path / "runs"), **settings}), path
+    )
+    return str(path)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"ampkit {ampkit.__version__} (torch ")
+
+
+def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsys):
+    helps = [["--help"], *([command, "--help"] for command in ("fit", "validate", "test", "predict"))]
+    for argv in (*helps, ["validate", "--config", _config(tmp_path), "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text and ":class:" not in text
+        if argv[0] != "--help":
+            assert any(line.split()[:2] == ["trainer.max_epochs", "1"] for line in text.splitlines())
+            assert re.search(r"^  trainer\.device +auto +auto \| cpu \| cuda \| cuda:N$", text, re.M)
+    assert "config keys of ToyTrainer" in text
+    assert any(line.split() == ["data.batch_size", "8"] for line in text.splitlines())  # the Trainer's own keys
+
+
+def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, capsys):
+    assert main(["fit", "--config", _config(tmp_path, name="toy"), "--print-config", "trainer.max_epochs=7"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.trainer.max_epochs == 7 and printed.data.batch_size == 8
+    assert printed.run_dir == str(tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "override", "message"),
+    [
+        ("toy_trainers:ToyTrainer", "trainer.max_epoch=2", "unknown config key 'trainer.max_epoch'; valid keys at"),
+        ("toy_trainers:DuplicateCallbacksTrainer", "trainer.max_epochs=1", "callback names must be unique, got"),
+    ],
+)
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, trainer_class, override, message):
+    config = _config(tmp_path, trainer_class, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ampkit: error: {message}")
+    assert err.rstrip().endswith("(--debug shows the traceback)")
+    expected = CallbackOrderError if "Duplicate" in trainer_class else ampkit.ConfigError
+    with pytest.raises(expected, match=message.split(";")[0]):
+        main(["fit", "--config", config, override, "--debug"])
+
+
+def test_evaluation_commands_report_errors_in_one_line_too(tmp_path, capsys):
+    config = _config(tmp_path, logging={"tensorboard": False})
+    assert main(["validate", "--config", config, "--ckpt", "best"]) == 2  # nothing trained under run_dir yet
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ampkit: error: validate: no 'best.pt' under ")
+    with pytest.raises(ampkit.CheckpointError):
+        main(["validate", "--config", config, "--ckpt", "best", "--debug"])
+    assert main(["fit", "--config", config, "trainer.progress_bar=false"]) == 0
+    capsys.readouterr()
+    assert main(["test", "--config", config]) == 2  # last.pt exists now; ToyTrainer has no test_dataloader
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ampkit: error: ToyTrainer.test() needs test_dataloader()")
+    assert main(["predict", "--config", config, "--output", str(tmp_path / "p.pt"), "--print-config"]) == 0
+    assert OmegaConf.create(capsys.readouterr().out).run_dir == str(tmp_path / "runs")

@@ -1,0 +1,117 @@
+"""What the console shows: the start banner, plain progress lines when piped, bars in a terminal."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from child_env import child_env
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.callbacks import ProgressBar
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+class _NamedLossesOverflowAt3(ToyTrainer):
+    """Returns two named values; the loss is infinite at iteration 3, so that step is skipped."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        scaled = loss * math.inf if self.state.iteration == 3 else loss
+        return {"loss": scaled, "mse_x2": 2 * loss}
+
+
+def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(tmp_path):
+    cfg_path = tmp_path / "toy.yaml"
+    cfg = {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run"), "trainer": {"max_epochs": 2}}
+    OmegaConf.save(OmegaConf.create(cfg), cfg_path)
+    env = {k: v for k, v in child_env(TESTS, REPO).items() if k != "CI"}  # not CI: only the pipe says "no terminal"
+    command = [sys.executable, "-m", "ampkit", "fit", "--config", str(cfg_path), "logging.console_every_n_steps=4"]
+    result = subprocess.run(command, cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:6] == [
+        "ampkit: training ToyTrainer",
+        "  device      cpu",
+        "  precision   O0 (float32)",
+        "  parameters  129 (129 trainable)",
+        "  data        8 batches/epoch, 2 epochs, accumulate 1",
+        f"  run dir     {tmp_path / 'run' / 'version_0'}",
+    ]
+    progress = [line for line in lines if re.match(r"epoch \d batch", line)]
+    assert [line.split(" | ")[0] for line in progress] == [
+        "epoch 0 batch 4/8 step 4",
+        "epoch 0 batch 8/8 step 8",
+        "epoch 1 batch 4/8 step 12",
+        "epoch 1 batch 8/8 step 16",
+    ]
+    assert all(re.fullmatch(r".* \| loss=[\d.e+-]+ \| [\d.]+ it/s \| elapsed \d+:\d\d:\d\d", p) for p in progress)
+    epochs = [line for line in lines if re.match(r"epoch \d \|", line)]
+    assert len(epochs) == 2 and all(re.search(r"\| 8 steps in .* \| val/mse=[\d.]+$", e) for e in epochs)
+    assert "ampkit: trained 16 steps in" in result.stdout
+    assert "\r" not in result.stdout + result.stderr  # no bar drawn into a log file
+
+
+def test_status_shows_named_losses_loss_scale_and_skipped_steps(tmp_path, capsys):
+    cfg = toy_cfg(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 1,
+            "trainer.progress_bar": False,
+            "trainer.val_every_n_steps": 4,
+            "precision.opt_level": "O1",
+            "precision.dtype": "bfloat16",
+            "precision.loss_scale": "dynamic",
+            "logging.tensorboard": False,
+        },
+    )
+    trainer = _NamedLossesOverflowAt3(cfg, callbacks=[ProgressBar(bar=False, every_n_steps=4)])
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "  precision   O1 bfloat16, loss scale dynamic" in out
+    (at_4,) = [line for line in out.splitlines() if line.startswith("epoch 0 batch 4/8")]
+    assert re.search(r"\| loss=[\d.]+ mse_x2=[\d.]+ scale\[0\]=32768 skipped=1 \|", at_4), at_4
+    assert re.search(r"^epoch 0 step 4 \| val/mse=[\d.]+ \| validation [\d.]+ s$", out, re.M)  # step validation
+
+
+def test_terminal_bars_for_training_and_validation(tmp_path, capsys):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "trainer.progress_bar": False, "logging.tensorboard": False})
+    ToyTrainer(cfg, callbacks=[ProgressBar(bar=True, refresh_s=0.0)]).fit()
+    captured = capsys.readouterr()
+    assert "epoch 0:" in captured.err and "8/8" in captured.err and "loss=" in captured.err
+    assert "validation:" in captured.err and "3/3" in captured.err  # 24 samples in batches of 8
+    assert re.search(r"^epoch 0 \| 8 steps in .* \| val/mse=", captured.out, re.M)
+
+
+def test_bf16_without_a_scaler_shows_no_loss_scale_but_counts_the_skipped_step(tmp_path, capsys):
+    cfg = toy_cfg(
+        tmp_path,
+        **{
+            "trainer.max_epochs": 1,
+            "trainer.progress_bar": False,
+            "precision.opt_level": "O4",  # bfloat16 by the opt level; no scaler: skip_nonfinite skips step 3
+            "logging.tensorboard": False,
+        },
+    )
+    trainer = _NamedLossesOverflowAt3(cfg, callbacks=[ProgressBar(bar=False, every_n_steps=4)])
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "  precision   O4 bfloat16\n" in out
+    (at_4,) = [line for line in out.splitlines() if line.startswith("epoch 0 batch 4/8")]
+    assert re.search(r"\| loss=[\d.]+ mse_x2=[\d.]+ skipped=1 \|", at_4), at_4
+    assert "scale[" not in out
+
+
+def test_validate_stage_draws_a_bar_and_leaves_its_metrics_to_the_caller(tmp_path, capsys):
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.tensorboard": False})
+    trainer = ToyTrainer(cfg, callbacks=[ProgressBar(bar=True, refresh_s=0.0)])
+    assert set(trainer.validate()) == {"mse"}
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no banner, no epoch line: validate() returns the metrics
+    assert "validation: " in captured.err and "3it" in captured.err  # a bar counting the 3 batches
