@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)
+        s = trainer.state
+        epochs = s.epoch + (1 if s.batches_done else 0)  # a run stopped by max_steps is inside an epoch
         print(
-            f"ampkit: finished {trainer.state.global_step} steps in {trainer.state.epoch} epochs"
+            f"ampkit: finished {s.global_step} steps in {epochs} epoch{'' if epochs == 1 else 's'}"
             + (f"; {shown}" if shown else "")
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
