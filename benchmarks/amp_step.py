@@ -7,7 +7,7 @@ at O0 / O1 bf16 / O1 fp16 / O2 bf16 / O2 fp16 (dynamic loss scaling, per-loss co
 checks). Target: Trainer O1 bf16 >= 0.95x the autocast hand loop (ratio = hand time / Trainer time).
 Times are the median per-step wall time after warm-up, best of ``--repeats`` runs; the rows are
 interleaved within each repeat so that load from other jobs on the machine hits them alike. fp16 on
-CPU is slow (FACTS.md), so fp16 conv rows use fewer steps and one run.
+CPU is slow (no fp16 arithmetic in the CPU: ~25x fp32), so fp16 conv rows use fewer steps and one run.
 """
 
 from __future__ import annotations

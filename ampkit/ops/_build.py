@@ -46,7 +46,7 @@ import torch
 
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 
-# -fno-math-errno lets gcc vectorize sqrt (FACTS.md: 0.5x of torch without it). -fopenmp makes
+# -fno-math-errno lets gcc vectorize sqrt (without it the sqrt kernels ran at 0.5x of torch). -fopenmp makes
 # at::parallel_for (an inline header template) open OpenMP regions; the GOMP symbols resolve
 # against the libgomp that libtorch_cpu already loaded, so threads follow torch.set_num_threads.
 # The C++ standard is left to torch (c++20 for torch 2.13). CUDA: no fast-math and no FMA contraction
