@@ -73,7 +73,9 @@ def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
 
     resumed_from: set[int] = set()  # the steps of the last.pt files that kills left for the next start
     kills = runs = 0
-    while kills < KILLS:
+    # At least KILLS kills; more (up to 3x) while they have landed at too few distinct steps, which a loaded
+    # machine, where start-up takes most of a run's time, can cause.
+    while kills < KILLS or (len(resumed_from) < KILLS // 4 and kills < 3 * KILLS):
         run_dir = tmp_path / f"killed{runs}" / "run"
         proc = start(run_dir.parent)
         proc.join(rng.uniform(0.0, duration))
