@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -51,7 +51,7 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
         return
     tensors = _local_shards(tensors)
     if (
-        found_inf.device.type == "cpu"
+        found_inf.is_cpu
         and sum(t.numel() for t in tensors) >= KERNEL_MIN_NUMEL
         and multi_tensor.kernel_available(found_inf.device)
     ):
@@ -83,8 +83,7 @@ def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
     return [v != 0.0 for v in stacked.tolist()]
 
 
-@dataclass(frozen=True)
-class CombineResult:
+class CombineResult(NamedTuple):
     """What one :meth:`GradientCombiner.combine` saw.
 
     Attributes:
@@ -103,10 +102,10 @@ def _inv_scale(scaler: LossScaler | float, device: torch.device) -> torch.Tensor
 
 
 class _Flags:
-    """One lazily created found_inf tensor per device, merged into one tensor at the end."""
+    """One lazily created found_inf tensor per device (or the caller's flag), merged into one at the end."""
 
-    def __init__(self) -> None:
-        self.by_device: dict[torch.device, torch.Tensor] = {}
+    def __init__(self, given: torch.Tensor | None = None) -> None:
+        self.by_device: dict[torch.device, torch.Tensor] = {} if given is None else {given.device: given}
 
     def get(self, device: torch.device) -> torch.Tensor:
         flag = self.by_device.get(device)
@@ -368,9 +367,12 @@ class GradientCombiner:
         for i in self._master_idx:
             params[i].grad = None
 
-    def combine(self, scaler: LossScaler | float) -> CombineResult:
+    def combine(self, scaler: LossScaler | float, found_inf: torch.Tensor | None = None) -> CombineResult:
         """Unscale the gradients that arrived since :meth:`prepare_backward` by ``scaler`` (a
         :class:`LossScaler` or a scale), check them for inf/nan and add the stash.
+
+        ``found_inf``: a one-element float32 flag on the parameters' device to set on inf/nan (it is never
+        cleared), returned as the result's flag when every parameter is on its device; by default a new one.
 
         Returns:
             the (unsynced) found_inf flag and the parameters reached by the backward(s).
@@ -378,10 +380,9 @@ class GradientCombiner:
         if not self._pending:
             raise RuntimeError("combine() called without prepare_backward(); call it before the backward")
         self._pending = False
-        flags = _Flags()
-        fallback = self.params[0].device if self.params else torch.device("cpu")
+        flags = _Flags(found_inf if found_inf is not None and found_inf.device == self._device else None)
         if self.flat:
-            return self._combine_flat(scaler, flags, fallback)
+            return self._combine_flat(scaler, flags)
         params, owners = self.params, self.grad_owners
         reached: list[int] = []
         fresh: list[torch.Tensor] = []
@@ -429,9 +430,13 @@ class GradientCombiner:
             if upcast:
                 torch._foreach_add_(upcast_targets, upcast)
         reached.sort()
-        return CombineResult(flags.merged(fallback), tuple(params[i] for i in reached))
+        return CombineResult(flags.merged(self._fallback_device()), tuple([params[i] for i in reached]))
 
-    def _combine_flat(self, scaler: LossScaler | float, flags: _Flags, fallback: torch.device) -> CombineResult:
+    def _fallback_device(self) -> torch.device:
+        """Where the flag of a combine that checked nothing lives."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def _combine_flat(self, scaler: LossScaler | float, flags: _Flags) -> CombineResult:
         reached = sorted(self._reached)
         self._reached.clear()
         per_group: list[list[int]] = [[] for _ in self._groups]
@@ -441,7 +446,7 @@ class GradientCombiner:
         for group, idx in zip(self._groups, per_group, strict=True):
             device = group.buffer.device
             group.combine(idx, flags.get(device), _inv_scale(scaler, device))
-        return CombineResult(flags.merged(fallback), tuple(self.params[i] for i in reached))
+        return CombineResult(flags.merged(self._fallback_device()), tuple([self.params[i] for i in reached]))
 
     def zero_grad(self) -> None:
         """Set every gradient to ``None`` (flat: zero the buffers, one kernel each) and drop the stash."""

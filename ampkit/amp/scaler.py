@@ -94,6 +94,7 @@ class LossScaler:
         self._scale: float = start
         self.unskipped: int = 0
         self._inv_scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+        self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
 
     @property
     def scale(self) -> float:
@@ -110,12 +111,24 @@ class LossScaler:
         return self._scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Return ``loss`` in float32 times the scale (float32 so the scaled loss itself cannot overflow)."""
-        return loss.float() * self._scale
+        """Return ``loss`` in float32 times the scale (float32 so the scaled loss itself cannot overflow).
+
+        The scale is a cached 0-dim tensor: a tensor product skips wrapping a Python number on every call
+        (torch's GradScaler does the same); both multiply in float32, so the bits are the same.
+        """
+        if loss.dtype != torch.float32:
+            loss = loss.float()
+        device = loss.device
+        cached = self._scale_cache.get(device)
+        if cached is None or cached[0] != self._scale:
+            cached = (self._scale, torch.tensor(self._scale, dtype=torch.float32, device=device))
+            self._scale_cache[device] = cached
+        return loss * cached[1]
 
     def inv_scale_tensor(self, device: torch.device | str) -> torch.Tensor:
         """``1/scale`` as a one-element float32 tensor on ``device``, cached until the scale changes."""
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         cached = self._inv_scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
             cached = (self._scale, torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device))

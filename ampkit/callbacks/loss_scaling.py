@@ -104,6 +104,9 @@ class LossScaling(Callback):
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
         self._log_every = 1
+        # per loss_id: the found_inf flag its combines set (never cleared; replaced after it was found set)
+        self._flags: dict[Any, torch.Tensor] = {}
+        self._device: torch.device | None = None  # the device of every combined parameter (None: several)
         if num_losses is not None and self.scaled:
             for loss_id in range(num_losses):
                 self.scaler(loss_id)
@@ -148,6 +151,8 @@ class LossScaling(Callback):
             self._combiners[optimizer] = GradientCombiner(
                 [p for p, _ in pairs], [m for _, m in pairs], flat=self.combine_grad
             )
+        devices = {p.device for combiner in self._combiners.values() for p in combiner.params}
+        self._device = devices.pop() if len(devices) == 1 else None
 
     def on_fit_start(self, trainer) -> None:
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
@@ -162,13 +167,17 @@ class LossScaling(Callback):
             backward.loss = scaler.scale_loss(backward.loss)
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
-        loss_state = trainer.loss_state[backward.loss_id]
+        loss_id = backward.loss_id
+        loss_state = trainer.loss_state[loss_id]
+        flag = self._flags.get(loss_id)
+        if flag is None and self._device is not None:
+            flag = self._flags[loss_id] = torch.zeros(1, dtype=torch.float32, device=self._device)
         for optimizer, combiner in self._combiners.items():
-            result = combiner.combine(loss_state.scaler if self.scaled else 1.0)
+            result = combiner.combine(loss_state.scaler if self.scaled else 1.0, flag)
             if result.reached:
-                trainer.optimizer_state[optimizer].loss_ids.add(backward.loss_id)
+                trainer.optimizer_state[optimizer].loss_ids.add(loss_id)
                 if self.check_nonfinite:
-                    loss_state.report_found_inf(result.found_inf)
+                    loss_state.report_found_inf(result.found_inf)  # the same flag is reported once
 
     # ------------------------------------------------------------------ after the Trainer's update
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
@@ -180,6 +189,8 @@ class LossScaling(Callback):
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
+        for loss_id in [k for k in self._flags if trainer.loss_state[k].found_inf]:  # read and agreed by now
+            del self._flags[loss_id]
         logged = trainer.state.iteration % self._log_every == 0
         if logged:
             for loss_id, scaler in self.scalers.items():

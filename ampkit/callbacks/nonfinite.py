@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ampkit.amp import unscale_and_check_
@@ -14,37 +16,49 @@ class NonFiniteCheck(Callback):
     pass and report the (unread) flag as that loss's ``found_inf``; the Trainer then skips the optimizers the
     loss reached. Gradients accumulated over earlier micro-batches are in the same tensors, so they are
     checked too. This is ``precision.skip_nonfinite`` for bfloat16 (no loss scaler, nothing to unscale).
+
+    Per iteration it costs the check and nothing else: each loss keeps its flag tensor, which the check only
+    ever sets, and gets a fresh zero one only after an iteration that found inf/nan.
     """
 
     phase = Phase.SCALE
 
     def __init__(self) -> None:
-        self._params: dict[torch.optim.Optimizer, list[torch.Tensor]] = {}
-        self._one: dict[torch.device, torch.Tensor] = {}
+        self._params: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
+        # per loss_id: its flag (zero, or set by a check the Trainer has read) and a 1.0 on the same device
+        self._flags: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def on_fit_start(self, trainer) -> None:
-        self._params = {
-            optimizer: [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._params = [
+            (optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
             for optimizer in trainer.optimizers.values()
-        }
+        ]
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
         if not trainer.state.is_iteration_end:
             return
         written = None if backward.inputs is None else {id(t) for t in backward.inputs}
         grads: list[torch.Tensor] = []
-        for optimizer, params in self._params.items():
+        for optimizer, params in self._params:
             reached = [p.grad for p in params if p.grad is not None and (written is None or id(p) in written)]
             if reached:
                 trainer.optimizer_state[optimizer].loss_ids.add(backward.loss_id)
                 grads += reached
         if not grads:
             return
-        device = grads[0].device
-        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        one = self._one.get(device)
-        if one is None:
-            one = self._one[device] = torch.ones(1, dtype=torch.float32, device=device)
-        with torch.no_grad():  # ``grad * 1.0`` leaves every bit as it was; FSDP's shards are checked locally
-            unscale_and_check_(grads, found_inf, one)
-        trainer.loss_state[backward.loss_id].report_found_inf(found_inf)
+        flag, one = self._flags.get(backward.loss_id) or self._new_flag(backward.loss_id, grads[0].device)
+        # ``grad * 1.0`` leaves every bit as it was; FSDP's shards are checked locally. Gradients do not
+        # require grad (the Trainer's backward builds no graph of them), so no autograd context is needed.
+        unscale_and_check_(grads, flag, one)
+        trainer.loss_state[backward.loss_id].report_found_inf(flag)
+
+    def _new_flag(self, loss_id: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = torch.zeros(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device)
+        self._flags[loss_id] = pair
+        return pair
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        if not trainer.state.is_iteration_end:
+            return
+        for loss_id in [k for k in self._flags if trainer.loss_state[k].found_inf]:  # read and agreed by now
+            del self._flags[loss_id]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -28,8 +29,9 @@ class NonFiniteGuard(Callback):
     whose gradients were applied (a step that was not skipped) was non-finite; a non-finite model stops the
     run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
 
-    Cheap: per backward it only keeps a reference to the loss; the periodic check stacks them (one sync) and
-    reads the parameters only when a loss was non-finite. Steps a loss scaler or clipping skipped never count.
+    Cheap: per backward it only keeps a detached reference to the loss; the periodic check stacks them and
+    reads them in one sync, and reads the parameters only when a loss was non-finite. Steps a loss scaler or
+    clipping skipped never count.
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
@@ -37,7 +39,7 @@ class NonFiniteGuard(Callback):
             raise ValueError(f"NonFiniteGuard: check_every_n_steps must be >= 1, got {check_every_n_steps}")
         self.check_every_n_steps = check_every_n_steps
         self._pending: list[torch.Tensor] = []  # this iteration's losses, until their optimizer step
-        self._applied: list[tuple[int, torch.Tensor]] = []  # (iteration, loss) of steps taken since the last check
+        self._applied: list[tuple[int, list[torch.Tensor]]] = []  # (iteration, losses) of steps since the last check
         self._finite_at = 0  # the last global step at which the model was seen finite
 
     def on_fit_start(self, trainer) -> None:
@@ -47,9 +49,9 @@ class NonFiniteGuard(Callback):
         self._pending.append(backward.loss.detach())
 
     def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        iteration = trainer.state.iteration
-        self._applied.extend((iteration, loss) for loss in self._pending)
-        self._pending = []
+        if self._pending:
+            self._applied.append((trainer.state.iteration, self._pending))
+            self._pending = []
 
     def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
         self._pending = []
@@ -58,7 +60,8 @@ class NonFiniteGuard(Callback):
         s = trainer.state
         if not s.is_iteration_end:
             return
-        self._pending = []
+        if self._pending:
+            self._pending = []
         if s.global_step % self.check_every_n_steps == 0:
             first_bad = self._first_nonfinite_loss()
             # Every rank must agree to look at the model (identical on all ranks), or one would stop alone.
@@ -73,10 +76,12 @@ class NonFiniteGuard(Callback):
     def _first_nonfinite_loss(self) -> tuple[int, float] | None:
         if not self._applied:
             return None
-        finite = torch.isfinite(torch.stack([loss.float() for _, loss in self._applied])).tolist()
-        for (iteration, loss), ok in zip(self._applied, finite, strict=True):
-            if not ok:
-                return iteration, loss.item()
+        steps = [(iteration, loss) for iteration, losses in self._applied for loss in losses]
+        flat = [loss if loss.dim() == 0 else loss.reshape(()) for _, loss in steps]  # a loss of shape (1,)
+        values = torch.stack(flat).tolist()  # one sync (dtypes promote)
+        for (iteration, _), value in zip(steps, values, strict=True):
+            if not math.isfinite(value):
+                return iteration, value
         return None
 
     def _check_model(self, trainer, model_state: dict[str, Any], first_bad: tuple[int, float] | None) -> None:

@@ -129,7 +129,7 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
     """For each flag (a bool, or a one-element tensor that is set when non-zero), whether it is set on any
     rank: one device-to-host read, and one collective when distributed. Every rank passes as many flags."""
     if not env.enabled and len(flags) == 1 and isinstance(flags[0], torch.Tensor):
-        return [flags[0].reshape(-1)[0].item() != 0]  # the common case: one loss, one process
+        return [flags[0].item() != 0]  # the common case: one loss, one process (a one-element flag)
     tensors = [f for f in flags if isinstance(f, torch.Tensor)]
     if env.enabled:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None

@@ -83,8 +83,12 @@ class LossState:
         return None if self.scaler is None else self.scaler.scale
 
     def report_found_inf(self, flag: torch.Tensor) -> None:
-        """Report a check of this loss's new gradients: ``flag`` (one element, on the device) non-zero = inf/nan."""
-        self.reported.append(flag)
+        """Report a check of this loss's new gradients: ``flag`` (one element, on the device) non-zero = inf/nan.
+
+        A flag already reported in this iteration (one flag shared by several checks) counts once.
+        """
+        if not any(f is flag for f in self.reported):
+            self.reported.append(flag)
 
     def begin_iteration(self) -> None:
         self.found_inf = False
@@ -99,11 +103,10 @@ def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> 
     norm, or when a callback set ``found_inf``. Blamed are the overflowing losses, else every loss that
     reached it.
     """
-    reached = sorted(opt_state.loss_ids, key=str)
-    culprits = [k for k in reached if k in losses and losses[k].found_inf]
-    if culprits or opt_state.found_inf or opt_state.grad_norm_nonfinite:
-        return culprits or reached
-    return None
+    culprits = [k for k in opt_state.loss_ids if k in losses and losses[k].found_inf]
+    if not (culprits or opt_state.found_inf or opt_state.grad_norm_nonfinite):
+        return None
+    return sorted(culprits or opt_state.loss_ids, key=str)
 
 
 @dataclass

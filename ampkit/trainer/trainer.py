@@ -123,6 +123,7 @@ class Trainer:
         self._log_every: int = self.cfg.logging.log_every_n_steps
         self.state = LoopState()
         self.device = self._resolve_device(self.settings.device)
+        self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self.dist = DistributedEnv()
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = list(callbacks or [])
@@ -139,6 +140,7 @@ class Trainer:
         self._epoch_sums: dict[str, list[Any]] = {}
         self.version_dir: Path | None = None
         self._specs: list[OptimizerSpec] = []
+        self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
@@ -337,6 +339,7 @@ class Trainer:
         rank_zero_only.rank = self.dist.rank
         if self.dist.enabled and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
+        self._on_cpu = self.device.type == "cpu"
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
@@ -367,10 +370,10 @@ class Trainer:
             opt_state.epoch_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted = True
+        exhausted, max_steps = True, self.settings.max_steps
         for batch in self._epoch_batches():
             self._run_batch(batch)
-            if 0 <= self.settings.max_steps <= s.global_step:
+            if 0 <= max_steps <= s.global_step:
                 s.should_stop = True
             if s.should_stop:  # max_steps reached, or a callback (early stopping) asked
                 exhausted = s.batches_done == self._num_train_batches
@@ -421,7 +424,7 @@ class Trainer:
         self.backward(loss / accumulate if accumulate > 1 else loss)
         for optimizer in self.optimizers.values():
             self.step(optimizer)
-        return self._detached(out if isinstance(out, dict) else {"loss": loss})
+        return self._detached(out) if out is not loss else {"loss": loss.detach()}
 
     def _agree_facts(self) -> None:
         """Read every reported per-loss found_inf flag (one device-to-host read) and agree them across ranks
@@ -429,10 +432,11 @@ class Trainer:
         if not self._facts_pending:
             return
         self._facts_pending = False
-        losses = [s for s in self.loss_state.values() if s.reported or self.dist.enabled]
+        distributed = self.dist.enabled
+        losses = [s for s in self.loss_state.values() if s.reported or distributed]
         if not losses:
             return
-        if self.dist.enabled:  # the same order on every rank
+        if distributed:  # the same order on every rank
             losses.sort(key=lambda s: str(s.loss_id))
         flags: list[torch.Tensor | bool] = []
         for loss in losses:
@@ -451,7 +455,8 @@ class Trainer:
             if loss.scaler is not None and loss.backwards:
                 old, new = loss.scaler.update(loss.found_inf)
                 self.fire("on_loss_scale_update", loss.loss_id, old, new)
-        self._step_schedulers("step")
+        if self._has_step_schedulers:
+            self._step_schedulers("step")
         for optimizer in self.optimizers.values():
             self.fire("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
@@ -578,6 +583,7 @@ class Trainer:
     def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
         self._setup_model()
         self._specs = normalize_optimizers(self.configure_optimizers())
+        self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
@@ -628,7 +634,7 @@ class Trainer:
             yield batch
 
     def _to_device(self, batch: Any) -> Any:
-        if self.device.type == "cpu":
+        if self._on_cpu:
             return batch
         return apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
 
