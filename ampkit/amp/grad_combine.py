@@ -52,7 +52,7 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     tensors = _local_shards(tensors)
     if (
         found_inf.is_cpu
-        and sum(t.numel() for t in tensors) >= KERNEL_MIN_NUMEL
+        and sum(map(torch.Tensor.numel, tensors)) >= KERNEL_MIN_NUMEL
         and multi_tensor.kernel_available(found_inf.device)
     ):
         multi_tensor.scale_(tensors, inv_scale, found_inf)

@@ -40,7 +40,10 @@ class NonFiniteCheck(Callback):
         written = None if backward.inputs is None else {id(t) for t in backward.inputs}
         grads: list[torch.Tensor] = []
         for optimizer, params in self._params:
-            reached = [p.grad for p in params if p.grad is not None and (written is None or id(p) in written)]
+            if written is None:
+                reached = [p.grad for p in params if p.grad is not None]
+            else:
+                reached = [p.grad for p in params if p.grad is not None and id(p) in written]
             if reached:
                 trainer.optimizer_state[optimizer].loss_ids.add(backward.loss_id)
                 grads += reached

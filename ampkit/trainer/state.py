@@ -85,10 +85,13 @@ class LossState:
     def report_found_inf(self, flag: torch.Tensor) -> None:
         """Report a check of this loss's new gradients: ``flag`` (one element, on the device) non-zero = inf/nan.
 
-        A flag already reported in this iteration (one flag shared by several checks) counts once.
+        Called from ``on_after_backward`` (the Trainer looks for reports after each backward). A flag already
+        reported in this iteration (one flag shared by several checks) counts once.
         """
-        if not any(f is flag for f in self.reported):
-            self.reported.append(flag)
+        for reported in self.reported:
+            if reported is flag:
+                return
+        self.reported.append(flag)
 
     def begin_iteration(self) -> None:
         self.found_inf = False
@@ -103,7 +106,11 @@ def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> 
     norm, or when a callback set ``found_inf``. Blamed are the overflowing losses, else every loss that
     reached it.
     """
-    culprits = [k for k in opt_state.loss_ids if k in losses and losses[k].found_inf]
+    culprits = []
+    for k in opt_state.loss_ids:  # a loop, not a comprehension: asked at every step
+        loss = losses.get(k)
+        if loss is not None and loss.found_inf:
+            culprits.append(k)
     if not (culprits or opt_state.found_inf or opt_state.grad_norm_nonfinite):
         return None
     return sorted(culprits or opt_state.loss_ids, key=str)

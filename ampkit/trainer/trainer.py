@@ -82,6 +82,15 @@ def _every(n: int, count: int) -> bool:
     return n > 0 and count % n == 0
 
 
+def _has_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter of ``optimizer`` holds a gradient (a loop: it is asked every step)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                return True
+    return False
+
+
 def _batches_in(loader: Any, limit: int | None) -> int | None:
     """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
     try:
@@ -124,6 +133,7 @@ class Trainer:
         self.state = LoopState()
         self.device = self._resolve_device(self.settings.device)
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
+        self._val_every_n_steps = self.settings.val_every_n_steps
         self.dist = DistributedEnv()
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = list(callbacks or [])
@@ -144,7 +154,7 @@ class Trainer:
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
-        self._facts_pending = False  # a backward ran since the facts were last agreed
+        self._facts_pending = False  # a check reported found_inf (or, distributed, a backward ran) since agreeing
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -224,8 +234,9 @@ class Trainer:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
-        self._facts_pending = True
         self.fire("on_after_backward", backward)  # ... and unscales the new gradients, reporting found_inf
+        if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
+            self._facts_pending = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` if this batch ends an iteration; returns whether it stepped.
@@ -240,10 +251,12 @@ class Trainer:
             raise ValueError("step() got an optimizer that configure_optimizers() did not return")
         if opt_state.stepped or opt_state.skipped:
             raise RuntimeError(f"optimizer '{opt_state.name}' was already stepped in this iteration")
-        if not any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+        if not _has_grad(optimizer):
             return False
-        self._agree_facts()
-        if any(self.loss_state[k].scaler is not None for k in opt_state.loss_ids if k in self.loss_state):
+        if self._facts_pending:
+            self._agree_facts()
+        losses = self.loss_state
+        if opt_state.loss_ids and any(losses[k].scaler is not None for k in opt_state.loss_ids if k in losses):
             self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
         self.fire("on_before_optimizer_step", optimizer)  # clipping
         culprits = skip_verdict(opt_state, self.loss_state)
@@ -400,7 +413,8 @@ class Trainer:
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
-        batch = self._to_device(batch)
+        if not self._on_cpu:
+            batch = self._to_device(batch)
         self.fire("on_train_batch_start", batch)
         outputs = self._training_step(batch)
         s.batches_done += 1
@@ -450,7 +464,8 @@ class Trainer:
             loss.found_inf = found_inf
 
     def _end_iteration(self) -> None:
-        self._agree_facts()  # also losses that no stepped optimizer looked at: their scalers update below
+        if self._facts_pending:  # also losses that no stepped optimizer looked at: their scalers update below
+            self._agree_facts()
         for loss in self.loss_state.values():
             if loss.scaler is not None and loss.backwards:
                 old, new = loss.scaler.update(loss.found_inf)
@@ -461,7 +476,7 @@ class Trainer:
             self.fire("on_before_zero_grad", optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
-        if _every(self.settings.val_every_n_steps, self.state.global_step):
+        if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
 
     def _step_schedulers(self, interval: str) -> None:
