@@ -4,10 +4,11 @@ Run: ``python benchmarks/trainer_overhead.py [--steps 1000 --repeats 5]``. Each 
 loop, measured in the same process: fp32 a bare loop; bf16 O1 a raw ``torch.autocast(bfloat16)`` loop (no
 scaler, torch's recipe); fp16 O1 ``torch.autocast(float16)`` with ``torch.amp.GradScaler``. The Trainer runs
 the same model, DataLoader and AdamW with ``precision: {opt_level: O1, dtype: ...}`` (defaults otherwise:
-bf16 has no loss scaler and one fused inf check, ``skip_nonfinite``). Runs alternate; the median per-step
-time of each is reported. Times are this process's CPU time (``time.process_time``): with one thread and
+bf16 has no loss scaler and one fused inf check, ``skip_nonfinite``). Runs alternate; the ms columns are
+median per-step times. Times are this process's CPU time (``time.process_time``): with one thread and
 no DataLoader workers it is the wall time of an idle machine, and other jobs on a shared machine do not
-inflate it. "speed" = hand-loop time / Trainer time (1.0 = no overhead).
+inflate it. "speed" = hand-loop time / Trainer time (1.0 = no overhead), per run against the hand loops just
+before and after it (the machine's speed drifts between runs), the median over runs with its quartiles.
 Targets: fp32 >= 0.98, bf16 O1 >= 0.98, fp16 O1 >= 0.97. A Lightning column appears when ``lightning``
 is importable.
 """
@@ -153,32 +154,49 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     data = make_data(32 * 200)
     with_lightning = importlib.util.find_spec("lightning") is not None
-    runs: dict[tuple[str, str], list[float]] = {}
     for dtype in PRECISIONS.values():  # warm-up: autocast and kernel caches
         hand_loop(data, 100, dtype)
         trainer_loop(data, 100, dtype)
-    loops = {"hand": hand_loop, "ampkit": trainer_loop, **({"lightning": lightning_loop} if with_lightning else {})}
+    loops = {"ampkit": trainer_loop, **({"lightning": lightning_loop} if with_lightning else {})}
+    times: dict[tuple[str, str], list[float]] = {}
+    speeds: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeats):
         for name, dtype in PRECISIONS.items():
+            # Each loop is compared with the hand loops run just before and after it: the machine's speed
+            # drifts between seconds (by more than the overhead on a shared machine), and a paired ratio
+            # cancels the drift that a ratio of medians over the whole run keeps.
+            before = hand_loop(data, args.steps, dtype)
+            times.setdefault((name, "hand"), []).append(before)
             for loop, fn in loops.items():
-                runs.setdefault((name, loop), []).append(fn(data, args.steps, dtype))
-        runs.setdefault(("fp32", "ampkit + TensorBoard/10"), []).append(
-            trainer_loop(data, args.steps, None, tensorboard=True)
-        )
-    median = {key: statistics.median(values) for key, values in runs.items()}
+                ours = fn(data, args.steps, dtype)
+                after = hand_loop(data, args.steps, dtype)
+                times.setdefault((name, loop), []).append(ours)
+                speeds.setdefault((name, loop), []).append((before + after) / 2 / ours)
+                before = after
+        before = hand_loop(data, args.steps, None)
+        tb = trainer_loop(data, args.steps, None, tensorboard=True)
+        after = hand_loop(data, args.steps, None)
+        speeds.setdefault(("fp32", "ampkit + TensorBoard/10"), []).append((before + after) / 2 / tb)
+
+    def quartiles(values: list[float]) -> str:
+        q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        return f"{statistics.median(values):6.3f} [{q1:.3f}, {q3:.3f}]"
+
+    ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps x {args.repeats} runs")
-    print("speed = hand-loop time / loop time (1.0 = no overhead); targets fp32 0.98, bf16 O1 0.98, fp16 O1 0.97")
-    lightning_head = f" {'Lightning ms':>12} {'speed':>6}" if with_lightning else "  Lightning: not importable, skipped"
-    print(f"{'precision':10} {'hand ms/step':>12} {'ampkit ms':>10} {'speed':>6} {'overhead us':>11}{lightning_head}")
+    print("speed = hand-loop time / loop time, the median over runs of each run against the hand loops just before")
+    print("and after it [quartiles] (1.0 = no overhead); targets fp32 0.98, bf16 O1 0.98, fp16 O1 0.97")
+    lightning_head = f" {'Lightning ms':>12} {'speed [q1, q3]':>22}" if with_lightning else ""
+    print(f"{'precision':10} {'hand ms':>8} {'ampkit ms':>10} {'speed [q1, q3]':>22}{lightning_head}")
     for name in PRECISIONS:
-        hand, ours = median[(name, "hand")], median[(name, "ampkit")]
-        row = f"{name:10} {hand * 1e3:12.3f} {ours * 1e3:10.3f} {hand / ours:6.3f} {(ours - hand) * 1e6:11.1f}"
+        speed = quartiles(speeds[(name, "ampkit")])
+        row = f"{name:10} {ms[(name, 'hand')]:8.3f} {ms[(name, 'ampkit')]:10.3f} {speed:>22}"
         if with_lightning:
-            theirs = median[(name, "lightning")]
-            row += f" {theirs * 1e3:12.3f} {hand / theirs:6.3f}"
+            row += f" {ms[(name, 'lightning')]:12.3f} {quartiles(speeds[(name, 'lightning')]):>22}"
         print(row)
-    tb, hand = median[("fp32", "ampkit + TensorBoard/10")], median[("fp32", "hand")]
-    print(f"{'fp32 + TensorBoard every 10 steps':34} {tb * 1e3:.3f} ms/step, speed {hand / tb:.3f}")
+    if not with_lightning:
+        print("Lightning: not importable, skipped")
+    print(f"fp32 + TensorBoard every 10 steps: speed {quartiles(speeds[('fp32', 'ampkit + TensorBoard/10')])}")
 
 
 if __name__ == "__main__":
