@@ -121,7 +121,7 @@ class LossScaler:
         device = loss.device
         cached = self._scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
-            cached = (self._scale, torch.tensor(self._scale, dtype=torch.float32, device=device))
+            cached = (self._scale, torch.full((), self._scale, dtype=torch.float32, device=device))  # no H2D copy
             self._scale_cache[device] = cached
         return loss * cached[1]
 
