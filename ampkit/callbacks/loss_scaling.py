@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import GradientCombiner, LossScaler
+from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
@@ -104,8 +105,7 @@ class LossScaling(Callback):
         self._overflows_at_min: dict[str, int] = {}
         self._loaded: dict[str, Any] = {}
         self._log_every = 1
-        # per loss_id: the found_inf flag its combines set (never cleared; replaced after it was found set)
-        self._flags: dict[Any, torch.Tensor] = {}
+        self._flags = FoundInfFlags()  # the flag each loss's combines set
         self._device: torch.device | None = None  # the device of every combined parameter (None: several)
         if num_losses is not None and self.scaled:
             for loss_id in range(num_losses):
@@ -169,9 +169,7 @@ class LossScaling(Callback):
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
         loss_id = backward.loss_id
         loss_state = trainer.loss_state[loss_id]
-        flag = self._flags.get(loss_id)
-        if flag is None and self._device is not None:
-            flag = self._flags[loss_id] = torch.zeros(1, dtype=torch.float32, device=self._device)
+        flag = None if self._device is None else self._flags.get(loss_id, self._device)
         for optimizer, combiner in self._combiners.items():
             result = combiner.combine(loss_state.scaler if self.scaled else 1.0, flag)
             if result.reached:
@@ -189,8 +187,7 @@ class LossScaling(Callback):
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
-        for loss_id in [k for k in self._flags if trainer.loss_state[k].found_inf]:  # read and agreed by now
-            del self._flags[loss_id]
+        self._flags.renew(trainer.loss_state)
         logged = trainer.state.iteration % self._log_every == 0
         if logged:
             for loss_id, scaler in self.scalers.items():

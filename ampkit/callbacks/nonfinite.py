@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import unscale_and_check_
+from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
@@ -25,8 +26,8 @@ class NonFiniteCheck(Callback):
 
     def __init__(self) -> None:
         self._params: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
-        # per loss_id: its flag (zero, or set by a check the Trainer has read) and a 1.0 on the same device
-        self._flags: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._flags = FoundInfFlags()
+        self._one: torch.Tensor | None = None  # the 1.0 the check multiplies by, on the gradients' device
 
     def on_fit_start(self, trainer) -> None:
         self._params = [
@@ -49,19 +50,15 @@ class NonFiniteCheck(Callback):
                 grads += reached
         if not grads:
             return
-        flag, one = self._flags.get(backward.loss_id) or self._new_flag(backward.loss_id, grads[0].device)
+        flag = self._flags.get(backward.loss_id, grads[0].device)
+        if self._one is None:
+            self._one = torch.ones(1, dtype=torch.float32, device=flag.device)
         # ``grad * 1.0`` leaves every bit as it was; FSDP's shards are checked locally. Gradients do not
         # require grad (the Trainer's backward builds no graph of them), so no autograd context is needed.
-        unscale_and_check_(grads, flag, one)
+        unscale_and_check_(grads, flag, self._one)
         trainer.loss_state[backward.loss_id].report_found_inf(flag)
-
-    def _new_flag(self, loss_id: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = torch.zeros(1, dtype=torch.float32, device=device), torch.ones(1, dtype=torch.float32, device=device)
-        self._flags[loss_id] = pair
-        return pair
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
-        for loss_id in [k for k in self._flags if trainer.loss_state[k].found_inf]:  # read and agreed by now
-            del self._flags[loss_id]
+        self._flags.renew(trainer.loss_state)
