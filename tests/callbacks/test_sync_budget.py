@@ -11,6 +11,7 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit import Callback
+from ampkit.ops.optimizers import FusedAdam
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts CUDA synchronizations")
 
@@ -99,3 +100,25 @@ def test_at_most_one_host_read_per_iteration_fp16(tmp_path, trainer_class, overr
     trainer_class(cfg, callbacks=[counter]).fit()
     assert len(counter.per_iteration) == 4
     assert counter.per_iteration[1:] == [1, 1, 1]  # the found_inf read; the first iteration also builds buffers
+
+
+def test_fused_optimizer_under_grad_scaler_reads_the_host_once():
+    """torch's GradScaler hands ``found_inf``/``grad_scale`` to a fused optimizer: its step reads both together."""
+    params = [torch.randn(64, 32, device="cuda", requires_grad=True) for _ in range(3)]
+    optimizer = FusedAdam(params, lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    counts = []
+    for _ in range(3):
+        scaler.scale(sum(p.square().sum() for p in params)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                scaler.step(optimizer)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+        scaler.update()
+        optimizer.zero_grad()
+    assert counts[1:] == [1, 1]
+    assert float(optimizer.state[params[0]]["step"]) == 3.0

@@ -67,6 +67,21 @@ def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = 
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
 
 
+def read_scalars(*tensors: Tensor | None) -> list[float | None]:
+    """The values of one-element tensors as Python floats (``None`` stays ``None``), read to the host together:
+    one device-to-host copy, so one synchronization on CUDA however many are given."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        values: list[float] = []
+    elif len(present) == 1:
+        values = [float(present[0].item())]
+    else:
+        device = present[0].device
+        values = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in present]).tolist()
+    found = iter(values)
+    return [None if t is None else next(found) for t in tensors]
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery of the fused optimizers (see the module docstring).
 
@@ -136,13 +151,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
-        # One host read of each flag: the kernels take their hyper-parameters as numbers.
-        if found_inf is not None and bool(found_inf.item()):
+        # The kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA).
+        skip, scale = read_scalars(found_inf, grad_scale)
+        if skip:
             return loss
-        if grad_scale is None:
+        if scale is None:
             self.step_with_grad_factor(1.0)
             return loss
-        self.step_with_grad_factor(1.0 / float(grad_scale))
+        self.step_with_grad_factor(1.0 / scale)
         self._unscale_grads_(grad_scale)
         return loss
 
