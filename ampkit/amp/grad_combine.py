@@ -73,14 +73,8 @@ def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:
-    """Read several found_inf flags to the host with a single sync (non-zero means overflow)."""
-    if not flags:
-        return []
-    if len(flags) == 1:  # the common case (one loss, one optimizer): a plain read, no gather
-        return [flags[0].reshape(-1)[0].item() != 0.0]
-    device = flags[0].device
-    stacked = torch.cat([f.reshape(-1)[:1].to(device, torch.float32) for f in flags])
-    return [v != 0.0 for v in stacked.tolist()]
+    """Read several one-element found_inf flags to the host with a single sync (non-zero means overflow)."""
+    return [value != 0.0 for value in multi_tensor.read_scalars(*flags)]
 
 
 class CombineResult(NamedTuple):

@@ -31,7 +31,7 @@ import torch
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops.reference import multi_tensor as reference
 
-__all__ = ["L2Norm", "axpby_", "combine_", "kernel_available", "l2norm", "scale_", "unscale_l2norm"]
+__all__ = ["L2Norm", "axpby_", "combine_", "kernel_available", "l2norm", "read_scalars", "scale_", "unscale_l2norm"]
 
 _SRC = CSRC_DIR / "multi_tensor"
 _FAMILY = register_family(
@@ -46,6 +46,21 @@ class L2Norm(NamedTuple):
 
     total: torch.Tensor
     per_tensor: torch.Tensor | None
+
+
+def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
+    """The values of one-element tensors as Python floats (``None`` stays ``None``), read to the host together:
+    one device-to-host copy, so one synchronization on CUDA however many are given."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        values: list[float] = []
+    elif len(present) == 1:
+        values = [float(present[0].item())]
+    else:
+        device = present[0].device
+        values = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in present]).tolist()
+    found = iter(values)
+    return [None if t is None else next(found) for t in tensors]
 
 
 def kernel_available(device: torch.device) -> bool:

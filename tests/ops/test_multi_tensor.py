@@ -107,6 +107,22 @@ def test_flag_is_never_cleared_and_may_be_int():
     assert found.dtype == torch.int32 and found.item() == 1
 
 
+# ---------------------------------------------------------------- read_scalars
+
+
+def test_read_scalars_reads_exact_values_and_keeps_none():
+    grad_scale = torch.tensor([2.0**-20 * 3], dtype=torch.float32)
+    found_inf = torch.zeros(1)
+    assert mt.read_scalars(found_inf, grad_scale) == [0.0, float(grad_scale)]
+    assert mt.read_scalars(None, grad_scale) == [None, float(grad_scale)]
+    assert mt.read_scalars(torch.tensor(float("nan")), None)[0] != 0  # nan counts as found (a truthy skip)
+    assert mt.read_scalars(None, None) == [None, None]
+
+
+def test_read_scalars_reads_int_flags_of_shape_one():
+    assert mt.read_scalars(torch.ones(1, dtype=torch.int32), torch.zeros((), dtype=torch.float16)) == [1.0, 0.0]
+
+
 # ---------------------------------------------------------------- axpby_
 
 

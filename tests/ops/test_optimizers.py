@@ -21,7 +21,6 @@ from ampkit.ops.optimizers import (
     FusedRMSpropTF,
     FusedSGD,
 )
-from ampkit.ops.optimizers._base import read_scalars
 
 SHAPES = [(7, 13), (29,), (3, 5, 4), (1,)]
 
@@ -375,15 +374,6 @@ def test_grad_scaler_step_unscales_inside_the_kernel_and_skips_on_inf():
     assert scaler_a.get_scale() == scaler_b.get_scale()
     assert float(ours.state[a[0]]["step"]) == 5.0
     assert rel_diff(a, b) <= 1e-6
-
-
-def test_read_scalars_reads_the_flags_exactly_and_keeps_none():
-    grad_scale = torch.tensor([2.0**-20 * 3], dtype=torch.float32)
-    found_inf = torch.zeros(1)
-    assert read_scalars(found_inf, grad_scale) == [0.0, float(grad_scale)]
-    assert read_scalars(None, grad_scale) == [None, float(grad_scale)]
-    assert read_scalars(torch.tensor(math.nan), None)[0] != 0  # nan counts as found (a truthy skip)
-    assert read_scalars(None, None) == [None, None]
 
 
 def test_grad_scaler_explicit_unscale_then_step():

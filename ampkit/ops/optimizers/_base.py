@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.ops.multi_tensor import read_scalars
+
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
 
@@ -65,21 +67,6 @@ def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = 
     if not (value >= low) or (high is not None and not value < high):
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
-
-
-def read_scalars(*tensors: Tensor | None) -> list[float | None]:
-    """The values of one-element tensors as Python floats (``None`` stays ``None``), read to the host together:
-    one device-to-host copy, so one synchronization on CUDA however many are given."""
-    present = [t for t in tensors if t is not None]
-    if not present:
-        values: list[float] = []
-    elif len(present) == 1:
-        values = [float(present[0].item())]
-    else:
-        device = present[0].device
-        values = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in present]).tolist()
-    found = iter(values)
-    return [None if t is None else next(found) for t in tensors]
 
 
 class FusedOptimizer(torch.optim.Optimizer):
