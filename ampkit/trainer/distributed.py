@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
 
 
@@ -128,14 +129,13 @@ def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
 def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[bool]:
     """For each flag (a bool, or a one-element tensor that is set when non-zero), whether it is set on any
     rank: one device-to-host read, and one collective when distributed. Every rank passes as many flags."""
-    if not env.enabled and len(flags) == 1 and isinstance(flags[0], torch.Tensor):
-        return [flags[0].item() != 0]  # the common case: one loss, one process (a one-element flag)
-    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
-    if env.enabled:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        device = device or torch.device("cpu")
-    else:
-        device = tensors[0].device if tensors else torch.device("cpu")
+    if not env.enabled:
+        if len(flags) == 1 and isinstance(flags[0], torch.Tensor):
+            return [flags[0].item() != 0]  # the common case: one loss, one process (a one-element flag)
+        read = iter(read_flags([f for f in flags if isinstance(f, torch.Tensor)]))
+        return [next(read) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = device or torch.device("cpu")
     values = torch.stack(
         [
             f.reshape(()).to(device, torch.float32)
@@ -144,8 +144,7 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
             for f in flags
         ]
     )
-    if env.enabled:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [v != 0 for v in values.tolist()]
 
 
