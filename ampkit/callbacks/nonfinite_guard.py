@@ -26,19 +26,20 @@ def nonfinite_entries(state: dict[str, Any]) -> list[str]:
 
 class NonFiniteGuard(Callback):
     """Checks the model before every checkpoint, and every ``check_every_n_steps`` iterations whether a loss
-    whose gradients were applied (a step that was not skipped) was non-finite; a non-finite model stops the
-    run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
+    of an iteration whose update was applied (an optimizer stepped) was non-finite; a non-finite model stops
+    the run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
 
-    Cheap: per backward it only keeps a detached reference to the loss; the periodic check stacks them and
-    reads them in one sync, and reads the parameters only when a loss was non-finite. Steps a loss scaler or
-    clipping skipped never count.
+    Cheap: it keeps a reference to each loss (under automatic optimization the Trainer's own detached copy in
+    the batch outputs, so it adds no tensor op; under manual optimization a detached copy at each backward);
+    the periodic check stacks them and reads them in one sync, and reads the parameters only when a loss was
+    non-finite. Iterations in which every step was skipped (a loss scaler's overflow, clipping) never count.
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
         if check_every_n_steps < 1:
             raise ValueError(f"NonFiniteGuard: check_every_n_steps must be >= 1, got {check_every_n_steps}")
         self.check_every_n_steps = check_every_n_steps
-        self._pending: list[torch.Tensor] = []  # this iteration's losses, until their optimizer step
+        self._pending: list[torch.Tensor] = []  # this iteration's losses, until its end
         self._applied: list[tuple[int, list[torch.Tensor]]] = []  # (iteration, losses) of steps since the last check
         self._finite_at = 0  # the last global step at which the model was seen finite
 
@@ -46,21 +47,20 @@ class NonFiniteGuard(Callback):
         self._finite_at = trainer.state.global_step
 
     def on_before_backward(self, trainer, backward) -> None:
-        self._pending.append(backward.loss.detach())
-
-    def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        if self._pending:
-            self._applied.append((trainer.state.iteration, self._pending))
-            self._pending = []
-
-    def on_optimizer_step_skipped(self, trainer, optimizer: torch.optim.Optimizer, loss_ids: list[Any]) -> None:
-        self._pending = []
+        if not trainer.automatic_optimization:  # automatic: the batch outputs carry the loss, detached
+            self._pending.append(backward.loss.detach())
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        if trainer.automatic_optimization:
+            loss = outputs.get("loss")
+            if isinstance(loss, torch.Tensor):
+                self._pending.append(loss)
         s = trainer.state
         if not s.is_iteration_end:
             return
         if self._pending:
+            if any(opt_state.stepped for opt_state in trainer.optimizer_state.values()):
+                self._applied.append((s.iteration, self._pending))
             self._pending = []
         if s.global_step % self.check_every_n_steps == 0:
             first_bad = self._first_nonfinite_loss()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from toy_trainers import NaNLossToyTrainer, toy_cfg
+from toy_trainers import NaNLossToyTrainer, ToyTrainer, toy_cfg
 
 from ampkit import cli
 from ampkit.callbacks import NonFiniteError
@@ -50,6 +50,35 @@ def test_a_step_the_loss_scaler_skips_is_not_a_fault(tmp_path):
     skipped = [t.optimizer_state[t.optimizer].skipped_steps for t in (with_nan, without)]
     assert skipped[0] == skipped[1] + 1 and with_nan.state.global_step == 16
     assert not nonfinite_entries(with_nan.module.state_dict())
+
+
+class ManualNaNLossToyTrainer(NaNLossToyTrainer):
+    """The NaN loss of iteration 6, backpropagated and stepped by the training code itself."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        self.step(self.optimizer)
+
+
+def test_under_manual_optimization_the_losses_given_to_backward_are_watched(tmp_path):
+    cfg = toy_cfg(tmp_path, **QUIET, **{"checkpoint.enabled": False, "logging.log_every_n_steps": 5})
+    with pytest.raises(NonFiniteError, match="not finite at step 10 .*: step 6 applied a loss of nan"):
+        ManualNaNLossToyTrainer(cfg).fit()
+
+
+def test_with_accumulation_a_nan_in_any_micro_batch_is_named_by_its_iteration(tmp_path):
+    overrides = {"checkpoint.enabled": False, "logging.log_every_n_steps": 4, "trainer.accumulate_grad_batches": 2}
+
+    class NaNInSecondMicroBatch(NaNLossToyTrainer):
+        def training_step(self, batch):
+            loss = ToyTrainer.training_step(self, batch)
+            return loss * float("nan") if (self.state.iteration, self.state.batch_idx % 2) == (3, 1) else loss
+
+    with pytest.raises(NonFiniteError, match="not finite at step 4 .*: step 3 applied a loss of nan"):
+        NaNInSecondMicroBatch(toy_cfg(tmp_path, **QUIET, **overrides)).fit()
 
 
 def test_cli_reports_it_in_one_line(tmp_path, capsys):
