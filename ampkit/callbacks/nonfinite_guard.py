@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import all_reduce_sum
 
@@ -77,8 +78,7 @@ class NonFiniteGuard(Callback):
         if not self._applied:
             return None
         steps = [(iteration, loss) for iteration, losses in self._applied for loss in losses]
-        flat = [loss if loss.dim() == 0 else loss.reshape(()) for _, loss in steps]  # a loss of shape (1,)
-        values = torch.stack(flat).tolist()  # one sync (dtypes promote)
+        values = read_scalars(*(loss for _, loss in steps))  # one sync
         for (iteration, _), value in zip(steps, values, strict=True):
             if not math.isfinite(value):
                 return iteration, value

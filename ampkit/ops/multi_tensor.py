@@ -31,7 +31,17 @@ import torch
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops.reference import multi_tensor as reference
 
-__all__ = ["L2Norm", "axpby_", "combine_", "kernel_available", "l2norm", "read_scalars", "scale_", "unscale_l2norm"]
+__all__ = [
+    "L2Norm",
+    "axpby_",
+    "combine_",
+    "gather_scalars",
+    "kernel_available",
+    "l2norm",
+    "read_scalars",
+    "scale_",
+    "unscale_l2norm",
+]
 
 _SRC = CSRC_DIR / "multi_tensor"
 _FAMILY = register_family(
@@ -52,15 +62,25 @@ def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
     """The values of one-element tensors as Python floats (``None`` stays ``None``), read to the host together:
     one device-to-host copy, so one synchronization on CUDA however many are given."""
     present = [t for t in tensors if t is not None]
-    if not present:
-        values: list[float] = []
-    elif len(present) == 1:
-        values = [float(present[0].item())]
+    if all(t.is_cpu for t in present):  # already in host memory: read each, nothing to gather or wait for
+        values = [float(t) for t in present]
     else:
-        device = present[0].device
-        values = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in present]).tolist()
+        values = gather_scalars(present)
     found = iter(values)
     return [None if t is None else next(found) for t in tensors]
+
+
+def gather_scalars(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of one-element tensors on one device, copied to the host in one transfer (stacked as
+    they are when they share a dtype, else as float64, which holds every float32 and int32 value exactly)."""
+    if len(tensors) <= 1:
+        return [float(t) for t in tensors]
+    dtype = tensors[0].dtype
+    if all(t.dtype == dtype for t in tensors):
+        stacked = torch.stack([t.reshape(()) for t in tensors])
+    else:
+        stacked = torch.stack([t.reshape(()).to(torch.float64) for t in tensors])
+    return [float(v) for v in stacked.tolist()]
 
 
 def kernel_available(device: torch.device) -> bool:

@@ -123,6 +123,15 @@ def test_read_scalars_reads_int_flags_of_shape_one():
     assert mt.read_scalars(torch.ones(1, dtype=torch.int32), torch.zeros((), dtype=torch.float16)) == [1.0, 0.0]
 
 
+def test_gather_scalars_reads_each_value_exactly_whatever_the_dtypes():
+    same = [torch.tensor(2.0**-20 * 3), torch.zeros(1), torch.tensor([float("inf")])]
+    assert mt.gather_scalars(same) == [2.0**-20 * 3, 0.0, float("inf")]
+    mixed = [torch.tensor([16777217], dtype=torch.int32), torch.tensor(0.1, dtype=torch.float16), torch.ones(1)]
+    assert mt.gather_scalars(mixed) == [16777217.0, float(torch.tensor(0.1, dtype=torch.float16)), 1.0]
+    assert all(type(v) is float for v in mt.gather_scalars(mixed))
+    assert mt.gather_scalars([]) == [] and mt.gather_scalars([torch.tensor(True)]) == [1.0]
+
+
 # ---------------------------------------------------------------- axpby_
 
 
