@@ -56,6 +56,43 @@ def test_a_misspelt_or_misshapen_hook_is_refused_before_anything_runs(tmp_path):
         CallbackShaped(toy_cfg(tmp_path))
 
 
+def test_a_callback_is_not_called_for_the_hooks_it_declares_unused(tmp_path):
+    calls: list[str] = []
+
+    class ManualOnly(Callback):
+        def unused_hooks(self, trainer):
+            return {"on_after_backward"} if trainer.automatic_optimization else ()
+
+        def on_after_backward(self, trainer, backward):
+            calls.append("after_backward")
+
+        def on_train_batch_end(self, trainer, outputs, batch):
+            calls.append("batch_end")
+
+    class Manual(ToyTrainer):
+        automatic_optimization = False
+
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            self.backward(loss)
+            self.step(self.optimizer)
+
+    ToyTrainer(toy_cfg(tmp_path / "auto", **QUIET, **{"trainer.max_steps": 2}), callbacks=[ManualOnly()]).fit()
+    assert calls == ["batch_end", "batch_end"]
+    calls.clear()
+    Manual(toy_cfg(tmp_path / "manual", **QUIET, **{"trainer.max_steps": 2}), callbacks=[ManualOnly()]).fit()
+    assert calls == ["after_backward", "batch_end"] * 2
+
+
+def test_an_unused_hook_that_is_no_hook_is_refused(tmp_path):
+    class Typo(Callback):
+        def unused_hooks(self, trainer):
+            return {"on_after_backwards"}
+
+    with pytest.raises(ValueError, match=r"Typo.unused_hooks\(\) names \['on_after_backwards'\], not hooks"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[Typo()]).fit()
+
+
 def test_trainer_class_is_optional_in_python(tmp_path):
     quiet = {"checkpoint": {"enabled": False}, "logging": {"tensorboard": False}, "trainer": {"progress_bar": False}}
     trainer = ToyTrainer({"run_dir": str(tmp_path / "run"), **quiet})

@@ -47,9 +47,11 @@ class NonFiniteGuard(Callback):
     def on_fit_start(self, trainer) -> None:
         self._finite_at = trainer.state.global_step
 
-    def on_before_backward(self, trainer, backward) -> None:
-        if not trainer.automatic_optimization:  # automatic: the batch outputs carry the loss, detached
-            self._pending.append(backward.loss.detach())
+    def unused_hooks(self, trainer) -> set[str]:
+        return {"on_before_backward"} if trainer.automatic_optimization else set()
+
+    def on_before_backward(self, trainer, backward) -> None:  # manual optimization: the losses given to backward
+        self._pending.append(backward.loss.detach())
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if trainer.automatic_optimization:

@@ -101,6 +101,14 @@ class MixedPrecision(Callback):
                 for param, master in zip(masters.model_params, masters.master_params, strict=True):
                     self._master_to_model[id(master)] = param
 
+    def unused_hooks(self, trainer) -> set[str]:
+        unused = set()
+        if trainer.automatic_optimization:  # autocast is off from each backward on: nothing to resume or end
+            unused |= {"on_after_backward", "on_train_batch_end"}
+        if not self.properties.master_weights:
+            unused.add("on_after_optimizer_step")
+        return unused
+
     def on_fit_start(self, trainer) -> None:
         self._setup(trainer)
 

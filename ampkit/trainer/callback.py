@@ -8,6 +8,7 @@ given in. No correctness depends on another callback's name.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -81,6 +82,12 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def unused_hooks(self, trainer: Trainer) -> Collection[str]:
+        """Hooks this callback overrides but has nothing to do in for this run (say, work for manual
+        optimization in an automatic run). Asked once, when the Trainer sets its callbacks up; the Trainer
+        then never calls them, which saves a call per hook per step."""
+        return ()
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """After set-up (model, optimizers, data, resume) and before the first epoch."""

@@ -622,8 +622,17 @@ class Trainer:
         from ampkit.callbacks import default_callbacks
 
         self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
+        unused = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}
+        for cb in self.callbacks:
+            if not unused[id(cb)] <= set(HOOKS):
+                raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - set(HOOKS))}, not hooks")
         self._hooks = {
-            hook: [getattr(cb, hook) for cb in self.callbacks if is_overridden(hook, cb, Callback)] for hook in HOOKS
+            hook: [
+                getattr(cb, hook)
+                for cb in self.callbacks
+                if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
+            ]
+            for hook in HOOKS
         }
         for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
             self._hooks[hook].append(getattr(type(self), hook))

@@ -318,6 +318,20 @@ def test_skip_warning_and_min_scale_error(tmp_path):
 # ---------------------------------------------------------------------- casting
 
 
+class AutocastProbe(ampkit.Callback):
+    """Whether autocast is on at the optimizer step and at the end of each batch."""
+
+    def __init__(self) -> None:
+        self.step_autocast: list[bool] = []
+        self.batch_end_autocast: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer, optimizer):
+        self.step_autocast.append(torch.is_autocast_enabled("cpu"))
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        self.batch_end_autocast.append(torch.is_autocast_enabled("cpu"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_o1_autocasts_forward_not_backward(tmp_path, dtype):
     class Probe(SharedBackwardTrainer):
@@ -336,18 +350,13 @@ def test_o1_autocasts_forward_not_backward(tmp_path, dtype):
             self.val_dtypes.append(self.model(batch[0]).dtype)
             return {}
 
-    class StepProbe(ampkit.Callback):
-        step_autocast: list[bool] = []
-
-        def on_before_optimizer_step(self, trainer, optimizer):
-            self.step_autocast.append(torch.is_autocast_enabled("cpu"))
-
-    probe = StepProbe()
+    probe = AutocastProbe()
     trainer = Probe(config(tmp_path, opt_level="O1", dtype=dtype), callbacks=[probe])
     trainer.fit()
     assert set(trainer.forward_dtypes) == set(trainer.val_dtypes) == {getattr(torch, dtype)}
     assert trainer.backward_autocast and not any(trainer.backward_autocast)
     assert probe.step_autocast and not any(probe.step_autocast)  # the optimizer step runs in full precision
+    assert probe.batch_end_autocast and not any(probe.batch_end_autocast)
     assert not torch.is_autocast_enabled("cpu")
     assert all(p.dtype == torch.float32 for p in trainer.module.parameters())
 
@@ -361,9 +370,12 @@ def test_o1_manual_optimization_autocasts_a_forward_after_a_backward(tmp_path):
             self.second_forward_dtypes.append(self.module.head(self.module.body(batch[0])).dtype)
             return out
 
-    trainer = SecondForward(config(tmp_path, opt_level="O1", dtype="bfloat16"))
+    probe = AutocastProbe()
+    trainer = SecondForward(config(tmp_path, opt_level="O1", dtype="bfloat16"), callbacks=[probe])
     trainer.fit()
     assert set(trainer.second_forward_dtypes) == {torch.bfloat16}
+    assert probe.batch_end_autocast and not any(probe.batch_end_autocast)  # ended with the training step
+    assert not torch.is_autocast_enabled("cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
