@@ -84,6 +84,29 @@ def test_logged_loss_is_the_mean_over_the_window(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(logged, expected, strict=True))
 
 
+def test_each_output_is_averaged_over_the_window_whatever_its_type(tmp_path):
+    seen: dict[str, list[float]] = {"loss": [], "count": [], "half": []}
+
+    class MixedOutputs(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            i = self.state.batch_idx
+            shaped = loss.reshape(1) if i % 2 else loss  # () in some batches, (1,) in others
+            half = (loss * 3).to(torch.bfloat16)
+            for key, value in (("loss", shaped), ("count", i), ("half", half)):
+                seen[key].append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))
+            return {"loss": shaped, "count": i, "half": half}
+
+    trainer = MixedOutputs(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.log_every_n_steps": 4}))
+    trainer.fit()
+    events = _events(trainer)
+    for key, values in seen.items():
+        logged = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        expected = [(i + 4, sum(values[i : i + 4]) / 4) for i in (0, 4)]
+        assert [step for step, _ in logged] == [step for step, _ in expected]
+        assert all(math.isclose(a, b, rel_tol=1e-6) for (_, a), (_, b) in zip(logged, expected, strict=True)), key
+
+
 class _LogsPictures(Callback):
     def on_train_batch_end(self, trainer, outputs, batch):
         if trainer.state.iteration == 3:

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ampkit.config import flatten
+from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.logger import Logger, check_image
 
@@ -55,8 +56,8 @@ class TensorBoardLogger(Callback):
     def __init__(self, log_every_n_steps: int = 10) -> None:
         self.log_every_n_steps = log_every_n_steps
         self.writer: Any = None
-        self._sums: dict[str, torch.Tensor] = {}
-        self._batches = 0
+        self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
+        self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
         self._last_time = 0.0
         self._last_step = 0
 
@@ -78,35 +79,42 @@ class TensorBoardLogger(Callback):
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
             return
-        for tag, value, at_step in trainer.logged_scalars:
-            self.writer.add_scalar(tag, float(value), at_step)
-        for key, value in outputs.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.detach().float()
-                self._sums[key] = self._sums[key] + value if key in self._sums else value
-            elif isinstance(value, int | float):
-                self._sums[key] = self._sums.get(key, 0.0) + torch.tensor(float(value))
-        self._batches += 1
+        for key, value in outputs.items():  # kept, not added up: a log step reads them all at once
+            if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, int | float):
+                self._window.setdefault(key, []).append(value)
+        rows = [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
         step = trainer.state.iteration
-        if not (trainer.state.is_iteration_end and self._due(trainer)):
-            return
-        for key, total in self._sums.items():
-            self.writer.add_scalar(f"train/{key}", (total / self._batches).item(), step)
-        self._sums, self._batches = {}, 0
-        for name, optimizer in trainer.optimizers.items():
-            self.writer.add_scalar(f"train/lr/{name}", optimizer.param_groups[0]["lr"], step)
-        now = time.perf_counter()
-        if step > self._last_step and now > self._last_time:
-            self.writer.add_scalar("train/steps_per_sec", (step - self._last_step) / (now - self._last_time), step)
-        self._last_time, self._last_step = now, step
+        if trainer.state.is_iteration_end and self._due(trainer):
+            rows += [(step, f"train/{key}", _mean(values)) for key, values in self._window.items()]
+            rows += [(step, tag, norm) for tag, norm in self._grad_norms]
+            rows += [(step, f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+            now = time.perf_counter()
+            if step > self._last_step and now > self._last_time:
+                rows.append((step, "train/steps_per_sec", (step - self._last_step) / (now - self._last_time)))
+            self._last_time, self._last_step = now, step
+            self._window, self._grad_norms = {}, []
+        if rows:
+            self._write(rows)
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if not self._due(trainer):
             return
         norm = trainer.grad_norm(optimizer)  # on every rank: a sharded model's norm is a collective
-        if self.writer is not None:
-            name = trainer.optimizer_state[optimizer].name
-            self.writer.add_scalar(f"train/grad_norm/{name}", norm.item(), trainer.state.iteration)
+        if self.writer is not None:  # read at the batch end, with the other values of this step
+            self._grad_norms.append((f"train/grad_norm/{trainer.optimizer_state[optimizer].name}", norm))
+
+    def _write(self, rows: list[tuple[int, str, Any]]) -> None:
+        """Write (step, tag, value) scalars: every tensor read to the host in one go (one sync), then one event
+        per step holding all of that step's values (an event per value costs the writer several times more)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        read = read_scalars(*(value if isinstance(value, torch.Tensor) else None for _, _, value in rows))
+        by_step: dict[int, list[Any]] = {}
+        for (step, tag, value), tensor_value in zip(rows, read, strict=True):
+            number = float(value) if tensor_value is None else tensor_value
+            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=number))
+        for step, values in by_step.items():
+            self.writer.file_writer.add_summary(Summary(value=values), step)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None:
@@ -134,6 +142,15 @@ class TensorBoardLogger(Callback):
             self.writer.close()
             self.writer = None
             trainer.logger = Logger()
+
+
+def _mean(values: list[Any]) -> torch.Tensor | float:
+    """The mean of one output's values over a logging window: a tensor (read later) when they are tensors."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        if len({v.shape for v in values}) > 1:  # a loss of shape () in some batches and (1,) in others
+            values = [v.reshape(()) for v in values]
+        return torch.stack(values).float().mean()
+    return sum(float(v) for v in values) / len(values)
 
 
 def _hparams_summaries(trainer, metrics: dict[str, float]) -> tuple[Any, Any, Any]:
