@@ -1,0 +1,42 @@
+"""The Trainer's total gradient norm (clipping and logging read it) is torch's, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampkit.trainer.trainer import total_norm
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _random_list(g: torch.Generator) -> list[torch.Tensor]:
+    tensors = []
+    for i in range(int(torch.randint(1, 10, (1,), generator=g))):
+        dtype = DTYPES[int(torch.randint(0, len(DTYPES), (1,), generator=g))]
+        rows = int(torch.randint(0, 40, (1,), generator=g))  # 0 rows: an empty tensor
+        t = (torch.randn(rows, 7, generator=g, dtype=torch.float64) * 100).to(dtype)
+        tensors.append(t.t() if i % 2 else t)  # every other one non-contiguous
+    return tensors
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_total_norm_equals_get_total_norm_bit_for_bit(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        tensors = _random_list(g)
+        ours, theirs = total_norm(tensors), torch.nn.utils.get_total_norm(tensors, foreach=True)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+        assert torch.equal(ours, theirs), (ours, theirs)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_total_norm_of_a_non_finite_gradient_is_non_finite_as_torch_says(bad):
+    tensors = [torch.ones(3), torch.tensor([1.0, bad]), torch.ones(2, dtype=torch.float16)]
+    ours, theirs = total_norm(tensors), torch.nn.utils.get_total_norm(tensors, foreach=True)
+    assert not ours.isfinite() and ours.isnan() == theirs.isnan()
+
+
+def test_a_half_precision_list_overflows_as_it_does_in_torch():
+    tensors = [torch.full((4,), 60000.0, dtype=torch.float16)] * 2  # each norm 120000 > fp16 max
+    assert torch.equal(total_norm(tensors), torch.nn.utils.get_total_norm(tensors, foreach=True))
