@@ -71,15 +71,17 @@ def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
 
 
 def gather_scalars(tensors: list[torch.Tensor]) -> list[float]:
-    """The values of one-element tensors on one device, copied to the host in one transfer (stacked as
-    they are when they share a dtype, else as float64, which holds every float32 and int32 value exactly)."""
+    """The values of one-element tensors copied to the host in one transfer: stacked as they are when they
+    share a device and dtype, else as float64 (which holds every float32 and int32 value exactly) on the first
+    accelerator's device, so a CPU value among CUDA ones costs a copy up, not a sync."""
     if len(tensors) <= 1:
         return [float(t) for t in tensors]
-    dtype = tensors[0].dtype
-    if all(t.dtype == dtype for t in tensors):
+    device, dtype = tensors[0].device, tensors[0].dtype
+    if all(t.device == device and t.dtype == dtype for t in tensors):
         stacked = torch.stack([t.reshape(()) for t in tensors])
     else:
-        stacked = torch.stack([t.reshape(()).to(torch.float64) for t in tensors])
+        device = next((t.device for t in tensors if not t.is_cpu), device)
+        stacked = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors])
     return [float(v) for v in stacked.tolist()]
 
 

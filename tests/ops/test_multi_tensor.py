@@ -407,3 +407,17 @@ def test_cuda_tensor_split_across_launches():
     torch.testing.assert_close(on_gpu[1].cpu(), x * 2.0)
     torch.testing.assert_close(per[1].cpu().double(), (x.double() * 2).norm(), rtol=1e-5, atol=0)
     assert found.item() == 0
+
+
+@needs_cuda
+def test_cuda_read_scalars_mixes_devices_and_dtypes_in_one_sync():
+    values = [torch.tensor(3.0, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda"), torch.tensor(0.5)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as caught:
+            read = mt.read_scalars(None, *values)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert read == [None, 3.0, 1.0, 0.5]
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
