@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_trainers import ToyTrainer, toy_cfg
+from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
 
 from ampkit import Callback
 
@@ -69,13 +69,8 @@ def test_a_callback_is_not_called_for_the_hooks_it_declares_unused(tmp_path):
         def on_train_batch_end(self, trainer, outputs, batch):
             calls.append("batch_end")
 
-    class Manual(ToyTrainer):
-        automatic_optimization = False
-
-        def training_step(self, batch):
-            loss = super().training_step(batch)
-            self.backward(loss)
-            self.step(self.optimizer)
+    class Manual(ManualOptimization, ToyTrainer):
+        pass
 
     ToyTrainer(toy_cfg(tmp_path / "auto", **QUIET, **{"trainer.max_steps": 2}), callbacks=[ManualOnly()]).fit()
     assert calls == ["batch_end", "batch_end"]

@@ -70,6 +70,17 @@ def toy_cfg(tmp_path, **overrides) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(base, dotted))
 
 
+class ManualOptimization:
+    """Mixin for a toy trainer: its training step backpropagates and steps the loss itself."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        self.step(self.optimizer)
+
+
 class _Sleep(ampkit.Callback):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

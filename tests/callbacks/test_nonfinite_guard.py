@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from toy_trainers import NaNLossToyTrainer, ToyTrainer, toy_cfg
+from toy_trainers import ManualOptimization, NaNLossToyTrainer, ToyTrainer, toy_cfg
 
 from ampkit import cli
 from ampkit.callbacks import NonFiniteError
@@ -52,15 +52,8 @@ def test_a_step_the_loss_scaler_skips_is_not_a_fault(tmp_path):
     assert not nonfinite_entries(with_nan.module.state_dict())
 
 
-class ManualNaNLossToyTrainer(NaNLossToyTrainer):
+class ManualNaNLossToyTrainer(ManualOptimization, NaNLossToyTrainer):
     """The NaN loss of iteration 6, backpropagated and stepped by the training code itself."""
-
-    automatic_optimization = False
-
-    def training_step(self, batch):
-        loss = super().training_step(batch)
-        self.backward(loss)
-        self.step(self.optimizer)
 
 
 def test_under_manual_optimization_the_losses_given_to_backward_are_watched(tmp_path):
