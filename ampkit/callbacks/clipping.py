@@ -14,7 +14,12 @@ class GradientClipping(Callback):
 
     Runs in ``on_before_optimizer_step``, when mixed-precision gradients are already unscaled and averaged
     across ranks. The norm is ``trainer.grad_norm(optimizer)``, shared with logging, so it is computed once.
-    A non-finite norm is reported as ``grad_norm_nonfinite``; the Trainer then skips the step.
+
+    A non-finite norm must not reach the step. When an inf/nan check covered every loss that reached the
+    optimizer (a loss scaler's, or bf16's ``skip_nonfinite``), non-finite gradients already make the Trainer skip
+    the step, so the norm stays on the device: clipping costs no host read, and the iteration keeps its one.
+    Without such a check the norm is read, and a non-finite one is reported as ``grad_norm_nonfinite``; the
+    Trainer then skips the step.
     """
 
     phase = Phase.CLIP
@@ -25,9 +30,14 @@ class GradientClipping(Callback):
         self.max_norm = float(max_norm)
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        opt_state = trainer.optimizer_state[optimizer]
+        losses = [trainer.loss_state.get(k) for k in opt_state.loss_ids]
+        checked = bool(losses) and all(loss is not None and loss.checked for loss in losses)
+        if checked and any(loss.found_inf for loss in losses):  # agreed already: the step is skipped
+            return
         norm = trainer.grad_norm(optimizer)
-        if not math.isfinite(norm.item()):
-            trainer.optimizer_state[optimizer].grad_norm_nonfinite = True
+        if not checked and not math.isfinite(norm.item()):
+            opt_state.grad_norm_nonfinite = True
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm, foreach=True)

@@ -59,28 +59,22 @@ class L2Norm(NamedTuple):
 
 
 def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
-    """The values of one-element tensors as Python floats (``None`` stays ``None``), read to the host together:
-    one device-to-host copy, so one synchronization on CUDA however many are given."""
-    present = [t for t in tensors if t is not None]
-    if all(t.is_cpu for t in present):  # already in host memory: read each, nothing to gather or wait for
-        values = [float(t) for t in present]
-    else:
-        values = gather_scalars(present)
-    found = iter(values)
-    return [None if t is None else next(found) for t in tensors]
+    """The values of one-element tensors as Python floats (``None`` stays ``None``): CPU ones read where they
+    are, the others copied to the host together, so one synchronization on CUDA however many are given."""
+    on_device = iter(gather_scalars([t for t in tensors if t is not None and not t.is_cpu]))
+    return [None if t is None else float(t) if t.is_cpu else next(on_device) for t in tensors]
 
 
 def gather_scalars(tensors: list[torch.Tensor]) -> list[float]:
     """The values of one-element tensors copied to the host in one transfer: stacked as they are when they
-    share a device and dtype, else as float64 (which holds every float32 and int32 value exactly) on the first
-    accelerator's device, so a CPU value among CUDA ones costs a copy up, not a sync."""
+    share a device and dtype, else as float64 (which holds every float32 and int32 value exactly) on the
+    first one's device."""
     if len(tensors) <= 1:
         return [float(t) for t in tensors]
     device, dtype = tensors[0].device, tensors[0].dtype
     if all(t.device == device and t.dtype == dtype for t in tensors):
         stacked = torch.stack([t.reshape(()) for t in tensors])
     else:
-        device = next((t.device for t in tensors if not t.is_cpu), device)
         stacked = torch.stack([t.reshape(()).to(device=device, dtype=torch.float64) for t in tensors])
     return [float(v) for v in stacked.tolist()]
 

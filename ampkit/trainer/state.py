@@ -76,6 +76,7 @@ class LossState:
     backwards: int = 0  # backward calls of this loss in this iteration
     scaler: LossScaleUpdater | None = None  # this loss's scaler (mixed precision); the Trainer updates it
     reported: list[torch.Tensor] = field(default_factory=list)  # found_inf flags not yet read and agreed
+    checked: bool = False  # a check looked at this loss's gradients for inf/nan in this iteration
 
     @property
     def scale(self) -> float | None:
@@ -88,6 +89,7 @@ class LossState:
         Called from ``on_after_backward`` (the Trainer looks for reports after each backward). A flag already
         reported in this iteration (one flag shared by several checks) counts once.
         """
+        self.checked = True
         for reported in self.reported:
             if reported is flag:
                 return
@@ -97,6 +99,7 @@ class LossState:
         self.found_inf = False
         self.backwards = 0
         self.reported = []
+        self.checked = False
 
 
 def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> list[Any] | None:

@@ -1,6 +1,7 @@
 """CUDA sync budget: at most one device-to-host read per iteration under O1/O2 fp16, whatever the number of
-losses and optimizers (the per-loss found_inf flags stay on the device until the Trainer reads them all at
-once). Counted with ``torch.cuda.set_sync_debug_mode``, which warns at every synchronizing CUDA call."""
+losses and optimizers, with clipping or without (the per-loss found_inf flags stay on the device until the
+Trainer reads them all at once, and a clipping norm is left on the device when those flags cover it).
+Counted with ``torch.cuda.set_sync_debug_mode``, which warns at every synchronizing CUDA call."""
 
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def test_the_counter_sees_a_host_read():
         (TwoLosses, {"precision.opt_level": "O2", "precision.cast_modules": "[0,3]"}),
         (CudaBatches, {"precision.opt_level": "O1", "trainer.accumulate_grad_batches": 2}),
         (CudaBatches, {"precision.opt_level": "O2", "precision.combine_grad": True}),
+        (CudaBatches, {"precision.opt_level": "O1", "trainer.clip_grad_norm": 0.5}),  # the norm stays on the GPU
+        (TwoLosses, {"precision.opt_level": "O1", "trainer.clip_grad_norm": 0.5}),
     ],
 )
 def test_at_most_one_host_read_per_iteration_fp16(tmp_path, trainer_class, overrides):
