@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import tempfile
 import time
 
 import torch
 from torch import nn
+from trainer_overhead import timed_fit  # a sibling script: benchmarks/ is on the path
 
 import ampkit
 
@@ -66,28 +66,7 @@ class TinyTrainer(ampkit.Trainer):
 
 
 def trainer_loop(batches: list, steps: int, dtype: torch.dtype | None) -> float:
-    with tempfile.TemporaryDirectory() as run_dir:
-        precision = {} if dtype is None else {"opt_level": "O1", "dtype": str(dtype).removeprefix("torch.")}
-        cfg = {
-            "run_dir": run_dir,
-            "trainer": {"max_steps": steps, "max_epochs": 10**6, "progress_bar": False, "device": "cpu"},
-            "logging": {"tensorboard": False},
-            "checkpoint": {"enabled": False},
-            "precision": precision,
-        }
-        timings: dict[str, float] = {}
-
-        class Clock(ampkit.Callback):
-            def on_train_start(self, trainer):
-                timings["start"] = time.perf_counter()
-
-            def on_train_end(self, trainer):
-                timings["end"] = time.perf_counter()
-
-        trainer = TinyTrainer(cfg, callbacks=[Clock()])
-        trainer.batches = batches
-        trainer.fit()
-    return (timings["end"] - timings["start"]) / steps
+    return timed_fit(TinyTrainer, steps, dtype, clock=time.perf_counter, batches=batches)
 
 
 def main() -> None:
