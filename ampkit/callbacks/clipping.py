@@ -7,6 +7,7 @@ import math
 import torch
 
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.state import skip_verdict
 
 
 class GradientClipping(Callback):
@@ -31,10 +32,10 @@ class GradientClipping(Callback):
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         opt_state = trainer.optimizer_state[optimizer]
+        if skip_verdict(opt_state, trainer.loss_state) is not None:  # facts agreed already: it will be skipped
+            return
         losses = [trainer.loss_state.get(k) for k in opt_state.loss_ids]
         checked = bool(losses) and all(loss is not None and loss.checked for loss in losses)
-        if checked and any(loss.found_inf for loss in losses):  # agreed already: the step is skipped
-            return
         norm = trainer.grad_norm(optimizer)
         if not checked and not math.isfinite(norm.item()):
             opt_state.grad_norm_nonfinite = True

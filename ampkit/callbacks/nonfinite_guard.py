@@ -32,8 +32,8 @@ class NonFiniteGuard(Callback):
 
     Cheap: it keeps a reference to each loss (under automatic optimization the Trainer's own detached copy in
     the batch outputs, so it adds no tensor op; under manual optimization a detached copy at each backward);
-    the periodic check stacks them and reads them in one sync, and reads the parameters only when a loss was
-    non-finite. Iterations in which every step was skipped (a loss scaler's overflow, clipping) never count.
+    the periodic check reads them all at once (one sync on a GPU), and reads the parameters only when a loss
+    was non-finite. Iterations in which every step was skipped (a loss scaler's overflow, clipping) never count.
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:

@@ -635,10 +635,10 @@ class Trainer:
         from ampkit.callbacks import default_callbacks
 
         self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
-        unused = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}
+        unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
-            if not unused[id(cb)] <= set(HOOKS):
-                raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - set(HOOKS))}, not hooks")
+            if not unused[id(cb)] <= known:
+                raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
         self._hooks = {
             hook: [
                 getattr(cb, hook)
