@@ -62,8 +62,10 @@ class NonFiniteGuard(Callback):
         if not s.is_iteration_end:
             return
         if self._pending:
-            if any(opt_state.stepped for opt_state in trainer.optimizer_state.values()):
-                self._applied.append((s.iteration, self._pending))
+            for opt_state in trainer.optimizer_state.values():  # a loop, not any(generator): asked every step
+                if opt_state.stepped:
+                    self._applied.append((s.iteration, self._pending))
+                    break
             self._pending = []
         if s.global_step % self.check_every_n_steps == 0:
             first_bad = self._first_nonfinite_loss()

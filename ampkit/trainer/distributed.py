@@ -6,7 +6,7 @@ import gc
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -36,10 +36,10 @@ class DistributedEnv:
     world_size: int = 1
     local_rank: int = 0
     owns_group: bool = False  # the Trainer created the process group, so it destroys it
+    enabled: bool = field(init=False)  # more than one process: a field, not a property (asked every backward)
 
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "enabled", self.world_size > 1)
 
 
 def setup_distributed(cfg: DictConfig) -> DistributedEnv:

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class LoopState:
     """Where the loop is. An *iteration* is one accumulation window ending in optimizer steps."""
 
@@ -25,7 +25,7 @@ class LoopState:
     stage: str = "fit"  # fit | validate | test | predict: what the Trainer is running now
 
 
-@dataclass
+@dataclass(slots=True)
 class OptimizerState:
     """Per-optimizer facts for the current iteration, plus cumulative counts.
 
@@ -62,7 +62,7 @@ class LossScaleUpdater(Protocol):
     def update(self, found_inf: bool) -> tuple[float, float]: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class LossState:
     """Per-loss facts for the current iteration, keyed by ``loss_id`` in ``trainer.loss_state``.
 
@@ -119,7 +119,7 @@ def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> 
     return sorted(culprits or opt_state.loss_ids, key=str)
 
 
-@dataclass
+@dataclass(slots=True)
 class BackwardState:
     """One ``Trainer.backward`` call: callbacks may replace ``loss`` (e.g. scale it) before autograd."""
 

@@ -92,6 +92,15 @@ def _has_grad(optimizer: torch.optim.Optimizer) -> bool:
     return False
 
 
+def _reached_by_scaled_loss(opt_state: OptimizerState, losses: dict[Any, LossState]) -> bool:
+    """Whether a loss with a loss scaler reached this optimizer (its gradients were unscaled)."""
+    for loss_id in opt_state.loss_ids:  # a loop, not any(generator): asked at every step
+        loss = losses.get(loss_id)
+        if loss is not None and loss.scaler is not None:
+            return True
+    return False
+
+
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The total L2 norm of ``tensors``, bit for bit ``torch.nn.utils.get_total_norm(tensors, foreach=True)``
     but with one device move per group of (device, dtype) instead of one per tensor: a third of its time on
@@ -235,19 +244,21 @@ class Trainer:
         inputs = None
         if optimizer is not None:
             inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        backward = BackwardState(loss=loss, loss_id=loss_id, inputs=inputs)
+        backward = BackwardState(loss, loss_id, inputs)
         loss_state = self.loss_state.get(loss_id)
         if loss_state is None:
             loss_state = self.loss_state[loss_id] = LossState(loss_id)
         loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
-        self.fire("on_before_backward", backward)  # mixed precision scales the loss here
+        for hook in self._hooks["on_before_backward"]:  # mixed precision scales the loss here
+            hook(self, backward)
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
-        self.fire("on_after_backward", backward)  # ... and unscales the new gradients, reporting found_inf
+        for hook in self._hooks["on_after_backward"]:  # ... and unscales the new gradients, reporting found_inf
+            hook(self, backward)
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
 
@@ -268,10 +279,10 @@ class Trainer:
             return False
         if self._facts_pending:
             self._agree_facts()
-        losses = self.loss_state
-        if opt_state.loss_ids and any(losses[k].scaler is not None for k in opt_state.loss_ids if k in losses):
+        if opt_state.loss_ids and _reached_by_scaled_loss(opt_state, self.loss_state):
             self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
-        self.fire("on_before_optimizer_step", optimizer)  # clipping
+        for hook in self._hooks["on_before_optimizer_step"]:  # clipping
+            hook(self, optimizer)
         culprits = skip_verdict(opt_state, self.loss_state)
         if culprits is not None:
             opt_state.skipped = True
@@ -282,7 +293,8 @@ class Trainer:
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
-        self.fire("on_after_optimizer_step", optimizer)
+        for hook in self._hooks["on_after_optimizer_step"]:
+            hook(self, optimizer)
         return True
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -323,7 +335,10 @@ class Trainer:
             total[1] += 1
 
     def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer."""
+        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer.
+
+        The hooks of every batch loop over ``self._hooks[hook]`` in place instead: a hook nobody overrides
+        then costs an empty loop, not a call (a few microseconds a step on a small model)."""
         for method in self._hooks[hook]:
             method(self, *args)
 
@@ -428,12 +443,14 @@ class Trainer:
                 loss_state.begin_iteration()
         if not self._on_cpu:
             batch = self._to_device(batch)
-        self.fire("on_train_batch_start", batch)
+        for hook in self._hooks["on_train_batch_start"]:
+            hook(self, batch)
         outputs = self._training_step(batch)
         s.batches_done += 1
         if s.is_iteration_end:
             self._end_iteration()
-        self.fire("on_train_batch_end", outputs, batch)
+        for hook in self._hooks["on_train_batch_end"]:
+            hook(self, outputs, batch)
         self.logged_scalars.clear()
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
@@ -486,7 +503,8 @@ class Trainer:
         if self._has_step_schedulers:
             self._step_schedulers("step")
         for optimizer in self.optimizers.values():
-            self.fire("on_before_zero_grad", optimizer)
+            for hook in self._hooks["on_before_zero_grad"]:
+                hook(self, optimizer)
             optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
