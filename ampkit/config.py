@@ -91,15 +91,18 @@ class PrecisionConfig:
 
     ``None`` means the opt level's default (Apex's table), except that bfloat16 has no loss scaler by default:
     its range is float32's, so torch's recipe and Lightning's ``bf16-mixed`` scale nothing.
-    ``skip_nonfinite`` (default true) keeps "never apply a non-finite update" without a scaler: one fused
-    inf/nan check of the gradients per iteration, and the Trainer skips the step when it finds one (false:
-    no check, torch's bare autocast recipe). A loss scaler always skips the steps it overflows.
+    ``skip_nonfinite`` keeps "never apply a non-finite update" without a scaler: one fused inf/nan check of
+    the gradients per iteration, and the Trainer skips the step when it finds one. Its default (null) is on
+    for float16 and off for bfloat16, whose range is float32's: torch's recipe, Lightning's ``bf16-mixed``
+    and Apex's O4/O5 (static loss scale 1) check nothing, and on a GPU the check costs a device-to-host read
+    every iteration. Without it a non-finite update is applied, and the NonFiniteGuard stops the run at its
+    next check, before a non-finite model is checkpointed. A loss scaler always skips the steps it overflows.
     """
 
     opt_level: str = "O0"
     dtype: str | None = None  # float16 | bfloat16; null: the opt level's (float16, bfloat16 at O4/O5)
     loss_scale: Any = None  # dynamic | <number> | none (no scaler); null: the opt level's, none for bfloat16
-    skip_nonfinite: bool = True  # without a loss scaler: check gradients for inf/nan and skip such steps
+    skip_nonfinite: bool | None = None  # no scaler: check grads for inf/nan, skip such steps (null: not in bf16)
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5

@@ -4,11 +4,12 @@ Run: ``python benchmarks/trainer_overhead.py [--steps 1000 --repeats 5]``. Each 
 loop, measured in the same process: fp32 a bare loop; bf16 O1 a raw ``torch.autocast(bfloat16)`` loop (no
 scaler, torch's recipe); fp16 O1 ``torch.autocast(float16)`` with ``torch.amp.GradScaler``. The Trainer runs
 the same model, DataLoader and AdamW with ``precision: {opt_level: O1, dtype: ...}`` (defaults otherwise:
-bf16 has no loss scaler and one fused inf check, ``skip_nonfinite``). Runs alternate; the ms columns are
-median per-step times. Times are this process's CPU time (``time.process_time``): with one thread and
-no DataLoader workers it is the wall time of an idle machine, and other jobs on a shared machine do not
-inflate it. "speed" = hand-loop time / Trainer time (1.0 = no overhead), per run against the hand loops just
-before and after it (the machine's speed drifts between runs), the median over runs with its quartiles.
+bf16 has no loss scaler and, like the hand loop, no inf check; ``skip_nonfinite`` would add one). Runs
+alternate; the ms columns are median per-step times. Times are this process's CPU time
+(``time.process_time``): with one thread and no DataLoader workers it is the wall time of an idle machine,
+and other jobs on a shared machine do not inflate it. "speed" = hand-loop time / Trainer time (1.0 = no
+overhead), per run against the hand loops just before and after it (the machine's speed drifts between runs),
+the median over runs with its quartiles.
 Targets: fp32 >= 0.98, bf16 O1 >= 0.98, fp16 O1 >= 0.97. A Lightning column appears when ``lightning``
 is importable.
 """
@@ -93,18 +94,21 @@ def timed_fit(
     dtype: torch.dtype | None,
     clock: Callable[[], float] = time.process_time,
     tensorboard: bool = False,
+    precision: dict[str, Any] | None = None,
     **attributes: Any,
 ) -> float:
-    """Seconds per step of ``trainer_class`` fitting ``steps`` steps on CPU (O1 in ``dtype`` when given), by
-    ``clock`` from the start of training to its end; ``attributes`` are set on the trainer before ``fit``."""
+    """Seconds per step of ``trainer_class`` fitting ``steps`` steps on CPU (O1 in ``dtype`` when given, with
+    the ``precision`` options on top), by ``clock`` from the start of training to its end; ``attributes`` are
+    set on the trainer before ``fit``."""
     with tempfile.TemporaryDirectory() as run_dir:
-        precision = {} if dtype is None else {"opt_level": "O1", "dtype": str(dtype).removeprefix("torch.")}
+        if dtype is not None:
+            precision = {"opt_level": "O1", "dtype": str(dtype).removeprefix("torch."), **(precision or {})}
         cfg = {
             "run_dir": run_dir,
             "trainer": {"max_steps": steps, "max_epochs": 10**6, "progress_bar": False, "device": "cpu"},
             "logging": {"tensorboard": tensorboard, "log_every_n_steps": 10},
             "checkpoint": {"enabled": False},
-            "precision": precision,
+            "precision": precision or {},
         }
         timings: dict[str, float] = {}
 

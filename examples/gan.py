@@ -1,8 +1,8 @@
 """A GAN on the classic 2-D ring of eight Gaussians, with separate D and G optimizers and loss scalers.
 
 Launch: ``ampkit fit --config configs/gan.yaml`` (O1 float16 on CPU); ``precision.opt_level=O2`` casts both
-networks to half with fp32 master weights; ``precision.dtype=bfloat16`` for bf16 (no loss scaler: a non-finite
-step is skipped by ``precision.skip_nonfinite``). Under float16 each loss has its own
+networks to half with fp32 master weights; ``precision.dtype=bfloat16`` for bf16 (no loss scaler; the config
+turns ``precision.skip_nonfinite`` on, so a non-finite step is skipped). Under float16 each loss has its own
 ``loss_id`` ("D", "G"), hence its own dynamic loss scaler: an overflow in the discriminator's loss skips
 only the discriminator's step and backs off only its scale. TensorBoard shows ``amp/loss_scale/D`` and
 ``amp/loss_scale/G``, and under Images ``samples``: every ``samples.every_n_steps`` iterations, where the

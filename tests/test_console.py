@@ -96,6 +96,7 @@ def test_bf16_without_a_scaler_shows_no_loss_scale_but_counts_the_skipped_step(t
             "trainer.max_epochs": 1,
             "trainer.progress_bar": False,
             "precision.opt_level": "O4",  # bfloat16 by the opt level; no scaler: skip_nonfinite skips step 3
+            "precision.skip_nonfinite": True,
             "logging.tensorboard": False,
         },
     )

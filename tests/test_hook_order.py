@@ -196,10 +196,10 @@ NO_VAL = {"data.n": 24, "trainer.val_every_n_epochs": 0, "precision.init_scale":
         ),
         pytest.param(
             RecordingTrainer,
-            {"precision.opt_level": "O1", "precision.dtype": "bfloat16"},
+            {"precision.opt_level": "O1", "precision.dtype": "bfloat16", "precision.skip_nonfinite": True},
             2,
             fit_of(batch(steps=step()), batch(steps=step(overflow=True)), batch(steps=step())),
-            id="O1-bf16-no-scaler-overflow",
+            id="O1-bf16-skip_nonfinite-overflow",
         ),
     ],
 )

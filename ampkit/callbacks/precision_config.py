@@ -41,7 +41,8 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
 
     O1-O3 get :class:`MixedPrecision` (casting), plus :class:`LossScaling` when the losses are scaled or O2's
     fp32 master weights need the gradients combined onto them, else :class:`NonFiniteCheck` when
-    ``skip_nonfinite`` is on. bfloat16 has no loss scaler unless ``loss_scale`` asks for one.
+    ``skip_nonfinite`` is on (by default for float16 only). bfloat16 has no loss scaler unless ``loss_scale``
+    asks for one.
 
     ``sharded`` (FSDP): O2/O5's model cast and fp32 masters are FSDP's (its policy computes in ``dtype`` from
     sharded fp32 parameters), so MixedPrecision leaves the model and optimizers alone.
@@ -64,14 +65,18 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
         if sharded:
             props = dataclasses.replace(props, cast_model_type=None, master_weights=False)
         unscaled = unscaled or (p.loss_scale is None and props.dtype == torch.bfloat16)
-        if not (unscaled or p.skip_nonfinite):
+        # Default: on, but for bfloat16 without a scaler (torch's, Lightning's and Apex's O4/O5 recipe).
+        skip_nonfinite = p.skip_nonfinite
+        if skip_nonfinite is None:
+            skip_nonfinite = not (unscaled and props.dtype == torch.bfloat16)
+        if not (unscaled or skip_nonfinite):
             raise ValueError(
                 "skip_nonfinite=False needs loss_scale: none (a loss scaler skips every step it overflows); "
                 f"loss_scale is {props.loss_scale!r}"
             )
         casting = MixedPrecision(props, cast_modules=list(p.cast_modules), cast_model_outputs=p.cast_model_outputs)
         if unscaled and not props.master_weights:
-            return [casting, NonFiniteCheck()] if p.skip_nonfinite else [casting]
+            return [casting, NonFiniteCheck()] if skip_nonfinite else [casting]
         scaling = LossScaling(
             NO_LOSS_SCALE if unscaled else props.loss_scale,
             init_scale=p.init_scale,
@@ -84,7 +89,7 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
             combine_grad=p.combine_grad,
             warn_consecutive_skips=p.warn_consecutive_skips,
             max_overflows_at_min_scale=p.max_overflows_at_min_scale,
-            check_nonfinite=p.skip_nonfinite,
+            check_nonfinite=skip_nonfinite,
         )
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"config section 'precision': {exc}") from None

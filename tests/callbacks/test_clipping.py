@@ -40,7 +40,12 @@ class SkipRecorder(Callback):
     ("precision", "expected_skip"),
     [
         ({}, (6, [], True)),  # fp32: no inf check, so clipping reads the norm and reports it non-finite
-        ({"precision.opt_level": "O1", "precision.dtype": "bfloat16"}, (6, [0], False)),  # skip_nonfinite's check
+        # bf16 checks nothing by default, so clipping reads the norm as in fp32; skip_nonfinite's check decides
+        ({"precision.opt_level": "O1", "precision.dtype": "bfloat16"}, (6, [], True)),
+        (
+            {"precision.opt_level": "O1", "precision.dtype": "bfloat16", "precision.skip_nonfinite": True},
+            (6, [0], False),
+        ),
         # the loss scaler's check (a scale the toy model does not overflow at)
         ({"precision.opt_level": "O1", "precision.dtype": "float16", "precision.init_scale": 256}, (6, [0], False)),
     ],

@@ -260,6 +260,7 @@ def test_injected_overflow_skips_exactly_the_reached_optimizers(loss, step, opt_
             init_scale=2.0**10,
             combine_grad=combine_grad,
             cast_modules=["body", "head"],  # training_step calls both submodules directly
+            skip_nonfinite=True,  # bfloat16 has no scaler: its check skips the step (float16's scalers always do)
         )
     expected = {"body", "head"} if loss == "A" else {"head"}  # loss A reaches both, B only the head
     assert sorted(rec.skipped) == sorted((step, name) for name in expected)
@@ -414,6 +415,7 @@ def test_config_errors_name_the_option(tmp_path):
 def test_resumed_run_continues_bit_identically(tmp_path, opt_level, dtype, combine_grad):
     kwargs = dict(opt_level=opt_level, dtype=dtype, combine_grad=combine_grad, growth_interval=2, init_scale=2.0**20)
     kwargs["cast_modules"] = ["body", "head"]
+    kwargs["skip_nonfinite"] = True  # the NaN of step 2 is skipped in bfloat16 too (float16's scalers always skip)
     full, _ = fit(TwoLossTrainer, tmp_path / "full", inject={"B": 2}, **kwargs)
     first, _ = fit(
         TwoLossTrainer,
@@ -481,7 +483,7 @@ def test_precision_is_validated_at_construction_before_user_code(tmp_path, preci
 def test_bf16_o1_has_no_loss_scaler_and_equals_the_raw_autocast_hand_loop(tmp_path):
     trainer, recorder = fit(SharedBackwardTrainer, tmp_path, opt_level="O1", dtype="bfloat16")
     names = [cb.name for cb in trainer.callbacks]
-    assert "NonFiniteCheck" in names and "LossScaling" not in names
+    assert "NonFiniteCheck" not in names and "LossScaling" not in names  # by default: torch's recipe, no check
     assert recorder.scale_updates == [] and recorder.unscaled == []  # nothing scaled, nothing unscaled
     assert all(state.scale is None for state in trainer.loss_state.values())
     reference = hand_loop_two_optimizers(6, autocast_dtype=torch.bfloat16)
@@ -490,7 +492,7 @@ def test_bf16_o1_has_no_loss_scaler_and_equals_the_raw_autocast_hand_loop(tmp_pa
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_bf16_skip_nonfinite_guards_the_step_and_can_be_turned_off(tmp_path, opt_level):
+def test_bf16_skip_nonfinite_guards_the_step_when_asked(tmp_path, opt_level):
     guarded, recorder = fit(
         TwoLossTrainer,
         tmp_path / "on",
@@ -498,20 +500,23 @@ def test_bf16_skip_nonfinite_guards_the_step_and_can_be_turned_off(tmp_path, opt
         opt_level=opt_level,
         dtype="bfloat16",
         cast_modules=["body", "head"],
+        skip_nonfinite=True,
     )
     assert recorder.skipped == [(2, "head")] and recorder.scale_updates == []
     assert all(torch.isfinite(p).all() for p in guarded.module.parameters())
-    # Off, the NaN step is applied; NonFiniteGuard then stops the run before a NaN model is checkpointed.
-    with pytest.raises(NonFiniteError, match="step 2 applied a loss of nan"):
-        fit(
-            TwoLossTrainer,
-            tmp_path / "off",
-            inject={"B": 2},
-            opt_level=opt_level,
-            dtype="bfloat16",
-            cast_modules=["body", "head"],
-            skip_nonfinite=False,
-        )
+    # By default bf16 checks nothing (torch's recipe, Lightning's bf16-mixed, Apex's O4/O5): the NaN step is
+    # applied, and NonFiniteGuard stops the run before a NaN model is checkpointed.
+    for name, option in (("default", {}), ("off", {"skip_nonfinite": False})):
+        with pytest.raises(NonFiniteError, match="step 2 applied a loss of nan"):
+            fit(
+                TwoLossTrainer,
+                tmp_path / name,
+                inject={"B": 2},
+                opt_level=opt_level,
+                dtype="bfloat16",
+                cast_modules=["body", "head"],
+                **option,
+            )
 
 
 def test_bf16_loss_scaling_on_request_and_fp16_needs_its_scaler(tmp_path):
@@ -520,6 +525,8 @@ def test_bf16_loss_scaling_on_request_and_fp16_needs_its_scaler(tmp_path):
     assert len(recorder.scale_updates) == 6 and trainer.loss_state[0].scale == 2.0**16
     fp16, _ = fit(SharedBackwardTrainer, tmp_path, opt_level="O1", loss_scale="none", skip_nonfinite=False)
     assert {"LossScaling", "NonFiniteCheck"}.isdisjoint(cb.name for cb in fp16.callbacks)
+    checked, _ = fit(SharedBackwardTrainer, tmp_path, opt_level="O1", loss_scale="none")  # float16's default: on
+    assert "NonFiniteCheck" in [cb.name for cb in checked.callbacks]
     with pytest.raises(ampkit.ConfigError, match="skip_nonfinite=False needs loss_scale: none"):
         SharedBackwardTrainer(config(tmp_path, opt_level="O1", dtype="float16", skip_nonfinite=False))
 
