@@ -103,7 +103,7 @@ def test_bf16_without_a_scaler_shows_no_loss_scale_but_counts_the_skipped_step(t
     trainer = _NamedLossesOverflowAt3(cfg, callbacks=[ProgressBar(bar=False, every_n_steps=4)])
     trainer.fit()
     out = capsys.readouterr().out
-    assert "  precision   O4 bfloat16\n" in out
+    assert "  precision   O4 bfloat16, skip_nonfinite\n" in out
     (at_4,) = [line for line in out.splitlines() if line.startswith("epoch 0 batch 4/8")]
     assert re.search(r"\| loss=[\d.]+ mse_x2=[\d.]+ skipped=1 \|", at_4), at_4
     assert "scale[" not in out

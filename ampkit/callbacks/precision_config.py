@@ -21,6 +21,14 @@ def _unscaled(precision: DictConfig) -> bool:
     return isinstance(precision.loss_scale, str) and precision.loss_scale.lower() == NO_LOSS_SCALE
 
 
+def _skips_nonfinite(precision: DictConfig, props: OptLevelProperties, unscaled: bool) -> bool:
+    """``skip_nonfinite`` resolved: its default is on, but for bfloat16 without a loss scaler (torch's recipe,
+    Lightning's ``bf16-mixed`` and Apex's O4/O5 check nothing there)."""
+    if precision.skip_nonfinite is not None:
+        return precision.skip_nonfinite
+    return not (unscaled and props.dtype == torch.bfloat16)
+
+
 def resolve_precision(precision: DictConfig) -> OptLevelProperties:
     """The opt level's recipe with the section's overrides (``loss_scale: none``: the level's default scale is
     dropped); an invalid option is a :class:`ConfigError` naming the section."""
@@ -65,10 +73,7 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
         if sharded:
             props = dataclasses.replace(props, cast_model_type=None, master_weights=False)
         unscaled = unscaled or (p.loss_scale is None and props.dtype == torch.bfloat16)
-        # Default: on, but for bfloat16 without a scaler (torch's, Lightning's and Apex's O4/O5 recipe).
-        skip_nonfinite = p.skip_nonfinite
-        if skip_nonfinite is None:
-            skip_nonfinite = not (unscaled and props.dtype == torch.bfloat16)
+        skip_nonfinite = _skips_nonfinite(p, props, unscaled)
         if not (unscaled or skip_nonfinite):
             raise ValueError(
                 "skip_nonfinite=False needs loss_scale: none (a loss scaler skips every step it overflows); "
@@ -97,7 +102,8 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
 
 
 def describe_precision(precision: DictConfig) -> str:
-    """One line naming what ``precision`` runs, e.g. ``O1 bfloat16`` or ``O2 float16, loss scale dynamic``.
+    """One line naming what ``precision`` runs, e.g. ``O1 bfloat16``, ``O4 bfloat16, skip_nonfinite`` (no scaler,
+    inf/nan steps skipped) or ``O2 float16, loss scale dynamic``.
 
     Resolved as :func:`precision_callbacks` does (the opt level's dtype, no scaler for bfloat16 by default);
     ``precision`` must already be valid.
@@ -108,4 +114,6 @@ def describe_precision(precision: DictConfig) -> str:
         return "O0 (float32)"
     unscaled = _unscaled(p) or (p.loss_scale is None and props.dtype == torch.bfloat16)
     dtype = str(props.dtype).removeprefix("torch.")
-    return f"{p.opt_level} {dtype}" + ("" if unscaled else f", loss scale {props.loss_scale}")
+    if unscaled:
+        return f"{p.opt_level} {dtype}" + (", skip_nonfinite" if _skips_nonfinite(p, props, unscaled) else "")
+    return f"{p.opt_level} {dtype}, loss scale {props.loss_scale}"

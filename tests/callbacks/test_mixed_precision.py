@@ -9,10 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 from torch import nn
 
 import ampkit
 from ampkit.callbacks import LossScaling, MixedPrecision, NonFiniteError
+from ampkit.callbacks.precision_config import describe_precision
+from ampkit.config import PrecisionConfig
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -517,6 +520,20 @@ def test_bf16_skip_nonfinite_guards_the_step_when_asked(tmp_path, opt_level):
                 cast_modules=["body", "head"],
                 **option,
             )
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        ({"opt_level": "O1", "dtype": "bfloat16"}, "O1 bfloat16"),  # no scaler, no check: torch's recipe
+        ({"opt_level": "O4", "skip_nonfinite": True}, "O4 bfloat16, skip_nonfinite"),
+        ({"opt_level": "O1", "loss_scale": "none"}, "O1 float16, skip_nonfinite"),  # float16's default: checked
+        ({"opt_level": "O1", "loss_scale": "none", "skip_nonfinite": False}, "O1 float16"),
+        ({"opt_level": "O2", "dtype": "bfloat16", "loss_scale": "dynamic"}, "O2 bfloat16, loss scale dynamic"),
+    ],
+)
+def test_the_console_line_says_whether_steps_are_checked(options, line):
+    assert describe_precision(OmegaConf.structured(PrecisionConfig(**options))) == line
 
 
 def test_bf16_loss_scaling_on_request_and_fp16_needs_its_scaler(tmp_path):
