@@ -50,12 +50,8 @@ def loops(model: str) -> tuple[dict[str, tuple[torch.dtype | None, dict]], Calla
         lo = loop_overhead
         return lo.PRECISIONS, lo.hand_loop, lo.trainer_loop, lo.make_batches
     to = trainer_overhead
-
-    def trainer_loop(data, steps, dtype, precision=None, clock=time.process_time):
-        return to.timed_fit(to.MLPTrainer, steps, dtype, clock, precision=precision, data=data)
-
     precisions = {name: (dtype, {}) for name, dtype in to.PRECISIONS.items()}
-    return precisions, to.hand_loop, trainer_loop, lambda: to.make_data(32 * 200)
+    return precisions, to.hand_loop, to.trainer_loop, lambda: to.make_data(32 * 200)
 
 
 def child(model: str, loop: str, precision_name: str, steps: int) -> None:

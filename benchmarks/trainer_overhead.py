@@ -126,8 +126,15 @@ def timed_fit(
     return (timings["end"] - timings["start"]) / steps
 
 
-def trainer_loop(data: TensorDataset, steps: int, dtype: torch.dtype | None, tensorboard: bool = False) -> float:
-    return timed_fit(MLPTrainer, steps, dtype, tensorboard=tensorboard, data=data)
+def trainer_loop(
+    data: TensorDataset,
+    steps: int,
+    dtype: torch.dtype | None,
+    precision: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.process_time,
+    tensorboard: bool = False,
+) -> float:
+    return timed_fit(MLPTrainer, steps, dtype, clock, tensorboard=tensorboard, precision=precision, data=data)
 
 
 def lightning_loop(data: TensorDataset, steps: int, dtype: torch.dtype | None) -> float:

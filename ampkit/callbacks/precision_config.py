@@ -21,6 +21,11 @@ def _unscaled(precision: DictConfig) -> bool:
     return isinstance(precision.loss_scale, str) and precision.loss_scale.lower() == NO_LOSS_SCALE
 
 
+def _without_scaler(precision: DictConfig, props: OptLevelProperties) -> bool:
+    """Whether the losses go unscaled: ``loss_scale: none``, or bfloat16 with ``loss_scale`` left to its default."""
+    return _unscaled(precision) or (precision.loss_scale is None and props.dtype == torch.bfloat16)
+
+
 def _skips_nonfinite(precision: DictConfig, props: OptLevelProperties, unscaled: bool) -> bool:
     """``skip_nonfinite`` resolved: its default is on, but for bfloat16 without a loss scaler (torch's recipe,
     Lightning's ``bf16-mixed`` and Apex's O4/O5 check nothing there)."""
@@ -65,14 +70,13 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
             f"'precision.scale_window' ({p.scale_window}) disagree; set one of them"
         )
     growth_interval = p.growth_interval if p.growth_interval is not None else p.scale_window
-    unscaled = _unscaled(p)
     props = resolve_precision(p)
     try:
-        if props.opt_level == "O0" and (p.loss_scale is None or unscaled):
+        if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
             return []
         if sharded:
             props = dataclasses.replace(props, cast_model_type=None, master_weights=False)
-        unscaled = unscaled or (p.loss_scale is None and props.dtype == torch.bfloat16)
+        unscaled = _without_scaler(p, props)
         skip_nonfinite = _skips_nonfinite(p, props, unscaled)
         if not (unscaled or skip_nonfinite):
             raise ValueError(
@@ -112,7 +116,7 @@ def describe_precision(precision: DictConfig) -> str:
     props = resolve_precision(p)
     if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
         return "O0 (float32)"
-    unscaled = _unscaled(p) or (p.loss_scale is None and props.dtype == torch.bfloat16)
+    unscaled = _without_scaler(p, props)
     dtype = str(props.dtype).removeprefix("torch.")
     if unscaled:
         return f"{p.opt_level} {dtype}" + (", skip_nonfinite" if _skips_nonfinite(p, props, unscaled) else "")
