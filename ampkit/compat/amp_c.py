@@ -62,9 +62,9 @@ def _norm_outputs(result: multi_tensor.L2Norm) -> tuple[Tensor, Tensor]:
     return total, per.float()
 
 
-def _steps_before(step: int | Tensor, count: int) -> list[Tensor]:
-    """Per-tensor step counters holding ``step - 1``: ampkit's kernels count the step they are taking."""
-    return [torch.full((), float(step) - 1.0, dtype=torch.float32) for _ in range(count)]
+def _steps_before(step: int | Tensor, count: int, device: torch.device) -> list[Tensor]:
+    """Per-tensor step counters holding ``step - 1`` on ``device``: ampkit's kernels count the step they take."""
+    return [torch.full((), float(step) - 1.0, dtype=torch.float32, device=device) for _ in range(count)]
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
@@ -161,7 +161,7 @@ def multi_tensor_adam(
         exp_avg_sqs,
         [],
         [],
-        _steps_before(step, len(params)),
+        _steps_before(step, len(params), params[0].device),
         float(lr),
         beta1,
         beta2,
@@ -251,7 +251,7 @@ def multi_tensor_lamb(
         exp_avg_sqs,
         [torch.empty_like(m) for m in exp_avgs],
         [],
-        _steps_before(step, len(params)),
+        _steps_before(step, len(params), torch.device("cpu")),  # LAMB reads its step counters on the host
         lr=float(lr),
         beta1=beta1,
         beta2=beta2,

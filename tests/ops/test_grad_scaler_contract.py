@@ -167,3 +167,42 @@ def test_explicit_unscale_then_step_does_not_unscale_twice():
         twin.step()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(params, twin_params, strict=True))
     assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True))
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.3], ids=["no_dampening", "dampening"])
+def test_sgd_whose_first_step_overflows_matches_torch_sgd(dampening):
+    """The step that would create the momentum buffers is skipped: the next one must still be a first step."""
+    ours = make_params(torch.float32)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedSGD(ours, lr=0.1, momentum=0.9, dampening=dampening)
+    torch_opt = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, dampening=dampening)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(4):
+        grads = [torch.randn(p.shape) for p in ours]
+        if step == 0:
+            grads[1].view(-1)[0] = math.nan
+        scaled_step(scaler, opt, ours, grads)
+        scaled_step(torch_scaler, torch_opt, theirs, grads)
+        if step == 0:
+            assert all("momentum_buffer" not in opt.state[p] or not opt.state[p]["momentum_buffer"].any() for p in ours)
+    assert scaler.get_scale() == torch_scaler.get_scale()
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("name", ["adam", "adagrad", "rmsprop", "adadelta"])
+def test_step_counters_live_on_the_parameter_device_and_count_applied_steps(name):
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        grads = [torch.randn(p.shape) for p in params]
+        if step == 1:
+            grads[0].view(-1)[0] = math.inf
+        scaled_step(scaler, opt, params, grads)
+    for p in params:
+        counter = opt.state[p]["step"]
+        assert counter.device == p.device and counter.dtype == torch.float32
+        assert float(counter) == 2.0

@@ -324,6 +324,92 @@ def test_dense_permuted_tensors_are_updated_elementwise():
     assert_args_close(args, expected, rtol=1e-12, atol=1e-12)
 
 
+# ---------------------------------------------------------------- torch's GradScaler contract in the kernels
+# The ops that take grad_scale/found_inf: the skip and the unscale happen inside the kernel.
+SCALER_CASES = [
+    "adamw",
+    "adam_l2_amsgrad",
+    "sgd_momentum",
+    "sgd_nesterov_first",
+    "sgd_plain",
+    "adagrad",
+    "rmsprop_centered_momentum",
+    "rmsprop_tf",
+    "adadelta",
+]
+
+
+def one(value: float) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_found_inf_leaves_every_list_and_step_counter_untouched(case):
+    name, build = CASES[case]
+    args = build(torch.float32, torch.float32, False)
+    before = clone_args(args)
+    kernel(name)(**args, grad_scale=one(1024.0), found_inf=one(1.0))
+    for key, value in before.items():
+        if isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(args[key], value, strict=True)), key
+
+
+@pytest.mark.parametrize("scale", [1024.0, 3.0], ids=["power_of_two", "three"])
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_grad_scale_matches_the_reference_and_leaves_the_grads_unscaled(case, scale):
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    args["grads"] = [g * scale for g in args["grads"]]
+    expected = clone_args(args)
+    scaled_grads = [g.clone() for g in args["grads"]]
+    kernel(name)(**args, grad_scale=one(scale), found_inf=one(0.0))
+    getattr(ref, name)(**expected, grad_scale=one(scale), found_inf=one(0.0))
+    assert_args_close(args, expected, rtol=1e-12, atol=1e-12)
+    for got, g in zip(args["grads"], scaled_grads, strict=True):
+        assert torch.equal(got, g / scale)  # the division torch's fused optimizers leave in .grad
+    if "steps" in args:
+        assert [float(s) for s in args["steps"]] == [4.0] * len(SHAPES)
+
+
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_grad_scale_is_folded_into_the_grad_factor(case):
+    """The update with grad_scale s equals the update with grad_factor / s, bit for bit, in float32."""
+    name, build = CASES[case]
+    args = build(torch.float32, torch.float32, False)
+    folded = clone_args(args)
+    folded["grad_factor"] = args["grad_factor"] / 8.0
+    kernel(name)(**args, grad_scale=one(8.0))
+    kernel(name)(**folded)
+    for key, value in folded.items():
+        if isinstance(value, list) and key != "grads":
+            assert all(torch.equal(a, b) for a, b in zip(args[key], value, strict=True)), key
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_grads_are_written_back_unscaled_like_foreach_div(dtype):
+    args = adam_args(dtype, dtype, True)
+    scaled = [g.float().mul(512.0).to(dtype) for g in args["grads"]]
+    args["grads"] = [g.clone() for g in scaled]
+    kernel("adam_step")(**args, grad_scale=one(512.0), found_inf=one(0.0))
+    expected = [g.clone() for g in scaled]
+    torch._foreach_div_(expected, torch.tensor(512.0))
+    assert all(torch.equal(a, b) for a, b in zip(args["grads"], expected, strict=True))
+
+
+@pytest.mark.parametrize(
+    "argument,value,message",
+    [
+        ("grad_scale", torch.tensor([1.0, 2.0]), r"grad_scale must be a one-element float32 tensor on cpu"),
+        ("grad_scale", torch.tensor([2.0], dtype=torch.float64), r"grad_scale must be a one-element float32"),
+        ("found_inf", torch.tensor([0], dtype=torch.int32), r"found_inf must be a one-element float32"),
+    ],
+)
+def test_bad_scaler_tensors_are_named(argument, value, message):
+    args = adam_args(torch.float32, torch.float32, False)
+    with pytest.raises(RuntimeError, match=message):
+        kernel("adam_step")(**args, **{argument: value})
+
+
 BAD_INPUTS = [
     ("length", lambda a: a.update(exp_avgs=a["exp_avgs"][:-1]), r"exp_avgs has \d+ tensors but params has"),
     ("shape", lambda a: a["grads"].__setitem__(2, torch.randn(4)), r"grads\[2\] has shape"),
@@ -363,12 +449,14 @@ def test_bad_input_errors_name_the_argument(mutate, message):
 
 # ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
-HOST_ARGS = ("steps", "ratios", "denoms")  # read on the host by both CPU and CUDA kernels
+HOST_ARGS = ("ratios", "denoms")  # read on the host by both CPU and CUDA kernels
+HOST_STEPS = ("lamb_stage1",)  # LAMB reads its step counters on the host; the others on the device
 
 
-def to_cuda(args: dict) -> dict:
+def to_cuda(args: dict, name: str = "") -> dict:
     def move(t: torch.Tensor, key: str) -> torch.Tensor:
-        return t.clone() if key in HOST_ARGS else t.cuda()
+        on_host = key in HOST_ARGS or (key == "steps" and name in HOST_STEPS)
+        return t.clone() if on_host else t.cuda()
 
     return {
         k: [move(t, k) for t in v] if isinstance(v, list) else move(v, k) if isinstance(v, torch.Tensor) else v
@@ -392,12 +480,15 @@ def cuda_kernel(name: str) -> Callable[..., object]:
 def test_cuda_float64_kernel_matches_reference(case):
     name, build = CASES[case]
     args = build(torch.float64, torch.float64, False)
-    on_gpu = to_cuda(args)
+    on_gpu = to_cuda(args, name)
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args)
     assert_args_close(lists_on_cpu(on_gpu), args, rtol=1e-12, atol=1e-12)
-    if "steps" in args:  # step counters advance on the host exactly as on CPU
+    if "steps" in args:  # step counters advance exactly as on CPU, on the device where the kernels read them
         assert [float(s) for s in on_gpu["steps"]] == [float(s) for s in args["steps"]]
+        assert all(
+            s.device == (torch.device("cpu") if name in HOST_STEPS else params_device(on_gpu)) for s in on_gpu["steps"]
+        )
 
 
 @needs_cuda
@@ -405,7 +496,7 @@ def test_cuda_float64_kernel_matches_reference(case):
 def test_cuda_float32_kernel_matches_float64_reference(case):
     name, build = CASES[case]
     args64 = build(torch.float64, torch.float64, False)
-    on_gpu = to_cuda(clone_args(args64, torch.float32))
+    on_gpu = to_cuda(clone_args(args64, torch.float32), name)
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args64)
     assert_args_close(lists_on_cpu(on_gpu), args64, rtol=2e-5, atol=2e-6)
@@ -418,7 +509,7 @@ def test_cuda_float32_kernel_matches_float64_reference(case):
 def test_cuda_half_params_match_reference(case, dtype, master):
     name, build = CASES[case]
     args = build(dtype, torch.float32, master)
-    on_gpu = to_cuda(args)
+    on_gpu = to_cuda(args, name)
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args)
     half_eps = torch.finfo(dtype).eps
@@ -430,7 +521,52 @@ def test_cuda_half_params_match_reference(case, dtype, master):
 
 @needs_cuda
 def test_cuda_kernel_rejects_a_list_on_another_device():
-    args = to_cuda(adam_args(torch.float32, torch.float32, False))
+    args = to_cuda(adam_args(torch.float32, torch.float32, False), "adam_step")
     args["exp_avgs"][2] = args["exp_avgs"][2].cpu()
     with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] is on cpu; expected cuda"):
+        cuda_kernel("adam_step")(**args)
+
+
+def params_device(args: dict) -> torch.device:
+    return args["params"][0].device
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_cuda_found_inf_on_the_device_skips_without_a_host_read(case):
+    name, build = CASES[case]
+    on_gpu = to_cuda(build(torch.float32, torch.float32, False), name)
+    before = {k: [t.clone() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cuda_kernel(name)(**on_gpu, grad_scale=one(1024.0).cuda(), found_inf=one(1.0).cuda())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for key, value in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(on_gpu[key], value, strict=True)), key
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_cuda_grad_scale_matches_the_reference_without_a_host_read(case):
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    args["grads"] = [g * 3.0 for g in args["grads"]]
+    on_gpu = to_cuda(args, name)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cuda_kernel(name)(**on_gpu, grad_scale=one(3.0).cuda(), found_inf=one(0.0).cuda())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    getattr(ref, name)(**args, grad_scale=one(3.0), found_inf=one(0.0))
+    assert_args_close(lists_on_cpu(on_gpu), args, rtol=1e-12, atol=1e-12)
+
+
+@needs_cuda
+def test_cuda_steps_on_the_host_are_refused_by_name():
+    args = to_cuda(adam_args(torch.float32, torch.float32, False), "adam_step")
+    args["steps"][1] = args["steps"][1].cpu()
+    with pytest.raises(RuntimeError, match=r"steps\[1\] must be a one-element float32 tensor on cuda"):
         cuda_kernel("adam_step")(**args)

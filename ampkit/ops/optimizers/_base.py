@@ -2,17 +2,20 @@
 
 A subclass declares its state (``_init_state``) and applies one multi-tensor update per bucket of
 parameters sharing a dtype (``_update``); this class gathers the parameters that have gradients,
-normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16 parameters, and turns
-torch's GradScaler contract (``grad_scale``/``found_inf`` attributes) into one ``grad_factor`` that the
-kernels fold into their single pass over memory (the grads are then unscaled in place, as torch's fused
-optimizers leave them).
+normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16 parameters, and honours
+torch's GradScaler contract (``grad_scale``/``found_inf`` attributes). Adam, SGD, Adagrad, Adadelta and the
+RMSprops hand both tensors to their kernels, which skip the step or unscale the gradients where they run,
+in the same pass as the update and with no read back to the host; LAMB, NovoGrad and AdamP read gradient
+norms on the host each step anyway, so they read the two scalars there and fold ``1 / grad_scale`` into the
+one ``grad_factor`` their kernels multiply each gradient by. Either way the grads are left unscaled after a
+step, as torch's fused optimizers leave them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +31,23 @@ def acc_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+class ScalerTensors(NamedTuple):
+    """GradScaler's ``grad_scale`` and ``found_inf`` on one device, as the kernels take them (or None)."""
+
+    grad_scale: Tensor | None = None
+    found_inf: Tensor | None = None
+
+    def to(self, device: torch.device) -> ScalerTensors:
+        return ScalerTensors(*(None if t is None else _scalar_on(t, device) for t in self))
+
+
+NO_SCALER = ScalerTensors()
+
+
+def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
+    return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+
+
 @dataclass
 class Bucket:
     """Parameters of one group sharing (param dtype, grad dtype), with their grads and state dicts."""
@@ -36,6 +56,8 @@ class Bucket:
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
     has_master: bool = False
+    # ``.grad`` tensors the kernels read through a copy (another dtype or layout): they unscale the copy.
+    copied_grads: list[Tensor] = field(default_factory=list)
 
     def state_list(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
@@ -84,6 +106,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     # Names of the per-parameter state tensors that must be kept in the accumulate dtype.
     _acc_state_keys: tuple[str, ...] = ()
+    # Whether ``_update`` hands GradScaler's tensors to its kernels (see the module docstring); such optimizers
+    # keep their step counters on the parameter's device, where the kernels read and advance them.
+    _scaler_in_kernel: bool = False
 
     def __init__(
         self,
@@ -138,7 +163,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
-        # The kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA).
+        if self._scaler_in_kernel:
+            self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
+            return loss
+        # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA).
         skip, scale = read_scalars(found_inf, grad_scale)
         if skip:
             return loss
@@ -157,7 +185,34 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.grad is not None:
                     by_device.setdefault(p.grad.device, []).append(p.grad)
         for device, grads in by_device.items():
-            torch._foreach_div_(grads, grad_scale.to(device=device, dtype=torch.float32))
+            torch._foreach_div_(grads, _scalar_on(grad_scale, device))
+
+    def _step_with_scaler_tensors(self, scaler: ScalerTensors) -> None:
+        """Every bucket's kernel gets ``scaler`` on its device: it skips or unscales there, with no host read."""
+        on_device: dict[torch.device, ScalerTensors] = {}
+        copied: list[Tensor] = []
+        for group in self.param_groups:
+            factor = -1.0 if group.get("maximize", False) else 1.0
+            for bucket in self._buckets(group):
+                here = on_device.get(bucket.device)
+                if here is None:
+                    here = on_device[bucket.device] = scaler.to(bucket.device)
+                self._update(group, bucket, factor, here)
+                copied += bucket.copied_grads
+        if copied and scaler.grad_scale is not None:
+            self._unscale_copied_grads_(copied, scaler)
+
+    @staticmethod
+    def _unscale_copied_grads_(grads: list[Tensor], scaler: ScalerTensors) -> None:
+        """Unscale the ``.grad`` tensors the kernels read through a copy, unless the step was skipped."""
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, group in by_device.items():
+            divisor = _scalar_on(scaler.grad_scale, device)
+            if scaler.found_inf is not None:
+                divisor = torch.where(_scalar_on(scaler.found_inf, device) != 0, 1.0, divisor)
+            torch._foreach_div_(group, divisor)
 
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
@@ -173,7 +228,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}
         for p in group["params"]:
-            g = p.grad
+            g = grad = p.grad
             if g is None:
                 continue
             if g.is_sparse:
@@ -199,13 +254,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             bucket.params.append(p)
             bucket.grads.append(g)
             bucket.states.append(state)
+            if g is not grad:
+                bucket.copied_grads.append(grad)
         return list(buckets.values())
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
+        """Run the kernels on ``bucket``; ``scaler`` is passed only where ``_scaler_in_kernel`` is set."""
         raise NotImplementedError
+
+    def _step_device(self, param: Tensor) -> torch.device:
+        """Where ``state["step"]`` lives: the parameter's device when the kernels advance it, else the host."""
+        return param.device if self._scaler_in_kernel else torch.device("cpu")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
@@ -235,7 +299,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 for key, value in incoming.items():
                     if key == "step":
-                        state["step"] = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+                        step = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
+                        state["step"] = step.to(self._step_device(p))
                     elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)

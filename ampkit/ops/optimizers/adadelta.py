@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -20,6 +20,7 @@ class FusedAdadelta(FusedOptimizer):
     """
 
     _acc_state_keys = ("square_avg", "acc_delta")
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -40,11 +41,13 @@ class FusedAdadelta(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["square_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
         state["acc_delta"] = torch.zeros_like(param, dtype=acc_dtype(param))
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         op("adadelta_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -57,4 +60,5 @@ class FusedAdadelta(FusedOptimizer):
             group["eps"],
             group["weight_decay"],
             grad_factor,
+            *scaler,
         )

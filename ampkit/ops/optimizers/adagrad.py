@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
+from ampkit.ops.optimizers._base import (
+    NO_SCALER,
+    Bucket,
+    FusedOptimizer,
+    ScalerTensors,
+    acc_dtype,
+    check_hyper,
+    reject_option,
+)
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -20,6 +28,7 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     _acc_state_keys = ("sum",)
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -51,10 +60,12 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         op("adagrad_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -66,4 +77,5 @@ class FusedAdagrad(FusedOptimizer):
             group["weight_decay"],
             group["eps"],
             grad_factor,
+            *scaler,
         )

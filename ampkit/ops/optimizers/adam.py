@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -20,14 +20,16 @@ class FusedAdam(FusedOptimizer):
     (torch.optim.Adam). Unlike Apex, ``amsgrad`` is supported.
 
     ``capturable=True`` is accepted as in Apex (which requires it for ``master_weights=True``; here either works
-    alone) and ``lr`` may be a one-element tensor; the update is the same. The kernels read the step count and
-    ``lr`` on the host, so the step is not CUDA-graph capturable.
+    alone) and ``lr`` may be a one-element tensor; the update is the same. The step count lives on the
+    parameter's device, where the kernel reads and advances it (as torch's fused Adam keeps it), but ``lr`` is
+    read on the host, so the step is not CUDA-graph capturable.
 
     Example:
         >>> opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)  # doctest: +SKIP
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -63,13 +65,15 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         amsgrad = group["amsgrad"]
         beta1, beta2 = group["betas"]
         op("adam_step", bucket.device)(
@@ -89,4 +93,5 @@ class FusedAdam(FusedOptimizer):
             amsgrad,
             group["bias_correction"],
             grad_factor,
+            *scaler,
         )

@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 
 def _init_rmsprop_state(param: Tensor, state: dict[str, Any], group: dict[str, Any], square_init: float) -> None:
     dtype = acc_dtype(param)
-    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
     state["square_avg"] = torch.full_like(param, square_init, dtype=dtype)
     if group["momentum"] > 0:
         state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
@@ -30,6 +30,7 @@ class FusedRMSprop(FusedOptimizer):
     """
 
     _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -63,7 +64,9 @@ class FusedRMSprop(FusedOptimizer):
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 0.0)
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         op("rmsprop_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -79,6 +82,7 @@ class FusedRMSprop(FusedOptimizer):
             group["momentum"],
             group["centered"],
             grad_factor,
+            *scaler,
         )
 
 
@@ -92,6 +96,7 @@ class FusedRMSpropTF(FusedOptimizer):
     """
 
     _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -129,7 +134,9 @@ class FusedRMSpropTF(FusedOptimizer):
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 1.0)
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         op("rmsprop_tf_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -147,4 +154,5 @@ class FusedRMSpropTF(FusedOptimizer):
             group["decoupled_decay"],
             group["lr_in_momentum"],
             grad_factor,
+            *scaler,
         )

@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, reject_option
+from ampkit.ops.optimizers._base import (
+    NO_SCALER,
+    Bucket,
+    FusedOptimizer,
+    ScalerTensors,
+    acc_dtype,
+    check_hyper,
+    reject_option,
+)
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -25,6 +33,8 @@ class FusedSGD(FusedOptimizer):
     Example:
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)  # doctest: +SKIP
     """
+
+    _scaler_in_kernel = True
 
     def __init__(
         self,
@@ -74,10 +84,12 @@ class FusedSGD(FusedOptimizer):
     def _buffer_dtype(self, param: Tensor, has_master: bool) -> torch.dtype:
         return acc_dtype(param) if self.fp32_momentum or has_master else param.dtype
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
         momentum = group["momentum"]
         if momentum == 0:
-            self._launch(group, bucket, [], first_step=False, grad_factor=grad_factor)
+            self._launch(group, bucket, [], False, grad_factor, scaler)
             return
         fresh = Bucket(has_master=bucket.has_master)
         seen = Bucket(has_master=bucket.has_master)
@@ -88,9 +100,33 @@ class FusedSGD(FusedOptimizer):
             target.params.append(p)
             target.grads.append(g)
             target.states.append(s)
+        if fresh.params and scaler.found_inf is not None:
+            fresh = self._first_step_under_scaler(group, fresh, seen, scaler.found_inf)
         for part, first in ((seen, False), (fresh, True)):
             if part.params:
-                self._launch(group, part, part.state_list("momentum_buffer"), first, grad_factor)
+                self._launch(group, part, part.state_list("momentum_buffer"), first, grad_factor, scaler)
+
+    @staticmethod
+    def _first_step_under_scaler(group: dict[str, Any], fresh: Bucket, seen: Bucket, found_inf: Tensor) -> Bucket:
+        """What is left to launch as a first step when the kernel may skip it (``found_inf`` on the device).
+
+        Without dampening a zero buffer updated as usual becomes the gradient, exactly what the first step
+        writes: the fresh buffers start at zero and join the others, and a skipped step leaves them at zero
+        for the next one, with no host read. With dampening the first step differs, so ``found_inf`` is read
+        on the host, once, on the step that creates the buffers: a skipped step drops them again.
+        """
+        if group["dampening"] == 0:
+            for p, g, s in zip(fresh.params, fresh.grads, fresh.states, strict=True):
+                s["momentum_buffer"].zero_()
+                seen.params.append(p)
+                seen.grads.append(g)
+                seen.states.append(s)
+            return Bucket(has_master=fresh.has_master)
+        if bool(found_inf):
+            for s in fresh.states:
+                del s["momentum_buffer"]
+            return Bucket(has_master=fresh.has_master)
+        return fresh
 
     def _launch(
         self,
@@ -99,6 +135,7 @@ class FusedSGD(FusedOptimizer):
         buffers: list[Tensor],
         first_step: bool,
         grad_factor: float,
+        scaler: ScalerTensors,
     ) -> None:
         sgd_step(
             bucket.params,
@@ -112,6 +149,7 @@ class FusedSGD(FusedOptimizer):
             nesterov=group["nesterov"],
             first_step=first_step,
             grad_factor=grad_factor,
+            scaler=scaler,
         )
 
 
@@ -128,6 +166,7 @@ def sgd_step(
     nesterov: bool,
     first_step: bool,
     grad_factor: float,
+    scaler: ScalerTensors = NO_SCALER,
 ) -> None:
     """One ``sgd_step`` kernel launch; momentum buffers may be in float32 or in the (half) param dtype.
 
@@ -148,6 +187,7 @@ def sgd_step(
         nesterov,
         first_step,
         grad_factor,
+        *scaler,
     )
     for buffer, value in zip(momentum_buffers, staged, strict=True):
         if buffer is not value:

@@ -3,7 +3,8 @@
 They are the fallback when the C++ ops cannot be built, and the ground truth the kernel tests compare
 against (run on float64 copies). Each loops over tensors in Python and computes in the accumulate dtype
 (float64 for float64 parameters, float32 otherwise), mirroring the per-element math of
-``csrc/optimizers/optimizer_math.h`` operation by operation.
+``csrc/optimizers/optimizer_math.h`` operation by operation. The ops that take torch's GradScaler
+arguments (``grad_scale``, ``found_inf``) read them on the host here; the kernels read them where they run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
 def _bump(step: Tensor) -> float:
     step += 1
     return float(step.item())
+
+
+def _skipped(found_inf: Tensor | None) -> bool:
+    """torch's GradScaler contract: a non-zero ``found_inf`` skips the whole step (read on the host here)."""
+    return found_inf is not None and float(found_inf) != 0
+
+
+def _unscaled_factor(grad_factor: float, grad_scale: Tensor | None) -> float:
+    return grad_factor / float(grad_scale) if grad_scale is not None else grad_factor
+
+
+def _write_back_unscaled(grads: TensorList, grad_scale: Tensor | None) -> None:
+    """Divide the grads by ``grad_scale`` in place, as torch's fused optimizers leave them after the step."""
+    if grad_scale is not None and len(grads):
+        torch._foreach_div_(list(grads), grad_scale.reshape(()))
 
 
 def _load(params: TensorList, master_params: TensorList, i: int) -> Tensor:
@@ -70,9 +86,14 @@ def adam_step(
     amsgrad: bool,
     bias_correction: bool,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Adam (L2 weight decay) or AdamW (decoupled) step, torch.optim semantics."""
     _check_lists("adam_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         step = _bump(steps[i])
         bc1 = 1 - beta1**step if bias_correction else 1.0
@@ -92,6 +113,7 @@ def adam_step(
             second = max_exp_avg_sqs[i]
         denom = second.sqrt() / math.sqrt(bc2) + eps
         _store(params, master_params, i, p - (lr / bc1) * m / denom)
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()
@@ -107,9 +129,14 @@ def sgd_step(
     nesterov: bool,
     first_step: bool,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """SGD step with optional momentum/dampening/Nesterov; ``first_step`` seeds the buffers with the grad."""
     _check_lists("sgd_step", params, grads=grads)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         p = _load(params, master_params, i)
         g = _grad(grads, i, p.dtype, grad_factor) + weight_decay * p
@@ -118,6 +145,7 @@ def sgd_step(
             buf.copy_(g if first_step else momentum * buf + (1 - dampening) * g)
             g = g + momentum * buf if nesterov else buf
         _store(params, master_params, i, p - lr * g)
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()
@@ -132,9 +160,14 @@ def adagrad_step(
     weight_decay: float,
     eps: float,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Adagrad step, torch.optim semantics."""
     _check_lists("adagrad_step", params, grads=grads, state_sums=state_sums, steps=steps)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         clr = lr / (1 + (_bump(steps[i]) - 1) * lr_decay)
         p = _load(params, master_params, i)
@@ -142,6 +175,7 @@ def adagrad_step(
         s = state_sums[i]
         s.add_(g * g)
         _store(params, master_params, i, p - clr * g / (s.sqrt() + eps))
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()
@@ -160,9 +194,14 @@ def rmsprop_step(
     momentum: float,
     centered: bool,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """RMSprop step (centered, momentum), torch.optim semantics."""
     _check_lists("rmsprop_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         _bump(steps[i])
         p = _load(params, master_params, i)
@@ -182,6 +221,7 @@ def rmsprop_step(
         else:
             p = p - lr * g / avg
         _store(params, master_params, i, p)
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()
@@ -202,9 +242,14 @@ def rmsprop_tf_step(
     decoupled_decay: bool,
     lr_in_momentum: bool,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """TensorFlow-style RMSprop (timm's RMSpropTF): eps inside the sqrt, optional lr inside momentum."""
     _check_lists("rmsprop_tf_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         _bump(steps[i])
         p = _load(params, master_params, i)
@@ -232,6 +277,7 @@ def rmsprop_tf_step(
         else:
             p = p - lr * g / avg
         _store(params, master_params, i, p)
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()
@@ -247,9 +293,14 @@ def adadelta_step(
     eps: float,
     weight_decay: float,
     grad_factor: float,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """Adadelta step, torch.optim semantics."""
     _check_lists("adadelta_step", params, grads=grads, square_avgs=square_avgs, acc_deltas=acc_deltas)
+    if _skipped(found_inf):
+        return
+    grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
         _bump(steps[i])
         p = _load(params, master_params, i)
@@ -259,6 +310,7 @@ def adadelta_step(
         delta = (ad + eps).sqrt() / (sq + eps).sqrt() * g
         ad.copy_(rho * ad + (1 - rho) * delta * delta)
         _store(params, master_params, i, p - lr * delta)
+    _write_back_unscaled(grads, grad_scale)
 
 
 @torch.no_grad()

@@ -17,39 +17,50 @@ namespace {
 
 void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                       at::TensorList master_params, at::TensorList steps, double lr, double lr_decay,
-                      double weight_decay, double eps, double grad_factor) {
+                      double weight_decay, double eps, double grad_factor,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adagrad_step", params);
   const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
   const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
-      const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, grad_factor);
+      const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, scaling.grad_factor);
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sum = ptr<acc_t>(state_sums[t]);
       acc_t* master = args.has_master ? ptr<acc_t>(master_params[t]) : nullptr;
       update_params(ptr<param_t>(params[t]), master, begin, end,
                     [&](acc_t& p, int64_t i) { adagrad_element<acc_t>(p, static_cast<acc_t>(g[i]), sum[i], h); });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 
 void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                       at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
                       at::TensorList steps, double lr, double alpha, double eps, double weight_decay, double momentum,
-                      bool centered, double grad_factor) {
+                      bool centered, double grad_factor,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("rmsprop_step", params);
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const auto h = rmsprop_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, grad_factor);
+    const auto h = rmsprop_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, scaling.grad_factor);
     dispatch_bool(centered, [&](auto cen) {
       dispatch_bool(use_momentum, [&](auto mom) {
         parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
@@ -69,6 +80,7 @@ void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
         });
       });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 
@@ -76,17 +88,23 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
                          at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
                          at::TensorList steps, double lr, double alpha, double eps, double weight_decay,
                          double momentum, bool centered, bool decoupled_decay, bool lr_in_momentum,
-                         double grad_factor) {
+                         double grad_factor,
+                         const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("rmsprop_tf_step", params);
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const auto h = rmsprop_tf_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, decoupled_decay, grad_factor);
+    const auto h =
+        rmsprop_tf_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, decoupled_decay, scaling.grad_factor);
     dispatch_bool(centered, [&](auto cen) {
       dispatch_bool(use_momentum, [&](auto mom) {
         dispatch_bool(lr_in_momentum, [&](auto lim) {
@@ -108,20 +126,26 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
         });
       });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 
 void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                        at::TensorList acc_deltas, at::TensorList master_params, at::TensorList steps, double lr,
-                       double rho, double eps, double weight_decay, double grad_factor) {
+                       double rho, double eps, double weight_decay, double grad_factor,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adadelta_step", params);
   const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const auto h = adadelta_hyper<acc_t>(lr, rho, eps, weight_decay, grad_factor);
+    const auto h = adadelta_hyper<acc_t>(lr, rho, eps, weight_decay, scaling.grad_factor);
     parallel_over_elements(check.numels(), [&](size_t t, int64_t begin, int64_t end) {
       const grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
       acc_t* __restrict__ sq = ptr<acc_t>(square_avgs[t]);
@@ -131,6 +155,7 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
         adadelta_element<acc_t>(p, static_cast<acc_t>(g[i]), sq[i], ad[i], h);
       });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "optimizers/list_checks.h"
@@ -52,6 +53,33 @@ inline void update_params(param_t* __restrict__ param, acc_t* __restrict__ maste
       param[i] = static_cast<param_t>(p);
     }
   }
+}
+
+// torch's GradScaler contract read by a CPU kernel (the tensors sit in host memory, so reading them costs
+// nothing): skip the whole step when found_inf is non-zero; otherwise fold 1 / grad_scale into the factor the
+// kernel multiplies each gradient by, and divide the gradients by grad_scale in place afterwards.
+struct CpuScaling {
+  bool skip;
+  double grad_factor;
+  double grad_scale;  // 0 when no grad_scale was given: the gradients are left as they are
+};
+
+inline CpuScaling read_scaling(const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                               double grad_factor) {
+  const bool skip = found_inf.has_value() && *static_cast<const float*>(found_inf->data_ptr()) != 0.0f;
+  const double scale = grad_scale.has_value() ? *static_cast<const float*>(grad_scale->data_ptr()) : 0.0;
+  return {skip, scale != 0.0 ? grad_factor / scale : grad_factor, scale};
+}
+
+// grads[t][i] = grads[t][i] / scale in the accumulate type, as torch._foreach_div_ by a float32 scalar tensor
+// rounds it: what torch's fused optimizers leave in .grad after a GradScaler step.
+template <typename grad_t, typename acc_t>
+void unscale_grads(at::TensorList grads, const std::vector<int64_t>& numels, double scale) {
+  const acc_t s = static_cast<acc_t>(static_cast<float>(scale));
+  parallel_over_elements(numels, [&](size_t t, int64_t begin, int64_t end) {
+    grad_t* __restrict__ g = ptr<grad_t>(grads[t]);
+    for (int64_t i = begin; i < end; ++i) g[i] = static_cast<grad_t>(static_cast<acc_t>(g[i]) / s);
+  });
 }
 
 }  // namespace optim

@@ -1,7 +1,10 @@
-// Host-side construction of the per-element hyper-parameter structs (optimizer_math.h), shared by the CPU
-// and CUDA dispatch so both derive them identically: every derived value (bias corrections, 1 - beta,
-// decay factors) is computed in double, as torch.optim does, then rounded once to the accumulate type.
+// Construction of the per-element hyper-parameter structs (optimizer_math.h), shared by the CPU and CUDA
+// kernels so both derive them identically: every derived value (bias corrections, 1 - beta, decay factors)
+// is computed in double, as torch.optim does, then rounded once to the accumulate type. The step-dependent
+// ones (Adam's, Adagrad's) also run on the device, where a CUDA kernel reads its step counter.
 #pragma once
+
+#include <c10/macros/Macros.h>
 
 #include <cmath>
 
@@ -11,8 +14,8 @@ namespace ampkit {
 namespace optim {
 
 template <typename acc_t>
-AdamHyper<acc_t> adam_hyper(double step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                            bool bias_correction, double grad_factor) {
+C10_HOST_DEVICE inline AdamHyper<acc_t> adam_hyper(double step, double lr, double beta1, double beta2, double eps,
+                                                   double weight_decay, bool bias_correction, double grad_factor) {
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, step) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, step) : 1.0;
   return {acc_t(grad_factor),  acc_t(beta1),        acc_t(beta2),     acc_t(1.0 - beta1),
@@ -26,10 +29,13 @@ SGDHyper<acc_t> sgd_hyper(double lr, double weight_decay, double momentum, doubl
 }
 
 // Adagrad's learning rate decays with the step: clr = lr / (1 + (step - 1) * lr_decay).
-inline double adagrad_clr(double step, double lr, double lr_decay) { return lr / (1.0 + (step - 1.0) * lr_decay); }
+C10_HOST_DEVICE inline double adagrad_clr(double step, double lr, double lr_decay) {
+  return lr / (1.0 + (step - 1.0) * lr_decay);
+}
 
 template <typename acc_t>
-AdagradHyper<acc_t> adagrad_hyper(double clr, double weight_decay, double eps, double grad_factor) {
+C10_HOST_DEVICE inline AdagradHyper<acc_t> adagrad_hyper(double clr, double weight_decay, double eps,
+                                                         double grad_factor) {
   return {acc_t(grad_factor), acc_t(clr), acc_t(weight_decay), acc_t(eps)};
 }
 

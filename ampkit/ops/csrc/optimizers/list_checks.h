@@ -1,6 +1,6 @@
 // Host-side plumbing shared by the CPU and CUDA optimizer dispatch: argument checks that name the
-// offending list, step counters (one-element CPU tensors, as torch.optim keeps them), and dtype dispatch
-// over (parameter, gradient) pairs. No parallel loops and no device code here.
+// offending list, step counters (one-element tensors; bump_steps advances those in host memory), and dtype
+// dispatch over (parameter, gradient) pairs. No parallel loops and no device code here.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -95,9 +96,22 @@ class ListChecker {
     return true;
   }
 
+  // Step counters the kernel reads where it runs: one-element tensors on the params' device (float32, or
+  // float64 on the CPU), so a CUDA kernel can skip a step and leave its count unchanged without a host read.
   void steps(at::TensorList steps) const {
-    TORCH_CHECK(steps.size() == params_.size(), op_, ": steps has ", steps.size(), " tensors but params has ",
-                params_.size());
+    count("steps", steps);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const at::Tensor& s = steps[i];
+      const bool ok_dtype = s.scalar_type() == at::kFloat || (s.is_cpu() && s.scalar_type() == at::kDouble);
+      TORCH_CHECK(s.device() == params_[i].device() && s.numel() == 1 && ok_dtype, op_, ": steps[", i,
+                  "] must be a one-element float32 tensor on ", params_[i].device(),
+                  " (the params' device); got ", s.scalar_type(), " of shape ", s.sizes(), " on ", s.device());
+    }
+  }
+
+  // Step counters read on the host (LAMB, whose trust ratios are host numbers anyway).
+  void host_steps(at::TensorList steps) const {
+    count("steps", steps);
     for (size_t i = 0; i < steps.size(); ++i) {
       const at::Tensor& s = steps[i];
       TORCH_CHECK(s.device().is_cpu() && s.numel() == 1 &&
@@ -107,6 +121,13 @@ class ListChecker {
     }
   }
 
+  // torch's GradScaler contract: `grad_scale` and `found_inf` are absent or one-element float32 tensors on
+  // the params' device.
+  void scaling(const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) const {
+    scalar("grad_scale", grad_scale);
+    scalar("found_inf", found_inf);
+  }
+
   std::vector<int64_t> numels() const {
     std::vector<int64_t> n(params_.size());
     for (size_t i = 0; i < params_.size(); ++i) n[i] = params_[i].numel();
@@ -114,6 +135,18 @@ class ListChecker {
   }
 
  private:
+  void count(const char* name, at::TensorList list) const {
+    TORCH_CHECK(list.size() == params_.size(), op_, ": ", name, " has ", list.size(), " tensors but params has ",
+                params_.size());
+  }
+
+  void scalar(const char* name, const std::optional<at::Tensor>& t) const {
+    if (!t.has_value() || params_.empty()) return;
+    TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat && t->device() == params_[0].device(), op_, ": ",
+                name, " must be a one-element float32 tensor on ", params_[0].device(), " (the params' device); got ",
+                t->scalar_type(), " of shape ", t->sizes(), " on ", t->device());
+  }
+
   const char* op_;
   at::TensorList params_;
 };

@@ -76,7 +76,7 @@ inline CheckedArgs check_lamb_stage1_args(const ListChecker& check, at::TensorLi
   check.state("exp_avg_sqs", exp_avg_sqs);
   check.state("updates", updates);
   const bool has_master = check.master(master_params);
-  check.steps(steps);
+  check.host_steps(steps);
   return {grad_dtype, has_master};
 }
 

@@ -17,30 +17,32 @@
 
 TORCH_LIBRARY(ampkit_optimizers, m) {
   m.def(
-      "adam_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "adam_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adam_w_mode, bool amsgrad, bool bias_correction, "
-      "float grad_factor) -> ()");
+      "float grad_factor, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
-      "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
+      "sgd_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
       "float lr, float weight_decay, float momentum, float dampening, bool nesterov, bool first_step, "
-      "float grad_factor) -> ()");
+      "float grad_factor, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
-      "adagrad_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
-      "Tensor(f!)[] steps, float lr, float lr_decay, float weight_decay, float eps, float grad_factor) -> ()");
+      "adagrad_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
+      "Tensor(f!)[] steps, float lr, float lr_decay, float weight_decay, float eps, float grad_factor, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
-      "rmsprop_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
+      "rmsprop_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
       "Tensor(d!)[] momentum_buffers, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float alpha, "
-      "float eps, float weight_decay, float momentum, bool centered, float grad_factor) -> ()");
+      "float eps, float weight_decay, float momentum, bool centered, float grad_factor, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
-      "rmsprop_tf_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
+      "rmsprop_tf_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
       "Tensor(d!)[] momentum_buffers, Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float alpha, "
       "float eps, float weight_decay, float momentum, bool centered, bool decoupled_decay, bool lr_in_momentum, "
-      "float grad_factor) -> ()");
+      "float grad_factor, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
-      "adadelta_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] acc_deltas, "
+      "adadelta_step(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] square_avgs, Tensor(c!)[] acc_deltas, "
       "Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float rho, float eps, float weight_decay, "
-      "float grad_factor) -> ()");
+      "float grad_factor, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   m.def(
       "lamb_stage1(Tensor[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] updates, Tensor[] master_params, Tensor(f!)[] steps, float beta1, float beta2, float eps, "
@@ -60,10 +62,15 @@ namespace {
 void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
                    at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor) {
+                   bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adam_step", params);
   const CheckedArgs args =
       check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
 
   const std::vector<double> step = bump_steps(steps);
 
@@ -73,7 +80,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
     using acc_t = acc_type_for<param_t>;
     std::vector<AdamHyper<acc_t>> hyper;
     for (const double s : step) {
-      hyper.push_back(adam_hyper<acc_t>(s, lr, beta1, beta2, eps, weight_decay, bias_correction, grad_factor));
+      hyper.push_back(
+          adam_hyper<acc_t>(s, lr, beta1, beta2, eps, weight_decay, bias_correction, scaling.grad_factor));
     }
     dispatch_bool(adam_w_mode, [&](auto adamw) {
       dispatch_bool(amsgrad, [&](auto ams) {
@@ -93,22 +101,28 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
         });
       });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 
 
 void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                   at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
-                  bool nesterov, bool first_step, double grad_factor) {
+                  bool nesterov, bool first_step, double grad_factor,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("sgd_step", params);
   const bool use_momentum = momentum != 0.0;
   const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
+  check.scaling(grad_scale, found_inf);
+  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  if (scaling.skip) return;  // before the step counters move
 
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
-    const SGDHyper<acc_t> h = sgd_hyper<acc_t>(lr, weight_decay, momentum, dampening, grad_factor);
+    const SGDHyper<acc_t> h = sgd_hyper<acc_t>(lr, weight_decay, momentum, dampening, scaling.grad_factor);
     dispatch_bool(use_momentum, [&](auto mom) {
       dispatch_bool(nesterov, [&](auto nest) {
         dispatch_bool(first_step, [&](auto first) {
@@ -126,6 +140,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
         });
       });
     });
+    if (scaling.grad_scale != 0.0) unscale_grads<grad_t, acc_t>(grads, check.numels(), scaling.grad_scale);
   });
 }
 

@@ -1,13 +1,16 @@
-// CUDA registration of the ampkit_optimizers ops: the CPU path's checks (list_checks.h), hyper-parameters
-// computed on the host from the CPU step counters exactly as the CPU kernels compute them, and one launch
-// per tensor of the kernels in optimizers_kernels.cu (the per-element math is optimizer_math.h, shared with
-// the CPU kernels). Compiled only when torch sees a GPU at build time (ampkit.ops._build passes it as a
-// CUDA source); registered under the CUDA key, which takes precedence over the CompositeExplicitAutograd
-// CPU kernels for CUDA tensors.
+// CUDA registration of the ampkit_optimizers ops: the CPU path's checks (list_checks.h) and one launch per
+// tensor of the kernels in optimizers_kernels.cu (the per-element math is optimizer_math.h and the
+// hyper-parameters hyper.h, shared with the CPU kernels). The ops that take GradScaler's grad_scale and
+// found_inf pass them to the kernels as device pointers and keep their step counters on the device, so a
+// step costs no read back to the host; LAMB and NovoGrad read step counters and per-tensor values there.
+// Compiled only when torch sees a GPU at build time (ampkit.ops._build passes it as a CUDA source);
+// registered under the CUDA key, which takes precedence over the CompositeExplicitAutograd CPU kernels for
+// CUDA tensors.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "optimizers/hyper.h"
@@ -36,34 +39,56 @@ cuda::ParamSlot<param_t, acc_t> slot(at::TensorList params, at::TensorList maste
   return {ptr<param_t>(params[t]), masters.empty() ? nullptr : ptr<acc_t>(masters[t])};
 }
 
+cuda::ScalerPtrs scaler_ptrs(const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf) {
+  return {grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
+          found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr};
+}
+
+// Advances every step counter on the device after the kernels that read it, unless found_inf says skip.
+void bump_device_steps(at::TensorList steps, const cuda::ScalerPtrs& scaler) {
+  if (steps.empty()) return;
+  const c10::cuda::CUDAGuard guard(steps[0].device());
+  std::vector<float*> ptrs;
+  ptrs.reserve(steps.size());
+  for (const at::Tensor& s : steps) ptrs.push_back(s.data_ptr<float>());
+  cuda::launch_bump_steps(ptrs.data(), static_cast<int64_t>(ptrs.size()), scaler.found_inf, current_stream());
+}
+
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList master_params,
                     at::TensorList steps, double lr, double beta1, double beta2, double eps, double weight_decay,
-                    bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor) {
+                    bool adam_w_mode, bool amsgrad, bool bias_correction, double grad_factor,
+                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adam_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args =
       check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
-  const std::vector<double> step = bump_steps(steps);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::AdamArgs adam{lr, beta1, beta2, eps, weight_decay, grad_factor, bias_correction};
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     for_each_tensor(params, [&](size_t t) {
-      const auto h = adam_hyper<acc_t>(step[t], lr, beta1, beta2, eps, weight_decay, bias_correction, grad_factor);
       cuda::launch_adam<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(exp_avgs[t]),
-          ptr<acc_t>(exp_avg_sqs[t]), amsgrad ? ptr<acc_t>(max_exp_avg_sqs[t]) : nullptr, params[t].numel(), h,
-          adam_w_mode, current_stream());
+          ptr<acc_t>(exp_avg_sqs[t]), amsgrad ? ptr<acc_t>(max_exp_avg_sqs[t]) : nullptr, params[t].numel(), adam,
+          ptr<float>(steps[t]), scaler, adam_w_mode, current_stream());
     });
   });
+  bump_device_steps(steps, scaler);
 }
 
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
-                   bool nesterov, bool first_step, double grad_factor) {
+                   bool nesterov, bool first_step, double grad_factor, const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("sgd_step", params, c10::DeviceType::CUDA);
   const bool use_momentum = momentum != 0.0;
   const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -73,39 +98,46 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
       cuda::launch_sgd<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                ptr<grad_t>(grads[t]),
                                                use_momentum ? ptr<acc_t>(momentum_buffers[t]) : nullptr,
-                                               params[t].numel(), h, nesterov, first_step, current_stream());
+                                               params[t].numel(), h, grad_factor, scaler, nesterov, first_step,
+                                               current_stream());
     });
   });
 }
 
 void adagrad_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                        at::TensorList master_params, at::TensorList steps, double lr, double lr_decay,
-                       double weight_decay, double eps, double grad_factor) {
+                       double weight_decay, double eps, double grad_factor,
+                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adagrad_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
-  const std::vector<double> step = bump_steps(steps);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::AdagradArgs adagrad{lr, lr_decay, weight_decay, eps, grad_factor};
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     for_each_tensor(params, [&](size_t t) {
-      const auto h = adagrad_hyper<acc_t>(adagrad_clr(step[t], lr, lr_decay), weight_decay, eps, grad_factor);
       cuda::launch_adagrad<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                    ptr<grad_t>(grads[t]), ptr<acc_t>(state_sums[t]),
-                                                   params[t].numel(), h, current_stream());
+                                                   params[t].numel(), adagrad, ptr<float>(steps[t]), scaler,
+                                                   current_stream());
     });
   });
+  bump_device_steps(steps, scaler);
 }
 
 void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                        at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
                        at::TensorList steps, double lr, double alpha, double eps, double weight_decay,
-                       double momentum, bool centered, double grad_factor) {
+                       double momentum, bool centered, double grad_factor,
+                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("rmsprop_step", params, c10::DeviceType::CUDA);
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  bump_steps(steps);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -115,21 +147,24 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
       cuda::launch_rmsprop<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
           centered ? ptr<acc_t>(grad_avgs[t]) : nullptr, use_momentum ? ptr<acc_t>(momentum_buffers[t]) : nullptr,
-          params[t].numel(), h, current_stream());
+          params[t].numel(), h, grad_factor, scaler, current_stream());
     });
   });
+  bump_device_steps(steps, scaler);
 }
 
 void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                           at::TensorList grad_avgs, at::TensorList momentum_buffers, at::TensorList master_params,
                           at::TensorList steps, double lr, double alpha, double eps, double weight_decay,
                           double momentum, bool centered, bool decoupled_decay, bool lr_in_momentum,
-                          double grad_factor) {
+                          double grad_factor, const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("rmsprop_tf_step", params, c10::DeviceType::CUDA);
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  bump_steps(steps);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -139,17 +174,20 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
       cuda::launch_rmsprop_tf<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
           centered ? ptr<acc_t>(grad_avgs[t]) : nullptr, use_momentum ? ptr<acc_t>(momentum_buffers[t]) : nullptr,
-          params[t].numel(), h, lr_in_momentum, current_stream());
+          params[t].numel(), h, grad_factor, scaler, lr_in_momentum, current_stream());
     });
   });
+  bump_device_steps(steps, scaler);
 }
 
 void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList square_avgs,
                         at::TensorList acc_deltas, at::TensorList master_params, at::TensorList steps, double lr,
-                        double rho, double eps, double weight_decay, double grad_factor) {
+                        double rho, double eps, double weight_decay, double grad_factor,
+                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adadelta_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
-  bump_steps(steps);
+  check.scaling(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -158,10 +196,11 @@ void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_adadelta<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                     ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
-                                                    ptr<acc_t>(acc_deltas[t]), params[t].numel(), h,
-                                                    current_stream());
+                                                    ptr<acc_t>(acc_deltas[t]), params[t].numel(), h, grad_factor,
+                                                    scaler, current_stream());
     });
   });
+  bump_device_steps(steps, scaler);
 }
 
 void lamb_stage1_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,

@@ -1,9 +1,11 @@
-// CUDA kernels of the fused optimizers. The per-element math is optimizer_math.h, the code the CPU
-// kernels run and the CPU tests check; only the grid-stride loops and launches are CUDA-only.
+// CUDA kernels of the fused optimizers. The per-element math is optimizer_math.h and the hyper-parameters
+// come from hyper.h, the code the CPU kernels run and the CPU tests check; only the grid-stride loops, the
+// GradScaler prologue (skip on found_inf, unscale by grad_scale) and the launches are CUDA-only.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include "optimizers/hyper.h"
 #include "optimizers/optimizers_cuda.h"
 
 namespace ampkit {
@@ -34,80 +36,145 @@ __device__ inline void store_param(const ParamSlot<param_t, acc_t>& p, int64_t i
   p.param[i] = static_cast<param_t>(value);
 }
 
+// GradScaler's contract, read by every thread of a kernel (the same two cached words).
+__device__ inline bool skipped(const ScalerPtrs& s) { return s.found_inf != nullptr && *s.found_inf != 0.0f; }
+
+// The factor each gradient is multiplied by: grad_factor / grad_scale, in double like the host computes it.
+__device__ inline double unscaled_factor(double grad_factor, const ScalerPtrs& s) {
+  return s.grad_scale != nullptr ? grad_factor / static_cast<double>(*s.grad_scale) : grad_factor;
+}
+
+// Divisor of the gradients written back (0: leave them), as torch._foreach_div_ by a float32 scale rounds it.
+template <typename acc_t>
+__device__ inline acc_t write_back_scale(const ScalerPtrs& s) {
+  return s.grad_scale != nullptr ? static_cast<acc_t>(*s.grad_scale) : acc_t(0);
+}
+
+template <typename grad_t, typename acc_t>
+__device__ inline void write_unscaled(grad_t* grad, int64_t i, acc_t g, acc_t scale) {
+  if (scale != acc_t(0)) grad[i] = static_cast<grad_t>(g / scale);
+}
+
 #define AMPKIT_GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(blockDim.x) * gridDim.x)
 
 template <typename param_t, typename grad_t, typename acc_t, bool ADAMW, bool AMSGRAD>
-__global__ void adam_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* m, acc_t* v, acc_t* vmax,
-                            int64_t n, AdamHyper<acc_t> h) {
+__global__ void adam_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* m, acc_t* v, acc_t* vmax, int64_t n,
+                            AdamArgs a, const float* step, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  const AdamHyper<acc_t> h =
+      adam_hyper<acc_t>(static_cast<double>(*step) + 1.0, a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+                        a.bias_correction, unscaled_factor(a.grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
     acc_t vm = AMSGRAD ? vmax[i] : acc_t(0);
-    adam_element<acc_t, ADAMW, AMSGRAD>(value, static_cast<acc_t>(grad[i]), m[i], v[i], vm, h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    adam_element<acc_t, ADAMW, AMSGRAD>(value, g, m[i], v[i], vm, h);
     if (AMSGRAD) vmax[i] = vm;
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
 }
 
 template <typename param_t, typename grad_t, typename acc_t, bool MOMENTUM, bool NESTEROV, bool FIRST>
-__global__ void sgd_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* buf, int64_t n,
-                           SGDHyper<acc_t> h) {
+__global__ void sgd_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* buf, int64_t n, SGDHyper<acc_t> h,
+                           double grad_factor, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  h.grad_factor = static_cast<acc_t>(unscaled_factor(grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
     acc_t b = MOMENTUM ? buf[i] : acc_t(0);
-    sgd_element<acc_t, MOMENTUM, NESTEROV, FIRST>(value, static_cast<acc_t>(grad[i]), b, h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    sgd_element<acc_t, MOMENTUM, NESTEROV, FIRST>(value, g, b, h);
     if (MOMENTUM) buf[i] = b;
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-__global__ void adagrad_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sum, int64_t n,
-                               AdagradHyper<acc_t> h) {
+__global__ void adagrad_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* sum, int64_t n, AdagradArgs a,
+                               const float* step, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  const double clr = adagrad_clr(static_cast<double>(*step) + 1.0, a.lr, a.lr_decay);
+  const AdagradHyper<acc_t> h =
+      adagrad_hyper<acc_t>(clr, a.weight_decay, a.eps, unscaled_factor(a.grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
-    adagrad_element<acc_t>(value, static_cast<acc_t>(grad[i]), sum[i], h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    adagrad_element<acc_t>(value, g, sum[i], h);
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
 }
 
 template <typename param_t, typename grad_t, typename acc_t, bool CENTERED, bool MOMENTUM>
-__global__ void rmsprop_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ga, acc_t* buf,
-                               int64_t n, RMSpropHyper<acc_t> h) {
+__global__ void rmsprop_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* sq, acc_t* ga, acc_t* buf, int64_t n,
+                               RMSpropHyper<acc_t> h, double grad_factor, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  h.grad_factor = static_cast<acc_t>(unscaled_factor(grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
     acc_t a = CENTERED ? ga[i] : acc_t(0);
     acc_t b = MOMENTUM ? buf[i] : acc_t(0);
-    rmsprop_element<acc_t, CENTERED, MOMENTUM>(value, static_cast<acc_t>(grad[i]), sq[i], a, b, h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    rmsprop_element<acc_t, CENTERED, MOMENTUM>(value, g, sq[i], a, b, h);
     if (CENTERED) ga[i] = a;
     if (MOMENTUM) buf[i] = b;
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
 }
 
 template <typename param_t, typename grad_t, typename acc_t, bool CENTERED, bool MOMENTUM, bool LR_IN_MOMENTUM>
-__global__ void rmsprop_tf_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ga,
-                                  acc_t* buf, int64_t n, RMSpropTFHyper<acc_t> h) {
+__global__ void rmsprop_tf_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* sq, acc_t* ga, acc_t* buf,
+                                  int64_t n, RMSpropTFHyper<acc_t> h, double grad_factor, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  h.grad_factor = static_cast<acc_t>(unscaled_factor(grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
     acc_t a = CENTERED ? ga[i] : acc_t(0);
     acc_t b = MOMENTUM ? buf[i] : acc_t(0);
-    rmsprop_tf_element<acc_t, CENTERED, MOMENTUM, LR_IN_MOMENTUM>(value, static_cast<acc_t>(grad[i]), sq[i], a, b,
-                                                                  h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    rmsprop_tf_element<acc_t, CENTERED, MOMENTUM, LR_IN_MOMENTUM>(value, g, sq[i], a, b, h);
     if (CENTERED) ga[i] = a;
     if (MOMENTUM) buf[i] = b;
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-__global__ void adadelta_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* sq, acc_t* ad, int64_t n,
-                                AdadeltaHyper<acc_t> h) {
+__global__ void adadelta_kernel(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* sq, acc_t* ad, int64_t n,
+                                AdadeltaHyper<acc_t> h, double grad_factor, ScalerPtrs scaler) {
+  if (skipped(scaler)) return;
+  h.grad_factor = static_cast<acc_t>(unscaled_factor(grad_factor, scaler));
+  const acc_t scale = write_back_scale<acc_t>(scaler);
   AMPKIT_GRID_STRIDE(i, n) {
     acc_t value = load_param(p, i);
-    adadelta_element<acc_t>(value, static_cast<acc_t>(grad[i]), sq[i], ad[i], h);
+    const acc_t g = static_cast<acc_t>(grad[i]);
+    adadelta_element<acc_t>(value, g, sq[i], ad[i], h);
     store_param(p, i, value);
+    write_unscaled(grad, i, g, scale);
   }
+}
+
+// One thread per counter: kernels launched before it on the stream have read the old values.
+constexpr int kStepsPerLaunch = 64;
+
+struct StepPtrs {
+  float* step[kStepsPerLaunch];
+  int n;
+};
+
+__global__ void bump_steps_kernel(StepPtrs steps, const float* found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  if (static_cast<int>(threadIdx.x) < steps.n) *steps.step[threadIdx.x] += 1.0f;
 }
 
 template <typename param_t, typename grad_t, typename acc_t, bool ADAMW>
@@ -149,61 +216,76 @@ __global__ void novograd_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad,
 }  // namespace
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_adam(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq,
-                 acc_t* max_exp_avg_sq, int64_t n, const AdamHyper<acc_t>& h, bool adam_w_mode, cudaStream_t stream) {
+void launch_adam(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq, acc_t* max_exp_avg_sq,
+                 int64_t n, const AdamArgs& args, const float* step, ScalerPtrs scaler, bool adam_w_mode,
+                 cudaStream_t stream) {
   const bool amsgrad = max_exp_avg_sq != nullptr;
   AMPKIT_BOOL_SWITCH(adam_w_mode, ADAMW, AMPKIT_BOOL_SWITCH(amsgrad, AMS, {
-    adam_kernel<param_t, grad_t, acc_t, ADAMW, AMS>
-        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, h);
+    adam_kernel<param_t, grad_t, acc_t, ADAMW, AMS><<<blocks_for(n), kThreads, 0, stream>>>(
+        p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, args, step, scaler);
   }));
   check_launch("adam_step");
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_sgd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* momentum_buffer, int64_t n,
-                const SGDHyper<acc_t>& h, bool nesterov, bool first_step, cudaStream_t stream) {
+void launch_sgd(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* momentum_buffer, int64_t n,
+                const SGDHyper<acc_t>& h, double grad_factor, ScalerPtrs scaler, bool nesterov, bool first_step,
+                cudaStream_t stream) {
   const bool momentum = momentum_buffer != nullptr;
   AMPKIT_BOOL_SWITCH(momentum, MOM, AMPKIT_BOOL_SWITCH(nesterov, NEST, AMPKIT_BOOL_SWITCH(first_step, FIRST, {
     sgd_kernel<param_t, grad_t, acc_t, MOM, NEST, FIRST>
-        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, momentum_buffer, n, h);
+        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, momentum_buffer, n, h, grad_factor, scaler);
   })));
   check_launch("sgd_step");
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_adagrad(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* state_sum, int64_t n,
-                    const AdagradHyper<acc_t>& h, cudaStream_t stream) {
-  adagrad_kernel<param_t, grad_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(p, grad, state_sum, n, h);
+void launch_adagrad(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* state_sum, int64_t n, const AdagradArgs& args,
+                    const float* step, ScalerPtrs scaler, cudaStream_t stream) {
+  adagrad_kernel<param_t, grad_t, acc_t>
+      <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, state_sum, n, args, step, scaler);
   check_launch("adagrad_step");
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_rmsprop(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
-                    acc_t* momentum_buffer, int64_t n, const RMSpropHyper<acc_t>& h, cudaStream_t stream) {
+void launch_rmsprop(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
+                    acc_t* momentum_buffer, int64_t n, const RMSpropHyper<acc_t>& h, double grad_factor,
+                    ScalerPtrs scaler, cudaStream_t stream) {
   AMPKIT_BOOL_SWITCH(grad_avg != nullptr, CEN, AMPKIT_BOOL_SWITCH(momentum_buffer != nullptr, MOM, {
-    rmsprop_kernel<param_t, grad_t, acc_t, CEN, MOM>
-        <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, grad_avg, momentum_buffer, n, h);
+    rmsprop_kernel<param_t, grad_t, acc_t, CEN, MOM><<<blocks_for(n), kThreads, 0, stream>>>(
+        p, grad, square_avg, grad_avg, momentum_buffer, n, h, grad_factor, scaler);
   }));
   check_launch("rmsprop_step");
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_rmsprop_tf(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
-                       acc_t* momentum_buffer, int64_t n, const RMSpropTFHyper<acc_t>& h, bool lr_in_momentum,
-                       cudaStream_t stream) {
+void launch_rmsprop_tf(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* square_avg, acc_t* grad_avg,
+                       acc_t* momentum_buffer, int64_t n, const RMSpropTFHyper<acc_t>& h, double grad_factor,
+                       ScalerPtrs scaler, bool lr_in_momentum, cudaStream_t stream) {
   AMPKIT_BOOL_SWITCH(grad_avg != nullptr, CEN, AMPKIT_BOOL_SWITCH(momentum_buffer != nullptr, MOM,
     AMPKIT_BOOL_SWITCH(lr_in_momentum, LIM, {
-      rmsprop_tf_kernel<param_t, grad_t, acc_t, CEN, MOM, LIM>
-          <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, grad_avg, momentum_buffer, n, h);
+      rmsprop_tf_kernel<param_t, grad_t, acc_t, CEN, MOM, LIM><<<blocks_for(n), kThreads, 0, stream>>>(
+          p, grad, square_avg, grad_avg, momentum_buffer, n, h, grad_factor, scaler);
     })));
   check_launch("rmsprop_tf_step");
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
-void launch_adadelta(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* square_avg, acc_t* acc_delta,
-                     int64_t n, const AdadeltaHyper<acc_t>& h, cudaStream_t stream) {
-  adadelta_kernel<param_t, grad_t, acc_t><<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, acc_delta, n, h);
+void launch_adadelta(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* square_avg, acc_t* acc_delta, int64_t n,
+                     const AdadeltaHyper<acc_t>& h, double grad_factor, ScalerPtrs scaler, cudaStream_t stream) {
+  adadelta_kernel<param_t, grad_t, acc_t>
+      <<<blocks_for(n), kThreads, 0, stream>>>(p, grad, square_avg, acc_delta, n, h, grad_factor, scaler);
   check_launch("adadelta_step");
+}
+
+void launch_bump_steps(float* const* steps, int64_t n, const float* found_inf, cudaStream_t stream) {
+  for (int64_t begin = 0; begin < n; begin += kStepsPerLaunch) {
+    StepPtrs list{};
+    list.n = static_cast<int>(n - begin < kStepsPerLaunch ? n - begin : kStepsPerLaunch);
+    for (int i = 0; i < list.n; ++i) list.step[i] = steps[begin + i];
+    bump_steps_kernel<<<1, kStepsPerLaunch, 0, stream>>>(list, found_inf);
+    check_launch("step counters");
+  }
 }
 
 template <typename param_t, typename grad_t, typename acc_t>
@@ -235,18 +317,18 @@ void launch_novograd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp
 
 // The (param, grad) pairs the CPU kernels accept: fp64/fp64, fp32/fp32, fp16|bf16 with same-type or fp32 grads.
 #define AMPKIT_INSTANTIATE(P, G, A)                                                                               \
-  template void launch_adam<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t, const AdamHyper<A>&, bool,    \
-                                     cudaStream_t);                                                               \
-  template void launch_sgd<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const SGDHyper<A>&, bool, bool,        \
-                                    cudaStream_t);                                                                \
-  template void launch_adagrad<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const AdagradHyper<A>&,            \
-                                        cudaStream_t);                                                            \
-  template void launch_rmsprop<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t, const RMSpropHyper<A>&,    \
-                                        cudaStream_t);                                                            \
-  template void launch_rmsprop_tf<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, A*, int64_t,                         \
-                                           const RMSpropTFHyper<A>&, bool, cudaStream_t);                         \
-  template void launch_adadelta<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, int64_t, const AdadeltaHyper<A>&,      \
-                                         cudaStream_t);                                                           \
+  template void launch_adam<P, G, A>(ParamSlot<P, A>, G*, A*, A*, A*, int64_t, const AdamArgs&, const float*,       \
+                                     ScalerPtrs, bool, cudaStream_t);                                              \
+  template void launch_sgd<P, G, A>(ParamSlot<P, A>, G*, A*, int64_t, const SGDHyper<A>&, double, ScalerPtrs, bool, \
+                                    bool, cudaStream_t);                                                          \
+  template void launch_adagrad<P, G, A>(ParamSlot<P, A>, G*, A*, int64_t, const AdagradArgs&, const float*,         \
+                                        ScalerPtrs, cudaStream_t);                                                \
+  template void launch_rmsprop<P, G, A>(ParamSlot<P, A>, G*, A*, A*, A*, int64_t, const RMSpropHyper<A>&, double,   \
+                                        ScalerPtrs, cudaStream_t);                                                \
+  template void launch_rmsprop_tf<P, G, A>(ParamSlot<P, A>, G*, A*, A*, A*, int64_t, const RMSpropTFHyper<A>&,      \
+                                           double, ScalerPtrs, bool, cudaStream_t);                               \
+  template void launch_adadelta<P, G, A>(ParamSlot<P, A>, G*, A*, A*, int64_t, const AdadeltaHyper<A>&, double,     \
+                                         ScalerPtrs, cudaStream_t);                                               \
   template void launch_lamb_stage1<P, G, A>(const P*, const A*, const G*, A*, A*, A*, int64_t,                     \
                                             const LambHyper<A>&, bool, cudaStream_t);                             \
   template void launch_novograd<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const NovoGradHyper<A>&, bool,    \
