@@ -174,18 +174,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.step_with_grad_factor(1.0)
             return loss
         self.step_with_grad_factor(1.0 / scale)
-        self._unscale_grads_(grad_scale)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self._unscale_(grads, grad_scale)
         return loss
 
-    def _unscale_grads_(self, grad_scale: Tensor) -> None:
-        """Divide every grad by ``grad_scale`` in place (torch's fused optimizers divide, they do not multiply)."""
+    @staticmethod
+    def _unscale_(grads: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None = None) -> None:
+        """Divide ``grads`` by ``grad_scale`` in place (torch's fused optimizers divide, they do not multiply),
+        unless ``found_inf`` is non-zero; decided on the device, with no host read."""
         by_device: dict[torch.device, list[Tensor]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_device.setdefault(p.grad.device, []).append(p.grad)
-        for device, grads in by_device.items():
-            torch._foreach_div_(grads, _scalar_on(grad_scale, device))
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, group in by_device.items():
+            divisor = _scalar_on(grad_scale, device)
+            if found_inf is not None:
+                divisor = torch.where(_scalar_on(found_inf, device) != 0, 1.0, divisor)
+            torch._foreach_div_(group, divisor)
 
     def _step_with_scaler_tensors(self, scaler: ScalerTensors) -> None:
         """Every bucket's kernel gets ``scaler`` on its device: it skips or unscales there, with no host read."""
@@ -199,20 +203,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     here = on_device[bucket.device] = scaler.to(bucket.device)
                 self._update(group, bucket, factor, here)
                 copied += bucket.copied_grads
-        if copied and scaler.grad_scale is not None:
-            self._unscale_copied_grads_(copied, scaler)
-
-    @staticmethod
-    def _unscale_copied_grads_(grads: list[Tensor], scaler: ScalerTensors) -> None:
-        """Unscale the ``.grad`` tensors the kernels read through a copy, unless the step was skipped."""
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for device, group in by_device.items():
-            divisor = _scalar_on(scaler.grad_scale, device)
-            if scaler.found_inf is not None:
-                divisor = torch.where(_scalar_on(scaler.found_inf, device) != 0, 1.0, divisor)
-            torch._foreach_div_(group, divisor)
+        if copied and scaler.grad_scale is not None:  # the kernels unscaled the copies they read
+            self._unscale_(copied, scaler.grad_scale, scaler.found_inf)
 
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:

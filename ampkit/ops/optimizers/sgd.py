@@ -91,42 +91,33 @@ class FusedSGD(FusedOptimizer):
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
+        # Under a device found_inf the kernel may skip the step that creates the buffers, and the host does not
+        # know. Without dampening a zero buffer updated as usual becomes the gradient, exactly what a first step
+        # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero
+        # for the next one, with no host read. With dampening the first step differs, so found_inf is read on
+        # the host, once, on the step that creates the buffers: a skipped step drops them again.
+        zero_start = scaler.found_inf is not None and group["dampening"] == 0
         fresh = Bucket(has_master=bucket.has_master)
         seen = Bucket(has_master=bucket.has_master)
         for p, g, s in zip(bucket.params, bucket.grads, bucket.states, strict=True):
-            target = seen if "momentum_buffer" in s else fresh
-            if target is fresh:
-                s["momentum_buffer"] = torch.empty_like(p, dtype=self._buffer_dtype(p, bucket.has_master))
+            target = seen
+            if "momentum_buffer" not in s:
+                dtype = self._buffer_dtype(p, bucket.has_master)
+                if zero_start:
+                    s["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+                else:
+                    s["momentum_buffer"] = torch.empty_like(p, dtype=dtype)
+                    target = fresh
             target.params.append(p)
             target.grads.append(g)
             target.states.append(s)
-        if fresh.params and scaler.found_inf is not None:
-            fresh = self._first_step_under_scaler(group, fresh, seen, scaler.found_inf)
+        if fresh.params and scaler.found_inf is not None and bool(scaler.found_inf):
+            for s in fresh.states:
+                del s["momentum_buffer"]
+            fresh = Bucket(has_master=bucket.has_master)
         for part, first in ((seen, False), (fresh, True)):
             if part.params:
                 self._launch(group, part, part.state_list("momentum_buffer"), first, grad_factor, scaler)
-
-    @staticmethod
-    def _first_step_under_scaler(group: dict[str, Any], fresh: Bucket, seen: Bucket, found_inf: Tensor) -> Bucket:
-        """What is left to launch as a first step when the kernel may skip it (``found_inf`` on the device).
-
-        Without dampening a zero buffer updated as usual becomes the gradient, exactly what the first step
-        writes: the fresh buffers start at zero and join the others, and a skipped step leaves them at zero
-        for the next one, with no host read. With dampening the first step differs, so ``found_inf`` is read
-        on the host, once, on the step that creates the buffers: a skipped step drops them again.
-        """
-        if group["dampening"] == 0:
-            for p, g, s in zip(fresh.params, fresh.grads, fresh.states, strict=True):
-                s["momentum_buffer"].zero_()
-                seen.params.append(p)
-                seen.grads.append(g)
-                seen.states.append(s)
-            return Bucket(has_master=fresh.has_master)
-        if bool(found_inf):
-            for s in fresh.states:
-                del s["momentum_buffer"]
-            return Bucket(has_master=fresh.has_master)
-        return fresh
 
     def _launch(
         self,

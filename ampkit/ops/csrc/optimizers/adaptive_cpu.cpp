@@ -22,8 +22,7 @@ void adagrad_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adagrad_step", params);
   const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
   const std::vector<double> step = bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
@@ -52,8 +51,7 @@ void rmsprop_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLis
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
@@ -95,8 +93,7 @@ void rmsprop_tf_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
@@ -137,8 +134,7 @@ void adadelta_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adadelta_step", params);
   const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
   bump_steps(steps);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {

@@ -64,8 +64,10 @@ struct CpuScaling {
   double grad_scale;  // 0 when no grad_scale was given: the gradients are left as they are
 };
 
-inline CpuScaling read_scaling(const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                               double grad_factor) {
+// Checks both tensors (ListChecker::scaling) before it reads them.
+inline CpuScaling read_scaling(const ListChecker& check, const std::optional<at::Tensor>& grad_scale,
+                               const std::optional<at::Tensor>& found_inf, double grad_factor) {
+  check.scaling(grad_scale, found_inf);
   const bool skip = found_inf.has_value() && *static_cast<const float*>(found_inf->data_ptr()) != 0.0f;
   const double scale = grad_scale.has_value() ? *static_cast<const float*>(grad_scale->data_ptr()) : 0.0;
   return {skip, scale != 0.0 ? grad_factor / scale : grad_factor, scale};

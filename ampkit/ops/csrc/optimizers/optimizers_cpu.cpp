@@ -68,8 +68,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   const ListChecker check("adam_step", params);
   const CheckedArgs args =
       check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
 
   const std::vector<double> step = bump_steps(steps);
@@ -114,8 +113,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   const ListChecker check("sgd_step", params);
   const bool use_momentum = momentum != 0.0;
   const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const CpuScaling scaling = read_scaling(grad_scale, found_inf, grad_factor);
+  const CpuScaling scaling = read_scaling(check, grad_scale, found_inf, grad_factor);
   if (scaling.skip) return;  // before the step counters move
 
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {

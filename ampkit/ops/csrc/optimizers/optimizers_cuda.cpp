@@ -39,8 +39,10 @@ cuda::ParamSlot<param_t, acc_t> slot(at::TensorList params, at::TensorList maste
   return {ptr<param_t>(params[t]), masters.empty() ? nullptr : ptr<acc_t>(masters[t])};
 }
 
-cuda::ScalerPtrs scaler_ptrs(const std::optional<at::Tensor>& grad_scale,
+// GradScaler's tensors as the kernels take them, checked first (ListChecker::scaling).
+cuda::ScalerPtrs scaler_ptrs(const ListChecker& check, const std::optional<at::Tensor>& grad_scale,
                              const std::optional<at::Tensor>& found_inf) {
+  check.scaling(grad_scale, found_inf);
   return {grad_scale.has_value() ? grad_scale->data_ptr<float>() : nullptr,
           found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr};
 }
@@ -63,8 +65,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const ListChecker check("adam_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args =
       check_adam_args(check, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, steps, amsgrad);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   const cuda::AdamArgs adam{lr, beta1, beta2, eps, weight_decay, grad_factor, bias_correction};
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
@@ -87,8 +88,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   const ListChecker check("sgd_step", params, c10::DeviceType::CUDA);
   const bool use_momentum = momentum != 0.0;
   const CheckedArgs args = check_sgd_args(check, grads, momentum_buffers, master_params, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -110,8 +110,7 @@ void adagrad_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adagrad_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args = check_adagrad_args(check, grads, state_sums, master_params, steps);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   const cuda::AdagradArgs adagrad{lr, lr_decay, weight_decay, eps, grad_factor};
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
@@ -136,8 +135,7 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -163,8 +161,7 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   const bool use_momentum = momentum > 0.0;
   const CheckedArgs args = check_rmsprop_args(check, grads, square_avgs, grad_avgs, momentum_buffers,
                                               master_params, steps, centered, use_momentum);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
@@ -186,8 +183,7 @@ void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   const ListChecker check("adadelta_step", params, c10::DeviceType::CUDA);
   const CheckedArgs args = check_adadelta_args(check, grads, square_avgs, acc_deltas, master_params, steps);
-  check.scaling(grad_scale, found_inf);
-  const cuda::ScalerPtrs scaler = scaler_ptrs(grad_scale, found_inf);
+  const cuda::ScalerPtrs scaler = scaler_ptrs(check, grad_scale, found_inf);
   dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
