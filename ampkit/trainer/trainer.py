@@ -69,7 +69,7 @@ from ampkit.trainer.distributed import (
 from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
-from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers
+from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -505,7 +505,7 @@ class Trainer:
         for optimizer in self.optimizers.values():
             for hook in self._hooks["on_before_zero_grad"]:
                 hook(self, optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            zero_grad_(optimizer)
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
