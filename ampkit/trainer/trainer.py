@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -683,10 +684,8 @@ class Trainer:
             next(iterator)
         if skip:
             restore_rng(resume["rng"])
-        for index, batch in enumerate(iterator, start=skip):
-            if self._num_train_batches is not None and index >= self._num_train_batches:
-                return
-            yield batch
+        total = self._num_train_batches
+        yield from islice(iterator, None if total is None else max(total - skip, 0))
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
