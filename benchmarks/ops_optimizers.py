@@ -10,7 +10,10 @@ state, share the gradients, are warmed, and are timed interleaved (best of repea
 the bytes each ampkit step moves per parameter: Adam 28 (read param, grad, two moments; write param and
 moments), SGD-momentum/Adagrad/RMSprop 20, LAMB 52 (global norm 4, stage 1 28, trust-ratio norms 8,
 stage 2 12), pipeline 32 (read grads once for inf + norm, then the Adam pass), AdamW through
-GradScaler.step 40 (GradScaler's inf check reads the grads, the Adam pass, the grads written back unscaled).
+GradScaler.step 40 (GradScaler's inf check reads the grads, the Adam pass, the grads written back unscaled),
+the Trainer's amp step 36 (the unscale + inf check pass reads and writes the grads, then the Adam pass).
+The last two rows share a baseline, so they answer where the unscale belongs: in a pass of its own (the
+Trainer's path) or inside the optimizer's kernel with the grads written back unscaled (GradScaler's contract).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ampkit.amp.grad_combine import unscale_and_check_
 from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedRMSprop, FusedSGD
 from ampkit.ops.pipeline import fused_unscale_clip_step_
 
@@ -134,6 +138,22 @@ def _grad_scaler_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable
     return through_scaler(theirs), through_scaler(ours)
 
 
+def _trainer_path_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, Callable]:
+    """(torch, ampkit) the amp step as the Trainer runs it with a fused optimizer: one unscale + inf check pass
+    over the grads after backward (``unscale_and_check_``), then ``FusedAdam.step()`` on unscaled grads; torch
+    as in ``_grad_scaler_pair``. Scale 1 keeps every call's inputs identical; both sides divide every grad."""
+    torch_step, _ = _grad_scaler_pair(base, grads)
+    ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
+    ours_grads = [p.grad for group in ours.param_groups for p in group["params"]]
+    inv_scale = torch.ones(1)
+
+    def trainer_step() -> None:
+        unscale_and_check_(ours_grads, torch.zeros(1), inv_scale)
+        ours.step()
+
+    return torch_step, trainer_step
+
+
 def run(ctx) -> list[dict]:
     """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format)."""
     os.environ["AMPKIT_OPS"] = "kernel"
@@ -157,6 +177,10 @@ def run(ctx) -> list[dict]:
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         baseline = "GradScaler.step(AdamW(fused=True))"
         rows.append(ctx.row(SECTION, "GradScaler.step(FusedAdam)", baseline, size, ms, torch_ms, count * 40))
+        torch_fn, ours_fn = _trainer_path_pair(base, grads)
+        torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
+        rows.append(ctx.row(SECTION, "Trainer amp step: unscale pass + FusedAdam", baseline, size, ms, torch_ms,
+                            count * 36))  # fmt: skip
     return rows
 
 
