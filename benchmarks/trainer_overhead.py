@@ -113,6 +113,10 @@ def timed_fit(
         timings: dict[str, float] = {}
 
         class Clock(ampkit.Callback):
+            # Last at every hook: the time includes what other callbacks do at on_train_end (TensorBoard writes
+            # the scalars it queued there).
+            phase = ampkit.Phase.PERSIST
+
             def on_train_start(self, trainer):
                 timings["start"] = clock()
 

@@ -223,3 +223,51 @@ def test_gradient_histograms_and_the_parameters_that_overflowed(tmp_path):
     (note,) = events.Tensors("amp/overflow_params/sgd/text_summary")
     assert note.step == 3
     assert "non-finite gradients in 3.bias" in note.tensor_proto.string_val[0].decode()
+
+
+class _CrashAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.iteration == self.step:
+            raise RuntimeError("boom")
+
+
+def test_scalars_queued_before_a_crash_are_written(tmp_path):
+    """Scalars wait in a queue between flushes; a run that dies still writes what it logged."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 3, "logging.log_every_n_steps": 2, "checkpoint.enabled": False})
+    trainer = ToyTrainer(cfg, callbacks=[_CrashAt(7)])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit()
+    assert [e.step for e in _events(trainer).Scalars("train/loss")] == [2, 4, 6]
+
+
+class _ImageEvery(Callback):
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.iteration % 3 == 0:
+            trainer.logger.log_image("sample", torch.zeros(1, 4, 4))
+
+
+def test_queued_scalars_keep_the_file_in_step_order(tmp_path):
+    """Images and validation metrics are written at once, so the queued scalars go before them: every event's
+    step is at least the step of the one before it (TensorBoard drops data that goes back in steps)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 2})
+    trainer = ToyTrainer(cfg, callbacks=[_ImageEvery()])
+    trainer.fit()
+    (path,) = (trainer.version_dir / "tensorboard").glob("events.out.tfevents.*")
+    steps = [event.step for event in EventFileLoader(str(path)).Load() if event.HasField("summary") and event.step]
+    assert steps == sorted(steps) and len(steps) > 8
+    assert [e.step for e in _events(trainer).Scalars("train/loss")] == list(range(2, 17, 2))
+    images = EventAccumulator(str(trainer.version_dir / "tensorboard"), size_guidance={"images": 0})
+    images.Reload()
+    assert [e.step for e in images.Images("sample")] == list(range(3, 17, 3))
+
+
+def test_flush_secs_is_checked():
+    from ampkit.callbacks import TensorBoardLogger
+
+    with pytest.raises(ValueError, match=r"flush_secs must be >= 0, got -1"):
+        TensorBoardLogger(flush_secs=-1)

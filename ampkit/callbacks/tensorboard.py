@@ -19,11 +19,13 @@ from ampkit.trainer.logger import Logger, check_image
 class TensorBoardWriter(Logger):
     """``trainer.logger`` while :class:`TensorBoardLogger` runs: writes to its event files."""
 
-    def __init__(self, writer: Any, current_step: Callable[[], int]) -> None:
+    def __init__(self, writer: Any, current_step: Callable[[], int], flush_scalars: Callable[[], None]) -> None:
         self.writer = writer
         self._current_step = current_step
+        self._flush_scalars = flush_scalars
 
     def _step(self, step: int | None) -> int:
+        self._flush_scalars()  # the scalars queued so far go first: the file stays in step order
         return self._current_step() if step is None else step
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
@@ -49,15 +51,26 @@ class TensorBoardLogger(Callback):
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
     queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
+
+    Scalars are queued at their log step and written every ``flush_secs`` seconds (and before validation
+    metrics, images and the end of the run, so the file stays in step order): one read of all queued tensors
+    (one sync on a GPU) and one hand-off to the writer thread per flush, not per log step. On a tiny model
+    each log step's write cost several times the step itself; SummaryWriter flushes its file to disk only
+    every 120 s, so the queue delays nothing TensorBoard shows.
     """
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
 
-    def __init__(self, log_every_n_steps: int = 10) -> None:
+    def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0) -> None:
+        if not flush_secs >= 0:
+            raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
         self.log_every_n_steps = log_every_n_steps
+        self.flush_secs = flush_secs
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
+        self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
+        self._last_flush = 0.0
         self._last_time = 0.0
         self._last_step = 0
 
@@ -70,22 +83,28 @@ class TensorBoardLogger(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"))
-        trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration)
+        trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
         # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
         _, start, _ = _hparams_summaries(trainer, {})
         self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
+        self._last_flush = self._last_time
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
             return
+        window = self._window
         for key, value in outputs.items():  # kept, not added up: a log step reads them all at once
             if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, int | float):
-                self._window.setdefault(key, []).append(value)
+                values = window.get(key)
+                if values is None:
+                    window[key] = [value]
+                else:
+                    values.append(value)
         rows = [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
         step = trainer.state.iteration
         if trainer.state.is_iteration_end and self._due(trainer):
-            rows += [(step, f"train/{key}", _mean(values)) for key, values in self._window.items()]
+            rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
             rows += [(step, tag, norm) for tag, norm in self._grad_norms]
             rows += [(step, f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
             now = time.perf_counter()
@@ -93,8 +112,12 @@ class TensorBoardLogger(Callback):
                 rows.append((step, "train/steps_per_sec", (step - self._last_step) / (now - self._last_time)))
             self._last_time, self._last_step = now, step
             self._window, self._grad_norms = {}, []
-        if rows:
-            self._write(rows)
+            if rows:
+                self._queued += rows
+            if now - self._last_flush >= self.flush_secs:
+                self._flush()
+        elif rows:  # trainer.log(..., always=True) between log steps (an overflow event)
+            self._queued += rows
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if not self._due(trainer):
@@ -103,15 +126,25 @@ class TensorBoardLogger(Callback):
         if self.writer is not None:  # read at the batch end, with the other values of this step
             self._grad_norms.append((f"train/grad_norm/{trainer.optimizer_state[optimizer].name}", norm))
 
+    def _flush(self) -> None:
+        """Write the queued scalars."""
+        self._last_flush = time.perf_counter()
+        if self._queued:
+            rows, self._queued = self._queued, []
+            self._write(rows)
+
     def _write(self, rows: list[tuple[int, str, Any]]) -> None:
-        """Write (step, tag, value) scalars: every tensor read to the host in one go (one sync), then one event
-        per step holding all of that step's values (an event per value costs the writer several times more)."""
+        """Write (step, tag, value) scalars, a list of values standing for their mean: every tensor is read to the
+        host in one go (one sync) and averaged there (no tensor op per logged output), then one event per step
+        holds all of that step's values (an event per value costs the writer several times more)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        read = read_scalars(*(value if isinstance(value, torch.Tensor) else None for _, _, value in rows))
+        tensors = [v for _, _, value in rows for v in _as_list(value) if isinstance(v, torch.Tensor)]
+        read = iter(read_scalars(*tensors))
         by_step: dict[int, list[Any]] = {}
-        for (step, tag, value), tensor_value in zip(rows, read, strict=True):
-            number = float(value) if tensor_value is None else tensor_value
+        for step, tag, value in rows:
+            numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in _as_list(value)]
+            number = numbers[0] if len(numbers) == 1 else sum(numbers) / len(numbers)  # inf - inf: nan, as torch
             by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=number))
         for step, values in by_step.items():
             self.writer.file_writer.add_summary(Summary(value=values), step)
@@ -119,6 +152,7 @@ class TensorBoardLogger(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None:
             return
+        self._flush()
         for key, value in metrics.items():
             self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
         self.writer.flush()
@@ -126,31 +160,30 @@ class TensorBoardLogger(Callback):
     def on_train_epoch_end(self, trainer) -> None:
         if self.writer is None:
             return
+        self._flush()
         for tag, value in trainer.epoch_scalars.items():
             self.writer.add_scalar(tag, value, trainer.state.global_step)
 
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
             return
+        self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
         experiment, _, end = _hparams_summaries(trainer, final)
         self.writer.file_writer.add_summary(experiment)
         self.writer.file_writer.add_summary(end)
 
-    def on_fit_end(self, trainer) -> None:
+    def on_fit_end(self, trainer) -> None:  # after on_exception too: what was queued before a crash is written
         if self.writer is not None:
+            self._flush()
             self.writer.close()
             self.writer = None
             trainer.logger = Logger()
 
 
-def _mean(values: list[Any]) -> torch.Tensor | float:
-    """The mean of one output's values over a logging window: a tensor (read later) when they are tensors."""
-    if all(isinstance(v, torch.Tensor) for v in values):
-        if len({v.shape for v in values}) > 1:  # a loss of shape () in some batches and (1,) in others
-            values = [v.reshape(()) for v in values]
-        return torch.stack(values).float().mean()
-    return sum(float(v) for v in values) / len(values)
+def _as_list(value: Any) -> list[Any]:
+    """A logged value as the list of values it stands for (a window of batch outputs stands for its mean)."""
+    return value if isinstance(value, list) else [value]
 
 
 def _hparams_summaries(trainer, metrics: dict[str, float]) -> tuple[Any, Any, Any]:
