@@ -61,8 +61,21 @@ class L2Norm(NamedTuple):
 def read_scalars(*tensors: torch.Tensor | None) -> list[float | None]:
     """The values of one-element tensors as Python floats (``None`` stays ``None``): CPU ones read where they
     are, the others copied to the host together, so one synchronization on CUDA however many are given."""
-    on_device = iter(gather_scalars([t for t in tensors if t is not None and not t.is_cpu]))
-    return [None if t is None else float(t) if t.is_cpu else next(on_device) for t in tensors]
+    present = [t for t in tensors if t is not None]
+    on_cpu = iter(_read_cpu_scalars([t for t in present if t.is_cpu]))
+    on_device = iter(gather_scalars([t for t in present if not t.is_cpu]))
+    return [None if t is None else next(on_cpu) if t.is_cpu else next(on_device) for t in tensors]
+
+
+def _read_cpu_scalars(tensors: list[torch.Tensor]) -> list[float]:
+    """CPU scalars' values. Zero-dim ones of one dtype (a window of losses) are stacked and read in two torch calls
+    however many there are: inside a training loop each torch call costs microseconds of dispatch, well above
+    what a tight loop shows (ten losses: 0.3% of a tiny model's step)."""
+    if len(tensors) > 2:
+        dtype = tensors[0].dtype
+        if all(t.dim() == 0 and t.dtype == dtype for t in tensors):
+            return [float(v) for v in torch.stack(tensors).tolist()]
+    return [float(t) for t in tensors]
 
 
 def gather_scalars(tensors: list[torch.Tensor]) -> list[float]:

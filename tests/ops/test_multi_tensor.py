@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -421,3 +423,14 @@ def test_cuda_read_scalars_mixes_devices_and_dtypes_in_one_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert read == [None, 3.0, 1.0, 0.5]
     assert sum("synchroniz" in str(w.message) for w in caught) == 1
+
+
+def test_read_scalars_of_many_cpu_scalars_match_one_by_one():
+    """Many zero-dim CPU values are read through one stack: the same floats as reading each, None kept in place,
+    mixed dtypes and shapes read one by one."""
+    values = [torch.randn(()) for _ in range(7)] + [torch.tensor(float("inf")), torch.tensor(float("nan"))]
+    read = mt.read_scalars(values[0], None, *values[1:])
+    expected = [float(v) for v in values]
+    assert read[1] is None and read[0] == expected[0] and read[2:-1] == expected[1:-1] and math.isnan(read[-1])
+    mixed = [torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(3), torch.ones(1), torch.zeros(())]
+    assert mt.read_scalars(*mixed) == [2.5, 3.0, 1.0, 0.0]
