@@ -670,7 +670,8 @@ class Trainer:
             self._hooks[hook].append(getattr(type(self), hook))
 
     def _epoch_batches(self) -> Iterator[Any]:
-        """This epoch's batches; after a mid-epoch resume, the same ones the interrupted run would have seen."""
+        """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
+        after a mid-epoch resume, the same ones the interrupted run would have seen."""
         resume, self._resume = self._resume, None
         skip = resume["batches_done"] if resume else 0
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
@@ -685,7 +686,7 @@ class Trainer:
         if skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
-        yield from islice(iterator, None if total is None else max(total - skip, 0))
+        return islice(iterator, None if total is None else max(total - skip, 0))
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
