@@ -118,31 +118,35 @@ def _pipeline_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, C
     return torch_step, lambda: fused_unscale_clip_step_(ours, 1.0, max_norm)
 
 
+def _through_scaler(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """``opt``'s step through ``GradScaler.step`` and ``update`` at scale 1 (every call's inputs stay the same)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
+
+    def step() -> None:
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def _torch_adamw_through_scaler(base: list[Tensor], grads: list[Tensor]) -> Callable[[], None]:
+    params = _params_with_grads(base, [g.clone() for g in grads])
+    return _through_scaler(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True))
+
+
 def _grad_scaler_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, Callable]:
     """(torch, ampkit) AdamW steps through ``GradScaler.step``: both read the scaled grads and leave them
     unscaled. Scale 1 keeps every call's inputs identical; both sides still divide every gradient."""
-
-    def through_scaler(opt: torch.optim.Optimizer) -> Callable[[], None]:
-        scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
-        scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
-
-        def step() -> None:
-            scaler.step(opt)
-            scaler.update()
-
-        return step
-
     ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
-    params = _params_with_grads(base, [g.clone() for g in grads])
-    theirs = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
-    return through_scaler(theirs), through_scaler(ours)
+    return _torch_adamw_through_scaler(base, grads), _through_scaler(ours)
 
 
 def _trainer_path_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, Callable]:
     """(torch, ampkit) the amp step as the Trainer runs it with a fused optimizer: one unscale + inf check pass
     over the grads after backward (``unscale_and_check_``), then ``FusedAdam.step()`` on unscaled grads; torch
     as in ``_grad_scaler_pair``. Scale 1 keeps every call's inputs identical; both sides divide every grad."""
-    torch_step, _ = _grad_scaler_pair(base, grads)
+    torch_step = _torch_adamw_through_scaler(base, grads)
     ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
     ours_grads = [p.grad for group in ours.param_groups for p in group["params"]]
     inv_scale = torch.ones(1)
