@@ -78,17 +78,19 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.pt"
     killed = False
     for _attempt in range(3):
-        proc = subprocess.Popen(_cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(random.uniform(0.0, 0.2))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            killed = True
+        # Output goes nowhere: an unread pipe could fill up and stall the child before the kill.
+        with subprocess.Popen(
+            _cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        ) as proc:
+            deadline = time.monotonic() + 60
+            while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(random.uniform(0.0, 0.2))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                killed = True
+        if killed:
             break
-        proc.wait()
     assert killed, "the training process finished before it could be killed"
     step_at_kill = load_checkpoint(last)["loop"]["global_step"]  # loadable after SIGKILL
     assert 0 < step_at_kill < 24
