@@ -298,3 +298,34 @@ def test_zeroing_shows_in_a_profile_as_torch_s_zero_grad(tmp_path):
         trainer.fit()
     names = [event.name for event in prof.events()]
     assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 2
+
+
+class _CountingLoader:
+    """Ten batches per pass, counting how many the Trainer pulls."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+        self.data = [toy_dataset(80)[i * 8 : (i + 1) * 8] for i in range(10)]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self):
+        for batch in self.data:
+            self.pulled += 1
+            yield batch
+
+
+def test_limit_train_batches_trains_and_pulls_only_that_many(tmp_path):
+    loader = _CountingLoader()
+
+    class Limited(ToyTrainer):
+        def train_dataloader(self):
+            return loader
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "trainer.limit_train_batches": 3, **QUIET})
+    trainer = Limited(cfg)
+    trainer.fit()
+    assert trainer.num_train_batches == 3
+    assert trainer.state.global_step == 6
+    assert loader.pulled == 6  # no batch is drawn past the limit
