@@ -121,6 +121,8 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+# Whether a profiler records (a private torch function: without it, zeroing always goes through zero_grad).
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 
 def zero_grad_(optimizer: torch.optim.Optimizer) -> None:
@@ -129,11 +131,7 @@ def zero_grad_(optimizer: torch.optim.Optimizer) -> None:
     while no profiler records, the gradients are set to None directly, which is all torch's does, without its
     profiler range and dynamo guard (about 6 µs a call on CPU, 2% of a tiny model's step). Anything else is
     called as it is."""
-    if (
-        type(optimizer).zero_grad is not _TORCH_ZERO_GRAD
-        or "zero_grad" in optimizer.__dict__
-        or torch.autograd._profiler_enabled()
-    ):
+    if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD or "zero_grad" in optimizer.__dict__ or _profiler_enabled():
         optimizer.zero_grad(set_to_none=True)
         return
     for group in optimizer.param_groups:
