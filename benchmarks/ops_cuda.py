@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ampkit.amp.grad_combine import unscale_and_check_  # noqa: E402
 from ampkit.ops import multi_tensor as mt  # noqa: E402
 from ampkit.ops.optimizers import FusedAdam  # noqa: E402
 from ampkit.ops.pipeline import fused_unscale_clip_step_  # noqa: E402
@@ -153,14 +152,7 @@ def optimizer_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[
     # The Trainer's amp step with a fused optimizer: its own unscale + inf check pass after backward (reads and
     # writes g), then the plain kernel (reads p, g, m, v; writes p, m, v). Against the row above, it says
     # whether moving the Trainer's unscale into the kernel would pay on this GPU (on CPU it does not).
-    trainer_adamw = FusedAdam(opt_bench._params_with_grads(base, grads), lr=1e-3)
-    trainer_grads = [p.grad for group in trainer_adamw.param_groups for p in group["params"]]
-    inv_scale = torch.ones(1, device="cuda")
-
-    def trainer_step() -> None:
-        unscale_and_check_(trainer_grads, torch.zeros(1, device="cuda"), inv_scale)
-        trainer_adamw.step()
-
+    trainer_step = opt_bench.trainer_amp_step(FusedAdam(opt_bench._params_with_grads(base, grads), lr=1e-3))
     torch_ms, ms = time_ms(scaler_step(torch_adamw), trainer_step)
     rows.append(("optimizers", "Trainer amp step: unscale pass + FusedAdam", "GradScaler + AdamW(fused)", size, ms,
                  torch_ms, count * 36 / ms / 1e6, ceiling))  # fmt: skip

@@ -146,16 +146,21 @@ def _trainer_path_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callabl
     """(torch, ampkit) the amp step as the Trainer runs it with a fused optimizer: one unscale + inf check pass
     over the grads after backward (``unscale_and_check_``), then ``FusedAdam.step()`` on unscaled grads; torch
     as in ``_grad_scaler_pair``. Scale 1 keeps every call's inputs identical; both sides divide every grad."""
-    torch_step = _torch_adamw_through_scaler(base, grads)
     ours = FusedAdam(_params_with_grads(base, grads), lr=1e-3, weight_decay=0.01)
-    ours_grads = [p.grad for group in ours.param_groups for p in group["params"]]
-    inv_scale = torch.ones(1)
+    return _torch_adamw_through_scaler(base, grads), trainer_amp_step(ours)
 
-    def trainer_step() -> None:
-        unscale_and_check_(ours_grads, torch.zeros(1), inv_scale)
-        ours.step()
 
-    return torch_step, trainer_step
+def trainer_amp_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """``optimizer``'s step as the Trainer's amp path runs it: an unscale + inf check pass over its grads (scale 1,
+    a fresh flag each call), then ``step()``. On the device its parameters live on (``ops_cuda.py`` uses it too)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    inv_scale = torch.ones(1, device=grads[0].device)
+
+    def step() -> None:
+        unscale_and_check_(grads, torch.zeros(1, device=inv_scale.device), inv_scale)
+        optimizer.step()
+
+    return step
 
 
 def run(ctx) -> list[dict]:
