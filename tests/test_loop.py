@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit import Callback, Phase
+from ampkit.trainer.optimizers import step_
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 
 QUIET = {"logging.tensorboard": False, "checkpoint.enabled": False}
@@ -298,6 +300,91 @@ def test_zeroing_shows_in_a_profile_as_torch_s_zero_grad(tmp_path):
         trainer.fit()
     names = [event.name for event in prof.events()]
     assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+)
+def test_step_updates_as_torch_s_step(make):
+    """step_ (the Trainer's call of optimizer.step) leaves parameters and state bit for bit as torch's step."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(5, 3), nn.Linear(5, 3)
+    theirs.load_state_dict(ours.state_dict())
+    opt_ours, opt_theirs = make(ours.parameters()), make(theirs.parameters())
+    for _ in range(3):
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        step_(opt_ours)
+        opt_theirs.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert str(opt_ours.state_dict()) == str(opt_theirs.state_dict())
+
+
+def test_step_hooks_an_instance_step_and_a_scheduler_still_see_every_step(tmp_path):
+    """The Trainer steps plain optimizers without torch's wrapper, but not past what the wrapper serves: global
+    and per-optimizer step hooks, a step the instance overrides, and an LR scheduler's check that the optimizer
+    stepped first (it warns otherwise) each see every step."""
+    calls: list[str] = []
+
+    class Hooked(ToyTrainer):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+            optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+            return optimizer
+
+    Hooked(toy_cfg(tmp_path / "hooks", **{"trainer.max_steps": 3, **QUIET})).fit()
+    assert calls == ["pre", "post"] * 3
+
+    calls.clear()
+    handles = [
+        register_optimizer_step_pre_hook(lambda *_: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda *_: calls.append("global post")),
+    ]
+    try:
+        ToyTrainer(toy_cfg(tmp_path / "global", **{"trainer.max_steps": 3, **QUIET})).fit()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["global pre", "global post"] * 3
+
+    calls.clear()
+
+    class OwnInstance(ToyTrainer):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            plain = optimizer.step
+            optimizer.step = lambda: (calls.append("instance"), plain())[1]
+            return optimizer
+
+    OwnInstance(toy_cfg(tmp_path / "instance", **{"trainer.max_steps": 3, **QUIET})).fit()
+    assert calls == ["instance"] * 3
+
+    class Scheduled(ToyTrainer):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step")
+        trainer = Scheduled(toy_cfg(tmp_path / "scheduler", **{"trainer.max_steps": 3, **QUIET}))
+        trainer.fit()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**3)
+
+
+def test_stepping_shows_in_a_profile_as_torch_s_step(tmp_path):
+    """While a profiler records, torch's step runs, so its range is in the trace as in a hand loop."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 2, **QUIET}))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.fit()
+    names = [event.name for event in prof.events()]
+    assert names.count("Optimizer.step#SGD.step") == 2
 
 
 class _CountingLoader:

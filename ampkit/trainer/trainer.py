@@ -70,7 +70,7 @@ from ampkit.trainer.distributed import (
 from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
-from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, zero_grad_
+from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -290,7 +290,7 @@ class Trainer:
             opt_state.skipped_steps += 1
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
-        optimizer.step()
+        step_(optimizer)
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
