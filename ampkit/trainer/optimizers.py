@@ -1,4 +1,5 @@
-"""Normalise what ``configure_optimizers`` returns into named optimizers with their schedulers."""
+"""The Trainer's optimizers: what ``configure_optimizers`` returns, normalised into named optimizers with their
+schedulers, and the two calls the loop makes on each every iteration (``step_``, ``zero_grad_``)."""
 
 from __future__ import annotations
 
