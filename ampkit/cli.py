@@ -90,13 +90,25 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line, with ``key=value`` overrides allowed on both sides of an option
+    (``fit --config f.yaml trainer.max_steps=9 --resume last trainer.seed=1``): argparse takes one run of
+    positionals, so the overrides after an option come back unparsed and join the rest, in their order."""
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if arg.startswith("-") or "=" not in arg]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*getattr(args, "overrides", []), *rest]
+    return args
+
+
 def _metrics(prefix: str, metrics: dict[str, float]) -> str:
     return ", ".join(f"{prefix}/{k}={v:.4f}" for k, v in metrics.items())
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser(argv).parse_args(argv)
+    args = _parse(_parser(argv), argv)
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
         if args.print_config:

@@ -49,6 +49,29 @@ def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, ca
     assert not (tmp_path / "runs").exists()
 
 
+def test_overrides_may_come_on_both_sides_of_an_option(tmp_path, capsys):
+    """``fit --config f trainer.max_steps=9 --resume last trainer.seed=1`` is how a resume command grows: every
+    override applies, later ones winning, and a stray word or option is still an error naming it."""
+    config = _config(tmp_path)
+    argv = [
+        "fit",
+        "--config",
+        config,
+        "trainer.max_epochs=7",
+        "--print-config",
+        "trainer.seed=3",
+        "trainer.max_epochs=5",
+    ]
+    assert main(argv) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.trainer.max_epochs == 5 and printed.trainer.seed == 3
+    for stray in (["--bogus", "x"], ["seed"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", config, "trainer.max_epochs=7", "--print-config", *stray])
+        assert exit_info.value.code == 2
+        assert f"unrecognized arguments: {' '.join(stray)}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "override", "message"),
     [
