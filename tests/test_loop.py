@@ -293,13 +293,15 @@ def test_an_optimizer_s_own_zero_grad_is_called(tmp_path):
     assert instance_calls == [True] * 3
 
 
-def test_zeroing_shows_in_a_profile_as_torch_s_zero_grad(tmp_path):
-    """While a profiler records, torch's zero_grad runs, so its range is in the trace as in a hand loop."""
+def test_zeroing_and_stepping_show_in_a_profile_as_torch_s_own(tmp_path):
+    """While a profiler records, torch's zero_grad and step run, so their ranges are in the trace as in a hand
+    loop."""
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 2, **QUIET}))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         trainer.fit()
     names = [event.name for event in prof.events()]
     assert names.count("Optimizer.zero_grad#SGD.zero_grad") == 2
+    assert names.count("Optimizer.step#SGD.step") == 2
 
 
 @pytest.mark.parametrize(
@@ -376,15 +378,6 @@ def test_step_hooks_an_instance_step_and_a_scheduler_still_see_every_step(tmp_pa
         trainer = Scheduled(toy_cfg(tmp_path / "scheduler", **{"trainer.max_steps": 3, **QUIET}))
         trainer.fit()
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**3)
-
-
-def test_stepping_shows_in_a_profile_as_torch_s_step(tmp_path):
-    """While a profiler records, torch's step runs, so its range is in the trace as in a hand loop."""
-    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 2, **QUIET}))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        trainer.fit()
-    names = [event.name for event in prof.events()]
-    assert names.count("Optimizer.step#SGD.step") == 2
 
 
 class _CountingLoader:
