@@ -128,6 +128,64 @@ def test_scale_loss_before_initialize_is_a_clear_error():
             pass
 
 
+def test_load_state_dict_before_initialize_is_a_clear_error(monkeypatch):
+    """Apex had no scalers to restore into before ``initialize`` either; the saved scale must not be dropped."""
+    monkeypatch.setattr(amp._amp_state, "opt_properties", None)  # a fresh process
+    with pytest.raises(RuntimeError, match=r"before amp.initialize\(\)"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}})
+
+
+class _MatmulSGD(torch.optim.Optimizer):
+    """An optimizer whose update goes through torch.mm (as Shampoo/K-FAC-style preconditioners do)."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+        self.update_dtypes: list[torch.dtype] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                update = torch.mm(torch.eye(p.shape[0]), p.grad)
+                self.update_dtypes.append(update.dtype)
+                p.add_(update, alpha=-group["lr"])
+
+
+def test_o1_casts_are_off_inside_optimizer_step():
+    """Apex wrapped every optimizer's step in disable_casts: an optimizer's own matmuls stay float32, so an
+    update too small for float16 is still applied."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4, bias=False)
+    model, optimizer = amp.initialize(model, _MatmulSGD(model.parameters(), lr=1.0), opt_level="O1", verbosity=0)
+    with amp.scale_loss(model(torch.randn(8, 4)).float().mean() * 1e-7, optimizer) as scaled:
+        scaled.backward()
+    expected = -model.weight.grad.clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    optimizer.step()
+    assert optimizer.update_dtypes == [torch.float32]
+    assert torch.equal(model.weight, expected) and expected.abs().max() < 1e-7
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.optim.Adam])
+def test_o3_recasts_optimizer_state_made_before_initialize(make):
+    """Apex's state-dict trick at initialize: per-parameter state made before the model cast (momentum, Adam's
+    moments) follows the parameters to float16, so the next step runs (Adam's failed on the mixed dtypes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = make(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O3", verbosity=0)
+    state = optimizer.state[model.weight]
+    assert {k: v.dtype for k, v in state.items() if k != "step"} == dict.fromkeys(set(state) - {"step"}, torch.half)
+    optimizer.zero_grad()
+    with amp.scale_loss(model(torch.randn(5, 4).half()).float().sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert model.weight.dtype == torch.half and torch.isfinite(model.weight).all()
+
+
 def test_loss_id_out_of_range_names_num_losses():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)

@@ -59,7 +59,27 @@ def test_blacklist_ops_run_in_float32(handle):
     _check(lambda x: x**2.0, always_float, (4, 8))
     _check(lambda x: x.sum(), always_float, (4, 8))
     _check(lambda x: torch.exp(x), always_float, (4, 8))
-    _check(lambda x: x.cpu(), always_float, (4, 8))
+    grid = torch.rand(1, 3, 3, 2) * 2 - 1  # float32, as a spatial transformer's usually is
+    _check(lambda x: F.grid_sample(x, grid, align_corners=False), always_float, (1, 2, 4, 4))
+
+
+def test_cpu_leaves_a_tensor_already_on_the_cpu_as_it_is(handle):
+    """Apex casts to float32 only a tensor about to leave the GPU: one already on the CPU comes back as the same
+    object, so in-place edits reach it and a half model's ``.cpu()`` keeps it half."""
+    x = torch.randn(4, 8, dtype=handle.dtype)
+    assert x.cpu() is x
+    model = nn.Linear(2, 2).to(handle.dtype).cpu()
+    assert model.weight.dtype == handle.dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a tensor leaving the GPU")
+def test_cpu_of_a_gpu_tensor_arrives_in_float32(handle):
+    for dtype in (torch.float32, handle.dtype):
+        x = torch.randn(4, 8, dtype=dtype, device="cuda", requires_grad=True)
+        y = x.cpu()
+        assert y.dtype == torch.float32 and y.device.type == "cpu"
+        y.sum().backward()
+        assert x.grad.dtype == dtype
 
 
 def test_match_ops_keep_the_input_type(handle):
@@ -318,3 +338,22 @@ def test_initialize_o1_creates_the_handle_and_scalers_answer_to_apex_attributes(
     with amp.scale_loss(model(torch.randn(3, 2)).sum() * float("inf"), optimizer) as scaled:
         scaled.backward()
     assert scaler._has_overflow and scaler._loss_scale == 4.0 and scaler._unskipped == 0
+    with amp.scale_loss(model(torch.randn(3, 2)).sum(), optimizer, delay_overflow_check=True) as scaled:
+        scaled.backward()
+    assert not scaler._has_overflow  # Apex cleared it before every unscale, delayed check or not
+
+
+def test_a_static_scaler_never_reports_an_overflow_and_a_zero_floor_is_none():
+    """Apex's static scaler neither skips nor sets ``_has_overflow``; ``min_loss_scale=0`` meant no floor."""
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+    with amp.scale_loss(model(torch.randn(3, 2)).sum() * float("inf"), optimizer) as scaled:
+        scaled.backward()
+    scaler = amp._amp_state.loss_scalers[0]
+    assert not scaler._has_overflow and scaler._loss_scale == 128.0 and scaler._unskipped == 1
+    amp.initialize(nn.Linear(2, 2), opt_level="O1", min_loss_scale=0, verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert scaler._min_loss_scale is None
+    scaler._min_loss_scale = 0
+    assert scaler._min_loss_scale is None

@@ -20,7 +20,7 @@ TENSOR = torch.Tensor
 FUNCTIONAL_LOW = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                   "conv_tbc", "linear"]  # fmt: skip
 FUNCTIONAL_FP32 = [
-    "interpolate", "softplus", "softmin", "log_softmax", "softmax",
+    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax",
     "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",
     "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss", "kl_div", "l1_loss",
     "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss",
@@ -50,7 +50,9 @@ TORCH_SEQUENCE_PROMOTE = ["cat", "stack"]
 
 # torch.Tensor methods: Apex's own entries plus every torch.* entry that is also a Tensor method.
 TENSOR_LOW = ["__matmul__", *(n for n in TORCH_LOW if hasattr(TENSOR, n))]
-TENSOR_FP32 = ["__ipow__", "__pow__", "__rpow__", "cpu", *(n for n in TORCH_FP32 if hasattr(TENSOR, n))]
+TENSOR_FP32 = ["__ipow__", "__pow__", "__rpow__", *(n for n in TORCH_FP32 if hasattr(TENSOR, n))]
+# Apex's float32 cast "before transfer to CPU": only a tensor that is not on the CPU already is cast.
+TENSOR_FP32_BEFORE_TRANSFER = ["cpu"]
 TENSOR_PROMOTE = [
     "__add__", "__div__", "__eq__", "__ge__", "__gt__", "__iadd__", "__idiv__", "__imul__", "__isub__",
     "__itruediv__", "__le__", "__lt__", "__mul__", "__ne__", "__radd__", "__rdiv__", "__rmul__", "__rsub__",

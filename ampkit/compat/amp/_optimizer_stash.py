@@ -16,6 +16,7 @@ import torch
 from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
 from ampkit.amp.grad_combine import CombineResult
 from ampkit.compat.amp._amp_state import maybe_print
+from ampkit.compat.amp.functions import disable_casts
 
 _MASTER_STATE_KEY = "ampkit_master_weights"
 
@@ -144,7 +145,8 @@ class AmpOptimizerStash:
         def step(self: Any, closure: Any = None) -> Any:
             if closure is not None:
                 raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
-            result = original_step()
+            with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
+                result = original_step()
             if stash.master_weights is not None:
                 stash.master_weights.copy_to_model()
                 stash.clear_master_grads()

@@ -179,7 +179,7 @@ def initialize(
             growth_factor=scale_growth_factor,
             backoff_factor=scale_backoff_factor,
             growth_interval=scale_window,
-            min_scale=min_loss_scale,
+            min_scale=min_loss_scale or None,  # Apex: a falsy floor (None or 0) is no floor
             max_scale=max_loss_scale,
         )
         for _ in range(num_losses)
@@ -194,6 +194,9 @@ def initialize(
     state_dict_hook = Float32StateDict()
     for model in model_list:
         apply_model_casts(model, properties, cast_model_outputs, state_dict_hook)
+    if properties.cast_model_type not in (None, torch.float32) and not properties.master_weights:
+        for optimizer in optimizer_list:  # state made before the cast (O3 momentum, Adam moments) follows it
+            optimizer.load_state_dict(optimizer.state_dict())
     for optimizer in optimizer_list:
         optimizer._amp_stash = AmpOptimizerStash(optimizer, properties, bool(combine_grad), fp32_values)
         state_dict_hook.master_sources.append(optimizer._amp_stash.masters_by_param)
@@ -222,6 +225,11 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         )
         raise TypeError(
             f"amp.load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}{hint}"
+        )
+    if not _amp_state.initialized:  # Apex failed here too: its scalers exist only once initialize made them
+        raise RuntimeError(
+            "amp.load_state_dict() before amp.initialize(): there are no loss scalers to restore into yet; "
+            "call amp.initialize(model, optimizer, ...) first, then amp.load_state_dict(checkpoint['amp'])"
         )
     scalers = _amp_state.loss_scalers
     if len(state_dict) != len(scalers):

@@ -81,8 +81,8 @@ def scale_loss(
         return
     with _casts_disabled():  # amp's own arithmetic is not the model's: no O1 casts inside it
         flags = [stash.combine(scaler).found_inf for stash in stashes]
+    scaler.clear_overflow_state()  # also with delay_overflow_check, as Apex: no stale verdict in _has_overflow
     if not delay_overflow_check:
-        scaler.clear_overflow_state()
         found_inf = any(read_flags(flags))
         scaler.update(found_inf)
         if found_inf and scaler.dynamic:

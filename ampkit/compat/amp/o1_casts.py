@@ -155,6 +155,23 @@ def cast_wrapper(state: CastState, dtype: torch.dtype, try_caching: bool) -> Cal
     return make
 
 
+def fp32_before_transfer_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """``Tensor.cpu``: a low-precision tensor leaving another device arrives in float32 (Apex's rule); one
+    already on the CPU comes back as it is, the same object, as Apex left tensors off the GPU alone (so a
+    half model's ``.cpu()`` keeps it half)."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if state.is_active() and self.device.type != "cpu":
+                self = _cast_value(self, torch.float32)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
 def promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
     """Cast to float32 when the arguments mix a low-precision dtype with float32."""
 
@@ -305,6 +322,7 @@ def install_o1_casts(
         (lists.TORCH, lists.TORCH_FP32, fp32),
         (lists.TENSOR, lists.TENSOR_LOW, low),
         (lists.TENSOR, lists.TENSOR_FP32, fp32),
+        (lists.TENSOR, lists.TENSOR_FP32_BEFORE_TRANSFER, fp32_before_transfer_wrapper(state)),
         (lists.TORCH, lists.TORCH_PROMOTE, promote_wrapper(state)),
         (lists.TENSOR, lists.TENSOR_PROMOTE, promote_wrapper(state)),
         (lists.TORCH, lists.TORCH_SEQUENCE_PROMOTE, sequence_promote_wrapper(state)),

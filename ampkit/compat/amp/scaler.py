@@ -45,7 +45,7 @@ class ApexLossScaler(LossScaler):
 
     @_min_loss_scale.setter
     def _min_loss_scale(self, value: float | None) -> None:
-        self.min_scale = None if value is None else float(value)
+        self.min_scale = float(value) if value else None  # Apex: a falsy floor (None or 0) is no floor
 
     @property
     def _max_loss_scale(self) -> float | None:
@@ -57,17 +57,18 @@ class ApexLossScaler(LossScaler):
 
     @property
     def _has_overflow(self) -> bool:
-        """Whether the last update saw an overflow (Apex kept it until the next ``clear_overflow_state``)."""
+        """Whether the last update of a dynamic scaler saw an overflow, until the next ``clear_overflow_state``
+        (as in Apex, a static scaler never reports one: it does not skip)."""
         return self.last_found_inf
 
     last_found_inf: bool = False
 
     def update(self, found_inf: bool | torch.Tensor) -> tuple[float, float]:
-        """The engine's update; the verdict is kept for ``_has_overflow``."""
+        """The engine's update; a dynamic scaler's verdict is kept for ``_has_overflow``."""
         if isinstance(found_inf, torch.Tensor):
             found_inf = bool(found_inf.item())
-        self.last_found_inf = bool(found_inf)
-        return super().update(self.last_found_inf)
+        self.last_found_inf = bool(found_inf) and self.dynamic
+        return super().update(bool(found_inf))
 
     def clear_overflow_state(self) -> None:
         """Forget the last overflow (Apex calls it before each unscale)."""
