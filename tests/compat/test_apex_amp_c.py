@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampkit.compat import amp_c as amp_C
-from ampkit.compat import install_apex_shim, uninstall_apex_shim
+from ampkit.compat import apex_c, install_apex_shim, uninstall_apex_shim
 from ampkit.compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
 SIZES = [(7, 13), (29,), (3, 5, 4), (1,), (6, 5)]
@@ -48,9 +48,12 @@ def test_amp_c_and_the_applier_import_through_the_shim_only():
         assert imported is amp_C and multi_tensor_scale is amp_C.multi_tensor_scale
         assert applier is multi_tensor_applier and applier.available
         assert by_module_path is MultiTensorApply
+        from apex_C import flatten, unflatten  # Apex's other top-level extension
+
+        assert (flatten, unflatten) == (apex_c.flatten, apex_c.unflatten)
     finally:
         uninstall_apex_shim()
-    assert "amp_C" not in sys.modules
+    assert "amp_C" not in sys.modules and "apex_C" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("amp_C")
     with pytest.raises(AttributeError, match="it provides multi_tensor_adam"):

@@ -59,6 +59,27 @@ class AmpOptimizerStash:
             if master is not param and original is not None:
                 master.copy_(original)
 
+    @property
+    def all_fp16_params(self) -> list[torch.Tensor]:
+        """Apex's O2 list: the low-precision model parameters that have a float32 master."""
+        return [model for model, master in self._master_pairs() if master is not model]
+
+    @property
+    def all_fp32_from_fp16_params(self) -> list[torch.Tensor]:
+        """Apex's O2 list: the float32 masters of those parameters (NVIDIA's BERT clears their grads after an
+        overflow it detected by hand)."""
+        return [master for model, master in self._master_pairs() if master is not model]
+
+    @property
+    def all_fp32_from_fp32_params(self) -> list[torch.Tensor]:
+        """Apex's O2 list: the parameters that were float32 already (batch norm's), their own masters."""
+        return [model for model, master in self._master_pairs() if master is model]
+
+    def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.master_weights is None:
+            return []
+        return list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
+
     def masters_by_param(self) -> dict[int, torch.Tensor]:
         """``id(model parameter) -> float32 master`` for the parameters that have a separate master."""
         if self.master_weights is None:

@@ -71,5 +71,47 @@ class ApexLossScaler(LossScaler):
         return super().update(bool(found_inf))
 
     def clear_overflow_state(self) -> None:
-        """Forget the last overflow (Apex calls it before each unscale)."""
+        """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
         self.last_found_inf = False
+        self._overflow_buf.zero_()
+
+    @property
+    def _overflow_buf(self) -> torch.Tensor:
+        """Apex's overflow flag, written by ``amp_C`` kernels (``multi_tensor_scale(..., scaler._overflow_buf,
+        ...)``) and read by :meth:`update_scale`; legacy code may put its own buffer here."""
+        buf = self.__dict__.get("_overflow_buf_tensor")
+        if buf is None:
+            buf = self.__dict__["_overflow_buf_tensor"] = torch.zeros(1, dtype=torch.int32)
+        return buf
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: torch.Tensor) -> None:
+        self.__dict__["_overflow_buf_tensor"] = value
+
+    def unscale(
+        self,
+        model_grads: list[torch.Tensor],
+        master_grads: list[torch.Tensor],
+        unused_scale: float | None = None,
+        models_are_masters: bool = False,
+    ) -> None:
+        """Apex's ``LossScaler.unscale``: ``master_grads = model_grads / scale``, flagging inf/nan in
+        ``_overflow_buf`` for :meth:`update_scale` (nothing once an overflow is known, or at a static scale of 1
+        with no masters)."""
+        if self._has_overflow:
+            return
+        if self._loss_scale == 1.0 and models_are_masters and not self.dynamic:
+            return
+        from ampkit.ops import multi_tensor
+
+        multi_tensor.scale_(list(model_grads), 1.0 / self._loss_scale, self._overflow_buf, out=list(master_grads))
+
+    def update_scale(self) -> bool:
+        """Apex's ``LossScaler.update_scale``: a dynamic scaler reads ``_overflow_buf`` (unless an overflow is
+        already known), backs off or counts a clean step, and returns whether the step must be skipped; legacy
+        scripts that unscale by hand (NVIDIA's BERT pretraining) call it instead of ``scale_loss``."""
+        found_inf = self.last_found_inf
+        if self.dynamic and not found_inf:
+            found_inf = bool(self._overflow_buf.item())
+        self.update(found_inf)
+        return found_inf and self.dynamic

@@ -1,0 +1,22 @@
+"""Apex's ``apex_C`` extension module: flattening a list of dense tensors into one buffer and back.
+
+NVIDIA's BERT pretraining all-reduces the gradients through one flat buffer made with it. Apex wrapped
+torch's own C++ helpers; these are torch's Python ones, which compute the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor holding ``tensors`` one after the other (all of one dtype and device)."""
+    return _flatten_dense_tensors(list(tensors))
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors``, in order (writing them writes ``flat``)."""
+    return list(_unflatten_dense_tensors(flat, list(tensors)))
