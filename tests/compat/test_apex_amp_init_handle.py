@@ -160,6 +160,45 @@ def test_rnn_cells_run_in_low_precision(handle, cell, state_tuple):
         assert rnn.weight_ih.grad.dtype == torch.float32
 
 
+def _casts_of(weight: torch.Tensor, output: torch.Tensor) -> int:
+    """How many nodes of ``output``'s graph read ``weight`` directly (each a cast of it)."""
+    seen, count, stack = set(), 0, [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            count += type(child).__name__ == "AccumulateGrad" and child.variable is weight
+            stack.append(child)
+    return count
+
+
+def test_a_cell_unrolled_over_a_sequence_casts_its_weights_once(handle):
+    """Apex cached the low-precision casts of a cell's weights: 20 steps of an LSTMCell hold one copy of each
+    weight in the graph, not 20, and the gradient is the same as without the cache."""
+    cell = nn.LSTMCell(8, 8)
+    xs = [torch.randn(3, 8) for _ in range(20)]
+
+    def unroll() -> torch.Tensor:
+        hidden = (torch.zeros(3, 8), torch.zeros(3, 8))
+        for x in xs:
+            hidden = cell(x, hidden)
+        return hidden[0]
+
+    output = unroll()
+    assert _casts_of(cell.weight_ih, output) == 1 and _casts_of(cell.bias_hh, output) == 1
+    output.float().sum().backward()
+    cached_grad, cell.weight_ih.grad = cell.weight_ih.grad, None
+    weights = [w.to(handle.dtype) for w in (cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)]
+    hidden = (torch.zeros(3, 8, dtype=handle.dtype), torch.zeros(3, 8, dtype=handle.dtype))
+    with amp.disable_casts():  # the reference: the same casts made by hand
+        for x in xs:
+            hidden = torch.lstm_cell(x.to(handle.dtype), hidden, *weights)
+        hidden[0].float().sum().backward()
+    torch.testing.assert_close(cached_grad, cell.weight_ih.grad)
+
+
 @pytest.mark.parametrize("module", [nn.RNN, nn.GRU, nn.LSTM])
 def test_rnns_run_in_low_precision(handle, module):
     rnn = module(input_size=6, hidden_size=6, num_layers=2, bidirectional=True)

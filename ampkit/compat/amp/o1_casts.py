@@ -263,15 +263,23 @@ class _RnnBackend:
         self._backend = backend
         for name in lists.RNN_BACKEND_FUNCTIONS:
             if hasattr(backend, name):
-                setattr(self, name, self._wrap(getattr(backend, name), state, dtype))
+                setattr(self, name, self._wrap(getattr(backend, name), state, dtype, name.endswith("_cell")))
 
     @staticmethod
-    def _wrap(original: Callable, state: CastState, dtype: torch.dtype) -> Callable:
+    def _wrap(original: Callable, state: CastState, dtype: torch.dtype, cached_weights: bool) -> Callable:
+        """A cell's weights are cast through the cache (Apex's rule), so a cell unrolled over a sequence shares
+        one low-precision copy per iteration instead of keeping one per time step in the graph."""
+
+        def cast(value: Any) -> Any:
+            if cached_weights and state.has_cache and isinstance(value, torch.nn.Parameter):
+                return _cached_cast(value, dtype, state)
+            return _cast_deep(value, dtype)
+
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if not state.is_active():
                 return original(*args, **kwargs)
-            return original(*_cast_deep(args, dtype), **{k: _cast_deep(v, dtype) for k, v in kwargs.items()})
+            return original(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 
         return wrapper
 
