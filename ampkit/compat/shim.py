@@ -83,6 +83,10 @@ class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _make_apex_package() if self.target is None else importlib.import_module(self.target)
         self._original_spec = getattr(module, "__spec__", None)
+        if not hasattr(module, "__path__") and any(alias.startswith(spec.name + ".") for alias in _MODULE_ALIASES):
+            # A plain ampkit module standing for an Apex package whose file-named submodules legacy code imports
+            # (apex.normalization.fused_layer_norm): Python imports a submodule only under a package.
+            module.__path__ = []
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

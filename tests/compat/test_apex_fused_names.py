@@ -7,7 +7,7 @@ import ampkit.compat.normalization as normalization
 import ampkit.compat.optimizers as optimizers
 
 OPTIMIZERS = list(optimizers.__all__)
-NORMS = list(normalization.__all__)
+NORMS = list(normalization._MODULES)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -51,3 +51,47 @@ def test_fused_adam_steps_through_the_apex_shim():
 def test_unknown_names_are_a_clear_error():
     with pytest.raises(AttributeError, match="FusedAdamW.*FusedAdam"):
         optimizers.FusedAdamW  # noqa: B018
+
+
+def test_file_named_submodules_import_through_the_shim():
+    """Legacy code imports Apex's modules by file name (``apex.normalization.fused_layer_norm``,
+    ``apex.optimizers.fused_adam``), where the ampkit module standing for the package is a plain module."""
+    from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+    install_apex_shim()
+    try:
+        from apex.normalization.fused_layer_norm import FusedLayerNorm, FusedLayerNormAffineFunction
+        from apex.optimizers.fused_adam import FusedAdam
+        from apex.optimizers.fused_lamb import FusedLAMB
+
+        assert FusedLayerNorm is normalization.FusedLayerNorm
+        assert FusedLayerNormAffineFunction is normalization.FusedLayerNormAffineFunction
+        assert (FusedAdam, FusedLAMB) == (optimizers.FusedAdam, optimizers.FusedLAMB)
+    finally:
+        uninstall_apex_shim()
+
+
+def test_apex_norm_functions_take_apex_arguments():
+    """``Fused*Function.apply`` and the functional forms with Apex's argument order, against torch's norms."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    out = normalization.FusedLayerNormAffineFunction.apply(x, w, b, (8,), 1e-5)
+    expected = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), (x, w, b))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (x, w, b)))
+    torch.testing.assert_close(
+        normalization.FusedLayerNormFunction.apply(x, (8,), 1e-5), torch.nn.functional.layer_norm(x, (8,), eps=1e-5)
+    )
+    rms = normalization.FusedRMSNormAffineFunction.apply(x, w, (8,), 1e-5)
+    torch.testing.assert_close(rms, normalization.manual_rms_norm(x, (8,), w, 1e-5))
+    torch.testing.assert_close(rms, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
+    low = torch.randn(4, 8, dtype=torch.bfloat16)
+    weight, bias = torch.ones(8), torch.zeros(8)
+    assert normalization.FusedLayerNormAffineMixedDtypesFunction.apply(low, weight, bias, (8,), 1e-5).dtype == (
+        torch.float32
+    )
+    assert normalization.FusedRMSNormAffineMixedDtypesFunction.apply(low, weight, (8,), 1e-5).dtype == torch.float32
+    assert normalization.fused_rms_norm_affine(low, weight, (8,), 1e-5).dtype == torch.bfloat16
