@@ -95,3 +95,60 @@ def test_apex_norm_functions_take_apex_arguments():
     )
     assert normalization.FusedRMSNormAffineMixedDtypesFunction.apply(low, weight, (8,), 1e-5).dtype == torch.float32
     assert normalization.fused_rms_norm_affine(low, weight, (8,), 1e-5).dtype == torch.bfloat16
+
+
+def test_apex_positional_argument_order_is_kept():
+    """Legacy code passes Apex's options positionally; each lands where Apex's signature puts it (ampkit's own
+    options, such as ``maximize``, are keyword-only and cannot be reached that way)."""
+    p = [torch.nn.Parameter(torch.randn(4))]
+    adam = optimizers.FusedAdam(p, 0.1, False, (0.8, 0.9), 1e-7, False, 0.01, False, False)
+    expected = {"lr": 0.1, "bias_correction": False, "betas": (0.8, 0.9), "eps": 1e-7, "adam_w_mode": False}
+    expected |= {"weight_decay": 0.01, "maximize": False}
+    assert {key: adam.param_groups[0][key] for key in expected} == expected
+    assert adam.set_grad_none is False
+    sgd = optimizers.FusedSGD(p, 0.1, 0.9, 0.0, 0.01, True, False, True, False)
+    group = sgd.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"], group["nesterov"], group["maximize"]) == (
+        0.1,
+        0.9,
+        0.01,
+        True,
+        False,
+    )
+    assert sgd.set_grad_none is False and not sgd.master_weights
+    lamb = optimizers.FusedLAMB(p, 0.1, True, (0.9, 0.99), 1e-6, 0.02, False, True, True, False, 5.0, True)
+    group = lamb.param_groups[0]
+    assert (group["weight_decay"], group["max_grad_norm"], group["use_nvlamb"], lamb.set_grad_none) == (
+        0.02,
+        5.0,
+        True,
+        False,
+    )
+    novograd = optimizers.FusedNovoGrad(p, 0.1, True, (0.9, 0.99), 1e-8, 0.0, False, True, False, 2, True, False)
+    assert novograd.param_groups[0]["init_zero"] is True and novograd.set_grad_none is False
+    adagrad = optimizers.FusedAdagrad(p, 0.1, 1e-8, 1e-4, False)
+    group = adagrad.param_groups[0]
+    assert (group["eps"], group["weight_decay"], group["lr_decay"], group["initial_accumulator_value"]) == (
+        1e-8,
+        1e-4,
+        0.0,
+        0.0,
+    )
+    assert adagrad.set_grad_none is False
+    mixed = optimizers.FusedMixedPrecisionLamb(p, 0.1, 7, False, (0.8, 0.9))
+    assert mixed.param_groups[0]["bias_correction"] is False and mixed.param_groups[0]["betas"] == (0.8, 0.9)
+    with pytest.raises(TypeError):
+        optimizers.FusedAdam(p, 0.1, True, (0.9, 0.999), 1e-8, True, 0.0, False, True, False, False, True)
+
+
+def test_mixed_precision_lamb_starts_from_the_step_it_is_given():
+    """Apex's ``step`` argument: a resumed schedule's bias correction continues from that count."""
+    torch.manual_seed(0)
+    grad = torch.randn(6)
+    fresh, resumed = torch.nn.Parameter(torch.ones(6)), torch.nn.Parameter(torch.ones(6))
+    for param, step in ((fresh, 0), (resumed, 100)):
+        optimizer = optimizers.FusedMixedPrecisionLamb([param], lr=0.1, step=step, weight_decay=0.0)
+        param.grad = grad.clone()
+        optimizer.step()
+        assert float(optimizer.state[param]["step"]) == step + 1
+    assert not torch.equal(fresh, resumed)  # bias corrections of step 1 and step 101 differ

@@ -34,14 +34,15 @@ class FusedAdagrad(FusedOptimizer):
         self,
         params: Iterable[Any],
         lr: float = 1e-2,
-        lr_decay: float = 0.0,
-        weight_decay: float = 0.0,
-        initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
-        maximize: bool = False,
-        master_weights: bool = False,
+        weight_decay: float = 0.0,
         set_grad_none: bool = True,
         adagrad_w_mode: bool = False,
+        *,
+        lr_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        maximize: bool = False,
+        master_weights: bool = False,
     ) -> None:
         reject_option("FusedAdagrad", "adagrad_w_mode", adagrad_w_mode, False)
         check_hyper("lr", lr)

@@ -41,10 +41,11 @@ class FusedAdam(FusedOptimizer):
         adam_w_mode: bool = True,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
-        maximize: bool = False,
-        master_weights: bool = False,
         set_grad_none: bool = True,
         capturable: bool = False,
+        master_weights: bool = False,
+        *,
+        maximize: bool = False,
     ) -> None:
         check_hyper("lr", float(lr))
         check_hyper("eps", eps)

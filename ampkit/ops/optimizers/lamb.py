@@ -42,10 +42,11 @@ class FusedLAMB(FusedOptimizer):
         amsgrad: bool = False,
         adam_w_mode: bool = True,
         grad_averaging: bool = True,
+        set_grad_none: bool = True,
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
+        *,
         master_weights: bool = False,
-        set_grad_none: bool = True,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
@@ -170,12 +171,14 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     ``reduced_precision_dtype`` (Apex's argument) only selects which dtype may be reduced; every
     fp16/bf16 parameter gets an fp32 master copy. Unlike Apex, the LAMB direction is not written into
     ``.grad`` (rounded to the grad's dtype) but kept in an fp32 buffer; only the new weight is rounded.
+    ``step`` (Apex's argument) is the step count training starts from (a resumed schedule's bias correction).
     """
 
     def __init__(
         self,
         params: Iterable[Any],
         lr: float = 1e-3,
+        step: int = 0,
         bias_correction: bool = True,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
@@ -186,8 +189,12 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         reduced_precision_dtype: torch.dtype | None = None,
+        *,
         set_grad_none: bool = True,
     ) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
+        self._initial_step = step
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"reduced_precision_dtype must be None, torch.float16 or torch.bfloat16; got {reduced_precision_dtype}"
@@ -208,3 +215,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             set_grad_none=set_grad_none,
         )
         self.reduced_precision_dtype = reduced_precision_dtype
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        super()._init_state(param, state, group)
+        state["step"].fill_(float(self._initial_step))

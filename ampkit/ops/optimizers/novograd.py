@@ -42,8 +42,9 @@ class FusedNovoGrad(FusedOptimizer):
         grad_averaging: bool = True,
         norm_type: int = 2,
         init_zero: bool = False,
-        master_weights: bool = False,
         set_grad_none: bool = True,
+        *,
+        master_weights: bool = False,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")

@@ -44,11 +44,12 @@ class FusedSGD(FusedOptimizer):
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
-        maximize: bool = False,
-        master_weights: bool = False,
-        set_grad_none: bool = True,
         wd_after_momentum: bool = False,
         materialize_master_grads: bool = True,
+        set_grad_none: bool = True,
+        *,
+        maximize: bool = False,
+        master_weights: bool = False,
         fp32_momentum: bool = False,
     ) -> None:
         reject_option("FusedSGD", "wd_after_momentum", wd_after_momentum, False)
