@@ -275,15 +275,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Whether ``state[key]`` lives in the accumulate dtype (else in the param dtype, as torch loads it)."""
         return key == "master_param" or key in self._acc_state_keys
 
+    def _adopt_group_step(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> bool:
+        """A state dict written by Apex's fused optimizers keeps the step count in the param group, not per
+        parameter: each parameter that keeps its own count here takes the group's (0 where Apex had none)."""
+        fresh: dict[str, Any] = {}
+        self._init_state(param, fresh, group)
+        if "step" not in fresh:
+            return False
+        saved = group.get("step", 0)
+        count = float(saved.reshape(-1)[0]) if isinstance(saved, Tensor) else float(saved)
+        state["step"] = torch.tensor(count, dtype=torch.float32).to(self._step_device(param))
+        return True
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then state is put back in the accumulate dtype (torch casts it to the param dtype).
 
         A state dict saved by the ``torch.optim`` counterpart loads as is; fp32 master copies and fp32
-        moments of fp16/bf16 parameters keep their precision.
+        moments of fp16/bf16 parameters keep their precision. One saved by Apex's fused optimizer (the step
+        count in the param group) resumes at its step.
         """
         super().load_state_dict(state_dict)
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            adopted = False
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 incoming = state_dict["state"].get(pid)
                 if incoming is None or p not in self.state:
@@ -296,3 +310,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)
+                if "step" not in state:
+                    adopted = self._adopt_group_step(p, state, group) or adopted
+            if adopted:
+                group.pop("step", None)  # the count now lives with each parameter

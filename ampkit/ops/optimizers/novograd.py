@@ -73,6 +73,21 @@ class FusedNovoGrad(FusedOptimizer):
         init = 0.0 if group["init_zero"] else _UNSET
         state["exp_avg_sq"] = torch.tensor(init, dtype=acc_dtype(param), device=param.device)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also a state dict written by Apex's FusedNovoGrad, which kept each group's second moments in the group
+        (``exp_avg_sq = [fp16 params' norms, fp32 params' norms]``, each in the group's order)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            norms = group.pop("exp_avg_sq", None)
+            if norms is None:
+                continue
+            by_dtype = {torch.float16: iter(norms[0].tolist()), torch.float32: iter(norms[1].tolist())}
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state is not None and "exp_avg_sq" not in state and param.dtype in by_dtype:
+                    value = next(by_dtype[param.dtype])
+                    state["exp_avg_sq"] = torch.tensor(value, dtype=acc_dtype(param), device=param.device)
+
     def step_with_grad_factor(self, grad_factor: float) -> None:
         for group in self.param_groups:
             if any(p.grad is not None for p in group["params"]):

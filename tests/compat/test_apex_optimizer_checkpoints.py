@@ -1,0 +1,62 @@
+"""A checkpoint written by Apex's fused optimizers resumes in ampkit's: Apex kept the step count in the param
+group (FusedAdam, FusedLAMB, FusedMixedPrecisionLamb), no step at all (FusedAdagrad), and FusedNovoGrad's
+second moments in the group as ``[fp16 params' norms, fp32 params' norms]``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ampkit.compat import optimizers
+
+STEPS = 5
+
+
+def _apex_layout(state_dict: dict, name: str) -> dict:
+    """``state_dict`` of an ampkit optimizer rewritten the way Apex's optimizer of ``name`` laid it out."""
+    sd = copy.deepcopy(state_dict)
+    for group in sd["param_groups"]:
+        states = [sd["state"][i] for i in group["params"]]
+        if name == "novograd":
+            norms = torch.stack([s.pop("exp_avg_sq").float() for s in states])
+            group["exp_avg_sq"] = [torch.empty(0, dtype=torch.float16), norms]
+        else:
+            for s in states:
+                s.pop("step")
+            if name != "adagrad":
+                group["step"] = STEPS
+    return sd
+
+
+MAKERS = {
+    "adam": lambda p: optimizers.FusedAdam(p, lr=1e-2, weight_decay=0.01),
+    "lamb": lambda p: optimizers.FusedLAMB(p, lr=1e-2, weight_decay=0.0),
+    "mixed_lamb": lambda p: optimizers.FusedMixedPrecisionLamb(p, lr=1e-2, weight_decay=0.0),
+    "novograd": lambda p: optimizers.FusedNovoGrad(p, lr=1e-2),
+    "adagrad": lambda p: optimizers.FusedAdagrad(p, lr=1e-1),
+}
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_an_apex_checkpoint_resumes_where_it_stopped(name):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 3)), torch.nn.Parameter(torch.randn(5))]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(STEPS + 1)]
+    optimizer = MAKERS[name](params)
+    for step_grads in grads[:STEPS]:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+    saved = _apex_layout(optimizer.state_dict(), name)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = MAKERS[name](resumed_params)
+    resumed.load_state_dict(saved)
+    for opt, ps in ((optimizer, params), (resumed, resumed_params)):
+        for p, g in zip(ps, grads[STEPS], strict=True):
+            p.grad = g.clone()
+        opt.step()
+    for ours, theirs in zip(resumed_params, params, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert "step" not in resumed.param_groups[0] or name == "novograd"
