@@ -1,45 +1,85 @@
-"""Apex's ``FP16_Optimizer``: fp32 master weights and a loss scaler around any optimizer, on ampkit's engine.
+"""Apex's ``FP16_Optimizer`` (its last version): fp32 master weights and a loss scaler around any optimizer.
 
-The masters are :class:`~ampkit.amp.MasterWeights`, the unscale + inf check is
-:class:`~ampkit.amp.GradientCombiner` (each backward's new grads are upcast, unscaled and added to the
-master grads) and the scale is a :class:`~ampkit.amp.LossScaler` with Apex's ``DynamicLossScaler``
-defaults (``init_scale=2**32``, factor 2, window 1000, floor 1).
+Dynamic loss scaling is Apex amp's ``LossScaler``: the scale starts at ``2**16``, halves on every overflow
+(no floor; ampkit stops at 2**-126, where ``1/scale`` leaves float32), doubles after ``scale_window=2000`` clean
+updates and is capped at ``2**24``; ``dynamic_loss_args`` takes that scaler's keyword arguments (``init_scale``,
+``scale_factor`` -- accepted and ignored, as in Apex --, ``scale_window``, ``min_loss_scale``, ``max_loss_scale``).
+The scale moves at the end of every :meth:`FP16_Optimizer.update_master_grads` (so on every ``backward``), whose
+verdict ``overflow`` makes the next ``step()`` skip without touching anything. The older Apex's
+``DynamicLossScaler`` behaviour (``2**32``, window 1000, floor 1, scale updated in ``step``) is gone.
+
+Built on ampkit's engine: :class:`~ampkit.amp.MasterWeights` holds the masters, :class:`~ampkit.amp.GradientCombiner`
+unscales each backward's new gradients into the master grads (Apex overwrote the master grads with the
+accumulated fp16 grads divided by the current scale, wrong once the scale moved between backwards) and the scaler
+is :class:`~ampkit.compat.amp.scaler.ApexLossScaler`. Differences from Apex: any device and fp16 or bf16 models;
+``state_dict()`` saves the scaler as a dict and the masters as one flat list (``load_state_dict`` also reads
+Apex's pickled-scaler, per-group form); no deprecation banner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ampkit.amp import GradientCombiner, LossScaler, MasterWeights
+from ampkit.amp import GradientCombiner, MasterWeights
+from ampkit.compat.amp._amp_state import maybe_print
+from ampkit.compat.amp.scaler import ApexLossScaler
+from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
 
-_DYNAMIC_ARGS = {"init_scale": 2.0**32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1.0}
+# Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
+_LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
+_MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _dynamic_scaler(dynamic_loss_args: dict[str, Any] | None) -> LossScaler:
-    args = dict(_DYNAMIC_ARGS)
-    unknown = set(dynamic_loss_args or {}) - set(args) - {"delayed_shift"}
+def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScaler:
+    """Apex's ``LossScaler("dynamic", **dynamic_loss_args)``: always halves / doubles (``scale_factor`` ignored)."""
+    args = dict(dynamic_loss_args or {})
+    unknown = sorted(set(args) - set(_LOSS_SCALER_ARGS))
     if unknown:
-        raise ValueError(f"dynamic_loss_args has unknown keys {sorted(unknown)}; valid keys are {sorted(args)}")
-    args.update({k: v for k, v in (dynamic_loss_args or {}).items() if k != "delayed_shift"})
-    return LossScaler(
+        raise TypeError(
+            f"dynamic_loss_args has unknown keys {unknown}; valid keys (Apex amp LossScaler's) are "
+            f"{list(_LOSS_SCALER_ARGS)}"
+        )
+    init_scale = args.get("init_scale", 2.0**16)
+    window = args.get("scale_window", 2000)
+    if isinstance(window, float) and window.is_integer():
+        window = int(window)
+    scaler = ApexLossScaler(
         "dynamic",
-        init_scale=args["init_scale"],
-        growth_factor=args["scale_factor"],
-        backoff_factor=1.0 / args["scale_factor"],
-        growth_interval=args["scale_window"],
-        min_scale=args["min_scale"],
-        max_scale=None,
+        init_scale=init_scale,
+        growth_interval=window,
+        min_scale=args.get("min_loss_scale") or None,  # Apex: a falsy floor (None or 0) is no floor
+        max_scale=args.get("max_loss_scale", 2.0**24),
     )
+    scaler._loss_scale = init_scale  # Apex starts at init_scale as given, even above max_loss_scale
+    return scaler
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` that owns ``param_groups``: ``optimizer`` or, for a wrapper such as
+    ``apex.parallel.LARC``, the optimizer it wraps (``.optim``); MasterWeights needs a real one."""
+    inner, seen = optimizer, set()
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optim") and id(inner) not in seen:
+        seen.add(id(inner))
+        inner = inner.optim
+    return inner
+
+
+def _apex_attr(obj: Any, name: str, default: Any = None) -> Any:
+    """An attribute of an unpickled Apex scaler (plain ``__dict__`` entries, which a property may shadow)."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        return vars(obj).get(name, default)
 
 
 class FP16_Optimizer:
     """Wrap ``init_optimizer`` (built on a half/bf16 model's params) with fp32 masters and loss scaling.
 
-    Use ``optimizer.backward(loss)`` instead of ``loss.backward()``; ``step()`` skips (and backs off a
-    dynamic scale) when the gradients overflowed.
+    Use ``optimizer.backward(loss)`` instead of ``loss.backward()``; ``step()`` skips the update when the last
+    ``update_master_grads`` saw an overflow (a dynamic scale has already backed off by then).
 
     Example:
         >>> optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
@@ -48,56 +88,137 @@ class FP16_Optimizer:
 
     def __init__(
         self,
-        init_optimizer: torch.optim.Optimizer,
+        init_optimizer: Any,
         static_loss_scale: float = 1.0,
         dynamic_loss_scale: bool = False,
-        dynamic_loss_args: dict[str, Any] | None = None,
+        dynamic_loss_args: Mapping[str, Any] | None = None,
         verbose: bool = True,
     ) -> None:
-        self.optimizer = init_optimizer
         self.verbose = verbose
-        self.dynamic_loss_scale = dynamic_loss_scale
+        self.optimizer = init_optimizer
+        for group in init_optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.dtype not in _MODEL_DTYPES:
+                    raise TypeError(
+                        f"Wrapped parameters must be float32, float16 or bfloat16 tensors. Received {param.type()}"
+                    )
+        self.master_weights = MasterWeights(_torch_optimizer(init_optimizer))
+        self._build_groups()
+        # As Apex: state made on the fp16 params moved to the masters above; a state_dict round trip recasts it
+        # to the masters' fp32 (torch's load_state_dict casts floating state to its param's dtype).
+        self.optimizer.load_state_dict(self.optimizer.state_dict())
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
         if dynamic_loss_scale:
             self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
-        else:
-            if dynamic_loss_args is not None:
-                raise ValueError("dynamic_loss_args needs dynamic_loss_scale=True")
-            self.loss_scaler = LossScaler(static_loss_scale)
-        self.master_weights = MasterWeights(init_optimizer)
-        self._combiner = self._build_combiner()
+        else:  # Apex ignores dynamic_loss_args here
+            self.loss_scaler = ApexLossScaler(static_loss_scale)
         self.overflow = False
         self.first_closure_call_this_step = True
+        self.clip_grad_norm = clip_grad_norm
+        self._combiner = GradientCombiner(
+            self.all_fp16_params + self.all_fp32_from_fp32_params,
+            self.all_fp32_from_fp16_params + self.all_fp32_from_fp32_params,
+        )
+        # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
+        # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
+        self._grads_overflowed = False
 
-    def _build_combiner(self) -> GradientCombiner:
-        pairs = [
-            (p, m)
-            for p, m in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
-            if p.requires_grad and p.is_floating_point()
-        ]
-        return GradientCombiner([p for p, _ in pairs], [m for _, m in pairs])
+    def _build_groups(self) -> None:
+        """Apex's per-group lists of the trainable params: fp16 (model) / fp32 master pairs, and fp32 params."""
+        model_of = {
+            id(m): p for p, m in zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
+        }
+        self.fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            self.maybe_print(f"FP16_Optimizer processing param group {i}:")
+            fp16, fp32_from_fp16, fp32 = [], [], []
+            for master in group["params"]:
+                param = model_of[id(master)]
+                if not param.requires_grad:
+                    continue
+                self.maybe_print(f"FP16_Optimizer received {param.type()} with {param.size()}")
+                if param is master:
+                    fp32.append(param)
+                else:
+                    fp16.append(param)
+                    fp32_from_fp16.append(master)
+            self.fp16_groups.append(fp16)
+            self.fp32_from_fp16_groups.append(fp32_from_fp16)
+            self.fp32_from_fp32_groups.append(fp32)
+        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
+        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
+        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
+
+    def maybe_print(self, msg: str) -> None:
+        """Print ``msg`` when ``verbose`` (Apex's set-up messages)."""
+        if self.verbose:
+            print(msg)
+
+    def __getstate__(self) -> Any:
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state: Any) -> None:
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
+    def __repr__(self) -> str:
+        return f"FP16_Optimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale; assigning it sets the scaler's scale (Apex's ``_loss_scale``)."""
         return self.loss_scaler.loss_scale()
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scaler._loss_scale = value
 
     @property
     def state(self) -> Any:
         return self.optimizer.state
 
-    def __repr__(self) -> str:
-        return f"FP16_Optimizer({self.optimizer!r}, loss_scaler={self.loss_scaler!r})"
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:
-        """Clear model and master gradients and the overflow verdict of the iteration."""
-        self._combiner.zero_grad()
-        self.overflow = False
+        """Zero the masters' and fp16 params' grads in place (Apex's default) or set them to ``None``.
+
+        ``overflow`` is left as it is (as in Apex); the overflow seen by this iteration's backwards is forgotten.
+        """
+        if set_grads_to_None:
+            self._combiner.zero_grad()
+        elif self._combiner.pending:
+            self._combiner.combine(1.0)  # close a backward never unscaled, so the combiner holds no stash
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                self._zero(group["params"], set_grads_to_None)
+            self._zero(self.all_fp16_params, set_grads_to_None)
+        self._grads_overflowed = False
+
+    @staticmethod
+    def _zero(params: list[torch.Tensor], set_to_none: bool) -> None:
+        for p in params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
-        """Backward of ``loss.float() * loss_scale``; then (unless told not to) unscale into the master grads."""
+        """Backward of ``loss.float() * loss_scale``; then (unless told not to) :meth:`update_master_grads`."""
         if not self._combiner.pending:
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)
@@ -105,64 +226,74 @@ class FP16_Optimizer:
             self.update_master_grads()
 
     def update_master_grads(self) -> None:
-        """Unscale the model grads of the backward(s) since the last call into the fp32 master grads."""
+        """Unscale the grads of the backward(s) since the last call into the fp32 master grads, then update the
+        scale: ``overflow`` is True when a dynamic scaler saw inf/nan (this iteration) and backed off."""
+        self.loss_scaler.clear_overflow_state()
         if self._combiner.pending:
             found_inf = self._combiner.combine(self.loss_scaler).found_inf
-            self.overflow = self.overflow or bool(found_inf.item())
+            if self.loss_scaler.dynamic and not self._grads_overflowed:
+                self._grads_overflowed = bool(found_inf.item())
+        self.loss_scaler.update(self._grads_overflowed)
+        self.overflow = self.loss_scaler._has_overflow
 
-    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
-        """Clip the fp32 master grads; returns their total norm, or -1 when this iteration overflowed."""
-        self.update_master_grads()
+    def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
+        """The fp32 master grads per param group (``None`` for a param without one); ``None`` while ``overflow``."""
+        if self.overflow:
+            print(
+                "Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an overflow state.  "
+                "Gradients are currently invalid (may be inf, nan, or stale).  Returning None."
+            )
+            return None
+        return [
+            [None if p.grad is None else p.grad.data for p in group["params"]] for group in self.optimizer.param_groups
+        ]
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor | int:
+        """Clip the fp32 master grads; returns their total norm (a tensor), or -1 while ``overflow``."""
         if self.overflow:
             return -1
-        grads = [m for m in self.master_weights.master_params if m.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return self.clip_grad_norm(params, max_norm, norm_type)
 
-    def _update_scale(self) -> tuple[float, float, bool]:
-        old, new = self.loss_scaler.update(self.overflow)
-        return old, new, self.overflow and self.loss_scaler.dynamic
+    @torch.no_grad()
+    def _master_params_to_model_params(self) -> None:
+        if self.all_fp16_params:
+            torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step the wrapped optimizer on the masters and copy them into the model, or skip after an overflow."""
-        if closure is not None:
-            return self._step_with_closure(closure)
-        self.update_master_grads()
-        old, new, skip = self._update_scale()
-        if skip:
-            if self.verbose:
-                print(f"OVERFLOW! Skipping step. Attempted loss scale: {old}, reducing to {new}")
-            self.zero_grad()
+        """Step the wrapped optimizer on the masters and copy them into the model; after an overflow, only
+        report the skip (the scale already backed off in ``update_master_grads``) and return ``None``."""
+        if self.overflow:
+            maybe_print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
             return None
-        self.overflow = False
-        result = self.optimizer.step()
-        self.master_weights.copy_to_model()
+        if closure is not None:
+            result = self._step_with_closure(closure)
+        else:
+            result = self.optimizer.step()
+        self._master_params_to_model_params()
         return result
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
+        """Apex's closure step: the closure (which zeroes grads and calls :meth:`backward`) reruns while
+        ``overflow``; the model gets the masters before each later call the optimizer makes."""
+
         def wrapped_closure() -> Any:
             if self.first_closure_call_this_step:
                 self.first_closure_call_this_step = False
             else:
-                self.master_weights.copy_to_model()
+                self._master_params_to_model_params()
             loss = closure()
-            self.update_master_grads()
-            while self.overflow and self.loss_scaler.dynamic:
-                old, new, _ = self._update_scale()
-                if self.verbose:
-                    print(f"OVERFLOW within closure! Skipping step. Attempted loss scale: {old}, reducing to {new}")
-                self.zero_grad()
+            while self.overflow:
+                print(f"OVERFLOW within closure! Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
                 loss = closure()
-                self.update_master_grads()
             return loss
 
         result = self.optimizer.step(wrapped_closure)
-        self.master_weights.copy_to_model()
         self.first_closure_call_this_step = True
-        self.overflow = False
         return result
 
     def state_dict(self) -> dict[str, Any]:
-        """Scaler, flags, the wrapped optimizer's state and the fp32 masters (Apex's keys)."""
+        """Scaler (as a dict), flags, the wrapped optimizer's state and the fp32 masters (Apex's keys)."""
         return {
             "loss_scaler": self.loss_scaler.state_dict(),
             "dynamic_loss_scale": self.dynamic_loss_scale,
@@ -173,9 +304,45 @@ class FP16_Optimizer:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the masters are copied into the model too."""
-        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        """Restore what :meth:`state_dict` (or Apex's) saved; the masters are copied into the model too."""
+        scaler = state_dict["loss_scaler"]
+        if isinstance(scaler, Mapping):
+            self.loss_scaler.load_state_dict(scaler)
+        else:
+            self._load_apex_scaler(scaler)
+            self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        self.master_weights.load_state_dict({"master_params": state_dict["fp32_from_fp16"]})
+        saved = state_dict["fp32_from_fp16"]
+        if any(isinstance(s, (list, tuple)) for s in saved):
+            self._load_apex_masters(saved)
+        else:
+            self.master_weights.load_state_dict({"master_params": saved})
+
+    def _load_apex_scaler(self, scaler: Any) -> None:
+        """Take the settings and state of Apex's pickled ``LossScaler`` (Apex replaced its scaler by it)."""
+        self.loss_scaler.load_state_dict(
+            {"loss_scale": _apex_attr(scaler, "_loss_scale"), "unskipped": _apex_attr(scaler, "_unskipped")}
+        )
+        self.loss_scaler.dynamic = bool(_apex_attr(scaler, "dynamic", self.loss_scaler.dynamic))
+        window = _apex_attr(scaler, "_scale_seq_len")
+        if window is not None:
+            self.loss_scaler._scale_seq_len = window
+        self.loss_scaler._min_loss_scale = _apex_attr(scaler, "_min_loss_scale")
+        self.loss_scaler._max_loss_scale = _apex_attr(scaler, "_max_loss_scale", self.loss_scaler.max_scale)
+
+    @torch.no_grad()
+    def _load_apex_masters(self, saved: list[list[torch.Tensor]]) -> None:
+        """Copy Apex's per-group master lists into :attr:`fp32_from_fp16_groups`, then into the model."""
+        if [len(g) for g in saved] != [len(g) for g in self.fp32_from_fp16_groups]:
+            raise ValueError(
+                f"checkpoint holds master groups of sizes {[len(g) for g in saved]}, the optimizer has "
+                f"{[len(g) for g in self.fp32_from_fp16_groups]}"
+            )
+        for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved, strict=True):
+            for current, value in zip(current_group, saved_group, strict=True):
+                if value.shape != current.shape:
+                    raise ValueError(f"saved master of shape {tuple(value.shape)}, expected {tuple(current.shape)}")
+                current.copy_(value)
+        self._master_params_to_model_params()
