@@ -1,15 +1,20 @@
 """apex.parallel on torch.distributed: LARC maths, convert_syncbn_model, and 2-process gloo runs of
-DistributedDataParallel (Apex's reduction options) and the CPU SyncBatchNorm."""
+DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer and the CPU SyncBatchNorm."""
 
 import gc
+import json
 import os
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ampkit.compat.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+from ampkit.compat.parallel import LARC, DistributedDataParallel, Reducer, SyncBatchNorm, convert_syncbn_model
 
 
 @pytest.mark.parametrize("clip", [True, False])
@@ -56,68 +61,176 @@ def test_ddp_rejects_shared_param():
         DistributedDataParallel(torch.nn.Linear(2, 2), shared_param=True)
 
 
+def test_convert_syncbn_model_starts_new_layers_in_training_mode_as_apex():
+    bn = torch.nn.BatchNorm2d(3)
+    bn.num_batches_tracked.fill_(7)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), bn).eval()
+    converted = convert_syncbn_model(model)
+    assert converted[1].training  # Apex builds the replacement afresh and never copies the mode
+    assert not converted.training and not converted[0].training  # untouched modules keep theirs
+    assert converted[1].num_batches_tracked is bn.num_batches_tracked  # shared, as Apex since 2019 (PR #380)
+
+
 def _rank_data(rank):
     g = torch.Generator().manual_seed(10 + rank)
     return torch.randn(6, 4, generator=g), torch.randn(6, 4, 3, generator=g)
 
 
-def _worker(rank, world_size, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        base = torch.nn.Linear(4, 2)
-        # Reference gradients of each rank's loss, computed locally.
-        per_rank = []
-        for r in range(world_size):
-            model = torch.nn.Linear(4, 2)
-            model.load_state_dict(base.state_dict())
-            model(_rank_data(r)[0]).pow(2).sum().backward()
-            per_rank.append([p.grad.clone() for p in model.parameters()])
-        mean = [sum(g) / world_size for g in zip(*per_rank, strict=True)]
-        total = [sum(g) for g in zip(*per_rank, strict=True)]
-        cases = [
-            (dict(), mean),
-            (dict(gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
-            (dict(gradient_average=False), total),
-            (dict(delay_allreduce=True, message_size=1), mean),
-        ]
-        for kwargs, want in cases:
-            model = torch.nn.Linear(4, 2)
-            model.load_state_dict(base.state_dict())
-            ddp = DistributedDataParallel(model, **kwargs)
-            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-            for p, w in zip(model.parameters(), want, strict=True):
-                torch.testing.assert_close(p.grad, w, msg=f"DDP grads wrong with {kwargs}")
+def _linear_grads(world_size):
+    """A Linear layer and the mean and sum over ranks of its gradients for each rank's loss, computed locally."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(4, 2)
+    per_rank = []
+    for r in range(world_size):
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(base.state_dict())
+        model(_rank_data(r)[0]).pow(2).sum().backward()
+        per_rank.append([p.grad.clone() for p in model.parameters()])
+    total = [sum(g) for g in zip(*per_rank, strict=True)]
+    return base, [t / world_size for t in total], total
 
-        # SyncBatchNorm on CPU: statistics (and their gradients) over both ranks' halves of a batch.
-        full = torch.cat([_rank_data(r)[1] for r in range(world_size)])
-        weight = torch.linspace(0.5, 2.0, 4)
-        reference_bn = torch.nn.BatchNorm1d(4)
-        full_input = full.clone().requires_grad_(True)
-        reference_out = reference_bn(full_input)
-        (reference_out * weight[None, :, None]).sum().backward()
-        sync_bn = SyncBatchNorm(4)
-        local = _rank_data(rank)[1].clone().requires_grad_(True)
-        out = sync_bn(local)
-        (out * weight[None, :, None]).sum().backward()
-        rows = slice(rank * 6, (rank + 1) * 6)
-        torch.testing.assert_close(out, reference_out[rows])
-        torch.testing.assert_close(local.grad, full_input.grad[rows])
-        torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
-        torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
-        del ddp, model
-        # DDP's reducer holds the process group (its comm hook makes a reference cycle): free it now, with the
-        # interpreter alive, not in finalization, where gloo's teardown can abort the process (SIGABRT).
-        gc.collect()
-        dist.barrier()  # leave together: a rank exiting while its peer still runs gloo work can abort it
+
+def _assert_ddp_grads(rank, base, kwargs, want):
+    model = torch.nn.Linear(4, 2)
+    model.load_state_dict(base.state_dict())
+    ddp = DistributedDataParallel(model, **kwargs)
+    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    for p, w in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w, msg=f"DDP grads wrong with {kwargs}")
+
+
+def _check_ddp_reduction_options(rank, world_size):
+    base, mean, total = _linear_grads(world_size)
+    cases = [
+        (dict(), mean),
+        (dict(gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
+        (dict(gradient_average=False), total),
+        (dict(delay_allreduce=True, message_size=1), mean),
+    ]
+    for kwargs, want in cases:
+        _assert_ddp_grads(rank, base, kwargs, want)
+
+
+def _check_ddp_sum_stays_predivided(rank, world_size):
+    # Apex's allreduce_bucket divides by the factor before the allreduce and only multiplies back when averaging.
+    base, _, total = _linear_grads(world_size)
+    _assert_ddp_grads(rank, base, dict(gradient_average=False, gradient_predivide_factor=4.0), [t / 4 for t in total])
+
+
+def _bn_net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+
+
+def _check_ddp_keeps_rank_local_buffers(rank, world_size):
+    # Apex broadcast rank 0's parameters once and never touched buffers: each rank keeps its own running stats.
+    net = _bn_net(seed=rank)
+    expected = _bn_net(seed=0)  # rank 0's parameters ...
+    for bn in (net[1], expected[1]):
+        bn.running_mean.fill_(float(rank))  # ... with this rank's buffers
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*broadcast_buffers", category=FutureWarning)  # torch >= 2.13
+        ddp = DistributedDataParallel(net)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randn(4, 3, generator=g) + 5 * rank
+        ddp(x).sum().backward()
+        expected(x)
+    for (name, got), want in zip(net.state_dict().items(), expected.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, msg=f"{name} differs from Apex's (rank-local buffers)")
+
+
+def _check_reducer_broadcasts_parameters_only(rank, world_size):
+    bn = torch.nn.BatchNorm1d(2)
+    with torch.no_grad():
+        bn.weight.fill_(rank + 1.0)
+        bn.running_mean.fill_(float(rank))
+    reducer = Reducer(bn)
+    weight, running_mean = bn.weight.detach().clone(), bn.running_mean.clone()
+    for p in bn.parameters():
+        p.grad = torch.full_like(p, rank + 1.0)
+    reducer.reduce()
+    torch.testing.assert_close(weight, torch.ones(2), msg="Reducer must broadcast rank 0's parameters")
+    torch.testing.assert_close(running_mean, torch.full((2,), float(rank)), msg="Reducer must leave buffers alone")
+    for p in bn.parameters():
+        torch.testing.assert_close(p.grad, torch.full_like(p, (world_size + 1) / 2))
+
+
+def _check_sync_batchnorm_matches_full_batch(rank, world_size):
+    # Statistics (and their gradients) over both ranks' halves of a batch.
+    full = torch.cat([_rank_data(r)[1] for r in range(world_size)])
+    weight = torch.linspace(0.5, 2.0, 4)
+    reference_bn = torch.nn.BatchNorm1d(4)
+    full_input = full.clone().requires_grad_(True)
+    reference_out = reference_bn(full_input)
+    (reference_out * weight[None, :, None]).sum().backward()
+    sync_bn = SyncBatchNorm(4)
+    local = _rank_data(rank)[1].clone().requires_grad_(True)
+    out = sync_bn(local)
+    (out * weight[None, :, None]).sum().backward()
+    rows = slice(rank * 6, (rank + 1) * 6)
+    torch.testing.assert_close(out, reference_out[rows])
+    torch.testing.assert_close(local.grad, full_input.grad[rows])
+    torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
+    torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
+
+
+def _check_sync_batchnorm_eval_without_running_stats_syncs(rank, world_size):
+    # With no running statistics Apex normalises with the distributed batch's, in eval mode too.
+    full = torch.cat([_rank_data(r)[1] + 3 * r for r in range(world_size)])
+    sync_bn = SyncBatchNorm(4, track_running_stats=False).eval()
+    out = sync_bn(_rank_data(rank)[1] + 3 * rank)
+    want = torch.nn.functional.batch_norm(full, None, None, sync_bn.weight, sync_bn.bias, training=True)
+    torch.testing.assert_close(out, want[rank * 6 : (rank + 1) * 6])
+
+
+_TWO_RANK_CHECKS = {
+    check.__name__.removeprefix("_check_"): check
+    for check in (
+        _check_ddp_reduction_options,
+        _check_ddp_sum_stays_predivided,
+        _check_ddp_keeps_rank_local_buffers,
+        _check_reducer_broadcasts_parameters_only,
+        _check_sync_batchnorm_matches_full_batch,
+        _check_sync_batchnorm_eval_without_running_stats_syncs,
+    )
+}
+
+
+def _worker(rank, world_size, init_file, report_dir):
+    """Run every two-rank check in one gloo group (one spawn keeps the tests fast); record each failure."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=30)
+    )
+    failures = {}
+    try:
+        for name, check in _TWO_RANK_CHECKS.items():
+            try:
+                check(rank, world_size)  # asserts only after its collectives, so a failure leaves ranks in step
+            except Exception:
+                failures[name] = traceback.format_exc(limit=-3)
+            # DDP's reducer holds the process group (its comm hook makes a reference cycle): free it now, with the
+            # interpreter alive, not in finalization, where gloo's teardown can abort the process (SIGABRT).
+            gc.collect()
+            dist.barrier()  # in step: a rank exiting while its peer still runs gloo work can abort it
     finally:
         dist.destroy_process_group()
         gc.collect()
+        Path(report_dir, f"rank{rank}.json").write_text(json.dumps(failures))
 
 
-def test_two_process_gloo_ddp_options_and_cpu_sync_batchnorm(tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_failures(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gloo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("check", list(_TWO_RANK_CHECKS))
+def test_two_process_gloo(check, two_rank_failures):
+    failures = [f"rank {rank}:\n{failed[check]}" for rank, failed in enumerate(two_rank_failures) if check in failed]
+    assert not failures, "\n".join(failures)
 
 
 def test_larc_goes_through_amp_initialize_and_scale_loss():

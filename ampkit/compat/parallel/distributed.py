@@ -6,8 +6,11 @@ Apex argument → effect here:
 - ``delay_allreduce=True`` → one bucket holding every gradient, so the allreduce starts once backward has
   produced all of them (Apex's "allreduce at the end of backward").
 - ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → a DDP communication hook
-  that divides by the predivide factor before the allreduce, by ``world_size / predivide`` after it (or
-  multiplies back for a plain sum), and reduces in fp32 when asked. Without them, torch's default hook runs.
+  that divides by the predivide factor before the allreduce and, when averaging, multiplies by
+  ``predivide / world_size`` after it; with ``gradient_average=False`` the result stays ``sum / predivide``, as
+  in Apex. It reduces in fp32 when asked. Without these options, torch's default hook runs.
+- Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
+  construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
 - ``shared_param`` → rejected, as in Apex.
 - ``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
@@ -45,8 +48,8 @@ class _ApexReduceOptions:
 
 
 def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
-    """Allreduce one ``dist.GradBucket`` the way Apex did: optional fp32 reduction, predivide, then
-    average or sum; returns a future of the reduced bucket."""
+    """Allreduce one ``dist.GradBucket`` the way Apex did: optional fp32 reduction, predivide, then average
+    (or leave ``sum / predivide`` without averaging); returns a future of the reduced bucket."""
     group = options.process_group if options.process_group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
     buffer = bucket.buffer()
@@ -59,8 +62,6 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
         result = fut.value()[0]
         if options.average:
             result.mul_(options.predivide_factor / world_size)
-        elif options.predivide_factor != 1.0:
-            result.mul_(options.predivide_factor)
         return result.to(buffer.dtype)
 
     return future.then(finish)
@@ -126,7 +127,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         else:
             bucket_cap_mb = message_size * _FP32_BYTES / 2**20
         torch_ddp_kwargs.setdefault("bucket_cap_mb", bucket_cap_mb)
-        super().__init__(module, **torch_ddp_kwargs)
+        if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
+            super().__init__(module, **torch_ddp_kwargs)
+        else:
+            # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
+            # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
+            # hide torch >= 2.13's deprecation warning, which the user cannot act on.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+                super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
         self.delay_allreduce = delay_allreduce
         self.message_size = message_size
         self.gradient_average = gradient_average
@@ -146,16 +155,16 @@ class Reducer:
     """Apex's manual gradient allreduce: ``reducer.reduce()`` averages grads across ranks when called.
 
     Args:
-        module_or_grads_list: a module (its parameters' grads are reduced) or a list of gradient tensors.
+        module_or_grads_list: a module (its parameters are broadcast from rank 0 now, its buffers left alone,
+            and its parameters' grads are reduced) or a list of gradient tensors.
     """
 
     def __init__(self, module_or_grads_list: torch.nn.Module | list[torch.Tensor]) -> None:
         if isinstance(module_or_grads_list, torch.nn.Module):
             self.module: torch.nn.Module | None = module_or_grads_list
             self.grads: list[torch.Tensor] | None = None
-            for param in self.module.state_dict().values():
-                if torch.is_tensor(param):
-                    dist.broadcast(param, 0)
+            for param in self.module.parameters():  # parameters only, as Apex: buffers stay rank-local
+                dist.broadcast(param.detach(), 0)
         else:
             self.module = None
             self.grads = list(module_or_grads_list)

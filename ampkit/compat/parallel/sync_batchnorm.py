@@ -3,7 +3,8 @@
 :class:`ampkit.ops.sync_batchnorm.SyncBatchNorm` reduces the statistics over the process group on every
 device, CPU/gloo included (torch's refuses CPU tensors; Apex's pure-Python fallback did not). This adds
 Apex's constructor extras: ``channel_last`` (accepted; torch follows the memory format itself) and
-``fuse_relu`` with ``forward(input, z=None)`` computing ``relu(bn(input) + z)``.
+``fuse_relu`` with ``forward(input, z=None)`` computing ``relu(bn(input) + z)``; and, as Apex, batch statistics
+synchronised in eval mode too when ``track_running_stats=False`` (there are no running ones to fall back on).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ampkit.ops import sync_batchnorm as _ops
+
+
+def _spans_ranks(process_group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1
 
 
 class SyncBatchNorm(_ops.SyncBatchNorm):
@@ -34,7 +39,14 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         self.fuse_relu = fuse_relu
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        out = super().forward(input)
+        if not self.training and not self.track_running_stats and _spans_ranks(self.process_group):
+            # Apex normalises with the statistics of the whole distributed batch here, as in training.
+            self._check_input_dim(input)
+            out = _ops._SyncBatchNormFunction.apply(
+                input, self.weight, self.bias, None, None, self.eps, 0.0, self.process_group
+            )
+        else:
+            out = super().forward(input)
         if z is not None:
             out = out + z
         if self.fuse_relu:
@@ -45,10 +57,14 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
 def convert_syncbn_model(
     module: torch.nn.Module, process_group: dist.ProcessGroup | None = None, channel_last: bool = False
 ) -> torch.nn.Module:
-    """Return ``module`` with every ``BatchNorm*d`` replaced by :class:`SyncBatchNorm` (parameters and
-    running statistics shared with the originals)."""
+    """Return ``module`` with every ``BatchNorm*d`` replaced by :class:`SyncBatchNorm` (parameters, running
+    statistics and ``num_batches_tracked`` shared with the originals). As in Apex, which builds each replacement
+    afresh, the new layers start in training mode whatever mode the originals were in."""
+    already_synced = {id(sub) for sub in module.modules() if isinstance(sub, SyncBatchNorm)}
     converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     for sub in converted.modules():
         if isinstance(sub, SyncBatchNorm):
             sub.channel_last = channel_last
+            if id(sub) not in already_synced:
+                sub.train()
     return converted
