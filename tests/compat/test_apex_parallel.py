@@ -49,7 +49,9 @@ def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     assert isinstance(new_bn, SyncBatchNorm) and isinstance(converted[0], torch.nn.Conv2d)
     assert new_bn.weight is bn.weight and torch.equal(new_bn.running_mean, bn.running_mean)
     x = torch.randn(2, 4, 3, 3)
-    torch.testing.assert_close(new_bn(x), torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True))
+    expected = torch.nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True)
+    # channel_last (Apex's meaning): the input is laid out (N, H, W, C), channels in the last dimension
+    torch.testing.assert_close(new_bn(x.permute(0, 2, 3, 1)), expected.permute(0, 2, 3, 1))
     fused = SyncBatchNorm(4, fuse_relu=True)
     z = torch.randn_like(x)
     expected = torch.relu(torch.nn.functional.batch_norm(x, None, None, training=True) + z)
@@ -246,3 +248,16 @@ def test_larc_goes_through_amp_initialize_and_scale_loss():
         scaled.backward()
     optimizer.step()
     assert model.weight.dtype == torch.float16 and not torch.equal(model.weight, before)
+
+
+def test_channel_last_normalizes_over_the_last_dimension_as_apex():
+    """Apex's ``SyncBatchNorm(100, channel_last=True)`` took a (10, 14, 14, 100) input: channels last, whatever
+    the other sizes are."""
+    bn = SyncBatchNorm(5, channel_last=True)
+    x = torch.randn(4, 3, 6, 5) * 3 + 1
+    out = bn(x)
+    assert out.shape == x.shape
+    per_channel = out.reshape(-1, 5)
+    torch.testing.assert_close(per_channel.mean(0), torch.zeros(5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(per_channel.var(0, unbiased=False), torch.ones(5), atol=1e-3, rtol=0)
+    torch.testing.assert_close(bn.running_mean, 0.1 * x.reshape(-1, 5).mean(0))

@@ -2,7 +2,7 @@
 
 :class:`ampkit.ops.sync_batchnorm.SyncBatchNorm` reduces the statistics over the process group on every
 device, CPU/gloo included (torch's refuses CPU tensors; Apex's pure-Python fallback did not). This adds
-Apex's constructor extras: ``channel_last`` (accepted; torch follows the memory format itself) and
+Apex's constructor extras: ``channel_last`` (the channels are the input's last dimension, ``(N, ..., C)``) and
 ``fuse_relu`` with ``forward(input, z=None)`` computing ``relu(bn(input) + z)``; and, as Apex, batch statistics
 synchronised in eval mode too when ``track_running_stats=False`` (there are no running ones to fall back on).
 """
@@ -39,6 +39,9 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         self.fuse_relu = fuse_relu
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        channels_moved = self.channel_last and input.dim() > 2
+        if channels_moved:  # Apex's channel_last: the channels are the input's last dimension, (N, ..., C)
+            input = input.movedim(-1, 1)
         if not self.training and not self.track_running_stats and _spans_ranks(self.process_group):
             # Apex normalises with the statistics of the whole distributed batch here, as in training.
             self._check_input_dim(input)
@@ -47,6 +50,8 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
             )
         else:
             out = super().forward(input)
+        if channels_moved:
+            out = out.movedim(1, -1)
         if z is not None:
             out = out + z
         if self.fuse_relu:
