@@ -186,6 +186,44 @@ def _check_sync_batchnorm_eval_without_running_stats_syncs(rank, world_size):
     torch.testing.assert_close(out, want[rank * 6 : (rank + 1) * 6])
 
 
+def _check_ddp_disable_and_enable_allreduce(rank, world_size):
+    # Apex's gradient accumulation switch: local grads while disabled, the mean of the summed grads once enabled.
+    base, mean, _ = _linear_grads(world_size)
+    model = torch.nn.Linear(4, 2)
+    model.load_state_dict(base.state_dict())
+    ddp = DistributedDataParallel(model)
+    ddp.disable_allreduce()
+    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    assert not torch.allclose(model.weight.grad, mean[0])  # this rank's own gradient: nothing was reduced
+    ddp.enable_allreduce()
+    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    for p, m in zip(model.parameters(), mean, strict=True):  # the accumulated gradients, averaged over ranks
+        torch.testing.assert_close(p.grad, 2 * m)
+
+
+def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
+    # Apex's delay_allreduce reduced the grads that existed at the end of backward; an unused layer is fine.
+    base, mean, _ = _linear_grads(world_size)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 2), "unused": torch.nn.Linear(2, 2)})
+    model["used"].load_state_dict(base.state_dict())
+
+    class Forward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner["used"](x)
+
+    ddp = DistributedDataParallel(Forward(), delay_allreduce=True)
+    for _ in range(2):
+        model.zero_grad()
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    for p, m in zip(model["used"].parameters(), mean, strict=True):
+        torch.testing.assert_close(p.grad, m)
+    assert all(p.grad is None for p in model["unused"].parameters())
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -195,6 +233,8 @@ _TWO_RANK_CHECKS = {
         _check_reducer_broadcasts_parameters_only,
         _check_sync_batchnorm_matches_full_batch,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
+        _check_ddp_disable_and_enable_allreduce,
+        _check_ddp_delay_allreduce_with_an_unused_parameter,
     )
 }
 

@@ -124,6 +124,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if delay_allreduce:
             total = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
             bucket_cap_mb = max(total, 1) / 2**20 + 1.0
+            # Apex reduced whichever gradients existed at the end of backward: a parameter the forward did not
+            # use is no error there.
+            torch_ddp_kwargs.setdefault("find_unused_parameters", True)
         else:
             bucket_cap_mb = message_size * _FP32_BYTES / 2**20
         torch_ddp_kwargs.setdefault("bucket_cap_mb", bucket_cap_mb)
@@ -149,6 +152,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 always_fp32=allreduce_always_fp32,
             )
             self.register_comm_hook(options, _apex_allreduce_hook)
+
+    def disable_allreduce(self) -> None:
+        """Apex's switch for gradient accumulation: the following backward passes keep their gradients local
+        (torch's ``no_sync``, read at each forward) until :meth:`enable_allreduce`."""
+        self.require_backward_grad_sync = False
+
+    def enable_allreduce(self) -> None:
+        """Allreduce gradients again from the next forward on (see :meth:`disable_allreduce`)."""
+        self.require_backward_grad_sync = True
 
 
 class Reducer:
