@@ -15,7 +15,10 @@ def test_optimizer_names_are_ampkits_fused_optimizers(name):
     import ampkit.ops.optimizers as ops
 
     cls = getattr(optimizers, name)
-    assert cls is getattr(ops, name)
+    if name in optimizers._GROUP_STEP_NAMES:  # Apex's step counting per param group, else the same class
+        assert cls is not getattr(ops, name) and issubclass(cls, getattr(ops, name)) and cls.__name__ == name
+    else:
+        assert cls is getattr(ops, name)
     assert issubclass(cls, torch.optim.Optimizer)
 
 
@@ -152,3 +155,39 @@ def test_mixed_precision_lamb_starts_from_the_step_it_is_given():
         optimizer.step()
         assert float(optimizer.state[param]["step"]) == step + 1
     assert not torch.equal(fresh, resumed)  # bias corrections of step 1 and step 101 differ
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB"])
+def test_apex_names_count_steps_per_group(name):
+    """Apex's FusedAdam/FusedLAMB counted steps per param group: a parameter that sat out five steps without a
+    gradient takes the group's bias correction (step 6) at its first update, where torch's counting (ampkit's own
+    class) starts it at 1."""
+    import ampkit.ops.optimizers as ops
+
+    counts = {}
+    for source in (optimizers, ops):
+        torch.manual_seed(0)
+        always, late = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.ones(3))
+        optimizer = getattr(source, name)([always, late], lr=0.1, weight_decay=0.0)
+        for step in range(6):
+            always.grad = torch.randn(4)
+            late.grad = torch.full((3,), 0.5) if step == 5 else None
+            optimizer.step()
+        counts[source.__name__] = (float(optimizer.state[late]["step"]), late.detach().clone())
+    (group_step, grouped), (param_step, per_param) = counts["ampkit.compat.optimizers"], counts["ampkit.ops.optimizers"]
+    assert (group_step, param_step) == (6.0, 1.0)
+    if name == "FusedAdam":  # Adam's first update at step t, with bias corrections 1 - beta**t
+        b1, b2, t, g = 0.9, 0.999, 6, 0.5
+        m, v = (1 - b1) * g / (1 - b1**t), (1 - b2) * g * g / (1 - b2**t)
+        torch.testing.assert_close(grouped, torch.full((3,), 1 - 0.1 * m / (v**0.5 + 1e-8)))
+    assert not torch.equal(grouped, per_param)
+
+
+def test_a_step_skipped_on_the_device_does_not_count():
+    """Under GradScaler the skip is decided inside the kernel; the group's count moves only with steps taken."""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = optimizers.FusedAdam([param], lr=0.1)
+    for found_inf, expected in ((0.0, 1), (1.0, 1), (0.0, 2)):
+        param.grad = torch.full((3,), 0.5)
+        optimizer.step(grad_scale=torch.tensor(1.0), found_inf=torch.tensor(found_inf))
+        assert int(optimizer.param_groups[0]["step"]) == expected == float(optimizer.state[param]["step"])

@@ -109,6 +109,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Whether ``_update`` hands GradScaler's tensors to its kernels (see the module docstring); such optimizers
     # keep their step counters on the parameter's device, where the kernels read and advance them.
     _scaler_in_kernel: bool = False
+    # Apex's FusedAdam/FusedLAMB counted steps per param group (``group["step"]``, every step that is not skipped),
+    # so a parameter without a gradient for a while keeps its group's bias correction; torch and ampkit's own
+    # optimizers count per parameter. ``ampkit.compat.optimizers`` sets this for Apex's names.
+    _steps_per_group: bool = False
+    _initial_step: int = 0  # the group count a fresh group starts from (FusedMixedPrecisionLamb's ``step``)
 
     def __init__(
         self,
@@ -197,12 +202,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         copied: list[Tensor] = []
         for group in self.param_groups:
             factor = -1.0 if group.get("maximize", False) else 1.0
-            for bucket in self._buckets(group):
+            buckets = self._buckets(group)
+            self._steps_from_group(group, buckets)
+            for bucket in buckets:
                 here = on_device.get(bucket.device)
                 if here is None:
                     here = on_device[bucket.device] = scaler.to(bucket.device)
                 self._update(group, bucket, factor, here)
                 copied += bucket.copied_grads
+            if self._steps_per_group:  # counted on the device when the skip is decided there
+                count = group.get("step", self._initial_step)
+                group["step"] = count + 1 if scaler.found_inf is None else count + (scaler.found_inf == 0).reshape(())
         if copied and scaler.grad_scale is not None:  # the kernels unscaled the copies they read
             self._unscale_(copied, scaler.grad_scale, scaler.found_inf)
 
@@ -214,8 +224,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         for group in self.param_groups:
             factor = -grad_factor if group.get("maximize", False) else grad_factor
-            for bucket in self._buckets(group):
+            buckets = self._buckets(group)
+            self._steps_from_group(group, buckets)
+            for bucket in buckets:
                 self._update(group, bucket, factor)
+            if self._steps_per_group:
+                group["step"] = group.get("step", self._initial_step) + 1
+
+    def _steps_from_group(self, group: dict[str, Any], buckets: list[Bucket]) -> None:
+        """Under per-group counting, each parameter about to step starts from its group's count (the kernels then
+        advance it with the group's), however many steps it sat out without a gradient."""
+        if not self._steps_per_group:
+            return
+        count = group.get("step", self._initial_step)
+        for bucket in buckets:
+            for state in bucket.states:
+                if isinstance(count, Tensor):
+                    state["step"].copy_(count)
+                else:
+                    state["step"].fill_(float(count))
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}
@@ -312,5 +339,5 @@ class FusedOptimizer(torch.optim.Optimizer):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)
                 if "step" not in state:
                     adopted = self._adopt_group_step(p, state, group) or adopted
-            if adopted:
+            if adopted and not self._steps_per_group:
                 group.pop("step", None)  # the count now lives with each parameter

@@ -77,8 +77,12 @@ class FusedLAMB(FusedOptimizer):
         for group in self.param_groups:
             max_norm = group["max_grad_norm"]
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
-            for bucket in self._buckets(group):
+            buckets = self._buckets(group)
+            self._steps_from_group(group, buckets)
+            for bucket in buckets:
                 self._update(group, bucket, grad_factor / clip)
+            if self._steps_per_group:
+                group["step"] = group.get("step", self._initial_step) + 1
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -194,7 +198,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
-        self._initial_step = step
+        self._initial_step = step  # also where a per-group count starts (see FusedOptimizer._steps_per_group)
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"reduced_precision_dtype must be None, torch.float16 or torch.bfloat16; got {reduced_precision_dtype}"
