@@ -548,8 +548,6 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
-    (lambda p: FusedSGD(p, lr=0.1, wd_after_momentum=True), ValueError, "does not support wd_after_momentum"),
-    (lambda p: FusedAdagrad(p, adagrad_w_mode=True), ValueError, "does not support adagrad_w_mode"),
 ]
 
 
@@ -739,3 +737,64 @@ def test_capturable_adam_with_master_weights_and_tensor_lr_steps_as_the_plain_on
         if master:
             assert capturable.state[q]["master_param"].dtype == torch.float32
             assert torch.equal(capturable.state[q]["master_param"], plain.state[p]["master_param"])
+
+
+def _apex_sgd_wd_after_momentum(params, grads_per_step, lr, momentum, wd, nesterov):
+    """Apex's multi_tensor_sgd with wd_after_momentum, in float64: the decay joins after the momentum update."""
+    params = [p.clone() for p in params]
+    bufs = [None] * len(params)
+    for grads in grads_per_step:
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            bufs[i] = g.clone() if bufs[i] is None else bufs[i] * momentum + g
+            update = g + momentum * bufs[i] if nesterov else bufs[i]
+            params[i] = p - lr * (update + wd * p)
+    return params
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_weight_decay_after_momentum_matches_apex(nesterov):
+    torch.manual_seed(0)
+    start = [torch.randn(7, 3, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = FusedSGD(params, lr=0.1, momentum=0.9, weight_decay=0.05, nesterov=nesterov, wd_after_momentum=True)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    expected = _apex_sgd_wd_after_momentum(start, grads, 0.1, 0.9, 0.05, nesterov)
+    for ours, theirs in zip(params, expected, strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=1e-12, atol=1e-12)
+    plain = FusedSGD([torch.nn.Parameter(start[0].clone())], lr=0.1, momentum=0.9, weight_decay=0.05)
+    plain.param_groups[0]["params"][0].grad = grads[0][0].clone()
+    plain.step()
+    plain.param_groups[0]["params"][0].grad = grads[1][0].clone()
+    plain.step()
+    assert not torch.allclose(plain.param_groups[0]["params"][0], expected[0])  # the two orders differ
+
+
+def test_adagrad_decoupled_weight_decay_matches_apex():
+    """Apex's adagrad_w_mode: w -= lr * (g / (sqrt(sum) + eps) + wd * w), the sum built from g alone."""
+    torch.manual_seed(0)
+    start = torch.randn(9, dtype=torch.float64)
+    grads = [torch.randn_like(start) for _ in range(4)]
+    param = torch.nn.Parameter(start.clone())
+    opt = FusedAdagrad([param], lr=0.1, eps=1e-10, weight_decay=0.05, adagrad_w_mode=True)
+    w, total = start.clone(), torch.zeros_like(start)
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+        total = total + g * g
+        w = w - 0.1 * (g / (total.sqrt() + 1e-10) + 0.05 * w)
+    torch.testing.assert_close(param.detach(), w, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="lr_decay"):
+        FusedAdagrad([param], adagrad_w_mode=True, lr_decay=0.1)
+
+
+def test_decoupled_decay_waits_for_a_step_skipped_on_the_device():
+    """Under GradScaler a found_inf skips the whole step inside the kernel: the decay must not happen either."""
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = FusedSGD([param], lr=0.1, momentum=0.9, weight_decay=0.5, wd_after_momentum=True)
+    param.grad = torch.ones(4)
+    opt.step(grad_scale=torch.tensor(1.0), found_inf=torch.tensor(1.0))
+    assert torch.equal(param.detach(), torch.ones(4))

@@ -70,18 +70,24 @@ class Bucket:
         return self.params[0].device
 
 
+def decay_weights_(bucket: Bucket, factor: float, found_inf: Tensor | None = None) -> None:
+    """Multiply the weights the kernel will update (fp32 masters where there are) by ``factor``: a weight decay
+    applied outside the gradient, ``w - lr * (u + wd * w) = (1 - lr * wd) * w - lr * u``, before a kernel that
+    adds ``-lr * u``. A non-zero ``found_inf`` (the step is skipped on the device) leaves them as they are."""
+    weights = bucket.masters() or bucket.params
+    if found_inf is None:
+        torch._foreach_mul_(weights, factor)
+        return
+    multiplier = torch.where(_scalar_on(found_inf, bucket.device) != 0, 1.0, factor)
+    torch._foreach_mul_(weights, multiplier)
+
+
 def is_dense(t: Tensor) -> bool:
     """True if ``t`` covers its memory exactly once in some dimension order (contiguous, channels-last)."""
     if t.is_contiguous():
         return True
     order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
     return t.permute(order).is_contiguous()
-
-
-def reject_option(cls: str, name: str, value: object, default: object) -> None:
-    """Raise ValueError for an Apex option this implementation does not support, unless left at default."""
-    if value != default:
-        raise ValueError(f"{cls} does not support {name}={value!r} (only {name}={default!r})")
 
 
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:

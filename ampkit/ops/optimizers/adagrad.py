@@ -15,7 +15,7 @@ from ampkit.ops.optimizers._base import (
     ScalerTensors,
     acc_dtype,
     check_hyper,
-    reject_option,
+    decay_weights_,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -44,7 +44,11 @@ class FusedAdagrad(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
     ) -> None:
-        reject_option("FusedAdagrad", "adagrad_w_mode", adagrad_w_mode, False)
+        if adagrad_w_mode and lr_decay != 0:
+            raise ValueError(
+                f"FusedAdagrad: adagrad_w_mode=True (Apex's decoupled weight decay) takes no lr_decay; got {lr_decay}"
+            )
+        self.adagrad_w_mode = bool(adagrad_w_mode)  # Apex: weight decay decoupled from the gradient (AdamW-style)
         check_hyper("lr", lr)
         check_hyper("lr_decay", lr_decay)
         check_hyper("weight_decay", weight_decay)
@@ -67,6 +71,10 @@ class FusedAdagrad(FusedOptimizer):
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
+        weight_decay = group["weight_decay"]
+        if self.adagrad_w_mode and weight_decay != 0:  # w -= lr * (g / (sqrt(sum) + eps) + wd * w)
+            decay_weights_(bucket, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            weight_decay = 0.0
         op("adagrad_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -75,7 +83,7 @@ class FusedAdagrad(FusedOptimizer):
             bucket.state_list("step"),
             group["lr"],
             group["lr_decay"],
-            group["weight_decay"],
+            weight_decay,
             group["eps"],
             grad_factor,
             *scaler,

@@ -15,7 +15,7 @@ from ampkit.ops.optimizers._base import (
     ScalerTensors,
     acc_dtype,
     check_hyper,
-    reject_option,
+    decay_weights_,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -52,7 +52,6 @@ class FusedSGD(FusedOptimizer):
         master_weights: bool = False,
         fp32_momentum: bool = False,
     ) -> None:
-        reject_option("FusedSGD", "wd_after_momentum", wd_after_momentum, False)
         check_hyper("lr", lr)
         check_hyper("momentum", momentum)
         check_hyper("weight_decay", weight_decay)
@@ -64,6 +63,7 @@ class FusedSGD(FusedOptimizer):
         if not isinstance(fp32_momentum, bool):
             raise TypeError(f"fp32_momentum must be a bool; got {fp32_momentum!r}")
         self.fp32_momentum = fp32_momentum
+        self.wd_after_momentum = bool(wd_after_momentum)  # Apex: weight decay added after the momentum update
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -129,13 +129,17 @@ class FusedSGD(FusedOptimizer):
         grad_factor: float,
         scaler: ScalerTensors,
     ) -> None:
+        weight_decay = group["weight_decay"]
+        if self.wd_after_momentum and weight_decay != 0:  # w -= lr * (momentum update + wd * w)
+            decay_weights_(bucket, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            weight_decay = 0.0
         sgd_step(
             bucket.params,
             bucket.grads,
             buffers,
             bucket.masters(),
             lr=group["lr"],
-            weight_decay=group["weight_decay"],
+            weight_decay=weight_decay,
             momentum=group["momentum"],
             dampening=group["dampening"],
             nesterov=group["nesterov"],
