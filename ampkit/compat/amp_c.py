@@ -191,14 +191,12 @@ def multi_tensor_sgd(
     a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
     """
     lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
-    if wd_after_momentum and wd != 0:
-        raise RuntimeError(
-            "multi_tensor_sgd: wd_after_momentum=True with wd != 0 is not supported by ampkit's kernel "
-            "(weight decay is applied before momentum, torch.optim.SGD's order)"
-        )
     if not lists[0] or bool(noop_flag.item()):
         return
     grads, weights, buffers = lists[:3]
+    if wd_after_momentum and wd != 0:  # w - lr * (u + wd * w) == (1 - lr * wd) * w - lr * u
+        torch._foreach_mul_(weights, 1.0 - lr * wd)
+        wd = 0.0
     if len(lists) == 4:
         params, masters = lists[3], weights
     else:

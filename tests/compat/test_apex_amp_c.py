@@ -185,16 +185,19 @@ def test_adam_matches_apex_math(mode, bias_correction, dtype):
         assert torch.allclose(m.double(), rm, rtol=tol, atol=tol)
 
 
-def sgd_reference(w, g, mom, wd, momentum, dampening, lr, nesterov, first_run, scale):
-    g = g.double() * scale + wd * w.double()
+def sgd_reference(w, g, mom, wd, momentum, dampening, lr, nesterov, first_run, scale, wd_after_momentum=False):
+    g = g.double() * scale + (0.0 if wd_after_momentum else wd * w.double())
     mom = g if first_run else mom.double() * momentum + (1 - dampening) * g
     step = g + momentum * mom if nesterov else mom
+    if wd_after_momentum:  # Apex: the decay joins after the momentum update
+        step = step + wd * w.double()
     return w.double() - lr * step, mom
 
 
 @pytest.mark.parametrize("layout", ["fp32", "fp16", "fp16_grads_fp32_master"])
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, nesterov):
+@pytest.mark.parametrize("wd_after_momentum", [False, True])
+def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, nesterov, wd_after_momentum):
     weight_dtype = torch.float16 if layout == "fp16" else torch.float32
     grad_dtype = torch.float32 if layout == "fp32" else torch.float16
     weights = [t.contiguous() for t in randn_list(weight_dtype)]
@@ -205,9 +208,11 @@ def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, n
     for first_run in (True, False, False):
         grads = [torch.randn(w.shape).to(grad_dtype) for w in weights]
         lists = [grads, weights, moms] + ([model_copies] if layout == "fp16_grads_fp32_master" else [])
-        multi_tensor_applier(amp_C.multi_tensor_sgd, flag(), lists, *hyper.values(), first_run, False, 0.5)
+        multi_tensor_applier(amp_C.multi_tensor_sgd, flag(), lists, *hyper.values(), first_run, wd_after_momentum, 0.5)
         for i, g in enumerate(grads):
-            ref_w[i], ref_m[i] = sgd_reference(ref_w[i], g, ref_m[i], **hyper, first_run=first_run, scale=0.5)
+            ref_w[i], ref_m[i] = sgd_reference(
+                ref_w[i], g, ref_m[i], **hyper, first_run=first_run, scale=0.5, wd_after_momentum=wd_after_momentum
+            )
     tol = 1e-6 if weight_dtype == torch.float32 else 1e-2
     for i, w in enumerate(weights):
         assert moms[i].dtype == weight_dtype
@@ -216,10 +221,10 @@ def test_sgd_three_and_four_lists_match_apex_math_and_skip_on_the_flag(layout, n
             assert torch.equal(model_copies[i], w.half())
     frozen = [w.clone() for w in weights]
     raised = flag().fill_(1)
-    multi_tensor_applier(amp_C.multi_tensor_sgd, raised, [grads, weights, moms], *hyper.values(), False, False, 1.0)
+    multi_tensor_applier(
+        amp_C.multi_tensor_sgd, raised, [grads, weights, moms], *hyper.values(), False, wd_after_momentum, 1.0
+    )
     assert all(torch.equal(a, b) for a, b in zip(weights, frozen, strict=True))
-    with pytest.raises(RuntimeError, match="wd_after_momentum=True"):
-        amp_C.multi_tensor_sgd(2048, flag(), [grads, weights, moms], 0.01, 0.9, 0.0, 0.1, False, False, True, 1.0)
 
 
 def test_lamb_matches_apex_math_with_global_norm_clipping():
