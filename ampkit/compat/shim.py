@@ -39,6 +39,7 @@ _MODULE_ALIASES = {
     "apex.parallel.distributed": "ampkit.compat.parallel.distributed",
     "apex.parallel.LARC": "ampkit.compat.parallel.larc",
     "apex.parallel.sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
+    "apex.parallel.optimized_sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
 }

@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ampkit.compat.parallel import LARC, DistributedDataParallel, Reducer, SyncBatchNorm, convert_syncbn_model
+from ampkit.compat.parallel import (
+    LARC,
+    DistributedDataParallel,
+    Reducer,
+    SyncBatchNorm,
+    convert_syncbn_model,
+    create_syncbn_process_group,
+)
 
 
 @pytest.mark.parametrize("clip", [True, False])
@@ -177,6 +184,21 @@ def _check_sync_batchnorm_matches_full_batch(rank, world_size):
     torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
 
 
+def _check_syncbn_process_groups(rank, world_size):
+    # Apex's create_syncbn_process_group: groups of one rank normalise locally, a group of all ranks globally.
+    local = _rank_data(rank)[1]
+    assert create_syncbn_process_group(0) is None
+    with pytest.raises(ValueError, match="must divide the world size"):
+        create_syncbn_process_group(world_size + 1)
+    alone = SyncBatchNorm(4)
+    alone._specify_process_group(create_syncbn_process_group(1))
+    torch.testing.assert_close(alone(local), torch.nn.functional.batch_norm(local, None, None, training=True))
+    together = SyncBatchNorm(4, process_group=create_syncbn_process_group(world_size))
+    full = torch.cat([_rank_data(r)[1] for r in range(world_size)])
+    expected = torch.nn.functional.batch_norm(full, None, None, training=True)[rank * 6 : (rank + 1) * 6]
+    torch.testing.assert_close(together(local), expected)
+
+
 def _check_sync_batchnorm_eval_without_running_stats_syncs(rank, world_size):
     # With no running statistics Apex normalises with the distributed batch's, in eval mode too.
     full = torch.cat([_rank_data(r)[1] + 3 * r for r in range(world_size)])
@@ -234,6 +256,7 @@ _TWO_RANK_CHECKS = {
         _check_sync_batchnorm_matches_full_batch,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
+        _check_syncbn_process_groups,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
     )
 }
@@ -301,3 +324,20 @@ def test_channel_last_normalizes_over_the_last_dimension_as_apex():
     torch.testing.assert_close(per_channel.mean(0), torch.zeros(5), atol=1e-5, rtol=0)
     torch.testing.assert_close(per_channel.var(0, unbiased=False), torch.ones(5), atol=1e-3, rtol=0)
     torch.testing.assert_close(bn.running_mean, 0.1 * x.reshape(-1, 5).mean(0))
+
+
+def test_apex_parallel_names_and_module_paths():
+    """Names legacy code imports from apex.parallel, and the fused SyncBatchNorm's module path."""
+    from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+    install_apex_shim()
+    try:
+        from apex.parallel import ReduceOp
+        from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as OptimizedSyncBatchNorm
+
+        assert ReduceOp is torch.distributed.ReduceOp and OptimizedSyncBatchNorm is SyncBatchNorm
+    finally:
+        uninstall_apex_shim()
+    bn = SyncBatchNorm(3)
+    bn._specify_channel_last(True)
+    assert bn.channel_last

@@ -5,11 +5,23 @@ in May 2025; these keep its constructors and behaviour on top of ``torch.nn.para
 unchanged on CPU (gloo) or CUDA (NCCL).
 """
 
+import torch.distributed
+
 from ampkit.compat._exported_names import keep_exported_names
 from ampkit.compat.parallel.distributed import DistributedDataParallel, Reducer
 from ampkit.compat.parallel.larc import LARC
-from ampkit.compat.parallel.sync_batchnorm import SyncBatchNorm, convert_syncbn_model
+from ampkit.compat.parallel.sync_batchnorm import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
 
-__all__ = ["DistributedDataParallel", "LARC", "Reducer", "SyncBatchNorm", "convert_syncbn_model"]
+ReduceOp = torch.distributed.ReduceOp  # Apex re-exported torch's
+
+__all__ = [
+    "DistributedDataParallel",
+    "LARC",
+    "ReduceOp",
+    "Reducer",
+    "SyncBatchNorm",
+    "convert_syncbn_model",
+    "create_syncbn_process_group",
+]
 
 keep_exported_names(__name__)  # parallel.LARC stays the class when apex.parallel.LARC (the module) is imported

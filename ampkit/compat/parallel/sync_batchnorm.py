@@ -38,6 +38,14 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
+    def _specify_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        """Apex's setter (``convert_syncbn_model`` called it): synchronise over ``process_group`` from now on."""
+        self.process_group = process_group
+
+    def _specify_channel_last(self, channel_last: bool) -> None:
+        """Apex's setter: whether the input's last dimension holds the channels."""
+        self.channel_last = channel_last
+
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         channels_moved = self.channel_last and input.dim() > 2
         if channels_moved:  # Apex's channel_last: the channels are the input's last dimension, (N, ..., C)
@@ -57,6 +65,25 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         if self.fuse_relu:
             out = F.relu(out)
         return out
+
+
+def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
+    """Apex's helper: split the ranks into consecutive groups of ``group_size`` for SyncBatchNorm and return
+    this rank's group (``None`` for 0, meaning the whole world). Every rank must call it: each creates all the
+    groups."""
+    if group_size == 0:
+        return None
+    world_size = dist.get_world_size()
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 0:
+        raise ValueError(f"group_size={group_size!r}: expected an integer >= 0 (0 = the whole world)")
+    if group_size > world_size or world_size % group_size:
+        raise ValueError(f"group_size={group_size} must divide the world size {world_size}")
+    mine = None
+    for start in range(0, world_size, group_size):
+        group = dist.new_group(ranks=list(range(start, start + group_size)))
+        if start <= dist.get_rank() < start + group_size:
+            mine = group
+    return mine
 
 
 def convert_syncbn_model(
