@@ -191,3 +191,33 @@ def test_fp16_optimizer_closure_and_bad_args():
     with pytest.raises(TypeError, match=r"scale_windw.*'scale_window'"):  # Apex: LossScaler(**args) TypeError
         FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
                        dynamic_loss_args={"scale_windw": 3})  # fmt: skip
+
+
+def test_stand_alone_loss_scalers_follow_apex_rules():
+    """Apex's fp16_utils.DynamicLossScaler: 2**32 first, divided by scale_factor on an overflow (floor 1),
+    multiplied after scale_window clean iterations; LossScaler is static and never sees an overflow."""
+    from ampkit.compat.fp16_utils import DynamicLossScaler, LossScaler
+
+    scaler = DynamicLossScaler(scale_window=3)
+    assert scaler.loss_scale == 2.0**32
+    weight = torch.nn.Parameter(torch.ones(2))
+    trace = []
+    for overflow in (True, False, False, False, False, False, True):
+        weight.grad = torch.tensor([float("inf") if overflow else 1.0, 0.0])
+        seen = scaler.has_overflow([weight])
+        assert seen == overflow
+        scaler.update_scale(seen)
+        trace.append(scaler.loss_scale)
+    # back off; clean iterations 1, 2, 3 since the overflow grow it once (Apex counts from the overflow's index)
+    assert trace == [2.0**31, 2.0**31, 2.0**31, 2.0**32, 2.0**32, 2.0**32, 2.0**31]
+    tiny = DynamicLossScaler(init_scale=1.5)
+    tiny.update_scale(True)
+    assert tiny.loss_scale == 1  # never below 1
+    static = LossScaler(128.0)
+    weight.grad = torch.tensor([float("nan"), 0.0])
+    assert not static.has_overflow([weight]) and static.loss_scale == 128.0
+    static.update_scale(True)
+    assert static.loss_scale == 128.0
+    weight.grad = None
+    LossScaler(4.0).backward((weight * 2).sum())  # backward of the scaled loss
+    assert torch.equal(weight.grad, torch.full((2,), 8.0))

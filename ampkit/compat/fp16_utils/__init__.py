@@ -14,11 +14,14 @@ from ampkit.compat.fp16_utils.fp16util import (
     to_python_float,
     tofp16,
 )
+from ampkit.compat.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = [
     "BN_convert_float",
+    "DynamicLossScaler",
     "FP16Model",
     "FP16_Optimizer",
+    "LossScaler",
     "clip_grad_norm",
     "convert_module",
     "convert_network",

@@ -1,0 +1,84 @@
+"""Apex's stand-alone ``fp16_utils.LossScaler`` and ``DynamicLossScaler``, for scripts that scale by hand.
+
+Scripts used them as ``loss_scaler.backward(loss)`` (or ``(loss * loss_scaler.loss_scale).backward()``), then
+``overflow = loss_scaler.has_overflow(params)``, unscaled and stepped when there was none, and called
+``loss_scaler.update_scale(overflow)``. The dynamic rules are Apex's: start at ``2**32``, divide by
+``scale_factor`` on an overflow (never below 1), multiply by it after ``scale_window`` iterations without one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def _has_inf_or_nan(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds an inf or a NaN (one sum, read once)."""
+    return not math.isfinite(float(x.float().sum()))
+
+
+class LossScaler:
+    """A static loss scale: ``has_overflow`` is always False and ``update_scale`` changes nothing."""
+
+    def __init__(self, scale: float = 1) -> None:
+        self.cur_scale = scale
+
+    def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
+        return False
+
+    @staticmethod
+    def _has_inf_or_nan(x: torch.Tensor) -> bool:
+        return False
+
+    def update_scale(self, overflow: bool) -> None:
+        pass
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_gradient(self, module: Any, grad_in: tuple[torch.Tensor, ...], grad_out: Any) -> tuple:
+        """A backward hook multiplying the incoming gradients by the scale."""
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss * loss_scale``."""
+        (loss * self.loss_scale).backward()
+
+
+class DynamicLossScaler(LossScaler):
+    """A loss scale that backs off on overflow and grows back after ``scale_window`` clean iterations.
+
+    Args:
+        init_scale: the first scale tried (Apex's ``2**32``).
+        scale_factor: what an overflow divides the scale by, and a clean window multiplies it by.
+        scale_window: iterations without an overflow before the scale grows.
+    """
+
+    def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
+        super().__init__(init_scale)
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+
+    def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params``' gradients holds an inf or a NaN."""
+        return any(p.grad is not None and _has_inf_or_nan(p.grad.data) for p in params)
+
+    @staticmethod
+    def _has_inf_or_nan(x: torch.Tensor) -> bool:
+        return _has_inf_or_nan(x)
+
+    def update_scale(self, overflow: bool) -> None:
+        """One iteration's update: divide on overflow (floor 1); multiply once every ``scale_window`` clean
+        iterations since the last overflow (counted as Apex counted them)."""
+        if overflow:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
