@@ -165,8 +165,9 @@ def lamb_reference(params, grad_seq, lr, betas, eps, wd, max_grad_norm, adam_w_m
     return params
 
 
-def novograd_reference(params, grad_seq, lr, betas, eps, wd, reg_inside_moment=False):
-    """Apex FusedNovoGrad maths (norm_type=2, grad averaging, init with the first norm), float64."""
+def novograd_reference(params, grad_seq, lr, betas, eps, wd, reg_inside_moment=False, norm_type=2):
+    """Apex FusedNovoGrad maths (grad averaging, init with the first norm), float64; with ``norm_type=0`` the
+    per-tensor norm is the max abs value and its running blend is linear."""
     beta1, beta2 = betas
     m = [torch.zeros_like(p) for p in params]
     v = [None] * len(params)
@@ -174,8 +175,12 @@ def novograd_reference(params, grad_seq, lr, betas, eps, wd, reg_inside_moment=F
         bc1, bc2 = 1 - beta1**step, 1 - beta2**step
         for i, p in enumerate(params):
             g = grads[i]
-            n = float(g.norm())
-            v[i] = n if v[i] is None else math.sqrt(beta2 * v[i] ** 2 + (1 - beta2) * n**2)
+            if norm_type == 2:
+                n = float(g.norm())
+                v[i] = n if v[i] is None else math.sqrt(beta2 * v[i] ** 2 + (1 - beta2) * n**2)
+            else:
+                n = float(g.abs().max())
+                v[i] = n if v[i] is None else beta2 * v[i] + (1 - beta2) * n
             denom = v[i] / math.sqrt(bc2) + eps
             if reg_inside_moment:
                 m[i] = beta1 * m[i] + (1 - beta1) * (g / denom + wd * p)
@@ -247,6 +252,10 @@ REFERENCE_CASES = {
     "novograd": (
         lambda p: FusedNovoGrad(p, lr=1e-2, betas=(0.95, 0.98), weight_decay=1e-3),
         lambda p, gs: novograd_reference(p, gs, 1e-2, (0.95, 0.98), 1e-8, 1e-3),
+    ),
+    "novograd_max_norm": (
+        lambda p: FusedNovoGrad(p, lr=1e-2, betas=(0.95, 0.98), weight_decay=1e-3, norm_type=0),
+        lambda p, gs: novograd_reference(p, gs, 1e-2, (0.95, 0.98), 1e-8, 1e-3, norm_type=0),
     ),
     "novograd_reg_inside": (
         lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=1e-3, reg_inside_moment=True),
@@ -541,7 +550,7 @@ BAD_CONSTRUCTIONS = [
     (lambda p: FusedAdam(p, master_weights="yes"), TypeError, "master_weights must be a bool"),
     (lambda p: FusedSGD(p, lr=0.1, nesterov=True), ValueError, "Nesterov momentum requires"),
     (lambda p: FusedLAMB(p, amsgrad=True), RuntimeError, "does not support the AMSGrad"),
-    (lambda p: FusedNovoGrad(p, norm_type=0), ValueError, "norm_type=2 only"),
+    (lambda p: FusedNovoGrad(p, norm_type=1), ValueError, "expected 2 \\(L2\\) or 0"),
     (
         lambda p: FusedMixedPrecisionLamb(p, reduced_precision_dtype=torch.int8),
         ValueError,

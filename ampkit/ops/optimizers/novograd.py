@@ -17,10 +17,11 @@ _UNSET = -1.0  # exp_avg_sq before a parameter's first step (norms are >= 0)
 
 
 class FusedNovoGrad(FusedOptimizer):
-    """NovoGrad as Apex's FusedNovoGrad with ``norm_type=2`` (no torch.optim counterpart).
+    """NovoGrad as Apex's FusedNovoGrad (no torch.optim counterpart).
 
     State: ``exp_avg`` per element and ``exp_avg_sq`` per tensor (the running blend
-    ``sqrt(beta2 * v^2 + (1 - beta2) * ||g||^2)``, seeded with ``||g||`` unless ``init_zero``); the step
+    ``sqrt(beta2 * v^2 + (1 - beta2) * ||g||^2)``, or with ``norm_type=0`` ``beta2 * v + (1 - beta2) * max|g|``,
+    seeded with the first norm unless ``init_zero``); the step
     count is per group (``group["step"]``) as in Apex.
 
     Example:
@@ -48,8 +49,8 @@ class FusedNovoGrad(FusedOptimizer):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
-        if norm_type != 2:
-            raise ValueError(f"FusedNovoGrad supports norm_type=2 only; got norm_type={norm_type!r}")
+        if norm_type not in (0, 2):
+            raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         check_hyper("betas[0]", betas[0], 0.0, 1.0)
@@ -98,9 +99,13 @@ class FusedNovoGrad(FusedOptimizer):
         device = bucket.device
         beta1, beta2 = group["betas"]
         step = group["step"]
-        norms = abs(grad_factor) * multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double()
         previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
-        blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
+        if group["norm_type"] == 2:  # Apex's blend of per-tensor norms: sqrt(b2 * v^2 + (1 - b2) * n^2) ...
+            norms = abs(grad_factor) * multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double()
+            blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
+        else:  # ... and with the max-abs norm, b2 * v + (1 - b2) * n
+            norms = abs(grad_factor) * torch.stack(torch._foreach_norm(bucket.grads, math.inf)).double()
+            blended = beta2 * previous + (1 - beta2) * norms
         blended = torch.where(previous == _UNSET, norms, blended)
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
