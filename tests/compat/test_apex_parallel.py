@@ -246,6 +246,29 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     assert all(p.grad is None for p in model["unused"].parameters())
 
 
+def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
+    # Each rank builds its own model; DDP hands every rank rank 0's fp16 weights. The fp32 masters must then be
+    # identical on every rank (Apex built them from the fp16 weights), or the replicas drift apart for good.
+    from ampkit.compat import amp
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(8, 4)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    ddp = DistributedDataParallel(model)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        optimizer.zero_grad()
+        with amp.scale_loss(ddp(x.half()).float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    mine = torch.cat([t.detach().float().flatten() for t in [*amp.master_params(optimizer), *model.parameters()]])
+    theirs = mine.clone()
+    dist.broadcast(theirs, 0)
+    drift = (mine - theirs).abs().max()
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX)  # every rank fails together, so the next check is not stranded
+    assert drift.item() == 0, f"replicas differ from rank 0 by {drift.item():.3g}"
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -257,6 +280,7 @@ _TWO_RANK_CHECKS = {
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,
+        _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
     )
 }

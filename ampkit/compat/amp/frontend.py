@@ -111,6 +111,17 @@ def _return_shape(
     return model_out, (optimizers[0] if optimizers_container is None else optimizers_container(optimizers))
 
 
+def _several_ranks() -> bool:
+    """Whether this process is one of several: DDP will give every rank rank 0's (cast) weights, so O2's masters
+    start from that rounding, as Apex's did, and all ranks start from the same masters. Alone, they start from
+    the float32 weights before the cast."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
 def initialize(
     models: torch.nn.Module | list[torch.nn.Module],
     optimizers: Any = None,
@@ -189,7 +200,7 @@ def initialize(
         return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
     _print_properties(properties, cast_model_outputs, num_losses)
     fp32_values = None
-    if properties.master_weights and properties.cast_model_type not in (None, torch.float32):
+    if properties.master_weights and properties.cast_model_type not in (None, torch.float32) and not _several_ranks():
         fp32_values = {id(p): p.detach().clone() for m in model_list for p in m.parameters()}
     state_dict_hook = Float32StateDict()
     for model in model_list:
