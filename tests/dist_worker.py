@@ -180,6 +180,11 @@ def main(scenario: str, out: Path) -> None:
         predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
         torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "o2_unseeded":  # each rank initialises its own model; O2 builds fp32 masters from it
+        precision = {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0}
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 3, "seed": None},
+               "precision": precision}  # fmt: skip
+        trainer = Plain(cfg)
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

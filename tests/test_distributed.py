@@ -126,6 +126,14 @@ def _one_forward_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model[1].state_dict().items() if k.startswith("running")}
 
 
+def test_unseeded_ranks_start_from_rank_0s_weights_before_o2_copies_them(tmp_path):
+    """With ``trainer.seed: null`` every rank initialises a different model; the Trainer gives all of them rank
+    0's weights before O2's fp32 masters are made, so the replicas stay identical (they had drifted apart: the
+    masters of rank 1 still held its own initialisation after DDP's broadcast)."""
+    rank0, rank1 = _ok(launch("o2_unseeded", tmp_path))
+    _equal(rank0["model"], rank1["model"])
+
+
 def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     start = time.monotonic()
     rank0, rank1 = launch("kill", tmp_path, timeout=120)

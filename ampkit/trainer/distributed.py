@@ -98,6 +98,21 @@ def broadcast_object(value: Any, env: DistributedEnv) -> Any:
     return holder[0]
 
 
+def broadcast_module_(module: torch.nn.Module, env: DistributedEnv) -> None:
+    """Give every rank rank 0's parameters and buffers, in place: all ranks then start from one model, whatever
+    their own initialisation (``trainer.seed: null``), before anything is derived from it (an O2 master copy)."""
+    if not env.enabled:
+        return
+    try:
+        with torch.no_grad():  # an in-place collective on a parameter must not enter the autograd graph
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, 0)
+    except RuntimeError as exc:
+        if not is_communication_failure(exc):
+            raise
+        raise DistributedError(f"rank {env.rank}: broadcast of the initial weights failed: {exc}") from exc
+
+
 def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
     """Fail at start-up, on every rank, when ranks were launched with different configs."""
     if not env.enabled:

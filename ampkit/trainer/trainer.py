@@ -61,6 +61,7 @@ from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointE
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
+    broadcast_module_,
     broadcast_object,
     check_same_config,
     distributed_loader,
@@ -623,6 +624,8 @@ class Trainer:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         self.module = module.to(self.device)
+        if not self.sharded:  # every rank from rank 0's weights, before casts, master copies and optimizers
+            broadcast_module_(self.module, self.dist)
         if self.sharded:  # before the optimizers: they must hold the sharded parameters
             self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
