@@ -130,13 +130,18 @@ def main(scenario: str, out: Path) -> None:
     cpu = {"progress_bar": False, "device": "cpu"}
     base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False}, "trainer": cpu}
     extra: dict = {}
-    if scenario in ("ddp", "ddp_accumulate"):
-        accumulate = 2 if scenario == "ddp_accumulate" else 1
+    if scenario in ("ddp", "ddp_accumulate", "ddp_accumulate_fp16", "ddp_accumulate_o2"):
+        accumulate = 1 if scenario == "ddp" else 2
+        precision = {  # loss scaling / fp32 masters take each backward's gradients out of .grad
+            "ddp_accumulate_fp16": {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0},
+            "ddp_accumulate_o2": {"opt_level": "O2", "dtype": "bfloat16"},
+        }.get(scenario, {})
         cfg = {
             **base,
             "data": {"batch_size": 4},
             "checkpoint": {"enabled": False},
             "trainer": {**cpu, "max_epochs": 2, "accumulate_grad_batches": accumulate, "val_every_n_epochs": 1},
+            "precision": precision,
         }
         trainer = Plain(cfg)
     elif scenario == "overflow":

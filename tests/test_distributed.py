@@ -69,6 +69,26 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
 
 
+@pytest.mark.parametrize("scenario", ["ddp_accumulate_fp16", "ddp_accumulate_o2"])
+def test_accumulating_with_loss_scaling_or_masters_keeps_ranks_identical_and_equal_to_one_process(tmp_path, scenario):
+    """Loss scaling and fp32 masters take each backward's gradients out of ``.grad``; DDP must then average every
+    micro-batch, or only the last one is averaged and each rank adds its own earlier ones back (the ranks had
+    drifted apart at the first step)."""
+    rank0, rank1 = _ok(launch(scenario, tmp_path))
+    _equal(rank0["model"], rank1["model"])
+    from dist_worker import Plain
+
+    precision = {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0}
+    if scenario == "ddp_accumulate_o2":
+        precision = {"opt_level": "O2", "dtype": "bfloat16"}
+    single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                    "logging": {"tensorboard": False}, "checkpoint": {"enabled": False}, "precision": precision,
+                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": 2}})  # fmt: skip
+    single.fit()
+    for key, value in single.module.state_dict().items():  # equal up to the low precision's rounding
+        torch.testing.assert_close(rank0["model"][key].float(), value.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_process(tmp_path):
     from dist_worker import Evaluated
 

@@ -23,9 +23,11 @@ class DistributedSync(Callback):
 
     ``grad_sync="ddp"`` wraps the model in ``DistributedDataParallel`` (gradients averaged during backward,
     ``require_backward_grad_sync`` off for all but the last micro-batch of an accumulation window — set before
-    the forward, as DDP reads it there). ``grad_sync="step"`` averages an optimizer's gradients right before
-    its step: it works for any number of forwards and backwards per step (a GAN's D and G passes, backward
-    restricted to one optimizer's parameters), which DDP's one-forward-one-backward reducer does not.
+    the forward, as DDP reads it there — unless a callback takes each backward's gradients out of ``.grad``
+    (``state.grads_leave_params``: loss scaling, fp32 masters), when every micro-batch is averaged).
+    ``grad_sync="step"`` averages an optimizer's gradients right before its step: it works for any number of
+    forwards and backwards per step (a GAN's D and G passes, backward restricted to one optimizer's parameters),
+    which DDP's one-forward-one-backward reducer does not.
     ``grad_sync="fsdp"``: the model is sharded and FSDP reduce-scatters gradients itself.
     """
 
@@ -65,8 +67,9 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
-        if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = trainer.state.is_iteration_end
+        if self._ddp is not None:  # with gradients taken out after each backward, every backward must average
+            s = trainer.state
+            self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)

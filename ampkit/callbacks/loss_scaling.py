@@ -156,6 +156,7 @@ class LossScaling(Callback):
 
     def on_fit_start(self, trainer) -> None:
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
+        trainer.state.grads_leave_params = True  # each backward's gradients go to a stash or the masters
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
         if not self._combiners:

@@ -23,6 +23,10 @@ class LoopState:
     epoch_finished: bool = False
     should_stop: bool = False
     stage: str = "fit"  # fit | validate | test | predict: what the Trainer is running now
+    # A callback takes each backward's gradients out of ``.grad`` (unscaled into a stash or fp32 masters), so data
+    # parallelism must average them at every backward, not only at an iteration's last (where DDP would average
+    # just that micro-batch's share).
+    grads_leave_params: bool = False
 
 
 @dataclass(slots=True)
