@@ -120,6 +120,16 @@ class BatchNormNet(ToyTrainer):
         return (self.model(batch) ** 2).sum() * 2 / 8
 
 
+class BufferSpy(ampkit.Callback):
+    """The module's buffers as each batch's forward will see them."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, batch):
+        self.seen.append({k: v.clone() for k, v in trainer.module.named_buffers()})
+
+
 class GradSpy(ampkit.Callback):
     def on_before_optimizer_step(self, trainer, optimizer):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
@@ -190,6 +200,12 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 3, "seed": None},
                "precision": precision}  # fmt: skip
         trainer = Plain(cfg)
+    elif scenario == "step_buffers":  # no DDP: unequal batches give each rank its own BatchNorm statistics
+        spy = BufferSpy()
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 3, "max_epochs": 3},
+               "distributed": {"grad_sync": "step"}}  # fmt: skip
+        trainer = BatchNormNet(cfg, callbacks=[spy])
+        extra = {"buffers": spy}
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)
@@ -199,6 +215,8 @@ def main(scenario: str, out: Path) -> None:
         trainer.fit()
     if scenario == "syncbn":
         extra = {"grads": spy.grads}
+    if scenario == "step_buffers":
+        extra = {"buffers": spy.seen}
     if scenario == "overflow_amp":
         scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}

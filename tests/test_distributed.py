@@ -89,6 +89,16 @@ def test_accumulating_with_loss_scaling_or_masters_keeps_ranks_identical_and_equ
         torch.testing.assert_close(rank0["model"][key].float(), value.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_step_sync_gives_every_forward_rank_0s_buffers_as_ddp_does(tmp_path):
+    """``grad_sync: step`` has no DDP to broadcast buffers before each forward: it does so itself, so BatchNorm
+    statistics do not drift apart between ranks (they had, each rank updating its own from its own batches)."""
+    rank0, rank1 = _ok(launch("step_buffers", tmp_path))
+    assert len(rank0["buffers"]) == len(rank1["buffers"]) == 3
+    for mine, theirs in zip(rank1["buffers"], rank0["buffers"], strict=True):
+        _equal(mine, theirs)
+    assert not torch.equal(rank0["buffers"][1]["1.running_mean"], rank0["buffers"][0]["1.running_mean"])
+
+
 def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_process(tmp_path):
     from dist_worker import Evaluated
 

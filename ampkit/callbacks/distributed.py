@@ -43,6 +43,7 @@ class DistributedSync(Callback):
         self.failure_wait_s = failure_wait_s
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
+        self._buffers: list[torch.Tensor] = []  # grad_sync="step": the module's buffers, broadcast before forwards
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
@@ -60,6 +61,7 @@ class DistributedSync(Callback):
             with torch.no_grad():  # an in-place collective on a parameter must not enter the autograd graph
                 for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
                     self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)
+            self._buffers = list(trainer.module.buffers())
 
     def on_fit_end(self, trainer) -> None:
         if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
@@ -67,6 +69,8 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- per batch / step
     def on_train_batch_start(self, trainer, batch: Any) -> None:
+        if self._buffers:  # as DDP before each forward: every rank takes rank 0's buffers (BatchNorm statistics)
+            self._broadcast_buffers()
         if self._ddp is not None:  # with gradients taken out after each backward, every backward must average
             s = trainer.state
             self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
@@ -90,6 +94,18 @@ class DistributedSync(Callback):
             flat.div_(world)
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(synced)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank, one broadcast per dtype (``grad_sync="step"``, which has no DDP)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buffer in self._buffers:
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for buffers in by_dtype.values():
+            flat = _flatten_dense_tensors(buffers)
+            self._collective("broadcast of buffers", dist.broadcast, flat, 0)
+            for buffer, synced in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
+                buffer.copy_(synced)
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
