@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
+from ampkit.ops.optimizers._base import decay_weights_
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.optimizers.lamb import lamb_step
 from ampkit.ops.optimizers.sgd import sgd_step
@@ -195,7 +196,7 @@ def multi_tensor_sgd(
         return
     grads, weights, buffers = lists[:3]
     if wd_after_momentum and wd != 0:  # w - lr * (u + wd * w) == (1 - lr * wd) * w - lr * u
-        torch._foreach_mul_(weights, 1.0 - lr * wd)
+        decay_weights_(weights, 1.0 - lr * wd)
         wd = 0.0
     if len(lists) == 4:
         params, masters = lists[3], weights

@@ -70,15 +70,16 @@ class Bucket:
         return self.params[0].device
 
 
-def decay_weights_(bucket: Bucket, factor: float, found_inf: Tensor | None = None) -> None:
-    """Multiply the weights the kernel will update (fp32 masters where there are) by ``factor``: a weight decay
+def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
+    """Multiply the weights a kernel will update (fp32 masters where there are) by ``factor``: a weight decay
     applied outside the gradient, ``w - lr * (u + wd * w) = (1 - lr * wd) * w - lr * u``, before a kernel that
     adds ``-lr * u``. A non-zero ``found_inf`` (the step is skipped on the device) leaves them as they are."""
-    weights = bucket.masters() or bucket.params
+    if not weights:
+        return
     if found_inf is None:
         torch._foreach_mul_(weights, factor)
         return
-    multiplier = torch.where(_scalar_on(found_inf, bucket.device) != 0, 1.0, factor)
+    multiplier = torch.where(_scalar_on(found_inf, weights[0].device) != 0, 1.0, factor)
     torch._foreach_mul_(weights, multiplier)
 
 
@@ -216,9 +217,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     here = on_device[bucket.device] = scaler.to(bucket.device)
                 self._update(group, bucket, factor, here)
                 copied += bucket.copied_grads
-            if self._steps_per_group:  # counted on the device when the skip is decided there
-                count = group.get("step", self._initial_step)
-                group["step"] = count + 1 if scaler.found_inf is None else count + (scaler.found_inf == 0).reshape(())
+            self._advance_group_step(group, scaler.found_inf)
         if copied and scaler.grad_scale is not None:  # the kernels unscaled the copies they read
             self._unscale_(copied, scaler.grad_scale, scaler.found_inf)
 
@@ -234,8 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 self._update(group, bucket, factor)
-            if self._steps_per_group:
-                group["step"] = group.get("step", self._initial_step) + 1
+            self._advance_group_step(group)
 
     def _steps_from_group(self, group: dict[str, Any], buckets: list[Bucket]) -> None:
         """Under per-group counting, each parameter about to step starts from its group's count (the kernels then
@@ -249,6 +247,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state["step"].copy_(count)
                 else:
                     state["step"].fill_(float(count))
+
+    def _advance_group_step(self, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
+        """Under per-group counting, count the step just taken: one, or none where ``found_inf`` made the kernels
+        skip it (counted on the device then, with no host read)."""
+        if self._steps_per_group:
+            count = group.get("step", self._initial_step)
+            group["step"] = count + 1 if found_inf is None else count + (found_inf == 0).reshape(())
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}

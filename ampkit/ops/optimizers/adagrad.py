@@ -73,7 +73,7 @@ class FusedAdagrad(FusedOptimizer):
     ) -> None:
         weight_decay = group["weight_decay"]
         if self.adagrad_w_mode and weight_decay != 0:  # w -= lr * (g / (sqrt(sum) + eps) + wd * w)
-            decay_weights_(bucket, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
             weight_decay = 0.0
         op("adagrad_step", bucket.device)(
             bucket.params,

@@ -81,8 +81,7 @@ class FusedLAMB(FusedOptimizer):
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 self._update(group, bucket, grad_factor / clip)
-            if self._steps_per_group:
-                group["step"] = group.get("step", self._initial_step) + 1
+            self._advance_group_step(group)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

@@ -131,7 +131,7 @@ class FusedSGD(FusedOptimizer):
     ) -> None:
         weight_decay = group["weight_decay"]
         if self.wd_after_momentum and weight_decay != 0:  # w -= lr * (momentum update + wd * w)
-            decay_weights_(bucket, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
             weight_decay = 0.0
         sgd_step(
             bucket.params,
