@@ -57,10 +57,7 @@ class DistributedSync(Callback):
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
             trainer.model = torch.compile(self._ddp) if trainer.cfg.trainer.compile else self._ddp
-        elif self.grad_sync == "step":
-            with torch.no_grad():  # an in-place collective on a parameter must not enter the autograd graph
-                for tensor in [*trainer.module.parameters(), *trainer.module.buffers()]:
-                    self._collective("broadcast of initial weights", dist.broadcast, tensor, 0)
+        elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
 
     def on_fit_end(self, trainer) -> None:
@@ -82,30 +79,27 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- collectives
     def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        world = dist.get_world_size()
-        for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
-            self._collective("gradient all-reduce", dist.all_reduce, flat)
-            flat.div_(world)
-            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(synced)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._flat_collective("gradient all-reduce", grads, dist.all_reduce, divisor=dist.get_world_size())
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank (``grad_sync="step"``, which has no DDP to do it)."""
+        self._flat_collective("broadcast of buffers", self._buffers, dist.broadcast, 0)
 
     @torch.no_grad()
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers on every rank, one broadcast per dtype (``grad_sync="step"``, which has no DDP)."""
+    def _flat_collective(self, what: str, tensors: list[torch.Tensor], fn, *args, divisor: int = 1) -> None:
+        """Run the in-place collective ``fn(flat, *args)`` once per dtype over ``tensors`` flattened together,
+        divide by ``divisor``, and write the result back into each tensor."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buffer in self._buffers:
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
-        for buffers in by_dtype.values():
-            flat = _flatten_dense_tensors(buffers)
-            self._collective("broadcast of buffers", dist.broadcast, flat, 0)
-            for buffer, synced in zip(buffers, _unflatten_dense_tensors(flat, buffers), strict=True):
-                buffer.copy_(synced)
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            flat = _flatten_dense_tensors(group)
+            self._collective(what, fn, flat, *args)
+            if divisor != 1:
+                flat.div_(divisor)
+            for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                tensor.copy_(synced)
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
