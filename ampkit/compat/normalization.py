@@ -85,14 +85,7 @@ def manual_rms_norm(
     return weight * normed
 
 
-_FUNCTION_CLASSES = (
-    "FusedLayerNormAffineFunction",
-    "FusedLayerNormAffineMixedDtypesFunction",
-    "FusedLayerNormFunction",
-    "FusedRMSNormAffineFunction",
-    "FusedRMSNormAffineMixedDtypesFunction",
-    "FusedRMSNormFunction",
-)
+_FUNCTION_CLASSES = tuple(cls.__name__ for cls in _ApexNormFunction.__subclasses__())
 __all__ = [*_MODULES, *_FUNCTIONS, *_FUNCTION_CLASSES, "manual_rms_norm"]
 
 

@@ -7,6 +7,8 @@ state here, so a write changes the scale the next ``scale_loss`` uses.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ampkit.amp import LossScaler
@@ -14,6 +16,12 @@ from ampkit.amp import LossScaler
 
 class ApexLossScaler(LossScaler):
     """An engine :class:`~ampkit.amp.LossScaler` that also answers to Apex's attribute names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Apex's overflow flag, written by amp_C kernels (``multi_tensor_scale(..., scaler._overflow_buf, ...)``)
+        # and read by update_scale; legacy code may put its own buffer here.
+        self._overflow_buf = torch.zeros(1, dtype=torch.int32)
 
     @property
     def _loss_scale(self) -> float:
@@ -74,19 +82,6 @@ class ApexLossScaler(LossScaler):
         """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""
         self.last_found_inf = False
         self._overflow_buf.zero_()
-
-    @property
-    def _overflow_buf(self) -> torch.Tensor:
-        """Apex's overflow flag, written by ``amp_C`` kernels (``multi_tensor_scale(..., scaler._overflow_buf,
-        ...)``) and read by :meth:`update_scale`; legacy code may put its own buffer here."""
-        buf = self.__dict__.get("_overflow_buf_tensor")
-        if buf is None:
-            buf = self.__dict__["_overflow_buf_tensor"] = torch.zeros(1, dtype=torch.int32)
-        return buf
-
-    @_overflow_buf.setter
-    def _overflow_buf(self, value: torch.Tensor) -> None:
-        self.__dict__["_overflow_buf_tensor"] = value
 
     def unscale(
         self,
