@@ -136,8 +136,8 @@ def resolve_opt_level(
         dtype: low-precision type, float16 (default; bfloat16 at O4/O5) or bfloat16. When omitted and
             ``cast_model_type`` names a low-precision type, that type is used.
         enabled: ``False`` resolves to O0's float32 recipe whatever ``opt_level`` says.
-        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale:
-            Apex's overrides.
+        cast_model_type: Apex's override of the model's cast, as ``patch_torch_functions``,
+            ``keep_batchnorm_fp32``, ``master_weights`` and ``loss_scale`` are of the other properties.
 
     Raises:
         RuntimeError: unknown ``opt_level`` or an override Apex forbids at that level.

@@ -36,9 +36,10 @@ class LossScaling(Callback):
     """One :class:`~ampkit.amp.LossScaler` per ``loss_id`` (int or name) and the combined unscale.
 
     Args:
-        loss_scale, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, max_scale: the
-            knobs of every :class:`~ampkit.amp.LossScaler`. ``loss_scale="none"``: no scalers; gradients are
-            still combined onto O2's fp32 master weights (bfloat16 needs no scaling).
+        loss_scale: ``"dynamic"``, a number, or ``"none"``: no scalers; gradients are still combined onto
+            O2's fp32 master weights (bfloat16 needs no scaling).
+        init_scale: the first scale of every :class:`~ampkit.amp.LossScaler`; ``growth_factor``,
+            ``backoff_factor``, ``growth_interval``, ``min_scale`` and ``max_scale`` are its other knobs.
         num_losses: when given, scalers ``0..num_losses-1`` exist from the start and an integer
             ``loss_id`` outside that range is an error; named loss ids are always accepted.
         combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
