@@ -20,6 +20,7 @@ import torch
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
 OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
+"""Apex's opt levels: O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half; O4/O5 are O1/O2 in bf16."""
 _BF16_LEVELS = ("O4", "O5")
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {

@@ -367,6 +367,7 @@ class FusedLayerNorm(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Weight to ones and bias to zeros, as ``nn.LayerNorm``."""
         if self.elementwise_affine:
             nn.init.ones_(self.weight)
             nn.init.zeros_(self.bias)
@@ -425,6 +426,7 @@ class FusedRMSNorm(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Weight to ones, as ``nn.RMSNorm``."""
         if self.elementwise_affine:
             nn.init.ones_(self.weight)
 

@@ -47,6 +47,7 @@ HOOKS: tuple[str, ...] = (
     "on_fit_end",
     "on_exception",
 )
+"""Every hook the Trainer fires: the names a callback or a Trainer subclass may define."""
 
 
 class Phase(IntEnum):

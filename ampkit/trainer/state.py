@@ -49,6 +49,7 @@ class OptimizerState:
     epoch_steps: int = 0
 
     def begin_iteration(self) -> None:
+        """Clear the per-iteration facts; the counts carry on."""
         self.found_inf = False
         self.grad_norm_nonfinite = False
         self.loss_ids = set()
@@ -100,6 +101,7 @@ class LossState:
         self.reported.append(flag)
 
     def begin_iteration(self) -> None:
+        """Clear the per-iteration facts before the iteration's first backward."""
         self.found_inf = False
         self.backwards = 0
         self.reported = []

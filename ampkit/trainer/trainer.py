@@ -356,14 +356,17 @@ class Trainer:
 
     @property
     def global_rank(self) -> int:
+        """This process's rank among all processes (0 without torchrun)."""
         return self.dist.rank
 
     @property
     def world_size(self) -> int:
+        """How many processes train together (1 without torchrun)."""
         return self.dist.world_size
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this is rank 0, the process that logs, shows progress and writes checkpoints."""
         return self.dist.rank == 0
 
     # ----------------------------------------------------------------- fit

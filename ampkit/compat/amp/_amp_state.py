@@ -40,6 +40,7 @@ class AmpState:
 
 
 _amp_state = AmpState()
+"""The one ``AmpState`` of the process, reset in place by every ``amp.initialize``."""
 
 
 def maybe_print(message: str) -> None:

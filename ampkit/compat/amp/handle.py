@@ -150,6 +150,7 @@ class AmpHandle:
         self.dtype = dtype
 
     def is_active(self) -> bool:
+        """Whether O1's casts are on (off after ``_deactivate``, and inside ``disable_casts``)."""
         return self._is_active
 
     @contextlib.contextmanager
@@ -197,17 +198,21 @@ class AmpHandle:
 
     @property
     def has_cache(self) -> bool:
+        """Whether casts of float32 parameters are cached within an iteration (``enable_caching``)."""
         return self._enable_caching
 
     @property
     def cache(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The cached low-precision casts, keyed by the float32 parameter."""
         return self._cache
 
     def remove_cache(self, param: torch.Tensor) -> None:
+        """Forget the cached cast of ``param``."""
         self._cache.pop(param, None)
 
     @property
     def verbose(self) -> bool:
+        """The ``verbose`` flag given to ``amp.init`` (accepted; no per-cast lines are printed)."""
         return self._verbose
 
 
@@ -225,6 +230,7 @@ class NoOpHandle:
     """What ``amp.init(enabled=False)`` returns: nothing is cast or scaled."""
 
     def is_active(self) -> bool:
+        """Always False: nothing is cast."""
         return False
 
     @contextlib.contextmanager
@@ -232,28 +238,34 @@ class NoOpHandle:
         yield
 
     def wrap_optimizer(self, optimizer: Any, num_loss: int = 1) -> OptimWrapper:
+        """Wrap ``optimizer`` as the active handle would; its ``scale_loss`` yields the loss unscaled."""
         return OptimWrapper(optimizer, self, num_loss)
 
     @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, optimizer: Any) -> Iterator[torch.Tensor]:
+        """Yield ``loss`` unchanged: a disabled amp scales nothing."""
         yield loss
 
     @property
     def has_cache(self) -> bool:
+        """Always False: nothing is cast, so nothing is cached."""
         return False
 
     @property
     def cache(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Always empty."""
         return {}
 
     @property
     def verbose(self) -> bool:
+        """Always False."""
         return False
 
     def _clear_cache(self) -> None:
         pass
 
     def remove_cache(self, param: torch.Tensor) -> None:
+        """Nothing to forget."""
         pass
 
     def _deactivate(self) -> None:

@@ -176,6 +176,7 @@ class FP16_Optimizer:
 
     @property
     def state(self) -> Any:
+        """The wrapped optimizer's ``state`` (keyed by the fp32 masters; settable)."""
         return self.optimizer.state
 
     @state.setter
@@ -184,6 +185,7 @@ class FP16_Optimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups``, which hold the fp32 masters (settable)."""
         return self.optimizer.param_groups
 
     @param_groups.setter

@@ -27,6 +27,7 @@ class LossScaler:
         self.cur_scale = scale
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
+        """Always False: a static scale never reports an overflow."""
         return False
 
     @staticmethod
@@ -34,10 +35,12 @@ class LossScaler:
         return False
 
     def update_scale(self, overflow: bool) -> None:
+        """Nothing to update: the scale is static."""
         pass
 
     @property
     def loss_scale(self) -> float:
+        """The current scale."""
         return self.cur_scale
 
     def scale_gradient(self, module: Any, grad_in: tuple[torch.Tensor, ...], grad_out: Any) -> tuple:

@@ -31,6 +31,7 @@ class LARC:
 
     @property
     def state(self) -> Any:
+        """The wrapped optimizer's ``state``."""
         return self.optim.state
 
     def __repr__(self) -> str:
@@ -38,6 +39,7 @@ class LARC:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (settable)."""
         return self.optim.param_groups
 
     @param_groups.setter
@@ -45,15 +47,19 @@ class LARC:
         self.optim.param_groups = value
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict (LARC itself keeps no state)."""
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` into the wrapped optimizer."""
         self.optim.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the wrapped optimizer's gradients."""
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add ``param_group`` to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
