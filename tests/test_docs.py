@@ -384,6 +384,13 @@ def test_dotted_config_keys_in_prose_exist():
     assert not problems, f"config keys named in the docs that the schema lacks: {problems}"
 
 
+def test_no_power_renders_as_bold():
+    """``2**16`` outside a code span is Markdown emphasis: the page shows 2<b>16), ...</b>."""
+    for page in PAGES:
+        prose = re.sub(r"```.*?```|`[^`\n]*`", "", page.read_text(), flags=re.S)
+        assert not re.search(r"\d\*\*-?\d", prose), f"{page.name}: write powers in a code span (`2**16`)"
+
+
 def test_readme_links_point_at_files():
     text = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
