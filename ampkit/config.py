@@ -36,27 +36,27 @@ class MonitorMode(str, Enum):
 class TrainerConfig:
     """The loop."""
 
-    max_epochs: int = 1
+    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
-    accumulate_grad_batches: int = 1
-    limit_train_batches: int | None = None
-    limit_val_batches: int | None = None
+    accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
+    limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
+    limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation
     val_every_n_steps: int = 0  # 0 disables step-based validation
-    clip_grad_norm: float | None = None
-    seed: int | None = 0
+    clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
+    seed: int | None = 0  # seeds Python, NumPy and torch before configure_model (null: no seeding)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compile: bool = False
-    progress_bar: bool = True
+    compile: bool = False  # torch.compile the model: self.model is the compiled module
+    progress_bar: bool = True  # console output: bars in a terminal, plain lines otherwise (false: none)
 
 
 @dataclass
 class CheckpointConfig:
     """Where and when to write checkpoints (``<run_dir>/version_N/checkpoints``)."""
 
-    enabled: bool = True
-    every_n_steps: int = 0
-    every_n_epochs: int = 1
+    enabled: bool = True  # false: write no checkpoints at all
+    every_n_steps: int = 0  # a step-N.pt every N iterations (0: never)
+    every_n_epochs: int = 1  # an epoch-N.pt every N epochs (0: never)
     keep_last: int = 2  # step/epoch files kept besides last.pt
     monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
@@ -69,7 +69,7 @@ class EarlyStoppingConfig:
     validations in a row (off while ``monitor`` is null)."""
 
     monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
-    mode: MonitorMode = MonitorMode.min
+    mode: MonitorMode = MonitorMode.min  # which way monitor improves
     patience: int = 3  # validations in a row without an improvement before stopping
     min_delta: float = 0.0  # a change of at most this does not count as an improvement
 
@@ -78,7 +78,7 @@ class EarlyStoppingConfig:
 class LoggingConfig:
     """TensorBoard logging and the console."""
 
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard event files under <version_dir>/tensorboard
     log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
     console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
     grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
@@ -99,21 +99,21 @@ class PrecisionConfig:
     next check, before a non-finite model is checkpointed. A loss scaler always skips the steps it overflows.
     """
 
-    opt_level: str = "O0"
+    opt_level: str = "O0"  # O0 (float32) | O1 | O2 | O3 | O4 | O5: Apex's table
     dtype: str | None = None  # float16 | bfloat16; null: the opt level's (float16, bfloat16 at O4/O5)
     loss_scale: Any = None  # dynamic | <number> | none (no scaler); null: the opt level's, none for bfloat16
     skip_nonfinite: bool | None = None  # no scaler: check grads for inf/nan, skip such steps (null: not in bf16)
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
+    init_scale: float = 65536.0  # a dynamic loss scaler's first scale
+    growth_factor: float = 2.0  # the scale is multiplied by this after growth_interval clean iterations
+    backoff_factor: float = 0.5  # the scale is multiplied by this at each overflow
     growth_interval: int | None = None  # 2000; alias scale_window
-    scale_window: int | None = None
-    min_scale: float | None = None
-    max_scale: float | None = 16777216.0
+    scale_window: int | None = None  # Apex's name for growth_interval
+    min_scale: float | None = None  # floor of the dynamic scale (null: 2^-126, where 1/scale still fits a float32)
+    max_scale: float | None = 16777216.0  # cap of the dynamic scale (null: none)
     num_losses: int | None = None  # int loss_ids must be below it; named loss_ids are always accepted
     combine_grad: bool = False  # one flat gradient buffer per dtype
     keep_batchnorm_fp32: Any = None  # True | False | "True" | "False"
-    master_weights: bool | None = None
+    master_weights: bool | None = None  # fp32 master copies of low-precision weights in the optimizer (null: O2's)
     cast_model_outputs: str | None = None  # O2/O3 outputs are cast to float32 unless this names a dtype
     cast_modules: list[str] = field(default_factory=list)  # submodules cast at their boundary ([]: the model)
     clip_grad_norm: float | None = None  # same as trainer.clip_grad_norm
@@ -139,11 +139,11 @@ class DistributedConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # a collective waiting longer than this fails the run instead of hanging
     grad_sync: str = "auto"  # auto | ddp | step  (auto: ddp under automatic optimization, else step)
-    find_unused_parameters: bool = False
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    bucket_cap_mb: float = 25.0
-    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False  # passed to torch's DistributedDataParallel
+    gradient_as_bucket_view: bool = False  # passed to torch's DistributedDataParallel
+    static_graph: bool = False  # passed to torch's DistributedDataParallel
+    bucket_cap_mb: float = 25.0  # passed to torch's DistributedDataParallel
+    sync_batchnorm: bool = False  # synchronise batch-norm statistics across ranks (CPU too)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -151,9 +151,9 @@ class DistributedConfig:
 class Config:
     """The root schema; a Trainer subclass extends it with its own sections (model, data, optim...)."""
 
-    trainer_class: str = MISSING
-    name: str = "run"
-    run_dir: str = "runs/${name}"
+    trainer_class: str = MISSING  # package.module:Class, the Trainer subclass to run
+    name: str = "run"  # the run's name (run_dir's default uses it)
+    run_dir: str = "runs/${name}"  # each fresh run writes <run_dir>/version_N/
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
