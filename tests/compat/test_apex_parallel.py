@@ -1,6 +1,7 @@
 """apex.parallel on torch.distributed: LARC maths, convert_syncbn_model, and 2-process gloo runs of
 DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer and the CPU SyncBatchNorm."""
 
+import contextlib
 import gc
 import json
 import os
@@ -269,6 +270,76 @@ def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
     assert drift.item() == 0, f"replicas differ from rank 0 by {drift.item():.3g}"
 
 
+def _integer_batches(world_size):
+    """Micro-batches of small integers for a Linear with eighths for weights: every product and sum is exact in
+    fp16, so two ranks on half batches must match one process on the whole batch bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(-1, 2, (4 * world_size, 4), generator=g).float() for _ in range(4)]
+
+
+def _eighths_linear():
+    layer = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(torch.arange(p.numel()).reshape(p.shape).remainder(7).sub(3 - i).div(8))
+    return layer
+
+
+def _train_accumulating(opt_level, batches, wrap=None, sync="every"):
+    """timm's accumulation loop on the Apex API: 2 micro-batches per step, ``model.no_sync()`` around the first
+    when the model has it (``sync="no_sync"``), or Apex's ``disable_allreduce`` (``sync="disable"``)."""
+    from ampkit.compat import amp
+
+    model = _eighths_linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=64.0, verbosity=0)
+    net = wrap(model) if wrap is not None else model
+    for step in range(2):
+        for micro in range(2):
+            last = micro == 1
+            x = batches[2 * step + micro]
+            if sync == "disable":
+                net.enable_allreduce() if last else net.disable_allreduce()
+            use_no_sync = sync == "no_sync" and hasattr(net, "no_sync") and not last
+            with net.no_sync() if use_no_sync else contextlib.nullcontext():
+                loss = net(x.to(next(model.parameters()).dtype)).float().pow(2).mean() / 2
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in [*amp.master_params(optimizer), *model.parameters()]]
+
+
+def _check_accumulation_matches_one_process_on_the_doubled_batch(rank, world_size):
+    # Apex's DDP had no no_sync: timm (no_sync when present) and plain loops all-reduced every micro-batch, and
+    # amp's stash then adds averaged gradients. Equal to one process on the whole batch, bit for bit.
+    whole = _integer_batches(world_size)
+    mine = [b[rank * 4 : (rank + 1) * 4] for b in whole]
+    failures = []
+    for opt_level in ("O1", "O2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # disable_allreduce under amp warns that it reduces anyway
+            runs = {sync: _train_accumulating(opt_level, mine, DistributedDataParallel, sync)
+                    for sync in ("every", "no_sync", "disable")}  # fmt: skip
+        expected = _train_accumulating(opt_level, whole)
+        for sync, got in runs.items():
+            if not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
+                failures.append(f"{opt_level} {sync}")
+    assert not failures, f"differ from one process on the doubled batch: {failures}"
+
+
+def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
+    from ampkit.compat import amp
+
+    model, optimizer = amp.initialize(_eighths_linear(), torch.optim.SGD([torch.zeros(1)], lr=0.1), verbosity=0,
+                                      opt_level="O1", loss_scale=64.0)  # fmt: skip
+    ddp = DistributedDataParallel(model)
+    ddp.disable_allreduce()
+    with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
+        ddp(torch.ones(2, 4))
+    assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -282,8 +353,18 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_accumulation_matches_one_process_on_the_doubled_batch,
+        _check_disable_allreduce_under_amp_warns_and_reduces,
     )
 }
+
+
+def _reset_amp():
+    """Leave amp uninitialized for the next check, as a fresh process would be (undoing O1's patches)."""
+    from ampkit.compat import amp
+
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    amp._amp_state.reset()
 
 
 def _worker(rank, world_size, init_file, report_dir):
@@ -298,6 +379,7 @@ def _worker(rank, world_size, init_file, report_dir):
                 check(rank, world_size)  # asserts only after its collectives, so a failure leaves ranks in step
             except Exception:
                 failures[name] = traceback.format_exc(limit=-3)
+            _reset_amp()
             # DDP's reducer holds the process group (its comm hook makes a reference cycle): free it now, with the
             # interpreter alive, not in finalization, where gloo's teardown can abort the process (SIGABRT).
             gc.collect()
