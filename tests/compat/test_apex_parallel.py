@@ -2,6 +2,7 @@
 DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer and the CPU SyncBatchNorm."""
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -116,6 +117,8 @@ def _check_ddp_reduction_options(rank, world_size):
         (dict(gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
         (dict(gradient_average=False), total),
         (dict(delay_allreduce=True, message_size=1), mean),
+        (dict(delay_allreduce=True, gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
+        (dict(delay_allreduce=True, gradient_average=False), total),
     ]
     for kwargs, want in cases:
         _assert_ddp_grads(rank, base, kwargs, want)
@@ -212,16 +215,17 @@ def _check_sync_batchnorm_eval_without_running_stats_syncs(rank, world_size):
 def _check_ddp_disable_and_enable_allreduce(rank, world_size):
     # Apex's gradient accumulation switch: local grads while disabled, the mean of the summed grads once enabled.
     base, mean, _ = _linear_grads(world_size)
-    model = torch.nn.Linear(4, 2)
-    model.load_state_dict(base.state_dict())
-    ddp = DistributedDataParallel(model)
-    ddp.disable_allreduce()
-    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-    assert not torch.allclose(model.weight.grad, mean[0])  # this rank's own gradient: nothing was reduced
-    ddp.enable_allreduce()
-    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-    for p, m in zip(model.parameters(), mean, strict=True):  # the accumulated gradients, averaged over ranks
-        torch.testing.assert_close(p.grad, 2 * m)
+    for delay_allreduce in (False, True):
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(base.state_dict())
+        ddp = DistributedDataParallel(model, delay_allreduce=delay_allreduce)
+        ddp.disable_allreduce()
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+        assert not torch.allclose(model.weight.grad, mean[0])  # this rank's own gradient: nothing was reduced
+        ddp.enable_allreduce()
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+        for p, m in zip(model.parameters(), mean, strict=True):  # the accumulated gradients, averaged over ranks
+            torch.testing.assert_close(p.grad, 2 * m)
 
 
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
@@ -238,13 +242,44 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
         def forward(self, x):
             return self.inner["used"](x)
 
-    ddp = DistributedDataParallel(Forward(), delay_allreduce=True)
-    for _ in range(2):
-        model.zero_grad()
-        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(Forward(), delay_allreduce=True)
+        for _ in range(2):
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
     for p, m in zip(model["used"].parameters(), mean, strict=True):
         torch.testing.assert_close(p.grad, m)
     assert all(p.grad is None for p in model["unused"].parameters())
+    # One allreduce at the end of backward, as Apex: torch's graph walk (and its warning) stays off.
+    assert not ddp.find_unused_parameters and not caught, [str(w.message) for w in caught]
+
+
+def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
+    # O2 keeps batch norm in fp32 beside fp16 layers: each dtype is reduced in its own flat tensor, to the mean.
+    class HalfThenFloat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low, self.high = torch.nn.Linear(4, 3).half(), torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.high(self.low(x).float())
+
+    torch.manual_seed(0)
+    model = HalfThenFloat()
+    x = _rank_data(rank)[0]
+    model(x.half()).float().pow(2).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    model.zero_grad()
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    out = ddp(x.half())
+    out.float().pow(2).sum().backward()
+    for p, want in zip(model.parameters(), expected, strict=True):
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad, want)
 
 
 def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
@@ -319,8 +354,9 @@ def _check_accumulation_matches_one_process_on_the_doubled_batch(rank, world_siz
     for opt_level in ("O1", "O2"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # disable_allreduce under amp warns that it reduces anyway
-            runs = {sync: _train_accumulating(opt_level, mine, DistributedDataParallel, sync)
-                    for sync in ("every", "no_sync", "disable")}  # fmt: skip
+            runs = {f"{sync}{' delayed' if delay else ''}": _train_accumulating(opt_level, mine, functools.partial(
+                        DistributedDataParallel, delay_allreduce=delay), sync)
+                    for sync in ("every", "no_sync", "disable") for delay in (False, True)}  # fmt: skip
         expected = _train_accumulating(opt_level, whole)
         for sync, got in runs.items():
             if not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
@@ -338,6 +374,10 @@ def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
         ddp(torch.ones(2, 4))
     assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
+    # Apex's reducer attributes, which scripts read (world_size as a float, the accumulation switch, ...)
+    assert (ddp.world_size, ddp._disable_allreduce, ddp.delay_allreduce) == (float(world_size), True, False)
+    assert (ddp.gradient_average, ddp.gradient_predivide_factor, ddp.allreduce_always_fp32) == (True, 1.0, False)
+    assert (ddp.message_size, ddp.retain_allreduce_buffers, ddp.num_allreduce_streams) == (10_000_000, False, 1)
 
 
 _TWO_RANK_CHECKS = {
@@ -353,6 +393,7 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,
     )

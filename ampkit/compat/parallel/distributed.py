@@ -3,12 +3,13 @@
 Apex argument → effect here:
 
 - ``message_size`` (elements) → ``bucket_cap_mb = message_size * 4 bytes`` (Apex sized buckets in fp32 elements).
-- ``delay_allreduce=True`` → one bucket holding every gradient, so the allreduce starts once backward has
-  produced all of them (Apex's "allreduce at the end of backward").
+- ``delay_allreduce=True`` → Apex's "allreduce at the end of backward": torch's reducer stays idle and, once
+  backward has finished, the gradients that exist are all-reduced in one flat tensor per dtype. No graph walk
+  (torch's ``find_unused_parameters``) is needed, and a parameter the forward did not use is no error.
 - ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → divide by the predivide
   factor before the allreduce and, when averaging, multiply by ``predivide / world_size`` after it; with
   ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
-  Without these options torch's default comm hook runs.
+  Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -28,6 +29,7 @@ micro-batch is all-reduced instead, with a warning.
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +85,17 @@ def _apex_allreduce(options: _ApexReduceOptions, buffer: torch.Tensor) -> torch.
 def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
     """torch DDP comm hook: :func:`_apex_allreduce` of one ``dist.GradBucket``."""
     return _apex_allreduce(options, bucket.buffer())
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
 
 
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
@@ -144,12 +157,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise ValueError(f"message_size must be a positive number of elements, got {message_size}")
         if gradient_predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
-        if delay_allreduce:
-            total = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            torch_ddp_kwargs.setdefault("bucket_cap_mb", max(total, 1) / 2**20 + 1.0)
-            torch_ddp_kwargs.setdefault("find_unused_parameters", True)
-        else:
-            torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
+        torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
         if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
             super().__init__(module, **torch_ddp_kwargs)
         else:
@@ -179,8 +187,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             predivide_factor=float(gradient_predivide_factor),
             always_fp32=allreduce_always_fp32,
         )
+        self._allreduce_queued = False
         self._warned_disable_under_amp = False
-        if not self._reduce_options.is_torch_default:
+        if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
     @property
@@ -202,8 +211,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
-        self.require_backward_grad_sync = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        return super().forward(*inputs, **kwargs)
+        reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
+        # Under delay_allreduce torch's reducer stays idle: the end-of-backward callback reduces instead.
+        self.require_backward_grad_sync = reduce and not self.delay_allreduce
+        output = super().forward(*inputs, **kwargs)
+        if reduce and self.delay_allreduce and torch.is_grad_enabled():
+            self._reduce_at_end_of_backward(output)
+        return output
 
     def _stash_needs_every_backward_reduced(self) -> bool:
         if not _amp_state.gradients_leave_params:
@@ -217,6 +231,36 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 stacklevel=3,
             )
         return True
+
+    def _reduce_at_end_of_backward(self, output: Any) -> None:
+        """Queue :meth:`_allreduce_grads` to run once the backward that reaches ``output`` has finished."""
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if not tensors:
+            return
+
+        def queue(_: Any) -> None:
+            if not self._allreduce_queued:
+                self._allreduce_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, queue, mode="any")
+
+    @torch.no_grad()
+    def _allreduce_grads(self) -> None:
+        """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype)."""
+        self._allreduce_queued = False
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for param in self.module.parameters():
+            if param.grad is not None:
+                buckets[(param.grad.device, param.grad.dtype)].append(param.grad)
+        futures = []
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            futures.append((grads, _apex_allreduce(self._reduce_options, flat)))
+        for grads, future in futures:
+            reduced = future.wait()
+            for grad, synced in zip(grads, reduced.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(synced.view_as(grad))
 
 
 class Reducer:
