@@ -46,7 +46,9 @@ class TrainerConfig:
     clip_grad_norm: float | None = None
     seed: int | None = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compile: bool = False
+    compile: Any = False  # false | true (torch.compile the whole model) | [Block, ...] (those classes, in place)
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune | ...
+    activation_checkpointing: list[str] = field(default_factory=list)  # classes recomputed in backward ([Block])
     progress_bar: bool = True
 
 
