@@ -143,6 +143,10 @@ class Trainer:
 
     config_class: ClassVar[type] = Config
     automatic_optimization: ClassVar[bool] = True
+    # What a sample is worth, for the throughput figures: tokens (a sequence's length) and training FLOPs
+    # (forward + backward; ampkit.callbacks.throughput.count_training_flops). Set them in configure_model.
+    tokens_per_sample: int | None = None
+    flops_per_sample: float | None = None
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
@@ -621,11 +625,11 @@ class Trainer:
     def _setup_model(self) -> None:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
+        self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
         module = self.configure_model()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
-        self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 
     def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
