@@ -169,12 +169,6 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTModelConfig) -> None:
         super().__init__()
-        if cfg.width % cfg.heads:
-            raise ampkit.ConfigError(
-                f"config key 'model.width': {cfg.width} is not divisible by model.heads={cfg.heads}"
-            )
-        if cfg.norm not in ("layernorm", "rmsnorm"):
-            raise ampkit.ConfigError(f"config key 'model.norm': {cfg.norm!r} is invalid; expected layernorm, rmsnorm")
         self.seq_len = cfg.seq_len
         self.embed = nn.Embedding(VOCAB, cfg.width)
         self.pos = nn.Embedding(cfg.seq_len, cfg.width)
@@ -271,6 +265,14 @@ def choose_precision(cfg: DictConfig) -> str | None:
     return why
 
 
+def check_model_config(m: DictConfig) -> None:
+    """The ``model`` section's checks the schema cannot express; a ConfigError naming the key."""
+    if m.width % m.heads:
+        raise ampkit.ConfigError(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
+    if m.norm not in ("layernorm", "rmsnorm"):
+        raise ampkit.ConfigError(f"config key 'model.norm': {m.norm!r} is invalid; expected layernorm or rmsnorm")
+
+
 # ---------------------------------------------------------------------------------------------- trainer
 class GPTTrainer(ampkit.Trainer):
     """Next-byte prediction; validation reports ``loss`` (nats/byte) and ``bits_per_byte``."""
@@ -281,6 +283,7 @@ class GPTTrainer(ampkit.Trainer):
         if not isinstance(cfg, DictConfig):
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
+        check_model_config(cfg.model)
         self.precision_choice = choose_precision(cfg)
         fsdp = cfg.distributed.fsdp
         if cfg.distributed.strategy == "fsdp" and not fsdp.shard_modules:
