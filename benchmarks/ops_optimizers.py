@@ -88,6 +88,36 @@ FAMILIES: list[tuple[str, Callable, dict[str, Callable], int]] = [
 ]  # fmt: skip
 
 
+# The optimizers torch has a fused op for, each run through both backends: the evidence for ``auto``'s CPU rule
+# (``_cpu_prefers_torch`` of each class). (name, factory taking params and a backend, torch's form, its factory)
+ROUTED: list[tuple[str, Callable, str, Callable]] = [
+    ("FusedAdam", lambda p, b: FusedAdam(p, lr=1e-3, weight_decay=0.01, backend=b),
+     "AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True)),
+    ("FusedSGD", lambda p, b: FusedSGD(p, lr=1e-2, momentum=0.9, backend=b),
+     "SGD(momentum=0.9, fused=True)", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True)),
+    ("FusedAdagrad", lambda p, b: FusedAdagrad(p, lr=1e-2, backend=b),
+     "Adagrad(fused=True)", lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True)),
+]  # fmt: skip
+
+
+def routed_rows(ctx, base: list[Tensor], grads: list[Tensor], size: str, count: int) -> list[dict]:
+    """Each routed optimizer's plain step and its ``GradScaler.step`` under each backend, against torch's fused
+    form (plain, and through GradScaler) timed interleaved with it."""
+    rows = []
+    for name, make, baseline, make_torch in ROUTED:
+        torch_step = make_torch(_params_with_grads(base, grads)).step
+        torch_scaled = _through_scaler(make_torch(_params_with_grads(base, [g.clone() for g in grads])))
+        for backend in ("ampkit", "torch"):
+            ours = make(_params_with_grads(base, grads), backend)
+            torch_ms, ms = ctx.compare_ms(torch_step, ours.step)
+            rows.append(ctx.row(SECTION, f"{name}.step, backend={backend}", baseline, size, ms, torch_ms, None))
+            ours = make(_params_with_grads(base, [g.clone() for g in grads]), backend)
+            torch_ms, ms = ctx.compare_ms(torch_scaled, _through_scaler(ours))
+            rows.append(ctx.row(SECTION, f"GradScaler.step({name}), backend={backend}", f"GradScaler.step({baseline})",
+                                size, ms, torch_ms, None))  # fmt: skip
+    return rows
+
+
 def _best_torch_form(ctx, base, grads, forms: dict[str, Callable]) -> tuple[str, Callable]:
     """The fastest torch form for this list (a quick pre-timing), as (name, step)."""
     best = None
@@ -163,8 +193,9 @@ def trainer_amp_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return step
 
 
-def run(ctx) -> list[dict]:
-    """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format)."""
+def run(ctx, routed_only: bool = False) -> list[dict]:
+    """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format); ``routed_only``: only
+    the backend comparison of the optimizers torch has a fused op for."""
     os.environ["AMPKIT_OPS"] = "kernel"
     rows = []
     for n in ctx.sizes:
@@ -172,6 +203,9 @@ def run(ctx) -> list[dict]:
         count = sum(t.numel() for t in base)
         size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
         grads = [torch.randn_like(t) * 1e-3 for t in base]
+        if routed_only:
+            rows += routed_rows(ctx, base, grads, size, count)
+            continue
         for name, make_ours, forms, per_param in FAMILIES:
             baseline, torch_step = _best_torch_form(ctx, base, grads, forms)
             ours = make_ours(_params_with_grads(base, grads))
@@ -190,6 +224,7 @@ def run(ctx) -> list[dict]:
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         rows.append(ctx.row(SECTION, "Trainer amp step: unscale pass + FusedAdam", baseline, size, ms, torch_ms,
                             count * 36))  # fmt: skip
+        rows += routed_rows(ctx, base, grads, size, count)
     return rows
 
 
@@ -201,12 +236,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1M and 10M params only")
+    parser.add_argument("--routed", action="store_true", help="only each backend of Adam, SGD and Adagrad")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000)
     ctx = harness.BenchContext(threads=args.threads, quick=args.quick, sizes=sizes)
     rows = harness.measure_ceilings(ctx)
-    harness.print_table(rows + run(ctx))
+    harness.print_table(rows + run(ctx, routed_only=args.routed))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.optimizers._backend import resolve_backend, torch_has_fused_op
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -69,6 +70,10 @@ class Bucket:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
 
 def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
     """Multiply the weights a kernel will update (fp32 masters where there are) by ``factor``: a weight decay
@@ -107,6 +112,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         master_weights: keep an fp32 copy (``state["master_param"]``) of each fp16/bf16 parameter, update
             the copy and write the rounded result back to the parameter after each step.
         set_grad_none: what ``zero_grad()`` without an argument does (Apex's option; torch's default).
+        backend: ``"auto"``, ``"torch"`` or ``"ampkit"``: whose kernels run a bucket that torch's fused op can
+            run with the same meaning (see :mod:`ampkit.ops.optimizers._backend`); None reads
+            ``$AMPKIT_FUSED_BACKEND`` (default ``auto``). Optimizers torch has no fused op for always run ampkit's.
     """
 
     # torch.amp.GradScaler calls step() directly and sets ``grad_scale``/``found_inf`` on the optimizer.
@@ -121,6 +129,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # optimizers count per parameter. ``ampkit.compat.optimizers`` sets this for Apex's names.
     _steps_per_group: bool = False
     _initial_step: int = 0  # the group count a fresh group starts from (FusedMixedPrecisionLamb's ``step``)
+    # torch's fused op that can run a bucket of this optimizer (``torch._fused_adam_`` and kin), or None.
+    _torch_op: str | None = None
 
     def __init__(
         self,
@@ -128,10 +138,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         master_weights: bool = False,
         set_grad_none: bool = True,
+        backend: str | None = None,
     ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
         self.master_weights = master_weights
+        self.backend = resolve_backend(backend, type(self).__name__)
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults)
 
@@ -290,6 +302,34 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _routes_to_torch(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors
+    ) -> bool:
+        """Whether torch's fused op runs ``bucket``: the backend allows it, torch has the op on this device, and the
+        op computes what ampkit's kernel would: no fp32 masters inside the optimizer, gradients and state in the
+        parameter's dtype, no factor folded into the gradient (a clip coefficient; ``-1`` is ``maximize``), no
+        per-group step count (Apex's classes) and the group's options within the op's (``_torch_can_run``)."""
+        if self.backend == "ampkit" or self._torch_op is None or self._steps_per_group or bucket.has_master:
+            return False
+        if grad_factor not in (1.0, -1.0):
+            return False
+        param = bucket.params[0]
+        if bucket.grads[0].dtype != param.dtype or not self._torch_can_run(group, param):
+            return False
+        if not torch_has_fused_op(self._torch_op, param.device.type):
+            return False
+        if self.backend == "torch" or param.device.type != "cpu":
+            return True
+        return self._cpu_prefers_torch(bucket, scaler)
+
+    def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
+        """Whether torch's op has every option of ``group`` and keeps this optimizer's state dtype for ``param``."""
+        return False
+
+    def _cpu_prefers_torch(self, bucket: Bucket, scaler: ScalerTensors) -> bool:
+        """Under ``auto`` on the CPU: whether torch's op measured faster than ampkit's kernel for such a bucket."""
+        return False
 
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
