@@ -9,7 +9,8 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.compat import optimizers as apex_optimizers
-from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD, _backend
+from ampkit.ops import _backend
+from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD
 
 # Odd sizes, a one-element tensor and a transposed (non-contiguous) parameter.
 SHAPES = [(7, 13), (29,), (3, 5, 4), (1,)]

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops.multi_tensor import read_scalars
-from ampkit.ops.optimizers._backend import resolve_backend, torch_has_fused_op
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -113,7 +113,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             the copy and write the rounded result back to the parameter after each step.
         set_grad_none: what ``zero_grad()`` without an argument does (Apex's option; torch's default).
         backend: ``"auto"``, ``"torch"`` or ``"ampkit"``: whose kernels run a bucket that torch's fused op can
-            run with the same meaning (see :mod:`ampkit.ops.optimizers._backend`); None reads
+            run with the same meaning (see :mod:`ampkit.ops._backend`); None reads
             ``$AMPKIT_FUSED_BACKEND`` (default ``auto``). Optimizers torch has no fused op for always run ampkit's.
     """
 

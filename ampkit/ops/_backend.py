@@ -1,12 +1,12 @@
-"""Which kernels run a fused optimizer's bucket: torch's fused op or ampkit's own (``auto | torch | ampkit``).
+"""Whose kernels run an op that torch also fuses: torch's or ampkit's own (``auto | torch | ampkit``).
 
-torch ships fused multi-tensor kernels for Adam, AdamW, SGD and Adagrad (``torch._fused_adam_`` and kin). Where
-they exist for a device and can run a bucket with the same meaning, ``auto`` hands the bucket to them on every
-device but the CPU: on a GPU they are the tuned ones (ampkit's per-tensor CUDA kernels measured 0.34-0.93x
-torch's on an H100), so an ampkit optimizer is never slower there than ``torch.optim``'s ``fused=True``. On the
-CPU, ``auto`` keeps whichever measured faster (each optimizer states its rule, with the figure, in
-``_cpu_prefers_torch``). The choice is the ``backend=`` keyword of the optimizer, else the environment variable
-``AMPKIT_FUSED_BACKEND``, else ``auto``.
+torch ships fused multi-tensor kernels for Adam, AdamW, SGD and Adagrad (``torch._fused_adam_`` and kin) and
+its own LayerNorm/RMSNorm kernels. Where they exist for a device and compute the same thing, ``auto`` hands the
+work to them on every device but the CPU: on a GPU they are the tuned ones (ampkit's per-tensor CUDA optimizer
+kernels measured 0.34-0.93x torch's on an H100, its norms 0.31-1.0x), so picking ampkit's op never loses there.
+On the CPU, ``auto`` keeps whichever measured faster (each optimizer states its rule and figure in
+``_cpu_prefers_torch``; the norms in ``ampkit.ops.norms``). The choice is a fused optimizer's ``backend=``
+keyword, else the environment variable ``AMPKIT_FUSED_BACKEND``, else ``auto``.
 """
 
 from __future__ import annotations
