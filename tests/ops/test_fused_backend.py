@@ -377,3 +377,81 @@ def test_cuda_auto_is_torch_fused_bit_for_bit_with_no_host_read(case):
             torch_opt.step()
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)
+
+
+# ----------------------------------------------------------------- buckets kept between steps
+
+
+def _step_all(opt, params, grads):
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.clone()
+    opt.step()
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+def test_cached_buckets_follow_every_change_between_steps(backend):
+    """Gradients that come and go, change layout or dtype, a parameter swapped in the group, a group added and
+    a state dict loaded: the optimizer that keeps its buckets ends where one rebuilt from scratch each step ends."""
+    torch.manual_seed(0)
+    shapes = [(4, 6), (5,), (3, 3)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = twin(ours)
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.01, backend=backend)
+    rebuilt = FusedAdam(theirs, lr=1e-2, weight_decay=0.01, backend=backend)
+    rebuilt._plans = _NeverKeeps()
+
+    def both(grads):
+        _step_all(opt, ours, grads)
+        _step_all(rebuilt, theirs, grads)
+
+    def grads_like(params):
+        return [torch.randn_like(p) for p in params]
+
+    for _ in range(3):
+        both(grads_like(ours))
+    both([None, *grads_like(ours[1:])])  # a parameter without a gradient
+    both(grads_like(ours))
+    transposed = torch.randn(6, 4).t()  # a gradient in another layout than its parameter
+    both([transposed, *grads_like(ours[1:])])
+    both(grads_like(ours))
+    swapped = torch.randn(5)
+    for optimizer, value in ((opt, ours), (rebuilt, theirs)):
+        new = torch.nn.Parameter(swapped.clone())
+        optimizer.state.pop(optimizer.param_groups[0]["params"][1])
+        optimizer.param_groups[0]["params"][1] = new  # a parameter swapped in the same list
+        value[1] = new
+    both(grads_like(ours))
+    extra_ours, extra_theirs = torch.nn.Parameter(torch.ones(7)), torch.nn.Parameter(torch.ones(7))
+    opt.add_param_group({"params": [extra_ours]})
+    rebuilt.add_param_group({"params": [extra_theirs]})
+    ours.append(extra_ours)
+    theirs.append(extra_theirs)
+    both(grads_like(ours))
+    saved = rebuilt.state_dict()
+    opt.load_state_dict(saved)
+    both(grads_like(ours))
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+    assert opt._plans  # the cache was in use, not bypassed
+
+
+class _NeverKeeps(dict):
+    """A plan store that forgets every plan: the optimizer rebuilds its buckets each step."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_keeps_its_options(copy_with):
+    import copy
+    import pickle
+
+    params = make_params()
+    opt = FusedSGD(params, lr=0.1, momentum=0.9, fp32_momentum=True, backend="torch")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    clone = copy.deepcopy(opt) if copy_with == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert (clone.backend, clone.fp32_momentum, clone.master_weights) == ("torch", True, False)
+    assert clone._plans == {}

@@ -30,6 +30,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_update_buffers")
 
     def __init__(
         self,
