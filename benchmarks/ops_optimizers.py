@@ -100,21 +100,29 @@ ROUTED: list[tuple[str, Callable, str, Callable]] = [
 ]  # fmt: skip
 
 
-def routed_rows(ctx, base: list[Tensor], grads: list[Tensor], size: str, count: int) -> list[dict]:
-    """Each routed optimizer's plain step and its ``GradScaler.step`` under each backend, against torch's fused
-    form (plain, and through GradScaler) timed interleaved with it."""
-    rows = []
+def routed_pairs(base: list[Tensor], grads: list[Tensor]) -> list[tuple[str, str, Callable, Callable]]:
+    """(name, baseline, torch step, ampkit step) for each routed optimizer's plain step and ``GradScaler.step``
+    under each backend, against torch's fused form (plain, and through GradScaler), on ``base``'s device. Each
+    side has its own parameters and state; the GradScaler pairs their own copy of the grads (they unscale them)."""
+    pairs = []
     for name, make, baseline, make_torch in ROUTED:
         torch_step = make_torch(_params_with_grads(base, grads)).step
         torch_scaled = _through_scaler(make_torch(_params_with_grads(base, [g.clone() for g in grads])))
         for backend in ("ampkit", "torch"):
             ours = make(_params_with_grads(base, grads), backend)
-            torch_ms, ms = ctx.compare_ms(torch_step, ours.step)
-            rows.append(ctx.row(SECTION, f"{name}.step, backend={backend}", baseline, size, ms, torch_ms, None))
+            pairs.append((f"{name}.step, backend={backend}", baseline, torch_step, ours.step))
             ours = make(_params_with_grads(base, [g.clone() for g in grads]), backend)
-            torch_ms, ms = ctx.compare_ms(torch_scaled, _through_scaler(ours))
-            rows.append(ctx.row(SECTION, f"GradScaler.step({name}), backend={backend}", f"GradScaler.step({baseline})",
-                                size, ms, torch_ms, None))  # fmt: skip
+            pairs.append((f"GradScaler.step({name}), backend={backend}", f"GradScaler.step({baseline})", torch_scaled,
+                          _through_scaler(ours)))  # fmt: skip
+    return pairs
+
+
+def routed_rows(ctx, base: list[Tensor], grads: list[Tensor], size: str) -> list[dict]:
+    """``routed_pairs`` timed interleaved (the evidence for each class's ``_cpu_prefers_torch``)."""
+    rows = []
+    for name, baseline, torch_step, ours in routed_pairs(base, grads):
+        torch_ms, ms = ctx.compare_ms(torch_step, ours)
+        rows.append(ctx.row(SECTION, name, baseline, size, ms, torch_ms, None))
     return rows
 
 
@@ -149,9 +157,11 @@ def _pipeline_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, C
 
 
 def _through_scaler(opt: torch.optim.Optimizer) -> Callable[[], None]:
-    """``opt``'s step through ``GradScaler.step`` and ``update`` at scale 1 (every call's inputs stay the same)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
-    scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
+    """``opt``'s step through ``GradScaler.step`` and ``update`` at scale 1 (every call's inputs stay the same), on
+    the device its parameters live on."""
+    device = opt.param_groups[0]["params"][0].device
+    scaler = torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as scaling the loss would
 
     def step() -> None:
         scaler.step(opt)
@@ -204,7 +214,7 @@ def run(ctx, routed_only: bool = False) -> list[dict]:
         size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
         grads = [torch.randn_like(t) * 1e-3 for t in base]
         if routed_only:
-            rows += routed_rows(ctx, base, grads, size, count)
+            rows += routed_rows(ctx, base, grads, size)
             continue
         for name, make_ours, forms, per_param in FAMILIES:
             baseline, torch_step = _best_torch_form(ctx, base, grads, forms)
@@ -224,7 +234,7 @@ def run(ctx, routed_only: bool = False) -> list[dict]:
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         rows.append(ctx.row(SECTION, "Trainer amp step: unscale pass + FusedAdam", baseline, size, ms, torch_ms,
                             count * 36))  # fmt: skip
-        rows += routed_rows(ctx, base, grads, size, count)
+        rows += routed_rows(ctx, base, grads, size)
     return rows
 
 
