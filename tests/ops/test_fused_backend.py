@@ -333,7 +333,7 @@ def test_in_the_trainer_with_fp16_overflows_routed_equals_torch_fused(tmp_path, 
         torch.manual_seed(0)
         trainer_class = type("Toy", (_FusedAdamToy,), {"optimizer_factory": staticmethod(factory)})
         overrides = {
-            "trainer.max_steps": 12,
+            "trainer.max_steps": 100,
             "trainer.seed": 0,
             "precision.opt_level": "O1",
             "precision.dtype": "float16",
