@@ -455,3 +455,18 @@ def test_a_copied_optimizer_keeps_its_options(copy_with):
     clone = copy.deepcopy(opt) if copy_with == "deepcopy" else pickle.loads(pickle.dumps(opt))
     assert (clone.backend, clone.fp32_momentum, clone.master_weights) == ("torch", True, False)
     assert clone._plans == {}
+
+
+def test_loading_a_state_dict_lets_the_replaced_state_go():
+    import gc
+    import weakref
+
+    params = make_params()
+    opt = FusedAdam(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    old_moment = weakref.ref(opt.state[params[0]]["exp_avg"])
+    opt.load_state_dict(FusedAdam(twin(params), lr=1e-2).state_dict())
+    gc.collect()
+    assert old_moment() is None
