@@ -43,6 +43,7 @@ across ranks; ``scaler``/``scale`` when the loss is scaled).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
@@ -75,7 +76,16 @@ from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, unwritable_reason
+from ampkit.trainer.run_dir import unwritable_reason
+from ampkit.trainer.run_life import (
+    FitStart,
+    RunLock,
+    lineage,
+    open_version_dir,
+    plan_fit,
+    prediction_output,
+    resolve_checkpoint,
+)
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 
@@ -173,6 +183,9 @@ class Trainer:
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
         self.version_dir: Path | None = None
+        self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
+        self._lock: RunLock | None = None
+        self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
@@ -375,6 +388,9 @@ class Trainer:
             self._fit(resume)
             clean = True
         finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             teardown_distributed(self.dist, clean)
 
     def _start_distributed(self) -> None:
@@ -386,13 +402,15 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
-        checkpoint_path = self._resolve_resume(resume)
-        # Loaded before any user code runs, so an empty or foreign file fails at once (shards need the model).
-        plain = checkpoint_path is not None and not is_sharded_checkpoint(checkpoint_path)
-        checkpoint = load_checkpoint(checkpoint_path) if plain else None
-        self._setup(checkpoint, checkpoint_path)
+        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume))
+        if self.fit_start.finished(self.settings.max_epochs, self.settings.max_steps):
+            self._already_finished()
+            return
+        self._setup(self.fit_start)
         try:
             self.fire("on_fit_start")
+            if self.fit_start.branched_from is not None:
+                self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             self.fire("on_train_start")
             while not self._finished():
                 self._run_epoch()
@@ -562,15 +580,19 @@ class Trainer:
     def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
         """``predict_step``'s output for each batch of ``predict_dataloader()`` (tensors on the CPU).
 
-        ``output``: also save them there (``torch.save``; under ``torchrun`` each rank writes
-        ``<stem>.rank<N><suffix>`` with its shard).
+        ``output``: also save them there (``torch.save``; an existing directory gets ``predictions.pt``; under
+        ``torchrun`` each rank writes ``<stem>.rank<N><suffix>`` with its shard). Checked before anything runs:
+        an output that would overwrite a checkpoint is refused.
         """
+        if output is not None:
+            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt))
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
-            path = Path(output)
+            path = output
             if self.world_size > 1:
                 path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
             save_atomic(predictions, path)
+            self.predictions_path = output
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
@@ -630,7 +652,7 @@ class Trainer:
             self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
 
-    def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
+    def _setup(self, start: FitStart) -> None:
         self._setup_model()
         self._specs = normalize_optimizers(self.configure_optimizers())
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
@@ -641,17 +663,39 @@ class Trainer:
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._setup_callbacks()
-        if checkpoint_path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
-            if checkpoint is None:
-                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
-            self._restore(checkpoint, checkpoint_path)
-        self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
-        if self.is_global_zero and self.version_dir is None:
-            self.version_dir = new_version_dir(self.cfg.run_dir)
+        path = start.checkpoint_path
+        if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
+            checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
+            self._restore(checkpoint, path)
+        self.version_dir = None
+        if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
+            self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self.version_dir = broadcast_object(self.version_dir, self.dist)
+
+    def _load_shards(self, path: Path) -> dict[str, Any]:
+        try:
+            return load_sharded(path, self.module, self.optimizers)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
+
+    def _already_finished(self) -> None:
+        """A resume of a run that already reached its limits: nothing runs, nothing is written."""
+        loop, path = self.fit_start.loop, self.fit_start.checkpoint_path
+        self.state.epoch, self.state.batches_done, self.state.global_step = (
+            loop["epoch"],
+            loop["batches_done"],
+            loop["global_step"],
+        )
+        self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
-            self._save_config()
+            t = self.settings
+            print(
+                f"ampkit: nothing to train: '{path}' already reached trainer.max_epochs={t.max_epochs} / "
+                f"trainer.max_steps={t.max_steps} (epoch {loop['epoch']}, step {loop['global_step']}); nothing "
+                "was written. Raise a limit to train further from its exact state.",
+                file=sys.stderr,
+            )
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -779,41 +823,12 @@ class Trainer:
         except (KeyError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
 
-    def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
-        """The checkpoint ``fit(resume=...)`` continues from; ``last``/``best`` with none under run_dir is an error."""
-        path = self._resolve_checkpoint(resume)
-        if resume is not None and path is None:
-            raise CheckpointError(
-                f"resume='{resume}': no checkpoint under run_dir '{self.cfg.run_dir}' (no version_N/checkpoints/"
-                f"{resume}.pt); check run_dir, or start without resume for a fresh run"
-            )
-        return path
-
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
         """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
-        if ckpt is None:
-            return None
-        if str(ckpt) in ("last", "best"):  # rank zero decides, so every rank loads the same file
-            found = latest_checkpoint(self.cfg.run_dir, f"{ckpt}.pt") if self.is_global_zero else None
+        if ckpt is not None and str(ckpt) in ("last", "best"):  # rank zero decides: every rank loads one file
+            found = resolve_checkpoint(self.cfg.run_dir, ckpt) if self.is_global_zero else None
             return broadcast_object(found, self.dist)
-        path = Path(ckpt)
-        if not (path.is_file() or is_sharded_checkpoint(path)):
-            raise CheckpointError(
-                f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')"
-            )
-        return path
-
-    @staticmethod
-    def _inside_run(path: Path | None) -> bool:
-        return path is not None and path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file()
-
-    def _save_config(self) -> None:
-        text = OmegaConf.to_yaml(self.cfg, resolve=True)
-        target = self.version_dir / "config.yaml"
-        if target.is_file() and target.read_text() != text:
-            target = self.version_dir / f"config.resumed_at_step_{self.state.global_step}.yaml"
-        if not target.is_file():
-            target.write_text(text)
+        return resolve_checkpoint(self.cfg.run_dir, ckpt)
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
