@@ -22,9 +22,11 @@ from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.user_code import UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
-# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader).
+# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
+# UserCodeError for a subclass's method that returned something the loop cannot use.
 USER_ERRORS = (
     ConfigError,
     CheckpointError,
@@ -33,6 +35,7 @@ USER_ERRORS = (
     NotImplementedError,
     NonFiniteError,
     RunDirectoryError,
+    UserCodeError,
 )
 
 # (help, description) of each command; every command takes --config, --print-config, --debug and overrides.

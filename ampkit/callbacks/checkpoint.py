@@ -9,7 +9,7 @@ from typing import Any
 
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, link_atomic, save_atomic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
 
@@ -137,12 +137,18 @@ class ModelCheckpoint(Callback):
         if not trainer.is_global_zero:
             return None
         directory = trainer.version_dir / "checkpoints"
-        path = save_atomic(checkpoint, directory / filename)
-        if best is not None:
-            if best != filename:
-                link_atomic(path, directory / best)
-            link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
-        link_atomic(path, directory / "last.pt")
+        try:
+            path = save_atomic(checkpoint, directory / filename)
+            if best is not None:
+                if best != filename:
+                    link_atomic(path, directory / best)
+                link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
+            link_atomic(path, directory / "last.pt")
+        except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
+            raise CheckpointError(
+                f"could not write checkpoint '{directory / filename}' ({exc.strerror or exc}); last.pt still holds "
+                "the previous checkpoint, and --resume last continues from it"
+            ) from None
         self._prune(directory)
         return path
 

@@ -312,10 +312,12 @@ def test_skip_warning_and_min_scale_error(tmp_path):
         def training_step(self, batch):
             return super().training_step(batch) * math.nan
 
-    with pytest.raises(RuntimeError, match="loss_id 0 overflowed 3 iterations in a row at min_scale=4.0"):
+    with pytest.raises(
+        NonFiniteError, match="loss_id 0 overflowed in every iteration since step 1, the last 3 at min_scale=4.0"
+    ):
         fit(AlwaysNan, tmp_path / "err", opt_level="O1", init_scale=16.0, min_scale=4.0, max_overflows_at_min_scale=3)
     # Without min_scale the scale halves down to 2**-126 (1/scale must stay a float32), then the same error.
-    with pytest.raises(RuntimeError, match=r"loss_id 0 overflowed 2 iterations in a row at its floor 1\.17\d*e-38"):
+    with pytest.raises(NonFiniteError, match=r"since step 1, the last 2 at its floor 1\.17\d*e-38"):
         fit(AlwaysNan, tmp_path / "err2", opt_level="O1", init_scale=2.0**-125, max_overflows_at_min_scale=2)
 
 
