@@ -166,3 +166,12 @@ def test_a_stale_lock_is_taken_over_and_a_foreign_host_s_is_refused(tmp_path):
     with pytest.raises(RunDirectoryError, match="pid 1 on host elsewhere"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3})).fit(resume="last")
     assert lock.exists()  # someone else's: left alone
+
+
+def test_a_resume_with_a_changed_config_names_each_changed_key(tmp_path):
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
+    changed = {"trainer.max_epochs": 2, "data.batch_size": 4, "trainer.clip_grad_norm": 1.0}
+    with pytest.warns(
+        UserWarning, match="changed config: data.batch_size: 8 -> 4; trainer.clip_grad_norm: None -> 1.0"
+    ):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **changed)).fit(resume="last")

@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from ampkit.config import flatten
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
@@ -112,9 +114,11 @@ class FitStart:
         return loop is not None and (loop["epoch"] >= max_epochs or 0 <= max_steps <= loop["global_step"])
 
 
-def plan_fit(run_dir: str | os.PathLike, resume: str | os.PathLike | None, path: Path | None) -> FitStart:
+def plan_fit(
+    run_dir: str | os.PathLike, resume: str | os.PathLike | None, path: Path | None, cfg: DictConfig
+) -> FitStart:
     """Load ``path`` (``resume`` resolved by :func:`resolve_checkpoint`) and decide whether it continues its run
-    or branches (see the module's rules)."""
+    or branches (see the module's rules); warn about every config key that changed since it was saved."""
     if resume is not None and path is None:
         raise CheckpointError(
             f"resume='{resume}': no checkpoint under run_dir '{run_dir}' (no version_N/checkpoints/"
@@ -133,6 +137,12 @@ def plan_fit(run_dir: str | os.PathLike, resume: str | os.PathLike | None, path:
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
             "resumed (its weights may still load with validate/test/predict --ckpt)"
         )
+    changed = config_changes(checkpoint.get("config", {}), cfg)
+    if changed:
+        rank_zero_warn(
+            f"resuming '{path}' with a changed config: {'; '.join(changed)} (a data setting changes which batches "
+            "a mid-epoch resume skips)"
+        )
     loop = dict(checkpoint["loop"])
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
@@ -144,6 +154,22 @@ def plan_fit(run_dir: str | os.PathLike, resume: str | os.PathLike | None, path:
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,
     )
+
+
+# Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
+_EXPECTED_CHANGES = {"name", "run_dir", "trainer.max_epochs", "trainer.max_steps"}
+
+
+def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
+    """``key: old -> new`` for every config key that differs from the checkpoint's (``saved``), but those a
+    resume is expected to change."""
+    before = flatten(saved, sep=".")
+    now = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    return [
+        f"{key}: {before.get(key, '(absent)')} -> {now.get(key, '(absent)')}"
+        for key in sorted(before.keys() | now.keys())
+        if key not in _EXPECTED_CHANGES and before.get(key) != now.get(key)
+    ]
 
 
 def open_version_dir(

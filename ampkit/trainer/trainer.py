@@ -405,7 +405,7 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
-        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume))
+        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
         if self.fit_start.finished(self.settings.max_epochs, self.settings.max_steps):
             self._already_finished()
             return
