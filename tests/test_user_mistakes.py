@@ -231,3 +231,8 @@ def test_a_single_file_checkpoint_resumed_under_fsdp_names_the_strategy(tmp_path
     with pytest.raises(CheckpointError, match="this run uses distributed.strategy=fsdp, which resumes sharded"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **sharded)).fit(resume="last")
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+
+
+def test_a_bad_opt_level_names_its_dotted_key(tmp_path):
+    with pytest.raises(ConfigError, match="config key 'precision.opt_level': '01' is invalid; expected one of O0, O1"):
+        ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": "'01'"}))
