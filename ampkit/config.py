@@ -212,7 +212,10 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.save_top_k": _at_least(1),
     "early_stopping.patience": _at_least(1),
     "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
-    "precision.opt_level": _one_of("O0", "O1", "O2", "O3", "O4", "O5"),  # the letter O, not zero
+    "precision.opt_level": (
+        _one_of("O0", "O1", "O2", "O3", "O4", "O5")[0],
+        "one of O0, O1, O2, O3, O4, O5 (the letter O, not the number zero)",
+    ),
     "precision.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
     "logging.log_every_n_steps": _at_least(1),
     "logging.console_every_n_steps": _at_least(1),
