@@ -139,6 +139,11 @@ class Misspelt(ToyTrainer):
         pass
 
 
+class NotAModule(ToyTrainer):
+    def configure_model(self):
+        return [toy_model()]
+
+
 class NoOptimizer(ToyTrainer):
     def configure_optimizers(self):
         return None
@@ -159,6 +164,7 @@ class NotScalar(ToyTrainer):
     ("trainer_class", "message"),
     [
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
+        ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),
         ("NoGrad", "the loss of loss_id 0 does not require grad"),
         ("NotScalar", "the loss of loss_id 0 has shape (8,); expected a scalar"),
