@@ -21,10 +21,22 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
+from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.user_code import UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
-# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader).
-USER_ERRORS = (ConfigError, CheckpointError, DistributedError, CallbackOrderError, NotImplementedError, NonFiniteError)
+# NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
+# UserCodeError for a subclass's method that returned something the loop cannot use.
+USER_ERRORS = (
+    ConfigError,
+    CheckpointError,
+    DistributedError,
+    CallbackOrderError,
+    NotImplementedError,
+    NonFiniteError,
+    RunDirectoryError,
+    UserCodeError,
+)
 
 # (help, description) of each command; every command takes --config, --print-config, --debug and overrides.
 COMMANDS = {
@@ -82,7 +94,11 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     for name in ("validate", "test", "predict"):
         parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
-    parsers["predict"].add_argument("--output", required=True, help="file to torch.save the per-batch predictions to")
+    parsers["predict"].add_argument(
+        "--output",
+        required=True,
+        help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a checkpoint)",
+    )
     for command in parsers.values():
         command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
         command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -134,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not trainer.is_global_zero:
         return 0
+    if args.command == "fit" and trainer.fit_start.finished(trainer.settings.max_epochs, trainer.settings.max_steps):
+        return 0  # a resume of a finished run: the Trainer said so, and wrote nothing
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)
         s = trainer.state
@@ -144,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
     elif args.command == "predict":
-        where = args.output if trainer.world_size == 1 else f"one file per rank beside {args.output}"
+        written = trainer.predictions_path
+        where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
         print(f"ampkit: predictions of {len(predictions)} batches saved to {where}")
     else:
         print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import PathNode
 
 
 class ConfigError(ValueError):
@@ -41,6 +44,7 @@ class TrainerConfig:
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
     limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
     limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
+    num_sanity_val_steps: int = 2  # validation batches run before training, checking monitored metrics (0: none)
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
@@ -198,6 +202,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.accumulate_grad_batches": _at_least(1),
     "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
     "trainer.limit_val_batches": _optional(_at_least(1), "all batches; val_every_n_epochs=0 turns validation off"),
+    "trainer.num_sanity_val_steps": ((lambda v: v >= 0), "an integer >= 0 (0: no sanity validation)"),
     "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.val_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
@@ -211,6 +216,10 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.save_top_k": _at_least(1),
     "early_stopping.patience": _at_least(1),
     "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
+    "precision.opt_level": (
+        _one_of("O0", "O1", "O2", "O3", "O4", "O5")[0],
+        "one of O0, O1, O2, O3, O4, O5 (the letter O, not the number zero)",
+    ),
     "precision.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
     "logging.log_every_n_steps": _at_least(1),
     "logging.console_every_n_steps": _at_least(1),
@@ -286,6 +295,8 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
+    # Hydra's "+key=value" (add a key): the schema decides which keys exist, so it is a plain override here.
+    overrides = [item.removeprefix("+") for item in overrides]
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as exc:
@@ -302,8 +313,36 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
         raise _explain(exc, schema) from None
+    _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+_UNSET_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def expand_path(value: str, key: str) -> str:
+    """``~`` and ``$VAR``/``${VAR}`` expanded as a shell would (an unset variable is an error naming it)."""
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    unset = _UNSET_VARIABLE.search(expanded)
+    if unset:
+        raise ConfigError(
+            f"config key '{key}': '{value}' names environment variable {unset.group(1)}, which is not set"
+        )
+    return expanded
+
+
+def _expand_paths(cfg: DictConfig, prefix: str = "") -> None:
+    """Expand ``~`` and environment variables in every path key: ``run_dir`` and every key typed ``Path``."""
+    for key in list(cfg.keys()):
+        full_key = f"{prefix}{key}"
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            _expand_paths(node, f"{full_key}.")
+        elif (full_key == "run_dir" or isinstance(node, PathNode)) and not OmegaConf.is_missing(cfg, key):
+            value = cfg[key]
+            if value is not None and str(value) != expand_path(str(value), full_key):
+                cfg[key] = type(value)(expand_path(str(value), full_key))
 
 
 def builtin_configs() -> dict[str, Path]:
@@ -314,9 +353,11 @@ def builtin_configs() -> dict[str, Path]:
 
 def resolve_config_path(path: str | Path) -> Path:
     """``path`` if it is a file, else the built-in config of that name (``digits``)."""
-    candidate = Path(path)
+    candidate = Path(os.path.expanduser(str(path)))
     if candidate.is_file():
         return candidate
+    if candidate.is_dir():
+        raise ConfigError(f"--config '{path}' is a directory; name a YAML file in it (or a built-in config)")
     builtin = builtin_configs()
     if str(path) in builtin:
         return builtin[str(path)]

@@ -1,6 +1,7 @@
-"""Fault injection: SIGKILL a small run at random moments, over and over; every kill leaves a loadable
-``last.pt``, every restart tidies what the kill left, and every run, restarted after each kill until it
-finishes, ends bit-identical (parameters, momenta, loop position) to a run never killed.
+"""Fault injection: SIGKILL or SIGINT a small run at random moments, over and over; every kill leaves a
+loadable ``last.pt``, every restart tidies what the kill left (temp files, a stale lock), and every run,
+restarted after each kill until it finishes, ends with a final checkpoint equal in every key (model,
+optimizers, callbacks' states such as the best-k ranking, loop, RNG) to a run never killed.
 
 Children fork from a forkserver that imported torch and ampkit once, so a kill-and-restart costs
 milliseconds, not an interpreter start; the seed is printed so a failing schedule can be replayed.
@@ -11,14 +12,16 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
-import torch
+from checkpoint_compare import assert_same_checkpoint
 from toy_trainers import fit_toy_resuming, toy_cfg
 
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.run_dir import latest_checkpoint
+from ampkit.trainer.run_life import LOCK_FILE
 
 KILLS = 20
 SETTINGS = {
@@ -27,27 +30,30 @@ SETTINGS = {
     "logging.tensorboard": False,
     "checkpoint.every_n_steps": 1,
     "checkpoint.keep_last": 2,
+    "trainer.val_every_n_steps": 3,  # validations between checkpoints: the best-k ranking is state to resume
+    "checkpoint.monitor": "val/mse",
+    "checkpoint.save_top_k": 2,
 }
 
 
-def _assert_same_training_state(a: dict, b: dict) -> None:
-    assert a["loop"] == b["loop"]
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    momenta = [(s["momentum_buffer"], t["momentum_buffer"]) for s, t in zip(
-        a["optimizers"]["sgd"]["state"].values(), b["optimizers"]["sgd"]["state"].values(), strict=True)]  # fmt: skip
-    assert all(torch.equal(x, y) for x, y in momenta)
-
-
-def _assert_finished_and_tidy(run_dir: Path, reference: dict) -> None:
+def _finished_step(run_dir: Path) -> int | None:
     last = latest_checkpoint(run_dir)
-    _assert_same_training_state(load_checkpoint(last), reference)
+    return None if last is None else load_checkpoint(last)["loop"]["global_step"]
+
+
+def _assert_finished_and_tidy(run_dir: Path, reference: dict, restart_trained: bool = True) -> None:
+    last = latest_checkpoint(run_dir)
+    assert_same_checkpoint(load_checkpoint(last), reference)
     names = sorted(p.name for p in last.parent.iterdir())  # what the kills left, the restarts removed
-    assert not [n for n in names if n.endswith(".tmp")], names
-    assert len(names) <= SETTINGS["checkpoint.keep_last"] + 1, names
+    if restart_trained:  # a restart of a run that had finished writes nothing, so leaves a SIGKILL's temp file
+        assert not [n for n in names if n.endswith(".tmp")], names
+    periodic = [n for n in names if n.startswith(("step-", "epoch-"))]
+    assert len(periodic) <= SETTINGS["checkpoint.keep_last"], names
+    assert len([n for n in names if n.startswith("best-")]) <= SETTINGS["checkpoint.save_top_k"], names
+    assert not (last.parent.parent / LOCK_FILE).exists()
 
 
-def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
+def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"fault-injection seed {seed}")
     rng = random.Random(seed)
@@ -68,7 +74,7 @@ def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
         assert reference_run.exitcode == 0
         references.append(load_checkpoint(latest_checkpoint(tmp_path / name / "run")))
     reference = references[0]
-    _assert_same_training_state(references[1], reference)
+    assert_same_checkpoint(references[1], reference)
     assert reference["loop"]["global_step"] == 16
 
     resumed_from: set[int] = set()  # the steps of the last.pt files that kills left for the next start
@@ -77,10 +83,11 @@ def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
     # machine, where start-up takes most of a run's time, can cause.
     while kills < KILLS or (len(resumed_from) < KILLS // 4 and kills < 3 * KILLS):
         run_dir = tmp_path / f"killed{runs}" / "run"
+        had_finished = _finished_step(run_dir) == reference["loop"]["global_step"]
         proc = start(run_dir.parent)
         proc.join(rng.uniform(0.0, duration))
         if proc.is_alive():
-            proc.kill()
+            os.kill(proc.pid, rng.choice([signal.SIGKILL, signal.SIGINT]))  # SIGINT: KeyboardInterrupt, as Ctrl-C
             proc.join()
             kills += 1
             last = latest_checkpoint(run_dir)
@@ -89,10 +96,11 @@ def test_random_sigkills_then_every_resume_is_bit_identical(tmp_path):
             continue
         # This run, restarted after each kill until it finished, ends exactly where the reference did.
         assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
-        _assert_finished_and_tidy(run_dir, reference)
+        _assert_finished_and_tidy(run_dir, reference, restart_trained=not had_finished)
         runs += 1
+    had_finished = _finished_step(run_dir) == reference["loop"]["global_step"]
     proc = start(run_dir.parent)  # finish the run the last kill interrupted
     proc.join(300)
     assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
-    _assert_finished_and_tidy(run_dir, reference)
+    _assert_finished_and_tidy(run_dir, reference, restart_trained=not had_finished)
     assert len(resumed_from) >= KILLS // 4, f"seed {seed}: kills landed at too few steps: {sorted(resumed_from)}"

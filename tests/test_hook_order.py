@@ -145,7 +145,8 @@ def test_full_fit_hook_sequence_fp32_with_accumulation_and_validation(tmp_path):
     validation = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
     epoch = ["on_train_epoch_start", *batch(), *batch(steps=step()), *batch(steps=step()), *validation]
     epoch += ["on_train_epoch_end"]
-    assert calls == [*SET_UP, "on_train_start", *epoch, *epoch, "on_train_end", "on_fit_end"]
+    sanity = ["on_validation_start", "validation_step", "validation_step", "on_validation_end"]  # 2 batches
+    assert calls == [*SET_UP, *sanity, "on_train_start", *epoch, *epoch, "on_train_end", "on_fit_end"]
 
 
 NO_VAL = {"data.n": 24, "trainer.val_every_n_epochs": 0, "precision.init_scale": 256}  # no overflow of its own

@@ -147,7 +147,9 @@ def test_compiling_a_model_training_code_never_calls_is_an_error_or_a_warning(tm
             net = self.module
             return F.mse_loss(net[3](net[2](torch.tanh(net[0](x)))).squeeze(1), y)
 
+    # No sanity validation: its validation_step calls the whole model, Tanh included, before training starts.
     trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.compile": "[Tanh]", "trainer.max_steps": 2,
+                                            "trainer.num_sanity_val_steps": 0,
                                             "trainer.progress_bar": False, "logging.tensorboard": False}))  # fmt: skip
     with pytest.warns(UserWarning, match=r"trainer.compile=\['Tanh'\]: training code called none of these"):
         trainer.fit()

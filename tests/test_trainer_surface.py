@@ -29,6 +29,7 @@ def test_hooks_defined_on_the_subclass_run_after_the_callbacks(tmp_path):
 
     Hooked(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}), callbacks=[Recorder()]).fit()
     assert calls == [
+        "trainer val ['mse']",  # the sanity validation before training
         "trainer val ['mse']",
         "callback",
         "trainer epoch 0",

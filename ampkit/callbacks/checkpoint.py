@@ -9,7 +9,7 @@ from typing import Any
 
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.checkpoint_io import link_atomic, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, link_atomic, save_atomic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
 
@@ -53,7 +53,10 @@ class ModelCheckpoint(Callback):
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
-        """Tidy up after a killed run: drop half-written temp files and files beyond ``keep_last``."""
+        """Tidy up after a killed run: drop half-written temp files, files beyond ``keep_last`` and best files out
+        of the restored ranking (all of this directory's own lineage: see ``ampkit.trainer.run_life``)."""
+        if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
+            self._saved_at = trainer.loop_position()
         if not trainer.is_global_zero:  # other ranks have no run directory
             return
         directory = trainer.version_dir / "checkpoints"
@@ -62,50 +65,57 @@ class ModelCheckpoint(Callback):
         for tmp in directory.glob(".*.tmp"):  # save_atomic's and link_atomic's, left by a kill before the rename
             if tmp.is_file():  # a sharded save's temp directory is the sharded writer's to clean
                 tmp.unlink(missing_ok=True)
+        for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
+            if best.name not in self.best_k:
+                best.unlink(missing_ok=True)
         self._prune(directory)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
-        if s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0:
-            self.save(trainer, f"step-{s.global_step:08d}.pt")
-        self._save_if_best(trainer)
+        due = s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0
+        self._save_now(trainer, f"step-{s.global_step:08d}.pt" if due else None)
 
     def on_train_epoch_end(self, trainer) -> None:
         s = trainer.state
-        if s.epoch_finished and self.every_n_epochs > 0 and (s.epoch + 1) % self.every_n_epochs == 0:
-            self.save(trainer, f"epoch-{s.epoch + 1:04d}.pt")
-        self._save_if_best(trainer)
+        due = s.epoch_finished and self.every_n_epochs > 0 and (s.epoch + 1) % self.every_n_epochs == 0
+        self._save_now(trainer, f"epoch-{s.epoch + 1:04d}.pt" if due else None)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.monitor is not None and trainer.state.stage == "fit":
             self._pending = self.monitor.value(metrics)
 
-    def _save_if_best(self, trainer) -> None:
+    def _save_now(self, trainer, periodic: str | None) -> None:
+        """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending
+        validation first, so every file of one moment holds one state; ``last.pt`` moves last, so a kill
+        before it leaves the previous moment as the one a resume repeats from."""
+        best, dropped = self._rank_pending(trainer)
+        if periodic is None and best is None:
+            return
+        path = self.save(trainer, periodic or best, best=best)
+        if path is None or not trainer.is_global_zero:
+            return
+        for name in dropped:
+            if trainer.sharded:
+                shutil.rmtree(path.parent / name, ignore_errors=True)
+            else:
+                (path.parent / name).unlink(missing_ok=True)
+
+    def _rank_pending(self, trainer) -> tuple[str | None, list[str]]:
+        """Enter the pending validation value into the best-k ranking: (this moment's best-k file name if it
+        made the top k, the names it pushed out)."""
         value, self._pending = self._pending, None
         if value is None:
-            return
+            return None, []
         ranked = list(self.best_k.items())
         if len(ranked) >= self.save_top_k and not self.monitor.improves(value, ranked[-1][1]):
-            return
+            return None, []
         if not self.monitor.improves(value, None):  # NaN or inf: never among the best
-            return
+            return None, []
         name = f"best-{trainer.state.global_step:08d}" + ("" if trainer.sharded else ".pt")
         ranked.append((name, value))
         ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")
         self.best_k = dict(ranked[: self.save_top_k])  # recorded first: the new file's own state includes it
-        path = self.save(trainer, name)
-        if path is None or not trainer.is_global_zero:
-            return
-        directory = path.parent
-        if trainer.sharded:  # directories: ``best`` is a symlink, as ``last`` is
-            point_last_at(directory / next(iter(self.best_k)), "best")
-        else:
-            link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
-        for dropped, _ in ranked[self.save_top_k :]:
-            if trainer.sharded:
-                shutil.rmtree(directory / dropped, ignore_errors=True)
-            else:
-                (directory / dropped).unlink(missing_ok=True)
+        return name, [dropped for dropped, _ in ranked[self.save_top_k :]]
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_k": dict(self.best_k)}
@@ -117,17 +127,28 @@ class ModelCheckpoint(Callback):
         if self._saved_at != trainer.loop_position():
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
 
-    def save(self, trainer, filename: str) -> Path | None:
-        """Write a checkpoint named ``filename`` and point ``last.pt`` at it (rank zero only)."""
+    def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
+        """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
+        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards)."""
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         self._saved_at = trainer.loop_position()
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
-            return self._save_sharded(trainer, checkpoint, Path(filename).stem)
+            return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
         if not trainer.is_global_zero:
             return None
         directory = trainer.version_dir / "checkpoints"
-        path = save_atomic(checkpoint, directory / filename)
-        link_atomic(path, directory / "last.pt")
+        try:
+            path = save_atomic(checkpoint, directory / filename)
+            if best is not None:
+                if best != filename:
+                    link_atomic(path, directory / best)
+                link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
+            link_atomic(path, directory / "last.pt")
+        except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
+            raise CheckpointError(
+                f"could not write checkpoint '{directory / filename}' ({exc.strerror or exc}); last.pt still holds "
+                "the previous checkpoint, and --resume last continues from it"
+            ) from None
         self._prune(directory)
         return path
 
@@ -137,9 +158,14 @@ class ModelCheckpoint(Callback):
         for old in kept[: -self.keep_last]:
             old.unlink(missing_ok=True)
 
-    def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str) -> Path:
+    def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory = trainer.version_dir / "checkpoints"
         path = save_sharded(checkpoint, trainer.module, trainer.optimizers, directory / name, trainer.is_global_zero)
+        if best is not None:  # directories cannot be hard-linked: the same state saved again under its best-k name
+            if best != name:
+                save_sharded(checkpoint, trainer.module, trainer.optimizers, directory / best, trainer.is_global_zero)
+            if trainer.is_global_zero:
+                point_last_at(directory / next(iter(self.best_k)), "best")
         if trainer.is_global_zero:
             point_last_at(path)
             prune_sharded(directory, self.keep_last)

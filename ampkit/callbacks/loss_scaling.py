@@ -28,6 +28,7 @@ import torch
 
 from ampkit.amp import GradientCombiner, LossScaler
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
+from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
@@ -104,6 +105,7 @@ class LossScaling(Callback):
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
         self._consecutive_skips: dict[str, int] = {}
         self._overflows_at_min: dict[str, int] = {}
+        self._overflowing_since: dict[str, int] = {}  # per loss: the iteration its current run of overflows began
         self._loaded: dict[str, Any] = {}
         self._log_every = 1
         self._flags = FoundInfFlags()  # the flag each loss's combines set
@@ -182,6 +184,10 @@ class LossScaling(Callback):
     # ------------------------------------------------------------------ after the Trainer's update
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
         overflowed = trainer.loss_state[loss_id].found_inf
+        if overflowed:
+            self._overflowing_since.setdefault(self._key(loss_id), trainer.state.iteration)
+        else:
+            self._overflowing_since.pop(self._key(loss_id), None)
         self._check_floor(loss_id, self.scalers[loss_id], overflowed, old)
         if overflowed or trainer.state.iteration % self._log_every == 0:
             trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
@@ -206,10 +212,11 @@ class LossScaling(Callback):
         limit = self.max_overflows_at_min_scale
         if limit and self._overflows_at_min[key] >= limit:
             floor = f"min_scale={scaler.min_scale}" if scaler.floor == scaler.min_scale else f"its floor {scaler.floor}"
-            raise RuntimeError(
-                f"loss scaler for loss_id {loss_id!r} overflowed {self._overflows_at_min[key]} iterations in a row "
-                f"at {floor}: its gradients are non-finite whatever the scale (a NaN/inf loss or input, or "
-                "parameters already non-finite?). Lower precision.min_scale or fix the loss."
+            raise NonFiniteError(
+                f"loss_id {loss_id!r} overflowed in every iteration since step {self._overflowing_since.get(key)}, "
+                f"the last {self._overflows_at_min[key]} at {floor}: its gradients are non-finite whatever the "
+                "scale (a NaN/inf loss or input, or parameters already non-finite?). Lower precision.min_scale or "
+                "fix the loss."
             )
 
     def _count_skips(self, opt_state) -> None:
@@ -235,6 +242,7 @@ class LossScaling(Callback):
             "loss_scalers": {**self._loaded, **scalers},
             "consecutive_skips": dict(self._consecutive_skips),
             "overflows_at_min_scale": dict(self._overflows_at_min),
+            "overflowing_since": dict(self._overflowing_since),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -245,3 +253,4 @@ class LossScaling(Callback):
                 scaler.load_state_dict(saved)
         self._consecutive_skips = dict(state.get("consecutive_skips", {}))
         self._overflows_at_min = dict(state.get("overflows_at_min_scale", {}))
+        self._overflowing_since = dict(state.get("overflowing_since", {}))

@@ -150,7 +150,7 @@ class TensorBoardLogger(Callback):
             self.writer.file_writer.add_summary(Summary(value=values), step)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
-        if self.writer is None:
+        if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training
             return
         self._flush()
         for key, value in metrics.items():

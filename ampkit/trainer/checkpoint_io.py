@@ -47,16 +47,22 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
 
 def link_atomic(source: Path, alias: Path) -> None:
     """Point ``alias`` at ``source``'s bytes (hard link, copy if links are unsupported), atomically."""
+    if alias.exists() and os.path.samefile(source, alias):  # rename() onto a link of itself would keep the temp
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{alias.name}.", suffix=".tmp", dir=alias.parent)
     os.close(fd)
     os.unlink(tmp)
     try:
-        os.link(source, tmp)
-    except OSError:
-        import shutil
+        try:
+            os.link(source, tmp)
+        except OSError:
+            import shutil
 
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, alias)
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, alias)
+    except BaseException:  # an interrupt (Ctrl-C) or a full disk: no temp file left behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
     _fsync_dir(alias.parent)
 
 

@@ -10,6 +10,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from ampkit.trainer.distributed import all_reduce_sum
+from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
@@ -60,7 +61,7 @@ def average_metrics(
         if limit is not None and i >= limit:
             break
         batch = trainer._to_device(batch)
-        metrics = step(batch)
+        metrics = check_metrics(step(batch), f"{step.__name__}(batch)")
         n = batch_size(batch) or 1
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n

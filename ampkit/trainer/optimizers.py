@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ampkit.trainer.user_code import UserCodeError
+
 
 @dataclass
 class SchedulerSpec:
@@ -42,7 +44,7 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     if isinstance(value, dict):
         unknown = set(value) - _SCHEDULER_KEYS
         if unknown or "scheduler" not in value:
-            raise ValueError(
+            raise UserCodeError(
                 f"{where}: lr_scheduler dict needs 'scheduler' and may have interval/frequency/"
                 f"monitor/strict/name; got keys {sorted(value)}"
             )
@@ -50,9 +52,9 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     else:
         spec = SchedulerSpec(scheduler=value)
     if spec.interval not in ("step", "epoch"):
-        raise ValueError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
+        raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
     if spec.frequency < 1:
-        raise ValueError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
+        raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
     return spec
 
 
@@ -74,7 +76,7 @@ def _attach_schedulers(optimizers: list[Any], schedulers: list[Any]) -> list[dic
         target = getattr(sched.get("scheduler") if isinstance(sched, dict) else sched, "optimizer", None)
         owner = next((item for item in items if item["optimizer"] is target), None)
         if owner is None:
-            raise ValueError(
+            raise UserCodeError(
                 f"configure_optimizers()[1][{j}] is a scheduler of an optimizer missing from the list of optimizers"
             )
         owner["lr_scheduler"].append(sched)
@@ -83,11 +85,13 @@ def _attach_schedulers(optimizers: list[Any], schedulers: list[Any]) -> list[dic
 
 def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     """Accept the usual shapes; names default to the lower-cased class name, suffixed when repeated."""
+    if result is None:
+        raise UserCodeError(f"configure_optimizers() returned None; return {_ACCEPTED}")
     if _is_lists_pair(result):
         result = _attach_schedulers(list(result[0]), list(result[1]))
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
-        raise ValueError(f"configure_optimizers returned nothing; return {_ACCEPTED}")
+        raise UserCodeError(f"configure_optimizers returned nothing; return {_ACCEPTED}")
     specs: list[OptimizerSpec] = []
     for i, item in enumerate(items):
         where = f"configure_optimizers()[{i}]"
@@ -96,7 +100,7 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         elif isinstance(item, dict) and isinstance(item.get("optimizer"), torch.optim.Optimizer):
             unknown = set(item) - {"optimizer", "lr_scheduler", "monitor", "name"}
             if unknown:
-                raise ValueError(f"{where}: unknown keys {sorted(unknown)}; return {_ACCEPTED}")
+                raise UserCodeError(f"{where}: unknown keys {sorted(unknown)}; return {_ACCEPTED}")
             scheds = item.get("lr_scheduler")
             scheds = scheds if isinstance(scheds, list) else ([] if scheds is None else [scheds])
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
@@ -106,7 +110,7 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 OptimizerSpec(name=str(item.get("name") or ""), optimizer=item["optimizer"], schedulers=sched_specs)
             )
         else:
-            raise ValueError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")
+            raise UserCodeError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")
     defaults = Counter(type(s.optimizer).__name__.lower() for s in specs if not s.name)
     seen: Counter[str] = Counter()
     for spec in specs:
@@ -116,9 +120,9 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             seen[base] += 1
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise ValueError(f"optimizer names must be unique, got {names}")
+        raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
-        raise ValueError("the same optimizer object was returned twice by configure_optimizers")
+        raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
     return specs
 
 

@@ -11,6 +11,7 @@ import difflib
 import inspect
 
 from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.user_code import UserCodeError
 
 
 def _hook_arguments(hook: str) -> list[str]:
@@ -22,7 +23,7 @@ def own_hooks(cls: type, base: type) -> list[str]:
     """Names of the hooks ``cls`` defines below ``base``, in :data:`HOOKS` order.
 
     Raises:
-        TypeError: a method named ``on_...`` that is no hook, or whose signature cannot take the hook's arguments.
+        UserCodeError: a method named ``on_...`` that is no hook, or whose signature cannot take the hook's arguments.
     """
     defined = {
         name
@@ -34,7 +35,7 @@ def own_hooks(cls: type, base: type) -> list[str]:
     for name in sorted(defined - set(HOOKS)):
         close = difflib.get_close_matches(name, HOOKS, n=2)  # two: on_validation_epoch_end is near both val hooks
         hint = f"did you mean {' or '.join(repr(hook) for hook in close)}? " if close else ""
-        raise TypeError(
+        raise UserCodeError(
             f"{cls.__name__}.{name} is not a hook the Trainer calls; {hint}hooks: {', '.join(HOOKS)}. "
             "Rename a helper method that is not meant as a hook."
         )
@@ -44,7 +45,7 @@ def own_hooks(cls: type, base: type) -> list[str]:
             inspect.signature(getattr(cls, name)).bind(None, *arguments)
         except TypeError:
             expected = ", ".join(["self", *arguments])
-            raise TypeError(
+            raise UserCodeError(
                 f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} cannot take the hook's arguments; "
                 f"define it as def {name}({expected}) (a Trainer's hooks get no 'trainer' argument: it is self)"
             ) from None

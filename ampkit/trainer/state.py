@@ -22,7 +22,7 @@ class LoopState:
     is_iteration_end: bool = True  # the current batch closes it: optimizers step after it
     epoch_finished: bool = False
     should_stop: bool = False
-    stage: str = "fit"  # fit | validate | test | predict: what the Trainer is running now
+    stage: str = "fit"  # fit | sanity (validation before training) | validate | test | predict: what runs now
     # A callback takes each backward's gradients out of ``.grad`` (unscaled into a stash or fp32 masters), so data
     # parallelism must average them at every backward, not only at an iteration's last (where DDP would average
     # just that micro-batch's share).

@@ -3,7 +3,8 @@
 Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
 
     set-up: seed → configure_model → configure_optimizers → train/val_dataloader → callbacks → resume
-    on_fit_start → on_train_start
+    on_fit_start → sanity validation (``trainer.num_sanity_val_steps`` batches: on_validation_start →
+      validation_step → on_validation_end, with ``state.stage == "sanity"``) → on_train_start
     per epoch:  on_train_epoch_start
       per batch:  on_train_batch_start → training_step
                     (backward:  on_before_backward → autograd → on_after_backward)
@@ -43,6 +44,7 @@ across ranks; ``scaler``/``scale`` when the loss is scaled).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
@@ -75,9 +77,19 @@ from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, unwritable_reason
+from ampkit.trainer.run_dir import unwritable_reason
+from ampkit.trainer.run_life import (
+    FitStart,
+    RunLock,
+    lineage,
+    open_version_dir,
+    plan_fit,
+    prediction_output,
+    resolve_checkpoint,
+)
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
+from ampkit.trainer.user_code import UserCodeError, check_batches, check_loss
 
 
 def _every(n: int, count: int) -> bool:
@@ -178,6 +190,9 @@ class Trainer:
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
         self.version_dir: Path | None = None
+        self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
+        self._lock: RunLock | None = None
+        self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
@@ -248,6 +263,7 @@ class Trainer:
 
     def backward(self, loss: torch.Tensor, loss_id: Any = 0, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` limits which params get grads."""
+        check_loss(loss, loss_id)
         inputs = None
         if optimizer is not None:
             inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -383,6 +399,9 @@ class Trainer:
             self._fit(resume)
             clean = True
         finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             teardown_distributed(self.dist, clean)
 
     def _start_distributed(self) -> None:
@@ -394,13 +413,16 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
-        checkpoint_path = self._resolve_resume(resume)
-        # Loaded before any user code runs, so an empty or foreign file fails at once (shards need the model).
-        plain = checkpoint_path is not None and not is_sharded_checkpoint(checkpoint_path)
-        checkpoint = load_checkpoint(checkpoint_path) if plain else None
-        self._setup(checkpoint, checkpoint_path)
+        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
+        if self.fit_start.finished(self.settings.max_epochs, self.settings.max_steps):
+            self._already_finished()
+            return
+        self._setup(self.fit_start)
         try:
             self.fire("on_fit_start")
+            if self.fit_start.branched_from is not None:
+                self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
+            self._sanity_validate()
             self.fire("on_train_start")
             while not self._finished():
                 self._run_epoch()
@@ -469,7 +491,7 @@ class Trainer:
             return self._detached(out)
         loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, dict) else None
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(
+            raise UserCodeError(
                 f"training_step must return the loss tensor or a dict with 'loss' under automatic "
                 f"optimization; got {type(out).__name__}. Set automatic_optimization = False to "
                 "call self.backward/self.step yourself."
@@ -570,15 +592,19 @@ class Trainer:
     def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
         """``predict_step``'s output for each batch of ``predict_dataloader()`` (tensors on the CPU).
 
-        ``output``: also save them there (``torch.save``; under ``torchrun`` each rank writes
-        ``<stem>.rank<N><suffix>`` with its shard).
+        ``output``: also save them there (``torch.save``; an existing directory gets ``predictions.pt``; under
+        ``torchrun`` each rank writes ``<stem>.rank<N><suffix>`` with its shard). Checked before anything runs:
+        an output that would overwrite a checkpoint is refused.
         """
+        if output is not None:
+            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt))
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
-            path = Path(output)
+            path = output
             if self.world_size > 1:
                 path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
             save_atomic(predictions, path)
+            self.predictions_path = output
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
@@ -631,11 +657,11 @@ class Trainer:
         self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
         module = self.configure_model()
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
+            raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 
-    def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
+    def _setup(self, start: FitStart) -> None:
         self._setup_model()
         self._specs = normalize_optimizers(self.configure_optimizers())
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
@@ -645,18 +671,113 @@ class Trainer:
         self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        check_batches(self._num_train_batches, "train_dataloader")
+        self._check_validation_data()
         self._setup_callbacks()
-        if checkpoint_path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
-            if checkpoint is None:
-                checkpoint = load_sharded(checkpoint_path, self.module, self.optimizers)
-            self._restore(checkpoint, checkpoint_path)
-        self.version_dir = checkpoint_path.parent.parent if self._inside_run(checkpoint_path) else None
-        if self.is_global_zero and self.version_dir is None:
-            self.version_dir = new_version_dir(self.cfg.run_dir)
+        path = start.checkpoint_path
+        if path is not None and self.sharded and start.checkpoint is not None:
+            raise CheckpointError(
+                f"'{path}' is a single-file checkpoint (saved without distributed.strategy=fsdp); this run uses "
+                "distributed.strategy=fsdp, which resumes sharded checkpoint directories: resume it with "
+                "distributed.strategy=ddp"
+            )
+        if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
+            checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
+            self._restore(checkpoint, path)
+            self._check_resume_position(path)
+        self.version_dir = None
+        if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
+            self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self.version_dir = broadcast_object(self.version_dir, self.dist)
+
+    def _monitors(self) -> dict[str, str]:
+        """The validation metrics this run's config monitors, by config key."""
+        keys = ("checkpoint.monitor", "early_stopping.monitor")
+        monitors = {key: OmegaConf.select(self.cfg, key) for key in keys}
+        if not self.cfg.checkpoint.enabled:
+            monitors.pop("checkpoint.monitor")
+        return {key: metric for key, metric in monitors.items() if metric}
+
+    def _check_validation_data(self) -> None:
+        """No validation data: an error when a metric is monitored, else a warning that validation is skipped."""
+        empty = self._val_loader is not None and self.num_val_batches == 0
+        if self._val_loader is not None and not empty:
+            return
+        monitors = self._monitors()
+        returned = "yields no batches" if empty else "returned None"
+        if monitors:
+            key, metric = next(iter(monitors.items()))
+            raise ConfigError(f"config key '{key}': monitors '{metric}', but val_dataloader() {returned}")
+        if empty:
+            self._val_loader = None
+            rank_zero_warn("val_dataloader() yields no batches: validation is skipped")
+
+    def _check_resume_position(self, path: Path) -> None:
+        """A mid-epoch checkpoint whose position this run's epoch cannot reach (a larger batch size, less data)."""
+        done, total = self.state.batches_done, self._num_train_batches
+        if total is not None and done > total:
+            raise CheckpointError(
+                f"checkpoint '{path}' is {done} batches into epoch {self.state.epoch}, but this run's epoch has "
+                f"{total}: the data, batch size or limit_train_batches changed since it was saved. Resume with the "
+                "settings it was saved with, or resume from an epoch-end checkpoint"
+            )
+
+    def _sanity_validate(self) -> None:
+        """Run ``validation_step`` on the first ``trainer.num_sanity_val_steps`` validation batches before
+        training, and check that every monitored metric is among its metrics: a broken ``validation_step`` or a
+        misspelt monitor fails now, not after an epoch. It runs under the run's precision (``on_validation_start``
+        and ``_end`` fire with ``state.stage == "sanity"``, which loggers, checkpoints and early stopping ignore);
+        the RNG is restored afterwards, so training draws what it would have drawn without it."""
+        limit, t = self.settings.num_sanity_val_steps, self.settings
+        if self._val_loader is None or limit == 0 or t.val_every_n_epochs == t.val_every_n_steps == 0:
+            return
+        rng = capture_rng()
+        self.state.stage = "sanity"
+        try:
+            self.fire("on_validation_start")
+            metrics = average_metrics(self, self._val_loader, self.validation_step, limit)
+            self.fire("on_validation_end", dict(metrics))
+        finally:
+            self.state.stage = "fit"
+        restore_rng(rng)
+        monitored = dict(self._monitors())
+        for spec in self._specs:
+            for sched in spec.schedulers:
+                if sched.monitor is not None and sched.strict:
+                    monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
+        for key, metric in monitored.items():
+            if metric.removeprefix("val/") not in metrics:
+                where = f"config key '{key}'" if "." in key else key
+                raise ConfigError(
+                    f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
+                    f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on "
+                    f"trainer.num_sanity_val_steps={limit} batches)"
+                )
+
+    def _load_shards(self, path: Path) -> dict[str, Any]:
+        try:
+            return load_sharded(path, self.module, self.optimizers)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
+
+    def _already_finished(self) -> None:
+        """A resume of a run that already reached its limits: nothing runs, nothing is written."""
+        loop, path = self.fit_start.loop, self.fit_start.checkpoint_path
+        self.state.epoch, self.state.batches_done, self.state.global_step = (
+            loop["epoch"],
+            loop["batches_done"],
+            loop["global_step"],
+        )
+        self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
-            self._save_config()
+            t = self.settings
+            print(
+                f"ampkit: nothing to train: '{path}' already reached trainer.max_epochs={t.max_epochs} / "
+                f"trainer.max_steps={t.max_steps} (epoch {loop['epoch']}, step {loop['global_step']}); nothing "
+                "was written. Raise a limit to train further from its exact state.",
+                file=sys.stderr,
+            )
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -689,8 +810,12 @@ class Trainer:
             sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
-        for _ in range(skip):
-            next(iterator)
+        for done in range(skip):
+            if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
+                raise CheckpointError(
+                    f"the resumed checkpoint is {skip} batches into epoch {self.state.epoch}, but this run's "
+                    f"train_dataloader() yields only {done}: the data or batch size changed since it was saved"
+                )
         if skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
@@ -708,7 +833,7 @@ class Trainer:
         if isinstance(out, torch.Tensor):
             return {"loss": out.detach()}
         if not isinstance(out, dict):
-            raise TypeError(f"training_step must return a tensor, a dict or None; got {type(out).__name__}")
+            raise UserCodeError(f"training_step must return a tensor, a dict or None; got {type(out).__name__}")
         return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
     # ----------------------------------------------------------------- checkpoints
@@ -751,7 +876,8 @@ class Trainer:
                 for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {exc}") from None
+            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
@@ -784,41 +910,12 @@ class Trainer:
         except (KeyError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
 
-    def _resolve_resume(self, resume: str | os.PathLike | None) -> Path | None:
-        """The checkpoint ``fit(resume=...)`` continues from; ``last``/``best`` with none under run_dir is an error."""
-        path = self._resolve_checkpoint(resume)
-        if resume is not None and path is None:
-            raise CheckpointError(
-                f"resume='{resume}': no checkpoint under run_dir '{self.cfg.run_dir}' (no version_N/checkpoints/"
-                f"{resume}.pt); check run_dir, or start without resume for a fresh run"
-            )
-        return path
-
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
         """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
-        if ckpt is None:
-            return None
-        if str(ckpt) in ("last", "best"):  # rank zero decides, so every rank loads the same file
-            found = latest_checkpoint(self.cfg.run_dir, f"{ckpt}.pt") if self.is_global_zero else None
+        if ckpt is not None and str(ckpt) in ("last", "best"):  # rank zero decides: every rank loads one file
+            found = resolve_checkpoint(self.cfg.run_dir, ckpt) if self.is_global_zero else None
             return broadcast_object(found, self.dist)
-        path = Path(ckpt)
-        if not (path.is_file() or is_sharded_checkpoint(path)):
-            raise CheckpointError(
-                f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')"
-            )
-        return path
-
-    @staticmethod
-    def _inside_run(path: Path | None) -> bool:
-        return path is not None and path.parent.name == "checkpoints" and (path.parent.parent / "config.yaml").is_file()
-
-    def _save_config(self) -> None:
-        text = OmegaConf.to_yaml(self.cfg, resolve=True)
-        target = self.version_dir / "config.yaml"
-        if target.is_file() and target.read_text() != text:
-            target = self.version_dir / f"config.resumed_at_step_{self.state.global_step}.yaml"
-        if not target.is_file():
-            target.write_text(text)
+        return resolve_checkpoint(self.cfg.run_dir, ckpt)
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
@@ -830,6 +927,7 @@ class Trainer:
         t = self.cfg.trainer
         validate_strategy(self.cfg)
         validate_model_setup(self.cfg)
+        self._check_monitors_can_be_met()
         clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
         if clip is not None and precision_clip is not None and clip != precision_clip:
             raise ConfigError(
@@ -842,6 +940,24 @@ class Trainer:
         # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
         precision_callbacks(self.cfg.precision)
 
+    def _check_monitors_can_be_met(self) -> None:
+        """A monitored metric needs validation: a val_dataloader and a validation interval."""
+        monitors = self._monitors()
+        if not monitors:
+            return
+        key, metric = next(iter(monitors.items()))
+        t = self.cfg.trainer
+        if not is_overridden("val_dataloader", self, Trainer):
+            raise ConfigError(
+                f"config key '{key}': monitors '{metric}', but {type(self).__name__} defines no val_dataloader(); "
+                f"define it (and validation_step), or set {key}=null"
+            )
+        if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
+            raise ConfigError(
+                f"config key '{key}': monitors '{metric}', but validation never runs (trainer.val_every_n_epochs=0 "
+                "and trainer.val_every_n_steps=0)"
+            )
+
     @staticmethod
     def _resolve_device(name: str) -> torch.device:
         if name == "auto":
@@ -852,6 +968,8 @@ class Trainer:
             raise ConfigError(
                 f"config key 'trainer.device': '{name}' is not a device; use auto, cpu, cuda or cuda:N"
             ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"config key 'trainer.device': '{name}' is not supported; use auto, cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 f"config key 'trainer.device': '{name}' requested but CUDA is not available; use auto or cpu"

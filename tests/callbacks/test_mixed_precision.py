@@ -312,10 +312,12 @@ def test_skip_warning_and_min_scale_error(tmp_path):
         def training_step(self, batch):
             return super().training_step(batch) * math.nan
 
-    with pytest.raises(RuntimeError, match="loss_id 0 overflowed 3 iterations in a row at min_scale=4.0"):
+    with pytest.raises(
+        NonFiniteError, match="loss_id 0 overflowed in every iteration since step 1, the last 3 at min_scale=4.0"
+    ):
         fit(AlwaysNan, tmp_path / "err", opt_level="O1", init_scale=16.0, min_scale=4.0, max_overflows_at_min_scale=3)
     # Without min_scale the scale halves down to 2**-126 (1/scale must stay a float32), then the same error.
-    with pytest.raises(RuntimeError, match=r"loss_id 0 overflowed 2 iterations in a row at its floor 1\.17\d*e-38"):
+    with pytest.raises(NonFiniteError, match=r"since step 1, the last 2 at its floor 1\.17\d*e-38"):
         fit(AlwaysNan, tmp_path / "err2", opt_level="O1", init_scale=2.0**-125, max_overflows_at_min_scale=2)
 
 
@@ -396,7 +398,7 @@ def test_o2_casts_model_keeps_batchnorm_and_masters(tmp_path, dtype):
 
 
 def test_config_errors_name_the_option(tmp_path):
-    with pytest.raises(ampkit.ConfigError, match="'O0', 'O1', 'O2', 'O3'"):
+    with pytest.raises(ampkit.ConfigError, match="'precision.opt_level': '01' is invalid; expected one of O0, O1, O2"):
         fit(SharedBackwardTrainer, tmp_path, opt_level="01")
     with pytest.raises(ampkit.ConfigError, match="master_weights"):
         fit(SharedBackwardTrainer, tmp_path, opt_level="O1", master_weights=True)
@@ -465,7 +467,7 @@ def test_tensorboard_amp_tags(tmp_path):
 @pytest.mark.parametrize(
     ("precision", "message"),
     [
-        ({"opt_level": "O9"}, "Unexpected optimization level 'O9'"),
+        ({"opt_level": "O9"}, "'precision.opt_level': 'O9' is invalid"),
         ({"opt_level": "O1", "dtype": "float8"}, "dtype='float8'"),
         ({"opt_level": "O1", "growth_factor": 0.5}, "growth_factor=0.5"),
         ({"opt_level": "O1", "clip_grad_norm": -1.0}, "'precision.clip_grad_norm': -1.0"),

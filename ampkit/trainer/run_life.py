@@ -1,0 +1,328 @@
+"""A run directory's life: which checkpoint a run starts from, which ``version_N`` it writes, its lock, its
+config. Its rules, stated once (nothing a user wrote is ever overwritten or deleted by another run):
+
+* ``fit()`` without ``resume`` writes a new ``<run_dir>/version_N`` (the next free N).
+* ``fit(resume=...)`` starts from ``last``/``best`` (of the newest ``version_N`` under ``run_dir`` that has
+  one) or a path, and then, decided before any user code runs:
+
+  - **finished**: the checkpoint already reached ``trainer.max_epochs``/``trainer.max_steps``. Nothing runs
+    and nothing is written; a larger limit continues it from its exact state (RNG included).
+  - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
+    position): training goes on in that directory.
+  - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
+    a new ``version_N`` under ``run_dir``, whose ``lineage.yaml`` and ``config.yaml`` name the checkpoint
+    it started from (TensorBoard's text ``run/lineage`` too). So a version directory holds one lineage, and
+    pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
+    deletes a file of another lineage.
+
+* A run holds ``version_N/run.lock`` (its pid and host) while it writes there; a second run into that
+  directory is refused, naming both. A lock whose pid is gone on this host (a SIGKILLed run) is stale and
+  taken over. Under ``torchrun`` only rank zero takes it.
+* ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
+  file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
+  ``predictions.pt`` inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
+
+from ampkit.config import flatten
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
+
+LOCK_FILE = "run.lock"
+LINEAGE_FILE = "lineage.yaml"
+PREDICTIONS_FILE = "predictions.pt"
+# The sections a resume reads; a checkpoint without one is refused before anything runs.
+RESUME_SECTIONS = ("loop", "rng", "epoch_rng", "schedulers", "optimizer_counts", "callbacks")
+
+
+class RunDirectoryError(RuntimeError):
+    """A run directory cannot be used as asked (locked by a live run, an output that would destroy a checkpoint)."""
+
+
+def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | None) -> Path | None:
+    """A checkpoint from ``"last"``/``"best"`` (None if ``run_dir`` has none yet) or a path (an error if absent)."""
+    if ckpt is None:
+        return None
+    if str(ckpt) in ("last", "best"):
+        return latest_checkpoint(run_dir, f"{ckpt}.pt")
+    path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
+    if not (path.is_file() or is_sharded_checkpoint(path)):
+        raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
+    return path
+
+
+def _trainer_part(path: Path) -> Path:
+    """The file holding a checkpoint's loop position (a sharded checkpoint keeps it in ``trainer.pt``)."""
+    return path / TRAINER_FILE if is_sharded_checkpoint(path) else path
+
+
+def _version_dir_of(path: Path) -> Path | None:
+    """The ``version_N`` directory ``path`` is a checkpoint of, or None for a file outside a run."""
+    checkpoints = path.parent
+    if checkpoints.name == "checkpoints" and (checkpoints.parent / "config.yaml").is_file():
+        return checkpoints.parent
+    return None
+
+
+def _loop_of(path: Path) -> dict[str, int] | None:
+    """The loop position saved in checkpoint ``path`` (memory-mapped: the tensors are not read), None if unreadable."""
+    try:
+        checkpoint = torch.load(_trainer_part(path), map_location="cpu", weights_only=True, mmap=True)
+        return dict(checkpoint["loop"])
+    except Exception:  # a half-written or foreign newest file: the resumed one cannot be shown to be the newest
+        return None
+
+
+def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
+    """Whether checkpoint ``path`` holds ``version_dir``'s newest state (``last.pt``'s loop position)."""
+    checkpoints = version_dir / "checkpoints"
+    last = next((p for p in (checkpoints / "last.pt", checkpoints / "last") if p.exists()), None)
+    if last is None:
+        return False
+    if last.resolve() == path.resolve() or (last.is_file() and path.is_file() and os.path.samefile(last, path)):
+        return True
+    return _loop_of(last) == loop
+
+
+@dataclass
+class FitStart:
+    """Where a ``fit()`` starts: from scratch, or a checkpoint (loaded unless sharded) and what to do with it."""
+
+    checkpoint_path: Path | None = None
+    checkpoint: dict[str, Any] | None = None  # None for a sharded checkpoint: its shards need the model
+    loop: dict[str, int] | None = None
+    version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
+    branched_from: Path | None = None  # the checkpoint a *branch* started from
+
+    def finished(self, max_epochs: int, max_steps: int) -> bool:
+        """Whether the checkpoint already reached the limits (resuming it would train nothing)."""
+        loop = self.loop
+        return loop is not None and (loop["epoch"] >= max_epochs or 0 <= max_steps <= loop["global_step"])
+
+
+def plan_fit(
+    run_dir: str | os.PathLike, resume: str | os.PathLike | None, path: Path | None, cfg: DictConfig
+) -> FitStart:
+    """Load ``path`` (``resume`` resolved by :func:`resolve_checkpoint`) and decide whether it continues its run
+    or branches (see the module's rules); warn about every config key that changed since it was saved."""
+    if resume is not None and path is None:
+        raise CheckpointError(
+            f"resume='{resume}': no checkpoint under run_dir '{run_dir}' (no version_N/checkpoints/"
+            f"{resume}.pt); check run_dir, or start without resume for a fresh run"
+        )
+    if path is None:
+        return FitStart()
+    sharded = is_sharded_checkpoint(path)
+    # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
+    checkpoint = load_checkpoint(_trainer_part(path))
+    missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
+    if not sharded and "model" not in checkpoint:
+        missing.insert(0, "model")
+    if missing:
+        raise CheckpointError(
+            f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
+            "resumed (its weights may still load with validate/test/predict --ckpt)"
+        )
+    changed = config_changes(checkpoint.get("config", {}), cfg)
+    if changed:
+        rank_zero_warn(
+            f"resuming '{path}' with a changed config: {'; '.join(changed)} (a data setting changes which batches "
+            "a mid-epoch resume skips)"
+        )
+    loop = dict(checkpoint["loop"])
+    version_dir = _version_dir_of(path)
+    if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
+        version_dir = None
+    return FitStart(
+        checkpoint_path=path,
+        checkpoint=None if sharded else checkpoint,
+        loop=loop,
+        version_dir=version_dir,
+        branched_from=path if version_dir is None else None,
+    )
+
+
+# Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
+_EXPECTED_CHANGES = {"name", "run_dir", "trainer.max_epochs", "trainer.max_steps"}
+
+
+def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
+    """``key: old -> new`` for every config key that differs from the checkpoint's (``saved``), but those a
+    resume is expected to change."""
+    before = flatten(saved, sep=".")
+    now = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    return [
+        f"{key}: {before.get(key, '(absent)')} -> {now.get(key, '(absent)')}"
+        for key in sorted(before.keys() | now.keys())
+        if key not in _EXPECTED_CHANGES and before.get(key) != now.get(key)
+    ]
+
+
+def open_version_dir(
+    run_dir: str | os.PathLike, start: FitStart, cfg: DictConfig, global_step: int
+) -> tuple[Path, RunLock]:
+    """The version directory this fit writes, locked before anything is written there: created (with its
+    lineage) for a fresh run or a branch; its config saved. Rank zero only."""
+    version_dir = start.version_dir if start.version_dir is not None else new_version_dir(run_dir)
+    lock = RunLock(version_dir)
+    lock.acquire()
+    try:
+        if start.branched_from is not None:
+            (version_dir / LINEAGE_FILE).write_text(OmegaConf.to_yaml(lineage(start)))
+        save_config(version_dir, cfg, global_step, start)
+    except BaseException:
+        lock.release()
+        raise
+    return version_dir, lock
+
+
+def lineage(start: FitStart) -> dict[str, Any]:
+    """What a branch records about where it came from."""
+    origin = _version_dir_of(start.branched_from)
+    return {
+        "branched_from": str(start.branched_from.absolute()),
+        "origin_version_dir": None if origin is None else str(origin.absolute()),
+        "global_step": start.loop["global_step"],
+        "epoch": start.loop["epoch"],
+    }
+
+
+def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: FitStart) -> None:
+    """``config.yaml`` (a branch's names its origin in a comment); a resume with a changed config adds
+    ``config.resumed_at_step_N.yaml`` beside it, so every config a run trained under is kept."""
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    if start.branched_from is not None:
+        text = f"# branched from {start.branched_from.absolute()} at global step {global_step}\n{text}"
+    target = version_dir / "config.yaml"
+    if target.is_file() and target.read_text() != text:
+        target = version_dir / f"config.resumed_at_step_{global_step}.yaml"
+    if not target.is_file():
+        target.write_text(text)
+
+
+# ----------------------------------------------------------------------------------------- the lock
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+class RunLock:
+    """``version_N/run.lock``: one live run writes a version directory at a time."""
+
+    def __init__(self, version_dir: Path) -> None:
+        self.path = version_dir / LOCK_FILE
+        self._mine: dict[str, Any] | None = None
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _stale(self, holder: dict[str, Any] | None) -> bool:
+        if holder is None:  # unreadable: written by no run of ours
+            return False
+        return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
+
+    def acquire(self) -> None:
+        """Take the lock, taking over a stale one; a :class:`RunDirectoryError` naming a live holder."""
+        mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(mine))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)  # creates the lock with its content at once, or fails if there is one
+                    self._mine = mine
+                    return
+                except FileExistsError:
+                    holder = self._holder()
+                    if not self._stale(holder):
+                        raise RunDirectoryError(self._refusal(holder)) from None
+                    self._take_over(holder)
+            raise RunDirectoryError(self._refusal(self._holder()))
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _take_over(self, stale: dict[str, Any]) -> None:
+        """Remove a stale lock, unless another run replaced it meanwhile (then it is put back)."""
+        aside = self.path.with_name(f".{LOCK_FILE}.stale.{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if json.loads(aside.read_text()) != stale:  # a live run's fresh lock: restore it
+                os.link(aside, self.path)
+        except (OSError, ValueError):
+            pass
+        aside.unlink(missing_ok=True)
+
+    def _refusal(self, holder: dict[str, Any] | None) -> str:
+        if holder is None:
+            who = "an unreadable lock"
+        else:
+            who = f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
+        return (
+            f"run directory '{self.path.parent}' is in use by {who}: two runs would write the same checkpoints. "
+            f"Wait for it to end, start a fresh run (without --resume), or, if that run is gone, delete '{self.path}'"
+        )
+
+    def release(self) -> None:
+        """Give the lock back (only if it is still this run's)."""
+        if self._mine is not None and self._holder() == self._mine:
+            self.path.unlink(missing_ok=True)
+        self._mine = None
+
+
+# ----------------------------------------------------------------------------------------- predict's output
+def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
+    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules)."""
+    text = os.path.expandvars(os.path.expanduser(str(output)))
+    path = Path(text)
+    if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
+        path = path / PREDICTIONS_FILE
+    refuse = None
+    if is_sharded_checkpoint(path) or path.is_dir():
+        refuse = "it is a directory"
+    elif path.absolute().parent.name == "checkpoints":
+        refuse = "it lies inside a checkpoints/ folder"
+    elif reading is not None and path.exists() and path.resolve() == reading.resolve():
+        refuse = "it is the checkpoint being read"
+    elif path.is_file() and _holds_checkpoint(path):
+        refuse = "it holds an ampkit checkpoint"
+    if refuse:
+        raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    return path
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    try:
+        load_checkpoint(path)
+    except CheckpointError:
+        return False
+    return True

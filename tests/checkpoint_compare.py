@@ -1,0 +1,34 @@
+"""Every key of two checkpoints compared, tensors bit for bit (RNG states included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# What legitimately differs between two runs of one training: where they were written.
+RUN_SPECIFIC = {("config", "run_dir")}
+
+
+def differences(a: Any, b: Any, path: tuple[Any, ...] = ()) -> list[str]:
+    """Where ``a`` and ``b`` differ, as dotted paths (empty when every key and value matches)."""
+    if path in RUN_SPECIFIC:
+        return []
+    where = ".".join(map(str, path)) or "<root>"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys differ ({sorted(map(str, a.keys() ^ b.keys()))})"]
+        return [d for key in a for d in differences(a[key], b[key], (*path, key))]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) != len(b):
+            return [f"{where}: lengths differ ({len(a)} vs {len(b)})"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, (*path, i))]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [f"{where}: tensors differ"]
+    return [] if type(a) is type(b) and a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def assert_same_checkpoint(a: dict[str, Any], b: dict[str, Any]) -> None:
+    found = differences(a, b)
+    assert not found, "; ".join(found[:10])

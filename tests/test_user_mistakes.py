@@ -1,0 +1,244 @@
+"""A user's mistake is an error before training starts, or one line naming its cause (``--debug`` keeps the
+traceback); never a silent no-op, a raw traceback, or a failure after hours of training."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+from toy_trainers import ToyConfig, ToyTrainer, toy_cfg, toy_dataset, toy_model
+
+import ampkit
+from ampkit.cli import main
+from ampkit.config import ConfigError
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.user_code import UserCodeError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+def _cli(tmp_path, capsys, argv: list[str], trainer_class: str = "toy_trainers:ToyTrainer", **settings) -> tuple:
+    config = tmp_path / "run.yaml"
+    base = {"trainer_class": trainer_class, "run_dir": str(tmp_path / "runs")}
+    OmegaConf.save(OmegaConf.merge(base, OmegaConf.from_dotlist([f"{k}={v}" for k, v in settings.items()])), config)
+    capsys.readouterr()
+    code = main([argv[0], "--config", str(config), *argv[1:]])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampkit: error: "), err
+    return lines[0]
+
+
+class EmptyData(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(0), batch_size=8)
+
+
+class EmptyValidation(ToyTrainer):
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(0), batch_size=8)
+
+
+class NoValidation(ampkit.Trainer):
+    config_class = ToyConfig
+
+    def configure_model(self):
+        return toy_model()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(16), batch_size=8)
+
+    def training_step(self, batch):
+        return self.model(batch[0]).square().mean()
+
+
+def test_no_training_data_is_an_error_naming_the_dataloader(tmp_path, capsys):
+    code, _, err = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:EmptyData", **{"trainer.max_epochs": 3})
+    assert code == 2 and "train_dataloader() yields no batches" in _one_line(err)
+    assert not list((tmp_path / "runs").glob("version_*/checkpoints"))
+
+
+def test_no_validation_data_warns_and_a_monitor_without_validation_is_refused(tmp_path):
+    with pytest.warns(UserWarning, match="val_dataloader\\(\\) yields no batches: validation is skipped"):
+        EmptyValidation(toy_cfg(tmp_path, **QUIET)).fit()
+    with pytest.raises(
+        ConfigError, match="'checkpoint.monitor': monitors 'val/mse', but val_dataloader\\(\\) yields no"
+    ):
+        EmptyValidation(toy_cfg(tmp_path, **QUIET, **{"checkpoint.monitor": "val/mse"})).fit()
+    for key in ("checkpoint.monitor", "early_stopping.monitor"):  # at construction: nothing runs
+        with pytest.raises(ConfigError, match=f"'{key}': monitors 'val/mse', but NoValidation defines no val_data"):
+            NoValidation(toy_cfg(tmp_path, **{key: "val/mse"}))
+        never = {key: "val/mse", "trainer.val_every_n_epochs": 0}
+        with pytest.raises(ConfigError, match=f"'{key}': monitors 'val/mse', but validation never runs"):
+            ToyTrainer(toy_cfg(tmp_path, **never))
+
+
+def test_a_misspelt_monitor_fails_before_training(tmp_path, capsys):
+    for key in ("checkpoint.monitor", "early_stopping.monitor"):
+        code, _, err = _cli(tmp_path, capsys, ["fit", f"{key}=val/acuracy"], **{"trainer.max_epochs": 2})
+        line = _one_line(err)
+        assert code == 2 and f"'{key}': monitors 'val/acuracy', which is not a validation metric" in line
+        assert "validation_step returns val/mse" in line
+    assert not list((tmp_path / "runs").glob("version_*/checkpoints/*.pt"))  # no training happened
+
+
+def test_the_sanity_validation_catches_a_broken_validation_step_and_leaves_training_unchanged(tmp_path):
+    class BrokenValidation(ToyTrainer):
+        def validation_step(self, batch):
+            return [1.0]
+
+    trained: list[int] = []
+
+    class Count(ampkit.Callback):
+        def on_train_batch_end(self, trainer, outputs, batch):
+            trained.append(1)
+
+    with pytest.raises(UserCodeError, match="validation_step\\(batch\\) returned a list; expected a dict of metrics"):
+        BrokenValidation(toy_cfg(tmp_path / "broken", **QUIET), callbacks=[Count()]).fit()
+    assert trained == []
+    # The sanity pass restores the RNG: the same run with and without it trains the same weights.
+    runs = [ToyTrainer(toy_cfg(tmp_path / str(n), **QUIET, **{"trainer.num_sanity_val_steps": n})) for n in (0, 2)]
+    for run in runs:
+        run.fit()
+    for key, value in runs[0].module.state_dict().items():
+        assert torch.equal(value, runs[1].module.state_dict()[key]), key
+
+
+def test_home_and_environment_variables_expand_in_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS_ROOT", str(tmp_path / "env"))
+    monkeypatch.chdir(tmp_path)
+    for run_dir, root in [("~/runs", tmp_path / "home" / "runs"), ("$RUNS_ROOT/x", tmp_path / "env" / "x")]:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, run_dir=run_dir))
+        trainer.fit()
+        assert trainer.version_dir == root / "version_0"
+    assert not (tmp_path / "~").exists() and not (tmp_path / "$RUNS_ROOT").exists()
+    with pytest.raises(ConfigError, match="'run_dir': '\\$NOT_SET_ANYWHERE/r' names environment variable NOT_SET_"):
+        ToyTrainer(toy_cfg(tmp_path, run_dir="$NOT_SET_ANYWHERE/r"))
+
+
+@pytest.mark.parametrize("device", ["mps", "meta", "xla"])
+def test_devices_other_than_cpu_and_cuda_are_refused_at_construction(tmp_path, device):
+    with pytest.raises(ConfigError, match=f"'trainer.device': '{device}' is not"):
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.device": device}))
+
+
+class Misspelt(ToyTrainer):
+    def on_train_epoch_ends(self):
+        pass
+
+
+class NotAModule(ToyTrainer):
+    def configure_model(self):
+        return [toy_model()]
+
+
+class NoOptimizer(ToyTrainer):
+    def configure_optimizers(self):
+        return None
+
+
+class NoGrad(ToyTrainer):
+    def training_step(self, batch):
+        with torch.no_grad():
+            return super().training_step(batch)
+
+
+class NotScalar(ToyTrainer):
+    def training_step(self, batch):
+        return (self.model(batch[0]).squeeze(1) - batch[1]).square()
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
+        ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
+        ("NoOptimizer", "configure_optimizers() returned None"),
+        ("NoGrad", "the loss of loss_id 0 does not require grad"),
+        ("NotScalar", "the loss of loss_id 0 has shape (8,); expected a scalar"),
+    ],
+)
+def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, message):
+    code, _, err = _cli(tmp_path, capsys, ["fit"], f"test_user_mistakes:{trainer_class}")
+    assert code == 2 and message in _one_line(err)
+    with pytest.raises(UserCodeError):  # --debug keeps the traceback
+        _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
+
+
+def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    trainer.fit()
+    checkpoint = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
+    del checkpoint["optimizer_counts"]
+    save_atomic(checkpoint, tmp_path / "old.pt")
+    with pytest.raises(CheckpointError, match="old.pt' \\(format 1\\) lacks optimizer_counts: it cannot be resumed"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume=tmp_path / "old.pt")
+
+
+def test_a_mid_epoch_resume_whose_epoch_got_shorter_is_refused(tmp_path):
+    steps = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 9}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **steps, **{"trainer.max_steps": 6}))
+    trainer.fit()
+    larger_batches = toy_cfg(tmp_path, **steps, **{"trainer.max_steps": 9, "data.batch_size": 16})
+    with pytest.raises(CheckpointError, match="is 6 batches into epoch 0, but this run's epoch has 4"):
+        ToyTrainer(larger_batches).fit(resume="last")
+
+
+def test_a_full_disk_while_checkpointing_names_the_file_and_keeps_last(tmp_path, monkeypatch):
+    import ampkit.callbacks.checkpoint as checkpoint_module
+
+    writes = []
+
+    def full_after_two(obj, path):
+        writes.append(path)
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return save_atomic(obj, path)
+
+    monkeypatch.setattr(checkpoint_module, "save_atomic", full_after_two)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 1}))
+    with pytest.raises(CheckpointError, match="step-00000003.pt' \\(No space left on device\\); last.pt still holds"):
+        trainer.fit()
+    assert load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["loop"]["global_step"] == 2
+
+
+def test_small_config_mistakes_name_the_right_thing(tmp_path, capsys):
+    code, _, err = _cli(tmp_path, capsys, ["fit", "+trainer.foo=1"])
+    assert code == 2 and "unknown config key 'trainer.foo'" in _one_line(err)
+    code, _, err = _cli(tmp_path, capsys, ["fit", "+trainer.max_epochs=0"])  # Hydra's "+" on a known key
+    assert code == 0
+    capsys.readouterr()
+    assert main(["fit", "--config", str(tmp_path)]) == 2
+    assert f"--config '{tmp_path}' is a directory" in _one_line(capsys.readouterr().err)
+
+
+def test_resuming_a_finished_run_from_the_cli_says_so(tmp_path, capsys):
+    code, out, _ = _cli(tmp_path, capsys, ["fit"], **{"trainer.max_epochs": 1, "logging.tensorboard": False})
+    assert code == 0 and "finished 8 steps" in out
+    code, out, err = _cli(tmp_path, capsys, ["fit", "--resume", "last"], **{"trainer.max_epochs": 1})
+    assert code == 0 and "finished" not in out and "nothing to train" in err and "nothing was written" in err
+
+
+def test_a_single_file_checkpoint_resumed_under_fsdp_names_the_strategy(tmp_path):
+    ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
+    sharded = {"trainer.max_epochs": 2, "distributed.strategy": "fsdp", "trainer.device": "cpu"}
+    with pytest.raises(CheckpointError, match="this run uses distributed.strategy=fsdp, which resumes sharded"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **sharded)).fit(resume="last")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+
+
+def test_a_bad_opt_level_names_its_dotted_key(tmp_path):
+    with pytest.raises(ConfigError, match="config key 'precision.opt_level': '01' is invalid; expected one of O0, O1"):
+        ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": "'01'"}))
