@@ -69,6 +69,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
 )
 from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
+from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_, zero_grad_
@@ -626,6 +627,7 @@ class Trainer:
         self.module = module.to(self.device)
         if not self.sharded:  # every rank from rank 0's weights, before casts, master copies and optimizers
             broadcast_module_(self.module, self.dist)
+        self.module = convert_model_to_float8(self.module, self.cfg, self.device)
         if self.sharded:  # before the optimizers: they must hold the sharded parameters
             self.module = shard_model(self.module, self.cfg, self.device)
         self.model = torch.compile(self.module) if self.settings.compile else self.module
