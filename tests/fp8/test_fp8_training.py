@@ -168,3 +168,37 @@ def test_telemetry_logs_each_layers_amax_scale_and_underflow_every_n_steps(tmp_p
     assert math.isinf(rec.scalars[("fp8/0/input/amax", 4)])  # the inf batch (a skipped step) shows in its amax
     assert rec.skipped == []  # O0 with skip_nonfinite off: nothing skips, but the telemetry saw the inf
     assert trainer.state.global_step == 5
+
+
+# ------------------------------------------------------------------ FSDP2 float8 all-gather
+@pytest.mark.skipif(
+    "torchao" not in BACKENDS, reason='FSDP float8 all-gather is torchao\'s (pip install "ampkit[fp8]")'
+)
+def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gather(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from child_env import child_env
+    from test_distributed import _free_port
+
+    here, procs = Path(__file__).resolve().parent, []
+    for all_gather in ("float8", "high"):  # both runs at once: 4 processes
+        port = str(_free_port())
+        (tmp_path / all_gather).mkdir()
+        for rank in range(2):
+            env = child_env(here, here.parent, here.parents[1], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")  # fmt: skip
+            args = [sys.executable, str(here / "fsdp_fp8_worker.py"), all_gather, str(tmp_path / all_gather)]
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr[-3000:]
+    float8, high = ([torch.load(tmp_path / run / f"rank{r}.pt", weights_only=True) for r in range(2)]
+                    for run in ("float8", "high"))  # fmt: skip
+    assert float8[0]["local_weight"] == "WeightWithDynamicFloat8CastTensor" and high[0]["local_weight"] == "Tensor"
+    for rank in range(2):
+        assert (float8[rank]["steps"], float8[rank]["skipped"]) == (5, 1)  # the inf batch of iteration 3 skipped
+        assert float8[rank]["precomputes"] == 5 and high[rank]["precomputes"] == 0  # after each taken step only
+        for key, value in high[0]["model"].items():
+            assert torch.equal(float8[rank]["model"][key], value), key
