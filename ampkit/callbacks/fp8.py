@@ -73,7 +73,9 @@ class Float8Telemetry(Callback):
         host = torch.cat(list(per_role.values())).cpu()  # one read for every layer and role
         for role, values in zip(per_role, host.split([v.numel() for v in per_role.values()]), strict=True):
             log2 = values[values > 0].log2()
-            trainer.logger.log_histogram(f"fp8/{role}/log2_scale", log2[log2.isfinite()], trainer.state.iteration)
+            log2 = log2[log2.isfinite()]  # an inf amax gives a zero scale: shown by the amax scalar instead
+            if log2.numel():
+                trainer.logger.log_histogram(f"fp8/{role}/log2_scale", log2, trainer.state.iteration)
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         if self.recorder is not None:

@@ -152,8 +152,10 @@ def test_resume_is_bit_identical_and_checkpoints_load_into_the_plain_model(tmp_p
 
 # ------------------------------------------------------------------ telemetry
 def test_telemetry_logs_each_layers_amax_scale_and_underflow_every_n_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     rec = Recorder()
-    cfg = fp8_cfg(tmp_path, fp8={"telemetry_every_n_steps": 2}, trainer={"max_steps": 5})
+    cfg = fp8_cfg(tmp_path, fp8={"telemetry_every_n_steps": 2}, trainer={"max_steps": 5}, logging={"tensorboard": True})
     trainer = fit(cfg, inf_at=4, callbacks=[rec])
     steps = sorted({step for _, step in rec.scalars})
     assert steps == [2, 4]
@@ -167,7 +169,23 @@ def test_telemetry_logs_each_layers_amax_scale_and_underflow_every_n_steps(tmp_p
             assert 0 <= rec.scalars[(f"fp8/{layer}/{role}/underflow", 2)] < 0.5
     assert math.isinf(rec.scalars[("fp8/0/input/amax", 4)])  # the inf batch (a skipped step) shows in its amax
     assert rec.skipped == []  # O0 with skip_nonfinite off: nothing skips, but the telemetry saw the inf
-    assert trainer.state.global_step == 5
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    assert {f"fp8/{role}/log2_scale" for role in ("weight", "input", "grad_output")} <= set(events.Tags()["histograms"])
+    weight_scales = events.Histograms("fp8/weight/log2_scale")
+    assert [h.step for h in weight_scales] == [2, 4] and weight_scales[0].histogram_value.num == 2  # one per layer
+    assert [e.step for e in events.Scalars("fp8/2/input/scale")] == [2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_telemetry_records_a_compiled_model_by_running_its_telemetry_steps_eagerly(tmp_path, backend):
+    rec = Recorder()
+    cfg = fp8_cfg(tmp_path, backend, fp8={"recipe": "rowwise", "telemetry_every_n_steps": 2},
+                  trainer={"max_steps": 3, "compile": True})  # fmt: skip
+    fit(cfg, callbacks=[rec])
+    assert {step for _, step in rec.scalars} == {2}
+    assert len(rec.scalars) == 2 * 3 * 3  # two layers, three roles, three statistics
+    assert torch.compiler.is_compiling() is False and "default" in repr(torch._dynamo.eval_frame._stance)
 
 
 # ------------------------------------------------------------------ FSDP2 float8 all-gather

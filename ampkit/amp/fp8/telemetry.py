@@ -45,6 +45,8 @@ class Float8Recorder:
     """Records :class:`OperandStats` per float8 layer and role while armed (between :meth:`arm` and :meth:`disarm`).
 
     Only forwards with gradients enabled are recorded (not validation); a layer called twice keeps the last.
+    While armed, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``): compiled graphs do not
+    call hooks added after compiling, and the float8 casts are the same either way.
     """
 
     def __init__(self, layers: dict[str, nn.Module], recipe: Float8Recipe) -> None:
@@ -52,6 +54,7 @@ class Float8Recorder:
         self.recipe = recipe
         self.stats: dict[str, dict[str, OperandStats]] = {}
         self._handles: list[Any] = []
+        self._eager: Any = None
 
     @property
     def armed(self) -> bool:
@@ -64,12 +67,16 @@ class Float8Recorder:
         self.stats = {}
         for name, layer in self.layers.items():
             self._handles.append(layer.register_forward_hook(self._forward_hook(name)))
+        self._eager = torch.compiler.set_stance("force_eager")  # set now; restored on exit
 
     def disarm(self) -> dict[str, dict[str, OperandStats]]:
         """Stop recording; returns what was recorded since :meth:`arm`."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._eager is not None:
+            self._eager.__exit__(None, None, None)
+            self._eager = None
         stats, self.stats = self.stats, {}
         return stats
 
