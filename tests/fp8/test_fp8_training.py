@@ -220,3 +220,19 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
         assert float8[rank]["precomputes"] == 5 and high[rank]["precomputes"] == 0  # after each taken step only
         for key, value in high[0]["model"].items():
             assert torch.equal(float8[rank]["model"][key], value), key
+
+
+def test_the_fp8_example_config_trains_its_first_layer_in_float8(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from ampkit.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    repo = Path(__file__).resolve().parents[2]
+    overrides = ["precision.fp8.backend=reference", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+                 "trainer.limit_val_batches=2", "trainer.progress_bar=false", "logging.tensorboard=false"]  # fmt: skip
+    cls, cfg = load_config(repo / "configs" / "digits_fp8.yaml", overrides)
+    trainer = cls(cfg)
+    trainer.fit()
+    converted = [name for name, m in trainer.module.named_modules() if is_float8_linear(m)]
+    assert converted == ["0"] and math.isfinite(trainer.val_metrics["loss"])
