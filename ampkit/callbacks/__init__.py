@@ -10,6 +10,7 @@ from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
@@ -27,6 +28,8 @@ __all__ = [
     "Callback",
     "DistributedSync",
     "EarlyStopping",
+    "Float8AllGatherScales",
+    "Float8Telemetry",
     "GradientClipping",
     "GradientHistograms",
     "LossScaling",

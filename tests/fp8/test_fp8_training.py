@@ -236,3 +236,25 @@ def test_the_fp8_example_config_trains_its_first_layer_in_float8(tmp_path, monke
     trainer.fit()
     converted = [name for name, m in trainer.module.named_modules() if is_float8_linear(m)]
     assert converted == ["0"] and math.isfinite(trainer.val_metrics["loss"])
+
+
+def test_load_model_gives_the_plain_model_wherever_the_fp8_run_trained(tmp_path):
+    from ampkit import load_model
+
+    trainer = fit(fp8_cfg(tmp_path, checkpoint={"enabled": True}, trainer={"max_steps": 2}))
+    path = trainer.version_dir / "checkpoints" / "last.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["precision"]["fp8"].update(backend="torchao", emulate=False)  # as on an H100
+    checkpoint["config"]["trainer_class"] = "fp8_trainers:Fp8Trainer"
+    torch.save(checkpoint, path)
+    model = load_model(path)  # here: no float8 GPU, maybe no torchao, and no error
+    assert not any(is_float8_linear(m) for m in model.modules())
+    x = torch.randn(3, 16)
+    assert torch.equal(model(x), nn_forward(trainer.module, x))
+
+
+def nn_forward(module, x):
+    """``module``'s output computed with plain high-precision Linears (its float8 layers' own weights)."""
+    plain = fp8_model()
+    plain.load_state_dict(module.state_dict())
+    return plain.eval()(x)
