@@ -46,7 +46,8 @@ class Float8Recorder:
 
     Only forwards with gradients enabled are recorded (not validation); a layer called twice keeps the last.
     While armed, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``): compiled graphs do not
-    call hooks added after compiling, and the float8 casts are the same either way.
+    call hooks added after compiling. Under FSDP's float8 all-gather a layer holds only float8 weight data, so
+    its weight statistics are not recorded.
     """
 
     def __init__(self, layers: dict[str, nn.Module], recipe: Float8Recipe) -> None:
