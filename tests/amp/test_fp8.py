@@ -63,6 +63,16 @@ def test_rowwise_scales_run_along_the_contraction_dim_and_round_down_to_powers_o
     assert amax_to_scale(torch.tensor(448.0), E4M3, power_of_2=False) == 1.0
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(recipe):
+    layer = Float8Linear.from_linear(nn.Linear(16, 32), RECIPES[recipe])
+    x = torch.randn(0, 16, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, 32) and x.grad.shape == (0, 16)
+    assert torch.equal(layer.weight.grad, torch.zeros(32, 16)) and torch.equal(layer.bias.grad, torch.zeros(32))
+
+
 def test_an_inf_in_a_float8_operand_makes_the_output_non_finite():
     layer = Float8Linear.from_linear(nn.Linear(16, 16), RECIPES["tensorwise"])
     x = torch.randn(4, 16)
@@ -113,13 +123,14 @@ def test_reference_equals_torchao_emulate_bit_for_bit_forward_and_backward(recip
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_reference_linear_is_close_to_the_float64_linear(recipe):
+@pytest.mark.parametrize(("rows", "fan_in", "fan_out"), [(40, 64, 32), (33, 37, 23)])  # odd sizes work too
+def test_reference_linear_is_close_to_the_float64_linear(recipe, rows, fan_in, fan_out):
     g = torch.Generator().manual_seed(2)
-    linear = nn.Linear(64, 32)
+    linear = nn.Linear(fan_in, fan_out)
     layer = Float8Linear.from_linear(copy.deepcopy(linear), RECIPES[recipe])
-    x = torch.randn(40, 64, generator=g, requires_grad=True)
+    x = torch.randn(rows, fan_in, generator=g, requires_grad=True)
     out = layer(x)
-    grad_out = torch.randn(40, 32, generator=g)
+    grad_out = torch.randn(rows, fan_out, generator=g)
     out.backward(grad_out)
     x64, w64, dy64 = x.detach().double(), linear.weight.detach().double(), grad_out.double()
 

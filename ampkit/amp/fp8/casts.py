@@ -14,10 +14,13 @@ AMAX_EPS = 1e-12  # a zero tensor still gets a finite scale
 
 
 def amax(x: torch.Tensor, rowwise: bool, dim: int) -> torch.Tensor:
-    """max |x| over the whole tensor (0-dim), or along ``dim`` (kept as a size-1 dimension) when ``rowwise``."""
+    """max |x| over the whole tensor (0-dim), or along ``dim`` (kept as a size-1 dimension) when ``rowwise``; an
+    empty tensor (an empty batch) has amax 0."""
     if rowwise:
+        if x.shape[dim] == 0:
+            return x.new_zeros([1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)])
         return torch.amax(torch.abs(x), dim=dim, keepdim=True)
-    return torch.max(torch.abs(x))
+    return torch.max(torch.abs(x)) if x.numel() else x.new_zeros(())
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
