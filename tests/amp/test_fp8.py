@@ -216,3 +216,18 @@ def test_recorder_records_the_casts_statistics_of_training_forwards_and_backward
     data, scale, _ = scaled_cast(x, OperandCast(E4M3), -1, False)
     assert torch.equal(operand_stats(x, OperandCast(E4M3), -1, False).scale, inp.scale)
     assert (from_float8(data, scale) - x).abs().max() <= x.abs().max() / 16  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_power_of_two_loss_scale_leaves_float8_gradients_bit_identical_once_unscaled(recipe):
+    g = torch.Generator().manual_seed(4)
+    layer = Float8Linear.from_linear(nn.Linear(32, 48), RECIPES[recipe])
+    x = torch.randn(24, 32, generator=g)
+    grad_out = torch.randn(24, 48, generator=g)
+    grads = []
+    for scale in (1.0, 2.0**16):
+        inp = x.clone().requires_grad_()
+        layer.zero_grad()
+        layer(inp).backward(grad_out * scale)
+        grads.append((inp.grad / scale, layer.weight.grad / scale))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
