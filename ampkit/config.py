@@ -46,7 +46,9 @@ class TrainerConfig:
     clip_grad_norm: float | None = None
     seed: int | None = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compile: bool = False
+    compile: Any = False  # false | true (torch.compile the whole model) | [Block, ...] (those classes, in place)
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune | ...
+    activation_checkpointing: list[str] = field(default_factory=list)  # classes recomputed in backward ([Block])
     progress_bar: bool = True
 
 
@@ -82,6 +84,8 @@ class LoggingConfig:
     log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
     console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
     grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
+    throughput: bool = True  # samples/s (tokens/s, TFLOP/s, MFU when the Trainer sets what a sample is worth)
+    peak_tflops: float | None = None  # the device's peak TFLOP/s for MFU (null: NVIDIA's for known GPUs)
 
 
 @dataclass
@@ -233,6 +237,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logging.log_every_n_steps": _at_least(1),
     "logging.console_every_n_steps": _at_least(1),
     "logging.grad_histograms_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),
+    "logging.peak_tflops": _optional(_POSITIVE_NUMBER, "from the table of known GPUs"),
     "distributed.backend": _one_of("auto", "gloo", "nccl"),
     "distributed.timeout_s": _POSITIVE_NUMBER,
     "distributed.grad_sync": _one_of("auto", "ddp", "step"),

@@ -60,6 +60,20 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
                "trainer": {**cpu, "max_epochs": 2, "clip_grad_norm": 0.5}}  # fmt: skip
         trainer = Plain(cfg, callbacks=[losses, keep])
         extra = {"losses": losses.losses}
+    elif scenario == "gpt":  # the GPT example sharded per Block (its default under fsdp), activations recomputed
+        from ampkit.config import load_config
+
+        losses = LossRecorder()
+        overrides = ["model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=16", "data.val_batches=1",
+                     f"data.batch_size={batch_size}", "precision.opt_level=O0", "trainer.device=cpu",
+                     "trainer.progress_bar=false", "logging.tensorboard=false", "trainer.max_steps=6",
+                     "trainer.val_every_n_steps=0", "checkpoint.every_n_steps=3", "checkpoint.monitor=null",
+                     "checkpoint.keep_last=5", "generate.every_n_steps=3", "generate.tokens=4",
+                     "trainer.activation_checkpointing=[Block]", "distributed.strategy=fsdp",
+                     f"run_dir={out / 'run'}"]  # fmt: skip
+        trainer_class, cfg = load_config("gpt", overrides)
+        trainer = trainer_class(cfg, callbacks=[losses, keep])
+        extra = {"losses": losses.losses}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)
@@ -67,6 +81,8 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
         extra["param_dtypes"] = sorted({str(p.dtype) for p in trainer.module.parameters()})
+    if scenario == "gpt":
+        extra["units"] = sorted({type(m).__name__ for m in trainer.module.modules() if hasattr(m, "unshard")})
     return {"model": keep.state, "version_dir": str(trainer.version_dir), "val": trainer.val_metrics, **extra}
 
 

@@ -273,3 +273,17 @@ def test_digits_example_trains_sharded_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = load_checkpoint(tmp_path / "version_0" / "checkpoints" / "last" / "trainer.pt")
     assert checkpoint["val_metrics"]["acc"] >= 0.8  # 0.847 after 3 epochs, the same as strategy ddp
+
+
+@pytest.mark.slow  # two processes and a resume: ~30 s on 2 cores
+def test_the_gpt_example_shards_per_block_and_resumes_from_two_ranks_on_one(tmp_path):
+    """Two gloo ranks, each Block its own FSDP unit with activations recomputed; the step-3 checkpoint resumed
+    by one process (batch 2 x 4) continues the same loss curve."""
+    two = launch("gpt", tmp_path / "two", batch_size=4)[0]
+    assert two["units"] == ["FSDPBlock", "FSDPGPT"]  # fully_shard makes each unit an FSDP<class>
+    assert sorted(two["losses"]) == list(range(1, 7))
+    one = run("gpt", tmp_path / "one", batch_size=8, resume=_copied(two["version_dir"], "step-00000003", tmp_path))
+    assert sorted(one["losses"]) == [4, 5, 6]
+    for iteration, loss in one["losses"].items():
+        assert loss == pytest.approx(two["losses"][iteration], rel=1e-5)
+    _close(one["model"], two["model"])

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ampkit.callbacks.checkpoint import ModelCheckpoint
 from ampkit.callbacks.clipping import GradientClipping
+from ampkit.callbacks.compile_report import CompileReport
 from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.early_stopping import EarlyStopping
 from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
@@ -15,9 +16,10 @@ from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from ampkit.callbacks.precision import MixedPrecision
-from ampkit.callbacks.precision_config import precision_callbacks
+from ampkit.callbacks.precision_config import precision_callbacks, resolve_precision
 from ampkit.callbacks.progress import ProgressBar
 from ampkit.callbacks.tensorboard import TensorBoardLogger
+from ampkit.callbacks.throughput import Throughput
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Callback",
+    "CompileReport",
     "DistributedSync",
     "EarlyStopping",
     "Float8AllGatherScales",
@@ -39,6 +42,7 @@ __all__ = [
     "NonFiniteGuard",
     "ProgressBar",
     "TensorBoardLogger",
+    "Throughput",
     "default_callbacks",
     "precision_callbacks",
 ]
@@ -64,6 +68,12 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     clip = cfg.trainer.clip_grad_norm if cfg.trainer.clip_grad_norm is not None else cfg.precision.clip_grad_norm
     if clip is not None:  # both keys were checked when the Trainer was built
         callbacks.append(GradientClipping(clip))
+    if trainer.model_setup is not None and trainer.model_setup.compiled:
+        callbacks.append(CompileReport())
+    if cfg.logging.throughput:
+        props = resolve_precision(cfg.precision)
+        compute_dtype = None if props.opt_level == "O0" else props.dtype
+        callbacks.append(Throughput(cfg.logging.log_every_n_steps, compute_dtype, cfg.logging.peak_tflops))
     if cfg.trainer.progress_bar:
         callbacks.append(ProgressBar(every_n_steps=cfg.logging.console_every_n_steps))
     if cfg.logging.tensorboard:

@@ -16,6 +16,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, is_communication_failure
+from ampkit.trainer.model_setup import compiles_whole_model
 
 
 class DistributedSync(Callback):
@@ -56,7 +57,7 @@ class DistributedSync(Callback):
             self._ddp = torch.nn.parallel.DistributedDataParallel(
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
-            trainer.model = torch.compile(self._ddp) if trainer.cfg.trainer.compile else self._ddp
+            trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
         elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
 

@@ -31,6 +31,27 @@ def _duration(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
+def _throughput(figures: dict[str, float]) -> list[str]:
+    """``tok/s=12.3k TFLOP/s=0.021 MFU=41.2%`` from the latest throughput figures (samples/s without tokens)."""
+    shown = []
+    if "tokens_per_sec" in figures:
+        shown.append(f"tok/s={_si(figures['tokens_per_sec'])}")
+    elif "samples_per_sec" in figures:
+        shown.append(f"samples/s={_si(figures['samples_per_sec'])}")
+    if "tflops" in figures:
+        shown.append(f"TFLOP/s={figures['tflops']:.3g}")
+    if "mfu" in figures:
+        shown.append(f"MFU={figures['mfu']:.1%}")
+    return shown
+
+
+def _si(value: float) -> str:
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
 class ProgressBar(Callback):
     """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset),
     redrawn at most every ``refresh_s`` seconds; otherwise print a plain status line every ``every_n_steps``
@@ -68,6 +89,7 @@ class ProgressBar(Callback):
             if isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.numel() == 1)
         ]
         shown += [f"scale[{loss_id}]={value:g}" for loss_id, value in self._scales.items()]
+        shown += _throughput(trainer.state.throughput)
         states = list(trainer.optimizer_state.values())
         if self._scales or any(st.skipped_steps for st in states):
             if len(states) == 1:
@@ -92,6 +114,7 @@ class ProgressBar(Callback):
             f"ampkit: training {type(trainer).__name__}",
             f"  device      {trainer.device}" + (f" x {trainer.world_size} ranks" if trainer.world_size > 1 else ""),
             f"  precision   {precision}",
+            *(f"  {what:<11} {note}" for what, note in trainer.model_setup.notes.items()),
             f"  parameters  {total:,} ({trainable:,} trainable)",
             f"  data        {'?' if batches is None else batches} batches/epoch, {length}, "
             f"accumulate {t.accumulate_grad_batches}",

@@ -5,7 +5,8 @@ Every op takes Apex's arguments in Apex's order, ``op(chunk_size, noop_flag, ten
 CUDA launch and does not change results here. ``noop_flag`` is a one-element int32 (or float32) tensor on the
 tensors' device with Apex's meaning per op: ``multi_tensor_scale``/``axpby``/``l2norm``/``unscale_l2norm``
 set it to 1 when they meet inf/nan (and never clear it); ``multi_tensor_sgd`` does nothing while it is set;
-``multi_tensor_adam``/``multi_tensor_lamb`` ignore it, as Apex's non-capturable kernels do.
+``multi_tensor_adam``/``multi_tensor_lamb``/``multi_tensor_adagrad``/``multi_tensor_novograd`` ignore it, as
+Apex's non-capturable kernels do; ``multi_tensor_adam_capturable(_master)`` change nothing while it is set.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from ampkit.ops.optimizers.lamb import lamb_step
 from ampkit.ops.optimizers.sgd import sgd_step
 
 __all__ = [
+    "multi_tensor_adagrad",
     "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
     "multi_tensor_axpby",
     "multi_tensor_l2norm",
     "multi_tensor_l2norm_mp",
     "multi_tensor_l2norm_scale",
     "multi_tensor_lamb",
+    "multi_tensor_novograd",
     "multi_tensor_scale",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
@@ -173,6 +178,158 @@ def multi_tensor_adam(
         bool(bias_correction),
         1.0,
     )
+
+
+def _adam_capturable(
+    op_name: str,
+    noop_flag: Tensor,
+    lists: list[list[Tensor]],
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    if mode not in (0, 1):
+        raise RuntimeError(f"{op_name}: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    if not params:
+        return
+    device = params[0].device
+    op("adam_step", device)(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        lists[4] if len(lists) == 5 else [],
+        _steps_before(step, len(params), device),
+        float(lr),
+        beta1,
+        beta2,
+        epsilon,
+        weight_decay,
+        mode == 1,
+        False,
+        bool(bias_correction),
+        1.0,
+        inv_scale.reshape(()).float().reciprocal().to(device),
+        noop_flag.reshape(()).float().to(device),
+    )
+
+
+def multi_tensor_adam_capturable(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Adam on ``[grads, params, exp_avgs, exp_avg_sqs]`` with ``lr`` and ``step`` as tensors, grads multiplied by
+    ``inv_scale``, and nothing changed while ``noop_flag`` is set (GradScaler's found_inf), as Apex's kernel."""
+    lists = _lists("multi_tensor_adam_capturable", tensor_lists, (4,))
+    _adam_capturable("multi_tensor_adam_capturable", noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale)  # fmt: skip
+
+
+def multi_tensor_adam_capturable_master(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """:func:`multi_tensor_adam_capturable` on ``[grads, params, exp_avgs, exp_avg_sqs, fp32 masters]``: the
+    masters are updated and the (fp16/bf16) params receive their rounded copy."""
+    lists = _lists("multi_tensor_adam_capturable_master", tensor_lists, (5,))
+    _adam_capturable("multi_tensor_adam_capturable_master", noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale)  # fmt: skip
+
+
+def multi_tensor_adagrad(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    epsilon: float,
+    mode: int,
+    weight_decay: float,
+) -> None:
+    """Adagrad on ``[grads, params, state_sums]``; ``mode`` 0 adds L2 to the grad, 1 decays the weights as AdamW
+    (``p -= lr * (g / (sqrt(h) + eps) + wd * p)``)."""
+    grads, params, sums = _lists("multi_tensor_adagrad", tensor_lists, (3,))
+    if mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_adagrad: mode={mode!r}; expected 0 (L2) or 1 (decoupled weight decay)")
+    if not params:
+        return
+    if mode == 1 and weight_decay != 0:  # the update does not read p, so decaying first is the same
+        decay_weights_(params, 1.0 - lr * weight_decay)
+        weight_decay = 0.0
+    device = params[0].device
+    steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in params]  # read only by lr_decay
+    op("adagrad_step", device)(params, grads, sums, [], steps, float(lr), 0.0, weight_decay, epsilon, 1.0)
+
+
+def multi_tensor_novograd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    grad_norms: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    moment_mode: int,
+    norm_type: int,
+) -> None:
+    """NovoGrad on ``[grads, params, exp_avgs]``. ``grad_norms`` (one float32 per tensor) holds the second
+    moments and is blended in place with the new per-tensor norms first: ``sqrt(b2 * v^2 + (1 - b2) * n^2)``
+    (``norm_type`` 2) or ``b2 * v + (1 - b2) * n`` (0, max-abs); ``moment_mode`` 0 puts the weight decay inside
+    the moment, 1 outside."""
+    grads, params, exp_avgs = _lists("multi_tensor_novograd", tensor_lists, (3,))
+    if norm_type not in (0, 2):
+        raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
+    if moment_mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_novograd: moment_mode={moment_mode!r}; expected 0 or 1")
+    if not params:
+        return
+    previous = grad_norms.double()
+    if norm_type == 2:
+        norms = multi_tensor.l2norm(grads, per_tensor=True).per_tensor.double().to(previous.device)
+        blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
+    else:
+        norms = torch.stack(torch._foreach_norm(grads, float("inf"))).double().to(previous.device)
+        blended = beta2 * previous + (1 - beta2) * norms
+    grad_norms.copy_(blended)
+    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
+    bias_correction2 = (1 - beta2**step) ** 0.5 if bias_correction else 1.0
+    denoms = (blended / bias_correction2 + epsilon).cpu().contiguous()
+    op("novograd_step", params[0].device)(
+        params, grads, exp_avgs, [], denoms, float(lr), beta1, weight_decay, moment_mode == 0,
+        bool(grad_averaging), bias_correction1, 1.0,
+    )  # fmt: skip
 
 
 def multi_tensor_sgd(

@@ -2,14 +2,21 @@
 
 Apex's ``FusedAdam``/``FusedLAMB``/... and Ascend's ``FusedAdadelta``/``FusedAdamP``/``FusedRMSprop``/
 ``FusedRMSpropTF`` keep their names and constructor arguments; importing this module does not load the
-kernels, touching a name does. Apex's FusedAdam, FusedLAMB and FusedMixedPrecisionLamb counted steps per param
-group: their names here are subclasses that do the same.
+kernels, touching a name does. Each name is a subclass that also sets the attributes Apex's ``__init__`` set
+and that subclassing code reads (fairseq's ``FusedAdamV2`` drives its own step through
+``multi_tensor_applier(self.multi_tensor_adam, self._dummy_overflow_buf, [g, p, m, v], ..., self.adam_w_mode,
+...)``): the ``amp_C`` ops, the skip buffer, the integer mode flags. Apex's FusedAdam, FusedLAMB and
+FusedMixedPrecisionLamb counted steps per param group: their names here do the same.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 _TARGET_MODULE = "ampkit.ops.optimizers"
 _APEX_NAMES = (
@@ -26,21 +33,98 @@ _APEX_NAMES = (
 )
 __all__ = list(_APEX_NAMES)
 
-
-# Apex counted these optimizers' steps per param group: their Apex names are subclasses that do the same.
+# Apex counted these optimizers' steps per param group: their Apex names do the same.
 _GROUP_STEP_NAMES = ("FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb")
+
+Arguments = dict[str, Any]
+
+# What Apex's ``__init__`` set on each optimizer, from its constructor arguments (besides ``_dummy_overflow_buf``
+# and the ``amp_C`` ops in ``_AMP_C_OPS``).
+_APEX_ATTRIBUTES: dict[str, dict[str, Callable[[Arguments], Any]]] = {
+    "FusedAdam": {
+        "adam_w_mode": lambda a: int(bool(a["adam_w_mode"])),
+        "capturable": lambda a: a["capturable"],
+    },
+    "FusedSGD": {
+        "materialize_master_grads": lambda a: a["materialize_master_grads"],
+        "most_recent_scale": lambda a: 1.0,
+        "scale_set_by_backward": lambda a: False,
+    },
+    "FusedLAMB": {
+        "adam_w_mode": lambda a: int(bool(a["adam_w_mode"])),
+        "use_nvlamb": lambda a: a["use_nvlamb"],
+    },
+    "FusedNovoGrad": {
+        "moment_mode": lambda a: 0 if a["reg_inside_moment"] else 1,
+    },
+    "FusedAdagrad": {
+        "adagrad_w_mode": lambda a: int(bool(a["adagrad_w_mode"])),
+    },
+    "FusedMixedPrecisionLamb": {
+        "adam_w_mode": lambda a: int(bool(a["adam_w_mode"])),
+        "use_nvlamb": lambda a: a["use_nvlamb"],
+        "param_groups_full_precision": lambda a: [],
+    },
+}
+
+# Apex's attribute -> the ``amp_C`` op it held.
+_AMP_C_OPS: dict[str, dict[str, str]] = {
+    "FusedAdam": {
+        "multi_tensor_adam": "multi_tensor_adam",
+        "multi_tensor_adam_capturable": "multi_tensor_adam_capturable",
+        "multi_tensor_adam_capturable_master": "multi_tensor_adam_capturable_master",
+    },
+    "FusedSGD": {"multi_tensor_sgd": "multi_tensor_sgd"},
+    "FusedLAMB": {"multi_tensor_l2norm": "multi_tensor_l2norm", "multi_tensor_lamb": "multi_tensor_lamb"},
+    "FusedNovoGrad": {"multi_tensor_novograd": "multi_tensor_novograd"},
+    "FusedAdagrad": {"multi_tensor_adagrad": "multi_tensor_adagrad"},
+    "FusedMixedPrecisionLamb": {"multi_tensor_l2norm": "multi_tensor_l2norm_mp"},
+}
+
+
+def _param_groups_master(self: torch.optim.Optimizer) -> list[dict[str, list[torch.Tensor | None]]]:
+    """Apex's FusedAdam list of fp32 masters per group (None where a parameter has none yet or needs none)."""
+    return [
+        {"params": [self.state.get(p, {}).get("master_param") for p in group["params"]]} for group in self.param_groups
+    ]
+
+
+def _apex_class(name: str, base: type) -> type:
+    """``base`` under Apex's name, setting Apex's attributes after ``base.__init__``."""
+    signature = inspect.signature(base.__init__)
+    recipes = _APEX_ATTRIBUTES.get(name, {})
+    amp_c = importlib.import_module("ampkit.compat.amp_c")
+    ops = {attribute: getattr(amp_c, op_name) for attribute, op_name in _AMP_C_OPS.get(name, {}).items()}
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        params = [p for group in self.param_groups for p in group["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)  # Apex's skip flag for amp_C
+        for attribute, recipe in recipes.items():
+            setattr(self, attribute, recipe(bound.arguments))
+        for attribute, op in ops.items():
+            setattr(self, attribute, op)
+
+    namespace: dict[str, Any] = {
+        "__init__": __init__,
+        "__module__": __name__,
+        "__doc__": f"Apex's ``{name}``: :class:`ampkit.ops.optimizers.{name}` with Apex's attributes"
+        + (", counting steps per param group as Apex did." if name in _GROUP_STEP_NAMES else "."),
+    }
+    if name in _GROUP_STEP_NAMES:
+        namespace["_steps_per_group"] = True
+    if name == "FusedAdam":
+        namespace["param_groups_master"] = property(_param_groups_master)
+    return type(name, (base,), namespace)
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}; Apex optimizer names are {__all__}")
-    value = getattr(importlib.import_module(_TARGET_MODULE), name)
-    if name in _GROUP_STEP_NAMES:
-        doc = (
-            f"Apex's ``{name}``: :class:`ampkit.ops.optimizers.{name}` counting steps per param group, as Apex "
-            "did (a parameter that had no gradient for some steps takes its group's bias correction)."
-        )
-        value = type(name, (value,), {"_steps_per_group": True, "__module__": __name__, "__doc__": doc})
+    value = _apex_class(name, getattr(importlib.import_module(_TARGET_MODULE), name))
     globals()[name] = value
     return value
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig
 from torch import nn
 
-from ampkit.amp.fp8 import convert_to_float8, fp8_gemm_capable
+from ampkit.amp.fp8 import Float8Conversion, convert_to_float8, fp8_gemm_capable
 from ampkit.config import ConfigError
 
 
@@ -21,15 +21,17 @@ def fsdp_float8_all_gather(fp8: DictConfig, sharded: bool) -> bool:
     return fp8.backend == "torchao" and fp8.recipe == "tensorwise"
 
 
-def convert_model_to_float8(module: nn.Module, cfg: DictConfig, device: torch.device) -> nn.Module:
-    """``module`` with its eligible Linears in float8 as ``precision.fp8`` says (unchanged when it is off).
+def convert_model_to_float8(module: nn.Module, cfg: DictConfig, device: torch.device) -> Float8Conversion | None:
+    """Convert ``module``'s eligible Linears in place as ``precision.fp8`` says; what was converted and what was
+    kept (None when fp8 is off).
 
-    Runs after ``configure_model`` and the rank-0 broadcast, before activation checkpointing, FSDP, compile and
-    ``configure_optimizers`` (the optimizers then hold the very parameters the float8 layers use).
+    The ``fp8`` step of :data:`~ampkit.trainer.model_setup.MODEL_STEPS`: after ``configure_model`` and the rank-0
+    broadcast, before activation checkpointing, compile, FSDP and ``configure_optimizers`` (the optimizers then
+    hold the very parameters the float8 layers use).
     """
     f = cfg.precision.fp8
     if not f.enabled:
-        return module
+        return None
     emulate = not fp8_gemm_capable(device) if f.emulate == "auto" else bool(f.emulate)
     try:
         report = convert_to_float8(
@@ -43,8 +45,6 @@ def convert_model_to_float8(module: nn.Module, cfg: DictConfig, device: torch.de
         )
     except ValueError as exc:
         raise ConfigError(f"config section 'precision.fp8': {exc}") from None
-    if report.converted:
-        rank_zero_info(report.summary())
-    else:
+    if not report.converted:
         rank_zero_warn(f"precision.fp8 is enabled but no Linear layer was converted ({report.summary()})")
-    return module
+    return report

@@ -50,7 +50,11 @@ def validate_strategy(cfg: DictConfig) -> None:
         return
     p = cfg.precision
     conflicts = {
-        "trainer.compile": (cfg.trainer.compile, "ampkit does not compile a sharded model; set it to false"),
+        "trainer.compile": (
+            cfg.trainer.compile is True,
+            "the whole model would be compiled around FSDP's hooks; name the blocks to compile instead "
+            "(trainer.compile=[Block]: each compiled in place, then sharded)",
+        ),
         "precision.combine_grad": (
             p.combine_grad,
             "FSDP already keeps each rank's gradient shard in one flat buffer; set it to false",

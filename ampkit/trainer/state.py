@@ -27,6 +27,8 @@ class LoopState:
     # parallelism must average them at every backward, not only at an iteration's last (where DDP would average
     # just that micro-batch's share).
     grads_leave_params: bool = False
+    # The latest throughput figures (samples_per_sec, tokens_per_sec, tflops, mfu) of a throughput callback.
+    throughput: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -61,7 +61,6 @@ from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointE
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
-    broadcast_module_,
     broadcast_object,
     check_same_config,
     distributed_loader,
@@ -69,9 +68,9 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
 )
 from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
-from ampkit.trainer.fp8 import convert_model_to_float8
-from ampkit.trainer.fsdp import backward_to, full_norm, shard_model, uses_fsdp, validate_strategy
+from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
+from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
@@ -144,6 +143,10 @@ class Trainer:
 
     config_class: ClassVar[type] = Config
     automatic_optimization: ClassVar[bool] = True
+    # What a sample is worth, for the throughput figures: tokens (a sequence's length) and training FLOPs
+    # (forward + backward; ampkit.callbacks.throughput.count_training_flops). Set them in configure_model.
+    tokens_per_sample: int | None = None
+    flops_per_sample: float | None = None
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
@@ -165,6 +168,7 @@ class Trainer:
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
+        self.model_setup: ModelSetup | None = None  # what was applied to the model (compile, checkpointing...)
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
         self.loss_state: dict[Any, LossState] = {}
@@ -621,16 +625,12 @@ class Trainer:
     def _setup_model(self) -> None:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
+        self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
         module = self.configure_model()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
-        self.module = module.to(self.device)
-        if not self.sharded:  # every rank from rank 0's weights, before casts, master copies and optimizers
-            broadcast_module_(self.module, self.dist)
-        self.module = convert_model_to_float8(self.module, self.cfg, self.device)
-        if self.sharded:  # before the optimizers: they must hold the sharded parameters
-            self.module = shard_model(self.module, self.cfg, self.device)
-        self.model = torch.compile(self.module) if self.settings.compile else self.module
+        # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
+        self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 
     def _setup(self, checkpoint: dict[str, Any] | None, checkpoint_path: Path | None) -> None:
         self._setup_model()
@@ -826,6 +826,7 @@ class Trainer:
                 raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
         t = self.cfg.trainer
         validate_strategy(self.cfg)
+        validate_model_setup(self.cfg)
         clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
         if clip is not None and precision_clip is not None and clip != precision_clip:
             raise ConfigError(

@@ -56,7 +56,7 @@ def test_amp_c_and_the_applier_import_through_the_shim_only():
     assert "amp_C" not in sys.modules and "apex_C" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("amp_C")
-    with pytest.raises(AttributeError, match="it provides multi_tensor_adam"):
+    with pytest.raises(AttributeError, match="it provides .*multi_tensor_adam"):
         _ = amp_C.multi_tensor_lamb_mp  # Apex's capturable mixed-precision LAMB: not provided
 
 

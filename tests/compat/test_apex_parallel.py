@@ -1,6 +1,8 @@
 """apex.parallel on torch.distributed: LARC maths, convert_syncbn_model, and 2-process gloo runs of
 DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer and the CPU SyncBatchNorm."""
 
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -115,6 +117,8 @@ def _check_ddp_reduction_options(rank, world_size):
         (dict(gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
         (dict(gradient_average=False), total),
         (dict(delay_allreduce=True, message_size=1), mean),
+        (dict(delay_allreduce=True, gradient_predivide_factor=2.0, allreduce_always_fp32=True), mean),
+        (dict(delay_allreduce=True, gradient_average=False), total),
     ]
     for kwargs, want in cases:
         _assert_ddp_grads(rank, base, kwargs, want)
@@ -211,16 +215,17 @@ def _check_sync_batchnorm_eval_without_running_stats_syncs(rank, world_size):
 def _check_ddp_disable_and_enable_allreduce(rank, world_size):
     # Apex's gradient accumulation switch: local grads while disabled, the mean of the summed grads once enabled.
     base, mean, _ = _linear_grads(world_size)
-    model = torch.nn.Linear(4, 2)
-    model.load_state_dict(base.state_dict())
-    ddp = DistributedDataParallel(model)
-    ddp.disable_allreduce()
-    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-    assert not torch.allclose(model.weight.grad, mean[0])  # this rank's own gradient: nothing was reduced
-    ddp.enable_allreduce()
-    ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-    for p, m in zip(model.parameters(), mean, strict=True):  # the accumulated gradients, averaged over ranks
-        torch.testing.assert_close(p.grad, 2 * m)
+    for delay_allreduce in (False, True):
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(base.state_dict())
+        ddp = DistributedDataParallel(model, delay_allreduce=delay_allreduce)
+        ddp.disable_allreduce()
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+        assert not torch.allclose(model.weight.grad, mean[0])  # this rank's own gradient: nothing was reduced
+        ddp.enable_allreduce()
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+        for p, m in zip(model.parameters(), mean, strict=True):  # the accumulated gradients, averaged over ranks
+            torch.testing.assert_close(p.grad, 2 * m)
 
 
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
@@ -237,13 +242,44 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
         def forward(self, x):
             return self.inner["used"](x)
 
-    ddp = DistributedDataParallel(Forward(), delay_allreduce=True)
-    for _ in range(2):
-        model.zero_grad()
-        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(Forward(), delay_allreduce=True)
+        for _ in range(2):
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
     for p, m in zip(model["used"].parameters(), mean, strict=True):
         torch.testing.assert_close(p.grad, m)
     assert all(p.grad is None for p in model["unused"].parameters())
+    # One allreduce at the end of backward, as Apex: torch's graph walk (and its warning) stays off.
+    assert not ddp.find_unused_parameters and not caught, [str(w.message) for w in caught]
+
+
+def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
+    # O2 keeps batch norm in fp32 beside fp16 layers: each dtype is reduced in its own flat tensor, to the mean.
+    class HalfThenFloat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low, self.high = torch.nn.Linear(4, 3).half(), torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.high(self.low(x).float())
+
+    torch.manual_seed(0)
+    model = HalfThenFloat()
+    x = _rank_data(rank)[0]
+    model(x.half()).float().pow(2).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    model.zero_grad()
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    out = ddp(x.half())
+    out.float().pow(2).sum().backward()
+    for p, want in zip(model.parameters(), expected, strict=True):
+        assert p.grad.dtype == p.dtype
+        torch.testing.assert_close(p.grad, want)
 
 
 def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
@@ -269,6 +305,81 @@ def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
     assert drift.item() == 0, f"replicas differ from rank 0 by {drift.item():.3g}"
 
 
+def _integer_batches(world_size):
+    """Micro-batches of small integers for a Linear with eighths for weights: every product and sum is exact in
+    fp16, so two ranks on half batches must match one process on the whole batch bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(-1, 2, (4 * world_size, 4), generator=g).float() for _ in range(4)]
+
+
+def _eighths_linear():
+    layer = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(torch.arange(p.numel()).reshape(p.shape).remainder(7).sub(3 - i).div(8))
+    return layer
+
+
+def _train_accumulating(opt_level, batches, wrap=None, sync="every"):
+    """timm's accumulation loop on the Apex API: 2 micro-batches per step, ``model.no_sync()`` around the first
+    when the model has it (``sync="no_sync"``), or Apex's ``disable_allreduce`` (``sync="disable"``)."""
+    from ampkit.compat import amp
+
+    model = _eighths_linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=64.0, verbosity=0)
+    net = wrap(model) if wrap is not None else model
+    for step in range(2):
+        for micro in range(2):
+            last = micro == 1
+            x = batches[2 * step + micro]
+            if sync == "disable":
+                net.enable_allreduce() if last else net.disable_allreduce()
+            use_no_sync = sync == "no_sync" and hasattr(net, "no_sync") and not last
+            with net.no_sync() if use_no_sync else contextlib.nullcontext():
+                loss = net(x.to(next(model.parameters()).dtype)).float().pow(2).mean() / 2
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in [*amp.master_params(optimizer), *model.parameters()]]
+
+
+def _check_accumulation_matches_one_process_on_the_doubled_batch(rank, world_size):
+    # Apex's DDP had no no_sync: timm (no_sync when present) and plain loops all-reduced every micro-batch, and
+    # amp's stash then adds averaged gradients. Equal to one process on the whole batch, bit for bit.
+    whole = _integer_batches(world_size)
+    mine = [b[rank * 4 : (rank + 1) * 4] for b in whole]
+    failures = []
+    for opt_level in ("O1", "O2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # disable_allreduce under amp warns that it reduces anyway
+            runs = {f"{sync}{' delayed' if delay else ''}": _train_accumulating(opt_level, mine, functools.partial(
+                        DistributedDataParallel, delay_allreduce=delay), sync)
+                    for sync in ("every", "no_sync", "disable") for delay in (False, True)}  # fmt: skip
+        expected = _train_accumulating(opt_level, whole)
+        for sync, got in runs.items():
+            if not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
+                failures.append(f"{opt_level} {sync}")
+    assert not failures, f"differ from one process on the doubled batch: {failures}"
+
+
+def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
+    from ampkit.compat import amp
+
+    model, optimizer = amp.initialize(_eighths_linear(), torch.optim.SGD([torch.zeros(1)], lr=0.1), verbosity=0,
+                                      opt_level="O1", loss_scale=64.0)  # fmt: skip
+    ddp = DistributedDataParallel(model)
+    ddp.disable_allreduce()
+    with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
+        ddp(torch.ones(2, 4))
+    assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
+    # Apex's reducer attributes, which scripts read (world_size as a float, the accumulation switch, ...)
+    assert (ddp.world_size, ddp._disable_allreduce, ddp.delay_allreduce) == (float(world_size), True, False)
+    assert (ddp.gradient_average, ddp.gradient_predivide_factor, ddp.allreduce_always_fp32) == (True, 1.0, False)
+    assert (ddp.message_size, ddp.retain_allreduce_buffers, ddp.num_allreduce_streams) == (10_000_000, False, 1)
+
+
 _TWO_RANK_CHECKS = {
     check.__name__.removeprefix("_check_"): check
     for check in (
@@ -282,8 +393,19 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_delay_allreduce_flattens_each_dtype,
+        _check_accumulation_matches_one_process_on_the_doubled_batch,
+        _check_disable_allreduce_under_amp_warns_and_reduces,
     )
 }
+
+
+def _reset_amp():
+    """Leave amp uninitialized for the next check, as a fresh process would be (undoing O1's patches)."""
+    from ampkit.compat import amp
+
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    amp._amp_state.reset()
 
 
 def _worker(rank, world_size, init_file, report_dir):
@@ -298,6 +420,7 @@ def _worker(rank, world_size, init_file, report_dir):
                 check(rank, world_size)  # asserts only after its collectives, so a failure leaves ranks in step
             except Exception:
                 failures[name] = traceback.format_exc(limit=-3)
+            _reset_amp()
             # DDP's reducer holds the process group (its comm hook makes a reference cycle): free it now, with the
             # interpreter alive, not in finalization, where gloo's teardown can abort the process (SIGABRT).
             gc.collect()

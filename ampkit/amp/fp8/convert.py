@@ -42,7 +42,7 @@ class Float8Conversion:
 
     def summary(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in self.skipped.items())
-        head = f"fp8: {len(self.converted)} Linear layers converted"
+        head = f"{len(self.converted)} Linear layers in float8"
         return f"{head}; kept in high precision: {kept}" if kept else head
 
 

@@ -32,11 +32,23 @@ class AmpState:
         self.opt_properties: OptLevelProperties | None = None
         self.loss_scalers: list[ApexLossScaler] = []
         self.verbosity: int = 1
+        self.combine_grad: bool = False
         self.allow_incoming_model_not_fp32: bool = getattr(self, "allow_incoming_model_not_fp32", False)
 
     @property
     def initialized(self) -> bool:
         return self.opt_properties is not None
+
+    @property
+    def gradients_leave_params(self) -> bool:
+        """True when ``scale_loss`` takes each backward's gradients out of ``.grad`` (loss scaling, O2 masters,
+        flat buffers) and adds them back after it: a backward then only ever sees its own new gradients."""
+        if self.opt_properties is None:  # amp.init's handle API stashes around every scaled backward
+            return self.handle is not None and self.handle.is_active()
+        if not self.opt_properties.enabled:
+            return False
+        unit_static = all(not s.dynamic and s.loss_scale() == 1.0 for s in self.loss_scalers)
+        return bool(self.opt_properties.master_weights) or self.combine_grad or not unit_static
 
 
 _amp_state = AmpState()

@@ -212,6 +212,7 @@ def initialize(
         optimizer._amp_stash = AmpOptimizerStash(optimizer, properties, bool(combine_grad), fp32_values)
         state_dict_hook.master_sources.append(optimizer._amp_stash.masters_by_param)
     _amp_state.loss_scalers = scalers
+    _amp_state.combine_grad = bool(combine_grad)
     if properties.patch_torch_functions:
         init(loss_scale=properties.loss_scale, verbose=verbosity == 2, patch_type=properties.dtype)
     return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)

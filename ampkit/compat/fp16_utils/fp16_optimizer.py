@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import GradientCombiner, MasterWeights
+from ampkit.compat import amp_c
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
@@ -115,6 +116,10 @@ class FP16_Optimizer:
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+        # Apex's handles for copying master weights to the model in one call, which subclasses reuse.
+        self.multi_tensor_scale = amp_c.multi_tensor_scale
+        device = self.all_fp16_params[0].device if self.all_fp16_params else torch.device("cpu")
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
         self._combiner = GradientCombiner(
             self.all_fp16_params + self.all_fp32_from_fp32_params,
             self.all_fp32_from_fp16_params + self.all_fp32_from_fp32_params,

@@ -1,14 +1,15 @@
-"""``apex.parallel.DistributedDataParallel`` mapped onto ``torch.nn.parallel.DistributedDataParallel``.
+"""``apex.parallel.DistributedDataParallel`` on ``torch.nn.parallel.DistributedDataParallel``.
 
 Apex argument → effect here:
 
 - ``message_size`` (elements) → ``bucket_cap_mb = message_size * 4 bytes`` (Apex sized buckets in fp32 elements).
-- ``delay_allreduce=True`` → one bucket holding every gradient, so the allreduce starts once backward has
-  produced all of them (Apex's "allreduce at the end of backward").
-- ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → a DDP communication hook
-  that divides by the predivide factor before the allreduce and, when averaging, multiplies by
-  ``predivide / world_size`` after it; with ``gradient_average=False`` the result stays ``sum / predivide``, as
-  in Apex. It reduces in fp32 when asked. Without these options, torch's default hook runs.
+- ``delay_allreduce=True`` → Apex's "allreduce at the end of backward": torch's reducer stays idle and, once
+  backward has finished, the gradients that exist are all-reduced in one flat tensor per dtype. No graph walk
+  (torch's ``find_unused_parameters``) is needed, and a parameter the forward did not use is no error.
+- ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → divide by the predivide
+  factor before the allreduce and, when averaging, multiply by ``predivide / world_size`` after it; with
+  ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
+  Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -16,16 +17,26 @@ Apex argument → effect here:
 - ``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
   ``allreduce_communicators``, ``prof`` → no effect (torch's reducer schedules buckets and streams itself);
   a non-default value warns once.
+
+Gradient accumulation: Apex's class had no ``no_sync`` (only ``disable_allreduce``), so clients that use
+``no_sync`` when a model has it (timm) all-reduced every micro-batch under Apex; here ``no_sync`` is hidden
+and they do the same. ``disable_allreduce`` keeps gradients local, except while ``amp.scale_loss`` takes each
+backward's gradients out of ``.grad``: the final synced backward would then average only its own micro-batch
+and each rank would add its own earlier ones back (ranks drift apart, as they did under Apex), so every
+micro-batch is all-reduced instead, with a warning.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ampkit.compat.amp._amp_state import _amp_state
 
 _FP32_BYTES = 4
 _NO_EFFECT_DEFAULTS = {
@@ -46,13 +57,17 @@ class _ApexReduceOptions:
     predivide_factor: float
     always_fp32: bool
 
+    @property
+    def is_torch_default(self) -> bool:
+        """True when the reduction is torch's plain average (no comm hook needed)."""
+        return self.average and self.predivide_factor == 1.0 and not self.always_fp32
 
-def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
-    """Allreduce one ``dist.GradBucket`` the way Apex did: optional fp32 reduction, predivide, then average
-    (or leave ``sum / predivide`` without averaging); returns a future of the reduced bucket."""
+
+def _apex_allreduce(options: _ApexReduceOptions, buffer: torch.Tensor) -> torch.futures.Future:
+    """Start Apex's reduction of one flat gradient tensor (optional fp32 reduction, predivide, then average or
+    leave ``sum / predivide``); the future yields the reduced tensor in ``buffer``'s dtype."""
     group = options.process_group if options.process_group is not None else dist.group.WORLD
     world_size = dist.get_world_size(group)
-    buffer = bucket.buffer()
     reduced = buffer.float() if options.always_fp32 and buffer.dtype != torch.float32 else buffer
     if options.predivide_factor != 1.0:
         reduced.div_(options.predivide_factor)
@@ -65,6 +80,32 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
         return result.to(buffer.dtype)
 
     return future.then(finish)
+
+
+def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
+    """torch DDP comm hook: :func:`_apex_allreduce` of one ``dist.GradBucket``."""
+    return _apex_allreduce(options, bucket.buffer())
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
+def _warn_ignored_arguments(given: dict[str, Any]) -> None:
+    ignored = sorted(name for name, value in given.items() if value != _NO_EFFECT_DEFAULTS[name])
+    if ignored:
+        warnings.warn(
+            f"apex.parallel.DistributedDataParallel arguments {ignored} have no effect on torch's "
+            "DistributedDataParallel, which schedules buckets and streams itself.",
+            stacklevel=3,
+        )
 
 
 class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -96,20 +137,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 "shared_param is no longer supported as an option (as in Apex); it was misleadingly named. "
                 "Use delay_allreduce=True to overlap nothing, or the default to overlap allreduce with backward."
             )
-        given = {
-            "allreduce_trigger_params": allreduce_trigger_params,
-            "retain_allreduce_buffers": retain_allreduce_buffers,
-            "num_allreduce_streams": num_allreduce_streams,
-            "allreduce_communicators": allreduce_communicators,
-            "prof": prof,
-        }
-        ignored = sorted(name for name, value in given.items() if value != _NO_EFFECT_DEFAULTS[name])
-        if ignored:
-            warnings.warn(
-                f"apex.parallel.DistributedDataParallel arguments {ignored} have no effect on torch's "
-                "DistributedDataParallel, which schedules buckets and streams itself.",
-                stacklevel=2,
-            )
+        _warn_ignored_arguments(
+            {
+                "allreduce_trigger_params": allreduce_trigger_params,
+                "retain_allreduce_buffers": retain_allreduce_buffers,
+                "num_allreduce_streams": num_allreduce_streams,
+                "allreduce_communicators": allreduce_communicators,
+                "prof": prof,
+            }
+        )
         if gradient_average_split_factor is not None:
             warnings.warn(
                 "gradient_average_split_factor has been renamed to gradient_predivide_factor; "
@@ -121,15 +157,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             raise ValueError(f"message_size must be a positive number of elements, got {message_size}")
         if gradient_predivide_factor <= 0:
             raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
-        if delay_allreduce:
-            total = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-            bucket_cap_mb = max(total, 1) / 2**20 + 1.0
-            # Apex reduced whichever gradients existed at the end of backward: a parameter the forward did not
-            # use is no error there.
-            torch_ddp_kwargs.setdefault("find_unused_parameters", True)
-        else:
-            bucket_cap_mb = message_size * _FP32_BYTES / 2**20
-        torch_ddp_kwargs.setdefault("bucket_cap_mb", bucket_cap_mb)
+        torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
         if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
             super().__init__(module, **torch_ddp_kwargs)
         else:
@@ -139,28 +167,100 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
                 super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+        # Apex's attributes, which scripts and subclasses read.
         self.delay_allreduce = delay_allreduce
         self.message_size = message_size
         self.gradient_average = gradient_average
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.allreduce_always_fp32 = allreduce_always_fp32
-        if allreduce_always_fp32 or not gradient_average or gradient_predivide_factor != 1.0:
-            options = _ApexReduceOptions(
-                process_group=torch_ddp_kwargs.get("process_group"),
-                average=gradient_average,
-                predivide_factor=float(gradient_predivide_factor),
-                always_fp32=allreduce_always_fp32,
-            )
-            self.register_comm_hook(options, _apex_allreduce_hook)
+        self.retain_allreduce_buffers = retain_allreduce_buffers
+        self.num_allreduce_streams = num_allreduce_streams
+        self.allreduce_different_streams = num_allreduce_streams > 1
+        self.allreduce_communicators = allreduce_communicators
+        self.custom_allreduce_triggers = allreduce_trigger_params is not None
+        self.prof = prof
+        self.world_size = float(dist.get_world_size(self.process_group))
+        self._disable_allreduce = False
+        self._reduce_options = _ApexReduceOptions(
+            process_group=torch_ddp_kwargs.get("process_group"),
+            average=gradient_average,
+            predivide_factor=float(gradient_predivide_factor),
+            always_fp32=allreduce_always_fp32,
+        )
+        self._allreduce_queued = False
+        self._warned_disable_under_amp = False
+        if not delay_allreduce and not self._reduce_options.is_torch_default:
+            self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
+
+    @property
+    def no_sync(self) -> Any:
+        """Apex's DDP had no ``no_sync``; hiding torch's makes ``hasattr(model, "no_sync")`` False, so clients
+        that use it when present (timm) all-reduce every micro-batch, as they did under Apex."""
+        raise AttributeError(
+            "apex.parallel.DistributedDataParallel has no no_sync(); use disable_allreduce()/enable_allreduce()"
+        )
 
     def disable_allreduce(self) -> None:
         """Apex's switch for gradient accumulation: the following backward passes keep their gradients local
-        (torch's ``no_sync``, read at each forward) until :meth:`enable_allreduce`."""
-        self.require_backward_grad_sync = False
+        until :meth:`enable_allreduce` (read at each forward)."""
+        self._disable_allreduce = True
 
     def enable_allreduce(self) -> None:
-        """Allreduce gradients again from the next forward on (see :meth:`disable_allreduce`)."""
-        self.require_backward_grad_sync = True
+        """All-reduce gradients again from the next forward on (see :meth:`disable_allreduce`)."""
+        self._disable_allreduce = False
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
+        reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
+        # Under delay_allreduce torch's reducer stays idle: the end-of-backward callback reduces instead.
+        self.require_backward_grad_sync = reduce and not self.delay_allreduce
+        output = super().forward(*inputs, **kwargs)
+        if reduce and self.delay_allreduce and torch.is_grad_enabled():
+            self._reduce_at_end_of_backward(output)
+        return output
+
+    def _stash_needs_every_backward_reduced(self) -> bool:
+        if not _amp_state.gradients_leave_params:
+            return False
+        if not self._warned_disable_under_amp:
+            self._warned_disable_under_amp = True
+            warnings.warn(
+                "disable_allreduce() under amp: amp.scale_loss takes each backward's gradients out of .grad, so "
+                "the synced backward would average only its own micro-batch and the ranks would drift apart; "
+                "every micro-batch is all-reduced instead.",
+                stacklevel=3,
+            )
+        return True
+
+    def _reduce_at_end_of_backward(self, output: Any) -> None:
+        """Queue :meth:`_allreduce_grads` to run once the backward that reaches ``output`` has finished."""
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if not tensors:
+            return
+
+        def queue(_: Any) -> None:
+            if not self._allreduce_queued:
+                self._allreduce_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, queue, mode="any")
+
+    @torch.no_grad()
+    def _allreduce_grads(self) -> None:
+        """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype)."""
+        self._allreduce_queued = False
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for param in self.module.parameters():
+            if param.grad is not None:
+                buckets[(param.grad.device, param.grad.dtype)].append(param.grad)
+        futures = []
+        for grads in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            futures.append((grads, _apex_allreduce(self._reduce_options, flat)))
+        for grads, future in futures:
+            reduced = future.wait()
+            for grad, synced in zip(grads, reduced.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(synced.view_as(grad))
 
 
 class Reducer:

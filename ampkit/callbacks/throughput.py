@@ -1,0 +1,147 @@
+"""Training throughput: samples/s, tokens/s, achieved TFLOP/s and model FLOPs utilisation (MFU).
+
+A Trainer tells it what one sample is worth by setting ``tokens_per_sample`` (a language model's sequence length)
+and ``flops_per_sample`` (the training FLOPs of one sample, forward and backward: :func:`count_training_flops`
+measures them once on a meta-device copy of the model, or use ``6 * N + 12 * layers * width * seq_len`` per
+token, the matmul parameters ``N`` plus attention's two products, as torchtitan and nanoGPT do). Samples per batch
+are the leading size of the batch's first tensor, counted on the host: no device sync is added. Recomputation
+under activation checkpointing is not counted (that would be hardware FLOPs, not model FLOPs).
+
+MFU is achieved FLOP/s over the device's peak for the compute dtype: a table of dense (no sparsity) peaks for
+current NVIDIA parts, or ``logging.peak_tflops``. On a CPU, or a GPU the table does not know, there is no MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.evaluation import batch_size
+
+# Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
+# Keys are matched against torch.cuda.get_device_name() lower-cased; longer keys first (h100 nvl before h100).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "h200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "h100 nvl": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.8, "fp32": 60.0},
+    "h100 pcie": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "h100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "l40s": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.2, "fp32": 91.6},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "a10g": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "a10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+}
+
+
+def peak_tflops(device: torch.device, dtype: str) -> float | None:
+    """The table's dense peak TFLOP/s of ``device`` for ``dtype`` (bf16, fp16, tf32, fp32); None on a CPU or
+    an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for part in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if part in name:
+            return PEAK_TFLOPS[part].get(dtype)
+    return None
+
+
+def matmul_dtype(compute_dtype: torch.dtype | None) -> str:
+    """The table column of a run: its autocast/cast dtype, or float32 (tf32 when torch allows it for matmuls)."""
+    if compute_dtype == torch.bfloat16:
+        return "bf16"
+    if compute_dtype == torch.float16:
+        return "fp16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def count_training_flops(forward_loss: Callable[[], torch.Tensor]) -> int:
+    """FLOPs of one forward and backward: ``forward_loss()`` (returning a scalar loss) and its backward, run under
+    ``torch.utils.flop_counter.FlopCounterMode``. Run it on a model built under ``torch.device("meta")``:
+    nothing is computed or allocated, and the real model's RNG and gradients are untouched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        forward_loss().backward()
+    return counter.get_total_flops()
+
+
+class Throughput(Callback):
+    """Samples/s, tokens/s, TFLOP/s and MFU over each window of ``every_n_steps`` iterations (all ranks together).
+
+    Figures go to ``trainer.state.throughput`` (the console shows them) and to ``trainer.log`` as
+    ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` (TensorBoard). The first
+    iteration (compilation, warm-up) and validation runs are left out of the windows. ``clock``: for tests.
+    """
+
+    phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
+
+    def __init__(
+        self,
+        every_n_steps: int = 10,
+        compute_dtype: torch.dtype | None = None,
+        peak_tflops: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"Throughput(every_n_steps={every_n_steps!r}): expected an integer >= 1")
+        if peak_tflops is not None and not peak_tflops > 0:
+            raise ValueError(f"Throughput(peak_tflops={peak_tflops!r}): expected a number > 0 or None")
+        self.every_n_steps = every_n_steps
+        self.compute_dtype = compute_dtype
+        self.peak = peak_tflops
+        self.clock = clock
+        self._tokens_per_sample: int | None = None
+        self._flops_per_sample: float | None = None
+        self._world = 1
+        self._start: float | None = None  # the window's start; None until the first iteration has ended
+        self._samples = 0  # this rank's samples in the window
+        self._paused_at = 0.0
+
+    def on_train_start(self, trainer) -> None:
+        self._tokens_per_sample = trainer.tokens_per_sample
+        self._flops_per_sample = trainer.flops_per_sample
+        self._world = trainer.world_size
+        if self.peak is None:
+            self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))
+        self._start, self._samples = None, 0
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        s = trainer.state
+        if self._start is None:  # the first iteration pays for compilation and warm-up: the clock starts after it
+            if s.is_iteration_end:
+                self._start = self.clock()
+            return
+        self._samples += batch_size(batch)
+        if not (s.is_iteration_end and s.iteration % self.every_n_steps == 0):
+            return
+        now = self.clock()
+        if now <= self._start:
+            return
+        figures = self.figures(self._samples * self._world, now - self._start)
+        trainer.state.throughput = figures
+        for key, value in figures.items():
+            trainer.log(f"perf/{key}", value)
+        self._start, self._samples = now, 0
+
+    def figures(self, samples: int, seconds: float) -> dict[str, float]:
+        """The rates of ``samples`` (all ranks) trained in ``seconds``."""
+        figures = {"samples_per_sec": samples / seconds}
+        if self._tokens_per_sample:
+            figures["tokens_per_sec"] = samples * self._tokens_per_sample / seconds
+        if self._flops_per_sample:
+            tflops = samples * self._flops_per_sample / seconds / 1e12
+            figures["tflops"] = tflops
+            if self.peak:
+                figures["mfu"] = tflops / (self.peak * self._world)
+        return figures
+
+    def on_validation_start(self, trainer) -> None:
+        self._paused_at = self.clock()
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        if self._start is not None and trainer.state.stage == "fit":  # validation time is not training time
+            self._start += self.clock() - self._paused_at

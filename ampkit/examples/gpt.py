@@ -1,0 +1,380 @@
+"""A decoder-only transformer (GPT) trained byte by byte on English text that ships with Python.
+
+Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); then
+``ampkit predict --config gpt --ckpt best --output samples.pt`` prints text generated from ``generate.prompt``.
+
+- Corpus: the standard library's ``pydoc_data.topics`` (~465 kB of Python's documentation, English), as UTF-8
+  bytes (vocabulary 256); the last ``data.val_fraction`` is the validation set. The console prints the unigram
+  entropy of the bytes: a model that learnt nothing of context cannot beat it.
+- Model: pre-norm blocks (``model.norm``: layernorm | rmsnorm; ``model.fused_norm``: ampkit's fused kernels),
+  causal ``F.scaled_dot_product_attention``, tied embeddings. ``optim.fused``: ampkit's ``FusedAdam``.
+- Precision: ``precision.opt_level: auto`` picks bf16 O1 on a GPU; on a CPU it times a bf16 and a float32 matmul
+  once and takes the faster (without AMX bf16 runs slower than float32). Any opt level can be set instead.
+- ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
+  recomputes their activations, ``distributed.strategy=fsdp`` shards each block (``distributed.fsdp.
+  shard_modules: [Block]``); tokens/s, TFLOP/s and MFU come from the FLOPs counted once on a meta-device copy.
+- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+import ampkit
+from ampkit.callbacks.throughput import count_training_flops
+from ampkit.config import build_config
+
+VOCAB = 256  # bytes
+
+
+@dataclass
+class GPTModelConfig:
+    seq_len: int = 64
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+    dropout: float = 0.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    fused_norm: bool = False  # ampkit.ops.FusedLayerNorm / FusedRMSNorm instead of torch's
+
+
+@dataclass
+class GPTDataConfig:
+    batch_size: int = 32
+    val_fraction: float = 0.1
+    val_batches: int = 10  # validation windows: val_batches * batch_size, evenly spread over the held-out text
+
+
+@dataclass
+class GPTOptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4  # cosine decay to this over trainer.max_steps
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    fused: bool = False  # ampkit.ops.FusedAdam (AdamW maths) instead of torch.optim.AdamW
+
+
+@dataclass
+class GPTGenerateConfig:
+    prompt: str = "The "
+    tokens: int = 200  # bytes generated per sample
+    top_k: int = 0  # 0: greedy; else sample among the k most likely bytes
+    temperature: float = 1.0
+    every_n_steps: int = 100  # a sample to TensorBoard's Text tab every N iterations (0: never)
+
+
+@dataclass
+class GPTConfig(ampkit.Config):
+    model: GPTModelConfig = field(default_factory=GPTModelConfig)
+    data: GPTDataConfig = field(default_factory=GPTDataConfig)
+    optim: GPTOptimConfig = field(default_factory=GPTOptimConfig)
+    generate: GPTGenerateConfig = field(default_factory=GPTGenerateConfig)
+
+
+# ---------------------------------------------------------------------------------------------- data
+def corpus_bytes() -> torch.Tensor:
+    """``pydoc_data.topics`` as one tensor of UTF-8 bytes (topics in sorted order: the same on every machine)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key].strip() for key in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def split(data: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``1 - val_fraction`` of the bytes for training, the rest for validation."""
+    n_val = int(len(data) * val_fraction)
+    return data[: len(data) - n_val], data[len(data) - n_val :]
+
+
+def unigram_entropy(data: torch.Tensor) -> float:
+    """Entropy (nats/byte) of the byte frequencies of ``data``: the loss of the best context-free model."""
+    p = torch.bincount(data, minlength=VOCAB).double() / len(data)
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+class Windows(Dataset):
+    """``count`` windows of ``seq_len + 1`` bytes starting every ``stride`` bytes: (input, next-byte target)."""
+
+    def __init__(self, data: torch.Tensor, seq_len: int, stride: int | None = None, count: int | None = None) -> None:
+        self.data, self.seq_len = data, seq_len
+        room = len(data) - seq_len - 1
+        if room < 0:
+            raise ValueError(f"model.seq_len={seq_len} is longer than the text ({len(data)} bytes)")
+        self.stride = stride or seq_len
+        self.count = room // self.stride + 1 if count is None else count
+        if count is not None:  # evenly spread
+            self.stride = max(room // max(count - 1, 1), 1)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.stride : i * self.stride + self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+# ---------------------------------------------------------------------------------------------- model
+def make_norm(kind: str, width: int, fused: bool) -> nn.Module:
+    if kind == "layernorm":
+        return ampkit.ops.FusedLayerNorm(width) if fused else nn.LayerNorm(width)
+    return ampkit.ops.FusedRMSNorm(width) if fused else nn.RMSNorm(width)
+
+
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: GPTModelConfig) -> None:
+        super().__init__()
+        w = cfg.width
+        self.norm1 = make_norm(cfg.norm, w, cfg.fused_norm)
+        self.attn = Attention(w, cfg.heads, cfg.dropout)
+        self.norm2 = make_norm(cfg.norm, w, cfg.fused_norm)
+        self.mlp = nn.Sequential(nn.Linear(w, 4 * w, bias=False), nn.GELU(), nn.Linear(4 * w, w, bias=False))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    """Byte embeddings + learnt positions → blocks → final norm → logits (the output layer shares the embedding)."""
+
+    def __init__(self, cfg: GPTModelConfig) -> None:
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.embed = nn.Embedding(VOCAB, cfg.width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = make_norm(cfg.norm, cfg.width, cfg.fused_norm)
+        self.head = nn.Linear(cfg.width, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # GPT-2's init; residual projections scaled down by depth
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.embed(idx) + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def matmul_params(cfg: GPTModelConfig) -> int:
+    """Parameters that multiply activations: the blocks' linears and the output layer (embeddings only index)."""
+    return cfg.layers * 12 * cfg.width**2 + VOCAB * cfg.width
+
+
+def flops_per_token_formula(cfg: GPTModelConfig) -> int:
+    """Training FLOPs per token by hand: 6 per matmul parameter, plus attention's QK^T and AV over the full
+    (unmasked, as SDPA's counter counts it) ``seq_len x seq_len`` square: 2 products x 2 x 3 (fwd + bwd)."""
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.width * cfg.seq_len
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0, temperature: float = 1.0,
+             generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """``prompt`` (1-D bytes) followed by ``tokens`` more: greedy (``top_k=0``) or sampled among the top k."""
+    idx = prompt[None]
+    seq_len = model.seq_len
+    for _ in range(tokens):
+        with torch.compiler.set_stance("force_eager"):  # a new length each time: compiling each would cost minutes
+            logits = model(idx[:, -seq_len:])[:, -1].float()
+        if top_k:
+            logits = logits / temperature
+            kth = logits.topk(min(top_k, VOCAB)).values[:, -1:]
+            probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx[0]
+
+
+def decode(data: torch.Tensor) -> str:
+    return bytes(data.tolist()).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def faster_cpu_precision(cfg: GPTModelConfig, batch_size: int, reps: int = 3) -> tuple[bool, str]:
+    """Whether bf16 autocast trains a block of this model clearly (10%) faster than float32 on this CPU, timed
+    once on one block's forward and backward at the training shape (interleaved, best of ``reps``), and why.
+    Without AMX bf16 runs slower than float32; with it, small matmuls may still not gain."""
+    block = Block(cfg)
+    x = torch.randn(batch_size, cfg.seq_len, cfg.width)
+
+    def step(bf16: bool) -> float:
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            block(x).float().sum().backward()
+        return time.perf_counter() - start
+
+    step(True), step(False)  # warm-up: oneDNN builds its kernels on first use
+    best = {True: math.inf, False: math.inf}
+    for _ in range(reps):
+        for bf16 in (True, False):
+            best[bf16] = min(best[bf16], step(bf16))
+    speedup = best[False] / best[True]
+    amx = "with" if torch.cpu._is_amx_tile_supported() else "without"
+    return speedup > 1.1, f"a block trained {speedup:.2f}x as fast in bf16 as in float32 on this CPU ({amx} AMX)"
+
+
+def choose_precision(cfg: DictConfig) -> str | None:
+    """Replace ``precision.opt_level: auto`` by a real level in place; returns why (None if it was not auto)."""
+    if cfg.precision.opt_level != "auto":
+        return None
+    device = cfg.trainer.device
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        bf16, why = True, "a GPU: bf16 autocast (O1), no loss scaler"
+    else:
+        bf16, why = faster_cpu_precision(cfg.model, cfg.data.batch_size)
+        why += ": " + ("bf16 autocast (O1)" if bf16 else "float32 (O0)")
+    cfg.precision.opt_level = "O1" if bf16 else "O0"
+    cfg.precision.dtype = "bfloat16" if bf16 else None
+    return why
+
+
+def check_model_config(m: DictConfig) -> None:
+    """The ``model`` section's checks the schema cannot express; a ConfigError naming the key."""
+    if m.width % m.heads:
+        raise ampkit.ConfigError(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
+    if m.norm not in ("layernorm", "rmsnorm"):
+        raise ampkit.ConfigError(f"config key 'model.norm': {m.norm!r} is invalid; expected layernorm or rmsnorm")
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class GPTTrainer(ampkit.Trainer):
+    """Next-byte prediction; validation reports ``loss`` (nats/byte) and ``bits_per_byte``."""
+
+    config_class = GPTConfig
+
+    def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[ampkit.Callback] | None = None) -> None:
+        if not isinstance(cfg, DictConfig):
+            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+            cfg = build_config(self.config_class, here, cfg or {})
+        check_model_config(cfg.model)
+        self.precision_choice = choose_precision(cfg)
+        fsdp = cfg.distributed.fsdp
+        if cfg.distributed.strategy == "fsdp" and not fsdp.shard_modules:
+            fsdp.shard_modules = ["Block"]  # one FSDP unit per block, gathered for its forward and backward only
+        super().__init__(cfg, callbacks)
+        self._data: dict[str, torch.Tensor] = {}
+
+    def _split(self, which: str) -> torch.Tensor:
+        if not self._data:
+            self._data["train"], self._data["val"] = split(corpus_bytes(), self.cfg.data.val_fraction)
+        return self._data[which]
+
+    def configure_model(self) -> nn.Module:
+        m = OmegaConf.to_object(self.cfg.model)
+        if self.precision_choice is not None:
+            self.model_setup.notes["auto prec."] = self.precision_choice
+        self.tokens_per_sample = m.seq_len
+        with torch.device("meta"):  # FLOPs counted once, on a copy that computes and allocates nothing
+            meta = GPT(m)
+            idx = torch.zeros(1, m.seq_len, dtype=torch.long)
+            self.flops_per_sample = count_training_flops(lambda: meta(idx).float().logsumexp(-1).sum())
+        return GPT(m)
+
+    def configure_optimizers(self) -> Any:
+        o, steps = self.cfg.optim, self.settings.max_steps
+        decay = [p for p in self.module.parameters() if p.dim() >= 2]
+        other = [p for p in self.module.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
+        if o.fused:
+            optimizer = ampkit.ops.FusedAdam(groups, lr=o.lr, betas=tuple(o.betas))
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+
+        def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at max_steps
+            if step < o.warmup_steps:
+                return (step + 1) / o.warmup_steps
+            if steps <= o.warmup_steps:
+                return 1.0
+            progress = min((step - o.warmup_steps) / (steps - o.warmup_steps), 1.0)
+            return (o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))) / o.lr
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        windows = Windows(self._split("train"), self.cfg.model.seq_len)
+        # One shuffle of all windows per epoch, dealt round-robin to the ranks: the same windows make up a step
+        # on any number of ranks (at a fixed global batch), so a run resumed at another world size continues the
+        # same curve. The Trainer reseeds the sampler each epoch.
+        order = DistributedSampler(windows, self.world_size, self.global_rank, shuffle=True,
+                                   seed=self.settings.seed or 0, drop_last=True)  # fmt: skip
+        return DataLoader(windows, batch_size=self.cfg.data.batch_size, sampler=order, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        d = self.cfg.data
+        windows = Windows(self._split("val"), self.cfg.model.seq_len, count=d.val_batches * d.batch_size)
+        return DataLoader(windows, batch_size=d.batch_size)
+
+    def predict_dataloader(self) -> list[torch.Tensor]:
+        return [torch.tensor(list(self.cfg.generate.prompt.encode("utf-8")), dtype=torch.long)]
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+    def validation_step(self, batch):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+        return {"loss": loss, "bits_per_byte": loss / math.log(2)}
+
+    def predict_step(self, batch: torch.Tensor) -> str:
+        g = self.cfg.generate
+        generator = torch.Generator().manual_seed(self.settings.seed or 0)
+        return decode(generate(self.module, batch, g.tokens, g.top_k, g.temperature, generator))
+
+    def on_fit_start(self) -> None:
+        if self.is_global_zero:
+            train = self._split("train")
+            print(f"  unigram entropy of the training bytes: {unigram_entropy(train):.3f} nats/byte "
+                  f"(a model must go below it to have learnt context)", flush=True)  # fmt: skip
+
+    def on_train_batch_end(self, outputs: dict[str, Any], batch: Any) -> None:
+        every = self.cfg.generate.every_n_steps
+        s = self.state
+        if every and s.is_iteration_end and s.iteration % every == 0:  # every rank: a sharded forward is collective
+            self.module.eval()
+            text = self.predict_step(self.predict_dataloader()[0].to(self.device))
+            self.module.train()
+            self.logger.log_text("samples", text)
+
+    def on_predict_end(self, predictions: list[str]) -> None:
+        if self.is_global_zero:
+            for text in predictions:
+                print(text, flush=True)

@@ -1,0 +1,94 @@
+"""Throughput figures: FLOPs counted against a hand count, rates from a fake clock, the peak table, the console."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.callbacks.progress import _throughput
+from ampkit.callbacks.throughput import PEAK_TFLOPS, Throughput, count_training_flops, matmul_dtype, peak_tflops
+
+
+def test_training_flops_of_a_linear_are_six_per_weight_per_sample():
+    with torch.device("meta"):
+        layer = torch.nn.Linear(48, 24)
+        x = torch.zeros(5, 48)
+    # forward x @ W^T (2 * 5 * 48 * 24), backward: grad of the weight and of nothing else (x needs no grad)
+    assert count_training_flops(lambda: layer(x).sum()) == 2 * 5 * 48 * 24 * 2
+    x.requires_grad_()
+    assert count_training_flops(lambda: layer(x).sum()) == 6 * 5 * 48 * 24  # and the input's gradient
+
+
+class FakeClock:
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 100.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+class Tokens(ToyTrainer):
+    tokens_per_sample = 16
+    flops_per_sample = 3e9
+
+
+def test_rates_over_each_window_from_a_fake_clock_and_logged(tmp_path):
+    """8 samples a batch, 0.5 s between clock reads (one read per window end): 4 batches a window of 4 steps."""
+    clock = FakeClock(step_s=0.5)
+    meter = Throughput(every_n_steps=4, peak_tflops=200.0, clock=clock)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 9, "trainer.progress_bar": False, "trainer.device": "cpu",
+                               "logging.throughput": False, "logging.log_every_n_steps": 4})  # fmt: skip
+    trainer = Tokens(cfg, callbacks=[meter])
+    trainer.fit()
+    # iteration 1 starts the clock (t=100.5); iteration 4 reads 101.0: 3 batches x 8 samples in 0.5 s
+    # iteration 8 reads 101.5: 4 batches in 0.5 s
+    figures = trainer.state.throughput
+    assert figures["samples_per_sec"] == pytest.approx(4 * 8 / 0.5)
+    assert figures["tokens_per_sec"] == pytest.approx(4 * 8 * 16 / 0.5)
+    assert figures["tflops"] == pytest.approx(4 * 8 * 3e9 / 0.5 / 1e12)
+    assert figures["mfu"] == pytest.approx(figures["tflops"] / 200.0)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    tokens = [(e.step, e.value) for e in events.Scalars("perf/tokens_per_sec")]
+    assert tokens == [(4, pytest.approx(3 * 8 * 16 / 0.5)), (8, pytest.approx(4 * 8 * 16 / 0.5))]
+    assert {"perf/samples_per_sec", "perf/tflops", "perf/mfu"} <= set(events.Tags()["scalars"])
+
+
+def test_without_flops_only_sample_rates_and_on_cpu_no_mfu(tmp_path):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "trainer.device": "cpu",
+                               "logging.tensorboard": False, "logging.log_every_n_steps": 4})  # fmt: skip
+    trainer = ToyTrainer(cfg)
+    trainer.fit()
+    assert set(trainer.state.throughput) == {"samples_per_sec"}
+    assert trainer.state.throughput["samples_per_sec"] > 0
+    assert peak_tflops(torch.device("cpu"), "bf16") is None
+
+
+def test_peak_table_is_dense_and_by_dtype(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_tflops(torch.device("cuda", 0), "bf16") == 989.4
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_tflops(torch.device("cuda", 0), "bf16") == 756.0
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce GTX 1080")
+    assert peak_tflops(torch.device("cuda", 0), "bf16") is None
+    assert all(row["bf16"] == row["fp16"] and row["tf32"] <= row["bf16"] for row in PEAK_TFLOPS.values())
+    assert matmul_dtype(torch.bfloat16) == "bf16" and matmul_dtype(None) == "fp32"
+
+
+def test_the_console_shows_tokens_tflops_and_mfu():
+    shown = _throughput({"samples_per_sec": 10.0, "tokens_per_sec": 12345.0, "tflops": 0.0211, "mfu": 0.4123})
+    assert shown == ["tok/s=12.3k", "TFLOP/s=0.0211", "MFU=41.2%"]
+    assert _throughput({"samples_per_sec": 250.0}) == ["samples/s=250"]
+
+
+@pytest.mark.parametrize(("key", "value"), [("logging.peak_tflops", 0), ("logging.peak_tflops", -5)])
+def test_bad_peak_is_a_config_error(tmp_path, key, value):
+    import ampkit
+
+    with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
+        ToyTrainer(toy_cfg(tmp_path, **{key: value}))

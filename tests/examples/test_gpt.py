@@ -1,0 +1,102 @@
+"""The GPT example: FLOPs against the hand formula, the corpus split, precision chosen for the machine, a short run,
+generation into TensorBoard and through ``ampkit predict``, and model-setup keys on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ampkit.callbacks.throughput import count_training_flops
+from ampkit.cli import main
+from ampkit.config import load_config
+from ampkit.examples.gpt import (
+    GPT,
+    GPTModelConfig,
+    Windows,
+    choose_precision,
+    corpus_bytes,
+    flops_per_token_formula,
+    split,
+    unigram_entropy,
+)
+
+TINY = ["model.layers=1", "model.width=32", "model.heads=2", "model.seq_len=16", "data.batch_size=8",
+        "data.val_batches=2", "trainer.device=cpu", "trainer.progress_bar=false", "precision.opt_level=O0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_counted_flops_equal_six_per_matmul_parameter_plus_attention(norm):
+    cfg = GPTModelConfig(layers=2, width=48, heads=3, seq_len=24, norm=norm)
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    counted = count_training_flops(lambda: model(idx).sum())
+    assert counted == flops_per_token_formula(cfg) * cfg.seq_len
+
+
+def test_corpus_split_is_deterministic_and_text_has_context_to_learn():
+    data = corpus_bytes()
+    assert len(data) > 400_000 and int(data.max()) < 256
+    train, val = split(data, 0.1)
+    assert len(val) == int(len(data) * 0.1) and torch.equal(torch.cat([train, val]), data)
+    assert torch.equal(split(corpus_bytes(), 0.1)[1], val)
+    assert 3.0 < unigram_entropy(train) < 3.6  # English bytes: ~4.7 bits
+    windows = Windows(val, 16, count=5)
+    x, y = windows[4]
+    assert torch.equal(x[1:], y[:-1]) and len(windows) == 5
+
+
+def test_auto_precision_picks_a_real_level_and_says_why(monkeypatch):
+    cfg = OmegaConf.create({"trainer": {"device": "cpu"}, "precision": {"opt_level": "auto", "dtype": None},
+                            "model": OmegaConf.structured(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16)),
+                            "data": {"batch_size": 4}})  # fmt: skip
+    why = choose_precision(cfg)
+    assert (cfg.precision.opt_level, cfg.precision.dtype) in (("O0", None), ("O1", "bfloat16"))
+    assert "bf16 as in float32 on this CPU" in why
+    cfg.precision.opt_level, cfg.trainer.device = "auto", "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "GPU" in choose_precision(cfg) and cfg.precision.dtype == "bfloat16" and cfg.precision.opt_level == "O1"
+    assert choose_precision(cfg) is None  # a real level stays as it is
+
+
+def test_gpt_trains_logs_throughput_and_samples_then_predict_generates(tmp_path, monkeypatch, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.chdir(tmp_path)  # the built-in config, found by name from any directory
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}/run", "trainer.max_steps=6",
+                                             "trainer.val_every_n_steps=3", "checkpoint.every_n_steps=3",
+                                             "logging.log_every_n_steps=2", "generate.every_n_steps=3",
+                                             "generate.tokens=12"])  # fmt: skip
+    trainer = trainer_class(cfg)
+    trainer.fit()
+    assert trainer.tokens_per_sample == 16 and trainer.flops_per_sample > 0
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert {"perf/tokens_per_sec", "perf/tflops", "val/loss"} <= set(events.Tags()["scalars"])
+    samples = [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors("samples/text_summary")]
+    assert [step for step, _ in samples] == [3, 6] and all(text.startswith("The ") for _, text in samples)
+
+    capsys.readouterr()
+    code = main(["predict", "--config", "gpt", "--ckpt", "best", "--output", str(tmp_path / "p.pt"), *TINY,
+                 f"run_dir={tmp_path}/run", "generate.tokens=12", "generate.prompt=Python"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    generated = torch.load(tmp_path / "p.pt", weights_only=True)
+    assert generated[0].startswith("Python") and len(generated[0].encode()) >= len("Python") + 12 - 3  # utf-8 runs
+    assert printed.startswith(generated[0])
+
+
+def test_model_config_errors_name_the_key(tmp_path):
+    import ampkit
+
+    for override, key in (("model.width=31", "model.width"), ("model.norm=batchnorm", "model.norm")):
+        trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override])
+        with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
+            trainer_class(cfg)
+    assert (
+        Path(ampkit.config.builtin_configs()["gpt"]).read_text()
+        == (Path(__file__).resolve().parents[2] / "configs" / "gpt.yaml").read_text()
+    )

@@ -1,0 +1,154 @@
+"""Model set-up steps: config errors, activation checkpointing (less kept for backward, same curve), regional
+compile (skips as eager under a loss scaler), and compile settings that would compile nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy_trainers import ToyTrainer, toy_cfg
+
+import ampkit
+from ampkit.config import load_config
+from ampkit.trainer.model_setup import MODEL_STEPS
+
+TINY_GPT = ["model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=16", "data.batch_size=4",
+            "data.val_batches=1", "model.dropout=0.1", "trainer.device=cpu", "trainer.progress_bar=false",
+            "precision.opt_level=O0", "logging.tensorboard=false", "checkpoint.enabled=false",
+            "generate.every_n_steps=0", "trainer.val_every_n_steps=0"]  # fmt: skip
+
+
+def test_the_steps_run_in_the_order_the_apis_require():
+    expected = ["broadcast", "fp8", "activation_checkpointing", "compile_regions", "shard"]
+    assert [name for name, _ in MODEL_STEPS] == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"trainer.compile": "Block"}, "trainer.compile"),
+        ({"trainer.compile": "[]"}, "trainer.compile"),
+        ({"trainer.compile": 3}, "trainer.compile"),
+        ({"trainer.compile": True, "trainer.compile_mode": "fastest"}, "trainer.compile_mode"),
+        ({"trainer.compile_mode": "max-autotune"}, "trainer.compile_mode"),
+        ({"trainer.activation_checkpointing": "['']"}, "trainer.activation_checkpointing"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_key(tmp_path, overrides, key):
+    with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
+        ToyTrainer(toy_cfg(tmp_path, **overrides))
+
+
+@pytest.mark.parametrize("key", ["trainer.compile", "trainer.activation_checkpointing"])
+def test_a_class_the_model_lacks_or_nested_names_fail_before_training(tmp_path, key):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{key: "[Block]"}))
+    with pytest.raises(ampkit.ConfigError, match=rf"'{key}': \['Block'\] not in the model.*Dropout, Linear"):
+        trainer.fit()
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{key: "[Sequential,Linear]"}))
+    with pytest.raises(ampkit.ConfigError, match=rf"'{key}': \['Linear'\] sit inside"):
+        trainer.fit()
+    assert trainer.state.global_step == 0
+
+
+class SavedBytes(ampkit.Callback):
+    """Bytes autograd keeps for backward during each training forward, and each iteration's loss."""
+
+    def __init__(self):
+        self.saved, self.losses = [], []
+
+    def on_train_batch_start(self, trainer, batch):
+        self.saved.append(0)
+
+        def pack(tensor):
+            self.saved[-1] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+
+    def on_before_backward(self, trainer, backward):
+        self._hooks.__exit__(None, None, None)
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_activation_checkpointing_keeps_less_for_backward_and_trains_the_same(tmp_path):
+    """Dropout is on: the recompute replays its RNG, so the curve and the weights are bit-identical."""
+    runs = {}
+    for name, extra in (("plain", []), ("checkpointed", ["trainer.activation_checkpointing=[Block]"])):
+        cls, cfg = load_config("gpt", [*TINY_GPT, f"run_dir={tmp_path / name}", "trainer.max_steps=4", *extra])
+        probe = SavedBytes()
+        trainer = cls(cfg, callbacks=[probe])
+        trainer.fit()
+        runs[name] = probe, trainer.module.state_dict()
+    (plain, plain_state), (checkpointed, checkpointed_state) = runs["plain"], runs["checkpointed"]
+    assert checkpointed.losses == plain.losses
+    for key, value in plain_state.items():
+        assert torch.equal(checkpointed_state[key], value), key
+    assert max(checkpointed.saved) < 0.5 * min(plain.saved), (checkpointed.saved, plain.saved)
+    assert "Block x2" in trainer.model_setup.notes["checkpointing"]
+
+
+class InfAtStep3(ToyTrainer):
+    def configure_model(self):
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = F.mse_loss(self.model(x).squeeze(1), y)
+        return loss * math.inf if self.state.iteration == 3 else loss
+
+
+class Skips(ampkit.Callback):
+    def __init__(self):
+        self.skipped, self.scales = [], []
+
+    def on_optimizer_step_skipped(self, trainer, optimizer, culprits):
+        self.skipped.append(trainer.state.iteration)
+
+    def on_loss_scale_update(self, trainer, loss_id, old, new):
+        self.scales.append(new)
+
+
+@pytest.mark.slow  # torch.compile: ~15 s on 2 cores
+def test_regional_compile_skips_an_injected_inf_exactly_as_eager(tmp_path):
+    settings = {"trainer.max_steps": 5, "trainer.progress_bar": False, "trainer.device": "cpu",
+                "logging.tensorboard": False, "checkpoint.enabled": False, "precision.opt_level": "O1",
+                "precision.dtype": "float16", "precision.init_scale": 1024.0,
+                "precision.growth_interval": 2}  # fmt: skip
+    runs = {}
+    for name, extra in (("eager", {}), ("compiled", {"trainer.compile": "[Sequential]"})):
+        skips = Skips()
+        trainer = InfAtStep3(toy_cfg(tmp_path / name, **settings, **extra), callbacks=[skips])
+        trainer.fit()
+        runs[name] = skips, trainer
+    (eager, eager_trainer), (compiled, compiled_trainer) = runs["eager"], runs["compiled"]
+    assert compiled.skipped == eager.skipped == [3]
+    assert compiled.scales == eager.scales == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0]
+    assert compiled_trainer.model_setup.compiled and "regional" in compiled_trainer.model_setup.notes["compile"]
+    for key, value in eager_trainer.module.state_dict().items():
+        torch.testing.assert_close(compiled_trainer.module.state_dict()[key], value, rtol=1e-3, atol=1e-4)
+
+
+def test_compiling_a_model_training_code_never_calls_is_an_error_or_a_warning(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from pathlib import Path
+
+    gan = Path(__file__).resolve().parents[1] / "configs" / "gan.yaml"
+    cls, cfg = load_config(gan, [f"run_dir={tmp_path}", "trainer.compile=true", "trainer.device=cpu"])
+    with pytest.raises(ampkit.ConfigError, match=r"'trainer.compile'.*Gan has none.*trainer.compile=\[Sequential\]"):
+        cls(cfg).fit()
+
+    class Bypasses(ToyTrainer):  # Tanh is compiled, then never called: the first iteration compiles nothing
+        def training_step(self, batch):
+            x, y = batch
+            net = self.module
+            return F.mse_loss(net[3](net[2](torch.tanh(net[0](x)))).squeeze(1), y)
+
+    trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.compile": "[Tanh]", "trainer.max_steps": 2,
+                                            "trainer.progress_bar": False, "logging.tensorboard": False}))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"trainer.compile=\['Tanh'\]: the first iteration compiled nothing"):
+        trainer.fit()
