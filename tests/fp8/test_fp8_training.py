@@ -258,3 +258,24 @@ def nn_forward(module, x):
     plain = fp8_model()
     plain.load_state_dict(module.state_dict())
     return plain.eval()(x)
+
+
+def test_the_gpt_fp8_config_trains_its_blocks_linears_in_float8(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from ampkit.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    repo = Path(__file__).resolve().parents[2]
+    overrides = ["precision.fp8.backend=reference", "trainer.max_steps=2", "trainer.val_every_n_steps=0",
+                 "checkpoint.enabled=false", "trainer.progress_bar=false", "logging.tensorboard=false",
+                 "model.layers=1", "generate.every_n_steps=0"]  # fmt: skip
+    cls, cfg = load_config(repo / "configs" / "gpt_fp8.yaml", overrides)
+    trainer = cls(cfg)
+    trainer.fit()
+    converted = sorted(name for name, m in trainer.module.named_modules() if is_float8_linear(m))
+    assert converted == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"]
+    assert (
+        trainer.model_setup.notes["fp8"]
+        == "4 Linear layers in float8; kept in high precision: head (named by skip_modules)"
+    )
