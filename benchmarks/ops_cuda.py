@@ -4,12 +4,23 @@ Run from the repository root on a machine with a GPU (and nvcc, so the CUDA kern
 
     PYTHONPATH=$PWD python benchmarks/ops_cuda.py            # 1M / 10M / 50M / 200M params
     PYTHONPATH=$PWD python benchmarks/ops_cuda.py --quick    # 1M / 10M
+    PYTHONPATH=$PWD python benchmarks/ops_cuda.py --quick --sections compiled   # one section (see --help)
 
 Timing: CUDA events around a batch of calls (the mean over the batch, best of several batches, calls of
 torch and ampkit interleaved batch by batch), after warm-up. The parameter lists are the transformer-like
 lists of ``benchmarks/ops.py`` (many small 1-D tensors plus large matrices), on the GPU. The ceiling is a
 device-to-device copy (bytes read + written). Optimizer rows compare with the fastest torch form of each
-(fused where torch has one). Norm rows time ``y = norm(x); y.backward(dy)``.
+(fused where torch has one); the ampkit side runs under ``AMPKIT_FUSED_BACKEND=auto``, which hands Adam, AdamW
+and SGD to torch's fused ops on a GPU. Sections:
+
+* ``multi_tensor``: unscale, L2 norm, the one-read unscale+norm;
+* ``optimizers``: each fused optimizer against torch's fastest eager form, the pipeline, GradScaler.step and the
+  Trainer's amp step;
+* ``routed``: Adam, SGD and Adagrad with ``backend=ampkit`` and ``backend=torch``, plain and through GradScaler,
+  against torch's fused form (what ``auto`` chooses between);
+* ``compiled``: each optimizer torch has no fused CUDA op for against ``torch.compile`` of its foreach form
+  (compiles take tens of seconds each, hence a section of its own);
+* ``norms``: ``y = norm(x); y.backward(dy)`` under ``auto`` (torch's kernels on a GPU) and ``backend=ampkit``.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ampkit.ops import multi_tensor as mt  # noqa: E402
-from ampkit.ops.optimizers import FusedAdam  # noqa: E402
+from ampkit.ops.optimizers import FusedAdadelta, FusedAdam  # noqa: E402
 from ampkit.ops.pipeline import fused_unscale_clip_step_  # noqa: E402
 
 
@@ -95,12 +106,23 @@ def multi_tensor_cases(grads: list[torch.Tensor]) -> list[tuple]:
     ]  # fmt: skip
 
 
+def _families() -> list[tuple]:
+    """The CPU table's optimizer families, and Adadelta (torch has a foreach form of it, no fused one)."""
+    adadelta = (
+        "Adadelta step",
+        lambda p: FusedAdadelta(p, lr=1.0),
+        {"Adadelta(foreach=True)": lambda p: torch.optim.Adadelta(p, lr=1.0, foreach=True)},
+        24,
+    )
+    return [*_load("ops_optimizers").FAMILIES, adadelta]  # fmt: skip
+
+
 def optimizer_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[tuple]:
     opt_bench = _load("ops_optimizers")
     count = sum(t.numel() for t in base)
     grads = [torch.randn_like(t) * 1e-3 for t in base]
     rows = []
-    for name, make_ours, forms, per_param in opt_bench.FAMILIES:
+    for name, make_ours, forms, per_param in _families():
         best = None
         for form, make in forms.items():
             opt = make(opt_bench._params_with_grads(base, grads))
@@ -159,6 +181,50 @@ def optimizer_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[
     return rows
 
 
+def routed_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[tuple]:
+    """Adam, SGD and Adagrad under each backend against torch's fused form: the evidence for ``auto``'s choice
+    (torch has no CUDA ``_fused_adagrad_`` in 2.11-2.13: its torch-side pairs are skipped where it raises)."""
+    opt_bench = _load("ops_optimizers")
+    grads = [torch.randn_like(t) * 1e-3 for t in base]
+    rows = []
+    for name, baseline, torch_step, ours in opt_bench.routed_pairs(base, grads):
+        try:
+            torch_ms, ms = time_ms(torch_step, ours)
+        except RuntimeError as exc:
+            print(f"ops_cuda: {name} skipped: {str(exc).splitlines()[0]}", file=sys.stderr)
+            continue
+        rows.append(("routed", name, baseline, size, ms, torch_ms, float("nan"), ceiling))
+    return rows
+
+
+def _compiled_step(opt: object) -> Callable[[], None]:
+    """``opt.step`` through ``torch.compile`` (the compiled foreach form torch documents for its optimizers)."""
+    step = torch.compile(opt.step, fullgraph=False)
+    return lambda: step()
+
+
+def compiled_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[tuple]:
+    """Each optimizer against ``torch.compile`` of each of its torch foreach forms (LAMB's included)."""
+    opt_bench = _load("ops_optimizers")
+    count = sum(t.numel() for t in base)
+    grads = [torch.randn_like(t) * 1e-3 for t in base]
+    rows = []
+    for name, make_ours, forms, per_param in _families():
+        for form, make in forms.items():
+            if "fused" in form:
+                continue
+            try:
+                compiled = _compiled_step(make(opt_bench._params_with_grads(base, grads)))
+                ours = make_ours(opt_bench._params_with_grads(base, grads))
+                torch_ms, ms = time_ms(compiled, ours.step)
+            except Exception as exc:  # noqa: BLE001 - a compile failure is reported, the other rows still run
+                print(f"ops_cuda: torch.compile({form}) failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+                continue
+            rows.append(("compiled", name, f"torch.compile({form}.step)", size, ms, torch_ms,
+                         count * per_param / ms / 1e6, ceiling))  # fmt: skip
+    return rows
+
+
 def norm_rows(ceiling: float, quick: bool) -> list[tuple]:
     fwd_bwd = _load("ops_norms")._fwd_bwd  # the CPU table's step: y = norm(x); y.backward(dy)
     rows = []
@@ -172,37 +238,58 @@ def norm_rows(ceiling: float, quick: bool) -> list[tuple]:
             nbytes = 5 * x.numel() * x.element_size()
             size = f"{n_rows}x{n} {str(dtype).removeprefix('torch.')}"
             for kind, baseline in (("LayerNorm", "F.layer_norm"), ("RMSNorm", "F.rms_norm")):
-                torch_ms, ms = time_ms(fwd_bwd(kind, False, x, w, b, dy), fwd_bwd(kind, True, x, w, b, dy))
-                rows.append(("norms", f"{kind} fwd+bwd", baseline, size, ms, torch_ms, nbytes / ms / 1e6, ceiling))
+                for backend in ("auto", "ampkit"):
+                    torch_ms, ms = time_ms(fwd_bwd(kind, None, x, w, b, dy), fwd_bwd(kind, backend, x, w, b, dy))
+                    name = f"{kind} fwd+bwd, {backend}"
+                    rows.append(("norms", name, baseline, size, ms, torch_ms, nbytes / ms / 1e6, ceiling))
+            os.environ[_load("ops_norms").ENV_VAR] = "auto"
     return rows
+
+
+SECTIONS = ("multi_tensor", "optimizers", "routed", "compiled", "norms")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M and 10M params, the small norm shape")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {', '.join(unknown)}; expected a subset of {', '.join(SECTIONS)}")
     if not torch.cuda.is_available():
         print("ops_cuda: no CUDA GPU here; run benchmarks/ops.py for the CPU table", file=sys.stderr)
         return 2
     os.environ["AMPKIT_OPS"] = "kernel"  # a missing CUDA build is an error, not a reference-op timing
+    os.environ["AMPKIT_FUSED_BACKEND"] = "auto"
     ceiling = copy_ceiling_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; device copy ceiling {ceiling:.0f} GB/s")
     rows = []
-    for n in (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000, 200_000_000):
+    sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000, 200_000_000)
+    for n in sizes:
         base = param_list(n)
         count = sum(t.numel() for t in base)
         size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
-        for name, baseline, torch_fn, ours, per_param in multi_tensor_cases([t.clone() for t in base]):
-            torch_ms, ms = time_ms(torch_fn, ours)
-            rows.append(("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param / ms / 1e6, ceiling))
-        rows += optimizer_rows(base, size, ceiling)
+        if "multi_tensor" in sections:
+            for name, baseline, torch_fn, ours, per_param in multi_tensor_cases([t.clone() for t in base]):
+                torch_ms, ms = time_ms(torch_fn, ours)
+                rows.append(("multi_tensor", name, baseline, size, ms, torch_ms, count * per_param / ms / 1e6,
+                             ceiling))  # fmt: skip
+        for section, make_rows in (("optimizers", optimizer_rows), ("routed", routed_rows),
+                                   ("compiled", compiled_rows)):  # fmt: skip
+            # Compiling costs tens of seconds a form and recompiles for each list: the smallest size only.
+            if section in sections and (section != "compiled" or n == sizes[0]):
+                rows += make_rows(base, size, ceiling)
+                torch.cuda.empty_cache()
         del base
         torch.cuda.empty_cache()
-    rows += norm_rows(ceiling, args.quick)
-    print(f"{'section':<13}{'op':<36}{'size':<22}{'ampkit ms':>10}{'torch ms':>10}{'ratio':>8}{'GB/s':>8}"
+    if "norms" in sections:
+        rows += norm_rows(ceiling, args.quick)
+    print(f"{'section':<13}{'op':<44}{'size':<22}{'ampkit ms':>10}{'torch ms':>10}{'ratio':>8}{'GB/s':>8}"
           f"{'%ceil':>7}  baseline")  # fmt: skip
     for section, name, baseline, size, ms, torch_ms, gbps, ceil in rows:
-        print(f"{section:<13}{name:<36}{size:<22}{ms:>10.3f}{torch_ms:>10.3f}{torch_ms / ms:>7.2f}x"
+        print(f"{section:<13}{name:<44}{size:<22}{ms:>10.3f}{torch_ms:>10.3f}{torch_ms / ms:>7.2f}x"
               f"{gbps:>8.0f}{100 * gbps / ceil:>6.0f}%  {baseline}")  # fmt: skip
     return 0
 

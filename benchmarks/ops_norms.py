@@ -19,6 +19,9 @@ against ``torch.batch_norm_update_stats``, torch's only CPU kernel for them (``t
 CUDA-only); bytes: the input, read once, against the read ceiling. ``ampkit.ops.norms.batch_norm_stats``
 uses the kernel where these rows show it winning (NCHW) and torch's elsewhere.
 
+The fused row is what ``auto`` runs (``AMPKIT_FUSED_BACKEND``): where it hands a case to torch's kernel (fp32
+LayerNorm on the CPU) a ``backend=ampkit`` row times ampkit's kernel beside it, the evidence for that rule.
+
 Targets (issue 5): fp32 ratio >= 3x (LayerNorm) and >= 10x (RMSNorm), and >= 50% of the ceiling.
 """
 
@@ -39,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ampkit.ops.norms import fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
+from ampkit.ops._backend import ENV_VAR  # noqa: E402
+from ampkit.ops.norms import _torch_runs, fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
 
 EPS = 1e-5
 SHAPES = ((8192, 1024), (32768, 4096))
@@ -59,13 +63,17 @@ def keep_freed_memory_warm() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, int_max))
 
 
-def _fwd_bwd(kind: str, fused: bool, x, w, b, dy) -> Callable[[], None]:
+def _fwd_bwd(kind: str, backend: str | None, x, w, b, dy) -> Callable[[], None]:
+    """One fwd+bwd: torch's function (``backend=None``) or ampkit's under that ``AMPKIT_FUSED_BACKEND``."""
     n = x.shape[-1]
     params = (x, w, b) if kind == "LayerNorm" else (x, w)
+    fused = backend is not None
 
     def step() -> None:
         for p in params:
             p.grad = None
+        if fused:
+            os.environ[ENV_VAR] = backend
         if kind == "LayerNorm":
             y = fused_layer_norm_affine(x, w, b, n, EPS) if fused else F.layer_norm(x, (n,), w, b, EPS)
         else:
@@ -91,10 +99,14 @@ def run(ctx) -> list[dict]:
             few = {"min_time_s": 0.0, "min_iters": 2} if x.numel() > BIG else {}
             size = f"{n_rows}x{n} {str(dtype).removeprefix('torch.')}"
             for kind, baseline in (("LayerNorm", "F.layer_norm"), ("RMSNorm", "F.rms_norm")):
-                torch_ms, ms = ctx.compare_ms(
-                    _fwd_bwd(kind, False, x, w, b, dy), _fwd_bwd(kind, True, x, w, b, dy), **few
-                )
-                rows.append(ctx.row("norms", f"{kind} fwd+bwd", baseline, size, ms, torch_ms, nbytes))
+                os.environ[ENV_VAR] = "auto"
+                routed = _torch_runs(kind, x, w, False, layer_norm=kind == "LayerNorm")
+                for backend in ("auto", "ampkit") if routed else ("auto",):
+                    torch_ms, ms = ctx.compare_ms(
+                        _fwd_bwd(kind, None, x, w, b, dy), _fwd_bwd(kind, backend, x, w, b, dy), **few
+                    )
+                    name = f"{kind} fwd+bwd" + (", backend=ampkit" if backend == "ampkit" else "")
+                    rows.append(ctx.row("norms", name, baseline, size, ms, torch_ms, nbytes))
             del x, dy, w, b
     rows += batch_norm_stats_rows(ctx)
     return rows

@@ -88,6 +88,44 @@ FAMILIES: list[tuple[str, Callable, dict[str, Callable], int]] = [
 ]  # fmt: skip
 
 
+# The optimizers torch has a fused op for, each run through both backends: the evidence for ``auto``'s CPU rule
+# (``_cpu_prefers_torch`` of each class). (name, factory taking params and a backend, torch's form, its factory)
+ROUTED: list[tuple[str, Callable, str, Callable]] = [
+    ("FusedAdam", lambda p, b: FusedAdam(p, lr=1e-3, weight_decay=0.01, backend=b),
+     "AdamW(fused=True)", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True)),
+    ("FusedSGD", lambda p, b: FusedSGD(p, lr=1e-2, momentum=0.9, backend=b),
+     "SGD(momentum=0.9, fused=True)", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True)),
+    ("FusedAdagrad", lambda p, b: FusedAdagrad(p, lr=1e-2, backend=b),
+     "Adagrad(fused=True)", lambda p: torch.optim.Adagrad(p, lr=1e-2, fused=True)),
+]  # fmt: skip
+
+
+def routed_pairs(base: list[Tensor], grads: list[Tensor]) -> list[tuple[str, str, Callable, Callable]]:
+    """(name, baseline, torch step, ampkit step) for each routed optimizer's plain step and ``GradScaler.step``
+    under each backend, against torch's fused form (plain, and through GradScaler), on ``base``'s device. Each
+    side has its own parameters and state; the GradScaler pairs their own copy of the grads (they unscale them)."""
+    pairs = []
+    for name, make, baseline, make_torch in ROUTED:
+        torch_step = make_torch(_params_with_grads(base, grads)).step
+        torch_scaled = _through_scaler(make_torch(_params_with_grads(base, [g.clone() for g in grads])))
+        for backend in ("ampkit", "torch"):
+            ours = make(_params_with_grads(base, grads), backend)
+            pairs.append((f"{name}.step, backend={backend}", baseline, torch_step, ours.step))
+            ours = make(_params_with_grads(base, [g.clone() for g in grads]), backend)
+            pairs.append((f"GradScaler.step({name}), backend={backend}", f"GradScaler.step({baseline})", torch_scaled,
+                          _through_scaler(ours)))  # fmt: skip
+    return pairs
+
+
+def routed_rows(ctx, base: list[Tensor], grads: list[Tensor], size: str) -> list[dict]:
+    """``routed_pairs`` timed interleaved (the evidence for each class's ``_cpu_prefers_torch``)."""
+    rows = []
+    for name, baseline, torch_step, ours in routed_pairs(base, grads):
+        torch_ms, ms = ctx.compare_ms(torch_step, ours)
+        rows.append(ctx.row(SECTION, name, baseline, size, ms, torch_ms, None))
+    return rows
+
+
 def _best_torch_form(ctx, base, grads, forms: dict[str, Callable]) -> tuple[str, Callable]:
     """The fastest torch form for this list (a quick pre-timing), as (name, step)."""
     best = None
@@ -119,9 +157,11 @@ def _pipeline_pair(base: list[Tensor], grads: list[Tensor]) -> tuple[Callable, C
 
 
 def _through_scaler(opt: torch.optim.Optimizer) -> Callable[[], None]:
-    """``opt``'s step through ``GradScaler.step`` and ``update`` at scale 1 (every call's inputs stay the same)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
-    scaler.scale(torch.ones(()))  # creates the scale tensor, as scaling the loss would
+    """``opt``'s step through ``GradScaler.step`` and ``update`` at scale 1 (every call's inputs stay the same), on
+    the device its parameters live on."""
+    device = opt.param_groups[0]["params"][0].device
+    scaler = torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as scaling the loss would
 
     def step() -> None:
         scaler.step(opt)
@@ -163,8 +203,9 @@ def trainer_amp_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return step
 
 
-def run(ctx) -> list[dict]:
-    """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format)."""
+def run(ctx, routed_only: bool = False) -> list[dict]:
+    """Rows for every size in ``ctx.sizes`` (see benchmarks/ops.py for the row format); ``routed_only``: only
+    the backend comparison of the optimizers torch has a fused op for."""
     os.environ["AMPKIT_OPS"] = "kernel"
     rows = []
     for n in ctx.sizes:
@@ -172,6 +213,9 @@ def run(ctx) -> list[dict]:
         count = sum(t.numel() for t in base)
         size = f"{count / 1e6:.1f}M ({len(base)} tensors)"
         grads = [torch.randn_like(t) * 1e-3 for t in base]
+        if routed_only:
+            rows += routed_rows(ctx, base, grads, size)
+            continue
         for name, make_ours, forms, per_param in FAMILIES:
             baseline, torch_step = _best_torch_form(ctx, base, grads, forms)
             ours = make_ours(_params_with_grads(base, grads))
@@ -190,6 +234,7 @@ def run(ctx) -> list[dict]:
         torch_ms, ms = ctx.compare_ms(torch_fn, ours_fn)
         rows.append(ctx.row(SECTION, "Trainer amp step: unscale pass + FusedAdam", baseline, size, ms, torch_ms,
                             count * 36))  # fmt: skip
+        rows += routed_rows(ctx, base, grads, size)
     return rows
 
 
@@ -201,12 +246,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1M and 10M params only")
+    parser.add_argument("--routed", action="store_true", help="only each backend of Adam, SGD and Adagrad")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000)
     ctx = harness.BenchContext(threads=args.threads, quick=args.quick, sizes=sizes)
     rows = harness.measure_ceilings(ctx)
-    harness.print_table(rows + run(ctx))
+    harness.print_table(rows + run(ctx, routed_only=args.routed))
 
 
 if __name__ == "__main__":

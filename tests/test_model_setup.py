@@ -150,5 +150,5 @@ def test_compiling_a_model_training_code_never_calls_is_an_error_or_a_warning(tm
 
     trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.compile": "[Tanh]", "trainer.max_steps": 2,
                                             "trainer.progress_bar": False, "logging.tensorboard": False}))  # fmt: skip
-    with pytest.warns(UserWarning, match=r"trainer.compile=\['Tanh'\]: the first iteration compiled nothing"):
+    with pytest.warns(UserWarning, match=r"trainer.compile=\['Tanh'\]: training code called none of these"):
         trainer.fit()

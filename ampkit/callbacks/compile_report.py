@@ -17,8 +17,9 @@ def _graphs_compiled() -> int:
 
 
 class CompileReport(Callback):
-    """Prints the first iteration's wall time (where compilation happens) and the graphs compiled; warns when
-    none was, which means training code never called a compiled forward (the setting did nothing)."""
+    """Prints the first iteration's wall time (where compilation happens) and the graphs compiled (0 when they
+    came from the cache of an earlier compile in this process); warns when training code called none of the
+    modules ``trainer.compile`` names, which means the setting did nothing."""
 
     phase = Phase.OBSERVE
 
@@ -34,12 +35,11 @@ class CompileReport(Callback):
             return
         took, self._start = time.perf_counter() - self._start, None
         graphs = _graphs_compiled() - self._graphs
-        setting = trainer.cfg.trainer.compile
-        if graphs == 0:
+        setup = trainer.model_setup
+        if trainer.cfg.trainer.compile is not True and not setup.regions_called:
             rank_zero_warn(
-                f"trainer.compile={setting!s}: the first iteration compiled nothing, so training code never called a "
-                "compiled forward (a root model without forward, or classes it bypasses); name the classes it "
-                "calls, e.g. trainer.compile=[Block]"
+                f"trainer.compile={trainer.cfg.trainer.compile!s}: training code called none of these modules in "
+                "the first iteration, so nothing ran compiled; name the classes it calls (e.g. [Block])"
             )
         elif trainer.is_global_zero:
             from tqdm.auto import tqdm

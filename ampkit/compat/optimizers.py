@@ -11,6 +11,7 @@ FusedMixedPrecisionLamb counted steps per param group: their names here do the s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -96,6 +97,7 @@ def _apex_class(name: str, base: type) -> type:
     amp_c = importlib.import_module("ampkit.compat.amp_c")
     ops = {attribute: getattr(amp_c, op_name) for attribute, op_name in _AMP_C_OPS.get(name, {}).items()}
 
+    @functools.wraps(base.__init__)  # help() and inspect show Apex's arguments
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         base.__init__(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)

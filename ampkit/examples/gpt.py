@@ -69,8 +69,8 @@ class GPTOptimConfig:
 class GPTGenerateConfig:
     prompt: str = "The "
     tokens: int = 200  # bytes generated per sample
-    top_k: int = 0  # 0: greedy; else sample among the k most likely bytes
-    temperature: float = 1.0
+    top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
+    temperature: float = 0.8
     every_n_steps: int = 100  # a sample to TensorBoard's Text tab every N iterations (0: never)
 
 

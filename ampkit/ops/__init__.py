@@ -2,7 +2,9 @@
 
 Each family (multi-tensor math, optimizers, norms) is a C++ extension compiled on first use and cached;
 ``AMPKIT_OPS=reference`` forces the pure-PyTorch references, ``AMPKIT_OPS=kernel`` makes a failed build an
-error, and ``python -m ampkit.ops.build`` compiles everything ahead of time.
+error, and ``python -m ampkit.ops.build`` compiles everything ahead of time. Where torch has a fused form of the same
+op (Adam/AdamW/SGD/Adagrad, LayerNorm/RMSNorm), ``AMPKIT_FUSED_BACKEND`` (or an optimizer's ``backend=``) chooses
+whose kernel runs: ``auto`` (torch's on a GPU, the measured faster on the CPU), ``torch`` or ``ampkit``.
 """
 
 from ampkit.ops.multi_tensor import L2Norm, axpby_, combine_, l2norm, scale_, unscale_l2norm

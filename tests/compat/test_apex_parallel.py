@@ -320,14 +320,15 @@ def _eighths_linear():
     return layer
 
 
-def _train_accumulating(opt_level, batches, wrap=None, sync="every"):
+def _train_accumulating(opt_level, batches, wrap=None, sync="every", **amp_options):
     """timm's accumulation loop on the Apex API: 2 micro-batches per step, ``model.no_sync()`` around the first
     when the model has it (``sync="no_sync"``), or Apex's ``disable_allreduce`` (``sync="disable"``)."""
     from ampkit.compat import amp
 
     model = _eighths_linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=64.0, verbosity=0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=64.0, verbosity=0,
+                                      **amp_options)  # fmt: skip
     net = wrap(model) if wrap is not None else model
     for step in range(2):
         for micro in range(2):
@@ -361,6 +362,13 @@ def _check_accumulation_matches_one_process_on_the_doubled_batch(rank, world_siz
         for sync, got in runs.items():
             if not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
                 failures.append(f"{opt_level} {sync}")
+    # combine_grad's flat gradient buffers under the delayed allreduce.
+    delayed = functools.partial(DistributedDataParallel, delay_allreduce=True)
+    got = _train_accumulating("O1", mine, delayed, combine_grad=True)
+    if not all(
+        torch.equal(a, b) for a, b in zip(got, _train_accumulating("O1", whole, combine_grad=True), strict=True)
+    ):
+        failures.append("O1 combine_grad delayed")
     assert not failures, f"differ from one process on the doubled batch: {failures}"
 
 

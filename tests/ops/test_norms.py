@@ -1,7 +1,8 @@
 """Fused LayerNorm/RMSNorm kernels against the pure-PyTorch reference computed in float64.
 
 Every test runs with ``AMPKIT_OPS=kernel`` (a broken build fails instead of silently testing the
-reference against itself), on fresh random inputs.
+reference against itself) and ``AMPKIT_FUSED_BACKEND=ampkit`` (ampkit's kernels even where torch's would run
+them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EPS = 1e-5
 @pytest.fixture(autouse=True)
 def kernel_mode(monkeypatch):
     monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", "ampkit")
 
 
 def _weight(shape, dtype=torch.float32):

@@ -584,9 +584,16 @@ def test_sparse_gradients_are_rejected():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 
+@pytest.fixture(params=["ampkit", "auto"])
+def cuda_backend(request, monkeypatch):
+    """The CUDA tests run ampkit's kernels and, under ``auto``, torch's fused ops where a bucket routes there."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", request.param)
+    return request.param
+
+
 @needs_cuda
 @pytest.mark.parametrize("case", list(TORCH_PAIRS))
-def test_cuda_matches_torch_optim_over_100_fp32_steps(case):
+def test_cuda_matches_torch_optim_over_100_fp32_steps(case, cuda_backend):
     make_ours, make_theirs = TORCH_PAIRS[case]
     a = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
     b = clone_params(a)
@@ -611,7 +618,7 @@ def test_cuda_matches_torch_optim_over_100_fp32_steps(case):
 @needs_cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("case", list(REFERENCE_CASES))
-def test_cuda_matches_float64_reference_over_100_steps(case, dtype, tol):
+def test_cuda_matches_float64_reference_over_100_steps(case, dtype, tol, cuda_backend):
     make_ours, reference = REFERENCE_CASES[case]
     params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtype)]
     expected = [p.detach().double().cpu() for p in params]
@@ -630,7 +637,7 @@ def test_cuda_matches_float64_reference_over_100_steps(case, dtype, tol):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_half_params_with_master_weights_track_an_fp32_model(dtype):
+def test_cuda_half_params_with_master_weights_track_an_fp32_model(dtype, cuda_backend):
     half = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(dtype)]
     full = clone_params(half, torch.float32)
     ours = FusedAdam(half, lr=1e-2, weight_decay=0.1, master_weights=True)

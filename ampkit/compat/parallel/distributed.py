@@ -63,28 +63,33 @@ class _ApexReduceOptions:
         return self.average and self.predivide_factor == 1.0 and not self.always_fp32
 
 
-def _apex_allreduce(options: _ApexReduceOptions, buffer: torch.Tensor) -> torch.futures.Future:
-    """Start Apex's reduction of one flat gradient tensor (optional fp32 reduction, predivide, then average or
-    leave ``sum / predivide``); the future yields the reduced tensor in ``buffer``'s dtype."""
+def _group_and_size(options: _ApexReduceOptions) -> tuple[Any, int]:
     group = options.process_group if options.process_group is not None else dist.group.WORLD
-    world_size = dist.get_world_size(group)
+    return group, dist.get_world_size(group)
+
+
+def _before_allreduce(options: _ApexReduceOptions, buffer: torch.Tensor) -> torch.Tensor:
+    """What Apex did before the allreduce: an fp32 copy when asked, then the predivide (in place)."""
     reduced = buffer.float() if options.always_fp32 and buffer.dtype != torch.float32 else buffer
     if options.predivide_factor != 1.0:
         reduced.div_(options.predivide_factor)
-    future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
+    return reduced
 
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        result = fut.value()[0]
-        if options.average:
-            result.mul_(options.predivide_factor / world_size)
-        return result.to(buffer.dtype)
 
-    return future.then(finish)
+def _after_allreduce(options: _ApexReduceOptions, reduced: torch.Tensor, world_size: int) -> torch.Tensor:
+    """And after it: average (``* predivide / world_size``), or leave ``sum / predivide``."""
+    if options.average:
+        reduced.mul_(options.predivide_factor / world_size)
+    return reduced
 
 
 def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string annotations of comm hooks
-    """torch DDP comm hook: :func:`_apex_allreduce` of one ``dist.GradBucket``."""
-    return _apex_allreduce(options, bucket.buffer())
+    """torch DDP comm hook: Apex's reduction of one ``dist.GradBucket``; a future of the reduced bucket."""
+    group, world_size = _group_and_size(options)
+    buffer = bucket.buffer()
+    reduced = _before_allreduce(options, buffer)
+    future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
+    return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
@@ -238,29 +243,38 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not tensors:
             return
 
-        def queue(_: Any) -> None:
-            if not self._allreduce_queued:
+        def queue(_: torch.Tensor) -> None:
+            if not self._allreduce_queued:  # once per backward, whichever output it reaches first
                 self._allreduce_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
 
-        torch.autograd.graph.register_multi_grad_hook(tensors, queue, mode="any")
+        for tensor in tensors:
+            tensor.register_hook(queue)
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
         """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype)."""
         self._allreduce_queued = False
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
         for param in self.module.parameters():
-            if param.grad is not None:
-                buckets[(param.grad.device, param.grad.dtype)].append(param.grad)
-        futures = []
-        for grads in buckets.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            futures.append((grads, _apex_allreduce(self._reduce_options, flat)))
-        for grads, future in futures:
-            reduced = future.wait()
-            for grad, synced in zip(grads, reduced.split([g.numel() for g in grads]), strict=True):
-                grad.copy_(synced.view_as(grad))
+            if param.grad is None:
+                continue
+            if param.grad.layout != torch.strided:
+                raise RuntimeError(
+                    f"delay_allreduce=True reduces dense gradients only (as Apex); a parameter of shape "
+                    f"{tuple(param.shape)} has a {param.grad.layout} gradient: use delay_allreduce=False"
+                )
+            buckets[(param.grad.device, param.grad.dtype)].append(param)
+        group, world_size = _group_and_size(self._reduce_options)
+        for params in buckets.values():
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            reduced = _before_allreduce(self._reduce_options, flat)
+            dist.all_reduce(reduced, group=group)
+            reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
+            # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
+            grads = [p.grad for p in params]
+            synced = reduced.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
 
 
 class Reducer:

@@ -13,6 +13,7 @@ step, as torch's fused optimizers leave them.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops.multi_tensor import read_scalars
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -69,6 +71,28 @@ class Bucket:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+@dataclass
+class _BucketPlan:
+    """One param group's buckets as last built, with what they were built from: the group's parameters, each
+    gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state dict (which
+    ``load_state_dict`` replaces)."""
+
+    params: list[Tensor]
+    layout: list[tuple[Any, ...] | None]
+    state: Any
+    buckets: list[Bucket]
+    slots: list[list[int]]
+
+    def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: Any) -> bool:
+        if state is not self.state or layout != self.layout or len(params) != len(self.params):
+            return False
+        return all(map(operator.is_, params, self.params))
+
 
 def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
     """Multiply the weights a kernel will update (fp32 masters where there are) by ``factor``: a weight decay
@@ -107,6 +131,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         master_weights: keep an fp32 copy (``state["master_param"]``) of each fp16/bf16 parameter, update
             the copy and write the rounded result back to the parameter after each step.
         set_grad_none: what ``zero_grad()`` without an argument does (Apex's option; torch's default).
+        backend: ``"auto"``, ``"torch"`` or ``"ampkit"``: whose kernels run a bucket that torch's fused op can
+            run with the same meaning (see :mod:`ampkit.ops._backend`); None reads
+            ``$AMPKIT_FUSED_BACKEND`` (default ``auto``). Optimizers torch has no fused op for always run ampkit's.
     """
 
     # torch.amp.GradScaler calls step() directly and sets ``grad_scale``/``found_inf`` on the optimizer.
@@ -121,6 +148,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     # optimizers count per parameter. ``ampkit.compat.optimizers`` sets this for Apex's names.
     _steps_per_group: bool = False
     _initial_step: int = 0  # the group count a fresh group starts from (FusedMixedPrecisionLamb's ``step``)
+    # Per-instance caches (dicts) rebuilt on use: neither pickled nor deep-copied.
+    _scratch_attrs: tuple[str, ...] = ("_plans",)
+    # torch's fused op that can run a bucket of this optimizer (``torch._fused_adam_`` and kin), or None.
+    _torch_op: str | None = None
 
     def __init__(
         self,
@@ -128,10 +159,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         master_weights: bool = False,
         set_grad_none: bool = True,
+        backend: str | None = None,
     ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
         self.master_weights = master_weights
+        self.backend = resolve_backend(backend, type(self).__name__)
+        self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults)
 
@@ -256,9 +290,34 @@ class FusedOptimizer(torch.optim.Optimizer):
             group["step"] = count + 1 if found_inf is None else count + (found_inf == 0).reshape(())
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
+        """The group's parameters with gradients in buckets of one (param dtype, grad dtype, device), state created
+        on a parameter's first step. The buckets are kept between steps and reused, with this step's gradients,
+        while the group holds the same parameters, every gradient has the dtype and layout it had, and the state is
+        the same (see ``_BucketPlan``): building them is most of the Python a step runs."""
+        params = group["params"]
+        grads = [p.grad for p in params]
+        layout = [
+            None if g is None else (g.dtype, g.stride(), p.dtype, p.stride())
+            for p, g in zip(params, grads, strict=True)
+        ]
+        plan = self._plans.get(id(group))
+        if plan is not None and plan.fits(params, layout, self.state):
+            for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
+                bucket.grads = [grads[i] for i in slots]
+            return plan.buckets
+        buckets, slots = self._build_buckets(group, grads)
+        if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
+            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, buckets, slots)
+        else:
+            self._plans.pop(id(group), None)
+        return buckets
+
+    def _build_buckets(self, group: dict[str, Any], grads: list[Tensor | None]) -> tuple[list[Bucket], list[list[int]]]:
+        """The buckets of ``_buckets``, and for each the indices of its parameters in ``group["params"]``."""
         buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}
-        for p in group["params"]:
-            g = grad = p.grad
+        slots: dict[tuple[torch.dtype, torch.dtype, torch.device], list[int]] = {}
+        for index, (p, grad) in enumerate(zip(group["params"], grads, strict=True)):
+            g = grad
             if g is None:
                 continue
             if g.is_sparse:
@@ -276,6 +335,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             bucket = buckets.get(key)
             if bucket is None:
                 bucket = buckets[key] = Bucket(has_master="master_param" in state)
+                slots[key] = []
             if ("master_param" in state) != bucket.has_master:
                 raise RuntimeError(
                     f"{type(self).__name__}: some {p.dtype} params have fp32 master copies and some do not; "
@@ -284,12 +344,41 @@ class FusedOptimizer(torch.optim.Optimizer):
             bucket.params.append(p)
             bucket.grads.append(g)
             bucket.states.append(state)
+            slots[key].append(index)
             if g is not grad:
                 bucket.copied_grads.append(grad)
-        return list(buckets.values())
+        return list(buckets.values()), list(slots.values())
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _routes_to_torch(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors
+    ) -> bool:
+        """Whether torch's fused op runs ``bucket``: the backend allows it, torch has the op on this device, and the
+        op computes what ampkit's kernel would: no fp32 masters inside the optimizer, gradients and state in the
+        parameter's dtype, no factor folded into the gradient (a clip coefficient; ``-1`` is ``maximize``), no
+        per-group step count (Apex's classes) and the group's options within the op's (``_torch_can_run``)."""
+        if self.backend == "ampkit" or self._torch_op is None or self._steps_per_group or bucket.has_master:
+            return False
+        if grad_factor not in (1.0, -1.0):
+            return False
+        param = bucket.params[0]
+        if bucket.grads[0].dtype != param.dtype or not self._torch_can_run(group, param):
+            return False
+        if not torch_has_fused_op(self._torch_op, param.device.type):
+            return False
+        if self.backend == "torch" or param.device.type != "cpu":
+            return True
+        return self._cpu_prefers_torch(bucket, scaler)
+
+    def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
+        """Whether torch's op has every option of ``group`` and keeps this optimizer's state dtype for ``param``."""
+        return False
+
+    def _cpu_prefers_torch(self, bucket: Bucket, scaler: ScalerTensors) -> bool:
+        """Under ``auto`` on the CPU: whether torch's op measured faster than ampkit's kernel for such a bucket."""
+        return False
 
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
@@ -301,10 +390,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Where ``state["step"]`` lives: the parameter's device when the kernels advance it, else the host."""
         return param.device if self._scaler_in_kernel else torch.device("cpu")
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param groups) and this optimizer's own options (``master_weights``,
+        ``backend``, ...), so a deep copy or a pickle steps as the original; not torch's hooks, nor cached buckets."""
+        state = super().__getstate__()
+        for key, value in self.__dict__.items():
+            if (
+                key not in state
+                and key not in self._scratch_attrs
+                and not key.startswith(("_optimizer_", "_zero_grad"))
+            ):
+                state[key] = value
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
         # this optimizer's constructor values.
         super().__setstate__(state)
+        for key in self._scratch_attrs:
+            setattr(self, key, {})
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)

@@ -32,13 +32,15 @@ class FusedAdadelta(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
         set_grad_none: bool = True,
+        *,
+        backend: str | None = None,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("rho", rho, 0.0, 1.0 + 1e-12)
         check_hyper("eps", eps)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -23,12 +24,19 @@ from ampkit.ops.optimizers._kernels import op
 class FusedAdagrad(FusedOptimizer):
     """Adagrad as ``torch.optim.Adagrad`` (state ``step``, ``sum``).
 
+    Buckets of float32/float64 parameters without master weights or ``adagrad_w_mode`` run
+    ``torch._fused_adagrad_`` where ``backend`` routes them there and torch has it (its CPU kernel only, in torch
+    2.11-2.13): the update is then bit-identical to ``torch.optim.Adagrad(fused=True)``.
+
     Example:
         >>> opt = FusedAdagrad(model.parameters(), lr=1e-2)  # doctest: +SKIP
     """
 
     _acc_state_keys = ("sum",)
     _scaler_in_kernel = True
+    _torch_op = "_fused_adagrad_"
+    # Under ``auto`` on the CPU every bucket stays on ampkit's kernel: it measured 2.02x / 1.05x / 1.02x torch's
+    # fused Adagrad at 1M / 10M / 50M params (66 tensors); through torch's op the update runs at torch's speed.
 
     def __init__(
         self,
@@ -43,6 +51,7 @@ class FusedAdagrad(FusedOptimizer):
         initial_accumulator_value: float = 0.0,
         maximize: bool = False,
         master_weights: bool = False,
+        backend: str | None = None,
     ) -> None:
         if adagrad_w_mode and lr_decay != 0:
             raise ValueError(
@@ -62,15 +71,21 @@ class FusedAdagrad(FusedOptimizer):
             eps=eps,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
 
+    def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
+        return not self.adagrad_w_mode and acc_dtype(param) == param.dtype
+
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
+        if self._routes_to_torch(group, bucket, grad_factor, scaler):
+            self._torch_update(group, bucket, scaler)
+            return
         weight_decay = group["weight_decay"]
         if self.adagrad_w_mode and weight_decay != 0:  # w -= lr * (g / (sqrt(sum) + eps) + wd * w)
             decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
@@ -88,3 +103,23 @@ class FusedAdagrad(FusedOptimizer):
             grad_factor,
             *scaler,
         )
+
+    def _torch_update(self, group: dict[str, Any], bucket: Bucket, scaler: ScalerTensors) -> None:
+        """The bucket's step as ``torch.optim.Adagrad(fused=True)`` takes it (counters as in FusedAdam's)."""
+        steps = bucket.state_list("step")
+        torch._foreach_add_(steps, 1)
+        torch._fused_adagrad_(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("sum"),
+            steps,
+            lr=lr_for_torch_op(group["lr"], bucket.device),
+            lr_decay=group["lr_decay"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=scaler.grad_scale,
+            found_inf=scaler.found_inf,
+        )
+        if scaler.found_inf is not None:
+            torch._foreach_sub_(steps, [scaler.found_inf] * len(steps))

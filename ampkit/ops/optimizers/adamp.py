@@ -55,6 +55,8 @@ class FusedAdamP(FusedOptimizer):
         nesterov: bool = False,
         master_weights: bool = False,
         set_grad_none: bool = True,
+        *,
+        backend: str | None = None,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
@@ -72,7 +74,7 @@ class FusedAdamP(FusedOptimizer):
             wd_ratio=wd_ratio,
             nesterov=nesterov,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)

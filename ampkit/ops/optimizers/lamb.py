@@ -30,6 +30,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_update_buffers")
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class FusedLAMB(FusedOptimizer):
         use_nvlamb: bool = False,
         *,
         master_weights: bool = False,
+        backend: str | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
@@ -67,7 +69,7 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._update_buffers: dict[Tensor, Tensor] = {}
 
     @torch.no_grad()
@@ -194,6 +196,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         reduced_precision_dtype: torch.dtype | None = None,
         *,
         set_grad_none: bool = True,
+        backend: str | None = None,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
@@ -216,6 +219,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             use_nvlamb=use_nvlamb,
             master_weights=True,
             set_grad_none=set_grad_none,
+            backend=backend,
         )
         self.reduced_precision_dtype = reduced_precision_dtype
 

@@ -46,6 +46,7 @@ class FusedNovoGrad(FusedOptimizer):
         set_grad_none: bool = True,
         *,
         master_weights: bool = False,
+        backend: str | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
@@ -67,7 +68,7 @@ class FusedNovoGrad(FusedOptimizer):
             norm_type=norm_type,
             init_zero=init_zero,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))

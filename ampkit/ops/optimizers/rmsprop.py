@@ -44,6 +44,8 @@ class FusedRMSprop(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
         set_grad_none: bool = True,
+        *,
+        backend: str | None = None,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("alpha", alpha)
@@ -59,7 +61,7 @@ class FusedRMSprop(FusedOptimizer):
             centered=centered,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 0.0)
@@ -112,6 +114,8 @@ class FusedRMSpropTF(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
         set_grad_none: bool = True,
+        *,
+        backend: str | None = None,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("alpha", alpha)
@@ -129,7 +133,7 @@ class FusedRMSpropTF(FusedOptimizer):
             lr_in_momentum=lr_in_momentum,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         _init_rmsprop_state(param, state, group, 1.0)

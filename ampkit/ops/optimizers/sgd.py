@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -30,11 +31,19 @@ class FusedSGD(FusedOptimizer):
     Apex's ``materialize_master_grads`` is accepted for compatibility and has no effect: with
     ``master_weights=True`` the kernel reads the fp16/bf16 gradients directly.
 
+    Buckets whose momentum buffers are in the parameter's dtype (no master weights, no ``fp32_momentum``, no
+    ``wd_after_momentum``) run ``torch._fused_sgd_`` where ``backend`` routes them there (on a GPU under
+    ``auto``), bit-identical to ``torch.optim.SGD(fused=True)``, except that a buffer created on a step that
+    ``found_inf`` skips starts at zero here (torch's holds uninitialised memory then).
+
     Example:
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)  # doctest: +SKIP
     """
 
     _scaler_in_kernel = True
+    _torch_op = "_fused_sgd_"
+    # Under ``auto`` on the CPU every bucket stays on ampkit's kernel: it measured 1.25x / 1.01x / 1.01x torch's
+    # fused SGD at 1M / 10M / 50M params (66 tensors); through torch's op the update runs at torch's speed.
 
     def __init__(
         self,
@@ -51,6 +60,7 @@ class FusedSGD(FusedOptimizer):
         maximize: bool = False,
         master_weights: bool = False,
         fp32_momentum: bool = False,
+        backend: str | None = None,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("momentum", momentum)
@@ -72,7 +82,7 @@ class FusedSGD(FusedOptimizer):
             nesterov=nesterov,
             maximize=maximize,
         )
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """torch.optim.SGD keeps no state until the first momentum step; nothing to create here."""
@@ -85,12 +95,19 @@ class FusedSGD(FusedOptimizer):
     def _buffer_dtype(self, param: Tensor, has_master: bool) -> torch.dtype:
         return acc_dtype(param) if self.fp32_momentum or has_master else param.dtype
 
+    def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
+        return not self.wd_after_momentum and self._buffer_dtype(param, False) == param.dtype
+
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
         momentum = group["momentum"]
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
+            return
+        buffers = [s.get("momentum_buffer") for s in bucket.states]
+        if all(b is not None for b in buffers):  # every step after each parameter's first: the bucket as it is
+            self._launch(group, bucket, buffers, False, grad_factor, scaler)
             return
         # Under a device found_inf the kernel may skip the step that creates the buffers, and the host does not
         # know. Without dampening a zero buffer updated as usual becomes the gradient, exactly what a first step
@@ -129,6 +146,22 @@ class FusedSGD(FusedOptimizer):
         grad_factor: float,
         scaler: ScalerTensors,
     ) -> None:
+        if self._routes_to_torch(group, bucket, grad_factor, scaler):
+            torch._fused_sgd_(
+                bucket.params,
+                bucket.grads,
+                buffers,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=lr_for_torch_op(group["lr"], bucket.device),
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                is_first_step=first_step,
+                grad_scale=scaler.grad_scale,
+                found_inf=scaler.found_inf,
+            )
+            return
         weight_decay = group["weight_decay"]
         if self.wd_after_momentum and weight_decay != 0:  # w -= lr * (momentum update + wd * w)
             decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
