@@ -93,6 +93,27 @@ class LoggingConfig:
 
 
 @dataclass
+class Float8Config:
+    """Float8 training of the model's Linear layers (composes with every opt level but O3, in float16 or bfloat16).
+
+    Eligible ``nn.Linear`` layers (both dims divisible by 16, named by ``modules``, not by ``skip_modules``) are
+    converted once, after ``configure_model`` and before sharding, compile and ``configure_optimizers``; they keep
+    ``nn.Linear``'s parameters, so checkpoints load into the plain model. Scaling is dynamic (no amax history), so a
+    skipped step leaves nothing behind and an inf becomes non-finite gradients that the loss scaler or
+    ``skip_nonfinite`` catches as in float16/bfloat16.
+    """
+
+    enabled: bool = False  # convert the eligible Linear layers to float8
+    backend: str = "torchao"  # torchao (pip install "ampkit[fp8]") | reference (ampkit's pure-torch casts, emulated)
+    recipe: str = "tensorwise"  # tensorwise | rowwise | rowwise_with_gw_hp
+    emulate: Any = "auto"  # auto | true | false: float8 GEMMs in float32 (auto: unless CUDA capability >= 8.9)
+    modules: list[str] = field(default_factory=list)  # fnmatch patterns of Linear names to convert ([]: all)
+    skip_modules: list[str] = field(default_factory=list)  # fnmatch patterns of Linear names to keep (e.g. lm_head)
+    fsdp_float8_all_gather: Any = "auto"  # auto | true | false: FSDP2 gathers weights in float8 (torchao, tensorwise)
+    telemetry_every_n_steps: int = 100  # per-layer amax, scale, underflow to TensorBoard every N iterations (0: off)
+
+
+@dataclass
 class PrecisionConfig:
     """Mixed precision with Apex's opt levels (O0 fp32, O1 autocast, O2 cast model + fp32 masters, O3 pure half;
     O4/O5 are O1/O2 in bfloat16).
@@ -127,6 +148,7 @@ class PrecisionConfig:
     clip_grad_norm: float | None = None  # same as trainer.clip_grad_norm
     warn_consecutive_skips: int = 10  # warn after this many skipped steps in a row (0: never)
     max_overflows_at_min_scale: int = 10  # error after this many overflows in a row at min_scale (0: never)
+    fp8: Float8Config = field(default_factory=Float8Config)
 
 
 @dataclass
@@ -229,6 +251,11 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.timeout_s": _POSITIVE_NUMBER,
     "distributed.grad_sync": _one_of("auto", "ddp", "step"),
     "distributed.bucket_cap_mb": _POSITIVE_NUMBER,
+    "precision.fp8.backend": _one_of("torchao", "reference"),
+    "precision.fp8.recipe": _one_of("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "precision.fp8.emulate": ((lambda v: v in ("auto", True, False)), "auto, true or false"),
+    "precision.fp8.fsdp_float8_all_gather": ((lambda v: v in ("auto", True, False)), "auto, true or false"),
+    "precision.fp8.telemetry_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),
 }
 
 
@@ -239,6 +266,10 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not ok(value):
             problems.append(f"config key '{key}': {value!r} is invalid; expected {valid}")
+    if not problems and OmegaConf.select(cfg, "precision.fp8.enabled"):
+        from ampkit.callbacks.precision_config import fp8_problems  # it resolves opt levels: the callbacks' layer
+
+        problems = fp8_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
 

@@ -21,7 +21,8 @@ TINY_GPT = ["model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=
 
 
 def test_the_steps_run_in_the_order_the_apis_require():
-    assert [name for name, _ in MODEL_STEPS] == ["broadcast", "activation_checkpointing", "compile_regions", "shard"]
+    expected = ["broadcast", "fp8", "activation_checkpointing", "compile_regions", "shard"]
+    assert [name for name, _ in MODEL_STEPS] == expected
 
 
 @pytest.mark.parametrize(

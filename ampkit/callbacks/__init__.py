@@ -11,6 +11,7 @@ from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.compile_report import CompileReport
 from ampkit.callbacks.distributed import DistributedSync
 from ampkit.callbacks.early_stopping import EarlyStopping
+from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
@@ -30,6 +31,8 @@ __all__ = [
     "CompileReport",
     "DistributedSync",
     "EarlyStopping",
+    "Float8AllGatherScales",
+    "Float8Telemetry",
     "GradientClipping",
     "GradientHistograms",
     "LossScaling",

@@ -8,11 +8,13 @@ import torch
 from omegaconf import DictConfig
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
+from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.loss_scaling import LossScaling
 from ampkit.callbacks.nonfinite import NonFiniteCheck
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
+from ampkit.trainer.fp8 import fsdp_float8_all_gather
 
 NO_LOSS_SCALE = "none"
 
@@ -50,7 +52,20 @@ def resolve_precision(precision: DictConfig) -> OptLevelProperties:
 
 
 def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
-    """The callbacks ``precision`` asks for; ``[]`` for O0 (plain float32, identical to a hand loop).
+    """The callbacks ``precision`` asks for: :func:`mixed_precision_callbacks`, then float8's (``precision.fp8``):
+    :class:`Float8AllGatherScales` under FSDP's float8 all-gather and :class:`Float8Telemetry` unless it is off."""
+    callbacks = mixed_precision_callbacks(precision, sharded)
+    fp8 = precision.fp8
+    if fp8.enabled:
+        if fsdp_float8_all_gather(fp8, sharded):
+            callbacks.append(Float8AllGatherScales())
+        if fp8.telemetry_every_n_steps > 0:
+            callbacks.append(Float8Telemetry(fp8.recipe, every_n_steps=fp8.telemetry_every_n_steps))
+    return callbacks
+
+
+def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
+    """The opt level's callbacks; ``[]`` for O0 (plain float32, identical to a hand loop).
 
     O1-O3 get :class:`MixedPrecision` (casting), plus :class:`LossScaling` when the losses are scaled or O2's
     fp32 master weights need the gradients combined onto them, else :class:`NonFiniteCheck` when
@@ -105,6 +120,51 @@ def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Ca
     return [casting, scaling]
 
 
+def fp8_problems(cfg: DictConfig) -> list[str]:
+    """What is wrong with ``precision.fp8`` (enabled) given the rest of ``cfg``: one message per bad key, naming it."""
+    from ampkit.amp.fp8 import INSTALL_HINT, fp8_gemm_capable, torchao_available
+
+    f, props = cfg.precision.fp8, resolve_precision(cfg.precision)
+    problems: dict[str, str] = {}
+    if props.cast_model_type not in (None, torch.float32) and not props.master_weights:
+        problems["precision.opt_level"] = (
+            f"{cfg.precision.opt_level!r} casts the weights without float32 master weights: float8 training keeps "
+            "high-precision weights (use O1/O2 or O4/O5, or master_weights: true)"
+        )
+    if f.backend == "torchao" and not torchao_available():
+        problems["precision.fp8.backend"] = f"'torchao' needs torchao, which is not installed: {INSTALL_HINT}"
+    try:
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(auto if cfg.trainer.device == "auto" else cfg.trainer.device)
+    except RuntimeError:  # not a device: the Trainer's own check names trainer.device
+        device = torch.device("cpu")
+    if f.emulate is False and f.backend == "reference":
+        problems["precision.fp8.emulate"] = "false needs backend torchao (the reference backend always emulates)"
+    elif f.emulate is False and not fp8_gemm_capable(device):
+        problems["precision.fp8.emulate"] = (
+            f"false needs float8 GEMMs, i.e. a CUDA device of compute capability >= 8.9; trainer.device is "
+            f"{device} (use auto or true)"
+        )
+    if (
+        f.backend == "torchao"
+        and f.recipe == "rowwise_with_gw_hp"
+        and props.patch_torch_functions
+        and device.type == "cpu"
+    ):
+        problems["precision.fp8.recipe"] = (
+            f"torchao's rowwise_with_gw_hp fails under {cfg.precision.opt_level}'s autocast on CPU (its weight "
+            "gradient multiplies the autocast dtype by float32); use O2/O5, backend reference or another recipe"
+        )
+    if f.fsdp_float8_all_gather is True:
+        if cfg.distributed.strategy != "fsdp":
+            problems["precision.fp8.fsdp_float8_all_gather"] = "true needs distributed.strategy: fsdp"
+        elif f.backend != "torchao" or f.recipe != "tensorwise":
+            problems["precision.fp8.fsdp_float8_all_gather"] = (
+                f"true needs backend torchao and recipe tensorwise (got {f.backend}, {f.recipe})"
+            )
+    return [f"config key '{key}': {why}" for key, why in problems.items()]
+
+
 def describe_precision(precision: DictConfig) -> str:
     """One line naming what ``precision`` runs, e.g. ``O1 bfloat16``, ``O4 bfloat16, skip_nonfinite`` (no scaler,
     inf/nan steps skipped) or ``O2 float16, loss scale dynamic``.
@@ -112,6 +172,12 @@ def describe_precision(precision: DictConfig) -> str:
     Resolved as :func:`precision_callbacks` does (the opt level's dtype, no scaler for bfloat16 by default);
     ``precision`` must already be valid.
     """
+    fp8 = precision.fp8
+    described = _describe_mixed_precision(precision)
+    return f"{described}, fp8 {fp8.recipe} ({fp8.backend})" if fp8.enabled else described
+
+
+def _describe_mixed_precision(precision: DictConfig) -> str:
     p = precision
     props = resolve_precision(p)
     if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):

@@ -31,6 +31,9 @@ def load_model(
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise CheckpointError(f"trainer_class of '{path}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
     config["trainer"] = {**config.get("trainer", {}), "device": "cpu"}  # where it trained need not exist here
+    # configure_model() is the plain model: float8 (and its torchao or GPU needs) was a training set-up step
+    precision = config.get("precision", {})
+    config["precision"] = {**precision, "fp8": {**precision.get("fp8", {}), "enabled": False}}
     module = trainer_class(config).configure_model()
     try:
         module.load_state_dict(checkpoint["model"])

@@ -4,8 +4,8 @@
 
 1. ``broadcast``: every rank starts from rank 0's weights, before anything derives from them (an O2 master copy,
    a cast). Under FSDP the shards come from one seeded initialisation instead.
-2. convert steps (none yet; a module swap such as fp8 linears goes here): they replace modules, so they run
-   before anything wraps, checkpoints or compiles them.
+2. convert steps, which replace modules, so they run before anything wraps, checkpoints or compiles them:
+   ``fp8`` (``precision.fp8``) swaps the eligible ``nn.Linear`` layers for float8 ones.
 3. ``activation_checkpointing``: each module whose class is named in ``trainer.activation_checkpointing``
    recomputes its forward during backward instead of keeping its activations. Before compile, so the compiler
    traces ``torch.utils.checkpoint`` as one region, and before sharding, so FSDP gathers the block's parameters
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ampkit.config import ConfigError
 from ampkit.trainer.distributed import DistributedEnv, broadcast_module_
+from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import shard_model
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -60,6 +61,13 @@ ModelStep = Callable[[nn.Module, ModelSetup], nn.Module]
 def _broadcast(module: nn.Module, setup: ModelSetup) -> nn.Module:
     if not setup.sharded:
         broadcast_module_(module, setup.dist)
+    return module
+
+
+def _convert_to_float8(module: nn.Module, setup: ModelSetup) -> nn.Module:
+    report = convert_model_to_float8(module, setup.cfg, setup.device)
+    if report is not None:
+        setup.notes["fp8"] = report.summary()
     return module
 
 
@@ -107,7 +115,7 @@ def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:
 
 MODEL_STEPS: list[tuple[str, ModelStep]] = [
     ("broadcast", _broadcast),
-    # convert steps (module swaps, e.g. fp8 linears) go here, before anything wraps the modules they replace
+    ("fp8", _convert_to_float8),  # convert steps (module swaps) here: before anything wraps what they replace
     ("activation_checkpointing", _activation_checkpointing),
     ("compile_regions", _compile_regions),
     ("shard", _shard),

@@ -371,9 +371,10 @@ def test_cuda_auto_is_torch_fused_bit_for_bit_with_no_host_read(case):
             torch.cuda.set_sync_debug_mode("error")  # any device-to-host read raises
         opt.step()
         torch.cuda.set_sync_debug_mode("default")
-        if not skipped:
-            for q, g in zip(theirs, grads, strict=True):
-                q.grad = g.clone()
+        if not skipped:  # torch's own GradScaler path: scaled grads, unscaled inside its kernel (CUDA's SGD kernel
+            # rounds that unscale differently from a pre-unscaled gradient, by an ulp, so both sides take it)
+            scaled_grads(theirs, grads, scaler.get_scale(), overflow=False)
+            torch_opt.grad_scale, torch_opt.found_inf = scaler._scale, torch.zeros((), device="cuda")
             torch_opt.step()
     for p, q in zip(ours, theirs, strict=True):
         assert torch.equal(p, q)

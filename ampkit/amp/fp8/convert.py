@@ -1,0 +1,132 @@
+"""Swap a model's eligible ``nn.Linear`` layers for float8 ones: ampkit's reference or torchao's.
+
+Eligible: exactly ``nn.Linear`` (a subclass may have its own forward), named by ``modules`` (all when empty) and
+not by ``skip_modules`` (``fnmatch`` patterns on the dotted name), with both dims divisible by 16 (float8 GEMMs
+need it; the others stay in high precision). Both backends keep ``nn.Linear``'s parameters and state_dict keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from ampkit.amp.fp8.linear import Float8Linear
+from ampkit.amp.fp8.recipes import recipe_named
+
+BACKENDS = ("torchao", "reference")
+"""precision.fp8.backend values: torchao's Float8Linear, or ampkit's own pure-torch casts."""
+DIM_MULTIPLE = 16
+INSTALL_HINT = 'pip install "ampkit[fp8]"'
+"""How to install the torchao backend, named in the error when it is missing."""
+
+
+def torchao_available() -> bool:
+    """Whether torchao's float8 training can be imported (without importing it)."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def fp8_gemm_capable(device: torch.device) -> bool:
+    """Whether ``device`` runs float8 GEMMs natively (CUDA compute capability 8.9 or later)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@dataclass
+class Float8Conversion:
+    """What :func:`convert_to_float8` did: the converted layers' names, and each skipped Linear with the reason."""
+
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for the start banner: how many layers are in float8, which stayed high precision and why."""
+        kept = "; ".join(f"{name} ({why})" for name, why in self.skipped.items())
+        head = f"{len(self.converted)} Linear layers in float8"
+        return f"{head}; kept in high precision: {kept}" if kept else head
+
+
+def _skip_reason(name: str, module: nn.Linear, modules: list[str], skip_modules: list[str]) -> str | None:
+    if modules and not any(fnmatchcase(name, p) for p in modules):
+        return "not named by modules"
+    if any(fnmatchcase(name, p) for p in skip_modules):
+        return "named by skip_modules"
+    if module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
+        return f"{module.in_features}x{module.out_features} not divisible by {DIM_MULTIPLE}"
+    return None
+
+
+def convert_to_float8(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    *,
+    backend: str = "reference",
+    emulate: bool = True,
+    modules: list[str] | tuple[str, ...] = (),
+    skip_modules: list[str] | tuple[str, ...] = (),
+    fsdp_float8_all_gather: bool = False,
+) -> Float8Conversion:
+    """Replace ``model``'s eligible Linears in place by float8 Linears of ``backend`` running ``recipe``.
+
+    ``emulate`` (torchao only; the reference always emulates) multiplies in float32 instead of float8 GEMMs;
+    ``fsdp_float8_all_gather`` (torchao, tensorwise) makes FSDP2 all-gather the weights in float8.
+
+    Raises:
+        ValueError: an unknown backend or recipe, a pattern in ``modules`` naming no Linear, the model itself a Linear.
+        ImportError: backend torchao without torchao installed.
+    """
+    spec = recipe_named(recipe)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown fp8 backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if isinstance(model, nn.Linear):
+        raise ValueError("the model itself is a Linear: it cannot be swapped in place; wrap it in a container")
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    unmatched = [p for p in modules if not any(fnmatchcase(name, p) for name in linears)]
+    if unmatched:
+        raise ValueError(f"modules {unmatched} name no nn.Linear; the model's: {', '.join(linears)}")
+    report = Float8Conversion()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and type(module) is not nn.Linear and not is_float8_linear(module):
+            report.skipped[name] = "a subclass of nn.Linear (its forward may differ)"
+    chosen: dict[str, nn.Linear] = {}
+    for name, module in linears.items():
+        reason = _skip_reason(name, module, list(modules), list(skip_modules))
+        if reason is None:
+            chosen[name] = module
+        else:
+            report.skipped[name] = reason
+    if backend == "torchao":
+        _convert_with_torchao(model, set(map(id, chosen.values())), recipe, emulate, fsdp_float8_all_gather)
+    else:
+        for name, module in chosen.items():
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, Float8Linear.from_linear(module, spec))
+    report.converted = list(chosen)
+    return report
+
+
+def _convert_with_torchao(
+    model: nn.Module, chosen: set[int], recipe: str, emulate: bool, fsdp_float8_all_gather: bool
+) -> None:
+    """torchao's own conversion (it also applies its compiler workarounds) of the Linears in ``chosen`` (ids)."""
+    if not torchao_available():
+        raise ImportError(f"fp8 backend 'torchao' needs torchao: {INSTALL_HINT} (or use backend 'reference')")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
+    )
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, _: id(module) in chosen)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is a float8 Linear of either backend."""
+    if isinstance(module, Float8Linear):
+        return True
+    cls = type(module)
+    return cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
