@@ -8,6 +8,7 @@ unless ``--force-shim`` is given.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -28,6 +29,14 @@ def _share_shim_with_child_processes() -> None:
     os.environ["AMPKIT_APEX_SHIM"] = "1"
 
 
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` would find something to run (a missing parent package counts as missing)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install the apex shim, then run the script or module with the remaining arguments as its argv."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -42,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(_USAGE)
     if args[0] != "-m" and not os.path.isfile(args[0]):
         raise SystemExit(f"ampkit.legacy: script not found: {args[0]!r}\n{_USAGE}")
+    if args[0] == "-m" and not _module_exists(args[1]):
+        raise SystemExit(f"ampkit.legacy: module not found: {args[1]!r} (not importable from {sys.path[0] or '.'!r})")
     if install_apex_shim(force=force):
         _share_shim_with_child_processes()
     if args[0] == "-m":

@@ -16,6 +16,7 @@ from ampkit.amp import (
     model_device,
     parse_dtype,
 )
+from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
@@ -73,7 +74,7 @@ class MixedPrecision(Callback):
         missing = [name for name in self.cast_modules if name not in modules]
         if missing:
             children = ", ".join(name for name, _ in trainer.module.named_children()) or "none"
-            raise ValueError(
+            raise ConfigError(
                 f"precision.cast_modules names {missing}, which the model does not have; its children: {children}"
             )
         return [modules[name] for name in self.cast_modules]

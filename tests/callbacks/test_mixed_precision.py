@@ -406,7 +406,7 @@ def test_config_errors_name_the_option(tmp_path):
         fit(SharedBackwardTrainer, tmp_path, opt_level="O1", growth_interval=10, scale_window=20)
     with pytest.raises(ampkit.ConfigError, match="backoff_factor=2.0"):
         fit(SharedBackwardTrainer, tmp_path, opt_level="O1", backoff_factor=2.0)
-    with pytest.raises(ValueError, match="cast_modules names \\['decoder'\\].*children: body, head"):
+    with pytest.raises(ampkit.ConfigError, match="cast_modules names \\['decoder'\\].*children: body, head"):
         fit(SharedBackwardTrainer, tmp_path, opt_level="O2", cast_modules=["decoder"])
     with pytest.raises(ValueError, match="loss_id=2 is out of range for precision.num_losses=2"):
         LossScaling(num_losses=2).scaler(2)

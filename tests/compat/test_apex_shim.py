@@ -111,6 +111,10 @@ def test_legacy_launcher_argument_errors(tmp_path, capsys):
         main([str(tmp_path / "nope.py")])
     with pytest.raises(SystemExit, match="usage"):
         main(["-m"])
+    with pytest.raises(SystemExit, match="module not found: 'no_such_module_xyz'"):
+        main(["-m", "no_such_module_xyz"])
+    with pytest.raises(SystemExit, match="module not found: 'no_such_package_xyz.train'"):
+        main(["-m", "no_such_package_xyz.train"])
     main(["--help"])
     assert "--force-shim" in capsys.readouterr().out
     assert "AMPKIT_APEX_SHIM" not in os.environ and "apex" not in sys.modules  # nothing was installed

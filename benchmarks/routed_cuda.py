@@ -1,0 +1,118 @@
+"""ampkit's fused optimizers under ``AMPKIT_FUSED_BACKEND=auto`` on a GPU against torch's fused forms.
+
+On CUDA ``auto`` hands Adam/AdamW/SGD buckets to torch's fused ops, so this needs no CUDA build of ampkit's own
+kernels: it checks that the routed step is bit-identical to torch's and costs no more, plain and through
+``torch.amp.GradScaler``. Run from the repository root on a GPU machine::
+
+    PYTHONPATH=$PWD python benchmarks/routed_cuda.py
+
+Timing: CUDA events around a batch of steps, best of several batches, torch and ampkit interleaved; the
+parameter lists are ``benchmarks/ops.py``'s transformer-like lists (many small 1-D tensors plus matrices).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ampkit.ops.optimizers import FusedAdam, FusedSGD  # noqa: E402
+
+SIZES = (1_000_000, 10_000_000, 50_000_000, 200_000_000)
+OPTIMIZERS: dict[str, tuple[Callable, Callable]] = {
+    "AdamW": (
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True),
+        lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
+    ),
+    "SGD momentum": (
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
+        lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+    ),
+}
+
+
+def _ops_bench():
+    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "benchmarks" / "ops.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_ops"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.BenchContext(threads=1, quick=False, sizes=())
+
+
+def params_with_grads(context, n: int) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(t.cuda()) for t in context.param_list(n)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    return params
+
+
+def time_ms(fns: list[Callable[[], object]], batch: int, rounds: int = 7) -> list[float]:
+    """Mean ms per call of each fn over a batch, best of ``rounds`` batches, interleaved."""
+    for fn in fns:
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            best[i] = min(best[i], start.elapsed_time(end) / batch)
+    return best
+
+
+def scaler_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    scaler = torch.amp.GradScaler("cuda")
+
+    def step() -> None:
+        scaler.scale(torch.ones((), device="cuda"))  # creates the scale, as scaling a loss would
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark is for a GPU machine", file=sys.stderr)
+        return 2
+    context = _ops_bench()
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
+    for name, (make_torch, make_ours) in OPTIMIZERS.items():
+        theirs, ours = params_with_grads(context, 1_000_000), params_with_grads(context, 1_000_000)
+        torch_opt, our_opt = make_torch(theirs), make_ours(ours)
+        for _ in range(20):
+            torch_opt.step()
+            our_opt.step()
+        diff = max((p - q).abs().max().item() for p, q in zip(theirs, ours, strict=True))
+        print(f"{name}: max |ampkit - torch| after 20 steps = {diff}")
+    print("\n| step | params | torch fused ms | ampkit auto ms | torch / ampkit |\n|---|---|---|---|---|")
+    for n in SIZES:
+        batch = 10 if n >= 50_000_000 else 20
+        rows = [(name, make_torch, make_ours, False) for name, (make_torch, make_ours) in OPTIMIZERS.items()]
+        rows.append(("GradScaler.step(AdamW)", *OPTIMIZERS["AdamW"], True))
+        for name, make_torch, make_ours, scaled in rows:
+            torch_opt = make_torch(params_with_grads(context, n))
+            our_opt = make_ours(params_with_grads(context, n))
+            fns = [scaler_step(torch_opt), scaler_step(our_opt)] if scaled else [torch_opt.step, our_opt.step]
+            t_torch, t_ours = time_ms(fns, batch)
+            print(f"| {name} | {n / 1e6:.0f}M | {t_torch:.3f} | {t_ours:.3f} | {t_torch / t_ours:.3f}x |", flush=True)
+            del torch_opt, our_opt
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
