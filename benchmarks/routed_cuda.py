@@ -6,8 +6,8 @@ kernels: it checks that the routed step is bit-identical to torch's and costs no
 
     PYTHONPATH=$PWD python benchmarks/routed_cuda.py
 
-Timing: CUDA events around a batch of steps, best of several batches, torch and ampkit interleaved; the
-parameter lists are ``benchmarks/ops.py``'s transformer-like lists (many small 1-D tensors plus matrices).
+Timing and parameter lists are ``benchmarks/ops_cuda.py``'s: CUDA events around a batch of steps, best of
+several batches, torch and ampkit interleaved; transformer-like lists (many small 1-D tensors plus matrices).
 """
 
 from __future__ import annotations
@@ -38,39 +38,25 @@ OPTIMIZERS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def _ops_bench():
-    spec = importlib.util.spec_from_file_location("bench_ops", ROOT / "benchmarks" / "ops.py")
+def _ops_cuda():
+    """``benchmarks/ops_cuda.py``, loaded by path: its timer and parameter lists are the ones used here."""
+    spec = importlib.util.spec_from_file_location("bench_ops_cuda", ROOT / "benchmarks" / "ops_cuda.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_ops"] = module  # its dataclasses look their module up
+    sys.modules["bench_ops_cuda"] = module
     spec.loader.exec_module(module)
-    return module.BenchContext(threads=1, quick=False, sizes=())
+    return module
 
 
-def params_with_grads(context, n: int) -> list[torch.nn.Parameter]:
+OPS_CUDA = _ops_cuda()
+
+
+def params_with_grads(n: int) -> list[torch.nn.Parameter]:
+    """``ops_cuda``'s transformer-like list of about ``n`` parameters, with gradients; the same on every call."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(t.cuda()) for t in context.param_list(n)]
+    params = [torch.nn.Parameter(t) for t in OPS_CUDA.param_list(n)]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-2
     return params
-
-
-def time_ms(fns: list[Callable[[], object]], batch: int, rounds: int = 7) -> list[float]:
-    """Mean ms per call of each fn over a batch, best of ``rounds`` batches, interleaved."""
-    for fn in fns:
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(batch):
-                fn()
-            end.record()
-            end.synchronize()
-            best[i] = min(best[i], start.elapsed_time(end) / batch)
-    return best
 
 
 def scaler_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
@@ -88,10 +74,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark is for a GPU machine", file=sys.stderr)
         return 2
-    context = _ops_bench()
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}")
     for name, (make_torch, make_ours) in OPTIMIZERS.items():
-        theirs, ours = params_with_grads(context, 1_000_000), params_with_grads(context, 1_000_000)
+        theirs, ours = params_with_grads(1_000_000), params_with_grads(1_000_000)
         torch_opt, our_opt = make_torch(theirs), make_ours(ours)
         for _ in range(20):
             torch_opt.step()
@@ -104,10 +89,10 @@ def main() -> int:
         rows = [(name, make_torch, make_ours, False) for name, (make_torch, make_ours) in OPTIMIZERS.items()]
         rows.append(("GradScaler.step(AdamW)", *OPTIMIZERS["AdamW"], True))
         for name, make_torch, make_ours, scaled in rows:
-            torch_opt = make_torch(params_with_grads(context, n))
-            our_opt = make_ours(params_with_grads(context, n))
+            torch_opt = make_torch(params_with_grads(n))
+            our_opt = make_ours(params_with_grads(n))
             fns = [scaler_step(torch_opt), scaler_step(our_opt)] if scaled else [torch_opt.step, our_opt.step]
-            t_torch, t_ours = time_ms(fns, batch)
+            t_torch, t_ours = OPS_CUDA.time_ms(*fns, batch=batch)
             print(f"| {name} | {n / 1e6:.0f}M | {t_torch:.3f} | {t_ours:.3f} | {t_torch / t_ours:.3f}x |", flush=True)
             del torch_opt, our_opt
             torch.cuda.empty_cache()
