@@ -87,6 +87,7 @@ from ampkit.trainer.run_life import (
     prediction_output,
     resolve_checkpoint,
 )
+from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import UserCodeError, check_batches, check_loss
@@ -422,7 +423,7 @@ class Trainer:
             self.fire("on_fit_start")
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
-            self._sanity_validate()
+            sanity_validate(self, self._val_loader)
             self.fire("on_train_start")
             while not self._finished():
                 self._run_epoch()
@@ -672,7 +673,7 @@ class Trainer:
         self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
-        self._check_validation_data()
+        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         self._setup_callbacks()
         path = start.checkpoint_path
         if path is not None and self.sharded and start.checkpoint is not None:
@@ -691,28 +692,6 @@ class Trainer:
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self.version_dir = broadcast_object(self.version_dir, self.dist)
 
-    def _monitors(self) -> dict[str, str]:
-        """The validation metrics this run's config monitors, by config key."""
-        keys = ("checkpoint.monitor", "early_stopping.monitor")
-        monitors = {key: OmegaConf.select(self.cfg, key) for key in keys}
-        if not self.cfg.checkpoint.enabled:
-            monitors.pop("checkpoint.monitor")
-        return {key: metric for key, metric in monitors.items() if metric}
-
-    def _check_validation_data(self) -> None:
-        """No validation data: an error when a metric is monitored, else a warning that validation is skipped."""
-        empty = self._val_loader is not None and self.num_val_batches == 0
-        if self._val_loader is not None and not empty:
-            return
-        monitors = self._monitors()
-        returned = "yields no batches" if empty else "returned None"
-        if monitors:
-            key, metric = next(iter(monitors.items()))
-            raise ConfigError(f"config key '{key}': monitors '{metric}', but val_dataloader() {returned}")
-        if empty:
-            self._val_loader = None
-            rank_zero_warn("val_dataloader() yields no batches: validation is skipped")
-
     def _check_resume_position(self, path: Path) -> None:
         """A mid-epoch checkpoint whose position this run's epoch cannot reach (a larger batch size, less data)."""
         done, total = self.state.batches_done, self._num_train_batches
@@ -722,38 +701,6 @@ class Trainer:
                 f"{total}: the data, batch size or limit_train_batches changed since it was saved. Resume with the "
                 "settings it was saved with, or resume from an epoch-end checkpoint"
             )
-
-    def _sanity_validate(self) -> None:
-        """Run ``validation_step`` on the first ``trainer.num_sanity_val_steps`` validation batches before
-        training, and check that every monitored metric is among its metrics: a broken ``validation_step`` or a
-        misspelt monitor fails now, not after an epoch. It runs under the run's precision (``on_validation_start``
-        and ``_end`` fire with ``state.stage == "sanity"``, which loggers, checkpoints and early stopping ignore);
-        the RNG is restored afterwards, so training draws what it would have drawn without it."""
-        limit, t = self.settings.num_sanity_val_steps, self.settings
-        if self._val_loader is None or limit == 0 or t.val_every_n_epochs == t.val_every_n_steps == 0:
-            return
-        rng = capture_rng()
-        self.state.stage = "sanity"
-        try:
-            self.fire("on_validation_start")
-            metrics = average_metrics(self, self._val_loader, self.validation_step, limit)
-            self.fire("on_validation_end", dict(metrics))
-        finally:
-            self.state.stage = "fit"
-        restore_rng(rng)
-        monitored = dict(self._monitors())
-        for spec in self._specs:
-            for sched in spec.schedulers:
-                if sched.monitor is not None and sched.strict:
-                    monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
-        for key, metric in monitored.items():
-            if metric.removeprefix("val/") not in metrics:
-                where = f"config key '{key}'" if "." in key else key
-                raise ConfigError(
-                    f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
-                    f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on "
-                    f"trainer.num_sanity_val_steps={limit} batches)"
-                )
 
     def _load_shards(self, path: Path) -> dict[str, Any]:
         try:
@@ -927,7 +874,7 @@ class Trainer:
         t = self.cfg.trainer
         validate_strategy(self.cfg)
         validate_model_setup(self.cfg)
-        self._check_monitors_can_be_met()
+        check_monitors_can_be_met(self.cfg, type(self).__name__, is_overridden("val_dataloader", self, Trainer))
         clip, precision_clip = t.clip_grad_norm, self.cfg.precision.clip_grad_norm
         if clip is not None and precision_clip is not None and clip != precision_clip:
             raise ConfigError(
@@ -939,24 +886,6 @@ class Trainer:
         # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
         # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
         precision_callbacks(self.cfg.precision)
-
-    def _check_monitors_can_be_met(self) -> None:
-        """A monitored metric needs validation: a val_dataloader and a validation interval."""
-        monitors = self._monitors()
-        if not monitors:
-            return
-        key, metric = next(iter(monitors.items()))
-        t = self.cfg.trainer
-        if not is_overridden("val_dataloader", self, Trainer):
-            raise ConfigError(
-                f"config key '{key}': monitors '{metric}', but {type(self).__name__} defines no val_dataloader(); "
-                f"define it (and validation_step), or set {key}=null"
-            )
-        if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
-            raise ConfigError(
-                f"config key '{key}': monitors '{metric}', but validation never runs (trainer.val_every_n_epochs=0 "
-                "and trainer.val_every_n_steps=0)"
-            )
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

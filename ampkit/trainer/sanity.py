@@ -1,0 +1,97 @@
+"""What a run checks before it trains, so a mistake costs seconds rather than an epoch: monitored metrics need
+validation data and a validation interval (at construction), an empty validation loader is an error when a
+metric is monitored and a warning otherwise (at set-up), and a sanity validation on the first
+``trainer.num_sanity_val_steps`` batches proves ``validation_step`` runs and returns every monitored metric."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
+
+from ampkit.config import ConfigError
+from ampkit.trainer.evaluation import average_metrics
+from ampkit.trainer.rng import capture_rng, restore_rng
+
+if TYPE_CHECKING:
+    from ampkit.trainer.trainer import Trainer
+
+_MONITOR_KEYS = ("checkpoint.monitor", "early_stopping.monitor")
+
+
+def monitored_metrics(cfg: DictConfig) -> dict[str, str]:
+    """The validation metrics the config monitors, by config key."""
+    monitors = {key: OmegaConf.select(cfg, key) for key in _MONITOR_KEYS}
+    if not cfg.checkpoint.enabled:
+        monitors.pop("checkpoint.monitor")
+    return {key: metric for key, metric in monitors.items() if metric}
+
+
+def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_dataloader: bool) -> None:
+    """A monitored metric needs validation: a ``val_dataloader`` and a validation interval."""
+    monitors = monitored_metrics(cfg)
+    if not monitors:
+        return
+    key, metric = next(iter(monitors.items()))
+    if not has_val_dataloader:
+        raise ConfigError(
+            f"config key '{key}': monitors '{metric}', but {trainer_name} defines no val_dataloader(); "
+            f"define it (and validation_step), or set {key}=null"
+        )
+    t = cfg.trainer
+    if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
+        raise ConfigError(
+            f"config key '{key}': monitors '{metric}', but validation never runs (trainer.val_every_n_epochs=0 "
+            "and trainer.val_every_n_steps=0)"
+        )
+
+
+def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | None) -> Any:
+    """``loader``, or None when it yields no batches (with a warning that validation is skipped); no validation
+    data at all is an error when a metric is monitored."""
+    empty = loader is not None and num_batches == 0
+    if loader is not None and not empty:
+        return loader
+    monitors = monitored_metrics(cfg)
+    if monitors:
+        key, metric = next(iter(monitors.items()))
+        returned = "yields no batches" if empty else "returned None"
+        raise ConfigError(f"config key '{key}': monitors '{metric}', but val_dataloader() {returned}")
+    if empty:
+        rank_zero_warn("val_dataloader() yields no batches: validation is skipped")
+    return None
+
+
+def sanity_validate(trainer: Trainer, loader: Any) -> None:
+    """Run ``validation_step`` on the first ``trainer.num_sanity_val_steps`` batches of ``loader`` and check that
+    every monitored metric (config keys, strict scheduler monitors) is among its metrics. It runs under the run's
+    precision (``on_validation_start`` and ``_end`` fire with ``state.stage == "sanity"``, which loggers,
+    checkpoints and early stopping ignore); the RNG is restored afterwards, so training draws what it would have
+    drawn without it."""
+    t = trainer.settings
+    limit = t.num_sanity_val_steps
+    if loader is None or limit == 0 or t.val_every_n_epochs == t.val_every_n_steps == 0:
+        return
+    rng = capture_rng()
+    trainer.state.stage = "sanity"
+    try:
+        trainer.fire("on_validation_start")
+        metrics = average_metrics(trainer, loader, trainer.validation_step, limit)
+        trainer.fire("on_validation_end", dict(metrics))
+    finally:
+        trainer.state.stage = "fit"
+    restore_rng(rng)
+    monitored = monitored_metrics(trainer.cfg)
+    for spec in trainer._specs:
+        for sched in spec.schedulers:
+            if sched.monitor is not None and sched.strict:
+                monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
+    for key, metric in monitored.items():
+        if metric.removeprefix("val/") not in metrics:
+            where = f"config key '{key}'" if "." in key else key
+            raise ConfigError(
+                f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
+                f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on "
+                f"trainer.num_sanity_val_steps={limit} batches)"
+            )
