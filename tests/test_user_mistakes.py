@@ -90,7 +90,19 @@ def test_a_misspelt_monitor_fails_before_training(tmp_path, capsys):
         line = _one_line(err)
         assert code == 2 and f"'{key}': monitors 'val/acuracy', which is not a validation metric" in line
         assert "validation_step returns val/mse" in line
-    assert not list((tmp_path / "runs").glob("version_*/checkpoints/*.pt"))  # no training happened
+    assert not list((tmp_path / "runs").glob("version_*"))  # no training happened, and no empty version_N is left
+
+
+def test_a_resume_caught_by_the_sanity_validation_keeps_its_run_directory(tmp_path, capsys):
+    code, _, _ = _cli(tmp_path, capsys, ["fit"], **{"trainer.max_epochs": 1})
+    assert code == 0
+    version = tmp_path / "runs" / "version_0"
+    before = {p: p.read_bytes() for p in version.rglob("*") if p.is_file() and p.name != "run.lock"}
+    code, _, err = _cli(tmp_path, capsys, ["fit", "--resume", "last", "checkpoint.monitor=val/acuracy"],
+                        **{"trainer.max_epochs": 2})  # fmt: skip
+    assert code == 2 and "which is not a validation metric" in _one_line(err)
+    assert all(p.read_bytes() == data for p, data in before.items())  # the continued run's files all kept
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["version_0"]
 
 
 def test_the_sanity_validation_catches_a_broken_validation_step_and_leaves_training_unchanged(tmp_path):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -188,6 +189,18 @@ def open_version_dir(
         lock.release()
         raise
     return version_dir, lock
+
+
+def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
+    """Remove the version directory a fresh run or a branch created, when it stopped before training (its sanity
+    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. A directory that a
+    resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero only."""
+    if version_dir is None or start.version_dir is not None:
+        return
+    checkpoints = version_dir / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return
+    shutil.rmtree(version_dir, ignore_errors=True)
 
 
 def lineage(start: FitStart) -> dict[str, Any]:

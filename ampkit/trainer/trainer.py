@@ -81,6 +81,7 @@ from ampkit.trainer.run_dir import unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
     RunLock,
+    discard_new_version_dir,
     lineage,
     open_version_dir,
     plan_fit,
@@ -193,6 +194,7 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
+        self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
@@ -403,6 +405,8 @@ class Trainer:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+            if self._discard_version_dir and self.is_global_zero:
+                discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean)
 
     def _start_distributed(self) -> None:
@@ -423,7 +427,11 @@ class Trainer:
             self.fire("on_fit_start")
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
-            sanity_validate(self, self._val_loader)
+            try:
+                sanity_validate(self, self._val_loader)
+            except Exception:
+                self._discard_version_dir = True  # nothing trained: a version_N made for this run leaves no trace
+                raise
             self.fire("on_train_start")
             while not self._finished():
                 self._run_epoch()
