@@ -14,7 +14,8 @@ step, as torch's fused optimizers leave them.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -74,6 +75,17 @@ class Bucket:
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
+
+
+@contextmanager
+def torch_step_counts(bucket: Bucket, found_inf: Tensor | None) -> Iterator[list[Tensor]]:
+    """The bucket's ``step`` tensors counted as ``torch.optim`` counts around its fused ops: advanced before the op,
+    and taken back on the device after it where ``found_inf`` made the op skip (no host read)."""
+    steps = bucket.state_list("step")
+    torch._foreach_add_(steps, 1)
+    yield steps
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ampkit.ops.optimizers._base import (
     acc_dtype,
     check_hyper,
     decay_weights_,
+    torch_step_counts,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -105,21 +106,18 @@ class FusedAdagrad(FusedOptimizer):
         )
 
     def _torch_update(self, group: dict[str, Any], bucket: Bucket, scaler: ScalerTensors) -> None:
-        """The bucket's step as ``torch.optim.Adagrad(fused=True)`` takes it (counters as in FusedAdam's)."""
-        steps = bucket.state_list("step")
-        torch._foreach_add_(steps, 1)
-        torch._fused_adagrad_(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("sum"),
-            steps,
-            lr=lr_for_torch_op(group["lr"], bucket.device),
-            lr_decay=group["lr_decay"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=scaler.grad_scale,
-            found_inf=scaler.found_inf,
-        )
-        if scaler.found_inf is not None:
-            torch._foreach_sub_(steps, [scaler.found_inf] * len(steps))
+        """The bucket's step as ``torch.optim.Adagrad(fused=True)`` takes it (counters: :func:`torch_step_counts`)."""
+        with torch_step_counts(bucket, scaler.found_inf) as steps:
+            torch._fused_adagrad_(
+                bucket.params,
+                bucket.grads,
+                bucket.state_list("sum"),
+                steps,
+                lr=lr_for_torch_op(group["lr"], bucket.device),
+                lr_decay=group["lr_decay"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=scaler.grad_scale,
+                found_inf=scaler.found_inf,
+            )

@@ -9,7 +9,15 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import lr_for_torch_op
-from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, ScalerTensors, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import (
+    NO_SCALER,
+    Bucket,
+    FusedOptimizer,
+    ScalerTensors,
+    acc_dtype,
+    check_hyper,
+    torch_step_counts,
+)
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -122,26 +130,23 @@ class FusedAdam(FusedOptimizer):
     def _torch_update(self, group: dict[str, Any], bucket: Bucket, scaler: ScalerTensors) -> None:
         """The bucket's step as ``torch.optim.Adam``/``AdamW(fused=True)`` takes it: counters advanced around the
         op and taken back on the device where ``found_inf`` made the op skip."""
-        steps = bucket.state_list("step")
         beta1, beta2 = group["betas"]
-        torch._foreach_add_(steps, 1)
         fused = torch._fused_adamw_ if group["adam_w_mode"] else torch._fused_adam_
-        fused(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("exp_avg"),
-            bucket.state_list("exp_avg_sq"),
-            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
-            steps,
-            amsgrad=group["amsgrad"],
-            lr=lr_for_torch_op(group["lr"], bucket.device),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            grad_scale=scaler.grad_scale,
-            found_inf=scaler.found_inf,
-        )
-        if scaler.found_inf is not None:
-            torch._foreach_sub_(steps, [scaler.found_inf] * len(steps))
+        with torch_step_counts(bucket, scaler.found_inf) as steps:
+            fused(
+                bucket.params,
+                bucket.grads,
+                bucket.state_list("exp_avg"),
+                bucket.state_list("exp_avg_sq"),
+                bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+                steps,
+                amsgrad=group["amsgrad"],
+                lr=lr_for_torch_op(group["lr"], bucket.device),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=scaler.grad_scale,
+                found_inf=scaler.found_inf,
+            )
