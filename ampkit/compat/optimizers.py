@@ -79,7 +79,10 @@ _AMP_C_OPS: dict[str, dict[str, str]] = {
     "FusedLAMB": {"multi_tensor_l2norm": "multi_tensor_l2norm", "multi_tensor_lamb": "multi_tensor_lamb"},
     "FusedNovoGrad": {"multi_tensor_novograd": "multi_tensor_novograd"},
     "FusedAdagrad": {"multi_tensor_adagrad": "multi_tensor_adagrad"},
-    "FusedMixedPrecisionLamb": {"multi_tensor_l2norm": "multi_tensor_l2norm_mp"},
+    "FusedMixedPrecisionLamb": {
+        "multi_tensor_l2norm": "multi_tensor_l2norm_mp",
+        "multi_tensor_lamb": "multi_tensor_lamb_mp",
+    },
 }
 
 
