@@ -93,6 +93,25 @@ def _param_groups_master(self: torch.optim.Optimizer) -> list[dict[str, list[tor
     ]
 
 
+# FusedAdam.step arguments of Apex's first FusedAdam, which Apex's last one still took only to refuse them.
+_FUSED_ADAM_LEGACY_STEP_ARGUMENTS = ("grads", "output_params", "scale", "grad_norms")
+
+
+def _fused_adam_step(base: type) -> Callable[..., Any]:
+    def step(self: Any, closure: Any = None, *legacy: Any, **kwargs: Any) -> Any:
+        """One step, as ``base.step``; Apex's deprecated ``grads``/``output_params``/``scale``/``grad_norms`` are
+        refused with Apex's message (not a TypeError about an unexpected argument)."""
+        given = list(legacy) + [kwargs.pop(name, None) for name in _FUSED_ADAM_LEGACY_STEP_ARGUMENTS]
+        if any(value is not None for value in given):
+            raise RuntimeError(
+                "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call "
+                "step() with no arguments."
+            )
+        return base.step(self, closure, **kwargs)
+
+    return step
+
+
 def _apex_class(name: str, base: type) -> type:
     """``base`` under Apex's name, setting Apex's attributes after ``base.__init__``."""
     signature = inspect.signature(base.__init__)
@@ -123,6 +142,7 @@ def _apex_class(name: str, base: type) -> type:
         namespace["_steps_per_group"] = True
     if name == "FusedAdam":
         namespace["param_groups_master"] = property(_param_groups_master)
+        namespace["step"] = _fused_adam_step(base)
     return type(name, (base,), namespace)
 
 
