@@ -59,7 +59,21 @@ def _target_module_name(fullname: str) -> str:
             f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}; {fullname!r} is not one of them",
             name=fullname,
         )
-    return APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
+    target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
+    if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
+        package = importlib.import_module(APEX_SUBPACKAGES[head])
+        names = getattr(package, "__all__", None) or [n for n in dir(package) if not n.startswith("_")]
+        raise ModuleNotFoundError(
+            f"ampkit's apex shim has no module {fullname!r}; apex.{head} provides {', '.join(names)}", name=fullname
+        )
+    return target
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent that is a plain module, not a package
+        return False
 
 
 def _make_apex_package() -> types.ModuleType:
