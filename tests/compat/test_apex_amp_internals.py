@@ -25,6 +25,13 @@ def _batch(i: int) -> torch.Tensor:
     return torch.randn(5, 6, generator=torch.Generator().manual_seed(i))
 
 
+@pytest.fixture
+def shim_installed():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
 def test_opt_properties_exists_only_once_initialize_ran():
     """A trainer that initializes amp (disabled) when its caller did not, and warns when amp is on unasked."""
     assert not hasattr(_amp_state, "opt_properties")
@@ -58,14 +65,10 @@ def test_all_wrappers_lists_the_patched_functions_and_deactivate_restores_them_a
     assert handle._all_wrappers == []
 
 
-def test_disable_casts_imports_from_apexs_handle_module():
-    install_apex_shim()
-    try:
-        from apex.amp.handle import disable_casts
+def test_disable_casts_imports_from_apexs_handle_module(shim_installed):
+    from apex.amp.handle import disable_casts
 
-        assert disable_casts is amp.disable_casts
-    finally:
-        uninstall_apex_shim()
+    assert disable_casts is amp.disable_casts
 
 
 @contextlib.contextmanager
@@ -127,3 +130,33 @@ def test_marking_scaled_gradients_done_before_unscaling_them_is_a_clear_error():
     optimizer._prepare_amp_backward()
     with pytest.raises(RuntimeError, match=r"call optimizer._post_amp_backward\(loss_scaler\) first"):
         optimizer._amp_stash.params_have_scaled_gradients = False
+
+
+def test_catalyst_casts_a_models_io_with_the_options_dict_and_amps_applier(shim_installed):
+    """catalyst's apex engine patches ``model.forward`` with ``apex.amp._initialize.applier`` and the dtypes in
+    ``_amp_state.opt_properties.options``."""
+    import apex
+
+    model = _model()
+    model, _ = apex.amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    options = apex.amp._amp_state.opt_properties.options
+    assert options == {"enabled": True, "opt_level": "O2", "cast_model_type": torch.float16,
+                       "patch_torch_functions": False, "keep_batchnorm_fp32": True, "master_weights": True,
+                       "loss_scale": "dynamic"}  # fmt: skip
+
+    def input_caster(tensor):
+        return tensor.to(options["cast_model_type"]) if tensor.is_floating_point() else tensor
+
+    def output_caster(tensor):
+        return tensor.to(options.get("cast_model_outputs", torch.float32)) if tensor.is_floating_point() else tensor
+
+    applier = apex.amp._initialize.applier
+    original = model.forward
+    model.forward = lambda *args, **kwargs: applier(
+        original(*applier(args, input_caster), **applier(kwargs, input_caster)), output_caster
+    )
+    out = model(_batch(0))
+    assert out.dtype == torch.float32
+    nested = applier({"x": (torch.ones(2), "text", [torch.zeros(1)]), "n": 3}, input_caster)
+    assert nested["x"][0].dtype == torch.float16 and nested["x"][1] == "text" and nested["n"] == 3
+    assert isinstance(nested["x"], tuple) and nested["x"][2][0].dtype == torch.float16

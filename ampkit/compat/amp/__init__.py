@@ -8,6 +8,9 @@ through the shim).
 """
 
 from ampkit.compat._exported_names import keep_exported_names
+from ampkit.compat.amp import (
+    _initialize as _initialize,
+)  # apex.amp._initialize.applier, reached as an attribute (catalyst)
 from ampkit.compat.amp._amp_state import _amp_state, master_params
 from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
 from ampkit.compat.amp.functions import (
