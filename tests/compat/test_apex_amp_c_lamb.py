@@ -275,3 +275,22 @@ def test_lamb_ops_check_their_arguments_and_accept_empty_lists():
             2048, buf, [t] * 4, torch.tensor(0.1), 0.9, 0.99, 1e-6, torch.ones(1), 1, 0.0,
             1, 2, torch.ones(1), torch.ones(1), False, torch.zeros(1), torch.ones(1),
         )  # fmt: skip
+
+
+def test_the_reference_backend_gives_the_kernels_results(monkeypatch):
+    """CUDA tensors without a CUDA build of ampkit's kernels (and ``AMPKIT_OPS=reference``) take the reference."""
+    results = {}
+    for backend in ("kernel", "reference"):
+        monkeypatch.setenv("AMPKIT_OPS", backend)
+        torch.manual_seed(0)
+        lists, masters = mp_lists("fp16_master")
+        lists[0] = [torch.randn(t.shape).half() for t in masters]
+        mp_call(lists, flag())
+        params, updates = fresh(torch.float32), fresh(torch.float16)
+        stage_lists = [fresh(torch.float32), params, *[[torch.zeros(p.shape) for p in params] for _ in range(2)]]
+        amp_C.multi_tensor_lamb_stage1_cuda(2048, flag(), [*stage_lists, updates], torch.full((5,), 0.01), 0, BETA1,
+                                            BETA2, EPS, torch.tensor([3.0]), 1.0)  # fmt: skip
+        amp_C.multi_tensor_lamb_stage2_cuda(2048, flag(), [params, updates], torch.ones(5), torch.ones(5), LR, 0.01)
+        results[backend] = [*masters, *lists[4], *params, *updates]
+    for kernel, reference in zip(results["kernel"], results["reference"], strict=True):
+        torch.testing.assert_close(kernel, reference, rtol=1e-6, atol=1e-6)
