@@ -6,6 +6,7 @@ Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and opti
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import importlib.util
@@ -200,3 +201,112 @@ def test_optional_apex_parts_fall_back_through_import_error_with_a_clear_message
         exec(statement, {})
     message = str(raised.value)
     assert "ampkit's apex shim" in message or "No module named 'fused_weight_gradient_mlp_cuda'" in message
+
+
+class _MMEngineStyleApexWrapper:
+    """mmengine's ApexOptimWrapper: ``initialize`` inside the first ``optim_context`` (every override passed,
+    ``None`` where not set), ``hasattr(optimizer, "_amp_stash")`` as "already initialized", the amp state saved
+    under ``"apex_amp"`` in the optimizer's state dict and, on resume, held until ``initialize`` ran."""
+
+    def __init__(self, optimizer, opt_level):
+        self.optimizer, self.opt_level, self._apex_amp_state_dict = optimizer, opt_level, None
+
+    def optim_context(self, model):
+        from apex import amp
+
+        if not hasattr(self.optimizer, "_amp_stash"):
+            _, self.optimizer = amp.initialize(
+                model, self.optimizer, opt_level=self.opt_level, loss_scale="dynamic", enabled=True,
+                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+                cast_model_outputs=None, num_losses=1, verbosity=0, min_loss_scale=None, max_loss_scale=2.0**24,
+            )  # fmt: skip
+            if self._apex_amp_state_dict is not None:
+                amp.load_state_dict(self._apex_amp_state_dict)
+                self._apex_amp_state_dict = None
+
+    def update_params(self, loss):
+        from apex import amp
+
+        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+            scaled_loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def state_dict(self):
+        from apex import amp
+
+        state_dict = self.optimizer.state_dict()
+        state_dict["apex_amp"] = amp.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        from apex import amp
+
+        if "apex_amp" in state_dict:
+            if hasattr(self.optimizer, "_amp_stash"):
+                amp.load_state_dict(state_dict.pop("apex_amp"))
+            else:
+                self._apex_amp_state_dict = state_dict.pop("apex_amp")
+        self.optimizer.load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_mmengine_style_wrapper_resumes_exactly(shim, opt_level):
+    from apex import amp
+
+    def train(model, wrapper, steps):
+        for i in steps:
+            wrapper.optim_context(model)
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+            x = x.half() if opt_level == "O2" else x
+            wrapper.update_params((model(x).float() ** 2).mean() * (2.0**12 if i == 0 else 1.0))
+
+    model = _mlp()
+    wrapper = _MMEngineStyleApexWrapper(torch.optim.Adam(model.parameters(), lr=1e-2), opt_level)
+    train(model, wrapper, range(3))
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optim": wrapper.state_dict()})  # as torch.save
+    assert checkpoint["optim"]["apex_amp"]["loss_scaler0"]["loss_scale"] < 2.0**16, "step 0 overflowed"
+    train(model, wrapper, range(3, 6))
+    final_scale = amp._amp_state.loss_scalers[0].loss_scale()
+    amp._amp_state.reset()  # a new process resumes from the checkpoint
+    resumed = _mlp()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_wrapper = _MMEngineStyleApexWrapper(torch.optim.Adam(resumed.parameters(), lr=1e-2), opt_level)
+    resumed_wrapper.load_state_dict(checkpoint["optim"])  # before initialize: the amp part waits
+    train(resumed, resumed_wrapper, range(3, 6))
+    assert amp._amp_state.loss_scalers[0].loss_scale() == final_scale
+    for a, b in zip(model.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_espnet_registers_a_float_function_after_initialize_and_calls_init_again(shim):
+    """ESPnet's ASR trainer: ``amp.initialize``, then ``amp.register_float_function(CTC, "loss_fn")`` and
+    ``amp.init()`` so that the CTC loss runs in float32 under O1, then the usual scale_loss loop."""
+    from apex import amp
+
+    class CTC(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 5)
+            self.seen_dtypes = []
+
+        def loss_fn(self, logits):
+            self.seen_dtypes.append(logits.dtype)
+            return logits.logsumexp(-1).mean()
+
+        def forward(self, x):
+            return self.loss_fn(self.proj(x))
+
+    encoder, ctc = _mlp()[0], CTC()
+    optimizer = torch.optim.SGD([*encoder.parameters(), *ctc.parameters()], lr=0.1)
+    (encoder, ctc), optimizer = amp.initialize([encoder, ctc], optimizer, opt_level="O1", verbosity=0)
+    amp.register_float_function(CTC, "loss_fn")
+    amp.init()
+    x = torch.randn(4, 8)
+    assert encoder(x).dtype == torch.float16, "O1 is still on after the second init"
+    loss = ctc(encoder(x)[:, :8])
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    assert ctc.seen_dtypes == [torch.float32]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ctc.parameters())
