@@ -85,7 +85,9 @@ def _make_apex_package() -> types.ModuleType:
     def __getattr__(name: str) -> Any:
         if name in APEX_SUBPACKAGES:
             return importlib.import_module(f"apex.{name}")
-        raise AttributeError(f"module 'apex' (ampkit shim) has no attribute {name!r}")
+        raise AttributeError(
+            f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
+        )
 
     package.__getattr__ = __getattr__
     return package

@@ -310,3 +310,23 @@ def test_espnet_registers_a_float_function_after_initialize_and_calls_init_again
     optimizer.step()
     assert ctc.seen_dtypes == [torch.float32]
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ctc.parameters())
+
+
+@pytest.mark.parametrize(
+    ("expression", "provided"),
+    [
+        ("apex.amp._initialized", "initialize, load_state_dict"),
+        ("apex.parallel.DistributedFusedAdam", "DistributedDataParallel"),
+        ("apex.fp16_utils.FP16_Module", "FP16_Optimizer"),
+        ("apex.multi_tensor_apply.MultiTensorApplier", "multi_tensor_applier"),
+        ("apex.contrib", "amp, fp16_utils, parallel"),
+        ("amp_C.multi_tensor_fused_adam", "multi_tensor_lamb_mp"),
+    ],
+)
+def test_a_name_apex_never_had_here_is_an_attribute_error_naming_what_is_provided(shim, expression, provided):
+    import amp_C
+    import apex
+
+    with pytest.raises(AttributeError, match=provided):
+        eval(expression, {"apex": apex, "amp_C": amp_C})
+    assert not hasattr(apex.amp, "_initialized")
