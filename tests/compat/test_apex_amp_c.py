@@ -309,3 +309,16 @@ def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_z
     scale.fill_(torch.finfo(torch.float32).tiny)
     amp_C.update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 1, 1)
     assert scale.item() == 0.0
+
+
+def test_amp_c_has_every_op_of_apexs_last_amp_c():
+    """The ``m.def`` names of Apex's ``csrc/amp_C_frontend.cpp`` at the last commit before amp was removed."""
+    apex_ops = {
+        "multi_tensor_scale", "multi_tensor_sgd", "multi_tensor_axpby", "multi_tensor_l2norm",
+        "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm",
+        "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda", "multi_tensor_adam",
+        "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adagrad",
+        "multi_tensor_novograd", "multi_tensor_lamb", "multi_tensor_lamb_mp", "update_scale_hysteresis",
+    }  # fmt: skip
+    assert set(amp_C.__all__) == apex_ops
+    assert all(callable(getattr(amp_C, name)) for name in apex_ops)
