@@ -233,7 +233,6 @@ def test_a_power_of_two_loss_scale_leaves_float8_gradients_bit_identical_once_un
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-
 @pytest.mark.parametrize(
     ("recipe", "device"),
     [*((r, "cuda") for r in RECIPES), pytest.param("rowwise", "cpu", marks=pytest.mark.slow)],  # CPU: ~10 s
