@@ -168,6 +168,8 @@ def test_converter_keeps_odd_dims_filtered_and_subclassed_linears_in_high_precis
 def test_converter_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match=r"modules \['decoder\.\*'\] name no nn.Linear; the model's: 0, 2, 3.0, 3.1"):
         convert_to_float8(_mlp(), modules=["decoder.*"])
+    with pytest.raises(ValueError, match=r"skip_modules \['lm_head'\] name no nn.Linear; the model's: 0, 2, 3.0, 3.1"):
+        convert_to_float8(_mlp(), skip_modules=["lm_head", "3.*"])  # a misspelt skip left the layer in float8
     with pytest.raises(ValueError, match="unknown fp8 recipe 'blockwise'; expected one of tensorwise, rowwise"):
         convert_to_float8(_mlp(), "blockwise")
     with pytest.raises(ValueError, match="unknown fp8 backend 'te'"):
