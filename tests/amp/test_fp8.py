@@ -262,3 +262,25 @@ def test_the_compiled_reference_equals_eager_bit_for_bit(recipe, device):
     for eager, compiled in zip(results[:2], results[2:], strict=True):
         for a, b in zip(eager, compiled, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recording_telemetry_reads_nothing_from_the_device(recipe):
+    """Every layer's statistics stay on the GPU until the logger reads them all at once: recording a training step
+    of a two-layer float8 model raises under CUDA's sync debug mode only if some statistic forced a read."""
+    model = _mlp().cuda()
+    convert_to_float8(model, recipe)
+    layers = {name: m for name, m in model.named_modules() if is_float8_linear(m)}
+    recorder = Float8Recorder(layers, RECIPES[recipe])
+    x = torch.randn(64, 32, device="cuda")
+    recorder.arm()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).sum().backward()
+        stats = recorder.disarm()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert set(stats) == set(layers) == {"0", "3.1"}
+    assert all(set(roles) == {"input", "weight", "grad_output"} for roles in stats.values())
