@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     if not trainer.is_global_zero:
         return 0
-    if args.command == "fit" and trainer.fit_start.finished(trainer.settings.max_epochs, trainer.settings.max_steps):
+    if args.command == "fit" and trainer.fit_start.finished:
         return 0  # a resume of a finished run: the Trainer said so, and wrote nothing
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)

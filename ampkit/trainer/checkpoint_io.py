@@ -1,4 +1,4 @@
-"""Atomic checkpoint files, and loading that never executes a pickle payload."""
+"""Atomic checkpoint (and run) files, and loading that never executes a pickle payload."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write ``text`` to ``path`` as :func:`save_atomic` writes: a kill leaves the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def link_atomic(source: Path, alias: Path) -> None:

@@ -16,6 +16,11 @@ def _versions(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def version_dirs(root: str | Path) -> list[Path]:
+    """Every ``version_N`` directory under ``root``, oldest first."""
+    return [path for _, path in _versions(Path(root))]
+
+
 def unwritable_reason(root: str | Path) -> str | None:
     """Why ``version_N`` could not be created under ``root`` (a file in the way, no write access), or None."""
     existing = Path(root).absolute()

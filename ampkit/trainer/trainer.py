@@ -87,6 +87,7 @@ from ampkit.trainer.run_life import (
     plan_fit,
     prediction_output,
     resolve_checkpoint,
+    tidy_run_dir,
 )
 from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
@@ -419,7 +420,9 @@ class Trainer:
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
-        if self.fit_start.finished(self.settings.max_epochs, self.settings.max_steps):
+        if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
+            tidy_run_dir(self.cfg.run_dir)
+        if self.fit_start.finished:
             self._already_finished()
             return
         self._setup(self.fit_start)
@@ -455,9 +458,7 @@ class Trainer:
         exhausted, max_steps = True, self.settings.max_steps
         for batch in self._epoch_batches():
             self._run_batch(batch)
-            if 0 <= max_steps <= s.global_step:
-                s.should_stop = True
-            if s.should_stop:  # max_steps reached, or a callback (early stopping) asked
+            if s.should_stop or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
         s.epoch_finished = exhausted
@@ -717,7 +718,7 @@ class Trainer:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
     def _already_finished(self) -> None:
-        """A resume of a run that already reached its limits: nothing runs, nothing is written."""
+        """A resume of a run that already finished (run_life's rules): nothing runs, nothing is written."""
         loop, path = self.fit_start.loop, self.fit_start.checkpoint_path
         self.state.epoch, self.state.batches_done, self.state.global_step = (
             loop["epoch"],
@@ -726,13 +727,7 @@ class Trainer:
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
-            t = self.settings
-            print(
-                f"ampkit: nothing to train: '{path}' already reached trainer.max_epochs={t.max_epochs} / "
-                f"trainer.max_steps={t.max_steps} (epoch {loop['epoch']}, step {loop['global_step']}); nothing "
-                "was written. Raise a limit to train further from its exact state.",
-                file=sys.stderr,
-            )
+            print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
@@ -799,6 +794,12 @@ class Trainer:
             return {"epoch": s.epoch + 1, "batches_done": 0, "global_step": s.global_step}
         return {"epoch": s.epoch, "batches_done": s.batches_done, "global_step": s.global_step}
 
+    def stop_reason(self) -> str | None:
+        """Why training stopped before its limits (``state.should_stop``), or None: a resume of a checkpoint that
+        records it trains nothing unless a key that decides stopping changed (run_life's rules)."""
+        s = self.state
+        return (s.stop_reason or "trainer.state.should_stop was set") if s.should_stop else None
+
     def checkpoint_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG.
 
@@ -811,6 +812,7 @@ class Trainer:
                 st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
+            "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
             "val_metrics": dict(self.val_metrics),
