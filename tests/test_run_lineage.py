@@ -250,24 +250,29 @@ class StopsItself(ToyTrainer):
 
 
 @pytest.mark.parametrize(
-    ("trainer_class", "settings", "why", "to_continue"),
+    ("trainer_class", "settings", "why", "stops_at", "to_continue"),
     [
-        (StopsItself, {}, "reached the target", {"trainer.max_steps": 9}),
+        (StopsItself, {}, "reached the target", 4, {"trainer.max_steps": 9}),
         (
             ToyTrainer,
             {"early_stopping.monitor": "val/mse", "early_stopping.min_delta": 1e9, "early_stopping.patience": 1},
             "early stopping: val/mse did not improve",
+            4,
             {"early_stopping.patience": 3},
         ),
+        (ToyTrainer, {"trainer.max_time": 1e-6}, "trainer.max_time=1e-06s reached", 1, {"trainer.max_time": 3600}),
     ],
+    ids=["should_stop", "early_stopping", "max_time"],
 )
 def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
-    tmp_path, capsys, trainer_class, settings, why, to_continue
+    tmp_path, capsys, trainer_class, settings, why, stops_at, to_continue
 ):
+    """A stop asked for during a step ends training after it; resumed with the same stopping keys it trains nothing
+    (a key that does not decide stopping may change), with a changed one it continues."""
     common = {**QUIET, **settings, "trainer.max_epochs": 3, "trainer.val_every_n_steps": 2}
     trainer_class(toy_cfg(tmp_path, **common)).fit()
     stopped_at = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")["loop"]["global_step"]
-    assert stopped_at == 4  # at step 4: a stop asked for during a step ends training after it
+    assert stopped_at == stops_at
     before = _files(tmp_path / "run")
     capsys.readouterr()
     same = trainer_class(toy_cfg(tmp_path, **{**common, "trainer.progress_bar": True}))  # not a stopping key
@@ -278,3 +283,22 @@ def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
     resumed = trainer_class(toy_cfg(tmp_path, **{**common, **to_continue}))
     resumed.fit(resume="last")
     assert resumed.version_dir.name == "version_0" and resumed.state.global_step > stopped_at
+
+
+@pytest.mark.parametrize("value", [0, -5, "1h", "00:00:00:00", "soon", True])
+def test_a_bad_max_time_names_the_key_and_the_valid_forms(tmp_path, value):
+    from ampkit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config key 'trainer.max_time': .* is invalid; expected null \(no limit\)"):
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_time": value}))
+
+
+def test_max_time_counts_on_across_a_resume(tmp_path):
+    from ampkit.callbacks import MaxTime
+
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "trainer.max_time": "01:00:00:00"})).fit()
+    saved = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")["callbacks"]["MaxTime"]
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 5, "trainer.max_time": "01:00:00:00"}))
+    resumed.fit(resume="last")
+    timer = next(cb for cb in resumed.callbacks if isinstance(cb, MaxTime))
+    assert timer.max_time_s == 86400 and 0 < saved["elapsed_s"] == timer.elapsed_before < timer.elapsed()

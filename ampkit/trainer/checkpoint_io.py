@@ -100,7 +100,10 @@ _TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``Type: first sentence of the message`` (torch appends paragraphs of advice to a corrupt archive's)."""
+    text = " ".join(str(exc).split())
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

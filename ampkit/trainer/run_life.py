@@ -6,9 +6,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   one) or a path, and then, decided before any user code runs:
 
   - **finished**: the checkpoint already reached ``trainer.max_epochs``/``trainer.max_steps``, or training
-    stopped early there (early stopping, or ``state.should_stop`` set by user code) and the keys that decide
-    when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is written; a larger limit
-    (or a changed stopping key) continues it from its exact state (RNG included).
+    stopped early there (early stopping, ``trainer.max_time``, or ``state.should_stop`` set by user code) and
+    the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
+    written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
     position): training goes on in that directory.
   - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
@@ -69,9 +69,15 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     if str(ckpt) in ("last", "best"):
         return latest_checkpoint(run_dir, f"{ckpt}.pt")
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
-    if not (path.is_file() or is_sharded_checkpoint(path)):
-        raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
-    return path
+    if path.is_file() or is_sharded_checkpoint(path):
+        return path
+    if path.is_dir():
+        inside = next((c for c in (path / "last.pt", path / "checkpoints" / "last.pt") if c.is_file()), None)
+        hint = f" (e.g. '{inside}')" if inside is not None else ""
+        raise CheckpointError(
+            f"'{path}' is a directory, not a checkpoint: pass a checkpoint file in it{hint}, or 'last' or 'best'"
+        )
+    raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
 
 
 def _trainer_part(path: Path) -> Path:
@@ -126,7 +132,7 @@ class FitStart:
 
 # The ampkit sections whose keys decide when training stops; every section a Trainer subclass adds counts too
 # (a ``should_stop`` set by its code may read it).
-STOPPING_KEYS = ("trainer.max_epochs", "trainer.max_steps", "early_stopping.")
+STOPPING_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "early_stopping.")
 _AMPKIT_SECTIONS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -153,7 +159,8 @@ def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str
         return None
     return (
         f"'{path}' stopped early ({stopped}; {where}); nothing was written. To train further from its exact "
-        "state, raise trainer.max_steps/max_epochs or change early_stopping.* (or your Trainer's own settings)."
+        "state, raise trainer.max_steps/max_epochs/max_time or change early_stopping.* (or your Trainer's own "
+        "settings)."
     )
 
 
@@ -221,16 +228,26 @@ def open_version_dir(
 ) -> tuple[Path, RunLock]:
     """The version directory this fit writes, locked before anything is written there: created (with its
     lineage) for a fresh run or a branch; its config saved. Rank zero only."""
-    version_dir = start.version_dir if start.version_dir is not None else new_version_dir(run_dir)
-    lock = RunLock(version_dir)
-    lock.acquire()
+    version_dir, lock = start.version_dir, None
     try:
+        version_dir = version_dir if version_dir is not None else new_version_dir(run_dir)
+        lock = RunLock(version_dir)
+        lock.acquire()
         if start.branched_from is not None:
             write_text_atomic(OmegaConf.to_yaml(lineage(start)), version_dir / LINEAGE_FILE)
         save_config(version_dir, cfg, global_step, start)
-    except BaseException:
-        lock.release()
-        raise
+    except BaseException as exc:
+        if lock is not None:
+            lock.release()
+        if start.version_dir is None and version_dir is not None:  # a version_N made just now: no trace of it
+            shutil.rmtree(version_dir, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
+        where = exc.filename or version_dir or run_dir
+        raise RunDirectoryError(
+            f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
+            f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+        ) from None
     return version_dir, lock
 
 

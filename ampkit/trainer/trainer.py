@@ -73,13 +73,14 @@ from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_me
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
-from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_, zero_grad_
+from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
+    RunDirectoryError,
     RunLock,
     discard_new_version_dir,
     lineage,
@@ -92,7 +93,7 @@ from ampkit.trainer.run_life import (
 from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
-from ampkit.trainer.user_code import UserCodeError, check_batches, check_loss
+from ampkit.trainer.user_code import UserCodeError, call_setup_method, check_batches, check_loss
 
 
 def _every(n: int, count: int) -> bool:
@@ -425,6 +426,8 @@ class Trainer:
         if self.fit_start.finished:
             self._already_finished()
             return
+        if self.is_global_zero:  # before any user code runs
+            self._check_run_dir(write=True)
         self._setup(self.fit_start)
         try:
             self.fire("on_fit_start")
@@ -432,8 +435,8 @@ class Trainer:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
                 sanity_validate(self, self._val_loader)
-            except Exception:
-                self._discard_version_dir = True  # nothing trained: a version_N made for this run leaves no trace
+            except BaseException:  # a failure or a Ctrl-C: nothing trained, so a version_N made for it leaves no trace
+                self._discard_version_dir = True
                 raise
             self.fire("on_train_start")
             while not self._finished():
@@ -613,7 +616,10 @@ class Trainer:
             path = output
             if self.world_size > 1:
                 path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
-            save_atomic(predictions, path)
+            try:
+                save_atomic(predictions, path)
+            except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
+                raise RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})") from None
             self.predictions_path = output
         return predictions
 
@@ -638,7 +644,7 @@ class Trainer:
             self._load_weights(path)
         if fresh:
             self._setup_callbacks()
-        loader = getattr(self, stage.dataloader)()
+        loader = call_setup_method(self, stage.dataloader)
         if loader is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
@@ -665,7 +671,7 @@ class Trainer:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
-        module = self.configure_model()
+        module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
@@ -673,13 +679,18 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._setup_model()
-        self._specs = normalize_optimizers(self.configure_optimizers())
+        self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        check_parameters(self._specs, self.module)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
-        self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
-        self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
+        self._train_loader = distributed_loader(
+            call_setup_method(self, "train_dataloader"), seed, self.dist, shuffle_default=True
+        )
+        self._val_loader = distributed_loader(
+            call_setup_method(self, "val_dataloader"), seed, self.dist, shuffle_default=False
+        )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
@@ -732,7 +743,9 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
-        self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
+        self.callbacks = order_callbacks(
+            default_callbacks(self) + call_setup_method(self, "configure_callbacks") + self._user_callbacks
+        )
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
@@ -864,8 +877,11 @@ class Trainer:
         try:
             state = consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_checkpoint(path)["model"]
             self.module.load_state_dict(state)
+        except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
+            raise
         except (KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
+            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
 
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
         """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
@@ -877,10 +893,8 @@ class Trainer:
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
         check_values(self.cfg)
-        if os.environ.get("RANK", "0") == "0":  # only rank zero writes the run directory
-            reason = unwritable_reason(self.cfg.run_dir)
-            if reason is not None:
-                raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
+        if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's need (_check_run_dir)
+            self._check_run_dir(write=False)
         t = self.cfg.trainer
         validate_strategy(self.cfg)
         validate_model_setup(self.cfg)
@@ -896,6 +910,13 @@ class Trainer:
         # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
         # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
         precision_callbacks(self.cfg.precision)
+
+    def _check_run_dir(self, write: bool) -> None:
+        """``run_dir`` can hold a run (and, with ``write``, this process may write there). validate/test/predict only
+        read it, so a read-only run directory (an archive, a shared mount) still serves them."""
+        reason = unwritable_reason(self.cfg.run_dir, write)
+        if reason is not None:
+            raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

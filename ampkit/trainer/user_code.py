@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
+
+from ampkit.config import Config, flatten
 
 
 class UserCodeError(TypeError, ValueError):
@@ -42,3 +47,32 @@ def check_batches(count: int | None, method: str) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing)."""
     if count == 0:
         raise UserCodeError(f"{method}() yields no batches (an empty dataset, or a batch size above its length?)")
+
+
+_AMPKIT_SECTIONS = {f.name for f in dataclasses.fields(Config)}
+
+
+def _named_settings(cfg: DictConfig, message: str) -> str:
+    """`` (config: data.batch_size=0)``: the keys of the Trainer's own config sections that ``message`` names."""
+    own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in _AMPKIT_SECTIONS}
+    named = [
+        f"{key}={value!r}"
+        for key, value in own.items()
+        if len(leaf := key.rpartition(".")[2]) >= 3 and re.search(rf"\b{re.escape(leaf)}\b", message)
+    ]
+    return f" (config: {', '.join(named)})" if named else ""
+
+
+def call_setup_method(trainer: Any, method: str) -> Any:
+    """``trainer.<method>()`` at set-up (``configure_model``, ``train_dataloader``...): what it raises (a setting
+    of its own that a library refuses, such as a batch size of 0; a missing package) becomes one
+    :class:`UserCodeError` naming the method and the config keys the message names, the original chained
+    (``--debug`` shows it). ampkit's own errors, and ``NotImplementedError`` for a method it lacks, pass as they are."""
+    try:
+        return getattr(trainer, method)()
+    except Exception as exc:
+        if type(exc).__module__.startswith("ampkit.") or isinstance(exc, NotImplementedError):
+            raise
+        text = " ".join(str(exc).split())
+        detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        raise UserCodeError(f"{method}() raised {detail}{_named_settings(trainer.cfg, str(exc))}") from exc
