@@ -102,6 +102,28 @@ def _loop_of(path: Path) -> dict[str, int] | None:
         return None
 
 
+def load_with_fallback_hint(path: Path) -> dict[str, Any]:
+    """:func:`load_checkpoint`; when ``path`` cannot be read, the error names the newest readable checkpoint beside
+    it (a damaged ``last.pt`` leaves its step files to resume from: a resume from one is a branch)."""
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as exc:
+        fallback = _newest_readable_beside(path)
+        if fallback is None:
+            raise
+        raise CheckpointError(f"{exc}; the newest readable checkpoint beside it is '{fallback}'") from None
+
+
+def _newest_readable_beside(path: Path) -> Path | None:
+    if path.parent.name != "checkpoints" or not path.parent.is_dir():
+        return None
+    others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
+    for other in sorted(others, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if not (path.exists() and os.path.samefile(other, path)) and _loop_of(other) is not None:
+            return other
+    return None
+
+
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
     """Whether checkpoint ``path`` holds ``version_dir``'s newest state (``last.pt``'s loop position)."""
     checkpoints = version_dir / "checkpoints"
@@ -178,7 +200,7 @@ def plan_fit(
         return FitStart()
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
-    checkpoint = load_checkpoint(_trainer_part(path))
+    checkpoint = load_with_fallback_hint(_trainer_part(path))
     missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
     if not sharded and "model" not in checkpoint:
         missing.insert(0, "model")

@@ -59,7 +59,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
@@ -84,6 +84,7 @@ from ampkit.trainer.run_life import (
     RunLock,
     discard_new_version_dir,
     lineage,
+    load_with_fallback_hint,
     open_version_dir,
     plan_fit,
     prediction_output,
@@ -875,7 +876,9 @@ class Trainer:
             load_sharded(path, self.module, {})
             return
         try:
-            state = consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_checkpoint(path)["model"]
+            state = (
+                consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_with_fallback_hint(path)["model"]
+            )
             self.module.load_state_dict(state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
