@@ -282,3 +282,55 @@ def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_pa
     settings = ["--resume", "last", "trainer.max_steps=6"] if command == "fit" else ["--ckpt", "last"]
     line = _one_line_error(capsys, [command, "--config", config, *settings])
     assert f"the newest readable checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'" in line
+
+
+class NaNFirstStep(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * float("nan") if self.state.global_step == 0 else loss
+
+
+@pytest.mark.parametrize("opt_level", ["O4", "O5"])
+def test_a_nan_loss_in_the_first_bf16_step_is_one_line_and_checkpoints_nothing_non_finite(tmp_path, capsys, opt_level):
+    settings = {"trainer.max_steps": 3, "checkpoint.every_n_steps": 1, "precision.opt_level": opt_level}
+    config = _config(tmp_path, "test_hostile_inputs:NaNFirstStep", **settings)
+    capsys.readouterr()
+    assert main(["fit", "--config", config]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "not finite at step 1" in lines[0] and "step 1 applied a loss of nan" in lines[0]
+    assert not (tmp_path / "runs" / "version_0" / "checkpoints").exists()
+    # skip_nonfinite (off by default in bfloat16) skips that step instead, and the run ends with a finite model.
+    assert main(["fit", "--config", config, "precision.skip_nonfinite=true"]) == 0
+    final = load_checkpoint(tmp_path / "runs" / "version_1" / "checkpoints" / "last.pt")
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+def test_ctrl_c_while_pruning_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    from checkpoint_compare import assert_same_checkpoint
+
+    from ampkit.callbacks import ModelCheckpoint
+
+    common = {**QUIET, "trainer.max_steps": 10, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 1}
+    real_prune, prunes = ModelCheckpoint._prune, []
+
+    def interrupted_prune(self, directory):
+        prunes.append(1)
+        if len(prunes) == 5:  # after deleting one of the files beyond keep_last
+            min(directory.glob("step-*.pt"), key=lambda p: p.stat().st_mtime_ns).unlink()
+            raise KeyboardInterrupt
+        real_prune(self, directory)
+
+    monkeypatch.setattr(ModelCheckpoint, "_prune", interrupted_prune)
+    with pytest.raises(KeyboardInterrupt):
+        ToyTrainer(toy_cfg(tmp_path / "a", **common)).fit()
+    monkeypatch.undo()
+    resumed = ToyTrainer(toy_cfg(tmp_path / "a", **common))
+    resumed.fit(resume="last")
+    straight = ToyTrainer(toy_cfg(tmp_path / "b", **common))
+    straight.fit()
+    names = sorted(p.name for p in (resumed.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000009.pt", "step-00000010.pt"]
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(straight.version_dir / "checkpoints" / "last.pt"),
+    )
