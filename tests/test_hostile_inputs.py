@@ -334,3 +334,32 @@ def test_ctrl_c_while_pruning_then_resume_matches_an_uninterrupted_run(tmp_path,
         load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
         load_checkpoint(straight.version_dir / "checkpoints" / "last.pt"),
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fit", "--resume", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
+        (["validate", "--ckpt", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
+        (["predict", "--output", ""], "predict --output is empty: name a file"),
+    ],
+)
+def test_an_empty_path_is_named_as_empty(trained, capsys, argv, message):
+    _, config, _ = trained
+    assert message in _one_line_error(capsys, [argv[0], "--config", config, *argv[1:]])
+
+
+def test_a_damaged_config_yaml_in_the_run_is_kept_and_the_resume_goes_on(trained, tmp_path):
+    _, config, last = trained
+    run = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(last.parent.parent, run / "version_0")
+    (run / "version_0" / "config.yaml").write_bytes(b"\xff\xfe not text")
+    cfg = {**OmegaConf.to_container(OmegaConf.load(config)), "run_dir": str(run)}
+    cfg["trainer"]["max_steps"] = 6
+    resumed = ToyTrainer(cfg)
+    resumed.fit(resume="last")
+    assert resumed.version_dir == run / "version_0" and resumed.state.global_step == 6
+    assert (run / "version_0" / "config.yaml").read_bytes() == b"\xff\xfe not text"
+    assert (run / "version_0" / "config.resumed_at_step_4.yaml").is_file()

@@ -68,6 +68,8 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
         return None
     if str(ckpt) in ("last", "best"):
         return latest_checkpoint(run_dir, f"{ckpt}.pt")
+    if not str(ckpt).strip():
+        raise CheckpointError("the checkpoint path is empty: pass a path, 'last' or 'best'")
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
     if path.is_file() or is_sharded_checkpoint(path):
         return path
@@ -303,7 +305,7 @@ def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: Fit
     if start.branched_from is not None:
         text = f"# branched from {start.branched_from.absolute()} at global step {global_step}\n{text}"
     target = version_dir / "config.yaml"
-    if target.is_file() and target.read_text() != text:
+    if target.is_file() and target.read_text(errors="replace") != text:  # damaged or edited: kept, not replaced
         target = version_dir / f"config.resumed_at_step_{global_step}.yaml"
     if not target.is_file():
         write_text_atomic(text, target)
@@ -465,6 +467,8 @@ class RunLock:
 def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
     """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules)."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
+    if not text.strip():
+        raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
     path = Path(text)
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE
