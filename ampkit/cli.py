@@ -24,7 +24,7 @@ from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.run_dir import latest_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
-from ampkit.trainer.user_code import UserCodeError
+from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
 # NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
@@ -153,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
+    except Exception as exc:  # what a Trainer's set-up method raised: one line; anything else is a traceback
+        line = getattr(exc, SETUP_ERROR_LINE, None)
+        if line is None or args.debug:
+            raise
+        print(f"ampkit: error: {line} (--debug shows the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if args.debug:
             raise

@@ -363,3 +363,15 @@ def test_a_damaged_config_yaml_in_the_run_is_kept_and_the_resume_goes_on(trained
     assert resumed.version_dir == run / "version_0" and resumed.state.global_step == 6
     assert (run / "version_0" / "config.yaml").read_bytes() == b"\xff\xfe not text"
     assert (run / "version_0" / "config.resumed_at_step_4.yaml").is_file()
+
+
+class BrokenModel(ToyTrainer):
+    def configure_model(self):
+        raise RuntimeError("cannot build the model")
+
+
+def test_a_set_up_method_s_own_exception_keeps_its_type_in_python_and_is_one_line_in_the_cli(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="cannot build the model"):
+        BrokenModel(toy_cfg(tmp_path, **QUIET)).fit()
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path, "test_hostile_inputs:BrokenModel")])
+    assert "configure_model() raised RuntimeError: cannot build the model" in line

@@ -63,16 +63,20 @@ def _named_settings(cfg: DictConfig, message: str) -> str:
     return f" (config: {', '.join(named)})" if named else ""
 
 
+# The attribute :func:`call_setup_method` sets on what a set-up method raised: the one line the CLI prints for it.
+SETUP_ERROR_LINE = "ampkit_setup_error"
+
+
 def call_setup_method(trainer: Any, method: str) -> Any:
-    """``trainer.<method>()`` at set-up (``configure_model``, ``train_dataloader``...): what it raises (a setting
-    of its own that a library refuses, such as a batch size of 0; a missing package) becomes one
-    :class:`UserCodeError` naming the method and the config keys the message names, the original chained
-    (``--debug`` shows it). ampkit's own errors, and ``NotImplementedError`` for a method it lacks, pass as they are."""
+    """``trainer.<method>()`` at set-up (``configure_model``, ``train_dataloader``...). What it raises (a setting
+    of its own that a library refuses, such as a batch size of 0; a missing package) propagates as it is, carrying
+    one line (:data:`SETUP_ERROR_LINE`) naming the method and the config keys its message names, which the CLI
+    prints instead of a traceback. ampkit's own errors, and ``NotImplementedError`` (a method it lacks), carry none."""
     try:
         return getattr(trainer, method)()
     except Exception as exc:
-        if type(exc).__module__.startswith("ampkit.") or isinstance(exc, NotImplementedError):
-            raise
-        text = " ".join(str(exc).split())
-        detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        raise UserCodeError(f"{method}() raised {detail}{_named_settings(trainer.cfg, str(exc))}") from exc
+        if not (type(exc).__module__.startswith("ampkit.") or isinstance(exc, NotImplementedError)):
+            text = " ".join(str(exc).split())
+            detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+            setattr(exc, SETUP_ERROR_LINE, f"{method}() raised {detail}{_named_settings(trainer.cfg, str(exc))}")
+        raise
