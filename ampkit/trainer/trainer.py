@@ -427,8 +427,7 @@ class Trainer:
         if self.fit_start.finished:
             self._already_finished()
             return
-        if self.is_global_zero:  # before any user code runs
-            self._check_run_dir(write=True)
+        self._check_run_dir(write=True)  # before any user code runs
         self._setup(self.fit_start)
         try:
             self.fire("on_fit_start")
@@ -896,7 +895,7 @@ class Trainer:
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
         check_values(self.cfg)
-        if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's need (_check_run_dir)
+        if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's to check
             self._check_run_dir(write=False)
         t = self.cfg.trainer
         validate_strategy(self.cfg)
@@ -916,8 +915,10 @@ class Trainer:
 
     def _check_run_dir(self, write: bool) -> None:
         """``run_dir`` can hold a run (and, with ``write``, this process may write there). validate/test/predict only
-        read it, so a read-only run directory (an archive, a shared mount) still serves them."""
-        reason = unwritable_reason(self.cfg.run_dir, write)
+        read it, so a read-only run directory (an archive, a shared mount) still serves them. Rank zero, which writes
+        it, decides for every rank (once distributed has started), so all stop together."""
+        reason = unwritable_reason(self.cfg.run_dir, write) if self.is_global_zero else None
+        reason = broadcast_object(reason, self.dist)
         if reason is not None:
             raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
 
