@@ -193,6 +193,10 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
+# The root keys every Trainer's config has; any other root key is a section of a Trainer subclass's own.
+AMPKIT_KEYS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Config))
+
+
 def _project_root(start: Path, module_name: str) -> Path | None:
     """The nearest of ``start`` and its parents holding the module's top package (``examples/`` or ``examples.py``)."""
     top = module_name.partition(".")[0]

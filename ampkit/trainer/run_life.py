@@ -30,7 +30,6 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -46,7 +45,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import Config, flatten
+from ampkit.config import AMPKIT_KEYS, flatten
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint, write_text_atomic
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
@@ -157,11 +156,10 @@ class FitStart:
 # The ampkit sections whose keys decide when training stops; every section a Trainer subclass adds counts too
 # (a ``should_stop`` set by its code may read it).
 STOPPING_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "early_stopping.")
-_AMPKIT_SECTIONS = {f.name for f in dataclasses.fields(Config)}
 
 
 def _stopping_key(key: str) -> bool:
-    return key.startswith(STOPPING_KEYS) or key.partition(".")[0] not in _AMPKIT_SECTIONS
+    return key.startswith(STOPPING_KEYS) or key.partition(".")[0] not in AMPKIT_KEYS
 
 
 def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str | None:

@@ -171,6 +171,7 @@ class Trainer:
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
         self.cfg: DictConfig = cfg
+        self.dist = DistributedEnv()  # one process until fit/validate/test/predict start torch.distributed
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
@@ -179,7 +180,6 @@ class Trainer:
         self.device = self._resolve_device(self.settings.device)
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
-        self.dist = DistributedEnv()
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from ampkit.config import Config, flatten
+from ampkit.config import AMPKIT_KEYS, flatten
 
 
 class UserCodeError(TypeError, ValueError):
@@ -49,12 +48,9 @@ def check_batches(count: int | None, method: str) -> None:
         raise UserCodeError(f"{method}() yields no batches (an empty dataset, or a batch size above its length?)")
 
 
-_AMPKIT_SECTIONS = {f.name for f in dataclasses.fields(Config)}
-
-
 def _named_settings(cfg: DictConfig, message: str) -> str:
     """`` (config: data.batch_size=0)``: the keys of the Trainer's own config sections that ``message`` names."""
-    own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in _AMPKIT_SECTIONS}
+    own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in AMPKIT_KEYS}
     named = [
         f"{key}={value!r}"
         for key, value in own.items()
