@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 import ampkit
 from ampkit.callbacks.throughput import count_training_flops
@@ -330,12 +329,10 @@ class GPTTrainer(ampkit.Trainer):
 
     def train_dataloader(self) -> DataLoader:
         windows = Windows(self._split("train"), self.cfg.model.seq_len)
-        # One shuffle of all windows per epoch, dealt round-robin to the ranks: the same windows make up a step
-        # on any number of ranks (at a fixed global batch), so a run resumed at another world size continues the
-        # same curve. The Trainer reseeds the sampler each epoch.
-        order = DistributedSampler(windows, self.world_size, self.global_rank, shuffle=True,
-                                   seed=self.settings.seed or 0, drop_last=True)  # fmt: skip
-        return DataLoader(windows, batch_size=self.cfg.data.batch_size, sampler=order, drop_last=True)
+        # The Trainer gives a shuffled loader a seeded sampler that deals one permutation per epoch round-robin to
+        # the ranks: the same windows make up a step on any number of ranks (at a fixed global batch), so a run
+        # resumed at another world size continues the same curve.
+        return DataLoader(windows, batch_size=self.cfg.data.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
