@@ -13,7 +13,8 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
 - ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
   recomputes their activations, ``distributed.strategy=fsdp`` shards each block (``distributed.fsdp.
   shard_modules: [Block]``); tokens/s, TFLOP/s and MFU come from the FLOPs counted once on a meta-device copy.
-- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab.
+- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab
+  (to the console under ``logging.tensorboard=false``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class GPTGenerateConfig:
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8
-    every_n_steps: int = 100  # a sample to TensorBoard's Text tab every N iterations (0: never)
+    every_n_steps: int = 100  # a sample to TensorBoard's Text tab (else the console) every N iterations (0: never)
 
 
 @dataclass
@@ -369,7 +370,12 @@ class GPTTrainer(ampkit.Trainer):
             self.module.eval()
             text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
-            self.logger.log_text("samples", text)
+            if self.cfg.logging.tensorboard:
+                self.logger.log_text("samples", text)
+            elif self.is_global_zero:  # no TensorBoard to take it: the console, rather than generating for nothing
+                from tqdm.auto import tqdm
+
+                tqdm.write(f"  sample at step {s.iteration}: {text!r}")
 
     def on_predict_end(self, predictions: list[str]) -> None:
         if self.is_global_zero:
