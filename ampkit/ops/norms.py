@@ -139,7 +139,7 @@ def _torch_runs(
     output). Under ``auto``: on a GPU always (ampkit's CUDA norms measured 0.31-1.0x torch's on an H100); on the
     CPU fp32 LayerNorm (fwd+bwd 0.86x ``F.layer_norm`` at 8192x1024, 1.00x at 32768x4096) and fp16 LayerNorm
     (0.25-0.36x at 1024x64 and 8192x1024: torch's converts whole vectors of halves), while bf16 LayerNorm
-    (1.18-1.26x at 8192x1024, 0.73-0.95x at 1024x64), RMSNorm (fp16 1.8-6.7x, bf16 3.3-9.9x) and float64 (not
+    (0.98-1.42x at 1024-8192 rows x 64-1024), RMSNorm (fp16 1.8-6.7x, bf16 3.3-9.9x) and float64 (not
     measured) keep ampkit's kernels."""
     if memory_efficient or (weight is not None and weight.dtype != input.dtype):
         return False
