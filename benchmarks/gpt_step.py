@@ -212,7 +212,8 @@ def lightning_loop(setting: Setting, precision: str, compiled: bool) -> float | 
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), gradient_clip_val)
 
     accelerator = "gpu" if setting.device.type == "cuda" else "cpu"
-    trainer = L.Trainer(accelerator=accelerator, devices=1, max_epochs=1, precision=PRECISIONS[precision][2],
+    devices = [setting.device.index or 0] if accelerator == "gpu" else 1  # where the batches are
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, max_epochs=1, precision=PRECISIONS[precision][2],
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, gradient_clip_val=setting.clip)  # fmt: skip
     trainer.fit(Module(), train_dataloaders=_Iterable(setting.batches))
@@ -263,7 +264,8 @@ def main() -> None:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             parser.error(f"--device {args.device!r}: no CUDA device is visible")
-        torch.cuda.set_device(device)
+        if device.index is not None:  # cuda:N: every loop's allocations and events go there
+            torch.cuda.set_device(device)
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup}: expected 0 <= warmup < --steps ({args.steps})")
     torch.set_num_threads(args.threads)
