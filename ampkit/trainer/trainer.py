@@ -769,7 +769,7 @@ class Trainer:
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
             restore_rng(resume["epoch_rng"] if skip else resume["rng"])
         sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on every rank
+        if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
             sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
