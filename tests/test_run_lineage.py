@@ -302,3 +302,15 @@ def test_max_time_counts_on_across_a_resume(tmp_path):
     resumed.fit(resume="last")
     timer = next(cb for cb in resumed.callbacks if isinstance(cb, MaxTime))
     assert timer.max_time_s == 86400 and 0 < saved["elapsed_s"] == timer.elapsed_before < timer.elapsed()
+
+
+def test_a_finished_run_s_resume_finishes_the_pruning_a_kill_interrupted(tmp_path):
+    """Killed between its final save and that save's pruning: the restart trains nothing but prunes to keep_last."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2})
+    ToyTrainer(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    left = checkpoints / "step-00000002.pt"
+    left.write_bytes((checkpoints / "step-00000004.pt").read_bytes())
+    os.utime(left, ns=(1, 1))  # the oldest
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.keep_last": 1})).fit(resume="last")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt", "step-00000006.pt"]

@@ -10,6 +10,7 @@ from typing import Any
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, link_atomic, save_atomic
+from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
 
@@ -150,10 +151,7 @@ class ModelCheckpoint(Callback):
         return path
 
     def _prune(self, directory: Path) -> None:
-        periodic = (p for p in directory.glob("*-*.pt") if not p.name.startswith("best-"))  # best-k prunes its own
-        kept = sorted(periodic, key=lambda p: p.stat().st_mtime_ns)
-        for old in kept[: -self.keep_last]:
-            old.unlink(missing_ok=True)
+        prune_periodic(directory, self.keep_last)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory = trainer.version_dir / "checkpoints"

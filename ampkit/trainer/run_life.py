@@ -354,6 +354,36 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
     return removed
 
 
+def prune_periodic(checkpoints: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` periodic checkpoint files (``step-*``/``epoch-*``) in ``checkpoints``;
+    ``best-*`` files are the best-k ranking's to keep or drop."""
+    periodic = (p for p in checkpoints.glob("*-*.pt") if not p.name.startswith("best-"))
+    for old in sorted(periodic, key=lambda p: p.stat().st_mtime_ns)[:-keep_last]:
+        old.unlink(missing_ok=True)
+
+
+def finish_interrupted_pruning(start: FitStart) -> None:
+    """A finished run resumed trains nothing, but a kill between its last save and that save's pruning left files
+    beyond ``keep_last``: prune them as the run that wrote the checkpoint would have (its own ``keep_last``), under
+    its lock. Rank zero only."""
+    if start.version_dir is None or start.checkpoint is None or not start.checkpoint_path.is_file():
+        return
+    keep_last = start.checkpoint.get("config", {}).get("checkpoint", {}).get("keep_last")
+    if not isinstance(keep_last, int) or keep_last < 1:
+        return
+    lock = RunLock(start.version_dir)
+    try:
+        lock.acquire()
+    except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written
+        return
+    try:
+        prune_periodic(start.version_dir / "checkpoints", keep_last)
+    except OSError:
+        pass
+    finally:
+        lock.release()
+
+
 def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
     """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that no live run holds (each locked while
     it is tidied; a read-only one is skipped). Rank zero only, before the run writes anything."""

@@ -83,6 +83,7 @@ from ampkit.trainer.run_life import (
     RunDirectoryError,
     RunLock,
     discard_new_version_dir,
+    finish_interrupted_pruning,
     lineage,
     load_with_fallback_hint,
     open_version_dir,
@@ -738,6 +739,7 @@ class Trainer:
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
+            finish_interrupted_pruning(self.fit_start)
             print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
 
     def _setup_callbacks(self) -> None:
