@@ -463,6 +463,17 @@ def test_cuda_vector_loads_equal_the_element_loop(dtype, layout, monkeypatch):
 
 
 @needs_cuda
+def test_cuda_unscale_l2norm_writes_out_when_the_first_tensor_is_empty(cuda_kernels):
+    """Whether outputs are written is the caller's word, not read off the first tensor (an empty one has no address)."""
+    xs = [torch.randn(0, device="cuda"), torch.randn(1001, device="cuda")]
+    out = [torch.zeros(0, device="cuda"), torch.zeros(1001, device="cuda")]
+    found = torch.zeros(1, device="cuda")
+    total, _ = mt.unscale_l2norm(xs, 0.5, found, out=out)
+    torch.testing.assert_close(out[1], xs[1] * 0.5)
+    torch.testing.assert_close(total, (xs[1] * 0.5).norm(), rtol=1e-6, atol=0)
+
+
+@needs_cuda
 def test_cuda_read_scalars_mixes_devices_and_dtypes_in_one_sync():
     values = [torch.tensor(3.0, device="cuda"), torch.ones(1, dtype=torch.int32, device="cuda"), torch.tensor(0.5)]
     torch.cuda.synchronize()

@@ -137,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> norms_cuda(at::TensorList inputs, at::TensorL
   const cuda::FlagRef flag = found_inf ? flag_ref(*found_inf) : cuda::FlagRef{nullptr, true};
   for (const auto& [types, slots] : groups) {
     cuda::launch_sum_squares(slots.data(), slots.size(), types.first, types.second, factor, found_inf != nullptr,
-                             flag, sumsq.data_ptr<double>(), vec, stream);
+                             flag, sumsq.data_ptr<double>(), write, vec, stream);
   }
   outs.finish();
   const auto out_dtype = norm_dtype(inputs);

@@ -26,9 +26,10 @@ void launch_combine(const TensorSlots* tensors, int64_t count, Dtype in, Dtype o
                     bool vectorize, cudaStream_t stream);
 
 // Adds the sum of squares of (input * factor) per tensor into sumsq[index] (double, zeroed by the
-// caller); with check, raises the flag on a non-finite input; with ptr[1] set, writes input * factor.
+// caller); with check, raises the flag on a non-finite input; with write, writes input * factor to ptr[1]
+// (said by the caller: an empty first tensor may have no address).
 void launch_sum_squares(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double factor, bool check,
-                        FlagRef flag, double* sumsq, bool vectorize, cudaStream_t stream);
+                        FlagRef flag, double* sumsq, bool write, bool vectorize, cudaStream_t stream);
 
 // total = sqrt(sum sumsq), per_tensor[i] = sqrt(sumsq[i]) (if per_tensor != nullptr), in dtype `out`.
 void launch_finish_norms(const double* sumsq, int64_t count, Dtype out, void* total, void* per_tensor,

@@ -225,8 +225,7 @@ void launch_combine(const TensorSlots* tensors, int64_t count, Dtype in, Dtype o
 }
 
 void launch_sum_squares(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double factor, bool check,
-                        FlagRef flag, double* sumsq, bool vectorize, cudaStream_t stream) {
-  const bool write = count > 0 && tensors[0].ptr[1] != nullptr;
+                        FlagRef flag, double* sumsq, bool write, bool vectorize, cudaStream_t stream) {
   dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
     with_vectorize(vectorize, [&](auto vec) {
       using TI = decltype(in_tag);

@@ -185,7 +185,7 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
                                            if_used(use_momentum, momentum_buffers), master_params});
       on_params_device(params, [&] {
         cuda::launch_rmsprop_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, grad_factor, scaler,
-                                                           current_stream());
+                                                           centered, use_momentum, current_stream());
       });
       return;
     }
@@ -220,7 +220,8 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
                                            if_used(use_momentum, momentum_buffers), master_params});
       on_params_device(params, [&] {
         cuda::launch_rmsprop_tf_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, grad_factor, scaler,
-                                                              lr_in_momentum, current_stream());
+                                                              centered, use_momentum, lr_in_momentum,
+                                                              current_stream());
       });
       return;
     }

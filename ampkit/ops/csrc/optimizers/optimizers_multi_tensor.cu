@@ -245,11 +245,8 @@ struct NovoGradBody {
 
 template <typename P, typename G, typename A>
 void launch_rmsprop_multi(const TensorSlots* tensors, int64_t count, const RMSpropHyper<A>& h, double grad_factor,
-                          ScalerPtrs scaler, cudaStream_t stream) {
-  if (count == 0) return;
+                          ScalerPtrs scaler, bool centered, bool momentum, cudaStream_t stream) {
   const int bytes[6] = {sizeof(P), sizeof(G), sizeof(A), sizeof(A), sizeof(A), sizeof(A)};
-  const bool centered = tensors[0].ptr[3] != nullptr;
-  const bool momentum = tensors[0].ptr[4] != nullptr;
   AMPKIT_BOOL_SWITCH(centered, CEN, AMPKIT_BOOL_SWITCH(momentum, MOM, {
     launch_multi_tensor<6>(tensors, count, bytes, stream, RMSpropBody<P, G, A, CEN, MOM>{}, h, grad_factor, scaler);
   }));
@@ -258,11 +255,9 @@ void launch_rmsprop_multi(const TensorSlots* tensors, int64_t count, const RMSpr
 
 template <typename P, typename G, typename A>
 void launch_rmsprop_tf_multi(const TensorSlots* tensors, int64_t count, const RMSpropTFHyper<A>& h,
-                             double grad_factor, ScalerPtrs scaler, bool lr_in_momentum, cudaStream_t stream) {
-  if (count == 0) return;
+                             double grad_factor, ScalerPtrs scaler, bool centered, bool momentum, bool lr_in_momentum,
+                             cudaStream_t stream) {
   const int bytes[6] = {sizeof(P), sizeof(G), sizeof(A), sizeof(A), sizeof(A), sizeof(A)};
-  const bool centered = tensors[0].ptr[3] != nullptr;
-  const bool momentum = tensors[0].ptr[4] != nullptr;
   AMPKIT_BOOL_SWITCH(centered, CEN, AMPKIT_BOOL_SWITCH(momentum, MOM, AMPKIT_BOOL_SWITCH(lr_in_momentum, LIM, {
     launch_multi_tensor<6>(tensors, count, bytes, stream, RMSpropTFBody<P, G, A, CEN, MOM, LIM>{}, h, grad_factor,
                            scaler);
@@ -308,9 +303,9 @@ void launch_novograd_multi(const TensorSlots* tensors, int64_t count, const Novo
 // The (param, grad) pairs of the per-tensor kernels (optimizers_kernels.cu).
 #define AMPKIT_INSTANTIATE_MULTI(P, G, A)                                                                        \
   template void launch_rmsprop_multi<P, G, A>(const TensorSlots*, int64_t, const RMSpropHyper<A>&, double,        \
-                                              ScalerPtrs, cudaStream_t);                                         \
+                                              ScalerPtrs, bool, bool, cudaStream_t);                             \
   template void launch_rmsprop_tf_multi<P, G, A>(const TensorSlots*, int64_t, const RMSpropTFHyper<A>&, double,   \
-                                                 ScalerPtrs, bool, cudaStream_t);                                \
+                                                 ScalerPtrs, bool, bool, bool, cudaStream_t);                    \
   template void launch_adadelta_multi<P, G, A>(const TensorSlots*, int64_t, const AdadeltaHyper<A>&, double,      \
                                                ScalerPtrs, cudaStream_t);                                        \
   template void launch_lamb_stage1_multi<P, G, A>(const TensorSlots*, int64_t, const LambHyper<A>&, bool,         \

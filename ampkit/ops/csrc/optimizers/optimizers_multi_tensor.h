@@ -19,14 +19,15 @@ namespace cuda {
 
 using ampkit::cuda::TensorSlots;
 
-// slots: param, grad, square_avg, grad_avg (centered), momentum_buffer (momentum > 0), master.
+// slots: param, grad, square_avg, grad_avg (with `centered`), momentum_buffer (with `momentum`), master.
 template <typename param_t, typename grad_t, typename acc_t>
 void launch_rmsprop_multi(const TensorSlots* tensors, int64_t count, const RMSpropHyper<acc_t>& h,
-                          double grad_factor, ScalerPtrs scaler, cudaStream_t stream);
+                          double grad_factor, ScalerPtrs scaler, bool centered, bool momentum, cudaStream_t stream);
 
 template <typename param_t, typename grad_t, typename acc_t>
 void launch_rmsprop_tf_multi(const TensorSlots* tensors, int64_t count, const RMSpropTFHyper<acc_t>& h,
-                             double grad_factor, ScalerPtrs scaler, bool lr_in_momentum, cudaStream_t stream);
+                             double grad_factor, ScalerPtrs scaler, bool centered, bool momentum,
+                             bool lr_in_momentum, cudaStream_t stream);
 
 // slots: param, grad, square_avg, acc_delta, master.
 template <typename param_t, typename grad_t, typename acc_t>
