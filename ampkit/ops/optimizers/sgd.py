@@ -149,6 +149,10 @@ class FusedSGD(FusedOptimizer):
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
+        buffers = [s.get("momentum_buffer") for s in bucket.states]
+        if all(b is not None for b in buffers) and not any(p in self._pending_first for p in bucket.params):
+            self._launch(group, bucket, buffers, False, grad_factor, scaler)  # every later step: the bucket as it is
+            return
         # Under a device found_inf the kernel may skip the step that creates the buffers, and the host does not
         # know. Without dampening a zero buffer updated as usual becomes the gradient, exactly what a first step
         # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero for
