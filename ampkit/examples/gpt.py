@@ -7,13 +7,16 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
   bytes (vocabulary 256); the last ``data.val_fraction`` is the validation set. The console prints the unigram
   entropy of the bytes: a model that learnt nothing of context cannot beat it.
 - Model: pre-norm blocks (``model.norm``: layernorm | rmsnorm; ``model.fused_norm``: ampkit's fused kernels),
-  causal ``F.scaled_dot_product_attention``, tied embeddings. ``optim.fused``: ampkit's ``FusedAdam``.
+  causal ``F.scaled_dot_product_attention``, tied embeddings. ``optim.fused``: ampkit's ``FusedAdam``. The logits
+  are computed in the weights' dtype, outside autocast (float32 under O1): with bf16 logits the default run's
+  validation loss after 300 steps was 12% higher than float32's, with float32 logits bf16 is within 0.3% of it.
 - Precision: ``precision.opt_level: auto`` picks bf16 O1 on a GPU; on a CPU it times a bf16 and a float32 matmul
   once and takes the faster (without AMX bf16 runs slower than float32). Any opt level can be set instead.
 - ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
   recomputes their activations, ``distributed.strategy=fsdp`` shards each block (``distributed.fsdp.
   shard_modules: [Block]``); tokens/s, TFLOP/s and MFU come from the FLOPs counted once on a meta-device copy.
-- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab.
+- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab
+  (to the console under ``logging.tensorboard=false``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 import ampkit
 from ampkit.callbacks.throughput import count_training_flops
@@ -71,7 +73,7 @@ class GPTGenerateConfig:
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8
-    every_n_steps: int = 100  # a sample to TensorBoard's Text tab every N iterations (0: never)
+    every_n_steps: int = 100  # a sample to TensorBoard's Text tab (else the console) every N iterations (0: never)
 
 
 @dataclass
@@ -187,7 +189,10 @@ class GPT(nn.Module):
         x = self.drop(self.embed(idx) + self.pos(positions))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        device = "cpu" if x.is_meta else x.device.type  # meta (the FLOP count) has no autocast state
+        with torch.autocast(device, enabled=False):  # the logits in the weights' dtype: float32 under O1
+            return self.head(x.to(self.head.weight.dtype))
 
 
 def matmul_params(cfg: GPTModelConfig) -> int:
@@ -330,12 +335,10 @@ class GPTTrainer(ampkit.Trainer):
 
     def train_dataloader(self) -> DataLoader:
         windows = Windows(self._split("train"), self.cfg.model.seq_len)
-        # One shuffle of all windows per epoch, dealt round-robin to the ranks: the same windows make up a step
-        # on any number of ranks (at a fixed global batch), so a run resumed at another world size continues the
-        # same curve. The Trainer reseeds the sampler each epoch.
-        order = DistributedSampler(windows, self.world_size, self.global_rank, shuffle=True,
-                                   seed=self.settings.seed or 0, drop_last=True)  # fmt: skip
-        return DataLoader(windows, batch_size=self.cfg.data.batch_size, sampler=order, drop_last=True)
+        # The Trainer gives a shuffled loader a seeded sampler that deals one permutation per epoch round-robin to
+        # the ranks: the same windows make up a step on any number of ranks (at a fixed global batch), so a run
+        # resumed at another world size continues the same curve.
+        return DataLoader(windows, batch_size=self.cfg.data.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
@@ -372,7 +375,12 @@ class GPTTrainer(ampkit.Trainer):
             self.module.eval()
             text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
-            self.logger.log_text("samples", text)
+            if self.cfg.logging.tensorboard:
+                self.logger.log_text("samples", text)
+            elif self.is_global_zero:  # no TensorBoard to take it: the console, rather than generating for nothing
+                from tqdm.auto import tqdm
+
+                tqdm.write(f"  sample at step {s.iteration}: {text!r}")
 
     def on_predict_end(self, predictions: list[str]) -> None:
         if self.is_global_zero:
