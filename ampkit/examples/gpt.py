@@ -7,7 +7,9 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
   bytes (vocabulary 256); the last ``data.val_fraction`` is the validation set. The console prints the unigram
   entropy of the bytes: a model that learnt nothing of context cannot beat it.
 - Model: pre-norm blocks (``model.norm``: layernorm | rmsnorm; ``model.fused_norm``: ampkit's fused kernels),
-  causal ``F.scaled_dot_product_attention``, tied embeddings. ``optim.fused``: ampkit's ``FusedAdam``.
+  causal ``F.scaled_dot_product_attention``, tied embeddings. ``optim.fused``: ampkit's ``FusedAdam``. The logits
+  are computed in the weights' dtype, outside autocast (float32 under O1): with bf16 logits the default run's
+  validation loss after 300 steps was 12% higher than float32's, with float32 logits bf16 is within 0.3% of it.
 - Precision: ``precision.opt_level: auto`` picks bf16 O1 on a GPU; on a CPU it times a bf16 and a float32 matmul
   once and takes the faster (without AMX bf16 runs slower than float32). Any opt level can be set instead.
 - ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
@@ -187,7 +189,10 @@ class GPT(nn.Module):
         x = self.drop(self.embed(idx) + self.pos(positions))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        x = self.norm(x)
+        device = "cpu" if x.is_meta else x.device.type  # meta (the FLOP count) has no autocast state
+        with torch.autocast(device, enabled=False):  # the logits in the weights' dtype: float32 under O1
+            return self.head(x.to(self.head.weight.dtype))
 
 
 def matmul_params(cfg: GPTModelConfig) -> int:

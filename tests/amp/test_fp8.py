@@ -168,6 +168,8 @@ def test_converter_keeps_odd_dims_filtered_and_subclassed_linears_in_high_precis
 def test_converter_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match=r"modules \['decoder\.\*'\] name no nn.Linear; the model's: 0, 2, 3.0, 3.1"):
         convert_to_float8(_mlp(), modules=["decoder.*"])
+    with pytest.raises(ValueError, match=r"skip_modules \['lm_head'\] name no nn.Linear; the model's: 0, 2, 3.0, 3.1"):
+        convert_to_float8(_mlp(), skip_modules=["lm_head", "3.*"])  # a misspelt skip left the layer in float8
     with pytest.raises(ValueError, match="unknown fp8 recipe 'blockwise'; expected one of tensorwise, rowwise"):
         convert_to_float8(_mlp(), "blockwise")
     with pytest.raises(ValueError, match="unknown fp8 backend 'te'"):
@@ -231,3 +233,54 @@ def test_a_power_of_two_loss_scale_leaves_float8_gradients_bit_identical_once_un
         layer(inp).backward(grad_out * scale)
         grads.append((inp.grad / scale, layer.weight.grad / scale))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "device"),
+    [*((r, "cuda") for r in RECIPES), pytest.param("rowwise", "cpu", marks=pytest.mark.slow)],  # CPU: ~10 s
+)
+def test_the_compiled_reference_equals_eager_bit_for_bit(recipe, device):
+    """Each emulated GEMM is a custom op inductor cannot fuse into (traced, Triton's approximate float32 division,
+    its log2/exp2 and the bfloat16 rounding it elides under autocast changed the bits on an H200). The bias's
+    gradient is not compared: a sum over the batch, which inductor orders differently from eager, float8 or not."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    layer = Float8Linear.from_linear(nn.Linear(48, 80), RECIPES[recipe]).to(device)
+    x = (torch.randn(5, 37, 96, generator=g) * torch.logspace(-3, 3, 96))[..., ::2].to(device)  # non-contiguous
+    grad = torch.randn(5, 37, 80, generator=g).to(device) * 1e-4
+    results = []
+    for run in (layer, torch.compile(layer, fullgraph=True)):
+        for autocast in (False, True):  # float32, then O1's bfloat16 autocast
+            layer.zero_grad()
+            inp = x.clone().requires_grad_()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                out = run(inp)
+            out.backward(grad.to(out.dtype))
+            results.append((out, inp.grad, layer.weight.grad.clone()))
+    for eager, compiled in zip(results[:2], results[2:], strict=True):
+        for a, b in zip(eager, compiled, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recording_telemetry_reads_nothing_from_the_device(recipe):
+    """Every layer's statistics stay on the GPU until the logger reads them all at once: recording a training step
+    of a two-layer float8 model raises under CUDA's sync debug mode only if some statistic forced a read."""
+    model = _mlp().cuda()
+    convert_to_float8(model, recipe)
+    layers = {name: m for name, m in model.named_modules() if is_float8_linear(m)}
+    recorder = Float8Recorder(layers, RECIPES[recipe])
+    x = torch.randn(64, 32, device="cuda")
+    recorder.arm()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).sum().backward()
+        stats = recorder.disarm()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert set(stats) == set(layers) == {"0", "3.1"}
+    assert all(set(roles) == {"input", "weight", "grad_output"} for roles in stats.values())

@@ -77,10 +77,11 @@ def test_torchao_needs_a_float8_gpu_for_real_gemms_and_cannot_run_gw_hp_under_cp
                            precision={"opt_level": "O1", "dtype": "bfloat16"}))  # fmt: skip
 
 
-def test_a_modules_pattern_naming_no_linear_fails_before_training_listing_them(tmp_path):
-    trainer = Fp8Trainer(fp8_cfg(tmp_path, fp8={"modules": ["decoder.*"]}))
+@pytest.mark.parametrize("key", ["modules", "skip_modules"])
+def test_a_modules_pattern_naming_no_linear_fails_before_training_listing_them(tmp_path, key):
+    trainer = Fp8Trainer(fp8_cfg(tmp_path, fp8={key: ["decoder.*"]}))
     with pytest.raises(
-        ampkit.ConfigError, match=r"'precision.fp8': modules \['decoder.\*'\] name no nn.Linear.*0, 2, 4"
+        ampkit.ConfigError, match=rf"'precision.fp8': {key} \['decoder.\*'\] name no nn.Linear.*0, 2, 4"
     ):
         trainer.fit()
 

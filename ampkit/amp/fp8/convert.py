@@ -75,7 +75,8 @@ def convert_to_float8(
     ``fsdp_float8_all_gather`` (torchao, tensorwise) makes FSDP2 all-gather the weights in float8.
 
     Raises:
-        ValueError: an unknown backend or recipe, a pattern in ``modules`` naming no Linear, the model itself a Linear.
+        ValueError: an unknown backend or recipe, a pattern in ``modules`` or ``skip_modules`` naming no Linear, the
+            model itself a Linear.
         ImportError: backend torchao without torchao installed.
     """
     spec = recipe_named(recipe)
@@ -87,6 +88,10 @@ def convert_to_float8(
     unmatched = [p for p in modules if not any(fnmatchcase(name, p) for name in linears)]
     if unmatched:
         raise ValueError(f"modules {unmatched} name no nn.Linear; the model's: {', '.join(linears)}")
+    any_linear = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    unmatched = [p for p in skip_modules if not any(fnmatchcase(name, p) for name in any_linear)]
+    if unmatched:  # a misspelt name would otherwise leave that layer in float8 without a word
+        raise ValueError(f"skip_modules {unmatched} name no nn.Linear; the model's: {', '.join(any_linear)}")
     report = Float8Conversion()
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear and not is_float8_linear(module):
