@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -21,8 +22,9 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
+from ampkit.trainer.run_dir import latest_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
-from ampkit.trainer.user_code import UserCodeError
+from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
 # NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
@@ -122,9 +124,18 @@ def _metrics(prefix: str, metrics: dict[str, float]) -> str:
     return ", ".join(f"{prefix}/{k}={v:.4f}" for k, v in metrics.items())
 
 
+def _resume_hint(cfg: Any) -> str:
+    """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
+    newest = None if cfg is None else latest_checkpoint(cfg.run_dir)
+    if newest is None:
+        return " before its first checkpoint (run it again without --resume to start over)"
+    return f" (--resume last continues from {newest})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(_parser(argv), argv)
+    cfg = None
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -142,15 +153,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
+    except Exception as exc:  # what a Trainer's set-up method raised: one line; anything else is a traceback
+        line = getattr(exc, SETUP_ERROR_LINE, None)
+        if line is None or args.debug:
+            raise
+        print(f"ampkit: error: {line} (--debug shows the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if args.debug:
             raise
-        resume = " (--resume last continues from the newest checkpoint)" if args.command == "fit" else ""
-        print(f"ampkit: interrupted{resume}", file=sys.stderr)
+        print(f"ampkit: interrupted{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
         return 130
     if not trainer.is_global_zero:
         return 0
-    if args.command == "fit" and trainer.fit_start.finished(trainer.settings.max_epochs, trainer.settings.max_steps):
+    if args.command == "fit" and trainer.fit_start.finished:
         return 0  # a resume of a finished run: the Trainer said so, and wrote nothing
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)

@@ -41,6 +41,7 @@ class TrainerConfig:
 
     max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
+    max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds or "DD:HH:MM:SS"
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
     limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
     limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
@@ -192,6 +193,10 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
+# The root keys every Trainer's config has; any other root key is a section of a Trainer subclass's own.
+AMPKIT_KEYS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Config))
+
+
 def _project_root(start: Path, module_name: str) -> Path | None:
     """The nearest of ``start`` and its parents holding the module's top package (``examples/`` or ``examples.py``)."""
     top = module_name.partition(".")[0]
@@ -216,11 +221,30 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _POSITIVE_NUMBER = (lambda v: v > 0 and not math.isnan(v)), "a number > 0"
 
+
+def duration_seconds(value: Any) -> float | None:
+    """Seconds in ``value``: a number of seconds or ``"DD:HH:MM:SS"`` (Lightning's ``max_time``); None if neither."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value) if value > 0 and math.isfinite(value) else None
+    parts = str(value).split(":")
+    if len(parts) != 4 or not all(part.strip().isdigit() for part in parts):
+        return None
+    days, hours, minutes, seconds = (int(part) for part in parts)
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    return float(total) if total > 0 else None
+
+
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": ((lambda v: bool(v.strip())), "a non-empty path"),
     "trainer.max_epochs": _at_least(0),
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
+    "trainer.max_time": (
+        (lambda v: v is None or duration_seconds(v) is not None),
+        'null (no limit), a number of seconds > 0 or "DD:HH:MM:SS" (e.g. "00:12:00:00")',
+    ),
     "trainer.accumulate_grad_batches": _at_least(1),
     "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
     "trainer.limit_val_batches": _optional(_at_least(1), "all batches; val_every_n_epochs=0 turns validation off"),
@@ -322,6 +346,35 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     return ConfigError(f"config key '{full_key}': {message}")
 
 
+def _section_set_to_a_value(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | None:
+    """The error for a section given a plain value (``trainer=3``), which OmegaConf reports without its key."""
+
+    def find(node: DictConfig, source: Any, prefix: str) -> ConfigError | None:
+        if not isinstance(source, dict):
+            return None
+        for key, value in source.items():
+            section = node._get_node(key) if isinstance(key, str) and key in node else None
+            if not isinstance(section, DictConfig):
+                continue
+            if value is not None and not isinstance(value, dict):
+                keys = ", ".join(str(k) for k in section.keys())
+                return ConfigError(
+                    f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
+                    f"({prefix}{key}.<key>=...): {keys}"
+                )
+            found = find(section, value, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        return None
+
+    for source in sources:
+        plain = OmegaConf.to_container(source) if isinstance(source, DictConfig) else source
+        found = find(schema, plain, "")
+        if found is not None:
+            return found
+    return None
+
+
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
@@ -343,7 +396,7 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
         cfg = OmegaConf.merge(schema, *sources)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as exc:
-        raise _explain(exc, schema) from None
+        raise _section_set_to_a_value(schema, sources) or _explain(exc, schema) from None
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -397,6 +450,24 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
+def _top_level(path: Path) -> Any:
+    """What a YAML file holds at its top level, as plain YAML reads it (a mapping when only OmegaConf can read it)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except Exception:  # OmegaConf read it: its own loader's extensions
+        return {}
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line: its problem and where (``did not find expected ',' at line 2, column 3``)."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[type, DictConfig]:
     """Read ``path`` (a file, or the name of a built-in config such as ``digits``) and ``overrides``, import the
     named Trainer class, validate against its schema."""
@@ -404,9 +475,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # yaml errors come in several types
-        raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
-    if not isinstance(raw, DictConfig):
-        raise ConfigError(f"config file '{path}' must hold a mapping at the top level")
+        raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
+    top = _top_level(path)  # not raw: OmegaConf reads a lone word as {word: None} and an empty file as {}
+    if not isinstance(raw, DictConfig) or not isinstance(top, dict):
+        got = "nothing (an empty file)" if top is None else f"a {type(top).__name__} ({str(top)[:40]!r})"
+        raise ConfigError(
+            f"config file '{path}' must hold a mapping at the top level (trainer_class: ..., trainer: ...); "
+            f"it holds {got}"
+        )
     cli = _parse_overrides(list(overrides or []))
     target = OmegaConf.select(cli, "trainer_class") or OmegaConf.select(raw, "trainer_class")
     if not target:

@@ -28,6 +28,14 @@ class Plain(ToyTrainer):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
 
 
+class Shuffled(Plain):
+    """Shuffled: the Trainer's seeded sampler deals one permutation per epoch round-robin to the ranks, so 2 ranks
+    x batch B still see 1 process x batch 2B, and a checkpoint resumes on either along the same samples."""
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=True)
+
+
 class Evaluated(Plain):
     """Predicts on the validation set (24 samples: 12 per rank, no padding)."""
 

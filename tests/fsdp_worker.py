@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from dist_worker import InfOnRank1, Plain, SkipRecorder
+from dist_worker import InfOnRank1, Shuffled, SkipRecorder
 from torch.distributed.tensor import DTensor
 
 import ampkit
@@ -58,7 +58,7 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         losses = LossRecorder()
         cfg = {**base, "checkpoint": {"every_n_steps": 3, "keep_last": 50},
                "trainer": {**cpu, "max_epochs": 2, "clip_grad_norm": 0.5}}  # fmt: skip
-        trainer = Plain(cfg, callbacks=[losses, keep])
+        trainer = Shuffled(cfg, callbacks=[losses, keep])
         extra = {"losses": losses.losses}
     elif scenario == "gpt":  # the GPT example sharded per Block (its default under fsdp), activations recomputed
         from ampkit.config import load_config

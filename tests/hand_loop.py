@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 
 def digits_split(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
@@ -40,10 +41,15 @@ def hand_loop(
     model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     train, _ = digits_split()
-    loader = DataLoader(train, batch_size=batch_size, shuffle=True)
-    done = 0
+    # The Trainer's order for a shuffled loader: one permutation per epoch keyed by (seed, epoch), the same one
+    # that any number of ranks deals round-robin (a sampler of one replica, reseeded each epoch).
+    order = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    loader = DataLoader(train, batch_size=batch_size, sampler=order)
+    done, epoch = 0, 0
     while done < steps:
         model.train()
+        order.set_epoch(epoch)
+        epoch += 1
         batches = list(loader)
         for i, (x, y) in enumerate(batches):
             loss = F.cross_entropy(model(x), y)

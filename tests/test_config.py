@@ -122,11 +122,14 @@ def test_run_dir_under_a_file_is_refused_at_construction(tmp_path):
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes through permission bits")
-def test_read_only_run_dir_is_refused_at_construction(tmp_path):
+def test_read_only_run_dir_is_refused_before_fit_runs_user_code(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
+    _RecordsUserCode.called = False
+    trainer = _RecordsUserCode(toy_cfg(tmp_path, run_dir=str(locked / "runs")))  # validate/predict may read it
     with pytest.raises(ConfigError, match=r"'run_dir': cannot create .*locked' is not writable"):
-        ToyTrainer(toy_cfg(tmp_path, run_dir=str(locked / "runs")))
+        trainer.fit()
+    assert not _RecordsUserCode.called
 
 
 def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):

@@ -207,6 +207,26 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
     assert seen[0] != seen[1]
 
 
+def test_a_shuffled_loader_draws_the_same_global_batches_in_one_process_as_on_two_ranks():
+    """The order is a function of (seed, epoch) and the world size only: one process at batch 2B steps through
+    the samples two ranks at batch B do, so a checkpoint resumes on either along the same sequence."""
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader
+
+    dataset = toy_dataset(12)
+    one = distributed_loader(DataLoader(dataset, batch_size=4, shuffle=True), 5, DistributedEnv(), True)
+    two = [distributed_loader(DataLoader(dataset, batch_size=2, shuffle=True), 5, DistributedEnv(r, 2), True)
+           for r in range(2)]  # fmt: skip
+    for epoch in range(2):
+        for loader in (one, *two):
+            loader.sampler.set_epoch(epoch)
+        torch.manual_seed(epoch)  # the global RNG plays no part
+        steps = [sorted(x.tolist()) for x, _ in one]
+        shards = [[x for x, _ in rank] for rank in two]
+        assert steps == [sorted(torch.cat(pair).tolist()) for pair in zip(*shards, strict=True)]
+    unshuffled = DataLoader(dataset, batch_size=4)
+    assert distributed_loader(unshuffled, 5, DistributedEnv(), True) is unshuffled
+
+
 def test_more_nccl_ranks_than_gpus_is_a_clear_error_before_any_collective(monkeypatch):
     """Two ranks on a one-GPU machine would hang in NCCL's init (seen on an H100 box); they fail at once."""
     from omegaconf import OmegaConf

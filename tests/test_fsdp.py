@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from child_env import child_env
-from dist_worker import Plain, TwoLosses
+from dist_worker import Plain, Shuffled, TwoLosses
 from fsdp_worker import KeepFinalState, run
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -116,11 +116,11 @@ def test_two_sharded_ranks_with_clipping_equal_one_plain_process(two_ranks, tmp_
     rank0, rank1 = two_ranks
     _close(rank0["model"], rank1["model"])
     settings = {"data": {"batch_size": 8}, "checkpoint": {"enabled": False}}
-    single = Plain(_cfg(tmp_path / "single", trainer={"max_epochs": 2, "clip_grad_norm": 0.5}, **settings))
+    single = Shuffled(_cfg(tmp_path / "single", trainer={"max_epochs": 2, "clip_grad_norm": 0.5}, **settings))
     single.fit()
     _close(rank0["model"], single.module.state_dict())
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
-    unclipped = Plain(_cfg(tmp_path / "unclipped", trainer={"max_epochs": 2}, **settings))
+    unclipped = Shuffled(_cfg(tmp_path / "unclipped", trainer={"max_epochs": 2}, **settings))
     unclipped.fit()
     assert not torch.allclose(unclipped.module.state_dict()["0.weight"], single.module.state_dict()["0.weight"])
 

@@ -148,9 +148,22 @@ def test_compiling_a_model_training_code_never_calls_is_an_error_or_a_warning(tm
             net = self.module
             return F.mse_loss(net[3](net[2](torch.tanh(net[0](x)))).squeeze(1), y)
 
-    # No sanity validation: its validation_step calls the whole model, Tanh included, before training starts.
-    trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.compile": "[Tanh]", "trainer.max_steps": 2,
-                                            "trainer.num_sanity_val_steps": 0,
-                                            "trainer.progress_bar": False, "logging.tensorboard": False}))  # fmt: skip
-    with pytest.warns(UserWarning, match=r"trainer.compile=\['Tanh'\]: training code called none of these"):
+    # The sanity validation (on by default) calls the whole model, Tanh included, before training starts: the
+    # check counts only training's calls, so it still warns.
+    quiet = {"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False}
+    trainer = Bypasses(toy_cfg(tmp_path / "regional", **{"trainer.compile": "[Tanh]"}, **quiet))
+    with pytest.warns(UserWarning, match=r"'trainer.compile'=\['Tanh'\]: training code called none of the"):
         trainer.fit()
+    # The root has a forward but training code calls its children: compiling the root compiles nothing.
+    trainer = Bypasses(toy_cfg(tmp_path / "whole", **{"trainer.compile": True}, **quiet))
+    with pytest.warns(UserWarning, match=r"'trainer.compile'=true: .*trainer.compile=\[BlockClass\]"):
+        trainer.fit()
+
+
+def test_the_compile_report_stays_quiet_when_training_runs_the_compiled_code(tmp_path, recwarn):
+    quiet = {"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False}
+    for name, setting in (("whole", True), ("regional", "[Tanh]")):
+        trainer = ToyTrainer(toy_cfg(tmp_path / name, **{"trainer.compile": setting}, **quiet))
+        trainer.fit()
+        assert trainer.state.global_step == 2
+    assert not [w for w in recwarn if "trainer.compile" in str(w.message)]

@@ -175,3 +175,130 @@ def test_a_resume_with_a_changed_config_names_each_changed_key(tmp_path):
         UserWarning, match="changed config: data.batch_size: 8 -> 4; trainer.clip_grad_norm: None -> 1.0"
     ):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **changed)).fit(resume="last")
+
+
+def _plant_stale_temps(checkpoints) -> tuple[list, list]:
+    """What a kill during a save leaves (ampkit's names), and files a user put there that look alike."""
+    ours = [
+        checkpoints / ".last.pt.k3x9_q0a.tmp",  # link_atomic's
+        checkpoints / ".step-00000006.pt.abcd1234.tmp",  # save_atomic's
+        checkpoints / ".step-00000009.tmp",  # the sharded writer's directory
+        checkpoints.parent / ".config.yaml.zz99yy88.tmp",
+    ]
+    users = [
+        checkpoints / ".notes.tmp",
+        checkpoints / "last.pt.tmp",
+        checkpoints / ".last.pt.tmp",
+        checkpoints.parent / "x.tmp",
+    ]
+    for path in ours[:2] + ours[3:] + users:
+        path.write_bytes(b"half")
+    ours[2].mkdir()
+    (ours[2] / "trainer.pt").write_bytes(b"half")
+    return ours, users
+
+
+def test_any_resume_removes_only_ampkit_s_stale_temp_files(tmp_path, capsys):
+    """A finished run resumed writes nothing, but what a kill during its final save left goes; a user's files stay."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2})
+    ToyTrainer(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    before = _files(tmp_path / "run")
+    ours, users = _plant_stale_temps(checkpoints)
+    ToyTrainer(cfg).fit(resume="last")
+    assert not any(path.exists() for path in ours)
+    assert all(path.read_bytes() == b"half" for path in users)
+    assert {p: v for p, v in _files(tmp_path / "run").items() if p not in users} == before
+    err = capsys.readouterr().err
+    assert "removed 4 temp file(s) left by an interrupted save" in err and "nothing to train" in err
+
+
+def test_a_fresh_start_tidies_the_run_dir_but_not_a_live_run_s_version(tmp_path):
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2})
+    ToyTrainer(cfg).fit()
+    ToyTrainer(cfg).fit()
+    stale, _ = _plant_stale_temps(tmp_path / "run" / "version_0" / "checkpoints")
+    live, _ = _plant_stale_temps(tmp_path / "run" / "version_1" / "checkpoints")
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": "now"}  # a live run writes version_1
+    (tmp_path / "run" / "version_1" / LOCK_FILE).write_text(json.dumps(holder))
+    ToyTrainer(cfg).fit()
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in live)
+
+
+def test_a_sharded_checkpoint_set_aside_by_a_killed_save_is_put_back(tmp_path):
+    from ampkit.trainer.run_life import remove_stale_temps
+
+    checkpoints = tmp_path / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / ".step-00000004.old").mkdir()  # killed between setting it aside and renaming the new one in
+    (checkpoints / ".step-00000004.old" / "trainer.pt").write_bytes(b"the only copy")
+    (checkpoints / ".step-00000002.old").mkdir()  # killed after the new one was in place: the old copy goes
+    (checkpoints / "step-00000002").mkdir()
+    remove_stale_temps(tmp_path / "version_0")
+    assert (checkpoints / "step-00000004" / "trainer.pt").read_bytes() == b"the only copy"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
+
+
+class StopsItself(ToyTrainer):
+    """User code that ends training at step 3 (``state.should_stop``), as a target-loss rule would."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 3:
+            self.state.should_stop, self.state.stop_reason = True, "reached the target"
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "settings", "why", "stops_at", "to_continue"),
+    [
+        (StopsItself, {}, "reached the target", 4, {"trainer.max_steps": 9}),
+        (
+            ToyTrainer,
+            {"early_stopping.monitor": "val/mse", "early_stopping.min_delta": 1e9, "early_stopping.patience": 1},
+            "early stopping: val/mse did not improve",
+            4,
+            {"early_stopping.patience": 3},
+        ),
+        (ToyTrainer, {"trainer.max_time": 1e-6}, "trainer.max_time=1e-06s reached", 1, {"trainer.max_time": 3600}),
+    ],
+    ids=["should_stop", "early_stopping", "max_time"],
+)
+def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
+    tmp_path, capsys, trainer_class, settings, why, stops_at, to_continue
+):
+    """A stop asked for during a step ends training after it; resumed with the same stopping keys it trains nothing
+    (a key that does not decide stopping may change), with a changed one it continues."""
+    common = {**QUIET, **settings, "trainer.max_epochs": 3, "trainer.val_every_n_steps": 2}
+    trainer_class(toy_cfg(tmp_path, **common)).fit()
+    stopped_at = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")["loop"]["global_step"]
+    assert stopped_at == stops_at
+    before = _files(tmp_path / "run")
+    capsys.readouterr()
+    same = trainer_class(toy_cfg(tmp_path, **{**common, "trainer.progress_bar": True}))  # not a stopping key
+    same.fit(resume="last")
+    assert _files(tmp_path / "run") == before
+    err = capsys.readouterr().err
+    assert "nothing to train" in err and "stopped early" in err and why in err
+    resumed = trainer_class(toy_cfg(tmp_path, **{**common, **to_continue}))
+    resumed.fit(resume="last")
+    assert resumed.version_dir.name == "version_0" and resumed.state.global_step > stopped_at
+
+
+@pytest.mark.parametrize("value", [0, -5, "1h", "00:00:00:00", "soon", True])
+def test_a_bad_max_time_names_the_key_and_the_valid_forms(tmp_path, value):
+    from ampkit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config key 'trainer.max_time': .* is invalid; expected null \(no limit\)"):
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_time": value}))
+
+
+def test_max_time_counts_on_across_a_resume(tmp_path):
+    from ampkit.callbacks import MaxTime
+
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "trainer.max_time": "01:00:00:00"})).fit()
+    saved = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")["callbacks"]["MaxTime"]
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 5, "trainer.max_time": "01:00:00:00"}))
+    resumed.fit(resume="last")
+    timer = next(cb for cb in resumed.callbacks if isinstance(cb, MaxTime))
+    assert timer.max_time_s == 86400 and 0 < saved["elapsed_s"] == timer.elapsed_before < timer.elapsed()

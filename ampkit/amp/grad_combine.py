@@ -361,6 +361,22 @@ class GradientCombiner:
         for i in self._master_idx:
             params[i].grad = None
 
+    def adopt_scaled_grads(self) -> None:
+        """Count every gradient in ``.grad`` as scaled and new, as if :meth:`prepare_backward` had run before a
+        backward into empty gradients: the next :meth:`combine` unscales them whole (Apex's ``delay_unscale``
+        protocol runs its first backward without a prepare).
+
+        Raises:
+            RuntimeError: while a prepared backward is pending, or with flat buffers (which only know the
+                gradients a prepared backward reached).
+        """
+        if self._pending:
+            raise RuntimeError("adopt_scaled_grads() while a prepared backward is pending; combine it first")
+        if self.flat:
+            raise RuntimeError("flat gradient buffers (combine_grad=True) need prepare_backward() before the backward")
+        self._pending = True
+        self._stash = [None] * len(self._self_idx)
+
     def combine(self, scaler: LossScaler | float, found_inf: torch.Tensor | None = None) -> CombineResult:
         """Unscale the gradients that arrived since :meth:`prepare_backward` by ``scaler`` (a
         :class:`LossScaler` or a scale), check them for inf/nan and add the stash.

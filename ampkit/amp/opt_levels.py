@@ -66,6 +66,13 @@ class OptLevelProperties:
         """Whether the loss scale adapts to overflows."""
         return self.loss_scale == "dynamic"
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The properties as Apex's ``Properties.options`` dict (its seven keys), which scripts log or read
+        (catalyst casts a DataParallel model's inputs to ``options["cast_model_type"]``)."""
+        names = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32")
+        return {name: getattr(self, name) for name in (*names, "master_weights", "loss_scale")}
+
 
 def parse_dtype(value: Any, option: str = "dtype") -> torch.dtype:
     """Map ``float16``/``fp16``/``half``/``bfloat16``/``bf16`` (or the torch dtypes) to a torch dtype."""

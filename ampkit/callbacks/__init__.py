@@ -14,13 +14,14 @@ from ampkit.callbacks.early_stopping import EarlyStopping
 from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
 from ampkit.callbacks.grad_histograms import GradientHistograms
 from ampkit.callbacks.loss_scaling import LossScaling
+from ampkit.callbacks.max_time import MaxTime
 from ampkit.callbacks.nonfinite_guard import NonFiniteError, NonFiniteGuard
 from ampkit.callbacks.precision import MixedPrecision
 from ampkit.callbacks.precision_config import precision_callbacks, resolve_precision
 from ampkit.callbacks.progress import ProgressBar
 from ampkit.callbacks.tensorboard import TensorBoardLogger
 from ampkit.callbacks.throughput import Throughput
-from ampkit.config import ConfigError
+from ampkit.config import ConfigError, duration_seconds
 from ampkit.trainer.callback import Callback
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __all__ = [
     "GradientClipping",
     "GradientHistograms",
     "LossScaling",
+    "MaxTime",
     "MixedPrecision",
     "ModelCheckpoint",
     "NonFiniteError",
@@ -93,6 +95,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                     save_top_k=c.save_top_k,
                 )
             )
+    if cfg.trainer.max_time is not None:  # checked when the Trainer was built
+        callbacks.append(MaxTime(duration_seconds(cfg.trainer.max_time)))
     if cfg.early_stopping.monitor:
         e = cfg.early_stopping
         with _config_section("early_stopping"):

@@ -53,8 +53,8 @@ class ModelCheckpoint(Callback):
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
-        """Tidy up after a killed run: drop half-written temp files, files beyond ``keep_last`` and best files out
-        of the restored ranking (all of this directory's own lineage: see ``ampkit.trainer.run_life``)."""
+        """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
+        (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = trainer.loop_position()
         if not trainer.is_global_zero:  # other ranks have no run directory
@@ -62,9 +62,6 @@ class ModelCheckpoint(Callback):
         directory = trainer.version_dir / "checkpoints"
         if not directory.is_dir():
             return
-        for tmp in directory.glob(".*.tmp"):  # save_atomic's and link_atomic's, left by a kill before the rename
-            if tmp.is_file():  # a sharded save's temp directory is the sharded writer's to clean
-                tmp.unlink(missing_ok=True)
         for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
             if best.name not in self.best_k:
                 best.unlink(missing_ok=True)

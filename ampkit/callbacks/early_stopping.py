@@ -31,13 +31,10 @@ class EarlyStopping(Callback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            trainer.state.should_stop = True
+            reason = f"early stopping: {self.monitor.metric} did not improve on {self.best} for {self.wait} validations"
+            trainer.state.should_stop, trainer.state.stop_reason = True, reason
             if trainer.is_global_zero:
-                print(
-                    f"ampkit: early stopping at step {trainer.state.global_step}: {self.monitor.metric} did not "
-                    f"improve on {self.best} for {self.wait} validations",
-                    file=sys.stderr,
-                )
+                print(f"ampkit: {reason}, at step {trainer.state.global_step}", file=sys.stderr)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait}

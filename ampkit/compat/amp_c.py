@@ -5,8 +5,10 @@ Every op takes Apex's arguments in Apex's order, ``op(chunk_size, noop_flag, ten
 CUDA launch and does not change results here. ``noop_flag`` is a one-element int32 (or float32) tensor on the
 tensors' device with Apex's meaning per op: ``multi_tensor_scale``/``axpby``/``l2norm``/``unscale_l2norm``
 set it to 1 when they meet inf/nan (and never clear it); ``multi_tensor_sgd`` does nothing while it is set;
-``multi_tensor_adam``/``multi_tensor_lamb``/``multi_tensor_adagrad``/``multi_tensor_novograd`` ignore it, as
-Apex's non-capturable kernels do; ``multi_tensor_adam_capturable(_master)`` change nothing while it is set.
+``multi_tensor_adam``/``multi_tensor_adagrad``/``multi_tensor_novograd`` and the LAMB stages ignore it, as
+Apex's non-capturable kernels do (``multi_tensor_lamb`` raises it on an inf/nan norm and goes on);
+``multi_tensor_adam_capturable(_master)`` and ``multi_tensor_lamb_mp`` change nothing while it is set.
+The LAMB ops live in :mod:`ampkit.compat._amp_c_lamb`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ampkit.compat._amp_c_lamb import (
+    check_lists,
+    multi_tensor_lamb,
+    multi_tensor_lamb_mp,
+    multi_tensor_lamb_stage1_cuda,
+    multi_tensor_lamb_stage2_cuda,
+)
 from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import decay_weights_
 from ampkit.ops.optimizers._kernels import op
-from ampkit.ops.optimizers.lamb import lamb_step
 from ampkit.ops.optimizers.sgd import sgd_step
 
 __all__ = [
@@ -32,6 +40,9 @@ __all__ = [
     "multi_tensor_l2norm_mp",
     "multi_tensor_l2norm_scale",
     "multi_tensor_lamb",
+    "multi_tensor_lamb_mp",
+    "multi_tensor_lamb_stage1_cuda",
+    "multi_tensor_lamb_stage2_cuda",
     "multi_tensor_novograd",
     "multi_tensor_scale",
     "multi_tensor_sgd",
@@ -40,20 +51,6 @@ __all__ = [
 ]
 
 TensorLists = Sequence[Sequence[Tensor]]
-
-
-def _lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
-    """``tensor_lists`` as lists, checked to hold one of ``counts`` lists of equal length."""
-    lists = [list(t) for t in tensor_lists]
-    if len(lists) not in counts:
-        expected = " or ".join(str(c) for c in counts)
-        raise RuntimeError(f"{op_name}: tensor_lists has {len(lists)} lists; expected {expected}")
-    for i, t in enumerate(lists[1:], start=1):
-        if len(t) != len(lists[0]):
-            raise RuntimeError(
-                f"{op_name}: tensor_lists[{i}] has {len(t)} tensors but tensor_lists[0] has {len(lists[0])}"
-            )
-    return lists
 
 
 def _flag_if_not_finite(norm: Tensor, noop_flag: Tensor) -> None:
@@ -75,7 +72,7 @@ def _steps_before(step: int | Tensor, count: int, device: torch.device) -> list[
 
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs."""
-    inputs, outputs = _lists("multi_tensor_scale", tensor_lists, (2,))
+    inputs, outputs = check_lists("multi_tensor_scale", tensor_lists, (2,))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
 
 
@@ -83,7 +80,7 @@ def multi_tensor_axpby(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
 ) -> None:
     """``out = a * x + b * y`` for ``[x, y, out]``; flags inf/nan in x and y (-1), x only (0) or y only (1)."""
-    x, y, out = _lists("multi_tensor_axpby", tensor_lists, (3,))
+    x, y, out = check_lists("multi_tensor_axpby", tensor_lists, (3,))
     if arg_to_check not in (-1, 0, 1):
         raise RuntimeError(f"multi_tensor_axpby: arg_to_check={arg_to_check!r}; expected -1, 0 or 1")
     # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
@@ -98,7 +95,7 @@ def multi_tensor_l2norm(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(norm, per_tensor_norms)`` of ``tensor_lists[0]`` in float32; per-tensor norms are empty unless asked."""
-    (inputs,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
+    (inputs,) = check_lists("multi_tensor_l2norm", tensor_lists, (1,))
     result = multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor))
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
@@ -116,7 +113,7 @@ def multi_tensor_l2norm_scale(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float, per_tensor: bool | None = None
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``in`` (before scaling) while writing ``out = in * scale`` for ``[in, out]``; flags inf/nan."""
-    inputs, outputs = _lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
+    inputs, outputs = check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
     total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor)))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
     _flag_if_not_finite(total, noop_flag)
@@ -131,7 +128,7 @@ def multi_tensor_unscale_l2norm(
     per_tensor: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``tensor_lists[0] * inv_scale`` (the tensors are not written), as ``multi_tensor_l2norm``."""
-    (inputs,) = _lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
+    (inputs,) = check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
     result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=bool(per_tensor))
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
@@ -155,7 +152,7 @@ def multi_tensor_adam(
 
     ``step`` is the step being taken (1 on the first). Moments of fp16/bf16 params are float32, as in Apex.
     """
-    grads, params, exp_avgs, exp_avg_sqs = _lists("multi_tensor_adam", tensor_lists, (4,))
+    grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_adam", tensor_lists, (4,))
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
@@ -238,7 +235,7 @@ def multi_tensor_adam_capturable(
 ) -> None:
     """Adam on ``[grads, params, exp_avgs, exp_avg_sqs]`` with ``lr`` and ``step`` as tensors, grads multiplied by
     ``inv_scale``, and nothing changed while ``noop_flag`` is set (GradScaler's found_inf), as Apex's kernel."""
-    lists = _lists("multi_tensor_adam_capturable", tensor_lists, (4,))
+    lists = check_lists("multi_tensor_adam_capturable", tensor_lists, (4,))
     _adam_capturable("multi_tensor_adam_capturable", noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
                      bias_correction, weight_decay, inv_scale)  # fmt: skip
 
@@ -259,7 +256,7 @@ def multi_tensor_adam_capturable_master(
 ) -> None:
     """:func:`multi_tensor_adam_capturable` on ``[grads, params, exp_avgs, exp_avg_sqs, fp32 masters]``: the
     masters are updated and the (fp16/bf16) params receive their rounded copy."""
-    lists = _lists("multi_tensor_adam_capturable_master", tensor_lists, (5,))
+    lists = check_lists("multi_tensor_adam_capturable_master", tensor_lists, (5,))
     _adam_capturable("multi_tensor_adam_capturable_master", noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
                      bias_correction, weight_decay, inv_scale)  # fmt: skip
 
@@ -275,7 +272,7 @@ def multi_tensor_adagrad(
 ) -> None:
     """Adagrad on ``[grads, params, state_sums]``; ``mode`` 0 adds L2 to the grad, 1 decays the weights as AdamW
     (``p -= lr * (g / (sqrt(h) + eps) + wd * p)``)."""
-    grads, params, sums = _lists("multi_tensor_adagrad", tensor_lists, (3,))
+    grads, params, sums = check_lists("multi_tensor_adagrad", tensor_lists, (3,))
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_adagrad: mode={mode!r}; expected 0 (L2) or 1 (decoupled weight decay)")
     if not params:
@@ -308,7 +305,7 @@ def multi_tensor_novograd(
     moments and is blended in place with the new per-tensor norms first: ``sqrt(b2 * v^2 + (1 - b2) * n^2)``
     (``norm_type`` 2) or ``b2 * v + (1 - b2) * n`` (0, max-abs); ``moment_mode`` 0 puts the weight decay inside
     the moment, 1 outside."""
-    grads, params, exp_avgs = _lists("multi_tensor_novograd", tensor_lists, (3,))
+    grads, params, exp_avgs = check_lists("multi_tensor_novograd", tensor_lists, (3,))
     if norm_type not in (0, 2):
         raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
     if moment_mode not in (0, 1):
@@ -348,7 +345,7 @@ def multi_tensor_sgd(
     """SGD on ``[grads, weights, momentum_buffers]``, or with a fourth list of fp16 model weights that receive
     a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
     """
-    lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    lists = check_lists("multi_tensor_sgd", tensor_lists, (3, 4))
     if not lists[0] or bool(noop_flag.item()):
         return
     grads, weights, buffers = lists[:3]
@@ -371,53 +368,6 @@ def multi_tensor_sgd(
         nesterov=nesterov,
         first_step=first_run,
         grad_factor=scale,
-    )
-
-
-def multi_tensor_lamb(
-    chunk_size: int,
-    noop_flag: Tensor,
-    tensor_lists: TensorLists,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    epsilon: float,
-    step: int,
-    bias_correction: int,
-    weight_decay: float,
-    grad_averaging: int,
-    mode: int,
-    global_grad_norm: Tensor,
-    max_grad_norm: float,
-    use_nvlamb: bool | None = None,
-) -> None:
-    """LAMB on ``[grads, params, exp_avgs, exp_avg_sqs]``: grads divided by ``global_grad_norm / max_grad_norm``
-    when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW."""
-    grads, params, exp_avgs, exp_avg_sqs = _lists("multi_tensor_lamb", tensor_lists, (4,))
-    if mode not in (0, 1):
-        raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
-    if not params:
-        return
-    global_norm = float(global_grad_norm)
-    clip = global_norm / max_grad_norm if max_grad_norm > 0 and global_norm > max_grad_norm else 1.0
-    lamb_step(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [torch.empty_like(m) for m in exp_avgs],
-        [],
-        _steps_before(step, len(params), torch.device("cpu")),  # LAMB reads its step counters on the host
-        lr=float(lr),
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        adam_w_mode=mode == 1,
-        grad_averaging=bool(grad_averaging),
-        bias_correction=bool(bias_correction),
-        use_nvlamb=bool(use_nvlamb),
-        grad_factor=1.0 / clip,
     )
 
 

@@ -79,7 +79,10 @@ _AMP_C_OPS: dict[str, dict[str, str]] = {
     "FusedLAMB": {"multi_tensor_l2norm": "multi_tensor_l2norm", "multi_tensor_lamb": "multi_tensor_lamb"},
     "FusedNovoGrad": {"multi_tensor_novograd": "multi_tensor_novograd"},
     "FusedAdagrad": {"multi_tensor_adagrad": "multi_tensor_adagrad"},
-    "FusedMixedPrecisionLamb": {"multi_tensor_l2norm": "multi_tensor_l2norm_mp"},
+    "FusedMixedPrecisionLamb": {
+        "multi_tensor_l2norm": "multi_tensor_l2norm_mp",
+        "multi_tensor_lamb": "multi_tensor_lamb_mp",
+    },
 }
 
 
@@ -88,6 +91,25 @@ def _param_groups_master(self: torch.optim.Optimizer) -> list[dict[str, list[tor
     return [
         {"params": [self.state.get(p, {}).get("master_param") for p in group["params"]]} for group in self.param_groups
     ]
+
+
+# FusedAdam.step arguments of Apex's first FusedAdam, which Apex's last one still took only to refuse them.
+_FUSED_ADAM_LEGACY_STEP_ARGUMENTS = ("grads", "output_params", "scale", "grad_norms")
+
+
+def _fused_adam_step(base: type) -> Callable[..., Any]:
+    def step(self: Any, closure: Any = None, *legacy: Any, **kwargs: Any) -> Any:
+        """One step, as ``base.step``; Apex's deprecated ``grads``/``output_params``/``scale``/``grad_norms`` are
+        refused with Apex's message (not a TypeError about an unexpected argument)."""
+        given = list(legacy) + [kwargs.pop(name, None) for name in _FUSED_ADAM_LEGACY_STEP_ARGUMENTS]
+        if any(value is not None for value in given):
+            raise RuntimeError(
+                "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call "
+                "step() with no arguments."
+            )
+        return base.step(self, closure, **kwargs)
+
+    return step
 
 
 def _apex_class(name: str, base: type) -> type:
@@ -120,6 +142,7 @@ def _apex_class(name: str, base: type) -> type:
         namespace["_steps_per_group"] = True
     if name == "FusedAdam":
         namespace["param_groups_master"] = property(_param_groups_master)
+        namespace["step"] = _fused_adam_step(base)
     return type(name, (base,), namespace)
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import pathlib
 import sys
 import types
 import warnings
@@ -44,6 +46,7 @@ _MODULE_ALIASES = {
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
+APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
 
 
 def _target_module_name(fullname: str) -> str:
@@ -56,19 +59,35 @@ def _target_module_name(fullname: str) -> str:
             f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}; {fullname!r} is not one of them",
             name=fullname,
         )
-    return APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
+    target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
+    if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
+        package = importlib.import_module(APEX_SUBPACKAGES[head])
+        names = getattr(package, "__all__", None) or [n for n in dir(package) if not n.startswith("_")]
+        raise ModuleNotFoundError(
+            f"ampkit's apex shim has no module {fullname!r}; apex.{head} provides {', '.join(names)}", name=fullname
+        )
+    return target
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent that is a plain module, not a package
+        return False
 
 
 def _make_apex_package() -> types.ModuleType:
     package = types.ModuleType("apex", "ampkit's stand-in for NVIDIA apex (see ampkit.compat).")
     package.__path__ = []
-    package.__version__ = "0.1+ampkit"
+    package.__version__ = APEX_VERSION
     setattr(package, _SHIM_MARKER, True)
 
     def __getattr__(name: str) -> Any:
         if name in APEX_SUBPACKAGES:
             return importlib.import_module(f"apex.{name}")
-        raise AttributeError(f"module 'apex' (ampkit shim) has no attribute {name!r}")
+        raise AttributeError(
+            f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
+        )
 
     package.__getattr__ = __getattr__
     return package
@@ -95,6 +114,26 @@ class _AliasLoader(importlib.abc.Loader):
             module.__spec__ = self._original_spec
 
 
+class _ApexDistribution(importlib.metadata.Distribution):
+    """The shim's answer to ``importlib.metadata`` for ``apex``: libraries such as transformers count apex as
+    available only when both ``find_spec("apex")`` and ``importlib.metadata.version("apex")`` succeed."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\nSummary: ampkit's apex shim\n"
+        if filename == "top_level.txt":
+            return "apex\n"
+        return None
+
+    def locate_file(self, path: str | pathlib.PurePath) -> pathlib.Path:
+        return pathlib.Path(__file__).parent / path
+
+
+def _is_apex_distribution_name(name: str | None) -> bool:
+    """Whether a distribution lookup by ``name`` (None: all of them) asks for apex (PEP 503 normalized)."""
+    return name is None or name.lower().replace("-", "_").replace(".", "_") == "apex"
+
+
 class _ApexShimFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "apex":
@@ -104,6 +143,13 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
         if not fullname.startswith("apex."):
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
+
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context | None = None
+    ) -> list[importlib.metadata.Distribution]:
+        """``importlib.metadata``'s hook: the shim's ``apex`` distribution when apex (or every one) is asked for."""
+        name = context.name if context is not None else None
+        return [_ApexDistribution()] if _is_apex_distribution_name(name) else []
 
 
 def _installed_finder() -> _ApexShimFinder | None:

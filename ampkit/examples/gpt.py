@@ -15,7 +15,8 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
 - ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
   recomputes their activations, ``distributed.strategy=fsdp`` shards each block (``distributed.fsdp.
   shard_modules: [Block]``); tokens/s, TFLOP/s and MFU come from the FLOPs counted once on a meta-device copy.
-- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab.
+- Every ``generate.every_n_steps`` iterations a sample from ``generate.prompt`` goes to TensorBoard's Text tab
+  (to the console under ``logging.tensorboard=false``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
 
 import ampkit
 from ampkit.callbacks.throughput import count_training_flops
@@ -73,7 +73,7 @@ class GPTGenerateConfig:
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8
-    every_n_steps: int = 100  # a sample to TensorBoard's Text tab every N iterations (0: never)
+    every_n_steps: int = 100  # a sample to TensorBoard's Text tab (else the console) every N iterations (0: never)
 
 
 @dataclass
@@ -335,12 +335,10 @@ class GPTTrainer(ampkit.Trainer):
 
     def train_dataloader(self) -> DataLoader:
         windows = Windows(self._split("train"), self.cfg.model.seq_len)
-        # One shuffle of all windows per epoch, dealt round-robin to the ranks: the same windows make up a step
-        # on any number of ranks (at a fixed global batch), so a run resumed at another world size continues the
-        # same curve. The Trainer reseeds the sampler each epoch.
-        order = DistributedSampler(windows, self.world_size, self.global_rank, shuffle=True,
-                                   seed=self.settings.seed or 0, drop_last=True)  # fmt: skip
-        return DataLoader(windows, batch_size=self.cfg.data.batch_size, sampler=order, drop_last=True)
+        # The Trainer gives a shuffled loader a seeded sampler that deals one permutation per epoch round-robin to
+        # the ranks: the same windows make up a step on any number of ranks (at a fixed global batch), so a run
+        # resumed at another world size continues the same curve.
+        return DataLoader(windows, batch_size=self.cfg.data.batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
@@ -377,7 +375,12 @@ class GPTTrainer(ampkit.Trainer):
             self.module.eval()
             text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
-            self.logger.log_text("samples", text)
+            if self.cfg.logging.tensorboard:
+                self.logger.log_text("samples", text)
+            elif self.is_global_zero:  # no TensorBoard to take it: the console, rather than generating for nothing
+                from tqdm.auto import tqdm
+
+                tqdm.write(f"  sample at step {s.iteration}: {text!r}")
 
     def on_predict_end(self, predictions: list[str]) -> None:
         if self.is_global_zero:

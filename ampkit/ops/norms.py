@@ -69,6 +69,7 @@ _FAMILY = register_family(
 )
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes whose CPU kernel torch's is faster
 
 ShapeLike = int | Sequence[int] | torch.Size
 
@@ -136,14 +137,16 @@ def _torch_runs(
     """Whether torch's own kernel runs this norm. Only a weight (and bias) in the input's dtype and no
     ``memory_efficient`` qualify (torch reads no fp16/bf16 input against fp32 weights and saves the input, not the
     output). Under ``auto``: on a GPU always (ampkit's CUDA norms measured 0.31-1.0x torch's on an H100); on the
-    CPU fp32 LayerNorm only (fwd+bwd 0.86x ``F.layer_norm`` at 8192x1024, 1.00x at 32768x4096), while bf16
-    LayerNorm (1.37-1.48x), RMSNorm (4.4-14.9x) and float64 (not measured) keep ampkit's kernels."""
+    CPU fp32 LayerNorm (fwd+bwd 0.86x ``F.layer_norm`` at 8192x1024, 1.00x at 32768x4096) and fp16 LayerNorm
+    (0.25-0.36x at 1024x64 and 8192x1024: torch's converts whole vectors of halves), while bf16 LayerNorm
+    (0.98-1.42x at 1024-8192 rows x 64-1024), RMSNorm (fp16 1.8-6.7x, bf16 3.3-9.9x) and float64 (not
+    measured) keep ampkit's kernels."""
     if memory_efficient or (weight is not None and weight.dtype != input.dtype):
         return False
     backend = resolve_backend(None, op)
     if backend != "auto":
         return backend == "torch"
-    return input.device.type != "cpu" or (layer_norm and input.dtype == torch.float32)
+    return input.device.type != "cpu" or (layer_norm and input.dtype in _TORCH_CPU_LAYER_NORM)
 
 
 def _autocast_args(*args: object) -> tuple:

@@ -1,4 +1,4 @@
-"""Atomic checkpoint files, and loading that never executes a pickle payload."""
+"""Atomic checkpoint (and run) files, and loading that never executes a pickle payload."""
 
 from __future__ import annotations
 
@@ -45,6 +45,20 @@ def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
     return path
 
 
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write ``text`` to ``path`` as :func:`save_atomic` writes: a kill leaves the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def link_atomic(source: Path, alias: Path) -> None:
     """Point ``alias`` at ``source``'s bytes (hard link, copy if links are unsupported), atomically."""
     if alias.exists() and os.path.samefile(source, alias):  # rename() onto a link of itself would keep the temp
@@ -86,7 +100,10 @@ _TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``Type: first sentence of the message`` (torch appends paragraphs of advice to a corrupt archive's)."""
+    text = " ".join(str(exc).split())
+    first = text.split(". ", 1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

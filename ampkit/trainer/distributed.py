@@ -166,22 +166,30 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
 def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:
     """``loader`` rebuilt with a ``DistributedSampler`` (each rank its shard; reseeded per epoch by the loop).
 
-    Loaders that already shard (a DistributedSampler, an IterableDataset) and non-DataLoader iterables are
-    returned as they are.
+    A shuffled loader (a plain ``RandomSampler``, as ``shuffle=True`` makes) gets one in a single process too:
+    the order is then a function of (seed, epoch) and the world size only, one permutation dealt round-robin to
+    the ranks, so one process at batch ``W*B`` steps through the same samples as ``W`` ranks at batch ``B``, and
+    a checkpoint resumes on another world size along the same sample sequence. Loaders that already shard (a
+    DistributedSampler, an IterableDataset), an unshuffled loader in one process, and non-DataLoader iterables
+    are returned as they are.
     """
     from torch.utils.data import DataLoader, IterableDataset, RandomSampler
     from torch.utils.data.distributed import DistributedSampler
 
-    if not env.enabled or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
         return loader
+    shuffle = shuffle_default and isinstance(loader.sampler, RandomSampler)
+    if not env.enabled and not (shuffle and _is_permutation(loader.sampler)):
+        return loader
     if type(loader.batch_sampler).__name__ != "BatchSampler":
+        if not env.enabled:
+            return loader
         raise ValueError(
             "a custom batch_sampler cannot be sharded across ranks automatically; give the "
             "DataLoader a DistributedSampler yourself"
         )
-    shuffle = isinstance(loader.sampler, RandomSampler) if shuffle_default else False
     sampler = DistributedSampler(loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle,
                                  seed=seed)  # fmt: skip
     return DataLoader(
@@ -191,3 +199,9 @@ def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_defa
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+def _is_permutation(sampler: Any) -> bool:
+    """A ``RandomSampler`` that draws each sample once per epoch (what ``shuffle=True`` makes), which a seeded
+    ``DistributedSampler`` can replace; one drawing with replacement or another count is left to its own RNG."""
+    return not sampler.replacement and sampler.num_samples == len(sampler.data_source)

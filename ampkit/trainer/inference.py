@@ -38,5 +38,6 @@ def load_model(
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint '{path}' does not fit {trainer_class.__name__}'s model: {exc}") from None
+        detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+        raise CheckpointError(f"checkpoint '{path}' does not fit {trainer_class.__name__}'s model: {detail}") from None
     return module.to(device).eval()

@@ -48,7 +48,7 @@ class ModelSetup:
     sharded: bool
     notes: dict[str, str] = field(default_factory=dict)
     compiled: bool = False  # some forward is compiled: the first step pays for compilation
-    regions_called: bool = False  # a regionally compiled module ran (one-shot hooks, removed at the first call)
+    compiled_regions: list[nn.Module] = field(default_factory=list)  # modules compiled in place (trainer.compile)
 
     @property
     def compile_setting(self) -> Any:
@@ -94,17 +94,9 @@ def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
     blocks = _named_modules(module, names, "trainer.compile")
     for block in blocks:
         block.forward = torch.compile(block.forward, mode=mode)
-    hooks = [block.register_forward_pre_hook(lambda *_: _called(setup, hooks)) for block in blocks]
-    setup.compiled = True
+    setup.compiled, setup.compiled_regions = True, blocks
     setup.notes["compile"] = f"regional, mode {mode}: {_count(blocks)}"
     return module
-
-
-def _called(setup: ModelSetup, hooks: list[Any]) -> None:
-    """A compiled region ran: the setting did something. The hooks go, so later calls cost nothing."""
-    setup.regions_called = True
-    for hook in hooks:
-        hook.remove()
 
 
 def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:

@@ -51,6 +51,11 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
         spec = SchedulerSpec(**value)
     else:
         spec = SchedulerSpec(scheduler=value)
+    if not all(callable(getattr(spec.scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+        raise UserCodeError(
+            f"{where}: lr_scheduler is {type(spec.scheduler).__name__} ({str(spec.scheduler)[:40]!r}); expected a "
+            "scheduler object with step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler.*)"
+        )
     if spec.interval not in ("step", "epoch"):
         raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
     if spec.frequency < 1:
@@ -104,10 +109,20 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             scheds = item.get("lr_scheduler")
             scheds = scheds if isinstance(scheds, list) else ([] if scheds is None else [scheds])
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
+            for spec in sched_specs:
+                target = getattr(spec.scheduler, "optimizer", item["optimizer"])
+                if target is not item["optimizer"]:
+                    raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
             for spec in sched_specs:  # Lightning puts 'monitor' beside 'optimizer' too
                 spec.monitor = spec.monitor or item.get("monitor")
             specs.append(
                 OptimizerSpec(name=str(item.get("name") or ""), optimizer=item["optimizer"], schedulers=sched_specs)
+            )
+        elif isinstance(item, dict):
+            found = type(item.get("optimizer")).__name__
+            raise UserCodeError(
+                f"{where} is a dict whose 'optimizer' is {found} (keys: {sorted(map(str, item))}); it needs "
+                f"'optimizer': a torch.optim.Optimizer. Return {_ACCEPTED}"
             )
         else:
             raise UserCodeError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")
@@ -124,6 +139,21 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
     return specs
+
+
+def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
+    """Every optimized parameter is the model's: one outside it is neither checkpointed nor used by the model, so
+    training it is lost on resume (make it an attribute of the model instead)."""
+    own = {id(p) for p in module.parameters()}
+    for spec in specs:
+        params = [p for group in spec.optimizer.param_groups for p in group["params"]]
+        foreign = sum(id(p) not in own for p in params)
+        if foreign:
+            raise UserCodeError(
+                f"configure_optimizers(): optimizer '{spec.name}' holds {foreign} of its {len(params)} parameters "
+                "outside the model: checkpoints would not save them. Build it from self.module.parameters() (make "
+                "any extra parameter an attribute of the model configure_model returns)"
+            )
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad

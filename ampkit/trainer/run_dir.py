@@ -16,14 +16,20 @@ def _versions(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def unwritable_reason(root: str | Path) -> str | None:
-    """Why ``version_N`` could not be created under ``root`` (a file in the way, no write access), or None."""
+def version_dirs(root: str | Path) -> list[Path]:
+    """Every ``version_N`` directory under ``root``, oldest first."""
+    return [path for _, path in _versions(Path(root))]
+
+
+def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
+    """Why ``version_N`` could not be created under ``root`` (a file in the way; with ``write``, no write access: a
+    read-only mount, permissions), or None."""
     existing = Path(root).absolute()
     while not existing.exists() and not existing.is_symlink():  # climb to the part that is already there
         existing = existing.parent
     if not existing.is_dir():
         return f"'{existing}' is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if write and not os.access(existing, os.W_OK | os.X_OK):
         return f"'{existing}' is not writable"
     return None
 

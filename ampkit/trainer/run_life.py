@@ -5,8 +5,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 * ``fit(resume=...)`` starts from ``last``/``best`` (of the newest ``version_N`` under ``run_dir`` that has
   one) or a path, and then, decided before any user code runs:
 
-  - **finished**: the checkpoint already reached ``trainer.max_epochs``/``trainer.max_steps``. Nothing runs
-    and nothing is written; a larger limit continues it from its exact state (RNG included).
+  - **finished**: the checkpoint already reached ``trainer.max_epochs``/``trainer.max_steps``, or training
+    stopped early there (early stopping, ``trainer.max_time``, or ``state.should_stop`` set by user code) and
+    the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
+    written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
     position): training goes on in that directory.
   - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
@@ -15,6 +17,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
     deletes a file of another lineage.
 
+* Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
+  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories no live
+  run holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted.
 * A run holds ``version_N/run.lock`` (its pid and host) while it writes there; a second run into that
   directory is refused, naming both. A lock whose pid is gone on this host (a SIGKILLed run) is stale and
   taken over. Under ``torchrun`` only rank zero takes it.
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +45,9 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import flatten
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir
+from ampkit.config import AMPKIT_KEYS, flatten
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint, write_text_atomic
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
 
 LOCK_FILE = "run.lock"
@@ -60,10 +67,18 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
         return None
     if str(ckpt) in ("last", "best"):
         return latest_checkpoint(run_dir, f"{ckpt}.pt")
+    if not str(ckpt).strip():
+        raise CheckpointError("the checkpoint path is empty: pass a path, 'last' or 'best'")
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
-    if not (path.is_file() or is_sharded_checkpoint(path)):
-        raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
-    return path
+    if path.is_file() or is_sharded_checkpoint(path):
+        return path
+    if path.is_dir():
+        inside = next((c for c in (path / "last.pt", path / "checkpoints" / "last.pt") if c.is_file()), None)
+        hint = f" (e.g. '{inside}')" if inside is not None else ""
+        raise CheckpointError(
+            f"'{path}' is a directory, not a checkpoint: pass a checkpoint file in it{hint}, or 'last' or 'best'"
+        )
+    raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
 
 
 def _trainer_part(path: Path) -> Path:
@@ -88,6 +103,28 @@ def _loop_of(path: Path) -> dict[str, int] | None:
         return None
 
 
+def load_with_fallback_hint(path: Path) -> dict[str, Any]:
+    """:func:`load_checkpoint`; when ``path`` cannot be read, the error names the newest readable checkpoint beside
+    it (a damaged ``last.pt`` leaves its step files to resume from: a resume from one is a branch)."""
+    try:
+        return load_checkpoint(path)
+    except CheckpointError as exc:
+        fallback = _newest_readable_beside(path)
+        if fallback is None:
+            raise
+        raise CheckpointError(f"{exc}; the newest readable checkpoint beside it is '{fallback}'") from None
+
+
+def _newest_readable_beside(path: Path) -> Path | None:
+    if path.parent.name != "checkpoints" or not path.parent.is_dir():
+        return None
+    others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
+    for other in sorted(others, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if not (path.exists() and os.path.samefile(other, path)) and _loop_of(other) is not None:
+            return other
+    return None
+
+
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
     """Whether checkpoint ``path`` holds ``version_dir``'s newest state (``last.pt``'s loop position)."""
     checkpoints = version_dir / "checkpoints"
@@ -108,11 +145,45 @@ class FitStart:
     loop: dict[str, int] | None = None
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
+    nothing_to_train: str | None = None  # why the checkpoint is *finished* (resuming it trains nothing), or None
 
-    def finished(self, max_epochs: int, max_steps: int) -> bool:
-        """Whether the checkpoint already reached the limits (resuming it would train nothing)."""
-        loop = self.loop
-        return loop is not None and (loop["epoch"] >= max_epochs or 0 <= max_steps <= loop["global_step"])
+    @property
+    def finished(self) -> bool:
+        """Whether resuming the checkpoint would train nothing (see the module's rules)."""
+        return self.nothing_to_train is not None
+
+
+# The ampkit sections whose keys decide when training stops; every section a Trainer subclass adds counts too
+# (a ``should_stop`` set by its code may read it).
+STOPPING_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time", "early_stopping.")
+
+
+def _stopping_key(key: str) -> bool:
+    return key.startswith(STOPPING_KEYS) or key.partition(".")[0] not in AMPKIT_KEYS
+
+
+def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str | None:
+    """Why resuming ``checkpoint`` would train nothing under ``cfg`` (it reached a limit, or stopped early and no
+    stopping key changed), or None when it has training left."""
+    loop, t = checkpoint["loop"], cfg.trainer
+    where = f"epoch {loop['epoch']}, step {loop['global_step']}"
+    if loop["epoch"] >= t.max_epochs or 0 <= t.max_steps <= loop["global_step"]:
+        return (
+            f"'{path}' already reached trainer.max_epochs={t.max_epochs} / trainer.max_steps={t.max_steps} ({where}); "
+            "nothing was written. Raise a limit to train further from its exact state."
+        )
+    stopped = checkpoint.get("stopped_early")
+    if not stopped:
+        return None
+    before = flatten(checkpoint.get("config", {}), sep=".")
+    now = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    if any(before.get(key) != now.get(key) for key in before.keys() | now.keys() if _stopping_key(key)):
+        return None
+    return (
+        f"'{path}' stopped early ({stopped}; {where}); nothing was written. To train further from its exact "
+        "state, raise trainer.max_steps/max_epochs/max_time or change early_stopping.* (or your Trainer's own "
+        "settings)."
+    )
 
 
 def plan_fit(
@@ -129,7 +200,7 @@ def plan_fit(
         return FitStart()
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
-    checkpoint = load_checkpoint(_trainer_part(path))
+    checkpoint = load_with_fallback_hint(_trainer_part(path))
     missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
     if not sharded and "model" not in checkpoint:
         missing.insert(0, "model")
@@ -154,6 +225,7 @@ def plan_fit(
         loop=loop,
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,
+        nothing_to_train=why_finished(checkpoint, path, cfg),
     )
 
 
@@ -178,16 +250,26 @@ def open_version_dir(
 ) -> tuple[Path, RunLock]:
     """The version directory this fit writes, locked before anything is written there: created (with its
     lineage) for a fresh run or a branch; its config saved. Rank zero only."""
-    version_dir = start.version_dir if start.version_dir is not None else new_version_dir(run_dir)
-    lock = RunLock(version_dir)
-    lock.acquire()
+    version_dir, lock = start.version_dir, None
     try:
+        version_dir = version_dir if version_dir is not None else new_version_dir(run_dir)
+        lock = RunLock(version_dir)
+        lock.acquire()
         if start.branched_from is not None:
-            (version_dir / LINEAGE_FILE).write_text(OmegaConf.to_yaml(lineage(start)))
+            write_text_atomic(OmegaConf.to_yaml(lineage(start)), version_dir / LINEAGE_FILE)
         save_config(version_dir, cfg, global_step, start)
-    except BaseException:
-        lock.release()
-        raise
+    except BaseException as exc:
+        if lock is not None:
+            lock.release()
+        if start.version_dir is None and version_dir is not None:  # a version_N made just now: no trace of it
+            shutil.rmtree(version_dir, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
+        where = exc.filename or version_dir or run_dir
+        raise RunDirectoryError(
+            f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
+            f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+        ) from None
     return version_dir, lock
 
 
@@ -221,10 +303,77 @@ def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: Fit
     if start.branched_from is not None:
         text = f"# branched from {start.branched_from.absolute()} at global step {global_step}\n{text}"
     target = version_dir / "config.yaml"
-    if target.is_file() and target.read_text() != text:
+    if target.is_file() and target.read_text(errors="replace") != text:  # damaged or edited: kept, not replaced
         target = version_dir / f"config.resumed_at_step_{global_step}.yaml"
     if not target.is_file():
-        target.write_text(text)
+        write_text_atomic(text, target)
+
+
+# ----------------------------------------------------------------------------------------- stale temp files
+# Every name ampkit writes before renaming into place, so a kill can leave it behind: save_atomic's and
+# link_atomic's ``.<name>.<random>.tmp`` files, the sharded writer's ``.<name>.tmp`` directory, ``.<name>.old``
+# (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link; in the version directory the
+# config's and lineage's temp files and the lock's (``.run.lock.<pid>.tmp``, ``.run.lock.stale.<pid>``).
+_CHECKPOINT = r"(?:step-\d{8,}|epoch-\d{4,}|best-\d{8,}|last|best)"
+_RANDOM = r"\.[a-z0-9_]+\.tmp"  # mkstemp's random part
+_TEMP_FILE = re.compile(rf"^\.{_CHECKPOINT}\.pt{_RANDOM}$")
+_TEMP_SHARDED = re.compile(rf"^\.{_CHECKPOINT}\.tmp$")
+_SET_ASIDE = re.compile(rf"^\.({_CHECKPOINT})\.old$")
+_TEMP_TEXT = re.compile(rf"^\.(?:config(?:\.resumed_at_step_\d+)?|lineage)\.yaml{_RANDOM}$")
+_LOCK_TEMP = re.compile(rf"^\.{re.escape(LOCK_FILE)}\.(?:(\d+)\.tmp|stale\.(\d+))$")
+
+
+def remove_stale_temps(version_dir: Path) -> list[Path]:
+    """Remove what a killed save left in ``version_dir`` (only ampkit's temp names, see above; a sharded
+    checkpoint set aside and never replaced is renamed back). The caller holds its lock. Returns what it removed."""
+    removed: list[Path] = []
+    for path in sorted(version_dir.iterdir()):
+        lock_temp = _LOCK_TEMP.match(path.name)
+        stale_lock = lock_temp is not None and not _pid_alive(int(lock_temp.group(1) or lock_temp.group(2)))
+        if path.is_file() and not path.is_symlink() and (stale_lock or _TEMP_TEXT.match(path.name)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    checkpoints = version_dir / "checkpoints"
+    if not checkpoints.is_dir() or checkpoints.is_symlink():
+        return removed
+    for path in sorted(checkpoints.iterdir()):
+        name, link = path.name, path.is_symlink()
+        if _TEMP_FILE.match(name) and (link or path.is_file()) or _TEMP_SHARDED.match(name) and link:
+            path.unlink(missing_ok=True)
+        elif _TEMP_SHARDED.match(name) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif (aside := _SET_ASIDE.match(name)) and path.is_dir() and not link:
+            original = checkpoints / aside.group(1)
+            if not original.exists():  # killed between setting it aside and renaming its replacement in: the only copy
+                os.replace(path, original)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            continue
+        removed.append(path)
+    return removed
+
+
+def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
+    """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that no live run holds (each locked while
+    it is tidied; a read-only one is skipped). Rank zero only, before the run writes anything."""
+    removed: list[Path] = []
+    for version_dir in version_dirs(run_dir):
+        lock = RunLock(version_dir)
+        try:
+            lock.acquire()
+        except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written: not ours to tidy
+            continue
+        try:
+            removed += remove_stale_temps(version_dir)
+        except OSError:  # a file that cannot be removed (read-only): the run goes on, its saves do not need it
+            pass
+        finally:
+            lock.release()
+    if removed:
+        names = ", ".join(str(p.relative_to(Path(run_dir))) for p in removed)
+        print(f"ampkit: removed {len(removed)} temp file(s) left by an interrupted save: {names}", file=sys.stderr)
+    return removed
 
 
 # ----------------------------------------------------------------------------------------- the lock
@@ -316,6 +465,8 @@ class RunLock:
 def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
     """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules)."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
+    if not text.strip():
+        raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
     path = Path(text)
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE

@@ -59,7 +59,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
@@ -73,25 +73,28 @@ from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_me
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
-from ampkit.trainer.optimizers import OptimizerSpec, normalize_optimizers, step_, zero_grad_
+from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
+    RunDirectoryError,
     RunLock,
     discard_new_version_dir,
     lineage,
+    load_with_fallback_hint,
     open_version_dir,
     plan_fit,
     prediction_output,
     resolve_checkpoint,
+    tidy_run_dir,
 )
 from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
-from ampkit.trainer.user_code import UserCodeError, check_batches, check_loss
+from ampkit.trainer.user_code import UserCodeError, call_setup_method, check_batches, check_loss
 
 
 def _every(n: int, count: int) -> bool:
@@ -168,6 +171,7 @@ class Trainer:
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
         self.cfg: DictConfig = cfg
+        self.dist = DistributedEnv()  # one process until fit/validate/test/predict start torch.distributed
         self._validate_config()
         # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
@@ -176,7 +180,6 @@ class Trainer:
         self.device = self._resolve_device(self.settings.device)
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
-        self.dist = DistributedEnv()
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = list(callbacks or [])
         self.callbacks: list[Callback] = []
@@ -419,9 +422,12 @@ class Trainer:
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
-        if self.fit_start.finished(self.settings.max_epochs, self.settings.max_steps):
+        if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
+            tidy_run_dir(self.cfg.run_dir)
+        if self.fit_start.finished:
             self._already_finished()
             return
+        self._check_run_dir(write=True)  # before any user code runs
         self._setup(self.fit_start)
         try:
             self.fire("on_fit_start")
@@ -429,8 +435,8 @@ class Trainer:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
                 sanity_validate(self, self._val_loader)
-            except Exception:
-                self._discard_version_dir = True  # nothing trained: a version_N made for this run leaves no trace
+            except BaseException:  # a failure or a Ctrl-C: nothing trained, so a version_N made for it leaves no trace
+                self._discard_version_dir = True
                 raise
             self.fire("on_train_start")
             while not self._finished():
@@ -455,9 +461,7 @@ class Trainer:
         exhausted, max_steps = True, self.settings.max_steps
         for batch in self._epoch_batches():
             self._run_batch(batch)
-            if 0 <= max_steps <= s.global_step:
-                s.should_stop = True
-            if s.should_stop:  # max_steps reached, or a callback (early stopping) asked
+            if s.should_stop or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
         s.epoch_finished = exhausted
@@ -612,7 +616,10 @@ class Trainer:
             path = output
             if self.world_size > 1:
                 path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
-            save_atomic(predictions, path)
+            try:
+                save_atomic(predictions, path)
+            except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
+                raise RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})") from None
             self.predictions_path = output
         return predictions
 
@@ -637,7 +644,7 @@ class Trainer:
             self._load_weights(path)
         if fresh:
             self._setup_callbacks()
-        loader = getattr(self, stage.dataloader)()
+        loader = call_setup_method(self, stage.dataloader)
         if loader is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
@@ -664,7 +671,7 @@ class Trainer:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
-        module = self.configure_model()
+        module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
@@ -672,13 +679,18 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._setup_model()
-        self._specs = normalize_optimizers(self.configure_optimizers())
+        self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        check_parameters(self._specs, self.module)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
-        self._train_loader = distributed_loader(self.train_dataloader(), seed, self.dist, shuffle_default=True)
-        self._val_loader = distributed_loader(self.val_dataloader(), seed, self.dist, shuffle_default=False)
+        self._train_loader = distributed_loader(
+            call_setup_method(self, "train_dataloader"), seed, self.dist, shuffle_default=True
+        )
+        self._val_loader = distributed_loader(
+            call_setup_method(self, "val_dataloader"), seed, self.dist, shuffle_default=False
+        )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
@@ -717,7 +729,7 @@ class Trainer:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
     def _already_finished(self) -> None:
-        """A resume of a run that already reached its limits: nothing runs, nothing is written."""
+        """A resume of a run that already finished (run_life's rules): nothing runs, nothing is written."""
         loop, path = self.fit_start.loop, self.fit_start.checkpoint_path
         self.state.epoch, self.state.batches_done, self.state.global_step = (
             loop["epoch"],
@@ -726,18 +738,14 @@ class Trainer:
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
-            t = self.settings
-            print(
-                f"ampkit: nothing to train: '{path}' already reached trainer.max_epochs={t.max_epochs} / "
-                f"trainer.max_steps={t.max_steps} (epoch {loop['epoch']}, step {loop['global_step']}); nothing "
-                "was written. Raise a limit to train further from its exact state.",
-                file=sys.stderr,
-            )
+            print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
-        self.callbacks = order_callbacks(default_callbacks(self) + self.configure_callbacks() + self._user_callbacks)
+        self.callbacks = order_callbacks(
+            default_callbacks(self) + call_setup_method(self, "configure_callbacks") + self._user_callbacks
+        )
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
@@ -761,7 +769,7 @@ class Trainer:
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
             restore_rng(resume["epoch_rng"] if skip else resume["rng"])
         sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):  # DistributedSampler: a new shuffle each epoch, the same on every rank
+        if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
             sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
         iterator = iter(self._train_loader)
@@ -799,6 +807,12 @@ class Trainer:
             return {"epoch": s.epoch + 1, "batches_done": 0, "global_step": s.global_step}
         return {"epoch": s.epoch, "batches_done": s.batches_done, "global_step": s.global_step}
 
+    def stop_reason(self) -> str | None:
+        """Why training stopped before its limits (``state.should_stop``), or None: a resume of a checkpoint that
+        records it trains nothing unless a key that decides stopping changed (run_life's rules)."""
+        s = self.state
+        return (s.stop_reason or "trainer.state.should_stop was set") if s.should_stop else None
+
     def checkpoint_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG.
 
@@ -811,6 +825,7 @@ class Trainer:
                 st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
+            "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
             "val_metrics": dict(self.val_metrics),
@@ -860,10 +875,15 @@ class Trainer:
             load_sharded(path, self.module, {})
             return
         try:
-            state = consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_checkpoint(path)["model"]
+            state = (
+                consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_with_fallback_hint(path)["model"]
+            )
             self.module.load_state_dict(state)
+        except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
+            raise
         except (KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {exc}") from None
+            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
 
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
         """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
@@ -875,10 +895,8 @@ class Trainer:
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
         check_values(self.cfg)
-        if os.environ.get("RANK", "0") == "0":  # only rank zero writes the run directory
-            reason = unwritable_reason(self.cfg.run_dir)
-            if reason is not None:
-                raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
+        if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's to check
+            self._check_run_dir(write=False)
         t = self.cfg.trainer
         validate_strategy(self.cfg)
         validate_model_setup(self.cfg)
@@ -894,6 +912,15 @@ class Trainer:
         # Building the precision callbacks runs every precision.* check (opt level, dtype, scaler knobs) now,
         # before configure_model or any other user code; they are plain objects, rebuilt at set-up.
         precision_callbacks(self.cfg.precision)
+
+    def _check_run_dir(self, write: bool) -> None:
+        """``run_dir`` can hold a run (and, with ``write``, this process may write there). validate/test/predict only
+        read it, so a read-only run directory (an archive, a shared mount) still serves them. Rank zero, which writes
+        it, decides for every rank (once distributed has started), so all stop together."""
+        reason = unwritable_reason(self.cfg.run_dir, write) if self.is_global_zero else None
+        reason = broadcast_object(reason, self.dist)
+        if reason is not None:
+            raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
 
     @staticmethod
     def _resolve_device(name: str) -> torch.device:

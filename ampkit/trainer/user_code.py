@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
+
+from ampkit.config import AMPKIT_KEYS, flatten
 
 
 class UserCodeError(TypeError, ValueError):
@@ -42,3 +46,33 @@ def check_batches(count: int | None, method: str) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing)."""
     if count == 0:
         raise UserCodeError(f"{method}() yields no batches (an empty dataset, or a batch size above its length?)")
+
+
+def _named_settings(cfg: DictConfig, message: str) -> str:
+    """`` (config: data.batch_size=0)``: the keys of the Trainer's own config sections that ``message`` names."""
+    own = {key: value for key, value in flatten(cfg, sep=".").items() if key.partition(".")[0] not in AMPKIT_KEYS}
+    named = [
+        f"{key}={value!r}"
+        for key, value in own.items()
+        if len(leaf := key.rpartition(".")[2]) >= 3 and re.search(rf"\b{re.escape(leaf)}\b", message)
+    ]
+    return f" (config: {', '.join(named)})" if named else ""
+
+
+# The attribute :func:`call_setup_method` sets on what a set-up method raised: the one line the CLI prints for it.
+SETUP_ERROR_LINE = "ampkit_setup_error"
+
+
+def call_setup_method(trainer: Any, method: str) -> Any:
+    """``trainer.<method>()`` at set-up (``configure_model``, ``train_dataloader``...). What it raises (a setting
+    of its own that a library refuses, such as a batch size of 0; a missing package) propagates as it is, carrying
+    one line (:data:`SETUP_ERROR_LINE`) naming the method and the config keys its message names, which the CLI
+    prints instead of a traceback. ampkit's own errors, and ``NotImplementedError`` (a method it lacks), carry none."""
+    try:
+        return getattr(trainer, method)()
+    except Exception as exc:
+        if not (type(exc).__module__.startswith("ampkit.") or isinstance(exc, NotImplementedError)):
+            text = " ".join(str(exc).split())
+            detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+            setattr(exc, SETUP_ERROR_LINE, f"{method}() raised {detail}{_named_settings(trainer.cfg, str(exc))}")
+        raise

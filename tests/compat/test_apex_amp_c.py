@@ -57,7 +57,7 @@ def test_amp_c_and_the_applier_import_through_the_shim_only():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("amp_C")
     with pytest.raises(AttributeError, match="it provides .*multi_tensor_adam"):
-        _ = amp_C.multi_tensor_lamb_mp  # Apex's capturable mixed-precision LAMB: not provided
+        _ = amp_C.multi_tensor_fused_adam  # a name Apex's amp_C never had
 
 
 def test_applier_passes_its_chunk_size_first():
@@ -236,6 +236,7 @@ def test_lamb_matches_apex_math_with_global_norm_clipping():
     lr, beta1, beta2, eps, wd, max_norm = 1e-2, 0.9, 0.999, 1e-6, 0.01, 1.0
     for step in (1, 2):
         grads = [torch.randn(p.shape) for p in params]
+        fresh = [g.clone() for g in grads]  # the op leaves the LAMB direction in the grads, as Apex's did
         global_norm = torch.stack([g.double().norm() for g in grads]).norm().float().view(1)
         assert global_norm.item() > max_norm
         multi_tensor_applier(
@@ -243,7 +244,7 @@ def test_lamb_matches_apex_math_with_global_norm_clipping():
             lr, beta1, beta2, eps, step, 1, wd, 1, 1, global_norm, max_norm, False,
         )  # fmt: skip
         clip = global_norm.double().item() / max_norm
-        for i, g in enumerate(grads):
+        for i, g in enumerate(fresh):
             p, m = ref[i]
             g = g.double() / clip
             m = beta1 * m + (1 - beta1) * g
@@ -308,3 +309,16 @@ def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_z
     scale.fill_(torch.finfo(torch.float32).tiny)
     amp_C.update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 1, 1)
     assert scale.item() == 0.0
+
+
+def test_amp_c_has_every_op_of_apexs_last_amp_c():
+    """The ``m.def`` names of Apex's ``csrc/amp_C_frontend.cpp`` at the last commit before amp was removed."""
+    apex_ops = {
+        "multi_tensor_scale", "multi_tensor_sgd", "multi_tensor_axpby", "multi_tensor_l2norm",
+        "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm",
+        "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda", "multi_tensor_adam",
+        "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master", "multi_tensor_adagrad",
+        "multi_tensor_novograd", "multi_tensor_lamb", "multi_tensor_lamb_mp", "update_scale_hysteresis",
+    }  # fmt: skip
+    assert set(amp_C.__all__) == apex_ops
+    assert all(callable(getattr(amp_C, name)) for name in apex_ops)

@@ -128,9 +128,10 @@ def test_scale_loss_before_initialize_is_a_clear_error():
             pass
 
 
-def test_load_state_dict_before_initialize_is_a_clear_error(monkeypatch):
+def test_load_state_dict_before_initialize_is_a_clear_error():
     """Apex had no scalers to restore into before ``initialize`` either; the saved scale must not be dropped."""
-    monkeypatch.setattr(amp._amp_state, "opt_properties", None)  # a fresh process
+    amp._amp_state.reset()  # a fresh process
+    assert not hasattr(amp._amp_state, "opt_properties")
     with pytest.raises(RuntimeError, match=r"before amp.initialize\(\)"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}})
 

@@ -189,3 +189,19 @@ def test_a_step_skipped_on_the_device_does_not_count():
         param.grad = torch.full((3,), 0.5)
         optimizer.step(grad_scale=torch.tensor(1.0), found_inf=torch.tensor(found_inf))
         assert int(optimizer.param_groups[0]["step"]) == expected == float(optimizer.state[param]["step"])
+
+
+def test_fused_adam_refuses_the_first_fused_adams_step_arguments_with_apexs_message():
+    """Old fairseq/BERT code stepped ``optimizer.step(grads=..., output_params=..., scale=...)``: Apex's last
+    FusedAdam refused it with a message saying what to do, not a TypeError."""
+    from ampkit.compat.optimizers import FusedAdam
+
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = FusedAdam([param], lr=0.1)
+    for call in (lambda: optimizer.step(grads=[param.grad], scale=1.0), lambda: optimizer.step(None, [param.grad])):
+        with pytest.raises(RuntimeError, match="call step\\(\\) with no arguments"):
+            call()
+    assert torch.equal(param.detach(), torch.ones(3))
+    optimizer.step(grads=None, output_params=None)  # Nones are what Apex's own wrappers passed: a normal step
+    assert (param.detach() < 1).all()

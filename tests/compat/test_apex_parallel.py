@@ -169,6 +169,29 @@ def _check_reducer_broadcasts_parameters_only(rank, world_size):
         torch.testing.assert_close(p.grad, torch.full_like(p, (world_size + 1) / 2))
 
 
+def _check_flat_dist_call_broadcasts_and_averages_each_type(rank, world_size):
+    """NVIDIA's BERT pretraining: ``flat_dist_call(params, dist.broadcast, (0,))`` before training; Apex
+    averaged a flat ``all_reduce`` over the world."""
+    from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+    install_apex_shim()
+    try:
+        from apex.parallel.distributed import flat_dist_call, split_half_float_double
+    finally:
+        uninstall_apex_shim()
+    tensors = [torch.full((3, 2), rank + 1.0), torch.full((4,), rank + 10.0).half(), torch.full((1,), rank * 2.0)]
+    flat_dist_call(tensors, dist.broadcast, (0,))
+    broadcast = [t.clone() for t in tensors]
+    flat_dist_call(tensors, dist.all_reduce)
+    assert [t.dtype for t in tensors] == [torch.float32, torch.float16, torch.float32]
+    for got, want in zip(broadcast, (torch.ones(3, 2), torch.full((4,), 10.0).half(), torch.zeros(1)), strict=True):
+        torch.testing.assert_close(got, want)
+    averaged = [torch.full((3, 2), 1.0), torch.full((4,), 10.0).half(), torch.zeros(1)]  # every rank held rank 0's
+    for got, want in zip(tensors, averaged, strict=True):
+        torch.testing.assert_close(got, want)
+    assert [[t.dtype for t in b] for b in split_half_float_double(tensors)] == [[torch.float16], [torch.float32] * 2]
+
+
 def _check_sync_batchnorm_matches_full_batch(rank, world_size):
     # Statistics (and their gradients) over both ranks' halves of a batch.
     full = torch.cat([_rank_data(r)[1] for r in range(world_size)])
@@ -404,6 +427,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,
+        _check_flat_dist_call_broadcasts_and_averages_each_type,
     )
 }
 

@@ -1,5 +1,7 @@
 """The apex import shim and ``python -m ampkit.legacy``: unmodified Apex scripts run on ampkit."""
 
+import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -138,3 +140,31 @@ def test_spawned_child_processes_of_a_legacy_run_see_the_shim(tmp_path):
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
     assert "child sees ampkit.compat.amp" in result.stdout
+
+
+def test_apex_has_a_distribution_while_the_shim_is_installed():
+    """transformers calls apex available only when ``importlib.metadata.version("apex")`` answers too."""
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+    install_apex_shim()
+    try:
+        assert importlib.util.find_spec("apex") is not None
+        assert importlib.metadata.version("apex") == "0.1+ampkit"
+        assert importlib.metadata.distribution("apex").read_text("top_level.txt") == "apex\n"
+    finally:
+        uninstall_apex_shim()
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("apex")
+
+
+def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_first(tmp_path):
+    script = tmp_path / "launching.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "for child in ('import importlib.metadata as m; print(m.version(\"apex\"))',\n"
+        "              'import apex_C; print(apex_C.__name__)'):\n"
+        "    print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout.strip())\n"
+    )
+    result = _legacy(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0.1+ampkit", "ampkit.compat.apex_c"]

@@ -89,6 +89,15 @@ def test_gpt_trains_logs_throughput_and_samples_then_predict_generates(tmp_path,
     assert printed.startswith(generated[0])
 
 
+def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}/run", "trainer.max_steps=2",
+                                             "trainer.val_every_n_steps=0", "checkpoint.enabled=false",
+                                             "logging.tensorboard=false", "generate.every_n_steps=2",
+                                             "generate.tokens=4"])  # fmt: skip
+    trainer_class(cfg).fit()
+    assert "sample at step 2: 'The " in capsys.readouterr().out
+
+
 def test_model_config_errors_name_the_key(tmp_path):
     import ampkit
 

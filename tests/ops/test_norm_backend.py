@@ -24,9 +24,11 @@ CASES = {
     "layer-fp32": (lambda: FusedLayerNorm(96), torch.float32, torch.float32, True),
     "layer-fp32-no-affine": (lambda: FusedLayerNorm(96, elementwise_affine=False), torch.float32, None, True),
     "layer-bf16": (lambda: FusedLayerNorm(96), torch.bfloat16, torch.bfloat16, False),
+    "layer-fp16": (lambda: FusedLayerNorm(96), torch.float16, torch.float16, True),
     "layer-fp64": (lambda: FusedLayerNorm(96), torch.float64, torch.float64, False),
     "rms-fp32": (lambda: FusedRMSNorm(96), torch.float32, torch.float32, False),
     "rms-bf16": (lambda: FusedRMSNorm(96), torch.bfloat16, torch.bfloat16, False),
+    "rms-fp16": (lambda: FusedRMSNorm(96), torch.float16, torch.float16, False),
     "layer-memory-efficient": (lambda: FusedLayerNorm(96, memory_efficient=True), torch.float32, torch.float32, None),
     "rms-memory-efficient": (lambda: FusedRMSNorm(96, memory_efficient=True), torch.float32, torch.float32, None),
     "mixed-layer-bf16-fp32-weight": (lambda: MixedFusedLayerNorm(96), torch.bfloat16, torch.float32, None),
@@ -120,7 +122,7 @@ def test_mixed_and_memory_efficient_keep_ampkit_kernel_results(case, monkeypatch
             assert torch.equal(a, b)
 
 
-TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 5e-2}
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "ampkit"])

@@ -226,6 +226,37 @@ def test_non_finite_input_poisons_only_its_row(kind, bad, position):
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_float16_kernel_is_the_float32_kernel_rounded_once(kind, monkeypatch):
+    """Half rows convert to float and back with F16C (round to nearest-even): the fp16 kernel gives the fp32
+    kernel's result on the same values rounded once, bit for bit, with inf, nan, overflow past 65504 and
+    subnormal outputs in the rows."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", "ampkit")  # auto hands fp16 LayerNorm on the CPU to torch
+    torch.manual_seed(0)
+    n = 515
+    x = (torch.randn(37, n) * 3).half()
+    x[3, 7], x[5, 0] = float("inf"), float("nan")
+    w = _weight((n,), torch.float16).detach()
+    w[:4] = torch.tensor([3e4, -3e4, 1e-6, -1e-6])  # outputs past fp16's range, and subnormal ones
+    b = torch.randn(n).half() if kind == "layer" else None
+    dy = torch.randn(37, n).half()
+    results = {}
+    for dtype in (torch.float16, torch.float32):
+        xs, ws = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+        bs = b.detach().to(dtype).requires_grad_() if b is not None else None
+        if kind == "layer":
+            y = fused_layer_norm_affine(xs, ws, bs, n, EPS)
+        else:
+            y = fused_rms_norm_affine(xs, ws, n, EPS)
+        y.backward(dy.to(dtype))
+        results[dtype] = [y.detach(), xs.grad, ws.grad, bs.grad if bs is not None else None]
+    assert not results[torch.float16][0].isfinite().all()  # the cases above are there
+    assert (results[torch.float16][0].abs() < 6.2e-5).logical_and(results[torch.float16][0] != 0).any()
+    for half, single in zip(results[torch.float16], results[torch.float32], strict=True):
+        if half is not None:
+            torch.testing.assert_close(half, single.half(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_empty_batch(kind):
     x = torch.randn(0, 8)
     w, b = _weight((8,)), torch.randn(8)

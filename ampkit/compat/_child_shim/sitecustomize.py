@@ -2,8 +2,9 @@
 the parent.
 
 Active only when ``AMPKIT_APEX_SHIM`` is set (the launcher sets it after installing the shim). Nothing of
-ampkit is imported until the first ``import apex`` or ``import amp_C``; then the real shim is installed and answers. The
-environment's own ``sitecustomize`` (shadowed by this one) is run afterwards.
+ampkit is imported until the first ``import apex``, ``amp_C`` or ``apex_C`` (or a lookup of apex's
+distribution); then the real shim is installed and answers. The environment's own ``sitecustomize``
+(shadowed by this one) is run afterwards.
 """
 
 import importlib.util
@@ -15,13 +16,23 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 class _InstallShimOnFirstApexImport:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in ("apex", "amp_C") and not fullname.startswith("apex."):
+        if fullname not in ("apex", "amp_C", "apex_C") and not fullname.startswith("apex."):
             return None
+        return self._install().find_spec(fullname, path, target)
+
+    def find_distributions(self, context=None):
+        """``importlib.metadata.version("apex")`` before any ``import apex`` installs the shim too."""
+        name = getattr(context, "name", None)
+        if name is None or name.lower().replace("-", "_").replace(".", "_") != "apex":
+            return []
+        return self._install().find_distributions(context)
+
+    def _install(self):
         sys.meta_path.remove(self)
         from ampkit.compat.shim import _installed_finder, install_apex_shim
 
         install_apex_shim(force=True)  # the parent already decided that the shim wins
-        return _installed_finder().find_spec(fullname, path, target)
+        return _installed_finder()
 
 
 def _run_shadowed_sitecustomize():

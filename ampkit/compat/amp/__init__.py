@@ -7,7 +7,12 @@ through the shim).
 ``_amp_state.loss_scalers`` answer to Apex's attributes (``_loss_scale`` read and written, ``_unskipped``, ...).
 """
 
+from typing import Any
+
 from ampkit.compat._exported_names import keep_exported_names
+
+# apex.amp._initialize.applier is reached as an attribute (catalyst)
+from ampkit.compat.amp import _initialize as _initialize
 from ampkit.compat.amp._amp_state import _amp_state, master_params
 from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
 from ampkit.compat.amp.functions import (
@@ -39,6 +44,10 @@ __all__ = [
     "scale_loss",
     "state_dict",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"apex.amp (ampkit.compat.amp) has no attribute {name!r}; it provides {', '.join(__all__)}")
 
 
 keep_exported_names(__name__)  # amp._amp_state stays the state object (see _exported_names)

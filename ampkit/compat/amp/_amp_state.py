@@ -17,9 +17,16 @@ from ampkit.compat.amp.scaler import ApexLossScaler
 
 
 class AmpState:
-    """What ``amp.initialize`` set up: the resolved properties, one scaler per loss, the cast settings."""
+    """What ``amp.initialize`` set up: the resolved properties, one scaler per loss, the cast settings.
+
+    ``opt_properties`` exists only once ``initialize`` ran, as in Apex: ``hasattr(amp._amp_state,
+    "opt_properties")`` is how Apex itself, and libraries around it, ask whether amp was initialized.
+    """
+
+    opt_properties: OptLevelProperties
 
     def __init__(self) -> None:
+        self.hard_override = False  # Apex's switch turning some setup errors into warnings; read, never acted on
         self.reset()
 
     def reset(self) -> None:
@@ -29,7 +36,9 @@ class AmpState:
         self.handle: Any = getattr(self, "handle", None)
         if self.handle is not None:
             self.handle._deactivate()
-        self.opt_properties: OptLevelProperties | None = None
+        vars(self).pop("opt_properties", None)
+        self.min_loss_scale: float | None = None  # initialize's arguments, kept where Apex kept them
+        self.max_loss_scale: float | None = None
         self.loss_scalers: list[ApexLossScaler] = []
         self.verbosity: int = 1
         self.combine_grad: bool = False
@@ -37,13 +46,13 @@ class AmpState:
 
     @property
     def initialized(self) -> bool:
-        return self.opt_properties is not None
+        return "opt_properties" in vars(self)
 
     @property
     def gradients_leave_params(self) -> bool:
         """True when ``scale_loss`` takes each backward's gradients out of ``.grad`` (loss scaling, O2 masters,
         flat buffers) and adds them back after it: a backward then only ever sees its own new gradients."""
-        if self.opt_properties is None:  # amp.init's handle API stashes around every scaled backward
+        if not self.initialized:  # amp.init's handle API stashes around every scaled backward
             return self.handle is not None and self.handle.is_active()
         if not self.opt_properties.enabled:
             return False

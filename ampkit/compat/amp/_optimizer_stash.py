@@ -44,6 +44,7 @@ class AmpOptimizerStash:
         self.optimizer = optimizer
         self.combine_grad = combine_grad
         self.already_patched = False
+        self.lazy_init_called = False  # Apex's flag: set by the first backward (or _amp_lazy_init)
         self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
@@ -92,6 +93,18 @@ class AmpOptimizerStash:
         """True while gradients of a ``delay_unscale`` backward are still scaled (Apex's flag)."""
         return self.combiner.pending
 
+    @params_have_scaled_gradients.setter
+    def params_have_scaled_gradients(self, value: bool) -> None:
+        # Code that copied Apex's scale_loss sets the flag itself: True after a delay_unscale backward (which
+        # ran without _prepare_amp_backward), False after _post_amp_backward. Here the combiner keeps it.
+        if value and not self.combiner.pending:
+            self.combiner.adopt_scaled_grads()
+        elif not value and self.combiner.pending:
+            raise RuntimeError(
+                "_amp_stash.params_have_scaled_gradients = False while gradients are still scaled; call "
+                "optimizer._post_amp_backward(loss_scaler) first to unscale them"
+            )
+
     def _build_combiner(self) -> GradientCombiner:
         if self.master_weights is not None:
             pairs = zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
@@ -116,10 +129,15 @@ class AmpOptimizerStash:
             if master is not param and not torch.equal(master.to(param.dtype), param):
                 master.copy_(param)
 
-    def prepare_backward(self) -> None:
-        """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
+    def lazy_init(self) -> None:
+        """Apex's first-backward setup: take over weights loaded into the model since ``initialize``."""
         if not self._masters_checked:
             self._adopt_model_changes()
+        self.lazy_init_called = True
+
+    def prepare_backward(self) -> None:
+        """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
+        self.lazy_init()
         if not self.combiner.pending:
             self.combiner.prepare_backward()
 
@@ -166,6 +184,7 @@ class AmpOptimizerStash:
         def step(self: Any, closure: Any = None) -> Any:
             if closure is not None:
                 raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            stash.lazy_init()  # as Apex's step: a first step without a scaled backward still sets it up
             with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
                 result = original_step()
             if stash.master_weights is not None:
@@ -204,6 +223,22 @@ class AmpOptimizerStash:
                 stash.master_weights.load_state_dict(masters)
                 stash._masters_checked = True  # the checkpoint's masters are the truth, the model follows them
 
+        # Apex's per-optimizer protocol, for code that copied Apex's scale_loss and calls it directly.
+        def prepare_amp_backward(self: Any) -> None:
+            stash.prepare_backward()
+
+        def post_amp_backward(self: Any, loss_scaler: Any) -> None:
+            found_inf = stash.combine(loss_scaler).found_inf  # read by loss_scaler.update_scale()
+            overflow_buf = loss_scaler._overflow_buf
+            overflow_buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(overflow_buf.device), 1)
+
+        def amp_lazy_init(self: Any) -> None:
+            stash.lazy_init()
+
+        optimizer._prepare_amp_backward = types.MethodType(prepare_amp_backward, optimizer)
+        optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+        optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
+        optimizer._lazy_init_maybe_master_weights = types.MethodType(amp_lazy_init, optimizer)
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)

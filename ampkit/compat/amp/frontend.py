@@ -196,6 +196,7 @@ def initialize(
         for _ in range(num_losses)
     ]
     _amp_state.opt_properties = properties
+    _amp_state.min_loss_scale, _amp_state.max_loss_scale = min_loss_scale, max_loss_scale
     if not enabled:
         return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
     _print_properties(properties, cast_model_outputs, num_losses)

@@ -14,6 +14,7 @@ from ampkit.amp import GradientCombiner
 from ampkit.amp.grad_combine import read_flags
 from ampkit.compat.amp import functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
+from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
 
 
@@ -187,6 +188,19 @@ class AmpHandle:
 
     def _clear_cache(self) -> None:
         self._cache.clear()
+
+    @property
+    def _all_wrappers(self) -> list[tuple[Any, str, Any]]:
+        """Apex's record of the functions O1 replaced: ``(module, name, original)`` for each, oldest first (a
+        copy: record more with :meth:`_save_func`); what :meth:`_deactivate` puts back."""
+        return self._patches.originals() if self._patches is not None else []
+
+    def _save_func(self, mod: Any, fn: str, func: Any) -> None:
+        """Apex's hook for code that patches functions beside amp: ``mod.fn`` was ``func``, and
+        :meth:`_deactivate` sets it back."""
+        if self._patches is None:
+            self._patches = o1_casts.CastPatches()
+        self._patches.remember(mod, fn, func)
 
     def _deactivate(self) -> None:
         """Undo every patch this handle made and stop casting."""

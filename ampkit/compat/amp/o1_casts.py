@@ -117,6 +117,14 @@ class CastPatches:
         self._saved.append((owner, name, getattr(owner, name), name in vars(owner)))
         setattr(owner, name, value)
 
+    def remember(self, owner: Any, name: str, original: Any) -> None:
+        """Record that ``owner.name`` was ``original`` (someone else replaced it) so that ``restore`` puts it back."""
+        self._saved.append((owner, name, original, True))
+
+    def originals(self) -> list[tuple[Any, str, Any]]:
+        """``(owner, name, original)`` for every replacement, oldest first."""
+        return [(owner, name, original) for owner, name, original, _ in self._saved]
+
     def restore(self) -> None:
         """Undo every replacement, newest first (a wrapper of a wrapper unwinds in order)."""
         while self._saved:

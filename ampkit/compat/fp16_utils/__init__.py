@@ -1,5 +1,7 @@
 """Apex's ``apex.fp16_utils``: manual mixed precision with fp32 master weights, keyed on dtype not CUDA types."""
 
+from typing import Any
+
 from ampkit.compat.fp16_utils.fp16_optimizer import FP16_Optimizer
 from ampkit.compat.fp16_utils.fp16util import (
     BN_convert_float,
@@ -32,3 +34,9 @@ __all__ = [
     "to_python_float",
     "tofp16",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(
+        f"apex.fp16_utils (ampkit.compat.fp16_utils) has no attribute {name!r}; it provides {', '.join(__all__)}"
+    )

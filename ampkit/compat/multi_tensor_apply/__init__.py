@@ -1,5 +1,14 @@
 """``apex.multi_tensor_apply``: the ``multi_tensor_applier`` that calls ``amp_C`` ops (laid out as Apex's package)."""
 
+from typing import Any
+
 from ampkit.compat.multi_tensor_apply.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(
+        f"apex.multi_tensor_apply (ampkit.compat.multi_tensor_apply) has no attribute {name!r}; "
+        f"it provides {', '.join(__all__)}"
+    )

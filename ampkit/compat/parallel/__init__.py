@@ -5,6 +5,8 @@ in May 2025; these keep its constructors and behaviour on top of ``torch.nn.para
 unchanged on CPU (gloo) or CUDA (NCCL).
 """
 
+from typing import Any
+
 import torch.distributed
 
 from ampkit.compat._exported_names import keep_exported_names
@@ -23,5 +25,12 @@ __all__ = [
     "convert_syncbn_model",
     "create_syncbn_process_group",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(
+        f"apex.parallel (ampkit.compat.parallel) has no attribute {name!r}; it provides {', '.join(__all__)}"
+    )
+
 
 keep_exported_names(__name__)  # parallel.LARC stays the class when apex.parallel.LARC (the module) is imported

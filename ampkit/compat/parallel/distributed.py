@@ -37,6 +37,27 @@ import torch
 import torch.distributed as dist
 
 from ampkit.compat.amp._amp_state import _amp_state
+from ampkit.compat.parallel.flat_dist import (
+    apply_flat_dist_call,
+    extract_tensors,
+    flat_dist_call,
+    flatten,
+    split_by_type,
+    split_half_float_double,
+    unflatten,
+)
+
+__all__ = [  # Apex's module held its flat collectives too: scripts import flat_dist_call from here
+    "DistributedDataParallel",
+    "Reducer",
+    "apply_flat_dist_call",
+    "extract_tensors",
+    "flat_dist_call",
+    "flatten",
+    "split_by_type",
+    "split_half_float_double",
+    "unflatten",
+]
 
 _FP32_BYTES = 4
 _NO_EFFECT_DEFAULTS = {
@@ -289,19 +310,16 @@ class Reducer:
         if isinstance(module_or_grads_list, torch.nn.Module):
             self.module: torch.nn.Module | None = module_or_grads_list
             self.grads: list[torch.Tensor] | None = None
-            for param in self.module.parameters():  # parameters only, as Apex: buffers stay rank-local
-                dist.broadcast(param.detach(), 0)
+            # parameters only, as Apex: buffers stay rank-local
+            flat_dist_call([param.detach() for param in self.module.parameters()], dist.broadcast, (0,))
         else:
             self.module = None
             self.grads = list(module_or_grads_list)
 
     def reduce(self) -> None:
-        """Average the gradients over all ranks, in place."""
+        """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex)."""
         if self.module is not None:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         else:
             grads = self.grads or []
-        world_size = dist.get_world_size()
-        for grad in grads:
-            dist.all_reduce(grad)
-            grad.div_(world_size)
+        flat_dist_call(grads, dist.all_reduce)  # one flat allreduce per type, averaged

@@ -11,6 +11,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "norm_functors.h"
 #include "norm_ops.h"
 
@@ -20,15 +24,24 @@ namespace {
 
 // Loops run on raw element types: c10::Half and c10::BFloat16 convert through class temporaries that
 // block vectorization, so bfloat16 is handled as its uint16_t bits (vectorized; rounded to nearest-even
-// on store exactly as c10::BFloat16 does, NaN -> 0x7FC0) and half as _Float16 (exact F16C conversions;
-// gcc vectorizes those only on CPUs with AVX512-FP16, so float16 rows run scalar elsewhere).
+// on store exactly as c10::BFloat16 does, NaN -> 0x7FC0) and half as HalfBits, converted with F16C's
+// vcvtph2ps/vcvtps2ph (exact, round to nearest-even). Not as _Float16: gcc 12 converts that with
+// AVX512-FP16's scalar vcvtsh2ss/vcvtss2sh, which merge into their destination register and so chain
+// every element of a row on the one before (measured 7.4 ns an element against 1.5 for F16C here).
+#if defined(__F16C__)
+struct HalfBits {
+  uint16_t bits;
+};
+#else
+using HalfBits = _Float16;
+#endif
 template <typename T>
 struct RawOf {
   using type = T;
 };
 template <>
 struct RawOf<at::Half> {
-  using type = _Float16;
+  using type = HalfBits;
 };
 template <>
 struct RawOf<at::BFloat16> {
@@ -39,7 +52,11 @@ using raw_t = typename RawOf<T>::type;
 
 inline float to_acc(float v) { return v; }
 inline double to_acc(double v) { return v; }
+#if defined(__F16C__)
+inline float to_acc(HalfBits v) { return _cvtsh_ss(v.bits); }
+#else
 inline float to_acc(_Float16 v) { return static_cast<float>(v); }
+#endif
 inline float to_acc(uint16_t bf16_bits) { return __builtin_bit_cast(float, static_cast<uint32_t>(bf16_bits) << 16); }
 
 template <typename R>
@@ -52,6 +69,12 @@ inline uint16_t from_acc<uint16_t>(float v) {
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
 }
+#if defined(__F16C__)
+template <>
+inline HalfBits from_acc<HalfBits>(float v) {
+  return HalfBits{_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)};
+}
+#endif
 template <typename R>
 inline R from_acc(double v) {
   return static_cast<R>(v);

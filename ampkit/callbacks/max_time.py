@@ -1,0 +1,51 @@
+"""Stop training once it has run for ``trainer.max_time`` (wall-clock time, earlier runs of its lineage included)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from ampkit.trainer.callback import Callback
+from ampkit.trainer.distributed import broadcast_object
+
+# Under torchrun rank zero's clock decides, broadcast every this many iterations (a collective each time).
+DISTRIBUTED_CHECK_EVERY = 10
+
+
+class MaxTime(Callback):
+    """Sets ``trainer.state.should_stop`` at the end of the first iteration after ``max_time_s`` seconds of training.
+    The time so far is saved in checkpoints (as Lightning's ``Timer`` does), so a resumed run counts on from it."""
+
+    def __init__(self, max_time_s: float) -> None:
+        if not max_time_s > 0:
+            raise ValueError(f"max_time {max_time_s!r} is invalid; expected a duration > 0")
+        self.max_time_s = max_time_s
+        self.elapsed_before = 0.0  # seconds trained by the runs this one resumed
+        self._started: float | None = None
+
+    def elapsed(self) -> float:
+        """Seconds of training so far, earlier runs of this lineage included."""
+        return self.elapsed_before + (0.0 if self._started is None else time.monotonic() - self._started)
+
+    def on_train_start(self, trainer) -> None:
+        self._started = time.monotonic()
+
+    def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
+        s = trainer.state
+        if not s.is_iteration_end or s.should_stop:
+            return
+        if trainer.world_size > 1 and s.global_step % DISTRIBUTED_CHECK_EVERY:
+            return
+        # Every rank stops at the same iteration (or a collective would hang): rank zero's clock decides.
+        if broadcast_object(self.elapsed() >= self.max_time_s, trainer.dist):
+            reason = f"trainer.max_time={self.max_time_s:g}s reached after {self.elapsed():.1f}s of training"
+            s.should_stop, s.stop_reason = True, reason
+            if trainer.is_global_zero:
+                print(f"ampkit: {reason}, at step {s.global_step}", file=sys.stderr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"elapsed_s": self.elapsed()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.elapsed_before = float(state["elapsed_s"])

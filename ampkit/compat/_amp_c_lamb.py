@@ -1,0 +1,331 @@
+"""Apex's LAMB ops of ``amp_C`` on ampkit's two LAMB kernels (``lamb_stage1`` then ``lamb_stage2``, compiled for
+CPU and CUDA, the pure-PyTorch reference elsewhere): ``multi_tensor_lamb`` (FusedLAMB), ``multi_tensor_lamb_mp``
+(FusedMixedPrecisionLamb: tensors for lr, step and the norms, a GradScaler's inverse scale, fp32 masters) and
+the separate stages NVIDIA's BERT pretraining drives itself, ``multi_tensor_lamb_stage1_cuda`` and
+``multi_tensor_lamb_stage2_cuda``.
+
+Apex's kernels took whatever dtypes their callers kept (fp16 moments beside fp16 params, an fp16 update
+buffer, fp16 grads of fp32 params); ampkit's want moments in float32 laid out like the parameter. Tensors
+that differ pass through float32 working copies written back after the op: the math is float32 either way,
+and the caller's tensor gets one rounding, as Apex's store gave it. Scalars passed as tensors (norms, lr,
+step, scales, the flag) are read on the host: one sync on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ampkit.ops import multi_tensor
+from ampkit.ops.optimizers._kernels import op
+
+TensorLists = Sequence[Sequence[Tensor]]
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
+    """``tensor_lists`` as lists, checked as Apex's ``multi_tensor_apply`` did: one of ``counts`` lists, equal
+    lengths, and ``tensor_lists[l][i]`` with as many elements as ``tensor_lists[0][i]``."""
+    lists = [list(t) for t in tensor_lists]
+    if len(lists) not in counts:
+        expected = " or ".join(str(c) for c in counts)
+        raise RuntimeError(f"{op_name}: tensor_lists has {len(lists)} lists; expected {expected}")
+    for i, t in enumerate(lists[1:], start=1):
+        if len(t) != len(lists[0]):
+            raise RuntimeError(
+                f"{op_name}: tensor_lists[{i}] has {len(t)} tensors but tensor_lists[0] has {len(lists[0])}"
+            )
+        for j, (tensor, first) in enumerate(zip(t, lists[0], strict=True)):
+            if tensor.numel() != first.numel():
+                raise RuntimeError(
+                    f"{op_name}: tensor_lists[{i}][{j}] has {tensor.numel()} elements but tensor_lists[0][{j}] "
+                    f"has {first.numel()}"
+                )
+    return lists
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t`` fills its storage span with no gaps or overlaps (contiguous in some dimension order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Working:
+    """``tensors`` as a kernel takes them: ``dtype`` (default their own) and laid out like ``like`` (default
+    dense), copied where they are not; :meth:`write_back` stores the copies into the caller's tensors."""
+
+    def __init__(self, tensors: Sequence[Tensor], dtype: torch.dtype | None = None, like: Sequence[Tensor] = ()):
+        self.originals = list(tensors)
+        self.tensors = []
+        for i, t in enumerate(self.originals):
+            layout = like[i] if like else t
+            wanted = dtype or t.dtype
+            fits = t.dtype == wanted and t.stride() == layout.stride() and _is_dense(layout)
+            self.tensors.append(t if fits else torch.empty_like(layout, dtype=wanted).copy_(t.reshape(layout.shape)))
+
+    def write_back(self) -> None:
+        for original, working in zip(self.originals, self.tensors, strict=True):
+            if working is not original:
+                original.copy_(working.reshape(original.shape))
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _grad_dtype(grads: list[Tensor], param: Tensor) -> torch.dtype:
+    """What ampkit's kernels read: the parameter's dtype, or float32 grads of fp16/bf16 params, all alike."""
+    dtype = grads[0].dtype
+    allowed = (param.dtype, torch.float32) if param.dtype in _REDUCED else (param.dtype,)
+    return dtype if dtype in allowed and all(g.dtype == dtype for g in grads) else _acc_dtype(param)
+
+
+def clip_ratio(global_norm: float, max_norm: float) -> float:
+    """Apex's global clipping divisor: ``norm / max_norm`` when the norm exceeds ``max_norm``, else 1.
+    ``max_norm <= 0`` turns it off (Apex's kernels divided by zero and zeroed every gradient)."""
+    return global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
+
+
+def _host_values(op_name: str, name: str, values: Tensor, count: int) -> list[float]:
+    flat = values.detach().reshape(-1)
+    if flat.numel() < count:
+        raise RuntimeError(f"{op_name}: {name} has {flat.numel()} values; expected one per tensor ({count})")
+    return flat[:count].double().cpu().tolist()
+
+
+def lamb_direction(
+    params: list[Tensor],
+    masters: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: float,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    grad_averaging: bool,
+    bias_correction: bool,
+    grad_factor: float,
+) -> list[Tensor]:
+    """LAMB stage 1 (ampkit's kernel): the moments of step ``step`` updated in place and the raw direction
+    returned, one float32 (float64) tensor per param laid out like it. The param is read from ``masters``
+    when given."""
+    work_params = _Working(params)
+    like = work_params.tensors
+    acc = _acc_dtype(params[0])
+    work_masters = _Working(masters, torch.float32, like)
+    work_grads = _Working(grads, _grad_dtype(grads, params[0]), like)
+    moments = [_Working(exp_avgs, acc, like), _Working(exp_avg_sqs, acc, like)]
+    updates = [torch.empty_like(p, dtype=acc) for p in like]
+    steps = [torch.tensor(step - 1.0, dtype=torch.float64) for _ in params]  # the kernel counts its own step
+    op("lamb_stage1", params[0].device)(
+        like, work_grads.tensors, moments[0].tensors, moments[1].tensors, updates, work_masters.tensors, steps,
+        beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging, bias_correction, grad_factor,
+    )  # fmt: skip
+    for working in moments:
+        working.write_back()
+    return updates
+
+
+def trust_ratios(lr: float, param_norms: Tensor, update_norms: Tensor, weight_decay: float, use_nvlamb: bool) -> Tensor:
+    """``lr * ||param|| / ||update||`` per tensor (``lr`` where either norm is 0), applied only with weight
+    decay or ``use_nvlamb``, as Apex's stage 2: a float64 CPU vector, what ampkit's stage-2 kernel reads."""
+    param_norms, update_norms = param_norms.double().cpu(), update_norms.double().cpu()
+    if not (use_nvlamb or weight_decay != 0):
+        return torch.full(param_norms.shape, float(lr), dtype=torch.float64)
+    usable = (param_norms != 0) & (update_norms != 0)
+    return torch.where(usable, lr * (param_norms / update_norms.where(usable, 1.0)), lr).contiguous()
+
+
+def apply_lamb(params: list[Tensor], masters: list[Tensor], updates: list[Tensor], ratios: Tensor) -> None:
+    """LAMB stage 2 (ampkit's kernel): ``param -= ratios[i] * update`` on the masters when given, with the
+    params receiving their rounded copy."""
+    work_params = _Working(params)
+    like = work_params.tensors
+    work_masters = _Working(masters, torch.float32, like)
+    work_updates = _Working(updates, _acc_dtype(params[0]), like)
+    op("lamb_stage2", params[0].device)(like, work_updates.tensors, work_masters.tensors, ratios)
+    work_params.write_back()
+    work_masters.write_back()
+
+
+def _per_tensor_norms(tensors: list[Tensor]) -> Tensor:
+    return multi_tensor.l2norm(tensors, per_tensor=True).per_tensor
+
+
+def _raise_if_not_finite(norms: Tensor, noop_flag: Tensor) -> bool:
+    """Apex's norm kernels raise the flag on an inf/nan partial sum; True when they did here."""
+    if bool(torch.isfinite(norms).all()):
+        return False
+    noop_flag.fill_(1)
+    return True
+
+
+def _copy_into(targets: list[Tensor], values: list[Tensor]) -> None:
+    """Store each value into its target (in the target's dtype and shape)."""
+    for target, value in zip(targets, values, strict=True):
+        target.copy_(value.reshape(target.shape))
+
+
+def multi_tensor_lamb(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool | None = None,
+) -> None:
+    """LAMB on ``[grads, params, exp_avgs, exp_avg_sqs]``: grads divided by ``global_grad_norm / max_grad_norm``
+    when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW. As in Apex the
+    grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm."""
+    grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_lamb", tensor_lists, (4,))
+    if mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    if not params:
+        return
+    param_norms = _per_tensor_norms(params)
+    _raise_if_not_finite(param_norms, noop_flag)
+    clip = clip_ratio(float(global_grad_norm), max_grad_norm)
+    updates = lamb_direction(
+        params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
+        weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
+        bias_correction=bool(bias_correction), grad_factor=1.0 / clip,
+    )  # fmt: skip
+    _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
+    update_norms = _per_tensor_norms(grads)
+    _raise_if_not_finite(update_norms, noop_flag)
+    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
+    apply_lamb(params, [], grads, ratios)
+
+
+def multi_tensor_lamb_mp(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: Tensor,
+    use_nvlamb: bool | None,
+    found_inf: Tensor,
+    inv_scale: Tensor,
+) -> None:
+    """Apex's mixed-precision LAMB (FusedMixedPrecisionLamb's op) on ``[grads, params, exp_avgs, exp_avg_sqs]``
+    or ``[grads, fp32 masters, exp_avgs, exp_avg_sqs, fp16/bf16 model params]``.
+
+    ``lr``, ``step`` (the step being taken), ``global_grad_norm`` and ``max_grad_norm`` are one-element tensors;
+    grads are multiplied by ``inv_scale`` before clipping. Nothing changes while ``noop_flag`` is set (the
+    caller copies GradScaler's found_inf into it; ``found_inf`` itself is not read, as in Apex). An inf/nan
+    param norm raises the flag and changes nothing; an inf/nan direction raises it after the moments and the
+    grads (which hold the direction, as in Apex) were written, and the params are not updated.
+    """
+    lists = check_lists("multi_tensor_lamb_mp", tensor_lists, (4, 5))
+    if mode not in (0, 1):
+        raise RuntimeError(f"multi_tensor_lamb_mp: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    if not params or bool(noop_flag.reshape(-1)[0]):
+        return
+    # fp16/bf16 model params get their rounded copy from the fp32 masters the kernels update; full-precision
+    # "model params" in a fifth list are copied from the params after the step.
+    with_masters = len(lists) == 5 and lists[4][0].dtype in _REDUCED
+    model_params, masters = (lists[4], params) if with_masters else (params, [])
+    param_norms = _per_tensor_norms(params)
+    if _raise_if_not_finite(param_norms, noop_flag):
+        return
+    clip = clip_ratio(float(global_grad_norm), float(max_grad_norm))
+    updates = lamb_direction(
+        model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
+        eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
+        bias_correction=bool(bias_correction), grad_factor=float(inv_scale) / clip,
+    )  # fmt: skip
+    _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
+    update_norms = _per_tensor_norms(grads)
+    if _raise_if_not_finite(update_norms, noop_flag):
+        return
+    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
+    apply_lamb(model_params, masters, grads, ratios)
+    if len(lists) == 5 and not with_masters:
+        _copy_into(lists[4], params)
+
+
+def multi_tensor_lamb_stage1_cuda(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor_decay: Tensor,
+    step: int,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    global_grad_norm: Tensor | float,
+    max_global_grad_norm: float,
+) -> None:
+    """Apex's LAMB stage 1 on ``[grads, params, exp_avgs, exp_avg_sqs, updates]``: the moments of step
+    ``step + 1`` (Apex's bias correction counts the step *after* ``step``) and ``updates[i]`` = Adam's direction
+    ``+ per_tensor_decay[i] * param``, grads clipped by the global norm; grad averaging always on. The flag is
+    not read; the params are not written."""
+    name = "multi_tensor_lamb_stage1_cuda"
+    grads, params, exp_avgs, exp_avg_sqs, updates = check_lists(name, tensor_lists, (5,))
+    if not params:
+        return
+    decays = _host_values(name, "per_tensor_decay", per_tensor_decay, len(params))
+    clip = clip_ratio(float(global_grad_norm), max_global_grad_norm)
+    for decay in dict.fromkeys(decays):  # ampkit's kernel takes one weight decay: one call per distinct value
+        picked = [i for i, d in enumerate(decays) if d == decay]
+        select = [[t[i] for i in picked] for t in (params, grads, exp_avgs, exp_avg_sqs, updates)]
+        directions = lamb_direction(
+            select[0], [], select[1], select[2], select[3], float(step) + 1.0, beta1=beta1, beta2=beta2,
+            eps=epsilon, weight_decay=decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
+            grad_factor=1.0 / clip,
+        )  # fmt: skip
+        _copy_into(select[4], directions)
+
+
+def multi_tensor_lamb_stage2_cuda(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor_param_norm: Tensor,
+    per_tensor_update_norm: Tensor,
+    lr: float,
+    weight_decay: float,
+    use_nvlamb: bool | None = None,
+) -> None:
+    """Apex's LAMB stage 2 on ``[params, updates]``: ``param -= lr * ratio * update`` with the trust ratio
+    ``||param|| / ||update||`` from the given per-tensor norms when ``weight_decay != 0`` or ``use_nvlamb``
+    (1 where a norm is 0). The flag is not read."""
+    name = "multi_tensor_lamb_stage2_cuda"
+    params, updates = check_lists(name, tensor_lists, (2,))
+    if not params:
+        return
+    param_norms = torch.tensor(_host_values(name, "per_tensor_param_norm", per_tensor_param_norm, len(params)))
+    update_norms = torch.tensor(_host_values(name, "per_tensor_update_norm", per_tensor_update_norm, len(params)))
+    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
+    apply_lamb(params, [], updates, ratios)

@@ -1,0 +1,332 @@
+"""How real programs use Apex, one usage pattern per test (written here after the projects' own code, CPU-sized):
+transformers' availability check and apex loop, the try-block of imports NVIDIA's BERT and TAPE scripts guard
+apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages, fairseq's total norm and FusedLayerNorm subclass,
+Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional Apex parts behind
+``except ImportError``."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.metadata
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+# The first steps overflow and are skipped, so torch's scheduler warns that it stepped first, as under Apex.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_transformers_sees_apex_and_its_apex_loop_trains(shim):
+    """transformers counts a package available when ``find_spec`` and ``importlib.metadata.version`` both answer;
+    its apex path is initialize, scale_loss, clip through ``amp.master_params``, step, scheduler, zero_grad."""
+    available = importlib.util.find_spec("apex") is not None
+    try:
+        importlib.metadata.version("apex")
+    except importlib.metadata.PackageNotFoundError:
+        available = False
+    assert available
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.1 * step))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    y = x.sum(1, keepdim=True)
+    losses = []
+    for _ in range(20):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)  # inf at an overflow: step is skipped
+        optimizer.step()
+        scheduler.step()
+        model.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert amp._amp_state.loss_scalers[0].loss_scale() < 2.0**16, "the first steps overflowed and were skipped"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-2 / 3)
+
+
+def test_the_import_block_bert_and_tape_scripts_guard_apex_with_succeeds_whole(shim):
+    try:
+        import amp_C
+        import apex_C
+        from apex import amp
+        from apex.amp import _amp_state
+        from apex.multi_tensor_apply import multi_tensor_applier
+        from apex.optimizers import FusedLAMB
+        from apex.parallel.distributed import DistributedDataParallel, flat_dist_call
+
+        apex_found = True
+    except ImportError:
+        apex_found = False
+    assert apex_found
+    assert amp.initialize and _amp_state is amp._amp_state and apex_C.flatten and amp_C.multi_tensor_l2norm
+    assert multi_tensor_applier.available and FusedLAMB and DistributedDataParallel and flat_dist_call
+
+
+class _BertStyleLamb(torch.optim.Optimizer):
+    """NVIDIA BERT's LAMB as its optimization.py drives ``amp_C``: the global norm, the per-parameter norms,
+    stage 1 into an update buffer with a per-parameter decay, the update norms, stage 2."""
+
+    def __init__(self, params, lr, weight_decay=0.01, max_global_grad_norm=1.0):
+        super().__init__(params, dict(lr=lr))
+        import amp_C
+
+        self.l2norm, self.stage1, self.stage2 = (
+            amp_C.multi_tensor_l2norm,
+            amp_C.multi_tensor_lamb_stage1_cuda,
+            amp_C.multi_tensor_lamb_stage2_cuda,
+        )
+        self.weight_decay, self.max_global_grad_norm, self.step_count = weight_decay, max_global_grad_norm, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from apex.multi_tensor_apply import multi_tensor_applier
+
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in params:
+            if not self.state[p]:
+                self.state[p] = {k: torch.zeros_like(p) for k in ("momentum", "velocity", "update")}
+        grads = [p.grad for p in params]
+        state = [[self.state[p][k] for p in params] for k in ("momentum", "velocity", "update")]
+        flag = torch.zeros(1, dtype=torch.int32)
+        global_norm = multi_tensor_applier(self.l2norm, flag, [grads], False)[0].item()
+        param_norms = multi_tensor_applier(self.l2norm, flag, [params], True)[1]
+        decay = torch.full((len(params),), self.weight_decay)
+        multi_tensor_applier(self.stage1, flag, [grads, params, *state], decay, self.step_count, 0.9, 0.999, 1e-6,
+                             global_norm, self.max_global_grad_norm)  # fmt: skip
+        update_norms = multi_tensor_applier(self.l2norm, flag, [state[2]], True)[1]
+        multi_tensor_applier(self.stage2, flag, [params, state[2]], param_norms, update_norms,
+                             self.param_groups[0]["lr"], self.weight_decay)  # fmt: skip
+        self.step_count += 1
+
+
+def test_bert_style_lamb_on_amp_c_stages_matches_fused_lamb(shim):
+    from apex.optimizers import FusedLAMB
+
+    ours, theirs = _mlp(), _mlp()
+    bert = _BertStyleLamb(ours.parameters(), lr=0.02)
+    fused = FusedLAMB(theirs.parameters(), lr=0.02, weight_decay=0.01, max_grad_norm=1.0)
+    for i in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+        for model, optimizer in ((ours, bert), (theirs, fused)):
+            model.zero_grad()
+            (model(x) ** 2).mean().mul(10).backward()  # large gradients: the global-norm clip is active
+            optimizer.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fairseq_total_norm_and_fused_layer_norm_subclass(shim):
+    from amp_C import multi_tensor_l2norm
+    from apex.normalization import FusedLayerNorm as _FusedLayerNorm
+
+    grads = [torch.randn(7, 3), torch.randn(11), torch.randn(2, 2, 2)]
+    has_inf = torch.zeros((1, 1), dtype=torch.int)  # fairseq's flag shape
+    norm = multi_tensor_l2norm(2048 * 32, has_inf, [grads], False)[0]
+    torch.testing.assert_close(norm, torch.norm(torch.stack([g.norm() for g in grads])).reshape(1))
+    grads[1][4] = math.inf
+    multi_tensor_l2norm(2048 * 32, has_inf, [grads], False)
+    assert has_inf.item() == 1
+
+    class FusedLayerNorm(_FusedLayerNorm):  # fairseq.modules.layer_norm
+        def forward(self, x):
+            if not x.is_cuda:
+                return super().forward(x)
+            with torch.cuda.device(x.device):
+                return super().forward(x)
+
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(FusedLayerNorm(6)(x), torch.nn.functional.layer_norm(x, (6,)), rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_clips_grads_and_copies_masters_through_amp_c(shim):
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    model, reference = _mlp(), _mlp()
+    x = torch.randn(16, 8)
+    for m in (model, reference):
+        (m(x) ** 2).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
+    grad_norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, dummy_overflow_buf, [grads], False)
+    total_norm = grad_norm.item()
+    clip_coeff = 1.0 / (total_norm + 1.0e-6)
+    multi_tensor_applier(amp_C.multi_tensor_scale, dummy_overflow_buf, [grads, grads], clip_coeff)
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    assert total_norm == pytest.approx(expected_norm.item(), rel=1e-6)
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
+    # _multi_tensor_copy_this_to_that: fp32 main params into the fp16 model params, in one call.
+    main = [p.detach() for p in model.parameters()]
+    model_half = [torch.empty_like(p, dtype=torch.float16) for p in main]
+    multi_tensor_applier(amp_C.multi_tensor_scale, dummy_overflow_buf, [main, model_half], 1.0)
+    assert all(torch.equal(h, m.half()) for h, m in zip(model_half, main, strict=True))
+    assert dummy_overflow_buf.item() == 0
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from apex.contrib.sparsity import ASP",
+        "from apex.transformer.functional import fused_apply_rotary_pos_emb",
+        "from apex.contrib.layer_norm.layer_norm import FastLayerNormFN",
+        "import fused_weight_gradient_mlp_cuda",
+        "from apex.amp.opt import OptimWrapper",
+    ],
+)
+def test_optional_apex_parts_fall_back_through_import_error_with_a_clear_message(shim, statement):
+    """Projects import optional Apex parts in ``try: ... except ImportError:`` and fall back; the message names
+    what the shim has."""
+    with pytest.raises(ImportError) as raised:
+        exec(statement, {})
+    message = str(raised.value)
+    assert "ampkit's apex shim" in message or "No module named 'fused_weight_gradient_mlp_cuda'" in message
+
+
+class _MMEngineStyleApexWrapper:
+    """mmengine's ApexOptimWrapper: ``initialize`` inside the first ``optim_context`` (every override passed,
+    ``None`` where not set), ``hasattr(optimizer, "_amp_stash")`` as "already initialized", the amp state saved
+    under ``"apex_amp"`` in the optimizer's state dict and, on resume, held until ``initialize`` ran."""
+
+    def __init__(self, optimizer, opt_level):
+        self.optimizer, self.opt_level, self._apex_amp_state_dict = optimizer, opt_level, None
+
+    def optim_context(self, model):
+        from apex import amp
+
+        if not hasattr(self.optimizer, "_amp_stash"):
+            _, self.optimizer = amp.initialize(
+                model, self.optimizer, opt_level=self.opt_level, loss_scale="dynamic", enabled=True,
+                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+                cast_model_outputs=None, num_losses=1, verbosity=0, min_loss_scale=None, max_loss_scale=2.0**24,
+            )  # fmt: skip
+            if self._apex_amp_state_dict is not None:
+                amp.load_state_dict(self._apex_amp_state_dict)
+                self._apex_amp_state_dict = None
+
+    def update_params(self, loss):
+        from apex import amp
+
+        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+            scaled_loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def state_dict(self):
+        from apex import amp
+
+        state_dict = self.optimizer.state_dict()
+        state_dict["apex_amp"] = amp.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        from apex import amp
+
+        if "apex_amp" in state_dict:
+            if hasattr(self.optimizer, "_amp_stash"):
+                amp.load_state_dict(state_dict.pop("apex_amp"))
+            else:
+                self._apex_amp_state_dict = state_dict.pop("apex_amp")
+        self.optimizer.load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_mmengine_style_wrapper_resumes_exactly(shim, opt_level):
+    from apex import amp
+
+    def train(model, wrapper, steps):
+        for i in steps:
+            wrapper.optim_context(model)
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+            x = x.half() if opt_level == "O2" else x
+            wrapper.update_params((model(x).float() ** 2).mean() * (2.0**12 if i == 0 else 1.0))
+
+    model = _mlp()
+    wrapper = _MMEngineStyleApexWrapper(torch.optim.Adam(model.parameters(), lr=1e-2), opt_level)
+    train(model, wrapper, range(3))
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optim": wrapper.state_dict()})  # as torch.save
+    assert checkpoint["optim"]["apex_amp"]["loss_scaler0"]["loss_scale"] < 2.0**16, "step 0 overflowed"
+    train(model, wrapper, range(3, 6))
+    final_scale = amp._amp_state.loss_scalers[0].loss_scale()
+    amp._amp_state.reset()  # a new process resumes from the checkpoint
+    resumed = _mlp()
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_wrapper = _MMEngineStyleApexWrapper(torch.optim.Adam(resumed.parameters(), lr=1e-2), opt_level)
+    resumed_wrapper.load_state_dict(checkpoint["optim"])  # before initialize: the amp part waits
+    train(resumed, resumed_wrapper, range(3, 6))
+    assert amp._amp_state.loss_scalers[0].loss_scale() == final_scale
+    for a, b in zip(model.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_espnet_registers_a_float_function_after_initialize_and_calls_init_again(shim):
+    """ESPnet's ASR trainer: ``amp.initialize``, then ``amp.register_float_function(CTC, "loss_fn")`` and
+    ``amp.init()`` so that the CTC loss runs in float32 under O1, then the usual scale_loss loop."""
+    from apex import amp
+
+    class CTC(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 5)
+            self.seen_dtypes = []
+
+        def loss_fn(self, logits):
+            self.seen_dtypes.append(logits.dtype)
+            return logits.logsumexp(-1).mean()
+
+        def forward(self, x):
+            return self.loss_fn(self.proj(x))
+
+    encoder, ctc = _mlp()[0], CTC()
+    optimizer = torch.optim.SGD([*encoder.parameters(), *ctc.parameters()], lr=0.1)
+    (encoder, ctc), optimizer = amp.initialize([encoder, ctc], optimizer, opt_level="O1", verbosity=0)
+    amp.register_float_function(CTC, "loss_fn")
+    amp.init()
+    x = torch.randn(4, 8)
+    assert encoder(x).dtype == torch.float16, "O1 is still on after the second init"
+    loss = ctc(encoder(x)[:, :8])
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    assert ctc.seen_dtypes == [torch.float32]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ctc.parameters())
+
+
+@pytest.mark.parametrize(
+    ("expression", "provided"),
+    [
+        ("apex.amp._initialized", "initialize, load_state_dict"),
+        ("apex.parallel.DistributedFusedAdam", "DistributedDataParallel"),
+        ("apex.fp16_utils.FP16_Module", "FP16_Optimizer"),
+        ("apex.multi_tensor_apply.MultiTensorApplier", "multi_tensor_applier"),
+        ("apex.contrib", "amp, fp16_utils, parallel"),
+        ("amp_C.multi_tensor_fused_adam", "multi_tensor_lamb_mp"),
+    ],
+)
+def test_a_name_apex_never_had_here_is_an_attribute_error_naming_what_is_provided(shim, expression, provided):
+    import amp_C
+    import apex
+
+    with pytest.raises(AttributeError, match=provided):
+        eval(expression, {"apex": apex, "amp_C": amp_C})
+    assert not hasattr(apex.amp, "_initialized")

@@ -1,0 +1,377 @@
+"""A hostile user's inputs and faults (a corrupt checkpoint, a broken config, odd return values, a full disk, a
+read-only run directory, Ctrl-C before training): each is one line naming the bad value and what is valid, and
+the last good checkpoint is never damaged."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+import ampkit
+from ampkit.cli import main
+from ampkit.config import ConfigError, load_config
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.user_code import UserCodeError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+def _config(tmp_path, trainer_class: str = "toy_trainers:ToyTrainer", **settings) -> str:
+    config = tmp_path / "run.yaml"
+    base = {"trainer_class": trainer_class, "run_dir": str(tmp_path / "runs")}
+    dotted = OmegaConf.from_dotlist([f"{k}={v}" for k, v in {**QUIET, **settings}.items()])
+    OmegaConf.save(OmegaConf.merge(base, dotted), config)
+    return str(config)
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ampkit: error: "), lines
+    return lines[0]
+
+
+def _files(root) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A finished 4-step run (its config file, its last.pt) to point hostile commands at."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    return tmp_path, config, tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda last: os.urandom(300), "is not a torch checkpoint"),
+        (lambda last: last.read_bytes()[:300], "is corrupt or truncated: RuntimeError: PytorchStreamReader failed"),
+        (lambda last: b"", "is an empty file"),
+        (lambda last: None, "is not an ampkit checkpoint (no 'ampkit_checkpoint' entry)"),
+    ],
+    ids=["garbage", "truncated", "empty", "foreign .pt"],
+)
+@pytest.mark.parametrize("command", ["fit", "validate", "predict"])
+def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys, command, content, message):
+    tmp_path, config, last = trained
+    bad = tmp_path / f"bad_{command}.pt"
+    data = content(last)
+    if data is None:
+        torch.save({"model": torch.nn.Linear(2, 2).state_dict()}, bad)
+    else:
+        bad.write_bytes(data)
+    before = _files(tmp_path / "runs")
+    option = ["--resume", str(bad)] if command == "fit" else ["--ckpt", str(bad)]
+    output = ["--output", str(tmp_path / "p.pt")] if command == "predict" else []
+    line = _one_line_error(capsys, [command, "--config", config, *option, *output])
+    assert message in line and "does not fit" not in line and "This is an internal" not in line
+    assert _files(tmp_path / "runs") == before
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "holds nothing (an empty file)"),
+        ("hello\n", "it holds a str ('hello')"),
+        ("- 1\n- 2\n", "it holds a list"),
+        ("a: [1, 2\n b: :\n", "is not valid YAML: did not find expected ',' or ']' at line 2, column 3"),
+    ],
+    ids=["empty", "a word", "a list", "invalid"],
+)
+def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_section_given_a_value_names_the_section(tmp_path, capsys):
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), "trainer=3"])
+    assert "config key 'trainer' is a section, not a value (3)" in line and "max_steps" in line
+
+
+def test_a_setting_of_the_trainer_s_own_that_its_code_refuses_is_named(tmp_path, capsys):
+    """The Trainer's own data.batch_size=0 reaches DataLoader, which refuses it: one line naming the key."""
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), "data.batch_size=0"])
+    assert "train_dataloader() raised ValueError: batch_size should be a positive integer" in line
+    assert "(config: data.batch_size=0)" in line
+    assert not (tmp_path / "runs").exists()
+
+
+class ForeignParameters(ToyTrainer):
+    def configure_optimizers(self):
+        return torch.optim.SGD([torch.nn.Parameter(torch.ones(2)), *self.module.parameters()], lr=0.1)
+
+
+class NoOptimizerInDict(ToyTrainer):
+    def configure_optimizers(self):
+        return {"optim": torch.optim.SGD(self.module.parameters(), lr=0.1)}
+
+
+class SchedulerByName(ToyTrainer):
+    def configure_optimizers(self):
+        return {"optimizer": torch.optim.SGD(self.module.parameters(), lr=0.1), "lr_scheduler": "cosine"}
+
+
+class SchedulerOfAnother(ToyTrainer):
+    def configure_optimizers(self):
+        other = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(other, 1)}
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        (ForeignParameters, "optimizer 'sgd' holds 1 of its 5 parameters outside the model"),
+        (NoOptimizerInDict, "configure_optimizers()[0] is a dict whose 'optimizer' is NoneType (keys: ['optim'])"),
+        (SchedulerByName, "lr_scheduler is str ('cosine'); expected a scheduler object with step()"),
+        (SchedulerOfAnother, "its lr_scheduler steps another optimizer than its 'optimizer'"),
+    ],
+)
+def test_odd_configure_optimizers_results_fail_before_training(tmp_path, trainer_class, message):
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(UserCodeError) as err:
+        trainer.fit()
+    assert message in str(err.value)
+    assert trainer.state.global_step == 0 and not (tmp_path / "run").exists()
+
+
+class _InterruptAt(ampkit.Callback):
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    def on_validation_start(self, trainer) -> None:
+        if trainer.state.stage == self.stage:
+            raise KeyboardInterrupt
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if self.stage == "first step":
+            raise KeyboardInterrupt
+
+
+class InterruptedInSanity(ToyTrainer):
+    def configure_callbacks(self):
+        return [_InterruptAt("sanity")]
+
+
+class InterruptedInFirstStep(ToyTrainer):
+    def configure_callbacks(self):
+        return [_InterruptAt("first step")]
+
+
+def test_ctrl_c_during_the_sanity_validation_leaves_no_run_behind(tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["fit", "--config", _config(tmp_path, "test_hostile_inputs:InterruptedInSanity")]) == 130
+    assert "interrupted before its first checkpoint" in capsys.readouterr().err
+    assert not any((tmp_path / "runs").iterdir())
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path, capsys):
+    config = _config(tmp_path, "test_hostile_inputs:InterruptedInFirstStep")
+    capsys.readouterr()
+    assert main(["fit", "--config", config]) == 130
+    assert "interrupted before its first checkpoint (run it again without --resume" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "version_0" / "run.lock").exists()
+
+
+def test_a_read_only_run_dir_refuses_training_but_serves_validate_and_a_finished_resume(trained, capsys, monkeypatch):
+    tmp_path, config, last = trained
+    before = _files(tmp_path / "runs")
+    runs = str(tmp_path / "runs")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == runs else real_access(path, mode))
+    line = _one_line_error(capsys, ["fit", "--config", config])
+    assert f"config key 'run_dir': cannot create a run under '{runs}': '{runs}' is not writable" in line
+    assert main(["fit", "--config", config, "--resume", "last"]) == 0  # finished: nothing to write
+    assert "nothing to train" in capsys.readouterr().err
+    assert main(["validate", "--config", config]) == 0
+    assert "ampkit: validate: val/mse=" in capsys.readouterr().out
+    assert _files(tmp_path / "runs") == before
+
+
+def test_a_full_disk_while_creating_the_run_is_one_line_and_leaves_no_version(trained, capsys, monkeypatch):
+    import ampkit.trainer.run_life as run_life
+
+    tmp_path, config, last = trained
+    before = _files(tmp_path / "runs")
+
+    def disk_full(text, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(run_life, "write_text_atomic", disk_full)
+    line = _one_line_error(capsys, ["fit", "--config", config])
+    assert "version_1/config.yaml' (No space left on device)" in line and "no checkpoint was touched" in line
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["version_0"]
+    assert _files(tmp_path / "runs") == before
+
+
+def test_a_full_disk_in_the_middle_of_a_checkpoint_keeps_last_and_leaves_no_temp(tmp_path, capsys, monkeypatch):
+    import ampkit.trainer.checkpoint_io as checkpoint_io
+
+    config = _config(tmp_path, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2})
+    real_save, saves = torch.save, []
+
+    def full_mid_write(obj, f, *args, **kwargs):
+        saves.append(1)
+        if len(saves) < 3:
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint_io.torch, "save", full_mid_write)
+    line = _one_line_error(capsys, ["fit", "--config", config])
+    monkeypatch.undo()
+    assert "step-00000006.pt' (No space left on device); last.pt still holds the previous checkpoint" in line
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt", "step-00000002.pt", "step-00000004.pt"]
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 4
+    assert main(["fit", "--config", config, "--resume", "last"]) == 0
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
+
+
+def test_a_directory_given_as_the_checkpoint_names_the_file_to_pass(trained, capsys):
+    tmp_path, config, last = trained
+    version_dir = last.parent.parent
+    line = _one_line_error(capsys, ["validate", "--config", config, "--ckpt", str(version_dir)])
+    assert f"'{version_dir}' is a directory, not a checkpoint: pass a checkpoint file in it (e.g. '{last}')" in line
+
+
+class Predicting(ToyTrainer):
+    def predict_dataloader(self):
+        return DataLoader(toy_dataset(10, seed=11), batch_size=4)
+
+
+def test_a_full_disk_while_saving_predictions_is_one_error_and_leaves_no_temp(trained, tmp_path, monkeypatch):
+    import ampkit.trainer.checkpoint_io as checkpoint_io
+
+    _, _, last = trained
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint_io.torch, "save", disk_full)
+    output = tmp_path / "out" / "predictions.pt"
+    with pytest.raises(
+        RunDirectoryError, match=f"cannot write predictions to '{output}' \\(No space left on device\\)"
+    ):
+        Predicting(toy_cfg(tmp_path, **QUIET)).predict(ckpt=last, output=output)
+    assert list(output.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_path, capsys, command):
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    (checkpoints / "last.pt").unlink()  # a hard link to step-00000004.pt: damage only last.pt
+    (checkpoints / "last.pt").write_bytes(b"PK\x03\x04 garbage")
+    settings = ["--resume", "last", "trainer.max_steps=6"] if command == "fit" else ["--ckpt", "last"]
+    line = _one_line_error(capsys, [command, "--config", config, *settings])
+    assert f"the newest readable checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'" in line
+
+
+class NaNFirstStep(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * float("nan") if self.state.global_step == 0 else loss
+
+
+@pytest.mark.parametrize("opt_level", ["O4", "O5"])
+def test_a_nan_loss_in_the_first_bf16_step_is_one_line_and_checkpoints_nothing_non_finite(tmp_path, capsys, opt_level):
+    settings = {"trainer.max_steps": 3, "checkpoint.every_n_steps": 1, "precision.opt_level": opt_level}
+    config = _config(tmp_path, "test_hostile_inputs:NaNFirstStep", **settings)
+    capsys.readouterr()
+    assert main(["fit", "--config", config]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "not finite at step 1" in lines[0] and "step 1 applied a loss of nan" in lines[0]
+    assert not (tmp_path / "runs" / "version_0" / "checkpoints").exists()
+    # skip_nonfinite (off by default in bfloat16) skips that step instead, and the run ends with a finite model.
+    assert main(["fit", "--config", config, "precision.skip_nonfinite=true"]) == 0
+    final = load_checkpoint(tmp_path / "runs" / "version_1" / "checkpoints" / "last.pt")
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+def test_ctrl_c_while_pruning_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    from checkpoint_compare import assert_same_checkpoint
+
+    from ampkit.callbacks import ModelCheckpoint
+
+    common = {**QUIET, "trainer.max_steps": 10, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 1}
+    real_prune, prunes = ModelCheckpoint._prune, []
+
+    def interrupted_prune(self, directory):
+        prunes.append(1)
+        if len(prunes) == 5:  # after deleting one of the files beyond keep_last
+            min(directory.glob("step-*.pt"), key=lambda p: p.stat().st_mtime_ns).unlink()
+            raise KeyboardInterrupt
+        real_prune(self, directory)
+
+    monkeypatch.setattr(ModelCheckpoint, "_prune", interrupted_prune)
+    with pytest.raises(KeyboardInterrupt):
+        ToyTrainer(toy_cfg(tmp_path / "a", **common)).fit()
+    monkeypatch.undo()
+    resumed = ToyTrainer(toy_cfg(tmp_path / "a", **common))
+    resumed.fit(resume="last")
+    straight = ToyTrainer(toy_cfg(tmp_path / "b", **common))
+    straight.fit()
+    names = sorted(p.name for p in (resumed.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000009.pt", "step-00000010.pt"]
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(straight.version_dir / "checkpoints" / "last.pt"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fit", "--resume", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
+        (["validate", "--ckpt", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
+        (["predict", "--output", ""], "predict --output is empty: name a file"),
+    ],
+)
+def test_an_empty_path_is_named_as_empty(trained, capsys, argv, message):
+    _, config, _ = trained
+    assert message in _one_line_error(capsys, [argv[0], "--config", config, *argv[1:]])
+
+
+def test_a_damaged_config_yaml_in_the_run_is_kept_and_the_resume_goes_on(trained, tmp_path):
+    _, config, last = trained
+    run = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(last.parent.parent, run / "version_0")
+    (run / "version_0" / "config.yaml").write_bytes(b"\xff\xfe not text")
+    cfg = {**OmegaConf.to_container(OmegaConf.load(config)), "run_dir": str(run)}
+    cfg["trainer"]["max_steps"] = 6
+    resumed = ToyTrainer(cfg)
+    resumed.fit(resume="last")
+    assert resumed.version_dir == run / "version_0" and resumed.state.global_step == 6
+    assert (run / "version_0" / "config.yaml").read_bytes() == b"\xff\xfe not text"
+    assert (run / "version_0" / "config.resumed_at_step_4.yaml").is_file()
+
+
+class BrokenModel(ToyTrainer):
+    def configure_model(self):
+        raise RuntimeError("cannot build the model")
+
+
+def test_a_set_up_method_s_own_exception_keeps_its_type_in_python_and_is_one_line_in_the_cli(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="cannot build the model"):
+        BrokenModel(toy_cfg(tmp_path, **QUIET)).fit()
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path, "test_hostile_inputs:BrokenModel")])
+    assert "configure_model() raised RuntimeError: cannot build the model" in line
