@@ -180,8 +180,8 @@ def gpt_val_loss(recipe: str | None, seed: int, args) -> float:
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()):
         trainer = GPTTrainer({
             "run_dir": run_dir,
-            "trainer": {"max_steps": args.steps, "val_every_n_steps": args.steps, "seed": seed, "device": args.device,
-                        "progress_bar": False, "compile": ["Block"] if args.compile else False},
+            "trainer": {"max_steps": args.steps, "max_epochs": 100, "val_every_n_steps": args.steps, "seed": seed,
+                        "device": args.device, "progress_bar": False, "compile": ["Block"] if args.compile else False},
             "precision": {"opt_level": "O1", "dtype": "bfloat16", "fp8": fp8},
             "checkpoint": {"enabled": False},
             "logging": {"tensorboard": False},

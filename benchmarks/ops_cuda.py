@@ -20,7 +20,10 @@ and SGD to torch's fused ops on a GPU. Sections:
   against torch's fused form (what ``auto`` chooses between);
 * ``compiled``: each optimizer torch has no fused CUDA op for against ``torch.compile`` of its foreach form
   (compiles take tens of seconds each, hence a section of its own);
-* ``norms``: ``y = norm(x); y.backward(dy)`` under ``auto`` (torch's kernels on a GPU) and ``backend=ampkit``.
+* ``norms``: ``y = norm(x); y.backward(dy)`` under ``auto`` (torch's kernels on a GPU) and ``backend=ampkit``;
+* ``kernels``: the kernels ``AMPKIT_CUDA_KERNELS=multi_tensor`` selects (opt-in until measured here): each optimizer
+  torch has no fused op for against torch's foreach form, its ``torch.compile``d foreach form (smallest size) and
+  ampkit's default per-tensor kernels; the multi-tensor ops' vector loads against their element loops.
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ampkit.ops import multi_tensor as mt  # noqa: E402
-from ampkit.ops.optimizers import FusedAdadelta, FusedAdam  # noqa: E402
+from ampkit.ops.optimizers import (  # noqa: E402
+    FusedAdadelta,
+    FusedAdam,
+    FusedLAMB,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+)
 from ampkit.ops.pipeline import fused_unscale_clip_step_  # noqa: E402
 
 
@@ -225,6 +235,68 @@ def compiled_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[t
     return rows
 
 
+def _multi_tensor_families() -> list[tuple]:
+    """(name, ampkit factory, torch form, its factory or None, bytes per param) of each optimizer with multi-tensor
+    CUDA kernels; torch has no RMSprop-TF or NovoGrad, so RMSprop-TF meets torch's RMSprop with momentum (the
+    nearest form) and NovoGrad only ampkit's per-tensor kernels."""
+    return [
+        ("RMSprop step", lambda p: FusedRMSprop(p, lr=1e-3),
+         "RMSprop(foreach=True)", lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True), 20),
+        ("RMSpropTF step, momentum", lambda p: FusedRMSpropTF(p, lr=1e-3, momentum=0.9),
+         "RMSprop(momentum=0.9, foreach=True)",
+         lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, foreach=True), 28),
+        ("Adadelta step", lambda p: FusedAdadelta(p, lr=1.0),
+         "Adadelta(foreach=True)", lambda p: torch.optim.Adadelta(p, lr=1.0, foreach=True), 24),
+        ("LAMB step", lambda p: FusedLAMB(p, lr=1e-3), "LAMB in foreach ops", _load("ops_optimizers")._ForeachLamb, 52),
+        ("NovoGrad step", lambda p: FusedNovoGrad(p, lr=1e-3), "", None, 16),
+    ]  # fmt: skip
+
+
+def _under(kernels: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with ``AMPKIT_CUDA_KERNELS=kernels`` (read per call); both sides of a pair pay the same setenv."""
+
+    def run() -> object:
+        os.environ["AMPKIT_CUDA_KERNELS"] = kernels
+        return fn()
+
+    return run
+
+
+def kernel_rows(base: list[torch.Tensor], size: str, ceiling: float, compiled: bool) -> list[tuple]:
+    """The multi-tensor kernels against torch's foreach forms, ``torch.compile`` of those (when ``compiled``) and
+    ampkit's per-tensor kernels; the multi-tensor ops' vector loads against their element loops."""
+    opt_bench = _load("ops_optimizers")
+    count = sum(t.numel() for t in base)
+    grads = [torch.randn_like(t) * 1e-3 for t in base]
+    rows = []
+    for name, make_ours, form, make_torch, per_param in _multi_tensor_families():
+        multi = _under("multi_tensor", make_ours(opt_bench._params_with_grads(base, grads)).step)
+        per_tensor = _under("per_tensor", make_ours(opt_bench._params_with_grads(base, grads)).step)
+        per_ms, ms = time_ms(per_tensor, multi)
+        rows.append(("kernels", f"{name}: multi_tensor", "ampkit per_tensor kernels", size, ms, per_ms,
+                     count * per_param / ms / 1e6, ceiling))  # fmt: skip
+        if make_torch is None:
+            continue
+        baselines = [(form, make_torch(opt_bench._params_with_grads(base, grads)).step)]
+        if compiled:
+            baselines.append((f"torch.compile({form}.step)", _compiled_step(make_torch(opt_bench._params_with_grads(
+                base, grads)))))  # fmt: skip
+        for baseline, torch_step in baselines:
+            try:
+                torch_ms, ms = time_ms(_under("multi_tensor", torch_step), multi)
+            except Exception as exc:  # noqa: BLE001 - a compile failure is reported, the other rows still run
+                print(f"ops_cuda: {baseline} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+                continue
+            rows.append(("kernels", f"{name}: multi_tensor", baseline, size, ms, torch_ms,
+                         count * per_param / ms / 1e6, ceiling))  # fmt: skip
+    for name, _, _, ours, per_param in multi_tensor_cases([t.clone() for t in base]):
+        element_ms, ms = time_ms(_under("per_tensor", ours), _under("multi_tensor", ours))
+        rows.append(("kernels", f"{name}: vector loads", "element loop (per_tensor)", size, ms, element_ms,
+                     count * per_param / ms / 1e6, ceiling))  # fmt: skip
+    os.environ["AMPKIT_CUDA_KERNELS"] = "per_tensor"
+    return rows
+
+
 def norm_rows(ceiling: float, quick: bool) -> list[tuple]:
     fwd_bwd = _load("ops_norms")._fwd_bwd  # the CPU table's step: y = norm(x); y.backward(dy)
     rows = []
@@ -246,7 +318,7 @@ def norm_rows(ceiling: float, quick: bool) -> list[tuple]:
     return rows
 
 
-SECTIONS = ("multi_tensor", "optimizers", "routed", "compiled", "norms")
+SECTIONS = ("multi_tensor", "optimizers", "routed", "compiled", "norms", "kernels")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             if section in sections and (section != "compiled" or n == sizes[0]):
                 rows += make_rows(base, size, ceiling)
                 torch.cuda.empty_cache()
+        if "kernels" in sections:
+            rows += kernel_rows(base, size, ceiling, compiled=n == sizes[0])
+            torch.cuda.empty_cache()
         del base
         torch.cuda.empty_cache()
     if "norms" in sections:

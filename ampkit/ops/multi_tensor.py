@@ -46,7 +46,12 @@ __all__ = [
 _SRC = CSRC_DIR / "multi_tensor"
 _FAMILY = register_family(
     "ampkit_multi_tensor",
-    sources=[_SRC / "multi_tensor_ops.cpp", _SRC / "elementwise_cpu.cpp", _SRC / "norm_cpu.cpp"],
+    sources=[
+        _SRC / "multi_tensor_ops.cpp",
+        _SRC / "elementwise_cpu.cpp",
+        _SRC / "norm_cpu.cpp",
+        _SRC / "launch_plan_cpu.cpp",
+    ],
     cuda_sources=[_SRC / "multi_tensor_cuda.cpp", _SRC / "multi_tensor_kernels.cu"],
 )
 

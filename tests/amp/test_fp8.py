@@ -194,6 +194,22 @@ def test_a_converted_models_state_dict_loads_into_the_plain_model_with_weights_o
     assert torch.equal(fresh[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))
 
 
+@needs_torchao
+def test_the_float8_all_gather_weight_is_saved_as_the_plain_tensor_it_wraps():
+    """torchao's FSDP float8 all-gather makes each weight a tensor subclass; pickled, it names a torchao class that
+    torch.load(weights_only=True) refuses where torchao is not imported. The checkpoint holds the plain weight."""
+    model = _mlp()
+    convert_to_float8(model, backend="torchao", fsdp_float8_all_gather=True)
+    assert type(model[0].weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    state = model.state_dict()
+    assert all(type(v) is torch.Tensor and not v.requires_grad for v in state.values())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert b"torchao" not in buffer.getvalue()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in state.items()})  # and it loads back into the subclass
+    assert type(model[0].weight).__name__ == "WeightWithDynamicFloat8CastTensor" and not model[0].weight.any()
+
+
 def test_recorder_records_the_casts_statistics_of_training_forwards_and_backwards_only():
     torch.manual_seed(3)
     model = _mlp()

@@ -34,7 +34,7 @@ def train(all_gather: bool, out: Path) -> dict:
     """Train through one inf batch; the gathered weights, precompute count, step counts and the local weight type."""
     keep = KeepFinalState()
     fp8 = {"fsdp_float8_all_gather": all_gather, "telemetry_every_n_steps": 2}  # telemetry on sharded layers too
-    cfg = fp8_cfg(out, "torchao", fp8=fp8, trainer={"max_epochs": 2},
+    cfg = fp8_cfg(out, "torchao", fp8=fp8, trainer={"max_epochs": 2}, checkpoint={"enabled": True},
                   precision={"opt_level": "O1", "dtype": "bfloat16", "skip_nonfinite": True},
                   distributed={"strategy": "fsdp", "fsdp": {"shard_modules": ["Float8Linear"]}})  # fmt: skip
     trainer = Fp8Trainer(cfg, callbacks=[keep])

@@ -221,6 +221,13 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
         assert float8[rank]["precomputes"] == 5 and high[rank]["precomputes"] == 0  # after each taken step only
         for key, value in high[0]["model"].items():
             assert torch.equal(float8[rank]["model"][key], value), key
+    # the float8 run's sharded checkpoint consolidates where torchao cannot be imported (weights_only=True)
+    last, plain = tmp_path / "float8" / "run" / "version_0" / "checkpoints" / "last", tmp_path / "plain.pt"
+    code = ("import sys; sys.modules['torchao'] = None; import torch, ampkit; "
+            f"torch.save(ampkit.consolidate_checkpoint({str(last)!r}), {str(plain)!r})")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=child_env(here, here.parents[1]))
+    for key, value in torch.load(plain, weights_only=True).items():
+        assert type(value) is torch.Tensor and torch.equal(value, float8[0]["model"][key]), key
 
 
 def test_the_fp8_example_config_trains_its_first_layer_in_float8(tmp_path, monkeypatch):

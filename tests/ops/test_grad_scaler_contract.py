@@ -206,3 +206,40 @@ def test_step_counters_live_on_the_parameter_device_and_count_applied_steps(name
         counter = opt.state[p]["step"]
         assert counter.device == p.device and counter.dtype == torch.float32
         assert float(counter) == 2.0
+
+
+class NoHostRead(torch.Tensor):
+    """A ``found_inf`` whose value (or any value computed from it) fails the test when read on the host."""
+
+    def __bool__(self):
+        raise AssertionError("found_inf was read on the host")
+
+    item = __float__ = __int__ = tolist = __bool__
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+def test_sgd_with_dampening_decides_a_skipped_first_step_on_the_device(backend):
+    """Buffers made on skipped steps (two in a row, and a late parameter's) still take a first step when one is
+    applied, as torch.optim.SGD stepping only the applied steps does, with found_inf never read on the host."""
+    ours = make_params(torch.float32)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    hyper = dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01)
+    opt, torch_opt = FusedSGD(ours, backend=backend, **hyper), torch.optim.SGD(theirs, **hyper)
+    scale = torch.tensor(256.0)
+    for step, skipped in enumerate([True, True, False, False, True, False]):
+        late = step < 3  # the last parameter gets its first gradient on step 3
+        grads = [torch.randn(p.shape) for p in ours]
+        for i, (p, q, g) in enumerate(zip(ours, theirs, grads, strict=True)):
+            has_grad = not (late and i == len(ours) - 1)
+            p.grad = (g * scale).reshape(p.shape) if has_grad else None
+            q.grad = g.reshape(q.shape).clone() if has_grad else None
+        found_inf = torch.tensor(float(skipped)).as_subclass(NoHostRead)
+        opt.step(grad_scale=scale, found_inf=found_inf)
+        if skipped:
+            assert all(p.grad is None or torch.equal(p.grad, g * scale) for p, g in zip(ours, grads, strict=True))
+        else:
+            torch_opt.step()
+    for p, q in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
+    assert not opt._pending_first  # every parameter has taken its first step: later steps launch once

@@ -366,9 +366,17 @@ def test_params_that_require_grad_are_updated_in_place_outside_autograd():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.fixture(params=["per_tensor", "multi_tensor"])
+def cuda_kernels(request, monkeypatch):
+    """The CUDA tests run with both loops AMPKIT_CUDA_KERNELS selects: element at a time (the default) and vector
+    loads of aligned chunks (opt-in until these pass on a GPU)."""
+    monkeypatch.setenv("AMPKIT_CUDA_KERNELS", request.param)
+    return request.param
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_kernels_match_the_reference(dtype):
+def test_cuda_kernels_match_the_reference(dtype, cuda_kernels):
     sizes = [*SIZES, 200_001, *([3] * 80)]  # more tensors than one launch's metadata holds
     xs = randn_list(sizes, dtype)
     ys = randn_list(sizes, dtype)
@@ -400,7 +408,7 @@ def test_cuda_kernels_match_the_reference(dtype):
 
 
 @needs_cuda
-def test_cuda_tensor_split_across_launches():
+def test_cuda_tensor_split_across_launches(cuda_kernels):
     """A tensor with more chunks than one launch holds (320 x 65536 elements) continues in the next."""
     x = torch.randn(330 * 65536 + 5)
     found = torch.zeros(1, device="cuda")
@@ -409,6 +417,60 @@ def test_cuda_tensor_split_across_launches():
     torch.testing.assert_close(on_gpu[1].cpu(), x * 2.0)
     torch.testing.assert_close(per[1].cpu().double(), (x.double() * 2).norm(), rtol=1e-5, atol=0)
     assert found.item() == 0
+
+
+def one_element_off(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values stored one element past an aligned address (a storage_offset view): no vector loads."""
+    view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    return view.copy_(t)
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["aligned", "offset_views", "noncontiguous"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_vector_loads_equal_the_element_loop(dtype, layout, monkeypatch):
+    """Same results and flags with AMPKIT_CUDA_KERNELS=multi_tensor as with the default, for odd sizes (a scalar
+    tail), misaligned views (the scalar fallback) and non-contiguous inputs, with a nan in the last tensor."""
+    sizes = [*SIZES, 200_001, *([3] * 80)]
+    xs = randn_list(sizes, dtype, noncontiguous=layout == "noncontiguous")
+    ys = randn_list(sizes, dtype)
+    put(xs, len(xs) - 1, "last", float("nan"))
+    results = {}
+    for choice in ("per_tensor", "multi_tensor"):
+        monkeypatch.setenv("AMPKIT_CUDA_KERNELS", choice)
+        on_gpu = [x.cuda() for x in xs]
+        if layout == "offset_views":
+            on_gpu = [one_element_off(x) for x in on_gpu]
+        found = torch.zeros(1, device="cuda")
+        scaled = [torch.empty(x.shape, device="cuda") for x in xs]
+        mt.scale_(on_gpu, 0.25, found, out=scaled)
+        summed = [one_element_off(torch.empty(x.shape, device="cuda", dtype=dtype)) for x in xs]
+        mt.axpby_(2.0, on_gpu, -1.0, [y.cuda() for y in ys], summed, found, arg_to_check=1)
+        stash = [y.float().cuda() if i % 2 else None for i, y in enumerate(ys)]
+        combined = [torch.empty(x.shape, device="cuda") for x in xs]
+        mt.combine_(on_gpu, stash, combined, 0.5, found)
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        unscaled = [torch.empty(x.shape, device="cuda") for x in xs]
+        total, per = mt.unscale_l2norm(on_gpu, 0.5, flag, out=unscaled, per_tensor=True)
+        results[choice] = [*scaled, *summed, *combined, *unscaled, found, flag]
+        results[choice] = [t.cpu() for t in results[choice]] + [total.cpu(), per.cpu()]
+    element, vector = results["per_tensor"], results["multi_tensor"]
+    for i, (a, b) in enumerate(zip(element[:-2], vector[:-2], strict=True)):
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()), i
+    assert element[-4].item() == 1 and element[-3].item() == 1  # found and flag: the nan was seen
+    # the norms sum per-thread partials in another order: equal to float32 rounding
+    torch.testing.assert_close(vector[-1], element[-1], rtol=1e-6, atol=0, equal_nan=True)
+
+
+@needs_cuda
+def test_cuda_unscale_l2norm_writes_out_when_the_first_tensor_is_empty(cuda_kernels):
+    """Whether outputs are written is the caller's word, not read off the first tensor (an empty one has no address)."""
+    xs = [torch.randn(0, device="cuda"), torch.randn(1001, device="cuda")]
+    out = [torch.zeros(0, device="cuda"), torch.zeros(1001, device="cuda")]
+    found = torch.zeros(1, device="cuda")
+    total, _ = mt.unscale_l2norm(xs, 0.5, found, out=out)
+    torch.testing.assert_close(out[1], xs[1] * 0.5)
+    torch.testing.assert_close(total, (xs[1] * 0.5).norm(), rtol=1e-6, atol=0)
 
 
 @needs_cuda

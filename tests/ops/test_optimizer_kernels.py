@@ -228,6 +228,9 @@ CASES = {
 }
 
 
+HALF_CASES = ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"]
+
+
 def clone_args(args: dict, dtype: torch.dtype | None = None) -> dict:
     """Deep copy of the tensor arguments (cast to ``dtype`` when given, steps stay float32)."""
 
@@ -277,7 +280,7 @@ def test_float32_kernel_matches_float64_reference(case):
 @pytest.mark.parametrize("grad_dtype", ["same", "float32"])
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"])
+@pytest.mark.parametrize("case", HALF_CASES)
 def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_dtype):
     name, build = CASES[case]
     gd = dtype if grad_dtype == "same" else torch.float32
@@ -449,6 +452,16 @@ def test_bad_input_errors_name_the_argument(mutate, message):
 
 # ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+
+@pytest.fixture(params=["per_tensor", "multi_tensor"])
+def cuda_kernels(request, monkeypatch):
+    """Every CUDA test runs with both kernel sets AMPKIT_CUDA_KERNELS selects: the default per-tensor kernels and
+    the multi-tensor ones (RMSprop, RMSprop-TF, Adadelta, LAMB, NovoGrad), which stay opt-in until these pass."""
+    monkeypatch.setenv("AMPKIT_CUDA_KERNELS", request.param)
+    return request.param
+
+
 HOST_ARGS = ("ratios", "denoms")  # read on the host by both CPU and CUDA kernels
 HOST_STEPS = ("lamb_stage1",)  # LAMB reads its step counters on the host; the others on the device
 
@@ -477,7 +490,7 @@ def cuda_kernel(name: str) -> Callable[..., object]:
 
 @needs_cuda
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_float64_kernel_matches_reference(case):
+def test_cuda_float64_kernel_matches_reference(case, cuda_kernels):
     name, build = CASES[case]
     args = build(torch.float64, torch.float64, False)
     on_gpu = to_cuda(args, name)
@@ -493,7 +506,7 @@ def test_cuda_float64_kernel_matches_reference(case):
 
 @needs_cuda
 @pytest.mark.parametrize("case", list(CASES))
-def test_cuda_float32_kernel_matches_float64_reference(case):
+def test_cuda_float32_kernel_matches_float64_reference(case, cuda_kernels):
     name, build = CASES[case]
     args64 = build(torch.float64, torch.float64, False)
     on_gpu = to_cuda(clone_args(args64, torch.float32), name)
@@ -505,8 +518,8 @@ def test_cuda_float32_kernel_matches_float64_reference(case):
 @needs_cuda
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("case", ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"])
-def test_cuda_half_params_match_reference(case, dtype, master):
+@pytest.mark.parametrize("case", [*HALF_CASES, "rmsprop_tf", "adadelta", "lamb_stage1", "novograd"])
+def test_cuda_half_params_match_reference(case, dtype, master, cuda_kernels):
     name, build = CASES[case]
     args = build(dtype, torch.float32, master)
     on_gpu = to_cuda(args, name)
@@ -520,7 +533,7 @@ def test_cuda_half_params_match_reference(case, dtype, master):
 
 
 @needs_cuda
-def test_cuda_kernel_rejects_a_list_on_another_device():
+def test_cuda_kernel_rejects_a_list_on_another_device(cuda_kernels):
     args = to_cuda(adam_args(torch.float32, torch.float32, False), "adam_step")
     args["exp_avgs"][2] = args["exp_avgs"][2].cpu()
     with pytest.raises(RuntimeError, match=r"exp_avgs\[2\] is on cpu; expected cuda"):
@@ -533,7 +546,7 @@ def params_device(args: dict) -> torch.device:
 
 @needs_cuda
 @pytest.mark.parametrize("case", SCALER_CASES)
-def test_cuda_found_inf_on_the_device_skips_without_a_host_read(case):
+def test_cuda_found_inf_on_the_device_skips_without_a_host_read(case, cuda_kernels):
     name, build = CASES[case]
     on_gpu = to_cuda(build(torch.float32, torch.float32, False), name)
     before = {k: [t.clone() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}
@@ -549,7 +562,7 @@ def test_cuda_found_inf_on_the_device_skips_without_a_host_read(case):
 
 @needs_cuda
 @pytest.mark.parametrize("case", SCALER_CASES)
-def test_cuda_grad_scale_matches_the_reference_without_a_host_read(case):
+def test_cuda_grad_scale_matches_the_reference_without_a_host_read(case, cuda_kernels):
     name, build = CASES[case]
     args = build(torch.float64, torch.float64, False)
     args["grads"] = [g * 3.0 for g in args["grads"]]
@@ -565,8 +578,89 @@ def test_cuda_grad_scale_matches_the_reference_without_a_host_read(case):
 
 
 @needs_cuda
-def test_cuda_steps_on_the_host_are_refused_by_name():
+def test_cuda_steps_on_the_host_are_refused_by_name(cuda_kernels):
     args = to_cuda(adam_args(torch.float32, torch.float32, False), "adam_step")
     args["steps"][1] = args["steps"][1].cpu()
     with pytest.raises(RuntimeError, match=r"steps\[1\] must be a one-element float32 tensor on cuda"):
         cuda_kernel("adam_step")(**args)
+
+
+# The ops with multi-tensor CUDA kernels, each variant the kernels compile separately.
+MULTI_TENSOR_CASES = [
+    "rmsprop_centered_momentum",
+    "rmsprop_plain",
+    "rmsprop_tf",
+    "rmsprop_tf_centered_l2",
+    "adadelta",
+    "lamb_stage1",
+    "lamb_stage1_l2",
+    "lamb_stage2",
+    "novograd",
+    "novograd_reg_inside",
+]
+
+
+def joined(parts: list[dict]) -> dict:
+    """Several argument sets as one call: every list (and per-tensor vector) concatenated, scalars of the first."""
+    out = dict(parts[0])
+    for key, value in parts[0].items():
+        if isinstance(value, list):
+            out[key] = [t for p in parts for t in p[key]]
+        elif isinstance(value, torch.Tensor) and value.dim() == 1:
+            out[key] = torch.cat([p[key] for p in parts])
+    return out
+
+
+def stored_one_element_off(args: dict) -> dict:
+    """The same values stored one element past an aligned address (a storage_offset view of a larger buffer), so
+    no tensor can take vector loads and every chunk runs the scalar path."""
+
+    def shift(t: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = buffer[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    return {k: [shift(t) for t in v] if isinstance(v, list) and k != "steps" else v for k, v in args.items()}
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["aligned", "offset_views"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", MULTI_TENSOR_CASES)
+def test_cuda_multi_tensor_kernels_equal_the_per_tensor_kernels(case, dtype, layout, monkeypatch):
+    """Bit for bit: the same element math (optimizer_math.h, no FMA contraction) over 44 tensors (more than one
+    launch's slots; odd sizes, empty, a two-chunk one), with vector loads or, for offset views, without."""
+    name, build = CASES[case]
+    half = dtype != torch.float32
+    args = joined([build(dtype, torch.float32 if half else dtype, half) for _ in range(4)])
+    results = {}
+    for choice in ("per_tensor", "multi_tensor"):
+        monkeypatch.setenv("AMPKIT_CUDA_KERNELS", choice)
+        on_gpu = to_cuda(clone_args(args), name)
+        if layout == "offset_views":
+            on_gpu = stored_one_element_off(on_gpu)
+        cuda_kernel(name)(**on_gpu)
+        results[choice] = lists_on_cpu(on_gpu)
+    for key, tensors in results["per_tensor"].items():
+        for i, (a, b) in enumerate(zip(tensors, results["multi_tensor"][key], strict=True)):
+            assert torch.equal(a, b), f"{key}[{i}]"
+
+
+@needs_cuda
+def test_cuda_multi_tensor_kernel_covers_a_tensor_longer_than_one_launch(monkeypatch):
+    """320 chunks of 65536 elements fill a launch; the tensor goes on in the next one."""
+    monkeypatch.setenv("AMPKIT_CUDA_KERNELS", "multi_tensor")
+    n = 321 * 65536 + 7
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(n, device="cuda", generator=g), torch.randn(5, device="cuda", generator=g)]
+    grads = [torch.randn(p.shape, device="cuda", generator=g) for p in params]
+    square_avgs = [torch.rand(p.shape, device="cuda", generator=g) for p in params]
+    acc_deltas = [torch.rand(p.shape, device="cuda", generator=g) for p in params]
+    steps_ = [torch.zeros((), device="cuda") for _ in params]
+    expected = [t.double().cpu() for t in (params[0], grads[0], square_avgs[0], acc_deltas[0])]
+    cuda_kernel("adadelta_step")(params, grads, square_avgs, acc_deltas, [], steps_, 1.0, 0.9, 1e-6, 0.0, 1.0)
+    p, gr, sq, ad = expected
+    ref.adadelta_step([p], [gr], [sq], [ad], [], [torch.zeros(())], 1.0, 0.9, 1e-6, 0.0, 1.0)
+    torch.testing.assert_close(params[0].cpu().double(), p, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(square_avgs[0].cpu().double(), sq, rtol=1e-5, atol=1e-6)

@@ -584,11 +584,14 @@ def test_sparse_gradients_are_rejected():
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 
-@pytest.fixture(params=["ampkit", "auto"])
+@pytest.fixture(params=["ampkit", "auto", "ampkit-multi_tensor"])
 def cuda_backend(request, monkeypatch):
-    """The CUDA tests run ampkit's kernels and, under ``auto``, torch's fused ops where a bucket routes there."""
-    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", request.param)
-    return request.param
+    """The CUDA tests run ampkit's kernels, both the default per-tensor ones and those AMPKIT_CUDA_KERNELS=
+    multi_tensor selects, and, under ``auto``, torch's fused ops where a bucket routes there."""
+    backend, _, kernels = request.param.partition("-")
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    monkeypatch.setenv("AMPKIT_CUDA_KERNELS", kernels or "per_tensor")
+    return backend
 
 
 @needs_cuda

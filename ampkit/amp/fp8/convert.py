@@ -127,6 +127,29 @@ def _convert_with_torchao(
         enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
     )
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, _: id(module) in chosen)
+    if fsdp_float8_all_gather:
+        for module in model.modules():
+            if is_float8_linear(module):
+                module.register_state_dict_post_hook(_save_the_plain_weight)
+
+
+def _save_the_plain_weight(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict hook: torchao's float8 all-gather weight (a tensor subclass; under FSDP2 the local tensor of a
+    DTensor) goes into checkpoints as the plain tensor it wraps. Pickled, the subclass names a torchao class that
+    ``torch.load(weights_only=True)`` refuses where torchao is not imported, so the checkpoint would not load into
+    the plain model there."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, WeightWithDynamicFloat8CastTensor):
+        plain = value._local_tensor._tensor.detach()
+        state_dict[key] = DTensor.from_local(
+            plain, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    elif isinstance(value, WeightWithDynamicFloat8CastTensor):
+        state_dict[key] = value._tensor.detach()
 
 
 def is_float8_linear(module: nn.Module) -> bool:

@@ -18,7 +18,14 @@ _CPU_SOURCES = [
     )
 ]
 
-_CUDA_SOURCES = [CSRC_DIR / "optimizers" / "optimizers_cuda.cpp", CSRC_DIR / "optimizers" / "optimizers_kernels.cu"]
+_CUDA_SOURCES = [
+    CSRC_DIR / "optimizers" / name
+    for name in (
+        "optimizers_cuda.cpp",  # checks and dispatch (AMPKIT_CUDA_KERNELS picks the kernels below)
+        "optimizers_kernels.cu",  # one launch per tensor
+        "optimizers_multi_tensor.cu",  # one launch per planned block of tensors
+    )
+]
 
 FAMILY = register_family("ampkit_optimizers", sources=_CPU_SOURCES, cuda_sources=_CUDA_SOURCES)
 

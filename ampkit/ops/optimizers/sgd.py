@@ -21,6 +21,43 @@ from ampkit.ops.optimizers._base import (
 from ampkit.ops.optimizers._kernels import op
 
 
+class _PendingFirstStep:
+    """Momentum buffers (with dampening) made on a step that GradScaler's device ``found_inf`` may skip: ``flag``
+    stays 1 on the device while every step since has been skipped, so their first step, which differs from the
+    usual one, is still to come. The host learns it has passed without waiting for the device: on the CPU by
+    reading the flag, on a GPU from a copy into host memory once the device has written it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.flag = torch.ones((), device=device)
+        self._host: Tensor | None = None
+        self._copied: Any = None  # the CUDA event after the copy into ``_host``
+
+    def skip_flags(self, found_inf: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``found_inf`` for the first-step launch (skip unless pending and not skipped) and for the usual one."""
+        overflow = self.flag.new_zeros(()) if found_inf is None else (found_inf.reshape(()) != 0).float()
+        waiting = (self.flag != 0).float()
+        return torch.maximum(overflow, 1 - waiting), torch.maximum(overflow, waiting)
+
+    def taken(self, found_inf: Tensor | None) -> None:
+        """After this step's launches: still pending only if the step was skipped."""
+        if found_inf is None:
+            self.flag.zero_()
+        else:
+            self.flag.mul_((found_inf.reshape(()) != 0).float())
+        if self.flag.device.type == "cuda":
+            if self._host is None:
+                self._host = torch.empty((), pin_memory=True)
+            self._host.copy_(self.flag, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def done(self) -> bool:
+        """Whether the first step is known, on the host and without a sync, to have been taken."""
+        if self.flag.device.type != "cuda":
+            return not bool(self.flag)
+        return self._copied is not None and self._copied.query() and not bool(self._host)
+
+
 class FusedSGD(FusedOptimizer):
     """SGD as ``torch.optim.SGD`` (state ``momentum_buffer``, created on a parameter's first step).
 
@@ -42,6 +79,7 @@ class FusedSGD(FusedOptimizer):
 
     _scaler_in_kernel = True
     _torch_op = "_fused_sgd_"
+    _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_pending_first")
     # Under ``auto`` on the CPU every bucket stays on ampkit's kernel: it measured 1.25x / 1.01x / 1.01x torch's
     # fused SGD at 1M / 10M / 50M params (66 tensors); through torch's op the update runs at torch's speed.
 
@@ -83,6 +121,12 @@ class FusedSGD(FusedOptimizer):
             maximize=maximize,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
+        self._pending_first: dict[Tensor, _PendingFirstStep] = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader; buffers loaded from a checkpoint have had their first step."""
+        self._pending_first.clear()
+        super().load_state_dict(state_dict)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """torch.optim.SGD keeps no state until the first momentum step; nothing to create here."""
@@ -106,36 +150,52 @@ class FusedSGD(FusedOptimizer):
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
         buffers = [s.get("momentum_buffer") for s in bucket.states]
-        if all(b is not None for b in buffers):  # every step after each parameter's first: the bucket as it is
-            self._launch(group, bucket, buffers, False, grad_factor, scaler)
+        if all(b is not None for b in buffers) and not any(p in self._pending_first for p in bucket.params):
+            self._launch(group, bucket, buffers, False, grad_factor, scaler)  # every later step: the bucket as it is
             return
         # Under a device found_inf the kernel may skip the step that creates the buffers, and the host does not
         # know. Without dampening a zero buffer updated as usual becomes the gradient, exactly what a first step
-        # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero
-        # for the next one, with no host read. With dampening the first step differs, so found_inf is read on
-        # the host, once, on the step that creates the buffers: a skipped step drops them again.
-        zero_start = scaler.found_inf is not None and group["dampening"] == 0
-        fresh = Bucket(has_master=bucket.has_master)
-        seen = Bucket(has_master=bucket.has_master)
+        # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero for
+        # the next one. With dampening the first step differs: the new buffers start at zero and wait on a device
+        # flag (_PendingFirstStep) that tells the kernels whether their first step is still to come: no host read.
+        dampened = scaler.found_inf is not None and group["dampening"] != 0
+        created: _PendingFirstStep | None = None
+        fresh_ids: set[int] = set()  # buffers made from uninitialised memory: their first step is this one
+        for p, s in zip(bucket.params, bucket.states, strict=True):
+            if "momentum_buffer" in s:
+                continue
+            dtype = self._buffer_dtype(p, bucket.has_master)
+            if scaler.found_inf is None:
+                s["momentum_buffer"] = torch.empty_like(p, dtype=dtype)
+                fresh_ids.add(id(p))
+            else:
+                s["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+            if dampened:
+                created = created or _PendingFirstStep(p.device)
+                self._pending_first[p] = created
+        seen, fresh = Bucket(has_master=bucket.has_master), Bucket(has_master=bucket.has_master)
+        waiting: dict[int, tuple[_PendingFirstStep, Bucket]] = {}
         for p, g, s in zip(bucket.params, bucket.grads, bucket.states, strict=True):
-            target = seen
-            if "momentum_buffer" not in s:
-                dtype = self._buffer_dtype(p, bucket.has_master)
-                if zero_start:
-                    s["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-                else:
-                    s["momentum_buffer"] = torch.empty_like(p, dtype=dtype)
-                    target = fresh
-            target.params.append(p)
-            target.grads.append(g)
-            target.states.append(s)
-        if fresh.params and scaler.found_inf is not None and bool(scaler.found_inf):
-            for s in fresh.states:
-                del s["momentum_buffer"]
-            fresh = Bucket(has_master=bucket.has_master)
+            pending = self._pending_first.get(p)
+            if pending is not None and pending is not created and pending.done():
+                del self._pending_first[p]
+                pending = None
+            if pending is not None:
+                part = waiting.setdefault(id(pending), (pending, Bucket(has_master=bucket.has_master)))[1]
+            else:
+                part = fresh if id(p) in fresh_ids else seen
+            part.params.append(p)
+            part.grads.append(g)
+            part.states.append(s)
         for part, first in ((seen, False), (fresh, True)):
             if part.params:
                 self._launch(group, part, part.state_list("momentum_buffer"), first, grad_factor, scaler)
+        for pending, part in waiting.values():  # both forms launched; the device skips the one that does not apply
+            first, usual = pending.skip_flags(scaler.found_inf)
+            buffers = part.state_list("momentum_buffer")
+            self._launch(group, part, buffers, True, grad_factor, ScalerTensors(scaler.grad_scale, first))
+            self._launch(group, part, buffers, False, grad_factor, ScalerTensors(scaler.grad_scale, usual))
+            pending.taken(scaler.found_inf)
 
     def _launch(
         self,

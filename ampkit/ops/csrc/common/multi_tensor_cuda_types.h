@@ -5,19 +5,13 @@
 
 #include <cstdint>
 
+#include "common/chunk_plan.h"  // TensorSlots: one tensor of a list
+
 namespace ampkit {
 namespace cuda {
 
 // Element types a launcher is told about (the tensor-level code maps at::ScalarType onto these).
 enum class Dtype : int { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3 };
-
-// One tensor of the list: up to 4 pointers (inputs/outputs of the op, nullptr where absent),
-// its element count and its index in the caller's list (per-tensor results).
-struct TensorSlots {
-  void* ptr[4];
-  int64_t numel;
-  int64_t index;
-};
 
 // The overflow flag: one float or int32 element, set to 1 by any thread that sees a non-finite value.
 struct FlagRef {

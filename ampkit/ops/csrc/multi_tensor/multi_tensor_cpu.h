@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace ampkit {
@@ -21,5 +22,14 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList inputs, bool per_te
 
 std::tuple<at::Tensor, at::Tensor> unscale_l2norm_cpu(at::TensorList inputs, at::TensorList outputs, double inv_scale,
                                                       const at::Tensor& found_inf, bool per_tensor);
+
+// The launch table plan_chunks (common/chunk_plan.h) makes for tensors of `numels` elements whose slot addresses
+// are addresses[t * depth + d] (depth = len(element_bytes)): rows (launch, tensor, vectorized) and rows
+// (launch, tensor within the launch, chunk).
+std::tuple<at::Tensor, at::Tensor> chunk_plan_cpu(c10::IntArrayRef numels, c10::IntArrayRef addresses,
+                                                  c10::IntArrayRef element_bytes);
+
+// The kernels AMPKIT_CUDA_KERNELS selects: "per_tensor" or "multi_tensor" (an invalid value raises).
+std::string cuda_kernels_cpu();
 
 }  // namespace ampkit

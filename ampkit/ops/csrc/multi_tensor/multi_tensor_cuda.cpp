@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/contiguous.h"
+#include "common/kernel_choice.h"
 #include "multi_tensor/multi_tensor_checks.h"
 #include "multi_tensor/multi_tensor_cuda.h"
 
@@ -22,6 +23,8 @@ namespace {
 using cuda::Dtype;
 using cuda::TensorSlots;
 using Groups = std::map<std::pair<Dtype, Dtype>, std::vector<TensorSlots>>;
+
+bool vectorize() { return cuda_kernels() == CudaKernels::kMultiTensor; }
 
 Dtype to_dtype(at::ScalarType type) {
   switch (type) {
@@ -49,7 +52,7 @@ void* ptr_or_null(const at::Tensor& t) {
 // Adds tensor i to the group of its (slot 0 dtype, output dtype).
 void add(Groups& groups, const at::Tensor& in, at::ScalarType out_dtype, std::initializer_list<void*> ptrs,
          int64_t index) {
-  TensorSlots slots{{nullptr, nullptr, nullptr, nullptr}, in.numel(), index};
+  TensorSlots slots{{}, in.numel(), index};
   int d = 0;
   for (void* p : ptrs) slots.ptr[d++] = p;
   groups[{to_dtype(in.scalar_type()), to_dtype(out_dtype)}].push_back(slots);
@@ -66,8 +69,10 @@ void scale_cuda(at::TensorList inputs, at::TensorList outputs, double scale, con
     add(groups, in[i], o.scalar_type(), {in[i].data_ptr(), o.data_ptr()}, i);
   }
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool vec = vectorize();
   for (const auto& [types, slots] : groups) {
-    cuda::launch_scale(slots.data(), slots.size(), types.first, types.second, scale, flag_ref(found_inf), stream);
+    cuda::launch_scale(slots.data(), slots.size(), types.first, types.second, scale, flag_ref(found_inf), vec,
+                       stream);
   }
   out.finish();
 }
@@ -85,9 +90,10 @@ void axpby_cuda(at::TensorList x, at::TensorList y, at::TensorList out, double a
     add(groups, xs[i], o.scalar_type(), {xs[i].data_ptr(), ys[i].data_ptr(), o.data_ptr()}, i);
   }
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool vec = vectorize();
   for (const auto& [types, slots] : groups) {
     cuda::launch_axpby(slots.data(), slots.size(), types.first, types.second, a, b, static_cast<int>(arg_to_check),
-                       flag_ref(found_inf), stream);
+                       flag_ref(found_inf), vec, stream);
   }
   outs.finish();
 }
@@ -104,9 +110,10 @@ void combine_cuda(at::TensorList fresh, const c10::List<std::optional<at::Tensor
     add(groups, fresh_c[i], o.scalar_type(), {fresh_c[i].data_ptr(), ptr_or_null(stashed[i]), o.data_ptr()}, i);
   }
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool vec = vectorize();
   for (const auto& [types, slots] : groups) {
     cuda::launch_combine(slots.data(), slots.size(), types.first, types.second, inv_scale, flag_ref(found_inf),
-                         stream);
+                         vec, stream);
   }
   outs.finish();
 }
@@ -124,12 +131,13 @@ std::tuple<at::Tensor, at::Tensor> norms_cuda(at::TensorList inputs, at::TensorL
     add(groups, in[i], o.scalar_type(), {in[i].data_ptr(), write ? o.data_ptr() : nullptr}, i);
   }
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool vec = vectorize();
   const auto options = at::TensorOptions().device(device);
   at::Tensor sumsq = at::zeros({static_cast<int64_t>(in.size())}, options.dtype(at::kDouble));
   const cuda::FlagRef flag = found_inf ? flag_ref(*found_inf) : cuda::FlagRef{nullptr, true};
   for (const auto& [types, slots] : groups) {
     cuda::launch_sum_squares(slots.data(), slots.size(), types.first, types.second, factor, found_inf != nullptr,
-                             flag, sumsq.data_ptr<double>(), stream);
+                             flag, sumsq.data_ptr<double>(), write, vec, stream);
   }
   outs.finish();
   const auto out_dtype = norm_dtype(inputs);

@@ -39,25 +39,34 @@ void dispatch_in_out(Dtype in, Dtype out, F&& f) {
   dispatch(in, [&](auto in_tag) { dispatch(out, [&](auto out_tag) { f(in_tag, out_tag); }); });
 }
 
-template <typename TI, typename TO>
+// Each body walks its chunk with for_each_lane_group: element by element (kVectorize false: the loops a GPU run
+// verified), or with kVectorize in vectors of kVectorElements where the chunk's addresses allow it.
+template <typename TI, typename TO, bool kVectorize>
 struct ScaleBody {
   using A = pair_acc_t<TI, TO>;
   __device__ void operator()(const TensorListMeta<2>& meta, int block, A factor, FlagRef flag) const {
     const TI* x = chunk_ptr<const TI>(meta, block, 0);
     TO* y = chunk_ptr<TO>(meta, block, 1);
-    const int64_t n = chunk_length(meta, block);
     const ScaleOp<A> op{factor};
     bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const A v = static_cast<A>(x[i]);
-      bad |= is_nonfinite(v);
-      y[i] = static_cast<TO>(op(v));
-    }
+    for_each_lane_group(chunk_length(meta, block), kVectorize && chunk_vectorized(meta, block), [&](auto w, int64_t i) {
+      constexpr int W = decltype(w)::value;
+      Lanes<TI, W> in;
+      Lanes<TO, W> out;
+      in.load(x + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const A v = static_cast<A>(in.v[k]);
+        bad |= is_nonfinite(v);
+        out.v[k] = static_cast<TO>(op(v));
+      }
+      out.store(y + i);
+    });
     if (bad) flag.raise();
   }
 };
 
-template <typename TI, typename TO>
+template <typename TI, typename TO, bool kVectorize>
 struct AxpbyBody {
   using A = pair_acc_t<TI, TO>;
   __device__ void operator()(const TensorListMeta<3>& meta, int block, A a, A b, int arg_to_check,
@@ -65,63 +74,97 @@ struct AxpbyBody {
     const TI* x = chunk_ptr<const TI>(meta, block, 0);
     const TI* y = chunk_ptr<const TI>(meta, block, 1);
     TO* out = chunk_ptr<TO>(meta, block, 2);
-    const int64_t n = chunk_length(meta, block);
     const AxpbyOp<A> op{a, b};
     bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const A xv = static_cast<A>(x[i]);
-      const A yv = static_cast<A>(y[i]);
-      if (arg_to_check != 1) bad |= is_nonfinite(xv);
-      if (arg_to_check != 0) bad |= is_nonfinite(yv);
-      out[i] = static_cast<TO>(op(xv, yv));
-    }
+    for_each_lane_group(chunk_length(meta, block), kVectorize && chunk_vectorized(meta, block), [&](auto w, int64_t i) {
+      constexpr int W = decltype(w)::value;
+      Lanes<TI, W> xs;
+      Lanes<TI, W> ys;
+      Lanes<TO, W> os;
+      xs.load(x + i);
+      ys.load(y + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const A xv = static_cast<A>(xs.v[k]);
+        const A yv = static_cast<A>(ys.v[k]);
+        if (arg_to_check != 1) bad |= is_nonfinite(xv);
+        if (arg_to_check != 0) bad |= is_nonfinite(yv);
+        os.v[k] = static_cast<TO>(op(xv, yv));
+      }
+      os.store(out + i);
+    });
     if (bad) flag.raise();
   }
 };
 
-template <typename TI, typename TO>
+template <typename TI, typename TO, bool kVectorize>
 struct CombineBody {
   using A = pair_acc_t<TI, TO>;
   __device__ void operator()(const TensorListMeta<3>& meta, int block, A inv_scale, FlagRef flag) const {
     const TI* fresh = chunk_ptr<const TI>(meta, block, 0);
-    const bool has_stash = meta.ptr[1][meta.block_to_tensor[block]] != nullptr;
-    const TO* stash = has_stash ? chunk_ptr<const TO>(meta, block, 1) : nullptr;
+    const TO* stash = chunk_ptr_or_null<const TO>(meta, block, 1);
     TO* out = chunk_ptr<TO>(meta, block, 2);
-    const int64_t n = chunk_length(meta, block);
     const CombineOp<A> op{inv_scale};
     bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const A v = static_cast<A>(fresh[i]);
-      bad |= is_nonfinite(v);
-      out[i] = static_cast<TO>(op(v, has_stash ? static_cast<A>(stash[i]) : A(0)));
-    }
+    for_each_lane_group(chunk_length(meta, block), kVectorize && chunk_vectorized(meta, block), [&](auto w, int64_t i) {
+      constexpr int W = decltype(w)::value;
+      Lanes<TI, W> fs;
+      Lanes<TO, W> ss;
+      Lanes<TO, W> os;
+      fs.load(fresh + i);
+      if (stash != nullptr) ss.load(stash + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const A v = static_cast<A>(fs.v[k]);
+        bad |= is_nonfinite(v);
+        os.v[k] = static_cast<TO>(op(v, stash != nullptr ? static_cast<A>(ss.v[k]) : A(0)));
+      }
+      os.store(out + i);
+    });
     if (bad) flag.raise();
   }
 };
 
-template <typename TI, typename TO, bool kWrite>
+template <typename TI, typename TO, bool kWrite, bool kVectorize>
 struct SumSquaresBody {
   using A = acc_t<TI>;
   __device__ void operator()(const TensorListMeta<2>& meta, int block, A factor, bool check, FlagRef flag,
                              double* sumsq) const {
     const TI* x = chunk_ptr<const TI>(meta, block, 0);
     TO* y = kWrite ? chunk_ptr<TO>(meta, block, 1) : nullptr;
-    const int64_t n = chunk_length(meta, block);
     const ScaleOp<A> unscale{factor};
     A acc = 0;
     bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const A raw = static_cast<A>(x[i]);
-      if (check) bad |= is_nonfinite(raw);
-      const A v = unscale(raw);
-      if (kWrite) y[i] = static_cast<TO>(v);
-      acc += square(v);
-    }
+    for_each_lane_group(chunk_length(meta, block), kVectorize && chunk_vectorized(meta, block), [&](auto w, int64_t i) {
+      constexpr int W = decltype(w)::value;
+      Lanes<TI, W> xs;
+      Lanes<TO, W> ys;
+      xs.load(x + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const A raw = static_cast<A>(xs.v[k]);
+        if (check) bad |= is_nonfinite(raw);
+        const A v = unscale(raw);
+        if (kWrite) ys.v[k] = static_cast<TO>(v);
+        acc += square(v);
+      }
+      if (kWrite) ys.store(y + i);
+    });
     if (bad) flag.raise();
     const A total = block_sum(acc);
     if (threadIdx.x == 0) atomicAdd(&sumsq[meta.index[meta.block_to_tensor[block]]], static_cast<double>(total));
   }
 };
+
+// Runs f(std::bool_constant<vectorize>) with the runtime choice as a compile-time one.
+template <typename F>
+void with_vectorize(bool vectorize, F&& f) {
+  if (vectorize) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -138,45 +181,66 @@ __global__ void __launch_bounds__(kBlockThreads)
 }  // namespace
 
 void launch_scale(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double factor, FlagRef flag,
-                  cudaStream_t stream) {
+                  bool vectorize, cudaStream_t stream) {
   dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using Body = ScaleBody<decltype(in_tag), decltype(out_tag)>;
-    launch_multi_tensor<2>(tensors, count, stream, Body{}, static_cast<typename Body::A>(factor), flag);
+    with_vectorize(vectorize, [&](auto vec) {
+      using TI = decltype(in_tag);
+      using TO = decltype(out_tag);
+      using Body = ScaleBody<TI, TO, decltype(vec)::value>;
+      const int bytes[2] = {sizeof(TI), sizeof(TO)};
+      launch_multi_tensor<2>(tensors, count, bytes, stream, Body{}, static_cast<typename Body::A>(factor), flag);
+    });
   });
   check_launch("ampkit_multi_tensor.scale_");
 }
 
 void launch_axpby(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double a, double b,
-                  int arg_to_check, FlagRef flag, cudaStream_t stream) {
+                  int arg_to_check, FlagRef flag, bool vectorize, cudaStream_t stream) {
   dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using Body = AxpbyBody<decltype(in_tag), decltype(out_tag)>;
-    using A = typename Body::A;
-    launch_multi_tensor<3>(tensors, count, stream, Body{}, static_cast<A>(a), static_cast<A>(b), arg_to_check, flag);
+    with_vectorize(vectorize, [&](auto vec) {
+      using TI = decltype(in_tag);
+      using TO = decltype(out_tag);
+      using Body = AxpbyBody<TI, TO, decltype(vec)::value>;
+      using A = typename Body::A;
+      const int bytes[3] = {sizeof(TI), sizeof(TI), sizeof(TO)};
+      launch_multi_tensor<3>(tensors, count, bytes, stream, Body{}, static_cast<A>(a), static_cast<A>(b),
+                             arg_to_check, flag);
+    });
   });
   check_launch("ampkit_multi_tensor.axpby_");
 }
 
 void launch_combine(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double inv_scale, FlagRef flag,
-                    cudaStream_t stream) {
+                    bool vectorize, cudaStream_t stream) {
   dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using Body = CombineBody<decltype(in_tag), decltype(out_tag)>;
-    launch_multi_tensor<3>(tensors, count, stream, Body{}, static_cast<typename Body::A>(inv_scale), flag);
+    with_vectorize(vectorize, [&](auto vec) {
+      using TI = decltype(in_tag);
+      using TO = decltype(out_tag);
+      using Body = CombineBody<TI, TO, decltype(vec)::value>;
+      const int bytes[3] = {sizeof(TI), sizeof(TO), sizeof(TO)};
+      launch_multi_tensor<3>(tensors, count, bytes, stream, Body{}, static_cast<typename Body::A>(inv_scale), flag);
+    });
   });
   check_launch("ampkit_multi_tensor.combine_");
 }
 
 void launch_sum_squares(const TensorSlots* tensors, int64_t count, Dtype in, Dtype out, double factor, bool check,
-                        FlagRef flag, double* sumsq, cudaStream_t stream) {
-  const bool write = count > 0 && tensors[0].ptr[1] != nullptr;
+                        FlagRef flag, double* sumsq, bool write, bool vectorize, cudaStream_t stream) {
   dispatch_in_out(in, out, [&](auto in_tag, auto out_tag) {
-    using TI = decltype(in_tag);
-    using TO = decltype(out_tag);
-    const auto f = static_cast<acc_t<TI>>(factor);
-    if (write) {
-      launch_multi_tensor<2>(tensors, count, stream, SumSquaresBody<TI, TO, true>{}, f, check, flag, sumsq);
-    } else {
-      launch_multi_tensor<2>(tensors, count, stream, SumSquaresBody<TI, TO, false>{}, f, check, flag, sumsq);
-    }
+    with_vectorize(vectorize, [&](auto vec) {
+      using TI = decltype(in_tag);
+      using TO = decltype(out_tag);
+      constexpr bool V = decltype(vec)::value;
+      const auto f = static_cast<acc_t<TI>>(factor);
+      const int bytes[2] = {sizeof(TI), sizeof(TO)};
+      if (write) {
+        launch_multi_tensor<2>(tensors, count, bytes, stream, SumSquaresBody<TI, TO, true, V>{}, f, check, flag,
+                               sumsq);
+      } else {
+        launch_multi_tensor<2>(tensors, count, bytes, stream, SumSquaresBody<TI, TO, false, V>{}, f, check, flag,
+                               sumsq);
+      }
+    });
   });
   check_launch("ampkit_multi_tensor.l2norm");
 }

@@ -14,6 +14,9 @@ TORCH_LIBRARY(ampkit_multi_tensor, m) {
   m.def(
       "unscale_l2norm(Tensor[] inputs, Tensor(a!)[] out, float inv_scale, Tensor(b!) found_inf, "
       "bool per_tensor) -> (Tensor, Tensor)");
+  // The CUDA launchers' host-side decisions, run on the CPU (launch_plan_cpu.cpp).
+  m.def("chunk_plan(int[] numels, int[] addresses, int[] element_bytes) -> (Tensor, Tensor)", &ampkit::chunk_plan_cpu);
+  m.def("cuda_kernels() -> str", &ampkit::cuda_kernels_cpu);
 }
 
 TORCH_LIBRARY_IMPL(ampkit_multi_tensor, CPU, m) {

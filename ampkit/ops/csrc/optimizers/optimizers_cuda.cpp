@@ -1,22 +1,28 @@
 // CUDA registration of the ampkit_optimizers ops: the CPU path's checks (list_checks.h) and one launch per
-// tensor of the kernels in optimizers_kernels.cu (the per-element math is optimizer_math.h and the
+// tensor of the kernels in optimizers_kernels.cu, or, under AMPKIT_CUDA_KERNELS=multi_tensor, one launch per planned
+// block of tensors of those in optimizers_multi_tensor.cu (RMSprop, RMSprop-TF, Adadelta, LAMB, NovoGrad) (the per-element math is optimizer_math.h and the
 // hyper-parameters hyper.h, shared with the CPU kernels). The ops that take GradScaler's grad_scale and
 // found_inf pass them to the kernels as device pointers and keep their step counters on the device, so a
 // step costs no read back to the host; LAMB and NovoGrad read step counters and per-tensor values there.
 // Compiled only when torch sees a GPU at build time (ampkit.ops._build passes it as a CUDA source);
 // registered under the CUDA key, which takes precedence over the CompositeExplicitAutograd CPU kernels for
 // CUDA tensors.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+#include <map>
 #include <optional>
 #include <vector>
 
+#include "common/kernel_choice.h"
 #include "optimizers/hyper.h"
 #include "optimizers/list_checks.h"
 #include "optimizers/op_checks.h"
 #include "optimizers/optimizers_cuda.h"
+#include "optimizers/optimizers_multi_tensor.h"
 
 namespace ampkit {
 namespace optim {
@@ -33,6 +39,39 @@ void for_each_tensor(at::TensorList params, const F& launch) {
 }
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+// AMPKIT_CUDA_KERNELS=multi_tensor: the ops below that have both run their multi-tensor kernels (read per call).
+bool multi_tensor_kernels() { return cuda_kernels() == CudaKernels::kMultiTensor; }
+
+// Runs `launch()` on params[0]'s device (nothing for an empty list).
+template <class F>
+void on_params_device(at::TensorList params, const F& launch) {
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  launch();
+}
+
+// The bucket as the multi-tensor launchers take it: tensor t's slot d is lists[d][t] (nullptr where lists[d] is
+// empty: an optional list the op does not use).
+std::vector<cuda::TensorSlots> slots_of(at::TensorList params, std::initializer_list<at::TensorList> lists) {
+  std::vector<cuda::TensorSlots> slots(params.size());
+  for (size_t t = 0; t < params.size(); ++t) {
+    slots[t] = {{}, params[t].numel(), static_cast<int64_t>(t)};
+    int d = 0;
+    for (const at::TensorList list : lists) slots[t].ptr[d++] = list.empty() ? nullptr : list[t].data_ptr();
+  }
+  return slots;
+}
+
+// A per-tensor float64 CPU vector (checked by per_tensor_values) copied to params[0]'s device, where the
+// multi-tensor kernels read it: a host-to-device copy, no read back.
+at::Tensor on_device(const at::Tensor& values, at::TensorList params) {
+  at::Tensor copy = at::empty({values.numel()}, values.options().device(params[0].device()));
+  copy.copy_(values, /*non_blocking=*/true);
+  return copy;
+}
+
+at::TensorList if_used(bool used, at::TensorList list) { return used ? list : at::TensorList{}; }
 
 template <typename param_t, typename acc_t>
 cuda::ParamSlot<param_t, acc_t> slot(at::TensorList params, at::TensorList masters, size_t t) {
@@ -141,6 +180,15 @@ void rmsprop_step_cuda(at::TensorList params, at::TensorList grads, at::TensorLi
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     const auto h = rmsprop_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, grad_factor);
+    if (multi_tensor_kernels()) {
+      const auto slots = slots_of(params, {params, grads, square_avgs, if_used(centered, grad_avgs),
+                                           if_used(use_momentum, momentum_buffers), master_params});
+      on_params_device(params, [&] {
+        cuda::launch_rmsprop_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, grad_factor, scaler,
+                                                           centered, use_momentum, current_stream());
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_rmsprop<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -167,6 +215,16 @@ void rmsprop_tf_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     const auto h = rmsprop_tf_hyper<acc_t>(lr, alpha, eps, weight_decay, momentum, decoupled_decay, grad_factor);
+    if (multi_tensor_kernels()) {
+      const auto slots = slots_of(params, {params, grads, square_avgs, if_used(centered, grad_avgs),
+                                           if_used(use_momentum, momentum_buffers), master_params});
+      on_params_device(params, [&] {
+        cuda::launch_rmsprop_tf_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, grad_factor, scaler,
+                                                              centered, use_momentum, lr_in_momentum,
+                                                              current_stream());
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_rmsprop_tf<param_t, grad_t, acc_t>(
           slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -189,6 +247,14 @@ void adadelta_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
     const auto h = adadelta_hyper<acc_t>(lr, rho, eps, weight_decay, grad_factor);
+    if (multi_tensor_kernels()) {
+      const auto slots = slots_of(params, {params, grads, square_avgs, acc_deltas, master_params});
+      on_params_device(params, [&] {
+        cuda::launch_adadelta_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, grad_factor, scaler,
+                                                            current_stream());
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_adadelta<param_t, grad_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                     ptr<grad_t>(grads[t]), ptr<acc_t>(square_avgs[t]),
@@ -210,6 +276,20 @@ void lamb_stage1_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
+    if (multi_tensor_kernels()) {  // one launch series per step count (one, unless params joined late)
+      const auto all = slots_of(params, {params, grads, exp_avgs, exp_avg_sqs, updates, master_params});
+      std::map<double, std::vector<cuda::TensorSlots>> by_step;
+      for (size_t t = 0; t < all.size(); ++t) by_step[step[t]].push_back(all[t]);
+      on_params_device(params, [&] {
+        for (const auto& [count, slots] : by_step) {
+          const auto h = lamb_hyper<acc_t>(count, beta1, beta2, eps, weight_decay, grad_averaging, bias_correction,
+                                           grad_factor);
+          cuda::launch_lamb_stage1_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h, adam_w_mode,
+                                                                 current_stream());
+        }
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       const auto h = lamb_hyper<acc_t>(step[t], beta1, beta2, eps, weight_decay, grad_averaging, bias_correction,
                                        grad_factor);
@@ -230,6 +310,15 @@ void lamb_stage2_cuda(at::TensorList params, at::TensorList updates, at::TensorL
   dispatch_param_grad(check.param_dtype(), check.param_dtype(), [&](auto ptag, auto) {
     using param_t = typename decltype(ptag)::type;
     using acc_t = acc_type_for<param_t>;
+    if (multi_tensor_kernels()) {
+      const auto slots = slots_of(params, {params, updates, master_params});
+      on_params_device(params, [&] {
+        const at::Tensor device_ratios = on_device(ratios, params);
+        cuda::launch_lamb_stage2_multi<param_t, acc_t>(slots.data(), slots.size(), device_ratios.data_ptr<double>(),
+                                                       current_stream());
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       cuda::launch_lamb_stage2<param_t, acc_t>(slot<param_t, acc_t>(params, master_params, t),
                                                ptr<acc_t>(updates[t]), params[t].numel(), static_cast<acc_t>(r[t]),
@@ -249,6 +338,17 @@ void novograd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     using param_t = typename decltype(ptag)::type;
     using grad_t = typename decltype(gtag)::type;
     using acc_t = acc_type_for<param_t>;
+    if (multi_tensor_kernels()) {  // the denominators go to the device; the kernel reads each tensor's there
+      const auto h = novograd_hyper<acc_t>(0.0, lr, beta1, weight_decay, grad_averaging, bias_correction1, grad_factor);
+      const auto slots = slots_of(params, {params, grads, exp_avgs, master_params});
+      on_params_device(params, [&] {
+        const at::Tensor device_denoms = on_device(denoms, params);
+        cuda::launch_novograd_multi<param_t, grad_t, acc_t>(slots.data(), slots.size(), h,
+                                                            device_denoms.data_ptr<double>(), reg_inside_moment,
+                                                            current_stream());
+      });
+      return;
+    }
     for_each_tensor(params, [&](size_t t) {
       const auto h =
           novograd_hyper<acc_t>(d[t], lr, beta1, weight_decay, grad_averaging, bias_correction1, grad_factor);
