@@ -149,13 +149,14 @@ def _torch_runs(
     return input.device.type != "cpu" or (layer_norm and input.dtype in _TORCH_CPU_LAYER_NORM)
 
 
-def _autocast_args(*args: object) -> tuple:
-    """Apex's ``_cast_if_autocast_enabled``: cast floating tensors to the active autocast dtype."""
-    input = args[0]
+def _autocast_dtype(input: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts to on ``input``'s device, or None when autocast is off there."""
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
-    if not torch.is_autocast_enabled(device_type):
-        return args
-    dtype = torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _cast_to(dtype: torch.dtype, *args: object) -> tuple:
+    """Apex's ``_cast_if_autocast_enabled``: cast floating tensors to the active autocast dtype."""
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
@@ -254,15 +255,18 @@ def _layer_norm(
     mixed: bool,
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
-    input, weight, bias = _autocast_args(input, weight, bias)
+    autocast_dtype = _autocast_dtype(input)
+    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
+        input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)
+        with torch.autocast(input.device.type, enabled=False):
+            return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, bias)
     output_dtype = weight.dtype if mixed and weight is not None else None
-    with torch.autocast(input.device.type, enabled=False):
-        if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
-            return F.layer_norm(input, shape, weight, bias, eps)
-        if _use_kernel(input):
-            return FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
-        return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
+    if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
+        return F.layer_norm(input, shape, weight, bias, eps)
+    if _use_kernel(input):
+        return FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
+    return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
 
 
 def _rms_norm(
@@ -275,15 +279,18 @@ def _rms_norm(
     mixed: bool,
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
-    input, weight = _autocast_args(input, weight)
+    autocast_dtype = _autocast_dtype(input)
+    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
+        input, weight = _cast_to(autocast_dtype, input, weight)
+        with torch.autocast(input.device.type, enabled=False):
+            return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, None)
     output_dtype = weight.dtype if mixed and weight is not None else None
-    with torch.autocast(input.device.type, enabled=False):
-        if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
-            return F.rms_norm(input, shape, weight, eps)
-        if _use_kernel(input):
-            return FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
-        return reference.rms_norm(input, shape, weight, eps, output_dtype)
+    if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
+        return F.rms_norm(input, shape, weight, eps)
+    if _use_kernel(input):
+        return FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
+    return reference.rms_norm(input, shape, weight, eps, output_dtype)
 
 
 def fused_layer_norm_affine(
