@@ -106,7 +106,8 @@ def convert(model: nn.Module, recipe: str | None, args) -> nn.Module:
     model = copy.deepcopy(model)
     if recipe is not None:
         emulate = not fp8_gemm_capable(torch.device(args.device)) if args.emulate == "auto" else args.emulate == "true"
-        convert_to_float8(model, recipe, backend=args.backend, emulate=emulate, skip_modules=["head"])
+        skip = ["head"] if hasattr(model, "head") else []  # the LM keeps its output layer in bf16; the block has none
+        convert_to_float8(model, recipe, backend=args.backend, emulate=emulate, skip_modules=skip)
     return model
 
 

@@ -550,10 +550,12 @@ def test_cuda_found_inf_on_the_device_skips_without_a_host_read(case, cuda_kerne
     name, build = CASES[case]
     on_gpu = to_cuda(build(torch.float32, torch.float32, False), name)
     before = {k: [t.clone() for t in v] for k, v in on_gpu.items() if isinstance(v, list)}
+    # Made before the watched region: a host-to-device copy from pageable memory synchronizes by itself.
+    grad_scale, found_inf = one(1024.0).cuda(), one(1.0).cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cuda_kernel(name)(**on_gpu, grad_scale=one(1024.0).cuda(), found_inf=one(1.0).cuda())
+        cuda_kernel(name)(**on_gpu, grad_scale=grad_scale, found_inf=found_inf)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for key, value in before.items():
@@ -567,10 +569,11 @@ def test_cuda_grad_scale_matches_the_reference_without_a_host_read(case, cuda_ke
     args = build(torch.float64, torch.float64, False)
     args["grads"] = [g * 3.0 for g in args["grads"]]
     on_gpu = to_cuda(args, name)
+    grad_scale, found_inf = one(3.0).cuda(), one(0.0).cuda()  # before the watched region, as above
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cuda_kernel(name)(**on_gpu, grad_scale=one(3.0).cuda(), found_inf=one(0.0).cuda())
+        cuda_kernel(name)(**on_gpu, grad_scale=grad_scale, found_inf=found_inf)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     getattr(ref, name)(**args, grad_scale=one(3.0), found_inf=one(0.0))
