@@ -49,6 +49,9 @@ class TrainerConfig:
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
+    # How a non-finite clipping norm (no loss scaler checking it) skips the step: read on the host each step, or
+    # handed to an optimizer that takes GradScaler's found_inf as a device flag (the host learns it next iteration)
+    skip_verdict: str = "auto"  # auto (device on CUDA, host on CPU) | host | device: see docs/trainer.md
     seed: int | None = 0  # seeds Python, NumPy and torch before configure_model (null: no seeding)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: Any = False  # false | true (torch.compile the whole model) | [Block, ...] (those classes, in place)
@@ -252,6 +255,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.val_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
+    "trainer.skip_verdict": _one_of("auto", "host", "device"),
     "trainer.seed": (
         (lambda v: v is None or -(2**63) <= v < 2**64),
         "null (no seeding) or an integer in [-2**63, 2**64)",

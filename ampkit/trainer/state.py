@@ -44,6 +44,9 @@ class OptimizerState:
     grad_norm_nonfinite: bool = False  # clipping found the total gradient norm inf/nan
     loss_ids: set[Any] = field(default_factory=set)  # losses whose gradients reached this optimizer
     grad_norm: torch.Tensor | None = None  # cached total L2 norm, see Trainer.grad_norm
+    # A flag on the device (non-zero: skip) that the step takes as GradScaler's found_inf instead of the host
+    # reading it; set by a check only where ``Trainer.skips_on_device`` allows (see ampkit.trainer.device_skip).
+    device_skip: torch.Tensor | None = None
     master_weights: Any = None  # the casting callback's MasterWeights: who owns the gradients the optimizer reads
     stepped: bool = False  # stepped in this iteration
     skipped: bool = False  # skipped in this iteration (``step_was_skipped``)
@@ -57,6 +60,7 @@ class OptimizerState:
         self.grad_norm_nonfinite = False
         self.loss_ids = set()
         self.grad_norm = None
+        self.device_skip = None
         self.stepped = False
         self.skipped = False
 

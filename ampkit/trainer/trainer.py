@@ -60,6 +60,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
+from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
@@ -206,6 +207,8 @@ class Trainer:
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
         self._facts_pending = False  # a check reported found_inf (or, distributed, a backward ran) since agreeing
+        self._verdicts = DeviceVerdicts()  # steps skipped or not on the device, not yet read (device_skip.py)
+        self._device_skip: dict[torch.optim.Optimizer, bool] = {}  # optimizers that take a device-side verdict
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -305,6 +308,8 @@ class Trainer:
             raise ValueError("step() got an optimizer that configure_optimizers() did not return")
         if opt_state.stepped or opt_state.skipped:
             raise RuntimeError(f"optimizer '{opt_state.name}' was already stepped in this iteration")
+        if self._verdicts.unsettled:  # the last iteration's: the GPU finished those steps long ago
+            self._settle(before=self.state.iteration)
         if not _has_grad(optimizer):
             return False
         if self._facts_pending:
@@ -319,13 +324,38 @@ class Trainer:
             opt_state.skipped_steps += 1
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
-        step_(optimizer)
+        if opt_state.device_skip is None:
+            step_(optimizer)
+        else:  # skipped or not on the device; counted as taken until settled
+            step_with_found_inf(optimizer, opt_state.device_skip, step_)
+            loss_ids = sorted(opt_state.loss_ids, key=str)
+            self._verdicts.record(optimizer, self.state.iteration, loss_ids, opt_state.device_skip)
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
         for hook in self._hooks["on_after_optimizer_step"]:
             hook(self, optimizer)
         return True
+
+    def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a check may hand ``optimizer``'s skip verdict to its step as a device flag
+        (``optimizer_state[optimizer].device_skip``) instead of reading it: ``trainer.skip_verdict`` and an
+        optimizer that honours GradScaler's ``found_inf`` (see :mod:`ampkit.trainer.device_skip`)."""
+        return self._device_skip.get(optimizer, False)
+
+    def _settle(self, before: int | None = None) -> None:
+        """Read the device-side verdicts of the iterations before ``before`` (all when None): a skipped step
+        leaves ``steps`` for ``skipped_steps`` and fires ``on_optimizer_step_skipped``; the LR schedulers that
+        waited for those iterations step."""
+        skipped, schedules = self._verdicts.settle(before)
+        for step in skipped:
+            opt_state = self.optimizer_state[step.optimizer]
+            opt_state.steps -= 1
+            opt_state.epoch_steps -= 1
+            opt_state.skipped_steps += 1
+            self.fire("on_optimizer_step_skipped", step.optimizer, step.loss_ids)
+        for _, stepped in schedules:
+            self._step_schedulers("step", stepped)
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Total L2 norm of ``optimizer``'s gradients, computed once per backward and shared by callbacks."""
@@ -465,6 +495,7 @@ class Trainer:
             if s.should_stop or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
+        self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         s.epoch_finished = exhausted
         if exhausted:
             if _every(self.settings.val_every_n_epochs, s.epoch + 1):
@@ -540,6 +571,8 @@ class Trainer:
             loss.found_inf = found_inf
 
     def _end_iteration(self) -> None:
+        if self._verdicts.unsettled:
+            self._settle(before=self.state.iteration)
         if self._facts_pending:  # also losses that no stepped optimizer looked at: their scalers update below
             self._agree_facts()
         for loss in self.loss_state.values():
@@ -547,7 +580,11 @@ class Trainer:
                 old, new = loss.scaler.update(loss.found_inf)
                 self.fire("on_loss_scale_update", loss.loss_id, old, new)
         if self._has_step_schedulers:
-            self._step_schedulers("step")
+            if self._verdicts.pending(self.state.iteration):  # they step once the verdicts are read
+                stepped = {st_opt: st.stepped for st_opt, st in self.optimizer_state.items()}
+                self._verdicts.waiting_schedules.append((self.state.iteration, stepped))
+            else:
+                self._step_schedulers("step")
         for optimizer in self.optimizers.values():
             for hook in self._hooks["on_before_zero_grad"]:
                 hook(self, optimizer)
@@ -556,10 +593,13 @@ class Trainer:
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
 
-    def _step_schedulers(self, interval: str) -> None:
+    def _step_schedulers(self, interval: str, stepped_of: dict[torch.optim.Optimizer, bool] | None = None) -> None:
         for spec in self._specs:
             opt_state = self.optimizer_state[spec.optimizer]
-            stepped = opt_state.stepped if interval == "step" else opt_state.epoch_steps > 0
+            if stepped_of is not None:  # an iteration settled late: whether each optimizer's step stood
+                stepped = stepped_of[spec.optimizer]
+            else:
+                stepped = opt_state.stepped if interval == "step" else opt_state.epoch_steps > 0
             count = opt_state.steps if interval == "step" else self.state.epoch + 1
             for sched in spec.schedulers:
                 if sched.interval != interval or not stepped or count % sched.frequency:
@@ -581,6 +621,7 @@ class Trainer:
                 sched.scheduler.step(self.val_metrics[key])
 
     def _validate(self) -> None:
+        self._settle()
         if self._val_loader is None:
             return
         self.fire("on_validation_start")
@@ -685,6 +726,11 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
+        on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded)
+        self._device_skip = {
+            spec.optimizer: on_device and takes_device_found_inf(spec.optimizer) for spec in self._specs
+        }
+        self._verdicts = DeviceVerdicts()
         seed = self.settings.seed or 0
         self._train_loader = distributed_loader(
             call_setup_method(self, "train_dataloader"), seed, self.dist, shuffle_default=True
@@ -820,6 +866,7 @@ class Trainer:
 
         Under FSDP the model and optimizer shards are not in it: every rank writes its own (``save_sharded``).
         """
+        self._settle()  # the counts and schedulers it saves are the settled ones
         checkpoint = {
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},

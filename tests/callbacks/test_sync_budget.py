@@ -150,3 +150,30 @@ def test_fused_optimizer_under_grad_scaler_never_reads_the_host(make):
     assert scaler.get_scale() == 2.0**9  # one overflow
     if "step" in optimizer.state[params[0]]:
         assert float(optimizer.state[params[0]]["step"]) == 3.0
+
+
+class FusedAdamWBatches(CudaBatches):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.module.parameters(), lr=1e-3, fused=True)
+
+
+class AmpkitAdamBatches(CudaBatches):
+    def configure_optimizers(self):
+        return FusedAdam(self.module.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("trainer_class", [FusedAdamWBatches, AmpkitAdamBatches])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_clipped_run_without_a_scaler_reads_nothing_per_iteration(tmp_path, trainer_class, dtype):
+    """bf16/fp32 with clipping: the norm's finiteness goes to the fused step as ``found_inf`` (``skip_verdict:
+    auto`` on CUDA) and the last iteration's verdict is read from pinned memory after its own event, so no
+    iteration synchronizes; with ``skip_verdict=host`` each reads the norm once."""
+    precision = {"precision.opt_level": "O1", "precision.dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    common = {**QUIET, **precision, "trainer.device": "cuda", "trainer.max_steps": 4, "trainer.clip_grad_norm": 0.5}
+    counts = {}
+    for verdict in ("auto", "host"):
+        counter = SyncCounter()
+        cfg = toy_cfg(tmp_path / verdict, **{**common, "trainer.skip_verdict": verdict})
+        trainer_class(cfg, callbacks=[counter]).fit()
+        counts[verdict] = counter.per_iteration[1:]
+    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}
