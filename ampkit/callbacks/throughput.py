@@ -69,12 +69,53 @@ def count_training_flops(forward_loss: Callable[[], torch.Tensor]) -> int:
     return counter.get_total_flops()
 
 
+class HostStopwatch:
+    """Window boundaries read from a host clock, at once."""
+
+    lags = False
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+
+    def mark(self) -> float:
+        return self.clock()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaStopwatch:
+    """Window boundaries as CUDA events on the current stream. The host runs ahead of an asynchronous GPU, so a
+    host clock times the enqueueing, not the training; the events time the GPU's own timeline (its idle gaps
+    included). A window is read one window later, when its end event has long completed: no sync is added."""
+
+    lags = True
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def stopwatch_for(device: torch.device, clock: Callable[[], float]) -> HostStopwatch | CudaStopwatch:
+    """CUDA events on a GPU (unless a clock was given, as tests do), the host clock elsewhere."""
+    if device.type == "cuda" and clock is time.perf_counter:
+        return CudaStopwatch()
+    return HostStopwatch(clock)
+
+
 class Throughput(Callback):
     """Samples/s, tokens/s, TFLOP/s and MFU over each window of ``every_n_steps`` iterations (all ranks together).
 
     Figures go to ``trainer.state.throughput`` (the console shows them) and to ``trainer.log`` as
     ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` (TensorBoard). The first
-    iteration (compilation, warm-up) and validation runs are left out of the windows. ``clock``: for tests.
+    iteration (compilation, warm-up) and validation runs are left out of the windows. On a GPU the windows are
+    timed by CUDA events and each is reported one window late (logged at its own last iteration), so timing never
+    waits for the GPU. ``clock``: a host clock instead (tests).
     """
 
     phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
@@ -97,9 +138,12 @@ class Throughput(Callback):
         self._tokens_per_sample: int | None = None
         self._flops_per_sample: float | None = None
         self._world = 1
-        self._start: float | None = None  # the window's start; None until the first iteration has ended
+        self._watch: HostStopwatch | CudaStopwatch = HostStopwatch(clock)
+        self._start: Any = None  # the window's start mark; None until the first iteration has ended
         self._samples = 0  # this rank's samples in the window
-        self._paused_at = 0.0
+        self._pauses: list[tuple[Any, Any]] = []  # validation runs inside the window: (start, end) marks
+        self._paused_at: Any = None
+        self._unread: tuple | None = None  # a lagging stopwatch's last window: (start, end, samples, pauses, step)
 
     def on_train_start(self, trainer) -> None:
         self._tokens_per_sample = trainer.tokens_per_sample
@@ -107,25 +151,33 @@ class Throughput(Callback):
         self._world = trainer.world_size
         if self.peak is None:
             self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))
-        self._start, self._samples = None, 0
+        self._watch = stopwatch_for(trainer.device, self.clock)
+        self._start, self._samples, self._pauses, self._unread = None, 0, [], None
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
         if self._start is None:  # the first iteration pays for compilation and warm-up: the clock starts after it
             if s.is_iteration_end:
-                self._start = self.clock()
+                self._start = self._watch.mark()
             return
         self._samples += batch_size(batch)
         if not (s.is_iteration_end and s.iteration % self.every_n_steps == 0):
             return
-        now = self.clock()
-        if now <= self._start:
+        window = (self._start, self._watch.mark(), self._samples * self._world, self._pauses, s.iteration)
+        self._start, self._samples, self._pauses = window[1], 0, []
+        if self._watch.lags:  # report the previous window, whose end the GPU has passed long ago
+            window, self._unread = self._unread, window
+        if window is not None:
+            self._report(trainer, *window)
+
+    def _report(self, trainer, start: Any, end: Any, samples: int, pauses: list, step: int) -> None:
+        seconds = self._watch.seconds(start, end) - sum(self._watch.seconds(a, b) for a, b in pauses)
+        if seconds <= 0:
             return
-        figures = self.figures(self._samples * self._world, now - self._start)
+        figures = self.figures(samples, seconds)
         trainer.state.throughput = figures
         for key, value in figures.items():
-            trainer.log(f"perf/{key}", value)
-        self._start, self._samples = now, 0
+            trainer.log(f"perf/{key}", value, always=True, step=step)
 
     def figures(self, samples: int, seconds: float) -> dict[str, float]:
         """The rates of ``samples`` (all ranks) trained in ``seconds``."""
@@ -140,8 +192,8 @@ class Throughput(Callback):
         return figures
 
     def on_validation_start(self, trainer) -> None:
-        self._paused_at = self.clock()
+        self._paused_at = self._watch.mark()
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self._start is not None and trainer.state.stage == "fit":  # validation time is not training time
-            self._start += self.clock() - self._paused_at
+            self._pauses.append((self._paused_at, self._watch.mark()))

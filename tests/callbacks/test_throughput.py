@@ -92,3 +92,45 @@ def test_bad_peak_is_a_config_error(tmp_path, key, value):
 
     with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
         ToyTrainer(toy_cfg(tmp_path, **{key: value}))
+
+
+class LaggingWatch:
+    """A stand-in for CUDA events: marks are fake times, and reading a window records which one was read when."""
+
+    lags = True
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.reads = clock, []
+
+    def mark(self) -> float:
+        return self.clock()
+
+    def seconds(self, start: float, end: float) -> float:
+        self.reads.append(end)
+        return end - start
+
+
+def test_on_a_gpu_each_window_is_read_one_window_late_and_logged_at_its_own_step(tmp_path, monkeypatch):
+    """With an asynchronous stopwatch (CUDA events) the window ending at iteration 4 is read at iteration 8, when
+    its end has long passed, and logged at step 4; validation inside a window is still taken out."""
+    import ampkit.callbacks.throughput as throughput
+
+    clock = FakeClock(step_s=0.5)
+    watch = LaggingWatch(clock)
+    monkeypatch.setattr(throughput, "stopwatch_for", lambda device, clock: watch)
+    meter = Throughput(every_n_steps=4, peak_tflops=200.0)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 12, "trainer.max_epochs": 2, "trainer.progress_bar": False,
+                               "trainer.device": "cpu", "logging.throughput": False, "logging.log_every_n_steps": 4,
+                               "trainer.val_every_n_steps": 6})  # fmt: skip
+    trainer = Tokens(cfg, callbacks=[meter])
+    trainer.fit()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    tokens = [(e.step, e.value) for e in events.Scalars("perf/tokens_per_sec")]
+    # marks (8 batches an epoch): start 100.5 (iteration 1), window end 101.0 (iteration 4); validation at 6:
+    # 101.5 -> 102.0; window end 102.5 (iteration 8), when 1..4 is read: 3 batches in 0.5 s; at 12 the window 4..8
+    # is read: 4 batches in 1.5 s less the 0.5 s validation; the last window (8..12) is never read
+    assert tokens == [(4, pytest.approx(3 * 8 * 16 / 0.5)), (8, pytest.approx(4 * 8 * 16 / 1.0))]
+    assert watch.reads == [101.0, 102.5, 102.0]  # each window's end (then its pause) only after the next one ended
