@@ -9,6 +9,7 @@ non-zero if any family fails to build.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import pkgutil
@@ -30,12 +31,22 @@ def import_frontends() -> None:
         importlib.import_module(module.name)
 
 
-def main() -> int:
-    """Build all registered families; return the process exit status."""
+def main(argv: list[str] | None = None) -> int:
+    """Build all registered families (or those named with ``--only``); return the process exit status."""
+    parser = argparse.ArgumentParser(prog="python -m ampkit.ops.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[], metavar="FAMILY",
+                        help="build this family only (repeatable; separate processes build in parallel)")  # fmt: skip
+    args = parser.parse_args(argv)
     os.environ["AMPKIT_OPS"] = "kernel"  # report failures instead of falling back
     import_frontends()
+    unknown = sorted(set(args.only) - set(FAMILIES))
+    if unknown:
+        print(f"unknown op family {', '.join(unknown)}; known: {', '.join(sorted(FAMILIES))}", file=sys.stderr)
+        return 2
     failed = []
     for name, family in sorted(FAMILIES.items()):
+        if args.only and name not in args.only:
+            continue
         start = time.perf_counter()
         try:
             family.use_kernel()

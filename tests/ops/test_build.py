@@ -114,3 +114,15 @@ def test_ahead_of_time_build_is_reused_by_a_new_process():
     assert load.returncode == 0, load.stderr
     assert "compiling" not in load.stderr
     assert load.stdout.strip() == "2.0"
+
+
+def test_only_builds_the_named_family_and_refuses_an_unknown_one():
+    """``--only`` lets a GPU script build the families in parallel processes; a misspelt one names the known."""
+    env = child_env(REPO_ROOT)
+    only = [sys.executable, "-m", "ampkit.ops.build", "--only", "ampkit_norms"]
+    build = subprocess.run(only, env=env, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    assert build.stdout.startswith("ampkit_norms: ready in") and "ampkit_multi_tensor" not in build.stdout
+    wrong = subprocess.run([*only[:-1], "ampkit_norm"], env=env, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2
+    assert "unknown op family ampkit_norm; known: ampkit_multi_tensor, ampkit_norms, ampkit_optimizers" in wrong.stderr
