@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M and 10M params, the small norm shape")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--no-compiled", dest="compiled", action="store_false",
+                        help="leave the torch.compile baselines out of the kernels section (each compiles for tens "
+                        "of seconds: a short GPU lease cannot afford them)")  # fmt: skip
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -337,7 +340,22 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["AMPKIT_FUSED_BACKEND"] = "auto"
     ceiling = copy_ceiling_gbps()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; device copy ceiling {ceiling:.0f} GB/s")
-    rows = []
+    print(f"{'section':<13}{'op':<44}{'size':<22}{'ampkit ms':>10}{'torch ms':>10}{'ratio':>8}{'GB/s':>8}"
+          f"{'%ceil':>7}  baseline")  # fmt: skip
+
+    class Rows(list):
+        """Each row printed as it is measured: a time limit keeps what was measured before it."""
+
+        def __iadd__(self, new):
+            for section, name, baseline, size, ms, torch_ms, gbps, ceil in new:
+                print(f"{section:<13}{name:<44}{size:<22}{ms:>10.3f}{torch_ms:>10.3f}{torch_ms / ms:>7.2f}x"
+                      f"{gbps:>8.0f}{100 * gbps / ceil:>6.0f}%  {baseline}", flush=True)  # fmt: skip
+            return super().__iadd__(new)
+
+        def append(self, row):
+            self.__iadd__([row])
+
+    rows = Rows()
     sizes = (1_000_000, 10_000_000) if args.quick else (1_000_000, 10_000_000, 50_000_000, 200_000_000)
     for n in sizes:
         base = param_list(n)
@@ -355,17 +373,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows += make_rows(base, size, ceiling)
                 torch.cuda.empty_cache()
         if "kernels" in sections:
-            rows += kernel_rows(base, size, ceiling, compiled=n == sizes[0])
+            rows += kernel_rows(base, size, ceiling, compiled=args.compiled and n == sizes[0])
             torch.cuda.empty_cache()
         del base
         torch.cuda.empty_cache()
     if "norms" in sections:
         rows += norm_rows(ceiling, args.quick)
-    print(f"{'section':<13}{'op':<44}{'size':<22}{'ampkit ms':>10}{'torch ms':>10}{'ratio':>8}{'GB/s':>8}"
-          f"{'%ceil':>7}  baseline")  # fmt: skip
-    for section, name, baseline, size, ms, torch_ms, gbps, ceil in rows:
-        print(f"{section:<13}{name:<44}{size:<22}{ms:>10.3f}{torch_ms:>10.3f}{torch_ms / ms:>7.2f}x"
-              f"{gbps:>8.0f}{100 * gbps / ceil:>6.0f}%  {baseline}")  # fmt: skip
     return 0
 
 
