@@ -49,9 +49,9 @@ class TrainerConfig:
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
-    # How a non-finite clipping norm (no loss scaler checking it) skips the step: read on the host each step, or
-    # handed to an optimizer that takes GradScaler's found_inf as a device flag (the host learns it next iteration)
-    skip_verdict: str = "auto"  # auto (device on CUDA, host on CPU) | host | device: see docs/trainer.md
+    # Where a step's skip verdict (found_inf flags, a non-finite clipping norm) is decided: read on the host each
+    # iteration, or handed to optimizers that take GradScaler's found_inf, loss scales updated on the device
+    skip_verdict: str = "auto"  # auto (device on CUDA, host on CPU) | host | device: see docs/mixed-precision.md
     seed: int | None = 0  # seeds Python, NumPy and torch before configure_model (null: no seeding)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compile: Any = False  # false | true (torch.compile the whole model) | [Block, ...] (those classes, in place)

@@ -91,13 +91,13 @@ def test_no_flag_is_read_in_the_iteration_that_made_it(tmp_path, monkeypatch):
     """Every verdict is read after its iteration: at the next one's step, or at the epoch's end for the last."""
     reads: list[tuple[int, int]] = []
     trainers: list = []
-    real = device_skip.UnsettledStep.skipped
+    real = device_skip.UnsettledFlag.is_set
 
     def recorded(self):
         reads.append((self.iteration, trainers[0].state.iteration, trainers[0].state.batches_done))
         return real(self)
 
-    monkeypatch.setattr(device_skip.UnsettledStep, "skipped", recorded)
+    monkeypatch.setattr(device_skip.UnsettledFlag, "is_set", recorded)
     original_init = ScheduledNaN.__init__
 
     def keep(self, *args, **kwargs):
@@ -173,3 +173,157 @@ def test_auto_keeps_verdicts_on_the_device_on_cuda_only():
 def test_a_bad_skip_verdict_names_itself_and_the_choices(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.skip_verdict.*'sometimes'.*auto, host, device"):
         ScheduledNaN(toy_cfg(tmp_path, **{"trainer.skip_verdict": "sometimes"}))
+
+
+# ---------------------------------------------------------------- fp16: the loss scalers' verdicts on the device
+FP16 = {
+    "precision.opt_level": "O1",
+    "precision.dtype": "float16",
+    "precision.init_scale": 256,  # the toy model does not overflow there ...
+    "precision.growth_interval": 3,  # ... and grows every third clean iteration, so the rule is exercised
+}
+
+
+class ScaleWatch(Watch):
+    """Also every scale update: (loss_id, old, new, overflowed), and the scaler states at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.updates: list[tuple] = []
+
+    def on_loss_scale_update(self, trainer, loss_id, old, new):
+        self.updates.append((loss_id, old, new, trainer.loss_state[loss_id].found_inf))
+
+
+class TwoLossesNaN(ScheduledNaN):
+    """Manual optimization as a GAN does it: loss "A" reaches both optimizers, loss "B" only the head's, and "B"
+    is NaN at iteration 6 (so only the head's step is skipped, only B's scale backs off)."""
+
+    automatic_optimization = False
+
+    def configure_optimizers(self):
+        body = self.make_optimizer(self.module[0].parameters())
+        head = self.make_optimizer(self.module[3].parameters())
+        return [{"optimizer": body, "name": "body"}, {"optimizer": head, "name": "head"}]
+
+    def training_step(self, batch):
+        x, y = batch
+        self.backward((self.model(x).squeeze(1) - y).square().mean(), loss_id="A")
+        features = self.module[1](self.module[0](x)).detach()
+        loss_b = self.module[3](features).abs().mean()
+        if self.state.iteration == self.nan_at:
+            loss_b = loss_b * float("nan")
+        self.backward(loss_b, loss_id="B", optimizer=self.optimizers["head"])
+        for optimizer in self.optimizers.values():
+            self.step(optimizer)
+
+
+def run_fp16(tmp_path, verdict, trainer_class, make_optimizer=fused_adamw, **overrides):
+    watch = ScaleWatch()
+    settings = {
+        **QUIET,
+        **FP16,
+        "trainer.clip_grad_norm": 0.5,
+        "trainer.max_epochs": 2,
+        "trainer.skip_verdict": verdict,
+    }
+    cfg = toy_cfg(tmp_path / verdict, **{**settings, **overrides})
+    trainer = type("T", (trainer_class,), {"make_optimizer": staticmethod(make_optimizer)})(cfg, callbacks=[watch])
+    trainer.fit()
+    return trainer, watch
+
+
+def assert_same_run(host, device) -> None:
+    for key, value in host.module.state_dict().items():
+        assert torch.equal(value, device.module.state_dict()[key]), key
+    for name, optimizer in host.optimizers.items():
+        ours = device.optimizers[name].state_dict()["state"]
+        for index, state in optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                assert torch.equal(value, ours[index][key]), (name, index, key)
+    counts = {st.name: (st.steps, st.skipped_steps, st.epoch_steps) for st in host.optimizer_state.values()}
+    assert {st.name: (st.steps, st.skipped_steps, st.epoch_steps) for st in device.optimizer_state.values()} == counts
+    host_scalers = {k: s.scaler.state_dict() for k, s in host.loss_state.items() if s.scaler is not None}
+    assert {k: s.scaler.state_dict() for k, s in device.loss_state.items() if s.scaler is not None} == host_scalers
+
+
+@pytest.mark.parametrize("make_optimizer", [fused_adamw, ampkit_adam], ids=["torch_fused_adamw", "ampkit_fused_adam"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fp16_with_the_scaler_on_the_device_trains_the_run_of_the_host_read(tmp_path, make_optimizer, accumulate):
+    overrides = {"trainer.accumulate_grad_batches": accumulate}
+    host, host_watch = run_fp16(tmp_path, "host", ScheduledNaN, make_optimizer, **overrides)
+    device, device_watch = run_fp16(tmp_path, "device", ScheduledNaN, make_optimizer, **overrides)
+    assert device.facts_on_device and not host.facts_on_device
+    assert device.loss_state[0].scaler.on_device and not host.loss_state[0].scaler.on_device
+    assert_same_run(host, device)
+    assert host.optimizer_state[host.optimizer].skipped_steps == 1
+    assert device_watch.updates == host_watch.updates  # the same updates, told an iteration later
+    assert any(overflowed for *_, overflowed in host_watch.updates)
+    assert {256.0, 512.0} <= {new for _, _, new, _ in host_watch.updates}  # grew, and backed off
+    assert device_watch.lrs == host_watch.lrs
+    assert [loss_ids for _, loss_ids in device_watch.skips] == [loss_ids for _, loss_ids in host_watch.skips] == [[0]]
+
+
+def test_two_losses_two_optimizers_skip_and_scale_apart_on_the_device(tmp_path):
+    host, host_watch = run_fp16(tmp_path, "host", TwoLossesNaN)
+    device, device_watch = run_fp16(tmp_path, "device", TwoLossesNaN)
+    assert device.facts_on_device
+    assert_same_run(host, device)
+    skipped = {st.name: st.skipped_steps for st in device.optimizer_state.values()}
+    assert skipped == {"body": 0, "head": 1}
+    assert [loss_ids for _, loss_ids in device_watch.skips] == [loss_ids for _, loss_ids in host_watch.skips] == [["B"]]
+    assert device_watch.updates == host_watch.updates
+    assert {loss_id for loss_id, _, _, overflowed in host_watch.updates if overflowed} == {"B"}
+
+
+def test_nothing_is_read_or_agreed_per_iteration_with_the_facts_on_the_device(tmp_path, monkeypatch):
+    """The host reads of a host-verdict run (the found_inf agreement, the scaler's own read) never run."""
+    import ampkit.trainer.trainer as trainer_module
+    from ampkit.amp.scaler import LossScaler
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a host read in a device-verdict run")
+
+    monkeypatch.setattr(trainer_module, "any_rank", refuse)
+    real_update = LossScaler.update
+
+    def update(self, found_inf):
+        assert not isinstance(found_inf, torch.Tensor), "the scaler read a device flag"
+        return real_update(self, found_inf)
+
+    monkeypatch.setattr(LossScaler, "update", update)
+    device, _ = run_fp16(tmp_path, "device", ScheduledNaN)
+    assert device.optimizer_state[device.optimizer].skipped_steps == 1
+
+
+def test_an_optimizer_without_a_device_verdict_keeps_every_fact_on_the_host(tmp_path):
+    def sgd_momentum(params):
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    device, _ = run_fp16(tmp_path, "device", ScheduledNaN, sgd_momentum)
+    assert not device.facts_on_device and not device.skips_on_device(device.optimizer)
+    assert not device.loss_state[0].scaler.on_device
+    assert device.optimizer_state[device.optimizer].skipped_steps == 1
+
+
+def test_a_callback_that_needs_verdicts_at_once_keeps_them_on_the_host(tmp_path):
+    """Gradient histograms name a skipped step's culprits from that iteration's gradients: with them on, the
+    verdicts are read on the host, in their own iteration."""
+    overrides = {"logging.grad_histograms_every_n_steps": 4, "logging.tensorboard": True}
+    trainer, watch = run_fp16(tmp_path, "device", ScheduledNaN, **overrides)
+    assert any(type(cb).__name__ == "GradientHistograms" for cb in trainer.callbacks)
+    assert not trainer.facts_on_device and not trainer.skips_on_device(trainer.optimizer)
+    assert watch.skips == [(6, [0])]
+
+
+def test_an_fp16_checkpoint_at_the_overflow_holds_the_host_runs_scalers(tmp_path):
+    every = {"checkpoint.enabled": True, "checkpoint.every_n_steps": 6, "checkpoint.keep_last": 10}
+    host, _ = run_fp16(tmp_path, "host", ScheduledNaN, **every)
+    device, _ = run_fp16(tmp_path, "device", ScheduledNaN, **every)
+    saved = [load_checkpoint(t.version_dir / "checkpoints" / "step-00000006.pt") for t in (host, device)]
+    for key in ("optimizer_counts", "schedulers", "callbacks"):
+        assert saved[1][key] == saved[0][key], key
+    settings = {**QUIET, **FP16, **every, "trainer.clip_grad_norm": 0.5, "trainer.max_epochs": 2}
+    resumed = ScheduledNaN(toy_cfg(tmp_path / "resumed", **{**settings, "trainer.skip_verdict": "device"}))
+    resumed.fit(resume=device.version_dir / "checkpoints" / "step-00000006.pt")
+    assert_same_run(device, resumed)

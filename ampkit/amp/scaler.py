@@ -1,7 +1,10 @@
 """One loss scaler, static or dynamic, with Apex's semantics and torch.amp's knob names.
 
 The scale lives on the host as a Python float: scaling a loss and building the unscale factor cost
-no device sync, and :meth:`LossScaler.update` syncs at most once (when handed a device flag).
+no device sync, and :meth:`LossScaler.update` syncs at most once (when handed a device flag). A Trainer that
+keeps skip verdicts on the GPU (``trainer.skip_verdict``) moves the authoritative scale there with
+:meth:`LossScaler.keep_on_device`: :meth:`LossScaler.update_on_device` applies the same rule in float64 tensor
+ops, bit for bit the host's, and the host copy follows one iteration later through :meth:`LossScaler.update`.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class LossScaler:
         self.unskipped: int = 0
         self._inv_scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
         self._scale_cache: dict[torch.device, tuple[float, torch.Tensor]] = {}
+        self._on_device: _DeviceScale | None = None
 
     @property
     def scale(self) -> float:
@@ -118,6 +122,8 @@ class LossScaler:
         """
         if loss.dtype != torch.float32:
             loss = loss.float()
+        if self._on_device is not None:
+            return loss * self._on_device.scale32
         device = loss.device
         cached = self._scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
@@ -129,6 +135,8 @@ class LossScaler:
         """``1/scale`` as a one-element float32 tensor on ``device``, cached until the scale changes."""
         if not isinstance(device, torch.device):
             device = torch.device(device)
+        if self._on_device is not None and self._on_device.scale.device == device:
+            return self._on_device.inv32
         cached = self._inv_scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
             cached = (self._scale, torch.full((1,), 1.0 / self._scale, dtype=torch.float32, device=device))
@@ -160,6 +168,38 @@ class LossScaler:
         self._scale = new
         return old, new
 
+    def keep_on_device(self, device: torch.device) -> None:
+        """Make a copy of the scale (and the clean-update count) on ``device`` the one that scales and unscales,
+        updated there by :meth:`update_on_device` with no host read. :meth:`update` then only replays each
+        verdict on the host copy (:attr:`scale`, checkpoints), which lags until the verdicts are read."""
+        if self._on_device is None or self._on_device.scale.device != device:
+            self._on_device = _DeviceScale(self._scale, self.unskipped, device)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`keep_on_device` moved the authoritative scale to a device."""
+        return self._on_device is not None
+
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """:meth:`update`'s rule on the device copy, with ``found_inf`` (non-zero: overflow) never read: float64
+        tensor ops give the host's Python-float results bit for bit."""
+        state = self._on_device
+        if state is None:
+            raise RuntimeError("update_on_device() before keep_on_device()")
+        if not self.dynamic:
+            return
+        overflow = found_inf.reshape(()).to(state.scale.device) != 0
+        clean = state.unskipped + 1
+        grows = clean == self.growth_interval
+        grown = state.scale * self.growth_factor
+        if self.max_scale is not None:
+            grown = torch.clamp_max(grown, self.max_scale)
+        backed_off = torch.clamp_min(state.scale * self.backoff_factor, self.floor)
+        state.set(
+            torch.where(overflow, backed_off, torch.where(grows, grown, state.scale)),
+            torch.where(overflow | grows, torch.zeros_like(clean), clean),
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """Apex's per-scaler format: ``{"loss_scale": float, "unskipped": int}``."""
         return {"loss_scale": self._scale, "unskipped": self.unskipped}
@@ -178,7 +218,25 @@ class LossScaler:
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
         self.unskipped = unskipped
+        if self._on_device is not None:
+            self._on_device = _DeviceScale(self._scale, self.unskipped, self._on_device.scale.device)
 
     def __repr__(self) -> str:
         mode = "dynamic" if self.dynamic else "static"
         return f"LossScaler({mode}, scale={self._scale}, unskipped={self.unskipped})"
+
+
+class _DeviceScale:
+    """A scaler's state on a device: the scale in float64 (the host's Python float, exactly), the clean-update
+    count, and the float32 forms the loss scaling and unscaling use."""
+
+    def __init__(self, scale: float, unskipped: int, device: torch.device) -> None:
+        self.set(
+            torch.tensor(scale, dtype=torch.float64, device=device),
+            torch.tensor(unskipped, dtype=torch.int64, device=device),
+        )
+
+    def set(self, scale: torch.Tensor, unskipped: torch.Tensor) -> None:
+        self.scale, self.unskipped = scale, unskipped
+        self.scale32 = scale.to(torch.float32)  # as torch.full(..., python_float, dtype=float32) rounds
+        self.inv32 = (1.0 / scale).to(torch.float32).reshape(1)  # 1.0 / python_float, rounded to float32

@@ -24,7 +24,11 @@ class FoundInfFlags:
             flag = self._flags[loss_id] = torch.zeros(1, dtype=torch.float32, device=device)
         return flag
 
-    def renew(self, losses: Mapping[Any, LossState]) -> None:
-        """At the end of an iteration (its flags read and agreed): drop the flags of the losses that overflowed."""
+    def renew(self, losses: Mapping[Any, LossState], everything: bool = False) -> None:
+        """At the end of an iteration (its flags read and agreed): drop the flags of the losses that overflowed;
+        ``everything``: all of them (a Trainer that keeps the verdicts on the device has read none yet)."""
+        if everything:
+            self._flags.clear()
+            return
         for loss_id in [k for k in self._flags if losses[k].found_inf]:
             del self._flags[loss_id]

@@ -32,6 +32,8 @@ class GradientHistograms(Callback):
     ``amp/overflow_params/<optimizer>`` (also kept in :attr:`overflowed`). Writes through ``trainer.logger``.
     """
 
+    needs_verdicts_at_once = True  # a skipped step's culprits are read from that iteration's gradients
+
     phase = Phase.OBSERVE  # reads the gradients once unscaled, averaged and clipped
 
     def __init__(self, every_n_steps: int = 100) -> None:

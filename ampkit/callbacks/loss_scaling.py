@@ -104,6 +104,8 @@ class LossScaling(Callback):
         self.scalers: dict[Any, LossScaler] = {}
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
         self._consecutive_skips: dict[str, int] = {}
+        self._counts_seen: dict[str, tuple[int, int]] = {}  # per optimizer: (steps, skipped_steps) at the last look
+        self._optimizer_states: dict = {}  # the Trainer's, to catch up on verdicts settled since the last look
         self._overflows_at_min: dict[str, int] = {}
         self._overflowing_since: dict[str, int] = {}  # per loss: the iteration its current run of overflows began
         self._loaded: dict[str, Any] = {}
@@ -161,6 +163,10 @@ class LossScaling(Callback):
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
         trainer.state.grads_leave_params = True  # each backward's gradients go to a stash or the masters
 
+    def on_train_start(self, trainer) -> None:
+        self._optimizer_states = trainer.optimizer_state
+        self._counts_seen = {st.name: (st.steps, st.skipped_steps) for st in trainer.optimizer_state.values()}
+
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
         if not self._combiners:
             self._build_combiners(trainer)
@@ -168,6 +174,8 @@ class LossScaling(Callback):
             combiner.prepare_backward()
         if self.scaled:
             scaler = trainer.loss_state[backward.loss_id].scaler = self.scaler(backward.loss_id)  # Trainer updates it
+            if trainer.facts_on_device and self._device is not None:
+                scaler.keep_on_device(self._device)  # scaled, unscaled and updated there: nothing read per step
             backward.loss = scaler.scale_loss(backward.loss)
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
@@ -195,14 +203,14 @@ class LossScaling(Callback):
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.state.is_iteration_end:
             return
-        self._flags.renew(trainer.loss_state)
+        self._flags.renew(trainer.loss_state, everything=trainer.facts_on_device)
         logged = trainer.state.iteration % self._log_every == 0
         if logged:
             for loss_id, scaler in self.scalers.items():
                 trainer.log(f"amp/loss_scale/{loss_id}", scaler.scale)
         for opt_state in trainer.optimizer_state.values():
-            self._count_skips(opt_state)
-            if logged or opt_state.skipped:
+            new_skips = self._count_skips(opt_state)
+            if logged or new_skips:
                 trainer.log(f"amp/skipped_steps/{opt_state.name}", opt_state.skipped_steps, always=True)
 
     def _check_floor(self, loss_id: Any, scaler: LossScaler, overflowed: bool, old: float) -> None:
@@ -219,10 +227,18 @@ class LossScaling(Callback):
                 "fix the loss."
             )
 
-    def _count_skips(self, opt_state) -> None:
+    def _count_skips(self, opt_state) -> int:
+        """Follow the optimizer's counts since the last look; returns the skips that appeared. Counts, not this
+        iteration's ``skipped`` flag: with verdicts kept on the device a skip is known one iteration late, when
+        the step counted as taken becomes a skipped one (steps -1, skipped_steps +1)."""
         name = opt_state.name
-        if opt_state.skipped:
-            self._consecutive_skips[name] = self._consecutive_skips.get(name, 0) + 1
+        steps, skipped = self._counts_seen.get(name, (0, 0))
+        new_steps, new_skips = opt_state.steps - steps, opt_state.skipped_steps - skipped
+        self._counts_seen[name] = (opt_state.steps, opt_state.skipped_steps)
+        if new_steps > 0:
+            self._consecutive_skips[name] = 0
+        elif new_skips > 0:
+            self._consecutive_skips[name] = self._consecutive_skips.get(name, 0) + new_skips
             count = self._consecutive_skips[name]
             if self.warn_consecutive_skips and count % self.warn_consecutive_skips == 0:
                 culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
@@ -232,11 +248,12 @@ class LossScaling(Callback):
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        elif opt_state.stepped:
-            self._consecutive_skips[name] = 0
+        return new_skips
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        for opt_state in self._optimizer_states.values():  # verdicts the checkpoint settled after this batch's look
+            self._count_skips(opt_state)
         scalers = {self._key(loss_id): scaler.state_dict() for loss_id, scaler in self.scalers.items()}
         return {
             "loss_scalers": {**self._loaded, **scalers},

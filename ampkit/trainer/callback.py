@@ -66,6 +66,9 @@ class Callback:
     """A unit of behaviour plugged into the Trainer's loop; override only the hooks you need."""
 
     phase: ClassVar[Phase] = Phase.DEFAULT
+    # True when a hook must learn a skip verdict in its own iteration (``on_optimizer_step_skipped`` reading that
+    # iteration's gradients, say): the Trainer then reads verdicts on the host (``trainer.skip_verdict``).
+    needs_verdicts_at_once: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

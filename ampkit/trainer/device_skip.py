@@ -1,11 +1,13 @@
-"""Skip verdicts that stay on the device: a non-finite gradient norm skips the step without a host read.
+"""Skip verdicts that stay on the device: an overflow or a non-finite gradient norm skips the step unread.
 
 Without a loss scaler (bf16, fp32) the only per-step host read of a clipped run was the gradient norm's
 finiteness: clipping must not let an inf/nan norm reach the step. On a GPU that read stalls the CPU until the
 GPU has finished the backward, and the GPU then idles while Python prepares the next step (on an H100 the
 GPT-2-small bf16 step ran at 0.89x a hand loop that reads nothing). An optimizer that honours GradScaler's
 ``found_inf`` (torch's fused Adam/AdamW/Adagrad, torch's fused SGD without momentum, ampkit's fused optimizers)
-can take the flag instead and skip on the device: parameters, state and step counts stay as they were.
+can take the flag instead and skip on the device: parameters, state and step counts stay as they were. In one
+process whose optimizers all take it, the loss scalers' found_inf flags stay there too (``Trainer.
+facts_on_device``): each loss's flags go to the steps it reached, and its scaler updates on the device.
 
 The host learns such a verdict later, when the Trainer *settles* it: at the next iteration (by then the GPU has
 long finished that step, so the read waits for nothing), or before validation, an epoch's end and a
@@ -16,7 +18,8 @@ the next optimizer step, which is the first to use their learning rate).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,59 +73,90 @@ def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
 
 
 @dataclass(slots=True)
-class UnsettledStep:
-    """A step taken with a device-side verdict that the host has not read yet."""
+class UnsettledFlag:
+    """A device flag (non-zero: inf/nan) whose value the host has not read yet: a step's verdict, or the
+    overflow flag a loss scaler was updated with on the device."""
 
-    optimizer: torch.optim.Optimizer
     iteration: int
-    loss_ids: list
-    flag: torch.Tensor  # on the host: pinned and filled asynchronously on CUDA
+    flag: torch.Tensor  # on the host: pinned and filled asynchronously on CUDA; a copy on a CPU
     done: torch.cuda.Event | None  # recorded after the copy; None on a CPU
 
-    @classmethod
-    def record(cls, optimizer: torch.optim.Optimizer, iteration: int, loss_ids: list, found_inf: torch.Tensor):
+    @staticmethod
+    def copy(found_inf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if found_inf.device.type != "cuda":
-            return cls(optimizer, iteration, loss_ids, found_inf, None)
+            return found_inf.detach().reshape(()).clone(), None
         host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(found_inf, non_blocking=True)
+        host.copy_(found_inf.reshape(()), non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(optimizer, iteration, loss_ids, host, done)
+        return host, done
 
-    def skipped(self) -> bool:
-        """Read the verdict: waits only for this step's own copy, not for work queued after it."""
+    def is_set(self) -> bool:
+        """Read the flag: waits only for its own copy, not for work queued after it."""
         if self.done is not None:
             self.done.synchronize()
         return bool(self.flag.item() != 0)
 
 
+@dataclass(slots=True)
+class UnsettledStep(UnsettledFlag):
+    """A step taken with a device-side verdict."""
+
+    optimizer: torch.optim.Optimizer = None  # type: ignore[assignment]
+    loss_ids: list = field(default_factory=list)  # the losses that reached it
+
+
+@dataclass(slots=True)
+class UnsettledLoss(UnsettledFlag):
+    """A loss whose scaler was updated on the device with this flag."""
+
+    loss_id: Any = None
+
+
 class DeviceVerdicts:
-    """The steps whose verdicts are still on the device, and the schedulers waiting for them."""
+    """The steps and scaler updates whose verdicts are still on the device, and the schedulers waiting for them."""
 
     def __init__(self) -> None:
-        self.unsettled: list[UnsettledStep] = []
+        self.unsettled: list[UnsettledFlag] = []
         self.waiting_schedules: list[tuple[int, dict[torch.optim.Optimizer, bool]]] = []  # (iteration, stepped)
 
     def record(self, optimizer: torch.optim.Optimizer, iteration: int, loss_ids: list, found_inf: torch.Tensor):
-        self.unsettled.append(UnsettledStep.record(optimizer, iteration, loss_ids, found_inf))
+        """A step taken with ``found_inf`` as its verdict."""
+        self.unsettled.append(UnsettledStep(iteration, *UnsettledFlag.copy(found_inf), optimizer, loss_ids))
+
+    def record_loss(self, loss_id: Any, iteration: int, found_inf: torch.Tensor) -> None:
+        """A scaler update on the device with ``found_inf``."""
+        self.unsettled.append(UnsettledLoss(iteration, *UnsettledFlag.copy(found_inf), loss_id))
 
     def pending(self, iteration: int | None = None) -> bool:
-        """Whether a verdict is unsettled (of ``iteration``, when given)."""
-        return any(iteration is None or u.iteration == iteration for u in self.unsettled)
+        """Whether a step's verdict is unsettled (of ``iteration``, when given)."""
+        return any(
+            isinstance(u, UnsettledStep) and (iteration is None or u.iteration == iteration) for u in self.unsettled
+        )
 
-    def settle(self, before: int | None = None) -> tuple[list[UnsettledStep], list[tuple[int, dict]]]:
-        """Read the verdicts of iterations before ``before`` (all, when None): the skipped steps, in order, and
-        the schedules now free to run (with each optimizer's stepped flag corrected)."""
+    def settle(self, before: int | None = None) -> tuple[list, list, list]:
+        """Read the flags of the iterations before ``before`` (all, when None). Returns, in order: the skipped
+        steps with the losses to blame (those that overflowed in that iteration, else every loss that reached
+        the step), each loss's scaler verdict ``(loss_id, overflowed)``, and the schedules now free to run with
+        each optimizer's stepped flag corrected."""
         due = [u for u in self.unsettled if before is None or u.iteration < before]
         if not due:
-            return [], []
+            return [], [], []
         self.unsettled = [u for u in self.unsettled if not any(u is d for d in due)]
-        skipped = [u for u in due if u.skipped()]
-        skipped_at = {(u.iteration, u.optimizer) for u in skipped}
+        overflowed = {(u.iteration, u.loss_id) for u in due if isinstance(u, UnsettledLoss) and u.is_set()}
+        skipped = []
+        for u in due:
+            if isinstance(u, UnsettledStep) and u.is_set():
+                blamed = [k for k in u.loss_ids if (u.iteration, k) in overflowed]
+                skipped.append((u, blamed or list(u.loss_ids)))
+        scale_updates = [
+            (u.loss_id, (u.iteration, u.loss_id) in overflowed) for u in due if isinstance(u, UnsettledLoss)
+        ]
+        skipped_at = {(u.iteration, u.optimizer) for u, _ in skipped}
         still = {u.iteration for u in self.unsettled}
         ready = [(it, stepped) for it, stepped in self.waiting_schedules if it not in still]
         self.waiting_schedules = [(it, stepped) for it, stepped in self.waiting_schedules if it in still]
         corrected = [
             (it, {opt: was and (it, opt) not in skipped_at for opt, was in stepped.items()}) for it, stepped in ready
         ]
-        return skipped, corrected
+        return skipped, scale_updates, corrected

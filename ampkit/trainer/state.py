@@ -89,6 +89,9 @@ class LossState:
     scaler: LossScaleUpdater | None = None  # this loss's scaler (mixed precision); the Trainer updates it
     reported: list[torch.Tensor] = field(default_factory=list)  # found_inf flags not yet read and agreed
     checked: bool = False  # a check looked at this loss's gradients for inf/nan in this iteration
+    # With the verdicts kept on the device (``Trainer.facts_on_device``): the reported flags summed there,
+    # unread (non-zero: inf/nan); the steps of the optimizers it reached take it as GradScaler's found_inf.
+    device_found_inf: torch.Tensor | None = None
 
     @property
     def scale(self) -> float | None:
@@ -113,6 +116,7 @@ class LossState:
         self.backwards = 0
         self.reported = []
         self.checked = False
+        self.device_found_inf = None
 
 
 def skip_verdict(opt_state: OptimizerState, losses: Mapping[Any, LossState]) -> list[Any] | None:

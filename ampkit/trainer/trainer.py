@@ -209,6 +209,7 @@ class Trainer:
         self._facts_pending = False  # a check reported found_inf (or, distributed, a backward ran) since agreeing
         self._verdicts = DeviceVerdicts()  # steps skipped or not on the device, not yet read (device_skip.py)
         self._device_skip: dict[torch.optim.Optimizer, bool] = {}  # optimizers that take a device-side verdict
+        self._facts_on_device = False  # found_inf flags stay on the device too (see facts_on_device)
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -324,12 +325,13 @@ class Trainer:
             opt_state.skipped_steps += 1
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
-        if opt_state.device_skip is None:
+        found_inf = self._device_found_inf(opt_state)
+        if found_inf is None:
             step_(optimizer)
         else:  # skipped or not on the device; counted as taken until settled
-            step_with_found_inf(optimizer, opt_state.device_skip, step_)
+            step_with_found_inf(optimizer, found_inf, step_)
             loss_ids = sorted(opt_state.loss_ids, key=str)
-            self._verdicts.record(optimizer, self.state.iteration, loss_ids, opt_state.device_skip)
+            self._verdicts.record(optimizer, self.state.iteration, loss_ids, found_inf)
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
@@ -337,23 +339,51 @@ class Trainer:
             hook(self, optimizer)
         return True
 
+    def _device_found_inf(self, opt_state: OptimizerState) -> torch.Tensor | None:
+        """The device flags that decide this step (clipping's, and those of the losses that reached it), as one
+        0-dim flag, or None when the host decided alone."""
+        flags = [] if opt_state.device_skip is None else [opt_state.device_skip]
+        for loss_id in opt_state.loss_ids:
+            loss = self.loss_state.get(loss_id)
+            if loss is not None and loss.device_found_inf is not None:
+                flags.append(loss.device_found_inf)
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+
     def skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a check may hand ``optimizer``'s skip verdict to its step as a device flag
         (``optimizer_state[optimizer].device_skip``) instead of reading it: ``trainer.skip_verdict`` and an
         optimizer that honours GradScaler's ``found_inf`` (see :mod:`ampkit.trainer.device_skip`)."""
         return self._device_skip.get(optimizer, False)
 
+    @property
+    def facts_on_device(self) -> bool:
+        """Whether the reported found_inf flags stay on the device as well: one process, and every optimizer
+        takes a device-side verdict (:meth:`skips_on_device`). Then no iteration reads the device: each loss's
+        flags go to the steps it reached as GradScaler's ``found_inf``, its scaler updates on the device
+        (:meth:`ampkit.amp.LossScaler.update_on_device`), and the host learns both an iteration later."""
+        return self._facts_on_device
+
     def _settle(self, before: int | None = None) -> None:
         """Read the device-side verdicts of the iterations before ``before`` (all when None): a skipped step
         leaves ``steps`` for ``skipped_steps`` and fires ``on_optimizer_step_skipped``; the LR schedulers that
         waited for those iterations step."""
-        skipped, schedules = self._verdicts.settle(before)
-        for step in skipped:
+        skipped, scale_updates, schedules = self._verdicts.settle(before)
+        for step, culprits in skipped:
             opt_state = self.optimizer_state[step.optimizer]
             opt_state.steps -= 1
             opt_state.epoch_steps -= 1
             opt_state.skipped_steps += 1
-            self.fire("on_optimizer_step_skipped", step.optimizer, step.loss_ids)
+            self.fire("on_optimizer_step_skipped", step.optimizer, culprits)
+        for loss_id, overflowed in scale_updates:  # the host copy of each scaler follows its device copy
+            loss = self.loss_state[loss_id]
+            current, loss.found_inf = loss.found_inf, overflowed  # what on_loss_scale_update's hooks read
+            try:
+                old, new = loss.scaler.update(overflowed)
+                self.fire("on_loss_scale_update", loss_id, old, new)
+            finally:
+                loss.found_inf = current
         for _, stepped in schedules:
             self._step_schedulers("step", stepped)
 
@@ -553,6 +583,13 @@ class Trainer:
         if not self._facts_pending:
             return
         self._facts_pending = False
+        if self._facts_on_device:  # summed on the device, unread: the steps and scalers take them there
+            for loss in self.loss_state.values():
+                if loss.reported:
+                    reported, loss.reported = loss.reported, []
+                    flag = torch.stack([f.reshape(()) for f in reported]).sum()
+                    loss.device_found_inf = flag if loss.device_found_inf is None else loss.device_found_inf + flag
+            return
         distributed = self.dist.enabled
         losses = [s for s in self.loss_state.values() if s.reported or distributed]
         if not losses:
@@ -576,9 +613,15 @@ class Trainer:
         if self._facts_pending:  # also losses that no stepped optimizer looked at: their scalers update below
             self._agree_facts()
         for loss in self.loss_state.values():
-            if loss.scaler is not None and loss.backwards:
-                old, new = loss.scaler.update(loss.found_inf)
-                self.fire("on_loss_scale_update", loss.loss_id, old, new)
+            if loss.scaler is None or not loss.backwards:
+                continue
+            if loss.device_found_inf is not None:  # updated on the device; the host copy follows when settled
+                loss.scaler.keep_on_device(loss.device_found_inf.device)
+                loss.scaler.update_on_device(loss.device_found_inf)
+                self._verdicts.record_loss(loss.loss_id, self.state.iteration, loss.device_found_inf)
+                continue
+            old, new = loss.scaler.update(loss.found_inf)
+            self.fire("on_loss_scale_update", loss.loss_id, old, new)
         if self._has_step_schedulers:
             if self._verdicts.pending(self.state.iteration):  # they step once the verdicts are read
                 stepped = {st_opt: st.stepped for st_opt, st in self.optimizer_state.items()}
@@ -726,11 +769,6 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded)
-        self._device_skip = {
-            spec.optimizer: on_device and takes_device_found_inf(spec.optimizer) for spec in self._specs
-        }
-        self._verdicts = DeviceVerdicts()
         seed = self.settings.seed or 0
         self._train_loader = distributed_loader(
             call_setup_method(self, "train_dataloader"), seed, self.dist, shuffle_default=True
@@ -742,6 +780,17 @@ class Trainer:
         check_batches(self._num_train_batches, "train_dataloader")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         self._setup_callbacks()
+        on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(
+            cb.needs_verdicts_at_once for cb in self.callbacks
+        )
+        self._device_skip = {
+            spec.optimizer: on_device and takes_device_found_inf(spec.optimizer) for spec in self._specs
+        }
+        devices = {p.device for spec in self._specs for g in spec.optimizer.param_groups for p in g["params"]}
+        self._facts_on_device = (
+            all(self._device_skip.values()) and bool(self._device_skip) and len(devices) == 1 and not self.dist.enabled
+        )
+        self._verdicts = DeviceVerdicts()
         path = start.checkpoint_path
         if path is not None and self.sharded and start.checkpoint is not None:
             raise CheckpointError(

@@ -177,3 +177,19 @@ def test_a_clipped_run_without_a_scaler_reads_nothing_per_iteration(tmp_path, tr
         trainer_class(cfg, callbacks=[counter]).fit()
         counts[verdict] = counter.per_iteration[1:]
     assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}
+
+
+@pytest.mark.parametrize("trainer_class", [FusedAdamWBatches, AmpkitAdamBatches])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fp16_with_a_fused_optimizer_reads_nothing_per_iteration(tmp_path, trainer_class, clip):
+    """O1 fp16: the found_inf flags go to the fused step and the scale updates on the GPU, so no iteration
+    synchronizes (as torch's GradScaler with a fused AdamW); ``skip_verdict=host`` reads them once."""
+    common = {**QUIET, **SMALL_SCALE, "precision.opt_level": "O1", "trainer.device": "cuda", "trainer.max_steps": 4}
+    if clip is not None:
+        common["trainer.clip_grad_norm"] = clip
+    counts = {}
+    for verdict in ("auto", "host"):
+        counter = SyncCounter()
+        trainer_class(toy_cfg(tmp_path / verdict, **{**common, "trainer.skip_verdict": verdict}), [counter]).fit()
+        counts[verdict] = counter.per_iteration[1:]
+    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}
