@@ -16,6 +16,8 @@ from toy_trainers import ToyTrainer, toy_dataset
 import ampkit
 
 RANK = int(os.environ.get("RANK", 0))
+FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
+SKIP_VERDICT = os.environ.get("SKIP_VERDICT", "auto")
 
 
 class Plain(ToyTrainer):
@@ -50,8 +52,10 @@ class TwoLosses(Plain):
         return nn.ModuleDict({"G": nn.Linear(6, 6), "D": nn.Linear(6, 1)})
 
     def configure_optimizers(self):
-        return [{"optimizer": torch.optim.SGD(self.module["D"].parameters(), lr=0.1), "name": "D"},
-                {"optimizer": torch.optim.SGD(self.module["G"].parameters(), lr=0.1), "name": "G"}]  # fmt: skip
+        def sgd(name: str) -> dict:
+            return {"optimizer": torch.optim.SGD(self.module[name].parameters(), lr=0.1, fused=FUSED), "name": name}
+
+        return [sgd("D"), sgd("G")]
 
     def val_dataloader(self):
         return None
@@ -145,7 +149,7 @@ class GradSpy(ampkit.Callback):
 
 def main(scenario: str, out: Path) -> None:
     # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).
-    cpu = {"progress_bar": False, "device": "cpu"}
+    cpu = {"progress_bar": False, "device": "cpu", "skip_verdict": SKIP_VERDICT}
     base = {"trainer_class": "x:y", "run_dir": str(out / "run"), "logging": {"tensorboard": False}, "trainer": cpu}
     extra: dict = {}
     if scenario in ("ddp", "ddp_accumulate", "ddp_accumulate_fp16", "ddp_accumulate_o2"):
@@ -228,6 +232,8 @@ def main(scenario: str, out: Path) -> None:
     if scenario == "overflow_amp":
         scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
+    if scenario.startswith("overflow"):
+        extra["facts_on_device"] = trainer.facts_on_device
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

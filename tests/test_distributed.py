@@ -134,6 +134,23 @@ def test_real_loss_scalers_agree_when_only_rank_1_overflows_in_loss_1(tmp_path):
     _equal(rank0["model"], rank1["model"])
 
 
+@pytest.mark.parametrize("scenario", ["overflow", "overflow_amp"])
+def test_verdicts_kept_on_the_device_are_agreed_by_an_all_reduce_there(tmp_path, scenario):
+    """Fused optimizers and ``skip_verdict=device``: the flags (and a callback's host verdict) are agreed by an
+    all-reduce on the device and never read per step. The ranks skip and scale as the host-read run does, and
+    hear of the skip at the next iteration."""
+    fused = {"FUSED": "1"}
+    host = _ok(launch(scenario, tmp_path / "host", {**fused, "SKIP_VERDICT": "host"}))
+    device = _ok(launch(scenario, tmp_path / "device", {**fused, "SKIP_VERDICT": "device"}))
+    assert [r["facts_on_device"] for r in host + device] == [False, False, True, True]
+    assert host[0]["skips"] == host[1]["skips"] == [(3, "G")]
+    assert device[0]["skips"] == device[1]["skips"] == [(4, "G")]
+    if scenario == "overflow_amp":
+        assert device[0]["scales"] == device[1]["scales"] == host[0]["scales"] == {"0": 1024.0, "1": 512.0}
+    for rank in device:
+        _equal(rank["model"], host[0]["model"])
+
+
 def test_sync_batchnorm_with_unequal_batches_equals_one_process_on_the_concatenation(tmp_path):
     rank0, rank1 = _ok(launch("syncbn", tmp_path))
     torch.manual_seed(0)

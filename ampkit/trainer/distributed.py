@@ -163,6 +163,16 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
     return [v != 0 for v in values.tolist()]
 
 
+def any_rank_on_device(flags: list[torch.Tensor], env: DistributedEnv) -> list[torch.Tensor]:
+    """For each one-element flag, the largest value on any rank, left on the device (an all-reduce, no host read;
+    one process: the flags as they are). Every rank passes as many flags, in the same order."""
+    if not env.enabled or not flags:
+        return flags
+    agreed = torch.stack([f.reshape(()).to(torch.float32) for f in flags])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return list(agreed.unbind())
+
+
 def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:
     """``loader`` rebuilt with a ``DistributedSampler`` (each rank its shard; reseeded per epoch by the loop).
 

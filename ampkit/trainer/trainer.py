@@ -64,6 +64,7 @@ from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, take
 from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
+    any_rank_on_device,
     broadcast_object,
     check_same_config,
     distributed_loader,
@@ -359,10 +360,11 @@ class Trainer:
 
     @property
     def facts_on_device(self) -> bool:
-        """Whether the reported found_inf flags stay on the device as well: one process, and every optimizer
-        takes a device-side verdict (:meth:`skips_on_device`). Then no iteration reads the device: each loss's
-        flags go to the steps it reached as GradScaler's ``found_inf``, its scaler updates on the device
-        (:meth:`ampkit.amp.LossScaler.update_on_device`), and the host learns both an iteration later."""
+        """Whether the reported found_inf flags stay on the device as well: every optimizer takes a device-side
+        verdict (:meth:`skips_on_device`), all on one device. Then no iteration reads the device: each loss's
+        flags (agreed across ranks by an all-reduce there) go to the steps it reached as GradScaler's
+        ``found_inf``, its scaler updates on the device (:meth:`ampkit.amp.LossScaler.update_on_device`), and
+        the host learns both an iteration later."""
         return self._facts_on_device
 
     def _settle(self, before: int | None = None) -> None:
@@ -583,12 +585,8 @@ class Trainer:
         if not self._facts_pending:
             return
         self._facts_pending = False
-        if self._facts_on_device:  # summed on the device, unread: the steps and scalers take them there
-            for loss in self.loss_state.values():
-                if loss.reported:
-                    reported, loss.reported = loss.reported, []
-                    flag = torch.stack([f.reshape(()) for f in reported]).sum()
-                    loss.device_found_inf = flag if loss.device_found_inf is None else loss.device_found_inf + flag
+        if self._facts_on_device:
+            self._agree_facts_on_device()
             return
         distributed = self.dist.enabled
         losses = [s for s in self.loss_state.values() if s.reported or distributed]
@@ -606,6 +604,25 @@ class Trainer:
                 flags.append(flag + 1.0 if loss.found_inf else flag)
         for loss, found_inf in zip(losses, any_rank(flags, self.dist), strict=True):
             loss.found_inf = found_inf
+
+    def _agree_facts_on_device(self) -> None:
+        """The same facts, never read: each loss's reported flags summed on the device, a ``found_inf`` a callback
+        set on the host folded in, and agreed across ranks by an all-reduce there; the steps and scalers take them
+        as they are (``LossState.device_found_inf``)."""
+        distributed = self.dist.enabled
+        losses = [s for s in self.loss_state.values() if s.reported or s.found_inf or distributed]
+        if distributed:  # the same order on every rank
+            losses.sort(key=lambda s: str(s.loss_id))
+        flags = []
+        for loss in losses:
+            reported, loss.reported = loss.reported, []
+            flag = torch.stack([f.reshape(()) for f in reported]).sum() if reported else None
+            if loss.found_inf:  # a callback's verdict joins the device one: every rank skips the same way
+                flag = torch.ones((), device=self.device) if flag is None else flag + 1.0
+                loss.found_inf = False
+            flags.append(torch.zeros((), device=self.device) if flag is None else flag)
+        for loss, flag in zip(losses, any_rank_on_device(flags, self.dist), strict=True):
+            loss.device_found_inf = flag if loss.device_found_inf is None else loss.device_found_inf + flag
 
     def _end_iteration(self) -> None:
         if self._verdicts.unsettled:
@@ -787,9 +804,7 @@ class Trainer:
             spec.optimizer: on_device and takes_device_found_inf(spec.optimizer) for spec in self._specs
         }
         devices = {p.device for spec in self._specs for g in spec.optimizer.param_groups for p in g["params"]}
-        self._facts_on_device = (
-            all(self._device_skip.values()) and bool(self._device_skip) and len(devices) == 1 and not self.dist.enabled
-        )
+        self._facts_on_device = all(self._device_skip.values()) and bool(self._device_skip) and len(devices) == 1
         self._verdicts = DeviceVerdicts()
         path = start.checkpoint_path
         if path is not None and self.sharded and start.checkpoint is not None:
