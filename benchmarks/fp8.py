@@ -182,7 +182,8 @@ def gpt_val_loss(recipe: str | None, seed: int, args) -> float:
         trainer = GPTTrainer({
             "run_dir": run_dir,
             "trainer": {"max_steps": args.steps, "max_epochs": 100, "val_every_n_steps": args.steps, "seed": seed,
-                        "device": args.device, "progress_bar": False, "compile": ["Block"] if args.compile else False},
+                        "device": args.device, "progress_bar": False, "compile": ["Block"] if args.compile else False,
+                        "clip_grad_norm": args.clip_grad_norm},
             "precision": {"opt_level": "O1", "dtype": "bfloat16", "fp8": fp8},
             "checkpoint": {"enabled": False},
             "logging": {"tensorboard": False},
@@ -197,7 +198,8 @@ def compare_gpt(args) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     recipes = args.recipes.split(",")
     print(f"GPT example (configs/gpt.yaml's model, O1 bf16), {args.steps} steps, compiled={args.compile}, "
-          f"device={args.device}, fp8 backend={args.backend}, seeds {seeds}, torch {torch.__version__}")  # fmt: skip
+          f"device={args.device}, fp8 backend={args.backend}, clip_grad_norm={args.clip_grad_norm}, seeds {seeds}, "
+          f"torch {torch.__version__}")  # fmt: skip
     print(f"\n{'seed':>6}{'bf16':>10}" + "".join(f"{r:>20}{'gap':>8}" for r in recipes))
     gaps: dict[str, list[float]] = {r: [] for r in recipes}
     for seed in seeds:
@@ -248,6 +250,9 @@ def main() -> None:
                         help="the parameters' dtype: float32 under bf16 autocast (the default for --model lm) or "
                         "bfloat16 without autocast (the default for --model block)")  # fmt: skip
     parser.add_argument("--seeds", default="0", help="--model gpt: the seeds, comma-separated")
+    parser.add_argument("--clip-grad-norm", type=float, default=None,
+                        help="--model gpt: trainer.clip_grad_norm for the bf16 and the fp8 runs alike (default: the "
+                        "example's, none)")  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # RMSNorm under autocast
     on_cuda = torch.device(args.device).type == "cuda"
