@@ -183,7 +183,7 @@ def gpt_val_loss(recipe: str | None, seed: int, args) -> float:
             "run_dir": run_dir,
             "trainer": {"max_steps": args.steps, "max_epochs": 100, "val_every_n_steps": args.steps, "seed": seed,
                         "device": args.device, "progress_bar": False, "compile": ["Block"] if args.compile else False,
-                        "clip_grad_norm": args.clip_grad_norm},
+                        "clip_grad_norm": args.clip_grad_norm or None},
             "precision": {"opt_level": "O1", "dtype": "bfloat16", "fp8": fp8},
             "checkpoint": {"enabled": False},
             "logging": {"tensorboard": False},
@@ -250,9 +250,9 @@ def main() -> None:
                         help="the parameters' dtype: float32 under bf16 autocast (the default for --model lm) or "
                         "bfloat16 without autocast (the default for --model block)")  # fmt: skip
     parser.add_argument("--seeds", default="0", help="--model gpt: the seeds, comma-separated")
-    parser.add_argument("--clip-grad-norm", type=float, default=None,
+    parser.add_argument("--clip-grad-norm", type=float, default=1.0,
                         help="--model gpt: trainer.clip_grad_norm for the bf16 and the fp8 runs alike (default: the "
-                        "example's, none)")  # fmt: skip
+                        "recipe's, configs/gpt.yaml; 0: none)")  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")  # RMSNorm under autocast
     on_cuda = torch.device(args.device).type == "cuda"

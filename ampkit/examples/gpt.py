@@ -320,7 +320,8 @@ class GPTTrainer(ampkit.Trainer):
         if o.fused:
             optimizer = ampkit.ops.FusedAdam(groups, lr=o.lr, betas=tuple(o.betas))
         else:
-            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+            # fused on a GPU (as nanoGPT): one kernel, and it takes a skip verdict on the device (no host read)
+            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=self.device.type == "cuda")
 
         def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at max_steps
             if step < o.warmup_steps:
