@@ -327,3 +327,19 @@ def test_an_fp16_checkpoint_at_the_overflow_holds_the_host_runs_scalers(tmp_path
     resumed = ScheduledNaN(toy_cfg(tmp_path / "resumed", **{**settings, "trainer.skip_verdict": "device"}))
     resumed.fit(resume=device.version_dir / "checkpoints" / "step-00000006.pt")
     assert_same_run(device, resumed)
+
+
+def test_what_a_settled_verdict_logs_goes_to_its_own_iteration(tmp_path):
+    """``amp/overflow`` and ``amp/skipped_steps`` land on the TensorBoard steps of a host-read run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = {}
+    for verdict in ("host", "device"):
+        trainer, _ = run_fp16(tmp_path, verdict, ScheduledNaN, **{"logging.tensorboard": True})
+        events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+        events.Reload()
+        logged[verdict] = {
+            tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in ("amp/overflow/0", "amp/loss_scale/0")
+        }
+    assert (6, 1.0) in logged["host"]["amp/overflow/0"]
+    assert logged["device"]["amp/overflow/0"] == logged["host"]["amp/overflow/0"]

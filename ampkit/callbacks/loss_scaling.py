@@ -192,12 +192,13 @@ class LossScaling(Callback):
     # ------------------------------------------------------------------ after the Trainer's update
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
         overflowed = trainer.loss_state[loss_id].found_inf
+        iteration = trainer.event_iteration  # settled an iteration late when the verdicts stay on the device
         if overflowed:
-            self._overflowing_since.setdefault(self._key(loss_id), trainer.state.iteration)
+            self._overflowing_since.setdefault(self._key(loss_id), iteration)
         else:
             self._overflowing_since.pop(self._key(loss_id), None)
         self._check_floor(loss_id, self.scalers[loss_id], overflowed, old)
-        if overflowed or trainer.state.iteration % self._log_every == 0:
+        if overflowed or iteration % self._log_every == 0:
             trainer.log(f"amp/overflow/{loss_id}", float(overflowed), always=True)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:

@@ -137,8 +137,8 @@ class DeviceVerdicts:
     def settle(self, before: int | None = None) -> tuple[list, list, list]:
         """Read the flags of the iterations before ``before`` (all, when None). Returns, in order: the skipped
         steps with the losses to blame (those that overflowed in that iteration, else every loss that reached
-        the step), each loss's scaler verdict ``(loss_id, overflowed)``, and the schedules now free to run with
-        each optimizer's stepped flag corrected."""
+        the step), each loss's scaler verdict ``(iteration, loss_id, overflowed)``, and the schedules now free to
+        run with each optimizer's stepped flag corrected."""
         due = [u for u in self.unsettled if before is None or u.iteration < before]
         if not due:
             return [], [], []
@@ -150,7 +150,9 @@ class DeviceVerdicts:
                 blamed = [k for k in u.loss_ids if (u.iteration, k) in overflowed]
                 skipped.append((u, blamed or list(u.loss_ids)))
         scale_updates = [
-            (u.loss_id, (u.iteration, u.loss_id) in overflowed) for u in due if isinstance(u, UnsettledLoss)
+            (u.iteration, u.loss_id, (u.iteration, u.loss_id) in overflowed)
+            for u in due
+            if isinstance(u, UnsettledLoss)
         ]
         skipped_at = {(u.iteration, u.optimizer) for u, _ in skipped}
         still = {u.iteration for u in self.unsettled}

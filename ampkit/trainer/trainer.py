@@ -211,6 +211,7 @@ class Trainer:
         self._verdicts = DeviceVerdicts()  # steps skipped or not on the device, not yet read (device_skip.py)
         self._device_skip: dict[torch.optim.Optimizer, bool] = {}  # optimizers that take a device-side verdict
         self._facts_on_device = False  # found_inf flags stay on the device too (see facts_on_device)
+        self._settling: int | None = None  # the iteration whose verdicts are being settled: what log() stamps
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -359,6 +360,13 @@ class Trainer:
         return self._device_skip.get(optimizer, False)
 
     @property
+    def event_iteration(self) -> int:
+        """The iteration a hook's event is about: the current one, or, while a verdict kept on the device is
+        settled an iteration late (``on_optimizer_step_skipped``, ``on_loss_scale_update``), the one it was
+        made in. ``log()`` stamps its values with it."""
+        return self.state.iteration if self._settling is None else self._settling
+
+    @property
     def facts_on_device(self) -> bool:
         """Whether the reported found_inf flags stay on the device as well: every optimizer takes a device-side
         verdict (:meth:`skips_on_device`), all on one device. Then no iteration reads the device: each loss's
@@ -377,15 +385,20 @@ class Trainer:
             opt_state.steps -= 1
             opt_state.epoch_steps -= 1
             opt_state.skipped_steps += 1
-            self.fire("on_optimizer_step_skipped", step.optimizer, culprits)
-        for loss_id, overflowed in scale_updates:  # the host copy of each scaler follows its device copy
+            self._settling = step.iteration  # what the hooks log goes to the iteration it is about
+            try:
+                self.fire("on_optimizer_step_skipped", step.optimizer, culprits)
+            finally:
+                self._settling = None
+        for iteration, loss_id, overflowed in scale_updates:  # each scaler's host copy follows its device copy
             loss = self.loss_state[loss_id]
             current, loss.found_inf = loss.found_inf, overflowed  # what on_loss_scale_update's hooks read
+            self._settling = iteration
             try:
                 old, new = loss.scaler.update(overflowed)
                 self.fire("on_loss_scale_update", loss_id, old, new)
             finally:
-                loss.found_inf = current
+                loss.found_inf, self._settling = current, None
         for _, stepped in schedules:
             self._step_schedulers("step", stepped)
 
@@ -420,7 +433,7 @@ class Trainer:
             value = value.detach()
         if on_step and (always or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
-            self.logged_scalars.append((step_tag, value, self.state.iteration if step is None else step))
+            self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
             total[0] += value.float() if isinstance(value, torch.Tensor) else float(value)
