@@ -247,10 +247,13 @@ def assert_same_run(host, device) -> None:
     assert {k: s.scaler.state_dict() for k, s in device.loss_state.items() if s.scaler is not None} == host_scalers
 
 
+O2 = {"precision.opt_level": "O2", "precision.cast_modules": "[0,3]"}  # fp16 Linears, fp32 masters in the optimizer
+
+
 @pytest.mark.parametrize("make_optimizer", [fused_adamw, ampkit_adam], ids=["torch_fused_adamw", "ampkit_fused_adam"])
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_fp16_with_the_scaler_on_the_device_trains_the_run_of_the_host_read(tmp_path, make_optimizer, accumulate):
-    overrides = {"trainer.accumulate_grad_batches": accumulate}
+@pytest.mark.parametrize(("accumulate", "o2"), [(1, False), (2, False), (1, True)], ids=["O1", "O1_accumulate", "O2"])
+def test_fp16_with_the_scaler_on_the_device_trains_the_run_of_the_host_read(tmp_path, make_optimizer, accumulate, o2):
+    overrides = {"trainer.accumulate_grad_batches": accumulate, **(O2 if o2 else {})}
     host, host_watch = run_fp16(tmp_path, "host", ScheduledNaN, make_optimizer, **overrides)
     device, device_watch = run_fp16(tmp_path, "device", ScheduledNaN, make_optimizer, **overrides)
     assert device.facts_on_device and not host.facts_on_device
