@@ -6,8 +6,9 @@ import os
 import pickle
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -27,36 +28,33 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    """Write ``obj`` to a temp file beside ``path``, fsync it, then rename: readers see old or new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> None:
+    """``write`` into a temp file beside ``path``, fsync it, then rename it over ``path`` (the temp file is
+    removed if anything fails): readers see the old file or the new one, never half of one."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
+    """Write ``obj`` to a temp file beside ``path``, fsync it, then rename: readers see old or new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_atomically(path, "wb", lambda f: torch.save(obj, f))
     _fsync_dir(path.parent)
     return path
 
 
 def write_text_atomic(text: str, path: Path) -> None:
     """Write ``text`` to ``path`` as :func:`save_atomic` writes: a kill leaves the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _replace_atomically(path, "w", lambda f: f.write(text))
 
 
 def link_atomic(source: Path, alias: Path) -> None:
