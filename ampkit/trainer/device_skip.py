@@ -139,10 +139,12 @@ class DeviceVerdicts:
         steps with the losses to blame (those that overflowed in that iteration, else every loss that reached
         the step), each loss's scaler verdict ``(iteration, loss_id, overflowed)``, and the schedules now free to
         run with each optimizer's stepped flag corrected."""
-        due = [u for u in self.unsettled if before is None or u.iteration < before]
+        due, self.unsettled = (
+            [u for u in self.unsettled if before is None or u.iteration < before],
+            [u for u in self.unsettled if before is not None and u.iteration >= before],
+        )
         if not due:
             return [], [], []
-        self.unsettled = [u for u in self.unsettled if not any(u is d for d in due)]
         overflowed = {(u.iteration, u.loss_id) for u in due if isinstance(u, UnsettledLoss) and u.is_set()}
         skipped = []
         for u in due:

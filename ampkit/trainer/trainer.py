@@ -385,22 +385,25 @@ class Trainer:
             opt_state.steps -= 1
             opt_state.epoch_steps -= 1
             opt_state.skipped_steps += 1
-            self._settling = step.iteration  # what the hooks log goes to the iteration it is about
-            try:
-                self.fire("on_optimizer_step_skipped", step.optimizer, culprits)
-            finally:
-                self._settling = None
+            self._fire_about(step.iteration, "on_optimizer_step_skipped", step.optimizer, culprits)
         for iteration, loss_id, overflowed in scale_updates:  # each scaler's host copy follows its device copy
             loss = self.loss_state[loss_id]
             current, loss.found_inf = loss.found_inf, overflowed  # what on_loss_scale_update's hooks read
-            self._settling = iteration
             try:
                 old, new = loss.scaler.update(overflowed)
-                self.fire("on_loss_scale_update", loss_id, old, new)
+                self._fire_about(iteration, "on_loss_scale_update", loss_id, old, new)
             finally:
-                loss.found_inf, self._settling = current, None
+                loss.found_inf = current
         for _, stepped in schedules:
             self._step_schedulers("step", stepped)
+
+    def _fire_about(self, iteration: int, hook: str, *args: Any) -> None:
+        """Fire ``hook`` for an event of an earlier ``iteration``: what its hooks log is stamped with it."""
+        self._settling = iteration
+        try:
+            self.fire(hook, *args)
+        finally:
+            self._settling = None
 
     def grad_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Total L2 norm of ``optimizer``'s gradients, computed once per backward and shared by callbacks."""
