@@ -9,9 +9,10 @@ matrices) at 1M / 10M / 50M fp32 params; ampkit and torch get their own copy of 
 state, share the gradients, are warmed, and are timed interleaved (best of repeated calls). GB/s counts
 the bytes each ampkit step moves per parameter: Adam 28 (read param, grad, two moments; write param and
 moments), SGD-momentum/Adagrad/RMSprop 20, LAMB 52 (global norm 4, stage 1 28, trust-ratio norms 8,
-stage 2 12), pipeline 32 (read grads once for inf + norm, then the Adam pass), AdamW through
-GradScaler.step 40 (GradScaler's inf check reads the grads, the Adam pass, the grads written back unscaled),
-the Trainer's amp step 36 (the unscale + inf check pass reads and writes the grads, then the Adam pass).
+stage 2 12), AdamP 44 for matrices (moments and row sums 24, then the projected update 20), pipeline 32
+(read grads once for inf + norm, then the Adam pass), AdamW through GradScaler.step 40 (GradScaler's inf
+check reads the grads, the Adam pass, the grads written back unscaled), the Trainer's amp step 36 (the
+unscale + inf check pass reads and writes the grads, then the Adam pass).
 The last two rows share a baseline, so they answer where the unscale belongs: in a pass of its own (the
 Trainer's path) or inside the optimizer's kernel with the grads written back unscaled (GradScaler's contract).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ampkit.amp.grad_combine import unscale_and_check_
-from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedRMSprop, FusedSGD
+from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedAdamP, FusedLAMB, FusedRMSprop, FusedSGD
 from ampkit.ops.pipeline import fused_unscale_clip_step_
 
 SECTION = "optimizers"
@@ -72,6 +74,43 @@ class _ForeachLamb:
         torch._foreach_add_(self.params, update)
 
 
+class _TorchOpsAdamP:
+    """AdamP as clovaai/AdamP (and timm) write it in torch ops: the form its users run (torch has no AdamP)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 1e-3, wd: float = 0.01) -> None:
+        self.params, self.lr, self.wd = params, lr, wd
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.steps = 0
+
+    @staticmethod
+    def _projection(p: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float):
+        expand = [-1] + [1] * (p.dim() - 1)
+        for view in (lambda x: x.reshape(x.size(0), -1), lambda x: x.reshape(1, -1)):
+            cosine = torch.nn.functional.cosine_similarity(view(grad), view(p), dim=1, eps=eps).abs_()
+            if cosine.max() < delta / math.sqrt(view(p).size(1)):
+                unit = p / view(p).norm(dim=1).view(expand).add_(eps)
+                perturb -= unit * view(unit * perturb).sum(dim=1).view(expand)
+                return perturb, wd_ratio
+        return perturb, 1.0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        self.steps += 1
+        bc1, bc2 = 1 - beta1**self.steps, 1 - beta2**self.steps
+        for p, m, v in zip(self.params, self.m, self.v, strict=True):
+            grad = p.grad
+            m.mul_(beta1).add_(grad, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            perturb = m / (v.sqrt() / math.sqrt(bc2)).add_(eps)
+            ratio = 1.0
+            if p.dim() > 1:
+                perturb, ratio = self._projection(p, grad, perturb, 0.1, 0.1, eps)
+            p.mul_(1 - self.lr * self.wd * ratio)
+            p.add_(perturb, alpha=-self.lr / bc1)
+
+
 # (name, ampkit factory, {torch form: factory}, bytes per param)
 FAMILIES: list[tuple[str, Callable, dict[str, Callable], int]] = [
     ("AdamW step", lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
@@ -85,6 +124,7 @@ FAMILIES: list[tuple[str, Callable, dict[str, Callable], int]] = [
     ("RMSprop step", lambda p: FusedRMSprop(p, lr=1e-3),
      {"RMSprop(foreach=True)": lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True)}, 20),
     ("LAMB step", lambda p: FusedLAMB(p, lr=1e-3), {"LAMB in foreach ops": _ForeachLamb}, 52),
+    ("AdamP step", lambda p: FusedAdamP(p, lr=1e-3, weight_decay=0.01), {"AdamP in torch ops": _TorchOpsAdamP}, 44),
 ]  # fmt: skip
 
 

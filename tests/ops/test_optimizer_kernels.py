@@ -201,6 +201,43 @@ def novograd_args(pd, gd, master, reg_inside_moment=False):
     )
 
 
+# AdamP's projection test reads each weight against its gradient: (7, 13) gets gradients orthogonal to every
+# row (channel-wise projection), (3, 5, 4) orthogonal to the whole weight only (layer-wise), the rest random
+# (none). (40, 1700) splits its rows over parallel chunks; (4, 0) is an empty matrix.
+ADAMP_SHAPES = [(7, 13), (3, 5, 4), (6, 9), (1, 33), (4, 0), (0,), (1,), (65537,), (40, 1700)]
+
+
+def orthogonal_to(g: torch.Tensor, p: torch.Tensor, rows: int) -> torch.Tensor:
+    """``g`` minus its projection on ``p``, in ``rows`` groups of ``p``'s flattened elements (float64)."""
+    gr, pr = g.reshape(rows, -1), p.reshape(rows, -1)
+    return (gr - pr * (gr * pr).sum(1, keepdim=True) / (pr * pr).sum(1, keepdim=True)).reshape(p.shape)
+
+
+def adamp_args(pd, gd, master, nesterov=False):
+    sd = torch.float64 if pd == torch.float64 else torch.float32
+    params = rand_list(pd, shapes=ADAMP_SHAPES)
+    grads = [torch.randn(s, dtype=torch.float64) for s in ADAMP_SHAPES]
+    grads[0] = orthogonal_to(grads[0], params[0].double(), rows=7)
+    grads[1] = orthogonal_to(grads[1], params[1].double(), rows=1)
+    return dict(
+        params=params,
+        grads=[g.to(gd) for g in grads],
+        exp_avgs=rand_list(sd, shapes=ADAMP_SHAPES),
+        exp_avg_sqs=rand_list(sd, "rand", shapes=ADAMP_SHAPES),
+        master_params=[p.float() for p in params] if master else [],
+        steps=[torch.tensor(3.0) for _ in ADAMP_SHAPES],
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        delta=0.1,
+        wd_ratio=0.1,
+        nesterov=nesterov,
+        grad_factor=0.5,
+    )
+
+
 CASES = {
     "adamw": ("adam_step", adam_args),
     "adam_l2_amsgrad": ("adam_step", lambda *a: adam_args(*a, adam_w_mode=False, amsgrad=True)),
@@ -225,10 +262,14 @@ CASES = {
     "lamb_stage2": ("lamb_stage2", lamb_stage2_args),
     "novograd": ("novograd_step", novograd_args),
     "novograd_reg_inside": ("novograd_step", lambda *a: novograd_args(*a, reg_inside_moment=True)),
+    "adamp": ("adamp_step", adamp_args),
+    "adamp_nesterov": ("adamp_step", lambda *a: adamp_args(*a, nesterov=True)),
 }
 
 
-HALF_CASES = ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2"]
+# Ops whose update depends on sums over a tensor, which the kernel adds in another order than torch's sum.
+SUMMING_OPS = ("adamp_step",)
+HALF_CASES = ["adamw", "sgd_momentum", "adagrad", "rmsprop_centered_momentum", "lamb_stage2", "adamp"]
 
 
 def clone_args(args: dict, dtype: torch.dtype | None = None) -> dict:
@@ -264,7 +305,8 @@ def test_float64_kernel_matches_reference(case):
     expected = clone_args(args)
     kernel(name)(**args)
     getattr(ref, name)(**expected)
-    assert_args_close(args, expected, rtol=1e-12, atol=1e-12)
+    tol = 1e-10 if name in SUMMING_OPS else 1e-12
+    assert_args_close(args, expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -299,9 +341,27 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
             torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_adamp_nonfinite_gradients_propagate_as_in_the_reference(bad):
+    """A NaN or inf gradient makes the projection test fail for its row and tensor in the kernel as in the
+    reference (torch's max propagates NaN), so both write the same non-finite weights and nothing else."""
+    args = adamp_args(torch.float64, torch.float64, False)
+    args["grads"][0][2, 5] = bad
+    args["grads"][8][17, 3] = bad
+    expected = clone_args(args)
+    kernel("adamp_step")(**args)
+    ref.adamp_step(**expected)
+    for key in ("params", "exp_avgs", "exp_avg_sqs"):
+        for a, e in zip(args[key], expected[key], strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, equal_nan=True)
+    assert not args["params"][0].isfinite().all()
+    assert args["params"][2].isfinite().all()
+
+
 def test_empty_lists_are_a_no_op():
     kernel("adam_step")([], [], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, True, 1.0)
     kernel("lamb_stage2")([], [], [], torch.zeros(0, dtype=torch.float64))
+    kernel("adamp_step")([], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, False, 1.0)
 
 
 def test_strided_tensors_are_rejected_with_the_list_named():
@@ -463,7 +523,7 @@ def cuda_kernels(request, monkeypatch):
 
 
 HOST_ARGS = ("ratios", "denoms")  # read on the host by both CPU and CUDA kernels
-HOST_STEPS = ("lamb_stage1",)  # LAMB reads its step counters on the host; the others on the device
+HOST_STEPS = ("lamb_stage1", "adamp_step")  # these read their step counters on the host; the others on the device
 
 
 def to_cuda(args: dict, name: str = "") -> dict:

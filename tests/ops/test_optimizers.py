@@ -817,3 +817,48 @@ def test_decoupled_decay_waits_for_a_step_skipped_on_the_device():
     param.grad = torch.ones(4)
     opt.step(grad_scale=torch.tensor(1.0), found_inf=torch.tensor(1.0))
     assert torch.equal(param.detach(), torch.ones(4))
+
+
+# ----------------------------------------------------------------- AdamP decides its projection on the device
+class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every tensor read back as a Python number (``.item()``, ``float(t)``, ``bool(t)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.read.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_adamp_reference_reads_nothing_but_its_host_step_counters():
+    """On CUDA AdamP runs the reference: its projection test, coefficients and decay stay tensors on the params'
+    device (one host read per tensor and view before), so only the step counters, host tensors, are read."""
+    from ampkit.ops.reference.optimizers import adamp_step
+
+    params = make_params(torch.float32)
+    grads = scale_invariant_grads(params)
+    steps = [torch.tensor(0.0) for _ in params]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    with torch.no_grad(), ScalarReads() as reads:
+        grads = [g.float() for g in grads]
+        adamp_step(params, grads, *state, [], steps, 1e-2, 0.9, 0.999, 1e-8, 1e-2, 0.1, 0.1, False, 1.0)
+    assert len(reads.read) == len(steps)
+    assert all(any(r.data_ptr() == s.data_ptr() for s in steps) for r in reads.read)
+
+
+@needs_cuda
+def test_cuda_adamp_step_does_not_synchronize():
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+    opt = FusedAdamP(params, lr=1e-2, weight_decay=1e-2)
+    for p, g in zip(params, scale_invariant_grads([p.cpu() for p in params]), strict=True):
+        p.grad = g.float().cuda()
+    opt.step()  # state is created here
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ _CPU_SOURCES = [
         "optimizers_cpu.cpp",  # op schemas, Adam/AdamW, SGD
         "adaptive_cpu.cpp",  # Adagrad, Adadelta, RMSprop, RMSpropTF
         "lamb_cpu.cpp",  # LAMB stages, NovoGrad
+        "adamp_cpu.cpp",  # AdamP
     )
 ]
 
@@ -27,6 +29,10 @@ _CUDA_SOURCES = [
     )
 ]
 
+# Ops whose CUDA kernel no GPU run has checked yet: on CUDA they run their reference (torch ops on the device,
+# with no host read) unless AMPKIT_CUDA_KERNELS=multi_tensor opts into the unchecked kernels.
+UNCHECKED_ON_CUDA = frozenset({"adamp_step"})
+
 FAMILY = register_family("ampkit_optimizers", sources=_CPU_SOURCES, cuda_sources=_CUDA_SOURCES)
 
 
@@ -34,8 +40,12 @@ def op(name: str, device: torch.device) -> Callable[..., object]:
     """The op ``name`` for tensors on ``device``: the C++/CUDA kernel when built for it, else the reference.
 
     CUDA kernels join the build only where torch sees a GPU and nvcc at build time; without them CUDA
-    tensors use the reference (an error under ``AMPKIT_OPS=kernel``).
+    tensors use the reference (an error under ``AMPKIT_OPS=kernel``). ``UNCHECKED_ON_CUDA`` ops use it on CUDA
+    too unless opted in.
     """
+    opted_in = os.environ.get("AMPKIT_CUDA_KERNELS") == "multi_tensor"
+    if device.type == "cuda" and name in UNCHECKED_ON_CUDA and not opted_in:
+        return getattr(reference, name)
     if FAMILY.serves(device, name):
         return getattr(torch.ops.ampkit_optimizers, name)
     return getattr(reference, name)

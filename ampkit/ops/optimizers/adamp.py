@@ -1,37 +1,23 @@
 """FusedAdamP (Heo et al., clovaai/AdamP semantics): Adam whose update is projected off the radial
 direction of scale-invariant weights.
 
-The moment updates run as multi-tensor (``torch._foreach_*``) ops; the projection needs two cosine
-similarities per tensor (channel-wise and layer-wise) and runs per tensor of two or more dimensions.
-There is no C++ kernel for this family.
+One kernel runs the step: per weight of two or more dimensions, a pass updates the moments and sums what the
+projection test needs per row, and a second applies the projected direction. On CUDA that kernel is opt-in
+(``AMPKIT_CUDA_KERNELS=multi_tensor``) until a GPU run has checked it; by default the step runs as torch ops
+(``ampkit.ops.reference.optimizers.adamp_step``) that decide the projection on the device, with no host read
+per tensor. GradScaler's ``found_inf``/``grad_scale`` are read once per step.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
-
-
-def _project(param: Tensor, grad: Tensor, perturb: Tensor, delta: float, wd_ratio: float, eps: float) -> float:
-    """Remove the radial component of ``perturb`` in place if ``param`` looks scale-invariant.
-
-    Returns the weight-decay multiplier (``wd_ratio`` if projected, else 1).
-    """
-    expand = [-1] + [1] * (param.dim() - 1)
-    for view in (lambda x: x.reshape(x.size(0), -1), lambda x: x.reshape(1, -1)):
-        cosine = F.cosine_similarity(view(grad), view(param), dim=1, eps=eps).abs_()
-        if cosine.max() < delta / math.sqrt(view(param).size(1)):
-            unit = param / view(param).norm(dim=1).view(expand).add_(eps)
-            perturb.sub_(unit * view(unit * perturb).sum(dim=1).view(expand))
-            return wd_ratio
-    return 1.0
+from ampkit.ops.optimizers._kernels import op
 
 
 class FusedAdamP(FusedOptimizer):
@@ -83,31 +69,20 @@ class FusedAdamP(FusedOptimizer):
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        masters = bucket.masters()
-        values = masters or [p if p.dtype == acc_dtype(p) else p.to(acc_dtype(p)) for p in bucket.params]
-        grads = [g.to(v.dtype) for g, v in zip(bucket.grads, values, strict=True)]
-        grads = torch._foreach_mul(grads, grad_factor)
-        exp_avgs, exp_avg_sqs = bucket.state_list("exp_avg"), bucket.state_list("exp_avg_sq")
-        steps = bucket.state_list("step")
-        torch._foreach_add_(steps, 1.0)
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        for i, value in enumerate(values):
-            step = float(steps[i])
-            bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-            denom = (exp_avg_sqs[i].sqrt() / math.sqrt(bc2)).add_(eps)
-            if group["nesterov"]:
-                perturb = (beta1 * exp_avgs[i] + (1 - beta1) * grads[i]) / denom
-            else:
-                perturb = exp_avgs[i] / denom
-            ratio = 1.0
-            if value.dim() > 1:
-                ratio = _project(value, grads[i], perturb, group["delta"], group["wd_ratio"], eps)
-            if weight_decay > 0:
-                value.mul_(1 - lr * weight_decay * ratio)
-            value.add_(perturb, alpha=-lr / bc1)
-            if value is not bucket.params[i]:
-                bucket.params[i].copy_(value)
+        op("adamp_step", bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("exp_avg"),
+            bucket.state_list("exp_avg_sq"),
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            group["delta"],
+            group["wd_ratio"],
+            group["nesterov"],
+            grad_factor,
+        )

@@ -390,3 +390,73 @@ def novograd_step(
             m.copy_(beta1 * m + beta3 * g)
             p = p - lr * ((m / bias_correction1) / d + weight_decay * p)
         _store(params, master_params, i, p)
+
+
+def _radial_coef(pq: Tensor, pp: Tensor, eps: float) -> Tensor:
+    """``direction . unit`` per row over ``|weight| + eps`` again: the radial part is ``coef * weight``."""
+    return pq / (pp.sqrt() + eps).square()
+
+
+def _abs_cosine(gp: Tensor, gg: Tensor, pp: Tensor, eps: float) -> Tensor:
+    """``|cos(grad, weight)|`` per row as ``F.cosine_similarity`` computes it (norms clamped below at ``eps``)."""
+    return gp.abs() / (gg.sqrt().clamp_min(eps) * pp.sqrt().clamp_min(eps))
+
+
+def adamp_projection(
+    g: Tensor, p: Tensor, q: Tensor, delta: float, wd_ratio: float, eps: float
+) -> tuple[Tensor, Tensor]:
+    """AdamP's choice for a weight ``p`` of two or more dimensions, its (factored) gradient ``g`` and Adam direction
+    ``q``: channel-wise (a coefficient per row) when every row's ``|cos(g, p)|`` is under ``delta / sqrt(row
+    length)``, else layer-wise (one coefficient) under ``delta / sqrt(numel)``, else none. Returns the radial
+    coefficient per row (``q - coef * p`` is the projected direction) and the weight-decay ratio, as tensors:
+    decided on ``p``'s device, with no host read."""
+    rows = p.reshape(p.size(0), -1)
+    gr, qr = g.reshape(rows.shape), q.reshape(rows.shape)
+    gp, gg, pp, pq = (gr * rows).sum(1), (gr * gr).sum(1), (rows * rows).sum(1), (rows * qr).sum(1)
+    channel = _abs_cosine(gp, gg, pp, eps).max() < delta / math.sqrt(rows.size(1))
+    layer = _abs_cosine(gp.sum(), gg.sum(), pp.sum(), eps) < delta / math.sqrt(p.numel())
+    layer_coef = torch.where(layer, _radial_coef(pq.sum(), pp.sum(), eps), 0.0)
+    coef = torch.where(channel, _radial_coef(pq, pp, eps), layer_coef)
+    # float64, so the decay factor 1 - lr * wd * ratio is derived in double and rounded once, as the kernel does
+    ratio = torch.where(channel | layer, wd_ratio, 1.0).to(torch.float64)
+    return coef.view([-1] + [1] * (p.dim() - 1)), ratio
+
+
+@torch.no_grad()
+def adamp_step(
+    params: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    delta: float,
+    wd_ratio: float,
+    nesterov: bool,
+    grad_factor: float,
+) -> None:
+    """AdamP (clovaai/AdamP): Adam whose direction loses its radial part where the weight looks scale-invariant
+    (see ``adamp_projection``), with weight decay scaled by ``wd_ratio`` there. Step counters are host tensors; the
+    rest runs on the params' device without reading it back."""
+    _check_lists("adamp_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    for i in range(len(params)):
+        step = _bump(steps[i])
+        p = _load(params, master_params, i)
+        g = _grad(grads, i, p.dtype, grad_factor)
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        m.copy_(m * beta1 + (1 - beta1) * g)
+        v.copy_(v * beta2 + (1 - beta2) * g * g)
+        denom = v.sqrt() / math.sqrt(1 - beta2**step) + eps
+        q = (beta1 * m + (1 - beta1) * g if nesterov else m) / denom
+        ratio: Tensor | float = 1.0
+        if p.dim() > 1 and p.numel() > 0:
+            coef, ratio = adamp_projection(g, p, q, delta, wd_ratio, eps)
+            q = q - coef * p
+        if weight_decay > 0:
+            p = p * (1 - lr * weight_decay * ratio)
+        _store(params, master_params, i, p - lr / (1 - beta1**step) * q)

@@ -85,5 +85,12 @@ NovoGradHyper<acc_t> novograd_hyper(double denom, double lr, double beta1, doubl
           acc_t(weight_decay),    acc_t(bias_correction1), acc_t(denom)};
 }
 
+template <typename acc_t>
+AdamPHyper<acc_t> adamp_hyper(double step, double lr, double beta1, double beta2, double eps, double grad_factor) {
+  return {acc_t(grad_factor), acc_t(beta1),       acc_t(beta2),
+          acc_t(1.0 - beta1), acc_t(1.0 - beta2), acc_t(eps),
+          acc_t(lr / (1.0 - std::pow(beta1, step))), acc_t(std::sqrt(1.0 - std::pow(beta2, step)))};
+}
+
 }  // namespace optim
 }  // namespace ampkit

@@ -87,5 +87,15 @@ inline CheckedArgs check_novograd_args(const ListChecker& check, at::TensorList 
   return {grad_dtype, check.master(master_params)};
 }
 
+inline CheckedArgs check_adamp_args(const ListChecker& check, at::TensorList grads, at::TensorList exp_avgs,
+                                    at::TensorList exp_avg_sqs, at::TensorList master_params, at::TensorList steps) {
+  const at::ScalarType grad_dtype = check.grads(grads);
+  check.state("exp_avgs", exp_avgs);
+  check.state("exp_avg_sqs", exp_avg_sqs);
+  const bool has_master = check.master(master_params);
+  check.host_steps(steps);
+  return {grad_dtype, has_master};
+}
+
 }  // namespace optim
 }  // namespace ampkit

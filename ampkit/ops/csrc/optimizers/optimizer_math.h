@@ -244,5 +244,64 @@ C10_HOST_DEVICE inline void novograd_element(acc_t& p, acc_t g, acc_t& m, const 
   }
 }
 
+// AdamP (clovaai/AdamP) on one element, split around its per-tensor projection: `adamp_moments` updates the
+// moments and returns the Adam direction ("perturb"); once the tensor's sums have chosen a projection
+// coefficient per row (`coef`, 0 when none) and the decay factor (1 - lr * weight_decay * ratio),
+// `adamp_apply` moves the weight along the direction minus its radial part, coef * p.
+template <typename acc_t>
+struct AdamPHyper {
+  acc_t grad_factor;
+  acc_t beta1;
+  acc_t beta2;
+  acc_t one_minus_beta1;
+  acc_t one_minus_beta2;
+  acc_t eps;
+  acc_t step_size;  // lr / bias_correction1
+  acc_t bias_correction2_sqrt;
+};
+
+// The direction from updated moments; NESTEROV looks one momentum step ahead.
+template <typename acc_t, bool NESTEROV>
+C10_HOST_DEVICE inline acc_t adamp_direction(acc_t g, acc_t m, acc_t v, const AdamPHyper<acc_t>& h) {
+  const acc_t denom = std::sqrt(v) / h.bias_correction2_sqrt + h.eps;
+  const acc_t first = NESTEROV ? h.beta1 * m + h.one_minus_beta1 * g : m;
+  return first / denom;
+}
+
+// `g` is the factored gradient (grad_factor already applied): the projection test reads it too.
+template <typename acc_t, bool NESTEROV>
+C10_HOST_DEVICE inline acc_t adamp_moments(acc_t g, acc_t& m, acc_t& v, const AdamPHyper<acc_t>& h) {
+  m = m * h.beta1 + h.one_minus_beta1 * g;
+  v = v * h.beta2 + h.one_minus_beta2 * g * g;
+  return adamp_direction<acc_t, NESTEROV>(g, m, v, h);
+}
+
+// The projection test's numbers from a row's (or the tensor's) sums of grad.weight, grad.grad, weight.weight and
+// weight.direction. |cos(grad, weight)| as F.cosine_similarity computes it (each norm clamped below at eps):
+C10_HOST_DEVICE inline double adamp_abs_cosine(double gp, double gg, double pp, double eps) {
+  const double g_norm = std::sqrt(gg) > eps ? std::sqrt(gg) : eps;
+  const double p_norm = std::sqrt(pp) > eps ? std::sqrt(pp) : eps;
+  return (gp < 0 ? -gp : gp) / (g_norm * p_norm);
+}
+
+// The larger of two |cos| values, NaN winning (and staying), as torch's max(): a row with a NaN gradient fails
+// the channel-wise test, as it does in the reference.
+C10_HOST_DEVICE inline double adamp_max_cosine(double a, double b) { return (b != b || b > a) ? b : a; }
+
+// ... and the radial coefficient: (direction . unit) * unit = weight * pq / (|weight| + eps)^2, with
+// unit = weight / (|weight| + eps).
+C10_HOST_DEVICE inline double adamp_radial_coef(double pq, double pp, double eps) {
+  const double norm = std::sqrt(pp) + eps;
+  return pq / (norm * norm);
+}
+
+template <typename acc_t>
+C10_HOST_DEVICE inline void adamp_apply(acc_t& p, acc_t perturb, acc_t coef, acc_t decay_factor,
+                                        const AdamPHyper<acc_t>& h) {
+  perturb = perturb - coef * p;
+  p = p * decay_factor;
+  p = p - h.step_size * perturb;
+}
+
 }  // namespace optim
 }  // namespace ampkit

@@ -53,6 +53,10 @@ TORCH_LIBRARY(ampkit_optimizers, m) {
       "novograd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(e!)[] master_params, "
       "Tensor denoms, float lr, float beta1, float weight_decay, bool reg_inside_moment, bool grad_averaging, "
       "float bias_correction1, float grad_factor) -> ()");
+  m.def(
+      "adamp_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(e!)[] master_params, Tensor(f!)[] steps, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, float delta, float wd_ratio, bool nesterov, float grad_factor) -> ()");
 }
 
 namespace ampkit {

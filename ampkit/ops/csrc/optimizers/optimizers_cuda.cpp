@@ -8,6 +8,7 @@
 // registered under the CUDA key, which takes precedence over the CompositeExplicitAutograd CPU kernels for
 // CUDA tensors.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -359,6 +360,36 @@ void novograd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   });
 }
 
+// AdamP, one tensor at a time (three launches for a matrix: moments and row sums, the projection choice, the
+// update), its choice made on the device. Not the default yet: ampkit.ops runs it on CUDA only under
+// AMPKIT_CUDA_KERNELS=multi_tensor until a GPU run has checked it, and the reference (torch ops) otherwise.
+void adamp_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     at::TensorList master_params, at::TensorList steps, double lr, double beta1, double beta2,
+                     double eps, double weight_decay, double delta, double wd_ratio, bool nesterov,
+                     double grad_factor) {
+  const ListChecker check("adamp_step", params, c10::DeviceType::CUDA);
+  const CheckedArgs args = check_adamp_args(check, grads, exp_avgs, exp_avg_sqs, master_params, steps);
+  const std::vector<double> step = bump_steps(steps);
+  const cuda::AdamPProjection projection{lr * weight_decay, delta, wd_ratio, eps};
+  dispatch_param_grad(check.param_dtype(), args.grad_dtype, [&](auto ptag, auto gtag) {
+    using param_t = typename decltype(ptag)::type;
+    using grad_t = typename decltype(gtag)::type;
+    using acc_t = acc_type_for<param_t>;
+    for_each_tensor(params, [&](size_t t) {
+      const int64_t numel = params[t].numel();
+      if (numel == 0) return;
+      const int64_t rows = params[t].dim() > 1 ? params[t].size(0) : 0;
+      const int64_t cols = rows > 0 ? numel / rows : numel;
+      at::Tensor scratch;
+      if (rows > 0) scratch = at::zeros({rows * 5 + 1}, params[t].options().dtype(at::kDouble));
+      cuda::launch_adamp<param_t, grad_t, acc_t>(
+          slot<param_t, acc_t>(params, master_params, t), ptr<grad_t>(grads[t]), ptr<acc_t>(exp_avgs[t]),
+          ptr<acc_t>(exp_avg_sqs[t]), rows, cols, adamp_hyper<acc_t>(step[t], lr, beta1, beta2, eps, grad_factor),
+          projection, nesterov, rows > 0 ? scratch.data_ptr<double>() : nullptr, current_stream());
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ampkit_optimizers, CUDA, m) {
@@ -371,6 +402,7 @@ TORCH_LIBRARY_IMPL(ampkit_optimizers, CUDA, m) {
   m.impl("lamb_stage1", &lamb_stage1_cuda);
   m.impl("lamb_stage2", &lamb_stage2_cuda);
   m.impl("novograd_step", &novograd_step_cuda);
+  m.impl("adamp_step", &adamp_step_cuda);
 }
 
 }  // namespace optim

@@ -87,6 +87,19 @@ template <typename param_t, typename grad_t, typename acc_t>
 void launch_novograd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, int64_t n,
                      const NovoGradHyper<acc_t>& h, bool reg_inside_moment, cudaStream_t stream);
 
+// AdamP's projection options, in double as the host derives them (lr_wd = lr * weight_decay).
+struct AdamPProjection {
+  double lr_wd, delta, wd_ratio, eps;
+};
+
+// AdamP on one tensor seen as `rows` x `cols` (rows = 0: a vector or scalar of `cols` elements, never projected).
+// `scratch` (rows * 5 + 1 doubles, zeroed; nullptr when rows = 0) holds the row sums, the coefficients and the
+// decay factor the launches hand each other on the device.
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_adamp(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq, int64_t rows,
+                  int64_t cols, const AdamPHyper<acc_t>& h, const AdamPProjection& projection, bool nesterov,
+                  double* scratch, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace optim
 }  // namespace ampkit

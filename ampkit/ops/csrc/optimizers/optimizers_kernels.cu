@@ -167,7 +167,149 @@ __global__ void novograd_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad,
   }
 }
 
+// Sum of `x` over the block, valid in thread 0 (blockDim.x a multiple of 32, at most 1024).
+__device__ inline double block_sum(double x) {
+  __shared__ double warp_sums[32];
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
+  __syncthreads();  // a previous call's readers are done with warp_sums
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = threadIdx.x < (blockDim.x >> 5) ? warp_sums[threadIdx.x & 31] : 0.0;
+  if (threadIdx.x < 32) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+// Maximum of `x` (>= 0, NaN winning) over the block, valid in thread 0.
+__device__ inline double block_max_cosine(double x) {
+  __shared__ double warp_maxes[32];
+  for (int offset = 16; offset > 0; offset >>= 1) x = adamp_max_cosine(x, __shfl_down_sync(0xffffffffu, x, offset));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) warp_maxes[threadIdx.x >> 5] = x;
+  __syncthreads();
+  x = threadIdx.x < (blockDim.x >> 5) ? warp_maxes[threadIdx.x & 31] : 0.0;
+  if (threadIdx.x < 32) {
+    for (int offset = 16; offset > 0; offset >>= 1) x = adamp_max_cosine(x, __shfl_down_sync(0xffffffffu, x, offset));
+  }
+  return x;
+}
+
+// AdamP pass 1: block b covers chunk (b % chunks) of row (b / chunks); it updates the moments and adds its partial
+// sums (grad.weight, grad.grad, weight.weight, weight.direction) into sums[4 * row ...].
+template <typename param_t, typename grad_t, typename acc_t, bool NESTEROV>
+__global__ void adamp_moments_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* m, acc_t* v,
+                                     int64_t cols, int64_t chunks, AdamPHyper<acc_t> h, double* sums) {
+  const int64_t row = blockIdx.x / chunks;
+  const int64_t chunk = blockIdx.x % chunks;
+  const int64_t chunk_len = (cols + chunks - 1) / chunks;
+  const int64_t begin = row * cols + chunk * chunk_len;
+  const int64_t end = row * cols + (cols < (chunk + 1) * chunk_len ? cols : (chunk + 1) * chunk_len);
+  double gp = 0.0, gg = 0.0, pp = 0.0, pq = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const acc_t g = static_cast<acc_t>(grad[i]) * h.grad_factor;
+    const acc_t w = load_param(p, i);
+    const acc_t q = adamp_moments<acc_t, NESTEROV>(g, m[i], v[i], h);
+    gp += static_cast<double>(g) * static_cast<double>(w);
+    gg += static_cast<double>(g) * static_cast<double>(g);
+    pp += static_cast<double>(w) * static_cast<double>(w);
+    pq += static_cast<double>(w) * static_cast<double>(q);
+  }
+  const double partial[4] = {block_sum(gp), block_sum(gg), block_sum(pp), block_sum(pq)};
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < 4; ++k) atomicAdd(sums + 4 * row + k, partial[k]);
+  }
+}
+
+// AdamP's choice (one block): channel-wise if every row's |cos| is under delta / sqrt(cols), else layer-wise under
+// delta / sqrt(numel), else none; writes each row's coefficient and the decay factor.
+__global__ void adamp_choose_kernel(const double* sums, int64_t rows, int64_t cols, AdamPProjection o, double* coefs,
+                                    double* decay) {
+  double max_cos = 0.0, gp = 0.0, gg = 0.0, pp = 0.0, pq = 0.0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    const double* s = sums + 4 * r;
+    max_cos = adamp_max_cosine(max_cos, adamp_abs_cosine(s[0], s[1], s[2], o.eps));
+    gp += s[0];
+    gg += s[1];
+    pp += s[2];
+    pq += s[3];
+  }
+  max_cos = block_max_cosine(max_cos);
+  gp = block_sum(gp);
+  gg = block_sum(gg);
+  pp = block_sum(pp);
+  pq = block_sum(pq);
+  __shared__ int choice;  // 0 none, 1 channel-wise, 2 layer-wise
+  __shared__ double layer_coef;
+  if (threadIdx.x == 0) {
+    const double numel = static_cast<double>(rows) * static_cast<double>(cols);
+    choice = max_cos < o.delta / sqrt(static_cast<double>(cols))             ? 1
+             : adamp_abs_cosine(gp, gg, pp, o.eps) < o.delta / sqrt(numel) ? 2
+                                                                             : 0;
+    layer_coef = adamp_radial_coef(pq, pp, o.eps);
+    *decay = 1.0 - o.lr_wd * (choice != 0 ? o.wd_ratio : 1.0);
+  }
+  __syncthreads();
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    coefs[r] = choice == 1 ? adamp_radial_coef(sums[4 * r + 3], sums[4 * r + 2], o.eps) : choice == 2 ? layer_coef : 0.0;
+  }
+}
+
+// AdamP pass 2: the direction again from the stored moments, minus its radial part, applied after the decay.
+template <typename param_t, typename grad_t, typename acc_t, bool NESTEROV>
+__global__ void adamp_apply_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, const acc_t* m, const acc_t* v,
+                                   int64_t n, int64_t cols, AdamPHyper<acc_t> h, const double* coefs,
+                                   const double* decay) {
+  const acc_t decay_factor = static_cast<acc_t>(*decay);
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t w = load_param(p, i);
+    const acc_t g = static_cast<acc_t>(grad[i]) * h.grad_factor;
+    const acc_t q = adamp_direction<acc_t, NESTEROV>(g, m[i], v[i], h);
+    adamp_apply<acc_t>(w, q, static_cast<acc_t>(coefs[i / cols]), decay_factor, h);
+    store_param(p, i, w);
+  }
+}
+
+// AdamP on a vector or scalar: one pass, never projected.
+template <typename param_t, typename grad_t, typename acc_t, bool NESTEROV>
+__global__ void adamp_unprojected_kernel(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* m, acc_t* v,
+                                         int64_t n, AdamPHyper<acc_t> h, acc_t decay_factor) {
+  AMPKIT_GRID_STRIDE(i, n) {
+    acc_t w = load_param(p, i);
+    const acc_t g = static_cast<acc_t>(grad[i]) * h.grad_factor;
+    adamp_apply<acc_t>(w, adamp_moments<acc_t, NESTEROV>(g, m[i], v[i], h), acc_t(0), decay_factor, h);
+    store_param(p, i, w);
+  }
+}
+
 }  // namespace
+
+template <typename param_t, typename grad_t, typename acc_t>
+void launch_adamp(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq, int64_t rows,
+                  int64_t cols, const AdamPHyper<acc_t>& h, const AdamPProjection& projection, bool nesterov,
+                  double* scratch, cudaStream_t stream) {
+  AMPKIT_BOOL_SWITCH(nesterov, NEST, {
+    if (rows == 0) {
+      const acc_t decay = static_cast<acc_t>(1.0 - projection.lr_wd);
+      adamp_unprojected_kernel<param_t, grad_t, acc_t, NEST>
+          <<<blocks_for(cols), kThreads, 0, stream>>>(p, grad, exp_avg, exp_avg_sq, cols, h, decay);
+    } else {
+      // Chunks of at least 4096 elements per block, enough blocks to fill the GPU when rows are few.
+      const int64_t chunks = cols / 4096 > 1 ? (cols / 4096 < 1024 ? cols / 4096 : 1024) : 1;
+      double* sums = scratch;
+      double* coefs = scratch + 4 * rows;
+      double* decay = coefs + rows;
+      adamp_moments_kernel<param_t, grad_t, acc_t, NEST><<<static_cast<unsigned>(rows * chunks), kThreads, 0, stream>>>(
+          p, grad, exp_avg, exp_avg_sq, cols, chunks, h, sums);
+      check_launch("adamp_step (moments)");
+      adamp_choose_kernel<<<1, kThreads, 0, stream>>>(sums, rows, cols, projection, coefs, decay);
+      check_launch("adamp_step (projection)");
+      adamp_apply_kernel<param_t, grad_t, acc_t, NEST><<<blocks_for(rows * cols), kThreads, 0, stream>>>(
+          p, grad, exp_avg, exp_avg_sq, rows * cols, cols, h, coefs, decay);
+    }
+  });
+  check_launch("adamp_step");
+}
 
 template <typename param_t, typename grad_t, typename acc_t>
 void launch_adam(ParamSlot<param_t, acc_t> p, grad_t* grad, acc_t* exp_avg, acc_t* exp_avg_sq, acc_t* max_exp_avg_sq,
@@ -286,7 +428,9 @@ void launch_novograd(ParamSlot<param_t, acc_t> p, const grad_t* grad, acc_t* exp
   template void launch_lamb_stage1<P, G, A>(const P*, const A*, const G*, A*, A*, A*, int64_t,                     \
                                             const LambHyper<A>&, bool, cudaStream_t);                             \
   template void launch_novograd<P, G, A>(ParamSlot<P, A>, const G*, A*, int64_t, const NovoGradHyper<A>&, bool,    \
-                                         cudaStream_t);
+                                         cudaStream_t);                                                           \
+  template void launch_adamp<P, G, A>(ParamSlot<P, A>, const G*, A*, A*, int64_t, int64_t, const AdamPHyper<A>&,    \
+                                      const AdamPProjection&, bool, double*, cudaStream_t);
 
 AMPKIT_INSTANTIATE(double, double, double)
 AMPKIT_INSTANTIATE(float, float, float)
