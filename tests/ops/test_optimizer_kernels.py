@@ -556,7 +556,8 @@ def test_cuda_float64_kernel_matches_reference(case, cuda_kernels):
     on_gpu = to_cuda(args, name)
     cuda_kernel(name)(**on_gpu)
     getattr(ref, name)(**args)
-    assert_args_close(lists_on_cpu(on_gpu), args, rtol=1e-12, atol=1e-12)
+    tol = 1e-10 if name in SUMMING_OPS else 1e-12
+    assert_args_close(lists_on_cpu(on_gpu), args, rtol=tol, atol=tol)
     if "steps" in args:  # step counters advance exactly as on CPU, on the device where the kernels read them
         assert [float(s) for s in on_gpu["steps"]] == [float(s) for s in args["steps"]]
         assert all(
