@@ -82,42 +82,30 @@ __device__ inline void write_unscaled_lanes(G* grad, int64_t i, const Lanes<A, W
   out.store(grad + i);
 }
 
-template <typename P, typename G, typename A, bool CENTERED, bool MOMENTUM>
-struct RMSpropBody {
-  __device__ void operator()(const TensorListMeta<6>& meta, int block, RMSpropHyper<A> h, double grad_factor,
-                             ScalerPtrs scaler) const {
-    if (skipped(scaler)) return;
-    h.grad_factor = static_cast<A>(unscaled_factor(grad_factor, scaler));
-    const A scale = write_back_scale<A>(scaler);
-    P* param = chunk_ptr<P>(meta, block, 0);
-    G* grad = chunk_ptr<G>(meta, block, 1);
-    A* square_avg = chunk_ptr<A>(meta, block, 2);
-    A* grad_avg = chunk_ptr_or_null<A>(meta, block, 3);
-    A* buf = chunk_ptr_or_null<A>(meta, block, 4);
-    A* master = chunk_ptr_or_null<A>(meta, block, 5);
-    for_each_lane_group(chunk_length(meta, block), chunk_vectorized(meta, block), [&](auto w, int64_t i) {
-      constexpr int W = decltype(w)::value;
-      Lanes<A, W> value = load_values<P, A, W>(param, master, i);
-      const Lanes<A, W> g = widen<A>(load_lanes<G, W>(grad, i));
-      Lanes<A, W> sq = load_lanes<A, W>(square_avg, i);
-      Lanes<A, W> ga = load_or_zero<A, W>(grad_avg, i);
-      Lanes<A, W> b = load_or_zero<A, W>(buf, i);
-#pragma unroll
-      for (int k = 0; k < W; ++k) {
-        rmsprop_element<A, CENTERED, MOMENTUM>(value.v[k], g.v[k], sq.v[k], ga.v[k], b.v[k], h);
-      }
-      sq.store(square_avg + i);
-      if (CENTERED) ga.store(grad_avg + i);
-      if (MOMENTUM) b.store(buf + i);
-      store_values(param, master, i, value);
-      write_unscaled_lanes(grad, i, g, scale);
-    });
+// The two RMSprops' element updates, as types the shared body below takes.
+template <typename A, bool CENTERED, bool MOMENTUM>
+struct RMSpropElement {
+  static constexpr bool kCentered = CENTERED;
+  static constexpr bool kMomentum = MOMENTUM;
+  __device__ void operator()(A& p, A g, A& sq, A& ga, A& b, const RMSpropHyper<A>& h) const {
+    rmsprop_element<A, CENTERED, MOMENTUM>(p, g, sq, ga, b, h);
   }
 };
 
-template <typename P, typename G, typename A, bool CENTERED, bool MOMENTUM, bool LR_IN_MOMENTUM>
-struct RMSpropTFBody {
-  __device__ void operator()(const TensorListMeta<6>& meta, int block, RMSpropTFHyper<A> h, double grad_factor,
+template <typename A, bool CENTERED, bool MOMENTUM, bool LR_IN_MOMENTUM>
+struct RMSpropTFElement {
+  static constexpr bool kCentered = CENTERED;
+  static constexpr bool kMomentum = MOMENTUM;
+  __device__ void operator()(A& p, A g, A& sq, A& ga, A& b, const RMSpropTFHyper<A>& h) const {
+    rmsprop_tf_element<A, CENTERED, MOMENTUM, LR_IN_MOMENTUM>(p, g, sq, ga, b, h);
+  }
+};
+
+// RMSprop and RMSprop-TF share their lists (param, grad, square_avg, grad_avg?, momentum buffer?, master?) and
+// their loop; `Element` is the one's update and says which optional lists it writes.
+template <typename P, typename G, typename A, typename Hyper, class Element>
+struct RMSpropFamilyBody {
+  __device__ void operator()(const TensorListMeta<6>& meta, int block, Hyper h, double grad_factor,
                              ScalerPtrs scaler) const {
     if (skipped(scaler)) return;
     h.grad_factor = static_cast<A>(unscaled_factor(grad_factor, scaler));
@@ -136,12 +124,10 @@ struct RMSpropTFBody {
       Lanes<A, W> ga = load_or_zero<A, W>(grad_avg, i);
       Lanes<A, W> b = load_or_zero<A, W>(buf, i);
 #pragma unroll
-      for (int k = 0; k < W; ++k) {
-        rmsprop_tf_element<A, CENTERED, MOMENTUM, LR_IN_MOMENTUM>(value.v[k], g.v[k], sq.v[k], ga.v[k], b.v[k], h);
-      }
+      for (int k = 0; k < W; ++k) Element{}(value.v[k], g.v[k], sq.v[k], ga.v[k], b.v[k], h);
       sq.store(square_avg + i);
-      if (CENTERED) ga.store(grad_avg + i);
-      if (MOMENTUM) b.store(buf + i);
+      if (Element::kCentered) ga.store(grad_avg + i);
+      if (Element::kMomentum) b.store(buf + i);
       store_values(param, master, i, value);
       write_unscaled_lanes(grad, i, g, scale);
     });
@@ -248,7 +234,8 @@ void launch_rmsprop_multi(const TensorSlots* tensors, int64_t count, const RMSpr
                           ScalerPtrs scaler, bool centered, bool momentum, cudaStream_t stream) {
   const int bytes[6] = {sizeof(P), sizeof(G), sizeof(A), sizeof(A), sizeof(A), sizeof(A)};
   AMPKIT_BOOL_SWITCH(centered, CEN, AMPKIT_BOOL_SWITCH(momentum, MOM, {
-    launch_multi_tensor<6>(tensors, count, bytes, stream, RMSpropBody<P, G, A, CEN, MOM>{}, h, grad_factor, scaler);
+    using Body = RMSpropFamilyBody<P, G, A, RMSpropHyper<A>, RMSpropElement<A, CEN, MOM>>;
+    launch_multi_tensor<6>(tensors, count, bytes, stream, Body{}, h, grad_factor, scaler);
   }));
   check_launch("rmsprop_step (multi_tensor)");
 }
@@ -259,8 +246,8 @@ void launch_rmsprop_tf_multi(const TensorSlots* tensors, int64_t count, const RM
                              cudaStream_t stream) {
   const int bytes[6] = {sizeof(P), sizeof(G), sizeof(A), sizeof(A), sizeof(A), sizeof(A)};
   AMPKIT_BOOL_SWITCH(centered, CEN, AMPKIT_BOOL_SWITCH(momentum, MOM, AMPKIT_BOOL_SWITCH(lr_in_momentum, LIM, {
-    launch_multi_tensor<6>(tensors, count, bytes, stream, RMSpropTFBody<P, G, A, CEN, MOM, LIM>{}, h, grad_factor,
-                           scaler);
+    using Body = RMSpropFamilyBody<P, G, A, RMSpropTFHyper<A>, RMSpropTFElement<A, CEN, MOM, LIM>>;
+    launch_multi_tensor<6>(tensors, count, bytes, stream, Body{}, h, grad_factor, scaler);
   })));
   check_launch("rmsprop_tf_step (multi_tensor)");
 }
