@@ -243,3 +243,31 @@ def test_sgd_with_dampening_decides_a_skipped_first_step_on_the_device(backend):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch_opt.state[q]["momentum_buffer"])
     assert not opt._pending_first  # every parameter has taken its first step: later steps launch once
+
+
+@pytest.mark.parametrize("name", ["lamb", "mixed_precision_lamb"])
+def test_lamb_reads_its_global_norm_with_the_scalers_scalars_in_one_transfer(name, monkeypatch):
+    """LAMB reads its global gradient norm on the host every step: GradScaler's found_inf and grad_scale come back in
+    the same read (one synchronization on CUDA, where they were two), and the step is the one it was."""
+    from ampkit.ops.optimizers import _base
+
+    reads = []
+    real = _base.read_scalars
+
+    def recording(*tensors):
+        reads.append(sum(t is not None for t in tensors))
+        return real(*tensors)
+
+    monkeypatch.setattr(_base, "read_scalars", recording)
+    make = EVERY_OPTIMIZER[name]
+    params = make_params(torch.float32)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, reference = make(params), make(twin)
+    grads = [torch.randn(p.shape, dtype=torch.float32) for p in params]
+    for p, t, g in zip(params, twin, grads, strict=True):
+        p.grad, t.grad = g * 1024.0, g.clone()
+    opt.step(grad_scale=torch.tensor([1024.0]), found_inf=torch.tensor([0.0]))
+    assert reads == [3]
+    reference.step()
+    for p, t in zip(params, twin, strict=True):
+        torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)

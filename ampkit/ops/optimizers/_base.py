@@ -5,9 +5,10 @@ parameters sharing a dtype (``_update``); this class gathers the parameters that
 normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16 parameters, and honours
 torch's GradScaler contract (``grad_scale``/``found_inf`` attributes). Adam, SGD, Adagrad, Adadelta and the
 RMSprops hand both tensors to their kernels, which skip the step or unscale the gradients where they run,
-in the same pass as the update and with no read back to the host; LAMB, NovoGrad and AdamP read gradient
-norms on the host each step anyway, so they read the two scalars there and fold ``1 / grad_scale`` into the
-one ``grad_factor`` their kernels multiply each gradient by. Either way the grads are left unscaled after a
+in the same pass as the update and with no read back to the host; LAMB and NovoGrad read gradient norms on
+the host each step anyway (LAMB reads its global norm in the same transfer as the two scalars) and AdamP's
+kernels take host numbers, so they read the two scalars there and fold ``1 / grad_scale`` into the one
+``grad_factor`` their kernels multiply each gradient by. Either way the grads are left unscaled after a
 step, as torch's fused optimizers leave them.
 """
 
@@ -224,17 +225,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self._scaler_in_kernel:
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
-        # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA).
-        skip, scale = read_scalars(found_inf, grad_scale)
+        # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA),
+        # with what the optimizer reads on the host every step anyway (LAMB's global gradient norm).
+        skip, scale, prefetched = read_scalars(found_inf, grad_scale, self._read_with_scaler())
         if skip:
             return loss
-        if scale is None:
-            self.step_with_grad_factor(1.0)
-            return loss
-        self.step_with_grad_factor(1.0 / scale)
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self._unscale_(grads, grad_scale)
+        self._step_on_host(1.0 if scale is None else 1.0 / scale, prefetched)
+        if scale is not None:
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self._unscale_(grads, grad_scale)
         return loss
+
+    def _read_with_scaler(self) -> Tensor | None:
+        """A one-element tensor the step reads on the host anyway, read in the same transfer as GradScaler's two
+        scalars (one synchronization on CUDA, not two); None for none."""
+        return None
+
+    def _step_on_host(self, grad_factor: float, prefetched: float | None) -> None:
+        """The step of an optimizer whose kernels take host numbers; ``prefetched`` is ``_read_with_scaler``'s value."""
+        self.step_with_grad_factor(grad_factor)
 
     @staticmethod
     def _unscale_(grads: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None = None) -> None:
