@@ -45,6 +45,7 @@ from ampkit.ops import multi_tensor as mt  # noqa: E402
 from ampkit.ops.optimizers import (  # noqa: E402
     FusedAdadelta,
     FusedAdam,
+    FusedAdamP,
     FusedLAMB,
     FusedNovoGrad,
     FusedRMSprop,
@@ -236,9 +237,10 @@ def compiled_rows(base: list[torch.Tensor], size: str, ceiling: float) -> list[t
 
 
 def _multi_tensor_families() -> list[tuple]:
-    """(name, ampkit factory, torch form, its factory or None, bytes per param) of each optimizer with multi-tensor
-    CUDA kernels; torch has no RMSprop-TF or NovoGrad, so RMSprop-TF meets torch's RMSprop with momentum (the
-    nearest form) and NovoGrad only ampkit's per-tensor kernels."""
+    """(name, ampkit factory, torch form, its factory or None, bytes per param) of each optimizer with CUDA kernels
+    that ``AMPKIT_CUDA_KERNELS=multi_tensor`` selects; torch has no RMSprop-TF, NovoGrad or AdamP, so RMSprop-TF
+    meets torch's RMSprop with momentum (the nearest form), NovoGrad only ampkit's per-tensor kernels and AdamP the
+    clovaai/timm form in torch ops. AdamP's default on CUDA (``per_tensor``) is its torch-ops step."""
     return [
         ("RMSprop step", lambda p: FusedRMSprop(p, lr=1e-3),
          "RMSprop(foreach=True)", lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True), 20),
@@ -249,6 +251,8 @@ def _multi_tensor_families() -> list[tuple]:
          "Adadelta(foreach=True)", lambda p: torch.optim.Adadelta(p, lr=1.0, foreach=True), 24),
         ("LAMB step", lambda p: FusedLAMB(p, lr=1e-3), "LAMB in foreach ops", _load("ops_optimizers")._ForeachLamb, 52),
         ("NovoGrad step", lambda p: FusedNovoGrad(p, lr=1e-3), "", None, 16),
+        ("AdamP step", lambda p: FusedAdamP(p, lr=1e-3, weight_decay=0.01),
+         "AdamP in torch ops", _load("ops_optimizers")._TorchOpsAdamP, 44),
     ]  # fmt: skip
 
 
@@ -273,7 +277,8 @@ def kernel_rows(base: list[torch.Tensor], size: str, ceiling: float, compiled: b
         multi = _under("multi_tensor", make_ours(opt_bench._params_with_grads(base, grads)).step)
         per_tensor = _under("per_tensor", make_ours(opt_bench._params_with_grads(base, grads)).step)
         per_ms, ms = time_ms(per_tensor, multi)
-        rows.append(("kernels", f"{name}: multi_tensor", "ampkit per_tensor kernels", size, ms, per_ms,
+        default = "ampkit default (torch ops)" if name.startswith("AdamP") else "ampkit per_tensor kernels"
+        rows.append(("kernels", f"{name}: multi_tensor", default, size, ms, per_ms,
                      count * per_param / ms / 1e6, ceiling))  # fmt: skip
         if make_torch is None:
             continue
