@@ -245,20 +245,21 @@ def test_sgd_with_dampening_decides_a_skipped_first_step_on_the_device(backend):
     assert not opt._pending_first  # every parameter has taken its first step: later steps launch once
 
 
-@pytest.mark.parametrize("name", ["lamb", "mixed_precision_lamb"])
-def test_lamb_reads_its_global_norm_with_the_scalers_scalars_in_one_transfer(name, monkeypatch):
-    """LAMB reads its global gradient norm on the host every step: GradScaler's found_inf and grad_scale come back in
-    the same read (one synchronization on CUDA, where they were two), and the step is the one it was."""
+@pytest.mark.parametrize("name,values", [("lamb", 1), ("mixed_precision_lamb", 1), ("novograd", len(SHAPES) + 1)])
+def test_norms_read_on_the_host_come_with_the_scalers_scalars_in_one_transfer(name, values, monkeypatch):
+    """LAMB reads its global gradient norm on the host every step, NovoGrad each tensor's blended norm: GradScaler's
+    found_inf and grad_scale come back in the same read (one synchronization on CUDA, where there were two, or one
+    per bucket), and the step is the one the unscaled gradients give."""
     from ampkit.ops.optimizers import _base
 
     reads = []
-    real = _base.read_scalars
+    real = _base.read_together
 
-    def recording(*tensors):
-        reads.append(sum(t is not None for t in tensors))
-        return real(*tensors)
+    def recording(found_inf, grad_scale, values):
+        reads.append((found_inf is not None, grad_scale is not None, None if values is None else values.numel()))
+        return real(found_inf, grad_scale, values)
 
-    monkeypatch.setattr(_base, "read_scalars", recording)
+    monkeypatch.setattr(_base, "read_together", recording)
     make = EVERY_OPTIMIZER[name]
     params = make_params(torch.float32)
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -267,7 +268,7 @@ def test_lamb_reads_its_global_norm_with_the_scalers_scalars_in_one_transfer(nam
     for p, t, g in zip(params, twin, grads, strict=True):
         p.grad, t.grad = g * 1024.0, g.clone()
     opt.step(grad_scale=torch.tensor([1024.0]), found_inf=torch.tensor([0.0]))
-    assert reads == [3]
+    assert reads == [(True, True, values)]
     reference.step()
     for p, t in zip(params, twin, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)

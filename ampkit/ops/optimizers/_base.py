@@ -6,7 +6,7 @@ normalises the gradients' layout, keeps optional fp32 master copies of fp16/bf16
 torch's GradScaler contract (``grad_scale``/``found_inf`` attributes). Adam, SGD, Adagrad, Adadelta and the
 RMSprops hand both tensors to their kernels, which skip the step or unscale the gradients where they run,
 in the same pass as the update and with no read back to the host; LAMB and NovoGrad read gradient norms on
-the host each step anyway (LAMB reads its global norm in the same transfer as the two scalars) and AdamP's
+the host each step anyway (in the same transfer as the two scalars) and AdamP's
 kernels take host numbers, so they read the two scalars there and fold ``1 / grad_scale`` into the one
 ``grad_factor`` their kernels multiply each gradient by. Either way the grads are left unscaled after a
 step, as torch's fused optimizers leave them.
@@ -105,6 +105,23 @@ class _BucketPlan:
         if state is not self.state or layout != self.layout or len(params) != len(self.params):
             return False
         return all(map(operator.is_, params, self.params))
+
+
+def read_together(
+    found_inf: Tensor | None, grad_scale: Tensor | None, values: Tensor | None
+) -> tuple[bool, float | None, Tensor | None]:
+    """GradScaler's skip and scale as host numbers, and ``values`` (a vector, or None) as a float64 host tensor: all
+    copied in one transfer (one synchronization on CUDA)."""
+    if values is None:
+        skip, scale = read_scalars(found_inf, grad_scale)
+        return bool(skip), scale, None
+    scalars = [t for t in (found_inf, grad_scale) if t is not None]
+    parts = [_scalar_on(t, values.device).double().reshape(1) for t in scalars] + [values.double().reshape(-1)]
+    host = torch.cat(parts).cpu()
+    head = iter(host[: len(scalars)].tolist())
+    skip = found_inf is not None and next(head) != 0
+    scale = next(head) if grad_scale is not None else None
+    return skip, scale, host[len(scalars) :]
 
 
 def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | None = None) -> None:
@@ -226,8 +243,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
         # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA),
-        # with what the optimizer reads on the host every step anyway (LAMB's global gradient norm).
-        skip, scale, prefetched = read_scalars(found_inf, grad_scale, self._read_with_scaler())
+        # with what the optimizer reads on the host every step anyway (LAMB's and NovoGrad's gradient norms).
+        skip, scale, prefetched = read_together(found_inf, grad_scale, self._read_with_scaler(grad_scale))
         if skip:
             return loss
         self._step_on_host(1.0 if scale is None else 1.0 / scale, prefetched)
@@ -236,13 +253,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._unscale_(grads, grad_scale)
         return loss
 
-    def _read_with_scaler(self) -> Tensor | None:
-        """A one-element tensor the step reads on the host anyway, read in the same transfer as GradScaler's two
-        scalars (one synchronization on CUDA, not two); None for none."""
+    def _read_with_scaler(self, grad_scale: Tensor | None) -> Tensor | None:
+        """Values the step reads on the host anyway (a vector on the device, computed with the gradients divided by
+        ``grad_scale``), read in the same transfer as GradScaler's two scalars: one synchronization on CUDA, not
+        two or more. None for none."""
         return None
 
-    def _step_on_host(self, grad_factor: float, prefetched: float | None) -> None:
-        """The step of an optimizer whose kernels take host numbers; ``prefetched`` is ``_read_with_scaler``'s value."""
+    def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
+        """The step of an optimizer whose kernels take host numbers; ``prefetched`` is ``_read_with_scaler``'s
+        vector, read (float64, on the host)."""
         self.step_with_grad_factor(grad_factor)
 
     @staticmethod

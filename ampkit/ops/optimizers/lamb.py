@@ -74,16 +74,16 @@ class FusedLAMB(FusedOptimizer):
 
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
-        norm = self._read_with_scaler()
-        self._step_on_host(grad_factor, 0.0 if norm is None else float(norm))
+        norm = self._read_with_scaler(None)
+        self._step_on_host(grad_factor, None if norm is None else norm.double().cpu())
 
-    def _read_with_scaler(self) -> Tensor | None:
+    def _read_with_scaler(self, grad_scale: Tensor | None) -> Tensor | None:
         """The global L2 norm of the (still scaled) gradients, which the step reads on the host for its clip."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return multi_tensor.l2norm(grads).total if grads else None
+        return multi_tensor.l2norm(grads).total.reshape(1) if grads else None
 
-    def _step_on_host(self, grad_factor: float, prefetched: float | None) -> None:
-        global_norm = abs(grad_factor) * (prefetched or 0.0)
+    def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
+        global_norm = abs(grad_factor) * (0.0 if prefetched is None else float(prefetched[0]))
         for group in self.param_groups:
             max_norm = group["max_grad_norm"]
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0

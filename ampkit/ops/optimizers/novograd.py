@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, _scalar_on, acc_dtype, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 _UNSET = -1.0  # exp_avg_sq before a parameter's first step (norms are >= 0)
@@ -29,6 +29,7 @@ class FusedNovoGrad(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_blends")
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class FusedNovoGrad(FusedOptimizer):
             init_zero=init_zero,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
+        self._blends: list[tuple[dict[str, Any], Bucket, Tensor]] = []
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
@@ -91,28 +93,63 @@ class FusedNovoGrad(FusedOptimizer):
                     state["exp_avg_sq"] = torch.tensor(value, dtype=acc_dtype(param), device=param.device)
 
     def step_with_grad_factor(self, grad_factor: float) -> None:
+        blended = self._blend_norms(abs(grad_factor))
+        self._step_on_host(grad_factor, None if blended is None else blended.cpu())
+
+    def _read_with_scaler(self, grad_scale: Tensor | None) -> Tensor | None:
+        """Every bucket's blended gradient norm, the kernels' per-tensor denominators, read with the scaler's two
+        scalars (one host read a step, where each bucket took one of its own)."""
+        return self._blend_norms(1.0 if grad_scale is None else grad_scale)
+
+    def _blend_norms(self, unscale: float | Tensor) -> Tensor | None:
+        """Each bucket's blended norms (the ``exp_avg_sq`` values the step stores), float64 on the device, in group
+        and bucket order, all in one vector; ``unscale`` multiplies the gradient norms (a float, or ``grad_scale``
+        on the device, which divides them). Kept with their buckets for ``_step_on_host``: nothing is stored yet,
+        as the step may be skipped."""
+        self._blends = []
+        for group in self.param_groups:
+            for bucket in self._buckets(group):
+                factor = unscale if isinstance(unscale, float) else 1.0 / _scalar_on(unscale, bucket.device).double()
+                self._blends.append((group, bucket, self._blended(group, bucket, factor)))
+        if not self._blends:
+            return None
+        device = self._blends[0][2].device
+        return torch.cat([blended.to(device) for _, _, blended in self._blends])
+
+    @staticmethod
+    def _blended(group: dict[str, Any], bucket: Bucket, factor: float | Tensor) -> Tensor:
+        beta2 = group["betas"][1]
+        previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
+        if group["norm_type"] == 2:  # Apex's blend of per-tensor norms: sqrt(b2 * v^2 + (1 - b2) * n^2) ...
+            norms = multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double() * factor
+            blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
+        else:  # ... and with the max-abs norm, b2 * v + (1 - b2) * n
+            norms = torch.stack(torch._foreach_norm(bucket.grads, math.inf)).double() * factor
+            blended = beta2 * previous + (1 - beta2) * norms
+        return torch.where(previous == _UNSET, norms, blended)
+
+    def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
         for group in self.param_groups:
             if any(p.grad is not None for p in group["params"]):
                 group["step"] = group.get("step", 0) + 1
-        super().step_with_grad_factor(grad_factor)
+        offset = 0
+        for group, bucket, blended in self._blends:
+            count = len(bucket.params)
+            self._apply(group, bucket, grad_factor, blended, prefetched[offset : offset + count])
+            offset += count
+        self._blends = []
 
-    def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        device = bucket.device
+    def _apply(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, blended: Tensor, blended_on_host: Tensor
+    ) -> None:
+        """Store the bucket's blended norms and run its kernel, which reads the denominators on the host."""
         beta1, beta2 = group["betas"]
         step = group["step"]
-        previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
-        if group["norm_type"] == 2:  # Apex's blend of per-tensor norms: sqrt(b2 * v^2 + (1 - b2) * n^2) ...
-            norms = abs(grad_factor) * multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double()
-            blended = (beta2 * previous.square() + (1 - beta2) * norms.square()).sqrt()
-        else:  # ... and with the max-abs norm, b2 * v + (1 - b2) * n
-            norms = abs(grad_factor) * torch.stack(torch._foreach_norm(bucket.grads, math.inf)).double()
-            blended = beta2 * previous + (1 - beta2) * norms
-        blended = torch.where(previous == _UNSET, norms, blended)
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
-        denoms = (blended / bc2_sqrt + group["eps"]).cpu().contiguous()  # read on the host by the kernels
-        op("novograd_step", device)(
+        denoms = (blended_on_host / bc2_sqrt + group["eps"]).contiguous()
+        op("novograd_step", bucket.device)(
             bucket.params,
             bucket.grads,
             bucket.state_list("exp_avg"),
