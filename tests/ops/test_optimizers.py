@@ -265,6 +265,10 @@ REFERENCE_CASES = {
         lambda p: FusedAdamP(p, lr=1e-2, weight_decay=1e-2),
         lambda p, gs: adamp_reference(p, gs, 1e-2, (0.9, 0.999), 1e-8, 1e-2),
     ),
+    "adamp_nesterov": (
+        lambda p: FusedAdamP(p, lr=1e-2, weight_decay=1e-2, nesterov=True, delta=0.2, wd_ratio=0.5),
+        lambda p, gs: adamp_reference(p, gs, 1e-2, (0.9, 0.999), 1e-8, 1e-2, delta=0.2, wd_ratio=0.5, nesterov=True),
+    ),
     "rmsprop_tf": (
         lambda p: FusedRMSpropTF(p, lr=1e-3, momentum=0.9, weight_decay=1e-2),
         lambda p, gs: rmsprop_tf_reference(p, gs, 1e-3, 0.9, 1e-10, 1e-2, 0.9),
@@ -293,7 +297,11 @@ def test_matches_float64_reference_over_100_steps(case, dtype, tol):
     opt = make_ours(params)
     grad_seq = []
     for _ in range(100):
-        grads = scale_invariant_grads(params) if case == "adamp" else [torch.randn(p.shape).double() for p in params]
+        grads = (
+            scale_invariant_grads(params)
+            if case.startswith("adamp")
+            else [torch.randn(p.shape).double() for p in params]
+        )
         grad_seq.append(grads)
         for p, g in zip(params, grads, strict=True):
             p.grad = g.to(dtype)
@@ -628,7 +636,7 @@ def test_cuda_matches_float64_reference_over_100_steps(case, dtype, tol, cuda_ba
     opt = make_ours(params)
     grad_seq = []
     for _ in range(100):
-        grads = scale_invariant_grads([p.cpu() for p in params]) if case == "adamp" else None
+        grads = scale_invariant_grads([p.cpu() for p in params]) if case.startswith("adamp") else None
         grads = grads or [torch.randn(p.shape).double() for p in params]
         grad_seq.append(grads)
         for p, g in zip(params, grads, strict=True):
