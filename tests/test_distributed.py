@@ -62,7 +62,7 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     accumulate = 2 if scenario == "ddp_accumulate" else 1
     single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
                     "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
-                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": accumulate}})  # fmt: skip
+                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": accumulate, "device": "cpu"}})  # fmt: skip
     single.fit()
     for key, value in single.module.state_dict().items():
         torch.testing.assert_close(rank0["model"][key], value, rtol=1e-5, atol=1e-6)
@@ -83,7 +83,7 @@ def test_accumulating_with_loss_scaling_or_masters_keeps_ranks_identical_and_equ
         precision = {"opt_level": "O2", "dtype": "bfloat16"}
     single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
                     "logging": {"tensorboard": False}, "checkpoint": {"enabled": False}, "precision": precision,
-                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": 2}})  # fmt: skip
+                    "trainer": {"max_epochs": 2, "accumulate_grad_batches": 2, "device": "cpu"}})  # fmt: skip
     single.fit()
     for key, value in single.module.state_dict().items():  # equal up to the low precision's rounding
         torch.testing.assert_close(rank0["model"][key].float(), value.float(), rtol=2e-2, atol=2e-2)
@@ -103,7 +103,7 @@ def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_pro
     from dist_worker import Evaluated
 
     cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
-           "trainer": {"max_epochs": 1, "progress_bar": False}}  # fmt: skip
+           "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
     single = Evaluated(cfg)
     single.fit()
     expected_val = single.validate()

@@ -17,7 +17,8 @@ def _trainer(tmp_path, **trainer_overrides) -> DigitsTrainer:
     cfg = {
         "trainer_class": "examples.digits:DigitsTrainer",
         "run_dir": str(tmp_path),
-        "trainer": {"val_every_n_epochs": 0, "max_epochs": 100, **trainer_overrides},
+        # the hand loop runs on the CPU: on a machine with a GPU, device auto would put the Trainer there
+        "trainer": {"val_every_n_epochs": 0, "max_epochs": 100, "device": "cpu", **trainer_overrides},
         "logging": {"tensorboard": False},
         "checkpoint": {"enabled": False},
     }

@@ -62,10 +62,14 @@ class ToyTrainer(ampkit.Trainer):
 
 
 def toy_cfg(tmp_path, **overrides) -> dict:
-    """A config dict for ToyTrainer writing under ``tmp_path``; ``overrides`` use dotted keys."""
+    """A config dict for ToyTrainer writing under ``tmp_path``; ``overrides`` use dotted keys. On the CPU unless an
+    override says otherwise: the tests compare with tensors they build on the CPU, and on a machine with a GPU the
+    default device (auto) would put the toy there; the CUDA tests name their device."""
     from omegaconf import OmegaConf
 
-    base = OmegaConf.create({"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run")})
+    base = OmegaConf.create(
+        {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run"), "trainer": {"device": "cpu"}}
+    )
     dotted = OmegaConf.from_dotlist([f"{k}={v}" for k, v in overrides.items()])
     return OmegaConf.to_container(OmegaConf.merge(base, dotted))
 
