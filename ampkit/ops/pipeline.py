@@ -59,9 +59,10 @@ def fused_unscale_clip_step_(
         return False, torch.zeros((), dtype=torch.float32)
     found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
     total = multi_tensor.unscale_l2norm(grads, inv_scale, found).total
-    if bool(found.item()):
+    found_value, total_value = torch.stack([found.reshape(()), total.reshape(()).float()]).tolist()  # one read
+    if found_value:
         return True, torch.tensor(math.nan, dtype=torch.float32)
-    norm = np.float32(total.item())
+    norm = np.float32(total_value)
     grad_norm = torch.tensor(norm, dtype=torch.float32)
     factor = inv_scale
     if max_norm is not None:
