@@ -12,25 +12,71 @@ from ampkit.ops.optimizers._base import NO_SCALER, Bucket, FusedOptimizer, Scale
 from ampkit.ops.optimizers._kernels import op
 
 
-def _init_rmsprop_state(param: Tensor, state: dict[str, Any], group: dict[str, Any], square_init: float) -> None:
-    dtype = acc_dtype(param)
-    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-    state["square_avg"] = torch.full_like(param, square_init, dtype=dtype)
-    if group["momentum"] > 0:
-        state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
-    if group["centered"]:
-        state["grad_avg"] = torch.zeros_like(param, dtype=dtype)
+class _RMSpropFamily(FusedOptimizer):
+    """What both RMSprops share: their state (``step``, ``square_avg`` from ``_square_init``, ``momentum_buffer``
+    with momentum, ``grad_avg`` when centered), their hyper-parameter checks and their kernel call, whose schema
+    takes the group's ``_extra_options`` after ``centered``."""
+
+    _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
+    _scaler_in_kernel = True
+    _op: str
+    _square_init: float
+    _extra_options: tuple[str, ...] = ()
+
+    def _setup(
+        self,
+        params: Iterable[Any],
+        hyper: dict[str, float],
+        options: dict[str, Any],
+        master_weights: bool,
+        set_grad_none: bool,
+        backend: str | None,
+    ) -> None:
+        for name, value in hyper.items():
+            check_hyper(name, value)
+        FusedOptimizer.__init__(self, params, {**hyper, **options}, master_weights, set_grad_none, backend)
+
+    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        dtype = acc_dtype(param)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        state["square_avg"] = torch.full_like(param, self._square_init, dtype=dtype)
+        if group["momentum"] > 0:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
+        if group["centered"]:
+            state["grad_avg"] = torch.zeros_like(param, dtype=dtype)
+
+    def _update(
+        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
+    ) -> None:
+        op(self._op, bucket.device)(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("square_avg"),
+            bucket.state_list("grad_avg") if group["centered"] else [],
+            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            group["lr"],
+            group["alpha"],
+            group["eps"],
+            group["weight_decay"],
+            group["momentum"],
+            group["centered"],
+            *(group[name] for name in self._extra_options),
+            grad_factor,
+            *scaler,
+        )
 
 
-class FusedRMSprop(FusedOptimizer):
+class FusedRMSprop(_RMSpropFamily):
     """RMSprop as ``torch.optim.RMSprop`` (state ``step``, ``square_avg``, ``momentum_buffer``, ``grad_avg``).
 
     Example:
         >>> opt = FusedRMSprop(model.parameters(), lr=1e-2, momentum=0.9, centered=True)  # doctest: +SKIP
     """
 
-    _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
-    _scaler_in_kernel = True
+    _op = "rmsprop_step"
+    _square_init = 0.0
 
     def __init__(
         self,
@@ -47,48 +93,12 @@ class FusedRMSprop(FusedOptimizer):
         *,
         backend: str | None = None,
     ) -> None:
-        check_hyper("lr", lr)
-        check_hyper("alpha", alpha)
-        check_hyper("eps", eps)
-        check_hyper("weight_decay", weight_decay)
-        check_hyper("momentum", momentum)
-        defaults = dict(
-            lr=lr,
-            alpha=alpha,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            centered=centered,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults, master_weights, set_grad_none, backend)
-
-    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        _init_rmsprop_state(param, state, group, 0.0)
-
-    def _update(
-        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
-    ) -> None:
-        op("rmsprop_step", bucket.device)(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("square_avg"),
-            bucket.state_list("grad_avg") if group["centered"] else [],
-            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
-            bucket.masters(),
-            bucket.state_list("step"),
-            group["lr"],
-            group["alpha"],
-            group["eps"],
-            group["weight_decay"],
-            group["momentum"],
-            group["centered"],
-            grad_factor,
-            *scaler,
-        )
+        hyper = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
+        options = dict(centered=centered, maximize=maximize)
+        self._setup(params, hyper, options, master_weights, set_grad_none, backend)
 
 
-class FusedRMSpropTF(FusedOptimizer):
+class FusedRMSpropTF(_RMSpropFamily):
     """TensorFlow-style RMSprop as timm's ``RMSpropTF``: ``eps`` inside the square root, ``square_avg``
     starting at one, optional decoupled weight decay, and (by default) the learning rate applied inside
     the momentum buffer, which keeps the buffer consistent when the learning rate changes.
@@ -97,8 +107,9 @@ class FusedRMSpropTF(FusedOptimizer):
         >>> opt = FusedRMSpropTF(model.parameters(), lr=1e-2, momentum=0.9)  # doctest: +SKIP
     """
 
-    _acc_state_keys = ("square_avg", "momentum_buffer", "grad_avg")
-    _scaler_in_kernel = True
+    _op = "rmsprop_tf_step"
+    _square_init = 1.0
+    _extra_options = ("decoupled_decay", "lr_in_momentum")
 
     def __init__(
         self,
@@ -117,46 +128,8 @@ class FusedRMSpropTF(FusedOptimizer):
         *,
         backend: str | None = None,
     ) -> None:
-        check_hyper("lr", lr)
-        check_hyper("alpha", alpha)
-        check_hyper("eps", eps)
-        check_hyper("weight_decay", weight_decay)
-        check_hyper("momentum", momentum)
-        defaults = dict(
-            lr=lr,
-            alpha=alpha,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            centered=centered,
-            decoupled_decay=decoupled_decay,
-            lr_in_momentum=lr_in_momentum,
-            maximize=maximize,
+        hyper = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
+        options = dict(
+            centered=centered, decoupled_decay=decoupled_decay, lr_in_momentum=lr_in_momentum, maximize=maximize
         )
-        super().__init__(params, defaults, master_weights, set_grad_none, backend)
-
-    def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        _init_rmsprop_state(param, state, group, 1.0)
-
-    def _update(
-        self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
-    ) -> None:
-        op("rmsprop_tf_step", bucket.device)(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("square_avg"),
-            bucket.state_list("grad_avg") if group["centered"] else [],
-            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
-            bucket.masters(),
-            bucket.state_list("step"),
-            group["lr"],
-            group["alpha"],
-            group["eps"],
-            group["weight_decay"],
-            group["momentum"],
-            group["centered"],
-            group["decoupled_decay"],
-            group["lr_in_momentum"],
-            grad_factor,
-            *scaler,
-        )
+        self._setup(params, hyper, options, master_weights, set_grad_none, backend)
