@@ -46,16 +46,14 @@ double choose_projection(const std::vector<RowSums>& rows, int64_t cols, double 
     total.pq += r.pq;
   }
   coefs.assign(rows.size(), 0.0);
-  if (max_cos < delta / std::sqrt(static_cast<double>(cols))) {
+  const int choice = adamp_choice(max_cos, total.gp, total.gg, total.pp, static_cast<double>(rows.size()),
+                                  static_cast<double>(cols), delta, eps);
+  if (choice == 1) {
     for (size_t i = 0; i < rows.size(); ++i) coefs[i] = adamp_radial_coef(rows[i].pq, rows[i].pp, eps);
-    return wd_ratio;
-  }
-  const double numel = static_cast<double>(cols) * static_cast<double>(rows.size());
-  if (adamp_abs_cosine(total.gp, total.gg, total.pp, eps) < delta / std::sqrt(numel)) {
+  } else if (choice == 2) {
     std::fill(coefs.begin(), coefs.end(), adamp_radial_coef(total.pq, total.pp, eps));
-    return wd_ratio;
   }
-  return 1.0;
+  return choice != 0 ? wd_ratio : 1.0;
 }
 
 // One tensor's lists. Each pass copies the pointers into __restrict__ locals and the hyper-parameters into a

@@ -295,6 +295,16 @@ C10_HOST_DEVICE inline double adamp_radial_coef(double pq, double pp, double eps
   return pq / (norm * norm);
 }
 
+// AdamP's projection, from the largest row |cos| and the whole tensor's sums: 1 channel-wise (every row's |cos|
+// under delta / sqrt(cols)), 2 layer-wise (the tensor's under delta / sqrt(numel)), 0 none. The CPU and CUDA
+// kernels both decide through it, so they project the same tensors.
+C10_HOST_DEVICE inline int adamp_choice(double max_cos, double gp, double gg, double pp, double rows, double cols,
+                                        double delta, double eps) {
+  if (max_cos < delta / std::sqrt(cols)) return 1;
+  if (adamp_abs_cosine(gp, gg, pp, eps) < delta / std::sqrt(rows * cols)) return 2;
+  return 0;
+}
+
 template <typename acc_t>
 C10_HOST_DEVICE inline void adamp_apply(acc_t& p, acc_t perturb, acc_t coef, acc_t decay_factor,
                                         const AdamPHyper<acc_t>& h) {

@@ -242,10 +242,7 @@ __global__ void adamp_choose_kernel(const double* sums, int64_t rows, int64_t co
   __shared__ int choice;  // 0 none, 1 channel-wise, 2 layer-wise
   __shared__ double layer_coef;
   if (threadIdx.x == 0) {
-    const double numel = static_cast<double>(rows) * static_cast<double>(cols);
-    choice = max_cos < o.delta / sqrt(static_cast<double>(cols))             ? 1
-             : adamp_abs_cosine(gp, gg, pp, o.eps) < o.delta / sqrt(numel) ? 2
-                                                                             : 0;
+    choice = adamp_choice(max_cos, gp, gg, pp, static_cast<double>(rows), static_cast<double>(cols), o.delta, o.eps);
     layer_coef = adamp_radial_coef(pq, pp, o.eps);
     *decay = 1.0 - o.lr_wd * (choice != 0 ? o.wd_ratio : 1.0);
   }
