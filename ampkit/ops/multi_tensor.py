@@ -116,9 +116,12 @@ def _run(kernel_name: str, reference_op, kernel_args: tuple, reference_args: tup
         return reference_op(*reference_args)
 
 
-def _as_list(tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+def _as_list(tensors: Sequence[torch.Tensor], name: str, none_allowed: bool = False) -> list[torch.Tensor]:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"`{name}` must be a list or tuple of tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) and not (none_allowed and t is None):
+            raise TypeError(f"`{name}[{i}]` must be a tensor, got {type(t).__name__}")
     return list(tensors)
 
 
@@ -188,7 +191,7 @@ def combine_(
     where nothing is stashed; ``stash[i]`` has ``out[i]``'s dtype; ``out`` may alias ``new`` or ``stash``.
     """
     new, out = _as_list(new, "new"), _as_list(out, "out")
-    stash = [] if stash is None else _as_list(stash, "stash")
+    stash = [] if stash is None else _as_list(stash, "stash", none_allowed=True)
     inv_scale = _factor(inv_scale, "inv_scale")
     if kernel_available(found_inf.device):
         args = (new, stash, out, inv_scale, found_inf)

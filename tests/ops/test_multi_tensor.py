@@ -336,6 +336,27 @@ BAD_CALLS = {
         lambda: mt.unscale_l2norm([ones()], 1.0, flag(), out=[ones(), ones()]),
         r"`out` has 2 tensors but `inputs` has 1",
     ),
+    # out may be its input (in place) but not a shifted view of it: parallel chunks would race
+    "out_partly_shared": (
+        lambda: (lambda x: mt.scale_([ones(), x[1:]], 2.0, flag(), out=[ones(), x[:-1]]))(ones(9)),
+        r"`out\[1\]` shares part of its memory with `inputs\[1\]`",
+    ),
+    "out_expanded": (
+        lambda: mt.scale_([ones()], 2.0, flag(), out=[torch.zeros(1).expand(3)]),
+        r"`out\[0\]` holds one element at several positions",
+    ),
+    "axpby_out_partly_y": (
+        lambda: (lambda y: mt.axpby_(1.0, [ones(4)], 1.0, [y[:4]], [y[2:]], flag()))(ones(6)),
+        r"`out\[0\]` shares part of its memory with `y\[0\]`",
+    ),
+    "combine_out_partly_stash": (
+        lambda: (lambda s: mt.combine_([ones(4)], [s[1:]], [s[:4]], 1.0, flag()))(ones(5)),
+        r"`out\[0\]` shares part of its memory with `stash\[0\]`",
+    ),
+    "norm_out_partly_shared": (
+        lambda: (lambda x: mt.unscale_l2norm([x[:4]], 1.0, flag(), out=[x[2:6]]))(ones(8)),
+        r"`out\[0\]` shares part of its memory with `inputs\[0\]`",
+    ),
 }
 
 
@@ -350,6 +371,26 @@ def test_bad_input_names_the_argument(case):
 def test_a_single_tensor_is_not_a_list():
     with pytest.raises(TypeError, match="`inputs` must be a list or tuple of tensors"):
         mt.l2norm(torch.ones(3))
+
+
+def test_a_list_of_numbers_is_refused_naming_the_entry():
+    with pytest.raises(TypeError, match=r"`inputs\[1\]` must be a tensor, got float"):
+        mt.l2norm([torch.ones(3), 2.0])
+    with pytest.raises(TypeError, match=r"`out\[0\]` must be a tensor, got NoneType"):
+        mt.scale_([torch.ones(3)], 2.0, flag(), out=[None])
+
+
+@pytest.mark.usefixtures("any_mode")
+def test_in_place_and_disjoint_views_of_one_buffer_are_allowed():
+    """What the overlap check lets through: the input itself as out, and views that do not intersect (a flat
+    gradient buffer split per parameter, as DDP and Apex's flattened masters lay them out)."""
+    buffer = torch.arange(1.0, 9.0)
+    halves = [buffer[:4], buffer[4:]]
+    mt.scale_(halves, 2.0, flag())
+    assert torch.equal(buffer, torch.arange(1.0, 9.0) * 2)
+    source = torch.arange(1.0, 9.0)
+    mt.scale_([source[4:]], 0.5, flag(), out=[source[:4]])  # out reads from the other half
+    assert torch.equal(source[:4], torch.arange(5.0, 9.0) * 0.5)
 
 
 @pytest.mark.usefixtures("any_mode")

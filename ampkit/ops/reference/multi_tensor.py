@@ -45,6 +45,51 @@ def _check_list(op: str, tensors: Sequence[torch.Tensor], name: str, device: tor
         _check_tensor(op, t, name, i, device, None if like is None else like[i].numel())
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers one gap-free block of memory, each element once, in some dimension order."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch's overlap rule (``at::get_overlap_status``): two dense tensors of one storage whose bytes intersect
+    without coinciding. Tensors it cannot judge (not dense) count as separate, as there."""
+    if a.numel() == 0 or b.numel() == 0 or not (_dense(a) and _dense(b)):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_start, a_end), (b_start, b_end) = _byte_range(a), _byte_range(b)
+    return (a_start, a_end) != (b_start, b_end) and a_start < b_end and b_start < a_end
+
+
+def _check_writable(op: str, out: torch.Tensor, name: str, i: int, read: torch.Tensor, read_name: str) -> None:
+    """``out`` may be ``read`` itself (in place), but not part of it, nor an expanded tensor (the kernels write in
+    parallel chunks: the result would depend on their order)."""
+    if not _dense(out) and any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape, strict=True)):
+        raise RuntimeError(
+            f"{op}: `{name}[{i}]` holds one element at several positions (an expanded tensor?); pass one that owns "
+            "its memory, e.g. its clone()"
+        )
+    if _partly_shared(out, read):
+        raise RuntimeError(
+            f"{op}: `{name}[{i}]` shares part of its memory with `{read_name}[{i}]`; pass the same tensor (in place) "
+            "or separate ones"
+        )
+
+
+def _check_writable_list(op: str, out: Sequence[torch.Tensor], name: str, read: Sequence[torch.Tensor], read_name: str):
+    for i, (o, r) in enumerate(zip(out, read, strict=True)):
+        _check_writable(op, o, name, i, r, read_name)
+
+
 def _check_flag(op: str, flag: torch.Tensor, device: torch.device) -> None:
     if flag.numel() != 1:
         raise RuntimeError(f"{op}: `found_inf` must have exactly one element, got {flag.numel()}")
@@ -74,6 +119,7 @@ def scale_(
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
     _check_list(op, outputs, "out", device, like=inputs)
+    _check_writable_list(op, outputs, "out", inputs, "inputs")
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -111,6 +157,8 @@ def axpby_(
             raise RuntimeError(
                 f"{op}: `y[{i}]` has dtype {yi.dtype} but `x[{i}]` has {xi.dtype}; x and y must share a dtype"
             )
+    _check_writable_list(op, out, "out", x, "x")
+    _check_writable_list(op, out, "out", y, "y")
     seen = False
     for xi, yi, oi in zip(x, y, out, strict=True):
         acc = _acc_dtype(xi.dtype, oi.dtype)
@@ -144,6 +192,7 @@ def combine_(
     _check_flag(op, found_inf, device)
     _check_list(op, new, "new", device)
     _check_list(op, out, "out", device, like=new)
+    _check_writable_list(op, out, "out", new, "new")
     for i, s in enumerate(stash):
         if s is None:
             continue
@@ -152,6 +201,7 @@ def combine_(
             raise RuntimeError(
                 f"{op}: `stash[{i}]` has dtype {s.dtype} but `out[{i}]` has {out[i].dtype}; they must match"
             )
+        _check_writable(op, out[i], "out", i, s, "stash")
     seen = False
     for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
         acc = _acc_dtype(ni.dtype, oi.dtype)
@@ -189,6 +239,8 @@ def unscale_l2norm(
     _check_flag(op, found_inf, device)
     _check_list(op, inputs, "inputs", device)
     _check_list(op, outputs, "out", device, like=inputs)
+    if outputs:
+        _check_writable_list(op, outputs, "out", inputs, "inputs")
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 

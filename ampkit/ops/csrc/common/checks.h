@@ -1,6 +1,7 @@
 // Argument checks for multi-tensor ops: every message names the op, the argument and the index.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -41,6 +42,24 @@ inline void check_list(const char* op, at::TensorList list, const char* name, co
 inline void check_list_like(const char* op, at::TensorList list, const char* name, at::TensorList ref,
                             const at::Device& device) {
   for (size_t i = 0; i < list.size(); ++i) check_tensor(op, list[i], name, i, device, ref[i].numel());
+}
+
+// `out` (named `name`) is written while the matching tensor of `read` (named `read_name`) is read, in parallel
+// chunks: it may be that tensor itself (in place) but may not share only part of its memory, nor hold one
+// element twice (an expanded tensor), or the result would depend on the order of the chunks.
+inline void check_writable(const char* op, const at::Tensor& out, const char* name, size_t i,
+                           const at::Tensor& read, const char* read_name) {
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": `", name, "[", i,
+              "]` holds one element at several positions (an expanded tensor?); pass one that owns its memory, "
+              "e.g. its clone()");
+  TORCH_CHECK(at::get_overlap_status(out, read) != at::MemOverlapStatus::Partial, op, ": `", name, "[", i,
+              "]` shares part of its memory with `", read_name, "[", i,
+              "]`; pass the same tensor (in place) or separate ones");
+}
+
+inline void check_writable(const char* op, at::TensorList out, const char* name, at::TensorList read,
+                           const char* read_name) {
+  for (size_t i = 0; i < out.size(); ++i) check_writable(op, out[i], name, i, read[i], read_name);
 }
 
 // The overflow flag: one float32 or int32 element on the op's device, set to 1 on a non-finite value.

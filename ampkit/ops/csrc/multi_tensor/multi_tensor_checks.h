@@ -18,6 +18,7 @@ inline void check_scale_args(const char* op, at::TensorList inputs, at::TensorLi
   check_flag(op, flag, "found_inf", device);
   check_list(op, inputs, "inputs", device);
   check_list_like(op, outputs, "out", inputs, device);
+  check_writable(op, outputs, "out", inputs, "inputs");
 }
 
 inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y, at::TensorList out,
@@ -35,6 +36,8 @@ inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y,
     TORCH_CHECK(x[i].scalar_type() == y[i].scalar_type(), op, ": `y[", i, "]` has dtype ", y[i].scalar_type(),
                 " but `x[", i, "]` has ", x[i].scalar_type(), "; x and y must share a dtype");
   }
+  check_writable(op, out, "out", x, "x");
+  check_writable(op, out, "out", y, "y");
 }
 
 // Returns the stash as contiguous tensors, undefined where nothing is stashed.
@@ -49,6 +52,7 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
   check_flag(op, flag, "found_inf", device);
   check_list(op, fresh, "new", device);
   check_list_like(op, out, "out", fresh, device);
+  check_writable(op, out, "out", fresh, "new");
   std::vector<at::Tensor> stashed(fresh.size());
   for (size_t i = 0; has_stash && i < fresh.size(); ++i) {
     const std::optional<at::Tensor> entry = stash[i];
@@ -56,6 +60,7 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
     check_tensor(op, *entry, "stash", i, device, fresh[i].numel());
     TORCH_CHECK(entry->scalar_type() == out[i].scalar_type(), op, ": `stash[", i, "]` has dtype ",
                 entry->scalar_type(), " but `out[", i, "]` has ", out[i].scalar_type(), "; they must match");
+    check_writable(op, out[i], "out", i, *entry, "stash");
     stashed[i] = entry->contiguous();
   }
   return stashed;
@@ -68,6 +73,7 @@ inline void check_unscale_l2norm_args(const char* op, at::TensorList inputs, at:
   check_flag(op, flag, "found_inf", device);
   check_list(op, inputs, "inputs", device);
   check_list_like(op, outputs, "out", inputs, device);
+  check_writable(op, outputs, "out", inputs, "inputs");
 }
 
 // Norm results are float32, or float64 when an input is float64.
