@@ -32,6 +32,7 @@ as Apex does.
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -75,15 +76,24 @@ ShapeLike = int | Sequence[int] | torch.Size
 
 
 def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
     try:
-        shape = tuple(int(s) for s in normalized_shape)
+        if isinstance(normalized_shape, numbers.Integral):
+            shape: tuple[int, ...] = (int(normalized_shape),)
+        else:
+            shape = tuple(int(s) for s in normalized_shape)
     except TypeError:
         raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
     return shape
+
+
+def _check_eps(op: str, eps: float) -> None:
+    """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
 def _check_inputs(
@@ -261,6 +271,7 @@ def _layer_norm(
         with torch.autocast(input.device.type, enabled=False):
             return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, bias)
+    _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
         return F.layer_norm(input, shape, weight, bias, eps)
@@ -285,6 +296,7 @@ def _rms_norm(
         with torch.autocast(input.device.type, enabled=False):
             return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, None)
+    _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
         return F.rms_norm(input, shape, weight, eps)
@@ -391,6 +403,7 @@ class FusedLayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
+        _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
@@ -452,6 +465,7 @@ class FusedRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
+        _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient

@@ -285,6 +285,19 @@ def test_wrong_normalized_shape_is_named():
         fused_rms_norm(x, (2, 4, 6))
     with pytest.raises(ValueError, match="at least one dimension"):
         fused_layer_norm(x, ())
+    with pytest.raises(ValueError, match=r"sizes >= 0, got \[-6\]"):
+        FusedLayerNorm(-6)
+
+
+@pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
+def test_an_eps_that_would_give_nan_is_refused_where_it_is_given(eps):
+    """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it."""
+    for module in (FusedLayerNorm, FusedRMSNorm):
+        with pytest.raises(ValueError, match=rf"{module.__name__}: eps must be a finite number >= 0, got"):
+            module(6, eps=eps)
+    with pytest.raises(ValueError, match="fused_rms_norm: eps must be a finite number >= 0"):
+        fused_rms_norm(torch.randn(2, 6), 6, eps=eps)
+    assert torch.isfinite(FusedLayerNorm(6, eps=0.0)(torch.randn(3, 6))).all()
 
 
 def test_bad_weight_and_bias_are_named():
