@@ -195,6 +195,14 @@ def test_loss_id_out_of_range_names_num_losses():
             pass
 
 
+def test_a_loss_read_to_a_number_is_named():
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(TypeError, match="expects the loss as a tensor, got float"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum().item(), optimizer):
+            pass
+
+
 def test_initializing_the_same_optimizer_twice_is_an_error():
     model = _model()
     optimizer = _sgd(model)

@@ -67,6 +67,11 @@ def scale_loss(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"amp.scale_loss expects the loss as a tensor, got {type(loss).__name__}: a number has no graph to "
+            "backpropagate (pass the loss before .item())"
+        )
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
