@@ -32,7 +32,9 @@ _APEX_NAMES = (
     "FusedRMSpropTF",
     "FusedMixedPrecisionLamb",
 )
-__all__ = list(_APEX_NAMES)
+# Apex's first API (its first FusedAdam's wrapper), kept by BERT fine-tuning scripts: see legacy_fused_adam.
+_LEGACY_NAMES = ("FP16_Optimizer",)
+__all__ = [*_APEX_NAMES, *_LEGACY_NAMES]
 
 # Apex counted these optimizers' steps per param group: their Apex names do the same.
 _GROUP_STEP_NAMES = ("FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb")
@@ -112,6 +114,16 @@ def _fused_adam_step(base: type) -> Callable[..., Any]:
     return step
 
 
+def _first_fused_adam_when_asked(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``FusedAdam(..., max_grad_norm=1.0)`` and the like: an argument only Apex's first FusedAdam took builds
+    that one (:class:`~ampkit.compat.legacy_fused_adam.LegacyFusedAdam`), as the scripts written for it expect."""
+    from ampkit.compat import legacy_fused_adam
+
+    if any(name in kwargs for name in legacy_fused_adam.LEGACY_ONLY_ARGUMENTS):
+        return legacy_fused_adam.LegacyFusedAdam(*args, **kwargs)
+    return object.__new__(cls)
+
+
 def _apex_class(name: str, base: type) -> type:
     """``base`` under Apex's name, setting Apex's attributes after ``base.__init__``."""
     signature = inspect.signature(base.__init__)
@@ -143,13 +155,17 @@ def _apex_class(name: str, base: type) -> type:
     if name == "FusedAdam":
         namespace["param_groups_master"] = property(_param_groups_master)
         namespace["step"] = _fused_adam_step(base)
+        namespace["__new__"] = _first_fused_adam_when_asked
     return type(name, (base,), namespace)
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}; Apex optimizer names are {__all__}")
-    value = _apex_class(name, getattr(importlib.import_module(_TARGET_MODULE), name))
+    if name in _LEGACY_NAMES:
+        value = getattr(importlib.import_module("ampkit.compat.legacy_fused_adam"), name)
+    else:
+        value = _apex_class(name, getattr(importlib.import_module(_TARGET_MODULE), name))
     globals()[name] = value
     return value
 

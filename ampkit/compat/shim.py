@@ -38,6 +38,7 @@ _MODULE_ALIASES = {
     "apex.optimizers.fused_novograd": "ampkit.compat.optimizers",
     "apex.optimizers.fused_adagrad": "ampkit.compat.optimizers",
     "apex.optimizers.fused_mixed_precision_lamb": "ampkit.compat.optimizers",
+    "apex.optimizers.fp16_optimizer": "ampkit.compat.legacy_fused_adam",
     "apex.parallel.distributed": "ampkit.compat.parallel.distributed",
     "apex.parallel.LARC": "ampkit.compat.parallel.larc",
     "apex.parallel.sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",

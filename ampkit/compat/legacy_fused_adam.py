@@ -1,0 +1,332 @@
+"""Apex's first fused-optimizer API (2018-2019), which BERT fine-tuning scripts of that time were written against::
+
+    from apex.optimizers import FP16_Optimizer, FusedAdam
+    optimizer = FusedAdam(params, lr=lr, bias_correction=False, max_grad_norm=1.0)
+    optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)  # or static_loss_scale=128.0
+    model.half()
+    ...
+    optimizer.backward(loss); optimizer.step(); optimizer.zero_grad()
+
+Apex later moved both to ``apex.contrib.optimizers`` and gave ``apex.optimizers.FusedAdam`` another signature.
+Through the shim, ``apex.optimizers.FusedAdam`` built with an argument only the first one had (``max_grad_norm``,
+``eps_inside_sqrt``, ``use_mt``, ``amp_scale_adjustment``) is :class:`LegacyFusedAdam`, and
+``apex.optimizers.FP16_Optimizer`` is :class:`FP16_Optimizer`.
+
+The update is Apex's first kernel's, in float32: with ``g = grad / combined_scale``, ``m = b1 m + (1 - b1) g``,
+``v = b2 v + (1 - b2) g^2``, ``denom = sqrt(v) + eps`` (``sqrt(v + eps)`` with ``eps_inside_sqrt``),
+``p -= step_size * (m / denom + weight_decay * p)`` where ``step_size = lr * sqrt(1 - b2^t) / (1 - b1^t)``
+(``lr`` without bias correction). ``combined_scale`` is ``scale``, raised by ``max_grad_norm`` clipping to
+``scale * (norm / scale + 1e-6) / max_grad_norm`` when that ratio exceeds 1 (the norm is of the scaled grads).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ampkit.ops.multi_tensor import unscale_l2norm
+from ampkit.ops.optimizers._base import check_hyper
+
+# Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
+LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
+
+
+def _per_group(values: Any, groups: int) -> list:
+    """The first FusedAdam's reading of ``grads``/``output_params``: None, one flat list (one group), or a list
+    of lists (one per group)."""
+    if values is None:
+        return [None] * groups
+    if isinstance(values, types.GeneratorType):
+        return [list(values)]
+    values = list(values)
+    if values and not isinstance(values[0], list | tuple):
+        return [values]
+    return values
+
+
+class LegacyFusedAdam(torch.optim.Optimizer):
+    """Apex's first ``FusedAdam``: Adam with decoupled weight decay scaled by the step size, optional
+    ``max_grad_norm`` clipping folded into the gradient scale, and a ``step`` that can take the gradients, a
+    reduced-precision copy to write the new weights into, the loss scale and the gradient norms."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        use_mt: bool = False,
+        amp_scale_adjustment: float = 1.0,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        check_hyper("lr", float(lr))
+        check_hyper("eps", eps)
+        check_hyper("betas[0]", betas[0], 0.0, 1.0)
+        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("max_grad_norm", max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(params, defaults)
+        self.eps_mode = 0 if eps_inside_sqrt else 1  # Apex's attribute: 0 adds eps inside the square root
+        self._amp_scale_adjustment = amp_scale_adjustment  # read only by Apex's long-gone amp integration
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        grads: Any = None,
+        output_params: Any = None,
+        scale: float = 1.0,
+        grad_norms: Sequence[Any] | None = None,
+    ) -> Any:
+        """One Adam step. ``grads``: the gradients to use instead of ``p.grad`` (fp16 gradients of fp32
+        parameters, say); ``output_params``: tensors that receive a copy of the new weights (the fp16 model of
+        fp32 masters); ``scale``: the factor the gradients carry; ``grad_norms``: each group's norm of those
+        scaled gradients, for ``max_grad_norm`` (computed here when not given)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = len(self.param_groups)
+        grads_per_group = _per_group(grads, groups)
+        outputs_per_group = _per_group(output_params, groups)
+        norms = list(grad_norms) if grad_norms is not None else [None] * groups
+        for group, group_grads, group_outputs, norm in zip(
+            self.param_groups, grads_per_group, outputs_per_group, norms, strict=True
+        ):
+            params = group["params"]
+            group_grads = [None] * len(params) if group_grads is None else list(group_grads)
+            group_outputs = [None] * len(params) if group_outputs is None else list(group_outputs)
+            chosen = [g if g is not None else p.grad for p, g in zip(params, group_grads, strict=True)]
+            combined_scale = float(scale)
+            if group["max_grad_norm"] > 0:
+                if norm is None:
+                    present = [g for g in chosen if g is not None]
+                    flag = torch.zeros(1, device=present[0].device if present else "cpu")
+                    norm = unscale_l2norm(present, 1.0, flag).total
+                clip = (float(norm) / combined_scale + 1e-6) / group["max_grad_norm"]
+                if clip > 1:
+                    combined_scale = clip * combined_scale
+            for p, grad, output in zip(params, chosen, group_outputs, strict=True):
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        "FusedAdam does not support sparse gradients, please consider SparseAdam instead"
+                    )
+                self._update(p, grad, output, group, combined_scale)
+        return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, output: torch.Tensor | None, group: dict, scale: float):
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        step_size = group["lr"]
+        if group["bias_correction"]:
+            step_size *= math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        weight = p.float()
+        g = grad.float() / scale
+        m = exp_avg.float().mul_(beta1).add_(g, alpha=1 - beta1)
+        v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v + group["eps"]).sqrt_() if self.eps_mode == 0 else v.sqrt().add_(group["eps"])
+        update = (m / denom).add_(weight, alpha=group["weight_decay"])
+        weight.add_(update, alpha=-step_size)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+        p.copy_(weight)
+        if output is not None:
+            output.copy_(weight)
+
+
+class FP16_Optimizer:  # noqa: N801 - Apex's name
+    """Apex's first ``FP16_Optimizer``: fp32 masters of an fp16 model for a fused optimizer.
+
+    The masters replace the model's parameters in the wrapped optimizer's groups. ``backward(loss)`` runs the
+    backward of ``loss * cur_scale`` into the fp16 grads; ``step()`` measures each group's fp16 gradient norm
+    and, when every one is finite, hands the fp16 grads, the fp16 params (to receive the new weights), the scale
+    and the norms to :class:`LegacyFusedAdam`'s step; an inf/nan skips the step. Any other optimizer gets the
+    unscaled gradients as fp32 master grads, steps, and its masters are copied into the model.
+
+    Dynamic scaling as Apex's: start at ``2**16``, halve on overflow (floor 1), double every ``scale_window``
+    (1000) iterations counted from the last overflow. ``dynamic_loss_args`` may set ``init_scale``,
+    ``scale_factor`` and ``scale_window`` (Apex refused any).
+    """
+
+    _DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window")
+
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: Mapping[str, Any] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
+        self.optimizer = init_optimizer
+        self.fp16_groups: list[list[torch.Tensor]] = []  # the model's params
+        self.fp32_groups: list[list[torch.Tensor]] = []  # their fp32 masters, stepped by the optimizer
+        for group in self.optimizer.param_groups:
+            self.fp16_groups.append(list(group["params"]))
+            masters = [p.detach().clone().float() for p in group["params"]]
+            self.fp32_groups.append(masters)
+            group["params"] = masters
+        self._legacy_step = isinstance(init_optimizer, LegacyFusedAdam)
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.cur_iter = 0
+        if self.dynamic_loss_scale:
+            args = dict(dynamic_loss_args or {})
+            unknown = sorted(set(args) - set(self._DYNAMIC_ARGS))
+            if unknown:
+                raise ValueError(
+                    f"FP16_Optimizer: dynamic_loss_args has {unknown}; the keys it takes are {list(self._DYNAMIC_ARGS)}"
+                )
+            self.cur_scale = float(args.get("init_scale", 2.0**16))
+            self.scale_factor = float(args.get("scale_factor", 2))
+            self.scale_window = int(args.get("scale_window", 1000))
+            self.last_overflow_iter = -1
+            check_hyper("init_scale", self.cur_scale, 0.0)
+            if not (self.scale_factor > 1 and self.scale_window >= 1):
+                raise ValueError(
+                    f"FP16_Optimizer: dynamic_loss_args scale_factor={self.scale_factor} and scale_window="
+                    f"{self.scale_window}: expected a factor > 1 and a window >= 1"
+                )
+        else:
+            if dynamic_loss_args is not None:
+                raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
+            if not (isinstance(static_loss_scale, int | float) and 0 < static_loss_scale < math.inf):
+                raise ValueError(f"FP16_Optimizer: static_loss_scale={static_loss_scale!r}: expected a number > 0")
+            self.cur_scale = float(static_loss_scale)
+        self.verbose = verbose
+
+    def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
+        """Clear the model's fp16 grads (the masters never hold any)."""
+        for group in self.fp16_groups:
+            for p in group:
+                if set_grads_to_None:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_()
+                    p.grad.zero_()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss.float() * cur_scale`` into the model's fp16 grads."""
+        (loss.float() * self.cur_scale).backward()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        """Step the masters and copy them into the model, or skip the step on an inf/nan gradient."""
+        if closure is not None:
+            raise RuntimeError("FP16_Optimizer.step does not take a closure (Apex's did not either)")
+        grads = [[p.grad for p in group] for group in self.fp16_groups]
+        norms, overflow = [], False
+        for group_grads in grads:
+            present = [g for g in group_grads if g is not None]
+            if not present:
+                norms.append(None)
+                continue
+            flag = torch.zeros(1, device=present[0].device)
+            norms.append(unscale_l2norm(present, 1.0, flag).total)
+            overflow |= bool(flag.item())
+        if not overflow:
+            if self._legacy_step:
+                self.optimizer.step(grads=grads, output_params=self.fp16_groups, scale=self.cur_scale, grad_norms=norms)
+            else:
+                self._step_with_master_grads(grads)
+        self._update_scale(overflow)
+
+    @torch.no_grad()
+    def _step_with_master_grads(self, grads: list[list[torch.Tensor | None]]) -> None:
+        for masters, group_grads in zip(self.fp32_groups, grads, strict=True):
+            for master, grad in zip(masters, group_grads, strict=True):
+                master.grad = None if grad is None else grad.float() / self.cur_scale
+        self.optimizer.step()
+        for masters, params in zip(self.fp32_groups, self.fp16_groups, strict=True):
+            for master, param in zip(masters, params, strict=True):
+                master.grad = None
+                param.copy_(master)
+
+    def _update_scale(self, skip: bool) -> None:
+        if self.dynamic_loss_scale:
+            if skip:
+                if self.verbose:
+                    print("\nGrad overflow on iteration", self.cur_iter)
+                    print("Using dynamic loss scale of", self.cur_scale)
+                self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
+                self.last_overflow_iter = self.cur_iter
+            elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                self.cur_scale *= self.scale_factor
+        elif skip:
+            print("\nGrad overflow on iteration", self.cur_iter)
+            print("Using static loss scale of", self.cur_scale)
+        self.cur_iter += 1
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-master state."""
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's groups (set ``lr`` here), holding the fp32 masters."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """Apex's keys: the scale and its schedule, the wrapped optimizer's state dict and the fp32 masters."""
+        state = {"dynamic_loss_scale": self.dynamic_loss_scale, "cur_scale": self.cur_scale, "cur_iter": self.cur_iter}
+        if self.dynamic_loss_scale:
+            state["last_overflow_iter"] = self.last_overflow_iter
+            state["scale_factor"] = self.scale_factor
+            state["scale_window"] = self.scale_window
+        state["optimizer_state_dict"] = self.optimizer.state_dict()
+        state["fp32_groups"] = self.fp32_groups
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved, the masters included (so they keep their fp32 precision)."""
+        missing = [k for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict",
+                               "fp32_groups") if k not in state_dict]  # fmt: skip
+        if missing:
+            raise KeyError(f"FP16_Optimizer.load_state_dict: the state dict lacks {missing}")
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.cur_scale = state_dict["cur_scale"]
+        self.cur_iter = state_dict["cur_iter"]
+        if self.dynamic_loss_scale:
+            self.last_overflow_iter = state_dict["last_overflow_iter"]
+            self.scale_factor = state_dict["scale_factor"]
+            self.scale_window = state_dict["scale_window"]
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        with torch.no_grad():
+            for current, saved in zip(self.fp32_groups, state_dict["fp32_groups"], strict=True):
+                for master, value in zip(current, saved, strict=True):
+                    master.copy_(value)

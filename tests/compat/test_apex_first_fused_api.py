@@ -1,0 +1,212 @@
+"""Apex's first fused-optimizer API, as BERT fine-tuning scripts of 2019 (pytorch-pretrained-BERT's run_squad,
+run_classifier) drove it: ``from apex.optimizers import FP16_Optimizer, FusedAdam``, ``FusedAdam(...,
+bias_correction=False, max_grad_norm=1.0)`` wrapped in ``FP16_Optimizer(dynamic_loss_scale=True)`` around a
+``model.half()``, then ``optimizer.backward(loss)``, the learning rate set in ``param_groups``, ``step()``,
+``zero_grad()``. The update is checked against Apex's first kernel's formula, written out here in float64."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+from ampkit.compat.legacy_fused_adam import FP16_Optimizer, LegacyFusedAdam
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def first_kernel_step(p, m, v, g, *, lr, b1, b2, eps, scale, step, eps_inside_sqrt, bias_correction, decay):
+    """Apex's first FusedAdam kernel on one tensor, in float64 (the tensors are updated in place)."""
+    step_size = lr * math.sqrt(1 - b2**step) / (1 - b1**step) if bias_correction else lr
+    g = g / scale
+    m.mul_(b1).add_((1 - b1) * g)
+    v.mul_(b2).add_((1 - b2) * g * g)
+    denom = (v + eps).sqrt() if eps_inside_sqrt else v.sqrt() + eps
+    p.sub_(step_size * (m / denom + decay * p))
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5, 1e6])
+def test_the_update_is_the_first_kernels(bias_correction, eps_inside_sqrt, max_grad_norm):
+    """Three steps with scaled fp16 gradients of fp32 params (non-contiguous, odd sizes), an fp16 copy written
+    out, clipping folded into the scale: equal to the formula in float64 to float32 rounding."""
+    torch.manual_seed(0)
+    params = [torch.randn(7, 5).t(), torch.randn(13), torch.randn(1)]  # a transposed view among them
+    hyper = dict(lr=1e-2, b1=0.8, b2=0.95, eps=1e-3, eps_inside_sqrt=eps_inside_sqrt, bias_correction=bias_correction,
+                 decay=0.1)  # fmt: skip
+    optimizer = LegacyFusedAdam(params, lr=hyper["lr"], betas=(hyper["b1"], hyper["b2"]), eps=hyper["eps"],
+                                bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt, weight_decay=0.1,
+                                max_grad_norm=max_grad_norm)  # fmt: skip
+    ref = [p.double() for p in params]
+    moments = [(torch.zeros_like(r), torch.zeros_like(r)) for r in ref]
+    scale = 128.0
+    for step in (1, 2, 3):
+        grads = [(torch.randn_like(p) * scale).half() for p in params]
+        copies = [torch.empty_like(p, dtype=torch.half) for p in params]
+        norm = math.sqrt(sum(g.double().square().sum().item() for g in grads))
+        combined = scale
+        if max_grad_norm > 0 and (norm / scale + 1e-6) / max_grad_norm > 1:
+            combined = scale * (norm / scale + 1e-6) / max_grad_norm
+        optimizer.step(grads=grads, output_params=copies, scale=scale)  # the norm is computed when not given
+        for r, (m, v), g in zip(ref, moments, grads, strict=True):
+            first_kernel_step(r, m, v, g.double(), scale=combined, step=step, **hyper)
+        for p, r, c in zip(params, ref, copies, strict=True):
+            torch.testing.assert_close(p.double(), r, rtol=2e-6, atol=2e-7)
+            assert torch.equal(c, p.half())
+    assert [optimizer.state[p]["step"] for p in params] == [3, 3, 3]
+
+
+def test_grad_norms_given_per_group_are_used_for_clipping():
+    """FP16_Optimizer hands each group's norm of the scaled grads: a given norm decides the clip, not p.grad."""
+    p = torch.ones(4)
+    optimizer = LegacyFusedAdam([p], lr=1.0, max_grad_norm=1.0, eps=0.0)
+    g = torch.full((4,), 2.0)
+    optimizer.step(grads=[g], scale=1.0, grad_norms=[torch.tensor(1e9)])  # clipped far down, then Adam's sign
+    assert torch.allclose(p, torch.zeros(4), atol=1e-6)  # Adam's first step moves by lr whatever the grad size
+    assert optimizer.state[p]["exp_avg"].abs().max() < 1e-6  # the moment saw the clipped gradient
+
+
+def bert_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def bert_loop(model, optimizer, steps, start=0, overflow_at=None):
+    """run_squad's fp16 loop: backward through the wrapper, warm-up learning rate set by hand, step, zero_grad."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 8, generator=g) for _ in range(steps)]
+    losses = []
+    for i, x in enumerate(batches[start:], start):
+        loss = (model(x.half()).float() - x.sum(1, keepdim=True)).pow(2).mean()
+        if i == overflow_at:
+            loss = loss * float("inf")
+        optimizer.backward(loss)
+        for group in optimizer.param_groups:
+            group["lr"] = 5e-3 * min(1.0, (i + 1) / 4)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_bert_fp16_script_trains_skips_an_overflow_and_resumes_exactly(shim, capsys):
+    from apex.optimizers import FP16_Optimizer as ApexFP16Optimizer
+    from apex.optimizers import FusedAdam
+
+    def build():
+        model = bert_model().half()
+        optimizer = FusedAdam(list(model.parameters()), lr=5e-3, bias_correction=False, max_grad_norm=1.0)
+        return model, ApexFP16Optimizer(optimizer, dynamic_loss_scale=True)
+
+    model, optimizer = build()
+    assert isinstance(optimizer.optimizer, LegacyFusedAdam)
+    losses = bert_loop(model, optimizer, 30, overflow_at=10)
+    assert math.isinf(losses[10]) and losses[-1] < 0.5 * losses[0]
+    out = capsys.readouterr().out  # 2**16 overflows the first two fp16 backwards, as it did under Apex
+    assert [line for line in out.splitlines() if "Grad overflow" in line] == [
+        f"Grad overflow on iteration {i}" for i in (0, 1, 10)
+    ]
+    assert optimizer.cur_scale == 2.0**13 and optimizer.last_overflow_iter == 10
+    masters = [p for group in optimizer.fp32_groups for p in group]
+    assert all(p.dtype == torch.float32 for p in masters)
+    assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters, strict=True))
+
+    # resume at iteration 15 from a checkpoint of the model and the wrapper, as the scripts save them
+    model, optimizer = build()
+    bert_loop(model, optimizer, 15, overflow_at=10)
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    model, optimizer = build()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    resumed = bert_loop(model, optimizer, 30, start=15)
+    assert resumed == losses[15:]
+
+
+def test_an_overflow_leaves_params_moments_and_step_counts_untouched():
+    model = bert_model().half()
+    optimizer = FP16_Optimizer(LegacyFusedAdam(model.parameters(), lr=1e-3), static_loss_scale=8.0)
+    bert_loop(model, optimizer, 2)
+    before = copy.deepcopy((model.state_dict(), optimizer.optimizer.state_dict()))
+    bert_loop(model, optimizer, 3, start=2, overflow_at=2)
+    after = (model.state_dict(), optimizer.optimizer.state_dict())
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1]["state"][0]["step"] == after[1]["state"][0]["step"] == 2
+    assert optimizer.cur_scale == 8.0  # a static scale stays
+
+
+def test_the_dynamic_scale_grows_every_window_counted_from_the_last_overflow():
+    """Apex's rule: after an overflow at iteration k the scale doubles at k + window, k + 2 window, ...; before
+    any overflow (last_overflow_iter = -1) at window - 1, 2 window - 1, ..."""
+    model = bert_model().half()
+    optimizer = FP16_Optimizer(LegacyFusedAdam(model.parameters(), lr=1e-4), dynamic_loss_scale=True,
+                               dynamic_loss_args={"scale_window": 3, "init_scale": 64.0}, verbose=False)  # fmt: skip
+    scales = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(10):
+        loss = model(torch.randn(4, 8, generator=g).half()).float().mean() * (float("inf") if i == 4 else 1.0)
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        scales.append(optimizer.cur_scale)
+    assert scales == [64, 64, 128, 128, 64, 64, 64, 128, 128, 128]
+
+
+def test_any_other_optimizer_steps_the_masters_with_unscaled_grads():
+    """Wrapping torch's SGD: the masters see the unscaled gradient and the model gets their rounding."""
+    model = bert_model().half()
+    reference = copy.deepcopy(model).float()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=64.0)
+    x = torch.randn(8, 8)
+    optimizer.backward(model(x.half()).float().mean())
+    optimizer.step()
+    reference(x.half().float()).mean().backward()  # fp32 grads of the same (fp16-valued) weights
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.float(), r, rtol=1e-2, atol=2e-3)  # fp16 forward against fp32's
+    masters = [m for group in optimizer.fp32_groups for m in group]
+    assert all(torch.equal(p, m.half()) for p, m in zip(model.parameters(), masters, strict=True))
+
+
+def test_the_successor_fusedadam_is_built_without_the_first_ones_arguments(shim):
+    from apex.optimizers import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(3))
+    modern = FusedAdam([p], lr=1e-3)
+    assert type(modern).__module__ == "ampkit.compat.optimizers" and not isinstance(modern, LegacyFusedAdam)
+    with pytest.raises(RuntimeError, match="FusedAdam has been updated"):
+        modern.step(grads=[torch.zeros(3)])
+    for argument in ({"max_grad_norm": 1.0}, {"eps_inside_sqrt": True}, {"use_mt": True}):
+        assert isinstance(FusedAdam([p], lr=1e-3, **argument), LegacyFusedAdam)
+    import apex.optimizers.fp16_optimizer as module
+
+    assert module.FP16_Optimizer is FP16_Optimizer
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_windw": 3}}, r"dynamic_loss_args has \['scale_windw'\]"),
+    ({"static_loss_scale": 0.0}, r"static_loss_scale=0.0: expected a number > 0"),
+    ({"dynamic_loss_args": {"scale_window": 3}}, "dynamic_loss_args needs dynamic_loss_scale=True"),
+])  # fmt: skip
+def test_bad_wrapper_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FP16_Optimizer(LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))]), **kwargs)
+
+
+def test_bad_optimizer_arguments_are_named():
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], max_grad_norm=-1.0)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], amsgrad=True)
+    with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got str"):
+        FP16_Optimizer("adam")
