@@ -35,6 +35,41 @@ from ampkit.ops.optimizers._base import check_hyper
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
 
 
+@torch.no_grad()
+def first_adam_update(
+    p: torch.Tensor,
+    p_copy: torch.Tensor | None,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    grad_scale: float,
+    step: int,
+    mode: int,
+    bias_correction: int = 1,
+    decay: float = 0.0,
+) -> None:
+    """One tensor's update by Apex's first FusedAdam kernel (``fused_adam_cuda.adam``'s arguments), in float32
+    whatever the tensors' dtypes: ``p``, ``m``, ``v`` in place, the new weights copied into ``p_copy`` when it
+    is given and not empty. ``mode`` 0 adds ``eps`` inside the square root, 1 outside."""
+    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if bias_correction else lr
+    weight = p.float()
+    grad = g.float() / grad_scale
+    new_m = m.float().mul_(beta1).add_(grad, alpha=1 - beta1)
+    new_v = v.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (new_v + eps).sqrt_() if mode == 0 else new_v.sqrt().add_(eps)
+    update = (new_m / denom).add_(weight, alpha=decay)
+    weight.add_(update, alpha=-step_size)
+    m.copy_(new_m)
+    v.copy_(new_v)
+    p.copy_(weight)
+    if p_copy is not None and p_copy.numel():
+        p_copy.copy_(weight)
+
+
 def _per_group(values: Any, groups: int) -> list:
     """The first FusedAdam's reading of ``grads``/``output_params``: None, one flat list (one group), or a list
     of lists (one per group)."""
@@ -131,33 +166,16 @@ class LegacyFusedAdam(torch.optim.Optimizer):
                     raise RuntimeError(
                         "FusedAdam does not support sparse gradients, please consider SparseAdam instead"
                     )
-                self._update(p, grad, output, group, combined_scale)
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                first_adam_update(p, output, state["exp_avg"], state["exp_avg_sq"], grad, group["lr"],
+                                  *group["betas"], group["eps"], combined_scale, state["step"], self.eps_mode,
+                                  int(group["bias_correction"]), group["weight_decay"])  # fmt: skip
         return loss
-
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, output: torch.Tensor | None, group: dict, scale: float):
-        state = self.state[p]
-        if len(state) == 0:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        step_size = group["lr"]
-        if group["bias_correction"]:
-            step_size *= math.sqrt(1 - beta2 ** state["step"]) / (1 - beta1 ** state["step"])
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        weight = p.float()
-        g = grad.float() / scale
-        m = exp_avg.float().mul_(beta1).add_(g, alpha=1 - beta1)
-        v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v + group["eps"]).sqrt_() if self.eps_mode == 0 else v.sqrt().add_(group["eps"])
-        update = (m / denom).add_(weight, alpha=group["weight_decay"])
-        weight.add_(update, alpha=-step_size)
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
-        p.copy_(weight)
-        if output is not None:
-            output.copy_(weight)
 
 
 class FP16_Optimizer:  # noqa: N801 - Apex's name

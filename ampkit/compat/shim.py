@@ -2,7 +2,8 @@
 
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
-whose submodules load on first touch, plus Apex's top-level ``amp_C`` and ``apex_C`` extension modules. A real apex
+whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C`` and ``fused_adam_cuda`` extension
+modules. A real apex
 installation wins unless the shim is forced.
 """
 
@@ -28,7 +29,11 @@ APEX_SUBPACKAGES = {
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
-_TOP_LEVEL_MODULES = {"amp_C": "ampkit.compat.amp_c", "apex_C": "ampkit.compat.apex_c"}
+_TOP_LEVEL_MODULES = {
+    "amp_C": "ampkit.compat.amp_c",
+    "apex_C": "ampkit.compat.apex_c",
+    "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
+}
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
     "apex.normalization.fused_layer_norm": "ampkit.compat.normalization",
@@ -164,7 +169,8 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``) and Apex's ``import amp_C`` / ``import apex_C`` resolve to ampkit.
+    ``.multi_tensor_apply``) and Apex's ``import amp_C`` / ``import apex_C`` / ``import fused_adam_cuda`` resolve to
+    ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).

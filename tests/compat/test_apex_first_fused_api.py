@@ -210,3 +210,75 @@ def test_bad_optimizer_arguments_are_named():
         LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], amsgrad=True)
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, got str"):
         FP16_Optimizer("adam")
+
+
+class CopiedFirstFusedAdam(torch.optim.Optimizer):
+    """How OpenNMT-py, fairseq forks and UniLM kept Apex's first FusedAdam: their own copy of its Python side,
+    loading the deprecated ``fused_adam_cuda`` extension by name and calling it per tensor."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False,
+                 weight_decay=0.0, max_grad_norm=0.0):  # fmt: skip
+        global fused_adam_cuda
+        import importlib
+
+        fused_adam_cuda = importlib.import_module("fused_adam_cuda")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        max_grad_norm=max_grad_norm)  # fmt: skip
+        super().__init__(params, defaults)
+        self.eps_mode = 0 if eps_inside_sqrt else 1
+
+    def step(self, closure=None, scale=1.0):
+        for group in self.param_groups:
+            bias_correction = 1 if group["bias_correction"] else 0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
+                beta1, beta2 = group["betas"]
+                state["step"] += 1
+                out_p = torch.tensor([], dtype=torch.float)
+                fused_adam_cuda.adam(p.data, out_p, state["exp_avg"], state["exp_avg_sq"], p.grad.data, group["lr"],
+                                     beta1, beta2, group["eps"], scale, state["step"], self.eps_mode,
+                                     bias_correction, group["weight_decay"])  # fmt: skip
+
+
+def test_a_copy_of_the_first_fusedadam_loading_fused_adam_cuda_steps_as_the_first_one(shim):
+    torch.manual_seed(0)
+    copied_params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    legacy_params = [torch.nn.Parameter(p.detach().clone()) for p in copied_params]
+    copied = CopiedFirstFusedAdam(copied_params, lr=1e-2, weight_decay=0.01, eps_inside_sqrt=True)
+    legacy = LegacyFusedAdam(legacy_params, lr=1e-2, weight_decay=0.01, eps_inside_sqrt=True)
+    for _ in range(3):
+        for a, b in zip(copied_params, legacy_params, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        copied.step()
+        legacy.step()
+    assert all(torch.equal(a, b) for a, b in zip(copied_params, legacy_params, strict=True))
+
+
+def test_fused_adam_cuda_adam_mt_is_adam_per_tensor_and_the_oldest_call_works(shim):
+    import fused_adam_cuda
+
+    from ampkit.compat.multi_tensor_apply import multi_tensor_applier
+
+    torch.manual_seed(0)
+    tensors = [[torch.randn(n) for n in (3, 17)] for _ in range(4)]  # params, m (any values), v >= 0, grads
+    tensors[2] = [v.abs() for v in tensors[2]]
+    copies = [torch.empty(n, dtype=torch.half) for n in (3, 17)]
+    one_by_one = copy.deepcopy(tensors)
+    args = (1e-2, 0.9, 0.99, 1e-8, 4.0, 5, 1, 1, 0.1)  # lr, betas, eps, grad_scale, step, mode, bias corr., decay
+    multi_tensor_applier(fused_adam_cuda.adam_mt, torch.zeros(1, dtype=torch.int32), [*tensors, copies], *args)
+    for p, m, v, g in zip(*one_by_one, strict=True):
+        fused_adam_cuda.adam(p, torch.tensor([]), m, v, g, *args)
+    assert all(torch.equal(a, b) for x, y in zip(tensors, one_by_one, strict=True) for a, b in zip(x, y, strict=True))
+    assert all(torch.equal(c, p.half()) for c, p in zip(copies, tensors[0], strict=True))
+    p, m, v, g = torch.ones(2), torch.zeros(2), torch.zeros(2), torch.ones(2)
+    fused_adam_cuda.adam(p, torch.tensor([]), m, v, g, 0.1, 0.9, 0.999, 0.0, 1.0, 1, 1)  # 12 arguments: corrected
+    assert torch.allclose(p, torch.full((2,), 0.9))
+    with pytest.raises(ValueError, match="expected 4 lists"):
+        fused_adam_cuda.adam_mt(2048, torch.zeros(1, dtype=torch.int32), tensors[:3], *args)
