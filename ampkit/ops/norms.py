@@ -160,9 +160,14 @@ def _torch_runs(
 
 
 def _autocast_dtype(input: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast casts to on ``input``'s device, or None when autocast is off there."""
+    """The dtype autocast casts to on ``input``'s device, or None when autocast is off there (or the device has no
+    autocast: ``meta``, on which models are built and their FLOPs counted without computing anything)."""
     device_type = input.device.type if isinstance(input, torch.Tensor) else "cpu"
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # "unknown device type for autocast"
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def _cast_to(dtype: torch.dtype, *args: object) -> tuple:

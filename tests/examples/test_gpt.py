@@ -49,17 +49,59 @@ def test_corpus_split_is_deterministic_and_text_has_context_to_learn():
     assert torch.equal(x[1:], y[:-1]) and len(windows) == 5
 
 
+def auto_cfg(**precision):
+    return OmegaConf.create({"trainer": {"device": "cpu"},
+                             "precision": {"opt_level": "auto", "dtype": None, **precision},
+                             "model": OmegaConf.structured(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16)),
+                             "data": {"batch_size": 4}})  # fmt: skip
+
+
 def test_auto_precision_picks_a_real_level_and_says_why(monkeypatch):
-    cfg = OmegaConf.create({"trainer": {"device": "cpu"}, "precision": {"opt_level": "auto", "dtype": None},
-                            "model": OmegaConf.structured(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16)),
-                            "data": {"batch_size": 4}})  # fmt: skip
+    cfg = auto_cfg()
     why = choose_precision(cfg)
     assert (cfg.precision.opt_level, cfg.precision.dtype) in (("O0", None), ("O1", "bfloat16"))
-    assert "bf16 as in float32 on this CPU" in why
+    assert "AMX" in why and why.endswith(("float32 (O0)", "bf16 autocast (O1), no loss scaler"))
     cfg.precision.opt_level, cfg.trainer.device = "auto", "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "GPU" in choose_precision(cfg) and cfg.precision.dtype == "bfloat16" and cfg.precision.opt_level == "O1"
     assert choose_precision(cfg) is None  # a real level stays as it is
+
+
+def test_auto_precision_is_stable_where_timing_could_flip_it(monkeypatch):
+    """Without AMX nothing is timed: float32. Under several ranks nothing is timed either (each rank would time
+    apart, and ranks that chose differently refuse to start): float32 on CPUs."""
+    import ampkit.examples.gpt as gpt
+
+    def timed(*args, **kwargs):
+        raise AssertionError("a block was built to be timed")
+
+    monkeypatch.setattr(gpt, "Block", timed)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cfg = auto_cfg()
+    assert "without AMX" in choose_precision(cfg) and cfg.precision.opt_level == "O0"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = auto_cfg()
+    assert "several ranks" in choose_precision(cfg) and cfg.precision.opt_level == "O0"
+
+
+def test_auto_keeps_a_dtype_the_user_gave():
+    cfg = auto_cfg(dtype="float16")
+    assert "precision.dtype=float16 was given" in choose_precision(cfg)
+    assert (cfg.precision.opt_level, cfg.precision.dtype) == ("O1", "float16")
+
+
+def test_the_fused_norms_build_and_count_their_flops_on_the_meta_device(tmp_path):
+    """model.fused_norm=true: the FLOP count runs the model on ``meta``, where autocast does not exist."""
+    for norm in ("layernorm", "rmsnorm"):
+        trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}/{norm}", "model.fused_norm=true",
+                                                 f"model.norm={norm}", "trainer.max_steps=2",
+                                                 "trainer.val_every_n_steps=0", "checkpoint.enabled=false",
+                                                 "generate.every_n_steps=0"])  # fmt: skip
+        trainer = trainer_class(cfg)
+        trainer.fit()
+        plain = GPTModelConfig(layers=1, width=32, heads=2, seq_len=16, norm=norm)
+        assert trainer.flops_per_sample == flops_per_token_formula(plain) * 16
 
 
 def test_gpt_trains_logs_throughput_and_samples_then_predict_generates(tmp_path, monkeypatch, capsys):
@@ -101,9 +143,13 @@ def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
 def test_model_config_errors_name_the_key(tmp_path):
     import ampkit
 
-    for override, key in (("model.width=31", "model.width"), ("model.norm=batchnorm", "model.norm")):
-        trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override])
-        with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
+    for override, key in (("model.width=31", "model.width"), ("model.norm=batchnorm", "model.norm"),
+                          ("model.heads=0", "model.heads"), ("model.layers=-1", "model.layers"),
+                          ("data.batch_size=-4", "data.batch_size"), ("data.val_fraction=1.5", "data.val_fraction"),
+                          ("generate.top_k=-1", "generate.top_k"), ("optim.lr=-1", "optim.lr"),
+                          ("generate.temperature=-0.5", "generate.temperature")):  # fmt: skip
+        trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
+        with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):  # before the auto precision times anything
             trainer_class(cfg)
     assert (
         Path(ampkit.config.builtin_configs()["gpt"]).read_text()
