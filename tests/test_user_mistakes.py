@@ -251,6 +251,19 @@ def test_a_single_file_checkpoint_resumed_under_fsdp_names_the_strategy(tmp_path
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
 
 
+def test_a_sharded_checkpoint_resumed_without_fsdp_is_refused_before_anything_runs(tmp_path):
+    """Resumed without FSDP, it would train and then save single files beside the shard directories (its pruning
+    once failed on them): refused at start, naming the strategy to use."""
+    sharded = {"trainer.device": "cpu", "distributed.strategy": "fsdp"}
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **sharded)).fit()
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(
+        CheckpointError, match="is a sharded checkpoint directory .* resume it with distributed.strategy=fsdp"
+    ):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "trainer.device": "cpu"})).fit(resume="last")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
 def test_a_bad_opt_level_names_its_dotted_key(tmp_path):
     with pytest.raises(ConfigError, match="config key 'precision.opt_level': '01' is invalid; expected one of O0, O1"):
         ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": "'01'"}))

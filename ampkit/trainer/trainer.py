@@ -829,6 +829,13 @@ class Trainer:
                 "distributed.strategy=fsdp, which resumes sharded checkpoint directories: resume it with "
                 "distributed.strategy=ddp"
             )
+        if path is not None and not self.sharded and start.checkpoint is None:
+            raise CheckpointError(
+                f"'{path}' is a sharded checkpoint directory (saved with distributed.strategy=fsdp); this run uses "
+                f"distributed.strategy={self.cfg.distributed.strategy}, which saves single-file checkpoints, and one "
+                "run directory keeps one kind: resume it with distributed.strategy=fsdp, on any number of processes "
+                "(one included)"
+            )
         if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
