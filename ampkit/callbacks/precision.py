@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import (
     MasterWeights,
@@ -122,11 +123,13 @@ class MixedPrecision(Callback):
         saved = (self._pending_state or {}).get("master_weights", {})
         for name, optimizer in trainer.optimizers.items():
             if optimizer in self.masters:
-                if name not in saved:
-                    raise KeyError(
-                        f"checkpoint has no master weights for optimizer '{name}' (it has {sorted(saved)}); "
-                        "was it saved with precision.master_weights off?"
+                if name not in saved:  # saved at a level without masters (O0, O1) or with master_weights off
+                    rank_zero_warn(
+                        f"the checkpoint has no fp32 master weights for optimizer '{name}' (it was saved without "
+                        "precision.master_weights): this run's masters start from its model weights, in the "
+                        "model's dtype, as a fresh run's do"
                     )
+                    continue
                 self.masters[optimizer].load_state_dict(saved[name])
         self._pending_state = None
 

@@ -444,6 +444,19 @@ def test_resumed_run_continues_bit_identically(tmp_path, opt_level, dtype, combi
     assert any(isinstance(cb, MixedPrecision) for cb in resumed.callbacks)
 
 
+def test_an_o0_checkpoint_resumed_at_o2_warns_and_trains_on(tmp_path):
+    """A run that switches to O2 on resume finds no masters in its checkpoint: a warning, not a traceback, and it
+    trains on, its masters made from the restored weights as a fresh O2 run's are made from its model."""
+    first, _ = fit(TwoLossTrainer, tmp_path, opt_level="O0", trainer_cfg={"max_steps": 3},
+                   checkpoint={"enabled": True, "every_n_steps": 3, "every_n_epochs": 0})  # fmt: skip
+    checkpoint = next(Path(first.version_dir, "checkpoints").glob("step-00000003.pt"))
+    o2 = dict(opt_level="O2", dtype="bfloat16", cast_modules=["body", "head"])
+    resumed, _ = fit(TwoLossTrainer, tmp_path, resume=checkpoint, trainer_cfg={"max_steps": 4}, **o2)
+    assert resumed.state.global_step == 4
+    assert any("has no fp32 master weights for optimizer 'body'" in w for w in resumed.caught)
+    assert all(torch.isfinite(v.float()).all() for v in params_of(resumed).values())
+
+
 def test_tensorboard_amp_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
