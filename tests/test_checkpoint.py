@@ -6,6 +6,7 @@ import os
 import pickle
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -248,3 +249,17 @@ def test_keep_last_prunes_old_files_but_last_survives(tmp_path):
     trainer.fit()
     names = sorted(p.name for p in (trainer.version_dir / "checkpoints").glob("*.pt"))
     assert names == ["epoch-0001.pt", "last.pt", "step-00000008.pt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_run_files_get_the_permissions_the_umask_gives(tmp_path, umask):
+    """Checkpoints and the saved config are written through owner-only temp files; the finished files have the
+    umask's permissions, as open() gives, so a group sharing a run directory can read them when the umask lets it."""
+    old = os.umask(umask)
+    try:
+        ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.progress_bar": False})).fit()
+    finally:
+        os.umask(old)
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.suffix in (".pt", ".yaml")]
+    assert {p.name for p in written} >= {"last.pt", "config.yaml"}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in written} == {0o666 & ~umask}

@@ -28,12 +28,28 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> None:
     """``write`` into a temp file beside ``path``, fsync it, then rename it over ``path`` (the temp file is
-    removed if anything fails): readers see the old file or the new one, never half of one."""
+    removed if anything fails): readers see the old file or the new one, never half of one. The file gets the
+    permissions ``open()`` would give it (the umask's), not the temp file's owner-only ones, so a run directory
+    on a shared filesystem stays readable by whom the user's umask lets read it."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode) as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
