@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
@@ -101,5 +102,20 @@ class NonFiniteGuard(Callback):
         raise NonFiniteError(
             f"the model is not finite at step {step} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} "
             f"hold NaN/inf): {since}. Stopped before checkpointing it, so the last checkpoint keeps a finite "
-            "model. Lower the learning rate, clip gradients, or use a loss scaler (precision.opt_level)."
+            f"model. {_advice(trainer)}"
         )
+
+
+def _advice(trainer) -> str:
+    """What to change: a half-precision model stepped without fp32 masters (O3, or O2/O5 with master weights off)
+    is the likely cause where it is one (the optimizer's moments and updates in half overflow or round to
+    nothing); else the usual levers."""
+    level = OmegaConf.select(trainer.cfg, "precision.opt_level")
+    masters = OmegaConf.select(trainer.cfg, "precision.master_weights")
+    if level == "O3" or (level in ("O2", "O5") and masters is False):
+        return (
+            f"precision.opt_level={level} steps the half-precision weights and optimizer state themselves, without "
+            "fp32 master weights (O3 is Apex's speed baseline, not a training recipe): train with O2 (or O5 in "
+            "bfloat16) and master weights on."
+        )
+    return "Lower the learning rate, clip gradients, or use a loss scaler (precision.opt_level)."

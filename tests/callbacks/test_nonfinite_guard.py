@@ -29,6 +29,20 @@ def test_without_checkpoints_the_periodic_check_names_the_first_bad_step(tmp_pat
         NaNLossToyTrainer(cfg).fit()
 
 
+@pytest.mark.parametrize(("precision", "advice"), [
+    ({}, "Lower the learning rate, clip gradients, or use a loss scaler"),
+    ({"precision.opt_level": "O3", "precision.dtype": "bfloat16"}, "opt_level=O3 steps the half-precision weights"),
+    ({"precision.opt_level": "O2", "precision.dtype": "bfloat16", "precision.master_weights": False},
+     "opt_level=O2 steps the half-precision weights and optimizer state themselves, without fp32 master weights"),
+])  # fmt: skip
+def test_the_advice_names_missing_master_weights_where_they_are_missing(tmp_path, precision, advice):
+    """O3 (and O2 with master weights off) steps half weights with a half optimizer state: the error says so, as
+    'use a loss scaler' would send a user the wrong way."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 1}, **precision)
+    with pytest.raises(NonFiniteError, match=advice):
+        NaNLossToyTrainer(cfg).fit()
+
+
 def test_a_nan_that_never_reaches_the_weights_does_not_stop_the_run(tmp_path):
     class NaNReportedOnly(NaNLossToyTrainer):
         detached = True
