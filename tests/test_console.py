@@ -59,6 +59,14 @@ def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(
     assert "ampkit: trained 16 steps in" in result.stdout
     assert "\r" not in result.stdout + result.stderr  # no bar drawn into a log file
 
+    # a resume says where it started and counts what this run trained
+    more = [*command, "trainer.max_epochs=3", "--resume", "last"]
+    resumed = subprocess.run(more, cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    assert f"  resumed     from {last} at step 16" in resumed.stdout.splitlines()
+    assert "ampkit: trained to step 24 (8 steps in this run) in" in resumed.stdout
+
 
 def test_status_shows_named_losses_loss_scale_and_skipped_steps(tmp_path, capsys):
     cfg = toy_cfg(

@@ -71,6 +71,7 @@ class ProgressBar(Callback):
         self._epoch_val: dict[str, float] = {}
         self._fit_start = self._epoch_start = self._val_start = self._last_postfix = 0.0
         self._epoch_first_step = 0
+        self._fit_first_step = 0  # the step fit() started from (a resume's)
 
     # ------------------------------------------------------------------ output
     def _print(self, text: str) -> None:
@@ -120,6 +121,11 @@ class ProgressBar(Callback):
             f"accumulate {t.accumulate_grad_batches}",
             f"  run dir     {trainer.version_dir}",
         ]
+        start = getattr(trainer, "fit_start", None)
+        self._fit_first_step = trainer.state.global_step
+        if start is not None and start.checkpoint_path is not None:
+            how = "branched" if start.branched_from is not None else "resumed"
+            lines.append(f"  {how:<11} from {start.checkpoint_path} at step {trainer.state.global_step}")
         self._print("\n".join(lines))
 
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
@@ -214,7 +220,9 @@ class ProgressBar(Callback):
     def on_train_end(self, trainer) -> None:
         if trainer.is_global_zero:
             took = time.perf_counter() - self._fit_start
-            self._print(f"ampkit: trained {trainer.state.global_step} steps in {_duration(took)}")
+            step, first = trainer.state.global_step, self._fit_first_step
+            trained = f"{step} steps" if first == 0 else f"to step {step} ({step - first} steps in this run)"
+            self._print(f"ampkit: trained {trained} in {_duration(took)}")
 
     def on_fit_end(self, trainer) -> None:
         self._close_bars()
