@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "predict":
         written = trainer.predictions_path
         where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
-        print(f"ampkit: predictions of {len(predictions)} batches saved to {where}")
+        batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
+        print(f"ampkit: predictions of {batches} saved to {where}")
     else:
         print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
     return 0
