@@ -280,7 +280,10 @@ def _check_pip(args: list[str]) -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
     extras = re.findall(r"^([\w-]+)\s*=", section, re.M)
-    assert args[0] == "install", f"pip {args[0]}"
+    assert args[0] in ("install", "wheel"), f"pip {args[0]}"
+    if args[0] == "wheel":  # building this checkout's wheel: the source directory is the project root
+        assert args[-1] == ".", f"pip wheel {' '.join(args[1:])}: expected to build '.'"
+        return
     for arg in args[1:]:
         named = re.search(r"\[([\w,-]+)\]$", arg)
         for extra in named.group(1).split(",") if named else []:
