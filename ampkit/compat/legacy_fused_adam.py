@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.ops.multi_tensor import unscale_l2norm
 from ampkit.ops.optimizers._base import check_hyper
 
@@ -178,7 +179,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         return loss
 
 
-class FP16_Optimizer:  # noqa: N801 - Apex's name
+class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
     """Apex's first ``FP16_Optimizer``: fp32 masters of an fp16 model for a fused optimizer.
 
     The masters replace the model's parameters in the wrapped optimizer's groups. ``backward(loss)`` runs the
@@ -300,24 +301,6 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             print("\nGrad overflow on iteration", self.cur_iter)
             print("Using static loss scale of", self.cur_scale)
         self.cur_iter += 1
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-master state."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's groups (set ``lr`` here), holding the fp32 masters."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
 
     def state_dict(self) -> dict[str, Any]:
         """Apex's keys: the scale and its schedule, the wrapped optimizer's state dict and the fp32 masters."""

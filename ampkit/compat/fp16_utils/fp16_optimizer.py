@@ -25,6 +25,7 @@ import torch
 
 from ampkit.amp import GradientCombiner, MasterWeights
 from ampkit.compat import amp_c
+from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
@@ -76,7 +77,7 @@ def _apex_attr(obj: Any, name: str, default: Any = None) -> Any:
         return vars(obj).get(name, default)
 
 
-class FP16_Optimizer:
+class FP16_Optimizer(PromotedOptimizerAttributes):
     """Wrap ``init_optimizer`` (built on a half/bf16 model's params) with fp32 masters and loss scaling.
 
     Use ``optimizer.backward(loss)`` instead of ``loss.backward()``; ``step()`` skips the update when the last
@@ -178,24 +179,6 @@ class FP16_Optimizer:
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
         self.loss_scaler._loss_scale = value
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's ``state`` (keyed by the fp32 masters; settable)."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's ``param_groups``, which hold the fp32 masters (settable)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:
         """Zero the masters' and fp16 params' grads in place (Apex's default) or set them to ``None``.
