@@ -223,7 +223,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
                 raise ValueError(
                     f"FP16_Optimizer: dynamic_loss_args has {unknown}; the keys it takes are {list(self._DYNAMIC_ARGS)}"
                 )
-            self.cur_scale = float(args.get("init_scale", 2.0**16))
+            self.cur_scale = args.get("init_scale", 2**16)  # an int, as Apex's (its messages print 65536)
             self.scale_factor = float(args.get("scale_factor", 2))
             self.scale_window = int(args.get("scale_window", 1000))
             self.last_overflow_iter = -1
@@ -314,7 +314,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved, the masters included (so they keep their fp32 precision)."""
+        """Restore what :meth:`state_dict` saved, the masters included (so they keep their fp32 precision). The
+        2019 wrapper's layout, one flat master per group (``fp32_groups_flat``), is read too."""
+        if "fp32_groups_flat" in state_dict and "fp32_groups" not in state_dict:
+            state_dict = self._from_flat_groups(state_dict)
         missing = [k for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict",
                                "fp32_groups") if k not in state_dict]  # fmt: skip
         if missing:
@@ -331,3 +334,42 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
             for current, saved in zip(self.fp32_groups, state_dict["fp32_groups"], strict=True):
                 for master, value in zip(current, saved, strict=True):
                     master.copy_(value)
+
+    def _from_flat_groups(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The 2019 layout in this one's: each group's flat master, and the wrapped optimizer's state of it (one
+        entry per group), cut into the group's parameters in order."""
+        flats = state_dict["fp32_groups_flat"]
+        saved = state_dict["optimizer_state_dict"]
+        if len(flats) != len(self.fp16_groups) or len(saved["param_groups"]) != len(self.fp16_groups):
+            raise ValueError(
+                f"FP16_Optimizer.load_state_dict: the checkpoint has {len(flats)} flat master groups, this optimizer "
+                f"{len(self.fp16_groups)} parameter groups"
+            )
+        state, groups, index = {}, [], 0
+        for params, flat, group in zip(self.fp16_groups, flats, saved["param_groups"], strict=True):
+            if flat.numel() != sum(p.numel() for p in params):
+                raise ValueError(
+                    f"FP16_Optimizer.load_state_dict: a flat master of {flat.numel()} elements for a group of "
+                    f"{sum(p.numel() for p in params)}: the checkpoint is of another model"
+                )
+            flat_state = saved["state"].get(group["params"][0], {})
+            split = {  # the moments are cut like the master; a per-group number (the step count) is shared
+                key: pieces_of(value, params) if torch.is_tensor(value) and value.numel() == flat.numel()
+                else [value] * len(params)
+                for key, value in flat_state.items()
+            }  # fmt: skip
+            indices = list(range(index, index + len(params)))
+            for j, i in enumerate(indices):
+                if split:
+                    state[i] = {key: values[j] for key, values in split.items()}
+            groups.append({**group, "params": indices})
+            index += len(params)
+        converted = {k: v for k, v in state_dict.items() if k != "fp32_groups_flat"}
+        converted["optimizer_state_dict"] = {"state": state, "param_groups": groups}
+        converted["fp32_groups"] = [pieces_of(f, p) for f, p in zip(flats, self.fp16_groups, strict=True)]
+        return converted
+
+
+def pieces_of(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into tensors shaped as ``params``, in order."""
+    return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params, strict=True)]

@@ -282,3 +282,44 @@ def test_fused_adam_cuda_adam_mt_is_adam_per_tensor_and_the_oldest_call_works(sh
     assert torch.allclose(p, torch.full((2,), 0.9))
     with pytest.raises(ValueError, match="expected 4 lists"):
         fused_adam_cuda.adam_mt(2048, torch.zeros(1, dtype=torch.int32), tensors[:3], *args)
+
+
+def as_2019_layout(state: dict) -> dict:
+    """The 2019 wrapper's checkpoint of the same run: one flat master per group, and the optimizer's state of it."""
+    flat = dict(state)
+    masters = flat.pop("fp32_groups")
+    flat["fp32_groups_flat"] = [torch.cat([m.flatten() for m in group]) for group in masters]
+    inner = state["optimizer_state_dict"]
+    flat_state, groups = {}, []
+    for g, group in enumerate(inner["param_groups"]):
+        entries = [inner["state"][i] for i in group["params"]]
+        flat_state[g] = {"step": entries[0]["step"]} | {
+            key: torch.cat([e[key].flatten() for e in entries]) for key in ("exp_avg", "exp_avg_sq")
+        }
+        groups.append({**group, "params": [g]})
+    flat["optimizer_state_dict"] = {"state": flat_state, "param_groups": groups}
+    return flat
+
+
+def test_a_checkpoint_of_the_2019_wrapper_with_flat_masters_resumes_exactly():
+    def build():
+        model = bert_model().half()
+        decay = [p for p in model.parameters() if p.dim() == 2]
+        other = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}]
+        return model, FP16_Optimizer(LegacyFusedAdam(groups, lr=5e-3, bias_correction=False, max_grad_norm=1.0),
+                                     dynamic_loss_scale=True, verbose=False)  # fmt: skip
+
+    model, optimizer = build()
+    losses = bert_loop(model, optimizer, 20)
+    model, optimizer = build()
+    bert_loop(model, optimizer, 12)
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": as_2019_layout(optimizer.state_dict())})
+    model, optimizer = build()
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    assert bert_loop(model, optimizer, 20, start=12) == losses[12:]
+    with pytest.raises(ValueError, match="flat master of 3 elements for a group of"):
+        broken = copy.deepcopy(saved["optimizer"])
+        broken["fp32_groups_flat"][1] = torch.zeros(3)
+        build()[1].load_state_dict(broken)
