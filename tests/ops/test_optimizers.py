@@ -870,3 +870,80 @@ def test_cuda_adamp_step_does_not_synchronize():
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+ALL_FUSED = [FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad, FusedAdadelta, FusedAdamP, FusedRMSprop,
+             FusedRMSpropTF, FusedMixedPrecisionLamb]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("lr", [-1.0, float("nan"), "0.1", None])
+def test_a_groups_own_hyperparameters_are_checked_and_a_refused_group_is_not_kept(cls, lr):
+    """A group's ``lr`` of -1 trained by gradient ascent and NaN ruined the weights; and the group a check
+    refused stayed in ``param_groups``, failing every later step."""
+    kwargs = {"lr": 0.1} if cls is FusedSGD else {}
+    with pytest.raises(ValueError, match=r"Invalid lr of a param group"):
+        cls([{"params": make_params()[:1], "lr": lr}], **kwargs)
+    optimizer = cls(make_params()[:1], **kwargs)
+    with pytest.raises(ValueError, match=r"Invalid lr of a param group"):
+        optimizer.add_param_group({"params": make_params()[1:2], "lr": lr})
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.int64"):
+        optimizer.add_param_group({"params": [torch.zeros(2, dtype=torch.int64)]})
+    assert len(optimizer.param_groups) == 1
+    optimizer.param_groups[0]["params"][0].grad = torch.ones_like(optimizer.param_groups[0]["params"][0])
+    optimizer.step()  # still steps
+
+
+def test_a_loaded_state_without_masters_gets_them_back():
+    """fp16 weights with ``master_weights=True``, loaded from a state saved without masters (torch's AdamW, a run
+    without them): the masters are made again, so updates smaller than fp16's spacing still add up."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float16))
+    plain = torch.optim.AdamW([torch.nn.Parameter(weight.detach().float())], lr=1e-4)
+    plain.param_groups[0]["params"][0].grad = torch.ones(64)
+    plain.step()
+    optimizer = FusedAdam([weight], lr=1e-4, weight_decay=0.0, master_weights=True)
+    optimizer.load_state_dict(plain.state_dict())
+    for _ in range(40):
+        weight.grad = torch.ones(64, dtype=torch.float16)
+        optimizer.step()
+    assert optimizer.state[weight]["master_param"].dtype == torch.float32
+    assert torch.all(weight < 1.0)  # 40 steps of 1e-4: below 1 - 2**-11, where each step alone rounds back to 1
+
+
+@pytest.mark.parametrize(("saved", "message"), [
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), r"lacks \['exp_avg', 'exp_avg_sq'\]"),
+    (lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.0), None),
+    (lambda p: FusedAdam([torch.nn.Parameter(torch.zeros(3)) for _ in p]), "has 'exp_avg' of shape"),
+])  # fmt: skip
+def test_a_state_that_does_not_fit_is_refused_at_load_and_the_old_one_kept(saved, message):
+    params = make_params()
+    source = saved(clone_params(params))
+    for p in source.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    source.step()
+    optimizer = FusedAdam(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    before = copy.deepcopy(optimizer.state_dict())
+    if message is None:  # the fitting case loads
+        optimizer.load_state_dict(source.state_dict())
+        return
+    with pytest.raises(ValueError, match=message):
+        optimizer.load_state_dict(source.state_dict())
+    after = optimizer.state_dict()
+    assert all(torch.equal(before["state"][i]["exp_avg"], after["state"][i]["exp_avg"]) for i in before["state"])
+    optimizer.step()
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"saved param_groups\[0\]: Invalid lr of a param group: -1.0"):
+        optimizer.load_state_dict(bad)
+
+
+def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
+    for cls in (FusedLAMB, FusedMixedPrecisionLamb):
+        p = torch.nn.Parameter(torch.zeros(4))
+        p.grad = torch.zeros(4).to_sparse()
+        with pytest.raises(RuntimeError, match=f"{cls.__name__} does not support sparse gradients"):
+            cls([p]).step()

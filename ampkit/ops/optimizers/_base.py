@@ -14,6 +14,7 @@ step, as torch's fused optimizers leave them.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -146,10 +147,47 @@ def is_dense(t: Tensor) -> bool:
 
 
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
-    """Raise ValueError naming ``name`` unless ``low <= value`` (and ``value < high`` when given)."""
+    """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
+    when given); a one-element tensor counts as its number."""
+    bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
     if not (value >= low) or (high is not None and not value < high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
+
+
+# The hyper-parameters a param group may carry, whichever optimizer it belongs to: (low, high or None). Checked on
+# every group when it is added (the constructor's groups too) and loaded, so that a group's own ``lr`` of -1 or
+# NaN is refused as the constructor's would be.
+GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
+    "lr": (0.0, None),
+    "eps": (0.0, None),
+    "weight_decay": (0.0, None),
+    "momentum": (0.0, None),
+    "alpha": (0.0, None),
+    "rho": (0.0, 1.0 + 1e-12),
+    "lr_decay": (0.0, None),
+    "initial_accumulator_value": (0.0, None),
+    "max_grad_norm": (0.0, None),
+    "delta": (0.0, None),
+    "wd_ratio": (0.0, None),
+}
+
+
+def check_group_hypers(group: dict[str, Any]) -> None:
+    """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`) and its
+    ``betas``, named as ``param_groups[i]['lr']`` would be read."""
+    for key, (low, high) in GROUP_HYPER_RULES.items():
+        if key in group:
+            check_hyper(f"{key} of a param group", group[key], low, high)
+    if "betas" in group:
+        betas = group["betas"]
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise ValueError(f"Invalid betas of a param group: {betas!r} (expected two numbers in [0.0, 1.0))")
+        for i, beta in enumerate(betas):
+            check_hyper(f"betas[{i}] of a param group", beta, 0.0, 1.0)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -204,12 +242,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's parameters and hyper-parameters are checked; a group refused is not kept."""
         super().add_param_group(param_group)
-        for i, p in enumerate(self.param_groups[-1]["params"]):
+        try:
+            self._check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        for i, p in enumerate(group["params"]):
             if p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: params[{i}] has dtype {p.dtype}; expected float32, float64, "
                     "float16 or bfloat16"
+                )
+            if p.is_meta:
+                raise ValueError(
+                    f"{type(self).__name__}: params[{i}] is on the meta device, which holds no values to update; "
+                    "materialize the model (e.g. model.to_empty(device=...)) before building its optimizer"
                 )
             if not is_dense(p):
                 raise ValueError(
@@ -217,6 +268,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     "not dense; fused optimizers update parameters in place over their memory and need "
                     "dense tensors"
                 )
+        check_group_hypers(group)
 
     @torch.no_grad()
     def step(
@@ -369,8 +421,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             if len(state) == 0:
                 self._init_state(p, state, group)
-                if self.master_weights and p.dtype in _HALF_DTYPES:
-                    state["master_param"] = p.detach().to(torch.float32, copy=True)
+            if self.master_weights and p.dtype in _HALF_DTYPES and "master_param" not in state:
+                # a fresh state, or one loaded without it (saved without master weights, by torch.optim)
+                state["master_param"] = p.detach().to(torch.float32, copy=True)
             key = (p.dtype, g.dtype, p.device)
             bucket = buckets.get(key)
             if bucket is None:
@@ -474,8 +527,53 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         A state dict saved by the ``torch.optim`` counterpart loads as is; fp32 master copies and fp32
         moments of fp16/bf16 parameters keep their precision. One saved by Apex's fused optimizer (the step
-        count in the param group) resumes at its step.
+        count in the param group) resumes at its step. One that does not fit (another optimizer's state, a
+        state missing a moment, a hyper-parameter out of range) is refused here, naming what is wrong, and the
+        optimizer keeps the state it had.
         """
+        for i, group in enumerate(state_dict.get("param_groups", [])):
+            try:
+                check_group_hypers(group)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
+        before = (self.state, self.param_groups)
+        try:
+            self._load_state(state_dict)
+            self._check_loaded_state()
+        except BaseException:
+            self.state, self.param_groups = before  # torch's loader built new containers: the old ones are intact
+            raise
+
+    def _check_loaded_state(self) -> None:
+        """Each loaded parameter state holds what this optimizer's step reads, shaped as its parameter."""
+        for g, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key in [k for k, v in state.items() if v is None]:  # torch's "not created yet"
+                    del state[key]
+                if "master_param" in state and p.dtype not in _HALF_DTYPES:
+                    del state["master_param"]  # a float32/64 parameter is its own master
+                fresh: dict[str, Any] = {}
+                self._init_state(p, fresh, group)
+                where = f"{type(self).__name__}.load_state_dict: the state of param_groups[{g}]['params'][{j}]"
+                missing = sorted(k for k in fresh if k not in state and k != "step")
+                if missing:
+                    raise ValueError(
+                        f"{where} lacks {missing} (it has {sorted(state)}): it was saved by another optimizer or "
+                        "with other options"
+                    )
+                for key, value in fresh.items():
+                    loaded = state.get(key)
+                    if isinstance(value, Tensor) and isinstance(loaded, Tensor) and loaded.shape != value.shape:
+                        raise ValueError(
+                            f"{where} has '{key}' of shape {tuple(loaded.shape)}, its parameter needs "
+                            f"{tuple(value.shape)}: the state dict is of another model"
+                        )
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader and the dtype and step-count fix-ups of :meth:`load_state_dict` (subclasses add theirs)."""
         super().load_state_dict(state_dict)
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):

@@ -80,6 +80,8 @@ class FusedLAMB(FusedOptimizer):
     def _read_with_scaler(self, grad_scale: Tensor | None) -> Tensor | None:
         """The global L2 norm of the (still scaled) gradients, which the step reads on the host for its clip."""
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if any(g.is_sparse for g in grads):  # before the norm, which no sparse tensor can enter
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         return multi_tensor.l2norm(grads).total.reshape(1) if grads else None
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:

@@ -77,10 +77,10 @@ class FusedNovoGrad(FusedOptimizer):
         init = 0.0 if group["init_zero"] else _UNSET
         state["exp_avg_sq"] = torch.tensor(init, dtype=acc_dtype(param), device=param.device)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         """Also a state dict written by Apex's FusedNovoGrad, which kept each group's second moments in the group
         (``exp_avg_sq = [fp16 params' norms, fp32 params' norms]``, each in the group's order)."""
-        super().load_state_dict(state_dict)
+        super()._load_state(state_dict)
         for group in self.param_groups:
             norms = group.pop("exp_avg_sq", None)
             if norms is None:

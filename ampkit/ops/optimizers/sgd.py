@@ -123,10 +123,10 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._pending_first: dict[Tensor, _PendingFirstStep] = {}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
         """torch's loader; buffers loaded from a checkpoint have had their first step."""
         self._pending_first.clear()
-        super().load_state_dict(state_dict)
+        super()._load_state(state_dict)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """torch.optim.SGD keeps no state until the first momentum step; nothing to create here."""
