@@ -10,6 +10,7 @@ ops, bit for bit the host's, and the host copy follows one iteration later throu
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -206,6 +207,10 @@ class LossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry); knobs stay as configured."""
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
+            )
         missing = {"loss_scale", "unskipped"} - set(state)
         if missing:
             raise KeyError(f"loss scaler state is missing {sorted(missing)}; got keys {sorted(state)}")

@@ -261,3 +261,52 @@ def test_state_dict_has_apex_format_and_round_trips():
     assert amp.state_dict() == state
     with pytest.raises(RuntimeError, match='Unexpected key.*"optimizer"'):
         amp.load_state_dict({"optimizer": {}, "loss_scaler0": state["loss_scaler0"]})
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_right_after_a_delayed_unscale_is_refused(opt_level):
+    """Apex stepped on gradients still multiplied by the scale (O1: an inf-sized step) or on none (O2)."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level=opt_level, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(model(x).float().sum(), optimizer, delay_unscale=True) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="right after amp.scale_loss\\(..., delay_unscale=True\\)"):
+        optimizer.step()
+    with amp.scale_loss(model(x).float().sum(), optimizer) as scaled:  # the accumulation's last backward
+        scaled.backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_o2_refuses_two_optimizers_over_one_parameter():
+    model = _model()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    second = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"optimizers\[0\] and optimizers\[1\] both hold a parameter of shape"):
+        amp.initialize(model, [first, second], opt_level="O2", verbosity=0)
+
+
+def test_nested_scale_loss_on_one_optimizer_is_named_and_an_error_inside_a_block_leaves_none_open():
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="amp.scale_loss inside another amp.scale_loss of the same optimizer"):
+        with amp.scale_loss(model(x).sum(), optimizer, loss_id=0):
+            with amp.scale_loss(model(x).sum(), optimizer, loss_id=1):
+                pass
+    with amp.scale_loss(model(x).sum(), optimizer) as scaled:  # the failed block closed
+        scaled.backward()
+    optimizer.step()
+
+
+def test_small_apex_misuses_are_named():
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(TypeError, match="amp.master_params expects an optimizer .* got Sequential"):
+        list(amp.master_params(model))
+    with pytest.raises(TypeError, match="a loss scaler's state is a dict"):
+        amp.load_state_dict({"loss_scaler0": None})
+    with pytest.raises(TypeError, match="loss_id='D' is a str; loss ids are the integers 0..0"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id="D"):
+            pass

@@ -75,5 +75,9 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
 
     Use it for gradient clipping: ``clip_grad_norm_(amp.master_params(optimizer), max_norm)``.
     """
+    if not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"amp.master_params expects an optimizer (the one amp.initialize returned), got {type(optimizer).__name__}"
+        )
     for group in optimizer.param_groups:
         yield from group["params"]

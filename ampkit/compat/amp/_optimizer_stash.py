@@ -44,6 +44,7 @@ class AmpOptimizerStash:
         self.optimizer = optimizer
         self.combine_grad = combine_grad
         self.already_patched = False
+        self.in_scale_loss = False  # inside an amp.scale_loss block of this optimizer (they do not nest)
         self.lazy_init_called = False  # Apex's flag: set by the first backward (or _amp_lazy_init)
         self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
         if self.master_weights is not None and fp32_values:
@@ -184,6 +185,12 @@ class AmpOptimizerStash:
         def step(self: Any, closure: Any = None) -> Any:
             if closure is not None:
                 raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            if stash.combiner.pending:  # Apex stepped on the scaled gradients (inf-sized steps) or, at O2, on none
+                raise RuntimeError(
+                    "optimizer.step() right after amp.scale_loss(..., delay_unscale=True): the gradients are still "
+                    "multiplied by the loss scale and not unscaled onto what the optimizer steps; end the "
+                    "accumulation with a scale_loss without delay_unscale, then step"
+                )
             stash.lazy_init()  # as Apex's step: a first step without a scaled backward still sets it up
             with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
                 result = original_step()

@@ -58,6 +58,23 @@ def _check_models(models: list[Any]) -> None:
                 )
 
 
+def _check_masters_unshared(optimizers: list[Any]) -> None:
+    """Under master weights each optimizer keeps fp32 masters of its parameters and copies them into the model
+    after its step: two optimizers over one parameter would each overwrite the other's update (Apex lost one
+    silently)."""
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        for group in inner_optimizer(optimizer).param_groups:
+            for param in group["params"]:
+                j = owner.setdefault(id(param), i)
+                if j != i:
+                    raise RuntimeError(
+                        f"optimizers[{j}] and optimizers[{i}] both hold a parameter of shape {tuple(param.shape)}: "
+                        "with master weights (O2) each keeps its own fp32 copy and the later step overwrites the "
+                        "earlier one's update; give each parameter to one optimizer"
+                    )
+
+
 def _check_optimizers(optimizers: list[Any]) -> None:
     for i, optimizer in enumerate(optimizers):
         if type(optimizer).__name__ == "FP16_Optimizer":
@@ -183,6 +200,8 @@ def initialize(
     optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
     _check_models(model_list)
     _check_optimizers(optimizer_list)
+    if properties.master_weights:
+        _check_masters_unshared(optimizer_list)
     scalers = [
         ApexLossScaler(
             properties.loss_scale,

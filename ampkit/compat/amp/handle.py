@@ -62,7 +62,12 @@ def scale_loss(
         yield loss
         return
     scalers = _amp_state.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+        raise TypeError(
+            f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
+            f"(amp.initialize was called with num_losses={len(scalers)})"
+        )
+    if not 0 <= loss_id < len(scalers):
         raise ValueError(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
             f"so valid loss ids are 0..{len(scalers) - 1}"
@@ -79,9 +84,19 @@ def scale_loss(
         yield loss.float()  # nothing to unscale (O0/O3 defaults); flat combine_grad buffers still need the pass
         _clear_cast_cache()
         return
+    if any(stash.in_scale_loss for stash in stashes):
+        raise RuntimeError(
+            "amp.scale_loss inside another amp.scale_loss of the same optimizer: leave the first with-block (which "
+            "unscales its backward's gradients) before scaling the next loss"
+        )
     for stash in stashes:
         stash.prepare_backward()
-    yield loss.float() * scaler.loss_scale()
+        stash.in_scale_loss = True
+    try:
+        yield loss.float() * scaler.loss_scale()
+    finally:
+        for stash in stashes:
+            stash.in_scale_loss = False
     if delay_unscale:
         _clear_cast_cache()
         return
