@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -172,9 +173,51 @@ class NotScalar(ToyTrainer):
         return (self.model(batch[0]).squeeze(1) - batch[1]).square()
 
 
+class NoLoader(ToyTrainer):
+    def train_dataloader(self):
+        return None
+
+
+class VectorMetric(ToyTrainer):
+    def validation_step(self, batch):
+        return {"mse": (self.model(batch[0]).squeeze(1) - batch[1]).square()}
+
+
+class LossIdList(ToyTrainer):
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch), loss_id=[1])
+
+
+class UnknownOptimizerName(ToyTrainer):
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch), optimizer="adam")
+
+
+class PlateauWithoutMonitor(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
+
+
+class NoOptimizersListed(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return [], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
+        ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
+        ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
+        ("LossIdList", "backward(loss_id=[1]): a loss id is a name or a number, not a list"),
+        ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
+        ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
+        ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
         ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),
@@ -267,3 +310,57 @@ def test_a_sharded_checkpoint_resumed_without_fsdp_is_refused_before_anything_ru
 def test_a_bad_opt_level_names_its_dotted_key(tmp_path):
     with pytest.raises(ConfigError, match="config key 'precision.opt_level': '01' is invalid; expected one of O0, O1"):
         ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": "'01'"}))
+
+
+class StepByName(ToyTrainer):
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch), optimizer="sgd")
+        self.step("sgd")
+
+
+class NeverSteps(ToyTrainer):
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch))
+
+
+class LossOffTheModel(ToyTrainer):
+    def configure_model(self):
+        model = super().configure_model()
+        model.offset = torch.nn.Parameter(torch.zeros(()), requires_grad=False)
+        self.free = torch.zeros((), requires_grad=True)
+        return model
+
+    def training_step(self, batch):
+        return (self.free - 1.0).square()
+
+
+def test_an_optimizer_may_be_named_in_backward_and_step(tmp_path):
+    trainer = StepByName(toy_cfg(tmp_path, **QUIET))
+    trainer.fit()
+    assert trainer.optimizer_state[trainer.optimizer].steps == trainer.state.global_step > 0
+
+
+@pytest.mark.parametrize(("trainer_class", "why"), [
+    (NeverSteps, "under manual optimization training_step calls self.step(optimizer)"),
+    (LossOffTheModel, "no parameter of theirs received a gradient"),
+])  # fmt: skip
+def test_an_epoch_that_trained_nothing_says_why(tmp_path, trainer_class, why):
+    with pytest.warns(UserWarning, match=rf"epoch 0: no optimizer stepped in this epoch: .*{re.escape(why)}"):
+        trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
+
+
+def test_a_resume_with_other_optimizers_names_both(tmp_path):
+    ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
+
+    class Adam(ToyTrainer):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.module.parameters())
+
+    with pytest.raises(
+        CheckpointError, match=r"has the optimizers \['sgd'\]; this run's configure_optimizers\(\) makes \['adam'\]"
+    ):
+        Adam(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")

@@ -92,6 +92,8 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     """Accept the usual shapes; names default to the lower-cased class name, suffixed when repeated."""
     if result is None:
         raise UserCodeError(f"configure_optimizers() returned None; return {_ACCEPTED}")
+    if isinstance(result, list | tuple) and len(result) == 2 and isinstance(result[0], list | tuple) and not result[0]:
+        raise UserCodeError(f"configure_optimizers() returned an empty list of optimizers; return {_ACCEPTED}")
     if _is_lists_pair(result):
         result = _attach_schedulers(list(result[0]), list(result[1]))
     items = list(result) if isinstance(result, list | tuple) else [result]
@@ -115,6 +117,11 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                     raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
             for spec in sched_specs:  # Lightning puts 'monitor' beside 'optimizer' too
                 spec.monitor = spec.monitor or item.get("monitor")
+                if spec.monitor is None and isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    raise UserCodeError(
+                        f"{where}: a ReduceLROnPlateau steps on a metric: name it with 'monitor' (e.g. "
+                        "{'scheduler': sched, 'monitor': 'val/loss', 'interval': 'epoch'})"
+                    )
             specs.append(
                 OptimizerSpec(name=str(item.get("name") or ""), optimizer=item["optimizer"], schedulers=sched_specs)
             )

@@ -211,9 +211,11 @@ def plan_fit(
         )
     changed = config_changes(checkpoint.get("config", {}), cfg)
     if changed:
+        mid_epoch = checkpoint["loop"].get("batches_done", 0) > 0
+        data_changed = any(change.startswith(("data.", "trainer.seed", "trainer.limit_train")) for change in changed)
         rank_zero_warn(
-            f"resuming '{path}' with a changed config: {'; '.join(changed)} (a data setting changes which batches "
-            "a mid-epoch resume skips)"
+            f"resuming '{path}' with a changed config: {'; '.join(changed)}"
+            + (" (a data setting changes which batches a mid-epoch resume skips)" if mid_epoch and data_changed else "")
         )
     loop = dict(checkpoint["loop"])
     version_dir = _version_dir_of(path)

@@ -97,7 +97,14 @@ from ampkit.trainer.run_life import (
 from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
-from ampkit.trainer.user_code import UserCodeError, call_setup_method, check_batches, check_loss
+from ampkit.trainer.user_code import (
+    UserCodeError,
+    call_setup_method,
+    check_batches,
+    check_loader,
+    check_loss,
+    nothing_trained_warning,
+)
 
 
 def _every(n: int, count: int) -> bool:
@@ -274,11 +281,15 @@ class Trainer:
             )
         return next(iter(self.optimizers.values()))
 
-    def backward(self, loss: torch.Tensor, loss_id: Any = 0, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` limits which params get grads."""
+    def backward(
+        self, loss: torch.Tensor, loss_id: Any = 0, optimizer: torch.optim.Optimizer | str | None = None
+    ) -> None:
+        """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` (or its name) limits which params
+        get grads."""
         check_loss(loss, loss_id)
         inputs = None
         if optimizer is not None:
+            optimizer = self._optimizer_named(optimizer, "backward")
             inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         backward = BackwardState(loss, loss_id, inputs)
         loss_state = self.loss_state.get(loss_id)
@@ -298,17 +309,36 @@ class Trainer:
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _optimizer_named(self, optimizer: torch.optim.Optimizer | str, method: str) -> torch.optim.Optimizer:
+        """``optimizer`` itself, or the one ``configure_optimizers`` gave that name; anything else is an error."""
+        if isinstance(optimizer, str):
+            if optimizer not in self.optimizers:
+                raise UserCodeError(
+                    f"{method}(optimizer={optimizer!r}): no optimizer has that name; configure_optimizers() made "
+                    f"{list(self.optimizers)}"
+                )
+            return self.optimizers[optimizer]
+        try:
+            known = optimizer in self.optimizer_state
+        except TypeError:  # unhashable: not an optimizer
+            known = False
+        if not known:
+            raise UserCodeError(
+                f"{method}() got a {type(optimizer).__name__} that configure_optimizers() did not return; pass one "
+                f"of self.optimizers or its name ({', '.join(self.optimizers)})"
+            )
+        return optimizer
+
+    def step(self, optimizer: torch.optim.Optimizer | str) -> bool:
         """Step ``optimizer`` if this batch ends an iteration; returns whether it stepped.
 
         It is skipped (parameters, state and step count untouched) when :func:`skip_verdict` says so, and not
         stepped at all when none of its parameters received a gradient this iteration.
         """
+        optimizer = self._optimizer_named(optimizer, "step")
         if not self.state.is_iteration_end:
             return False
-        opt_state = self.optimizer_state.get(optimizer)
-        if opt_state is None:
-            raise ValueError("step() got an optimizer that configure_optimizers() did not return")
+        opt_state = self.optimizer_state[optimizer]
         if opt_state.stepped or opt_state.skipped:
             raise RuntimeError(f"optimizer '{opt_state.name}' was already stepped in this iteration")
         if self._verdicts.unsettled:  # the last iteration's: the GPU finished those steps long ago
@@ -544,6 +574,8 @@ class Trainer:
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
+        if exhausted and (why := nothing_trained_warning(self.optimizer_state.values(), self.automatic_optimization)):
+            rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
         if exhausted:
             if _every(self.settings.val_every_n_epochs, s.epoch + 1):
@@ -804,7 +836,10 @@ class Trainer:
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
         self._train_loader = distributed_loader(
-            call_setup_method(self, "train_dataloader"), seed, self.dist, shuffle_default=True
+            check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
+            seed,
+            self.dist,
+            shuffle_default=True,
         )
         self._val_loader = distributed_loader(
             call_setup_method(self, "val_dataloader"), seed, self.dist, shuffle_default=False
@@ -975,6 +1010,13 @@ class Trainer:
         return checkpoint
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
+        saved = sorted(checkpoint["optimizers"])
+        ours = sorted(spec.name for spec in self._specs)
+        if saved != ours:
+            raise CheckpointError(
+                f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
+                "resume with the optimizers it was saved with (their names come from configure_optimizers)"
+            )
         try:
             self.module.load_state_dict(checkpoint["model"])
             for spec in self._specs:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import numbers
 import re
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
@@ -19,7 +21,12 @@ class UserCodeError(TypeError, ValueError):
 
 
 def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
-    """A loss ``backward`` can use: a scalar tensor that requires grad (two attribute reads per backward)."""
+    """A loss ``backward`` can use: a scalar tensor that requires grad (two attribute reads per backward), and a
+    ``loss_id`` that can name its scaler."""
+    if not isinstance(loss_id, Hashable):
+        raise UserCodeError(
+            f"backward(loss_id={loss_id!r}): a loss id is a name or a number, not a {type(loss_id).__name__}"
+        )
     if not isinstance(loss, torch.Tensor):
         raise UserCodeError(f"backward(loss_id={loss_id!r}) got a {type(loss).__name__}; expected the loss tensor")
     if loss.numel() != 1:
@@ -39,7 +46,25 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
         raise UserCodeError(
             f"{method} returned a {type(metrics).__name__}; expected a dict of metrics, e.g. {{'loss': loss}}"
         )
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+            raise UserCodeError(
+                f"{method} returned metric {key!r} as a {type(value).__name__}{shape}; each metric is a number or a "
+                "one-element tensor (reduce it: .mean())"
+            )
     return metrics
+
+
+def check_loader(loader: Any, method: str) -> Any:
+    """``train_dataloader``'s return value: a DataLoader or any iterable of batches (not None: nothing to train)."""
+    if not isinstance(loader, Iterable) or isinstance(loader, str | bytes):
+        raise UserCodeError(
+            f"{method}() returned a {type(loader).__name__}; expected a DataLoader or another iterable of batches"
+        )
+    return loader
 
 
 def check_batches(count: int | None, method: str) -> None:
@@ -76,3 +101,20 @@ def call_setup_method(trainer: Any, method: str) -> Any:
             detail = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
             setattr(exc, SETUP_ERROR_LINE, f"{method}() raised {detail}{_named_settings(trainer.cfg, str(exc))}")
         raise
+
+
+def nothing_trained_warning(optimizer_states: Any, automatic: bool) -> str | None:
+    """Why an epoch that ends with no optimizer stepped (and none ever skipped) trained nothing, or None: under
+    manual optimization a ``training_step`` that never calls ``self.step``; else a loss reaching no parameter."""
+    states = list(optimizer_states)
+    if any(st.epoch_steps or st.skipped_steps for st in states):
+        return None
+    if not automatic:
+        return (
+            "no optimizer stepped in this epoch: under manual optimization training_step calls "
+            "self.step(optimizer) after self.backward(loss)"
+        )
+    return (
+        "no optimizer stepped in this epoch: no parameter of theirs received a gradient (the loss does not depend "
+        "on the model's trainable parameters)"
+    )
