@@ -23,6 +23,7 @@ kernels on GPU) or, with ``AMPKIT_OPS=reference`` or no compiler, the pure-PyTor
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -130,7 +131,19 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
         if value.numel() != 1:
             raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
         return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number or a one-element tensor, got {type(value).__name__}")
     return float(value)
+
+
+def _flag(found_inf: torch.Tensor) -> torch.Tensor:
+    """The overflow flag the op raises: a tensor (its size, dtype and device are the op's own checks)."""
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError(
+            f"`found_inf` must be a one-element float32 or int32 tensor (set to 1 on inf/nan), got "
+            f"{type(found_inf).__name__}"
+        )
+    return found_inf
 
 
 def scale_(
@@ -146,7 +159,7 @@ def scale_(
     """
     inputs = _as_list(inputs, "inputs")
     outputs = inputs if out is None else _as_list(out, "out")
-    factor = _factor(factor, "factor")
+    factor, found_inf = _factor(factor, "factor"), _flag(found_inf)
     if kernel_available(found_inf.device):
         args = (inputs, outputs, factor, found_inf)
         _run("scale_", reference.scale_, args, args)
@@ -169,7 +182,7 @@ def axpby_(
     ``x[i]`` and ``y[i]`` share a dtype; ``out`` may alias either.
     """
     x, y, out = _as_list(x, "x"), _as_list(y, "y"), _as_list(out, "out")
-    a, b = _factor(a, "a"), _factor(b, "b")
+    a, b, found_inf = _factor(a, "a"), _factor(b, "b"), _flag(found_inf)
     if kernel_available(found_inf.device):
         kernel_args = (x, y, out, a, b, arg_to_check, found_inf)
         _run("axpby_", reference.axpby_, kernel_args, (a, x, b, y, out, found_inf, arg_to_check))
@@ -192,7 +205,7 @@ def combine_(
     """
     new, out = _as_list(new, "new"), _as_list(out, "out")
     stash = [] if stash is None else _as_list(stash, "stash", none_allowed=True)
-    inv_scale = _factor(inv_scale, "inv_scale")
+    inv_scale, found_inf = _factor(inv_scale, "inv_scale"), _flag(found_inf)
     if kernel_available(found_inf.device):
         args = (new, stash, out, inv_scale, found_inf)
         _run("combine_", reference.combine_, args, args)
@@ -230,7 +243,7 @@ def unscale_l2norm(
     """
     inputs = _as_list(inputs, "inputs")
     outputs = [] if out is None else _as_list(out, "out")
-    inv_scale = _factor(inv_scale, "inv_scale")
+    inv_scale, found_inf = _factor(inv_scale, "inv_scale"), _flag(found_inf)
     if kernel_available(found_inf.device):
         args = (inputs, outputs, inv_scale, found_inf, per_tensor)
         total, per = _run("unscale_l2norm", reference.unscale_l2norm, args, args)

@@ -373,6 +373,15 @@ def test_a_single_tensor_is_not_a_list():
         mt.l2norm(torch.ones(3))
 
 
+def test_a_missing_flag_or_factor_is_named():
+    with pytest.raises(TypeError, match="`found_inf` must be a one-element float32 or int32 tensor .* got NoneType"):
+        mt.scale_([torch.ones(3)], 2.0, None)
+    with pytest.raises(TypeError, match="`factor` must be a real number .* got NoneType"):
+        mt.scale_([torch.ones(3)], None, flag())
+    with pytest.raises(TypeError, match="`inv_scale` must be a real number .* got complex"):
+        mt.unscale_l2norm([torch.ones(3)], 1j, flag())
+
+
 def test_a_list_of_numbers_is_refused_naming_the_entry():
     with pytest.raises(TypeError, match=r"`inputs\[1\]` must be a tensor, got float"):
         mt.l2norm([torch.ones(3), 2.0])
