@@ -271,6 +271,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         "one of O0, O1, O2, O3, O4, O5 (the letter O, not the number zero)",
     ),
     "precision.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
+    "precision.warn_consecutive_skips": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "logging.log_every_n_steps": _at_least(1),
     "logging.console_every_n_steps": _at_least(1),
     "logging.grad_histograms_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),

@@ -364,3 +364,15 @@ def test_a_resume_with_other_optimizers_names_both(tmp_path):
         CheckpointError, match=r"has the optimizers \['sgd'\]; this run's configure_optimizers\(\) makes \['adam'\]"
     ):
         Adam(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
+
+
+def test_a_logged_value_that_is_no_number_is_named(tmp_path):
+    class LogsText(ToyTrainer):
+        def training_step(self, batch):
+            self.log("note", "abc")
+            return super().training_step(batch)
+
+    with pytest.raises(TypeError, match="log\\('note'\\): expected a number or a one-element tensor, got str"):
+        LogsText(toy_cfg(tmp_path, **QUIET)).fit()
+    with pytest.raises(ampkit.ConfigError, match="precision.warn_consecutive_skips"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"precision.warn_consecutive_skips": -1}))

@@ -43,6 +43,7 @@ across ranks; ``scaler``/``scale`` when the loss is scaled).
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 from collections.abc import Iterator
@@ -464,6 +465,8 @@ class Trainer:
             if value.numel() != 1:
                 raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
             value = value.detach()
+        elif not isinstance(value, numbers.Real):
+            raise TypeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
         if on_step and (always or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
