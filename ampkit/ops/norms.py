@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +175,20 @@ def _cast_to(dtype: torch.dtype, *args: object) -> tuple:
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
+def _grads_to_differentiate(
+    ctx, grad_output: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], forward: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """The input gradients of a norm as a graph of their own (``backward(create_graph=True)``, as a gradient
+    penalty asks): the reference forward is run again on the saved inputs and differentiated with
+    ``create_graph``, so the kernels' first-order gradients are replaced by ones autograd can differentiate."""
+    with torch.enable_grad():
+        out = forward(*inputs)  # the saved inputs keep their own graphs: the second backward reaches them
+        needed = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad, strict=False)]
+        wanted = [t for t, need in zip(inputs, needed, strict=True) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_output, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in needed)
+
+
 class FusedLayerNormFunction(torch.autograd.Function):
     """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
 
@@ -189,37 +203,48 @@ class FusedLayerNormFunction(torch.autograd.Function):
         memory_efficient: bool = False,
         output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        input = input.contiguous()
         out, mean, rstd = torch.ops.ampkit_norms.layer_norm_fwd(
-            input, list(normalized_shape), weight, bias, eps, output_dtype
+            input.contiguous(), list(normalized_shape), weight, bias, eps, output_dtype
         )
         ctx.normalized_shape = list(normalized_shape)
         ctx.memory_efficient = memory_efficient
         ctx.input_dtype = input.dtype
+        ctx.eps, ctx.output_dtype = eps, output_dtype
         if memory_efficient:
             ctx.save_for_backward(out, weight, bias, None, rstd)
-        else:
+        else:  # the caller's tensor (not a contiguous copy), so a double backward can reach what it came from
             ctx.save_for_backward(input, weight, bias, mean, rstd)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, bias, mean, rstd = ctx.saved_tensors
-        if mean is None:
-            mean = rstd.new_empty(0)
-        grad_input, grad_weight, grad_bias = torch.ops.ampkit_norms.layer_norm_bwd(
-            grad_output.contiguous(),
-            saved,
-            mean,
-            rstd,
-            ctx.normalized_shape,
-            weight,
-            bias,
-            ctx.memory_efficient,
-            ctx.input_dtype,
-        )
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        saved, weight, bias, _, _ = ctx.saved_tensors
+        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+            grads = _grads_to_differentiate(
+                ctx, grad_output, (saved, weight, bias),
+                lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
+            )  # fmt: skip
+            return (*grads, None, None, None, None)
+        return _layer_norm_kernel_backward(ctx, grad_output)
+
+
+@once_differentiable  # memory_efficient saves the output, not the input: the reference cannot run again
+def _layer_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    if mean is None:
+        mean = rstd.new_empty(0)
+    grad_input, grad_weight, grad_bias = torch.ops.ampkit_norms.layer_norm_bwd(
+        grad_output.contiguous(),
+        saved.contiguous(),
+        mean,
+        rstd,
+        ctx.normalized_shape,
+        weight,
+        bias,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
@@ -235,28 +260,41 @@ class FusedRMSNormFunction(torch.autograd.Function):
         memory_efficient: bool = False,
         output_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        input = input.contiguous()
-        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(input, list(normalized_shape), weight, eps, output_dtype)
+        out, rstd = torch.ops.ampkit_norms.rms_norm_fwd(
+            input.contiguous(), list(normalized_shape), weight, eps, output_dtype
+        )
         ctx.normalized_shape = list(normalized_shape)
         ctx.memory_efficient = memory_efficient
         ctx.input_dtype = input.dtype
+        ctx.eps, ctx.output_dtype = eps, output_dtype
         ctx.save_for_backward(out if memory_efficient else input, weight, rstd)
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, rstd = ctx.saved_tensors
-        grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(
-            grad_output.contiguous(),
-            saved,
-            rstd,
-            ctx.normalized_shape,
-            weight,
-            ctx.memory_efficient,
-            ctx.input_dtype,
-        )
-        return grad_input, grad_weight, None, None, None, None
+        saved, weight, _ = ctx.saved_tensors
+        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+            grads = _grads_to_differentiate(
+                ctx, grad_output, (saved, weight),
+                lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),
+            )  # fmt: skip
+            return (*grads, None, None, None, None)
+        return _rms_norm_kernel_backward(ctx, grad_output)
+
+
+@once_differentiable
+def _rms_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
+    saved, weight, rstd = ctx.saved_tensors
+    grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(
+        grad_output.contiguous(),
+        saved.contiguous(),
+        rstd,
+        ctx.normalized_shape,
+        weight,
+        ctx.memory_efficient,
+        ctx.input_dtype,
+    )
+    return grad_input, grad_weight, None, None, None, None
 
 
 def _layer_norm(

@@ -494,9 +494,37 @@ def _run_on_cuda(kind, x, w, b, dy):
     return y.detach(), dy, (x.grad, w.grad, None if b is None else b.grad)
 
 
-def test_double_backward_is_refused():
-    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_a_gradient_penalty_differentiates_through_the_kernels(kind):
+    """``backward(create_graph=True)`` (WGAN-GP, R1) through ampkit's kernels: the second derivatives are the
+    reference's (gradgradcheck in float64, a transposed input among them), as with torch's own norms; Apex's
+    functions were differentiable once only."""
+    x = torch.randn(8, 3, dtype=torch.float64).t().requires_grad_()  # non-contiguous
     w = _weight((8,), torch.float64).requires_grad_()
-    (grad_x,) = torch.autograd.grad(fused_rms_norm_affine(x, w, 8).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    if kind == "layer":
+        fused = lambda x, w, b: fused_layer_norm_affine(x, w, b, 8)  # noqa: E731
+        ref = lambda x, w, b: reference.layer_norm(x, [8], w, b, 1e-6)  # noqa: E731
+        inputs = (x, w, b)
+    else:
+        fused = lambda x, w: fused_rms_norm_affine(x, w, 8)  # noqa: E731
+        ref = lambda x, w: reference.rms_norm(x, [8], w, 1e-6)  # noqa: E731
+        inputs = (x, w)
+    assert torch.autograd.gradgradcheck(fused, inputs)
+
+    def penalty(norm):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        (grad_x,) = torch.autograd.grad(norm(*leaves).square().sum(), leaves[0], create_graph=True)
+        grad_x.square().sum().backward()
+        return [t.grad for t in leaves]
+
+    for got, want in zip(penalty(fused), penalty(ref), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_memory_efficient_norm_stays_differentiable_once():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    norm = FusedRMSNorm(8, memory_efficient=True).double()
+    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
         grad_x.sum().backward()
