@@ -361,6 +361,16 @@ class GradientCombiner:
         for i in self._master_idx:
             params[i].grad = None
 
+    def rescale_pending(self, ratio: float) -> bool:
+        """Multiply the gradients that arrived since :meth:`prepare_backward` by ``ratio`` (a delayed unscale whose
+        next backward comes at another scale); returns False with flat buffers, which it leaves alone."""
+        if not self._pending or self.flat:
+            return False
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, ratio)
+        return True
+
     def adopt_scaled_grads(self) -> None:
         """Count every gradient in ``.grad`` as scaled and new, as if :meth:`prepare_backward` had run before a
         backward into empty gradients: the next :meth:`combine` unscales them whole (Apex's ``delay_unscale``

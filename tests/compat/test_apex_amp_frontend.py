@@ -1,5 +1,6 @@
 """amp.initialize: signature, return shapes, Apex's property table and override errors, re-initialization."""
 
+import copy
 import io
 
 import pytest
@@ -310,3 +311,24 @@ def test_small_apex_misuses_are_named():
     with pytest.raises(TypeError, match="loss_id='D' is a str; loss ids are the integers 0..0"):
         with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id="D"):
             pass
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_delayed_backward_of_another_loss_unscales_by_its_own_scale(opt_level):
+    """UNITER's accumulation: a delay_unscale backward under loss_id=1, then the window's last under loss_id=0,
+    with the two scalers apart (one backed off). Apex unscaled the sum by loss 0's scale alone, so the first
+    micro-batch's gradients came out 8/256 of their size; here each part is unscaled by its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    reference = copy.deepcopy(model)
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level=opt_level, num_losses=2, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})  # fmt: skip
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    with amp.scale_loss(model(x1).float().mean(), optimizer, loss_id=1, delay_unscale=True) as scaled:
+        scaled.backward()
+    with amp.scale_loss(model(x2).float().mean(), optimizer, loss_id=0) as scaled:
+        scaled.backward()
+    (reference(x1).mean() + reference(x2).mean()).backward()
+    grad = next(iter(amp.master_params(optimizer))).grad
+    torch.testing.assert_close(grad.float(), reference.weight.grad, rtol=2e-3, atol=1e-5)

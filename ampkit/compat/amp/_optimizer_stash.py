@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class AmpOptimizerStash:
         self.combine_grad = combine_grad
         self.already_patched = False
         self.in_scale_loss = False  # inside an amp.scale_loss block of this optimizer (they do not nest)
+        self.pending_scale: float | None = None  # the loss scale of gradients a delayed unscale left in .grad
         self.lazy_init_called = False  # Apex's flag: set by the first backward (or _amp_lazy_init)
         self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
         if self.master_weights is not None and fp32_values:
@@ -142,8 +144,23 @@ class AmpOptimizerStash:
         if not self.combiner.pending:
             self.combiner.prepare_backward()
 
+    def match_pending_scale(self, scale: float) -> None:
+        """Before a backward at ``scale``: gradients a delayed unscale left at another loss's scale are brought to
+        this one, so that the sum unscales right. Apex unscaled the sum by the last scale alone, which shrank or
+        grew the delayed part whenever the scalers of a mixed accumulation differed."""
+        previous = self.pending_scale
+        if self.combiner.pending and previous is not None and previous != scale:
+            if not self.combiner.rescale_pending(scale / previous):
+                warnings.warn(
+                    f"gradients left scaled by delay_unscale at loss scale {previous} are unscaled by this loss's "
+                    f"{scale} (as Apex did): with combine_grad=True they cannot be rescaled first",
+                    stacklevel=4,
+                )
+        self.pending_scale = scale
+
     def combine(self, scaler: LossScaler) -> CombineResult:
         """Unscale the new gradients by ``scaler`` and add the stash."""
+        self.pending_scale = None
         return self.combiner.combine(scaler)
 
     def clear_master_grads(self) -> None:

@@ -91,6 +91,7 @@ def scale_loss(
         )
     for stash in stashes:
         stash.prepare_backward()
+        stash.match_pending_scale(scaler.loss_scale())
         stash.in_scale_loss = True
     try:
         yield loss.float() * scaler.loss_scale()
