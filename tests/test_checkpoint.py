@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import signal
 import stat
 import subprocess
@@ -263,3 +264,34 @@ def test_run_files_get_the_permissions_the_umask_gives(tmp_path, umask):
     written = [p for p in (tmp_path / "run").rglob("*") if p.is_file() and p.suffix in (".pt", ".yaml")]
     assert {p.name for p in written} >= {"last.pt", "config.yaml"}
     assert {stat.S_IMODE(p.stat().st_mode) for p in written} == {0o666 & ~umask}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+def test_pruning_and_tidying_never_touch_a_users_own_files(tmp_path, sharded):
+    """A user's files beside the checkpoints (notes, an export, a copy of the best one, a backup of a step
+    directory), newer than every checkpoint, survive a resume's tidying and every later pruning; only ampkit's own
+    names (step-NNNNNNNN, epoch-NNNN, best-NNNNNNNN) are pruned, and the newest of them are the ones kept."""
+    import shutil
+
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.device": "cpu",
+             "checkpoint.every_n_steps": 4, "checkpoint.every_n_epochs": 0, "checkpoint.keep_last": 2,
+             "checkpoint.monitor": "val/mse",
+             "checkpoint.save_top_k": 2}  # fmt: skip
+    if sharded:
+        quiet["distributed.strategy"] = "fsdp"
+    trainer = ToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.max_epochs": 1}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    mine = ["my-notes.pt", "final-model.pt", "best-for-paper.pt", "step-00000004.pt.bak", "epoch-final.pt"]
+    for name in mine:
+        (checkpoints / name).write_bytes(b"the user's")
+    if sharded:
+        newest = max(p for p in checkpoints.iterdir() if p.name.startswith("step-"))
+        shutil.copytree(newest, checkpoints / "backup-step")
+        mine.append("backup-step")
+    ToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.max_epochs": 1})).fit(resume="last")  # finished: a no-op
+    ToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.max_epochs": 3})).fit(resume="last")  # trains and prunes
+    names = {p.name for p in checkpoints.iterdir()}
+    assert set(mine) <= names
+    periodic = sorted(n for n in names if re.fullmatch(r"step-\d{8}(\.pt)?", n))
+    assert periodic == [f"step-{s:08d}" + ("" if sharded else ".pt") for s in (20, 24)]

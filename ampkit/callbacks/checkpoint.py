@@ -9,7 +9,7 @@ from typing import Any
 
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.checkpoint_io import CheckpointError, link_atomic, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, is_best_k_checkpoint_name, link_atomic, save_atomic
 from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
@@ -64,7 +64,7 @@ class ModelCheckpoint(Callback):
         if not directory.is_dir():
             return
         for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
-            if best.name not in self.best_k:
+            if is_best_k_checkpoint_name(best.name, sharded=False) and best.name not in self.best_k:
                 best.unlink(missing_ok=True)
         self._prune(directory)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -14,6 +15,22 @@ import torch
 
 FORMAT_KEY = "ampkit_checkpoint"
 FORMAT_VERSION = 1
+
+# The names ampkit gives the checkpoints it may prune: periodic ones (``step-00000100``, ``epoch-0003``) and best-k
+# ones (``best-00000100``), with ``.pt`` for a file, bare for a sharded directory. Only names that match are ever
+# pruned: a user's ``my-notes.pt`` or ``best-for-paper.pt`` beside them is left alone.
+PERIODIC_STEM = r"(?:step-\d{8,}|epoch-\d{4,})"
+BEST_K_STEM = r"best-\d{8,}"
+
+
+def is_periodic_checkpoint_name(name: str, sharded: bool) -> bool:
+    """Whether ``name`` is one ampkit gives a periodic checkpoint (a file, or a sharded directory)."""
+    return re.fullmatch(PERIODIC_STEM + ("" if sharded else r"\.pt"), name) is not None
+
+
+def is_best_k_checkpoint_name(name: str, sharded: bool) -> bool:
+    """Whether ``name`` is one ampkit gives a best-k checkpoint (a file, or a sharded directory)."""
+    return re.fullmatch(BEST_K_STEM + ("" if sharded else r"\.pt"), name) is not None
 
 
 class CheckpointError(RuntimeError):

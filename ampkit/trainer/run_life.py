@@ -46,7 +46,15 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import AMPKIT_KEYS, flatten
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, CheckpointError, load_checkpoint, write_text_atomic
+from ampkit.trainer.checkpoint_io import (
+    BEST_K_STEM,
+    FORMAT_KEY,
+    PERIODIC_STEM,
+    CheckpointError,
+    is_periodic_checkpoint_name,
+    load_checkpoint,
+    write_text_atomic,
+)
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
 
@@ -316,7 +324,7 @@ def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: Fit
 # link_atomic's ``.<name>.<random>.tmp`` files, the sharded writer's ``.<name>.tmp`` directory, ``.<name>.old``
 # (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link; in the version directory the
 # config's and lineage's temp files and the lock's (``.run.lock.<pid>.tmp``, ``.run.lock.stale.<pid>``).
-_CHECKPOINT = r"(?:step-\d{8,}|epoch-\d{4,}|best-\d{8,}|last|best)"
+_CHECKPOINT = rf"(?:{PERIODIC_STEM}|{BEST_K_STEM}|last|best)"
 _RANDOM = r"\.[a-z0-9_]+\.tmp"  # mkstemp's random part
 _TEMP_FILE = re.compile(rf"^\.{_CHECKPOINT}\.pt{_RANDOM}$")
 _TEMP_SHARDED = re.compile(rf"^\.{_CHECKPOINT}\.tmp$")
@@ -359,8 +367,8 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
 def prune_periodic(checkpoints: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint files (``step-*``/``epoch-*``) in ``checkpoints``;
     ``best-*`` files are the best-k ranking's to keep or drop."""
-    periodic = (p for p in checkpoints.glob("*-*.pt") if not p.name.startswith("best-"))
-    for old in sorted(periodic, key=lambda p: p.stat().st_mtime_ns)[:-keep_last]:
+    periodic = (p for p in checkpoints.glob("*.pt") if is_periodic_checkpoint_name(p.name, sharded=False))
+    for old in sorted(periodic, key=lambda p: (p.stat().st_mtime_ns, p.name))[:-keep_last]:
         old.unlink(missing_ok=True)
 
 

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampkit.trainer.checkpoint_io import CheckpointError, _fsync_dir, load_checkpoint, save_atomic
+from ampkit.trainer.checkpoint_io import (
+    CheckpointError,
+    _fsync_dir,
+    is_periodic_checkpoint_name,
+    load_checkpoint,
+    save_atomic,
+)
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
@@ -94,8 +100,10 @@ def prune_sharded(directory: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
     ``best-*`` ones are the best-k ranking's to keep or drop)."""
     last = (directory / LAST).resolve()
-    periodic = (p for p in directory.glob("*-*") if is_sharded_checkpoint(p) and not p.name.startswith("best-"))
-    kept = sorted(periodic, key=lambda p: p.stat().st_mtime_ns)
+    periodic = (
+        p for p in directory.iterdir() if is_periodic_checkpoint_name(p.name, sharded=True) and is_sharded_checkpoint(p)
+    )
+    kept = sorted(periodic, key=lambda p: (p.stat().st_mtime_ns, p.name))
     for old in kept[:-keep_last]:
         if old.resolve() != last:
             shutil.rmtree(old, ignore_errors=True)
