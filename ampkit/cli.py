@@ -9,7 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -135,6 +139,32 @@ def _resume_hint(cfg: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(_parser(argv), argv)
+    with _sigterm_interrupts():
+        return _run(args)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's notice before it kills a job; torchrun's to the ranks left when one fails), raised
+    where the process is so that it unwinds as an interrupt does: the run lock released, the resume hint printed."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     cfg = None
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
@@ -159,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"ampkit: error: {line} (--debug shows the traceback)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if args.debug:
             raise
-        print(f"ampkit: interrupted{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
-        return 130
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:

@@ -295,3 +295,29 @@ def test_pruning_and_tidying_never_touch_a_users_own_files(tmp_path, sharded):
     assert set(mine) <= names
     periodic = sorted(n for n in names if re.fullmatch(r"step-\d{8}(\.pt)?", n))
     assert periodic == [f"step-{s:08d}" + ("" if sharded else ".pt") for s in (20, 24)]
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
+    """SIGTERM, what Slurm or Kubernetes send before killing a job (and torchrun sends the ranks left when one
+    fails), killed the process silently with its lock held; now it unwinds as an interrupt: exit 143, the resume
+    hint, the lock released, and ``--resume last`` continues."""
+    settings = {"trainer_class": "toy_trainers:SlowToyTrainer", "trainer": {"max_epochs": 3},
+                "checkpoint": {"every_n_steps": 1}, "run_dir": str(tmp_path / "run")}  # fmt: skip
+    cfg_path = tmp_path / "toy.yaml"
+    OmegaConf.save(OmegaConf.create(settings), cfg_path)
+    env = child_env(TESTS, REPO)
+    version = tmp_path / "run" / "version_0"
+    with subprocess.Popen(_cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as proc:  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (version / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "ampkit: terminated (SIGTERM) (--resume last continues from" in err
+    assert not (version / "run.lock").exists()
+    resumed = subprocess.run([*_cli(cfg_path), "--resume", "last"], cwd=TESTS, env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(version / "checkpoints" / "last.pt")["loop"]["global_step"] == 24
