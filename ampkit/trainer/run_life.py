@@ -511,10 +511,13 @@ def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE
     refuse = None
+    real = path.resolve()  # through symlinks: a link to checkpoints/ leads into it
     if is_sharded_checkpoint(path) or path.is_dir():
         refuse = "it is a directory"
-    elif path.absolute().parent.name == "checkpoints":
+    elif path.absolute().parent.name == "checkpoints" or real.parent.name == "checkpoints":
         refuse = "it lies inside a checkpoints/ folder"
+    elif _is_run_record(real):
+        refuse = "it is a record a run keeps (its config, lineage, lock or TensorBoard events)"
     elif reading is not None and path.exists() and path.resolve() == reading.resolve():
         refuse = "it is the checkpoint being read"
     elif path.is_file() and _holds_checkpoint(path):
@@ -522,6 +525,20 @@ def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
     return path
+
+
+def _is_run_record(path: Path) -> bool:
+    """Whether ``path`` is a file a version directory keeps besides its checkpoints: its config files, lineage,
+    lock, or anything under its ``tensorboard/``."""
+
+    def is_version(directory: Path) -> bool:
+        return re.fullmatch(r"version_\d+", directory.name) is not None
+
+    if is_version(path.parent) and (
+        path.name in (LOCK_FILE, LINEAGE_FILE) or re.fullmatch(r"config(\..+)?\.yaml", path.name)
+    ):
+        return True
+    return any(a.name == "tensorboard" and is_version(a.parent) for a in path.parents)
 
 
 def _holds_checkpoint(path: Path) -> bool:
