@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -80,6 +81,24 @@ def test_resume_from_an_older_checkpoint_branches_and_leaves_the_run_intact(tmp_
     again = ToyTrainer(toy_cfg(tmp_path, **{**common, "trainer.max_steps": 14, "trainer.max_epochs": 3}))
     again.fit(resume="last")
     assert again.version_dir == branch.version_dir
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+def test_a_branch_from_best_with_a_top_k_ranks_its_own_checkpoints(tmp_path, sharded):
+    """``--resume best`` with ``save_top_k=2`` (training got worse, go back): the restored ranking named files of
+    the original version directory, and the branch's first best-k save failed on it, every retry alike."""
+    common = {**QUIET, "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": 2, "trainer.device": "cpu"}
+    if sharded:
+        common["distributed.strategy"] = "fsdp"
+    ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 3})).fit()
+    branch = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 5}))
+    branch.fit(resume="best")
+    assert branch.version_dir.name == "version_1"
+    names = {p.name for p in (branch.version_dir / "checkpoints").iterdir()}
+    ranked = [n for n in names if re.fullmatch(r"best-\d{8}(\.pt)?", n)]
+    checkpoints = branch.version_dir / "checkpoints"
+    assert 1 <= len(ranked) <= 2
+    assert (checkpoints / ("best" if sharded else "best.pt")).exists()  # a link to one of them, not dangling
 
 
 def test_the_branch_is_named_in_tensorboard(tmp_path):

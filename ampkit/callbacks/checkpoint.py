@@ -58,6 +58,8 @@ class ModelCheckpoint(Callback):
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = trainer.loop_position()
+        if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
+            self.best_k = {}  # one, so the branch ranks its own (on every rank alike: all of them save best-k shards)
         if not trainer.is_global_zero:  # other ranks have no run directory
             return
         directory = trainer.version_dir / "checkpoints"
