@@ -376,3 +376,18 @@ def test_a_logged_value_that_is_no_number_is_named(tmp_path):
         LogsText(toy_cfg(tmp_path, **QUIET)).fit()
     with pytest.raises(ampkit.ConfigError, match="precision.warn_consecutive_skips"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"precision.warn_consecutive_skips": -1}))
+
+
+def test_a_damaged_shard_is_named_with_the_way_back(tmp_path):
+    sharded = {**QUIET, "trainer.device": "cpu", "distributed.strategy": "fsdp", "checkpoint.every_n_steps": 4}
+    ToyTrainer(toy_cfg(tmp_path, **sharded)).fit()
+    last = (tmp_path / "run" / "version_0" / "checkpoints" / "last").resolve()
+    shard = next(last.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cannot be read \(rank 0: .*\): a shard file is damaged or missing"):
+        ToyTrainer(toy_cfg(tmp_path, **sharded, **{"trainer.max_epochs": 2})).fit(resume="last")
+
+
+def test_a_run_dir_too_long_for_the_filesystem_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="is too long a path"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"run_dir": str(tmp_path / ("x" * 300))}))

@@ -25,6 +25,9 @@ def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     """Why ``version_N`` could not be created under ``root`` (a file in the way; with ``write``, no write access: a
     read-only mount, permissions), or None."""
     existing = Path(root).absolute()
+    too_long = [part for part in existing.parts if len(os.fsencode(part)) > 255]
+    if too_long or len(os.fsencode(str(existing))) > 3800:  # the filesystem's limits, less room for its files
+        return f"'{existing}' is too long a path (a name over 255 bytes, or the whole over 3800: its files go below it)"
     while not existing.exists() and not existing.is_symlink():  # climb to the part that is already there
         existing = existing.parent
     if not existing.is_dir():

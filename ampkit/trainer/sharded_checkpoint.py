@@ -120,8 +120,17 @@ def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.opti
 
     checkpoint = load_checkpoint(path / TRAINER_FILE)
     state = _tensor_state(module, optimizers)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
+
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # a shard file truncated, missing or unreadable
+        failures = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
+        raise CheckpointError(
+            f"sharded checkpoint '{path}' cannot be read ({failures or exc}): a shard file is damaged or missing; "
+            f"resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+        ) from None
+    try:
         set_model_state_dict(module, state["model"])
         for name, opt in optimizers.items():
             set_optimizer_state_dict(module, opt, state["optimizers"][name])
