@@ -391,3 +391,24 @@ def test_a_damaged_shard_is_named_with_the_way_back(tmp_path):
 def test_a_run_dir_too_long_for_the_filesystem_is_named(tmp_path):
     with pytest.raises(ConfigError, match="is too long a path"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"run_dir": str(tmp_path / ("x" * 300))}))
+
+
+def test_a_lost_last_checkpoint_points_to_what_is_left(tmp_path):
+    cfg = {**QUIET, "checkpoint.every_n_steps": 4, "checkpoint.every_n_epochs": 0, "checkpoint.keep_last": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **cfg))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    (checkpoints / "last.pt").unlink()
+    newest = max(checkpoints.glob("step-*.pt"))
+    with pytest.raises(CheckpointError, match=rf"the newest checkpoint left is '{re.escape(str(newest))}'"):
+        ToyTrainer(toy_cfg(tmp_path, **cfg, **{"trainer.max_epochs": 2})).fit(resume="last")
+
+
+def test_a_resume_of_last_that_skips_a_newer_version_says_so(tmp_path):
+    cfg = {**QUIET, "checkpoint.every_n_steps": 4}
+    ToyTrainer(toy_cfg(tmp_path, **cfg)).fit()
+    newer = ToyTrainer(toy_cfg(tmp_path, **cfg))
+    newer.fit()
+    (newer.version_dir / "checkpoints" / "last.pt").unlink()
+    with pytest.warns(UserWarning, match="version_1 under run_dir .* is newer but has no last checkpoint; resuming"):
+        ToyTrainer(toy_cfg(tmp_path, **cfg, **{"trainer.max_epochs": 2})).fit(resume="last")

@@ -194,18 +194,58 @@ def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str
     )
 
 
+def _version_number(path: Path) -> int:
+    """N of the ``version_N`` directory that holds ``path`` (or is it), -1 outside one."""
+    for part in (path, *path.parents):
+        if re.fullmatch(r"version_\d+", part.name):
+            return int(part.name.removeprefix("version_"))
+    return -1
+
+
+def newest_periodic_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest periodic checkpoint (file or shard directory) of the newest version under ``run_dir`` that has
+    one: what is left when ``last`` is gone."""
+    for version in reversed(version_dirs(run_dir)):
+        checkpoints = version / "checkpoints"
+        if not checkpoints.is_dir():
+            continue
+        found = [
+            p
+            for p in checkpoints.iterdir()
+            if is_periodic_checkpoint_name(p.name, sharded=False)
+            and p.is_file()
+            or is_periodic_checkpoint_name(p.name, sharded=True)
+            and is_sharded_checkpoint(p)
+        ]
+        if found:
+            return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return None
+
+
 def plan_fit(
     run_dir: str | os.PathLike, resume: str | os.PathLike | None, path: Path | None, cfg: DictConfig
 ) -> FitStart:
     """Load ``path`` (``resume`` resolved by :func:`resolve_checkpoint`) and decide whether it continues its run
     or branches (see the module's rules); warn about every config key that changed since it was saved."""
     if resume is not None and path is None:
+        left = newest_periodic_checkpoint(run_dir)
         raise CheckpointError(
             f"resume='{resume}': no checkpoint under run_dir '{run_dir}' (no version_N/checkpoints/"
-            f"{resume}.pt); check run_dir, or start without resume for a fresh run"
+            f"{resume}.pt or {resume} link); "
+            + (
+                f"the newest checkpoint left is '{left}': resume it by its path"
+                if left is not None
+                else "check run_dir, or start without resume for a fresh run"
+            )
         )
     if path is None:
         return FitStart()
+    newer = [v for v in version_dirs(run_dir) if _version_number(v) > _version_number(path)]
+    if str(resume) in ("last", "best") and newer:
+        rank_zero_warn(
+            f"resume='{resume}': {', '.join(v.name for v in newer)} under run_dir '{run_dir}' is newer but has no "
+            f"{resume} checkpoint; resuming '{path}' (name a checkpoint by its path to choose another)"
+        )
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
     checkpoint = load_with_fallback_hint(_trainer_part(path))
