@@ -341,3 +341,13 @@ def test_a_finished_run_s_resume_finishes_the_pruning_a_kill_interrupted(tmp_pat
     os.utime(left, ns=(1, 1))  # the oldest
     ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.keep_last": 1})).fit(resume="last")
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt", "step-00000006.pt"]
+
+
+def test_resuming_another_run_dirs_last_checkpoint_says_where_it_continues(tmp_path):
+    first = ToyTrainer(toy_cfg(tmp_path / "one", **QUIET))
+    first.fit()
+    last = first.version_dir / "checkpoints" / "last.pt"
+    other = ToyTrainer(toy_cfg(tmp_path / "two", **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=rf"continues where it is, in '{re.escape(str(first.version_dir))}'"):
+        other.fit(resume=last)
+    assert other.version_dir == first.version_dir and not (tmp_path / "two" / "run").exists()

@@ -269,6 +269,11 @@ def plan_fit(
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
         version_dir = None
+    if version_dir is not None and Path(run_dir).absolute().resolve() != version_dir.parent.resolve():
+        rank_zero_warn(
+            f"'{path}' is the last checkpoint of its run, which continues where it is, in '{version_dir}': "
+            f"run_dir '{run_dir}' is not used (to start a new run there from it, copy the checkpoint first)"
+        )
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,

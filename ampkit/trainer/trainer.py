@@ -570,14 +570,19 @@ class Trainer:
             opt_state.epoch_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted, max_steps = True, self.settings.max_steps
+        exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
         for batch in self._epoch_batches():
             self._run_batch(batch)
             if s.should_stop or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
-        if exhausted and (why := nothing_trained_warning(self.optimizer_state.values(), self.automatic_optimization)):
+        ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
+        if (
+            ran
+            and exhausted
+            and (why := nothing_trained_warning(self.optimizer_state.values(), self.automatic_optimization))
+        ):
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
         if exhausted:
