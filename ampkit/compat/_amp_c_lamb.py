@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
+from ampkit.ops._layout import is_dense
 from ampkit.ops.optimizers._kernels import op
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -46,18 +47,6 @@ def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]
     return lists
 
 
-def _is_dense(t: Tensor) -> bool:
-    """Whether ``t`` fills its storage span with no gaps or overlaps (contiguous in some dimension order)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class _Working:
     """``tensors`` as a kernel takes them: ``dtype`` (default their own) and laid out like ``like`` (default
     dense), copied where they are not; :meth:`write_back` stores the copies into the caller's tensors."""
@@ -68,7 +57,7 @@ class _Working:
         for i, t in enumerate(self.originals):
             layout = like[i] if like else t
             wanted = dtype or t.dtype
-            fits = t.dtype == wanted and t.stride() == layout.stride() and _is_dense(layout)
+            fits = t.dtype == wanted and t.stride() == layout.stride() and is_dense(layout)
             self.tensors.append(t if fits else torch.empty_like(layout, dtype=wanted).copy_(t.reshape(layout.shape)))
 
     def write_back(self) -> None:

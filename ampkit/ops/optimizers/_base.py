@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
+from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,14 +137,6 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
         return
     multiplier = torch.where(_scalar_on(found_inf, weights[0].device) != 0, 1.0, factor)
     torch._foreach_mul_(weights, multiplier)
-
-
-def is_dense(t: Tensor) -> bool:
-    """True if ``t`` covers its memory exactly once in some dimension order (contiguous, channels-last)."""
-    if t.is_contiguous():
-        return True
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
-    return t.permute(order).is_contiguous()
 
 
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ampkit.ops._layout import is_dense
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -45,16 +47,6 @@ def _check_list(op: str, tensors: Sequence[torch.Tensor], name: str, device: tor
         _check_tensor(op, t, name, i, device, None if like is None else like[i].numel())
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers one gap-free block of memory, each element once, in some dimension order."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
@@ -62,7 +54,7 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch's overlap rule (``at::get_overlap_status``): two dense tensors of one storage whose bytes intersect
     without coinciding. Tensors it cannot judge (not dense) count as separate, as there."""
-    if a.numel() == 0 or b.numel() == 0 or not (_dense(a) and _dense(b)):
+    if a.numel() == 0 or b.numel() == 0 or not (is_dense(a) and is_dense(b)):
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
@@ -73,7 +65,8 @@ def _partly_shared(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_writable(op: str, out: torch.Tensor, name: str, i: int, read: torch.Tensor, read_name: str) -> None:
     """``out`` may be ``read`` itself (in place), but not part of it, nor an expanded tensor (the kernels write in
     parallel chunks: the result would depend on their order)."""
-    if not _dense(out) and any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape, strict=True)):
+    repeats = any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape, strict=True))
+    if repeats and not is_dense(out):
         raise RuntimeError(
             f"{op}: `{name}[{i}]` holds one element at several positions (an expanded tensor?); pass one that owns "
             "its memory, e.g. its clone()"
