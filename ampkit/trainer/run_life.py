@@ -51,12 +51,11 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     PERIODIC_STEM,
     CheckpointError,
-    is_periodic_checkpoint_name,
     load_checkpoint,
     write_text_atomic,
 )
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
-from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints
 
 LOCK_FILE = "run.lock"
 LINEAGE_FILE = "lineage.yaml"
@@ -209,14 +208,7 @@ def newest_periodic_checkpoint(run_dir: str | os.PathLike) -> Path | None:
         checkpoints = version / "checkpoints"
         if not checkpoints.is_dir():
             continue
-        found = [
-            p
-            for p in checkpoints.iterdir()
-            if is_periodic_checkpoint_name(p.name, sharded=False)
-            and p.is_file()
-            or is_periodic_checkpoint_name(p.name, sharded=True)
-            and is_sharded_checkpoint(p)
-        ]
+        found = periodic_checkpoints(checkpoints, sharded=False) + periodic_checkpoints(checkpoints, sharded=True)
         if found:
             return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
     return None
@@ -412,8 +404,7 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
 def prune_periodic(checkpoints: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint files (``step-*``/``epoch-*``) in ``checkpoints``;
     ``best-*`` files are the best-k ranking's to keep or drop."""
-    periodic = (p for p in checkpoints.glob("*.pt") if is_periodic_checkpoint_name(p.name, sharded=False))
-    for old in sorted(periodic, key=lambda p: (p.stat().st_mtime_ns, p.name))[:-keep_last]:
+    for old in periodic_checkpoints(checkpoints, sharded=False)[:-keep_last]:
         old.unlink(missing_ok=True)
 
 

@@ -96,15 +96,20 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     _fsync_dir(path.parent)
 
 
+def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:
+    """ampkit's periodic checkpoints in ``directory`` (``step-*``/``epoch-*`` files, or shard directories), oldest
+    first: the only candidates pruning deletes and a lost ``last`` falls back to (a user's files are never among
+    them)."""
+    kind = is_sharded_checkpoint if sharded else Path.is_file
+    found = [p for p in directory.iterdir() if is_periodic_checkpoint_name(p.name, sharded) and kind(p)]
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
 def prune_sharded(directory: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
     ``best-*`` ones are the best-k ranking's to keep or drop)."""
     last = (directory / LAST).resolve()
-    periodic = (
-        p for p in directory.iterdir() if is_periodic_checkpoint_name(p.name, sharded=True) and is_sharded_checkpoint(p)
-    )
-    kept = sorted(periodic, key=lambda p: (p.stat().st_mtime_ns, p.name))
-    for old in kept[:-keep_last]:
+    for old in periodic_checkpoints(directory, sharded=True)[:-keep_last]:
         if old.resolve() != last:
             shutil.rmtree(old, ignore_errors=True)
 
