@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -250,6 +251,49 @@ def test_keep_last_prunes_old_files_but_last_survives(tmp_path):
     trainer.fit()
     names = sorted(p.name for p in (trainer.version_dir / "checkpoints").glob("*.pt"))
     assert names == ["epoch-0001.pt", "last.pt", "step-00000008.pt"]
+
+
+def test_rewriting_last_pt_in_place_changes_no_other_checkpoint(tmp_path):
+    """last.pt, best.pt, best-N.pt and step/epoch-N.pt of one moment are separate files: a user who trims
+    last.pt in place (torch.save onto it, which rewrites the file's bytes) keeps the best and the periodic ones."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.tensorboard": False, "trainer.progress_bar": False,
+                               "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": 2})  # fmt: skip
+    trainer = ToyTrainer(cfg)
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    before = {p.name: p.read_bytes() for p in checkpoints.glob("*.pt")}
+    assert {"last.pt", "best.pt", "best-00000016.pt", "epoch-0002.pt"} <= before.keys()
+    assert before["last.pt"] == before["epoch-0002.pt"] == before["best-00000016.pt"]
+    trimmed = torch.load(checkpoints / "last.pt", weights_only=True)
+    del trimmed["optimizers"]
+    torch.save(trimmed, checkpoints / "last.pt")
+    after = {p.name: p.read_bytes() for p in checkpoints.glob("*.pt")}
+    assert after["last.pt"] != before["last.pt"]
+    assert {n: b for n, b in after.items() if n != "last.pt"} == {n: b for n, b in before.items() if n != "last.pt"}
+
+
+@pytest.mark.parametrize("failure", [errno.EXDEV, errno.ENOSPC])
+def test_copies_fall_back_to_python_or_fail_leaving_the_previous_last(tmp_path, monkeypatch, failure):
+    """Where the kernel cannot copy between the files the copy goes through Python; a full disk fails the save,
+    and last.pt keeps the previous checkpoint."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False, "trainer.progress_bar": False})
+    ToyTrainer(cfg).fit()
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    previous = last.read_bytes()
+
+    def kernel_copy(*args):
+        raise OSError(failure, os.strerror(failure))
+
+    monkeypatch.setattr(os, "copy_file_range", kernel_copy, raising=False)
+    resumed = ToyTrainer({**cfg, "trainer": {**cfg["trainer"], "max_epochs": 2}})
+    if failure == errno.ENOSPC:
+        with pytest.raises(CheckpointError, match="No space left on device.*last.pt still holds the previous"):
+            resumed.fit(resume="last")
+        assert last.read_bytes() == previous
+    else:
+        resumed.fit(resume="last")
+        assert last.read_bytes() == (last.parent / "epoch-0002.pt").read_bytes() != previous
+    assert not [p.name for p in last.parent.iterdir() if p.name.endswith(".tmp")]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -277,7 +277,7 @@ def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_pa
     config = _config(tmp_path, **{"trainer.max_steps": 4, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 2})
     assert main(["fit", "--config", config]) == 0
     checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
-    (checkpoints / "last.pt").unlink()  # a hard link to step-00000004.pt: damage only last.pt
+    (checkpoints / "last.pt").unlink()  # damage only last.pt
     (checkpoints / "last.pt").write_bytes(b"PK\x03\x04 garbage")
     settings = ["--resume", "last", "trainer.max_steps=6"] if command == "fit" else ["--ckpt", "last"]
     line = _one_line_error(capsys, [command, "--config", config, *settings])

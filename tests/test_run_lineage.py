@@ -98,7 +98,7 @@ def test_a_branch_from_best_with_a_top_k_ranks_its_own_checkpoints(tmp_path, sha
     ranked = [n for n in names if re.fullmatch(r"best-\d{8}(\.pt)?", n)]
     checkpoints = branch.version_dir / "checkpoints"
     assert 1 <= len(ranked) <= 2
-    assert (checkpoints / ("best" if sharded else "best.pt")).exists()  # a link to one of them, not dangling
+    assert (checkpoints / ("best" if sharded else "best.pt")).exists()  # one of them, not dangling
 
 
 def test_the_branch_is_named_in_tensorboard(tmp_path):
@@ -207,7 +207,7 @@ def test_a_resume_with_a_changed_config_names_each_changed_key(tmp_path):
 def _plant_stale_temps(checkpoints) -> tuple[list, list]:
     """What a kill during a save leaves (ampkit's names), and files a user put there that look alike."""
     ours = [
-        checkpoints / ".last.pt.k3x9_q0a.tmp",  # link_atomic's
+        checkpoints / ".last.pt.k3x9_q0a.tmp",  # copy_atomic's
         checkpoints / ".step-00000006.pt.abcd1234.tmp",  # save_atomic's
         checkpoints / ".step-00000009.tmp",  # the sharded writer's directory
         checkpoints.parent / ".config.yaml.zz99yy88.tmp",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.checkpoint_io import CheckpointError, is_best_k_checkpoint_name, link_atomic, save_atomic
+from ampkit.trainer.checkpoint_io import CheckpointError, copy_atomic, is_best_k_checkpoint_name, save_atomic
 from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
 
@@ -141,9 +141,10 @@ class ModelCheckpoint(Callback):
             path = save_atomic(checkpoint, directory / filename)
             if best is not None:
                 if best != filename:
-                    link_atomic(path, directory / best)
-                link_atomic(directory / next(iter(self.best_k)), directory / "best.pt")
-            link_atomic(path, directory / "last.pt")
+                    copy_atomic(path, directory / best)
+                if best == next(iter(self.best_k)):  # a new best: best.pt copies it (else it holds the best already)
+                    copy_atomic(path, directory / "best.pt")
+            copy_atomic(path, directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
             raise CheckpointError(
                 f"could not write checkpoint '{directory / filename}' ({exc.strerror or exc}); last.pt still holds "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -90,24 +92,34 @@ def write_text_atomic(text: str, path: Path) -> None:
     _replace_atomically(path, "w", lambda f: f.write(text))
 
 
-def link_atomic(source: Path, alias: Path) -> None:
-    """Point ``alias`` at ``source``'s bytes (hard link, copy if links are unsupported), atomically."""
-    if alias.exists() and os.path.samefile(source, alias):  # rename() onto a link of itself would keep the temp
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{alias.name}.", suffix=".tmp", dir=alias.parent)
-    os.close(fd)
-    os.unlink(tmp)
-    try:
-        try:
-            os.link(source, tmp)
-        except OSError:
-            import shutil
+# copy_file_range's errors meaning "not between these files" (another filesystem, an old kernel): copy in Python.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF}
 
-            shutil.copyfile(source, tmp)
-        os.replace(tmp, alias)
-    except BaseException:  # an interrupt (Ctrl-C) or a full disk: no temp file left behind
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+def _copy_bytes(source: Path, target: IO) -> None:
+    """Copy ``source``'s bytes into the open file ``target``: in the kernel (``copy_file_range``, which shares the
+    blocks copy-on-write where the filesystem can: btrfs, XFS, ZFS), else through Python."""
+    copy_range = getattr(os, "copy_file_range", None)  # Linux only
+    with source.open("rb") as src:
+        size, copied = os.fstat(src.fileno()).st_size, 0
+        try:
+            while copy_range is not None and copied < size:
+                n = copy_range(src.fileno(), target.fileno(), size - copied)
+                if n == 0:
+                    break
+                copied += n
+        except OSError as exc:
+            if copied or exc.errno not in _NO_KERNEL_COPY:  # a full disk, a quota, an I/O error: the save fails
+                raise
+        if copied < size:
+            src.seek(copied)
+            shutil.copyfileobj(src, target, 16 << 20)
+
+
+def copy_atomic(source: Path, alias: Path) -> None:
+    """Make ``alias`` a copy of ``source``, atomically (as :func:`save_atomic` writes). A copy, not a link: a user
+    who rewrites one checkpoint in place (``torch.save(ck, "last.pt")``) changes that one, not every name of it."""
+    _replace_atomically(alias, "wb", lambda f: _copy_bytes(source, f))
     _fsync_dir(alias.parent)
 
 

@@ -358,7 +358,7 @@ def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: Fit
 
 # ----------------------------------------------------------------------------------------- stale temp files
 # Every name ampkit writes before renaming into place, so a kill can leave it behind: save_atomic's and
-# link_atomic's ``.<name>.<random>.tmp`` files, the sharded writer's ``.<name>.tmp`` directory, ``.<name>.old``
+# copy_atomic's ``.<name>.<random>.tmp`` files, the sharded writer's ``.<name>.tmp`` directory, ``.<name>.old``
 # (a checkpoint set aside while its name is saved again) and ``.last.tmp`` link; in the version directory the
 # config's and lineage's temp files and the lock's (``.run.lock.<pid>.tmp``, ``.run.lock.stale.<pid>``).
 _CHECKPOINT = rf"(?:{PERIODIC_STEM}|{BEST_K_STEM}|last|best)"
