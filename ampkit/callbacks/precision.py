@@ -199,3 +199,35 @@ class MixedPrecision(Callback):
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._autocast_off()
+
+
+@torch.no_grad()
+def saved_masters_into_model(
+    module: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], checkpoint: dict[str, Any]
+) -> None:
+    """Write the fp32 master weights a checkpoint holds into ``module``'s parameters (its ``model`` entry holds them
+    only in half precision), so a run resumed without masters (O1, O0, ``master_weights`` off) continues from the
+    trained fp32 weights; a run with masters casts them back to the very half weights it saved."""
+    saved = checkpoint.get("callbacks", {}).get(MixedPrecision.__name__, {}).get("master_weights", {})
+    names = {id(param): name for name, param in module.named_parameters()}
+    for opt_name, state in saved.items():
+        optimizer = optimizers.get(opt_name)
+        if optimizer is None or "master_params" not in state:
+            continue
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        dtypes = [getattr(checkpoint["model"].get(names.get(id(p), "")), "dtype", None) for p in params]
+        low = [p for p, dtype in zip(params, dtypes, strict=True) if _had_master(dtype)]
+        masters = state["master_params"]
+        if len(low) != len(masters) or any(p.shape != m.shape for p, m in zip(low, masters, strict=False)):
+            rank_zero_warn(
+                f"the checkpoint's fp32 master weights of optimizer '{opt_name}' do not match its parameters: "
+                "the run continues from the model's saved half-precision weights"
+            )
+            continue
+        for param, master in zip(low, masters, strict=True):
+            param.copy_(master)
+
+
+def _had_master(saved_dtype: torch.dtype | None) -> bool:
+    """Whether a parameter saved in ``saved_dtype`` had an fp32 master (as :class:`MasterWeights` decides)."""
+    return saved_dtype is not None and saved_dtype.is_floating_point and saved_dtype != torch.float32

@@ -1018,6 +1018,8 @@ class Trainer:
         return checkpoint
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
+        from ampkit.callbacks.precision import saved_masters_into_model
+
         saved = sorted(checkpoint["optimizers"])
         ours = sorted(spec.name for spec in self._specs)
         if saved != ours:
@@ -1027,6 +1029,7 @@ class Trainer:
             )
         try:
             self.module.load_state_dict(checkpoint["model"])
+            saved_masters_into_model(self.module, self.optimizers, checkpoint)
             for spec in self._specs:
                 spec.optimizer.load_state_dict(checkpoint["optimizers"][spec.name])
                 for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):

@@ -457,6 +457,30 @@ def test_an_o0_checkpoint_resumed_at_o2_warns_and_trains_on(tmp_path):
     assert all(torch.isfinite(v.float()).all() for v in params_of(resumed).values())
 
 
+class StartWeights(TwoLossTrainer):
+    def on_train_start(self):
+        self.start = {
+            n: [p.detach().clone() for g in o.param_groups for p in g["params"]] for n, o in self.optimizers.items()
+        }
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O0"])
+def test_an_o2_checkpoint_resumed_without_masters_starts_from_its_fp32_masters(tmp_path, opt_level):
+    """An O2 checkpoint's model entry holds the half weights; the trained weights are its fp32 masters. A run that
+    switches to O1 or O0 on resume starts from the masters, not from their half-precision rounding."""
+    o2 = dict(opt_level="O2", dtype="bfloat16", cast_modules=["body", "head"])
+    first, _ = fit(TwoLossTrainer, tmp_path, trainer_cfg={"max_steps": 3},
+                   checkpoint={"enabled": True, "every_n_steps": 3, "every_n_epochs": 0}, **o2)  # fmt: skip
+    masters = {
+        n: [p.detach().clone() for g in o.param_groups for p in g["params"]] for n, o in first.optimizers.items()
+    }
+    assert any(not torch.equal(m, m.bfloat16().float()) for ms in masters.values() for m in ms)
+    checkpoint = next(Path(first.version_dir, "checkpoints").glob("step-00000003.pt"))
+    resumed, _ = fit(StartWeights, tmp_path, resume=checkpoint, trainer_cfg={"max_steps": 4}, opt_level=opt_level)
+    for name, expected in masters.items():
+        assert all(torch.equal(a, b) for a, b in zip(resumed.start[name], expected, strict=True)), name
+
+
 def test_tensorboard_amp_tags(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
