@@ -84,6 +84,31 @@ def test_best_k_ranking_survives_a_resume(tmp_path):
     assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 6
 
 
+def test_a_resume_with_another_monitor_mode_ranks_afresh_and_keeps_the_earlier_best_files(tmp_path):
+    """The restored ranking was measured the other way round: best-k starts a new one (best.pt its best), and the
+    files ranked before are neither compared with the new values nor pruned."""
+    scores = [5, 3, 4, 1, 2, 6, 0]
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2}
+    _fit(tmp_path, scores, **best, **{"trainer.max_steps": 3})  # min: best-2 (3) and best-3 (4)
+    with pytest.warns(UserWarning, match=r"val/score \(min\) -> val/score \(max\).*\(best-00000002.pt, best-00"):
+        resumed = _fit(tmp_path, scores, resume="last", **best, **{"checkpoint.mode": "max", "trainer.max_steps": 6})
+    checkpoints = resumed.version_dir / "checkpoints"
+    names = sorted(p.name for p in checkpoints.glob("best-*.pt"))
+    assert names == ["best-00000002.pt", "best-00000003.pt", "best-00000005.pt", "best-00000006.pt"]
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 6
+    _fit(tmp_path, scores, resume="last", **best, **{"checkpoint.mode": "max", "trainer.max_steps": 7})
+    assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == names  # the kept files survive a resume's tidying
+
+
+def test_early_stopping_resumed_with_another_mode_counts_afresh(tmp_path):
+    scores = [5, 4, 3, 2, 1.5, 1, 0.5, 0.2, 0.1]
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 3, "checkpoint.every_n_steps": 1}
+    _fit(tmp_path, scores, **es, **{"trainer.max_steps": 3})  # min: best 3 at step 3
+    with pytest.warns(UserWarning, match=r"early_stopping.monitor or mode changed.*\(val/score \(min\) -> val/"):
+        resumed = _fit(tmp_path, scores, resume="last", **es, **{"early_stopping.mode": "max"})
+    assert resumed.state.global_step == 7  # best 2 at step 4, then three validations without improvement
+
+
 def test_validate_best_loads_the_best_checkpoint(tmp_path):
     seen: list[float] = []
 

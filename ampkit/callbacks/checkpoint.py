@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, copy_atomic, is_best_k_checkpoint_name, save_atomic
@@ -24,6 +26,7 @@ class ModelCheckpoint(Callback):
     With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k``
     best so far is saved as ``best-<step>.pt`` and ``best.pt`` names the best one; the ranking is saved in
     checkpoints, so a resumed run keeps it. A file leaves the top k only after its replacement is written.
+    A run resumed with another ``monitor`` or ``mode`` ranks afresh; the earlier ranking's files are kept.
     """
 
     phase = Phase.PERSIST
@@ -50,6 +53,8 @@ class ModelCheckpoint(Callback):
         self.monitor = Monitor(monitor, mode) if monitor else None
         self.save_top_k = save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
+        self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
+        self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
         self._saved_at: dict[str, int] | None = None
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
@@ -59,14 +64,14 @@ class ModelCheckpoint(Callback):
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = trainer.loop_position()
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
-            self.best_k = {}  # one, so the branch ranks its own (on every rank alike: all of them save best-k shards)
+            self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
         if not trainer.is_global_zero:  # other ranks have no run directory
             return
         directory = trainer.version_dir / "checkpoints"
         if not directory.is_dir():
             return
         for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
-            if is_best_k_checkpoint_name(best.name, sharded=False) and best.name not in self.best_k:
+            if is_best_k_checkpoint_name(best.name, sharded=False) and best.name not in (*self.best_k, *self.kept):
                 best.unlink(missing_ok=True)
         self._prune(directory)
 
@@ -118,10 +123,22 @@ class ModelCheckpoint(Callback):
         return name, [dropped for dropped, _ in ranked[self.save_top_k :]]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_k": dict(self.best_k)}
+        ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
+        return {"best_k": dict(self.best_k), "kept": list(self.kept), **ranked_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best_k = dict(state.get("best_k", {}))
+        """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
+        self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
+        self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
+        change = self.monitor.changed_since(state) if self.monitor is not None else None
+        if change is not None and self.best_k:
+            rank_zero_warn(
+                f"checkpoint.monitor or mode changed since the checkpoint ({change}): best-k ranks afresh from the "
+                f"next validation; the files ranked before ({', '.join(self.best_k)}) are kept and no longer pruned, "
+                "and best.pt names the earlier best until the first validation"
+            )
+            self.kept += list(self.best_k)
+            self.best_k = {}
 
     def on_train_end(self, trainer) -> None:
         if self._saved_at != trainer.loop_position():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback
 
@@ -37,7 +39,15 @@ class EarlyStopping(Callback):
                 print(f"ampkit: {reason}, at step {trainer.state.global_step}", file=sys.stderr)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "wait": self.wait}
+        return {"best": self.best, "wait": self.wait, **self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved best value and count; a checkpoint of another monitor or mode starts counting afresh."""
+        change = self.monitor.changed_since(state)
+        if change is not None:
+            rank_zero_warn(
+                f"early_stopping.monitor or mode changed since the checkpoint ({change}): its best value "
+                f"{state['best']} is not one of this metric, so patience counts afresh"
+            )
+            return
         self.best, self.wait = state["best"], state["wait"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 MODES = ("min", "max")
 
@@ -25,6 +26,20 @@ class Monitor:
         if self.key not in metrics:
             raise KeyError(f"monitor '{self.metric}' is not a validation metric; validation produced {sorted(metrics)}")
         return float(metrics[self.key])
+
+    def state_dict(self) -> dict[str, str]:
+        """Which metric and mode the values a callback saves beside this were measured by."""
+        return {"monitor": self.metric, "mode": self.mode}
+
+    def changed_since(self, state: dict[str, Any]) -> str | None:
+        """``'val/mse (min) -> val/acc (max)'`` when the callback ``state`` was measured by another metric or mode
+        (its values rank nothing under this one), else None (also for a state saved without them)."""
+        if "monitor" not in state:
+            return None
+        before = Monitor(state["monitor"], state.get("mode", "min"))
+        if (before.key, before.mode) == (self.key, self.mode):
+            return None
+        return f"{before.metric} ({before.mode}) -> {self.metric} ({self.mode})"
 
     def improves(self, value: float, best: float | None) -> bool:
         """Whether ``value`` beats ``best`` by more than ``min_delta`` (a non-finite value never does)."""
