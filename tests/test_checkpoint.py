@@ -214,9 +214,9 @@ def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):
     # What a SIGKILL leaves: a half-written temp file and step files saved but not yet pruned.
     (directory / ".step-00000009.pt.x1y2.tmp").write_bytes(b"PK\x03\x04half")
     (directory / ".last.pt.a1b2.tmp").write_bytes(b"")
-    for step in (1, 2, 3):
+    for step in (5, 6, 7):
         save_atomic({"ampkit_checkpoint": 1}, directory / f"step-{step:08d}.pt")
-    os.utime(directory / "step-00000001.pt", ns=(0, 0))  # the oldest by time, whatever its number
+    os.utime(directory / "step-00000007.pt", ns=(0, 0))  # older than step 8 by its number, whatever its time
     seen_at_start: list[str] = []
 
     class ListCheckpoints(ampkit.Callback):
@@ -225,7 +225,7 @@ def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):
 
     restarted = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **common}), callbacks=[ListCheckpoints()])
     restarted.fit(resume="last")
-    assert seen_at_start == ["last.pt", "step-00000002.pt", "step-00000003.pt"]
+    assert seen_at_start == ["epoch-0001.pt", "last.pt", "step-00000008.pt"]
 
 
 def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):
@@ -294,6 +294,26 @@ def test_copies_fall_back_to_python_or_fail_leaving_the_previous_last(tmp_path, 
         resumed.fit(resume="last")
         assert last.read_bytes() == (last.parent / "epoch-0002.pt").read_bytes() != previous
     assert not [p.name for p in last.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("kind", ["step", "epoch"])
+def test_a_run_copied_without_its_mtimes_prunes_its_oldest_checkpoints(tmp_path, kind):
+    """A copy that does not keep mtimes (cp -r, scp, an object store) dates the files in its own order; pruning and
+    the newest-left hint go by the step each file holds, so a resumed copy keeps its newest checkpoints."""
+    from ampkit.trainer.run_life import newest_periodic_checkpoint
+
+    every = {"checkpoint.every_n_steps": 4, "checkpoint.every_n_epochs": 0} if kind == "step" else {}
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "checkpoint.keep_last": 2, **every}
+    ToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.max_epochs": 3})).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    older, newer = ["step-00000020.pt", "step-00000024.pt"] if kind == "step" else ["epoch-0002.pt", "epoch-0003.pt"]
+    os.utime(checkpoints / older, ns=(2_000_000_000_000_000_000,) * 2)  # copied last
+    os.utime(checkpoints / newer, ns=(1_000_000_000_000_000_000,) * 2)
+    assert newest_periodic_checkpoint(tmp_path / "run") == checkpoints / newer
+    limit = {"trainer.max_steps": 28} if kind == "step" else {"trainer.max_epochs": 4}
+    ToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.max_epochs": 4, **limit})).fit(resume="last")
+    written = "step-00000028.pt" if kind == "step" else "epoch-0004.pt"
+    assert sorted(p.name for p in checkpoints.glob("*.pt")) == sorted(["last.pt", newer, written])
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -55,7 +55,7 @@ from ampkit.trainer.checkpoint_io import (
     write_text_atomic,
 )
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
-from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints, training_order
 
 LOCK_FILE = "run.lock"
 LINEAGE_FILE = "lineage.yaml"
@@ -126,10 +126,8 @@ def _newest_readable_beside(path: Path) -> Path | None:
     if path.parent.name != "checkpoints" or not path.parent.is_dir():
         return None
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
-    for other in sorted(others, key=lambda p: p.stat().st_mtime_ns, reverse=True):
-        if not (path.exists() and os.path.samefile(other, path)) and _loop_of(other) is not None:
-            return other
-    return None
+    readable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _loop_of(p) is not None]
+    return max(readable, key=training_order, default=None)
 
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
@@ -210,7 +208,7 @@ def newest_periodic_checkpoint(run_dir: str | os.PathLike) -> Path | None:
             continue
         found = periodic_checkpoints(checkpoints, sharded=False) + periodic_checkpoints(checkpoints, sharded=True)
         if found:
-            return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+            return max(found, key=training_order)
     return None
 
 

@@ -10,7 +10,9 @@ renames the finished directory into place, so a crash mid-save leaves the previo
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -102,7 +104,31 @@ def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:
     them)."""
     kind = is_sharded_checkpoint if sharded else Path.is_file
     found = [p for p in directory.iterdir() if is_periodic_checkpoint_name(p.name, sharded) and kind(p)]
-    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return sorted(found, key=training_order)
+
+
+def training_order(path: Path) -> tuple[int, int, int, str]:
+    """Sort key of checkpoint ``path`` (a file or shard directory): the loop position it holds, then its mtime and
+    name. Not the mtime first: a run directory copied without its mtimes (``cp -r``, ``scp``, an object store)
+    has them in the copy's order. A ``step-N`` name says its global step; other files are read for it."""
+    part = path / TRAINER_FILE if path.is_dir() else path
+    info = part.stat()
+    step = re.fullmatch(r"step-(\d+)(?:\.pt)?", path.name)
+    position = (
+        (int(step.group(1)), -1) if step else _loop_position(str(part), info.st_ino, info.st_mtime_ns, info.st_size)
+    )
+    return (*position, info.st_mtime_ns, path.name)
+
+
+@functools.lru_cache(maxsize=256)
+def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int, int]:
+    """(global step, epoch) saved in ``file`` (memory-mapped: its tensors are not read), (-1, -1) if unreadable;
+    cached per version of the file (its inode, mtime and size), so each save's pruning reads only the new file."""
+    try:
+        loop = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["loop"]
+        return int(loop["global_step"]), int(loop["epoch"])
+    except Exception:  # damaged or foreign: ordered before every readable one
+        return -1, -1
 
 
 def prune_sharded(directory: Path, keep_last: int) -> None:
