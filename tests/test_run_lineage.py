@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -341,6 +342,22 @@ def test_a_finished_run_s_resume_finishes_the_pruning_a_kill_interrupted(tmp_pat
     os.utime(left, ns=(1, 1))  # the oldest
     ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.keep_last": 1})).fit(resume="last")
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.pt", "step-00000004.pt", "step-00000006.pt"]
+
+
+def test_the_last_checkpoint_of_a_read_only_run_branches_into_run_dir(tmp_path, monkeypatch):
+    """An archived run on a read-only mount cannot be continued where it is: resuming its last checkpoint into
+    another run_dir branches there, instead of failing on a lock in the read-only directory."""
+    first = ToyTrainer(toy_cfg(tmp_path / "archive", **QUIET))
+    first.fit()
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != first.version_dir and writable(path, mode))
+    before = _files(tmp_path / "archive")
+    branch = ToyTrainer(toy_cfg(tmp_path / "mine", **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=r"cannot be written \(read-only\): training branches from it"):
+        branch.fit(resume=first.version_dir / "checkpoints" / "last.pt")
+    assert branch.version_dir == tmp_path / "mine" / "run" / "version_0"
+    assert (branch.version_dir / "lineage.yaml").is_file() and branch.state.global_step == 16
+    assert _files(tmp_path / "archive") == before
 
 
 def test_resuming_another_run_dirs_last_checkpoint_says_where_it_continues(tmp_path):

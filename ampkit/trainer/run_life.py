@@ -10,7 +10,7 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
     written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
-    position): training goes on in that directory.
+    position): training goes on in that directory (unless it is read-only: then it is a branch).
   - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
     a new ``version_N`` under ``run_dir``, whose ``lineage.yaml`` and ``config.yaml`` name the checkpoint
     it started from (TensorBoard's text ``run/lineage`` too). So a version directory holds one lineage, and
@@ -258,6 +258,12 @@ def plan_fit(
     loop = dict(checkpoint["loop"])
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
+        version_dir = None
+    if version_dir is not None and not os.access(version_dir, os.W_OK | os.X_OK):  # an archived run: read-only
+        rank_zero_warn(
+            f"'{path}' is the last checkpoint of its run, but '{version_dir}' cannot be written (read-only): "
+            f"training branches from it into a new version under run_dir '{run_dir}'"
+        )
         version_dir = None
     if version_dir is not None and Path(run_dir).absolute().resolve() != version_dir.parent.resolve():
         rank_zero_warn(
