@@ -37,6 +37,14 @@ def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     return None
 
 
+def describe_run_dir(root: str | os.PathLike) -> str:
+    """``'runs/x'`` for messages, with the absolute path a relative one stands for (it is read from the working
+    directory, so a run started elsewhere looks for another directory)."""
+    if Path(root).is_absolute():
+        return f"'{root}'"
+    return f"'{root}' (from the working directory: '{Path(root).absolute()}')"
+
+
 def new_version_dir(root: str | Path) -> Path:
     """Create and return the next free ``version_N`` under ``root``."""
     root = Path(root)
