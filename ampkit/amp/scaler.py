@@ -206,11 +206,15 @@ class LossScaler:
         return {"loss_scale": self._scale, "unskipped": self.unskipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry); knobs stay as configured."""
+        """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry, or a ``torch.amp.GradScaler``'s
+        state: its ``scale`` and ``_growth_tracker``, the clean steps since the scale last changed); knobs stay as
+        configured."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
             )
+        if is_grad_scaler_state(state):
+            state = {"loss_scale": state["scale"], "unskipped": state["_growth_tracker"]}
         missing = {"loss_scale", "unskipped"} - set(state)
         if missing:
             raise KeyError(f"loss scaler state is missing {sorted(missing)}; got keys {sorted(state)}")
@@ -229,6 +233,11 @@ class LossScaler:
     def __repr__(self) -> str:
         mode = "dynamic" if self.dynamic else "static"
         return f"LossScaler({mode}, scale={self._scale}, unskipped={self.unskipped})"
+
+
+def is_grad_scaler_state(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is a ``torch.amp.GradScaler.state_dict()`` (one scale for every loss)."""
+    return "scale" in state and "_growth_tracker" in state and "loss_scale" not in state
 
 
 class _DeviceScale:

@@ -158,3 +158,13 @@ def test_load_state_dict_of_a_path_says_it_wants_the_dict():
     _build("O1", 1)
     with pytest.raises(TypeError, match=r"expects the dict from amp.state_dict\(\), got str \(load the file first"):
         amp.load_state_dict("/path/to/file.pt")
+
+
+def test_a_grad_scaler_state_restores_every_loss_scaler():
+    """A native-AMP checkpoint's torch.amp.GradScaler state (one scale for every loss) moving to amp: its scale
+    and clean-step count, not an error listing GradScaler's keys."""
+    _build("O1", 2)
+    native = torch.amp.GradScaler("cpu", init_scale=512.0)
+    native._scale, native._growth_tracker = torch.tensor(512.0), torch.tensor(7, dtype=torch.int32)
+    amp.load_state_dict(native.state_dict())
+    assert amp.state_dict() == {f"loss_scaler{i}": {"loss_scale": 512.0, "unskipped": 7} for i in range(2)}

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
+from ampkit.amp.scaler import is_grad_scaler_state
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
@@ -264,6 +265,10 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             "call amp.initialize(model, optimizer, ...) first, then amp.load_state_dict(checkpoint['amp'])"
         )
     scalers = _amp_state.loss_scalers
+    if is_grad_scaler_state(state_dict):  # a native-AMP checkpoint's scaler: its one scale served every loss
+        for scaler in scalers:
+            scaler.load_state_dict(state_dict)
+        return
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
     unexpected = [key for key in state_dict if "loss_scaler" not in key]
