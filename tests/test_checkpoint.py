@@ -309,6 +309,31 @@ def test_copies_fall_back_to_python_or_fail_leaving_the_previous_last(tmp_path, 
     assert not [p.name for p in last.parent.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("failing", ["save", "copy"])
+def test_a_full_disk_at_a_runs_first_save_says_what_is_left_to_resume(tmp_path, monkeypatch, failing):
+    """No last.pt exists yet: the error does not promise one, it names the whole file to resume, or says none is."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if failing == "save":
+        monkeypatch.setattr(torch, "save", full)
+    else:
+        monkeypatch.setattr(os, "copy_file_range", full, raising=False)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    left = (
+        "this run has no checkpoint yet"
+        if failing == "save"
+        else f"'{checkpoints / 'epoch-0001.pt'}' was written whole"
+    )
+    written = "epoch-0001.pt" if failing == "save" else "last.pt"
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"'{checkpoints / written}' (No space left on device); {left}")
+    ):
+        ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.progress_bar": False})).fit()
+    assert not (checkpoints / "last.pt").exists()
+
+
 @pytest.mark.parametrize("kind", ["step", "epoch"])
 def test_a_run_copied_without_its_mtimes_prunes_its_oldest_checkpoints(tmp_path, kind):
     """A copy that does not keep mtimes (cp -r, scp, an object store) dates the files in its own order; pruning and

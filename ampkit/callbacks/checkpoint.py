@@ -153,20 +153,24 @@ class ModelCheckpoint(Callback):
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
         if not trainer.is_global_zero:
             return None
-        directory = trainer.version_dir / "checkpoints"
+        directory, path = trainer.version_dir / "checkpoints", None
+        writing = directory / filename
         try:
-            path = save_atomic(checkpoint, directory / filename)
+            path = save_atomic(checkpoint, writing)
             if best is not None:
                 if best != filename:
-                    copy_atomic(path, directory / best)
+                    copy_atomic(path, writing := directory / best)
                 if best == next(iter(self.best_k)):  # a new best: best.pt copies it (else it holds the best already)
-                    copy_atomic(path, directory / "best.pt")
-            copy_atomic(path, directory / "last.pt")
+                    copy_atomic(path, writing := directory / "best.pt")
+            copy_atomic(path, writing := directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
-            raise CheckpointError(
-                f"could not write checkpoint '{directory / filename}' ({exc.strerror or exc}); last.pt still holds "
-                "the previous checkpoint, and --resume last continues from it"
-            ) from None
+            if (directory / "last.pt").is_file():
+                left = "last.pt still holds the previous checkpoint, and --resume last continues from it"
+            elif path is not None:  # the run's first save: its file is whole, only last.pt is missing
+                left = f"'{path}' was written whole: resume it by its path"
+            else:
+                left = "this run has no checkpoint yet: free space (or get write access) and start it again"
+            raise CheckpointError(f"could not write checkpoint '{writing}' ({exc.strerror or exc}); {left}") from None
         self._prune(directory)
         return path
 
