@@ -232,14 +232,21 @@ def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, 
         _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
 
 
-def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize("section", ["optimizer_counts", "optimizers", "model"])
+def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path, section):
+    """E.g. a checkpoint trimmed of its optimizers to ship it: resuming it is refused by name, not a KeyError."""
     trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
     trainer.fit()
     checkpoint = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
-    del checkpoint["optimizer_counts"]
+    del checkpoint[section]
     save_atomic(checkpoint, tmp_path / "old.pt")
-    with pytest.raises(CheckpointError, match="old.pt' \\(format 1\\) lacks optimizer_counts: it cannot be resumed"):
+    with pytest.raises(CheckpointError, match=f"old.pt' \\(format 1\\) lacks {section}: it cannot be resumed"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume=tmp_path / "old.pt")
+    if section == "model":
+        with pytest.raises(CheckpointError, match="old.pt' has no 'model' entry: it holds no weights to load"):
+            ToyTrainer(toy_cfg(tmp_path, **QUIET)).validate(ckpt=tmp_path / "old.pt")
+    else:
+        ToyTrainer(toy_cfg(tmp_path, **QUIET)).validate(ckpt=tmp_path / "old.pt")
 
 
 def test_a_mid_epoch_resume_whose_epoch_got_shorter_is_refused(tmp_path):

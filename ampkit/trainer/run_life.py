@@ -240,12 +240,13 @@ def plan_fit(
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
     checkpoint = load_with_fallback_hint(_trainer_part(path))
     missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
-    if not sharded and "model" not in checkpoint:
-        missing.insert(0, "model")
+    if not sharded:  # a sharded checkpoint keeps its model and optimizers in the shards
+        missing[:0] = [section for section in ("model", "optimizers") if section not in checkpoint]
     if missing:
+        weights = " (its weights may still load with validate/test/predict --ckpt)" if "model" not in missing else ""
         raise CheckpointError(
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
-            "resumed (its weights may still load with validate/test/predict --ckpt)"
+            f"resumed{weights}"
         )
     changed = config_changes(checkpoint.get("config", {}), cfg)
     if changed:

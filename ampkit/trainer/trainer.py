@@ -1066,9 +1066,13 @@ class Trainer:
             load_sharded(path, self.module, {})
             return
         try:
-            state = (
-                consolidate_checkpoint(path) if is_sharded_checkpoint(path) else load_with_fallback_hint(path)["model"]
-            )
+            if is_sharded_checkpoint(path):
+                state = consolidate_checkpoint(path)
+            else:
+                checkpoint = load_with_fallback_hint(path)
+                if "model" not in checkpoint:
+                    raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
+                state = checkpoint["model"]
             self.module.load_state_dict(state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
