@@ -283,6 +283,10 @@ def test_rewriting_last_pt_in_place_changes_no_other_checkpoint(tmp_path):
     after = {p.name: p.read_bytes() for p in checkpoints.glob("*.pt")}
     assert after["last.pt"] != before["last.pt"]
     assert {n: b for n, b in after.items() if n != "last.pt"} == {n: b for n, b in before.items() if n != "last.pt"}
+    complete = re.escape(f"lacks optimizers: it cannot be resumed (its weights may still load with validate/test/"
+                         f"predict --ckpt); the newest complete checkpoint beside it is '{checkpoints}/")  # fmt: skip
+    with pytest.raises(CheckpointError, match=complete + r"epoch-0002\.pt'"):
+        ToyTrainer({**cfg, "trainer": {**cfg["trainer"], "max_epochs": 3}}).fit(resume="last")
 
 
 @pytest.mark.parametrize("failure", [errno.EXDEV, errno.ENOSPC])

@@ -51,6 +51,7 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     PERIODIC_STEM,
     CheckpointError,
+    is_periodic_checkpoint_name,
     load_checkpoint,
     write_text_atomic,
 )
@@ -122,12 +123,27 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{exc}; the newest readable checkpoint beside it is '{fallback}'") from None
 
 
-def _newest_readable_beside(path: Path) -> Path | None:
+def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Path | None:
+    """The newest checkpoint file beside ``path`` that can be read and holds ``sections``, or None."""
     if path.parent.name != "checkpoints" or not path.parent.is_dir():
         return None
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
-    readable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _loop_of(p) is not None]
-    return max(readable, key=training_order, default=None)
+    usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
+    return max(usable, key=lambda p: (training_order(p)[:2], _is_periodic(p), training_order(p)), default=None)
+
+
+def _is_periodic(path: Path) -> bool:
+    """Whether ``path`` is a step/epoch file (named before a best file of the same step: it is kept longer)."""
+    return is_periodic_checkpoint_name(path.name, sharded=False)
+
+
+def _holds(path: Path, sections: tuple[str, ...]) -> bool:
+    """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return False
+    return isinstance(checkpoint, dict) and all(section in checkpoint for section in sections)
 
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
@@ -244,9 +260,11 @@ def plan_fit(
         missing[:0] = [section for section in ("model", "optimizers") if section not in checkpoint]
     if missing:
         weights = " (its weights may still load with validate/test/predict --ckpt)" if "model" not in missing else ""
+        complete = None if sharded else _newest_readable_beside(path, ("model", "optimizers", *RESUME_SECTIONS))
+        beside = f"; the newest complete checkpoint beside it is '{complete}'" if complete is not None else ""
         raise CheckpointError(
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
-            f"resumed{weights}"
+            f"resumed{weights}{beside}"
         )
     changed = config_changes(checkpoint.get("config", {}), cfg)
     if changed:
