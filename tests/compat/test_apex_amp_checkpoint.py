@@ -170,6 +170,17 @@ def test_o2_model_deep_copied_for_an_ema_saves_its_own_weights_not_the_masters_o
         torch.testing.assert_close(value, own[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_whole_model_saved_with_torch_save_loads_and_still_casts(level):
+    """Scripts that ``torch.save(model)`` rather than its state dict: the cast model pickles with its hooks."""
+    model, optimizer = _build(level, 1)
+    _iteration(model, optimizer, 0, 1, dynamic=False)
+    (loaded,) = torch.load(io.BytesIO(_save(model)), weights_only=False)
+    x = torch.randn(4, 6)
+    assert loaded[0].weight.dtype == torch.float16
+    assert loaded(x).dtype == torch.float32 and torch.equal(loaded(x), model(x))
+
+
 def test_load_state_dict_of_a_path_says_it_wants_the_dict():
     _build("O1", 1)
     with pytest.raises(TypeError, match=r"expects the dict from amp.state_dict\(\), got str \(load the file first"):
