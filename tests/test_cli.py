@@ -41,6 +41,19 @@ def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsy
     assert any(line.split() == ["data.batch_size", "8"] for line in text.splitlines())  # the Trainer's own keys
 
 
+def test_help_with_a_config_shows_that_files_values_and_every_keys_meaning(tmp_path, capsys):
+    """``fit --config f --help`` is how a user checks what a file sets: its values, not the schema's defaults,
+    and the meanings of the keys the Trainer's schema inherits."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", _config(tmp_path, trainer={"max_steps": 7}, data={"batch_size": 3}), "--help"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["trainer.max_steps", "7"] == next(line[:2] for line in lines if line[:1] == ["trainer.max_steps"])
+    assert ["data.batch_size", "3"] in lines
+    assert ["run_dir", str(tmp_path / "runs"), "each", "fresh", "run"] == next(
+        line[:5] for line in lines if line[:1] == ["run_dir"]
+    )
+
+
 def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, capsys):
     assert main(["fit", "--config", _config(tmp_path, name="toy"), "--print-config", "trainer.max_epochs=7"]) == 0
     printed = OmegaConf.create(capsys.readouterr().out)
