@@ -208,6 +208,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)
         s = trainer.state
+        if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
+            at = trainer.val_metrics_step
+            shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
         epochs = s.epoch + (1 if s.batches_done else 0)  # a run stopped by max_steps is inside an epoch
         print(
             f"ampkit: finished {s.global_step} steps in {epochs} epoch{'' if epochs == 1 else 's'}"

@@ -117,3 +117,15 @@ def test_evaluation_commands_report_errors_in_one_line_too(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("ampkit: error: ToyTrainer.test() needs test_dataloader()")
     assert main(["predict", "--config", config, "--output", str(tmp_path / "p.pt"), "--print-config"]) == 0
     assert OmegaConf.create(capsys.readouterr().out).run_dir == str(tmp_path / "runs")
+
+
+def test_the_final_line_says_when_the_validation_it_shows_ran(tmp_path, capsys):
+    """A resume that does not validate again shows the checkpoint's metrics: the line says they are not this step's."""
+    config = _config(tmp_path, trainer={"progress_bar": False}, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, "trainer.max_epochs=1"]) == 0
+    first = capsys.readouterr().out
+    steps = int(re.search(r"finished (\d+) steps", first)[1])
+    assert "val/mse=" in first and "validated at" not in first
+    argv = ["fit", "--config", config, "trainer.max_epochs=2", "trainer.val_every_n_epochs=0", "--resume", "last"]
+    assert main(argv) == 0
+    assert f"(validated at step {steps})" in capsys.readouterr().out
