@@ -178,6 +178,11 @@ class NoLoader(ToyTrainer):
         return None
 
 
+class TwoValidationLoaders(ToyTrainer):  # Lightning's way to validate on two sets
+    def val_dataloader(self):
+        return [super().val_dataloader(), DataLoader(toy_dataset(8, seed=8), batch_size=8)]
+
+
 class VectorMetric(ToyTrainer):
     def validation_step(self, batch):
         return {"mse": (self.model(batch[0]).squeeze(1) - batch[1]).square()}
@@ -213,6 +218,7 @@ class NoOptimizersListed(ToyTrainer):
     ("trainer_class", "message"),
     [
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
+        ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or a number, not a list"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),

@@ -802,7 +802,7 @@ class Trainer:
             self._load_weights(path)
         if fresh:
             self._setup_callbacks()
-        loader = call_setup_method(self, stage.dataloader)
+        loader = check_loader(call_setup_method(self, stage.dataloader), stage.dataloader, optional=True)
         if loader is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
@@ -850,7 +850,10 @@ class Trainer:
             shuffle_default=True,
         )
         self._val_loader = distributed_loader(
-            call_setup_method(self, "val_dataloader"), seed, self.dist, shuffle_default=False
+            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True),
+            seed,
+            self.dist,
+            shuffle_default=False,
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
