@@ -238,6 +238,27 @@ def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, 
         _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
 
 
+class FirstLayerCalledDirectly(ToyTrainer):  # O2 casts inputs where the model is called, not its submodules
+    def training_step(self, batch):
+        x, y = batch
+        return (self.module[3](self.module[0](x).tanh()).squeeze(1) - y).square().mean()
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_a_submodule_called_directly_under_a_cast_model_names_precision_cast_modules(tmp_path, capsys, opt_level):
+    settings = {"precision.opt_level": opt_level, "precision.dtype": "bfloat16", "trainer.progress_bar": False}
+    code, _, err = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:FirstLayerCalledDirectly", **settings)
+    line = _one_line(err)
+    assert code == 2 and "mat1 and mat2 must have the same dtype" in line
+    assert f"precision.opt_level={opt_level} cast the model to bfloat16 and casts inputs only where the model" in line
+    assert "names it in precision.cast_modules (the model's children: 0, 1, 2, 3)" in line
+    with pytest.raises(RuntimeError):  # --debug keeps the traceback
+        _cli(tmp_path, capsys, ["fit", "--debug"], "test_user_mistakes:FirstLayerCalledDirectly", **settings)
+    code, _, _ = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:FirstLayerCalledDirectly",
+                      **settings, **{"precision.cast_modules": "[0,3]"})  # fmt: skip
+    assert code == 0  # naming the submodules the step calls is the way out
+
+
 def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
     trainer.fit()
