@@ -94,6 +94,25 @@ def test_a_misspelt_monitor_fails_before_training(tmp_path, capsys):
     assert not list((tmp_path / "runs").glob("version_*"))  # no training happened, and no empty version_N is left
 
 
+class TwoValidationSets(ToyTrainer):  # set a's 3 batches, then set b's one
+    def val_dataloader(self):
+        sets = {"a": super().val_dataloader(), "b": DataLoader(toy_dataset(8, seed=8), batch_size=8)}
+        return [(*batch, name) for name, loader in sets.items() for batch in loader]
+
+    def validation_step(self, batch):
+        return {f"mse_{batch[2]}": super().validation_step(batch[:2])["mse"]}
+
+
+def test_a_monitor_of_a_second_validation_set_names_the_sanity_steps_that_reach_it(tmp_path, capsys):
+    settings = {"checkpoint.monitor": "val/mse_b", "trainer.max_epochs": 1}
+    code, _, err = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:TwoValidationSets", **settings)
+    assert code == 2 and "validation_step returns val/mse_a (checked before training on" in _one_line(err)
+    assert "only later batches return (a second validation set) needs trainer.num_sanity_val_steps=4 (all" in err
+    code, _, _ = _cli(tmp_path, capsys, ["fit", "trainer.num_sanity_val_steps=4"],
+                      "test_user_mistakes:TwoValidationSets", **settings)  # fmt: skip
+    assert code == 0
+
+
 def test_a_resume_caught_by_the_sanity_validation_keeps_its_run_directory(tmp_path, capsys):
     code, _, _ = _cli(tmp_path, capsys, ["fit"], **{"trainer.max_epochs": 1})
     assert code == 0
