@@ -80,7 +80,7 @@ from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import unwritable_reason
+from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
     RunDirectoryError,
@@ -799,7 +799,9 @@ class Trainer:
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         path = self._resolve_checkpoint(ckpt)
         if ckpt is not None and path is None:
-            raise CheckpointError(f"{stage.name}: no '{ckpt}.pt' under '{self.cfg.run_dir}' (pass a path)")
+            raise CheckpointError(
+                f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
+            )
         fresh = self.module is None  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
