@@ -94,7 +94,8 @@ def _named_settings(cfg: DictConfig, message: str) -> str:
     return f" (config: {', '.join(named)})" if named else ""
 
 
-# The attribute :func:`call_setup_method` sets on what a set-up method raised: the one line the CLI prints for it.
+# The attribute :func:`call_setup_method` sets on what a set-up method raised (and the casting callback on a dtype
+# clash of a cast model): the one line the CLI prints for it.
 SETUP_ERROR_LINE = "ampkit_setup_error"
 
 
