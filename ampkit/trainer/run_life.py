@@ -55,7 +55,7 @@ from ampkit.trainer.checkpoint_io import (
     load_checkpoint,
     write_text_atomic,
 )
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, quoted_run_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints
 
 LOCK_FILE = "run.lock"
@@ -223,7 +223,7 @@ def plan_fit(
     if resume is not None and path is None:
         left = newest_periodic_checkpoint(run_dir)
         raise CheckpointError(
-            f"resume='{resume}': no checkpoint under run_dir '{run_dir}' (no version_N/checkpoints/"
+            f"resume='{resume}': no checkpoint under run_dir {quoted_run_dir(run_dir)} (no version_N/checkpoints/"
             f"{resume}.pt or {resume} link); "
             + (
                 f"the newest checkpoint left is '{left}': resume it by its path"
