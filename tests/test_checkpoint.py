@@ -180,16 +180,13 @@ def test_resume_last_without_a_checkpoint_is_an_error_naming_run_dir(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0"]
 
 
-def test_a_relative_run_dir_without_a_checkpoint_names_the_directory_it_stands_for(tmp_path, monkeypatch):
-    """run_dir 'run' from another working directory is another directory: the error says which one was read."""
-    ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.progress_bar": False})).fit()
-    (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    cfg = {**toy_cfg(tmp_path, **{"logging.tensorboard": False}), "run_dir": "run"}
-    where = re.escape(f"run_dir 'run' (from the working directory: '{tmp_path / 'elsewhere' / 'run'}')")
-    with pytest.raises(CheckpointError, match=where):
+def test_a_relative_run_dir_without_a_checkpoint_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a script run from another directory than the one it trained in
+    cfg = toy_cfg(tmp_path, **{"run_dir": "runs/toy", "logging.tensorboard": False})
+    where = f"'runs/toy' (relative to the working directory: {tmp_path / 'runs' / 'toy'})"
+    with pytest.raises(CheckpointError, match=re.escape(f"no checkpoint under run_dir {where}")):
         ToyTrainer(cfg).fit(resume="last")
-    with pytest.raises(CheckpointError, match=re.escape("no 'last.pt' under 'run' (from the working directory: ")):
+    with pytest.raises(CheckpointError, match=re.escape(f"validate: no 'last.pt' under {where}")):
         ToyTrainer(cfg).validate(ckpt="last")
 
 

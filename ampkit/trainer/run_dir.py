@@ -21,6 +21,15 @@ def version_dirs(root: str | Path) -> list[Path]:
     return [path for _, path in _versions(Path(root))]
 
 
+def quoted_run_dir(root: str | Path) -> str:
+    """``root`` quoted for a message; a relative one also names the working directory it is under."""
+    return (
+        f"'{root}'"
+        if Path(root).is_absolute()
+        else f"'{root}' (relative to the working directory: {Path(root).absolute()})"
+    )
+
+
 def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     """Why ``version_N`` could not be created under ``root`` (a file in the way; with ``write``, no write access: a
     read-only mount, permissions), or None."""
@@ -35,14 +44,6 @@ def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     if write and not os.access(existing, os.W_OK | os.X_OK):
         return f"'{existing}' is not writable"
     return None
-
-
-def describe_run_dir(root: str | os.PathLike) -> str:
-    """``'runs/x'`` for messages, with the absolute path a relative one stands for (it is read from the working
-    directory, so a run started elsewhere looks for another directory)."""
-    if Path(root).is_absolute():
-        return f"'{root}'"
-    return f"'{root}' (from the working directory: '{Path(root).absolute()}')"
 
 
 def new_version_dir(root: str | Path) -> Path:
