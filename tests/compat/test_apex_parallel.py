@@ -211,6 +211,25 @@ def _check_sync_batchnorm_matches_full_batch(rank, world_size):
     torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
 
 
+def _check_sync_batchnorm_keeps_float64(rank, world_size):
+    # Float64 data (a large offset, a small spread: float32 keeps none of it) normalises as torch's float64 batch
+    # norm does, forward and backward; statistics computed in float32 lost everything below 1e-3 here.
+    full = torch.cat([_rank_data(r)[1] for r in range(world_size)]).double() * 1e-3 + 1e4
+    reference_bn = torch.nn.BatchNorm1d(4).double()
+    full_input = full.clone().requires_grad_(True)
+    reference_out = reference_bn(full_input)
+    reference_out.square().sum().backward()
+    sync_bn = SyncBatchNorm(4).double()
+    local = full[rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)
+    out = sync_bn(local)
+    out.square().sum().backward()
+    rows = slice(rank * 6, (rank + 1) * 6)
+    torch.testing.assert_close(out, reference_out[rows])
+    torch.testing.assert_close(local.grad, full_input.grad[rows])
+    torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
+    torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
+
+
 def _check_syncbn_process_groups(rank, world_size):
     # Apex's create_syncbn_process_group: groups of one rank normalise locally, a group of all ranks globally.
     local = _rank_data(rank)[1]
@@ -419,6 +438,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
         _check_sync_batchnorm_matches_full_batch,
+        _check_sync_batchnorm_keeps_float64,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,
