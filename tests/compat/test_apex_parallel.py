@@ -27,12 +27,20 @@ from ampkit.compat.parallel import (
 
 
 @pytest.mark.parametrize("clip", [True, False])
-def test_larc_scales_each_gradient_by_its_trust_ratio(clip):
+@pytest.mark.parametrize(
+    "dtype,scale", [(torch.float32, 1.0), (torch.float64, 1e-30)], ids=["float32", "float64_below_float32"]
+)
+def test_larc_scales_each_gradient_by_its_trust_ratio(clip, dtype, scale):
+    """The norms are taken in the parameters' precision, float64 included (in float32 these underflowed to zero
+    and LARC left the gradients unscaled)."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
+    model = torch.nn.Linear(5, 3).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
     lr, wd, trust, eps = 0.1, 1e-2, 0.02, 1e-8
     optimizer = LARC(torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd), trust_coefficient=trust, clip=clip)
-    model(torch.randn(4, 5)).pow(2).sum().backward()
+    model(torch.randn(4, 5, dtype=dtype)).pow(2).sum().backward()
     expected = []
     for p in model.parameters():
         w_norm, g_norm = p.detach().norm(), p.grad.norm()
@@ -42,7 +50,7 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip):
         expected.append(p.detach() - lr * local * (p.grad + wd * p.detach()))
     optimizer.step()
     for p, want in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(p.detach(), want)
+        torch.testing.assert_close(p.detach(), want, atol=0, rtol=1e-6)  # relative: the float64 ones are tiny
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
 
