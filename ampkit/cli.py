@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
@@ -65,15 +65,21 @@ COMMANDS = {
 }
 
 
-def _schema_for_help(argv: list[str]) -> tuple[type, str]:
-    """The schema whose keys a command's ``--help`` lists: the named config's Trainer's, else the base one."""
+def _keys_for_help(argv: list[str]) -> tuple[type, DictConfig | None, str]:
+    """The schema whose keys a command's ``--help`` lists, the values to show (the named config's, else the
+    schema's defaults: None) and the epilog's heading."""
     if {"-h", "--help"} & set(argv) and "--config" in argv[:-1]:
+        name = argv[argv.index("--config") + 1]
         try:
-            trainer_class, _ = load_config(argv[argv.index("--config") + 1])
-            return trainer_class.config_class, f" of {trainer_class.__name__}"
+            trainer_class, cfg = load_config(name)
+            return trainer_class.config_class, cfg, f"config keys of {trainer_class.__name__}, with {name}'s values"
         except Exception:  # help must print even when the config cannot load
             pass
-    return Config, " (those every Trainer has; add --config FILE to see its Trainer's own)"
+    return (
+        Config,
+        None,
+        "config keys (those every Trainer has; add --config FILE to see its Trainer's own), with defaults",
+    )
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -84,14 +90,14 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
         "--version", action="version", version=f"ampkit {ampkit.__version__} (torch {torch.__version__})"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    schema, whose = _schema_for_help(argv)
+    schema, values, heading = _keys_for_help(argv)
     parsers = {}
     for name, (summary, description) in COMMANDS.items():
         command = parsers[name] = commands.add_parser(
             name,
             help=summary,
             description=description,
-            epilog=f"config keys{whose}, with defaults:\n{help_text(schema)}",
+            epilog=f"{heading}:\n{help_text(schema, values)}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")
@@ -202,6 +208,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "fit":
         shown = _metrics("val", trainer.val_metrics)
         s = trainer.state
+        if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
+            at = trainer.val_metrics_step
+            shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
         epochs = s.epoch + (1 if s.batches_done else 0)  # a run stopped by max_steps is inside an epoch
         print(
             f"ampkit: finished {s.global_step} steps in {epochs} epoch{'' if epochs == 1 else 's'}"

@@ -41,7 +41,7 @@ class TrainerConfig:
 
     max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
-    max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds or "DD:HH:MM:SS"
+    max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds, "HH:MM:SS" or "DD:HH:MM:SS"
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
     limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
     limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
@@ -226,15 +226,16 @@ _POSITIVE_NUMBER = (lambda v: v > 0 and not math.isnan(v)), "a number > 0"
 
 
 def duration_seconds(value: Any) -> float | None:
-    """Seconds in ``value``: a number of seconds or ``"DD:HH:MM:SS"`` (Lightning's ``max_time``); None if neither."""
+    """Seconds in ``value``: a number of seconds, ``"HH:MM:SS"`` or ``"DD:HH:MM:SS"`` (Lightning's ``max_time``);
+    None if none of these (``"1:30"`` too: hours and minutes, or minutes and seconds?)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):
         return float(value) if value > 0 and math.isfinite(value) else None
     parts = str(value).split(":")
-    if len(parts) != 4 or not all(part.strip().isdigit() for part in parts):
+    if len(parts) not in (3, 4) or not all(part.strip().isdigit() for part in parts):
         return None
-    days, hours, minutes, seconds = (int(part) for part in parts)
+    days, hours, minutes, seconds = (int(part) for part in [*(["0"] * (4 - len(parts))), *parts])
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     return float(total) if total > 0 else None
 
@@ -246,7 +247,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (
         (lambda v: v is None or duration_seconds(v) is not None),
-        'null (no limit), a number of seconds > 0 or "DD:HH:MM:SS" (e.g. "00:12:00:00")',
+        'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00)',
     ),
     "trainer.accumulate_grad_batches": _at_least(1),
     "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
@@ -465,6 +466,39 @@ def _top_level(path: Path) -> Any:
         return {}
 
 
+# YAML 1.1 (PyYAML, so OmegaConf) reads unquoted digits joined by colons as base 60: ``1:00:00:00`` is 216000.
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
+def _keep_base_60_texts(cfg: DictConfig, texts: dict[str, str]) -> None:
+    """Put back, as written, each value of ``texts`` (``{dotted key: text}``) that YAML read as a base-60 number:
+    nobody means ``max_time: 1:00:00:00`` (one day) as 2.5 days, or ``name: 12:30`` as 750."""
+    for key, text in texts.items():
+        if _BASE_60.fullmatch(text.strip()):
+            OmegaConf.update(cfg, key, text.strip(), force_add=True)
+
+
+def _scalar_texts(path: Path) -> dict[str, str]:
+    """``{dotted key: text}`` of each plain (unquoted) scalar in a YAML file's mappings, as written."""
+    import yaml
+
+    texts: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    walk(value, f"{prefix}{key.value}.")
+        elif isinstance(node, yaml.ScalarNode) and node.style is None:
+            texts[prefix.rstrip(".")] = node.value
+
+    try:
+        walk(yaml.compose(path.read_text()), "")
+    except Exception:  # OmegaConf read it: its own loader's extensions, which hold no base-60 number
+        pass
+    return texts
+
+
 def _yaml_problem(exc: Exception) -> str:
     """A YAML error in one line: its problem and where (``did not find expected ',' at line 2, column 3``)."""
     problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
@@ -489,6 +523,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
             f"it holds {got}"
         )
     cli = _parse_overrides(list(overrides or []))
+    _keep_base_60_texts(raw, _scalar_texts(path))
+    _keep_base_60_texts(cli, dict(item.removeprefix("+").partition("=")[::2] for item in overrides or []))
     target = OmegaConf.select(cli, "trainer_class") or OmegaConf.select(raw, "trainer_class")
     if not target:
         raise ConfigError(f"config '{path}' must set trainer_class: 'package.module:TrainerSubclass'")

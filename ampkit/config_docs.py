@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _default(field: dataclasses.Field) -> Any:
 
 def sections(schema: type, prefix: str = "") -> list[tuple[str, str, list[ConfigKey]]]:
     """``(section key, section docstring's first line, its leaf keys)`` for ``schema`` and each nested dataclass."""
-    comments = _field_comments(schema)
+    comments = {name: text for cls in reversed(schema.__mro__) for name, text in _field_comments(cls).items()}
     doc = (inspect.getdoc(schema) or "").split("\n\n")[0].replace("\n", " ")
     leaves: list[ConfigKey] = []
     nested: list[tuple[str, str, list[ConfigKey]]] = []
@@ -73,7 +73,7 @@ def sections(schema: type, prefix: str = "") -> list[tuple[str, str, list[Config
 
 
 def _shown(value: Any) -> str:
-    if value is MISSING:
+    if isinstance(value, str) and value == MISSING:  # a loaded config's unset key is an equal string
         return "(required)"
     if value is None:
         return "null"
@@ -84,13 +84,21 @@ def _shown(value: Any) -> str:
     return str(list(value) if isinstance(value, tuple) else value)
 
 
-def help_text(schema: type) -> str:
-    """Plain text for ``fit --help``: one line per key with its default and meaning."""
+def help_text(schema: type, values: DictConfig | None = None) -> str:
+    """Plain text for ``fit --help``: one line per key with its value in ``values`` (a loaded config; else the
+    schema's default) and meaning."""
     keys = [leaf for _, _, leaves in sections(schema) for leaf in leaves]
+    shown = {k.key: _shown(k.default if values is None else _value_at(values, k.key)) for k in keys}
     width = max(len(k.key) for k in keys) + 2
-    value_width = min(max(len(_shown(k.default)) for k in keys), 20) + 2
-    rows = [f"  {k.key:<{width}}{_shown(k.default):<{value_width}}{k.meaning}".rstrip() for k in keys]
+    value_width = min(max(len(v) for v in shown.values()), 20) + 2
+    rows = [f"  {k.key:<{width}}{shown[k.key].ljust(value_width - 1)} {k.meaning}".rstrip() for k in keys]
     return "\n".join(rows)
+
+
+def _value_at(values: DictConfig, key: str) -> Any:
+    """The value of dotted ``key`` in a loaded config, as plain Python (``MISSING`` where it is unset)."""
+    node = OmegaConf.select(values, key, throw_on_missing=False)
+    return OmegaConf.to_container(node, resolve=False) if isinstance(node, (DictConfig, ListConfig)) else node
 
 
 def markdown(schema: type) -> str:

@@ -45,6 +45,14 @@ class Evaluated(Plain):
         return self.val_dataloader()
 
 
+class MetricsPerRank(Plain):
+    """Each rank returns one metric the other does not, in another order: the averages must still line up."""
+
+    def validation_step(self, batch):
+        mse = super().validation_step(batch)["mse"]
+        return {"mse": mse, "only0": 1.0} if RANK == 0 else {"only1": 3.0, "mse": mse}
+
+
 class TwoLosses(Plain):
     automatic_optimization = False
 
@@ -206,6 +214,10 @@ def main(scenario: str, out: Path) -> None:
         metrics = trainer.validate(ckpt="last")
         predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
         torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "metrics_per_rank":
+        trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})
+        torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
         return
     elif scenario == "o2_unseeded":  # each rank initialises its own model; O2 builds fp32 masters from it
         precision = {"opt_level": "O2", "dtype": "float16", "init_scale": 256.0}

@@ -41,6 +41,19 @@ def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsy
     assert any(line.split() == ["data.batch_size", "8"] for line in text.splitlines())  # the Trainer's own keys
 
 
+def test_help_with_a_config_shows_that_files_values_and_every_keys_meaning(tmp_path, capsys):
+    """``fit --config f --help`` is how a user checks what a file sets: its values, not the schema's defaults,
+    and the meanings of the keys the Trainer's schema inherits."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", _config(tmp_path, trainer={"max_steps": 7}, data={"batch_size": 3}), "--help"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["trainer.max_steps", "7"] == next(line[:2] for line in lines if line[:1] == ["trainer.max_steps"])
+    assert ["data.batch_size", "3"] in lines
+    assert ["run_dir", str(tmp_path / "runs"), "each", "fresh", "run"] == next(
+        line[:5] for line in lines if line[:1] == ["run_dir"]
+    )
+
+
 def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, capsys):
     assert main(["fit", "--config", _config(tmp_path, name="toy"), "--print-config", "trainer.max_epochs=7"]) == 0
     printed = OmegaConf.create(capsys.readouterr().out)
@@ -104,3 +117,15 @@ def test_evaluation_commands_report_errors_in_one_line_too(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("ampkit: error: ToyTrainer.test() needs test_dataloader()")
     assert main(["predict", "--config", config, "--output", str(tmp_path / "p.pt"), "--print-config"]) == 0
     assert OmegaConf.create(capsys.readouterr().out).run_dir == str(tmp_path / "runs")
+
+
+def test_the_final_line_says_when_the_validation_it_shows_ran(tmp_path, capsys):
+    """A resume that does not validate again shows the checkpoint's metrics: the line says they are not this step's."""
+    config = _config(tmp_path, trainer={"progress_bar": False}, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, "trainer.max_epochs=1"]) == 0
+    first = capsys.readouterr().out
+    steps = int(re.search(r"finished (\d+) steps", first)[1])
+    assert "val/mse=" in first and "validated at" not in first
+    argv = ["fit", "--config", config, "trainer.max_epochs=2", "trainer.val_every_n_epochs=0", "--resume", "last"]
+    assert main(argv) == 0
+    assert f"(validated at step {steps})" in capsys.readouterr().out

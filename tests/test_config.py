@@ -31,6 +31,21 @@ def test_loads_yaml_with_overrides_into_the_trainer_schema(tmp_path, monkeypatch
     assert cfg.trainer.accumulate_grad_batches == 1  # from the schema's defaults
 
 
+def test_colon_times_are_read_as_written_not_as_yaml_base_60_numbers(tmp_path):
+    """YAML 1.1 reads an unquoted ``1:00:00:00`` as 216000 (base 60): a one-day max_time would run 2.5 days."""
+    from ampkit.config import duration_seconds
+
+    path = _write(tmp_path, "trainer_class: toy_trainers:ToyTrainer\nname: 12:30\ntrainer:\n  max_time: 1:00:00:00\n")
+    _, cfg = load_config(path)
+    assert cfg.name == "12:30" and duration_seconds(cfg.trainer.max_time) == 86400
+    _, cfg = load_config(path, ["trainer.max_time=2:00:00"])  # HH:MM:SS
+    assert duration_seconds(cfg.trainer.max_time) == 7200
+    _, cfg = load_config(path, ["trainer.max_time=600", "trainer.max_epochs=3"])  # plain numbers are numbers
+    assert cfg.trainer.max_time == 600 and cfg.trainer.max_epochs == 3
+    _, cfg = load_config(path, ["trainer.max_time=1:30"])  # hours and minutes, or minutes and seconds?
+    assert duration_seconds(cfg.trainer.max_time) is None
+
+
 def test_unknown_key_names_dotted_path_and_valid_keys(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError) as err:

@@ -121,6 +121,16 @@ def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_pro
     torch.testing.assert_close(interleaved, expected_predictions)  # DistributedSampler deals rank = index % 2
 
 
+def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_rank(tmp_path):
+    from dist_worker import Plain
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    expected_mse = Plain(cfg).validate()["mse"]
+    rank0, rank1 = _ok(launch("metrics_per_rank", tmp_path))
+    assert rank0["val"] == rank1["val"] == pytest.approx({"mse": expected_mse, "only0": 1.0, "only1": 3.0})
+
+
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
     rank0, rank1 = _ok(launch("overflow", tmp_path))
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -58,6 +59,29 @@ def test_test_and_predict_use_their_own_loaders_and_the_loaded_weights(tmp_path)
     assert [p.shape[0] for p in predictions] == [4, 4, 2]
     torch.testing.assert_close(torch.cat(predictions), expected_pred)
     torch.testing.assert_close(torch.load(tmp_path / "p.pt"), predictions)
+
+
+class TwoValidationSets(ToyTrainer):
+    """Two validation sets chained into one loader, each batch tagged with its set's name."""
+
+    def val_dataloader(self):
+        sets = {"a": DataLoader(toy_dataset(24, seed=7), batch_size=8), "b": DataLoader(toy_dataset(8, seed=8))}
+        return [(*batch, name) for name, loader in sets.items() for batch in loader]
+
+    def validation_step(self, batch):
+        x, y, name = batch
+        return {f"mse_{name}": F.mse_loss(self.model(x).squeeze(1), y)}
+
+
+def test_a_metric_only_some_batches_return_is_averaged_over_those_batches(tmp_path):
+    trainer = TwoValidationSets(toy_cfg(tmp_path, **QUIET))
+    metrics = trainer.validate()
+    trainer.module.eval()
+    with torch.no_grad():
+        for name, seed, n in (("a", 7, 24), ("b", 8, 8)):
+            x, y = toy_dataset(n, seed=seed).tensors
+            expected = F.mse_loss(trainer.module(x).squeeze(1), y).item()
+            assert metrics[f"mse_{name}"] == pytest.approx(expected, rel=1e-5), name
 
 
 def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):

@@ -189,9 +189,13 @@ def test_a_stale_lock_is_taken_over_and_a_foreign_host_s_is_refused(tmp_path):
     lock.write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "since": "earlier"}))
     ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
     assert not lock.exists()
+    # A container restarted on the same volume: the run's pid now names another live process (here: this one).
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "another-boot/17"}))
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3})).fit(resume="last")
+    assert not lock.exists()
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "earlier"}))
     with pytest.raises(RunDirectoryError, match="pid 1 on host elsewhere"):
-        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3})).fit(resume="last")
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 4})).fit(resume="last")
     assert lock.exists()  # someone else's: left alone
 
 

@@ -100,25 +100,37 @@ class BoundaryCasts:
         self._handles.clear()
 
 
+class _CastInputs:
+    """Forward pre-hook casting floating inputs to ``dtype`` (an object, not a closure, so the model pickles)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+
+
+class _CastOutputs:
+    """Forward hook casting floating outputs to ``dtype`` (an object, not a closure, so the model pickles)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, _: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_floating(output, self.dtype)
+
+
 def add_boundary_casts(
     model: nn.Module,
     input_dtype: torch.dtype | None,
     output_dtype: torch.dtype | None = torch.float32,
 ) -> BoundaryCasts:
     """Cast floating inputs (positional and keyword) of ``model`` to ``input_dtype`` and its floating
-    outputs to ``output_dtype``; ``None`` leaves that side alone.
+    outputs to ``output_dtype``; ``None`` leaves that side alone. The model stays picklable (``torch.save``).
     """
     handles = []
     if input_dtype is not None:
-
-        def cast_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return cast_floating(args, input_dtype), cast_floating(kwargs, input_dtype)
-
-        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype), with_kwargs=True))
     if output_dtype is not None:
-
-        def cast_outputs(_: nn.Module, args: tuple, output: Any) -> Any:
-            return cast_floating(output, output_dtype)
-
-        handles.append(model.register_forward_hook(cast_outputs))
+        handles.append(model.register_forward_hook(_CastOutputs(output_dtype)))
     return BoundaryCasts(handles)

@@ -44,35 +44,35 @@ VOCAB = 256  # bytes
 
 @dataclass
 class GPTModelConfig:
-    seq_len: int = 64
-    layers: int = 4
-    width: int = 128
-    heads: int = 4
-    dropout: float = 0.0
+    seq_len: int = 64  # context length in bytes (tokens)
+    layers: int = 4  # transformer blocks
+    width: int = 128  # model dimension (embedding and residual stream)
+    heads: int = 4  # attention heads; width must divide by it
+    dropout: float = 0.0  # dropout probability on embeddings, attention weights and residual branches
     norm: str = "layernorm"  # layernorm | rmsnorm
     fused_norm: bool = False  # ampkit.ops.FusedLayerNorm / FusedRMSNorm instead of torch's
 
 
 @dataclass
 class GPTDataConfig:
-    batch_size: int = 32
-    val_fraction: float = 0.1
+    batch_size: int = 32  # sequences per batch (per rank)
+    val_fraction: float = 0.1  # the corpus's last part, held out for validation
     val_batches: int = 10  # validation windows: val_batches * batch_size, evenly spread over the held-out text
 
 
 @dataclass
 class GPTOptimConfig:
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr: float = 3e-4  # cosine decay to this over trainer.max_steps
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 50  # linear warmup from 0
+    weight_decay: float = 0.1  # decoupled (AdamW), on the matrices only (not norms or biases)
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates
     fused: bool = False  # ampkit.ops.FusedAdam (AdamW maths) instead of torch.optim.AdamW
 
 
 @dataclass
 class GPTGenerateConfig:
-    prompt: str = "The "
+    prompt: str = "The "  # text the samples continue
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8  # 0: greedy

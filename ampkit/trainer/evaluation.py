@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ampkit.trainer.distributed import all_reduce_sum
+from ampkit.trainer.distributed import all_reduce_sum, union_over_ranks
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -51,12 +51,14 @@ def average_metrics(
     limit: int | None = None,
     batch_end_hook: str | None = None,
 ) -> dict[str, float]:
-    """Run ``step`` on every batch (the model in eval mode) and average its metrics weighted by batch size,
-    over all ranks; ``batch_end_hook`` fires with each batch's metrics and the batch."""
+    """Run ``step`` on every batch (the model in eval mode) and average each metric, weighted by batch size,
+    over the batches of all ranks that returned it; ``batch_end_hook`` fires with each batch's metrics and the batch.
+
+    A metric only some batches return (one per validation set of a chained loader) is averaged over those."""
     was_training = trainer.module.training
     trainer.module.eval()
     sums: dict[str, float] = {}
-    seen = 0
+    seen: dict[str, float] = {}
     for i, batch in enumerate(loader):
         if limit is not None and i >= limit:
             break
@@ -65,12 +67,13 @@ def average_metrics(
         n = batch_size(batch) or 1
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
-        seen += n
+            seen[key] = seen.get(key, 0.0) + n
         if batch_end_hook is not None:
             trainer.fire(batch_end_hook, metrics, batch)
     trainer.module.train(was_training)
-    *totals, seen = all_reduce_sum([*sums.values(), float(seen)], trainer.dist)
-    return {key: total / max(seen, 1) for key, total in zip(sums, totals, strict=True)}
+    keys = union_over_ranks(list(sums), trainer.dist)
+    totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
+    return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
 
 
 @torch.no_grad()

@@ -201,6 +201,7 @@ class Trainer:
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
+        self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
@@ -744,6 +745,7 @@ class Trainer:
         self.val_metrics = average_metrics(
             self, self._val_loader, self.validation_step, self.settings.limit_val_batches, "on_validation_batch_end"
         )
+        self.val_metrics_step = self.state.global_step
         self.fire("on_validation_end", dict(self.val_metrics))
 
     # ----------------------------------------------------------------- validate, test, predict
@@ -1008,6 +1010,7 @@ class Trainer:
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
             "val_metrics": dict(self.val_metrics),
+            "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
@@ -1048,6 +1051,7 @@ class Trainer:
             loop["global_step"],
         )
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
+        self.val_metrics_step = checkpoint.get("val_metrics_step")
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],

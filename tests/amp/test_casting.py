@@ -1,5 +1,6 @@
 """O1 autocast on CPU, O2/O3 model casts keeping batch norm fp32, casts at the model boundary."""
 
+import io
 from collections import namedtuple
 
 import pytest
@@ -63,6 +64,18 @@ def test_boundary_casts_none_and_remove():
     handle.remove()
     with pytest.raises(RuntimeError):  # no cast any more: fp32 input into a bf16 conv
         model(torch.randn(1, 3, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_model_with_boundary_casts_pickles_whole_and_keeps_casting(dtype):
+    model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=True)
+    add_boundary_casts(model, dtype, torch.float32)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the whole model, hooks included
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    out = loaded(torch.randn(2, 3, 5, 5))
+    assert loaded.seen[-1][0] == dtype and out["logits"].dtype == torch.float32
 
 
 def test_cast_floating_recurses_and_leaves_others():

@@ -5,6 +5,7 @@ bit-identically to the uninterrupted run, scaler state (scale and growth counter
 fp32 master weights travel in ``optimizer.state_dict()`` (Apex lost them).
 """
 
+import copy
 import io
 
 import pytest
@@ -152,6 +153,32 @@ def test_o2_checkpoint_holds_the_float32_masters_not_their_fp16_rounding():
     masters = list(amp.master_params(optimizer))
     state = model.state_dict()
     assert torch.equal(state["0.weight"], masters[0]) and not torch.equal(state["0.weight"], model[0].weight.float())
+
+
+def test_o2_model_deep_copied_for_an_ema_saves_its_own_weights_not_the_masters_of_the_original():
+    """Jasper's and timm's EMA is ``copy.deepcopy(model)`` after ``initialize``; its checkpoint is its own."""
+    model, optimizer = _build("O2", 1)
+    ema = copy.deepcopy(model)
+    _iteration(model, optimizer, 0, 1, dynamic=False)
+    with torch.no_grad():
+        for param in ema.parameters():
+            param.mul_(0.5)
+    own = {name: param.float() for name, param in ema.named_parameters()}
+    saved = ema.state_dict()
+    assert saved.keys() == own.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(value, own[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_whole_model_saved_with_torch_save_loads_and_still_casts(level):
+    """Scripts that ``torch.save(model)`` rather than its state dict: the cast model pickles with its hooks."""
+    model, optimizer = _build(level, 1)
+    _iteration(model, optimizer, 0, 1, dynamic=False)
+    (loaded,) = torch.load(io.BytesIO(_save(model)), weights_only=False)
+    x = torch.randn(4, 6)
+    assert loaded[0].weight.dtype == torch.float16
+    assert loaded(x).dtype == torch.float32 and torch.equal(loaded(x), model(x))
 
 
 def test_load_state_dict_of_a_path_says_it_wants_the_dict():

@@ -1,8 +1,8 @@
 """How real programs use Apex, one usage pattern per test (written here after the projects' own code, CPU-sized):
 transformers' availability check and apex loop, the try-block of imports NVIDIA's BERT and TAPE scripts guard
-apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages, fairseq's total norm and FusedLayerNorm subclass,
-Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional Apex parts behind
-``except ImportError``."""
+apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, fairseq's total norm
+and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional
+Apex parts behind ``except ImportError``."""
 
 from __future__ import annotations
 
@@ -276,6 +276,58 @@ def test_mmengine_style_wrapper_resumes_exactly(shim, opt_level):
     train(resumed, resumed_wrapper, range(3, 6))
     assert amp._amp_state.loss_scalers[0].loss_scale() == final_scale
     for a, b in zip(model.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _bert_pretraining_run(steps, checkpoint=None):
+    """NVIDIA BERT run_pretraining.py's O2 FusedLAMB run; resumes its way (TAPE's resume_from_checkpoint too):
+    load the optimizer, build the masters by hand, load again, copy the saved ``master params`` into them."""
+    from apex import amp
+    from apex.optimizers import FusedLAMB
+
+    model = _mlp()
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = FusedLAMB(groups, lr=1e-2)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 2**10  # the script's --init_loss_scale
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer._lazy_init_maybe_master_weights()
+        optimizer._amp_stash.lazy_init_called = True
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for param, saved_param in zip(amp.master_params(optimizer), checkpoint["master params"], strict=True):
+            param.data.copy_(saved_param.data)
+    for i in steps:
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i)).half()
+        for micro_batch in x.chunk(2):  # accumulation: each backward unscales into the masters
+            with amp.scale_loss((model(micro_batch).float() ** 2).mean() / 2, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        optimizer.step()
+        for param in model.parameters():
+            param.grad = None
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "master params": list(amp.master_params(optimizer)),
+    }
+    return copy.deepcopy(saved)  # as torch.save
+
+
+def test_bert_pretraining_resume_through_lazy_init_and_master_params_continues_exactly(shim):
+    uninterrupted = _bert_pretraining_run(range(6))
+    checkpoint = _bert_pretraining_run(range(3))
+    # As Apex wrote it: the model's weights are the fp16 ones upcast, the masters only in "master params".
+    checkpoint["model"] = {name: tensor.half().float() for name, tensor in checkpoint["model"].items()}
+    del checkpoint["optimizer"]["ampkit_master_weights"]
+    resumed = _bert_pretraining_run(range(3, 6), checkpoint)
+    for a, b in zip(uninterrupted["master params"], resumed["master params"], strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(uninterrupted["model"].values(), resumed["model"].values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

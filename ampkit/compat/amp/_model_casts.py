@@ -25,13 +25,18 @@ class Float32StateDict:
 
     Apex registered the same hook, so checkpoints load into a model at any opt level. Where the
     optimizer keeps a float32 master of a parameter (O2), the master is saved rather than the upcast
-    low-precision copy: a checkpoint then holds the weights training really continues from.
+    low-precision copy: a checkpoint then holds the weights training really continues from. A copy of the
+    model (``copy.deepcopy`` for an EMA, pickling) gets a hook without masters: they are the original's,
+    so the copy saves its own weights, upcast.
     """
 
     def __init__(self) -> None:
         # Each source returns ``id(model parameter) -> float32 master``; asked at save time, so params added
         # with ``add_param_group`` after ``initialize`` are found too.
         self.master_sources: list[Callable[[], dict[int, torch.Tensor]]] = []
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (Float32StateDict, ())
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         by_name = {prefix + name: p for name, p in module.named_parameters(remove_duplicate=False)}
