@@ -189,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
             raise
         print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
         return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
-    except Exception as exc:  # what a Trainer's set-up method raised: one line; anything else is a traceback
+    except Exception as exc:  # a set-up method's error, or a cast model's dtype clash: one line; else a traceback
         line = getattr(exc, SETUP_ERROR_LINE, None)
         if line is None or args.debug:
             raise

@@ -179,6 +179,16 @@ def test_resume_last_without_a_checkpoint_is_an_error_naming_run_dir(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0"]
 
 
+def test_a_relative_run_dir_without_a_checkpoint_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a script run from another directory than the one it trained in
+    cfg = toy_cfg(tmp_path, **{"run_dir": "runs/toy", "logging.tensorboard": False})
+    where = f"'runs/toy' (relative to the working directory: {tmp_path / 'runs' / 'toy'})"
+    with pytest.raises(CheckpointError, match=re.escape(f"no checkpoint under run_dir {where}")):
+        ToyTrainer(cfg).fit(resume="last")
+    with pytest.raises(CheckpointError, match=re.escape(f"validate: no 'last.pt' under {where}")):
+        ToyTrainer(cfg).validate(ckpt="last")
+
+
 def test_bad_resume_files_leave_nothing_behind(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.tensorboard": False}))
     trainer.fit()

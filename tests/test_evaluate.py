@@ -11,6 +11,7 @@ from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 import ampkit
 from ampkit.cli import main
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -82,6 +83,15 @@ def test_a_metric_only_some_batches_return_is_averaged_over_those_batches(tmp_pa
             x, y = toy_dataset(n, seed=seed).tensors
             expected = F.mse_loss(trainer.module(x).squeeze(1), y).item()
             assert metrics[f"mse_{name}"] == pytest.approx(expected, rel=1e-5), name
+
+
+def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):
+    class TwoTestLoaders(Evaluated):
+        def test_dataloader(self):
+            return {"a": super().test_dataloader(), "b": super().test_dataloader()}
+
+    with pytest.raises(UserCodeError, match="test_dataloader\\(\\) returned a dict of 2 DataLoaders; it returns one"):
+        TwoTestLoaders(toy_cfg(tmp_path, **QUIET)).test()
 
 
 def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):

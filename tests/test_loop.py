@@ -175,6 +175,28 @@ def test_epoch_scheduler_with_monitor_and_max_steps_stop(tmp_path):
     assert (stopped.state.global_step, stopped.state.epoch, stopped.state.batches_done) == (11, 1, 3)
 
 
+def test_a_warmup_and_linear_decay_schedule_sizes_itself_from_num_train_batches_in_configure_optimizers(tmp_path):
+    class WarmupDecay(ToyTrainer):
+        loaders_made = 0
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
+            accumulate, epochs = self.cfg.trainer.accumulate_grad_batches, self.cfg.trainer.max_epochs
+            self.total = self.num_train_batches // accumulate * epochs  # BERT's num_training_steps
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(step + 1, 2) / 2 * (1 - step / self.total))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self):
+            type(self).loaders_made += 1
+            return super().train_dataloader()
+
+    trainer = WarmupDecay(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, "trainer.accumulate_grad_batches": 2, **QUIET}))
+    trainer.fit()
+    assert trainer.total == trainer.state.global_step == 12  # 64 samples / batch 8 / 2 accumulated x 3 epochs
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.0  # the schedule ended where the run did
+    assert WarmupDecay.loaders_made == 1  # the loader asked for the count is the one trained on
+
+
 def test_training_step_must_return_a_loss_under_automatic_optimization(tmp_path):
     class NoLoss(ToyTrainer):
         def training_step(self, batch):

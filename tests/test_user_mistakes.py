@@ -94,6 +94,25 @@ def test_a_misspelt_monitor_fails_before_training(tmp_path, capsys):
     assert not list((tmp_path / "runs").glob("version_*"))  # no training happened, and no empty version_N is left
 
 
+class TwoValidationSets(ToyTrainer):  # set a's 3 batches, then set b's one
+    def val_dataloader(self):
+        sets = {"a": super().val_dataloader(), "b": DataLoader(toy_dataset(8, seed=8), batch_size=8)}
+        return [(*batch, name) for name, loader in sets.items() for batch in loader]
+
+    def validation_step(self, batch):
+        return {f"mse_{batch[2]}": super().validation_step(batch[:2])["mse"]}
+
+
+def test_a_monitor_of_a_second_validation_set_names_the_sanity_steps_that_reach_it(tmp_path, capsys):
+    settings = {"checkpoint.monitor": "val/mse_b", "trainer.max_epochs": 1}
+    code, _, err = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:TwoValidationSets", **settings)
+    assert code == 2 and "validation_step returns val/mse_a (checked before training on" in _one_line(err)
+    assert "only later batches return (a second validation set) needs trainer.num_sanity_val_steps=4 (all" in err
+    code, _, _ = _cli(tmp_path, capsys, ["fit", "trainer.num_sanity_val_steps=4"],
+                      "test_user_mistakes:TwoValidationSets", **settings)  # fmt: skip
+    assert code == 0
+
+
 def test_a_resume_caught_by_the_sanity_validation_keeps_its_run_directory(tmp_path, capsys):
     code, _, _ = _cli(tmp_path, capsys, ["fit"], **{"trainer.max_epochs": 1})
     assert code == 0
@@ -178,6 +197,11 @@ class NoLoader(ToyTrainer):
         return None
 
 
+class TwoValidationLoaders(ToyTrainer):  # Lightning's way to validate on two sets
+    def val_dataloader(self):
+        return [super().val_dataloader(), DataLoader(toy_dataset(8, seed=8), batch_size=8)]
+
+
 class VectorMetric(ToyTrainer):
     def validation_step(self, batch):
         return {"mse": (self.model(batch[0]).squeeze(1) - batch[1]).square()}
@@ -213,6 +237,7 @@ class NoOptimizersListed(ToyTrainer):
     ("trainer_class", "message"),
     [
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
+        ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or a number, not a list"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
@@ -230,6 +255,27 @@ def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, 
     assert code == 2 and message in _one_line(err)
     with pytest.raises(UserCodeError):  # --debug keeps the traceback
         _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
+
+
+class FirstLayerCalledDirectly(ToyTrainer):  # O2 casts inputs where the model is called, not its submodules
+    def training_step(self, batch):
+        x, y = batch
+        return (self.module[3](self.module[0](x).tanh()).squeeze(1) - y).square().mean()
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_a_submodule_called_directly_under_a_cast_model_names_precision_cast_modules(tmp_path, capsys, opt_level):
+    settings = {"precision.opt_level": opt_level, "precision.dtype": "bfloat16", "trainer.progress_bar": False}
+    code, _, err = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:FirstLayerCalledDirectly", **settings)
+    line = _one_line(err)
+    assert code == 2 and "mat1 and mat2 must have the same dtype" in line
+    assert f"precision.opt_level={opt_level} cast the model to bfloat16 and casts inputs only where the model" in line
+    assert "names it in precision.cast_modules (the model's children: 0, 1, 2, 3)" in line
+    with pytest.raises(RuntimeError):  # --debug keeps the traceback
+        _cli(tmp_path, capsys, ["fit", "--debug"], "test_user_mistakes:FirstLayerCalledDirectly", **settings)
+    code, _, _ = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:FirstLayerCalledDirectly",
+                      **settings, **{"precision.cast_modules": "[0,3]"})  # fmt: skip
+    assert code == 0  # naming the submodules the step calls is the way out
 
 
 def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from ampkit.amp import (
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
+from ampkit.trainer.user_code import SETUP_ERROR_LINE
 
 
 class MixedPrecision(Callback):
@@ -199,3 +201,32 @@ class MixedPrecision(Callback):
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._autocast_off()
+        cast_type = self.properties.cast_model_type
+        if cast_type in (None, torch.float32) or not _is_dtype_mismatch(exception):
+            return
+        children = ", ".join(name for name, _ in trainer.module.named_children()) or "none"
+        where = f"the modules of precision.cast_modules {list(self.cast_modules)}" if self.cast_modules else "the model"
+        text = " ".join(str(exception).split())
+        line = (
+            f"{type(exception).__name__}: {text}; precision.opt_level={trainer.cfg.precision.opt_level} cast the model "
+            f"to {str(cast_type).removeprefix('torch.')} and casts inputs only where {where} is called: a step that "
+            f"calls a submodule directly (self.module.<name>(x)) names it in precision.cast_modules (the model's "
+            f"children: {children})"
+        )
+        setattr(exception, SETUP_ERROR_LINE, line)
+        if hasattr(exception, "add_note"):  # Python 3.11+: the traceback ends with the way out too
+            exception.add_note(line)
+
+
+# torch's messages for an operation given float32 inputs and half weights (conv, linear, matmul, norms)
+_DTYPE_MISMATCH = re.compile(r"should be the same|same dtype|expected scalar type|mixed dtype", re.IGNORECASE)
+
+
+def _is_dtype_mismatch(exception: BaseException) -> bool:
+    """Whether ``exception`` is torch refusing to mix a floating input with half or bfloat16 weights."""
+    text = str(exception)
+    return (
+        isinstance(exception, RuntimeError)
+        and bool(_DTYPE_MISMATCH.search(text))
+        and bool(re.search(r"half|bfloat16|float16", text, re.IGNORECASE))
+    )

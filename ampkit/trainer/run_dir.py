@@ -21,6 +21,15 @@ def version_dirs(root: str | Path) -> list[Path]:
     return [path for _, path in _versions(Path(root))]
 
 
+def quoted_run_dir(root: str | Path) -> str:
+    """``root`` quoted for a message; a relative one also names the working directory it is under."""
+    return (
+        f"'{root}'"
+        if Path(root).is_absolute()
+        else f"'{root}' (relative to the working directory: {Path(root).absolute()})"
+    )
+
+
 def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     """Why ``version_N`` could not be created under ``root`` (a file in the way; with ``write``, no write access: a
     read-only mount, permissions), or None."""

@@ -20,9 +20,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
   are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories no live
   run holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted.
-* A run holds ``version_N/run.lock`` (its pid and host) while it writes there; a second run into that
-  directory is refused, naming both. A lock whose pid is gone on this host (a SIGKILLed run) is stale and
-  taken over. Under ``torchrun`` only rank zero takes it.
+* A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
+  that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
+  now another process's after a reboot or a container restart) is stale and taken over. Under ``torchrun``
+  only rank zero takes it.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
   ``predictions.pt`` inside it.
@@ -54,7 +55,7 @@ from ampkit.trainer.checkpoint_io import (
     load_checkpoint,
     write_text_atomic,
 )
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, version_dirs
+from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, quoted_run_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints
 
 LOCK_FILE = "run.lock"
@@ -222,7 +223,7 @@ def plan_fit(
     if resume is not None and path is None:
         left = newest_periodic_checkpoint(run_dir)
         raise CheckpointError(
-            f"resume='{resume}': no checkpoint under run_dir '{run_dir}' (no version_N/checkpoints/"
+            f"resume='{resume}': no checkpoint under run_dir {quoted_run_dir(run_dir)} (no version_N/checkpoints/"
             f"{resume}.pt or {resume} link); "
             + (
                 f"the newest checkpoint left is '{left}': resume it by its path"
@@ -468,6 +469,17 @@ def _pid_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started, as this boot's id and its start tick (Linux; None where unknown): a pid that
+    names another process now (reused after a reboot or a container restart) starts at another time."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ticks = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}/{ticks}"
+
+
 class RunLock:
     """``version_N/run.lock``: one live run writes a version directory at a time."""
 
@@ -484,11 +496,19 @@ class RunLock:
     def _stale(self, holder: dict[str, Any] | None) -> bool:
         if holder is None:  # unreadable: written by no run of ours
             return False
-        return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
+        if holder.get("host") != socket.gethostname():
+            return False
+        pid = int(holder.get("pid", -1))
+        if not _pid_alive(pid):
+            return True
+        started = holder.get("started")  # absent from older locks
+        return started is not None and _process_start(pid) not in (None, started)
 
     def acquire(self) -> None:
         """Take the lock, taking over a stale one; a :class:`RunDirectoryError` naming a live holder."""
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if (started := _process_start(os.getpid())) is not None:
+            mine["started"] = started
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(mine))
         try:

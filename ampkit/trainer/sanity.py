@@ -87,11 +87,19 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
         for sched in spec.schedulers:
             if sched.monitor is not None and sched.strict:
                 monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
+    total = trainer.num_val_batches
     for key, metric in monitored.items():
         if metric.removeprefix("val/") not in metrics:
             where = f"config key '{key}'" if "." in key else key
+            setting = f"={total} (all its batches) or 0" if total else "=0"
+            later = (
+                f"; a metric only later batches return (a second validation set) needs trainer.num_sanity_val_steps"
+                f"{setting}"
+                if total is None or limit < total
+                else ""
+            )
             raise ConfigError(
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
                 f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on "
-                f"trainer.num_sanity_val_steps={limit} batches)"
+                f"trainer.num_sanity_val_steps={limit} batches{later})"
             )

@@ -80,7 +80,7 @@ from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import unwritable_reason
+from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
     RunDirectoryError,
@@ -212,6 +212,8 @@ class Trainer:
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
+        self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
+        self._num_train_batches: int | None = None
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
@@ -486,7 +488,10 @@ class Trainer:
 
     @property
     def num_train_batches(self) -> int | None:
-        """Batches per training epoch (after ``limit_train_batches``); None for an iterable without a length."""
+        """Batches per training epoch on this rank (after ``limit_train_batches``); None for an iterable without a
+        length. Known in ``configure_optimizers`` too (it runs ``train_dataloader()`` then), for a schedule's length."""
+        if self._train_loader is None:
+            self._load_train_data()
         return self._num_train_batches
 
     @property
@@ -796,7 +801,9 @@ class Trainer:
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         path = self._resolve_checkpoint(ckpt)
         if ckpt is not None and path is None:
-            raise CheckpointError(f"{stage.name}: no '{ckpt}.pt' under '{self.cfg.run_dir}' (pass a path)")
+            raise CheckpointError(
+                f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
+            )
         fresh = self.module is None  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
@@ -804,7 +811,7 @@ class Trainer:
             self._load_weights(path)
         if fresh:
             self._setup_callbacks()
-        loader = call_setup_method(self, stage.dataloader)
+        loader = check_loader(call_setup_method(self, stage.dataloader), stage.dataloader, optional=True)
         if loader is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
@@ -837,7 +844,19 @@ class Trainer:
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 
+    def _load_train_data(self) -> None:
+        """``train_dataloader()``, sharded across ranks, and its batches per epoch."""
+        self._train_loader = distributed_loader(
+            check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
+            self.settings.seed or 0,
+            self.dist,
+            shuffle_default=True,
+        )
+        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        check_batches(self._num_train_batches, "train_dataloader")
+
     def _setup(self, start: FitStart) -> None:
+        self._train_loader = None  # a second fit() asks train_dataloader() again
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         check_parameters(self._specs, self.module)
@@ -845,17 +864,14 @@ class Trainer:
         self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
-        self._train_loader = distributed_loader(
-            check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
+        if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
+            self._load_train_data()
+        self._val_loader = distributed_loader(
+            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True),
             seed,
             self.dist,
-            shuffle_default=True,
+            shuffle_default=False,
         )
-        self._val_loader = distributed_loader(
-            call_setup_method(self, "val_dataloader"), seed, self.dist, shuffle_default=False
-        )
-        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
-        check_batches(self._num_train_batches, "train_dataloader")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         self._setup_callbacks()
         on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(

@@ -58,11 +58,21 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
     return metrics
 
 
-def check_loader(loader: Any, method: str) -> Any:
-    """``train_dataloader``'s return value: a DataLoader or any iterable of batches (not None: nothing to train)."""
+def check_loader(loader: Any, method: str, optional: bool = False) -> Any:
+    """A ``*_dataloader`` method's return value: a DataLoader or any iterable of batches, not several loaders
+    (``optional``: None, no such data, passes)."""
+    if loader is None and optional:
+        return None
     if not isinstance(loader, Iterable) or isinstance(loader, str | bytes):
         raise UserCodeError(
             f"{method}() returned a {type(loader).__name__}; expected a DataLoader or another iterable of batches"
+        )
+    items = list(loader.values()) if isinstance(loader, dict) else loader if isinstance(loader, list | tuple) else []
+    if items and all(isinstance(item, torch.utils.data.DataLoader) for item in items):
+        raise UserCodeError(
+            f"{method}() returned a {type(loader).__name__} of {len(items)} DataLoaders; it returns one iterable of "
+            "batches: chain the sets into one and tag each batch with its set, and the step names its metrics per "
+            "set (acc_a, acc_b; each is averaged over the batches that return it)"
         )
     return loader
 
@@ -84,7 +94,8 @@ def _named_settings(cfg: DictConfig, message: str) -> str:
     return f" (config: {', '.join(named)})" if named else ""
 
 
-# The attribute :func:`call_setup_method` sets on what a set-up method raised: the one line the CLI prints for it.
+# The attribute :func:`call_setup_method` sets on what a set-up method raised (and the casting callback on a dtype
+# clash of a cast model): the one line the CLI prints for it.
 SETUP_ERROR_LINE = "ampkit_setup_error"
 
 
