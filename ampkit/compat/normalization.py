@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ampkit.ops._dtypes import accumulate_dtype
+
 _TARGET_MODULE = "ampkit.ops.norms"
 _MODULES = ("FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm")
 _FUNCTIONS = (
@@ -74,10 +76,11 @@ class FusedRMSNormFunction(_ApexNormFunction):
 def manual_rms_norm(
     input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
-    """Apex's unfused RMSNorm: the mean square in float32; with a half/bf16 weight the result is cast to it."""
+    """Apex's unfused RMSNorm: the mean square in float32 (float64 for float64 input); with a half/bf16 weight the
+    result is cast to it."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     dims = tuple(range(-len(shape), 0))
-    normed = input * torch.rsqrt(input.to(torch.float32).pow(2).mean(dims, keepdim=True) + eps)
+    normed = input * torch.rsqrt(input.to(accumulate_dtype(input.dtype)).pow(2).mean(dims, keepdim=True) + eps)
     if weight is None:
         return normed
     if weight.dtype in (torch.float16, torch.bfloat16):

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ampkit.ops._dtypes import accumulate_dtype
+
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     dist.all_reduce(tensor, group=group)
@@ -28,8 +30,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):  # noqa: D102
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        xf = x.float()
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
+        compute = accumulate_dtype(x.dtype)  # float64 data keeps float64 statistics, as torch's batch norm
+        xf = x.to(compute)
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=compute, device=x.device)
         sums = _all_reduce(torch.cat([xf.sum(dims), count]), group)
         total = sums[-1]
         mean = sums[:-1] / total
@@ -44,7 +47,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         x_hat = centred * invstd.view(shape)
         y = x_hat
         if weight is not None:
-            y = y * weight.float().view(shape) + bias.float().view(shape)
+            y = y * weight.to(compute).view(shape) + bias.to(compute).view(shape)
         ctx.save_for_backward(x_hat, invstd, weight, total)
         ctx.group, ctx.dims, ctx.shape = group, dims, shape
         return y.to(x.dtype)
@@ -53,12 +56,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, dy):  # noqa: D102
         x_hat, invstd, weight, total = ctx.saved_tensors
         dims, shape = ctx.dims, ctx.shape
-        dyf = dy.float()
+        dyf = dy.to(x_hat.dtype)
         local = torch.cat([dyf.sum(dims), (dyf * x_hat).sum(dims)])
         grad_bias, grad_weight = local.chunk(2)
         grad_bias, grad_weight = grad_bias.clone(), grad_weight.clone()
         mean_dy, mean_dy_xhat = (_all_reduce(local, ctx.group) / total).chunk(2)
-        scale = invstd if weight is None else invstd * weight.float()
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
         dx = (dyf - mean_dy.view(shape) - x_hat * mean_dy_xhat.view(shape)) * scale.view(shape)
         if weight is None:
             return dx.to(dy.dtype), None, None, None, None, None, None, None

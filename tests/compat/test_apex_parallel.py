@@ -27,12 +27,20 @@ from ampkit.compat.parallel import (
 
 
 @pytest.mark.parametrize("clip", [True, False])
-def test_larc_scales_each_gradient_by_its_trust_ratio(clip):
+@pytest.mark.parametrize(
+    "dtype,scale", [(torch.float32, 1.0), (torch.float64, 1e-30)], ids=["float32", "float64_below_float32"]
+)
+def test_larc_scales_each_gradient_by_its_trust_ratio(clip, dtype, scale):
+    """The norms are taken in the parameters' precision, float64 included (in float32 these underflowed to zero
+    and LARC left the gradients unscaled)."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
+    model = torch.nn.Linear(5, 3).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
     lr, wd, trust, eps = 0.1, 1e-2, 0.02, 1e-8
     optimizer = LARC(torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd), trust_coefficient=trust, clip=clip)
-    model(torch.randn(4, 5)).pow(2).sum().backward()
+    model(torch.randn(4, 5, dtype=dtype)).pow(2).sum().backward()
     expected = []
     for p in model.parameters():
         w_norm, g_norm = p.detach().norm(), p.grad.norm()
@@ -42,7 +50,7 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip):
         expected.append(p.detach() - lr * local * (p.grad + wd * p.detach()))
     optimizer.step()
     for p, want in zip(model.parameters(), expected, strict=True):
-        torch.testing.assert_close(p.detach(), want)
+        torch.testing.assert_close(p.detach(), want, atol=0, rtol=1e-6)  # relative: the float64 ones are tiny
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
 
@@ -204,6 +212,25 @@ def _check_sync_batchnorm_matches_full_batch(rank, world_size):
     local = _rank_data(rank)[1].clone().requires_grad_(True)
     out = sync_bn(local)
     (out * weight[None, :, None]).sum().backward()
+    rows = slice(rank * 6, (rank + 1) * 6)
+    torch.testing.assert_close(out, reference_out[rows])
+    torch.testing.assert_close(local.grad, full_input.grad[rows])
+    torch.testing.assert_close(sync_bn.running_mean, reference_bn.running_mean)
+    torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
+
+
+def _check_sync_batchnorm_keeps_float64(rank, world_size):
+    # Float64 data (a large offset, a small spread: float32 keeps none of it) normalises as torch's float64 batch
+    # norm does, forward and backward; statistics computed in float32 lost everything below 1e-3 here.
+    full = torch.cat([_rank_data(r)[1] for r in range(world_size)]).double() * 1e-3 + 1e4
+    reference_bn = torch.nn.BatchNorm1d(4).double()
+    full_input = full.clone().requires_grad_(True)
+    reference_out = reference_bn(full_input)
+    reference_out.square().sum().backward()
+    sync_bn = SyncBatchNorm(4).double()
+    local = full[rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)
+    out = sync_bn(local)
+    out.square().sum().backward()
     rows = slice(rank * 6, (rank + 1) * 6)
     torch.testing.assert_close(out, reference_out[rows])
     torch.testing.assert_close(local.grad, full_input.grad[rows])
@@ -419,6 +446,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
         _check_sync_batchnorm_matches_full_batch,
+        _check_sync_batchnorm_keeps_float64,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,

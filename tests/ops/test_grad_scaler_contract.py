@@ -272,3 +272,20 @@ def test_norms_read_on_the_host_come_with_the_scalers_scalars_in_one_transfer(na
     reference.step()
     for p, t in zip(params, twin, strict=True):
         torch.testing.assert_close(p, t, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_scaler_step_on_an_optimizer_without_gradients_is_a_no_op(name):
+    """A frozen or unused part of the model: GradScaler hands an optimizer none of whose parameters has a gradient
+    ``found_inf=0``, a Python int (its sum over no per-device flags); the step leaves everything as it is."""
+    params = make_params(torch.float32)
+    used = torch.nn.Parameter(torch.randn(3))
+    opt, other = EVERY_OPTIMIZER[name](params), torch.optim.SGD([used], lr=0.1)
+    before = [p.detach().clone() for p in params]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(used.sum()).backward()
+    scaler.step(opt)
+    scaler.step(other)
+    scaler.update()
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(params, before, strict=True))
+    assert scaler.get_scale() == 2.0**10

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ampkit.ops._dtypes import accumulate_dtype
+
 
 class LARC:
     """Scale each parameter's gradient by ``trust_coefficient * ||w|| / (||g|| + wd * ||w|| + eps)``.
@@ -73,8 +75,9 @@ class LARC:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    param_norm = torch.linalg.vector_norm(p.float())
-                    grad_norm = torch.linalg.vector_norm(p.grad.float())
+                    compute = accumulate_dtype(p.dtype)
+                    param_norm = torch.linalg.vector_norm(p.to(compute))
+                    grad_norm = torch.linalg.vector_norm(p.grad.to(compute))
                     if param_norm == 0 or grad_norm == 0:
                         continue
                     adaptive_lr = (

@@ -50,6 +50,14 @@ class ScalerTensors(NamedTuple):
 NO_SCALER = ScalerTensors()
 
 
+def _as_tensor(value: Tensor | float | None) -> Tensor | None:
+    """GradScaler's ``found_inf``/``grad_scale`` as a tensor: its ``found_inf`` is the sum of its per-device flags,
+    the Python int 0 when none of the optimizer's parameters has a gradient."""
+    if value is None or isinstance(value, Tensor):
+        return value
+    return torch.tensor(float(value))
+
+
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
 
@@ -282,8 +290,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
-        grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
+        found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf)
+        grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale)
         if self._scaler_in_kernel:
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss

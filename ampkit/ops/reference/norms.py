@@ -11,9 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ampkit.ops._dtypes import accumulate_dtype
 
 
 def layer_norm(
@@ -25,7 +23,7 @@ def layer_norm(
     output_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape`` dims."""
-    acc = _accumulate_dtype(input.dtype)
+    acc = accumulate_dtype(input.dtype)
     dims = tuple(range(-len(normalized_shape), 0))
     x = input.to(acc)
     mean = x.mean(dims, keepdim=True)
@@ -47,7 +45,7 @@ def rms_norm(
     output_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape`` dims."""
-    acc = _accumulate_dtype(input.dtype)
+    acc = accumulate_dtype(input.dtype)
     dims = tuple(range(-len(normalized_shape), 0))
     x = input.to(acc)
     y = x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
@@ -58,7 +56,7 @@ def rms_norm(
 
 def batch_norm_stats(input: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (dim 1) mean and ``1 / sqrt(biased var + eps)``, as ``torch.batch_norm_stats``."""
-    acc = _accumulate_dtype(input.dtype)
+    acc = accumulate_dtype(input.dtype)
     dims = [0, *range(2, input.dim())]
     var, mean = torch.var_mean(input.to(acc), dims, correction=0)
     return mean, torch.rsqrt(var + eps)
@@ -68,7 +66,7 @@ def batch_norm_backward_reduce(
     grad_output: torch.Tensor, input: torch.Tensor, mean: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``sum(dy)`` and ``sum(dy * (x - mean))``: what SyncBatchNorm all-reduces in backward."""
-    acc = _accumulate_dtype(input.dtype)
+    acc = accumulate_dtype(input.dtype)
     dims = [0, *range(2, input.dim())]
     shape = [1, -1] + [1] * (input.dim() - 2)
     dy = grad_output.to(acc)
