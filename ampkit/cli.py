@@ -211,9 +211,8 @@ def _run(args: argparse.Namespace) -> int:
         if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
             at = trainer.val_metrics_step
             shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
-        epochs = s.epoch + (1 if s.batches_done else 0)  # a run stopped by max_steps is inside an epoch
         print(
-            f"ampkit: finished {s.global_step} steps in {epochs} epoch{'' if epochs == 1 else 's'}"
+            f"ampkit: finished {s.global_step} steps in {_trained_span(s.epoch, s.batches_done)}"
             + (f"; {shown}" if shown else "")
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
@@ -225,6 +224,14 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
     return 0
+
+
+def _trained_span(epochs: int, batches: int) -> str:
+    """``"2 epochs"``, ``"1 epoch and 12 batches"``: a stop inside an epoch (max_steps, max_time, early stopping)
+    ran part of it, which is not a whole epoch."""
+    whole = f"{epochs} epoch{'' if epochs == 1 else 's'}"
+    part = f"{batches} batch{'' if batches == 1 else 'es'}"
+    return whole if not batches else part if not epochs else f"{whole} and {part}"
 
 
 if __name__ == "__main__":

@@ -59,5 +59,5 @@ def test_a_wheel_install_trains_the_builtin_example_from_any_directory(tmp_path)
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0].startswith(str(site))
-    assert "finished 5 steps in 1 epoch\n" in run.stdout
+    assert "finished 5 steps in 5 batches\n" in run.stdout
     assert (work / "runs" / "digits" / "version_0" / "checkpoints" / "last.pt").is_file()

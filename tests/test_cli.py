@@ -129,3 +129,11 @@ def test_the_final_line_says_when_the_validation_it_shows_ran(tmp_path, capsys):
     argv = ["fit", "--config", config, "trainer.max_epochs=2", "trainer.val_every_n_epochs=0", "--resume", "last"]
     assert main(argv) == 0
     assert f"(validated at step {steps})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("max_steps", "span"), [(8, "1 epoch"), (11, "1 epoch and 3 batches"), (3, "3 batches")])
+def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, max_steps, span):
+    """A stop inside an epoch (max_steps here; max_time and early stopping alike) ran only part of it."""
+    config = _config(tmp_path, trainer={"progress_bar": False, "max_epochs": 3}, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, f"trainer.max_steps={max_steps}"]) == 0
+    assert re.search(rf"finished {max_steps} steps in {span}[;\n]", capsys.readouterr().out)
