@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -315,6 +316,22 @@ def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
     resumed = trainer_class(toy_cfg(tmp_path, **{**common, **to_continue}))
     resumed.fit(resume="last")
     assert resumed.version_dir.name == "version_0" and resumed.state.global_step > stopped_at
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(3600, "01:00:00"), ("00:00:00:01", 1.0)])
+def test_a_stopping_key_spelt_another_way_is_no_change(tmp_path, capsys, saved, resumed):
+    """``trainer.max_time`` 3600 and "01:00:00" are one duration (``precision.dtype`` bf16 and bfloat16 one dtype):
+    the stopped run stays finished, and the resume warns of no changed config."""
+    common = {**QUIET, "trainer.max_epochs": 3, "precision.opt_level": "O1"}
+    StopsItself(toy_cfg(tmp_path, **common, **{"trainer.max_time": saved, "precision.dtype": "bf16"})).fit()
+    before = _files(tmp_path / "run")
+    capsys.readouterr()
+    again = StopsItself(toy_cfg(tmp_path, **common, **{"trainer.max_time": resumed, "precision.dtype": "bfloat16"}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.fit(resume="last")
+    assert not [str(w.message) for w in caught if "changed config" in str(w.message)]
+    assert _files(tmp_path / "run") == before and "stopped early" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", [0, -5, "1h", "00:00:00:00", "soon", True])

@@ -46,7 +46,8 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from ampkit.config import AMPKIT_KEYS, flatten
+from ampkit.amp import parse_dtype
+from ampkit.config import AMPKIT_KEYS, duration_seconds, flatten
 from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
@@ -184,6 +185,27 @@ def _stopping_key(key: str) -> bool:
     return key.startswith(STOPPING_KEYS) or key.partition(".")[0] not in AMPKIT_KEYS
 
 
+def _settings(config: dict[str, Any] | DictConfig, spelt: bool = False) -> dict[str, Any]:
+    """``config`` flattened to dotted keys; unless ``spelt``, a value with several spellings in its one meaning
+    (``trainer.max_time`` ``3600`` or ``"01:00:00"``, ``precision.dtype`` ``bf16`` or ``bfloat16``), so a resume
+    compares what the settings mean, not how they were written."""
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
+    flat = flatten(config, sep=".")
+    if spelt:
+        return flat
+    for key, meaning in _MEANING.items():
+        if flat.get(key) is not None:
+            try:
+                flat[key] = meaning(flat[key])
+            except ValueError:  # a value the config check refuses: compared as written
+                pass
+    return flat
+
+
+_MEANING = {"trainer.max_time": lambda v: duration_seconds(v) or v, "precision.dtype": parse_dtype}
+
+
 def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str | None:
     """Why resuming ``checkpoint`` would train nothing under ``cfg`` (it reached a limit, or stopped early and no
     stopping key changed), or None when it has training left."""
@@ -197,8 +219,7 @@ def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str
     stopped = checkpoint.get("stopped_early")
     if not stopped:
         return None
-    before = flatten(checkpoint.get("config", {}), sep=".")
-    now = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    before, now = _settings(checkpoint.get("config", {})), _settings(cfg)
     if any(before.get(key) != now.get(key) for key in before.keys() | now.keys() if _stopping_key(key)):
         return None
     return (
@@ -307,12 +328,12 @@ _EXPECTED_CHANGES = {"name", "run_dir", "trainer.max_epochs", "trainer.max_steps
 def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     """``key: old -> new`` for every config key that differs from the checkpoint's (``saved``), but those a
     resume is expected to change."""
-    before = flatten(saved, sep=".")
-    now = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    before, now = _settings(saved, spelt=True), _settings(cfg, spelt=True)
+    meant_before, meant_now = _settings(saved), _settings(cfg)
     return [
         f"{key}: {before.get(key, '(absent)')} -> {now.get(key, '(absent)')}"
         for key in sorted(before.keys() | now.keys())
-        if key not in _EXPECTED_CHANGES and before.get(key) != now.get(key)
+        if key not in _EXPECTED_CHANGES and meant_before.get(key) != meant_now.get(key)
     ]
 
 
