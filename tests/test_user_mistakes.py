@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from typing import ClassVar
 
 import pytest
 import torch
@@ -276,6 +277,50 @@ def test_a_submodule_called_directly_under_a_cast_model_names_precision_cast_mod
     code, _, _ = _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:FirstLayerCalledDirectly",
                       **settings, **{"precision.cast_modules": "[0,3]"})  # fmt: skip
     assert code == 0  # naming the submodules the step calls is the way out
+
+
+class _SeesExceptions(ampkit.Callback):
+    seen: ClassVar[list[str]] = []
+
+    def on_exception(self, trainer, exception) -> None:
+        self.seen.append(type(exception).__name__)
+
+
+class EvaluatesFirstLayerDirectly(ToyTrainer):  # each evaluation step calls a submodule of the cast model
+    def configure_callbacks(self):
+        return [_SeesExceptions()]
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"val/mse": (self.module[3](self.module[0](x).tanh()).squeeze(1) - y).square().mean()}
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def test_step(self, batch):
+        return {"test/mse": self.validation_step(batch)["val/mse"]}
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_step(self, batch):
+        return self.module[0](batch[0])
+
+
+@pytest.mark.parametrize("command", ["validate", "test", "predict"])
+def test_a_submodule_called_directly_in_evaluation_names_precision_cast_modules(tmp_path, capsys, command):
+    """As in fit: one line naming precision.cast_modules, and no callback sees an on_exception it never saw."""
+    settings = {"precision.opt_level": "O2", "precision.dtype": "bfloat16"}
+    argv = [command, "--output", str(tmp_path / "p.pt")] if command == "predict" else [command]
+    fixed = {**settings, "precision.cast_modules": "[0,3]", "trainer.max_steps": 2, "trainer.progress_bar": False}
+    assert _cli(tmp_path, capsys, ["fit"], "test_user_mistakes:EvaluatesFirstLayerDirectly", **fixed)[0] == 0
+    _SeesExceptions.seen.clear()
+    code, _, err = _cli(tmp_path, capsys, argv, "test_user_mistakes:EvaluatesFirstLayerDirectly", **settings)
+    line = _one_line(err)
+    assert code == 2 and "mat1 and mat2 must have the same dtype" in line
+    assert "precision.opt_level=O2 cast the model to bfloat16" in line and "precision.cast_modules" in line
+    assert _SeesExceptions.seen == []
+    assert _cli(tmp_path, capsys, argv, "test_user_mistakes:EvaluatesFirstLayerDirectly", **fixed)[0] == 0
 
 
 @pytest.mark.parametrize("section", ["optimizer_counts", "optimizers", "model"])

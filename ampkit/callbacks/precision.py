@@ -21,7 +21,6 @@ from ampkit.amp import (
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
-from ampkit.trainer.user_code import SETUP_ERROR_LINE
 
 
 class MixedPrecision(Callback):
@@ -201,21 +200,20 @@ class MixedPrecision(Callback):
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._autocast_off()
+
+    def explain_exception(self, trainer, exception: BaseException) -> str | None:
         cast_type = self.properties.cast_model_type
         if cast_type in (None, torch.float32) or not _is_dtype_mismatch(exception):
-            return
+            return None
         children = ", ".join(name for name, _ in trainer.module.named_children()) or "none"
         where = f"the modules of precision.cast_modules {list(self.cast_modules)}" if self.cast_modules else "the model"
         text = " ".join(str(exception).split())
-        line = (
+        return (
             f"{type(exception).__name__}: {text}; precision.opt_level={trainer.cfg.precision.opt_level} cast the model "
             f"to {str(cast_type).removeprefix('torch.')} and casts inputs only where {where} is called: a step that "
             f"calls a submodule directly (self.module.<name>(x)) names it in precision.cast_modules (the model's "
             f"children: {children})"
         )
-        setattr(exception, SETUP_ERROR_LINE, line)
-        if hasattr(exception, "add_note"):  # Python 3.11+: the traceback ends with the way out too
-            exception.add_note(line)
 
 
 # torch's messages for an operation given float32 inputs and half weights (conv, linear, matmul, norms)

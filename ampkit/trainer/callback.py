@@ -93,6 +93,11 @@ class Callback:
         then never calls them, which saves a call per hook per step."""
         return ()
 
+    def explain_exception(self, trainer: Trainer, exception: BaseException) -> str | None:
+        """One line naming this callback's setting behind ``exception`` and the way out, or None. Asked (not a hook:
+        it changes nothing) when ``fit()`` or a standalone ``validate``/``test``/``predict`` raises."""
+        return None
+
     def on_fit_start(self, trainer: Trainer) -> None:
         """After set-up (model, optimizers, data, resume) and before the first epoch."""
 

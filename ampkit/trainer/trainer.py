@@ -99,6 +99,7 @@ from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, us
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import (
+    SETUP_ERROR_LINE,
     UserCodeError,
     call_setup_method,
     check_batches,
@@ -561,6 +562,7 @@ class Trainer:
                 self._run_epoch()
             self.fire("on_train_end")
         except BaseException as exc:
+            self._explain(exc)
             self.fire("on_exception", exc)
             raise
         finally:
@@ -829,9 +831,25 @@ class Trainer:
                 batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, batch_end_hook=batch_end)
             self.fire(f"on_{stage.hook}_end", result)
+        except Exception as exc:
+            self._explain(exc)
+            raise
         finally:
             self.state.stage = "fit"
         return result
+
+    def _explain(self, exception: BaseException) -> None:
+        """Attach the first callback's one-line explanation of ``exception`` (what the CLI prints), also as a note
+        that ends its traceback; one a set-up method already attached is kept."""
+        if getattr(exception, SETUP_ERROR_LINE, None) is not None:
+            return
+        for callback in self.callbacks:
+            line = callback.explain_exception(self, exception)
+            if line is not None:
+                setattr(exception, SETUP_ERROR_LINE, line)
+                if hasattr(exception, "add_note"):  # Python 3.11+
+                    exception.add_note(line)
+                return
 
     # ----------------------------------------------------------------- set-up and data
     def _setup_model(self) -> None:
