@@ -108,7 +108,8 @@ def test_a_skipped_step_leaves_params_state_and_scheduler_untouched(tmp_path):
         def configure_optimizers(self):
             specs = super().configure_optimizers()
             for spec in specs:
-                spec["lr_scheduler"] = torch.optim.lr_scheduler.StepLR(spec["optimizer"], step_size=1, gamma=0.5)
+                schedule = torch.optim.lr_scheduler.StepLR(spec["optimizer"], step_size=1, gamma=0.5)
+                spec["lr_scheduler"] = {"scheduler": schedule, "interval": "step"}
             return specs
 
     class Watch(Callback):
@@ -393,7 +394,8 @@ def test_step_hooks_an_instance_step_and_a_scheduler_still_see_every_step(tmp_pa
     class Scheduled(ToyTrainer):
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
-            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step")

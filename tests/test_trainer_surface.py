@@ -104,8 +104,36 @@ class TwoOptimizersTwoSchedulers(ToyTrainer):
         first, last = self.module[0], self.module[3]
         opt_a = torch.optim.SGD(first.parameters(), lr=0.1)
         opt_b = torch.optim.SGD(last.parameters(), lr=0.2)
-        sched_b = {"scheduler": torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5), "name": "decay_b"}
-        return [opt_a, opt_b], [sched_b, torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.1)]
+        sched_b = {
+            "scheduler": torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5),
+            "name": "decay_b",
+            "interval": "step",
+        }
+        sched_a = {"scheduler": torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.1), "interval": "step"}
+        return [opt_a, opt_b], [sched_b, sched_a]
+
+
+class BareScheduler(ToyTrainer):
+    """A scheduler given without an interval, in each of Lightning's forms."""
+
+    form = "pair"
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        if self.form == "pair":
+            return [optimizer], [schedule]
+        if self.form == "dict":
+            return {"optimizer": optimizer, "lr_scheduler": schedule}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "frequency": 1}}
+
+
+@pytest.mark.parametrize("form", ["pair", "dict", "config"])
+def test_a_scheduler_without_an_interval_steps_once_per_epoch_as_in_lightning(tmp_path, form):
+    """Lightning's default interval is "epoch": a ported StepLR(step_size=30) must not decay 30 times too soon."""
+    trainer = type("Bare", (BareScheduler,), {"form": form})(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    trainer.fit()
+    assert trainer.state.global_step > 2 and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
 
 
 def test_lightning_pair_of_lists_attaches_each_scheduler_to_its_optimizer(tmp_path):

@@ -18,7 +18,7 @@ class SchedulerSpec:
     """An LR scheduler and when it steps: every ``frequency`` iterations or epochs; ``monitor``: val metric."""
 
     scheduler: Any
-    interval: str = "step"
+    interval: str = "epoch"  # Lightning's default: a bare scheduler steps once per epoch
     frequency: int = 1
     monitor: str | None = None
     strict: bool = True  # a missing monitored metric is an error (False: warn and skip the step)

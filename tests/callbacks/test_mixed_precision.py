@@ -83,8 +83,16 @@ class SharedBackwardTrainer(ampkit.Trainer):
         body = torch.optim.SGD(self.module.body.parameters(), lr=0.1)
         head = torch.optim.SGD(self.module.head.parameters(), lr=0.1)
         return [
-            {"optimizer": body, "name": "body", "lr_scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5)},
-            {"optimizer": head, "name": "head", "lr_scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5)},
+            {
+                "optimizer": body,
+                "name": "body",
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5), "interval": "step"},
+            },
+            {
+                "optimizer": head,
+                "name": "head",
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5), "interval": "step"},
+            },
         ]
 
     def train_dataloader(self):
@@ -112,8 +120,16 @@ class TwoLossTrainer(ampkit.Trainer):
         body = torch.optim.Adam(self.module.body.parameters(), lr=1e-2)
         head = torch.optim.Adam(self.module.head.parameters(), lr=1e-2)
         return [
-            {"optimizer": body, "name": "body", "lr_scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5)},
-            {"optimizer": head, "name": "head", "lr_scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5)},
+            {
+                "optimizer": body,
+                "name": "body",
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5), "interval": "step"},
+            },
+            {
+                "optimizer": head,
+                "name": "head",
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5), "interval": "step"},
+            },
         ]
 
     def train_dataloader(self):
