@@ -323,6 +323,22 @@ def test_a_submodule_called_directly_in_evaluation_names_precision_cast_modules(
     assert _cli(tmp_path, capsys, argv, "test_user_mistakes:EvaluatesFirstLayerDirectly", **fixed)[0] == 0
 
 
+class LogsInValidationStep(ToyTrainer):  # Lightning's way: self.log in validation_step
+    def validation_step(self, batch):
+        metrics = super().validation_step(batch)
+        self.log("val_mse", next(iter(metrics.values())))
+        return metrics
+
+
+def test_log_in_an_evaluation_step_is_refused_naming_what_to_return(tmp_path):
+    """It wrote the sanity batches' values at step 0 and dropped the rest: the step returns its metrics instead."""
+    expected = r"log\('val_mse'\) in validation_step: it returns its metrics \(e.g. \{'acc': acc\}\), each averaged"
+    with pytest.raises(UserCodeError, match=expected):
+        LogsInValidationStep(toy_cfg(tmp_path, **QUIET)).fit()
+    with pytest.raises(UserCodeError, match=expected):
+        LogsInValidationStep(toy_cfg(tmp_path, **QUIET)).validate()
+
+
 @pytest.mark.parametrize("section", ["optimizer_counts", "optimizers", "model"])
 def test_a_checkpoint_missing_a_section_is_refused_naming_it(tmp_path, section):
     """E.g. a checkpoint trimmed of its optimizers to ship it: resuming it is refused by name, not a KeyError."""

@@ -43,6 +43,25 @@ def batch_size(batch: Any) -> int:
     return 0
 
 
+# What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
+INSTEAD_OF_LOG = {
+    "validation_step": "it returns its metrics (e.g. {'acc': acc}), each averaged over the set and logged as val/acc; "
+    "log() is for training",
+    "test_step": "it returns its metrics (e.g. {'acc': acc}), each averaged over the set (test/acc); log() is for "
+    "training",
+    "predict_step": "it returns its predictions; log() is for training",
+}
+
+
+def run_step(trainer: Trainer, step: Callable[[Any], Any], batch: Any) -> Any:
+    """``step(batch)``, with ``trainer.evaluation_step`` naming it meanwhile (so ``log()`` there is refused)."""
+    trainer.evaluation_step = step.__name__
+    try:
+        return step(batch)
+    finally:
+        trainer.evaluation_step = None
+
+
 @torch.no_grad()
 def average_metrics(
     trainer: Trainer,
@@ -63,7 +82,7 @@ def average_metrics(
         if limit is not None and i >= limit:
             break
         batch = trainer._to_device(batch)
-        metrics = check_metrics(step(batch), f"{step.__name__}(batch)")
+        metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         n = batch_size(batch) or 1
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
@@ -82,7 +101,9 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
     was_training = trainer.module.training
     trainer.module.eval()
     predictions = [
-        apply_to_collection(step(trainer._to_device(batch)), torch.Tensor, lambda t: t.detach().cpu())
+        apply_to_collection(
+            run_step(trainer, step, trainer._to_device(batch)), torch.Tensor, lambda t: t.detach().cpu()
+        )
         for batch in loader
     ]
     trainer.module.train(was_training)

@@ -72,7 +72,15 @@ from ampkit.trainer.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_metrics, collect_predictions
+from ampkit.trainer.evaluation import (
+    INSTEAD_OF_LOG,
+    PREDICT,
+    TEST,
+    VALIDATE,
+    Stage,
+    average_metrics,
+    collect_predictions,
+)
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
@@ -207,6 +215,7 @@ class Trainer:
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
+        self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
@@ -465,6 +474,9 @@ class Trainer:
         or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch, written at the epoch's end. With both, the tags get ``_step`` and ``_epoch`` suffixes.
         """
+        if self.evaluation_step is not None:
+            instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
+            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
