@@ -228,6 +228,11 @@ class PlateauWithoutMonitor(ToyTrainer):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
 
 
+class StepTakesBatchIdx(ToyTrainer):  # Lightning's signature
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step(batch)
+
+
 class NoOptimizersListed(ToyTrainer):
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
@@ -244,6 +249,11 @@ class NoOptimizersListed(ToyTrainer):
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
+        (
+            "StepTakesBatchIdx",
+            "StepTakesBatchIdx.validation_step(self, batch, batch_idx) cannot be called with one batch; define it as "
+            "def validation_step(self, batch) (the batch's index within the epoch is self.state.batch_idx",
+        ),
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
         ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),

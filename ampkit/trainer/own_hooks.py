@@ -1,4 +1,5 @@
-"""Hooks a Trainer subclass defines on itself (``def on_train_epoch_end(self)``), checked before anything runs.
+"""Hooks a Trainer subclass defines on itself (``def on_train_epoch_end(self)``), and its steps' signatures, checked
+before anything runs.
 
 They take a callback hook's arguments minus ``trainer`` and run after every callback, as Lightning runs its
 module's hooks. A method named ``on_...`` that is not a hook, or that cannot take the hook's arguments,
@@ -50,3 +51,21 @@ def own_hooks(cls: type, base: type) -> list[str]:
                 f"define it as def {name}({expected}) (a Trainer's hooks get no 'trainer' argument: it is self)"
             ) from None
     return [hook for hook in HOOKS if hook in defined]
+
+
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def check_step_signatures(cls: type) -> None:
+    """Each step takes one batch. Lightning's ``training_step(self, batch, batch_idx)`` is refused at construction,
+    naming ``self.state.batch_idx``, instead of failing with a TypeError at the first batch."""
+    for name in STEPS:
+        step = getattr(cls, name)
+        try:
+            inspect.signature(step).bind(None, None)
+        except TypeError:
+            raise UserCodeError(
+                f"{cls.__name__}.{name}{inspect.signature(step)} cannot be called with one batch; define it as "
+                f"def {name}(self, batch) (the batch's index within the epoch is self.state.batch_idx, where "
+                "Lightning passes batch_idx)"
+            ) from None

@@ -86,7 +86,7 @@ from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
 from ampkit.trainer.ordering import order_callbacks
-from ampkit.trainer.own_hooks import own_hooks
+from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
 from ampkit.trainer.run_life import (
@@ -187,6 +187,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
+        check_step_signatures(type(self))
         if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
