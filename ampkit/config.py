@@ -289,13 +289,29 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Values other tools take for a key, and the setting that does the same here (Lightning's Trainer(precision=...)).
+_FOREIGN_SPELLINGS = {
+    "precision.opt_level": {
+        "bf16-mixed": "Lightning's autocast in bfloat16: opt_level O4, or O1 with precision.dtype=bfloat16",
+        "16-mixed": "Lightning's autocast in float16 with a dynamic loss scaler: opt_level O1",
+        "bf16-true": "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16",
+        "16-true": "Lightning's model in float16: opt_level O3",
+        **dict.fromkeys(("32-true", "32", "fp32", "float32"), "float32: opt_level O0"),
+    }
+}
+
+
 def check_values(cfg: DictConfig) -> None:
     """Check every key of :data:`VALUE_RULES`; one :class:`ConfigError` names each bad dotted key and its range."""
     problems = []
     for key, (ok, valid) in VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
         if not ok(value):
-            problems.append(f"config key '{key}': {value!r} is invalid; expected {valid}")
+            same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
+            problems.append(
+                f"config key '{key}': {value!r} is invalid; expected {valid}"
+                + (f" ({value!r} is {same})" if same else "")
+            )
     if not problems and OmegaConf.select(cfg, "precision.fp8.enabled"):
         from ampkit.callbacks.precision_config import fp8_problems  # it resolves opt levels: the callbacks' layer
 

@@ -164,3 +164,19 @@ def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
     trainer.fit()
     saved = OmegaConf.load(trainer.version_dir / "config.yaml")
     assert saved.run_dir == str(tmp_path / "run") and saved.trainer.max_epochs == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "same"),
+    [
+        ("bf16-mixed", "Lightning's autocast in bfloat16: opt_level O4, or O1 with precision.dtype=bfloat16"),
+        ("16-mixed", "Lightning's autocast in float16 with a dynamic loss scaler: opt_level O1"),
+        ("bf16-true", "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16"),
+        ("32-true", "float32: opt_level O0"),
+    ],
+)
+def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_same(tmp_path, value, same):
+    with pytest.raises(
+        ConfigError, match=rf"'precision.opt_level': {value!r} is invalid; expected one of O0.*is {same}"
+    ):
+        ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": value}))
