@@ -233,6 +233,14 @@ class StepTakesBatchIdx(ToyTrainer):  # Lightning's signature
         return super().validation_step(batch)
 
 
+class CallsOptimizers(ToyTrainer):  # Lightning's opt = self.optimizers()
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        (optimizer,) = self.optimizers()
+        self.backward(super().training_step(batch), optimizer=optimizer)
+
+
 class NoOptimizersListed(ToyTrainer):
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
@@ -249,6 +257,7 @@ class NoOptimizersListed(ToyTrainer):
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
+        ("CallsOptimizers", "self.optimizers is a dict of the optimizers by name (sgd), not a method as in Lightning"),
         (
             "StepTakesBatchIdx",
             "StepTakesBatchIdx.validation_step(self, batch, batch_idx) cannot be called with one batch; define it as "

@@ -32,6 +32,19 @@ class OptimizerSpec:
     schedulers: list[SchedulerSpec] = field(default_factory=list)
 
 
+class NamedOptimizers(dict):
+    """The Trainer's optimizers by name, in ``configure_optimizers``' order. Not a method, as Lightning's
+    ``self.optimizers()`` is: calling it is refused with what to write instead."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        first = next(iter(self), "adam")
+        raise UserCodeError(
+            f"self.optimizers is a dict of the optimizers by name ({', '.join(self) or 'none yet'}), not a method as "
+            f"in Lightning: write self.optimizers.values() (in configure_optimizers' order), "
+            f"self.optimizers['{first}'], or self.optimizer when there is one"
+        )
+
+
 _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
 _ACCEPTED = (
     "an Optimizer, a list of Optimizers, a pair ([optimizers], [schedulers]), or dicts {'optimizer': opt, "

@@ -84,7 +84,14 @@ from ampkit.trainer.evaluation import (
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
-from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
+from ampkit.trainer.optimizers import (
+    NamedOptimizers,
+    OptimizerSpec,
+    check_parameters,
+    normalize_optimizers,
+    step_,
+    zero_grad_,
+)
 from ampkit.trainer.ordering import order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -207,7 +214,7 @@ class Trainer:
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
         self.model_setup: ModelSetup | None = None  # what was applied to the model (compile, checkpointing...)
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = NamedOptimizers()
         self.optimizer_state: dict[torch.optim.Optimizer, OptimizerState] = {}
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
@@ -892,7 +899,7 @@ class Trainer:
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         check_parameters(self._specs, self.module)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
-        self.optimizers = {spec.name: spec.optimizer for spec in self._specs}
+        self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         seed = self.settings.seed or 0
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
