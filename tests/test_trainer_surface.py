@@ -173,3 +173,20 @@ def test_top_level_monitor_and_non_strict_scheduler(tmp_path):
     Plateau.strict = False
     with pytest.warns(UserWarning, match="not stepping it"):
         Plateau(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1})).fit()
+
+
+class LogsWithLightningOptions(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
+        return loss
+
+
+def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
+    """Lightning's prog_bar/sync_dist: one UserCodeError naming them and log()'s own options, not a TypeError."""
+    from ampkit.trainer.user_code import UserCodeError
+
+    trainer = LogsWithLightningOptions(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar, sync_dist, which it does not take: "
+                       r"log\(\) takes on_step, on_epoch, always and step; the progress bar shows"):  # fmt: skip
+        trainer.fit()

@@ -123,6 +123,12 @@ from ampkit.trainer.user_code import (
     nothing_trained_warning,
 )
 
+_LOG_OPTIONS = (
+    "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
+    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
+    "Lightning's without sync_dist"
+)
+
 
 def _every(n: int, count: int) -> bool:
     """Event filter: the ``count``-th occurrence is due every ``n`` (``n <= 0`` never)."""
@@ -475,13 +481,17 @@ class Trainer:
         on_epoch: bool = False,
         always: bool = False,
         step: int | None = None,
+        **others: Any,
     ) -> None:
         """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
         or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch, written at the epoch's end. With both, the tags get ``_step`` and ``_epoch`` suffixes.
+        Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
+        if others:
+            raise UserCodeError(f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}")
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
