@@ -70,7 +70,7 @@ class CheckpointConfig:
     keep_last: int = 2  # step/epoch files kept besides last.pt
     monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
-    save_top_k: int = 1  # best files kept
+    save_top_k: int = 1  # best files kept (-1: every one)
 
 
 @dataclass
@@ -264,7 +264,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "checkpoint.every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "checkpoint.keep_last": _at_least(1),
-    "checkpoint.save_top_k": _at_least(1),
+    "checkpoint.save_top_k": ((lambda v: v >= 1 or v == -1), "an integer >= 1, or -1 (keep every one)"),
     "early_stopping.patience": _at_least(1),
     "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
     "precision.opt_level": (

@@ -74,6 +74,16 @@ def test_best_k_keeps_the_top_files_and_best_pt_names_the_best(tmp_path):
     }
 
 
+def test_save_top_k_minus_one_keeps_every_validation_as_in_lightning(tmp_path):
+    scores = [5, 3, 4, 1, 2, float("nan")]  # a NaN is never among the best
+    trainer = _fit(
+        tmp_path, scores, **{"checkpoint.monitor": "val/score", "checkpoint.save_top_k": -1, "trainer.max_steps": 6}
+    )
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == [f"best-{step:08d}.pt" for step in range(1, 6)]
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 4
+
+
 def test_best_k_ranking_survives_a_resume(tmp_path):
     scores = [5, 3, 4, 1, 2, 6]
     best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.mode": "max"}

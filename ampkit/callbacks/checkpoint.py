@@ -23,7 +23,7 @@ class ModelCheckpoint(Callback):
     Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
 
-    With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k``
+    With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k`` (-1: all)
     best so far is saved as ``best-<step>.pt`` and ``best.pt`` names the best one; the ranking is saved in
     checkpoints, so a resumed run keeps it. A file leaves the top k only after its replacement is written.
     A run resumed with another ``monitor`` or ``mode`` ranks afresh; the earlier ranking's files are kept.
@@ -45,8 +45,8 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint: every_n_steps ({every_n_steps}) and every_n_epochs ({every_n_epochs}) "
                 f"must be >= 0 and keep_last ({keep_last}) >= 1"
             )
-        if save_top_k < 1:
-            raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1")
+        if save_top_k < 1 and save_top_k != -1:
+            raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
@@ -112,15 +112,16 @@ class ModelCheckpoint(Callback):
         if value is None:
             return None, []
         ranked = list(self.best_k.items())
-        if len(ranked) >= self.save_top_k and not self.monitor.improves(value, ranked[-1][1]):
+        top_k = len(ranked) + 1 if self.save_top_k == -1 else self.save_top_k  # -1: every one (Lightning's)
+        if len(ranked) >= top_k and not self.monitor.improves(value, ranked[-1][1]):
             return None, []
         if not self.monitor.improves(value, None):  # NaN or inf: never among the best
             return None, []
         name = f"best-{trainer.state.global_step:08d}" + ("" if trainer.sharded else ".pt")
         ranked.append((name, value))
         ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")
-        self.best_k = dict(ranked[: self.save_top_k])  # recorded first: the new file's own state includes it
-        return name, [dropped for dropped, _ in ranked[self.save_top_k :]]
+        self.best_k = dict(ranked[:top_k])  # recorded first: the new file's own state includes it
+        return name, [dropped for dropped, _ in ranked[top_k:]]
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
