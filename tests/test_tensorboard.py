@@ -271,3 +271,17 @@ def test_flush_secs_is_checked():
 
     with pytest.raises(ValueError, match=r"flush_secs must be >= 0, got -1"):
         TensorBoardLogger(flush_secs=-1)
+
+
+class _LogsBatchIndex(ToyTrainer):
+    def training_step(self, batch):
+        self.log("index", float(self.state.batch_idx), on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_log_epoch_means_are_weighted_by_batch_size(tmp_path):
+    """20 samples in batches of 8, 8, 4: the epoch mean of the batch index is (0*8 + 1*8 + 2*4) / 20, not 1."""
+    cfg = toy_cfg(tmp_path, **{"data.n": 20, "logging.tensorboard": False, "checkpoint.enabled": False})
+    trainer = _LogsBatchIndex(cfg)
+    trainer.fit()
+    assert trainer.epoch_scalars["index"] == pytest.approx(0.8)

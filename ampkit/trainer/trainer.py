@@ -79,6 +79,7 @@ from ampkit.trainer.evaluation import (
     VALIDATE,
     Stage,
     average_metrics,
+    batch_size,
     collect_predictions,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
@@ -229,6 +230,7 @@ class Trainer:
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
+        self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
@@ -487,7 +489,8 @@ class Trainer:
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
         or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
-        over the epoch, written at the epoch's end. With both, the tags get ``_step`` and ``_epoch`` suffixes.
+        over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
+        ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
         if others:
@@ -504,10 +507,11 @@ class Trainer:
         if on_step and (always or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
-        if on_epoch:
+        if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
+            weight = (batch_size(self._batch) or 1) if self._batch is not None else 1
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
-            total[0] += value.float() if isinstance(value, torch.Tensor) else float(value)
-            total[1] += 1
+            total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
+            total[1] += weight
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer.
@@ -646,6 +650,7 @@ class Trainer:
                 loss_state.begin_iteration()
         if not self._on_cpu:
             batch = self._to_device(batch)
+        self._batch = batch
         for hook in self._hooks["on_train_batch_start"]:
             hook(self, batch)
         outputs = self._training_step(batch)
@@ -655,6 +660,7 @@ class Trainer:
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
         self.logged_scalars.clear()
+        self._batch = None
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
         out = self.training_step(batch)
