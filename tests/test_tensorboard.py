@@ -285,3 +285,16 @@ def test_log_epoch_means_are_weighted_by_batch_size(tmp_path):
     trainer = _LogsBatchIndex(cfg)
     trainer.fit()
     assert trainer.epoch_scalars["index"] == pytest.approx(0.8)
+
+
+class _LogsAtEpochEnd(ToyTrainer):
+    def on_train_epoch_end(self):  # Lightning's habit: an epoch's metric (a torchmetrics compute()) logged here
+        self.log("epoch_metric", float(self.state.epoch))
+
+
+def test_a_value_logged_at_an_epoch_end_is_written_once_per_epoch_the_last_too(tmp_path):
+    """Outside a batch the log interval does not apply (iterations 8, 16, 24 are not due every 5), and the last
+    epoch's value, which no later batch end takes up, is written at the end of training."""
+    trainer = _LogsAtEpochEnd(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, "logging.log_every_n_steps": 5}))
+    trainer.fit()
+    assert [(e.step, e.value) for e in _events(trainer).Scalars("epoch_metric")] == [(8, 0.0), (16, 1.0), (24, 2.0)]

@@ -167,6 +167,10 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
             return
+        # What log() got after the last batch (a Trainer's on_train_epoch_end of the last epoch): no batch end
+        # follows to take it up.
+        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
+        trainer.logged_scalars.clear()
         self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
         experiment, _, end = _hparams_summaries(trainer, final)

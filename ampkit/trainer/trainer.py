@@ -488,7 +488,8 @@ class Trainer:
         """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
-        or ``always`` for events such as an overflow) at ``step`` (default: this iteration). ``on_epoch``: its mean
+        or ``always`` for events such as an overflow; outside a batch, e.g. in ``on_train_epoch_end``, always) at
+        ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
@@ -504,7 +505,8 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise TypeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
-        if on_step and (always or _every(self._log_every, self.state.iteration)):
+        # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
+        if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
