@@ -190,3 +190,21 @@ def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
     with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar, sync_dist, which it does not take: "
                        r"log\(\) takes on_step, on_epoch, always and step; the progress bar shows"):  # fmt: skip
         trainer.fit()
+
+
+class PlateauEachEpoch(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.module.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val/mse"}}
+
+
+def test_an_epoch_scheduler_stepping_before_the_first_validation_is_refused_before_training(tmp_path):
+    """Validation every 2nd epoch: it would step after epoch 0 with no metric (a KeyError after a wasted epoch)."""
+    from ampkit import ConfigError
+
+    trainer = PlateauEachEpoch(toy_cfg(tmp_path, **QUIET, **{"trainer.val_every_n_epochs": 2, "trainer.max_epochs": 4}))
+    with pytest.raises(ConfigError, match=r"monitors 'val/mse' and steps every 1 epoch\(s\), but validation first runs "
+                       r"after trainer.val_every_n_epochs=2: give it 'frequency': 2"):  # fmt: skip
+        trainer.fit()
+    assert trainer.state.global_step == 0

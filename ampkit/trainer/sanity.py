@@ -47,6 +47,29 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
         )
 
 
+def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
+    """A strict scheduler stepping on a validation metric at epoch ends needs a validation before its first step:
+    refused before training, not with a KeyError after the first epoch (Lightning asks the same of 'frequency')."""
+    t = trainer.settings
+    for spec in trainer._specs:
+        for sched in spec.schedulers:
+            if sched.monitor is None or not sched.strict or sched.interval != "epoch" or t.val_every_n_steps > 0:
+                continue
+            which = f"the scheduler '{sched.name}'" if sched.name else "the scheduler"
+            if trainer._val_loader is None or t.val_every_n_epochs == 0:
+                raise ConfigError(
+                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', but validation never runs "
+                    f"(trainer.val_every_n_epochs={t.val_every_n_epochs}, or no val_dataloader()): validate, or give "
+                    "it 'strict': False"
+                )
+            if sched.frequency < t.val_every_n_epochs:
+                raise ConfigError(
+                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}' and steps every "
+                    f"{sched.frequency} epoch(s), but validation first runs after trainer.val_every_n_epochs="
+                    f"{t.val_every_n_epochs}: give it 'frequency': {t.val_every_n_epochs}, or 'strict': False"
+                )
+
+
 def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | None) -> Any:
     """``loader``, or None when it yields no batches (with a warning that validation is skipped); no validation
     data at all is an error when a metric is monitored."""

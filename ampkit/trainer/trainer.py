@@ -111,7 +111,12 @@ from ampkit.trainer.run_life import (
     resolve_checkpoint,
     tidy_run_dir,
 )
-from ampkit.trainer.sanity import check_monitors_can_be_met, sanity_validate, usable_validation_loader
+from ampkit.trainer.sanity import (
+    check_epoch_scheduler_monitors,
+    check_monitors_can_be_met,
+    sanity_validate,
+    usable_validation_loader,
+)
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import (
@@ -929,6 +934,7 @@ class Trainer:
             shuffle_default=False,
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
+        check_epoch_scheduler_monitors(self)
         self._setup_callbacks()
         on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(
             cb.needs_verdicts_at_once for cb in self.callbacks
