@@ -171,6 +171,26 @@ class Misspelt(ToyTrainer):
         pass
 
 
+class LightningEpochEndCallback(ampkit.Callback):  # Lightning's hook name: ampkit has none of that name
+    def on_validation_epoch_end(self, trainer):
+        pass
+
+
+class HookWithoutTrainerCallback(ampkit.Callback):
+    def on_train_epoch_end(self):
+        pass
+
+
+class MisspeltCallbackHook(ToyTrainer):
+    def configure_callbacks(self):
+        return [LightningEpochEndCallback()]
+
+
+class CallbackHookWithoutTrainer(ToyTrainer):
+    def configure_callbacks(self):
+        return [HookWithoutTrainerCallback()]
+
+
 class NotAModule(ToyTrainer):
     def configure_model(self):
         return [toy_model()]
@@ -244,6 +264,12 @@ class NoOptimizersListed(ToyTrainer):
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
+        ("MisspeltCallbackHook", "LightningEpochEndCallback.on_validation_epoch_end is not a hook the Trainer calls"),
+        (
+            "CallbackHookWithoutTrainer",
+            "HookWithoutTrainerCallback.on_train_epoch_end(self) cannot take the hook's arguments; define it as "
+            "def on_train_epoch_end(self, trainer)",
+        ),
         ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),
         ("NoGrad", "the loss of loss_id 0 does not require grad"),

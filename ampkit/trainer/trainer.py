@@ -942,6 +942,8 @@ class Trainer:
         self.callbacks = order_callbacks(
             default_callbacks(self) + call_setup_method(self, "configure_callbacks") + self._user_callbacks
         )
+        for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
+            own_hooks(type(cb), Callback, takes_trainer=True)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
