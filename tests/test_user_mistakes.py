@@ -191,6 +191,11 @@ class CallbackHookWithoutTrainer(ToyTrainer):
         return [HookWithoutTrainerCallback()]
 
 
+class CallbackClassNotInstance(ToyTrainer):
+    def configure_callbacks(self):
+        return [LightningEpochEndCallback]
+
+
 class NotAModule(ToyTrainer):
     def configure_model(self):
         return [toy_model()]
@@ -270,6 +275,11 @@ class NoOptimizersListed(ToyTrainer):
             "HookWithoutTrainerCallback.on_train_epoch_end(self) cannot take the hook's arguments; define it as "
             "def on_train_epoch_end(self, trainer)",
         ),
+        (
+            "CallbackClassNotInstance",
+            "configure_callbacks()[0] is the class LightningEpochEndCallback; pass an instance: "
+            "LightningEpochEndCallback()",
+        ),
         ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),
         ("NoGrad", "the loss of loss_id 0 does not require grad"),
@@ -281,6 +291,21 @@ def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, 
     assert code == 2 and message in _one_line(err)
     with pytest.raises(UserCodeError):  # --debug keeps the traceback
         _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        (
+            [HookWithoutTrainerCallback],
+            r"Trainer\(callbacks=...\)\[0\] is the class HookWithoutTrainerCallback; pass an",
+        ),
+        ([object()], r"Trainer\(callbacks=...\)\[0\] is object; expected an ampkit.Callback instance"),
+    ],
+)
+def test_callbacks_that_are_no_callback_instances_are_refused_at_construction(tmp_path, callbacks, message):
+    with pytest.raises(UserCodeError, match=message):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
 
 
 class FirstLayerCalledDirectly(ToyTrainer):  # O2 casts inputs where the model is called, not its submodules

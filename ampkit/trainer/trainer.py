@@ -77,7 +77,7 @@ from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_stra
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
-from ampkit.trainer.ordering import order_callbacks
+from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
@@ -176,7 +176,9 @@ class Trainer:
     tokens_per_sample: int | None = None
     flops_per_sample: float | None = None
 
-    def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
+    def __init__(
+        self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | Callback | None = None
+    ) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
         if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
@@ -192,7 +194,7 @@ class Trainer:
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
-        self._user_callbacks = list(callbacks or [])
+        self._user_callbacks = callback_list(callbacks, "Trainer(callbacks=...)")
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
@@ -940,7 +942,9 @@ class Trainer:
         from ampkit.callbacks import default_callbacks
 
         self.callbacks = order_callbacks(
-            default_callbacks(self) + call_setup_method(self, "configure_callbacks") + self._user_callbacks
+            default_callbacks(self)
+            + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
+            + self._user_callbacks
         )
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
