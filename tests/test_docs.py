@@ -565,3 +565,20 @@ def test_configuration_page_names_every_section():
     page = (DOCS / "configuration.md").read_text()
     missing = [s for s in SECTIONS if f"| `{s}` |" not in page]
     assert not missing, f"docs/configuration.md's table of sections lacks {missing}"
+
+
+def test_callbacks_page_lists_every_built_in_callback_in_its_phase():
+    import ampkit.callbacks
+
+    page = (DOCS / "callbacks.md").read_text()
+    phase_rows = dict(re.findall(r"^\| `([A-Z]+)` \|.*\|(.*)\|$", page, re.M))
+    problems = []
+    for name in ampkit.callbacks.__all__:
+        cls = getattr(ampkit.callbacks, name)
+        if not (inspect.isclass(cls) and issubclass(cls, Callback)) or cls is Callback:
+            continue
+        if f"`{name}`" not in phase_rows.get(cls.phase.name, ""):
+            problems.append(f"{name} is not in the phase table's {cls.phase.name} row")
+        if not re.search(rf"^\| \[`{name}`\]", page, re.M):
+            problems.append(f"{name} has no row in the built-in callbacks table")
+    assert not problems, problems
