@@ -1069,6 +1069,13 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+        present = {cb.state_key for cb in self.callbacks}
+        orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
+        if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
+            rank_zero_warn(
+                f"checkpoint '{path}' holds the state of callbacks {orphaned} that this run does not have; it is not "
+                "restored (pass them to Trainer(callbacks=...) or configure_callbacks(), under the same state_key)"
+            )
         loop = checkpoint["loop"]
         self.state.epoch, self.state.batches_done, self.state.global_step = (
             loop["epoch"],
