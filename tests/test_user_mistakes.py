@@ -252,6 +252,17 @@ class PlateauWithoutMonitor(ToyTrainer):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)}
 
 
+class PlateauEveryStep(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "interval": "step"},
+            "monitor": "val/mse",
+        }
+
+
 class NoOptimizersListed(ToyTrainer):
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
@@ -268,6 +279,10 @@ class NoOptimizersListed(ToyTrainer):
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),
+        (
+            "PlateauEveryStep",
+            "scheduler of 'sgd' monitors 'val/mse', but validation produced nothing yet (its 'interval' is 'step'",
+        ),
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
         ("MisspeltCallbackHook", "LightningEpochEndCallback.on_validation_epoch_end is not a hook the Trainer calls"),
         (

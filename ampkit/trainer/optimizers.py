@@ -13,6 +13,12 @@ from torch.optim import optimizer as torch_optimizer
 from ampkit.trainer.user_code import UserCodeError
 
 
+class MonitorNotFoundError(UserCodeError, KeyError):
+    """A scheduler's ``monitor`` names a metric validation has not produced (a KeyError, as Lightning's lookup)."""
+
+    __str__ = Exception.__str__  # one plain line, not KeyError's quoted repr
+
+
 @dataclass
 class SchedulerSpec:
     """An LR scheduler and when it steps: every ``frequency`` iterations or epochs; ``monitor``: val metric.

@@ -76,7 +76,14 @@ from ampkit.trainer.evaluation import PREDICT, TEST, VALIDATE, Stage, average_me
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
-from ampkit.trainer.optimizers import OptimizerSpec, check_parameters, normalize_optimizers, step_, zero_grad_
+from ampkit.trainer.optimizers import (
+    MonitorNotFoundError,
+    OptimizerSpec,
+    check_parameters,
+    normalize_optimizers,
+    step_,
+    zero_grad_,
+)
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
@@ -738,8 +745,10 @@ class Trainer:
                         f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
                     )
+                    if not self.val_metrics and interval == "step":
+                        problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
                     if sched.strict:
-                        raise KeyError(problem)
+                        raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
                 sched.scheduler.step(self.val_metrics[key])
