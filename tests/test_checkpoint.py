@@ -238,6 +238,30 @@ def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):
     assert seen_at_start == ["epoch-0001.pt", "last.pt", "step-00000008.pt"]
 
 
+class BatchCounter(ampkit.Callback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        self.batches += 1
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state):
+        self.batches = state["batches"]
+
+
+def test_a_resume_without_a_stateful_callback_of_the_checkpoint_names_it(tmp_path):
+    common = {"logging.tensorboard": False, "trainer.progress_bar": False}
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, **common}), callbacks=[BatchCounter()]).fit()
+    counter = BatchCounter()
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **common}), callbacks=[counter]).fit(resume="last")
+    assert counter.batches == 2 * len(ToyTrainer(toy_cfg(tmp_path)).train_dataloader())  # restored, then counted on
+    with pytest.warns(UserWarning, match=r"holds the state of callbacks \['BatchCounter'\] that this run does not"):
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, **common})).fit(resume="last")
+
+
 def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):
     cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False})
     first, second = ToyTrainer(cfg), ToyTrainer(cfg)

@@ -40,7 +40,7 @@ PAGES = sorted([ROOT / "README.md", *DOCS.glob("*.md")])
 RUN_MARKER = "<!-- doc-test: run -->"
 # Words the docs write where a reader puts their own: the command around them is still parsed.
 PLACEHOLDERS = {"N": "2", "K": "0", "HOST:PORT": "127.0.0.1:29500", "RUN": "run-1"}
-PLACEHOLDER_FILES = {"my.yaml", "train.py"}
+PLACEHOLDER_FILES = {"my.yaml", "train.py", "FILE"}
 # Commands other than the project's own that the docs may tell a reader to run.
 TOOLS = {"tensorboard", "mkdocs", "pip"}
 
@@ -264,6 +264,8 @@ def _check_python_module(module: str, args: list[str]) -> None:
         _check_ampkit_cli(args)
     elif module == "ampkit.legacy":
         positional = [a for a in args if a != "--force-shim"]
+        if not positional:  # the launcher itself, named
+            return
         if positional[0] == "-m":
             assert importlib.util.find_spec(positional[1]) is not None, f"no module {positional[1]}"
         else:
@@ -332,6 +334,29 @@ def test_bash_block_commands_exist_and_parse(block: Block, monkeypatch):
 def test_commands_split_as_a_shell_would():
     block = Block(ROOT, 1, "bash", "A=1 B=$PWD python x.py --a \\\n  --b  # note\nfoo 'k=[1]' && bar | baz\n", False)
     assert commands(block) == [["python", "x.py", "--a", "--b"], ["foo", "k=[1]"], ["bar"], ["baz"]]
+
+
+# An inline command in prose (`ampkit fit --config gpt precision.opt_level=O0`); a synopsis with [optional],
+# alternatives (a|b) or elisions (...) shows a form, not a command to run.
+_INLINE_COMMAND = re.compile(
+    r"`((?:[A-Z_]+=\S+ )*(?:ampkit (?:fit|validate|test|predict) |python |torchrun |bash )[^`\n]*)`"
+)
+
+
+def test_inline_commands_in_prose_exist_and_parse(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    problems = []
+    for page in PAGES:
+        prose = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in _INLINE_COMMAND.findall(prose):
+            if re.search(r"\.\.\.|\[-|\||/path/to/", span):
+                continue
+            for argv in commands(Block(page, 0, "bash", span, False)):
+                try:
+                    check_command(argv)
+                except (AssertionError, ampkit.ConfigError) as exc:
+                    problems.append(f"{page.name}: `{span}`: {exc}")
+    assert not problems, "\n".join(problems)
 
 
 def test_readme_setup_commands_are_what_ci_runs():
@@ -540,3 +565,20 @@ def test_configuration_page_names_every_section():
     page = (DOCS / "configuration.md").read_text()
     missing = [s for s in SECTIONS if f"| `{s}` |" not in page]
     assert not missing, f"docs/configuration.md's table of sections lacks {missing}"
+
+
+def test_callbacks_page_lists_every_built_in_callback_in_its_phase():
+    import ampkit.callbacks
+
+    page = (DOCS / "callbacks.md").read_text()
+    phase_rows = dict(re.findall(r"^\| `([A-Z]+)` \|.*\|(.*)\|$", page, re.M))
+    problems = []
+    for name in ampkit.callbacks.__all__:
+        cls = getattr(ampkit.callbacks, name)
+        if not (inspect.isclass(cls) and issubclass(cls, Callback)) or cls is Callback:
+            continue
+        if f"`{name}`" not in phase_rows.get(cls.phase.name, ""):
+            problems.append(f"{name} is not in the phase table's {cls.phase.name} row")
+        if not re.search(rf"^\| \[`{name}`\]", page, re.M):
+            problems.append(f"{name} has no row in the built-in callbacks table")
+    assert not problems, problems

@@ -155,6 +155,19 @@ def test_a_scheduler_of_an_unlisted_optimizer_is_refused(tmp_path):
         Stray(toy_cfg(tmp_path, **QUIET)).fit()
 
 
+def test_a_monitored_scheduler_without_an_interval_steps_once_per_epoch(tmp_path):
+    class Plateau(ToyTrainer):  # Lightning's documented shape: no interval given
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=10.0)
+            return {"optimizer": opt, "lr_scheduler": sched, "monitor": "val/mse"}
+
+    trainer = Plateau(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    trainer.fit()
+    # threshold=10: no validation counts as an improvement, so the LR halves at each of the 2 epoch ends
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**2)
+
+
 def test_top_level_monitor_and_non_strict_scheduler(tmp_path):
     class Plateau(ToyTrainer):
         strict = True

@@ -172,6 +172,31 @@ class Misspelt(ToyTrainer):
         pass
 
 
+class LightningEpochEndCallback(ampkit.Callback):  # Lightning's hook name: ampkit has none of that name
+    def on_validation_epoch_end(self, trainer):
+        pass
+
+
+class HookWithoutTrainerCallback(ampkit.Callback):
+    def on_train_epoch_end(self):
+        pass
+
+
+class MisspeltCallbackHook(ToyTrainer):
+    def configure_callbacks(self):
+        return [LightningEpochEndCallback()]
+
+
+class CallbackHookWithoutTrainer(ToyTrainer):
+    def configure_callbacks(self):
+        return [HookWithoutTrainerCallback()]
+
+
+class CallbackClassNotInstance(ToyTrainer):
+    def configure_callbacks(self):
+        return [LightningEpochEndCallback]
+
+
 class NotAModule(ToyTrainer):
     def configure_model(self):
         return [toy_model()]
@@ -241,6 +266,17 @@ class CallsOptimizers(ToyTrainer):  # Lightning's opt = self.optimizers()
         self.backward(super().training_step(batch), optimizer=optimizer)
 
 
+class PlateauEveryStep(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "interval": "step"},
+            "monitor": "val/mse",
+        }
+
+
 class NoOptimizersListed(ToyTrainer):
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
@@ -263,7 +299,22 @@ class NoOptimizersListed(ToyTrainer):
             "StepTakesBatchIdx.validation_step(self, batch, batch_idx) cannot be called with one batch; define it as "
             "def validation_step(self, batch) (the batch's index within the epoch is self.state.batch_idx",
         ),
+        (
+            "PlateauEveryStep",
+            "scheduler of 'sgd' monitors 'val/mse', but validation produced nothing yet (its 'interval' is 'step'",
+        ),
         ("Misspelt", "Misspelt.on_train_epoch_ends is not a hook the Trainer calls; did you mean 'on_train_epoch_end'"),
+        ("MisspeltCallbackHook", "LightningEpochEndCallback.on_validation_epoch_end is not a hook the Trainer calls"),
+        (
+            "CallbackHookWithoutTrainer",
+            "HookWithoutTrainerCallback.on_train_epoch_end(self) cannot take the hook's arguments; define it as "
+            "def on_train_epoch_end(self, trainer)",
+        ),
+        (
+            "CallbackClassNotInstance",
+            "configure_callbacks()[0] is the class LightningEpochEndCallback; pass an instance: "
+            "LightningEpochEndCallback()",
+        ),
         ("NotAModule", "configure_model() must return a torch.nn.Module, got list"),
         ("NoOptimizer", "configure_optimizers() returned None"),
         ("NoGrad", "the loss of loss_id 0 does not require grad"),
@@ -275,6 +326,21 @@ def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, 
     assert code == 2 and message in _one_line(err)
     with pytest.raises(UserCodeError):  # --debug keeps the traceback
         _cli(tmp_path, capsys, ["fit", "--debug"], f"test_user_mistakes:{trainer_class}")
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        (
+            [HookWithoutTrainerCallback],
+            r"Trainer\(callbacks=...\)\[0\] is the class HookWithoutTrainerCallback; pass an",
+        ),
+        ([object()], r"Trainer\(callbacks=...\)\[0\] is object; expected an ampkit.Callback instance"),
+    ],
+)
+def test_callbacks_that_are_no_callback_instances_are_refused_at_construction(tmp_path, callbacks, message):
+    with pytest.raises(UserCodeError, match=message):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
 
 
 class FirstLayerCalledDirectly(ToyTrainer):  # O2 casts inputs where the model is called, not its submodules

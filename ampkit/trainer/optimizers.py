@@ -13,12 +13,20 @@ from torch.optim import optimizer as torch_optimizer
 from ampkit.trainer.user_code import UserCodeError
 
 
+class MonitorNotFoundError(UserCodeError, KeyError):
+    """A scheduler's ``monitor`` names a metric validation has not produced (a KeyError, as Lightning's lookup)."""
+
+    __str__ = Exception.__str__  # one plain line, not KeyError's quoted repr
+
+
 @dataclass
 class SchedulerSpec:
-    """An LR scheduler and when it steps: every ``frequency`` iterations or epochs; ``monitor``: val metric."""
+    """An LR scheduler and when it steps: every ``frequency`` iterations or epochs; ``monitor``: val metric.
+
+    ``interval`` defaults to ``"epoch"``, monitored or not, as in Lightning."""
 
     scheduler: Any
-    interval: str = "epoch"  # Lightning's default: a bare scheduler steps once per epoch
+    interval: str | None = "epoch"
     frequency: int = 1
     monitor: str | None = None
     strict: bool = True  # a missing monitored metric is an error (False: warn and skip the step)
@@ -69,7 +77,7 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
             f"{where}: lr_scheduler is {type(spec.scheduler).__name__} ({str(spec.scheduler)[:40]!r}); expected a "
             "scheduler object with step(), state_dict() and load_state_dict() (torch.optim.lr_scheduler.*)"
         )
-    if spec.interval not in ("step", "epoch"):
+    if spec.interval not in (None, "step", "epoch"):
         raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
     if spec.frequency < 1:
         raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
@@ -130,6 +138,8 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                     raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
             for spec in sched_specs:  # Lightning puts 'monitor' beside 'optimizer' too
                 spec.monitor = spec.monitor or item.get("monitor")
+                # an explicit None: the default (a monitored metric is fresh once per validation, not per step)
+                spec.interval = spec.interval or "epoch"
                 if spec.monitor is None and isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                     raise UserCodeError(
                         f"{where}: a ReduceLROnPlateau steps on a metric: name it with 'monitor' (e.g. "

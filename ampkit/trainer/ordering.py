@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ampkit.trainer.callback import Callback
+from ampkit.trainer.user_code import UserCodeError
 
 
 class CallbackOrderError(ValueError):
@@ -18,3 +20,21 @@ def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
     if duplicates:
         raise CallbackOrderError(f"callback names must be unique, got duplicates: {duplicates}")
     return sorted(callbacks, key=lambda cb: cb.phase)
+
+
+def callback_list(value: Any, where: str) -> list[Callback]:
+    """``value`` as a list of callback instances (None: none; one callback: itself), or a one-line error at ``where``.
+
+    Raises:
+        UserCodeError: a Callback class instead of an instance, or something that is no Callback.
+    """
+    if value is None:
+        return []
+    items = [value] if isinstance(value, Callback) or not isinstance(value, Iterable) else list(value)
+    for i, item in enumerate(items):
+        at = where if items[0] is value else f"{where}[{i}]"
+        if isinstance(item, type) and issubclass(item, Callback):
+            raise UserCodeError(f"{at} is the class {item.__name__}; pass an instance: {item.__name__}()")
+        if not isinstance(item, Callback):
+            raise UserCodeError(f"{at} is {type(item).__name__}; expected an ampkit.Callback instance")
+    return items

@@ -1,9 +1,9 @@
-"""Hooks a Trainer subclass defines on itself (``def on_train_epoch_end(self)``), and its steps' signatures, checked
-before anything runs.
+"""Hooks a Trainer subclass or a callback defines (``def on_train_epoch_end(self)``), and a Trainer's steps'
+signatures, checked before anything runs.
 
-They take a callback hook's arguments minus ``trainer`` and run after every callback, as Lightning runs its
+A Trainer's take a callback hook's arguments minus ``trainer`` and run after every callback, as Lightning runs its
 module's hooks. A method named ``on_...`` that is not a hook, or that cannot take the hook's arguments,
-is refused at construction: silently never calling it would hide the mistake.
+is refused before training: silently never calling it would hide the mistake.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def _hook_arguments(hook: str) -> list[str]:
     return list(inspect.signature(getattr(Callback, hook)).parameters)[2:]
 
 
-def own_hooks(cls: type, base: type) -> list[str]:
-    """Names of the hooks ``cls`` defines below ``base``, in :data:`HOOKS` order.
+def own_hooks(cls: type, base: type, takes_trainer: bool = False) -> list[str]:
+    """Names of the hooks ``cls`` defines below ``base``, in :data:`HOOKS` order (``takes_trainer``: a callback's).
 
     Raises:
         UserCodeError: a method named ``on_...`` that is no hook, or whose signature cannot take the hook's arguments.
@@ -41,14 +41,15 @@ def own_hooks(cls: type, base: type) -> list[str]:
             "Rename a helper method that is not meant as a hook."
         )
     for name in defined:
-        arguments = _hook_arguments(name)
+        arguments = ["trainer", *_hook_arguments(name)] if takes_trainer else _hook_arguments(name)
         try:
             inspect.signature(getattr(cls, name)).bind(None, *arguments)
         except TypeError:
             expected = ", ".join(["self", *arguments])
+            why = "" if takes_trainer else " (a Trainer's hooks get no 'trainer' argument: it is self)"
             raise UserCodeError(
                 f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} cannot take the hook's arguments; "
-                f"define it as def {name}({expected}) (a Trainer's hooks get no 'trainer' argument: it is self)"
+                f"define it as def {name}({expected}){why}"
             ) from None
     return [hook for hook in HOOKS if hook in defined]
 

@@ -86,6 +86,7 @@ from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_stra
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
+    MonitorNotFoundError,
     NamedOptimizers,
     OptimizerSpec,
     check_parameters,
@@ -93,7 +94,7 @@ from ampkit.trainer.optimizers import (
     step_,
     zero_grad_,
 )
-from ampkit.trainer.ordering import order_callbacks
+from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
@@ -204,7 +205,9 @@ class Trainer:
     tokens_per_sample: int | None = None
     flops_per_sample: float | None = None
 
-    def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | None = None) -> None:
+    def __init__(
+        self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | Callback | None = None
+    ) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
         check_step_signatures(type(self))
         if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
@@ -221,7 +224,7 @@ class Trainer:
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
-        self._user_callbacks = list(callbacks or [])
+        self._user_callbacks = callback_list(callbacks, "Trainer(callbacks=...)")
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
         self.model: Any = None  # what training code calls: the module, possibly compiled/wrapped
@@ -781,8 +784,10 @@ class Trainer:
                         f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
                     )
+                    if not self.val_metrics and interval == "step":
+                        problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
                     if sched.strict:
-                        raise KeyError(problem)
+                        raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
                 sched.scheduler.step(self.val_metrics[key])
@@ -1002,8 +1007,12 @@ class Trainer:
         from ampkit.callbacks import default_callbacks
 
         self.callbacks = order_callbacks(
-            default_callbacks(self) + call_setup_method(self, "configure_callbacks") + self._user_callbacks
+            default_callbacks(self)
+            + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
+            + self._user_callbacks
         )
+        for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
+            own_hooks(type(cb), Callback, takes_trainer=True)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
@@ -1125,6 +1134,13 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
+        present = {cb.state_key for cb in self.callbacks}
+        orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
+        if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
+            rank_zero_warn(
+                f"checkpoint '{path}' holds the state of callbacks {orphaned} that this run does not have; it is not "
+                "restored (pass them to Trainer(callbacks=...) or configure_callbacks(), under the same state_key)"
+            )
         loop = checkpoint["loop"]
         self.state.epoch, self.state.batches_done, self.state.global_step = (
             loop["epoch"],

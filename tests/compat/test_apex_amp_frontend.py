@@ -137,6 +137,16 @@ def test_load_state_dict_before_initialize_is_a_clear_error():
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}})
 
 
+def test_a_run_without_amp_resumes_from_the_amp_state_it_saved():
+    """mmcv-style runners (Swin-Transformer-Object-Detection) save amp.state_dict() and restore it on resume
+    whether or not fp16 was on: with no initialize, the empty state round-trips instead of failing the resume."""
+    amp._amp_state.reset()  # a fresh process, fp16 off: amp.initialize never called
+    saved = amp.state_dict()
+    assert saved == {}
+    amp.load_state_dict(saved)
+    assert amp.state_dict() == {}
+
+
 class _MatmulSGD(torch.optim.Optimizer):
     """An optimizer whose update goes through torch.mm (as Shampoo/K-FAC-style preconditioners do)."""
 

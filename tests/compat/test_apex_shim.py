@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from child_env import child_env
 
 import ampkit.compat.amp
@@ -49,6 +50,20 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
     with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
         import apex.contrib  # noqa: F401
+
+
+def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):
+    """Apex's apex.parallel never exported LARC: clients reached the class through the LARC module, as
+    apex.parallel.LARC.LARC(opt) (VISSL-style builders) or ``from apex.parallel import LARC`` then LARC.LARC(opt)."""
+    import apex
+    import apex.parallel.LARC  # noqa: F401
+    from apex.parallel import LARC as larc_module
+
+    import ampkit.compat.parallel as parallel
+
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert isinstance(apex.parallel.LARC.LARC(sgd, trust_coefficient=0.001, clip=False), parallel.LARC)
+    assert larc_module.LARC is parallel.LARC
 
 
 def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):

@@ -260,6 +260,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             f"amp.load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}{hint}"
         )
     if not _amp_state.initialized:  # Apex failed here too: its scalers exist only once initialize made them
+        if not state_dict:  # what state_dict() saved in a run without amp (mmcv-style runners always save it)
+            return
         raise RuntimeError(
             "amp.load_state_dict() before amp.initialize(): there are no loss scalers to restore into yet; "
             "call amp.initialize(model, optimizer, ...) first, then amp.load_state_dict(checkpoint['amp'])"

@@ -92,3 +92,9 @@ class LARC:
         finally:
             for group, weight_decay in zip(self.optim.param_groups, saved_weight_decays, strict=True):
                 group["weight_decay"] = weight_decay
+
+
+# Apex's apex.parallel never exported LARC: clients reached the class through its module, as
+# apex.parallel.LARC.LARC(opt) or `from apex.parallel import LARC` then LARC.LARC(opt). Here parallel.LARC is the
+# class itself, so it also answers to .LARC, keeping both spellings working.
+LARC.LARC = LARC  # type: ignore[attr-defined]
