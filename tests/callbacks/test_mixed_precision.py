@@ -72,6 +72,18 @@ class TwoHeadNet(nn.Module):
         return self.head(self.body(x))
 
 
+def _halving_lr_each_iteration(**optimizers: torch.optim.Optimizer) -> list[dict]:
+    """configure_optimizers' dicts: each named optimizer with a schedule halving its lr every iteration it steps."""
+    return [
+        {
+            "optimizer": optimizer,
+            "name": name,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), "interval": "step"},
+        }
+        for name, optimizer in optimizers.items()
+    ]
+
+
 class SharedBackwardTrainer(ampkit.Trainer):
     """One loss, two optimizers (body and head) stepped from one backward: Lightning's failing case."""
 
@@ -82,18 +94,7 @@ class SharedBackwardTrainer(ampkit.Trainer):
     def configure_optimizers(self):
         body = torch.optim.SGD(self.module.body.parameters(), lr=0.1)
         head = torch.optim.SGD(self.module.head.parameters(), lr=0.1)
-        return [
-            {
-                "optimizer": body,
-                "name": "body",
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5), "interval": "step"},
-            },
-            {
-                "optimizer": head,
-                "name": "head",
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5), "interval": "step"},
-            },
-        ]
+        return _halving_lr_each_iteration(body=body, head=head)
 
     def train_dataloader(self):
         return make_batches(self.cfg.trainer.limit_train_batches or 6)
@@ -119,18 +120,7 @@ class TwoLossTrainer(ampkit.Trainer):
     def configure_optimizers(self):
         body = torch.optim.Adam(self.module.body.parameters(), lr=1e-2)
         head = torch.optim.Adam(self.module.head.parameters(), lr=1e-2)
-        return [
-            {
-                "optimizer": body,
-                "name": "body",
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(body, 1, 0.5), "interval": "step"},
-            },
-            {
-                "optimizer": head,
-                "name": "head",
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(head, 1, 0.5), "interval": "step"},
-            },
-        ]
+        return _halving_lr_each_iteration(body=body, head=head)
 
     def train_dataloader(self):
         return make_batches(6)
