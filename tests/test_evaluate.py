@@ -94,6 +94,28 @@ def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):
         TwoTestLoaders(toy_cfg(tmp_path, **QUIET)).test()
 
 
+class FailsInEvaluation(ToyTrainer):
+    def validation_step(self, batch):
+        raise RuntimeError("a bug in the step")
+
+    test_step = predict_step = validation_step
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    predict_dataloader = test_dataloader
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_a_failed_evaluation_leaves_no_autocast_on_in_the_callers_thread(tmp_path, stage):
+    """O1/O4 evaluation runs under autocast: a step that raises must not leave the caller's own maths in bf16."""
+    trainer = FailsInEvaluation(toy_cfg(tmp_path, **QUIET, **{"precision.opt_level": "O4"}))
+    with pytest.raises(RuntimeError, match="a bug in the step"):
+        getattr(trainer, stage)()
+    assert not torch.is_autocast_enabled("cpu")
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
 def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(NotImplementedError, match=r"ToyTrainer.test\(\) needs test_dataloader\(\) to return batches"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET)).test()

@@ -105,7 +105,8 @@ class DistributedSync(Callback):
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
             return
-        raise self._diagnose("a collective during training", exception) from exception
+        during = trainer.state.stage if trainer.state.stage in ("validate", "test", "predict") else "training"
+        raise self._diagnose(f"a collective during {during}", exception) from exception
 
     def _collective(self, what: str, fn, *args) -> None:
         try:

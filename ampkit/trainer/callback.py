@@ -182,4 +182,5 @@ class Callback:
         """At the very end of ``fit()``, also after an exception."""
 
     def on_exception(self, trainer: Trainer, exception: BaseException) -> None:
-        """When ``fit()`` raises; the exception propagates afterwards."""
+        """When ``fit()``, ``validate()``, ``test()`` or ``predict()`` raises (``trainer.state.stage`` says which);
+        the exception propagates afterwards."""

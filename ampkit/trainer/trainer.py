@@ -879,8 +879,9 @@ class Trainer:
                 batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, batch_end_hook=batch_end)
             self.fire(f"on_{stage.hook}_end", result)
-        except Exception as exc:
+        except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             self._explain(exc)
+            self.fire("on_exception", exc)
             raise
         finally:
             self.state.stage = "fit"
