@@ -613,3 +613,22 @@ def test_a_resume_of_last_that_skips_a_newer_version_says_so(tmp_path):
     (newer.version_dir / "checkpoints" / "last.pt").unlink()
     with pytest.warns(UserWarning, match="version_1 under run_dir .* is newer but has no last checkpoint; resuming"):
         ToyTrainer(toy_cfg(tmp_path, **cfg, **{"trainer.max_epochs": 2})).fit(resume="last")
+
+
+class ReadsLightningsEpoch(ToyTrainer):  # a ported step: Lightning's module attributes
+    def training_step(self, batch):
+        return super().training_step(batch) * (1 + 0 * self.current_epoch)
+
+
+def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
+    """A ported step reaching for self.current_epoch hears where the epoch is; a property's own error still wins."""
+    trainer = ReadsLightningsEpoch(toy_cfg(tmp_path, **{"logging.tensorboard": False}))
+    with pytest.raises(AttributeError, match=r"'current_epoch' \(Lightning's name; here it is self.state.epoch\)"):
+        trainer.fit()
+    with pytest.raises(AttributeError, match=r"no attribute 'trainer' \(Lightning's name; here it is self "):
+        _ = trainer.trainer
+    with pytest.raises(AttributeError, match=r"^'ReadsLightningsEpoch' object has no attribute 'epoch_count'$"):
+        _ = trainer.epoch_count
+    trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}
+    with pytest.raises(AttributeError, match=r"there are 2 optimizers \(a, b\); use self.optimizers\[name\]"):
+        _ = trainer.optimizer

@@ -83,6 +83,7 @@ from ampkit.trainer.evaluation import (
     collect_predictions,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
+from ampkit.trainer.lightning_names import missing_attribute
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -310,6 +311,13 @@ class Trainer:
         return []
 
     # ----------------------------------------------------------------- what training code calls
+    def __getattr__(self, name: str) -> Any:
+        """Only for a missing attribute: the error names the ampkit spelling of Lightning's (``current_epoch``)."""
+        attribute = getattr(type(self), name, None)
+        if isinstance(attribute, property):  # its getter raised AttributeError: let its own message through
+            return attribute.__get__(self)
+        raise missing_attribute(self, name)
+
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The single optimizer (an error when there are several: use ``self.optimizers[name]``)."""
