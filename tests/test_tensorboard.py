@@ -298,3 +298,14 @@ def test_a_value_logged_at_an_epoch_end_is_written_once_per_epoch_the_last_too(t
     trainer = _LogsAtEpochEnd(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, "logging.log_every_n_steps": 5}))
     trainer.fit()
     assert [(e.step, e.value) for e in _events(trainer).Scalars("epoch_metric")] == [(8, 0.0), (16, 1.0), (24, 2.0)]
+
+
+class _LogsAtTrainEnd(ToyTrainer):
+    def on_train_end(self) -> None:  # a Trainer's own hooks run after the callbacks', TensorBoard's included
+        self.log("final_metric", 3.5)
+
+
+def test_a_value_logged_in_a_trainers_own_on_train_end_is_written(tmp_path):
+    trainer = _LogsAtTrainEnd(toy_cfg(tmp_path, **{"trainer.max_epochs": 1}))
+    trainer.fit()
+    assert [(e.step, e.value) for e in _events(trainer).Scalars("final_metric")] == [(8, 3.5)]

@@ -167,18 +167,22 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
             return
-        # What log() got after the last batch (a Trainer's on_train_epoch_end of the last epoch): no batch end
-        # follows to take it up.
-        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
-        trainer.logged_scalars.clear()
+        self._take_logged_after_the_last_batch(trainer)
         self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
         experiment, _, end = _hparams_summaries(trainer, final)
         self.writer.file_writer.add_summary(experiment)
         self.writer.file_writer.add_summary(end)
 
+    def _take_logged_after_the_last_batch(self, trainer) -> None:
+        """Queue what log() got after the last batch (the last epoch's on_train_epoch_end, a Trainer's own
+        on_train_end, which runs after this callback's): no batch end follows to take it up."""
+        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
+        trainer.logged_scalars.clear()
+
     def on_fit_end(self, trainer) -> None:  # after on_exception too: what was queued before a crash is written
         if self.writer is not None:
+            self._take_logged_after_the_last_batch(trainer)
             self._flush()
             self.writer.close()
             self.writer = None
