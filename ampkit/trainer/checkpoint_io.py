@@ -149,6 +149,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
+    """A checkpoint file's entries, memory-mapped (its tensors are not read), for a look at its loop position or
+    sections; None when it cannot be read as a dict (half-written, damaged or foreign)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # whatever the unpickler meets in foreign bytes
+        return None
+    return checkpoint if isinstance(checkpoint, dict) else None
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load an ampkit checkpoint with ``weights_only=True``; every failure is one :class:`CheckpointError`."""
     path = Path(path)

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
@@ -55,6 +54,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     is_periodic_checkpoint_name,
     load_checkpoint,
+    peek_checkpoint,
     write_text_atomic,
 )
 from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, quoted_run_dir, version_dirs
@@ -106,10 +106,10 @@ def _version_dir_of(path: Path) -> Path | None:
 
 def _loop_of(path: Path) -> dict[str, int] | None:
     """The loop position saved in checkpoint ``path`` (memory-mapped: the tensors are not read), None if unreadable."""
+    checkpoint = peek_checkpoint(_trainer_part(path))
     try:
-        checkpoint = torch.load(_trainer_part(path), map_location="cpu", weights_only=True, mmap=True)
         return dict(checkpoint["loop"])
-    except Exception:  # a half-written or foreign newest file: the resumed one cannot be shown to be the newest
+    except (TypeError, KeyError, ValueError):  # a half-written or foreign newest file: not shown to be the newest
         return None
 
 
@@ -131,7 +131,8 @@ def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -
         return None
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
     usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
-    return max(usable, key=lambda p: (training_order(p)[:2], _is_periodic(p), training_order(p)), default=None)
+    ranked = [((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable]
+    return max(ranked)[-1] if ranked else None
 
 
 def _is_periodic(path: Path) -> bool:
@@ -141,11 +142,8 @@ def _is_periodic(path: Path) -> bool:
 
 def _holds(path: Path, sections: tuple[str, ...]) -> bool:
     """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return False
-    return isinstance(checkpoint, dict) and all(section in checkpoint for section in sections)
+    checkpoint = peek_checkpoint(path)
+    return checkpoint is not None and all(section in checkpoint for section in sections)
 
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:

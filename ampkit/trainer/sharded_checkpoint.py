@@ -27,6 +27,7 @@ from ampkit.trainer.checkpoint_io import (
     _fsync_dir,
     is_periodic_checkpoint_name,
     load_checkpoint,
+    peek_checkpoint,
     save_atomic,
 )
 
@@ -124,10 +125,11 @@ def training_order(path: Path) -> tuple[int, int, int, str]:
 def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int, int]:
     """(global step, epoch) saved in ``file`` (memory-mapped: its tensors are not read), (-1, -1) if unreadable;
     cached per version of the file (its inode, mtime and size), so each save's pruning reads only the new file."""
+    checkpoint = peek_checkpoint(file)
     try:
-        loop = torch.load(file, map_location="cpu", weights_only=True, mmap=True)["loop"]
+        loop = checkpoint["loop"]
         return int(loop["global_step"]), int(loop["epoch"])
-    except Exception:  # damaged or foreign: ordered before every readable one
+    except (TypeError, KeyError, ValueError):  # damaged or foreign: ordered before every readable one
         return -1, -1
 
 
