@@ -72,7 +72,7 @@ class GPTOptimConfig:
 
 @dataclass
 class GPTGenerateConfig:
-    prompt: str = "The "  # text the samples continue
+    prompt: str = "The "  # text the samples continue (at least one character)
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8  # 0: greedy
@@ -214,6 +214,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
              generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
     """``prompt`` (1-D bytes) followed by ``tokens`` more: greedy (``top_k=0`` or ``temperature=0``) or sampled
     among the top k."""
+    if tokens and not len(prompt):
+        raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
     idx = prompt[None]
     seq_len = model.seq_len
     for _ in range(tokens):
@@ -314,6 +316,8 @@ def check_gpt_config(cfg: DictConfig) -> None:
         for key, (ok, valid) in rules.items()
         if not ok(OmegaConf.select(cfg, key))
     ]
+    if cfg.generate.tokens and not cfg.generate.prompt:  # a sample continues the prompt: it needs a byte to start
+        problems.append("config key 'generate.prompt': '' is invalid; expected at least one character (e.g. a newline)")
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")

@@ -19,6 +19,7 @@ from ampkit.examples.gpt import (
     choose_precision,
     corpus_bytes,
     flops_per_token_formula,
+    generate,
     split,
     unigram_entropy,
 )
@@ -140,6 +141,15 @@ def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
     assert "sample at step 2: 'The " in capsys.readouterr().out
 
 
+def test_an_empty_prompt_is_refused_not_an_index_error():
+    """Predict and the samples during fit would fail on the first byte: no position to continue from."""
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(model, torch.tensor([], dtype=torch.long), 4)
+    assert generate(model, torch.tensor([], dtype=torch.long), 0).numel() == 0  # nothing asked, nothing to continue
+    assert torch.equal(generate(model, torch.tensor([7]), 0), torch.tensor([7]))
+
+
 def test_model_config_errors_name_the_key(tmp_path):
     import ampkit
 
@@ -147,7 +157,8 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("model.heads=0", "model.heads"), ("model.layers=-1", "model.layers"),
                           ("data.batch_size=-4", "data.batch_size"), ("data.val_fraction=1.5", "data.val_fraction"),
                           ("generate.top_k=-1", "generate.top_k"), ("optim.lr=-1", "optim.lr"),
-                          ("generate.temperature=-0.5", "generate.temperature")):  # fmt: skip
+                          ("generate.temperature=-0.5", "generate.temperature"),
+                          ("generate.prompt=''", "generate.prompt")):  # fmt: skip
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
         with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):  # before the auto precision times anything
             trainer_class(cfg)
