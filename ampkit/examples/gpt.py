@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ampkit
-from ampkit.callbacks.throughput import count_training_flops
+from ampkit.callbacks.throughput import count_training_flops, paused
 from ampkit.config import build_config
 
 VOCAB = 256  # bytes
@@ -421,7 +421,8 @@ class GPTTrainer(ampkit.Trainer):
         s = self.state
         if every and s.is_iteration_end and s.iteration % every == 0:  # every rank: a sharded forward is collective
             self.module.eval()
-            text = self.predict_step(self.predict_dataloader()[0].to(self.device))
+            with paused(self):  # sampling is not training: tokens/s and MFU leave it out, as they do validation
+                text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
             if self.cfg.logging.tensorboard:
                 self.logger.log_text("samples", text)
