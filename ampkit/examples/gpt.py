@@ -38,6 +38,9 @@ from torch.utils.data import DataLoader, Dataset
 import ampkit
 from ampkit.callbacks.throughput import count_training_flops, paused
 from ampkit.config import build_config
+from ampkit.trainer.checkpoint_io import peek_checkpoint
+from ampkit.trainer.run_life import resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
 
 VOCAB = 256  # bytes
 
@@ -288,6 +291,18 @@ def choose_precision(cfg: DictConfig) -> str | None:
     return why + ": " + ("bf16 autocast (O1), no loss scaler" if bf16 else "float32 (O0)")
 
 
+def saved_precision(run_dir: str, ckpt: str | os.PathLike | None) -> tuple[str, str | None] | None:
+    """The ``(opt_level, dtype)`` checkpoint ``ckpt`` (``last``, ``best`` or a path) trained in; None without one."""
+    path = resolve_checkpoint(run_dir, ckpt)
+    if path is None:
+        return None
+    saved = peek_checkpoint(path / TRAINER_FILE if path.is_dir() else path) or {}
+    precision = (saved.get("config") or {}).get("precision") or {}
+    if precision.get("opt_level") in (None, "auto"):
+        return None
+    return precision["opt_level"], precision.get("dtype")
+
+
 def check_gpt_config(cfg: DictConfig) -> None:
     """The recipe's checks the schema cannot express, before anything is built or timed; a ConfigError naming
     each bad key and what it takes."""
@@ -342,6 +357,31 @@ class GPTTrainer(ampkit.Trainer):
             fsdp.shard_modules = ["Block"]  # one FSDP unit per block, gathered for its forward and backward only
         super().__init__(cfg, callbacks)
         self._data: dict[str, torch.Tensor] = {}
+
+    def _keep_saved_precision(self, ckpt: str | os.PathLike | None) -> None:
+        """Under ``opt_level: auto``, a resumed or evaluated checkpoint keeps the precision it trained in: timed
+        again, the choice can flip on a loaded machine (or another world size) and the curve would change."""
+        saved = saved_precision(self.cfg.run_dir, ckpt) if self.precision_choice is not None else None
+        if saved is not None:
+            self.cfg.precision.opt_level, self.cfg.precision.dtype = saved
+            level = f"{saved[0]} {saved[1] or 'float32'}"
+            self.precision_choice = f"{level}, the checkpoint's (auto chooses once, when a run starts)"
+
+    def fit(self, resume: str | os.PathLike | None = None) -> None:
+        self._keep_saved_precision(resume)
+        super().fit(resume)
+
+    def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        self._keep_saved_precision(ckpt)
+        return super().validate(ckpt)
+
+    def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        self._keep_saved_precision(ckpt)
+        return super().test(ckpt)
+
+    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+        self._keep_saved_precision(ckpt)
+        return super().predict(ckpt, output)
 
     def _split(self, which: str) -> torch.Tensor:
         if not self._data:

@@ -86,6 +86,32 @@ def test_auto_precision_is_stable_where_timing_could_flip_it(monkeypatch):
     assert "several ranks" in choose_precision(cfg) and cfg.precision.opt_level == "O0"
 
 
+def test_a_resume_keeps_the_precision_auto_chose_when_the_run_started(tmp_path, monkeypatch):
+    """Timed again at the resume, the choice can flip (a loaded machine, another world size): the curve would change
+    mid-run. The checkpoint's precision is kept, for fit and for evaluating it; a level given by name still wins."""
+    import ampkit.examples.gpt as gpt
+
+    def run(bf16_faster: bool, *overrides: str):
+        monkeypatch.setattr(gpt, "faster_cpu_precision", lambda *args, **kwargs: (bf16_faster, "timed"))
+        trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", "precision.opt_level=auto",
+                                                 "trainer.val_every_n_steps=0", "checkpoint.monitor=null",
+                                                 "generate.every_n_steps=0", "logging.tensorboard=false",
+                                                 *overrides])  # fmt: skip
+        return trainer_class(cfg)
+
+    run(True, "trainer.max_steps=1").fit()
+    resumed = run(False, "trainer.max_steps=2")
+    resumed.fit(resume="last")
+    assert (resumed.cfg.precision.opt_level, resumed.cfg.precision.dtype) == ("O1", "bfloat16")
+    assert "the checkpoint's" in resumed.model_setup.notes["auto prec."]
+    predicting = run(False, "generate.tokens=2")
+    predicting.predict(ckpt="last")
+    assert predicting.cfg.precision.dtype == "bfloat16"
+    named = run(True, "trainer.max_steps=3", "precision.opt_level=O0")
+    named.fit(resume="last")
+    assert named.cfg.precision.opt_level == "O0"
+
+
 def test_auto_keeps_a_dtype_the_user_gave():
     cfg = auto_cfg(dtype="float16")
     assert "precision.dtype=float16 was given" in choose_precision(cfg)
