@@ -113,7 +113,8 @@ def unigram_entropy(data: torch.Tensor) -> float:
 
 
 class Windows(Dataset):
-    """``count`` windows of ``seq_len + 1`` bytes starting every ``stride`` bytes: (input, next-byte target)."""
+    """``count`` windows of ``seq_len + 1`` bytes starting every ``stride`` bytes (at most one per start): (input,
+    next-byte target)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, stride: int | None = None, count: int | None = None) -> None:
         self.data, self.seq_len = data, seq_len
@@ -121,9 +122,9 @@ class Windows(Dataset):
         if room < 0:
             raise ValueError(f"model.seq_len={seq_len} is longer than the text ({len(data)} bytes)")
         self.stride = stride or seq_len
-        self.count = room // self.stride + 1 if count is None else count
-        if count is not None:  # evenly spread
-            self.stride = max(room // max(count - 1, 1), 1)
+        self.count = room // self.stride + 1 if count is None else min(count, room + 1)
+        if count is not None:  # evenly spread; a text too short for count windows gets one at each start
+            self.stride = max(room // max(self.count - 1, 1), 1)
 
     def __len__(self) -> int:
         return self.count

@@ -50,6 +50,15 @@ def test_corpus_split_is_deterministic_and_text_has_context_to_learn():
     assert torch.equal(x[1:], y[:-1]) and len(windows) == 5
 
 
+def test_validation_windows_on_a_short_text_are_whole():
+    """More windows asked than start positions (a small data.val_fraction): each start once, none cut short (a cut
+    window failed the DataLoader's stack at the first validation, after training had run)."""
+    windows = Windows(torch.arange(40), 16, count=64)
+    assert len(windows) == 40 - 16
+    assert {len(windows[i][0]) for i in range(len(windows))} == {16}
+    assert torch.equal(windows[len(windows) - 1][1], torch.arange(24, 40))
+
+
 def auto_cfg(**precision):
     return OmegaConf.create({"trainer": {"device": "cpu"},
                              "precision": {"opt_level": "auto", "dtype": None, **precision},
