@@ -401,7 +401,8 @@ class GPTTrainer(ampkit.Trainer):
         return GPT(m)
 
     def configure_optimizers(self) -> Any:
-        o, steps = self.cfg.optim, self.settings.max_steps
+        # plain values: the schedule runs every step, and each read of an OmegaConf node costs microseconds
+        o, steps = OmegaConf.to_object(self.cfg.optim), self.settings.max_steps
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         other = [p for p in self.module.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -457,8 +458,11 @@ class GPTTrainer(ampkit.Trainer):
             print(f"  unigram entropy of the training bytes: {unigram_entropy(train):.3f} nats/byte "
                   f"(a model must go below it to have learnt context)", flush=True)  # fmt: skip
 
+    def on_train_start(self) -> None:
+        self._sample_every = self.cfg.generate.every_n_steps  # read once: on_train_batch_end runs every batch
+
     def on_train_batch_end(self, outputs: dict[str, Any], batch: Any) -> None:
-        every = self.cfg.generate.every_n_steps
+        every = self._sample_every
         s = self.state
         if every and s.is_iteration_end and s.iteration % every == 0:  # every rank: a sharded forward is collective
             self.module.eval()
