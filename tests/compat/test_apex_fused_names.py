@@ -72,6 +72,27 @@ def test_file_named_submodules_import_through_the_shim():
         uninstall_apex_shim()
 
 
+def test_fused_layer_norm_module_path_keeps_the_function_of_its_name():
+    """Apex's ``fused_layer_norm.py`` defines ``fused_layer_norm()``, which Megatron-style code imports from that
+    path: importing the path rebound the name to a module, so the call failed ('module' object is not callable)."""
+    from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+    x = torch.randn(3, 8)
+    expected = torch.nn.functional.layer_norm(x, (8,), eps=1e-6)
+    install_apex_shim()
+    try:
+        import apex.normalization.fused_layer_norm as by_path
+        from apex.normalization.fused_layer_norm import FusedRMSNorm, fused_layer_norm, fused_layer_norm_affine
+
+        torch.testing.assert_close(fused_layer_norm(x, (8,)), expected)
+        torch.testing.assert_close(normalization.fused_layer_norm(x, (8,)), expected)  # ampkit's own name
+        assert by_path.FusedRMSNorm is FusedRMSNorm is normalization.FusedRMSNorm  # the module's names, as in Apex
+        assert fused_layer_norm_affine is normalization.fused_layer_norm_affine
+    finally:
+        uninstall_apex_shim()
+    assert normalization.fused_layer_norm is fused_layer_norm  # the function again once the shim is gone
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e20], ids=["unit", "beyond_float32_squares"])
 def test_manual_rms_norm_keeps_float64_input_in_float64(scale):
     """Float64 input gets its mean square in float64, as torch's rms_norm: in float32 the result was off by 1e-7
