@@ -141,6 +141,7 @@ class _AliasLoader(importlib.abc.Loader):
         self._original_spec: Any = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        self.name = spec.name
         module = _make_apex_package() if self.target is None else importlib.import_module(self.target)
         parent_name, _, leaf = spec.name.rpartition(".")
         function = _function_named(module, leaf) if module is sys.modules.get(parent_name) else None
@@ -156,6 +157,10 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         if self.target is not None and not isinstance(module, _ModuleNamedLikeItsFunction):
             module.__spec__ = self._original_spec
+        for alias in _MODULE_ALIASES:  # Apex's package imports its files: apex.optimizers.fused_adam is bound
+            package, _, leaf = alias.rpartition(".")
+            if package == self.name and not hasattr(module, leaf):  # a class or function of that name stays
+                importlib.import_module(alias)  # binds it on the package, as any submodule import does
 
 
 class _ApexDistribution(importlib.metadata.Distribution):
@@ -201,6 +206,12 @@ def _installed_finder() -> _ApexShimFinder | None:
 
 
 def _forget_apex_modules() -> None:
+    for alias in _MODULE_ALIASES:  # file names bound on the ampkit module standing for their package: unbind
+        package, served = sys.modules.get(alias.rpartition(".")[0]), sys.modules.get(alias)
+        leaf = alias.rpartition(".")[2]
+        if package is not None and served is not None and getattr(package, leaf, None) is served:
+            if served.__name__ != f"{package.__name__}.{leaf}" and not isinstance(served, _ModuleNamedLikeItsFunction):
+                delattr(package, leaf)  # not a real submodule of it (apex.optimizers.fused_adam)
     for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.") or n in _TOP_LEVEL_MODULES]:
         module = sys.modules.pop(name)
         leaf = name.rpartition(".")[2]

@@ -72,6 +72,29 @@ def test_file_named_submodules_import_through_the_shim():
         uninstall_apex_shim()
 
 
+def test_file_named_submodules_are_attributes_of_their_package():
+    """Apex's packages import their files, so ``from apex.optimizers import fused_adam`` and
+    ``apex.optimizers.fused_adam.FusedAdam`` work without importing the path first; both were ImportError and
+    AttributeError. The ampkit modules standing for those packages lose the names again with the shim."""
+    from ampkit.compat import install_apex_shim, parallel, uninstall_apex_shim
+
+    install_apex_shim()
+    try:
+        import apex
+        from apex.optimizers import fp16_optimizer, fused_adam, fused_mixed_precision_lamb
+        from apex.parallel import optimized_sync_batchnorm
+
+        assert apex.optimizers.fused_lamb.FusedLAMB is fused_adam.FusedLAMB is optimizers.FusedLAMB
+        assert fused_mixed_precision_lamb.FusedMixedPrecisionLamb is optimizers.FusedMixedPrecisionLamb
+        assert fp16_optimizer.FP16_Optimizer is not None
+        assert optimized_sync_batchnorm.SyncBatchNorm is apex.parallel.SyncBatchNorm
+        assert apex.parallel.LARC is parallel.LARC  # a class of the file's name stays the class
+    finally:
+        uninstall_apex_shim()
+    assert not hasattr(optimizers, "fused_adam") and not hasattr(parallel, "optimized_sync_batchnorm")
+    assert parallel.distributed.DistributedDataParallel is parallel.DistributedDataParallel  # a real submodule stays
+
+
 def test_fused_layer_norm_module_path_keeps_the_function_of_its_name():
     """Apex's ``fused_layer_norm.py`` defines ``fused_layer_norm()``, which Megatron-style code imports from that
     path: importing the path rebound the name to a module, so the call failed ('module' object is not callable)."""
