@@ -352,6 +352,7 @@ class GPTTrainer(ampkit.Trainer):
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
         check_gpt_config(cfg)
+        self._machine_chose = cfg.precision.opt_level == "auto" and cfg.precision.dtype is None  # not the user
         self.precision_choice = choose_precision(cfg)
         fsdp = cfg.distributed.fsdp
         if cfg.distributed.strategy == "fsdp" and not fsdp.shard_modules:
@@ -362,7 +363,7 @@ class GPTTrainer(ampkit.Trainer):
     def _keep_saved_precision(self, ckpt: str | os.PathLike | None) -> None:
         """Under ``opt_level: auto``, a resumed or evaluated checkpoint keeps the precision it trained in: timed
         again, the choice can flip on a loaded machine (or another world size) and the curve would change."""
-        saved = saved_precision(self.cfg.run_dir, ckpt) if self.precision_choice is not None else None
+        saved = saved_precision(self.cfg.run_dir, ckpt) if self._machine_chose else None
         if saved is not None:
             self.cfg.precision.opt_level, self.cfg.precision.dtype = saved
             level = f"{saved[0]} {saved[1] or 'float32'}"

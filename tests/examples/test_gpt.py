@@ -119,6 +119,9 @@ def test_a_resume_keeps_the_precision_auto_chose_when_the_run_started(tmp_path, 
     named = run(True, "trainer.max_steps=3", "precision.opt_level=O0")
     named.fit(resume="last")
     assert named.cfg.precision.opt_level == "O0"
+    given = run(True, "trainer.max_steps=4", "precision.dtype=float16")  # auto with a dtype: the user's choice
+    given.fit(resume="last")
+    assert (given.cfg.precision.opt_level, given.cfg.precision.dtype) == ("O1", "float16")
 
 
 def test_auto_keeps_a_dtype_the_user_gave():
