@@ -66,7 +66,7 @@ class GPTDataConfig:
 @dataclass
 class GPTOptimConfig:
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 3e-4  # cosine decay to this over trainer.max_steps
+    min_lr: float = 3e-4  # cosine decay to this at the run's end (trainer.max_steps, or max_epochs if sooner)
     warmup_steps: int = 50  # linear warmup from 0
     weight_decay: float = 0.1  # decoupled (AdamW), on the matrices only (not norms or biases)
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates
@@ -401,9 +401,18 @@ class GPTTrainer(ampkit.Trainer):
             self.flops_per_sample = count_training_flops(lambda: meta(idx).float().logsumexp(-1).sum())
         return GPT(m)
 
+    def planned_steps(self) -> int:
+        """Iterations this run trains: ``trainer.max_steps``, or ``max_epochs``' worth when they end it first (or
+        ``max_steps`` is -1); the schedule decays to ``optim.min_lr`` over them."""
+        t, batches = self.settings, self.num_train_batches
+        if batches is None:  # an iterable without a length: only max_steps says
+            return t.max_steps
+        epochs = t.max_epochs * math.ceil(batches / t.accumulate_grad_batches)
+        return epochs if t.max_steps < 0 else min(t.max_steps, epochs)
+
     def configure_optimizers(self) -> Any:
         # plain values: the schedule runs every step, and each read of an OmegaConf node costs microseconds
-        o, steps = OmegaConf.to_object(self.cfg.optim), self.settings.max_steps
+        o, steps = OmegaConf.to_object(self.cfg.optim), self.planned_steps()
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         other = [p for p in self.module.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -413,7 +422,7 @@ class GPTTrainer(ampkit.Trainer):
             # fused on a GPU (as nanoGPT): one kernel, and it takes a skip verdict on the device (no host read)
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=self.device.type == "cuda")
 
-        def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at max_steps
+        def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at the run's last step
             if step < o.warmup_steps:
                 return (step + 1) / o.warmup_steps
             if steps <= o.warmup_steps:

@@ -199,6 +199,22 @@ def test_a_training_iteration_reads_no_config_node(tmp_path, monkeypatch):
     assert reads == []
 
 
+@pytest.mark.parametrize(
+    "limits", [["trainer.max_steps=-1"], ["trainer.max_steps=100"]], ids=["no step limit", "epochs first"]
+)
+def test_the_schedule_reaches_min_lr_when_epochs_end_the_run(tmp_path, limits):
+    """max_steps -1 (epochs only) kept the peak rate after warm-up, and a max_steps beyond max_epochs' worth ended
+    the run before the decay did: the cosine now spans the iterations the run trains (2 epochs x 4 here)."""
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", "trainer.max_epochs=2", *limits,
+                                             "trainer.limit_train_batches=4", "trainer.val_every_n_steps=0",
+                                             "checkpoint.enabled=false", "generate.every_n_steps=0",
+                                             "logging.tensorboard=false", "optim.warmup_steps=2"])  # fmt: skip
+    trainer = trainer_class(cfg)
+    trainer.fit()
+    assert trainer.state.global_step == 8
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(cfg.optim.min_lr)
+
+
 def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
     trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}/run", "trainer.max_steps=2",
                                              "trainer.val_every_n_steps=0", "checkpoint.enabled=false",
