@@ -192,6 +192,11 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.seq_len:  # the position table ends there: an IndexError naming nothing otherwise
+            raise ValueError(
+                f"GPT: an input of {idx.shape[1]} tokens is longer than model.seq_len={self.seq_len}; "
+                f"pass at most the last {self.seq_len} (generate() does)"
+            )
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.embed(idx) + self.pos(positions))
         for block in self.blocks:

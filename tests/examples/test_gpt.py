@@ -233,6 +233,15 @@ def test_an_empty_prompt_is_refused_not_an_index_error():
     assert torch.equal(generate(model, torch.tensor([7]), 0), torch.tensor([7]))
 
 
+def test_an_input_longer_than_the_context_is_refused_by_name():
+    """A loaded model called on more than seq_len tokens: the position table's IndexError named nothing."""
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    assert model(torch.zeros(2, 16, dtype=torch.long)).shape == (2, 16, 256)
+    with pytest.raises(ValueError, match=r"17 tokens is longer than model.seq_len=16"):
+        model(torch.zeros(2, 17, dtype=torch.long))
+    assert len(generate(model, torch.arange(40), 3)) == 43  # generate crops to the context itself
+
+
 def test_model_config_errors_name_the_key(tmp_path):
     import ampkit
 
