@@ -947,3 +947,26 @@ def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
         p.grad = torch.zeros(4).to_sparse()
         with pytest.raises(RuntimeError, match=f"{cls.__name__} does not support sparse gradients"):
             cls([p]).step()
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_a_compiled_train_step_runs_the_optimizer_step_eagerly(cls):
+    """``torch.compile`` of a whole train step (forward, backward, ``optimizer.step()``) failed in dynamo's
+    fake-tensor pass over the C++ kernels; the step is now a graph break and trains as the eager loop does."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 2).double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [cls(m.parameters(), lr=1e-2) for m in models]
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def train_step(model, optimizer):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for _ in range(3):
+        train_step(models[0], optimizers[0])
+        compiled(models[1], optimizers[1])
+    for eager, traced in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)

@@ -191,6 +191,13 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_hyper(f"betas[{i}] of a param group", beta, 0.0, 1.0)
 
 
+# A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
+# kernels have no fake-tensor form for dynamo to trace, and it reads host numbers (GradScaler's skip, LAMB's norms).
+eager_under_compile = torch.compiler.disable(
+    recursive=True, reason="ampkit's fused optimizer steps run their C++/CUDA kernels eagerly"
+)
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery of the fused optimizers (see the module docstring).
 
@@ -271,6 +278,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
         check_group_hypers(group)
 
+    @eager_under_compile
     @torch.no_grad()
     def step(
         self,
@@ -348,6 +356,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if copied and scaler.grad_scale is not None:  # the kernels unscaled the copies they read
             self._unscale_(copied, scaler.grad_scale, scaler.found_inf)
 
+    @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         """One step with every gradient multiplied by ``grad_factor`` inside the kernel (unscale x clip).

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper, eager_under_compile
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -72,6 +72,7 @@ class FusedLAMB(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._update_buffers: dict[Tensor, Tensor] = {}
 
+    @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         norm = self._read_with_scaler(None)
