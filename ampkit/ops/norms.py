@@ -3,8 +3,8 @@
 The kernels (``torch.ops.ampkit_norms.*``, C++ on CPU, CUDA where built) read each row once, keep the
 row statistics in float32 (float64 for float64 inputs) whatever the input dtype, and compute dx, dweight
 and dbias in one backward pass. Where the kernels are unavailable (no compiler, ``AMPKIT_OPS=reference``,
-a CUDA tensor without a CUDA build, tracing or ``torch.compile``) the same maths runs through
-:mod:`ampkit.ops.reference.norms`.
+a CUDA tensor without a CUDA build, tracing, ``torch.compile`` or a ``torch.func`` transform) the same maths
+runs through :mod:`ampkit.ops.reference.norms`.
 
 Behaviour follows ``apex.normalization``:
 
@@ -136,7 +136,9 @@ def _check_inputs(
 
 
 def _use_kernel(input: torch.Tensor) -> bool:
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
+    ``grad``, ``jacrev``: the kernels have no batching rule), where the reference's torch ops run instead."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     return _FAMILY.serves(input.device, "layer_norm_fwd")
 

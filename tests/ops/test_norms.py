@@ -528,3 +528,34 @@ def test_a_memory_efficient_norm_stays_differentiable_once():
     (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
     with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
         grad_x.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_torch_func_transforms_run_through_the_norms(kind):
+    """``vmap`` (per-sample gradients) and ``jacrev`` over a fused norm failed in the kernels' autograd Function,
+    which has no batching rule; under a transform the reference's torch ops run, as ``nn.LayerNorm``'s would."""
+    fused = FusedLayerNorm((3, 4)) if kind == "layer" else FusedRMSNorm((3, 4))
+    fused = fused.double()
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(_weight(p.shape, torch.float64))
+    params = dict(fused.named_parameters())
+
+    def torch_norm(p, x):
+        if kind == "layer":
+            return torch.nn.functional.layer_norm(x, (3, 4), p["weight"], p["bias"], fused.eps)
+        return torch.nn.functional.rms_norm(x, (3, 4), p["weight"], fused.eps)
+
+    def fused_norm(p, x):
+        return torch.func.functional_call(fused, p, (x,))
+
+    def per_sample_grads(norm_fn, x):  # per-sample weight gradients, as Opacus-style DP training takes them
+        loss = torch.func.grad(lambda p, row: norm_fn(p, row).sin().sum())
+        return torch.func.vmap(loss, in_dims=(None, 0))(params, x)
+
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    got, want = per_sample_grads(fused_norm, x), per_sample_grads(torch_norm, x)
+    for name in params:
+        torch.testing.assert_close(got[name], want[name])
+    jacobian = torch.func.jacrev(lambda x: fused_norm(params, x))(x[0])
+    torch.testing.assert_close(jacobian, torch.func.jacrev(lambda x: torch_norm(params, x))(x[0]))
