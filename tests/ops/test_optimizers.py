@@ -970,3 +970,24 @@ def test_a_compiled_train_step_runs_the_optimizer_step_eagerly(cls):
         compiled(models[1], optimizers[1])
     for eager, traced in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_betas_given_in_torch_optims_positional_place_are_refused_not_dropped(cls):
+    """``AdamW(params, 1e-3, (0.9, 0.95))`` swapped for a fused Adam-like put the betas in Apex's third positional
+    slot, ``bias_correction``, which took the tuple as True: the step ran with the default betas, silently."""
+    with pytest.raises(ValueError, match=r"Invalid bias_correction: \(0.9, 0.95\) is a tuple .*betas go by keyword"):
+        cls(make_params(), 1e-3, (0.9, 0.95))
+    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 \(expected two numbers"):  # was a bare TypeError
+        cls(make_params(), 1e-3, True, 1e-8)
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_an_on_off_option_that_is_not_a_bool_is_named(cls):
+    optimizer = cls(make_params()[:1], lr=0.1)
+    flags = [key for key, value in optimizer.defaults.items() if isinstance(value, bool)]
+    assert flags
+    for key in flags:
+        with pytest.raises(ValueError, match=rf"Invalid {key} of a param group: 'yes' is a str \(expected True or"):
+            optimizer.add_param_group({"params": make_params()[1:2], key: "yes"})
+    optimizer.add_param_group({"params": make_params()[1:2], flags[0]: 1})  # Apex's 0/1 spelling stays valid

@@ -177,18 +177,54 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
 }
 
 
+# The on/off options a param group may carry, whichever optimizer it belongs to: True or False (or Apex's 0 and 1).
+GROUP_FLAGS = (
+    "adam_w_mode",
+    "amsgrad",
+    "bias_correction",
+    "capturable",
+    "centered",
+    "decoupled_decay",
+    "grad_averaging",
+    "init_zero",
+    "lr_in_momentum",
+    "maximize",
+    "nesterov",
+    "reg_inside_moment",
+    "use_nvlamb",
+)
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is True or False (0 or 1). Anything else is truthy or falsy
+    by accident: ``FusedAdam(params, 1e-3, (0.9, 0.95))``, torch.optim's positional order, puts the betas in
+    Apex's ``bias_correction`` and would run with the default betas."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
+    hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
+    raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
+
+
+def check_betas(betas: Any, where: str = "") -> None:
+    """Raise ValueError unless ``betas`` is two numbers in [0, 1) (a float there is a positional call gone astray)."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"Invalid betas{where}: {betas!r} (expected two numbers in [0.0, 1.0))")
+    for i, beta in enumerate(betas):
+        check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
+
+
 def check_group_hypers(group: dict[str, Any]) -> None:
-    """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`) and its
-    ``betas``, named as ``param_groups[i]['lr']`` would be read."""
+    """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
+    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
             check_hyper(f"{key} of a param group", group[key], low, high)
+    for key in GROUP_FLAGS:
+        if key in group:
+            check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
-        betas = group["betas"]
-        if not isinstance(betas, tuple | list) or len(betas) != 2:
-            raise ValueError(f"Invalid betas of a param group: {betas!r} (expected two numbers in [0.0, 1.0))")
-        for i, beta in enumerate(betas):
-            check_hyper(f"betas[{i}] of a param group", beta, 0.0, 1.0)
+        check_betas(group["betas"], " of a param group")
 
 
 # A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
@@ -239,6 +275,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
+        for key in GROUP_FLAGS:  # named as given, before the groups that take them as defaults
+            if key in defaults:
+                check_flag(key, defaults[key])
+        check_flag("set_grad_none", set_grad_none)
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built

@@ -15,6 +15,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     ScalerTensors,
     acc_dtype,
+    check_betas,
     check_hyper,
     torch_step_counts,
 )
@@ -70,8 +71,7 @@ class FusedAdam(FusedOptimizer):
     ) -> None:
         check_hyper("lr", float(lr))
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,

@@ -15,6 +15,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     _scalar_on,
     acc_dtype,
+    check_betas,
     check_hyper,
     eager_under_compile,
 )
@@ -62,8 +63,7 @@ class FusedNovoGrad(FusedOptimizer):
             raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,
