@@ -427,6 +427,7 @@ class FusedLayerNorm(nn.Module):
         eps: added to the variance. Default: 1e-5.
         elementwise_affine: learn a per-element weight (init 1) and bias (init 0).
         memory_efficient: save the output instead of the input for backward.
+        bias: with ``elementwise_affine``, learn the bias too (``nn.LayerNorm``'s ``bias=False``: a weight only).
 
     Example:
         >>> norm = FusedLayerNorm(16)
@@ -443,6 +444,7 @@ class FusedLayerNorm(nn.Module):
         elementwise_affine: bool = True,
         memory_efficient: bool = False,
         *,
+        bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -454,16 +456,19 @@ class FusedLayerNorm(nn.Module):
         self.memory_efficient = memory_efficient
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Weight to ones and bias to zeros, as ``nn.LayerNorm``."""
-        if self.elementwise_affine:
+        if self.weight is not None:
             nn.init.ones_(self.weight)
+        if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -482,7 +487,7 @@ class FusedLayerNorm(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"memory_efficient={self.memory_efficient}"
+            f"bias={self.bias is not None}, memory_efficient={self.memory_efficient}"
         )
 
 

@@ -340,6 +340,26 @@ def test_modules_have_apex_defaults_and_torch_compatible_state():
     torch.testing.assert_close(rms(x), torch.nn.functional.rms_norm(x, (5,), eps=1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_layer_norm_without_a_bias_matches_and_loads_from_torchs(memory_efficient):
+    """``nn.LayerNorm(d, bias=False)`` (a weight only, as GPT-style models take it) had no fused form: ``bias=False``
+    was a TypeError and its checkpoint had no ``bias`` to give."""
+    torch_ln = torch.nn.LayerNorm((3, 4), bias=False).double()
+    with torch.no_grad():
+        torch_ln.weight.copy_(_weight((3, 4), torch.float64))
+    ln = FusedLayerNorm((3, 4), bias=False, memory_efficient=memory_efficient).double()
+    assert ln.bias is None and list(ln.state_dict()) == ["weight"]
+    ln.load_state_dict(torch_ln.state_dict())
+    assert "bias=False" in repr(ln)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    for norm, xi in zip((ln, torch_ln), xs, strict=True):
+        norm(xi).sin().sum().backward()
+    torch.testing.assert_close(ln(x), torch_ln(x))
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(ln.weight.grad, torch_ln.weight.grad)
+
+
 def test_mixed_modules_output_weight_dtype():
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     for mixed_cls, plain_cls in ((MixedFusedLayerNorm, FusedLayerNorm), (MixedFusedRMSNorm, FusedRMSNorm)):
