@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -330,7 +331,7 @@ def _rms_norm(
     input: torch.Tensor,
     weight: torch.Tensor | None,
     normalized_shape: ShapeLike,
-    eps: float,
+    eps: float | None,
     memory_efficient: bool,
     mixed: bool,
 ) -> torch.Tensor:
@@ -341,6 +342,8 @@ def _rms_norm(
         with torch.autocast(input.device.type, enabled=False):
             return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, None)
+    if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
+        eps = torch.finfo(accumulate_dtype(input.dtype)).eps
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
@@ -394,7 +397,7 @@ def fused_rms_norm_affine(
     input: torch.Tensor,
     weight: torch.Tensor,
     normalized_shape: ShapeLike,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the input's dtype (Apex signature)."""
@@ -402,7 +405,7 @@ def fused_rms_norm_affine(
 
 
 def fused_rms_norm(
-    input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
+    input: torch.Tensor, normalized_shape: ShapeLike, eps: float | None = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """RMSNorm without a weight (Apex signature)."""
     return _rms_norm("fused_rms_norm", input, None, normalized_shape, eps, memory_efficient, False)
@@ -412,7 +415,7 @@ def mixed_dtype_fused_rms_norm_affine(
     input: torch.Tensor,
     weight: torch.Tensor,
     normalized_shape: ShapeLike,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
@@ -496,7 +499,8 @@ class FusedRMSNorm(nn.Module):
 
     Args:
         normalized_shape: trailing shape to normalize over (an int means the last dimension).
-        eps: added to the mean square. Default: 1e-5.
+        eps: added to the mean square. Default: 1e-5 (Apex's); None is ``nn.RMSNorm``'s default, the machine
+            epsilon of the dtype the norm computes in (float32 for fp16/bf16/fp32 inputs, float64 for float64).
         elementwise_affine: learn a per-element weight (init 1).
         memory_efficient: save the output instead of the input for backward.
     """
@@ -506,7 +510,7 @@ class FusedRMSNorm(nn.Module):
     def __init__(
         self,
         normalized_shape: ShapeLike,
-        eps: float = 1e-5,
+        eps: float | None = 1e-5,
         elementwise_affine: bool = True,
         memory_efficient: bool = False,
         *,
@@ -515,7 +519,8 @@ class FusedRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
-        _check_eps(type(self).__name__, eps)
+        if eps is not None:
+            _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
@@ -565,7 +570,9 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     _mixed = True
 
-    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float | None = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
         super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
 

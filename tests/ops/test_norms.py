@@ -291,12 +291,16 @@ def test_wrong_normalized_shape_is_named():
 
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
 def test_an_eps_that_would_give_nan_is_refused_where_it_is_given(eps):
-    """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it."""
-    for module in (FusedLayerNorm, FusedRMSNorm):
+    """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it. (None
+    is RMSNorm's default in torch, and here too: ``test_rms_norm_eps_none_is_torchs_default``.)"""
+    for module in (FusedLayerNorm, FusedRMSNorm) if eps is not None else (FusedLayerNorm,):
         with pytest.raises(ValueError, match=rf"{module.__name__}: eps must be a finite number >= 0, got"):
             module(6, eps=eps)
-    with pytest.raises(ValueError, match="fused_rms_norm: eps must be a finite number >= 0"):
-        fused_rms_norm(torch.randn(2, 6), 6, eps=eps)
+    with pytest.raises(ValueError, match="fused_layer_norm: eps must be a finite number >= 0"):
+        fused_layer_norm(torch.randn(2, 6), 6, eps=eps)
+    if eps is not None:
+        with pytest.raises(ValueError, match="fused_rms_norm: eps must be a finite number >= 0"):
+            fused_rms_norm(torch.randn(2, 6), 6, eps=eps)
     assert torch.isfinite(FusedLayerNorm(6, eps=0.0)(torch.randn(3, 6))).all()
 
 
@@ -358,6 +362,22 @@ def test_layer_norm_without_a_bias_matches_and_loads_from_torchs(memory_efficien
     torch.testing.assert_close(ln(x), torch_ln(x))
     torch.testing.assert_close(xs[0].grad, xs[1].grad)
     torch.testing.assert_close(ln.weight.grad, torch_ln.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rms_norm_eps_none_is_torchs_default(dtype):
+    """``nn.RMSNorm(d, eps=None)`` (torch's default) swapped for ``FusedRMSNorm(d, eps=None)`` was a ValueError; None
+    is the machine epsilon of the dtype the norm computes in, float32 for bf16 (torch's 0.0078 would halve rows of
+    magnitude 0.01)."""
+    torch_rms = torch.nn.RMSNorm((3, 4), eps=None).to(dtype)
+    with torch.no_grad():
+        torch_rms.weight.copy_(_weight((3, 4), dtype))
+    rms = FusedRMSNorm((3, 4), eps=None).to(dtype)
+    rms.load_state_dict(torch_rms.state_dict())
+    assert "eps=None" in repr(rms)
+    x = (torch.randn(5, 3, 4, dtype=torch.float64) * 1e-2).to(dtype)
+    torch.testing.assert_close(rms(x), torch_rms(x))
+    torch.testing.assert_close(fused_rms_norm(x, (3, 4), eps=None), torch.nn.functional.rms_norm(x, (3, 4)))
 
 
 def test_mixed_modules_output_weight_dtype():
