@@ -991,3 +991,31 @@ def test_an_on_off_option_that_is_not_a_bool_is_named(cls):
         with pytest.raises(ValueError, match=rf"Invalid {key} of a param group: 'yes' is a str \(expected True or"):
             optimizer.add_param_group({"params": make_params()[1:2], key: "yes"})
     optimizer.add_param_group({"params": make_params()[1:2], flags[0]: 1})  # Apex's 0/1 spelling stays valid
+
+
+RESETS = {
+    "del state[p]": lambda state, p: state.__delitem__(p),
+    "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
+    "state.pop(p)": lambda state, p: state.pop(p),
+    "state.clear()": lambda state, p: state.clear(),
+}
+
+
+@pytest.mark.parametrize("reset", list(RESETS))
+@pytest.mark.parametrize("case", ["adamw", "sgd_momentum_dampening"])
+def test_a_reset_parameter_state_starts_afresh_and_is_saved_as_torch_optims(case, reset):
+    """Resetting a parameter's state (a re-initialised layer) left the buckets kept between steps on the old state
+    dicts: the kernels went on stepping the old moments, and ``state_dict()`` saved nothing for that parameter."""
+    make_ours, make_theirs = TORCH_PAIRS[case]
+    a_params = make_params(torch.float64)
+    b_params = clone_params(a_params)
+    ours, theirs = make_ours(a_params), make_theirs(b_params)
+    run_side_by_side(ours, theirs, a_params, b_params, steps=3)
+    RESETS[reset](ours.state, a_params[0])
+    RESETS[reset](theirs.state, b_params[0])
+    run_side_by_side(ours, theirs, a_params, b_params, steps=3)
+    assert rel_diff(a_params, b_params) <= 1e-12
+    saved, expected = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert sorted(saved) == sorted(expected) and sorted(saved[0]) == sorted(expected[0])
+    for key, value in expected[0].items():
+        torch.testing.assert_close(saved[0][key], value, msg=key)

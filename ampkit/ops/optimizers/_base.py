@@ -27,6 +27,7 @@ from torch import Tensor
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.optimizers._state_map import StateMap
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -102,19 +103,20 @@ def torch_step_counts(bucket: Bucket, found_inf: Tensor | None) -> Iterator[list
 @dataclass
 class _BucketPlan:
     """One param group's buckets as last built, with what they were built from: the group's parameters, each
-    gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state dict (which
-    ``load_state_dict`` replaces)."""
+    gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state map (which
+    ``load_state_dict`` replaces) with its count of resets (a parameter's state removed or replaced)."""
 
     params: list[Tensor]
     layout: list[tuple[Any, ...] | None]
-    state: Any
+    state: StateMap
+    resets: int
     buckets: list[Bucket]
     slots: list[list[int]]
 
-    def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: Any) -> bool:
-        if state is not self.state or layout != self.layout or len(params) != len(self.params):
+    def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: StateMap) -> bool:
+        if state is not self.state or state.resets != self.resets or layout != self.layout:
             return False
-        return all(map(operator.is_, params, self.params))
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
 
 def read_together(
@@ -284,6 +286,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults)
+        self.state = StateMap(self.state)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Reset gradients: to None, or to zeros; ``set_to_none=None`` follows ``set_grad_none`` (Apex)."""
@@ -442,6 +445,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             None if g is None else (g.dtype, g.stride(), p.dtype, p.stride())
             for p, g in zip(params, grads, strict=True)
         ]
+        if type(self.state) is not StateMap:  # assigned by hand (``optimizer.state = defaultdict(dict)``)
+            self.state = StateMap(self.state)
         plan = self._plans.get(id(group))
         if plan is not None and plan.fits(params, layout, self.state):
             for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
@@ -449,7 +454,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return plan.buckets
         buckets, slots = self._build_buckets(group, grads)
         if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
-            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, buckets, slots)
+            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, buckets, slots)
         else:
             self._plans.pop(id(group), None)
         return buckets
@@ -550,6 +555,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
         # this optimizer's constructor values.
         super().__setstate__(state)
+        self.state = StateMap(self.state)
         for key in self._scratch_attrs:
             setattr(self, key, {})
         for group in self.param_groups:
