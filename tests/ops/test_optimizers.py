@@ -998,6 +998,7 @@ RESETS = {
     "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
     "state.pop(p)": lambda state, p: state.pop(p),
     "state.clear()": lambda state, p: state.clear(),
+    "state[p].clear()": lambda state, p: state[p].clear(),  # was a KeyError for FusedAdam
 }
 
 

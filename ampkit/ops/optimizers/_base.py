@@ -104,7 +104,8 @@ def torch_step_counts(bucket: Bucket, found_inf: Tensor | None) -> Iterator[list
 class _BucketPlan:
     """One param group's buckets as last built, with what they were built from: the group's parameters, each
     gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state map (which
-    ``load_state_dict`` replaces) with its count of resets (a parameter's state removed or replaced)."""
+    ``load_state_dict`` replaces) with its count of resets (a parameter's state removed or replaced); ``filled``
+    holds the parameters' state dicts that held state then, which ``state[p].clear()`` would empty."""
 
     params: list[Tensor]
     layout: list[tuple[Any, ...] | None]
@@ -112,9 +113,13 @@ class _BucketPlan:
     resets: int
     buckets: list[Bucket]
     slots: list[list[int]]
+    filled: list[dict[str, Any]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.filled = [s for bucket in self.buckets for s in bucket.states if s]
 
     def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: StateMap) -> bool:
-        if state is not self.state or state.resets != self.resets or layout != self.layout:
+        if state is not self.state or state.resets != self.resets or layout != self.layout or not all(self.filled):
             return False
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
