@@ -358,6 +358,24 @@ def test_state_dict_moves_between_fused_and_torch(case, direction):
     assert rel_diff(b, a) <= 1e-6
 
 
+@pytest.mark.parametrize(("first", "second"), [
+    (lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1), lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1)),
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+], ids=["torch_adam_to_fused", "fused_adamw_to_torch_adam"])  # fmt: skip
+def test_a_resumed_adam_keeps_the_saved_weight_decay_mode(first, second):
+    """torch.optim.Adam resumes a checkpoint with the saved group's ``decoupled_weight_decay`` (AdamW's too). A
+    FusedAdam ignored torch's flag (an L2-decay Adam went on with AdamW maths) and did not save it for its own
+    ``adam_w_mode`` (torch's Adam went on with L2 decay): both drifted from the run they resumed."""
+    a = make_params(torch.float64)
+    b = clone_params(a)
+    uninterrupted, resumed = first(a), first(b)
+    run_side_by_side(uninterrupted, resumed, a, b, steps=3)
+    resumed_in_second = second(b)
+    resumed_in_second.load_state_dict(copy.deepcopy(resumed.state_dict()))
+    run_side_by_side(uninterrupted, resumed_in_second, a, b, steps=5)
+    assert rel_diff(b, a) <= 1e-12
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 
