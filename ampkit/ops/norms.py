@@ -353,6 +353,12 @@ def _rms_norm(
     return reference.rms_norm(input, shape, weight, eps, output_dtype)
 
 
+# ``torch.fx.symbolic_trace`` records each norm as one call (``nn.LayerNorm`` is a leaf module to it; these modules are
+# traced through, and their checks cannot read a Proxy's dtype or shape); the traced graph calls the norm as is.
+torch.fx.wrap("_layer_norm")
+torch.fx.wrap("_rms_norm")
+
+
 def fused_layer_norm_affine(
     input: torch.Tensor,
     weight: torch.Tensor,

@@ -599,3 +599,20 @@ def test_torch_func_transforms_run_through_the_norms(kind):
         torch.testing.assert_close(got[name], want[name])
     jacobian = torch.func.jacrev(lambda x: fused_norm(params, x))(x[0])
     torch.testing.assert_close(jacobian, torch.func.jacrev(lambda x: torch_norm(params, x))(x[0]))
+
+
+def test_torch_fx_symbolic_trace_records_each_norm_as_one_call():
+    """``torch.fx.symbolic_trace`` (torchvision's feature extraction, FX quantization) traces into these modules, as
+    ``nn.LayerNorm`` is a leaf to it: their input checks got a Proxy and raised TypeError for any model holding one."""
+
+    class Functional(torch.nn.Module):
+        def forward(self, x):
+            return fused_rms_norm(x, (3, 4), 1e-5)
+
+    for norm in (FusedLayerNorm((3, 4)), FusedRMSNorm((3, 4)), MixedFusedLayerNorm((3, 4)), Functional()):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), norm).double()
+        traced = torch.fx.symbolic_trace(model)
+        x = torch.randn(5, 3, 4, dtype=torch.float64)
+        torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+        traced(x).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
