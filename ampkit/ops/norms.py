@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from ampkit.ops._backend import resolve_backend
@@ -138,8 +139,11 @@ def _check_inputs(
 
 def _use_kernel(input: torch.Tensor) -> bool:
     """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
-    ``grad``, ``jacrev``: the kernels have no batching rule), where the reference's torch ops run instead."""
+    ``grad``, ``jacrev``: the kernels have no batching rule) or forward-mode AD (``forward_ad.dual_level``: they have
+    no jvp), where the reference's torch ops run instead."""
     if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if forward_ad._current_level >= 0:
         return False
     return _FAMILY.serves(input.device, "layer_norm_fwd")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from ampkit.ops import norms
 from ampkit.ops.norms import (
@@ -616,3 +617,25 @@ def test_torch_fx_symbolic_trace_records_each_norm_as_one_call():
         torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
         traced(x).sum().backward()
         assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_mode_ad_runs_through_the_norms(kind):
+    """A dual tensor (``torch.autograd.forward_ad``) through a fused norm raised NotImplementedError: the kernels'
+    autograd Function has no jvp. The reference's torch ops run instead, as torch's norms would."""
+    norm = (FusedLayerNorm((3, 4)) if kind == "layer" else FusedRMSNorm((3, 4))).double()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(_weight(p.shape, torch.float64))
+
+    def torch_norm(x):
+        if kind == "layer":
+            return torch.nn.functional.layer_norm(x, (3, 4), norm.weight, norm.bias, norm.eps)
+        return torch.nn.functional.rms_norm(x, (3, 4), norm.weight, norm.eps)
+
+    x, tangent = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+    tangents = []
+    for fn in (norm, torch_norm):
+        with forward_ad.dual_level():
+            tangents.append(forward_ad.unpack_dual(fn(forward_ad.make_dual(x, tangent))).tangent)
+    torch.testing.assert_close(tangents[0], tangents[1])
