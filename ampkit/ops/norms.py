@@ -225,19 +225,21 @@ class FusedLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, bias, _, _ = ctx.saved_tensors
+        # Unpacked once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack of a saved tensor.
+        saved_tensors = ctx.saved_tensors
+        saved, weight, bias, _, _ = saved_tensors
         if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight, bias),
                 lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
             )  # fmt: skip
             return (*grads, None, None, None, None)
-        return _layer_norm_kernel_backward(ctx, grad_output)
+        return _layer_norm_kernel_backward(ctx, grad_output, saved_tensors)
 
 
 @once_differentiable  # memory_efficient saves the output, not the input: the reference cannot run again
-def _layer_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
-    saved, weight, bias, mean, rstd = ctx.saved_tensors
+def _layer_norm_kernel_backward(ctx, grad_output: torch.Tensor, saved_tensors: tuple) -> tuple:
+    saved, weight, bias, mean, rstd = saved_tensors
     if mean is None:
         mean = rstd.new_empty(0)
     grad_input, grad_weight, grad_bias = torch.ops.ampkit_norms.layer_norm_bwd(
@@ -279,19 +281,20 @@ class FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, _ = ctx.saved_tensors
+        saved_tensors = ctx.saved_tensors  # unpacked once, as in FusedLayerNormFunction.backward
+        saved, weight, _ = saved_tensors
         if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight),
                 lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),
             )  # fmt: skip
             return (*grads, None, None, None, None)
-        return _rms_norm_kernel_backward(ctx, grad_output)
+        return _rms_norm_kernel_backward(ctx, grad_output, saved_tensors)
 
 
 @once_differentiable
-def _rms_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
-    saved, weight, rstd = ctx.saved_tensors
+def _rms_norm_kernel_backward(ctx, grad_output: torch.Tensor, saved_tensors: tuple) -> tuple:
+    saved, weight, rstd = saved_tensors
     grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(
         grad_output.contiguous(),
         saved.contiguous(),

@@ -639,3 +639,21 @@ def test_forward_mode_ad_runs_through_the_norms(kind):
         with forward_ad.dual_level():
             tangents.append(forward_ad.unpack_dual(fn(forward_ad.make_dual(x, tangent))).tangent)
     torch.testing.assert_close(tangents[0], tangents[1])
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_non_reentrant_activation_checkpointing_trains_as_without(kind, memory_efficient):
+    """``torch.utils.checkpoint(use_reentrant=False)`` (torch's recommended form) refuses a second unpack of a saved
+    tensor, and the kernels' backward unpacked ``ctx.saved_tensors`` twice: every checkpointed block failed."""
+    torch.manual_seed(0)
+    norm = (FusedLayerNorm if kind == "layer" else FusedRMSNorm)(8, memory_efficient=memory_efficient)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), norm, torch.nn.Linear(8, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads(checkpointed):
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        return torch.autograd.grad(out.sin().sum(), [x, *block.parameters()])
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
