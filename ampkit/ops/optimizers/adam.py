@@ -97,8 +97,9 @@ class FusedAdam(FusedOptimizer):
         """torch's, each group also saying ``decoupled_weight_decay`` (torch.optim.Adam's name for ``adam_w_mode``): a
         ``torch.optim.Adam`` that loads it resumes with the same weight decay, as it resumes an ``AdamW``'s."""
         saved = super().state_dict()
-        for group in saved["param_groups"]:
-            group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
+        for group in saved.get("param_groups", ()):  # as torch's state_dict post-hooks left it
+            if "adam_w_mode" in group:
+                group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
         return saved
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
