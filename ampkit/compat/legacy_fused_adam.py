@@ -105,7 +105,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        check_hyper("lr", float(lr))
+        check_hyper("lr", lr)
         check_hyper("eps", eps)
         check_betas(betas)
         check_hyper("weight_decay", weight_decay)

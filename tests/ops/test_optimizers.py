@@ -583,6 +583,8 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
+    (lambda p: FusedAdam(p, lr=None), ValueError, "Invalid lr: None is a NoneType"),  # was float()'s bare TypeError
+    (lambda p: FusedSGD(p, lr=0.1, dampening="0.1"), ValueError, "Invalid dampening"),  # failed in the first step
 ]
 
 

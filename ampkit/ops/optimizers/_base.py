@@ -174,6 +174,7 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
     "eps": (0.0, None),
     "weight_decay": (0.0, None),
     "momentum": (0.0, None),
+    "dampening": (0.0, None),
     "alpha": (0.0, None),
     "rho": (0.0, 1.0 + 1e-12),
     "lr_decay": (0.0, None),

@@ -69,7 +69,7 @@ class FusedAdam(FusedOptimizer):
         maximize: bool = False,
         backend: str | None = None,
     ) -> None:
-        check_hyper("lr", float(lr))
+        check_hyper("lr", lr)
         check_hyper("eps", eps)
         check_betas(betas)
         check_hyper("weight_decay", weight_decay)
