@@ -1040,3 +1040,38 @@ def test_a_reset_parameter_state_starts_afresh_and_is_saved_as_torch_optims(case
     assert sorted(saved) == sorted(expected) and sorted(saved[0]) == sorted(expected[0])
     for key, value in expected[0].items():
         torch.testing.assert_close(saved[0][key], value, msg=key)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedLAMB], ids=lambda c: c.__name__)
+def test_master_weights_take_values_written_outside_the_optimizer(cls):
+    """With fp32 masters, weights written between steps (``model.load_state_dict`` of an earlier checkpoint, weight
+    clipping under ``no_grad``) were overwritten by the stale masters on the next step; an EMA swapped in for
+    evaluation and back must keep the masters' extra bits."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, dtype=torch.float64).to(torch.bfloat16))
+    reference = torch.nn.Parameter(weight.detach().double())
+    ours = cls([weight], lr=1e-3, master_weights=True)
+    theirs = cls([reference], lr=1e-3)
+
+    def steps(n):
+        for _ in range(n):
+            g = torch.randn(64, dtype=torch.float64)
+            weight.grad = g.to(torch.bfloat16)
+            reference.grad = weight.grad.double()
+            ours.step()
+            theirs.step()
+
+    steps(3)
+    with torch.no_grad():  # an EMA swapped in for evaluation, then the training weights put back
+        saved = weight.detach().clone()
+        weight.copy_(torch.zeros_like(weight))
+        weight.copy_(saved)
+    steps(2)
+    master = ours.state[weight]["master_param"]
+    torch.testing.assert_close(master.double(), reference.detach(), rtol=1e-6, atol=1e-6)  # no bf16 rounding
+    with torch.no_grad():  # an earlier checkpoint loaded into the model
+        restored = torch.randn(64, dtype=torch.float64)
+        weight.copy_(restored.to(torch.bfloat16))
+        reference.copy_(restored.to(torch.bfloat16).double())
+    steps(3)
+    torch.testing.assert_close(weight.double(), reference.detach(), rtol=1e-2, atol=1e-2)

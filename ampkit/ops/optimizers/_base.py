@@ -73,12 +73,26 @@ class Bucket:
     has_master: bool = False
     # ``.grad`` tensors the kernels read through a copy (another dtype or layout): they unscale the copy.
     copied_grads: list[Tensor] = field(default_factory=list)
+    # With masters: each parameter's version counter when it last held its master's rounding (None: not yet read).
+    versions: list[int] | None = None
 
     def state_list(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
 
     def masters(self) -> list[Tensor]:
         return self.state_list("master_param") if self.has_master else []
+
+    def adopt_outside_writes(self) -> None:
+        """Each fp32 master takes its parameter's values where something else wrote the parameter since the last
+        step (``model.load_state_dict`` of an earlier checkpoint, weight clipping under ``no_grad``): the step would
+        otherwise write the stale master back over them. Only a moved version counter leads to a compare, and equal
+        values (an EMA swapped in for evaluation and back) keep the master's extra bits."""
+        versions = [p._version for p in self.params]
+        if self.versions is not None and versions != self.versions:
+            for p, master, now, before in zip(self.params, self.masters(), versions, self.versions, strict=True):
+                if now != before and not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p)
+        self.versions = versions
 
     @property
     def device(self) -> torch.device:
@@ -457,8 +471,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if plan is not None and plan.fits(params, layout, self.state):
             for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
                 bucket.grads = [grads[i] for i in slots]
+                if bucket.has_master:
+                    bucket.adopt_outside_writes()
             return plan.buckets
         buckets, slots = self._build_buckets(group, grads)
+        for bucket in buckets:
+            if bucket.has_master:
+                bucket.adopt_outside_writes()  # the versions a kept plan compares with next step
         if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
             self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, buckets, slots)
         else:
