@@ -13,7 +13,10 @@ import torch
 from child_env import child_env
 from torch import nn
 from torch.utils.data import DataLoader
-from toy_trainers import toy_dataset
+from toy_trainers import ToyTrainer, toy_dataset
+
+import ampkit
+from ampkit.trainer.checkpoint_io import CheckpointError
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "dist_worker.py"
@@ -201,13 +204,58 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     assert elapsed < 60
 
 
-def test_resumed_two_rank_run_equals_uninterrupted(tmp_path):
-    full = _ok(launch("resume", tmp_path / "full"))
-    middle = Path(full[0]["version_dir"]) / "checkpoints" / "step-00000009.pt"
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> list[dict]:
+    """Two ranks x batch 4 of the shuffled ToyTrainer, a checkpoint every 3 steps (8 steps an epoch)."""
+    return _ok(launch("resume", tmp_path_factory.mktemp("two_rank_run")))
+
+
+def test_resumed_two_rank_run_equals_uninterrupted(two_rank_run, tmp_path):
+    middle = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000009.pt"
     assert middle.is_file()
     resumed = _ok(launch("resume", tmp_path / "resumed", {"RESUME_FROM": str(middle)}))
-    _equal(full[0]["model"], resumed[0]["model"])
+    _equal(two_rank_run[0]["model"], resumed[0]["model"])
     _equal(resumed[0]["model"], resumed[1]["model"])
+
+
+class SampleRecorder(ampkit.Callback):
+    """The dataset indices of each training batch (ToyTrainer's 64 samples)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+        self.inputs = toy_dataset(64).tensors[0]
+
+    def on_train_batch_start(self, trainer, batch):
+        rows = (batch[0][:, None, :] == self.inputs[None]).all(-1).nonzero()[:, 1]
+        self.seen.append((trainer.state.epoch, rows.tolist()))
+
+
+def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_sample(two_rank_run, tmp_path):
+    """Resumed by one process at the same per-rank batch, the step-3 checkpoint (3 global batches of 2 x 4 = 24
+    samples into epoch 0) continues with the epoch's 25th sample: it had skipped only 3 x 4, so 12 samples were
+    trained on twice in that epoch."""
+    step_3 = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000003.pt"
+    recorder = SampleRecorder()
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "one"), "logging": {"tensorboard": False},
+           "data": {"batch_size": 4}, "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg, callbacks=[recorder]).fit(resume=step_3)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's, seed 0 epoch 0
+    assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
+
+
+def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_layouts(tmp_path):
+    """24 samples into the epoch fall inside a 16-sample batch: no batch count continues there."""
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "checkpoint": {"every_n_steps": 3}, "data": {"batch_size": 8},
+           "trainer": {"max_steps": 3, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg).fit()
+    version_dir = tmp_path / "run" / "version_0"
+    before = sorted(p.name for p in version_dir.rglob("*"))
+    larger = {**cfg, "data": {"batch_size": 16}, "trainer": {**cfg["trainer"], "max_steps": 6}}
+    layouts = r"3 batches of 8 samples \(1 rank\(s\) x 8\).*take 16 \(1 rank\(s\) x 16\)"
+    with pytest.raises(CheckpointError, match=layouts):
+        ToyTrainer(larger).fit(resume=version_dir / "checkpoints" / "step-00000003.pt")
+    assert sorted(p.name for p in version_dir.rglob("*")) == before  # refused before anything was written
 
 
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):
