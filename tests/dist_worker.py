@@ -45,6 +45,13 @@ class Evaluated(Plain):
         return self.val_dataloader()
 
 
+class UnevenValidation(Plain):
+    """25 validation samples in batches of 4: 13 for rank 0 (4 batches), 12 for rank 1 (3 batches)."""
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(25, seed=7), batch_size=4)
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -214,6 +221,11 @@ def main(scenario: str, out: Path) -> None:
         metrics = trainer.validate(ckpt="last")
         predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
         torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "validate_uneven_fsdp":  # every FSDP forward is a collective: rank 1 runs a filler batch
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        trainer = UnevenValidation({**base, "checkpoint": {"enabled": False}, "distributed": fsdp})
+        torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":
         trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})

@@ -134,6 +134,29 @@ def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_r
     assert rank0["val"] == rank1["val"] == pytest.approx({"mse": expected_mse, "only0": 1.0, "only1": 3.0})
 
 
+def test_a_validation_set_not_divisible_by_the_ranks_averages_each_sample_once(tmp_path):
+    """25 samples on 2 sharded ranks: the metric equals one process's. A DistributedSampler pads rank 1's share
+    with a repeat of sample 0, which then counted twice; rank 1 runs a filler batch instead (its FSDP forward
+    keeps step with rank 0's fourth) and drops its metrics."""
+    from dist_worker import UnevenValidation
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"progress_bar": False, "device": "cpu"}}  # fmt: skip
+    expected_mse = UnevenValidation(cfg).validate()["mse"]
+    rank0, rank1 = _ok(launch("validate_uneven_fsdp", tmp_path))
+    assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
+
+
+@pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])
+def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_rank(size, drop_last):
+    from ampkit.trainer.distributed import DistributedEnv, EvaluationBatches
+
+    ranks = [EvaluationBatches(size, 4, drop_last, DistributedEnv(rank, 2)) for rank in range(2)]
+    assert len({len(list(batches)) for batches in ranks}) == 1
+    real = sorted(i for batches in ranks for batch in list(batches)[: batches.real_batches] for i in batch)
+    assert real == list(range(24 if drop_last else size))
+
+
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
     rank0, rank1 = _ok(launch("overflow", tmp_path))
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -216,6 +216,66 @@ def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_defa
         collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        persistent_workers=loader.persistent_workers,
+    )  # fmt: skip
+
+
+class EvaluationBatches:
+    """This rank's batches of an evaluation set: its samples ``rank, rank + W, ...`` in order, none repeated
+    (a ``DistributedSampler`` pads the set to a multiple of ``W`` by repeating samples, which then count twice in a
+    metric), followed by filler batches until it has as many as rank zero, the rank with the most: every rank then
+    runs as many steps, as the collectives of a DDP or FSDP forward need. Batches from ``real_batches`` on are
+    fillers, whose results are dropped."""
+
+    def __init__(self, size: int, batch_size: int, drop_last: bool, env: DistributedEnv) -> None:
+        self.mine = range(env.rank, size, env.world_size)
+        self.batch_size = batch_size
+        self.real_batches = self._batches(len(self.mine), drop_last)
+        self.total_batches = self._batches(len(range(0, size, env.world_size)), drop_last)
+        self.filler = list(self.mine[:batch_size]) or list(range(min(batch_size, size)))
+
+    def _batches(self, samples: int, drop_last: bool) -> int:
+        return samples // self.batch_size if drop_last else -(-samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, self.real_batches * self.batch_size, self.batch_size):
+            yield list(self.mine[start : start + self.batch_size])
+        for _ in range(self.total_batches - self.real_batches):
+            yield self.filler
+
+    def __len__(self) -> int:
+        return self.total_batches
+
+
+def filler_batches_from(loader: Any) -> int | None:
+    """The index of ``loader``'s first filler batch (see ``EvaluationBatches``), None if it has none."""
+    batches = getattr(loader, "batch_sampler", None)
+    if isinstance(batches, EvaluationBatches) and batches.real_batches < batches.total_batches:
+        return batches.real_batches
+    return None
+
+
+def evaluation_loader(loader: Any, env: DistributedEnv) -> Any:
+    """``loader`` (validation, test, predict) rebuilt to give each rank its share of the samples, each sample
+    evaluated once over all ranks (``EvaluationBatches``); one process, loaders that already shard (a
+    DistributedSampler, an IterableDataset) and non-DataLoader iterables are returned as they are."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not env.enabled or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
+        return loader
+    if type(loader.batch_sampler).__name__ != "BatchSampler":
+        raise ValueError(
+            "a custom batch_sampler cannot be sharded across ranks automatically; give the "
+            "DataLoader a DistributedSampler yourself"
+        )
+    batches = EvaluationBatches(len(loader.dataset), loader.batch_size, loader.drop_last, env)
+    return DataLoader(
+        loader.dataset, batch_sampler=batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator, prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
 

@@ -70,6 +70,7 @@ from ampkit.trainer.distributed import (
     broadcast_object,
     check_same_config,
     distributed_loader,
+    evaluation_loader,
     setup_distributed,
     teardown_distributed,
 )
@@ -876,7 +877,7 @@ class Trainer:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
-        loader = distributed_loader(loader, self.settings.seed or 0, self.dist, shuffle_default=False)
+        loader = evaluation_loader(loader, self.dist)
         self.state.stage = stage.name
         try:
             if fresh:
@@ -941,14 +942,10 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        seed = self.settings.seed or 0
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
-        self._val_loader = distributed_loader(
-            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True),
-            seed,
-            self.dist,
-            shuffle_default=False,
+        self._val_loader = evaluation_loader(
+            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
