@@ -305,6 +305,24 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
     assert seen[0] != seen[1]
 
 
+@pytest.mark.parametrize("sampler", ["subset", "weighted"])
+def test_a_loader_whose_sampler_chooses_samples_is_refused_under_two_ranks_naming_it(sampler):
+    """A DistributedSampler over the whole dataset would replace it: a SubsetRandomSampler's train split trained on
+    the samples it had held out for validation, a WeightedRandomSampler's zero-weight samples were drawn."""
+    from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
+
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader, evaluation_loader
+
+    chosen = SubsetRandomSampler(range(48)) if sampler == "subset" else WeightedRandomSampler([1.0] * 64, 64)
+    loader = DataLoader(toy_dataset(64), batch_size=4, sampler=chosen)
+    name = type(chosen).__name__
+    with pytest.raises(ValueError, match=f"train_dataloader\\(\\)'s sampler {name} cannot be sharded across ranks"):
+        distributed_loader(loader, 0, DistributedEnv(rank=0, world_size=2), True)
+    with pytest.raises(ValueError, match=f"test_dataloader\\(\\)'s sampler {name} cannot be sharded"):
+        evaluation_loader(loader, DistributedEnv(rank=1, world_size=2), "test_dataloader()")
+    assert distributed_loader(loader, 0, DistributedEnv(), True) is loader  # one process: used as it is
+
+
 def test_a_shuffled_loader_draws_the_same_global_batches_in_one_process_as_on_two_ranks():
     """The order is a function of (seed, epoch) and the world size only: one process at batch 2B steps through
     the samples two ranks at batch B do, so a checkpoint resumes on either along the same sequence."""

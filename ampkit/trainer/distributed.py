@@ -182,7 +182,9 @@ def any_rank_on_device(flags: list[torch.Tensor], env: DistributedEnv) -> list[t
     return list(agreed.unbind())
 
 
-def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:
+def distributed_loader(
+    loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool, source: str = "train_dataloader()"
+) -> Any:
     """``loader`` rebuilt with a ``DistributedSampler`` (each rank its shard; reseeded per epoch by the loop).
 
     A shuffled loader (a plain ``RandomSampler``, as ``shuffle=True`` makes) gets one in a single process too:
@@ -202,13 +204,9 @@ def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_defa
     shuffle = shuffle_default and isinstance(loader.sampler, RandomSampler)
     if not env.enabled and not (shuffle and _is_permutation(loader.sampler)):
         return loader
-    if type(loader.batch_sampler).__name__ != "BatchSampler":
-        if not env.enabled:
-            return loader
-        raise ValueError(
-            "a custom batch_sampler cannot be sharded across ranks automatically; give the "
-            "DataLoader a DistributedSampler yourself"
-        )
+    if not env.enabled and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    _check_shardable(loader, source)
     sampler = DistributedSampler(loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle,
                                  seed=seed)  # fmt: skip
     return DataLoader(
@@ -255,7 +253,7 @@ def filler_batches_from(loader: Any) -> int | None:
     return None
 
 
-def evaluation_loader(loader: Any, env: DistributedEnv) -> Any:
+def evaluation_loader(loader: Any, env: DistributedEnv, source: str = "val_dataloader()") -> Any:
     """``loader`` (validation, test, predict) rebuilt to give each rank its share of the samples, each sample
     evaluated once over all ranks (``EvaluationBatches``); one process, loaders that already shard (a
     DistributedSampler, an IterableDataset) and non-DataLoader iterables are returned as they are."""
@@ -266,11 +264,7 @@ def evaluation_loader(loader: Any, env: DistributedEnv) -> Any:
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
         return loader
-    if type(loader.batch_sampler).__name__ != "BatchSampler":
-        raise ValueError(
-            "a custom batch_sampler cannot be sharded across ranks automatically; give the "
-            "DataLoader a DistributedSampler yourself"
-        )
+    _check_shardable(loader, source)
     batches = EvaluationBatches(len(loader.dataset), loader.batch_size, loader.drop_last, env)
     return DataLoader(
         loader.dataset, batch_sampler=batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
@@ -278,6 +272,25 @@ def evaluation_loader(loader: Any, env: DistributedEnv) -> Any:
         generator=loader.generator, prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+def _check_shardable(loader: Any, source: str) -> None:
+    """Refuse a loader whose samples a sampler over its whole dataset would not reproduce: a custom batch_sampler,
+    or a sampler choosing some samples (``SubsetRandomSampler``, ``WeightedRandomSampler``), which sharding the whole
+    dataset would silently replace, e.g. training on the samples a split had held out."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    if type(loader.batch_sampler).__name__ != "BatchSampler":
+        raise ValueError(
+            f"{source}'s custom batch_sampler cannot be sharded across ranks automatically; give the "
+            "DataLoader a DistributedSampler yourself"
+        )
+    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+        raise ValueError(
+            f"{source}'s sampler {type(loader.sampler).__name__} cannot be sharded across ranks automatically (each "
+            "rank would draw from the whole dataset, also samples it leaves out); pass the chosen samples as a "
+            "torch.utils.data.Subset with shuffle=True or False, or give the DataLoader a DistributedSampler yourself"
+        )
 
 
 def _is_permutation(sampler: Any) -> bool:

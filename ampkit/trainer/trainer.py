@@ -877,7 +877,7 @@ class Trainer:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
-        loader = evaluation_loader(loader, self.dist)
+        loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
         self.state.stage = stage.name
         try:
             if fresh:
