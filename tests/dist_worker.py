@@ -234,6 +234,17 @@ def main(scenario: str, out: Path) -> None:
         runs = [len(trainer.predict()), trainer.validate()]
         torch.save({"runs": runs}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "fsdp_rank_1_cannot_write":  # as a run_dir on rank 0's disk, or one only rank 0's user may write
+        real_access = os.access
+        if RANK == 1:
+            os.access = lambda path, mode, **kw: not str(path).startswith(str(out)) and real_access(path, mode, **kw)
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        trainer = Plain({**base, "distributed": fsdp, "trainer": {**cpu, "max_steps": 2}})
+        try:
+            trainer.fit()
+        finally:
+            torch.save({"global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        return
     elif scenario == "validate_uneven_fsdp":  # every FSDP forward is a collective: rank 1 runs a filler batch
         fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
         trainer = UnevenValidation({**base, "checkpoint": {"enabled": False}, "distributed": fsdp})

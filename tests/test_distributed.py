@@ -290,6 +290,18 @@ def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_lay
     assert sorted(p.name for p in version_dir.rglob("*")) == before  # refused before anything was written
 
 
+def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_training(tmp_path):
+    """Every FSDP rank writes its own shards into the version_N rank 0 made: a rank that cannot was found out only
+    by the first checkpoint's save, after training up to it. (os.access is faked: root may write anywhere.)"""
+    results = launch("fsdp_rank_1_cannot_write", tmp_path)
+    for rank, result in enumerate(results):
+        assert result.returncode != 0
+        assert "config key 'run_dir': under distributed.strategy=fsdp every rank writes" in result.stderr
+        assert "on rank 1 it is not writable there" in result.stderr, result.stderr[-2000:]
+        assert torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["global_step"] == 0
+    assert not (tmp_path / "run" / "version_0").exists()  # made for a run that never trained: removed again
+
+
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):
     results = launch("mismatch", tmp_path)
     for r in results:

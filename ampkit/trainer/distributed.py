@@ -156,6 +156,15 @@ def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
         raise ConfigError(f"ranks were launched with different configs ({shown})")
 
 
+def gather_object(value: Any, env: DistributedEnv) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not env.enabled:
+        return [value]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def union_over_ranks(keys: list[str], env: DistributedEnv) -> list[str]:
     """The keys any rank holds, in one order on every rank (rank zero's first): sums keyed by them line up."""
     if not env.enabled:

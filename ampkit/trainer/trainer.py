@@ -71,6 +71,7 @@ from ampkit.trainer.distributed import (
     check_same_config,
     distributed_loader,
     evaluation_loader,
+    gather_object,
     setup_distributed,
     teardown_distributed,
 )
@@ -100,7 +101,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
+from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
     RunDirectoryError,
@@ -982,6 +983,22 @@ class Trainer:
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self.version_dir = broadcast_object(self.version_dir, self.dist)
+            self._check_shards_writable()
+
+    def _check_shards_writable(self) -> None:
+        """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
+        may write there. Checked on every rank before training, not found out by the first checkpoint."""
+        if not self.cfg.checkpoint.enabled:
+            return
+        problems = gather_object(shard_writing_problem(self.version_dir), self.dist)
+        found = "; ".join(f"on rank {rank} {problem}" for rank, problem in enumerate(problems) if problem)
+        if found:
+            self._discard_version_dir = True  # nothing trained: a version_N made for this run goes again
+            raise ConfigError(
+                f"config key 'run_dir': under distributed.strategy=fsdp every rank writes its checkpoint shards into "
+                f"'{self.version_dir}', but {found}: put run_dir on a file system that every rank (node) shares and "
+                "may write"
+            )
 
     def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None) -> None:
         """A mid-epoch position moved to this run's ranks x batch size; refused where this run's epoch cannot reach
