@@ -275,6 +275,23 @@ def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_
     assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
 
 
+def test_only_a_map_style_loaders_position_is_rescaled_to_another_batch_layout():
+    """An IterableDataset orders (and shards) its own samples: its batch count is resumed as saved."""
+    from torch.utils.data import IterableDataset
+
+    from ampkit.trainer.batch_layout import batch_layout, batches_done_here
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(64))
+
+    saved = batch_layout(DataLoader(toy_dataset(64), batch_size=4), 2, 8)
+    one_process = batch_layout(DataLoader(toy_dataset(64), batch_size=4), 1, 16)
+    assert batches_done_here(saved, one_process, 3, 1, Path("ck.pt")) == 6
+    assert batch_layout(DataLoader(Stream(), batch_size=4), 1, 16) is None
+    assert batches_done_here(saved, None, 3, 1, Path("ck.pt")) == 3
+
+
 def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_layouts(tmp_path):
     """24 samples into the epoch fall inside a 16-sample batch: no batch count continues there."""
     cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},

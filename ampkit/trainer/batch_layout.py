@@ -10,11 +10,12 @@ from ampkit.trainer.checkpoint_io import CheckpointError
 
 
 def batch_layout(loader: Any, world_size: int, epoch_batches: int | None) -> dict[str, int] | None:
-    """``{"ranks", "batch_size", "epoch_batches"}`` of a training DataLoader with a fixed batch size, else None
-    (a batch sampler or a plain iterable: its batches have no known size)."""
-    from torch.utils.data import DataLoader
+    """``{"ranks", "batch_size", "epoch_batches"}`` of a training DataLoader with a fixed batch size over a map-style
+    dataset, else None (a batch sampler, a plain iterable, or an IterableDataset, which orders its own samples)."""
+    from torch.utils.data import DataLoader, IterableDataset
 
-    size = loader.batch_size if isinstance(loader, DataLoader) else None
+    ordered = isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+    size = loader.batch_size if ordered else None
     if not isinstance(size, int) or epoch_batches is None:
         return None
     return {"ranks": world_size, "batch_size": size, "epoch_batches": epoch_batches}
