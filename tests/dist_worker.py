@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,13 @@ class Evaluated(Plain):
 
     def predict_dataloader(self):
         return self.val_dataloader()
+
+
+class UnevenValidation(Plain):
+    """25 validation samples in batches of 4: 13 for rank 0 (4 batches), 12 for rank 1 (3 batches)."""
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(25, seed=7), batch_size=4)
 
 
 class MetricsPerRank(Plain):
@@ -214,6 +222,33 @@ def main(scenario: str, out: Path) -> None:
         metrics = trainer.validate(ckpt="last")
         predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
         torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "fit_then_evaluate":  # one process group for all three runs (10 s to connect one, if not)
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
+               "distributed": {"timeout_s": 10}}  # fmt: skip
+        if RANK == 0:  # rank 1 sets up a next group before rank 0's is gone, as a slower rank 0 would
+            destroy = torch.distributed.destroy_process_group
+            torch.distributed.destroy_process_group = lambda *a: (time.sleep(1), destroy(*a))[1]
+        trainer = Evaluated(cfg)
+        trainer.fit()
+        runs = [len(trainer.predict()), trainer.validate()]
+        torch.save({"runs": runs}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "fsdp_rank_1_cannot_write":  # as a run_dir on rank 0's disk, or one only rank 0's user may write
+        real_access = os.access
+        if RANK == 1:
+            os.access = lambda path, mode, **kw: not str(path).startswith(str(out)) and real_access(path, mode, **kw)
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        trainer = Plain({**base, "distributed": fsdp, "trainer": {**cpu, "max_steps": 2}})
+        try:
+            trainer.fit()
+        finally:
+            torch.save({"global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "validate_uneven_fsdp":  # every FSDP forward is a collective: rank 1 runs a filler batch
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        trainer = UnevenValidation({**base, "checkpoint": {"enabled": False}, "distributed": fsdp})
+        torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":
         trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})

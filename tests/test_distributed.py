@@ -13,7 +13,10 @@ import torch
 from child_env import child_env
 from torch import nn
 from torch.utils.data import DataLoader
-from toy_trainers import toy_dataset
+from toy_trainers import ToyTrainer, toy_dataset
+
+import ampkit
+from ampkit.trainer.checkpoint_io import CheckpointError
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "dist_worker.py"
@@ -121,6 +124,15 @@ def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_pro
     torch.testing.assert_close(interleaved, expected_predictions)  # DistributedSampler deals rank = index % 2
 
 
+def test_fit_then_validate_and_predict_in_one_script_share_one_process_group(tmp_path):
+    """Each run had destroyed its process group and the next made a new one, which met the first one's rendezvous
+    keys: a rank connected to a stale address and the other hung in set-up (2 of 3 runs under torchrun; here
+    always, as rank 0 is slowed down)."""
+    rank0, rank1 = _ok(launch("fit_then_evaluate", tmp_path, timeout=120))
+    assert rank0["runs"] == rank1["runs"]
+    assert rank0["runs"][0] == 2  # 12 of the 24 samples: batches of 8 and 4
+
+
 def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_rank(tmp_path):
     from dist_worker import Plain
 
@@ -129,6 +141,29 @@ def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_r
     expected_mse = Plain(cfg).validate()["mse"]
     rank0, rank1 = _ok(launch("metrics_per_rank", tmp_path))
     assert rank0["val"] == rank1["val"] == pytest.approx({"mse": expected_mse, "only0": 1.0, "only1": 3.0})
+
+
+def test_a_validation_set_not_divisible_by_the_ranks_averages_each_sample_once(tmp_path):
+    """25 samples on 2 sharded ranks: the metric equals one process's. A DistributedSampler pads rank 1's share
+    with a repeat of sample 0, which then counted twice; rank 1 runs a filler batch instead (its FSDP forward
+    keeps step with rank 0's fourth) and drops its metrics."""
+    from dist_worker import UnevenValidation
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"progress_bar": False, "device": "cpu"}}  # fmt: skip
+    expected_mse = UnevenValidation(cfg).validate()["mse"]
+    rank0, rank1 = _ok(launch("validate_uneven_fsdp", tmp_path))
+    assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
+
+
+@pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])
+def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_rank(size, drop_last):
+    from ampkit.trainer.distributed import DistributedEnv, EvaluationBatches
+
+    ranks = [EvaluationBatches(size, 4, drop_last, DistributedEnv(rank, 2)) for rank in range(2)]
+    assert len({len(list(batches)) for batches in ranks}) == 1
+    real = sorted(i for batches in ranks for batch in list(batches)[: batches.real_batches] for i in batch)
+    assert real == list(range(24 if drop_last else size))
 
 
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
@@ -201,13 +236,87 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     assert elapsed < 60
 
 
-def test_resumed_two_rank_run_equals_uninterrupted(tmp_path):
-    full = _ok(launch("resume", tmp_path / "full"))
-    middle = Path(full[0]["version_dir"]) / "checkpoints" / "step-00000009.pt"
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> list[dict]:
+    """Two ranks x batch 4 of the shuffled ToyTrainer, a checkpoint every 3 steps (8 steps an epoch)."""
+    return _ok(launch("resume", tmp_path_factory.mktemp("two_rank_run")))
+
+
+def test_resumed_two_rank_run_equals_uninterrupted(two_rank_run, tmp_path):
+    middle = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000009.pt"
     assert middle.is_file()
     resumed = _ok(launch("resume", tmp_path / "resumed", {"RESUME_FROM": str(middle)}))
-    _equal(full[0]["model"], resumed[0]["model"])
+    _equal(two_rank_run[0]["model"], resumed[0]["model"])
     _equal(resumed[0]["model"], resumed[1]["model"])
+
+
+class SampleRecorder(ampkit.Callback):
+    """The dataset indices of each training batch (ToyTrainer's 64 samples)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int]]] = []
+        self.inputs = toy_dataset(64).tensors[0]
+
+    def on_train_batch_start(self, trainer, batch):
+        rows = (batch[0][:, None, :] == self.inputs[None]).all(-1).nonzero()[:, 1]
+        self.seen.append((trainer.state.epoch, rows.tolist()))
+
+
+def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_sample(two_rank_run, tmp_path):
+    """Resumed by one process at the same per-rank batch, the step-3 checkpoint (3 global batches of 2 x 4 = 24
+    samples into epoch 0) continues with the epoch's 25th sample: it had skipped only 3 x 4, so 12 samples were
+    trained on twice in that epoch."""
+    step_3 = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000003.pt"
+    recorder = SampleRecorder()
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "one"), "logging": {"tensorboard": False},
+           "data": {"batch_size": 4}, "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg, callbacks=[recorder]).fit(resume=step_3)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's, seed 0 epoch 0
+    assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
+
+
+def test_only_a_map_style_loaders_position_is_rescaled_to_another_batch_layout():
+    """An IterableDataset orders (and shards) its own samples: its batch count is resumed as saved."""
+    from torch.utils.data import IterableDataset
+
+    from ampkit.trainer.batch_layout import batch_layout, batches_done_here
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(64))
+
+    saved = batch_layout(DataLoader(toy_dataset(64), batch_size=4), 2, 8)
+    one_process = batch_layout(DataLoader(toy_dataset(64), batch_size=4), 1, 16)
+    assert batches_done_here(saved, one_process, 3, 1, Path("ck.pt")) == 6
+    assert batch_layout(DataLoader(Stream(), batch_size=4), 1, 16) is None
+    assert batches_done_here(saved, None, 3, 1, Path("ck.pt")) == 3
+
+
+def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_layouts(tmp_path):
+    """24 samples into the epoch fall inside a 16-sample batch: no batch count continues there."""
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "checkpoint": {"every_n_steps": 3}, "data": {"batch_size": 8},
+           "trainer": {"max_steps": 3, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg).fit()
+    version_dir = tmp_path / "run" / "version_0"
+    before = sorted(p.name for p in version_dir.rglob("*"))
+    larger = {**cfg, "data": {"batch_size": 16}, "trainer": {**cfg["trainer"], "max_steps": 6}}
+    layouts = r"3 batches of 8 samples \(1 rank\(s\) x 8\).*take 16 \(1 rank\(s\) x 16\)"
+    with pytest.raises(CheckpointError, match=layouts):
+        ToyTrainer(larger).fit(resume=version_dir / "checkpoints" / "step-00000003.pt")
+    assert sorted(p.name for p in version_dir.rglob("*")) == before  # refused before anything was written
+
+
+def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_training(tmp_path):
+    """Every FSDP rank writes its own shards into the version_N rank 0 made: a rank that cannot was found out only
+    by the first checkpoint's save, after training up to it. (os.access is faked: root may write anywhere.)"""
+    results = launch("fsdp_rank_1_cannot_write", tmp_path)
+    for rank, result in enumerate(results):
+        assert result.returncode != 0
+        assert "config key 'run_dir': under distributed.strategy=fsdp every rank writes" in result.stderr
+        assert "on rank 1 it is not writable there" in result.stderr, result.stderr[-2000:]
+        assert torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["global_step"] == 0
+    assert not (tmp_path / "run" / "version_0").exists()  # made for a run that never trained: removed again
 
 
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):
@@ -232,6 +341,24 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
         assert sorted(order[0] + order[1]) == list(range(10))
         seen.append(order)
     assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize("sampler", ["subset", "weighted"])
+def test_a_loader_whose_sampler_chooses_samples_is_refused_under_two_ranks_naming_it(sampler):
+    """A DistributedSampler over the whole dataset would replace it: a SubsetRandomSampler's train split trained on
+    the samples it had held out for validation, a WeightedRandomSampler's zero-weight samples were drawn."""
+    from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler
+
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader, evaluation_loader
+
+    chosen = SubsetRandomSampler(range(48)) if sampler == "subset" else WeightedRandomSampler([1.0] * 64, 64)
+    loader = DataLoader(toy_dataset(64), batch_size=4, sampler=chosen)
+    name = type(chosen).__name__
+    with pytest.raises(ValueError, match=f"train_dataloader\\(\\)'s sampler {name} cannot be sharded across ranks"):
+        distributed_loader(loader, 0, DistributedEnv(rank=0, world_size=2), True)
+    with pytest.raises(ValueError, match=f"test_dataloader\\(\\)'s sampler {name} cannot be sharded"):
+        evaluation_loader(loader, DistributedEnv(rank=1, world_size=2), "test_dataloader()")
+    assert distributed_loader(loader, 0, DistributedEnv(), True) is loader  # one process: used as it is
 
 
 def test_a_shuffled_loader_draws_the_same_global_batches_in_one_process_as_on_two_ranks():

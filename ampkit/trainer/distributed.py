@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -26,6 +27,9 @@ def is_communication_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from the process group's transport rather than from user code."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
+
+
+_left_up: Any = None  # the multi-process group a clean run left up for the next run of this process
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,9 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
             "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
             "to train on CPU processes with gloo"
         )
-    owns = not dist.is_initialized()
-    if owns:
+    reused = dist.is_initialized() and dist.group.WORLD is _left_up
+    owns = reused or not dist.is_initialized()
+    if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))
@@ -76,17 +81,38 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
 
 
 def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
-    """Destroy the process group; after a clean run, only once every rank got here.
+    """Destroy the process group the Trainer created; after a clean multi-process run, at exit instead.
 
-    A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail,
-    which aborts that process ("terminate called without an active exception") after all its work is
-    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead).
+    A group destroyed and created again in one process (``fit()`` then ``test()``) meets the first group's
+    rendezvous keys (torchrun's store keeps them): ranks connect to stale addresses and hang in set-up. So a
+    clean run leaves its group up for the next ``fit``/``validate``/``test``/``predict``, and it is destroyed at
+    exit once every rank got there: a rank that exits while a peer still has gloo work in flight makes the
+    peer's transport thread fail, which aborts that process ("terminate called without an active exception").
+    After an exception it goes at once, without waiting (a peer may be dead).
     """
-    if env.owns_group and dist.is_initialized():
-        if clean:
+    global _left_up
+    if not (env.owns_group and dist.is_initialized()):
+        return
+    if clean and env.enabled:
+        if _left_up is None:
+            atexit.register(_leave_together)
+        _left_up = dist.group.WORLD
+        return
+    if clean:
+        dist.barrier()
+    _left_up = None
+    dist.destroy_process_group()
+    gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
+
+
+def _leave_together() -> None:
+    """At exit: the group a clean run left up, destroyed once every rank got here (a dead peer is let be)."""
+    if dist.is_initialized() and dist.group.WORLD is _left_up:
+        try:
             dist.barrier()
+        except RuntimeError:
+            pass
         dist.destroy_process_group()
-        gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
 
 
 def broadcast_object(value: Any, env: DistributedEnv) -> Any:
@@ -128,6 +154,15 @@ def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
         keys = sorted(k for k in set(reference) | set(other) if reference.get(k) != other.get(k))
         shown = "; ".join(f"{k}: rank 0 has {reference.get(k)!r}, rank {rank} has {other.get(k)!r}" for k in keys[:8])
         raise ConfigError(f"ranks were launched with different configs ({shown})")
+
+
+def gather_object(value: Any, env: DistributedEnv) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not env.enabled:
+        return [value]
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def union_over_ranks(keys: list[str], env: DistributedEnv) -> list[str]:
@@ -182,7 +217,9 @@ def any_rank_on_device(flags: list[torch.Tensor], env: DistributedEnv) -> list[t
     return list(agreed.unbind())
 
 
-def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool) -> Any:
+def distributed_loader(
+    loader: Any, seed: int, env: DistributedEnv, shuffle_default: bool, source: str = "train_dataloader()"
+) -> Any:
     """``loader`` rebuilt with a ``DistributedSampler`` (each rank its shard; reseeded per epoch by the loop).
 
     A shuffled loader (a plain ``RandomSampler``, as ``shuffle=True`` makes) gets one in a single process too:
@@ -202,13 +239,9 @@ def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_defa
     shuffle = shuffle_default and isinstance(loader.sampler, RandomSampler)
     if not env.enabled and not (shuffle and _is_permutation(loader.sampler)):
         return loader
-    if type(loader.batch_sampler).__name__ != "BatchSampler":
-        if not env.enabled:
-            return loader
-        raise ValueError(
-            "a custom batch_sampler cannot be sharded across ranks automatically; give the "
-            "DataLoader a DistributedSampler yourself"
-        )
+    if not env.enabled and type(loader.batch_sampler).__name__ != "BatchSampler":
+        return loader
+    _check_shardable(loader, source)
     sampler = DistributedSampler(loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle,
                                  seed=seed)  # fmt: skip
     return DataLoader(
@@ -218,6 +251,81 @@ def distributed_loader(loader: Any, seed: int, env: DistributedEnv, shuffle_defa
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+class EvaluationBatches:
+    """This rank's batches of an evaluation set: its samples ``rank, rank + W, ...`` in order, none repeated
+    (a ``DistributedSampler`` pads the set to a multiple of ``W`` by repeating samples, which then count twice in a
+    metric), followed by filler batches until it has as many as rank zero, the rank with the most: every rank then
+    runs as many steps, as the collectives of a DDP or FSDP forward need. Batches from ``real_batches`` on are
+    fillers, whose results are dropped."""
+
+    def __init__(self, size: int, batch_size: int, drop_last: bool, env: DistributedEnv) -> None:
+        self.mine = range(env.rank, size, env.world_size)
+        self.batch_size = batch_size
+        self.real_batches = self._batches(len(self.mine), drop_last)
+        self.total_batches = self._batches(len(range(0, size, env.world_size)), drop_last)
+        self.filler = list(self.mine[:batch_size]) or list(range(min(batch_size, size)))
+
+    def _batches(self, samples: int, drop_last: bool) -> int:
+        return samples // self.batch_size if drop_last else -(-samples // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, self.real_batches * self.batch_size, self.batch_size):
+            yield list(self.mine[start : start + self.batch_size])
+        for _ in range(self.total_batches - self.real_batches):
+            yield self.filler
+
+    def __len__(self) -> int:
+        return self.total_batches
+
+
+def filler_batches_from(loader: Any) -> int | None:
+    """The index of ``loader``'s first filler batch (see ``EvaluationBatches``), None if it has none."""
+    batches = getattr(loader, "batch_sampler", None)
+    if isinstance(batches, EvaluationBatches) and batches.real_batches < batches.total_batches:
+        return batches.real_batches
+    return None
+
+
+def evaluation_loader(loader: Any, env: DistributedEnv, source: str = "val_dataloader()") -> Any:
+    """``loader`` (validation, test, predict) rebuilt to give each rank its share of the samples, each sample
+    evaluated once over all ranks (``EvaluationBatches``); one process, loaders that already shard (a
+    DistributedSampler, an IterableDataset) and non-DataLoader iterables are returned as they are."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not env.enabled or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
+        return loader
+    _check_shardable(loader, source)
+    batches = EvaluationBatches(len(loader.dataset), loader.batch_size, loader.drop_last, env)
+    return DataLoader(
+        loader.dataset, batch_sampler=batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator, prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+        persistent_workers=loader.persistent_workers,
+    )  # fmt: skip
+
+
+def _check_shardable(loader: Any, source: str) -> None:
+    """Refuse a loader whose samples a sampler over its whole dataset would not reproduce: a custom batch_sampler,
+    or a sampler choosing some samples (``SubsetRandomSampler``, ``WeightedRandomSampler``), which sharding the whole
+    dataset would silently replace, e.g. training on the samples a split had held out."""
+    from torch.utils.data import RandomSampler, SequentialSampler
+
+    if type(loader.batch_sampler).__name__ != "BatchSampler":
+        raise ValueError(
+            f"{source}'s custom batch_sampler cannot be sharded across ranks automatically; give the "
+            "DataLoader a DistributedSampler yourself"
+        )
+    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+        raise ValueError(
+            f"{source}'s sampler {type(loader.sampler).__name__} cannot be sharded across ranks automatically (each "
+            "rank would draw from the whole dataset, also samples it leaves out); pass the chosen samples as a "
+            "torch.utils.data.Subset with shuffle=True or False, or give the DataLoader a DistributedSampler yourself"
+        )
 
 
 def _is_permutation(sampler: Any) -> bool:

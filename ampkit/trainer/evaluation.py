@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ampkit.trainer.distributed import all_reduce_sum, union_over_ranks
+from ampkit.trainer.distributed import all_reduce_sum, filler_batches_from, union_over_ranks
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -73,16 +73,20 @@ def average_metrics(
     """Run ``step`` on every batch (the model in eval mode) and average each metric, weighted by batch size,
     over the batches of all ranks that returned it; ``batch_end_hook`` fires with each batch's metrics and the batch.
 
-    A metric only some batches return (one per validation set of a chained loader) is averaged over those."""
+    A metric only some batches return (one per validation set of a chained loader) is averaged over those; a
+    filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
     was_training = trainer.module.training
     trainer.module.eval()
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
+    filler = filler_batches_from(loader)
     for i, batch in enumerate(loader):
         if limit is not None and i >= limit:
             break
         batch = trainer._to_device(batch)
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
+        if filler is not None and i >= filler:
+            continue
         n = batch_size(batch) or 1
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
@@ -97,7 +101,8 @@ def average_metrics(
 
 @torch.no_grad()
 def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any]) -> list[Any]:
-    """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU."""
+    """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU; a filler
+    batch's (a rank with fewer samples keeping step with the others) is dropped."""
     was_training = trainer.module.training
     trainer.module.eval()
     predictions = [
@@ -106,5 +111,8 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
         )
         for batch in loader
     ]
+    filler = filler_batches_from(loader)
+    if filler is not None:
+        del predictions[filler:]
     trainer.module.train(was_training)
     return predictions

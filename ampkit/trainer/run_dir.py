@@ -46,6 +46,15 @@ def unwritable_reason(root: str | Path, write: bool = True) -> str | None:
     return None
 
 
+def shard_writing_problem(version_dir: Path) -> str | None:
+    """Why this process cannot write checkpoint shards into ``version_dir``, which another rank made, or None."""
+    if not version_dir.is_dir():
+        return "it does not exist there"
+    if not os.access(version_dir, os.W_OK | os.X_OK):
+        return "it is not writable there"
+    return None
+
+
 def new_version_dir(root: str | Path) -> Path:
     """Create and return the next free ``version_N`` under ``root``."""
     root = Path(root)

@@ -59,6 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
+from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
@@ -69,6 +70,8 @@ from ampkit.trainer.distributed import (
     broadcast_object,
     check_same_config,
     distributed_loader,
+    evaluation_loader,
+    gather_object,
     setup_distributed,
     teardown_distributed,
 )
@@ -98,7 +101,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
-from ampkit.trainer.run_dir import quoted_run_dir, unwritable_reason
+from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
     RunDirectoryError,
@@ -249,6 +252,7 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
@@ -874,7 +878,7 @@ class Trainer:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
-        loader = distributed_loader(loader, self.settings.seed or 0, self.dist, shuffle_default=False)
+        loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
         self.state.stage = stage.name
         try:
             if fresh:
@@ -929,6 +933,7 @@ class Trainer:
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
+        self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
@@ -938,14 +943,10 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
-        seed = self.settings.seed or 0
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
-        self._val_loader = distributed_loader(
-            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True),
-            seed,
-            self.dist,
-            shuffle_default=False,
+        self._val_loader = evaluation_loader(
+            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
@@ -976,16 +977,37 @@ class Trainer:
         if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
-            self._check_resume_position(path)
+            self._check_resume_position(path, checkpoint.get("batch_layout"))
         self.version_dir = None
         if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self.version_dir = broadcast_object(self.version_dir, self.dist)
+            self._check_shards_writable()
 
-    def _check_resume_position(self, path: Path) -> None:
-        """A mid-epoch checkpoint whose position this run's epoch cannot reach (a larger batch size, less data)."""
-        done, total = self.state.batches_done, self._num_train_batches
+    def _check_shards_writable(self) -> None:
+        """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
+        may write there. Checked on every rank before training, not found out by the first checkpoint."""
+        if not self.cfg.checkpoint.enabled:
+            return
+        problems = gather_object(shard_writing_problem(self.version_dir), self.dist)
+        found = "; ".join(f"on rank {rank} {problem}" for rank, problem in enumerate(problems) if problem)
+        if found:
+            self._discard_version_dir = True  # nothing trained: a version_N made for this run goes again
+            raise ConfigError(
+                f"config key 'run_dir': under distributed.strategy=fsdp every rank writes its checkpoint shards into "
+                f"'{self.version_dir}', but {found}: put run_dir on a file system that every rank (node) shares and "
+                "may write"
+            )
+
+    def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None) -> None:
+        """A mid-epoch position moved to this run's ranks x batch size; refused where this run's epoch cannot reach
+        it (a larger batch size, less data)."""
+        done = batches_done_here(
+            saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
+        )
+        self.state.batches_done = self._resume["batches_done"] = done
+        total = self._num_train_batches
         if total is not None and done > total:
             raise CheckpointError(
                 f"checkpoint '{path}' is {done} batches into epoch {self.state.epoch}, but this run's epoch has "
@@ -1105,6 +1127,7 @@ class Trainer:
             "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
+            "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},

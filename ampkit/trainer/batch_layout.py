@@ -1,0 +1,52 @@
+"""How many samples one training batch draws over all ranks, saved with each checkpoint, so that a mid-epoch resume
+on another world size or batch size continues at the same sample of the epoch instead of the same batch count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ampkit.trainer.checkpoint_io import CheckpointError
+
+
+def batch_layout(loader: Any, world_size: int, epoch_batches: int | None) -> dict[str, int] | None:
+    """``{"ranks", "batch_size", "epoch_batches"}`` of a training DataLoader with a fixed batch size over a map-style
+    dataset, else None (a batch sampler, a plain iterable, or an IterableDataset, which orders its own samples)."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    ordered = isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+    size = loader.batch_size if ordered else None
+    if not isinstance(size, int) or epoch_batches is None:
+        return None
+    return {"ranks": world_size, "batch_size": size, "epoch_batches": epoch_batches}
+
+
+def batches_done_here(
+    saved: dict[str, int] | None,
+    here: dict[str, int] | None,
+    batches_done: int,
+    accumulate: int,
+    path: Path,
+) -> int:
+    """The batches of the resumed epoch this run skips: the saved count, rescaled when ranks x batch size changed
+    since the checkpoint (each global batch covers the next ``ranks * batch_size`` samples of the epoch's order).
+
+    A position that falls inside one of this run's batches, or inside an accumulation window, is refused."""
+    if not batches_done or saved is None or here is None:
+        return batches_done
+    saved_samples, samples = saved["ranks"] * saved["batch_size"], here["ranks"] * here["batch_size"]
+    if saved_samples == samples:
+        return batches_done
+    if batches_done >= saved["epoch_batches"]:  # saved after the epoch's last (maybe partial) batch
+        return here["epoch_batches"]
+    done, rest = divmod(batches_done * saved_samples, samples)
+    if rest or done % accumulate:
+        raise CheckpointError(
+            f"checkpoint '{path}' is {batches_done} batches of {saved_samples} samples "
+            f"({saved['ranks']} rank(s) x {saved['batch_size']}) into its epoch; this run's batches take {samples} "
+            f"({here['ranks']} rank(s) x {here['batch_size']})"
+            + (f" and step every {accumulate}" if accumulate > 1 else "")
+            + ", so it cannot continue at that sample: resume with ranks x batch size "
+            f"= {saved_samples}, or from an epoch-end checkpoint"
+        )
+    return done
