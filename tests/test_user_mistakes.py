@@ -447,9 +447,9 @@ def test_a_mid_epoch_resume_whose_epoch_got_shorter_is_refused(tmp_path):
     steps = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 9}
     trainer = ToyTrainer(toy_cfg(tmp_path, **steps, **{"trainer.max_steps": 6}))
     trainer.fit()
-    larger_batches = toy_cfg(tmp_path, **steps, **{"trainer.max_steps": 9, "data.batch_size": 16})
+    less_data = toy_cfg(tmp_path, **steps, **{"trainer.max_steps": 9, "data.n": 32})  # 4 batches of 8, not 8
     with pytest.raises(CheckpointError, match="is 6 batches into epoch 0, but this run's epoch has 4"):
-        ToyTrainer(larger_batches).fit(resume="last")
+        ToyTrainer(less_data).fit(resume="last")
 
 
 def test_a_full_disk_while_checkpointing_names_the_file_and_keeps_last(tmp_path, monkeypatch):
