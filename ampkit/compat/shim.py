@@ -2,8 +2,8 @@
 
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
-whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C`` and ``fused_adam_cuda`` extension
-modules. A real apex
+whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C``, ``fused_adam_cuda`` and
+``fused_layer_norm_cuda`` extension modules. A real apex
 installation wins unless the shim is forced.
 """
 
@@ -33,6 +33,7 @@ _TOP_LEVEL_MODULES = {
     "amp_C": "ampkit.compat.amp_c",
     "apex_C": "ampkit.compat.apex_c",
     "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
+    "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
 }
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
@@ -169,8 +170,8 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``) and Apex's ``import amp_C`` / ``import apex_C`` / ``import fused_adam_cuda`` resolve to
-    ampkit.
+    ``.multi_tensor_apply``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
+    ``fused_layer_norm_cuda``) resolve to ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).
