@@ -14,6 +14,7 @@ from child_env import child_env
 
 import ampkit.compat.amp
 from ampkit.compat import install_apex_shim, uninstall_apex_shim
+from ampkit.compat.shim import _TOP_LEVEL_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -183,3 +184,18 @@ def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_fi
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0.1+ampkit", "ampkit.compat.apex_c"]
+
+
+def test_a_subprocess_whose_first_apex_touch_is_any_served_extension_module_gets_it(tmp_path):
+    """A worker may load ``fused_adam_cuda`` or ``fused_layer_norm_cuda`` by name before anything imports apex."""
+    script = tmp_path / "launching.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        f"for name in {sorted(_TOP_LEVEL_MODULES)!r}:\n"
+        "    child = f'import importlib; print(importlib.import_module({name!r}).__name__)'\n"
+        "    done = subprocess.run([sys.executable, '-c', child], capture_output=True, text=True)\n"
+        "    print(done.stdout.strip() or done.stderr.strip().splitlines()[-1])\n"
+    )
+    result = _legacy(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in sorted(_TOP_LEVEL_MODULES)]
