@@ -20,6 +20,8 @@ import types
 import warnings
 from typing import Any
 
+from ampkit.compat._unserved import EMPTY_PACKAGES, UNSERVED, unserved_advice
+
 APEX_SUBPACKAGES = {
     "amp": "ampkit.compat.amp",
     "fp16_utils": "ampkit.compat.fp16_utils",
@@ -62,10 +64,10 @@ def _target_module_name(fullname: str) -> str:
     _, _, rest = fullname.partition(".")
     head, _, tail = rest.partition(".")
     if head not in APEX_SUBPACKAGES:
-        raise ModuleNotFoundError(
-            f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}; {fullname!r} is not one of them",
-            name=fullname,
-        )
+        provided = f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}"
+        advice = unserved_advice(fullname)
+        message = f"{advice} ({provided})" if advice else f"{provided}; {fullname!r} is not one of them"
+        raise ModuleNotFoundError(message, name=fullname)
     target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
     if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
         package = importlib.import_module(APEX_SUBPACKAGES[head])
@@ -98,6 +100,30 @@ def _make_apex_package() -> types.ModuleType:
 
     package.__getattr__ = __getattr__
     return package
+
+
+def _make_empty_package(name: str) -> types.ModuleType:
+    """An Apex package that imports empty, as Apex's own did (``apex.contrib``); its subpackages are refused, and
+    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex; no subpackage is served.")
+    package.__path__ = []
+
+    def __getattr__(attribute: str) -> Any:
+        submodule = f"{name}.{attribute}"
+        if submodule in UNSERVED:
+            _target_module_name(submodule)  # raises the subpackage's ModuleNotFoundError
+        raise AttributeError(f"module {name!r} (ampkit shim) has no attribute {attribute!r}")
+
+    package.__getattr__ = __getattr__
+    return package
+
+
+class _EmptyPackageLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _make_empty_package(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -149,6 +175,8 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_TOP_LEVEL_MODULES[fullname]))
         if not fullname.startswith("apex."):
             return None
+        if fullname in EMPTY_PACKAGES:
+            return importlib.machinery.ModuleSpec(fullname, _EmptyPackageLoader(), is_package=True)
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
 
     def find_distributions(

@@ -49,8 +49,30 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     from apex.parallel.LARC import LARC as larc_by_module_path
 
     assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
-    with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
-        import apex.contrib  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="apex.contrib.xentropy"):
+        import apex.contrib.xentropy  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    ("statement", "instead"),
+    [
+        ("from apex.contrib.xentropy import SoftmaxCrossEntropyLoss", r"torch\.nn\.functional\.cross_entropy\("),
+        ("from apex.contrib import xentropy", r"torch\.nn\.functional\.cross_entropy\("),
+        ("from apex.contrib.focal_loss import focal_loss", r"torchvision\.ops\.sigmoid_focal_loss"),
+        ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
+        ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
+        ("from apex.mlp import MLP", r"torch\.nn\.Linear layers, each followed by the activation"),
+        ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
+        ("from apex.transformer import parallel_state", r"torch\.distributed\.tensor\.parallel"),
+    ],
+)
+def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim, statement, instead):
+    """Still a ModuleNotFoundError (guarded imports fall back), naming the package and its replacement; ``apex.contrib``
+    itself imports empty, as in Apex, where each of its subpackages needs its own extension."""
+    import apex.contrib  # noqa: F401
+
+    with pytest.raises(ModuleNotFoundError, match=r"does not serve 'apex\.[\w.]+' \(.*\); use .*" + instead):
+        exec(statement, {})
 
 
 def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):

@@ -1,0 +1,63 @@
+"""Apex packages the apex shim does not serve, each with what to use instead: the one-line message of the
+``ModuleNotFoundError`` a script importing one gets (still a ``ModuleNotFoundError``, so an import guarded by
+``try: ... except ImportError:`` falls back as it did where Apex was built without that extension)."""
+
+from __future__ import annotations
+
+# apex.<name> -> (what it was, what to use instead). A name not listed gets the list of what the shim provides.
+UNSERVED: dict[str, tuple[str, str]] = {
+    "apex.contrib.xentropy": (
+        "a fused softmax cross-entropy",
+        "torch.nn.functional.cross_entropy(logits.float(), target, label_smoothing=..., ignore_index=..., "
+        "reduction='none')",
+    ),
+    "apex.contrib.focal_loss": ("a fused focal loss", "torchvision.ops.sigmoid_focal_loss"),
+    "apex.contrib.layer_norm": ("FastLayerNorm", "apex.normalization.FusedLayerNorm (served) or torch.nn.LayerNorm"),
+    "apex.contrib.multihead_attn": (
+        "fused multi-head attention",
+        "torch.nn.MultiheadAttention or torch.nn.functional.scaled_dot_product_attention",
+    ),
+    "apex.contrib.fmha": ("fused attention", "torch.nn.functional.scaled_dot_product_attention"),
+    "apex.contrib.groupbn": (
+        "an NHWC BatchNorm",
+        "torch.nn.BatchNorm2d on channels_last tensors (apex.parallel.SyncBatchNorm across ranks)",
+    ),
+    "apex.contrib.cudnn_gbn": ("a group BatchNorm", "apex.parallel.SyncBatchNorm(process_group=...)"),
+    "apex.contrib.group_norm": ("an NHWC GroupNorm", "torch.nn.GroupNorm"),
+    "apex.contrib.optimizers": (
+        "distributed and early fused optimizers",
+        "apex.optimizers (served), or torch.distributed.optim.ZeroRedundancyOptimizer or FSDP to shard the state",
+    ),
+    "apex.contrib.clip_grad": ("a multi-tensor clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(..., foreach=True)"),
+    "apex.contrib.sparsity": ("ASP 2:4 sparsity", "torch.ao.pruning or torch.sparse.to_sparse_semi_structured"),
+    "apex.contrib.transducer": ("the RNN-T joint and loss", "torchaudio.functional.rnnt_loss"),
+    "apex.contrib.index_mul_2d": ("a fused index-multiply", "plain indexing: input1[index] * input2"),
+    "apex.contrib.conv_bias_relu": ("fused conv + bias + ReLU", "torch.nn.Conv2d followed by torch.relu"),
+    "apex.contrib.bottleneck": ("a fused ResNet bottleneck", "torchvision.models.resnet.Bottleneck"),
+    "apex.contrib.peer_memory": ("CUDA peer-memory halo exchange", "no equivalent off CUDA; leave the call out"),
+    "apex.contrib.nccl_allocator": ("an NCCL memory pool", "no equivalent off CUDA; leave the call out"),
+    "apex.contrib.gpu_direct_storage": ("GPUDirect Storage I/O", "torch.save / torch.load"),
+    "apex.contrib.openfold_triton": ("OpenFold's Triton kernels", "the model's plain PyTorch LayerNorm and attention"),
+    "apex.mlp": ("a fused MLP", "torch.nn.Sequential of torch.nn.Linear layers, each followed by the activation"),
+    "apex.fused_dense": (
+        "FusedDense and FusedDenseGeluDense",
+        "torch.nn.Linear (two, with torch.nn.GELU between, for FusedDenseGeluDense)",
+    ),
+    "apex.transformer": ("tensor and pipeline parallelism", "Megatron-Core or torch.distributed.tensor.parallel"),
+    "apex.RNN": ("Apex's RNN modules", "torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN"),
+    "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),
+    "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
+}
+# A package that is importable (empty) as in Apex itself, whose subpackages each need their own extension.
+EMPTY_PACKAGES = ("apex.contrib",)
+
+
+def unserved_advice(fullname: str) -> str | None:
+    """``"'apex.x' (what it was) is not served; use ..."`` for ``fullname`` or a package above it, else None."""
+    parts = fullname.split(".")
+    for length in range(len(parts), 1, -1):
+        entry = UNSERVED.get(".".join(parts[:length]))
+        if entry is not None:
+            what, instead = entry
+            return f"ampkit's apex shim does not serve {fullname!r} ({what}); use {instead}"
+    return None
