@@ -38,7 +38,6 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.nccl_allocator": ("an NCCL memory pool", "no equivalent off CUDA; leave the call out"),
     "apex.contrib.gpu_direct_storage": ("GPUDirect Storage I/O", "torch.save / torch.load"),
     "apex.contrib.openfold_triton": ("OpenFold's Triton kernels", "the model's plain PyTorch LayerNorm and attention"),
-    "apex.mlp": ("a fused MLP", "torch.nn.Sequential of torch.nn.Linear layers, each followed by the activation"),
     "apex.fused_dense": (
         "FusedDense and FusedDenseGeluDense",
         "torch.nn.Linear (two, with torch.nn.GELU between, for FusedDenseGeluDense)",

@@ -29,6 +29,7 @@ APEX_SUBPACKAGES = {
     "optimizers": "ampkit.compat.optimizers",
     "normalization": "ampkit.compat.normalization",
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
+    "mlp": "ampkit.compat.mlp",
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
 _TOP_LEVEL_MODULES = {
@@ -53,6 +54,7 @@ _MODULE_ALIASES = {
     "apex.parallel.optimized_sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
+    "apex.mlp.mlp": "ampkit.compat.mlp",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
@@ -198,7 +200,7 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
+    ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
     ``fused_layer_norm_cuda``) resolve to ampkit.
 
     Args:
