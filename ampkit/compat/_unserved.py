@@ -28,7 +28,6 @@ UNSERVED: dict[str, tuple[str, str]] = {
         "distributed and early fused optimizers",
         "apex.optimizers (served), or torch.distributed.optim.ZeroRedundancyOptimizer or FSDP to shard the state",
     ),
-    "apex.contrib.clip_grad": ("a multi-tensor clip_grad_norm_", "torch.nn.utils.clip_grad_norm_(..., foreach=True)"),
     "apex.contrib.sparsity": ("ASP 2:4 sparsity", "torch.ao.pruning or torch.sparse.to_sparse_semi_structured"),
     "apex.contrib.transducer": ("the RNN-T joint and loss", "torchaudio.functional.rnnt_loss"),
     "apex.contrib.index_mul_2d": ("a fused index-multiply", "plain indexing: input1[index] * input2"),
@@ -47,7 +46,8 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
-# A package that is importable (empty) as in Apex itself, whose subpackages each need their own extension.
+# A package that is importable (nearly empty) as in Apex itself, whose subpackages each need their own extension;
+# of apex.contrib's only clip_grad is served (a module alias in the shim).
 EMPTY_PACKAGES = ("apex.contrib",)
 
 

@@ -55,6 +55,8 @@ _MODULE_ALIASES = {
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
     "apex.mlp.mlp": "ampkit.compat.mlp",
+    "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the one apex.contrib package served
+    "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
@@ -105,9 +107,10 @@ def _make_apex_package() -> types.ModuleType:
 
 
 def _make_empty_package(name: str) -> types.ModuleType:
-    """An Apex package that imports empty, as Apex's own did (``apex.contrib``); its subpackages are refused, and
-    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
-    package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex; no subpackage is served.")
+    """An Apex package that imports empty, as Apex's own did (``apex.contrib``); its subpackages are refused unless
+    aliased (``apex.contrib.clip_grad``), and ``from apex.contrib import xentropy`` raises the subpackage's
+    ``ModuleNotFoundError``, not a bare ImportError."""
+    package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 
     def __getattr__(attribute: str) -> Any:

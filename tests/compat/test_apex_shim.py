@@ -220,3 +220,22 @@ def test_a_subprocess_whose_first_apex_touch_is_any_served_extension_module_gets
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in sorted(_TOP_LEVEL_MODULES)]
+
+
+def test_apex_contrib_clip_grad_is_torch_clipping_as_moflow_imports_it(shim):
+    """NVIDIA's MoFlow: ``from apex.contrib.clip_grad import clip_grad_norm_`` at the top of its training script."""
+    from apex.contrib.clip_grad import clip_grad_norm_
+    from apex.contrib.clip_grad.clip_grad import clip_grad_norm_ as by_file
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.clone()
+    total = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert by_file is clip_grad_norm_
+    assert torch.equal(clip_grad_norm_(params, 1.0), total)
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference, strict=True))
+    assert torch.equal(clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0), torch.tensor(0.0))
