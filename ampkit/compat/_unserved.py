@@ -11,7 +11,6 @@ UNSERVED: dict[str, tuple[str, str]] = {
         "torch.nn.functional.cross_entropy(logits.float(), target, label_smoothing=..., ignore_index=..., "
         "reduction='none')",
     ),
-    "apex.contrib.focal_loss": ("a fused focal loss", "torchvision.ops.sigmoid_focal_loss"),
     "apex.contrib.layer_norm": ("FastLayerNorm", "apex.normalization.FusedLayerNorm (served) or torch.nn.LayerNorm"),
     "apex.contrib.multihead_attn": (
         "fused multi-head attention",
@@ -47,7 +46,7 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
 # A package that is importable (nearly empty) as in Apex itself, whose subpackages each need their own extension;
-# of apex.contrib's only clip_grad is served (a module alias in the shim).
+# of apex.contrib's, clip_grad and focal_loss are served (module aliases in the shim).
 EMPTY_PACKAGES = ("apex.contrib",)
 
 

@@ -2,8 +2,8 @@
 
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
-whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C``, ``fused_adam_cuda`` and
-``fused_layer_norm_cuda`` extension modules. A real apex
+whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C``, ``fused_adam_cuda``,
+``fused_layer_norm_cuda`` and ``focal_loss_cuda`` extension modules. A real apex
 installation wins unless the shim is forced.
 """
 
@@ -37,6 +37,7 @@ _TOP_LEVEL_MODULES = {
     "apex_C": "ampkit.compat.apex_c",
     "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
     "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
+    "focal_loss_cuda": "ampkit.compat.focal_loss_cuda",  # NVIDIA's EfficientDet imports it at the top
 }
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
@@ -55,8 +56,10 @@ _MODULE_ALIASES = {
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
     "apex.mlp.mlp": "ampkit.compat.mlp",
-    "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the one apex.contrib package served
+    "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
     "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
+    "apex.contrib.focal_loss": "ampkit.compat.focal_loss",
+    "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
@@ -108,8 +111,8 @@ def _make_apex_package() -> types.ModuleType:
 
 def _make_empty_package(name: str) -> types.ModuleType:
     """An Apex package that imports empty, as Apex's own did (``apex.contrib``); its subpackages are refused unless
-    aliased (``apex.contrib.clip_grad``), and ``from apex.contrib import xentropy`` raises the subpackage's
-    ``ModuleNotFoundError``, not a bare ImportError."""
+    aliased (``apex.contrib.clip_grad``, ``.focal_loss``), and ``from apex.contrib import xentropy`` raises the
+    subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
     package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 
@@ -204,7 +207,7 @@ def _forget_apex_modules() -> None:
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
     ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
-    ``fused_layer_norm_cuda``) resolve to ampkit.
+    ``fused_layer_norm_cuda``, ``focal_loss_cuda``) resolve to ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).

@@ -58,7 +58,6 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     [
         ("from apex.contrib.xentropy import SoftmaxCrossEntropyLoss", r"torch\.nn\.functional\.cross_entropy\("),
         ("from apex.contrib import xentropy", r"torch\.nn\.functional\.cross_entropy\("),
-        ("from apex.contrib.focal_loss import focal_loss", r"torchvision\.ops\.sigmoid_focal_loss"),
         ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
         ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
         ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
