@@ -14,7 +14,14 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Apex's top-level extension modules that the shim serves (its _TOP_LEVEL_MODULES), spelt out so that nothing of
 # ampkit loads before one is asked for: a worker may load one by name before anything imports apex.
-EXTENSION_MODULES = ("amp_C", "apex_C", "fused_adam_cuda", "fused_layer_norm_cuda", "focal_loss_cuda")
+EXTENSION_MODULES = (
+    "amp_C",
+    "apex_C",
+    "fused_adam_cuda",
+    "fused_layer_norm_cuda",
+    "focal_loss_cuda",
+    "fused_weight_gradient_mlp_cuda",
+)
 
 
 class _InstallShimOnFirstApexImport:
