@@ -147,6 +147,9 @@ def test_logger_rejects_non_images_and_non_finite_histograms(tmp_path):
     for call, message in [
         (lambda log: log.log_image("x", torch.zeros(5, 4, 4)), r"shape \(5, 4, 4\) is not an image"),
         (lambda log: log.log_histogram("h", torch.tensor([1.0, math.inf])), "hold inf/nan"),
+        (lambda log: log.log_image("x", torch.full((3, 4, 4), 200.0)), r"span \[200, 200\]; expected \[0, 1\]"),
+        (lambda log: log.log_image("x", torch.linspace(-1, 1, 16).view(4, 4)), r"span \[-1, 1\]"),
+        (lambda log: log.log_image("x", torch.full((4, 4), math.nan)), r"span \[nan, nan\]"),
     ]:
         trainer = ToyTrainer(toy_cfg(tmp_path, **{"checkpoint.enabled": False}), callbacks=[Bad(call)])
         with pytest.raises(ValueError, match=message):

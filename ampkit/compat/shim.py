@@ -135,6 +135,40 @@ class _EmptyPackageLoader(importlib.abc.Loader):
         pass
 
 
+class _ModuleNamedLikeItsFunction(types.ModuleType):
+    """An Apex file named like a function it defines (``apex/normalization/fused_layer_norm.py`` and its
+    ``fused_layer_norm``), served from the ampkit module standing for its package.
+
+    Python binds an imported submodule on its package, so serving the package's module itself rebound the
+    function's name to a module ('module' object is not callable). This module reads its names from the
+    package's, returns the function under its own name, and calls like it where the package's name is used.
+    """
+
+    def __init__(self, name: str, package: types.ModuleType, function: Any) -> None:
+        super().__init__(name, package.__doc__)
+        self._package = package
+        self._function = function
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self.__name__.rpartition(".")[2]:
+            return self._function
+        return getattr(self._package, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._function(*args, **kwargs)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._package)
+
+
+def _function_named(package: types.ModuleType, name: str) -> Any:
+    """The function ``package`` exports as ``name``, or None (a class, a module or nothing has that name)."""
+    value = getattr(package, name, None)
+    if isinstance(value, _ModuleNamedLikeItsFunction):  # served before, by an earlier install of the shim
+        value = value._function
+    return value if callable(value) and not isinstance(value, type | types.ModuleType) else None
+
+
 class _AliasLoader(importlib.abc.Loader):
     """Hands out an existing ampkit module under an ``apex`` name, leaving the module itself untouched."""
 
@@ -143,7 +177,12 @@ class _AliasLoader(importlib.abc.Loader):
         self._original_spec: Any = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        self.name = spec.name
         module = _make_apex_package() if self.target is None else importlib.import_module(self.target)
+        parent_name, _, leaf = spec.name.rpartition(".")
+        function = _function_named(module, leaf) if module is sys.modules.get(parent_name) else None
+        if function is not None:
+            return _ModuleNamedLikeItsFunction(spec.name, module, function)
         self._original_spec = getattr(module, "__spec__", None)
         if not hasattr(module, "__path__") and any(alias.startswith(spec.name + ".") for alias in _MODULE_ALIASES):
             # A plain ampkit module standing for an Apex package whose file-named submodules legacy code imports
@@ -152,8 +191,12 @@ class _AliasLoader(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        if self.target is not None:
+        if self.target is not None and not isinstance(module, _ModuleNamedLikeItsFunction):
             module.__spec__ = self._original_spec
+        for alias in _MODULE_ALIASES:  # Apex's package imports its files: apex.optimizers.fused_adam is bound
+            package, _, leaf = alias.rpartition(".")
+            if package == self.name and not hasattr(module, leaf):  # a class or function of that name stays
+                importlib.import_module(alias)  # binds it on the package, as any submodule import does
 
 
 class _ApexDistribution(importlib.metadata.Distribution):
@@ -201,8 +244,17 @@ def _installed_finder() -> _ApexShimFinder | None:
 
 
 def _forget_apex_modules() -> None:
+    for alias in _MODULE_ALIASES:  # file names bound on the ampkit module standing for their package: unbind
+        package, served = sys.modules.get(alias.rpartition(".")[0]), sys.modules.get(alias)
+        leaf = alias.rpartition(".")[2]
+        if package is not None and served is not None and getattr(package, leaf, None) is served:
+            if served.__name__ != f"{package.__name__}.{leaf}" and not isinstance(served, _ModuleNamedLikeItsFunction):
+                delattr(package, leaf)  # not a real submodule of it (apex.optimizers.fused_adam)
     for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.") or n in _TOP_LEVEL_MODULES]:
-        del sys.modules[name]
+        module = sys.modules.pop(name)
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, _ModuleNamedLikeItsFunction) and getattr(module._package, leaf, None) is module:
+            setattr(module._package, leaf, module._function)  # the ampkit name is the function again
 
 
 def install_apex_shim(force: bool = False) -> bool:

@@ -28,10 +28,25 @@ def check_image(tag: str, image: torch.Tensor) -> str:
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"log_image('{tag}'): expected a tensor, got {type(image).__name__}")
     if image.ndim == 2:
-        return "HW"
-    if image.ndim == 3 and image.shape[0] in (1, 3, 4):
-        return "CHW"
-    raise ValueError(
-        f"log_image('{tag}'): shape {tuple(image.shape)} is not an image; "
-        "expected (H, W) or (C, H, W) with C in 1, 3, 4"
-    )
+        dataformats = "HW"
+    elif image.ndim == 3 and image.shape[0] in (1, 3, 4):
+        dataformats = "CHW"
+    else:
+        raise ValueError(
+            f"log_image('{tag}'): shape {tuple(image.shape)} is not an image; "
+            "expected (H, W) or (C, H, W) with C in 1, 3, 4"
+        )
+    if image.is_floating_point() and image.numel():
+        _check_float_range(tag, image)
+    return dataformats
+
+
+def _check_float_range(tag: str, image: torch.Tensor) -> None:
+    """Float pixels must lie in [0, 1]: TensorBoard scales them by 255 and clips, so 0-255 data shows all white
+    and a tanh output's negative half all black, with no error."""
+    low, high = (float(v) for v in torch.aminmax(image.detach().float()))
+    if not (low >= 0.0 and high <= 1.0):  # also false for nan
+        raise ValueError(
+            f"log_image('{tag}'): float pixels span [{low:g}, {high:g}]; expected [0, 1] "
+            "(divide 0-255 values by 255 or pass a uint8 tensor; map [-1, 1] by (x + 1) / 2)"
+        )

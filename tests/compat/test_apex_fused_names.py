@@ -72,6 +72,50 @@ def test_file_named_submodules_import_through_the_shim():
         uninstall_apex_shim()
 
 
+def test_file_named_submodules_are_attributes_of_their_package():
+    """Apex's packages import their files, so ``from apex.optimizers import fused_adam`` and
+    ``apex.optimizers.fused_adam.FusedAdam`` work without importing the path first; both were ImportError and
+    AttributeError. The ampkit modules standing for those packages lose the names again with the shim."""
+    from ampkit.compat import install_apex_shim, parallel, uninstall_apex_shim
+
+    install_apex_shim()
+    try:
+        import apex
+        from apex.optimizers import fp16_optimizer, fused_adam, fused_mixed_precision_lamb
+        from apex.parallel import optimized_sync_batchnorm
+
+        assert apex.optimizers.fused_lamb.FusedLAMB is fused_adam.FusedLAMB is optimizers.FusedLAMB
+        assert fused_mixed_precision_lamb.FusedMixedPrecisionLamb is optimizers.FusedMixedPrecisionLamb
+        assert fp16_optimizer.FP16_Optimizer is not None
+        assert optimized_sync_batchnorm.SyncBatchNorm is apex.parallel.SyncBatchNorm
+        assert apex.parallel.LARC is parallel.LARC  # a class of the file's name stays the class
+    finally:
+        uninstall_apex_shim()
+    assert not hasattr(optimizers, "fused_adam") and not hasattr(parallel, "optimized_sync_batchnorm")
+    assert parallel.distributed.DistributedDataParallel is parallel.DistributedDataParallel  # a real submodule stays
+
+
+def test_fused_layer_norm_module_path_keeps_the_function_of_its_name():
+    """Apex's ``fused_layer_norm.py`` defines ``fused_layer_norm()``, which Megatron-style code imports from that
+    path: importing the path rebound the name to a module, so the call failed ('module' object is not callable)."""
+    from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+    x = torch.randn(3, 8)
+    expected = torch.nn.functional.layer_norm(x, (8,), eps=1e-6)
+    install_apex_shim()
+    try:
+        import apex.normalization.fused_layer_norm as by_path
+        from apex.normalization.fused_layer_norm import FusedRMSNorm, fused_layer_norm, fused_layer_norm_affine
+
+        torch.testing.assert_close(fused_layer_norm(x, (8,)), expected)
+        torch.testing.assert_close(normalization.fused_layer_norm(x, (8,)), expected)  # ampkit's own name
+        assert by_path.FusedRMSNorm is FusedRMSNorm is normalization.FusedRMSNorm  # the module's names, as in Apex
+        assert fused_layer_norm_affine is normalization.fused_layer_norm_affine
+    finally:
+        uninstall_apex_shim()
+    assert normalization.fused_layer_norm is fused_layer_norm  # the function again once the shim is gone
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e20], ids=["unit", "beyond_float32_squares"])
 def test_manual_rms_norm_keeps_float64_input_in_float64(scale):
     """Float64 input gets its mean square in float64, as torch's rms_norm: in float32 the result was off by 1e-7

@@ -285,5 +285,5 @@ def test_the_gpt_fp8_config_trains_its_blocks_linears_in_float8(tmp_path, monkey
     assert converted == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"]
     assert (
         trainer.model_setup.notes["fp8"]
-        == "4 Linear layers in float8; kept in high precision: head (named by skip_modules)"
+        == "4 Linear layers in float8; kept in high precision: 'head' (named by skip_modules)"
     )

@@ -43,8 +43,10 @@ class Float8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """One line for the start banner: how many layers are in float8, which stayed high precision and why."""
-        kept = "; ".join(f"{name} ({why})" for name, why in self.skipped.items())
+        """One line for the start banner: how many layers are in float8, which stayed high precision and why.
+
+        Names are quoted: a ``Sequential``'s layers are called ``0``, ``3``, which read as counts when bare."""
+        kept = "; ".join(f"'{name}' ({why})" for name, why in self.skipped.items())
         head = f"{len(self.converted)} Linear layers in float8"
         return f"{head}; kept in high precision: {kept}" if kept else head
 
