@@ -45,9 +45,10 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
-# A package that is importable (nearly empty) as in Apex itself, whose subpackages each need their own extension;
-# of apex.contrib's, clip_grad and focal_loss are served (module aliases in the shim).
-EMPTY_PACKAGES = ("apex.contrib",)
+# Packages importable and empty, as in Apex itself (apex.contrib's subpackages each need their own extension; the
+# focal_loss package deletes what it imported): of their submodules, clip_grad and focal_loss.focal_loss are served
+# (module aliases in the shim).
+EMPTY_PACKAGES = ("apex.contrib", "apex.contrib.focal_loss")
 
 
 def unserved_advice(fullname: str) -> str | None:

@@ -59,8 +59,7 @@ _MODULE_ALIASES = {
     "apex.mlp.mlp": "ampkit.compat.mlp",
     "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
     "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
-    "apex.contrib.focal_loss": "ampkit.compat.focal_loss",
-    "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",
+    "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",  # its package is empty, as in Apex
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
@@ -111,9 +110,9 @@ def _make_apex_package() -> types.ModuleType:
 
 
 def _make_empty_package(name: str) -> types.ModuleType:
-    """An Apex package that imports empty, as Apex's own did (``apex.contrib``); its subpackages are refused unless
-    aliased (``apex.contrib.clip_grad``, ``.focal_loss``), and ``from apex.contrib import xentropy`` raises the
-    subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    """An Apex package that imports empty, as Apex's own did (``apex.contrib``, ``apex.contrib.focal_loss``); its
+    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), and
+    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
     package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 

@@ -73,12 +73,13 @@ def test_efficientdet_focal_loss_matches_the_focal_loss_and_its_gradient(focal_l
     assert x.grad[0, 1].abs().sum() == 0 and x.grad[..., 5:].abs().sum() == 0
 
 
-def test_apex_contrib_focal_loss_and_a_clear_error(focal_loss_cuda):
-    from apex.contrib.focal_loss import focal_loss
+def test_apex_contrib_focal_loss_as_apex_tests_import_it_and_a_clear_error(focal_loss_cuda):
+    from apex.contrib.focal_loss import focal_loss  # the module: Apex's package __init__ deletes the function
 
     logits = torch.randn(3, 8, dtype=torch.half, requires_grad=True)
     targets = torch.tensor([0, -1, 3])
-    loss = focal_loss(logits, targets, torch.tensor([2.0]), 4, 0.25, 2.0)
+    loss = focal_loss.FocalLoss.apply(logits, targets, torch.ones([]), 4, 0.25, 2.0, 0.0)
+    assert torch.equal(loss, focal_loss.focal_loss(logits, targets, torch.ones([]), 4, 0.25, 2.0))
     loss.backward()
     assert logits.grad.dtype == torch.half and torch.isfinite(logits.grad).all()
     with pytest.raises(ValueError, match=r"cls_output \[3, 8\] must be cls_targets_at_level's shape \[2\]"):
