@@ -3,8 +3,8 @@
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
 whose submodules load on first touch, plus Apex's top-level extension modules (``amp_C``, ``apex_C``,
-``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda``). A real apex
-installation wins unless the shim is forced.
+``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda`` and the
+Megatron softmaxes). A real apex installation wins unless the shim is forced.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ _TOP_LEVEL_MODULES = {
     "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
     "focal_loss_cuda": "ampkit.compat.focal_loss_cuda",  # NVIDIA's EfficientDet imports it at the top
     "fused_weight_gradient_mlp_cuda": "ampkit.compat.fused_weight_gradient_mlp_cuda",  # Megatron's default path
+    # Megatron's fused softmax (mid-2023 on) asks for these on every fp16/bf16 attention
+    "scaled_upper_triang_masked_softmax_cuda": "ampkit.compat.fused_softmax.scaled_upper_triang_masked_softmax_cuda",
+    "scaled_masked_softmax_cuda": "ampkit.compat.fused_softmax.scaled_masked_softmax_cuda",
+    "generic_scaled_masked_softmax_cuda": "ampkit.compat.fused_softmax.generic_scaled_masked_softmax_cuda",
+    "scaled_softmax_cuda": "ampkit.compat.fused_softmax.scaled_softmax_cuda",
 }
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
@@ -259,7 +264,8 @@ def _forget_apex_modules() -> None:
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
     ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
-    ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda``) resolve to ampkit.
+    ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes)
+    resolve to ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).

@@ -21,6 +21,10 @@ EXTENSION_MODULES = (
     "fused_layer_norm_cuda",
     "focal_loss_cuda",
     "fused_weight_gradient_mlp_cuda",
+    "scaled_upper_triang_masked_softmax_cuda",
+    "scaled_masked_softmax_cuda",
+    "generic_scaled_masked_softmax_cuda",
+    "scaled_softmax_cuda",
 )
 
 
