@@ -23,10 +23,16 @@ UNSERVED: dict[str, tuple[str, str]] = {
     ),
     "apex.contrib.cudnn_gbn": ("a group BatchNorm", "apex.parallel.SyncBatchNorm(process_group=...)"),
     "apex.contrib.group_norm": ("an NHWC GroupNorm", "torch.nn.GroupNorm"),
-    "apex.contrib.optimizers": (
-        "distributed and early fused optimizers",
-        "apex.optimizers (served), or torch.distributed.optim.ZeroRedundancyOptimizer or FSDP to shard the state",
+    "apex.contrib.optimizers.distributed_fused_adam": (
+        "a sharded FusedAdam",
+        "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
     ),
+    "apex.contrib.optimizers.distributed_fused_lamb": (
+        "a sharded FusedLAMB",
+        "apex.optimizers.FusedLAMB with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
+    ),
+    "apex.contrib.optimizers.fused_lamb": ("the first FusedLAMB", "apex.optimizers.FusedLAMB"),
+    "apex.contrib.optimizers.fused_sgd": ("the first FusedSGD", "apex.optimizers.FusedSGD"),
     "apex.contrib.sparsity": ("ASP 2:4 sparsity", "torch.ao.pruning or torch.sparse.to_sparse_semi_structured"),
     "apex.contrib.transducer": ("the RNN-T joint and loss", "torchaudio.functional.rnnt_loss"),
     "apex.contrib.index_mul_2d": ("a fused index-multiply", "plain indexing: input1[index] * input2"),
@@ -46,8 +52,8 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
 # Packages importable and empty, as in Apex itself (apex.contrib's subpackages each need their own extension; the
-# focal_loss package deletes what it imported): of their submodules, clip_grad and focal_loss.focal_loss are served
-# (module aliases in the shim).
+# focal_loss package deletes what it imported): of their submodules, clip_grad, focal_loss.focal_loss and
+# optimizers (Apex's first FP16_Optimizer and FusedAdam) are served (module aliases in the shim).
 EMPTY_PACKAGES = ("apex.contrib", "apex.contrib.focal_loss")
 
 

@@ -65,6 +65,9 @@ _MODULE_ALIASES = {
     "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
     "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
     "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",  # its package is empty, as in Apex
+    "apex.contrib.optimizers": "ampkit.compat.contrib_optimizers",  # Apex's first FP16_Optimizer and FusedAdam
+    "apex.contrib.optimizers.fp16_optimizer": "ampkit.compat.contrib_optimizers",
+    "apex.contrib.optimizers.fused_adam": "ampkit.compat.contrib_optimizers",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in

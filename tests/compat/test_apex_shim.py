@@ -60,6 +60,7 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
         ("from apex.contrib import xentropy", r"torch\.nn\.functional\.cross_entropy\("),
         ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
         ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
+        ("from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB", r"ZeroRedundancyOptimizer"),
         ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
         ("from apex.transformer import parallel_state", r"torch\.distributed\.tensor\.parallel"),
     ],
@@ -219,6 +220,32 @@ def test_a_subprocess_whose_first_apex_touch_is_any_served_extension_module_gets
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in sorted(_TOP_LEVEL_MODULES)]
+
+
+def test_apex_contrib_optimizers_serves_the_first_fp16_optimizer_as_bert_run_swag_imports_it(shim):
+    """NVIDIA's BERT run_swag.py with --fp16: FP16_Optimizer from apex.contrib.optimizers around apex.optimizers'
+    FusedAdam built with max_grad_norm (the first FusedAdam)."""
+    from apex.contrib.optimizers import FP16_Optimizer
+    from apex.optimizers import FusedAdam
+
+    from ampkit.compat.legacy_fused_adam import LegacyFusedAdam
+
+    model = torch.nn.Linear(4, 2).half()
+    optimizer = FP16_Optimizer(
+        FusedAdam(model.parameters(), lr=1e-3, bias_correction=False, max_grad_norm=1.0), dynamic_loss_scale=True
+    )
+    optimizer.backward(model(torch.randn(3, 4).half()).float().sum())
+    optimizer.step()
+    assert isinstance(optimizer.optimizer, LegacyFusedAdam)
+    from apex.contrib.optimizers import FusedAdam as first_fused_adam
+
+    assert first_fused_adam is LegacyFusedAdam
+    import apex.contrib.optimizers
+
+    with pytest.raises(AttributeError, match=r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"):
+        apex.contrib.optimizers.FusedLAMB  # noqa: B018
+    with pytest.raises(ModuleNotFoundError, match=r"'apex\.contrib\.optimizers\.distributed_fused_adam' \(a sharded"):
+        import apex.contrib.optimizers.distributed_fused_adam  # noqa: F401
 
 
 def test_apex_contrib_clip_grad_is_torch_clipping_as_moflow_imports_it(shim):
