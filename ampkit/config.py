@@ -19,7 +19,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import PathNode
 
@@ -368,23 +368,32 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     return ConfigError(f"config key '{full_key}': {message}")
 
 
-def _section_set_to_a_value(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | None:
-    """The error for a section given a plain value (``trainer=3``), which OmegaConf reports without its key."""
+def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | None:
+    """The error for a section given a plain value (``trainer=3``), or a list key given anything but a list
+    (``trainer.activation_checkpointing=Block``), which OmegaConf reports without its key or as a raw TypeError."""
 
     def find(node: DictConfig, source: Any, prefix: str) -> ConfigError | None:
         if not isinstance(source, dict):
             return None
         for key, value in source.items():
-            section = node._get_node(key) if isinstance(key, str) and key in node else None
-            if not isinstance(section, DictConfig):
+            child = node._get_node(key) if isinstance(key, str) and key in node else None
+            if isinstance(child, ListConfig) and not isinstance(value, list | tuple):
+                if value is None and child._is_optional():
+                    continue
+                example = value if isinstance(value, str) and value.isidentifier() else "a, b"
+                return ConfigError(
+                    f"config key '{prefix}{key}': {value!r} is not a list; expected a list, e.g. "
+                    f"{prefix}{key}=[{example}] (a YAML list in a file)"
+                )
+            if not isinstance(child, DictConfig):
                 continue
             if value is not None and not isinstance(value, dict):
-                keys = ", ".join(str(k) for k in section.keys())
+                keys = ", ".join(str(k) for k in child.keys())
                 return ConfigError(
                     f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
                     f"({prefix}{key}.<key>=...): {keys}"
                 )
-            found = find(section, value, f"{prefix}{key}.")
+            found = find(child, value, f"{prefix}{key}.")
             if found is not None:
                 return found
         return None
@@ -417,8 +426,8 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     try:
         cfg = OmegaConf.merge(schema, *sources)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
-        raise _section_set_to_a_value(schema, sources) or _explain(exc, schema) from None
+    except (OmegaConfBaseException, TypeError) as exc:  # TypeError: OmegaConf merging a mapping into a list
+        raise _wrong_shape(schema, sources) or _explain(exc, schema) from None
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg

@@ -102,6 +102,22 @@ def test_a_section_given_a_value_names_the_section(tmp_path, capsys):
     assert "config key 'trainer' is a section, not a value (3)" in line and "max_steps" in line
 
 
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        (
+            "trainer.activation_checkpointing=Linear",
+            "'Linear' is not a list; expected a list, e.g. trainer.activation_checkpointing=[Linear]",
+        ),
+        ("trainer.activation_checkpointing={a: 1}", "{'a': 1} is not a list; expected a list"),  # was a raw TypeError
+    ],
+    ids=["a name", "a mapping"],
+)
+def test_a_list_key_given_no_list_names_the_key_and_the_list_form(tmp_path, capsys, override, shown):
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])
+    assert f"config key 'trainer.activation_checkpointing': {shown}" in line
+
+
 def test_a_setting_of_the_trainer_s_own_that_its_code_refuses_is_named(tmp_path, capsys):
     """The Trainer's own data.batch_size=0 reaches DataLoader, which refuses it: one line naming the key."""
     line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), "data.batch_size=0"])

@@ -14,7 +14,8 @@ current NVIDIA parts, or ``logging.peak_tflops``. On a CPU, or a GPU the table d
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -115,7 +116,8 @@ class Throughput(Callback):
     ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` (TensorBoard). The first
     iteration (compilation, warm-up) and validation runs are left out of the windows. On a GPU the windows are
     timed by CUDA events and each is reported one window late (logged at its own last iteration), so timing never
-    waits for the GPU. ``clock``: a host clock instead (tests).
+    waits for the GPU. Work a hook does that is not training (sampling text) is left out inside :func:`paused`.
+    ``clock``: a host clock instead (tests).
     """
 
     phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
@@ -191,9 +193,30 @@ class Throughput(Callback):
                 figures["mfu"] = tflops / (self.peak * self._world)
         return figures
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time inside out of the current window, as validation is."""
+        start = self._watch.mark()
+        try:
+            yield
+        finally:
+            if self._start is not None:
+                self._pauses.append((start, self._watch.mark()))
+
     def on_validation_start(self, trainer) -> None:
         self._paused_at = self._watch.mark()
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self._start is not None and trainer.state.stage == "fit":  # validation time is not training time
             self._pauses.append((self._paused_at, self._watch.mark()))
+
+
+@contextmanager
+def paused(trainer) -> Iterator[None]:
+    """Leave the time inside out of the throughput windows of ``trainer``'s :class:`Throughput` callbacks (none: a
+    no-op): for work a training hook does that is not training, such as generating a sample."""
+    with ExitStack() as stack:
+        for callback in trainer.callbacks:
+            if isinstance(callback, Throughput):
+                stack.enter_context(callback.paused())
+        yield

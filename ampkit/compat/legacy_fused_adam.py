@@ -30,7 +30,7 @@ import torch
 
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.ops.multi_tensor import unscale_l2norm
-from ampkit.ops.optimizers._base import check_hyper
+from ampkit.ops.optimizers._base import check_betas, check_hyper
 
 # Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
@@ -105,10 +105,9 @@ class LegacyFusedAdam(torch.optim.Optimizer):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        check_hyper("lr", float(lr))
+        check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("max_grad_norm", max_grad_norm)
         defaults = dict(

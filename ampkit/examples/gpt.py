@@ -36,8 +36,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ampkit
-from ampkit.callbacks.throughput import count_training_flops
+from ampkit.callbacks.throughput import count_training_flops, paused
 from ampkit.config import build_config
+from ampkit.trainer.checkpoint_io import peek_checkpoint
+from ampkit.trainer.run_life import resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
 
 VOCAB = 256  # bytes
 
@@ -63,7 +66,7 @@ class GPTDataConfig:
 @dataclass
 class GPTOptimConfig:
     lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr: float = 3e-4  # cosine decay to this over trainer.max_steps
+    min_lr: float = 3e-4  # cosine decay to this at the run's end (trainer.max_steps, or max_epochs if sooner)
     warmup_steps: int = 50  # linear warmup from 0
     weight_decay: float = 0.1  # decoupled (AdamW), on the matrices only (not norms or biases)
     betas: tuple[float, float] = (0.9, 0.95)  # Adam's moment decay rates
@@ -72,7 +75,7 @@ class GPTOptimConfig:
 
 @dataclass
 class GPTGenerateConfig:
-    prompt: str = "The "  # text the samples continue
+    prompt: str = "The "  # text the samples continue (at least one character)
     tokens: int = 200  # bytes generated per sample
     top_k: int = 10  # 0: greedy; else sample among the k most likely bytes
     temperature: float = 0.8  # 0: greedy
@@ -110,7 +113,8 @@ def unigram_entropy(data: torch.Tensor) -> float:
 
 
 class Windows(Dataset):
-    """``count`` windows of ``seq_len + 1`` bytes starting every ``stride`` bytes: (input, next-byte target)."""
+    """``count`` windows of ``seq_len + 1`` bytes starting every ``stride`` bytes (at most one per start): (input,
+    next-byte target)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, stride: int | None = None, count: int | None = None) -> None:
         self.data, self.seq_len = data, seq_len
@@ -118,9 +122,9 @@ class Windows(Dataset):
         if room < 0:
             raise ValueError(f"model.seq_len={seq_len} is longer than the text ({len(data)} bytes)")
         self.stride = stride or seq_len
-        self.count = room // self.stride + 1 if count is None else count
-        if count is not None:  # evenly spread
-            self.stride = max(room // max(count - 1, 1), 1)
+        self.count = room // self.stride + 1 if count is None else min(count, room + 1)
+        if count is not None:  # evenly spread; a text too short for count windows gets one at each start
+            self.stride = max(room // max(self.count - 1, 1), 1)
 
     def __len__(self) -> int:
         return self.count
@@ -188,6 +192,11 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.seq_len:  # the position table ends there: an IndexError naming nothing otherwise
+            raise ValueError(
+                f"GPT: an input of {idx.shape[1]} tokens is longer than model.seq_len={self.seq_len}; "
+                f"pass at most the last {self.seq_len} (generate() does)"
+            )
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.embed(idx) + self.pos(positions))
         for block in self.blocks:
@@ -214,6 +223,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
              generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
     """``prompt`` (1-D bytes) followed by ``tokens`` more: greedy (``top_k=0`` or ``temperature=0``) or sampled
     among the top k."""
+    if tokens and not len(prompt):
+        raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
     idx = prompt[None]
     seq_len = model.seq_len
     for _ in range(tokens):
@@ -286,6 +297,18 @@ def choose_precision(cfg: DictConfig) -> str | None:
     return why + ": " + ("bf16 autocast (O1), no loss scaler" if bf16 else "float32 (O0)")
 
 
+def saved_precision(run_dir: str, ckpt: str | os.PathLike | None) -> tuple[str, str | None] | None:
+    """The ``(opt_level, dtype)`` checkpoint ``ckpt`` (``last``, ``best`` or a path) trained in; None without one."""
+    path = resolve_checkpoint(run_dir, ckpt)
+    if path is None:
+        return None
+    saved = peek_checkpoint(path / TRAINER_FILE if path.is_dir() else path) or {}
+    precision = (saved.get("config") or {}).get("precision") or {}
+    if precision.get("opt_level") in (None, "auto"):
+        return None
+    return precision["opt_level"], precision.get("dtype")
+
+
 def check_gpt_config(cfg: DictConfig) -> None:
     """The recipe's checks the schema cannot express, before anything is built or timed; a ConfigError naming
     each bad key and what it takes."""
@@ -314,6 +337,8 @@ def check_gpt_config(cfg: DictConfig) -> None:
         for key, (ok, valid) in rules.items()
         if not ok(OmegaConf.select(cfg, key))
     ]
+    if cfg.generate.tokens and not cfg.generate.prompt:  # a sample continues the prompt: it needs a byte to start
+        problems.append("config key 'generate.prompt': '' is invalid; expected at least one character (e.g. a newline)")
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
@@ -332,12 +357,38 @@ class GPTTrainer(ampkit.Trainer):
             here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
             cfg = build_config(self.config_class, here, cfg or {})
         check_gpt_config(cfg)
+        self._machine_chose = cfg.precision.opt_level == "auto" and cfg.precision.dtype is None  # not the user
         self.precision_choice = choose_precision(cfg)
         fsdp = cfg.distributed.fsdp
         if cfg.distributed.strategy == "fsdp" and not fsdp.shard_modules:
             fsdp.shard_modules = ["Block"]  # one FSDP unit per block, gathered for its forward and backward only
         super().__init__(cfg, callbacks)
         self._data: dict[str, torch.Tensor] = {}
+
+    def _keep_saved_precision(self, ckpt: str | os.PathLike | None) -> None:
+        """Under ``opt_level: auto``, a resumed or evaluated checkpoint keeps the precision it trained in: timed
+        again, the choice can flip on a loaded machine (or another world size) and the curve would change."""
+        saved = saved_precision(self.cfg.run_dir, ckpt) if self._machine_chose else None
+        if saved is not None:
+            self.cfg.precision.opt_level, self.cfg.precision.dtype = saved
+            level = f"{saved[0]} {saved[1] or 'float32'}"
+            self.precision_choice = f"{level}, the checkpoint's (auto chooses once, when a run starts)"
+
+    def fit(self, resume: str | os.PathLike | None = None) -> None:
+        self._keep_saved_precision(resume)
+        super().fit(resume)
+
+    def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        self._keep_saved_precision(ckpt)
+        return super().validate(ckpt)
+
+    def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+        self._keep_saved_precision(ckpt)
+        return super().test(ckpt)
+
+    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+        self._keep_saved_precision(ckpt)
+        return super().predict(ckpt, output)
 
     def _split(self, which: str) -> torch.Tensor:
         if not self._data:
@@ -355,8 +406,18 @@ class GPTTrainer(ampkit.Trainer):
             self.flops_per_sample = count_training_flops(lambda: meta(idx).float().logsumexp(-1).sum())
         return GPT(m)
 
+    def planned_steps(self) -> int:
+        """Iterations this run trains: ``trainer.max_steps``, or ``max_epochs``' worth when they end it first (or
+        ``max_steps`` is -1); the schedule decays to ``optim.min_lr`` over them."""
+        t, batches = self.settings, self.num_train_batches
+        if batches is None:  # an iterable without a length: only max_steps says
+            return t.max_steps
+        epochs = t.max_epochs * math.ceil(batches / t.accumulate_grad_batches)
+        return epochs if t.max_steps < 0 else min(t.max_steps, epochs)
+
     def configure_optimizers(self) -> Any:
-        o, steps = self.cfg.optim, self.settings.max_steps
+        # plain values: the schedule runs every step, and each read of an OmegaConf node costs microseconds
+        o, steps = OmegaConf.to_object(self.cfg.optim), self.planned_steps()
         decay = [p for p in self.module.parameters() if p.dim() >= 2]
         other = [p for p in self.module.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -366,7 +427,7 @@ class GPTTrainer(ampkit.Trainer):
             # fused on a GPU (as nanoGPT): one kernel, and it takes a skip verdict on the device (no host read)
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), fused=self.device.type == "cuda")
 
-        def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at max_steps
+        def lr_factor(step: int) -> float:  # linear warm-up, then cosine to min_lr at the run's last step
             if step < o.warmup_steps:
                 return (step + 1) / o.warmup_steps
             if steps <= o.warmup_steps:
@@ -412,12 +473,16 @@ class GPTTrainer(ampkit.Trainer):
             print(f"  unigram entropy of the training bytes: {unigram_entropy(train):.3f} nats/byte "
                   f"(a model must go below it to have learnt context)", flush=True)  # fmt: skip
 
+    def on_train_start(self) -> None:
+        self._sample_every = self.cfg.generate.every_n_steps  # read once: on_train_batch_end runs every batch
+
     def on_train_batch_end(self, outputs: dict[str, Any], batch: Any) -> None:
-        every = self.cfg.generate.every_n_steps
+        every = self._sample_every
         s = self.state
         if every and s.is_iteration_end and s.iteration % every == 0:  # every rank: a sharded forward is collective
             self.module.eval()
-            text = self.predict_step(self.predict_dataloader()[0].to(self.device))
+            with paused(self):  # sampling is not training: tokens/s and MFU leave it out, as they do validation
+                text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
             if self.cfg.logging.tensorboard:
                 self.logger.log_text("samples", text)

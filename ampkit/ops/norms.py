@@ -3,8 +3,8 @@
 The kernels (``torch.ops.ampkit_norms.*``, C++ on CPU, CUDA where built) read each row once, keep the
 row statistics in float32 (float64 for float64 inputs) whatever the input dtype, and compute dx, dweight
 and dbias in one backward pass. Where the kernels are unavailable (no compiler, ``AMPKIT_OPS=reference``,
-a CUDA tensor without a CUDA build, tracing or ``torch.compile``) the same maths runs through
-:mod:`ampkit.ops.reference.norms`.
+a CUDA tensor without a CUDA build, tracing, ``torch.compile`` or a ``torch.func`` transform) the same maths
+runs through :mod:`ampkit.ops.reference.norms`.
 
 Behaviour follows ``apex.normalization``:
 
@@ -40,10 +40,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -136,7 +138,12 @@ def _check_inputs(
 
 
 def _use_kernel(input: torch.Tensor) -> bool:
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+    """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
+    ``grad``, ``jacrev``: the kernels have no batching rule) or forward-mode AD (``forward_ad.dual_level``: they have
+    no jvp), where the reference's torch ops run instead."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if forward_ad._current_level >= 0:
         return False
     return _FAMILY.serves(input.device, "layer_norm_fwd")
 
@@ -218,19 +225,21 @@ class FusedLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, bias, _, _ = ctx.saved_tensors
+        # Unpacked once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack of a saved tensor.
+        saved_tensors = ctx.saved_tensors
+        saved, weight, bias, _, _ = saved_tensors
         if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight, bias),
                 lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
             )  # fmt: skip
             return (*grads, None, None, None, None)
-        return _layer_norm_kernel_backward(ctx, grad_output)
+        return _layer_norm_kernel_backward(ctx, grad_output, saved_tensors)
 
 
 @once_differentiable  # memory_efficient saves the output, not the input: the reference cannot run again
-def _layer_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
-    saved, weight, bias, mean, rstd = ctx.saved_tensors
+def _layer_norm_kernel_backward(ctx, grad_output: torch.Tensor, saved_tensors: tuple) -> tuple:
+    saved, weight, bias, mean, rstd = saved_tensors
     if mean is None:
         mean = rstd.new_empty(0)
     grad_input, grad_weight, grad_bias = torch.ops.ampkit_norms.layer_norm_bwd(
@@ -272,19 +281,20 @@ class FusedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        saved, weight, _ = ctx.saved_tensors
+        saved_tensors = ctx.saved_tensors  # unpacked once, as in FusedLayerNormFunction.backward
+        saved, weight, _ = saved_tensors
         if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight),
                 lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),
             )  # fmt: skip
             return (*grads, None, None, None, None)
-        return _rms_norm_kernel_backward(ctx, grad_output)
+        return _rms_norm_kernel_backward(ctx, grad_output, saved_tensors)
 
 
 @once_differentiable
-def _rms_norm_kernel_backward(ctx, grad_output: torch.Tensor) -> tuple:
-    saved, weight, rstd = ctx.saved_tensors
+def _rms_norm_kernel_backward(ctx, grad_output: torch.Tensor, saved_tensors: tuple) -> tuple:
+    saved, weight, rstd = saved_tensors
     grad_input, grad_weight = torch.ops.ampkit_norms.rms_norm_bwd(
         grad_output.contiguous(),
         saved.contiguous(),
@@ -328,7 +338,7 @@ def _rms_norm(
     input: torch.Tensor,
     weight: torch.Tensor | None,
     normalized_shape: ShapeLike,
-    eps: float,
+    eps: float | None,
     memory_efficient: bool,
     mixed: bool,
 ) -> torch.Tensor:
@@ -339,6 +349,8 @@ def _rms_norm(
         with torch.autocast(input.device.type, enabled=False):
             return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, None)
+    if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
+        eps = torch.finfo(accumulate_dtype(input.dtype)).eps
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
@@ -346,6 +358,12 @@ def _rms_norm(
     if _use_kernel(input):
         return FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
     return reference.rms_norm(input, shape, weight, eps, output_dtype)
+
+
+# ``torch.fx.symbolic_trace`` records each norm as one call (``nn.LayerNorm`` is a leaf module to it; these modules are
+# traced through, and their checks cannot read a Proxy's dtype or shape); the traced graph calls the norm as is.
+torch.fx.wrap("_layer_norm")
+torch.fx.wrap("_rms_norm")
 
 
 def fused_layer_norm_affine(
@@ -392,7 +410,7 @@ def fused_rms_norm_affine(
     input: torch.Tensor,
     weight: torch.Tensor,
     normalized_shape: ShapeLike,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the input's dtype (Apex signature)."""
@@ -400,7 +418,7 @@ def fused_rms_norm_affine(
 
 
 def fused_rms_norm(
-    input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
+    input: torch.Tensor, normalized_shape: ShapeLike, eps: float | None = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """RMSNorm without a weight (Apex signature)."""
     return _rms_norm("fused_rms_norm", input, None, normalized_shape, eps, memory_efficient, False)
@@ -410,7 +428,7 @@ def mixed_dtype_fused_rms_norm_affine(
     input: torch.Tensor,
     weight: torch.Tensor,
     normalized_shape: ShapeLike,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
@@ -425,6 +443,7 @@ class FusedLayerNorm(nn.Module):
         eps: added to the variance. Default: 1e-5.
         elementwise_affine: learn a per-element weight (init 1) and bias (init 0).
         memory_efficient: save the output instead of the input for backward.
+        bias: with ``elementwise_affine``, learn the bias too (``nn.LayerNorm``'s ``bias=False``: a weight only).
 
     Example:
         >>> norm = FusedLayerNorm(16)
@@ -441,6 +460,7 @@ class FusedLayerNorm(nn.Module):
         elementwise_affine: bool = True,
         memory_efficient: bool = False,
         *,
+        bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -452,16 +472,19 @@ class FusedLayerNorm(nn.Module):
         self.memory_efficient = memory_efficient
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Weight to ones and bias to zeros, as ``nn.LayerNorm``."""
-        if self.elementwise_affine:
+        if self.weight is not None:
             nn.init.ones_(self.weight)
+        if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -480,7 +503,7 @@ class FusedLayerNorm(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-            f"memory_efficient={self.memory_efficient}"
+            f"bias={self.bias is not None}, memory_efficient={self.memory_efficient}"
         )
 
 
@@ -489,7 +512,8 @@ class FusedRMSNorm(nn.Module):
 
     Args:
         normalized_shape: trailing shape to normalize over (an int means the last dimension).
-        eps: added to the mean square. Default: 1e-5.
+        eps: added to the mean square. Default: 1e-5 (Apex's); None is ``nn.RMSNorm``'s default, the machine
+            epsilon of the dtype the norm computes in (float32 for fp16/bf16/fp32 inputs, float64 for float64).
         elementwise_affine: learn a per-element weight (init 1).
         memory_efficient: save the output instead of the input for backward.
     """
@@ -499,7 +523,7 @@ class FusedRMSNorm(nn.Module):
     def __init__(
         self,
         normalized_shape: ShapeLike,
-        eps: float = 1e-5,
+        eps: float | None = 1e-5,
         elementwise_affine: bool = True,
         memory_efficient: bool = False,
         *,
@@ -508,7 +532,8 @@ class FusedRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
-        _check_eps(type(self).__name__, eps)
+        if eps is not None:
+            _check_eps(type(self).__name__, eps)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
@@ -558,7 +583,9 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
     _mixed = True
 
-    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs):
+    def __init__(
+        self, normalized_shape: ShapeLike, eps: float | None = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ):
         kwargs = _mixed_affine_only(type(self).__name__, kwargs)
         super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient, **kwargs)
 

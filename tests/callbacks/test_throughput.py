@@ -7,7 +7,14 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks.progress import _throughput
-from ampkit.callbacks.throughput import PEAK_TFLOPS, Throughput, count_training_flops, matmul_dtype, peak_tflops
+from ampkit.callbacks.throughput import (
+    PEAK_TFLOPS,
+    Throughput,
+    count_training_flops,
+    matmul_dtype,
+    paused,
+    peak_tflops,
+)
 
 
 def test_training_flops_of_a_linear_are_six_per_weight_per_sample():
@@ -57,6 +64,31 @@ def test_rates_over_each_window_from_a_fake_clock_and_logged(tmp_path):
     tokens = [(e.step, e.value) for e in events.Scalars("perf/tokens_per_sec")]
     assert tokens == [(4, pytest.approx(3 * 8 * 16 / 0.5)), (8, pytest.approx(4 * 8 * 16 / 0.5))]
     assert {"perf/samples_per_sec", "perf/tflops", "perf/mfu"} <= set(events.Tags()["scalars"])
+
+
+class Sampling(Tokens):
+    """Generates a sample at iteration 5, taking 100 s of the fake clock, inside ``paused``."""
+
+    clock: FakeClock
+
+    def on_train_batch_end(self, outputs, batch) -> None:
+        if self.state.iteration == 5:
+            with paused(self):
+                self.clock.now += 100.0
+
+
+def test_work_a_hook_does_inside_paused_is_left_out_of_the_window(tmp_path):
+    """Window 5..8: marks at its start (101.0), the pause (101.5 -> 102.0 + 100 s of sampling), its end (202.5):
+    4 batches in 1.0 s of training, not in 101.5 s."""
+    clock = FakeClock(step_s=0.5)
+    meter = Throughput(every_n_steps=4, clock=clock)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "trainer.device": "cpu",
+                               "logging.throughput": False, "logging.tensorboard": False})  # fmt: skip
+    trainer = type("Sampled", (Sampling,), {"clock": clock})(cfg, callbacks=[meter])
+    trainer.fit()
+    assert trainer.state.throughput["samples_per_sec"] == pytest.approx(4 * 8 / 1.0)
+    with paused(ToyTrainer(cfg)):  # a Trainer without the callback: nothing to pause
+        pass
 
 
 def test_without_flops_only_sample_rates_and_on_cpu_no_mfu(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 from ampkit.ops import norms
 from ampkit.ops.norms import (
@@ -291,12 +292,16 @@ def test_wrong_normalized_shape_is_named():
 
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
 def test_an_eps_that_would_give_nan_is_refused_where_it_is_given(eps):
-    """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it."""
-    for module in (FusedLayerNorm, FusedRMSNorm):
+    """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it. (None
+    is RMSNorm's default in torch, and here too: ``test_rms_norm_eps_none_is_torchs_default``.)"""
+    for module in (FusedLayerNorm, FusedRMSNorm) if eps is not None else (FusedLayerNorm,):
         with pytest.raises(ValueError, match=rf"{module.__name__}: eps must be a finite number >= 0, got"):
             module(6, eps=eps)
-    with pytest.raises(ValueError, match="fused_rms_norm: eps must be a finite number >= 0"):
-        fused_rms_norm(torch.randn(2, 6), 6, eps=eps)
+    with pytest.raises(ValueError, match="fused_layer_norm: eps must be a finite number >= 0"):
+        fused_layer_norm(torch.randn(2, 6), 6, eps=eps)
+    if eps is not None:
+        with pytest.raises(ValueError, match="fused_rms_norm: eps must be a finite number >= 0"):
+            fused_rms_norm(torch.randn(2, 6), 6, eps=eps)
     assert torch.isfinite(FusedLayerNorm(6, eps=0.0)(torch.randn(3, 6))).all()
 
 
@@ -338,6 +343,42 @@ def test_modules_have_apex_defaults_and_torch_compatible_state():
     x = torch.randn(2, 3, 5)
     torch.testing.assert_close(ln(x), torch_ln(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rms(x), torch.nn.functional.rms_norm(x, (5,), eps=1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_layer_norm_without_a_bias_matches_and_loads_from_torchs(memory_efficient):
+    """``nn.LayerNorm(d, bias=False)`` (a weight only, as GPT-style models take it) had no fused form: ``bias=False``
+    was a TypeError and its checkpoint had no ``bias`` to give."""
+    torch_ln = torch.nn.LayerNorm((3, 4), bias=False).double()
+    with torch.no_grad():
+        torch_ln.weight.copy_(_weight((3, 4), torch.float64))
+    ln = FusedLayerNorm((3, 4), bias=False, memory_efficient=memory_efficient).double()
+    assert ln.bias is None and list(ln.state_dict()) == ["weight"]
+    ln.load_state_dict(torch_ln.state_dict())
+    assert "bias=False" in repr(ln)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    for norm, xi in zip((ln, torch_ln), xs, strict=True):
+        norm(xi).sin().sum().backward()
+    torch.testing.assert_close(ln(x), torch_ln(x))
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    torch.testing.assert_close(ln.weight.grad, torch_ln.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rms_norm_eps_none_is_torchs_default(dtype):
+    """``nn.RMSNorm(d, eps=None)`` (torch's default) swapped for ``FusedRMSNorm(d, eps=None)`` was a ValueError; None
+    is the machine epsilon of the dtype the norm computes in, float32 for bf16 (torch's 0.0078 would halve rows of
+    magnitude 0.01)."""
+    torch_rms = torch.nn.RMSNorm((3, 4), eps=None).to(dtype)
+    with torch.no_grad():
+        torch_rms.weight.copy_(_weight((3, 4), dtype))
+    rms = FusedRMSNorm((3, 4), eps=None).to(dtype)
+    rms.load_state_dict(torch_rms.state_dict())
+    assert "eps=None" in repr(rms)
+    x = (torch.randn(5, 3, 4, dtype=torch.float64) * 1e-2).to(dtype)
+    torch.testing.assert_close(rms(x), torch_rms(x))
+    torch.testing.assert_close(fused_rms_norm(x, (3, 4), eps=None), torch.nn.functional.rms_norm(x, (3, 4)))
 
 
 def test_mixed_modules_output_weight_dtype():
@@ -528,3 +569,91 @@ def test_a_memory_efficient_norm_stays_differentiable_once():
     (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
     with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
         grad_x.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_torch_func_transforms_run_through_the_norms(kind):
+    """``vmap`` (per-sample gradients) and ``jacrev`` over a fused norm failed in the kernels' autograd Function,
+    which has no batching rule; under a transform the reference's torch ops run, as ``nn.LayerNorm``'s would."""
+    fused = FusedLayerNorm((3, 4)) if kind == "layer" else FusedRMSNorm((3, 4))
+    fused = fused.double()
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.copy_(_weight(p.shape, torch.float64))
+    params = dict(fused.named_parameters())
+
+    def torch_norm(p, x):
+        if kind == "layer":
+            return torch.nn.functional.layer_norm(x, (3, 4), p["weight"], p["bias"], fused.eps)
+        return torch.nn.functional.rms_norm(x, (3, 4), p["weight"], fused.eps)
+
+    def fused_norm(p, x):
+        return torch.func.functional_call(fused, p, (x,))
+
+    def per_sample_grads(norm_fn, x):  # per-sample weight gradients, as Opacus-style DP training takes them
+        loss = torch.func.grad(lambda p, row: norm_fn(p, row).sin().sum())
+        return torch.func.vmap(loss, in_dims=(None, 0))(params, x)
+
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    got, want = per_sample_grads(fused_norm, x), per_sample_grads(torch_norm, x)
+    for name in params:
+        torch.testing.assert_close(got[name], want[name])
+    jacobian = torch.func.jacrev(lambda x: fused_norm(params, x))(x[0])
+    torch.testing.assert_close(jacobian, torch.func.jacrev(lambda x: torch_norm(params, x))(x[0]))
+
+
+def test_torch_fx_symbolic_trace_records_each_norm_as_one_call():
+    """``torch.fx.symbolic_trace`` (torchvision's feature extraction, FX quantization) traces into these modules, as
+    ``nn.LayerNorm`` is a leaf to it: their input checks got a Proxy and raised TypeError for any model holding one."""
+
+    class Functional(torch.nn.Module):
+        def forward(self, x):
+            return fused_rms_norm(x, (3, 4), 1e-5)
+
+    for norm in (FusedLayerNorm((3, 4)), FusedRMSNorm((3, 4)), MixedFusedLayerNorm((3, 4)), Functional()):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), norm).double()
+        traced = torch.fx.symbolic_trace(model)
+        x = torch.randn(5, 3, 4, dtype=torch.float64)
+        torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+        traced(x).sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_mode_ad_runs_through_the_norms(kind):
+    """A dual tensor (``torch.autograd.forward_ad``) through a fused norm raised NotImplementedError: the kernels'
+    autograd Function has no jvp. The reference's torch ops run instead, as torch's norms would."""
+    norm = (FusedLayerNorm((3, 4)) if kind == "layer" else FusedRMSNorm((3, 4))).double()
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(_weight(p.shape, torch.float64))
+
+    def torch_norm(x):
+        if kind == "layer":
+            return torch.nn.functional.layer_norm(x, (3, 4), norm.weight, norm.bias, norm.eps)
+        return torch.nn.functional.rms_norm(x, (3, 4), norm.weight, norm.eps)
+
+    x, tangent = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+    tangents = []
+    for fn in (norm, torch_norm):
+        with forward_ad.dual_level():
+            tangents.append(forward_ad.unpack_dual(fn(forward_ad.make_dual(x, tangent))).tangent)
+    torch.testing.assert_close(tangents[0], tangents[1])
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_non_reentrant_activation_checkpointing_trains_as_without(kind, memory_efficient):
+    """``torch.utils.checkpoint(use_reentrant=False)`` (torch's recommended form) refuses a second unpack of a saved
+    tensor, and the kernels' backward unpacked ``ctx.saved_tensors`` twice: every checkpointed block failed."""
+    torch.manual_seed(0)
+    norm = (FusedLayerNorm if kind == "layer" else FusedRMSNorm)(8, memory_efficient=memory_efficient)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), norm, torch.nn.Linear(8, 8)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+
+    def grads(checkpointed):
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        return torch.autograd.grad(out.sin().sum(), [x, *block.parameters()])
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -358,6 +358,24 @@ def test_state_dict_moves_between_fused_and_torch(case, direction):
     assert rel_diff(b, a) <= 1e-6
 
 
+@pytest.mark.parametrize(("first", "second"), [
+    (lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1), lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1)),
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1)),
+], ids=["torch_adam_to_fused", "fused_adamw_to_torch_adam"])  # fmt: skip
+def test_a_resumed_adam_keeps_the_saved_weight_decay_mode(first, second):
+    """torch.optim.Adam resumes a checkpoint with the saved group's ``decoupled_weight_decay`` (AdamW's too). A
+    FusedAdam ignored torch's flag (an L2-decay Adam went on with AdamW maths) and did not save it for its own
+    ``adam_w_mode`` (torch's Adam went on with L2 decay): both drifted from the run they resumed."""
+    a = make_params(torch.float64)
+    b = clone_params(a)
+    uninterrupted, resumed = first(a), first(b)
+    run_side_by_side(uninterrupted, resumed, a, b, steps=3)
+    resumed_in_second = second(b)
+    resumed_in_second.load_state_dict(copy.deepcopy(resumed.state_dict()))
+    run_side_by_side(uninterrupted, resumed_in_second, a, b, steps=5)
+    assert rel_diff(b, a) <= 1e-12
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 
@@ -565,6 +583,8 @@ BAD_CONSTRUCTIONS = [
         "reduced_precision_dtype",
     ),
     (lambda p: FusedRMSprop(p, alpha=-0.5), ValueError, "Invalid alpha"),
+    (lambda p: FusedAdam(p, lr=None), ValueError, "Invalid lr: None is a NoneType"),  # was float()'s bare TypeError
+    (lambda p: FusedSGD(p, lr=0.1, dampening="0.1"), ValueError, "Invalid dampening"),  # failed in the first step
 ]
 
 
@@ -947,3 +967,111 @@ def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
         p.grad = torch.zeros(4).to_sparse()
         with pytest.raises(RuntimeError, match=f"{cls.__name__} does not support sparse gradients"):
             cls([p]).step()
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_a_compiled_train_step_runs_the_optimizer_step_eagerly(cls):
+    """``torch.compile`` of a whole train step (forward, backward, ``optimizer.step()``) failed in dynamo's
+    fake-tensor pass over the C++ kernels; the step is now a graph break and trains as the eager loop does."""
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(4, 2).double() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [cls(m.parameters(), lr=1e-2) for m in models]
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def train_step(model, optimizer):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for _ in range(3):
+        train_step(models[0], optimizers[0])
+        compiled(models[1], optimizers[1])
+    for eager, traced in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_betas_given_in_torch_optims_positional_place_are_refused_not_dropped(cls):
+    """``AdamW(params, 1e-3, (0.9, 0.95))`` swapped for a fused Adam-like put the betas in Apex's third positional
+    slot, ``bias_correction``, which took the tuple as True: the step ran with the default betas, silently."""
+    with pytest.raises(ValueError, match=r"Invalid bias_correction: \(0.9, 0.95\) is a tuple .*betas go by keyword"):
+        cls(make_params(), 1e-3, (0.9, 0.95))
+    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 \(expected two numbers"):  # was a bare TypeError
+        cls(make_params(), 1e-3, True, 1e-8)
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_an_on_off_option_that_is_not_a_bool_is_named(cls):
+    optimizer = cls(make_params()[:1], lr=0.1)
+    flags = [key for key, value in optimizer.defaults.items() if isinstance(value, bool)]
+    assert flags
+    for key in flags:
+        with pytest.raises(ValueError, match=rf"Invalid {key} of a param group: 'yes' is a str \(expected True or"):
+            optimizer.add_param_group({"params": make_params()[1:2], key: "yes"})
+    optimizer.add_param_group({"params": make_params()[1:2], flags[0]: 1})  # Apex's 0/1 spelling stays valid
+
+
+RESETS = {
+    "del state[p]": lambda state, p: state.__delitem__(p),
+    "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
+    "state.pop(p)": lambda state, p: state.pop(p),
+    "state.clear()": lambda state, p: state.clear(),
+    "state[p].clear()": lambda state, p: state[p].clear(),  # was a KeyError for FusedAdam
+}
+
+
+@pytest.mark.parametrize("reset", list(RESETS))
+@pytest.mark.parametrize("case", ["adamw", "sgd_momentum_dampening"])
+def test_a_reset_parameter_state_starts_afresh_and_is_saved_as_torch_optims(case, reset):
+    """Resetting a parameter's state (a re-initialised layer) left the buckets kept between steps on the old state
+    dicts: the kernels went on stepping the old moments, and ``state_dict()`` saved nothing for that parameter."""
+    make_ours, make_theirs = TORCH_PAIRS[case]
+    a_params = make_params(torch.float64)
+    b_params = clone_params(a_params)
+    ours, theirs = make_ours(a_params), make_theirs(b_params)
+    run_side_by_side(ours, theirs, a_params, b_params, steps=3)
+    RESETS[reset](ours.state, a_params[0])
+    RESETS[reset](theirs.state, b_params[0])
+    run_side_by_side(ours, theirs, a_params, b_params, steps=3)
+    assert rel_diff(a_params, b_params) <= 1e-12
+    saved, expected = ours.state_dict()["state"], theirs.state_dict()["state"]
+    assert sorted(saved) == sorted(expected) and sorted(saved[0]) == sorted(expected[0])
+    for key, value in expected[0].items():
+        torch.testing.assert_close(saved[0][key], value, msg=key)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedLAMB], ids=lambda c: c.__name__)
+def test_master_weights_take_values_written_outside_the_optimizer(cls):
+    """With fp32 masters, weights written between steps (``model.load_state_dict`` of an earlier checkpoint, weight
+    clipping under ``no_grad``) were overwritten by the stale masters on the next step; an EMA swapped in for
+    evaluation and back must keep the masters' extra bits."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, dtype=torch.float64).to(torch.bfloat16))
+    reference = torch.nn.Parameter(weight.detach().double())
+    ours = cls([weight], lr=1e-3, master_weights=True)
+    theirs = cls([reference], lr=1e-3)
+
+    def steps(n):
+        for _ in range(n):
+            g = torch.randn(64, dtype=torch.float64)
+            weight.grad = g.to(torch.bfloat16)
+            reference.grad = weight.grad.double()
+            ours.step()
+            theirs.step()
+
+    steps(3)
+    with torch.no_grad():  # an EMA swapped in for evaluation, then the training weights put back
+        saved = weight.detach().clone()
+        weight.copy_(torch.zeros_like(weight))
+        weight.copy_(saved)
+    steps(2)
+    master = ours.state[weight]["master_param"]
+    torch.testing.assert_close(master.double(), reference.detach(), rtol=1e-6, atol=1e-6)  # no bf16 rounding
+    with torch.no_grad():  # an earlier checkpoint loaded into the model
+        restored = torch.randn(64, dtype=torch.float64)
+        weight.copy_(restored.to(torch.bfloat16))
+        reference.copy_(restored.to(torch.bfloat16).double())
+    steps(3)
+    torch.testing.assert_close(weight.double(), reference.detach(), rtol=1e-2, atol=1e-2)

@@ -27,6 +27,7 @@ from torch import Tensor
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
+from ampkit.ops.optimizers._state_map import StateMap
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -72,12 +73,26 @@ class Bucket:
     has_master: bool = False
     # ``.grad`` tensors the kernels read through a copy (another dtype or layout): they unscale the copy.
     copied_grads: list[Tensor] = field(default_factory=list)
+    # With masters: each parameter's version counter when it last held its master's rounding (None: not yet read).
+    versions: list[int] | None = None
 
     def state_list(self, key: str) -> list[Tensor]:
         return [s[key] for s in self.states]
 
     def masters(self) -> list[Tensor]:
         return self.state_list("master_param") if self.has_master else []
+
+    def adopt_outside_writes(self) -> None:
+        """Each fp32 master takes its parameter's values where something else wrote the parameter since the last
+        step (``model.load_state_dict`` of an earlier checkpoint, weight clipping under ``no_grad``): the step would
+        otherwise write the stale master back over them. Only a moved version counter leads to a compare, and equal
+        values (an EMA swapped in for evaluation and back) keep the master's extra bits."""
+        versions = [p._version for p in self.params]
+        if self.versions is not None and versions != self.versions:
+            for p, master, now, before in zip(self.params, self.masters(), versions, self.versions, strict=True):
+                if now != before and not torch.equal(p, master.to(p.dtype)):
+                    master.copy_(p)
+        self.versions = versions
 
     @property
     def device(self) -> torch.device:
@@ -102,19 +117,25 @@ def torch_step_counts(bucket: Bucket, found_inf: Tensor | None) -> Iterator[list
 @dataclass
 class _BucketPlan:
     """One param group's buckets as last built, with what they were built from: the group's parameters, each
-    gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state dict (which
-    ``load_state_dict`` replaces)."""
+    gradient's (dtype, strides) with its parameter's (None: no gradient), and the optimizer's state map (which
+    ``load_state_dict`` replaces) with its count of resets (a parameter's state removed or replaced); ``filled``
+    holds the parameters' state dicts that held state then, which ``state[p].clear()`` would empty."""
 
     params: list[Tensor]
     layout: list[tuple[Any, ...] | None]
-    state: Any
+    state: StateMap
+    resets: int
     buckets: list[Bucket]
     slots: list[list[int]]
+    filled: list[dict[str, Any]] = field(init=False)
 
-    def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: Any) -> bool:
-        if state is not self.state or layout != self.layout or len(params) != len(self.params):
+    def __post_init__(self) -> None:
+        self.filled = [s for bucket in self.buckets for s in bucket.states if s]
+
+    def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: StateMap) -> bool:
+        if state is not self.state or state.resets != self.resets or layout != self.layout or not all(self.filled):
             return False
-        return all(map(operator.is_, params, self.params))
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
 
 def read_together(
@@ -167,6 +188,7 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
     "eps": (0.0, None),
     "weight_decay": (0.0, None),
     "momentum": (0.0, None),
+    "dampening": (0.0, None),
     "alpha": (0.0, None),
     "rho": (0.0, 1.0 + 1e-12),
     "lr_decay": (0.0, None),
@@ -177,18 +199,61 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
 }
 
 
+# The on/off options a param group may carry, whichever optimizer it belongs to: True or False (or Apex's 0 and 1).
+GROUP_FLAGS = (
+    "adam_w_mode",
+    "amsgrad",
+    "bias_correction",
+    "capturable",
+    "centered",
+    "decoupled_decay",
+    "grad_averaging",
+    "init_zero",
+    "lr_in_momentum",
+    "maximize",
+    "nesterov",
+    "reg_inside_moment",
+    "use_nvlamb",
+)
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is True or False (0 or 1). Anything else is truthy or falsy
+    by accident: ``FusedAdam(params, 1e-3, (0.9, 0.95))``, torch.optim's positional order, puts the betas in
+    Apex's ``bias_correction`` and would run with the default betas."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
+    hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
+    raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
+
+
+def check_betas(betas: Any, where: str = "") -> None:
+    """Raise ValueError unless ``betas`` is two numbers in [0, 1) (a float there is a positional call gone astray)."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"Invalid betas{where}: {betas!r} (expected two numbers in [0.0, 1.0))")
+    for i, beta in enumerate(betas):
+        check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
+
+
 def check_group_hypers(group: dict[str, Any]) -> None:
-    """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`) and its
-    ``betas``, named as ``param_groups[i]['lr']`` would be read."""
+    """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
+    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
             check_hyper(f"{key} of a param group", group[key], low, high)
+    for key in GROUP_FLAGS:
+        if key in group:
+            check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
-        betas = group["betas"]
-        if not isinstance(betas, tuple | list) or len(betas) != 2:
-            raise ValueError(f"Invalid betas of a param group: {betas!r} (expected two numbers in [0.0, 1.0))")
-        for i, beta in enumerate(betas):
-            check_hyper(f"betas[{i}] of a param group", beta, 0.0, 1.0)
+        check_betas(group["betas"], " of a param group")
+
+
+# A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
+# kernels have no fake-tensor form for dynamo to trace, and it reads host numbers (GradScaler's skip, LAMB's norms).
+eager_under_compile = torch.compiler.disable(
+    recursive=True, reason="ampkit's fused optimizer steps run their C++/CUDA kernels eagerly"
+)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -232,11 +297,16 @@ class FusedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not isinstance(master_weights, bool):
             raise TypeError(f"master_weights must be a bool; got {master_weights!r}")
+        for key in GROUP_FLAGS:  # named as given, before the groups that take them as defaults
+            if key in defaults:
+                check_flag(key, defaults[key])
+        check_flag("set_grad_none", set_grad_none)
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
         self.set_grad_none = bool(set_grad_none)
         super().__init__(params, defaults)
+        self.state = StateMap(self.state)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Reset gradients: to None, or to zeros; ``set_to_none=None`` follows ``set_grad_none`` (Apex)."""
@@ -271,6 +341,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
         check_group_hypers(group)
 
+    @eager_under_compile
     @torch.no_grad()
     def step(
         self,
@@ -348,6 +419,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if copied and scaler.grad_scale is not None:  # the kernels unscaled the copies they read
             self._unscale_(copied, scaler.grad_scale, scaler.found_inf)
 
+    @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         """One step with every gradient multiplied by ``grad_factor`` inside the kernel (unscale x clip).
@@ -393,14 +465,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             None if g is None else (g.dtype, g.stride(), p.dtype, p.stride())
             for p, g in zip(params, grads, strict=True)
         ]
+        if type(self.state) is not StateMap:  # assigned by hand (``optimizer.state = defaultdict(dict)``)
+            self.state = StateMap(self.state)
         plan = self._plans.get(id(group))
         if plan is not None and plan.fits(params, layout, self.state):
             for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
                 bucket.grads = [grads[i] for i in slots]
+                if bucket.has_master:
+                    bucket.adopt_outside_writes()
             return plan.buckets
         buckets, slots = self._build_buckets(group, grads)
+        for bucket in buckets:
+            if bucket.has_master:
+                bucket.adopt_outside_writes()  # the versions a kept plan compares with next step
         if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
-            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, buckets, slots)
+            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, buckets, slots)
         else:
             self._plans.pop(id(group), None)
         return buckets
@@ -501,6 +580,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
         # this optimizer's constructor values.
         super().__setstate__(state)
+        self.state = StateMap(self.state)
         for key in self._scratch_attrs:
             setattr(self, key, {})
         for group in self.param_groups:

@@ -15,6 +15,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     ScalerTensors,
     acc_dtype,
+    check_betas,
     check_hyper,
     torch_step_counts,
 )
@@ -68,10 +69,9 @@ class FusedAdam(FusedOptimizer):
         maximize: bool = False,
         backend: str | None = None,
     ) -> None:
-        check_hyper("lr", float(lr))
+        check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,
@@ -92,6 +92,23 @@ class FusedAdam(FusedOptimizer):
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, each group also saying ``decoupled_weight_decay`` (torch.optim.Adam's name for ``adam_w_mode``): a
+        ``torch.optim.Adam`` that loads it resumes with the same weight decay, as it resumes an ``AdamW``'s."""
+        saved = super().state_dict()
+        for group in saved.get("param_groups", ()):  # as torch's state_dict post-hooks left it
+            if "adam_w_mode" in group:
+                group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
+        return saved
+
+    def _load_state(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader; a group saved by ``torch.optim.Adam``/``AdamW`` resumes with its ``decoupled_weight_decay``
+        as ``adam_w_mode``, as torch's Adam takes the saved flag over its own (the saved group's options win)."""
+        super()._load_state(state_dict)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
+                group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
 
     def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
         return group["bias_correction"] and acc_dtype(param) == param.dtype

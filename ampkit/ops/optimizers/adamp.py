@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -46,8 +46,7 @@ class FusedAdamP(FusedOptimizer):
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("delta", delta)
         check_hyper("wd_ratio", wd_ratio)

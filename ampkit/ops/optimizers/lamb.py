@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper, eager_under_compile
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -54,8 +54,7 @@ class FusedLAMB(FusedOptimizer):
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("max_grad_norm", max_grad_norm)
         defaults = dict(
@@ -72,6 +71,7 @@ class FusedLAMB(FusedOptimizer):
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._update_buffers: dict[Tensor, Tensor] = {}
 
+    @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         norm = self._read_with_scaler(None)

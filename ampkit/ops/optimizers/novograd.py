@@ -10,7 +10,15 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, _scalar_on, acc_dtype, check_hyper
+from ampkit.ops.optimizers._base import (
+    Bucket,
+    FusedOptimizer,
+    _scalar_on,
+    acc_dtype,
+    check_betas,
+    check_hyper,
+    eager_under_compile,
+)
 from ampkit.ops.optimizers._kernels import op
 
 _UNSET = -1.0  # exp_avg_sq before a parameter's first step (norms are >= 0)
@@ -55,8 +63,7 @@ class FusedNovoGrad(FusedOptimizer):
             raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,
@@ -92,6 +99,7 @@ class FusedNovoGrad(FusedOptimizer):
                     value = next(by_dtype[param.dtype])
                     state["exp_avg_sq"] = torch.tensor(value, dtype=acc_dtype(param), device=param.device)
 
+    @eager_under_compile
     def step_with_grad_factor(self, grad_factor: float) -> None:
         blended = self._blend_norms(abs(grad_factor))
         self._step_on_host(grad_factor, None if blended is None else blended.cpu())
