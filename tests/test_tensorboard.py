@@ -312,3 +312,24 @@ def test_a_value_logged_in_a_trainers_own_on_train_end_is_written(tmp_path):
     trainer = _LogsAtTrainEnd(toy_cfg(tmp_path, **{"trainer.max_epochs": 1}))
     trainer.fit()
     assert [(e.step, e.value) for e in _events(trainer).Scalars("final_metric")] == [(8, 3.5)]
+
+
+def test_a_continued_run_replaces_the_steps_logged_after_its_checkpoint(tmp_path):
+    """A run killed after its last checkpoint had already written later steps; the continued run logs them again.
+    TensorBoard showed each of those steps twice (two points per step, a zigzag where the killed run's values
+    differ); the continued run's writer purges the killed run's events past the checkpoint, as SummaryWriter's
+    purge_step does."""
+    import shutil
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.log_every_n_steps": 1, "checkpoint.every_n_steps": 3,
+                              "checkpoint.keep_last": 5})  # fmt: skip
+    first = ToyTrainer(cfg)
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    for later in sorted(checkpoints.glob("step-*.pt"))[1:]:  # as if killed just after the save at step 3
+        later.unlink()
+    shutil.copy(checkpoints / "step-00000003.pt", checkpoints / "last.pt")
+    continued = ToyTrainer(cfg)
+    continued.fit(resume="last")
+    assert continued.version_dir == first.version_dir  # a continue, into the same TensorBoard directory
+    assert [e.step for e in _events(continued).Scalars("train/loss")] == list(range(1, 9))

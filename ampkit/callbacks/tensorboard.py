@@ -82,7 +82,11 @@ class TensorBoardLogger(Callback):
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"))
+        # A continued run logs again the steps its killed predecessor wrote after the checkpoint: purge_step hides
+        # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value.
+        continued = trainer.fit_start.version_dir is not None
+        purge_step = trainer.state.global_step + 1 if continued else None
+        self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"), purge_step=purge_step)
         trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
         # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
         _, start, _ = _hparams_summaries(trainer, {})

@@ -342,8 +342,26 @@ def check_gpt_config(cfg: DictConfig) -> None:
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
+    if not problems:
+        problems += _batch_problems(cfg)
     if problems:
         raise ampkit.ConfigError("; ".join(problems))
+
+
+def _batch_problems(cfg: DictConfig) -> list[str]:
+    """A text too short for one training batch per rank: named here, before the model is timed or built, where the
+    Trainer would only say that the loader yields no batches."""
+    batch, seq_len, ranks = cfg.data.batch_size, cfg.model.seq_len, int(os.environ.get("WORLD_SIZE", "1"))
+    train, val = split(corpus_bytes(), cfg.data.val_fraction)
+    if len(val) <= seq_len:
+        return [f"config key 'model.seq_len': {seq_len} is not shorter than the held-out text ({len(val)} bytes, "
+                "data.val_fraction); lower it or raise data.val_fraction"]  # fmt: skip
+    windows = (len(train) - seq_len - 1) // seq_len + 1 if len(train) > seq_len else 0
+    if windows // ranks >= batch:
+        return []
+    per_rank = f" per rank ({ranks} ranks)" if ranks > 1 else ""
+    return [f"config keys 'data.batch_size' ({batch}) and 'model.seq_len' ({seq_len}): the training text makes "
+            f"{windows} windows of {seq_len} bytes, fewer than one batch{per_rank}; lower either"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -250,7 +250,9 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("data.batch_size=-4", "data.batch_size"), ("data.val_fraction=1.5", "data.val_fraction"),
                           ("generate.top_k=-1", "generate.top_k"), ("optim.lr=-1", "optim.lr"),
                           ("generate.temperature=-0.5", "generate.temperature"),
-                          ("generate.prompt=''", "generate.prompt")):  # fmt: skip
+                          ("generate.prompt=''", "generate.prompt"),
+                          ("data.val_fraction=0.00001", "model.seq_len"),  # a held-out text shorter than a window
+                          ("data.batch_size=100000", "data.batch_size")):  # a text shorter than one batch  # fmt: skip
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
         with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):  # before the auto precision times anything
             trainer_class(cfg)
