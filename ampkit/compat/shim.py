@@ -2,9 +2,9 @@
 
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
-whose submodules load on first touch, plus Apex's top-level ``amp_C``, ``apex_C`` and ``fused_adam_cuda`` extension
-modules. A real apex
-installation wins unless the shim is forced.
+whose submodules load on first touch, plus Apex's top-level extension modules (``amp_C``, ``apex_C``,
+``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda`` and the
+Megatron softmaxes). A real apex installation wins unless the shim is forced.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import types
 import warnings
 from typing import Any
 
+from ampkit.compat._unserved import EMPTY_PACKAGES, UNSERVED, unserved_advice
+
 APEX_SUBPACKAGES = {
     "amp": "ampkit.compat.amp",
     "fp16_utils": "ampkit.compat.fp16_utils",
@@ -27,12 +29,21 @@ APEX_SUBPACKAGES = {
     "optimizers": "ampkit.compat.optimizers",
     "normalization": "ampkit.compat.normalization",
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
+    "mlp": "ampkit.compat.mlp",
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
 _TOP_LEVEL_MODULES = {
     "amp_C": "ampkit.compat.amp_c",
     "apex_C": "ampkit.compat.apex_c",
     "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
+    "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
+    "focal_loss_cuda": "ampkit.compat.focal_loss_cuda",  # NVIDIA's EfficientDet imports it at the top
+    "fused_weight_gradient_mlp_cuda": "ampkit.compat.fused_weight_gradient_mlp_cuda",  # Megatron's default path
+    # Megatron's fused softmax (mid-2023 on) asks for these on every fp16/bf16 attention
+    "scaled_upper_triang_masked_softmax_cuda": "ampkit.compat.fused_softmax.scaled_upper_triang_masked_softmax_cuda",
+    "scaled_masked_softmax_cuda": "ampkit.compat.fused_softmax.scaled_masked_softmax_cuda",
+    "generic_scaled_masked_softmax_cuda": "ampkit.compat.fused_softmax.generic_scaled_masked_softmax_cuda",
+    "scaled_softmax_cuda": "ampkit.compat.fused_softmax.scaled_softmax_cuda",
 }
 # Apex modules that legacy code imported by file name rather than through the package.
 _MODULE_ALIASES = {
@@ -50,6 +61,13 @@ _MODULE_ALIASES = {
     "apex.parallel.optimized_sync_batchnorm": "ampkit.compat.parallel.sync_batchnorm",
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
+    "apex.mlp.mlp": "ampkit.compat.mlp",
+    "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
+    "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
+    "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",  # its package is empty, as in Apex
+    "apex.contrib.optimizers": "ampkit.compat.contrib_optimizers",  # Apex's first FP16_Optimizer and FusedAdam
+    "apex.contrib.optimizers.fp16_optimizer": "ampkit.compat.contrib_optimizers",
+    "apex.contrib.optimizers.fused_adam": "ampkit.compat.contrib_optimizers",
 }
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
@@ -61,10 +79,10 @@ def _target_module_name(fullname: str) -> str:
     _, _, rest = fullname.partition(".")
     head, _, tail = rest.partition(".")
     if head not in APEX_SUBPACKAGES:
-        raise ModuleNotFoundError(
-            f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}; {fullname!r} is not one of them",
-            name=fullname,
-        )
+        provided = f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}"
+        advice = unserved_advice(fullname)
+        message = f"{advice} ({provided})" if advice else f"{provided}; {fullname!r} is not one of them"
+        raise ModuleNotFoundError(message, name=fullname)
     target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
     if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
         package = importlib.import_module(APEX_SUBPACKAGES[head])
@@ -97,6 +115,31 @@ def _make_apex_package() -> types.ModuleType:
 
     package.__getattr__ = __getattr__
     return package
+
+
+def _make_empty_package(name: str) -> types.ModuleType:
+    """An Apex package that imports empty, as Apex's own did (``apex.contrib``, ``apex.contrib.focal_loss``); its
+    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), and
+    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
+    package.__path__ = []
+
+    def __getattr__(attribute: str) -> Any:
+        submodule = f"{name}.{attribute}"
+        if submodule in UNSERVED:
+            _target_module_name(submodule)  # raises the subpackage's ModuleNotFoundError
+        raise AttributeError(f"module {name!r} (ampkit shim) has no attribute {attribute!r}")
+
+    package.__getattr__ = __getattr__
+    return package
+
+
+class _EmptyPackageLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _make_empty_package(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
 
 
 class _ModuleNamedLikeItsFunction(types.ModuleType):
@@ -191,6 +234,8 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_TOP_LEVEL_MODULES[fullname]))
         if not fullname.startswith("apex."):
             return None
+        if fullname in EMPTY_PACKAGES:
+            return importlib.machinery.ModuleSpec(fullname, _EmptyPackageLoader(), is_package=True)
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
 
     def find_distributions(
@@ -221,8 +266,9 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``) and Apex's ``import amp_C`` / ``import apex_C`` / ``import fused_adam_cuda`` resolve to
-    ampkit.
+    ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
+    ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes)
+    resolve to ampkit.
 
     Args:
         force: install even when a real apex is importable (it is then shadowed for this process).

@@ -14,6 +14,7 @@ from child_env import child_env
 
 import ampkit.compat.amp
 from ampkit.compat import install_apex_shim, uninstall_apex_shim
+from ampkit.compat.shim import _TOP_LEVEL_MODULES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,8 +49,29 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     from apex.parallel.LARC import LARC as larc_by_module_path
 
     assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
-    with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
-        import apex.contrib  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="apex.contrib.xentropy"):
+        import apex.contrib.xentropy  # noqa: F401
+
+
+@pytest.mark.parametrize(
+    ("statement", "instead"),
+    [
+        ("from apex.contrib.xentropy import SoftmaxCrossEntropyLoss", r"torch\.nn\.functional\.cross_entropy\("),
+        ("from apex.contrib import xentropy", r"torch\.nn\.functional\.cross_entropy\("),
+        ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
+        ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
+        ("from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB", r"ZeroRedundancyOptimizer"),
+        ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
+        ("from apex.transformer import parallel_state", r"torch\.distributed\.tensor\.parallel"),
+    ],
+)
+def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim, statement, instead):
+    """Still a ModuleNotFoundError (guarded imports fall back), naming the package and its replacement; ``apex.contrib``
+    itself imports empty, as in Apex, where each of its subpackages needs its own extension."""
+    import apex.contrib  # noqa: F401
+
+    with pytest.raises(ModuleNotFoundError, match=r"does not serve 'apex\.[\w.]+' \(.*\); use .*" + instead):
+        exec(statement, {})
 
 
 def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):
@@ -183,3 +205,63 @@ def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_fi
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["0.1+ampkit", "ampkit.compat.apex_c"]
+
+
+def test_a_subprocess_whose_first_apex_touch_is_any_served_extension_module_gets_it(tmp_path):
+    """A worker may load ``fused_adam_cuda`` or ``fused_layer_norm_cuda`` by name before anything imports apex."""
+    script = tmp_path / "launching.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        f"for name in {sorted(_TOP_LEVEL_MODULES)!r}:\n"
+        "    child = f'import importlib; print(importlib.import_module({name!r}).__name__)'\n"
+        "    done = subprocess.run([sys.executable, '-c', child], capture_output=True, text=True)\n"
+        "    print(done.stdout.strip() or done.stderr.strip().splitlines()[-1])\n"
+    )
+    result = _legacy(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in sorted(_TOP_LEVEL_MODULES)]
+
+
+def test_apex_contrib_optimizers_serves_the_first_fp16_optimizer_as_bert_run_swag_imports_it(shim):
+    """NVIDIA's BERT run_swag.py with --fp16: FP16_Optimizer from apex.contrib.optimizers around apex.optimizers'
+    FusedAdam built with max_grad_norm (the first FusedAdam)."""
+    from apex.contrib.optimizers import FP16_Optimizer
+    from apex.optimizers import FusedAdam
+
+    from ampkit.compat.legacy_fused_adam import LegacyFusedAdam
+
+    model = torch.nn.Linear(4, 2).half()
+    optimizer = FP16_Optimizer(
+        FusedAdam(model.parameters(), lr=1e-3, bias_correction=False, max_grad_norm=1.0), dynamic_loss_scale=True
+    )
+    optimizer.backward(model(torch.randn(3, 4).half()).float().sum())
+    optimizer.step()
+    assert isinstance(optimizer.optimizer, LegacyFusedAdam)
+    from apex.contrib.optimizers import FusedAdam as first_fused_adam
+
+    assert first_fused_adam is LegacyFusedAdam
+    import apex.contrib.optimizers
+
+    with pytest.raises(AttributeError, match=r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"):
+        apex.contrib.optimizers.FusedLAMB  # noqa: B018
+    with pytest.raises(ModuleNotFoundError, match=r"'apex\.contrib\.optimizers\.distributed_fused_adam' \(a sharded"):
+        import apex.contrib.optimizers.distributed_fused_adam  # noqa: F401
+
+
+def test_apex_contrib_clip_grad_is_torch_clipping_as_moflow_imports_it(shim):
+    """NVIDIA's MoFlow: ``from apex.contrib.clip_grad import clip_grad_norm_`` at the top of its training script."""
+    from apex.contrib.clip_grad import clip_grad_norm_
+    from apex.contrib.clip_grad.clip_grad import clip_grad_norm_ as by_file
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.clone()
+    total = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    assert by_file is clip_grad_norm_
+    assert torch.equal(clip_grad_norm_(params, 1.0), total)
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(params, reference, strict=True))
+    assert torch.equal(clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0), torch.tensor(0.0))

@@ -1,9 +1,9 @@
-"""Child processes of ``python -m ampkit.legacy``: resolve ``import apex`` (and ``amp_C``) to ampkit, as in
-the parent.
+"""Child processes of ``python -m ampkit.legacy``: resolve ``import apex`` (and Apex's extension modules) to
+ampkit, as in the parent.
 
 Active only when ``AMPKIT_APEX_SHIM`` is set (the launcher sets it after installing the shim). Nothing of
-ampkit is imported until the first ``import apex``, ``amp_C`` or ``apex_C`` (or a lookup of apex's
-distribution); then the real shim is installed and answers. The environment's own ``sitecustomize``
+ampkit is imported until the first ``import apex`` or of an extension module the shim serves (or a lookup of
+apex's distribution); then the real shim is installed and answers. The environment's own ``sitecustomize``
 (shadowed by this one) is run afterwards.
 """
 
@@ -12,11 +12,25 @@ import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Apex's top-level extension modules that the shim serves (its _TOP_LEVEL_MODULES), spelt out so that nothing of
+# ampkit loads before one is asked for: a worker may load one by name before anything imports apex.
+EXTENSION_MODULES = (
+    "amp_C",
+    "apex_C",
+    "fused_adam_cuda",
+    "fused_layer_norm_cuda",
+    "focal_loss_cuda",
+    "fused_weight_gradient_mlp_cuda",
+    "scaled_upper_triang_masked_softmax_cuda",
+    "scaled_masked_softmax_cuda",
+    "generic_scaled_masked_softmax_cuda",
+    "scaled_softmax_cuda",
+)
 
 
 class _InstallShimOnFirstApexImport:
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in ("apex", "amp_C", "apex_C") and not fullname.startswith("apex."):
+        if fullname != "apex" and fullname not in EXTENSION_MODULES and not fullname.startswith("apex."):
             return None
         return self._install().find_spec(fullname, path, target)
 

@@ -1,0 +1,144 @@
+"""``apex.mlp``: Apex's fused MLP, ``MLP(mlp_sizes, bias=True, activation="relu")``, on PyTorch ops (any device).
+
+Every layer is a linear map followed by the activation, the last one included, as in Apex's kernel. The
+parameters keep Apex's layout: ``weights``/``biases`` lists whose entries are the module's ``weight_{i}`` and
+``bias_{i}``, so Apex checkpoints load. ``MlpFunction`` keeps Apex's calling convention
+(``forward(ctx, bias, activation, input, *weights, *biases)``), which projects such as NVIDIA's DLRM call from
+their own autograd Functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from copy import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MLP", "MlpFunction", "mlp_function"]
+
+_ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
+
+
+def _activate(x: Tensor, activation: int) -> Tensor:
+    if activation == 1:
+        return torch.relu(x)
+    return torch.sigmoid(x) if activation == 2 else x
+
+
+def _through_activation(grad: Tensor, activated: Tensor, activation: int) -> Tensor:
+    """The gradient before the activation, from the one after it and the activated output."""
+    if activation == 1:
+        return grad * (activated > 0).to(grad.dtype)
+    return grad * activated * (1 - activated) if activation == 2 else grad
+
+
+def _layers(use_bias: int, args: Sequence[Tensor]) -> tuple[Tensor, Sequence[Tensor], Sequence[Tensor | None]]:
+    """``(input, weights, biases)`` from Apex's flat ``(input, *weights, *biases)``."""
+    count = (len(args) - 1) // (2 if use_bias else 1)
+    weights = args[1 : 1 + count]
+    biases = args[1 + count : 1 + 2 * count] if use_bias else [None] * count
+    if args[0].dim() != 2:
+        raise ValueError(f"apex.mlp: the input must be 2-D (batch, features), got shape {list(args[0].shape)}")
+    return args[0], weights, biases
+
+
+def mlp_forward(use_bias: int, activation: int, args: Sequence[Tensor]) -> list[Tensor]:
+    """``[output, *each layer's activated output]`` (Apex returned ``[output, reserved_space]``)."""
+    x, weights, biases = _layers(use_bias, args)
+    activated = []
+    for weight, bias in zip(weights, biases, strict=True):
+        x = _activate(F.linear(x, weight, bias), activation)
+        activated.append(x)
+    return [x, *activated]
+
+
+def mlp_backward(
+    use_bias: int, activation: int, grad_o: Tensor, fprop_outputs: Sequence[Tensor], args: Sequence[Tensor]
+) -> list[Tensor]:
+    """``[grad_input, *grad_weights, *grad_biases]`` from the forward's outputs and inputs."""
+    x, weights, _ = _layers(use_bias, args)
+    activated = list(fprop_outputs[1:])
+    layer_inputs = [x, *activated[:-1]]
+    grad = grad_o
+    grad_weights: list[Tensor] = [grad] * len(weights)
+    grad_biases: list[Tensor] = [grad] * len(weights)
+    for i in reversed(range(len(weights))):
+        grad = _through_activation(grad, activated[i], activation)
+        grad_weights[i] = grad.t() @ layer_inputs[i]
+        grad_biases[i] = grad.sum(0)
+        grad = grad @ weights[i]
+    return [grad, *grad_weights, *(grad_biases if use_bias else [])]
+
+
+class MlpFunction(torch.autograd.Function):
+    """Apex's autograd Function: ``apply(bias, activation, input, *weights, *biases)``."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: int, activation: int, *args: Tensor) -> Tensor:
+        output = mlp_forward(bias, activation, args)
+        ctx.save_for_backward(*args)
+        ctx.outputs = output
+        ctx.bias = bias
+        ctx.activation = activation
+        return output[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_o: Tensor) -> tuple:
+        grads = mlp_backward(ctx.bias, ctx.activation, grad_o, ctx.outputs, ctx.saved_tensors)
+        del ctx.outputs
+        return (None, None, *grads)
+
+
+def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
+    """``MlpFunction.apply`` with Apex's autocast rule: under autocast the tensors are cast to its dtype first."""
+    device_type = args[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [a.to(dtype) if a.is_floating_point() else a for a in args]
+        with torch.autocast(device_type, enabled=False):
+            return MlpFunction.apply(bias, activation, *cast)
+    return MlpFunction.apply(bias, activation, *args)
+
+
+class MLP(nn.Module):
+    """Apex's MLP: ``mlp_sizes`` ``[in, h1, ..., out]`` make ``len(mlp_sizes) - 1`` layers, each followed by the
+    activation (``"none"``, ``"relu"`` or ``"sigmoid"``)."""
+
+    def __init__(self, mlp_sizes: Sequence[int], bias: bool = True, activation: str = "relu") -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise TypeError(
+                f"apex.mlp.MLP: activation {activation!r} is not one of {', '.join(map(repr, _ACTIVATIONS))}"
+            )
+        self.num_layers = len(mlp_sizes) - 1
+        self.mlp_sizes = copy(mlp_sizes)
+        self.bias = 1 if bias else 0
+        self.activation = _ACTIVATIONS[activation]
+        self.weights: list[nn.Parameter] = []
+        self.biases: list[nn.Parameter] = []
+        for i in range(self.num_layers):
+            weight = nn.Parameter(torch.empty(mlp_sizes[i + 1], mlp_sizes[i]))
+            self.weights.append(weight)
+            setattr(self, f"weight_{i}", weight)
+            if self.bias:
+                bias_i = nn.Parameter(torch.empty(mlp_sizes[i + 1]))
+                self.biases.append(bias_i)
+                setattr(self, f"bias_{i}", bias_i)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Apex's initialisation: normal weights with std ``sqrt(2 / (fan_in + fan_out))``, biases ``sqrt(1 / out)``."""
+        for weight in self.weights:
+            nn.init.normal_(weight, 0.0, math.sqrt(2.0 / float(weight.size(0) + weight.size(1))))
+        for bias in self.biases:
+            nn.init.normal_(bias, 0.0, math.sqrt(1.0 / float(bias.size(0))))
+
+    def forward(self, input: Tensor) -> Tensor:
+        return mlp_function(self.bias, self.activation, input, *self.weights, *self.biases)
+
+    def extra_repr(self) -> str:
+        return f"MLP sizes: {self.mlp_sizes}, Bias={self.bias}, activation={self.activation}"

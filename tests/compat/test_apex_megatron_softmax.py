@@ -1,0 +1,100 @@
+"""Apex's Megatron softmax extensions under the shim, as Megatron-LM (mid-2023 on) drives them: its
+``FusedScaleMaskSoftmax`` asks ``scaled_masked_softmax_cuda.get_batch_per_block`` whether the fused path applies
+to an fp16/bf16 attention, then its Functions import the extension inside ``forward``/``backward``. Checked
+against Megatron's own torch path (scale, ``masked_fill(mask, -10000)``, softmax in float32) in float64."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):  # megatron/model/fused_softmax.py
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        import scaled_upper_triang_masked_softmax_cuda
+
+        scale_t = torch.tensor([scale])
+        softmax_results = scaled_upper_triang_masked_softmax_cuda.forward(inputs, scale_t[0])
+        ctx.save_for_backward(softmax_results, scale_t)
+        return softmax_results
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        import scaled_upper_triang_masked_softmax_cuda
+
+        softmax_results, scale_t = ctx.saved_tensors
+        return scaled_upper_triang_masked_softmax_cuda.backward(output_grads, softmax_results, scale_t[0]), None
+
+
+class ScaledMaskedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inputs, mask, scale):
+        import scaled_masked_softmax_cuda
+
+        scale_t = torch.tensor([scale])
+        softmax_results = scaled_masked_softmax_cuda.forward(inputs, mask, scale_t[0])
+        ctx.save_for_backward(softmax_results, scale_t)
+        return softmax_results
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        import scaled_masked_softmax_cuda
+
+        softmax_results, scale_t = ctx.saved_tensors
+        return scaled_masked_softmax_cuda.backward(output_grads, softmax_results, scale_t[0]), None, None
+
+
+def _torch_path(scores, mask, scale):
+    return torch.softmax((scores * scale).masked_fill(mask, -10000.0), -1)
+
+
+def test_megatron_fused_softmaxes_match_its_torch_path(shim):
+    torch.manual_seed(0)
+    scores = torch.randn(2, 2, 8, 8, dtype=torch.float64)
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1).expand(1, 1, 8, 8)
+    padding = torch.rand(2, 1, 8, 8) < 0.3
+    grad = torch.randn_like(scores)
+    for run, mask in (
+        (lambda x: ScaledUpperTriangMaskedSoftmax.apply(x.view(-1, 8, 8), 0.5).view(2, 2, 8, 8), causal),
+        (lambda x: ScaledMaskedSoftmax.apply(x, padding, 0.5), padding),
+    ):
+        x, x_ref = scores.clone().requires_grad_(), scores.clone().requires_grad_()
+        out, expected = run(x), _torch_path(x_ref, mask, 0.5)
+        assert torch.allclose(out, expected, atol=1e-6)
+        out.backward(grad.clone())  # Apex's backward writes into the gradient it is given
+        expected.backward(grad)
+        assert torch.allclose(x.grad, x_ref.grad, atol=1e-6)
+    import scaled_masked_softmax_cuda
+
+    x = scores.clone().requires_grad_()
+    ScaledMaskedSoftmax.apply(x, padding, 0.5).sum().backward()  # an expanded gradient is copied, not written
+    assert torch.isfinite(x.grad).all()
+    assert [scaled_masked_softmax_cuda.get_batch_per_block(128, k, 8, 16) for k in (16, 128, 2048)] == [16, 8, 4]
+
+
+def test_half_scores_a_fully_masked_row_and_a_wrong_rank(shim):
+    scaled_masked_softmax_cuda = importlib.import_module("scaled_masked_softmax_cuda")
+    scaled_softmax_cuda = importlib.import_module("scaled_softmax_cuda")
+    scores = torch.randn(1, 1, 4, 8, dtype=torch.half)
+    mask = torch.zeros(1, 1, 4, 8, dtype=torch.bool)
+    mask[..., 1, :] = True
+    out = scaled_masked_softmax_cuda.forward(scores, mask, 1.0)
+    assert out.dtype == torch.half and torch.all(out[..., 1, :] == 0)
+    assert torch.allclose(out[..., 0, :].float().sum(), torch.tensor(1.0), atol=1e-3)
+    assert torch.allclose(
+        scaled_softmax_cuda.forward(scores, 2.0).float(), torch.softmax(scores.float() * 2, -1), atol=1e-3
+    )
+    with pytest.raises(ValueError, match=r"scaled_softmax_cuda.forward: expected a 4-D tensor, got shape \[4, 8\]"):
+        scaled_softmax_cuda.forward(scores[0, 0], 1.0)
