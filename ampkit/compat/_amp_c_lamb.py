@@ -27,8 +27,24 @@ _REDUCED = (torch.float16, torch.bfloat16)
 
 
 def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
-    """``tensor_lists`` as lists, checked as Apex's ``multi_tensor_apply`` did: one of ``counts`` lists, equal
-    lengths, and ``tensor_lists[l][i]`` with as many elements as ``tensor_lists[0][i]``."""
+    """``tensor_lists`` as lists, checked as Apex's ``multi_tensor_apply`` did: one of ``counts`` lists of tensors,
+    equal lengths, and ``tensor_lists[l][i]`` with as many elements as ``tensor_lists[0][i]``."""
+    if isinstance(tensor_lists, Tensor) or not isinstance(tensor_lists, Sequence):
+        raise TypeError(
+            f"{op_name}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}"
+        )
+    for i, t in enumerate(tensor_lists):
+        if isinstance(t, Tensor) or not isinstance(t, Sequence):
+            raise TypeError(
+                f"{op_name}: tensor_lists[{i}] must be a list of tensors, got {type(t).__name__} "
+                f"(wrap a single tensor in a list)"
+            )
+        for j, tensor in enumerate(t):
+            if not isinstance(tensor, Tensor):
+                raise TypeError(
+                    f"{op_name}: tensor_lists[{i}][{j}] must be a tensor, got {type(tensor).__name__} "
+                    f"(a parameter without a .grad?)"
+                )
     lists = [list(t) for t in tensor_lists]
     if len(lists) not in counts:
         expected = " or ".join(str(c) for c in counts)

@@ -346,6 +346,9 @@ def multi_tensor_sgd(
     a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
     """
     lists = check_lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
+        got = list(noop_flag.shape) if isinstance(noop_flag, Tensor) else type(noop_flag).__name__
+        raise TypeError(f"multi_tensor_sgd: noop_flag must be a one-element int32 or float32 tensor, got {got}")
     if not lists[0] or bool(noop_flag.item()):
         return
     grads, weights, buffers = lists[:3]

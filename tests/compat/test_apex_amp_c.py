@@ -272,6 +272,22 @@ def test_empty_lists_do_nothing():
         amp_C.multi_tensor_scale(2048, buf, [[torch.ones(2)], []], 1.0)
 
 
+def test_a_bare_tensor_a_missing_grad_or_a_bad_flag_is_named_not_iterated():
+    """Apex's binding took lists of tensors only; iterating a bare tensor would run the op on its rows."""
+    buf, param = flag(), torch.randn(2, 3)
+    with pytest.raises(
+        TypeError, match=r"multi_tensor_l2norm: tensor_lists\[0\] must be a list of tensors, got Tensor"
+    ):
+        amp_C.multi_tensor_l2norm(2048, buf, [param], True)
+    with pytest.raises(TypeError, match=r"multi_tensor_adam: tensor_lists\[0\]\[0\] must be a tensor, got NoneType"):
+        amp_C.multi_tensor_adam(2048, buf, [[param.grad], [param], [param * 0], [param * 0]], 1e-3, 0.9, 0.999, 1e-8,
+                                1, 1, 1, 0.0)  # fmt: skip
+    with pytest.raises(TypeError, match=r"multi_tensor_sgd: noop_flag must be a one-element .* got \[2\]"):
+        amp_C.multi_tensor_sgd(2048, torch.zeros(2), [[param], [param], [param]], 0.0, 0.9, 0.0, 0.1, False, True,
+                               False, 1.0)  # fmt: skip
+    assert buf.item() == 0
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
