@@ -374,6 +374,21 @@ def multi_tensor_sgd(
     )
 
 
+def _check_scaler_state(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                        found_inf: Tensor) -> None:  # fmt: skip
+    """Apex's kernel read one float32 scale and flag and two int32 trackers; any one-element tensor holds one."""
+    named = {"current_scale": current_scale, "growth_tracker": growth_tracker,
+             "hysteresis_tracker": hysteresis_tracker, "found_inf": found_inf}  # fmt: skip
+    for name, value in named.items():
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            got = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"update_scale_hysteresis: {name} must be a one-element tensor, got {got}")
+    if not current_scale.is_floating_point():
+        raise TypeError(
+            f"update_scale_hysteresis: current_scale must be floating-point (Apex's float32), got {current_scale.dtype}"
+        )
+
+
 def update_scale_hysteresis(
     current_scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -394,7 +409,8 @@ def update_scale_hysteresis(
     updates in a row multiply it by ``growth_factor`` unless that overflows float32. A clean update
     refills the hysteresis tracker.
     """
-    inf = found_inf.reshape(-1)[:1] > 0
+    _check_scaler_state(current_scale, growth_tracker, hysteresis_tracker, found_inf)
+    inf = found_inf.reshape(()) > 0
     tracker = torch.where(inf, hysteresis_tracker - 1, hysteresis_tracker)
     hold = inf & (tracker > 0)  # an overflow absorbed by the hysteresis: only the growth tracker resets
     backed_off = current_scale.double() * backoff_factor

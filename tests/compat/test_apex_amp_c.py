@@ -327,6 +327,18 @@ def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_z
     assert scale.item() == 0.0
 
 
+def test_update_scale_hysteresis_takes_grad_scaler_style_0_dim_state_and_names_bad_state():
+    """Apex's kernel read element 0 of whatever it was given, so torch.amp.GradScaler's 0-dim tensors worked."""
+    scale, growth, hyst = torch.full((), 4.0), torch.full((), 0, dtype=torch.int32), torch.full((), 2)
+    for found, expected in ((1.0, (4.0, 0, 1)), (1.0, (2.0, 0, 0)), (0.0, (2.0, 1, 2)), (0.0, (4.0, 0, 2))):
+        amp_C.update_scale_hysteresis(scale, growth, hyst, torch.full((), found), 2.0, 0.5, 2, 2)
+        assert (scale.item(), growth.item(), hyst.item()) == expected and scale.dim() == 0
+    with pytest.raises(TypeError, match="current_scale must be floating-point .* got torch.int64"):
+        amp_C.update_scale_hysteresis(torch.tensor([4]), growth, hyst, torch.ones(1), 2.0, 0.5, 2, 2)
+    with pytest.raises(ValueError, match=r"found_inf must be a one-element tensor, got shape \[0\]"):
+        amp_C.update_scale_hysteresis(scale, growth, hyst, torch.empty(0), 2.0, 0.5, 2, 2)
+
+
 def test_amp_c_has_every_op_of_apexs_last_amp_c():
     """The ``m.def`` names of Apex's ``csrc/amp_C_frontend.cpp`` at the last commit before amp was removed."""
     apex_ops = {
