@@ -310,6 +310,12 @@ def multi_tensor_novograd(
         raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
     if moment_mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_novograd: moment_mode={moment_mode!r}; expected 0 or 1")
+    if not isinstance(grad_norms, Tensor) or grad_norms.numel() != len(params) or not grad_norms.is_floating_point():
+        got = f"{grad_norms.dtype} of shape {list(grad_norms.shape)}" if isinstance(grad_norms, Tensor) else grad_norms
+        raise ValueError(
+            f"multi_tensor_novograd: grad_norms must be a float32 tensor with one second moment per tensor "
+            f"({len(params)}), got {got}"
+        )
     if not params:
         return
     previous = grad_norms.double()

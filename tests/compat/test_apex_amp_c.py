@@ -288,6 +288,15 @@ def test_a_bare_tensor_a_missing_grad_or_a_bad_flag_is_named_not_iterated():
     assert buf.item() == 0
 
 
+def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():
+    """One float32 second moment per tensor: Apex's kernel indexed it by tensor; an integer one would truncate."""
+    grads, params = [torch.randn(3), torch.randn(4)], [torch.randn(3), torch.randn(4)]
+    lists = [grads, params, [torch.zeros(3), torch.zeros(4)]]
+    for grad_norms in (torch.zeros(1), torch.zeros(2, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"grad_norms must be a float32 tensor with one second moment per tensor"):
+            amp_C.multi_tensor_novograd(2048, flag(), lists, grad_norms, 0.1, 0.9, 0.99, 1e-8, 1, 1, 0.0, 1, 0, 2)
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
