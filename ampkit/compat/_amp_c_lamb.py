@@ -63,6 +63,14 @@ def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]
     return lists
 
 
+def check_step(op_name: str, step: int | float, bias_correction: int) -> None:
+    """A bias-corrected step counts from 1: at 0 the correction ``1 - beta ** 0`` divides by zero (NaN params)."""
+    if bias_correction and float(step) < 1:
+        raise RuntimeError(
+            f"{op_name}: step={step!r} with bias_correction; the first step is 1 (increment it before the call)"
+        )
+
+
 class _Working:
     """``tensors`` as a kernel takes them: ``dtype`` (default their own) and laid out like ``like`` (default
     dense), copied where they are not; :meth:`write_back` stores the copies into the caller's tensors."""
@@ -204,6 +212,7 @@ def multi_tensor_lamb(
     when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW. As in Apex the
     grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm."""
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_lamb", tensor_lists, (4,))
+    check_step("multi_tensor_lamb", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:

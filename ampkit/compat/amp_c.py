@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ampkit.compat._amp_c_lamb import (
     check_lists,
+    check_step,
     multi_tensor_lamb,
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
@@ -153,6 +154,7 @@ def multi_tensor_adam(
     ``step`` is the step being taken (1 on the first). Moments of fp16/bf16 params are float32, as in Apex.
     """
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_adam", tensor_lists, (4,))
+    check_step("multi_tensor_adam", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
@@ -306,6 +308,7 @@ def multi_tensor_novograd(
     (``norm_type`` 2) or ``b2 * v + (1 - b2) * n`` (0, max-abs); ``moment_mode`` 0 puts the weight decay inside
     the moment, 1 outside."""
     grads, params, exp_avgs = check_lists("multi_tensor_novograd", tensor_lists, (3,))
+    check_step("multi_tensor_novograd", step, bias_correction)
     if norm_type not in (0, 2):
         raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
     if moment_mode not in (0, 1):

@@ -297,6 +297,27 @@ def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():
             amp_C.multi_tensor_novograd(2048, flag(), lists, grad_norms, 0.1, 0.9, 0.99, 1e-8, 1, 1, 0.0, 1, 0, 2)
 
 
+def test_a_bias_corrected_step_0_is_named_instead_of_turning_the_params_into_nan():
+    """A custom optimizer that increments its step after the call passes 0 first: 1 - beta ** 0 divides by zero."""
+    lists = [[torch.randn(5)], [torch.randn(5)], [torch.zeros(5)], [torch.zeros(5)]]
+    before = lists[1][0].clone()
+    calls = [
+        lambda: amp_C.multi_tensor_adam(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0.0),
+        lambda: amp_C.multi_tensor_lamb(
+            2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 0.0, 1, 1, torch.ones(1), 1.0
+        ),
+        lambda: amp_C.multi_tensor_novograd(
+            2048, flag(), lists[:3], torch.zeros(1), 0.1, 0.9, 0.99, 1e-8, 0, 1, 0.0, 1, 0, 2
+        ),  # fmt: skip
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"step=0 with bias_correction; the first step is 1"):
+            call()
+    assert torch.equal(lists[1][0], before)
+    amp_C.multi_tensor_adam(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0.0)  # uncorrected: 0 is fine
+    assert torch.isfinite(lists[1][0]).all()
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
