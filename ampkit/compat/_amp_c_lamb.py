@@ -63,6 +63,13 @@ def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]
     return lists
 
 
+def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
+    """A scalar Apex took as a number or a one-element tensor, read on the host."""
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise RuntimeError(f"{op_name}: {name} must be a number or a one-element tensor, got shape {list(value.shape)}")
+    return float(value)
+
+
 def check_step(op_name: str, step: int | float, bias_correction: int) -> None:
     """A bias-corrected step counts from 1: at 0 the correction ``1 - beta ** 0`` divides by zero (NaN params)."""
     if bias_correction and float(step) < 1:
@@ -219,7 +226,7 @@ def multi_tensor_lamb(
         return
     param_norms = _per_tensor_norms(params)
     _raise_if_not_finite(param_norms, noop_flag)
-    clip = clip_ratio(float(global_grad_norm), max_grad_norm)
+    clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
         weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
@@ -273,7 +280,13 @@ def multi_tensor_lamb_mp(
     param_norms = _per_tensor_norms(params)
     if _raise_if_not_finite(param_norms, noop_flag):
         return
-    clip = clip_ratio(float(global_grad_norm), float(max_grad_norm))
+    name = "multi_tensor_lamb_mp"
+    global_grad_norm, max_grad_norm, inv_scale, lr = (
+        scalar_arg(name, arg, value)
+        for arg, value in (("global_grad_norm", global_grad_norm), ("max_grad_norm", max_grad_norm),
+                           ("inv_scale", inv_scale), ("lr", lr))
+    )  # fmt: skip
+    clip = clip_ratio(global_grad_norm, max_grad_norm)
     updates = lamb_direction(
         model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
         eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
@@ -310,7 +323,7 @@ def multi_tensor_lamb_stage1_cuda(
     if not params:
         return
     decays = _host_values(name, "per_tensor_decay", per_tensor_decay, len(params))
-    clip = clip_ratio(float(global_grad_norm), max_global_grad_norm)
+    clip = clip_ratio(scalar_arg(name, "global_grad_norm", global_grad_norm), max_global_grad_norm)
     for decay in dict.fromkeys(decays):  # ampkit's kernel takes one weight decay: one call per distinct value
         picked = [i for i, d in enumerate(decays) if d == decay]
         select = [[t[i] for i in picked] for t in (params, grads, exp_avgs, exp_avg_sqs, updates)]

@@ -195,6 +195,11 @@ def _adam_capturable(
 ) -> None:
     if mode not in (0, 1):
         raise RuntimeError(f"{op_name}: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    for name, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale), ("noop_flag", noop_flag)):
+        tensor_only = name in ("inv_scale", "noop_flag")  # read on the device, never on the host
+        if (isinstance(value, Tensor) and value.numel() != 1) or (tensor_only and not isinstance(value, Tensor)):
+            got = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise RuntimeError(f"{op_name}: {name} must be a one-element tensor, got {got}")
     grads, params, exp_avgs, exp_avg_sqs = lists[:4]
     if not params:
         return

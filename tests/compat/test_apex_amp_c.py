@@ -318,6 +318,23 @@ def test_a_bias_corrected_step_0_is_named_instead_of_turning_the_params_into_nan
     assert torch.isfinite(lists[1][0]).all()
 
 
+def test_scalars_passed_as_tensors_of_several_elements_are_named():
+    """lr, step, norms and scales are one value each; Apex's kernels read element 0 of whatever they got."""
+    lists = [[torch.randn(5)], [torch.randn(5)], [torch.zeros(5)], [torch.zeros(5)]]
+    lr, step, one = torch.tensor([1e-3]), torch.tensor([1]), torch.ones(1)
+    calls = [
+        (lambda: amp_C.multi_tensor_lamb(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.0, 1, 1, torch.ones(2),
+                                         1.0), r"multi_tensor_lamb: global_grad_norm must be .* got shape \[2\]"),
+        (lambda: amp_C.multi_tensor_adam_capturable(2048, flag(), lists, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.0,
+                                                    torch.ones(2)), r"inv_scale must be a one-element tensor"),
+        (lambda: amp_C.multi_tensor_adam_capturable(2048, torch.zeros(2), lists, lr, 0.9, 0.999, 1e-8, step, 1, 1,
+                                                    0.0, one), r"noop_flag must be a one-element tensor"),
+    ]  # fmt: skip
+    for call, message in calls:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
