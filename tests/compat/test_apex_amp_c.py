@@ -335,6 +335,15 @@ def test_scalars_passed_as_tensors_of_several_elements_are_named():
             call()
 
 
+def test_apex_c_names_an_empty_list_and_a_flat_buffer_too_small_for_the_tensors():
+    with pytest.raises(ValueError, match="apex_C.flatten: expected a non-empty list of tensors"):
+        apex_c.flatten([])
+    with pytest.raises(ValueError, match=r"apex_C.unflatten: flat must be 1-D with at least the tensors' 4 elements"):
+        apex_c.unflatten(torch.ones(3), [torch.ones(2), torch.ones(2)])
+    first, second = apex_c.unflatten(torch.arange(5.0), [torch.ones(2), torch.ones(2)])  # Apex read the leading part
+    assert first.tolist() == [0.0, 1.0] and second.tolist() == [2.0, 3.0]
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
