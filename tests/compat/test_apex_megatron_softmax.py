@@ -124,3 +124,11 @@ def test_hostile_arguments_are_refused_by_name_where_apex_refused_or_read_garbag
     uint8_mask[..., 3:] = 1
     out = masked.forward(scores, uint8_mask[:1], 1.0)
     assert torch.all(out[..., 3:] == 0) and torch.allclose(out.float().sum(-1), torch.ones(2, 2, 4), atol=1e-3)
+
+
+def test_only_a_mask_value_of_1_masks_as_in_apexs_kernel(shim):
+    masked = importlib.import_module("scaled_masked_softmax_cuda")
+    scores = torch.zeros(1, 1, 2, 4)
+    mask = torch.tensor([[0, 1, 255, 2], [1, 1, 0, 0]], dtype=torch.uint8).view(1, 1, 2, 4)  # Apex tested == 1
+    out = masked.forward(scores, mask, 1.0)
+    assert torch.allclose(out[0, 0], torch.tensor([[1 / 3, 0.0, 1 / 3, 1 / 3], [0.0, 0.0, 0.5, 0.5]]))

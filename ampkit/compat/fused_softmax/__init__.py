@@ -63,7 +63,7 @@ def softmax(op: str, inputs: Tensor, scale: float | Tensor, dims: int, mask: Ten
         x = x.masked_fill(above, float("-inf"))
     if mask is None:
         return torch.softmax(x, -1).to(inputs.dtype)
-    masked = mask.to(torch.bool)
+    masked = mask == 1  # as Apex's kernel: only a 1 masks (a uint8 255 does not)
     x = x.masked_fill(masked, _MASKED_VALUE)
     probs = torch.softmax(x, -1)
     return probs.masked_fill(masked.all(-1, keepdim=True), 0.0).to(inputs.dtype)
