@@ -155,6 +155,16 @@ def _backward(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     if mean is None and not memory_efficient:
         raise ValueError(f"fused_layer_norm_cuda.{op}: mean is None, which only memory_efficient=True allows")
+    return _norm_backward(
+        op, dout, mean, invvar, input_or_output, normalized_shape, gamma, beta, memory_efficient, centred=True
+    )
+
+
+def _norm_backward(
+    op: str, dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor,
+    normalized_shape: ShapeLike, gamma: Tensor | None, beta: Tensor | None, memory_efficient: bool, centred: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """LayerNorm's gradients (``centred``), or RMSNorm's (no mean subtracted, so none in the gradient)."""
     _check_dout(op, dout, input_or_output)
     _check_stats(op, _rows(op, input_or_output, normalized_shape, "input_or_output").shape[0], mean, invvar)
     _shape(op, normalized_shape, gamma, beta)
@@ -162,7 +172,7 @@ def _backward(
     x_hat = _normalized(op, input_or_output, normalized_shape, mean, invvar, gamma, beta, memory_efficient)
     d_out = _rows(op, dout, normalized_shape, "dout").to(acc)
     d_x_hat = d_out if gamma is None else d_out * _flat(gamma, acc)
-    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=True)
+    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=centred)
     grad_gamma = None if gamma is None else (d_out * x_hat).sum(0).to(gamma.dtype).view(gamma.shape)
     grad_beta = None if beta is None else d_out.sum(0).to(beta.dtype).view(beta.shape)
     return grad_input, grad_gamma, grad_beta
@@ -242,13 +252,7 @@ def _rms_backward(
     op: str, dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike,
     gamma: Tensor | None, memory_efficient: bool,
 ) -> tuple[Tensor, Tensor | None, None]:  # fmt: skip
-    _check_dout(op, dout, input_or_output)
-    _check_stats(op, _rows(op, input_or_output, normalized_shape, "input_or_output").shape[0], None, invvar)
-    _shape(op, normalized_shape, gamma)
-    acc = invvar.dtype
-    x_hat = _normalized(op, input_or_output, normalized_shape, None, invvar, gamma, None, memory_efficient)
-    d_out = _rows(op, dout, normalized_shape, "dout").to(acc)
-    d_x_hat = d_out if gamma is None else d_out * _flat(gamma, acc)
-    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=False)
-    grad_gamma = None if gamma is None else (d_out * x_hat).sum(0).to(gamma.dtype).view(gamma.shape)
+    grad_input, grad_gamma, _ = _norm_backward(
+        op, dout, None, invvar, input_or_output, normalized_shape, gamma, None, memory_efficient, centred=False
+    )
     return grad_input, grad_gamma, None
