@@ -281,12 +281,11 @@ def multi_tensor_lamb_mp(
     if _raise_if_not_finite(param_norms, noop_flag):
         return
     name = "multi_tensor_lamb_mp"
-    global_grad_norm, max_grad_norm, inv_scale, lr = (
+    for arg, value in (("inv_scale", inv_scale), ("lr", lr)):  # checked only: the maths takes them as given
         scalar_arg(name, arg, value)
-        for arg, value in (("global_grad_norm", global_grad_norm), ("max_grad_norm", max_grad_norm),
-                           ("inv_scale", inv_scale), ("lr", lr))
-    )  # fmt: skip
-    clip = clip_ratio(global_grad_norm, max_grad_norm)
+    clip = clip_ratio(
+        scalar_arg(name, "global_grad_norm", global_grad_norm), scalar_arg(name, "max_grad_norm", max_grad_norm)
+    )
     updates = lamb_direction(
         model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
         eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
