@@ -74,6 +74,27 @@ def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim,
         exec(statement, {})
 
 
+@pytest.mark.parametrize(
+    ("statement", "message"),
+    [
+        ("from apex.contrib.optimizers import FusedLAMB", r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"),
+        ("from apex.parallel import DistributedFusedAdam", r"no attribute 'DistributedFusedAdam'; it provides .*LARC"),
+        ("from apex.amp import _initialized", r"no attribute '_initialized'; it provides .*initialize"),
+        ("from apex.optimizers import FusedFoo", r"'FusedFoo'; Apex optimizer names are .*FusedLAMB"),
+        ("from amp_C import multi_tensor_foo", r"no 'multi_tensor_foo'; it provides .*multi_tensor_scale"),
+    ],
+)
+def test_from_import_of_a_name_a_served_module_lacks_keeps_its_message(shim, statement, message):
+    """Python turns a module __getattr__'s AttributeError under ``from m import x`` into a bare 'cannot import name
+    x from ampkit.compat...': the message naming what to use was lost. An ImportError, so guarded imports fall back."""
+    import amp_C  # noqa: F401
+
+    with pytest.raises(ImportError, match=message):
+        exec(statement, {})
+    module = importlib.import_module(statement.split()[1])
+    assert not hasattr(module, statement.split()[-1])  # hasattr and getattr(..., default) still see an AttributeError
+
+
 def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):
     """Apex's apex.parallel never exported LARC: clients reached the class through the LARC module, as
     apex.parallel.LARC.LARC(opt) (VISSL-style builders) or ``from apex.parallel import LARC`` then LARC.LARC(opt)."""
