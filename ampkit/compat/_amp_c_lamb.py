@@ -27,8 +27,24 @@ _REDUCED = (torch.float16, torch.bfloat16)
 
 
 def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]) -> list[list[Tensor]]:
-    """``tensor_lists`` as lists, checked as Apex's ``multi_tensor_apply`` did: one of ``counts`` lists, equal
-    lengths, and ``tensor_lists[l][i]`` with as many elements as ``tensor_lists[0][i]``."""
+    """``tensor_lists`` as lists, checked as Apex's ``multi_tensor_apply`` did: one of ``counts`` lists of tensors,
+    equal lengths, and ``tensor_lists[l][i]`` with as many elements as ``tensor_lists[0][i]``."""
+    if isinstance(tensor_lists, Tensor) or not isinstance(tensor_lists, Sequence):
+        raise TypeError(
+            f"{op_name}: tensor_lists must be a list of lists of tensors, got {type(tensor_lists).__name__}"
+        )
+    for i, t in enumerate(tensor_lists):
+        if isinstance(t, Tensor) or not isinstance(t, Sequence):
+            raise TypeError(
+                f"{op_name}: tensor_lists[{i}] must be a list of tensors, got {type(t).__name__} "
+                f"(wrap a single tensor in a list)"
+            )
+        for j, tensor in enumerate(t):
+            if not isinstance(tensor, Tensor):
+                raise TypeError(
+                    f"{op_name}: tensor_lists[{i}][{j}] must be a tensor, got {type(tensor).__name__} "
+                    f"(a parameter without a .grad?)"
+                )
     lists = [list(t) for t in tensor_lists]
     if len(lists) not in counts:
         expected = " or ".join(str(c) for c in counts)
@@ -45,6 +61,21 @@ def check_lists(op_name: str, tensor_lists: TensorLists, counts: tuple[int, ...]
                     f"has {first.numel()}"
                 )
     return lists
+
+
+def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
+    """A scalar Apex took as a number or a one-element tensor, read on the host."""
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise RuntimeError(f"{op_name}: {name} must be a number or a one-element tensor, got shape {list(value.shape)}")
+    return float(value)
+
+
+def check_step(op_name: str, step: int | float, bias_correction: int) -> None:
+    """A bias-corrected step counts from 1: at 0 the correction ``1 - beta ** 0`` divides by zero (NaN params)."""
+    if bias_correction and float(step) < 1:
+        raise RuntimeError(
+            f"{op_name}: step={step!r} with bias_correction; the first step is 1 (increment it before the call)"
+        )
 
 
 class _Working:
@@ -188,13 +219,14 @@ def multi_tensor_lamb(
     when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW. As in Apex the
     grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm."""
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_lamb", tensor_lists, (4,))
+    check_step("multi_tensor_lamb", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
         return
     param_norms = _per_tensor_norms(params)
     _raise_if_not_finite(param_norms, noop_flag)
-    clip = clip_ratio(float(global_grad_norm), max_grad_norm)
+    clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
         weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
@@ -248,7 +280,13 @@ def multi_tensor_lamb_mp(
     param_norms = _per_tensor_norms(params)
     if _raise_if_not_finite(param_norms, noop_flag):
         return
-    clip = clip_ratio(float(global_grad_norm), float(max_grad_norm))
+    name = "multi_tensor_lamb_mp"
+    global_grad_norm, max_grad_norm, inv_scale, lr = (
+        scalar_arg(name, arg, value)
+        for arg, value in (("global_grad_norm", global_grad_norm), ("max_grad_norm", max_grad_norm),
+                           ("inv_scale", inv_scale), ("lr", lr))
+    )  # fmt: skip
+    clip = clip_ratio(global_grad_norm, max_grad_norm)
     updates = lamb_direction(
         model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
         eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
@@ -285,7 +323,7 @@ def multi_tensor_lamb_stage1_cuda(
     if not params:
         return
     decays = _host_values(name, "per_tensor_decay", per_tensor_decay, len(params))
-    clip = clip_ratio(float(global_grad_norm), max_global_grad_norm)
+    clip = clip_ratio(scalar_arg(name, "global_grad_norm", global_grad_norm), max_global_grad_norm)
     for decay in dict.fromkeys(decays):  # ampkit's kernel takes one weight decay: one call per distinct value
         picked = [i for i, d in enumerate(decays) if d == decay]
         select = [[t[i] for i in picked] for t in (params, grads, exp_avgs, exp_avg_sqs, updates)]

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ampkit.compat._amp_c_lamb import (
     check_lists,
+    check_step,
     multi_tensor_lamb,
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
@@ -154,6 +155,7 @@ def multi_tensor_adam(
     ``step`` is the step being taken (1 on the first). Moments of fp16/bf16 params are float32, as in Apex.
     """
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_adam", tensor_lists, (4,))
+    check_step("multi_tensor_adam", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
@@ -194,6 +196,11 @@ def _adam_capturable(
 ) -> None:
     if mode not in (0, 1):
         raise RuntimeError(f"{op_name}: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
+    for name, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale), ("noop_flag", noop_flag)):
+        tensor_only = name in ("inv_scale", "noop_flag")  # read on the device, never on the host
+        if (isinstance(value, Tensor) and value.numel() != 1) or (tensor_only and not isinstance(value, Tensor)):
+            got = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise RuntimeError(f"{op_name}: {name} must be a one-element tensor, got {got}")
     grads, params, exp_avgs, exp_avg_sqs = lists[:4]
     if not params:
         return
@@ -307,10 +314,17 @@ def multi_tensor_novograd(
     (``norm_type`` 2) or ``b2 * v + (1 - b2) * n`` (0, max-abs); ``moment_mode`` 0 puts the weight decay inside
     the moment, 1 outside."""
     grads, params, exp_avgs = check_lists("multi_tensor_novograd", tensor_lists, (3,))
+    check_step("multi_tensor_novograd", step, bias_correction)
     if norm_type not in (0, 2):
         raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
     if moment_mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_novograd: moment_mode={moment_mode!r}; expected 0 or 1")
+    if not isinstance(grad_norms, Tensor) or grad_norms.numel() != len(params) or not grad_norms.is_floating_point():
+        got = f"{grad_norms.dtype} of shape {list(grad_norms.shape)}" if isinstance(grad_norms, Tensor) else grad_norms
+        raise ValueError(
+            f"multi_tensor_novograd: grad_norms must be a float32 tensor with one second moment per tensor "
+            f"({len(params)}), got {got}"
+        )
     if not params:
         return
     previous = grad_norms.double()
@@ -347,6 +361,9 @@ def multi_tensor_sgd(
     a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
     """
     lists = check_lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
+        got = list(noop_flag.shape) if isinstance(noop_flag, Tensor) else type(noop_flag).__name__
+        raise TypeError(f"multi_tensor_sgd: noop_flag must be a one-element int32 or float32 tensor, got {got}")
     if not lists[0] or bool(noop_flag.item()):
         return
     grads, weights, buffers = lists[:3]
@@ -372,6 +389,21 @@ def multi_tensor_sgd(
     )
 
 
+def _check_scaler_state(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                        found_inf: Tensor) -> None:  # fmt: skip
+    """Apex's kernel read one float32 scale and flag and two int32 trackers; any one-element tensor holds one."""
+    named = {"current_scale": current_scale, "growth_tracker": growth_tracker,
+             "hysteresis_tracker": hysteresis_tracker, "found_inf": found_inf}  # fmt: skip
+    for name, value in named.items():
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            got = f"shape {list(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"update_scale_hysteresis: {name} must be a one-element tensor, got {got}")
+    if not current_scale.is_floating_point():
+        raise TypeError(
+            f"update_scale_hysteresis: current_scale must be floating-point (Apex's float32), got {current_scale.dtype}"
+        )
+
+
 def update_scale_hysteresis(
     current_scale: torch.Tensor,
     growth_tracker: torch.Tensor,
@@ -392,7 +424,8 @@ def update_scale_hysteresis(
     updates in a row multiply it by ``growth_factor`` unless that overflows float32. A clean update
     refills the hysteresis tracker.
     """
-    inf = found_inf.reshape(-1)[:1] > 0
+    _check_scaler_state(current_scale, growth_tracker, hysteresis_tracker, found_inf)
+    inf = found_inf.reshape(()) > 0
     tracker = torch.where(inf, hysteresis_tracker - 1, hysteresis_tracker)
     hold = inf & (tracker > 0)  # an overflow absorbed by the hysteresis: only the growth tracker resets
     backed_off = current_scale.double() * backoff_factor

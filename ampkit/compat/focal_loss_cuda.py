@@ -19,9 +19,11 @@ __all__ = ["backward", "forward"]
 
 
 def _check(cls_output: Tensor, targets: Tensor, num_positives_sum: Tensor, num_real_classes: int) -> None:
+    if not cls_output.is_floating_point():
+        raise TypeError(f"focal_loss_cuda.forward: cls_output must be a floating-point tensor, got {cls_output.dtype}")
     if targets.dtype != torch.long:
         raise TypeError(f"focal_loss_cuda.forward: cls_targets_at_level must be int64, got {targets.dtype}")
-    if tuple(cls_output.shape[:-1]) != tuple(targets.shape):
+    if cls_output.dim() != targets.dim() + 1 or tuple(cls_output.shape[:-1]) != tuple(targets.shape):
         raise ValueError(
             f"focal_loss_cuda.forward: cls_output {list(cls_output.shape)} must be cls_targets_at_level's shape "
             f"{list(targets.shape)} plus a class dimension"
@@ -62,5 +64,10 @@ def forward(
 
 def backward(grad_loss: Tensor, partial_grad: Tensor, num_positives_sum: Tensor) -> Tensor:
     """The gradient of the logits: ``partial_grad`` scaled in place by ``grad_loss / num_positives_sum``."""
+    if grad_loss.numel() != 1:
+        raise ValueError(
+            f"focal_loss_cuda.backward: grad_loss must be the one-element gradient of the loss, got shape "
+            f"{list(grad_loss.shape)}"
+        )
     scale = grad_loss.float().reshape(()) / num_positives_sum.float().reshape(())
     return partial_grad.copy_(partial_grad.float() * scale)

@@ -60,6 +60,11 @@ def adam_mt(
             f"fused_adam_cuda.adam_mt: expected 4 lists [params, exp_avgs, exp_avg_sqs, grads] and optionally the "
             f"copies, got {len(tensor_lists)}"
         )
+    for i, tensors in enumerate(tensor_lists):
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(
+                f"fused_adam_cuda.adam_mt: tensor_lists[{i}] must be a list of tensors, got {type(tensors).__name__}"
+            )
     lengths = {len(tensors) for tensors in tensor_lists}
     if len(lengths) != 1:
         raise ValueError(f"fused_adam_cuda.adam_mt: the lists differ in length ({[len(t) for t in tensor_lists]})")

@@ -34,15 +34,51 @@ __all__ = [
 ShapeLike = int | Sequence[int]
 
 
-def _rows(op: str, tensor: Tensor, normalized_shape: ShapeLike) -> Tensor:
-    """``tensor`` as ``(n1, n2)``, ``n2`` the product of ``normalized_shape``, which must end its shape."""
+def _shape(
+    op: str, normalized_shape: ShapeLike, gamma: Tensor | None = None, beta: Tensor | None = None
+) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple, after checking it is not empty and that ``gamma``/``beta`` have it (as Apex)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape:
+        raise ValueError(f"fused_layer_norm_cuda.{op}: normalized_shape must have at least one dim, got []")
+    for name, weight in (("gamma", gamma), ("beta", beta)):
+        if weight is not None and (tuple(weight.shape) != shape or not weight.is_floating_point()):
+            raise ValueError(
+                f"fused_layer_norm_cuda.{op}: {name} must be a floating-point tensor of normalized_shape "
+                f"{list(shape)}, got {weight.dtype} of shape {list(weight.shape)}"
+            )
+    return shape
+
+
+def _rows(op: str, tensor: Tensor, normalized_shape: ShapeLike, name: str = "input") -> Tensor:
+    """``tensor`` as ``(n1, n2)``, ``n2`` the product of ``normalized_shape``, which must end its shape."""
+    shape = _shape(op, normalized_shape)
     if len(shape) > tensor.dim() or tuple(tensor.shape[tensor.dim() - len(shape) :]) != shape:
         raise ValueError(
             f"fused_layer_norm_cuda.{op}: normalized_shape {list(shape)} must be the trailing dims of the "
-            f"input's shape {list(tensor.shape)}"
+            f"{name}'s shape {list(tensor.shape)}"
         )
-    return tensor.reshape(-1, math.prod(shape))
+    if not tensor.is_floating_point():
+        raise TypeError(f"fused_layer_norm_cuda.{op}: {name} must be a floating-point tensor, got {tensor.dtype}")
+    return tensor.reshape(math.prod(tensor.shape[: tensor.dim() - len(shape)]), math.prod(shape))
+
+
+def _check_stats(op: str, rows: int, mean: Tensor | None, invvar: Tensor) -> None:
+    """The forward's statistics: one floating-point value per normalized row."""
+    for name, stat in (("mean", mean), ("invvar", invvar)):
+        if stat is not None and (stat.numel() != rows or not stat.is_floating_point()):
+            raise ValueError(
+                f"fused_layer_norm_cuda.{op}: {name} must be the forward's floating-point statistics, one per row "
+                f"({rows}), got {stat.dtype} of shape {list(stat.shape)}"
+            )
+
+
+def _check_dout(op: str, dout: Tensor, input_or_output: Tensor) -> None:
+    if dout.shape != input_or_output.shape:
+        raise ValueError(
+            f"fused_layer_norm_cuda.{op}: dout {list(dout.shape)} must have input_or_output's shape "
+            f"{list(input_or_output.shape)}"
+        )
 
 
 def _flat(weight: Tensor | None, acc: torch.dtype) -> Tensor | None:
@@ -61,6 +97,7 @@ def _layer_norm_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     acc = accumulate_dtype(input.dtype)
     x = _rows(op, input, normalized_shape).to(acc)
+    _shape(op, normalized_shape, gamma, beta)
     var, mean = torch.var_mean(x, -1, correction=0)
     invvar = torch.rsqrt(var + epsilon)
     x_hat = (x - mean[:, None]) * invvar[:, None]
@@ -94,7 +131,7 @@ def _normalized(
 ) -> Tensor:  # fmt: skip
     """The forward's ``x_hat`` rows: from the input and its statistics, or (memory efficient) from the output."""
     acc = invvar.dtype
-    saved = _rows(op, input_or_output, normalized_shape).to(acc)
+    saved = _rows(op, input_or_output, normalized_shape, "input_or_output").to(acc)
     if memory_efficient:
         if beta is not None:
             saved = saved - _flat(beta, acc)
@@ -118,11 +155,24 @@ def _backward(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     if mean is None and not memory_efficient:
         raise ValueError(f"fused_layer_norm_cuda.{op}: mean is None, which only memory_efficient=True allows")
+    return _norm_backward(
+        op, dout, mean, invvar, input_or_output, normalized_shape, gamma, beta, memory_efficient, centred=True
+    )
+
+
+def _norm_backward(
+    op: str, dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor,
+    normalized_shape: ShapeLike, gamma: Tensor | None, beta: Tensor | None, memory_efficient: bool, centred: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    """LayerNorm's gradients (``centred``), or RMSNorm's (no mean subtracted, so none in the gradient)."""
+    _check_dout(op, dout, input_or_output)
+    _check_stats(op, _rows(op, input_or_output, normalized_shape, "input_or_output").shape[0], mean, invvar)
+    _shape(op, normalized_shape, gamma, beta)
     acc = invvar.dtype
     x_hat = _normalized(op, input_or_output, normalized_shape, mean, invvar, gamma, beta, memory_efficient)
-    d_out = _rows(op, dout, normalized_shape).to(acc)
+    d_out = _rows(op, dout, normalized_shape, "dout").to(acc)
     d_x_hat = d_out if gamma is None else d_out * _flat(gamma, acc)
-    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=True)
+    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=centred)
     grad_gamma = None if gamma is None else (d_out * x_hat).sum(0).to(gamma.dtype).view(gamma.shape)
     grad_beta = None if beta is None else d_out.sum(0).to(beta.dtype).view(beta.shape)
     return grad_input, grad_gamma, grad_beta
@@ -154,6 +204,7 @@ def _rms_norm_forward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     acc = accumulate_dtype(input.dtype)
     x = _rows(op, input, normalized_shape).to(acc)
+    _shape(op, normalized_shape, gamma)
     invvar = torch.rsqrt(x.square().mean(-1) + epsilon)
     output = _affine(x * invvar[:, None], _flat(gamma, acc), None)
     return output.to(output_dtype).view(input.shape), invvar
@@ -201,10 +252,7 @@ def _rms_backward(
     op: str, dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike,
     gamma: Tensor | None, memory_efficient: bool,
 ) -> tuple[Tensor, Tensor | None, None]:  # fmt: skip
-    acc = invvar.dtype
-    x_hat = _normalized(op, input_or_output, normalized_shape, None, invvar, gamma, None, memory_efficient)
-    d_out = _rows(op, dout, normalized_shape).to(acc)
-    d_x_hat = d_out if gamma is None else d_out * _flat(gamma, acc)
-    grad_input = _grad_input(d_x_hat, x_hat, invvar, input_or_output, centred=False)
-    grad_gamma = None if gamma is None else (d_out * x_hat).sum(0).to(gamma.dtype).view(gamma.shape)
+    grad_input, grad_gamma, _ = _norm_backward(
+        op, dout, None, invvar, input_or_output, normalized_shape, gamma, None, memory_efficient, centred=False
+    )
     return grad_input, grad_gamma, None

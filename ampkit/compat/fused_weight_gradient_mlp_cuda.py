@@ -17,6 +17,11 @@ __all__ = ["wgrad_gemm_accum_fp16", "wgrad_gemm_accum_fp32"]
 
 def _weight_gradient(op: str, input: Tensor, d_output: Tensor, d_weight: Tensor) -> Tensor:
     """``d_output^T @ input`` in float32, after checking the shapes against ``d_weight``."""
+    for name, tensor in (("input", input), ("d_output", d_output)):
+        if not tensor.is_floating_point():
+            raise TypeError(f"fused_weight_gradient_mlp_cuda.{op}: {name} must be floating-point, got {tensor.dtype}")
+        if tensor.dim() == 0:
+            raise ValueError(f"fused_weight_gradient_mlp_cuda.{op}: {name} must have a feature dim, got a 0-dim tensor")
     input_2d = input.reshape(-1, input.shape[-1])
     d_output_2d = d_output.reshape(-1, d_output.shape[-1])
     expected = (d_output_2d.shape[1], input_2d.shape[1])

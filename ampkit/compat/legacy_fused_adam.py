@@ -56,19 +56,40 @@ def first_adam_update(
     """One tensor's update by Apex's first FusedAdam kernel (``fused_adam_cuda.adam``'s arguments), in float32
     whatever the tensors' dtypes: ``p``, ``m``, ``v`` in place, the new weights copied into ``p_copy`` when it
     is given and not empty. ``mode`` 0 adds ``eps`` inside the square root, 1 outside."""
+    _check_first_adam_args(p, p_copy, m, v, g, step, bias_correction)
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step) if bias_correction else lr
     weight = p.float()
-    grad = g.float() / grad_scale
-    new_m = m.float().mul_(beta1).add_(grad, alpha=1 - beta1)
-    new_v = v.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    grad = g.float().reshape(p.shape) / grad_scale
+    new_m = m.float().reshape(p.shape).mul_(beta1).add_(grad, alpha=1 - beta1)
+    new_v = v.float().reshape(p.shape).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     denom = (new_v + eps).sqrt_() if mode == 0 else new_v.sqrt().add_(eps)
     update = (new_m / denom).add_(weight, alpha=decay)
     weight.add_(update, alpha=-step_size)
-    m.copy_(new_m)
-    v.copy_(new_v)
+    m.copy_(new_m.reshape(m.shape))
+    v.copy_(new_v.reshape(v.shape))
     p.copy_(weight)
     if p_copy is not None and p_copy.numel():
-        p_copy.copy_(weight)
+        p_copy.copy_(weight.reshape(p_copy.shape))
+
+
+def _check_first_adam_args(
+    p: torch.Tensor, p_copy: torch.Tensor | None, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: int,
+    bias_correction: int,
+) -> None:  # fmt: skip
+    """Apex's asserts: m, v, g (and a non-empty p_copy) hold as many elements as p; its kernel took float p only."""
+    if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+        got = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+        raise TypeError(f"fused_adam_cuda.adam: p must be a floating-point tensor, got {got}")
+    for name, tensor in (("exp_avg", m), ("exp_avg_sq", v), ("grad", g), ("p_copy", p_copy)):
+        if name == "p_copy" and (tensor is None or (isinstance(tensor, torch.Tensor) and tensor.numel() == 0)):
+            continue
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != p.numel():
+            got = f"shape {list(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"fused_adam_cuda.adam: {name} must have p's {p.numel()} elements, got {got}")
+    if bias_correction and step < 1:
+        raise ValueError(
+            f"fused_adam_cuda.adam: step must be 1 or more with bias_correction (the first is 1), got {step}"
+        )
 
 
 def _per_group(values: Any, groups: int) -> list:

@@ -10,6 +10,7 @@ their own autograd Functions.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from copy import copy
 from typing import Any
@@ -37,13 +38,37 @@ def _through_activation(grad: Tensor, activated: Tensor, activation: int) -> Ten
 
 
 def _layers(use_bias: int, args: Sequence[Tensor]) -> tuple[Tensor, Sequence[Tensor], Sequence[Tensor | None]]:
-    """``(input, weights, biases)`` from Apex's flat ``(input, *weights, *biases)``."""
-    count = (len(args) - 1) // (2 if use_bias else 1)
-    weights = args[1 : 1 + count]
-    biases = args[1 + count : 1 + 2 * count] if use_bias else [None] * count
-    if args[0].dim() != 2:
-        raise ValueError(f"apex.mlp: the input must be 2-D (batch, features), got shape {list(args[0].shape)}")
-    return args[0], weights, biases
+    """``(input, weights, biases)`` from Apex's flat ``(input, *weights, *biases)``, checked to chain."""
+    per_layer = 2 if use_bias else 1
+    count = (len(args) - 1) // per_layer
+    if count == 0 or len(args) - 1 != count * per_layer:
+        raise ValueError(
+            f"apex.mlp: expected the input and then {per_layer} tensor(s) per layer (weights, then biases when "
+            f"bias={use_bias}), got {len(args) - 1} after the input"
+        )
+    x, weights = args[0], args[1 : 1 + count]
+    biases = args[1 + count :] if use_bias else [None] * count
+    if x.dim() != 2:
+        raise ValueError(f"apex.mlp: the input must be 2-D (batch, features), got shape {list(x.shape)}")
+    features = x.shape[1]
+    for i, (weight, bias) in enumerate(zip(weights, biases, strict=True)):
+        if weight.dim() != 2 or weight.shape[1] != features:
+            raise ValueError(
+                f"apex.mlp: weights[{i}] must be [out, {features}] to take the previous layer's {features} "
+                f"features, got {list(weight.shape)}"
+            )
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"apex.mlp: biases[{i}] must be [{weight.shape[0]}], got {list(bias.shape)}")
+        for name, tensor in ((f"weights[{i}]", weight), (f"biases[{i}]", bias)):
+            if tensor is not None and tensor.dtype != x.dtype:
+                raise TypeError(
+                    f"apex.mlp: {name} is {tensor.dtype} but the input is {x.dtype}; Apex's kernel takes one "
+                    "floating dtype (cast the input, or run under autocast)"
+                )
+        features = weight.shape[0]
+    if not x.is_floating_point():
+        raise TypeError(f"apex.mlp: the input must be floating-point, got {x.dtype}")
+    return x, weights, biases
 
 
 def mlp_forward(use_bias: int, activation: int, args: Sequence[Tensor]) -> list[Tensor]:
@@ -104,6 +129,14 @@ def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
     return MlpFunction.apply(bias, activation, *args)
 
 
+def _is_positive_int(size: Any) -> bool:
+    """An int-like layer size above zero (numpy integers included, as Apex's ``torch.empty`` took them)."""
+    try:
+        return operator.index(size) > 0
+    except TypeError:
+        return False
+
+
 class MLP(nn.Module):
     """Apex's MLP: ``mlp_sizes`` ``[in, h1, ..., out]`` make ``len(mlp_sizes) - 1`` layers, each followed by the
     activation (``"none"``, ``"relu"`` or ``"sigmoid"``)."""
@@ -113,6 +146,10 @@ class MLP(nn.Module):
         if activation not in _ACTIVATIONS:
             raise TypeError(
                 f"apex.mlp.MLP: activation {activation!r} is not one of {', '.join(map(repr, _ACTIVATIONS))}"
+            )
+        if len(mlp_sizes) < 2 or not all(_is_positive_int(n) for n in mlp_sizes):
+            raise ValueError(
+                f"apex.mlp.MLP: mlp_sizes must be [in, ..., out], at least two positive ints, got {list(mlp_sizes)}"
             )
         self.num_layers = len(mlp_sizes) - 1
         self.mlp_sizes = copy(mlp_sizes)

@@ -272,6 +272,78 @@ def test_empty_lists_do_nothing():
         amp_C.multi_tensor_scale(2048, buf, [[torch.ones(2)], []], 1.0)
 
 
+def test_a_bare_tensor_a_missing_grad_or_a_bad_flag_is_named_not_iterated():
+    """Apex's binding took lists of tensors only; iterating a bare tensor would run the op on its rows."""
+    buf, param = flag(), torch.randn(2, 3)
+    with pytest.raises(
+        TypeError, match=r"multi_tensor_l2norm: tensor_lists\[0\] must be a list of tensors, got Tensor"
+    ):
+        amp_C.multi_tensor_l2norm(2048, buf, [param], True)
+    with pytest.raises(TypeError, match=r"multi_tensor_adam: tensor_lists\[0\]\[0\] must be a tensor, got NoneType"):
+        amp_C.multi_tensor_adam(2048, buf, [[param.grad], [param], [param * 0], [param * 0]], 1e-3, 0.9, 0.999, 1e-8,
+                                1, 1, 1, 0.0)  # fmt: skip
+    with pytest.raises(TypeError, match=r"multi_tensor_sgd: noop_flag must be a one-element .* got \[2\]"):
+        amp_C.multi_tensor_sgd(2048, torch.zeros(2), [[param], [param], [param]], 0.0, 0.9, 0.0, 0.1, False, True,
+                               False, 1.0)  # fmt: skip
+    assert buf.item() == 0
+
+
+def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():
+    """One float32 second moment per tensor: Apex's kernel indexed it by tensor; an integer one would truncate."""
+    grads, params = [torch.randn(3), torch.randn(4)], [torch.randn(3), torch.randn(4)]
+    lists = [grads, params, [torch.zeros(3), torch.zeros(4)]]
+    for grad_norms in (torch.zeros(1), torch.zeros(2, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"grad_norms must be a float32 tensor with one second moment per tensor"):
+            amp_C.multi_tensor_novograd(2048, flag(), lists, grad_norms, 0.1, 0.9, 0.99, 1e-8, 1, 1, 0.0, 1, 0, 2)
+
+
+def test_a_bias_corrected_step_0_is_named_instead_of_turning_the_params_into_nan():
+    """A custom optimizer that increments its step after the call passes 0 first: 1 - beta ** 0 divides by zero."""
+    lists = [[torch.randn(5)], [torch.randn(5)], [torch.zeros(5)], [torch.zeros(5)]]
+    before = lists[1][0].clone()
+    calls = [
+        lambda: amp_C.multi_tensor_adam(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 1, 0.0),
+        lambda: amp_C.multi_tensor_lamb(
+            2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 0, 1, 0.0, 1, 1, torch.ones(1), 1.0
+        ),
+        lambda: amp_C.multi_tensor_novograd(
+            2048, flag(), lists[:3], torch.zeros(1), 0.1, 0.9, 0.99, 1e-8, 0, 1, 0.0, 1, 0, 2
+        ),  # fmt: skip
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"step=0 with bias_correction; the first step is 1"):
+            call()
+    assert torch.equal(lists[1][0], before)
+    amp_C.multi_tensor_adam(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-8, 0, 1, 0, 0.0)  # uncorrected: 0 is fine
+    assert torch.isfinite(lists[1][0]).all()
+
+
+def test_scalars_passed_as_tensors_of_several_elements_are_named():
+    """lr, step, norms and scales are one value each; Apex's kernels read element 0 of whatever they got."""
+    lists = [[torch.randn(5)], [torch.randn(5)], [torch.zeros(5)], [torch.zeros(5)]]
+    lr, step, one = torch.tensor([1e-3]), torch.tensor([1]), torch.ones(1)
+    calls = [
+        (lambda: amp_C.multi_tensor_lamb(2048, flag(), lists, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.0, 1, 1, torch.ones(2),
+                                         1.0), r"multi_tensor_lamb: global_grad_norm must be .* got shape \[2\]"),
+        (lambda: amp_C.multi_tensor_adam_capturable(2048, flag(), lists, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.0,
+                                                    torch.ones(2)), r"inv_scale must be a one-element tensor"),
+        (lambda: amp_C.multi_tensor_adam_capturable(2048, torch.zeros(2), lists, lr, 0.9, 0.999, 1e-8, step, 1, 1,
+                                                    0.0, one), r"noop_flag must be a one-element tensor"),
+    ]  # fmt: skip
+    for call, message in calls:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+def test_apex_c_names_an_empty_list_and_a_flat_buffer_too_small_for_the_tensors():
+    with pytest.raises(ValueError, match="apex_C.flatten: expected a non-empty list of tensors"):
+        apex_c.flatten([])
+    with pytest.raises(ValueError, match=r"apex_C.unflatten: flat must be 1-D with at least the tensors' 4 elements"):
+        apex_c.unflatten(torch.ones(3), [torch.ones(2), torch.ones(2)])
+    first, second = apex_c.unflatten(torch.arange(5.0), [torch.ones(2), torch.ones(2)])  # Apex read the leading part
+    assert first.tolist() == [0.0, 1.0] and second.tolist() == [2.0, 3.0]
+
+
 # ----------------------------------------------------------------- update_scale_hysteresis (Megatron's scaler)
 def _hysteresis_reference(scale, growth, hyst, found, growth_factor, backoff, interval, hysteresis):
     """One update as plain Python numbers: an overflow first counts the hysteresis down and only backs off
@@ -309,6 +381,18 @@ def test_update_scale_hysteresis_never_grows_to_inf_and_flushes_tiny_scales_to_z
     scale.fill_(torch.finfo(torch.float32).tiny)
     amp_C.update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 1, 1)
     assert scale.item() == 0.0
+
+
+def test_update_scale_hysteresis_takes_grad_scaler_style_0_dim_state_and_names_bad_state():
+    """Apex's kernel read element 0 of whatever it was given, so torch.amp.GradScaler's 0-dim tensors worked."""
+    scale, growth, hyst = torch.full((), 4.0), torch.full((), 0, dtype=torch.int32), torch.full((), 2)
+    for found, expected in ((1.0, (4.0, 0, 1)), (1.0, (2.0, 0, 0)), (0.0, (2.0, 1, 2)), (0.0, (4.0, 0, 2))):
+        amp_C.update_scale_hysteresis(scale, growth, hyst, torch.full((), found), 2.0, 0.5, 2, 2)
+        assert (scale.item(), growth.item(), hyst.item()) == expected and scale.dim() == 0
+    with pytest.raises(TypeError, match="current_scale must be floating-point .* got torch.int64"):
+        amp_C.update_scale_hysteresis(torch.tensor([4]), growth, hyst, torch.ones(1), 2.0, 0.5, 2, 2)
+    with pytest.raises(ValueError, match=r"found_inf must be a one-element tensor, got shape \[0\]"):
+        amp_C.update_scale_hysteresis(scale, growth, hyst, torch.empty(0), 2.0, 0.5, 2, 2)
 
 
 def test_amp_c_has_every_op_of_apexs_last_amp_c():

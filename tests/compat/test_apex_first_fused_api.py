@@ -323,3 +323,31 @@ def test_a_checkpoint_of_the_2019_wrapper_with_flat_masters_resumes_exactly():
         broken = copy.deepcopy(saved["optimizer"])
         broken["fp32_groups_flat"][1] = torch.zeros(3)
         build()[1].load_state_dict(broken)
+
+
+def test_fused_adam_cuda_names_mismatched_tensors_instead_of_broadcasting_them(shim):
+    """Apex asserted that m, v, g and a non-empty copy hold p's element count; a one-element grad broadcast here."""
+    import fused_adam_cuda
+
+    def call(p=None, p_copy=None, m=None, v=None, g=None, step=1):
+        p = torch.ones(5) if p is None else p
+        m, v, g = (torch.zeros(5) if t is None else t for t in (m, v, g))
+        fused_adam_cuda.adam(p, torch.empty(0) if p_copy is None else p_copy, m, v, g, 0.1, 0.9, 0.999, 1e-8, 1.0,
+                             step, 0, 1, 0.0)  # fmt: skip
+
+    for kwargs, error, message in [
+        ({"g": torch.ones(1)}, ValueError, r"grad must have p's 5 elements, got shape \[1\]"),
+        ({"m": torch.zeros(1)}, ValueError, r"exp_avg must have p's 5 elements"),
+        ({"p_copy": torch.empty(3, dtype=torch.half)}, ValueError, r"p_copy must have p's 5 elements"),
+        ({"p": torch.ones(5, dtype=torch.long)}, TypeError, r"p must be a floating-point tensor, got torch.int64"),
+        ({"step": 0}, ValueError, r"step must be 1 or more with bias_correction"),
+    ]:
+        with pytest.raises(error, match=message):
+            call(**kwargs)
+    with pytest.raises(TypeError, match=r"adam_mt: tensor_lists\[0\] must be a list of tensors, got Tensor"):
+        fused_adam_cuda.adam_mt(2048, torch.zeros(1, dtype=torch.int32), [torch.ones(5)] * 4, 0.1, 0.9, 0.999, 1e-8,
+                                1.0, 1, 0, 1, 0.0)  # fmt: skip
+    p, flat_grad = torch.ones(2, 3), torch.ones(6)  # same count, another shape: Apex read both flat
+    fused_adam_cuda.adam(p, torch.empty(0), torch.zeros(2, 3), torch.zeros(2, 3), flat_grad, 0.1, 0.9, 0.999, 0.0, 1.0,
+                         1, 1)  # fmt: skip
+    assert torch.allclose(p, torch.full((2, 3), 0.9))

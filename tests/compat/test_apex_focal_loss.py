@@ -84,3 +84,18 @@ def test_apex_contrib_focal_loss_as_apex_tests_import_it_and_a_clear_error(focal
     assert logits.grad.dtype == torch.half and torch.isfinite(logits.grad).all()
     with pytest.raises(ValueError, match=r"cls_output \[3, 8\] must be cls_targets_at_level's shape \[2\]"):
         focal_loss_cuda.forward(logits, targets[:2], torch.tensor([2.0]), 4, 0.25, 2.0, 0.0)
+
+
+def test_integer_logits_a_scalar_and_a_batched_grad_loss_are_refused_by_name(focal_loss_cuda):
+    targets, num_positives = torch.zeros(2, 3, dtype=torch.long), torch.tensor([1.0])
+    cases = [  # Apex's kernel dispatched on floating logits only and asserted one more dim than the targets
+        (lambda: focal_loss_cuda.forward(torch.zeros(2, 3, 8, dtype=torch.long), targets, num_positives, 8, 0.25, 2.0),
+         r"cls_output must be a floating-point tensor, got torch.int64"),
+        (lambda: focal_loss_cuda.forward(torch.tensor(1.0), torch.tensor(0), num_positives, 1, 0.25, 2.0),
+         r"cls_output \[\] must be cls_targets_at_level's shape \[\] plus a class dimension"),
+        (lambda: focal_loss_cuda.backward(torch.ones(2), torch.zeros(2, 3, 8), num_positives),
+         r"grad_loss must be the one-element gradient of the loss, got shape \[2\]"),
+    ]  # fmt: skip
+    for call, message in cases:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()

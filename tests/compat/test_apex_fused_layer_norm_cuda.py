@@ -124,3 +124,25 @@ def test_dtypes_follow_apex_and_a_wrong_shape_is_named(fused_layer_norm_cuda):
         ValueError, match=r"normalized_shape \[7\] must be the trailing dims of the input's shape \[3, 8\]"
     ):
         ext.forward_affine(x, [7], weight, bias, 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:var_mean.*degrees of freedom")  # no features: torch warns, returns nan stats
+def test_hostile_arguments_are_refused_by_name_not_broadcast_into_a_wrong_gradient(fused_layer_norm_cuda):
+    ext = fused_layer_norm_cuda
+    x = torch.randn(3, 8)
+    weight, bias = torch.ones(8), torch.zeros(8)
+    _, mean, invvar = ext.forward_affine(x, [8], weight, bias, 1e-5)
+    cases = [  # Apex's check_args refused the weights and an empty normalized_shape; its kernels had no integers
+        (lambda: ext.forward_affine(x, [8], torch.ones(8, 1), bias, 1e-5), r"gamma must be .* \[8\], got .* \[8, 1\]"),
+        (lambda: ext.rms_forward_affine(x, [8], torch.ones(8).long(), 1e-5), r"gamma must be a floating-point"),
+        (lambda: ext.forward(x.long(), [8], 1e-5), r"input must be a floating-point tensor, got torch.int64"),
+        (lambda: ext.forward(x, [], 1e-5), r"normalized_shape must have at least one dim"),
+        (lambda: ext.rms_backward(torch.ones_like(x), invvar[:1], x, [8], 1e-5), r"invvar must be .* \(3\)"),
+        (lambda: ext.backward(torch.ones_like(x), mean[:2], invvar, x, [8], 1e-5), r"mean must be .* \(3\)"),
+        (lambda: ext.backward(torch.ones(1, 8), mean, invvar, x, [8], 1e-5), r"dout \[1, 8\] must have input_or"),
+    ]
+    for call, message in cases:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+    out, _, _ = ext.forward(torch.randn(3, 0), [0], 1e-5)  # no features: an empty output, as torch's layer_norm
+    assert out.shape == (3, 0)

@@ -62,3 +62,12 @@ def test_a_wrong_main_grad_is_named(extension):
         extension.wgrad_gemm_accum_fp32(torch.randn(6, 4), torch.randn(6, 5), torch.zeros(4, 5))
     with pytest.raises(TypeError, match="wgrad_gemm_accum_fp32: d_weight must be float32, got torch.float16"):
         extension.wgrad_gemm_accum_fp32(torch.randn(6, 4), torch.randn(6, 5), torch.zeros(5, 4, dtype=torch.half))
+
+
+def test_integer_or_scalar_activations_are_named(extension):  # Apex's GEMM dispatched on float/half/bf16 only
+    main_grad = torch.zeros(5, 4, dtype=torch.half)
+    with pytest.raises(TypeError, match="wgrad_gemm_accum_fp16: input must be floating-point, got torch.int64"):
+        extension.wgrad_gemm_accum_fp16(torch.ones(6, 4, dtype=torch.long), torch.randn(6, 5), main_grad)
+    with pytest.raises(ValueError, match="wgrad_gemm_accum_fp32: d_output must have a feature dim, got a 0-dim"):
+        extension.wgrad_gemm_accum_fp32(torch.randn(4), torch.tensor(1.0), torch.zeros(1, 4))
+    assert torch.all(main_grad == 0)

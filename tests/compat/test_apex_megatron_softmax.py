@@ -98,3 +98,37 @@ def test_half_scores_a_fully_masked_row_and_a_wrong_rank(shim):
     )
     with pytest.raises(ValueError, match=r"scaled_softmax_cuda.forward: expected a 4-D tensor, got shape \[4, 8\]"):
         scaled_softmax_cuda.forward(scores[0, 0], 1.0)
+
+
+def test_hostile_arguments_are_refused_by_name_where_apex_refused_or_read_garbage(shim):
+    masked = importlib.import_module("scaled_masked_softmax_cuda")
+    causal = importlib.import_module("scaled_upper_triang_masked_softmax_cuda")
+    scaled = importlib.import_module("scaled_softmax_cuda")
+    scores = torch.randn(2, 2, 4, 8, dtype=torch.half)
+    mask = torch.zeros(2, 1, 4, 8, dtype=torch.bool)
+    cases = [
+        (lambda: scaled.forward(torch.ones(2, 2, 4, 8, dtype=torch.long), 1.0), r"inputs must be a floating-point"),
+        (lambda: masked.forward(scores, torch.full((2, 1, 4, 8), 0.5), 1.0), r"mask must be bool or uint8.*float32"),
+        (lambda: masked.forward(scores, mask.transpose(2, 3), 1.0), r"mask shape \[2, 1, 8, 4\] does not broadcast"),
+        (lambda: masked.forward(scores, mask[0], 1.0), r"expected a 4-D mask, got shape \[1, 4, 8\]"),
+        (lambda: causal.forward(scores[0], 1.0), r"needs square \[attn_batches, sq, sq\] scores, got \[2, 4, 8\]"),
+        (lambda: causal.backward(scores[0], scores[0], 1.0), r"needs square .* gradients, got \[2, 4, 8\]"),
+        (lambda: scaled.backward(scores, scores[:1], 1.0), r"\[2, 2, 4, 8\] and softmax_results \[1, 2, 4, 8\]"),
+        (lambda: scaled.backward(scores.long(), scores, 1.0), r"output_grads must be a floating-point"),
+        (lambda: scaled.forward(scores, torch.tensor([1.0, 2.0])), r"scale must be a number or a one-element"),
+    ]
+    for call, message in cases:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+    uint8_mask = mask.to(torch.uint8)  # Megatron's older masks; a [1, 1, sq, sk] mask serves every batch
+    uint8_mask[..., 3:] = 1
+    out = masked.forward(scores, uint8_mask[:1], 1.0)
+    assert torch.all(out[..., 3:] == 0) and torch.allclose(out.float().sum(-1), torch.ones(2, 2, 4), atol=1e-3)
+
+
+def test_only_a_mask_value_of_1_masks_as_in_apexs_kernel(shim):
+    masked = importlib.import_module("scaled_masked_softmax_cuda")
+    scores = torch.zeros(1, 1, 2, 4)
+    mask = torch.tensor([[0, 1, 255, 2], [1, 1, 0, 0]], dtype=torch.uint8).view(1, 1, 2, 4)  # Apex tested == 1
+    out = masked.forward(scores, mask, 1.0)
+    assert torch.allclose(out[0, 0], torch.tensor([[1 / 3, 0.0, 1 / 3, 1 / 3], [0.0, 0.0, 0.5, 0.5]]))

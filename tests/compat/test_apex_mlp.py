@@ -6,6 +6,7 @@ against the same stack of torch layers in float64."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -91,3 +92,20 @@ def test_apex_layout_checkpoints_and_errors(apex_mlp):
         apex_mlp.MLP([4, 2], activation="gelu")
     with pytest.raises(ValueError, match=r"the input must be 2-D \(batch, features\), got shape \[2, 3, 4\]"):
         apex_mlp.MLP([4, 2])(torch.randn(2, 3, 4))
+
+
+def test_sizes_that_do_not_chain_and_mixed_dtypes_are_named(apex_mlp):
+    """Apex's kernel took the layer count from the argument count and one dtype; a miscount read garbage."""
+    x, w0, w1, b0 = torch.randn(2, 4), torch.randn(5, 4), torch.randn(3, 5), torch.randn(5)
+    cases = [
+        (lambda: apex_mlp.MLP([4]), ValueError, r"mlp_sizes must be \[in, ..., out\], at least two positive ints"),
+        (lambda: apex_mlp.MLP([4, 0, 3]), ValueError, r"got \[4, 0, 3\]"),
+        (lambda: apex_mlp.MlpFunction.apply(0, 1, x, w0, b0), ValueError, r"weights\[1\] must be \[out, 5\]"),
+        (lambda: apex_mlp.MlpFunction.apply(1, 1, x, w0, w1, b0), ValueError, r"2 tensor\(s\) per layer .* got 3"),
+        (lambda: apex_mlp.MlpFunction.apply(1, 1, x, w0, torch.randn(4)), ValueError, r"biases\[0\] must be \[5\]"),
+        (lambda: apex_mlp.MLP([4, 3])(x.half()), TypeError, r"weights\[0\] is torch.float32 but the input is"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert apex_mlp.MLP(np.array([4, 5, 3])).num_layers == 2  # sizes from a numpy array, as DLRM's configs give

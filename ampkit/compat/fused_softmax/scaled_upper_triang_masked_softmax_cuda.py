@@ -17,4 +17,4 @@ def forward(inputs: Tensor, scale: float | Tensor) -> Tensor:
 
 def backward(output_grads: Tensor, softmax_results: Tensor, scale: float | Tensor) -> Tensor:
     """The input gradient, in place in ``output_grads``."""
-    return softmax_backward(f"{_OP}.backward", output_grads, softmax_results, scale, 3)
+    return softmax_backward(f"{_OP}.backward", output_grads, softmax_results, scale, 3, causal=True)
