@@ -89,7 +89,7 @@ def test_overrides_may_come_on_both_sides_of_an_option(tmp_path, capsys):
     ("trainer_class", "override", "message"),
     [
         ("toy_trainers:ToyTrainer", "trainer.max_epoch=2", "unknown config key 'trainer.max_epoch'; valid keys at"),
-        ("toy_trainers:DuplicateCallbacksTrainer", "trainer.max_epochs=1", "callback names must be unique, got"),
+        ("toy_trainers:DuplicateCallbacksTrainer", "trainer.max_epochs=1", "callback state_key must be unique, got"),
     ],
 )
 def test_user_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, trainer_class, override, message):

@@ -219,6 +219,43 @@ def test_callbacks_are_ordered_by_phase_ties_keep_the_given_order():
         order_callbacks([make("A"), make("A")])
 
 
+class _KeyedCounter(Callback):
+    """Lightning's pattern for several instances of one callback: a state_key naming what this one tracks."""
+
+    def __init__(self, key):
+        self.key, self.batches = key, 0
+
+    @property
+    def state_key(self):
+        return self.key
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        self.batches += 1
+
+    def state_dict(self):
+        return {"batches": self.batches}
+
+
+def test_callbacks_are_told_apart_by_their_checkpoint_key(tmp_path):
+    """Two instances with their own state_key both save their state; two callbacks sharing one (of different
+    classes) are refused: the checkpoint kept only the last one's state, and a resume gave it to both."""
+    counters = [_KeyedCounter("Counter[train]"), _KeyedCounter("Counter[all]")]
+    trainer = ToyTrainer(
+        toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.max_steps": 3}), callbacks=counters
+    )
+    trainer.fit()
+    saved = torch.load(trainer.version_dir / "checkpoints" / "last.pt", weights_only=True)["callbacks"]
+    assert saved["Counter[train]"] == saved["Counter[all]"] == {"batches": 3}
+
+    class Other(_KeyedCounter):
+        pass
+
+    with pytest.raises(
+        CallbackOrderError, match=r"state_key must be unique.*\['shared'\] \(from Other, _KeyedCounter\)"
+    ):
+        order_callbacks([_KeyedCounter("shared"), Other("shared")])
+
+
 class NoDropout(ToyTrainer):
     def configure_model(self):
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))

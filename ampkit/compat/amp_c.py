@@ -26,6 +26,7 @@ from ampkit.compat._amp_c_lamb import (
     multi_tensor_lamb_stage1_cuda,
     multi_tensor_lamb_stage2_cuda,
 )
+from ampkit.compat.missing_name import missing_name
 from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import decay_weights_
 from ampkit.ops.optimizers._kernels import op
@@ -443,4 +444,8 @@ def update_scale_hysteresis(
 
 
 def __getattr__(name: str) -> object:
-    raise AttributeError(f"ampkit's amp_C has no {name!r}; it provides {', '.join(__all__)}")
+    raise missing_name(
+        f"ampkit's amp_C has no {name!r}; it provides {', '.join(__all__)}",
+        "amp_C",
+        name,
+    )

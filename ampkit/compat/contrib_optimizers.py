@@ -9,6 +9,7 @@ from typing import Any
 
 from ampkit.compat.legacy_fused_adam import FP16_Optimizer
 from ampkit.compat.legacy_fused_adam import LegacyFusedAdam as FusedAdam
+from ampkit.compat.missing_name import missing_name
 
 __all__ = ["FP16_Optimizer", "FusedAdam"]
 
@@ -22,7 +23,9 @@ _INSTEAD = {
 
 def __getattr__(name: str) -> Any:
     instead = f"; use {_INSTEAD[name]}" if name in _INSTEAD else ""
-    raise AttributeError(
+    raise missing_name(
         f"ampkit's apex.contrib.optimizers provides FP16_Optimizer and FusedAdam (Apex's first API), not {name!r}"
-        f"{instead}"
+        f"{instead}",
+        "apex.contrib.optimizers",
+        name,
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ampkit.compat.missing_name import missing_name
 from ampkit.ops._dtypes import accumulate_dtype
 
 _TARGET_MODULE = "ampkit.ops.norms"
@@ -94,7 +95,11 @@ __all__ = [*_MODULES, *_FUNCTIONS, *_FUNCTION_CLASSES, "manual_rms_norm"]
 
 def __getattr__(name: str) -> Any:
     if name not in (*_MODULES, *_FUNCTIONS):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; Apex norm names are {__all__}")
+        raise missing_name(
+            f"module {__name__!r} has no attribute {name!r}; Apex norm names are {__all__}",
+            "apex.normalization",
+            name,
+        )
     value = getattr(importlib.import_module(_TARGET_MODULE), name)
     globals()[name] = value
     return value

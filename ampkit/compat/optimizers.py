@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ampkit.compat.missing_name import missing_name
+
 _TARGET_MODULE = "ampkit.ops.optimizers"
 _APEX_NAMES = (
     "FusedAdam",
@@ -161,7 +163,11 @@ def _apex_class(name: str, base: type) -> type:
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}; Apex optimizer names are {__all__}")
+        raise missing_name(
+            f"module {__name__!r} has no attribute {name!r}; Apex optimizer names are {__all__}",
+            "apex.optimizers",
+            name,
+        )
     if name in _LEGACY_NAMES:
         value = getattr(importlib.import_module("ampkit.compat.legacy_fused_adam"), name)
     else:

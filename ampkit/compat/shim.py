@@ -69,6 +69,7 @@ _MODULE_ALIASES = {
     "apex.contrib.optimizers.fp16_optimizer": "ampkit.compat.contrib_optimizers",
     "apex.contrib.optimizers.fused_adam": "ampkit.compat.contrib_optimizers",
 }
+_SERVED_CONTRIB = sorted({name.split(".")[2] for name in _MODULE_ALIASES if name.startswith("apex.contrib.")})
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
 
@@ -79,7 +80,10 @@ def _target_module_name(fullname: str) -> str:
     _, _, rest = fullname.partition(".")
     head, _, tail = rest.partition(".")
     if head not in APEX_SUBPACKAGES:
-        provided = f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}}"
+        provided = (
+            f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}} and "
+            f"apex.contrib.{{{', '.join(_SERVED_CONTRIB)}}}"
+        )
         advice = unserved_advice(fullname)
         message = f"{advice} ({provided})" if advice else f"{provided}; {fullname!r} is not one of them"
         raise ModuleNotFoundError(message, name=fullname)

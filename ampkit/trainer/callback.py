@@ -72,12 +72,12 @@ class Callback:
 
     @property
     def name(self) -> str:
-        """The callback's name (unique among a Trainer's callbacks)."""
+        """The callback's name in messages (its class name)."""
         return type(self).__name__
 
     @property
     def state_key(self) -> str:
-        """Key of this callback's ``state_dict`` inside a checkpoint."""
+        """Key of this callback's ``state_dict`` inside a checkpoint (unique among a Trainer's callbacks)."""
         return self.name
 
     def state_dict(self) -> dict[str, Any]:

@@ -313,7 +313,7 @@ def _check_shardable(loader: Any, source: str) -> None:
     """Refuse a loader whose samples a sampler over its whole dataset would not reproduce: a custom batch_sampler,
     or a sampler choosing some samples (``SubsetRandomSampler``, ``WeightedRandomSampler``), which sharding the whole
     dataset would silently replace, e.g. training on the samples a split had held out."""
-    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data import RandomSampler, SequentialSampler, WeightedRandomSampler
 
     if type(loader.batch_sampler).__name__ != "BatchSampler":
         raise ValueError(
@@ -321,10 +321,16 @@ def _check_shardable(loader: Any, source: str) -> None:
             "DataLoader a DistributedSampler yourself"
         )
     if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+        if isinstance(loader.sampler, WeightedRandomSampler):  # a Subset or a DistributedSampler drops the weights
+            instead = "give the DataLoader a DistributedSampler subclass that draws this rank's share with the weights"
+        else:
+            instead = (
+                "pass the chosen samples as a torch.utils.data.Subset with shuffle=True or False, or give the "
+                "DataLoader a DistributedSampler yourself"
+            )
         raise ValueError(
             f"{source}'s sampler {type(loader.sampler).__name__} cannot be sharded across ranks automatically (each "
-            "rank would draw from the whole dataset, also samples it leaves out); pass the chosen samples as a "
-            "torch.utils.data.Subset with shuffle=True or False, or give the DataLoader a DistributedSampler yourself"
+            f"rank would draw from the whole dataset, also samples it leaves out); {instead}"
         )
 
 

@@ -10,15 +10,23 @@ from ampkit.trainer.user_code import UserCodeError
 
 
 class CallbackOrderError(ValueError):
-    """Callbacks cannot be ordered (two share a name, so checkpoints could not tell their states apart)."""
+    """Callbacks cannot be ordered (two share a ``state_key``, so checkpoints could not tell their states apart)."""
 
 
 def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
-    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`; ties keep the given order."""
-    names = [cb.name for cb in callbacks]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
+    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`; ties keep the given order.
+
+    Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
+    """
+    keys = [cb.state_key for cb in callbacks]
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
-        raise CallbackOrderError(f"callback names must be unique, got duplicates: {duplicates}")
+        owners = sorted({type(cb).__name__ for cb in callbacks if cb.state_key in duplicates})
+        raise CallbackOrderError(
+            f"callback state_key must be unique, got duplicates: {duplicates} (from {', '.join(owners)}); a checkpoint "
+            "could not tell their states apart: give each its own state_key property, e.g. f'{type(self).__name__}"
+            "[{self.monitor}]'"
+        )
     return sorted(callbacks, key=lambda cb: cb.phase)
 
 

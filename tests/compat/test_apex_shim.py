@@ -49,7 +49,11 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     from apex.parallel.LARC import LARC as larc_by_module_path
 
     assert larc_by_module_path is parallel.LARC and apex.parallel.LARC is parallel.LARC  # class, not module
-    with pytest.raises(ModuleNotFoundError, match="apex.contrib.xentropy"):
+    served_contrib = re.escape(
+        "provides apex.{amp, fp16_utils, parallel, optimizers, normalization, multi_tensor_apply"
+    )
+    served_contrib += r".* and apex\.contrib\.\{clip_grad, focal_loss, optimizers\}"  # what it serves, apex.contrib too
+    with pytest.raises(ModuleNotFoundError, match=r"apex\.contrib\.xentropy.*" + served_contrib):
         import apex.contrib.xentropy  # noqa: F401
 
 
@@ -72,6 +76,27 @@ def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim,
 
     with pytest.raises(ModuleNotFoundError, match=r"does not serve 'apex\.[\w.]+' \(.*\); use .*" + instead):
         exec(statement, {})
+
+
+@pytest.mark.parametrize(
+    ("statement", "message"),
+    [
+        ("from apex.contrib.optimizers import FusedLAMB", r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"),
+        ("from apex.parallel import DistributedFusedAdam", r"no attribute 'DistributedFusedAdam'; it provides .*LARC"),
+        ("from apex.amp import _initialized", r"no attribute '_initialized'; it provides .*initialize"),
+        ("from apex.optimizers import FusedFoo", r"'FusedFoo'; Apex optimizer names are .*FusedLAMB"),
+        ("from amp_C import multi_tensor_foo", r"no 'multi_tensor_foo'; it provides .*multi_tensor_scale"),
+    ],
+)
+def test_from_import_of_a_name_a_served_module_lacks_keeps_its_message(shim, statement, message):
+    """Python turns a module __getattr__'s AttributeError under ``from m import x`` into a bare 'cannot import name
+    x from ampkit.compat...': the message naming what to use was lost. An ImportError, so guarded imports fall back."""
+    import amp_C  # noqa: F401
+
+    with pytest.raises(ImportError, match=message):
+        exec(statement, {})
+    module = importlib.import_module(statement.split()[1])
+    assert not hasattr(module, statement.split()[-1])  # hasattr and getattr(..., default) still see an AttributeError
 
 
 def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):

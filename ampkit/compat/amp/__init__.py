@@ -25,6 +25,7 @@ from ampkit.compat.amp.functions import (
     register_promote_function,
 )
 from ampkit.compat.amp.handle import AmpHandle, NoOpHandle, init, scale_loss
+from ampkit.compat.missing_name import missing_name
 
 __all__ = [
     "AmpHandle",
@@ -47,7 +48,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    raise AttributeError(f"apex.amp (ampkit.compat.amp) has no attribute {name!r}; it provides {', '.join(__all__)}")
+    raise missing_name(
+        f"apex.amp (ampkit.compat.amp) has no attribute {name!r}; it provides {', '.join(__all__)}",
+        "apex.amp",
+        name,
+    )
 
 
 keep_exported_names(__name__)  # amp._amp_state stays the state object (see _exported_names)

@@ -17,6 +17,7 @@ from ampkit.compat.fp16_utils.fp16util import (
     tofp16,
 )
 from ampkit.compat.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+from ampkit.compat.missing_name import missing_name
 
 __all__ = [
     "BN_convert_float",
@@ -37,6 +38,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    raise AttributeError(
-        f"apex.fp16_utils (ampkit.compat.fp16_utils) has no attribute {name!r}; it provides {', '.join(__all__)}"
+    raise missing_name(
+        f"apex.fp16_utils (ampkit.compat.fp16_utils) has no attribute {name!r}; it provides {', '.join(__all__)}",
+        "apex.fp16_utils",
+        name,
     )

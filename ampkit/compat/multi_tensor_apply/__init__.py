@@ -2,13 +2,16 @@
 
 from typing import Any
 
+from ampkit.compat.missing_name import missing_name
 from ampkit.compat.multi_tensor_apply.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
 __all__ = ["MultiTensorApply", "multi_tensor_applier"]
 
 
 def __getattr__(name: str) -> Any:
-    raise AttributeError(
+    raise missing_name(
         f"apex.multi_tensor_apply (ampkit.compat.multi_tensor_apply) has no attribute {name!r}; "
-        f"it provides {', '.join(__all__)}"
+        f"it provides {', '.join(__all__)}",
+        "apex.multi_tensor_apply",
+        name,
     )

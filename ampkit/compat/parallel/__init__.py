@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed
 
 from ampkit.compat._exported_names import keep_exported_names
+from ampkit.compat.missing_name import missing_name
 from ampkit.compat.parallel.distributed import DistributedDataParallel, Reducer
 from ampkit.compat.parallel.larc import LARC
 from ampkit.compat.parallel.sync_batchnorm import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
@@ -28,8 +29,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    raise AttributeError(
-        f"apex.parallel (ampkit.compat.parallel) has no attribute {name!r}; it provides {', '.join(__all__)}"
+    raise missing_name(
+        f"apex.parallel (ampkit.compat.parallel) has no attribute {name!r}; it provides {', '.join(__all__)}",
+        "apex.parallel",
+        name,
     )
 
 
