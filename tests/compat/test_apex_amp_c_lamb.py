@@ -114,8 +114,11 @@ def test_lamb_mp_matches_apex_math_with_unscaling_and_clipping(layout, mode, wd,
         for grad, (*_, direction) in zip(lists[0], new, strict=True):
             close(grad, direction, 1e-2 if grad_dtype != torch.float32 else 1e-5)
     tol = 2e-3 if layout == "fp16" else 1e-5
+    # A direction stored in half precision may round one ulp apart from the reference's (float64 rounded once) at a
+    # tie: each of the 3 steps may then move a weight by LR x ratio (about 1) x |direction| (< 4) x that ulp.
+    flips = 0.0 if grad_dtype == torch.float32 else 3 * LR * 4 * torch.finfo(grad_dtype).eps
     for i, (p, m, v) in enumerate(ref):
-        close(weights[i], p, tol)
+        close(weights[i], p, tol + flips)
         close(lists[2][i], m, tol)
         close(lists[3][i], v, tol)
         assert lists[2][i].dtype == weights[i].dtype, "the moments keep the caller's dtype"
