@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -222,17 +221,6 @@ def main(scenario: str, out: Path) -> None:
         metrics = trainer.validate(ckpt="last")
         predictions = trainer.predict(ckpt="last", output=out / "predictions.pt")
         torch.save({"val": metrics, "predictions": predictions}, out / f"rank{RANK}.pt")
-        return
-    elif scenario == "fit_then_evaluate":  # one process group for all three runs (10 s to connect one, if not)
-        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
-               "distributed": {"timeout_s": 10}}  # fmt: skip
-        if RANK == 0:  # rank 1 sets up a next group before rank 0's is gone, as a slower rank 0 would
-            destroy = torch.distributed.destroy_process_group
-            torch.distributed.destroy_process_group = lambda *a: (time.sleep(1), destroy(*a))[1]
-        trainer = Evaluated(cfg)
-        trainer.fit()
-        runs = [len(trainer.predict()), trainer.validate()]
-        torch.save({"runs": runs}, out / f"rank{RANK}.pt")
         return
     elif scenario == "fsdp_rank_1_cannot_write":  # as a run_dir on rank 0's disk, or one only rank 0's user may write
         real_access = os.access

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import gc
 import hashlib
 import os
@@ -27,9 +26,6 @@ def is_communication_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from the process group's transport rather than from user code."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
-
-
-_left_up: Any = None  # the multi-process group a clean run left up for the next run of this process
 
 
 @dataclass(frozen=True)
@@ -70,9 +66,8 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
             "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
             "to train on CPU processes with gloo"
         )
-    reused = dist.is_initialized() and dist.group.WORLD is _left_up
-    owns = reused or not dist.is_initialized()
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))
@@ -81,38 +76,17 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
 
 
 def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
-    """Destroy the process group the Trainer created; after a clean multi-process run, at exit instead.
+    """Destroy the process group; after a clean run, only once every rank got here.
 
-    A group destroyed and created again in one process (``fit()`` then ``test()``) meets the first group's
-    rendezvous keys (torchrun's store keeps them): ranks connect to stale addresses and hang in set-up. So a
-    clean run leaves its group up for the next ``fit``/``validate``/``test``/``predict``, and it is destroyed at
-    exit once every rank got there: a rank that exits while a peer still has gloo work in flight makes the
-    peer's transport thread fail, which aborts that process ("terminate called without an active exception").
-    After an exception it goes at once, without waiting (a peer may be dead).
+    A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail,
+    which aborts that process ("terminate called without an active exception") after all its work is
+    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead).
     """
-    global _left_up
-    if not (env.owns_group and dist.is_initialized()):
-        return
-    if clean and env.enabled:
-        if _left_up is None:
-            atexit.register(_leave_together)
-        _left_up = dist.group.WORLD
-        return
-    if clean:
-        dist.barrier()
-    _left_up = None
-    dist.destroy_process_group()
-    gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
-
-
-def _leave_together() -> None:
-    """At exit: the group a clean run left up, destroyed once every rank got here (a dead peer is let be)."""
-    if dist.is_initialized() and dist.group.WORLD is _left_up:
-        try:
+    if env.owns_group and dist.is_initialized():
+        if clean:
             dist.barrier()
-        except RuntimeError:
-            pass
         dist.destroy_process_group()
+        gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
 
 
 def broadcast_object(value: Any, env: DistributedEnv) -> Any:
