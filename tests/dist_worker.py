@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -232,6 +233,17 @@ def main(scenario: str, out: Path) -> None:
             trainer.fit()
         finally:
             torch.save({"global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "fit_then_evaluate":  # a new process group per run (10 s to connect one, if they clash)
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
+               "distributed": {"timeout_s": 10}}  # fmt: skip
+        if RANK == 0:  # rank 1 sets up a next group before rank 0's is gone, as a slower rank 0 would
+            destroy = torch.distributed.destroy_process_group
+            torch.distributed.destroy_process_group = lambda *a: (time.sleep(1), destroy(*a))[1]
+        trainer = Evaluated(cfg)
+        trainer.fit()
+        runs = [len(trainer.predict()), trainer.validate()]
+        torch.save({"runs": runs}, out / f"rank{RANK}.pt")
         return
     elif scenario == "validate_uneven_fsdp":  # every FSDP forward is a collective: rank 1 runs a filler batch
         fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}

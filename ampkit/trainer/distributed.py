@@ -70,9 +70,32 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     if owns:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.timeout_s))
+        timeout = timedelta(seconds=cfg.distributed.timeout_s)
+        store, rank, size = _fresh_group_store(timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                           owns_group=owns)  # fmt: skip
+
+
+_rendezvous: tuple[dist.Store, int, int] | None = None  # torchrun's store, this rank, world size: kept for the process
+_groups_created = 0
+
+
+def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """Torchrun's rendezvous store under a key prefix no earlier group of this process used, with rank and size.
+
+    torch gives every default group the same keys, so a script's second group (``fit`` then ``validate``) would
+    read the first one's connection addresses and hang. Each group gets its own prefix, in the same order on
+    every rank, on one store kept for the process: rank 0 hosts it outside torchrun's agent, and a new one
+    could start while a slower peer still reads the old one.
+    """
+    global _rendezvous, _groups_created
+    if _rendezvous is None:
+        _rendezvous = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, size = _rendezvous
+    store.set_timeout(timeout)
+    _groups_created += 1
+    return dist.PrefixStore(f"ampkit_group_{_groups_created}", store), rank, size
 
 
 def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
