@@ -418,6 +418,11 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
 
 
+def is_config_instance(value: Any) -> bool:
+    """Whether ``value`` is a dataclass instance (a config schema filled in), which OmegaConf merges as a mapping."""
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
 def build_config(schema_class: type, *sources: Any) -> DictConfig:
     """Merge ``sources`` (dicts/DictConfigs) onto the dataclass ``schema_class``; errors become ConfigError."""
     if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):

@@ -391,3 +391,30 @@ def test_a_set_up_method_s_own_exception_keeps_its_type_in_python_and_is_one_lin
         BrokenModel(toy_cfg(tmp_path, **QUIET)).fit()
     line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path, "test_hostile_inputs:BrokenModel")])
     assert "configure_model() raised RuntimeError: cannot build the model" in line
+
+
+@pytest.mark.parametrize(
+    ("make_cfg", "message"),
+    [
+        (lambda tmp_path: OmegaConf.create({"trainer": {"max_epochs": -3}}), "'trainer.max_epochs': -3 is invalid"),
+        (lambda tmp_path: OmegaConf.create({"trainer": {"max_steps": "x"}}), "'trainer.max_steps': Value 'x'"),
+        (lambda tmp_path: OmegaConf.create({"bogus": 1}), "unknown config key 'bogus'"),
+        (lambda tmp_path: str(tmp_path / "run.yaml"), "ToyTrainer(cfg=...): got str '"),
+        (lambda tmp_path: tmp_path / "run.yaml", "ToyTrainer(cfg=...): got PosixPath '"),
+        (lambda tmp_path: [1, 2], "ToyTrainer(cfg=...): got list '[1, 2]'; expected a dict, an OmegaConf DictConfig"),
+    ],
+    ids=["DictConfig out of range", "DictConfig wrong type", "DictConfig unknown key", "str path", "Path", "list"],
+)
+def test_a_config_that_bypasses_the_schema_or_is_no_mapping_is_refused_at_construction(tmp_path, make_cfg, message):
+    with pytest.raises(ConfigError) as err:
+        ToyTrainer(make_cfg(tmp_path))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
+    """A DictConfig from OmegaConf.load/create is merged onto the schema as a dict is: defaults, types checked."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'runs'}\ntrainer:\n  max_steps: '2'\n  device: cpu\n")
+    trainer = ToyTrainer(OmegaConf.load(config))
+    assert trainer.cfg.trainer.max_steps == 2 and trainer.cfg.data.batch_size == 8
+    assert trainer.cfg.trainer_class.endswith(":ToyTrainer")

@@ -58,7 +58,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values
+from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
@@ -214,9 +214,16 @@ class Trainer:
     ) -> None:
         self._own_hooks = own_hooks(type(self), Trainer)
         check_step_signatures(type(self))
-        if not isinstance(cfg, DictConfig):  # in Python the class at hand is the trainer_class a YAML would name
-            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
-            cfg = build_config(self.config_class, here, cfg or {})
+        if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
+            raise ConfigError(
+                f"{type(self).__name__}(cfg=...): got {type(cfg).__name__} {str(cfg)[:60]!r}; expected a dict, an "
+                "OmegaConf DictConfig or a config_class instance, or None for the defaults (a YAML file: "
+                "OmegaConf.load(path))"
+            )
+        # Always merged onto the schema: a DictConfig from OmegaConf.load/create has no defaults and no type checks.
+        # In Python the class at hand is the trainer_class a YAML would name.
+        here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+        cfg = build_config(self.config_class, here, {} if cfg is None else cfg)
         self.cfg: DictConfig = cfg
         self.dist = DistributedEnv()  # one process until fit/validate/test/predict start torch.distributed
         self._validate_config()
