@@ -406,16 +406,30 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
     return None
 
 
-def _parse_overrides(overrides: list[str]) -> DictConfig:
+def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
+    """``(dotted key, value text)`` of each ``key=value`` override, each checked on its own so an error names it."""
+    pairs = []
     for item in overrides:
-        if "=" not in item or item.startswith("="):
+        key, equals, value = item.partition("=")
+        # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
+        key = key.removeprefix("++").removeprefix("+")
+        if not equals or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
-    # Hydra's "+key=value" (add a key): the schema decides which keys exist, so it is a plain override here.
-    overrides = [item.removeprefix("+") for item in overrides]
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot parse overrides {overrides}: {exc}") from None
+        if not all(part.strip() == part and part for part in key.split(".")):
+            raise ConfigError(
+                f"override '{item}': key '{key}' has an empty or space-padded part; expected a dotted key such as "
+                "trainer.max_epochs"
+            )
+        try:
+            OmegaConf.from_dotlist([f"{key}={value}"])
+        except Exception as exc:  # OmegaConf's own errors and the YAML parser's (an unclosed [ or {)
+            reason = (getattr(exc, "problem", None) or getattr(exc, "msg", None) or str(exc)).splitlines()[0]
+            raise ConfigError(
+                f"override '{item}': cannot read the value {value!r} ({reason}); quote a string "
+                f"(key='\"...\"'), close a list or mapping (key=[a, b], key={{a: 1}})"
+            ) from None
+        pairs.append((key, value))
+    return pairs
 
 
 def is_config_instance(value: Any) -> bool:
@@ -552,9 +566,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
             f"config file '{path}' must hold a mapping at the top level (trainer_class: ..., trainer: ...); "
             f"it holds {got}"
         )
-    cli = _parse_overrides(list(overrides or []))
+    pairs = _override_pairs(list(overrides or []))
+    cli = OmegaConf.from_dotlist([f"{key}={value}" for key, value in pairs])
     _keep_base_60_texts(raw, _scalar_texts(path))
-    _keep_base_60_texts(cli, dict(item.removeprefix("+").partition("=")[::2] for item in overrides or []))
+    _keep_base_60_texts(cli, dict(pairs))
     target = OmegaConf.select(cli, "trainer_class") or OmegaConf.select(raw, "trainer_class")
     if not target:
         raise ConfigError(f"config '{path}' must set trainer_class: 'package.module:TrainerSubclass'")

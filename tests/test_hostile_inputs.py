@@ -418,3 +418,26 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
     trainer = ToyTrainer(OmegaConf.load(config))
     assert trainer.cfg.trainer.max_steps == 2 and trainer.cfg.data.batch_size == 8
     assert trainer.cfg.trainer_class.endswith(":ToyTrainer")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.compile=[Block", "override 'trainer.compile=[Block': cannot read the value '[Block' (did not find"),
+        ("trainer.max_steps={a", "override 'trainer.max_steps={a': cannot read the value '{a' (did not find"),
+        ("name=${oops", "override 'name=${oops': cannot read the value '${oops' (no viable alternative"),
+        ("trainer..max_steps=3", "key 'trainer..max_steps' has an empty or space-padded part"),
+        ("trainer.=3", "key 'trainer.' has an empty or space-padded part"),
+    ],
+    ids=["unclosed list", "unclosed mapping", "unclosed interpolation", "double dot", "trailing dot"],
+)
+def test_an_override_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, override, message):
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])
+    assert message in line
+
+
+def test_hydra_s_force_add_prefix_is_a_plain_override(tmp_path, capsys):
+    config = _config(tmp_path)
+    assert main(["fit", "--config", config, "--print-config", "++trainer.max_steps=7", "+name=x"]) == 0
+    printed = OmegaConf.create(capsys.readouterr().out)
+    assert printed.trainer.max_steps == 7 and printed.name == "x"
