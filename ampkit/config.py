@@ -222,7 +222,11 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in choices), "one of " + ", ".join(choices)
 
 
-_POSITIVE_NUMBER = (lambda v: v > 0 and not math.isnan(v)), "a number > 0"
+_POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
+
+# Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
+# own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
+_INT64_EXCEPT = frozenset({"trainer.seed"})
 
 
 def duration_seconds(value: Any) -> float | None:
@@ -266,7 +270,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.keep_last": _at_least(1),
     "checkpoint.save_top_k": ((lambda v: v >= 1 or v == -1), "an integer >= 1, or -1 (keep every one)"),
     "early_stopping.patience": _at_least(1),
-    "early_stopping.min_delta": ((lambda v: v >= 0), "a number >= 0"),
+    "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),
     "precision.opt_level": (
         _one_of("O0", "O1", "O2", "O3", "O4", "O5")[0],
         "one of O0, O1, O2, O3, O4, O5 (the letter O, not the number zero)",
@@ -278,9 +282,15 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logging.grad_histograms_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: off)"),
     "logging.peak_tflops": _optional(_POSITIVE_NUMBER, "from the table of known GPUs"),
     "distributed.backend": _one_of("auto", "gloo", "nccl"),
-    "distributed.timeout_s": _POSITIVE_NUMBER,
+    "distributed.timeout_s": (  # torch's deadlines (now + timeout, in int64 nanoseconds) overflow well before inf
+        (lambda v: 0 < v <= 1e9),
+        "a number of seconds > 0, at most 1e9 (about 31 years)",
+    ),
     "distributed.grad_sync": _one_of("auto", "ddp", "step"),
-    "distributed.bucket_cap_mb": _POSITIVE_NUMBER,
+    "distributed.bucket_cap_mb": (
+        (lambda v: 0 < v < 2**43),
+        "a number > 0 and below 2**43 (DDP counts the bucket's bytes in a 64-bit integer)",
+    ),
     "precision.fp8.backend": _one_of("torchao", "reference"),
     "precision.fp8.recipe": _one_of("tensorwise", "rowwise", "rowwise_with_gw_hp"),
     "precision.fp8.emulate": ((lambda v: v in ("auto", True, False)), "auto, true or false"),
@@ -301,12 +311,32 @@ _FOREIGN_SPELLINGS = {
 }
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Check every key of :data:`VALUE_RULES`; one :class:`ConfigError` names each bad dotted key and its range."""
+def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """A problem for each integer leaf, in any section (a Trainer's own too), that no 64-bit integer holds."""
     problems = []
+    for key in cfg.keys():
+        full_key = f"{prefix}{key}"
+        value = cfg._get_node(key)
+        if isinstance(value, DictConfig):
+            problems += _integers_out_of_range(value, f"{full_key}.")
+            continue
+        value = cfg[key]
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            if full_key not in _INT64_EXCEPT:
+                problems.append(
+                    f"config key '{full_key}': {value} is out of range; expected a 64-bit integer, in [-2**63, 2**63)"
+                )
+    return problems
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Check every key of :data:`VALUE_RULES` and every integer's range; one :class:`ConfigError` names each bad
+    dotted key and what is valid."""
+    problems = _integers_out_of_range(cfg)
+    out_of_range = {problem.split("'")[1] for problem in problems}
     for key, (ok, valid) in VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
-        if not ok(value):
+        if key not in out_of_range and not ok(value):
             same = _FOREIGN_SPELLINGS.get(key, {}).get(str(value).strip().lower())
             problems.append(
                 f"config key '{key}': {value!r} is invalid; expected {valid}"

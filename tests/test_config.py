@@ -92,7 +92,9 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     [
         ("trainer.accumulate_grad_batches", 0, "an integer >= 1"),
         ("trainer.device", "gpu", "use auto, cpu, cuda or cuda:N"),
-        ("trainer.clip_grad_norm", -1.0, "a number > 0"),
+        ("trainer.clip_grad_norm", -1.0, "a finite number > 0"),
+        ("trainer.clip_grad_norm", "inf", "a finite number > 0"),
+        ("early_stopping.min_delta", "inf", "a finite number >= 0"),
         ("trainer.limit_val_batches", -1, "null \\(all batches.*\\) or an integer >= 1"),
         ("trainer.val_every_n_steps", -3, "an integer >= 0"),
         ("trainer.val_every_n_epochs", -1, "an integer >= 0"),
@@ -103,8 +105,13 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("logging.log_every_n_steps", 0, "an integer >= 1"),
         ("distributed.backend", "mpi", "one of auto, gloo, nccl"),
         ("distributed.grad_sync", "fsdp", "one of auto, ddp, step"),
-        ("distributed.timeout_s", 0, "a number > 0"),
-        ("distributed.bucket_cap_mb", "nan", "a number > 0"),
+        ("distributed.timeout_s", 0, "a number of seconds > 0"),
+        ("distributed.timeout_s", "inf", "a number of seconds > 0, at most 1e9"),  # torchrun: an OverflowError
+        ("distributed.timeout_s", 9e9, "a number of seconds > 0, at most 1e9"),  # torchrun: a store timeout at once
+        ("distributed.bucket_cap_mb", "nan", "a number > 0 and below 2\\*\\*43"),
+        ("distributed.bucket_cap_mb", "1e30", "a number > 0 and below 2\\*\\*43"),  # DDP: a raw TypeError
+        ("trainer.accumulate_grad_batches", 10**23, "out of range; expected a 64-bit integer"),  # OverflowError
+        ("data.batch_size", -(10**20), "out of range; expected a 64-bit integer"),  # a Trainer's own section too
         ("run_dir", "' '", "a non-empty path"),
     ],
 )
@@ -112,6 +119,13 @@ def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expec
     with pytest.raises(ConfigError, match=expected) as err:
         ToyTrainer(toy_cfg(tmp_path, **{key: value}))
     assert key in str(err.value)
+
+
+def test_a_huge_num_losses_is_refused_instead_of_making_a_scaler_for_each(tmp_path):
+    """A scaler per loss_id is made up front, so 10**23 (a typo, a units slip) hung the construction."""
+    cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1", "precision.num_losses": 10**15})
+    with pytest.raises(ConfigError, match=r"num_losses=1000000000000000: expected None or an integer in \[1, 1024\]"):
+        ToyTrainer(cfg)
 
 
 class _RecordsUserCode(ToyTrainer):

@@ -32,6 +32,9 @@ from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
 
+# A scaler per int loss_id is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
+MAX_NUM_LOSSES = 1024
+
 
 class LossScaling(Callback):
     """One :class:`~ampkit.amp.LossScaler` per ``loss_id`` (int or name) and the combined unscale.
@@ -88,9 +91,12 @@ class LossScaling(Callback):
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
         if num_losses is not None and (
-            isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1
+            isinstance(num_losses, bool) or not isinstance(num_losses, int) or not 1 <= num_losses <= MAX_NUM_LOSSES
         ):
-            raise ValueError(f"num_losses={num_losses!r}: expected None or an integer >= 1")
+            raise ValueError(
+                f"num_losses={num_losses!r}: expected None or an integer in [1, {MAX_NUM_LOSSES}] (each gets its "
+                "scaler now; name the loss_ids for more)"
+            )
         for option, value in (
             ("warn_consecutive_skips", warn_consecutive_skips),
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),
