@@ -390,6 +390,16 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     full_key = str(getattr(exc, "full_key", "") or "")
     message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
+    key = str(getattr(exc, "key", None) or "")
+    if type(exc).__name__ == "ConfigKeyError" and "." in key:  # {"trainer.max_steps": 3} in a dict or a YAML file
+        first, _, rest = key.partition(".")
+        return ConfigError(
+            f"config key '{full_key}' is written with a dot inside one mapping; nest it ({first}: {{{rest}: ...}} in "
+            "YAML, a dict in a dict in Python): the dotted form is for key=value overrides"
+        )
+    empty = re.fullmatch(r"Incompatible value 'None' for field of type '(.+)'", message)
+    if empty:  # key= on the command line, "key:" with no value in YAML
+        return ConfigError(f"config key '{full_key}' is empty (null); expected a value of type {empty.group(1)}")
     if type(exc).__name__ == "ConfigKeyError" or "not in" in message:
         parent = full_key.rpartition(".")[0]
         valid = _valid_keys(schema, parent)
@@ -417,8 +427,13 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                 )
             if not isinstance(child, DictConfig):
                 continue
+            keys = ", ".join(str(k) for k in child.keys())
+            if value is None and not child._is_optional():  # "checkpoint:" with every key under it commented out
+                return ConfigError(
+                    f"config key '{prefix}{key}' is an empty section (null); set its keys ({prefix}{key}.<key>=...) or "
+                    f"leave it out for the defaults: {keys}"
+                )
             if value is not None and not isinstance(value, dict):
-                keys = ", ".join(str(k) for k in child.keys())
                 return ConfigError(
                     f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
                     f"({prefix}{key}.<key>=...): {keys}"
@@ -517,6 +532,9 @@ def builtin_configs() -> dict[str, Path]:
 
 def resolve_config_path(path: str | Path) -> Path:
     """``path`` if it is a file, else the built-in config of that name (``digits``)."""
+    if not str(path).strip():  # Path("") is the working directory, which is no config
+        builtin = ", ".join(builtin_configs()) or "none"
+        raise ConfigError(f"--config {str(path)!r} is empty; name a YAML file or a built-in config ({builtin})")
     candidate = Path(os.path.expanduser(str(path)))
     if candidate.is_file():
         return candidate

@@ -441,3 +441,29 @@ def test_hydra_s_force_add_prefix_is_a_plain_override(tmp_path, capsys):
     assert main(["fit", "--config", config, "--print-config", "++trainer.max_steps=7", "+name=x"]) == 0
     printed = OmegaConf.create(capsys.readouterr().out)
     assert printed.trainer.max_steps == 7 and printed.name == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("trainer.max_steps: 3\n", "config key 'trainer.max_steps' is written with a dot inside one mapping; nest it"),
+        ("checkpoint:\n  # monitor: val/mse\n", "config key 'checkpoint' is an empty section (null); set its keys"),
+        ("trainer:\n  max_epochs:\n", "config key 'trainer.max_epochs' is empty (null); expected a value of type int"),
+    ],
+    ids=["dotted key", "empty section", "empty value"],
+)
+def test_a_yaml_key_that_is_dotted_or_empty_says_so(tmp_path, capsys, text, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"trainer_class: toy_trainers:ToyTrainer\nrun_dir: {tmp_path / 'runs'}\n{text}")
+    assert message in _one_line_error(capsys, ["fit", "--config", str(config)])
+
+
+def test_empty_overrides_and_an_empty_config_name_say_they_are_empty(tmp_path, capsys):
+    config = _config(tmp_path)
+    line = _one_line_error(capsys, ["fit", "--config", config, "name="])
+    assert "config key 'name' is empty (null); expected a value of type str" in line
+    assert "is an empty section (null)" in _one_line_error(capsys, ["fit", "--config", config, "trainer="])
+    line = _one_line_error(capsys, ["fit", "--config", ""])
+    assert "--config '' is empty; name a YAML file or a built-in config (digits, gpt)" in line
+    with pytest.raises(ConfigError, match=r"'trainer.max_steps' is written with a dot inside one mapping"):
+        ToyTrainer({"trainer.max_steps": 3})
