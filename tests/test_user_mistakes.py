@@ -219,6 +219,11 @@ class NotScalar(ToyTrainer):
         return (self.model(batch[0]).squeeze(1) - batch[1]).square()
 
 
+class ComplexLoss(ToyTrainer):
+    def training_step(self, batch):
+        return super().training_step(batch) * (1 + 1j)
+
+
 class NoLoader(ToyTrainer):
     def train_dataloader(self):
         return None
@@ -320,6 +325,7 @@ class NoOptimizersListed(ToyTrainer):
         ("NoOptimizer", "configure_optimizers() returned None"),
         ("NoGrad", "the loss of loss_id 0 does not require grad"),
         ("NotScalar", "the loss of loss_id 0 has shape (8,); expected a scalar"),
+        ("ComplexLoss", "the loss of loss_id 0 is torch.complex64; expected a real number (take .abs() or .real)"),
     ],
 )
 def test_mistakes_in_trainer_code_are_one_line(tmp_path, capsys, trainer_class, message):

@@ -21,7 +21,7 @@ class UserCodeError(TypeError, ValueError):
 
 
 def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
-    """A loss ``backward`` can use: a scalar tensor that requires grad (two attribute reads per backward), and a
+    """A loss ``backward`` can use: a real scalar tensor that requires grad (three reads per backward), and a
     ``loss_id`` that can name its scaler."""
     if not isinstance(loss_id, Hashable):
         raise UserCodeError(
@@ -37,6 +37,10 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
+        )
+    if loss.is_complex():  # autograd's own error names neither the loss nor the way out
+        raise UserCodeError(
+            f"the loss of loss_id {loss_id!r} is {loss.dtype}; expected a real number (take .abs() or .real)"
         )
 
 
