@@ -246,7 +246,7 @@ def duration_seconds(value: Any) -> float | None:
 
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "run_dir": ((lambda v: bool(v.strip())), "a non-empty path"),
+    "run_dir": ((lambda v: bool(v.strip()) and "\0" not in v), "a non-empty path without NUL characters"),
     "trainer.max_epochs": _at_least(0),
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (

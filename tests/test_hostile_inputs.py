@@ -358,6 +358,7 @@ def test_ctrl_c_while_pruning_then_resume_matches_an_uninterrupted_run(tmp_path,
         (["fit", "--resume", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
         (["validate", "--ckpt", ""], "the checkpoint path is empty: pass a path, 'last' or 'best'"),
         (["predict", "--output", ""], "predict --output is empty: name a file"),
+        (["predict", "--output", "p\0.pt"], "predict --output 'p\\x00.pt' holds a NUL character, which no path can"),
     ],
 )
 def test_an_empty_path_is_named_as_empty(trained, capsys, argv, message):
@@ -467,3 +468,8 @@ def test_empty_overrides_and_an_empty_config_name_say_they_are_empty(tmp_path, c
     assert "--config '' is empty; name a YAML file or a built-in config (digits, gpt)" in line
     with pytest.raises(ConfigError, match=r"'trainer.max_steps' is written with a dot inside one mapping"):
         ToyTrainer({"trainer.max_steps": 3})
+
+
+def test_a_run_dir_holding_a_nul_character_is_refused_at_construction(tmp_path):
+    with pytest.raises(ConfigError, match=r"'run_dir': 'a\\x00b' is invalid; expected a non-empty path without NUL"):
+        ToyTrainer({"run_dir": "a\0b", "trainer": {"device": "cpu"}})

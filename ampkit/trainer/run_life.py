@@ -605,6 +605,8 @@ def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
     text = os.path.expandvars(os.path.expanduser(str(output)))
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
+    if "\0" in text:  # no file system takes it; os.stat's own ValueError names no option
+        raise RunDirectoryError(f"predict --output {text!r} holds a NUL character, which no path can; name a file")
     path = Path(text)
     if path.is_dir() and not is_sharded_checkpoint(path) or text.endswith(("/", os.sep)):
         path = path / PREDICTIONS_FILE
