@@ -638,3 +638,14 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
     trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}
     with pytest.raises(AttributeError, match=r"there are 2 optimizers \(a, b\); use self.optimizers\[name\]"):
         _ = trainer.optimizer
+
+
+def test_settings_passed_as_keyword_arguments_name_their_config_keys():
+    """Lightning's Trainer(max_epochs=3, precision=...) here: each name's config key, not Python's bare TypeError."""
+    with pytest.raises(TypeError) as err:
+        ToyTrainer(max_epochs=3, precision="bf16-mixed", batch_size=4, bogus=1)
+    assert str(err.value) == (
+        "ToyTrainer() takes a config, not settings as keyword arguments (max_epochs is trainer.max_epochs; "
+        "precision is precision.opt_level; batch_size is data.batch_size; bogus is no config key); pass them in cfg, "
+        "e.g. ToyTrainer({'trainer': {'max_epochs': 3}})"
+    )

@@ -29,3 +29,33 @@ def missing_attribute(obj: Any, name: str) -> AttributeError:
     if name in LIGHTNING_NAMES:
         message += f" (Lightning's name; here it is {LIGHTNING_NAMES[name]})"
     return AttributeError(message, name=name, obj=obj)
+
+
+# Lightning Trainer arguments whose ampkit config key has another name.
+LIGHTNING_SETTINGS: dict[str, str] = {
+    "precision": "precision.opt_level",
+    "accelerator": "trainer.device",
+    "devices": "trainer.device (one process; torchrun starts more)",
+    "gradient_clip_val": "trainer.clip_grad_norm",
+    "check_val_every_n_epoch": "trainer.val_every_n_epochs",
+    "val_check_interval": "trainer.val_every_n_steps",
+    "default_root_dir": "run_dir",
+    "enable_progress_bar": "trainer.progress_bar",
+    "enable_checkpointing": "checkpoint.enabled",
+    "strategy": "distributed.strategy",
+}
+
+
+def keyword_settings_error(class_name: str, schema: type, names: list[str]) -> str:
+    """The message for ``Trainer(max_epochs=3)``: each name's config key (``trainer.max_epochs``), and where keys go."""
+    from ampkit.config_docs import sections
+
+    leaves = [leaf.key for _, _, keys in sections(schema) for leaf in keys]
+    found = []
+    for name in names:
+        keys = [key for key in leaves if key.rpartition(".")[2] == name] or [LIGHTNING_SETTINGS.get(name, "")]
+        found.append(f"{name} is " + (" or ".join(k for k in keys if k) or "no config key"))
+    return (
+        f"{class_name}() takes a config, not settings as keyword arguments ({'; '.join(found)}); pass them in cfg, "
+        f"e.g. {class_name}({{'trainer': {{'max_epochs': 3}}}})"
+    )

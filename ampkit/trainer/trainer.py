@@ -86,7 +86,7 @@ from ampkit.trainer.evaluation import (
     collect_predictions,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
-from ampkit.trainer.lightning_names import missing_attribute
+from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -210,8 +210,10 @@ class Trainer:
     flops_per_sample: float | None = None
 
     def __init__(
-        self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | Callback | None = None
+        self, cfg: DictConfig | dict | None = None, callbacks: list[Callback] | Callback | None = None, **settings: Any
     ) -> None:
+        if settings:  # Lightning's Trainer(max_epochs=3): here settings are config keys
+            raise TypeError(keyword_settings_error(type(self).__name__, self.config_class, list(settings)))
         self._own_hooks = own_hooks(type(self), Trainer)
         check_step_signatures(type(self))
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
