@@ -6,11 +6,6 @@ from __future__ import annotations
 
 # apex.<name> -> (what it was, what to use instead). A name not listed gets the list of what the shim provides.
 UNSERVED: dict[str, tuple[str, str]] = {
-    "apex.contrib.xentropy": (
-        "a fused softmax cross-entropy",
-        "torch.nn.functional.cross_entropy(logits.float(), target, label_smoothing=..., ignore_index=..., "
-        "reduction='none')",
-    ),
     "apex.contrib.layer_norm": ("FastLayerNorm", "apex.normalization.FusedLayerNorm (served) or torch.nn.LayerNorm"),
     "apex.contrib.multihead_attn": (
         "fused multi-head attention",
@@ -52,8 +47,8 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
 # Packages importable and empty, as in Apex itself (apex.contrib's subpackages each need their own extension; the
-# focal_loss package deletes what it imported): of their submodules, clip_grad, focal_loss.focal_loss and
-# optimizers (Apex's first FP16_Optimizer and FusedAdam) are served (module aliases in the shim).
+# focal_loss package deletes what it imported): of their submodules, clip_grad, focal_loss.focal_loss,
+# optimizers (Apex's first FP16_Optimizer and FusedAdam) and xentropy are served (module aliases in the shim).
 EMPTY_PACKAGES = ("apex.contrib", "apex.contrib.focal_loss")
 
 

@@ -20,6 +20,7 @@ EXTENSION_MODULES = (
     "fused_adam_cuda",
     "fused_layer_norm_cuda",
     "focal_loss_cuda",
+    "xentropy_cuda",
     "fused_weight_gradient_mlp_cuda",
     "scaled_upper_triang_masked_softmax_cuda",
     "scaled_masked_softmax_cuda",
