@@ -37,10 +37,6 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.nccl_allocator": ("an NCCL memory pool", "no equivalent off CUDA; leave the call out"),
     "apex.contrib.gpu_direct_storage": ("GPUDirect Storage I/O", "torch.save / torch.load"),
     "apex.contrib.openfold_triton": ("OpenFold's Triton kernels", "the model's plain PyTorch LayerNorm and attention"),
-    "apex.fused_dense": (
-        "FusedDense and FusedDenseGeluDense",
-        "torch.nn.Linear (two, with torch.nn.GELU between, for FusedDenseGeluDense)",
-    ),
     "apex.transformer": ("tensor and pipeline parallelism", "Megatron-Core or torch.distributed.tensor.parallel"),
     "apex.RNN": ("Apex's RNN modules", "torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN"),
     "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),

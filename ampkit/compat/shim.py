@@ -31,6 +31,7 @@ APEX_SUBPACKAGES = {
     "normalization": "ampkit.compat.normalization",
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
     "mlp": "ampkit.compat.mlp",
+    "fused_dense": "ampkit.compat.fused_dense",
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
 _TOP_LEVEL_MODULES = {
@@ -64,6 +65,7 @@ _MODULE_ALIASES = {
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
     "apex.mlp.mlp": "ampkit.compat.mlp",
+    "apex.fused_dense.fused_dense": "ampkit.compat.fused_dense",
     "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
     "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
     "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",  # its package is empty, as in Apex
@@ -274,7 +276,7 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``,
+    ``.multi_tensor_apply``, ``.mlp``, ``.fused_dense``) and Apex's extension modules (``import amp_C``, ``apex_C``,
     ``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``xentropy_cuda``,
     ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes)
     resolve to ampkit.

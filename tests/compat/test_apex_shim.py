@@ -65,7 +65,7 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
         ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
         ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
         ("from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB", r"ZeroRedundancyOptimizer"),
-        ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
+        ("from apex.contrib.transducer import TransducerJoint", r"torchaudio\.functional\.rnnt_loss"),
         ("from apex.transformer import parallel_state", r"torch\.distributed\.tensor\.parallel"),
     ],
 )
