@@ -4,8 +4,8 @@ A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<su
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
 whose submodules load on first touch, plus Apex's top-level extension modules (``amp_C``, ``apex_C``,
 ``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``xentropy_cuda``,
-``fused_weight_gradient_mlp_cuda`` and the
-Megatron softmaxes). A real apex installation wins unless the shim is forced.
+``fused_weight_gradient_mlp_cuda`` and the Megatron softmaxes), and Megatron's own
+``fused_mix_prec_layer_norm_cuda``. A real apex installation wins unless the shim is forced.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ _TOP_LEVEL_MODULES = {
     "apex_C": "ampkit.compat.apex_c",
     "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
     "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
+    "fused_mix_prec_layer_norm_cuda": "ampkit.compat.fused_mix_prec_layer_norm_cuda",  # Megatron 2021-22's own
     "focal_loss_cuda": "ampkit.compat.focal_loss_cuda",  # NVIDIA's EfficientDet imports it at the top
     "xentropy_cuda": "ampkit.compat.xentropy_cuda",  # fairseq and MosaicML Composer import it by name
     "fused_weight_gradient_mlp_cuda": "ampkit.compat.fused_weight_gradient_mlp_cuda",  # Megatron's default path
@@ -278,7 +279,7 @@ def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
     ``.multi_tensor_apply``, ``.mlp``, ``.fused_dense``) and Apex's extension modules (``import amp_C``, ``apex_C``,
     ``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``xentropy_cuda``,
-    ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes)
+    ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes, Megatron's ``fused_mix_prec_layer_norm_cuda``)
     resolve to ampkit.
 
     Args:

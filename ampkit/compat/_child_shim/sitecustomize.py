@@ -19,6 +19,7 @@ EXTENSION_MODULES = (
     "apex_C",
     "fused_adam_cuda",
     "fused_layer_norm_cuda",
+    "fused_mix_prec_layer_norm_cuda",
     "focal_loss_cuda",
     "xentropy_cuda",
     "fused_weight_gradient_mlp_cuda",
