@@ -5,6 +5,7 @@ gradients are checked in float64 against label-smoothed cross-entropy written ou
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -130,3 +131,69 @@ def test_bad_arguments_are_named(shim):
         xentropy_cuda.forward(logits.reshape(2, 6, 37), target, 0.0, False)
     with pytest.raises(ValueError, match=r"labels must be 1-D int64 with one entry per logits row \(12\)"):
         xentropy_cuda.forward(logits, target.int(), 0.0, False)
+
+
+def _fused_lm():
+    from apex.fused_dense import FusedDense, FusedDenseGeluDense
+    from apex.normalization import FusedLayerNorm
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(40, 16, padding_idx=1)
+            self.ln, self.mlp, self.out = FusedLayerNorm(16), FusedDenseGeluDense(16, 32, 16), FusedDense(16, 40)
+
+        def forward(self, x):
+            h = self.emb(x)
+            return self.out(h + self.mlp(self.ln(h)))
+
+    torch.manual_seed(0)
+    return LM()
+
+
+def _train(model, optimizer, batches):
+    from apex import amp
+
+    for tokens in batches:
+        source, target = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        logits = model(source)
+        loss = _fairseq_cross_entropy(logits.view(-1, 40), target.view(-1), ignore_index=1, smoothing=0.1)
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+
+
+def test_an_o2_lm_on_fused_dense_and_xentropy_resumes_bit_for_bit(shim):
+    """fp16 layers (Apex's O2 casts the logits back to float32 for the loss); a run killed after its checkpoint
+    {model, optimizer, amp} continues as if it had never stopped."""
+    from apex import amp
+    from apex.optimizers import FusedAdam
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 40, (4, 9), generator=generator) for _ in range(6)]
+
+    def start():
+        amp._amp_state.reset()
+        model = _fused_lm()
+        optimizer = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+        return amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+
+    model, optimizer = start()
+    assert model.out.weight.dtype == model.mlp.weight1.dtype == torch.float16
+    _train(model, optimizer, batches)
+    straight = {k: v.clone() for k, v in model.state_dict().items()}
+    masters = [p.detach().clone() for p in amp.master_params(optimizer)]
+
+    model, optimizer = start()
+    _train(model, optimizer, batches[:3])
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}
+    checkpoint = copy.deepcopy(checkpoint)
+    model, optimizer = start()
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    _train(model, optimizer, batches[3:])
+    assert all(torch.equal(v, straight[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p, m) for p, m in zip(amp.master_params(optimizer), masters, strict=True))
