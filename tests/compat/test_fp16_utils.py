@@ -82,6 +82,13 @@ def test_master_param_helpers_refuse_lists_that_do_not_pair_up(helper):
         helper(model_params[:2], flat, flat_master=True)  # unflattening took a prefix of the flat master
 
 
+def test_a_flat_master_of_a_frozen_model_is_refused_by_name():
+    model = torch.nn.Linear(2, 2).half().requires_grad_(False)
+    assert prep_param_lists(model) == ([], [])
+    with pytest.raises(ValueError, match=r"flat_master=True\): the model has no parameters with requires_grad=True"):
+        prep_param_lists(model, flat_master=True)  # torch.cat's 'expected a non-empty list of Tensors' before
+
+
 def _half_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

@@ -81,6 +81,11 @@ def prep_param_lists(
     """
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
+        if not model_params:
+            raise ValueError(
+                "prep_param_lists(flat_master=True): the model has no parameters with requires_grad=True to make a "
+                "flat master of; use flat_master=False (it returns empty lists) or unfreeze a parameter"
+            )
         dtypes = {p.dtype for p in model_params}
         if len(dtypes) > 1:
             raise TypeError(
