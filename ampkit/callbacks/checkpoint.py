@@ -57,7 +57,7 @@ class ModelCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
-        self.monitor = Monitor(monitor, mode) if monitor else None
+        self.monitor = Monitor(monitor, mode, key="checkpoint.monitor") if monitor else None
         self.save_top_k = save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
@@ -94,7 +94,7 @@ class ModelCheckpoint(Callback):
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.monitor is not None and trainer.state.stage == "fit":
-            self._pending = self.monitor.value(metrics)
+            self._pending = self.monitor.value(metrics, trainer.state.global_step)
 
     def _save_now(self, trainer, periodic: str | None) -> None:
         """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending
