@@ -387,16 +387,36 @@ def lineage(start: FitStart) -> dict[str, Any]:
 
 
 def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: FitStart) -> None:
-    """``config.yaml`` (a branch's names its origin in a comment); a resume with a changed config adds
-    ``config.resumed_at_step_N.yaml`` beside it, so every config a run trained under is kept."""
+    """``config.yaml`` (a branch's names its origin in a comment); a resume with a config other than the one in
+    effect at its step (the newest record up to it) adds ``config.resumed_at_step_N.yaml``, so the records say
+    which config trained each step. ``config.yaml`` is never replaced (a damaged or edited one is kept)."""
     text = OmegaConf.to_yaml(cfg, resolve=True)
     if start.branched_from is not None:
-        text = f"# branched from {start.branched_from.absolute()} at global step {global_step}\n{text}"
-    target = version_dir / "config.yaml"
-    if target.is_file() and target.read_text(errors="replace") != text:  # damaged or edited: kept, not replaced
-        target = version_dir / f"config.resumed_at_step_{global_step}.yaml"
-    if not target.is_file():
-        write_text_atomic(text, target)
+        text = f"{_BRANCH_HEADER} {start.branched_from.absolute()} at global step {global_step}\n{text}"
+    in_effect = _config_in_effect(version_dir, global_step)
+    if in_effect is None:
+        write_text_atomic(text, version_dir / "config.yaml")
+    elif _without_header(in_effect.read_text(errors="replace")) != _without_header(text):
+        # A record of this same step is an earlier resume's that saved nothing after it: this one replaces it.
+        write_text_atomic(text, version_dir / f"config.resumed_at_step_{global_step}.yaml")
+
+
+_BRANCH_HEADER = "# branched from"
+_RESUMED_CONFIG = re.compile(r"^config\.resumed_at_step_(\d+)\.yaml$")
+
+
+def _config_in_effect(version_dir: Path, global_step: int) -> Path | None:
+    """The newest config record of ``version_dir`` up to ``global_step`` (``config.yaml`` or a
+    ``config.resumed_at_step_N.yaml``), or None when it has none."""
+    resumed = [(int(m.group(1)), p) for p in version_dir.iterdir() if (m := _RESUMED_CONFIG.match(p.name))]
+    newest = max(((n, p) for n, p in resumed if n <= global_step and p.is_file()), default=None)
+    first = version_dir / "config.yaml"
+    return newest[1] if newest is not None else first if first.is_file() else None
+
+
+def _without_header(text: str) -> str:
+    """A config record without a branch's first-line comment (the settings are what a resume compares)."""
+    return text.split("\n", 1)[1] if text.startswith(_BRANCH_HEADER) and "\n" in text else text
 
 
 # ----------------------------------------------------------------------------------------- stale temp files
