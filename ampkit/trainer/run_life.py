@@ -620,8 +620,9 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------------------- predict's output
-def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
-    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules)."""
+def prediction_output(output: str | os.PathLike, reading: Path | None, world_size: int = 1) -> Path:
+    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), or, on
+    ``world_size`` ranks (each writes ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
@@ -642,7 +643,23 @@ def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
+    if stale:
+        raise RunDirectoryError(
+            f"predict --output '{output}': {', '.join(p.name for p in stale)} beside it hold the shards of an earlier "
+            f"predict on more ranks, which a reader of {path.stem}.rank*{path.suffix} would mix with this run's "
+            f"{world_size}: remove them or name another output"
+        )
     return path
+
+
+def _rank_files_beyond(path: Path, world_size: int) -> list[Path]:
+    """The ``<stem>.rank<N><suffix>`` files beside ``path`` with N >= ``world_size``, by N."""
+    name = re.compile(rf"{re.escape(path.stem)}\.rank(\d+){re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in path.parent.iterdir() if (m := name.fullmatch(p.name))]
+    return [p for rank, p in sorted(found) if rank >= world_size]
 
 
 def _is_run_record(path: Path) -> bool:
