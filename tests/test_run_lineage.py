@@ -398,11 +398,20 @@ def test_the_last_checkpoint_of_a_read_only_run_branches_into_run_dir(tmp_path, 
     assert _files(tmp_path / "archive") == before
 
 
-def test_resuming_another_run_dirs_last_checkpoint_says_where_it_continues(tmp_path):
-    first = ToyTrainer(toy_cfg(tmp_path / "one", **QUIET))
+def test_resuming_another_run_dirs_last_checkpoint_branches_into_run_dir_and_leaves_that_run_alone(tmp_path):
+    """Continuing in place would prune the other run's step files by this config's keep_last (all 8 went) and
+    replace its last.pt: the run writes under the run_dir it was given."""
+    every_step = {"checkpoint.every_n_steps": 1}
+    first = ToyTrainer(toy_cfg(tmp_path / "one", **QUIET, **every_step, **{"checkpoint.keep_last": 20}))
     first.fit()
+    before = _files(first.version_dir)
     last = first.version_dir / "checkpoints" / "last.pt"
-    other = ToyTrainer(toy_cfg(tmp_path / "two", **QUIET, **{"trainer.max_epochs": 2}))
-    with pytest.warns(UserWarning, match=rf"continues where it is, in '{re.escape(str(first.version_dir))}'"):
+    other = ToyTrainer(toy_cfg(tmp_path / "two", **QUIET, **every_step, **{"trainer.max_epochs": 2}))
+    with pytest.warns(
+        UserWarning,
+        match=rf"to continue that run in place, set run_dir to '{re.escape(str(first.version_dir.parent))}'",
+    ):
         other.fit(resume=last)
-    assert other.version_dir == first.version_dir and not (tmp_path / "two" / "run").exists()
+    assert other.version_dir == tmp_path / "two" / "run" / "version_0" and other.state.global_step == 16
+    assert (other.version_dir / "lineage.yaml").is_file()
+    assert _files(first.version_dir) == before

@@ -10,8 +10,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
     written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
-    position): training goes on in that directory (unless it is read-only: then it is a branch).
-  - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
+    position) and that directory is under ``run_dir``: training goes on there (unless it is read-only: then it
+    is a branch).
+  - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run, the
+    newest of a run under another ``run_dir``):
     a new ``version_N`` under ``run_dir``, whose ``lineage.yaml`` and ``config.yaml`` name the checkpoint
     it started from (TensorBoard's text ``run/lineage`` too). So a version directory holds one lineage, and
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
@@ -305,10 +307,13 @@ def plan_fit(
         )
         version_dir = None
     if version_dir is not None and Path(run_dir).absolute().resolve() != version_dir.parent.resolve():
+        # Continuing there would prune that run's files by this config's keep_last and replace its last/best.
         rank_zero_warn(
-            f"'{path}' is the last checkpoint of its run, which continues where it is, in '{version_dir}': "
-            f"run_dir '{run_dir}' is not used (to start a new run there from it, copy the checkpoint first)"
+            f"'{path}' is the last checkpoint of a run outside run_dir '{run_dir}': training branches from it into "
+            f"a new version under run_dir and leaves '{version_dir}' as it is (to continue that run in place, set "
+            f"run_dir to '{version_dir.parent}')"
         )
+        version_dir = None
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
