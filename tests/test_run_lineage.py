@@ -143,6 +143,18 @@ def test_predict_on_fewer_ranks_refuses_an_output_whose_earlier_shards_would_be_
     assert (tmp_path / "preds.pt").is_file()
 
 
+def test_predict_output_through_a_symlink_updates_the_file_it_leads_to_and_keeps_the_link(tmp_path):
+    """The atomic rename used to replace the user's link with a file, leaving old predictions where it led."""
+    target = tmp_path / "shared" / "preds.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"old predictions")
+    link = tmp_path / "preds.pt"
+    link.symlink_to(target)
+    predictions = Predicting(toy_cfg(tmp_path, **QUIET)).predict(output=link)
+    assert link.is_symlink() and link.resolve() == target
+    torch.testing.assert_close(torch.load(target, weights_only=True), predictions)
+
+
 def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):
     from ampkit.cli import main
 

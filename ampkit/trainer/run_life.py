@@ -28,7 +28,7 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   only rank zero takes it.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
-  ``predictions.pt`` inside it.
+  ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
 """
 
 from __future__ import annotations
@@ -648,6 +648,8 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    if world_size == 1 and path.is_symlink():  # written where it leads: the user's link stays, its file is updated
+        return real
     stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
     if stale:
         raise RunDirectoryError(
