@@ -72,6 +72,7 @@ from ampkit.trainer.distributed import (
     distributed_loader,
     evaluation_loader,
     gather_object,
+    launched_world_size,
     setup_distributed,
     teardown_distributed,
 )
@@ -868,7 +869,7 @@ class Trainer:
         an output that would overwrite a checkpoint is refused.
         """
         if output is not None:
-            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt))
+            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt), launched_world_size())
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
             path = output

@@ -52,20 +52,20 @@ def test_apex_names_resolve_to_ampkit_modules(shim):
     served_contrib = re.escape(
         "provides apex.{amp, fp16_utils, parallel, optimizers, normalization, multi_tensor_apply"
     )
-    served_contrib += r".* and apex\.contrib\.\{clip_grad, focal_loss, optimizers\}"  # what it serves, apex.contrib too
-    with pytest.raises(ModuleNotFoundError, match=r"apex\.contrib\.xentropy.*" + served_contrib):
-        import apex.contrib.xentropy  # noqa: F401
+    served_contrib += r".* and apex\.contrib\.\{clip_grad, focal_loss, optimizers, xentropy\}"  # apex.contrib too
+    with pytest.raises(ModuleNotFoundError, match=r"apex\.contrib\.layer_norm.*" + served_contrib):
+        import apex.contrib.layer_norm  # noqa: F401
 
 
 @pytest.mark.parametrize(
     ("statement", "instead"),
     [
-        ("from apex.contrib.xentropy import SoftmaxCrossEntropyLoss", r"torch\.nn\.functional\.cross_entropy\("),
-        ("from apex.contrib import xentropy", r"torch\.nn\.functional\.cross_entropy\("),
+        ("from apex.contrib.multihead_attn import SelfMultiheadAttn", r"scaled_dot_product_attention"),
+        ("from apex.contrib import layer_norm", r"apex\.normalization\.FusedLayerNorm"),
         ("from apex.contrib.layer_norm.layer_norm import FastLayerNormFN", r"apex\.normalization\.FusedLayerNorm"),
         ("from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC", r"channels_last"),
         ("from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB", r"ZeroRedundancyOptimizer"),
-        ("from apex.fused_dense import FusedDenseGeluDense", r"torch\.nn\.GELU"),
+        ("from apex.contrib.transducer import TransducerJoint", r"torchaudio\.functional\.rnnt_loss"),
         ("from apex.transformer import parallel_state", r"torch\.distributed\.tensor\.parallel"),
     ],
 )
