@@ -311,10 +311,19 @@ class StopsItself(ToyTrainer):
         return super().training_step(batch)
 
 
+class StopsAtAnEpochsEnd(ToyTrainer):
+    """A stop asked after the epoch's checkpoint was written (a Trainer's own hooks run after the callbacks'; under
+    torchrun a stop the ranks agree at the epoch's end): the run's last checkpoint had not recorded it."""
+
+    def on_train_epoch_end(self):
+        self.state.should_stop, self.state.stop_reason = True, "reached the target"
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "settings", "why", "stops_at", "to_continue"),
     [
         (StopsItself, {}, "reached the target", 4, {"trainer.max_steps": 9}),
+        (StopsAtAnEpochsEnd, {}, "reached the target", 8, {"trainer.max_steps": 12}),
         (
             ToyTrainer,
             {"early_stopping.monitor": "val/mse", "early_stopping.min_delta": 1e9, "early_stopping.patience": 1},
@@ -324,7 +333,7 @@ class StopsItself(ToyTrainer):
         ),
         (ToyTrainer, {"trainer.max_time": 1e-6}, "trainer.max_time=1e-06s reached", 1, {"trainer.max_time": 3600}),
     ],
-    ids=["should_stop", "early_stopping", "max_time"],
+    ids=["should_stop", "after_the_epochs_checkpoint", "early_stopping", "max_time"],
 )
 def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
     tmp_path, capsys, trainer_class, settings, why, stops_at, to_continue

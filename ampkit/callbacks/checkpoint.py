@@ -62,14 +62,14 @@ class ModelCheckpoint(Callback):
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
-        self._saved_at: dict[str, int] | None = None
+        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, recorded stop) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
-            self._saved_at = trainer.loop_position()
+            self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
         if not trainer.is_global_zero:  # other ranks have no run directory
@@ -149,14 +149,14 @@ class ModelCheckpoint(Callback):
             self.best_k = {}
 
     def on_train_end(self, trainer) -> None:
-        if self._saved_at != trainer.loop_position():
+        if self._saved_at != _moment(trainer):  # also a stop asked after this step's save (an epoch-end hook)
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
         best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards)."""
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
-        self._saved_at = trainer.loop_position()
+        self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
         if not trainer.is_global_zero:
@@ -202,6 +202,11 @@ class ModelCheckpoint(Callback):
         if trainer.is_global_zero:
             prune_sharded(directory, self.keep_last)
         return path
+
+
+def _moment(trainer) -> dict[str, Any]:
+    """What a checkpoint saved now would record of the run's course: its loop position and whether it stopped."""
+    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason()}
 
 
 def _save_failed(writing: Path, reason: str, last: Path, written: Path | None) -> CheckpointError:

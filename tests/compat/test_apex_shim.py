@@ -232,19 +232,31 @@ def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_fi
     assert result.stdout.split() == ["0.1+ampkit", "ampkit.compat.apex_c"]
 
 
-def test_a_subprocess_whose_first_apex_touch_is_any_served_extension_module_gets_it(tmp_path):
-    """A worker may load ``fused_adam_cuda`` or ``fused_layer_norm_cuda`` by name before anything imports apex."""
+def test_a_subprocess_whose_first_apex_touch_is_a_served_extension_module_gets_it(tmp_path):
+    """A worker may load ``fused_adam_cuda`` or ``fused_layer_norm_cuda`` by name before anything imports apex.
+
+    The child's hook serves every name of its list the same way, so three of them (the first served, Megatron's,
+    the newest) stand for all; the next test keeps the list equal to the shim's."""
+    names = ["fused_adam_cuda", "fused_layer_norm_cuda", "xentropy_cuda"]
     script = tmp_path / "launching.py"
     script.write_text(
         "import subprocess, sys\n"
-        f"for name in {sorted(_TOP_LEVEL_MODULES)!r}:\n"
+        f"for name in {names!r}:\n"
         "    child = f'import importlib; print(importlib.import_module({name!r}).__name__)'\n"
         "    done = subprocess.run([sys.executable, '-c', child], capture_output=True, text=True)\n"
         "    print(done.stdout.strip() or done.stderr.strip().splitlines()[-1])\n"
     )
     result = _legacy(script)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in sorted(_TOP_LEVEL_MODULES)]
+    assert result.stdout.split("\n")[:-1] == [_TOP_LEVEL_MODULES[name] for name in names]
+
+
+def test_child_processes_wait_for_every_extension_module_the_shim_serves():
+    """The child hook spells the names out (it loads nothing of ampkit before one is asked for): a name served
+    in the parent but missing there would be "No module named" in a spawned worker."""
+    from ampkit.compat._child_shim.sitecustomize import EXTENSION_MODULES
+
+    assert sorted(EXTENSION_MODULES) == sorted(_TOP_LEVEL_MODULES)
 
 
 def test_apex_contrib_optimizers_serves_the_first_fp16_optimizer_as_bert_run_swag_imports_it(shim):
