@@ -71,7 +71,7 @@ def test_auto_precision_picks_a_real_level_and_says_why(monkeypatch):
     why = choose_precision(cfg)
     assert (cfg.precision.opt_level, cfg.precision.dtype) in (("O0", None), ("O1", "bfloat16"))
     assert "AMX" in why and why.endswith(("float32 (O0)", "bf16 autocast (O1), no loss scaler"))
-    cfg.precision.opt_level, cfg.trainer.device = "auto", "auto"
+    cfg.precision.opt_level, cfg.precision.dtype, cfg.trainer.device = "auto", None, "auto"  # as a user wrote it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "GPU" in choose_precision(cfg) and cfg.precision.dtype == "bfloat16" and cfg.precision.opt_level == "O1"
     assert choose_precision(cfg) is None  # a real level stays as it is
