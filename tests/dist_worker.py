@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
+from ampkit.callbacks import EarlyStopping, MaxTime
 
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
@@ -126,6 +127,34 @@ class SuicideAt(ampkit.Callback):
     def on_train_batch_end(self, trainer, outputs, batch):
         if RANK == 1 and trainer.state.global_step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopAtStep3(ampkit.Callback):
+    """Asks to stop after step 3 (mid-epoch), as a rule reading this rank's own facts would."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 3:
+            trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s rule"
+
+
+def stop_runs(out: Path, base: dict) -> dict:
+    """One fit per way to stop, each asked on some ranks only: the step every rank ended at, and rank zero's last
+    checkpoint (loop position and recorded stop)."""
+    rule = StopAtStep3
+    asked_on = {"rank 1": {1: [rule()]}, "rank 0": {0: [rule()]}, "both": {0: [rule()], 1: [rule()]},
+                "early stopping on rank 1": {1: [EarlyStopping("val/mse", "max", 1, min_delta=1e9)]},
+                "max_time on rank 1": {1: [MaxTime(1e-3)]}}  # fmt: skip
+    runs = {}
+    for name, callbacks in asked_on.items():
+        run_dir = out / name.replace(" ", "_")
+        cfg = {**base, "run_dir": str(run_dir), "data": {"batch_size": 4}, "logging": {"tensorboard": False,
+               "log_every_n_steps": 2}, "trainer": {**base["trainer"], "max_epochs": 1, "val_every_n_steps": 3,
+               "num_sanity_val_steps": 0}, "distributed": {"timeout_s": 10}}  # fmt: skip
+        trainer = Plain(cfg, callbacks=callbacks.get(RANK, []))
+        trainer.fit()
+        last = torch.load(run_dir / "version_0" / "checkpoints" / "last.pt", weights_only=False) if RANK == 0 else {}
+        runs[name] = (trainer.state.global_step, last.get("loop"), last.get("stopped_early"))
+    return runs
 
 
 class BatchNormNet(ToyTrainer):
@@ -265,6 +294,9 @@ def main(scenario: str, out: Path) -> None:
                "distributed": {"grad_sync": "step"}}  # fmt: skip
         trainer = BatchNormNet(cfg, callbacks=[spy])
         extra = {"buffers": spy}
+    elif scenario == "stop":
+        torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
+        return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -214,6 +215,32 @@ def test_resumed_run_saves_its_changed_config_under_the_restored_step(tmp_path):
     trainer.fit()
     ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.tensorboard": False})).fit(resume="last")
     assert (trainer.version_dir / "config.resumed_at_step_8.yaml").is_file()
+
+
+class _CtrlCAtStep(ampkit.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if trainer.state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_config_records_say_which_config_trained_each_step_also_back_to_the_first(tmp_path):
+    """lr 0.05 is interrupted after step 8, lr 0.01 at step 10 (before a checkpoint), lr 0.02 after step 16; the
+    first config then finishes the run. Its return at step 16 was recorded nowhere (it equals config.yaml), so the
+    records said lr 0.02 trained to the end; and the resume at step 8 that saved nothing kept its record."""
+    common = {"trainer.max_epochs": 3, "checkpoint.every_n_steps": 4, "logging.tensorboard": False}
+    for lr, stop, resume in ((0.05, 8, None), (0.01, 10, "last"), (0.02, 16, "last"), (0.05, -1, "last")):
+        with contextlib.suppress(KeyboardInterrupt):
+            ToyTrainer(toy_cfg(tmp_path, lr=lr, **common), callbacks=[_CtrlCAtStep(stop)]).fit(resume=resume)
+    version = tmp_path / "run" / "version_0"
+    records = {p.name: OmegaConf.load(p).lr for p in version.glob("config*.yaml")}
+    assert records == {
+        "config.yaml": 0.05,
+        "config.resumed_at_step_8.yaml": 0.02,
+        "config.resumed_at_step_16.yaml": 0.05,
+    }
 
 
 def test_restart_after_a_kill_removes_temp_files_and_extra_step_files(tmp_path):

@@ -132,6 +132,23 @@ def test_fit_then_validate_and_predict_in_one_script_each_get_a_working_process_
     assert rank0["runs"][0] == 2  # 12 of the 24 samples: batches of 8 and 4
 
 
+def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkpoint(tmp_path):
+    """``state.should_stop`` set on one rank only left the other waiting in its next collective until
+    ``distributed.timeout_s``, then failing. The ranks agree on it where they meet anyway: at an iteration that logs
+    (every 2 here), so a stop asked at step 3 takes effect at 4, mid-epoch (8 batches); after a validation, so
+    early stopping takes effect at once (at the second validation, step 6)."""
+    rank0, rank1 = _ok(launch("stop", tmp_path, timeout=120))
+    expected = {"rank 1": (4, "rank 1: rank 1's rule"), "rank 0": (4, "rank 0: rank 0's rule"),
+                "both": (4, "rank 0: rank 0's rule; rank 1: rank 1's rule"),
+                "early stopping on rank 1": (6, "rank 1: early stopping: val/mse did not improve"),
+                "max_time on rank 1": (2, "rank 1: trainer.max_time=0.001s reached")}  # fmt: skip
+    for name, (step, reason) in expected.items():
+        ended, loop, stopped = rank0["runs"][name]
+        assert ended == rank1["runs"][name][0] == step, name
+        assert loop == {"epoch": 0, "batches_done": step, "global_step": step}, name
+        assert stopped.startswith(reason), (name, stopped)
+
+
 def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_rank(tmp_path):
     from dist_worker import Plain
 

@@ -3,7 +3,10 @@ sharded gradients, DCP checkpoints that resume on another world size, consolidat
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +25,7 @@ from toy_trainers import ToyTrainer
 
 import ampkit
 from ampkit import consolidate_checkpoint
-from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 
 TESTS = Path(__file__).resolve().parent
@@ -180,25 +183,44 @@ def test_sharded_checkpoints_resume_from_two_ranks_on_one_and_from_one_on_two(tw
         _close(resumed["model"], two["model"])
 
 
-def test_a_save_failing_midway_leaves_last_at_the_previous_checkpoint_and_resume_cleans_up(tmp_path, monkeypatch):
-    real_save = dcp.save
+@pytest.mark.parametrize("failing", ["shards", "trainer.pt"])
+def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_to_resume(
+    tmp_path, monkeypatch, failing
+):
+    """DCP gathers a rank's write failure into a CheckpointException (a BaseException, no path in it): the error
+    names the checkpoint, says what is left, and the partial directory goes at once (a full disk gets space back)."""
+    real_write, real_save = dcp.FileSystemWriter.write_data, torch.save
+    temp = tmp_path / "run" / "version_0" / "checkpoints" / ".step-00000006.tmp"
 
-    def fail_at_step_6(state, *, checkpoint_id, **kwargs):
-        if Path(checkpoint_id).name == ".step-00000006.tmp":
-            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
-            raise OSError("No space left on device")
-        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+    def full_disk():
+        (temp / "half").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(dcp, "save", fail_at_step_6)
-    with pytest.raises(OSError, match="No space left"):
+    def write_shards(writer, *args, **kwargs):
+        return full_disk() if writer.path == temp else real_write(writer, *args, **kwargs)
+
+    def save(obj, *args, **kwargs):
+        at_step_6 = isinstance(obj, dict) and obj.get("loop", {}).get("global_step") == 6
+        return full_disk() if at_step_6 else real_save(obj, *args, **kwargs)
+
+    if failing == "shards":
+        monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_shards)
+    else:
+        monkeypatch.setattr(torch, "save", save)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    where = " on rank 0" if failing == "shards" else ""
+    message = (
+        f"could not write checkpoint '{checkpoints / 'step-00000006'}' (No space left on device{where}); "
+        "last still holds the previous checkpoint, and --resume last continues from it"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         run("resume", tmp_path, batch_size=8)
     monkeypatch.undo()
-    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
     assert (checkpoints / "last").resolve().name == "step-00000003"
+    assert not list(checkpoints.glob(".*"))  # the half-written temp directory went with the failure
     resumed = run("resume", tmp_path, batch_size=8, resume="last")
     assert sorted(resumed["losses"]) == list(range(4, 17))
     assert (checkpoints / "step-00000006" / ".metadata").is_file()
-    assert not list(checkpoints.glob(".*"))  # the half-written temp directory was replaced, then renamed
 
 
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import pytest
@@ -10,6 +11,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.user_code import UserCodeError
 
 # validation after every iteration, none at epoch ends; 8 batches per epoch
 EVERY_STEP = {
@@ -138,8 +140,30 @@ def test_bad_monitor_settings_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"'early_stopping.patience': 0 is invalid; expected an integer >= 1"):
         ToyTrainer(toy_cfg(tmp_path, **{"early_stopping.patience": 0}))
     without_sanity = {**EVERY_STEP, "early_stopping.monitor": "val/acc", "trainer.num_sanity_val_steps": 0}
-    with pytest.raises(KeyError, match=r"monitor 'val/acc' is not a validation metric; validation produced \['mse'\]"):
+    with pytest.raises(
+        KeyError, match=r"'early_stopping.monitor': 'val/acc' is not a metric of the validation at step 1"
+    ):
         ToyTrainer(toy_cfg(tmp_path, **without_sanity)).fit()
+
+
+class ScoreOnlyAtFirst(Scripted):
+    """Returns ``score`` in the sanity pass and at the first validations, then forgets it."""
+
+    def validation_step(self, batch):
+        step = self.state.global_step
+        return {"score": 1.0 / (step + 1)} if step < 3 else {"other": 0.0}
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_monitored_metric_missing_from_a_later_validation_is_one_line_and_keeps_the_checkpoints(tmp_path, key):
+    """The sanity pass saw the metric, a later validation lacks it: a user error (the CLI prints one line, not a
+    KeyError traceback) naming the key, the step and what was returned; the checkpoints before it stay."""
+    cfg = toy_cfg(tmp_path, **EVERY_STEP, **{key: "val/score", "checkpoint.every_n_steps": 1})
+    message = f"config key '{key}': 'val/score' is not a metric of the validation at step 3, which returned val/other"
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        ScoreOnlyAtFirst(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 2
 
 
 def test_best_k_under_fsdp_keeps_directories_and_best_links_the_best(tmp_path):

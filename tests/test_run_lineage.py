@@ -126,6 +126,35 @@ class Predicting(ToyTrainer):
         return DataLoader(toy_dataset(10, seed=11), batch_size=4)
 
 
+def test_predict_on_fewer_ranks_refuses_an_output_whose_earlier_shards_would_be_mixed_in(tmp_path, monkeypatch):
+    """preds.rank2.pt of an earlier predict on 4 ranks beside a 2-rank one's output: a reader of preds.rank*.pt
+    would take 4 shards and interleave wrong rows. Refused before anything runs; one process writes preds.pt."""
+    shards = {tmp_path / f"preds.rank{rank}.pt": f"shard {rank}".encode() for rank in range(4)}
+    for shard, content in shards.items():
+        shard.write_bytes(content)
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.tensorboard": False})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = "preds.rank2.pt, preds.rank3.pt beside it hold the shards of an earlier predict on more ranks"
+    with pytest.raises(RunDirectoryError, match=re.escape(f"predict --output '{tmp_path / 'preds.pt'}': {message}")):
+        Predicting(cfg).predict(output=tmp_path / "preds.pt")
+    assert all(shard.read_bytes() == content for shard, content in shards.items())
+    monkeypatch.delenv("WORLD_SIZE")
+    Predicting(cfg).predict(output=tmp_path / "preds.pt")
+    assert (tmp_path / "preds.pt").is_file()
+
+
+def test_predict_output_through_a_symlink_updates_the_file_it_leads_to_and_keeps_the_link(tmp_path):
+    """The atomic rename used to replace the user's link with a file, leaving old predictions where it led."""
+    target = tmp_path / "shared" / "preds.pt"
+    target.parent.mkdir()
+    target.write_bytes(b"old predictions")
+    link = tmp_path / "preds.pt"
+    link.symlink_to(target)
+    predictions = Predicting(toy_cfg(tmp_path, **QUIET)).predict(output=link)
+    assert link.is_symlink() and link.resolve() == target
+    torch.testing.assert_close(torch.load(target, weights_only=True), predictions)
+
+
 def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):
     from ampkit.cli import main
 
@@ -282,10 +311,19 @@ class StopsItself(ToyTrainer):
         return super().training_step(batch)
 
 
+class StopsAtAnEpochsEnd(ToyTrainer):
+    """A stop asked after the epoch's checkpoint was written (a Trainer's own hooks run after the callbacks'; under
+    torchrun a stop the ranks agree at the epoch's end): the run's last checkpoint had not recorded it."""
+
+    def on_train_epoch_end(self):
+        self.state.should_stop, self.state.stop_reason = True, "reached the target"
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "settings", "why", "stops_at", "to_continue"),
     [
         (StopsItself, {}, "reached the target", 4, {"trainer.max_steps": 9}),
+        (StopsAtAnEpochsEnd, {}, "reached the target", 8, {"trainer.max_steps": 12}),
         (
             ToyTrainer,
             {"early_stopping.monitor": "val/mse", "early_stopping.min_delta": 1e9, "early_stopping.patience": 1},
@@ -295,7 +333,7 @@ class StopsItself(ToyTrainer):
         ),
         (ToyTrainer, {"trainer.max_time": 1e-6}, "trainer.max_time=1e-06s reached", 1, {"trainer.max_time": 3600}),
     ],
-    ids=["should_stop", "early_stopping", "max_time"],
+    ids=["should_stop", "after_the_epochs_checkpoint", "early_stopping", "max_time"],
 )
 def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
     tmp_path, capsys, trainer_class, settings, why, stops_at, to_continue
@@ -381,11 +419,20 @@ def test_the_last_checkpoint_of_a_read_only_run_branches_into_run_dir(tmp_path, 
     assert _files(tmp_path / "archive") == before
 
 
-def test_resuming_another_run_dirs_last_checkpoint_says_where_it_continues(tmp_path):
-    first = ToyTrainer(toy_cfg(tmp_path / "one", **QUIET))
+def test_resuming_another_run_dirs_last_checkpoint_branches_into_run_dir_and_leaves_that_run_alone(tmp_path):
+    """Continuing in place would prune the other run's step files by this config's keep_last (all 8 went) and
+    replace its last.pt: the run writes under the run_dir it was given."""
+    every_step = {"checkpoint.every_n_steps": 1}
+    first = ToyTrainer(toy_cfg(tmp_path / "one", **QUIET, **every_step, **{"checkpoint.keep_last": 20}))
     first.fit()
+    before = _files(first.version_dir)
     last = first.version_dir / "checkpoints" / "last.pt"
-    other = ToyTrainer(toy_cfg(tmp_path / "two", **QUIET, **{"trainer.max_epochs": 2}))
-    with pytest.warns(UserWarning, match=rf"continues where it is, in '{re.escape(str(first.version_dir))}'"):
+    other = ToyTrainer(toy_cfg(tmp_path / "two", **QUIET, **every_step, **{"trainer.max_epochs": 2}))
+    with pytest.warns(
+        UserWarning,
+        match=rf"to continue that run in place, set run_dir to '{re.escape(str(first.version_dir.parent))}'",
+    ):
         other.fit(resume=last)
-    assert other.version_dir == first.version_dir and not (tmp_path / "two" / "run").exists()
+    assert other.version_dir == tmp_path / "two" / "run" / "version_0" and other.state.global_step == 16
+    assert (other.version_dir / "lineage.yaml").is_file()
+    assert _files(first.version_dir) == before

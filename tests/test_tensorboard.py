@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.run_life import RunDirectoryError
 
 
 def _events(trainer) -> EventAccumulator:
@@ -333,3 +338,36 @@ def test_a_continued_run_replaces_the_steps_logged_after_its_checkpoint(tmp_path
     continued.fit(resume="last")
     assert continued.version_dir == first.version_dir  # a continue, into the same TensorBoard directory
     assert [e.step for e in _events(continued).Scalars("train/loss")] == list(range(1, 9))
+
+
+class _DiskFillsAtEpoch1(Callback):
+    full = False
+
+    def on_train_epoch_start(self, trainer):
+        _DiskFillsAtEpoch1.full = trainer.state.epoch >= 1
+
+
+def test_a_full_disk_under_the_event_files_is_one_line_naming_them_and_the_run_resumes(tmp_path, monkeypatch):
+    """TensorBoard's writer thread hits the full disk and the next write raises a bare OSError (no path), and
+    closing the writer raises it again: one error naming the event files, and last.pt resumes."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    real_write = RecordWriter.write
+
+    def write(self, data):
+        if _DiskFillsAtEpoch1.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", write)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 1})
+    events = tmp_path / "run" / "version_0" / "tensorboard"
+    message = f"cannot write TensorBoard events under '{events}' (No space left on device)"
+    with pytest.raises(RunDirectoryError, match=re.escape(message)):
+        ToyTrainer(cfg, callbacks=[_DiskFillsAtEpoch1()]).fit()
+    monkeypatch.undo()
+    last = events.parent / "checkpoints" / "last.pt"
+    assert load_checkpoint(last)["loop"]["epoch"] == 1
+    resumed = ToyTrainer(cfg)
+    resumed.fit(resume="last")
+    assert resumed.state.global_step == 16

@@ -13,7 +13,14 @@ from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, copy_atomic, is_best_k_checkpoint_name, save_atomic
 from ampkit.trainer.run_life import prune_periodic
-from ampkit.trainer.sharded_checkpoint import point_last_at, prune_sharded, save_sharded
+from ampkit.trainer.sharded_checkpoint import (
+    LAST,
+    is_sharded_checkpoint,
+    point_last_at,
+    prune_sharded,
+    save_sharded,
+    write_failure,
+)
 
 
 class ModelCheckpoint(Callback):
@@ -50,19 +57,19 @@ class ModelCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last
-        self.monitor = Monitor(monitor, mode) if monitor else None
+        self.monitor = Monitor(monitor, mode, key="checkpoint.monitor") if monitor else None
         self.save_top_k = save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
-        self._saved_at: dict[str, int] | None = None
+        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, recorded stop) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
-            self._saved_at = trainer.loop_position()
+            self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
         if not trainer.is_global_zero:  # other ranks have no run directory
@@ -87,7 +94,7 @@ class ModelCheckpoint(Callback):
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.monitor is not None and trainer.state.stage == "fit":
-            self._pending = self.monitor.value(metrics)
+            self._pending = self.monitor.value(metrics, trainer.state.global_step)
 
     def _save_now(self, trainer, periodic: str | None) -> None:
         """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending
@@ -142,14 +149,14 @@ class ModelCheckpoint(Callback):
             self.best_k = {}
 
     def on_train_end(self, trainer) -> None:
-        if self._saved_at != trainer.loop_position():
+        if self._saved_at != _moment(trainer):  # also a stop asked after this step's save (an epoch-end hook)
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
         best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards)."""
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
-        self._saved_at = trainer.loop_position()
+        self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
         if not trainer.is_global_zero:
@@ -165,13 +172,7 @@ class ModelCheckpoint(Callback):
                     copy_atomic(path, writing := directory / "best.pt")
             copy_atomic(path, writing := directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
-            if (directory / "last.pt").is_file():
-                left = "last.pt still holds the previous checkpoint, and --resume last continues from it"
-            elif path is not None:  # the run's first save: its file is whole, only last.pt is missing
-                left = f"'{path}' was written whole: resume it by its path"
-            else:
-                left = "this run has no checkpoint yet: free space (or get write access) and start it again"
-            raise CheckpointError(f"could not write checkpoint '{writing}' ({exc.strerror or exc}); {left}") from None
+            raise _save_failed(writing, exc.strerror or str(exc), directory / "last.pt", path) from None
         self._prune(directory)
         return path
 
@@ -179,14 +180,42 @@ class ModelCheckpoint(Callback):
         prune_periodic(directory, self.keep_last)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
-        directory = trainer.version_dir / "checkpoints"
-        path = save_sharded(checkpoint, trainer.module, trainer.optimizers, directory / name, trainer.is_global_zero)
-        if best is not None:  # directories cannot be hard-linked: the same state saved again under its best-k name
-            if best != name:
-                save_sharded(checkpoint, trainer.module, trainer.optimizers, directory / best, trainer.is_global_zero)
+        directory, path = trainer.version_dir / "checkpoints", None
+        writing = directory / name
+        try:
+            path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+            if best is not None:  # directories cannot be hard-linked: the same state saved again under its best-k name
+                if best != name:
+                    writing = directory / best
+                    save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+                if trainer.is_global_zero:
+                    writing = directory / "best"
+                    point_last_at(directory / next(iter(self.best_k)), "best")
             if trainer.is_global_zero:
-                point_last_at(directory / next(iter(self.best_k)), "best")
+                writing = directory / LAST
+                point_last_at(path)
+        except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
+            reason = write_failure(exc)
+            if reason is None:
+                raise
+            raise _save_failed(writing, reason, directory / LAST, path) from None
         if trainer.is_global_zero:
-            point_last_at(path)
             prune_sharded(directory, self.keep_last)
         return path
+
+
+def _moment(trainer) -> dict[str, Any]:
+    """What a checkpoint saved now would record of the run's course: its loop position and whether it stopped."""
+    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason()}
+
+
+def _save_failed(writing: Path, reason: str, last: Path, written: Path | None) -> CheckpointError:
+    """The one-line error of a save that failed writing ``writing``: what is left to resume from (``last``, or the
+    ``written`` checkpoint of a run's first save whose ``last`` could not be made)."""
+    if last.is_file() or is_sharded_checkpoint(last):
+        left = f"{last.name} still holds the previous checkpoint, and --resume last continues from it"
+    elif written is not None:  # the run's first save: its checkpoint is whole, only last is missing
+        left = f"'{written}' was written whole: resume it by its path"
+    else:
+        left = "this run has no checkpoint yet: free space (or get write access) and start it again"
+    return CheckpointError(f"could not write checkpoint '{writing}' ({reason}); {left}")

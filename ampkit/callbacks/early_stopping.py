@@ -19,7 +19,7 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
         if patience < 1:
             raise ValueError(f"patience {patience!r} is invalid; expected an integer >= 1")
-        self.monitor = Monitor(monitor, mode, min_delta)
+        self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
@@ -27,7 +27,7 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if trainer.state.stage != "fit":  # a standalone validate() is no training progress
             return
-        value = self.monitor.value(metrics)
+        value = self.monitor.value(metrics, trainer.state.global_step)
         if self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
             return

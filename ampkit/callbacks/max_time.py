@@ -7,10 +7,6 @@ import time
 from typing import Any
 
 from ampkit.trainer.callback import Callback
-from ampkit.trainer.distributed import broadcast_object
-
-# Under torchrun rank zero's clock decides, broadcast every this many iterations (a collective each time).
-DISTRIBUTED_CHECK_EVERY = 10
 
 
 class MaxTime(Callback):
@@ -35,10 +31,8 @@ class MaxTime(Callback):
         s = trainer.state
         if not s.is_iteration_end or s.should_stop:
             return
-        if trainer.world_size > 1 and s.global_step % DISTRIBUTED_CHECK_EVERY:
-            return
-        # Every rank stops at the same iteration (or a collective would hang): rank zero's clock decides.
-        if broadcast_object(self.elapsed() >= self.max_time_s, trainer.dist):
+        # Under torchrun each rank reads its own clock; the loop stops every rank once any one has asked.
+        if self.elapsed() >= self.max_time_s:
             reason = f"trainer.max_time={self.max_time_s:g}s reached after {self.elapsed():.1f}s of training"
             s.should_stop, s.stop_reason = True, reason
             if trainer.is_global_zero:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampkit.trainer.optimizers import MonitorNotFoundError
+
 MODES = ("min", "max")
 
 
 class Monitor:
     """``metric`` (``val/loss`` or ``loss``) read from validation's averaged metrics; ``mode`` min or max."""
 
-    def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0) -> None:
+    def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0, key: str | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
         if not min_delta >= 0:
@@ -20,11 +22,19 @@ class Monitor:
         self.key = metric.removeprefix("val/")
         self.mode = mode
         self.min_delta = min_delta
+        self.setting = key  # the config key it is set by (``checkpoint.monitor``), for messages
 
-    def value(self, metrics: dict[str, float]) -> float:
-        """The monitored value among ``metrics`` (an error naming the ones there are when it is missing)."""
+    def value(self, metrics: dict[str, float], step: int | None = None) -> float:
+        """The monitored value among ``metrics`` of the validation at ``step``; a missing one is a one-line error
+        naming the metrics there are (Lightning's ModelCheckpoint raises too: no ranking skips a validation)."""
         if self.key not in metrics:
-            raise KeyError(f"monitor '{self.metric}' is not a validation metric; validation produced {sorted(metrics)}")
+            which = f"config key '{self.setting}'" if self.setting else "monitor"
+            at = "" if step is None else f" at step {step}"
+            returned = ", ".join(f"val/{m}" for m in sorted(metrics)) or "nothing"
+            raise MonitorNotFoundError(
+                f"{which}: '{self.metric}' is not a metric of the validation{at}, which returned {returned}; "
+                "validation_step must return a monitored metric at every validation"
+            )
         return float(metrics[self.key])
 
     def state_dict(self) -> dict[str, str]:

@@ -4,7 +4,9 @@ and ``trainer.logger``'s images, histograms and text."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +16,20 @@ from ampkit.config import flatten
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.logger import Logger, check_image
+from ampkit.trainer.run_life import RunDirectoryError
+
+
+@contextmanager
+def writing_events(log_dir: Path) -> Iterator[None]:
+    """A failed write of the event files (a full disk, a read-only remount; TensorBoard's writer thread reports it
+    at the next write) as one line naming ``log_dir``, not an OSError without a path."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunDirectoryError(
+            f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
+            "access) there, or set logging.tensorboard=false; no checkpoint was touched"
+        ) from None
 
 
 class TensorBoardWriter(Logger):
@@ -21,6 +37,7 @@ class TensorBoardWriter(Logger):
 
     def __init__(self, writer: Any, current_step: Callable[[], int], flush_scalars: Callable[[], None]) -> None:
         self.writer = writer
+        self.log_dir = Path(writer.log_dir)
         self._current_step = current_step
         self._flush_scalars = flush_scalars
 
@@ -30,16 +47,19 @@ class TensorBoardWriter(Logger):
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
         dataformats = check_image(tag, image)
-        self.writer.add_image(tag, image.detach().cpu(), self._step(step), dataformats=dataformats)
+        with writing_events(self.log_dir):
+            self.writer.add_image(tag, image.detach().cpu(), self._step(step), dataformats=dataformats)
 
     def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
         values = values.detach().float().cpu()
         if not bool(values.isfinite().all()):
             raise ValueError(f"log_histogram('{tag}'): the values hold inf/nan; log the finite ones")
-        self.writer.add_histogram(tag, values, self._step(step))
+        with writing_events(self.log_dir):
+            self.writer.add_histogram(tag, values, self._step(step))
 
     def log_text(self, tag: str, text: str, step: int | None = None) -> None:
-        self.writer.add_text(tag, text, self._step(step))
+        with writing_events(self.log_dir):
+            self.writer.add_text(tag, text, self._step(step))
 
 
 class TensorBoardLogger(Callback):
@@ -73,6 +93,7 @@ class TensorBoardLogger(Callback):
         self._last_flush = 0.0
         self._last_time = 0.0
         self._last_step = 0
+        self._failed = False  # the run raised: closing the writer must not replace that error with its own
 
     def _due(self, trainer) -> bool:
         return trainer.state.iteration % self.log_every_n_steps == 0
@@ -86,11 +107,14 @@ class TensorBoardLogger(Callback):
         # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value.
         continued = trainer.fit_start.version_dir is not None
         purge_step = trainer.state.global_step + 1 if continued else None
-        self.writer = SummaryWriter(log_dir=str(trainer.version_dir / "tensorboard"), purge_step=purge_step)
-        trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
-        # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
-        _, start, _ = _hparams_summaries(trainer, {})
-        self.writer.file_writer.add_summary(start)
+        self._failed = False
+        log_dir = trainer.version_dir / "tensorboard"
+        with writing_events(log_dir):
+            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+            trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
+            # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
+            _, start, _ = _hparams_summaries(trainer, {})
+            self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
         self._last_flush = self._last_time
 
@@ -135,7 +159,8 @@ class TensorBoardLogger(Callback):
         self._last_flush = time.perf_counter()
         if self._queued:
             rows, self._queued = self._queued, []
-            self._write(rows)
+            with writing_events(Path(self.writer.log_dir)):
+                self._write(rows)
 
     def _write(self, rows: list[tuple[int, str, Any]]) -> None:
         """Write (step, tag, value) scalars, a list of values standing for their mean: every tensor is read to the
@@ -157,16 +182,18 @@ class TensorBoardLogger(Callback):
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training
             return
         self._flush()
-        for key, value in metrics.items():
-            self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
-        self.writer.flush()
+        with writing_events(Path(self.writer.log_dir)):
+            for key, value in metrics.items():
+                self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
+            self.writer.flush()
 
     def on_train_epoch_end(self, trainer) -> None:
         if self.writer is None:
             return
         self._flush()
-        for tag, value in trainer.epoch_scalars.items():
-            self.writer.add_scalar(tag, value, trainer.state.global_step)
+        with writing_events(Path(self.writer.log_dir)):
+            for tag, value in trainer.epoch_scalars.items():
+                self.writer.add_scalar(tag, value, trainer.state.global_step)
 
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
@@ -175,8 +202,9 @@ class TensorBoardLogger(Callback):
         self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
         experiment, _, end = _hparams_summaries(trainer, final)
-        self.writer.file_writer.add_summary(experiment)
-        self.writer.file_writer.add_summary(end)
+        with writing_events(Path(self.writer.log_dir)):
+            self.writer.file_writer.add_summary(experiment)
+            self.writer.file_writer.add_summary(end)
 
     def _take_logged_after_the_last_batch(self, trainer) -> None:
         """Queue what log() got after the last batch (the last epoch's on_train_epoch_end, a Trainer's own
@@ -184,11 +212,21 @@ class TensorBoardLogger(Callback):
         self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
         trainer.logged_scalars.clear()
 
+    def on_exception(self, trainer, exception: BaseException) -> None:
+        self._failed = True
+
     def on_fit_end(self, trainer) -> None:  # after on_exception too: what was queued before a crash is written
-        if self.writer is not None:
+        if self.writer is None:
+            return
+        try:
             self._take_logged_after_the_last_batch(trainer)
             self._flush()
-            self.writer.close()
+            with writing_events(Path(self.writer.log_dir)):
+                self.writer.close()
+        except RunDirectoryError:
+            if not self._failed:  # after a failure it fails again (its thread stopped at a full disk): the first stands
+                raise
+        finally:
             self.writer = None
             trainer.logger = Logger()
 

@@ -6,11 +6,6 @@ from __future__ import annotations
 
 # apex.<name> -> (what it was, what to use instead). A name not listed gets the list of what the shim provides.
 UNSERVED: dict[str, tuple[str, str]] = {
-    "apex.contrib.xentropy": (
-        "a fused softmax cross-entropy",
-        "torch.nn.functional.cross_entropy(logits.float(), target, label_smoothing=..., ignore_index=..., "
-        "reduction='none')",
-    ),
     "apex.contrib.layer_norm": ("FastLayerNorm", "apex.normalization.FusedLayerNorm (served) or torch.nn.LayerNorm"),
     "apex.contrib.multihead_attn": (
         "fused multi-head attention",
@@ -42,18 +37,14 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.nccl_allocator": ("an NCCL memory pool", "no equivalent off CUDA; leave the call out"),
     "apex.contrib.gpu_direct_storage": ("GPUDirect Storage I/O", "torch.save / torch.load"),
     "apex.contrib.openfold_triton": ("OpenFold's Triton kernels", "the model's plain PyTorch LayerNorm and attention"),
-    "apex.fused_dense": (
-        "FusedDense and FusedDenseGeluDense",
-        "torch.nn.Linear (two, with torch.nn.GELU between, for FusedDenseGeluDense)",
-    ),
     "apex.transformer": ("tensor and pipeline parallelism", "Megatron-Core or torch.distributed.tensor.parallel"),
     "apex.RNN": ("Apex's RNN modules", "torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN"),
     "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),
     "apex.pyprof": ("an NVTX profiler", "torch.profiler"),
 }
 # Packages importable and empty, as in Apex itself (apex.contrib's subpackages each need their own extension; the
-# focal_loss package deletes what it imported): of their submodules, clip_grad, focal_loss.focal_loss and
-# optimizers (Apex's first FP16_Optimizer and FusedAdam) are served (module aliases in the shim).
+# focal_loss package deletes what it imported): of their submodules, clip_grad, focal_loss.focal_loss,
+# optimizers (Apex's first FP16_Optimizer and FusedAdam) and xentropy are served (module aliases in the shim).
 EMPTY_PACKAGES = ("apex.contrib", "apex.contrib.focal_loss")
 
 

@@ -3,8 +3,9 @@
 A meta-path finder maps ``apex.<name>[.<sub>]`` onto ``ampkit.compat.<name>[.<sub>]`` (the same module
 objects, so ``apex.amp._amp_state is ampkit.compat.amp._amp_state``) and serves a small ``apex`` package
 whose submodules load on first touch, plus Apex's top-level extension modules (``amp_C``, ``apex_C``,
-``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda`` and the
-Megatron softmaxes). A real apex installation wins unless the shim is forced.
+``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``xentropy_cuda``,
+``fused_weight_gradient_mlp_cuda`` and the Megatron softmaxes), and Megatron's own
+``fused_mix_prec_layer_norm_cuda``. A real apex installation wins unless the shim is forced.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ APEX_SUBPACKAGES = {
     "normalization": "ampkit.compat.normalization",
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
     "mlp": "ampkit.compat.mlp",
+    "fused_dense": "ampkit.compat.fused_dense",
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
 _TOP_LEVEL_MODULES = {
@@ -37,7 +39,9 @@ _TOP_LEVEL_MODULES = {
     "apex_C": "ampkit.compat.apex_c",
     "fused_adam_cuda": "ampkit.compat.fused_adam_cuda",  # the first FusedAdam's kernel, which copies of it load
     "fused_layer_norm_cuda": "ampkit.compat.fused_layer_norm_cuda",  # Megatron-LM loads it by name
+    "fused_mix_prec_layer_norm_cuda": "ampkit.compat.fused_mix_prec_layer_norm_cuda",  # Megatron 2021-22's own
     "focal_loss_cuda": "ampkit.compat.focal_loss_cuda",  # NVIDIA's EfficientDet imports it at the top
+    "xentropy_cuda": "ampkit.compat.xentropy_cuda",  # fairseq and MosaicML Composer import it by name
     "fused_weight_gradient_mlp_cuda": "ampkit.compat.fused_weight_gradient_mlp_cuda",  # Megatron's default path
     # Megatron's fused softmax (mid-2023 on) asks for these on every fp16/bf16 attention
     "scaled_upper_triang_masked_softmax_cuda": "ampkit.compat.fused_softmax.scaled_upper_triang_masked_softmax_cuda",
@@ -62,9 +66,12 @@ _MODULE_ALIASES = {
     "apex.fp16_utils.fp16_optimizer": "ampkit.compat.fp16_utils.fp16_optimizer",
     "apex.fp16_utils.fp16util": "ampkit.compat.fp16_utils.fp16util",
     "apex.mlp.mlp": "ampkit.compat.mlp",
+    "apex.fused_dense.fused_dense": "ampkit.compat.fused_dense",
     "apex.contrib.clip_grad": "ampkit.compat.clip_grad",  # the apex.contrib packages served
     "apex.contrib.clip_grad.clip_grad": "ampkit.compat.clip_grad",
     "apex.contrib.focal_loss.focal_loss": "ampkit.compat.focal_loss",  # its package is empty, as in Apex
+    "apex.contrib.xentropy": "ampkit.compat.xentropy",
+    "apex.contrib.xentropy.softmax_xentropy": "ampkit.compat.xentropy",
     "apex.contrib.optimizers": "ampkit.compat.contrib_optimizers",  # Apex's first FP16_Optimizer and FusedAdam
     "apex.contrib.optimizers.fp16_optimizer": "ampkit.compat.contrib_optimizers",
     "apex.contrib.optimizers.fused_adam": "ampkit.compat.contrib_optimizers",
@@ -270,8 +277,9 @@ def _forget_apex_modules() -> None:
 
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
-    ``.multi_tensor_apply``, ``.mlp``) and Apex's extension modules (``import amp_C``, ``apex_C``, ``fused_adam_cuda``,
-    ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes)
+    ``.multi_tensor_apply``, ``.mlp``, ``.fused_dense``) and Apex's extension modules (``import amp_C``, ``apex_C``,
+    ``fused_adam_cuda``, ``fused_layer_norm_cuda``, ``focal_loss_cuda``, ``xentropy_cuda``,
+    ``fused_weight_gradient_mlp_cuda``, the Megatron softmaxes, Megatron's ``fused_mix_prec_layer_norm_cuda``)
     resolve to ampkit.
 
     Args:

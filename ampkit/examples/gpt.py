@@ -60,7 +60,7 @@ class GPTModelConfig:
 class GPTDataConfig:
     batch_size: int = 32  # sequences per batch (per rank)
     val_fraction: float = 0.1  # the corpus's last part, held out for validation
-    val_batches: int = 10  # validation windows: val_batches * batch_size, evenly spread over the held-out text
+    val_batches: int = 10  # validation: val_batches global batches of windows, evenly spread over the held-out text
 
 
 @dataclass
@@ -465,7 +465,10 @@ class GPTTrainer(ampkit.Trainer):
 
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
-        windows = Windows(self._split("val"), self.cfg.model.seq_len, count=d.val_batches * d.batch_size)
+        # val_batches global batches (each rank validates its share): the same windows at one global batch on any
+        # number of ranks, so a run resumed at another world size ranks its checkpoints on the same set.
+        count = d.val_batches * d.batch_size * self.world_size
+        windows = Windows(self._split("val"), self.cfg.model.seq_len, count=count)
         return DataLoader(windows, batch_size=d.batch_size)
 
     def predict_dataloader(self) -> list[torch.Tensor]:

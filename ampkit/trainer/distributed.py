@@ -42,9 +42,14 @@ class DistributedEnv:
         object.__setattr__(self, "enabled", self.world_size > 1)
 
 
+def launched_world_size() -> int:
+    """How many processes torchrun launched (``WORLD_SIZE``; 1 without it), known before the group is joined."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    world_size = launched_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world_size <= 1:
         if cfg.distributed.strategy != "fsdp" or dist.is_initialized():

@@ -10,8 +10,10 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
     written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
-    position): training goes on in that directory (unless it is read-only: then it is a branch).
-  - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run):
+    position) and that directory is under ``run_dir``: training goes on there (unless it is read-only: then it
+    is a branch).
+  - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run, the
+    newest of a run under another ``run_dir``):
     a new ``version_N`` under ``run_dir``, whose ``lineage.yaml`` and ``config.yaml`` name the checkpoint
     it started from (TensorBoard's text ``run/lineage`` too). So a version directory holds one lineage, and
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
@@ -26,7 +28,7 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   only rank zero takes it.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
-  ``predictions.pt`` inside it.
+  ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
 """
 
 from __future__ import annotations
@@ -305,10 +307,13 @@ def plan_fit(
         )
         version_dir = None
     if version_dir is not None and Path(run_dir).absolute().resolve() != version_dir.parent.resolve():
+        # Continuing there would prune that run's files by this config's keep_last and replace its last/best.
         rank_zero_warn(
-            f"'{path}' is the last checkpoint of its run, which continues where it is, in '{version_dir}': "
-            f"run_dir '{run_dir}' is not used (to start a new run there from it, copy the checkpoint first)"
+            f"'{path}' is the last checkpoint of a run outside run_dir '{run_dir}': training branches from it into "
+            f"a new version under run_dir and leaves '{version_dir}' as it is (to continue that run in place, set "
+            f"run_dir to '{version_dir.parent}')"
         )
+        version_dir = None
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
@@ -387,16 +392,36 @@ def lineage(start: FitStart) -> dict[str, Any]:
 
 
 def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: FitStart) -> None:
-    """``config.yaml`` (a branch's names its origin in a comment); a resume with a changed config adds
-    ``config.resumed_at_step_N.yaml`` beside it, so every config a run trained under is kept."""
+    """``config.yaml`` (a branch's names its origin in a comment); a resume with a config other than the one in
+    effect at its step (the newest record up to it) adds ``config.resumed_at_step_N.yaml``, so the records say
+    which config trained each step. ``config.yaml`` is never replaced (a damaged or edited one is kept)."""
     text = OmegaConf.to_yaml(cfg, resolve=True)
     if start.branched_from is not None:
-        text = f"# branched from {start.branched_from.absolute()} at global step {global_step}\n{text}"
-    target = version_dir / "config.yaml"
-    if target.is_file() and target.read_text(errors="replace") != text:  # damaged or edited: kept, not replaced
-        target = version_dir / f"config.resumed_at_step_{global_step}.yaml"
-    if not target.is_file():
-        write_text_atomic(text, target)
+        text = f"{_BRANCH_HEADER} {start.branched_from.absolute()} at global step {global_step}\n{text}"
+    in_effect = _config_in_effect(version_dir, global_step)
+    if in_effect is None:
+        write_text_atomic(text, version_dir / "config.yaml")
+    elif _without_header(in_effect.read_text(errors="replace")) != _without_header(text):
+        # A record of this same step is an earlier resume's that saved nothing after it: this one replaces it.
+        write_text_atomic(text, version_dir / f"config.resumed_at_step_{global_step}.yaml")
+
+
+_BRANCH_HEADER = "# branched from"
+_RESUMED_CONFIG = re.compile(r"^config\.resumed_at_step_(\d+)\.yaml$")
+
+
+def _config_in_effect(version_dir: Path, global_step: int) -> Path | None:
+    """The newest config record of ``version_dir`` up to ``global_step`` (``config.yaml`` or a
+    ``config.resumed_at_step_N.yaml``), or None when it has none."""
+    resumed = [(int(m.group(1)), p) for p in version_dir.iterdir() if (m := _RESUMED_CONFIG.match(p.name))]
+    newest = max(((n, p) for n, p in resumed if n <= global_step and p.is_file()), default=None)
+    first = version_dir / "config.yaml"
+    return newest[1] if newest is not None else first if first.is_file() else None
+
+
+def _without_header(text: str) -> str:
+    """A config record without a branch's first-line comment (the settings are what a resume compares)."""
+    return text.split("\n", 1)[1] if text.startswith(_BRANCH_HEADER) and "\n" in text else text
 
 
 # ----------------------------------------------------------------------------------------- stale temp files
@@ -600,8 +625,9 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------------------- predict's output
-def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
-    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules)."""
+def prediction_output(output: str | os.PathLike, reading: Path | None, world_size: int = 1) -> Path:
+    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), or, on
+    ``world_size`` ranks (each writes ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
@@ -624,7 +650,25 @@ def prediction_output(output: str | os.PathLike, reading: Path | None) -> Path:
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    if world_size == 1 and path.is_symlink():  # written where it leads: the user's link stays, its file is updated
+        return real
+    stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
+    if stale:
+        raise RunDirectoryError(
+            f"predict --output '{output}': {', '.join(p.name for p in stale)} beside it hold the shards of an earlier "
+            f"predict on more ranks, which a reader of {path.stem}.rank*{path.suffix} would mix with this run's "
+            f"{world_size}: remove them or name another output"
+        )
     return path
+
+
+def _rank_files_beyond(path: Path, world_size: int) -> list[Path]:
+    """The ``<stem>.rank<N><suffix>`` files beside ``path`` with N >= ``world_size``, by N."""
+    name = re.compile(rf"{re.escape(path.stem)}\.rank(\d+){re.escape(path.suffix)}")
+    if not path.parent.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in path.parent.iterdir() if (m := name.fullmatch(p.name))]
+    return [p for rank, p in sorted(found) if rank >= world_size]
 
 
 def _is_run_record(path: Path) -> bool:

@@ -75,9 +75,17 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_tensor_state(module, optimizers), checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
-        save_atomic(checkpoint, tmp / TRAINER_FILE)
+    try:
+        dcp.save(_tensor_state(module, optimizers), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
+            save_atomic(checkpoint, tmp / TRAINER_FILE)
+    except BaseException as exc:
+        # DCP fails on every rank once all are done writing; trainer.pt is rank zero's last write: the partial
+        # directory goes now, not at the next run, so a full disk gets its space back.
+        if is_zero and write_failure(exc) is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if is_zero:
         aside = path.with_name(f".{path.name}.old")
         if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
             shutil.rmtree(aside, ignore_errors=True)
@@ -87,6 +95,20 @@ def save_sharded(
         shutil.rmtree(aside, ignore_errors=True)
     _barrier()
     return path
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """Why a sharded save failed writing (``No space left on device``, from an OSError or from DCP's
+    CheckpointException, which gathers every rank's), or None when ``exc`` is no write failure (an OSError)."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if type(exc).__name__ != "CheckpointException":  # DCP's, a BaseException; not imported: that costs start-up
+        return None
+    failed = {rank: err for rank, (err, _) in getattr(exc, "failures", {}).items() if isinstance(err, OSError)}
+    if not failed:  # no rank failed writing (a bug): DCP's exception, with its ranks' tracebacks, stands
+        return None
+    reasons = "; ".join(sorted({write_failure(err) for err in failed.values()}))
+    return f"{reasons} on rank {', '.join(str(rank) for rank in sorted(failed))}"
 
 
 def point_last_at(path: Path, alias: str = LAST) -> None:

@@ -21,7 +21,9 @@ class LoopState:
     is_iteration_start: bool = True  # the current batch opens an accumulation window
     is_iteration_end: bool = True  # the current batch closes it: optimizers step after it
     epoch_finished: bool = False
-    should_stop: bool = False  # set it to end training after this batch; a resume of the checkpoint trains nothing
+    # Set it to end training after this batch (under torchrun on one rank too: every rank ends where they next agree,
+    # see docs/distributed.md); a resume of the checkpoint trains nothing.
+    should_stop: bool = False
     stop_reason: str = ""  # why should_stop was set, shown when a resume finds the run stopped
     stage: str = "fit"  # fit | sanity (validation before training) | validate | test | predict: what runs now
     # A callback takes each backward's gradients out of ``.grad`` (unscaled into a stash or fp32 masters), so data

@@ -72,6 +72,7 @@ from ampkit.trainer.distributed import (
     distributed_loader,
     evaluation_loader,
     gather_object,
+    launched_world_size,
     setup_distributed,
     teardown_distributed,
 )
@@ -271,6 +272,7 @@ class Trainer:
         self._device_skip: dict[torch.optim.Optimizer, bool] = {}  # optimizers that take a device-side verdict
         self._facts_on_device = False  # found_inf flags stay on the device too (see facts_on_device)
         self._settling: int | None = None  # the iteration whose verdicts are being settled: what log() stamps
+        self._stop_agreed = False  # under torchrun: the ranks agreed that one of them set state.should_stop
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -623,6 +625,7 @@ class Trainer:
                 self._discard_version_dir = True
                 raise
             self.fire("on_train_start")
+            self._agree_stop()  # a hook of one rank may already have asked
             while not self._finished():
                 self._run_epoch()
             self.fire("on_train_end")
@@ -635,7 +638,32 @@ class Trainer:
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
-        return s.should_stop or s.epoch >= t.max_epochs or 0 <= t.max_steps <= s.global_step
+        return self._stopping() or s.epoch >= t.max_epochs or 0 <= t.max_steps <= s.global_step
+
+    def _stopping(self) -> bool:
+        """Whether training ends now for ``state.should_stop``: at once in one process; under torchrun only once the
+        ranks agreed it (:meth:`_agree_stop`), so that no rank leaves while the others wait in a collective."""
+        return self._stop_agreed if self.dist.enabled else self.state.should_stop
+
+    def _agree_stop(self) -> None:
+        """Under torchrun, whether any rank set ``state.should_stop``: one small collective, run by every rank at the
+        same points (an iteration that logs, after a validation, an epoch's end), where the ranks meet anyway. When
+        one did, every rank stops there, with ``stop_reason`` naming the ranks that asked and why."""
+        if not self.dist.enabled or self._stop_agreed:
+            return
+        s = self.state
+        if not any_rank([s.should_stop], self.dist)[0]:
+            return
+        mine = (s.stop_reason or "trainer.state.should_stop was set") if s.should_stop else None
+        asked = gather_object(mine, self.dist)
+        reasons = {why for why in asked if why is not None}
+        if len(reasons) == 1 and None not in asked:  # every rank, for one reason (a metric they share)
+            reason = reasons.pop()
+        else:
+            reason = "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(asked) if why is not None)
+        if self.is_global_zero and not s.should_stop:  # rank zero's own callback said so already
+            print(f"ampkit: stopping every rank at step {s.global_step}: {reason}", file=sys.stderr)
+        s.should_stop, s.stop_reason, self._stop_agreed = True, reason, True
 
     def _run_epoch(self) -> None:
         s = self.state
@@ -646,7 +674,7 @@ class Trainer:
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
         for batch in self._epoch_batches():
             self._run_batch(batch)
-            if s.should_stop or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
+            if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
@@ -665,6 +693,7 @@ class Trainer:
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
         self._epoch_sums = {}
         self.fire("on_train_epoch_end")
+        self._agree_stop()  # before the next epoch starts
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
 
@@ -783,6 +812,8 @@ class Trainer:
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
+        if self.dist.enabled and _every(self._log_every, self.state.global_step):
+            self._agree_stop()  # before on_train_batch_end: the checkpoint of this step records an agreed stop
 
     def _step_schedulers(self, interval: str, stepped_of: dict[torch.optim.Optimizer, bool] | None = None) -> None:
         for spec in self._specs:
@@ -823,6 +854,7 @@ class Trainer:
         )
         self.val_metrics_step = self.state.global_step
         self.fire("on_validation_end", dict(self.val_metrics))
+        self._agree_stop()  # early stopping takes effect at once on every rank
 
     # ----------------------------------------------------------------- validate, test, predict
     def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
@@ -846,7 +878,7 @@ class Trainer:
         an output that would overwrite a checkpoint is refused.
         """
         if output is not None:
-            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt))
+            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt), launched_world_size())
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
             path = output
@@ -946,6 +978,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
+        self._stop_agreed = False
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         check_parameters(self._specs, self.module)
@@ -1118,7 +1151,9 @@ class Trainer:
         """Why training stopped before its limits (``state.should_stop``), or None: a resume of a checkpoint that
         records it trains nothing unless a key that decides stopping changed (run_life's rules)."""
         s = self.state
-        return (s.stop_reason or "trainer.state.should_stop was set") if s.should_stop else None
+        if not s.should_stop or (self.dist.enabled and not self._stop_agreed):  # torchrun: one rank's ask is not a stop
+            return None
+        return s.stop_reason or "trainer.state.should_stop was set"
 
     def checkpoint_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG.

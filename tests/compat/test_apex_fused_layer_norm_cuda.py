@@ -146,3 +146,69 @@ def test_hostile_arguments_are_refused_by_name_not_broadcast_into_a_wrong_gradie
             call()
     out, _, _ = ext.forward(torch.randn(3, 0), [0], 1e-5)  # no features: an empty output, as torch's layer_norm
     assert out.shape == (3, 0)
+
+
+mix_prec_extension = None  # Megatron-LM 2021-2022's module-level global, its own extension built from Apex's
+
+
+class MegatronMixPrecLayerNormFunction(torch.autograd.Function):
+    """Megatron-LM 2021-2022's FusedLayerNormAffineFunction on its ``fused_mix_prec_layer_norm_cuda``."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps):
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        input_, weight_, bias_ = input.contiguous(), weight.contiguous(), bias.contiguous()
+        output, mean, invvar = mix_prec_extension.forward_affine(input_, normalized_shape, weight_, bias_, eps)
+        ctx.save_for_backward(input_, weight_, bias_, mean, invvar)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight_, bias_, mean, invvar = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias = mix_prec_extension.backward_affine(
+            grad_output.contiguous(), mean, invvar, input_, ctx.normalized_shape, weight_, bias_, ctx.eps
+        )
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class Megatron2021MixedFusedLayerNorm(torch.nn.Module):
+    def __init__(self, hidden: int, eps: float = 1e-5, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        global mix_prec_extension
+        mix_prec_extension = importlib.import_module("fused_mix_prec_layer_norm_cuda")
+        self.normalized_shape, self.eps = torch.Size([hidden]), eps
+        self.weight = torch.nn.Parameter((torch.rand(hidden, dtype=torch.float64) + 0.5).to(dtype))
+        self.bias = torch.nn.Parameter(torch.randn(hidden, dtype=torch.float64).to(dtype))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return MegatronMixPrecLayerNormFunction.apply(input, self.weight, self.bias, self.normalized_shape, self.eps)
+
+
+def test_megatron_2021_mix_prec_extension_matches_torch(fused_layer_norm_cuda):
+    torch.manual_seed(0)
+    norm = Megatron2021MixedFusedLayerNorm(8)
+    x = _float64(3, 5, 8, offset=4.0)
+    y = norm(x)
+    expected = F.layer_norm(x, (8,), norm.weight, norm.bias, 1e-5)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, norm.weight, norm.bias), grad)
+    want = torch.autograd.grad(expected, (x, norm.weight, norm.bias), grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_megatron_2021_fp32_residual_into_fp16_weights_gives_fp16(fused_layer_norm_cuda):
+    """``--fp16 --fp32-residual-connection``: a float32 residual stream normalized by fp16 weights comes out in
+    fp16 (the weights' dtype), with float32 statistics; gradients come back in each tensor's dtype."""
+    torch.manual_seed(0)
+    norm = Megatron2021MixedFusedLayerNorm(16, dtype=torch.float16)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = norm(x)
+    assert y.dtype == torch.float16
+    exact = F.layer_norm(x.double(), (16,), norm.weight.double(), norm.bias.double(), 1e-5)
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=4e-3)  # float32 maths, rounded once to fp16
+    grad_x, grad_w, grad_b = torch.autograd.grad(y, (x, norm.weight, norm.bias), torch.ones_like(y))
+    assert (grad_x.dtype, grad_w.dtype, grad_b.dtype) == (torch.float32, torch.float16, torch.float16)
+    _, mean, invvar = mix_prec_extension.forward_affine(x.detach(), [16], norm.weight, norm.bias, 1e-5)
+    assert mean.dtype == invvar.dtype == torch.float32 and mean.shape == (4,)

@@ -68,6 +68,27 @@ def test_master_param_helpers_round_trip(flat_master):
         assert torch.equal(p.float(), (b + 1.0).half().float())
 
 
+@pytest.mark.parametrize("helper", [master_params_to_model_params, model_grads_to_master_grads])
+def test_master_param_helpers_refuse_lists_that_do_not_pair_up(helper):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).half()
+    model_params, master_params = prep_param_lists(model)
+    with pytest.raises(ValueError, match=r"got 4 model params but 3 master params; pass the two lists"):
+        helper(model_params, master_params[:3])  # Apex's zip copied the first three and dropped the last
+    swapped = [master_params[0], master_params[2], master_params[1], master_params[3]]
+    with pytest.raises(ValueError, match=r"model param 1 has shape \(2,\) but master param 1 has \(1, 2\)"):
+        helper(model_params, swapped)  # copy_ would have broadcast the (1, 2) weight into the (2,) bias
+    _, flat = prep_param_lists(model, flat_master=True)
+    with pytest.raises(ValueError, match=r"one flat master of 8 elements .* got master sizes \[11\]"):
+        helper(model_params[:2], flat, flat_master=True)  # unflattening took a prefix of the flat master
+
+
+def test_a_flat_master_of_a_frozen_model_is_refused_by_name():
+    model = torch.nn.Linear(2, 2).half().requires_grad_(False)
+    assert prep_param_lists(model) == ([], [])
+    with pytest.raises(ValueError, match=r"flat_master=True\): the model has no parameters with requires_grad=True"):
+        prep_param_lists(model, flat_master=True)  # torch.cat's 'expected a non-empty list of Tensors' before
+
+
 def _half_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

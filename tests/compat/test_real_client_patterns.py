@@ -190,7 +190,7 @@ def test_megatron_clips_grads_and_copies_masters_through_amp_c(shim):
         "from apex.contrib.sparsity import ASP",
         "from apex.transformer.functional import fused_apply_rotary_pos_emb",
         "from apex.contrib.layer_norm.layer_norm import FastLayerNormFN",
-        "import xentropy_cuda",
+        "import fused_dense_cuda",
         "from apex.amp.opt import OptimWrapper",
     ],
 )
@@ -200,7 +200,7 @@ def test_optional_apex_parts_fall_back_through_import_error_with_a_clear_message
     with pytest.raises(ImportError) as raised:
         exec(statement, {})
     message = str(raised.value)
-    assert "ampkit's apex shim" in message or "No module named 'xentropy_cuda'" in message
+    assert "ampkit's apex shim" in message or "No module named 'fused_dense_cuda'" in message
 
 
 class _MMEngineStyleApexWrapper:

@@ -71,7 +71,7 @@ def test_auto_precision_picks_a_real_level_and_says_why(monkeypatch):
     why = choose_precision(cfg)
     assert (cfg.precision.opt_level, cfg.precision.dtype) in (("O0", None), ("O1", "bfloat16"))
     assert "AMX" in why and why.endswith(("float32 (O0)", "bf16 autocast (O1), no loss scaler"))
-    cfg.precision.opt_level, cfg.trainer.device = "auto", "auto"
+    cfg.precision.opt_level, cfg.precision.dtype, cfg.trainer.device = "auto", None, "auto"  # as a user wrote it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "GPU" in choose_precision(cfg) and cfg.precision.dtype == "bfloat16" and cfg.precision.opt_level == "O1"
     assert choose_precision(cfg) is None  # a real level stays as it is
@@ -260,3 +260,20 @@ def test_model_config_errors_name_the_key(tmp_path):
         Path(ampkit.config.builtin_configs()["gpt"]).read_text()
         == (Path(__file__).resolve().parents[2] / "configs" / "gpt.yaml").read_text()
     )
+
+
+def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch():
+    """Two ranks x batch 4 train as one process x batch 8; they validated on half its windows (val_batches *
+    batch_size), so the same model reported another val/loss, and a resume on another world size ranked best-k
+    checkpoints on another set. The set is val_batches global batches, each rank validating its share."""
+    from ampkit.trainer.distributed import DistributedEnv
+
+    def windows(batch_size: int, world_size: int) -> Windows:
+        trainer_class, cfg = load_config("gpt", [*TINY, f"data.batch_size={batch_size}"])
+        trainer = trainer_class(cfg)
+        trainer.dist = DistributedEnv(rank=0, world_size=world_size)
+        return trainer.val_dataloader().dataset
+
+    one, two = windows(8, 1), windows(4, 2)
+    assert len(one) == len(two) == 16
+    assert all(torch.equal(one[i][0], two[i][0]) for i in range(len(one)))

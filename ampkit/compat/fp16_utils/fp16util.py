@@ -81,6 +81,11 @@ def prep_param_lists(
     """
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
+        if not model_params:
+            raise ValueError(
+                "prep_param_lists(flat_master=True): the model has no parameters with requires_grad=True to make a "
+                "flat master of; use flat_master=False (it returns empty lists) or unfreeze a parameter"
+            )
         dtypes = {p.dtype for p in model_params}
         if len(dtypes) > 1:
             raise TypeError(
@@ -96,6 +101,7 @@ def model_grads_to_master_grads(
     model_params: Sequence[torch.nn.Parameter], master_params: Sequence[torch.nn.Parameter], flat_master: bool = False
 ) -> None:
     """Copy model grads into the fp32 master grads (creating them); a model param without grad clears it."""
+    _check_param_lists("model_grads_to_master_grads", model_params, master_params, flat_master)
     if flat_master:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
         master_params[0].grad = _flatten_dense_tensors([g.detach() for g in grads]).float()
@@ -113,6 +119,7 @@ def master_params_to_model_params(
     model_params: Sequence[torch.nn.Parameter], master_params: Sequence[torch.nn.Parameter], flat_master: bool = False
 ) -> None:
     """Copy the fp32 master values back into the (lower-precision) model params."""
+    _check_param_lists("master_params_to_model_params", model_params, master_params, flat_master)
     with torch.no_grad():
         if flat_master:
             for model, master in zip(
@@ -122,6 +129,36 @@ def master_params_to_model_params(
             return
         for model, master in zip(model_params, master_params, strict=True):
             model.copy_(master)
+
+
+def _check_param_lists(
+    caller: str,
+    model_params: Sequence[torch.Tensor],
+    master_params: Sequence[torch.Tensor],
+    flat_master: bool,
+) -> None:
+    """Refuse lists that do not pair up one to one (Apex's zip silently copied a prefix, or broadcast a shape)."""
+    advice = "pass the two lists prep_param_lists returned, in its order"
+    if flat_master:
+        total = sum(p.numel() for p in model_params)
+        if len(master_params) != 1 or master_params[0].numel() != total:
+            sizes = [m.numel() for m in master_params]
+            raise ValueError(
+                f"{caller}(flat_master=True) needs one flat master of {total} elements (the model params' total), "
+                f"got master sizes {sizes}; {advice}"
+            )
+        return
+    if len(model_params) != len(master_params):
+        raise ValueError(
+            f"{caller} got {len(model_params)} model params but {len(master_params)} master params; {advice} "
+            "(flat_master=True for a single flat master)"
+        )
+    for index, (model, master) in enumerate(zip(model_params, master_params, strict=True)):
+        if model.shape != master.shape:
+            raise ValueError(
+                f"{caller}: model param {index} has shape {tuple(model.shape)} but master param {index} has "
+                f"{tuple(master.shape)}; {advice}"
+            )
 
 
 def to_python_float(t: torch.Tensor | float) -> float:

@@ -1,0 +1,177 @@
+"""``apex.fused_dense``: Apex's cuBLASLt dense layers, ``FusedDense`` and ``FusedDenseGeluDense``, on PyTorch ops.
+
+``FusedDense(in_features, out_features, bias=True)`` is ``input @ weight.T + bias``; ``FusedDenseGeluDense(in,
+intermediate, out)`` is two of them with GELU between, the tanh approximation that cuBLASLt's GELU epilogue
+computes. The autograd Functions keep Apex's ``apply`` arguments and gradients (``FusedDenseFunc``,
+``DenseNoBiasFunc``, ``FusedDenseGeluDenseFunc``), which projects call directly; inputs may have any number of
+leading dimensions (Apex's kernels took 2-D only). Under autocast the arguments are cast to its dtype and the maths
+runs outside it, as in Apex. Parameters start as ``torch.nn.Linear``'s (Apex left them uninitialized).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "DenseNoBiasFunc",
+    "FusedDense",
+    "FusedDenseFunc",
+    "FusedDenseGeluDense",
+    "FusedDenseGeluDenseFunc",
+    "dense_no_bias_function",
+    "fused_dense_function",
+    "fused_dense_gelu_dense_function",
+]
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as 2-D ``(rows, features)``."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def _check(name: str, input: Tensor, *weights: Tensor) -> None:
+    features = input.shape[-1] if input.dim() else 0
+    for index, weight in enumerate(weights, start=1):
+        if weight.dim() != 2 or weight.shape[1] != features:
+            raise ValueError(
+                f"apex.fused_dense.{name}: weight{index if len(weights) > 1 else ''} must be [out, {features}] to "
+                f"take the input's last dimension ({list(input.shape)}), got {list(weight.shape)}"
+            )
+        features = weight.shape[0]
+
+
+def _tanh_gelu_grad(x: Tensor) -> Tensor:
+    """d/dx of ``gelu(x, approximate="tanh")``."""
+    k = math.sqrt(2.0 / math.pi)
+    inner = k * (x + 0.044715 * x.pow(3))
+    tanh = torch.tanh(inner)
+    return 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh.pow(2)) * k * (1 + 3 * 0.044715 * x.pow(2))
+
+
+class FusedDenseFunc(torch.autograd.Function):
+    """``apply(input, weight, bias)``: ``input @ weight.T + bias``."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        _check("FusedDenseFunc", input, weight)
+        ctx.save_for_backward(input, weight)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        input, weight = ctx.saved_tensors
+        grad_rows = _rows(grad_output)
+        grad_input = (grad_rows @ weight).reshape(input.shape)
+        return grad_input, grad_rows.t() @ _rows(input), grad_rows.sum(0)
+
+
+class DenseNoBiasFunc(torch.autograd.Function):
+    """``apply(input, weight)``: ``input @ weight.T``."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor) -> Tensor:
+        _check("DenseNoBiasFunc", input, weight)
+        ctx.save_for_backward(input, weight)
+        return F.linear(input, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor]:
+        input, weight = ctx.saved_tensors
+        grad_rows = _rows(grad_output)
+        return (grad_rows @ weight).reshape(input.shape), grad_rows.t() @ _rows(input)
+
+
+class FusedDenseGeluDenseFunc(torch.autograd.Function):
+    """``apply(input, weight1, bias1, weight2, bias2)``: ``gelu_tanh(input @ weight1.T + bias1) @ weight2.T +
+    bias2``."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
+        _check("FusedDenseGeluDenseFunc", input, weight1, weight2)
+        gelu_in = F.linear(input, weight1, bias1)
+        output1 = F.gelu(gelu_in, approximate="tanh")
+        ctx.save_for_backward(input, weight1, weight2, gelu_in, output1)
+        return F.linear(output1, weight2, bias2)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, ...]:
+        input, weight1, weight2, gelu_in, output1 = ctx.saved_tensors
+        grad2 = _rows(grad_output)
+        grad_weight2, grad_bias2 = grad2.t() @ _rows(output1), grad2.sum(0)
+        grad1 = (grad2 @ weight2) * _tanh_gelu_grad(_rows(gelu_in))
+        grad_input = (grad1 @ weight1).reshape(input.shape)
+        return grad_input, grad1.t() @ _rows(input), grad1.sum(0), grad_weight2, grad_bias2
+
+
+def _outside_autocast(function: Any, *args: Tensor) -> Tensor:
+    """Apex's ``_cast_if_autocast_enabled``: under autocast, floating arguments take its dtype, then the op runs
+    with autocast off."""
+    device_type = args[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return function(*args)
+    dtype = torch.get_autocast_dtype(device_type)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    with torch.autocast(device_type, enabled=False):
+        return function(*args)
+
+
+def fused_dense_function(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``FusedDenseFunc.apply`` with Apex's autocast handling."""
+    return _outside_autocast(FusedDenseFunc.apply, input, weight, bias)
+
+
+def dense_no_bias_function(input: Tensor, weight: Tensor) -> Tensor:
+    """``DenseNoBiasFunc.apply`` with Apex's autocast handling."""
+    return _outside_autocast(DenseNoBiasFunc.apply, input, weight)
+
+
+def fused_dense_gelu_dense_function(
+    input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
+) -> Tensor:
+    """``FusedDenseGeluDenseFunc.apply`` with Apex's autocast handling."""
+    return _outside_autocast(FusedDenseGeluDenseFunc.apply, input, weight1, bias1, weight2, bias2)
+
+
+def _linear_parameters(out_features: int, in_features: int, bias: bool) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A weight and bias initialized as ``torch.nn.Linear``'s."""
+    reference = nn.Linear(in_features, out_features, bias=bias)
+    return reference.weight, reference.bias
+
+
+class FusedDense(nn.Module):
+    """Apex's ``FusedDense(in_features, out_features, bias=True)``: ``weight`` is ``[out, in]``, as in nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias)
+        self.register_parameter("bias", bias_parameter)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.bias is not None:
+            return fused_dense_function(input, self.weight, self.bias)
+        return dense_no_bias_function(input, self.weight)
+
+
+class FusedDenseGeluDense(nn.Module):
+    """Apex's ``FusedDenseGeluDense(in_features, intermediate_features, out_features)``: ``weight1``/``bias1`` then
+    GELU (tanh approximation) then ``weight2``/``bias2``."""
+
+    def __init__(self, in_features: int, intermediate_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        if bias is not True:
+            raise ValueError(f"FusedDenseGeluDense takes bias=True only, as in Apex, got bias={bias!r}")
+        self.in_features = in_features
+        self.intermediate_features = intermediate_features
+        self.out_features = out_features
+        self.weight1, self.bias1 = _linear_parameters(intermediate_features, in_features, True)
+        self.weight2, self.bias2 = _linear_parameters(out_features, intermediate_features, True)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return fused_dense_gelu_dense_function(input, self.weight1, self.bias1, self.weight2, self.bias2)

@@ -1,0 +1,82 @@
+"""Apex's ``xentropy_cuda`` extension (apex.contrib.xentropy), a top-level module served while the apex shim is
+installed.
+
+fairseq's ``modules/cross_entropy.py`` and MosaicML Composer import it by name for a fused softmax cross-entropy
+with label smoothing. ``forward(logits, labels, smoothing, half_to_float)`` takes ``(N, C)`` logits and ``N``
+int64 labels and returns ``(losses, max_log_sum_exp)``: per row ``(1 - smoothing) * -log p[label] + smoothing *
+mean(-log p)``, float32 (float64 for float64 logits), and the row's log-sum-exp (float32 with ``half_to_float``, else
+the logits' dtype). ``backward(grad_loss, logits, max_log_sum_exp, labels, smoothing)`` returns
+``grad_loss * (softmax - (1 - smoothing) * onehot(label) - smoothing / C)`` in the logits' dtype. The caller masks
+padding rows (a label outside ``0..C-1``, such as -100, gets a NaN loss and no one-hot term). float32 maths in
+PyTorch on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["backward", "forward"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _accumulate_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check(op: str, logits: Tensor, labels: Tensor) -> None:
+    if logits.dtype not in (*_LOW_PRECISION, torch.float32, torch.float64):
+        raise TypeError(f"xentropy_cuda.{op}: logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"xentropy_cuda.{op}: logits must be 2-D (rows, classes), got shape {list(logits.shape)}")
+    if labels.dtype != torch.long or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"xentropy_cuda.{op}: labels must be 1-D int64 with one entry per logits row ({logits.shape[0]}), got "
+            f"{labels.dtype} of shape {list(labels.shape)}"
+        )
+
+
+def _one_hot(labels: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
+    """One-hot rows; a label outside ``0..classes-1`` (a padding index such as -100) gives a row of zeros."""
+    return (labels.unsqueeze(1) == torch.arange(classes, device=labels.device)).to(dtype)
+
+
+def forward(logits: Tensor, labels: Tensor, smoothing: float, half_to_float: bool) -> tuple[Tensor, Tensor]:
+    """``(losses, max_log_sum_exp)``: the label-smoothed cross-entropy of each row and the row's log-sum-exp."""
+    _check("forward", logits, labels)
+    if half_to_float and logits.dtype not in _LOW_PRECISION:
+        raise ValueError(
+            f"xentropy_cuda.forward: half_to_float=True takes float16 or bfloat16 logits, got {logits.dtype}; pass "
+            "half_to_float=False"
+        )
+    x = logits.to(_accumulate_dtype(logits))
+    classes = x.shape[1]
+    log_sum_exp = torch.logsumexp(x, dim=1)
+    in_range = (labels >= 0) & (labels < classes)
+    label_logit = x.gather(1, labels.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
+    label_logit = torch.where(in_range, label_logit, torch.nan)
+    s = float(smoothing)
+    losses = (log_sum_exp - x.mean(dim=1)) * s - (label_logit - log_sum_exp) * (1 - s)
+    return losses, log_sum_exp.to(torch.float32 if half_to_float else logits.dtype)
+
+
+def backward(grad_loss: Tensor, logits: Tensor, max_log_sum_exp: Tensor, labels: Tensor, smoothing: float) -> Tensor:
+    """The logits' gradient, ``grad_loss * (softmax - (1 - smoothing) * onehot - smoothing / classes)``."""
+    _check("backward", logits, labels)
+    rows = logits.shape[0]
+    if grad_loss.numel() != rows or max_log_sum_exp.numel() != rows:
+        raise ValueError(
+            f"xentropy_cuda.backward: grad_loss and max_log_sum_exp need one entry per logits row ({rows}), got "
+            f"shapes {list(grad_loss.shape)} and {list(max_log_sum_exp.shape)}"
+        )
+    accumulate = _accumulate_dtype(logits)
+    x = logits.to(accumulate)
+    if max_log_sum_exp.dtype in _LOW_PRECISION:  # forward without half_to_float kept it rounded: take it again
+        log_sum_exp = torch.logsumexp(x, dim=1)
+    else:
+        log_sum_exp = max_log_sum_exp.reshape(rows).to(accumulate)
+    classes = x.shape[1]
+    s = float(smoothing)
+    grad = torch.exp(x - log_sum_exp.unsqueeze(1)) - _one_hot(labels, classes, accumulate) * (1 - s) - s / classes
+    return (grad * grad_loss.reshape(rows, 1).to(accumulate)).to(logits.dtype)
