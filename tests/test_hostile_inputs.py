@@ -131,6 +131,15 @@ class ForeignParameters(ToyTrainer):
         return torch.optim.SGD([torch.nn.Parameter(torch.ones(2)), *self.module.parameters()], lr=0.1)
 
 
+class OneParameterTwoOptimizers(ToyTrainer):
+    """A second optimizer for the last layer, by mistake over it again: under automatic optimization it would move
+    twice per iteration."""
+
+    def configure_optimizers(self):
+        last = list(self.module.parameters())[-1]
+        return [torch.optim.SGD(self.module.parameters(), lr=0.1), torch.optim.Adam([last])]
+
+
 class NoOptimizerInDict(ToyTrainer):
     def configure_optimizers(self):
         return {"optim": torch.optim.SGD(self.module.parameters(), lr=0.1)}
@@ -152,6 +161,7 @@ class SchedulerOfAnother(ToyTrainer):
     ("trainer_class", "message"),
     [
         (ForeignParameters, "optimizer 'sgd' holds 1 of its 5 parameters outside the model"),
+        (OneParameterTwoOptimizers, "is in optimizers 'sgd' and 'adam': under automatic optimization"),
         (NoOptimizerInDict, "configure_optimizers()[0] is a dict whose 'optimizer' is NoneType (keys: ['optim'])"),
         (SchedulerByName, "lr_scheduler is str ('cosine'); expected a scheduler object with step()"),
         (SchedulerOfAnother, "its lr_scheduler steps another optimizer than its 'optimizer'"),

@@ -171,10 +171,13 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     return specs
 
 
-def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
+def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automatic: bool = True) -> None:
     """Every optimized parameter is the model's: one outside it is neither checkpointed nor used by the model, so
-    training it is lost on resume (make it an attribute of the model instead)."""
+    training it is lost on resume (make it an attribute of the model instead). Under automatic optimization no
+    parameter is in two optimizers: each would step it from the one gradient, so it would move twice."""
     own = {id(p) for p in module.parameters()}
+    if automatic:
+        _check_disjoint(specs, module)
     for spec in specs:
         params = [p for group in spec.optimizer.param_groups for p in group["params"]]
         foreign = sum(id(p) not in own for p in params)
@@ -184,6 +187,23 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module) -> Non
                 "outside the model: checkpoints would not save them. Build it from self.module.parameters() (make "
                 "any extra parameter an attribute of the model configure_model returns)"
             )
+
+
+def _check_disjoint(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
+    """Refuse a parameter held by two optimizers (torch refuses one in two groups of one optimizer)."""
+    holder: dict[int, str] = {}
+    for spec in specs:
+        for p in {id(p): p for group in spec.optimizer.param_groups for p in group["params"]}.values():
+            first = holder.setdefault(id(p), spec.name)
+            if first != spec.name:
+                name = next((n for n, q in module.named_parameters() if q is p), "a parameter")
+                raise UserCodeError(
+                    f"configure_optimizers(): parameter '{name}' is in optimizers '{first}' and '{spec.name}': "
+                    "under automatic optimization every optimizer steps on the one backward's gradients, so it "
+                    "would move twice per iteration. Give each parameter to one optimizer (one optimizer with "
+                    "param groups sets a learning rate per group), or step them yourself with "
+                    "automatic_optimization = False"
+                )
 
 
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad

@@ -981,7 +981,7 @@ class Trainer:
         self._stop_agreed = False
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
-        check_parameters(self._specs, self.module)
+        check_parameters(self._specs, self.module, self.automatic_optimization)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
