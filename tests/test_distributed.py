@@ -137,7 +137,10 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
     ``distributed.timeout_s``, then failing. The ranks agree on it where they meet anyway: at an iteration that logs
     (every 2 here), so a stop asked at step 3 takes effect at 4, mid-epoch (8 batches); after a validation, so
     early stopping takes effect at once (at the second validation, step 6)."""
-    rank0, rank1 = _ok(launch("stop", tmp_path, timeout=120))
+    results = launch("stop", tmp_path, timeout=120)
+    rank0, rank1 = _ok(results)
+    # rank 0 says where every rank stopped, also when its own rule asked (a step earlier)
+    assert "ampkit: stopping every rank at step 4: rank 0: rank 0's rule" in results[0].stderr
     expected = {"rank 1": (4, "rank 1: rank 1's rule"), "rank 0": (4, "rank 0: rank 0's rule"),
                 "both": (4, "rank 0: rank 0's rule; rank 1: rank 1's rule"),
                 "early stopping on rank 1": (6, "rank 1: early stopping: val/mse did not improve"),

@@ -661,7 +661,7 @@ class Trainer:
             reason = reasons.pop()
         else:
             reason = "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(asked) if why is not None)
-        if self.is_global_zero and not s.should_stop:  # rank zero's own callback said so already
+        if self.is_global_zero:  # also after its own callback's line: that named the step it asked at, maybe earlier
             print(f"ampkit: stopping every rank at step {s.global_step}: {reason}", file=sys.stderr)
         s.should_stop, s.stop_reason, self._stop_agreed = True, reason, True
 
