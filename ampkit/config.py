@@ -320,29 +320,30 @@ _FOREIGN_SPELLINGS = {
 }
 
 
-def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> list[str]:
-    """A problem for each integer leaf, in any section (a Trainer's own too), that no 64-bit integer holds."""
-    problems = []
+def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
+    """Each integer leaf, in any section (a Trainer's own too), that no 64-bit integer holds, by dotted key."""
+    found = {}
     for key in cfg.keys():
         full_key = f"{prefix}{key}"
         value = cfg._get_node(key)
         if isinstance(value, DictConfig):
-            problems += _integers_out_of_range(value, f"{full_key}.")
+            found |= _integers_out_of_range(value, f"{full_key}.")
             continue
         value = cfg[key]
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
             if full_key not in _INT64_EXCEPT:
-                problems.append(
-                    f"config key '{full_key}': {value} is out of range; expected a 64-bit integer, in [-2**63, 2**63)"
-                )
-    return problems
+                found[full_key] = value
+    return found
 
 
 def check_values(cfg: DictConfig) -> None:
     """Check every key of :data:`VALUE_RULES` and every integer's range; one :class:`ConfigError` names each bad
     dotted key and what is valid."""
-    problems = _integers_out_of_range(cfg)
-    out_of_range = {problem.split("'")[1] for problem in problems}
+    out_of_range = _integers_out_of_range(cfg)
+    problems = [
+        f"config key '{key}': {value} is out of range; expected a 64-bit integer, in [-2**63, 2**63)"
+        for key, value in out_of_range.items()
+    ]
     for key, (ok, valid) in VALUE_RULES.items():
         value = OmegaConf.select(cfg, key)
         if key not in out_of_range and not ok(value):

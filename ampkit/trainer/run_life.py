@@ -662,9 +662,14 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
     return path
 
 
+def rank_output(path: Path, rank: int) -> Path:
+    """The file rank ``rank`` of several writes for ``predict(output=path)``: ``<stem>.rank<N><suffix>``."""
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
 def _rank_files_beyond(path: Path, world_size: int) -> list[Path]:
     """The ``<stem>.rank<N><suffix>`` files beside ``path`` with N >= ``world_size``, by N."""
-    name = re.compile(rf"{re.escape(path.stem)}\.rank(\d+){re.escape(path.suffix)}")
+    name = re.compile(rf"{re.escape(path.stem)}\.rank(\d+){re.escape(path.suffix)}")  # what rank_output names
     if not path.parent.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in path.parent.iterdir() if (m := name.fullmatch(p.name))]

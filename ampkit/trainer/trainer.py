@@ -114,6 +114,7 @@ from ampkit.trainer.run_life import (
     open_version_dir,
     plan_fit,
     prediction_output,
+    rank_output,
     resolve_checkpoint,
     tidy_run_dir,
 )
@@ -135,6 +136,7 @@ from ampkit.trainer.user_code import (
     nothing_trained_warning,
 )
 
+_STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
     "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
@@ -654,7 +656,7 @@ class Trainer:
         s = self.state
         if not any_rank([s.should_stop], self.dist)[0]:
             return
-        mine = (s.stop_reason or "trainer.state.should_stop was set") if s.should_stop else None
+        mine = (s.stop_reason or _STOP_ASKED) if s.should_stop else None
         asked = gather_object(mine, self.dist)
         reasons = {why for why in asked if why is not None}
         if len(reasons) == 1 and None not in asked:  # every rank, for one reason (a metric they share)
@@ -883,7 +885,7 @@ class Trainer:
         if output is not None:
             path = output
             if self.world_size > 1:
-                path = path.with_name(f"{path.stem}.rank{self.global_rank}{path.suffix}")
+                path = rank_output(path, self.global_rank)
             try:
                 save_atomic(predictions, path)
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
@@ -1153,7 +1155,7 @@ class Trainer:
         s = self.state
         if not s.should_stop or (self.dist.enabled and not self._stop_agreed):  # torchrun: one rank's ask is not a stop
             return None
-        return s.stop_reason or "trainer.state.should_stop was set"
+        return s.stop_reason or _STOP_ASKED
 
     def checkpoint_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically: model, optimizers, schedulers, callbacks, loop, RNG.
