@@ -196,6 +196,21 @@ def _grads_to_differentiate(
     return tuple(next(grads) if need else None for need in needed)
 
 
+def _refuse_second_order(norm: str, grad_output: torch.Tensor, saved: tuple[torch.Tensor | None, ...]) -> None:
+    """A memory-efficient norm saves its output, not its input, so its gradients cannot be differentiated: under
+    ``create_graph=True`` they would carry no graph to the input (``once_differentiable`` only fails a second
+    backward that passes through the gradient's own node, so ``torch.autograd.grad(..., inputs=x)`` and
+    gradgradcheck saw zeros for its terms). Refused here, by name, whenever that graph would be asked for."""
+    if not torch.is_grad_enabled():
+        return
+    if grad_output.requires_grad or any(t is not None and t.requires_grad for t in saved):
+        raise RuntimeError(
+            f"{norm} with memory_efficient=True keeps the output instead of the input, so its backward cannot be "
+            "differentiated again (backward(create_graph=True), a gradient penalty, gradgradcheck); build it with "
+            "memory_efficient=False"
+        )
+
+
 class FusedLayerNormFunction(torch.autograd.Function):
     """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
 
@@ -228,7 +243,9 @@ class FusedLayerNormFunction(torch.autograd.Function):
         # Unpacked once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack of a saved tensor.
         saved_tensors = ctx.saved_tensors
         saved, weight, bias, _, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused layer norm", grad_output, (saved, weight, bias))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight, bias),
                 lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
@@ -283,7 +300,9 @@ class FusedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         saved_tensors = ctx.saved_tensors  # unpacked once, as in FusedLayerNormFunction.backward
         saved, weight, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused RMS norm", grad_output, (saved, weight))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight),
                 lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),

@@ -563,12 +563,18 @@ def test_a_gradient_penalty_differentiates_through_the_kernels(kind):
         torch.testing.assert_close(got, want)
 
 
-def test_a_memory_efficient_norm_stays_differentiable_once():
+@pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm])
+def test_a_memory_efficient_norm_refuses_a_graph_of_its_gradients_it_could_not_differentiate(module):
+    """It saves its output, not its input: under ``create_graph=True`` its gradients had no graph to the input, so
+    gradgradcheck and ``torch.autograd.grad(..., inputs=...)`` got zeros for its terms instead of an error."""
+    norm, plain = module(8, memory_efficient=True).double(), module(8).double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
-    norm = FusedRMSNorm(8, memory_efficient=True).double()
-    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
-        grad_x.sum().backward()
+    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x)  # first order: as before
+    torch.testing.assert_close(grad_x, torch.autograd.grad(plain(x).square().sum(), x)[0])
+    with pytest.raises(RuntimeError, match="memory_efficient=True .* cannot be differentiated again"):
+        torch.autograd.gradgradcheck(norm, (x,))
+    with pytest.raises(RuntimeError, match="memory_efficient=False"):
+        torch.autograd.grad(norm(x).square().sum(), norm.weight, create_graph=True)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
