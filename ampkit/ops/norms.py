@@ -77,14 +77,17 @@ _TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes w
 ShapeLike = int | Sequence[int] | torch.Size
 
 
+def _is_size(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    try:
-        if isinstance(normalized_shape, numbers.Integral):
-            shape: tuple[int, ...] = (int(normalized_shape),)
-        else:
-            shape = tuple(int(s) for s in normalized_shape)
-    except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
+    """``normalized_shape`` as a tuple of ints. Only ints are taken, as by torch's norms: ``int()`` would read the
+    string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    sizes = (normalized_shape,) if _is_size(normalized_shape) else normalized_shape
+    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not all(_is_size(s) for s in sizes):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    shape = tuple(int(s) for s in sizes)
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):

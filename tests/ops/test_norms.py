@@ -290,6 +290,15 @@ def test_wrong_normalized_shape_is_named():
         FusedLayerNorm(-6)
 
 
+@pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True])
+def test_a_normalized_shape_of_other_than_ints_is_refused_as_torch_refuses_it(shape):
+    """``int()`` on each element read the string "768" (a size left unparsed in a config) as (7, 6, 8), and
+    truncated 2.5 to 2; ``nn.LayerNorm`` refuses both."""
+    for build in (FusedLayerNorm, FusedRMSNorm, lambda s: fused_layer_norm(torch.randn(2, 768), s)):
+        with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints, got"):
+            build(shape)
+
+
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
 def test_an_eps_that_would_give_nan_is_refused_where_it_is_given(eps):
     """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it. (None
