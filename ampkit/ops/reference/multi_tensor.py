@@ -83,6 +83,31 @@ def _check_writable_list(op: str, out: Sequence[torch.Tensor], name: str, read: 
         _check_writable(op, o, name, i, r, read_name)
 
 
+def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Sequence]) -> None:
+    """No written tensor shares memory with a tensor of another index, read or written (the kernels run every index's
+    chunks in parallel). Sorted by address: O(n log n). Tensors that are not dense are left out, as torch leaves
+    them."""
+    spans = []
+    for lists, is_written in ((read, False), (written, True)):
+        for name, tensors in lists.items():
+            for i, t in enumerate(tensors):
+                if t is not None and t.numel() and is_dense(t):
+                    spans.append((*_byte_range(t), name, i, is_written))
+    if not any(span[4] for span in spans):
+        return
+    open_spans: list[tuple] = []  # begun before the current one and not ended
+    for span in sorted(spans, key=lambda s: s[0]):
+        open_spans = [s for s in open_spans if s[1] > span[0]]
+        for earlier in open_spans:
+            if earlier[3] != span[3] and (earlier[4] or span[4]):
+                w, r = (earlier, span) if earlier[4] else (span, earlier)
+                raise RuntimeError(
+                    f"{op}: `{w[2]}[{w[3]}]` shares memory with `{r[2]}[{r[3]}]`; an output may be its own index's "
+                    "input (in place), never another index's tensor"
+                )
+        open_spans.append(span)
+
+
 def _check_flag(op: str, flag: torch.Tensor, device: torch.device) -> None:
     if flag.numel() != 1:
         raise RuntimeError(f"{op}: `found_inf` must have exactly one element, got {flag.numel()}")
@@ -113,6 +138,7 @@ def scale_(
     _check_list(op, inputs, "inputs", device)
     _check_list(op, outputs, "out", device, like=inputs)
     _check_writable_list(op, outputs, "out", inputs, "inputs")
+    _check_separate(op, {"inputs": inputs}, {"out": outputs})
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -152,6 +178,7 @@ def axpby_(
             )
     _check_writable_list(op, out, "out", x, "x")
     _check_writable_list(op, out, "out", y, "y")
+    _check_separate(op, {"x": x, "y": y}, {"out": out})
     seen = False
     for xi, yi, oi in zip(x, y, out, strict=True):
         acc = _acc_dtype(xi.dtype, oi.dtype)
@@ -195,6 +222,7 @@ def combine_(
                 f"{op}: `stash[{i}]` has dtype {s.dtype} but `out[{i}]` has {out[i].dtype}; they must match"
             )
         _check_writable(op, out[i], "out", i, s, "stash")
+    _check_separate(op, {"new": new, "stash": stash}, {"out": out})
     seen = False
     for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
         acc = _acc_dtype(ni.dtype, oi.dtype)
@@ -234,6 +262,7 @@ def unscale_l2norm(
     _check_list(op, outputs, "out", device, like=inputs)
     if outputs:
         _check_writable_list(op, outputs, "out", inputs, "inputs")
+        _check_separate(op, {"inputs": inputs}, {"out": outputs})
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 
