@@ -659,6 +659,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             adopted = False
+            counts: list[float] = []  # the per-parameter step counts saved (torch.optim's, ampkit's own names')
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 incoming = state_dict["state"].get(pid)
                 if incoming is None or p not in self.state:
@@ -668,6 +669,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if key == "step":
                         step = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
                         state["step"] = step.to(self._step_device(p))
+                        counts.append(float(step))
                     elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)
@@ -675,3 +677,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     adopted = self._adopt_group_step(p, state, group) or adopted
             if adopted and not self._steps_per_group:
                 group.pop("step", None)  # the count now lives with each parameter
+            if self._steps_per_group and "step" not in saved and counts:
+                # Counted per group (Apex's names) from a checkpoint that counted per parameter: the group has
+                # taken as many steps as its most-stepped parameter. Without this the count restarted at 0 and
+                # the first steps after the resume ran with step 1's bias correction.
+                group["step"] = int(max(counts))
