@@ -98,7 +98,7 @@ def _take_integer_entries(lists: list[list[Tensor]]) -> list[tuple[Tensor, ...]]
 
 def _write_rounded(out: Tensor, value: Tensor) -> None:
     """``out = value``, rounded to the nearest integer when ``out`` is an integer tensor (not truncated:
-    ``0.3 * 10 + 0.7 * 10`` is 9.999999999999998 in float64)."""
+    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64)."""
     out.copy_(value.round() if _is_integer(out) else value)
 
 
