@@ -9,6 +9,7 @@ truth the tests compare kernels against.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -83,27 +84,38 @@ def _check_writable_list(op: str, out: Sequence[torch.Tensor], name: str, read: 
         _check_writable(op, o, name, i, r, read_name)
 
 
+class _Span(NamedTuple):
+    """The bytes one tensor of a call covers, and where it sits in the call."""
+
+    begin: int
+    end: int
+    name: str
+    index: int
+    written: bool
+
+
 def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Sequence]) -> None:
     """No written tensor shares memory with a tensor of another index, read or written (the kernels run every index's
     chunks in parallel). Sorted by address: O(n log n). Tensors that are not dense are left out, as torch leaves
     them."""
-    spans = []
-    for lists, is_written in ((read, False), (written, True)):
-        for name, tensors in lists.items():
-            for i, t in enumerate(tensors):
-                if t is not None and t.numel() and is_dense(t):
-                    spans.append((*_byte_range(t), name, i, is_written))
-    if not any(span[4] for span in spans):
+    spans = [
+        _Span(*_byte_range(t), name, i, is_written)
+        for lists, is_written in ((read, False), (written, True))
+        for name, tensors in lists.items()
+        for i, t in enumerate(tensors)
+        if t is not None and t.numel() and is_dense(t)
+    ]
+    if not any(span.written for span in spans):
         return
-    open_spans: list[tuple] = []  # begun before the current one and not ended
-    for span in sorted(spans, key=lambda s: s[0]):
-        open_spans = [s for s in open_spans if s[1] > span[0]]
+    open_spans: list[_Span] = []  # begun before the current one and not ended
+    for span in sorted(spans, key=lambda s: s.begin):
+        open_spans = [s for s in open_spans if s.end > span.begin]
         for earlier in open_spans:
-            if earlier[3] != span[3] and (earlier[4] or span[4]):
-                w, r = (earlier, span) if earlier[4] else (span, earlier)
+            if earlier.index != span.index and (earlier.written or span.written):
+                w, r = (earlier, span) if earlier.written else (span, earlier)
                 raise RuntimeError(
-                    f"{op}: `{w[2]}[{w[3]}]` shares memory with `{r[2]}[{r[3]}]`; an output may be its own index's "
-                    "input (in place), never another index's tensor"
+                    f"{op}: `{w.name}[{w.index}]` shares memory with `{r.name}[{r.index}]`; an output may be its own "
+                    "index's input (in place), never another index's tensor"
                 )
         open_spans.append(span)
 
