@@ -95,6 +95,18 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     return shape
 
 
+def _check_memory_efficient(op: str, value: object) -> None:
+    """True or False (or 0 and 1): torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth, where
+    Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
+    memory-efficient norm on the CPU."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    raise TypeError(
+        f"{op}: memory_efficient must be True or False, got {value!r} (the fourth positional argument is Apex's "
+        "memory_efficient; pass bias, device and dtype by keyword)"
+    )
+
+
 def _check_eps(op: str, eps: float) -> None:
     """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
@@ -490,6 +502,7 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:
@@ -557,6 +570,7 @@ class FusedRMSNorm(nn.Module):
         if eps is not None:
             _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:

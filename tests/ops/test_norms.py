@@ -290,6 +290,16 @@ def test_wrong_normalized_shape_is_named():
         FusedLayerNorm(-6)
 
 
+def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
+    """``nn.RMSNorm``'s fourth argument is ``device``; here, as in Apex, it is ``memory_efficient``, and a truthy
+    "cpu" built a memory-efficient norm."""
+    with pytest.raises(TypeError, match=r"FusedRMSNorm: memory_efficient must be True or False, got 'cpu' .*keyword"):
+        FusedRMSNorm(64, None, True, "cpu")
+    with pytest.raises(TypeError, match=r"FusedLayerNorm: memory_efficient must be True or False, got None"):
+        FusedLayerNorm(64, 1e-5, True, None)
+    assert FusedLayerNorm(64, 1e-5, True, 1).memory_efficient  # Apex-era 0/1 flags still work
+
+
 @pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True])
 def test_a_normalized_shape_of_other_than_ints_is_refused_as_torch_refuses_it(shape):
     """``int()`` on each element read the string "768" (a size left unparsed in a config) as (7, 6, 8), and
