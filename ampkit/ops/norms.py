@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,17 +78,35 @@ _TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes w
 ShapeLike = int | Sequence[int] | torch.Size
 
 
-def _is_size(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _size(value: object) -> int | None:
+    """``value`` as a size if it is an integer (a Python, numpy or 0-dim integer tensor one; not a bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
-    """``normalized_shape`` as a tuple of ints. Only ints are taken, as by torch's norms: ``int()`` would read the
-    string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
-    sizes = (normalized_shape,) if _is_size(normalized_shape) else normalized_shape
-    if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not all(_is_size(s) for s in sizes):
-        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
-    shape = tuple(int(s) for s in sizes)
+    """``normalized_shape`` as a tuple of ints. Only integers are taken, as by torch's norms: ``int()`` would read
+    the string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    single = _size(normalized_shape)
+    if single is not None:
+        return _checked_shape((single,))
+    bad = TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if isinstance(normalized_shape, str | bytes) or not isinstance(normalized_shape, Iterable):
+        raise bad
+    try:
+        sizes = [_size(s) for s in normalized_shape]
+    except TypeError:  # a 0-dim float tensor
+        raise bad from None
+    if any(size is None for size in sizes):
+        raise bad
+    return _checked_shape(tuple(sizes))
+
+
+def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):

@@ -7,6 +7,7 @@ them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -300,13 +301,14 @@ def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
     assert FusedLayerNorm(64, 1e-5, True, 1).memory_efficient  # Apex-era 0/1 flags still work
 
 
-@pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True])
+@pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True, torch.tensor(2.5)])
 def test_a_normalized_shape_of_other_than_ints_is_refused_as_torch_refuses_it(shape):
     """``int()`` on each element read the string "768" (a size left unparsed in a config) as (7, 6, 8), and
     truncated 2.5 to 2; ``nn.LayerNorm`` refuses both."""
     for build in (FusedLayerNorm, FusedRMSNorm, lambda s: fused_layer_norm(torch.randn(2, 768), s)):
         with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints, got"):
             build(shape)
+    assert FusedRMSNorm(np.array([3, 4])).normalized_shape == (3, 4) == FusedRMSNorm((np.int64(3), 4)).normalized_shape
 
 
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
