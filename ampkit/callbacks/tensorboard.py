@@ -3,7 +3,10 @@ and ``trainer.logger``'s images, histograms and text."""
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +33,31 @@ def writing_events(log_dir: Path) -> Iterator[None]:
             f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
             "access) there, or set logging.tensorboard=false; no checkpoint was touched"
         ) from None
+
+
+# TensorBoard's writer threads of ampkit's SummaryWriters: an OSError there (a full disk) is raised again by the
+# writer's next write, flush or close on the training thread, where writing_events names the directory in one line.
+_WRITER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _quiet_writer_threads(args: threading.ExceptHookArgs, previous: Callable[[Any], Any]) -> None:
+    """``threading.excepthook``: silent for an OSError of a writer thread (its traceback would come before the one
+    line the training thread gives), ``previous`` for everything else."""
+    if args.thread in _WRITER_THREADS and isinstance(args.exc_value, OSError):
+        return
+    previous(args)
+
+
+def summary_writer(log_dir: Path, purge_step: int | None) -> Any:
+    """A ``SummaryWriter`` for ``log_dir`` whose writer thread leaves a failed write to the training thread."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    before = set(threading.enumerate())
+    writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+    _WRITER_THREADS.update(set(threading.enumerate()) - before)
+    if getattr(threading.excepthook, "func", None) is not _quiet_writer_threads:
+        threading.excepthook = functools.partial(_quiet_writer_threads, previous=threading.excepthook)
+    return writer
 
 
 class TensorBoardWriter(Logger):
@@ -101,8 +129,6 @@ class TensorBoardLogger(Callback):
     def on_fit_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
         # A continued run logs again the steps its killed predecessor wrote after the checkpoint: purge_step hides
         # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value.
         continued = trainer.fit_start.version_dir is not None
@@ -110,7 +136,7 @@ class TensorBoardLogger(Callback):
         self._failed = False
         log_dir = trainer.version_dir / "tensorboard"
         with writing_events(log_dir):
-            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+            self.writer = summary_writer(log_dir, purge_step)
             trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
