@@ -289,9 +289,23 @@ class NoOptimizersListed(ToyTrainer):
         return [], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
 
 
+def _filtered_out_after_the_first_batch(samples):  # a collate that drops unwanted samples: here all of batch 1
+    x, y = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+    keep = len(samples) * [_filtered_out_after_the_first_batch.calls == 0]
+    _filtered_out_after_the_first_batch.calls += 1
+    return x[keep], y[keep]
+
+
+class EmptyBatch(ToyTrainer):
+    def train_dataloader(self):
+        _filtered_out_after_the_first_batch.calls = 0
+        return DataLoader(toy_dataset(32), batch_size=8, collate_fn=_filtered_out_after_the_first_batch)
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
+        ("EmptyBatch", "train_dataloader() gave an empty batch (batch 1 of epoch 0, step 2): every tensor in it has 0"),
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
         ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),

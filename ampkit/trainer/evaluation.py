@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,16 +33,33 @@ TEST = Stage("test", "test_dataloader", "test_step", "test")
 PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
-def batch_size(batch: Any) -> int:
-    """The leading size of the first tensor found in ``batch`` (0 if none)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
-    for value in values:
-        size = batch_size(value)
+def batch_size(batch: Any) -> int | None:
+    """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
+    through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
+    no tensor (strings, a custom object)."""
+    empty = False
+    for size in _leading_sizes(batch):
         if size:
             return size
-    return 0
+        empty = True
+    return 0 if empty else None
+
+
+def _leading_sizes(batch: Any) -> Iterator[int]:
+    """The leading size of each tensor in ``batch``, depth first."""
+    if isinstance(batch, torch.Tensor):
+        yield batch.shape[0] if batch.ndim else 1
+        return
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    else:
+        return
+    for value in values:
+        yield from _leading_sizes(value)
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
@@ -80,6 +99,7 @@ def average_metrics(
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
     filler = filler_batches_from(loader)
+    empty: list[int] = []
     for i, batch in enumerate(loader):
         if limit is not None and i >= limit:
             break
@@ -87,13 +107,24 @@ def average_metrics(
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         if filler is not None and i >= filler:
             continue
-        n = batch_size(batch) or 1
+        n = batch_size(batch)
+        if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
+            empty.append(i)
+            continue
+        n = n or 1  # samples unknown (no tensor in the batch): each batch weighs one
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
             seen[key] = seen.get(key, 0.0) + n
         if batch_end_hook is not None:
             trainer.fire(batch_end_hook, metrics, batch)
     trainer.module.train(was_training)
+    if empty:
+        warnings.warn(
+            f"{step.__name__}: batch(es) {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''} held "
+            "0 samples (every tensor with 0 rows: a collate_fn or dataset that filters samples?); left out of the "
+            "means",
+            stacklevel=2,
+        )
     keys = union_over_ranks(list(sums), trainer.dist)
     totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}

@@ -133,6 +133,7 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    empty_batch_error,
     nothing_trained_warning,
 )
 
@@ -710,6 +711,8 @@ class Trainer:
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
+        if batch_size(batch) == 0:  # on the host, before any work: nan loss and zero gradients otherwise
+            raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
             batch = self._to_device(batch)
         self._batch = batch

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks.progress import _throughput
@@ -166,3 +168,24 @@ def test_on_a_gpu_each_window_is_read_one_window_late_and_logged_at_its_own_step
     # is read: 4 batches in 1.5 s less the 0.5 s validation; the last window (8..12) is never read
     assert tokens == [(4, pytest.approx(3 * 8 * 16 / 0.5)), (8, pytest.approx(4 * 8 * 16 / 1.0))]
     assert watch.reads == [101.0, 102.5, 102.0]  # each window's end (then its pause) only after the next one ended
+
+
+class TextBatches(ToyTrainer):
+    """Batches of strings, parsed in the step: no tensor for the meter to count samples by."""
+
+    def train_dataloader(self):
+        return DataLoader([" ".join(map(str, range(i, i + 7))) for i in range(64)], batch_size=8)
+
+    def training_step(self, batch):
+        rows = torch.tensor([[float(v) for v in text.split()] for text in batch])
+        return F.mse_loss(self.model(rows[:, :6]).squeeze(1), rows[:, 6])
+
+
+def test_batches_whose_samples_cannot_be_counted_train_and_report_no_rates(tmp_path):
+    """A window of uncounted batches is unknown, not 0 samples/s (nor 0 tokens/s, TFLOP/s, MFU)."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "logging.tensorboard": False,
+                               "logging.log_every_n_steps": 2})  # fmt: skip
+    trainer = TextBatches(cfg)
+    with pytest.warns(UserWarning, match=r"Throughput: a training batch \(list\) holds no tensor, so its samples"):
+        trainer.fit()
+    assert trainer.state.global_step == 8 and trainer.state.throughput == {}
