@@ -116,10 +116,10 @@ class Throughput(Callback):
 
     Figures go to ``trainer.state.throughput`` (the console shows them) and to ``trainer.log`` as
     ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` (TensorBoard). The first
-    iteration (compilation, warm-up) and validation runs are left out of the windows. On a GPU the windows are
-    timed by CUDA events and each is reported one window late (logged at its own last iteration), so timing never
-    waits for the GPU. Work a hook does that is not training (sampling text) is left out inside :func:`paused`.
-    ``clock``: a host clock instead (tests).
+    iteration (compilation, warm-up), validation runs and checkpoint saves are left out of the windows. On a GPU the
+    windows are timed by CUDA events and each is reported one window late (logged at its own last iteration), so
+    timing never waits for the GPU. Work a hook does that is not training (sampling text) is left out inside
+    :func:`paused`. ``clock``: a host clock instead (tests).
     """
 
     phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
@@ -145,7 +145,7 @@ class Throughput(Callback):
         self._watch: HostStopwatch | CudaStopwatch = HostStopwatch(clock)
         self._start: Any = None  # the window's start mark; None until the first iteration has ended
         self._samples: int | None = 0  # this rank's samples in the window (None: a batch in it had no tensor)
-        self._pauses: list[tuple[Any, Any]] = []  # validation runs inside the window: (start, end) marks
+        self._pauses: list[tuple[Any, Any]] = []  # validation runs and saves inside the window: (start, end) marks
         self._paused_at: Any = None
         self._unread: tuple | None = None  # a lagging stopwatch's last window: (start, end, samples, pauses, step)
         self._uncounted = ""  # the type of the last batch whose samples could not be counted (no tensor in it)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import Callback
 from ampkit.callbacks.progress import _throughput
 from ampkit.callbacks.throughput import (
     PEAK_TFLOPS,
@@ -189,3 +190,34 @@ def test_batches_whose_samples_cannot_be_counted_train_and_report_no_rates(tmp_p
     with pytest.warns(UserWarning, match=r"Throughput: a training batch \(list\) holds no tensor, so its samples"):
         trainer.fit()
     assert trainer.state.global_step == 8 and trainer.state.throughput == {}
+
+
+class _TrainsForAQuarterSecond(Callback):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        self.clock.now += 0.25
+
+
+def test_checkpoint_saves_are_left_out_of_the_window(tmp_path, monkeypatch):
+    """Each batch takes 0.25 s of the fake clock and each save 100 s: window 5..8 holds the saves after steps 4 and
+    6, and its rate is 4 batches in 1.0 s of training, not in 201 s."""
+    import ampkit.callbacks.checkpoint as checkpoint
+
+    clock, saved_at = FakeClock(step_s=0.0), []
+    real_save = checkpoint.save_atomic
+
+    def slow_save(*args, **kwargs):
+        clock.now += 100.0
+        saved_at.append(trainer.state.global_step)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_atomic", slow_save)
+    meter = Throughput(every_n_steps=4, clock=clock)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "logging.throughput": False,
+                               "logging.tensorboard": False, "checkpoint.every_n_steps": 2})  # fmt: skip
+    trainer = ToyTrainer(cfg, callbacks=[meter, _TrainsForAQuarterSecond(clock)])
+    trainer.fit()
+    assert saved_at[:3] == [2, 4, 6]
+    assert trainer.state.throughput["samples_per_sec"] == pytest.approx(4 * 8 / 1.0)
