@@ -380,3 +380,24 @@ def test_a_full_disk_under_the_event_files_is_one_line_naming_them_and_the_run_r
     resumed = ToyTrainer(cfg)
     resumed.fit(resume="last")
     assert resumed.state.global_step == 16
+
+
+class _Warmup(ToyTrainer):
+    """A per-step warmup: step n trains at lr n/10."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.module.parameters(), lr=1.0)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: (done + 1) / 10)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
+    """Step-interval schedulers step at the iteration's end, before the logger's batch end: it logged the next
+    step's rate (0.2 at step 1)."""
+    cfg = toy_cfg(
+        tmp_path, **{"trainer.max_steps": 4, "logging.log_every_n_steps": 1, "trainer.accumulate_grad_batches": 2}
+    )
+    trainer = _Warmup(cfg)
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("train/lr/sgd")]
+    assert logged == [(n, pytest.approx(n / 10)) for n in range(1, 5)]

@@ -94,10 +94,10 @@ class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
-    ``train/lr/<optimizer>``, ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer
-    is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
-    flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
-    queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
+    ``train/lr/<optimizer>`` (the rate the step used), ``train/grad_norm/<optimizer>`` (total L2 norm of the
+    gradients the optimizer is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the
+    resolved config as flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them);
+    every scalar queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
 
     Scalars are queued at their log step and written every ``flush_secs`` seconds (and before validation
@@ -117,6 +117,7 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
+        self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
         self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
         self._last_flush = 0.0
         self._last_time = 0.0
@@ -144,6 +145,12 @@ class TensorBoardLogger(Callback):
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
         self._last_flush = self._last_time
 
+    def on_train_batch_start(self, trainer, batch: Any) -> None:
+        """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
+        moved them to the next iteration's."""
+        if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
+            self._lrs = [(f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
             return
@@ -160,12 +167,12 @@ class TensorBoardLogger(Callback):
         if trainer.state.is_iteration_end and self._due(trainer):
             rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
             rows += [(step, tag, norm) for tag, norm in self._grad_norms]
-            rows += [(step, f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+            rows += [(step, tag, lr) for tag, lr in self._lrs]
             now = time.perf_counter()
             if step > self._last_step and now > self._last_time:
                 rows.append((step, "train/steps_per_sec", (step - self._last_step) / (now - self._last_time)))
             self._last_time, self._last_step = now, step
-            self._window, self._grad_norms = {}, []
+            self._window, self._grad_norms, self._lrs = {}, [], []
             if rows:
                 self._queued += rows
             if now - self._last_flush >= self.flush_secs:
