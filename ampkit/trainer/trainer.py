@@ -95,7 +95,9 @@ from ampkit.trainer.optimizers import (
     NamedOptimizers,
     OptimizerSpec,
     check_parameters,
+    group_settings,
     normalize_optimizers,
+    settings_kept_from_checkpoint,
     step_,
     zero_grad_,
 )
@@ -1198,6 +1200,7 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
+        built = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1208,6 +1211,12 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
+        kept = [line for spec in self._specs for line in settings_kept_from_checkpoint(spec, built[spec.name])]
+        if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
+            rank_zero_warn(
+                f"checkpoint '{path}' restores its optimizers' settings over configure_optimizers()'s: "
+                f"{'; '.join(kept)}; to change them on resume, set param_groups in on_load_checkpoint"
+            )
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
