@@ -32,6 +32,14 @@ class Plain(ToyTrainer):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
 
 
+class BareModule(Plain):
+    """Its loss comes from self.module, the model DDP wraps, not from self.model."""
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.module(x).squeeze(1), y)
+
+
 class Shuffled(Plain):
     """Shuffled: the Trainer's seeded sampler deals one permutation per epoch round-robin to the ranks, so 2 ranks
     x batch B still see 1 process x batch 2B, and a checkpoint resumes on either along the same samples."""
@@ -297,6 +305,8 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "bare_module":
+        trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

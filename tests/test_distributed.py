@@ -72,6 +72,13 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
 
 
+def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
+    """self.module's forward bypasses DDP: its backward averages nothing, and each rank trained its own model."""
+    for result in launch("bare_module", tmp_path):
+        assert result.returncode != 0
+        assert "training_step's loss did not come from self.model: under DDP only self.model" in result.stderr
+
+
 @pytest.mark.parametrize("scenario", ["ddp_accumulate_fp16", "ddp_accumulate_o2"])
 def test_accumulating_with_loss_scaling_or_masters_keeps_ranks_identical_and_equal_to_one_process(tmp_path, scenario):
     """Loss scaling and fp32 masters take each backward's gradients out of ``.grad``; DDP must then average every

@@ -17,6 +17,7 @@ from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, is_communication_failure
 from ampkit.trainer.model_setup import compiles_whole_model
+from ampkit.trainer.user_code import UserCodeError
 
 
 class DistributedSync(Callback):
@@ -45,6 +46,8 @@ class DistributedSync(Callback):
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
         self._buffers: list[torch.Tensor] = []  # grad_sync="step": the module's buffers, broadcast before forwards
+        self._watch: Any = None  # DDP's forward hook: noting that this batch's loss came through DDP
+        self._forwarded = False
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
@@ -58,10 +61,18 @@ class DistributedSync(Callback):
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
             trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
+            if trainer.model is self._ddp:  # (a compiled DDP forward traces its hooks: left unwatched)
+                self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
         elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
 
+    def _note_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._forwarded = True
+
     def on_fit_end(self, trainer) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
             trainer.model, self._unwrapped, self._ddp = self._unwrapped, None, None
 
@@ -72,6 +83,15 @@ class DistributedSync(Callback):
         if self._ddp is not None:  # with gradients taken out after each backward, every backward must average
             s = trainer.state
             self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
+            self._forwarded = False
+
+    def on_after_backward(self, trainer, backward: Any) -> None:
+        if self._watch is not None and not self._forwarded:
+            raise UserCodeError(
+                "training_step's loss did not come from self.model: under DDP only self.model (the wrapped model) "
+                "averages gradients across ranks, so a loss of self.module (the bare one) trains each rank apart; "
+                "call self.model in training_step"
+            )
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
