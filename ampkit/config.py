@@ -46,7 +46,7 @@ class TrainerConfig:
     limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
     limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
     num_sanity_val_steps: int = 2  # validation batches run before training, checking monitored metrics (0: none)
-    val_every_n_epochs: int = 1  # 0 disables epoch-end validation
+    val_every_n_epochs: int = 1  # 0 disables epoch-end validation (none when val_every_n_steps just ran)
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
     # Where a step's skip verdict (found_inf flags, a non-finite clipping norm) is decided: read on the host each

@@ -692,7 +692,9 @@ class Trainer:
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
         if exhausted:
-            if _every(self.settings.val_every_n_epochs, s.epoch + 1):
+            # Not again when the epoch's last step validated (val_every_n_steps): the same weights, a second pass,
+            # and a second non-improving validation for early stopping's patience.
+            if _every(self.settings.val_every_n_epochs, s.epoch + 1) and self.val_metrics_step != s.global_step:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
