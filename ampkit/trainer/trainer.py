@@ -139,6 +139,7 @@ from ampkit.trainer.user_code import (
     nothing_trained_warning,
 )
 
+_NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
@@ -267,6 +268,8 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
+        self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
@@ -677,11 +680,15 @@ class Trainer:
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
-        for batch in self._epoch_batches():
+        batches = self._epoch_batches()
+        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
+            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
+        self._at_last_batch = False
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if (
@@ -709,7 +716,9 @@ class Trainer:
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
-        s.is_iteration_end = (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches
+        s.is_iteration_end = (
+            (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches or self._at_last_batch
+        )
         if s.is_iteration_start:
             for opt_state in self.optimizer_state.values():
                 opt_state.begin_iteration()
@@ -982,6 +991,7 @@ class Trainer:
             shuffle_default=True,
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader")
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
@@ -1132,6 +1142,17 @@ class Trainer:
             restore_rng(resume["rng"])
         total = self._num_train_batches
         return islice(iterator, None if total is None else max(total - skip, 0))
+
+    def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
+        (``self._at_last_batch``): its partial window then steps with the epoch, as a known length's does, instead of
+        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step)."""
+        upcoming = next(batches, _NO_BATCH)
+        while upcoming is not _NO_BATCH:
+            batch, upcoming = upcoming, next(batches, _NO_BATCH)
+            self._at_last_batch = upcoming is _NO_BATCH
+            yield batch
+        self._at_last_batch = False
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
