@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import UserDict
+from collections.abc import Mapping
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +87,42 @@ def test_a_metric_only_some_batches_return_is_averaged_over_those_batches(tmp_pa
             x, y = toy_dataset(n, seed=seed).tensors
             expected = F.mse_loss(trainer.module(x).squeeze(1), y).item()
             assert metrics[f"mse_{name}"] == pytest.approx(expected, rel=1e-5), name
+
+
+class BatchEncoding(UserDict):
+    """Hugging Face's tokenizer and collator output: a mapping that is no dict."""
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize("wrap", [BatchEncoding, lambda b: Pair(**b)])
+def test_batches_of_any_mapping_or_dataclass_weigh_metrics_and_throughput_by_their_size(tmp_path, wrap):
+    # batch_size() knew only dicts, lists and tuples: such a batch counted as 1 sample, so the last short batch
+    # weighed as much as a full one in every metric, and samples/s read 0.
+    class Wrapped(ToyTrainer):
+        def train_dataloader(self):
+            return DataLoader(toy_dataset(20), batch_size=8, collate_fn=lambda items: wrap(_stacked(items)))
+
+        val_dataloader = train_dataloader
+
+        def training_step(self, batch):
+            return self.model(batch["x"] if isinstance(batch, Mapping) else batch.x).pow(2).mean()
+
+        def validation_step(self, batch):
+            return {"mean_y": (batch["y"] if isinstance(batch, Mapping) else batch.y).mean()}
+
+    trainer = Wrapped(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.val_metrics["mean_y"] == pytest.approx(toy_dataset(20).tensors[1].mean().item(), rel=1e-5)
+    assert trainer.state.throughput["samples_per_sec"] > 0
+
+
+def _stacked(items):
+    return {"x": torch.stack([x for x, _ in items]), "y": torch.stack([y for _, y in items])}
 
 
 def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +33,18 @@ PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
 def batch_size(batch: Any) -> int:
-    """The leading size of the first tensor found in ``batch`` (0 if none)."""
+    """The leading size of the first tensor found in ``batch`` (0 if none): in lists, tuples, any mapping (Hugging
+    Face's ``BatchEncoding`` is a ``UserDict``) and dataclasses."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
+    if isinstance(batch, dict | Mapping):
+        values: Iterable[Any] = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    else:
+        return 0
     for value in values:
         size = batch_size(value)
         if size:
