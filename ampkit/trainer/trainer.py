@@ -61,7 +61,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -101,6 +101,7 @@ from ampkit.trainer.optimizers import (
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
+from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
@@ -124,7 +125,12 @@ from ampkit.trainer.sanity import (
     sanity_validate,
     usable_validation_loader,
 )
-from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
+from ampkit.trainer.sharded_checkpoint import (
+    TRAINER_FILE,
+    consolidate_checkpoint,
+    is_sharded_checkpoint,
+    load_sharded,
+)
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
@@ -983,6 +989,13 @@ class Trainer:
         self._stop_agreed = False
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
+            saved = start.checkpoint
+            if saved is None:  # sharded: the record is in its trainer file
+                saved = load_checkpoint(start.checkpoint_path / TRAINER_FILE)
+            restore_trainable(
+                self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
+            )
         check_parameters(self._specs, self.module, self.automatic_optimization)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
@@ -1177,6 +1190,7 @@ class Trainer:
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            TRAINABLE_KEY: trainable_record(self.module, self.optimizers),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
         if not self.sharded:
