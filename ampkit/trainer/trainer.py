@@ -571,6 +571,17 @@ class Trainer:
         return self._num_train_batches
 
     @property
+    def num_training_steps(self) -> int | None:
+        """Iterations the whole run trains (Lightning's ``estimated_stepping_batches``), to size a schedule in
+        ``configure_optimizers``: ``max_epochs`` x ``ceil(num_train_batches / accumulate_grad_batches)`` (an epoch's
+        last, short window steps too), or ``max_steps`` when it ends the run first; None when neither is known."""
+        t, batches = self.settings, self.num_train_batches
+        if batches is None:  # an iterable without a length: only max_steps says
+            return t.max_steps if t.max_steps >= 0 else None
+        steps = t.max_epochs * -(-batches // t.accumulate_grad_batches)
+        return steps if t.max_steps < 0 else min(t.max_steps, steps)
+
+    @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
         return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
