@@ -187,6 +187,16 @@ def test_log_detaches_follows_log_every_n_steps_and_averages_epochs(tmp_path):
     assert trainer.epoch_scalars.keys() == {"sq_epoch"}
 
 
+def test_a_value_logged_in_every_micro_batch_is_written_once_per_step_the_iteration_s_last(tmp_path):
+    # Each micro-batch of a due iteration queued its value at that iteration's step: two points at one step,
+    # a vertical stroke in TensorBoard's chart.
+    cfg = toy_cfg(tmp_path, **{"trainer.accumulate_grad_batches": 2, "logging.log_every_n_steps": 1})
+    trainer = ToyTrainer(cfg, callbacks=[_LogsExtra()])
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("custom/batches")]
+    assert logged == [(step, 2 * step) for step in range(1, 5)]
+
+
 def test_log_rejects_a_non_scalar(tmp_path):
     class LogsVector(ToyTrainer):
         def training_step(self, batch):

@@ -170,13 +170,15 @@ class TensorBoardLogger(Callback):
 
         tensors = [v for _, _, value in rows for v in _as_list(value) if isinstance(v, torch.Tensor)]
         read = iter(read_scalars(*tensors))
-        by_step: dict[int, list[Any]] = {}
+        by_step: dict[int, dict[str, Any]] = {}
         for step, tag, value in rows:
             numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in _as_list(value)]
             number = numbers[0] if len(numbers) == 1 else sum(numbers) / len(numbers)  # inf - inf: nan, as torch
-            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=number))
+            # One value per tag and step, the last: trainer.log in each micro-batch of an accumulated iteration (as
+            # Lightning logs the stepping batch's), a count logged at each of two optimizers' skips.
+            by_step.setdefault(step, {})[tag] = Summary.Value(tag=tag, simple_value=number)
         for step, values in by_step.items():
-            self.writer.file_writer.add_summary(Summary(value=values), step)
+            self.writer.file_writer.add_summary(Summary(value=list(values.values())), step)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training
