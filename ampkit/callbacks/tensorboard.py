@@ -66,8 +66,9 @@ class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
-    ``train/lr/<optimizer>``, ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer
-    is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
+    ``train/lr/<optimizer>`` (``train/lr/<optimizer>/group_<i>``: its other param groups'),
+    ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
+    ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
     queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
@@ -134,7 +135,11 @@ class TensorBoardLogger(Callback):
         if trainer.state.is_iteration_end and self._due(trainer):
             rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
             rows += [(step, tag, norm) for tag, norm in self._grad_norms]
-            rows += [(step, f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+            rows += [
+                (step, f"train/lr/{name}" + (f"/group_{i}" if i else ""), group["lr"])  # each group's, as Lightning's
+                for name, opt in trainer.optimizers.items()
+                for i, group in enumerate(opt.param_groups)
+            ]
             now = time.perf_counter()
             if step > self._last_step and now > self._last_time:
                 rows.append((step, "train/steps_per_sec", (step - self._last_step) / (now - self._last_time)))
