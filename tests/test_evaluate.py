@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -123,6 +124,37 @@ def test_batches_of_any_mapping_or_dataclass_weigh_metrics_and_throughput_by_the
 
 def _stacked(items):
     return {"x": torch.stack([x for x, _ in items]), "y": torch.stack([y for _, y in items])}
+
+
+class FrozenBatchNormBackbone(ToyTrainer):
+    """Fine-tuning a head on a frozen backbone whose BatchNorm statistics stay fixed: it is kept in eval mode."""
+
+    def configure_model(self):
+        return nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)), "head": nn.Linear(8, 1)})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.head.parameters(), lr=0.05)
+
+    def on_train_epoch_start(self):
+        self.module.backbone.eval()
+
+    def training_step(self, batch):
+        self.backbone_modes.append(self.module.backbone[1].training)
+        return F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])
+
+    def validation_step(self, batch):
+        return {"mse": F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])}
+
+
+def test_a_validation_mid_epoch_hands_back_each_submodule_in_the_mode_it_was_in(tmp_path):
+    # It called model.train() after validating: the backbone kept in eval mode trained in train mode from the first
+    # validation on, its BatchNorm statistics moving (Lightning restores each submodule's mode, too).
+    trainer = FrozenBatchNormBackbone(toy_cfg(tmp_path, **QUIET, **{"trainer.val_every_n_steps": 3}))
+    trainer.backbone_modes = []
+    trainer.fit()
+    assert trainer.backbone_modes == [False] * 8
+    assert trainer.module.head.training and not trainer.module.backbone.training
+    assert torch.equal(trainer.module.backbone[1].running_mean, torch.zeros(8))  # the statistics never moved
 
 
 def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):
