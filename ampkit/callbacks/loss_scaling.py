@@ -157,6 +157,7 @@ class LossScaling(Callback):
         for optimizer in trainer.optimizers.values():
             masters = trainer.optimizer_state[optimizer].master_weights
             if masters is not None:
+                masters.refresh()  # fp32 masters for a param group added mid-run, which would step in half precision
                 pairs = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True)]
             else:
                 pairs = [(p, p) for group in optimizer.param_groups for p in group["params"]]

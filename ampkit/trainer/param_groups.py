@@ -13,9 +13,15 @@ import torch
 TRAINABLE_KEY = "trainable"
 
 
-def trainable_record(module: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
-    """Each optimizer's param groups as parameter names (None: not a parameter of ``module``), and the frozen names."""
+def trainable_record(
+    module: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    stand_ins: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> dict[str, Any]:
+    """Each optimizer's param groups as parameter names (None: not a parameter of ``module``), and the frozen names.
+    ``stand_ins``: (parameter, the tensor an optimizer holds in its place), as O2's fp32 masters."""
     names = {id(param): name for name, param in module.named_parameters()}
+    names.update({id(held): names[id(param)] for param, held in stand_ins if id(param) in names})
     return {
         "groups": {
             opt_name: [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]

@@ -1201,7 +1201,7 @@ class Trainer:
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            TRAINABLE_KEY: trainable_record(self.module, self.optimizers),
+            TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
         if not self.sharded:
@@ -1209,6 +1209,15 @@ class Trainer:
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
         self.fire("on_save_checkpoint", checkpoint)
         return checkpoint
+
+    def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its fp32 master) of every optimizer that holds masters (O2) in the model's place."""
+        return [
+            pair
+            for st in self.optimizer_state.values()
+            if st.master_weights is not None
+            for pair in zip(st.master_weights.model_params, st.master_weights.master_params, strict=True)
+        ]
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
         from ampkit.callbacks.precision import saved_masters_into_model

@@ -640,8 +640,8 @@ class UnfreezeTrainer(ampkit.Trainer):
         return nn.functional.mse_loss(self.model(x), y)
 
 
-def _fit_unfreeze(path, poison=None, **precision):
-    trainer = UnfreezeTrainer(
+def _fit_unfreeze(path, poison=None, trainer_class=UnfreezeTrainer, **precision):
+    trainer = trainer_class(
         {
             "run_dir": str(path),
             "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False},
@@ -663,6 +663,31 @@ def test_a_parameter_unfrozen_mid_run_is_unscaled_like_the_others(tmp_path, opt_
     unscaled = _fit_unfreeze(tmp_path / "one", opt_level=opt_level, dtype="float16", loss_scale=1.0)
     assert not torch.equal(scaled.module[0].weight, scaled.first_layer_at_start)  # it trained once unfrozen
     assert torch.equal(scaled.module[0].weight, unscaled.module[0].weight)
+
+
+class AddsGroupTrainer(UnfreezeTrainer):
+    """The same fine-tuning with the first layer outside the optimizer until epoch 1, then added as a param group."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[2].parameters(), lr=0.05)
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.module[0].requires_grad_(True)
+            self.optimizer.add_param_group({"params": list(self.module[0].parameters())})
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_param_group_added_mid_run_is_unscaled_and_gets_fp32_masters(tmp_path, opt_level):
+    # O2's masters were made at the start: the added half-precision group stepped itself, on gradients still
+    # multiplied by the loss scale.
+    precision = {"opt_level": opt_level, "dtype": "float16"}
+    scaled = _fit_unfreeze(tmp_path / "dynamic", trainer_class=AddsGroupTrainer, **precision)
+    unscaled = _fit_unfreeze(tmp_path / "one", trainer_class=AddsGroupTrainer, loss_scale=1.0, **precision)
+    assert not torch.equal(scaled.module[0].weight, scaled.first_layer_at_start)
+    assert torch.equal(scaled.module[0].weight, unscaled.module[0].weight)
+    if opt_level == "O2":
+        assert all(p.dtype == torch.float32 for group in scaled.optimizer.param_groups for p in group["params"])
 
 
 def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_path):
