@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import UserDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -86,6 +90,73 @@ def test_a_metric_only_some_batches_return_is_averaged_over_those_batches(tmp_pa
             x, y = toy_dataset(n, seed=seed).tensors
             expected = F.mse_loss(trainer.module(x).squeeze(1), y).item()
             assert metrics[f"mse_{name}"] == pytest.approx(expected, rel=1e-5), name
+
+
+class BatchEncoding(UserDict):
+    """Hugging Face's tokenizer and collator output: a mapping that is no dict."""
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize("wrap", [BatchEncoding, lambda b: Pair(**b)])
+def test_batches_of_any_mapping_or_dataclass_weigh_metrics_and_throughput_by_their_size(tmp_path, wrap):
+    # batch_size() knew only dicts, lists and tuples: such a batch counted as 1 sample, so the last short batch
+    # weighed as much as a full one in every metric, and samples/s read 0.
+    class Wrapped(ToyTrainer):
+        def train_dataloader(self):
+            return DataLoader(toy_dataset(20), batch_size=8, collate_fn=lambda items: wrap(_stacked(items)))
+
+        val_dataloader = train_dataloader
+
+        def training_step(self, batch):
+            return self.model(batch["x"] if isinstance(batch, Mapping) else batch.x).pow(2).mean()
+
+        def validation_step(self, batch):
+            return {"mean_y": (batch["y"] if isinstance(batch, Mapping) else batch.y).mean()}
+
+    trainer = Wrapped(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.val_metrics["mean_y"] == pytest.approx(toy_dataset(20).tensors[1].mean().item(), rel=1e-5)
+    assert trainer.state.throughput["samples_per_sec"] > 0
+
+
+def _stacked(items):
+    return {"x": torch.stack([x for x, _ in items]), "y": torch.stack([y for _, y in items])}
+
+
+class FrozenBatchNormBackbone(ToyTrainer):
+    """Fine-tuning a head on a frozen backbone whose BatchNorm statistics stay fixed: it is kept in eval mode."""
+
+    def configure_model(self):
+        return nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)), "head": nn.Linear(8, 1)})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.head.parameters(), lr=0.05)
+
+    def on_train_epoch_start(self):
+        self.module.backbone.eval()
+
+    def training_step(self, batch):
+        self.backbone_modes.append(self.module.backbone[1].training)
+        return F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])
+
+    def validation_step(self, batch):
+        return {"mse": F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])}
+
+
+def test_a_validation_mid_epoch_hands_back_each_submodule_in_the_mode_it_was_in(tmp_path):
+    # It called model.train() after validating: the backbone kept in eval mode trained in train mode from the first
+    # validation on, its BatchNorm statistics moving (Lightning restores each submodule's mode, too).
+    trainer = FrozenBatchNormBackbone(toy_cfg(tmp_path, **QUIET, **{"trainer.val_every_n_steps": 3}))
+    trainer.backbone_modes = []
+    trainer.fit()
+    assert trainer.backbone_modes == [False] * 8
+    assert trainer.module.head.training and not trainer.module.backbone.training
+    assert torch.equal(trainer.module.backbone[1].running_mean, torch.zeros(8))  # the statistics never moved
 
 
 def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):

@@ -198,6 +198,28 @@ def test_a_warmup_and_linear_decay_schedule_sizes_itself_from_num_train_batches_
     assert WarmupDecay.loaders_made == 1  # the loader asked for the count is the one trained on
 
 
+@pytest.mark.parametrize(("accumulate", "max_steps", "steps"), [(3, -1, 9), (1, 5, 5), (3, 100, 9)])
+def test_num_training_steps_counts_each_epoch_s_short_last_window(tmp_path, accumulate, max_steps, steps):
+    # 8 batches stepping every 3 are 3 iterations an epoch, not 8 // 3 = 2: the schedule the docs sized with the
+    # floor reached its end a third of the way early, and a cosine past its end climbs back to the peak.
+    class CosineToZero(ToyTrainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.num_training_steps),
+                    "interval": "step",
+                },
+            }
+
+    settings = {"trainer.max_epochs": 3, "trainer.accumulate_grad_batches": accumulate, "trainer.max_steps": max_steps}
+    trainer = CosineToZero(toy_cfg(tmp_path, **settings, **QUIET))
+    trainer.fit()
+    assert trainer.num_training_steps == trainer.state.global_step == steps
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ended with the run
+
+
 def test_training_step_must_return_a_loss_under_automatic_optimization(tmp_path):
     class NoLoss(ToyTrainer):
         def training_step(self, batch):

@@ -188,6 +188,30 @@ def test_log_detaches_follows_log_every_n_steps_and_averages_epochs(tmp_path):
     assert trainer.epoch_scalars.keys() == {"sq_epoch"}
 
 
+def test_a_value_logged_in_every_micro_batch_is_written_once_per_step_the_iteration_s_last(tmp_path):
+    # Each micro-batch of a due iteration queued its value at that iteration's step: two points at one step,
+    # a vertical stroke in TensorBoard's chart.
+    cfg = toy_cfg(tmp_path, **{"trainer.accumulate_grad_batches": 2, "logging.log_every_n_steps": 1})
+    trainer = ToyTrainer(cfg, callbacks=[_LogsExtra()])
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("custom/batches")]
+    assert logged == [(step, 2 * step) for step in range(1, 5)]
+
+
+def test_each_param_group_s_learning_rate_is_logged(tmp_path):
+    # Only the first group's was: a fine-tuned backbone's own, smaller learning rate never showed.
+    class TwoGroups(ToyTrainer):
+        def configure_optimizers(self):
+            head, body = list(self.module[3].parameters()), list(self.module[0].parameters())
+            return torch.optim.SGD([{"params": head}, {"params": body, "lr": 0.001}], lr=0.01)
+
+    trainer = TwoGroups(toy_cfg(tmp_path, **{"logging.log_every_n_steps": 4}))
+    trainer.fit()
+    events = _events(trainer)
+    assert [e.value for e in events.Scalars("train/lr/sgd")] == pytest.approx([0.01, 0.01])
+    assert [e.value for e in events.Scalars("train/lr/sgd/group_1")] == pytest.approx([0.001, 0.001])
+
+
 def test_log_rejects_a_non_scalar(tmp_path):
     class LogsVector(ToyTrainer):
         def training_step(self, batch):

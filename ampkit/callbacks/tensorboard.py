@@ -94,10 +94,11 @@ class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
-    ``train/lr/<optimizer>`` (the rate the step used), ``train/grad_norm/<optimizer>`` (total L2 norm of the
-    gradients the optimizer is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the
-    resolved config as flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them);
-    every scalar queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
+    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups'),
+    ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
+    ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
+    flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
+    queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
 
     Scalars are queued at their log step and written every ``flush_secs`` seconds (and before validation
@@ -149,7 +150,11 @@ class TensorBoardLogger(Callback):
         """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
         moved them to the next iteration's."""
         if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
-            self._lrs = [(f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+            self._lrs = [
+                (f"train/lr/{name}" + (f"/group_{i}" if i else ""), group["lr"])  # each group's, as Lightning's
+                for name, opt in trainer.optimizers.items()
+                for i, group in enumerate(opt.param_groups)
+            ]
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
@@ -203,13 +208,15 @@ class TensorBoardLogger(Callback):
 
         tensors = [v for _, _, value in rows for v in _as_list(value) if isinstance(v, torch.Tensor)]
         read = iter(read_scalars(*tensors))
-        by_step: dict[int, list[Any]] = {}
+        by_step: dict[int, dict[str, Any]] = {}
         for step, tag, value in rows:
             numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in _as_list(value)]
             number = numbers[0] if len(numbers) == 1 else sum(numbers) / len(numbers)  # inf - inf: nan, as torch
-            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=number))
+            # One value per tag and step, the last: trainer.log in each micro-batch of an accumulated iteration (as
+            # Lightning logs the stepping batch's), a count logged at each of two optimizers' skips.
+            by_step.setdefault(step, {})[tag] = Summary.Value(tag=tag, simple_value=number)
         for step, values in by_step.items():
-            self.writer.file_writer.add_summary(Summary(value=values), step)
+            self.writer.file_writer.add_summary(Summary(value=list(values.values())), step)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training

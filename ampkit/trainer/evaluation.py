@@ -81,6 +81,18 @@ def run_step(trainer: Trainer, step: Callable[[Any], Any], batch: Any) -> Any:
         trainer.evaluation_step = None
 
 
+def training_modes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Each submodule's train/eval mode, to hand the model back after evaluation as training code left it (a frozen
+    backbone kept in eval mode, its BatchNorm statistics fixed), not all in train mode."""
+    return [(submodule, submodule.training) for submodule in module.modules()]
+
+
+def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Put each submodule back in the mode :func:`training_modes` saw (not recursively: each is listed)."""
+    for submodule, training in modes:
+        submodule.training = training
+
+
 @torch.no_grad()
 def average_metrics(
     trainer: Trainer,
@@ -94,7 +106,7 @@ def average_metrics(
 
     A metric only some batches return (one per validation set of a chained loader) is averaged over those; a
     filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
-    was_training = trainer.module.training
+    modes = training_modes(trainer.module)
     trainer.module.eval()
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
@@ -117,7 +129,7 @@ def average_metrics(
             seen[key] = seen.get(key, 0.0) + n
         if batch_end_hook is not None:
             trainer.fire(batch_end_hook, metrics, batch)
-    trainer.module.train(was_training)
+    restore_training_modes(modes)
     if empty:
         warnings.warn(
             f"{step.__name__}: batch(es) {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''} held "
@@ -134,7 +146,7 @@ def average_metrics(
 def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any]) -> list[Any]:
     """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU; a filler
     batch's (a rank with fewer samples keeping step with the others) is dropped."""
-    was_training = trainer.module.training
+    modes = training_modes(trainer.module)
     trainer.module.eval()
     predictions = [
         apply_to_collection(
@@ -145,5 +157,5 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
     filler = filler_batches_from(loader)
     if filler is not None:
         del predictions[filler:]
-    trainer.module.train(was_training)
+    restore_training_modes(modes)
     return predictions

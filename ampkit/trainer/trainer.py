@@ -61,7 +61,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -103,6 +103,7 @@ from ampkit.trainer.optimizers import (
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
+from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
@@ -126,7 +127,12 @@ from ampkit.trainer.sanity import (
     sanity_validate,
     usable_validation_loader,
 )
-from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
+from ampkit.trainer.sharded_checkpoint import (
+    TRAINER_FILE,
+    consolidate_checkpoint,
+    is_sharded_checkpoint,
+    load_sharded,
+)
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
@@ -571,6 +577,17 @@ class Trainer:
         return self._num_train_batches
 
     @property
+    def num_training_steps(self) -> int | None:
+        """Iterations the whole run trains (Lightning's ``estimated_stepping_batches``), to size a schedule in
+        ``configure_optimizers``: ``max_epochs`` x ``ceil(num_train_batches / accumulate_grad_batches)`` (an epoch's
+        last, short window steps too), or ``max_steps`` when it ends the run first; None when neither is known."""
+        t, batches = self.settings, self.num_train_batches
+        if batches is None:  # an iterable without a length: only max_steps says
+            return t.max_steps if t.max_steps >= 0 else None
+        steps = t.max_epochs * -(-batches // t.accumulate_grad_batches)
+        return steps if t.max_steps < 0 else min(t.max_steps, steps)
+
+    @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
         return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
@@ -1000,6 +1017,13 @@ class Trainer:
         self._stop_agreed = False
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
+            saved = start.checkpoint
+            if saved is None:  # sharded: the record is in its trainer file
+                saved = load_checkpoint(start.checkpoint_path / TRAINER_FILE)
+            restore_trainable(
+                self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
+            )
         check_parameters(self._specs, self.module, self.automatic_optimization)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
@@ -1205,6 +1229,7 @@ class Trainer:
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
         if not self.sharded:
@@ -1212,6 +1237,15 @@ class Trainer:
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
         self.fire("on_save_checkpoint", checkpoint)
         return checkpoint
+
+    def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its fp32 master) of every optimizer that holds masters (O2) in the model's place."""
+        return [
+            pair
+            for st in self.optimizer_state.values()
+            if st.master_weights is not None
+            for pair in zip(st.master_weights.model_params, st.master_weights.master_params, strict=True)
+        ]
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
         from ampkit.callbacks.precision import saved_masters_into_model
