@@ -237,6 +237,19 @@ def _is_apex_distribution_name(name: str | None) -> bool:
     return name is None or name.lower().replace("-", "_").replace(".", "_") == "apex"
 
 
+def _asked_by_find_spec() -> bool:
+    """Whether this lookup is ``importlib.util.find_spec`` asking whether a module exists, not an import: its frame
+    is two calls above the finder (``importlib._bootstrap._find_spec`` between), where an import has its own."""
+    frame = sys._getframe(3)  # this function, the finder, importlib._bootstrap._find_spec, then the caller
+    for _ in range(2):  # one more for a finder that hands the lookup on (the child processes' first-touch one)
+        if frame is None:
+            return False
+        if frame.f_code is importlib.util.find_spec.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _ApexShimFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "apex":
@@ -247,7 +260,15 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return None
         if fullname in EMPTY_PACKAGES:
             return importlib.machinery.ModuleSpec(fullname, _EmptyPackageLoader(), is_package=True)
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
+        try:
+            target_name = _target_module_name(fullname)
+        except ModuleNotFoundError:
+            # Libraries probe optional Apex parts with `importlib.util.find_spec(...) is not None`, unguarded: that
+            # question gets None, as for any module not installed; an import still gets the error naming what to use.
+            if _asked_by_find_spec():
+                return None
+            raise
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name))
 
     def find_distributions(
         self, context: importlib.metadata.DistributionFinder.Context | None = None

@@ -219,6 +219,26 @@ def test_apex_has_a_distribution_while_the_shim_is_installed():
         importlib.metadata.version("apex")
 
 
+@pytest.mark.parametrize(
+    ("name", "exists"),
+    [
+        ("apex.contrib.group_norm", False),  # NVIDIA Earth-2 Studio gates a test on it, unguarded
+        ("apex.transformer", False),
+        ("apex.amp.opt", False),  # an Apex-internal module the shim does not lay out
+        ("apex.amp", True),  # PyTorch Lightning 1.x: _module_available("apex.amp")
+        ("apex.normalization.fused_layer_norm", True),  # Megatron-derived layer norms probe it
+        ("apex.contrib.xentropy", True),
+    ],
+)
+def test_find_spec_answers_whether_an_apex_module_is_served_and_an_import_still_says_why_not(shim, name, exists):
+    """Libraries ask ``importlib.util.find_spec(name) is not None`` without a try: a module the shim does not serve
+    answers None, as an absent one does (it raised the import's ModuleNotFoundError into their module-level code)."""
+    assert (importlib.util.find_spec(name) is not None) is exists
+    if not exists:
+        with pytest.raises(ModuleNotFoundError, match=r"apex shim (does not serve|has no module)"):
+            importlib.import_module(name)
+
+
 def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_first(tmp_path):
     script = tmp_path / "launching.py"
     script.write_text(
