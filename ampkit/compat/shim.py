@@ -115,6 +115,8 @@ def _make_apex_package() -> types.ModuleType:
     package = types.ModuleType("apex", "ampkit's stand-in for NVIDIA apex (see ampkit.compat).")
     package.__path__ = []
     package.__version__ = APEX_VERSION
+    # Environment reports print where apex lives (VISSL's collect_env: os.path.dirname(apex.__file__)): ampkit.compat
+    package.__file__ = str(pathlib.Path(__file__).with_name("__init__.py"))
     setattr(package, _SHIM_MARKER, True)
 
     def __getattr__(name: str) -> Any:

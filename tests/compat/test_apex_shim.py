@@ -219,6 +219,15 @@ def test_apex_has_a_distribution_while_the_shim_is_installed():
         importlib.metadata.version("apex")
 
 
+def test_an_environment_report_can_say_which_apex_version_runs_and_from_where(shim):
+    """Training launchers log their dependencies first (VISSL's collect_env, Megatron set-up checks): apex's version
+    and ``os.path.dirname(apex.__file__)``, which was an AttributeError that stopped the run before it started."""
+    import apex
+
+    report = f"apex {importlib.metadata.version('apex')} @{os.path.dirname(apex.__file__)}"
+    assert report == f"apex 0.1+ampkit @{os.path.dirname(ampkit.compat.__file__)}"
+
+
 @pytest.mark.parametrize(
     ("name", "exists"),
     [
