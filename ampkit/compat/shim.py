@@ -120,10 +120,11 @@ def _make_apex_package() -> types.ModuleType:
     setattr(package, _SHIM_MARKER, True)
 
     def __getattr__(name: str) -> Any:
-        if name in APEX_SUBPACKAGES:
+        if name in APEX_SUBPACKAGES or f"apex.{name}" in EMPTY_PACKAGES:  # apex.contrib: OpenNMT-py reads it so
             return importlib.import_module(f"apex.{name}")
         raise AttributeError(
             f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
+            " and contrib"
         )
 
     package.__getattr__ = __getattr__
@@ -132,13 +133,16 @@ def _make_apex_package() -> types.ModuleType:
 
 def _make_empty_package(name: str) -> types.ModuleType:
     """An Apex package that imports empty, as Apex's own did (``apex.contrib``, ``apex.contrib.focal_loss``); its
-    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), and
-    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), an
+    aliased one is imported when read as an attribute, and ``from apex.contrib import layer_norm`` raises the
+    subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
     package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 
     def __getattr__(attribute: str) -> Any:
         submodule = f"{name}.{attribute}"
+        if submodule in _MODULE_ALIASES or submodule in EMPTY_PACKAGES:  # a served subpackage, read as an attribute
+            return importlib.import_module(submodule)  # (apex.contrib.optimizers.FP16_Optimizer after `import apex`)
         if submodule in UNSERVED:
             _target_module_name(submodule)  # raises the subpackage's ModuleNotFoundError
         raise AttributeError(f"module {name!r} (ampkit shim) has no attribute {attribute!r}")
