@@ -302,6 +302,15 @@ def _forget_apex_modules() -> None:
             setattr(module._package, leaf, module._function)  # the ampkit name is the function again
 
 
+# Subpackages every NVIDIA Apex has had at least one of; a `pip install apex` gets PyPI's unrelated package instead.
+_NVIDIA_APEX_PACKAGES = ("amp", "optimizers", "normalization", "parallel", "fp16_utils", "contrib")
+
+
+def _is_nvidia_apex(locations: list[str]) -> bool:
+    """Whether the ``apex`` package found at ``locations`` (its ``__path__``) is NVIDIA's."""
+    return any((pathlib.Path(location) / name).is_dir() for location in locations for name in _NVIDIA_APEX_PACKAGES)
+
+
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
     ``.multi_tensor_apply``, ``.mlp``, ``.fused_dense``) and Apex's extension modules (``import amp_C``, ``apex_C``,
@@ -310,7 +319,8 @@ def install_apex_shim(force: bool = False) -> bool:
     resolve to ampkit.
 
     Args:
-        force: install even when a real apex is importable (it is then shadowed for this process).
+        force: install even when a real apex is importable (it is then shadowed for this process). A package named
+            ``apex`` that is not NVIDIA's (PyPI's ``apex``) is shadowed without it, and a warning says so.
 
     Returns:
         True when the shim is active, False when a real apex was found and left in place (a warning says so).
@@ -319,21 +329,32 @@ def install_apex_shim(force: bool = False) -> bool:
         return True
     loaded = sys.modules.get("apex")
     real_origin: str | None = None
+    locations: list[str] = []
     if loaded is not None and not getattr(loaded, _SHIM_MARKER, False):
         real_origin = getattr(loaded, "__file__", None) or repr(loaded)
+        locations = list(getattr(loaded, "__path__", []))
     elif loaded is None:
         spec = importlib.util.find_spec("apex")
         if _installed_finder() is not None:  # a legacy run's child process: its lazy shim just installed itself
             return True
         if spec is not None:
-            real_origin = spec.origin or ", ".join(spec.submodule_search_locations or []) or "unknown location"
+            locations = list(spec.submodule_search_locations or [])
+            real_origin = spec.origin or ", ".join(locations) or "unknown location"
     if real_origin is not None and not force:
-        warnings.warn(
-            f"A real apex is installed ({real_origin}); ampkit's apex shim was NOT installed. "
-            "Use install_apex_shim(force=True) or `python -m ampkit.legacy --force-shim` to use ampkit instead.",
-            stacklevel=2,
-        )
-        return False
+        if not _is_nvidia_apex(locations):
+            warnings.warn(
+                f"The installed 'apex' ({real_origin}) is not NVIDIA Apex: it has none of "
+                f"apex.{{{', '.join(_NVIDIA_APEX_PACKAGES)}}} (PyPI's 'apex' is an unrelated Pyramid toolkit); "
+                "ampkit's apex shim shadows it in this process.",
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                f"A real apex is installed ({real_origin}); ampkit's apex shim was NOT installed. "
+                "Use install_apex_shim(force=True) or `python -m ampkit.legacy --force-shim` to use ampkit instead.",
+                stacklevel=2,
+            )
+            return False
     _forget_apex_modules()
     sys.meta_path.insert(0, _ApexShimFinder())
     return True

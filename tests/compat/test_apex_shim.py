@@ -113,10 +113,16 @@ def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):
     assert larc_module.LARC is parallel.LARC
 
 
+def _nvidia_like_apex(root: Path, init: str = "") -> Path:
+    """A package named apex laid out as NVIDIA's is (its apex.amp subpackage)."""
+    (root / "apex" / "amp").mkdir(parents=True)
+    (root / "apex" / "__init__.py").write_text(init)
+    (root / "apex" / "amp" / "__init__.py").write_text("")
+    return root / "apex"
+
+
 def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
-    fake = tmp_path / "apex"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("REAL = True\n")
+    fake = _nvidia_like_apex(tmp_path, "REAL = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         with pytest.warns(UserWarning, match=re.escape(str(fake))):
@@ -128,6 +134,23 @@ def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
         import apex
 
         assert not hasattr(apex, "REAL") and apex.amp is ampkit.compat.amp
+    finally:
+        uninstall_apex_shim()
+
+
+def test_a_package_named_apex_that_is_not_nvidias_is_shadowed_with_a_warning(tmp_path, monkeypatch):
+    """``pip install apex`` installs PyPI's apex, a Pyramid web toolkit: the shim deferred to it as "a real apex", and
+    the script (or transformers, which then counts apex available) failed on ``from apex import amp``."""
+    (tmp_path / "apex" / "lib").mkdir(parents=True)
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    (tmp_path / "apex" / "lib" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match=r"'apex' \(.*\) is not NVIDIA Apex: it has none of apex\.\{amp, "):
+            assert install_apex_shim() is True
+        from apex import amp
+
+        assert amp is ampkit.compat.amp and importlib.metadata.version("apex") == "0.1+ampkit"
     finally:
         uninstall_apex_shim()
 
@@ -155,8 +178,7 @@ def test_legacy_gan_example_trains_through_the_shim(tmp_path):
 
 
 def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
-    (tmp_path / "apex").mkdir()
-    (tmp_path / "apex" / "__init__.py").write_text("")
+    _nvidia_like_apex(tmp_path)
     script = tmp_path / "which_apex.py"
     script.write_text("import sys, apex\nprint('argv', sys.argv[1:])\nprint('shim', hasattr(apex, 'amp'))\n")
     plain = _legacy(script, "a", "--b", extra_path=[tmp_path])
