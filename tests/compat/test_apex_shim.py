@@ -2,10 +2,12 @@
 
 import importlib.metadata
 import importlib.util
+import io
 import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,46 @@ def test_a_package_named_apex_that_is_not_nvidias_is_shadowed_with_a_warning(tmp
         from apex import amp
 
         assert amp is ampkit.compat.amp and importlib.metadata.version("apex") == "0.1+ampkit"
+    finally:
+        uninstall_apex_shim()
+
+
+class _Apex2020FusedRMSNorm(torch.nn.Module):
+    """The fields Apex's FusedRMSNorm had before mid-2023 (no ``memory_efficient``); its FusedLayerNorm adds a bias."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps, self.elementwise_affine = torch.Size([size]), 1e-5, True
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, size))
+
+
+class _Apex2020FusedLayerNorm(_Apex2020FusedRMSNorm):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, size))
+
+
+def test_a_model_pickled_with_apex_norms_loads_and_runs_on_the_shim():
+    """``torch.save(model)`` of a model holding Apex's norms pickles them by their apex path: under the shim they load
+    as ampkit's, which read ``memory_efficient`` in forward, a field Apex's had only from mid-2023."""
+    names = ("apex", "apex.normalization", "apex.normalization.fused_layer_norm")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.normalization.fused_layer_norm"]
+    for name, base in (("FusedLayerNorm", _Apex2020FusedLayerNorm), ("FusedRMSNorm", _Apex2020FusedRMSNorm)):
+        setattr(module, name, type(name, (base,), {"__module__": module.__name__}))
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(torch.nn.Sequential(module.FusedLayerNorm(8), module.FusedRMSNorm(8)), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
+        x = torch.randn(3, 8)
+        layer_norm = torch.nn.functional.layer_norm(x, (8,), model[0].weight, model[0].bias, 1e-5)
+        expected = torch.nn.functional.rms_norm(layer_norm, (8,), model[1].weight, 1e-5)
+        torch.testing.assert_close(model(x), expected)
     finally:
         uninstall_apex_shim()
 
