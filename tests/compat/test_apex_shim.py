@@ -197,6 +197,39 @@ def test_a_model_pickled_with_apex_norms_loads_and_runs_on_the_shim():
         uninstall_apex_shim()
 
 
+class _ApexPythonSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """The fields of Apex's Python SyncBatchNorm (apex built without ``--cuda_ext``): only ``process_group``."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.process_group = None
+
+
+def test_a_model_pickled_with_apex_python_sync_batchnorm_loads_and_runs_on_the_shim():
+    """Its pickle names ``apex.parallel.sync_batchnorm.SyncBatchNorm``, which loads as ampkit's: its forward read
+    ``channel_last`` and ``fuse_relu``, fields only Apex's CUDA SyncBatchNorm had."""
+    names = ("apex", "apex.parallel", "apex.parallel.sync_batchnorm")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.parallel.sync_batchnorm"]
+    module.SyncBatchNorm = type("SyncBatchNorm", (_ApexPythonSyncBatchNorm,), {"__module__": module.__name__})
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(module.SyncBatchNorm(4), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        norm = torch.load(buffer, weights_only=False)
+        x = torch.randn(6, 4, 3)
+        expected = torch.nn.functional.batch_norm(x, None, None, norm.weight, norm.bias, training=True)
+        torch.testing.assert_close(norm(x), expected)
+        torch.testing.assert_close(norm.eval()(x), torch.nn.functional.batch_norm(
+            x, norm.running_mean, norm.running_var, norm.weight, norm.bias))  # fmt: skip
+    finally:
+        uninstall_apex_shim()
+
+
 def _legacy(*args, cwd=REPO, extra_path=()):
     env = child_env(REPO, *extra_path, OMP_NUM_THREADS="1")
     return subprocess.run(
