@@ -302,6 +302,25 @@ def _forget_apex_modules() -> None:
             setattr(module._package, leaf, module._function)  # the ampkit name is the function again
 
 
+# Libraries that decide at their own import whether apex is installed, and the module-level flag keeping the answer.
+_APEX_CHECKED_AT_IMPORT = {
+    "transformers.utils.import_utils": "_apex_available",
+    "deepspeed.runtime.engine": "APEX_INSTALLED",
+}
+
+
+def _warn_of_libraries_that_already_found_no_apex() -> None:
+    late = [
+        name for name, flag in _APEX_CHECKED_AT_IMPORT.items() if getattr(sys.modules.get(name), flag, None) is False
+    ]
+    if late:
+        warnings.warn(
+            f"{', '.join(late)} was imported before the apex shim was installed and keeps its answer that apex is "
+            "missing; install the shim before importing it (python -m ampkit.legacy does)",
+            stacklevel=3,
+        )
+
+
 # Subpackages every NVIDIA Apex has had at least one of; a `pip install apex` gets PyPI's unrelated package instead.
 _NVIDIA_APEX_PACKAGES = ("amp", "optimizers", "normalization", "parallel", "fp16_utils", "contrib")
 
@@ -357,6 +376,7 @@ def install_apex_shim(force: bool = False) -> bool:
             return False
     _forget_apex_modules()
     sys.meta_path.insert(0, _ApexShimFinder())
+    _warn_of_libraries_that_already_found_no_apex()
     return True
 
 

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,24 @@ def test_a_model_pickled_with_apex_python_sync_batchnorm_loads_and_runs_on_the_s
         torch.testing.assert_close(norm(x), expected)
         torch.testing.assert_close(norm.eval()(x), torch.nn.functional.batch_norm(
             x, norm.running_mean, norm.running_var, norm.weight, norm.bias))  # fmt: skip
+    finally:
+        uninstall_apex_shim()
+
+
+def test_installing_the_shim_after_a_library_decided_apex_is_missing_says_so(monkeypatch):
+    """transformers decides at its import whether apex is installed (DeepSpeed's engine too): a notebook importing it
+    before ``install_apex_shim()`` then got "APEX is not installed" from its Trainer, with nothing naming the order."""
+    checked = types.ModuleType("transformers.utils.import_utils")
+    checked._apex_available = False
+    monkeypatch.setitem(sys.modules, checked.__name__, checked)
+    try:
+        with pytest.warns(UserWarning, match=r"transformers\.utils\.import_utils was imported before the apex shim"):
+            assert install_apex_shim() is True
+        uninstall_apex_shim()
+        checked._apex_available = True  # imported after the shim: it found apex
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            install_apex_shim()
     finally:
         uninstall_apex_shim()
 
