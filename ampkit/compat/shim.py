@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import pathlib
+import pkgutil
 import sys
 import types
 import warnings
@@ -326,8 +327,9 @@ _NVIDIA_APEX_PACKAGES = ("amp", "optimizers", "normalization", "parallel", "fp16
 
 
 def _is_nvidia_apex(locations: list[str]) -> bool:
-    """Whether the ``apex`` package found at ``locations`` (its ``__path__``) is NVIDIA's."""
-    return any((pathlib.Path(location) / name).is_dir() for location in locations for name in _NVIDIA_APEX_PACKAGES)
+    """Whether the ``apex`` package found at ``locations`` (its ``__path__``, a folder or inside an egg) is NVIDIA's;
+    nothing of it is imported."""
+    return any(module.name in _NVIDIA_APEX_PACKAGES for module in pkgutil.iter_modules(locations))
 
 
 def install_apex_shim(force: bool = False) -> bool:

@@ -231,6 +231,22 @@ def test_a_model_pickled_with_apex_python_sync_batchnorm_loads_and_runs_on_the_s
         uninstall_apex_shim()
 
 
+def test_nvidia_apex_installed_as_a_zipped_egg_is_recognised_and_wins(tmp_path, monkeypatch):
+    """``python setup.py install`` of a Python-only Apex could leave a zipped egg, whose package is no folder."""
+    import zipfile
+
+    egg = tmp_path / "apex-0.1-py3.egg"
+    with zipfile.ZipFile(egg, "w") as archive:
+        archive.writestr("apex/__init__.py", "")
+        archive.writestr("apex/amp/__init__.py", "")
+    monkeypatch.syspath_prepend(str(egg))
+    try:
+        with pytest.warns(UserWarning, match="A real apex is installed"):
+            assert install_apex_shim() is False
+    finally:
+        uninstall_apex_shim()
+
+
 def test_installing_the_shim_after_a_library_decided_apex_is_missing_says_so(monkeypatch):
     """transformers decides at its import whether apex is installed (DeepSpeed's engine too): a notebook importing it
     before ``install_apex_shim()`` then got "APEX is not installed" from its Trainer, with nothing naming the order."""
