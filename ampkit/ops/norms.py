@@ -505,6 +505,7 @@ class FusedLayerNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # Apex's before mid-2023 had no such field: a model pickled with one loads and runs
 
     def __init__(
         self,
@@ -573,6 +574,7 @@ class FusedRMSNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # as FusedLayerNorm: Apex's before mid-2023 had no such field
 
     def __init__(
         self,
