@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
@@ -52,6 +52,26 @@ class UnevenValidation(Plain):
 
     def val_dataloader(self):
         return DataLoader(toy_dataset(25, seed=7), batch_size=4)
+
+
+class RankStream(IterableDataset):
+    """A stream of its own samples per rank: 40 (10 batches of 4) on rank 0, 24 (6 batches) on rank 1."""
+
+    def __iter__(self):
+        x, y = toy_dataset(64).tensors
+        return iter(list(zip(x, y, strict=True))[: 40 if RANK == 0 else 24])
+
+
+class UnevenStream(Plain):
+    def train_dataloader(self):
+        return DataLoader(RankStream(), batch_size=self.cfg.data.batch_size)
+
+
+class UnevenLists(Plain):
+    """Batches a user split by hand: 10 on rank 0, 6 on rank 1 (a length each, known before training)."""
+
+    def train_dataloader(self):
+        return list(DataLoader(RankStream(), batch_size=self.cfg.data.batch_size))
 
 
 class MetricsPerRank(Plain):
@@ -296,6 +316,19 @@ def main(scenario: str, out: Path) -> None:
         extra = {"buffers": spy}
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
+        cfg = {**base, "checkpoint": {"enabled": False}, "data": {"batch_size": 4},
+               "trainer": {**cpu, "max_epochs": 2}, "distributed": {"timeout_s": 10}}  # fmt: skip
+        try:
+            UnevenLists(cfg).fit()
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        trainer = UnevenStream(cfg)
+        trainer.fit()
+        torch.save({"refused": refused, "global_step": trainer.state.global_step,
+                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}

@@ -185,6 +185,22 @@ def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_ran
     assert real == list(range(24 if drop_last else size))
 
 
+def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path):
+    """Rank 0 has 10 batches, rank 1 6: rank 0's 7th step waited in the gradient all-reduce until
+    ``distributed.timeout_s``, then failed blaming a live rank. Counts known up front are refused at set-up naming
+    them; a stream (an IterableDataset) ends every rank's epoch where the shortest runs out, with a warning."""
+    results = launch("uneven_batches", tmp_path, timeout=120)
+    rank0, rank1 = _ok(results)
+    refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
+    for rank in (rank0, rank1):
+        assert refused in rank["refused"]
+        assert "trainer.limit_train_batches=6" in rank["refused"]
+        assert rank["global_step"] == 12  # 6 steps in each of 2 epochs
+    _equal(rank0["model"], rank1["model"])
+    assert "epoch 0: the training data of rank(s) 1 ran out after 6 batches" in results[0].stderr
+    assert "ran out" not in results[1].stderr  # rank zero alone warns
+
+
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
     rank0, rank1 = _ok(launch("overflow", tmp_path))
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]

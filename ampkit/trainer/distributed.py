@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
@@ -253,6 +254,75 @@ def distributed_loader(
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+def counted_batches(loader: Any, limit: int | None) -> int | None:
+    """The batches a pass over ``loader`` yields (at most ``limit``) where that is sure, else None: one without a
+    length, or an ``IterableDataset``'s, whose ``len`` is a hint its stream may undercut, also below ``limit``."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        count = len(loader)
+    except TypeError:
+        return None
+    return count if limit is None else min(count, limit)
+
+
+def check_equal_batches(count: int | None, env: DistributedEnv, source: str = "train_dataloader()") -> bool:
+    """Whether every rank is known to run as many training batches per epoch (one collective, at set-up); refused,
+    naming each rank's count, when they are known and differ. False when some rank's count is unknown (an
+    ``IterableDataset``, a generator): the loop then agrees on every batch (:func:`while_every_rank_has_a_batch`)."""
+    if not env.enabled:
+        return True
+    counts = gather_object(count, env)
+    if None in counts:
+        return False
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+        raise ValueError(
+            f"{source} gives the ranks different numbers of batches per epoch ({shown}), but every training step "
+            "all-reduces gradients over all ranks, so the ranks with more would wait there until "
+            "distributed.timeout_s: give every rank as many (a DistributedSampler pads each shard to one size) or set "
+            f"trainer.limit_train_batches={min(counts)}"
+        )
+    return True
+
+
+def batch_agreement_group(env: DistributedEnv) -> Any:
+    """The group :func:`while_every_rank_has_a_batch` agrees in: a gloo group on the CPU beside NCCL, so that asking
+    whether every rank has a batch never waits for the device. Every rank calls it, at the same point."""
+    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+
+
+_NO_BATCH = object()  # what while_every_rank_has_a_batch's next() returns at the end of a rank's batches
+
+
+def while_every_rank_has_a_batch(
+    batches: Iterator[Any], env: DistributedEnv, group: Any, epoch: int, done: int = 0
+) -> Iterator[Any]:
+    """``batches`` (the epoch's from batch ``done`` on) for as long as every rank has one (one small CPU collective
+    per batch): where one rank's data runs out, every rank ends the epoch there, rather than the others waiting in
+    the step's gradient all-reduce until the timeout, and rank zero warns naming the ranks and the count."""
+    iterator = iter(batches)
+    while True:
+        batch = next(iterator, _NO_BATCH)
+        has = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)
+        gathered = [torch.zeros_like(has) for _ in range(env.world_size)]
+        dist.all_gather(gathered, has, group=group)
+        short = [rank for rank, flag in enumerate(gathered) if not flag.item()]
+        if short:
+            if len(short) < env.world_size:
+                rank_zero_warn(
+                    f"epoch {epoch}: the training data of rank(s) {', '.join(map(str, short))} ran out after {done} "
+                    f"batches, while the other ranks had more: every rank ends the epoch at {done} (each step "
+                    "all-reduces gradients over all ranks), so the others' remaining batches go untrained; give every "
+                    "rank as many batches to train on all of them"
+                )
+            return
+        done += 1
+        yield batch
 
 
 class EvaluationBatches:

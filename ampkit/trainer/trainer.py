@@ -67,14 +67,18 @@ from ampkit.trainer.distributed import (
     DistributedEnv,
     any_rank,
     any_rank_on_device,
+    batch_agreement_group,
     broadcast_object,
+    check_equal_batches,
     check_same_config,
+    counted_batches,
     distributed_loader,
     evaluation_loader,
     gather_object,
     launched_world_size,
     setup_distributed,
     teardown_distributed,
+    while_every_rank_has_a_batch,
 )
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
@@ -265,6 +269,8 @@ class Trainer:
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
+        self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
+        self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
@@ -976,6 +982,9 @@ class Trainer:
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         check_batches(self._num_train_batches, "train_dataloader")
+        equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
+        self._batch_agreement = None if equal else batch_agreement_group(self.dist)
+        self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
@@ -1124,7 +1133,10 @@ class Trainer:
         if skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
-        return islice(iterator, None if total is None else max(total - skip, 0))
+        batches = islice(iterator, None if total is None else max(total - skip, 0))
+        if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
+            return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
+        return batches
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
