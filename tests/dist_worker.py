@@ -74,6 +74,29 @@ class UnevenLists(Plain):
         return list(DataLoader(RankStream(), batch_size=self.cfg.data.batch_size))
 
 
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 1), nn.Linear(6, 1)
+
+    def forward(self, x, use_b: bool):
+        return self.b(x) if use_b else self.a(x)
+
+
+class UnusedParameters(Plain):
+    """Odd steps train branch b, even steps branch a: each step leaves the other's parameters without a gradient."""
+
+    def configure_model(self):
+        return Branches()
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x, self.state.global_step % 2 == 1).squeeze(1), y)
+
+    def val_dataloader(self):
+        return None
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -329,6 +352,17 @@ def main(scenario: str, out: Path) -> None:
         trainer.fit()
         torch.save({"refused": refused, "global_step": trainer.state.global_step,
                     "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+        return
+    elif scenario == "unused_parameters":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}}
+        try:
+            UnusedParameters(cfg).fit()
+            explained = None
+        except RuntimeError as exc:
+            explained = getattr(exc, "ampkit_setup_error", None)
+        trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
+        trainer.fit()
+        torch.save({"explained": explained, "global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
         return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}

@@ -201,6 +201,19 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
     assert "ran out" not in results[1].stderr  # rank zero alone warns
 
 
+def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
+    """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
+    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead."""
+    rank0, rank1 = _ok(launch("unused_parameters", tmp_path))
+    for rank, result in enumerate((rank0, rank1)):
+        assert result["explained"] == (
+            f"rank {rank}: parameters 'b.weight', 'b.bias' got no gradient in the step before, so DDP never finished "
+            "reducing them: set distributed.find_unused_parameters=true for a model whose steps leave some parameters "
+            "out (or make every step's loss use all of them)"
+        )
+        assert result["global_step"] == 2  # with the key set, the same model trains
+
+
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
     rank0, rank1 = _ok(launch("overflow", tmp_path))
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]

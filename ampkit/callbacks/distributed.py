@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 from typing import Any
@@ -102,6 +103,20 @@ class DistributedSync(Callback):
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 tensor.copy_(synced)
 
+    def explain_exception(self, trainer, exception: BaseException) -> str | None:
+        if (
+            self._ddp is None
+            or self.ddp_kwargs.get("find_unused_parameters")
+            or not _UNFINISHED_REDUCTION.search(str(exception))
+        ):
+            return None
+        return (
+            f"rank {dist.get_rank()}: parameters {unused_parameter_names(trainer.module, str(exception))} got no "
+            "gradient in the step before, so DDP never finished reducing them: set "
+            "distributed.find_unused_parameters=true for a model whose steps leave some parameters out (or make "
+            "every step's loss use all of them)"
+        )
+
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
             return
@@ -138,3 +153,19 @@ class DistributedSync(Callback):
         if not missing:
             return "all ranks are alive; a collective timed out or the ranks diverged"
         return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
+
+
+# torch's DDP error at the forward after a backward that left parameters without a gradient
+_UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the prior iteration")
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def unused_parameter_names(module: torch.nn.Module, message: str) -> str:
+    """The names of the parameters DDP's ``message`` lists by index (DDP numbers the ones requiring grad in
+    ``named_parameters`` order), e.g. ``'b.weight', 'b.bias'``; "some" where it lists none."""
+    found = _UNUSED_INDICES.search(message)
+    if found is None:
+        return "some"
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    indices = [int(i) for i in found.group(1).split()]
+    return ", ".join(repr(names[i]) if i < len(names) else str(i) for i in indices)
