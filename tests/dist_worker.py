@@ -20,6 +20,7 @@ from ampkit.callbacks import EarlyStopping, MaxTime
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
 SKIP_VERDICT = os.environ.get("SKIP_VERDICT", "auto")
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # which restart of torchrun's worker group this is
 
 
 class Plain(ToyTrainer):
@@ -169,6 +170,21 @@ class OverflowOnRank1(ampkit.Callback):
 class SuicideAt(ampkit.Callback):
     def on_train_batch_end(self, trainer, outputs, batch):
         if RANK == 1 and trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DiesOnceAt4(ampkit.Callback):
+    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt; records where each
+    attempt started."""
+
+    def __init__(self):
+        self.started_at = None
+
+    def on_train_start(self, trainer):
+        self.started_at = trainer.state.global_step
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -363,6 +379,17 @@ def main(scenario: str, out: Path) -> None:
         trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
         trainer.fit()
         torch.save({"explained": explained, "global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "restart":  # under torchrun --max-restarts 1
+        if RANK == 0 and ATTEMPT == 1:  # joins late: rank 1 reads the group's keys first
+            time.sleep(1)
+        spy = DiesOnceAt4()
+        cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3},
+               "trainer": {**cpu, "max_epochs": 1}, "distributed": {"timeout_s": 20}}  # fmt: skip
+        trainer = Plain(cfg, callbacks=[spy])
+        trainer.fit()
+        torch.save({"started_at": spy.started_at, "global_step": trainer.state.global_step, "attempt": ATTEMPT,
+                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}

@@ -284,6 +284,22 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
+def test_a_torchrun_restart_of_the_worker_group_connects_a_new_process_group(tmp_path):
+    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group's process group read the
+    dead attempt's addresses from the agent's store (kept across restarts) and failed to connect."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", str(WORKER), "restart", str(tmp_path)],
+        env=child_env(TESTS, TESTS.parent, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    for rank in ranks:
+        assert (rank["attempt"], rank["global_step"]) == (1, 8)
+    _equal(ranks[0]["model"], ranks[1]["model"])
+
+
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory) -> list[dict]:
     """Two ranks x batch 4 of the shuffled ToyTrainer, a checkpoint every 3 steps (8 steps an epoch)."""

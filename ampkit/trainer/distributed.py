@@ -101,7 +101,10 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
     store, rank, size = _rendezvous
     store.set_timeout(timeout)
     _groups_created += 1
-    return dist.PrefixStore(f"ampkit_group_{_groups_created}", store), rank, size
+    # torchrun's agent keeps its store across the restarts of a worker group (--max-restarts): a restarted group's
+    # keys are its own too, or its ranks would connect to the dead attempt's addresses.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ampkit_group_{attempt}_{_groups_created}", store), rank, size
 
 
 def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
