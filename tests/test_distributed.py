@@ -285,19 +285,30 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
 
 
 @pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
-def test_a_torchrun_restart_of_the_worker_group_connects_a_new_process_group(tmp_path):
-    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group's process group read the
-    dead attempt's addresses from the agent's store (kept across restarts) and failed to connect."""
+def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
+    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group continues version_0 from
+    its step-3 checkpoint (it had started over in a new version_1). Its process group had read the dead attempt's
+    addresses from the agent's store (kept across restarts) and failed to connect."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", str(WORKER), "restart", str(tmp_path)],
         env=child_env(TESTS, TESTS.parent, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "ampkit: torchrun restart 1 continues this launch's run from" in result.stderr
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
     for rank in ranks:
-        assert (rank["attempt"], rank["global_step"]) == (1, 8)
+        assert (rank["attempt"], rank["started_at"], rank["global_step"]) == (1, 3, 8)
     _equal(ranks[0]["model"], ranks[1]["model"])
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+    from dist_worker import Plain
+
+    single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                    "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
+                    "trainer": {"max_epochs": 1, "device": "cpu", "progress_bar": False}})  # fmt: skip
+    single.fit()  # the uninterrupted run, as one process at the global batch
+    for key, value in single.module.state_dict().items():
+        torch.testing.assert_close(ranks[0]["model"][key], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

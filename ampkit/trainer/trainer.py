@@ -120,7 +120,9 @@ from ampkit.trainer.run_life import (
     prediction_output,
     rank_output,
     resolve_checkpoint,
+    restarted_from,
     tidy_run_dir,
+    torchrun_launch,
 )
 from ampkit.trainer.sanity import (
     check_epoch_scheduler_monitors,
@@ -263,6 +265,7 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
+        self._launch = torchrun_launch()  # the torchrun launch this process belongs to (None outside torchrun)
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
@@ -615,6 +618,8 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
+            resume = self._restarted_from()
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
@@ -643,6 +648,14 @@ class Trainer:
             raise
         finally:
             self.fire("on_fit_end")
+
+    def _restarted_from(self) -> Path | None:
+        """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
+        path = broadcast_object(restarted_from(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+        if path is not None and self.is_global_zero:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
+        return path
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
@@ -1191,6 +1204,8 @@ class Trainer:
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
+        if self._launch is not None:  # under torchrun: a restart of this launch continues from it
+            checkpoint["launch"] = self._launch
         if not self.sharded:
             checkpoint["model"] = self.module.state_dict()
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
