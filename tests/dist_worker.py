@@ -98,6 +98,29 @@ class UnusedParameters(Plain):
         return None
 
 
+class ValidationStream(IterableDataset):
+    """The 13 samples of UnevenValidation's stream split by hand: 0-8 on rank 0 (3 batches of 4), 9-12 on rank 1
+    (1 batch); none on rank 1 when ``empty_on_1``."""
+
+    def __init__(self, empty_on_1: bool = False):
+        self.empty_on_1 = empty_on_1
+
+    def __iter__(self):
+        x, y = toy_dataset(13, seed=7).tensors
+        mine = range(9) if RANK == 0 else range(0) if self.empty_on_1 else range(9, 13)
+        return iter([(x[i], y[i]) for i in mine])
+
+
+class UnevenValidationStream(Plain):
+    empty_on_1 = False
+
+    def val_dataloader(self):
+        return DataLoader(ValidationStream(self.empty_on_1), batch_size=4)
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -337,6 +360,19 @@ def main(scenario: str, out: Path) -> None:
         fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
         trainer = UnevenValidation({**base, "checkpoint": {"enabled": False}, "distributed": fsdp})
         torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "validate_stream_fsdp":  # every FSDP forward is a collective: rank 1 pads with fillers
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        cfg = {**base, "checkpoint": {"enabled": False}, "distributed": {**fsdp, "timeout_s": 10}}
+        trainer = UnevenValidationStream(cfg)
+        val, predictions = trainer.validate(), trainer.predict()
+        UnevenValidationStream.empty_on_1 = True
+        try:
+            UnevenValidationStream(cfg).validate()
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        torch.save({"val": val, "predictions": len(predictions), "refused": refused}, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":
         trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})

@@ -175,6 +175,27 @@ def test_a_validation_set_not_divisible_by_the_ranks_averages_each_sample_once(t
     assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
 
 
+def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shorter_rank(tmp_path):
+    """A validation IterableDataset with 3 batches on rank 0 and 1 on rank 1: every FSDP forward is a collective, so
+    rank 0's second forward met rank 1's metric all-reduce and both aborted on gloo's size mismatch. Rank 1 now runs
+    filler batches, dropped from the metric (equal to one process's) and the predictions; a rank with none at all
+    is refused on every rank, naming it."""
+    from dist_worker import Plain
+
+    class AllThirteen(Plain):
+        def val_dataloader(self):
+            return DataLoader(toy_dataset(13, seed=7), batch_size=4)
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"progress_bar": False, "device": "cpu"}}  # fmt: skip
+    expected_mse = AllThirteen(cfg).validate()["mse"]
+    rank0, rank1 = _ok(launch("validate_stream_fsdp", tmp_path))
+    assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
+    assert [rank0["predictions"], rank1["predictions"]] == [3, 1]
+    for rank in (rank0, rank1):
+        assert rank["refused"].startswith("val_dataloader() gives rank(s) 1 no batch while other ranks have 1 or more")
+
+
 @pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])
 def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_rank(size, drop_last):
     from ampkit.trainer.distributed import DistributedEnv, EvaluationBatches

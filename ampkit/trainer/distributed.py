@@ -328,6 +328,47 @@ def while_every_rank_has_a_batch(
         yield batch
 
 
+def evened_by_agreement(loader: Any) -> bool:
+    """Whether every rank's pass over evaluation ``loader`` may run a different number of batches, so that ranks
+    whose every forward is a collective (FSDP) must agree on each one (:func:`padded_to_the_longest_rank`): not
+    so for the loaders ampkit shards (``EvaluationBatches``) or a ``DistributedSampler`` (it pads)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+    return not isinstance(batches, EvaluationBatches) and not isinstance(sampler, DistributedSampler)
+
+
+def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -> Iterator[tuple[Any, bool]]:
+    """``(batch, real)``: this rank's ``batches``, then its last one again (``real`` False: its results are
+    dropped) until every rank's ran out, so every rank runs as many forwards, as FSDP's collectives in each need.
+    One small collective per batch; a rank with no batch at all while others have some is refused on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    iterator, last, done = iter(batches), _NO_BATCH, 0
+    while True:
+        batch = next(iterator, _NO_BATCH)
+        mine = torch.tensor(
+            [batch is not _NO_BATCH, last is not _NO_BATCH or batch is not _NO_BATCH], dtype=torch.int32, device=device
+        )
+        gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
+        dist.all_gather(gathered, mine)
+        has, had = zip(*(flags.tolist() for flags in gathered), strict=True)
+        if not any(has):
+            return
+        if not all(had):
+            empty = ", ".join(str(rank) for rank, any_batch in enumerate(had) if not any_batch)
+            raise ValueError(
+                f"{source} gives rank(s) {empty} no batch while other ranks have {done + 1} or more: under "
+                "distributed.strategy=fsdp every rank runs each forward together, so each needs a batch; give every "
+                "rank a share of the data (a map-style dataset is sharded for you)"
+            )
+        done += 1
+        if batch is _NO_BATCH:
+            yield last, False
+        else:
+            last = batch
+            yield batch, True
+
+
 class EvaluationBatches:
     """This rank's batches of an evaluation set: its samples ``rank, rank + W, ...`` in order, none repeated
     (a ``DistributedSampler`` pads the set to a multiple of ``W`` by repeating samples, which then count twice in a
