@@ -121,6 +121,13 @@ class UnevenValidationStream(Plain):
         return self.val_dataloader()
 
 
+class OptimizerFailsOnRank1(Plain):
+    def configure_optimizers(self):
+        if RANK == 1:
+            raise ValueError("rank 1's optimizer settings are wrong")
+        return super().configure_optimizers()
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -427,6 +434,10 @@ def main(scenario: str, out: Path) -> None:
         torch.save({"started_at": spy.started_at, "global_step": trainer.state.global_step, "attempt": ATTEMPT,
                     "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
         return
+    elif scenario == "set_up_fails_on_rank_1":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
+               "distributed": {"timeout_s": 20}}  # fmt: skip
+        trainer = OptimizerFailsOnRank1(cfg)
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

@@ -305,6 +305,15 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     assert elapsed < 60
 
 
+def test_a_rank_failing_during_set_up_is_named_by_the_others(tmp_path):
+    """Rank 1's configure_optimizers raises: rank 0, already in a set-up collective, failed with gloo's bare
+    "Connection closed by peer", since the callbacks that name a dead rank are set up later."""
+    rank0, rank1 = launch("set_up_fails_on_rank_1", tmp_path)
+    assert "ValueError: rank 1's optimizer settings are wrong" in rank1.stderr
+    assert rank0.returncode != 0
+    assert "rank 0: a collective while setting up fit failed: rank(s) 1 died or stopped responding" in rank0.stderr
+
+
 @pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
 def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
     """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group continues version_0 from

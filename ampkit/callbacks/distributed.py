@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import re
-import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -16,7 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.distributed import DistributedError, is_communication_failure
+from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
 from ampkit.trainer.model_setup import compiles_whole_model
 
 
@@ -132,27 +130,7 @@ class DistributedSync(Callback):
             raise self._diagnose(what, exc) from exc
 
     def _diagnose(self, what: str, exc: BaseException) -> DistributedError:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        message = f"rank {dist.get_rank()}: {what} failed: {self._missing_ranks()} ({type(exc).__name__}: {first_line})"
-        return DistributedError(message)
-
-    def _missing_ranks(self) -> str:
-        """After a failed collective, survivors check in through the rendezvous store; absentees are named."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(timedelta(seconds=self.failure_wait_s))
-            me, world = dist.get_rank(), dist.get_world_size()
-            store.set(f"ampkit/alive/{me}", "1")
-            deadline = time.monotonic() + self.failure_wait_s
-            missing = [r for r in range(world) if r != me]
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
-                time.sleep(0.05)
-        except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
-            return "the rendezvous store is unreachable, so rank 0 or the launcher died"
-        if not missing:
-            return "all ranks are alive; a collective timed out or the ranks diverged"
-        return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
+        return diagnose_failure(what, exc, self.failure_wait_s)
 
 
 # torch's DDP error at the forward after a backward that left parameters without a gradient

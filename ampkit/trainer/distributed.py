@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,6 +28,33 @@ def is_communication_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from the process group's transport rather than from user code."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
+
+
+def diagnose_failure(what: str, exc: BaseException, wait_s: float = 5.0) -> DistributedError:
+    """A failed collective as one line: this rank, ``what`` failed, which ranks did not check in through the
+    rendezvous store within ``wait_s`` (died or stopped responding), and the transport's first line."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"rank {dist.get_rank()}: {what} failed: {_missing_ranks(wait_s)} ({type(exc).__name__}: {first_line})"
+    return DistributedError(message)
+
+
+def _missing_ranks(wait_s: float) -> str:
+    """After a failed collective, survivors check in through the rendezvous store; absentees are named."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=wait_s))
+        me, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"ampkit/alive/{me}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(world) if r != me]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
+            time.sleep(0.05)
+    except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
+        return "the rendezvous store is unreachable, so rank 0 or the launcher died"
+    if not missing:
+        return "all ranks are alive; a collective timed out or the ranks diverged"
+    return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointE
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
+    DistributedError,
     any_rank,
     any_rank_on_device,
     batch_agreement_group,
@@ -72,9 +73,11 @@ from ampkit.trainer.distributed import (
     check_equal_batches,
     check_same_config,
     counted_batches,
+    diagnose_failure,
     distributed_loader,
     evaluation_loader,
     gather_object,
+    is_communication_failure,
     launched_world_size,
     setup_distributed,
     teardown_distributed,
@@ -601,6 +604,9 @@ class Trainer:
         try:
             self._fit(resume)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, "fit")
+            raise
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -918,9 +924,18 @@ class Trainer:
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, stage.name)
+            raise
         finally:
             teardown_distributed(self.dist, clean)
         return result
+
+    def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
+        """A collective that failed before the callbacks that name a dead rank were set up (comparing configs,
+        counting batches, sharing the run directory) is raised naming the ranks that did not check in."""
+        if self.dist.enabled and not isinstance(exc, DistributedError) and is_communication_failure(exc):
+            raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         path = self._resolve_checkpoint(ckpt)
