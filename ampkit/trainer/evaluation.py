@@ -97,6 +97,8 @@ def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
     """Put each submodule back in the mode :func:`training_modes` saw (not recursively: each is listed)."""
     for submodule, training in modes:
         submodule.training = training
+
+
 def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Iterator[tuple[Any, bool]]:
     """``(batch, real)`` for each batch this rank runs: a filler batch (``real`` False) keeps step with ranks that
     have more, its results dropped. Under FSDP, where every forward is a collective, a loader that may give the ranks
