@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,8 +145,12 @@ def test_a_run_that_unfroze_a_param_group_resumes_as_it_went_on(tmp_path, precis
     full.fit()
     UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 2}}).fit()
     resumed = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 3}})
-    resumed.fit(resume="last")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(resume="last")
     assert len(resumed.optimizer.param_groups) == 2 and resumed.module[0].weight.requires_grad
+    # the added group's own lr is no configure_optimizers() setting the checkpoint overrode
+    assert not [w for w in caught if "optimizers' settings" in str(w.message)]
     assert_same_checkpoint(
         load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
         load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
