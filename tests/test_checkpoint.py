@@ -521,3 +521,21 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
                              text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(version / "checkpoints" / "last.pt")["loop"]["global_step"] == 24
+
+
+class _LogsBatchIndexPerEpoch(ToyTrainer):
+    def training_step(self, batch):
+        self.log("index", torch.tensor(float(self.state.batch_idx)), on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_an_epoch_mean_of_log_on_epoch_spans_a_mid_epoch_resume(tmp_path):
+    """The sums of log(on_epoch=True) are saved: resumed after batch 3 of 8, the epoch's mean index was 5 (the mean
+    of batches 3..7 only) where the uninterrupted run's is 3.5."""
+    quiet = {"logging.tensorboard": False, "trainer.max_epochs": 1}
+    full = _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "full", **quiet))
+    full.fit()
+    _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_steps": 3})).fit()
+    resumed = _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "cut", **quiet))
+    resumed.fit(resume="last")
+    assert full.epoch_scalars == {"index": 3.5} and resumed.epoch_scalars == full.epoch_scalars

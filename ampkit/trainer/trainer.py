@@ -723,7 +723,8 @@ class Trainer:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
-        self._epoch_sums = {}
+        if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
+            self._epoch_sums = {}
         self.fire("on_train_epoch_end")
         self._agree_stop()  # before the next epoch starts
         if exhausted:
@@ -1016,6 +1017,7 @@ class Trainer:
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = False
+        self._epoch_sums = {}  # a resume restores its checkpoint's
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
@@ -1231,6 +1233,8 @@ class Trainer:
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
+            # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
+            "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
@@ -1300,6 +1304,7 @@ class Trainer:
         )
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
+        self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
