@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
+import re
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.distributed import DistributedError, is_communication_failure
+from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
 from ampkit.trainer.model_setup import compiles_whole_model
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.user_code import UserCodeError
@@ -146,6 +145,20 @@ class DistributedSync(Callback):
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 tensor.copy_(synced)
 
+    def explain_exception(self, trainer, exception: BaseException) -> str | None:
+        if (
+            self._ddp is None
+            or self.ddp_kwargs.get("find_unused_parameters")
+            or not _UNFINISHED_REDUCTION.search(str(exception))
+        ):
+            return None
+        return (
+            f"rank {dist.get_rank()}: parameters {unused_parameter_names(trainer.module, str(exception))} got no "
+            "gradient in the step before, so DDP never finished reducing them: set "
+            "distributed.find_unused_parameters=true for a model whose steps leave some parameters out (or make "
+            "every step's loss use all of them)"
+        )
+
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
             return
@@ -161,24 +174,20 @@ class DistributedSync(Callback):
             raise self._diagnose(what, exc) from exc
 
     def _diagnose(self, what: str, exc: BaseException) -> DistributedError:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        message = f"rank {dist.get_rank()}: {what} failed: {self._missing_ranks()} ({type(exc).__name__}: {first_line})"
-        return DistributedError(message)
+        return diagnose_failure(what, exc, self.failure_wait_s)
 
-    def _missing_ranks(self) -> str:
-        """After a failed collective, survivors check in through the rendezvous store; absentees are named."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(timedelta(seconds=self.failure_wait_s))
-            me, world = dist.get_rank(), dist.get_world_size()
-            store.set(f"ampkit/alive/{me}", "1")
-            deadline = time.monotonic() + self.failure_wait_s
-            missing = [r for r in range(world) if r != me]
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
-                time.sleep(0.05)
-        except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
-            return "the rendezvous store is unreachable, so rank 0 or the launcher died"
-        if not missing:
-            return "all ranks are alive; a collective timed out or the ranks diverged"
-        return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
+
+# torch's DDP error at the forward after a backward that left parameters without a gradient
+_UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the prior iteration")
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def unused_parameter_names(module: torch.nn.Module, message: str) -> str:
+    """The names of the parameters DDP's ``message`` lists by index (DDP numbers the ones requiring grad in
+    ``named_parameters`` order), e.g. ``'b.weight', 'b.bias'``; "some" where it lists none."""
+    found = _UNUSED_INDICES.search(message)
+    if found is None:
+        return "some"
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    indices = [int(i) for i in found.group(1).split()]
+    return ", ".join(repr(names[i]) if i < len(names) else str(i) for i in indices)

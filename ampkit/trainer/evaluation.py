@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ampkit.trainer.distributed import all_reduce_sum, filler_batches_from, union_over_ranks
+from ampkit.trainer.distributed import (
+    all_reduce_sum,
+    evened_by_agreement,
+    filler_batches_from,
+    padded_to_the_longest_rank,
+    union_over_ranks,
+)
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -93,6 +99,16 @@ def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
         submodule.training = training
 
 
+def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Iterator[tuple[Any, bool]]:
+    """``(batch, real)`` for each batch this rank runs: a filler batch (``real`` False) keeps step with ranks that
+    have more, its results dropped. Under FSDP, where every forward is a collective, a loader that may give the ranks
+    different counts (an ``IterableDataset``, per-rank lists) is padded to the longest rank's."""
+    filler = filler_batches_from(loader)
+    if filler is None and trainer.dist.enabled and trainer.sharded and evened_by_agreement(loader):
+        return padded_to_the_longest_rank(loader, trainer.dist, source)
+    return ((batch, filler is None or i < filler) for i, batch in enumerate(loader))
+
+
 @torch.no_grad()
 def average_metrics(
     trainer: Trainer,
@@ -110,14 +126,14 @@ def average_metrics(
     trainer.module.eval()
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
-    filler = filler_batches_from(loader)
+    source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
     empty: list[int] = []
-    for i, batch in enumerate(loader):
+    for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
             break
         batch = trainer._to_device(batch)
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
-        if filler is not None and i >= filler:
+        if not real:
             continue
         n = batch_size(batch)
         if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
@@ -148,14 +164,14 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
     batch's (a rank with fewer samples keeping step with the others) is dropped."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
-    predictions = [
-        apply_to_collection(
-            run_step(trainer, step, trainer._to_device(batch)), torch.Tensor, lambda t: t.detach().cpu()
-        )
-        for batch in loader
-    ]
-    filler = filler_batches_from(loader)
-    if filler is not None:
-        del predictions[filler:]
+    predictions = []
+    for batch, real in real_and_filler_batches(trainer, loader, "predict_dataloader()"):
+        output = run_step(trainer, step, trainer._to_device(batch))
+        if real:
+            predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
     restore_training_modes(modes)
     return predictions
+
+
+# The loader each evaluation step's batches come from, as errors name it.
+_DATALOADER_OF = {"validation_step": "val_dataloader()", "test_step": "test_dataloader()"}

@@ -65,16 +65,23 @@ from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointE
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
+    DistributedError,
     any_rank,
     any_rank_on_device,
+    batch_agreement_group,
     broadcast_object,
+    check_equal_batches,
     check_same_config,
+    counted_batches,
+    diagnose_failure,
     distributed_loader,
     evaluation_loader,
     gather_object,
+    is_communication_failure,
     launched_world_size,
     setup_distributed,
     teardown_distributed,
+    while_every_rank_has_a_batch,
 )
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
@@ -119,7 +126,9 @@ from ampkit.trainer.run_life import (
     prediction_output,
     rank_output,
     resolve_checkpoint,
+    restarted_from,
     tidy_run_dir,
+    torchrun_launch,
 )
 from ampkit.trainer.sanity import (
     check_epoch_scheduler_monitors,
@@ -269,6 +278,7 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
+        self._launch = torchrun_launch()  # the torchrun launch this process belongs to (None outside torchrun)
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
@@ -278,6 +288,8 @@ class Trainer:
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
+        self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
+        self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
@@ -616,6 +628,9 @@ class Trainer:
         try:
             self._fit(resume)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, "fit")
+            raise
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -633,6 +648,8 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
+            resume = self._restarted_from()
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
@@ -661,6 +678,14 @@ class Trainer:
             raise
         finally:
             self.fire("on_fit_end")
+
+    def _restarted_from(self) -> Path | None:
+        """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
+        path = broadcast_object(restarted_from(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+        if path is not None and self.is_global_zero:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
+        return path
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
@@ -934,9 +959,18 @@ class Trainer:
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, stage.name)
+            raise
         finally:
             teardown_distributed(self.dist, clean)
         return result
+
+    def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
+        """A collective that failed before the callbacks that name a dead rank were set up (comparing configs,
+        counting batches, sharing the run directory) is raised naming the ranks that did not check in."""
+        if self.dist.enabled and not isinstance(exc, DistributedError) and is_communication_failure(exc):
+            raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         path = self._resolve_checkpoint(ckpt)
@@ -1012,6 +1046,9 @@ class Trainer:
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader")
+        equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
+        self._batch_agreement = None if equal else batch_agreement_group(self.dist)
+        self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
@@ -1170,7 +1207,10 @@ class Trainer:
         if skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
-        return islice(iterator, None if total is None else max(total - skip, 0))
+        batches = islice(iterator, None if total is None else max(total - skip, 0))
+        if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
+            return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
+        return batches
 
     def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
@@ -1239,6 +1279,8 @@ class Trainer:
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
+        if self._launch is not None:  # under torchrun: a restart of this launch continues from it
+            checkpoint["launch"] = self._launch
         if not self.sharded:
             checkpoint["model"] = self.module.state_dict()
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
