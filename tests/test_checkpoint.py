@@ -13,6 +13,7 @@ import stat
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -144,8 +145,12 @@ def test_a_run_that_unfroze_a_param_group_resumes_as_it_went_on(tmp_path, precis
     full.fit()
     UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 2}}).fit()
     resumed = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 3}})
-    resumed.fit(resume="last")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(resume="last")
     assert len(resumed.optimizer.param_groups) == 2 and resumed.module[0].weight.requires_grad
+    # the added group's own lr is no configure_optimizers() setting the checkpoint overrode
+    assert not [w for w in caught if "optimizers' settings" in str(w.message)]
     assert_same_checkpoint(
         load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
         load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
@@ -516,3 +521,21 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
                              text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert load_checkpoint(version / "checkpoints" / "last.pt")["loop"]["global_step"] == 24
+
+
+class _LogsBatchIndexPerEpoch(ToyTrainer):
+    def training_step(self, batch):
+        self.log("index", torch.tensor(float(self.state.batch_idx)), on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_an_epoch_mean_of_log_on_epoch_spans_a_mid_epoch_resume(tmp_path):
+    """The sums of log(on_epoch=True) are saved: resumed after batch 3 of 8, the epoch's mean index was 5 (the mean
+    of batches 3..7 only) where the uninterrupted run's is 3.5."""
+    quiet = {"logging.tensorboard": False, "trainer.max_epochs": 1}
+    full = _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "full", **quiet))
+    full.fit()
+    _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_steps": 3})).fit()
+    resumed = _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "cut", **quiet))
+    resumed.fit(resume="last")
+    assert full.epoch_scalars == {"index": 3.5} and resumed.epoch_scalars == full.epoch_scalars

@@ -90,6 +90,25 @@ def test_logged_loss_is_the_mean_over_the_window(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(logged, expected, strict=True))
 
 
+def test_the_batches_after_the_last_log_step_are_logged_at_the_last_step(tmp_path):
+    """10 steps logged every 4: steps 9 and 10 were never written (a run shorter than log_every_n_steps showed no
+    train/loss at all)."""
+    losses: list[float] = []
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer, outputs, batch):
+            losses.append(float(outputs["loss"]))
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "trainer.max_steps": 10, "logging.log_every_n_steps": 4})
+    trainer = ToyTrainer(cfg, callbacks=[Spy()])
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("train/loss")]
+    expected = [
+        (step, pytest.approx(sum(losses[a:step]) / (step - a), rel=1e-6)) for a, step in ((0, 4), (4, 8), (8, 10))
+    ]
+    assert logged == expected
+
+
 def test_each_output_is_averaged_over_the_window_whatever_its_type(tmp_path):
     seen: dict[str, list[float]] = {"loss": [], "count": [], "half": []}
 

@@ -93,7 +93,8 @@ class TensorBoardWriter(Logger):
 class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
-    Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
+    Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log, and at
+    the last step over those since),
     ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups'),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
     ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
@@ -238,6 +239,9 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
             return
+        step = trainer.state.global_step  # the batches since the last log step, as their own point at the last step
+        self._queued += [(step, f"train/{key}", values) for key, values in self._window.items()]
+        self._window = {}
         self._take_logged_after_the_last_batch(trainer)
         self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}

@@ -282,6 +282,7 @@ class Trainer:
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
+        self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
@@ -747,7 +748,8 @@ class Trainer:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
-        self._epoch_sums = {}
+        if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
+            self._epoch_sums = {}
         self.fire("on_train_epoch_end")
         self._agree_stop()  # before the next epoch starts
         if exhausted:
@@ -1052,8 +1054,11 @@ class Trainer:
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = False
+        self._epoch_sums = {}  # a resume restores its checkpoint's
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
+        self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
             saved = start.checkpoint
             if saved is None:  # sharded: the record is in its trainer file
@@ -1268,6 +1273,8 @@ class Trainer:
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
+            # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
+            "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
@@ -1299,7 +1306,6 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
-        built = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1310,7 +1316,9 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
-        kept = [line for spec in self._specs for line in settings_kept_from_checkpoint(spec, built[spec.name])]
+        kept = [
+            line for spec in self._specs for line in settings_kept_from_checkpoint(spec, self._configured[spec.name])
+        ]
         if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
             rank_zero_warn(
                 f"checkpoint '{path}' restores its optimizers' settings over configure_optimizers()'s: "
@@ -1338,6 +1346,7 @@ class Trainer:
         )
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
+        self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
