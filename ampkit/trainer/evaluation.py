@@ -37,10 +37,10 @@ def batch_size(batch: Any) -> int:
     Face's ``BatchEncoding`` is a ``UserDict``) and dataclasses."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, dict | Mapping):
-        values: Iterable[Any] = batch.values()
-    elif isinstance(batch, list | tuple):
-        values = batch
+    if isinstance(batch, list | tuple):
+        values: Iterable[Any] = batch
+    elif isinstance(batch, Mapping):
+        values = batch.values()
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
     else:
