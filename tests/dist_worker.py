@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
@@ -20,6 +20,7 @@ from ampkit.callbacks import EarlyStopping, MaxTime
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
 SKIP_VERDICT = os.environ.get("SKIP_VERDICT", "auto")
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # which restart of torchrun's worker group this is
 
 
 class Plain(ToyTrainer):
@@ -30,6 +31,14 @@ class Plain(ToyTrainer):
 
     def train_dataloader(self):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
+
+
+class BareModule(Plain):
+    """Its loss comes from self.module, the model DDP wraps, not from self.model."""
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.module(x).squeeze(1), y)
 
 
 class UnfreezesAtEpoch1(Plain):
@@ -65,6 +74,79 @@ class UnevenValidation(Plain):
 
     def val_dataloader(self):
         return DataLoader(toy_dataset(25, seed=7), batch_size=4)
+
+
+class RankStream(IterableDataset):
+    """A stream of its own samples per rank: 40 (10 batches of 4) on rank 0, 24 (6 batches) on rank 1."""
+
+    def __iter__(self):
+        x, y = toy_dataset(64).tensors
+        return iter(list(zip(x, y, strict=True))[: 40 if RANK == 0 else 24])
+
+
+class UnevenStream(Plain):
+    def train_dataloader(self):
+        return DataLoader(RankStream(), batch_size=self.cfg.data.batch_size)
+
+
+class UnevenLists(Plain):
+    """Batches a user split by hand: 10 on rank 0, 6 on rank 1 (a length each, known before training)."""
+
+    def train_dataloader(self):
+        return list(DataLoader(RankStream(), batch_size=self.cfg.data.batch_size))
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 1), nn.Linear(6, 1)
+
+    def forward(self, x, use_b: bool):
+        return self.b(x) if use_b else self.a(x)
+
+
+class UnusedParameters(Plain):
+    """Odd steps train branch b, even steps branch a: each step leaves the other's parameters without a gradient."""
+
+    def configure_model(self):
+        return Branches()
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x, self.state.global_step % 2 == 1).squeeze(1), y)
+
+    def val_dataloader(self):
+        return None
+
+
+class ValidationStream(IterableDataset):
+    """The 13 samples of UnevenValidation's stream split by hand: 0-8 on rank 0 (3 batches of 4), 9-12 on rank 1
+    (1 batch); none on rank 1 when ``empty_on_1``."""
+
+    def __init__(self, empty_on_1: bool = False):
+        self.empty_on_1 = empty_on_1
+
+    def __iter__(self):
+        x, y = toy_dataset(13, seed=7).tensors
+        mine = range(9) if RANK == 0 else range(0) if self.empty_on_1 else range(9, 13)
+        return iter([(x[i], y[i]) for i in mine])
+
+
+class UnevenValidationStream(Plain):
+    empty_on_1 = False
+
+    def val_dataloader(self):
+        return DataLoader(ValidationStream(self.empty_on_1), batch_size=4)
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
+class OptimizerFailsOnRank1(Plain):
+    def configure_optimizers(self):
+        if RANK == 1:
+            raise ValueError("rank 1's optimizer settings are wrong")
+        return super().configure_optimizers()
 
 
 class MetricsPerRank(Plain):
@@ -139,6 +221,21 @@ class OverflowOnRank1(ampkit.Callback):
 class SuicideAt(ampkit.Callback):
     def on_train_batch_end(self, trainer, outputs, batch):
         if RANK == 1 and trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DiesOnceAt4(ampkit.Callback):
+    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt; records where each
+    attempt started."""
+
+    def __init__(self):
+        self.started_at = None
+
+    def on_train_start(self, trainer):
+        self.started_at = trainer.state.global_step
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -297,6 +394,19 @@ def main(scenario: str, out: Path) -> None:
         trainer = UnevenValidation({**base, "checkpoint": {"enabled": False}, "distributed": fsdp})
         torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "validate_stream_fsdp":  # every FSDP forward is a collective: rank 1 pads with fillers
+        fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+        cfg = {**base, "checkpoint": {"enabled": False}, "distributed": {**fsdp, "timeout_s": 10}}
+        trainer = UnevenValidationStream(cfg)
+        val, predictions = trainer.validate(), trainer.predict()
+        UnevenValidationStream.empty_on_1 = True
+        try:
+            UnevenValidationStream(cfg).validate()
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        torch.save({"val": val, "predictions": len(predictions), "refused": refused}, out / f"rank{RANK}.pt")
+        return
     elif scenario == "metrics_per_rank":
         trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})
         torch.save({"val": trainer.validate()}, out / f"rank{RANK}.pt")
@@ -315,6 +425,47 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "bare_module":
+        trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
+    elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
+        cfg = {**base, "checkpoint": {"enabled": False}, "data": {"batch_size": 4},
+               "trainer": {**cpu, "max_epochs": 2}, "distributed": {"timeout_s": 10}}  # fmt: skip
+        try:
+            UnevenLists(cfg).fit()
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        trainer = UnevenStream(cfg)
+        trainer.fit()
+        torch.save({"refused": refused, "global_step": trainer.state.global_step,
+                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+        return
+    elif scenario == "unused_parameters":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}}
+        try:
+            UnusedParameters(cfg).fit()
+            explained = None
+        except RuntimeError as exc:
+            explained = getattr(exc, "ampkit_setup_error", None)
+        trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
+        trainer.fit()
+        torch.save({"explained": explained, "global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "restart":  # under torchrun --max-restarts 1
+        if RANK == 0 and ATTEMPT == 1:  # joins late: rank 1 reads the group's keys first
+            time.sleep(1)
+        spy = DiesOnceAt4()
+        cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3},
+               "trainer": {**cpu, "max_epochs": 1}, "distributed": {"timeout_s": 20}}  # fmt: skip
+        trainer = Plain(cfg, callbacks=[spy])
+        trainer.fit()
+        torch.save({"started_at": spy.started_at, "global_step": trainer.state.global_step, "attempt": ATTEMPT,
+                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+        return
+    elif scenario == "set_up_fails_on_rank_1":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
+               "distributed": {"timeout_s": 20}}  # fmt: skip
+        trainer = OptimizerFailsOnRank1(cfg)
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

@@ -72,6 +72,13 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
 
 
+def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
+    """self.module's forward bypasses DDP: its backward averages nothing, and each rank trained its own model."""
+    for result in launch("bare_module", tmp_path):
+        assert result.returncode != 0
+        assert "training_step's loss did not come from self.model: under DDP only self.model" in result.stderr
+
+
 @pytest.mark.parametrize("scenario", ["ddp_unfreeze", "ddp_unfreeze_fp16"])
 def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_averaged_across_ranks(tmp_path, scenario):
     """DDP's reducer averages only the parameters trainable when it wrapped the model: a layer unfrozen at epoch 1
@@ -193,6 +200,27 @@ def test_a_validation_set_not_divisible_by_the_ranks_averages_each_sample_once(t
     assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
 
 
+def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shorter_rank(tmp_path):
+    """A validation IterableDataset with 3 batches on rank 0 and 1 on rank 1: every FSDP forward is a collective, so
+    rank 0's second forward met rank 1's metric all-reduce and both aborted on gloo's size mismatch. Rank 1 now runs
+    filler batches, dropped from the metric (equal to one process's) and the predictions; a rank with none at all
+    is refused on every rank, naming it."""
+    from dist_worker import Plain
+
+    class AllThirteen(Plain):
+        def val_dataloader(self):
+            return DataLoader(toy_dataset(13, seed=7), batch_size=4)
+
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "trainer": {"progress_bar": False, "device": "cpu"}}  # fmt: skip
+    expected_mse = AllThirteen(cfg).validate()["mse"]
+    rank0, rank1 = _ok(launch("validate_stream_fsdp", tmp_path))
+    assert rank0["val"]["mse"] == rank1["val"]["mse"] == pytest.approx(expected_mse, rel=1e-6)
+    assert [rank0["predictions"], rank1["predictions"]] == [3, 1]
+    for rank in (rank0, rank1):
+        assert rank["refused"].startswith("val_dataloader() gives rank(s) 1 no batch while other ranks have 1 or more")
+
+
 @pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])
 def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_rank(size, drop_last):
     from ampkit.trainer.distributed import DistributedEnv, EvaluationBatches
@@ -201,6 +229,35 @@ def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_ran
     assert len({len(list(batches)) for batches in ranks}) == 1
     real = sorted(i for batches in ranks for batch in list(batches)[: batches.real_batches] for i in batch)
     assert real == list(range(24 if drop_last else size))
+
+
+def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path):
+    """Rank 0 has 10 batches, rank 1 6: rank 0's 7th step waited in the gradient all-reduce until
+    ``distributed.timeout_s``, then failed blaming a live rank. Counts known up front are refused at set-up naming
+    them; a stream (an IterableDataset) ends every rank's epoch where the shortest runs out, with a warning."""
+    results = launch("uneven_batches", tmp_path, timeout=120)
+    rank0, rank1 = _ok(results)
+    refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
+    for rank in (rank0, rank1):
+        assert refused in rank["refused"]
+        assert "trainer.limit_train_batches=6" in rank["refused"]
+        assert rank["global_step"] == 12  # 6 steps in each of 2 epochs
+    _equal(rank0["model"], rank1["model"])
+    assert "epoch 0: the training data of rank(s) 1 ran out after 6 batches" in results[0].stderr
+    assert "ran out" not in results[1].stderr  # rank zero alone warns
+
+
+def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
+    """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
+    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead."""
+    rank0, rank1 = _ok(launch("unused_parameters", tmp_path))
+    for rank, result in enumerate((rank0, rank1)):
+        assert result["explained"] == (
+            f"rank {rank}: parameters 'b.weight', 'b.bias' got no gradient in the step before, so DDP never finished "
+            "reducing them: set distributed.find_unused_parameters=true for a model whose steps leave some parameters "
+            "out (or make every step's loss use all of them)"
+        )
+        assert result["global_step"] == 2  # with the key set, the same model trains
 
 
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
@@ -271,6 +328,42 @@ def test_killing_one_rank_makes_the_other_exit_naming_it(tmp_path):
     assert rank0.returncode != 0
     assert "rank(s) 1 died or stopped responding" in rank0.stderr, rank0.stderr[-2000:]
     assert elapsed < 60
+
+
+def test_a_rank_failing_during_set_up_is_named_by_the_others(tmp_path):
+    """Rank 1's configure_optimizers raises: rank 0, already in a set-up collective, failed with gloo's bare
+    "Connection closed by peer", since the callbacks that name a dead rank are set up later."""
+    rank0, rank1 = launch("set_up_fails_on_rank_1", tmp_path)
+    assert "ValueError: rank 1's optimizer settings are wrong" in rank1.stderr
+    assert rank0.returncode != 0
+    assert "rank 0: a collective while setting up fit failed: rank(s) 1 died or stopped responding" in rank0.stderr
+
+
+@pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
+def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
+    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group continues version_0 from
+    its step-3 checkpoint (it had started over in a new version_1). Its process group had read the dead attempt's
+    addresses from the agent's store (kept across restarts) and failed to connect."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", str(WORKER), "restart", str(tmp_path)],
+        env=child_env(TESTS, TESTS.parent, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ampkit: torchrun restart 1 continues this launch's run from" in result.stderr
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    for rank in ranks:
+        assert (rank["attempt"], rank["started_at"], rank["global_step"]) == (1, 3, 8)
+    _equal(ranks[0]["model"], ranks[1]["model"])
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+    from dist_worker import Plain
+
+    single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                    "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
+                    "trainer": {"max_epochs": 1, "device": "cpu", "progress_bar": False}})  # fmt: skip
+    single.fit()  # the uninterrupted run, as one process at the global batch
+    for key, value in single.module.state_dict().items():
+        torch.testing.assert_close(ranks[0]["model"][key], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import UserDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 import ampkit
 from ampkit.cli import main
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.evaluation import batch_size
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
@@ -220,3 +222,55 @@ def test_load_model_returns_the_trained_module_for_inference(tmp_path):
     x = torch.randn(3, 6)
     fitted.module.eval()
     torch.testing.assert_close(model(x), fitted.module(x))
+
+
+@dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize(
+    ("batch", "samples"),
+    [
+        (torch.zeros(5, 3), 5),
+        (torch.tensor(2.0), 1),
+        ({"ids": torch.zeros(4, 7), "mask": torch.zeros(4, 7)}, 4),
+        ([torch.zeros(0, 4), torch.zeros(6)], 6),  # a batch of 6 images, the first with no boxes
+        (_Pair(torch.zeros(3, 2), torch.zeros(3)), 3),
+        ({"pairs": (_Pair(torch.zeros(0, 2), torch.zeros(0)),)}, 0),
+        ((torch.zeros(0, 6), torch.zeros(0)), 0),
+        (["some", "strings"], None),
+        ({"text": ["a", "b"], "meta": {"ids": [1, 2]}}, None),
+        (object(), None),
+    ],
+)
+def test_samples_are_counted_through_containers_and_unknown_without_a_tensor(batch, samples):
+    assert batch_size(batch) == samples
+
+
+def _empty_third_batch(samples):  # a collate whose filter dropped every sample of one batch
+    x, y = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+    _empty_third_batch.calls += 1
+    return (x[:0], y[:0]) if _empty_third_batch.calls == 3 else (x, y)
+
+
+class EmptyValidationBatch(ToyTrainer):
+    def val_dataloader(self):
+        _empty_third_batch.calls = 0
+        return DataLoader(toy_dataset(24, seed=7), batch_size=6, collate_fn=_empty_third_batch)
+
+
+def test_a_validation_batch_of_no_samples_is_left_out_of_the_means_with_a_warning(tmp_path):
+    """Its step's metric is nan (a mean over nothing); weighted by 1 it made the whole set's mean nan."""
+    trainer = EmptyValidationBatch(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+    trainer.fit()
+    _empty_third_batch.calls = 0
+    with pytest.warns(UserWarning, match=r"validation_step: batch\(es\) 2 held 0 samples .*left out of the means"):
+        mse = trainer.validate()["mse"]
+    x, y = toy_dataset(24, seed=7)[:]
+    kept = torch.cat([torch.arange(0, 12), torch.arange(18, 24)])
+    trainer.module.eval()
+    with torch.no_grad():
+        expected = F.mse_loss(trainer.module(x[kept]).squeeze(1), y[kept])
+    assert mse == pytest.approx(float(expected), rel=1e-5)

@@ -492,3 +492,34 @@ def test_limit_train_batches_trains_and_pulls_only_that_many(tmp_path):
     assert trainer.num_train_batches == 3
     assert trainer.state.global_step == 6
     assert loader.pulled == 6  # no batch is drawn past the limit
+
+
+class _Stream:
+    """The same ten batches as _CountingLoader, without a length (as a loader of an IterableDataset)."""
+
+    def __init__(self) -> None:
+        self.data = _CountingLoader().data
+
+    def __iter__(self):
+        yield from self.data
+
+
+def test_a_loader_without_a_length_steps_its_last_partial_window_with_the_epoch(tmp_path):
+    """Ten batches in windows of 4: the last window (2 batches) steps at the epoch's end, as it does for a loader
+    with a length; its gradients went into the next epoch's first step (6 batches in one), or after the last epoch
+    into no step at all."""
+    trained = []
+    for loader in (_CountingLoader(), _Stream()):
+
+        class Accumulating(ToyTrainer):
+            def train_dataloader(self, loader=loader):
+                return loader
+
+        cfg = toy_cfg(tmp_path / type(loader).__name__, **{"trainer.max_epochs": 2, **QUIET})
+        trainer = Accumulating({**cfg, "trainer": {**cfg["trainer"], "accumulate_grad_batches": 4}})
+        trainer.fit()
+        trained.append(trainer)
+    sized, stream = trained
+    assert stream.num_train_batches is None and stream.state.global_step == sized.state.global_step == 6
+    for key, value in sized.module.state_dict().items():
+        assert torch.equal(stream.module.state_dict()[key], value), key

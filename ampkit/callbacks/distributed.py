@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
+import re
 from typing import Any
 
 import torch
@@ -15,9 +14,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.distributed import DistributedError, is_communication_failure
+from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
 from ampkit.trainer.model_setup import compiles_whole_model
 from ampkit.trainer.param_groups import TrainableParams
+from ampkit.trainer.user_code import UserCodeError
 
 
 class DistributedSync(Callback):
@@ -46,6 +46,8 @@ class DistributedSync(Callback):
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
         self._buffers: list[torch.Tensor] = []  # grad_sync="step": the module's buffers, broadcast before forwards
+        self._watch: Any = None  # DDP's forward hook: noting that this batch's loss came through DDP
+        self._forwarded = False
         self._ddp_params: set[int] = set()  # the parameters DDP's reducer averages: those trainable when it wrapped
         self._trainable: TrainableParams | None = None
         self._unfrozen: set[int] = set()  # trainable parameters DDP does not average: averaged at the step instead
@@ -62,12 +64,20 @@ class DistributedSync(Callback):
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
             trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
+            if trainer.model is self._ddp:  # (a compiled DDP forward traces its hooks: left unwatched)
+                self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
             self._ddp_params = {id(p) for p in trainer.module.parameters() if p.requires_grad}
             self._trainable, self._unfrozen = TrainableParams(trainer.module, trainer.optimizers.values()), set()
         elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
 
+    def _note_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._forwarded = True
+
     def on_fit_end(self, trainer) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
             trainer.model, self._unwrapped, self._ddp = self._unwrapped, None, None
 
@@ -78,9 +88,18 @@ class DistributedSync(Callback):
         if self._ddp is not None:  # with gradients taken out after each backward, every backward must average
             s = trainer.state
             self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
+            self._forwarded = False
             if s.is_iteration_start and self._trainable.changed():  # a parameter unfrozen since DDP wrapped the model
                 params = trainer.module.parameters()
                 self._unfrozen = {id(p) for p in params if p.requires_grad and id(p) not in self._ddp_params}
+
+    def on_after_backward(self, trainer, backward: Any) -> None:
+        if self._watch is not None and not self._forwarded:
+            raise UserCodeError(
+                "training_step's loss did not come from self.model: under DDP only self.model (the wrapped model) "
+                "averages gradients across ranks, so a loss of self.module (the bare one) trains each rank apart; "
+                "call self.model in training_step"
+            )
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
@@ -126,6 +145,20 @@ class DistributedSync(Callback):
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 tensor.copy_(synced)
 
+    def explain_exception(self, trainer, exception: BaseException) -> str | None:
+        if (
+            self._ddp is None
+            or self.ddp_kwargs.get("find_unused_parameters")
+            or not _UNFINISHED_REDUCTION.search(str(exception))
+        ):
+            return None
+        return (
+            f"rank {dist.get_rank()}: parameters {unused_parameter_names(trainer.module, str(exception))} got no "
+            "gradient in the step before, so DDP never finished reducing them: set "
+            "distributed.find_unused_parameters=true for a model whose steps leave some parameters out (or make "
+            "every step's loss use all of them)"
+        )
+
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
             return
@@ -141,24 +174,20 @@ class DistributedSync(Callback):
             raise self._diagnose(what, exc) from exc
 
     def _diagnose(self, what: str, exc: BaseException) -> DistributedError:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        message = f"rank {dist.get_rank()}: {what} failed: {self._missing_ranks()} ({type(exc).__name__}: {first_line})"
-        return DistributedError(message)
+        return diagnose_failure(what, exc, self.failure_wait_s)
 
-    def _missing_ranks(self) -> str:
-        """After a failed collective, survivors check in through the rendezvous store; absentees are named."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set_timeout(timedelta(seconds=self.failure_wait_s))
-            me, world = dist.get_rank(), dist.get_world_size()
-            store.set(f"ampkit/alive/{me}", "1")
-            deadline = time.monotonic() + self.failure_wait_s
-            missing = [r for r in range(world) if r != me]
-            while missing and time.monotonic() < deadline:
-                missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
-                time.sleep(0.05)
-        except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
-            return "the rendezvous store is unreachable, so rank 0 or the launcher died"
-        if not missing:
-            return "all ranks are alive; a collective timed out or the ranks diverged"
-        return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
+
+# torch's DDP error at the forward after a backward that left parameters without a gradient
+_UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the prior iteration")
+_UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def unused_parameter_names(module: torch.nn.Module, message: str) -> str:
+    """The names of the parameters DDP's ``message`` lists by index (DDP numbers the ones requiring grad in
+    ``named_parameters`` order), e.g. ``'b.weight', 'b.bias'``; "some" where it lists none."""
+    found = _UNUSED_INDICES.search(message)
+    if found is None:
+        return "some"
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    indices = [int(i) for i in found.group(1).split()]
+    return ", ".join(repr(names[i]) if i < len(names) else str(i) for i in indices)

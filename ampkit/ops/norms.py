@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,19 +78,52 @@ _TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes w
 ShapeLike = int | Sequence[int] | torch.Size
 
 
-def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+def _size(value: object) -> int | None:
+    """``value`` as a size if it is an integer (a Python, numpy or 0-dim integer tensor one; not a bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        return None
     try:
-        if isinstance(normalized_shape, numbers.Integral):
-            shape: tuple[int, ...] = (int(normalized_shape),)
-        else:
-            shape = tuple(int(s) for s in normalized_shape)
+        return operator.index(value)
     except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
+        return None
+
+
+def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of ints. Only integers are taken, as by torch's norms: ``int()`` would read
+    the string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    single = _size(normalized_shape)
+    if single is not None:
+        return _checked_shape((single,))
+    bad = TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if isinstance(normalized_shape, str | bytes) or not isinstance(normalized_shape, Iterable):
+        raise bad
+    try:
+        sizes = [_size(s) for s in normalized_shape]
+    except TypeError:  # a 0-dim float tensor
+        raise bad from None
+    if any(size is None for size in sizes):
+        raise bad
+    return _checked_shape(tuple(sizes))
+
+
+def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):
         raise ValueError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
     return shape
+
+
+def _check_memory_efficient(op: str, value: object) -> None:
+    """True or False (or 0 and 1): torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth, where
+    Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
+    memory-efficient norm on the CPU."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    raise TypeError(
+        f"{op}: memory_efficient must be True or False, got {value!r} (the fourth positional argument is Apex's "
+        "memory_efficient; pass bias, device and dtype by keyword)"
+    )
 
 
 def _check_eps(op: str, eps: float) -> None:
@@ -196,6 +230,21 @@ def _grads_to_differentiate(
     return tuple(next(grads) if need else None for need in needed)
 
 
+def _refuse_second_order(norm: str, grad_output: torch.Tensor, saved: tuple[torch.Tensor | None, ...]) -> None:
+    """A memory-efficient norm saves its output, not its input, so its gradients cannot be differentiated: under
+    ``create_graph=True`` they would carry no graph to the input (``once_differentiable`` only fails a second
+    backward that passes through the gradient's own node, so ``torch.autograd.grad(..., inputs=x)`` and
+    gradgradcheck saw zeros for its terms). Refused here, by name, whenever that graph would be asked for."""
+    if not torch.is_grad_enabled():
+        return
+    if grad_output.requires_grad or any(t is not None and t.requires_grad for t in saved):
+        raise RuntimeError(
+            f"{norm} with memory_efficient=True keeps the output instead of the input, so its backward cannot be "
+            "differentiated again (backward(create_graph=True), a gradient penalty, gradgradcheck); build it with "
+            "memory_efficient=False"
+        )
+
+
 class FusedLayerNormFunction(torch.autograd.Function):
     """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
 
@@ -228,7 +277,9 @@ class FusedLayerNormFunction(torch.autograd.Function):
         # Unpacked once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack of a saved tensor.
         saved_tensors = ctx.saved_tensors
         saved, weight, bias, _, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused layer norm", grad_output, (saved, weight, bias))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight, bias),
                 lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
@@ -283,7 +334,9 @@ class FusedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         saved_tensors = ctx.saved_tensors  # unpacked once, as in FusedLayerNormFunction.backward
         saved, weight, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused RMS norm", grad_output, (saved, weight))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight),
                 lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),
@@ -452,6 +505,7 @@ class FusedLayerNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # Apex's before mid-2023 had no such field: a model pickled with one loads and runs
 
     def __init__(
         self,
@@ -468,6 +522,7 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:
@@ -519,6 +574,7 @@ class FusedRMSNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # as FusedLayerNorm: Apex's before mid-2023 had no such field
 
     def __init__(
         self,
@@ -535,6 +591,7 @@ class FusedRMSNorm(nn.Module):
         if eps is not None:
             _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
@@ -26,6 +28,33 @@ def is_communication_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from the process group's transport rather than from user code."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
+
+
+def diagnose_failure(what: str, exc: BaseException, wait_s: float = 5.0) -> DistributedError:
+    """A failed collective as one line: this rank, ``what`` failed, which ranks did not check in through the
+    rendezvous store within ``wait_s`` (died or stopped responding), and the transport's first line."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"rank {dist.get_rank()}: {what} failed: {_missing_ranks(wait_s)} ({type(exc).__name__}: {first_line})"
+    return DistributedError(message)
+
+
+def _missing_ranks(wait_s: float) -> str:
+    """After a failed collective, survivors check in through the rendezvous store; absentees are named."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=wait_s))
+        me, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"ampkit/alive/{me}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(world) if r != me]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
+            time.sleep(0.05)
+    except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
+        return "the rendezvous store is unreachable, so rank 0 or the launcher died"
+    if not missing:
+        return "all ranks are alive; a collective timed out or the ranks diverged"
+    return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
 
 
 @dataclass(frozen=True)
@@ -100,7 +129,10 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
     store, rank, size = _rendezvous
     store.set_timeout(timeout)
     _groups_created += 1
-    return dist.PrefixStore(f"ampkit_group_{_groups_created}", store), rank, size
+    # torchrun's agent keeps its store across the restarts of a worker group (--max-restarts): a restarted group's
+    # keys are its own too, or its ranks would connect to the dead attempt's addresses.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ampkit_group_{attempt}_{_groups_created}", store), rank, size
 
 
 def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
@@ -253,6 +285,116 @@ def distributed_loader(
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+def counted_batches(loader: Any, limit: int | None) -> int | None:
+    """The batches a pass over ``loader`` yields (at most ``limit``) where that is sure, else None: one without a
+    length, or an ``IterableDataset``'s, whose ``len`` is a hint its stream may undercut, also below ``limit``."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        count = len(loader)
+    except TypeError:
+        return None
+    return count if limit is None else min(count, limit)
+
+
+def check_equal_batches(count: int | None, env: DistributedEnv, source: str = "train_dataloader()") -> bool:
+    """Whether every rank is known to run as many training batches per epoch (one collective, at set-up); refused,
+    naming each rank's count, when they are known and differ. False when some rank's count is unknown (an
+    ``IterableDataset``, a generator): the loop then agrees on every batch (:func:`while_every_rank_has_a_batch`)."""
+    if not env.enabled:
+        return True
+    counts = gather_object(count, env)
+    if None in counts:
+        return False
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+        raise ValueError(
+            f"{source} gives the ranks different numbers of batches per epoch ({shown}), but every training step "
+            "all-reduces gradients over all ranks, so the ranks with more would wait there until "
+            "distributed.timeout_s: give every rank as many (a DistributedSampler pads each shard to one size) or set "
+            f"trainer.limit_train_batches={min(counts)}"
+        )
+    return True
+
+
+def batch_agreement_group(env: DistributedEnv) -> Any:
+    """The group :func:`while_every_rank_has_a_batch` agrees in: a gloo group on the CPU beside NCCL, so that asking
+    whether every rank has a batch never waits for the device. Every rank calls it, at the same point."""
+    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+
+
+_NO_BATCH = object()  # what while_every_rank_has_a_batch's next() returns at the end of a rank's batches
+
+
+def while_every_rank_has_a_batch(
+    batches: Iterator[Any], env: DistributedEnv, group: Any, epoch: int, done: int = 0
+) -> Iterator[Any]:
+    """``batches`` (the epoch's from batch ``done`` on) for as long as every rank has one (one small CPU collective
+    per batch): where one rank's data runs out, every rank ends the epoch there, rather than the others waiting in
+    the step's gradient all-reduce until the timeout, and rank zero warns naming the ranks and the count."""
+    iterator = iter(batches)
+    while True:
+        batch = next(iterator, _NO_BATCH)
+        has = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)
+        gathered = [torch.zeros_like(has) for _ in range(env.world_size)]
+        dist.all_gather(gathered, has, group=group)
+        short = [rank for rank, flag in enumerate(gathered) if not flag.item()]
+        if short:
+            if len(short) < env.world_size:
+                rank_zero_warn(
+                    f"epoch {epoch}: the training data of rank(s) {', '.join(map(str, short))} ran out after {done} "
+                    f"batches, while the other ranks had more: every rank ends the epoch at {done} (each step "
+                    "all-reduces gradients over all ranks), so the others' remaining batches go untrained; give every "
+                    "rank as many batches to train on all of them"
+                )
+            return
+        done += 1
+        yield batch
+
+
+def evened_by_agreement(loader: Any) -> bool:
+    """Whether every rank's pass over evaluation ``loader`` may run a different number of batches, so that ranks
+    whose every forward is a collective (FSDP) must agree on each one (:func:`padded_to_the_longest_rank`): not
+    so for the loaders ampkit shards (``EvaluationBatches``) or a ``DistributedSampler`` (it pads)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
+    return not isinstance(batches, EvaluationBatches) and not isinstance(sampler, DistributedSampler)
+
+
+def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -> Iterator[tuple[Any, bool]]:
+    """``(batch, real)``: this rank's ``batches``, then its last one again (``real`` False: its results are
+    dropped) until every rank's ran out, so every rank runs as many forwards, as FSDP's collectives in each need.
+    One small collective per batch; a rank with no batch at all while others have some is refused on every rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    iterator, last, done = iter(batches), _NO_BATCH, 0
+    while True:
+        batch = next(iterator, _NO_BATCH)
+        mine = torch.tensor(
+            [batch is not _NO_BATCH, last is not _NO_BATCH or batch is not _NO_BATCH], dtype=torch.int32, device=device
+        )
+        gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
+        dist.all_gather(gathered, mine)
+        has, had = zip(*(flags.tolist() for flags in gathered), strict=True)
+        if not any(has):
+            return
+        if not all(had):
+            empty = ", ".join(str(rank) for rank, any_batch in enumerate(had) if not any_batch)
+            raise ValueError(
+                f"{source} gives rank(s) {empty} no batch while other ranks have {done + 1} or more: under "
+                "distributed.strategy=fsdp every rank runs each forward together, so each needs a batch; give every "
+                "rank a share of the data (a map-style dataset is sharded for you)"
+            )
+        done += 1
+        if batch is _NO_BATCH:
+            yield last, False
+        else:
+            last = batch
+            yield batch, True
 
 
 class EvaluationBatches:

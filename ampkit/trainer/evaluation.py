@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from ampkit.trainer.distributed import all_reduce_sum, filler_batches_from, union_over_ranks
+from ampkit.trainer.distributed import (
+    all_reduce_sum,
+    evened_by_agreement,
+    filler_batches_from,
+    padded_to_the_longest_rank,
+    union_over_ranks,
+)
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -32,24 +39,33 @@ TEST = Stage("test", "test_dataloader", "test_step", "test")
 PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
-def batch_size(batch: Any) -> int:
-    """The leading size of the first tensor found in ``batch`` (0 if none): in lists, tuples, any mapping (Hugging
-    Face's ``BatchEncoding`` is a ``UserDict``) and dataclasses."""
+def batch_size(batch: Any) -> int | None:
+    """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
+    through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
+    no tensor (strings, a custom object)."""
+    empty = False
+    for size in _leading_sizes(batch):
+        if size:
+            return size
+        empty = True
+    return 0 if empty else None
+
+
+def _leading_sizes(batch: Any) -> Iterator[int]:
+    """The leading size of each tensor in ``batch``, depth first."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, list | tuple):
-        values: Iterable[Any] = batch
-    elif isinstance(batch, Mapping):
-        values = batch.values()
+        yield batch.shape[0] if batch.ndim else 1
+        return
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
     else:
-        return 0
+        return
     for value in values:
-        size = batch_size(value)
-        if size:
-            return size
-    return 0
+        yield from _leading_sizes(value)
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
@@ -83,6 +99,16 @@ def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
         submodule.training = training
 
 
+def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Iterator[tuple[Any, bool]]:
+    """``(batch, real)`` for each batch this rank runs: a filler batch (``real`` False) keeps step with ranks that
+    have more, its results dropped. Under FSDP, where every forward is a collective, a loader that may give the ranks
+    different counts (an ``IterableDataset``, per-rank lists) is padded to the longest rank's."""
+    filler = filler_batches_from(loader)
+    if filler is None and trainer.dist.enabled and trainer.sharded and evened_by_agreement(loader):
+        return padded_to_the_longest_rank(loader, trainer.dist, source)
+    return ((batch, filler is None or i < filler) for i, batch in enumerate(loader))
+
+
 @torch.no_grad()
 def average_metrics(
     trainer: Trainer,
@@ -100,21 +126,33 @@ def average_metrics(
     trainer.module.eval()
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
-    filler = filler_batches_from(loader)
-    for i, batch in enumerate(loader):
+    source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
+    empty: list[int] = []
+    for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
             break
         batch = trainer._to_device(batch)
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
-        if filler is not None and i >= filler:
+        if not real:
             continue
-        n = batch_size(batch) or 1
+        n = batch_size(batch)
+        if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
+            empty.append(i)
+            continue
+        n = n or 1  # samples unknown (no tensor in the batch): each batch weighs one
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
             seen[key] = seen.get(key, 0.0) + n
         if batch_end_hook is not None:
             trainer.fire(batch_end_hook, metrics, batch)
     restore_training_modes(modes)
+    if empty:
+        warnings.warn(
+            f"{step.__name__}: batch(es) {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''} held "
+            "0 samples (every tensor with 0 rows: a collate_fn or dataset that filters samples?); left out of the "
+            "means",
+            stacklevel=2,
+        )
     keys = union_over_ranks(list(sums), trainer.dist)
     totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
@@ -126,14 +164,14 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
     batch's (a rank with fewer samples keeping step with the others) is dropped."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
-    predictions = [
-        apply_to_collection(
-            run_step(trainer, step, trainer._to_device(batch)), torch.Tensor, lambda t: t.detach().cpu()
-        )
-        for batch in loader
-    ]
-    filler = filler_batches_from(loader)
-    if filler is not None:
-        del predictions[filler:]
+    predictions = []
+    for batch, real in real_and_filler_batches(trainer, loader, "predict_dataloader()"):
+        output = run_step(trainer, step, trainer._to_device(batch))
+        if real:
+            predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
     restore_training_modes(modes)
     return predictions
+
+
+# The loader each evaluation step's batches come from, as errors name it.
+_DATALOADER_OF = {"validation_step": "val_dataloader()", "test_step": "test_dataloader()"}

@@ -1,7 +1,8 @@
 """A run directory's life: which checkpoint a run starts from, which ``version_N`` it writes, its lock, its
 config. Its rules, stated once (nothing a user wrote is ever overwritten or deleted by another run):
 
-* ``fit()`` without ``resume`` writes a new ``<run_dir>/version_N`` (the next free N).
+* ``fit()`` without ``resume`` writes a new ``<run_dir>/version_N`` (the next free N); in a worker group torchrun
+  restarted (``--max-restarts``) it resumes the newest checkpoint this launch saved, if any (:func:`restarted_from`).
 * ``fit(resume=...)`` starts from ``last``/``best`` (of the newest ``version_N`` under ``run_dir`` that has
   one) or a path, and then, decided before any user code runs:
 
@@ -248,6 +249,28 @@ def newest_periodic_checkpoint(run_dir: str | os.PathLike) -> Path | None:
         if found:
             return max(found, key=training_order)
     return None
+
+
+def torchrun_launch() -> str | None:
+    """Which torchrun launch this process belongs to, the same in every restart of its worker group
+    (``--max-restarts``) on this node: torchrun's run id and its agent process (this process's parent: host, pid,
+    start). None outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    agent = os.getppid()
+    return f"{run_id}/{socket.gethostname()}/{agent}/{_process_start(agent)}"
+
+
+def restarted_from(run_dir: str | os.PathLike) -> Path | None:
+    """In a worker group torchrun restarted (``--max-restarts``), the checkpoint its earlier attempt left under
+    ``run_dir``: the newest ``last`` when its ``launch`` is this launch, else None (a first attempt, or one that
+    died before saving, starts fresh)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < 1 or (launch := torchrun_launch()) is None:
+        return None
+    path = latest_checkpoint(run_dir, "last.pt")
+    checkpoint = peek_checkpoint(_trainer_part(path)) if path is not None else None
+    return path if checkpoint is not None and checkpoint.get("launch") == launch else None
 
 
 def plan_fit(

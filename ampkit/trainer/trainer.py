@@ -65,16 +65,23 @@ from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointE
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
+    DistributedError,
     any_rank,
     any_rank_on_device,
+    batch_agreement_group,
     broadcast_object,
+    check_equal_batches,
     check_same_config,
+    counted_batches,
+    diagnose_failure,
     distributed_loader,
     evaluation_loader,
     gather_object,
+    is_communication_failure,
     launched_world_size,
     setup_distributed,
     teardown_distributed,
+    while_every_rank_has_a_batch,
 )
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
@@ -95,7 +102,9 @@ from ampkit.trainer.optimizers import (
     NamedOptimizers,
     OptimizerSpec,
     check_parameters,
+    group_settings,
     normalize_optimizers,
+    settings_kept_from_checkpoint,
     step_,
     zero_grad_,
 )
@@ -117,7 +126,9 @@ from ampkit.trainer.run_life import (
     prediction_output,
     rank_output,
     resolve_checkpoint,
+    restarted_from,
     tidy_run_dir,
+    torchrun_launch,
 )
 from ampkit.trainer.sanity import (
     check_epoch_scheduler_monitors,
@@ -139,9 +150,11 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    empty_batch_error,
     nothing_trained_warning,
 )
 
+_NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
@@ -265,12 +278,17 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
+        self._launch = torchrun_launch()  # the torchrun launch this process belongs to (None outside torchrun)
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
+        self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
+        self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
+        self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
@@ -609,6 +627,9 @@ class Trainer:
         try:
             self._fit(resume)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, "fit")
+            raise
         finally:
             if self._lock is not None:
                 self._lock.release()
@@ -626,6 +647,8 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
+            resume = self._restarted_from()
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
@@ -654,6 +677,14 @@ class Trainer:
             raise
         finally:
             self.fire("on_fit_end")
+
+    def _restarted_from(self) -> Path | None:
+        """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
+        path = broadcast_object(restarted_from(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+        if path is not None and self.is_global_zero:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
+        return path
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
@@ -691,11 +722,15 @@ class Trainer:
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
-        for batch in self._epoch_batches():
+        batches = self._epoch_batches()
+        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
+            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
+        self._at_last_batch = False
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if (
@@ -706,7 +741,9 @@ class Trainer:
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
         if exhausted:
-            if _every(self.settings.val_every_n_epochs, s.epoch + 1):
+            # Not again when the epoch's last step validated (val_every_n_steps): the same weights, a second pass,
+            # and a second non-improving validation for early stopping's patience.
+            if _every(self.settings.val_every_n_epochs, s.epoch + 1) and self.val_metrics_step != s.global_step:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
@@ -721,12 +758,16 @@ class Trainer:
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
-        s.is_iteration_end = (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches
+        s.is_iteration_end = (
+            (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches or self._at_last_batch
+        )
         if s.is_iteration_start:
             for opt_state in self.optimizer_state.values():
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
+        if batch_size(batch) == 0:  # on the host, before any work: nan loss and zero gradients otherwise
+            raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
             batch = self._to_device(batch)
         self._batch = batch
@@ -916,9 +957,18 @@ class Trainer:
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
+        except RuntimeError as exc:
+            self._raise_set_up_failure(exc, stage.name)
+            raise
         finally:
             teardown_distributed(self.dist, clean)
         return result
+
+    def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
+        """A collective that failed before the callbacks that name a dead rank were set up (comparing configs,
+        counting batches, sharing the run directory) is raised naming the ranks that did not check in."""
+        if self.dist.enabled and not isinstance(exc, DistributedError) and is_communication_failure(exc):
+            raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         path = self._resolve_checkpoint(ckpt)
@@ -992,7 +1042,11 @@ class Trainer:
             shuffle_default=True,
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader")
+        equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
+        self._batch_agreement = None if equal else batch_agreement_group(self.dist)
+        self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
@@ -1148,7 +1202,21 @@ class Trainer:
         if skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
-        return islice(iterator, None if total is None else max(total - skip, 0))
+        batches = islice(iterator, None if total is None else max(total - skip, 0))
+        if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
+            return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
+        return batches
+
+    def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
+        (``self._at_last_batch``): its partial window then steps with the epoch, as a known length's does, instead of
+        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step)."""
+        upcoming = next(batches, _NO_BATCH)
+        while upcoming is not _NO_BATCH:
+            batch, upcoming = upcoming, next(batches, _NO_BATCH)
+            self._at_last_batch = upcoming is _NO_BATCH
+            yield batch
+        self._at_last_batch = False
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
@@ -1204,6 +1272,8 @@ class Trainer:
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
+        if self._launch is not None:  # under torchrun: a restart of this launch continues from it
+            checkpoint["launch"] = self._launch
         if not self.sharded:
             checkpoint["model"] = self.module.state_dict()
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
@@ -1229,6 +1299,7 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
+        built = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1239,6 +1310,12 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
+        kept = [line for spec in self._specs for line in settings_kept_from_checkpoint(spec, built[spec.name])]
+        if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
+            rank_zero_warn(
+                f"checkpoint '{path}' restores its optimizers' settings over configure_optimizers()'s: "
+                f"{'; '.join(kept)}; to change them on resume, set param_groups in on_load_checkpoint"
+            )
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)

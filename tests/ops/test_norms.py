@@ -7,6 +7,7 @@ them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -290,6 +291,26 @@ def test_wrong_normalized_shape_is_named():
         FusedLayerNorm(-6)
 
 
+def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
+    """``nn.RMSNorm``'s fourth argument is ``device``; here, as in Apex, it is ``memory_efficient``, and a truthy
+    "cpu" built a memory-efficient norm."""
+    with pytest.raises(TypeError, match=r"FusedRMSNorm: memory_efficient must be True or False, got 'cpu' .*keyword"):
+        FusedRMSNorm(64, None, True, "cpu")
+    with pytest.raises(TypeError, match=r"FusedLayerNorm: memory_efficient must be True or False, got None"):
+        FusedLayerNorm(64, 1e-5, True, None)
+    assert FusedLayerNorm(64, 1e-5, True, 1).memory_efficient  # Apex-era 0/1 flags still work
+
+
+@pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True, torch.tensor(2.5)])
+def test_a_normalized_shape_of_other_than_ints_is_refused_as_torch_refuses_it(shape):
+    """``int()`` on each element read the string "768" (a size left unparsed in a config) as (7, 6, 8), and
+    truncated 2.5 to 2; ``nn.LayerNorm`` refuses both."""
+    for build in (FusedLayerNorm, FusedRMSNorm, lambda s: fused_layer_norm(torch.randn(2, 768), s)):
+        with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints, got"):
+            build(shape)
+    assert FusedRMSNorm(np.array([3, 4])).normalized_shape == (3, 4) == FusedRMSNorm((np.int64(3), 4)).normalized_shape
+
+
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
 def test_an_eps_that_would_give_nan_is_refused_where_it_is_given(eps):
     """torch's LayerNorm takes a negative eps and returns NaN rows; here the constructor or the call names it. (None
@@ -563,12 +584,18 @@ def test_a_gradient_penalty_differentiates_through_the_kernels(kind):
         torch.testing.assert_close(got, want)
 
 
-def test_a_memory_efficient_norm_stays_differentiable_once():
+@pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm])
+def test_a_memory_efficient_norm_refuses_a_graph_of_its_gradients_it_could_not_differentiate(module):
+    """It saves its output, not its input: under ``create_graph=True`` its gradients had no graph to the input, so
+    gradgradcheck and ``torch.autograd.grad(..., inputs=...)`` got zeros for its terms instead of an error."""
+    norm, plain = module(8, memory_efficient=True).double(), module(8).double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
-    norm = FusedRMSNorm(8, memory_efficient=True).double()
-    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
-        grad_x.sum().backward()
+    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x)  # first order: as before
+    torch.testing.assert_close(grad_x, torch.autograd.grad(plain(x).square().sum(), x)[0])
+    with pytest.raises(RuntimeError, match="memory_efficient=True .* cannot be differentiated again"):
+        torch.autograd.gradgradcheck(norm, (x,))
+    with pytest.raises(RuntimeError, match="memory_efficient=False"):
+        torch.autograd.grad(norm(x).square().sum(), norm.weight, create_graph=True)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
