@@ -59,6 +59,7 @@ class FusedLayerNormAffineFunction(_ApexNormFunction):
         eps: float,
         memory_efficient: bool = False,
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_layer_norm_affine`."""
         return _norms().fused_layer_norm_affine(input, weight, bias, normalized_shape, eps, memory_efficient)
 
 
@@ -75,6 +76,7 @@ class FusedLayerNormAffineMixedDtypesFunction(_ApexNormFunction):
         eps: float,
         memory_efficient: bool = False,
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.mixed_dtype_fused_layer_norm_affine`."""
         return _norms().mixed_dtype_fused_layer_norm_affine(
             input, weight, bias, normalized_shape, eps, memory_efficient
         )
@@ -87,6 +89,7 @@ class FusedLayerNormFunction(_ApexNormFunction):
     def forward(
         ctx: Any, input: torch.Tensor, normalized_shape: Any, eps: float, memory_efficient: bool = False
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_layer_norm`."""
         return _norms().fused_layer_norm(input, normalized_shape, eps, memory_efficient)
 
 
@@ -102,6 +105,7 @@ class FusedRMSNormAffineFunction(_ApexNormFunction):
         eps: float,
         memory_efficient: bool = False,
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_rms_norm_affine`."""
         return _norms().fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
 
@@ -117,6 +121,7 @@ class FusedRMSNormAffineMixedDtypesFunction(_ApexNormFunction):
         eps: float,
         memory_efficient: bool = False,
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.mixed_dtype_fused_rms_norm_affine`."""
         return _norms().mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
 
@@ -127,6 +132,7 @@ class FusedRMSNormFunction(_ApexNormFunction):
     def forward(
         ctx: Any, input: torch.Tensor, normalized_shape: Any, eps: float, memory_efficient: bool = False
     ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_rms_norm`."""
         return _norms().fused_rms_norm(input, normalized_shape, eps, memory_efficient)
 
 

@@ -132,6 +132,15 @@ def _check_eps(op: str, eps: float) -> None:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
+class NormShapeError(ValueError, RuntimeError):
+    """An input or parameter whose shape or device does not fit: a ValueError, and also the RuntimeError that
+    ``F.layer_norm``/``F.rms_norm`` raise for it, so code written against torch's norms catches it."""
+
+
+class NormDtypeError(TypeError, RuntimeError):
+    """An input or parameter whose dtype does not fit: a TypeError, and also torch's norms' RuntimeError."""
+
+
 def _check_inputs(
     op: str,
     input: torch.Tensor,
@@ -143,10 +152,10 @@ def _check_inputs(
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+        raise NormDtypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     k = len(normalized_shape)
     if input.dim() < k or tuple(input.shape[input.dim() - k :]) != normalized_shape:
-        raise ValueError(
+        raise NormShapeError(
             f"{op}: normalized_shape {list(normalized_shape)} does not match the trailing dimensions "
             f"of input with shape {list(input.shape)}"
         )
@@ -156,19 +165,19 @@ def _check_inputs(
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
         if tuple(param.shape) != normalized_shape:
-            raise ValueError(
+            raise NormShapeError(
                 f"{op}: {name} has shape {list(param.shape)}, expected normalized_shape {list(normalized_shape)}"
             )
         if param.device != input.device:
-            raise ValueError(f"{op}: {name} is on {param.device} but input is on {input.device}")
+            raise NormShapeError(f"{op}: {name} is on {param.device} but input is on {input.device}")
         allowed = (input.dtype, torch.float32) if input.dtype in _HALF_DTYPES else (input.dtype,)
         if param.dtype not in allowed:
-            raise TypeError(
+            raise NormDtypeError(
                 f"{op}: {name} dtype {param.dtype} does not fit input dtype {input.dtype}; "
                 f"use {' or '.join(str(d) for d in allowed)}"
             )
     if weight is not None and bias is not None and bias.dtype != weight.dtype:
-        raise TypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+        raise NormDtypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
 
 
 def _use_kernel(input: torch.Tensor) -> bool:

@@ -265,6 +265,36 @@ def test_installing_the_shim_after_a_library_decided_apex_is_missing_says_so(mon
         uninstall_apex_shim()
 
 
+class _ApexFP16Model(torch.nn.Module):
+    """The one field Apex's FP16Model had: the network, converted to half."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        super().__init__()
+        self.network = network.half()
+
+
+def test_a_model_pickled_in_apex_fp16_model_loads_and_runs_on_the_shim():
+    """``apex.fp16_utils.fp16util.FP16Model`` loads as ampkit's, whose forward read a ``dtype`` Apex's never had."""
+    names = ("apex", "apex.fp16_utils", "apex.fp16_utils.fp16util")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.fp16_utils.fp16util"]
+    module.FP16Model = type("FP16Model", (_ApexFP16Model,), {"__module__": module.__name__})
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(module.FP16Model(torch.nn.Linear(4, 2)), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(model(x), model.network(x.half()))
+        assert model(x).dtype == torch.float16
+    finally:
+        uninstall_apex_shim()
+
+
 def _legacy(*args, cwd=REPO, extra_path=()):
     env = child_env(REPO, *extra_path, OMP_NUM_THREADS="1")
     return subprocess.run(

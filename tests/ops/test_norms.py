@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.autograd import forward_ad
 
 from ampkit.ops import norms
@@ -277,6 +278,34 @@ def test_many_rows_split_across_threads():
 
 
 # -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [
+        (lambda x: F.layer_norm(x, (4,)), lambda x: fused_layer_norm(x, (4,))),  # shape does not match the input
+        (lambda x: F.rms_norm(x, (4,)), lambda x: fused_rms_norm(x, (4,))),
+        (  # a weight of another shape
+            lambda x: F.layer_norm(x, (3,), torch.ones(4), torch.zeros(4)),
+            lambda x: fused_layer_norm_affine(x, torch.ones(4), torch.zeros(4), (3,)),
+        ),
+        (  # a weight of another dtype
+            lambda x: F.layer_norm(x, (3,), torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)),
+            lambda x: fused_layer_norm_affine(
+                x, torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), (3,)
+            ),
+        ),
+        (lambda x: F.layer_norm(x.long(), (3,)), lambda x: fused_layer_norm(x.long(), (3,))),  # an integer input
+    ],
+)
+def test_what_torchs_norms_refuse_with_a_runtime_error_ours_refuse_with_one_too(theirs, ours):
+    """Code written against F.layer_norm/F.rms_norm catches RuntimeError (torch's error for a bad shape or dtype):
+    ours name the bad argument and are RuntimeErrors as well as ValueError/TypeError."""
+    x = torch.randn(2, 3)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # NotImplementedError: torch's for an integer input
+        theirs(x)
+    with pytest.raises(RuntimeError, match=r"fused_(layer|rms)_norm(_affine)?: .*(normalized_shape|weight|input)"):
+        ours(x)
 
 
 def test_wrong_normalized_shape_is_named():
