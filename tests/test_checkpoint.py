@@ -16,6 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_compare import assert_same_checkpoint
@@ -164,6 +165,28 @@ def test_checkpoint_holds_everything_needed(tmp_path):
     assert set(ckpt) >= {"model", "optimizers", "schedulers", "callbacks", "loop", "rng", "epoch_rng", "config"}
     assert set(ckpt["rng"]) >= {"python", "torch", "numpy"}
     assert ckpt["loop"] == {"epoch": 1, "batches_done": 0, "global_step": 8}
+
+
+class _SklearnBest(ampkit.Callback):
+    """Keeps the best validation score as a metrics library hands it back: a NumPy float."""
+
+    def __init__(self):
+        self.best = None
+
+    def on_validation_end(self, trainer, metrics):
+        self.best = np.float64(metrics["mse"])
+
+    def state_dict(self):
+        return {"best": self.best}
+
+
+def test_a_callback_state_no_resume_could_load_stops_the_first_save_naming_it(tmp_path):
+    # Saved without a word, every checkpoint was then refused by the resume's torch.load(weights_only=True): a run
+    # that crashed after hours could resume from none of them.
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False}), callbacks=[_SklearnBest()])
+    with pytest.raises(CheckpointError, match=r"callbacks\._SklearnBest\.best \(numpy\.float64\).*weights_only"):
+        trainer.fit()
+    assert not list((tmp_path / "run").rglob("*.pt"))
 
 
 class _Payload:

@@ -12,7 +12,13 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.callbacks.monitor import Monitor
 from ampkit.callbacks.throughput import paused
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.checkpoint_io import CheckpointError, copy_atomic, is_best_k_checkpoint_name, save_atomic
+from ampkit.trainer.checkpoint_io import (
+    CheckpointError,
+    copy_atomic,
+    is_best_k_checkpoint_name,
+    save_atomic,
+    unloadable_entry,
+)
 from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
@@ -162,6 +168,12 @@ class ModelCheckpoint(Callback):
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
+        if (entry := unloadable_entry(checkpoint)) is not None:  # found at the first save, not at the resume
+            raise CheckpointError(
+                f"checkpoint '{filename}' would hold {entry}, which torch.load(weights_only=True) refuses, so the run "
+                "could never resume from it: a callback's state_dict() or on_save_checkpoint may hold tensors, "
+                "numbers, strings and lists, tuples and dicts of them (float(x), torch.as_tensor(x))"
+            )
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import pickle
 import re
@@ -157,6 +158,50 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
     except Exception:  # whatever the unpickler meets in foreign bytes
         return None
     return checkpoint if isinstance(checkpoint, dict) else None
+
+
+# What torch.load(weights_only=True) rebuilds without naming code: these exact types, tensors, and the classes torch
+# allows by name (torch.Size, OrderedDict...). A subclass (a namedtuple, a defaultdict) or a NumPy value is refused.
+_PLAIN_TYPES = (bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device)
+_CONTAINERS = (dict, list, tuple, set)
+
+
+def unloadable_entry(obj: Any, where: str = "") -> str | None:
+    """The first entry of ``obj`` that ``torch.load(weights_only=True)`` would refuse to rebuild, as ``key.key
+    (its type)``, or None when a checkpoint holding ``obj`` loads back."""
+    kind = type(obj)
+    if kind in _PLAIN_TYPES or isinstance(obj, torch.Tensor):
+        return None
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if kind not in _CONTAINERS and name not in _torch_allowed_globals() and kind not in _user_safe_globals():
+        return f"{where or '<root>'} ({name})"
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            found = unloadable_entry(key, f"{where}.<key {key!r}>".lstrip(".")) or unloadable_entry(
+                value, f"{where}.{key}".lstrip(".")
+            )
+            if found:
+                return found
+    elif isinstance(obj, list | tuple | set):
+        for i, value in enumerate(obj):
+            if found := unloadable_entry(value, f"{where}.{i}".lstrip(".")):
+                return found
+    return None
+
+
+@functools.cache
+def _torch_allowed_globals() -> frozenset[str]:
+    """The classes torch's weights-only unpickler rebuilds by name (a private table: the public few if it moves)."""
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+    except ImportError:
+        return frozenset({"collections.OrderedDict", "torch.Size"})
+    return frozenset(_get_allowed_globals())
+
+
+def _user_safe_globals() -> list[Any]:
+    """What the user allowed with ``torch.serialization.add_safe_globals`` (classes, or ``(class, name)`` pairs)."""
+    return [entry[0] if isinstance(entry, tuple) else entry for entry in torch.serialization.get_safe_globals()]
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
