@@ -128,6 +128,13 @@ class OptimizerFailsOnRank1(Plain):
         return super().configure_optimizers()
 
 
+class StepFailsOnRank1(Plain):
+    def training_step(self, batch):
+        if RANK == 1 and self.state.global_step == 3:
+            raise ValueError("rank 1's batch 3 is corrupt")
+        return super().training_step(batch)
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -438,6 +445,10 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
                "distributed": {"timeout_s": 20}}  # fmt: skip
         trainer = OptimizerFailsOnRank1(cfg)
+    elif scenario == "step_fails_on_rank_1":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
+               "distributed": {"timeout_s": 60}}  # fmt: skip
+        trainer = StepFailsOnRank1(cfg)
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

@@ -311,7 +311,24 @@ def test_a_rank_failing_during_set_up_is_named_by_the_others(tmp_path):
     rank0, rank1 = launch("set_up_fails_on_rank_1", tmp_path)
     assert "ValueError: rank 1's optimizer settings are wrong" in rank1.stderr
     assert rank0.returncode != 0
-    assert "rank 0: a collective while setting up fit failed: rank(s) 1 died or stopped responding" in rank0.stderr
+    assert (
+        "rank 0: a collective while setting up fit failed: rank 1 failed with ValueError: rank 1's optimizer "
+        "settings are wrong" in rank0.stderr
+    )
+
+
+def test_an_exception_on_one_rank_is_named_with_its_error_by_the_others_at_once(tmp_path):
+    """Rank 1's training_step raises at step 3: rank 0 said rank 1 "died or stopped responding", after waiting
+    5 s for it to check in; rank 1 leaves its error on the store before it leaves the group."""
+    start = time.monotonic()
+    rank0, rank1 = launch("step_fails_on_rank_1", tmp_path)
+    assert "ValueError: rank 1's batch 3 is corrupt" in rank1.stderr
+    assert rank0.returncode != 0
+    assert (
+        "rank 0: a collective during training failed: rank 1 failed with ValueError: rank 1's batch 3 is corrupt"
+        in rank0.stderr
+    ), rank0.stderr[-2000:]
+    assert time.monotonic() - start < 50  # distributed.timeout_s is 60
 
 
 @pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores

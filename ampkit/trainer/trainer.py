@@ -601,11 +601,14 @@ class Trainer:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``."""
         self._start_distributed()
         clean = False
+        failure = None
         try:
             self._fit(resume)
             clean = True
-        except RuntimeError as exc:
-            self._raise_set_up_failure(exc, "fit")
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):
+                self._raise_set_up_failure(exc, "fit")
+            failure = exc
             raise
         finally:
             if self._lock is not None:
@@ -613,7 +616,7 @@ class Trainer:
                 self._lock = None
             if self._discard_version_dir and self.is_global_zero:
                 discard_new_version_dir(self.version_dir, self.fit_start)
-            teardown_distributed(self.dist, clean)
+            teardown_distributed(self.dist, clean, failure)
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -921,14 +924,17 @@ class Trainer:
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         self._start_distributed()
         clean = False
+        failure = None
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
-        except RuntimeError as exc:
-            self._raise_set_up_failure(exc, stage.name)
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):
+                self._raise_set_up_failure(exc, stage.name)
+            failure = exc
             raise
         finally:
-            teardown_distributed(self.dist, clean)
+            teardown_distributed(self.dist, clean, failure)
         return result
 
     def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
