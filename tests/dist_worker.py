@@ -273,6 +273,13 @@ class BatchNormNet(ToyTrainer):
         return (self.model(batch) ** 2).sum() * 2 / 8
 
 
+class OneSamplePerRank(BatchNormNet):
+    """2 samples over 2 ranks: each rank's batch norm sees one."""
+
+    def train_dataloader(self):
+        return [toy_dataset(8).tensors[0][RANK : RANK + 1]]
+
+
 class BufferSpy(ampkit.Callback):
     """The module's buffers as each batch's forward will see them."""
 
@@ -428,7 +435,13 @@ def main(scenario: str, out: Path) -> None:
             explained = getattr(exc, "ampkit_setup_error", None)
         trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
         trainer.fit()
-        torch.save({"explained": explained, "global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        try:  # 2 samples over 2 ranks: one per rank's batch norm
+            OneSamplePerRank({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
+            batch_norm = None
+        except ValueError as exc:
+            batch_norm = getattr(exc, "ampkit_setup_error", None)
+        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm},
+                   out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "restart":  # under torchrun --max-restarts 1
         if RANK == 0 and ATTEMPT == 1:  # joins late: rank 1 reads the group's keys first

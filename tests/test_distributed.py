@@ -224,9 +224,14 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
 
 def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
     """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
-    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead."""
+    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead.
+    A batch norm given one sample per rank (one process at twice the batch trains) names sync_batchnorm."""
     rank0, rank1 = _ok(launch("unused_parameters", tmp_path))
     for rank, result in enumerate((rank0, rank1)):
+        assert result["batch_norm"].startswith(f"rank {rank}: a batch norm in training got one value per channel")
+        assert (
+            "distributed.sync_batchnorm=true computes the statistics over every rank's batch" in (result["batch_norm"])
+        )
         assert result["explained"] == (
             f"rank {rank}: parameters 'b.weight', 'b.bias' got no gradient in the step before, so DDP never finished "
             "reducing them: set distributed.find_unused_parameters=true for a model whose steps leave some parameters "
