@@ -211,17 +211,17 @@ class SuicideAt(ampkit.Callback):
 
 
 class DiesOnceAt4(ampkit.Callback):
-    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt; records where each
-    attempt started."""
+    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt (if ``kills``); records
+    where each attempt started."""
 
-    def __init__(self):
-        self.started_at = None
+    def __init__(self, kills: bool = True):
+        self.started_at, self.kills = None, kills
 
     def on_train_start(self, trainer):
         self.started_at = trainer.state.global_step
 
     def on_train_batch_end(self, trainer, outputs, batch):
-        if RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
+        if self.kills and RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -446,13 +446,15 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "restart":  # under torchrun --max-restarts 1
         if RANK == 0 and ATTEMPT == 1:  # joins late: rank 1 reads the group's keys first
             time.sleep(1)
-        spy = DiesOnceAt4()
+        spy, first_stage = DiesOnceAt4(), DiesOnceAt4(kills=False)
         cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3},
                "trainer": {**cpu, "max_epochs": 1}, "distributed": {"timeout_s": 20}}  # fmt: skip
-        trainer = Plain(cfg, callbacks=[spy])
+        Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": 6}}, callbacks=[first_stage]).fit()  # version_0
+        trainer = Plain(cfg, callbacks=[spy])  # version_1, where rank 1 dies
         trainer.fit()
         torch.save({"started_at": spy.started_at, "global_step": trainer.state.global_step, "attempt": ATTEMPT,
-                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+                    "first_stage_started_at": first_stage.started_at, "model": trainer.module.state_dict()},
+                   out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "set_up_fails_on_rank_1":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},

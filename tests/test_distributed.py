@@ -338,9 +338,10 @@ def test_an_exception_on_one_rank_is_named_with_its_error_by_the_others_at_once(
 
 @pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
 def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
-    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group continues version_0 from
-    its step-3 checkpoint (it had started over in a new version_1). Its process group had read the dead attempt's
-    addresses from the agent's store (kept across restarts) and failed to connect."""
+    """``torchrun --max-restarts 1``, a script of two fits, rank 1 SIGKILLed after step 4 of the second: in the
+    restarted group the first fit finds its run finished and the second continues version_1 from its step-3
+    checkpoint (it had started over in a new version_2). Its process group had read the dead attempt's addresses
+    from the agent's store (kept across restarts) and failed to connect."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", str(WORKER), "restart", str(tmp_path)],
@@ -351,8 +352,9 @@ def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
     for rank in ranks:
         assert (rank["attempt"], rank["started_at"], rank["global_step"]) == (1, 3, 8)
+        assert rank["first_stage_started_at"] is None  # finished: nothing to train, on_train_start never fired
     _equal(ranks[0]["model"], ranks[1]["model"])
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0", "version_1"]
     from dist_worker import Plain
 
     single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},

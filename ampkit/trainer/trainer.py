@@ -268,7 +268,7 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
-        self._launch = torchrun_launch()  # the torchrun launch this process belongs to (None outside torchrun)
+        self._launch: str | None = None  # which fit of which torchrun launch this is (None outside torchrun)
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
@@ -627,6 +627,7 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
@@ -660,7 +661,8 @@ class Trainer:
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
-        path = broadcast_object(restarted_from(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+        path = restarted_from(self.cfg.run_dir, self._launch) if self.is_global_zero else None
+        path = broadcast_object(path, self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
