@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import PathNode
+from omegaconf.nodes import BooleanNode, PathNode
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,7 @@ class TrainerConfig:
     limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
     limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
     num_sanity_val_steps: int = 2  # validation batches run before training, checking monitored metrics (0: none)
-    val_every_n_epochs: int = 1  # 0 disables epoch-end validation
+    val_every_n_epochs: int = 1  # 0 disables epoch-end validation (none when val_every_n_steps just ran)
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
     # Where a step's skip verdict (found_inf flags, a non-finite clipping norm) is decided: read on the host each
@@ -418,15 +418,45 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     return ConfigError(f"config key '{full_key}': {message}")
 
 
+# The words OmegaConf reads as a boolean (YAML's and the command line's true/false are already booleans).
+_BOOL_WORDS = frozenset({"true", "false", "yes", "no", "y", "n", "on", "off"})
+
+
+def _reads_as_bool(value: Any) -> bool:
+    """Whether ``value`` means a boolean: OmegaConf would also read any integer (``2``, ``"-1"``) as true."""
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return value in (0, 1)
+    if isinstance(value, str):
+        return "${" in value or value.strip().lower() in _BOOL_WORDS | {"0", "1"}  # an interpolation: resolved later
+    return False
+
+
+def _plain(source: Any) -> Any:
+    """``source`` as nested dicts: a DictConfig's container, or a config dataclass instance's fields."""
+    if isinstance(source, DictConfig):
+        return OmegaConf.to_container(source)
+    if is_config_instance(source):
+        return {f.name: _plain(getattr(source, f.name)) for f in dataclasses.fields(source)}
+    return source
+
+
 def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | None:
-    """The error for a section given a plain value (``trainer=3``), or a list key given anything but a list
-    (``trainer.activation_checkpointing=Block``), which OmegaConf reports without its key or as a raw TypeError."""
+    """The error for a section given a plain value (``trainer=3``), a list key given anything but a list
+    (``trainer.activation_checkpointing=Block``), which OmegaConf reports without its key or as a raw TypeError, or
+    a boolean key given anything but a boolean (``trainer.progress_bar=2``), which OmegaConf reads as true."""
 
     def find(node: DictConfig, source: Any, prefix: str) -> ConfigError | None:
         if not isinstance(source, dict):
             return None
         for key, value in source.items():
             child = node._get_node(key) if isinstance(key, str) and key in node else None
+            if isinstance(child, BooleanNode) and not _reads_as_bool(value):
+                return ConfigError(
+                    f"config key '{prefix}{key}': {value!r} is not a boolean; expected true or false "
+                    "(also yes/no, on/off, 1/0)"
+                )
             if isinstance(child, ListConfig) and not isinstance(value, list | tuple):
                 if value is None and child._is_optional():
                     continue
@@ -454,8 +484,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
         return None
 
     for source in sources:
-        plain = OmegaConf.to_container(source) if isinstance(source, DictConfig) else source
-        found = find(schema, plain, "")
+        found = find(schema, _plain(source), "")
         if found is not None:
             return found
     return None
@@ -497,6 +526,9 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):
         raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {schema_class!r}")
     schema = OmegaConf.structured(schema_class)
+    wrong = _wrong_shape(schema, sources)  # also before merging: OmegaConf reads trainer.progress_bar=2 as true
+    if wrong is not None:
+        raise wrong
     try:
         cfg = OmegaConf.merge(schema, *sources)
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

@@ -33,6 +33,27 @@ class Plain(ToyTrainer):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
 
 
+class BareModule(Plain):
+    """Its loss comes from self.module, the model DDP wraps, not from self.model."""
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.module(x).squeeze(1), y)
+
+
+class UnfreezesAtEpoch1(Plain):
+    """Fine-tuning: the first layer is frozen when DDP wraps the model, and unfrozen at epoch 1."""
+
+    def configure_model(self):
+        model = super().configure_model()
+        model[0].requires_grad_(False)
+        return model
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.module[0].requires_grad_(True)
+
+
 class Shuffled(Plain):
     """Shuffled: the Trainer's seeded sampler deals one permutation per epoch round-robin to the ranks, so 2 ranks
     x batch B still see 1 process x batch 2B, and a checkpoint resumes on either along the same samples."""
@@ -314,6 +335,11 @@ def main(scenario: str, out: Path) -> None:
             "precision": precision,
         }
         trainer = Plain(cfg)
+    elif scenario.startswith("ddp_unfreeze"):
+        precision = {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0} if scenario.endswith("fp16") else {}
+        cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"enabled": False},
+               "trainer": {**cpu, "max_epochs": 2}, "precision": precision}  # fmt: skip
+        trainer = UnfreezesAtEpoch1(cfg)
     elif scenario == "overflow":
         spy = OverflowOnRank1()
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}}
@@ -413,6 +439,8 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
         return
+    elif scenario == "bare_module":
+        trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
     elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
         cfg = {**base, "checkpoint": {"enabled": False}, "data": {"batch_size": 4},
                "trainer": {**cpu, "max_epochs": 2}, "distributed": {"timeout_s": 10}}  # fmt: skip

@@ -111,6 +111,47 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     assert_same_checkpoint(resumed, load_checkpoint(full.version_dir / "checkpoints" / "last.pt"))  # RNG included
 
 
+class UnfreezingToyTrainer(ToyTrainer):
+    """Fine-tuning: the head trains from the start; at epoch 1 the first layer is unfrozen and added to the
+    optimizer as a second param group, with its own learning rate."""
+
+    def configure_model(self):
+        model = super().configure_model()
+        model[0].requires_grad_(False)
+        return model
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.module[3].parameters(), lr=self.cfg.lr)
+
+    def on_train_epoch_start(self):
+        first = self.module[0]
+        if self.state.epoch >= 1 and not first.weight.requires_grad:
+            first.requires_grad_(True)
+            self.optimizer.add_param_group({"params": list(first.parameters()), "lr": 1e-3})
+
+
+@pytest.mark.parametrize("precision", [{}, {"opt_level": "O2", "dtype": "float16"}])
+def test_a_run_that_unfroze_a_param_group_resumes_as_it_went_on(tmp_path, precision):
+    # configure_model and configure_optimizers make the run's start: a resume after the unfreezing failed with "a
+    # different number of parameter groups" (no hook could add the group before the optimizer's state loaded).
+    # Under O2 the optimizer holds fp32 masters in the parameters' place: the record names them too.
+    settings = {
+        "trainer_class": "test_checkpoint:UnfreezingToyTrainer",
+        "logging": {"tensorboard": False},
+        "precision": precision,
+    }
+    full = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "full"), "trainer": {"max_epochs": 3}})
+    full.fit()
+    UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 2}}).fit()
+    resumed = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 3}})
+    resumed.fit(resume="last")
+    assert len(resumed.optimizer.param_groups) == 2 and resumed.module[0].weight.requires_grad
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
+    )
+
+
 def test_checkpoint_holds_everything_needed(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
     trainer.fit()

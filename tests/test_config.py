@@ -194,3 +194,31 @@ def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_sa
         ConfigError, match=rf"'precision.opt_level': {value!r} is invalid; expected one of O0.*is {same}"
     ):
         ToyTrainer(toy_cfg(tmp_path, **{"precision.opt_level": value}))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("trainer.progress_bar", 2),
+        ("logging.tensorboard", -1),
+        ("precision.skip_nonfinite", "maybe"),
+        ("checkpoint.enabled", "2"),
+        ("logging.throughput", 0.5),
+    ],
+)
+def test_a_boolean_key_given_no_boolean_is_refused_naming_it(tmp_path, key, value):
+    """OmegaConf reads any integer as a boolean: progress_bar=2 would silently mean true."""
+    section, name = key.split(".")
+    cfg = {**toy_cfg(tmp_path), section: {name: value}}
+    with pytest.raises(ConfigError, match=rf"config key '{key}': {value!r} is not a boolean; expected true or false"):
+        ToyTrainer(cfg)
+
+
+def test_yaml_and_command_line_booleans_still_read(tmp_path):
+    path = _write(
+        tmp_path, "trainer_class: toy_trainers:ToyTrainer\ntrainer:\n  progress_bar: no\nlogging:\n  tensorboard: off\n"
+    )
+    _, cfg = load_config(path, ["checkpoint.enabled=false", "logging.throughput=0"])
+    assert not (cfg.trainer.progress_bar or cfg.logging.tensorboard or cfg.checkpoint.enabled or cfg.logging.throughput)
+    with pytest.raises(ConfigError, match=r"config key 'trainer.progress_bar': 2 is not a boolean"):
+        load_config(path, ["trainer.progress_bar=2"])

@@ -72,6 +72,31 @@ def test_two_ranks_with_batch_b_equal_one_process_with_batch_2b(tmp_path, scenar
     assert rank0["val"]["mse"] == pytest.approx(single.val_metrics["mse"], rel=1e-5)
 
 
+def test_a_loss_of_the_bare_module_under_ddp_is_refused_on_every_rank(tmp_path):
+    """self.module's forward bypasses DDP: its backward averages nothing, and each rank trained its own model."""
+    for result in launch("bare_module", tmp_path):
+        assert result.returncode != 0
+        assert "training_step's loss did not come from self.model: under DDP only self.model" in result.stderr
+
+
+@pytest.mark.parametrize("scenario", ["ddp_unfreeze", "ddp_unfreeze_fp16"])
+def test_a_layer_unfrozen_after_ddp_wrapped_the_model_is_averaged_across_ranks(tmp_path, scenario):
+    """DDP's reducer averages only the parameters trainable when it wrapped the model: a layer unfrozen at epoch 1
+    trained on each rank's own gradients, and the ranks drifted apart without a word."""
+    rank0, rank1 = _ok(launch(scenario, tmp_path))
+    _equal(rank0["model"], rank1["model"])
+    from dist_worker import UnfreezesAtEpoch1
+
+    precision = {"opt_level": "O1", "dtype": "float16", "init_scale": 256.0} if scenario.endswith("fp16") else {}
+    single = UnfreezesAtEpoch1({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},
+                                "logging": {"tensorboard": False}, "checkpoint": {"enabled": False},
+                                "trainer": {"max_epochs": 2, "device": "cpu"}, "precision": precision})  # fmt: skip
+    single.fit()
+    tolerance = 2e-2 if precision else 1e-5  # float16: equal up to its rounding
+    for key, value in single.module.state_dict().items():
+        torch.testing.assert_close(rank0["model"][key], value, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("scenario", ["ddp_accumulate_fp16", "ddp_accumulate_o2"])
 def test_accumulating_with_loss_scaling_or_masters_keeps_ranks_identical_and_equal_to_one_process(tmp_path, scenario):
     """Loss scaling and fp32 masters take each backward's gradients out of ``.grad``; DDP must then average every

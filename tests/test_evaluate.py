@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import UserDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit.cli import main
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.evaluation import batch_size
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
@@ -85,6 +92,73 @@ def test_a_metric_only_some_batches_return_is_averaged_over_those_batches(tmp_pa
             assert metrics[f"mse_{name}"] == pytest.approx(expected, rel=1e-5), name
 
 
+class BatchEncoding(UserDict):
+    """Hugging Face's tokenizer and collator output: a mapping that is no dict."""
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize("wrap", [BatchEncoding, lambda b: Pair(**b)])
+def test_batches_of_any_mapping_or_dataclass_weigh_metrics_and_throughput_by_their_size(tmp_path, wrap):
+    # batch_size() knew only dicts, lists and tuples: such a batch counted as 1 sample, so the last short batch
+    # weighed as much as a full one in every metric, and samples/s read 0.
+    class Wrapped(ToyTrainer):
+        def train_dataloader(self):
+            return DataLoader(toy_dataset(20), batch_size=8, collate_fn=lambda items: wrap(_stacked(items)))
+
+        val_dataloader = train_dataloader
+
+        def training_step(self, batch):
+            return self.model(batch["x"] if isinstance(batch, Mapping) else batch.x).pow(2).mean()
+
+        def validation_step(self, batch):
+            return {"mean_y": (batch["y"] if isinstance(batch, Mapping) else batch.y).mean()}
+
+    trainer = Wrapped(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.val_metrics["mean_y"] == pytest.approx(toy_dataset(20).tensors[1].mean().item(), rel=1e-5)
+    assert trainer.state.throughput["samples_per_sec"] > 0
+
+
+def _stacked(items):
+    return {"x": torch.stack([x for x, _ in items]), "y": torch.stack([y for _, y in items])}
+
+
+class FrozenBatchNormBackbone(ToyTrainer):
+    """Fine-tuning a head on a frozen backbone whose BatchNorm statistics stay fixed: it is kept in eval mode."""
+
+    def configure_model(self):
+        return nn.ModuleDict({"backbone": nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)), "head": nn.Linear(8, 1)})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.head.parameters(), lr=0.05)
+
+    def on_train_epoch_start(self):
+        self.module.backbone.eval()
+
+    def training_step(self, batch):
+        self.backbone_modes.append(self.module.backbone[1].training)
+        return F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])
+
+    def validation_step(self, batch):
+        return {"mse": F.mse_loss(self.module.head(self.module.backbone(batch[0])).squeeze(1), batch[1])}
+
+
+def test_a_validation_mid_epoch_hands_back_each_submodule_in_the_mode_it_was_in(tmp_path):
+    # It called model.train() after validating: the backbone kept in eval mode trained in train mode from the first
+    # validation on, its BatchNorm statistics moving (Lightning restores each submodule's mode, too).
+    trainer = FrozenBatchNormBackbone(toy_cfg(tmp_path, **QUIET, **{"trainer.val_every_n_steps": 3}))
+    trainer.backbone_modes = []
+    trainer.fit()
+    assert trainer.backbone_modes == [False] * 8
+    assert trainer.module.head.training and not trainer.module.backbone.training
+    assert torch.equal(trainer.module.backbone[1].running_mean, torch.zeros(8))  # the statistics never moved
+
+
 def test_several_test_loaders_are_refused_naming_how_to_combine_them(tmp_path):
     class TwoTestLoaders(Evaluated):
         def test_dataloader(self):
@@ -148,3 +222,55 @@ def test_load_model_returns_the_trained_module_for_inference(tmp_path):
     x = torch.randn(3, 6)
     fitted.module.eval()
     torch.testing.assert_close(model(x), fitted.module(x))
+
+
+@dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@pytest.mark.parametrize(
+    ("batch", "samples"),
+    [
+        (torch.zeros(5, 3), 5),
+        (torch.tensor(2.0), 1),
+        ({"ids": torch.zeros(4, 7), "mask": torch.zeros(4, 7)}, 4),
+        ([torch.zeros(0, 4), torch.zeros(6)], 6),  # a batch of 6 images, the first with no boxes
+        (_Pair(torch.zeros(3, 2), torch.zeros(3)), 3),
+        ({"pairs": (_Pair(torch.zeros(0, 2), torch.zeros(0)),)}, 0),
+        ((torch.zeros(0, 6), torch.zeros(0)), 0),
+        (["some", "strings"], None),
+        ({"text": ["a", "b"], "meta": {"ids": [1, 2]}}, None),
+        (object(), None),
+    ],
+)
+def test_samples_are_counted_through_containers_and_unknown_without_a_tensor(batch, samples):
+    assert batch_size(batch) == samples
+
+
+def _empty_third_batch(samples):  # a collate whose filter dropped every sample of one batch
+    x, y = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+    _empty_third_batch.calls += 1
+    return (x[:0], y[:0]) if _empty_third_batch.calls == 3 else (x, y)
+
+
+class EmptyValidationBatch(ToyTrainer):
+    def val_dataloader(self):
+        _empty_third_batch.calls = 0
+        return DataLoader(toy_dataset(24, seed=7), batch_size=6, collate_fn=_empty_third_batch)
+
+
+def test_a_validation_batch_of_no_samples_is_left_out_of_the_means_with_a_warning(tmp_path):
+    """Its step's metric is nan (a mean over nothing); weighted by 1 it made the whole set's mean nan."""
+    trainer = EmptyValidationBatch(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+    trainer.fit()
+    _empty_third_batch.calls = 0
+    with pytest.warns(UserWarning, match=r"validation_step: batch\(es\) 2 held 0 samples .*left out of the means"):
+        mse = trainer.validate()["mse"]
+    x, y = toy_dataset(24, seed=7)[:]
+    kept = torch.cat([torch.arange(0, 12), torch.arange(18, 24)])
+    trainer.module.eval()
+    with torch.no_grad():
+        expected = F.mse_loss(trainer.module(x[kept]).squeeze(1), y[kept])
+    assert mse == pytest.approx(float(expected), rel=1e-5)

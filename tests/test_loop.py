@@ -198,6 +198,28 @@ def test_a_warmup_and_linear_decay_schedule_sizes_itself_from_num_train_batches_
     assert WarmupDecay.loaders_made == 1  # the loader asked for the count is the one trained on
 
 
+@pytest.mark.parametrize(("accumulate", "max_steps", "steps"), [(3, -1, 9), (1, 5, 5), (3, 100, 9)])
+def test_num_training_steps_counts_each_epoch_s_short_last_window(tmp_path, accumulate, max_steps, steps):
+    # 8 batches stepping every 3 are 3 iterations an epoch, not 8 // 3 = 2: the schedule the docs sized with the
+    # floor reached its end a third of the way early, and a cosine past its end climbs back to the peak.
+    class CosineToZero(ToyTrainer):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.module.parameters(), lr=0.05)
+            return {
+                "optimizer": opt,
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.num_training_steps),
+                    "interval": "step",
+                },
+            }
+
+    settings = {"trainer.max_epochs": 3, "trainer.accumulate_grad_batches": accumulate, "trainer.max_steps": max_steps}
+    trainer = CosineToZero(toy_cfg(tmp_path, **settings, **QUIET))
+    trainer.fit()
+    assert trainer.num_training_steps == trainer.state.global_step == steps
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # the schedule ended with the run
+
+
 def test_training_step_must_return_a_loss_under_automatic_optimization(tmp_path):
     class NoLoss(ToyTrainer):
         def training_step(self, batch):
@@ -470,3 +492,34 @@ def test_limit_train_batches_trains_and_pulls_only_that_many(tmp_path):
     assert trainer.num_train_batches == 3
     assert trainer.state.global_step == 6
     assert loader.pulled == 6  # no batch is drawn past the limit
+
+
+class _Stream:
+    """The same ten batches as _CountingLoader, without a length (as a loader of an IterableDataset)."""
+
+    def __init__(self) -> None:
+        self.data = _CountingLoader().data
+
+    def __iter__(self):
+        yield from self.data
+
+
+def test_a_loader_without_a_length_steps_its_last_partial_window_with_the_epoch(tmp_path):
+    """Ten batches in windows of 4: the last window (2 batches) steps at the epoch's end, as it does for a loader
+    with a length; its gradients went into the next epoch's first step (6 batches in one), or after the last epoch
+    into no step at all."""
+    trained = []
+    for loader in (_CountingLoader(), _Stream()):
+
+        class Accumulating(ToyTrainer):
+            def train_dataloader(self, loader=loader):
+                return loader
+
+        cfg = toy_cfg(tmp_path / type(loader).__name__, **{"trainer.max_epochs": 2, **QUIET})
+        trainer = Accumulating({**cfg, "trainer": {**cfg["trainer"], "accumulate_grad_batches": 4}})
+        trainer.fit()
+        trained.append(trainer)
+    sized, stream = trained
+    assert stream.num_train_batches is None and stream.state.global_step == sized.state.global_step == 6
+    for key, value in sized.module.state_dict().items():
+        assert torch.equal(stream.module.state_dict()[key], value), key

@@ -55,6 +55,29 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(
     assert trainer.state.global_step == stop_step
 
 
+class _ValidatedAt(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer, metrics) -> None:
+        if trainer.state.stage == "fit":
+            self.steps.append(trainer.state.global_step)
+
+
+def test_an_epoch_end_just_validated_by_val_every_n_steps_is_not_validated_again(tmp_path):
+    """Steps 8 and 16 end the epochs: validated twice on the same weights, each counting against the patience
+    (early stopping stopped at step 8, after two validations of one model, where patience 2 means 4 and 8 and 12)."""
+    spy = _ValidatedAt()
+    settings = {**EVERY_STEP, "trainer.val_every_n_steps": 4, "trainer.val_every_n_epochs": 1, "trainer.max_epochs": 2}
+    Scripted.scores = [3.0] * 16
+    Scripted(toy_cfg(tmp_path / "all", **settings), callbacks=[spy]).fit()
+    assert spy.steps == [4, 8, 12, 16]
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 2, "checkpoint.enabled": False}
+    stopped = Scripted(toy_cfg(tmp_path / "es", **settings, **es))
+    stopped.fit()
+    assert stopped.state.global_step == 12
+
+
 def test_early_stopping_resumes_its_count(tmp_path):
     scores = [5, 4, 4.5, 4.2, 4.1, 3, 2, 1]
     es = {"early_stopping.monitor": "score", "early_stopping.patience": 3, "checkpoint.every_n_steps": 1}

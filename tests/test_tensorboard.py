@@ -6,6 +6,7 @@ import errno
 import math
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -187,6 +188,30 @@ def test_log_detaches_follows_log_every_n_steps_and_averages_epochs(tmp_path):
     assert trainer.epoch_scalars.keys() == {"sq_epoch"}
 
 
+def test_a_value_logged_in_every_micro_batch_is_written_once_per_step_the_iteration_s_last(tmp_path):
+    # Each micro-batch of a due iteration queued its value at that iteration's step: two points at one step,
+    # a vertical stroke in TensorBoard's chart.
+    cfg = toy_cfg(tmp_path, **{"trainer.accumulate_grad_batches": 2, "logging.log_every_n_steps": 1})
+    trainer = ToyTrainer(cfg, callbacks=[_LogsExtra()])
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("custom/batches")]
+    assert logged == [(step, 2 * step) for step in range(1, 5)]
+
+
+def test_each_param_group_s_learning_rate_is_logged(tmp_path):
+    # Only the first group's was: a fine-tuned backbone's own, smaller learning rate never showed.
+    class TwoGroups(ToyTrainer):
+        def configure_optimizers(self):
+            head, body = list(self.module[3].parameters()), list(self.module[0].parameters())
+            return torch.optim.SGD([{"params": head}, {"params": body, "lr": 0.001}], lr=0.01)
+
+    trainer = TwoGroups(toy_cfg(tmp_path, **{"logging.log_every_n_steps": 4}))
+    trainer.fit()
+    events = _events(trainer)
+    assert [e.value for e in events.Scalars("train/lr/sgd")] == pytest.approx([0.01, 0.01])
+    assert [e.value for e in events.Scalars("train/lr/sgd/group_1")] == pytest.approx([0.001, 0.001])
+
+
 def test_log_rejects_a_non_scalar(tmp_path):
     class LogsVector(ToyTrainer):
         def training_step(self, batch):
@@ -347,27 +372,56 @@ class _DiskFillsAtEpoch1(Callback):
         _DiskFillsAtEpoch1.full = trainer.state.epoch >= 1
 
 
-def test_a_full_disk_under_the_event_files_is_one_line_naming_them_and_the_run_resumes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("failing", ["write", "flush"])
+def test_a_full_disk_under_the_event_files_is_one_line_naming_them_and_the_run_resumes(
+    tmp_path, monkeypatch, capfd, failing
+):
     """TensorBoard's writer thread hits the full disk and the next write raises a bare OSError (no path), and
-    closing the writer raises it again: one error naming the event files, and last.pt resumes."""
+    closing the writer raises it again: one error naming the event files, and last.pt resumes. The writer thread
+    itself prints no traceback before that line."""
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    real_write = RecordWriter.write
+    real = getattr(RecordWriter, failing)
 
-    def write(self, data):
+    def fails_when_full(self, *args):
         if _DiskFillsAtEpoch1.full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, data)
+        return real(self, *args)
 
-    monkeypatch.setattr(RecordWriter, "write", write)
+    _DiskFillsAtEpoch1.full = False  # as the previous parameter's run left it: full
+    thread_errors = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    monkeypatch.setattr(RecordWriter, failing, fails_when_full)
     cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "logging.log_every_n_steps": 1})
     events = tmp_path / "run" / "version_0" / "tensorboard"
     message = f"cannot write TensorBoard events under '{events}' (No space left on device)"
     with pytest.raises(RunDirectoryError, match=re.escape(message)):
         ToyTrainer(cfg, callbacks=[_DiskFillsAtEpoch1()]).fit()
     monkeypatch.undo()
+    assert thread_errors == [] and "Traceback" not in capfd.readouterr().err
     last = events.parent / "checkpoints" / "last.pt"
     assert load_checkpoint(last)["loop"]["epoch"] == 1
     resumed = ToyTrainer(cfg)
     resumed.fit(resume="last")
     assert resumed.state.global_step == 16
+
+
+class _Warmup(ToyTrainer):
+    """A per-step warmup: step n trains at lr n/10."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.module.parameters(), lr=1.0)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: (done + 1) / 10)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
+    """Step-interval schedulers step at the iteration's end, before the logger's batch end: it logged the next
+    step's rate (0.2 at step 1)."""
+    cfg = toy_cfg(
+        tmp_path, **{"trainer.max_steps": 4, "logging.log_every_n_steps": 1, "trainer.accumulate_grad_batches": 2}
+    )
+    trainer = _Warmup(cfg)
+    trainer.fit()
+    logged = [(e.step, e.value) for e in _events(trainer).Scalars("train/lr/sgd")]
+    assert logged == [(n, pytest.approx(n / 10)) for n in range(1, 5)]

@@ -7,6 +7,7 @@ import errno
 import importlib
 import os
 import re
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -289,9 +290,23 @@ class NoOptimizersListed(ToyTrainer):
         return [], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
 
 
+def _filtered_out_after_the_first_batch(samples):  # a collate that drops unwanted samples: here all of batch 1
+    x, y = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+    keep = len(samples) * [_filtered_out_after_the_first_batch.calls == 0]
+    _filtered_out_after_the_first_batch.calls += 1
+    return x[keep], y[keep]
+
+
+class EmptyBatch(ToyTrainer):
+    def train_dataloader(self):
+        _filtered_out_after_the_first_batch.calls = 0
+        return DataLoader(toy_dataset(32), batch_size=8, collate_fn=_filtered_out_after_the_first_batch)
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
+        ("EmptyBatch", "train_dataloader() gave an empty batch (batch 1 of epoch 0, step 2): every tensor in it has 0"),
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
         ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
@@ -571,6 +586,33 @@ def test_a_resume_with_other_optimizers_names_both(tmp_path):
         CheckpointError, match=r"has the optimizers \['sgd'\]; this run's configure_optimizers\(\) makes \['adam'\]"
     ):
         Adam(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
+
+
+class CosineToyTrainer(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+
+def test_a_resume_names_the_optimizer_settings_the_checkpoint_keeps_over_the_code(tmp_path):
+    """torch's load_state_dict restores lr, momentum, weight decay...: a resume with lr changed in the config trained
+    on at the old rate, while the config-change warning said 'lr: 0.05 -> 0.001'."""
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2})).fit()
+    lowered = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4, "lr": 0.001}))
+    kept = (
+        "restores its optimizers' settings over configure_optimizers()'s: sgd[0].lr=0.05 (configure_optimizers: 0.001)"
+    )
+    with pytest.warns(UserWarning, match=re.escape(kept)):
+        lowered.fit(resume="last")
+    assert lowered.optimizer.param_groups[0]["lr"] == 0.05
+    scheduled = CosineToyTrainer(toy_cfg(tmp_path / "cosine", **QUIET, **{"trainer.max_steps": 2}))
+    scheduled.fit()
+    resumed = CosineToyTrainer(toy_cfg(tmp_path / "cosine", **QUIET, **{"trainer.max_steps": 4}))
+    with warnings.catch_warnings(record=True) as caught:  # its lr is the schedule's, not a setting the code changed
+        warnings.simplefilter("always")
+        resumed.fit(resume="last")
+    assert not [w for w in caught if "optimizers' settings" in str(w.message)]
 
 
 def test_a_logged_value_that_is_no_number_is_named(tmp_path):

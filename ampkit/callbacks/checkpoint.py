@@ -10,6 +10,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.callbacks.monitor import Monitor
+from ampkit.callbacks.throughput import paused
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import CheckpointError, copy_atomic, is_best_k_checkpoint_name, save_atomic
 from ampkit.trainer.run_life import prune_periodic
@@ -154,7 +155,12 @@ class ModelCheckpoint(Callback):
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
-        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards)."""
+        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Saving is no
+        training: the throughput windows leave its time out."""
+        with paused(trainer):
+            return self._save(trainer, filename, best)
+
+    def _save(self, trainer, filename: str, best: str | None) -> Path | None:
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"

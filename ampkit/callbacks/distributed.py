@@ -16,6 +16,8 @@ from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
 from ampkit.trainer.model_setup import compiles_whole_model
+from ampkit.trainer.param_groups import TrainableParams
+from ampkit.trainer.user_code import UserCodeError
 
 
 class DistributedSync(Callback):
@@ -44,6 +46,11 @@ class DistributedSync(Callback):
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
         self._buffers: list[torch.Tensor] = []  # grad_sync="step": the module's buffers, broadcast before forwards
+        self._watch: Any = None  # DDP's forward hook: noting that this batch's loss came through DDP
+        self._forwarded = False
+        self._ddp_params: set[int] = set()  # the parameters DDP's reducer averages: those trainable when it wrapped
+        self._trainable: TrainableParams | None = None
+        self._unfrozen: set[int] = set()  # trainable parameters DDP does not average: averaged at the step instead
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
@@ -57,10 +64,20 @@ class DistributedSync(Callback):
                 trainer.module, device_ids=device_ids, **self.ddp_kwargs
             )
             trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
+            if trainer.model is self._ddp:  # (a compiled DDP forward traces its hooks: left unwatched)
+                self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
+            self._ddp_params = {id(p) for p in trainer.module.parameters() if p.requires_grad}
+            self._trainable, self._unfrozen = TrainableParams(trainer.module, trainer.optimizers.values()), set()
         elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
 
+    def _note_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._forwarded = True
+
     def on_fit_end(self, trainer) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         if self._ddp is not None:  # drop DDP's hold on the process group before it is destroyed
             trainer.model, self._unwrapped, self._ddp = self._unwrapped, None, None
 
@@ -71,16 +88,43 @@ class DistributedSync(Callback):
         if self._ddp is not None:  # with gradients taken out after each backward, every backward must average
             s = trainer.state
             self._ddp.require_backward_grad_sync = s.is_iteration_end or s.grads_leave_params
+            self._forwarded = False
+            if s.is_iteration_start and self._trainable.changed():  # a parameter unfrozen since DDP wrapped the model
+                params = trainer.module.parameters()
+                self._unfrozen = {id(p) for p in params if p.requires_grad and id(p) not in self._ddp_params}
+
+    def on_after_backward(self, trainer, backward: Any) -> None:
+        if self._watch is not None and not self._forwarded:
+            raise UserCodeError(
+                "training_step's loss did not come from self.model: under DDP only self.model (the wrapped model) "
+                "averages gradients across ranks, so a loss of self.module (the bare one) trains each rank apart; "
+                "call self.model in training_step"
+            )
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
             self._average_grads(optimizer)
             trainer.optimizer_state[optimizer].grad_norm = None  # a norm cached before averaging is stale
+        elif self._unfrozen:  # DDP never averages a parameter frozen when it wrapped: the ranks would drift apart
+            self._average_unfrozen_grads(trainer, optimizer)
 
     # ---------------------------------------------------------------- collectives
     def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self._flat_collective("gradient all-reduce", grads, dist.all_reduce, divisor=dist.get_world_size())
+
+    def _average_unfrozen_grads(self, trainer, optimizer: torch.optim.Optimizer) -> None:
+        """Average the gradients of this optimizer's parameters unfrozen after DDP wrapped the model (a backbone
+        fine-tuned from some epoch on), where the optimizer reads them: on their fp32 masters under O2."""
+        masters = trainer.optimizer_state[optimizer].master_weights
+        if masters is not None:
+            pairs = zip(masters.model_params, masters.master_params, strict=True)
+        else:
+            pairs = ((p, p) for group in optimizer.param_groups for p in group["params"])
+        grads = [owner.grad for p, owner in pairs if id(p) in self._unfrozen and owner.grad is not None]
+        if grads:
+            self._flat_collective("gradient all-reduce", grads, dist.all_reduce, divisor=dist.get_world_size())
+            trainer.optimizer_state[optimizer].grad_norm = None
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank (``grad_sync="step"``, which has no DDP to do it)."""

@@ -30,6 +30,7 @@ from ampkit.amp import GradientCombiner, LossScaler
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
 
 # A scaler per int loss_id is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
@@ -109,6 +110,7 @@ class LossScaling(Callback):
         self.max_overflows_at_min_scale = max_overflows_at_min_scale
         self.scalers: dict[Any, LossScaler] = {}
         self._combiners: dict[torch.optim.Optimizer, GradientCombiner] = {}
+        self._trainable: TrainableParams | None = None  # when the combiners' parameters must be looked up again
         self._consecutive_skips: dict[str, int] = {}
         self._counts_seen: dict[str, tuple[int, int]] = {}  # per optimizer: (steps, skipped_steps) at the last look
         self._optimizer_states: dict = {}  # the Trainer's, to catch up on verdicts settled since the last look
@@ -155,6 +157,7 @@ class LossScaling(Callback):
         for optimizer in trainer.optimizers.values():
             masters = trainer.optimizer_state[optimizer].master_weights
             if masters is not None:
+                masters.refresh()  # fp32 masters for a param group added mid-run, which would step in half precision
                 pairs = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True)]
             else:
                 pairs = [(p, p) for group in optimizer.param_groups for p in group["params"]]
@@ -166,6 +169,7 @@ class LossScaling(Callback):
         self._device = devices.pop() if len(devices) == 1 else None
 
     def on_fit_start(self, trainer) -> None:
+        self._trainable = TrainableParams(trainer.module, trainer.optimizers.values())
         self._log_every = trainer.cfg.logging.log_every_n_steps  # read once: config access costs µs per step
         trainer.state.grads_leave_params = True  # each backward's gradients go to a stash or the masters
 
@@ -174,7 +178,9 @@ class LossScaling(Callback):
         self._counts_seen = {st.name: (st.steps, st.skipped_steps) for st in trainer.optimizer_state.values()}
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
-        if not self._combiners:
+        # Rebuilt at an iteration's start after training code unfroze a parameter or added a param group: one left out
+        # would step on gradients still multiplied by the loss scale, never checked for inf.
+        if (not self._combiners or trainer.state.is_iteration_start) and self._trainable.changed():
             self._build_combiners(trainer)
         for combiner in self._combiners.values():
             combiner.prepare_backward()

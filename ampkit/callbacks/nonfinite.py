@@ -9,6 +9,7 @@ import torch
 from ampkit.amp import unscale_and_check_
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
 
 
@@ -26,18 +27,21 @@ class NonFiniteCheck(Callback):
 
     def __init__(self) -> None:
         self._params: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
+        self._trainable: TrainableParams | None = None  # when the parameters must be looked up again
         self._flags = FoundInfFlags()
         self._one: torch.Tensor | None = None  # the 1.0 the check multiplies by, on the gradients' device
 
     def on_fit_start(self, trainer) -> None:
-        self._params = [
-            (optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
-            for optimizer in trainer.optimizers.values()
-        ]
+        self._trainable = TrainableParams(trainer.module, trainer.optimizers.values())
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:
         if not trainer.state.is_iteration_end:
             return
+        if self._trainable is not None and self._trainable.changed():  # the first time, and after an unfreeze
+            self._params = [
+                (optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
+                for optimizer in trainer.optimizers.values()
+            ]
         written = None if backward.inputs is None else {id(t) for t in backward.inputs}
         grads: list[torch.Tensor] = []
         for optimizer, params in self._params:

@@ -3,7 +3,10 @@ and ``trainer.logger``'s images, histograms and text."""
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +33,31 @@ def writing_events(log_dir: Path) -> Iterator[None]:
             f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
             "access) there, or set logging.tensorboard=false; no checkpoint was touched"
         ) from None
+
+
+# TensorBoard's writer threads of ampkit's SummaryWriters: an OSError there (a full disk) is raised again by the
+# writer's next write, flush or close on the training thread, where writing_events names the directory in one line.
+_WRITER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _quiet_writer_threads(args: threading.ExceptHookArgs, previous: Callable[[Any], Any]) -> None:
+    """``threading.excepthook``: silent for an OSError of a writer thread (its traceback would come before the one
+    line the training thread gives), ``previous`` for everything else."""
+    if args.thread in _WRITER_THREADS and isinstance(args.exc_value, OSError):
+        return
+    previous(args)
+
+
+def summary_writer(log_dir: Path, purge_step: int | None) -> Any:
+    """A ``SummaryWriter`` for ``log_dir`` whose writer thread leaves a failed write to the training thread."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    before = set(threading.enumerate())
+    writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+    _WRITER_THREADS.update(set(threading.enumerate()) - before)
+    if getattr(threading.excepthook, "func", None) is not _quiet_writer_threads:
+        threading.excepthook = functools.partial(_quiet_writer_threads, previous=threading.excepthook)
+    return writer
 
 
 class TensorBoardWriter(Logger):
@@ -66,8 +94,9 @@ class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log),
-    ``train/lr/<optimizer>``, ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer
-    is about to use, before clipping), ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
+    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups'),
+    ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
+    ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
     queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
@@ -89,6 +118,7 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
+        self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
         self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
         self._last_flush = 0.0
         self._last_time = 0.0
@@ -101,8 +131,6 @@ class TensorBoardLogger(Callback):
     def on_fit_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
         # A continued run logs again the steps its killed predecessor wrote after the checkpoint: purge_step hides
         # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value.
         continued = trainer.fit_start.version_dir is not None
@@ -110,13 +138,23 @@ class TensorBoardLogger(Callback):
         self._failed = False
         log_dir = trainer.version_dir / "tensorboard"
         with writing_events(log_dir):
-            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+            self.writer = summary_writer(log_dir, purge_step)
             trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
             self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
         self._last_flush = self._last_time
+
+    def on_train_batch_start(self, trainer, batch: Any) -> None:
+        """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
+        moved them to the next iteration's."""
+        if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
+            self._lrs = [
+                (f"train/lr/{name}" + (f"/group_{i}" if i else ""), group["lr"])  # each group's, as Lightning's
+                for name, opt in trainer.optimizers.items()
+                for i, group in enumerate(opt.param_groups)
+            ]
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
@@ -134,12 +172,12 @@ class TensorBoardLogger(Callback):
         if trainer.state.is_iteration_end and self._due(trainer):
             rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
             rows += [(step, tag, norm) for tag, norm in self._grad_norms]
-            rows += [(step, f"train/lr/{name}", opt.param_groups[0]["lr"]) for name, opt in trainer.optimizers.items()]
+            rows += [(step, tag, lr) for tag, lr in self._lrs]
             now = time.perf_counter()
             if step > self._last_step and now > self._last_time:
                 rows.append((step, "train/steps_per_sec", (step - self._last_step) / (now - self._last_time)))
             self._last_time, self._last_step = now, step
-            self._window, self._grad_norms = {}, []
+            self._window, self._grad_norms, self._lrs = {}, [], []
             if rows:
                 self._queued += rows
             if now - self._last_flush >= self.flush_secs:
@@ -170,13 +208,15 @@ class TensorBoardLogger(Callback):
 
         tensors = [v for _, _, value in rows for v in _as_list(value) if isinstance(v, torch.Tensor)]
         read = iter(read_scalars(*tensors))
-        by_step: dict[int, list[Any]] = {}
+        by_step: dict[int, dict[str, Any]] = {}
         for step, tag, value in rows:
             numbers = [next(read) if isinstance(v, torch.Tensor) else float(v) for v in _as_list(value)]
             number = numbers[0] if len(numbers) == 1 else sum(numbers) / len(numbers)  # inf - inf: nan, as torch
-            by_step.setdefault(step, []).append(Summary.Value(tag=tag, simple_value=number))
+            # One value per tag and step, the last: trainer.log in each micro-batch of an accumulated iteration (as
+            # Lightning logs the stepping batch's), a count logged at each of two optimizers' skips.
+            by_step.setdefault(step, {})[tag] = Summary.Value(tag=tag, simple_value=number)
         for step, values in by_step.items():
-            self.writer.file_writer.add_summary(Summary(value=values), step)
+            self.writer.file_writer.add_summary(Summary(value=list(values.values())), step)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training

@@ -4,7 +4,8 @@ A Trainer tells it what one sample is worth by setting ``tokens_per_sample`` (a 
 and ``flops_per_sample`` (the training FLOPs of one sample, forward and backward: :func:`count_training_flops`
 measures them once on a meta-device copy of the model, or use ``6 * N + 12 * layers * width * seq_len`` per
 token, the matmul parameters ``N`` plus attention's two products, as torchtitan and nanoGPT do). Samples per batch
-are the leading size of the batch's first tensor, counted on the host: no device sync is added. Recomputation
+are the leading size of the batch's first tensor, counted on the host: no device sync is added (a batch holding no
+tensor leaves its window's rates unreported). Recomputation
 under activation checkpointing is not counted (that would be hardware FLOPs, not model FLOPs).
 
 MFU is achieved FLOP/s over the device's peak for the compute dtype: a table of dense (no sparsity) peaks for
@@ -19,6 +20,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.evaluation import batch_size
@@ -114,10 +116,10 @@ class Throughput(Callback):
 
     Figures go to ``trainer.state.throughput`` (the console shows them) and to ``trainer.log`` as
     ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` (TensorBoard). The first
-    iteration (compilation, warm-up) and validation runs are left out of the windows. On a GPU the windows are
-    timed by CUDA events and each is reported one window late (logged at its own last iteration), so timing never
-    waits for the GPU. Work a hook does that is not training (sampling text) is left out inside :func:`paused`.
-    ``clock``: a host clock instead (tests).
+    iteration (compilation, warm-up), validation runs and checkpoint saves are left out of the windows. On a GPU the
+    windows are timed by CUDA events and each is reported one window late (logged at its own last iteration), so
+    timing never waits for the GPU. Work a hook does that is not training (sampling text) is left out inside
+    :func:`paused`. ``clock``: a host clock instead (tests).
     """
 
     phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
@@ -142,10 +144,12 @@ class Throughput(Callback):
         self._world = 1
         self._watch: HostStopwatch | CudaStopwatch = HostStopwatch(clock)
         self._start: Any = None  # the window's start mark; None until the first iteration has ended
-        self._samples = 0  # this rank's samples in the window
-        self._pauses: list[tuple[Any, Any]] = []  # validation runs inside the window: (start, end) marks
+        self._samples: int | None = 0  # this rank's samples in the window (None: a batch in it had no tensor)
+        self._pauses: list[tuple[Any, Any]] = []  # validation runs and saves inside the window: (start, end) marks
         self._paused_at: Any = None
         self._unread: tuple | None = None  # a lagging stopwatch's last window: (start, end, samples, pauses, step)
+        self._uncounted = ""  # the type of the last batch whose samples could not be counted (no tensor in it)
+        self._warned = False
 
     def on_train_start(self, trainer) -> None:
         self._tokens_per_sample = trainer.tokens_per_sample
@@ -155,6 +159,7 @@ class Throughput(Callback):
             self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))
         self._watch = stopwatch_for(trainer.device, self.clock)
         self._start, self._samples, self._pauses, self._unread = None, 0, [], None
+        self._uncounted, self._warned = "", False
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
@@ -162,17 +167,31 @@ class Throughput(Callback):
             if s.is_iteration_end:
                 self._start = self._watch.mark()
             return
-        self._samples += batch_size(batch)
+        samples = batch_size(batch)
+        if samples is None:  # no tensor in the batch: the window's rates are unknown, not 0
+            self._samples, self._uncounted = None, type(batch).__name__
+        elif self._samples is not None:
+            self._samples += samples
         if not (s.is_iteration_end and s.iteration % self.every_n_steps == 0):
             return
-        window = (self._start, self._watch.mark(), self._samples * self._world, self._pauses, s.iteration)
+        counted = None if self._samples is None else self._samples * self._world
+        window = (self._start, self._watch.mark(), counted, self._pauses, s.iteration)
         self._start, self._samples, self._pauses = window[1], 0, []
         if self._watch.lags:  # report the previous window, whose end the GPU has passed long ago
             window, self._unread = self._unread, window
         if window is not None:
             self._report(trainer, *window)
 
-    def _report(self, trainer, start: Any, end: Any, samples: int, pauses: list, step: int) -> None:
+    def _report(self, trainer, start: Any, end: Any, samples: int | None, pauses: list, step: int) -> None:
+        if samples is None:
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"Throughput: a training batch ({self._uncounted}) holds no tensor, so its samples cannot be "
+                    "counted: no samples/s, tokens/s, TFLOP/s or MFU is reported (batches of tensors, or dicts, "
+                    "lists, tuples or dataclasses of them, are counted by their leading size)"
+                )
+            return
         seconds = self._watch.seconds(start, end) - sum(self._watch.seconds(a, b) for a, b in pauses)
         if seconds <= 0:
             return

@@ -13,7 +13,7 @@ The LAMB ops live in :mod:`ampkit.compat._amp_c_lamb`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -72,25 +72,91 @@ def _steps_before(step: int | Tensor, count: int, device: torch.device) -> list[
     return [torch.full((), float(step) - 1.0, dtype=torch.float32, device=device) for _ in range(count)]
 
 
+_INTEGER_DTYPES = frozenset(
+    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+)
+
+
+def _is_integer(t: Tensor) -> bool:
+    return t.dtype in _INTEGER_DTYPES
+
+
+def _take_integer_entries(lists: list[list[Tensor]]) -> list[tuple[Tensor, ...]]:
+    """Remove from ``lists`` the entries where any list holds an integer tensor and return them as tuples."""
+    entries = list(zip(*lists, strict=True))
+    integer = [any(_is_integer(t) for t in entry) for entry in entries]
+    for k, tensors in enumerate(lists):
+        tensors[:] = [entry[k] for entry, is_int in zip(entries, integer, strict=True) if not is_int]
+    return [entry for entry, is_int in zip(entries, integer, strict=True) if is_int]
+
+
+def _with_integer_entries_apart(
+    lists: list[list[Tensor]], float_kernel: Callable[[], None], integer_op: Callable[..., None]
+) -> None:
+    """``float_kernel()`` over ``lists``; if it refuses them because entries hold integer tensors, ``float_kernel()``
+    on the rest, then ``integer_op`` on each of those entries (so a call refused for another reason writes none).
+
+    A model's whole state dict is a common list here (an EMA, a copy), with BatchNorm's int64
+    ``num_batches_tracked`` among the floats: Apex's kernels took it and read its bytes as floats. The kernels
+    check every argument before they write, so a refused call changed nothing, and a call without integers pays
+    nothing (reading each tensor's dtype first cost 0.2 us a tensor)."""
+    try:
+        float_kernel()
+    except RuntimeError:
+        integer = _take_integer_entries(lists)
+        if not integer:
+            raise
+        float_kernel()
+        for entry in integer:
+            integer_op(*entry)
+
+
+def _write_rounded(out: Tensor, value: Tensor) -> None:
+    """``out = value``, rounded to the nearest integer when ``out`` is an integer tensor (not truncated:
+    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64)."""
+    out.copy_(value.round() if _is_integer(out) else value)
+
+
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
-    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs."""
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer tensors (a
+    state dict's step counters) are computed in float64 and rounded to the nearest integer when written."""
     inputs, outputs = check_lists("multi_tensor_scale", tensor_lists, (2,))
-    multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
+
+    def integer_op(xi: Tensor, oi: Tensor) -> None:
+        wide = xi.double()
+        _flag_if_not_finite(wide, noop_flag)
+        _write_rounded(oi, wide * float(scale))
+
+    _with_integer_entries_apart(
+        [inputs, outputs], lambda: multi_tensor.scale_(inputs, scale, noop_flag, out=outputs), integer_op
+    )
 
 
 def multi_tensor_axpby(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
 ) -> None:
-    """``out = a * x + b * y`` for ``[x, y, out]``; flags inf/nan in x and y (-1), x only (0) or y only (1)."""
+    """``out = a * x + b * y`` for ``[x, y, out]``; flags inf/nan in x and y (-1), x only (0) or y only (1).
+    Integer tensors are computed in float64 and rounded, as in :func:`multi_tensor_scale`."""
     x, y, out = check_lists("multi_tensor_axpby", tensor_lists, (3,))
     if arg_to_check not in (-1, 0, 1):
         raise RuntimeError(f"multi_tensor_axpby: arg_to_check={arg_to_check!r}; expected -1, 0 or 1")
-    # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
-    # so a pair that differs is read through float32 copies (exact), at the cost of one extra pass.
-    for i, (xi, yi) in enumerate(zip(x, y, strict=True)):
-        if xi.dtype != yi.dtype:
-            x[i], y[i] = xi.float(), yi.float()
-    multi_tensor.axpby_(a, x, b, y, out, noop_flag, arg_to_check=arg_to_check)
+
+    def float_kernel() -> None:
+        # Apex pairs any x/y dtypes; ampkit's kernel wants x[i] and y[i] alike. The math is float32 either way,
+        # so a float pair that differs is read through float32 copies (exact), at the cost of one extra pass.
+        xs, ys = list(x), list(y)
+        for i, (xi, yi) in enumerate(zip(xs, ys, strict=True)):
+            if xi.dtype != yi.dtype and xi.is_floating_point() and yi.is_floating_point():
+                xs[i], ys[i] = xi.float(), yi.float()
+        multi_tensor.axpby_(a, xs, b, ys, out, noop_flag, arg_to_check=arg_to_check)
+
+    def integer_op(xi: Tensor, yi: Tensor, oi: Tensor) -> None:
+        wide_x, wide_y = xi.double(), yi.double()
+        for checked in {-1: (wide_x, wide_y), 0: (wide_x,), 1: (wide_y,)}[arg_to_check]:
+            _flag_if_not_finite(checked, noop_flag)
+        _write_rounded(oi, float(a) * wide_x + float(b) * wide_y)
+
+    _with_integer_entries_apart([x, y, out], float_kernel, integer_op)
 
 
 def multi_tensor_l2norm(

@@ -28,50 +28,112 @@ _FUNCTIONS = (
 )
 
 
-class _ApexNormFunction:
-    """An Apex autograd Function's name: ``.apply`` takes Apex's arguments and runs ampkit's op ``_op``."""
+def _norms() -> Any:
+    return importlib.import_module(_TARGET_MODULE)
 
-    _op = ""
+
+class _ApexNormFunction:
+    """An Apex autograd Function's name. ``forward(ctx, ...)`` has Apex's argument names, which Megatron inspects
+    (``"memory_efficient" in inspect.getfullargspec(F.forward).args``); ``apply`` runs it. ``ctx`` is unused: the
+    ampkit op records its own backward."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:
+        raise NotImplementedError
 
     @classmethod
     def apply(cls, *args: Any) -> torch.Tensor:
-        return getattr(importlib.import_module(_TARGET_MODULE), cls._op)(*args)
+        return cls.forward(None, *args)
 
 
 class FusedLayerNormAffineFunction(_ApexNormFunction):
-    """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``; output in the input dtype."""
+    """Output in the input dtype."""
 
-    _op = "fused_layer_norm_affine"
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        normalized_shape: Any,
+        eps: float,
+        memory_efficient: bool = False,
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_layer_norm_affine`."""
+        return _norms().fused_layer_norm_affine(input, weight, bias, normalized_shape, eps, memory_efficient)
 
 
 class FusedLayerNormAffineMixedDtypesFunction(_ApexNormFunction):
-    """``apply(input, weight, bias, normalized_shape, eps, memory_efficient=False)``; output in the weight dtype."""
+    """Output in the weight dtype."""
 
-    _op = "mixed_dtype_fused_layer_norm_affine"
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        normalized_shape: Any,
+        eps: float,
+        memory_efficient: bool = False,
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.mixed_dtype_fused_layer_norm_affine`."""
+        return _norms().mixed_dtype_fused_layer_norm_affine(
+            input, weight, bias, normalized_shape, eps, memory_efficient
+        )
 
 
 class FusedLayerNormFunction(_ApexNormFunction):
-    """``apply(input, normalized_shape, eps, memory_efficient=False)``: no weight or bias."""
+    """No weight or bias."""
 
-    _op = "fused_layer_norm"
+    @staticmethod
+    def forward(
+        ctx: Any, input: torch.Tensor, normalized_shape: Any, eps: float, memory_efficient: bool = False
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_layer_norm`."""
+        return _norms().fused_layer_norm(input, normalized_shape, eps, memory_efficient)
 
 
 class FusedRMSNormAffineFunction(_ApexNormFunction):
-    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``; output in the input dtype."""
+    """Output in the input dtype."""
 
-    _op = "fused_rms_norm_affine"
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        normalized_shape: Any,
+        eps: float,
+        memory_efficient: bool = False,
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_rms_norm_affine`."""
+        return _norms().fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
 
 class FusedRMSNormAffineMixedDtypesFunction(_ApexNormFunction):
-    """``apply(input, weight, normalized_shape, eps, memory_efficient=False)``; output in the weight dtype."""
+    """Output in the weight dtype."""
 
-    _op = "mixed_dtype_fused_rms_norm_affine"
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        normalized_shape: Any,
+        eps: float,
+        memory_efficient: bool = False,
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.mixed_dtype_fused_rms_norm_affine`."""
+        return _norms().mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
 
 class FusedRMSNormFunction(_ApexNormFunction):
-    """``apply(input, normalized_shape, eps, memory_efficient=False)``: no weight."""
+    """No weight."""
 
-    _op = "fused_rms_norm"
+    @staticmethod
+    def forward(
+        ctx: Any, input: torch.Tensor, normalized_shape: Any, eps: float, memory_efficient: bool = False
+    ) -> torch.Tensor:
+        """Apex's arguments (``ctx`` unused); runs :func:`ampkit.ops.norms.fused_rms_norm`."""
+        return _norms().fused_rms_norm(input, normalized_shape, eps, memory_efficient)
 
 
 def manual_rms_norm(

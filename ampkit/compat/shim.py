@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import pathlib
+import pkgutil
 import sys
 import types
 import warnings
@@ -115,13 +116,16 @@ def _make_apex_package() -> types.ModuleType:
     package = types.ModuleType("apex", "ampkit's stand-in for NVIDIA apex (see ampkit.compat).")
     package.__path__ = []
     package.__version__ = APEX_VERSION
+    # Environment reports print where apex lives (VISSL's collect_env: os.path.dirname(apex.__file__)): ampkit.compat
+    package.__file__ = str(pathlib.Path(__file__).with_name("__init__.py"))
     setattr(package, _SHIM_MARKER, True)
 
     def __getattr__(name: str) -> Any:
-        if name in APEX_SUBPACKAGES:
+        if name in APEX_SUBPACKAGES or f"apex.{name}" in EMPTY_PACKAGES:  # apex.contrib: OpenNMT-py reads it so
             return importlib.import_module(f"apex.{name}")
         raise AttributeError(
             f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
+            " and contrib"
         )
 
     package.__getattr__ = __getattr__
@@ -130,13 +134,16 @@ def _make_apex_package() -> types.ModuleType:
 
 def _make_empty_package(name: str) -> types.ModuleType:
     """An Apex package that imports empty, as Apex's own did (``apex.contrib``, ``apex.contrib.focal_loss``); its
-    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), and
-    ``from apex.contrib import xentropy`` raises the subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), an
+    aliased one is imported when read as an attribute, and ``from apex.contrib import layer_norm`` raises the
+    subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
     package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 
     def __getattr__(attribute: str) -> Any:
         submodule = f"{name}.{attribute}"
+        if submodule in _MODULE_ALIASES or submodule in EMPTY_PACKAGES:  # a served subpackage, read as an attribute
+            return importlib.import_module(submodule)  # (apex.contrib.optimizers.FP16_Optimizer after `import apex`)
         if submodule in UNSERVED:
             _target_module_name(submodule)  # raises the subpackage's ModuleNotFoundError
         raise AttributeError(f"module {name!r} (ampkit shim) has no attribute {attribute!r}")
@@ -237,6 +244,19 @@ def _is_apex_distribution_name(name: str | None) -> bool:
     return name is None or name.lower().replace("-", "_").replace(".", "_") == "apex"
 
 
+def _asked_by_find_spec() -> bool:
+    """Whether this lookup is ``importlib.util.find_spec`` asking whether a module exists, not an import: its frame
+    is two calls above the finder (``importlib._bootstrap._find_spec`` between), where an import has its own."""
+    frame = sys._getframe(3)  # this function, the finder, importlib._bootstrap._find_spec, then the caller
+    for _ in range(2):  # one more for a finder that hands the lookup on (the child processes' first-touch one)
+        if frame is None:
+            return False
+        if frame.f_code is importlib.util.find_spec.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _ApexShimFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == "apex":
@@ -247,7 +267,15 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return None
         if fullname in EMPTY_PACKAGES:
             return importlib.machinery.ModuleSpec(fullname, _EmptyPackageLoader(), is_package=True)
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_target_module_name(fullname)))
+        try:
+            target_name = _target_module_name(fullname)
+        except ModuleNotFoundError:
+            # Libraries probe optional Apex parts with `importlib.util.find_spec(...) is not None`, unguarded: that
+            # question gets None, as for any module not installed; an import still gets the error naming what to use.
+            if _asked_by_find_spec():
+                return None
+            raise
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name))
 
     def find_distributions(
         self, context: importlib.metadata.DistributionFinder.Context | None = None
@@ -275,6 +303,35 @@ def _forget_apex_modules() -> None:
             setattr(module._package, leaf, module._function)  # the ampkit name is the function again
 
 
+# Libraries that decide at their own import whether apex is installed, and the module-level flag keeping the answer.
+_APEX_CHECKED_AT_IMPORT = {
+    "transformers.utils.import_utils": "_apex_available",
+    "deepspeed.runtime.engine": "APEX_INSTALLED",
+}
+
+
+def _warn_of_libraries_that_already_found_no_apex() -> None:
+    late = [
+        name for name, flag in _APEX_CHECKED_AT_IMPORT.items() if getattr(sys.modules.get(name), flag, None) is False
+    ]
+    if late:
+        warnings.warn(
+            f"{', '.join(late)} was imported before the apex shim was installed and keeps its answer that apex is "
+            "missing; install the shim before importing it (python -m ampkit.legacy does)",
+            stacklevel=3,
+        )
+
+
+# Subpackages every NVIDIA Apex has had at least one of; a `pip install apex` gets PyPI's unrelated package instead.
+_NVIDIA_APEX_PACKAGES = ("amp", "optimizers", "normalization", "parallel", "fp16_utils", "contrib")
+
+
+def _is_nvidia_apex(locations: list[str]) -> bool:
+    """Whether the ``apex`` package found at ``locations`` (its ``__path__``, a folder or inside an egg) is NVIDIA's;
+    nothing of it is imported."""
+    return any(module.name in _NVIDIA_APEX_PACKAGES for module in pkgutil.iter_modules(locations))
+
+
 def install_apex_shim(force: bool = False) -> bool:
     """Make ``import apex`` (``apex.amp``, ``.fp16_utils``, ``.parallel``, ``.optimizers``, ``.normalization``,
     ``.multi_tensor_apply``, ``.mlp``, ``.fused_dense``) and Apex's extension modules (``import amp_C``, ``apex_C``,
@@ -283,7 +340,8 @@ def install_apex_shim(force: bool = False) -> bool:
     resolve to ampkit.
 
     Args:
-        force: install even when a real apex is importable (it is then shadowed for this process).
+        force: install even when a real apex is importable (it is then shadowed for this process). A package named
+            ``apex`` that is not NVIDIA's (PyPI's ``apex``) is shadowed without it, and a warning says so.
 
     Returns:
         True when the shim is active, False when a real apex was found and left in place (a warning says so).
@@ -292,23 +350,35 @@ def install_apex_shim(force: bool = False) -> bool:
         return True
     loaded = sys.modules.get("apex")
     real_origin: str | None = None
+    locations: list[str] = []
     if loaded is not None and not getattr(loaded, _SHIM_MARKER, False):
         real_origin = getattr(loaded, "__file__", None) or repr(loaded)
+        locations = list(getattr(loaded, "__path__", []))
     elif loaded is None:
         spec = importlib.util.find_spec("apex")
         if _installed_finder() is not None:  # a legacy run's child process: its lazy shim just installed itself
             return True
         if spec is not None:
-            real_origin = spec.origin or ", ".join(spec.submodule_search_locations or []) or "unknown location"
+            locations = list(spec.submodule_search_locations or [])
+            real_origin = spec.origin or ", ".join(locations) or "unknown location"
     if real_origin is not None and not force:
-        warnings.warn(
-            f"A real apex is installed ({real_origin}); ampkit's apex shim was NOT installed. "
-            "Use install_apex_shim(force=True) or `python -m ampkit.legacy --force-shim` to use ampkit instead.",
-            stacklevel=2,
-        )
-        return False
+        if not _is_nvidia_apex(locations):
+            warnings.warn(
+                f"The installed 'apex' ({real_origin}) is not NVIDIA Apex: it has none of "
+                f"apex.{{{', '.join(_NVIDIA_APEX_PACKAGES)}}} (PyPI's 'apex' is an unrelated Pyramid toolkit); "
+                "ampkit's apex shim shadows it in this process.",
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                f"A real apex is installed ({real_origin}); ampkit's apex shim was NOT installed. "
+                "Use install_apex_shim(force=True) or `python -m ampkit.legacy --force-shim` to use ampkit instead.",
+                stacklevel=2,
+            )
+            return False
     _forget_apex_modules()
     sys.meta_path.insert(0, _ApexShimFinder())
+    _warn_of_libraries_that_already_found_no_apex()
     return True
 
 

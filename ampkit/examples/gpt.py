@@ -12,7 +12,8 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
   validation loss after 300 steps was 12% higher than float32's, with float32 logits bf16 is within 0.3% of it.
 - Precision: ``precision.opt_level: auto`` picks bf16 O1 on a GPU; on a CPU float32 without AMX (bf16 runs slower
   there), and with AMX the faster of the two, timed on one block (float32 under torchrun: ranks timing apart could
-  choose differently). Any opt level can be set instead.
+  choose differently), when a run starts; a resumed or evaluated checkpoint keeps the level it trained in, untimed.
+  Any opt level can be set instead.
 - ``trainer.compile=[Block]`` compiles each block in place, ``trainer.activation_checkpointing=[Block]``
   recomputes their activations, ``distributed.strategy=fsdp`` shards each block (``distributed.fsdp.
   shard_modules: [Block]``); tokens/s, TFLOP/s and MFU come from the FLOPs counted once on a meta-device copy.
@@ -376,7 +377,11 @@ class GPTTrainer(ampkit.Trainer):
             cfg = build_config(self.config_class, here, cfg or {})
         check_gpt_config(cfg)
         self._machine_chose = cfg.precision.opt_level == "auto" and cfg.precision.dtype is None  # not the user
-        self.precision_choice = choose_precision(cfg)
+        self._chosen = False  # auto's level settled: from a checkpoint, or timed
+        if self._machine_chose:  # chosen when a run starts, once it is known whether a checkpoint chose already
+            cfg.precision.opt_level, self.precision_choice = "O0", None  # meanwhile the Trainer checks a real level
+        else:
+            self.precision_choice = choose_precision(cfg)
         fsdp = cfg.distributed.fsdp
         if cfg.distributed.strategy == "fsdp" and not fsdp.shard_modules:
             fsdp.shard_modules = ["Block"]  # one FSDP unit per block, gathered for its forward and backward only
@@ -384,13 +389,20 @@ class GPTTrainer(ampkit.Trainer):
         self._data: dict[str, torch.Tensor] = {}
 
     def _keep_saved_precision(self, ckpt: str | os.PathLike | None) -> None:
-        """Under ``opt_level: auto``, a resumed or evaluated checkpoint keeps the precision it trained in: timed
-        again, the choice can flip on a loaded machine (or another world size) and the curve would change."""
-        saved = saved_precision(self.cfg.run_dir, ckpt) if self._machine_chose else None
+        """Under ``opt_level: auto``, a resumed or evaluated checkpoint keeps the precision it trained in, untimed:
+        timed again, the choice can flip on a loaded machine (or another world size) and the curve would change.
+        Without a checkpoint the machine is timed, once per Trainer (never before it is known that none chose)."""
+        if not self._machine_chose:
+            return
+        saved = saved_precision(self.cfg.run_dir, ckpt)
         if saved is not None:
             self.cfg.precision.opt_level, self.cfg.precision.dtype = saved
             level = f"{saved[0]} {saved[1] or 'float32'}"
             self.precision_choice = f"{level}, the checkpoint's (auto chooses once, when a run starts)"
+        elif not self._chosen:
+            self.cfg.precision.opt_level = "auto"
+            self.precision_choice = choose_precision(self.cfg)
+        self._chosen = True
 
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         self._keep_saved_precision(resume)

@@ -9,8 +9,9 @@ kernels on GPU) or, with ``AMPKIT_OPS=reference`` or no compiler, the pure-PyTor
   into fp32 master grads). Math runs in float32 (float64 if either side is float64).
 * Non-contiguous tensors give the correct result: inputs are read through a contiguous copy and
   outputs written through a scratch buffer that is copied back (one extra pass; grads and params
-  are contiguous in practice, so the hot path never pays it). An output may be the very tensor an
-  input is (in place) but must not partially overlap one.
+  are contiguous in practice, so the hot path never pays it). An output may be the very tensor its
+  own index's input is (in place) but must not partially overlap it, nor share memory with a tensor of
+  another index (every index's chunks run in parallel).
 * ``found_inf`` is a one-element float32 or int32 tensor on the tensors' device, like torch's
   ``found_inf`` (float) or Apex's ``noop_flag`` (int). Ops set it to 1 when they see a non-finite
   value and never clear it, so one flag can collect several calls; the ops here do not skip work

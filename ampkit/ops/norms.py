@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +78,35 @@ _TORCH_CPU_LAYER_NORM = (torch.float32, torch.float16)  # the LayerNorm dtypes w
 ShapeLike = int | Sequence[int] | torch.Size
 
 
-def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+def _size(value: object) -> int | None:
+    """``value`` as a size if it is an integer (a Python, numpy or 0-dim integer tensor one; not a bool), else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        return None
     try:
-        if isinstance(normalized_shape, numbers.Integral):
-            shape: tuple[int, ...] = (int(normalized_shape),)
-        else:
-            shape = tuple(int(s) for s in normalized_shape)
+        return operator.index(value)
     except TypeError:
-        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}") from None
+        return None
+
+
+def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of ints. Only integers are taken, as by torch's norms: ``int()`` would read
+    the string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    single = _size(normalized_shape)
+    if single is not None:
+        return _checked_shape((single,))
+    bad = TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if isinstance(normalized_shape, str | bytes) or not isinstance(normalized_shape, Iterable):
+        raise bad
+    try:
+        sizes = [_size(s) for s in normalized_shape]
+    except TypeError:  # a 0-dim float tensor
+        raise bad from None
+    if any(size is None for size in sizes):
+        raise bad
+    return _checked_shape(tuple(sizes))
+
+
+def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     if not shape:
         raise ValueError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):
@@ -92,10 +114,31 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     return shape
 
 
+def _check_memory_efficient(op: str, value: object) -> None:
+    """True or False (or 0 and 1): torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth, where
+    Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
+    memory-efficient norm on the CPU."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    raise TypeError(
+        f"{op}: memory_efficient must be True or False, got {value!r} (the fourth positional argument is Apex's "
+        "memory_efficient; pass bias, device and dtype by keyword)"
+    )
+
+
 def _check_eps(op: str, eps: float) -> None:
     """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+class NormShapeError(ValueError, RuntimeError):
+    """An input or parameter whose shape or device does not fit: a ValueError, and also the RuntimeError that
+    ``F.layer_norm``/``F.rms_norm`` raise for it, so code written against torch's norms catches it."""
+
+
+class NormDtypeError(TypeError, RuntimeError):
+    """An input or parameter whose dtype does not fit: a TypeError, and also torch's norms' RuntimeError."""
 
 
 def _check_inputs(
@@ -109,10 +152,10 @@ def _check_inputs(
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+        raise NormDtypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     k = len(normalized_shape)
     if input.dim() < k or tuple(input.shape[input.dim() - k :]) != normalized_shape:
-        raise ValueError(
+        raise NormShapeError(
             f"{op}: normalized_shape {list(normalized_shape)} does not match the trailing dimensions "
             f"of input with shape {list(input.shape)}"
         )
@@ -122,19 +165,19 @@ def _check_inputs(
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
         if tuple(param.shape) != normalized_shape:
-            raise ValueError(
+            raise NormShapeError(
                 f"{op}: {name} has shape {list(param.shape)}, expected normalized_shape {list(normalized_shape)}"
             )
         if param.device != input.device:
-            raise ValueError(f"{op}: {name} is on {param.device} but input is on {input.device}")
+            raise NormShapeError(f"{op}: {name} is on {param.device} but input is on {input.device}")
         allowed = (input.dtype, torch.float32) if input.dtype in _HALF_DTYPES else (input.dtype,)
         if param.dtype not in allowed:
-            raise TypeError(
+            raise NormDtypeError(
                 f"{op}: {name} dtype {param.dtype} does not fit input dtype {input.dtype}; "
                 f"use {' or '.join(str(d) for d in allowed)}"
             )
     if weight is not None and bias is not None and bias.dtype != weight.dtype:
-        raise TypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+        raise NormDtypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
 
 
 def _use_kernel(input: torch.Tensor) -> bool:
@@ -196,6 +239,21 @@ def _grads_to_differentiate(
     return tuple(next(grads) if need else None for need in needed)
 
 
+def _refuse_second_order(norm: str, grad_output: torch.Tensor, saved: tuple[torch.Tensor | None, ...]) -> None:
+    """A memory-efficient norm saves its output, not its input, so its gradients cannot be differentiated: under
+    ``create_graph=True`` they would carry no graph to the input (``once_differentiable`` only fails a second
+    backward that passes through the gradient's own node, so ``torch.autograd.grad(..., inputs=x)`` and
+    gradgradcheck saw zeros for its terms). Refused here, by name, whenever that graph would be asked for."""
+    if not torch.is_grad_enabled():
+        return
+    if grad_output.requires_grad or any(t is not None and t.requires_grad for t in saved):
+        raise RuntimeError(
+            f"{norm} with memory_efficient=True keeps the output instead of the input, so its backward cannot be "
+            "differentiated again (backward(create_graph=True), a gradient penalty, gradgradcheck); build it with "
+            "memory_efficient=False"
+        )
+
+
 class FusedLayerNormFunction(torch.autograd.Function):
     """LayerNorm through the C++/CUDA kernels; weight/bias may be None, output dtype defaults to input's."""
 
@@ -228,7 +286,9 @@ class FusedLayerNormFunction(torch.autograd.Function):
         # Unpacked once: torch.utils.checkpoint(use_reentrant=False) refuses a second unpack of a saved tensor.
         saved_tensors = ctx.saved_tensors
         saved, weight, bias, _, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused layer norm", grad_output, (saved, weight, bias))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight, bias),
                 lambda x, w, b: reference.layer_norm(x, ctx.normalized_shape, w, b, ctx.eps, ctx.output_dtype),
@@ -283,7 +343,9 @@ class FusedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         saved_tensors = ctx.saved_tensors  # unpacked once, as in FusedLayerNormFunction.backward
         saved, weight, _ = saved_tensors
-        if torch.is_grad_enabled() and not ctx.memory_efficient:  # create_graph=True: a gradient penalty
+        if ctx.memory_efficient:
+            _refuse_second_order("a fused RMS norm", grad_output, (saved, weight))
+        elif torch.is_grad_enabled():  # create_graph=True: a gradient penalty
             grads = _grads_to_differentiate(
                 ctx, grad_output, (saved, weight),
                 lambda x, w: reference.rms_norm(x, ctx.normalized_shape, w, ctx.eps, ctx.output_dtype),
@@ -452,6 +514,7 @@ class FusedLayerNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # Apex's before mid-2023 had no such field: a model pickled with one loads and runs
 
     def __init__(
         self,
@@ -468,6 +531,7 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:
@@ -519,6 +583,7 @@ class FusedRMSNorm(nn.Module):
     """
 
     _mixed = False
+    memory_efficient = False  # as FusedLayerNorm: Apex's before mid-2023 had no such field
 
     def __init__(
         self,
@@ -535,6 +600,7 @@ class FusedRMSNorm(nn.Module):
         if eps is not None:
             _check_eps(type(self).__name__, eps)
         self.eps = eps
+        _check_memory_efficient(type(self).__name__, memory_efficient)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,16 +39,33 @@ TEST = Stage("test", "test_dataloader", "test_step", "test")
 PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
-def batch_size(batch: Any) -> int:
-    """The leading size of the first tensor found in ``batch`` (0 if none)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, list | tuple) else ()
-    for value in values:
-        size = batch_size(value)
+def batch_size(batch: Any) -> int | None:
+    """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
+    through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
+    no tensor (strings, a custom object)."""
+    empty = False
+    for size in _leading_sizes(batch):
         if size:
             return size
-    return 0
+        empty = True
+    return 0 if empty else None
+
+
+def _leading_sizes(batch: Any) -> Iterator[int]:
+    """The leading size of each tensor in ``batch``, depth first."""
+    if isinstance(batch, torch.Tensor):
+        yield batch.shape[0] if batch.ndim else 1
+        return
+    if isinstance(batch, Mapping):
+        values: Any = batch.values()
+    elif isinstance(batch, list | tuple):
+        values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    else:
+        return
+    for value in values:
+        yield from _leading_sizes(value)
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
@@ -66,6 +85,18 @@ def run_step(trainer: Trainer, step: Callable[[Any], Any], batch: Any) -> Any:
         return step(batch)
     finally:
         trainer.evaluation_step = None
+
+
+def training_modes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Each submodule's train/eval mode, to hand the model back after evaluation as training code left it (a frozen
+    backbone kept in eval mode, its BatchNorm statistics fixed), not all in train mode."""
+    return [(submodule, submodule.training) for submodule in module.modules()]
+
+
+def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Put each submodule back in the mode :func:`training_modes` saw (not recursively: each is listed)."""
+    for submodule, training in modes:
+        submodule.training = training
 
 
 def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Iterator[tuple[Any, bool]]:
@@ -91,11 +122,12 @@ def average_metrics(
 
     A metric only some batches return (one per validation set of a chained loader) is averaged over those; a
     filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
-    was_training = trainer.module.training
+    modes = training_modes(trainer.module)
     trainer.module.eval()
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
     source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
+    empty: list[int] = []
     for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
             break
@@ -103,13 +135,24 @@ def average_metrics(
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         if not real:
             continue
-        n = batch_size(batch) or 1
+        n = batch_size(batch)
+        if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
+            empty.append(i)
+            continue
+        n = n or 1  # samples unknown (no tensor in the batch): each batch weighs one
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value) * n
             seen[key] = seen.get(key, 0.0) + n
         if batch_end_hook is not None:
             trainer.fire(batch_end_hook, metrics, batch)
-    trainer.module.train(was_training)
+    restore_training_modes(modes)
+    if empty:
+        warnings.warn(
+            f"{step.__name__}: batch(es) {', '.join(map(str, empty[:5]))}{', ...' if len(empty) > 5 else ''} held "
+            "0 samples (every tensor with 0 rows: a collate_fn or dataset that filters samples?); left out of the "
+            "means",
+            stacklevel=2,
+        )
     keys = union_over_ranks(list(sums), trainer.dist)
     totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
@@ -119,14 +162,14 @@ def average_metrics(
 def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any]) -> list[Any]:
     """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU; a filler
     batch's (a rank with fewer samples keeping step with the others) is dropped."""
-    was_training = trainer.module.training
+    modes = training_modes(trainer.module)
     trainer.module.eval()
     predictions = []
     for batch, real in real_and_filler_batches(trainer, loader, "predict_dataloader()"):
         output = run_step(trainer, step, trainer._to_device(batch))
         if real:
             predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
-    trainer.module.train(was_training)
+    restore_training_modes(modes)
     return predictions
 
 

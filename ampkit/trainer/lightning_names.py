@@ -20,6 +20,7 @@ LIGHTNING_NAMES: dict[str, str] = {
     "clip_gradients": "trainer.clip_grad_norm in the config (clipping of unscaled gradients, per optimizer)",
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
+    "estimated_stepping_batches": "self.num_training_steps",
 }
 
 

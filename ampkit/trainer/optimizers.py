@@ -258,3 +258,30 @@ def step_(optimizer: torch.optim.Optimizer) -> None:
         return
     inner(optimizer)
     step_code()
+
+
+# Settings an LR scheduler moves as it steps (OneCycleLR cycles momentum/betas too): their resumed values are the
+# schedule's position, not the checkpoint overriding the code.
+_MOVED_BY_SCHEDULERS = frozenset({"lr", "momentum", "betas"})
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (lr, weight_decay, ...), without its parameters."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, torch.Tensor) else value  # a capturable optimizer's tensor lr
+
+
+def settings_kept_from_checkpoint(spec: OptimizerSpec, built: list[dict[str, Any]]) -> list[str]:
+    """``name[group].key=<checkpoint's> (configure_optimizers: <built>)`` for each setting of ``spec``'s optimizer
+    that loading its state replaced (torch's ``load_state_dict`` restores every group setting); under a scheduler,
+    the settings it moves are left out."""
+    skip = _MOVED_BY_SCHEDULERS if spec.schedulers else frozenset()
+    kept = []
+    for i, (ours, loaded) in enumerate(zip(built, group_settings(spec.optimizer), strict=False)):
+        for key in sorted(ours.keys() & loaded.keys() - skip):
+            if _plain(ours[key]) != _plain(loaded[key]):
+                kept.append(f"{spec.name}[{i}].{key}={_plain(loaded[key])} (configure_optimizers: {_plain(ours[key])})")
+    return kept

@@ -61,7 +61,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, save_atomic
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -102,12 +102,15 @@ from ampkit.trainer.optimizers import (
     NamedOptimizers,
     OptimizerSpec,
     check_parameters,
+    group_settings,
     normalize_optimizers,
+    settings_kept_from_checkpoint,
     step_,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
+from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
@@ -133,7 +136,12 @@ from ampkit.trainer.sanity import (
     sanity_validate,
     usable_validation_loader,
 )
-from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint, is_sharded_checkpoint, load_sharded
+from ampkit.trainer.sharded_checkpoint import (
+    TRAINER_FILE,
+    consolidate_checkpoint,
+    is_sharded_checkpoint,
+    load_sharded,
+)
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
@@ -142,9 +150,11 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    empty_batch_error,
     nothing_trained_warning,
 )
 
+_NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
@@ -274,6 +284,8 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
+        self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
@@ -577,6 +589,17 @@ class Trainer:
         return self._num_train_batches
 
     @property
+    def num_training_steps(self) -> int | None:
+        """Iterations the whole run trains (Lightning's ``estimated_stepping_batches``), to size a schedule in
+        ``configure_optimizers``: ``max_epochs`` x ``ceil(num_train_batches / accumulate_grad_batches)`` (an epoch's
+        last, short window steps too), or ``max_steps`` when it ends the run first; None when neither is known."""
+        t, batches = self.settings, self.num_train_batches
+        if batches is None:  # an iterable without a length: only max_steps says
+            return t.max_steps if t.max_steps >= 0 else None
+        steps = t.max_epochs * -(-batches // t.accumulate_grad_batches)
+        return steps if t.max_steps < 0 else min(t.max_steps, steps)
+
+    @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
         return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
@@ -704,11 +727,15 @@ class Trainer:
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
-        for batch in self._epoch_batches():
+        batches = self._epoch_batches()
+        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
+            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
+        self._at_last_batch = False
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if (
@@ -719,7 +746,9 @@ class Trainer:
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
         if exhausted:
-            if _every(self.settings.val_every_n_epochs, s.epoch + 1):
+            # Not again when the epoch's last step validated (val_every_n_steps): the same weights, a second pass,
+            # and a second non-improving validation for early stopping's patience.
+            if _every(self.settings.val_every_n_epochs, s.epoch + 1) and self.val_metrics_step != s.global_step:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
@@ -734,12 +763,16 @@ class Trainer:
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
-        s.is_iteration_end = (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches
+        s.is_iteration_end = (
+            (s.batch_idx + 1) % accumulate == 0 or s.batch_idx + 1 == self._num_train_batches or self._at_last_batch
+        )
         if s.is_iteration_start:
             for opt_state in self.optimizer_state.values():
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
+        if batch_size(batch) == 0:  # on the host, before any work: nan loss and zero gradients otherwise
+            raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
             batch = self._to_device(batch)
         self._batch = batch
@@ -1017,6 +1050,7 @@ class Trainer:
             shuffle_default=True,
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader")
         equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
@@ -1028,6 +1062,13 @@ class Trainer:
         self._stop_agreed = False
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
+            saved = start.checkpoint
+            if saved is None:  # sharded: the record is in its trainer file
+                saved = load_checkpoint(start.checkpoint_path / TRAINER_FILE)
+            restore_trainable(
+                self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
+            )
         check_parameters(self._specs, self.module, self.automatic_optimization)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
@@ -1174,6 +1215,17 @@ class Trainer:
             return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
         return batches
 
+    def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
+        (``self._at_last_batch``): its partial window then steps with the epoch, as a known length's does, instead of
+        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step)."""
+        upcoming = next(batches, _NO_BATCH)
+        while upcoming is not _NO_BATCH:
+            batch, upcoming = upcoming, next(batches, _NO_BATCH)
+            self._at_last_batch = upcoming is _NO_BATCH
+            yield batch
+        self._at_last_batch = False
+
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
             return batch
@@ -1225,6 +1277,7 @@ class Trainer:
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
         }
         if self._launch is not None:  # under torchrun: a restart of this launch continues from it
@@ -1234,6 +1287,15 @@ class Trainer:
             checkpoint["optimizers"] = {spec.name: spec.optimizer.state_dict() for spec in self._specs}
         self.fire("on_save_checkpoint", checkpoint)
         return checkpoint
+
+    def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model parameter, its fp32 master) of every optimizer that holds masters (O2) in the model's place."""
+        return [
+            pair
+            for st in self.optimizer_state.values()
+            if st.master_weights is not None
+            for pair in zip(st.master_weights.model_params, st.master_weights.master_params, strict=True)
+        ]
 
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
         from ampkit.callbacks.precision import saved_masters_into_model
@@ -1245,6 +1307,7 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
+        built = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1255,6 +1318,12 @@ class Trainer:
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
+        kept = [line for spec in self._specs for line in settings_kept_from_checkpoint(spec, built[spec.name])]
+        if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
+            rank_zero_warn(
+                f"checkpoint '{path}' restores its optimizers' settings over configure_optimizers()'s: "
+                f"{'; '.join(kept)}; to change them on resume, set param_groups in on_load_checkpoint"
+            )
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)

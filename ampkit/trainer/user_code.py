@@ -81,6 +81,15 @@ def check_loader(loader: Any, method: str, optional: bool = False) -> Any:
     return loader
 
 
+def empty_batch_error(method: str, where: str) -> UserCodeError:
+    """A batch of 0 samples from ``method``'s loader (a DataLoader never makes one; a collate_fn or a dataset's
+    own batching can), which would train or average on nothing: a nan loss, zero gradients, a nan metric."""
+    return UserCodeError(
+        f"{method}() gave an empty batch ({where}): every tensor in it has 0 rows; a collate_fn or dataset that "
+        "filters samples must not return a batch with none left (drop it there, or keep at least one sample)"
+    )
+
+
 def check_batches(count: int | None, method: str) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing)."""
     if count == 0:

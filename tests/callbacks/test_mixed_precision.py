@@ -605,3 +605,92 @@ def test_apex_bf16_levels_train_in_bfloat16_without_a_scaler(tmp_path, opt_level
     assert recorder.scale_updates == [] and trainer.loss_state[0].scale is None
     low = [p.dtype for p in trainer.module.head.parameters()]
     assert low == ([torch.bfloat16] * 2 if combines else [torch.float32] * 2)  # O4 autocasts, O5 casts the model
+
+
+class UnfreezeTrainer(ampkit.Trainer):
+    """Fine-tuning: the first layer starts frozen (in the optimizer) and is unfrozen at epoch 1; ``poison`` makes its
+    gradient inf at the iteration of that number."""
+
+    poison: int | None = None
+
+    def configure_model(self):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        model[0].requires_grad_(False)
+        return model
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return make_batches(4)
+
+    def on_train_start(self):
+        self.first_layer_at_start = self.module[0].weight.detach().clone()
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.module[0].requires_grad_(True)
+            if self.poison is not None:
+                self.module[0].weight.register_hook(
+                    lambda g: g * math.inf if self.state.iteration == self.poison else g
+                )
+
+    def training_step(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+
+def _fit_unfreeze(path, poison=None, trainer_class=UnfreezeTrainer, **precision):
+    trainer = trainer_class(
+        {
+            "run_dir": str(path),
+            "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False},
+            "precision": precision,
+            "checkpoint": {"enabled": False},
+            "logging": {"tensorboard": False},
+        }
+    )
+    trainer.poison = poison
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_parameter_unfrozen_mid_run_is_unscaled_like_the_others(tmp_path, opt_level):
+    # The unscale list was built at the first backward: the layer unfrozen at epoch 1 stepped on gradients still
+    # multiplied by the loss scale (65536x the learning rate under SGD), or under O2 did not train at all.
+    scaled = _fit_unfreeze(tmp_path / "dynamic", opt_level=opt_level, dtype="float16")
+    unscaled = _fit_unfreeze(tmp_path / "one", opt_level=opt_level, dtype="float16", loss_scale=1.0)
+    assert not torch.equal(scaled.module[0].weight, scaled.first_layer_at_start)  # it trained once unfrozen
+    assert torch.equal(scaled.module[0].weight, unscaled.module[0].weight)
+
+
+class AddsGroupTrainer(UnfreezeTrainer):
+    """The same fine-tuning with the first layer outside the optimizer until epoch 1, then added as a param group."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[2].parameters(), lr=0.05)
+
+    def on_train_epoch_start(self):
+        if self.state.epoch == 1:
+            self.module[0].requires_grad_(True)
+            self.optimizer.add_param_group({"params": list(self.module[0].parameters())})
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_param_group_added_mid_run_is_unscaled_and_gets_fp32_masters(tmp_path, opt_level):
+    # O2's masters were made at the start: the added half-precision group stepped itself, on gradients still
+    # multiplied by the loss scale.
+    precision = {"opt_level": opt_level, "dtype": "float16"}
+    scaled = _fit_unfreeze(tmp_path / "dynamic", trainer_class=AddsGroupTrainer, **precision)
+    unscaled = _fit_unfreeze(tmp_path / "one", trainer_class=AddsGroupTrainer, loss_scale=1.0, **precision)
+    assert not torch.equal(scaled.module[0].weight, scaled.first_layer_at_start)
+    assert torch.equal(scaled.module[0].weight, unscaled.module[0].weight)
+    if opt_level == "O2":
+        assert all(p.dtype == torch.float32 for group in scaled.optimizer.param_groups for p in group["params"])
+
+
+def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_path):
+    trainer = _fit_unfreeze(tmp_path, poison=6, opt_level="O1", dtype="bfloat16", skip_nonfinite=True)
+    assert trainer.optimizer_state[trainer.optimizer].skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in trainer.module.parameters())

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import Callback
 from ampkit.callbacks.progress import _throughput
 from ampkit.callbacks.throughput import (
     PEAK_TFLOPS,
@@ -166,3 +169,55 @@ def test_on_a_gpu_each_window_is_read_one_window_late_and_logged_at_its_own_step
     # is read: 4 batches in 1.5 s less the 0.5 s validation; the last window (8..12) is never read
     assert tokens == [(4, pytest.approx(3 * 8 * 16 / 0.5)), (8, pytest.approx(4 * 8 * 16 / 1.0))]
     assert watch.reads == [101.0, 102.5, 102.0]  # each window's end (then its pause) only after the next one ended
+
+
+class TextBatches(ToyTrainer):
+    """Batches of strings, parsed in the step: no tensor for the meter to count samples by."""
+
+    def train_dataloader(self):
+        return DataLoader([" ".join(map(str, range(i, i + 7))) for i in range(64)], batch_size=8)
+
+    def training_step(self, batch):
+        rows = torch.tensor([[float(v) for v in text.split()] for text in batch])
+        return F.mse_loss(self.model(rows[:, :6]).squeeze(1), rows[:, 6])
+
+
+def test_batches_whose_samples_cannot_be_counted_train_and_report_no_rates(tmp_path):
+    """A window of uncounted batches is unknown, not 0 samples/s (nor 0 tokens/s, TFLOP/s, MFU)."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "logging.tensorboard": False,
+                               "logging.log_every_n_steps": 2})  # fmt: skip
+    trainer = TextBatches(cfg)
+    with pytest.warns(UserWarning, match=r"Throughput: a training batch \(list\) holds no tensor, so its samples"):
+        trainer.fit()
+    assert trainer.state.global_step == 8 and trainer.state.throughput == {}
+
+
+class _TrainsForAQuarterSecond(Callback):
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        self.clock.now += 0.25
+
+
+def test_checkpoint_saves_are_left_out_of_the_window(tmp_path, monkeypatch):
+    """Each batch takes 0.25 s of the fake clock and each save 100 s: window 5..8 holds the saves after steps 4 and
+    6, and its rate is 4 batches in 1.0 s of training, not in 201 s."""
+    import ampkit.callbacks.checkpoint as checkpoint
+
+    clock, saved_at = FakeClock(step_s=0.0), []
+    real_save = checkpoint.save_atomic
+
+    def slow_save(*args, **kwargs):
+        clock.now += 100.0
+        saved_at.append(trainer.state.global_step)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_atomic", slow_save)
+    meter = Throughput(every_n_steps=4, clock=clock)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "logging.throughput": False,
+                               "logging.tensorboard": False, "checkpoint.every_n_steps": 2})  # fmt: skip
+    trainer = ToyTrainer(cfg, callbacks=[meter, _TrainsForAQuarterSecond(clock)])
+    trainer.fit()
+    assert saved_at[:3] == [2, 4, 6]
+    assert trainer.state.throughput["samples_per_sec"] == pytest.approx(4 * 8 / 1.0)

@@ -109,6 +109,36 @@ def test_axpby_matches_float64_and_checks_the_named_argument(arg_to_check):
         amp_C.multi_tensor_axpby(2048, flag(), [x, y, out], 1.0, 1.0, 2)
 
 
+def test_scale_and_axpby_take_a_whole_state_dict_with_its_integer_buffers():
+    """An EMA or a copy over ``model.state_dict().values()`` meets BatchNorm's int64 counter among the floats."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).double()
+    model(torch.randn(4, 3, dtype=torch.float64))
+    ema = {k: v.clone() for k, v in model.state_dict().items()}
+    ema["1.num_batches_tracked"].fill_(10)
+    expected = {k: 0.3 * ema[k] + 0.7 * v for k, v in model.state_dict().items()}
+    buf = flag()
+    values = list(ema.values())
+    multi_tensor_applier(
+        amp_C.multi_tensor_axpby, buf, [values, list(model.state_dict().values()), values], 0.3, 0.7, -1
+    )
+    assert buf.item() == 0
+    assert ema["1.num_batches_tracked"].dtype == torch.int64 and ema["1.num_batches_tracked"].item() == 4, (
+        "0.3 * 10 + 0.7 * 1, rounded"
+    )
+    for key in ("0.weight", "1.running_var"):
+        torch.testing.assert_close(ema[key], expected[key].float().double())
+    copies = [torch.empty_like(v) for v in ema.values()]
+    multi_tensor_applier(amp_C.multi_tensor_scale, buf, [list(ema.values()), copies], 1.0)
+    assert all(torch.equal(c, v) for c, v in zip(copies, ema.values(), strict=True))
+    x = [torch.tensor([1.0, math.nan]), torch.tensor(4)]
+    multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [x, [torch.zeros(2), torch.tensor(7)], x], 1.0, 1.0, 1)
+    assert buf.item() == 0 and x[1].item() == 11, "only y is checked; the counter is 4 + 7"
+    multi_tensor_applier(
+        amp_C.multi_tensor_scale, buf, [[torch.tensor([math.inf])], [torch.zeros(1, dtype=torch.int32)]], 1.0
+    )
+    assert buf.item() == 1, "a float input written into an integer output is still checked"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_l2norm_and_unscale_l2norm_return_apex_shapes(dtype):
     tensors = randn_list(dtype, scale=8.0)

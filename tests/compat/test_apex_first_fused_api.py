@@ -261,6 +261,31 @@ def test_a_copy_of_the_first_fusedadam_loading_fused_adam_cuda_steps_as_the_firs
     assert all(torch.equal(a, b) for a, b in zip(copied_params, legacy_params, strict=True))
 
 
+def test_opennmt_reads_the_first_fp16_optimizer_as_an_attribute_of_import_apex(shim):
+    """OpenNMT-py 2.x-3.x, ``-optim fusedadam -model_dtype fp16`` without ``-apex_opt_level``: ``import apex`` at the
+    top, then ``apex.contrib.optimizers.FP16_Optimizer(its copy of the first FusedAdam, ...)`` with nothing having
+    imported ``apex.contrib``: an AttributeError before the first step."""
+    import apex
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).half()
+    inner = CopiedFirstFusedAdam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    optimizer = apex.contrib.optimizers.FP16_Optimizer(inner, static_loss_scale=0, dynamic_loss_scale=True)
+    assert isinstance(optimizer, FP16_Optimizer)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.half()).float(), x.sum(1, keepdim=True))
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert apex.contrib.xentropy.SoftmaxCrossEntropyLoss and apex.contrib.clip_grad.clip_grad_norm_
+    with pytest.raises(ModuleNotFoundError, match="does not serve 'apex.contrib.layer_norm'"):
+        apex.contrib.layer_norm  # noqa: B018
+
+
 def test_fused_adam_cuda_adam_mt_is_adam_per_tensor_and_the_oldest_call_works(shim):
     import fused_adam_cuda
 

@@ -1,5 +1,7 @@
 """Apex's fused optimizer and norm names resolve to ampkit's ops (needs the ops branches merged)."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -156,6 +158,38 @@ def test_apex_norm_functions_take_apex_arguments():
     )
     assert normalization.FusedRMSNormAffineMixedDtypesFunction.apply(low, weight, (8,), 1e-5).dtype == torch.float32
     assert normalization.fused_rms_norm_affine(low, weight, (8,), 1e-5).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("FusedLayerNormAffineFunction", "input weight bias normalized_shape eps memory_efficient"),
+        ("FusedLayerNormAffineMixedDtypesFunction", "input weight bias normalized_shape eps memory_efficient"),
+        ("FusedLayerNormFunction", "input normalized_shape eps memory_efficient"),
+        ("FusedRMSNormAffineFunction", "input weight normalized_shape eps memory_efficient"),
+        ("FusedRMSNormAffineMixedDtypesFunction", "input weight normalized_shape eps memory_efficient"),
+        ("FusedRMSNormFunction", "input normalized_shape eps memory_efficient"),
+    ],
+)
+def test_apex_norm_functions_have_apex_forward_arguments(name, arguments):
+    """Megatron-core's FusedLayerNorm (and its forks) picks its call by ``"memory_efficient" in
+    inspect.getfullargspec(FusedLayerNormAffineFunction.forward).args`` on every forward: an AttributeError here."""
+    assert inspect.getfullargspec(getattr(normalization, name).forward).args == ["ctx", *arguments.split()]
+
+
+def test_megatron_fused_layer_norm_forward_runs_both_of_its_calls():
+    """Its call with ``memory_efficient`` (Apex from mid-2023) and without, against torch's layer norm."""
+    function = normalization.FusedLayerNormAffineFunction
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    expected = torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5)
+    expected_grads = torch.autograd.grad(expected.sum(), (x, w, b))
+    assert "memory_efficient" in inspect.getfullargspec(function.forward).args
+    for out in (function.apply(x, w, b, 8, 1e-5, True), function.apply(x, w, b, 8, 1e-5)):
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), (x, w, b)), expected_grads)
 
 
 def test_apex_positional_argument_order_is_kept():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ampkit.compat import optimizers
+from ampkit.ops import FusedLAMB
 
 STEPS = 5
 
@@ -61,3 +62,40 @@ def test_an_apex_checkpoint_resumes_where_it_stopped(name):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     # Apex's names count per group as Apex did, so the group keeps its count (ampkit's Adagrad counts per param)
     assert ("step" in resumed.param_groups[0]) == (name != "adagrad")
+
+
+PER_PARAMETER_COUNTS = {
+    "adam": (
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
+        lambda p: optimizers.FusedAdam(p, lr=1e-2, weight_decay=0.01),
+    ),
+    "lamb": (
+        lambda p: FusedLAMB(p, lr=1e-2, weight_decay=0.01),
+        lambda p: optimizers.FusedLAMB(p, lr=1e-2, weight_decay=0.01),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_PARAMETER_COUNTS))
+def test_a_checkpoint_counting_steps_per_parameter_resumes_at_its_step_under_apexs_names(name):
+    """torch.optim's and ampkit's own optimizers count steps per parameter; Apex's names count per group, and read
+    no count from such a checkpoint: the group restarted at 0, so the resumed steps took step 1's bias correction."""
+    saver, loader = PER_PARAMETER_COUNTS[name]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 3, dtype=torch.float64)), torch.nn.Parameter(torch.randn(5).double())]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(STEPS + 2)]
+    uninterrupted = saver(params)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    first = saver(resumed_params)
+    for i, step_grads in enumerate(grads):
+        if i == STEPS:
+            resumed = loader(resumed_params)
+            resumed.load_state_dict(first.state_dict())
+            first = resumed
+        for opt, ps in ((uninterrupted, params), (first, resumed_params)):
+            for p, g in zip(ps, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+    for ours, theirs in zip(resumed_params, params, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    assert first.param_groups[0]["step"] == STEPS + 2

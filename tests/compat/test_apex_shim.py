@@ -2,10 +2,13 @@
 
 import importlib.metadata
 import importlib.util
+import io
 import os
 import re
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,10 +116,16 @@ def test_larc_is_reachable_through_its_module_as_apex_clients_spell_it(shim):
     assert larc_module.LARC is parallel.LARC
 
 
+def _nvidia_like_apex(root: Path, init: str = "") -> Path:
+    """A package named apex laid out as NVIDIA's is (its apex.amp subpackage)."""
+    (root / "apex" / "amp").mkdir(parents=True)
+    (root / "apex" / "__init__.py").write_text(init)
+    (root / "apex" / "amp" / "__init__.py").write_text("")
+    return root / "apex"
+
+
 def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
-    fake = tmp_path / "apex"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("REAL = True\n")
+    fake = _nvidia_like_apex(tmp_path, "REAL = True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         with pytest.warns(UserWarning, match=re.escape(str(fake))):
@@ -128,6 +137,160 @@ def test_a_real_apex_wins_unless_forced(tmp_path, monkeypatch):
         import apex
 
         assert not hasattr(apex, "REAL") and apex.amp is ampkit.compat.amp
+    finally:
+        uninstall_apex_shim()
+
+
+def test_a_package_named_apex_that_is_not_nvidias_is_shadowed_with_a_warning(tmp_path, monkeypatch):
+    """``pip install apex`` installs PyPI's apex, a Pyramid web toolkit: the shim deferred to it as "a real apex", and
+    the script (or transformers, which then counts apex available) failed on ``from apex import amp``."""
+    (tmp_path / "apex" / "lib").mkdir(parents=True)
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    (tmp_path / "apex" / "lib" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match=r"'apex' \(.*\) is not NVIDIA Apex: it has none of apex\.\{amp, "):
+            assert install_apex_shim() is True
+        from apex import amp
+
+        assert amp is ampkit.compat.amp and importlib.metadata.version("apex") == "0.1+ampkit"
+    finally:
+        uninstall_apex_shim()
+
+
+class _Apex2020FusedRMSNorm(torch.nn.Module):
+    """The fields Apex's FusedRMSNorm had before mid-2023 (no ``memory_efficient``); its FusedLayerNorm adds a bias."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.normalized_shape, self.eps, self.elementwise_affine = torch.Size([size]), 1e-5, True
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, size))
+
+
+class _Apex2020FusedLayerNorm(_Apex2020FusedRMSNorm):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, size))
+
+
+def test_a_model_pickled_with_apex_norms_loads_and_runs_on_the_shim():
+    """``torch.save(model)`` of a model holding Apex's norms pickles them by their apex path: under the shim they load
+    as ampkit's, which read ``memory_efficient`` in forward, a field Apex's had only from mid-2023."""
+    names = ("apex", "apex.normalization", "apex.normalization.fused_layer_norm")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.normalization.fused_layer_norm"]
+    for name, base in (("FusedLayerNorm", _Apex2020FusedLayerNorm), ("FusedRMSNorm", _Apex2020FusedRMSNorm)):
+        setattr(module, name, type(name, (base,), {"__module__": module.__name__}))
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(torch.nn.Sequential(module.FusedLayerNorm(8), module.FusedRMSNorm(8)), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
+        x = torch.randn(3, 8)
+        layer_norm = torch.nn.functional.layer_norm(x, (8,), model[0].weight, model[0].bias, 1e-5)
+        expected = torch.nn.functional.rms_norm(layer_norm, (8,), model[1].weight, 1e-5)
+        torch.testing.assert_close(model(x), expected)
+    finally:
+        uninstall_apex_shim()
+
+
+class _ApexPythonSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """The fields of Apex's Python SyncBatchNorm (apex built without ``--cuda_ext``): only ``process_group``."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__(num_features)
+        self.process_group = None
+
+
+def test_a_model_pickled_with_apex_python_sync_batchnorm_loads_and_runs_on_the_shim():
+    """Its pickle names ``apex.parallel.sync_batchnorm.SyncBatchNorm``, which loads as ampkit's: its forward read
+    ``channel_last`` and ``fuse_relu``, fields only Apex's CUDA SyncBatchNorm had."""
+    names = ("apex", "apex.parallel", "apex.parallel.sync_batchnorm")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.parallel.sync_batchnorm"]
+    module.SyncBatchNorm = type("SyncBatchNorm", (_ApexPythonSyncBatchNorm,), {"__module__": module.__name__})
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(module.SyncBatchNorm(4), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        norm = torch.load(buffer, weights_only=False)
+        x = torch.randn(6, 4, 3)
+        expected = torch.nn.functional.batch_norm(x, None, None, norm.weight, norm.bias, training=True)
+        torch.testing.assert_close(norm(x), expected)
+        torch.testing.assert_close(norm.eval()(x), torch.nn.functional.batch_norm(
+            x, norm.running_mean, norm.running_var, norm.weight, norm.bias))  # fmt: skip
+    finally:
+        uninstall_apex_shim()
+
+
+def test_nvidia_apex_installed_as_a_zipped_egg_is_recognised_and_wins(tmp_path, monkeypatch):
+    """``python setup.py install`` of a Python-only Apex could leave a zipped egg, whose package is no folder."""
+    import zipfile
+
+    egg = tmp_path / "apex-0.1-py3.egg"
+    with zipfile.ZipFile(egg, "w") as archive:
+        archive.writestr("apex/__init__.py", "")
+        archive.writestr("apex/amp/__init__.py", "")
+    monkeypatch.syspath_prepend(str(egg))
+    try:
+        with pytest.warns(UserWarning, match="A real apex is installed"):
+            assert install_apex_shim() is False
+    finally:
+        uninstall_apex_shim()
+
+
+def test_installing_the_shim_after_a_library_decided_apex_is_missing_says_so(monkeypatch):
+    """transformers decides at its import whether apex is installed (DeepSpeed's engine too): a notebook importing it
+    before ``install_apex_shim()`` then got "APEX is not installed" from its Trainer, with nothing naming the order."""
+    checked = types.ModuleType("transformers.utils.import_utils")
+    checked._apex_available = False
+    monkeypatch.setitem(sys.modules, checked.__name__, checked)
+    try:
+        with pytest.warns(UserWarning, match=r"transformers\.utils\.import_utils was imported before the apex shim"):
+            assert install_apex_shim() is True
+        uninstall_apex_shim()
+        checked._apex_available = True  # imported after the shim: it found apex
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            install_apex_shim()
+    finally:
+        uninstall_apex_shim()
+
+
+class _ApexFP16Model(torch.nn.Module):
+    """The one field Apex's FP16Model had: the network, converted to half."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        super().__init__()
+        self.network = network.half()
+
+
+def test_a_model_pickled_in_apex_fp16_model_loads_and_runs_on_the_shim():
+    """``apex.fp16_utils.fp16util.FP16Model`` loads as ampkit's, whose forward read a ``dtype`` Apex's never had."""
+    names = ("apex", "apex.fp16_utils", "apex.fp16_utils.fp16util")
+    fake = {name: types.ModuleType(name) for name in names}
+    module = fake["apex.fp16_utils.fp16util"]
+    module.FP16Model = type("FP16Model", (_ApexFP16Model,), {"__module__": module.__name__})
+    buffer = io.BytesIO()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, fake_module in fake.items():
+            patch.setitem(sys.modules, name, fake_module)
+        torch.save(module.FP16Model(torch.nn.Linear(4, 2)), buffer)
+    install_apex_shim()
+    try:
+        buffer.seek(0)
+        model = torch.load(buffer, weights_only=False)
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(model(x), model.network(x.half()))
+        assert model(x).dtype == torch.float16
     finally:
         uninstall_apex_shim()
 
@@ -155,8 +318,7 @@ def test_legacy_gan_example_trains_through_the_shim(tmp_path):
 
 
 def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
-    (tmp_path / "apex").mkdir()
-    (tmp_path / "apex" / "__init__.py").write_text("")
+    _nvidia_like_apex(tmp_path)
     script = tmp_path / "which_apex.py"
     script.write_text("import sys, apex\nprint('argv', sys.argv[1:])\nprint('shim', hasattr(apex, 'amp'))\n")
     plain = _legacy(script, "a", "--b", extra_path=[tmp_path])
@@ -217,6 +379,35 @@ def test_apex_has_a_distribution_while_the_shim_is_installed():
         uninstall_apex_shim()
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("apex")
+
+
+def test_an_environment_report_can_say_which_apex_version_runs_and_from_where(shim):
+    """Training launchers log their dependencies first (VISSL's collect_env, Megatron set-up checks): apex's version
+    and ``os.path.dirname(apex.__file__)``, which was an AttributeError that stopped the run before it started."""
+    import apex
+
+    report = f"apex {importlib.metadata.version('apex')} @{os.path.dirname(apex.__file__)}"
+    assert report == f"apex 0.1+ampkit @{os.path.dirname(ampkit.compat.__file__)}"
+
+
+@pytest.mark.parametrize(
+    ("name", "exists"),
+    [
+        ("apex.contrib.group_norm", False),  # NVIDIA Earth-2 Studio gates a test on it, unguarded
+        ("apex.transformer", False),
+        ("apex.amp.opt", False),  # an Apex-internal module the shim does not lay out
+        ("apex.amp", True),  # PyTorch Lightning 1.x: _module_available("apex.amp")
+        ("apex.normalization.fused_layer_norm", True),  # Megatron-derived layer norms probe it
+        ("apex.contrib.xentropy", True),
+    ],
+)
+def test_find_spec_answers_whether_an_apex_module_is_served_and_an_import_still_says_why_not(shim, name, exists):
+    """Libraries ask ``importlib.util.find_spec(name) is not None`` without a try: a module the shim does not serve
+    answers None, as an absent one does (it raised the import's ModuleNotFoundError into their module-level code)."""
+    assert (importlib.util.find_spec(name) is not None) is exists
+    if not exists:
+        with pytest.raises(ModuleNotFoundError, match=r"apex shim (does not serve|has no module)"):
+            importlib.import_module(name)
 
 
 def test_subprocesses_of_a_legacy_run_find_apex_by_its_distribution_or_apex_c_first(tmp_path):

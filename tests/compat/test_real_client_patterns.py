@@ -371,7 +371,7 @@ def test_espnet_registers_a_float_function_after_initialize_and_calls_init_again
         ("apex.parallel.DistributedFusedAdam", "DistributedDataParallel"),
         ("apex.fp16_utils.FP16_Module", "FP16_Optimizer"),
         ("apex.multi_tensor_apply.MultiTensorApplier", "multi_tensor_applier"),
-        ("apex.contrib", "amp, fp16_utils, parallel"),
+        ("apex.amp_C", "amp, fp16_utils, parallel"),  # amp_C is a top-level module
         ("amp_C.multi_tensor_fused_adam", "multi_tensor_lamb_mp"),
     ],
 )

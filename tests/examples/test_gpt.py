@@ -97,11 +97,18 @@ def test_auto_precision_is_stable_where_timing_could_flip_it(monkeypatch):
 
 def test_a_resume_keeps_the_precision_auto_chose_when_the_run_started(tmp_path, monkeypatch):
     """Timed again at the resume, the choice can flip (a loaded machine, another world size): the curve would change
-    mid-run. The checkpoint's precision is kept, for fit and for evaluating it; a level given by name still wins."""
+    mid-run. The checkpoint's precision is kept, untimed, for fit and for evaluating it; a level given by name still
+    wins."""
     import ampkit.examples.gpt as gpt
 
+    timings = []
+
     def run(bf16_faster: bool, *overrides: str):
-        monkeypatch.setattr(gpt, "faster_cpu_precision", lambda *args, **kwargs: (bf16_faster, "timed"))
+        def timed(*args, **kwargs):
+            timings.append(bf16_faster)
+            return bf16_faster, "timed"
+
+        monkeypatch.setattr(gpt, "faster_cpu_precision", timed)
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", "precision.opt_level=auto",
                                                  "trainer.val_every_n_steps=0", "checkpoint.monitor=null",
                                                  "generate.every_n_steps=0", "logging.tensorboard=false",
@@ -109,6 +116,7 @@ def test_a_resume_keeps_the_precision_auto_chose_when_the_run_started(tmp_path, 
         return trainer_class(cfg)
 
     run(True, "trainer.max_steps=1").fit()
+    assert timings == [True]
     resumed = run(False, "trainer.max_steps=2")
     resumed.fit(resume="last")
     assert (resumed.cfg.precision.opt_level, resumed.cfg.precision.dtype) == ("O1", "bfloat16")
@@ -116,6 +124,7 @@ def test_a_resume_keeps_the_precision_auto_chose_when_the_run_started(tmp_path, 
     predicting = run(False, "generate.tokens=2")
     predicting.predict(ckpt="last")
     assert predicting.cfg.precision.dtype == "bfloat16"
+    assert timings == [True]  # neither the resume nor the prediction timed the CPU again
     named = run(True, "trainer.max_steps=3", "precision.opt_level=O0")
     named.fit(resume="last")
     assert named.cfg.precision.opt_level == "O0"

@@ -357,6 +357,27 @@ BAD_CALLS = {
         lambda: (lambda x: mt.unscale_l2norm([x[:4]], 1.0, flag(), out=[x[2:6]]))(ones(8)),
         r"`out\[0\]` shares part of its memory with `inputs\[0\]`",
     ),
+    # nor another index's tensor: every index's chunks run in parallel, so out[1] over inputs[0] raced
+    "out_is_another_inputs_tensor": (
+        lambda: (lambda a, b: mt.scale_([a, b], 2.0, flag(), out=[b, a]))(ones(4), ones(4)),
+        r"`out\[\d\]` shares memory with `inputs\[\d\]`; an output may be its own index's input",
+    ),
+    "one_tensor_written_at_two_indices": (
+        lambda: (lambda a: mt.scale_([a, a], 2.0, flag()))(ones(4)),
+        r"`out\[\d\]` shares memory with `(inputs|out)\[\d\]`",
+    ),
+    "axpby_out_over_another_index_of_x": (
+        lambda: (lambda x: mt.axpby_(1.0, [x[:3], x[3:]], 1.0, [ones(3), ones(3)], [x[3:], ones(3)], flag()))(ones(6)),
+        r"`out\[0\]` shares memory with `x\[1\]`",
+    ),
+    "combine_out_over_another_index_of_stash": (
+        lambda: (lambda s: mt.combine_([ones(2), ones(2)], [s, None], [ones(2), s], 1.0, flag()))(ones(2)),
+        r"`out\[1\]` shares memory with `stash\[0\]`",
+    ),
+    "norm_out_over_another_index": (
+        lambda: (lambda a, b: mt.unscale_l2norm([a, b], 1.0, flag(), out=[a, a]))(ones(3), ones(3)),
+        r"`out\[\d\]` shares memory with `(inputs|out)\[\d\]`",
+    ),
 }
 
 
@@ -400,6 +421,9 @@ def test_in_place_and_disjoint_views_of_one_buffer_are_allowed():
     source = torch.arange(1.0, 9.0)
     mt.scale_([source[4:]], 0.5, flag(), out=[source[:4]])  # out reads from the other half
     assert torch.equal(source[:4], torch.arange(5.0, 9.0) * 0.5)
+    doubled = [torch.empty(3), torch.empty(3)]
+    mt.axpby_(1.0, [source[:3], source[:3]], 1.0, [source[:3], source[:3]], doubled, flag())  # read at two indices
+    assert all(torch.equal(d, source[:3] * 2) for d in doubled)
 
 
 @pytest.mark.usefixtures("any_mode")

@@ -7,8 +7,10 @@ them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.autograd import forward_ad
 
 from ampkit.ops import norms
@@ -278,6 +280,34 @@ def test_many_rows_split_across_threads():
 # -- bad input ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [
+        (lambda x: F.layer_norm(x, (4,)), lambda x: fused_layer_norm(x, (4,))),  # shape does not match the input
+        (lambda x: F.rms_norm(x, (4,)), lambda x: fused_rms_norm(x, (4,))),
+        (  # a weight of another shape
+            lambda x: F.layer_norm(x, (3,), torch.ones(4), torch.zeros(4)),
+            lambda x: fused_layer_norm_affine(x, torch.ones(4), torch.zeros(4), (3,)),
+        ),
+        (  # a weight of another dtype
+            lambda x: F.layer_norm(x, (3,), torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)),
+            lambda x: fused_layer_norm_affine(
+                x, torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), (3,)
+            ),
+        ),
+        (lambda x: F.layer_norm(x.long(), (3,)), lambda x: fused_layer_norm(x.long(), (3,))),  # an integer input
+    ],
+)
+def test_what_torchs_norms_refuse_with_a_runtime_error_ours_refuse_with_one_too(theirs, ours):
+    """Code written against F.layer_norm/F.rms_norm catches RuntimeError (torch's error for a bad shape or dtype):
+    ours name the bad argument and are RuntimeErrors as well as ValueError/TypeError."""
+    x = torch.randn(2, 3)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # NotImplementedError: torch's for an integer input
+        theirs(x)
+    with pytest.raises(RuntimeError, match=r"fused_(layer|rms)_norm(_affine)?: .*(normalized_shape|weight|input)"):
+        ours(x)
+
+
 def test_wrong_normalized_shape_is_named():
     x = torch.randn(4, 6)
     with pytest.raises(ValueError, match=r"normalized_shape \[5\] does not match .*\[4, 6\]"):
@@ -288,6 +318,26 @@ def test_wrong_normalized_shape_is_named():
         fused_layer_norm(x, ())
     with pytest.raises(ValueError, match=r"sizes >= 0, got \[-6\]"):
         FusedLayerNorm(-6)
+
+
+def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
+    """``nn.RMSNorm``'s fourth argument is ``device``; here, as in Apex, it is ``memory_efficient``, and a truthy
+    "cpu" built a memory-efficient norm."""
+    with pytest.raises(TypeError, match=r"FusedRMSNorm: memory_efficient must be True or False, got 'cpu' .*keyword"):
+        FusedRMSNorm(64, None, True, "cpu")
+    with pytest.raises(TypeError, match=r"FusedLayerNorm: memory_efficient must be True or False, got None"):
+        FusedLayerNorm(64, 1e-5, True, None)
+    assert FusedLayerNorm(64, 1e-5, True, 1).memory_efficient  # Apex-era 0/1 flags still work
+
+
+@pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True, torch.tensor(2.5)])
+def test_a_normalized_shape_of_other_than_ints_is_refused_as_torch_refuses_it(shape):
+    """``int()`` on each element read the string "768" (a size left unparsed in a config) as (7, 6, 8), and
+    truncated 2.5 to 2; ``nn.LayerNorm`` refuses both."""
+    for build in (FusedLayerNorm, FusedRMSNorm, lambda s: fused_layer_norm(torch.randn(2, 768), s)):
+        with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints, got"):
+            build(shape)
+    assert FusedRMSNorm(np.array([3, 4])).normalized_shape == (3, 4) == FusedRMSNorm((np.int64(3), 4)).normalized_shape
 
 
 @pytest.mark.parametrize("eps", [-1e-5, float("nan"), float("inf"), "1e-5", None])
@@ -563,12 +613,18 @@ def test_a_gradient_penalty_differentiates_through_the_kernels(kind):
         torch.testing.assert_close(got, want)
 
 
-def test_a_memory_efficient_norm_stays_differentiable_once():
+@pytest.mark.parametrize("module", [FusedLayerNorm, FusedRMSNorm])
+def test_a_memory_efficient_norm_refuses_a_graph_of_its_gradients_it_could_not_differentiate(module):
+    """It saves its output, not its input: under ``create_graph=True`` its gradients had no graph to the input, so
+    gradgradcheck and ``torch.autograd.grad(..., inputs=...)`` got zeros for its terms instead of an error."""
+    norm, plain = module(8, memory_efficient=True).double(), module(8).double()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
-    norm = FusedRMSNorm(8, memory_efficient=True).double()
-    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)  # first order: as before
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # it saves the output, not the input
-        grad_x.sum().backward()
+    (grad_x,) = torch.autograd.grad(norm(x).square().sum(), x)  # first order: as before
+    torch.testing.assert_close(grad_x, torch.autograd.grad(plain(x).square().sum(), x)[0])
+    with pytest.raises(RuntimeError, match="memory_efficient=True .* cannot be differentiated again"):
+        torch.autograd.gradgradcheck(norm, (x,))
+    with pytest.raises(RuntimeError, match="memory_efficient=False"):
+        torch.autograd.grad(norm(x).square().sum(), norm.weight, create_graph=True)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

@@ -931,6 +931,51 @@ def test_a_loaded_state_without_masters_gets_them_back():
     assert torch.all(weight < 1.0)  # 40 steps of 1e-4: below 1 - 2**-11, where each step alone rounds back to 1
 
 
+def _reorder_by_names(optimizer, state_dict):
+    """torch's documented use of a load pre-hook: a checkpoint whose parameters come in another order is remapped
+    by the ``param_names`` it carries."""
+    state_dict = copy.deepcopy(state_dict)
+    group, wanted = state_dict["param_groups"][0], optimizer.param_groups[0]["param_names"]
+    by_name = {name: state_dict["state"][pid] for name, pid in zip(group["param_names"], group["params"], strict=True)}
+    state_dict["state"] = {pid: by_name[name] for pid, name in zip(group["params"], wanted, strict=True)}
+    group["param_names"] = list(wanted)
+    return state_dict
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+    (lambda p: FusedSGD(p, lr=1e-2, momentum=0.9), lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)),
+    (lambda p: FusedAdagrad(p, lr=1e-2), lambda p: torch.optim.Adagrad(p, lr=1e-2)),
+])  # fmt: skip
+def test_a_load_pre_hooks_state_dict_is_the_one_loaded_and_post_hooks_see_it(ours, theirs):
+    """The fix-ups after torch's loader (steps, moments in the accumulate dtype) read the caller's state dict, not
+    the one a pre-hook returned, so a remapped checkpoint's moments and steps were put back as saved."""
+    saved_params = make_params(torch.float64, [(3,), (4, 2)])
+    source = theirs(list(zip(["a", "b"], saved_params, strict=True)))
+    for p in saved_params:
+        p.grad = torch.randn_like(p)
+    source.step()
+    seen = []
+    sides = []
+    for make in (ours, theirs):
+        params = clone_params(saved_params[::-1])  # this model lists b before a
+        optimizer = make(list(zip(["b", "a"], params, strict=True)))
+        optimizer.register_load_state_dict_pre_hook(_reorder_by_names)
+        optimizer.register_load_state_dict_post_hook(
+            lambda o: seen.append(sorted(o.state[o.param_groups[0]["params"][0]]))
+        )
+        optimizer.load_state_dict(source.state_dict())
+        sides.append((optimizer, params))
+    (fused, fused_params), (reference, reference_params) = sides
+    for _ in range(3):
+        for a, b in zip(fused_params, reference_params, strict=True):
+            a.grad = b.grad = torch.randn_like(a)
+        fused.step()
+        reference.step()
+    torch.testing.assert_close(fused_params, reference_params, rtol=1e-12, atol=1e-12)
+    assert seen[0] == seen[1] and seen[0], "the post-hook saw the loaded state, as torch's does"
+
+
 @pytest.mark.parametrize(("saved", "message"), [
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), r"lacks \['exp_avg', 'exp_avg_sq'\]"),
     (lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.0), None),

@@ -62,6 +62,8 @@ def convert_network(network: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
 class FP16Model(torch.nn.Module):
     """Wrap a network converted to ``dtype`` (batch norms kept float32); floating inputs are cast on entry."""
 
+    dtype = torch.float16  # Apex's FP16Model had no such field (always half): a model pickled with it loads
+
     def __init__(self, network: torch.nn.Module, dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
         self.dtype = dtype

@@ -23,6 +23,10 @@ def _spans_ranks(process_group: dist.ProcessGroup | None) -> bool:
 class SyncBatchNorm(_ops.SyncBatchNorm):
     """Batch norm whose training statistics are computed over every rank of ``process_group``."""
 
+    # Apex's Python SyncBatchNorm (apex built without --cuda_ext) had neither field: a model pickled with it loads
+    channel_last = False
+    fuse_relu = False
+
     def __init__(
         self,
         num_features: int,

@@ -256,6 +256,18 @@ eager_under_compile = torch.compiler.disable(
 )
 
 
+@contextmanager
+def _load_hooks_held(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``torch.optim.Optimizer.load_state_dict`` without its load hooks (the caller runs them): the hook dicts are
+    swapped for empty ones and put back, so the handles that remove hooks stay valid."""
+    pre, post = optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks
+    optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = {}, {}
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks = pre, post
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery of the fused optimizers (see the module docstring).
 
@@ -612,6 +624,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         state missing a moment, a hyper-parameter out of range) is refused here, naming what is wrong, and the
         optimizer keeps the state it had.
         """
+        # torch's hooks, run around the whole load rather than inside torch's part of it: ampkit's fix-ups read the
+        # state dict a pre-hook returns (torch's way to remap a checkpoint), and post-hooks see the loaded state.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         for i, group in enumerate(state_dict.get("param_groups", [])):
             try:
                 check_group_hypers(group)
@@ -619,11 +638,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
         before = (self.state, self.param_groups)
         try:
-            self._load_state(state_dict)
+            with _load_hooks_held(self):
+                self._load_state(state_dict)
             self._check_loaded_state()
         except BaseException:
             self.state, self.param_groups = before  # torch's loader built new containers: the old ones are intact
             raise
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _check_loaded_state(self) -> None:
         """Each loaded parameter state holds what this optimizer's step reads, shaped as its parameter."""
@@ -659,6 +681,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             adopted = False
+            counts: list[float] = []  # the per-parameter step counts saved (torch.optim's, ampkit's own names')
             for p, pid in zip(group["params"], saved["params"], strict=True):
                 incoming = state_dict["state"].get(pid)
                 if incoming is None or p not in self.state:
@@ -668,6 +691,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if key == "step":
                         step = torch.as_tensor(value, dtype=torch.float32).detach().clone().reshape(())
                         state["step"] = step.to(self._step_device(p))
+                        counts.append(float(step))
                     elif self._state_in_acc_dtype(key, incoming):
                         if isinstance(value, Tensor):
                             state[key] = value.detach().to(device=p.device, dtype=acc_dtype(p), copy=True)
@@ -675,3 +699,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     adopted = self._adopt_group_step(p, state, group) or adopted
             if adopted and not self._steps_per_group:
                 group.pop("step", None)  # the count now lives with each parameter
+            if self._steps_per_group and "step" not in saved and counts:
+                # Counted per group (Apex's names) from a checkpoint that counted per parameter: the group has
+                # taken as many steps as its most-stepped parameter. Without this the count restarted at 0 and
+                # the first steps after the resume ran with step 1's bias correction.
+                group["step"] = int(max(counts))

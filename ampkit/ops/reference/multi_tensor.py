@@ -9,6 +9,7 @@ truth the tests compare kernels against.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -83,6 +84,42 @@ def _check_writable_list(op: str, out: Sequence[torch.Tensor], name: str, read: 
         _check_writable(op, o, name, i, r, read_name)
 
 
+class _Span(NamedTuple):
+    """The bytes one tensor of a call covers, and where it sits in the call."""
+
+    begin: int
+    end: int
+    name: str
+    index: int
+    written: bool
+
+
+def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Sequence]) -> None:
+    """No written tensor shares memory with a tensor of another index, read or written (the kernels run every index's
+    chunks in parallel). Sorted by address: O(n log n). Tensors that are not dense are left out, as torch leaves
+    them."""
+    spans = [
+        _Span(*_byte_range(t), name, i, is_written)
+        for lists, is_written in ((read, False), (written, True))
+        for name, tensors in lists.items()
+        for i, t in enumerate(tensors)
+        if t is not None and t.numel() and is_dense(t)
+    ]
+    if not any(span.written for span in spans):
+        return
+    open_spans: list[_Span] = []  # begun before the current one and not ended
+    for span in sorted(spans, key=lambda s: s.begin):
+        open_spans = [s for s in open_spans if s.end > span.begin]
+        for earlier in open_spans:
+            if earlier.index != span.index and (earlier.written or span.written):
+                w, r = (earlier, span) if earlier.written else (span, earlier)
+                raise RuntimeError(
+                    f"{op}: `{w.name}[{w.index}]` shares memory with `{r.name}[{r.index}]`; an output may be its own "
+                    "index's input (in place), never another index's tensor"
+                )
+        open_spans.append(span)
+
+
 def _check_flag(op: str, flag: torch.Tensor, device: torch.device) -> None:
     if flag.numel() != 1:
         raise RuntimeError(f"{op}: `found_inf` must have exactly one element, got {flag.numel()}")
@@ -113,6 +150,7 @@ def scale_(
     _check_list(op, inputs, "inputs", device)
     _check_list(op, outputs, "out", device, like=inputs)
     _check_writable_list(op, outputs, "out", inputs, "inputs")
+    _check_separate(op, {"inputs": inputs}, {"out": outputs})
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -152,6 +190,7 @@ def axpby_(
             )
     _check_writable_list(op, out, "out", x, "x")
     _check_writable_list(op, out, "out", y, "y")
+    _check_separate(op, {"x": x, "y": y}, {"out": out})
     seen = False
     for xi, yi, oi in zip(x, y, out, strict=True):
         acc = _acc_dtype(xi.dtype, oi.dtype)
@@ -195,6 +234,7 @@ def combine_(
                 f"{op}: `stash[{i}]` has dtype {s.dtype} but `out[{i}]` has {out[i].dtype}; they must match"
             )
         _check_writable(op, out[i], "out", i, s, "stash")
+    _check_separate(op, {"new": new, "stash": stash}, {"out": out})
     seen = False
     for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
         acc = _acc_dtype(ni.dtype, oi.dtype)
@@ -234,6 +274,7 @@ def unscale_l2norm(
     _check_list(op, outputs, "out", device, like=inputs)
     if outputs:
         _check_writable_list(op, outputs, "out", inputs, "inputs")
+        _check_separate(op, {"inputs": inputs}, {"out": outputs})
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 

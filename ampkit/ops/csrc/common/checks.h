@@ -5,7 +5,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace ampkit {
 
@@ -60,6 +63,66 @@ inline void check_writable(const char* op, const at::Tensor& out, const char* na
 inline void check_writable(const char* op, at::TensorList out, const char* name, at::TensorList read,
                            const char* read_name) {
   for (size_t i = 0; i < out.size(); ++i) check_writable(op, out[i], name, i, read[i], read_name);
+}
+
+// One tensor of a multi-tensor call as check_separate sees it: its list's name, its index there, and whether the
+// op writes it.
+struct Operand {
+  const at::Tensor* tensor;
+  const char* name;
+  size_t index;
+  bool written;
+};
+
+inline void add_written(std::vector<Operand>& operands, at::TensorList out, const char* name) {
+  for (size_t i = 0; i < out.size(); ++i) operands.push_back({&out[i], name, i, true});
+}
+
+// A read tensor that is the very tensor written at its index (in place) adds nothing to check: it is left out, so
+// an in-place call sorts half as many spans.
+inline void add_read(std::vector<Operand>& operands, at::TensorList read, const char* name, at::TensorList out) {
+  for (size_t i = 0; i < read.size(); ++i) {
+    if (i < out.size() && read[i].is_same(out[i])) continue;
+    operands.push_back({&read[i], name, i, false});
+  }
+}
+
+// No tensor the op writes may share memory with a tensor of another index, read or written: the kernels run every
+// index's chunks in parallel, so `out[0]` over `inputs[1]` (or one tensor listed twice as an output) gave a result
+// that depended on their order. Sorted by address, so a call costs O(n log n), not a check of every pair. Tensors
+// that are not one gap-free block are left out, as at::get_overlap_status leaves them.
+inline void check_separate(const char* op, const std::vector<Operand>& operands) {
+  struct Span {
+    uintptr_t begin, end;
+    const Operand* operand;
+  };
+  std::vector<Span> spans;
+  spans.reserve(operands.size());
+  bool any_written = false;
+  for (const Operand& o : operands) {
+    const at::Tensor& t = *o.tensor;
+    if (!t.defined() || t.numel() == 0 || !t.is_non_overlapping_and_dense()) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>(t.numel() * t.element_size()), &o});
+    any_written = any_written || o.written;
+  }
+  if (!any_written) return;
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  std::vector<const Span*> open;  // spans begun before this one that have not ended
+  for (const Span& span : spans) {
+    open.erase(std::remove_if(open.begin(), open.end(), [&](const Span* s) { return s->end <= span.begin; }),
+               open.end());
+    for (const Span* earlier : open) {
+      const Operand& a = *earlier->operand;
+      const Operand& b = *span.operand;
+      if (a.index == b.index || !(a.written || b.written)) continue;
+      const Operand& w = a.written ? a : b;
+      const Operand& r = a.written ? b : a;
+      TORCH_CHECK(false, op, ": `", w.name, "[", w.index, "]` shares memory with `", r.name, "[", r.index,
+                  "]`; an output may be its own index's input (in place), never another index's tensor");
+    }
+    open.push_back(&span);
+  }
 }
 
 // The overflow flag: one float32 or int32 element on the op's device, set to 1 on a non-finite value.

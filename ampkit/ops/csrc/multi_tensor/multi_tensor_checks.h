@@ -19,6 +19,11 @@ inline void check_scale_args(const char* op, at::TensorList inputs, at::TensorLi
   check_list(op, inputs, "inputs", device);
   check_list_like(op, outputs, "out", inputs, device);
   check_writable(op, outputs, "out", inputs, "inputs");
+  std::vector<Operand> operands;
+  operands.reserve(2 * inputs.size());
+  add_written(operands, outputs, "out");
+  add_read(operands, inputs, "inputs", outputs);
+  check_separate(op, operands);
 }
 
 inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y, at::TensorList out,
@@ -38,6 +43,12 @@ inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y,
   }
   check_writable(op, out, "out", x, "x");
   check_writable(op, out, "out", y, "y");
+  std::vector<Operand> operands;
+  operands.reserve(3 * x.size());
+  add_written(operands, out, "out");
+  add_read(operands, x, "x", out);
+  add_read(operands, y, "y", out);
+  check_separate(op, operands);
 }
 
 // Returns the stash as contiguous tensors, undefined where nothing is stashed.
@@ -54,6 +65,7 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
   check_list_like(op, out, "out", fresh, device);
   check_writable(op, out, "out", fresh, "new");
   std::vector<at::Tensor> stashed(fresh.size());
+  std::vector<at::Tensor> given(fresh.size());  // undefined where nothing is stashed
   for (size_t i = 0; has_stash && i < fresh.size(); ++i) {
     const std::optional<at::Tensor> entry = stash[i];
     if (!entry.has_value() || !entry->defined()) continue;
@@ -61,8 +73,15 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
     TORCH_CHECK(entry->scalar_type() == out[i].scalar_type(), op, ": `stash[", i, "]` has dtype ",
                 entry->scalar_type(), " but `out[", i, "]` has ", out[i].scalar_type(), "; they must match");
     check_writable(op, out[i], "out", i, *entry, "stash");
+    given[i] = *entry;
     stashed[i] = entry->contiguous();
   }
+  std::vector<Operand> operands;
+  operands.reserve(3 * fresh.size());
+  add_written(operands, out, "out");
+  add_read(operands, fresh, "new", out);
+  add_read(operands, given, "stash", out);
+  check_separate(op, operands);
   return stashed;
 }
 
@@ -74,6 +93,11 @@ inline void check_unscale_l2norm_args(const char* op, at::TensorList inputs, at:
   check_list(op, inputs, "inputs", device);
   check_list_like(op, outputs, "out", inputs, device);
   check_writable(op, outputs, "out", inputs, "inputs");
+  std::vector<Operand> operands;
+  operands.reserve(2 * inputs.size());
+  add_written(operands, outputs, "out");
+  add_read(operands, inputs, "inputs", outputs);
+  check_separate(op, operands);
 }
 
 // Norm results are float32, or float64 when an input is float64.

@@ -1,0 +1,76 @@
+"""Which parameters train: training code changes it mid-run (a fine-tuning run unfreezes its backbone, or adds it to
+its optimizer as a param group). Whatever keeps a list of the trainable parameters must follow, and each checkpoint
+records both by parameter name, so a resume rebuilds them before the optimizers' states load
+(``configure_model`` and ``configure_optimizers`` only make the run's start)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+TRAINABLE_KEY = "trainable"
+
+
+def trainable_record(
+    module: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    stand_ins: Iterable[tuple[torch.Tensor, torch.Tensor]] = (),
+) -> dict[str, Any]:
+    """Each optimizer's param groups as parameter names (None: not a parameter of ``module``), and the frozen names.
+    ``stand_ins``: (parameter, the tensor an optimizer holds in its place), as O2's fp32 masters."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    names.update({id(held): names[id(param)] for param, held in stand_ins if id(param) in names})
+    return {
+        "groups": {
+            opt_name: [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+            for opt_name, optimizer in optimizers.items()
+        },
+        "frozen": [name for name, param in module.named_parameters() if not param.requires_grad],
+    }
+
+
+def restore_trainable(
+    module: torch.nn.Module, optimizers: dict[str, torch.optim.Optimizer], record: dict[str, Any] | None
+) -> None:
+    """Freeze and unfreeze ``module``'s parameters as ``record`` says, and add to each optimizer the param groups
+    the checkpoint's had beyond this run's (their hyperparameters come with the optimizer's state). A group that
+    cannot be rebuilt (other parameter names) is left: loading the optimizer's state then says it does not fit."""
+    if record is None:  # a checkpoint from before the record was kept
+        return
+    params = dict(module.named_parameters())
+    frozen = set(record["frozen"])
+    for name, param in params.items():
+        if param.requires_grad == (name in frozen):
+            param.requires_grad_(name not in frozen)
+    for opt_name, saved in record["groups"].items():
+        optimizer = optimizers.get(opt_name)
+        if optimizer is None or len(saved) <= len(optimizer.param_groups):
+            continue
+        names = {id(param): name for name, param in params.items()}
+        ours = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+        added = saved[len(ours) :]
+        if ours != saved[: len(ours)] or any(name not in params for group in added for name in group):
+            continue
+        for group in added:
+            optimizer.add_param_group({"params": [params[name] for name in group]})
+
+
+class TrainableParams:
+    """Tells a cache of the trainable parameters when to rebuild: training code unfroze or froze a parameter, or
+    added a param group, since the last look (a fine-tuning run unfreezing its backbone at some epoch)."""
+
+    def __init__(self, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        self._params = list(module.parameters())
+        self._optimizers = list(optimizers)
+        self._seen: tuple[Any, ...] | None = None
+
+    def changed(self) -> bool:
+        """Whether they changed since the last call (True at the first)."""
+        held = sum(len(group["params"]) for optimizer in self._optimizers for group in optimizer.param_groups)
+        now = (held, *(param.requires_grad for param in self._params))
+        if now == self._seen:
+            return False
+        self._seen = now
+        return True
