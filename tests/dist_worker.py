@@ -149,6 +149,13 @@ class OptimizerFailsOnRank1(Plain):
         return super().configure_optimizers()
 
 
+class StepFailsOnRank1(Plain):
+    def training_step(self, batch):
+        if RANK == 1 and self.state.global_step == 3:
+            raise ValueError("rank 1's batch 3 is corrupt")
+        return super().training_step(batch)
+
+
 class MetricsPerRank(Plain):
     """Each rank returns one metric the other does not, in another order: the averages must still line up."""
 
@@ -225,17 +232,17 @@ class SuicideAt(ampkit.Callback):
 
 
 class DiesOnceAt4(ampkit.Callback):
-    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt; records where each
-    attempt started."""
+    """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt (if ``kills``); records
+    where each attempt started."""
 
-    def __init__(self):
-        self.started_at = None
+    def __init__(self, kills: bool = True):
+        self.started_at, self.kills = None, kills
 
     def on_train_start(self, trainer):
         self.started_at = trainer.state.global_step
 
     def on_train_batch_end(self, trainer, outputs, batch):
-        if RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
+        if self.kills and RANK == 1 and ATTEMPT == 0 and trainer.state.global_step == 4:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -285,6 +292,13 @@ class BatchNormNet(ToyTrainer):
 
     def training_step(self, batch):
         return (self.model(batch) ** 2).sum() * 2 / 8
+
+
+class OneSamplePerRank(BatchNormNet):
+    """2 samples over 2 ranks: each rank's batch norm sees one."""
+
+    def train_dataloader(self):
+        return [toy_dataset(8).tensors[0][RANK : RANK + 1]]
 
 
 class BufferSpy(ampkit.Callback):
@@ -449,23 +463,35 @@ def main(scenario: str, out: Path) -> None:
             explained = getattr(exc, "ampkit_setup_error", None)
         trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
         trainer.fit()
-        torch.save({"explained": explained, "global_step": trainer.state.global_step}, out / f"rank{RANK}.pt")
+        try:  # 2 samples over 2 ranks: one per rank's batch norm
+            OneSamplePerRank({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
+            batch_norm = None
+        except ValueError as exc:
+            batch_norm = getattr(exc, "ampkit_setup_error", None)
+        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm},
+                   out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "restart":  # under torchrun --max-restarts 1
         if RANK == 0 and ATTEMPT == 1:  # joins late: rank 1 reads the group's keys first
             time.sleep(1)
-        spy = DiesOnceAt4()
+        spy, first_stage = DiesOnceAt4(), DiesOnceAt4(kills=False)
         cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3},
                "trainer": {**cpu, "max_epochs": 1}, "distributed": {"timeout_s": 20}}  # fmt: skip
-        trainer = Plain(cfg, callbacks=[spy])
+        Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": 6}}, callbacks=[first_stage]).fit()  # version_0
+        trainer = Plain(cfg, callbacks=[spy])  # version_1, where rank 1 dies
         trainer.fit()
         torch.save({"started_at": spy.started_at, "global_step": trainer.state.global_step, "attempt": ATTEMPT,
-                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+                    "first_stage_started_at": first_stage.started_at, "model": trainer.module.state_dict()},
+                   out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "set_up_fails_on_rank_1":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2},
                "distributed": {"timeout_s": 20}}  # fmt: skip
         trainer = OptimizerFailsOnRank1(cfg)
+    elif scenario == "step_fails_on_rank_1":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
+               "distributed": {"timeout_s": 60}}  # fmt: skip
+        trainer = StepFailsOnRank1(cfg)
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

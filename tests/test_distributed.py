@@ -249,9 +249,14 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
 
 def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
     """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
-    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead."""
+    ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead.
+    A batch norm given one sample per rank (one process at twice the batch trains) names sync_batchnorm."""
     rank0, rank1 = _ok(launch("unused_parameters", tmp_path))
     for rank, result in enumerate((rank0, rank1)):
+        assert result["batch_norm"].startswith(f"rank {rank}: a batch norm in training got one value per channel")
+        assert (
+            "distributed.sync_batchnorm=true computes the statistics over every rank's batch" in (result["batch_norm"])
+        )
         assert result["explained"] == (
             f"rank {rank}: parameters 'b.weight', 'b.bias' got no gradient in the step before, so DDP never finished "
             "reducing them: set distributed.find_unused_parameters=true for a model whose steps leave some parameters "
@@ -336,14 +341,32 @@ def test_a_rank_failing_during_set_up_is_named_by_the_others(tmp_path):
     rank0, rank1 = launch("set_up_fails_on_rank_1", tmp_path)
     assert "ValueError: rank 1's optimizer settings are wrong" in rank1.stderr
     assert rank0.returncode != 0
-    assert "rank 0: a collective while setting up fit failed: rank(s) 1 died or stopped responding" in rank0.stderr
+    assert (
+        "rank 0: a collective while setting up fit failed: rank 1 failed with ValueError: rank 1's optimizer "
+        "settings are wrong" in rank0.stderr
+    )
+
+
+def test_an_exception_on_one_rank_is_named_with_its_error_by_the_others_at_once(tmp_path):
+    """Rank 1's training_step raises at step 3: rank 0 said rank 1 "died or stopped responding", after waiting
+    5 s for it to check in; rank 1 leaves its error on the store before it leaves the group."""
+    start = time.monotonic()
+    rank0, rank1 = launch("step_fails_on_rank_1", tmp_path)
+    assert "ValueError: rank 1's batch 3 is corrupt" in rank1.stderr
+    assert rank0.returncode != 0
+    assert (
+        "rank 0: a collective during training failed: rank 1 failed with ValueError: rank 1's batch 3 is corrupt"
+        in rank0.stderr
+    ), rank0.stderr[-2000:]
+    assert time.monotonic() - start < 50  # distributed.timeout_s is 60
 
 
 @pytest.mark.slow  # a torchrun agent, a kill and a restart: ~20 s on 2 cores
 def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
-    """``torchrun --max-restarts 1``, rank 1 SIGKILLed after step 4: the restarted group continues version_0 from
-    its step-3 checkpoint (it had started over in a new version_1). Its process group had read the dead attempt's
-    addresses from the agent's store (kept across restarts) and failed to connect."""
+    """``torchrun --max-restarts 1``, a script of two fits, rank 1 SIGKILLed after step 4 of the second: in the
+    restarted group the first fit finds its run finished and the second continues version_1 from its step-3
+    checkpoint (it had started over in a new version_2). Its process group had read the dead attempt's addresses
+    from the agent's store (kept across restarts) and failed to connect."""
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
          "1", str(WORKER), "restart", str(tmp_path)],
@@ -354,8 +377,9 @@ def test_a_torchrun_restart_continues_the_run_its_first_attempt_saved(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
     for rank in ranks:
         assert (rank["attempt"], rank["started_at"], rank["global_step"]) == (1, 3, 8)
+        assert rank["first_stage_started_at"] is None  # finished: nothing to train, on_train_start never fired
     _equal(ranks[0]["model"], ranks[1]["model"])
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["version_0", "version_1"]
     from dist_worker import Plain
 
     single = Plain({"trainer_class": "x:y", "run_dir": str(tmp_path / "single"), "data": {"batch_size": 8},

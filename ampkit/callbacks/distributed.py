@@ -146,17 +146,19 @@ class DistributedSync(Callback):
                 tensor.copy_(synced)
 
     def explain_exception(self, trainer, exception: BaseException) -> str | None:
-        if (
-            self._ddp is None
-            or self.ddp_kwargs.get("find_unused_parameters")
-            or not _UNFINISHED_REDUCTION.search(str(exception))
-        ):
+        text, rank = str(exception), trainer.global_rank
+        if _ONE_VALUE_PER_CHANNEL in text and not self.sync_batchnorm:  # torch's BatchNorm on a batch of one
+            return (
+                f"rank {rank}: a batch norm in training got one value per channel ({text}): each rank normalises "
+                "its own batch, so it needs 2 or more samples; distributed.sync_batchnorm=true computes the "
+                "statistics over every rank's batch together (or drop_last=True drops a last batch of one)"
+            )
+        if self._ddp is None or self.ddp_kwargs.get("find_unused_parameters") or not _UNFINISHED_REDUCTION.search(text):
             return None
         return (
-            f"rank {dist.get_rank()}: parameters {unused_parameter_names(trainer.module, str(exception))} got no "
-            "gradient in the step before, so DDP never finished reducing them: set "
-            "distributed.find_unused_parameters=true for a model whose steps leave some parameters out (or make "
-            "every step's loss use all of them)"
+            f"rank {rank}: parameters {unused_parameter_names(trainer.module, text)} got no gradient in the step "
+            "before, so DDP never finished reducing them: set distributed.find_unused_parameters=true for a model "
+            "whose steps leave some parameters out (or make every step's loss use all of them)"
         )
 
     def on_exception(self, trainer, exception: BaseException) -> None:
@@ -177,6 +179,7 @@ class DistributedSync(Callback):
         return diagnose_failure(what, exc, self.failure_wait_s)
 
 
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"  # torch's BatchNorm on 1 sample
 # torch's DDP error at the forward after a backward that left parameters without a gradient
 _UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the prior iteration")
 _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")

@@ -46,15 +46,18 @@ def _missing_ranks(wait_s: float) -> str:
         me, world = dist.get_rank(), dist.get_world_size()
         store.set(f"ampkit/alive/{me}", "1")
         deadline = time.monotonic() + wait_s
-        missing = [r for r in range(world) if r != me]
+        missing, failed = [r for r in range(world) if r != me], {}
         while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"ampkit/alive/{r}"])]
+            failed |= {r: store.get(f"ampkit/failed/{r}").decode() for r in missing
+                       if store.check([f"ampkit/failed/{r}"])}  # fmt: skip
+            missing = [r for r in missing if r not in failed and not store.check([f"ampkit/alive/{r}"])]
             time.sleep(0.05)
     except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
         return "the rendezvous store is unreachable, so rank 0 or the launcher died"
-    if not missing:
-        return "all ranks are alive; a collective timed out or the ranks diverged"
-    return f"rank(s) {', '.join(map(str, missing))} died or stopped responding"
+    found = [f"rank {rank} failed with {why}" for rank, why in sorted(failed.items())]
+    if missing:
+        found.append(f"rank(s) {', '.join(map(str, missing))} died or stopped responding")
+    return "; ".join(found) or "all ranks are alive; a collective timed out or the ranks diverged"
 
 
 @dataclass(frozen=True)
@@ -135,18 +138,33 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
     return dist.PrefixStore(f"ampkit_group_{attempt}_{_groups_created}", store), rank, size
 
 
-def teardown_distributed(env: DistributedEnv, clean: bool = True) -> None:
+def teardown_distributed(env: DistributedEnv, clean: bool = True, failure: BaseException | None = None) -> None:
     """Destroy the process group; after a clean run, only once every rank got here.
 
     A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail,
     which aborts that process ("terminate called without an active exception") after all its work is
-    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead).
+    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead), and
+    this rank's own ``failure`` is left on the store first, for the peers' diagnosis to name.
     """
     if env.owns_group and dist.is_initialized():
         if clean:
             dist.barrier()
+        elif env.enabled and failure is not None and not is_communication_failure(failure):
+            _leave_failure(failure, env)
         dist.destroy_process_group()
         gc.collect()  # what still referenced the group goes now, not during interpreter shutdown
+
+
+def _leave_failure(failure: BaseException, env: DistributedEnv) -> None:
+    """Put this rank's failure (its type and first line) on the group's store, where :func:`diagnose_failure` on
+    the peers, whose next collective fails as this rank leaves, finds it."""
+    text = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=2))
+        store.set(f"ampkit/failed/{env.rank}", f"{type(failure).__name__}: {text}"[:300])
+    except Exception:  # the store is gone with rank 0: the peers name this rank as dead instead
+        pass
 
 
 def broadcast_object(value: Any, env: DistributedEnv) -> Any:

@@ -251,26 +251,41 @@ def newest_periodic_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return None
 
 
+_fits_started = 0  # fit() calls of this process so far: a script's stages, in the same order in every attempt
+
+
 def torchrun_launch() -> str | None:
-    """Which torchrun launch this process belongs to, the same in every restart of its worker group
-    (``--max-restarts``) on this node: torchrun's run id and its agent process (this process's parent: host, pid,
-    start). None outside torchrun."""
+    """Which fit of which torchrun launch this is, the same in every restart of its worker group (``--max-restarts``)
+    on this node: torchrun's run id, its agent process (this process's parent: host, pid, start) and the number of
+    this process's fit() calls so far. None outside torchrun. Each call counts one fit."""
+    global _fits_started
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None:
         return None
+    _fits_started += 1
     agent = os.getppid()
-    return f"{run_id}/{socket.gethostname()}/{agent}/{_process_start(agent)}"
+    return f"{run_id}/{socket.gethostname()}/{agent}/{_process_start(agent)}/fit{_fits_started}"
 
 
-def restarted_from(run_dir: str | os.PathLike) -> Path | None:
-    """In a worker group torchrun restarted (``--max-restarts``), the checkpoint its earlier attempt left under
-    ``run_dir``: the newest ``last`` when its ``launch`` is this launch, else None (a first attempt, or one that
-    died before saving, starts fresh)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < 1 or (launch := torchrun_launch()) is None:
+def restarted_from(run_dir: str | os.PathLike, launch: str) -> Path | None:
+    """In a worker group torchrun restarted (``--max-restarts``), the checkpoint the same fit of its earlier attempt
+    left under ``run_dir``: the newest ``last`` whose ``launch`` is ``launch``, else None (a first attempt, or one
+    that died before saving, starts fresh)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < 1:
         return None
-    path = latest_checkpoint(run_dir, "last.pt")
-    checkpoint = peek_checkpoint(_trainer_part(path)) if path is not None else None
-    return path if checkpoint is not None and checkpoint.get("launch") == launch else None
+    for version in reversed(version_dirs(run_dir)):
+        path = _last_of(version)
+        checkpoint = peek_checkpoint(_trainer_part(path)) if path is not None else None
+        if checkpoint is not None and checkpoint.get("launch") == launch:
+            return path
+    return None
+
+
+def _last_of(version_dir: Path) -> Path | None:
+    """``version_dir``'s ``last`` checkpoint (``last.pt``, or the link to a sharded one), or None."""
+    checkpoints = version_dir / "checkpoints"
+    return next((p for p in (checkpoints / "last.pt", checkpoints / "last") if p.is_file() or is_sharded_checkpoint(p)),
+                None)  # fmt: skip
 
 
 def plan_fit(

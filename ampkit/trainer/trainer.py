@@ -278,7 +278,7 @@ class Trainer:
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
-        self._launch = torchrun_launch()  # the torchrun launch this process belongs to (None outside torchrun)
+        self._launch: str | None = None  # which fit of which torchrun launch this is (None outside torchrun)
         self._discard_version_dir = False  # set when the run fails before training (the sanity validation)
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
@@ -625,11 +625,14 @@ class Trainer:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``."""
         self._start_distributed()
         clean = False
+        failure = None
         try:
             self._fit(resume)
             clean = True
-        except RuntimeError as exc:
-            self._raise_set_up_failure(exc, "fit")
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):
+                self._raise_set_up_failure(exc, "fit")
+            failure = exc
             raise
         finally:
             if self._lock is not None:
@@ -637,7 +640,7 @@ class Trainer:
                 self._lock = None
             if self._discard_version_dir and self.is_global_zero:
                 discard_new_version_dir(self.version_dir, self.fit_start)
-            teardown_distributed(self.dist, clean)
+            teardown_distributed(self.dist, clean, failure)
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -648,6 +651,7 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
         self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
@@ -681,7 +685,8 @@ class Trainer:
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
-        path = broadcast_object(restarted_from(self.cfg.run_dir) if self.is_global_zero else None, self.dist)
+        path = restarted_from(self.cfg.run_dir, self._launch) if self.is_global_zero else None
+        path = broadcast_object(path, self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
@@ -956,14 +961,17 @@ class Trainer:
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         self._start_distributed()
         clean = False
+        failure = None
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
-        except RuntimeError as exc:
-            self._raise_set_up_failure(exc, stage.name)
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError):
+                self._raise_set_up_failure(exc, stage.name)
+            failure = exc
             raise
         finally:
-            teardown_distributed(self.dist, clean)
+            teardown_distributed(self.dist, clean, failure)
         return result
 
     def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
