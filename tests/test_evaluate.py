@@ -249,6 +249,33 @@ def test_samples_are_counted_through_containers_and_unknown_without_a_tensor(bat
     assert batch_size(batch) == samples
 
 
+class _CountedMeta(type):
+    """Stands in for the Mapping ABC, counting the isinstance checks made against it."""
+
+    checks = 0
+
+    def __instancecheck__(cls, obj):
+        _CountedMeta.checks += 1
+        return isinstance(obj, Mapping)
+
+
+class _CountedMapping(metaclass=_CountedMeta):
+    pass
+
+
+def test_an_x_y_batch_is_counted_without_the_mapping_abcs_isinstance(monkeypatch):
+    # Every training batch is counted twice (the empty-batch check, samples/s); an ABC isinstance costs about a
+    # microsecond each time, for the usual (x, y) batch that is no mapping.
+    from ampkit.trainer import evaluation
+
+    monkeypatch.setattr(evaluation, "Mapping", _CountedMapping)
+    _CountedMeta.checks = 0
+    assert batch_size((torch.zeros(4, 3), torch.zeros(4))) == 4
+    assert batch_size([torch.zeros(0, 3), (torch.zeros(0), torch.zeros(2))]) == 2
+    assert _CountedMeta.checks == 0
+    assert batch_size(UserDict(ids=torch.zeros(5, 2))) == 5  # a mapping is still found as one
+
+
 def _empty_third_batch(samples):  # a collate whose filter dropped every sample of one batch
     x, y = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
     _empty_third_batch.calls += 1

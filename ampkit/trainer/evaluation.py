@@ -42,30 +42,26 @@ PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 def batch_size(batch: Any) -> int | None:
     """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
     through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
-    no tensor (strings, a custom object)."""
-    empty = False
-    for size in _leading_sizes(batch):
-        if size:
-            return size
-        empty = True
-    return 0 if empty else None
-
-
-def _leading_sizes(batch: Any) -> Iterator[int]:
-    """The leading size of each tensor in ``batch``, depth first."""
+    no tensor (strings, a custom object). Runs on every training batch (twice: the empty-batch check and samples/s),
+    so it is plain recursion, with lists and tuples looked for before the ``Mapping`` ABC's slower isinstance."""
     if isinstance(batch, torch.Tensor):
-        yield batch.shape[0] if batch.ndim else 1
-        return
-    if isinstance(batch, Mapping):
-        values: Any = batch.values()
-    elif isinstance(batch, list | tuple):
-        values = batch
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, list | tuple):
+        values: Any = batch
+    elif isinstance(batch, Mapping):
+        values = batch.values()
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         values = (getattr(batch, f.name) for f in dataclasses.fields(batch))
     else:
-        return
+        return None
+    found = None
     for value in values:
-        yield from _leading_sizes(value)
+        size = batch_size(value)
+        if size:
+            return size
+        if size == 0:
+            found = 0
+    return found
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
