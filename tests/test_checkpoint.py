@@ -189,6 +189,29 @@ def test_a_callback_state_no_resume_could_load_stops_the_first_save_naming_it(tm
     assert not list((tmp_path / "run").rglob("*.pt"))
 
 
+def test_the_save_time_walk_calls_once_per_container_and_names_the_refused_entry(monkeypatch):
+    # It runs at every save over the whole checkpoint: a large model's states hold tens of thousands of tensors, each
+    # of which cost a call and two formatted key strings.
+    from ampkit.trainer import checkpoint_io
+
+    walk, calls = checkpoint_io._refused_in, []
+
+    def counted(obj):
+        calls.append(type(obj).__name__)
+        return walk(obj)
+
+    monkeypatch.setattr(checkpoint_io, "_refused_in", counted)
+    tensors = {f"layer{i}.weight": torch.zeros(2) for i in range(500)}
+    state = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)} for i in range(3)}
+    checkpoint = {"model": tensors, "optimizers": {"opt": {"state": state, "param_groups": [{"params": [0, 1, 2]}]}}}
+    assert checkpoint_io.unloadable_entry(checkpoint) is None
+    assert len(calls) == 11, calls  # the dicts and lists, not the 500 tensors or the ints in them
+    checkpoint["loop"] = {"scores": [1.0, (2, np.float64(3.0))], 3: {("a", 1): 1}}
+    assert checkpoint_io.unloadable_entry(checkpoint) == "loop.scores.1.1 (numpy.float64)"
+    assert checkpoint_io.unloadable_entry({"x": {np.int64(1): 0}}, "cb") == "cb.x.<key np.int64(1)> (numpy.int64)"
+    assert checkpoint_io.unloadable_entry(np.float64(1.0)) == "<root> (numpy.float64)"
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))

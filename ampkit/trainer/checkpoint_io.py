@@ -162,29 +162,49 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
 
 # What torch.load(weights_only=True) rebuilds without naming code: these exact types, tensors, and the classes torch
 # allows by name (torch.Size, OrderedDict...). A subclass (a namedtuple, a defaultdict) or a NumPy value is refused.
-_PLAIN_TYPES = (bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device)
-_CONTAINERS = (dict, list, tuple, set)
+_PLAIN_TYPES = frozenset({bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device})
+_CONTAINERS = frozenset({dict, list, tuple, set})
 
 
 def unloadable_entry(obj: Any, where: str = "") -> str | None:
     """The first entry of ``obj`` that ``torch.load(weights_only=True)`` would refuse to rebuild, as ``key.key
     (its type)``, or None when a checkpoint holding ``obj`` loads back."""
-    kind = type(obj)
-    if kind in _PLAIN_TYPES or isinstance(obj, torch.Tensor):
+    found = _refused_in(obj)
+    if found is None:
         return None
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    if kind not in _CONTAINERS and name not in _torch_allowed_globals() and kind not in _user_safe_globals():
-        return f"{where or '<root>'} ({name})"
+    path, name = found
+    dotted = ".".join([where, *reversed(path)] if where else reversed(path))
+    return f"{dotted or '<root>'} ({name})"
+
+
+def _refused_in(obj: Any) -> tuple[list[str], str] | None:
+    """``(keys from the refused entry up to obj, its type's name)``; None when all of ``obj`` loads back. Run over
+    every entry of every save (tens of thousands of tensors in a large model's states), so a key's text is made only
+    for the entry found."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor) or kind in _PLAIN_TYPES:
+        return None
+    if kind not in _CONTAINERS:
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        if name not in _torch_allowed_globals() and kind not in _user_safe_globals():
+            return [], name
+    # Plain keys and values and tensors, nearly every entry, are passed over here rather than in a call each.
     if isinstance(obj, dict):
         for key, value in obj.items():
-            found = unloadable_entry(key, f"{where}.<key {key!r}>".lstrip(".")) or unloadable_entry(
-                value, f"{where}.{key}".lstrip(".")
-            )
-            if found:
+            if type(key) not in _PLAIN_TYPES and (found := _refused_in(key)) is not None:
+                found[0].append(f"<key {key!r}>")
+                return found
+            if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
+                continue
+            if (found := _refused_in(value)) is not None:
+                found[0].append(str(key))
                 return found
     elif isinstance(obj, list | tuple | set):
         for i, value in enumerate(obj):
-            if found := unloadable_entry(value, f"{where}.{i}".lstrip(".")):
+            if isinstance(value, torch.Tensor) or type(value) in _PLAIN_TYPES:
+                continue
+            if (found := _refused_in(value)) is not None:
+                found[0].append(str(i))
                 return found
     return None
 
