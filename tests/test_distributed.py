@@ -553,3 +553,33 @@ def test_more_nccl_ranks_than_gpus_is_a_clear_error_before_any_collective(monkey
     cfg = OmegaConf.structured(Config)
     with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs cuda:1, but this machine has 1 GPU\(s\)"):
         setup_distributed(cfg)
+
+
+def test_agreeing_on_each_streamed_batch_exchanges_one_number_whatever_the_world_size(monkeypatch):
+    """Under torchrun a stream's every batch is agreed on: a gather of one flag per rank (64 tensors and 64 host
+    reads a batch at 64 ranks) where one summed number says whether all have one; the ranks are named, by a
+    gather, only once some ran out. Here rank 0 of 64 has 4 batches and every other rank 2."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    from ampkit.trainer import distributed
+    from ampkit.trainer.distributed import DistributedEnv, while_every_rank_has_a_batch
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # what a Trainer sets under torchrun
+    world, calls = 64, []
+
+    def all_reduce(tensor, group=None):  # this rank's flag, plus the other ranks': a batch each for their first two
+        calls.append("all_reduce")
+        tensor += (world - 1) * (len(calls) <= 2)
+
+    def all_gather(out, tensor, group=None):
+        calls.append("all_gather")
+        out[0].copy_(tensor)
+        for other in out[1:]:
+            other.fill_(0)
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(distributed.dist, "all_gather", all_gather)
+    with pytest.warns(UserWarning, match=r"epoch 3: the training data of rank\(s\) 1, 2, .*, 63 ran out after 2 "):
+        batches = list(while_every_rank_has_a_batch(iter("abcd"), DistributedEnv(0, world), None, epoch=3))
+    assert batches == ["a", "b"]
+    assert calls == ["all_reduce", "all_reduce", "all_reduce", "all_gather"]

@@ -351,27 +351,32 @@ _NO_BATCH = object()  # what while_every_rank_has_a_batch's next() returns at th
 def while_every_rank_has_a_batch(
     batches: Iterator[Any], env: DistributedEnv, group: Any, epoch: int, done: int = 0
 ) -> Iterator[Any]:
-    """``batches`` (the epoch's from batch ``done`` on) for as long as every rank has one (one small CPU collective
-    per batch): where one rank's data runs out, every rank ends the epoch there, rather than the others waiting in
-    the step's gradient all-reduce until the timeout, and rank zero warns naming the ranks and the count."""
+    """``batches`` (the epoch's from batch ``done`` on) for as long as every rank has one (one all-reduce of one
+    number per batch, whatever the world size): where one rank's data runs out, every rank ends the epoch there,
+    rather than the others waiting in the step's gradient all-reduce until the timeout, and rank zero warns naming
+    the ranks and the count (a gather, once)."""
     iterator = iter(batches)
     while True:
         batch = next(iterator, _NO_BATCH)
-        has = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)
-        gathered = [torch.zeros_like(has) for _ in range(env.world_size)]
-        dist.all_gather(gathered, has, group=group)
-        short = [rank for rank, flag in enumerate(gathered) if not flag.item()]
-        if short:
-            if len(short) < env.world_size:
-                rank_zero_warn(
-                    f"epoch {epoch}: the training data of rank(s) {', '.join(map(str, short))} ran out after {done} "
-                    f"batches, while the other ranks had more: every rank ends the epoch at {done} (each step "
-                    "all-reduces gradients over all ranks), so the others' remaining batches go untrained; give every "
-                    "rank as many batches to train on all of them"
-                )
-            return
-        done += 1
-        yield batch
+        mine = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)
+        having = mine.clone()
+        dist.all_reduce(having, group=group)
+        ranks_with_a_batch = int(having.item())
+        if ranks_with_a_batch == env.world_size:
+            done += 1
+            yield batch
+            continue
+        if ranks_with_a_batch:  # some ranks ran out while others have more: which ones
+            gathered = [torch.zeros_like(mine) for _ in range(env.world_size)]
+            dist.all_gather(gathered, mine, group=group)
+            short = [rank for rank, flag in enumerate(gathered) if not flag.item()]
+            rank_zero_warn(
+                f"epoch {epoch}: the training data of rank(s) {', '.join(map(str, short))} ran out after {done} "
+                f"batches, while the other ranks had more: every rank ends the epoch at {done} (each step "
+                "all-reduces gradients over all ranks), so the others' remaining batches go untrained; give every "
+                "rank as many batches to train on all of them"
+            )
+        return
 
 
 def evened_by_agreement(loader: Any) -> bool:
