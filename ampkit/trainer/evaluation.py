@@ -39,6 +39,9 @@ TEST = Stage("test", "test_dataloader", "test_step", "test")
 PREDICT = Stage("predict", "predict_dataloader", "predict_step", "predict")
 
 
+_SEQUENCES = (list, tuple)  # a tuple of types: ``list | tuple`` would build a union object at each call
+
+
 def batch_size(batch: Any) -> int | None:
     """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
     through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
@@ -46,7 +49,7 @@ def batch_size(batch: Any) -> int | None:
     so it is plain recursion, with lists and tuples looked for before the ``Mapping`` ABC's slower isinstance."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, list | tuple):
+    if isinstance(batch, _SEQUENCES):
         values: Any = batch
     elif isinstance(batch, Mapping):
         values = batch.values()
