@@ -1053,7 +1053,7 @@ class Trainer:
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
-        check_batches(self._num_train_batches, "train_dataloader")
+        check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
         equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
