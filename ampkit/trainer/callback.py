@@ -69,6 +69,9 @@ class Callback:
     # True when a hook must learn a skip verdict in its own iteration (``on_optimizer_step_skipped`` reading that
     # iteration's gradients, say): the Trainer then reads verdicts on the host (``trainer.skip_verdict``).
     needs_verdicts_at_once: ClassVar[bool] = False
+    # True when a resume without this callback may drop its saved state without a warning: state that only shapes
+    # what it would log next (a logger's window of batch outputs), nothing the run's training depends on.
+    state_is_optional: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
