@@ -1183,10 +1183,12 @@ class Trainer:
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
+            if not set(cb.hook_phases) <= known:
+                raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks = {
             hook: [
                 getattr(cb, hook)
-                for cb in self.callbacks
+                for cb in sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
                 if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
             ]
             for hook in HOOKS
