@@ -46,7 +46,7 @@ from __future__ import annotations
 import numbers
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -151,6 +151,7 @@ from ampkit.trainer.user_code import (
     check_loader,
     check_loss,
     empty_batch_error,
+    keyword_batch_error,
     nothing_trained_warning,
 )
 
@@ -346,7 +347,16 @@ class Trainer:
 
     def predict_step(self, batch: Any) -> Any:
         """One batch's predictions: by default the model's output on the batch (on its first element if a tuple)."""
-        return self.model(batch[0] if isinstance(batch, list | tuple) else batch)
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch
+        if not isinstance(inputs, Mapping):
+            return self.model(inputs)
+        try:
+            return self.model(inputs)
+        except (TypeError, AttributeError) as exc:
+            error = keyword_batch_error(inputs, exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def configure_callbacks(self) -> list[Callback]:
         """Extra callbacks this Trainer always wants."""

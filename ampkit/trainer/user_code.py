@@ -90,6 +90,21 @@ def empty_batch_error(method: str, where: str) -> UserCodeError:
     )
 
 
+def keyword_batch_error(batch: Any, exc: BaseException) -> UserCodeError | None:
+    """The default ``predict_step`` passed a dict ``batch`` to the model as one argument: a one-line error saying
+    what to write, when ``exc`` is the model refusing it (naming the batch's type, or a missing argument)."""
+    kind = type(batch).__name__
+    text = " ".join(str(exc).split())
+    if not isinstance(exc, TypeError | AttributeError) or (kind not in text and "positional argument" not in text):
+        return None
+    keys = ", ".join(map(str, list(batch)[:5])) + (", ..." if len(batch) > 5 else "")
+    return UserCodeError(
+        f"the default predict_step() passed the batch, a {kind} of {keys}, to the model as one argument, and the "
+        f"model refused it ({type(exc).__name__}: {text}): for a model that takes keyword arguments (a Hugging Face "
+        "model) define predict_step(self, batch) returning self.model(**batch)"
+    )
+
+
 def check_batches(count: int | None, method: str, loader: Any = None, world_size: int = 1) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing); ``loader`` (this
     rank's) and ``world_size`` let the error give the numbers behind it."""
