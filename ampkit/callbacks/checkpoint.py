@@ -10,7 +10,6 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.callbacks.monitor import Monitor
-from ampkit.callbacks.throughput import paused
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -163,7 +162,7 @@ class ModelCheckpoint(Callback):
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
         best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Saving is no
         training: the throughput windows leave its time out."""
-        with paused(trainer):
+        with trainer.paused():
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -244,12 +244,6 @@ class Throughput(Callback):
         self._close_pause(counts=trainer.state.stage == "fit")  # validation time is not training time
 
 
-@contextmanager
-def paused(trainer) -> Iterator[None]:
-    """Leave the time inside out of the throughput windows of ``trainer``'s :class:`Throughput` callbacks (none: a
-    no-op): for work a training hook does that is not training, such as generating a sample."""
-    with ExitStack() as stack:
-        for callback in trainer.callbacks:
-            if isinstance(callback, Throughput):
-                stack.enter_context(callback.paused())
-        yield
+def paused(trainer) -> AbstractContextManager[None]:
+    """``trainer.paused()``: leave the work inside (a sample generated in a hook) out of the throughput windows."""
+    return trainer.paused()

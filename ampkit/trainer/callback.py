@@ -8,7 +8,8 @@ given in. No correctness depends on another callback's name.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -92,6 +93,12 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work inside is not training (a checkpoint save, a generated sample): a callback that measures training
+        time leaves it out. Entered through :meth:`Trainer.paused`; the default does nothing."""
+        yield
 
     def unused_hooks(self, trainer: Trainer) -> Collection[str]:
         """Hooks this callback overrides but has nothing to do in for this run (say, work for manual

@@ -47,6 +47,7 @@ import numbers
 import os
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -582,6 +583,15 @@ class Trainer:
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Mark the work inside as not training (a checkpoint save, a sample generated in a hook): every callback's
+        :meth:`Callback.paused` is entered, so a throughput window leaves its time out."""
+        with ExitStack() as stack:
+            for callback in self.callbacks:
+                stack.enter_context(callback.paused())
+            yield
 
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer.

@@ -223,6 +223,26 @@ def test_checkpoint_saves_are_left_out_of_the_window(tmp_path, monkeypatch):
     assert trainer.state.throughput["samples_per_sec"] == pytest.approx(4 * 8 / 1.0)
 
 
+def test_any_callbacks_paused_encloses_each_checkpoint_save(tmp_path):
+    """A save is marked as not training through ``trainer.paused()``, which a user's own timer sees as well: the
+    checkpoint callback knows no timer (Throughput included)."""
+    import contextlib
+
+    events = []
+
+    class Timer(Callback):
+        @contextlib.contextmanager
+        def paused(self):
+            events.append(("pause", sorted(p.name for p in (tmp_path / "run").rglob("step-*.pt"))))
+            yield
+            events.append(("resume", sorted(p.name for p in (tmp_path / "run").rglob("step-*.pt"))))
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False,
+                               "checkpoint.every_n_steps": 2, "run_dir": str(tmp_path / "run")})  # fmt: skip
+    ToyTrainer(cfg, callbacks=[Timer()]).fit()
+    assert events[:2] == [("pause", []), ("resume", ["step-00000002.pt"])]
+
+
 class _SlowAtValidationEnd(Callback):
     """A logger's flush at validation's end (100 s of the fake clock), and a hook's own pause inside it (50 s)."""
 
