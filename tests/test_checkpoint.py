@@ -189,6 +189,18 @@ def test_a_callback_state_no_resume_could_load_stops_the_first_save_naming_it(tm
     assert not list((tmp_path / "run").rglob("*.pt"))
 
 
+def test_a_numpy_value_allowed_with_add_safe_globals_saves_and_resumes(tmp_path):
+    # torch's own refusal tells the user to allow numpy.core.multiarray.scalar and the dtype: a load that then works
+    # must not be stopped at the save because the value's class is not the name the load rebuilds it by.
+    allowed = [np.float64(0).__reduce__()[0], np.dtype, type(np.dtype("float64"))]  # numpy's scalar(), the dtype
+    cfg = toy_cfg(tmp_path, **{"logging.tensorboard": False})
+    with torch.serialization.safe_globals(allowed):
+        ToyTrainer(cfg, callbacks=[_SklearnBest()]).fit()
+        resumed = ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.max_epochs": 3}))
+        resumed.fit(resume="last")
+    assert resumed.state.epoch == 3
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
