@@ -96,6 +96,14 @@ class UnevenLists(Plain):
         return list(DataLoader(RankStream(), batch_size=self.cfg.data.batch_size))
 
 
+class UnevenStreamAndList(Plain):
+    """Rank 0 streams its 10 batches, rank 1 hands over a list of its 6: only rank 0's count is unknown."""
+
+    def train_dataloader(self):
+        loader = DataLoader(RankStream(), batch_size=self.cfg.data.batch_size)
+        return list(loader) if RANK == 1 else loader
+
+
 class Branches(nn.Module):
     def __init__(self):
         super().__init__()
@@ -453,6 +461,16 @@ def main(scenario: str, out: Path) -> None:
         trainer.fit()
         torch.save({"refused": refused, "global_step": trainer.state.global_step,
                     "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+        return
+    elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order
+        train = {**cpu, "max_epochs": 2, "accumulate_grad_batches": 4}
+        cfg = {**base, "checkpoint": {"enabled": False}, "data": {"batch_size": 4}, "trainer": train,
+               "distributed": {"timeout_s": 10}}  # fmt: skip
+        trainer = UnevenStreamAndList(cfg)
+        trainer.fit()
+        torch.save(
+            {"global_step": trainer.state.global_step, "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt"
+        )
         return
     elif scenario == "unused_parameters":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}}

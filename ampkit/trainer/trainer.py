@@ -729,8 +729,9 @@ class Trainer:
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
         batches = self._epoch_batches()
-        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
-            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
+        if self.settings.accumulate_grad_batches > 1 and not (self._train_length_known and not self._agree_each_batch):
+            batches = self._flag_last(batches)
         for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
