@@ -696,6 +696,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     return trainer_class, build_config(trainer_class.config_class, raw, cli)
 
 
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` resolved into the plain values a checkpoint holds (``torch.load(weights_only=True)`` rebuilds no
+    ``Path`` or enum): enums by name, ``Path`` keys as strings, which the schema reads back as paths."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return str(value) if isinstance(value, os.PathLike) else value
+
+    return plain(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
 def flatten(cfg: DictConfig | dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     """``{"a/b": value}`` with TensorBoard-friendly scalars (lists and None become strings)."""
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg

@@ -58,7 +58,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
+from ampkit.config import (
+    Config,
+    ConfigError,
+    TrainerConfig,
+    build_config,
+    check_values,
+    is_config_instance,
+    plain_config,
+)
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
@@ -1286,7 +1294,7 @@ class Trainer:
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
-            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+            "config": plain_config(self.cfg),
         }
         if self._launch is not None:  # under torchrun: a restart of this launch continues from it
             checkpoint["launch"] = self._launch
