@@ -127,6 +127,29 @@ class UnusedParameters(Plain):
         return None
 
 
+class FrozenA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 1), nn.Linear(6, 1)
+        self.a.requires_grad_(False)
+
+    def forward(self, x, use_b_weight: bool):
+        return self.a(x) + (self.b(x) if use_b_weight else self.b.bias)
+
+
+class UnusedAfterUnfreezing(UnusedParameters):
+    """Branch a is frozen when DDP wraps the model; from step 2 it is unfrozen and b's weight is left unused."""
+
+    def configure_model(self):
+        return FrozenA()
+
+    def training_step(self, batch):
+        x, y = batch
+        if self.state.global_step == 2:
+            self.module.a.requires_grad_(True)
+        return F.mse_loss(self.model(x, self.state.global_step < 2).squeeze(1), y)
+
+
 class ValidationStream(IterableDataset):
     """The 13 samples of UnevenValidation's stream split by hand: 0-8 on rank 0 (3 batches of 4), 9-12 on rank 1
     (1 batch); none on rank 1 when ``empty_on_1``."""
@@ -479,6 +502,11 @@ def main(scenario: str, out: Path) -> None:
             explained = None
         except RuntimeError as exc:
             explained = getattr(exc, "ampkit_setup_error", None)
+        try:  # DDP numbers the parameters trainable when it wrapped the model, not those trainable now
+            UnusedAfterUnfreezing({**cfg, "trainer": {**cpu, "max_steps": 4}}).fit()
+            after_unfreezing = None
+        except RuntimeError as exc:
+            after_unfreezing = getattr(exc, "ampkit_setup_error", None)
         trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
         trainer.fit()
         try:  # 2 samples over 2 ranks: one per rank's batch norm
@@ -486,7 +514,8 @@ def main(scenario: str, out: Path) -> None:
             batch_norm = None
         except ValueError as exc:
             batch_norm = getattr(exc, "ampkit_setup_error", None)
-        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm},
+        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm,
+                    "after_unfreezing": after_unfreezing},
                    out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "restart":  # under torchrun --max-restarts 1

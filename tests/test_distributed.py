@@ -272,6 +272,7 @@ def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp
             "out (or make every step's loss use all of them)"
         )
         assert result["global_step"] == 2  # with the key set, the same model trains
+        assert result["after_unfreezing"].startswith(f"rank {rank}: parameters 'b.weight' got no gradient")
 
 
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
