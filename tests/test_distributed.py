@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -505,6 +506,22 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
         assert sorted(order[0] + order[1]) == list(range(10))
         seen.append(order)
     assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize(("world_size", "message"), [
+    (2, "its 1 sample dealt to 2 ranks, 1 per rank, fewer than batch_size=2 with drop_last=True (fewer ranks, "),
+    (1, "1 sample per epoch, fewer than batch_size=2 with drop_last=True (a smaller batch_size, or drop_last="),
+])  # fmt: skip
+def test_a_loader_without_a_full_batch_per_rank_is_refused_naming_the_per_rank_share(world_size, message):
+    # The error guessed "a batch size above its length?" while the dataset held as many samples as one batch wants
+    # under torchrun: the per-rank share is what fell short.
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader
+    from ampkit.trainer.user_code import UserCodeError, check_batches
+
+    loader = DataLoader(toy_dataset(1), batch_size=2, shuffle=True, drop_last=True)
+    shard = distributed_loader(loader, 0, DistributedEnv(rank=0, world_size=world_size), True)
+    with pytest.raises(UserCodeError, match=re.escape(f"train_dataloader() yields no batches: {message}")):
+        check_batches(len(shard), "train_dataloader", shard, world_size)
 
 
 @pytest.mark.parametrize("sampler", ["subset", "weighted"])

@@ -8,7 +8,7 @@ given in. No correctness depends on another callback's name.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,6 +69,12 @@ class Callback:
     # True when a hook must learn a skip verdict in its own iteration (``on_optimizer_step_skipped`` reading that
     # iteration's gradients, say): the Trainer then reads verdicts on the host (``trainer.skip_verdict``).
     needs_verdicts_at_once: ClassVar[bool] = False
+    # True when a resume without this callback may drop its saved state without a warning: state that only shapes
+    # what it would log next (a logger's window of batch outputs), nothing the run's training depends on.
+    state_is_optional: ClassVar[bool] = False
+    # Hooks this callback runs in another phase than ``phase``: a timer whose start and end hooks must enclose the
+    # work the other callbacks do in theirs (Throughput leaves validation out, the loggers' flush at its end too).
+    hook_phases: ClassVar[Mapping[str, Phase]] = {}
 
     @property
     def name(self) -> str:

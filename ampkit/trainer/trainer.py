@@ -46,7 +46,7 @@ from __future__ import annotations
 import numbers
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -159,6 +159,7 @@ from ampkit.trainer.user_code import (
     check_loader,
     check_loss,
     empty_batch_error,
+    keyword_batch_error,
     nothing_trained_warning,
 )
 
@@ -356,7 +357,16 @@ class Trainer:
 
     def predict_step(self, batch: Any) -> Any:
         """One batch's predictions: by default the model's output on the batch (on its first element if a tuple)."""
-        return self.model(batch[0] if isinstance(batch, list | tuple) else batch)
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch
+        if not isinstance(inputs, Mapping):
+            return self.model(inputs)
+        try:
+            return self.model(inputs)
+        except (TypeError, AttributeError) as exc:
+            error = keyword_batch_error(inputs, exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def configure_callbacks(self) -> list[Callback]:
         """Extra callbacks this Trainer always wants."""
@@ -1068,7 +1078,7 @@ class Trainer:
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
-        check_batches(self._num_train_batches, "train_dataloader")
+        check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
         equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
@@ -1198,10 +1208,12 @@ class Trainer:
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
+            if not set(cb.hook_phases) <= known:
+                raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks = {
             hook: [
                 getattr(cb, hook)
-                for cb in self.callbacks
+                for cb in sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
                 if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
             ]
             for hook in HOOKS
@@ -1312,6 +1324,7 @@ class Trainer:
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": plain_config(self.cfg),
         }
@@ -1367,7 +1380,7 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-        present = {cb.state_key for cb in self.callbacks}
+        present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
             rank_zero_warn(
