@@ -248,6 +248,15 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
     assert "ran out" not in results[1].stderr  # rank zero alone warns
 
 
+def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps(tmp_path):
+    """Rank 0 streams 10 batches, rank 1 lists 6, accumulating 4: rank 0 alone fetched one ahead (to mark the end of
+    a stream), so its batch agreement for the next batch waited on rank 1 while rank 1 waited in the step's gradient
+    all-reduce, until distributed.timeout_s. Each epoch is 6 batches: a step of 4 and its last, short window of 2."""
+    rank0, rank1 = _ok(launch("uneven_stream_accumulate", tmp_path, timeout=120))
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    _equal(rank0["model"], rank1["model"])
+
+
 def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
     """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
     ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead.
@@ -264,6 +273,7 @@ def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp
             "out (or make every step's loss use all of them)"
         )
         assert result["global_step"] == 2  # with the key set, the same model trains
+        assert result["after_unfreezing"].startswith(f"rank {rank}: parameters 'b.weight' got no gradient")
 
 
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):

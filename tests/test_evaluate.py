@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import UserDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -247,6 +248,14 @@ class _Pair:
 )
 def test_samples_are_counted_through_containers_and_unknown_without_a_tensor(batch, samples):
     assert batch_size(batch) == samples
+
+
+def test_a_nested_tensor_batch_counts_its_samples():
+    # Its .shape raises ('NestedTensorImpl doesn't support sizes'), now on every training batch, not only for samples/s.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided layout's 'prototype stage' notice
+        ragged = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(1, 3)])
+    assert batch_size({"tokens": ragged}) == 3
 
 
 def _empty_third_batch(samples):  # a collate whose filter dropped every sample of one batch

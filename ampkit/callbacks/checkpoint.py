@@ -171,7 +171,8 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(
                 f"checkpoint '{filename}' would hold {entry}, which torch.load(weights_only=True) refuses, so the run "
                 "could never resume from it: a callback's state_dict() or on_save_checkpoint may hold tensors, "
-                "numbers, strings and lists, tuples and dicts of them (float(x), torch.as_tensor(x))"
+                "numbers, strings and lists, tuples and dicts of them (float(x), torch.as_tensor(x)), or what "
+                "torch.serialization.add_safe_globals allows"
             )
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"

@@ -54,7 +54,7 @@ def batch_size(batch: Any) -> int | None:
 def _leading_sizes(batch: Any) -> Iterator[int]:
     """The leading size of each tensor in ``batch``, depth first."""
     if isinstance(batch, torch.Tensor):
-        yield batch.shape[0] if batch.ndim else 1
+        yield batch.size(0) if batch.dim() else 1  # not .shape: a nested tensor has no sizes, but a leading one
         return
     if isinstance(batch, Mapping):
         values: Any = batch.values()

@@ -59,7 +59,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
+from ampkit.config import (
+    Config,
+    ConfigError,
+    TrainerConfig,
+    build_config,
+    check_values,
+    is_config_instance,
+    plain_config,
+)
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
@@ -289,6 +297,8 @@ class Trainer:
         self._num_train_batches: int | None = None
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
+        self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
+        self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
@@ -748,9 +758,14 @@ class Trainer:
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
-        batches = self._epoch_batches()
-        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
-            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
+        ahead = self.settings.accumulate_grad_batches > 1 and not (
+            self._train_length_known and not self._agree_each_batch
+        )
+        self._rng_before_fetch = None  # set by _flag_last while it fetches ahead
+        batches = self._epoch_batches(ahead)
+        if ahead:
+            batches = self._flag_last(batches)
         for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
@@ -1216,9 +1231,10 @@ class Trainer:
         for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
             self._hooks[hook].append(getattr(type(self), hook))
 
-    def _epoch_batches(self) -> Iterator[Any]:
+    def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
-        after a mid-epoch resume, the same ones the interrupted run would have seen."""
+        after a mid-epoch resume, the same ones the interrupted run would have seen (``ahead``: fetched one ahead, the
+        next one drawn from the RNGs as they were before the saved batch ran)."""
         resume, self._resume = self._resume, None
         skip = resume["batches_done"] if resume else 0
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
@@ -1234,7 +1250,10 @@ class Trainer:
                     f"the resumed checkpoint is {skip} batches into epoch {self.state.epoch}, but this run's "
                     f"train_dataloader() yields only {done}: the data or batch size changed since it was saved"
                 )
-        if skip:
+        if skip and ahead and resume.get("rng_before_fetch") is not None:
+            restore_rng(resume["rng_before_fetch"])
+            self._rng_after_fetch = resume["rng"]  # restored by _flag_last once it fetched
+        elif skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
         batches = islice(iterator, None if total is None else max(total - skip, 0))
@@ -1245,13 +1264,21 @@ class Trainer:
     def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
         (``self._at_last_batch``): its partial window then steps with the epoch, as a known length's does, instead of
-        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step)."""
+        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step). The RNGs before
+        each fetch are kept for a checkpoint: a fetch may draw from them (a random augmentation), and it ran before the
+        batch before it, so a mid-epoch resume fetches it from there (bit-identical resumes)."""
+        self._rng_before_fetch = capture_rng()
         upcoming = next(batches, _NO_BATCH)
+        if self._rng_after_fetch is not None:  # a resume: the RNGs the saved run had after its batch
+            restore_rng(self._rng_after_fetch)
+            self._rng_after_fetch = None
         while upcoming is not _NO_BATCH:
+            self._rng_before_fetch = capture_rng()
             batch, upcoming = upcoming, next(batches, _NO_BATCH)
             self._at_last_batch = upcoming is _NO_BATCH
             yield batch
         self._at_last_batch = False
+        self._rng_before_fetch = None
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
@@ -1300,6 +1327,7 @@ class Trainer:
             "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
+            "rng_before_fetch": self._rng_before_fetch,  # None unless fetching one ahead (_flag_last)
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
@@ -1308,7 +1336,7 @@ class Trainer:
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
-            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+            "config": plain_config(self.cfg),
         }
         if self._launch is not None:  # under torchrun: a restart of this launch continues from it
             checkpoint["launch"] = self._launch
@@ -1382,6 +1410,7 @@ class Trainer:
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
             "epoch_rng": checkpoint["epoch_rng"],
+            "rng_before_fetch": checkpoint.get("rng_before_fetch"),
         }
         self.fire("on_load_checkpoint", checkpoint)
 
