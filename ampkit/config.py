@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import BooleanNode, PathNode
+from omegaconf.nodes import AnyNode, BooleanNode, PathNode
 
 
 class ConfigError(ValueError):
@@ -428,9 +428,31 @@ def _reads_as_bool(value: Any) -> bool:
         return True
     if isinstance(value, int):
         return value in (0, 1)
-    if isinstance(value, str):
-        return "${" in value or value.strip().lower() in _BOOL_WORDS | {"0", "1"}  # an interpolation: resolved later
+    if isinstance(value, str):  # an interpolation is checked once resolved; "???" is filled by a later source
+        return "${" in value or value == MISSING or value.strip().lower() in _BOOL_WORDS | {"0", "1"}
     return False
+
+
+def _interpolated_non_bool(cfg: DictConfig, prefix: str = "") -> ConfigError | None:
+    """The error for a boolean key given by an interpolation (``${oc.env:X}``, ``${other.key}``) that resolves to
+    no boolean: OmegaConf converts what it resolves to the key's type, reading ``2`` as true."""
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            found = _interpolated_non_bool(node, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        elif isinstance(node, BooleanNode) and node._is_interpolation():
+            raw = node._value()
+            resolved = cfg._maybe_resolve_interpolation(  # resolved as an untyped value, before the bool conversion
+                parent=cfg, key=key, value=AnyNode(raw), throw_on_resolution_failure=True
+            )._value()
+            if not _reads_as_bool(resolved):
+                return ConfigError(
+                    f"config key '{prefix}{key}': {raw!r} gives {resolved!r}, which is not a boolean; expected true or "
+                    "false (also yes/no, on/off, 1/0)"
+                )
+    return None
 
 
 def _plain(source: Any) -> Any:
@@ -534,6 +556,9 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except (OmegaConfBaseException, TypeError) as exc:  # TypeError: OmegaConf merging a mapping into a list
         raise _wrong_shape(schema, sources) or _explain(exc, schema) from None
+    wrong = _interpolated_non_bool(cfg)
+    if wrong is not None:
+        raise wrong
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
@@ -669,6 +694,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
         raise ConfigError(f"trainer_class: '{target}' is {trainer_class!r}, not a subclass of ampkit.Trainer")
     return trainer_class, build_config(trainer_class.config_class, raw, cli)
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg`` resolved into the plain values a checkpoint holds (``torch.load(weights_only=True)`` rebuilds no
+    ``Path`` or enum): enums by name, ``Path`` keys as strings, which the schema reads back as paths."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: plain(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
+        return str(value) if isinstance(value, os.PathLike) else value
+
+    return plain(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 def flatten(cfg: DictConfig | dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:

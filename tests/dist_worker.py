@@ -96,6 +96,14 @@ class UnevenLists(Plain):
         return list(DataLoader(RankStream(), batch_size=self.cfg.data.batch_size))
 
 
+class UnevenStreamAndList(Plain):
+    """Rank 0 streams its 10 batches, rank 1 hands over a list of its 6: only rank 0's count is unknown."""
+
+    def train_dataloader(self):
+        loader = DataLoader(RankStream(), batch_size=self.cfg.data.batch_size)
+        return list(loader) if RANK == 1 else loader
+
+
 class Branches(nn.Module):
     def __init__(self):
         super().__init__()
@@ -117,6 +125,29 @@ class UnusedParameters(Plain):
 
     def val_dataloader(self):
         return None
+
+
+class FrozenA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 1), nn.Linear(6, 1)
+        self.a.requires_grad_(False)
+
+    def forward(self, x, use_b_weight: bool):
+        return self.a(x) + (self.b(x) if use_b_weight else self.b.bias)
+
+
+class UnusedAfterUnfreezing(UnusedParameters):
+    """Branch a is frozen when DDP wraps the model; from step 2 it is unfrozen and b's weight is left unused."""
+
+    def configure_model(self):
+        return FrozenA()
+
+    def training_step(self, batch):
+        x, y = batch
+        if self.state.global_step == 2:
+            self.module.a.requires_grad_(True)
+        return F.mse_loss(self.model(x, self.state.global_step < 2).squeeze(1), y)
 
 
 class ValidationStream(IterableDataset):
@@ -454,6 +485,16 @@ def main(scenario: str, out: Path) -> None:
         torch.save({"refused": refused, "global_step": trainer.state.global_step,
                     "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
         return
+    elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order
+        train = {**cpu, "max_epochs": 2, "accumulate_grad_batches": 4}
+        cfg = {**base, "checkpoint": {"enabled": False}, "data": {"batch_size": 4}, "trainer": train,
+               "distributed": {"timeout_s": 10}}  # fmt: skip
+        trainer = UnevenStreamAndList(cfg)
+        trainer.fit()
+        torch.save(
+            {"global_step": trainer.state.global_step, "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt"
+        )
+        return
     elif scenario == "unused_parameters":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}}
         try:
@@ -461,6 +502,11 @@ def main(scenario: str, out: Path) -> None:
             explained = None
         except RuntimeError as exc:
             explained = getattr(exc, "ampkit_setup_error", None)
+        try:  # DDP numbers the parameters trainable when it wrapped the model, not those trainable now
+            UnusedAfterUnfreezing({**cfg, "trainer": {**cpu, "max_steps": 4}}).fit()
+            after_unfreezing = None
+        except RuntimeError as exc:
+            after_unfreezing = getattr(exc, "ampkit_setup_error", None)
         trainer = UnusedParameters({**cfg, "distributed": {"find_unused_parameters": True}})
         trainer.fit()
         try:  # 2 samples over 2 ranks: one per rank's batch norm
@@ -468,7 +514,8 @@ def main(scenario: str, out: Path) -> None:
             batch_norm = None
         except ValueError as exc:
             batch_norm = getattr(exc, "ampkit_setup_error", None)
-        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm},
+        torch.save({"explained": explained, "global_step": trainer.state.global_step, "batch_norm": batch_norm,
+                    "after_unfreezing": after_unfreezing},
                    out / f"rank{RANK}.pt")  # fmt: skip
         return
     elif scenario == "restart":  # under torchrun --max-restarts 1

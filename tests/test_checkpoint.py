@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import pickle
@@ -22,7 +23,7 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
-from toy_trainers import SlowToyTrainer, ToyTrainer, toy_cfg
+from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import CheckpointError
@@ -210,6 +211,40 @@ def test_the_save_time_walk_calls_once_per_container_and_names_the_refused_entry
     assert checkpoint_io.unloadable_entry(checkpoint) == "loop.scores.1.1 (numpy.float64)"
     assert checkpoint_io.unloadable_entry({"x": {np.int64(1): 0}}, "cb") == "cb.x.<key np.int64(1)> (numpy.int64)"
     assert checkpoint_io.unloadable_entry(np.float64(1.0)) == "<root> (numpy.float64)"
+
+
+def test_a_numpy_value_allowed_with_add_safe_globals_saves_and_resumes(tmp_path):
+    # torch's own refusal tells the user to allow numpy.core.multiarray.scalar and the dtype: a load that then works
+    # must not be stopped at the save because the value's class is not the name the load rebuilds it by.
+    allowed = [np.float64(0).__reduce__()[0], np.dtype, type(np.dtype("float64"))]  # numpy's scalar(), the dtype
+    cfg = toy_cfg(tmp_path, **{"logging.tensorboard": False})
+    with torch.serialization.safe_globals(allowed):
+        ToyTrainer(cfg, callbacks=[_SklearnBest()]).fit()
+        resumed = ToyTrainer(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.max_epochs": 3}))
+        resumed.fit(resume="last")
+    assert resumed.state.epoch == 3
+
+
+@dataclasses.dataclass
+class _PathConfig(ToyConfig):
+    data_dir: Path = Path("~/data")
+
+
+class _PathTrainer(ToyTrainer):
+    config_class = _PathConfig
+
+
+def test_a_config_with_a_path_key_saves_and_resumes(tmp_path):
+    # The checkpoint kept the resolved config's PosixPath, which torch.load(weights_only=True) refuses: every save
+    # was stopped as unloadable (before that check, every resume failed).
+    cfg = {**toy_cfg(tmp_path, **{"logging.tensorboard": False}), "trainer_class": "test_checkpoint:_PathTrainer"}
+    _PathTrainer(cfg).fit()
+    assert load_checkpoint(tmp_path / "run/version_0/checkpoints/last.pt")["config"]["data_dir"] == str(
+        Path("~/data").expanduser()
+    )
+    resumed = _PathTrainer({**cfg, "trainer": {**cfg["trainer"], "max_epochs": 2}})
+    resumed.fit(resume="last")
+    assert resumed.state.epoch == 2 and resumed.cfg.data_dir == Path("~/data").expanduser()
 
 
 class _Payload:

@@ -214,6 +214,26 @@ def test_a_boolean_key_given_no_boolean_is_refused_naming_it(tmp_path, key, valu
         ToyTrainer(cfg)
 
 
+@pytest.mark.parametrize("value, gives", [("${oc.env:AMPKIT_TEST_FLAG}", "'2'"), ("${trainer.max_epochs}", "5")])
+def test_a_boolean_key_given_by_an_interpolation_to_no_boolean_is_refused(tmp_path, monkeypatch, value, gives):
+    """OmegaConf converts what an interpolation resolves to the key's type, reading 2 (or '2') as true."""
+    monkeypatch.setenv("AMPKIT_TEST_FLAG", "2")
+    cfg = {**toy_cfg(tmp_path), "trainer": {"max_epochs": 5, "progress_bar": value}}
+    with pytest.raises(
+        ConfigError, match=rf"config key 'trainer.progress_bar': .* gives {gives}, which is not a boolean"
+    ):
+        ToyTrainer(cfg)
+
+
+def test_a_boolean_key_given_by_an_interpolation_or_left_missing_still_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMPKIT_TEST_FLAG", "false")
+    path = _write(tmp_path, "trainer_class: toy_trainers:ToyTrainer\ntrainer:\n  progress_bar: ???\n")
+    _, cfg = load_config(
+        path, ["trainer.progress_bar=${oc.env:AMPKIT_TEST_FLAG}", "logging.throughput=${trainer.progress_bar}"]
+    )
+    assert cfg.trainer.progress_bar is False and cfg.logging.throughput is False
+
+
 def test_yaml_and_command_line_booleans_still_read(tmp_path):
     path = _write(
         tmp_path, "trainer_class: toy_trainers:ToyTrainer\ntrainer:\n  progress_bar: no\nlogging:\n  tensorboard: off\n"

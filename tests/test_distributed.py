@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -247,6 +248,15 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
     assert "ran out" not in results[1].stderr  # rank zero alone warns
 
 
+def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps(tmp_path):
+    """Rank 0 streams 10 batches, rank 1 lists 6, accumulating 4: rank 0 alone fetched one ahead (to mark the end of
+    a stream), so its batch agreement for the next batch waited on rank 1 while rank 1 waited in the step's gradient
+    all-reduce, until distributed.timeout_s. Each epoch is 6 batches: a step of 4 and its last, short window of 2."""
+    rank0, rank1 = _ok(launch("uneven_stream_accumulate", tmp_path, timeout=120))
+    assert rank0["global_step"] == rank1["global_step"] == 4
+    _equal(rank0["model"], rank1["model"])
+
+
 def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
     """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
     ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead.
@@ -263,6 +273,7 @@ def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp
             "out (or make every step's loss use all of them)"
         )
         assert result["global_step"] == 2  # with the key set, the same model trains
+        assert result["after_unfreezing"].startswith(f"rank {rank}: parameters 'b.weight' got no gradient")
 
 
 def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tmp_path):
@@ -495,6 +506,22 @@ def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
         assert sorted(order[0] + order[1]) == list(range(10))
         seen.append(order)
     assert seen[0] != seen[1]
+
+
+@pytest.mark.parametrize(("world_size", "message"), [
+    (2, "its 1 sample dealt to 2 ranks, 1 per rank, fewer than batch_size=2 with drop_last=True (fewer ranks, "),
+    (1, "1 sample per epoch, fewer than batch_size=2 with drop_last=True (a smaller batch_size, or drop_last="),
+])  # fmt: skip
+def test_a_loader_without_a_full_batch_per_rank_is_refused_naming_the_per_rank_share(world_size, message):
+    # The error guessed "a batch size above its length?" while the dataset held as many samples as one batch wants
+    # under torchrun: the per-rank share is what fell short.
+    from ampkit.trainer.distributed import DistributedEnv, distributed_loader
+    from ampkit.trainer.user_code import UserCodeError, check_batches
+
+    loader = DataLoader(toy_dataset(1), batch_size=2, shuffle=True, drop_last=True)
+    shard = distributed_loader(loader, 0, DistributedEnv(rank=0, world_size=world_size), True)
+    with pytest.raises(UserCodeError, match=re.escape(f"train_dataloader() yields no batches: {message}")):
+        check_batches(len(shard), "train_dataloader", shard, world_size)
 
 
 @pytest.mark.parametrize("sampler", ["subset", "weighted"])

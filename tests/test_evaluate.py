@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import UserDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -274,6 +275,14 @@ def test_an_x_y_batch_is_counted_without_the_mapping_abcs_isinstance(monkeypatch
     assert batch_size([torch.zeros(0, 3), (torch.zeros(0), torch.zeros(2))]) == 2
     assert _CountedMeta.checks == 0
     assert batch_size(UserDict(ids=torch.zeros(5, 2))) == 5  # a mapping is still found as one
+
+
+def test_a_nested_tensor_batch_counts_its_samples():
+    # Its .shape raises ('NestedTensorImpl doesn't support sizes'), now on every training batch, not only for samples/s.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the strided layout's 'prototype stage' notice
+        ragged = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(1, 3)])
+    assert batch_size({"tokens": ragged}) == 3
 
 
 def _empty_third_batch(samples):  # a collate whose filter dropped every sample of one batch

@@ -8,7 +8,7 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit import Callback
+from ampkit import Callback, Phase
 from ampkit.trainer.callback import HOOKS
 
 QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
@@ -224,3 +224,11 @@ def test_exception_fires_on_exception_then_on_fit_end(tmp_path):
     except ValueError:
         pass
     assert calls[-4:] == ["on_train_epoch_start", "on_train_batch_start", "on_exception", "on_fit_end"]
+
+
+def test_hook_phases_naming_no_hook_is_refused(tmp_path):
+    class Misnamed(Callback):
+        hook_phases = {"on_validation_epoch_end": Phase.PERSIST}
+
+    with pytest.raises(ValueError, match=r"Misnamed.hook_phases names \['on_validation_epoch_end'\], not hooks"):
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 1}), callbacks=[Misnamed()]).fit()

@@ -523,3 +523,30 @@ def test_a_loader_without_a_length_steps_its_last_partial_window_with_the_epoch(
     assert stream.num_train_batches is None and stream.state.global_step == sized.state.global_step == 6
     for key, value in sized.module.state_dict().items():
         assert torch.equal(stream.module.state_dict()[key], value), key
+
+
+class _AugmentedStream:
+    """A stream without a length whose every batch draws a random augmentation from torch's RNG as it is fetched."""
+
+    def __iter__(self):
+        for x, y in DataLoader(toy_dataset(48), batch_size=4):
+            yield x + 0.1 * torch.randn_like(x), y
+
+
+class _Augmenting(ToyTrainer):
+    def train_dataloader(self):
+        return _AugmentedStream()
+
+
+def test_a_mid_epoch_resume_of_a_stream_fetched_ahead_is_bit_identical(tmp_path):
+    """Accumulating over a stream fetches each batch before the one before it runs: the checkpoint's RNGs (after that
+    batch) drew the resumed run's next batch, so its augmentation, and every weight after, differed."""
+    quiet = {"logging.tensorboard": False, "trainer.accumulate_grad_batches": 2, "trainer.max_epochs": 2}
+    whole = _Augmenting(toy_cfg(tmp_path / "whole", **quiet))
+    whole.fit()
+    _Augmenting(toy_cfg(tmp_path / "split", **quiet, **{"trainer.max_steps": 4})).fit()  # 8 of 12 batches
+    resumed = _Augmenting(toy_cfg(tmp_path / "split", **quiet))
+    resumed.fit(resume="last")
+    assert resumed.state.global_step == whole.state.global_step == 12
+    for key, value in whole.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[key], value), key

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -382,6 +383,37 @@ def test_a_continued_run_replaces_the_steps_logged_after_its_checkpoint(tmp_path
     continued.fit(resume="last")
     assert continued.version_dir == first.version_dir  # a continue, into the same TensorBoard directory
     assert [e.step for e in _events(continued).Scalars("train/loss")] == list(range(1, 9))
+
+
+def _cut_back_to(checkpoints, step):
+    """As if the run was killed just after its save at ``step``."""
+    import shutil
+
+    for later in sorted(checkpoints.glob("step-*.pt")):
+        if int(later.stem.partition("-")[2]) > step:
+            later.unlink()
+    shutil.copy(checkpoints / f"step-{step:08d}.pt", checkpoints / "last.pt")
+
+
+def test_a_mid_window_resume_logs_the_loss_over_the_whole_window(tmp_path):
+    """Killed at step 3 of a window of 4: the continued run's step-4 point averaged only step 4's loss (the three
+    before were lost). The checkpoint keeps the window; a resume without TensorBoard drops it without a warning."""
+    settings = {"trainer.max_epochs": 1, "logging.log_every_n_steps": 4, "checkpoint.every_n_steps": 3,
+                "checkpoint.keep_last": 5}  # fmt: skip
+    cfg = toy_cfg(tmp_path, **settings)
+    first = ToyTrainer(cfg)
+    first.fit()
+    uninterrupted = [(e.step, e.value) for e in _events(first).Scalars("train/loss")]
+    checkpoints = first.version_dir / "checkpoints"
+    _cut_back_to(checkpoints, 3)
+    continued = ToyTrainer(cfg)
+    continued.fit(resume="last")
+    assert [(e.step, e.value) for e in _events(continued).Scalars("train/loss")] == uninterrupted
+    _cut_back_to(checkpoints, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **settings, **{"logging.tensorboard": False})).fit(resume="last")
+    assert not [w for w in caught if "state of callbacks" in str(w.message)]
 
 
 class _DiskFillsAtEpoch1(Callback):

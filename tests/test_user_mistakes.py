@@ -691,3 +691,38 @@ def test_settings_passed_as_keyword_arguments_name_their_config_keys():
         "precision is precision.opt_level; batch_size is data.batch_size; bogus is no config key); pass them in cfg, "
         "e.g. ToyTrainer({'trainer': {'max_epochs': 3}})"
     )
+
+
+class KeywordModel(torch.nn.Module):
+    """A Hugging Face-style model: its inputs are keyword arguments; ``strict`` refuses a dict for a tensor."""
+
+    def __init__(self, takes_dict: bool = False) -> None:
+        super().__init__()
+        self.layer = toy_model()
+        self.takes_dict = takes_dict
+
+    def forward(self, input_ids, attention_mask=None):
+        if self.takes_dict:  # its own mistake, not the batch's
+            return self.layer(input_ids["input_ids"]) + "a string"
+        return self.layer(input_ids) * attention_mask[:, :1]
+
+
+class DictBatches(ToyTrainer):
+    takes_dict = False
+
+    def configure_model(self):
+        return KeywordModel(self.takes_dict)
+
+    def predict_dataloader(self):
+        x = toy_dataset(8).tensors[0]
+        return DataLoader([{"input_ids": row, "attention_mask": torch.ones(6)} for row in x], batch_size=4)
+
+
+def test_the_default_predict_step_on_a_dict_batch_says_to_unpack_it(tmp_path):
+    # The dict went to the model as its first argument: a raw TypeError from inside the model's first layer.
+    said = r"^the default predict_step\(\) passed the batch, a dict of input_ids, attention_mask, to the model as one"
+    with pytest.raises(UserCodeError, match=said + r" argument.*returning self.model\(\*\*batch\)$"):
+        DictBatches(toy_cfg(tmp_path)).predict()
+    own = type("OwnMistake", (DictBatches,), {"takes_dict": True})  # a model that takes the dict: its error stands
+    with pytest.raises(TypeError, match="unsupported operand"):
+        own(toy_cfg(tmp_path)).predict()

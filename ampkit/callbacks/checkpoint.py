@@ -10,7 +10,6 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.callbacks.monitor import Monitor
-from ampkit.callbacks.throughput import paused
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -163,7 +162,7 @@ class ModelCheckpoint(Callback):
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
         best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Saving is no
         training: the throughput windows leave its time out."""
-        with paused(trainer):
+        with trainer.paused():
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
@@ -172,7 +171,8 @@ class ModelCheckpoint(Callback):
             raise CheckpointError(
                 f"checkpoint '{filename}' would hold {entry}, which torch.load(weights_only=True) refuses, so the run "
                 "could never resume from it: a callback's state_dict() or on_save_checkpoint may hold tensors, "
-                "numbers, strings and lists, tuples and dicts of them (float(x), torch.as_tensor(x))"
+                "numbers, strings and lists, tuples and dicts of them (float(x), torch.as_tensor(x)), or what "
+                "torch.serialization.add_safe_globals allows"
             )
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"

@@ -49,6 +49,7 @@ class DistributedSync(Callback):
         self._watch: Any = None  # DDP's forward hook: noting that this batch's loss came through DDP
         self._forwarded = False
         self._ddp_params: set[int] = set()  # the parameters DDP's reducer averages: those trainable when it wrapped
+        self._ddp_names: list[str] = []  # their names, in DDP's order (its errors number them)
         self._trainable: TrainableParams | None = None
         self._unfrozen: set[int] = set()  # trainable parameters DDP does not average: averaged at the step instead
 
@@ -66,7 +67,8 @@ class DistributedSync(Callback):
             trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
             if trainer.model is self._ddp:  # (a compiled DDP forward traces its hooks: left unwatched)
                 self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
-            self._ddp_params = {id(p) for p in trainer.module.parameters() if p.requires_grad}
+            wrapped = [(name, p) for name, p in trainer.module.named_parameters() if p.requires_grad]
+            self._ddp_names, self._ddp_params = [name for name, _ in wrapped], {id(p) for _, p in wrapped}
             self._trainable, self._unfrozen = TrainableParams(trainer.module, trainer.optimizers.values()), set()
         elif self.grad_sync == "step":  # the Trainer gave every rank rank 0's weights when it built the model
             self._buffers = list(trainer.module.buffers())
@@ -156,7 +158,7 @@ class DistributedSync(Callback):
         if self._ddp is None or self.ddp_kwargs.get("find_unused_parameters") or not _UNFINISHED_REDUCTION.search(text):
             return None
         return (
-            f"rank {rank}: parameters {unused_parameter_names(trainer.module, text)} got no gradient in the step "
+            f"rank {rank}: parameters {unused_parameter_names(self._ddp_names, text)} got no gradient in the step "
             "before, so DDP never finished reducing them: set distributed.find_unused_parameters=true for a model "
             "whose steps leave some parameters out (or make every step's loss use all of them)"
         )
@@ -185,12 +187,12 @@ _UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the 
 _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
 
 
-def unused_parameter_names(module: torch.nn.Module, message: str) -> str:
-    """The names of the parameters DDP's ``message`` lists by index (DDP numbers the ones requiring grad in
-    ``named_parameters`` order), e.g. ``'b.weight', 'b.bias'``; "some" where it lists none."""
+def unused_parameter_names(names: list[str], message: str) -> str:
+    """The names of the parameters DDP's ``message`` lists by index, e.g. ``'b.weight', 'b.bias'``; "some" where it
+    lists none. ``names``: those requiring grad when DDP wrapped the model, in ``named_parameters`` order (DDP's
+    numbering: a parameter unfrozen since is not among them)."""
     found = _UNUSED_INDICES.search(message)
     if found is None:
         return "some"
-    names = [name for name, p in module.named_parameters() if p.requires_grad]
     indices = [int(i) for i in found.group(1).split()]
     return ", ".join(repr(names[i]) if i < len(names) else str(i) for i in indices)

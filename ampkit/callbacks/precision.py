@@ -101,8 +101,17 @@ class MixedPrecision(Callback):
             for optimizer in trainer.optimizers.values():
                 masters = self.masters[optimizer] = MasterWeights(optimizer)
                 trainer.optimizer_state[optimizer].master_weights = masters  # gradients go to the masters
-                for param, master in zip(masters.model_params, masters.master_params, strict=True):
-                    self._master_to_model[id(master)] = param
+            self._map_masters()
+
+    def _map_masters(self) -> None:
+        """Give every master the model parameter it stands for, after masters were made for added param groups."""
+        for masters in self.masters.values():
+            masters.refresh()
+        self._master_to_model = {
+            id(master): param
+            for masters in self.masters.values()
+            for param, master in zip(masters.model_params, masters.master_params, strict=True)
+        }
 
     def unused_hooks(self, trainer) -> set[str]:
         unused = set()
@@ -156,9 +165,11 @@ class MixedPrecision(Callback):
 
     def on_before_backward(self, trainer, backward: BackwardState) -> None:
         self._autocast_off()
-        if backward.inputs is not None and self._master_to_model:
+        if backward.inputs is not None and self.masters:
             # ``backward(loss, optimizer=opt)`` names the optimizer's tensors: the masters are not in the
-            # graph, their model parameters are.
+            # graph, their model parameters are. A tensor not mapped yet is in a param group added since.
+            if any(id(t) not in self._master_to_model for t in backward.inputs):
+                self._map_masters()
             backward.inputs = [self._master_to_model.get(id(t), t) for t in backward.inputs]
 
     def on_after_backward(self, trainer, backward: BackwardState) -> None:

@@ -110,6 +110,7 @@ class TensorBoardLogger(Callback):
     """
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
+    state_is_optional = True  # a resume with logging.tensorboard=false has no use for the window
 
     def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0) -> None:
         if not flush_secs >= 0:
@@ -185,6 +186,23 @@ class TensorBoardLogger(Callback):
                 self._flush()
         elif rows:  # trainer.log(..., always=True) between log steps (an overflow event)
             self._queued += rows
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batch outputs since the last log step, so a resume's first ``train/<output>`` point averages the
+        same batches as an uninterrupted run's (not only those since the resume)."""
+        if not self._window:
+            return {}
+        tensors = [v for values in self._window.values() for v in values if isinstance(v, torch.Tensor)]
+        read = iter(read_scalars(*tensors))
+        return {
+            "window": {
+                key: [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+                for key, values in self._window.items()
+            }
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._window = {key: list(values) for key, values in state.get("window", {}).items()}
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if not self._due(trainer):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -123,6 +123,9 @@ class Throughput(Callback):
     """
 
     phase = Phase.DEFAULT  # a fact producer: the loggers and the console (OBSERVE) read its figures after it
+    # Validation's pause opens before any callback's on_validation_start and closes after the loggers' flush at its
+    # end (a checkpoint's save there pauses on its own).
+    hook_phases = {"on_validation_start": Phase.CAST, "on_validation_end": Phase.PERSIST}
 
     def __init__(
         self,
@@ -147,6 +150,7 @@ class Throughput(Callback):
         self._samples: int | None = 0  # this rank's samples in the window (None: a batch in it had no tensor)
         self._pauses: list[tuple[Any, Any]] = []  # validation runs and saves inside the window: (start, end) marks
         self._paused_at: Any = None
+        self._pause_depth = 0  # pauses open now: one inside another (a save during validation) is left out once
         self._unread: tuple | None = None  # a lagging stopwatch's last window: (start, end, samples, pauses, step)
         self._uncounted = ""  # the type of the last batch whose samples could not be counted (no tensor in it)
         self._warned = False
@@ -159,6 +163,7 @@ class Throughput(Callback):
             self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))
         self._watch = stopwatch_for(trainer.device, self.clock)
         self._start, self._samples, self._pauses, self._unread = None, 0, [], None
+        self._pause_depth = 0
         self._uncounted, self._warned = "", False
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
@@ -215,27 +220,30 @@ class Throughput(Callback):
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Leave the time inside out of the current window, as validation is."""
-        start = self._watch.mark()
+        self._open_pause()
         try:
             yield
         finally:
-            if self._start is not None:
-                self._pauses.append((start, self._watch.mark()))
+            self._close_pause(counts=True)
 
-    def on_validation_start(self, trainer) -> None:
-        self._paused_at = self._watch.mark()
+    def _open_pause(self) -> None:
+        if self._pause_depth == 0:
+            self._paused_at = self._watch.mark()
+        self._pause_depth += 1
 
-    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
-        if self._start is not None and trainer.state.stage == "fit":  # validation time is not training time
+    def _close_pause(self, counts: bool) -> None:
+        """End a pause; the outermost one, when ``counts``, leaves its time out of the window."""
+        self._pause_depth = max(self._pause_depth - 1, 0)
+        if self._pause_depth == 0 and counts and self._start is not None:
             self._pauses.append((self._paused_at, self._watch.mark()))
 
+    def on_validation_start(self, trainer) -> None:
+        self._open_pause()
 
-@contextmanager
-def paused(trainer) -> Iterator[None]:
-    """Leave the time inside out of the throughput windows of ``trainer``'s :class:`Throughput` callbacks (none: a
-    no-op): for work a training hook does that is not training, such as generating a sample."""
-    with ExitStack() as stack:
-        for callback in trainer.callbacks:
-            if isinstance(callback, Throughput):
-                stack.enter_context(callback.paused())
-        yield
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        self._close_pause(counts=trainer.state.stage == "fit")  # validation time is not training time
+
+
+def paused(trainer) -> AbstractContextManager[None]:
+    """``trainer.paused()``: leave the work inside (a sample generated in a hook) out of the throughput windows."""
+    return trainer.paused()

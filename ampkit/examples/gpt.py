@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ampkit
-from ampkit.callbacks.throughput import count_training_flops, paused
+from ampkit.callbacks.throughput import count_training_flops
 from ampkit.config import build_config
 from ampkit.trainer.checkpoint_io import peek_checkpoint
 from ampkit.trainer.run_life import resolve_checkpoint
@@ -514,7 +514,7 @@ class GPTTrainer(ampkit.Trainer):
         s = self.state
         if every and s.is_iteration_end and s.iteration % every == 0:  # every rank: a sharded forward is collective
             self.module.eval()
-            with paused(self):  # sampling is not training: tokens/s and MFU leave it out, as they do validation
+            with self.paused():  # sampling is not training: tokens/s and MFU leave it out, as they do validation
                 text = self.predict_step(self.predict_dataloader()[0].to(self.device))
             self.module.train()
             if self.cfg.logging.tensorboard:

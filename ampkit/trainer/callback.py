@@ -8,7 +8,8 @@ given in. No correctness depends on another callback's name.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -69,6 +70,12 @@ class Callback:
     # True when a hook must learn a skip verdict in its own iteration (``on_optimizer_step_skipped`` reading that
     # iteration's gradients, say): the Trainer then reads verdicts on the host (``trainer.skip_verdict``).
     needs_verdicts_at_once: ClassVar[bool] = False
+    # True when a resume without this callback may drop its saved state without a warning: state that only shapes
+    # what it would log next (a logger's window of batch outputs), nothing the run's training depends on.
+    state_is_optional: ClassVar[bool] = False
+    # Hooks this callback runs in another phase than ``phase``: a timer whose start and end hooks must enclose the
+    # work the other callbacks do in theirs (Throughput leaves validation out, the loggers' flush at its end too).
+    hook_phases: ClassVar[Mapping[str, Phase]] = {}
 
     @property
     def name(self) -> str:
@@ -86,6 +93,12 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work inside is not training (a checkpoint save, a generated sample): a callback that measures training
+        time leaves it out. Entered through :meth:`Trainer.paused`; the default does nothing."""
+        yield
 
     def unused_hooks(self, trainer: Trainer) -> Collection[str]:
         """Hooks this callback overrides but has nothing to do in for this run (say, work for manual

@@ -48,7 +48,7 @@ def batch_size(batch: Any) -> int | None:
     no tensor (strings, a custom object). Runs on every training batch (twice: the empty-batch check and samples/s),
     so it is plain recursion, with lists and tuples looked for before the ``Mapping`` ABC's slower isinstance."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.ndim else 1
+        return batch.size(0) if batch.dim() else 1  # not .shape: a nested tensor has no sizes, but a leading one
     if isinstance(batch, _SEQUENCES):
         values: Any = batch
     elif isinstance(batch, Mapping):

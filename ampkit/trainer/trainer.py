@@ -46,7 +46,8 @@ from __future__ import annotations
 import numbers
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -58,7 +59,15 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from ampkit.config import Config, ConfigError, TrainerConfig, build_config, check_values, is_config_instance
+from ampkit.config import (
+    Config,
+    ConfigError,
+    TrainerConfig,
+    build_config,
+    check_values,
+    is_config_instance,
+    plain_config,
+)
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
@@ -151,6 +160,7 @@ from ampkit.trainer.user_code import (
     check_loader,
     check_loss,
     empty_batch_error,
+    keyword_batch_error,
     nothing_trained_warning,
 )
 
@@ -287,6 +297,8 @@ class Trainer:
         self._num_train_batches: int | None = None
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
+        self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
+        self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
@@ -346,7 +358,16 @@ class Trainer:
 
     def predict_step(self, batch: Any) -> Any:
         """One batch's predictions: by default the model's output on the batch (on its first element if a tuple)."""
-        return self.model(batch[0] if isinstance(batch, list | tuple) else batch)
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch
+        if not isinstance(inputs, Mapping):
+            return self.model(inputs)
+        try:
+            return self.model(inputs)
+        except (TypeError, AttributeError) as exc:
+            error = keyword_batch_error(inputs, exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def configure_callbacks(self) -> list[Callback]:
         """Extra callbacks this Trainer always wants."""
@@ -573,6 +594,15 @@ class Trainer:
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Mark the work inside as not training (a checkpoint save, a sample generated in a hook): every callback's
+        :meth:`Callback.paused` is entered, so a throughput window leaves its time out."""
+        with ExitStack() as stack:
+            for callback in self.callbacks:
+                stack.enter_context(callback.paused())
+            yield
+
     def fire(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer.
 
@@ -728,9 +758,14 @@ class Trainer:
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
-        batches = self._epoch_batches()
-        if self.settings.accumulate_grad_batches > 1 and not self._train_length_known:
-            batches = self._flag_last(batches)  # an epoch's partial accumulation window steps at its end
+        # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
+        ahead = self.settings.accumulate_grad_batches > 1 and not (
+            self._train_length_known and not self._agree_each_batch
+        )
+        self._rng_before_fetch = None  # set by _flag_last while it fetches ahead
+        batches = self._epoch_batches(ahead)
+        if ahead:
+            batches = self._flag_last(batches)
         for batch in batches:
             self._run_batch(batch)
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
@@ -1053,7 +1088,7 @@ class Trainer:
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
-        check_batches(self._num_train_batches, "train_dataloader")
+        check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
         equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
@@ -1183,10 +1218,12 @@ class Trainer:
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
+            if not set(cb.hook_phases) <= known:
+                raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks = {
             hook: [
                 getattr(cb, hook)
-                for cb in self.callbacks
+                for cb in sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
                 if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
             ]
             for hook in HOOKS
@@ -1194,9 +1231,10 @@ class Trainer:
         for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
             self._hooks[hook].append(getattr(type(self), hook))
 
-    def _epoch_batches(self) -> Iterator[Any]:
+    def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
-        after a mid-epoch resume, the same ones the interrupted run would have seen."""
+        after a mid-epoch resume, the same ones the interrupted run would have seen (``ahead``: fetched one ahead, the
+        next one drawn from the RNGs as they were before the saved batch ran)."""
         resume, self._resume = self._resume, None
         skip = resume["batches_done"] if resume else 0
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
@@ -1212,7 +1250,10 @@ class Trainer:
                     f"the resumed checkpoint is {skip} batches into epoch {self.state.epoch}, but this run's "
                     f"train_dataloader() yields only {done}: the data or batch size changed since it was saved"
                 )
-        if skip:
+        if skip and ahead and resume.get("rng_before_fetch") is not None:
+            restore_rng(resume["rng_before_fetch"])
+            self._rng_after_fetch = resume["rng"]  # restored by _flag_last once it fetched
+        elif skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
         batches = islice(iterator, None if total is None else max(total - skip, 0))
@@ -1223,13 +1264,21 @@ class Trainer:
     def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
         (``self._at_last_batch``): its partial window then steps with the epoch, as a known length's does, instead of
-        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step)."""
+        leaving its gradients to the next epoch's first step (or, after the last epoch, to no step). The RNGs before
+        each fetch are kept for a checkpoint: a fetch may draw from them (a random augmentation), and it ran before the
+        batch before it, so a mid-epoch resume fetches it from there (bit-identical resumes)."""
+        self._rng_before_fetch = capture_rng()
         upcoming = next(batches, _NO_BATCH)
+        if self._rng_after_fetch is not None:  # a resume: the RNGs the saved run had after its batch
+            restore_rng(self._rng_after_fetch)
+            self._rng_after_fetch = None
         while upcoming is not _NO_BATCH:
+            self._rng_before_fetch = capture_rng()
             batch, upcoming = upcoming, next(batches, _NO_BATCH)
             self._at_last_batch = upcoming is _NO_BATCH
             yield batch
         self._at_last_batch = False
+        self._rng_before_fetch = None
 
     def _to_device(self, batch: Any) -> Any:
         if self._on_cpu:
@@ -1278,14 +1327,16 @@ class Trainer:
             "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
+            "rng_before_fetch": self._rng_before_fetch,  # None unless fetching one ahead (_flag_last)
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
-            "config": OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True),
+            "config": plain_config(self.cfg),
         }
         if self._launch is not None:  # under torchrun: a restart of this launch continues from it
             checkpoint["launch"] = self._launch
@@ -1339,7 +1390,7 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-        present = {cb.state_key for cb in self.callbacks}
+        present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
             rank_zero_warn(
@@ -1359,6 +1410,7 @@ class Trainer:
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
             "epoch_rng": checkpoint["epoch_rng"],
+            "rng_before_fetch": checkpoint.get("rng_before_fetch"),
         }
         self.fire("on_load_checkpoint", checkpoint)
 

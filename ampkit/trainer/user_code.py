@@ -90,10 +90,52 @@ def empty_batch_error(method: str, where: str) -> UserCodeError:
     )
 
 
-def check_batches(count: int | None, method: str) -> None:
-    """A training loader with batches (an empty one would 'finish' at once, training nothing)."""
+def keyword_batch_error(batch: Any, exc: BaseException) -> UserCodeError | None:
+    """The default ``predict_step`` passed a dict ``batch`` to the model as one argument: a one-line error saying
+    what to write, when ``exc`` is the model refusing it (naming the batch's type, or a missing argument)."""
+    kind = type(batch).__name__
+    text = " ".join(str(exc).split())
+    if not isinstance(exc, TypeError | AttributeError) or (kind not in text and "positional argument" not in text):
+        return None
+    keys = ", ".join(map(str, list(batch)[:5])) + (", ..." if len(batch) > 5 else "")
+    return UserCodeError(
+        f"the default predict_step() passed the batch, a {kind} of {keys}, to the model as one argument, and the "
+        f"model refused it ({type(exc).__name__}: {text}): for a model that takes keyword arguments (a Hugging Face "
+        "model) define predict_step(self, batch) returning self.model(**batch)"
+    )
+
+
+def check_batches(count: int | None, method: str, loader: Any = None, world_size: int = 1) -> None:
+    """A training loader with batches (an empty one would 'finish' at once, training nothing); ``loader`` (this
+    rank's) and ``world_size`` let the error give the numbers behind it."""
     if count == 0:
-        raise UserCodeError(f"{method}() yields no batches (an empty dataset, or a batch size above its length?)")
+        raise UserCodeError(f"{method}() yields no batches{_why_no_batches(loader, world_size)}")
+
+
+def _why_no_batches(loader: Any, world_size: int) -> str:
+    """Why a DataLoader yields no batch (``: its 1 sample dealt to 2 ranks, 1 per rank, ...``) where lengths tell."""
+    guess = " (an empty dataset, or a batch size above its length?)"
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+        return guess
+    try:
+        total, share = len(loader.dataset), len(loader.sampler)
+    except TypeError:  # a dataset or sampler without a length
+        return guess
+    if total == 0:
+        return ": its dataset is empty"
+    if not (loader.drop_last and share < loader.batch_size):
+        return guess
+    if world_size > 1:
+        counts = f"its {_samples(total)} dealt to {world_size} ranks, {share} per rank"
+        fixes = "fewer ranks, a smaller batch_size, or drop_last=False"
+    else:
+        counts = f"{_samples(share)} per epoch"
+        fixes = "a smaller batch_size, or drop_last=False"
+    return f": {counts}, fewer than batch_size={loader.batch_size} with drop_last=True ({fixes})"
+
+
+def _samples(count: int) -> str:
+    return f"{count} sample" if count == 1 else f"{count} samples"
 
 
 def _named_settings(cfg: DictConfig, message: str) -> str:

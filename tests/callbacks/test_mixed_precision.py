@@ -690,6 +690,27 @@ def test_a_param_group_added_mid_run_is_unscaled_and_gets_fp32_masters(tmp_path,
         assert all(p.dtype == torch.float32 for group in scaled.optimizer.param_groups for p in group["params"])
 
 
+class ManualAddsGroupTrainer(AddsGroupTrainer):
+    """The same, under manual optimization: ``backward(loss, optimizer=...)`` names the optimizer's tensors."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss, optimizer=self.optimizer)
+        self.step(self.optimizer)
+        return loss.detach()
+
+
+def test_a_param_group_added_mid_run_trains_under_manual_optimization_like_automatic(tmp_path):
+    # The masters-to-parameters map was made at the start: from the group's second iteration on, backward() was
+    # given its fp32 masters, which are not in the graph, so the added layer silently stopped training.
+    precision = {"opt_level": "O2", "dtype": "float16", "loss_scale": 1.0}
+    manual = _fit_unfreeze(tmp_path / "manual", trainer_class=ManualAddsGroupTrainer, **precision)
+    automatic = _fit_unfreeze(tmp_path / "automatic", trainer_class=AddsGroupTrainer, **precision)
+    assert torch.equal(manual.module[0].weight, automatic.module[0].weight)
+
+
 def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_path):
     trainer = _fit_unfreeze(tmp_path, poison=6, opt_level="O1", dtype="bfloat16", skip_nonfinite=True)
     assert trainer.optimizer_state[trainer.optimizer].skipped_steps == 1

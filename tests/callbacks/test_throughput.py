@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit import Callback
+from ampkit import Callback, Phase
 from ampkit.callbacks.progress import _throughput
 from ampkit.callbacks.throughput import (
     PEAK_TFLOPS,
@@ -221,3 +221,67 @@ def test_checkpoint_saves_are_left_out_of_the_window(tmp_path, monkeypatch):
     trainer.fit()
     assert saved_at[:3] == [2, 4, 6]
     assert trainer.state.throughput["samples_per_sec"] == pytest.approx(4 * 8 / 1.0)
+
+
+def test_any_callbacks_paused_encloses_each_checkpoint_save(tmp_path):
+    """A save is marked as not training through ``trainer.paused()``, which a user's own timer sees as well: the
+    checkpoint callback knows no timer (Throughput included)."""
+    import contextlib
+
+    events = []
+
+    class Timer(Callback):
+        @contextlib.contextmanager
+        def paused(self):
+            events.append(("pause", sorted(p.name for p in (tmp_path / "run").rglob("step-*.pt"))))
+            yield
+            events.append(("resume", sorted(p.name for p in (tmp_path / "run").rglob("step-*.pt"))))
+
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False,
+                               "checkpoint.every_n_steps": 2, "run_dir": str(tmp_path / "run")})  # fmt: skip
+    ToyTrainer(cfg, callbacks=[Timer()]).fit()
+    assert events[:2] == [("pause", []), ("resume", ["step-00000002.pt"])]
+
+
+class _SlowAtValidationEnd(Callback):
+    """A logger's flush at validation's end (100 s of the fake clock), and a hook's own pause inside it (50 s)."""
+
+    phase = Phase.OBSERVE
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_validation_end(self, trainer, metrics) -> None:
+        if trainer.state.stage == "fit":
+            self.clock.now += 100.0
+            with paused(trainer):
+                self.clock.now += 50.0
+
+
+def test_the_work_callbacks_do_at_validation_end_is_left_out_of_the_window_once(tmp_path):
+    """Validation at step 6 of the window 5..8: the meter closed its pause at its own on_validation_end, before the
+    loggers' (TensorBoard flushes there), so their time counted as training; a pause inside validation's was taken
+    out twice. The window is 4 batches in 1.0 s of training."""
+    clock = FakeClock(step_s=0.0)
+    meter = Throughput(every_n_steps=4, clock=clock)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 8, "trainer.progress_bar": False, "logging.throughput": False,
+                               "logging.tensorboard": False, "trainer.val_every_n_steps": 6})  # fmt: skip
+    slow, reports = _SlowAtValidationEnd(clock), _Reports()
+    trainer = ToyTrainer(cfg, callbacks=[meter, _TrainsForAQuarterSecond(clock), slow, reports])
+    trainer.fit()
+    assert trainer.val_metrics_step == 8
+    assert reports.rates == [pytest.approx(3 * 8 / 0.75), pytest.approx(4 * 8 / 1.0)]
+
+
+class _Reports(Callback):
+    """Each window's samples/s (None: not reported), taken from ``trainer.state`` at its last iteration."""
+
+    phase = Phase.OBSERVE
+
+    def __init__(self) -> None:
+        self.rates: list[float | None] = []
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.iteration % 4 == 0:
+            self.rates.append(trainer.state.throughput.get("samples_per_sec"))
+            trainer.state.throughput = {}

@@ -1006,6 +1006,26 @@ def test_a_state_that_does_not_fit_is_refused_at_load_and_the_old_one_kept(saved
         optimizer.load_state_dict(bad)
 
 
+@pytest.mark.parametrize(("make", "key"), [
+    (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), "momentum_buffer"),
+    (lambda p: FusedSGD(p, lr=0.1, master_weights=True), "master_param"),
+])  # fmt: skip
+def test_a_state_made_at_the_first_step_that_does_not_fit_is_refused_at_load(make, key):
+    # Made by the first step rather than by _init_state, such a tensor was not checked: a momentum buffer of
+    # another model loaded and failed at the next step with the kernel's shape error, naming no parameter.
+    source = make([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+    source.param_groups[0]["params"][0].grad = torch.ones(3, dtype=torch.float16)
+    source.step()
+    param = torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
+    optimizer = make([param])
+    message = rf"params'\]\[0\] has '{key}' of shape \(3,\), its parameter needs \(5,\)"
+    with pytest.raises(ValueError, match=message):
+        optimizer.load_state_dict(source.state_dict())
+    assert not optimizer.state[param]  # the old (empty) state is kept
+    param.grad = torch.ones(5, dtype=torch.float16)
+    optimizer.step()
+
+
 def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
     for cls in (FusedLAMB, FusedMixedPrecisionLamb):
         p = torch.nn.Parameter(torch.zeros(4))

@@ -286,6 +286,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     # Names of the per-parameter state tensors that must be kept in the accumulate dtype.
     _acc_state_keys: tuple[str, ...] = ()
+    # Per-parameter state tensors made on a parameter's first step rather than by ``_init_state`` (SGD's momentum
+    # buffer), shaped as the parameter: a loaded one is checked against it too.
+    _lazy_state_keys: tuple[str, ...] = ()
     # Whether ``_update`` hands GradScaler's tensors to its kernels (see the module docstring); such optimizers
     # keep their step counters on the parameter's device, where the kernels read and advance them.
     _scaler_in_kernel: bool = False
@@ -667,12 +670,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                         f"{where} lacks {missing} (it has {sorted(state)}): it was saved by another optimizer or "
                         "with other options"
                     )
-                for key, value in fresh.items():
+                shapes = {key: value.shape for key, value in fresh.items() if isinstance(value, Tensor)}
+                for key in ("master_param", *self._lazy_state_keys):  # made at the first step, not by _init_state
+                    shapes.setdefault(key, p.shape)
+                for key, shape in shapes.items():
                     loaded = state.get(key)
-                    if isinstance(value, Tensor) and isinstance(loaded, Tensor) and loaded.shape != value.shape:
+                    if isinstance(loaded, Tensor) and loaded.shape != shape:
                         raise ValueError(
                             f"{where} has '{key}' of shape {tuple(loaded.shape)}, its parameter needs "
-                            f"{tuple(value.shape)}: the state dict is of another model"
+                            f"{tuple(shape)}: the state dict is of another model"
                         )
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
