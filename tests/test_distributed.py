@@ -257,6 +257,24 @@ def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps
     _equal(rank0["model"], rank1["model"])
 
 
+@pytest.mark.parametrize(
+    "message, transport",
+    [
+        ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234", True),
+        ("Timed out waiting 1800000ms for recv operation to complete", True),
+        ("DataLoader timed out after 5 seconds.", False),  # the user's loader, whose own timeout ran out
+        ("DataLoader worker (pid 123) exited unexpectedly", False),
+        ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x1)", False),
+    ],
+)
+def test_a_dataloaders_own_timeout_is_not_taken_for_a_failed_collective(message, transport):
+    """A failed collective gets the rank diagnosis (who died); a DataLoader timeout is the user's data and keeps its
+    own message, not a claim that some rank stopped responding."""
+    from ampkit.trainer.distributed import is_communication_failure
+
+    assert is_communication_failure(RuntimeError(message)) is transport
+
+
 def test_ddps_unused_parameter_error_names_the_parameters_and_the_config_key(tmp_path):
     """A step that leaves some parameters without a gradient failed the next forward with DDP's advice to pass
     ``find_unused_parameters=True`` to a constructor the user never calls; the line names ampkit's key instead.

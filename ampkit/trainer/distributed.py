@@ -25,9 +25,13 @@ class DistributedError(RuntimeError):
 
 
 def is_communication_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from the process group's transport rather than from user code."""
+    """Whether ``exc`` came from the process group's transport rather than from user code (a ``DataLoader``'s own
+    ``timeout``, "DataLoader timed out after N seconds", is the user's data, not a collective)."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in markers))
+    if isinstance(exc, dist.DistError):
+        return True
+    message = str(exc)
+    return isinstance(exc, RuntimeError) and "DataLoader" not in message and any(m in message for m in markers)
 
 
 def diagnose_failure(what: str, exc: BaseException, wait_s: float = 5.0) -> DistributedError:
