@@ -615,6 +615,29 @@ def test_a_resume_names_the_optimizer_settings_the_checkpoint_keeps_over_the_cod
     assert not [w for w in caught if "optimizers' settings" in str(w.message)]
 
 
+class DecaysItsOwnRate(ToyTrainer):
+    """nanoGPT's way: the training step sets each group's lr itself, with no scheduler object."""
+
+    def training_step(self, batch):
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.05 / (1 + self.state.global_step)
+        return super().training_step(batch)
+
+
+def test_a_rate_the_training_code_sets_itself_resumes_without_a_warning_until_the_config_changes(tmp_path):
+    """The checkpoint's lr is where the code's own decay reached: the same config resumes it quietly (it warned at
+    every resume, as if the user had changed the rate); a changed config is still named."""
+    DecaysItsOwnRate(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2})).fit()
+    resumed = DecaysItsOwnRate(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(resume="last")
+    assert not [w for w in caught if "optimizers' settings" in str(w.message)]
+    changed = DecaysItsOwnRate(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "lr": 0.001}))
+    with pytest.warns(UserWarning, match=re.escape("sgd[0].lr=")):
+        changed.fit(resume="last")
+
+
 def test_a_logged_value_that_is_no_number_is_named(tmp_path):
     class LogsText(ToyTrainer):
         def training_step(self, batch):

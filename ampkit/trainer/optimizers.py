@@ -266,22 +266,29 @@ _MOVED_BY_SCHEDULERS = frozenset({"lr", "momentum", "betas"})
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Each param group's settings (lr, weight_decay, ...), without its parameters."""
-    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    """Each param group's settings (lr, weight_decay, ...), without its parameters (a tensor lr as a number)."""
+    return [{key: _plain(value) for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
 
 def _plain(value: Any) -> Any:
     return value.tolist() if isinstance(value, torch.Tensor) else value  # a capturable optimizer's tensor lr
 
 
-def settings_kept_from_checkpoint(spec: OptimizerSpec, built: list[dict[str, Any]]) -> list[str]:
+def settings_kept_from_checkpoint(
+    spec: OptimizerSpec, built: list[dict[str, Any]], built_before: list[dict[str, Any]] | None
+) -> list[str]:
     """``name[group].key=<checkpoint's> (configure_optimizers: <built>)`` for each setting of ``spec``'s optimizer
-    that loading its state replaced (torch's ``load_state_dict`` restores every group setting); under a scheduler,
-    the settings it moves are left out."""
+    that loading its state replaced (torch's ``load_state_dict`` restores every group setting) where the code now
+    builds another value than it built for the saved run (``built_before``; None in older checkpoints: any
+    difference). A setting the training code moves itself (nanoGPT's lr set each step) is then not named, and under a
+    scheduler the settings it moves are left out."""
     skip = _MOVED_BY_SCHEDULERS if spec.schedulers else frozenset()
     kept = []
     for i, (ours, loaded) in enumerate(zip(built, group_settings(spec.optimizer), strict=False)):
+        before = built_before[i] if built_before is not None and i < len(built_before) else None
         for key in sorted(ours.keys() & loaded.keys() - skip):
-            if _plain(ours[key]) != _plain(loaded[key]):
-                kept.append(f"{spec.name}[{i}].{key}={_plain(loaded[key])} (configure_optimizers: {_plain(ours[key])})")
+            if before is not None and key in before and before[key] == ours[key]:
+                continue  # configured as for the saved run: the value it reached is the one to go on with
+            if ours[key] != loaded[key]:
+                kept.append(f"{spec.name}[{i}].{key}={loaded[key]} (configure_optimizers: {ours[key]})")
     return kept

@@ -70,7 +70,14 @@ from ampkit.config import (
 )
 from ampkit.trainer.batch_layout import batch_layout, batches_done_here
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.checkpoint_io import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    CheckpointError,
+    load_checkpoint,
+    save_atomic,
+    unloadable_entry,
+)
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -1337,6 +1344,12 @@ class Trainer:
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": plain_config(self.cfg),
+            # What configure_optimizers() built for this run (values a weights-only load rebuilds: a custom
+            # optimizer's callable in a group is left out), so a resume names only the settings the code changed.
+            "configured_optimizer_settings": {
+                name: [{key: v for key, v in group.items() if unloadable_entry(v) is None} for group in groups]
+                for name, groups in self._configured.items()
+            },
         }
         if self._launch is not None:  # under torchrun: a restart of this launch continues from it
             checkpoint["launch"] = self._launch
@@ -1376,7 +1389,11 @@ class Trainer:
             detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
         kept = [
-            line for spec in self._specs for line in settings_kept_from_checkpoint(spec, self._configured[spec.name])
+            line
+            for spec in self._specs
+            for line in settings_kept_from_checkpoint(
+                spec, self._configured[spec.name], checkpoint.get("configured_optimizer_settings", {}).get(spec.name)
+            )
         ]
         if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
             rank_zero_warn(
