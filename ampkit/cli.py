@@ -26,6 +26,7 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
+from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_dir import latest_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
@@ -198,9 +199,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         if args.debug:
             raise
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        sigterm = isinstance(exc, Terminated | Preempted)
+        how = "terminated (SIGTERM)" if sigterm else "interrupted"
         print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 143 if sigterm else 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.callbacks.monitor import Monitor
@@ -18,6 +19,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
@@ -157,6 +159,15 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, trainer) -> None:
         if self._saved_at != _moment(trainer):  # also a stop asked after this step's save (an epoch-end hook)
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
+
+    def on_exception(self, trainer, exception: BaseException) -> None:
+        """A SIGTERM's stop (every rank raised :class:`Preempted` at the same iteration's end) saves that step, so the
+        preempted run resumes from where it stopped."""
+        if not isinstance(exception, Preempted) or trainer.state.global_step == 0:
+            return
+        self.on_train_end(trainer)
+        if trainer.dist.enabled:  # no rank leaves before rank zero's file is written: torchrun would end it
+            dist.barrier()
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
