@@ -85,10 +85,29 @@ class ModelCheckpoint(Callback):
         directory = trainer.version_dir / "checkpoints"
         if not directory.is_dir():
             return
-        for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
-            if is_best_k_checkpoint_name(best.name, sharded=False) and best.name not in (*self.best_k, *self.kept):
+        ranked = (*self.best_k, *self.kept)
+        for best in directory.glob("best-*"):  # pushed out of the top k, or written after last: a kill's
+            if best.name in ranked:
+                continue
+            if is_best_k_checkpoint_name(best.name, sharded=False):
                 best.unlink(missing_ok=True)
+            elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
+                if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
+                    shutil.rmtree(best, ignore_errors=True)
+        if trainer.sharded:
+            self._relink_best(directory)
         self._prune(directory)
+
+    def _relink_best(self, directory: Path) -> None:
+        """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
+        directory written after ``last`` (removed above)."""
+        link = directory / "best"
+        if not link.is_symlink() or link.exists():
+            return
+        if self.best_k and is_sharded_checkpoint(directory / next(iter(self.best_k))):
+            point_last_at(directory / next(iter(self.best_k)), "best")
+        else:
+            link.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
