@@ -27,8 +27,7 @@ from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
-from ampkit.trainer.run_dir import latest_checkpoint
-from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
@@ -137,7 +136,7 @@ def _metrics(prefix: str, metrics: dict[str, float]) -> str:
 
 def _resume_hint(cfg: Any) -> str:
     """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
-    newest = None if cfg is None else latest_checkpoint(cfg.run_dir)
+    newest = None if cfg is None else resolve_checkpoint(cfg.run_dir, "last")
     if newest is None:
         return " before its first checkpoint (run it again without --resume to start over)"
     return f" (--resume last continues from {newest})"
