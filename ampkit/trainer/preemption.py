@@ -23,8 +23,8 @@ class Preempted(KeyboardInterrupt):
 @contextlib.contextmanager
 def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
     """While in the block, the first SIGTERM calls ``ask`` and a second raises :class:`Preempted` (only in the main
-    thread, where signal handlers live); the previous handler is put back after it."""
-    if threading.current_thread() is not threading.main_thread():
+    thread, where signal handlers live, and unless the caller ignores SIGTERM); the previous handler is put back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         yield
         return
     received = 0
