@@ -765,9 +765,9 @@ class Trainer:
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
-        asked, preempted = any_rank([s.should_stop, self._preempt_asked], self.dist)
+        stop_asked, preempted = any_rank([s.should_stop, self._preempt_asked], self.dist)
         self._preempt_agreed = self._preempt_agreed or preempted
-        if not asked:
+        if not stop_asked:
             return
         mine = (s.stop_reason or _STOP_ASKED) if s.should_stop else None
         asked = gather_object(mine, self.dist)
