@@ -642,3 +642,26 @@ def test_agreeing_on_each_streamed_batch_exchanges_one_number_whatever_the_world
         batches = list(while_every_rank_has_a_batch(iter("abcd"), DistributedEnv(0, world), None, epoch=3))
     assert batches == ["a", "b"]
     assert calls == ["all_reduce", "all_reduce", "all_reduce", "all_gather"]
+
+
+@pytest.mark.parametrize(
+    ("failure", "left"),
+    [
+        (KeyboardInterrupt(), "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"),  # was 'KeyboardInterrupt: '
+        (MemoryError(), "MemoryError"),
+        (ValueError("bad batch\nmore"), "ValueError: bad batch"),
+    ],
+)
+def test_what_a_failed_rank_leaves_for_the_others_to_name_is_never_an_empty_message(tmp_path, failure, left):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ampkit.trainer.distributed import _leave_failure
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _leave_failure(failure, SimpleNamespace(rank=0))
+        assert dist.distributed_c10d._get_default_store().get("ampkit/failed/0").decode() == left
+    finally:
+        dist.destroy_process_group()
