@@ -605,22 +605,25 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
 
 
 class _SigtermAt(ampkit.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, times: int = 1) -> None:
+        self.step, self.times = step, times
 
     def on_train_batch_end(self, trainer, outputs, batch) -> None:
         if trainer.state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_a_sigterm_saves_the_step_it_stops_at_and_the_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("times", [1, 2], ids=["once", "twice"])
+def test_a_sigterm_saves_the_step_it_stops_at_and_the_resume_is_bit_identical(tmp_path, times):
     """A preemption at step 5, with a checkpoint only at epoch ends, lost steps 1-5; now step 5 is saved mid-epoch
-    (as no early stop) and the resumed run ends equal to one never stopped; SIGTERM's handler is put back."""
+    (as no early stop) and the resumed run ends equal to one never stopped; SIGTERM's handler is put back. Twice:
+    Slurm signals every process of a job step, so a rank gets one from Slurm and one from torchrun's agent."""
     quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
     full = ToyTrainer(toy_cfg(tmp_path / "full", **quiet))
     full.fit()
     with pytest.raises(KeyboardInterrupt, match="SIGTERM: stopped at step 5"):
-        ToyTrainer(toy_cfg(tmp_path / "cut", **quiet), callbacks=[_SigtermAt(5)]).fit()
+        ToyTrainer(toy_cfg(tmp_path / "cut", **quiet), callbacks=[_SigtermAt(5, times)]).fit()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     last = load_checkpoint(tmp_path / "cut" / "run" / "version_0" / "checkpoints" / "last.pt")
     assert last["loop"] == {"epoch": 0, "batches_done": 5, "global_step": 5} and last["stopped_early"] is None

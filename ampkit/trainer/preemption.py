@@ -3,8 +3,9 @@ Kubernetes, torchrun's agent passing its own SIGTERM on to the ranks), with a gr
 
 The first one asks the run to stop where the iteration it is in ends (under torchrun: at the next point where the
 ranks agree on a stop, see ``Trainer._agree_stop``); the run saves that step's checkpoint and raises
-:class:`Preempted`. The checkpoint records no early stop, so ``--resume last`` continues the run. A second SIGTERM
-raises :class:`Preempted` at once, without saving.
+:class:`Preempted`. The checkpoint records no early stop, so ``--resume last`` continues the run. Later SIGTERMs
+change nothing: Slurm signals every process of a job step, so a rank gets one from Slurm and one from torchrun's
+agent at once. Ctrl-C (SIGINT) still stops at once.
 """
 
 from __future__ import annotations
@@ -22,18 +23,13 @@ class Preempted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
-    """While in the block, the first SIGTERM calls ``ask`` and a second raises :class:`Preempted` (only in the main
-    thread, where signal handlers live, and unless the caller ignores SIGTERM); the previous handler is put back."""
+    """While in the block, a SIGTERM calls ``ask`` (only in the main thread, where signal handlers live, and unless
+    the caller ignores SIGTERM); the previous handler is put back after it."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         yield
         return
-    received = 0
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        nonlocal received
-        received += 1
-        if received > 1:
-            raise Preempted("a second SIGTERM: stopped at once, without saving")
         ask()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
