@@ -82,6 +82,13 @@ def test_verify_skips_the_steps_the_budget_has_no_room_for_and_says_so(tmp_path)
     assert "skipped" in (tmp_path / "out" / "skipped.txt").read_text()
 
 
+@pytest.mark.parametrize(("args", "steps"), [(["tests", "1/2"], 1), (["bench", "2/3"], 2), (["bench", "1/3"], 2)])
+def test_the_tests_and_bench_stages_keep_to_the_budget_too(tmp_path, args, steps):
+    done, log = run_script(tmp_path, *args, GPU_SECONDS="200")
+    assert done.returncode == 0, done.stderr
+    assert len(limits(log)) == steps and all(limit <= 200 - 25 for limit in limits(log))
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "10m", "-5"])
 def test_a_budget_that_is_not_whole_seconds_is_refused_before_anything_runs(tmp_path, value):
     done, log = run_script(tmp_path, "verify", "1/2", GPU_SECONDS=value)
@@ -89,11 +96,16 @@ def test_a_budget_that_is_not_whole_seconds_is_refused_before_anything_runs(tmp_
     assert done.stderr == f"GPU_SECONDS must be a whole number of seconds (this call's budget); got '{value}'\n"
 
 
-@pytest.mark.parametrize(("args", "message"), [(["verify", "3/2"], "shard must be K/N"),
-                                               (["verify", "1/3"], "verify shards are 1/2 and 2/2")])  # fmt: skip
-def test_shards_are_checked(tmp_path, args, message):
-    done, _ = run_script(tmp_path, *args)
+CHECKED = [(["verify", "3/2"], "shard must be K/N"), (["verify", "1/3"], "verify shards are 1/2 and 2/2"),
+           (["verfy"], "usage: bash .ci/gpu [tests|bench|verify] [K/N]; got stage 'verfy'")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), CHECKED)
+def test_stages_and_shards_are_checked(tmp_path, args, message):
+    done, log = run_script(tmp_path, *args)
     assert done.returncode == 2 and message in done.stderr
+    if args == ["verfy"]:  # before the device check and the build, not after them
+        assert log == ""
 
 
 def test_without_cuda_the_device_check_stops_the_script_with_one_line(tmp_path):
