@@ -2,7 +2,8 @@
 ``python -m ampkit``).
 
 ``fit [--resume last|best|PATH]`` trains; ``validate``/``test`` print the averaged metrics of a checkpoint
-(``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions.
+(``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions (without it
+they are only shown by whatever the Trainer's ``on_predict_end`` prints, as the GPT example's generated text).
 ``--config`` is a YAML file or the name of a built-in config (``digits``).
 """
 
@@ -60,7 +61,8 @@ COMMANDS = {
     ),
     "predict": (
         "save the predictions of a checkpoint (predict_dataloader)",
-        "Run predict_step over predict_dataloader with a checkpoint's weights and save its outputs with torch.save.",
+        "Run predict_step over predict_dataloader with a checkpoint's weights; --output saves its outputs with "
+        "torch.save.",
     ),
 }
 
@@ -108,8 +110,9 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
         parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
     parsers["predict"].add_argument(
         "--output",
-        required=True,
-        help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a checkpoint)",
+        default=None,
+        help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a "
+        "checkpoint); without it nothing is written",
     )
     for command in parsers.values():
         command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -218,10 +221,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
     elif args.command == "predict":
-        written = trainer.predictions_path
-        where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
-        print(f"ampkit: predictions of {batches} saved to {where}")
+        written = trainer.predictions_path
+        if written is None:
+            print(f"ampkit: predictions of {batches} not saved (--output FILE saves them)")
+        else:
+            where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
+            print(f"ampkit: predictions of {batches} saved to {where}")
     else:
         print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
     return 0

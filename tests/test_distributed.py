@@ -504,6 +504,23 @@ def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_lay
     assert sorted(p.name for p in version_dir.rglob("*")) == before  # refused before anything was written
 
 
+def test_a_resume_at_another_ranks_x_batch_size_says_so_in_the_banner(tmp_path, capsys):
+    """Allowed (the sample order continues), but the curve then follows another batch: a 2-rank checkpoint resumed on
+    one process at the same data.batch_size halved every step's samples without a word."""
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "checkpoint": {"every_n_steps": 3}, "data": {"batch_size": 8},
+           "trainer": {"max_steps": 3, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg).fit()
+    step_3 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000003.pt"
+    ToyTrainer({**cfg, "trainer": {**cfg["trainer"], "max_steps": 4}}).fit(resume=step_3)
+    assert "  batch" not in capsys.readouterr().out  # the same layout: nothing to say
+    smaller = {**cfg, "data": {"batch_size": 4}, "trainer": {**cfg["trainer"], "max_steps": 8}}
+    ToyTrainer(smaller).fit(resume=step_3)
+    banner = capsys.readouterr().out.splitlines()
+    assert "  batch       samples a step: 8 (1 rank x 8) then, 4 (1 rank x 4) now; the loss curve follows another " \
+        "batch size" in banner  # fmt: skip
+
+
 def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_training(tmp_path):
     """Every FSDP rank writes its own shards into the version_N rank 0 made: a rank that cannot was found out only
     by the first checkpoint's save, after training up to it. (os.access is faked: root may write anywhere.)"""

@@ -68,7 +68,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_layout import batch_layout, batches_done_here
+from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -308,6 +308,7 @@ class Trainer:
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
+        self.resumed_layout_change: str | None = None  # samples per step in the resumed checkpoint and now, if changed
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
@@ -1207,6 +1208,7 @@ class Trainer:
             saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
         )
         self.state.batches_done = self._resume["batches_done"] = done
+        self.resumed_layout_change = layout_change(saved_layout, self._batch_layout)
         total = self._num_train_batches
         if total is not None and done > total:
             raise CheckpointError(
