@@ -27,8 +27,8 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.run_dir import latest_checkpoint
-from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.preemption import Preempted
+from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
@@ -139,7 +139,7 @@ def _metrics(prefix: str, metrics: dict[str, float]) -> str:
 
 def _resume_hint(cfg: Any) -> str:
     """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
-    newest = None if cfg is None else latest_checkpoint(cfg.run_dir)
+    newest = None if cfg is None else resolve_checkpoint(cfg.run_dir, "last")
     if newest is None:
         return " before its first checkpoint (run it again without --resume to start over)"
     return f" (--resume last continues from {newest})"
@@ -201,9 +201,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         if args.debug:
             raise
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        sigterm = isinstance(exc, Terminated | Preempted)
+        how = "terminated (SIGTERM)" if sigterm else "interrupted"
         print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 143 if sigterm else 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:
