@@ -647,6 +647,21 @@ def test_a_sigterm_the_caller_ignores_stays_ignored_during_fit(tmp_path):
     assert trainer.state.global_step == 6
 
 
+def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, monkeypatch):
+    """``signal.getsignal`` answers None for a handler a C host installed; Python could not put it back after fit()
+    (``signal.signal(SIGTERM, None)`` is a TypeError), so fit() leaves SIGTERM alone there."""
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None if signum == signal.SIGTERM else signal.SIG_DFL)
+    installed = []
+    real_signal = signal.signal
+    monkeypatch.setattr(
+        signal, "signal", lambda signum, handler: installed.append(signum) or real_signal(signum, handler)
+    )
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **quiet))
+    trainer.fit()
+    assert trainer.state.global_step == 2 and signal.SIGTERM not in installed
+
+
 class _LogsBatchIndexPerEpoch(ToyTrainer):
     def training_step(self, batch):
         self.log("index", torch.tensor(float(self.state.batch_idx)), on_step=False, on_epoch=True)

@@ -24,8 +24,10 @@ class Preempted(KeyboardInterrupt):
 @contextlib.contextmanager
 def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
     """While in the block, a SIGTERM calls ``ask`` (only in the main thread, where signal handlers live, and unless
-    the caller ignores SIGTERM); the previous handler is put back after it."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+    the caller ignores SIGTERM or handles it outside Python, where its handler could not be put back); the previous
+    handler is put back after it."""
+    current = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if current is None or current == signal.SIG_IGN:
         yield
         return
 
