@@ -382,3 +382,30 @@ def test_a_name_apex_never_had_here_is_an_attribute_error_naming_what_is_provide
     with pytest.raises(AttributeError, match=provided):
         eval(expression, {"apex": apex, "amp_C": amp_C})
     assert not hasattr(apex.amp, "_initialized")
+
+
+def test_nvidia_transformer_reads_every_fp16_model_grad_after_an_o2_backward(shim):
+    """NVIDIA's Transformer (DeepLearningExamples' fairseq fork, ``--amp --amp-level O2``) flattens each model
+    parameter's ``.grad`` with ``apex_C.flatten`` after ``amp.scale_loss`` and raises "Model parameter did not
+    receive gradient" on a None; grad-norm loggers read them too. Apex left each fp16 param its scaled gradient
+    until the next backward, while the step used the fp32 masters' unscaled copy."""
+    import apex_C
+    from apex import amp
+    from apex.optimizers import FusedAdam
+
+    model = _mlp()
+    optimizer = FusedAdam(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", keep_batchnorm_fp32=False, loss_scale=128.0, verbosity=0
+    )
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        missing = [name for name, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"Model parameter did not receive gradient: {missing}"
+        flat = apex_C.flatten([p.grad for p in model.parameters()])
+        masters = torch.cat([m.grad.flatten() for m in amp.master_params(optimizer)])
+        assert flat.dtype == torch.float16 and torch.equal(flat.float(), masters * 128.0)
+        optimizer.step()

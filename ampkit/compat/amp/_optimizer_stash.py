@@ -121,7 +121,9 @@ class AmpOptimizerStash:
                 seen.add(id(param))
                 model.append(param)
                 owners.append(owner)
-        return GradientCombiner(model, owners, flat=self.combine_grad)
+        # The model's fp16 params keep their scaled gradients after each backward, as in Apex: scripts read them
+        # between backward and step (grad-norm logging, fairseq-style "did every param get a gradient" checks).
+        return GradientCombiner(model, owners, flat=self.combine_grad, keep_param_grads=True)
 
     @torch.no_grad()
     def _adopt_model_changes(self) -> None:
