@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -409,3 +410,31 @@ def test_nvidia_transformer_reads_every_fp16_model_grad_after_an_o2_backward(shi
         masters = torch.cat([m.grad.flatten() for m in amp.master_params(optimizer)])
         assert flat.dtype == torch.float16 and torch.equal(flat.float(), masters * 128.0)
         optimizer.step()
+
+
+def test_a_scheduler_built_before_initialize_still_counts_the_steps(shim):
+    """transformers 2.x's run_glue (and NVIDIA's SSD and GNMT) build the LR scheduler, then call
+    ``amp.initialize``: torch's scheduler then warned at its first step that the optimizer's step "has been
+    overridden", in the right order too; the wrong order must still get torch's own warning."""
+    from apex import amp
+
+    for scheduler_first, expected in ((False, []), (True, ["Detected call of `lr_scheduler.step()` before"])):
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                if scheduler_first:
+                    scheduler.step()
+                optimizer.step()
+                if not scheduler_first:
+                    scheduler.step()
+                optimizer.zero_grad()
+        said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+        assert [m for m in said if not any(m.startswith(e) for e in expected)] == []
+        assert len(said) == len(expected)

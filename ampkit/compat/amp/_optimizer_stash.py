@@ -265,6 +265,11 @@ class AmpOptimizerStash:
         optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
         optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
         optimizer._lazy_init_maybe_master_weights = types.MethodType(amp_lazy_init, optimizer)
+        if hasattr(original_step, "_wrapped_by_lr_sched"):
+            # A scheduler built before initialize (transformers 2.x, NVIDIA's SSD and GNMT) counts optimizer steps
+            # through the step it wrapped, which this one calls: keep its mark, or torch's scheduler warns at its
+            # first step that the optimizer's step "has been overridden" (it did under Apex too).
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)
