@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [module, *rest]
         if shim_installed and module.startswith("apex."):  # the shim's modules run under their ampkit names
             module = served_module_name(module)
+        elif not _module_exists(module):  # an installed apex without it (NVIDIA's of 2025 has no multiproc)
+            raise SystemExit(
+                f"ampkit.legacy: the installed apex has no module {module!r}; --force-shim serves ampkit's"
+            )
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script, rest = args[0], args[1:]
