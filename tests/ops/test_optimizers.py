@@ -1063,8 +1063,30 @@ def test_betas_given_in_torch_optims_positional_place_are_refused_not_dropped(cl
     slot, ``bias_correction``, which took the tuple as True: the step ran with the default betas, silently."""
     with pytest.raises(ValueError, match=r"Invalid bias_correction: \(0.9, 0.95\) is a tuple .*betas go by keyword"):
         cls(make_params(), 1e-3, (0.9, 0.95))
-    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 \(expected two numbers"):  # was a bare TypeError
+    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 is a float \(expected two numbers"):
         cls(make_params(), 1e-3, True, 1e-8)
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_hyperparameter_of_the_wrong_type_is_a_type_error_as_in_torch(cls):
+    """torch.optim raises TypeError for ``lr="1e-3"`` (a number left unparsed in a config): code swapping in a fused
+    optimizer and catching it must still catch it, as must code catching the ValueError raised here before."""
+    kwargs = {"lr": 0.1} if cls is FusedSGD else {}
+    for bad in ({"lr": "1e-3"}, {"weight_decay": None}, {"betas": "0.9"}, {"eps": [1e-8]}):
+        key, value = next(iter(bad.items()))
+        if key not in cls(make_params()[:1], **kwargs).defaults:
+            continue
+        with pytest.raises(TypeError, match=rf"Invalid {key}: .* is a {type(value).__name__}") as raised:
+            cls(make_params()[:1], **{**kwargs, **bad})
+        assert isinstance(raised.value, ValueError)
+    optimizer = cls(make_params()[:1], **kwargs)
+    state = optimizer.state_dict()
+    state["param_groups"][0]["lr"] = "0.1"
+    with pytest.raises(TypeError, match=r"load_state_dict: saved param_groups\[0\]: Invalid lr of a param group"):
+        optimizer.load_state_dict(state)
+    for flag in [key for key, value in optimizer.defaults.items() if isinstance(value, bool) and key != "nesterov"]:
+        with pytest.raises(TypeError, match=rf"Invalid {flag}: 'yes' is a str"):
+            cls(make_params()[:1], **kwargs, **{flag: "yes"})
 
 
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)

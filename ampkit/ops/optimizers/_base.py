@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
+from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -170,12 +171,12 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
 
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
-    when given); a one-element tensor counts as its number."""
+    when given); a one-element tensor counts as its number. One of another type is also a TypeError, as in torch."""
     bound = f"in [{low}, {high})" if high is not None else f">= {low}"
     if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
+        raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
     if not (value >= low) or (high is not None and not value < high):
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
 
@@ -225,13 +226,16 @@ def check_flag(name: str, value: Any) -> None:
         return
     hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
     hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
-    raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
+    raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
 
 
 def check_betas(betas: Any, where: str = "") -> None:
     """Raise ValueError unless ``betas`` is two numbers in [0, 1) (a float there is a positional call gone astray)."""
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise ValueError(f"Invalid betas{where}: {betas!r} (expected two numbers in [0.0, 1.0))")
+    expected = "(expected two numbers in [0.0, 1.0))"
+    if not isinstance(betas, tuple | list):
+        raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is a {type(betas).__name__} {expected}")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
 
@@ -637,8 +641,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, group in enumerate(state_dict.get("param_groups", [])):
             try:
                 check_group_hypers(group)
-            except ValueError as exc:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
+            except ValueError as exc:  # its type kept: a saved lr of "0.1" is a TypeError as well
+                raise type(exc)(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
         before = (self.state, self.param_groups)
         try:
             with _load_hooks_held(self):
