@@ -311,6 +311,20 @@ def test_nested_scale_loss_on_one_optimizer_is_named_and_an_error_inside_a_block
     optimizer.step()
 
 
+@pytest.mark.parametrize("none", [[], ()])
+def test_scale_loss_with_no_optimizers_is_refused_not_left_scaled(none):
+    """``amp.scale_loss(loss, [])`` (an optimizer list built empty by a filter) unscaled nothing: the backward's
+    gradients stayed multiplied by 65536 and the step that followed took them as they were, with no skip."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match=r"amp.scale_loss got no optimizers \((\[\]|\(\))\): pass the optimizer"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), none):
+            pass
+    with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer) as scaled:  # nothing was left open
+        scaled.backward()
+    optimizer.step()
+
+
 def test_small_apex_misuses_are_named():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)

@@ -19,7 +19,13 @@ from ampkit.compat.amp.scaler import ApexLossScaler
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
+    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one."""
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not items:
+        raise ValueError(
+            f"amp.scale_loss got no optimizers ({optimizers!r}): pass the optimizer(s) that step on this backward's "
+            "gradients, which would otherwise stay multiplied by the loss scale"
+        )
     for i, optimizer in enumerate(items):
         if not hasattr(optimizer, "_amp_stash"):
             raise RuntimeError(
