@@ -1026,6 +1026,55 @@ def test_a_state_made_at_the_first_step_that_does_not_fit_is_refused_at_load(mak
     optimizer.step()
 
 
+def _stepped(optimizer_class, **kwargs):
+    model = torch.nn.Linear(3, 2)
+    optimizer = optimizer_class(model.parameters(), lr=0.1, **kwargs)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_state_dict_that_is_not_an_optimizers_is_named_with_torchs_exception_type():
+    """A model's state_dict or a whole checkpoint handed to ``optimizer.load_state_dict`` was torch's bare
+    ``KeyError: 'param_groups'``, None an AttributeError about ``copy``, and a step of None or "3" (a hand-edited
+    checkpoint) ``must be real number, not NoneType`` from deep in the loader."""
+    model, optimizer = _stepped(FusedAdam)
+    saved = optimizer.state_dict()
+    with pytest.raises(KeyError, match=r"lacks \['state', 'param_groups'\] \(its keys: \['bias', 'weight'\]\)"):
+        optimizer.load_state_dict(model.state_dict())
+    with pytest.raises(TypeError, match="expects the dict optimizer.state_dict\\(\\) returns, got a NoneType"):
+        optimizer.load_state_dict(None)
+    with pytest.raises(KeyError, match=r"saved param_groups\[0\] has no 'params'"):
+        optimizer.load_state_dict({**saved, "param_groups": [{"lr": 0.1}]})
+    with pytest.raises(ValueError, match="the state dict has 2 param groups, this optimizer 1"):
+        optimizer.load_state_dict({**saved, "param_groups": saved["param_groups"] * 2})
+    for step in (None, "3"):
+        bad = copy.deepcopy(saved)
+        bad["state"][0]["step"] = step
+        with pytest.raises(TypeError, match=rf"saved state\[0\]\['step'\] is {step!r}, expected a number"):
+            optimizer.load_state_dict(bad)
+    optimizer.load_state_dict(saved)  # the real one still loads
+
+
+@pytest.mark.parametrize("other", [torch.optim.Adam, torch.optim.RMSprop])
+def test_sgd_refuses_another_optimizers_state_rather_than_starting_its_momentum_afresh(other):
+    """FusedSGD makes its momentum buffer at the first step, so no key of its own is ever missing: Adam's or
+    RMSprop's state loaded without a word and the resumed run restarted its momentum (and a str buffer failed at
+    the first step)."""
+    _, source = _stepped(other)
+    _, optimizer = _stepped(FusedSGD, momentum=0.9)
+    before = optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match=r"holds \[.*'(exp_avg|square_avg)'.*\], none of which FusedSGD keeps"):
+        optimizer.load_state_dict(source.state_dict())
+    assert torch.equal(optimizer.state_dict()["state"][0]["momentum_buffer"], before)
+    bad = optimizer.state_dict()
+    bad["state"][0]["momentum_buffer"] = "x"
+    with pytest.raises(TypeError, match=r"saved state\[0\]\['momentum_buffer'\] is a str, expected a tensor"):
+        optimizer.load_state_dict(bad)
+    _, plain = _stepped(torch.optim.SGD, momentum=0.9)
+    optimizer.load_state_dict(plain.state_dict())  # torch's SGD's state is its own
+
+
 def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
     for cls in (FusedLAMB, FusedMixedPrecisionLamb):
         p = torch.nn.Parameter(torch.zeros(4))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
-from ampkit.ops._errors import ArgumentTypeError
+from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -251,6 +251,44 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
+
+
+def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[str]) -> None:
+    """Raise naming what is wrong unless ``state_dict`` is laid out as ``Optimizer.state_dict()`` returns: a dict of
+    ``state`` (per parameter, dicts whose ``tensor_keys`` hold tensors or None and whose ``step`` is a number) and
+    ``param_groups`` (dicts with ``params``). The types are torch's for the same mistakes: TypeError, KeyError."""
+    where = f"{owner}.load_state_dict"
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{where} expects the dict optimizer.state_dict() returns, got a {type(state_dict).__name__}")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        keys = sorted(map(str, state_dict))
+        shown = keys[:6] + (["..."] if len(keys) > 6 else [])
+        raise StateDictKeyError(
+            f"{where}: the state dict lacks {missing} (its keys: {shown}): expected optimizer.state_dict(), not a "
+            "model's state_dict() or a whole checkpoint"
+        )
+    groups, states = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, list | tuple) or not isinstance(states, Mapping):
+        raise TypeError(
+            f"{where}: 'param_groups' must be a list and 'state' a dict, got a {type(groups).__name__} and a "
+            f"{type(states).__name__}"
+        )
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise StateDictKeyError(f"{where}: saved param_groups[{i}] has no 'params' (got {group!r:.80})")
+    tensor_keys = set(tensor_keys)
+    for pid, entry in states.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where}: saved state[{pid!r}] is a {type(entry).__name__}, expected a dict")
+        for key, value in entry.items():
+            if key == "step":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real | Tensor):
+                    raise TypeError(f"{where}: saved state[{pid!r}]['step'] is {value!r:.40}, expected a number")
+            elif key in tensor_keys and value is not None and not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{where}: saved state[{pid!r}][{key!r}] is a {type(value).__name__}, expected a tensor"
+                )
 
 
 # A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
@@ -633,12 +671,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         # torch's hooks, run around the whole load rather than inside torch's part of it: ampkit's fix-ups read the
         # state dict a pre-hook returns (torch's way to remap a checkpoint), and post-hooks see the loaded state.
-        state_dict = state_dict.copy()
+        tensor_keys = ("master_param", *self._acc_state_keys, *self._lazy_state_keys)
+        if not isinstance(state_dict, Mapping):
+            check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)  # names what it got
+        state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
-        for i, group in enumerate(state_dict.get("param_groups", [])):
+        check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "
+                f"groups, this optimizer {len(self.param_groups)}: it was saved with other param groups"
+            )
+        for i, group in enumerate(state_dict["param_groups"]):
             try:
                 check_group_hypers(group)
             except ValueError as exc:  # its type kept: a saved lr of "0.1" is a TypeError as well
@@ -673,6 +720,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"{where} lacks {missing} (it has {sorted(state)}): it was saved by another optimizer or "
                         "with other options"
+                    )
+                ours = {*fresh, *self._lazy_state_keys, *self._acc_state_keys, "master_param"}
+                theirs = sorted(k for k in state if k != "step")
+                if theirs and not ours.intersection(theirs):  # SGD's momentum is made at the first step: none missing
+                    raise ValueError(
+                        f"{where} holds {theirs}, none of which {type(self).__name__} keeps: it was saved by another "
+                        "optimizer"
                     )
                 shapes = {key: value.shape for key, value in fresh.items() if isinstance(value, Tensor)}
                 for key in ("master_param", *self._lazy_state_keys):  # made at the first step, not by _init_state
