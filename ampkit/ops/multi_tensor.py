@@ -137,6 +137,20 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
     return float(value)
 
 
+def _switch(value: bool, name: str) -> bool:
+    """An on/off argument: True or False (or 0 and 1). Anything else reached the kernel's schema as a multi-line
+    error, or the reference as truthy."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _arg_to_check(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`arg_to_check` must be -1 (check x and y), 0 (check x) or 1 (check y), got {value!r}")
+    return int(value)
+
+
 def _flag(found_inf: torch.Tensor) -> torch.Tensor:
     """The overflow flag the op raises: a tensor (its size, dtype and device are the op's own checks)."""
     if not isinstance(found_inf, torch.Tensor):
@@ -184,6 +198,7 @@ def axpby_(
     """
     x, y, out = _as_list(x, "x"), _as_list(y, "y"), _as_list(out, "out")
     a, b, found_inf = _factor(a, "a"), _factor(b, "b"), _flag(found_inf)
+    arg_to_check = _arg_to_check(arg_to_check)
     if kernel_available(found_inf.device):
         kernel_args = (x, y, out, a, b, arg_to_check, found_inf)
         _run("axpby_", reference.axpby_, kernel_args, (a, x, b, y, out, found_inf, arg_to_check))
@@ -220,7 +235,7 @@ def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Nor
     The result is float32 (float64 if an input is float64) on the inputs' device. This is
     ``clip_grad_norm_``'s total norm in one pass, without the per-tensor norm tensors.
     """
-    inputs = _as_list(inputs, "inputs")
+    inputs, per_tensor = _as_list(inputs, "inputs"), _switch(per_tensor, "per_tensor")
     device = inputs[0].device if inputs else torch.device("cpu")
     if inputs and kernel_available(device):
         total, per = _run("l2norm", reference.l2norm, (inputs, per_tensor), (inputs, per_tensor))
@@ -245,6 +260,7 @@ def unscale_l2norm(
     inputs = _as_list(inputs, "inputs")
     outputs = [] if out is None else _as_list(out, "out")
     inv_scale, found_inf = _factor(inv_scale, "inv_scale"), _flag(found_inf)
+    per_tensor = _switch(per_tensor, "per_tensor")
     if kernel_available(found_inf.device):
         args = (inputs, outputs, inv_scale, found_inf, per_tensor)
         total, per = _run("unscale_l2norm", reference.unscale_l2norm, args, args)

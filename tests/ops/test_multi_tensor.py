@@ -403,6 +403,21 @@ def test_a_missing_flag_or_factor_is_named():
         mt.unscale_l2norm([torch.ones(3)], 1j, flag())
 
 
+@pytest.mark.usefixtures("any_mode")
+def test_an_on_off_or_choice_argument_of_the_wrong_type_is_named_in_one_line():
+    """``per_tensor="yes"`` or ``arg_to_check="x"`` reached the kernel's schema, a five-line RuntimeError about
+    ``ampkit_multi_tensor::l2norm()``, or (the reference, without a compiler) ran as if True."""
+    x, y = [torch.ones(3)], [torch.ones(3)]
+    with pytest.raises(TypeError, match=r"^`per_tensor` must be True or False, got 'yes'$"):
+        mt.l2norm(x, per_tensor="yes")
+    with pytest.raises(TypeError, match=r"^`per_tensor` must be True or False, got None$"):
+        mt.unscale_l2norm(x, 1.0, flag(), per_tensor=None)
+    for bad in ("x", 1.0, True):
+        with pytest.raises(TypeError, match=rf"^`arg_to_check` must be -1 .*, got {bad!r}$"):
+            mt.axpby_(1.0, x, 1.0, y, [torch.ones(3)], flag(), arg_to_check=bad)
+    assert mt.l2norm(x, per_tensor=1).per_tensor is not None  # 0 and 1 stay valid, as in Apex's calls
+
+
 def test_a_list_of_numbers_is_refused_naming_the_entry():
     with pytest.raises(TypeError, match=r"`inputs\[1\]` must be a tensor, got float"):
         mt.l2norm([torch.ones(3), 2.0])
