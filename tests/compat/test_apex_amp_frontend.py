@@ -2,6 +2,7 @@
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -323,6 +324,31 @@ def test_scale_loss_with_no_optimizers_is_refused_not_left_scaled(none):
     with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer) as scaled:  # nothing was left open
         scaled.backward()
     optimizer.step()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_model_or_optimizer_on_the_meta_device_is_refused_at_initialize(opt_level):
+    """A model built on the meta device (to materialize later) went through amp.initialize: O1 and O2 then failed
+    in the first step with a raw op error (``Tensor.item() cannot be called on meta tensors``) and O0 trained
+    nothing, its optimizer stepping the meta parameters that ``to_empty`` had replaced."""
+    meta = torch.nn.Linear(4, 2, device="meta")
+    with pytest.raises(ValueError, match=r"models\[0\]'s parameter 'weight' is on the meta device.*materialize"):
+        amp.initialize(meta, _sgd(meta), opt_level=opt_level, verbosity=0)
+    model = _model()
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) holds parameters on the meta device"):
+        amp.initialize(model, _sgd(meta), opt_level=opt_level, verbosity=0)
+
+
+def test_an_optimizer_over_another_models_parameters_is_warned_about():
+    """``amp.initialize(model, optimizer)`` with the optimizer built over another model: every step trained the other
+    model and this one never moved, with no word."""
+    model, other = _model(), _model()
+    with pytest.warns(UserWarning, match=r"optimizers\[0\] \(SGD\) holds none of the parameters of the model"):
+        amp.initialize(model, _sgd(other), opt_level="O1", verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _model()
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
 
 
 def test_small_apex_misuses_are_named():
