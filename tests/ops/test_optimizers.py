@@ -1149,6 +1149,19 @@ def test_an_on_off_option_that_is_not_a_bool_is_named(cls):
     optimizer.add_param_group({"params": make_params()[1:2], flags[0]: 1})  # Apex's 0/1 spelling stays valid
 
 
+@pytest.mark.parametrize(("cls", "option"), [
+    (FusedSGD, "wd_after_momentum"),
+    (FusedSGD, "materialize_master_grads"),
+    (FusedAdagrad, "adagrad_w_mode"),
+])  # fmt: skip
+def test_apexs_constructor_only_switches_are_true_or_false_too(cls, option):
+    """These options are the optimizer's own, not a param group's, and were read with ``bool()``: ``"False"`` (from
+    a config) turned Apex's weight-decay order or decoupled decay on without a word."""
+    with pytest.raises(TypeError, match=rf"Invalid {option}: 'False' is a str \(expected True or False\)"):
+        cls(make_params(), lr=0.1, **{option: "False"})
+    cls(make_params(), lr=0.1, **{option: 0})  # Apex's 0/1 spelling stays valid
+
+
 RESETS = {
     "del state[p]": lambda state, p: state.__delitem__(p),
     "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
