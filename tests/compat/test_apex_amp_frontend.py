@@ -351,6 +351,16 @@ def test_an_optimizer_over_another_models_parameters_is_warned_about():
         amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
 
 
+@pytest.mark.parametrize("bad", ["False", 2, 1.0])
+def test_combine_grad_that_is_not_a_switch_is_refused(bad):
+    """``combine_grad="False"`` (a string from a config) was read with ``bool()``: the flat gradient buffers went on."""
+    model = _model()
+    with pytest.raises(ValueError, match=rf"combine_grad={bad!r}: expected True, False or None"):
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=bad)
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=0)
+
+
 def test_small_apex_misuses_are_named():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)

@@ -210,6 +210,8 @@ def initialize(
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
+    if combine_grad is not None and not (isinstance(combine_grad, int) and combine_grad in (0, 1)):
+        raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity
     properties = resolve_opt_level(
         opt_level,
