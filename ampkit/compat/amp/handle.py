@@ -35,6 +35,15 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
     return items
 
 
+def _check_loss(loss: Any, where: str) -> None:
+    """The loss a ``scale_loss`` scales is a tensor: a number (``loss.item()``) has no graph to backpropagate."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{where} expects the loss as a tensor, got {type(loss).__name__}: a number has no graph to "
+            "backpropagate (pass the loss before .item())"
+        )
+
+
 @contextlib.contextmanager
 def scale_loss(
     loss: torch.Tensor,
@@ -78,11 +87,7 @@ def scale_loss(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"amp.scale_loss expects the loss as a tensor, got {type(loss).__name__}: a number has no graph to "
-            "backpropagate (pass the loss before .item())"
-        )
+    _check_loss(loss, "amp.scale_loss")
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
@@ -203,6 +208,12 @@ class AmpHandle:
         if self._default_scaler is None:
             raise RuntimeError(
                 "After calling `handle.wrap_optimizer()`, you must explicitly use `optimizer.scale_loss(loss)`."
+            )
+        _check_loss(loss, "handle.scale_loss")
+        if not hasattr(optimizer, "param_groups"):  # an optimizer, or a wrapper of one (LARC)
+            raise TypeError(
+                f"handle.scale_loss expects one optimizer, got {type(optimizer).__name__} (Apex's handle scales one "
+                "optimizer per call)"
             )
         scaling = self._scalings.get(id(optimizer))
         if scaling is None:
@@ -342,6 +353,7 @@ class OptimWrapper:
                 f"scale_loss called {self._loss_idx + 1} times before step(), but the optimizer was wrapped for "
                 f"num_loss={self._num_loss}"
             )
+        _check_loss(loss, "optimizer.scale_loss")
         scaling = self._scalings[self._loss_idx]
         scaling.combiner.prepare_backward()
         yield loss.float() * scaling.scaler.loss_scale()
