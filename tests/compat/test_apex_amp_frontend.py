@@ -361,6 +361,18 @@ def test_combine_grad_that_is_not_a_switch_is_refused(bad):
     amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=0)
 
 
+@pytest.mark.parametrize("loss_id", [-1, 2])
+def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
+    """Apex indexed its scalers with ``loss_id`` (IndexError; -1 took the last loss's scaler): code written for it
+    catches IndexError, code written for ampkit ValueError."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(IndexError, match=rf"loss_id={loss_id} is out of range: .*num_losses=2, so valid .* 0..1") as e:
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=loss_id):
+            pass
+    assert isinstance(e.value, ValueError)
+
+
 def test_small_apex_misuses_are_named():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)

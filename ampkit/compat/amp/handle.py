@@ -35,6 +35,11 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
     return items
 
 
+class LossIdRangeError(ValueError, IndexError):
+    """A ``loss_id`` outside ``0..num_losses-1``: Apex indexed its list of scalers with it (an IndexError, and -1
+    silently took the last loss's scaler), ampkit raised a ValueError; it is both."""
+
+
 def _check_loss(loss: Any, where: str) -> None:
     """The loss a ``scale_loss`` scales is a tensor: a number (``loss.item()``) has no graph to backpropagate."""
     if not isinstance(loss, torch.Tensor):
@@ -83,7 +88,7 @@ def scale_loss(
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     if not 0 <= loss_id < len(scalers):
-        raise ValueError(
+        raise LossIdRangeError(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
