@@ -124,11 +124,24 @@ def _as_list(tensors: Sequence[torch.Tensor], name: str, none_allowed: bool = Fa
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) and not (none_allowed and t is None):
             raise TypeError(f"`{name}[{i}]` must be a tensor, got {type(t).__name__}")
+        if t is not None and t.is_meta:
+            raise _on_meta(f"`{name}[{i}]`")
     return list(tensors)
+
+
+def _on_meta(what: str) -> RuntimeError:
+    """A meta tensor holds no values for these ops to read or write: the error names it (it was ``Tensor.item()
+    cannot be called on meta tensors``, naming no argument)."""
+    return RuntimeError(
+        f"{what} is on the meta device, which holds no values; materialize it (e.g. module.to_empty(device=...)) "
+        "before these ops read or update it"
+    )
 
 
 def _factor(value: float | torch.Tensor, name: str) -> float:
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise _on_meta(f"`{name}`")
         if value.numel() != 1:
             raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
         return float(value.item())
@@ -158,6 +171,8 @@ def _flag(found_inf: torch.Tensor) -> torch.Tensor:
             f"`found_inf` must be a one-element float32 or int32 tensor (set to 1 on inf/nan), got "
             f"{type(found_inf).__name__}"
         )
+    if found_inf.is_meta:
+        raise _on_meta("`found_inf`")
     return found_inf
 
 
