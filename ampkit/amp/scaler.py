@@ -10,9 +10,11 @@ ops, bit for bit the host's, and the host copy follows one iteration later throu
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ampkit.amp.opt_levels import parse_loss_scale
@@ -45,6 +47,18 @@ def interval_option(value: Any, option: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{option}={value!r}: expected an integer >= 1")
     return value
+
+
+def overflow_verdict(found_inf: Any) -> bool:
+    """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
+    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one."""
+    if isinstance(found_inf, torch.Tensor):
+        if found_inf.numel() != 1:
+            raise ValueError(f"found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
+        return bool(found_inf.item())
+    if not isinstance(found_inf, bool | numbers.Number | np.generic):
+        raise TypeError(f"found_inf must be a bool or a one-element tensor, got {found_inf!r}")
+    return bool(found_inf)
 
 
 class LossScaler:
@@ -156,8 +170,7 @@ class LossScaler:
 
         ``found_inf`` may be a bool or a tensor (non-zero means overflow; reading it is the one sync).
         """
-        if isinstance(found_inf, torch.Tensor):
-            found_inf = bool(found_inf.item())
+        found_inf = overflow_verdict(found_inf)
         old = self._scale
         if not self.dynamic:
             self.unskipped += 1
