@@ -1075,6 +1075,21 @@ def test_sgd_refuses_another_optimizers_state_rather_than_starting_its_momentum_
     optimizer.load_state_dict(plain.state_dict())  # torch's SGD's state is its own
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB], ids=lambda c: c.__name__)
+def test_step_names_a_grad_scale_or_found_inf_that_is_not_one_number(cls):
+    """``step(grad_scale=..., found_inf=...)`` (torch's fused-optimizer keywords) read a string with ``float()`` and
+    failed on a two-element tensor in a reshape: ``shape '[]' is invalid for input of size 2``."""
+    optimizer = cls(make_params()[:1], lr=0.1)
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(SHAPES[0])
+    for name in ("grad_scale", "found_inf"):
+        with pytest.raises(RuntimeError, match=rf"^step\(\): {name} must be a one-element tensor, got shape \(2,\)$"):
+            optimizer.step(**{name: torch.ones(2)})
+        with pytest.raises(TypeError, match=rf"^step\(\): {name} must be a one-element tensor or a number, got '1'$"):
+            optimizer.step(**{name: "1"})
+    optimizer.step(grad_scale=torch.ones(1), found_inf=0)  # GradScaler's own forms
+    assert optimizer.state[optimizer.param_groups[0]["params"][0]]
+
+
 def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
     for cls in (FusedLAMB, FusedMixedPrecisionLamb):
         p = torch.nn.Parameter(torch.zeros(4))

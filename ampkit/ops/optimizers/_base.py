@@ -52,12 +52,19 @@ class ScalerTensors(NamedTuple):
 NO_SCALER = ScalerTensors()
 
 
-def _as_tensor(value: Tensor | float | None) -> Tensor | None:
-    """GradScaler's ``found_inf``/``grad_scale`` as a tensor: its ``found_inf`` is the sum of its per-device flags,
-    the Python int 0 when none of the optimizer's parameters has a gradient."""
-    if value is None or isinstance(value, Tensor):
+def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
+    """GradScaler's ``found_inf``/``grad_scale`` as a one-element tensor: its ``found_inf`` is the sum of its
+    per-device flags, the Python int 0 when none of the optimizer's parameters has a gradient. Anything else is named:
+    a string was read by ``float()``, a many-element tensor failed in a reshape naming neither."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
         return value
-    return torch.tensor(float(value))
+    if isinstance(value, bool | numbers.Real):
+        return torch.tensor(float(value))
+    raise ArgumentTypeError(f"step(): {name} must be a one-element tensor or a number, got {value!r}")
 
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
@@ -418,8 +425,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf)
-        grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale)
+        found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
+        grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
         if self._scaler_in_kernel:
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
