@@ -300,6 +300,16 @@ def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
         handle._deactivate()
 
 
+@pytest.mark.parametrize("name", ["enabled", "enable_caching", "allow_banned"])
+def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
+    """``amp.init(enabled="False")`` (a string from a config) was read by truthiness and patched torch for O1,
+    where ``amp.initialize(enabled="False")`` is refused."""
+    with pytest.raises(ValueError, match=rf"^{name}='False': expected True or False$"):
+        amp.init(**{name: "False"})
+    assert isinstance(amp.init(**{name: 0}), amp.handle.NoOpHandle if name == "enabled" else amp.handle.AmpHandle)
+    amp._amp_state.handle._deactivate()
+
+
 def test_wrapped_optimizer_keeps_one_scaler_per_loss_and_combines_their_grads():
     handle = amp.init()
     model = _fp16_exact_linear()

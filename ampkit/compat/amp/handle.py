@@ -421,6 +421,9 @@ def init(
     """
     if patch_type not in o1_casts.LOW_PRECISION:
         raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("allow_banned", allow_banned)):
+        if not (isinstance(value, int) and value in (0, 1)):  # bool("False") is True: amp.initialize refuses it too
+            raise ValueError(f"{name}={value!r}: expected True or False")
     previous = _amp_state.handle
     if previous is not None:
         previous._deactivate()
