@@ -82,6 +82,29 @@ def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim,
 
 
 @pytest.mark.parametrize(
+    ("package", "name", "instead"),
+    [
+        ("apex.contrib", "layer_norm", r"apex\.normalization\.FusedLayerNorm"),
+        ("apex.contrib", "sparsity", r"torch\.ao\.pruning"),
+        ("apex", "transformer", r"torch\.distributed\.tensor\.parallel"),
+        ("apex", "RNN", r"torch\.nn\.LSTM"),
+    ],
+)
+def test_feature_checks_on_an_unserved_apex_package_answer_and_its_import_keeps_the_advice(
+    shim, package, name, instead
+):
+    """``hasattr(apex.contrib, "layer_norm")`` raised ModuleNotFoundError, so feature checks crashed where Apex's own
+    package answers False; ``from apex import transformer`` lost its advice to a bare 'cannot import name'."""
+    module = importlib.import_module(package)
+
+    assert not hasattr(module, name) and getattr(module, name, None) is None
+    with pytest.raises(AttributeError, match=rf"does not serve '{package}\.{name}' .*; use .*{instead}"):
+        getattr(module, name)
+    with pytest.raises(ModuleNotFoundError, match=rf"does not serve '{package}\.{name}' .*; use .*{instead}"):
+        exec(f"from {package} import {name}", {})
+
+
+@pytest.mark.parametrize(
     ("statement", "message"),
     [
         ("from apex.contrib.optimizers import FusedLAMB", r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"),
