@@ -596,7 +596,7 @@ class Trainer:
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
-            weight = (batch_size(self._batch) or 1) if self._batch is not None else 1
+            weight = (self.state.batch_size or 1) if self._batch is not None else 1
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
@@ -815,7 +815,8 @@ class Trainer:
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
-        if batch_size(batch) == 0:  # on the host, before any work: nan loss and zero gradients otherwise
+        s.batch_size = batch_size(batch)  # once a batch: log()'s epoch means and samples/s read it
+        if s.batch_size == 0:  # on the host, before any work: nan loss and zero gradients otherwise
             raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
             batch = self._to_device(batch)
