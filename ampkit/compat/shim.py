@@ -22,6 +22,7 @@ import types
 import warnings
 from typing import Any
 
+from ampkit.compat import _pkg_resources
 from ampkit.compat._unserved import EMPTY_PACKAGES, unserved_advice
 from ampkit.compat.missing_name import missing_name
 
@@ -81,6 +82,7 @@ _MODULE_ALIASES = {
 _SERVED_CONTRIB = sorted({name.split(".")[2] for name in _MODULE_ALIASES if name.startswith("apex.contrib.")})
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
+_APEX_METADATA = f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\nSummary: ampkit's apex shim\n"
 
 
 def _target_module_name(fullname: str) -> str:
@@ -241,7 +243,7 @@ class _ApexDistribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
-            return f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\nSummary: ampkit's apex shim\n"
+            return _APEX_METADATA
         if filename == "top_level.txt":
             return "apex\n"
         return None
@@ -274,6 +276,8 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec("apex", _AliasLoader(None), is_package=True)
         if fullname in _TOP_LEVEL_MODULES:
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_TOP_LEVEL_MODULES[fullname]))
+        if fullname == "pkg_resources":  # its working set lists the shim's apex too, once it has been built
+            return _pkg_resources.spec_announcing_apex(self, fullname, path, target, APEX_VERSION, _APEX_METADATA)
         if not fullname.startswith("apex."):
             return None
         if fullname in EMPTY_PACKAGES:
@@ -389,6 +393,8 @@ def install_apex_shim(force: bool = False) -> bool:
             return False
     _forget_apex_modules()
     sys.meta_path.insert(0, _ApexShimFinder())
+    if "pkg_resources" in sys.modules:  # imported before: its working set is built, so the shim's apex is added now
+        _pkg_resources.announce(sys.modules["pkg_resources"], APEX_VERSION, _APEX_METADATA)
     _warn_of_libraries_that_already_found_no_apex()
     return True
 
@@ -398,4 +404,5 @@ def uninstall_apex_shim() -> None:
     finder = _installed_finder()
     if finder is not None:
         sys.meta_path.remove(finder)
+    _pkg_resources.forget(sys.modules.get("pkg_resources"))
     _forget_apex_modules()

@@ -404,6 +404,38 @@ def test_apex_has_a_distribution_while_the_shim_is_installed():
         importlib.metadata.version("apex")
 
 
+@pytest.mark.parametrize("imported", ["before", "after"])
+def test_pkg_resources_finds_the_same_apex_distribution_as_importlib_metadata(imported):
+    """Scripts and libraries from before 2022 ask ``pkg_resources.get_distribution("apex")`` (or ``require``,
+    ``working_set``), which builds its own list from sys.path and missed the shim's apex; it is listed while the shim
+    is installed, whether ``pkg_resources`` was imported before or after, and put out again; sys.path never gets a
+    folder for it."""
+    if importlib.util.find_spec("pkg_resources") is None:
+        pytest.skip("pkg_resources left setuptools in version 82; there is nothing here to answer")
+    script = (
+        "import importlib.metadata, sys, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        f"if {imported == 'before'}: import pkg_resources\n"
+        "from ampkit.compat import install_apex_shim, uninstall_apex_shim\n"
+        "install_apex_shim()\n"
+        "import pkg_resources, ampkit.compat, os\n"
+        "added = {os.path.dirname(ampkit.compat.__file__), None}  # what activating the shim's apex could add\n"
+        "version = importlib.metadata.version('apex')\n"
+        "assert pkg_resources.get_distribution('apex').version == version == '0.1+ampkit'\n"
+        "assert [str(d) for d in pkg_resources.require('apex>=0.1')] == ['apex 0.1+ampkit']\n"
+        "assert pkg_resources.working_set.find(pkg_resources.Requirement.parse('apex')).version == version\n"
+        "assert 'apex' in {d.key for d in pkg_resources.working_set}\n"
+        "assert 'Version: 0.1+ampkit' in pkg_resources.get_distribution('apex').get_metadata('PKG-INFO')\n"
+        "assert not added & set(sys.path)\n"
+        "uninstall_apex_shim()\n"
+        "assert pkg_resources.working_set.find(pkg_resources.Requirement.parse('apex')) is None\n"
+        "assert 'apex' not in {d.key for d in pkg_resources.working_set} and not added & set(sys.path)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(REPO))
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
+
+
 def test_an_environment_report_can_say_which_apex_version_runs_and_from_where(shim):
     """Training launchers log their dependencies first (VISSL's collect_env, Megatron set-up checks): apex's version
     and ``os.path.dirname(apex.__file__)``, which was an AttributeError that stopped the run before it started."""
