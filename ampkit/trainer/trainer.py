@@ -319,6 +319,7 @@ class Trainer:
         self._facts_on_device = False  # found_inf flags stay on the device too (see facts_on_device)
         self._settling: int | None = None  # the iteration whose verdicts are being settled: what log() stamps
         self._stop_agreed = False  # under torchrun: the ranks agreed that one of them set state.should_stop
+        self._stop_heard = False  # ... that one of them set it, heard in the facts' collective: agree at iteration end
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -740,8 +741,10 @@ class Trainer:
 
     def _agree_stop(self) -> None:
         """Under torchrun, whether any rank set ``state.should_stop``: one small collective, run by every rank at the
-        same points (an iteration that logs, after a validation, an epoch's end), where the ranks meet anyway. When
-        one did, every rank stops there, with ``stop_reason`` naming the ranks that asked and why."""
+        same points (an iteration that logs, after a validation, an epoch's end, and the end of an iteration whose
+        facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank stops there,
+        with ``stop_reason`` naming the ranks that asked and why."""
+        self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
@@ -872,7 +875,11 @@ class Trainer:
             else:
                 flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
                 flags.append(flag + 1.0 if loss.found_inf else flag)
-        for loss, found_inf in zip(losses, any_rank(flags, self.dist), strict=True):
+        hears_stop = distributed and not self._stop_agreed  # the ask rides along: no collective of its own
+        agreed = any_rank([*flags, self.state.should_stop] if hears_stop else flags, self.dist)
+        if hears_stop:
+            self._stop_heard = agreed.pop() or self._stop_heard
+        for loss, found_inf in zip(losses, agreed, strict=True):
             loss.found_inf = found_inf
 
     def _agree_facts_on_device(self) -> None:
@@ -922,7 +929,7 @@ class Trainer:
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
-        if self.dist.enabled and _every(self._log_every, self.state.global_step):
+        if self.dist.enabled and (self._stop_heard or _every(self._log_every, self.state.global_step)):
             self._agree_stop()  # before on_train_batch_end: the checkpoint of this step records an agreed stop
 
     def _step_schedulers(self, interval: str, stepped_of: dict[torch.optim.Optimizer, bool] | None = None) -> None:
@@ -1104,7 +1111,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
-        self._stop_agreed = False
+        self._stop_agreed = self._stop_heard = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
