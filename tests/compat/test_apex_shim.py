@@ -88,6 +88,7 @@ def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim,
         ("apex.contrib", "sparsity", r"torch\.ao\.pruning"),
         ("apex", "transformer", r"torch\.distributed\.tensor\.parallel"),
         ("apex", "RNN", r"torch\.nn\.LSTM"),
+        ("apex.contrib.optimizers", "distributed_fused_adam", r"ZeroRedundancyOptimizer"),  # a served package's
     ],
 )
 def test_feature_checks_on_an_unserved_apex_package_answer_and_its_import_keeps_the_advice(
