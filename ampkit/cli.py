@@ -2,7 +2,8 @@
 ``python -m ampkit``).
 
 ``fit [--resume last|best|PATH]`` trains; ``validate``/``test`` print the averaged metrics of a checkpoint
-(``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions.
+(``--ckpt last|best|PATH``, default ``last``); ``predict --output FILE`` saves the per-batch predictions (without it
+they are only shown by whatever the Trainer's ``on_predict_end`` prints, as the GPT example's generated text).
 ``--config`` is a YAML file or the name of a built-in config (``digits``).
 """
 
@@ -26,8 +27,8 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.run_dir import latest_checkpoint
-from ampkit.trainer.run_life import RunDirectoryError
+from ampkit.trainer.preemption import Preempted
+from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
@@ -60,7 +61,8 @@ COMMANDS = {
     ),
     "predict": (
         "save the predictions of a checkpoint (predict_dataloader)",
-        "Run predict_step over predict_dataloader with a checkpoint's weights and save its outputs with torch.save.",
+        "Run predict_step over predict_dataloader with a checkpoint's weights; --output saves its outputs with "
+        "torch.save.",
     ),
 }
 
@@ -108,8 +110,9 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
         parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
     parsers["predict"].add_argument(
         "--output",
-        required=True,
-        help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a checkpoint)",
+        default=None,
+        help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a "
+        "checkpoint); without it nothing is written",
     )
     for command in parsers.values():
         command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -136,7 +139,7 @@ def _metrics(prefix: str, metrics: dict[str, float]) -> str:
 
 def _resume_hint(cfg: Any) -> str:
     """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
-    newest = None if cfg is None else latest_checkpoint(cfg.run_dir)
+    newest = None if cfg is None else resolve_checkpoint(cfg.run_dir, "last")
     if newest is None:
         return " before its first checkpoint (run it again without --resume to start over)"
     return f" (--resume last continues from {newest})"
@@ -198,9 +201,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         if args.debug:
             raise
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        sigterm = isinstance(exc, Terminated | Preempted)
+        how = "terminated (SIGTERM)" if sigterm else "interrupted"
         print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
-        return 143 if isinstance(exc, Terminated) else 130
+        return 143 if sigterm else 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:
@@ -217,10 +221,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
     elif args.command == "predict":
-        written = trainer.predictions_path
-        where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
-        print(f"ampkit: predictions of {batches} saved to {where}")
+        written = trainer.predictions_path
+        if written is None:
+            print(f"ampkit: predictions of {batches} not saved (--output FILE saves them)")
+        else:
+            where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
+            print(f"ampkit: predictions of {batches} saved to {where}")
     else:
         print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
     return 0

@@ -15,7 +15,7 @@ import sys
 
 import ampkit
 from ampkit.compat import _child_shim
-from ampkit.compat.shim import install_apex_shim
+from ampkit.compat.shim import install_apex_shim, served_module_name
 
 _USAGE = "usage: python -m ampkit.legacy [--force-shim] (SCRIPT | -m MODULE) [ARGS...]"
 
@@ -37,6 +37,19 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+def _missing_module(name: str) -> str | None:
+    """Why ``-m name`` cannot run, or None: an Apex module the shim serves (``apex.parallel.multiproc``) can."""
+    if _module_exists(name):
+        return None
+    if name.startswith("apex."):
+        try:
+            if _module_exists(served_module_name(name)):
+                return None
+        except ModuleNotFoundError as unserved:
+            return f"ampkit.legacy: module not found: {name!r}: {unserved}"
+    return f"ampkit.legacy: module not found: {name!r} (not importable from {sys.path[0] or '.'!r})"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install the apex shim, then run the script or module with the remaining arguments as its argv."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -51,13 +64,20 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(_USAGE)
     if args[0] != "-m" and not os.path.isfile(args[0]):
         raise SystemExit(f"ampkit.legacy: script not found: {args[0]!r}\n{_USAGE}")
-    if args[0] == "-m" and not _module_exists(args[1]):
-        raise SystemExit(f"ampkit.legacy: module not found: {args[1]!r} (not importable from {sys.path[0] or '.'!r})")
-    if install_apex_shim(force=force):
+    if args[0] == "-m" and (missing := _missing_module(args[1])):
+        raise SystemExit(missing)
+    shim_installed = install_apex_shim(force=force)
+    if shim_installed:
         _share_shim_with_child_processes()
     if args[0] == "-m":
         module, rest = args[1], args[2:]
         sys.argv = [module, *rest]
+        if shim_installed and module.startswith("apex."):  # the shim's modules run under their ampkit names
+            module = served_module_name(module)
+        elif not _module_exists(module):  # an installed apex without it (NVIDIA's of 2025 has no multiproc)
+            raise SystemExit(
+                f"ampkit.legacy: the installed apex has no module {module!r}; --force-shim serves ampkit's"
+            )
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script, rest = args[0], args[1:]

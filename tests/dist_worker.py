@@ -262,6 +262,32 @@ class SuicideAt(ampkit.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermOnRank1At3(ampkit.Callback):
+    """What torchrun's agent passes on when a scheduler preempts the job, here on rank 1 only."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if RANK == 1 and trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def preempted_then_resumed(out: Path, base: dict) -> dict:
+    """The ``resume`` scenario's run, SIGTERMed on rank 1 at step 3 (logging every 2 steps), then resumed."""
+    cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3, "keep_last": 50},
+           "trainer": {**base["trainer"], "max_epochs": 2},
+           "logging": {"tensorboard": False, "log_every_n_steps": 2}}  # fmt: skip
+    try:
+        ToyTrainer(cfg, callbacks=[SigtermOnRank1At3()]).fit()
+        preempted = None
+    except KeyboardInterrupt as exc:
+        preempted = f"{type(exc).__name__}: {exc}"
+    last = torch.load(out / "run" / "version_0" / "checkpoints" / "last.pt", weights_only=True)
+    resumed = ToyTrainer(cfg)
+    resumed.fit(resume="last")
+    return {"preempted": preempted, "saved": last["loop"], "stopped_early": last.get("stopped_early"),
+            "resumed_at": resumed.fit_start.loop, "continued": str(resumed.fit_start.version_dir),
+            "model": resumed.module.state_dict()}  # fmt: skip
+
+
 class DiesOnceAt4(ampkit.Callback):
     """Under torchrun --max-restarts: rank 1 is SIGKILLed after step 4 of the first attempt (if ``kills``); records
     where each attempt started."""
@@ -469,6 +495,9 @@ def main(scenario: str, out: Path) -> None:
         extra = {"buffers": spy}
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "sigterm":
+        torch.save(preempted_then_resumed(out, base), out / f"rank{RANK}.pt")
         return
     elif scenario == "bare_module":
         trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})

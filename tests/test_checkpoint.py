@@ -604,6 +604,64 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
     assert load_checkpoint(version / "checkpoints" / "last.pt")["loop"]["global_step"] == 24
 
 
+class _SigtermAt(ampkit.Callback):
+    def __init__(self, step: int, times: int = 1) -> None:
+        self.step, self.times = step, times
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.global_step == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("times", [1, 2], ids=["once", "twice"])
+def test_a_sigterm_saves_the_step_it_stops_at_and_the_resume_is_bit_identical(tmp_path, times):
+    """A preemption at step 5, with a checkpoint only at epoch ends, lost steps 1-5; now step 5 is saved mid-epoch
+    (as no early stop) and the resumed run ends equal to one never stopped; SIGTERM's handler is put back. Twice:
+    Slurm signals every process of a job step, so a rank gets one from Slurm and one from torchrun's agent."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    full = ToyTrainer(toy_cfg(tmp_path / "full", **quiet))
+    full.fit()
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM: stopped at step 5"):
+        ToyTrainer(toy_cfg(tmp_path / "cut", **quiet), callbacks=[_SigtermAt(5, times)]).fit()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    last = load_checkpoint(tmp_path / "cut" / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"] == {"epoch": 0, "batches_done": 5, "global_step": 5} and last["stopped_early"] is None
+    resumed = ToyTrainer(toy_cfg(tmp_path / "cut", **quiet))
+    resumed.fit(resume="last")
+    assert resumed.version_dir == tmp_path / "cut" / "run" / "version_0"
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
+    )
+
+
+def test_a_sigterm_the_caller_ignores_stays_ignored_during_fit(tmp_path):
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 6}
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermAt(2)])
+        trainer.fit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert trainer.state.global_step == 6
+
+
+def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, monkeypatch):
+    """``signal.getsignal`` answers None for a handler a C host installed; Python could not put it back after fit()
+    (``signal.signal(SIGTERM, None)`` is a TypeError), so fit() leaves SIGTERM alone there."""
+    monkeypatch.setattr(signal, "getsignal", lambda signum: None if signum == signal.SIGTERM else signal.SIG_DFL)
+    installed = []
+    real_signal = signal.signal
+    monkeypatch.setattr(
+        signal, "signal", lambda signum, handler: installed.append(signum) or real_signal(signum, handler)
+    )
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **quiet))
+    trainer.fit()
+    assert trainer.state.global_step == 2 and signal.SIGTERM not in installed
+
+
 class _LogsBatchIndexPerEpoch(ToyTrainer):
     def training_step(self, batch):
         self.log("index", torch.tensor(float(self.state.batch_idx)), on_step=False, on_epoch=True)

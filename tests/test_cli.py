@@ -137,3 +137,15 @@ def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, m
     config = _config(tmp_path, trainer={"progress_bar": False, "max_epochs": 3}, logging={"tensorboard": False})
     assert main(["fit", "--config", config, f"trainer.max_steps={max_steps}"]) == 0
     assert re.search(rf"finished {max_steps} steps in {span}[;\n]", capsys.readouterr().out)
+
+
+def test_the_interrupt_hint_names_the_sharded_checkpoint_resume_last_continues_when_its_link_is_lost(tmp_path):
+    """A copy that drops links (rsync without -l) loses a sharded run's ``last``; --resume last continues from the
+    newest complete checkpoint directory, which the hint of an interrupted fit names, not 'before its first'."""
+    from ampkit.cli import _resume_hint
+
+    step = tmp_path / "version_0" / "checkpoints" / "step-00000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").touch()
+    (step / "trainer.pt").touch()
+    assert _resume_hint(OmegaConf.create({"run_dir": str(tmp_path)})) == f" (--resume last continues from {step})"

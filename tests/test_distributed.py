@@ -434,6 +434,21 @@ def test_resumed_two_rank_run_equals_uninterrupted(two_rank_run, tmp_path):
     _equal(resumed[0]["model"], resumed[1]["model"])
 
 
+def test_a_sigterm_on_one_rank_saves_the_step_every_rank_stops_at_and_resume_continues_the_run(two_rank_run, tmp_path):
+    """A scheduler's preemption (SIGTERM, passed on by torchrun's agent, which kills the ranks 30 s later) killed the
+    rank at once and lost the steps since the last checkpoint. The ranks now agree on it where they agree on a stop
+    (the next iteration's collective of loss facts: step 4), save that step, unwind, and --resume last continues the
+    same run."""
+    rank0, rank1 = _ok(launch("sigterm", tmp_path))
+    for rank in (rank0, rank1):
+        assert rank["preempted"] == "Preempted: SIGTERM: stopped at step 4"
+        assert rank["saved"] == rank["resumed_at"] == {"epoch": 0, "batches_done": 4, "global_step": 4}
+        assert rank["stopped_early"] is None  # a preemption is no early stop: its resume trains
+        assert rank["continued"] == str(tmp_path / "run" / "version_0")
+    _equal(rank0["model"], two_rank_run[0]["model"])
+    _equal(rank1["model"], two_rank_run[0]["model"])
+
+
 class SampleRecorder(ampkit.Callback):
     """The dataset indices of each training batch (ToyTrainer's 64 samples)."""
 
@@ -489,6 +504,23 @@ def test_a_mid_epoch_resume_between_this_runs_batches_is_refused_naming_both_lay
     with pytest.raises(CheckpointError, match=layouts):
         ToyTrainer(larger).fit(resume=version_dir / "checkpoints" / "step-00000003.pt")
     assert sorted(p.name for p in version_dir.rglob("*")) == before  # refused before anything was written
+
+
+def test_a_resume_at_another_ranks_x_batch_size_says_so_in_the_banner(tmp_path, capsys):
+    """Allowed (the sample order continues), but the curve then follows another batch: a 2-rank checkpoint resumed on
+    one process at the same data.batch_size halved every step's samples without a word."""
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "checkpoint": {"every_n_steps": 3}, "data": {"batch_size": 8},
+           "trainer": {"max_steps": 3, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg).fit()
+    step_3 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000003.pt"
+    ToyTrainer({**cfg, "trainer": {**cfg["trainer"], "max_steps": 4}}).fit(resume=step_3)
+    assert "  batch" not in capsys.readouterr().out  # the same layout: nothing to say
+    smaller = {**cfg, "data": {"batch_size": 4}, "trainer": {**cfg["trainer"], "max_steps": 8}}
+    ToyTrainer(smaller).fit(resume=step_3)
+    banner = capsys.readouterr().out.splitlines()
+    assert "  batch       samples a step: 8 (1 rank x 8) then, 4 (1 rank x 4) now; the loss curve follows another " \
+        "batch size" in banner  # fmt: skip
 
 
 def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_training(tmp_path):
@@ -629,3 +661,26 @@ def test_agreeing_on_each_streamed_batch_exchanges_one_number_whatever_the_world
         batches = list(while_every_rank_has_a_batch(iter("abcd"), DistributedEnv(0, world), None, epoch=3))
     assert batches == ["a", "b"]
     assert calls == ["all_reduce", "all_reduce", "all_reduce", "all_gather"]
+
+
+@pytest.mark.parametrize(
+    ("failure", "left"),
+    [
+        (KeyboardInterrupt(), "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"),  # was 'KeyboardInterrupt: '
+        (MemoryError(), "MemoryError"),
+        (ValueError("bad batch\nmore"), "ValueError: bad batch"),
+    ],
+)
+def test_what_a_failed_rank_leaves_for_the_others_to_name_is_never_an_empty_message(tmp_path, failure, left):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ampkit.trainer.distributed import _leave_failure
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        _leave_failure(failure, SimpleNamespace(rank=0))
+        assert dist.distributed_c10d._get_default_store().get("ampkit/failed/0").decode() == left
+    finally:
+        dist.destroy_process_group()

@@ -266,8 +266,11 @@ def _check_python_module(module: str, args: list[str]) -> None:
         positional = [a for a in args if a != "--force-shim"]
         if not positional:  # the launcher itself, named
             return
-        if positional[0] == "-m":
-            assert importlib.util.find_spec(positional[1]) is not None, f"no module {positional[1]}"
+        if positional[0] == "-m":  # what the launcher runs: an Apex module the shim serves (apex.parallel.multiproc)
+            from ampkit.legacy import _missing_module
+
+            missing = _missing_module(positional[1])
+            assert missing is None, missing
         else:
             _check_script(positional[0], positional[1:])
     elif module == "pytest":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, Shuffled, TwoLosses
-from fsdp_worker import KeepFinalState, run
+from fsdp_worker import FSDP, KeepFinalState, run
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
@@ -181,6 +181,32 @@ def test_sharded_checkpoints_resume_from_two_ranks_on_one_and_from_one_on_two(tw
         for iteration, loss in resumed["losses"].items():
             assert loss == pytest.approx(two["losses"][iteration], rel=1e-5)
         _close(resumed["model"], two["model"])
+
+
+@pytest.mark.parametrize("links", ["followed", "dropped"])
+def test_a_sharded_run_copied_by_a_tool_that_follows_or_drops_links_resumes_last_in_place(tmp_path, links):
+    """zip, shutil.copytree and object stores copy the ``last`` link as a whole directory, which the next save
+    could not rename its link over; rsync without -l drops it. Either copy continues in its version_0."""
+
+    def fit(run_dir: Path, max_steps: int, resume: str | None = None) -> ampkit.Trainer:
+        cfg = _cfg(tmp_path, trainer={"max_steps": max_steps, "max_epochs": 2}, distributed=FSDP,
+                   checkpoint={"every_n_steps": 3})  # fmt: skip
+        trainer = Shuffled({**cfg, "run_dir": str(run_dir)})
+        trainer.fit(resume=resume)
+        return trainer
+
+    fit(tmp_path / "run", max_steps=6)
+    copy = Path(shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=links == "dropped"))
+    checkpoints = copy / "version_0" / "checkpoints"
+    if links == "dropped":
+        (checkpoints / "last").unlink()
+    else:
+        assert (checkpoints / "last").is_dir() and not (checkpoints / "last").is_symlink()
+    resumed = fit(copy, max_steps=9, resume="last")
+    assert resumed.version_dir == copy / "version_0" and resumed.fit_start.loop["global_step"] == 6
+    assert (checkpoints / "last").is_symlink()
+    assert load_checkpoint(checkpoints / "last" / "trainer.pt")["loop"]["global_step"] == 9
+    assert not list(checkpoints.glob(".*"))
 
 
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt"])

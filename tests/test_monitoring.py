@@ -189,6 +189,24 @@ def test_a_monitored_metric_missing_from_a_later_validation_is_one_line_and_keep
     assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 2
 
 
+def test_a_sharded_best_k_directory_a_kill_left_outside_the_ranking_goes_at_the_resume(tmp_path):
+    """A kill after a new best directory was written and ``best`` linked to it, before ``last`` moved (or before the
+    one it pushed out went), left a whole model and optimizer state that no pruning ever removed (only best-N.pt
+    files were tidied); the resume removes it and links ``best`` to the restored ranking's best again."""
+    import shutil
+
+    best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.every_n_epochs": 0,
+            "distributed.strategy": "fsdp", "trainer.device": "cpu"}  # fmt: skip
+    scores = [5, 3, 4, 9]
+    checkpoints = _fit(tmp_path, scores, **best, **{"trainer.max_steps": 3}).version_dir / "checkpoints"
+    shutil.copytree(checkpoints / "best-00000002", checkpoints / "best-00000099")  # as the killed save wrote it
+    (checkpoints / "best").unlink()
+    (checkpoints / "best").symlink_to("best-00000099")
+    _fit(tmp_path, scores, resume="last", **best, **{"trainer.max_steps": 4})  # step 4 is not among the best
+    assert sorted(p.name for p in checkpoints.glob("best*")) == ["best", "best-00000002", "best-00000003"]
+    assert (checkpoints / "best").resolve().name == "best-00000002"
+
+
 def test_best_k_under_fsdp_keeps_directories_and_best_links_the_best(tmp_path):
     scores = [5, 3, 4, 1, 2, 6]
     best = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 6,

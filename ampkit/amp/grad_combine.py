@@ -269,6 +269,8 @@ class GradientCombiner:
             weight), or the param itself; ``None`` means every param owns its gradient.
         flat: keep gradients in one flat buffer per (device, dtype) so each operation is one kernel
             per buffer (``.grad`` become views of the buffer).
+        keep_param_grads: a param with another owner keeps its own (still scaled) gradient after
+            :meth:`combine` until the next :meth:`prepare_backward`, as Apex's amp left it (not with ``flat``).
 
     Example:
         >>> combiner = GradientCombiner(model.parameters())
@@ -283,6 +285,7 @@ class GradientCombiner:
         grad_owners: Iterable[torch.Tensor] | None = None,
         *,
         flat: bool = False,
+        keep_param_grads: bool = False,
     ) -> None:
         self.params: list[torch.Tensor] = list(params)
         owners = self.params if grad_owners is None else list(grad_owners)
@@ -300,6 +303,7 @@ class GradientCombiner:
                 raise ValueError(f"params[{i}] has dtype {p.dtype}; only floating-point params have gradients")
         self.grad_owners: list[torch.Tensor] = owners
         self.flat = flat
+        self.keep_param_grads = keep_param_grads
         devices = {p.device for p in self.params}
         self._device: torch.device | None = devices.pop() if len(devices) == 1 else None
         self._self_idx = [i for i, (p, o) in enumerate(zip(self.params, owners, strict=True)) if o is p]
@@ -430,7 +434,8 @@ class GradientCombiner:
             if grad is None:
                 continue
             reached.append(i)
-            p.grad = None
+            if not self.keep_param_grads:
+                p.grad = None
             new = grad.detach().to(owner.dtype, copy=True)
             if owner.grad is None:
                 owner.grad = new

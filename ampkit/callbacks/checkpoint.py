@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.callbacks.monitor import Monitor
@@ -18,6 +19,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
@@ -83,10 +85,29 @@ class ModelCheckpoint(Callback):
         directory = trainer.version_dir / "checkpoints"
         if not directory.is_dir():
             return
-        for best in directory.glob("best-*.pt"):  # pushed out of the top k, or written after last.pt: a kill's
-            if is_best_k_checkpoint_name(best.name, sharded=False) and best.name not in (*self.best_k, *self.kept):
+        ranked = (*self.best_k, *self.kept)
+        for best in directory.glob("best-*"):  # pushed out of the top k, or written after last: a kill's
+            if best.name in ranked:
+                continue
+            if is_best_k_checkpoint_name(best.name, sharded=False):
                 best.unlink(missing_ok=True)
+            elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
+                if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
+                    shutil.rmtree(best, ignore_errors=True)
+        if trainer.sharded:
+            self._relink_best(directory)
         self._prune(directory)
+
+    def _relink_best(self, directory: Path) -> None:
+        """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
+        directory written after ``last`` (removed above)."""
+        link = directory / "best"
+        if not link.is_symlink() or link.exists():
+            return
+        if self.best_k and is_sharded_checkpoint(directory / next(iter(self.best_k))):
+            point_last_at(directory / next(iter(self.best_k)), "best")
+        else:
+            link.unlink(missing_ok=True)
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
@@ -157,6 +178,15 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, trainer) -> None:
         if self._saved_at != _moment(trainer):  # also a stop asked after this step's save (an epoch-end hook)
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
+
+    def on_exception(self, trainer, exception: BaseException) -> None:
+        """A SIGTERM's stop (every rank raised :class:`Preempted` at the same iteration's end) saves that step, so the
+        preempted run resumes from where it stopped."""
+        if not isinstance(exception, Preempted) or trainer.state.global_step == 0:
+            return
+        self.on_train_end(trainer)
+        if trainer.dist.enabled:  # no rank leaves before rank zero's file is written: torchrun would end it
+            dist.barrier()
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the

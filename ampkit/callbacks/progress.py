@@ -126,6 +126,9 @@ class ProgressBar(Callback):
         if start is not None and start.checkpoint_path is not None:
             how = "branched" if start.branched_from is not None else "resumed"
             lines.append(f"  {how:<11} from {start.checkpoint_path} at step {trainer.state.global_step}")
+            change = getattr(trainer, "resumed_layout_change", None)
+            if change is not None:  # allowed (the sample order continues), but the curve is not the saved run's
+                lines.append(f"  {'batch':<11} samples a step: {change}; the loss curve follows another batch size")
         self._print("\n".join(lines))
 
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:

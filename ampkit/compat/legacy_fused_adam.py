@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
+from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.ops.multi_tensor import unscale_l2norm
 from ampkit.ops.optimizers._base import check_betas, check_hyper
 
@@ -338,10 +339,9 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         2019 wrapper's layout, one flat master per group (``fp32_groups_flat``), is read too."""
         if "fp32_groups_flat" in state_dict and "fp32_groups" not in state_dict:
             state_dict = self._from_flat_groups(state_dict)
-        missing = [k for k in ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict",
-                               "fp32_groups") if k not in state_dict]  # fmt: skip
-        if missing:
-            raise KeyError(f"FP16_Optimizer.load_state_dict: the state dict lacks {missing}")
+        require_wrapper_keys(
+            state_dict, ("dynamic_loss_scale", "cur_scale", "cur_iter", "optimizer_state_dict", "fp32_groups")
+        )
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self.cur_scale = state_dict["cur_scale"]
         self.cur_iter = state_dict["cur_iter"]

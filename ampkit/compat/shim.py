@@ -115,6 +115,12 @@ def _unserved_message(fullname: str) -> str | None:
     return f"{advice} ({_PROVIDED})" if advice else None
 
 
+def served_module_name(fullname: str) -> str:
+    """The ampkit module the shim serves as the Apex module ``fullname`` (``python -m ampkit.legacy -m apex.X`` runs
+    it); a ``ModuleNotFoundError`` saying what is served when there is none."""
+    return _target_module_name(fullname)
+
+
 def _module_exists(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None

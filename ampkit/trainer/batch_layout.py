@@ -50,3 +50,16 @@ def batches_done_here(
             f"= {saved_samples}, or from an epoch-end checkpoint"
         )
     return done
+
+
+def layout_change(saved: dict[str, int] | None, here: dict[str, int] | None) -> str | None:
+    """How a resume changed the samples each step trains (``"16 (2 ranks x 8) then, 8 (1 rank x 8) now"``), or None
+    when it did not or either side is unknown: the same windows, but the loss curve follows another batch size."""
+    if saved is None or here is None or saved["ranks"] * saved["batch_size"] == here["ranks"] * here["batch_size"]:
+        return None
+
+    def shown(layout: dict[str, int]) -> str:
+        ranks = layout["ranks"]
+        return f"{ranks * layout['batch_size']} ({ranks} rank{'s' * (ranks != 1)} x {layout['batch_size']})"
+
+    return f"{shown(saved)} then, {shown(here)} now"

@@ -163,10 +163,13 @@ def _leave_failure(failure: BaseException, env: DistributedEnv) -> None:
     """Put this rank's failure (its type and first line) on the group's store, where :func:`diagnose_failure` on
     the peers, whose next collective fails as this rank leaves, finds it."""
     text = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
+    if not text and isinstance(failure, KeyboardInterrupt):  # a Ctrl-C or SIGINT to this rank says nothing itself
+        text = "interrupted (Ctrl-C or SIGINT)"
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=2))
-        store.set(f"ampkit/failed/{env.rank}", f"{type(failure).__name__}: {text}"[:300])
+        name = type(failure).__name__
+        store.set(f"ampkit/failed/{env.rank}", (f"{name}: {text}" if text else name)[:300])
     except Exception:  # the store is gone with rank 0: the peers name this rank as dead instead
         pass
 

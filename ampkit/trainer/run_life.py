@@ -55,6 +55,7 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     PERIODIC_STEM,
     CheckpointError,
+    is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
@@ -78,8 +79,10 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     """A checkpoint from ``"last"``/``"best"`` (None if ``run_dir`` has none yet) or a path (an error if absent)."""
     if ckpt is None:
         return None
-    if str(ckpt) in ("last", "best"):
-        return latest_checkpoint(run_dir, f"{ckpt}.pt")
+    if str(ckpt) == "last":
+        return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
+    if str(ckpt) == "best":
+        return latest_checkpoint(run_dir, "best.pt")
     if not str(ckpt).strip():
         raise CheckpointError("the checkpoint path is empty: pass a path, 'last' or 'best'")
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
@@ -151,8 +154,7 @@ def _holds(path: Path, sections: tuple[str, ...]) -> bool:
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
     """Whether checkpoint ``path`` holds ``version_dir``'s newest state (``last.pt``'s loop position)."""
-    checkpoints = version_dir / "checkpoints"
-    last = next((p for p in (checkpoints / "last.pt", checkpoints / "last") if p.exists()), None)
+    last = _last_of(version_dir)
     if last is None:
         return False
     if last.resolve() == path.resolve() or (last.is_file() and path.is_file() and os.path.samefile(last, path)):
@@ -282,10 +284,20 @@ def restarted_from(run_dir: str | os.PathLike, launch: str) -> Path | None:
 
 
 def _last_of(version_dir: Path) -> Path | None:
-    """``version_dir``'s ``last`` checkpoint (``last.pt``, or the link to a sharded one), or None."""
+    """``version_dir``'s ``last`` checkpoint (``last.pt``, or the link to a sharded one), or None. Where the ``last``
+    link of sharded checkpoints is gone (a copy that drops links: rsync without -l, an object store; a kill before
+    the first save made it), their newest complete directory, which the link would name."""
     checkpoints = version_dir / "checkpoints"
-    return next((p for p in (checkpoints / "last.pt", checkpoints / "last") if p.is_file() or is_sharded_checkpoint(p)),
-                None)  # fmt: skip
+    last_file, last_link = checkpoints / "last.pt", checkpoints / "last"
+    if last_file.is_file():
+        return last_file
+    if (last_link / ".metadata").is_file():  # a damaged one is named, and its load says what it lacks
+        return last_link
+    if os.path.lexists(last_link) or not checkpoints.is_dir():  # a dangling link names what is lost: no guess
+        return None
+    names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
+    sharded = [p for p in checkpoints.iterdir() if any(n(p.name, True) for n in names) and is_sharded_checkpoint(p)]
+    return max(sharded, key=training_order, default=None)
 
 
 def plan_fit(

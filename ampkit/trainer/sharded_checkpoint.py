@@ -112,13 +112,24 @@ def write_failure(exc: BaseException) -> str | None:
 
 
 def point_last_at(path: Path, alias: str = LAST) -> None:
-    """Make ``alias`` (``last``, or ``best``) beside ``path`` a symlink to it, replaced atomically (rank zero)."""
+    """Make ``alias`` (``last``, or ``best``) beside ``path`` a symlink to it, replaced atomically (rank zero).
+
+    In a copy of the run made by a tool that follows links (zip, ``shutil.copytree``, an object store) ``alias`` is a
+    whole checkpoint directory: it is set aside (as ``.<alias>.old``, which a tidy puts back after a kill) and goes
+    once the link is in its place, as ``last.pt`` is replaced by the newer one."""
     link = path.parent / alias
     tmp = path.parent / f".{alias}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(path.name, tmp)
+    aside = link.with_name(f".{alias}.old")
+    copied = link.is_dir() and not link.is_symlink()
+    if copied:  # a symlink cannot be renamed over a directory
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(link, aside)
     os.replace(tmp, link)
     _fsync_dir(path.parent)
+    if copied:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:

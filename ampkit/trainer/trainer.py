@@ -68,7 +68,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_layout import batch_layout, batches_done_here
+from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -127,6 +127,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
+from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
 from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
@@ -307,6 +308,7 @@ class Trainer:
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
+        self.resumed_layout_change: str | None = None  # samples per step in the resumed checkpoint and now, if changed
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
@@ -319,7 +321,9 @@ class Trainer:
         self._facts_on_device = False  # found_inf flags stay on the device too (see facts_on_device)
         self._settling: int | None = None  # the iteration whose verdicts are being settled: what log() stamps
         self._stop_agreed = False  # under torchrun: the ranks agreed that one of them set state.should_stop
-        self._stop_heard = False  # ... that one of them set it, heard in the facts' collective: agree at iteration end
+        self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
+        self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
+        self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -664,8 +668,10 @@ class Trainer:
         self._start_distributed()
         clean = False
         failure = None
+        self._preempt_asked = False
         try:
-            self._fit(resume)
+            with sigterm_asks_to_stop(self._ask_preemption):
+                self._fit(resume)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -713,6 +719,7 @@ class Trainer:
             self._agree_stop()  # a hook of one rank may already have asked
             while not self._finished():
                 self._run_epoch()
+                self._stop_if_preempted()
             self.fire("on_train_end")
         except BaseException as exc:
             self._explain(exc)
@@ -739,16 +746,32 @@ class Trainer:
         ranks agreed it (:meth:`_agree_stop`), so that no rank leaves while the others wait in a collective."""
         return self._stop_agreed if self.dist.enabled else self.state.should_stop
 
+    def _ask_preemption(self) -> None:
+        """A SIGTERM's request (a signal handler: it only sets a flag): stop and save where this iteration ends."""
+        self._preempt_asked = True
+
+    def _stop_if_preempted(self) -> None:
+        """At an iteration's end: raise :class:`Preempted` once a SIGTERM asked to stop (under torchrun: once the ranks
+        agreed, so that all raise at the same step); ``ModelCheckpoint`` saves this step as it unwinds."""
+        asked = self._preempt_agreed if self.dist.enabled else self._preempt_asked
+        if asked and self.state.is_iteration_end and not self._finished():  # a run that ends here saves as it ends
+            if self.is_global_zero:
+                print(f"ampkit: SIGTERM: stopping at step {self.state.global_step}", file=sys.stderr)
+            raise Preempted(f"SIGTERM: stopped at step {self.state.global_step}")
+
     def _agree_stop(self) -> None:
-        """Under torchrun, whether any rank set ``state.should_stop``: one small collective, run by every rank at the
-        same points (an iteration that logs, after a validation, an epoch's end, and the end of an iteration whose
-        facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank stops there,
-        with ``stop_reason`` naming the ranks that asked and why."""
+        """Under torchrun, whether any rank set ``state.should_stop`` or got a SIGTERM: one small collective, run by
+        every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
+        iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
+        stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
+        checkpoint resumes)."""
         self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
-        if not any_rank([s.should_stop], self.dist)[0]:
+        stop_asked, preempted = any_rank([s.should_stop, self._preempt_asked], self.dist)
+        self._preempt_agreed = self._preempt_agreed or preempted
+        if not stop_asked:
             return
         mine = (s.stop_reason or _STOP_ASKED) if s.should_stop else None
         asked = gather_object(mine, self.dist)
@@ -778,6 +801,7 @@ class Trainer:
             batches = self._flag_last(batches)
         for batch in batches:
             self._run_batch(batch)
+            self._stop_if_preempted()
             if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
                 exhausted = s.batches_done == self._num_train_batches
                 break
@@ -876,7 +900,8 @@ class Trainer:
                 flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
                 flags.append(flag + 1.0 if loss.found_inf else flag)
         hears_stop = distributed and not self._stop_agreed  # the ask rides along: no collective of its own
-        agreed = any_rank([*flags, self.state.should_stop] if hears_stop else flags, self.dist)
+        asked = self.state.should_stop or self._preempt_asked
+        agreed = any_rank([*flags, asked] if hears_stop else flags, self.dist)
         if hears_stop:
             self._stop_heard = agreed.pop() or self._stop_heard
         for loss, found_inf in zip(losses, agreed, strict=True):
@@ -1111,7 +1136,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
-        self._stop_agreed = self._stop_heard = False
+        self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
@@ -1192,6 +1217,7 @@ class Trainer:
             saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
         )
         self.state.batches_done = self._resume["batches_done"] = done
+        self.resumed_layout_change = layout_change(saved_layout, self._batch_layout)
         total = self._num_train_batches
         if total is not None and done > total:
             raise CheckpointError(

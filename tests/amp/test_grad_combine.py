@@ -243,3 +243,22 @@ def test_cpu_unscale_runs_ampkit_kernel_with_torchs_bits(monkeypatch):
     small = [torch.randn(1000)]
     unscale_and_check_(small, torch.zeros(1), inv_scale)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_params_with_masters_keep_their_scaled_grads_only_when_asked(keep):
+    """Apex's amp left each fp16 param its scaled gradient until the next backward; the masters sum unscaled."""
+    params = make_params(torch.float16)
+    masters = [p.detach().float().requires_grad_() for p in params]
+    combiner = GradientCombiner(params, masters, keep_param_grads=keep)
+    gen = torch.Generator().manual_seed(1)
+    first, second = exact_grads([p.shape for p in params], gen), exact_grads([p.shape for p in params], gen)
+    for grads in (first, second):
+        combiner.prepare_backward()
+        backward_with(params, grads, 8.0)
+        combiner.combine(8.0)
+        if keep:
+            assert all(torch.equal(p.grad.float(), g * 8.0) for p, g in zip(params, grads, strict=True))
+        else:
+            assert all(p.grad is None for p in params)
+    assert all(torch.equal(m.grad, a + b) for m, a, b in zip(masters, first, second, strict=True))

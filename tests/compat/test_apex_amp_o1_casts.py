@@ -71,6 +71,20 @@ def test_loss_functions_run_in_float32_even_on_low_precision_inputs(dtype, fn):
 
 
 @pytest.mark.parametrize("dtype", LOW)
+def test_gelu_and_ctc_loss_run_in_float32_as_apex_added_them(dtype):
+    """Apex's last float32 list has ``gelu`` (BERT's activation, 2019) and ``ctc_loss`` (Jasper, ESPnet; 2020):
+    gelu ran in low precision here, and ``ctc_loss`` on low-precision log-probs failed on the CPU ("not implemented
+    for 'Half'"), where Apex handed it float32."""
+    probe = _o1_probe(dtype)
+    assert _run(probe, lambda x: torch.nn.GELU(approximate="tanh")(x.to(dtype))).dtype == torch.float32
+    log_probs = torch.randn(5, 2, 6).log_softmax(-1).to(dtype)
+    targets, lengths = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([5, 5])
+    loss = _run(probe, lambda _: torch.nn.CTCLoss()(log_probs, targets, lengths, torch.tensor([3, 3])))
+    reference = F.ctc_loss(log_probs.float(), targets, lengths, torch.tensor([3, 3]))
+    assert loss.dtype == torch.float32 and torch.equal(loss, reference)
+
+
+@pytest.mark.parametrize("dtype", LOW)
 def test_promotion_to_the_widest_type(dtype):
     probe = _o1_probe(dtype)
     assert _run(probe, lambda x: x.to(dtype) + x).dtype == torch.float32

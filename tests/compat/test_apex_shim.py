@@ -352,6 +352,10 @@ def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
     forced = _legacy("--force-shim", "-m", "which_apex", "c", extra_path=[tmp_path])
     assert forced.returncode == 0, forced.stderr
     assert "shim True" in forced.stdout and "argv ['c']" in forced.stdout
+    launcher = _legacy("-m", "apex.parallel.multiproc", script, extra_path=[tmp_path])  # this apex lacks it
+    assert launcher.returncode == 1 and launcher.stderr.strip().splitlines()[-1] == (
+        "ampkit.legacy: the installed apex has no module 'apex.parallel.multiproc'; --force-shim serves ampkit's"
+    )
 
 
 def test_legacy_launcher_argument_errors(tmp_path, capsys):

@@ -195,6 +195,23 @@ def test_fp16_optimizer_state_dict_resumes_identically():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("first_api", [False, True])
+def test_a_plain_optimizers_state_dict_is_named_not_a_bare_key_error(first_api):
+    """ParlAI resuming an fp32 run with ``--fp16`` hands the wrapper the wrapped optimizer's own state dict and
+    catches ``ValueError`` for "model params changed"; it got ``KeyError: 'loss_scaler'``."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer as FirstFP16Optimizer
+
+    model = _half_model().half()
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = FirstFP16Optimizer(adam) if first_api else FP16_Optimizer(adam, verbose=False)
+    plain = torch.optim.Adam(_half_model().parameters()).state_dict()
+    lacks = "'cur_scale'" if first_api else "'loss_scaler'"
+    with pytest.raises(ValueError, match=rf"lacks \[.*{lacks}.*\]; it is a plain optimizer's state dict"):
+        optimizer.load_state_dict(plain)
+    with pytest.raises(ValueError, match=r"lacks .*; it has \['junk'\]"):
+        optimizer.load_state_dict({"junk": 1})
+
+
 def test_fp16_optimizer_closure_and_bad_args():
     model = _half_model().half()
     optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)

@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -382,3 +383,58 @@ def test_a_name_apex_never_had_here_is_an_attribute_error_naming_what_is_provide
     with pytest.raises(AttributeError, match=provided):
         eval(expression, {"apex": apex, "amp_C": amp_C})
     assert not hasattr(apex.amp, "_initialized")
+
+
+def test_nvidia_transformer_reads_every_fp16_model_grad_after_an_o2_backward(shim):
+    """NVIDIA's Transformer (DeepLearningExamples' fairseq fork, ``--amp --amp-level O2``) flattens each model
+    parameter's ``.grad`` with ``apex_C.flatten`` after ``amp.scale_loss`` and raises "Model parameter did not
+    receive gradient" on a None; grad-norm loggers read them too. Apex left each fp16 param its scaled gradient
+    until the next backward, while the step used the fp32 masters' unscaled copy."""
+    import apex_C
+    from apex import amp
+    from apex.optimizers import FusedAdam
+
+    model = _mlp()
+    optimizer = FusedAdam(model.parameters(), lr=1e-3)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", keep_batchnorm_fp32=False, loss_scale=128.0, verbosity=0
+    )
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        missing = [name for name, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"Model parameter did not receive gradient: {missing}"
+        flat = apex_C.flatten([p.grad for p in model.parameters()])
+        masters = torch.cat([m.grad.flatten() for m in amp.master_params(optimizer)])
+        assert flat.dtype == torch.float16 and torch.equal(flat.float(), masters * 128.0)
+        optimizer.step()
+
+
+def test_a_scheduler_built_before_initialize_still_counts_the_steps(shim):
+    """transformers 2.x's run_glue (and NVIDIA's SSD and GNMT) build the LR scheduler, then call
+    ``amp.initialize``: torch's scheduler then warned at its first step that the optimizer's step "has been
+    overridden", in the right order too; the wrong order must still get torch's own warning."""
+    from apex import amp
+
+    for scheduler_first, expected in ((False, []), (True, ["Detected call of `lr_scheduler.step()` before"])):
+        model = _mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                if scheduler_first:
+                    scheduler.step()
+                optimizer.step()
+                if not scheduler_first:
+                    scheduler.step()
+                optimizer.zero_grad()
+        said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
+        assert [m for m in said if not any(m.startswith(e) for e in expected)] == []
+        assert len(said) == len(expected)

@@ -178,6 +178,16 @@ def test_gpt_trains_logs_throughput_and_samples_then_predict_generates(tmp_path,
     assert generated[0].startswith("Python") and len(generated[0].encode()) >= len("Python") + 12 - 3  # utf-8 runs
     assert printed.startswith(generated[0])
 
+    # As the issue and the config's header give it, without --output: the text is printed, nothing is written
+    code = main(["predict", "--config", "gpt", "--ckpt", "best", *TINY, f"run_dir={tmp_path}/run",
+                 "generate.tokens=12", "generate.prompt=Python"])  # fmt: skip
+    assert code == 0
+    assert (
+        capsys.readouterr().out
+        == f"{generated[0]}\nampkit: predictions of 1 batch not saved (--output FILE saves them)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pt", "run"]
+
 
 def test_a_training_iteration_reads_no_config_node(tmp_path, monkeypatch):
     """An OmegaConf read costs microseconds (0.3 ms a step for the schedule's ~15 on a loaded 2-core machine, 15%

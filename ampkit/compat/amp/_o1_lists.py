@@ -20,12 +20,12 @@ TENSOR = torch.Tensor
 FUNCTIONAL_LOW = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                   "conv_tbc", "linear"]  # fmt: skip
 FUNCTIONAL_FP32 = [
-    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax",
+    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",
     "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",
     "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss", "kl_div", "l1_loss",
     "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss",
     "multi_margin_loss", "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
-    "triplet_margin_loss",
+    "triplet_margin_loss", "ctc_loss",
 ]  # fmt: skip
 BANNED_MESSAGE = (
     "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` "

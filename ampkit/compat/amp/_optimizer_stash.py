@@ -121,7 +121,9 @@ class AmpOptimizerStash:
                 seen.add(id(param))
                 model.append(param)
                 owners.append(owner)
-        return GradientCombiner(model, owners, flat=self.combine_grad)
+        # The model's fp16 params keep their scaled gradients after each backward, as in Apex: scripts read them
+        # between backward and step (grad-norm logging, fairseq-style "did every param get a gradient" checks).
+        return GradientCombiner(model, owners, flat=self.combine_grad, keep_param_grads=True)
 
     @torch.no_grad()
     def _adopt_model_changes(self) -> None:
@@ -263,6 +265,11 @@ class AmpOptimizerStash:
         optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
         optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
         optimizer._lazy_init_maybe_master_weights = types.MethodType(amp_lazy_init, optimizer)
+        if hasattr(original_step, "_wrapped_by_lr_sched"):
+            # A scheduler built before initialize (transformers 2.x, NVIDIA's SSD and GNMT) counts optimizer steps
+            # through the step it wrapped, which this one calls: keep its mark, or torch's scheduler warns at its
+            # first step that the optimizer's step "has been overridden" (it did under Apex too).
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(step, optimizer)
         optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
         optimizer.add_param_group = types.MethodType(add_param_group, optimizer)

@@ -26,6 +26,7 @@ import torch
 from ampkit.amp import GradientCombiner, MasterWeights
 from ampkit.compat import amp_c
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
+from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
@@ -295,6 +296,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` (or Apex's) saved; the masters are copied into the model too."""
+        require_wrapper_keys(
+            state_dict,
+            ("loss_scaler", "overflow", "first_closure_call_this_step", "optimizer_state_dict", "fp32_from_fp16"),
+        )
         scaler = state_dict["loss_scaler"]
         if isinstance(scaler, Mapping):
             self.loss_scaler.load_state_dict(scaler)

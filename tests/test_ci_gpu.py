@@ -1,0 +1,131 @@
+"""``.ci/gpu``'s shell logic, run here with stand-ins for ``python3`` and ``timeout``: a GPU session gets one try
+at it, so what can fail without a GPU (arguments, the call's time budget, the device check) fails here first."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "gpu"
+
+# python3: a fake GPU machine (device check, family list, builds, pytest, benchmarks), or the real interpreter with
+# only pip faked (REAL_PYTHON set); timeout: logs its options and limit, then runs the command without one.
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "python3 $*" >> "$FAKE_LOG"
+if [[ "$1 $2" == "-m pip" ]]; then exit 0; fi
+if [[ -n "${REAL_PYTHON:-}" ]]; then exec "$REAL_PYTHON" "$@"; fi
+case "$1" in
+    -) cat >/dev/null; echo "torch 0 (CUDA 0) on a fake GPU" ;;
+    -c) if [[ "$2" == *FAMILIES* ]]; then echo "fam_a fam_b"; exit; fi
+        echo "3 passed in 0.01s"; sleep "$FAKE_PYTEST_S" ;;
+esac
+"""
+FAKE_TIMEOUT = """#!/usr/bin/env bash
+echo "timeout ${*:1:6}" >> "$FAKE_LOG"
+while [[ "$1" == -* ]]; do case "$1" in -s|-k) shift 2 ;; *) shift ;; esac; done
+shift
+exec "$@"
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def run_script(
+    tmp_path: Path, *args: str, real_python: bool = False, **env: str
+) -> tuple[subprocess.CompletedProcess, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python3", FAKE_PYTHON), ("timeout", FAKE_TIMEOUT)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+                "OUT": str(tmp_path / "out"), "FAKE_PYTEST_S": "0", **env}  # fmt: skip
+    if real_python:
+        full_env["REAL_PYTHON"] = sys.executable
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True, text=True, timeout=60)
+    return done, log.read_text()
+
+
+def limits(log: str) -> list[int]:
+    """Each step's time limit, in order, from the logged ``timeout`` calls (all SIGINT, then SIGKILL after 15 s)."""
+    calls = [line.split()[1:] for line in log.splitlines() if line.startswith("timeout ")]
+    assert all(call[:4] == ["-s", "INT", "-k", "15"] for call in calls), calls
+    return [int(call[4]) for call in calls]
+
+
+def test_verify_fits_each_step_into_what_is_left_of_the_calls_budget(tmp_path):
+    """The steps' own limits add up to 560 s, past a 10-minute call once the build's time is counted: each is cut
+    to the budget left when it starts, so the last lines and logs come back before the device tool kills the call."""
+    done, log = run_script(tmp_path, "verify", "1/2", GPU_SECONDS="130", FAKE_PYTEST_S="2")
+    assert done.returncode == 0, done.stderr
+    steps = limits(log)
+    assert len(steps) == 4  # the CUDA tests, the kernels bench, the GPT step, the fp8 block bench
+    assert steps[0] <= 130 - 25 and steps[1] == 60  # the tests took 2 s of the budget:
+    assert all(limit <= 130 - 2 - 25 for limit in steps[1:])
+    assert "-k cuda tests" in log and "gpt_step.py --device cuda" in log
+    assert (tmp_path / "out" / "tests-cuda.log").read_text().strip() == "3 passed in 0.01s"
+
+
+def test_verify_skips_the_steps_the_budget_has_no_room_for_and_says_so(tmp_path):
+    done, log = run_script(tmp_path, "verify", "2/2", GPU_SECONDS="40")
+    assert done.returncode == 0, done.stderr
+    assert limits(log) == [] and "pytest" not in log
+    assert "== tests -k 'not cuda': skipped" in done.stderr
+    assert "skipped" in (tmp_path / "out" / "skipped.txt").read_text()
+
+
+@pytest.mark.parametrize(("args", "steps"), [(["tests", "1/2"], 1), (["bench", "2/3"], 2), (["bench", "1/3"], 2)])
+def test_the_tests_and_bench_stages_keep_to_the_budget_too(tmp_path, args, steps):
+    done, log = run_script(tmp_path, *args, GPU_SECONDS="200")
+    assert done.returncode == 0, done.stderr
+    assert len(limits(log)) == steps and all(limit <= 200 - 25 for limit in limits(log))
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "10m", "-5"])
+def test_a_budget_that_is_not_whole_seconds_is_refused_before_anything_runs(tmp_path, value):
+    done, log = run_script(tmp_path, "verify", "1/2", GPU_SECONDS=value)
+    assert done.returncode == 2 and log == ""
+    assert done.stderr == f"GPU_SECONDS must be a whole number of seconds (this call's budget); got '{value}'\n"
+
+
+CHECKED = [(["verify", "3/2"], "shard must be K/N"), (["verify", "1/3"], "verify shards are 1/2 and 2/2"),
+           (["verfy"], "usage: bash .ci/gpu [tests|bench|verify] [K/N]; got stage 'verfy'")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), CHECKED)
+def test_stages_and_shards_are_checked(tmp_path, args, message):
+    done, log = run_script(tmp_path, *args)
+    assert done.returncode == 2 and message in done.stderr
+    if args == ["verfy"]:  # before the device check and the build, not after them
+        assert log == ""
+
+
+def test_without_cuda_the_device_check_stops_the_script_with_one_line(tmp_path):
+    """The real interpreter (CPU torch here): the check says what is missing, and nothing is built or run."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    done, log = run_script(tmp_path, "verify", "1/2", real_python=True)
+    assert done.returncode == 1
+    device = (tmp_path / "out" / "device.txt").read_text()
+    assert re.fullmatch(r"torch \S+ sees no CUDA device: this script is for the GPU machine\n", device), device
+    assert "ampkit.ops.build" not in log and "timeout" not in log
+
+
+def test_tests_skipped_without_cuda_are_selected_by_k_cuda_whatever_their_names():
+    """``verify 1/2`` runs ``-k cuda``: a CUDA-only file whose tests are not named so (the sync-budget tests that show
+    0 host reads per iteration) ran only in 2/2, among two thousand others, where a time limit can cut it."""
+    budget = str(Path(__file__).parent / "callbacks" / "test_sync_budget.py")
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-k", "not cuda", budget], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert re.match(r"no tests collected \(\d+ deselected\) in ", done.stdout.strip().splitlines()[-1]), done.stdout
