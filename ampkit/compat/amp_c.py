@@ -169,7 +169,7 @@ def multi_tensor_l2norm(
 ) -> tuple[Tensor, Tensor]:
     """``(norm, per_tensor_norms)`` of ``tensor_lists[0]`` in float32; per-tensor norms are empty unless asked."""
     (inputs,) = check_lists("multi_tensor_l2norm", tensor_lists, (1,))
-    result = multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor))
+    result = multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
     return total, per
@@ -187,7 +187,7 @@ def multi_tensor_l2norm_scale(
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``in`` (before scaling) while writing ``out = in * scale`` for ``[in, out]``; flags inf/nan."""
     inputs, outputs = check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
-    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor)))
+    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
     _flag_if_not_finite(total, noop_flag)
     return total, per
@@ -202,7 +202,7 @@ def multi_tensor_unscale_l2norm(
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``tensor_lists[0] * inv_scale`` (the tensors are not written), as ``multi_tensor_l2norm``."""
     (inputs,) = check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
-    result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=bool(per_tensor))
+    result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
     return total, per

@@ -48,6 +48,7 @@ from torch.autograd.function import once_differentiable
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -108,10 +109,11 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
 
 
 def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` if it names a dimension and no negative size; else a :class:`NormShapeError` (torch's RuntimeError)."""
     if not shape:
-        raise ValueError("normalized_shape must name at least one dimension, got ()")
+        raise NormShapeError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):
-        raise ValueError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
+        raise NormShapeError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
     return shape
 
 
@@ -128,8 +130,11 @@ def _check_memory_efficient(op: str, value: object) -> None:
 
 
 def _check_eps(op: str, eps: float) -> None:
-    """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+    """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs. One
+    that is not a number is also a TypeError, as torch's norms raise for it."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {eps!r} (a {type(eps).__name__})")
+    if not 0 <= eps < math.inf:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 

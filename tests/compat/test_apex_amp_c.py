@@ -334,6 +334,18 @@ def test_a_bare_tensor_a_missing_grad_or_a_bad_flag_is_named_not_iterated():
     assert buf.item() == 0
 
 
+def test_a_per_tensor_that_is_not_a_bool_is_named_as_apexs_binding_refused_it():
+    """Apex's binding took ``per_tensor`` as an optional bool (a TypeError for anything else); ``bool()`` here read
+    ``"no"`` as True and returned per-tensor norms. None (Apex's default) still means False."""
+    param = torch.randn(2, 3)
+    with pytest.raises(TypeError, match=r"`per_tensor` must be True or False, got 'no'"):
+        amp_C.multi_tensor_l2norm(2048, flag(), [[param]], "no")
+    with pytest.raises(TypeError, match=r"`per_tensor` must be True or False, got 'no'"):
+        amp_C.multi_tensor_unscale_l2norm(2048, flag(), [[param]], torch.ones(1), "no")
+    _, per = amp_C.multi_tensor_l2norm(2048, flag(), [[param]], None)
+    assert per.numel() == 0
+
+
 def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():
     """One float32 second moment per tensor: Apex's kernel indexed it by tensor; an integer one would truncate."""
     grads, params = [torch.randn(3), torch.randn(4)], [torch.randn(3), torch.randn(4)]

@@ -358,6 +358,26 @@ def test_wrong_normalized_shape_is_named():
         FusedLayerNorm(-6)
 
 
+def test_an_empty_or_negative_normalized_shape_and_a_non_number_eps_raise_torchs_exception_types():
+    """torch's norms raise RuntimeError for ``normalized_shape=()`` and a negative size, and TypeError for an eps that
+    is not a number: ours raised a plain ValueError, which code written against torch's norms does not catch."""
+    x = torch.randn(2, 6)
+    with pytest.raises(RuntimeError):
+        F.layer_norm(x, ())
+    with pytest.raises(TypeError):
+        F.layer_norm(x, (6,), eps="1e-5")
+    for call in (lambda: fused_layer_norm(x, ()), lambda: fused_rms_norm(x, []), lambda: FusedRMSNorm(())):
+        with pytest.raises(RuntimeError, match="normalized_shape must name at least one dimension"):
+            call()
+    for call in (lambda: FusedLayerNorm(-6), lambda: FusedRMSNorm((2, -3))):
+        with pytest.raises(RuntimeError, match=r"normalized_shape must hold sizes >= 0, got \[.*-\d\]"):
+            call()
+    for call in (lambda: FusedLayerNorm(6, eps="1e-5"), lambda: fused_rms_norm(x, 6, eps=[1e-5])):
+        with pytest.raises(TypeError, match=r"eps must be a finite number >= 0, got .* \(a (str|list)\)") as raised:
+            call()
+        assert isinstance(raised.value, ValueError)  # as before, for code catching that
+
+
 def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
     """``nn.RMSNorm``'s fourth argument is ``device``; here, as in Apex, it is ``memory_efficient``, and a truthy
     "cpu" built a memory-efficient norm."""
