@@ -72,12 +72,16 @@ def _steps_before(step: int | Tensor, count: int, device: torch.device) -> list[
     return [torch.full((), float(step) - 1.0, dtype=torch.float32, device=device) for _ in range(count)]
 
 
+# Integer and bool tensors: a state dict's counters and masks (BatchNorm's num_batches_tracked; a causal mask kept as
+# a persistent bool buffer, as older transformers' GPT-2 attention did).
 _INTEGER_DTYPES = frozenset(
-    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.uint16, torch.uint32, torch.uint64)
 )
 
 
 def _is_integer(t: Tensor) -> bool:
+    """Whether ``t`` holds integers (bool among them), which the float kernels do not take."""
     return t.dtype in _INTEGER_DTYPES
 
 
@@ -113,13 +117,14 @@ def _with_integer_entries_apart(
 
 def _write_rounded(out: Tensor, value: Tensor) -> None:
     """``out = value``, rounded to the nearest integer when ``out`` is an integer tensor (not truncated:
-    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64)."""
+    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64); a bool one is then True where that is not 0."""
     out.copy_(value.round() if _is_integer(out) else value)
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
-    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer tensors (a
-    state dict's step counters) are computed in float64 and rounded to the nearest integer when written."""
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer and bool tensors
+    (a state dict's step counters and masks) are computed in float64 and rounded to the nearest integer when
+    written."""
     inputs, outputs = check_lists("multi_tensor_scale", tensor_lists, (2,))
 
     def integer_op(xi: Tensor, oi: Tensor) -> None:

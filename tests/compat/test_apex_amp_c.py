@@ -139,6 +139,22 @@ def test_scale_and_axpby_take_a_whole_state_dict_with_its_integer_buffers():
     assert buf.item() == 1, "a float input written into an integer output is still checked"
 
 
+def test_scale_and_axpby_take_a_state_dicts_bool_mask_as_its_integers():
+    """A causal mask kept as a persistent bool buffer (older transformers' GPT-2 attention) is in the same EMA or copy
+    over ``state_dict().values()``: it was refused by name where integer buffers were taken."""
+    mask = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    weight = torch.randn(3)
+    ema = [weight.clone(), torch.zeros(3, 3, dtype=torch.bool)]
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [ema, [weight * 2, mask], ema], 0.25, 0.75, -1)
+    assert buf.item() == 0 and ema[1].dtype == torch.bool
+    assert torch.equal(ema[1], mask), "0.25 * False + 0.75 * True rounds to True, 0.75 * False to False"
+    torch.testing.assert_close(ema[0], 0.25 * weight + 0.75 * weight * 2)
+    copies = [torch.empty(3), torch.ones(3, 3, dtype=torch.bool)]
+    multi_tensor_applier(amp_C.multi_tensor_scale, buf, [[weight, mask], copies], 1.0)
+    assert torch.equal(copies[0], weight) and torch.equal(copies[1], mask) and buf.item() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_l2norm_and_unscale_l2norm_return_apex_shapes(dtype):
     tensors = randn_list(dtype, scale=8.0)

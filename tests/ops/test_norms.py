@@ -156,6 +156,44 @@ def test_half_inputs_accumulate_in_fp32(kind, dtype, weight_dtype, mixed):
     _assert_matches(kind, x, w, b, (515,), tol, mixed=mixed)
 
 
+def _tolerance(dtype):
+    return HALF_TOL.get(dtype, FP32_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # F.rms_norm's, asked for its dtype
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("kind", "mixed"), [("rms", False), ("rms", True), ("layer", True)], ids=["rms", "mixed_rms", "mixed_layer"]
+)
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float64, torch.float32),
+        (torch.float64, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float64),
+    ],
+)
+def test_a_weight_in_another_dtype_than_the_input_is_taken_as_torchs_rms_norm_takes_it(
+    monkeypatch, ops, kind, mixed, dtype, weight_dtype
+):
+    """``F.rms_norm``/``nn.RMSNorm`` take a weight of any floating dtype (float32 activations against a bf16 model's
+    weights) and answer in the input's dtype; FusedRMSNorm refused it. The Mixed* norms answer in the weight's
+    dtype, as Apex's kernels do for a float32 input with a half weight. Gradients come back in each one's dtype."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    x = (torch.randn(65, 515) * 2).to(dtype)
+    w = _weight((515,), weight_dtype)
+    b = torch.randn(515).to(weight_dtype)
+    output_dtype = weight_dtype if mixed else dtype
+    loosest = max((dtype, weight_dtype), key=lambda d: _tolerance(d)["grad"]["atol"])
+    tol = {"y": _tolerance(output_dtype)["y"], "grad": _tolerance(loosest)["grad"]}
+    _assert_matches(kind, x, w, b, (515,), tol, mixed=mixed)
+    if not mixed:
+        assert F.rms_norm(x, (515,), w, EPS).dtype == fused_rms_norm_affine(x, w, 515, EPS).dtype == dtype
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_efficient_equals_plain(kind, dtype):
@@ -382,7 +420,7 @@ def test_bad_weight_and_bias_are_named():
     with pytest.raises(ValueError, match=r"bias has shape \[3\]"):
         fused_layer_norm_affine(x, torch.ones(6), torch.zeros(3), 6)
     with pytest.raises(TypeError, match="weight dtype torch.float16 does not fit input dtype torch.float32"):
-        fused_rms_norm_affine(x, torch.ones(6, dtype=torch.float16), 6)
+        fused_layer_norm_affine(x, torch.ones(6, dtype=torch.float16), None, 6)  # F.layer_norm refuses it too
     with pytest.raises(TypeError, match="weight dtype torch.bfloat16 does not fit input dtype torch.float16"):
         fused_layer_norm_affine(x.half(), torch.ones(6, dtype=torch.bfloat16), None, 6)
     with pytest.raises(TypeError, match="bias dtype torch.float16 differs from weight dtype torch.float32"):
