@@ -1,6 +1,7 @@
 """``python -m apex.parallel.multiproc main.py``: Apex's launcher, which its 2018 examples and READMEs ran."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,6 +88,16 @@ def test_a_failed_worker_stops_the_others_and_is_the_launchers_exit_status(tmp_p
     script = tmp_path / "worker.py"
     script.write_text("import sys, time\nif sys.argv[-1] == '1':\n    sys.exit(3)\ntime.sleep(120)\n")
     assert multiproc.main([str(script), "--world-size", "2"]) == 3
+
+
+def test_a_worker_killed_by_a_signal_is_the_launchers_exit_status_as_a_shell_gives_it(tmp_path, monkeypatch):
+    """An OOM kill (SIGKILL) was returncode -9, which SystemExit turned into exit status 247; a shell says 137."""
+    monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "worker.py"
+    rank_1_killed = "if sys.argv[-1] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    script.write_text(f"import os, signal, sys, time\n{rank_1_killed}time.sleep(120)\n")
+    assert multiproc.main([str(script), "--world-size", "2"]) == 128 + signal.SIGKILL
 
 
 def test_an_apex_module_the_shim_does_not_serve_is_named_by_the_launcher():

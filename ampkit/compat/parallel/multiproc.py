@@ -61,6 +61,12 @@ def worker_commands(args: list[str]) -> list[list[str]]:
     return [[sys.executable, *_with_option(base, "--rank", rank)] for rank in range(size)]
 
 
+def _exit_status(returncode: int) -> int:
+    """A worker's ``Popen.returncode`` as a shell gives it: one killed by signal N (returncode -N, an OOM kill's
+    SIGKILL) is 128 + N; ``SystemExit(-9)`` would exit 247."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the workers and wait for them; the first non-zero exit status stops the others and is returned."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             codes = [worker.poll() for worker in workers]
             failed = [code for code in codes if code not in (None, 0)]
             if failed or all(code == 0 for code in codes):
-                return failed[0] if failed else 0
+                return _exit_status(failed[0]) if failed else 0
             time.sleep(0.05)
     finally:
         for worker in workers:
