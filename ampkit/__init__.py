@@ -10,7 +10,17 @@ from ampkit.config import (
     PrecisionConfig,
     TrainerConfig,
 )
-from ampkit.trainer import BackwardState, Callback, CheckpointError, Logger, OptimizerState, Phase, Trainer, load_model
+from ampkit.trainer import (
+    BackwardState,
+    Callback,
+    CheckpointError,
+    Logger,
+    OptimizerState,
+    Phase,
+    Preempted,
+    Trainer,
+    load_model,
+)
 from ampkit.trainer.sharded_checkpoint import consolidate_checkpoint
 
 __version__ = "0.1.0"
@@ -29,6 +39,7 @@ __all__ = [
     "OptimizerState",
     "Phase",
     "PrecisionConfig",
+    "Preempted",
     "Trainer",
     "TrainerConfig",
     "consolidate_checkpoint",
