@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,21 @@ def test_a_worker_killed_by_a_signal_is_the_launchers_exit_status_as_a_shell_giv
     rank_1_killed = "if sys.argv[-1] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
     script.write_text(f"import os, signal, sys, time\n{rank_1_killed}time.sleep(120)\n")
     assert multiproc.main([str(script), "--world-size", "2"]) == 128 + signal.SIGKILL
+
+
+def test_a_worker_that_outlives_the_stopping_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    """A worker that handles SIGTERM (ampkit's fit() saves first) and is stuck, as in a collective with the rank that
+    died, kept the launcher waiting on it for ever."""
+    monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(multiproc, "STOP_GRACE_S", 0.5)
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "worker.py"
+    rank_1_fails = "if sys.argv[-1] == '1':\n    time.sleep(1)\n    sys.exit(3)\n"
+    script.write_text(f"import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n{rank_1_fails}"
+                      "time.sleep(60)\n")  # fmt: skip
+    started = time.monotonic()
+    assert multiproc.main([str(script), "--world-size", "2"]) == 3
+    assert time.monotonic() - started < 30
 
 
 def test_an_apex_module_the_shim_does_not_serve_is_named_by_the_launcher():

@@ -3,7 +3,8 @@
 Each worker runs ``python SCRIPT ARGS --world-size N --rank I`` (values ARGS already give are replaced). Rank 0
 prints to this terminal and rank I > 0 to ``GPU_I.log`` in the working directory, as in Apex. N is the number of
 CUDA devices, as in Apex; without one it is ARGS' ``--world-size`` (default 1), so CPU runs with gloo can start
-several ranks. Unlike Apex, a failed worker stops the others and the launcher exits with its status.
+several ranks. Unlike Apex, a failed worker stops the others (SIGTERM, then SIGKILL after ``STOP_GRACE_S``) and the
+launcher exits with its status.
 
 Run it through ``python -m ampkit.legacy -m apex.parallel.multiproc SCRIPT ...`` so the workers see the apex shim.
 """
@@ -17,6 +18,10 @@ import time
 import torch
 
 _USAGE = "usage: python -m apex.parallel.multiproc SCRIPT [ARGS...] [--world-size N]"
+# How long the workers left get after the SIGTERM that stops them before a SIGKILL, as torchrun's agent gives them: one
+# that handles SIGTERM (ampkit's fit() stops at its iteration's end and saves) may be stuck in a collective with the
+# worker that died, where the launcher waited on it for ever.
+STOP_GRACE_S = 30.0
 
 
 def _option_value(args: list[str], option: str) -> str | None:
@@ -90,8 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         for worker in workers:
             if worker.poll() is None:
                 worker.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
         for worker in workers:
-            worker.wait()
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # it handles SIGTERM (ampkit's fit() saves first) and is stuck
+                worker.kill()
+                worker.wait()
         for log in logs:
             log.close()
 
