@@ -23,7 +23,8 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
-from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg
+from torch.utils.data import DataLoader
+from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
@@ -743,6 +744,30 @@ def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
     done = subprocess.run([sys.executable, "-c", script], env=child_env(REPO), capture_output=True, text=True,
                           timeout=30)  # fmt: skip
     assert done.returncode == 0 and done.stdout == "read\n", done.stderr
+
+
+class _PersistentWorkersToyTrainer(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(self.cfg.data.n), batch_size=8, shuffle=True, num_workers=1,
+                          persistent_workers=True)  # fmt: skip
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(24, seed=7), batch_size=8, num_workers=1, persistent_workers=True)
+
+
+def test_a_resume_at_an_epoch_end_with_persistent_workers_is_bit_identical(tmp_path):
+    """Persistent workers draw their seed from torch's RNG when they start: in the first epoch of a run only, so the
+    resumed run drew once more than the run it continues, and its dropout (and so its weights) went another way."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False}
+    full = _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "full", **quiet, **{"trainer.max_epochs": 2}))
+    full.fit()
+    _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_epochs": 1})).fit()
+    resumed = _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
+    )
 
 
 class _LogsBatchIndexPerEpoch(ToyTrainer):

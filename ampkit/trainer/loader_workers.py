@@ -8,7 +8,8 @@ SIGCHLD handler at any point of the step, and saves nothing. A worker that :clas
 ignores such a SIGTERM and keeps serving until the trainer shuts its loader down (the None sentinel); it still exits
 at once on a SIGTERM from the process that started it (torch's ``terminate()`` at shutdown and at interpreter exit)
 or once that process is gone, and the scheduler's SIGKILL after its grace period ends it as before. The trainer
-starts the workers with SIGTERM held (:func:`iterate`), so that one sent while a worker starts waits for the policy.
+starts the workers with SIGTERM held (:func:`iterate`), so that one sent while a worker starts waits for the policy,
+and persistent workers without drawing from torch's RNG, so that a resumed run draws as the run it continues did.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 
@@ -64,7 +66,25 @@ def workers_outlive_foreign_sigterm(loader: Any) -> Any:
 
 def iterate(loader: Any) -> Iterator[Any]:
     """``iter(loader)``; where that starts workers under :class:`WorkerSigtermPolicy`, with SIGTERM held in this
-    thread meanwhile (a forked worker inherits that, until the policy takes its SIGTERMs) and delivered after."""
+    thread meanwhile (a forked worker inherits that, until the policy takes its SIGTERMs) and delivered after;
+    persistent workers start without drawing from torch's RNG."""
+    if getattr(loader, "persistent_workers", False):
+        return _without_drawing(loader)
+    return _iterate(loader)
+
+
+def _without_drawing(loader: Any) -> Iterator[Any]:
+    """``iter(loader)`` of persistent workers, torch's RNG left as it was: their start draws the workers' seed from
+    it, which only the first epoch of a run does, so a resumed run's RNG (its dropout) would go off the course of
+    the run it continues."""
+    state = torch.get_rng_state()
+    try:
+        return _iterate(loader)
+    finally:
+        torch.set_rng_state(state)
+
+
+def _iterate(loader: Any) -> Iterator[Any]:
     policy = getattr(loader, "worker_init_fn", None)
     if not isinstance(policy, WorkerSigtermPolicy) or not hasattr(signal, "sigwaitinfo"):
         return iter(loader)
