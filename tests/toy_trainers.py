@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -119,16 +123,13 @@ class _NeedsWorkerInit(TensorDataset):
 
 class _GroupSigterm(ampkit.Callback):
     """SIGTERM to the whole process group (as Slurm and torchrun's agent send it), once, at step 3 or at the first
-    validation batch (env AMPKIT_TEST_GROUP_SIGTERM: train, validation); then a pause for the workers to die of it."""
+    validation batch (env AMPKIT_TEST_GROUP_SIGTERM: train, validation), or to torchrun's agent at step 3 (torchrun);
+    then a pause for the workers to die of it."""
 
     def __init__(self) -> None:
         self.when, self.sent = os.environ.get("AMPKIT_TEST_GROUP_SIGTERM"), False
 
     def _send(self) -> None:
-        import subprocess
-        import sys
-        import time
-
         self.sent = True  # sent by another process, as a scheduler's is: the workers' own parent may end them
         kill = f"import os, signal; os.killpg({os.getpgid(0)}, signal.SIGTERM)"
         subprocess.run([sys.executable, "-c", kill], start_new_session=True, check=True)
@@ -137,6 +138,10 @@ class _GroupSigterm(ampkit.Callback):
     def on_train_batch_end(self, trainer, outputs, batch) -> None:
         if self.when == "train" and not self.sent and trainer.state.global_step == 3:
             self._send()
+        if self.when == "torchrun" and not self.sent and trainer.state.global_step == 3 and trainer.is_global_zero:
+            self.sent = True  # to torchrun's agent, which passes it on to each rank's process group
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(1)
 
     def on_validation_batch_end(self, trainer, metrics, batch) -> None:
         if self.when == "validation" and not self.sent and trainer.state.global_step > 0:
