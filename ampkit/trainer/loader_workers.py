@@ -7,7 +7,9 @@ and the trainer then fails with ``DataLoader worker (pid N) is killed by signal:
 SIGCHLD handler at any point of the step, and saves nothing. A worker that :class:`WorkerSigtermPolicy` starts
 ignores such a SIGTERM and keeps serving until the trainer shuts its loader down (the None sentinel); it still exits
 at once on a SIGTERM from the process that started it (torch's ``terminate()`` at shutdown and at interpreter exit)
-or once that process is gone, and the scheduler's SIGKILL after its grace period ends it as before. The trainer
+or once that process is gone, and the scheduler's SIGKILL after its grace period ends it as before. A thread the
+worker had before the policy (the OpenMP runtime's, under spawn or forkserver unless OMP_NUM_THREADS=1) still takes
+SIGTERMs torch's way. The trainer
 starts the workers with SIGTERM held (:func:`iterate`), so that one sent while a worker starts waits for the policy,
 and persistent workers without drawing from torch's RNG, so that a resumed run draws as the run it continues did.
 """
