@@ -322,7 +322,7 @@ def stop_runs(out: Path, base: dict) -> dict:
     for name, callbacks in asked_on.items():
         run_dir = out / name.replace(" ", "_")
         cfg = {**base, "run_dir": str(run_dir), "data": {"batch_size": 4}, "logging": {"tensorboard": False,
-               "log_every_n_steps": 2}, "trainer": {**base["trainer"], "max_epochs": 1, "val_every_n_steps": 3,
+               "log_every_n_steps": 100}, "trainer": {**base["trainer"], "max_epochs": 1, "val_every_n_steps": 3,
                "num_sanity_val_steps": 0}, "distributed": {"timeout_s": 10}}  # fmt: skip
         trainer = Plain(cfg, callbacks=callbacks.get(RANK, []))
         trainer.fit()

@@ -161,9 +161,10 @@ def test_fit_then_validate_and_predict_in_one_script_each_get_a_working_process_
 
 def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkpoint(tmp_path):
     """``state.should_stop`` set on one rank only left the other waiting in its next collective until
-    ``distributed.timeout_s``, then failing. The ranks agree on it where they meet anyway: at an iteration that logs
-    (every 2 here), so a stop asked at step 3 takes effect at 4, mid-epoch (8 batches); after a validation, so
-    early stopping takes effect at once (at the second validation, step 6)."""
+    ``distributed.timeout_s``, then failing. The ranks agree on it where they meet anyway: in the next iteration's
+    collective of loss facts, so a stop asked after step 3 takes effect at 4, mid-epoch (8 batches), not at the next
+    iteration that logs (every 100 here) or validates (step 6, where it waited before); after a validation, so early
+    stopping takes effect at once (at the second validation, step 6)."""
     results = launch("stop", tmp_path, timeout=120)
     rank0, rank1 = _ok(results)
     # rank 0 says where every rank stopped, also when its own rule asked (a step earlier)
@@ -437,7 +438,8 @@ def test_resumed_two_rank_run_equals_uninterrupted(two_rank_run, tmp_path):
 def test_a_sigterm_on_one_rank_saves_the_step_every_rank_stops_at_and_resume_continues_the_run(two_rank_run, tmp_path):
     """A scheduler's preemption (SIGTERM, passed on by torchrun's agent, which kills the ranks 30 s later) killed the
     rank at once and lost the steps since the last checkpoint. The ranks now agree on it where they agree on a stop
-    (the next iteration that logs: step 4), save that step, unwind, and --resume last continues the same run."""
+    (the next iteration's collective of loss facts: step 4), save that step, unwind, and --resume last continues the
+    same run."""
     rank0, rank1 = _ok(launch("sigterm", tmp_path))
     for rank in (rank0, rank1):
         assert rank["preempted"] == "Preempted: SIGTERM: stopped at step 4"

@@ -46,6 +46,7 @@ class MasterWeights:
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
             params = group["params"]
+            self.check_new_params(params)  # a group added without the check (the Trainer's mid-run groups)
             for k, param in enumerate(params):
                 if id(param) in known:
                     continue
@@ -63,6 +64,18 @@ class MasterWeights:
                 self.model_params.append(param)
                 self.master_params.append(master)
                 known.add(id(master))
+
+    def check_new_params(self, params: list[torch.Tensor]) -> None:
+        """Refuse model parameters that already have a master here: torch's check for a parameter in two groups
+        compares the group's tensors with the masters, not with the model's, so a second master was made and the
+        two groups' updates overwrote each other."""
+        held = {id(p) for p in self._low}
+        for i, param in enumerate(params):
+            if id(param) in held:
+                raise ValueError(
+                    f"some parameters appear in more than one parameter group: params[{i}] (shape "
+                    f"{tuple(param.shape)}) is already in the optimizer, as its fp32 master"
+                )
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

@@ -10,9 +10,11 @@ ops, bit for bit the host's, and the host copy follows one iteration later throu
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ampkit.amp.opt_levels import parse_loss_scale
@@ -25,7 +27,9 @@ __all__ = ["LossScaler"]
 LOWEST_SCALE = 2.0**-126
 
 
-def _positive(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
+def positive_option(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
+    """``value`` as a float if it is a finite number > 0 (and > 1 or < 1 where asked); else a ValueError naming
+    ``option``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{option}={value!r}: expected a number")
     value = float(value)
@@ -36,6 +40,25 @@ def _positive(value: Any, option: str, *, above_one: bool = False, below_one: bo
     if below_one and value >= 1.0:
         raise ValueError(f"{option}={value!r}: expected a number in (0, 1)")
     return value
+
+
+def interval_option(value: Any, option: str) -> int:
+    """``value`` if it is an integer >= 1 (a count of iterations); else a ValueError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{option}={value!r}: expected an integer >= 1")
+    return value
+
+
+def overflow_verdict(found_inf: Any) -> bool:
+    """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
+    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one."""
+    if isinstance(found_inf, torch.Tensor):
+        if found_inf.numel() != 1:
+            raise ValueError(f"found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
+        return bool(found_inf.item())
+    if not isinstance(found_inf, bool | numbers.Number | np.generic):
+        raise TypeError(f"found_inf must be a bool or a one-element tensor, got {found_inf!r}")
+    return bool(found_inf)
 
 
 class LossScaler:
@@ -78,17 +101,15 @@ class LossScaler:
     ) -> None:
         mode = parse_loss_scale(loss_scale)
         self.dynamic: bool = mode == "dynamic"
-        self.growth_factor = _positive(growth_factor, "growth_factor", above_one=True)
-        self.backoff_factor = _positive(backoff_factor, "backoff_factor", below_one=True)
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval={growth_interval!r}: expected an integer >= 1")
-        self.growth_interval = growth_interval
-        self.min_scale = None if min_scale is None else _positive(min_scale, "min_scale")
-        self.max_scale = None if max_scale is None else _positive(max_scale, "max_scale")
+        self.growth_factor = positive_option(growth_factor, "growth_factor", above_one=True)
+        self.backoff_factor = positive_option(backoff_factor, "backoff_factor", below_one=True)
+        self.growth_interval = interval_option(growth_interval, "growth_interval")
+        self.min_scale = None if min_scale is None else positive_option(min_scale, "min_scale")
+        self.max_scale = None if max_scale is None else positive_option(max_scale, "max_scale")
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
         if self.dynamic:
-            start = _positive(init_scale, "init_scale")
+            start = positive_option(init_scale, "init_scale")
             if self.max_scale is not None:
                 start = min(start, self.max_scale)
             if self.min_scale is not None:
@@ -149,8 +170,7 @@ class LossScaler:
 
         ``found_inf`` may be a bool or a tensor (non-zero means overflow; reading it is the one sync).
         """
-        if isinstance(found_inf, torch.Tensor):
-            found_inf = bool(found_inf.item())
+        found_inf = overflow_verdict(found_inf)
         old = self._scale
         if not self.dynamic:
             self.unskipped += 1
@@ -223,7 +243,7 @@ class LossScaler:
             scale = scale.item()
         if isinstance(unskipped, torch.Tensor):
             unskipped = int(unskipped.item())
-        self._scale = _positive(scale, "loss_scale")
+        self._scale = positive_option(scale, "loss_scale")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
         self.unskipped = unskipped

@@ -23,7 +23,6 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.trainer.evaluation import batch_size
 
 # Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
 # Keys are matched against torch.cuda.get_device_name() lower-cased; longer keys first (h100 nvl before h100).
@@ -172,7 +171,7 @@ class Throughput(Callback):
             if s.is_iteration_end:
                 self._start = self._watch.mark()
             return
-        samples = batch_size(batch)
+        samples = s.batch_size  # the Trainer's count of this batch, taken before it ran
         if samples is None:  # no tensor in the batch: the window's rates are unknown, not 0
             self._samples, self._uncounted = None, type(batch).__name__
         elif self._samples is not None:

@@ -1,6 +1,7 @@
 """Apex packages the apex shim does not serve, each with what to use instead: the one-line message of the
 ``ModuleNotFoundError`` a script importing one gets (still a ``ModuleNotFoundError``, so an import guarded by
-``try: ... except ImportError:`` falls back as it did where Apex was built without that extension)."""
+``try: ... except ImportError:`` falls back as it did where Apex was built without that extension). Read as an
+attribute of its package (``apex.contrib.layer_norm``), one raises an AttributeError with the same message."""
 
 from __future__ import annotations
 

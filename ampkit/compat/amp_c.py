@@ -72,12 +72,16 @@ def _steps_before(step: int | Tensor, count: int, device: torch.device) -> list[
     return [torch.full((), float(step) - 1.0, dtype=torch.float32, device=device) for _ in range(count)]
 
 
+# Integer and bool tensors: a state dict's counters and masks (BatchNorm's num_batches_tracked; a causal mask kept as
+# a persistent bool buffer, as older transformers' GPT-2 attention did).
 _INTEGER_DTYPES = frozenset(
-    (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.uint16, torch.uint32, torch.uint64)
 )
 
 
 def _is_integer(t: Tensor) -> bool:
+    """Whether ``t`` holds integers (bool among them), which the float kernels do not take."""
     return t.dtype in _INTEGER_DTYPES
 
 
@@ -113,13 +117,14 @@ def _with_integer_entries_apart(
 
 def _write_rounded(out: Tensor, value: Tensor) -> None:
     """``out = value``, rounded to the nearest integer when ``out`` is an integer tensor (not truncated:
-    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64)."""
+    ``0.7 * 3 + 0.3 * 3`` is 2.9999999999999996 in float64); a bool one is then True where that is not 0."""
     out.copy_(value.round() if _is_integer(out) else value)
 
 
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
-    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer tensors (a
-    state dict's step counters) are computed in float64 and rounded to the nearest integer when written."""
+    """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer and bool tensors
+    (a state dict's step counters and masks) are computed in float64 and rounded to the nearest integer when
+    written."""
     inputs, outputs = check_lists("multi_tensor_scale", tensor_lists, (2,))
 
     def integer_op(xi: Tensor, oi: Tensor) -> None:
@@ -164,7 +169,7 @@ def multi_tensor_l2norm(
 ) -> tuple[Tensor, Tensor]:
     """``(norm, per_tensor_norms)`` of ``tensor_lists[0]`` in float32; per-tensor norms are empty unless asked."""
     (inputs,) = check_lists("multi_tensor_l2norm", tensor_lists, (1,))
-    result = multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor))
+    result = multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
     return total, per
@@ -182,7 +187,7 @@ def multi_tensor_l2norm_scale(
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``in`` (before scaling) while writing ``out = in * scale`` for ``[in, out]``; flags inf/nan."""
     inputs, outputs = check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
-    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=bool(per_tensor)))
+    total, per = _norm_outputs(multi_tensor.l2norm(inputs, per_tensor=per_tensor is not None and per_tensor))
     multi_tensor.scale_(inputs, scale, noop_flag, out=outputs)
     _flag_if_not_finite(total, noop_flag)
     return total, per
@@ -197,7 +202,7 @@ def multi_tensor_unscale_l2norm(
 ) -> tuple[Tensor, Tensor]:
     """Norms of ``tensor_lists[0] * inv_scale`` (the tensors are not written), as ``multi_tensor_l2norm``."""
     (inputs,) = check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,))
-    result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=bool(per_tensor))
+    result = multi_tensor.unscale_l2norm(inputs, inv_scale, noop_flag, per_tensor=per_tensor is not None and per_tensor)
     total, per = _norm_outputs(result)
     _flag_if_not_finite(total, noop_flag)
     return total, per

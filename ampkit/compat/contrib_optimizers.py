@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampkit.compat._unserved import unserved_advice
 from ampkit.compat.legacy_fused_adam import FP16_Optimizer
 from ampkit.compat.legacy_fused_adam import LegacyFusedAdam as FusedAdam
 from ampkit.compat.missing_name import missing_name
@@ -22,6 +23,9 @@ _INSTEAD = {
 
 
 def __getattr__(name: str) -> Any:
+    advice = unserved_advice(f"apex.contrib.optimizers.{name}")  # a module of Apex's package: distributed_fused_adam
+    if advice is not None:
+        raise missing_name(advice, "apex.contrib.optimizers", name, submodule=True)
     instead = f"; use {_INSTEAD[name]}" if name in _INSTEAD else ""
     raise missing_name(
         f"ampkit's apex.contrib.optimizers provides FP16_Optimizer and FusedAdam (Apex's first API), not {name!r}"

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops.norms import NormDtypeError, NormShapeError
 
 __all__ = [
     "backward",
@@ -37,13 +38,14 @@ ShapeLike = int | Sequence[int]
 def _shape(
     op: str, normalized_shape: ShapeLike, gamma: Tensor | None = None, beta: Tensor | None = None
 ) -> tuple[int, ...]:
-    """``normalized_shape`` as a tuple, after checking it is not empty and that ``gamma``/``beta`` have it (as Apex)."""
+    """``normalized_shape`` as a tuple, after checking it is not empty and that ``gamma``/``beta`` have it (as Apex).
+    Shape errors are RuntimeErrors, as Apex's TORCH_CHECKs raised, and ValueErrors."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape:
-        raise ValueError(f"fused_layer_norm_cuda.{op}: normalized_shape must have at least one dim, got []")
+        raise NormShapeError(f"fused_layer_norm_cuda.{op}: normalized_shape must have at least one dim, got []")
     for name, weight in (("gamma", gamma), ("beta", beta)):
         if weight is not None and (tuple(weight.shape) != shape or not weight.is_floating_point()):
-            raise ValueError(
+            raise NormShapeError(
                 f"fused_layer_norm_cuda.{op}: {name} must be a floating-point tensor of normalized_shape "
                 f"{list(shape)}, got {weight.dtype} of shape {list(weight.shape)}"
             )
@@ -54,12 +56,12 @@ def _rows(op: str, tensor: Tensor, normalized_shape: ShapeLike, name: str = "inp
     """``tensor`` as ``(n1, n2)``, ``n2`` the product of ``normalized_shape``, which must end its shape."""
     shape = _shape(op, normalized_shape)
     if len(shape) > tensor.dim() or tuple(tensor.shape[tensor.dim() - len(shape) :]) != shape:
-        raise ValueError(
+        raise NormShapeError(
             f"fused_layer_norm_cuda.{op}: normalized_shape {list(shape)} must be the trailing dims of the "
             f"{name}'s shape {list(tensor.shape)}"
         )
     if not tensor.is_floating_point():
-        raise TypeError(f"fused_layer_norm_cuda.{op}: {name} must be a floating-point tensor, got {tensor.dtype}")
+        raise NormDtypeError(f"fused_layer_norm_cuda.{op}: {name} must be a floating-point tensor, got {tensor.dtype}")
     return tensor.reshape(math.prod(tensor.shape[: tensor.dim() - len(shape)]), math.prod(shape))
 
 
@@ -67,7 +69,7 @@ def _check_stats(op: str, rows: int, mean: Tensor | None, invvar: Tensor) -> Non
     """The forward's statistics: one floating-point value per normalized row."""
     for name, stat in (("mean", mean), ("invvar", invvar)):
         if stat is not None and (stat.numel() != rows or not stat.is_floating_point()):
-            raise ValueError(
+            raise NormShapeError(
                 f"fused_layer_norm_cuda.{op}: {name} must be the forward's floating-point statistics, one per row "
                 f"({rows}), got {stat.dtype} of shape {list(stat.shape)}"
             )
@@ -75,7 +77,7 @@ def _check_stats(op: str, rows: int, mean: Tensor | None, invvar: Tensor) -> Non
 
 def _check_dout(op: str, dout: Tensor, input_or_output: Tensor) -> None:
     if dout.shape != input_or_output.shape:
-        raise ValueError(
+        raise NormShapeError(
             f"fused_layer_norm_cuda.{op}: dout {list(dout.shape)} must have input_or_output's shape "
             f"{list(input_or_output.shape)}"
         )

@@ -22,7 +22,9 @@ import types
 import warnings
 from typing import Any
 
-from ampkit.compat._unserved import EMPTY_PACKAGES, UNSERVED, unserved_advice
+from ampkit.compat import _pkg_resources
+from ampkit.compat._unserved import EMPTY_PACKAGES, unserved_advice
+from ampkit.compat.missing_name import missing_name
 
 APEX_SUBPACKAGES = {
     "amp": "ampkit.compat.amp",
@@ -80,6 +82,7 @@ _MODULE_ALIASES = {
 _SERVED_CONTRIB = sorted({name.split(".")[2] for name in _MODULE_ALIASES if name.startswith("apex.contrib.")})
 _SHIM_MARKER = "__ampkit_apex_shim__"
 APEX_VERSION = "0.1+ampkit"  # Apex's own version (0.1), marked as this stand-in
+_APEX_METADATA = f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\nSummary: ampkit's apex shim\n"
 
 
 def _target_module_name(fullname: str) -> str:
@@ -88,12 +91,7 @@ def _target_module_name(fullname: str) -> str:
     _, _, rest = fullname.partition(".")
     head, _, tail = rest.partition(".")
     if head not in APEX_SUBPACKAGES:
-        provided = (
-            f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}} and "
-            f"apex.contrib.{{{', '.join(_SERVED_CONTRIB)}}}"
-        )
-        advice = unserved_advice(fullname)
-        message = f"{advice} ({provided})" if advice else f"{provided}; {fullname!r} is not one of them"
+        message = _unserved_message(fullname) or f"{_PROVIDED}; {fullname!r} is not one of them"
         raise ModuleNotFoundError(message, name=fullname)
     target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
     if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
@@ -103,6 +101,18 @@ def _target_module_name(fullname: str) -> str:
             f"ampkit's apex shim has no module {fullname!r}; apex.{head} provides {', '.join(names)}", name=fullname
         )
     return target
+
+
+_PROVIDED = (
+    f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}} and "
+    f"apex.contrib.{{{', '.join(_SERVED_CONTRIB)}}}"
+)
+
+
+def _unserved_message(fullname: str) -> str | None:
+    """What to use instead of the Apex package ``fullname`` (or one above it) the shim does not serve, else None."""
+    advice = unserved_advice(fullname)
+    return f"{advice} ({_PROVIDED})" if advice else None
 
 
 def served_module_name(fullname: str) -> str:
@@ -129,10 +139,12 @@ def _make_apex_package() -> types.ModuleType:
     def __getattr__(name: str) -> Any:
         if name in APEX_SUBPACKAGES or f"apex.{name}" in EMPTY_PACKAGES:  # apex.contrib: OpenNMT-py reads it so
             return importlib.import_module(f"apex.{name}")
-        raise AttributeError(
+        unserved = _unserved_message(f"apex.{name}")  # apex.transformer: what to use instead
+        message = unserved or (
             f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
             " and contrib"
         )
+        raise missing_name(message, "apex", name, submodule=unserved is not None)
 
     package.__getattr__ = __getattr__
     return package
@@ -141,8 +153,9 @@ def _make_apex_package() -> types.ModuleType:
 def _make_empty_package(name: str) -> types.ModuleType:
     """An Apex package that imports empty, as Apex's own did (``apex.contrib``, ``apex.contrib.focal_loss``); its
     subpackages are refused unless aliased (``apex.contrib.clip_grad``, ``apex.contrib.focal_loss.focal_loss``), an
-    aliased one is imported when read as an attribute, and ``from apex.contrib import layer_norm`` raises the
-    subpackage's ``ModuleNotFoundError``, not a bare ImportError."""
+    aliased one is imported when read as an attribute, ``from apex.contrib import layer_norm`` raises the
+    subpackage's ``ModuleNotFoundError``, not a bare ImportError, and ``apex.contrib.layer_norm`` read as an attribute
+    raises an AttributeError with the same advice (as Apex's own package, so ``hasattr`` feature checks answer)."""
     package = types.ModuleType(name, f"ampkit's stand-in for {name}: empty, as in Apex.")
     package.__path__ = []
 
@@ -150,9 +163,9 @@ def _make_empty_package(name: str) -> types.ModuleType:
         submodule = f"{name}.{attribute}"
         if submodule in _MODULE_ALIASES or submodule in EMPTY_PACKAGES:  # a served subpackage, read as an attribute
             return importlib.import_module(submodule)  # (apex.contrib.optimizers.FP16_Optimizer after `import apex`)
-        if submodule in UNSERVED:
-            _target_module_name(submodule)  # raises the subpackage's ModuleNotFoundError
-        raise AttributeError(f"module {name!r} (ampkit shim) has no attribute {attribute!r}")
+        unserved = _unserved_message(submodule)
+        message = unserved or f"module {name!r} (ampkit shim) has no attribute {attribute!r}; {_PROVIDED}"
+        raise missing_name(message, name, attribute, submodule=unserved is not None)
 
     package.__getattr__ = __getattr__
     return package
@@ -236,7 +249,7 @@ class _ApexDistribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
-            return f"Metadata-Version: 2.1\nName: apex\nVersion: {APEX_VERSION}\nSummary: ampkit's apex shim\n"
+            return _APEX_METADATA
         if filename == "top_level.txt":
             return "apex\n"
         return None
@@ -269,6 +282,8 @@ class _ApexShimFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.ModuleSpec("apex", _AliasLoader(None), is_package=True)
         if fullname in _TOP_LEVEL_MODULES:
             return importlib.machinery.ModuleSpec(fullname, _AliasLoader(_TOP_LEVEL_MODULES[fullname]))
+        if fullname == "pkg_resources":  # its working set lists the shim's apex too, once it has been built
+            return _pkg_resources.spec_announcing_apex(self, fullname, path, target, APEX_VERSION, _APEX_METADATA)
         if not fullname.startswith("apex."):
             return None
         if fullname in EMPTY_PACKAGES:
@@ -384,6 +399,8 @@ def install_apex_shim(force: bool = False) -> bool:
             return False
     _forget_apex_modules()
     sys.meta_path.insert(0, _ApexShimFinder())
+    if "pkg_resources" in sys.modules:  # imported before: its working set is built, so the shim's apex is added now
+        _pkg_resources.announce(sys.modules["pkg_resources"], APEX_VERSION, _APEX_METADATA)
     _warn_of_libraries_that_already_found_no_apex()
     return True
 
@@ -393,4 +410,5 @@ def uninstall_apex_shim() -> None:
     finder = _installed_finder()
     if finder is not None:
         sys.meta_path.remove(finder)
+    _pkg_resources.forget(sys.modules.get("pkg_resources"))
     _forget_apex_modules()

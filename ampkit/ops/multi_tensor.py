@@ -124,17 +124,44 @@ def _as_list(tensors: Sequence[torch.Tensor], name: str, none_allowed: bool = Fa
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) and not (none_allowed and t is None):
             raise TypeError(f"`{name}[{i}]` must be a tensor, got {type(t).__name__}")
+        if t is not None and t.is_meta:
+            raise _on_meta(f"`{name}[{i}]`")
     return list(tensors)
+
+
+def _on_meta(what: str) -> RuntimeError:
+    """A meta tensor holds no values for these ops to read or write: the error names it (it was ``Tensor.item()
+    cannot be called on meta tensors``, naming no argument)."""
+    return RuntimeError(
+        f"{what} is on the meta device, which holds no values; materialize it (e.g. module.to_empty(device=...)) "
+        "before these ops read or update it"
+    )
 
 
 def _factor(value: float | torch.Tensor, name: str) -> float:
     if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise _on_meta(f"`{name}`")
         if value.numel() != 1:
             raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number or a one-element tensor, got {type(value).__name__}")
     return float(value)
+
+
+def _switch(value: bool, name: str) -> bool:
+    """An on/off argument: True or False (or 0 and 1). Anything else reached the kernel's schema as a multi-line
+    error, or the reference as truthy."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _arg_to_check(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`arg_to_check` must be -1 (check x and y), 0 (check x) or 1 (check y), got {value!r}")
+    return int(value)
 
 
 def _flag(found_inf: torch.Tensor) -> torch.Tensor:
@@ -144,6 +171,8 @@ def _flag(found_inf: torch.Tensor) -> torch.Tensor:
             f"`found_inf` must be a one-element float32 or int32 tensor (set to 1 on inf/nan), got "
             f"{type(found_inf).__name__}"
         )
+    if found_inf.is_meta:
+        raise _on_meta("`found_inf`")
     return found_inf
 
 
@@ -184,6 +213,7 @@ def axpby_(
     """
     x, y, out = _as_list(x, "x"), _as_list(y, "y"), _as_list(out, "out")
     a, b, found_inf = _factor(a, "a"), _factor(b, "b"), _flag(found_inf)
+    arg_to_check = _arg_to_check(arg_to_check)
     if kernel_available(found_inf.device):
         kernel_args = (x, y, out, a, b, arg_to_check, found_inf)
         _run("axpby_", reference.axpby_, kernel_args, (a, x, b, y, out, found_inf, arg_to_check))
@@ -220,7 +250,7 @@ def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Nor
     The result is float32 (float64 if an input is float64) on the inputs' device. This is
     ``clip_grad_norm_``'s total norm in one pass, without the per-tensor norm tensors.
     """
-    inputs = _as_list(inputs, "inputs")
+    inputs, per_tensor = _as_list(inputs, "inputs"), _switch(per_tensor, "per_tensor")
     device = inputs[0].device if inputs else torch.device("cpu")
     if inputs and kernel_available(device):
         total, per = _run("l2norm", reference.l2norm, (inputs, per_tensor), (inputs, per_tensor))
@@ -245,6 +275,7 @@ def unscale_l2norm(
     inputs = _as_list(inputs, "inputs")
     outputs = [] if out is None else _as_list(out, "out")
     inv_scale, found_inf = _factor(inv_scale, "inv_scale"), _flag(found_inf)
+    per_tensor = _switch(per_tensor, "per_tensor")
     if kernel_available(found_inf.device):
         args = (inputs, outputs, inv_scale, found_inf, per_tensor)
         total, per = _run("unscale_l2norm", reference.unscale_l2norm, args, args)

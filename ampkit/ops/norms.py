@@ -25,9 +25,10 @@ SyncBatchNorm's local statistics live here too: :func:`batch_norm_stats` (a CPU 
 none) and :func:`batch_norm_backward_reduce` (torch's own CPU/CUDA kernels, which are already
 single-pass).
 
-Inputs: float16/bfloat16/float32/float64; the weight (and bias) has the input's dtype or, for
-float16/bfloat16 inputs, float32. Non-contiguous inputs are accepted and made contiguous (one copy),
-as Apex does.
+Inputs: float16/bfloat16/float32/float64; the LayerNorm weight (and bias) has the input's dtype or, for
+float16/bfloat16 inputs, float32 (``F.layer_norm``'s rule); an RMSNorm weight and the ``Mixed*`` parameters may have
+any of those dtypes (``F.rms_norm`` takes them all). Non-contiguous inputs are accepted and made contiguous (one
+copy), as Apex does.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.autograd.function import once_differentiable
 from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -107,10 +109,11 @@ def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
 
 
 def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` if it names a dimension and no negative size; else a :class:`NormShapeError` (torch's RuntimeError)."""
     if not shape:
-        raise ValueError("normalized_shape must name at least one dimension, got ()")
+        raise NormShapeError("normalized_shape must name at least one dimension, got ()")
     if any(size < 0 for size in shape):
-        raise ValueError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
+        raise NormShapeError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
     return shape
 
 
@@ -127,8 +130,11 @@ def _check_memory_efficient(op: str, value: object) -> None:
 
 
 def _check_eps(op: str, eps: float) -> None:
-    """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+    """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs. One
+    that is not a number is also a TypeError, as torch's norms raise for it."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {eps!r} (a {type(eps).__name__})")
+    if not 0 <= eps < math.inf:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
@@ -147,8 +153,11 @@ def _check_inputs(
     normalized_shape: tuple[int, ...],
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
+    any_param_dtype: bool = False,
 ) -> None:
-    """Raise a clear error naming the bad argument; shared by the kernel and the reference path."""
+    """Raise a clear error naming the bad argument; shared by the kernel and the reference path. ``any_param_dtype``:
+    parameters of any floating dtype fit (RMSNorm and the mixed-dtype norms), else the input's or, for a half input,
+    float32 (``F.layer_norm``'s rule)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
@@ -171,6 +180,8 @@ def _check_inputs(
         if param.device != input.device:
             raise NormShapeError(f"{op}: {name} is on {param.device} but input is on {input.device}")
         allowed = (input.dtype, torch.float32) if input.dtype in _HALF_DTYPES else (input.dtype,)
+        if any_param_dtype:
+            allowed = _FLOAT_DTYPES
         if param.dtype not in allowed:
             raise NormDtypeError(
                 f"{op}: {name} dtype {param.dtype} does not fit input dtype {input.dtype}; "
@@ -178,6 +189,22 @@ def _check_inputs(
             )
     if weight is not None and bias is not None and bias.dtype != weight.dtype:
         raise NormDtypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+
+
+def _params_for_kernels(
+    input: torch.Tensor, params: tuple[torch.Tensor | None, ...], output_dtype: torch.dtype | None
+) -> tuple[tuple[torch.Tensor | None, ...], torch.dtype | None, torch.dtype | None]:
+    """Parameters, output dtype and final cast for a dtype pair the kernels do not read as such (float32 input with
+    bfloat16 weight, as ``F.rms_norm`` takes): the kernels read parameters in the input's dtype or the one it
+    accumulates in, and write the input's dtype or float32 for a half input. Such parameters are cast to the
+    accumulation dtype (in the autograd graph: their gradients come back in their own dtype), and an output dtype the
+    kernels cannot write is reached by one cast of their widest output."""
+    acc = accumulate_dtype(input.dtype)
+    if any(p is not None and p.dtype not in (input.dtype, acc) for p in params):
+        params = tuple(p if p is None else p.to(acc) for p in params)
+    if output_dtype in (None, input.dtype) or (output_dtype == torch.float32 and input.dtype in _HALF_DTYPES):
+        return params, output_dtype, None
+    return params, (torch.float32 if input.dtype in _HALF_DTYPES else None), output_dtype
 
 
 def _use_kernel(input: torch.Tensor) -> bool:
@@ -385,14 +412,17 @@ def _layer_norm(
         input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)
         with torch.autocast(input.device.type, enabled=False):
             return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
-    _check_inputs(op, input, shape, weight, bias)
+    _check_inputs(op, input, shape, weight, bias, any_param_dtype=mixed)
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
+    (weight, bias), output_dtype, cast_to = _params_for_kernels(input, (weight, bias), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
-        return F.layer_norm(input, shape, weight, bias, eps)
-    if _use_kernel(input):
-        return FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
-    return reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
+        output = F.layer_norm(input, shape, weight, bias, eps)
+    elif _use_kernel(input):
+        output = FusedLayerNormFunction.apply(input, weight, bias, shape, eps, memory_efficient, output_dtype)
+    else:
+        output = reference.layer_norm(input, shape, weight, bias, eps, output_dtype)
+    return output if cast_to is None else output.to(cast_to)
 
 
 def _rms_norm(
@@ -410,16 +440,19 @@ def _rms_norm(
         input, weight = _cast_to(autocast_dtype, input, weight)
         with torch.autocast(input.device.type, enabled=False):
             return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
-    _check_inputs(op, input, shape, weight, None)
+    _check_inputs(op, input, shape, weight, None, any_param_dtype=True)  # F.rms_norm takes any weight dtype
     if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
         eps = torch.finfo(accumulate_dtype(input.dtype)).eps
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
+    (weight,), output_dtype, cast_to = _params_for_kernels(input, (weight,), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
-        return F.rms_norm(input, shape, weight, eps)
-    if _use_kernel(input):
-        return FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
-    return reference.rms_norm(input, shape, weight, eps, output_dtype)
+        output = F.rms_norm(input, shape, weight, eps)
+    elif _use_kernel(input):
+        output = FusedRMSNormFunction.apply(input, weight, shape, eps, memory_efficient, output_dtype)
+    else:
+        output = reference.rms_norm(input, shape, weight, eps, output_dtype)
+    return output if cast_to is None else output.to(cast_to)
 
 
 # ``torch.fx.symbolic_trace`` records each norm as one call (``nn.LayerNorm`` is a leaf module to it; these modules are

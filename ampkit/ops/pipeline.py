@@ -11,16 +11,30 @@ them twice; here the gradients are only read and are left as they were (still sc
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
+from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops.optimizers._base import FusedOptimizer
 
 # clip_grad_norm_'s guard against division by zero, kept so clipping matches torch bit for bit in fp32.
 _CLIP_EPS = np.float32(1e-6)
+
+
+def _finite_positive(value: float | Tensor, must_be: str) -> float:
+    """``value`` (a number or a one-element tensor) as a float, if finite and > 0; ``float()`` read "1e-3" and
+    ``True`` as numbers and named neither a string nor None it refused."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{must_be} a finite number > 0; got {value!r} (a {type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{must_be} a finite number > 0; got {value!r}")
+    return float(value)
 
 
 @torch.no_grad()
@@ -48,11 +62,9 @@ def fused_unscale_clip_step_(
         raise TypeError(
             f"optimizer must be an ampkit fused optimizer (ampkit.ops.optimizers); got {type(optimizer).__name__}"
         )
-    inv_scale = float(inv_scale)
-    if not (math.isfinite(inv_scale) and inv_scale > 0):
-        raise ValueError(f"inv_scale must be a finite number > 0; got {inv_scale!r}")
-    if max_norm is not None and not (math.isfinite(float(max_norm)) and float(max_norm) > 0):
-        raise ValueError(f"max_norm must be None or a finite number > 0; got {max_norm!r}")
+    inv_scale = _finite_positive(inv_scale, "inv_scale must be")
+    if max_norm is not None:
+        max_norm = _finite_positive(max_norm, "max_norm must be None or")
 
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:

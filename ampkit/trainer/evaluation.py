@@ -46,7 +46,7 @@ _SEQUENCES = (list, tuple)  # a tuple of types: ``list | tuple`` would build a u
 def batch_size(batch: Any) -> int | None:
     """The samples in ``batch``: the leading size of its first non-empty tensor (a 0-d tensor is one), searched
     through dicts, lists, tuples and dataclasses; 0 when every tensor in it is empty; None (unknown) when it holds
-    no tensor (strings, a custom object). Runs on every training batch (twice: the empty-batch check and samples/s),
+    no tensor (strings, a custom object). Runs on every training batch (once: the Trainer keeps it in its state),
     so it is plain recursion, with lists and tuples looked for before the ``Mapping`` ABC's slower isinstance."""
     if isinstance(batch, torch.Tensor):
         return batch.size(0) if batch.dim() else 1  # not .shape: a nested tensor has no sizes, but a leading one

@@ -324,6 +324,7 @@ class Trainer:
         self._stop_agreed = False  # under torchrun: the ranks agreed that one of them set state.should_stop
         self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
+        self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -601,7 +602,7 @@ class Trainer:
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
-            weight = (batch_size(self._batch) or 1) if self._batch is not None else 1
+            weight = (self.state.batch_size or 1) if self._batch is not None else 1
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
@@ -761,9 +762,11 @@ class Trainer:
 
     def _agree_stop(self) -> None:
         """Under torchrun, whether any rank set ``state.should_stop`` or got a SIGTERM: one small collective, run by
-        every rank at the same points (an iteration that logs, after a validation, an epoch's end), where the ranks
-        meet anyway. When one did, every rank stops there, with ``stop_reason`` naming the ranks that asked and why
-        (a SIGTERM's stop is no early stop: its checkpoint resumes)."""
+        every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
+        iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
+        stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
+        checkpoint resumes)."""
+        self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
@@ -840,7 +843,8 @@ class Trainer:
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
-        if batch_size(batch) == 0:  # on the host, before any work: nan loss and zero gradients otherwise
+        s.batch_size = batch_size(batch)  # once a batch: log()'s epoch means and samples/s read it
+        if s.batch_size == 0:  # on the host, before any work: nan loss and zero gradients otherwise
             raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
             batch = self._to_device(batch)
@@ -896,7 +900,12 @@ class Trainer:
             else:
                 flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
                 flags.append(flag + 1.0 if loss.found_inf else flag)
-        for loss, found_inf in zip(losses, any_rank(flags, self.dist), strict=True):
+        hears_stop = distributed and not self._stop_agreed  # the ask rides along: no collective of its own
+        asked = self.state.should_stop or self._preempt_asked
+        agreed = any_rank([*flags, asked] if hears_stop else flags, self.dist)
+        if hears_stop:
+            self._stop_heard = agreed.pop() or self._stop_heard
+        for loss, found_inf in zip(losses, agreed, strict=True):
             loss.found_inf = found_inf
 
     def _agree_facts_on_device(self) -> None:
@@ -946,7 +955,7 @@ class Trainer:
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
-        if self.dist.enabled and _every(self._log_every, self.state.global_step):
+        if self.dist.enabled and (self._stop_heard or _every(self._log_every, self.state.global_step)):
             self._agree_stop()  # before on_train_batch_end: the checkpoint of this step records an agreed stop
 
     def _step_schedulers(self, interval: str, stepped_of: dict[torch.optim.Optimizer, bool] | None = None) -> None:
@@ -1130,7 +1139,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
-        self._stop_agreed = self._preempt_agreed = False
+        self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))

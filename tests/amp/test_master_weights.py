@@ -34,6 +34,16 @@ def test_masters_live_in_the_optimizer(dtype):
     assert all(torch.equal(m, p.float()) for p, m in low)
 
 
+def test_a_group_repeating_a_parameter_that_has_a_master_is_refused_at_refresh():
+    """A group added by hand with a low-precision parameter that already has its master (the optimizer holds the
+    master, so torch saw no repeat) would get a second master, the two updates overwriting each other."""
+    model, optimizer, masters = build(torch.float16)
+    optimizer.add_param_group({"params": [model[0].weight]})
+    with pytest.raises(ValueError, match=r"more than one parameter group: params\[0\] \(shape \(8, 6\)\)"):
+        masters.refresh()
+    assert len(masters.master_params) == len(list(model.parameters()))
+
+
 @pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_step_updates_masters_then_model(dtype, flat):

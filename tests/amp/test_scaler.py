@@ -1,5 +1,6 @@
 """LossScaler: growth, backoff floor, cap, static scale, Apex state format, knob errors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,20 @@ def test_load_state_dict_errors():
         s.load_state_dict({"loss_scale": -2.0, "unskipped": 0})
     with pytest.raises(ValueError, match="unskipped=-1"):
         s.load_state_dict({"loss_scale": 2.0, "unskipped": -1})
+
+
+def test_an_overflow_verdict_that_is_not_a_flag_is_refused():
+    """``update`` took its verdict by truthiness: ``None`` (a verdict never computed) counted as a clean step and
+    grew the scale, ``"no"`` as an overflow that backed it off."""
+    s = LossScaler(growth_interval=1)
+    for bad in (None, "no"):
+        with pytest.raises(TypeError, match=rf"found_inf must be a bool or a one-element tensor, got {bad!r}"):
+            s.update(bad)
+    with pytest.raises(ValueError, match=r"found_inf must be a one-element tensor, got shape \(2,\)"):
+        s.update(torch.zeros(2))
+    assert s.scale == 2.0**16
+    assert s.update(np.bool_(True)) == (2.0**16, 2.0**15)  # numpy's and torch's flags stay valid
+    assert s.update(torch.tensor(0.0)) == (2.0**15, 2.0**16)
 
 
 @pytest.mark.parametrize(

@@ -69,6 +69,35 @@ def test_rates_over_each_window_from_a_fake_clock_and_logged(tmp_path):
     assert {"perf/samples_per_sec", "perf/tflops", "perf/mfu"} <= set(events.Tags()["scalars"])
 
 
+class LogsAnEpochMean(Tokens):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/loss_mean", loss.detach(), on_step=False, on_epoch=True)  # weighted by the batch's size
+        return loss
+
+
+def test_a_training_batch_is_sized_once_for_the_empty_check_log_and_samples_per_second(tmp_path, monkeypatch):
+    """The Trainer's empty-batch check, ``log``'s epoch weights and samples/s each walked the batch (three walks of
+    a nested batch per step); the Trainer now sizes it once and keeps the count in its state."""
+    import ampkit.trainer.evaluation as evaluation
+    import ampkit.trainer.trainer as trainer_module
+
+    sized = []
+
+    def counting(batch):
+        sized.append(batch)
+        return evaluation.batch_size(batch)
+
+    monkeypatch.setattr(trainer_module, "batch_size", counting)
+    monkeypatch.setattr("ampkit.callbacks.throughput.batch_size", counting, raising=False)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 6, "trainer.progress_bar": False, "trainer.device": "cpu",
+                               "logging.throughput": False})  # fmt: skip
+    trainer = LogsAnEpochMean(cfg, callbacks=[Throughput(every_n_steps=2, clock=FakeClock(step_s=0.5))])
+    trainer.fit()
+    assert len(sized) == 6
+    assert trainer.state.batch_size == 8 and trainer.state.throughput["samples_per_sec"] == pytest.approx(2 * 8 / 0.5)
+
+
 class Sampling(Tokens):
     """Generates a sample at iteration 5, taking 100 s of the fake clock, inside ``paused``."""
 

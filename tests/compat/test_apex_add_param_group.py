@@ -106,3 +106,21 @@ def _train_reference(level, combine_grad, how_to_zero="optimizer", accumulate=Fa
                     p.grad = None
         optimizer.step()
     return model, optimizer
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("as_given", [lambda p: [p], lambda p: p, lambda p: iter([p])], ids=["list", "tensor", "iter"])
+def test_a_parameter_already_stepped_through_its_master_is_refused_in_a_new_group(level, as_given):
+    """Under master weights the optimizer holds fp32 masters, so torch's check for a parameter in two groups compared
+    the model's parameter with them and let it in again: it got a second master, and the two groups' updates
+    overwrote each other every step. As torch does for one optimizer, the group is refused and not kept."""
+    model = half_exact_linear(4, 2, seed=3)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    with pytest.raises(
+        ValueError, match=r"more than one parameter group: params\[0\] \(shape \(2, 4\)\) is already in"
+    ):
+        optimizer.add_param_group({"params": as_given(model.weight), "lr": 0.5})
+    assert len(optimizer.param_groups) == 1
+    extra = torch.nn.Parameter(torch.ones(3))
+    optimizer.add_param_group({"params": iter([extra]), "lr": 0.5})  # a new parameter, as an iterator, still joins
+    assert optimizer.param_groups[1]["params"] == [extra]

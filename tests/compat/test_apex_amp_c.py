@@ -139,6 +139,22 @@ def test_scale_and_axpby_take_a_whole_state_dict_with_its_integer_buffers():
     assert buf.item() == 1, "a float input written into an integer output is still checked"
 
 
+def test_scale_and_axpby_take_a_state_dicts_bool_mask_as_its_integers():
+    """A causal mask kept as a persistent bool buffer (older transformers' GPT-2 attention) is in the same EMA or copy
+    over ``state_dict().values()``: it was refused by name where integer buffers were taken."""
+    mask = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    weight = torch.randn(3)
+    ema = [weight.clone(), torch.zeros(3, 3, dtype=torch.bool)]
+    buf = flag()
+    multi_tensor_applier(amp_C.multi_tensor_axpby, buf, [ema, [weight * 2, mask], ema], 0.25, 0.75, -1)
+    assert buf.item() == 0 and ema[1].dtype == torch.bool
+    assert torch.equal(ema[1], mask), "0.25 * False + 0.75 * True rounds to True, 0.75 * False to False"
+    torch.testing.assert_close(ema[0], 0.25 * weight + 0.75 * weight * 2)
+    copies = [torch.empty(3), torch.ones(3, 3, dtype=torch.bool)]
+    multi_tensor_applier(amp_C.multi_tensor_scale, buf, [[weight, mask], copies], 1.0)
+    assert torch.equal(copies[0], weight) and torch.equal(copies[1], mask) and buf.item() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_l2norm_and_unscale_l2norm_return_apex_shapes(dtype):
     tensors = randn_list(dtype, scale=8.0)
@@ -316,6 +332,18 @@ def test_a_bare_tensor_a_missing_grad_or_a_bad_flag_is_named_not_iterated():
         amp_C.multi_tensor_sgd(2048, torch.zeros(2), [[param], [param], [param]], 0.0, 0.9, 0.0, 0.1, False, True,
                                False, 1.0)  # fmt: skip
     assert buf.item() == 0
+
+
+def test_a_per_tensor_that_is_not_a_bool_is_named_as_apexs_binding_refused_it():
+    """Apex's binding took ``per_tensor`` as an optional bool (a TypeError for anything else); ``bool()`` here read
+    ``"no"`` as True and returned per-tensor norms. None (Apex's default) still means False."""
+    param = torch.randn(2, 3)
+    with pytest.raises(TypeError, match=r"`per_tensor` must be True or False, got 'no'"):
+        amp_C.multi_tensor_l2norm(2048, flag(), [[param]], "no")
+    with pytest.raises(TypeError, match=r"`per_tensor` must be True or False, got 'no'"):
+        amp_C.multi_tensor_unscale_l2norm(2048, flag(), [[param]], torch.ones(1), "no")
+    _, per = amp_C.multi_tensor_l2norm(2048, flag(), [[param]], None)
+    assert per.numel() == 0
 
 
 def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -309,6 +310,67 @@ def test_nested_scale_loss_on_one_optimizer_is_named_and_an_error_inside_a_block
     with amp.scale_loss(model(x).sum(), optimizer) as scaled:  # the failed block closed
         scaled.backward()
     optimizer.step()
+
+
+@pytest.mark.parametrize("none", [[], ()])
+def test_scale_loss_with_no_optimizers_is_refused_not_left_scaled(none):
+    """``amp.scale_loss(loss, [])`` (an optimizer list built empty by a filter) unscaled nothing: the backward's
+    gradients stayed multiplied by 65536 and the step that followed took them as they were, with no skip."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match=r"amp.scale_loss got no optimizers \((\[\]|\(\))\): pass the optimizer"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), none):
+            pass
+    with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer) as scaled:  # nothing was left open
+        scaled.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_model_or_optimizer_on_the_meta_device_is_refused_at_initialize(opt_level):
+    """A model built on the meta device (to materialize later) went through amp.initialize: O1 and O2 then failed
+    in the first step with a raw op error (``Tensor.item() cannot be called on meta tensors``) and O0 trained
+    nothing, its optimizer stepping the meta parameters that ``to_empty`` had replaced."""
+    meta = torch.nn.Linear(4, 2, device="meta")
+    with pytest.raises(ValueError, match=r"models\[0\]'s parameter 'weight' is on the meta device.*materialize"):
+        amp.initialize(meta, _sgd(meta), opt_level=opt_level, verbosity=0)
+    model = _model()
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) holds parameters on the meta device"):
+        amp.initialize(model, _sgd(meta), opt_level=opt_level, verbosity=0)
+
+
+def test_an_optimizer_over_another_models_parameters_is_warned_about():
+    """``amp.initialize(model, optimizer)`` with the optimizer built over another model: every step trained the other
+    model and this one never moved, with no word."""
+    model, other = _model(), _model()
+    with pytest.warns(UserWarning, match=r"optimizers\[0\] \(SGD\) holds none of the parameters of the model"):
+        amp.initialize(model, _sgd(other), opt_level="O1", verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _model()
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+
+
+@pytest.mark.parametrize("bad", ["False", 2, 1.0])
+def test_combine_grad_that_is_not_a_switch_is_refused(bad):
+    """``combine_grad="False"`` (a string from a config) was read with ``bool()``: the flat gradient buffers went on."""
+    model = _model()
+    with pytest.raises(ValueError, match=rf"combine_grad={bad!r}: expected True, False or None"):
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=bad)
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=0)
+
+
+@pytest.mark.parametrize("loss_id", [-1, 2])
+def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
+    """Apex indexed its scalers with ``loss_id`` (IndexError; -1 took the last loss's scaler): code written for it
+    catches IndexError, code written for ampkit ValueError."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(IndexError, match=rf"loss_id={loss_id} is out of range: .*num_losses=2, so valid .* 0..1") as e:
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=loss_id):
+            pass
+    assert isinstance(e.value, ValueError)
 
 
 def test_small_apex_misuses_are_named():

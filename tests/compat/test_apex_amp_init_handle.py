@@ -278,6 +278,38 @@ def test_handle_scale_loss_unscales_grads_and_skips_the_step_after_an_overflow(c
     handle._deactivate()
 
 
+def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
+    """``amp.scale_loss`` named a loss passed as a number; Apex's older ``handle.scale_loss`` and
+    ``optimizer.scale_loss`` (of ``wrap_optimizer``) failed on it with ``'float' object has no attribute 'float'``,
+    and ``handle.scale_loss`` on a list of optimizers with ``'list' object has no attribute 'param_groups'``."""
+    handle = amp.init()
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with pytest.raises(TypeError, match=r"^handle.scale_loss expects the loss as a tensor, got float: "):
+            with handle.scale_loss(3.0, optimizer):
+                pass
+        with pytest.raises(TypeError, match=r"^handle.scale_loss expects one optimizer, got list"):
+            with handle.scale_loss(model(torch.randn(3, 4)).sum(), [optimizer]):
+                pass
+        wrapped = amp.init().wrap_optimizer(optimizer)
+        with pytest.raises(TypeError, match=r"^optimizer.scale_loss expects the loss as a tensor, got int: "):
+            with wrapped.scale_loss(3):
+                pass
+    finally:
+        handle._deactivate()
+
+
+@pytest.mark.parametrize("name", ["enabled", "enable_caching", "allow_banned"])
+def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
+    """``amp.init(enabled="False")`` (a string from a config) was read by truthiness and patched torch for O1,
+    where ``amp.initialize(enabled="False")`` is refused."""
+    with pytest.raises(ValueError, match=rf"^{name}='False': expected True or False$"):
+        amp.init(**{name: "False"})
+    assert isinstance(amp.init(**{name: 0}), amp.handle.NoOpHandle if name == "enabled" else amp.handle.AmpHandle)
+    amp._amp_state.handle._deactivate()
+
+
 def test_wrapped_optimizer_keeps_one_scaler_per_loss_and_combines_their_grads():
     handle = amp.init()
     model = _fp16_exact_linear()

@@ -82,6 +82,30 @@ def test_an_apex_package_the_shim_does_not_serve_names_what_to_use_instead(shim,
 
 
 @pytest.mark.parametrize(
+    ("package", "name", "instead"),
+    [
+        ("apex.contrib", "layer_norm", r"apex\.normalization\.FusedLayerNorm"),
+        ("apex.contrib", "sparsity", r"torch\.ao\.pruning"),
+        ("apex", "transformer", r"torch\.distributed\.tensor\.parallel"),
+        ("apex", "RNN", r"torch\.nn\.LSTM"),
+        ("apex.contrib.optimizers", "distributed_fused_adam", r"ZeroRedundancyOptimizer"),  # a served package's
+    ],
+)
+def test_feature_checks_on_an_unserved_apex_package_answer_and_its_import_keeps_the_advice(
+    shim, package, name, instead
+):
+    """``hasattr(apex.contrib, "layer_norm")`` raised ModuleNotFoundError, so feature checks crashed where Apex's own
+    package answers False; ``from apex import transformer`` lost its advice to a bare 'cannot import name'."""
+    module = importlib.import_module(package)
+
+    assert not hasattr(module, name) and getattr(module, name, None) is None
+    with pytest.raises(AttributeError, match=rf"does not serve '{package}\.{name}' .*; use .*{instead}"):
+        getattr(module, name)
+    with pytest.raises(ModuleNotFoundError, match=rf"does not serve '{package}\.{name}' .*; use .*{instead}"):
+        exec(f"from {package} import {name}", {})
+
+
+@pytest.mark.parametrize(
     ("statement", "message"),
     [
         ("from apex.contrib.optimizers import FusedLAMB", r"not 'FusedLAMB'; use apex\.optimizers\.FusedLAMB"),
@@ -383,6 +407,38 @@ def test_apex_has_a_distribution_while_the_shim_is_installed():
         uninstall_apex_shim()
     with pytest.raises(importlib.metadata.PackageNotFoundError):
         importlib.metadata.version("apex")
+
+
+@pytest.mark.parametrize("imported", ["before", "after"])
+def test_pkg_resources_finds_the_same_apex_distribution_as_importlib_metadata(imported):
+    """Scripts and libraries from before 2022 ask ``pkg_resources.get_distribution("apex")`` (or ``require``,
+    ``working_set``), which builds its own list from sys.path and missed the shim's apex; it is listed while the shim
+    is installed, whether ``pkg_resources`` was imported before or after, and put out again; sys.path never gets a
+    folder for it."""
+    if importlib.util.find_spec("pkg_resources") is None:
+        pytest.skip("pkg_resources left setuptools in version 82; there is nothing here to answer")
+    script = (
+        "import importlib.metadata, sys, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        f"if {imported == 'before'}: import pkg_resources\n"
+        "from ampkit.compat import install_apex_shim, uninstall_apex_shim\n"
+        "install_apex_shim()\n"
+        "import pkg_resources, ampkit.compat, os\n"
+        "added = {os.path.dirname(ampkit.compat.__file__), None}  # what activating the shim's apex could add\n"
+        "version = importlib.metadata.version('apex')\n"
+        "assert pkg_resources.get_distribution('apex').version == version == '0.1+ampkit'\n"
+        "assert [str(d) for d in pkg_resources.require('apex>=0.1')] == ['apex 0.1+ampkit']\n"
+        "assert pkg_resources.working_set.find(pkg_resources.Requirement.parse('apex')).version == version\n"
+        "assert 'apex' in {d.key for d in pkg_resources.working_set}\n"
+        "assert 'Version: 0.1+ampkit' in pkg_resources.get_distribution('apex').get_metadata('PKG-INFO')\n"
+        "assert not added & set(sys.path)\n"
+        "uninstall_apex_shim()\n"
+        "assert pkg_resources.working_set.find(pkg_resources.Requirement.parse('apex')) is None\n"
+        "assert 'apex' not in {d.key for d in pkg_resources.working_set} and not added & set(sys.path)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(REPO))
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
 
 
 def test_an_environment_report_can_say_which_apex_version_runs_and_from_where(shim):

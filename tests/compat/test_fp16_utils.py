@@ -231,6 +231,24 @@ def test_fp16_optimizer_closure_and_bad_args():
                        dynamic_loss_args={"scale_windw": 3})  # fmt: skip
 
 
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda s: s.LossScaler(0), r"scale=0.0: expected a finite number > 0"),
+    (lambda s: s.LossScaler(float("nan")), r"scale=nan: expected a finite number > 0"),
+    (lambda s: s.LossScaler("128"), r"scale='128': expected a number"),
+    (lambda s: s.DynamicLossScaler(init_scale=float("inf")), r"init_scale=inf: expected a finite number > 0"),
+    (lambda s: s.DynamicLossScaler(scale_factor=1), r"scale_factor=1.0: expected a number > 1"),
+    (lambda s: s.DynamicLossScaler(scale_window=0), r"scale_window=0: expected an integer >= 1"),
+])  # fmt: skip
+def test_stand_alone_loss_scalers_name_a_scale_that_cannot_train(make, message):
+    """A static scale of 0 zeroed every gradient and NaN made them all NaN, without a word; a scale_factor of 1
+    never backed off, so every step after an overflow was skipped; a scale_window of 0 divided by zero at the first
+    clean iteration."""
+    from ampkit.compat import fp16_utils
+
+    with pytest.raises(ValueError, match=message):
+        make(fp16_utils)
+
+
 def test_stand_alone_loss_scalers_follow_apex_rules():
     """Apex's fp16_utils.DynamicLossScaler: 2**32 first, divided by scale_factor on an overflow (floor 1),
     multiplied after scale_window clean iterations; LossScaler is static and never sees an overflow."""

@@ -304,7 +304,7 @@ BAD_CALLS = {
     ),
     "device": (
         lambda: mt.scale_([ones()], 2.0, flag(), out=[ones(device="meta")]),
-        r"`out\[0\]` is on meta",
+        r"`out\[0\]` is on the meta device, which holds no values",
     ),
     "flag_size": (
         lambda: mt.scale_([ones()], 2.0, torch.zeros(2)),
@@ -401,6 +401,40 @@ def test_a_missing_flag_or_factor_is_named():
         mt.scale_([torch.ones(3)], None, flag())
     with pytest.raises(TypeError, match="`inv_scale` must be a real number .* got complex"):
         mt.unscale_l2norm([torch.ones(3)], 1j, flag())
+
+
+@pytest.mark.usefixtures("any_mode")
+def test_an_on_off_or_choice_argument_of_the_wrong_type_is_named_in_one_line():
+    """``per_tensor="yes"`` or ``arg_to_check="x"`` reached the kernel's schema, a five-line RuntimeError about
+    ``ampkit_multi_tensor::l2norm()``, or (the reference, without a compiler) ran as if True."""
+    x, y = [torch.ones(3)], [torch.ones(3)]
+    with pytest.raises(TypeError, match=r"^`per_tensor` must be True or False, got 'yes'$"):
+        mt.l2norm(x, per_tensor="yes")
+    with pytest.raises(TypeError, match=r"^`per_tensor` must be True or False, got None$"):
+        mt.unscale_l2norm(x, 1.0, flag(), per_tensor=None)
+    for bad in ("x", 1.0, True):
+        with pytest.raises(TypeError, match=rf"^`arg_to_check` must be -1 .*, got {bad!r}$"):
+            mt.axpby_(1.0, x, 1.0, y, [torch.ones(3)], flag(), arg_to_check=bad)
+    assert mt.l2norm(x, per_tensor=1).per_tensor is not None  # 0 and 1 stay valid, as in Apex's calls
+
+
+@pytest.mark.usefixtures("any_mode")
+def test_meta_tensors_are_named_even_when_every_tensor_is_on_meta():
+    """With every tensor on the meta device (a model not yet materialized) there was no other device to name: each
+    op failed with ``Tensor.item() cannot be called on meta tensors``, naming no argument."""
+    meta = [torch.ones(3, device="meta")]
+    meta_flag = torch.zeros(1, device="meta")
+    calls = [
+        (r"`inputs\[0\]`", lambda: mt.scale_(meta, 2.0, meta_flag)),
+        (r"`x\[0\]`", lambda: mt.axpby_(1.0, meta, 1.0, meta, meta, meta_flag)),
+        (r"`new\[0\]`", lambda: mt.combine_(meta, None, meta, 1.0, meta_flag)),
+        (r"`inputs\[0\]`", lambda: mt.l2norm(meta, per_tensor=True)),
+        (r"`factor`", lambda: mt.scale_([torch.ones(3)], torch.ones(1, device="meta"), flag())),
+        (r"`found_inf`", lambda: mt.unscale_l2norm([torch.ones(3)], 1.0, meta_flag)),
+    ]
+    for name, call in calls:
+        with pytest.raises(RuntimeError, match=rf"^{name} is on the meta device, which holds no values; materialize"):
+            call()
 
 
 def test_a_list_of_numbers_is_refused_naming_the_entry():

@@ -156,6 +156,44 @@ def test_half_inputs_accumulate_in_fp32(kind, dtype, weight_dtype, mixed):
     _assert_matches(kind, x, w, b, (515,), tol, mixed=mixed)
 
 
+def _tolerance(dtype):
+    return HALF_TOL.get(dtype, FP32_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # F.rms_norm's, asked for its dtype
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("kind", "mixed"), [("rms", False), ("rms", True), ("layer", True)], ids=["rms", "mixed_rms", "mixed_layer"]
+)
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float64, torch.float32),
+        (torch.float64, torch.bfloat16),
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float64),
+    ],
+)
+def test_a_weight_in_another_dtype_than_the_input_is_taken_as_torchs_rms_norm_takes_it(
+    monkeypatch, ops, kind, mixed, dtype, weight_dtype
+):
+    """``F.rms_norm``/``nn.RMSNorm`` take a weight of any floating dtype (float32 activations against a bf16 model's
+    weights) and answer in the input's dtype; FusedRMSNorm refused it. The Mixed* norms answer in the weight's
+    dtype, as Apex's kernels do for a float32 input with a half weight. Gradients come back in each one's dtype."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    x = (torch.randn(65, 515) * 2).to(dtype)
+    w = _weight((515,), weight_dtype)
+    b = torch.randn(515).to(weight_dtype)
+    output_dtype = weight_dtype if mixed else dtype
+    loosest = max((dtype, weight_dtype), key=lambda d: _tolerance(d)["grad"]["atol"])
+    tol = {"y": _tolerance(output_dtype)["y"], "grad": _tolerance(loosest)["grad"]}
+    _assert_matches(kind, x, w, b, (515,), tol, mixed=mixed)
+    if not mixed:
+        assert F.rms_norm(x, (515,), w, EPS).dtype == fused_rms_norm_affine(x, w, 515, EPS).dtype == dtype
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_efficient_equals_plain(kind, dtype):
@@ -320,6 +358,26 @@ def test_wrong_normalized_shape_is_named():
         FusedLayerNorm(-6)
 
 
+def test_an_empty_or_negative_normalized_shape_and_a_non_number_eps_raise_torchs_exception_types():
+    """torch's norms raise RuntimeError for ``normalized_shape=()`` and a negative size, and TypeError for an eps that
+    is not a number: ours raised a plain ValueError, which code written against torch's norms does not catch."""
+    x = torch.randn(2, 6)
+    with pytest.raises(RuntimeError):
+        F.layer_norm(x, ())
+    with pytest.raises(TypeError):
+        F.layer_norm(x, (6,), eps="1e-5")
+    for call in (lambda: fused_layer_norm(x, ()), lambda: fused_rms_norm(x, []), lambda: FusedRMSNorm(())):
+        with pytest.raises(RuntimeError, match="normalized_shape must name at least one dimension"):
+            call()
+    for call in (lambda: FusedLayerNorm(-6), lambda: FusedRMSNorm((2, -3))):
+        with pytest.raises(RuntimeError, match=r"normalized_shape must hold sizes >= 0, got \[.*-\d\]"):
+            call()
+    for call in (lambda: FusedLayerNorm(6, eps="1e-5"), lambda: fused_rms_norm(x, 6, eps=[1e-5])):
+        with pytest.raises(TypeError, match=r"eps must be a finite number >= 0, got .* \(a (str|list)\)") as raised:
+            call()
+        assert isinstance(raised.value, ValueError)  # as before, for code catching that
+
+
 def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
     """``nn.RMSNorm``'s fourth argument is ``device``; here, as in Apex, it is ``memory_efficient``, and a truthy
     "cpu" built a memory-efficient norm."""
@@ -362,7 +420,7 @@ def test_bad_weight_and_bias_are_named():
     with pytest.raises(ValueError, match=r"bias has shape \[3\]"):
         fused_layer_norm_affine(x, torch.ones(6), torch.zeros(3), 6)
     with pytest.raises(TypeError, match="weight dtype torch.float16 does not fit input dtype torch.float32"):
-        fused_rms_norm_affine(x, torch.ones(6, dtype=torch.float16), 6)
+        fused_layer_norm_affine(x, torch.ones(6, dtype=torch.float16), None, 6)  # F.layer_norm refuses it too
     with pytest.raises(TypeError, match="weight dtype torch.bfloat16 does not fit input dtype torch.float16"):
         fused_layer_norm_affine(x.half(), torch.ones(6, dtype=torch.bfloat16), None, 6)
     with pytest.raises(TypeError, match="bias dtype torch.float16 differs from weight dtype torch.float32"):

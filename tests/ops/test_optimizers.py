@@ -1026,6 +1026,70 @@ def test_a_state_made_at_the_first_step_that_does_not_fit_is_refused_at_load(mak
     optimizer.step()
 
 
+def _stepped(optimizer_class, **kwargs):
+    model = torch.nn.Linear(3, 2)
+    optimizer = optimizer_class(model.parameters(), lr=0.1, **kwargs)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_state_dict_that_is_not_an_optimizers_is_named_with_torchs_exception_type():
+    """A model's state_dict or a whole checkpoint handed to ``optimizer.load_state_dict`` was torch's bare
+    ``KeyError: 'param_groups'``, None an AttributeError about ``copy``, and a step of None or "3" (a hand-edited
+    checkpoint) ``must be real number, not NoneType`` from deep in the loader."""
+    model, optimizer = _stepped(FusedAdam)
+    saved = optimizer.state_dict()
+    with pytest.raises(KeyError, match=r"lacks \['state', 'param_groups'\] \(its keys: \['bias', 'weight'\]\)"):
+        optimizer.load_state_dict(model.state_dict())
+    with pytest.raises(TypeError, match="expects the dict optimizer.state_dict\\(\\) returns, got a NoneType"):
+        optimizer.load_state_dict(None)
+    with pytest.raises(KeyError, match=r"saved param_groups\[0\] has no 'params'"):
+        optimizer.load_state_dict({**saved, "param_groups": [{"lr": 0.1}]})
+    with pytest.raises(ValueError, match="the state dict has 2 param groups, this optimizer 1"):
+        optimizer.load_state_dict({**saved, "param_groups": saved["param_groups"] * 2})
+    for step in (None, "3"):
+        bad = copy.deepcopy(saved)
+        bad["state"][0]["step"] = step
+        with pytest.raises(TypeError, match=rf"saved state\[0\]\['step'\] is {step!r}, expected a number"):
+            optimizer.load_state_dict(bad)
+    optimizer.load_state_dict(saved)  # the real one still loads
+
+
+@pytest.mark.parametrize("other", [torch.optim.Adam, torch.optim.RMSprop])
+def test_sgd_refuses_another_optimizers_state_rather_than_starting_its_momentum_afresh(other):
+    """FusedSGD makes its momentum buffer at the first step, so no key of its own is ever missing: Adam's or
+    RMSprop's state loaded without a word and the resumed run restarted its momentum (and a str buffer failed at
+    the first step)."""
+    _, source = _stepped(other)
+    _, optimizer = _stepped(FusedSGD, momentum=0.9)
+    before = optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
+    with pytest.raises(ValueError, match=r"holds \[.*'(exp_avg|square_avg)'.*\], none of which FusedSGD keeps"):
+        optimizer.load_state_dict(source.state_dict())
+    assert torch.equal(optimizer.state_dict()["state"][0]["momentum_buffer"], before)
+    bad = optimizer.state_dict()
+    bad["state"][0]["momentum_buffer"] = "x"
+    with pytest.raises(TypeError, match=r"saved state\[0\]\['momentum_buffer'\] is a str, expected a tensor"):
+        optimizer.load_state_dict(bad)
+    _, plain = _stepped(torch.optim.SGD, momentum=0.9)
+    optimizer.load_state_dict(plain.state_dict())  # torch's SGD's state is its own
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB], ids=lambda c: c.__name__)
+def test_step_names_a_grad_scale_or_found_inf_that_is_not_one_number(cls):
+    """``step(grad_scale=..., found_inf=...)`` (torch's fused-optimizer keywords) read a string with ``float()`` and
+    failed on a two-element tensor in a reshape: ``shape '[]' is invalid for input of size 2``."""
+    optimizer = cls(make_params()[:1], lr=0.1)
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(SHAPES[0])
+    for name in ("grad_scale", "found_inf"):
+        with pytest.raises(RuntimeError, match=rf"^step\(\): {name} must be a one-element tensor, got shape \(2,\)$"):
+            optimizer.step(**{name: torch.ones(2)})
+        with pytest.raises(TypeError, match=rf"^step\(\): {name} must be a one-element tensor or a number, got '1'$"):
+            optimizer.step(**{name: "1"})
+    optimizer.step(grad_scale=torch.ones(1), found_inf=0)  # GradScaler's own forms
+    assert optimizer.state[optimizer.param_groups[0]["params"][0]]
+
+
 def test_sparse_gradients_are_named_by_the_lamb_optimizers_too():
     for cls in (FusedLAMB, FusedMixedPrecisionLamb):
         p = torch.nn.Parameter(torch.zeros(4))
@@ -1063,8 +1127,30 @@ def test_betas_given_in_torch_optims_positional_place_are_refused_not_dropped(cl
     slot, ``bias_correction``, which took the tuple as True: the step ran with the default betas, silently."""
     with pytest.raises(ValueError, match=r"Invalid bias_correction: \(0.9, 0.95\) is a tuple .*betas go by keyword"):
         cls(make_params(), 1e-3, (0.9, 0.95))
-    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 \(expected two numbers"):  # was a bare TypeError
+    with pytest.raises(ValueError, match=r"Invalid betas: 1e-08 is a float \(expected two numbers"):
         cls(make_params(), 1e-3, True, 1e-8)
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_hyperparameter_of_the_wrong_type_is_a_type_error_as_in_torch(cls):
+    """torch.optim raises TypeError for ``lr="1e-3"`` (a number left unparsed in a config): code swapping in a fused
+    optimizer and catching it must still catch it, as must code catching the ValueError raised here before."""
+    kwargs = {"lr": 0.1} if cls is FusedSGD else {}
+    for bad in ({"lr": "1e-3"}, {"weight_decay": None}, {"betas": "0.9"}, {"eps": [1e-8]}):
+        key, value = next(iter(bad.items()))
+        if key not in cls(make_params()[:1], **kwargs).defaults:
+            continue
+        with pytest.raises(TypeError, match=rf"Invalid {key}: .* is a {type(value).__name__}") as raised:
+            cls(make_params()[:1], **{**kwargs, **bad})
+        assert isinstance(raised.value, ValueError)
+    optimizer = cls(make_params()[:1], **kwargs)
+    state = optimizer.state_dict()
+    state["param_groups"][0]["lr"] = "0.1"
+    with pytest.raises(TypeError, match=r"load_state_dict: saved param_groups\[0\]: Invalid lr of a param group"):
+        optimizer.load_state_dict(state)
+    for flag in [key for key, value in optimizer.defaults.items() if isinstance(value, bool) and key != "nesterov"]:
+        with pytest.raises(TypeError, match=rf"Invalid {flag}: 'yes' is a str"):
+            cls(make_params()[:1], **kwargs, **{flag: "yes"})
 
 
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
@@ -1076,6 +1162,19 @@ def test_an_on_off_option_that_is_not_a_bool_is_named(cls):
         with pytest.raises(ValueError, match=rf"Invalid {key} of a param group: 'yes' is a str \(expected True or"):
             optimizer.add_param_group({"params": make_params()[1:2], key: "yes"})
     optimizer.add_param_group({"params": make_params()[1:2], flags[0]: 1})  # Apex's 0/1 spelling stays valid
+
+
+@pytest.mark.parametrize(("cls", "option"), [
+    (FusedSGD, "wd_after_momentum"),
+    (FusedSGD, "materialize_master_grads"),
+    (FusedAdagrad, "adagrad_w_mode"),
+])  # fmt: skip
+def test_apexs_constructor_only_switches_are_true_or_false_too(cls, option):
+    """These options are the optimizer's own, not a param group's, and were read with ``bool()``: ``"False"`` (from
+    a config) turned Apex's weight-decay order or decoupled decay on without a word."""
+    with pytest.raises(TypeError, match=rf"Invalid {option}: 'False' is a str \(expected True or False\)"):
+        cls(make_params(), lr=0.1, **{option: "False"})
+    cls(make_params(), lr=0.1, **{option: 0})  # Apex's 0/1 spelling stays valid
 
 
 RESETS = {

@@ -143,6 +143,10 @@ def test_no_gradients_is_a_no_op():
         (dict(inv_scale=math.inf), ValueError, "inv_scale must be a finite number > 0"),
         (dict(inv_scale=1.0, max_norm=-1.0), ValueError, "max_norm must be None or a finite number > 0"),
         (dict(inv_scale=1.0, max_norm=math.nan), ValueError, "max_norm must be None or a finite number > 0"),
+        # float() read "0.5" and True as numbers, and failed on None or "x" without naming the argument
+        (dict(inv_scale="0.5"), TypeError, r"inv_scale must be a finite number > 0; got '0.5' \(a str\)"),
+        (dict(inv_scale=None), TypeError, r"inv_scale must be a finite number > 0; got None \(a NoneType\)"),
+        (dict(inv_scale=1.0, max_norm=True), TypeError, r"max_norm must be None or a finite .*; got True \(a bool\)"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, message):

@@ -229,6 +229,14 @@ class AmpOptimizerStash:
         def add_param_group(self: Any, param_group: dict[str, Any]) -> None:
             if stash.combiner.pending:
                 raise RuntimeError("add_param_group() while a delay_unscale backward is pending; step first")
+            if stash.master_weights is not None:
+                params = param_group.get("params")
+                if isinstance(params, torch.Tensor) or (params is not None and not isinstance(params, set)):
+                    param_group = {
+                        **param_group,
+                        "params": [params] if isinstance(params, torch.Tensor) else list(params),
+                    }
+                    stash.master_weights.check_new_params(param_group["params"])
             original_add_param_group(param_group)
             if stash.master_weights is not None:
                 stash.master_weights.refresh()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -97,6 +98,34 @@ def _check_optimizers(optimizers: list[Any]) -> None:
         raise RuntimeError("the same optimizer appears twice in the optimizers passed to amp.initialize")
 
 
+def _check_parameters(models: list[Any], optimizers: list[Any]) -> None:
+    """Every parameter holds values (none on the meta device), and each optimizer steps some parameter of the models
+    passed: either mistake trained nothing, failing later in a raw op error (O1, O2) or not at all (O0)."""
+    model_params: set[int] = set()
+    for i, model in enumerate(models):
+        for name, param in model.named_parameters():
+            if param.is_meta:
+                raise ValueError(
+                    f"models[{i}]'s parameter {name!r} is on the meta device, which holds no values to train: "
+                    "materialize the model (model.to_empty(device=...) and its init) before amp.initialize, and "
+                    "build its optimizer after that"
+                )
+            model_params.add(id(param))
+    for i, optimizer in enumerate(optimizers):
+        params = [p for group in inner_optimizer(optimizer).param_groups for p in group["params"]]
+        if any(p.is_meta for p in params):
+            raise ValueError(
+                f"optimizers[{i}] ({type(optimizer).__name__}) holds parameters on the meta device, which hold no "
+                "values to update: build the optimizer after materializing the model (model.to_empty(device=...))"
+            )
+        if model_params and params and not any(id(p) in model_params for p in params):
+            warnings.warn(
+                f"optimizers[{i}] ({type(optimizer).__name__}) holds none of the parameters of the model(s) passed to "
+                "amp.initialize, so its steps will not train them: was it built over another model's parameters?",
+                stacklevel=3,
+            )
+
+
 def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, num_losses: int) -> None:
     maybe_print(f"Selected optimization level {properties.opt_level}:  {_LEVEL_DESCRIPTIONS[properties.opt_level]}\n")
     maybe_print("Optimization options are:")
@@ -181,6 +210,8 @@ def initialize(
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
+    if combine_grad is not None and not (isinstance(combine_grad, int) and combine_grad in (0, 1)):
+        raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity
     properties = resolve_opt_level(
         opt_level,
@@ -219,6 +250,7 @@ def initialize(
     _amp_state.min_loss_scale, _amp_state.max_loss_scale = min_loss_scale, max_loss_scale
     if not enabled:
         return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
+    _check_parameters(model_list, optimizer_list)
     _print_properties(properties, cast_model_outputs, num_losses)
     fp32_values = None
     if properties.master_weights and properties.cast_model_type not in (None, torch.float32) and not _several_ranks():

@@ -19,7 +19,13 @@ from ampkit.compat.amp.scaler import ApexLossScaler
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
+    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one."""
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not items:
+        raise ValueError(
+            f"amp.scale_loss got no optimizers ({optimizers!r}): pass the optimizer(s) that step on this backward's "
+            "gradients, which would otherwise stay multiplied by the loss scale"
+        )
     for i, optimizer in enumerate(items):
         if not hasattr(optimizer, "_amp_stash"):
             raise RuntimeError(
@@ -27,6 +33,20 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
                 "optimizer used with amp.scale_loss through amp.initialize first."
             )
     return items
+
+
+class LossIdRangeError(ValueError, IndexError):
+    """A ``loss_id`` outside ``0..num_losses-1``: Apex indexed its list of scalers with it (an IndexError, and -1
+    silently took the last loss's scaler), ampkit raised a ValueError; it is both."""
+
+
+def _check_loss(loss: Any, where: str) -> None:
+    """The loss a ``scale_loss`` scales is a tensor: a number (``loss.item()``) has no graph to backpropagate."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{where} expects the loss as a tensor, got {type(loss).__name__}: a number has no graph to "
+            "backpropagate (pass the loss before .item())"
+        )
 
 
 @contextlib.contextmanager
@@ -68,15 +88,11 @@ def scale_loss(
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     if not 0 <= loss_id < len(scalers):
-        raise ValueError(
+        raise LossIdRangeError(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"amp.scale_loss expects the loss as a tensor, got {type(loss).__name__}: a number has no graph to "
-            "backpropagate (pass the loss before .item())"
-        )
+    _check_loss(loss, "amp.scale_loss")
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
@@ -197,6 +213,12 @@ class AmpHandle:
         if self._default_scaler is None:
             raise RuntimeError(
                 "After calling `handle.wrap_optimizer()`, you must explicitly use `optimizer.scale_loss(loss)`."
+            )
+        _check_loss(loss, "handle.scale_loss")
+        if not hasattr(optimizer, "param_groups"):  # an optimizer, or a wrapper of one (LARC)
+            raise TypeError(
+                f"handle.scale_loss expects one optimizer, got {type(optimizer).__name__} (Apex's handle scales one "
+                "optimizer per call)"
             )
         scaling = self._scalings.get(id(optimizer))
         if scaling is None:
@@ -336,6 +358,7 @@ class OptimWrapper:
                 f"scale_loss called {self._loss_idx + 1} times before step(), but the optimizer was wrapped for "
                 f"num_loss={self._num_loss}"
             )
+        _check_loss(loss, "optimizer.scale_loss")
         scaling = self._scalings[self._loss_idx]
         scaling.combiner.prepare_backward()
         yield loss.float() * scaling.scaler.loss_scale()
@@ -398,6 +421,9 @@ def init(
     """
     if patch_type not in o1_casts.LOW_PRECISION:
         raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
+    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("allow_banned", allow_banned)):
+        if not (isinstance(value, int) and value in (0, 1)):  # bool("False") is True: amp.initialize refuses it too
+            raise ValueError(f"{name}={value!r}: expected True or False")
     previous = _amp_state.handle
     if previous is not None:
         previous._deactivate()

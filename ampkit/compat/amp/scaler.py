@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import LossScaler
+from ampkit.amp.scaler import overflow_verdict
 
 
 class ApexLossScaler(LossScaler):
@@ -73,10 +74,9 @@ class ApexLossScaler(LossScaler):
 
     def update(self, found_inf: bool | torch.Tensor) -> tuple[float, float]:
         """The engine's update; a dynamic scaler's verdict is kept for ``_has_overflow``."""
-        if isinstance(found_inf, torch.Tensor):
-            found_inf = bool(found_inf.item())
-        self.last_found_inf = bool(found_inf) and self.dynamic
-        return super().update(bool(found_inf))
+        found_inf = overflow_verdict(found_inf)
+        self.last_found_inf = found_inf and self.dynamic
+        return super().update(found_inf)
 
     def clear_overflow_state(self) -> None:
         """Forget the last overflow and zero the overflow buffer (Apex calls it before each unscale)."""

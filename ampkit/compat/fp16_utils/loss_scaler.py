@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ampkit.amp.scaler import interval_option, positive_option
+
 
 def _has_inf_or_nan(x: torch.Tensor) -> bool:
     """Whether ``x`` holds an inf or a NaN (one sum, read once)."""
@@ -24,7 +26,8 @@ class LossScaler:
     """A static loss scale: ``has_overflow`` is always False and ``update_scale`` changes nothing."""
 
     def __init__(self, scale: float = 1) -> None:
-        self.cur_scale = scale
+        # 0 zeroed every gradient, NaN or inf made them all NaN, a string failed at the first backward
+        self.cur_scale = positive_option(scale, "scale")
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Always False: a static scale never reports an overflow."""
@@ -62,11 +65,12 @@ class DynamicLossScaler(LossScaler):
     """
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
-        super().__init__(init_scale)
+        super().__init__(positive_option(init_scale, "init_scale"))
         self.cur_iter = 0
         self.last_overflow_iter = -1
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
+        # a factor of 1 never backed off, so every step after an overflow was skipped; a window of 0 divided by zero
+        self.scale_factor = positive_option(scale_factor, "scale_factor", above_one=True)
+        self.scale_window = interval_option(scale_window, "scale_window")
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``params``' gradients holds an inf or a NaN."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
+from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import is_dense
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -51,12 +52,19 @@ class ScalerTensors(NamedTuple):
 NO_SCALER = ScalerTensors()
 
 
-def _as_tensor(value: Tensor | float | None) -> Tensor | None:
-    """GradScaler's ``found_inf``/``grad_scale`` as a tensor: its ``found_inf`` is the sum of its per-device flags,
-    the Python int 0 when none of the optimizer's parameters has a gradient."""
-    if value is None or isinstance(value, Tensor):
+def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
+    """GradScaler's ``found_inf``/``grad_scale`` as a one-element tensor: its ``found_inf`` is the sum of its
+    per-device flags, the Python int 0 when none of the optimizer's parameters has a gradient. Anything else is named:
+    a string was read by ``float()``, a many-element tensor failed in a reshape naming neither."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
         return value
-    return torch.tensor(float(value))
+    if isinstance(value, bool | numbers.Real):
+        return torch.tensor(float(value))
+    raise ArgumentTypeError(f"step(): {name} must be a one-element tensor or a number, got {value!r}")
 
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
@@ -170,12 +178,12 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
 
 def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
-    when given); a one-element tensor counts as its number."""
+    when given); a one-element tensor counts as its number. One of another type is also a TypeError, as in torch."""
     bound = f"in [{low}, {high})" if high is not None else f">= {low}"
     if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
+        raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
     if not (value >= low) or (high is not None and not value < high):
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
 
@@ -225,13 +233,16 @@ def check_flag(name: str, value: Any) -> None:
         return
     hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
     hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
-    raise ValueError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
+    raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
 
 
 def check_betas(betas: Any, where: str = "") -> None:
     """Raise ValueError unless ``betas`` is two numbers in [0, 1) (a float there is a positional call gone astray)."""
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise ValueError(f"Invalid betas{where}: {betas!r} (expected two numbers in [0.0, 1.0))")
+    expected = "(expected two numbers in [0.0, 1.0))"
+    if not isinstance(betas, tuple | list):
+        raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is a {type(betas).__name__} {expected}")
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
 
@@ -247,6 +258,44 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
+
+
+def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[str]) -> None:
+    """Raise naming what is wrong unless ``state_dict`` is laid out as ``Optimizer.state_dict()`` returns: a dict of
+    ``state`` (per parameter, dicts whose ``tensor_keys`` hold tensors or None and whose ``step`` is a number) and
+    ``param_groups`` (dicts with ``params``). The types are torch's for the same mistakes: TypeError, KeyError."""
+    where = f"{owner}.load_state_dict"
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"{where} expects the dict optimizer.state_dict() returns, got a {type(state_dict).__name__}")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        keys = sorted(map(str, state_dict))
+        shown = keys[:6] + (["..."] if len(keys) > 6 else [])
+        raise StateDictKeyError(
+            f"{where}: the state dict lacks {missing} (its keys: {shown}): expected optimizer.state_dict(), not a "
+            "model's state_dict() or a whole checkpoint"
+        )
+    groups, states = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, list | tuple) or not isinstance(states, Mapping):
+        raise TypeError(
+            f"{where}: 'param_groups' must be a list and 'state' a dict, got a {type(groups).__name__} and a "
+            f"{type(states).__name__}"
+        )
+    for i, group in enumerate(groups):
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise StateDictKeyError(f"{where}: saved param_groups[{i}] has no 'params' (got {group!r:.80})")
+    tensor_keys = set(tensor_keys)
+    for pid, entry in states.items():
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where}: saved state[{pid!r}] is a {type(entry).__name__}, expected a dict")
+        for key, value in entry.items():
+            if key == "step":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real | Tensor):
+                    raise TypeError(f"{where}: saved state[{pid!r}]['step'] is {value!r:.40}, expected a number")
+            elif key in tensor_keys and value is not None and not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{where}: saved state[{pid!r}][{key!r}] is a {type(value).__name__}, expected a tensor"
+                )
 
 
 # A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
@@ -376,8 +425,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf)
-        grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale)
+        found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
+        grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
         if self._scaler_in_kernel:
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
@@ -629,16 +678,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         # torch's hooks, run around the whole load rather than inside torch's part of it: ampkit's fix-ups read the
         # state dict a pre-hook returns (torch's way to remap a checkpoint), and post-hooks see the loaded state.
-        state_dict = state_dict.copy()
+        tensor_keys = ("master_param", *self._acc_state_keys, *self._lazy_state_keys)
+        if not isinstance(state_dict, Mapping):
+            check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)  # names what it got
+        state_dict = dict(state_dict)
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             returned = pre_hook(self, state_dict)
             if returned is not None:
                 state_dict = returned
-        for i, group in enumerate(state_dict.get("param_groups", [])):
+        check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "
+                f"groups, this optimizer {len(self.param_groups)}: it was saved with other param groups"
+            )
+        for i, group in enumerate(state_dict["param_groups"]):
             try:
                 check_group_hypers(group)
-            except ValueError as exc:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
+            except ValueError as exc:  # its type kept: a saved lr of "0.1" is a TypeError as well
+                raise type(exc)(f"{type(self).__name__}.load_state_dict: saved param_groups[{i}]: {exc}") from None
         before = (self.state, self.param_groups)
         try:
             with _load_hooks_held(self):
@@ -669,6 +727,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"{where} lacks {missing} (it has {sorted(state)}): it was saved by another optimizer or "
                         "with other options"
+                    )
+                ours = {*fresh, *self._lazy_state_keys, *self._acc_state_keys, "master_param"}
+                theirs = sorted(k for k in state if k != "step")
+                if theirs and not ours.intersection(theirs):  # SGD's momentum is made at the first step: none missing
+                    raise ValueError(
+                        f"{where} holds {theirs}, none of which {type(self).__name__} keeps: it was saved by another "
+                        "optimizer"
                     )
                 shapes = {key: value.shape for key, value in fresh.items() if isinstance(value, Tensor)}
                 for key in ("master_param", *self._lazy_state_keys):  # made at the first step, not by _init_state

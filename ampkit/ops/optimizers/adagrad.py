@@ -15,6 +15,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     ScalerTensors,
     acc_dtype,
+    check_flag,
     check_hyper,
     decay_weights_,
     torch_step_counts,
@@ -54,6 +55,7 @@ class FusedAdagrad(FusedOptimizer):
         master_weights: bool = False,
         backend: str | None = None,
     ) -> None:
+        check_flag("adagrad_w_mode", adagrad_w_mode)  # a truthy "False" decoupled the weight decay
         if adagrad_w_mode and lr_decay != 0:
             raise ValueError(
                 f"FusedAdagrad: adagrad_w_mode=True (Apex's decoupled weight decay) takes no lr_decay; got {lr_decay}"

@@ -15,6 +15,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     ScalerTensors,
     acc_dtype,
+    check_flag,
     check_hyper,
     decay_weights_,
 )
@@ -101,6 +102,8 @@ class FusedSGD(FusedOptimizer):
         fp32_momentum: bool = False,
         backend: str | None = None,
     ) -> None:
+        check_flag("wd_after_momentum", wd_after_momentum)  # a truthy "False" switched the decay's order
+        check_flag("materialize_master_grads", materialize_master_grads)
         check_hyper("lr", lr)
         check_hyper("momentum", momentum)
         check_hyper("weight_decay", weight_decay)
