@@ -60,7 +60,7 @@ COMMANDS = {
         "Run test_step over test_dataloader once with a checkpoint's weights and print the averaged metrics.",
     ),
     "predict": (
-        "save the predictions of a checkpoint (predict_dataloader)",
+        "run a checkpoint over predict_dataloader; --output FILE saves the predictions",
         "Run predict_step over predict_dataloader with a checkpoint's weights; --output saves its outputs with "
         "torch.save.",
     ),

@@ -41,6 +41,14 @@ def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsy
     assert any(line.split() == ["data.batch_size", "8"] for line in text.splitlines())  # the Trainer's own keys
 
 
+def test_top_level_help_says_predict_saves_only_with_output(capsys):
+    """``ampkit predict`` runs without --output and then saves nothing, so its summary names --output."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    summary = capsys.readouterr().out.split("    predict", 1)[1].split("options:")[0]
+    assert "--output" in summary
+
+
 def test_help_with_a_config_shows_that_files_values_and_every_keys_meaning(tmp_path, capsys):
     """``fit --config f --help`` is how a user checks what a file sets: its values, not the schema's defaults,
     and the meanings of the keys the Trainer's schema inherits."""

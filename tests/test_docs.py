@@ -570,6 +570,16 @@ def test_configuration_page_names_every_section():
     assert not missing, f"docs/configuration.md's table of sections lacks {missing}"
 
 
+@pytest.mark.parametrize("section", ["trainer", "checkpoint", "early_stopping", "logging"])
+def test_configuration_table_lists_every_key_of_the_sections_it_lists_by_key(section):
+    """These rows name their keys one by one, so a key added to the schema must join its row."""
+    row = re.search(rf"^\| `{section}` \| (.*) \|$", (DOCS / "configuration.md").read_text(), re.M)
+    patterns = [p.replace("*", ".*") for p in re.findall(r"`([\w*]+)`", row.group(1))]
+    fields = [f.name for f in dataclasses.fields(getattr(Config(), section))]
+    missing = [name for name in fields if not any(re.fullmatch(p, name) for p in patterns)]
+    assert not missing, f"docs/configuration.md's `{section}` row lacks {missing}"
+
+
 def test_callbacks_page_lists_every_built_in_callback_in_its_phase():
     import ampkit.callbacks
 
