@@ -23,7 +23,8 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
-from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg
+from torch.utils.data import DataLoader
+from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
@@ -660,6 +661,113 @@ def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, m
     trainer = ToyTrainer(toy_cfg(tmp_path, **quiet))
     trainer.fit()
     assert trainer.state.global_step == 2 and signal.SIGTERM not in installed
+
+
+@pytest.mark.parametrize("during", ["train", "validation"])
+def test_a_sigterm_to_the_whole_process_group_spares_the_loader_workers_and_saves_the_step(tmp_path, during):
+    """Slurm signals every process of a job step and torchrun's agent each rank's process group, DataLoader workers
+    included: they died of it, and the run failed with torch's 'DataLoader worker (pid N) is killed by signal:
+    Terminated' and saved nothing. Now the workers (persistent ones, a validation's, with the loader's own
+    worker_init_fn) keep serving, the step is saved, the exit status is 143 and --resume last finishes the run."""
+    settings = {"trainer_class": "toy_trainers:WorkersToyTrainer", "run_dir": str(tmp_path / "run"),
+                "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False, "val_every_n_steps": 4},
+                "logging": {"tensorboard": False}}  # fmt: skip
+    cfg_path = tmp_path / "toy.yaml"
+    OmegaConf.save(OmegaConf.create(settings), cfg_path)
+    env = child_env(TESTS, REPO, AMPKIT_TEST_GROUP_SIGTERM=during)
+    cut = subprocess.run(_cli(cfg_path), cwd=TESTS, env=env, capture_output=True, text=True, timeout=120,
+                         start_new_session=True)  # fmt: skip
+    step = 3 if during == "train" else 4
+    assert cut.returncode == 143, cut.stderr
+    assert f"ampkit: SIGTERM: stopping at step {step}" in cut.stderr and "DataLoader worker" not in cut.stderr
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    assert load_checkpoint(last)["loop"] == {"epoch": 0, "batches_done": step, "global_step": step}
+    env.pop("AMPKIT_TEST_GROUP_SIGTERM")
+    resumed = subprocess.run([*_cli(cfg_path), "--resume", "last"], cwd=TESTS, env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert load_checkpoint(last)["loop"]["global_step"] == 16
+
+
+class _WorkerPids(torch.utils.data.Dataset):
+    """Each sample: the pid of the worker that read it, and whether its loader's own worker_init_fn ran there."""
+
+    init_ran = False
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, index: int) -> tuple[int, bool]:
+        return os.getpid(), _WorkerPids.init_ran
+
+
+def _note_init(worker_id: int) -> None:
+    _WorkerPids.init_ran = True
+
+
+def test_a_loader_worker_ignores_another_process_sigterm_yet_ends_on_its_own_process_sigterm():
+    """What the workers of a preempted run need: a SIGTERM from another process (a scheduler's, to every process)
+    leaves the worker serving; one from the process that started it (torch's terminate() at shutdown and at exit)
+    still ends it at once, with status 0 as torch's own handler does."""
+    from torch.utils.data import DataLoader
+
+    from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm
+
+    loader = workers_outlive_foreign_sigterm(
+        DataLoader(_WorkerPids(), batch_size=None, num_workers=1, worker_init_fn=_note_init, persistent_workers=True)
+    )
+    batches = iterate(loader)
+    pid, init_ran = next(batches)
+    assert init_ran
+    kill = f"import os, signal; os.kill({pid}, signal.SIGTERM)"
+    subprocess.run([sys.executable, "-c", kill], start_new_session=True, check=True, timeout=30)
+    time.sleep(0.3)
+    assert next(batches)[0] == pid
+    worker = next(w for w in batches._workers if w.pid == pid)
+    os.kill(pid, signal.SIGTERM)
+    worker.join(timeout=10)
+    assert worker.exitcode == 0
+    batches._shutdown_workers()
+
+
+def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
+    """At interpreter exit multiprocessing terminate()s and then joins the workers still alive (persistent ones): the
+    policy must let that SIGTERM end them, or the exit would hang."""
+    script = (
+        "from torch.utils.data import DataLoader\n"
+        "from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm\n"
+        "loader = workers_outlive_foreign_sigterm(DataLoader(range(100), num_workers=2, persistent_workers=True))\n"
+        "batches = iterate(loader)\n"
+        "next(batches)\n"
+        "print('read')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(REPO), capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "read\n", done.stderr
+
+
+class _PersistentWorkersToyTrainer(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(self.cfg.data.n), batch_size=8, shuffle=True, num_workers=1,
+                          persistent_workers=True)  # fmt: skip
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(24, seed=7), batch_size=8, num_workers=1, persistent_workers=True)
+
+
+def test_a_resume_at_an_epoch_end_with_persistent_workers_is_bit_identical(tmp_path):
+    """Persistent workers draw their seed from torch's RNG when they start: in the first epoch of a run only, so the
+    resumed run drew once more than the run it continues, and its dropout (and so its weights) went another way."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False}
+    full = _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "full", **quiet, **{"trainer.max_epochs": 2}))
+    full.fit()
+    _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_epochs": 1})).fit()
+    resumed = _PersistentWorkersToyTrainer(toy_cfg(tmp_path / "cut", **quiet, **{"trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    assert_same_checkpoint(
+        load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"),
+        load_checkpoint(full.version_dir / "checkpoints" / "last.pt"),
+    )
 
 
 class _LogsBatchIndexPerEpoch(ToyTrainer):

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from child_env import child_env
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
-from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "dist_worker.py"
@@ -447,6 +448,27 @@ def test_a_sigterm_on_one_rank_saves_the_step_every_rank_stops_at_and_resume_con
         assert rank["continued"] == str(tmp_path / "run" / "version_0")
     _equal(rank0["model"], two_rank_run[0]["model"])
     _equal(rank1["model"], two_rank_run[0]["model"])
+
+
+@pytest.mark.slow  # a torchrun launch of two ranks with two loader workers each: ~15 s on 2 cores
+def test_a_sigterm_torchrun_passes_on_spares_the_ranks_loader_workers_and_saves_the_step(tmp_path):
+    """torchrun's agent passes a SIGTERM on to each rank's whole process group, so the ranks' DataLoader workers died
+    of it and the ranks failed with 'DataLoader worker (pid N) is killed by signal: Terminated', saving nothing. Now
+    the ranks agree on the stop (at step 4, the next iteration that logs), save it and exit 143 (torchrun itself
+    exits 1 for the signal it got); --resume last then continues as in one process."""
+    settings = {"trainer_class": "toy_trainers:WorkersToyTrainer", "run_dir": str(tmp_path / "run"),
+                "data": {"batch_size": 4}, "logging": {"tensorboard": False, "log_every_n_steps": 1},
+                "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False}}  # fmt: skip
+    cfg_path = tmp_path / "toy.yaml"
+    OmegaConf.save(OmegaConf.create(settings), cfg_path)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ampkit",
+                "fit", "--config", str(cfg_path)]  # fmt: skip
+    env = child_env(TESTS, TESTS.parent, OMP_NUM_THREADS="1", AMPKIT_TEST_GROUP_SIGTERM="torchrun")
+    cut = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert cut.returncode != 0 and "DataLoader worker" not in cut.stderr, cut.stderr[-3000:]
+    assert cut.stderr.count("ampkit: terminated (SIGTERM) (--resume last continues from") == 2, cut.stderr[-3000:]
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    assert load_checkpoint(last)["loop"] == {"epoch": 0, "batches_done": 4, "global_step": 4}
 
 
 class SampleRecorder(ampkit.Callback):

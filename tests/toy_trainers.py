@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +105,63 @@ class SlowToyTrainer(ToyTrainer):
 
     def configure_callbacks(self):
         return [_Sleep(0.02)]
+
+
+_WORKER_INIT_RAN: list[int] = []  # in a DataLoader worker: the ids its worker_init_fn was called with
+
+
+def _note_worker_init(worker_id: int) -> None:
+    _WORKER_INIT_RAN.append(worker_id)
+
+
+class _NeedsWorkerInit(TensorDataset):
+    def __getitem__(self, index):
+        if torch.utils.data.get_worker_info() is not None and not _WORKER_INIT_RAN:
+            raise RuntimeError("the loader's own worker_init_fn did not run in this worker")
+        return super().__getitem__(index)
+
+
+class _GroupSigterm(ampkit.Callback):
+    """SIGTERM to the whole process group (as Slurm and torchrun's agent send it), once, at step 3 or at the first
+    validation batch (env AMPKIT_TEST_GROUP_SIGTERM: train, validation), or to torchrun's agent at step 3 (torchrun);
+    then a pause for the workers to die of it."""
+
+    def __init__(self) -> None:
+        self.when, self.sent = os.environ.get("AMPKIT_TEST_GROUP_SIGTERM"), False
+
+    def _send(self) -> None:
+        self.sent = True  # sent by another process, as a scheduler's is: the workers' own parent may end them
+        kill = f"import os, signal; os.killpg({os.getpgid(0)}, signal.SIGTERM)"
+        subprocess.run([sys.executable, "-c", kill], start_new_session=True, check=True)
+        time.sleep(0.3)
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if self.when == "train" and not self.sent and trainer.state.global_step == 3:
+            self._send()
+        if self.when == "torchrun" and not self.sent and trainer.state.global_step == 3 and trainer.is_global_zero:
+            self.sent = True  # to torchrun's agent, which passes it on to each rank's process group
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(1)
+
+    def on_validation_batch_end(self, trainer, metrics, batch) -> None:
+        if self.when == "validation" and not self.sent and trainer.state.global_step > 0:
+            self._send()
+
+
+class WorkersToyTrainer(ToyTrainer):
+    """ToyTrainer whose loaders read in worker processes (persistent for training), with a worker_init_fn of its own."""
+
+    def configure_callbacks(self):
+        return [_GroupSigterm()]
+
+    def train_dataloader(self):
+        data = _NeedsWorkerInit(*toy_dataset(self.cfg.data.n).tensors)
+        return DataLoader(data, batch_size=self.cfg.data.batch_size, shuffle=True, num_workers=2,
+                          persistent_workers=True, worker_init_fn=_note_worker_init)  # fmt: skip
+
+    def val_dataloader(self):
+        data = _NeedsWorkerInit(*toy_dataset(24, seed=7).tensors)
+        return DataLoader(data, batch_size=8, num_workers=2, worker_init_fn=_note_worker_init)
 
 
 class _Marker(ampkit.Callback):

@@ -18,6 +18,7 @@ from ampkit.trainer.distributed import (
     padded_to_the_longest_rank,
     union_over_ranks,
 )
+from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -104,8 +105,8 @@ def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Itera
     different counts (an ``IterableDataset``, per-rank lists) is padded to the longest rank's."""
     filler = filler_batches_from(loader)
     if filler is None and trainer.dist.enabled and trainer.sharded and evened_by_agreement(loader):
-        return padded_to_the_longest_rank(loader, trainer.dist, source)
-    return ((batch, filler is None or i < filler) for i, batch in enumerate(loader))
+        return padded_to_the_longest_rank(iterate(loader), trainer.dist, source)
+    return ((batch, filler is None or i < filler) for i, batch in enumerate(iterate(loader)))
 
 
 @torch.no_grad()

@@ -111,6 +111,7 @@ from ampkit.trainer.evaluation import (
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
+from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -1073,7 +1074,7 @@ class Trainer:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
-        loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
+        loader = workers_outlive_foreign_sigterm(evaluation_loader(loader, self.dist, f"{stage.dataloader}()"))
         self.state.stage = stage.name
         try:
             if fresh:
@@ -1120,11 +1121,13 @@ class Trainer:
 
     def _load_train_data(self) -> None:
         """``train_dataloader()``, sharded across ranks, and its batches per epoch."""
-        self._train_loader = distributed_loader(
-            check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
-            self.settings.seed or 0,
-            self.dist,
-            shuffle_default=True,
+        self._train_loader = workers_outlive_foreign_sigterm(
+            distributed_loader(
+                check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
+                self.settings.seed or 0,
+                self.dist,
+                shuffle_default=True,
+            )
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
@@ -1155,8 +1158,10 @@ class Trainer:
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
-        self._val_loader = evaluation_loader(
-            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
+        self._val_loader = workers_outlive_foreign_sigterm(
+            evaluation_loader(
+                check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
+            )
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
@@ -1286,7 +1291,7 @@ class Trainer:
         if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
             sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
-        iterator = iter(self._train_loader)
+        iterator = iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(
