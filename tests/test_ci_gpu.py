@@ -23,7 +23,7 @@ if [[ -n "${REAL_PYTHON:-}" ]]; then exec "$REAL_PYTHON" "$@"; fi
 case "$1" in
     -) cat >/dev/null; echo "torch 0 (CUDA 0) on a fake GPU" ;;
     -c) if [[ "$2" == *FAMILIES* ]]; then echo "fam_a fam_b"; exit; fi
-        echo "3 passed in 0.01s"; sleep "$FAKE_PYTEST_S" ;;
+        echo "3 passed in 0.01s"; sleep "$FAKE_PYTEST_S"; exit "${FAKE_PYTEST_RC:-0}" ;;
 esac
 """
 FAKE_TIMEOUT = """#!/usr/bin/env bash
@@ -72,6 +72,15 @@ def test_verify_fits_each_step_into_what_is_left_of_the_calls_budget(tmp_path):
     assert all(limit <= 130 - 2 - 25 for limit in steps[1:])
     assert "-k cuda tests" in log and "gpt_step.py --device cuda" in log
     assert (tmp_path / "out" / "tests-cuda.log").read_text().strip() == "3 passed in 0.01s"
+
+
+@pytest.mark.parametrize(("args", "steps"), [(["verify", "1/2"], 4), (["tests", "1/2"], 1)])
+def test_a_failed_test_step_fails_the_call_though_later_steps_pass(tmp_path, args, steps):
+    """The call's status was its last step's: CUDA tests failing in verify 1/2 (pytest's status 1) read as a pass
+    once the fp8 bench after them had run."""
+    done, log = run_script(tmp_path, *args, FAKE_PYTEST_RC="1")
+    assert len(limits(log)) == steps  # every step still runs
+    assert done.returncode == 1, done.stderr
 
 
 def test_verify_skips_the_steps_the_budget_has_no_room_for_and_says_so(tmp_path):

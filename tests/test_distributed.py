@@ -545,6 +545,24 @@ def test_a_resume_at_another_ranks_x_batch_size_says_so_in_the_banner(tmp_path, 
         "batch size" in banner  # fmt: skip
 
 
+def test_the_banners_samples_a_step_count_the_batches_each_step_accumulates(tmp_path, capsys):
+    """Fewer ranks (or a smaller batch) with more accumulation keep each optimizer step's samples, the usual way to
+    resume on fewer GPUs: the banner said the loss curve followed another batch size; a changed accumulation alone
+    changes them and was not named."""
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "run"), "logging": {"tensorboard": False},
+           "checkpoint": {"every_n_steps": 2}, "data": {"batch_size": 8},
+           "trainer": {"max_steps": 2, "device": "cpu"}}  # fmt: skip
+    ToyTrainer(cfg).fit()
+    step_2 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000002.pt"
+    capsys.readouterr()
+    accumulating = {**cfg["trainer"], "max_steps": 3, "accumulate_grad_batches": 2}
+    ToyTrainer({**cfg, "data": {"batch_size": 4}, "trainer": accumulating}).fit(resume=step_2)
+    assert "  batch" not in capsys.readouterr().out  # 8 samples a step then and now
+    ToyTrainer({**cfg, "trainer": accumulating}).fit(resume=step_2)
+    assert "  batch       samples a step: 8 (1 rank x 8) then, 16 (1 rank x 8 x 2 batches accumulated) now; the " \
+        "loss curve follows another batch size" in capsys.readouterr().out.splitlines()  # fmt: skip
+
+
 def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_training(tmp_path):
     """Every FSDP rank writes its own shards into the version_N rank 0 made: a rank that cannot was found out only
     by the first checkpoint's save, after training up to it. (os.access is faked: root may write anywhere.)"""

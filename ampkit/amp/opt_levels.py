@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import torch
 
+from ampkit.ops._switches import is_switch
+
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
 OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
@@ -160,8 +162,9 @@ def resolve_opt_level(
             f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
             "Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero."
         )
-    if not isinstance(enabled, bool):
+    if not is_switch(enabled):
         raise ValueError(f"enabled={enabled!r}: expected True or False")
+    enabled = bool(enabled)
     parsed_cast = _parse_cast_model_type(cast_model_type)
     low = parse_dtype(dtype) if dtype is not None else None
     if isinstance(parsed_cast, torch.dtype) and parsed_cast != torch.float32:

@@ -29,8 +29,10 @@ LOWEST_SCALE = 2.0**-126
 
 def positive_option(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
     """``value`` as a float if it is a finite number > 0 (and > 1 or < 1 where asked); else a ValueError naming
-    ``option``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    ``option``. Any real number counts (numpy's ``float32``, a one-element tensor), as Apex took them."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{option}={value!r}: expected a number")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
@@ -43,10 +45,12 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
 
 
 def interval_option(value: Any, option: str) -> int:
-    """``value`` if it is an integer >= 1 (a count of iterations); else a ValueError naming ``option``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as an int if it is a whole number >= 1 (a count of iterations: ``1000.0`` from a float option, as
+    Apex took it, or numpy's ``int64``); else a ValueError naming ``option``."""
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
         raise ValueError(f"{option}={value!r}: expected an integer >= 1")
-    return value
+    return int(value)
 
 
 def overflow_verdict(found_inf: Any) -> bool:

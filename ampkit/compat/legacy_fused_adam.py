@@ -129,7 +129,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_betas(betas)
+        betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("max_grad_norm", max_grad_norm)
         defaults = dict(

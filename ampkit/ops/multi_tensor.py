@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops._switches import is_switch
 from ampkit.ops.reference import multi_tensor as reference
 
 __all__ = [
@@ -151,9 +152,9 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
 
 
 def _switch(value: bool, name: str) -> bool:
-    """An on/off argument: True or False (or 0 and 1). Anything else reached the kernel's schema as a multi-line
-    error, or the reference as truthy."""
-    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+    """An on/off argument: True or False (numpy's bool_, 0 and 1 too). Anything else reached the kernel's schema as
+    a multi-line error, or the reference as truthy."""
+    if is_switch(value):
         return bool(value)
     raise TypeError(f"`{name}` must be True or False, got {value!r}")
 

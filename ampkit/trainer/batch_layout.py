@@ -52,14 +52,29 @@ def batches_done_here(
     return done
 
 
-def layout_change(saved: dict[str, int] | None, here: dict[str, int] | None) -> str | None:
-    """How a resume changed the samples each step trains (``"16 (2 ranks x 8) then, 8 (1 rank x 8) now"``), or None
-    when it did not or either side is unknown: the same windows, but the loss curve follows another batch size."""
-    if saved is None or here is None or saved["ranks"] * saved["batch_size"] == here["ranks"] * here["batch_size"]:
+def layout_change(
+    saved: dict[str, int] | None, here: dict[str, int] | None, saved_accumulate: int = 1, accumulate: int = 1
+) -> str | None:
+    """How a resume changed the samples each optimizer step trains (``"16 (2 ranks x 8) then, 8 (1 rank x 8) now"``),
+    counting the batches each step accumulates, or None when it did not or either side is unknown: the same windows,
+    but the loss curve follows another batch size. Fewer ranks with more accumulation keep the step's samples."""
+    if saved is None or here is None:
+        return None
+    if saved["ranks"] * saved["batch_size"] * saved_accumulate == here["ranks"] * here["batch_size"] * accumulate:
         return None
 
-    def shown(layout: dict[str, int]) -> str:
-        ranks = layout["ranks"]
-        return f"{ranks * layout['batch_size']} ({ranks} rank{'s' * (ranks != 1)} x {layout['batch_size']})"
+    def shown(layout: dict[str, int], accumulate: int) -> str:
+        ranks, size = layout["ranks"], layout["batch_size"]
+        batches = f" x {accumulate} batches accumulated" if accumulate != 1 else ""
+        return f"{ranks * size * accumulate} ({ranks} rank{'s' * (ranks != 1)} x {size}{batches})"
 
-    return f"{shown(saved)} then, {shown(here)} now"
+    return f"{shown(saved, saved_accumulate)} then, {shown(here, accumulate)} now"
+
+
+def saved_accumulation(checkpoint: dict[str, Any]) -> int:
+    """The batches each optimizer step accumulated in the run that saved ``checkpoint`` (its config's
+    ``trainer.accumulate_grad_batches``; 1 where it does not say)."""
+    config = checkpoint.get("config")
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    accumulate = trainer.get("accumulate_grad_batches") if isinstance(trainer, dict) else None
+    return accumulate if isinstance(accumulate, int) and not isinstance(accumulate, bool) and accumulate >= 1 else 1

@@ -68,7 +68,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change
+from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change, saved_accumulation
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -1192,7 +1192,7 @@ class Trainer:
         if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
-            self._check_resume_position(path, checkpoint.get("batch_layout"))
+            self._check_resume_position(path, checkpoint.get("batch_layout"), saved_accumulation(checkpoint))
         self.version_dir = None
         if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
@@ -1215,14 +1215,16 @@ class Trainer:
                 "may write"
             )
 
-    def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None) -> None:
+    def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None, saved_accumulate: int) -> None:
         """A mid-epoch position moved to this run's ranks x batch size; refused where this run's epoch cannot reach
         it (a larger batch size, less data)."""
         done = batches_done_here(
             saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
         )
         self.state.batches_done = self._resume["batches_done"] = done
-        self.resumed_layout_change = layout_change(saved_layout, self._batch_layout)
+        self.resumed_layout_change = layout_change(
+            saved_layout, self._batch_layout, saved_accumulate, self.settings.accumulate_grad_batches
+        )
         total = self._num_train_batches
         if total is not None and done > total:
             raise CheckpointError(

@@ -346,6 +346,15 @@ def test_a_per_tensor_that_is_not_a_bool_is_named_as_apexs_binding_refused_it():
     assert per.numel() == 0
 
 
+def test_a_numpy_bool_per_tensor_is_taken_as_apexs_binding_took_it():
+    """pybind11 reads numpy's bool_ as a bool; the check above refused it."""
+    import numpy as np
+
+    params = [torch.randn(2, 3), torch.randn(4)]
+    _, per = amp_C.multi_tensor_l2norm(2048, flag(), [params], np.True_)
+    torch.testing.assert_close(per, torch.stack([p.norm() for p in params]))
+
+
 def test_novograd_names_grad_norms_of_the_wrong_length_or_dtype():
     """One float32 second moment per tensor: Apex's kernel indexed it by tensor; an integer one would truncate."""
     grads, params = [torch.randn(3), torch.randn(4)], [torch.randn(3), torch.randn(4)]

@@ -361,6 +361,21 @@ def test_combine_grad_that_is_not_a_switch_is_refused(bad):
     amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=0)
 
 
+def test_a_numpy_bool_is_a_switch_as_in_apex():
+    """The checks for a switch that is not True or False refused numpy's bool_ (``enabled=args.fp16 > 0`` over a
+    numpy value, a flag read with pandas), which Apex used as the bool it is."""
+    import numpy as np
+
+    model = _model()
+    model, _ = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=np.False_,
+                              enabled=np.True_)  # fmt: skip
+    handle = amp.init(enabled=np.True_, enable_caching=np.False_, allow_banned=np.False_)
+    try:
+        assert handle.is_active() and not handle.has_cache
+    finally:
+        handle._deactivate()
+
+
 @pytest.mark.parametrize("loss_id", [-1, 2])
 def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
     """Apex indexed its scalers with ``loss_id`` (IndexError; -1 took the last loss's scaler): code written for it

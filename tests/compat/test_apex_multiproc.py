@@ -1,9 +1,11 @@
 """``python -m apex.parallel.multiproc main.py``: Apex's launcher, which its 2018 examples and READMEs ran."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,31 @@ def test_a_failed_worker_stops_the_others_and_is_the_launchers_exit_status(tmp_p
     script = tmp_path / "worker.py"
     script.write_text("import sys, time\nif sys.argv[-1] == '1':\n    sys.exit(3)\ntime.sleep(120)\n")
     assert multiproc.main([str(script), "--world-size", "2"]) == 3
+
+
+def test_a_worker_killed_by_a_signal_is_the_launchers_exit_status_as_a_shell_gives_it(tmp_path, monkeypatch):
+    """An OOM kill (SIGKILL) was returncode -9, which SystemExit turned into exit status 247; a shell says 137."""
+    monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "worker.py"
+    rank_1_killed = "if sys.argv[-1] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    script.write_text(f"import os, signal, sys, time\n{rank_1_killed}time.sleep(120)\n")
+    assert multiproc.main([str(script), "--world-size", "2"]) == 128 + signal.SIGKILL
+
+
+def test_a_worker_that_outlives_the_stopping_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    """A worker that handles SIGTERM (ampkit's fit() saves first) and is stuck, as in a collective with the rank that
+    died, kept the launcher waiting on it for ever."""
+    monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(multiproc, "STOP_GRACE_S", 0.5)
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "worker.py"
+    rank_1_fails = "if sys.argv[-1] == '1':\n    time.sleep(1)\n    sys.exit(3)\n"
+    script.write_text(f"import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n{rank_1_fails}"
+                      "time.sleep(60)\n")  # fmt: skip
+    started = time.monotonic()
+    assert multiproc.main([str(script), "--world-size", "2"]) == 3
+    assert time.monotonic() - started < 30
 
 
 def test_an_apex_module_the_shim_does_not_serve_is_named_by_the_launcher():

@@ -249,6 +249,26 @@ def test_stand_alone_loss_scalers_name_a_scale_that_cannot_train(make, message):
         make(fp16_utils)
 
 
+def test_stand_alone_loss_scalers_take_every_number_apex_took():
+    """The checks above refused numbers Apex's scalers use as they are: a numpy float32 or a one-element tensor as a
+    scale ('expected a number'), and a scale_window of 1000.0 (an option parsed with type=float, as Megatron's
+    --loss-scale-window) or numpy's int64. The window counts iterations whole, so 1000.5 stays refused."""
+    import numpy as np
+
+    from ampkit.compat import fp16_utils
+
+    assert fp16_utils.LossScaler(np.float32(128)).loss_scale == 128.0
+    assert fp16_utils.LossScaler(torch.tensor(64.0)).loss_scale == 64.0
+    scaler = fp16_utils.DynamicLossScaler(init_scale=np.float32(4), scale_factor=np.float64(2), scale_window=2.0)
+    assert (scaler.loss_scale, scaler.scale_window) == (4.0, 2)
+    for _ in range(2):
+        scaler.update_scale(False)
+    assert scaler.loss_scale == 8.0
+    assert fp16_utils.DynamicLossScaler(scale_window=np.int64(1000)).scale_window == 1000
+    with pytest.raises(ValueError, match=r"scale_window=1000.5: expected an integer >= 1"):
+        fp16_utils.DynamicLossScaler(scale_window=1000.5)
+
+
 def test_stand_alone_loss_scalers_follow_apex_rules():
     """Apex's fp16_utils.DynamicLossScaler: 2**32 first, divided by scale_factor on an overflow (floor 1),
     multiplied after scale_window clean iterations; LossScaler is static and never sees an overflow."""

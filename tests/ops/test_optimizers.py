@@ -1131,6 +1131,23 @@ def test_betas_given_in_torch_optims_positional_place_are_refused_not_dropped(cl
         cls(make_params(), 1e-3, True, 1e-8)
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad, FusedAdamP, FusedMixedPrecisionLamb],
+                         ids=lambda c: c.__name__)  # fmt: skip
+def test_betas_from_an_omegaconf_config_are_taken_as_torch_optim_takes_them(cls):
+    """``betas=cfg.optim.betas`` is a ListConfig, which torch.optim and Apex index like a tuple; the fused optimizers
+    refused it as not a tuple or list. It is kept as a tuple, so a checkpoint of the optimizer loads weights_only."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"betas": [0.8, 0.95]})
+    params = make_params()[:1]
+    params[0].grad = torch.ones_like(params[0])
+    optimizer = cls(params, lr=0.1, betas=cfg.betas)
+    optimizer.step()
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    with pytest.raises(TypeError, match=r"Invalid betas: '0.9, 0.95' is a str"):
+        cls(make_params()[:1], lr=0.1, betas="0.9, 0.95")
+
+
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
 def test_a_hyperparameter_of_the_wrong_type_is_a_type_error_as_in_torch(cls):
     """torch.optim raises TypeError for ``lr="1e-3"`` (a number left unparsed in a config): code swapping in a fused

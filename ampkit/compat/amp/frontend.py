@@ -17,6 +17,7 @@ from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
 from ampkit.compat.amp.handle import init
 from ampkit.compat.amp.scaler import ApexLossScaler
+from ampkit.ops._switches import is_switch
 
 _LEVEL_DESCRIPTIONS = {
     "O0": "Pure FP32 training.",
@@ -210,7 +211,7 @@ def initialize(
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
-    if combine_grad is not None and not (isinstance(combine_grad, int) and combine_grad in (0, 1)):
+    if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity
     properties = resolve_opt_level(

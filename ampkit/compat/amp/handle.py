@@ -16,6 +16,7 @@ from ampkit.compat.amp import functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
+from ampkit.ops._switches import is_switch
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
@@ -422,7 +423,7 @@ def init(
     if patch_type not in o1_casts.LOW_PRECISION:
         raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
     for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("allow_banned", allow_banned)):
-        if not (isinstance(value, int) and value in (0, 1)):  # bool("False") is True: amp.initialize refuses it too
+        if not is_switch(value):  # bool("False") is True: amp.initialize refuses it too
             raise ValueError(f"{name}={value!r}: expected True or False")
     previous = _amp_state.handle
     if previous is not None:

@@ -3,7 +3,8 @@
 Each worker runs ``python SCRIPT ARGS --world-size N --rank I`` (values ARGS already give are replaced). Rank 0
 prints to this terminal and rank I > 0 to ``GPU_I.log`` in the working directory, as in Apex. N is the number of
 CUDA devices, as in Apex; without one it is ARGS' ``--world-size`` (default 1), so CPU runs with gloo can start
-several ranks. Unlike Apex, a failed worker stops the others and the launcher exits with its status.
+several ranks. Unlike Apex, a failed worker stops the others (SIGTERM, then SIGKILL after ``STOP_GRACE_S``) and the
+launcher exits with its status.
 
 Run it through ``python -m ampkit.legacy -m apex.parallel.multiproc SCRIPT ...`` so the workers see the apex shim.
 """
@@ -17,6 +18,10 @@ import time
 import torch
 
 _USAGE = "usage: python -m apex.parallel.multiproc SCRIPT [ARGS...] [--world-size N]"
+# How long the workers left get after the SIGTERM that stops them before a SIGKILL, as torchrun's agent gives them: one
+# that handles SIGTERM (ampkit's fit() stops at its iteration's end and saves) may be stuck in a collective with the
+# worker that died, where the launcher waited on it for ever.
+STOP_GRACE_S = 30.0
 
 
 def _option_value(args: list[str], option: str) -> str | None:
@@ -61,6 +66,12 @@ def worker_commands(args: list[str]) -> list[list[str]]:
     return [[sys.executable, *_with_option(base, "--rank", rank)] for rank in range(size)]
 
 
+def _exit_status(returncode: int) -> int:
+    """A worker's ``Popen.returncode`` as a shell gives it: one killed by signal N (returncode -N, an OOM kill's
+    SIGKILL) is 128 + N; ``SystemExit(-9)`` would exit 247."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the workers and wait for them; the first non-zero exit status stops the others and is returned."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -78,14 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             codes = [worker.poll() for worker in workers]
             failed = [code for code in codes if code not in (None, 0)]
             if failed or all(code == 0 for code in codes):
-                return failed[0] if failed else 0
+                return _exit_status(failed[0]) if failed else 0
             time.sleep(0.05)
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
         for worker in workers:
-            worker.wait()
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # it handles SIGTERM (ampkit's fit() saves first) and is stuck
+                worker.kill()
+                worker.wait()
         for log in logs:
             log.close()
 

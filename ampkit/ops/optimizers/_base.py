@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -236,15 +236,17 @@ def check_flag(name: str, value: Any) -> None:
     raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
 
 
-def check_betas(betas: Any, where: str = "") -> None:
-    """Raise ValueError unless ``betas`` is two numbers in [0, 1) (a float there is a positional call gone astray)."""
+def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
+    """``betas`` as a tuple if it is a sequence of two numbers in [0, 1) (a tuple, a list, OmegaConf's ListConfig, as
+    torch.optim takes them); else a ValueError (a float there is a positional call gone astray)."""
     expected = "(expected two numbers in [0.0, 1.0))"
-    if not isinstance(betas, tuple | list):
+    if not isinstance(betas, Sequence) or isinstance(betas, str | bytes):
         raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is a {type(betas).__name__} {expected}")
     if len(betas) != 2:
         raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
+    return tuple(betas)
 
 
 def check_group_hypers(group: dict[str, Any]) -> None:

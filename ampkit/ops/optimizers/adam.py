@@ -71,7 +71,7 @@ class FusedAdam(FusedOptimizer):
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_betas(betas)
+        betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,

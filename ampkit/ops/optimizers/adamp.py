@@ -46,7 +46,7 @@ class FusedAdamP(FusedOptimizer):
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_betas(betas)
+        betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("delta", delta)
         check_hyper("wd_ratio", wd_ratio)

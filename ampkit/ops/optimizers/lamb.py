@@ -54,7 +54,7 @@ class FusedLAMB(FusedOptimizer):
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_betas(betas)
+        betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         check_hyper("max_grad_norm", max_grad_norm)
         defaults = dict(

@@ -63,7 +63,7 @@ class FusedNovoGrad(FusedOptimizer):
             raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
-        check_betas(betas)
+        betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
         defaults = dict(
             lr=lr,
