@@ -36,6 +36,20 @@ class KeepFinalState(ampkit.Callback):
         self.state = full_state(trainer.module)
 
 
+class FusedAdamShuffled(Shuffled):
+    """Shuffled, stepped by ampkit's FusedAdam (with weight decay): under FSDP each rank steps its shards."""
+
+    def configure_optimizers(self):
+        return ampkit.ops.FusedAdam(self.module.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+class FusedSGDShuffled(Shuffled):
+    """Shuffled, stepped by ampkit's FusedSGD with momentum, whose buffers are made at the first step."""
+
+    def configure_optimizers(self):
+        return ampkit.ops.FusedSGD(self.module.parameters(), lr=1e-2, momentum=0.9)
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
@@ -59,6 +73,14 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         cfg = {**base, "checkpoint": {"every_n_steps": 3, "keep_last": 50},
                "trainer": {**cpu, "max_epochs": 2, "clip_grad_norm": 0.5}}  # fmt: skip
         trainer = Shuffled(cfg, callbacks=[losses, keep])
+        extra = {"losses": losses.losses}
+    elif scenario == "fused_adam":
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_epochs": 1}}
+        trainer = FusedAdamShuffled(cfg, callbacks=[keep])
+    elif scenario == "fused_sgd":
+        losses = LossRecorder()
+        cfg = {**base, "checkpoint": {"every_n_steps": 4, "keep_last": 50}, "trainer": {**cpu, "max_epochs": 2}}
+        trainer = FusedSGDShuffled(cfg, callbacks=[losses, keep])
         extra = {"losses": losses.losses}
     elif scenario == "gpt":  # the GPT example sharded per Block (its default under fsdp), activations recomputed
         from ampkit.config import load_config

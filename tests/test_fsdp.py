@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, Shuffled, TwoLosses
-from fsdp_worker import FSDP, KeepFinalState, run
+from fsdp_worker import FSDP, FusedAdamShuffled, KeepFinalState, run
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
@@ -144,6 +144,43 @@ def test_one_sharded_process_trains_as_an_unsharded_one_whatever_the_knobs(tmp_p
     plain = Plain(_cfg(tmp_path / "plain", **settings))
     plain.fit()
     _close(keep.state, plain.module.state_dict())
+
+
+def test_ampkits_fused_adam_steps_each_ranks_shards_as_one_process_steps_the_whole_model(tmp_path):
+    """FusedAdam's kernel took FSDP2's DTensors and failed at the first step ('params[0] is on meta'); it now steps
+    each rank's local shards, which for an element-wise update is the whole model's step."""
+    rank0, rank1 = launch("fused_adam", tmp_path / "two")
+    _close(rank0["model"], rank1["model"])
+    settings = {"data": {"batch_size": 8}, "checkpoint": {"enabled": False}, "trainer": {"max_epochs": 1}}
+    single = FusedAdamShuffled(_cfg(tmp_path / "single", **settings))
+    single.fit()
+    _close(rank0["model"], single.module.state_dict())
+
+
+def test_fused_sgds_momentum_made_at_the_first_step_is_sharded_and_resumes_on_one_rank(tmp_path):
+    """FusedSGD made its momentum buffers from the local shards: plain tensors, which the sharded checkpoint saved as
+    rank-local pieces that no resume could load ('Size mismatch'). They are DTensors like their parameters now."""
+    two = launch("fused_sgd", tmp_path / "two")
+    _close(two[0]["model"], two[1]["model"])
+    resumed = run(
+        "fused_sgd", tmp_path / "2to1", batch_size=8, resume=_copied(two[0]["version_dir"], "step-00000008", tmp_path)
+    )
+    assert sorted(resumed["losses"]) == list(range(9, 17))
+    for iteration, loss in resumed["losses"].items():
+        assert loss == pytest.approx(two[0]["losses"][iteration], rel=1e-5)
+    _close(resumed["model"], two[0]["model"])
+
+
+@pytest.mark.parametrize("optimizer", ["FusedLAMB", "FusedNovoGrad", "FusedAdamP"])
+def test_a_fused_optimizer_whose_step_takes_whole_tensor_norms_refuses_shards_by_name(tmp_path, optimizer):
+    class NormOptimizer(Plain):
+        def configure_optimizers(self):
+            return getattr(ampkit.ops, optimizer)(self.module.parameters(), lr=1e-3)
+
+    settings = {"checkpoint": {"enabled": False}, "trainer": {"max_steps": 2}}
+    trainer = NormOptimizer(_cfg(tmp_path, distributed={"strategy": "fsdp"}, **settings))
+    with pytest.raises(RuntimeError, match=f"{optimizer} cannot step sharded .*norms over whole tensors"):
+        trainer.fit()
 
 
 def test_manual_optimization_keeps_each_optimizers_grads_to_its_own_loss_under_fsdp(tmp_path):

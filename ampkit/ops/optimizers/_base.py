@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -71,20 +72,40 @@ def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
 
 
+def _dtensor_type() -> type | None:
+    """DTensor's class where something loaded it (FSDP2, tensor parallel), else None: looked up, not imported, so
+    the optimizers never import torch.distributed."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (its storage, so an in-place update writes the DTensor); a plain tensor (a
+    step count) as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
 @dataclass
 class Bucket:
-    """Parameters of one group sharing (param dtype, grad dtype), with their grads and state dicts."""
+    """Parameters of one group sharing (param dtype, grad dtype), with their grads and state dicts. For sharded
+    parameters (FSDP2's DTensors) ``params``, ``grads`` and ``state_list`` hold each rank's local shards, which the
+    element-wise kernels update in place."""
 
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
     has_master: bool = False
+    sharded: bool = False
+    # The DTensors whose local shards ``params`` holds (empty unless ``sharded``): state made lazily is made like them.
+    whole_params: list[Tensor] = field(default_factory=list)
     # ``.grad`` tensors the kernels read through a copy (another dtype or layout): they unscale the copy.
     copied_grads: list[Tensor] = field(default_factory=list)
     # With masters: each parameter's version counter when it last held its master's rounding (None: not yet read).
     versions: list[int] | None = None
 
     def state_list(self, key: str) -> list[Tensor]:
+        if self.sharded:
+            return [_local(s[key]) for s in self.states]
         return [s[key] for s in self.states]
 
     def masters(self) -> list[Tensor]:
@@ -340,6 +361,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Per-parameter state tensors made on a parameter's first step rather than by ``_init_state`` (SGD's momentum
     # buffer), shaped as the parameter: a loaded one is checked against it too.
     _lazy_state_keys: tuple[str, ...] = ()
+    # Whether each element's update depends on that element alone, so a rank can step its shard of a DTensor.
+    _updates_shards: bool = True
     # Whether ``_update`` hands GradScaler's tensors to its kernels (see the module docstring); such optimizers
     # keep their step counters on the parameter's device, where the kernels read and advance them.
     _scaler_in_kernel: bool = False
@@ -536,7 +559,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         plan = self._plans.get(id(group))
         if plan is not None and plan.fits(params, layout, self.state):
             for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
-                bucket.grads = [grads[i] for i in slots]
+                bucket.grads = [_local(grads[i]) for i in slots] if bucket.sharded else [grads[i] for i in slots]
                 if bucket.has_master:
                     bucket.adopt_outside_writes()
             return plan.buckets
@@ -552,12 +575,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _build_buckets(self, group: dict[str, Any], grads: list[Tensor | None]) -> tuple[list[Bucket], list[list[int]]]:
         """The buckets of ``_buckets``, and for each the indices of its parameters in ``group["params"]``."""
-        buckets: dict[tuple[torch.dtype, torch.dtype, torch.device], Bucket] = {}
-        slots: dict[tuple[torch.dtype, torch.dtype, torch.device], list[int]] = {}
+        buckets: dict[tuple[torch.dtype, torch.dtype, torch.device, bool], Bucket] = {}
+        slots: dict[tuple[torch.dtype, torch.dtype, torch.device, bool], list[int]] = {}
+        dtensor = _dtensor_type()
         for index, (p, grad) in enumerate(zip(group["params"], grads, strict=True)):
             g = grad
             if g is None:
                 continue
+            sharded = dtensor is not None and isinstance(p, dtensor)
+            if sharded and not self._updates_shards:
+                self.refuse_shards([p])
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
@@ -570,18 +597,20 @@ class FusedOptimizer(torch.optim.Optimizer):
             if self.master_weights and p.dtype in _HALF_DTYPES and "master_param" not in state:
                 # a fresh state, or one loaded without it (saved without master weights, by torch.optim)
                 state["master_param"] = p.detach().to(torch.float32, copy=True)
-            key = (p.dtype, g.dtype, p.device)
+            key = (p.dtype, g.dtype, p.device, sharded)
             bucket = buckets.get(key)
             if bucket is None:
-                bucket = buckets[key] = Bucket(has_master="master_param" in state)
+                bucket = buckets[key] = Bucket(has_master="master_param" in state, sharded=sharded)
                 slots[key] = []
             if ("master_param" in state) != bucket.has_master:
                 raise RuntimeError(
                     f"{type(self).__name__}: some {p.dtype} params have fp32 master copies and some do not; "
                     "load a state_dict saved with the same master_weights setting"
                 )
-            bucket.params.append(p)
-            bucket.grads.append(g)
+            bucket.params.append(_local(p) if sharded else p)
+            if sharded:
+                bucket.whole_params.append(p)
+            bucket.grads.append(_local(g) if sharded else g)
             bucket.states.append(state)
             slots[key].append(index)
             if g is not grad:
@@ -590,6 +619,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def refuse_shards(self, tensors: Sequence[Tensor]) -> None:
+        """Refuse sharded (FSDP2's DTensor) ``tensors`` where this optimizer's step takes norms over whole tensors,
+        which no rank holds (LAMB, NovoGrad, AdamP): each rank's shard would get its own trust ratio or denominator."""
+        dtensor = _dtensor_type()
+        if not self._updates_shards and dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
+            raise RuntimeError(
+                f"{type(self).__name__} cannot step sharded (FSDP2/DTensor) parameters: its step takes norms over "
+                "whole tensors, which no rank holds; use FusedAdam, FusedSGD or another element-wise optimizer"
+            )
 
     def _routes_to_torch(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors

@@ -28,6 +28,7 @@ class FusedAdamP(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _updates_shards = False  # norms over whole tensors
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _updates_shards = False  # norms over whole tensors
     _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_update_buffers")
 
     def __init__(
@@ -82,6 +83,7 @@ class FusedLAMB(FusedOptimizer):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if any(g.is_sparse for g in grads):  # before the norm, which no sparse tensor can enter
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        self.refuse_shards(grads)
         return multi_tensor.l2norm(grads).total.reshape(1) if grads else None
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:

@@ -37,6 +37,7 @@ class FusedNovoGrad(FusedOptimizer):
     """
 
     _acc_state_keys = ("exp_avg", "exp_avg_sq")
+    _updates_shards = False  # norms over whole tensors
     _scratch_attrs = (*FusedOptimizer._scratch_attrs, "_blends")
 
     def __init__(

@@ -153,8 +153,10 @@ class FusedSGD(FusedOptimizer):
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
-        buffers = [s.get("momentum_buffer") for s in bucket.states]
-        if all(b is not None for b in buffers) and not any(p in self._pending_first for p in bucket.params):
+        if all("momentum_buffer" in s for s in bucket.states) and not any(
+            p in self._pending_first for p in bucket.params
+        ):
+            buffers = bucket.state_list("momentum_buffer")
             self._launch(group, bucket, buffers, False, grad_factor, scaler)  # every later step: the bucket as it is
             return
         # Under a device found_inf the kernel may skip the step that creates the buffers, and the host does not
@@ -165,19 +167,23 @@ class FusedSGD(FusedOptimizer):
         dampened = scaler.found_inf is not None and group["dampening"] != 0
         created: _PendingFirstStep | None = None
         fresh_ids: set[int] = set()  # buffers made from uninitialised memory: their first step is this one
-        for p, s in zip(bucket.params, bucket.states, strict=True):
+        wholes = bucket.whole_params if bucket.sharded else bucket.params  # a sharded buffer is a DTensor as its param
+        for p, whole, s in zip(bucket.params, wholes, bucket.states, strict=True):
             if "momentum_buffer" in s:
                 continue
             dtype = self._buffer_dtype(p, bucket.has_master)
             if scaler.found_inf is None:
-                s["momentum_buffer"] = torch.empty_like(p, dtype=dtype)
+                s["momentum_buffer"] = torch.empty_like(whole, dtype=dtype)
                 fresh_ids.add(id(p))
             else:
-                s["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+                s["momentum_buffer"] = torch.zeros_like(whole, dtype=dtype)
             if dampened:
                 created = created or _PendingFirstStep(p.device)
                 self._pending_first[p] = created
-        seen, fresh = Bucket(has_master=bucket.has_master), Bucket(has_master=bucket.has_master)
+        seen, fresh = (
+            Bucket(has_master=bucket.has_master, sharded=bucket.sharded),
+            Bucket(has_master=bucket.has_master, sharded=bucket.sharded),
+        )
         waiting: dict[int, tuple[_PendingFirstStep, Bucket]] = {}
         for p, g, s in zip(bucket.params, bucket.grads, bucket.states, strict=True):
             pending = self._pending_first.get(p)
@@ -185,7 +191,9 @@ class FusedSGD(FusedOptimizer):
                 del self._pending_first[p]
                 pending = None
             if pending is not None:
-                part = waiting.setdefault(id(pending), (pending, Bucket(has_master=bucket.has_master)))[1]
+                part = waiting.setdefault(
+                    id(pending), (pending, Bucket(has_master=bucket.has_master, sharded=bucket.sharded))
+                )[1]
             else:
                 part = fresh if id(p) in fresh_ids else seen
             part.params.append(p)
