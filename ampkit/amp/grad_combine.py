@@ -19,7 +19,6 @@ that had none and no backward reached, so optimizers skip it exactly as they wou
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ import torch
 
 from ampkit.amp.scaler import LossScaler
 from ampkit.ops import multi_tensor
+from ampkit.ops._layout import local_shards
 
 __all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check_"]
 
@@ -49,7 +49,7 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     """
     if not tensors:
         return
-    tensors = _local_shards(tensors)
+    tensors = local_shards(tensors)  # FSDP's sharded gradients: ranks agree on found_inf afterwards
     if (
         found_inf.is_cpu
         and sum(map(torch.Tensor.numel, tensors)) >= KERNEL_MIN_NUMEL
@@ -58,18 +58,6 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
         multi_tensor.scale_(tensors, inv_scale, found_inf)
     else:
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
-
-
-def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """FSDP's sharded gradients as this rank's shards (ranks agree on found_inf afterwards).
-
-    DTensor's module is looked up, not imported: it is loaded by whoever made DTensors, and importing it
-    costs every other run a noticeable start-up time.
-    """
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
-        return tensors
-    return [t.to_local() if isinstance(t, dtensor.DTensor) else t for t in tensors]
 
 
 def read_flags(flags: Sequence[torch.Tensor]) -> list[bool]:

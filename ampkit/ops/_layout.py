@@ -1,8 +1,25 @@
-"""Memory layout questions the ops ask of a tensor."""
+"""Memory layout questions the ops ask of a tensor: dense or not, sharded (FSDP2's DTensor) or not."""
 
 from __future__ import annotations
 
+import sys
+
 from torch import Tensor
+
+
+def dtensor_type() -> type | None:
+    """DTensor's class where something loaded it (FSDP2, tensor parallel), else None. Looked up, not imported: it is
+    loaded by whoever made DTensors, and importing it costs every other run a noticeable start-up time."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def local_shards(tensors: list[Tensor]) -> list[Tensor]:
+    """Each DTensor among ``tensors`` as this rank's shard (its storage: an in-place op writes the DTensor)."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 def is_dense(t: Tensor) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numbers
 import operator
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import is_dense
+from ampkit.ops._layout import dtensor_type, is_dense
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
 
@@ -70,13 +69,6 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
-
-
-def _dtensor_type() -> type | None:
-    """DTensor's class where something loaded it (FSDP2, tensor parallel), else None: looked up, not imported, so
-    the optimizers never import torch.distributed."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
 
 
 def _local(t: Tensor) -> Tensor:
@@ -577,7 +569,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The buckets of ``_buckets``, and for each the indices of its parameters in ``group["params"]``."""
         buckets: dict[tuple[torch.dtype, torch.dtype, torch.device, bool], Bucket] = {}
         slots: dict[tuple[torch.dtype, torch.dtype, torch.device, bool], list[int]] = {}
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         for index, (p, grad) in enumerate(zip(group["params"], grads, strict=True)):
             g = grad
             if g is None:
@@ -623,7 +615,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def refuse_shards(self, tensors: Sequence[Tensor]) -> None:
         """Refuse sharded (FSDP2's DTensor) ``tensors`` where this optimizer's step takes norms over whole tensors,
         which no rank holds (LAMB, NovoGrad, AdamP): each rank's shard would get its own trust ratio or denominator."""
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         if not self._updates_shards and dtensor is not None and any(isinstance(t, dtensor) for t in tensors):
             raise RuntimeError(
                 f"{type(self).__name__} cannot step sharded (FSDP2/DTensor) parameters: its step takes norms over "
