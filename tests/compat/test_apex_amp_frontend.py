@@ -4,6 +4,7 @@ import copy
 import io
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +205,19 @@ def test_loss_id_out_of_range_names_num_losses():
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
     with pytest.raises(ValueError, match="num_losses=2"):
         with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=2):
+            pass
+
+
+def test_numpys_integers_count_losses_and_name_them_as_apexs_list_indexing_took_them():
+    """A script that reads its loss count from a config through numpy (``np.int64``) ran under Apex, whose scaler
+    list took it in ``range`` and as an index; it was refused as not an integer."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=np.int64(2), verbosity=0)
+    for loss_id in (np.int64(1), np.int32(0)):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=loss_id) as scaled:
+            scaled.backward()
+    with pytest.raises(TypeError, match="loss_id=1.0 is a float"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=1.0):
             pass
 
 

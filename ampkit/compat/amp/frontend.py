@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from collections import OrderedDict
@@ -209,8 +210,9 @@ def initialize(
     _amp_state.reset()
     if isinstance(verbosity, bool) or not isinstance(verbosity, int):
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
+    num_losses = int(num_losses)  # numpy's integers too, as Apex's range(num_losses) took them
     if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity

@@ -5,6 +5,7 @@ and Apex's original handle API: ``handle = amp.init()``, ``handle.scale_loss``, 
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,11 +84,12 @@ def scale_loss(
         yield loss
         return
     scalers = _amp_state.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral):  # numpy's integers index as in Apex
         raise TypeError(
             f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
+    loss_id = int(loss_id)
     if not 0 <= loss_id < len(scalers):
         raise LossIdRangeError(
             f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
