@@ -1148,6 +1148,25 @@ def test_betas_from_an_omegaconf_config_are_taken_as_torch_optim_takes_them(cls)
         cls(make_params()[:1], lr=0.1, betas="0.9, 0.95")
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_a_numpy_bool_switch_is_taken_and_kept_as_a_bool_so_the_checkpoint_loads_weights_only(cls):
+    """Apex's bindings took numpy's ``bool_`` as a bool; the fused optimizers refused it. Kept as a Python bool, the
+    optimizer's state dict still loads with ``weights_only=True`` (numpy's type is not on its allow-list)."""
+    import io
+
+    import numpy as np
+
+    params = make_params()[:1]
+    params[0].grad = torch.ones_like(params[0])
+    optimizer = cls(params, lr=0.1, bias_correction=np.bool_(False))
+    optimizer.step()
+    assert type(optimizer.param_groups[0]["bias_correction"]) is bool
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["param_groups"][0]["bias_correction"] is False
+
+
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
 def test_a_hyperparameter_of_the_wrong_type_is_a_type_error_as_in_torch(cls):
     """torch.optim raises TypeError for ``lr="1e-3"`` (a number left unparsed in a config): code swapping in a fused

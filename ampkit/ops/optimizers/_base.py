@@ -27,6 +27,7 @@ from torch import Tensor
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
 from ampkit.ops._layout import dtensor_type, is_dense
+from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
 
@@ -242,7 +243,7 @@ def check_flag(name: str, value: Any) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is True or False (0 or 1). Anything else is truthy or falsy
     by accident: ``FusedAdam(params, 1e-3, (0.9, 0.95))``, torch.optim's positional order, puts the betas in
     Apex's ``bias_correction`` and would run with the default betas."""
-    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+    if is_switch(value):
         return
     hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
     hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
@@ -381,6 +382,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for key in GROUP_FLAGS:  # named as given, before the groups that take them as defaults
             if key in defaults:
                 check_flag(key, defaults[key])
+                defaults[key] = bool(defaults[key])  # numpy's bool_ would not load back under weights_only
         check_flag("set_grad_none", set_grad_none)
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
