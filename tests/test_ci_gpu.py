@@ -122,7 +122,7 @@ def test_without_cuda_the_device_check_stops_the_script_with_one_line(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is visible")
+        pytest.skip("checks the script on a machine without CUDA; this one has a CUDA device")
     done, log = run_script(tmp_path, "verify", "1/2", real_python=True)
     assert done.returncode == 1
     device = (tmp_path / "out" / "device.txt").read_text()

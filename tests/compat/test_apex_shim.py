@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -197,22 +198,35 @@ class _Apex2020FusedLayerNorm(_Apex2020FusedRMSNorm):
         self.bias = torch.nn.Parameter(torch.linspace(-0.1, 0.1, size))
 
 
-def test_a_model_pickled_with_apex_norms_loads_and_runs_on_the_shim():
-    """``torch.save(model)`` of a model holding Apex's norms pickles them by their apex path: under the shim they load
-    as ampkit's, which read ``memory_efficient`` in forward, a field Apex's had only from mid-2023."""
-    names = ("apex", "apex.normalization", "apex.normalization.fused_layer_norm")
-    fake = {name: types.ModuleType(name) for name in names}
-    module = fake["apex.normalization.fused_layer_norm"]
-    for name, base in (("FusedLayerNorm", _Apex2020FusedLayerNorm), ("FusedRMSNorm", _Apex2020FusedRMSNorm)):
-        setattr(module, name, type(name, (base,), {"__module__": module.__name__}))
+def _pickled_under_apex_names(
+    module_name: str, classes: dict[str, type], build: Callable[[types.ModuleType], torch.nn.Module]
+) -> io.BytesIO:
+    """``torch.save`` of ``build(module)`` while ``module_name`` (and its parent packages) holds subclasses of
+    ``classes``' values under Apex's names: the pickle a machine with Apex installed wrote, ready to load."""
+    parts = module_name.split(".")
+    fake = {name: types.ModuleType(name) for name in (".".join(parts[: i + 1]) for i in range(len(parts)))}
+    module = fake[module_name]
+    for name, base in classes.items():
+        setattr(module, name, type(name, (base,), {"__module__": module_name}))
     buffer = io.BytesIO()
     with pytest.MonkeyPatch.context() as patch:
         for name, fake_module in fake.items():
             patch.setitem(sys.modules, name, fake_module)
-        torch.save(torch.nn.Sequential(module.FusedLayerNorm(8), module.FusedRMSNorm(8)), buffer)
+        torch.save(build(module), buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_a_model_pickled_with_apex_norms_loads_and_runs_on_the_shim():
+    """``torch.save(model)`` of a model holding Apex's norms pickles them by their apex path: under the shim they load
+    as ampkit's, which read ``memory_efficient`` in forward, a field Apex's had only from mid-2023."""
+    buffer = _pickled_under_apex_names(
+        "apex.normalization.fused_layer_norm",
+        {"FusedLayerNorm": _Apex2020FusedLayerNorm, "FusedRMSNorm": _Apex2020FusedRMSNorm},
+        lambda module: torch.nn.Sequential(module.FusedLayerNorm(8), module.FusedRMSNorm(8)),
+    )
     install_apex_shim()
     try:
-        buffer.seek(0)
         model = torch.load(buffer, weights_only=False)
         x = torch.randn(3, 8)
         layer_norm = torch.nn.functional.layer_norm(x, (8,), model[0].weight, model[0].bias, 1e-5)
@@ -233,18 +247,11 @@ class _ApexPythonSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 def test_a_model_pickled_with_apex_python_sync_batchnorm_loads_and_runs_on_the_shim():
     """Its pickle names ``apex.parallel.sync_batchnorm.SyncBatchNorm``, which loads as ampkit's: its forward read
     ``channel_last`` and ``fuse_relu``, fields only Apex's CUDA SyncBatchNorm had."""
-    names = ("apex", "apex.parallel", "apex.parallel.sync_batchnorm")
-    fake = {name: types.ModuleType(name) for name in names}
-    module = fake["apex.parallel.sync_batchnorm"]
-    module.SyncBatchNorm = type("SyncBatchNorm", (_ApexPythonSyncBatchNorm,), {"__module__": module.__name__})
-    buffer = io.BytesIO()
-    with pytest.MonkeyPatch.context() as patch:
-        for name, fake_module in fake.items():
-            patch.setitem(sys.modules, name, fake_module)
-        torch.save(module.SyncBatchNorm(4), buffer)
+    buffer = _pickled_under_apex_names(
+        "apex.parallel.sync_batchnorm", {"SyncBatchNorm": _ApexPythonSyncBatchNorm}, lambda m: m.SyncBatchNorm(4)
+    )
     install_apex_shim()
     try:
-        buffer.seek(0)
         norm = torch.load(buffer, weights_only=False)
         x = torch.randn(6, 4, 3)
         expected = torch.nn.functional.batch_norm(x, None, None, norm.weight, norm.bias, training=True)
@@ -299,18 +306,11 @@ class _ApexFP16Model(torch.nn.Module):
 
 def test_a_model_pickled_in_apex_fp16_model_loads_and_runs_on_the_shim():
     """``apex.fp16_utils.fp16util.FP16Model`` loads as ampkit's, whose forward read a ``dtype`` Apex's never had."""
-    names = ("apex", "apex.fp16_utils", "apex.fp16_utils.fp16util")
-    fake = {name: types.ModuleType(name) for name in names}
-    module = fake["apex.fp16_utils.fp16util"]
-    module.FP16Model = type("FP16Model", (_ApexFP16Model,), {"__module__": module.__name__})
-    buffer = io.BytesIO()
-    with pytest.MonkeyPatch.context() as patch:
-        for name, fake_module in fake.items():
-            patch.setitem(sys.modules, name, fake_module)
-        torch.save(module.FP16Model(torch.nn.Linear(4, 2)), buffer)
+    buffer = _pickled_under_apex_names(
+        "apex.fp16_utils.fp16util", {"FP16Model": _ApexFP16Model}, lambda m: m.FP16Model(torch.nn.Linear(4, 2))
+    )
     install_apex_shim()
     try:
-        buffer.seek(0)
         model = torch.load(buffer, weights_only=False)
         x = torch.randn(3, 4)
         torch.testing.assert_close(model(x), model.network(x.half()))
