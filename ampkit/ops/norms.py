@@ -93,6 +93,8 @@ def _size(value: object) -> int | None:
 def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints. Only integers are taken, as by torch's norms: ``int()`` would read
     the string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    if type(normalized_shape) is torch.Size:  # a module's own, the usual case: its entries are ints
+        return _checked_shape(tuple(normalized_shape))
     single = _size(normalized_shape)
     if single is not None:
         return _checked_shape((single,))
@@ -245,6 +247,20 @@ def _autocast_dtype(input: torch.Tensor) -> torch.dtype | None:
     except RuntimeError:  # "unknown device type for autocast"
         return None
     return torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _in_float32_under_autocast(
+    input: torch.Tensor, params: tuple[torch.Tensor | None, ...], memory_efficient: bool, mixed: bool
+) -> bool:
+    """Whether a norm under autocast computes in float32 and only its output takes the autocast dtype: for float32
+    parameters (a model's own) and an input of a float dtype autocast handles, as torch's autocast runs its norms
+    in float32. Apex's casts of the input, weight and bias to the autocast dtype gave the same output dtype for
+    three extra casts a call (each with its backward), which on a GPU cost more than the norm's own kernel, and
+    normalised an input already rounded. ``memory_efficient`` (it saves the output: half the memory in half) and
+    the mixed-dtype norms (output in the weight's dtype) keep Apex's casts."""
+    if memory_efficient or mixed or input.dtype not in (torch.float32, *_HALF_DTYPES):
+        return False
+    return all(p is None or p.dtype == torch.float32 for p in params)
 
 
 def _cast_to(dtype: torch.dtype, *args: object) -> tuple:
@@ -408,10 +424,25 @@ def _layer_norm(
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
     autocast_dtype = _autocast_dtype(input)
-    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
-        input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)
+    if autocast_dtype is not None:
+        if _in_float32_under_autocast(input, (weight, bias), memory_efficient, mixed):  # autocast may stay on
+            return _layer_norm_as_given(op, input.float(), weight, bias, shape, eps, False, False).to(autocast_dtype)
         with torch.autocast(input.device.type, enabled=False):
-            return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+            input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)  # Apex's casts
+            return _layer_norm_as_given(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+    return _layer_norm_as_given(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+
+
+def _layer_norm_as_given(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shape: tuple[int, ...],
+    eps: float,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
     _check_inputs(op, input, shape, weight, bias, any_param_dtype=mixed)
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
@@ -436,10 +467,24 @@ def _rms_norm(
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
     autocast_dtype = _autocast_dtype(input)
-    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
-        input, weight = _cast_to(autocast_dtype, input, weight)
+    if autocast_dtype is not None:
+        if _in_float32_under_autocast(input, (weight,), memory_efficient, mixed):  # autocast may stay on
+            return _rms_norm_as_given(op, input.float(), weight, shape, eps, False, False).to(autocast_dtype)
         with torch.autocast(input.device.type, enabled=False):
-            return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
+            input, weight = _cast_to(autocast_dtype, input, weight)  # Apex's casts
+            return _rms_norm_as_given(op, input, weight, shape, eps, memory_efficient, mixed)
+    return _rms_norm_as_given(op, input, weight, shape, eps, memory_efficient, mixed)
+
+
+def _rms_norm_as_given(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    shape: tuple[int, ...],
+    eps: float | None,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
     _check_inputs(op, input, shape, weight, None, any_param_dtype=True)  # F.rms_norm takes any weight dtype
     if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
         eps = torch.finfo(accumulate_dtype(input.dtype)).eps
