@@ -98,6 +98,7 @@ def test_verify_fits_each_step_into_what_is_left_of_the_calls_budget(tmp_path):
     assert steps[0] <= 130 - 25 and steps[1] == 60  # the tests took 2 s of the budget:
     assert all(limit <= 130 - 2 - 25 for limit in steps[1:])
     assert "-k cuda tests" in log and "gpt_step.py --device cuda" in log
+    assert f"--json {tmp_path / 'out' / 'gpt_step.json'}" in log  # every step's time comes back for a later look
     assert (tmp_path / "out" / "tests-cuda.log").read_text().strip() == "3 passed in 0.01s"
 
 
