@@ -209,6 +209,16 @@ def _params_for_kernels(
     return params, (torch.float32 if input.dtype in _HALF_DTYPES else None), output_dtype
 
 
+def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
+    """Whether ``input`` is a tensor and each parameter None or a tensor of its dtype: what torch's own norms run
+    as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's usual case) this is
+    all that is checked first; a call torch refuses is checked again to name the bad argument (a norm is called
+    dozens of times a step, and on a GPU its host time is the step's)."""
+    if not isinstance(input, torch.Tensor):
+        return False
+    return all(p is None or (isinstance(p, torch.Tensor) and p.dtype == input.dtype) for p in params)
+
+
 def _use_kernel(input: torch.Tensor) -> bool:
     """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
     ``grad``, ``jacrev``: the kernels have no batching rule) or forward-mode AD (``forward_ad.dual_level``: they have
@@ -443,6 +453,13 @@ def _layer_norm_as_given(
     memory_efficient: bool,
     mixed: bool,
 ) -> torch.Tensor:
+    if not mixed and _one_dtype(input, (weight, bias)) and _torch_runs(op, input, weight, memory_efficient, True):
+        _check_eps(op, eps)
+        try:
+            return F.layer_norm(input, shape, weight, bias, eps)
+        except RuntimeError:
+            _check_inputs(op, input, shape, weight, bias)  # the bad argument by name, where this check has it
+            raise
     _check_inputs(op, input, shape, weight, bias, any_param_dtype=mixed)
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
@@ -485,6 +502,15 @@ def _rms_norm_as_given(
     memory_efficient: bool,
     mixed: bool,
 ) -> torch.Tensor:
+    if not mixed and _one_dtype(input, (weight,)) and _torch_runs(op, input, weight, memory_efficient, False):
+        if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
+            eps = torch.finfo(accumulate_dtype(input.dtype)).eps
+        _check_eps(op, eps)
+        try:
+            return F.rms_norm(input, shape, weight, eps)
+        except RuntimeError:
+            _check_inputs(op, input, shape, weight, None, any_param_dtype=True)
+            raise
     _check_inputs(op, input, shape, weight, None, any_param_dtype=True)  # F.rms_norm takes any weight dtype
     if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
         eps = torch.finfo(accumulate_dtype(input.dtype)).eps
