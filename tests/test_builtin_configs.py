@@ -32,16 +32,21 @@ def test_repo_config_resolves_its_trainer_against_the_config_files_project_root(
     assert cls.__name__ == "GanTrainer" and Path(sys.modules[cls.__module__].__file__).is_relative_to(REPO)
 
 
-def test_repo_config_resolves_its_trainer_though_another_examples_package_is_installed(tmp_path, monkeypatch):
-    """An installed package named ``examples`` (wheels do ship one) came first on the path and has no ``gan``:
-    the GAN config failed with "No module named 'examples.gan'"; the config's own project now provides it."""
+@pytest.mark.parametrize("regular", [True, False], ids=["package", "namespace"])
+def test_repo_config_resolves_its_trainer_though_another_examples_package_is_installed(tmp_path, monkeypatch, regular):
+    """An installed package named ``examples`` (wheels do ship one; a bare ``examples/`` folder on the path is a
+    namespace package) came first and has no ``gan``: the GAN config failed with "No module named
+    'examples.gan'"; the config's own project now provides it."""
     foreign = tmp_path / "site" / "examples"
     foreign.mkdir(parents=True)
-    (foreign / "__init__.py").write_text("")
+    if regular:
+        (foreign / "__init__.py").write_text("")
     _hide_the_repo(monkeypatch, tmp_path, foreign.parent)
     cls, _ = load_config(REPO / "configs" / "gan.yaml", ["trainer.max_epochs=1"])
     assert cls.__name__ == "GanTrainer" and Path(sys.modules[cls.__module__].__file__).is_relative_to(REPO)
     assert sys.modules["examples"].__path__ == [str(REPO / "examples")]
+    if not regular:
+        return
 
     # A program that imported the other package itself keeps it, and is told what clashes
     for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
