@@ -127,6 +127,22 @@ def test_verify_keeps_every_traceback_in_a_full_log_though_a_time_limit_stops_py
     assert "stopped at its" in (tmp_path / "out" / "stopped.txt").read_text()
 
 
+def test_verify_2_of_2_can_run_the_test_files_in_reverse_so_a_cut_short_calls_last_files_come_first(tmp_path):
+    """An H100's 2/2 reached about 70% of the tests before its budget ran out; the next call starts from the end."""
+    done, log = run_script(tmp_path, "verify", "2/2", GPU_ORDER="reverse")
+    assert done.returncode == 0, done.stderr
+    call = next(line for line in log.splitlines() if "not cuda" in line)
+    files = call.split("-k not cuda ")[1].split()
+    everything = sorted(str(p.relative_to(SCRIPT.parents[1])) for p in (SCRIPT.parents[1] / "tests").rglob("test_*.py"))
+    assert files == everything[::-1]
+    done, _ = run_script(tmp_path, "verify", "2/2", GPU_ORDER="backwards")
+    assert (
+        done.returncode == 2
+        and "GPU_ORDER must be unset or 'reverse'" in done.stderr
+        and "got 'backwards'" in done.stderr
+    )
+
+
 def test_verify_skips_the_steps_the_budget_has_no_room_for_and_says_so(tmp_path):
     done, log = run_script(tmp_path, "verify", "2/2", GPU_SECONDS="40")
     assert done.returncode == 0, done.stderr
