@@ -27,6 +27,7 @@ import ampkit
 from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
+from ampkit.trainer.run_life import resolve_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "fsdp_worker.py"
@@ -244,6 +245,31 @@ def test_a_sharded_run_copied_by_a_tool_that_follows_or_drops_links_resumes_last
     assert (checkpoints / "last").is_symlink()
     assert load_checkpoint(checkpoints / "last" / "trainer.pt")["loop"]["global_step"] == 9
     assert not list(checkpoints.glob(".*"))
+
+
+class ScriptedValidation(Shuffled):
+    """Validation metrics set per epoch: the best of the two kept is the older one."""
+
+    def validation_step(self, batch):
+        return {"mse": torch.tensor({0: 1.0, 1: 0.5, 2: 0.7}[self.state.epoch])}
+
+
+def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_directory_it_named(tmp_path):
+    """rsync without -l drops the ``best`` link too: --resume best then took an older version's best, or found
+    none. The newest checkpoint's ranking names the directory the link named."""
+    cfg = _cfg(tmp_path, trainer={"max_epochs": 3}, distributed=FSDP,
+               checkpoint={"monitor": "val/mse", "save_top_k": 2})  # fmt: skip
+    ScriptedValidation(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    named = (checkpoints / "best").resolve().name
+    kept = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("best-"))
+    assert len(kept) == 2 and named == kept[0]
+    copy = Path(shutil.copytree(tmp_path / "run", tmp_path / "copy", symlinks=True))
+    for link in ("best", "last"):
+        (copy / "version_0" / "checkpoints" / link).unlink()
+    assert resolve_checkpoint(copy, "best") == copy / "version_0" / "checkpoints" / named
+    (copy / "version_0" / "checkpoints" / "best").symlink_to("best-00000099")  # dangling: named, never guessed past
+    assert resolve_checkpoint(copy, "best") is None
 
 
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt"])

@@ -61,7 +61,7 @@ from ampkit.trainer.checkpoint_io import (
     peek_checkpoint,
     write_text_atomic,
 )
-from ampkit.trainer.run_dir import latest_checkpoint, new_version_dir, quoted_run_dir, version_dirs
+from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints, training_order
 
 LOCK_FILE = "run.lock"
@@ -82,7 +82,7 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     if str(ckpt) == "last":
         return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
     if str(ckpt) == "best":
-        return latest_checkpoint(run_dir, "best.pt")
+        return next(filter(None, map(_best_of, reversed(version_dirs(run_dir)))), None)
     if not str(ckpt).strip():
         raise CheckpointError("the checkpoint path is empty: pass a path, 'last' or 'best'")
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
@@ -298,6 +298,32 @@ def _last_of(version_dir: Path) -> Path | None:
     names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
     sharded = [p for p in checkpoints.iterdir() if any(n(p.name, True) for n in names) and is_sharded_checkpoint(p)]
     return max(sharded, key=training_order, default=None)
+
+
+def _best_of(version_dir: Path) -> Path | None:
+    """``version_dir``'s ``best`` checkpoint (``best.pt``, or the link to a sharded one), or None. Where the ``best``
+    link of sharded checkpoints is gone (a copy that drops links), the directory its newest checkpoint ranks best,
+    which the link would name; never a guess past a dangling link."""
+    checkpoints = version_dir / "checkpoints"
+    best_file, best_link = checkpoints / "best.pt", checkpoints / "best"
+    if best_file.is_file():
+        return best_file
+    if (best_link / ".metadata").is_file():
+        return best_link
+    if os.path.lexists(best_link) or not checkpoints.is_dir():
+        return None
+    newest = _last_of(version_dir)
+    if newest is None or not is_sharded_checkpoint(newest):
+        return None
+    try:
+        states = peek_checkpoint(_trainer_part(newest))["callbacks"].values()
+    except (TypeError, KeyError, AttributeError, ValueError):
+        return None
+    ranked = next((s["best_k"] for s in states if isinstance(s, dict) and s.get("best_k")), None)
+    if not isinstance(ranked, dict):
+        return None
+    best = checkpoints / next(iter(ranked))  # the best first, as ModelCheckpoint ranks them
+    return best if (best / ".metadata").is_file() else None
 
 
 def plan_fit(
