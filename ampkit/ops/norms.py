@@ -49,6 +49,7 @@ from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._errors import ArgumentTypeError
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -117,16 +118,12 @@ def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-def _check_memory_efficient(op: str, value: object) -> None:
-    """True or False (or 0 and 1): torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth, where
-    Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
+def _checked_memory_efficient(op: str, value: object) -> bool:
+    """True or False (or 0 and 1) as a bool: torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth,
+    where Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
     memory-efficient norm on the CPU."""
-    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
-        return
-    raise TypeError(
-        f"{op}: memory_efficient must be True or False, got {value!r} (the fourth positional argument is Apex's "
-        "memory_efficient; pass bias, device and dtype by keyword)"
-    )
+    hint = " (the fourth positional argument is Apex's memory_efficient; pass bias, device and dtype by keyword)"
+    return checked_switch(op, "memory_efficient", value, hint)
 
 
 def _check_eps(op: str, eps: float) -> None:
@@ -414,6 +411,7 @@ def _layer_norm(
             return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
     _check_inputs(op, input, shape, weight, bias, any_param_dtype=mixed)
     _check_eps(op, eps)
+    memory_efficient = _checked_memory_efficient(op, memory_efficient)
     output_dtype = weight.dtype if mixed and weight is not None else None
     (weight, bias), output_dtype, cast_to = _params_for_kernels(input, (weight, bias), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
@@ -444,6 +442,7 @@ def _rms_norm(
     if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
         eps = torch.finfo(accumulate_dtype(input.dtype)).eps
     _check_eps(op, eps)
+    memory_efficient = _checked_memory_efficient(op, memory_efficient)
     output_dtype = weight.dtype if mixed and weight is not None else None
     (weight,), output_dtype, cast_to = _params_for_kernels(input, (weight,), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
@@ -564,9 +563,11 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
-        _check_memory_efficient(type(self).__name__, memory_efficient)
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
+        name = type(self).__name__
+        self.memory_efficient = _checked_memory_efficient(name, memory_efficient)
+        # torch's norms read these by truthiness: "False" from a config built an affine norm
+        self.elementwise_affine = elementwise_affine = checked_switch(name, "elementwise_affine", elementwise_affine)
+        bias = checked_switch(name, "bias", bias)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -633,9 +634,9 @@ class FusedRMSNorm(nn.Module):
         if eps is not None:
             _check_eps(type(self).__name__, eps)
         self.eps = eps
-        _check_memory_efficient(type(self).__name__, memory_efficient)
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
+        name = type(self).__name__
+        self.memory_efficient = _checked_memory_efficient(name, memory_efficient)
+        self.elementwise_affine = elementwise_affine = checked_switch(name, "elementwise_affine", elementwise_affine)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -662,7 +663,7 @@ def _mixed_affine_only(cls_name: str, kwargs: dict) -> dict:
     """Apex's Mixed modules are always affine: warn on ``elementwise_affine``, refuse False."""
     if "elementwise_affine" in kwargs:
         warnings.warn(f"{cls_name} does not support `elementwise_affine` argument", stacklevel=3)
-        if not kwargs.pop("elementwise_affine"):
+        if not checked_switch(cls_name, "elementwise_affine", kwargs.pop("elementwise_affine")):
             raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
     return kwargs
 
