@@ -395,8 +395,12 @@ class OptimWrapper:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        # without an argument, the wrapped optimizer's own default (Apex's wrapper passed none)
+        if set_to_none is None:
+            self._optimizer.zero_grad()
+        else:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(param_group)

@@ -56,9 +56,13 @@ class LARC:
         """Load ``state_dict`` into the wrapped optimizer."""
         self.optim.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped optimizer's gradients."""
-        self.optim.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the wrapped optimizer's gradients; without an argument, as its own ``zero_grad()`` does (Apex's
+        LARC took none: a fused optimizer built with ``set_grad_none=False`` zeroes in place)."""
+        if set_to_none is None:
+            self.optim.zero_grad()
+        else:
+            self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add ``param_group`` to the wrapped optimizer."""
