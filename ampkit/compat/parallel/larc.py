@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._switches import checked_switch
 
 
 class LARC:
@@ -24,12 +27,16 @@ class LARC:
     def __init__(
         self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True, eps: float = 1e-8
     ) -> None:
-        if trust_coefficient <= 0:
-            raise ValueError(f"trust_coefficient must be positive, got {trust_coefficient}")
+        # Both divide or scale each layer's rate: NaN (and a negative eps, which can zero the denominator) gave NaN
+        # weights; "False" for clip was read as on.
+        if not (isinstance(trust_coefficient, numbers.Real) and 0 < trust_coefficient < math.inf):
+            raise ValueError(f"LARC: trust_coefficient must be a finite number > 0, got {trust_coefficient!r}")
+        if not (isinstance(eps, numbers.Real) and 0 <= eps < math.inf):
+            raise ValueError(f"LARC: eps must be a finite number >= 0, got {eps!r}")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps
-        self.clip = clip
+        self.clip = checked_switch("LARC", "clip", clip)
 
     @property
     def state(self) -> Any:
