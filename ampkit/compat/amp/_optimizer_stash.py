@@ -260,6 +260,11 @@ class AmpOptimizerStash:
             if stash.master_weights is not None and masters is not None:
                 stash.master_weights.load_state_dict(masters)
                 stash._masters_checked = True  # the checkpoint's masters are the truth, the model follows them
+            elif stash.master_weights is not None:
+                # A checkpoint without masters (Apex's, torch's): they come from the model again at the next backward
+                # or step, as after initialize. Kept as they were, the next step wrote them over weights just loaded
+                # into the model (a run rolled back to a checkpoint went on from where it was).
+                stash._masters_checked = False
 
         # Apex's per-optimizer protocol, for code that copied Apex's scale_loss and calls it directly.
         def prepare_amp_backward(self: Any) -> None:
