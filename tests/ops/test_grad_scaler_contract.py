@@ -338,3 +338,18 @@ def test_a_grad_scale_that_is_not_finite_and_positive_skips_the_step_in_every_op
         opt.step(grad_scale=scale)  # a host number costs nothing to check: named where it is given
     opt.step(grad_scale=torch.tensor(2.0))
     assert not all(torch.equal(p, b) for p, b in zip(params, params_before, strict=True))
+
+
+@pytest.mark.parametrize("factor", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_a_grad_factor_that_is_not_finite_is_named_before_anything_changes(name, factor):
+    """``step_with_grad_factor`` (the fused pipeline's step, public) multiplied every gradient by NaN or inf inside
+    the kernels: NaN weights and state, silently."""
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"grad_factor must be a finite number, got {factor}"):
+        opt.step_with_grad_factor(factor)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)) and not opt.state

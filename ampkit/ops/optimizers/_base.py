@@ -14,6 +14,7 @@ step, as torch's fused optimizers leave them.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -78,6 +79,12 @@ _SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
 def valid_scale(value: float) -> bool:
     """Whether a loss scale is a finite float32 number > 0 (not subnormal, whose inverse overflows float32)."""
     return _SCALE_RANGE[0] <= value <= _SCALE_RANGE[1]
+
+
+def check_grad_factor(grad_factor: float) -> None:
+    """``step_with_grad_factor``'s factor must be a finite number: NaN or inf would turn every weight NaN."""
+    if isinstance(grad_factor, bool) or not (isinstance(grad_factor, numbers.Real) and abs(grad_factor) < math.inf):
+        raise ValueError(f"step_with_grad_factor: grad_factor must be a finite number, got {grad_factor!r}")
 
 
 def _skip_on_bad_scale(found_inf: Tensor | None, grad_scale: Tensor) -> Tensor:
@@ -537,7 +544,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """One step with every gradient multiplied by ``grad_factor`` inside the kernel (unscale x clip).
 
         The gradients themselves are not modified. Used by ``step`` and by ``ampkit.ops.pipeline``.
+
+        Raises:
+            ValueError: if ``grad_factor`` is NaN or infinite (every weight would become NaN); a host number,
+                checked for free.
         """
+        check_grad_factor(grad_factor)
         for group in self.param_groups:
             factor = -grad_factor if group.get("maximize", False) else grad_factor
             buckets = self._buckets(group)

@@ -14,7 +14,15 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper, eager_under_compile
+from ampkit.ops.optimizers._base import (
+    Bucket,
+    FusedOptimizer,
+    acc_dtype,
+    check_betas,
+    check_grad_factor,
+    check_hyper,
+    eager_under_compile,
+)
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -75,6 +83,7 @@ class FusedLAMB(FusedOptimizer):
     @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
+        check_grad_factor(grad_factor)
         norm = self._read_with_scaler(None)
         self._step_on_host(grad_factor, None if norm is None else norm.double().cpu())
 

@@ -16,6 +16,7 @@ from ampkit.ops.optimizers._base import (
     _scalar_on,
     acc_dtype,
     check_betas,
+    check_grad_factor,
     check_hyper,
     eager_under_compile,
 )
@@ -102,6 +103,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     @eager_under_compile
     def step_with_grad_factor(self, grad_factor: float) -> None:
+        check_grad_factor(grad_factor)
         blended = self._blend_norms(abs(grad_factor))
         self._step_on_host(grad_factor, None if blended is None else blended.cpu())
 
