@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ampkit.amp.scaler import LossScaler
+from ampkit.amp.scaler import LossScaler, positive_option
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import local_shards
 
@@ -423,9 +423,15 @@ class GradientCombiner:
 
         Returns:
             the (unsynced) found_inf flag and the parameters reached by the backward(s).
+
+        Raises:
+            ValueError: if a scale given as a number is not finite and > 0 (checked before anything changes: the
+                division by 0 raised halfway, after the stashed gradients had been let go).
         """
         if not self._pending:
             raise RuntimeError("combine() called without prepare_backward(); call it before the backward")
+        if not isinstance(scaler, LossScaler):
+            scaler = positive_option(scaler, "scale")
         self._pending = False
         flags = _Flags(found_inf if found_inf is not None and found_inf.device == self._device else None)
         if self.flat:
