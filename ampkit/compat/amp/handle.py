@@ -96,6 +96,9 @@ def scale_loss(
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
     _check_loss(loss, "amp.scale_loss")
+    for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
+        if not is_switch(value):  # by truthiness "False" delayed: an overflow then stepped on inf gradients
+            raise ValueError(f"amp.scale_loss: {name}={value!r}: expected True or False")
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
