@@ -69,3 +69,19 @@ def test_numbers_that_would_divide_into_nan_are_named(value):
         with pytest.raises(ValueError, match=rf"LARC: eps must be a finite number >= 0, got {value}"):
             LARC(_sgd(), eps=value)
     assert LARC(_sgd(), eps=0.0).eps == 0.0
+
+
+def test_convert_syncbn_model_and_fp16_optimizer_backward_name_a_switch_before_changing_anything():
+    from ampkit.compat.fp16_utils import FP16_Optimizer
+    from ampkit.compat.parallel import convert_syncbn_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="convert_syncbn_model: channel_last must be True or False, got 'False'"):
+        convert_syncbn_model(model, channel_last="False")
+    assert type(model[1]) is torch.nn.BatchNorm1d  # left as it was
+    half = torch.nn.Linear(4, 2).half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(half.parameters(), lr=0.1), static_loss_scale=8.0, verbose=False)
+    loss = half(torch.randn(3, 4).half()).float().sum()
+    with pytest.raises(ValueError, match="update_master_grads must be True or False, got 'False'"):
+        optimizer.backward(loss, update_master_grads="False")
+    assert all(p.grad is None for p in half.parameters())  # no backward ran

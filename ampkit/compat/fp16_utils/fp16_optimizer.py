@@ -212,6 +212,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """Backward of ``loss.float() * loss_scale``; then (unless told not to) :meth:`update_master_grads`."""
+        # by truthiness "False" unscaled after this backward, where the caller meant to accumulate first
+        update_master_grads = checked_switch("FP16_Optimizer.backward", "update_master_grads", update_master_grads)
         if not self._combiner.pending:
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)
