@@ -127,6 +127,11 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         use_mt: bool = False,
         amp_scale_adjustment: float = 1.0,
     ) -> None:
+        # Apex's first FusedAdam read these by truthiness: "False" turned them on
+        bias_correction = checked_switch("FusedAdam", "bias_correction", bias_correction)
+        eps_inside_sqrt = checked_switch("FusedAdam", "eps_inside_sqrt", eps_inside_sqrt)
+        amsgrad = checked_switch("FusedAdam", "amsgrad", amsgrad)
+        checked_switch("FusedAdam", "use_mt", use_mt)  # unused here: Apex's chose its multi-tensor kernel
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         check_hyper("lr", lr)

@@ -224,6 +224,9 @@ def test_a_step_scale_that_is_not_finite_and_positive_is_named(scale):
 
 
 def test_bad_optimizer_arguments_are_named():
+    for name in ("bias_correction", "eps_inside_sqrt", "amsgrad", "use_mt"):  # "False" was read as True
+        with pytest.raises(ValueError, match=rf"FusedAdam: {name} must be True or False, got 'False'"):
+            LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], **{name: "False"})
     with pytest.raises(ValueError, match="max_grad_norm"):
         LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], max_grad_norm=-1.0)
     with pytest.raises(RuntimeError, match="AMSGrad"):
