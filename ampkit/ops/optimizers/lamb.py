@@ -19,6 +19,7 @@ from ampkit.ops.optimizers._base import (
     FusedOptimizer,
     acc_dtype,
     check_betas,
+    check_flag,
     check_grad_factor,
     check_hyper,
     eager_under_compile,
@@ -59,6 +60,7 @@ class FusedLAMB(FusedOptimizer):
         master_weights: bool = False,
         backend: str | None = None,
     ) -> None:
+        check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_hyper("lr", lr)
