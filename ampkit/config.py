@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import math
 import os
 import re
@@ -375,10 +377,14 @@ def import_object(path: str, what: str = "trainer_class", search_from: Path | No
     cwd = str(Path.cwd())
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
+    imported_before = set(sys.modules)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         root = _project_root(search_from.resolve(), module_name) if search_from is not None else None
+        if root is not None and _shadowed(module_name, exc, root):
+            _import_top_package_from(root, module_name, imported_before, what)
+            return import_object(path, what)
         if root is None or str(root) in sys.path:
             raise ConfigError(f"{what}: cannot import module '{module_name}' of '{path}' ({exc})") from None
         sys.path.append(str(root))
@@ -390,6 +396,49 @@ def import_object(path: str, what: str = "trainer_class", search_from: Path | No
         raise ConfigError(
             f"{what}: module '{module_name}' has no '{attr}'; classes it defines: {', '.join(public) or 'none'}"
         ) from None
+
+
+def _shadowed(module_name: str, exc: ModuleNotFoundError, root: Path) -> bool:
+    """Whether ``module_name`` was missing only because its top package came from somewhere other than ``root``
+    (another installed ``examples`` package, say), while ``root`` holds the module the config names."""
+    top, _, rest = module_name.partition(".")
+    missing = exc.name or ""
+    if not rest or not (module_name == missing or module_name.startswith(missing + ".")) or missing == top:
+        return False
+    cached = sys.modules.get(top)
+    own = (root / top).resolve()
+    if cached is None or any(Path(p).resolve() == own for p in getattr(cached, "__path__", ())):
+        return False
+    tail = Path(*rest.split("."))
+    return (own / tail).with_suffix(".py").is_file() or (own / tail / "__init__.py").is_file()
+
+
+def _import_top_package_from(root: Path, module_name: str, imported_before: set[str], what: str) -> None:
+    """Bind ``module_name``'s top package to the one in ``root``, replacing the other one only where this lookup
+    imported it; a package of that name the program imported before is kept, and the error says what clashes."""
+    top = module_name.partition(".")[0]
+    other = sys.modules[top]
+    where = ", ".join(str(p) for p in getattr(other, "__path__", ())) or getattr(other, "__file__", None) or "?"
+    if top in imported_before:
+        raise ConfigError(
+            f"{what}: cannot import '{module_name}': the package '{top}' this program already imported comes from "
+            f"{where}, which has no such module; the config's project {root} has it in {root / top}: rename one "
+            "of the two packages"
+        )
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[name]  # the other package, imported by this lookup only
+    spec = importlib.machinery.PathFinder.find_spec(top, [str(root)])
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{what}: cannot import '{top}' from {root}")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[top] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        del sys.modules[top]
+        raise
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
 
 
 def _valid_keys(schema: DictConfig, parent: str) -> list[str]:

@@ -270,22 +270,33 @@ class SigtermOnRank1At3(ampkit.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def preempted_then_resumed(out: Path, base: dict) -> dict:
-    """The ``resume`` scenario's run, SIGTERMed on rank 1 at step 3 (logging every 2 steps), then resumed."""
+class FusedSgdToy(ToyTrainer):
+    """ToyTrainer with torch's fused SGD (no momentum): it takes GradScaler's found_inf, so under
+    ``skip_verdict=device`` the iteration's facts stay on the device."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=self.cfg.lr, fused=True)
+
+
+def preempted_then_resumed(out: Path, base: dict, trainer_class=ToyTrainer, log_every: int = 2) -> dict:
+    """The ``resume`` scenario's run, SIGTERMed on rank 1 at step 3 (logging every ``log_every`` steps), then
+    resumed."""
     cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"every_n_steps": 3, "keep_last": 50},
            "trainer": {**base["trainer"], "max_epochs": 2},
-           "logging": {"tensorboard": False, "log_every_n_steps": 2}}  # fmt: skip
+           "logging": {"tensorboard": False, "log_every_n_steps": log_every}}  # fmt: skip
+    trainer = trainer_class(cfg, callbacks=[SigtermOnRank1At3()])
     try:
-        ToyTrainer(cfg, callbacks=[SigtermOnRank1At3()]).fit()
+        trainer.fit()
         preempted = None
     except KeyboardInterrupt as exc:
         preempted = f"{type(exc).__name__}: {exc}"
     last = torch.load(out / "run" / "version_0" / "checkpoints" / "last.pt", weights_only=True)
-    resumed = ToyTrainer(cfg)
+    resumed = trainer_class(cfg)
     resumed.fit(resume="last")
     return {"preempted": preempted, "saved": last["loop"], "stopped_early": last.get("stopped_early"),
             "resumed_at": resumed.fit_start.loop, "continued": str(resumed.fit_start.version_dir),
-            "model": resumed.module.state_dict()}  # fmt: skip
+            "model": resumed.module.state_dict(), "facts_on_device": trainer._facts_on_device,
+            "final_step": resumed.state.global_step}  # fmt: skip
 
 
 class DiesOnceAt4(ampkit.Callback):
@@ -498,6 +509,9 @@ def main(scenario: str, out: Path) -> None:
         return
     elif scenario == "sigterm":
         torch.save(preempted_then_resumed(out, base), out / f"rank{RANK}.pt")
+        return
+    elif scenario == "sigterm_logging_rarely":  # no logging iteration to agree the stop at before the epoch's end
+        torch.save(preempted_then_resumed(out, base, FusedSgdToy, log_every=1000), out / f"rank{RANK}.pt")
         return
     elif scenario == "bare_module":
         trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})

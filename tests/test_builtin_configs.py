@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import subprocess
 import sys
@@ -16,14 +17,45 @@ from ampkit.config import ConfigError, load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_repo_config_resolves_its_trainer_against_the_config_files_project_root(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # examples/ is not importable from here: only the config file's root has it
+def _hide_the_repo(monkeypatch, tmp_path, *extra_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
     hidden = {REPO, REPO / "tests"}  # tests/examples/ would pass for the examples package
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() not in hidden])
+    kept = [p for p in sys.path if Path(p or ".").resolve() not in hidden]
+    monkeypatch.setattr(sys, "path", [*map(str, extra_path), *kept])
     for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_repo_config_resolves_its_trainer_against_the_config_files_project_root(tmp_path, monkeypatch):
+    _hide_the_repo(monkeypatch, tmp_path)  # examples/ is not importable from here: only the config file's root has it
     cls, cfg = load_config(REPO / "configs" / "gan.yaml", ["trainer.max_epochs=1"])
     assert cls.__name__ == "GanTrainer" and Path(sys.modules[cls.__module__].__file__).is_relative_to(REPO)
+
+
+@pytest.mark.parametrize("regular", [True, False], ids=["package", "namespace"])
+def test_repo_config_resolves_its_trainer_though_another_examples_package_is_installed(tmp_path, monkeypatch, regular):
+    """An installed package named ``examples`` (wheels do ship one; a bare ``examples/`` folder on the path is a
+    namespace package) came first and has no ``gan``: the GAN config failed with "No module named
+    'examples.gan'"; the config's own project now provides it."""
+    foreign = tmp_path / "site" / "examples"
+    foreign.mkdir(parents=True)
+    if regular:
+        (foreign / "__init__.py").write_text("")
+    _hide_the_repo(monkeypatch, tmp_path, foreign.parent)
+    cls, _ = load_config(REPO / "configs" / "gan.yaml", ["trainer.max_epochs=1"])
+    assert cls.__name__ == "GanTrainer" and Path(sys.modules[cls.__module__].__file__).is_relative_to(REPO)
+    assert sys.modules["examples"].__path__ == [str(REPO / "examples")]
+    if not regular:
+        return
+
+    # A program that imported the other package itself keeps it, and is told what clashes
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        del sys.modules[name]
+    importlib.import_module("examples")
+    with pytest.raises(ConfigError, match=r"'examples' this program already imported comes from .*site.examples, "
+                       r"which has no such module; the config's project .* has it in .*: rename one"):  # fmt: skip
+        load_config(REPO / "configs" / "gan.yaml", ["trainer.max_epochs=1"])
+    assert sys.modules["examples"].__path__ == [str(foreign)]
 
 
 def test_a_builtin_config_is_found_by_name_and_a_wrong_name_lists_them(tmp_path, monkeypatch):

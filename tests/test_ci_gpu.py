@@ -15,7 +15,10 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "gpu"
 
 # python3: a fake GPU machine (device check, family list, builds, pytest, benchmarks), or the real interpreter with
-# only pip faked (REAL_PYTHON set); timeout: logs its options and limit, then runs the command without one.
+# only pip faked (REAL_PYTHON set); with FAKE_PYTEST_HANGS its pytest reports a failure, hangs in the next test and,
+# on SIGINT, prints what pytest prints then (the failure's traceback, the summary, the counts).
+# timeout: logs its options and limit, then runs the command without one; with FAKE_LIMIT_S, stops a command still
+# running after that many seconds with SIGINT, as GNU timeout does at its limit (status 124).
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "python3 $*" >> "$FAKE_LOG"
 if [[ "$1 $2" == "-m pip" ]]; then exit 0; fi
@@ -23,6 +26,22 @@ if [[ -n "${REAL_PYTHON:-}" ]]; then exec "$REAL_PYTHON" "$@"; fi
 case "$1" in
     -) cat >/dev/null; echo "torch 0 (CUDA 0) on a fake GPU" ;;
     -c) if [[ "$2" == *FAMILIES* ]]; then echo "fam_a fam_b"; exit; fi
+        if [[ -n "${FAKE_PYTEST_HANGS:-}" ]]; then
+            interrupted() {
+                kill "$hang"
+                printf '%s\\n' "!!! KeyboardInterrupt !!!" "=== FAILURES ===" "___ test_b_cuda ___" \\
+                    "tests/test_a.py:7: in test_b_cuda" "    assert 1 == 2" "E   assert 1 == 2" \\
+                    "=== short test summary info ===" "FAILED tests/test_a.py::test_b_cuda - assert 1 == 2" \\
+                    "=== 1 failed, 1 passed in 2.00s ==="
+                exit 2
+            }
+            trap interrupted INT
+            printf '%s\\n' "tests/test_a.py::test_a_cuda PASSED" "tests/test_a.py::test_b_cuda FAILED" \\
+                "tests/test_a.py::test_c_cuda"
+            sleep 30 & hang=$!
+            wait "$hang"
+            exit 0
+        fi
         echo "3 passed in 0.01s"; sleep "$FAKE_PYTEST_S"; exit "${FAKE_PYTEST_RC:-0}" ;;
 esac
 """
@@ -30,7 +49,15 @@ FAKE_TIMEOUT = """#!/usr/bin/env bash
 echo "timeout ${*:1:6}" >> "$FAKE_LOG"
 while [[ "$1" == -* ]]; do case "$1" in -s|-k) shift 2 ;; *) shift ;; esac; done
 shift
-exec "$@"
+if [[ -z "${FAKE_LIMIT_S:-}" ]]; then exec "$@"; fi
+set -m  # the command in a group of its own with SIGINT not ignored, as GNU timeout starts it
+"$@" & command=$!
+for ((tenths = 0; tenths < FAKE_LIMIT_S * 10; tenths++)); do
+    kill -0 "$command" 2>/dev/null || break
+    sleep 0.1
+done
+if kill -0 "$command" 2>/dev/null; then kill -INT "$command"; wait "$command"; exit 124; fi
+wait "$command"
 """
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -71,6 +98,7 @@ def test_verify_fits_each_step_into_what_is_left_of_the_calls_budget(tmp_path):
     assert steps[0] <= 130 - 25 and steps[1] == 60  # the tests took 2 s of the budget:
     assert all(limit <= 130 - 2 - 25 for limit in steps[1:])
     assert "-k cuda tests" in log and "gpt_step.py --device cuda" in log
+    assert f"--json {tmp_path / 'out' / 'gpt_step.json'}" in log  # every step's time comes back for a later look
     assert (tmp_path / "out" / "tests-cuda.log").read_text().strip() == "3 passed in 0.01s"
 
 
@@ -81,6 +109,22 @@ def test_a_failed_test_step_fails_the_call_though_later_steps_pass(tmp_path, arg
     done, log = run_script(tmp_path, *args, FAKE_PYTEST_RC="1")
     assert len(limits(log)) == steps  # every step still runs
     assert done.returncode == 1, done.stderr
+
+
+@pytest.mark.parametrize(("shard", "log"), [("1/2", "tests-cuda"), ("2/2", "tests-rest")])
+def test_verify_keeps_every_traceback_in_a_full_log_though_a_time_limit_stops_pytest(tmp_path, shard, log):
+    """The filtered log keeps only result lines, and pytest ran with --tb=line: the GPU's failures came back with no
+    file:line. The full log has pytest's whole -v --tb=short output, down to the counts it prints at the SIGINT."""
+    done, calls = run_script(tmp_path, "verify", shard, FAKE_PYTEST_HANGS="1", FAKE_LIMIT_S="2")
+    assert done.returncode == 124, done.stderr
+    assert "-v --tb=short" in calls
+    full = (tmp_path / "out" / f"{log}-full.log").read_text().splitlines()
+    kept = ["tests/test_a.py::test_a_cuda PASSED", "tests/test_a.py:7: in test_b_cuda", "E   assert 1 == 2",
+            "FAILED tests/test_a.py::test_b_cuda - assert 1 == 2", "=== 1 failed, 1 passed in 2.00s ==="]  # fmt: skip
+    assert [line for line in kept if line not in full] == [], full
+    filtered = (tmp_path / "out" / f"{log}.log").read_text().splitlines()
+    assert "E   assert 1 == 2" not in filtered and "=== 1 failed, 1 passed in 2.00s ===" in filtered
+    assert "stopped at its" in (tmp_path / "out" / "stopped.txt").read_text()
 
 
 def test_verify_skips_the_steps_the_budget_has_no_room_for_and_says_so(tmp_path):

@@ -451,6 +451,23 @@ def test_a_sigterm_on_one_rank_saves_the_step_every_rank_stops_at_and_resume_con
 
 
 @pytest.mark.slow  # a torchrun launch of two ranks with two loader workers each: ~15 s on 2 cores
+@pytest.mark.parametrize("verdicts", ["host", "device"])
+def test_a_sigterm_is_agreed_within_an_iteration_or_two_however_rarely_the_run_logs(tmp_path, verdicts):
+    """With the facts kept on the device (CUDA's default with a fused optimizer) the ask had no collective to ride
+    in, so the ranks agreed it only at a logging iteration or an epoch's end: here step 8, and with a long logging
+    interval minutes after the SIGTERM, past the grace before the scheduler's SIGKILL. It now rides in the facts'
+    all-reduce on the device and is read with that iteration's verdicts, at the next iteration's end (step 5)."""
+    env = {"SKIP_VERDICT": verdicts}
+    rank0, rank1 = _ok(launch("sigterm_logging_rarely", tmp_path, env))
+    stop = 4 if verdicts == "host" else 5
+    for rank in (rank0, rank1):
+        assert rank["facts_on_device"] is (verdicts == "device")
+        assert rank["preempted"] == f"Preempted: SIGTERM: stopped at step {stop}"
+        assert rank["saved"] == rank["resumed_at"] == {"epoch": 0, "batches_done": stop, "global_step": stop}
+        assert rank["final_step"] == 16  # the resume trains on to the end of the second epoch
+    _equal(rank0["model"], rank1["model"])
+
+
 def test_a_sigterm_torchrun_passes_on_spares_the_ranks_loader_workers_and_saves_the_step(tmp_path):
     """torchrun's agent passes a SIGTERM on to each rank's whole process group, so the ranks' DataLoader workers died
     of it and the ranks failed with 'DataLoader worker (pid N) is killed by signal: Terminated', saving nothing. Now

@@ -49,11 +49,14 @@ CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 # -fno-math-errno lets gcc vectorize sqrt (without it the sqrt kernels ran at 0.5x of torch). -fopenmp makes
 # at::parallel_for (an inline header template) open OpenMP regions; the GOMP symbols resolve
 # against the libgomp that libtorch_cpu already loaded, so threads follow torch.set_num_threads.
+# -ffp-contract=off: gcc contracts a*b+c into an FMA wherever it chooses by default, so each dtype's instantiation
+# of a kernel (and each compiler or -march) could round differently; without it a half kernel computes exactly
+# its float kernel rounded once, on any x86 machine (it was set per file for the optimizers only).
 # The C++ standard is left to torch (c++20 for torch 2.13). CUDA: no fast-math and no FMA contraction
 # (--fmad=false), so GPU results round like the CPU kernels (built with fp-contract=off) and like
 # torch.optim's foreach kernels: over 100 AdamW steps FMA alone drifted 1.1e-6 from torch on an H100.
 # The kernels are memory-bound; contraction buys no time.
-CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp")
 CUDA_FLAGS = ("-O3", "--fmad=false")
 # Part of the cache key: libraries linked before libstdc++ was named explicitly are rebuilt once.
 _LINK_KEY = "shared-libstdc++"

@@ -94,6 +94,8 @@ def _size(value: object) -> int | None:
 def _as_shape(normalized_shape: ShapeLike) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of ints. Only integers are taken, as by torch's norms: ``int()`` would read
     the string "768" (a size left unparsed in a config) as (7, 6, 8) and truncate a float 2.5 to 2."""
+    if type(normalized_shape) is torch.Size:  # a module's own, the usual case: its entries are ints
+        return _checked_shape(tuple(normalized_shape))
     single = _size(normalized_shape)
     if single is not None:
         return _checked_shape((single,))
@@ -121,7 +123,8 @@ def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _checked_memory_efficient(op: str, value: object) -> bool:
     """True or False (or 0 and 1) as a bool: torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth,
     where Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
-    memory-efficient norm on the CPU."""
+    memory-efficient norm on the CPU. Checked once when a module is built (its forward is the hot path, whose host
+    time is the step's on a GPU); the functional forms check theirs each call."""
     hint = " (the fourth positional argument is Apex's memory_efficient; pass bias, device and dtype by keyword)"
     return checked_switch(op, "memory_efficient", value, hint)
 
@@ -204,6 +207,16 @@ def _params_for_kernels(
     return params, (torch.float32 if input.dtype in _HALF_DTYPES else None), output_dtype
 
 
+def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
+    """Whether ``input`` is a tensor and each parameter None or a tensor of its dtype: what torch's own norms run
+    as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's usual case) this is
+    all that is checked first; a call torch refuses is checked again to name the bad argument (a norm is called
+    dozens of times a step, and on a GPU its host time is the step's)."""
+    if not isinstance(input, torch.Tensor):
+        return False
+    return all(p is None or (isinstance(p, torch.Tensor) and p.dtype == input.dtype) for p in params)
+
+
 def _use_kernel(input: torch.Tensor) -> bool:
     """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
     ``grad``, ``jacrev``: the kernels have no batching rule) or forward-mode AD (``forward_ad.dual_level``: they have
@@ -242,6 +255,20 @@ def _autocast_dtype(input: torch.Tensor) -> torch.dtype | None:
     except RuntimeError:  # "unknown device type for autocast"
         return None
     return torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _in_float32_under_autocast(
+    input: torch.Tensor, params: tuple[torch.Tensor | None, ...], memory_efficient: bool, mixed: bool
+) -> bool:
+    """Whether a norm under autocast computes in float32 and only its output takes the autocast dtype: for float32
+    parameters (a model's own) and an input of a float dtype autocast handles, as torch's autocast runs its norms
+    in float32. Apex's casts of the input, weight and bias to the autocast dtype gave the same output dtype for
+    three extra casts a call (each with its backward), which on a GPU cost more than the norm's own kernel, and
+    normalised an input already rounded. ``memory_efficient`` (it saves the output: half the memory in half) and
+    the mixed-dtype norms (output in the weight's dtype) keep Apex's casts."""
+    if memory_efficient or mixed or input.dtype not in (torch.float32, *_HALF_DTYPES):
+        return False
+    return all(p is None or p.dtype == torch.float32 for p in params)
 
 
 def _cast_to(dtype: torch.dtype, *args: object) -> tuple:
@@ -405,13 +432,34 @@ def _layer_norm(
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
     autocast_dtype = _autocast_dtype(input)
-    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
-        input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)
+    if autocast_dtype is not None:
+        if _in_float32_under_autocast(input, (weight, bias), memory_efficient, mixed):  # autocast may stay on
+            return _layer_norm_as_given(op, input.float(), weight, bias, shape, eps, False, False).to(autocast_dtype)
         with torch.autocast(input.device.type, enabled=False):
-            return _layer_norm(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+            input, weight, bias = _cast_to(autocast_dtype, input, weight, bias)  # Apex's casts
+            return _layer_norm_as_given(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+    return _layer_norm_as_given(op, input, weight, bias, shape, eps, memory_efficient, mixed)
+
+
+def _layer_norm_as_given(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shape: tuple[int, ...],
+    eps: float,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
+    if not mixed and _one_dtype(input, (weight, bias)) and _torch_runs(op, input, weight, memory_efficient, True):
+        _check_eps(op, eps)
+        try:
+            return F.layer_norm(input, shape, weight, bias, eps)
+        except RuntimeError:
+            _check_inputs(op, input, shape, weight, bias)  # the bad argument by name, where this check has it
+            raise
     _check_inputs(op, input, shape, weight, bias, any_param_dtype=mixed)
     _check_eps(op, eps)
-    memory_efficient = _checked_memory_efficient(op, memory_efficient)
     output_dtype = weight.dtype if mixed and weight is not None else None
     (weight, bias), output_dtype, cast_to = _params_for_kernels(input, (weight, bias), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=True):
@@ -434,15 +482,37 @@ def _rms_norm(
 ) -> torch.Tensor:
     shape = _as_shape(normalized_shape)
     autocast_dtype = _autocast_dtype(input)
-    if autocast_dtype is not None:  # Apex's casts, then the norm itself outside autocast
-        input, weight = _cast_to(autocast_dtype, input, weight)
+    if autocast_dtype is not None:
+        if _in_float32_under_autocast(input, (weight,), memory_efficient, mixed):  # autocast may stay on
+            return _rms_norm_as_given(op, input.float(), weight, shape, eps, False, False).to(autocast_dtype)
         with torch.autocast(input.device.type, enabled=False):
-            return _rms_norm(op, input, weight, shape, eps, memory_efficient, mixed)
+            input, weight = _cast_to(autocast_dtype, input, weight)  # Apex's casts
+            return _rms_norm_as_given(op, input, weight, shape, eps, memory_efficient, mixed)
+    return _rms_norm_as_given(op, input, weight, shape, eps, memory_efficient, mixed)
+
+
+def _rms_norm_as_given(
+    op: str,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    shape: tuple[int, ...],
+    eps: float | None,
+    memory_efficient: bool,
+    mixed: bool,
+) -> torch.Tensor:
+    if not mixed and _one_dtype(input, (weight,)) and _torch_runs(op, input, weight, memory_efficient, False):
+        if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
+            eps = torch.finfo(accumulate_dtype(input.dtype)).eps
+        _check_eps(op, eps)
+        try:
+            return F.rms_norm(input, shape, weight, eps)
+        except RuntimeError:
+            _check_inputs(op, input, shape, weight, None, any_param_dtype=True)
+            raise
     _check_inputs(op, input, shape, weight, None, any_param_dtype=True)  # F.rms_norm takes any weight dtype
     if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
         eps = torch.finfo(accumulate_dtype(input.dtype)).eps
     _check_eps(op, eps)
-    memory_efficient = _checked_memory_efficient(op, memory_efficient)
     output_dtype = weight.dtype if mixed and weight is not None else None
     (weight,), output_dtype, cast_to = _params_for_kernels(input, (weight,), output_dtype)
     if _torch_runs(op, input, weight, memory_efficient, layer_norm=False):
@@ -469,6 +539,7 @@ def fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the input's dtype (Apex signature)."""
+    memory_efficient = checked_switch("fused_layer_norm_affine", "memory_efficient", memory_efficient)
     return _layer_norm("fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False)
 
 
@@ -476,6 +547,7 @@ def fused_layer_norm(
     input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """LayerNorm without affine parameters (Apex signature)."""
+    memory_efficient = checked_switch("fused_layer_norm", "memory_efficient", memory_efficient)
     return _layer_norm("fused_layer_norm", input, None, None, normalized_shape, eps, memory_efficient, False)
 
 
@@ -488,6 +560,7 @@ def mixed_dtype_fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the weight's dtype (Apex signature)."""
+    memory_efficient = checked_switch("mixed_dtype_fused_layer_norm_affine", "memory_efficient", memory_efficient)
     return _layer_norm(
         "mixed_dtype_fused_layer_norm_affine",
         input,
@@ -508,6 +581,7 @@ def fused_rms_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the input's dtype (Apex signature)."""
+    memory_efficient = checked_switch("fused_rms_norm_affine", "memory_efficient", memory_efficient)
     return _rms_norm("fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, False)
 
 
@@ -515,6 +589,7 @@ def fused_rms_norm(
     input: torch.Tensor, normalized_shape: ShapeLike, eps: float | None = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """RMSNorm without a weight (Apex signature)."""
+    memory_efficient = checked_switch("fused_rms_norm", "memory_efficient", memory_efficient)
     return _rms_norm("fused_rms_norm", input, None, normalized_shape, eps, memory_efficient, False)
 
 
@@ -526,6 +601,7 @@ def mixed_dtype_fused_rms_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
+    memory_efficient = checked_switch("mixed_dtype_fused_rms_norm_affine", "memory_efficient", memory_efficient)
     return _rms_norm("mixed_dtype_fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, True)
 
 

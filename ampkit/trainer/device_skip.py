@@ -113,12 +113,19 @@ class UnsettledLoss(UnsettledFlag):
     loss_id: Any = None
 
 
+@dataclass(slots=True)
+class UnsettledStopAsk(UnsettledFlag):
+    """The ranks' agreed stop ask (a SIGTERM or ``state.should_stop`` on any rank), carried in the all-reduce of an
+    iteration's facts on the device."""
+
+
 class DeviceVerdicts:
     """The steps and scaler updates whose verdicts are still on the device, and the schedulers waiting for them."""
 
     def __init__(self) -> None:
         self.unsettled: list[UnsettledFlag] = []
         self.waiting_schedules: list[tuple[int, dict[torch.optim.Optimizer, bool]]] = []  # (iteration, stepped)
+        self.stop_asked = False  # a settled stop ask: the Trainer agrees the stop on the host, then clears it
 
     def record(self, optimizer: torch.optim.Optimizer, iteration: int, loss_ids: list, found_inf: torch.Tensor):
         """A step taken with ``found_inf`` as its verdict."""
@@ -127,6 +134,10 @@ class DeviceVerdicts:
     def record_loss(self, loss_id: Any, iteration: int, found_inf: torch.Tensor) -> None:
         """A scaler update on the device with ``found_inf``."""
         self.unsettled.append(UnsettledLoss(iteration, *UnsettledFlag.copy(found_inf), loss_id))
+
+    def record_stop_ask(self, iteration: int, asked: torch.Tensor) -> None:
+        """The ranks' agreed stop ask of ``iteration``, read with that iteration's verdicts."""
+        self.unsettled.append(UnsettledStopAsk(iteration, *UnsettledFlag.copy(asked)))
 
     def pending(self, iteration: int | None = None) -> bool:
         """Whether a step's verdict is unsettled (of ``iteration``, when given)."""
@@ -145,6 +156,7 @@ class DeviceVerdicts:
         )
         if not due:
             return [], [], []
+        self.stop_asked = self.stop_asked or any(isinstance(u, UnsettledStopAsk) and u.is_set() for u in due)
         overflowed = {(u.iteration, u.loss_id) for u in due if isinstance(u, UnsettledLoss) and u.is_set()}
         skipped = []
         for u in due:

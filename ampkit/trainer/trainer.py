@@ -532,6 +532,8 @@ class Trainer:
         leaves ``steps`` for ``skipped_steps`` and fires ``on_optimizer_step_skipped``; the LR schedulers that
         waited for those iterations step."""
         skipped, scale_updates, schedules = self._verdicts.settle(before)
+        if self._verdicts.stop_asked:  # a rank's stop or SIGTERM, heard in the device facts' all-reduce
+            self._verdicts.stop_asked, self._stop_heard = False, True
         for step, culprits in skipped:
             opt_state = self.optimizer_state[step.optimizer]
             opt_state.steps -= 1
@@ -924,7 +926,16 @@ class Trainer:
                 flag = torch.ones((), device=self.device) if flag is None else flag + 1.0
                 loss.found_inf = False
             flags.append(torch.zeros((), device=self.device) if flag is None else flag)
-        for loss, flag in zip(losses, any_rank_on_device(flags, self.dist), strict=True):
+        # The stop ask rides along (no collective of its own) and is read when this iteration's verdicts settle,
+        # at the next iteration's end on every rank alike, which then agree the stop on the host.
+        hears_stop = distributed and not self._stop_agreed
+        if hears_stop:
+            asked = self.state.should_stop or self._preempt_asked
+            flags.append(torch.full((), float(asked), device=self.device))  # a fill: no copy from the host
+        agreed = any_rank_on_device(flags, self.dist)
+        if hears_stop:
+            self._verdicts.record_stop_ask(self.state.iteration, agreed.pop())
+        for loss, flag in zip(losses, agreed, strict=True):
             loss.device_found_inf = flag if loss.device_found_inf is None else loss.device_found_inf + flag
 
     def _end_iteration(self) -> None:

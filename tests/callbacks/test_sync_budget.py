@@ -58,11 +58,17 @@ class TwoLosses(CudaBatches):
             self.step(optimizer)
 
 
+def sync_sites(caught: list) -> list[str]:
+    """Where each synchronizing call came from (the Python line that made it), for a failing count to show."""
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+
+
 class SyncCounter(Callback):
     """Synchronizing CUDA calls per iteration, from the first batch of an iteration to the end of its last."""
 
     def __init__(self) -> None:
         self.per_iteration: list[int] = []
+        self.sites: list[list[str]] = []  # per iteration: the lines that synchronized
         self._caught: list = []
         self._guard: warnings.catch_warnings | None = None
 
@@ -77,7 +83,8 @@ class SyncCounter(Callback):
         if trainer.state.is_iteration_end:
             torch.cuda.set_sync_debug_mode("default")
             self._guard.__exit__(None, None, None)
-            self.per_iteration.append(sum("synchronizing" in str(w.message) for w in self._caught))
+            self.sites.append(sync_sites(self._caught))
+            self.per_iteration.append(len(self.sites[-1]))
 
     def on_exception(self, trainer, exception) -> None:
         torch.cuda.set_sync_debug_mode("default")
@@ -110,7 +117,7 @@ def test_at_most_one_host_read_per_iteration_fp16(tmp_path, trainer_class, overr
     cfg = toy_cfg(tmp_path, **{**QUIET, **SMALL_SCALE, "trainer.device": "cuda", "trainer.max_steps": 4, **overrides})
     trainer_class(cfg, callbacks=[counter]).fit()
     assert len(counter.per_iteration) == 4
-    assert counter.per_iteration[1:] == [1, 1, 1]  # the found_inf read; the first iteration also builds buffers
+    assert counter.per_iteration[1:] == [1, 1, 1], counter.sites  # the found_inf read; the first also builds buffers
 
 
 @pytest.mark.parametrize(
@@ -132,7 +139,7 @@ def test_fused_optimizer_under_grad_scaler_never_reads_the_host(make):
     params = [torch.randn(64, 32, device="cuda", requires_grad=True) for _ in range(3)]
     optimizer = make(params)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
-    counts = []
+    counts, sites = [], []
     for i in range(4):
         loss = sum(p.square().sum() for p in params)
         scaler.scale(loss * math.inf if i == 1 else loss).backward()
@@ -143,10 +150,11 @@ def test_fused_optimizer_under_grad_scaler_never_reads_the_host(make):
                 scaler.step(optimizer)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+        sites.append(sync_sites(caught))
+        counts.append(len(sites[-1]))
         scaler.update()
         optimizer.zero_grad()
-    assert counts == [0, 0, 0, 0]
+    assert counts == [0, 0, 0, 0], sites
     assert scaler.get_scale() == 2.0**9  # one overflow
     if "step" in optimizer.state[params[0]]:
         assert float(optimizer.state[params[0]]["step"]) == 3.0
@@ -170,13 +178,13 @@ def test_a_clipped_run_without_a_scaler_reads_nothing_per_iteration(tmp_path, tr
     iteration synchronizes; with ``skip_verdict=host`` each reads the norm once."""
     precision = {"precision.opt_level": "O1", "precision.dtype": "bfloat16"} if dtype == "bfloat16" else {}
     common = {**QUIET, **precision, "trainer.device": "cuda", "trainer.max_steps": 4, "trainer.clip_grad_norm": 0.5}
-    counts = {}
+    counts, sites = {}, {}
     for verdict in ("auto", "host"):
         counter = SyncCounter()
         cfg = toy_cfg(tmp_path / verdict, **{**common, "trainer.skip_verdict": verdict})
         trainer_class(cfg, callbacks=[counter]).fit()
-        counts[verdict] = counter.per_iteration[1:]
-    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}
+        counts[verdict], sites[verdict] = counter.per_iteration[1:], counter.sites[1:]
+    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}, sites
 
 
 @pytest.mark.parametrize("trainer_class", [FusedAdamWBatches, AmpkitAdamBatches])
@@ -187,9 +195,9 @@ def test_fp16_with_a_fused_optimizer_reads_nothing_per_iteration(tmp_path, train
     common = {**QUIET, **SMALL_SCALE, "precision.opt_level": "O1", "trainer.device": "cuda", "trainer.max_steps": 4}
     if clip is not None:
         common["trainer.clip_grad_norm"] = clip
-    counts = {}
+    counts, sites = {}, {}
     for verdict in ("auto", "host"):
         counter = SyncCounter()
         trainer_class(toy_cfg(tmp_path / verdict, **{**common, "trainer.skip_verdict": verdict}), [counter]).fit()
-        counts[verdict] = counter.per_iteration[1:]
-    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}
+        counts[verdict], sites[verdict] = counter.per_iteration[1:], counter.sites[1:]
+    assert counts == {"auto": [0, 0, 0], "host": [1, 1, 1]}, sites

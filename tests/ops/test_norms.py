@@ -7,6 +7,7 @@ them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import numpy as np
@@ -294,9 +295,14 @@ def test_float16_kernel_is_the_float32_kernel_rounded_once(kind, monkeypatch):
         results[dtype] = [y.detach(), xs.grad, ws.grad, bs.grad if bs is not None else None]
     assert not results[torch.float16][0].isfinite().all()  # the cases above are there
     assert (results[torch.float16][0].abs() < 6.2e-5).logical_and(results[torch.float16][0] != 0).any()
-    for half, single in zip(results[torch.float16], results[torch.float32], strict=True):
+    names = ("y", "dx", "dw", "db")
+    for name, half, single in zip(names, results[torch.float16], results[torch.float32], strict=True):
         if half is not None:
-            torch.testing.assert_close(half, single.half(), rtol=0, atol=0, equal_nan=True)
+            differ = (half != single.half()) & ~(half.isnan() & single.half().isnan())
+            assert not differ.any(), (
+                f"{name} differs at {differ.nonzero()[:4].tolist()}: fp16 kernel {half[differ][:4].tolist()}, "
+                f"fp32 kernel rounded {single.half()[differ][:4].tolist()} (fp32 {single[differ][:4].tolist()})"
+            )
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
@@ -549,6 +555,47 @@ def test_autocast_runs_in_autocast_dtype_like_apex():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert ln.weight.grad is not None and ln.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_under_autocast_a_norm_with_float32_params_computes_in_float32_and_rounds_its_output_once(
+    kind, backend, monkeypatch
+):
+    """As torch's autocast runs its norms; Apex cast the input, weight and bias to half first: three more casts
+    a call (each with a backward), which on a GPU cost more than the norm, and a normalisation of rounded inputs."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    torch.manual_seed(0)
+    norm = FusedLayerNorm(48) if kind == "layer" else FusedRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.add_(torch.randn_like(p))
+    plain = copy.deepcopy(norm)
+    x, dy = torch.randn(6, 48) * 3, torch.randn(6, 48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = norm(x)
+    y.backward(dy.bfloat16())
+    want = plain(x)  # float32 throughout
+    want.to(torch.bfloat16).float().backward(dy.bfloat16().float())  # the rounding's gradient is the identity
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want.to(torch.bfloat16), rtol=0, atol=0)
+    for got, expected in zip(norm.parameters(), plain.parameters(), strict=True):
+        assert got.grad.dtype == torch.float32
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-5)
+
+    # memory_efficient saves the output, so it keeps Apex's casts: the norm runs in bfloat16
+    lean = FusedLayerNorm(48, memory_efficient=True) if kind == "layer" else FusedRMSNorm(48, 1e-5, True, True)
+    lean.load_state_dict(plain.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        halved = lean(x)
+    cast = [t.bfloat16() for t in (x, *lean.parameters())]
+    expected = (
+        F.layer_norm(cast[0].float(), (48,), cast[1].float(), cast[2].float(), lean.eps)
+        if kind == "layer"
+        else F.rms_norm(cast[0].float(), (48,), cast[1].float(), lean.eps)
+    )
+    torch.testing.assert_close(halved.float(), expected, rtol=1e-2, atol=1e-2)
+    assert not torch.equal(halved, want.to(torch.bfloat16))
 
 
 def test_reference_mode_gives_the_same_results(monkeypatch):
