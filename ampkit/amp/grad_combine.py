@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ampkit.amp.scaler import LossScaler
+from ampkit.amp.scaler import LossScaler, positive_option
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import local_shards
 
@@ -235,17 +235,52 @@ class _FlatGroup:
                 self.zeroed.add(i)
         self.was_none = []
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool, owners_to_none: bool) -> None:
+        """Zero the buffers; each ``.grad`` becomes None or stays (a zeroed view), ``owners_to_none`` deciding
+        for the gradient owners apart from the params."""
         with torch.no_grad():
             self.buffer.zero_()
             if self.owner_buffer is not None:
                 self.owner_buffer.zero_()
-        holders = self.params if self.owners is None else self.owners
-        for t in holders:
-            t.grad = None
-        self.zeroed = set(range(len(holders)))
+            if self.owners is None:
+                self.zeroed = self._clear(self.params, self.views, set_to_none)
+            else:
+                self._clear(self.params, self.views, set_to_none)
+                self.zeroed = self._clear(self.owners, self.owner_views, owners_to_none)
         self.dirty = False
         self.was_none = []
+
+    @staticmethod
+    def _clear(tensors: list[torch.Tensor], views: list[torch.Tensor], set_to_none: bool) -> set[int]:
+        """:func:`_clear_grads` where the views, zeroed with their buffer, need nothing more."""
+        if set_to_none:
+            return _clear_grads(tensors, True)
+        apart = [i for i, (t, view) in enumerate(zip(tensors, views, strict=True)) if t.grad is not view]
+        none = _clear_grads([tensors[i] for i in apart], False)
+        return {apart[i] for i in none}
+
+
+def _clear_grads(tensors: Sequence[torch.Tensor], set_to_none: bool) -> set[int]:
+    """``Optimizer.zero_grad``'s rule on ``tensors``: each ``.grad`` None, or zeroed in place (detached from any
+    graph, as torch does) where there is one; returns the indices whose ``.grad`` is None afterwards."""
+    if set_to_none:
+        for t in tensors:
+            t.grad = None
+        return set(range(len(tensors)))
+    grads, none = [], set()
+    for i, t in enumerate(tensors):
+        grad = t.grad
+        if grad is None:
+            none.add(i)
+            continue
+        if grad.grad_fn is not None:
+            grad.detach_()
+        else:
+            grad.requires_grad_(False)
+        grads.append(grad)
+    if grads:
+        torch._foreach_zero_(grads)
+    return none
 
 
 class GradientCombiner:
@@ -388,9 +423,15 @@ class GradientCombiner:
 
         Returns:
             the (unsynced) found_inf flag and the parameters reached by the backward(s).
+
+        Raises:
+            ValueError: if a scale given as a number is not finite and > 0 (checked before anything changes: the
+                division by 0 raised halfway, after the stashed gradients had been let go).
         """
         if not self._pending:
             raise RuntimeError("combine() called without prepare_backward(); call it before the backward")
+        if not isinstance(scaler, LossScaler):
+            scaler = positive_option(scaler, "scale")
         self._pending = False
         flags = _Flags(found_inf if found_inf is not None and found_inf.device == self._device else None)
         if self.flat:
@@ -461,19 +502,24 @@ class GradientCombiner:
             group.combine(idx, flags.get(device), _inv_scale(scaler, device))
         return CombineResult(flags.merged(self._fallback_device()), tuple([self.params[i] for i in reached]))
 
-    def zero_grad(self) -> None:
-        """Set every gradient to ``None`` (flat: zero the buffers, one kernel each) and drop the stash."""
+    def zero_grad(self, set_to_none: bool = True, *, owners_to_none: bool | None = None) -> None:
+        """Drop the stash and clear every gradient as ``Optimizer.zero_grad`` does: set to ``None``, or zeroed in
+        place where one exists (flat: the buffers zeroed, one kernel each, the ``.grad`` views kept).
+
+        ``owners_to_none`` (default: ``set_to_none``) decides for the separate gradient owners (fp32 masters)
+        apart: Apex's O2 ``zero_grad`` zeroed the model's gradients and set the masters' to None.
+        """
+        owners_to_none = set_to_none if owners_to_none is None else owners_to_none
         self._pending = False
         self._reached.clear()
         if self.flat:
             for group in self._groups:
-                group.zero_grad()
+                group.zero_grad(set_to_none, owners_to_none)
             return
         self._stash = [None] * len(self._self_idx)
-        for p in self.params:
-            p.grad = None
-        for i in self._master_idx:
-            self.grad_owners[i].grad = None
+        with torch.no_grad():
+            _clear_grads(self.params, set_to_none)
+            _clear_grads([self.grad_owners[i] for i in self._master_idx], owners_to_none)
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers holding the gradients the optimizer reads (empty unless ``flat=True``)."""

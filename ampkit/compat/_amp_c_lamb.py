@@ -14,12 +14,14 @@ step, scales, the flag) are read on the host: one sync on CUDA.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import is_dense
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.optimizers._kernels import op
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -68,6 +70,12 @@ def scalar_arg(op_name: str, name: str, value: Tensor | float) -> float:
     if isinstance(value, Tensor) and value.numel() != 1:
         raise RuntimeError(f"{op_name}: {name} must be a number or a one-element tensor, got shape {list(value.shape)}")
     return float(value)
+
+
+def switch_args(op_name: str, **values: Any) -> tuple[bool, ...]:
+    """Apex's on/off arguments (ints or bools in its bindings) as bools, checked before the op changes anything:
+    pybind11 refused a string, and Apex's kernels took only 1 as on, where ``bool("0")`` or ``bool(2)`` is True."""
+    return tuple(checked_switch(op_name, name, value) for name, value in values.items())
 
 
 def check_step(op_name: str, step: int | float, bias_correction: int) -> None:
@@ -219,6 +227,10 @@ def multi_tensor_lamb(
     when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW. As in Apex the
     grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm."""
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_lamb", tensor_lists, (4,))
+    bias_correction, grad_averaging, use_nvlamb = switch_args(
+        "multi_tensor_lamb", bias_correction=bias_correction, grad_averaging=grad_averaging,
+        use_nvlamb=use_nvlamb or False,  # None: Apex's default, off
+    )  # fmt: skip
     check_step("multi_tensor_lamb", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
@@ -229,13 +241,13 @@ def multi_tensor_lamb(
     clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
     updates = lamb_direction(
         params, [], grads, exp_avgs, exp_avg_sqs, float(step), beta1=beta1, beta2=beta2, eps=epsilon,
-        weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
-        bias_correction=bool(bias_correction), grad_factor=1.0 / clip,
+        weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=grad_averaging,
+        bias_correction=bias_correction, grad_factor=1.0 / clip,
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
     update_norms = _per_tensor_norms(grads)
     _raise_if_not_finite(update_norms, noop_flag)
-    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
+    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, use_nvlamb)
     apply_lamb(params, [], grads, ratios)
 
 
@@ -268,6 +280,10 @@ def multi_tensor_lamb_mp(
     grads (which hold the direction, as in Apex) were written, and the params are not updated.
     """
     lists = check_lists("multi_tensor_lamb_mp", tensor_lists, (4, 5))
+    bias_correction, grad_averaging, use_nvlamb = switch_args(
+        "multi_tensor_lamb_mp", bias_correction=bias_correction, grad_averaging=grad_averaging,
+        use_nvlamb=use_nvlamb or False,
+    )  # fmt: skip
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_lamb_mp: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     grads, params, exp_avgs, exp_avg_sqs = lists[:4]
@@ -288,14 +304,14 @@ def multi_tensor_lamb_mp(
     )
     updates = lamb_direction(
         model_params, masters, grads, exp_avgs, exp_avg_sqs, float(step.reshape(-1)[0]), beta1=beta1, beta2=beta2,
-        eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=bool(grad_averaging),
-        bias_correction=bool(bias_correction), grad_factor=float(inv_scale) / clip,
+        eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1, grad_averaging=grad_averaging,
+        bias_correction=bias_correction, grad_factor=float(inv_scale) / clip,
     )  # fmt: skip
     _copy_into(grads, updates)  # Apex left the direction in .grad and took its norm from there
     update_norms = _per_tensor_norms(grads)
     if _raise_if_not_finite(update_norms, noop_flag):
         return
-    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
+    ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, use_nvlamb)
     apply_lamb(model_params, masters, grads, ratios)
     if len(lists) == 5 and not with_masters:
         _copy_into(lists[4], params)

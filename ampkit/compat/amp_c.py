@@ -25,6 +25,7 @@ from ampkit.compat._amp_c_lamb import (
     multi_tensor_lamb_mp,
     multi_tensor_lamb_stage1_cuda,
     multi_tensor_lamb_stage2_cuda,
+    switch_args,
 )
 from ampkit.compat.missing_name import missing_name
 from ampkit.ops import multi_tensor
@@ -226,6 +227,7 @@ def multi_tensor_adam(
     ``step`` is the step being taken (1 on the first). Moments of fp16/bf16 params are float32, as in Apex.
     """
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_adam", tensor_lists, (4,))
+    (bias_correction,) = switch_args("multi_tensor_adam", bias_correction=bias_correction)
     check_step("multi_tensor_adam", step, bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"multi_tensor_adam: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
@@ -246,7 +248,7 @@ def multi_tensor_adam(
         weight_decay,
         mode == 1,
         False,
-        bool(bias_correction),
+        bias_correction,
         1.0,
     )
 
@@ -265,6 +267,7 @@ def _adam_capturable(
     weight_decay: float,
     inv_scale: Tensor,
 ) -> None:
+    (bias_correction,) = switch_args(op_name, bias_correction=bias_correction)
     if mode not in (0, 1):
         raise RuntimeError(f"{op_name}: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     for name, value in (("lr", lr), ("step", step), ("inv_scale", inv_scale), ("noop_flag", noop_flag)):
@@ -291,7 +294,7 @@ def _adam_capturable(
         weight_decay,
         mode == 1,
         False,
-        bool(bias_correction),
+        bias_correction,
         1.0,
         inv_scale.reshape(()).float().reciprocal().to(device),
         noop_flag.reshape(()).float().to(device),
@@ -385,6 +388,9 @@ def multi_tensor_novograd(
     (``norm_type`` 2) or ``b2 * v + (1 - b2) * n`` (0, max-abs); ``moment_mode`` 0 puts the weight decay inside
     the moment, 1 outside."""
     grads, params, exp_avgs = check_lists("multi_tensor_novograd", tensor_lists, (3,))
+    bias_correction, grad_averaging = switch_args(
+        "multi_tensor_novograd", bias_correction=bias_correction, grad_averaging=grad_averaging
+    )
     check_step("multi_tensor_novograd", step, bias_correction)
     if norm_type not in (0, 2):
         raise RuntimeError(f"multi_tensor_novograd: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs)")
@@ -411,7 +417,7 @@ def multi_tensor_novograd(
     denoms = (blended / bias_correction2 + epsilon).cpu().contiguous()
     op("novograd_step", params[0].device)(
         params, grads, exp_avgs, [], denoms, float(lr), beta1, weight_decay, moment_mode == 0,
-        bool(grad_averaging), bias_correction1, 1.0,
+        grad_averaging, bias_correction1, 1.0,
     )  # fmt: skip
 
 
@@ -432,6 +438,9 @@ def multi_tensor_sgd(
     a copy of the updated (fp32 master) weights; grads are multiplied by ``scale``. Skipped while the flag is set.
     """
     lists = check_lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    nesterov, first_run, wd_after_momentum = switch_args(
+        "multi_tensor_sgd", nesterov=nesterov, first_run=first_run, wd_after_momentum=wd_after_momentum
+    )
     if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
         got = list(noop_flag.shape) if isinstance(noop_flag, Tensor) else type(noop_flag).__name__
         raise TypeError(f"multi_tensor_sgd: noop_flag must be a one-element int32 or float32 tensor, got {got}")

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ampkit.ops._switches import checked_switch
+
 __all__ = [
     "DenseNoBiasFunc",
     "FusedDense",
@@ -150,6 +152,7 @@ class FusedDense(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        bias = checked_switch("FusedDense", "bias", bias)  # nn.Linear reads it by truthiness: "False" gave a bias
         self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias)
         self.register_parameter("bias", bias_parameter)
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.norms import NormDtypeError, NormShapeError
 
 __all__ = [
@@ -155,6 +156,7 @@ def _backward(
     op: str, dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor,
     normalized_shape: ShapeLike, gamma: Tensor | None, beta: Tensor | None, memory_efficient: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+    memory_efficient = checked_switch(f"fused_layer_norm_cuda.{op}", "memory_efficient", memory_efficient)
     if mean is None and not memory_efficient:
         raise ValueError(f"fused_layer_norm_cuda.{op}: mean is None, which only memory_efficient=True allows")
     return _norm_backward(
@@ -167,6 +169,8 @@ def _norm_backward(
     normalized_shape: ShapeLike, gamma: Tensor | None, beta: Tensor | None, memory_efficient: bool, centred: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """LayerNorm's gradients (``centred``), or RMSNorm's (no mean subtracted, so none in the gradient)."""
+    # pybind11 refused anything but a bool here; by truthiness "False" took the output for the input (wrong grads)
+    memory_efficient = checked_switch(f"fused_layer_norm_cuda.{op}", "memory_efficient", memory_efficient)
     _check_dout(op, dout, input_or_output)
     _check_stats(op, _rows(op, input_or_output, normalized_shape, "input_or_output").shape[0], mean, invvar)
     _shape(op, normalized_shape, gamma, beta)

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import unscale_l2norm
 from ampkit.ops.optimizers._base import check_betas, check_hyper
 
@@ -125,6 +127,11 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         use_mt: bool = False,
         amp_scale_adjustment: float = 1.0,
     ) -> None:
+        # Apex's first FusedAdam read these by truthiness: "False" turned them on
+        bias_correction = checked_switch("FusedAdam", "bias_correction", bias_correction)
+        eps_inside_sqrt = checked_switch("FusedAdam", "eps_inside_sqrt", eps_inside_sqrt)
+        amsgrad = checked_switch("FusedAdam", "amsgrad", amsgrad)
+        checked_switch("FusedAdam", "use_mt", use_mt)  # unused here: Apex's chose its multi-tensor kernel
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         check_hyper("lr", lr)
@@ -161,6 +168,8 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the kernel divides every gradient by it: 0, inf or NaN made the weights NaN, a negative one stepped uphill
+        scale = positive_option(scale, "FusedAdam.step: scale")
         groups = len(self.param_groups)
         grads_per_group = _per_group(grads, groups)
         outputs_per_group = _per_group(output_params, groups)
@@ -226,6 +235,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
     ) -> None:
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
+        # the scale's options first: one refused leaves the optimizer's groups as they were
+        self._configure_scale(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self.optimizer = init_optimizer
         self.fp16_groups: list[list[torch.Tensor]] = []  # the model's params
         self.fp32_groups: list[list[torch.Tensor]] = []  # their fp32 masters, stepped by the optimizer
@@ -235,7 +246,14 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
             self.fp32_groups.append(masters)
             group["params"] = masters
         self._legacy_step = isinstance(init_optimizer, LegacyFusedAdam)
-        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.verbose = verbose
+
+    def _configure_scale(
+        self, static_loss_scale: float, dynamic_loss_scale: bool, dynamic_loss_args: Mapping[str, Any] | None
+    ) -> None:
+        """The loss scale and, when dynamic, how it moves; each option checked and named (``dynamic_loss_scale``
+        read by truthiness took "False" as on, an ``init_scale`` of 0 divided the gradients by it)."""
+        self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
         self.cur_iter = 0
         if self.dynamic_loss_scale:
             args = dict(dynamic_loss_args or {})
@@ -245,22 +263,20 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
                     f"FP16_Optimizer: dynamic_loss_args has {unknown}; the keys it takes are {list(self._DYNAMIC_ARGS)}"
                 )
             self.cur_scale = args.get("init_scale", 2**16)  # an int, as Apex's (its messages print 65536)
-            self.scale_factor = float(args.get("scale_factor", 2))
-            self.scale_window = int(args.get("scale_window", 1000))
+            positive_option(self.cur_scale, "FP16_Optimizer: dynamic_loss_args init_scale")
+            self.scale_factor = positive_option(
+                args.get("scale_factor", 2), "FP16_Optimizer: dynamic_loss_args scale_factor", above_one=True
+            )
+            self.scale_window = interval_option(
+                args.get("scale_window", 1000), "FP16_Optimizer: dynamic_loss_args scale_window"
+            )
             self.last_overflow_iter = -1
-            check_hyper("init_scale", self.cur_scale, 0.0)
-            if not (self.scale_factor > 1 and self.scale_window >= 1):
-                raise ValueError(
-                    f"FP16_Optimizer: dynamic_loss_args scale_factor={self.scale_factor} and scale_window="
-                    f"{self.scale_window}: expected a factor > 1 and a window >= 1"
-                )
         else:
             if dynamic_loss_args is not None:
                 raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
             if not (isinstance(static_loss_scale, int | float) and 0 < static_loss_scale < math.inf):
                 raise ValueError(f"FP16_Optimizer: static_loss_scale={static_loss_scale!r}: expected a number > 0")
             self.cur_scale = float(static_loss_scale)
-        self.verbose = verbose
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
         """Clear the model's fp16 grads (the masters never hold any)."""

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ampkit.ops._switches import checked_switch
+
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
 _ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
@@ -153,7 +155,7 @@ class MLP(nn.Module):
             )
         self.num_layers = len(mlp_sizes) - 1
         self.mlp_sizes = copy(mlp_sizes)
-        self.bias = 1 if bias else 0
+        self.bias = 1 if checked_switch("apex.mlp.MLP", "bias", bias) else 0  # "False" would build biases
         self.activation = _ACTIVATIONS[activation]
         self.weights: list[nn.Parameter] = []
         self.biases: list[nn.Parameter] = []

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ampkit.ops._switches import checked_switch
+
 __all__ = ["backward", "forward"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -45,6 +47,7 @@ def _one_hot(labels: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
 def forward(logits: Tensor, labels: Tensor, smoothing: float, half_to_float: bool) -> tuple[Tensor, Tensor]:
     """``(losses, max_log_sum_exp)``: the label-smoothed cross-entropy of each row and the row's log-sum-exp."""
     _check("forward", logits, labels)
+    half_to_float = checked_switch("xentropy_cuda.forward", "half_to_float", half_to_float)
     if half_to_float and logits.dtype not in _LOW_PRECISION:
         raise ValueError(
             f"xentropy_cuda.forward: half_to_float=True takes float16 or bfloat16 logits, got {logits.dtype}; pass "

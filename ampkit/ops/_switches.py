@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from ampkit.ops._errors import ArgumentTypeError
+
 
 def is_switch(value: Any) -> bool:
     """Whether ``value`` says True or False unambiguously: a bool, numpy's ``bool_`` (Apex's pybind11 bindings took
@@ -14,3 +16,11 @@ def is_switch(value: Any) -> bool:
     if isinstance(value, bool | np.bool_):
         return True
     return isinstance(value, numbers.Integral) and value in (0, 1)
+
+
+def checked_switch(owner: str, name: str, value: Any, hint: str = "") -> bool:
+    """``value`` as a Python bool if :func:`is_switch` takes it; else an :class:`ArgumentTypeError` naming ``owner``'s
+    ``name`` and the value (``bool("False")`` is True: a switch read from a config as text would be on)."""
+    if is_switch(value):
+        return bool(value)
+    raise ArgumentTypeError(f"{owner}: {name} must be True or False, got {value!r}{hint}")

@@ -49,6 +49,7 @@ from ampkit.ops._backend import resolve_backend
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._errors import ArgumentTypeError
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -119,16 +120,13 @@ def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape
 
 
-def _check_memory_efficient(op: str, value: object) -> None:
-    """True or False (or 0 and 1): torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth, where
-    Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
-    memory-efficient norm on the CPU."""
-    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
-        return
-    raise TypeError(
-        f"{op}: memory_efficient must be True or False, got {value!r} (the fourth positional argument is Apex's "
-        "memory_efficient; pass bias, device and dtype by keyword)"
-    )
+def _checked_memory_efficient(op: str, value: object) -> bool:
+    """True or False (or 0 and 1) as a bool: torch's norms take ``bias`` (LayerNorm) or ``device`` (RMSNorm) fourth,
+    where Apex's, and these, take ``memory_efficient``, so ``FusedRMSNorm(64, None, True, "cuda")`` built a
+    memory-efficient norm on the CPU. Checked once when a module is built (its forward is the hot path, whose host
+    time is the step's on a GPU); the functional forms check theirs each call."""
+    hint = " (the fourth positional argument is Apex's memory_efficient; pass bias, device and dtype by keyword)"
+    return checked_switch(op, "memory_efficient", value, hint)
 
 
 def _check_eps(op: str, eps: float) -> None:
@@ -541,6 +539,7 @@ def fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the input's dtype (Apex signature)."""
+    memory_efficient = checked_switch("fused_layer_norm_affine", "memory_efficient", memory_efficient)
     return _layer_norm("fused_layer_norm_affine", input, weight, bias, normalized_shape, eps, memory_efficient, False)
 
 
@@ -548,6 +547,7 @@ def fused_layer_norm(
     input: torch.Tensor, normalized_shape: ShapeLike, eps: float = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """LayerNorm without affine parameters (Apex signature)."""
+    memory_efficient = checked_switch("fused_layer_norm", "memory_efficient", memory_efficient)
     return _layer_norm("fused_layer_norm", input, None, None, normalized_shape, eps, memory_efficient, False)
 
 
@@ -560,6 +560,7 @@ def mixed_dtype_fused_layer_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """LayerNorm with a weight and bias; output in the weight's dtype (Apex signature)."""
+    memory_efficient = checked_switch("mixed_dtype_fused_layer_norm_affine", "memory_efficient", memory_efficient)
     return _layer_norm(
         "mixed_dtype_fused_layer_norm_affine",
         input,
@@ -580,6 +581,7 @@ def fused_rms_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the input's dtype (Apex signature)."""
+    memory_efficient = checked_switch("fused_rms_norm_affine", "memory_efficient", memory_efficient)
     return _rms_norm("fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, False)
 
 
@@ -587,6 +589,7 @@ def fused_rms_norm(
     input: torch.Tensor, normalized_shape: ShapeLike, eps: float | None = 1e-6, memory_efficient: bool = False
 ) -> torch.Tensor:
     """RMSNorm without a weight (Apex signature)."""
+    memory_efficient = checked_switch("fused_rms_norm", "memory_efficient", memory_efficient)
     return _rms_norm("fused_rms_norm", input, None, normalized_shape, eps, memory_efficient, False)
 
 
@@ -598,6 +601,7 @@ def mixed_dtype_fused_rms_norm_affine(
     memory_efficient: bool = False,
 ) -> torch.Tensor:
     """RMSNorm with a weight; output in the weight's dtype (Apex signature)."""
+    memory_efficient = checked_switch("mixed_dtype_fused_rms_norm_affine", "memory_efficient", memory_efficient)
     return _rms_norm("mixed_dtype_fused_rms_norm_affine", input, weight, normalized_shape, eps, memory_efficient, True)
 
 
@@ -635,9 +639,11 @@ class FusedLayerNorm(nn.Module):
         self.normalized_shape = torch.Size(_as_shape(normalized_shape))
         _check_eps(type(self).__name__, eps)
         self.eps = eps
-        _check_memory_efficient(type(self).__name__, memory_efficient)
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
+        name = type(self).__name__
+        self.memory_efficient = _checked_memory_efficient(name, memory_efficient)
+        # torch's norms read these by truthiness: "False" from a config built an affine norm
+        self.elementwise_affine = elementwise_affine = checked_switch(name, "elementwise_affine", elementwise_affine)
+        bias = checked_switch(name, "bias", bias)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -704,9 +710,9 @@ class FusedRMSNorm(nn.Module):
         if eps is not None:
             _check_eps(type(self).__name__, eps)
         self.eps = eps
-        _check_memory_efficient(type(self).__name__, memory_efficient)
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
+        name = type(self).__name__
+        self.memory_efficient = _checked_memory_efficient(name, memory_efficient)
+        self.elementwise_affine = elementwise_affine = checked_switch(name, "elementwise_affine", elementwise_affine)
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -733,7 +739,7 @@ def _mixed_affine_only(cls_name: str, kwargs: dict) -> dict:
     """Apex's Mixed modules are always affine: warn on ``elementwise_affine``, refuse False."""
     if "elementwise_affine" in kwargs:
         warnings.warn(f"{cls_name} does not support `elementwise_affine` argument", stacklevel=3)
-        if not kwargs.pop("elementwise_affine"):
+        if not checked_switch(cls_name, "elementwise_affine", kwargs.pop("elementwise_affine")):
             raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
     return kwargs
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._switches import checked_switch
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -83,6 +84,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
+        # torch's batch norms read these by truthiness: affine="False" built a weight and bias
+        name = type(self).__name__
+        affine = checked_switch(name, "affine", affine)
+        track_running_stats = checked_switch(name, "track_running_stats", track_running_stats)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 

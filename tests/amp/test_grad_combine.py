@@ -175,6 +175,50 @@ def test_zero_grad_set_to_none_between_iterations(flat):
         assert all(torch.equal(p.grad, torch.full(p.shape, 4.0)) for p in params), it
 
 
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("masters", [False, True])
+def test_zero_grad_in_place_keeps_the_tensors_and_the_next_backward_exact(flat, masters):
+    """``zero_grad(False)`` is ``Optimizer.zero_grad(set_to_none=False)``: each gradient zeroed in place (a None stays
+    None), and the next backward's gradient arrives as if there had been none."""
+    params = make_params(torch.float16)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners, flat=flat)
+    holders = owners if masters else params
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params[:2]] + [None], 2.0)
+    combiner.combine(2.0)
+    held = [h.grad for h in holders]
+    combiner.zero_grad(False)
+    assert [h.grad is g for h, g in zip(holders, held, strict=True)] == [True, True, True]
+    assert held[2] is None and all(not g.any() for g in held[:2])
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 3.0) for p in params], 2.0)
+    combiner.combine(2.0)
+    assert all(torch.equal(h.grad, torch.full_like(h, 3.0)) for h in holders)
+    if masters:  # Apex's O2: the model's gradients zeroed, the masters' dropped
+        combiner.zero_grad(False, owners_to_none=True)
+        assert all(h.grad is None for h in holders)
+        assert all(p.grad is None or not p.grad.any() for p in params)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan])
+def test_a_scale_that_is_not_finite_and_positive_is_named_and_loses_nothing(flat, scale):
+    """A scale of 0 raised ZeroDivisionError halfway through combine(), after the stashed gradients (an earlier
+    backward's) had been let go; NaN or inf unscaled every gradient to NaN or 0."""
+    params = make_params(torch.float32)
+    combiner = GradientCombiner(params, flat=flat)
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params], 2.0)
+    combiner.combine(2.0)
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 3.0) for p in params], 4.0)
+    with pytest.raises(ValueError, match=rf"scale={scale}: expected a finite number > 0"):
+        combiner.combine(scale)
+    combiner.combine(4.0)  # the same backward, combined with its own scale: nothing was lost
+    assert all(torch.equal(p.grad, torch.full(p.shape, 4.0)) for p in params)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
 def test_flat_path_survives_create_graph_backward():
     params = make_params(torch.float32)

@@ -346,6 +346,40 @@ def test_a_per_tensor_that_is_not_a_bool_is_named_as_apexs_binding_refused_it():
     assert per.numel() == 0
 
 
+def _fresh_lists(count):
+    params = [torch.randn(5), torch.randn(3, 2)]
+    return [
+        [torch.randn(p.shape) for p in params],
+        params,
+        *([torch.zeros(p.shape) for p in params] for _ in range(count)),
+    ]
+
+
+OPS_WITH_SWITCHES = {  # op -> (its call with one on/off argument set to ``value``, that argument's name)
+    "multi_tensor_adam": lambda v: amp_C.multi_tensor_adam(
+        2048, flag(), _fresh_lists(2), 0.1, 0.9, 0.99, 1e-8, 1, 1, v, 0.0
+    ),
+    "multi_tensor_novograd": lambda v: amp_C.multi_tensor_novograd(
+        2048, flag(), _fresh_lists(1), torch.zeros(2), 0.1, 0.9, 0.99, 1e-8, 1, 1, 0.0, v, 0, 2
+    ),
+    "multi_tensor_lamb": lambda v: amp_C.multi_tensor_lamb(
+        2048, flag(), _fresh_lists(2), 0.1, 0.9, 0.99, 1e-8, 1, 1, 0.0, 1, 1, torch.ones(1), 1.0, v
+    ),
+    "multi_tensor_sgd": lambda v: amp_C.multi_tensor_sgd(
+        2048, flag(), _fresh_lists(1), 0.0, 0.9, 0.0, 0.1, v, 0, 0, 1.0
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["False", "0", 2])
+@pytest.mark.parametrize("name", list(OPS_WITH_SWITCHES))
+def test_an_on_off_argument_that_is_not_a_bool_or_0_1_is_named_as_apexs_binding_refused_it(name, value):
+    """pybind11 refused a string for Apex's int and bool flags, and its kernels took only 1 as on; ``bool()`` here
+    read ``"0"`` and ``2`` as on (SGD's failed in the kernel's schema, naming neither the op nor the argument)."""
+    with pytest.raises(TypeError, match=rf"^{name}: \w+ must be True or False, got {value!r}$"):
+        OPS_WITH_SWITCHES[name](value)
+
+
 def test_a_numpy_bool_per_tensor_is_taken_as_apexs_binding_took_it():
     """pybind11 reads numpy's bool_ as a bool; the check above refused it."""
     import numpy as np

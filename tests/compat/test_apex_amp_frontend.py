@@ -375,6 +375,21 @@ def test_combine_grad_that_is_not_a_switch_is_refused(bad):
     amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, combine_grad=0)
 
 
+@pytest.mark.parametrize("name", ["delay_unscale", "delay_overflow_check"])
+def test_a_scale_loss_switch_that_is_not_true_or_false_is_refused_before_the_backward(name):
+    """``delay_overflow_check="False"`` was read as True: the scale never moved and an overflow was not skipped, so
+    the step ran on inf gradients; ``delay_unscale="False"`` left the gradients scaled."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(ValueError, match=rf"amp.scale_loss: {name}='False': expected True or False"):
+        with amp.scale_loss(loss, optimizer, **{name: "False"}):
+            pass
+    with amp.scale_loss(loss, optimizer, **{name: np.False_}) as scaled:  # numpy's bool_ as Apex took it
+        scaled.backward()
+    assert not optimizer._amp_stash.combiner.pending
+
+
 def test_a_numpy_bool_is_a_switch_as_in_apex():
     """The checks for a switch that is not True or False refused numpy's bool_ (``enabled=args.fp16 > 0`` over a
     numpy value, a flag read with pandas), which Apex used as the bool it is."""

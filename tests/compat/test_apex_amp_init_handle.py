@@ -310,6 +310,23 @@ def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
     amp._amp_state.handle._deactivate()
 
 
+def test_the_wrapped_optimizers_zero_grad_without_an_argument_is_the_optimizers_own():
+    """Apex's ``OptimWrapper.zero_grad()`` called the optimizer's with no argument; here it forced ``set_to_none=True``
+    over an optimizer whose own default zeroes in place (a fused one built with ``set_grad_none=False``)."""
+    from ampkit.compat.optimizers import FusedAdam
+
+    param = torch.nn.Parameter(torch.ones(3))
+    wrapped = amp.init().wrap_optimizer(FusedAdam([param], set_grad_none=False))
+    try:
+        param.grad = grad = torch.ones(3)
+        wrapped.zero_grad()
+        assert param.grad is grad and not grad.any()
+        wrapped.zero_grad(set_to_none=True)
+        assert param.grad is None
+    finally:
+        amp._amp_state.handle._deactivate()
+
+
 def test_wrapped_optimizer_keeps_one_scaler_per_loss_and_combines_their_grads():
     handle = amp.init()
     model = _fp16_exact_linear()

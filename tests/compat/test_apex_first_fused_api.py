@@ -197,13 +197,36 @@ def test_the_successor_fusedadam_is_built_without_the_first_ones_arguments(shim)
     ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_windw": 3}}, r"dynamic_loss_args has \['scale_windw'\]"),
     ({"static_loss_scale": 0.0}, r"static_loss_scale=0.0: expected a number > 0"),
     ({"dynamic_loss_args": {"scale_window": 3}}, "dynamic_loss_args needs dynamic_loss_scale=True"),
+    # an init_scale of 0 divided every gradient by it, inf overflowed every step; "False" was read as on
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 0}}, r"init_scale=0.0: expected a finite number"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": math.inf}}, r"init_scale=inf: expected a fin"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_window": math.nan}}, r"scale_window=nan: expected an"),
+    ({"dynamic_loss_scale": "False"}, r"dynamic_loss_scale must be True or False, got 'False'"),
 ])  # fmt: skip
-def test_bad_wrapper_arguments_are_named(kwargs, message):
+def test_bad_wrapper_arguments_are_named_and_leave_the_optimizer_as_it_was(kwargs, message):
+    param = torch.nn.Parameter(torch.randn(2).half())
+    inner = LegacyFusedAdam([param])
     with pytest.raises(ValueError, match=message):
-        FP16_Optimizer(LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))]), **kwargs)
+        FP16_Optimizer(inner, **kwargs)
+    assert inner.param_groups[0]["params"][0] is param  # not swapped for fp32 masters no wrapper steps
+
+
+@pytest.mark.parametrize("scale", [0.0, -8.0, math.inf, math.nan])
+def test_a_step_scale_that_is_not_finite_and_positive_is_named(scale):
+    """The first FusedAdam divides each gradient by ``scale``: 0, inf and NaN made the weights NaN (or froze them), a
+    negative one stepped uphill, silently."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = LegacyFusedAdam([param], lr=0.1)
+    with pytest.raises(ValueError, match=rf"FusedAdam.step: scale={scale}: expected a finite number > 0"):
+        optimizer.step(scale=scale)
+    assert torch.equal(param.detach(), torch.ones(3)) and not optimizer.state
 
 
 def test_bad_optimizer_arguments_are_named():
+    for name in ("bias_correction", "eps_inside_sqrt", "amsgrad", "use_mt"):  # "False" was read as True
+        with pytest.raises(ValueError, match=rf"FusedAdam: {name} must be True or False, got 'False'"):
+            LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], **{name: "False"})
     with pytest.raises(ValueError, match="max_grad_norm"):
         LegacyFusedAdam([torch.nn.Parameter(torch.randn(2))], max_grad_norm=-1.0)
     with pytest.raises(RuntimeError, match="AMSGrad"):

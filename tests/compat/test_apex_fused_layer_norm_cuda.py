@@ -147,6 +147,14 @@ def test_hostile_arguments_are_refused_by_name_not_broadcast_into_a_wrong_gradie
         assert isinstance(raised.value, TypeError | ValueError)
     out, _, _ = ext.forward(torch.randn(3, 0), [0], 1e-5)  # no features: an empty output, as torch's layer_norm
     assert out.shape == (3, 0)
+    # pybind11 refused a memory_efficient that is not a bool (a TypeError); read by truthiness, "False" took the
+    # input for the output and returned wrong gradients
+    for call in (
+        lambda: ext.backward_affine(torch.ones_like(x), mean, invvar, x, [8], weight, bias, 1e-5, "False"),
+        lambda: ext.rms_backward(torch.ones_like(x), invvar, x, [8], 1e-5, "False"),
+    ):
+        with pytest.raises(TypeError, match=r"memory_efficient must be True or False, got 'False'"):
+            call()
 
 
 mix_prec_extension = None  # Megatron-LM 2021-2022's module-level global, its own extension built from Apex's

@@ -505,6 +505,20 @@ def test_two_process_gloo(check, two_rank_failures):
     assert not failures, "\n".join(failures)
 
 
+def test_larc_zero_grad_without_an_argument_is_the_wrapped_optimizers_own():
+    """Apex's LARC called ``optim.zero_grad()``: a fused optimizer built with ``set_grad_none=False`` zeroed in place
+    under it, where LARC's own default of True dropped the gradients."""
+    from ampkit.compat.optimizers import FusedSGD
+
+    param = torch.nn.Parameter(torch.ones(3))
+    larc = LARC(FusedSGD([param], lr=0.1, set_grad_none=False))
+    param.grad = grad = torch.ones(3)
+    larc.zero_grad()
+    assert param.grad is grad and not grad.any()
+    larc.zero_grad(set_to_none=True)
+    assert param.grad is None
+
+
 def test_larc_goes_through_amp_initialize_and_scale_loss():
     from ampkit.compat import amp
 

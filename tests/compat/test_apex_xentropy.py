@@ -127,6 +127,8 @@ def test_bad_arguments_are_named(shim):
         SoftmaxCrossEntropyLoss.apply(logits, target, 0.0, 0)  # Apex's kernel read past the row
     with pytest.raises(ValueError, match=r"half_to_float=True takes float16 or bfloat16 logits, got torch\.float32"):
         xentropy_cuda.forward(logits, target, 0.0, True)
+    with pytest.raises(TypeError, match=r"half_to_float must be True or False, got 'False'"):  # pybind11's TypeError
+        xentropy_cuda.forward(logits, target, 0.0, "False")  # was read as True, and named so
     with pytest.raises(ValueError, match=r"logits must be 2-D \(rows, classes\), got shape \[2, 6, 37\]"):
         xentropy_cuda.forward(logits.reshape(2, 6, 37), target, 0.0, False)
     with pytest.raises(ValueError, match=r"labels must be 1-D int64 with one entry per logits row \(12\)"):

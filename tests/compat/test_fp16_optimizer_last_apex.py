@@ -73,6 +73,21 @@ def test_dynamic_loss_args_are_loss_scaler_keywords():
     assert static.loss_scale == 8.0 and not static.dynamic_loss_scale  # Apex ignores the args when static
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dynamic_loss_scale": "False"}, "FP16_Optimizer: dynamic_loss_scale must be True or False, got 'False'"),
+    ({"static_loss_scale": 0.0}, "loss_scale=0.0: a static loss scale must be finite and > 0"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 0}}, "init_scale=0.0: expected a finite"),
+])  # fmt: skip
+def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
+    """A switch read by truthiness took ``dynamic_loss_scale="False"`` as on; a refused scale was named only after the
+    optimizer's params had been swapped for fp32 masters that no wrapper would ever step or copy back."""
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=message):
+        FP16_Optimizer(sgd, verbose=False, **kwargs)
+    assert all(p is q for p, q in zip(sgd.param_groups[0]["params"], model.parameters(), strict=True))
+
+
 def test_scale_moves_in_update_master_grads_and_step_only_reports(capsys):
     model = _model()
     optimizer = _dynamic(model, init_scale=2.0**10, scale_window=4)

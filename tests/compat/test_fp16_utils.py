@@ -297,3 +297,16 @@ def test_stand_alone_loss_scalers_follow_apex_rules():
     weight.grad = None
     LossScaler(4.0).backward((weight * 2).sum())  # backward of the scaled loss
     assert torch.equal(weight.grad, torch.full((2,), 8.0))
+
+
+def test_a_flat_master_that_is_not_true_or_false_is_named():
+    """``flat_master="False"`` was read as True: one flat fp32 master came back, and the optimizer built on it stepped
+    a single parameter the rest of the script did not expect."""
+    model = torch.nn.Linear(3, 2).half()
+    with pytest.raises(ValueError, match="prep_param_lists: flat_master must be True or False, got 'False'"):
+        prep_param_lists(model, flat_master="False")
+    model_params, master_params = prep_param_lists(model, flat_master=0)
+    assert len(master_params) == len(model_params) == 2
+    for copier in (model_grads_to_master_grads, master_params_to_model_params):
+        with pytest.raises(ValueError, match=rf"{copier.__name__}: flat_master must be True or False, got 'no'"):
+            copier(model_params, master_params, flat_master="no")

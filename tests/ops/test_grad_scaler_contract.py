@@ -289,3 +289,67 @@ def test_scaler_step_on_an_optimizer_without_gradients_is_a_no_op(name):
     scaler.update()
     assert all(torch.equal(p, b) and p.grad is None for p, b in zip(params, before, strict=True))
     assert scaler.get_scale() == 2.0**10
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensors read back as Python numbers (on CUDA each one waits for the GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+BAD_SCALES = [0.0, -1024.0, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES)
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_a_grad_scale_that_is_not_finite_and_positive_skips_the_step_in_every_optimizer(name, scale):
+    """Gradients divided by a grad_scale of 0, inf or NaN are not finite (GradScaler's own ``unscale_`` calls that an
+    overflow), by a negative one they point uphill: FusedAdam stepped to NaN and FusedLAMB raised ZeroDivisionError.
+    Every optimizer now skips, with parameters, state and grads untouched, and the ones that take GradScaler's
+    tensors into their kernels decide it there, with no host read."""
+    make = EVERY_OPTIMIZER[name]
+    params = make_params(torch.float32)
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step(grad_scale=torch.tensor(4.0), found_inf=torch.tensor(0.0))  # state made
+    params_before, state_before = [p.detach().clone() for p in params], state_snapshot(opt)
+    grads = [torch.randn(p.shape) for p in params]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    for found_inf in (torch.tensor(0.0), None):
+        with HostReads() as reads:
+            opt.step(grad_scale=torch.tensor([scale]), found_inf=found_inf)
+        if opt._scaler_in_kernel:
+            assert reads.count == 0
+        assert all(torch.equal(p, b) for p, b in zip(params, params_before, strict=True))
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+        after = state_snapshot(opt)
+        for key, state in state_before.items():
+            for k, v in state.items():
+                assert torch.equal(after[key][k], v) if torch.is_tensor(v) else after[key][k] == v, k
+    with pytest.raises(ValueError, match=rf"grad_scale must be a finite float32 number > 0 .*, got {scale}"):
+        opt.step(grad_scale=scale)  # a host number costs nothing to check: named where it is given
+    opt.step(grad_scale=torch.tensor(2.0))
+    assert not all(torch.equal(p, b) for p, b in zip(params, params_before, strict=True))
+
+
+@pytest.mark.parametrize("factor", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_a_grad_factor_that_is_not_finite_is_named_before_anything_changes(name, factor):
+    """``step_with_grad_factor`` (the fused pipeline's step, public) multiplied every gradient by NaN or inf inside
+    the kernels: NaN weights and state, silently."""
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"grad_factor must be a finite number, got {factor}"):
+        opt.step_with_grad_factor(factor)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)) and not opt.state

@@ -8,6 +8,7 @@ them; ``test_norm_backend.py`` covers that routing), on fresh random inputs.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -393,6 +394,33 @@ def test_torchs_fourth_positional_argument_is_not_taken_as_memory_efficient():
     with pytest.raises(TypeError, match=r"FusedLayerNorm: memory_efficient must be True or False, got None"):
         FusedLayerNorm(64, 1e-5, True, None)
     assert FusedLayerNorm(64, 1e-5, True, 1).memory_efficient  # Apex-era 0/1 flags still work
+
+
+@pytest.mark.parametrize("value", ["False", "True", 2, None])
+def test_a_switch_that_is_not_true_or_false_is_refused_by_every_norm(value):
+    """torch's norms read ``elementwise_affine`` and ``bias`` by truthiness, so ``elementwise_affine="False"`` (a
+    config read as text) built an affine norm; here, as for ampkit's other switches, the norm names the value."""
+    builds = {
+        "FusedLayerNorm: elementwise_affine": lambda: FusedLayerNorm(6, elementwise_affine=value),
+        "FusedLayerNorm: bias": lambda: FusedLayerNorm(6, bias=value),
+        "FusedRMSNorm: elementwise_affine": lambda: FusedRMSNorm(6, elementwise_affine=value),
+        "MixedFusedLayerNorm: elementwise_affine": lambda: MixedFusedLayerNorm(6, elementwise_affine=value),
+        "MixedFusedRMSNorm: elementwise_affine": lambda: MixedFusedRMSNorm(6, elementwise_affine=value),
+        "MixedFusedRMSNorm: memory_efficient": lambda: MixedFusedRMSNorm(6, memory_efficient=value),
+        "fused_layer_norm: memory_efficient": lambda: fused_layer_norm(torch.randn(2, 6), 6, 1e-5, value),
+        "fused_rms_norm_affine: memory_efficient": (
+            lambda: fused_rms_norm_affine(torch.randn(2, 6), torch.ones(6), 6, 1e-5, value)
+        ),
+    }
+    for where, build in builds.items():
+        # the Mixed norms warn that they take no elementwise_affine (Apex's warning) before checking it
+        with warnings.catch_warnings(action="ignore"), pytest.raises(TypeError, match=rf"{where} must be") as raised:
+            build()
+        assert f"must be True or False, got {value!r}" in str(raised.value)
+        assert isinstance(raised.value, ValueError)  # ampkit's switch error is both, as its other switches'
+    plain = FusedLayerNorm(6, elementwise_affine=np.bool_(False), bias=0)
+    assert plain.weight is None and plain.elementwise_affine is False  # numpy's bool_ and 0/1 as Apex took them
+    assert FusedRMSNorm(6, memory_efficient=np.bool_(True)).memory_efficient is True
 
 
 @pytest.mark.parametrize("shape", ["768", [768.0], (2.5,), True, torch.tensor(2.5)])

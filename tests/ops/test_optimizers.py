@@ -1213,6 +1213,16 @@ def test_apexs_constructor_only_switches_are_true_or_false_too(cls, option):
     cls(make_params(), lr=0.1, **{option: 0})  # Apex's 0/1 spelling stays valid
 
 
+@pytest.mark.parametrize(("cls", "option"), [
+    (FusedSGD, "nesterov"), (FusedLAMB, "amsgrad"), (FusedMixedPrecisionLamb, "amsgrad"), (FusedNovoGrad, "amsgrad"),
+])  # fmt: skip
+def test_a_switch_the_constructor_reads_first_is_named_as_a_switch(cls, option):
+    """These were read before the switch check: ``nesterov="False"`` was refused as a Nesterov momentum without
+    momentum, ``amsgrad="False"`` as an ``amsgrad=True`` the optimizer does not support."""
+    with pytest.raises(TypeError, match=rf"^Invalid {option}: 'False' is a str \(expected True or False\)$"):
+        cls(make_params(), lr=0.1, **{option: "False"})
+
+
 RESETS = {
     "del state[p]": lambda state, p: state.__delitem__(p),
     "state[p] = {}": lambda state, p: state.__setitem__(p, {}),

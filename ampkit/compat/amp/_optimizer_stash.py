@@ -219,8 +219,12 @@ class AmpOptimizerStash:
             return result
 
         def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
-            if stash.master_weights is not None or stash.combine_grad:
-                stash.combiner.zero_grad()
+            if stash.master_weights is not None and set_to_none is None:
+                # Apex's O2 zero_grad (it took no argument): the model's gradients zeroed in place, so code reading
+                # them after zero_grad (p.grad.zero_(), a norm) finds tensors, and the fp32 masters' set to None
+                stash.combiner.zero_grad(False, owners_to_none=True)
+            elif stash.master_weights is not None or stash.combine_grad:
+                stash.combiner.zero_grad(True if set_to_none is None else bool(set_to_none))
             elif set_to_none is None:
                 original_zero_grad()
             else:
@@ -256,6 +260,11 @@ class AmpOptimizerStash:
             if stash.master_weights is not None and masters is not None:
                 stash.master_weights.load_state_dict(masters)
                 stash._masters_checked = True  # the checkpoint's masters are the truth, the model follows them
+            elif stash.master_weights is not None:
+                # A checkpoint without masters (Apex's, torch's): they come from the model again at the next backward
+                # or step, as after initialize. Kept as they were, the next step wrote them over weights just loaded
+                # into the model (a run rolled back to a checkpoint went on from where it was).
+                stash._masters_checked = False
 
         # Apex's per-optimizer protocol, for code that copied Apex's scale_loss and calls it directly.
         def prepare_amp_backward(self: Any) -> None:

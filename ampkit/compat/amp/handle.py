@@ -96,6 +96,9 @@ def scale_loss(
             f"so valid loss ids are 0..{len(scalers) - 1}"
         )
     _check_loss(loss, "amp.scale_loss")
+    for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
+        if not is_switch(value):  # by truthiness "False" delayed: an overflow then stepped on inf gradients
+            raise ValueError(f"amp.scale_loss: {name}={value!r}: expected True or False")
     stashes = [optimizer._amp_stash for optimizer in _optimizer_list(optimizers)]
     scaler = scalers[loss_id]
     unit_static = not scaler.dynamic and scaler.loss_scale() == 1.0
@@ -395,8 +398,12 @@ class OptimWrapper:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._optimizer.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        # without an argument, the wrapped optimizer's own default (Apex's wrapper passed none)
+        if set_to_none is None:
+            self._optimizer.zero_grad()
+        else:
+            self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._optimizer.add_param_group(param_group)

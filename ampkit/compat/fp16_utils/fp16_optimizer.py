@@ -30,6 +30,7 @@ from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.compat.amp._amp_state import maybe_print
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.compat.fp16_utils.fp16util import clip_grad_norm
+from ampkit.ops._switches import checked_switch
 
 # Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
 _LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
@@ -98,6 +99,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         verbose: bool = True,
     ) -> None:
         self.verbose = verbose
+        # the scale's options before the optimizer is touched: one refused leaves its groups as they were
+        self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
+        if self.dynamic_loss_scale:
+            self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
+        else:  # Apex ignores dynamic_loss_args here
+            self.loss_scaler = ApexLossScaler(static_loss_scale)
         self.optimizer = init_optimizer
         for group in init_optimizer.param_groups:
             for param in group["params"]:
@@ -110,11 +117,6 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # As Apex: state made on the fp16 params moved to the masters above; a state_dict round trip recasts it
         # to the masters' fp32 (torch's load_state_dict casts floating state to its param's dtype).
         self.optimizer.load_state_dict(self.optimizer.state_dict())
-        self.dynamic_loss_scale = bool(dynamic_loss_scale)
-        if dynamic_loss_scale:
-            self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
-        else:  # Apex ignores dynamic_loss_args here
-            self.loss_scaler = ApexLossScaler(static_loss_scale)
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
@@ -210,6 +212,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """Backward of ``loss.float() * loss_scale``; then (unless told not to) :meth:`update_master_grads`."""
+        # by truthiness "False" unscaled after this backward, where the caller meant to accumulate first
+        update_master_grads = checked_switch("FP16_Optimizer.backward", "update_master_grads", update_master_grads)
         if not self._combiner.pending:
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ampkit.ops._switches import checked_switch
+
 
 class tofp16(torch.nn.Module):
     """Module that casts its floating-point input to ``dtype`` (Apex's first layer of ``network_to_half``)."""
@@ -81,6 +83,8 @@ def prep_param_lists(
 
     With ``flat_master=True`` the masters are one flat fp32 parameter (all model params must share a dtype).
     """
+    # by truthiness "False" returned one flat master, which the optimizer would then step as the only parameter
+    flat_master = checked_switch("prep_param_lists", "flat_master", flat_master)
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
         if not model_params:
@@ -140,6 +144,7 @@ def _check_param_lists(
     flat_master: bool,
 ) -> None:
     """Refuse lists that do not pair up one to one (Apex's zip silently copied a prefix, or broadcast a shape)."""
+    checked_switch(caller, "flat_master", flat_master)
     advice = "pass the two lists prep_param_lists returned, in its order"
     if flat_master:
         total = sum(p.numel() for p in model_params)

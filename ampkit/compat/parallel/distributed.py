@@ -28,6 +28,8 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from ampkit.compat.parallel.flat_dist import (
     split_half_float_double,
     unflatten,
 )
+from ampkit.ops._switches import checked_switch
 
 __all__ = [  # Apex's module held its flat collectives too: scripts import flat_dist_call from here
     "DistributedDataParallel",
@@ -179,10 +182,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 stacklevel=2,
             )
             gradient_predivide_factor = gradient_average_split_factor
-        if message_size <= 0:
-            raise ValueError(f"message_size must be a positive number of elements, got {message_size}")
-        if gradient_predivide_factor <= 0:
-            raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+        if not (isinstance(message_size, numbers.Real) and 0 < message_size < math.inf):
+            raise ValueError(f"message_size must be a positive number of elements, got {message_size!r}")
+        if not (isinstance(gradient_predivide_factor, numbers.Real) and 0 < gradient_predivide_factor < math.inf):
+            # every gradient is divided by it: NaN or inf slipped past a "<= 0" check into NaN or zero gradients
+            raise ValueError(
+                f"gradient_predivide_factor must be a finite number > 0, got {gradient_predivide_factor!r}"
+            )
+        # read by truthiness, gradient_average="False" averaged where the config asked for a sum
+        owner = "DistributedDataParallel"
+        delay_allreduce = checked_switch(owner, "delay_allreduce", delay_allreduce)
+        gradient_average = checked_switch(owner, "gradient_average", gradient_average)
+        allreduce_always_fp32 = checked_switch(owner, "allreduce_always_fp32", allreduce_always_fp32)
         torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
         if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
             super().__init__(module, **torch_ddp_kwargs)

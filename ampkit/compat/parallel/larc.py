@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ampkit.ops._dtypes import accumulate_dtype
+from ampkit.ops._switches import checked_switch
 
 
 class LARC:
@@ -24,12 +27,16 @@ class LARC:
     def __init__(
         self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02, clip: bool = True, eps: float = 1e-8
     ) -> None:
-        if trust_coefficient <= 0:
-            raise ValueError(f"trust_coefficient must be positive, got {trust_coefficient}")
+        # Both divide or scale each layer's rate: NaN (and a negative eps, which can zero the denominator) gave NaN
+        # weights; "False" for clip was read as on.
+        if not (isinstance(trust_coefficient, numbers.Real) and 0 < trust_coefficient < math.inf):
+            raise ValueError(f"LARC: trust_coefficient must be a finite number > 0, got {trust_coefficient!r}")
+        if not (isinstance(eps, numbers.Real) and 0 <= eps < math.inf):
+            raise ValueError(f"LARC: eps must be a finite number >= 0, got {eps!r}")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps
-        self.clip = clip
+        self.clip = checked_switch("LARC", "clip", clip)
 
     @property
     def state(self) -> Any:
@@ -56,9 +63,13 @@ class LARC:
         """Load ``state_dict`` into the wrapped optimizer."""
         self.optim.load_state_dict(state_dict)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped optimizer's gradients."""
-        self.optim.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the wrapped optimizer's gradients; without an argument, as its own ``zero_grad()`` does (Apex's
+        LARC took none: a fused optimizer built with ``set_grad_none=False`` zeroes in place)."""
+        if set_to_none is None:
+            self.optim.zero_grad()
+        else:
+            self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add ``param_group`` to the wrapped optimizer."""

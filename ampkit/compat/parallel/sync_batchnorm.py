@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ampkit.ops import sync_batchnorm as _ops
+from ampkit.ops._switches import checked_switch
 
 
 def _spans_ranks(process_group: dist.ProcessGroup | None) -> bool:
@@ -38,6 +39,8 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         channel_last: bool = False,
         fuse_relu: bool = False,
     ) -> None:
+        channel_last = checked_switch("SyncBatchNorm", "channel_last", channel_last)
+        fuse_relu = checked_switch("SyncBatchNorm", "fuse_relu", fuse_relu)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group)
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
@@ -48,7 +51,7 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
 
     def _specify_channel_last(self, channel_last: bool) -> None:
         """Apex's setter: whether the input's last dimension holds the channels."""
-        self.channel_last = channel_last
+        self.channel_last = checked_switch("SyncBatchNorm", "channel_last", channel_last)
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         channels_moved = self.channel_last and input.dim() > 2
@@ -96,6 +99,7 @@ def convert_syncbn_model(
     """Return ``module`` with every ``BatchNorm*d`` replaced by :class:`SyncBatchNorm` (parameters, running
     statistics and ``num_batches_tracked`` shared with the originals). As in Apex, which builds each replacement
     afresh, the new layers start in training mode whatever mode the originals were in."""
+    channel_last = checked_switch("convert_syncbn_model", "channel_last", channel_last)  # before the model changes
     already_synced = {id(sub) for sub in module.modules() if isinstance(sub, SyncBatchNorm)}
     converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     for sub in converted.modules():

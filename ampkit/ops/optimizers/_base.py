@@ -14,6 +14,7 @@ step, as torch's fused optimizers leave them.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -64,8 +65,37 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
             raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
         return value
     if isinstance(value, bool | numbers.Real):
+        if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
+            raise ValueError(
+                f"step(): grad_scale must be a finite float32 number > 0 (the scale the gradients carry), got {value!r}"
+            )
         return torch.tensor(float(value))
     raise ArgumentTypeError(f"step(): {name} must be a one-element tensor or a number, got {value!r}")
+
+
+_SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
+def valid_scale(value: float) -> bool:
+    """Whether a loss scale is a finite float32 number > 0 (not subnormal, whose inverse overflows float32)."""
+    return _SCALE_RANGE[0] <= value <= _SCALE_RANGE[1]
+
+
+def check_grad_factor(grad_factor: float) -> None:
+    """``step_with_grad_factor``'s factor must be a finite number: NaN or inf would turn every weight NaN."""
+    if isinstance(grad_factor, bool) or not (isinstance(grad_factor, numbers.Real) and abs(grad_factor) < math.inf):
+        raise ValueError(f"step_with_grad_factor: grad_factor must be a finite number, got {grad_factor!r}")
+
+
+def _skip_on_bad_scale(found_inf: Tensor | None, grad_scale: Tensor) -> Tensor:
+    """``found_inf`` with a ``grad_scale`` that is not a finite number > 0 counted as an overflow, decided on the
+    scale's device (three small ops, no host read): gradients divided by 0, inf or NaN are not finite (GradScaler's
+    own ``unscale_`` finds them so and skips), and by a negative scale they point uphill."""
+    scale = _scalar_on(grad_scale, grad_scale.device)
+    valid = scale.clamp(*_SCALE_RANGE) == scale  # as valid_scale: false for 0, a negative, inf and NaN
+    if found_inf is None:
+        return torch.where(valid, 0.0, 1.0)
+    return torch.where(valid, _scalar_on(found_inf, scale.device), 1.0)
 
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
@@ -439,6 +469,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         A non-zero ``found_inf`` skips the step: parameters, state, step counts and the (scaled) grads are left
         untouched. Otherwise the kernels read each grad divided by ``grad_scale`` and the grads are unscaled in
         place, so code reading ``.grad`` after the step (grad-norm logging, EMA) sees unscaled values.
+
+        A ``grad_scale`` that is not a finite number > 0 would make every gradient inf, NaN or uphill: given as a
+        number it is a ValueError; as a tensor (read on the device, never on the host) it skips the step as an
+        overflow does, in every fused optimizer alike.
         """
         loss = None
         if closure is not None:
@@ -447,12 +481,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
         grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
         if self._scaler_in_kernel:
+            if grad_scale is not None:
+                found_inf = _skip_on_bad_scale(found_inf, grad_scale)
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
         # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA),
         # with what the optimizer reads on the host every step anyway (LAMB's and NovoGrad's gradient norms).
         skip, scale, prefetched = read_together(found_inf, grad_scale, self._read_with_scaler(grad_scale))
-        if skip:
+        if skip or (scale is not None and not valid_scale(scale)):  # as _skip_on_bad_scale decides on the device
             return loss
         self._step_on_host(1.0 if scale is None else 1.0 / scale, prefetched)
         if scale is not None:
@@ -508,7 +544,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         """One step with every gradient multiplied by ``grad_factor`` inside the kernel (unscale x clip).
 
         The gradients themselves are not modified. Used by ``step`` and by ``ampkit.ops.pipeline``.
+
+        Raises:
+            ValueError: if ``grad_factor`` is NaN or infinite (every weight would become NaN); a host number,
+                checked for free.
         """
+        check_grad_factor(grad_factor)
         for group in self.param_groups:
             factor = -grad_factor if group.get("maximize", False) else grad_factor
             buckets = self._buckets(group)

@@ -14,7 +14,16 @@ import torch
 from torch import Tensor
 
 from ampkit.ops import multi_tensor
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper, eager_under_compile
+from ampkit.ops.optimizers._base import (
+    Bucket,
+    FusedOptimizer,
+    acc_dtype,
+    check_betas,
+    check_flag,
+    check_grad_factor,
+    check_hyper,
+    eager_under_compile,
+)
 from ampkit.ops.optimizers._kernels import op
 
 
@@ -51,6 +60,7 @@ class FusedLAMB(FusedOptimizer):
         master_weights: bool = False,
         backend: str | None = None,
     ) -> None:
+        check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant (amsgrad=True).")
         check_hyper("lr", lr)
@@ -75,6 +85,7 @@ class FusedLAMB(FusedOptimizer):
     @eager_under_compile
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
+        check_grad_factor(grad_factor)
         norm = self._read_with_scaler(None)
         self._step_on_host(grad_factor, None if norm is None else norm.double().cpu())
 

@@ -16,6 +16,8 @@ from ampkit.ops.optimizers._base import (
     _scalar_on,
     acc_dtype,
     check_betas,
+    check_flag,
+    check_grad_factor,
     check_hyper,
     eager_under_compile,
 )
@@ -58,6 +60,7 @@ class FusedNovoGrad(FusedOptimizer):
         master_weights: bool = False,
         backend: str | None = None,
     ) -> None:
+        check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
         if norm_type not in (0, 2):
@@ -102,6 +105,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     @eager_under_compile
     def step_with_grad_factor(self, grad_factor: float) -> None:
+        check_grad_factor(grad_factor)
         blended = self._blend_norms(abs(grad_factor))
         self._step_on_host(grad_factor, None if blended is None else blended.cpu())
 

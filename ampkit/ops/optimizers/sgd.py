@@ -107,6 +107,7 @@ class FusedSGD(FusedOptimizer):
         check_hyper("lr", lr)
         check_hyper("momentum", momentum)
         check_hyper("weight_decay", weight_decay)
+        check_flag("nesterov", nesterov)  # before it is read: "False" was refused as a Nesterov without momentum
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(
                 f"Nesterov momentum requires momentum > 0 and dampening == 0; got momentum={momentum}, "
