@@ -24,7 +24,7 @@ from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
-from toy_trainers import SlowToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
+from toy_trainers import ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
@@ -77,7 +77,7 @@ def _cli(cfg_path: Path, *extra: str) -> list[str]:
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     settings = {
         "trainer_class": "toy_trainers:SlowToyTrainer",
-        "trainer": {"max_epochs": 3},
+        "trainer": {"max_epochs": 3, "device": "cpu"},  # bit-identical resume is the CPU's promise
         "checkpoint": {"every_n_steps": 1},
         "logging": {"log_every_n_steps": 4},
     }
@@ -110,9 +110,14 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     resumed = load_checkpoint(last)
     assert resumed["loop"]["global_step"] == 24
 
-    full = SlowToyTrainer({**settings, "run_dir": str(tmp_path / "full")})
-    full.fit()
-    assert_same_checkpoint(resumed, load_checkpoint(full.version_dir / "checkpoints" / "last.pt"))  # RNG included
+    # The uninterrupted run in a process of its own too: where this one has used CUDA (another test, on a machine with
+    # a GPU), its checkpoints also hold CUDA's RNG state, which a CPU run in a fresh process does not save.
+    full_path = tmp_path / "full.yaml"
+    OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "full")}), full_path)
+    full = subprocess.run(_cli(full_path), cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    assert full.returncode == 0, full.stderr
+    full_last = tmp_path / "full" / "version_0" / "checkpoints" / "last.pt"
+    assert_same_checkpoint(resumed, load_checkpoint(full_last))  # RNG included
 
 
 class UnfreezingToyTrainer(ToyTrainer):
@@ -144,10 +149,15 @@ def test_a_run_that_unfroze_a_param_group_resumes_as_it_went_on(tmp_path, precis
         "logging": {"tensorboard": False},
         "precision": precision,
     }
-    full = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "full"), "trainer": {"max_epochs": 3}})
+
+    def unfreezing(run: str, max_epochs: int) -> UnfreezingToyTrainer:  # on the CPU, where resume is bit-identical
+        trainer = {"max_epochs": max_epochs, "device": "cpu"}
+        return UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / run), "trainer": trainer})
+
+    full = unfreezing("full", 3)
     full.fit()
-    UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 2}}).fit()
-    resumed = UnfreezingToyTrainer({**settings, "run_dir": str(tmp_path / "cut"), "trainer": {"max_epochs": 3}})
+    unfreezing("cut", 2).fit()
+    resumed = unfreezing("cut", 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.fit(resume="last")

@@ -29,7 +29,8 @@ class _NamedLossesOverflowAt3(ToyTrainer):
 
 def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(tmp_path):
     cfg_path = tmp_path / "toy.yaml"
-    cfg = {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run"), "trainer": {"max_epochs": 2}}
+    trainer = {"max_epochs": 2, "device": "cpu"}  # the banner's device: auto would name a GPU where one is visible
+    cfg = {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run"), "trainer": trainer}
     OmegaConf.save(OmegaConf.create(cfg), cfg_path)
     env = {k: v for k, v in child_env(TESTS, REPO).items() if k != "CI"}  # not CI: only the pipe says "no terminal"
     command = [sys.executable, "-m", "ampkit", "fit", "--config", str(cfg_path), "logging.console_every_n_steps=4"]

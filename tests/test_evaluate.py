@@ -201,7 +201,8 @@ def test_evaluation_without_its_loader_or_checkpoint_fails_clearly(tmp_path):
 def test_cli_validate_test_predict(tmp_path, capsys, monkeypatch):
     fitted = _fitted(tmp_path)
     config = tmp_path / "eval.yaml"
-    config.write_text(f"trainer_class: {__name__}:Evaluated\nrun_dir: {tmp_path / 'run'}\n")
+    # on the CPU, as the validation it is compared with: on a GPU, device auto would validate there, in other digits
+    config.write_text(f"trainer_class: {__name__}:Evaluated\nrun_dir: {tmp_path / 'run'}\ntrainer:\n  device: cpu\n")
     metrics = Evaluated(toy_cfg(tmp_path, **QUIET)).validate(ckpt="last")
     capsys.readouterr()
     assert main(["validate", "--config", str(config), "trainer.progress_bar=false"]) == 0

@@ -58,10 +58,12 @@ def test_an_apex_2018_distributed_script_runs_one_process_per_rank_under_the_lau
     """It was "No module named 'apex.parallel.multiproc'", and ``-m`` refused any Apex module."""
     script = tmp_path / "main.py"
     script.write_text(_DISTRIBUTED_SCRIPT)
+    # CUDA hidden: with a GPU the launcher starts one worker per device, as Apex did, and --world-size is not read
     done = subprocess.run(
         [sys.executable, "-m", "ampkit.legacy", "-m", "apex.parallel.multiproc", str(script), "--world-size", "2",
          "--dist-url", f"tcp://127.0.0.1:{_free_port()}"],
-        cwd=tmp_path, env=child_env(REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=child_env(REPO, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""), capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     rank0 = done.stdout.strip().splitlines()[-1]
