@@ -50,6 +50,7 @@ class OpLog(TorchDispatchMode):
         self.ops: collections.Counter[int] = collections.Counter()
         self.reads: dict[int, list[str]] = collections.defaultdict(list)
         self.host_copies: set[int] = set()
+        self.kept: list[torch.Tensor] = []  # the copies themselves: a freed one's address could go to another tensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -137,6 +138,7 @@ def trainer_loop(tmp_path, monkeypatch, layers: int, precision: str, fused: bool
     def tracked(found_inf):
         host, done = copy(found_inf)
         log.host_copies.add(host.untyped_storage().data_ptr())
+        log.kept.append(host)
         return host, done
 
     monkeypatch.setattr(device_skip.UnsettledFlag, "copy", staticmethod(tracked))
