@@ -33,6 +33,7 @@ A family frontend declares itself once and asks on every op call (a dict lookup 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -41,7 +42,7 @@ import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-f
 CUDA_FLAGS = ("-O3", "--fmad=false")
 # Part of the cache key: libraries linked before libstdc++ was named explicitly are rebuilt once.
 _LINK_KEY = "shared-libstdc++"
+_MARKER = "ampkit.ok"  # written last in a build directory, naming the library: a build cut short leaves none
 
 _MODES = ("auto", "reference", "kernel")
 _ERROR_LINE = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)  # gcc/nvcc "error:", "nvcc fatal :"
@@ -230,37 +232,67 @@ def _build_with_cuda_or_cpu_only(name: str, cpu_sources: list[Path], cuda_source
 
 def _build_and_load(name: str, sources: list[Path], with_cuda: bool) -> None:
     build_dir = extension_dir(name, sources, with_cuda)
-    marker = build_dir / "ampkit.ok"  # written last, naming the library: a build cut short leaves none
-    library = build_dir / _built_library_name(marker)
-    if marker.exists() and library.is_file():
-        try:
-            torch.ops.load_library(str(library))
-            return
-        except OSError:
-            marker.unlink(missing_ok=True)  # a corrupt cache entry: rebuild it below
+    if _load_cached(build_dir):
+        return
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(
-        f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
-        f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
-        file=sys.stderr,
-        flush=True,
-    )
-    from torch.utils import cpp_extension
+    with _build_lock(build_dir):
+        if _load_cached(build_dir):  # another process finished this build while we waited for the lock
+            return
+        print(
+            f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
+            f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
+            file=sys.stderr,
+            flush=True,
+        )
+        from torch.utils import cpp_extension
 
-    built = cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in sources],
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=list(CUDA_FLAGS),
-        extra_ldflags=_shared_libstdcxx(),
-        extra_include_paths=[str(CSRC_DIR)],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        is_python_module=False,
-        verbose=False,
-    )
-    marker.write_text(Path(built).name)
+        built = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=list(CXX_FLAGS),
+            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_ldflags=_shared_libstdcxx(),
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=False,
+        )
+        (build_dir / _MARKER).write_text(Path(built).name)
+
+
+def _load_cached(build_dir: Path) -> bool:
+    """Load the library a finished build left in ``build_dir``; False when there is none or it will not load."""
+    marker = build_dir / _MARKER
+    library = build_dir / _built_library_name(marker)
+    if not (marker.exists() and library.is_file()):
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:
+        marker.unlink(missing_ok=True)  # a corrupt cache entry: the caller rebuilds it
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``build_dir`` while building there; the OS drops it when the process dies.
+
+    torch's own build lock is a plain file that a killed build (OOM, SIGKILL, a preempted node) leaves behind,
+    and every later build of that directory then waits on it forever, silently. While this lock is held no
+    other ampkit process is building here, so a torch lock file found is such a leftover and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock file alone, as before
+        yield
+        return
+    with open(build_dir / "ampkit.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, or by the OS on a crash
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _built_library_name(marker: Path) -> str:

@@ -158,6 +158,14 @@ TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("plus_one", plus_one); }
 """
 
 
+def _tiny_family_source(tmp_path: Path) -> tuple[str, Path]:
+    """A one-op family's name (unique to the test: a namespace registers once per process) and its C++ source."""
+    name = f"ampkit_tiny_{tmp_path.name.replace('-', '_')}"
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_CPU_SOURCE.replace("NAMESPACE", name))
+    return name, source
+
+
 @pytest.fixture
 def family_with_broken_cuda(tmp_path, monkeypatch):
     """A one-op family on a host that looks like it has a GPU and nvcc, where torch finds no CUDA_HOME."""
@@ -167,9 +175,7 @@ def family_with_broken_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_build, "_cuda_toolkit_present", lambda: True)
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # torch's build then fails: CUDA_HOME is not set
-    name = f"ampkit_tiny_{tmp_path.name.replace('-', '_')}"
-    source = tmp_path / "tiny.cpp"
-    source.write_text(TINY_CPU_SOURCE.replace("NAMESPACE", name))
+    name, source = _tiny_family_source(tmp_path)
     cuda_source = tmp_path / "tiny_kernels.cu"
     cuda_source.write_text('#error "deliberately broken ampkit CUDA source"\n')
     yield _build.register_family(name, [source], cuda_sources=[cuda_source])
@@ -212,3 +218,26 @@ def test_failed_cuda_build_is_an_error_in_kernel_mode(family_with_broken_cuda, m
         with pytest.raises(RuntimeError, match=f"{family.name}.*AMPKIT_OPS=kernel.*CUDA kernels failed.*CUDA_HOME"):
             family.use_kernel()
     assert f"{family.name}::plus_one" not in torch._C._dispatch_get_all_op_names()  # no CPU-only build either
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """A build killed mid-way (OOM, SIGKILL) leaves torch's lock file; the next process builds instead of waiting on
+    it forever."""
+    name, source = _tiny_family_source(tmp_path)
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    build_dir = _build.extension_dir(name, [source], with_cuda=False)
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    script = (
+        "import torch\n"
+        "from ampkit.ops import _build\n"
+        f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
+        f"print(torch.ops.{name}.plus_one(torch.zeros(2)).tolist())\n"
+    )
+    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited on the killed build's lock file")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[1.0, 1.0]"
