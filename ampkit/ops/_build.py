@@ -269,11 +269,32 @@ def _load_cached(build_dir: Path) -> bool:
     if not (marker.exists() and library.is_file()):
         return False
     try:
+        if not _elf_complete(library):
+            raise OSError(f"{library} is truncated")
         torch.ops.load_library(str(library))
     except OSError:
-        marker.unlink(missing_ok=True)  # a corrupt cache entry: the caller rebuilds it
+        # A corrupt cache entry: the caller rebuilds it. The library goes too, or ninja (which judges by
+        # timestamps) could call a damaged copy with an intact timestamp up to date and relink nothing.
+        with contextlib.suppress(OSError):  # a read-only cache: the rebuild then names what is wrong
+            marker.unlink(missing_ok=True)
+            library.unlink(missing_ok=True)
         return False
     return True
+
+
+def _elf_complete(library: Path) -> bool:
+    """False for an ELF library cut short (a partial copy of the cache): dlopen of one kills the process with
+    SIGBUS instead of raising. The section header table ends the file, so it must fit in what is there."""
+    with open(library, "rb") as file:
+        header = file.read(64)
+    if header[:4] != b"\x7fELF" or header[4:5] != b"\x02":  # not a 64-bit ELF: leave it to dlopen
+        return True
+    if len(header) < 64:
+        return False
+    order = "little" if header[5] == 1 else "big"
+    table_offset = int.from_bytes(header[0x28:0x30], order)
+    entry_size, entries = int.from_bytes(header[0x3A:0x3C], order), int.from_bytes(header[0x3C:0x3E], order)
+    return table_offset + entry_size * entries <= library.stat().st_size
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -166,6 +167,18 @@ def _tiny_family_source(tmp_path: Path) -> tuple[str, Path]:
     return name, source
 
 
+def _load_in_a_new_process(name: str, source: Path) -> subprocess.CompletedProcess:
+    """Build or load the one-op family in a fresh process (as a training run would) and print its op's result."""
+    script = (
+        "import torch\n"
+        "from ampkit.ops import _build\n"
+        f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
+        f"print(torch.ops.{name}.plus_one(torch.zeros(2)).tolist())\n"
+    )
+    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+
+
 @pytest.fixture
 def family_with_broken_cuda(tmp_path, monkeypatch):
     """A one-op family on a host that looks like it has a GPU and nvcc, where torch finds no CUDA_HOME."""
@@ -228,16 +241,26 @@ def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch)
     build_dir = _build.extension_dir(name, [source], with_cuda=False)
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()
-    script = (
-        "import torch\n"
-        "from ampkit.ops import _build\n"
-        f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
-        f"print(torch.ops.{name}.plus_one(torch.zeros(2)).tolist())\n"
-    )
-    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
     try:
-        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+        run = _load_in_a_new_process(name, source)
     except subprocess.TimeoutExpired:
         pytest.fail("the build waited on the killed build's lock file")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[1.0, 1.0]"
+
+
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A cache entry cut short (a partial copy, its timestamp kept) killed the loading process with SIGBUS, and ninja
+    called it up to date; it is rebuilt instead."""
+    name, source = _tiny_family_source(tmp_path)
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    assert _build.register_family(name, [source]).use_kernel()
+    library = _build.extension_dir(name, [source], with_cuda=False) / f"{name}.so"
+    whole, stamp = library.read_bytes(), library.stat()
+    library.write_bytes(whole[: len(whole) // 2])
+    os.utime(library, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    run = _load_in_a_new_process(name, source)
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    assert run.stdout.strip() == "[1.0, 1.0]"
+    assert library.stat().st_size == len(whole)
