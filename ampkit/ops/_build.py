@@ -12,10 +12,12 @@ binary. A warm load is a plain ``dlopen`` of the cached library (no ninja run).
 ``AMPKIT_OPS`` selects the implementation, read at every call so tests can switch it:
 
 * unset / ``auto``: use the kernel; if no compiler is present or the build fails, warn once (naming
-  the cause) and use the reference.
+  the cause) and use the reference. If only the CUDA part fails (no usable toolkit, an nvcc error), the
+  family is built CPU-only instead: CPU tensors keep the kernels, CUDA tensors take the path of a build
+  made without a GPU, and one warning per family names the CUDA failure.
 * ``reference``: never build; always use the pure-PyTorch reference.
-* ``kernel``: a missing compiler or failed build raises ``RuntimeError`` naming the family — for
-  tests of kernels, so a broken build cannot silently pass against the reference.
+* ``kernel``: a missing compiler or failed build (its CUDA part included) raises ``RuntimeError`` naming the
+  family — for tests of kernels, so a broken build cannot silently pass against the reference.
 
 A family frontend declares itself once and asks on every op call (a dict lookup after the first)::
 
@@ -31,14 +33,16 @@ A family frontend declares itself once and asks on every op call (a dict lookup 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +64,13 @@ CXX_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-f
 CUDA_FLAGS = ("-O3", "--fmad=false")
 # Part of the cache key: libraries linked before libstdc++ was named explicitly are rebuilt once.
 _LINK_KEY = "shared-libstdc++"
+_MARKER = "ampkit.ok"  # written last in a build directory, naming the library: a build cut short leaves none
 
 _MODES = ("auto", "reference", "kernel")
+_ERROR_LINE = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)  # gcc/nvcc "error:", "nvcc fatal :"
 _loaded: dict[str, bool] = {}
 _failures: dict[str, str] = {}
+_cuda_failures: dict[str, str] = {}  # families loaded CPU-only because their CUDA build failed: the first error line
 _warned_no_compiler = False
 
 
@@ -96,8 +103,9 @@ class Family:
             return True
         served = torch._C._dispatch_has_kernel_for_dispatch_key(f"{self.name}::{probe_op}", "CUDA")
         if not served and ops_mode() == "kernel":
+            why = _cuda_failures.get(self.name, "no CUDA toolkit at build time")
             raise RuntimeError(
-                f"ampkit: {self.name} was built without CUDA kernels (no CUDA toolkit at build time) "
+                f"ampkit: {self.name} was built without CUDA kernels ({why}) "
                 "and AMPKIT_OPS=kernel forbids the reference fallback"
             )
         return served
@@ -145,19 +153,25 @@ def load_extension(name: str, sources: Sequence[str | Path], cuda_sources: Seque
     """Build (or load from cache) the extension ``name`` and register its ops; True on success.
 
     ``cuda_sources`` (``.cu`` files and the ``*_cuda.cpp`` that registers their CUDA dispatch) join
-    the build only when torch sees a CUDA device and a CUDA toolkit. On failure the cause is
-    recorded, one warning is issued (unless ``AMPKIT_OPS=kernel``, where the caller raises), and
-    False is returned; the result is remembered for the life of the process.
+    the build only when torch sees a CUDA device and a CUDA toolkit. If that build fails, the family is
+    built CPU-only (its own cache entry) so CPU tensors keep the kernels, with one warning naming the
+    CUDA failure; under ``AMPKIT_OPS=kernel`` the CUDA failure is the family's failure instead. On
+    failure the cause is recorded, one warning is issued (unless ``AMPKIT_OPS=kernel``, where the
+    caller raises), and False is returned; the result is remembered for the life of the process.
     """
     if name in _loaded:
         return _loaded[name]
+    cpu_sources, cuda_sources = [Path(s) for s in sources], [Path(s) for s in cuda_sources]
     try:
-        _build_and_load(name, [Path(s) for s in sources], [Path(s) for s in cuda_sources])
+        if _wants_cuda(cuda_sources):
+            _build_with_cuda_or_cpu_only(name, cpu_sources, cuda_sources)
+        else:
+            _build_and_load(name, cpu_sources, with_cuda=False)
     except _NoCompiler as exc:
         _record_failure(name, str(exc), per_family_warning=False)
         return False
     except Exception as exc:  # a failed build must not take the training run down in auto mode
-        _record_failure(name, _short_cause(exc), per_family_warning=True)
+        _record_failure(name, str(exc) if isinstance(exc, _BuildFailed) else _short_cause(exc), per_family_warning=True)
         return False
     _loaded[name] = True
     return True
@@ -175,41 +189,141 @@ class _NoCompiler(RuntimeError):
     pass
 
 
-def _build_and_load(name: str, sources: list[Path], cuda_sources: list[Path]) -> None:
-    with_cuda = bool(cuda_sources) and torch.cuda.is_available() and _cuda_toolkit_present()
-    all_sources = sources + (cuda_sources if with_cuda else [])
-    build_dir = extension_dir(name, all_sources, with_cuda)
-    library = build_dir / f"{name}.so"
-    marker = build_dir / "ampkit.ok"
-    if marker.exists() and library.exists():
-        try:
-            torch.ops.load_library(str(library))
-            return
-        except OSError:
-            marker.unlink(missing_ok=True)  # a corrupt cache entry: rebuild it below
+class _BuildFailed(RuntimeError):
+    """A build failure whose message is already the cause to report."""
+
+
+def _wants_cuda(cuda_sources: Sequence[Path]) -> bool:
+    return bool(cuda_sources) and torch.cuda.is_available() and _cuda_toolkit_present()
+
+
+def _build_with_cuda_or_cpu_only(name: str, cpu_sources: list[Path], cuda_sources: list[Path]) -> None:
+    """Build ``name`` with its CUDA sources; if that fails, build it CPU-only and warn once, naming the failure.
+
+    A broken toolkit (CUDA_HOME unset, a CUDA version torch refuses, an nvcc error) must not cost the CPU
+    kernels: without this the whole family fell back to the several-times-slower reference.
+    """
+    try:
+        _build_and_load(name, cpu_sources + cuda_sources, with_cuda=True)
+        return
+    except _NoCompiler:
+        raise
+    except Exception as exc:
+        if ops_mode() == "kernel":
+            raise _BuildFailed(f"building its CUDA kernels failed: {_short_cause(exc)}") from exc
+        cuda_cause = _first_error_line(exc)
+    try:
+        _build_and_load(name, cpu_sources, with_cuda=False)
+    except _NoCompiler:
+        raise
+    except Exception as exc:
+        raise _BuildFailed(f"{_short_cause(exc)} (its CUDA build had failed first: {cuda_cause})") from exc
+    _cuda_failures[name] = cuda_cause
+    version = f", CUDA {torch.version.cuda} as torch was built with" if torch.version.cuda else ""
+    warnings.warn(
+        f"ampkit: could not build the CUDA kernels of C++ ops {name!r} ({cuda_cause}); its CPU kernels are in "
+        "use, and CUDA tensors take its PyTorch fallback (torch's ops or the reference). To get the CUDA "
+        f"kernels, fix the CUDA toolkit (nvcc on PATH or in CUDA_HOME{version}), then run "
+        "`python -m ampkit.ops.build`.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _build_and_load(name: str, sources: list[Path], with_cuda: bool) -> None:
+    build_dir = extension_dir(name, sources, with_cuda)
+    if _load_cached(build_dir):
+        return
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(
-        f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
-        f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
-        file=sys.stderr,
-        flush=True,
-    )
-    from torch.utils import cpp_extension
+    with _build_lock(build_dir):
+        if _load_cached(build_dir):  # another process finished this build while we waited for the lock
+            return
+        print(
+            f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
+            f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
+            file=sys.stderr,
+            flush=True,
+        )
+        from torch.utils import cpp_extension
 
-    cpp_extension.load(
-        name=name,
-        sources=[str(s) for s in all_sources],
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=list(CUDA_FLAGS),
-        extra_ldflags=_shared_libstdcxx(),
-        extra_include_paths=[str(CSRC_DIR)],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        is_python_module=False,
-        verbose=False,
-    )
-    marker.write_text(name)
+        built = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=list(CXX_FLAGS),
+            extra_cuda_cflags=list(CUDA_FLAGS),
+            extra_ldflags=_shared_libstdcxx(),
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=False,
+        )
+        (build_dir / _MARKER).write_text(Path(built).name)
+
+
+def _load_cached(build_dir: Path) -> bool:
+    """Load the library a finished build left in ``build_dir``; False when there is none or it will not load."""
+    marker = build_dir / _MARKER
+    library = build_dir / _built_library_name(marker)
+    if not (marker.exists() and library.is_file()):
+        return False
+    try:
+        if not _elf_complete(library):
+            raise OSError(f"{library} is truncated")
+        torch.ops.load_library(str(library))
+    except OSError:
+        # A corrupt cache entry: the caller rebuilds it. The library goes too, or ninja (which judges by
+        # timestamps) could call a damaged copy with an intact timestamp up to date and relink nothing.
+        with contextlib.suppress(OSError):  # a read-only cache: the rebuild then names what is wrong
+            marker.unlink(missing_ok=True)
+            library.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _elf_complete(library: Path) -> bool:
+    """False for an ELF library cut short (a partial copy of the cache): dlopen of one kills the process with
+    SIGBUS instead of raising. The section header table ends the file, so it must fit in what is there."""
+    with open(library, "rb") as file:
+        header = file.read(64)
+    if header[:4] != b"\x7fELF" or header[4:5] != b"\x02":  # not a 64-bit ELF: leave it to dlopen
+        return True
+    if len(header) < 64:
+        return False
+    order = "little" if header[5] == 1 else "big"
+    table_offset = int.from_bytes(header[0x28:0x30], order)
+    entry_size, entries = int.from_bytes(header[0x3A:0x3C], order), int.from_bytes(header[0x3C:0x3E], order)
+    return table_offset + entry_size * entries <= library.stat().st_size
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``build_dir`` while building there; the OS drops it when the process dies.
+
+    torch's own build lock is a plain file that a killed build (OOM, SIGKILL, a preempted node) leaves behind,
+    and every later build of that directory then waits on it forever, silently. While this lock is held no
+    other ampkit process is building here, so a torch lock file found is such a leftover and is removed.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock file alone, as before
+        yield
+        return
+    with open(build_dir / "ampkit.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, or by the OS on a crash
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
+def _built_library_name(marker: Path) -> str:
+    """The library file a finished build left. torch names it ``<name>_v1.so`` when this process already built
+    ``<name>`` from other sources (a CPU-only build after the CUDA one failed); older markers hold the bare name."""
+    try:
+        written = marker.read_text().strip()
+    except OSError:
+        return ""
+    return written if written.endswith(".so") else f"{written}.so"
 
 
 def _check_toolchain() -> None:
@@ -272,6 +386,14 @@ def _cpu_flags() -> str:
 def _short_cause(exc: BaseException, limit: int = 2000) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _first_error_line(exc: BaseException, limit: int = 300) -> str:
+    """The line of a build failure that says what went wrong: the first compiler error, else the first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    found = next((line for line in lines if _ERROR_LINE.search(line) and not line.startswith("Error building")), None)
+    line = found or f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _record_failure(name: str, cause: str, per_family_warning: bool) -> None:

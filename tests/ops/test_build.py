@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from child_env import child_env
 
 from ampkit.ops import _build
@@ -71,6 +73,24 @@ def test_missing_compiler_warns_once_for_all_families(broken_family, tmp_path, m
         _build.FAMILIES.pop(other.name)
 
 
+def test_first_error_line_quotes_the_compiler_not_ninja(broken_family):
+    """The CUDA fallback's warning carries one line of the failure: the compiler's error, not ninja's command."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(broken_family.sources[0]).parent / "direct"
+    build_dir.mkdir()
+    with pytest.raises(RuntimeError) as failure:
+        cpp_extension.load(
+            name=broken_family.name,
+            sources=[str(s) for s in broken_family.sources],
+            build_directory=str(build_dir),
+            is_python_module=False,
+        )
+    line = _build._first_error_line(failure.value)
+    assert line.endswith('error: #error "deliberately broken ampkit test source"'), line
+    assert _build._first_error_line(OSError("CUDA_HOME is not set.\nmore")) == "OSError: CUDA_HOME is not set."
+
+
 def test_invalid_mode_names_the_valid_ones(monkeypatch):
     monkeypatch.setenv("AMPKIT_OPS", "fast")
     with pytest.raises(ValueError, match="AMPKIT_OPS='fast'.*auto, reference, kernel"):
@@ -126,3 +146,121 @@ def test_only_builds_the_named_family_and_refuses_an_unknown_one():
     wrong = subprocess.run([*only[:-1], "ampkit_norm"], env=env, capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2
     assert "unknown op family ampkit_norm; known: ampkit_multi_tensor, ampkit_norms, ampkit_optimizers" in wrong.stderr
+
+
+TINY_CPU_SOURCE = """
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+static at::Tensor plus_one(const at::Tensor& x) { return x + 1; }
+
+TORCH_LIBRARY(NAMESPACE, m) { m.def("plus_one(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("plus_one", plus_one); }
+"""
+
+
+def _tiny_family_source(tmp_path: Path) -> tuple[str, Path]:
+    """A one-op family's name (unique to the test: a namespace registers once per process) and its C++ source."""
+    name = f"ampkit_tiny_{tmp_path.name.replace('-', '_')}"
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY_CPU_SOURCE.replace("NAMESPACE", name))
+    return name, source
+
+
+def _load_in_a_new_process(name: str, source: Path) -> subprocess.CompletedProcess:
+    """Build or load the one-op family in a fresh process (as a training run would) and print its op's result."""
+    script = (
+        "import torch\n"
+        "from ampkit.ops import _build\n"
+        f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
+        f"print(torch.ops.{name}.plus_one(torch.zeros(2)).tolist())\n"
+    )
+    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture
+def family_with_broken_cuda(tmp_path, monkeypatch):
+    """A one-op family on a host that looks like it has a GPU and nvcc, where torch finds no CUDA_HOME."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_build, "_cuda_toolkit_present", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # torch's build then fails: CUDA_HOME is not set
+    name, source = _tiny_family_source(tmp_path)
+    cuda_source = tmp_path / "tiny_kernels.cu"
+    cuda_source.write_text('#error "deliberately broken ampkit CUDA source"\n')
+    yield _build.register_family(name, [source], cuda_sources=[cuda_source])
+    _build.FAMILIES.pop(name, None)
+
+
+def test_failed_cuda_build_keeps_the_cpu_kernels(family_with_broken_cuda, monkeypatch, capfd):
+    """GPU host with a broken toolkit builds the family CPU-only: CPU tensors run the C++ kernel, not the reference."""
+    family = family_with_broken_cuda
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    with pytest.warns(RuntimeWarning, match=f"CUDA kernels of C\\+\\+ ops '{family.name}'") as record:
+        assert family.serves(torch.device("cpu"), "plus_one")
+        assert not family.serves(torch.device("cuda"), "plus_one")  # CUDA tensors take the reference path
+    (warning,) = record
+    message = str(warning.message)
+    assert "CUDA_HOME environment variable is not set" in message
+    assert "CPU kernels are in use" in message and "python -m ampkit.ops.build" in message
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{family.name}::plus_one", "CPU")
+    assert torch.equal(getattr(torch.ops, family.name).plus_one(torch.zeros(3)), torch.ones(3))
+
+    # The CPU-only build is cached under its own key: the next process loads it without compiling.
+    capfd.readouterr()
+    monkeypatch.delitem(_build._loaded, family.name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert family.use_kernel()
+    assert "compiling" not in capfd.readouterr().err
+
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    with pytest.raises(
+        RuntimeError, match=r"built without CUDA kernels \(OSError: CUDA_HOME environment variable is not set"
+    ):
+        family.serves(torch.device("cuda"), "plus_one")
+
+
+def test_failed_cuda_build_is_an_error_in_kernel_mode(family_with_broken_cuda, monkeypatch):
+    family = family_with_broken_cuda
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match=f"{family.name}.*AMPKIT_OPS=kernel.*CUDA kernels failed.*CUDA_HOME"):
+            family.use_kernel()
+    assert f"{family.name}::plus_one" not in torch._C._dispatch_get_all_op_names()  # no CPU-only build either
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """A build killed mid-way (OOM, SIGKILL) leaves torch's lock file; the next process builds instead of waiting on
+    it forever."""
+    name, source = _tiny_family_source(tmp_path)
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    build_dir = _build.extension_dir(name, [source], with_cuda=False)
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    try:
+        run = _load_in_a_new_process(name, source)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the build waited on the killed build's lock file")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[1.0, 1.0]"
+
+
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A cache entry cut short (a partial copy, its timestamp kept) killed the loading process with SIGBUS, and ninja
+    called it up to date; it is rebuilt instead."""
+    name, source = _tiny_family_source(tmp_path)
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    assert _build.register_family(name, [source]).use_kernel()
+    library = _build.extension_dir(name, [source], with_cuda=False) / f"{name}.so"
+    whole, stamp = library.read_bytes(), library.stat()
+    library.write_bytes(whole[: len(whole) // 2])
+    os.utime(library, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    run = _load_in_a_new_process(name, source)
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    assert run.stdout.strip() == "[1.0, 1.0]"
+    assert library.stat().st_size == len(whole)
