@@ -14,12 +14,16 @@ def dtensor_type() -> type | None:
     return None if module is None else module.DTensor
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """A DTensor as this rank's shard (its storage: an in-place op writes the DTensor); a plain tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
 def local_shards(tensors: list[Tensor]) -> list[Tensor]:
-    """Each DTensor among ``tensors`` as this rank's shard (its storage: an in-place op writes the DTensor)."""
-    dtensor = dtensor_type()
-    if dtensor is None:
+    """Each DTensor among ``tensors`` as this rank's shard (:func:`local_shard`)."""
+    if dtensor_type() is None:
         return tensors
-    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
+    return [local_shard(t) for t in tensors]
 
 
 def is_dense(t: Tensor) -> bool:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import dtensor_type, is_dense
+from ampkit.ops._layout import dtensor_type, is_dense, local_shard
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -102,12 +102,6 @@ def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
 
 
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's shard on this rank (its storage, so an in-place update writes the DTensor); a plain tensor (a
-    step count) as it is."""
-    return getattr(t, "_local_tensor", t)
-
-
 @dataclass
 class Bucket:
     """Parameters of one group sharing (param dtype, grad dtype), with their grads and state dicts. For sharded
@@ -128,7 +122,7 @@ class Bucket:
 
     def state_list(self, key: str) -> list[Tensor]:
         if self.sharded:
-            return [_local(s[key]) for s in self.states]
+            return [local_shard(s[key]) for s in self.states]
         return [s[key] for s in self.states]
 
     def masters(self) -> list[Tensor]:
@@ -594,7 +588,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         plan = self._plans.get(id(group))
         if plan is not None and plan.fits(params, layout, self.state):
             for bucket, slots in zip(plan.buckets, plan.slots, strict=True):
-                bucket.grads = [_local(grads[i]) for i in slots] if bucket.sharded else [grads[i] for i in slots]
+                bucket.grads = [local_shard(grads[i]) for i in slots] if bucket.sharded else [grads[i] for i in slots]
                 if bucket.has_master:
                     bucket.adopt_outside_writes()
             return plan.buckets
@@ -642,10 +636,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__}: some {p.dtype} params have fp32 master copies and some do not; "
                     "load a state_dict saved with the same master_weights setting"
                 )
-            bucket.params.append(_local(p) if sharded else p)
+            bucket.params.append(local_shard(p) if sharded else p)
             if sharded:
                 bucket.whole_params.append(p)
-            bucket.grads.append(_local(g) if sharded else g)
+            bucket.grads.append(local_shard(g) if sharded else g)
             bucket.states.append(state)
             slots[key].append(index)
             if g is not grad:
