@@ -491,6 +491,11 @@ def _rms_norm(
     return _rms_norm_as_given(op, input, weight, shape, eps, memory_efficient, mixed)
 
 
+def _rms_eps(eps: float | None, dtype: torch.dtype) -> float | None:
+    """``eps``, or for None torch's RMSNorm default: the machine epsilon of the dtype it computes in."""
+    return torch.finfo(accumulate_dtype(dtype)).eps if eps is None else eps
+
+
 def _rms_norm_as_given(
     op: str,
     input: torch.Tensor,
@@ -501,8 +506,7 @@ def _rms_norm_as_given(
     mixed: bool,
 ) -> torch.Tensor:
     if not mixed and _one_dtype(input, (weight,)) and _torch_runs(op, input, weight, memory_efficient, False):
-        if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
-            eps = torch.finfo(accumulate_dtype(input.dtype)).eps
+        eps = _rms_eps(eps, input.dtype)
         _check_eps(op, eps)
         try:
             return F.rms_norm(input, shape, weight, eps)
@@ -510,8 +514,7 @@ def _rms_norm_as_given(
             _check_inputs(op, input, shape, weight, None, any_param_dtype=True)
             raise
     _check_inputs(op, input, shape, weight, None, any_param_dtype=True)  # F.rms_norm takes any weight dtype
-    if eps is None:  # torch's RMSNorm default: the machine epsilon of the dtype it computes in
-        eps = torch.finfo(accumulate_dtype(input.dtype)).eps
+    eps = _rms_eps(eps, input.dtype)
     _check_eps(op, eps)
     output_dtype = weight.dtype if mixed and weight is not None else None
     (weight,), output_dtype, cast_to = _params_for_kernels(input, (weight,), output_dtype)
