@@ -20,8 +20,7 @@ from checkpoint_compare import assert_same_checkpoint
 from toy_trainers import fit_toy_resuming, toy_cfg
 
 from ampkit.trainer.checkpoint_io import load_checkpoint
-from ampkit.trainer.run_dir import latest_checkpoint
-from ampkit.trainer.run_life import LOCK_FILE
+from ampkit.trainer.run_life import LOCK_FILE, resolve_checkpoint
 
 KILLS = 20
 SETTINGS = {
@@ -37,7 +36,7 @@ SETTINGS = {
 
 
 def _assert_finished_and_tidy(run_dir: Path, reference: dict) -> None:
-    last = latest_checkpoint(run_dir)
+    last = resolve_checkpoint(run_dir, "last")
     assert_same_checkpoint(load_checkpoint(last), reference)
     names = sorted(p.name for p in last.parent.iterdir())  # what the kills left, the restarts removed
     # Also after a restart of a run that had finished, which trains and writes nothing but still tidies.
@@ -68,7 +67,7 @@ def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path
         reference_run.join(300)
         duration = time.perf_counter() - began
         assert reference_run.exitcode == 0
-        references.append(load_checkpoint(latest_checkpoint(tmp_path / name / "run")))
+        references.append(load_checkpoint(resolve_checkpoint(tmp_path / name / "run", "last")))
     reference = references[0]
     assert_same_checkpoint(references[1], reference)
     assert reference["loop"]["global_step"] == 16
@@ -85,7 +84,7 @@ def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path
             os.kill(proc.pid, rng.choice([signal.SIGKILL, signal.SIGINT]))  # SIGINT: KeyboardInterrupt, as Ctrl-C
             proc.join()
             kills += 1
-            last = latest_checkpoint(run_dir)
+            last = resolve_checkpoint(run_dir, "last")
             if last is not None:  # loadable, whatever the moment of the kill
                 resumed_from.add(load_checkpoint(last)["loop"]["global_step"])
             continue

@@ -191,7 +191,7 @@ class NaNLossToyTrainer(ToyTrainer):
 
 def fit_toy_resuming(cfg: dict) -> None:
     """Run ToyTrainer on ``cfg``, resuming the newest checkpoint under its run_dir if there is one."""
-    from ampkit.trainer.run_dir import latest_checkpoint
+    from ampkit.trainer.run_life import resolve_checkpoint
 
     torch.set_num_threads(1)
-    ToyTrainer(cfg).fit(resume="last" if latest_checkpoint(cfg["run_dir"]) else None)
+    ToyTrainer(cfg).fit(resume="last" if resolve_checkpoint(cfg["run_dir"], "last") else None)

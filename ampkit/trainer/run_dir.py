@@ -68,14 +68,3 @@ def new_version_dir(root: str | Path) -> Path:
             return candidate
         except FileExistsError:
             n += 1
-
-
-def latest_checkpoint(root: str | Path, name: str = "last.pt") -> Path | None:
-    """``checkpoints/<name>`` (``last.pt``, ``best.pt``, or ``last``/``best``, the links to sharded checkpoint
-    directories) of the newest version under ``root`` that has one."""
-    candidates = [name, name.removesuffix(".pt")]  # a .pt file, or the link to a sharded checkpoint directory
-    for _, version in reversed(_versions(Path(root))):
-        for found in (version / "checkpoints" / c for c in candidates):
-            if found.is_file() or (found / ".metadata").is_file():
-                return found
-    return None
