@@ -624,6 +624,7 @@ class FusedLayerNorm(nn.Module):
         torch.Size([4, 16])
     """
 
+    __constants__ = ("_mixed",)
     _mixed = False
     memory_efficient = False  # Apex's before mid-2023 had no such field: a model pickled with one loads and runs
 
@@ -665,6 +666,13 @@ class FusedLayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles this branch alone: torch's norm, as Apex's modules ran
+            if not self._mixed:  # a constant to TorchScript: only one of the two forms is compiled
+                return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+            acc = torch.promote_types(input.dtype, torch.float32)  # the kernels' maths: float32, read any weight
+            bias = self.bias.to(acc) if self.bias is not None else None
+            output = F.layer_norm(input.to(acc), self.normalized_shape, self.weight.to(acc), bias, self.eps)
+            return output.to(self.weight.dtype)
         name = type(self).__name__
         return _layer_norm(
             name,
@@ -695,6 +703,7 @@ class FusedRMSNorm(nn.Module):
         memory_efficient: save the output instead of the input for backward.
     """
 
+    __constants__ = ("_mixed",)
     _mixed = False
     memory_efficient = False  # as FusedLayerNorm: Apex's before mid-2023 had no such field
 
@@ -728,6 +737,12 @@ class FusedRMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # TorchScript compiles this branch alone: torch's norm, as Apex's modules ran
+            if not self._mixed:  # a constant to TorchScript: only one of the two forms is compiled
+                return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+            acc = torch.promote_types(input.dtype, torch.float32)  # the kernels' maths: float32, read any weight
+            output = F.rms_norm(input.to(acc), self.normalized_shape, self.weight.to(acc), self.eps)
+            return output.to(self.weight.dtype)
         name = type(self).__name__
         return _rms_norm(name, input, self.weight, self.normalized_shape, self.eps, self.memory_efficient, self._mixed)
 

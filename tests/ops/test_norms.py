@@ -809,6 +809,50 @@ def test_torch_fx_symbolic_trace_records_each_norm_as_one_call():
         assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FusedLayerNorm((3, 4)),
+        lambda: FusedLayerNorm((3, 4), elementwise_affine=False),
+        lambda: FusedLayerNorm(4, bias=False),
+        lambda: FusedRMSNorm((3, 4)),
+        lambda: FusedRMSNorm(4, eps=None),
+        lambda: FusedRMSNorm(4, elementwise_affine=False),
+        lambda: MixedFusedLayerNorm(4),
+        lambda: MixedFusedRMSNorm(4),
+    ],
+    ids=["layer", "layer_plain", "layer_no_bias", "rms", "rms_eps_none", "rms_plain", "mixed_layer", "mixed_rms"],
+)
+def test_torch_jit_script_compiles_a_model_holding_a_norm_and_the_saved_program_agrees(make, tmp_path):
+    """``torch.jit.script`` (TorchScript export for serving) compiled Apex's norms, which ran torch's own under it;
+    ours raised at ``type(self)`` in forward, so no model holding one could be scripted."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), make()).double()
+    with torch.no_grad():
+        for p in model[1].parameters():
+            p.copy_(_weight(p.shape, torch.float64))
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    torch.jit.save(torch.jit.script(model), tmp_path / "model.pt")
+    scripted = torch.jit.load(tmp_path / "model.pt")
+    torch.testing.assert_close(scripted(x), model(x))
+    scripted(x).sum().backward()
+    assert all(p.grad is not None for p in scripted.parameters())
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+@pytest.mark.parametrize(
+    ("weight_dtype", "input_dtype"), [(torch.float16, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_a_scripted_mixed_norm_reads_any_weight_dtype_and_answers_in_it_as_in_eager(cls, weight_dtype, input_dtype):
+    norm = cls(8).to(weight_dtype)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.copy_(_weight(p.shape, weight_dtype))
+    x = torch.randn(6, 8, dtype=input_dtype)
+    scripted = torch.jit.script(norm)(x)
+    assert scripted.dtype == weight_dtype
+    torch.testing.assert_close(scripted, norm(x))
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_forward_mode_ad_runs_through_the_norms(kind):
     """A dual tensor (``torch.autograd.forward_ad``) through a fused norm raised NotImplementedError: the kernels'
