@@ -11,9 +11,13 @@ runs in float32 on any device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ampkit.ops.optimizers._base import check_hyper
 
 __all__ = ["backward", "forward"]
 
@@ -28,6 +32,8 @@ def _check(cls_output: Tensor, targets: Tensor, num_positives_sum: Tensor, num_r
             f"focal_loss_cuda.forward: cls_output {list(cls_output.shape)} must be cls_targets_at_level's shape "
             f"{list(targets.shape)} plus a class dimension"
         )
+    if isinstance(num_real_classes, bool) or not isinstance(num_real_classes, int):  # Apex's binding took an int
+        raise TypeError(f"focal_loss_cuda.forward: num_real_classes must be an int, got {num_real_classes!r}")
     if not 0 < num_real_classes <= cls_output.shape[-1]:
         raise ValueError(
             f"focal_loss_cuda.forward: num_real_classes {num_real_classes} must be in 1..{cls_output.shape[-1]}"
@@ -42,6 +48,11 @@ def forward(
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(loss, partial_grad)``: the normalized float32 loss and its gradient times ``num_positives_sum``."""
     _check(cls_output, cls_targets_at_level, num_positives_sum, num_real_classes)
+    # Host numbers, checked for free (num_positives_sum is a device tensor: a 0 there gives inf, as in Apex). A NaN
+    # or an infinite one made every loss NaN; a negative gamma is a power of sigma near 0: inf.
+    check_hyper("focal_loss_cuda.forward alpha", alpha, -math.inf, math.inf)
+    check_hyper("focal_loss_cuda.forward gamma", gamma, 0.0, math.inf)
+    check_hyper("focal_loss_cuda.forward label_smoothing", label_smoothing, 0.0, 1.0, closed=True)
     p = cls_output.float()
     classes = torch.arange(p.shape[-1], device=p.device)
     targets = cls_targets_at_level.unsqueeze(-1)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.optimizers._base import check_hyper
 
 __all__ = ["backward", "forward"]
 
@@ -39,6 +40,13 @@ def _check(op: str, logits: Tensor, labels: Tensor) -> None:
         )
 
 
+def _checked_smoothing(op: str, smoothing: float) -> float:
+    """``smoothing`` as a float in [0, 1], torch's range for ``label_smoothing``: a NaN gave NaN losses, 1.5 weighted
+    the true class negatively and the string "0.1" (a config left unparsed) was read as a number, all silently."""
+    check_hyper(f"xentropy_cuda.{op} smoothing", smoothing, 0.0, 1.0, closed=True)
+    return float(smoothing)
+
+
 def _one_hot(labels: Tensor, classes: int, dtype: torch.dtype) -> Tensor:
     """One-hot rows; a label outside ``0..classes-1`` (a padding index such as -100) gives a row of zeros."""
     return (labels.unsqueeze(1) == torch.arange(classes, device=labels.device)).to(dtype)
@@ -53,13 +61,13 @@ def forward(logits: Tensor, labels: Tensor, smoothing: float, half_to_float: boo
             f"xentropy_cuda.forward: half_to_float=True takes float16 or bfloat16 logits, got {logits.dtype}; pass "
             "half_to_float=False"
         )
+    s = _checked_smoothing("forward", smoothing)
     x = logits.to(_accumulate_dtype(logits))
     classes = x.shape[1]
     log_sum_exp = torch.logsumexp(x, dim=1)
     in_range = (labels >= 0) & (labels < classes)
     label_logit = x.gather(1, labels.clamp(0, classes - 1).unsqueeze(1)).squeeze(1)
     label_logit = torch.where(in_range, label_logit, torch.nan)
-    s = float(smoothing)
     losses = (log_sum_exp - x.mean(dim=1)) * s - (label_logit - log_sum_exp) * (1 - s)
     return losses, log_sum_exp.to(torch.float32 if half_to_float else logits.dtype)
 
@@ -80,6 +88,6 @@ def backward(grad_loss: Tensor, logits: Tensor, max_log_sum_exp: Tensor, labels:
     else:
         log_sum_exp = max_log_sum_exp.reshape(rows).to(accumulate)
     classes = x.shape[1]
-    s = float(smoothing)
+    s = _checked_smoothing("backward", smoothing)
     grad = torch.exp(x - log_sum_exp.unsqueeze(1)) - _one_hot(labels, classes, accumulate) * (1 - s) - s / classes
     return (grad * grad_loss.reshape(rows, 1).to(accumulate)).to(logits.dtype)

@@ -99,3 +99,20 @@ def test_integer_logits_a_scalar_and_a_batched_grad_loss_are_refused_by_name(foc
     for call, message in cases:
         with pytest.raises((TypeError, ValueError), match=message):
             call()
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [("alpha", float("nan")), ("gamma", -1.0), ("gamma", float("inf")), ("label_smoothing", 1.5), ("alpha", "0.25")],
+)
+def test_a_hyper_parameter_that_makes_every_loss_nan_or_inf_is_refused_by_name(focal_loss_cuda, argument, value):
+    """The host numbers are checked where it costs nothing: a NaN alpha, a negative or infinite gamma (sigma**gamma
+    near 0) and a smoothing outside [0, 1] made the loss NaN or inf with no error."""
+    logits, targets, num_positives = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), torch.tensor([1.0])
+    arguments = {"alpha": 0.25, "gamma": 2.0, "label_smoothing": 0.1, argument: value}
+    with pytest.raises((TypeError, ValueError), match=rf"Invalid focal_loss_cuda\.forward {argument}: "):
+        focal_loss_cuda.forward(logits, targets, num_positives, 8, *arguments.values())
+    with pytest.raises(TypeError, match=r"num_real_classes must be an int, got 7\.5"):
+        focal_loss_cuda.forward(logits, targets, num_positives, 7.5, 0.25, 2.0, 0.0)
+    loss, _ = focal_loss_cuda.forward(logits, targets, num_positives, 8, 0.25, 2.0, 1.0)
+    assert loss.isfinite()

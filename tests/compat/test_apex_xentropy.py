@@ -199,3 +199,21 @@ def test_an_o2_lm_on_fused_dense_and_xentropy_resumes_bit_for_bit(shim):
     _train(model, optimizer, batches[3:])
     assert all(torch.equal(v, straight[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(p, m) for p, m in zip(amp.master_params(optimizer), masters, strict=True))
+
+
+@pytest.mark.parametrize("smoothing", [float("nan"), -0.1, 1.5, "0.1", None])
+def test_a_smoothing_outside_torchs_label_smoothing_range_is_refused_by_name(shim, smoothing):
+    """A NaN smoothing gave NaN losses, 1.5 a negative weight on the true class, and the string "0.1" (a config value
+    left unparsed) was read as 0.1: each silently. torch's cross_entropy takes label_smoothing in [0, 1]."""
+    from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+
+    xentropy_cuda = importlib.import_module("xentropy_cuda")
+    logits, target = _logits_and_targets(torch.float32)
+    match = r"Invalid xentropy_cuda\.forward smoothing: .* \[0\.0, 1\.0\]"
+    with pytest.raises((TypeError, ValueError), match=match):
+        SoftmaxCrossEntropyLoss.apply(logits, target, smoothing, 0)
+    log_sum_exp = torch.logsumexp(logits, dim=1)
+    with pytest.raises((TypeError, ValueError), match=match.replace("forward", "backward")):
+        xentropy_cuda.backward(torch.ones(12), logits, log_sum_exp, target, smoothing)
+    for edge in (0.0, 1.0, torch.tensor(0.5)):  # the range's ends, and a one-element tensor as Apex's binding took
+        assert SoftmaxCrossEntropyLoss.apply(logits, target, edge, 0).isfinite().all()

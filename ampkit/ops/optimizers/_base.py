@@ -214,15 +214,16 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
     torch._foreach_mul_(weights, multiplier)
 
 
-def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
+def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
-    when given); a one-element tensor counts as its number. One of another type is also a TypeError, as in torch."""
-    bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+    when given, ``value <= high`` when ``closed``); a one-element tensor counts as its number. One of another type
+    is also a TypeError, as in torch."""
+    bound = f"in [{low}, {high}{']' if closed else ')'}" if high is not None else f">= {low}"
     if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
-    if not (value >= low) or (high is not None and not value < high):
+    if not (value >= low) or (high is not None and not (value <= high if closed else value < high)):
         raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
 
 
