@@ -658,6 +658,50 @@ def test_a_sigterm_the_caller_ignores_stays_ignored_during_fit(tmp_path):
     assert trainer.state.global_step == 6
 
 
+def test_a_sigterm_handler_installed_before_fit_still_hears_it(tmp_path):
+    """fit() replaced the caller's SIGTERM handler (submitit's, a scheduler wrapper's) until it returned, so a
+    preemption's notice never reached it; now it hears every SIGTERM, the step is saved, and it is put back."""
+    heard = []
+
+    def note(signum, frame):
+        heard.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, note)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(ampkit.Preempted, match="SIGTERM: stopped at step 5"):
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermAt(5, times=2)]).fit()
+        assert heard == [signal.SIGTERM, signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is note
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"] == {"epoch": 0, "batches_done": 5, "global_step": 5}
+
+
+@pytest.mark.parametrize("step", [5, 16], ids=["mid-run", "last-step"])
+def test_a_previous_sigterm_handler_that_exits_does_so_after_the_step_is_saved(tmp_path, step):
+    """A handler that calls sys.exit raised SystemExit wherever the signal landed: mid-step, nothing saved since the
+    last checkpoint (under torchrun, the other ranks left waiting). Its exit now comes once the step it stops at is
+    saved, with its own status; on the run's last step, once the run has ended as it would have."""
+
+    def exit_3(signum, frame):
+        sys.exit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_3)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermAt(step)]).fit()
+        assert signal.getsignal(signal.SIGTERM) is exit_3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 3
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == step and last["stopped_early"] is None
+    assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
+
+
 def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, monkeypatch):
     """``signal.getsignal`` answers None for a handler a C host installed; Python could not put it back after fit()
     (``signal.signal(SIGTERM, None)`` is a TypeError), so fit() leaves SIGTERM alone there."""
