@@ -129,7 +129,7 @@ from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
-from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
+from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
@@ -1481,6 +1481,9 @@ class Trainer:
             "epoch_rng": checkpoint["epoch_rng"],
             "rng_before_fetch": checkpoint.get("rng_before_fetch"),
         }
+        not_restored = rng_not_restored(checkpoint["rng"])  # said once here: a resume restores its RNGs several times
+        if not_restored:
+            rank_zero_warn(f"checkpoint '{path}': {not_restored}")
         self.fire("on_load_checkpoint", checkpoint)
 
     def _load_weights(self, path: Path) -> None:
