@@ -765,10 +765,10 @@ def test_a_loader_worker_ignores_another_process_sigterm_yet_ends_on_its_own_pro
     still ends it at once, with status 0 as torch's own handler does."""
     from torch.utils.data import DataLoader
 
-    from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm
+    from ampkit.trainer.loader_workers import iterate
 
-    loader = workers_outlive_foreign_sigterm(
-        DataLoader(_WorkerPids(), batch_size=None, num_workers=1, worker_init_fn=_note_init, persistent_workers=True)
+    loader = DataLoader(
+        _WorkerPids(), batch_size=None, num_workers=1, worker_init_fn=_note_init, persistent_workers=True
     )
     batches = iterate(loader)
     pid, init_ran = next(batches)
@@ -789,8 +789,8 @@ def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
     policy must let that SIGTERM end them, or the exit would hang."""
     script = (
         "from torch.utils.data import DataLoader\n"
-        "from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm\n"
-        "loader = workers_outlive_foreign_sigterm(DataLoader(range(100), num_workers=2, persistent_workers=True))\n"
+        "from ampkit.trainer.loader_workers import iterate\n"
+        "loader = DataLoader(range(100), num_workers=2, persistent_workers=True)\n"
         "batches = iterate(loader)\n"
         "next(batches)\n"
         "print('read')\n"
@@ -798,6 +798,31 @@ def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
     done = subprocess.run([sys.executable, "-c", script], env=child_env(REPO), capture_output=True, text=True,
                           timeout=30)  # fmt: skip
     assert done.returncode == 0 and done.stdout == "read\n", done.stderr
+
+
+class _KeptLoadersToyTrainer(ToyTrainer):
+    """Loaders with workers that the trainer's caller keeps (and may iterate again after fit)."""
+
+    def train_dataloader(self):
+        self.kept_train = DataLoader(
+            toy_dataset(self.cfg.data.n), batch_size=8, num_workers=1, worker_init_fn=_note_init
+        )
+        return self.kept_train
+
+    def val_dataloader(self):
+        self.kept_val = DataLoader(toy_dataset(24, seed=7), batch_size=8, num_workers=1, persistent_workers=True)
+        return self.kept_val
+
+
+def test_fit_leaves_the_callers_loaders_as_it_found_them(tmp_path):
+    """fit() set its worker SIGTERM policy as the worker_init_fn of the caller's own DataLoaders for good: iterated
+    again after fit(), their workers ignored a scheduler's SIGTERM. The policy now applies only while fit() starts
+    their workers."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 3}
+    trainer = _KeptLoadersToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.val_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.kept_train.worker_init_fn is _note_init
+    assert trainer.kept_val.worker_init_fn is None
 
 
 class _PersistentWorkersToyTrainer(ToyTrainer):
