@@ -309,11 +309,12 @@ def _load_cached(build_dir: Path) -> bool:
 
 
 def _clear_build_dir(build_dir: Path) -> None:
-    """Empty ``build_dir`` but for the lock held on it and a CUDA failure's record, so that a build starts from
-    scratch: what is there is a build cut short or a corrupt cache entry (a partial copy damages objects as well as
-    the library), and ninja, which judges by timestamps, would call a damaged object up to date and link it."""
+    """Empty ``build_dir`` but for the locks (ours; torch's, where ours is not to be had) and a CUDA failure's record,
+    so that a build starts from scratch: what is there is a build cut short or a corrupt cache entry (a partial copy
+    damages objects as well as the library), and ninja, which judges by timestamps, would call a damaged object up
+    to date and link it."""
     for entry in build_dir.iterdir():
-        if entry.name in (_LOCK, _CUDA_FAILED):
+        if entry.name in (_LOCK, "lock", _CUDA_FAILED):
             continue
         with contextlib.suppress(OSError):  # a read-only cache: the build then names what is wrong
             if entry.is_dir() and not entry.is_symlink():
