@@ -702,6 +702,30 @@ def test_a_previous_sigterm_handler_that_exits_does_so_after_the_step_is_saved(t
     assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
 
 
+class _SigtermThenFails(ampkit.Callback):
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("the step failed")
+
+
+def test_a_failure_before_the_stop_is_not_hidden_by_the_held_exit(tmp_path):
+    """The held SystemExit of a previous handler would end the process quietly, hiding a failure that came before
+    the stop; the failure is raised, noting the exit it cut short."""
+
+    def exit_3(signum, frame):
+        sys.exit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_3)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(RuntimeError, match="the step failed") as failed:
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermThenFails()]).fit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "had raised SystemExit(3), held until fit() ended" in "".join(failed.value.__notes__)
+
+
 def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, monkeypatch):
     """``signal.getsignal`` answers None for a handler a C host installed; Python could not put it back after fit()
     (``signal.signal(SIGTERM, None)`` is a TypeError), so fit() leaves SIGTERM alone there."""

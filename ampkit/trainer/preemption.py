@@ -9,9 +9,9 @@ agent at once. Ctrl-C (SIGINT) still stops at once.
 
 A Python SIGTERM handler installed before ``fit()`` (the user's, submitit's, a scheduler wrapper's) still hears every
 SIGTERM, after ampkit has asked to stop. If it raises (``sys.exit`` in it), its exception is held until the run has
-saved the step it stops at and is raised then, in place of :class:`Preempted`: raised where the signal landed, it
-would cut the step short (nothing saved since the last checkpoint) and, under torchrun, leave the other ranks waiting
-in a collective.
+saved the step it stops at and is raised then, in place of :class:`Preempted` (a failure before the stop is raised
+instead, noting it): raised where the signal landed, it would cut the step short (nothing saved since the last
+checkpoint) and, under torchrun, leave the other ranks waiting in a collective.
 """
 
 from __future__ import annotations
@@ -92,10 +92,19 @@ def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
     signal.signal(signal.SIGTERM, handler)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, current)
+    except Preempted as stop:
+        if handler.raised is None:
+            raise
+        raise handler.raised from stop
+    except BaseException as exc:  # a failure before the stop: it stands, and says what it cut short
+        if handler.raised is not None:
+            exc.add_note(f"A SIGTERM handler set before fit() had raised {handler.raised!r}, held until fit() ended")
+        raise
+    else:
         if handler.raised is not None:
             raise handler.raised
+    finally:
+        signal.signal(signal.SIGTERM, current)
 
 
 @contextlib.contextmanager
