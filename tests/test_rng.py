@@ -19,6 +19,8 @@ def cuda_devices(monkeypatch):
     restored = []
 
     def set_rng_state(state, device="cuda"):
+        if device == "cuda":  # the current device
+            device = torch.cuda.current_device()
         if not 0 <= device < torch.cuda.device_count():
             raise IndexError("tuple index out of range")
         restored.append((device, state))
@@ -49,6 +51,24 @@ def test_states_of_more_devices_than_here_restore_those_that_fit(cuda_devices):
     assert "8 devices and this machine has 1 CUDA device: those of devices 1-7 are not restored" in rng_not_restored(
         state
     )
+
+
+def test_each_rank_restores_the_saving_rank_s_own_gpu_state_into_its_own(cuda_devices, monkeypatch):
+    """A checkpoint is rank zero's: its state of GPU 3 is untouched since seeding, while rank 3 drew on GPU 3 as rank
+    zero did on GPU 0. Restored by index, rank 3's dropout after a resume started over from the seed."""
+    count, restored = cuda_devices
+    count(8)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state_all", lambda: [torch.full((16,), d, dtype=torch.uint8) for d in range(8)]
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    saved = capture_rng()  # by rank zero
+    assert saved["cuda_device"] == 0
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # rank 3 resumes
+    restore_rng(saved)
+    last_set = {device: int(state[0]) for device, state in restored}
+    assert last_set[3] == 0 and last_set[5] == 5
 
 
 def test_states_of_fewer_devices_than_here_restore_each_and_lose_nothing(cuda_devices):

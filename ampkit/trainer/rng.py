@@ -35,6 +35,7 @@ def capture_rng() -> dict[str, Any]:
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()  # the one this process draws on (a rank's own GPU)
     return state
 
 
@@ -52,6 +53,11 @@ def restore_rng(state: dict[str, Any]) -> None:
     # CPU) restores those that fit, as set_rng_state_all would fail past its last device (when CUDA starts, if later).
     for device, device_state in enumerate(state.get("cuda", ())[: _cuda_devices()]):
         torch.cuda.set_rng_state(device_state, device)
+    # The saving process's own device's state goes to this process's own device: a checkpoint is rank zero's, whose
+    # state of GPU r is untouched since seeding, while rank r drew on its GPU r as rank zero did on its own.
+    saver = state.get("cuda_device")
+    if saver is not None and saver < len(state["cuda"]) and _cuda_devices():
+        torch.cuda.set_rng_state(state["cuda"][saver], "cuda")  # the current device, when CUDA starts if later
 
 
 def rng_not_restored(state: dict[str, Any]) -> str | None:
