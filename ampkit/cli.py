@@ -10,11 +10,7 @@ they are only shown by whatever the Trainer's ``on_predict_end`` prints, as the 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,7 +23,7 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.preemption import Preempted
+from ampkit.trainer.preemption import Preempted, sigterm_raises
 from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
@@ -148,29 +144,13 @@ def _resume_hint(cfg: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(_parser(argv), argv)
-    with _sigterm_interrupts():
+    with sigterm_raises(Terminated):  # fit() inside takes SIGTERM over, to save the step it stops at
         return _run(args)
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's notice before it kills a job; torchrun's to the ranks left when one fails), raised
     where the process is so that it unwinds as an interrupt does: the run lock released, the resume hint printed."""
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield
-        return
-
-    def terminate(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -658,6 +658,74 @@ def test_a_sigterm_the_caller_ignores_stays_ignored_during_fit(tmp_path):
     assert trainer.state.global_step == 6
 
 
+def test_a_sigterm_handler_installed_before_fit_still_hears_it(tmp_path):
+    """fit() replaced the caller's SIGTERM handler (submitit's, a scheduler wrapper's) until it returned, so a
+    preemption's notice never reached it; now it hears every SIGTERM, the step is saved, and it is put back."""
+    heard = []
+
+    def note(signum, frame):
+        heard.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, note)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(ampkit.Preempted, match="SIGTERM: stopped at step 5"):
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermAt(5, times=2)]).fit()
+        assert heard == [signal.SIGTERM, signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is note
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"] == {"epoch": 0, "batches_done": 5, "global_step": 5}
+
+
+@pytest.mark.parametrize("step", [5, 16], ids=["mid-run", "last-step"])
+def test_a_previous_sigterm_handler_that_exits_does_so_after_the_step_is_saved(tmp_path, step):
+    """A handler that calls sys.exit raised SystemExit wherever the signal landed: mid-step, nothing saved since the
+    last checkpoint (under torchrun, the other ranks left waiting). Its exit now comes once the step it stops at is
+    saved, with its own status; on the run's last step, once the run has ended as it would have."""
+
+    def exit_3(signum, frame):
+        sys.exit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_3)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(SystemExit) as exited:
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermAt(step)]).fit()
+        assert signal.getsignal(signal.SIGTERM) is exit_3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 3
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == step and last["stopped_early"] is None
+    assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
+
+
+class _SigtermThenFails(ampkit.Callback):
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise RuntimeError("the step failed")
+
+
+def test_a_failure_before_the_stop_is_not_hidden_by_the_held_exit(tmp_path):
+    """The held SystemExit of a previous handler would end the process quietly, hiding a failure that came before
+    the stop; the failure is raised, noting the exit it cut short."""
+
+    def exit_3(signum, frame):
+        sys.exit(3)
+
+    previous = signal.signal(signal.SIGTERM, exit_3)
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    try:
+        with pytest.raises(RuntimeError, match="the step failed") as failed:
+            ToyTrainer(toy_cfg(tmp_path, **quiet), callbacks=[_SigtermThenFails()]).fit()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "had raised SystemExit(3), held until fit() ended" in "".join(failed.value.__notes__)
+
+
 def test_a_sigterm_handler_installed_outside_python_is_left_in_place(tmp_path, monkeypatch):
     """``signal.getsignal`` answers None for a handler a C host installed; Python could not put it back after fit()
     (``signal.signal(SIGTERM, None)`` is a TypeError), so fit() leaves SIGTERM alone there."""
@@ -721,10 +789,10 @@ def test_a_loader_worker_ignores_another_process_sigterm_yet_ends_on_its_own_pro
     still ends it at once, with status 0 as torch's own handler does."""
     from torch.utils.data import DataLoader
 
-    from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm
+    from ampkit.trainer.loader_workers import iterate
 
-    loader = workers_outlive_foreign_sigterm(
-        DataLoader(_WorkerPids(), batch_size=None, num_workers=1, worker_init_fn=_note_init, persistent_workers=True)
+    loader = DataLoader(
+        _WorkerPids(), batch_size=None, num_workers=1, worker_init_fn=_note_init, persistent_workers=True
     )
     batches = iterate(loader)
     pid, init_ran = next(batches)
@@ -745,8 +813,8 @@ def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
     policy must let that SIGTERM end them, or the exit would hang."""
     script = (
         "from torch.utils.data import DataLoader\n"
-        "from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm\n"
-        "loader = workers_outlive_foreign_sigterm(DataLoader(range(100), num_workers=2, persistent_workers=True))\n"
+        "from ampkit.trainer.loader_workers import iterate\n"
+        "loader = DataLoader(range(100), num_workers=2, persistent_workers=True)\n"
         "batches = iterate(loader)\n"
         "next(batches)\n"
         "print('read')\n"
@@ -754,6 +822,31 @@ def test_a_process_that_leaves_persistent_loader_workers_running_still_exits():
     done = subprocess.run([sys.executable, "-c", script], env=child_env(REPO), capture_output=True, text=True,
                           timeout=30)  # fmt: skip
     assert done.returncode == 0 and done.stdout == "read\n", done.stderr
+
+
+class _KeptLoadersToyTrainer(ToyTrainer):
+    """Loaders with workers that the trainer's caller keeps (and may iterate again after fit)."""
+
+    def train_dataloader(self):
+        self.kept_train = DataLoader(
+            toy_dataset(self.cfg.data.n), batch_size=8, num_workers=1, worker_init_fn=_note_init
+        )
+        return self.kept_train
+
+    def val_dataloader(self):
+        self.kept_val = DataLoader(toy_dataset(24, seed=7), batch_size=8, num_workers=1, persistent_workers=True)
+        return self.kept_val
+
+
+def test_fit_leaves_the_callers_loaders_as_it_found_them(tmp_path):
+    """fit() set its worker SIGTERM policy as the worker_init_fn of the caller's own DataLoaders for good: iterated
+    again after fit(), their workers ignored a scheduler's SIGTERM. The policy now applies only while fit() starts
+    their workers."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 3}
+    trainer = _KeptLoadersToyTrainer(toy_cfg(tmp_path, **quiet, **{"trainer.val_every_n_steps": 2}))
+    trainer.fit()
+    assert trainer.kept_train.worker_init_fn is _note_init
+    assert trainer.kept_val.worker_init_fn is None
 
 
 class _PersistentWorkersToyTrainer(ToyTrainer):

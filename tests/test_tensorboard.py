@@ -476,3 +476,28 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(tmp_path):
     trainer.fit()
     logged = [(e.step, e.value) for e in _events(trainer).Scalars("train/lr/sgd")]
     assert logged == [(n, pytest.approx(n / 10)) for n in range(1, 5)]
+
+
+class _FailsAtStep2(Callback):
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.global_step == 2:
+            raise RuntimeError("a callback failed")
+
+
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_fit_leaves_the_threads_excepthook_as_it_found_it(tmp_path, monkeypatch, ends):
+    """The hook that keeps the writer threads' OSErrors quiet stayed installed after fit(), in place of the caller's."""
+
+    def callers_hook(args):
+        raise AssertionError("no thread failed")
+
+    monkeypatch.setattr(threading, "excepthook", callers_hook)
+    trainer = ToyTrainer(
+        toy_cfg(tmp_path, **{"trainer.max_steps": 4}), callbacks=[_FailsAtStep2()] if ends == "raises" else []
+    )
+    if ends == "raises":
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            trainer.fit()
+    else:
+        trainer.fit()
+    assert threading.excepthook is callers_hook

@@ -38,6 +38,7 @@ def writing_events(log_dir: Path) -> Iterator[None]:
 # TensorBoard's writer threads of ampkit's SummaryWriters: an OSError there (a full disk) is raised again by the
 # writer's next write, flush or close on the training thread, where writing_events names the directory in one line.
 _WRITER_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_open_writers = 0  # summary_writer's writers not yet closed: the hook goes once none is
 
 
 def _quiet_writer_threads(args: threading.ExceptHookArgs, previous: Callable[[Any], Any]) -> None:
@@ -49,7 +50,9 @@ def _quiet_writer_threads(args: threading.ExceptHookArgs, previous: Callable[[An
 
 
 def summary_writer(log_dir: Path, purge_step: int | None) -> Any:
-    """A ``SummaryWriter`` for ``log_dir`` whose writer thread leaves a failed write to the training thread."""
+    """A ``SummaryWriter`` for ``log_dir`` whose writer thread leaves a failed write to the training thread; call
+    :func:`writer_closed` after closing it."""
+    global _open_writers
     from torch.utils.tensorboard import SummaryWriter
 
     before = set(threading.enumerate())
@@ -57,7 +60,19 @@ def summary_writer(log_dir: Path, purge_step: int | None) -> Any:
     _WRITER_THREADS.update(set(threading.enumerate()) - before)
     if getattr(threading.excepthook, "func", None) is not _quiet_writer_threads:
         threading.excepthook = functools.partial(_quiet_writer_threads, previous=threading.excepthook)
+    _open_writers += 1
     return writer
+
+
+def writer_closed() -> None:
+    """Call once a writer of :func:`summary_writer` is closed (or failed to close: its thread then waits on an empty
+    queue, idle). Once none is open, ``threading.excepthook`` is as it was before the first, so that after ``fit()``
+    the process is as the caller left it; a hook installed since (which may call ours) stays."""
+    global _open_writers
+    _open_writers -= 1
+    hook = threading.excepthook
+    if _open_writers == 0 and getattr(hook, "func", None) is _quiet_writer_threads:
+        threading.excepthook = hook.keywords["previous"]
 
 
 class TensorBoardWriter(Logger):
@@ -291,6 +306,7 @@ class TensorBoardLogger(Callback):
         finally:
             self.writer = None
             trainer.logger = Logger()
+            writer_closed()
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -14,7 +14,8 @@ binary. A warm load is a plain ``dlopen`` of the cached library (no ninja run).
 * unset / ``auto``: use the kernel; if no compiler is present or the build fails, warn once (naming
   the cause) and use the reference. If only the CUDA part fails (no usable toolkit, an nvcc error), the
   family is built CPU-only instead: CPU tensors keep the kernels, CUDA tensors take the path of a build
-  made without a GPU, and one warning per family names the CUDA failure.
+  made without a GPU, and one warning per family names the CUDA failure. The failure is remembered in the
+  cache, so later processes build CPU-only at once until the toolchain or the sources change.
 * ``reference``: never build; always use the pure-PyTorch reference.
 * ``kernel``: a missing compiler or failed build (its CUDA part included) raises ``RuntimeError`` naming the
   family — for tests of kernels, so a broken build cannot silently pass against the reference.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import platform
 import re
@@ -65,6 +67,11 @@ CUDA_FLAGS = ("-O3", "--fmad=false")
 # Part of the cache key: libraries linked before libstdc++ was named explicitly are rebuilt once.
 _LINK_KEY = "shared-libstdc++"
 _MARKER = "ampkit.ok"  # written last in a build directory, naming the library: a build cut short leaves none
+_LOCK = "ampkit.lock"
+_CUDA_FAILED = "ampkit.cuda-failed"  # in a CUDA build's directory: the toolchain it failed with, and why (JSON)
+# What, besides the sources, flags and torch (the directory's key), decides whether a CUDA build can succeed.
+_TOOLCHAIN_ENV = ("CUDA_HOME", "CUDA_PATH", "CXX", "CC", "CUDAHOSTCXX", "NVCC_CCBIN", "NVCC_PREPEND_FLAGS",
+                  "NVCC_APPEND_FLAGS", "TORCH_CUDA_ARCH_LIST")  # fmt: skip
 
 _MODES = ("auto", "reference", "kernel")
 _ERROR_LINE = re.compile(r"\b(error|fatal)\b", re.IGNORECASE)  # gcc/nvcc "error:", "nvcc fatal :"
@@ -201,13 +208,18 @@ def _build_with_cuda_or_cpu_only(name: str, cpu_sources: list[Path], cuda_source
     """Build ``name`` with its CUDA sources; if that fails, build it CPU-only and warn once, naming the failure.
 
     A broken toolkit (CUDA_HOME unset, a CUDA version torch refuses, an nvcc error) must not cost the CPU
-    kernels: without this the whole family fell back to the several-times-slower reference.
+    kernels: without this the whole family fell back to the several-times-slower reference. The failure is
+    remembered in the cache (see :func:`_build_and_load`), so that later processes (each DataLoader worker, each
+    torchrun rank) do not spend minutes failing again while nothing that decides the build changed.
     """
+    remembered = False
     try:
         _build_and_load(name, cpu_sources + cuda_sources, with_cuda=True)
         return
     except _NoCompiler:
         raise
+    except _CudaFailedBefore as exc:
+        cuda_cause, remembered = exc.cause, True
     except Exception as exc:
         if ops_mode() == "kernel":
             raise _BuildFailed(f"building its CUDA kernels failed: {_short_cause(exc)}") from exc
@@ -220,25 +232,39 @@ def _build_with_cuda_or_cpu_only(name: str, cpu_sources: list[Path], cuda_source
         raise _BuildFailed(f"{_short_cause(exc)} (its CUDA build had failed first: {cuda_cause})") from exc
     _cuda_failures[name] = cuda_cause
     version = f", CUDA {torch.version.cuda} as torch was built with" if torch.version.cuda else ""
+    change = "the sources, the CUDA toolkit, the C++ compiler, TORCH_CUDA_ARCH_LIST or the GPUs change"
+    failed = (
+        f"the CUDA kernels of C++ ops {name!r} failed to build in an earlier process ({cuda_cause}), and are not "
+        f"built again until {change} (`python -m ampkit.ops.build` tries again now)"
+        if remembered
+        else f"could not build the CUDA kernels of C++ ops {name!r} ({cuda_cause}); later processes do not try "
+        f"again until {change}"
+    )
     warnings.warn(
-        f"ampkit: could not build the CUDA kernels of C++ ops {name!r} ({cuda_cause}); its CPU kernels are in "
-        "use, and CUDA tensors take its PyTorch fallback (torch's ops or the reference). To get the CUDA "
-        f"kernels, fix the CUDA toolkit (nvcc on PATH or in CUDA_HOME{version}), then run "
-        "`python -m ampkit.ops.build`.",
+        f"ampkit: {failed}. Its CPU kernels are in use, and CUDA tensors take its PyTorch fallback (torch's ops or "
+        f"the reference). To get the CUDA kernels, fix the CUDA toolkit (nvcc on PATH or in CUDA_HOME{version}), "
+        "then run `python -m ampkit.ops.build`.",
         RuntimeWarning,
         stacklevel=4,
     )
 
 
 def _build_and_load(name: str, sources: list[Path], with_cuda: bool) -> None:
+    """Load ``name`` from the cache, or build it there first. A CUDA build's failure is written beside it, with the
+    toolchain it failed with (:func:`_cuda_toolchain`): while that stands, ``auto`` mode raises
+    :class:`_CudaFailedBefore` instead of building again (``kernel`` mode, the ahead-of-time build's, tries again)."""
     build_dir = extension_dir(name, sources, with_cuda)
     if _load_cached(build_dir):
         return
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(build_dir):
-        if _load_cached(build_dir):  # another process finished this build while we waited for the lock
+    toolchain = _cuda_toolchain() if with_cuda else None
+    with _build_lock(build_dir):  # under it, another process's finished build or failure is seen once it is written
+        if _load_cached(build_dir):
             return
+        if toolchain is not None and ops_mode() != "kernel":
+            _raise_if_failed_before(build_dir, toolchain)
+        _clear_build_dir(build_dir)
         print(
             f"ampkit: compiling C++ ops {name!r} for this machine: first use of these sources, so this step waits "
             f"~30-60 s once; later runs load {build_dir} (`python -m ampkit.ops.build` builds ahead of time)",
@@ -247,39 +273,121 @@ def _build_and_load(name: str, sources: list[Path], with_cuda: bool) -> None:
         )
         from torch.utils import cpp_extension
 
-        built = cpp_extension.load(
-            name=name,
-            sources=[str(s) for s in sources],
-            extra_cflags=list(CXX_FLAGS),
-            extra_cuda_cflags=list(CUDA_FLAGS),
-            extra_ldflags=_shared_libstdcxx(),
-            extra_include_paths=[str(CSRC_DIR)],
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=False,
-        )
+        try:
+            built = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(CXX_FLAGS),
+                extra_cuda_cflags=list(CUDA_FLAGS),
+                extra_ldflags=_shared_libstdcxx(),
+                extra_include_paths=[str(CSRC_DIR)],
+                build_directory=str(build_dir),
+                with_cuda=with_cuda,
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:
+            if toolchain is not None:
+                _remember_cuda_failure(build_dir, toolchain, _first_error_line(exc))
+            raise
+        (build_dir / _CUDA_FAILED).unlink(missing_ok=True)
         (build_dir / _MARKER).write_text(Path(built).name)
 
 
 def _load_cached(build_dir: Path) -> bool:
-    """Load the library a finished build left in ``build_dir``; False when there is none or it will not load."""
+    """Load the library a finished build left in ``build_dir``; False when there is none, or it is gone, cut short or
+    refused by the loader (a corrupt cache entry: the build that follows starts from scratch)."""
     marker = build_dir / _MARKER
     library = build_dir / _built_library_name(marker)
-    if not (marker.exists() and library.is_file()):
+    if not (marker.exists() and library.is_file() and _elf_complete(library)):
         return False
     try:
-        if not _elf_complete(library):
-            raise OSError(f"{library} is truncated")
         torch.ops.load_library(str(library))
     except OSError:
-        # A corrupt cache entry: the caller rebuilds it. The library goes too, or ninja (which judges by
-        # timestamps) could call a damaged copy with an intact timestamp up to date and relink nothing.
-        with contextlib.suppress(OSError):  # a read-only cache: the rebuild then names what is wrong
-            marker.unlink(missing_ok=True)
-            library.unlink(missing_ok=True)
         return False
     return True
+
+
+def _clear_build_dir(build_dir: Path) -> None:
+    """Empty ``build_dir`` but for the locks (ours; torch's, where ours is not to be had) and a CUDA failure's record,
+    so that a build starts from scratch: what is there is a build cut short or a corrupt cache entry (a partial copy
+    damages objects as well as the library), and ninja, which judges by timestamps, would call a damaged object up
+    to date and link it."""
+    for entry in build_dir.iterdir():
+        if entry.name in (_LOCK, "lock", _CUDA_FAILED):
+            continue
+        with contextlib.suppress(OSError):  # a read-only cache: the build then names what is wrong
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
+class _CudaFailedBefore(RuntimeError):
+    """The CUDA build of these sources failed in an earlier process with the same toolchain."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _raise_if_failed_before(build_dir: Path, toolchain: dict[str, str]) -> None:
+    try:
+        record = json.loads((build_dir / _CUDA_FAILED).read_text())
+    except (OSError, ValueError):  # none, or one cut short: try the build
+        return
+    if isinstance(record, dict) and record.get("toolchain") == toolchain:
+        raise _CudaFailedBefore(str(record.get("cause", "cause not recorded")))
+
+
+def _remember_cuda_failure(build_dir: Path, toolchain: dict[str, str], cause: str) -> None:
+    record = json.dumps({"toolchain": toolchain, "cause": cause}, indent=1)
+    with contextlib.suppress(OSError):  # a read-only cache: later processes try again, as before
+        staged = build_dir / f"{_CUDA_FAILED}.{os.getpid()}"
+        staged.write_text(record)
+        os.replace(staged, build_dir / _CUDA_FAILED)
+
+
+def _cuda_toolchain() -> dict[str, str]:
+    """What decides a CUDA build besides the directory's key (sources, flags, torch): the nvcc and the C++ compiler
+    found (path, size and time: a reinstall or upgrade changes them), the settings torch's build reads, and the GPUs
+    (the architectures built for). Read without starting CUDA: a DataLoader worker must not."""
+    found = {
+        "nvcc": _file_identity(_nvcc()),
+        "c++": _file_identity(shutil.which(os.environ.get("CXX", "c++"))),
+        "gpus": _gpu_models(),
+    }
+    found.update({name: os.environ[name] for name in _TOOLCHAIN_ENV if name in os.environ})
+    return found
+
+
+def _nvcc() -> str | None:
+    """The nvcc torch's build uses: under CUDA_HOME (or CUDA_PATH), else the one on PATH, else CUDA's default home."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+
+
+def _file_identity(path: str | None) -> str:
+    if path is None:
+        return "none"
+    try:
+        real = os.path.realpath(path)
+        found = os.stat(real)
+    except OSError:
+        return f"{path} (absent)"
+    return f"{real} {found.st_size} {found.st_mtime_ns}"
+
+
+def _gpu_models() -> str:
+    """The GPUs the driver lists (Linux), else how many torch sees: both without a CUDA context."""
+    models = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        with contextlib.suppress(OSError):
+            lines = info.read_text().splitlines()
+            models += [line.split(":", 1)[1].strip() for line in lines if line.startswith("Model:")]
+    return ", ".join(models) if models else f"{torch.cuda.device_count()} devices"
 
 
 def _elf_complete(library: Path) -> bool:
@@ -310,7 +418,7 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     except ImportError:  # not POSIX: torch's lock file alone, as before
         yield
         return
-    with open(build_dir / "ampkit.lock", "a") as handle:
+    with open(build_dir / _LOCK, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, or by the OS on a crash
         (build_dir / "lock").unlink(missing_ok=True)
         yield

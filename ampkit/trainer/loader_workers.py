@@ -56,20 +56,12 @@ def _exit_only_on_own_sigterm(manager_pid: int) -> None:
     threading.Thread(target=take_sigterms, name="ampkit-worker-sigterm", daemon=True).start()
 
 
-def workers_outlive_foreign_sigterm(loader: Any) -> Any:
-    """``loader``, its worker processes (if it is a DataLoader with any) started under :class:`WorkerSigtermPolicy`;
-    its own ``worker_init_fn`` still runs in each. Other iterables are returned as they are."""
-    if not isinstance(loader, DataLoader) or loader.num_workers == 0:
-        return loader
-    if not isinstance(loader.worker_init_fn, WorkerSigtermPolicy):
-        loader.worker_init_fn = WorkerSigtermPolicy(loader.worker_init_fn, os.getpid())
-    return loader
-
-
 def iterate(loader: Any) -> Iterator[Any]:
-    """``iter(loader)``; where that starts workers under :class:`WorkerSigtermPolicy`, with SIGTERM held in this
-    thread meanwhile (a forked worker inherits that, until the policy takes its SIGTERMs) and delivered after;
-    persistent workers start without drawing from torch's RNG."""
+    """``iter(loader)``; the worker processes it starts (a DataLoader's) run under :class:`WorkerSigtermPolicy`, its
+    own ``worker_init_fn`` still run in each, with SIGTERM held in this thread meanwhile (a forked worker inherits
+    that, until the policy takes its SIGTERMs) and delivered after; persistent workers start without drawing from
+    torch's RNG. The loader is left as the caller made it: its ``worker_init_fn`` is the policy only while the
+    workers start."""
     if getattr(loader, "persistent_workers", False):
         return _without_drawing(loader)
     return _iterate(loader)
@@ -87,11 +79,14 @@ def _without_drawing(loader: Any) -> Iterator[Any]:
 
 
 def _iterate(loader: Any) -> Iterator[Any]:
-    policy = getattr(loader, "worker_init_fn", None)
-    if not isinstance(policy, WorkerSigtermPolicy) or not hasattr(signal, "sigwaitinfo"):
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or not hasattr(signal, "sigwaitinfo"):
         return iter(loader)
+    own = loader.worker_init_fn
+    if not isinstance(own, WorkerSigtermPolicy):
+        loader.worker_init_fn = WorkerSigtermPolicy(own, os.getpid())
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        return iter(loader)
+        return iter(loader)  # starts the workers (persistent ones: the first time), which take worker_init_fn now
     finally:
+        loader.worker_init_fn = own
         signal.pthread_sigmask(signal.SIG_SETMASK, held)

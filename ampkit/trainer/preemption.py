@@ -6,6 +6,12 @@ ranks agree on a stop, see ``Trainer._agree_stop``); the run saves that step's c
 :class:`Preempted`. The checkpoint records no early stop, so ``--resume last`` continues the run. Later SIGTERMs
 change nothing: Slurm signals every process of a job step, so a rank gets one from Slurm and one from torchrun's
 agent at once. Ctrl-C (SIGINT) still stops at once.
+
+A Python SIGTERM handler installed before ``fit()`` (the user's, submitit's, a scheduler wrapper's) still hears every
+SIGTERM, after ampkit has asked to stop. If it raises (``sys.exit`` in it), its exception is held until the run has
+saved the step it stops at and is raised then, in place of :class:`Preempted` (a failure before the stop is raised
+instead, noting it): raised where the signal landed, it would cut the step short (nothing saved since the last
+checkpoint) and, under torchrun, leave the other ranks waiting in a collective.
 """
 
 from __future__ import annotations
@@ -16,26 +22,102 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+_Handler = Callable[[int, Any], Any]
+
 
 class Preempted(KeyboardInterrupt):
     """``fit()`` stopped for SIGTERM; it unwinds as an interrupt does (the run lock released, exit status 143)."""
 
 
+class _Raise:
+    """The CLI's SIGTERM handler (outside ``fit()``): the handler it replaced hears the signal, then ``exception`` is
+    raised where the process is."""
+
+    def __init__(self, exception: Callable[[], BaseException], previous: _Handler | None) -> None:
+        self.exception, self.previous = exception, previous
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.previous is not None:  # first: once ours raised, it would never run
+            self.previous(signum, frame)
+        raise self.exception()
+
+
+class _AskToStop:
+    """``fit()``'s SIGTERM handler: ``ask``, then the handler it replaced; what that one raises is kept in
+    ``raised`` (the first of it) for the end of ``fit()``."""
+
+    def __init__(self, ask: Callable[[], None], previous: _Handler | None) -> None:
+        self.ask, self.previous = ask, previous
+        self.raised: BaseException | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.ask()  # first: a handler that raises or takes long must not keep the run from stopping and saving
+        if self.previous is None:
+            return
+        try:
+            self.previous(signum, frame)
+        except BaseException as exc:
+            if self.raised is None:
+                self.raised = exc
+
+
+def _replaceable() -> tuple[bool, Any]:
+    """Whether ampkit may install a SIGTERM handler now, and the handler there: only in the main thread (where signal
+    handlers live), and not where the caller ignores SIGTERM or handles it outside Python (``getsignal`` says None;
+    that handler could not be put back)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False, None
+    current = signal.getsignal(signal.SIGTERM)
+    return current is not None and current != signal.SIG_IGN, current
+
+
+def _passed_on_to(replaced: Any) -> _Handler | None:
+    """The handler that one of ampkit's, replacing ``replaced``, calls too: a Python function, not the default action
+    (it would end the process before the run saved). The CLI's handler stands aside for the one it replaced: inside
+    ``fit()`` the stop is fit's, and its raise would cut the step short."""
+    if isinstance(replaced, _Raise):
+        return replaced.previous
+    return replaced if callable(replaced) else None
+
+
 @contextlib.contextmanager
 def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
-    """While in the block, a SIGTERM calls ``ask`` (only in the main thread, where signal handlers live, and unless
-    the caller ignores SIGTERM or handles it outside Python, where its handler could not be put back); the previous
-    handler is put back after it."""
-    current = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
-    if current is None or current == signal.SIG_IGN:
+    """While in the block, a SIGTERM calls ``ask``, then the Python handler that was there before (its exception
+    raised as the block ends); that handler is put back after."""
+    replace, current = _replaceable()
+    if not replace:
         yield
         return
+    handler = _AskToStop(ask, _passed_on_to(current))
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Preempted as stop:
+        if handler.raised is None:
+            raise
+        raise handler.raised from stop
+    except BaseException as exc:  # a failure before the stop: it stands, and says what it cut short
+        if handler.raised is not None:
+            exc.add_note(f"A SIGTERM handler set before fit() had raised {handler.raised!r}, held until fit() ended")
+        raise
+    else:
+        if handler.raised is not None:
+            raise handler.raised
+    finally:
+        signal.signal(signal.SIGTERM, current)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        ask()
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+@contextlib.contextmanager
+def sigterm_raises(exception: Callable[[], BaseException]) -> Iterator[None]:
+    """While in the block, a SIGTERM raises ``exception()`` where the process is, after the Python handler that was
+    there before heard it; that handler is put back after. ``fit()`` inside the block takes SIGTERM over (it asks to
+    stop instead) and passes it on to that handler, not to this one."""
+    replace, current = _replaceable()
+    if not replace:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _Raise(exception, _passed_on_to(current)))
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, current)

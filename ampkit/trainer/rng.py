@@ -35,6 +35,7 @@ def capture_rng() -> dict[str, Any]:
         state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.current_device()  # the one this process draws on (a rank's own GPU)
     return state
 
 
@@ -48,5 +49,30 @@ def restore_rng(state: dict[str, Any]) -> None:
 
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    # One state per device the saving process had: a machine with fewer (8 GPUs resumed on 1, a GPU run resumed on a
+    # CPU) restores those that fit, as set_rng_state_all would fail past its last device (when CUDA starts, if later).
+    for device, device_state in enumerate(state.get("cuda", ())[: _cuda_devices()]):
+        torch.cuda.set_rng_state(device_state, device)
+    # The saving process's own device's state goes to this process's own device: a checkpoint is rank zero's, whose
+    # state of GPU r is untouched since seeding, while rank r drew on its GPU r as rank zero did on its own.
+    saver = state.get("cuda_device")
+    if saver is not None and saver < len(state["cuda"]) and _cuda_devices():
+        torch.cuda.set_rng_state(state["cuda"][saver], "cuda")  # the current device, when CUDA starts if later
+
+
+def rng_not_restored(state: dict[str, Any]) -> str | None:
+    """What :func:`restore_rng` leaves out of ``state`` on this machine, as a clause for a warning; None if nothing:
+    the CUDA states of devices it lacks."""
+    saved, here = len(state.get("cuda", ())), _cuda_devices()
+    if saved <= here:
+        return None
+    has = "no CUDA device" if here == 0 else f"{here} CUDA device{'s' * (here > 1)}"
+    left = f"device {here}'s is" if saved - here == 1 else f"those of devices {here}-{saved - 1} are"
+    return (
+        f"it holds the CUDA RNG states of {saved} device{'s' * (saved > 1)} and this machine has {has}: {left} not "
+        "restored (random draws there would differ from the run it continues)"
+    )
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

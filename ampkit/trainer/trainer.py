@@ -111,7 +111,7 @@ from ampkit.trainer.evaluation import (
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
-from ampkit.trainer.loader_workers import iterate, workers_outlive_foreign_sigterm
+from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -129,7 +129,7 @@ from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
-from ampkit.trainer.rng import capture_rng, restore_rng, seed_everything
+from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
@@ -1085,7 +1085,7 @@ class Trainer:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
-        loader = workers_outlive_foreign_sigterm(evaluation_loader(loader, self.dist, f"{stage.dataloader}()"))
+        loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
         self.state.stage = stage.name
         try:
             if fresh:
@@ -1132,13 +1132,11 @@ class Trainer:
 
     def _load_train_data(self) -> None:
         """``train_dataloader()``, sharded across ranks, and its batches per epoch."""
-        self._train_loader = workers_outlive_foreign_sigterm(
-            distributed_loader(
-                check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
-                self.settings.seed or 0,
-                self.dist,
-                shuffle_default=True,
-            )
+        self._train_loader = distributed_loader(
+            check_loader(call_setup_method(self, "train_dataloader"), "train_dataloader"),
+            self.settings.seed or 0,
+            self.dist,
+            shuffle_default=True,
         )
         self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
@@ -1169,10 +1167,8 @@ class Trainer:
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
-        self._val_loader = workers_outlive_foreign_sigterm(
-            evaluation_loader(
-                check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
-            )
+        self._val_loader = evaluation_loader(
+            check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
@@ -1481,6 +1477,9 @@ class Trainer:
             "epoch_rng": checkpoint["epoch_rng"],
             "rng_before_fetch": checkpoint.get("rng_before_fetch"),
         }
+        not_restored = rng_not_restored(checkpoint["rng"])  # said once here: a resume restores its RNGs several times
+        if not_restored:
+            rank_zero_warn(f"checkpoint '{path}': {not_restored}")
         self.fire("on_load_checkpoint", checkpoint)
 
     def _load_weights(self, path: Path) -> None:

@@ -233,6 +233,62 @@ def test_failed_cuda_build_is_an_error_in_kernel_mode(family_with_broken_cuda, m
     assert f"{family.name}::plus_one" not in torch._C._dispatch_get_all_op_names()  # no CPU-only build either
 
 
+def test_a_failed_cuda_build_is_not_tried_again_until_its_toolchain_changes(family_with_broken_cuda, monkeypatch):
+    """Every new process (each DataLoader worker, each torchrun rank) spent minutes failing the same CUDA build
+    before it built CPU-only; the failure is now remembered in the cache, keyed by what decides the build."""
+    from torch.utils import cpp_extension
+
+    family = family_with_broken_cuda
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    with pytest.warns(RuntimeWarning, match="later processes do not try again until the sources, the CUDA toolkit"):
+        assert family.use_kernel()
+    tried, real_load = [], cpp_extension.load
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: tried.append(kw["with_cuda"]) or real_load(**kw))
+
+    def in_a_new_process() -> str:
+        monkeypatch.delitem(_build._loaded, family.name)
+        monkeypatch.delitem(_build._cuda_failures, family.name)
+        with pytest.warns(RuntimeWarning, match=f"CUDA kernels of C\\+\\+ ops '{family.name}'") as record:
+            assert family.serves(torch.device("cpu"), "plus_one")
+        return str(record[0].message)
+
+    said = in_a_new_process()
+    assert tried == []  # neither the CUDA build again nor the CPU-only one, which is cached
+    assert "failed to build in an earlier process (OSError: CUDA_HOME environment variable is not set" in said
+    assert "`python -m ampkit.ops.build` tries again now" in said
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")  # what decides the build changed: it is tried again
+    assert "later processes do not try again" in in_a_new_process()
+    assert tried == [True]
+
+    tried.clear()  # the ahead-of-time build (kernel mode) always tries again
+    monkeypatch.delitem(_build._loaded, family.name)
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")
+    with pytest.raises(RuntimeError, match="CUDA kernels failed"):
+        family.use_kernel()
+    assert tried == [True]
+
+
+def test_a_cache_entry_copied_in_part_is_rebuilt_from_scratch(tmp_path, monkeypatch):
+    """A partial copy of the cache (objects cut short, the library not there yet): ninja called the damaged objects
+    up to date and linked them, so the build failed in every process; it starts from scratch instead."""
+    name, source = _tiny_family_source(tmp_path)
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert _load_in_a_new_process(name, source).returncode == 0
+    build_dir = _build.extension_dir(name, [source], with_cuda=False)
+    (build_dir / f"{name}.so").unlink()
+    objects = list(build_dir.glob("*.o"))
+    assert objects
+    for obj in objects:
+        whole, stamp = obj.read_bytes(), obj.stat()
+        obj.write_bytes(whole[: len(whole) // 2])
+        os.utime(obj, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    run = _load_in_a_new_process(name, source)
+    assert run.returncode == 0, (run.returncode, run.stderr)
+    assert run.stdout.strip() == "[1.0, 1.0]"
+
+
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
     """A build killed mid-way (OOM, SIGKILL) leaves torch's lock file; the next process builds instead of waiting on
     it forever."""
