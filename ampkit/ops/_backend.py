@@ -26,10 +26,11 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu
 def resolve_backend(backend: str | None, owner: str) -> str:
     """``backend`` if given, else ``$AMPKIT_FUSED_BACKEND``, else ``auto``; anything else is a ValueError that
     names the value, where it came from and the valid ones."""
-    source = f"{owner}(backend=...)"
-    if backend is None:
-        backend, source = os.environ.get(ENV_VAR, "auto") or "auto", ENV_VAR
+    given = backend is not None
+    if not given:  # every norm call and optimizer step asks: the message is built only for a bad value
+        backend = os.environ.get(ENV_VAR) or "auto"
     if backend not in BACKENDS:
+        source = f"{owner}(backend=...)" if given else ENV_VAR
         raise ValueError(f"{source}: invalid fused backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     return backend
 

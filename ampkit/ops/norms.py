@@ -115,7 +115,7 @@ def _checked_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """``shape`` if it names a dimension and no negative size; else a :class:`NormShapeError` (torch's RuntimeError)."""
     if not shape:
         raise NormShapeError("normalized_shape must name at least one dimension, got ()")
-    if any(size < 0 for size in shape):
+    if min(shape) < 0:
         raise NormShapeError(f"normalized_shape must hold sizes >= 0, got {list(shape)}")
     return shape
 
@@ -132,6 +132,8 @@ def _checked_memory_efficient(op: str, value: object) -> bool:
 def _check_eps(op: str, eps: float) -> None:
     """eps is added to a variance (a mean square) under a square root: a negative or NaN one gives NaN outputs. One
     that is not a number is also a TypeError, as torch's norms raise for it."""
+    if type(eps) is float and 0.0 <= eps < math.inf:  # the usual case, on every call: no ABC check
+        return
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {eps!r} (a {type(eps).__name__})")
     if not 0 <= eps < math.inf:
@@ -214,7 +216,11 @@ def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
     dozens of times a step, and on a GPU its host time is the step's)."""
     if not isinstance(input, torch.Tensor):
         return False
-    return all(p is None or (isinstance(p, torch.Tensor) and p.dtype == input.dtype) for p in params)
+    dtype = input.dtype
+    for p in params:  # a loop, not all() over a generator: this runs on every call
+        if p is not None and (not isinstance(p, torch.Tensor) or p.dtype != dtype):
+            return False
+    return True
 
 
 def _use_kernel(input: torch.Tensor) -> bool:
