@@ -231,6 +231,20 @@ def test_fp16_optimizer_closure_and_bad_args():
                        dynamic_loss_args={"scale_windw": 3})  # fmt: skip
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"static_loss_scale": 0}, r"^static_loss_scale=0: a static loss scale must be finite and > 0"),
+    ({"dynamic_loss_args": {"scale_window": 0}}, r"^dynamic_loss_args\['scale_window'\]=0: expected an integer >= 1"),
+    ({"dynamic_loss_args": {"min_loss_scale": 8.0, "max_loss_scale": 2.0}},
+     r"^dynamic_loss_args\['min_loss_scale'\]=8.0 is larger than dynamic_loss_args\['max_loss_scale'\]=2.0"),
+])  # fmt: skip
+def test_fp16_optimizers_bad_scale_options_are_named_as_the_user_wrote_them(kwargs, message):
+    """Not as the engine's scaler calls them (loss_scale, growth_interval, min_scale, max_scale)."""
+    model = torch.nn.Linear(2, 2).half()
+    dynamic = "dynamic_loss_args" in kwargs
+    with pytest.raises(ValueError, match=message):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=dynamic, **kwargs)
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda s: s.LossScaler(0), r"scale=0.0: expected a finite number > 0"),
     (lambda s: s.LossScaler(float("nan")), r"scale=nan: expected a finite number > 0"),

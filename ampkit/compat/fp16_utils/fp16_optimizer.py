@@ -35,6 +35,13 @@ from ampkit.ops._switches import checked_switch
 # Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
 _LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# How an error names each scaler option: the dynamic_loss_args key the user wrote.
+_DYNAMIC_LOSS_ARG_NAMES = {
+    "init_scale": "dynamic_loss_args['init_scale']",
+    "growth_interval": "dynamic_loss_args['scale_window']",
+    "min_scale": "dynamic_loss_args['min_loss_scale']",
+    "max_scale": "dynamic_loss_args['max_loss_scale']",
+}
 
 
 def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScaler:
@@ -56,6 +63,7 @@ def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScal
         growth_interval=window,
         min_scale=args.get("min_loss_scale") or None,  # Apex: a falsy floor (None or 0) is no floor
         max_scale=args.get("max_loss_scale", 2.0**24),
+        option_names=_DYNAMIC_LOSS_ARG_NAMES,
     )
     scaler._loss_scale = init_scale  # Apex starts at init_scale as given, even above max_loss_scale
     return scaler
@@ -104,7 +112,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         if self.dynamic_loss_scale:
             self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
         else:  # Apex ignores dynamic_loss_args here
-            self.loss_scaler = ApexLossScaler(static_loss_scale)
+            self.loss_scaler = ApexLossScaler(static_loss_scale, option_names={"loss_scale": "static_loss_scale"})
         self.optimizer = init_optimizer
         for group in init_optimizer.param_groups:
             for param in group["params"]:
