@@ -132,10 +132,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self.multi_tensor_scale = amp_c.multi_tensor_scale
         device = self.all_fp16_params[0].device if self.all_fp16_params else torch.device("cpu")
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
-        self._combiner = GradientCombiner(
-            self.all_fp16_params + self.all_fp32_from_fp32_params,
-            self.all_fp32_from_fp16_params + self.all_fp32_from_fp32_params,
-        )
+        # Every param, frozen ones too (Apex's lists above hold the trainable ones): one unfrozen later has its
+        # gradients unscaled into its master and the master copied back, where Apex stepped it in fp16 on its scaled
+        # gradients.
+        pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
+        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs])
+        self._low_pairs = [(p, m) for p, m in pairs if m is not p]
         # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
         # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
         self._grads_overflowed = False
@@ -260,8 +262,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     @torch.no_grad()
     def _master_params_to_model_params(self) -> None:
-        if self.all_fp16_params:
-            torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
+        # the trainable ones now: a frozen param keeps its own values (a user may set them by hand)
+        pairs = [(p, m) for p, m in self._low_pairs if p.requires_grad]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer on the masters and copy them into the model; after an overflow, only
