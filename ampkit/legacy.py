@@ -3,13 +3,15 @@
 ``import apex``, ``from apex import amp``, ``apex.parallel``, ``apex.fp16_utils``, ``apex.optimizers`` and
 ``apex.normalization`` resolve to :mod:`ampkit.compat`, in the script and in the Python processes it spawns.
 ``-m MODULE`` runs a module instead of a file. If a real apex is installed it is used (and a warning says so)
-unless ``--force-shim`` is given.
+unless ``--force-shim`` is given. Under ``python -m torch.distributed.launch ... -m ampkit.legacy SCRIPT`` the
+launcher's ``--local-rank=N`` reaches the script as Apex-era launchers passed it (see :func:`_local_rank_flag`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import runpy
 import sys
 
@@ -18,6 +20,8 @@ from ampkit.compat import _child_shim
 from ampkit.compat.shim import install_apex_shim, served_module_name
 
 _USAGE = "usage: python -m ampkit.legacy [--force-shim] (SCRIPT | -m MODULE) [ARGS...]"
+# What torch.distributed.launch (without --use-env) puts before the program's arguments: here, before the script.
+_LAUNCHER_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
 
 
 def _share_shim_with_child_processes() -> None:
@@ -50,22 +54,52 @@ def _missing_module(name: str) -> str | None:
     return f"ampkit.legacy: module not found: {name!r} (not importable from {sys.path[0] or '.'!r})"
 
 
+def _program_source(args: list[str]) -> str:
+    """The text of the script or module ``args`` names ("" where it cannot be read: a compiled or namespace one)."""
+    path = args[0]
+    if args[0] == "-m":
+        try:
+            spec = importlib.util.find_spec(args[1])
+        except (ImportError, ValueError):
+            return ""
+        path = spec.origin if spec is not None and spec.origin else ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as source:
+            return source.read()
+    except OSError:
+        return ""
+
+
+def _local_rank_flag(rank: str, source: str) -> str:
+    """The launcher's local rank in the spelling the script parses. torch.distributed.launch passed
+    ``--local_rank=N`` until torch 2.0 and ``--local-rank=N`` since; an Apex-era script's argparse knows only the
+    first and exits on the second, so a script gets the underscore unless its text names only the dash."""
+    dash_only = "--local-rank" in source and "--local_rank" not in source
+    return f"--local-rank={rank}" if dash_only else f"--local_rank={rank}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Install the apex shim, then run the script or module with the remaining arguments as its argv."""
     args = list(sys.argv[1:] if argv is None else argv)
     force = False
-    while args and args[0] in ("--force-shim", "-h", "--help"):
-        if args[0] != "--force-shim":
+    local_rank = None
+    while args and (args[0] in ("--force-shim", "-h", "--help") or _LAUNCHER_LOCAL_RANK.fullmatch(args[0])):
+        option = args.pop(0)
+        if launcher_flag := _LAUNCHER_LOCAL_RANK.fullmatch(option):
+            local_rank = launcher_flag.group(1)
+        elif option == "--force-shim":
+            force = True
+        else:
             print(_USAGE + "\n\n" + (__doc__ or "").strip())
             return
-        force = True
-        args.pop(0)
     if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit(_USAGE)
     if args[0] != "-m" and not os.path.isfile(args[0]):
         raise SystemExit(f"ampkit.legacy: script not found: {args[0]!r}\n{_USAGE}")
     if args[0] == "-m" and (missing := _missing_module(args[1])):
         raise SystemExit(missing)
+    if local_rank is not None:  # the script's own first argument, where the launcher would have put it
+        args.insert(2 if args[0] == "-m" else 1, _local_rank_flag(local_rank, _program_source(args)))
     shim_installed = install_apex_shim(force=force)
     if shim_installed:
         _share_shim_with_child_processes()

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import importlib
@@ -295,23 +296,31 @@ def _check_pip(args: list[str]) -> None:
             assert extra in extras, f"pip install {arg}: no extra '{extra}' in pyproject.toml ({', '.join(extras)})"
 
 
+def _check_launched(parsed: argparse.Namespace) -> None:
+    """The program a launcher (torchrun, torch.distributed.launch) was told to start."""
+    if parsed.module:
+        _check_python_module(parsed.training_script, parsed.training_script_args)
+    else:
+        _check_script(parsed.training_script, parsed.training_script_args)
+
+
 def check_command(argv: list[str]) -> None:
     program, args = argv[0], argv[1:]
     if program == "ampkit":
         _check_ampkit_cli(args)
     elif program == "python":
-        if args[0] == "-m":
+        if args[:2] == ["-m", "torch.distributed.launch"]:  # torchrun's older form: its parser and --use-env
+            from torch.distributed.launch import parse_args
+
+            _check_launched(parse_args(args[2:]))
+        elif args[0] == "-m":
             _check_python_module(args[1], args[2:])
         else:
             _check_script(args[0], args[1:])
     elif program == "torchrun":
         from torch.distributed.run import get_args_parser
 
-        parsed = get_args_parser().parse_args(args)
-        if parsed.module:
-            _check_python_module(parsed.training_script, parsed.training_script_args)
-        else:
-            _check_script(parsed.training_script, parsed.training_script_args)
+        _check_launched(get_args_parser().parse_args(args))
     elif program == "bash":
         assert (ROOT / args[0]).is_file(), f"bash {args[0]}: no such script"
     elif program == "pip":

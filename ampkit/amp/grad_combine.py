@@ -315,8 +315,10 @@ class GradientCombiner:
         if len(owners) != len(self.params):
             raise ValueError(f"grad_owners has {len(owners)} tensors but params has {len(self.params)}")
         for i, (p, o) in enumerate(zip(self.params, owners, strict=True)):
-            if not p.requires_grad:
-                raise ValueError(f"params[{i}] does not require grad; only trainable parameters can be combined")
+            if flat and not p.requires_grad:  # a frozen one is no error otherwise: it has no grad until unfrozen
+                raise ValueError(
+                    f"params[{i}] does not require grad; flat buffers (flat=True) take only trainable parameters"
+                )
             if o is not p and (o.shape != p.shape or o.device != p.device):
                 raise ValueError(
                     f"grad_owners[{i}] has shape {tuple(o.shape)} on {o.device}, params[{i}] has "

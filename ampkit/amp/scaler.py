@@ -25,6 +25,8 @@ __all__ = ["LossScaler"]
 # and 2**-126 (float32's smallest normal number) is the last power of two whose reciprocal float32 holds.
 # Apex let the scale decay to 1e-200; its unscale factor was a Python float.
 LOWEST_SCALE = 2.0**-126
+# The constructor's options, by their own names; a caller may spell them its way (``option_names``).
+_OPTIONS = ("loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
 
 
 def positive_option(value: Any, option: str, *, above_one: bool = False, below_one: bool = False) -> float:
@@ -85,6 +87,8 @@ class LossScaler:
         growth_interval: clean updates between growths (Apex's ``scale_window``), default 2000.
         min_scale: floor for the dynamic scale, or ``None`` for none.
         max_scale: cap for the dynamic scale, or ``None`` for none; default ``2**24``.
+        option_names: how the caller spells these options (``{"growth_interval": "scale_window"}``), so that an
+            error names the argument the user wrote.
 
     Example:
         >>> scaler = LossScaler()
@@ -102,18 +106,23 @@ class LossScaler:
         growth_interval: int = 2000,
         min_scale: float | None = None,
         max_scale: float | None = 2.0**24,
+        option_names: Mapping[str, str] | None = None,
     ) -> None:
-        mode = parse_loss_scale(loss_scale)
+        names = {**{o: o for o in _OPTIONS}, **(option_names or {})}
+        mode = parse_loss_scale(loss_scale, names["loss_scale"])
         self.dynamic: bool = mode == "dynamic"
-        self.growth_factor = positive_option(growth_factor, "growth_factor", above_one=True)
-        self.backoff_factor = positive_option(backoff_factor, "backoff_factor", below_one=True)
-        self.growth_interval = interval_option(growth_interval, "growth_interval")
-        self.min_scale = None if min_scale is None else positive_option(min_scale, "min_scale")
-        self.max_scale = None if max_scale is None else positive_option(max_scale, "max_scale")
+        self.growth_factor = positive_option(growth_factor, names["growth_factor"], above_one=True)
+        self.backoff_factor = positive_option(backoff_factor, names["backoff_factor"], below_one=True)
+        self.growth_interval = interval_option(growth_interval, names["growth_interval"])
+        self.min_scale = None if min_scale is None else positive_option(min_scale, names["min_scale"])
+        self.max_scale = None if max_scale is None else positive_option(max_scale, names["max_scale"])
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
-            raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
+            raise ValueError(
+                f"{names['min_scale']}={min_scale!r} is larger than {names['max_scale']}={max_scale!r}: the floor of "
+                "the dynamic scale must not exceed its cap"
+            )
         if self.dynamic:
-            start = positive_option(init_scale, "init_scale")
+            start = positive_option(init_scale, names["init_scale"])
             if self.max_scale is not None:
                 start = min(start, self.max_scale)
             if self.min_scale is not None:

@@ -250,8 +250,9 @@ def test_state_errors():
         GradientCombiner(params, params[:1])
     with pytest.raises(ValueError, match="grad_owners\\[0\\] has shape \\(4,\\)"):
         GradientCombiner(params[:1], [torch.zeros(4)])
-    with pytest.raises(ValueError, match="params\\[0\\] does not require grad"):
-        GradientCombiner([torch.zeros(2)])
+    with pytest.raises(ValueError, match="params\\[0\\] does not require grad; flat buffers"):
+        GradientCombiner([torch.zeros(2)], flat=True)
+    GradientCombiner([torch.zeros(2)])  # unflat, a frozen parameter waits: it has no gradient until unfrozen
 
 
 def test_unreached_optimizer_gets_no_grads_and_no_flag():

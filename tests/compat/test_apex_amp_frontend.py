@@ -105,6 +105,24 @@ def test_ascend_knobs_configure_the_dynamic_scalers():
         assert (scaler.min_scale, scaler.max_scale) == (8.0, 2.0**12)
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("dynamic_init_scale", -1.0, r"dynamic_init_scale=-1.0: expected a finite number > 0"),
+    ("scale_growth_factor", 0.5, r"scale_growth_factor=0.5: expected a number > 1"),
+    ("scale_backoff_factor", 2.0, r"scale_backoff_factor=2.0: expected a number in \(0, 1\)"),
+    ("scale_window", 0, r"scale_window=0: expected an integer >= 1"),
+    ("min_loss_scale", -1.0, r"min_loss_scale=-1.0: expected a finite number > 0"),
+    ("max_loss_scale", 0.0, r"max_loss_scale=0.0: expected a finite number > 0"),
+])  # fmt: skip
+def test_a_bad_scaler_option_is_named_as_initialize_spells_it(option, value, message):
+    """The engine's scaler calls these init_scale, growth_factor, ... growth_interval: an error naming those sent the
+    user looking for an argument their call to initialize does not have."""
+    model = _model()
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, **{option: value})
+    with pytest.raises(ValueError, match=r"^min_loss_scale=1024.0 is larger than max_loss_scale=8.0"):
+        amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, min_loss_scale=1024.0, max_loss_scale=8.0)
+
+
 def test_bfloat16_on_request():
     model = _model()
     model, _ = amp.initialize(model, _sgd(model), opt_level="O2", dtype="bfloat16", verbosity=0)

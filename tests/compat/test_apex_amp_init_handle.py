@@ -445,3 +445,33 @@ def test_a_static_scaler_never_reports_an_overflow_and_a_zero_floor_is_none():
     assert scaler._min_loss_scale is None
     scaler._min_loss_scale = 0
     assert scaler._min_loss_scale is None
+
+
+def _frozen_then_unfrozen(enabled: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    handle = amp.init(enabled=enabled, loss_scale=128.0, verbose=False)
+    generator = torch.Generator().manual_seed(2)
+    try:
+        for step in range(4):
+            if step == 2:
+                for param in model[0].parameters():
+                    param.requires_grad_(True)
+            x = torch.randn(16, 8, generator=generator)
+            loss = F.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+            with handle.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        handle._deactivate()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def test_handle_unscales_a_parameter_unfrozen_after_its_first_scale_loss():
+    """The handle took the optimizer's trainable parameters at its first ``scale_loss``; one unfrozen later kept its
+    gradient scaled by 128 and stepped that far."""
+    torch.testing.assert_close(_frozen_then_unfrozen(True), _frozen_then_unfrozen(False), atol=2e-3, rtol=0)

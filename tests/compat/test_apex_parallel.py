@@ -278,6 +278,21 @@ def _check_ddp_disable_and_enable_allreduce(rank, world_size):
             torch.testing.assert_close(p.grad, 2 * m)
 
 
+def _check_ddp_reduces_a_layer_unfrozen_after_construction(rank, world_size):
+    # A fine-tuning run unfreezes a layer after wrapping: torch's reducer keeps the parameters trainable at
+    # construction, so its gradient stayed rank-local and the ranks drifted apart; Apex rebuilt its buckets.
+    base, mean, _ = _linear_grads(world_size)
+    for delay_allreduce in (False, True):
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(base.state_dict())
+        model.weight.requires_grad_(False)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay_allreduce)
+        model.weight.requires_grad_(True)
+        ddp(_rank_data(rank)[0]).pow(2).sum().backward()
+        for p, m in zip(model.parameters(), mean, strict=True):
+            torch.testing.assert_close(p.grad, m, msg=f"delay_allreduce={delay_allreduce}")
+
+
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     # Apex's delay_allreduce reduced the grads that existed at the end of backward; an unused layer is fine.
     base, mean, _ = _linear_grads(world_size)
@@ -452,6 +467,7 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,

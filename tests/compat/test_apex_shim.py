@@ -358,6 +358,50 @@ def test_legacy_launcher_respects_a_real_apex_and_its_force_flag(tmp_path):
     )
 
 
+def _local_rank_script(path: Path, *spellings: str) -> Path:
+    """A script that parses its local rank the way the launchers of its time passed it, and prints what it got."""
+    path.write_text(
+        "import argparse, sys\n"
+        "parser = argparse.ArgumentParser()\n"
+        f"parser.add_argument({', '.join(map(repr, spellings))}, type=int, default=0)\n"
+        "parser.add_argument('--lr')\n"
+        "args = parser.parse_args()\n"
+        "print('local rank', args.local_rank, 'lr', args.lr)\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("spellings", "rank_flag"),
+    [(["--local_rank"], "--local_rank=1"), (["--local-rank"], "--local-rank=1"),
+     (["--local-rank", "--local_rank"], "--local_rank=1")],
+)  # fmt: skip
+def test_the_local_rank_torch_distributed_launch_puts_first_reaches_the_script_as_it_parses_it(
+    tmp_path, spellings, rank_flag
+):
+    """``python -m torch.distributed.launch ... -m ampkit.legacy train.py`` starts ``ampkit.legacy --local-rank=N
+    train.py``: the rank is the script's, and Apex-era scripts (Apex's examples, Swin) parse only ``--local_rank``,
+    what the launcher passed before torch 2.0."""
+    script = _local_rank_script(tmp_path / "train.py", *spellings)
+    result = _legacy("--local-rank=1", "--force-shim", script, "--lr", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "local rank 1 lr 0.1" in result.stdout
+    module = _legacy("--local-rank=1", "-m", "train", "--lr", "0.1", extra_path=[tmp_path])
+    assert module.returncode == 0, module.stderr
+    assert "local rank 1 lr 0.1" in module.stdout
+
+
+def test_an_apex_era_script_runs_under_torch_distributed_launch_through_the_legacy_runner(tmp_path):
+    script = _local_rank_script(tmp_path / "train.py", "--local_rank")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "2",
+         "-m", "ampkit.legacy", str(script), "--lr", "0.1"],
+        cwd=tmp_path, env=child_env(REPO, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(re.findall(r"local rank \d lr 0.1", result.stdout)) == ["local rank 0 lr 0.1", "local rank 1 lr 0.1"]
+
+
 def test_legacy_launcher_argument_errors(tmp_path, capsys):
     from ampkit.legacy import main
 

@@ -75,8 +75,9 @@ def test_dynamic_loss_args_are_loss_scaler_keywords():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"dynamic_loss_scale": "False"}, "FP16_Optimizer: dynamic_loss_scale must be True or False, got 'False'"),
-    ({"static_loss_scale": 0.0}, "loss_scale=0.0: a static loss scale must be finite and > 0"),
-    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 0}}, "init_scale=0.0: expected a finite"),
+    ({"static_loss_scale": 0.0}, "^static_loss_scale=0.0: a static loss scale must be finite and > 0"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 0}},
+     r"^dynamic_loss_args\['init_scale'\]=0.0: expected a finite"),
 ])  # fmt: skip
 def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
     """A switch read by truthiness took ``dynamic_loss_scale="False"`` as on; a refused scale was named only after the

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ampkit.compat.fp16_utils import (
     FP16_Optimizer,
@@ -231,6 +232,20 @@ def test_fp16_optimizer_closure_and_bad_args():
                        dynamic_loss_args={"scale_windw": 3})  # fmt: skip
 
 
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"static_loss_scale": 0}, r"^static_loss_scale=0: a static loss scale must be finite and > 0"),
+    ({"dynamic_loss_args": {"scale_window": 0}}, r"^dynamic_loss_args\['scale_window'\]=0: expected an integer >= 1"),
+    ({"dynamic_loss_args": {"min_loss_scale": 8.0, "max_loss_scale": 2.0}},
+     r"^dynamic_loss_args\['min_loss_scale'\]=8.0 is larger than dynamic_loss_args\['max_loss_scale'\]=2.0"),
+])  # fmt: skip
+def test_fp16_optimizers_bad_scale_options_are_named_as_the_user_wrote_them(kwargs, message):
+    """Not as the engine's scaler calls them (loss_scale, growth_interval, min_scale, max_scale)."""
+    model = torch.nn.Linear(2, 2).half()
+    dynamic = "dynamic_loss_args" in kwargs
+    with pytest.raises(ValueError, match=message):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=dynamic, **kwargs)
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda s: s.LossScaler(0), r"scale=0.0: expected a finite number > 0"),
     (lambda s: s.LossScaler(float("nan")), r"scale=nan: expected a finite number > 0"),
@@ -310,3 +325,35 @@ def test_a_flat_master_that_is_not_true_or_false_is_named():
     for copier in (model_grads_to_master_grads, master_params_to_model_params):
         with pytest.raises(ValueError, match=rf"{copier.__name__}: flat_master must be True or False, got 'no'"):
             copier(model_params, master_params, flat_master="no")
+
+
+def _frozen_then_unfrozen(wrapped: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if wrapped:
+        model = model.half()
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrapped:
+        optimizer = FP16_Optimizer(optimizer, static_loss_scale=128.0, verbose=False)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(4):
+        if step == 2:
+            for param in model[0].parameters():
+                param.requires_grad_(True)
+        x = torch.randn(16, 8, generator=generator)
+        loss = F.mse_loss(model(x.half() if wrapped else x).float(), x.sum(1, keepdim=True))
+        optimizer.zero_grad()
+        if wrapped:
+            optimizer.backward(loss)
+        else:
+            loss.backward()
+        optimizer.step()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+def test_a_param_frozen_when_wrapped_and_unfrozen_later_trains_through_a_master():
+    """FP16_Optimizer took the trainable params when it was built: a layer unfrozen later never trained (Apex's
+    stepped it in fp16 on its scaled gradients)."""
+    torch.testing.assert_close(_frozen_then_unfrozen(True), _frozen_then_unfrozen(False), atol=2e-3, rtol=0)

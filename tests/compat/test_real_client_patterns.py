@@ -438,3 +438,43 @@ def test_a_scheduler_built_before_initialize_still_counts_the_steps(shim):
         said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message) or "overridden" in str(w.message)]
         assert [m for m in said if not any(m.startswith(e) for e in expected)] == []
         assert len(said) == len(expected)
+
+
+def _freeze_then_unfreeze_run(opt_level: str | None, combine_grad: bool = False) -> torch.Tensor:
+    """ultralytics yolov3's ``--freeze-layers`` (and staged fine-tuning): the first layer is in the optimizer but
+    frozen (``requires_grad_(False)``) when amp is set up, and unfrozen after a few steps."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    if opt_level is not None:
+        model, optimizer = amp.initialize(
+            model, optimizer, opt_level=opt_level, loss_scale=128.0, combine_grad=combine_grad, verbosity=0
+        )
+    generator = torch.Generator().manual_seed(2)
+    for step in range(6):
+        if step == 3:
+            for param in model[0].parameters():
+                param.requires_grad_(True)
+        x = torch.randn(16, 8, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("combine_grad", [False, True])
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_a_layer_frozen_at_initialize_and_unfrozen_later_trains_on_unscaled_gradients(shim, opt_level, combine_grad):
+    """Its gradients were left scaled (O1, O3: steps 128 times too large) or never reached its master (O2: it did not
+    train), because the parameters amp unscales were those trainable at ``initialize``."""
+    reference = _freeze_then_unfreeze_run(None)
+    trained = _freeze_then_unfreeze_run(opt_level, combine_grad)
+    torch.testing.assert_close(trained, reference, atol=2e-3, rtol=0)

@@ -116,11 +116,19 @@ class AmpOptimizerStash:
             pairs = ((p, p) for p in params)
         model, owners = [], []
         seen: set[int] = set()
+        # A parameter frozen now (requires_grad=False) is combined too: unfrozen later (staged fine-tuning, yolov3's
+        # --freeze-layers), its gradients are unscaled like the others', as in Apex's O1, whose lists held every
+        # parameter. Flat buffers (combine_grad) take only trainable ones; prepare_backward rebuilds them on unfreezing.
+        self._frozen_outside: list[torch.Tensor] = []
         for param, owner in pairs:
-            if param.requires_grad and param.is_floating_point() and id(param) not in seen:
-                seen.add(id(param))
-                model.append(param)
-                owners.append(owner)
+            if not param.is_floating_point() or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if self.combine_grad and not param.requires_grad:
+                self._frozen_outside.append(param)
+                continue
+            model.append(param)
+            owners.append(owner)
         # The model's fp16 params keep their scaled gradients after each backward, as in Apex: scripts read them
         # between backward and step (grad-norm logging, fairseq-style "did every param get a gradient" checks).
         return GradientCombiner(model, owners, flat=self.combine_grad, keep_param_grads=True)
@@ -144,6 +152,9 @@ class AmpOptimizerStash:
         """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
         self.lazy_init()
         if not self.combiner.pending:
+            if any(p.requires_grad for p in self._frozen_outside):  # unfrozen since the flat buffers were built
+                self.combiner.remove()
+                self.combiner = self._build_combiner()
             self.combiner.prepare_backward()
 
     def match_pending_scale(self, scale: float) -> None:

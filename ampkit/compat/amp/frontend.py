@@ -30,6 +30,17 @@ _LEVEL_DESCRIPTIONS = {
 }
 
 
+# initialize's names for the scaler's options, so that an error names the argument the caller wrote.
+_SCALER_OPTION_NAMES = {
+    "init_scale": "dynamic_init_scale",
+    "growth_factor": "scale_growth_factor",
+    "backoff_factor": "scale_backoff_factor",
+    "growth_interval": "scale_window",
+    "min_scale": "min_loss_scale",
+    "max_scale": "max_loss_scale",
+}
+
+
 def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
 
@@ -246,6 +257,7 @@ def initialize(
             growth_interval=scale_window,
             min_scale=min_loss_scale or None,  # Apex: a falsy floor (None or 0) is no floor
             max_scale=max_loss_scale,
+            option_names=_SCALER_OPTION_NAMES,
         )
         for _ in range(num_losses)
     ]

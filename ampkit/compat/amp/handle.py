@@ -164,8 +164,8 @@ class _LossScaling:
     def __init__(self, optimizer: Any, scaler: ApexLossScaler) -> None:
         self.scaler = scaler
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        params = [p for p in params if p.requires_grad and p.is_floating_point()]
-        self.combiner = GradientCombiner(params, params)
+        # frozen ones too: unfrozen later, their gradients are unscaled like the others'
+        self.combiner = GradientCombiner([p for p in params if p.is_floating_point()])
 
 
 class AmpHandle:

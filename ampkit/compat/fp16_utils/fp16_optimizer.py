@@ -35,6 +35,13 @@ from ampkit.ops._switches import checked_switch
 # Apex amp LossScaler's keyword arguments, the only keys dynamic_loss_args may hold.
 _LOSS_SCALER_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
 _MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# How an error names each scaler option: the dynamic_loss_args key the user wrote.
+_DYNAMIC_LOSS_ARG_NAMES = {
+    "init_scale": "dynamic_loss_args['init_scale']",
+    "growth_interval": "dynamic_loss_args['scale_window']",
+    "min_scale": "dynamic_loss_args['min_loss_scale']",
+    "max_scale": "dynamic_loss_args['max_loss_scale']",
+}
 
 
 def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScaler:
@@ -56,6 +63,7 @@ def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScal
         growth_interval=window,
         min_scale=args.get("min_loss_scale") or None,  # Apex: a falsy floor (None or 0) is no floor
         max_scale=args.get("max_loss_scale", 2.0**24),
+        option_names=_DYNAMIC_LOSS_ARG_NAMES,
     )
     scaler._loss_scale = init_scale  # Apex starts at init_scale as given, even above max_loss_scale
     return scaler
@@ -104,7 +112,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         if self.dynamic_loss_scale:
             self.loss_scaler = _dynamic_scaler(dynamic_loss_args)
         else:  # Apex ignores dynamic_loss_args here
-            self.loss_scaler = ApexLossScaler(static_loss_scale)
+            self.loss_scaler = ApexLossScaler(static_loss_scale, option_names={"loss_scale": "static_loss_scale"})
         self.optimizer = init_optimizer
         for group in init_optimizer.param_groups:
             for param in group["params"]:
@@ -124,10 +132,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self.multi_tensor_scale = amp_c.multi_tensor_scale
         device = self.all_fp16_params[0].device if self.all_fp16_params else torch.device("cpu")
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
-        self._combiner = GradientCombiner(
-            self.all_fp16_params + self.all_fp32_from_fp32_params,
-            self.all_fp32_from_fp16_params + self.all_fp32_from_fp32_params,
-        )
+        # Every param, frozen ones too (Apex's lists above hold the trainable ones): one unfrozen later has its
+        # gradients unscaled into its master and the master copied back, where Apex stepped it in fp16 on its scaled
+        # gradients.
+        pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
+        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs])
+        self._low_pairs = [(p, m) for p, m in pairs if m is not p]
         # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
         # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
         self._grads_overflowed = False
@@ -252,8 +262,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     @torch.no_grad()
     def _master_params_to_model_params(self) -> None:
-        if self.all_fp16_params:
-            torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
+        # the trainable ones now: a frozen param keeps its own values (a user may set them by hand)
+        pairs = [(p, m) for p, m in self._low_pairs if p.requires_grad]
+        if pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer on the masters and copy them into the model; after an overflow, only

@@ -10,6 +10,8 @@ Apex argument → effect here:
   factor before the allreduce and, when averaging, multiply by ``predivide / world_size`` after it; with
   ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
+- A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
+  construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -226,6 +228,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
         self._allreduce_queued = False
         self._warned_disable_under_amp = False
+        # torch's reducer holds the parameters trainable now; see _unfrozen_since_construction.
+        self._frozen_at_construction = [p for p in self.module.parameters() if not p.requires_grad]
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
@@ -249,12 +253,19 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        # Under delay_allreduce torch's reducer stays idle: the end-of-backward callback reduces instead.
-        self.require_backward_grad_sync = reduce and not self.delay_allreduce
+        delayed = self.delay_allreduce or self._unfrozen_since_construction()
+        # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
+        self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
-        if reduce and self.delay_allreduce and torch.is_grad_enabled():
+        if reduce and delayed and torch.is_grad_enabled():
             self._reduce_at_end_of_backward(output)
         return output
+
+    def _unfrozen_since_construction(self) -> bool:
+        """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
+        cannot take it in, and left alone its gradient would stay rank-local and the ranks drift apart; Apex rebuilt
+        its buckets at such a forward. Such backwards reduce every gradient at their end, as ``delay_allreduce``."""
+        return any(p.requires_grad for p in self._frozen_at_construction)
 
     def _stash_needs_every_backward_reduced(self) -> bool:
         if not _amp_state.gradients_leave_params:
