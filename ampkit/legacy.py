@@ -22,6 +22,10 @@ from ampkit.compat.shim import install_apex_shim, served_module_name
 _USAGE = "usage: python -m ampkit.legacy [--force-shim] (SCRIPT | -m MODULE) [ARGS...]"
 # What torch.distributed.launch (without --use-env) puts before the program's arguments: here, before the script.
 _LAUNCHER_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
+# The script's globals, kept until the interpreter exits as ``python script.py`` keeps them. Freed when runpy
+# returns, a torch DDP model over gloo died while Python still ran: its process group's destructor joined gloo's
+# thread, which waited for the GIL to free a tensor, and about one run in four hung at exit under torchrun.
+_script_globals: list[dict] = []
 
 
 def _share_shim_with_child_processes() -> None:
@@ -112,12 +116,12 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 f"ampkit.legacy: the installed apex has no module {module!r}; --force-shim serves ampkit's"
             )
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        _script_globals.append(runpy.run_module(module, run_name="__main__", alter_sys=True))
         return
     script, rest = args[0], args[1:]
     sys.argv = [script, *rest]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    _script_globals.append(runpy.run_path(script, run_name="__main__"))
 
 
 if __name__ == "__main__":

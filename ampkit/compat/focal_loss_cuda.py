@@ -51,6 +51,8 @@ def forward(
     # Host numbers, checked for free (num_positives_sum is a device tensor: a 0 there gives inf, as in Apex). A NaN
     # or an infinite one made every loss NaN; a negative gamma is a power of sigma near 0: inf.
     check_hyper("focal_loss_cuda.forward alpha", alpha, -math.inf, math.inf)
+    if math.isinf(alpha):  # check_hyper's lower bound is inclusive, and -inf made every loss NaN too
+        raise ValueError(f"Invalid focal_loss_cuda.forward alpha: {alpha!r} (expected a finite number)")
     check_hyper("focal_loss_cuda.forward gamma", gamma, 0.0, math.inf)
     check_hyper("focal_loss_cuda.forward label_smoothing", label_smoothing, 0.0, 1.0, closed=True)
     p = cls_output.float()

@@ -103,7 +103,14 @@ def test_integer_logits_a_scalar_and_a_batched_grad_loss_are_refused_by_name(foc
 
 @pytest.mark.parametrize(
     ("argument", "value"),
-    [("alpha", float("nan")), ("gamma", -1.0), ("gamma", float("inf")), ("label_smoothing", 1.5), ("alpha", "0.25")],
+    [
+        ("alpha", float("nan")),
+        ("alpha", float("-inf")),
+        ("gamma", -1.0),
+        ("gamma", float("inf")),
+        ("label_smoothing", 1.5),
+        ("alpha", "0.25"),
+    ],
 )
 def test_a_hyper_parameter_that_makes_every_loss_nan_or_inf_is_refused_by_name(focal_loss_cuda, argument, value):
     """The host numbers are checked where it costs nothing: a NaN alpha, a negative or infinite gamma (sigma**gamma
