@@ -510,8 +510,9 @@ def _worker(rank, world_size, init_file, report_dir):
 @pytest.fixture(scope="module")
 def two_rank_failures(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gloo")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    with pytest.MonkeyPatch.context() as env:  # for these ranks only: later child processes keep their own threads
+        env.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
     return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
