@@ -354,7 +354,7 @@ def _cuda_toolchain() -> dict[str, str]:
     (the architectures built for). Read without starting CUDA: a DataLoader worker must not."""
     found = {
         "nvcc": _file_identity(_nvcc()),
-        "c++": _file_identity(shutil.which(os.environ.get("CXX", "c++"))),
+        "c++": _file_identity(shutil.which(cxx_compiler())),
         "gpus": _gpu_models(),
     }
     found.update({name: os.environ[name] for name in _TOOLCHAIN_ENV if name in os.environ})
@@ -434,8 +434,13 @@ def _built_library_name(marker: Path) -> str:
     return written if written.endswith(".so") else f"{written}.so"
 
 
+def cxx_compiler() -> str:
+    """The C++ compiler torch's extension build runs: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
 def _check_toolchain() -> None:
-    cxx = os.environ.get("CXX", "c++")
+    cxx = cxx_compiler()
     if shutil.which(cxx) is None:
         raise _NoCompiler(f"no C++ compiler found ({cxx!r} is not on PATH; set CXX to choose one)")
     if shutil.which("ninja") is None:
@@ -454,7 +459,7 @@ def _shared_libstdcxx() -> list[str]:
         return []
     try:
         found = subprocess.run(
-            [os.environ.get("CXX", "c++"), "-print-file-name=libstdc++.so.6"],
+            [cxx_compiler(), "-print-file-name=libstdc++.so.6"],
             capture_output=True, text=True, timeout=60, check=False,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):

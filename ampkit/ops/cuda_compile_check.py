@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ampkit.ops._build import CSRC_DIR, CUDA_FLAGS  # the flags the JIT build passes nvcc
+from ampkit.ops._build import CSRC_DIR, CUDA_FLAGS, cxx_compiler  # what the JIT build passes nvcc and runs
 
 # The CPU wheel ships c10/cuda headers but not their CMake-generated config header.
 DEFINES = ("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",)
@@ -64,7 +64,7 @@ def _command(source: Path, nvcc: str, includes: list[str], arch: str, out_dir: P
             "-o",
             str(obj),
         ]
-    cxx = os.environ.get("CXX", "c++")
+    cxx = cxx_compiler()
     return [cxx, "-fsyntax-only", "-std=c++20", *DEFINES, *includes, str(source)]
 
 
