@@ -1,6 +1,6 @@
 """The contracts of ``torch.optim.Optimizer`` that code swapping in a fused optimizer relies on, held by every fused
 optimizer under both implementations (the C++ kernels and the pure-PyTorch references): saving and resuming,
-copying, param groups, hooks, closures, gradients left out and torch's own state dicts."""
+copying, param groups, hooks, closures, gradients left out, ``maximize`` and torch's own state dicts."""
 
 from __future__ import annotations
 
@@ -224,6 +224,25 @@ def test_an_lr_given_as_a_0_dim_tensor_steps_as_the_number(name, where):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_maximize_ascends_as_a_step_on_the_negated_gradients(name):
+    """torch's ``maximize=True`` is a step on ``-grad`` (weight decay still shrinks the weights), for every fused
+    optimizer, given to the constructor or in a group. LAMB and NovoGrad took a group's ``maximize`` and minimized."""
+    make = OPTIMIZERS[name]
+    by_constructor, in_group, negated = make_params(), make_params(), make_params()
+    optimizers = [make(by_constructor, maximize=True), make([{"params": in_group, "maximize": True}]), make(negated)]
+    for step in range(3):
+        for trio in zip(by_constructor, in_group, negated, grads_of(step), strict=True):
+            *ascending, descending, g = trio
+            for p in ascending:
+                p.grad = g.clone()
+            descending.grad = -g
+        for optimizer in optimizers:
+            optimizer.step()
+    assert_same(by_constructor, negated)
+    assert_same(in_group, negated)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_weight_decay_shrinks_weights_whose_gradients_are_zero_and_nothing_moves_without_it(name):
     decayed, kept = make_params(), make_params()
     with_decay = OPTIMIZERS[name](decayed)
@@ -238,6 +257,28 @@ def test_weight_decay_shrinks_weights_whose_gradients_are_zero_and_nothing_moves
         without.step()
     assert_same(kept, before)
     assert all(p.norm() < b.norm() for p, b in zip(decayed, before, strict=True))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_steps_lower_a_loss_and_maximize_raises_it(name):
+    def losses(maximize):
+        torch.manual_seed(0)
+        weight, bias, x = torch.nn.Parameter(torch.randn(10, 5)), torch.nn.Parameter(torch.randn(10)), torch.randn(5)
+        optimizer = OPTIMIZERS[name]([weight, bias], maximize=maximize)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 if group["lr"] < 1.0 else group["lr"]  # a small step for a quadratic of curvature ~10
+        seen = []
+        for _ in range(20):
+            optimizer.zero_grad()
+            loss = (weight.mv(x) + bias).pow(2).sum()
+            loss.backward()
+            seen.append(loss.item())
+            optimizer.step()
+        return seen
+
+    descending, ascending = losses(False), losses(True)
+    assert descending[-1] < descending[0]
+    assert ascending[-1] > ascending[0]
 
 
 # ----------------------------------------------------------------- step: closures, missing gradients, zero_grad
