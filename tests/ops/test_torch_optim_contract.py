@@ -493,6 +493,26 @@ def test_a_torch_fused_run_resumed_on_torchs_kernel_continues_bit_identically(na
     assert_same(ours, theirs)
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd", "adagrad"])
+def test_torch_optims_fused_form_resumes_a_run_of_torchs_kernel_bit_identically(name):
+    """The other way round: ``torch.optim.X(fused=True)`` loading a ``backend="torch"`` run goes on exactly as it.
+    The state dict names no ``fused`` switch and torch takes the loaded group's: SGD falls back to its for-loop
+    form (rounded in another order) unless the switch is set again, as the docs say."""
+    make = TORCH_TWINS[name][0]
+    ours = make_params()
+    optimizer = make(ours, "torch")
+    run(optimizer, ours, 0, 3)
+    theirs = copies(ours)
+    resumed = torch_twin(name, theirs)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    if name == "sgd":
+        for group in resumed.param_groups:
+            group["fused"] = True
+    run(optimizer, ours, 3, 3)
+    run(resumed, theirs, 3, 3)
+    assert_same(theirs, ours)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_a_compiled_function_calling_step_trains_as_the_eager_step(name):
     make = OPTIMIZERS[name]
