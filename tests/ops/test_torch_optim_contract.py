@@ -204,6 +204,33 @@ def test_each_group_steps_with_its_own_lr(name):
     assert all(not torch.equal(p, b) for p, b in zip(params[1:], before, strict=True))
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_group_with_its_own_hyperparameters_steps_as_an_optimizer_of_that_group_alone(name):
+    """Per-group lr, weight decay, betas or momentum and eps: a group of a shared optimizer (kept buckets, one step
+    for all) steps exactly as an optimizer holding only that group. LAMB clips by the norm over every group, so
+    its clipping is off here."""
+    make = OPTIMIZERS[name]
+    defaults = make(make_params()).defaults
+    own = {"lr": defaults["lr"] / 2, "weight_decay": 0.05}
+    if "eps" in defaults:
+        own["eps"] = defaults["eps"] * 10
+    if "betas" in defaults:
+        own["betas"] = (0.8, 0.99)
+    if defaults.get("momentum"):
+        own["momentum"] = 0.5
+    shared = {"max_grad_norm": 0.0} if "max_grad_norm" in defaults else {}
+    params, alone = make_params(), make_params()
+    together = make([{"params": params[:2], **shared}, {"params": params[2:], **shared, **own}])
+    separate = [make([{"params": alone[:2], **shared}]), make([{"params": alone[2:], **shared, **own}])]
+    for step in range(3):
+        for p, q, g in zip(params, alone, grads_of(step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        together.step()
+        for optimizer in separate:
+            optimizer.step()
+    assert_same(params, alone)
+
+
 @pytest.mark.parametrize("where", ["constructor", "group"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_an_lr_given_as_a_0_dim_tensor_steps_as_the_number(name, where):
