@@ -24,17 +24,17 @@ from ampkit.ops.optimizers import (
 )
 
 OPTIMIZERS = {
-    "adamw": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01),
-    "adam_l2": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False),
-    "sgd": lambda p: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
-    "adagrad": lambda p: FusedAdagrad(p, lr=0.1, weight_decay=0.01),
-    "adadelta": lambda p: FusedAdadelta(p, lr=1.0, weight_decay=0.01),
-    "adamp": lambda p: FusedAdamP(p, lr=1e-2, weight_decay=0.01),
-    "lamb": lambda p: FusedLAMB(p, lr=1e-2, weight_decay=0.01),
-    "mixed_precision_lamb": lambda p: FusedMixedPrecisionLamb(p, lr=1e-2, weight_decay=0.01),
-    "novograd": lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01),
-    "rmsprop": lambda p: FusedRMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01),
-    "rmsprop_tf": lambda p: FusedRMSpropTF(p, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, **kw),
+    "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, **kw),
+    "sgd": lambda p, **kw: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
+    "adagrad": lambda p, **kw: FusedAdagrad(p, lr=0.1, weight_decay=0.01, **kw),
+    "adadelta": lambda p, **kw: FusedAdadelta(p, lr=1.0, weight_decay=0.01, **kw),
+    "adamp": lambda p, **kw: FusedAdamP(p, lr=1e-2, weight_decay=0.01, **kw),
+    "lamb": lambda p, **kw: FusedLAMB(p, lr=1e-2, weight_decay=0.01, **kw),
+    "mixed_precision_lamb": lambda p, **kw: FusedMixedPrecisionLamb(p, lr=1e-2, weight_decay=0.01, **kw),
+    "novograd": lambda p, **kw: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01, **kw),
+    "rmsprop": lambda p, **kw: FusedRMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
+    "rmsprop_tf": lambda p, **kw: FusedRMSpropTF(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
 }
 SHAPES = [(5, 4), (7,), (3, 3)]
 OVERFLOW_AT = 2  # the iteration whose gradients get an inf
@@ -214,3 +214,33 @@ def test_scaler_and_optimizer_resumed_mid_run_go_on_as_the_uninterrupted_run(nam
         assert resumed_scaler.get_scale() == scaler.get_scale()
     assert_same(resumed_params, params)
     assert_same(resumed.state_dict(), optimizer.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_half_weights_with_fp32_masters_skip_and_step_as_the_unscaled_half_run(name, dtype):
+    """The same recipe on float16/bfloat16 weights whose fp32 masters live in the optimizer (GradScaler hands
+    the half gradients to ``step``; its ``unscale_`` refuses float16 ones, for torch's optimizers too)."""
+
+    def half_params():
+        return [torch.nn.Parameter(p.detach().to(dtype)) for p in make_params()]
+
+    def build(params):
+        if name == "mixed_precision_lamb":  # always keeps masters
+            return OPTIMIZERS[name](params)
+        return OPTIMIZERS[name](params, master_weights=True)
+
+    scaled_params, plain_params = half_params(), half_params()
+    optimizer, plain = build(scaled_params), build(plain_params)
+    scaler = scaler_for_test()
+    for step in range(5):
+        optimizer.zero_grad()
+        scaler.scale(loss_of(scaled_params, step)).backward()
+        if step == OVERFLOW_AT:
+            scaled_params[0].grad[1, 2] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+    unscaled_run(plain, plain_params, range(5), skip=(OVERFLOW_AT,))
+    assert scaler.get_scale() == SCALES[4]
+    assert all(optimizer.state[p]["master_param"].dtype == torch.float32 for p in scaled_params)
+    assert_same(scaled_params, plain_params)
