@@ -380,6 +380,21 @@ def test_empty_and_0_dim_parameters_step_with_the_rest(name):
     assert params[-1] in optimizer.state and torch.isfinite(params[-1])
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_complex_parameters_which_torch_optim_steps_as_real_pairs_are_refused_by_dtype(name):
+    """A deliberate difference: the kernels step real floating tensors only. The error names the dtype, and a
+    refused ``add_param_group`` leaves the optimizer as it was."""
+    complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.complex64; expected float32"):
+        OPTIMIZERS[name]([complex_param])
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    with pytest.raises(TypeError, match="torch.complex64"):
+        optimizer.add_param_group({"params": [complex_param]})
+    assert len(optimizer.param_groups) == 1
+    run(optimizer, params, 0, 1)
+
+
 # ----------------------------------------------------------------- hooks
 
 
