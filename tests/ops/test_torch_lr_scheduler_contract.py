@@ -5,6 +5,8 @@ momenta step by step, a scheduler's state_dict resumes, and the lr a scheduler s
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -216,3 +218,26 @@ def test_swa_and_ema_average_the_weights_the_optimizer_stepped_to_while_swalr_an
     for i, averaged in enumerate(swa.module.parameters()):
         torch.testing.assert_close(averaged, torch.stack([v[i] for v in visited]).mean(0))
     torch.testing.assert_close(list(ema.module.parameters()), expected_ema)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_optimizer_and_its_scheduler_are_freed_when_dropped_without_the_cycle_collector(name):
+    """torch keeps optimizers and schedulers free of reference cycles, so a dropped one frees its state (the size of
+    the model, twice for Adam) at once rather than at some later garbage collection: kept buckets must not add one."""
+
+    def train_and_drop():
+        params = make_params()
+        optimizer = OPTIMIZERS[name](params)
+        scheduled = lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+        set_grads(params, 0)
+        optimizer.step()
+        scheduled.step()
+        return weakref.ref(optimizer), weakref.ref(scheduled)
+
+    gc.collect()
+    gc.disable()
+    try:
+        optimizer, scheduled = train_and_drop()
+        assert optimizer() is None and scheduled() is None
+    finally:
+        gc.enable()
