@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ampkit.ops._switches import checked_switch
+from ampkit.ops._transforms import transforms_active
 
 __all__ = [
     "DenseNoBiasFunc",
@@ -97,12 +98,14 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         _check("FusedDenseGeluDenseFunc", input, weight1, weight2)
         gelu_in = F.linear(input, weight1, bias1)
         output1 = F.gelu(gelu_in, approximate="tanh")
-        ctx.save_for_backward(input, weight1, weight2, gelu_in, output1)
+        ctx.save_for_backward(input, weight1, weight2, gelu_in, output1, bias1, bias2)
         return F.linear(output1, weight2, bias2)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, ...]:
-        input, weight1, weight2, gelu_in, output1 = ctx.saved_tensors
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, weight1, weight2, gelu_in, output1, bias1, bias2 = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient penalty, gradgradcheck
+            return _differentiable_gelu_grads(ctx, grad_output, (input, weight1, bias1, weight2, bias2))
         grad2 = _rows(grad_output)
         grad_weight2, grad_bias2 = grad2.t() @ _rows(output1), grad2.sum(0)
         grad1 = (grad2 @ weight2) * _tanh_gelu_grad(_rows(gelu_in))
@@ -110,10 +113,30 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         return grad_input, grad1.t() @ _rows(input), grad1.sum(0), grad_weight2, grad_bias2
 
 
-def _outside_autocast(function: Any, *args: Tensor) -> Tensor:
+def _dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
+    """The linear-GELU-linear as torch ops, which autograd, ``torch.func`` and ``torch.compile`` see through."""
+    return F.linear(F.gelu(F.linear(input, weight1, bias1), approximate="tanh"), weight2, bias2)
+
+
+def _differentiable_gelu_grads(ctx: Any, grad_output: Tensor, args: tuple[Tensor, ...]) -> tuple:
+    """``FusedDenseGeluDenseFunc``'s gradients as a graph of their own: the saved GELU input and output carry no graph
+    back to the input and weights (their second derivatives came out wrong, with no error), so the layers run again
+    on the saved inputs and are differentiated."""
+    with torch.enable_grad():
+        output = _dense_gelu_dense(*args)
+        needed = [need and t.requires_grad for t, need in zip(args, ctx.needs_input_grad, strict=True)]
+        wanted = [t for t, need in zip(args, needed, strict=True) if need]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in needed)
+
+
+def _outside_autocast(function: Any, plain: Any, *args: Tensor) -> Tensor:
     """Apex's ``_cast_if_autocast_enabled``: under autocast, floating arguments take its dtype, then the op runs
-    with autocast off."""
+    with autocast off. Under a trace, ``torch.compile``, ``torch.func`` or forward-mode AD ``plain`` (the same maths
+    as torch ops) runs in place of the autograd ``function``, which they cannot see through."""
     device_type = args[0].device.type
+    if transforms_active():
+        function = plain
     if not torch.is_autocast_enabled(device_type):
         return function(*args)
     dtype = torch.get_autocast_dtype(device_type)
@@ -124,19 +147,19 @@ def _outside_autocast(function: Any, *args: Tensor) -> Tensor:
 
 def fused_dense_function(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """``FusedDenseFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(FusedDenseFunc.apply, input, weight, bias)
+    return _outside_autocast(FusedDenseFunc.apply, F.linear, input, weight, bias)
 
 
 def dense_no_bias_function(input: Tensor, weight: Tensor) -> Tensor:
     """``DenseNoBiasFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(DenseNoBiasFunc.apply, input, weight)
+    return _outside_autocast(DenseNoBiasFunc.apply, F.linear, input, weight)
 
 
 def fused_dense_gelu_dense_function(
     input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
 ) -> Tensor:
     """``FusedDenseGeluDenseFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(FusedDenseGeluDenseFunc.apply, input, weight1, bias1, weight2, bias2)
+    return _outside_autocast(FusedDenseGeluDenseFunc.apply, _dense_gelu_dense, input, weight1, bias1, weight2, bias2)
 
 
 def _linear_parameters(out_features: int, in_features: int, bias: bool) -> tuple[nn.Parameter, nn.Parameter | None]:
