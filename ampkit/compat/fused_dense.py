@@ -162,42 +162,93 @@ def fused_dense_gelu_dense_function(
     return _outside_autocast(FusedDenseGeluDenseFunc.apply, _dense_gelu_dense, input, weight1, bias1, weight2, bias2)
 
 
-def _linear_parameters(out_features: int, in_features: int, bias: bool) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """A weight and bias initialized as ``torch.nn.Linear``'s."""
-    reference = nn.Linear(in_features, out_features, bias=bias)
-    return reference.weight, reference.bias
+def _linear_parameters(
+    out_features: int, in_features: int, bias: bool, device: torch.device | str | None, dtype: torch.dtype | None
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """An uninitialized ``[out, in]`` weight and ``[out]`` bias (None without ``bias``), made as ``nn.Linear`` makes
+    them: on ``device`` in ``dtype``."""
+    weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+    return weight, nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+
+def _reset_linear(weight: Tensor, bias: Tensor | None) -> None:
+    """``nn.Linear.reset_parameters``: the same draws in the same order, so a seeded model starts as with nn.Linear."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = nn.init._calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
 
 
 class FusedDense(nn.Module):
-    """Apex's ``FusedDense(in_features, out_features, bias=True)``: ``weight`` is ``[out, in]``, as in nn.Linear."""
+    """Apex's ``FusedDense(in_features, out_features, bias=True)``: ``weight`` is ``[out, in]``, as in nn.Linear,
+    whose ``device``/``dtype`` it takes and whose state dicts it loads and gives."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         bias = checked_switch("FusedDense", "bias", bias)  # nn.Linear reads it by truthiness: "False" gave a bias
-        self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias)
+        self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias, device, dtype)
         self.register_parameter("bias", bias_parameter)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear``'s (Apex left the parameters uninitialized); FSDP2's deferred init calls it after
+        ``to_empty``."""
+        _reset_linear(self.weight, self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
         if self.bias is not None:
             return fused_dense_function(input, self.weight, self.bias)
         return dense_no_bias_function(input, self.weight)
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 class FusedDenseGeluDense(nn.Module):
     """Apex's ``FusedDenseGeluDense(in_features, intermediate_features, out_features)``: ``weight1``/``bias1`` then
     GELU (tanh approximation) then ``weight2``/``bias2``."""
 
-    def __init__(self, in_features: int, intermediate_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        intermediate_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if bias is not True:
             raise ValueError(f"FusedDenseGeluDense takes bias=True only, as in Apex, got bias={bias!r}")
         self.in_features = in_features
         self.intermediate_features = intermediate_features
         self.out_features = out_features
-        self.weight1, self.bias1 = _linear_parameters(intermediate_features, in_features, True)
-        self.weight2, self.bias2 = _linear_parameters(out_features, intermediate_features, True)
+        self.weight1, self.bias1 = _linear_parameters(intermediate_features, in_features, True, device, dtype)
+        self.weight2, self.bias2 = _linear_parameters(out_features, intermediate_features, True, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each layer as ``nn.Linear``'s."""
+        _reset_linear(self.weight1, self.bias1)
+        _reset_linear(self.weight2, self.bias2)
 
     def forward(self, input: Tensor) -> Tensor:
         return fused_dense_gelu_dense_function(input, self.weight1, self.bias1, self.weight2, self.bias2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, intermediate_features={self.intermediate_features}, "
+            f"out_features={self.out_features}"
+        )

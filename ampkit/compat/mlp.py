@@ -175,7 +175,15 @@ class MLP(nn.Module):
     """Apex's MLP: ``mlp_sizes`` ``[in, h1, ..., out]`` make ``len(mlp_sizes) - 1`` layers, each followed by the
     activation (``"none"``, ``"relu"`` or ``"sigmoid"``)."""
 
-    def __init__(self, mlp_sizes: Sequence[int], bias: bool = True, activation: str = "relu") -> None:
+    def __init__(
+        self,
+        mlp_sizes: Sequence[int],
+        bias: bool = True,
+        activation: str = "relu",
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise TypeError(
@@ -189,11 +197,12 @@ class MLP(nn.Module):
         self.mlp_sizes = copy(mlp_sizes)
         self.bias = 1 if checked_switch("apex.mlp.MLP", "bias", bias) else 0  # "False" would build biases
         self.activation = _ACTIVATIONS[activation]
+        factory = {"device": device, "dtype": dtype}
         for i in range(self.num_layers):
             out_features, in_features = mlp_sizes[i + 1], mlp_sizes[i]
-            setattr(self, f"weight_{i}", nn.Parameter(torch.empty(out_features, in_features)))
+            setattr(self, f"weight_{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
             if self.bias:
-                setattr(self, f"bias_{i}", nn.Parameter(torch.empty(out_features)))
+                setattr(self, f"bias_{i}", nn.Parameter(torch.empty(out_features, **factory)))
         self.reset_parameters()
 
     # Apex's lists, read from the registered parameters on every access: a list built once kept the tensors that

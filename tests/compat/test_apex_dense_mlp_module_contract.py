@@ -81,6 +81,64 @@ def assert_matches_torch_ops(name, m, x, tol=None):
 # ------------------------------------------------------------------- construction and deferred init
 
 
+@pytest.mark.parametrize("name", MODULES)
+def test_factory_kwargs_and_a_meta_device_context_place_every_parameter(name):
+    """``FusedDense(..., device=, dtype=)`` was a TypeError, as was ``MLP``'s."""
+    built = MODULES[name][0](device="meta", dtype=torch.float64)
+    assert all(p.is_meta and p.dtype == torch.float64 for p in built.parameters())
+    with torch.device("meta"):
+        in_context = MODULES[name][0]()
+    assert all(p.is_meta for p in in_context.parameters())
+    assert [n for n, _ in built.named_parameters()] == [n for n, _ in module(name).named_parameters()]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_a_meta_built_module_comes_to_life_with_to_empty_and_reset_parameters(name):
+    """FSDP2 / torchtitan's deferred init. ``FusedDense`` had no ``reset_parameters``; ``MLP``'s forward kept reading
+    the meta tensors ``to_empty`` had replaced."""
+    with torch.device("meta"):
+        m = MODULES[name][0](dtype=torch.float64)
+    m.to_empty(device="cpu")
+    torch.manual_seed(0)
+    m.reset_parameters()
+    torch.manual_seed(0)
+    eager = MODULES[name][0](dtype=torch.float64)
+    for (key, value), (key_ref, value_ref) in zip(m.state_dict().items(), eager.state_dict().items(), strict=True):
+        assert key == key_ref and value.device.type == "cpu"
+        torch.testing.assert_close(value, value_ref, rtol=0, atol=0)  # the same draws as a module built eagerly
+    assert_matches_torch_ops(name, m, inputs(4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_dense_starts_saves_loads_and_prints_as_nn_linear(bias):
+    torch.manual_seed(3)
+    linear = nn.Linear(5, 3, bias=bias)
+    torch.manual_seed(3)
+    dense = FusedDense(5, 3, bias=bias)
+    assert dense.extra_repr() == linear.extra_repr()
+    assert list(dense.state_dict()) == list(linear.state_dict())
+    for key, value in linear.state_dict().items():
+        torch.testing.assert_close(dense.state_dict()[key], value, rtol=0, atol=0)  # the same initialization
+    with torch.no_grad():
+        for p in linear.parameters():
+            p.mul_(2)
+    FusedDense(5, 3, bias=bias).load_state_dict(linear.state_dict(), strict=True)
+    dense.load_state_dict(linear.state_dict(), strict=True)
+    nn.Linear(5, 3, bias=bias).load_state_dict(dense.state_dict(), strict=True)
+    x = inputs(4, dtype=torch.float32)
+    torch.testing.assert_close(dense(x), linear(x))
+
+
+def test_fused_dense_gelu_dense_layers_start_as_nn_linears():
+    torch.manual_seed(4)
+    first, second = nn.Linear(5, 4), nn.Linear(4, 3)
+    torch.manual_seed(4)
+    fused = FusedDenseGeluDense(5, 4, 3)
+    for got, want in zip(fused.parameters(), (*first.parameters(), *second.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert "intermediate_features=4" in repr(fused)
+
+
 @pytest.mark.parametrize("name", MLPS)
 def test_mlp_runs_the_parameters_put_in_place_of_its_own(name):
     """``to_empty``, ``load_state_dict(assign=True)`` and ``functional_call`` register other tensors; ``MLP``'s
