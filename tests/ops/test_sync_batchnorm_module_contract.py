@@ -132,3 +132,13 @@ def test_sync_batch_norm_compiles_exports_and_keeps_float32_under_autocast_as_ba
     torch.testing.assert_close(ours.running_mean, eager.running_mean)  # the compiled step updated its statistics
     exported = torch.export.export(ours.eval(), (x,))
     torch.testing.assert_close(exported.module()(x), ours(x))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_sync_batch_norm_takes_a_zero_size_batch_as_batch_norm_does(training):
+    ours, theirs = batch_norm_pair({})
+    ours.train(training)
+    theirs.train(training)
+    assert assert_same_maths(ours, theirs, images(n=0)).shape == (0, 3, 5, 4)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=0, atol=0)

@@ -1,8 +1,9 @@
 """The contracts of ``nn.LayerNorm`` and ``nn.RMSNorm`` that code swapping in ampkit's norms relies on, held by every
-fused norm under both implementations (the C++ kernels and the pure-PyTorch references): deferred init on ``meta``,
-factory kwargs, torch's state dicts, copies, dtype and layout conversions, hooks, ``torch.func``, first and second
-derivatives, odd inputs, ``torch.compile``, ``torch.export`` and autocast. Each is checked against the torch module
-it stands in for (``test_modules``' generic checks, in ampkit's own tests); SyncBatchNorm's are in
+fused norm under each implementation (ampkit's C++ kernels, the pure-PyTorch references, torch's kernels where
+``AMPKIT_FUSED_BACKEND=torch`` routes to them): deferred init on ``meta``, factory kwargs, torch's state dicts,
+copies, dtype and layout conversions, hooks, ``torch.func``, first and second derivatives, odd inputs,
+``torch.compile``, ``torch.export`` and autocast. Each is checked against the torch module it stands in for
+(``test_modules``' generic checks, in ampkit's own tests); SyncBatchNorm's are in
 ``test_sync_batchnorm_module_contract.py``."""
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ NORMS = {
 AFFINE = [name for name in NORMS if "no_affine" not in name]
 
 
-@pytest.fixture(params=["kernel", "reference"], autouse=True)
+@pytest.fixture(params=["kernel", "reference", "torch"], autouse=True)
 def ops_mode(request, monkeypatch):
-    """ampkit's C++ kernels (never torch's, which ``auto`` picks for fp32 LayerNorm on the CPU), then the references."""
-    monkeypatch.setenv("AMPKIT_OPS", request.param)
-    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", "ampkit")
+    """ampkit's C++ kernels (never torch's, which ``auto`` picks for fp32 LayerNorm on the CPU), the references, then
+    torch's kernels wherever they take the call (a GPU's default)."""
+    monkeypatch.setenv("AMPKIT_OPS", "reference" if request.param == "reference" else "kernel")
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", "torch" if request.param == "torch" else "ampkit")
     return request.param
 
 
@@ -290,11 +292,12 @@ def test_gradcheck_and_gradgradcheck_in_float64_in_total_and_per_parameter(name)
 
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
 def test_a_memory_efficient_norm_refuses_a_second_derivative_it_cannot_give(cls, ops_mode):
-    """It keeps the output, not the input: with the kernels a graph of its gradients is refused by name; the
-    reference keeps torch's graph and so gives exact second derivatives."""
+    """It keeps the output, not the input: with the kernels (ampkit's, whatever the backend: torch's keep the input) a
+    graph of its gradients is refused by name; the reference keeps torch's graph and so gives exact second
+    derivatives."""
     norm = cls(SHAPE, memory_efficient=True).double()
     x = inputs(2).requires_grad_()
-    if ops_mode == "kernel":
+    if ops_mode != "reference":
         with pytest.raises(RuntimeError, match="memory_efficient=True"):
             torch.autograd.grad(norm(x).sin().sum(), x, create_graph=True)
     else:
