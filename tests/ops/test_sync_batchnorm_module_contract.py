@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from ampkit.compat.parallel import SyncBatchNorm as ApexSyncBatchNorm
 from ampkit.ops import SyncBatchNorm
 
 BATCH_NORMS = {
@@ -23,8 +24,8 @@ BATCH_NORMS = {
 }
 
 
-def batch_norm_pair(options, dtype=torch.float64):
-    ours, theirs = SyncBatchNorm(3, dtype=dtype, **options), nn.BatchNorm2d(3, dtype=dtype, **options)
+def batch_norm_pair(options, dtype=torch.float64, cls=SyncBatchNorm):
+    ours, theirs = cls(3, dtype=dtype, **options), nn.BatchNorm2d(3, dtype=dtype, **options)
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(0), dtype=dtype) + 0.5)
@@ -54,10 +55,11 @@ def assert_same_maths(ours, theirs, x):
     return y
 
 
+@pytest.mark.parametrize("cls", [SyncBatchNorm, ApexSyncBatchNorm], ids=["ampkit", "apex"])
 @pytest.mark.parametrize("options", BATCH_NORMS.values(), ids=BATCH_NORMS)
-def test_sync_batch_norm_alone_trains_and_evaluates_as_batch_norm_2d(options):
+def test_sync_batch_norm_alone_trains_and_evaluates_as_batch_norm_2d(options, cls):
     """Three training steps (running statistics), eval, and a channels-last input, against torch's module."""
-    ours, theirs = batch_norm_pair(options)
+    ours, theirs = batch_norm_pair(options, cls=cls)
     for step in range(3):
         layout = torch.channels_last if step == 1 else torch.contiguous_format
         x = images(seed=step).to(memory_format=layout)
@@ -70,19 +72,21 @@ def test_sync_batch_norm_alone_trains_and_evaluates_as_batch_norm_2d(options):
     assert_same_maths(ours, theirs, images(seed=9))
 
 
+@pytest.mark.parametrize("cls", [SyncBatchNorm, ApexSyncBatchNorm], ids=["ampkit", "apex"])
 @pytest.mark.parametrize("options", BATCH_NORMS.values(), ids=BATCH_NORMS)
-def test_sync_batch_norm_construction_state_and_copies_are_batch_norms(options):
-    built = SyncBatchNorm(3, device="meta", dtype=torch.float64, **options)
-    assert all(t.is_meta for t in (*built.parameters(), *built.buffers()))
+def test_sync_batch_norm_construction_state_and_copies_are_batch_norms(options, cls):
+    """``apex.parallel.SyncBatchNorm(..., device=, dtype=)`` was a TypeError (Apex's signature has neither)."""
+    built = cls(3, device="meta", dtype=torch.float64, **options)
+    assert all(t.is_meta and t.dtype in (torch.float64, torch.long) for t in (*built.parameters(), *built.buffers()))
     with torch.device("meta"):
-        deferred = SyncBatchNorm(3, **options)
+        deferred = cls(3, **options)
     deferred.to_empty(device="cpu")
     deferred.reset_parameters()
     fresh = nn.BatchNorm2d(3, **options)
     assert deferred.state_dict().keys() == fresh.state_dict().keys()
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(deferred.state_dict()[key], value, rtol=0, atol=0)
-    ours, theirs = batch_norm_pair(options)
+    ours, theirs = batch_norm_pair(options, cls=cls)
     assert ours.extra_repr() == theirs.extra_repr()
     nn.BatchNorm2d(3, dtype=torch.float64, **options).load_state_dict(ours.state_dict(), strict=True)
     x = images()
