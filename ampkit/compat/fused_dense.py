@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ampkit.ops._switches import checked_switch
+from ampkit.ops._transforms import transforms_active
 
 __all__ = [
     "DenseNoBiasFunc",
@@ -97,12 +98,14 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         _check("FusedDenseGeluDenseFunc", input, weight1, weight2)
         gelu_in = F.linear(input, weight1, bias1)
         output1 = F.gelu(gelu_in, approximate="tanh")
-        ctx.save_for_backward(input, weight1, weight2, gelu_in, output1)
+        ctx.save_for_backward(input, weight1, weight2, gelu_in, output1, bias1, bias2)
         return F.linear(output1, weight2, bias2)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, ...]:
-        input, weight1, weight2, gelu_in, output1 = ctx.saved_tensors
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        input, weight1, weight2, gelu_in, output1, bias1, bias2 = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a gradient penalty, gradgradcheck
+            return _differentiable_gelu_grads(ctx, grad_output, (input, weight1, bias1, weight2, bias2))
         grad2 = _rows(grad_output)
         grad_weight2, grad_bias2 = grad2.t() @ _rows(output1), grad2.sum(0)
         grad1 = (grad2 @ weight2) * _tanh_gelu_grad(_rows(gelu_in))
@@ -110,10 +113,30 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         return grad_input, grad1.t() @ _rows(input), grad1.sum(0), grad_weight2, grad_bias2
 
 
-def _outside_autocast(function: Any, *args: Tensor) -> Tensor:
+def _dense_gelu_dense(input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
+    """The linear-GELU-linear as torch ops, which autograd, ``torch.func`` and ``torch.compile`` see through."""
+    return F.linear(F.gelu(F.linear(input, weight1, bias1), approximate="tanh"), weight2, bias2)
+
+
+def _differentiable_gelu_grads(ctx: Any, grad_output: Tensor, args: tuple[Tensor, ...]) -> tuple:
+    """``FusedDenseGeluDenseFunc``'s gradients as a graph of their own: the saved GELU input and output carry no graph
+    back to the input and weights (their second derivatives came out wrong, with no error), so the layers run again
+    on the saved inputs and are differentiated."""
+    with torch.enable_grad():
+        output = _dense_gelu_dense(*args)
+        needed = [need and t.requires_grad for t, need in zip(args, ctx.needs_input_grad, strict=True)]
+        wanted = [t for t, need in zip(args, needed, strict=True) if need]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True))
+    return tuple(next(grads) if need else None for need in needed)
+
+
+def _outside_autocast(function: Any, plain: Any, *args: Tensor) -> Tensor:
     """Apex's ``_cast_if_autocast_enabled``: under autocast, floating arguments take its dtype, then the op runs
-    with autocast off."""
+    with autocast off. Under a trace, ``torch.compile``, ``torch.func`` or forward-mode AD ``plain`` (the same maths
+    as torch ops) runs in place of the autograd ``function``, which they cannot see through."""
     device_type = args[0].device.type
+    if transforms_active():
+        function = plain
     if not torch.is_autocast_enabled(device_type):
         return function(*args)
     dtype = torch.get_autocast_dtype(device_type)
@@ -124,57 +147,108 @@ def _outside_autocast(function: Any, *args: Tensor) -> Tensor:
 
 def fused_dense_function(input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """``FusedDenseFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(FusedDenseFunc.apply, input, weight, bias)
+    return _outside_autocast(FusedDenseFunc.apply, F.linear, input, weight, bias)
 
 
 def dense_no_bias_function(input: Tensor, weight: Tensor) -> Tensor:
     """``DenseNoBiasFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(DenseNoBiasFunc.apply, input, weight)
+    return _outside_autocast(DenseNoBiasFunc.apply, F.linear, input, weight)
 
 
 def fused_dense_gelu_dense_function(
     input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor
 ) -> Tensor:
     """``FusedDenseGeluDenseFunc.apply`` with Apex's autocast handling."""
-    return _outside_autocast(FusedDenseGeluDenseFunc.apply, input, weight1, bias1, weight2, bias2)
+    return _outside_autocast(FusedDenseGeluDenseFunc.apply, _dense_gelu_dense, input, weight1, bias1, weight2, bias2)
 
 
-def _linear_parameters(out_features: int, in_features: int, bias: bool) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """A weight and bias initialized as ``torch.nn.Linear``'s."""
-    reference = nn.Linear(in_features, out_features, bias=bias)
-    return reference.weight, reference.bias
+def _linear_parameters(
+    out_features: int, in_features: int, bias: bool, device: torch.device | str | None, dtype: torch.dtype | None
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """An uninitialized ``[out, in]`` weight and ``[out]`` bias (None without ``bias``), made as ``nn.Linear`` makes
+    them: on ``device`` in ``dtype``."""
+    weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+    return weight, nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+
+def _reset_linear(weight: Tensor, bias: Tensor | None) -> None:
+    """``nn.Linear.reset_parameters``: the same draws in the same order, so a seeded model starts as with nn.Linear."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = nn.init._calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
 
 
 class FusedDense(nn.Module):
-    """Apex's ``FusedDense(in_features, out_features, bias=True)``: ``weight`` is ``[out, in]``, as in nn.Linear."""
+    """Apex's ``FusedDense(in_features, out_features, bias=True)``: ``weight`` is ``[out, in]``, as in nn.Linear,
+    whose ``device``/``dtype`` it takes and whose state dicts it loads and gives."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         bias = checked_switch("FusedDense", "bias", bias)  # nn.Linear reads it by truthiness: "False" gave a bias
-        self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias)
+        self.weight, bias_parameter = _linear_parameters(out_features, in_features, bias, device, dtype)
         self.register_parameter("bias", bias_parameter)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear``'s (Apex left the parameters uninitialized); FSDP2's deferred init calls it after
+        ``to_empty``."""
+        _reset_linear(self.weight, self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
         if self.bias is not None:
             return fused_dense_function(input, self.weight, self.bias)
         return dense_no_bias_function(input, self.weight)
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 class FusedDenseGeluDense(nn.Module):
     """Apex's ``FusedDenseGeluDense(in_features, intermediate_features, out_features)``: ``weight1``/``bias1`` then
     GELU (tanh approximation) then ``weight2``/``bias2``."""
 
-    def __init__(self, in_features: int, intermediate_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        intermediate_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if bias is not True:
             raise ValueError(f"FusedDenseGeluDense takes bias=True only, as in Apex, got bias={bias!r}")
         self.in_features = in_features
         self.intermediate_features = intermediate_features
         self.out_features = out_features
-        self.weight1, self.bias1 = _linear_parameters(intermediate_features, in_features, True)
-        self.weight2, self.bias2 = _linear_parameters(out_features, intermediate_features, True)
+        self.weight1, self.bias1 = _linear_parameters(intermediate_features, in_features, True, device, dtype)
+        self.weight2, self.bias2 = _linear_parameters(out_features, intermediate_features, True, device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each layer as ``nn.Linear``'s."""
+        _reset_linear(self.weight1, self.bias1)
+        _reset_linear(self.weight2, self.bias2)
 
     def forward(self, input: Tensor) -> Tensor:
         return fused_dense_gelu_dense_function(input, self.weight1, self.bias1, self.weight2, self.bias2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, intermediate_features={self.intermediate_features}, "
+            f"out_features={self.out_features}"
+        )

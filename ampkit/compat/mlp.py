@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ampkit.ops._switches import checked_switch
+from ampkit.ops._transforms import transforms_active
 
 __all__ = ["MLP", "MlpFunction", "mlp_function"]
 
@@ -107,17 +108,42 @@ class MlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bias: int, activation: int, *args: Tensor) -> Tensor:
         output = mlp_forward(bias, activation, args)
-        ctx.save_for_backward(*args)
-        ctx.outputs = output
+        # Saved, not kept as ctx attributes: a backward with retain_graph=True may run again, and a ctx holding its
+        # own output would be a reference cycle.
+        ctx.save_for_backward(*args, *output[1:])
+        ctx.num_args = len(args)
         ctx.bias = bias
         ctx.activation = activation
         return output[0]
 
     @staticmethod
     def backward(ctx: Any, grad_o: Tensor) -> tuple:
-        grads = mlp_backward(ctx.bias, ctx.activation, grad_o, ctx.outputs, ctx.saved_tensors)
-        del ctx.outputs
+        saved = ctx.saved_tensors
+        args, activated = saved[: ctx.num_args], saved[ctx.num_args :]
+        if torch.is_grad_enabled():  # create_graph=True: the layers' own ops, so second derivatives are exact
+            return (None, None, *_differentiable_grads(ctx, grad_o, args))
+        grads = mlp_backward(ctx.bias, ctx.activation, grad_o, [activated[-1], *activated], args)
         return (None, None, *grads)
+
+
+def _differentiable_grads(ctx: Any, grad_o: Tensor, args: Sequence[Tensor]) -> list[Tensor | None]:
+    """The gradients as a graph of their own (a gradient penalty, gradgradcheck): the saved activations carry no
+    graph back to the input and weights, so the layers are run again on the saved inputs and differentiated."""
+    with torch.enable_grad():
+        output = _plain_forward(ctx.bias, ctx.activation, args)
+        needed = [need and t.requires_grad for t, need in zip(args, ctx.needs_input_grad[2:], strict=True)]
+        wanted = [t for t, need in zip(args, needed, strict=True) if need]
+        grads = iter(torch.autograd.grad(output, wanted, grad_o, create_graph=True, allow_unused=True))
+    return [next(grads) if need else None for need in needed]
+
+
+def _plain_forward(use_bias: int, activation: int, args: Sequence[Tensor]) -> Tensor:
+    """The MLP as torch ops autograd differentiates itself (what ``torch.func``, ``torch.compile`` and a second
+    derivative need)."""
+    x, weights, biases = _layers(use_bias, args)
+    for weight, bias in zip(weights, biases, strict=True):
+        x = _activate(F.linear(x, weight, bias), activation)
+    return x
 
 
 def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
@@ -127,7 +153,13 @@ def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
         dtype = torch.get_autocast_dtype(device_type)
         cast = [a.to(dtype) if a.is_floating_point() else a for a in args]
         with torch.autocast(device_type, enabled=False):
-            return MlpFunction.apply(bias, activation, *cast)
+            return _run(bias, activation, cast)
+    return _run(bias, activation, args)
+
+
+def _run(bias: int, activation: int, args: Sequence[Tensor]) -> Tensor:
+    if transforms_active():
+        return _plain_forward(bias, activation, args)
     return MlpFunction.apply(bias, activation, *args)
 
 
@@ -143,7 +175,15 @@ class MLP(nn.Module):
     """Apex's MLP: ``mlp_sizes`` ``[in, h1, ..., out]`` make ``len(mlp_sizes) - 1`` layers, each followed by the
     activation (``"none"``, ``"relu"`` or ``"sigmoid"``)."""
 
-    def __init__(self, mlp_sizes: Sequence[int], bias: bool = True, activation: str = "relu") -> None:
+    def __init__(
+        self,
+        mlp_sizes: Sequence[int],
+        bias: bool = True,
+        activation: str = "relu",
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise TypeError(
@@ -157,17 +197,25 @@ class MLP(nn.Module):
         self.mlp_sizes = copy(mlp_sizes)
         self.bias = 1 if checked_switch("apex.mlp.MLP", "bias", bias) else 0  # "False" would build biases
         self.activation = _ACTIVATIONS[activation]
-        self.weights: list[nn.Parameter] = []
-        self.biases: list[nn.Parameter] = []
+        factory = {"device": device, "dtype": dtype}
         for i in range(self.num_layers):
-            weight = nn.Parameter(torch.empty(mlp_sizes[i + 1], mlp_sizes[i]))
-            self.weights.append(weight)
-            setattr(self, f"weight_{i}", weight)
+            out_features, in_features = mlp_sizes[i + 1], mlp_sizes[i]
+            setattr(self, f"weight_{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
             if self.bias:
-                bias_i = nn.Parameter(torch.empty(mlp_sizes[i + 1]))
-                self.biases.append(bias_i)
-                setattr(self, f"bias_{i}", bias_i)
+                setattr(self, f"bias_{i}", nn.Parameter(torch.empty(out_features, **factory)))
         self.reset_parameters()
+
+    # Apex's lists, read from the registered parameters on every access: a list built once kept the tensors that
+    # to_empty(), load_state_dict(assign=True) or torch.func.functional_call put other ones in place of.
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        """Each layer's weight, ``[out, in]``: the module's ``weight_{i}``."""
+        return [getattr(self, f"weight_{i}") for i in range(self.num_layers)]
+
+    @property
+    def biases(self) -> list[nn.Parameter]:
+        """Each layer's bias (none without ``bias``): the module's ``bias_{i}``."""
+        return [getattr(self, f"bias_{i}") for i in range(self.num_layers)] if self.bias else []
 
     def reset_parameters(self) -> None:
         """Apex's initialisation: normal weights with std ``sqrt(2 / (fan_in + fan_out))``, biases ``sqrt(1 / out)``."""

@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from ampkit.ops._backend import resolve_backend
@@ -50,6 +49,7 @@ from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._switches import checked_switch
+from ampkit.ops._transforms import transforms_active
 from ampkit.ops.reference import norms as reference
 
 __all__ = [
@@ -227,11 +227,7 @@ def _use_kernel(input: torch.Tensor) -> bool:
     """Whether ampkit's kernel runs: not while tracing or compiling, nor under a ``torch.func`` transform (``vmap``,
     ``grad``, ``jacrev``: the kernels have no batching rule) or forward-mode AD (``forward_ad.dual_level``: they have
     no jvp), where the reference's torch ops run instead."""
-    if torch.jit.is_tracing() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    if forward_ad._current_level >= 0:
-        return False
-    return _FAMILY.serves(input.device, "layer_norm_fwd")
+    return not transforms_active() and _FAMILY.serves(input.device, "layer_norm_fwd")
 
 
 def _torch_runs(

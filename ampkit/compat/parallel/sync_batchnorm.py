@@ -38,10 +38,15 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
         process_group: dist.ProcessGroup | None = None,
         channel_last: bool = False,
         fuse_relu: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         channel_last = checked_switch("SyncBatchNorm", "channel_last", channel_last)
         fuse_relu = checked_switch("SyncBatchNorm", "fuse_relu", fuse_relu)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device=device, dtype=dtype
+        )
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
