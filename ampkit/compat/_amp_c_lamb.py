@@ -357,17 +357,22 @@ def multi_tensor_lamb_stage2_cuda(
     per_tensor_param_norm: Tensor,
     per_tensor_update_norm: Tensor,
     lr: float,
-    weight_decay: float,
+    weight_decay: float | None = None,
     use_nvlamb: bool | None = None,
 ) -> None:
     """Apex's LAMB stage 2 on ``[params, updates]``: ``param -= lr * ratio * update`` with the trust ratio
     ``||param|| / ||update||`` from the given per-tensor norms when ``weight_decay != 0`` or ``use_nvlamb``
-    (1 where a norm is 0). The flag is not read."""
+    (1 where a norm is 0). The flag is not read.
+
+    Called as Apex had it until April 2020, with ``lr`` the last argument (NVIDIA's 2019 BERT ``BertLAMB``),
+    the ratio applies to every tensor, as that kernel did."""
     name = "multi_tensor_lamb_stage2_cuda"
     params, updates = check_lists(name, tensor_lists, (2,))
     if not params:
         return
     param_norms = torch.tensor(_host_values(name, "per_tensor_param_norm", per_tensor_param_norm, len(params)))
     update_norms = torch.tensor(_host_values(name, "per_tensor_update_norm", per_tensor_update_norm, len(params)))
+    if weight_decay is None:
+        weight_decay, use_nvlamb = 0.0, True
     ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
     apply_lamb(params, [], updates, ratios)
