@@ -1,6 +1,7 @@
 """How real programs use Apex, one usage pattern per test (written here after the projects' own code, CPU-sized):
 transformers' availability check and apex loop, the try-block of imports NVIDIA's BERT and TAPE scripts guard
-apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, fairseq's total norm
+apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, the 2019 LAMB calls
+of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total norm
 and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional
 Apex parts behind ``except ImportError``."""
 
@@ -132,6 +133,53 @@ def test_bert_style_lamb_on_amp_c_stages_matches_fused_lamb(shim):
             model.zero_grad()
             (model(x) ** 2).mean().mul(10).backward()  # large gradients: the global-norm clip is active
             optimizer.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _lamb_2019_stages(params, state, lr, step, max_grad_norm=1.0):
+    """NVIDIA BERT's 2019 ``BertLAMB.apply_gradients``: stage 2 called as Apex had it then, ``lr`` last."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    grads = [p.grad for p in params]
+    global_norm = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)[0].item()
+    param_norms = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [params], True)[1]
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage1_cuda, flag, [grads, params, *state], torch.zeros(len(params)),
+                         step, 0.9, 0.999, 1e-6, global_norm, max_grad_norm)  # fmt: skip
+    update_norms = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [state[2]], True)[1]
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage2_cuda, flag, [params, state[2]], param_norms, update_norms, lr)
+
+
+def _lamb_2019_fused(params, state, lr, step, max_grad_norm=1.0):
+    """Apex's FusedLAMB of August 2019 to April 2020, as projects copied it: ``max_grad_norm`` right after the
+    mode and no global norm."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    multi_tensor_applier(amp_C.multi_tensor_lamb, torch.zeros(1, dtype=torch.int32),
+                         [[p.grad for p in params], params, state[0], state[1]],
+                         lr, 0.9, 0.999, 1e-6, step + 1, 1, 0.0, 1, 1, max_grad_norm)  # fmt: skip
+
+
+@pytest.mark.parametrize("lamb_2019", [_lamb_2019_stages, _lamb_2019_fused])
+def test_2019_lamb_calls_of_amp_c_step_as_fused_lamb_with_nvlamb(shim, lamb_2019):
+    """Both 2019 LAMBs applied the trust ratio to every tensor, weight decay or not: FusedLAMB's ``use_nvlamb``."""
+    from apex.optimizers import FusedLAMB
+
+    ours, theirs = _mlp(), _mlp()
+    params = [p for p in ours.parameters()]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(3)]
+    fused = FusedLAMB(theirs.parameters(), lr=0.02, weight_decay=0.0, max_grad_norm=1.0, use_nvlamb=True)
+    for i in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+        for model in (ours, theirs):
+            model.zero_grad()
+            (model(x) ** 2).mean().mul(10).backward()  # large gradients: the global-norm clip is active
+        with torch.no_grad():
+            lamb_2019(params, state, 0.02, i)
+        fused.step()
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
