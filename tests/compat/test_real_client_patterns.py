@@ -66,6 +66,42 @@ def test_transformers_sees_apex_and_its_apex_loop_trains(shim):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-2 / 3)
 
 
+def test_scripts_importing_apex_amps_amp_module_register_casts_initialize_twice_and_train(shim, monkeypatch):
+    """Inpainting GANs and WaveGlow forks write ``from apex.amp import amp, scale_loss``: Apex's ``amp.py`` module,
+    on which they register sigmoid as float32 (so ``BCELoss`` is allowed under O1) and initialize each
+    model/optimizer pair in its own call."""
+    from apex.amp import amp, scale_loss
+
+    monkeypatch.setattr("ampkit.compat.amp.functions._registry", {})  # the registration stays in this test
+    amp.register_float_function(torch, "sigmoid")
+    generator = _mlp()
+    discriminator = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Sigmoid())
+    g_opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    generator, g_opt = amp.initialize(generator, g_opt, opt_level="O1", verbosity=0)
+    d_opt = torch.optim.Adam(discriminator.parameters(), lr=1e-2)
+    discriminator, d_opt = amp.initialize(discriminator, d_opt, opt_level="O1", verbosity=0)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    target = x.sum(1, keepdim=True)
+    bce, losses = torch.nn.BCELoss(), []
+    for _ in range(30):
+        g_opt.zero_grad()
+        fake = generator(x)
+        loss = torch.nn.functional.mse_loss(fake.float(), target) + 0.01 * bce(discriminator(fake), torch.ones(32, 1))
+        with scale_loss(loss, g_opt) as scaled_loss:
+            scaled_loss.backward()
+        g_opt.step()
+        d_opt.zero_grad()
+        d_loss = bce(discriminator(target), torch.ones(32, 1)) + bce(discriminator(fake.detach()), torch.zeros(32, 1))
+        with scale_loss(d_loss, d_opt) as scaled_loss:
+            scaled_loss.backward()
+        d_opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert list(amp.state_dict()) == ["loss_scaler0"]
+    with pytest.raises(AttributeError, match="apex.amp itself has scale_loss"):
+        amp.scale_loss  # noqa: B018 - Apex's amp.py never had it
+
+
 def test_the_import_block_bert_and_tape_scripts_guard_apex_with_succeeds_whole(shim):
     try:
         import amp_C
