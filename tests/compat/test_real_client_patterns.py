@@ -102,6 +102,30 @@ def test_scripts_importing_apex_amps_amp_module_register_casts_initialize_twice_
         amp.scale_loss  # noqa: B018 - Apex's amp.py never had it
 
 
+def test_tacotron2_moves_softmax_to_apexs_fp16_list_before_initialize(shim, monkeypatch):
+    """NVIDIA's Tacotron 2 and WaveGlow scripts (DeepLearningExamples) edit Apex's O1 tables at import,
+    ``amp.lists.functional_overrides.FP32_FUNCS.remove('softmax')`` then ``FP16_FUNCS.append('softmax')``, so
+    that attention's softmax runs in half precision; the next ``initialize`` applies the edit."""
+    from apex import amp
+    from apex.amp.lists import functional_overrides
+
+    for name in ("FP16_FUNCS", "FP32_FUNCS"):  # the tables are process-wide: this test edits copies
+        monkeypatch.setattr(functional_overrides, name, list(getattr(functional_overrides, name)))
+    amp.lists.functional_overrides.FP32_FUNCS.remove("softmax")
+    amp.lists.functional_overrides.FP16_FUNCS.append("softmax")
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    attention = torch.nn.functional.softmax(model(x), dim=0)  # over the 6 rows: one weight each
+    assert attention.dtype == torch.float16
+    assert torch.nn.functional.log_softmax(x, dim=-1).dtype == torch.float32  # the rest of the table is Apex's
+    loss = (attention * x).sum(0).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 def test_the_import_block_bert_and_tape_scripts_guard_apex_with_succeeds_whole(shim):
     try:
         import amp_C
