@@ -219,14 +219,21 @@ def multi_tensor_lamb(
     weight_decay: float,
     grad_averaging: int,
     mode: int,
-    global_grad_norm: Tensor,
-    max_grad_norm: float,
+    global_grad_norm: Tensor | float,
+    max_grad_norm: float | None = None,
     use_nvlamb: bool | None = None,
 ) -> None:
     """LAMB on ``[grads, params, exp_avgs, exp_avg_sqs]``: grads divided by ``global_grad_norm / max_grad_norm``
     when the norm exceeds ``max_grad_norm``; ``mode`` 0 adds L2 to the grad, 1 decays as AdamW. As in Apex the
-    grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm."""
+    grads are left holding the LAMB direction, the flag is raised (never read) on an inf/nan norm.
+
+    Called as Apex had it from August 2019 to April 2020, with ``max_grad_norm`` right after ``mode`` (the
+    FusedLAMB of that time, still copied into projects), the global norm is that of this call's grads and the
+    trust ratio applies to every tensor, as that kernel did."""
     grads, params, exp_avgs, exp_avg_sqs = check_lists("multi_tensor_lamb", tensor_lists, (4,))
+    norm_of_own_grads = max_grad_norm is None
+    if norm_of_own_grads:
+        max_grad_norm, use_nvlamb = scalar_arg("multi_tensor_lamb", "max_grad_norm", global_grad_norm), True
     bias_correction, grad_averaging, use_nvlamb = switch_args(
         "multi_tensor_lamb", bias_correction=bias_correction, grad_averaging=grad_averaging,
         use_nvlamb=use_nvlamb or False,  # None: Apex's default, off
@@ -236,6 +243,9 @@ def multi_tensor_lamb(
         raise RuntimeError(f"multi_tensor_lamb: mode={mode!r}; expected 0 (L2) or 1 (decoupled, AdamW)")
     if not params:
         return
+    if norm_of_own_grads:
+        global_grad_norm = multi_tensor.l2norm(grads).total
+        _raise_if_not_finite(global_grad_norm.reshape(1), noop_flag)
     param_norms = _per_tensor_norms(params)
     _raise_if_not_finite(param_norms, noop_flag)
     clip = clip_ratio(scalar_arg("multi_tensor_lamb", "global_grad_norm", global_grad_norm), max_grad_norm)
@@ -357,17 +367,22 @@ def multi_tensor_lamb_stage2_cuda(
     per_tensor_param_norm: Tensor,
     per_tensor_update_norm: Tensor,
     lr: float,
-    weight_decay: float,
+    weight_decay: float | None = None,
     use_nvlamb: bool | None = None,
 ) -> None:
     """Apex's LAMB stage 2 on ``[params, updates]``: ``param -= lr * ratio * update`` with the trust ratio
     ``||param|| / ||update||`` from the given per-tensor norms when ``weight_decay != 0`` or ``use_nvlamb``
-    (1 where a norm is 0). The flag is not read."""
+    (1 where a norm is 0). The flag is not read.
+
+    Called as Apex had it until April 2020, with ``lr`` the last argument (NVIDIA's 2019 BERT ``BertLAMB``),
+    the ratio applies to every tensor, as that kernel did."""
     name = "multi_tensor_lamb_stage2_cuda"
     params, updates = check_lists(name, tensor_lists, (2,))
     if not params:
         return
     param_norms = torch.tensor(_host_values(name, "per_tensor_param_norm", per_tensor_param_norm, len(params)))
     update_norms = torch.tensor(_host_values(name, "per_tensor_update_norm", per_tensor_update_norm, len(params)))
+    if weight_decay is None:
+        weight_decay, use_nvlamb = 0.0, True
     ratios = trust_ratios(float(lr), param_norms, update_norms, weight_decay, bool(use_nvlamb))
     apply_lamb(params, [], updates, ratios)

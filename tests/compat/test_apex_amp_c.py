@@ -303,6 +303,27 @@ def test_lamb_matches_apex_math_with_global_norm_clipping():
         assert torch.allclose(m.double(), rm, rtol=1e-5, atol=1e-6)
 
 
+def test_lamb_called_as_in_2019_clips_by_its_own_grads_norm_and_always_applies_the_trust_ratio():
+    """Apex's FusedLAMB of August 2019 to April 2020, still copied into projects, passed ``max_grad_norm`` right
+    after ``mode`` and no global norm: the op took the norm of the grads it was given, and applied the trust
+    ratio even with no weight decay."""
+    params = [t.contiguous() for t in randn_list(torch.float32)]
+    exp_avgs, exp_avg_sqs = [torch.zeros(p.shape) for p in params], [torch.zeros(p.shape) for p in params]
+    grads = [torch.randn(p.shape) * 3 for p in params]
+    before, fresh = [p.double() for p in params], [g.double() for g in grads]
+    lr, beta1, beta2, eps, max_norm = 1e-2, 0.9, 0.999, 1e-6, 1.0
+    multi_tensor_applier(
+        amp_C.multi_tensor_lamb, flag(), [grads, params, exp_avgs, exp_avg_sqs],
+        lr, beta1, beta2, eps, 1, 1, 0.0, 1, 1, max_norm,
+    )  # fmt: skip
+    clip = torch.stack([g.norm() for g in fresh]).norm().item() / max_norm
+    assert clip > 1
+    for p, g, got in zip(before, fresh, params, strict=True):
+        g = g / clip
+        update = ((1 - beta1) * g / (1 - beta1)) / (((1 - beta2) * g * g / (1 - beta2)).sqrt() + eps)
+        assert torch.allclose(got.double(), p - lr * (p.norm() / update.norm()) * update, rtol=1e-5, atol=1e-6)
+
+
 def test_empty_lists_do_nothing():
     buf = flag()
     norm, per = amp_C.multi_tensor_l2norm(2048, buf, [[]], True)

@@ -260,6 +260,21 @@ def test_stage2_applies_the_trust_ratio_only_with_decay_or_nvlamb(weight_decay, 
         close(p, e, 1e-6)
 
 
+def test_stage2_called_with_lr_last_as_in_2019_applies_the_trust_ratio_to_every_tensor():
+    """Until April 2020 Apex's stage 2 took ``(param_norms, update_norms, lr)`` and always applied the ratio;
+    NVIDIA's 2019 BERT ``BertLAMB`` calls it so, through ``multi_tensor_applier``."""
+    params, updates = fresh(torch.float32), fresh(torch.float32)
+    param_norms = torch.tensor([2.0, 0.0, 3.0, 1.0, 4.0])
+    update_norms = torch.tensor([4.0, 1.0, 0.0, 1.0, 1.0])
+    expected = [
+        p.double() - LR * (pn / un if pn != 0 and un != 0 else 1.0) * u.double()
+        for p, u, pn, un in zip(params, updates, param_norms.tolist(), update_norms.tolist(), strict=True)
+    ]
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage2_cuda, flag(), [params, updates], param_norms, update_norms, LR)
+    for p, e in zip(params, expected, strict=True):
+        close(p, e, 1e-6)
+
+
 def test_lamb_ops_check_their_arguments_and_accept_empty_lists():
     buf = flag()
     amp_C.multi_tensor_lamb_stage1_cuda(2048, buf, [[]] * 5, torch.zeros(0), 0, 0.9, 0.99, 1e-6, 1.0, 1.0)

@@ -1,6 +1,7 @@
 """How real programs use Apex, one usage pattern per test (written here after the projects' own code, CPU-sized):
 transformers' availability check and apex loop, the try-block of imports NVIDIA's BERT and TAPE scripts guard
-apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, fairseq's total norm
+apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, the 2019 LAMB calls
+of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total norm
 and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional
 Apex parts behind ``except ImportError``."""
 
@@ -63,6 +64,66 @@ def test_transformers_sees_apex_and_its_apex_loop_trains(shim):
     assert losses[-1] < 0.5 * losses[0]
     assert amp._amp_state.loss_scalers[0].loss_scale() < 2.0**16, "the first steps overflowed and were skipped"
     assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-2 / 3)
+
+
+def test_scripts_importing_apex_amps_amp_module_register_casts_initialize_twice_and_train(shim, monkeypatch):
+    """Inpainting GANs and WaveGlow forks write ``from apex.amp import amp, scale_loss``: Apex's ``amp.py`` module,
+    on which they register sigmoid as float32 (so ``BCELoss`` is allowed under O1) and initialize each
+    model/optimizer pair in its own call."""
+    from apex.amp import amp, scale_loss
+
+    monkeypatch.setattr("ampkit.compat.amp.functions._registry", {})  # the registration stays in this test
+    amp.register_float_function(torch, "sigmoid")
+    generator = _mlp()
+    discriminator = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Sigmoid())
+    g_opt = torch.optim.Adam(generator.parameters(), lr=1e-2)
+    generator, g_opt = amp.initialize(generator, g_opt, opt_level="O1", verbosity=0)
+    d_opt = torch.optim.Adam(discriminator.parameters(), lr=1e-2)
+    discriminator, d_opt = amp.initialize(discriminator, d_opt, opt_level="O1", verbosity=0)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    target = x.sum(1, keepdim=True)
+    bce, losses = torch.nn.BCELoss(), []
+    for _ in range(30):
+        g_opt.zero_grad()
+        fake = generator(x)
+        loss = torch.nn.functional.mse_loss(fake.float(), target) + 0.01 * bce(discriminator(fake), torch.ones(32, 1))
+        with scale_loss(loss, g_opt) as scaled_loss:
+            scaled_loss.backward()
+        g_opt.step()
+        d_opt.zero_grad()
+        d_loss = bce(discriminator(target), torch.ones(32, 1)) + bce(discriminator(fake.detach()), torch.zeros(32, 1))
+        with scale_loss(d_loss, d_opt) as scaled_loss:
+            scaled_loss.backward()
+        d_opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert list(amp.state_dict()) == ["loss_scaler0"]
+    with pytest.raises(AttributeError, match="apex.amp itself has scale_loss"):
+        amp.scale_loss  # noqa: B018 - Apex's amp.py never had it
+
+
+def test_tacotron2_moves_softmax_to_apexs_fp16_list_before_initialize(shim, monkeypatch):
+    """NVIDIA's Tacotron 2 and WaveGlow scripts (DeepLearningExamples) edit Apex's O1 tables at import,
+    ``amp.lists.functional_overrides.FP32_FUNCS.remove('softmax')`` then ``FP16_FUNCS.append('softmax')``, so
+    that attention's softmax runs in half precision; the next ``initialize`` applies the edit."""
+    from apex import amp
+    from apex.amp.lists import functional_overrides
+
+    for name in ("FP16_FUNCS", "FP32_FUNCS"):  # the tables are process-wide: this test edits copies
+        monkeypatch.setattr(functional_overrides, name, list(getattr(functional_overrides, name)))
+    amp.lists.functional_overrides.FP32_FUNCS.remove("softmax")
+    amp.lists.functional_overrides.FP16_FUNCS.append("softmax")
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    attention = torch.nn.functional.softmax(model(x), dim=0)  # over the 6 rows: one weight each
+    assert attention.dtype == torch.float16
+    assert torch.nn.functional.log_softmax(x, dim=-1).dtype == torch.float32  # the rest of the table is Apex's
+    loss = (attention * x).sum(0).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 def test_the_import_block_bert_and_tape_scripts_guard_apex_with_succeeds_whole(shim):
@@ -132,6 +193,53 @@ def test_bert_style_lamb_on_amp_c_stages_matches_fused_lamb(shim):
             model.zero_grad()
             (model(x) ** 2).mean().mul(10).backward()  # large gradients: the global-norm clip is active
             optimizer.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _lamb_2019_stages(params, state, lr, step, max_grad_norm=1.0):
+    """NVIDIA BERT's 2019 ``BertLAMB.apply_gradients``: stage 2 called as Apex had it then, ``lr`` last."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    grads = [p.grad for p in params]
+    global_norm = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)[0].item()
+    param_norms = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [params], True)[1]
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage1_cuda, flag, [grads, params, *state], torch.zeros(len(params)),
+                         step, 0.9, 0.999, 1e-6, global_norm, max_grad_norm)  # fmt: skip
+    update_norms = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [state[2]], True)[1]
+    multi_tensor_applier(amp_C.multi_tensor_lamb_stage2_cuda, flag, [params, state[2]], param_norms, update_norms, lr)
+
+
+def _lamb_2019_fused(params, state, lr, step, max_grad_norm=1.0):
+    """Apex's FusedLAMB of August 2019 to April 2020, as projects copied it: ``max_grad_norm`` right after the
+    mode and no global norm."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    multi_tensor_applier(amp_C.multi_tensor_lamb, torch.zeros(1, dtype=torch.int32),
+                         [[p.grad for p in params], params, state[0], state[1]],
+                         lr, 0.9, 0.999, 1e-6, step + 1, 1, 0.0, 1, 1, max_grad_norm)  # fmt: skip
+
+
+@pytest.mark.parametrize("lamb_2019", [_lamb_2019_stages, _lamb_2019_fused])
+def test_2019_lamb_calls_of_amp_c_step_as_fused_lamb_with_nvlamb(shim, lamb_2019):
+    """Both 2019 LAMBs applied the trust ratio to every tensor, weight decay or not: FusedLAMB's ``use_nvlamb``."""
+    from apex.optimizers import FusedLAMB
+
+    ours, theirs = _mlp(), _mlp()
+    params = [p for p in ours.parameters()]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(3)]
+    fused = FusedLAMB(theirs.parameters(), lr=0.02, weight_decay=0.0, max_grad_norm=1.0, use_nvlamb=True)
+    for i in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i))
+        for model in (ours, theirs):
+            model.zero_grad()
+            (model(x) ** 2).mean().mul(10).backward()  # large gradients: the global-norm clip is active
+        with torch.no_grad():
+            lamb_2019(params, state, 0.02, i)
+        fused.step()
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -13,6 +13,9 @@ from ampkit.compat._exported_names import keep_exported_names
 
 # apex.amp._initialize.applier is reached as an attribute (catalyst)
 from ampkit.compat.amp import _initialize as _initialize
+
+# apex.amp.lists: the O1 cast tables scripts edit before initialize (NVIDIA's Tacotron 2: amp.lists.functional_...)
+from ampkit.compat.amp import lists as lists
 from ampkit.compat.amp._amp_state import _amp_state, master_params
 from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
 from ampkit.compat.amp.functions import (

@@ -21,10 +21,15 @@ from typing import Any, Protocol
 
 import torch
 
-from ampkit.compat.amp import _o1_lists as lists
+from ampkit.compat.amp.lists import functional_overrides, tensor_overrides, torch_overrides
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
+# The backend functions torch.nn's RNN modules and cells call through ``torch.nn.modules.rnn._VF``.
+RNN_BACKEND_FUNCTIONS = ["rnn_tanh", "rnn_relu", "lstm", "gru",
+                         "rnn_tanh_cell", "rnn_relu_cell", "lstm_cell", "gru_cell"]  # fmt: skip
+# Tensor methods of FP32_FUNCS cast only when the tensor is not on the CPU already.
+_CAST_BEFORE_TRANSFER = ("cpu",)
 
 
 class CastState(Protocol):
@@ -269,7 +274,7 @@ class _RnnBackend:
 
     def __init__(self, backend: Any, state: CastState, dtype: torch.dtype) -> None:
         self._backend = backend
-        for name in lists.RNN_BACKEND_FUNCTIONS:
+        for name in RNN_BACKEND_FUNCTIONS:
             if hasattr(backend, name):
                 setattr(self, name, self._wrap(getattr(backend, name), state, dtype, name.endswith("_cell")))
 
@@ -331,34 +336,40 @@ def install_o1_casts(
     low, fp32 = cast_wrapper(state, dtype, True), cast_wrapper(state, torch.float32, False)
     for module, name, kind in user_casts:
         patches.replace(module, name, {"half": low, "float": fp32, "promote": promote_wrapper(state)}[kind])
+    # Read at every install, as Apex's amp.init did: edits a script made to the lists take effect.
+    functional, torch_lists, tensor = functional_overrides, torch_overrides, tensor_overrides
+    tensor_fp32 = [name for name in tensor.FP32_FUNCS if name not in _CAST_BEFORE_TRANSFER]
+    before_transfer = [name for name in tensor.FP32_FUNCS if name in _CAST_BEFORE_TRANSFER]
+    promote = promote_wrapper(state)
     tables = [
-        (lists.FUNCTIONAL, lists.FUNCTIONAL_LOW, low),
-        (lists.FUNCTIONAL, lists.FUNCTIONAL_FP32, fp32),
-        (lists.TORCH, lists.TORCH_LOW, low),
-        (lists.TORCH, lists.TORCH_FP32, fp32),
-        (lists.TENSOR, lists.TENSOR_LOW, low),
-        (lists.TENSOR, lists.TENSOR_FP32, fp32),
-        (lists.TENSOR, lists.TENSOR_FP32_BEFORE_TRANSFER, fp32_before_transfer_wrapper(state)),
-        (lists.TORCH, lists.TORCH_PROMOTE, promote_wrapper(state)),
-        (lists.TENSOR, lists.TENSOR_PROMOTE, promote_wrapper(state)),
-        (lists.TORCH, lists.TORCH_SEQUENCE_PROMOTE, sequence_promote_wrapper(state)),
+        (functional.MODULE, functional.FP16_FUNCS, low),
+        (functional.MODULE, functional.FP32_FUNCS, fp32),
+        (torch_lists.MODULE, torch_lists.FP16_FUNCS, low),
+        (torch_lists.MODULE, torch_lists.FP32_FUNCS, fp32),
+        (tensor.MODULE, tensor.FP16_FUNCS, low),
+        (tensor.MODULE, tensor_fp32, fp32),
+        (tensor.MODULE, before_transfer, fp32_before_transfer_wrapper(state)),
+        (torch_lists.MODULE, torch_lists.CASTS, promote),
+        (tensor.MODULE, tensor.CASTS, promote),
+        (torch_lists.MODULE, torch_lists.SEQUENCE_CASTS, sequence_promote_wrapper(state)),
+        (tensor.MODULE, tensor.SEQUENCE_CASTS, sequence_promote_wrapper(state)),
     ]
     for owner, names, wrapper in tables:
         for name in names:
             patches.replace(owner, name, wrapper)
-    for name in _as_inplace(lists.TORCH_FP32):
+    for name in _as_inplace(torch_lists.FP32_FUNCS):
         message = f"Cannot call in-place function {name} with low-precision arguments under amp O1."
-        patches.replace(lists.TORCH, name, error_if_any_low_wrapper(state, message))
-    for name in _as_inplace(lists.TENSOR_FP32):
-        patches.replace(lists.TENSOR, name, error_if_self_low_wrapper(state, name))
-    for name in _as_inplace([*lists.TENSOR_LOW, *lists.TENSOR_PROMOTE]):
-        patches.replace(lists.TENSOR, name, match_self_wrapper(state))
+        patches.replace(torch_lists.MODULE, name, error_if_any_low_wrapper(state, message))
+    for name in _as_inplace(tensor_fp32):
+        patches.replace(tensor.MODULE, name, error_if_self_low_wrapper(state, name))
+    for name in _as_inplace([*tensor.FP16_FUNCS, *tensor.CASTS]):
+        patches.replace(tensor.MODULE, name, match_self_wrapper(state))
     rnn_module = torch.nn.modules.rnn
     patches.set(rnn_module, "_VF", _RnnBackend(rnn_module._VF, state, dtype))
     patches.replace(rnn_module.RNNBase, "check_input", _rnn_check_input_wrapper(state))
-    for name in lists.FUNCTIONAL_BANNED:
+    for name, message in functional.BANNED_FUNCS:
         if allow_banned:
-            patches.replace(lists.FUNCTIONAL, name, fp32)
+            patches.replace(functional.MODULE, name, fp32)
         else:
-            patches.replace(lists.FUNCTIONAL, name, error_if_any_low_wrapper(state, lists.BANNED_MESSAGE))
+            patches.replace(functional.MODULE, name, error_if_any_low_wrapper(state, message))
     return patches
