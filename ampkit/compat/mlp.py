@@ -140,10 +140,7 @@ def _differentiable_grads(ctx: Any, grad_o: Tensor, args: Sequence[Tensor]) -> l
 def _plain_forward(use_bias: int, activation: int, args: Sequence[Tensor]) -> Tensor:
     """The MLP as torch ops autograd differentiates itself (what ``torch.func``, ``torch.compile`` and a second
     derivative need)."""
-    x, weights, biases = _layers(use_bias, args)
-    for weight, bias in zip(weights, biases, strict=True):
-        x = _activate(F.linear(x, weight, bias), activation)
-    return x
+    return mlp_forward(use_bias, activation, args)[0]
 
 
 def mlp_function(bias: int, activation: int, *args: Tensor) -> Tensor:
