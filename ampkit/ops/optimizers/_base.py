@@ -88,14 +88,22 @@ def check_grad_factor(grad_factor: float) -> None:
 
 
 def _skip_on_bad_scale(found_inf: Tensor | None, grad_scale: Tensor) -> Tensor:
-    """``found_inf`` with a ``grad_scale`` that is not a finite number > 0 counted as an overflow, decided on the
-    scale's device (three small ops, no host read): gradients divided by 0, inf or NaN are not finite (GradScaler's
-    own ``unscale_`` finds them so and skips), and by a negative scale they point uphill."""
+    """``found_inf`` as a 0/1 skip flag (:func:`_skip_flag`) with a ``grad_scale`` that is not a finite number > 0
+    counted as an overflow, decided on the scale's device (a few small ops, no host read): gradients divided by 0, inf
+    or NaN are not finite (GradScaler's own ``unscale_`` finds them so and skips), and by a negative scale they point
+    uphill."""
     scale = _scalar_on(grad_scale, grad_scale.device)
     valid = scale.clamp(*_SCALE_RANGE) == scale  # as valid_scale: false for 0, a negative, inf and NaN
-    if found_inf is None:
-        return torch.where(valid, 0.0, 1.0)
-    return torch.where(valid, _scalar_on(found_inf, scale.device), 1.0)
+    if found_inf is not None:
+        valid &= _scalar_on(found_inf, scale.device) == 0
+    return torch.where(valid, 0.0, 1.0)
+
+
+def _skip_flag(found_inf: Tensor) -> Tensor:
+    """``found_inf`` as 1.0 where it is not zero (NaN included), else 0.0, on its device. GradScaler hands the sum of
+    its per-device flags (2.0 when two devices overflowed); torch's fused ops skip only on exactly 1.0 and count the
+    step back by the flag's value, so 2.0 stepped on inf gradients and left the step count at -1."""
+    return (_scalar_on(found_inf, found_inf.device) != 0).float()
 
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
@@ -478,6 +486,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self._scaler_in_kernel:
             if grad_scale is not None:
                 found_inf = _skip_on_bad_scale(found_inf, grad_scale)
+            elif found_inf is not None:
+                found_inf = _skip_flag(found_inf)
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
         # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA),
