@@ -1285,3 +1285,48 @@ def test_master_weights_take_values_written_outside_the_optimizer(cls):
         reference.copy_(restored.to(torch.bfloat16).double())
     steps(3)
     torch.testing.assert_close(weight.double(), reference.detach(), rtol=1e-2, atol=1e-2)
+
+
+def _built(cls, params):
+    return cls(params, lr=0.1) if cls is FusedSGD else cls(params)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+@pytest.mark.parametrize(
+    ("grad", "message"),
+    [
+        (torch.ones(3), r"has shape \(2, 3\) but its .grad has shape \(3,\)"),  # broadcast over the rows
+        (torch.ones(7), r"has shape \(2, 3\) but its .grad has shape \(7,\)"),  # read past its end by torch's op
+        (torch.ones(2, 3, dtype=torch.complex64), r"has a .grad of dtype torch.complex64"),  # imaginary part dropped
+        (torch.ones(2, 3, dtype=torch.int32), r"has a .grad of dtype torch.int32"),
+        (torch.ones(2, 3, dtype=torch.bool), r"has a .grad of dtype torch.bool"),
+    ],
+    ids=["broadcastable", "longer", "complex", "int", "bool"],
+)
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_grad_that_does_not_fit_its_parameter_is_refused_before_any_group_steps(cls, grad, message, backend,
+                                                                                   monkeypatch):  # fmt: skip
+    """torch refuses such a ``.grad`` when it is assigned, but not one set through ``.grad.data`` (Apex-era code
+    does): the step cast it or broadcast it over the parameter and trained on it without a word. The error names the
+    parameter, and the group before it has not moved."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2, 3))
+    first.grad, second.grad = torch.ones(4), torch.zeros(2, 3)
+    second.grad.data = grad
+    optimizer = _built(cls, [{"params": [first]}, {"params": [second]}])
+    with pytest.raises((RuntimeError, TypeError), match=r"param_groups\[1\]\['params'\]\[0\] " + message):
+        optimizer.step()
+    assert torch.equal(first.detach(), torch.ones(4)) and torch.equal(second.detach(), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_grad_whose_shape_changes_between_steps_is_refused(cls):
+    """The buckets are kept between steps while each gradient keeps its dtype and strides: a grad of (1,) replacing
+    one of (3,) has the same strides, and must not reach the kernels as the (3,) one did."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = _built(cls, [param])
+    optimizer.step()
+    param.grad.data = torch.ones(1)
+    with pytest.raises(RuntimeError, match=r"has shape \(3,\) but its .grad has shape \(1,\)"):
+        optimizer.step()

@@ -529,9 +529,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Every bucket's kernel gets ``scaler`` on its device: it skips or unscales there, with no host read."""
         on_device: dict[torch.device, ScalerTensors] = {}
         copied: list[Tensor] = []
-        for group in self.param_groups:
+        for group, buckets in self._all_buckets():
             factor = -1.0 if group.get("maximize", False) else 1.0
-            buckets = self._buckets(group)
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 here = on_device.get(bucket.device)
@@ -555,9 +554,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 checked for free.
         """
         check_grad_factor(grad_factor)
-        for group in self.param_groups:
+        for group, buckets in self._all_buckets():
             factor = -grad_factor if group.get("maximize", False) else grad_factor
-            buckets = self._buckets(group)
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 self._update(group, bucket, factor)
@@ -583,6 +581,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             count = group.get("step", self._initial_step)
             group["step"] = count + 1 if found_inf is None else count + (found_inf == 0).reshape(())
 
+    def _all_buckets(self) -> list[tuple[dict[str, Any], list[Bucket]]]:
+        """Every group with its buckets, all built before any is stepped: a gradient refused in a later group
+        (``_check_grad``) then stops the step before an earlier group's parameters have moved."""
+        return [(group, self._buckets(group)) for group in self.param_groups]
+
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         """The group's parameters with gradients in buckets of one (param dtype, grad dtype, device), state created
         on a parameter's first step. The buckets are kept between steps and reused, with this step's gradients,
@@ -591,7 +594,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         params = group["params"]
         grads = [p.grad for p in params]
         layout = [
-            None if g is None else (g.dtype, g.stride(), p.dtype, p.stride())
+            None if g is None else (g.dtype, g.shape, g.stride(), p.dtype, p.stride())
             for p, g in zip(params, grads, strict=True)
         ]
         if type(self.state) is not StateMap:  # assigned by hand (``optimizer.state = defaultdict(dict)``)
@@ -627,6 +630,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.refuse_shards([p])
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            self._check_grad(group, index, p, g)
             if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
                 g = g.to(p.dtype)
             if g.stride() != p.stride():
@@ -656,6 +660,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             if g is not grad:
                 bucket.copied_grads.append(grad)
         return list(buckets.values()), list(slots.values())
+
+    def _check_grad(self, group: dict[str, Any], index: int, param: Tensor, grad: Tensor) -> None:
+        """Refuse a ``.grad`` that torch's own assignment check would have (one set through ``.grad.data``, as Apex-era
+        code does): of another shape, the step broadcast it over the parameter (or the kernels read past its end); of a
+        dtype that is not floating point, it was cast (a complex one losing its imaginary part)."""
+        if grad.shape == param.shape and grad.dtype in _FLOAT_DTYPES:
+            return
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        where = f"{type(self).__name__}: param_groups[{group_index}]['params'][{index}]"
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"{where} has shape {tuple(param.shape)} but its .grad has shape {tuple(grad.shape)}; a gradient "
+                "must have its parameter's shape"
+            )
+        raise TypeError(f"{where} has a .grad of dtype {grad.dtype}; expected float32, float64, float16 or bfloat16")
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
