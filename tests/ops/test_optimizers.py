@@ -1330,3 +1330,33 @@ def test_a_grad_whose_shape_changes_between_steps_is_refused(cls):
     param.grad.data = torch.ones(1)
     with pytest.raises(RuntimeError, match=r"has shape \(3,\) but its .grad has shape \(1,\)"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("hyper", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("cls", [c for c in ALL_FUSED if c is not FusedSGD], ids=lambda c: c.__name__)
+def test_an_infinite_hyperparameter_is_refused_as_nan_is(cls, hyper):
+    """``inf`` passed the ``>= 0`` checks: an infinite ``lr`` or ``weight_decay`` turned every weight inf or NaN at the
+    first step, an infinite ``eps`` froze them; refused by name, in the constructor and in a param group."""
+    with pytest.raises(ValueError, match=rf"Invalid {hyper}: inf \(expected a finite value >= 0"):
+        cls(make_params()[:1], **{hyper: math.inf})
+    optimizer = cls(make_params()[:1])
+    with pytest.raises(ValueError, match=rf"Invalid {hyper} of a param group: inf"):
+        optimizer.add_param_group({"params": make_params()[1:2], hyper: math.inf})
+
+
+@pytest.mark.parametrize("hyper", ["lr", "momentum", "weight_decay"])
+def test_sgd_refuses_an_infinite_hyperparameter(hyper):
+    kwargs = {"lr": 0.1, hyper: math.inf}
+    with pytest.raises(ValueError, match=rf"Invalid {hyper}: inf"):
+        FusedSGD(make_params()[:1], **kwargs)
+
+
+def test_lambs_infinite_max_grad_norm_still_means_no_clipping():
+    """``max_grad_norm=inf`` has a meaning (never clip), so it stays allowed where ``lr=inf`` is not."""
+    params, twin = make_params(), make_params()
+    for p, t in zip(params, twin, strict=True):
+        t.data.copy_(p.data)
+    unclipped, no_clip = FusedLAMB(params, lr=1e-2, max_grad_norm=math.inf), FusedLAMB(twin, lr=1e-2, max_grad_norm=0)
+    run_side_by_side(unclipped, no_clip, params, twin, steps=3)
+    for p, t in zip(params, twin, strict=True):
+        torch.testing.assert_close(p, t)

@@ -222,17 +222,27 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
     torch._foreach_mul_(weights, multiplier)
 
 
-def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False) -> None:
+def check_hyper(
+    name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False, finite: bool = True
+) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
     when given, ``value <= high`` when ``closed``); a one-element tensor counts as its number. One of another type
-    is also a TypeError, as in torch."""
-    bound = f"in [{low}, {high}{']' if closed else ')'}" if high is not None else f">= {low}"
+    is also a TypeError, as in torch. With no ``high`` it must also be finite unless ``finite`` is False: an infinite
+    ``lr``, ``eps`` or ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
+    finite_word = ""
+    if high is not None:
+        bound = f"in [{low}, {high}{']' if closed else ')'}"
+    else:
+        bound, finite_word = f">= {low}", "finite " if finite else ""
+        high, closed = math.inf, not finite
     if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
-    if not (value >= low) or (high is not None and not (value <= high if closed else value < high)):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
+        raise ArgumentTypeError(
+            f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
+        )
+    if not (value >= low) or not (value <= high if closed else value < high):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a {finite_word}value {bound})")
 
 
 # The hyper-parameters a param group may carry, whichever optimizer it belongs to: (low, high or None). Checked on
@@ -248,8 +258,8 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
     "rho": (0.0, 1.0 + 1e-12),
     "lr_decay": (0.0, None),
     "initial_accumulator_value": (0.0, None),
-    "max_grad_norm": (0.0, None),
-    "delta": (0.0, None),
+    "max_grad_norm": (0.0, math.inf),  # inf: never clip
+    "delta": (0.0, math.inf),  # inf: always project (AdamP)
     "wd_ratio": (0.0, None),
 }
 
@@ -301,7 +311,7 @@ def check_group_hypers(group: dict[str, Any]) -> None:
     ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
-            check_hyper(f"{key} of a param group", group[key], low, high)
+            check_hyper(f"{key} of a param group", group[key], low, high, closed=high == math.inf)
     for key in GROUP_FLAGS:
         if key in group:
             check_flag(f"{key} of a param group", group[key])
