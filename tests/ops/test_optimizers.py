@@ -1360,3 +1360,40 @@ def test_lambs_infinite_max_grad_norm_still_means_no_clipping():
     run_side_by_side(unclipped, no_clip, params, twin, steps=3)
     for p, t in zip(params, twin, strict=True):
         torch.testing.assert_close(p, t)
+
+
+def _sharing_memory():
+    weight, flat = torch.nn.Parameter(torch.randn(4)), torch.randn(9)
+    return {
+        "one_parameter_twice": [weight, weight],
+        "a_view_of_another": [weight, weight.detach().view(2, 2).requires_grad_()],
+        "overlapping_slices": [flat[0:6].requires_grad_(), flat[3:9].requires_grad_()],
+    }
+
+
+@pytest.mark.parametrize("case", list(_sharing_memory()))
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_parameters_sharing_memory_are_refused(cls, case):
+    """The kernels update a bucket's parameters in parallel: two over the same memory raced (torch.optim applied one
+    update after the other), and a Parameter listed twice, which torch only warns of, was stepped twice."""
+    params = _sharing_memory()[case]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] "
+                                         r"share memory"):  # fmt: skip
+        _built(cls, params)
+    optimizer = _built(cls, params[:1])
+    in_another_group = r"\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\[0\] share memory"
+    with pytest.raises(ValueError, match=in_another_group + "|appear in more than one parameter group"):  # torch's
+        optimizer.add_param_group({"params": params[1:]})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_parameters_over_separate_parts_of_one_storage_step_as_torch_steps_them():
+    """Views of one flat buffer that do not overlap (FSDP1's original parameters, a contiguous-params buffer) stay
+    allowed."""
+    flat, twin = torch.randn(12), torch.randn(12)
+    twin.copy_(flat)
+    params = [flat[0:5].view(5).requires_grad_(), flat[5:12].view(7).requires_grad_()]
+    reference = [twin[0:5].clone().requires_grad_(), twin[5:12].clone().requires_grad_()]
+    ours, theirs = FusedSGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    run_side_by_side(ours, theirs, params, reference, steps=3)
+    torch.testing.assert_close(flat, torch.cat([r.detach() for r in reference]))

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import dtensor_type, is_dense, local_shard
+from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -443,6 +443,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
+            self._refuse_shared_memory()
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -466,6 +467,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                     "dense tensors"
                 )
         check_group_hypers(group)
+
+    def _refuse_shared_memory(self) -> None:
+        """Refuse two parameters over the same memory (one Parameter listed twice in a group, or two tensors viewing
+        one storage): the kernels update every parameter of a bucket in parallel, so both updates would race on it,
+        where ``torch.optim`` applied one after the other. A tied weight is one Parameter, which torch's
+        ``parameters()`` lists once."""
+        names = [(g, i) for g, group in enumerate(self.param_groups) for i in range(len(group["params"]))]
+        pair = first_overlap([local_shard(p) for group in self.param_groups for p in group["params"]])
+        if pair is None:
+            return
+        (g1, i1), (g2, i2) = names[pair[0]], names[pair[1]]
+        raise ValueError(
+            f"{type(self).__name__}: param_groups[{g1}]['params'][{i1}] and param_groups[{g2}]['params'][{i2}] share "
+            "memory; fused kernels update parameters in parallel, so each must own its memory (tie weights by "
+            "assigning one Parameter to both modules, which parameters() lists once)"
+        )
 
     @eager_under_compile
     @torch.no_grad()
