@@ -375,3 +375,16 @@ def test_any_nonzero_found_inf_skips_the_step_whoever_runs_it(name, grad_scale, 
     for state in opt.state.values():
         if "step" in state:
             assert float(state["step"]) == 0.0
+
+
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_a_scaler_tensor_on_the_meta_device_is_refused_by_name(name, argument):
+    """A meta tensor holds no value to decide the step with: torch's copy out of it ('Cannot copy out of meta tensor')
+    or ``item()`` named neither the argument nor why, and nothing moved either way."""
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=rf"step\(\): {argument} is on the meta device"):
+        opt.step(**{argument: torch.ones((), device="meta")})

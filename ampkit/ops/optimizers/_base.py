@@ -63,6 +63,8 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.is_meta:  # its value decides the step; torch's copy out of it named neither the argument nor why
+            raise ValueError(f"step(): {name} is on the meta device, which holds no value; pass a real tensor")
         return value
     if isinstance(value, bool | numbers.Real):
         if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
