@@ -127,6 +127,8 @@ def _as_list(tensors: Sequence[torch.Tensor], name: str, none_allowed: bool = Fa
             raise TypeError(f"`{name}[{i}]` must be a tensor, got {type(t).__name__}")
         if t is not None and t.is_meta:
             raise _on_meta(f"`{name}[{i}]`")
+        if t is not None and t.layout != torch.strided:  # read as an expanded tensor, or a dispatcher dump
+            raise TypeError(f"`{name}[{i}]` is a {t.layout} tensor; these ops take dense ones (use .to_dense())")
     return list(tensors)
 
 
@@ -145,6 +147,8 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
             raise _on_meta(f"`{name}`")
         if value.numel() != 1:
             raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:  # float() named no argument, or read True as 1
+            raise TypeError(f"`{name}` must be a real number or a one-element tensor, got a {value.dtype} tensor")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number or a one-element tensor, got {type(value).__name__}")

@@ -404,6 +404,27 @@ def test_a_missing_flag_or_factor_is_named():
 
 
 @pytest.mark.usefixtures("any_mode")
+def test_a_sparse_tensor_or_a_complex_or_bool_factor_is_named():
+    """A sparse tensor was read as 'an expanded tensor' by the writing ops and failed in the norm with a dispatcher
+    dump naming a backend; a complex one-element factor failed in ``float()`` naming no argument, and ``tensor(True)``
+    was taken as 1 where ``True`` is refused."""
+    sparse = torch.ones(3, 4).to_sparse()
+    calls = [
+        (r"`inputs\[0\]`", lambda: mt.scale_([sparse], 2.0, flag())),
+        (r"`inputs\[0\]`", lambda: mt.l2norm([sparse])),
+        (r"`new\[0\]`", lambda: mt.combine_([sparse], None, [torch.ones(3, 4)], 1.0, flag())),
+        (r"`stash\[0\]`", lambda: mt.combine_([torch.ones(3, 4)], [sparse], [torch.ones(3, 4)], 1.0, flag())),
+        (r"`y\[0\]`", lambda: mt.axpby_(1.0, [torch.ones(3, 4)], 1.0, [sparse], [torch.ones(3, 4)], flag())),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=rf"^{name} is a torch.sparse_coo tensor; these ops take dense ones"):
+            call()
+    for factor in (torch.tensor(2.0 + 0j), torch.tensor(True)):
+        with pytest.raises(TypeError, match=rf"`factor` must be a real number .* got a {factor.dtype} tensor"):
+            mt.scale_([torch.ones(3)], factor, flag())
+
+
+@pytest.mark.usefixtures("any_mode")
 def test_an_on_off_or_choice_argument_of_the_wrong_type_is_named_in_one_line():
     """``per_tensor="yes"`` or ``arg_to_check="x"`` reached the kernel's schema, a five-line RuntimeError about
     ``ampkit_multi_tensor::l2norm()``, or (the reference, without a compiler) ran as if True."""
