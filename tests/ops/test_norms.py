@@ -471,6 +471,22 @@ def test_non_float_input_is_named():
         FusedRMSNorm(4)([1.0, 2.0, 3.0, 4.0])
 
 
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+def test_a_sparse_input_or_weight_is_named(ops, backend, monkeypatch):
+    """The kernels' error was torch's 'unsupported memory format option Contiguous', the reference's a dispatcher dump
+    naming a SparseCPU backend."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    sparse = torch.randn(4, 6).to_sparse()
+    for norm in (lambda x: fused_layer_norm(x, 6), FusedLayerNorm(6), FusedRMSNorm(6), MixedFusedRMSNorm(6)):
+        with pytest.raises(TypeError, match=r"input is a torch.sparse_coo tensor; the norms take dense ones") as caught:
+            norm(sparse)
+        assert isinstance(caught.value, RuntimeError)  # as torch's norms raise for it
+    with pytest.raises(TypeError, match=r"weight is a torch.sparse_coo tensor"):
+        fused_rms_norm_affine(torch.randn(4, 6), torch.ones(6).to_sparse(), 6)
+
+
 # -- modules --------------------------------------------------------------------------------------
 
 
