@@ -625,3 +625,24 @@ def test_read_scalars_of_many_cpu_scalars_match_one_by_one():
     assert read[1] is None and read[0] == expected[0] and read[2:-1] == expected[1:-1] and math.isnan(read[-1])
     mixed = [torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(3), torch.ones(1), torch.zeros(())]
     assert mt.read_scalars(*mixed) == [2.5, 3.0, 1.0, 0.0]
+
+
+@pytest.mark.usefixtures("any_mode")
+@pytest.mark.parametrize("factor", [math.inf, -math.inf, math.nan, 1e300], ids=["inf", "-inf", "nan", "past_float32"])
+def test_a_factor_that_is_not_finite_raises_the_flag(factor):
+    """The kernels check their inputs: unscaling finite gradients by ``1 / 0`` or NaN gave inf or NaN outputs with the
+    flag down, so a caller skipping on it stepped on them. A factor past float32's range is inf in the kernels."""
+    ops = {
+        "scale_": lambda x, f: mt.scale_(x, factor, f),
+        "axpby_a": lambda x, f: mt.axpby_(factor, x, 1.0, [torch.ones(3)], [torch.empty(3)], f),
+        "axpby_b": lambda x, f: mt.axpby_(1.0, x, factor, [torch.ones(3)], [torch.empty(3)], f),
+        "combine_": lambda x, f: mt.combine_(x, None, [torch.empty(3)], factor, f),
+        "unscale_l2norm": lambda x, f: mt.unscale_l2norm(x, factor, f),
+    }
+    for name, op in ops.items():
+        found = flag()
+        op([torch.ones(3)], found)
+        assert found.item() == 1, name
+    found = flag()
+    mt.scale_([torch.ones(0)], factor, found)  # nothing scaled, nothing non-finite
+    assert found.item() == 0
