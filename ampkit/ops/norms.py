@@ -219,13 +219,16 @@ def _params_for_kernels(
 
 
 def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
-    """Whether ``input`` is a tensor and each parameter None or a tensor of its dtype: what torch's own norms run
-    as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's usual case) this is
-    all that is checked first; a call torch refuses is checked again to name the bad argument (a norm is called
-    dozens of times a step, and on a GPU its host time is the step's)."""
+    """Whether ``input`` is a tensor of a dtype the norms take and each parameter None or a tensor of its dtype: what
+    torch's own norms run as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's
+    usual case) this is all that is checked first; a call torch refuses is checked again to name the bad argument (a
+    norm is called dozens of times a step, and on a GPU its host time is the step's). The dtype is checked here: torch's
+    ``F.rms_norm`` takes a complex input and squares it where the RMS wants its modulus."""
     if not isinstance(input, torch.Tensor):
         return False
     dtype = input.dtype
+    if dtype not in _FLOAT_DTYPES:
+        return False
     for p in params:  # a loop, not all() over a generator: this runs on every call
         if p is not None and (not isinstance(p, torch.Tensor) or p.dtype != dtype):
             return False

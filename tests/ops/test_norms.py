@@ -473,6 +473,25 @@ def test_non_float_input_is_named():
 
 @pytest.mark.parametrize("ops", ["kernel", "reference"])
 @pytest.mark.parametrize("backend", ["torch", "ampkit"])
+def test_a_complex_input_is_refused_whoever_runs_the_norm(ops, backend, monkeypatch):
+    """Where torch's kernel runs a norm, ampkit leaves the checks to it; ``F.rms_norm`` takes a complex input and
+    squares it where the RMS wants its modulus, so ``backend=torch`` returned a wrong norm without a word."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    x = torch.randn(4, 6, dtype=torch.complex64)
+    for norm in (
+        lambda x: fused_rms_norm(x, 6),
+        FusedRMSNorm(6, elementwise_affine=False),
+        lambda x: fused_layer_norm(x, 6),
+    ):
+        with pytest.raises(
+            TypeError, match=r"input must be float16, bfloat16, float32 or float64, got torch.complex64"
+        ):
+            norm(x)
+
+
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
 def test_a_sparse_input_or_weight_is_named(ops, backend, monkeypatch):
     """The kernels' error was torch's 'unsupported memory format option Contiguous', the reference's a dispatcher dump
     naming a SparseCPU backend."""
