@@ -926,3 +926,25 @@ def test_non_reentrant_activation_checkpointing_trains_as_without(kind, memory_e
 
     for got, want in zip(grads(True), grads(False), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_features=-1), r"num_features must be an integer >= 1 \(the channels\), got -1"),
+        (dict(num_features=4, eps=float("nan")), r"Invalid SyncBatchNorm eps: nan"),  # NaN outputs
+        (dict(num_features=4, momentum=float("nan")), r"Invalid SyncBatchNorm momentum: nan"),  # NaN running stats
+        (dict(num_features=4, momentum=2.0), r"Invalid SyncBatchNorm momentum: 2.0 \(expected a value in \[0.0, 1.0\]"),
+    ],
+)
+def test_sync_batch_norm_refuses_numbers_torchs_batch_norm_takes_unchecked(kwargs, message):
+    """torch's batch norms take these without a word: a NaN eps or momentum turned the outputs or the running
+    statistics NaN, a momentum of 2 extrapolated the running statistics past the batch's, and num_features=-1 failed
+    naming a tensor dimension. Apex's SyncBatchNorm, a subclass, refuses them too."""
+    from ampkit.compat.parallel import SyncBatchNorm as ApexSyncBatchNorm
+    from ampkit.ops import SyncBatchNorm
+
+    for cls in (SyncBatchNorm, ApexSyncBatchNorm):
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs)
+    SyncBatchNorm(4, momentum=None)  # a cumulative average, as in torch
