@@ -1,5 +1,7 @@
 """LossScaler: growth, backoff floor, cap, static scale, Apex state format, knob errors."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,33 @@ def test_an_overflow_verdict_that_is_not_a_flag_is_refused():
 def test_bad_knobs_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaler(**kwargs)
+
+
+def test_follows_torch_grad_scaler_through_overflows_and_growth_and_resumes_from_its_state_dict():
+    """The scale torch.amp.GradScaler keeps, update by update (backoff on an inf, growth after the interval), on the
+    host and on the device, the same float32 scaled loss; and a LossScaler loaded from GradScaler's state_dict
+    mid-run goes on as GradScaler does (torch's cap is none: ``max_scale=None``)."""
+    generator = torch.Generator().manual_seed(0)
+    overflows = (torch.rand(120, generator=generator) < 0.2).tolist()
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    host = LossScaler(init_scale=2.0**10, growth_interval=3, max_scale=None)
+    device = LossScaler(init_scale=2.0**10, growth_interval=3, max_scale=None)
+    device.keep_on_device(torch.device("cpu"))
+    weight = torch.nn.Parameter(torch.full((1,), 0.3))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    for i, overflow in enumerate(overflows):
+        loss = weight.sum() * 1.7
+        scaled = grad_scaler.scale(loss)
+        assert torch.equal(host.scale_loss(loss), scaled) and torch.equal(device.scale_loss(loss), scaled)
+        (scaled * (math.inf if overflow else 1.0)).backward()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        optimizer.zero_grad()
+        host.update(overflow)
+        device.update_on_device(torch.tensor(float(overflow)))
+        device.update(overflow)
+        assert host.scale == device.scale == grad_scaler.get_scale(), i
+        if i == 60:
+            host = LossScaler(growth_interval=3, max_scale=None)
+            host.load_state_dict(grad_scaler.state_dict())
+    assert grad_scaler.get_scale() != 2.0**10  # the sequence moved the scale

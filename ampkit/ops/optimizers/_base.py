@@ -772,7 +772,13 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict from the torch.optim counterpart lacks our options (e.g. ``adam_w_mode``): they keep
         # this optimizer's constructor values.
+        defaults = state.get("defaults", self.__dict__.get("defaults", {}))
+        had_differentiable = "differentiable" in defaults
         super().__setstate__(state)
+        if not had_differentiable:
+            # torch adds its own ``differentiable`` option, which these steps do not have: copied into the groups
+            # below, it made a resumed, deep-copied or unpickled optimizer's state_dict() differ from the original's.
+            self.defaults.pop("differentiable", None)
         self.state = StateMap(self.state)
         for key in self._scratch_attrs:
             setattr(self, key, {})

@@ -44,6 +44,7 @@ class FusedAdamP(FusedOptimizer):
         set_grad_none: bool = True,
         *,
         backend: str | None = None,
+        maximize: bool = False,
     ) -> None:
         check_hyper("lr", lr)
         check_hyper("eps", eps)
@@ -59,6 +60,7 @@ class FusedAdamP(FusedOptimizer):
             delta=delta,
             wd_ratio=wd_ratio,
             nesterov=nesterov,
+            maximize=maximize,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
 

@@ -59,6 +59,7 @@ class FusedLAMB(FusedOptimizer):
         *,
         master_weights: bool = False,
         backend: str | None = None,
+        maximize: bool = False,
     ) -> None:
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
@@ -78,6 +79,7 @@ class FusedLAMB(FusedOptimizer):
             grad_averaging=grad_averaging,
             max_grad_norm=max_grad_norm,
             use_nvlamb=use_nvlamb,
+            maximize=maximize,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._update_buffers: dict[Tensor, Tensor] = {}
@@ -107,8 +109,9 @@ class FusedLAMB(FusedOptimizer):
             max_norm = group["max_grad_norm"]
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
             self._steps_from_group(group, buckets)
+            factor = grad_factor / clip
             for bucket in buckets:
-                self._update(group, bucket, grad_factor / clip)
+                self._update(group, bucket, -factor if group.get("maximize", False) else factor)
             self._advance_group_step(group)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -223,6 +226,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         *,
         set_grad_none: bool = True,
         backend: str | None = None,
+        maximize: bool = False,
     ) -> None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r}: expected the integer step count to start from (>= 0)")
@@ -246,6 +250,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             master_weights=True,
             set_grad_none=set_grad_none,
             backend=backend,
+            maximize=maximize,
         )
         self.reduced_precision_dtype = reduced_precision_dtype
 

@@ -59,6 +59,7 @@ class FusedNovoGrad(FusedOptimizer):
         *,
         master_weights: bool = False,
         backend: str | None = None,
+        maximize: bool = False,
     ) -> None:
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
@@ -79,6 +80,7 @@ class FusedNovoGrad(FusedOptimizer):
             grad_averaging=grad_averaging,
             norm_type=norm_type,
             init_zero=init_zero,
+            maximize=maximize,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
         self._blends: list[tuple[dict[str, Any], Bucket, Tensor]] = []
@@ -174,5 +176,5 @@ class FusedNovoGrad(FusedOptimizer):
             group["reg_inside_moment"],
             group["grad_averaging"],
             bc1,
-            grad_factor,
+            -grad_factor if group.get("maximize", False) else grad_factor,
         )

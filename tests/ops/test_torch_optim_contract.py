@@ -1,0 +1,575 @@
+"""The contracts of ``torch.optim.Optimizer`` that code swapping in a fused optimizer relies on, held by every fused
+optimizer under both implementations (the C++ kernels and the pure-PyTorch references): saving and resuming,
+copying, param groups, hooks, closures, gradients left out, ``maximize`` and torch's own state dicts."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ampkit.ops.optimizers import (
+    FusedAdadelta,
+    FusedAdagrad,
+    FusedAdam,
+    FusedAdamP,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedRMSprop,
+    FusedRMSpropTF,
+    FusedSGD,
+)
+
+# Every fused optimizer, with weight decay on: the options a swapped-in optimizer is usually built with.
+OPTIMIZERS = {
+    "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, **kw),
+    "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, **kw),
+    "sgd": lambda p, **kw: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
+    "adagrad": lambda p, **kw: FusedAdagrad(p, lr=0.1, weight_decay=0.01, **kw),
+    "adadelta": lambda p, **kw: FusedAdadelta(p, lr=1.0, weight_decay=0.01, **kw),
+    "adamp": lambda p, **kw: FusedAdamP(p, lr=1e-2, weight_decay=0.01, **kw),
+    "lamb": lambda p, **kw: FusedLAMB(p, lr=1e-2, weight_decay=0.01, **kw),
+    "mixed_precision_lamb": lambda p, **kw: FusedMixedPrecisionLamb(p, lr=1e-2, weight_decay=0.01, **kw),
+    "novograd": lambda p, **kw: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01, **kw),
+    "rmsprop": lambda p, **kw: FusedRMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
+    "rmsprop_tf": lambda p, **kw: FusedRMSpropTF(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
+}
+SHAPES = [(5, 4), (7,), (3, 3)]
+# Flags torch.optim added over its versions; a checkpoint written before them lacks them.
+NEWER_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay")
+
+
+@pytest.fixture(params=["kernel", "reference"], autouse=True)
+def ops_mode(request, monkeypatch):
+    monkeypatch.setenv("AMPKIT_OPS", request.param)
+    return request.param
+
+
+def make_params(shapes=SHAPES):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+
+
+def copies(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def grads_of(step, shapes=SHAPES):
+    generator = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=generator) for s in shapes]
+
+
+def run(optimizer, params, start, steps):
+    """Steps ``start`` .. ``start + steps - 1``, each with the same fresh gradients whichever optimizer runs it."""
+    for step in range(start, start + steps):
+        for p, g in zip(params, grads_of(step), strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+def assert_same(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- saving, resuming, copying
+
+
+@pytest.mark.parametrize("how", ["state_dict", "torch_save_weights_only", "deepcopy", "pickle"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_saved_or_copied_optimizer_continues_bit_identically_and_saves_the_same_state(name, how):
+    """torch's rule: an optimizer resumed from its ``state_dict()`` (or a deep copy, or a pickle) steps exactly as
+    the one it came from, and then saves the same state dict. A resumed fused optimizer used to save torch's own
+    ``differentiable`` option in every group, which the original had not."""
+    make = OPTIMIZERS[name]
+    params = make_params()
+    optimizer = make(params)
+    run(optimizer, params, 0, 3)
+    if how in ("deepcopy", "pickle"):
+        twin = (lambda x: copy.deepcopy(x)) if how == "deepcopy" else (lambda x: pickle.loads(pickle.dumps(x)))
+        resumed_params, resumed = twin((params, optimizer))
+    else:
+        resumed_params = copies(params)
+        resumed = make(resumed_params)
+        saved = copy.deepcopy(optimizer.state_dict())
+        if how == "torch_save_weights_only":
+            buffer = io.BytesIO()
+            torch.save(optimizer.state_dict(), buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=True)
+        resumed.load_state_dict(saved)
+    run(optimizer, params, 3, 3)
+    run(resumed, resumed_params, 3, 3)
+    assert_same(resumed_params, params)
+    assert_same(resumed.state_dict(), optimizer.state_dict())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_deep_copy_has_the_same_public_attributes(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 2)
+
+    def public(obj):
+        return {key for key in vars(obj) if not key.startswith("_")}
+
+    assert public(copy.deepcopy(optimizer)) == public(optimizer)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_from_before_torchs_newer_flags_resumes_as_the_run_it_came_from(name):
+    make = OPTIMIZERS[name]
+    params = make_params()
+    optimizer = make(params)
+    run(optimizer, params, 0, 3)
+    old = copy.deepcopy(optimizer.state_dict())
+    for group in old["param_groups"]:
+        for flag in NEWER_TORCH_FLAGS:
+            group.pop(flag, None)
+    resumed_params = copies(params)
+    resumed = make(resumed_params)
+    resumed.load_state_dict(old)
+    run(optimizer, params, 3, 2)
+    run(resumed, resumed_params, 3, 2)
+    assert_same(resumed_params, params)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_count_saved_as_a_number_resumes_as_the_tensor_did(name):
+    make = OPTIMIZERS[name]
+    params = make_params()
+    optimizer = make(params)
+    run(optimizer, params, 0, 3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    for state in saved["state"].values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].item()
+    resumed_params = copies(params)
+    resumed = make(resumed_params)
+    resumed.load_state_dict(saved)
+    run(optimizer, params, 3, 2)
+    run(resumed, resumed_params, 3, 2)
+    assert_same(resumed_params, params)
+
+
+@pytest.mark.parametrize(("named_first", "named_second"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_named_parameters_are_saved_by_name_and_load_either_way(name, named_first, named_second):
+    make = OPTIMIZERS[name]
+    model = torch.nn.Linear(3, 2)
+    optimizer = make(model.named_parameters() if named_first else model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    resumed = make(model.named_parameters() if named_second else model.parameters())
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    model(torch.randn(4, 3)).sum().backward()
+    resumed.step()
+    assert resumed.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+# ----------------------------------------------------------------- param groups and hyper-parameters
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_group_added_mid_run_steps_as_one_there_from_the_start_whose_params_had_no_grads(name):
+    """``add_param_group`` mid-run (unfreezing a backbone): the new group keeps its own lr and its parameters start
+    from fresh state, exactly as a group present from the start whose parameters had no gradients until then."""
+    make = OPTIMIZERS[name]
+    early, late = make_params(), make_params()
+    growing = make(early[:2])
+    from_start = make([{"params": late[:2]}, {"params": late[2:], "lr": 3e-3}])
+    for step in range(5):
+        if step == 2:
+            growing.add_param_group({"params": early[2:], "lr": 3e-3})
+        for params, optimizer in ((early, growing), (late, from_start)):
+            for i, (p, g) in enumerate(zip(params, grads_of(step), strict=True)):
+                p.grad = g.clone() if i < 2 or step >= 2 else None
+            optimizer.step()
+    assert_same(early, late)
+    assert growing.state_dict()["param_groups"][1]["lr"] == 3e-3
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_group_steps_with_its_own_lr(name):
+    params = make_params()
+    frozen = params[0].detach().clone()
+    optimizer = OPTIMIZERS[name]([{"params": params[:1], "lr": 0.0, "weight_decay": 0.0}, {"params": params[1:]}])
+    before = [p.detach().clone() for p in params[1:]]
+    run(optimizer, params, 0, 2)
+    assert_same(params[0], frozen)
+    assert all(not torch.equal(p, b) for p, b in zip(params[1:], before, strict=True))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_group_with_its_own_hyperparameters_steps_as_an_optimizer_of_that_group_alone(name):
+    """Per-group lr, weight decay, betas or momentum and eps: a group of a shared optimizer (kept buckets, one step
+    for all) steps exactly as an optimizer holding only that group. LAMB clips by the norm over every group, so
+    its clipping is off here."""
+    make = OPTIMIZERS[name]
+    defaults = make(make_params()).defaults
+    own = {"lr": defaults["lr"] / 2, "weight_decay": 0.05}
+    if "eps" in defaults:
+        own["eps"] = defaults["eps"] * 10
+    if "betas" in defaults:
+        own["betas"] = (0.8, 0.99)
+    if defaults.get("momentum"):
+        own["momentum"] = 0.5
+    shared = {"max_grad_norm": 0.0} if "max_grad_norm" in defaults else {}
+    params, alone = make_params(), make_params()
+    together = make([{"params": params[:2], **shared}, {"params": params[2:], **shared, **own}])
+    separate = [make([{"params": alone[:2], **shared}]), make([{"params": alone[2:], **shared, **own}])]
+    for step in range(3):
+        for p, q, g in zip(params, alone, grads_of(step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        together.step()
+        for optimizer in separate:
+            optimizer.step()
+    assert_same(params, alone)
+
+
+@pytest.mark.parametrize("where", ["constructor", "group"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_lr_given_as_a_0_dim_tensor_steps_as_the_number(name, where):
+    """A tensor lr (torch's way to change it without recompiling) steps as the float; its value is a float32, so the
+    result may differ in the last bits (torch's own tolerance)."""
+    make = OPTIMIZERS[name]
+    params, twins = make_params(), make_params()
+    optimizer = make(params)
+    lr = torch.tensor(optimizer.defaults["lr"])
+    cls = type(optimizer)
+    tensor_lr = cls(twins, lr=lr) if where == "constructor" else make([{"params": twins, "lr": lr}])
+    if where == "constructor":
+        optimizer = cls(params, lr=optimizer.defaults["lr"])
+    run(optimizer, params, 0, 3)
+    run(tensor_lr, twins, 0, 3)
+    torch.testing.assert_close(twins, params)
+    assert torch.is_tensor(tensor_lr.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_maximize_ascends_as_a_step_on_the_negated_gradients(name):
+    """torch's ``maximize=True`` is a step on ``-grad`` (weight decay still shrinks the weights), for every fused
+    optimizer, given to the constructor or in a group. LAMB and NovoGrad took a group's ``maximize`` and minimized."""
+    make = OPTIMIZERS[name]
+    by_constructor, in_group, negated = make_params(), make_params(), make_params()
+    optimizers = [make(by_constructor, maximize=True), make([{"params": in_group, "maximize": True}]), make(negated)]
+    for step in range(3):
+        for trio in zip(by_constructor, in_group, negated, grads_of(step), strict=True):
+            *ascending, descending, g = trio
+            for p in ascending:
+                p.grad = g.clone()
+            descending.grad = -g
+        for optimizer in optimizers:
+            optimizer.step()
+    assert_same(by_constructor, negated)
+    assert_same(in_group, negated)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_weight_decay_shrinks_weights_whose_gradients_are_zero_and_nothing_moves_without_it(name):
+    decayed, kept = make_params(), make_params()
+    with_decay = OPTIMIZERS[name](decayed)
+    without = OPTIMIZERS[name](kept)
+    for group in without.param_groups:
+        group["weight_decay"] = 0.0
+    before = [p.detach().clone() for p in kept]
+    for _ in range(3):
+        for p in (*decayed, *kept):
+            p.grad = torch.zeros_like(p)
+        with_decay.step()
+        without.step()
+    assert_same(kept, before)
+    assert all(p.norm() < b.norm() for p, b in zip(decayed, before, strict=True))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_steps_lower_a_loss_and_maximize_raises_it(name):
+    def losses(maximize):
+        torch.manual_seed(0)
+        weight, bias, x = torch.nn.Parameter(torch.randn(10, 5)), torch.nn.Parameter(torch.randn(10)), torch.randn(5)
+        optimizer = OPTIMIZERS[name]([weight, bias], maximize=maximize)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 if group["lr"] < 1.0 else group["lr"]  # a small step for a quadratic of curvature ~10
+        seen = []
+        for _ in range(20):
+            optimizer.zero_grad()
+            loss = (weight.mv(x) + bias).pow(2).sum()
+            loss.backward()
+            seen.append(loss.item())
+            optimizer.step()
+        return seen
+
+    descending, ascending = losses(False), losses(True)
+    assert descending[-1] < descending[0]
+    assert ascending[-1] > ascending[0]
+
+
+# ----------------------------------------------------------------- step: closures, missing gradients, zero_grad
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_step_with_a_closure_returns_its_loss_and_steps_on_the_gradients_it_made(name):
+    make = OPTIMIZERS[name]
+    params, twins = make_params(), make_params()
+    optimizer, plain = make(params), make(twins)
+    calls = []
+
+    def closure():
+        calls.append(torch.is_grad_enabled())
+        optimizer.zero_grad()
+        loss = sum((p * g).sum() for p, g in zip(params, grads_of(0), strict=True))
+        loss.backward()
+        return loss
+
+    with torch.no_grad():  # the closure's backward still runs: step enables grad for it, as torch.optim's does
+        loss = optimizer.step(closure)
+    run(plain, twins, 0, 1)
+    assert calls == [True]
+    assert torch.is_tensor(loss) and loss.requires_grad
+    assert_same(params, twins)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parameters_without_gradients_are_left_alone_and_get_no_state(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    untouched = params[1].detach().clone()
+    for step in range(2):
+        for i, (p, g) in enumerate(zip(params, grads_of(step), strict=True)):
+            p.grad = None if i == 1 else g
+        optimizer.step()
+    assert_same(params[1], untouched)
+    assert params[1] not in optimizer.state
+    assert all(len(optimizer.state[p]) > 0 for p in (params[0], params[2]))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_with_no_gradients_at_all_changes_nothing(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    assert_same(params, before)
+    assert len(optimizer.state) == 0
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_zero_grad_without_set_to_none_zeroes_the_same_tensors_in_place(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 1)
+    grads = [p.grad for p in params]
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.any() for p, g in zip(params, grads, strict=True))
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_empty_and_0_dim_parameters_step_with_the_rest(name):
+    params = [*make_params(), torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.randn(()))]
+    optimizer = OPTIMIZERS[name](params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.rand_like(p)
+        optimizer.step()
+    assert params[-1] in optimizer.state and torch.isfinite(params[-1])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_complex_parameters_which_torch_optim_steps_as_real_pairs_are_refused_by_dtype(name):
+    """A deliberate difference: the kernels step real floating tensors only. The error names the dtype, and a
+    refused ``add_param_group`` leaves the optimizer as it was."""
+    complex_param = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.complex64; expected float32"):
+        OPTIMIZERS[name]([complex_param])
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    with pytest.raises(TypeError, match="torch.complex64"):
+        optimizer.add_param_group({"params": [complex_param]})
+    assert len(optimizer.param_groups) == 1
+    run(optimizer, params, 0, 1)
+
+
+# ----------------------------------------------------------------- hooks
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_step_hooks_run_global_then_own_around_the_step_until_removed(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    calls = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda opt, args, kwargs: calls.append("global post")),
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre")),
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(("post", opt.state[params[0]] != {}))),
+    ]
+    try:
+        run(optimizer, params, 0, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    run(optimizer, params, 1, 1)
+    assert calls == ["global pre", "pre", ("post", True), "global post"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_step_pre_hook_may_replace_the_steps_arguments(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    closure_calls = []
+
+    def add_closure(opt, args, kwargs):  # args[0] is the optimizer itself
+        return (*args, lambda: closure_calls.append(1) or 1.0), kwargs
+
+    optimizer.register_step_pre_hook(add_closure)
+    assert optimizer.step() == 1.0
+    assert closure_calls == [1]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_dict_hooks_see_and_change_what_is_saved(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 1)
+    optimizer.register_state_dict_pre_hook(lambda opt: opt.state.__setitem__("note", 1))
+    assert optimizer.state_dict()["state"]["note"] == 1
+
+    def post(opt, state_dict):
+        state_dict["state"].pop("note")
+        return {**state_dict, "saved_by": "post hook"}
+
+    optimizer.register_state_dict_post_hook(post)
+    saved = optimizer.state_dict()
+    assert saved["saved_by"] == "post hook" and "note" not in saved["state"]
+    del optimizer.state["note"]
+    run(optimizer, params, 1, 1)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_load_state_dict_hooks_edit_in_place_or_replace_in_order_and_post_hooks_see_the_result(name):
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 1)
+    saved = optimizer.state_dict()
+
+    def edit_in_place(opt, state_dict):
+        state_dict["param_groups"][0]["lr"] = 0.002
+
+    def replace(opt, state_dict):
+        replaced = copy.deepcopy(state_dict)
+        replaced["param_groups"][0]["lr"] = 0.003
+        return replaced
+
+    seen = []
+    optimizer.register_load_state_dict_pre_hook(edit_in_place)
+    optimizer.register_load_state_dict_post_hook(lambda opt: seen.append(opt.param_groups[0]["lr"]))
+    optimizer.load_state_dict(copy.deepcopy(saved))
+    optimizer.register_load_state_dict_pre_hook(replace, prepend=True)  # runs first: the in-place edit wins
+    optimizer.load_state_dict(copy.deepcopy(saved))
+    assert seen == [0.002, 0.002]
+    run(optimizer, params, 1, 1)
+
+
+# ----------------------------------------------------------------- torch.optim's own state dicts
+
+# The fused optimizer beside its torch.optim counterpart, with torch's fused kernel where it has one.
+TORCH_TWINS = {
+    "adamw": (lambda p, b: FusedAdam(p, lr=1e-2, weight_decay=0.01, backend=b), torch.optim.AdamW, True),
+    "adam_l2": (
+        lambda p, b: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, backend=b),
+        torch.optim.Adam,
+        True,
+    ),
+    "sgd": (lambda p, b: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, backend=b), torch.optim.SGD, True),
+    "adagrad": (lambda p, b: FusedAdagrad(p, lr=0.1, weight_decay=0.01, backend=b), torch.optim.Adagrad, True),
+    "rmsprop": (lambda p, b: FusedRMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01), torch.optim.RMSprop, False),
+    "adadelta": (lambda p, b: FusedAdadelta(p, lr=1.0, weight_decay=0.01), torch.optim.Adadelta, False),
+}
+
+
+def torch_twin(name, params):
+    """The torch.optim counterpart of ``TORCH_TWINS[name]``, built with the fused one's hyper-parameters."""
+    make, cls, fused = TORCH_TWINS[name]
+    defaults = make(copies(params), None).defaults
+    options = {k: v for k, v in defaults.items() if k in ("lr", "momentum", "weight_decay", "betas")}
+    return cls(params, **options, **({"fused": True} if fused else {}))
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("name", list(TORCH_TWINS))
+def test_a_run_through_torch_optims_state_dict_and_back_continues_bit_identically(name, backend):
+    """Fused -> torch.optim -> fused: the state survives both loads exactly."""
+    make = TORCH_TWINS[name][0]
+    params = make_params()
+    optimizer = make(params, backend)
+    run(optimizer, params, 0, 3)
+    through_torch = torch_twin(name, copies(params))
+    through_torch.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    resumed_params = copies(params)
+    resumed = make(resumed_params, backend)
+    resumed.load_state_dict(copy.deepcopy(through_torch.state_dict()))
+    run(optimizer, params, 3, 3)
+    run(resumed, resumed_params, 3, 3)
+    assert_same(resumed_params, params)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd", "adagrad"])
+def test_a_torch_fused_run_resumed_on_torchs_kernel_continues_bit_identically(name):
+    """``backend="torch"`` runs torch's fused op: a run of ``torch.optim.X(fused=True)`` resumed in the fused
+    optimizer goes on exactly as the torch run does."""
+    make = TORCH_TWINS[name][0]
+    theirs = make_params()
+    optimizer = torch_twin(name, theirs)
+    run(optimizer, theirs, 0, 3)
+    ours = copies(theirs)
+    resumed = make(ours, "torch")
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    run(optimizer, theirs, 3, 3)
+    run(resumed, ours, 3, 3)
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam_l2", "sgd", "adagrad"])
+def test_torch_optims_fused_form_resumes_a_run_of_torchs_kernel_bit_identically(name):
+    """The other way round: ``torch.optim.X(fused=True)`` loading a ``backend="torch"`` run goes on exactly as it.
+    The state dict names no ``fused`` switch and torch takes the loaded group's: SGD falls back to its for-loop
+    form (rounded in another order) unless the switch is set again, as the docs say."""
+    make = TORCH_TWINS[name][0]
+    ours = make_params()
+    optimizer = make(ours, "torch")
+    run(optimizer, ours, 0, 3)
+    theirs = copies(ours)
+    resumed = torch_twin(name, theirs)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    if name == "sgd":
+        for group in resumed.param_groups:
+            group["fused"] = True
+    run(optimizer, ours, 3, 3)
+    run(resumed, theirs, 3, 3)
+    assert_same(theirs, ours)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_compiled_function_calling_step_trains_as_the_eager_step(name):
+    make = OPTIMIZERS[name]
+    models = [torch.nn.Linear(4, 2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [make(m.parameters()) for m in models]
+    x = torch.randn(8, 4)
+
+    def train_step(model, optimizer):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    compiled = torch.compile(train_step, backend="eager")
+    for _ in range(2):
+        train_step(models[0], optimizers[0])
+        compiled(models[1], optimizers[1])
+    assert_same(list(models[1].parameters()), list(models[0].parameters()))
