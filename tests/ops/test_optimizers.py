@@ -1371,6 +1371,7 @@ def _sharing_memory():
     }
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
 @pytest.mark.parametrize("case", list(_sharing_memory()))
 @pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
 def test_parameters_sharing_memory_are_refused(cls, case):
