@@ -36,6 +36,10 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
             raise RuntimeError(
                 f"{op}: params must share one dtype; params[0] is {params[0].dtype} but params[{i}] is {p.dtype}"
             )
+        if p.device != params[0].device or p.is_meta:  # a meta parameter was "stepped", holding no values
+            raise RuntimeError(
+                f"{op}: params[{i}] is on {p.device}; every list must be on params[0]'s device, not meta"
+            )
     acc = _acc_dtype(params[0]) if params else torch.float32
     for name, values in lists.items():
         if len(values) != len(params):
