@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import is_dense
 from ampkit.ops._switches import checked_switch
@@ -206,6 +207,7 @@ def _copy_into(targets: list[Tensor], values: list[Tensor]) -> None:
         target.copy_(value.reshape(target.shape))
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_lamb(
     chunk_size: int,
     noop_flag: Tensor,
@@ -261,6 +263,7 @@ def multi_tensor_lamb(
     apply_lamb(params, [], grads, ratios)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_lamb_mp(
     chunk_size: int,
     noop_flag: Tensor,
@@ -327,6 +330,7 @@ def multi_tensor_lamb_mp(
         _copy_into(lists[4], params)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_lamb_stage1_cuda(
     chunk_size: int,
     noop_flag: Tensor,
@@ -360,6 +364,7 @@ def multi_tensor_lamb_stage1_cuda(
         _copy_into(select[4], directions)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_lamb_stage2_cuda(
     chunk_size: int,
     noop_flag: Tensor,

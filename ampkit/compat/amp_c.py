@@ -27,6 +27,7 @@ from ampkit.compat._amp_c_lamb import (
     multi_tensor_lamb_stage2_cuda,
     switch_args,
 )
+from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.compat.missing_name import missing_name
 from ampkit.ops import multi_tensor
 from ampkit.ops.optimizers._base import decay_weights_
@@ -122,6 +123,7 @@ def _write_rounded(out: Tensor, value: Tensor) -> None:
     out.copy_(value.round() if _is_integer(out) else value)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
     """``out[i] = in[i] * scale`` for ``tensor_lists = [in, out]``; flags inf/nan inputs. Integer and bool tensors
     (a state dict's step counters and masks) are computed in float64 and rounded to the nearest integer when
@@ -138,6 +140,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorL
     )
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_axpby(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
 ) -> None:
@@ -165,6 +168,7 @@ def multi_tensor_axpby(
     _with_integer_entries_apart([x, y, out], float_kernel, integer_op)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_l2norm(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -176,6 +180,7 @@ def multi_tensor_l2norm(
     return total, per
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_l2norm_mp(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -183,6 +188,7 @@ def multi_tensor_l2norm_mp(
     return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_l2norm_scale(
     chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float, per_tensor: bool | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -194,6 +200,7 @@ def multi_tensor_l2norm_scale(
     return total, per
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_unscale_l2norm(
     chunk_size: int,
     noop_flag: Tensor,
@@ -209,6 +216,7 @@ def multi_tensor_unscale_l2norm(
     return total, per
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_adam(
     chunk_size: int,
     noop_flag: Tensor,
@@ -301,6 +309,7 @@ def _adam_capturable(
     )
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_adam_capturable(
     chunk_size: int,
     noop_flag: Tensor,
@@ -322,6 +331,7 @@ def multi_tensor_adam_capturable(
                      bias_correction, weight_decay, inv_scale)  # fmt: skip
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_adam_capturable_master(
     chunk_size: int,
     noop_flag: Tensor,
@@ -343,6 +353,7 @@ def multi_tensor_adam_capturable_master(
                      bias_correction, weight_decay, inv_scale)  # fmt: skip
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_adagrad(
     chunk_size: int,
     noop_flag: Tensor,
@@ -367,6 +378,7 @@ def multi_tensor_adagrad(
     op("adagrad_step", device)(params, grads, sums, [], steps, float(lr), 0.0, weight_decay, epsilon, 1.0)
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_novograd(
     chunk_size: int,
     noop_flag: Tensor,
@@ -421,6 +433,7 @@ def multi_tensor_novograd(
     )  # fmt: skip
 
 
+@pybind_numbers("amp_C")
 def multi_tensor_sgd(
     chunk_size: int,
     noop_flag: Tensor,
@@ -484,6 +497,7 @@ def _check_scaler_state(current_scale: Tensor, growth_tracker: Tensor, hysteresi
         )
 
 
+@pybind_numbers("amp_C")
 def update_scale_hysteresis(
     current_scale: torch.Tensor,
     growth_tracker: torch.Tensor,

@@ -13,11 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
+from ampkit.compat._amp_c_lamb import switch_args
+from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.compat.legacy_fused_adam import first_adam_update
 
 __all__ = ["adam", "adam_mt"]
 
 
+@pybind_numbers("fused_adam_cuda")
 def adam(
     p: torch.Tensor,
     p_copy: torch.Tensor,
@@ -36,9 +39,11 @@ def adam(
 ) -> None:
     """One tensor's step of Apex's first FusedAdam (its oldest callers pass neither ``bias_correction`` nor
     ``decay``)."""
+    (bias_correction,) = switch_args("fused_adam_cuda.adam", bias_correction=bias_correction)
     first_adam_update(p, p_copy, m, v, g, lr, beta1, beta2, eps, grad_scale, step, mode, bias_correction, decay)
 
 
+@pybind_numbers("fused_adam_cuda")
 def adam_mt(
     chunk_size: int,
     noop_flag: torch.Tensor,
@@ -55,6 +60,7 @@ def adam_mt(
 ) -> None:
     """``adam`` over ``[params, exp_avgs, exp_avg_sqs, grads]`` (and a fifth list of copies), as
     ``multi_tensor_applier(fused_adam_cuda.adam_mt, overflow_buf, lists, ...)`` calls it."""
+    (bias_correction,) = switch_args("fused_adam_cuda.adam_mt", bias_correction=bias_correction)
     if len(tensor_lists) not in (4, 5):
         raise ValueError(
             f"fused_adam_cuda.adam_mt: expected 4 lists [params, exp_avgs, exp_avg_sqs, grads] and optionally the "

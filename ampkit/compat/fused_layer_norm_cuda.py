@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ampkit.compat._pybind_numbers import pybind_numbers
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.norms import NormDtypeError, NormShapeError
@@ -108,6 +109,7 @@ def _layer_norm_forward(
     return output.to(output_dtype).view(input.shape), mean, invvar
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def forward_affine(
     input: Tensor, normalized_shape: ShapeLike, gamma: Tensor, beta: Tensor, epsilon: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -115,6 +117,7 @@ def forward_affine(
     return _layer_norm_forward("forward_affine", input, normalized_shape, gamma, beta, epsilon, input.dtype)
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def forward_affine_mixed_dtypes(
     input: Tensor, normalized_shape: ShapeLike, gamma: Tensor, beta: Tensor, epsilon: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -123,6 +126,7 @@ def forward_affine_mixed_dtypes(
     return _layer_norm_forward(op, input, normalized_shape, gamma, beta, epsilon, gamma.dtype)
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def forward(input: Tensor, normalized_shape: ShapeLike, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm without a weight or bias: ``(output, mean, invvar)``."""
     return _layer_norm_forward("forward", input, normalized_shape, None, None, epsilon, input.dtype)
@@ -184,6 +188,7 @@ def _norm_backward(
     return grad_input, grad_gamma, grad_beta
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def backward_affine(
     dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike,
     gamma: Tensor, beta: Tensor, epsilon: float, memory_efficient: bool = False,
@@ -196,6 +201,7 @@ def backward_affine(
     return grads  # type: ignore[return-value]
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def backward(
     dout: Tensor, mean: Tensor | None, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike,
     epsilon: float, memory_efficient: bool = False,
@@ -216,6 +222,7 @@ def _rms_norm_forward(
     return output.to(output_dtype).view(input.shape), invvar
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def rms_forward_affine(
     input: Tensor, normalized_shape: ShapeLike, gamma: Tensor, epsilon: float
 ) -> tuple[Tensor, Tensor]:
@@ -223,6 +230,7 @@ def rms_forward_affine(
     return _rms_norm_forward("rms_forward_affine", input, normalized_shape, gamma, epsilon, input.dtype)
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def rms_forward_affine_mixed_dtypes(
     input: Tensor, normalized_shape: ShapeLike, gamma: Tensor, epsilon: float
 ) -> tuple[Tensor, Tensor]:
@@ -230,11 +238,13 @@ def rms_forward_affine_mixed_dtypes(
     return _rms_norm_forward("rms_forward_affine_mixed_dtypes", input, normalized_shape, gamma, epsilon, gamma.dtype)
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def rms_forward(input: Tensor, normalized_shape: ShapeLike, epsilon: float) -> tuple[Tensor, Tensor]:
     """RMSNorm without a weight: ``(output, invvar)``."""
     return _rms_norm_forward("rms_forward", input, normalized_shape, None, epsilon, input.dtype)
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def rms_backward_affine(
     dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike, gamma: Tensor,
     epsilon: float, memory_efficient: bool = False,
@@ -246,6 +256,7 @@ def rms_backward_affine(
     return grad_input, grad_gamma  # type: ignore[return-value]
 
 
+@pybind_numbers("fused_layer_norm_cuda")
 def rms_backward(
     dout: Tensor, invvar: Tensor, input_or_output: Tensor, normalized_shape: ShapeLike, epsilon: float,
     memory_efficient: bool = False,

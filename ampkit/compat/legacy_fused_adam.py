@@ -138,7 +138,7 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         check_hyper("eps", eps)
         betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
-        check_hyper("max_grad_norm", max_grad_norm)
+        check_hyper("max_grad_norm", max_grad_norm, finite=False)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,

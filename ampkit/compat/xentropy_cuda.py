@@ -31,6 +31,11 @@ def _accumulate_dtype(logits: Tensor) -> torch.dtype:
 def _check(op: str, logits: Tensor, labels: Tensor) -> None:
     if logits.dtype not in (*_LOW_PRECISION, torch.float32, torch.float64):
         raise TypeError(f"xentropy_cuda.{op}: logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
+    for name, tensor in (("logits", logits), ("labels", labels)):  # both failed in the dispatcher or a kernel
+        if tensor.layout != torch.strided:
+            raise TypeError(f"xentropy_cuda.{op}: {name} is a {tensor.layout} tensor; pass a dense one (.to_dense())")
+    if labels.device != logits.device:
+        raise ValueError(f"xentropy_cuda.{op}: labels are on {labels.device} but logits on {logits.device}")
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"xentropy_cuda.{op}: logits must be 2-D (rows, classes), got shape {list(logits.shape)}")
     if labels.dtype != torch.long or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from itertools import pairwise
 
 from torch import Tensor
 
@@ -37,3 +39,17 @@ def is_dense(t: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def first_overlap(tensors: Sequence[Tensor]) -> tuple[int, int] | None:
+    """Indices ``(i, j)``, ``i < j``, of two of ``tensors`` (dense ones) whose memory overlaps, or None. Sorted by
+    address, each compared with the next: if any two overlap, two neighbours do. Empty tensors hold no memory."""
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(tensors)
+        if t.numel()
+    )
+    for (device, _, end, i), (next_device, next_begin, _, j) in pairwise(spans):
+        if device == next_device and next_begin < end:
+            return min(i, j), max(i, j)
+    return None

@@ -14,8 +14,9 @@ kernels on GPU) or, with ``AMPKIT_OPS=reference`` or no compiler, the pure-PyTor
   another index (every index's chunks run in parallel).
 * ``found_inf`` is a one-element float32 or int32 tensor on the tensors' device, like torch's
   ``found_inf`` (float) or Apex's ``noop_flag`` (int). Ops set it to 1 when they see a non-finite
-  value and never clear it, so one flag can collect several calls; the ops here do not skip work
-  when it is already set (the caller decides, e.g. an optimizer skipping its step).
+  value (an input, or a factor, which makes every output it scales non-finite) and never clear it,
+  so one flag can collect several calls; the ops here do not skip work when it is already set (the
+  caller decides, e.g. an optimizer skipping its step).
 * Empty lists are valid and do nothing (norms of an empty list are 0).
 * Factors may be Python numbers or one-element tensors (read with ``.item()``: a sync on CUDA).
 * Bad arguments raise ``RuntimeError`` naming the argument and index, e.g. ``\\`out[2]\\` has 10
@@ -127,6 +128,8 @@ def _as_list(tensors: Sequence[torch.Tensor], name: str, none_allowed: bool = Fa
             raise TypeError(f"`{name}[{i}]` must be a tensor, got {type(t).__name__}")
         if t is not None and t.is_meta:
             raise _on_meta(f"`{name}[{i}]`")
+        if t is not None and t.layout != torch.strided:  # read as an expanded tensor, or a dispatcher dump
+            raise TypeError(f"`{name}[{i}]` is a {t.layout} tensor; these ops take dense ones (use .to_dense())")
     return list(tensors)
 
 
@@ -145,10 +148,23 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
             raise _on_meta(f"`{name}`")
         if value.numel() != 1:
             raise ValueError(f"`{name}` must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        if value.is_complex() or value.dtype == torch.bool:  # float() named no argument, or read True as 1
+            raise TypeError(f"`{name}` must be a real number or a one-element tensor, got a {value.dtype} tensor")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number or a one-element tensor, got {type(value).__name__}")
     return float(value)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _flag_non_finite_factors(found_inf: torch.Tensor, scaled: list[torch.Tensor], *factors: float) -> None:
+    """Raise the flag for a factor that is not finite in float32, the kernels' arithmetic, if it scaled any element:
+    every such output is inf or NaN although the inputs, which the kernels check, were finite (a loss scale of 0
+    unscales by inf), and a caller skipping on the flag would have stepped on them."""
+    if not all(abs(factor) <= _FLOAT32_MAX for factor in factors) and any(t.numel() for t in scaled):
+        found_inf.fill_(1)
 
 
 def _switch(value: bool, name: str) -> bool:
@@ -196,6 +212,7 @@ def scale_(
         _run("scale_", reference.scale_, args, args)
     else:
         reference.scale_(inputs, outputs, factor, found_inf)
+    _flag_non_finite_factors(found_inf, inputs, factor)
 
 
 def axpby_(
@@ -220,6 +237,7 @@ def axpby_(
         _run("axpby_", reference.axpby_, kernel_args, (a, x, b, y, out, found_inf, arg_to_check))
     else:
         reference.axpby_(a, x, b, y, out, found_inf, arg_to_check)
+    _flag_non_finite_factors(found_inf, x, a, b)
 
 
 def combine_(
@@ -243,6 +261,7 @@ def combine_(
         _run("combine_", reference.combine_, args, args)
     else:
         reference.combine_(new, stash, out, inv_scale, found_inf)
+    _flag_non_finite_factors(found_inf, new, inv_scale)
 
 
 def l2norm(inputs: Sequence[torch.Tensor], *, per_tensor: bool = False) -> L2Norm:
@@ -282,4 +301,5 @@ def unscale_l2norm(
         total, per = _run("unscale_l2norm", reference.unscale_l2norm, args, args)
     else:
         total, per = reference.unscale_l2norm(inputs, outputs, inv_scale, found_inf, per_tensor)
+    _flag_non_finite_factors(found_inf, inputs, inv_scale)
     return L2Norm(total, per if per_tensor else None)

@@ -164,6 +164,7 @@ def _check_inputs(
         raise TypeError(f"{op}: input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in _FLOAT_DTYPES:
         raise NormDtypeError(f"{op}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
+    _refuse_sparse(op, "input", input)
     k = len(normalized_shape)
     if input.dim() < k or tuple(input.shape[input.dim() - k :]) != normalized_shape:
         raise NormShapeError(
@@ -175,6 +176,7 @@ def _check_inputs(
             continue
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor or None, got {type(param).__name__}")
+        _refuse_sparse(op, name, param)
         if tuple(param.shape) != normalized_shape:
             raise NormShapeError(
                 f"{op}: {name} has shape {list(param.shape)}, expected normalized_shape {list(normalized_shape)}"
@@ -191,6 +193,13 @@ def _check_inputs(
             )
     if weight is not None and bias is not None and bias.dtype != weight.dtype:
         raise NormDtypeError(f"{op}: bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+
+
+def _refuse_sparse(op: str, name: str, tensor: torch.Tensor) -> None:
+    """A sparse tensor has no rows to normalize in place: the kernels' error was torch's "unsupported memory format
+    option", the reference's a dispatcher dump naming a backend."""
+    if tensor.layout != torch.strided:
+        raise NormDtypeError(f"{op}: {name} is a {tensor.layout} tensor; the norms take dense ones (use .to_dense())")
 
 
 def _params_for_kernels(
@@ -210,13 +219,16 @@ def _params_for_kernels(
 
 
 def _one_dtype(input: object, params: tuple[object, ...]) -> bool:
-    """Whether ``input`` is a tensor and each parameter None or a tensor of its dtype: what torch's own norms run
-    as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's usual case) this is
-    all that is checked first; a call torch refuses is checked again to name the bad argument (a norm is called
-    dozens of times a step, and on a GPU its host time is the step's)."""
+    """Whether ``input`` is a tensor of a dtype the norms take and each parameter None or a tensor of its dtype: what
+    torch's own norms run as given. They check shapes and devices themselves, so where torch runs the norm (a GPU's
+    usual case) this is all that is checked first; a call torch refuses is checked again to name the bad argument (a
+    norm is called dozens of times a step, and on a GPU its host time is the step's). The dtype is checked here: torch's
+    ``F.rms_norm`` takes a complex input and squares it where the RMS wants its modulus."""
     if not isinstance(input, torch.Tensor):
         return False
     dtype = input.dtype
+    if dtype not in _FLOAT_DTYPES:
+        return False
     for p in params:  # a loop, not all() over a generator: this runs on every call
         if p is not None and (not isinstance(p, torch.Tensor) or p.dtype != dtype):
             return False

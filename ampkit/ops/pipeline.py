@@ -29,6 +29,8 @@ def _finite_positive(value: float | Tensor, must_be: str) -> float:
     """``value`` (a number or a one-element tensor) as a float, if finite and > 0; ``float()`` read "1e-3" and
     ``True`` as numbers and named neither a string nor None it refused."""
     if isinstance(value, Tensor) and value.numel() == 1:
+        if value.is_meta:  # item() raised, naming neither the argument nor why
+            raise ValueError(f"{must_be} a finite number > 0; got a tensor on the meta device, which holds no value")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{must_be} a finite number > 0; got {value!r} (a {type(value).__name__})")

@@ -10,6 +10,7 @@ Backward all-reduces ``sum(dy)`` and ``sum(dy * x_hat)`` like torch's; weight/bi
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.optimizers._base import check_hyper
 
 
 def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -70,6 +72,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 None, None, None, None, None)  # fmt: skip
 
 
+def _check_numbers(name: str, num_features: Any, eps: Any, momentum: Any) -> None:
+    """torch's batch norms take these unchecked: a NaN ``eps`` or ``momentum`` gave NaN outputs or running statistics,
+    a momentum of 2 extrapolated them past the batch's, and ``num_features=-1`` failed naming a tensor dimension."""
+    if isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral) or num_features < 1:
+        raise ValueError(f"{name}: num_features must be an integer >= 1 (the channels), got {num_features!r}")
+    check_hyper(f"{name} eps", eps)
+    if momentum is not None:
+        check_hyper(f"{name} momentum", momentum, 0.0, 1.0, closed=True)
+
+
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     """Batch norm whose training statistics span every rank of ``process_group`` (default: the world)."""
 
@@ -88,6 +100,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         name = type(self).__name__
         affine = checked_switch(name, "affine", affine)
         track_running_stats = checked_switch(name, "track_running_stats", track_running_stats)
+        _check_numbers(name, num_features, eps, momentum)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 

@@ -528,3 +528,47 @@ def test_amp_c_has_every_op_of_apexs_last_amp_c():
     }  # fmt: skip
     assert set(amp_C.__all__) == apex_ops
     assert all(callable(getattr(amp_C, name)) for name in apex_ops)
+
+
+def _adam_lists():
+    return [[torch.ones(4)], [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)]]
+
+
+NUMBER_CALLS = {
+    "lr": lambda v: amp_C.multi_tensor_adam(2048, flag(), _adam_lists(), v, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0),
+    "beta1": lambda v: amp_C.multi_tensor_adam(2048, flag(), _adam_lists(), 1e-3, v, 0.999, 1e-8, 1, 1, 1, 0.0),
+    "step": lambda v: amp_C.multi_tensor_adam(2048, flag(), _adam_lists(), 1e-3, 0.9, 0.999, 1e-8, v, 1, 1, 0.0),
+    "mode": lambda v: amp_C.multi_tensor_adam(2048, flag(), _adam_lists(), 1e-3, 0.9, 0.999, 1e-8, 1, v, 1, 0.0),
+    "wd": lambda v: amp_C.multi_tensor_sgd(
+        2048, flag(), _adam_lists()[:3], v, 0.9, 0.0, 0.1, False, True, False, 1.0
+    ),  # fmt: skip
+    "scale": lambda v: amp_C.multi_tensor_scale(2048, flag(), [[torch.ones(3)], [torch.empty(3)]], v),
+    "chunk_size": lambda v: amp_C.multi_tensor_scale(v, flag(), [[torch.ones(3)], [torch.empty(3)]], 2.0),
+}
+
+
+@pytest.mark.parametrize("value", ["1e-3", None, torch.ones(2), 1.5], ids=["str", "None", "two_elements", "float"])
+@pytest.mark.parametrize("name", list(NUMBER_CALLS))
+def test_a_number_apexs_binding_refused_is_named(name, value):
+    """pybind11 refused a string or None for a float argument and a float for an int one: ``float()`` here read
+    ``lr="1e-3"`` as a number, step=1.5 ran as a step count, and None or a two-element ``beta1`` reached the kernel's
+    schema, a multi-line error naming neither the op nor the argument."""
+    is_int = name in ("step", "mode", "chunk_size")
+    if isinstance(value, float) and not is_int:
+        NUMBER_CALLS[name](value)  # a float for a float: fine
+        return
+    expected = "an integer" if is_int else "a number"
+    with pytest.raises(TypeError, match=rf"^amp_C\.\w+: {name} must be {expected}, as Apex's binding took it"):
+        NUMBER_CALLS[name](value)
+
+
+def test_numbers_apexs_binding_took_are_taken():
+    """numpy's numbers, a one-element tensor for a float, and a bool (1.0 for a float, as pybind11 reads it)."""
+    import numpy as np
+
+    out = [torch.empty(3)]
+    for scale in (np.float32(2.0), np.int64(2), torch.tensor(2.0), True):
+        amp_C.multi_tensor_scale(np.int64(2048), flag(), [[torch.ones(3)], out], scale)
+        assert torch.equal(out[0], torch.full((3,), float(scale)))
+    NUMBER_CALLS["step"](np.int64(1))
+    NUMBER_CALLS["step"](torch.tensor(1))

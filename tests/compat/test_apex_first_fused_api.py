@@ -332,6 +332,26 @@ def test_fused_adam_cuda_adam_mt_is_adam_per_tensor_and_the_oldest_call_works(sh
         fused_adam_cuda.adam_mt(2048, torch.zeros(1, dtype=torch.int32), tensors[:3], *args)
 
 
+@pytest.mark.parametrize(
+    ("argument", "value", "message"),
+    [
+        ("bias_correction", "False", r"bias_correction must be True or False, got 'False'"),  # read as on
+        ("bias_correction", 2, r"bias_correction must be True or False, got 2"),  # Apex's kernel took only 1 as on
+        ("step", 1.5, r"step must be an integer"),
+        ("lr", "1e-2", r"lr must be a number"),
+    ],
+)
+def test_fused_adam_cuda_names_an_argument_apexs_binding_refused(shim, argument, value, message):
+    import fused_adam_cuda
+
+    names = ("lr", "beta1", "beta2", "eps", "grad_scale", "step", "mode", "bias_correction", "decay")
+    args = dict(zip(names, (1e-2, 0.9, 0.99, 1e-8, 1.0, 1, 1, 1, 0.0), strict=True)) | {argument: value}
+    p = torch.ones(3)
+    with pytest.raises(TypeError, match=rf"^fused_adam_cuda\.adam: {message}"):
+        fused_adam_cuda.adam(p, torch.tensor([]), torch.zeros(3), torch.zeros(3), torch.ones(3), *args.values())
+    assert torch.equal(p, torch.ones(3))
+
+
 def as_2019_layout(state: dict) -> dict:
     """The 2019 wrapper's checkpoint of the same run: one flat master per group, and the optimizer's state of it."""
     flat = dict(state)

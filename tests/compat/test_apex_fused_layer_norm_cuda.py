@@ -221,3 +221,18 @@ def test_megatron_2021_fp32_residual_into_fp16_weights_gives_fp16(fused_layer_no
     assert (grad_x.dtype, grad_w.dtype, grad_b.dtype) == (torch.float32, torch.float16, torch.float16)
     _, mean, invvar = mix_prec_extension.forward_affine(x.detach(), [16], norm.weight, norm.bias, 1e-5)
     assert mean.dtype == invvar.dtype == torch.float32 and mean.shape == (4,)
+
+
+@pytest.mark.parametrize("epsilon", ["1e-5", None, torch.ones(2)], ids=["str", "None", "two_elements"])
+def test_an_epsilon_apexs_binding_refused_is_named(fused_layer_norm_cuda, epsilon):
+    """pybind11 refused a string or None for Apex's ``double epsilon``; here it failed inside the maths as
+    'unsupported operand type(s) for +: Tensor and str', naming neither the function nor the argument."""
+    x = torch.randn(4, 8)
+    calls = [
+        lambda: fused_layer_norm_cuda.forward(x, [8], epsilon),
+        lambda: fused_layer_norm_cuda.rms_forward_affine(x, [8], torch.ones(8), epsilon),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"^fused_layer_norm_cuda\.\w+: epsilon must be a number"):
+            call()
+    fused_layer_norm_cuda.forward(x, [8], True)  # a bool is the number 1.0 to pybind11, as to Apex

@@ -126,6 +126,22 @@ def test_hostile_arguments_are_refused_by_name_where_apex_refused_or_read_garbag
     assert torch.all(out[..., 3:] == 0) and torch.allclose(out.float().sum(-1), torch.ones(2, 2, 4), atol=1e-3)
 
 
+def test_a_scale_apexs_binding_refused_or_sparse_scores_are_named(shim):
+    """pybind11 refused a string or None for Apex's ``float scale``: ``float()`` here read ``"0.125"`` as a number and
+    named no argument for None; sparse scores failed in the dispatcher, naming a SparseCPU backend."""
+    scaled = importlib.import_module("scaled_softmax_cuda")
+    masked = importlib.import_module("scaled_masked_softmax_cuda")
+    scores = torch.randn(2, 2, 4, 8, dtype=torch.half)
+    for scale in ("0.125", None):
+        with pytest.raises(TypeError, match=r"^scaled_softmax_cuda.forward: scale must be a number, as Apex's"):
+            scaled.forward(scores, scale)
+        with pytest.raises(TypeError, match=r"^scaled_masked_softmax_cuda.backward: scale must be a number"):
+            masked.backward(scores, scores, scale)
+    with pytest.raises(TypeError, match=r"inputs is a torch.sparse_coo tensor; pass a dense one"):
+        scaled.forward(scores.float().to_sparse(), 1.0)
+    scaled.forward(scores, True)  # a bool is the number 1.0 to pybind11, as to Apex
+
+
 def test_only_a_mask_value_of_1_masks_as_in_apexs_kernel(shim):
     masked = importlib.import_module("scaled_masked_softmax_cuda")
     scores = torch.zeros(1, 1, 2, 4)

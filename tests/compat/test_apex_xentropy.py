@@ -135,6 +135,17 @@ def test_bad_arguments_are_named(shim):
         xentropy_cuda.forward(logits, target.int(), 0.0, False)
 
 
+def test_sparse_logits_or_labels_on_another_device_are_named(shim):
+    """Sparse logits failed in torch's dispatcher, naming a SparseCPU backend; logits on another device than the
+    labels (a meta model) failed in a gather naming neither."""
+    xentropy_cuda = importlib.import_module("xentropy_cuda")
+    logits, target = _logits_and_targets(torch.float32)
+    with pytest.raises(TypeError, match=r"^xentropy_cuda.forward: logits is a torch.sparse_coo tensor"):
+        xentropy_cuda.forward(logits.to_sparse(), target, 0.0, False)
+    with pytest.raises(ValueError, match=r"^xentropy_cuda.forward: labels are on cpu but logits on meta"):
+        xentropy_cuda.forward(logits.to("meta"), target, 0.0, False)
+
+
 def _fused_lm():
     from apex.fused_dense import FusedDense, FusedDenseGeluDense
     from apex.normalization import FusedLayerNorm

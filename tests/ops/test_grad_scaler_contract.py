@@ -353,3 +353,38 @@ def test_a_grad_factor_that_is_not_finite_is_named_before_anything_changes(name,
     with pytest.raises(ValueError, match=rf"grad_factor must be a finite number, got {factor}"):
         opt.step_with_grad_factor(factor)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)) and not opt.state
+
+
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+@pytest.mark.parametrize("found_inf", [2.0, float("nan"), -1.0])
+@pytest.mark.parametrize("grad_scale", [None, 1.0], ids=["no_scale", "scale"])
+@pytest.mark.parametrize("name", ["adam", "sgd", "adagrad", "rmsprop", "lamb"])
+def test_any_nonzero_found_inf_skips_the_step_whoever_runs_it(name, grad_scale, found_inf, backend, monkeypatch):
+    """GradScaler's ``found_inf`` is the sum of its per-device flags: 2.0 when two devices overflowed. torch's fused
+    ops skip only on exactly 1.0 and count the step back by the flag's value, so under ``backend=torch`` (``auto`` on a
+    GPU) a flag of 2.0 or NaN stepped on the inf gradients and left Adam's step count at -1."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    scale = None if grad_scale is None else torch.tensor(grad_scale)
+    opt.step(grad_scale=scale, found_inf=torch.tensor(found_inf))
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    for state in opt.state.values():
+        if "step" in state:
+            assert float(state["step"]) == 0.0
+
+
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_a_scaler_tensor_on_the_meta_device_is_refused_by_name(name, argument):
+    """A meta tensor holds no value to decide the step with: torch's copy out of it ('Cannot copy out of meta tensor')
+    or ``item()`` named neither the argument nor why, and nothing moved either way."""
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=rf"step\(\): {argument} is on the meta device"):
+        opt.step(**{argument: torch.ones((), device="meta")})

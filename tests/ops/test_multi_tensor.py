@@ -404,6 +404,27 @@ def test_a_missing_flag_or_factor_is_named():
 
 
 @pytest.mark.usefixtures("any_mode")
+def test_a_sparse_tensor_or_a_complex_or_bool_factor_is_named():
+    """A sparse tensor was read as 'an expanded tensor' by the writing ops and failed in the norm with a dispatcher
+    dump naming a backend; a complex one-element factor failed in ``float()`` naming no argument, and ``tensor(True)``
+    was taken as 1 where ``True`` is refused."""
+    sparse = torch.ones(3, 4).to_sparse()
+    calls = [
+        (r"`inputs\[0\]`", lambda: mt.scale_([sparse], 2.0, flag())),
+        (r"`inputs\[0\]`", lambda: mt.l2norm([sparse])),
+        (r"`new\[0\]`", lambda: mt.combine_([sparse], None, [torch.ones(3, 4)], 1.0, flag())),
+        (r"`stash\[0\]`", lambda: mt.combine_([torch.ones(3, 4)], [sparse], [torch.ones(3, 4)], 1.0, flag())),
+        (r"`y\[0\]`", lambda: mt.axpby_(1.0, [torch.ones(3, 4)], 1.0, [sparse], [torch.ones(3, 4)], flag())),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=rf"^{name} is a torch.sparse_coo tensor; these ops take dense ones"):
+            call()
+    for factor in (torch.tensor(2.0 + 0j), torch.tensor(True)):
+        with pytest.raises(TypeError, match=rf"`factor` must be a real number .* got a {factor.dtype} tensor"):
+            mt.scale_([torch.ones(3)], factor, flag())
+
+
+@pytest.mark.usefixtures("any_mode")
 def test_an_on_off_or_choice_argument_of_the_wrong_type_is_named_in_one_line():
     """``per_tensor="yes"`` or ``arg_to_check="x"`` reached the kernel's schema, a five-line RuntimeError about
     ``ampkit_multi_tensor::l2norm()``, or (the reference, without a compiler) ran as if True."""
@@ -604,3 +625,24 @@ def test_read_scalars_of_many_cpu_scalars_match_one_by_one():
     assert read[1] is None and read[0] == expected[0] and read[2:-1] == expected[1:-1] and math.isnan(read[-1])
     mixed = [torch.tensor(2.5, dtype=torch.bfloat16), torch.tensor(3), torch.ones(1), torch.zeros(())]
     assert mt.read_scalars(*mixed) == [2.5, 3.0, 1.0, 0.0]
+
+
+@pytest.mark.usefixtures("any_mode")
+@pytest.mark.parametrize("factor", [math.inf, -math.inf, math.nan, 1e300], ids=["inf", "-inf", "nan", "past_float32"])
+def test_a_factor_that_is_not_finite_raises_the_flag(factor):
+    """The kernels check their inputs: unscaling finite gradients by ``1 / 0`` or NaN gave inf or NaN outputs with the
+    flag down, so a caller skipping on it stepped on them. A factor past float32's range is inf in the kernels."""
+    ops = {
+        "scale_": lambda x, f: mt.scale_(x, factor, f),
+        "axpby_a": lambda x, f: mt.axpby_(factor, x, 1.0, [torch.ones(3)], [torch.empty(3)], f),
+        "axpby_b": lambda x, f: mt.axpby_(1.0, x, factor, [torch.ones(3)], [torch.empty(3)], f),
+        "combine_": lambda x, f: mt.combine_(x, None, [torch.empty(3)], factor, f),
+        "unscale_l2norm": lambda x, f: mt.unscale_l2norm(x, factor, f),
+    }
+    for name, op in ops.items():
+        found = flag()
+        op([torch.ones(3)], found)
+        assert found.item() == 1, name
+    found = flag()
+    mt.scale_([torch.ones(0)], factor, found)  # nothing scaled, nothing non-finite
+    assert found.item() == 0

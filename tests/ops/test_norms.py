@@ -471,6 +471,41 @@ def test_non_float_input_is_named():
         FusedRMSNorm(4)([1.0, 2.0, 3.0, 4.0])
 
 
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+def test_a_complex_input_is_refused_whoever_runs_the_norm(ops, backend, monkeypatch):
+    """Where torch's kernel runs a norm, ampkit leaves the checks to it; ``F.rms_norm`` takes a complex input and
+    squares it where the RMS wants its modulus, so ``backend=torch`` returned a wrong norm without a word."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    x = torch.randn(4, 6, dtype=torch.complex64)
+    for norm in (
+        lambda x: fused_rms_norm(x, 6),
+        FusedRMSNorm(6, elementwise_affine=False),
+        lambda x: fused_layer_norm(x, 6),
+    ):
+        with pytest.raises(
+            TypeError, match=r"input must be float16, bfloat16, float32 or float64, got torch.complex64"
+        ):
+            norm(x)
+
+
+@pytest.mark.parametrize("ops", ["kernel", "reference"])
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+def test_a_sparse_input_or_weight_is_named(ops, backend, monkeypatch):
+    """The kernels' error was torch's 'unsupported memory format option Contiguous', the reference's a dispatcher dump
+    naming a SparseCPU backend."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    sparse = torch.randn(4, 6).to_sparse()
+    for norm in (lambda x: fused_layer_norm(x, 6), FusedLayerNorm(6), FusedRMSNorm(6), MixedFusedRMSNorm(6)):
+        with pytest.raises(TypeError, match=r"input is a torch.sparse_coo tensor; the norms take dense ones") as caught:
+            norm(sparse)
+        assert isinstance(caught.value, RuntimeError)  # as torch's norms raise for it
+    with pytest.raises(TypeError, match=r"weight is a torch.sparse_coo tensor"):
+        fused_rms_norm_affine(torch.randn(4, 6), torch.ones(6).to_sparse(), 6)
+
+
 # -- modules --------------------------------------------------------------------------------------
 
 
@@ -891,3 +926,25 @@ def test_non_reentrant_activation_checkpointing_trains_as_without(kind, memory_e
 
     for got, want in zip(grads(True), grads(False), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_features=-1), r"num_features must be an integer >= 1 \(the channels\), got -1"),
+        (dict(num_features=4, eps=float("nan")), r"Invalid SyncBatchNorm eps: nan"),  # NaN outputs
+        (dict(num_features=4, momentum=float("nan")), r"Invalid SyncBatchNorm momentum: nan"),  # NaN running stats
+        (dict(num_features=4, momentum=2.0), r"Invalid SyncBatchNorm momentum: 2.0 \(expected a value in \[0.0, 1.0\]"),
+    ],
+)
+def test_sync_batch_norm_refuses_numbers_torchs_batch_norm_takes_unchecked(kwargs, message):
+    """torch's batch norms take these without a word: a NaN eps or momentum turned the outputs or the running
+    statistics NaN, a momentum of 2 extrapolated the running statistics past the batch's, and num_features=-1 failed
+    naming a tensor dimension. Apex's SyncBatchNorm, a subclass, refuses them too."""
+    from ampkit.compat.parallel import SyncBatchNorm as ApexSyncBatchNorm
+    from ampkit.ops import SyncBatchNorm
+
+    for cls in (SyncBatchNorm, ApexSyncBatchNorm):
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs)
+    SyncBatchNorm(4, momentum=None)  # a cumulative average, as in torch

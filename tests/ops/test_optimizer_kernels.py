@@ -510,6 +510,39 @@ def test_bad_input_errors_name_the_argument(mutate, message):
         kernel("adam_step")(**args)
 
 
+REFERENCE_DTYPE_INPUTS = [
+    ("int params", lambda a: a["params"].__setitem__(0, torch.ones(1, dtype=torch.int32)), r"params\[0\] has dtype"),
+    (
+        "complex params",
+        lambda a: a.update(params=[p.to(torch.complex64) for p in a["params"]]),
+        r"params\[0\] has dtype torch.complex64; expected float32",
+    ),
+    ("mixed params", lambda a: a["params"].__setitem__(1, a["params"][1].double()), r"params must share one dtype"),
+    ("meta params", lambda a: a["params"].__setitem__(1, a["params"][1].to("meta")), r"params\[1\] is on meta"),
+    ("int grads", lambda a: a.update(grads=[g.int() for g in a["grads"]]), r"grads have dtype torch.int32"),
+    (
+        "state dtype",
+        lambda a: a["exp_avg_sqs"].__setitem__(0, torch.rand(1).half()),
+        r"exp_avg_sqs\[0\] has dtype torch.float16; expected torch.float32",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "mutate,message", [b[1:] for b in REFERENCE_DTYPE_INPUTS], ids=[b[0] for b in REFERENCE_DTYPE_INPUTS]
+)
+def test_the_reference_refuses_the_dtypes_the_kernel_refuses(mutate, message):
+    """The reference runs where no kernel is built (no compiler, and on CUDA for the ops whose CUDA kernels are not
+    opted in), amp_C's optimizer ops included: it stepped an int parameter and truncated it ([1, 2, 3] became
+    [0, 1, 2]), took int gradients, and dropped a complex parameter's imaginary part, all without a word."""
+    args = adam_args(torch.float32, torch.float32, False)
+    mutate(args)
+    before = [p.clone() for p in args["params"]]
+    with pytest.raises(RuntimeError, match=message):
+        ref.adam_step(**args)
+    assert all(p.is_meta or torch.equal(p, b) for p, b in zip(args["params"], before, strict=True))
+
+
 # ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 

@@ -1285,3 +1285,116 @@ def test_master_weights_take_values_written_outside_the_optimizer(cls):
         reference.copy_(restored.to(torch.bfloat16).double())
     steps(3)
     torch.testing.assert_close(weight.double(), reference.detach(), rtol=1e-2, atol=1e-2)
+
+
+def _built(cls, params):
+    return cls(params, lr=0.1) if cls is FusedSGD else cls(params)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+@pytest.mark.parametrize(
+    ("grad", "message"),
+    [
+        (torch.ones(3), r"has shape \(2, 3\) but its .grad has shape \(3,\)"),  # broadcast over the rows
+        (torch.ones(7), r"has shape \(2, 3\) but its .grad has shape \(7,\)"),  # read past its end by torch's op
+        (torch.ones(2, 3, dtype=torch.complex64), r"has a .grad of dtype torch.complex64"),  # imaginary part dropped
+        (torch.ones(2, 3, dtype=torch.int32), r"has a .grad of dtype torch.int32"),
+        (torch.ones(2, 3, dtype=torch.bool), r"has a .grad of dtype torch.bool"),
+    ],
+    ids=["broadcastable", "longer", "complex", "int", "bool"],
+)
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_grad_that_does_not_fit_its_parameter_is_refused_before_any_group_steps(cls, grad, message, backend,
+                                                                                   monkeypatch):  # fmt: skip
+    """torch refuses such a ``.grad`` when it is assigned, but not one set through ``.grad.data`` (Apex-era code
+    does): the step cast it or broadcast it over the parameter and trained on it without a word. The error names the
+    parameter, and the group before it has not moved."""
+    monkeypatch.setenv("AMPKIT_FUSED_BACKEND", backend)
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2, 3))
+    first.grad, second.grad = torch.ones(4), torch.zeros(2, 3)
+    second.grad.data = grad
+    optimizer = _built(cls, [{"params": [first]}, {"params": [second]}])
+    with pytest.raises((RuntimeError, TypeError), match=r"param_groups\[1\]\['params'\]\[0\] " + message):
+        optimizer.step()
+    assert torch.equal(first.detach(), torch.ones(4)) and torch.equal(second.detach(), torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_a_grad_whose_shape_changes_between_steps_is_refused(cls):
+    """The buckets are kept between steps while each gradient keeps its dtype and strides: a grad of (1,) replacing
+    one of (3,) has the same strides, and must not reach the kernels as the (3,) one did."""
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = _built(cls, [param])
+    optimizer.step()
+    param.grad.data = torch.ones(1)
+    with pytest.raises(RuntimeError, match=r"has shape \(3,\) but its .grad has shape \(1,\)"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("hyper", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("cls", [c for c in ALL_FUSED if c is not FusedSGD], ids=lambda c: c.__name__)
+def test_an_infinite_hyperparameter_is_refused_as_nan_is(cls, hyper):
+    """``inf`` passed the ``>= 0`` checks: an infinite ``lr`` or ``weight_decay`` turned every weight inf or NaN at the
+    first step, an infinite ``eps`` froze them; refused by name, in the constructor and in a param group."""
+    with pytest.raises(ValueError, match=rf"Invalid {hyper}: inf \(expected a finite value >= 0"):
+        cls(make_params()[:1], **{hyper: math.inf})
+    optimizer = cls(make_params()[:1])
+    with pytest.raises(ValueError, match=rf"Invalid {hyper} of a param group: inf"):
+        optimizer.add_param_group({"params": make_params()[1:2], hyper: math.inf})
+
+
+@pytest.mark.parametrize("hyper", ["lr", "momentum", "weight_decay"])
+def test_sgd_refuses_an_infinite_hyperparameter(hyper):
+    kwargs = {"lr": 0.1, hyper: math.inf}
+    with pytest.raises(ValueError, match=rf"Invalid {hyper}: inf"):
+        FusedSGD(make_params()[:1], **kwargs)
+
+
+def test_lambs_infinite_max_grad_norm_still_means_no_clipping():
+    """``max_grad_norm=inf`` has a meaning (never clip), so it stays allowed where ``lr=inf`` is not."""
+    params, twin = make_params(), make_params()
+    for p, t in zip(params, twin, strict=True):
+        t.data.copy_(p.data)
+    unclipped, no_clip = FusedLAMB(params, lr=1e-2, max_grad_norm=math.inf), FusedLAMB(twin, lr=1e-2, max_grad_norm=0)
+    run_side_by_side(unclipped, no_clip, params, twin, steps=3)
+    for p, t in zip(params, twin, strict=True):
+        torch.testing.assert_close(p, t)
+
+
+def _sharing_memory():
+    weight, flat = torch.nn.Parameter(torch.randn(4)), torch.randn(9)
+    return {
+        "one_parameter_twice": [weight, weight],
+        "a_view_of_another": [weight, weight.detach().view(2, 2).requires_grad_()],
+        "overlapping_slices": [flat[0:6].requires_grad_(), flat[3:9].requires_grad_()],
+    }
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
+@pytest.mark.parametrize("case", list(_sharing_memory()))
+@pytest.mark.parametrize("cls", ALL_FUSED, ids=lambda c: c.__name__)
+def test_parameters_sharing_memory_are_refused(cls, case):
+    """The kernels update a bucket's parameters in parallel: two over the same memory raced (torch.optim applied one
+    update after the other), and a Parameter listed twice, which torch only warns of, was stepped twice."""
+    params = _sharing_memory()[case]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\] "
+                                         r"share memory"):  # fmt: skip
+        _built(cls, params)
+    optimizer = _built(cls, params[:1])
+    in_another_group = r"\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\[0\] share memory"
+    with pytest.raises(ValueError, match=in_another_group + "|appear in more than one parameter group"):  # torch's
+        optimizer.add_param_group({"params": params[1:]})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_parameters_over_separate_parts_of_one_storage_step_as_torch_steps_them():
+    """Views of one flat buffer that do not overlap (FSDP1's original parameters, a contiguous-params buffer) stay
+    allowed."""
+    flat, twin = torch.randn(12), torch.randn(12)
+    twin.copy_(flat)
+    params = [flat[0:5].view(5).requires_grad_(), flat[5:12].view(7).requires_grad_()]
+    reference = [twin[0:5].clone().requires_grad_(), twin[5:12].clone().requires_grad_()]
+    ours, theirs = FusedSGD(params, lr=0.1, momentum=0.9), torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    run_side_by_side(ours, theirs, params, reference, steps=3)
+    torch.testing.assert_close(flat, torch.cat([r.detach() for r in reference]))

@@ -147,6 +147,9 @@ def test_no_gradients_is_a_no_op():
         (dict(inv_scale="0.5"), TypeError, r"inv_scale must be a finite number > 0; got '0.5' \(a str\)"),
         (dict(inv_scale=None), TypeError, r"inv_scale must be a finite number > 0; got None \(a NoneType\)"),
         (dict(inv_scale=1.0, max_norm=True), TypeError, r"max_norm must be None or a finite .*; got True \(a bool\)"),
+        # item() on a meta tensor named neither the argument nor why
+        (dict(inv_scale=torch.ones((), device="meta")), ValueError, "inv_scale must be .* on the meta device"),
+        (dict(inv_scale=1.0, max_norm=torch.ones(1, device="meta")), ValueError, "max_norm must be .* on the meta"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, message):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ampkit.compat._pybind_numbers import check_number
+
 _MASKED_VALUE = -10000.0
 _WARP_SIZE = 32  # CUDA's warp; the batches per block below are what Apex's kernels launch
 
@@ -25,6 +27,8 @@ def _check(op: str, tensor: Tensor, dims: int, name: str = "inputs") -> None:
         raise TypeError(
             f"{op}: {name} must be a floating-point tensor (float16, bfloat16, float32), got {tensor.dtype}"
         )
+    if tensor.layout != torch.strided:  # the softmax failed in the dispatcher, naming a backend
+        raise TypeError(f"{op}: {name} is a {tensor.layout} tensor; pass a dense one (.to_dense())")
 
 
 def _check_mask(op: str, mask: Tensor, inputs: Tensor) -> None:
@@ -43,6 +47,7 @@ def _check_mask(op: str, mask: Tensor, inputs: Tensor) -> None:
 def _scale(op: str, scale: float | Tensor) -> float:
     if isinstance(scale, Tensor) and scale.numel() != 1:
         raise ValueError(f"{op}: scale must be a number or a one-element tensor, got shape {list(scale.shape)}")
+    check_number(op, "scale", scale)  # float() read "0.125" as a number and named no argument for None
     return float(scale)
 
 

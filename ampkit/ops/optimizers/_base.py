@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import dtensor_type, is_dense, local_shard
+from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -63,6 +63,8 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
+        if value.is_meta:  # its value decides the step; torch's copy out of it named neither the argument nor why
+            raise ValueError(f"step(): {name} is on the meta device, which holds no value; pass a real tensor")
         return value
     if isinstance(value, bool | numbers.Real):
         if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
@@ -88,14 +90,22 @@ def check_grad_factor(grad_factor: float) -> None:
 
 
 def _skip_on_bad_scale(found_inf: Tensor | None, grad_scale: Tensor) -> Tensor:
-    """``found_inf`` with a ``grad_scale`` that is not a finite number > 0 counted as an overflow, decided on the
-    scale's device (three small ops, no host read): gradients divided by 0, inf or NaN are not finite (GradScaler's
-    own ``unscale_`` finds them so and skips), and by a negative scale they point uphill."""
+    """``found_inf`` as a 0/1 skip flag (:func:`_skip_flag`) with a ``grad_scale`` that is not a finite number > 0
+    counted as an overflow, decided on the scale's device (a few small ops, no host read): gradients divided by 0, inf
+    or NaN are not finite (GradScaler's own ``unscale_`` finds them so and skips), and by a negative scale they point
+    uphill."""
     scale = _scalar_on(grad_scale, grad_scale.device)
     valid = scale.clamp(*_SCALE_RANGE) == scale  # as valid_scale: false for 0, a negative, inf and NaN
-    if found_inf is None:
-        return torch.where(valid, 0.0, 1.0)
-    return torch.where(valid, _scalar_on(found_inf, scale.device), 1.0)
+    if found_inf is not None:
+        valid &= _scalar_on(found_inf, scale.device) == 0
+    return torch.where(valid, 0.0, 1.0)
+
+
+def _skip_flag(found_inf: Tensor) -> Tensor:
+    """``found_inf`` as 1.0 where it is not zero (NaN included), else 0.0, on its device. GradScaler hands the sum of
+    its per-device flags (2.0 when two devices overflowed); torch's fused ops skip only on exactly 1.0 and count the
+    step back by the flag's value, so 2.0 stepped on inf gradients and left the step count at -1."""
+    return (_scalar_on(found_inf, found_inf.device) != 0).float()
 
 
 def _scalar_on(t: Tensor, device: torch.device) -> Tensor:
@@ -214,17 +224,27 @@ def decay_weights_(weights: list[Tensor], factor: float, found_inf: Tensor | Non
     torch._foreach_mul_(weights, multiplier)
 
 
-def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False) -> None:
+def check_hyper(
+    name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False, finite: bool = True
+) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
     when given, ``value <= high`` when ``closed``); a one-element tensor counts as its number. One of another type
-    is also a TypeError, as in torch."""
-    bound = f"in [{low}, {high}{']' if closed else ')'}" if high is not None else f">= {low}"
+    is also a TypeError, as in torch. With no ``high`` it must also be finite unless ``finite`` is False: an infinite
+    ``lr``, ``eps`` or ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
+    finite_word = ""
+    if high is not None:
+        bound = f"in [{low}, {high}{']' if closed else ')'}"
+    else:
+        bound, finite_word = f">= {low}", "finite " if finite else ""
+        high, closed = math.inf, not finite
     if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a number {bound})")
-    if not (value >= low) or (high is not None and not (value <= high if closed else value < high)):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a value {bound})")
+        raise ArgumentTypeError(
+            f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
+        )
+    if not (value >= low) or not (value <= high if closed else value < high):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a {finite_word}value {bound})")
 
 
 # The hyper-parameters a param group may carry, whichever optimizer it belongs to: (low, high or None). Checked on
@@ -240,8 +260,8 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
     "rho": (0.0, 1.0 + 1e-12),
     "lr_decay": (0.0, None),
     "initial_accumulator_value": (0.0, None),
-    "max_grad_norm": (0.0, None),
-    "delta": (0.0, None),
+    "max_grad_norm": (0.0, math.inf),  # inf: never clip
+    "delta": (0.0, math.inf),  # inf: always project (AdamP)
     "wd_ratio": (0.0, None),
 }
 
@@ -293,7 +313,7 @@ def check_group_hypers(group: dict[str, Any]) -> None:
     ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
-            check_hyper(f"{key} of a param group", group[key], low, high)
+            check_hyper(f"{key} of a param group", group[key], low, high, closed=high == math.inf)
     for key in GROUP_FLAGS:
         if key in group:
             check_flag(f"{key} of a param group", group[key])
@@ -425,6 +445,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
+            self._refuse_shared_memory()
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -448,6 +469,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                     "dense tensors"
                 )
         check_group_hypers(group)
+
+    def _refuse_shared_memory(self) -> None:
+        """Refuse two parameters over the same memory (one Parameter listed twice in a group, or two tensors viewing
+        one storage): the kernels update every parameter of a bucket in parallel, so both updates would race on it,
+        where ``torch.optim`` applied one after the other. A tied weight is one Parameter, which torch's
+        ``parameters()`` lists once."""
+        names = [(g, i) for g, group in enumerate(self.param_groups) for i in range(len(group["params"]))]
+        pair = first_overlap([local_shard(p) for group in self.param_groups for p in group["params"]])
+        if pair is None:
+            return
+        (g1, i1), (g2, i2) = names[pair[0]], names[pair[1]]
+        raise ValueError(
+            f"{type(self).__name__}: param_groups[{g1}]['params'][{i1}] and param_groups[{g2}]['params'][{i2}] share "
+            "memory; fused kernels update parameters in parallel, so each must own its memory (tie weights by "
+            "assigning one Parameter to both modules, which parameters() lists once)"
+        )
 
     @eager_under_compile
     @torch.no_grad()
@@ -478,6 +515,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if self._scaler_in_kernel:
             if grad_scale is not None:
                 found_inf = _skip_on_bad_scale(found_inf, grad_scale)
+            elif found_inf is not None:
+                found_inf = _skip_flag(found_inf)
             self._step_with_scaler_tensors(ScalerTensors(grad_scale, found_inf))
             return loss
         # These kernels take the skip and the factor as host numbers: both are read in one go (one sync on CUDA),
@@ -519,9 +558,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Every bucket's kernel gets ``scaler`` on its device: it skips or unscales there, with no host read."""
         on_device: dict[torch.device, ScalerTensors] = {}
         copied: list[Tensor] = []
-        for group in self.param_groups:
+        for group, buckets in self._all_buckets():
             factor = -1.0 if group.get("maximize", False) else 1.0
-            buckets = self._buckets(group)
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 here = on_device.get(bucket.device)
@@ -545,9 +583,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 checked for free.
         """
         check_grad_factor(grad_factor)
-        for group in self.param_groups:
+        for group, buckets in self._all_buckets():
             factor = -grad_factor if group.get("maximize", False) else grad_factor
-            buckets = self._buckets(group)
             self._steps_from_group(group, buckets)
             for bucket in buckets:
                 self._update(group, bucket, factor)
@@ -573,6 +610,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             count = group.get("step", self._initial_step)
             group["step"] = count + 1 if found_inf is None else count + (found_inf == 0).reshape(())
 
+    def _all_buckets(self) -> list[tuple[dict[str, Any], list[Bucket]]]:
+        """Every group with its buckets, all built before any is stepped: a gradient refused in a later group
+        (``_check_grad``) then stops the step before an earlier group's parameters have moved."""
+        return [(group, self._buckets(group)) for group in self.param_groups]
+
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         """The group's parameters with gradients in buckets of one (param dtype, grad dtype, device), state created
         on a parameter's first step. The buckets are kept between steps and reused, with this step's gradients,
@@ -581,7 +623,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         params = group["params"]
         grads = [p.grad for p in params]
         layout = [
-            None if g is None else (g.dtype, g.stride(), p.dtype, p.stride())
+            None if g is None else (g.dtype, g.shape, g.stride(), p.dtype, p.stride())
             for p, g in zip(params, grads, strict=True)
         ]
         if type(self.state) is not StateMap:  # assigned by hand (``optimizer.state = defaultdict(dict)``)
@@ -617,6 +659,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self.refuse_shards([p])
             if g.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            self._check_grad(group, index, p, g)
             if g.dtype != p.dtype and not (g.dtype == torch.float32 and p.dtype in _HALF_DTYPES):
                 g = g.to(p.dtype)
             if g.stride() != p.stride():
@@ -646,6 +689,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             if g is not grad:
                 bucket.copied_grads.append(grad)
         return list(buckets.values()), list(slots.values())
+
+    def _check_grad(self, group: dict[str, Any], index: int, param: Tensor, grad: Tensor) -> None:
+        """Refuse a ``.grad`` that torch's own assignment check would have (one set through ``.grad.data``, as Apex-era
+        code does): of another shape, the step broadcast it over the parameter (or the kernels read past its end); of a
+        dtype that is not floating point, it was cast (a complex one losing its imaginary part)."""
+        if grad.shape == param.shape and grad.dtype in _FLOAT_DTYPES:
+            return
+        group_index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        where = f"{type(self).__name__}: param_groups[{group_index}]['params'][{index}]"
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"{where} has shape {tuple(param.shape)} but its .grad has shape {tuple(grad.shape)}; a gradient "
+                "must have its parameter's shape"
+            )
+        raise TypeError(f"{where} has a .grad of dtype {grad.dtype}; expected float32, float64, float16 or bfloat16")
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -50,7 +50,7 @@ class FusedAdamP(FusedOptimizer):
         check_hyper("eps", eps)
         betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
-        check_hyper("delta", delta)
+        check_hyper("delta", delta, finite=False)
         check_hyper("wd_ratio", wd_ratio)
         defaults = dict(
             lr=lr,

@@ -68,7 +68,7 @@ class FusedLAMB(FusedOptimizer):
         check_hyper("eps", eps)
         betas = check_betas(betas)
         check_hyper("weight_decay", weight_decay)
-        check_hyper("max_grad_norm", max_grad_norm)
+        check_hyper("max_grad_norm", max_grad_norm, finite=False)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -96,15 +96,18 @@ class FusedLAMB(FusedOptimizer):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if any(g.is_sparse for g in grads):  # before the norm, which no sparse tensor can enter
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        for group in self.param_groups:  # before the norm too, which named a misfit only as its own input
+            for index, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    self._check_grad(group, index, p, p.grad)
         self.refuse_shards(grads)
         return multi_tensor.l2norm(grads).total.reshape(1) if grads else None
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
         global_norm = abs(grad_factor) * (0.0 if prefetched is None else float(prefetched[0]))
-        for group in self.param_groups:
+        for group, buckets in self._all_buckets():
             max_norm = group["max_grad_norm"]
             clip = global_norm / max_norm if max_norm > 0 and global_norm > max_norm else 1.0
-            buckets = self._buckets(group)
             self._steps_from_group(group, buckets)
             factor = grad_factor / clip
             for bucket in buckets:

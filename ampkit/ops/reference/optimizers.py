@@ -22,13 +22,41 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
+    """The kernels' list checks (``csrc/optimizers/list_checks.h``), with their dtype messages: params of one float
+    dtype, grads of it (or float32 for half params), every other list but ``steps`` in the accumulate dtype. Without
+    them an int parameter was stepped and truncated, and a complex one lost its imaginary part, without a word."""
+    for i, p in enumerate(params):
+        if p.dtype not in _FLOATS:
+            raise RuntimeError(f"{op}: params[{i}] has dtype {p.dtype}; expected float32, float64, float16 or bfloat16")
+        if p.dtype != params[0].dtype:
+            raise RuntimeError(
+                f"{op}: params must share one dtype; params[0] is {params[0].dtype} but params[{i}] is {p.dtype}"
+            )
+        if p.device != params[0].device or p.is_meta:  # a meta parameter was "stepped", holding no values
+            raise RuntimeError(
+                f"{op}: params[{i}] is on {p.device}; every list must be on params[0]'s device, not meta"
+            )
+    acc = _acc_dtype(params[0]) if params else torch.float32
     for name, values in lists.items():
         if len(values) != len(params):
             raise ValueError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
-        if name == "steps":  # one scalar counter per tensor
+        if name == "steps" or not params:  # one scalar counter per tensor
             continue
+        if name == "grads":
+            grad_dtype = values[0].dtype
+            if grad_dtype != params[0].dtype and not (grad_dtype == torch.float32 and acc == torch.float32):
+                raise RuntimeError(
+                    f"{op}: grads have dtype {grad_dtype} but params have {params[0].dtype}; expected the parameter "
+                    "dtype or float32"
+                )
+        expected = grad_dtype if name == "grads" else acc
         for i, (t, p) in enumerate(zip(values, params, strict=True)):
+            if t.dtype != expected:
+                raise RuntimeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected {expected}")
             if t.shape != p.shape:
                 raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
 
