@@ -413,6 +413,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     _scratch_attrs: tuple[str, ...] = ("_plans",)
     # torch's fused op that can run a bucket of this optimizer (``torch._fused_adam_`` and kin), or None.
     _torch_op: str | None = None
+    _memory_check_deferred: bool = False  # True while the constructor adds its groups (checked once after)
 
     def __init__(
         self,
@@ -433,7 +434,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.backend = resolve_backend(backend, type(self).__name__)
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
         self.set_grad_none = bool(set_grad_none)
+        # The constructor's groups are checked for shared memory once, together: group by group (torch adds them one
+        # at a time) the check went over every parameter again, quadratic in the groups of per-parameter settings.
+        self._memory_check_deferred = True
         super().__init__(params, defaults)
+        self._memory_check_deferred = False
+        self._refuse_shared_memory()
         self.state = StateMap(self.state)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -445,7 +451,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
-            self._refuse_shared_memory()
+            if not self._memory_check_deferred:
+                self._refuse_shared_memory()
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
