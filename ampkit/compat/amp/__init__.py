@@ -16,6 +16,9 @@ from ampkit.compat.amp import _initialize as _initialize
 
 # apex.amp.lists: the O1 cast tables scripts edit before initialize (NVIDIA's Tacotron 2: amp.lists.functional_...)
 from ampkit.compat.amp import lists as lists
+
+# apex.amp.utils was bound on the package by Apex's own imports: `import apex.amp` then `apex.amp.utils.is_fp_tensor`
+from ampkit.compat.amp import utils as utils
 from ampkit.compat.amp._amp_state import _amp_state, master_params
 from ampkit.compat.amp.frontend import initialize, load_state_dict, state_dict
 from ampkit.compat.amp.functions import (

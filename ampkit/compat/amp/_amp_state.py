@@ -26,7 +26,7 @@ class AmpState:
     opt_properties: OptLevelProperties
 
     def __init__(self) -> None:
-        self.hard_override = False  # Apex's switch turning some setup errors into warnings; read, never acted on
+        self.hard_override = False  # Apex's switch turning the opt-level Properties' errors into warnings
         self.reset()
 
     def reset(self) -> None:
@@ -68,6 +68,14 @@ def maybe_print(message: str) -> None:
     """Print when ``verbosity > 0`` (Apex's switch for its overflow and setup messages)."""
     if _amp_state.verbosity > 0:
         print(message)
+
+
+def warn_or_err(message: str) -> None:
+    """Raise RuntimeError(message), or only print it as a warning while ``hard_override`` is set (Apex's rule)."""
+    if _amp_state.hard_override:
+        print(f"Warning:  {message}")
+    else:
+        raise RuntimeError(message)
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:

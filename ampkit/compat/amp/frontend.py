@@ -1,4 +1,5 @@
-"""``amp.initialize`` and ``amp.state_dict`` / ``amp.load_state_dict`` with Apex's signature and formats."""
+"""``amp.initialize`` and ``amp.state_dict`` / ``amp.load_state_dict`` with Apex's signature and formats; Apex's
+``Properties``, ``O0`` .. ``O3`` and ``opt_levels`` are importable from here, as from ``apex.amp.frontend``."""
 
 from __future__ import annotations
 
@@ -17,18 +18,9 @@ from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
 from ampkit.compat.amp.handle import init
+from ampkit.compat.amp.properties import O0, O1, O2, O3, O4, O5, Properties, opt_levels  # noqa: F401 - Apex's
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import is_switch
-
-_LEVEL_DESCRIPTIONS = {
-    "O0": "Pure FP32 training.",
-    "O1": "Insert automatic casts around Pytorch functions and Tensor methods.",
-    "O2": "FP16 training with FP32 batchnorm and FP32 master weights.",
-    "O3": "Pure FP16 training.",
-    "O4": "Insert automatic casts around Pytorch functions and Tensor methods. BFLOAT16 training.",
-    "O5": "BFLOAT16 training with FP32 batchnorm and FP32 master weights.",
-}
-
 
 # initialize's names for the scaler's options, so that an error names the argument the caller wrote.
 _SCALER_OPTION_NAMES = {
@@ -140,7 +132,7 @@ def _check_parameters(models: list[Any], optimizers: list[Any]) -> None:
 
 
 def _print_properties(properties: OptLevelProperties, cast_model_outputs: Any, num_losses: int) -> None:
-    maybe_print(f"Selected optimization level {properties.opt_level}:  {_LEVEL_DESCRIPTIONS[properties.opt_level]}\n")
+    maybe_print(f"Selected optimization level {opt_levels[properties.opt_level].brief.rstrip()}\n")
     maybe_print("Optimization options are:")
     rows = {
         "enabled": properties.enabled,
