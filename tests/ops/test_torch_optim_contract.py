@@ -10,36 +10,11 @@ import pickle
 
 import pytest
 import torch
+from fused_optimizer_cases import OPTIMIZERS, SHAPES
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ampkit.ops.optimizers import (
-    FusedAdadelta,
-    FusedAdagrad,
-    FusedAdam,
-    FusedAdamP,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedRMSprop,
-    FusedRMSpropTF,
-    FusedSGD,
-)
+from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD
 
-# Every fused optimizer, with weight decay on: the options a swapped-in optimizer is usually built with.
-OPTIMIZERS = {
-    "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, **kw),
-    "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, weight_decay=0.01, adam_w_mode=False, **kw),
-    "sgd": lambda p, **kw: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
-    "adagrad": lambda p, **kw: FusedAdagrad(p, lr=0.1, weight_decay=0.01, **kw),
-    "adadelta": lambda p, **kw: FusedAdadelta(p, lr=1.0, weight_decay=0.01, **kw),
-    "adamp": lambda p, **kw: FusedAdamP(p, lr=1e-2, weight_decay=0.01, **kw),
-    "lamb": lambda p, **kw: FusedLAMB(p, lr=1e-2, weight_decay=0.01, **kw),
-    "mixed_precision_lamb": lambda p, **kw: FusedMixedPrecisionLamb(p, lr=1e-2, weight_decay=0.01, **kw),
-    "novograd": lambda p, **kw: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01, **kw),
-    "rmsprop": lambda p, **kw: FusedRMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
-    "rmsprop_tf": lambda p, **kw: FusedRMSpropTF(p, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
-}
-SHAPES = [(5, 4), (7,), (3, 3)]
 # Flags torch.optim added over its versions; a checkpoint written before them lacks them.
 NEWER_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay")
 
