@@ -789,8 +789,9 @@ class Trainer:
 
     def _run_epoch(self) -> None:
         s = self.state
-        for opt_state in self.optimizer_state.values():
-            opt_state.epoch_steps = 0
+        if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
+            for opt_state in self.optimizer_state.values():
+                opt_state.epoch_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
@@ -1376,7 +1377,8 @@ class Trainer:
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
-                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
+                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps, "epoch_steps": st.epoch_steps}
+                for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
             "stopped_early": self.stop_reason(),
@@ -1452,6 +1454,7 @@ class Trainer:
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
+            opt_state.epoch_steps = counts.get("epoch_steps", 0)
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
