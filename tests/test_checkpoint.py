@@ -73,7 +73,8 @@ def test_resume_from_any_checkpoint_in_process_is_bit_identical(tmp_path, accumu
 
 # Settings the toy's own resume tests leave out, each resumed from a mid-epoch and an epoch-end checkpoint: float16
 # loss scalers that overflow and grow (scales, skipped-step counts), their verdicts kept on the device, two losses
-# with two optimizers and scalers, schedulers stepping per step and on a plateau beside early stopping.
+# with two optimizers and scalers, schedulers stepping per step and on a plateau beside early stopping, a sampler
+# drawing from a generator of its own.
 _SCALER = {"dtype": "float16", "init_scale": 2.0**22, "growth_interval": 2, "max_scale": None}
 _RESUMED_SETTINGS = {
     "fp16-O1-overflowing": ("toy_trainers:ToyTrainer", {"precision": {"opt_level": "O1", **_SCALER}}),
@@ -97,17 +98,18 @@ _RESUMED_SETTINGS = {
             "early_stopping": {"monitor": "val/mse", "mode": "max", "patience": 4},
         },
     ),
+    "sampler-with-its-own-generator": ("toy_trainers:OwnGeneratorToyTrainer", {}),
 }
 
 
 @pytest.mark.parametrize("setting", list(_RESUMED_SETTINGS))
-def test_resume_mid_epoch_and_at_an_epoch_end_is_bit_identical_in_every_key(tmp_path, setting):
+def test_resume_mid_epoch_and_at_an_epoch_s_end_is_bit_identical_in_every_key(tmp_path, setting):
     trainer_class, settings = _RESUMED_SETTINGS[setting]
     base = {
         "trainer_class": trainer_class,
         "trainer": {"max_epochs": 3, "device": "cpu", "progress_bar": False},
         "logging": {"tensorboard": False},
-        "checkpoint": {"every_n_steps": 1, "every_n_epochs": 0, "keep_last": 100},
+        "checkpoint": {"every_n_steps": 1, "keep_last": 100},
     }
     cls = import_object(trainer_class)
 
@@ -122,7 +124,8 @@ def test_resume_mid_epoch_and_at_an_epoch_end_is_bit_identical_in_every_key(tmp_
     if "O1" in setting or "O2" in setting:  # the scalers overflowed and grew back: their state is worth resuming
         assert all(c["skipped_steps"] > 0 and c["steps"] > 0 for c in counts), counts
     step = full.num_train_batches
-    for name in (f"step-{step + 3:08d}.pt", f"step-{step:08d}.pt"):  # mid-epoch 1, end of epoch 0
+    # mid-epoch 1, epoch 0's last batch (its end not run yet), epoch 0's end
+    for name in (f"step-{step + 3:08d}.pt", f"step-{step:08d}.pt", "epoch-0001.pt"):
         resumed = cls(cfg(f"resumed-{name}"))
         resumed.fit(resume=full.version_dir / "checkpoints" / name)
         assert_same_checkpoint(load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"), reference)

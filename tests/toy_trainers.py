@@ -210,3 +210,13 @@ class ScheduledToyTrainer(ToyTrainer):
             {"optimizer": sgd, "lr_scheduler": {"scheduler": one_cycle, "interval": "step"}},
             {"optimizer": adam, "lr_scheduler": {"scheduler": plateau, "monitor": "val/mse"}},
         ]
+
+
+class OwnGeneratorToyTrainer(ToyTrainer):
+    """Samples drawn by a WeightedRandomSampler from a torch.Generator of its own, not torch's global RNG."""
+
+    def train_dataloader(self):
+        data = toy_dataset(self.cfg.data.n)
+        generator = torch.Generator().manual_seed(1)
+        sampler = torch.utils.data.WeightedRandomSampler(torch.ones(len(data)), len(data), generator=generator)
+        return DataLoader(data, batch_size=self.cfg.data.batch_size, sampler=sampler)
