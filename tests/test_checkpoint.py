@@ -24,7 +24,7 @@ from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
-from toy_trainers import ToyConfig, ToyTrainer, toy_cfg, toy_dataset
+from toy_trainers import OwnGeneratorToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
@@ -129,6 +129,21 @@ def test_resume_mid_epoch_and_at_an_epoch_s_end_is_bit_identical_in_every_key(tm
         resumed = cls(cfg(f"resumed-{name}"))
         resumed.fit(resume=full.version_dir / "checkpoints" / name)
         assert_same_checkpoint(load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"), reference)
+
+
+def test_a_resume_whose_loader_lost_its_own_generator_says_its_order_is_not_restored(tmp_path):
+    common = {
+        "trainer.max_epochs": 2,
+        "logging.tensorboard": False,
+        "checkpoint.every_n_steps": 1,
+        "checkpoint.keep_last": 20,
+    }
+    saved = OwnGeneratorToyTrainer(toy_cfg(tmp_path / "saved", **common))
+    saved.fit()
+    resumed = ToyTrainer(toy_cfg(tmp_path / "resumed", **common))  # shuffle=True: the Trainer's seeded sampler
+    with pytest.warns(UserWarning, match=r"state of 1 torch.Generator\(s\) of the train loader .* has 0: they are not"):
+        resumed.fit(resume=saved.version_dir / "checkpoints" / "step-00000011.pt")
+    assert resumed.state.global_step == 16
 
 
 def _cli(cfg_path: Path, *extra: str) -> list[str]:
