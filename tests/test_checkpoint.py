@@ -24,10 +24,11 @@ from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
-from toy_trainers import ToyConfig, ToyTrainer, toy_cfg, toy_dataset
+from toy_trainers import OwnGeneratorToyTrainer, ToyConfig, ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit import CheckpointError
+from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import load_checkpoint, save_atomic
 
 TESTS = Path(__file__).resolve().parent
@@ -68,6 +69,81 @@ def test_resume_from_any_checkpoint_in_process_is_bit_identical(tmp_path, accumu
         opt_a, opt_b = full.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
         for key in opt_a:
             assert torch.equal(opt_a[key]["momentum_buffer"], opt_b[key]["momentum_buffer"])
+
+
+# Settings the toy's own resume tests leave out, each resumed from a mid-epoch and an epoch-end checkpoint: float16
+# loss scalers that overflow and grow (scales, skipped-step counts), their verdicts kept on the device, two losses
+# with two optimizers and scalers, schedulers stepping per step and on a plateau beside early stopping, a sampler
+# drawing from a generator of its own.
+_SCALER = {"dtype": "float16", "init_scale": 2.0**22, "growth_interval": 2, "max_scale": None}
+_RESUMED_SETTINGS = {
+    "fp16-O1-overflowing": ("toy_trainers:ToyTrainer", {"precision": {"opt_level": "O1", **_SCALER}}),
+    "fp16-O2-device-verdicts": (
+        "toy_trainers:ToyTrainer",
+        {"precision": {"opt_level": "O2", **_SCALER}, "trainer": {"skip_verdict": "device"}},
+    ),
+    "gan-two-losses-O2": (
+        "examples.gan:GanTrainer",
+        {
+            "precision": {"opt_level": "O2", "cast_modules": ["generator", "discriminator"], **_SCALER},
+            "model": {"hidden": 16},
+            "data": {"samples": 512, "batch_size": 64},
+            "samples": {"every_n_steps": 3, "points": 64, "pixels": 16},
+        },
+    ),
+    "schedulers-early-stopping": (
+        "toy_trainers:ScheduledToyTrainer",
+        {
+            "trainer": {"val_every_n_epochs": 0, "val_every_n_steps": 2},
+            "early_stopping": {"monitor": "val/mse", "mode": "max", "patience": 4},
+        },
+    ),
+    "sampler-with-its-own-generator": ("toy_trainers:OwnGeneratorToyTrainer", {}),
+}
+
+
+@pytest.mark.parametrize("setting", list(_RESUMED_SETTINGS))
+def test_resume_mid_epoch_and_at_an_epoch_s_end_is_bit_identical_in_every_key(tmp_path, setting):
+    trainer_class, settings = _RESUMED_SETTINGS[setting]
+    base = {
+        "trainer_class": trainer_class,
+        "trainer": {"max_epochs": 3, "device": "cpu", "progress_bar": False},
+        "logging": {"tensorboard": False},
+        "checkpoint": {"every_n_steps": 1, "keep_last": 100},
+    }
+    cls = import_object(trainer_class)
+
+    def cfg(run: str) -> dict:
+        merged = OmegaConf.merge(base, settings, {"run_dir": str(tmp_path / run)})
+        return OmegaConf.to_container(merged)
+
+    full = cls(cfg("full"))
+    full.fit()
+    reference = load_checkpoint(full.version_dir / "checkpoints" / "last.pt")
+    counts = reference["optimizer_counts"].values()
+    if "O1" in setting or "O2" in setting:  # the scalers overflowed and grew back: their state is worth resuming
+        assert all(c["skipped_steps"] > 0 and c["steps"] > 0 for c in counts), counts
+    step = full.num_train_batches
+    # mid-epoch 1, epoch 0's last batch (its end not run yet), epoch 0's end
+    for name in (f"step-{step + 3:08d}.pt", f"step-{step:08d}.pt", "epoch-0001.pt"):
+        resumed = cls(cfg(f"resumed-{name}"))
+        resumed.fit(resume=full.version_dir / "checkpoints" / name)
+        assert_same_checkpoint(load_checkpoint(resumed.version_dir / "checkpoints" / "last.pt"), reference)
+
+
+def test_a_resume_whose_loader_lost_its_own_generator_says_its_order_is_not_restored(tmp_path):
+    common = {
+        "trainer.max_epochs": 2,
+        "logging.tensorboard": False,
+        "checkpoint.every_n_steps": 1,
+        "checkpoint.keep_last": 20,
+    }
+    saved = OwnGeneratorToyTrainer(toy_cfg(tmp_path / "saved", **common))
+    saved.fit()
+    resumed = ToyTrainer(toy_cfg(tmp_path / "resumed", **common))  # shuffle=True: the Trainer's seeded sampler
+    with pytest.warns(UserWarning, match=r"state of 1 torch.Generator\(s\) of the train loader .* has 0: they are not"):
+        resumed.fit(resume=saved.version_dir / "checkpoints" / "step-00000011.pt")
+    assert resumed.state.global_step == 16
 
 
 def _cli(cfg_path: Path, *extra: str) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
 from torch import nn
@@ -433,6 +434,11 @@ def test_resumed_two_rank_run_equals_uninterrupted(two_rank_run, tmp_path):
     resumed = _ok(launch("resume", tmp_path / "resumed", {"RESUME_FROM": str(middle)}))
     _equal(two_rank_run[0]["model"], resumed[0]["model"])
     _equal(resumed[0]["model"], resumed[1]["model"])
+    # Every key of the final checkpoint (optimizers, RNG, loop): on as many ranks, bit-identical.
+    final, reference = (
+        load_checkpoint(Path(r[0]["version_dir"]) / "checkpoints" / "last.pt") for r in (resumed, two_rank_run)
+    )
+    assert_same_checkpoint(final, reference)
 
 
 def test_a_sigterm_on_one_rank_saves_the_step_every_rank_stops_at_and_resume_continues_the_run(two_rank_run, tmp_path):

@@ -195,3 +195,28 @@ def fit_toy_resuming(cfg: dict) -> None:
 
     torch.set_num_threads(1)
     ToyTrainer(cfg).fit(resume="last" if resolve_checkpoint(cfg["run_dir"], "last") else None)
+
+
+class ScheduledToyTrainer(ToyTrainer):
+    """Two optimizers: the first layer's with a per-step OneCycleLR, the head's with a ReduceLROnPlateau on val/mse."""
+
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        sgd = torch.optim.SGD(first.parameters(), lr=self.cfg.lr, momentum=0.9)
+        adam = torch.optim.Adam(head.parameters(), lr=self.cfg.lr)
+        one_cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, 0.1, total_steps=40)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(adam, patience=0)
+        return [
+            {"optimizer": sgd, "lr_scheduler": {"scheduler": one_cycle, "interval": "step"}},
+            {"optimizer": adam, "lr_scheduler": {"scheduler": plateau, "monitor": "val/mse"}},
+        ]
+
+
+class OwnGeneratorToyTrainer(ToyTrainer):
+    """Samples drawn by a WeightedRandomSampler from a torch.Generator of its own, not torch's global RNG."""
+
+    def train_dataloader(self):
+        data = toy_dataset(self.cfg.data.n)
+        generator = torch.Generator().manual_seed(1)
+        sampler = torch.utils.data.WeightedRandomSampler(torch.ones(len(data)), len(data), generator=generator)
+        return DataLoader(data, batch_size=self.cfg.data.batch_size, sampler=sampler)

@@ -111,6 +111,7 @@ from ampkit.trainer.evaluation import (
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
+from ampkit.trainer.loader_rng import capture_generators, restore_generators
 from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
@@ -316,6 +317,7 @@ class Trainer:
         self._hooks: dict[str, list[Any]] = {}
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
+        self._epoch_generators: list[torch.Tensor] | None = None  # the train loader's own generators at epoch start
         self._facts_pending = False  # a check reported found_inf (or, distributed, a backward ran) since agreeing
         self._verdicts = DeviceVerdicts()  # steps skipped or not on the device, not yet read (device_skip.py)
         self._device_skip: dict[torch.optim.Optimizer, bool] = {}  # optimizers that take a device-side verdict
@@ -789,8 +791,9 @@ class Trainer:
 
     def _run_epoch(self) -> None:
         s = self.state
-        for opt_state in self.optimizer_state.values():
-            opt_state.epoch_steps = 0
+        if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
+            for opt_state in self.optimizer_state.values():
+                opt_state.epoch_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
         exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
@@ -1294,10 +1297,14 @@ class Trainer:
         skip = resume["batches_done"] if resume else 0
         if resume:  # mid-epoch: replay the epoch's start to draw the same order, then skip what was done
             restore_rng(resume["epoch_rng"] if skip else resume["rng"])
+            generators = resume["loader_generators"]  # None: a checkpoint of a run before they were saved
+            if generators is not None and generators["epoch" if skip else "now"] is not None:
+                restore_generators(self._train_loader, generators["epoch" if skip else "now"])
         sampler = getattr(self._train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
             sampler.set_epoch(self.state.epoch)
         self._epoch_rng = capture_rng()
+        self._epoch_generators = capture_generators(self._train_loader)
         iterator = iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
@@ -1376,12 +1383,16 @@ class Trainer:
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
-                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps} for st in self.optimizer_state.values()
+                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps, "epoch_steps": st.epoch_steps}
+                for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
             "stopped_early": self.stop_reason(),
             "rng": capture_rng(),
             "epoch_rng": self._epoch_rng,
+            # a sampler's (or the loader's) own torch.Generator: at the epoch's start, for a mid-epoch resume to
+            # replay it, and now, for one at the next epoch's start
+            "loader_generators": {"epoch": self._epoch_generators, "now": capture_generators(self._train_loader)},
             "rng_before_fetch": self._rng_before_fetch,  # None unless fetching one ahead (_flag_last)
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
@@ -1452,6 +1463,7 @@ class Trainer:
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
+            opt_state.epoch_steps = counts.get("epoch_steps", 0)
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
@@ -1475,6 +1487,7 @@ class Trainer:
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
             "epoch_rng": checkpoint["epoch_rng"],
+            "loader_generators": checkpoint.get("loader_generators"),
             "rng_before_fetch": checkpoint.get("rng_before_fetch"),
         }
         not_restored = rng_not_restored(checkpoint["rng"])  # said once here: a resume restores its RNGs several times
