@@ -215,6 +215,11 @@ class AmpOptimizerStash:
         def step(self: Any, closure: Any = None) -> Any:
             if closure is not None:
                 raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            if stash.combiner.pending and stash.in_scale_loss:  # a step indented into the with-block
+                raise RuntimeError(
+                    "optimizer.step() inside the `with amp.scale_loss(...)` block: the gradients are still multiplied "
+                    "by the loss scale until the block exits and unscales them; call step() after the with-block"
+                )
             if stash.combiner.pending:  # Apex stepped on the scaled gradients (inf-sized steps) or, at O2, on none
                 raise RuntimeError(
                     "optimizer.step() right after amp.scale_loss(..., delay_unscale=True): the gradients are still "
