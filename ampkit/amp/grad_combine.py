@@ -504,24 +504,33 @@ class GradientCombiner:
             group.combine(idx, flags.get(device), _inv_scale(scaler, device))
         return CombineResult(flags.merged(self._fallback_device()), tuple([self.params[i] for i in reached]))
 
-    def zero_grad(self, set_to_none: bool = True, *, owners_to_none: bool | None = None) -> None:
+    def zero_grad(
+        self, set_to_none: bool = True, *, owners_to_none: bool | None = None, keep_pending: bool = False
+    ) -> None:
         """Drop the stash and clear every gradient as ``Optimizer.zero_grad`` does: set to ``None``, or zeroed in
         place where one exists (flat: the buffers zeroed, one kernel each, the ``.grad`` views kept).
 
         ``owners_to_none`` (default: ``set_to_none``) decides for the separate gradient owners (fp32 masters)
         apart: Apex's O2 ``zero_grad`` zeroed the model's gradients and set the masters' to None.
+        ``keep_pending``: a prepared backward stays prepared, with nothing stashed, so the :meth:`combine` that
+        follows unscales what is left (zeros) and any later gradients: a ``zero_grad`` inside Apex's
+        ``scale_loss`` block (NeMo's on a nan loss) is then unscaled on exit, as Apex did.
         """
         owners_to_none = set_to_none if owners_to_none is None else owners_to_none
+        keep_pending = keep_pending and self._pending
         self._pending = False
         self._reached.clear()
         if self.flat:
             for group in self._groups:
                 group.zero_grad(set_to_none, owners_to_none)
+            if keep_pending:
+                self.prepare_backward()
             return
         self._stash = [None] * len(self._self_idx)
         with torch.no_grad():
             _clear_grads(self.params, set_to_none)
             _clear_grads([self.grad_owners[i] for i in self._master_idx], owners_to_none)
+        self._pending = keep_pending
 
     def flat_buffers(self) -> list[torch.Tensor]:
         """The flat buffers holding the gradients the optimizer reads (empty unless ``flat=True``)."""

@@ -202,6 +202,31 @@ def test_zero_grad_in_place_keeps_the_tensors_and_the_next_backward_exact(flat, 
 
 
 @pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("masters", [False, True])
+def test_zero_grad_keeping_the_pending_backward_drops_the_stash_and_combines_what_comes_after(flat, masters):
+    """``keep_pending=True`` between prepare and combine (Apex's zero_grad inside scale_loss): the stash and the
+    gradients so far are gone, and the combine unscales only a backward that came after the zero_grad."""
+    params = make_params(torch.float16)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners, flat=flat)
+    holders = owners if masters else params
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params], 2.0)
+    combiner.combine(2.0)  # a stash for the next backward
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 5.0) for p in params], 2.0)
+    combiner.zero_grad(keep_pending=True)
+    assert combiner.pending
+    backward_with(params, [torch.full(p.shape, 3.0) for p in params[:2]] + [None], 2.0)
+    result = combiner.combine(2.0)
+    assert not read_flags([result.found_inf])[0]
+    assert all(torch.equal(h.grad, torch.full_like(h, 3.0)) for h in holders[:2])
+    assert holders[2].grad is None or not holders[2].grad.any()
+    combiner.zero_grad(keep_pending=True)  # nothing pending: nothing kept
+    assert not combiner.pending
+
+
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan])
 def test_a_scale_that_is_not_finite_and_positive_is_named_and_loses_nothing(flat, scale):
     """A scale of 0 raised ZeroDivisionError halfway through combine(), after the stashed gradients (an earlier

@@ -323,6 +323,20 @@ def test_a_step_right_after_a_delayed_unscale_is_refused(opt_level):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_inside_the_scale_loss_block_is_refused_as_such(opt_level):
+    """A step indented into the with-block was refused as if ``delay_unscale=True`` had been passed, which the
+    script never did: the message now says where the step is and where it belongs."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level=opt_level, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"inside the `with amp\.scale_loss\(\.\.\.\)` block.*after the with-block"):
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), optimizer) as scaled:
+            scaled.backward()
+            optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 def test_o2_refuses_two_optimizers_over_one_parameter():
     model = _model()
     first = torch.optim.SGD(model.parameters(), lr=0.1)

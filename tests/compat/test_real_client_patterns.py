@@ -586,3 +586,59 @@ def test_a_layer_frozen_at_initialize_and_unfrozen_later_trains_on_unscaled_grad
     reference = _freeze_then_unfreeze_run(None)
     trained = _freeze_then_unfreeze_run(opt_level, combine_grad)
     torch.testing.assert_close(trained, reference, atol=2e-3, rtol=0)
+
+
+def _nan_batch_dropped_inside_scale_loss_run(opt_level: str | None, combine_grad: bool = False) -> torch.Tensor:
+    """NeMo 0.x's training loop: two batches accumulated per step (the first with ``delay_unscale=True``), the
+    backward given a gradient tensor, and a nan loss found inside the ``scale_loss`` block answered by
+    ``zero_grad()`` and ``continue`` (the batch dropped, the accumulation going on)."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if opt_level is not None:
+        model, optimizer = amp.initialize(
+            min_loss_scale=1.0,
+            max_loss_scale=128.0,  # dynamic, starting low enough that no step overflows: the runs compare
+            models=model,
+            optimizers=optimizer,
+            opt_level=opt_level,
+            combine_grad=combine_grad,
+        )
+    per_step, pending = 2, 0
+    weight = torch.tensor(1.0 / per_step)
+    generator = torch.Generator().manual_seed(3)
+    for batch in range(9):
+        x = torch.randn(16, 8, generator=generator)
+        loss = torch.nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True))
+        if batch == 3:  # the second batch of an accumulation: a non-delayed block after a delayed one
+            loss = loss * float("nan")
+        if opt_level is None:
+            if torch.isnan(loss):
+                optimizer.zero_grad()
+                continue
+            loss.backward(weight)
+        else:
+            with amp.scale_loss(loss, optimizer, delay_unscale=pending < per_step - 1) as scaled_loss:
+                if torch.isnan(scaled_loss).any():
+                    optimizer.zero_grad()
+                    continue
+                scaled_loss.backward(weight)
+        pending += 1
+        if pending == per_step:
+            optimizer.step()
+            optimizer.zero_grad()
+            pending = 0
+    if opt_level is not None:
+        assert amp._amp_state.loss_scalers[0].loss_scale() == 128.0  # the zeroed gradients were no overflow
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("combine_grad", [False, True])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_nemo_zeroes_the_gradients_of_a_nan_loss_inside_scale_loss_and_trains_on(shim, opt_level, combine_grad):
+    """The block's exit raised "combine() called without prepare_backward()" (O2, and O1 with combine_grad):
+    ``zero_grad`` dropped the backward the block had prepared, so the unscale Apex did there had nothing to do."""
+    reference = _nan_batch_dropped_inside_scale_loss_run(None)
+    trained = _nan_batch_dropped_inside_scale_loss_run(opt_level, combine_grad)
+    torch.testing.assert_close(trained, reference, atol=2e-3, rtol=0)

@@ -215,6 +215,11 @@ class AmpOptimizerStash:
         def step(self: Any, closure: Any = None) -> Any:
             if closure is not None:
                 raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+            if stash.combiner.pending and stash.in_scale_loss:  # a step indented into the with-block
+                raise RuntimeError(
+                    "optimizer.step() inside the `with amp.scale_loss(...)` block: the gradients are still multiplied "
+                    "by the loss scale until the block exits and unscales them; call step() after the with-block"
+                )
             if stash.combiner.pending:  # Apex stepped on the scaled gradients (inf-sized steps) or, at O2, on none
                 raise RuntimeError(
                     "optimizer.step() right after amp.scale_loss(..., delay_unscale=True): the gradients are still "
@@ -230,12 +235,16 @@ class AmpOptimizerStash:
             return result
 
         def zero_grad(self: Any, set_to_none: bool | None = None) -> None:
+            # Inside a scale_loss block (NeMo zeroes the gradients there on a nan loss and `continue`s) the block's
+            # exit still unscales, as Apex's did: the backward it prepared stays prepared, with nothing stashed.
+            keep_pending = stash.in_scale_loss
             if stash.master_weights is not None and set_to_none is None:
                 # Apex's O2 zero_grad (it took no argument): the model's gradients zeroed in place, so code reading
                 # them after zero_grad (p.grad.zero_(), a norm) finds tensors, and the fp32 masters' set to None
-                stash.combiner.zero_grad(False, owners_to_none=True)
+                stash.combiner.zero_grad(False, owners_to_none=True, keep_pending=keep_pending)
             elif stash.master_weights is not None or stash.combine_grad:
-                stash.combiner.zero_grad(True if set_to_none is None else bool(set_to_none))
+                to_none = True if set_to_none is None else bool(set_to_none)
+                stash.combiner.zero_grad(to_none, keep_pending=keep_pending)
             elif set_to_none is None:
                 original_zero_grad()
             else:
