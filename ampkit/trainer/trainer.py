@@ -327,6 +327,7 @@ class Trainer:
         self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
+        self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -669,11 +670,20 @@ class Trainer:
 
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
-        """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``."""
+        """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
+
+        Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
+        continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
+        if self._running is not None:  # it would recurse until Python's stack runs out
+            raise UserCodeError(
+                f"fit() was called while {self._running}() is running (from a hook or a step of "
+                f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
+            )
         self._start_distributed()
         clean = False
         failure = None
         self._preempt_asked = False
+        self._running = "fit"
         try:
             with sigterm_asks_to_stop(self._ask_preemption):
                 self._fit(resume)
@@ -684,6 +694,7 @@ class Trainer:
             failure = exc
             raise
         finally:
+            self._running = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -700,6 +711,11 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        # An earlier fit's position would end this one at once, and its checkpoints would stamp an untrained model
+        # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
+        self.state = LoopState()
+        self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
+        self._resume = self._rng_after_fetch = None
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
@@ -1052,6 +1068,7 @@ class Trainer:
         self._start_distributed()
         clean = False
         failure = None
+        outer, self._running = self._running, self._running or stage.name  # inside a fit (a hook): still the fit's
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
@@ -1061,6 +1078,7 @@ class Trainer:
             failure = exc
             raise
         finally:
+            self._running = outer
             teardown_distributed(self.dist, clean, failure)
         return result
 
