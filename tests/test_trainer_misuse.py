@@ -1,11 +1,12 @@
-"""A Trainer subclass used in odd ways (a second fit, a fit from a hook): each is one error naming the mistake, or a
-run that is right."""
+"""A Trainer subclass used in odd ways (a second fit, a fit from a hook, a loader used up, a step that returns no loss
+or backpropagates itself): each is one error naming the mistake, or a run that is right."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from toy_trainers import ToyTrainer, toy_cfg
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
@@ -54,3 +55,120 @@ def test_fit_from_a_hook_of_validate_is_refused_and_validate_then_fit_trains(tmp
     trainer.validate()
     trainer.fit()
     assert trainer.state.global_step == 8
+
+
+class _Batches:
+    """An iterable without a length, of ``n`` toy batches of 8."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        x, y = toy_dataset(8 * self.n).tensors
+        for i in range(self.n):
+            yield x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+
+class _OneShotSampler(torch.utils.data.Sampler):
+    """A sampler whose second pass is empty (it hands out one iterator)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.order = n, iter(range(n))
+
+    def __iter__(self):
+        return self.order
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class GeneratorData(ToyTrainer):
+    def train_dataloader(self):
+        return iter(_Batches(4))
+
+
+class OneShotSampler(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(32), batch_size=8, sampler=_OneShotSampler(32))
+
+
+class EmptyStream(ToyTrainer):
+    def train_dataloader(self):
+        return _Batches(0)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        (GeneratorData, r"yielded no batch in epoch 1: a generator or iterator that an earlier epoch used up"),
+        (OneShotSampler, r"yielded no batch in epoch 1 \(its len\(\) says 4\): a generator or iterator"),
+        (EmptyStream, r"yielded no batch in epoch 0: an iterable that yields nothing"),
+    ],
+)
+def test_an_epoch_whose_loader_yields_nothing_is_an_error_not_a_run_that_trains_nothing(
+    tmp_path, trainer_class, message
+):
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}))
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert trainer.state.global_step == (0 if trainer_class is EmptyStream else 4)
+
+
+def _returning(value):
+    class Returns(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            return value(loss)
+
+    return Returns
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (lambda loss: None, r"returned None; .* to skip a batch, set automatic_optimization = False"),
+        (lambda loss: {"mse": loss}, r"returned a dict without 'loss' \(keys: 'mse'\)"),
+        (
+            lambda loss: {"loss": loss.item()},
+            r"returned a dict whose 'loss' is float [0-9.]+, a number with no autograd graph",
+        ),
+        (lambda loss: loss.item(), r"returned float [0-9.]+, a number with no autograd graph \(return the tensor"),
+        (lambda loss: (loss, 1), r"returned a tuple; under automatic optimization it returns the loss tensor"),
+    ],
+)
+def test_a_training_step_that_returns_no_loss_tensor_names_what_it_returned(tmp_path, value, message):
+    with pytest.raises(UserCodeError, match=f"training_step {message}"):
+        _returning(value)(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class BackpropagatesItself(ToyTrainer):  # a manual-optimization habit under automatic optimization
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        return loss
+
+
+class StepsItself(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.step(self.optimizer)
+        return loss
+
+
+@pytest.mark.parametrize(("trainer_class", "method"), [(BackpropagatesItself, "backward"), (StepsItself, "step")])
+def test_backward_or_step_inside_an_automatic_training_step_is_refused(tmp_path, trainer_class, method):
+    with pytest.raises(UserCodeError, match=rf"training_step called self\.{method}\(\) under automatic optimization"):
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class ComplexMetric(ToyTrainer):
+    def validation_step(self, batch):
+        return {"mse": super().validation_step(batch)["mse"] * (1 + 1j)}
+
+
+def test_a_complex_metric_is_named(tmp_path):
+    with pytest.raises(
+        UserCodeError,
+        match=r"metric 'mse' as a torch.complex64 tensor; each metric is a real number \(take \.abs\(\) or \.real\)",
+    ):
+        ComplexMetric(toy_cfg(tmp_path, **QUIET)).fit()

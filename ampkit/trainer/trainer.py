@@ -170,8 +170,10 @@ from ampkit.trainer.user_code import (
     check_loader,
     check_loss,
     empty_batch_error,
+    exhausted_loader_error,
     keyword_batch_error,
     nothing_trained_warning,
+    training_step_loss_error,
 )
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
@@ -328,6 +330,7 @@ class Trainer:
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
+        self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -411,6 +414,8 @@ class Trainer:
     ) -> None:
         """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` (or its name) limits which params
         get grads."""
+        if self._in_automatic_step:
+            self._refuse_in_automatic_step("backward")
         check_loss(loss, loss_id)
         inputs = None
         if optimizer is not None:
@@ -433,6 +438,16 @@ class Trainer:
             hook(self, backward)
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
+
+    def _refuse_in_automatic_step(self, method: str) -> None:
+        """``self.backward``/``self.step`` inside ``training_step`` under automatic optimization, where the Trainer
+        calls both on the returned loss: a second backward through the freed graph would fail deep in autograd, a
+        second step as 'already stepped' (Lightning refuses its manual_backward there too)."""
+        raise UserCodeError(
+            f"training_step called self.{method}() under automatic optimization, where the Trainer calls backward on "
+            "the loss training_step returns and steps every optimizer: return the loss without calling it, or set "
+            f"automatic_optimization = False in {type(self).__name__} to call self.backward/self.step yourself"
+        )
 
     def _optimizer_named(self, optimizer: torch.optim.Optimizer | str, method: str) -> torch.optim.Optimizer:
         """``optimizer`` itself, or the one ``configure_optimizers`` gave that name; anything else is an error."""
@@ -460,6 +475,8 @@ class Trainer:
         It is skipped (parameters, state and step count untouched) when :func:`skip_verdict` says so, and not
         stepped at all when none of its parameters received a gradient this iteration.
         """
+        if self._in_automatic_step:
+            self._refuse_in_automatic_step("step")
         optimizer = self._optimizer_named(optimizer, "step")
         if not self.state.is_iteration_end:
             return False
@@ -828,8 +845,10 @@ class Trainer:
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._at_last_batch = False
-        self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
+        if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
+            raise exhausted_loader_error(s.epoch, self._num_train_batches)
+        self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         if (
             ran
             and exhausted
@@ -882,16 +901,16 @@ class Trainer:
         self._batch = None
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
-        out = self.training_step(batch)
         if not self.automatic_optimization:
-            return self._detached(out)
+            return self._detached(self.training_step(batch))
+        self._in_automatic_step = True  # backward/step there would run twice: refused (_refuse_in_automatic_step)
+        try:
+            out = self.training_step(batch)
+        finally:
+            self._in_automatic_step = False
         loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, dict) else None
         if not isinstance(loss, torch.Tensor):
-            raise UserCodeError(
-                f"training_step must return the loss tensor or a dict with 'loss' under automatic "
-                f"optimization; got {type(out).__name__}. Set automatic_optimization = False to "
-                "call self.backward/self.step yourself."
-            )
+            raise training_step_loss_error(out)
         accumulate = self.settings.accumulate_grad_batches
         self.backward(loss / accumulate if accumulate > 1 else loss)
         for optimizer in self.optimizers.values():
