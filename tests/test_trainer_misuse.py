@@ -1,5 +1,5 @@
 """A Trainer subclass used in odd ways (a second fit, a fit from a hook, a loader used up, a step that returns no loss
-or backpropagates itself): each is one error naming the mistake, or a run that is right."""
+or backpropagates itself, callbacks given twice): each is one error naming the mistake, or a run that is right."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
+import ampkit
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -172,3 +173,21 @@ def test_a_complex_metric_is_named(tmp_path):
         match=r"metric 'mse' as a torch.complex64 tensor; each metric is a real number \(take \.abs\(\) or \.real\)",
     ):
         ComplexMetric(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+def test_one_callback_given_twice_is_named_as_one_object(tmp_path):
+    callback = ampkit.Callback()
+    with pytest.raises(ValueError, match="the same Callback object is given twice"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[callback, callback]).fit()
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        ({"stop": ampkit.Callback()}, r"Trainer\(callbacks=...\) is a dict \(keys \['stop'\]\)"),
+        ("progress", r"Trainer\(callbacks=...\) is the str 'progress'; expected a Callback instance"),
+    ],
+)
+def test_callbacks_given_as_a_dict_or_a_string_are_named_as_such(tmp_path, callbacks, message):
+    with pytest.raises(UserCodeError, match=message):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
