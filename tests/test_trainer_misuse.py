@@ -191,3 +191,62 @@ def test_one_callback_given_twice_is_named_as_one_object(tmp_path):
 def test_callbacks_given_as_a_dict_or_a_string_are_named_as_such(tmp_path, callbacks, message):
     with pytest.raises(UserCodeError, match=message):
         ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
+
+
+class _Breaks(ampkit.Callback):
+    """A user callback whose ending hooks raise, and whose ``at`` hook raises ``exception`` at step 3."""
+
+    def __init__(self, at: str | None = None, exception: BaseException | None = None) -> None:
+        self.at, self.exception = at, exception
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if self.at == "on_train_batch_end" and trainer.state.global_step == 3:
+            raise self.exception
+
+    def on_exception(self, trainer, exception):
+        raise KeyError("a bug in on_exception")
+
+    def on_fit_end(self, trainer):
+        raise KeyError("a bug in on_fit_end")
+
+
+class _Sees(ampkit.Callback):
+    phase = ampkit.Phase.OBSERVE  # after _Breaks at every hook
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_exception(self, trainer, exception):
+        self.seen.append("on_exception")
+
+    def on_fit_end(self, trainer):
+        self.seen.append("on_fit_end")
+
+
+def test_a_callback_raising_while_an_error_unwinds_leaves_that_error_and_the_other_callbacks_their_hooks(tmp_path):
+    sees = _Sees()
+    callbacks = [_Breaks("on_train_batch_end", ValueError("the run's own error")), sees]
+    with pytest.raises(ValueError, match="the run's own error") as raised:
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks).fit()
+    assert sees.seen == ["on_exception", "on_fit_end"]
+    notes = raised.value.__notes__
+    assert "_Breaks.on_exception raised KeyError: 'a bug in on_exception' while this error unwound" in notes
+    assert "_Breaks.on_fit_end raised KeyError: 'a bug in on_fit_end' while this error unwound" in notes
+
+
+def test_a_preempted_step_is_saved_though_a_callback_s_on_exception_raises(tmp_path):
+    from ampkit.trainer.preemption import Preempted
+
+    with pytest.raises(Preempted):
+        ToyTrainer(
+            toy_cfg(tmp_path, **QUIET), callbacks=[_Breaks("on_train_batch_end", Preempted("SIGTERM: stopped"))]
+        ).fit()
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 3
+
+
+def test_a_callback_raising_in_on_fit_end_of_a_clean_run_raises_after_the_others_ran(tmp_path):
+    sees = _Sees()
+    with pytest.raises(KeyError, match="a bug in on_fit_end"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_Breaks(), sees]).fit()
+    assert sees.seen == ["on_fit_end"]

@@ -744,6 +744,7 @@ class Trainer:
             return
         self._check_run_dir(write=True)  # before any user code runs
         self._setup(self.fit_start)
+        failure = None
         try:
             self.fire("on_fit_start")
             if self.fit_start.branched_from is not None:
@@ -760,11 +761,12 @@ class Trainer:
                 self._stop_if_preempted()
             self.fire("on_train_end")
         except BaseException as exc:
+            failure = exc
             self._explain(exc)
-            self.fire("on_exception", exc)
+            self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
-            self.fire("on_fit_end")
+            self._fire_every_one("on_fit_end", failure=failure)
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
@@ -1140,11 +1142,29 @@ class Trainer:
             self.fire(f"on_{stage.hook}_end", result)
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             self._explain(exc)
-            self.fire("on_exception", exc)
+            self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
             self.state.stage = "fit"
         return result
+
+    def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
+        """Fire an ending hook (``on_exception``, ``on_fit_end``) on every callback even where one raises: the later
+        ones save a preempted step, flush logs and leave the process group. While ``failure`` unwinds, a hook's error
+        becomes a note on it (the run's own error stays the one raised); otherwise the first is raised afterwards."""
+        first = None
+        for method in self._hooks[hook]:
+            try:
+                method(self, *args)
+            except Exception as exc:
+                owner = getattr(method, "__self__", self)
+                where = f"{type(owner).__name__}.{hook}"
+                if failure is None:
+                    first = first or exc
+                elif hasattr(failure, "add_note"):  # Python 3.11+
+                    failure.add_note(f"{where} raised {type(exc).__name__}: {exc} while this error unwound")
+        if first is not None:
+            raise first
 
     def _explain(self, exception: BaseException) -> None:
         """Attach the first callback's one-line explanation of ``exception`` (what the CLI prints), also as a note
