@@ -250,3 +250,28 @@ def test_a_callback_raising_in_on_fit_end_of_a_clean_run_raises_after_the_others
     with pytest.raises(KeyError, match="a bug in on_fit_end"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_Breaks(), sees]).fit()
     assert sees.seen == ["on_fit_end"]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda t: t.backward(torch.ones((), requires_grad=True)), r"the hook on_before_backward has no callbacks yet"),
+        (lambda t: t.step("sgd"), r"step\(\) was called before fit\(\) made the optimizers"),
+    ],
+)
+def test_backward_or_step_before_fit_says_where_they_run(tmp_path, call, message):
+    with pytest.raises(UserCodeError, match=message):
+        call(ToyTrainer(toy_cfg(tmp_path, **QUIET)))
+
+
+class SkipsTrainerInit(ToyTrainer):
+    def __init__(self, cfg=None):
+        self.lr = self.cfg.lr  # before super().__init__: no config yet
+        super().__init__(cfg)
+
+
+def test_a_subclass_init_that_reads_the_trainer_before_its_init_ran_is_told_to_call_it(tmp_path):
+    with pytest.raises(
+        AttributeError, match=r"Trainer.__init__ has not run; SkipsTrainerInit.__init__ must call super"
+    ):
+        SkipsTrainerInit(toy_cfg(tmp_path, **QUIET))

@@ -220,6 +220,18 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+class _NoHooksYet(dict):
+    """The hooks before ``fit()`` (or validate/test/predict) set up the callbacks: ``backward``, ``step`` or a hook
+    fired before then is an error saying where they belong, not a KeyError naming a hook."""
+
+    def __missing__(self, hook: str) -> list[Any]:
+        raise UserCodeError(
+            f"the hook {hook} has no callbacks yet: fit() (or validate/test/predict) sets them up, and backward(), "
+            "step() and the hooks run inside it (in training_step and the hooks), not before it or after it failed "
+            "to set up"
+        )
+
+
 def _batches_in(loader: Any, limit: int | None) -> int | None:
     """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
     try:
@@ -316,7 +328,7 @@ class Trainer:
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
-        self._hooks: dict[str, list[Any]] = {}
+        self._hooks: dict[str, list[Any]] = _NoHooksYet()  # fit/validate/test/predict set them up
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
         self._epoch_generators: list[torch.Tensor] | None = None  # the train loader's own generators at epoch start
@@ -398,6 +410,13 @@ class Trainer:
         attribute = getattr(type(self), name, None)
         if isinstance(attribute, property):  # its getter raised AttributeError: let its own message through
             return attribute.__get__(self)
+        if "cfg" not in self.__dict__ and not name.startswith("__"):  # a subclass's __init__ skipped the Trainer's
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' yet: Trainer.__init__ has not run; "
+                f"{type(self).__name__}.__init__ must call super().__init__(cfg, callbacks) before it uses self.{name}",
+                name=name,
+                obj=self,
+            )
         raise missing_attribute(self, name)
 
     @property
@@ -451,6 +470,10 @@ class Trainer:
 
     def _optimizer_named(self, optimizer: torch.optim.Optimizer | str, method: str) -> torch.optim.Optimizer:
         """``optimizer`` itself, or the one ``configure_optimizers`` gave that name; anything else is an error."""
+        if not self.optimizers:  # before fit() ran configure_optimizers
+            raise UserCodeError(
+                f"{method}() was called before fit() made the optimizers: it runs inside fit(), in training_step"
+            )
         if isinstance(optimizer, str):
             if optimizer not in self.optimizers:
                 raise UserCodeError(
