@@ -3,6 +3,8 @@ or backpropagates itself, callbacks given twice): each is one error naming the m
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -275,3 +277,25 @@ def test_a_subclass_init_that_reads_the_trainer_before_its_init_ran_is_told_to_c
         AttributeError, match=r"Trainer.__init__ has not run; SkipsTrainerInit.__init__ must call super"
     ):
         SkipsTrainerInit(toy_cfg(tmp_path, **QUIET))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenPair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Holder:
+    pair: _FrozenPair
+    name: str
+
+
+def test_a_batch_of_frozen_dataclasses_moves_to_the_device_as_other_batches_do(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    trainer.device, trainer._on_cpu = torch.device("meta"), False  # a device other than the CPU, on any machine
+    pair = _FrozenPair(torch.ones(2), torch.zeros(2))
+    moved = trainer._to_device({"held": _Holder(pair, "a"), "pairs": [pair]})
+    for got in (moved["held"].pair, moved["pairs"][0]):
+        assert type(got) is _FrozenPair and got.x.is_meta and got.y.is_meta
+    assert moved["held"].name == "a" and not pair.x.is_meta  # the batch the loader gave is left as it was

@@ -43,6 +43,8 @@ across ranks; ``scaler``/``scale`` when the loss is scaled).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import numbers
 import os
 import sys
@@ -218,6 +220,16 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         group_norms = torch._foreach_norm(group)
         norms.extend(group_norms if device == first_device else [n.to(first_device) for n in group_norms])
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class _IsFrozenDataclass(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        params = getattr(type(value), "__dataclass_params__", None)
+        return params is not None and params.frozen
+
+
+class _FrozenDataclass(metaclass=_IsFrozenDataclass):
+    """Instances of frozen dataclasses, as an ``isinstance`` target (``apply_to_collection`` then hands them over)."""
 
 
 class _NoHooksYet(dict):
@@ -1423,9 +1435,19 @@ class Trainer:
         self._rng_before_fetch = None
 
     def _to_device(self, batch: Any) -> Any:
+        """``batch`` with its tensors on the device, found in dicts, lists, tuples (named too) and dataclasses (frozen
+        too: their copy gets the moved fields, where apply_to_collection refuses them)."""
         if self._on_cpu:
             return batch
-        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+        return apply_to_collection(batch, (torch.Tensor, _FrozenDataclass), self._moved)
+
+    def _moved(self, value: torch.Tensor | Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        moved = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(moved, f.name, self._to_device(getattr(value, f.name)))  # past the frozen __setattr__
+        return moved
 
     @staticmethod
     def _detached(out: Any) -> dict[str, Any]:
