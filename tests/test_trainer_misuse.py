@@ -299,3 +299,27 @@ def test_a_batch_of_frozen_dataclasses_moves_to_the_device_as_other_batches_do(t
     for got in (moved["held"].pair, moved["pairs"][0]):
         assert type(got) is _FrozenPair and got.x.is_meta and got.y.is_meta
     assert moved["held"].name == "a" and not pair.x.is_meta  # the batch the loader gave is left as it was
+
+
+class IntegerLoss(ToyTrainer):
+    def training_step(self, batch):
+        return torch.tensor(3)
+
+
+class LogsUnderANumber(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log(3, loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        (IntegerLoss, r"the loss of loss_id 0 is a torch.int64 tensor, which has no gradient; expected a floating"),
+        (LogsUnderANumber, r"log\(tag=3\): the tag is int; expected a string such as 'train/acc'"),
+    ],
+)
+def test_an_integer_loss_and_a_tag_that_is_no_string_are_named(tmp_path, trainer_class, message):
+    with pytest.raises(UserCodeError, match=message):
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()

@@ -643,6 +643,10 @@ class Trainer:
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
+        if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
+            raise UserCodeError(
+                f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
+            )
         if others:
             raise UserCodeError(f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}")
         if self.evaluation_step is not None:

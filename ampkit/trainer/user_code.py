@@ -34,6 +34,11 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
             f"the loss of loss_id {loss_id!r} has shape {tuple(loss.shape)}; expected a scalar (reduce it: .mean())"
         )
     if not loss.requires_grad:
+        if not (loss.is_floating_point() or loss.is_complex()):  # an integer tensor cannot carry a gradient at all
+            raise UserCodeError(
+                f"the loss of loss_id {loss_id!r} is a {loss.dtype} tensor, which has no gradient; expected a "
+                "floating-point loss computed from the model's output"
+            )
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
