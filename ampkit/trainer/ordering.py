@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ampkit.trainer.callback import Callback
@@ -18,6 +18,12 @@ def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
 
     Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
     """
+    for i, cb in enumerate(callbacks):  # not a state_key clash to fix: one object, whose hooks would run twice
+        if any(other is cb for other in callbacks[:i]):
+            raise CallbackOrderError(
+                f"the same {type(cb).__name__} object is given twice (in Trainer(callbacks=...), "
+                "configure_callbacks() or both): its hooks would run twice at every point; give it once"
+            )
     keys = [cb.state_key for cb in callbacks]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
@@ -38,6 +44,15 @@ def callback_list(value: Any, where: str) -> list[Callback]:
     """
     if value is None:
         return []
+    if isinstance(value, Mapping):  # iterating it would name its keys
+        raise UserCodeError(
+            f"{where} is a {type(value).__name__} (keys {list(value)[:5]}); expected a Callback instance or a list of "
+            "them (a dict's callbacks: list(d.values()))"
+        )
+    if isinstance(value, str | bytes):  # iterating it would name its characters
+        raise UserCodeError(
+            f"{where} is the {type(value).__name__} {value[:40]!r}; expected a Callback instance or a list of them"
+        )
     items = [value] if isinstance(value, Callback) or not isinstance(value, Iterable) else list(value)
     for i, item in enumerate(items):
         at = where if items[0] is value else f"{where}[{i}]"

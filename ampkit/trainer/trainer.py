@@ -43,6 +43,8 @@ across ranks; ``scaler``/``scale`` when the loss is scaled).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import numbers
 import os
 import sys
@@ -170,8 +172,10 @@ from ampkit.trainer.user_code import (
     check_loader,
     check_loss,
     empty_batch_error,
+    exhausted_loader_error,
     keyword_batch_error,
     nothing_trained_warning,
+    training_step_loss_error,
 )
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
@@ -216,6 +220,28 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
         group_norms = torch._foreach_norm(group)
         norms.extend(group_norms if device == first_device else [n.to(first_device) for n in group_norms])
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class _IsFrozenDataclass(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        params = getattr(type(value), "__dataclass_params__", None)
+        return params is not None and params.frozen
+
+
+class _FrozenDataclass(metaclass=_IsFrozenDataclass):
+    """Instances of frozen dataclasses, as an ``isinstance`` target (``apply_to_collection`` then hands them over)."""
+
+
+class _NoHooksYet(dict):
+    """The hooks before ``fit()`` (or validate/test/predict) set up the callbacks: ``backward``, ``step`` or a hook
+    fired before then is an error saying where they belong, not a KeyError naming a hook."""
+
+    def __missing__(self, hook: str) -> list[Any]:
+        raise UserCodeError(
+            f"the hook {hook} has no callbacks yet: fit() (or validate/test/predict) sets them up, and backward(), "
+            "step() and the hooks run inside it (in training_step and the hooks), not before it or after it failed "
+            "to set up"
+        )
 
 
 def _batches_in(loader: Any, limit: int | None) -> int | None:
@@ -314,7 +340,7 @@ class Trainer:
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
-        self._hooks: dict[str, list[Any]] = {}
+        self._hooks: dict[str, list[Any]] = _NoHooksYet()  # fit/validate/test/predict set them up
         self._resume: dict[str, Any] | None = None
         self._epoch_rng: dict[str, Any] | None = None
         self._epoch_generators: list[torch.Tensor] | None = None  # the train loader's own generators at epoch start
@@ -327,6 +353,8 @@ class Trainer:
         self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
+        self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
+        self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -394,6 +422,13 @@ class Trainer:
         attribute = getattr(type(self), name, None)
         if isinstance(attribute, property):  # its getter raised AttributeError: let its own message through
             return attribute.__get__(self)
+        if "cfg" not in self.__dict__ and not name.startswith("__"):  # a subclass's __init__ skipped the Trainer's
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}' yet: Trainer.__init__ has not run; "
+                f"{type(self).__name__}.__init__ must call super().__init__(cfg, callbacks) before it uses self.{name}",
+                name=name,
+                obj=self,
+            )
         raise missing_attribute(self, name)
 
     @property
@@ -410,6 +445,8 @@ class Trainer:
     ) -> None:
         """Backpropagate ``loss``; ``loss_id`` picks its loss scaler, ``optimizer`` (or its name) limits which params
         get grads."""
+        if self._in_automatic_step:
+            self._refuse_in_automatic_step("backward")
         check_loss(loss, loss_id)
         inputs = None
         if optimizer is not None:
@@ -433,8 +470,22 @@ class Trainer:
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
 
+    def _refuse_in_automatic_step(self, method: str) -> None:
+        """``self.backward``/``self.step`` inside ``training_step`` under automatic optimization, where the Trainer
+        calls both on the returned loss: a second backward through the freed graph would fail deep in autograd, a
+        second step as 'already stepped' (Lightning refuses its manual_backward there too)."""
+        raise UserCodeError(
+            f"training_step called self.{method}() under automatic optimization, where the Trainer calls backward on "
+            "the loss training_step returns and steps every optimizer: return the loss without calling it, or set "
+            f"automatic_optimization = False in {type(self).__name__} to call self.backward/self.step yourself"
+        )
+
     def _optimizer_named(self, optimizer: torch.optim.Optimizer | str, method: str) -> torch.optim.Optimizer:
         """``optimizer`` itself, or the one ``configure_optimizers`` gave that name; anything else is an error."""
+        if not self.optimizers:  # before fit() ran configure_optimizers
+            raise UserCodeError(
+                f"{method}() was called before fit() made the optimizers: it runs inside fit(), in training_step"
+            )
         if isinstance(optimizer, str):
             if optimizer not in self.optimizers:
                 raise UserCodeError(
@@ -459,6 +510,8 @@ class Trainer:
         It is skipped (parameters, state and step count untouched) when :func:`skip_verdict` says so, and not
         stepped at all when none of its parameters received a gradient this iteration.
         """
+        if self._in_automatic_step:
+            self._refuse_in_automatic_step("step")
         optimizer = self._optimizer_named(optimizer, "step")
         if not self.state.is_iteration_end:
             return False
@@ -590,6 +643,10 @@ class Trainer:
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
+        if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
+            raise UserCodeError(
+                f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
+            )
         if others:
             raise UserCodeError(f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}")
         if self.evaluation_step is not None:
@@ -669,11 +726,20 @@ class Trainer:
 
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
-        """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``."""
+        """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
+
+        Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
+        continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
+        if self._running is not None:  # it would recurse until Python's stack runs out
+            raise UserCodeError(
+                f"fit() was called while {self._running}() is running (from a hook or a step of "
+                f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
+            )
         self._start_distributed()
         clean = False
         failure = None
         self._preempt_asked = False
+        self._running = "fit"
         try:
             with sigterm_asks_to_stop(self._ask_preemption):
                 self._fit(resume)
@@ -684,6 +750,7 @@ class Trainer:
             failure = exc
             raise
         finally:
+            self._running = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -700,6 +767,11 @@ class Trainer:
         check_same_config(self.cfg, self.dist)
 
     def _fit(self, resume: str | os.PathLike | None) -> None:
+        # An earlier fit's position would end this one at once, and its checkpoints would stamp an untrained model
+        # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
+        self.state = LoopState()
+        self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
+        self._resume = self._rng_after_fetch = None
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
@@ -711,6 +783,7 @@ class Trainer:
             return
         self._check_run_dir(write=True)  # before any user code runs
         self._setup(self.fit_start)
+        failure = None
         try:
             self.fire("on_fit_start")
             if self.fit_start.branched_from is not None:
@@ -727,11 +800,12 @@ class Trainer:
                 self._stop_if_preempted()
             self.fire("on_train_end")
         except BaseException as exc:
+            failure = exc
             self._explain(exc)
-            self.fire("on_exception", exc)
+            self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
-            self.fire("on_fit_end")
+            self._fire_every_one("on_fit_end", failure=failure)
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
@@ -812,8 +886,10 @@ class Trainer:
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._at_last_batch = False
-        self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
+        if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
+            raise exhausted_loader_error(s.epoch, self._num_train_batches)
+        self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         if (
             ran
             and exhausted
@@ -866,16 +942,16 @@ class Trainer:
         self._batch = None
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
-        out = self.training_step(batch)
         if not self.automatic_optimization:
-            return self._detached(out)
+            return self._detached(self.training_step(batch))
+        self._in_automatic_step = True  # backward/step there would run twice: refused (_refuse_in_automatic_step)
+        try:
+            out = self.training_step(batch)
+        finally:
+            self._in_automatic_step = False
         loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, dict) else None
         if not isinstance(loss, torch.Tensor):
-            raise UserCodeError(
-                f"training_step must return the loss tensor or a dict with 'loss' under automatic "
-                f"optimization; got {type(out).__name__}. Set automatic_optimization = False to "
-                "call self.backward/self.step yourself."
-            )
+            raise training_step_loss_error(out)
         accumulate = self.settings.accumulate_grad_batches
         self.backward(loss / accumulate if accumulate > 1 else loss)
         for optimizer in self.optimizers.values():
@@ -1052,6 +1128,7 @@ class Trainer:
         self._start_distributed()
         clean = False
         failure = None
+        outer, self._running = self._running, self._running or stage.name  # inside a fit (a hook): still the fit's
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
@@ -1061,6 +1138,7 @@ class Trainer:
             failure = exc
             raise
         finally:
+            self._running = outer
             teardown_distributed(self.dist, clean, failure)
         return result
 
@@ -1103,11 +1181,29 @@ class Trainer:
             self.fire(f"on_{stage.hook}_end", result)
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             self._explain(exc)
-            self.fire("on_exception", exc)
+            self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
             self.state.stage = "fit"
         return result
+
+    def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
+        """Fire an ending hook (``on_exception``, ``on_fit_end``) on every callback even where one raises: the later
+        ones save a preempted step, flush logs and leave the process group. While ``failure`` unwinds, a hook's error
+        becomes a note on it (the run's own error stays the one raised); otherwise the first is raised afterwards."""
+        first = None
+        for method in self._hooks[hook]:
+            try:
+                method(self, *args)
+            except Exception as exc:
+                owner = getattr(method, "__self__", self)
+                where = f"{type(owner).__name__}.{hook}"
+                if failure is None:
+                    first = first or exc
+                elif hasattr(failure, "add_note"):  # Python 3.11+
+                    failure.add_note(f"{where} raised {type(exc).__name__}: {exc} while this error unwound")
+        if first is not None:
+            raise first
 
     def _explain(self, exception: BaseException) -> None:
         """Attach the first callback's one-line explanation of ``exception`` (what the CLI prints), also as a note
@@ -1343,9 +1439,19 @@ class Trainer:
         self._rng_before_fetch = None
 
     def _to_device(self, batch: Any) -> Any:
+        """``batch`` with its tensors on the device, found in dicts, lists, tuples (named too) and dataclasses (frozen
+        too: their copy gets the moved fields, where apply_to_collection refuses them)."""
         if self._on_cpu:
             return batch
-        return apply_to_collection(batch, torch.Tensor, lambda t: t.to(self.device, non_blocking=True))
+        return apply_to_collection(batch, (torch.Tensor, _FrozenDataclass), self._moved)
+
+    def _moved(self, value: torch.Tensor | Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(self.device, non_blocking=True)
+        moved = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(moved, f.name, self._to_device(getattr(value, f.name)))  # past the frozen __setattr__
+        return moved
 
     @staticmethod
     def _detached(out: Any) -> dict[str, Any]:

@@ -34,6 +34,11 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
             f"the loss of loss_id {loss_id!r} has shape {tuple(loss.shape)}; expected a scalar (reduce it: .mean())"
         )
     if not loss.requires_grad:
+        if not (loss.is_floating_point() or loss.is_complex()):  # an integer tensor cannot carry a gradient at all
+            raise UserCodeError(
+                f"the loss of loss_id {loss_id!r} is a {loss.dtype} tensor, which has no gradient; expected a "
+                "floating-point loss computed from the model's output"
+            )
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
@@ -44,6 +49,40 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
         )
 
 
+def _shown(value: Any) -> str:
+    """``value`` as an error names it: its type, and a number's value (``float 0.53``)."""
+    if value is None:
+        return "None"
+    kind = type(value).__name__
+    return f"{kind} {value:.4g}" if isinstance(value, numbers.Real) and not isinstance(value, bool) else f"a {kind}"
+
+
+def training_step_loss_error(out: Any) -> UserCodeError:
+    """Why ``out``, which ``training_step`` returned under automatic optimization, holds no loss to backpropagate,
+    naming what it held (a dict's keys, a number that has left autograd's graph)."""
+    if isinstance(out, dict):
+        if "loss" not in out:
+            keys = ", ".join(repr(key) for key in list(out)[:6]) + (", ..." if len(out) > 6 else "")
+            got = f"a dict without 'loss' (keys: {keys or 'none'})"
+        else:
+            got = f"a dict whose 'loss' is {_shown(out['loss'])}"
+            out = out["loss"]
+    else:
+        got = "None" if out is None else _shown(out)
+    if isinstance(out, numbers.Number):
+        got += ", a number with no autograd graph (return the tensor itself, not loss.item())"
+    why = (
+        "; to skip a batch, set automatic_optimization = False and call self.backward/self.step for the batches to "
+        "train"
+        if out is None
+        else ""
+    )
+    return UserCodeError(
+        f"training_step returned {got}; under automatic optimization it returns the loss tensor, or a dict holding it "
+        f"under 'loss'{why}"
+    )
+
+
 def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
     """``validation_step``/``test_step``'s return value: a dict of metric name to number or scalar tensor."""
     if not isinstance(metrics, dict):
@@ -51,9 +90,14 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
             f"{method} returned a {type(metrics).__name__}; expected a dict of metrics, e.g. {{'loss': loss}}"
         )
     for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if isinstance(value, torch.Tensor) and value.is_complex():  # float() of it fails naming neither
+                raise UserCodeError(
+                    f"{method} returned metric {key!r} as a {value.dtype} tensor; each metric is a real number (take "
+                    ".abs() or .real)"
+                )
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
             raise UserCodeError(
                 f"{method} returned metric {key!r} as a {type(value).__name__}{shape}; each metric is a number or a "
@@ -110,6 +154,21 @@ def check_batches(count: int | None, method: str, loader: Any = None, world_size
     rank's) and ``world_size`` let the error give the numbers behind it."""
     if count == 0:
         raise UserCodeError(f"{method}() yields no batches{_why_no_batches(loader, world_size)}")
+
+
+def exhausted_loader_error(epoch: int, expected: int | None) -> UserCodeError:
+    """A training epoch whose loader yielded no batch at all, which would otherwise end at once, training nothing,
+    for this epoch and every one after it: most often an iterator a former epoch used up."""
+    promised = f" (its len() says {expected})" if expected else ""
+    before = (
+        "a generator or iterator that an earlier epoch used up, a sampler that does not start over, or "
+        if epoch > 0
+        else ""
+    )
+    return UserCodeError(
+        f"train_dataloader() yielded no batch in epoch {epoch}{promised}: {before}an iterable that yields nothing. "
+        "Return a DataLoader, or an object whose __iter__ starts a new pass each time it is called"
+    )
 
 
 def _why_no_batches(loader: Any, world_size: int) -> str:

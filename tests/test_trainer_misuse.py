@@ -1,0 +1,325 @@
+"""A Trainer subclass used in odd ways (a second fit, a fit from a hook, a loader used up, a step that returns no loss
+or backpropagates itself, callbacks given twice): each is one error naming the mistake, or a run that is right."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+import ampkit
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.user_code import UserCodeError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+def test_a_second_fit_trains_a_run_of_its_own_and_checkpoints_what_it_trained(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    trainer.fit()
+    trainer.fit()  # the first fit's position (step 8, epoch 1) once ended this one at once, training nothing
+    assert trainer.state.global_step == 8
+    first = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    second = load_checkpoint(tmp_path / "run" / "version_1" / "checkpoints" / "last.pt")
+    assert second["loop"] == first["loop"] == {"epoch": 1, "batches_done": 0, "global_step": 8}
+    for name, trained in trainer.module.state_dict().items():  # seeded: the same run again, not a fresh model
+        assert torch.equal(second["model"][name], trained)
+        assert torch.equal(first["model"][name], trained)
+
+
+class FitsInEpochEnd(ToyTrainer):
+    def on_train_epoch_end(self):
+        self.fit()
+
+
+class FitsInValidationStep(ToyTrainer):
+    def validation_step(self, batch):
+        self.fit()
+
+
+@pytest.mark.parametrize("trainer_class", [FitsInEpochEnd, FitsInValidationStep])
+def test_fit_from_a_hook_or_step_of_a_running_fit_is_refused(tmp_path, trainer_class):
+    with pytest.raises(UserCodeError, match=r"fit\(\) was called while fit\(\) is running \(from a hook or a step"):
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class FitsInValidate(ToyTrainer):
+    def on_validation_start(self):
+        self.fit()
+
+
+def test_fit_from_a_hook_of_validate_is_refused_and_validate_then_fit_trains(tmp_path):
+    with pytest.raises(UserCodeError, match=r"fit\(\) was called while validate\(\) is running"):
+        FitsInValidate(toy_cfg(tmp_path / "a", **QUIET)).validate()
+    trainer = ToyTrainer(toy_cfg(tmp_path / "b", **QUIET))
+    trainer.validate()
+    trainer.fit()
+    assert trainer.state.global_step == 8
+
+
+class _Batches:
+    """An iterable without a length, of ``n`` toy batches of 8."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        x, y = toy_dataset(8 * self.n).tensors
+        for i in range(self.n):
+            yield x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+
+class _OneShotSampler(torch.utils.data.Sampler):
+    """A sampler whose second pass is empty (it hands out one iterator)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.order = n, iter(range(n))
+
+    def __iter__(self):
+        return self.order
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class GeneratorData(ToyTrainer):
+    def train_dataloader(self):
+        return iter(_Batches(4))
+
+
+class OneShotSampler(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(32), batch_size=8, sampler=_OneShotSampler(32))
+
+
+class EmptyStream(ToyTrainer):
+    def train_dataloader(self):
+        return _Batches(0)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        (GeneratorData, r"yielded no batch in epoch 1: a generator or iterator that an earlier epoch used up"),
+        (OneShotSampler, r"yielded no batch in epoch 1 \(its len\(\) says 4\): a generator or iterator"),
+        (EmptyStream, r"yielded no batch in epoch 0: an iterable that yields nothing"),
+    ],
+)
+def test_an_epoch_whose_loader_yields_nothing_is_an_error_not_a_run_that_trains_nothing(
+    tmp_path, trainer_class, message
+):
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}))
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert trainer.state.global_step == (0 if trainer_class is EmptyStream else 4)
+
+
+def _returning(value):
+    class Returns(ToyTrainer):
+        def training_step(self, batch):
+            loss = super().training_step(batch)
+            return value(loss)
+
+    return Returns
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (lambda loss: None, r"returned None; .* to skip a batch, set automatic_optimization = False"),
+        (lambda loss: {"mse": loss}, r"returned a dict without 'loss' \(keys: 'mse'\)"),
+        (
+            lambda loss: {"loss": loss.item()},
+            r"returned a dict whose 'loss' is float [0-9.]+, a number with no autograd graph",
+        ),
+        (lambda loss: loss.item(), r"returned float [0-9.]+, a number with no autograd graph \(return the tensor"),
+        (lambda loss: (loss, 1), r"returned a tuple; under automatic optimization it returns the loss tensor"),
+    ],
+)
+def test_a_training_step_that_returns_no_loss_tensor_names_what_it_returned(tmp_path, value, message):
+    with pytest.raises(UserCodeError, match=f"training_step {message}"):
+        _returning(value)(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class BackpropagatesItself(ToyTrainer):  # a manual-optimization habit under automatic optimization
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        return loss
+
+
+class StepsItself(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.step(self.optimizer)
+        return loss
+
+
+@pytest.mark.parametrize(("trainer_class", "method"), [(BackpropagatesItself, "backward"), (StepsItself, "step")])
+def test_backward_or_step_inside_an_automatic_training_step_is_refused(tmp_path, trainer_class, method):
+    with pytest.raises(UserCodeError, match=rf"training_step called self\.{method}\(\) under automatic optimization"):
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class ComplexMetric(ToyTrainer):
+    def validation_step(self, batch):
+        return {"mse": super().validation_step(batch)["mse"] * (1 + 1j)}
+
+
+def test_a_complex_metric_is_named(tmp_path):
+    with pytest.raises(
+        UserCodeError,
+        match=r"metric 'mse' as a torch.complex64 tensor; each metric is a real number \(take \.abs\(\) or \.real\)",
+    ):
+        ComplexMetric(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+def test_one_callback_given_twice_is_named_as_one_object(tmp_path):
+    callback = ampkit.Callback()
+    with pytest.raises(ValueError, match="the same Callback object is given twice"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[callback, callback]).fit()
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "message"),
+    [
+        ({"stop": ampkit.Callback()}, r"Trainer\(callbacks=...\) is a dict \(keys \['stop'\]\)"),
+        ("progress", r"Trainer\(callbacks=...\) is the str 'progress'; expected a Callback instance"),
+    ],
+)
+def test_callbacks_given_as_a_dict_or_a_string_are_named_as_such(tmp_path, callbacks, message):
+    with pytest.raises(UserCodeError, match=message):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
+
+
+class _Breaks(ampkit.Callback):
+    """A user callback whose ending hooks raise, and whose ``at`` hook raises ``exception`` at step 3."""
+
+    def __init__(self, at: str | None = None, exception: BaseException | None = None) -> None:
+        self.at, self.exception = at, exception
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if self.at == "on_train_batch_end" and trainer.state.global_step == 3:
+            raise self.exception
+
+    def on_exception(self, trainer, exception):
+        raise KeyError("a bug in on_exception")
+
+    def on_fit_end(self, trainer):
+        raise KeyError("a bug in on_fit_end")
+
+
+class _Sees(ampkit.Callback):
+    phase = ampkit.Phase.OBSERVE  # after _Breaks at every hook
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_exception(self, trainer, exception):
+        self.seen.append("on_exception")
+
+    def on_fit_end(self, trainer):
+        self.seen.append("on_fit_end")
+
+
+def test_a_callback_raising_while_an_error_unwinds_leaves_that_error_and_the_other_callbacks_their_hooks(tmp_path):
+    sees = _Sees()
+    callbacks = [_Breaks("on_train_batch_end", ValueError("the run's own error")), sees]
+    with pytest.raises(ValueError, match="the run's own error") as raised:
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=callbacks).fit()
+    assert sees.seen == ["on_exception", "on_fit_end"]
+    notes = raised.value.__notes__
+    assert "_Breaks.on_exception raised KeyError: 'a bug in on_exception' while this error unwound" in notes
+    assert "_Breaks.on_fit_end raised KeyError: 'a bug in on_fit_end' while this error unwound" in notes
+
+
+def test_a_preempted_step_is_saved_though_a_callback_s_on_exception_raises(tmp_path):
+    from ampkit.trainer.preemption import Preempted
+
+    with pytest.raises(Preempted):
+        ToyTrainer(
+            toy_cfg(tmp_path, **QUIET), callbacks=[_Breaks("on_train_batch_end", Preempted("SIGTERM: stopped"))]
+        ).fit()
+    last = load_checkpoint(tmp_path / "run" / "version_0" / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 3
+
+
+def test_a_callback_raising_in_on_fit_end_of_a_clean_run_raises_after_the_others_ran(tmp_path):
+    sees = _Sees()
+    with pytest.raises(KeyError, match="a bug in on_fit_end"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_Breaks(), sees]).fit()
+    assert sees.seen == ["on_fit_end"]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda t: t.backward(torch.ones((), requires_grad=True)), r"the hook on_before_backward has no callbacks yet"),
+        (lambda t: t.step("sgd"), r"step\(\) was called before fit\(\) made the optimizers"),
+    ],
+)
+def test_backward_or_step_before_fit_says_where_they_run(tmp_path, call, message):
+    with pytest.raises(UserCodeError, match=message):
+        call(ToyTrainer(toy_cfg(tmp_path, **QUIET)))
+
+
+class SkipsTrainerInit(ToyTrainer):
+    def __init__(self, cfg=None):
+        self.lr = self.cfg.lr  # before super().__init__: no config yet
+        super().__init__(cfg)
+
+
+def test_a_subclass_init_that_reads_the_trainer_before_its_init_ran_is_told_to_call_it(tmp_path):
+    with pytest.raises(
+        AttributeError, match=r"Trainer.__init__ has not run; SkipsTrainerInit.__init__ must call super"
+    ):
+        SkipsTrainerInit(toy_cfg(tmp_path, **QUIET))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenPair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Holder:
+    pair: _FrozenPair
+    name: str
+
+
+def test_a_batch_of_frozen_dataclasses_moves_to_the_device_as_other_batches_do(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    trainer.device, trainer._on_cpu = torch.device("meta"), False  # a device other than the CPU, on any machine
+    pair = _FrozenPair(torch.ones(2), torch.zeros(2))
+    moved = trainer._to_device({"held": _Holder(pair, "a"), "pairs": [pair]})
+    for got in (moved["held"].pair, moved["pairs"][0]):
+        assert type(got) is _FrozenPair and got.x.is_meta and got.y.is_meta
+    assert moved["held"].name == "a" and not pair.x.is_meta  # the batch the loader gave is left as it was
+
+
+class IntegerLoss(ToyTrainer):
+    def training_step(self, batch):
+        return torch.tensor(3)
+
+
+class LogsUnderANumber(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log(3, loss)
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "message"),
+    [
+        (IntegerLoss, r"the loss of loss_id 0 is a torch.int64 tensor, which has no gradient; expected a floating"),
+        (LogsUnderANumber, r"log\(tag=3\): the tag is int; expected a string such as 'train/acc'"),
+    ],
+)
+def test_an_integer_loss_and_a_tag_that_is_no_string_are_named(tmp_path, trainer_class, message):
+    with pytest.raises(UserCodeError, match=message):
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
