@@ -882,7 +882,9 @@ class Trainer:
         for batch in batches:
             self._run_batch(batch)
             self._stop_if_preempted()
-            if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
+            # A callback (early stopping) asked, or the limit. A stop asked inside an accumulation window waits for
+            # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
+            if (s.is_iteration_end and self._stopping()) or 0 <= max_steps <= s.global_step:
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._at_last_batch = False
