@@ -55,7 +55,8 @@ class Grads(Callback):
         self.seen[-1]["norm"] = trainer.grad_norm(optimizer).clone()
 
     def on_train_batch_start(self, trainer, batch) -> None:
-        self.seen.append({})
+        if trainer.state.is_iteration_start:
+            self.seen.append({})
 
 
 class Unclipped(Callback):
@@ -70,12 +71,14 @@ class Unclipped(Callback):
         self.grads.seen[-1]["raw"] = self.grads._grads(optimizer)
 
 
-def _run(tmp_path, max_norm: float, trainer=ManyParamsTrainer, **precision) -> list[dict]:
+def _run(tmp_path, max_norm: float, trainer=ManyParamsTrainer, accumulate: int = 1, **precision) -> list[dict]:
     grads = Grads()
-    cfg = toy_cfg(tmp_path, **QUIET, **precision, **{"trainer.clip_grad_norm": max_norm, "trainer.max_steps": 4})
-    trainer(cfg, callbacks=[grads, Unclipped(grads)]).fit()
-    assert len(grads.seen) == 4 and all("clipped" in step for step in grads.seen)
-    return grads.seen
+    settings = {"trainer.clip_grad_norm": max_norm, "trainer.max_steps": 4, "trainer.max_epochs": 2}
+    settings["trainer.accumulate_grad_batches"] = accumulate
+    trainer(toy_cfg(tmp_path, **QUIET, **precision, **settings), callbacks=[grads, Unclipped(grads)]).fit()
+    steps = grads.seen  # one per iteration: with accumulation, recorded at its window's last batch
+    assert len(steps) == 4 and all("clipped" in step for step in steps)
+    return steps
 
 
 def _torch_clip(raw: list[torch.Tensor | None], max_norm: float) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -96,11 +99,12 @@ def _assert_same(ours: list[torch.Tensor | None], theirs: list[torch.Tensor | No
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 1e-30])
-def test_the_norm_and_the_clipped_grads_are_torch_s_in_float64(tmp_path, max_norm):
+@pytest.mark.parametrize(("max_norm", "accumulate"), [(0.5, 1), (1e-30, 1), (0.5, 3)])
+def test_the_norm_and_the_clipped_grads_are_torch_s_in_float64(tmp_path, max_norm, accumulate):
     """Parameters with no gradient are left out, an empty one counts nothing, and even a tiny max_norm scales the
-    gradients exactly as torch does (coefficient max_norm / (norm + 1e-6))."""
-    for step in _run(tmp_path, max_norm):
+    gradients exactly as torch does (coefficient max_norm / (norm + 1e-6)). Accumulating, the window's summed
+    gradients are clipped once, at its end (as Lightning clips)."""
+    for step in _run(tmp_path, max_norm, accumulate=accumulate):
         assert step["raw"][0].numel() == 0 and step["raw"][-2:] == [None, None]  # empty; unused
         norm, clipped = _torch_clip(step["raw"], max_norm)
         assert torch.equal(step["norm"], norm)
