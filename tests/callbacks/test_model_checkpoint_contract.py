@@ -169,3 +169,11 @@ def test_a_directory_holding_another_run_s_files_loses_none_of_them(tmp_path):
     assert fresh.version_dir != other.version_dir
     for path, data in {**others, **users}.items():
         assert path.read_bytes() == data, path
+
+
+def test_the_sanity_validation_ranks_nothing(tmp_path):
+    """As in Lightning, the validation batches run before training save no checkpoint: their better value (the
+    untrained model's, here scripted best) never becomes best.pt."""
+    run = _fit(tmp_path, {0: -1.0, **SCORES}, **{"checkpoint.monitor": "val/score", "trainer.num_sanity_val_steps": 2})
+    assert _best_steps(run) == [4]
+    assert _best_pt_step(run) == 4
