@@ -11,6 +11,8 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import ConfigError
+from ampkit.callbacks import ModelCheckpoint
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.optimizers import MonitorNotFoundError
 
@@ -177,3 +179,15 @@ def test_the_sanity_validation_ranks_nothing(tmp_path):
     run = _fit(tmp_path, {0: -1.0, **SCORES}, **{"checkpoint.monitor": "val/score", "trainer.num_sanity_val_steps": 2})
     assert _best_steps(run) == [4]
     assert _best_pt_step(run) == 4
+
+
+@pytest.mark.parametrize("top_k", [3, -1])
+def test_save_top_k_without_a_monitor_is_refused_naming_what_to_set(tmp_path, top_k):
+    """It ranked nothing, so no best file was ever kept, without a word (Lightning's ModelCheckpoint refuses it):
+    now the config is refused at construction, before any user code, and so is the callback built by hand."""
+    with pytest.raises(ConfigError, match=rf"'checkpoint.save_top_k': {top_k} keeps the best checkpoints by "
+                                          r"checkpoint.monitor, which is not set: set checkpoint.monitor"):  # fmt: skip
+        ScriptedScores(toy_cfg(tmp_path, **{"checkpoint.save_top_k": top_k}))
+    with pytest.raises(ValueError, match=rf"save_top_k={top_k} keeps the best checkpoints by monitor, which is not"):
+        ModelCheckpoint(save_top_k=top_k)
+    ScriptedScores(toy_cfg(tmp_path, **{"checkpoint.save_top_k": top_k, "checkpoint.monitor": "val/score"}))
