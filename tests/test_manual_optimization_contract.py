@@ -1,6 +1,7 @@
 """Manual optimization against the contract Lightning users know: ``self.backward(loss, optimizer=opt)`` gives
 only that optimizer's parameters gradients (``toggle_optimizer``), each optimizer counts its own steps, and a
-direct ``opt.step()``, which Lightning routes through its loss scaler, is refused here before it bypasses ampkit's."""
+direct ``opt.step()``, which Lightning routes through its loss scaler, is refused here before it bypasses ampkit's;
+so is an optimizer whose step needs a closure (LBFGS), which Lightning passes and the Trainer does not."""
 
 from __future__ import annotations
 
@@ -107,3 +108,16 @@ def test_a_direct_optimizer_step_is_refused_before_it_changes_anything(tmp_path,
     optimizer = trainer.optimizers["D"]
     assert not optimizer._optimizer_step_pre_hooks
     optimizer.step()  # outside fit: the user's own business again
+
+
+class Lbfgs(ToyTrainer):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.module.parameters(), lr=0.1)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_training_naming_it(tmp_path):
+    """LBFGS failed at the first step with torch's bare 'step() missing ... closure'; Lightning passes a closure,
+    the Trainer's step (and torch's GradScaler) do not: refused at set-up, naming the optimizer."""
+    with pytest.raises(UserCodeError, match=r"optimizer 'lbfgs' \(LBFGS\) needs a closure in step\(\)"):
+        Lbfgs(toy_cfg(tmp_path, **QUIET)).fit()
+    assert not list((tmp_path / "run").rglob("*.pt"))

@@ -3,6 +3,7 @@ schedulers, and the two calls the loop makes on each every iteration (``step_``,
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -170,7 +171,24 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
+    for spec in specs:
+        if _needs_closure(spec.optimizer):
+            raise UserCodeError(
+                f"configure_optimizers(): optimizer '{spec.name}' ({type(spec.optimizer).__name__}) needs a closure "
+                "in step() to evaluate the loss again, which the Trainer's step does not pass (nor does torch's "
+                "GradScaler take one; Lightning's automatic optimization does): use an optimizer whose step takes "
+                "none (SGD, AdamW...)"
+            )
     return specs
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS): called without one it fails with a bare TypeError."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume it steps as others do
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automatic: bool = True) -> None:
