@@ -354,12 +354,27 @@ def check_values(cfg: DictConfig) -> None:
                 f"config key '{key}': {value!r} is invalid; expected {valid}"
                 + (f" ({value!r} is {same})" if same else "")
             )
+    if not problems and (problem := _top_k_without_monitor(cfg)) is not None:
+        problems.append(problem)
     if not problems and OmegaConf.select(cfg, "precision.fp8.enabled"):
         from ampkit.callbacks.precision_config import fp8_problems  # it resolves opt levels: the callbacks' layer
 
         problems = fp8_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _top_k_without_monitor(cfg: DictConfig) -> str | None:
+    """``checkpoint.save_top_k`` other than 1 without ``checkpoint.monitor`` ranks nothing, so it kept no file at all
+    (Lightning's ModelCheckpoint refuses it too)."""
+    top_k = OmegaConf.select(cfg, "checkpoint.save_top_k")
+    if top_k == 1 or not isinstance(top_k, int) or OmegaConf.select(cfg, "checkpoint.monitor"):
+        return None
+    return (
+        f"config key 'checkpoint.save_top_k': {top_k} keeps the best checkpoints by checkpoint.monitor, which is not "
+        "set: set checkpoint.monitor to a validation metric (val/loss), or checkpoint.keep_last to keep the newest "
+        "step and epoch files"
+    )
 
 
 def import_object(path: str, what: str = "trainer_class", search_from: Path | None = None) -> Any:

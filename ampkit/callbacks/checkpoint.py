@@ -62,6 +62,11 @@ class ModelCheckpoint(Callback):
             )
         if save_top_k < 1 and save_top_k != -1:
             raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
+        if save_top_k != 1 and not monitor:
+            raise ValueError(
+                f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
+                "validation metric (val/loss), or keep_last to keep the newest step and epoch files"
+            )
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
         self.keep_last = keep_last

@@ -38,6 +38,10 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "accelerator": "trainer.device",
     "devices": "trainer.device (one process; torchrun starts more)",
     "gradient_clip_val": "trainer.clip_grad_norm",
+    "gradient_clip_algorithm": (
+        "no config key: clipping is by norm (trainer.clip_grad_norm); to clip by value, call "
+        "torch.nn.utils.clip_grad_value_ in a callback's on_before_optimizer_step, where gradients are unscaled"
+    ),
     "check_val_every_n_epoch": "trainer.val_every_n_epochs",
     "val_check_interval": "trainer.val_every_n_steps",
     "default_root_dir": "run_dir",

@@ -3,12 +3,15 @@ schedulers, and the two calls the loop makes on each every iteration (``step_``,
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
+from torch.utils.hooks import RemovableHandle
 
 from ampkit.trainer.user_code import UserCodeError
 
@@ -168,7 +171,24 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
+    for spec in specs:
+        if _needs_closure(spec.optimizer):
+            raise UserCodeError(
+                f"configure_optimizers(): optimizer '{spec.name}' ({type(spec.optimizer).__name__}) needs a closure "
+                "in step() to evaluate the loss again, which the Trainer's step does not pass (nor does torch's "
+                "GradScaler take one; Lightning's automatic optimization does): use an optimizer whose step takes "
+                "none (SGD, AdamW...)"
+            )
     return specs
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS): called without one it fails with a bare TypeError."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: assume it steps as others do
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automatic: bool = True) -> None:
@@ -292,3 +312,23 @@ def settings_kept_from_checkpoint(
             if ours[key] != loaded[key]:
                 kept.append(f"{spec.name}[{i}].{key}={loaded[key]} (configure_optimizers: {ours[key]})")
     return kept
+
+
+def refuse_direct_steps(
+    optimizers: Mapping[str, torch.optim.Optimizer], stepping: Callable[[], torch.optim.Optimizer | None]
+) -> list[RemovableHandle]:
+    """Make ``optimizer.step()`` raise before it changes anything, unless ``stepping()`` names that optimizer (the
+    Trainer's own ``step`` runs it). Under manual optimization a Lightning port's ``opt.step()`` would bypass the
+    skip rule, clipping and O2's copy of the masters back to the model. Returns the hooks' handles, to remove."""
+
+    def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if stepping() is not optimizer:
+            name = next(n for n, opt in optimizers.items() if opt is optimizer)
+            raise UserCodeError(
+                f"optimizer '{name}' was stepped directly (optimizer.step()); under manual optimization call "
+                f"self.step('{name}') after self.backward(loss): it skips a step whose gradients overflowed, clips, "
+                "and under O2 copies the fp32 master weights back to the model (Lightning's opt.step() is a wrapper "
+                "doing the first; this optimizer is torch's own)"
+            )
+
+    return [optimizer.register_step_pre_hook(refuse) for optimizer in optimizers.values()]

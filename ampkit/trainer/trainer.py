@@ -124,6 +124,7 @@ from ampkit.trainer.optimizers import (
     check_parameters,
     group_settings,
     normalize_optimizers,
+    refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
     zero_grad_,
@@ -355,6 +356,8 @@ class Trainer:
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
+        self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
+        self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -535,12 +538,16 @@ class Trainer:
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
         found_inf = self._device_found_inf(opt_state)
-        if found_inf is None:
-            step_(optimizer)
-        else:  # skipped or not on the device; counted as taken until settled
-            step_with_found_inf(optimizer, found_inf, step_)
-            loss_ids = sorted(opt_state.loss_ids, key=str)
-            self._verdicts.record(optimizer, self.state.iteration, loss_ids, found_inf)
+        self._stepping = optimizer  # manual optimization's guard lets this step through
+        try:
+            if found_inf is None:
+                step_(optimizer)
+            else:  # skipped or not on the device; counted as taken until settled
+                step_with_found_inf(optimizer, found_inf, step_)
+                loss_ids = sorted(opt_state.loss_ids, key=str)
+                self._verdicts.record(optimizer, self.state.iteration, loss_ids, found_inf)
+        finally:
+            self._stepping = None
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
@@ -751,6 +758,9 @@ class Trainer:
             raise
         finally:
             self._running = None
+            for guard in self._direct_step_guards:
+                guard.remove()
+            self._direct_step_guards = []
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -882,7 +892,9 @@ class Trainer:
         for batch in batches:
             self._run_batch(batch)
             self._stop_if_preempted()
-            if self._stopping() or 0 <= max_steps <= s.global_step:  # a callback (early stopping) asked, or the limit
+            # A callback (early stopping) asked, or the limit. A stop asked inside an accumulation window waits for
+            # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
+            if (s.is_iteration_end and self._stopping()) or 0 <= max_steps <= s.global_step:
                 exhausted = s.batches_done == self._num_train_batches
                 break
         self._at_last_batch = False
@@ -1264,6 +1276,8 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
+        if not self.automatic_optimization:
+            self._direct_step_guards = refuse_direct_steps(self.optimizers, lambda: self._stepping)
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
         self._val_loader = evaluation_loader(

@@ -1,0 +1,193 @@
+"""ModelCheckpoint keeps the contract users know from Lightning's: the best ``save_top_k`` by ``monitor`` and
+``mode``, a non-finite value never the best, periodic files beside them, a ranking that survives a resume, a
+missing monitor named with the metrics there are, and none of the user's files ever deleted."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import ConfigError
+from ampkit.callbacks import ModelCheckpoint
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.optimizers import MonitorNotFoundError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
+
+
+class ScriptedScores(ToyTrainer):
+    """Validates after every iteration (6 per epoch); the validation after step N returns ``scores[N]`` under the
+    metric ``name``."""
+
+    scores: dict[int, float] = {}
+    name = "score"
+
+    def validation_step(self, batch):
+        return {self.name: torch.tensor(self.scores[self.state.global_step])}
+
+
+def _fit(tmp_path, scores, *, trainer=ScriptedScores, resume=None, **overrides):
+    trainer = type("Scripted", (trainer,), {"scores": scores})
+    settings = {**QUIET, "data.n": 48, "trainer.max_epochs": 1, "trainer.val_every_n_steps": 1,
+                "trainer.num_sanity_val_steps": 0, "checkpoint.every_n_epochs": 0, **overrides}  # fmt: skip
+    run = trainer(toy_cfg(tmp_path, **settings))
+    run.fit(resume=resume)
+    return run
+
+
+def _best_steps(run) -> list[int]:
+    """The steps of the best-k files on disk, oldest first."""
+    names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
+    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"best-(\d{8})\.pt", name)))
+
+
+def _best_pt_step(run) -> int:
+    return load_checkpoint(run.version_dir / "checkpoints" / "best.pt")["loop"]["global_step"]
+
+
+SCORES = {1: 0.5, 2: 0.3, 3: 0.9, 4: 0.1, 5: 0.4, 6: 0.2}
+
+
+@pytest.mark.parametrize(
+    ("mode", "top_k", "kept", "best"),
+    [
+        ("min", 1, [4], 4),
+        ("min", 3, [2, 4, 6], 4),
+        ("max", 1, [3], 3),
+        ("max", 2, [1, 3], 3),
+        ("min", -1, [1, 2, 3, 4, 5, 6], 4),
+    ],
+)
+def test_the_best_k_by_mode_are_kept_and_best_pt_holds_the_best(tmp_path, mode, top_k, kept, best):
+    """As Lightning's save_top_k: k files of the k best values (min or max), -1 every validation's, and the best
+    of them also as best.pt, a copy of that step's state."""
+    run = _fit(tmp_path, SCORES, **{"checkpoint.monitor": "val/score", "checkpoint.mode": mode,
+                                     "checkpoint.save_top_k": top_k})  # fmt: skip
+    assert _best_steps(run) == kept
+    assert _best_pt_step(run) == best
+    callback_state = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]
+    ranked = sorted((SCORES[s] for s in kept), reverse=mode == "max")
+    assert list(callback_state["best_k"].values()) == pytest.approx(ranked), "the saved ranking lists the best first"
+
+
+def test_a_tie_keeps_the_earlier_checkpoint(tmp_path):
+    """A value equal to the k-th best does not displace it (Lightning compares strictly), and best.pt stays the
+    first to reach the best value."""
+    run = _fit(tmp_path, {1: 0.5, 2: 0.2, 3: 0.2, 4: 0.5, 5: 0.2, 6: 0.9},
+               **{"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2})  # fmt: skip
+    assert _best_steps(run) == [2, 3]
+    assert _best_pt_step(run) == 2
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_value_is_never_ranked_nor_saved_as_best(tmp_path, mode, bad):
+    """NaN, +inf and -inf are no improvement in either mode: not best.pt, not among the top k even while it has
+    room (Lightning keeps a NaN one as the worst while there is room, and ranks a -inf one best in min mode)."""
+    run = _fit(tmp_path, {1: bad, 2: 0.5, 3: bad, 4: 0.4, 5: bad, 6: 0.6},
+               **{"checkpoint.monitor": "val/score", "checkpoint.mode": mode, "checkpoint.save_top_k": 5})  # fmt: skip
+    assert _best_steps(run) == [2, 4, 6]
+    assert _best_pt_step(run) == (4 if mode == "min" else 6)
+
+
+def test_only_non_finite_values_leave_no_best_pt(tmp_path):
+    run = _fit(tmp_path, dict.fromkeys(range(1, 7), math.nan), **{"checkpoint.monitor": "val/score"})
+    assert _best_steps(run) == []
+    assert not (run.version_dir / "checkpoints" / "best.pt").exists()
+    assert (run.version_dir / "checkpoints" / "last.pt").is_file()
+
+
+def test_every_n_steps_and_every_n_epochs_both_save_and_keep_last_prunes_them_together(tmp_path):
+    """Lightning takes one of every_n_train_steps and every_n_epochs; ampkit takes both: step files every N steps,
+    epoch files every M epochs, keep_last the newest of them all, the best-k files apart."""
+    run = _fit(tmp_path, {s: 1.0 / s for s in range(1, 19)},
+               **{"trainer.max_epochs": 3, "checkpoint.every_n_steps": 4, "checkpoint.every_n_epochs": 2,
+                  "checkpoint.keep_last": 3, "checkpoint.monitor": "val/score"})  # fmt: skip
+    names = sorted(p.name for p in (run.version_dir / "checkpoints").iterdir())
+    assert names == ["best-00000018.pt", "best.pt", "epoch-0002.pt", "last.pt",
+                     "step-00000016.pt", "step-00000018.pt"]  # fmt: skip
+    assert load_checkpoint(run.version_dir / "checkpoints" / "epoch-0002.pt")["loop"]["global_step"] == 12
+    assert _best_pt_step(run) == 18
+
+
+def test_the_ranking_survives_a_resume_and_a_worse_value_after_it_evicts_nothing_better(tmp_path):
+    """The top k saved before a resume compete with the values after it: a worse value enters only in place of a
+    worse one, and best.pt keeps the pre-resume best until beaten."""
+    before = {1: 0.5, 2: 0.1, 3: 0.3, 4: 0.9, 5: 0.8, 6: 0.7}
+    after = {7: 0.6, 8: 0.95, 9: 0.2, 10: 0.4, 11: 0.99, 12: 0.05}
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 3}
+    first = _fit(tmp_path, before, **keys)
+    assert _best_steps(first) == [1, 2, 3]
+    run = _fit(tmp_path, {**before, **after}, resume="last", **keys, **{"trainer.max_epochs": 2})
+    assert run.version_dir == first.version_dir
+    assert _best_steps(run) == [2, 9, 12]
+    assert _best_pt_step(run) == 12
+    middle = _fit(tmp_path, before, **keys)  # a fresh run (version_1): stopped where no later value beats step 2
+    _fit(tmp_path, {**before, 7: 0.6, 8: 0.95, 9: 0.7, 10: 0.4, 11: 0.99, 12: 0.8}, resume="last", **keys,
+         **{"trainer.max_epochs": 2})  # fmt: skip
+    assert _best_steps(middle) == [2, 3, 10]
+    assert _best_pt_step(middle) == 2
+
+
+def test_a_monitor_never_returned_is_an_error_naming_it_and_the_metrics_there_are(tmp_path):
+    """Lightning's ModelCheckpoint raises naming the monitor and the available metrics; so does ampkit, at the
+    first validation (here without the sanity check, which would catch it before training)."""
+    with pytest.raises(MonitorNotFoundError) as error:
+        _fit(tmp_path, SCORES, **{"checkpoint.monitor": "val/acc"})
+    assert "'val/acc'" in str(error.value) and "val/score" in str(error.value)
+    assert "checkpoint.monitor" in str(error.value)
+
+
+@pytest.mark.parametrize("metric", ["acc/top-1 (%)", "loss=0.5:val", "épreuve ø"])
+def test_a_metric_name_with_odd_characters_ranks_and_names_files_by_step(tmp_path, metric):
+    """Lightning puts the metric in the file name (and mangles '/'); ampkit names best-k files by step alone, so any
+    metric name ranks and writes no odd path."""
+    trainer = type("Odd", (ScriptedScores,), {"name": metric})
+    run = _fit(tmp_path, SCORES, trainer=trainer, **{"checkpoint.monitor": f"val/{metric}", "checkpoint.mode": "max"})
+    assert _best_steps(run) == [3]
+    names = {p.name for p in (run.version_dir / "checkpoints").iterdir()}
+    assert names == {"best-00000003.pt", "best.pt", "last.pt", "step-00000006.pt"}  # the last, saved at the end
+
+
+def test_a_directory_holding_another_run_s_files_loses_none_of_them(tmp_path):
+    """A run_dir that already holds another run's files (and the user's own beside them, some named much like
+    ampkit's) keeps every one of them: a fresh run writes a version directory of its own, and a resume prunes only
+    the names of its own ranking and keep_last."""
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1}
+    other = _fit(tmp_path, SCORES, **keys)
+    others = {p: p.read_bytes() for p in (other.version_dir / "checkpoints").iterdir()}
+    run_dir = tmp_path / "run"
+    users = {run_dir / "notes.txt": b"mine", run_dir / "best.pt": b"mine", run_dir / "last.pt": b"mine",
+             run_dir / "checkpoints" / "best-00000004.pt": b"mine", run_dir / "version_7" / "step-00000001.pt": b"mine",
+             other.version_dir / "checkpoints" / "best-final.pt": b"mine"}  # fmt: skip
+    for path, data in users.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    fresh = _fit(tmp_path, {s: -v for s, v in SCORES.items()}, **keys)
+    assert fresh.version_dir != other.version_dir
+    for path, data in {**others, **users}.items():
+        assert path.read_bytes() == data, path
+
+
+def test_the_sanity_validation_ranks_nothing(tmp_path):
+    """As in Lightning, the validation batches run before training save no checkpoint: their better value (the
+    untrained model's, here scripted best) never becomes best.pt."""
+    run = _fit(tmp_path, {0: -1.0, **SCORES}, **{"checkpoint.monitor": "val/score", "trainer.num_sanity_val_steps": 2})
+    assert _best_steps(run) == [4]
+    assert _best_pt_step(run) == 4
+
+
+@pytest.mark.parametrize("top_k", [3, -1])
+def test_save_top_k_without_a_monitor_is_refused_naming_what_to_set(tmp_path, top_k):
+    """It ranked nothing, so no best file was ever kept, without a word (Lightning's ModelCheckpoint refuses it):
+    now the config is refused at construction, before any user code, and so is the callback built by hand."""
+    with pytest.raises(ConfigError, match=rf"'checkpoint.save_top_k': {top_k} keeps the best checkpoints by "
+                                          r"checkpoint.monitor, which is not set: set checkpoint.monitor"):  # fmt: skip
+        ScriptedScores(toy_cfg(tmp_path, **{"checkpoint.save_top_k": top_k}))
+    with pytest.raises(ValueError, match=rf"save_top_k={top_k} keeps the best checkpoints by monitor, which is not"):
+        ModelCheckpoint(save_top_k=top_k)
+    ScriptedScores(toy_cfg(tmp_path, **{"checkpoint.save_top_k": top_k, "checkpoint.monitor": "val/score"}))
