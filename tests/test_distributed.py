@@ -1,4 +1,5 @@
-"""Two gloo ranks on CPU, launched the way torchrun launches them (RANK/WORLD_SIZE/MASTER_* env vars)."""
+"""Two gloo ranks on CPU, launched the way torchrun launches them (RANK/WORLD_SIZE/MASTER_* env vars), each forked
+from a process that has imported torch already (tests/rank_forkserver.py), so a launch costs no import."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from child_env import child_env
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from torch import nn
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_dataset
@@ -39,8 +41,7 @@ def launch(scenario: str, out: Path, extra_env: dict | None = None, timeout: flo
         ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
         rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         env = child_env(TESTS, TESTS.parent, **ranks, **rendezvous, **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(ForkedPython([sys.executable, str(WORKER), scenario, str(out)], env=env))
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=timeout)
