@@ -14,6 +14,7 @@ import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.amp.scaler import is_grad_scaler_state
+from ampkit.compat.amp import _ddp_no_sync
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
@@ -273,6 +274,7 @@ def initialize(
         state_dict_hook.master_sources.append(optimizer._amp_stash.masters_by_param)
     _amp_state.loss_scalers = scalers
     _amp_state.combine_grad = bool(combine_grad)
+    _ddp_no_sync.install()
     if properties.patch_torch_functions:
         init(loss_scale=properties.loss_scale, verbose=verbosity == 2, patch_type=properties.dtype)
     return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
