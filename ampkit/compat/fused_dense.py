@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ampkit.compat._kernel_dtype import in_input_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
 
@@ -60,12 +61,14 @@ class FusedDenseFunc(torch.autograd.Function):
     """``apply(input, weight, bias)``: ``input @ weight.T + bias``."""
 
     @staticmethod
+    @in_input_dtype
     def forward(ctx: Any, input: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         _check("FusedDenseFunc", input, weight)
         ctx.save_for_backward(input, weight)
         return F.linear(input, weight, bias)
 
     @staticmethod
+    @in_input_dtype
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         input, weight = ctx.saved_tensors
         grad_rows = _rows(grad_output)
@@ -77,12 +80,14 @@ class DenseNoBiasFunc(torch.autograd.Function):
     """``apply(input, weight)``: ``input @ weight.T``."""
 
     @staticmethod
+    @in_input_dtype
     def forward(ctx: Any, input: Tensor, weight: Tensor) -> Tensor:
         _check("DenseNoBiasFunc", input, weight)
         ctx.save_for_backward(input, weight)
         return F.linear(input, weight)
 
     @staticmethod
+    @in_input_dtype
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor]:
         input, weight = ctx.saved_tensors
         grad_rows = _rows(grad_output)
@@ -94,6 +99,7 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
     bias2``."""
 
     @staticmethod
+    @in_input_dtype
     def forward(ctx: Any, input: Tensor, weight1: Tensor, bias1: Tensor, weight2: Tensor, bias2: Tensor) -> Tensor:
         _check("FusedDenseGeluDenseFunc", input, weight1, weight2)
         gelu_in = F.linear(input, weight1, bias1)
@@ -102,6 +108,7 @@ class FusedDenseGeluDenseFunc(torch.autograd.Function):
         return F.linear(output1, weight2, bias2)
 
     @staticmethod
+    @in_input_dtype
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         input, weight1, weight2, gelu_in, output1, bias1, bias2 = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a gradient penalty, gradgradcheck

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ampkit.compat._kernel_dtype import in_input_dtype
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
 
@@ -106,6 +107,7 @@ class MlpFunction(torch.autograd.Function):
     """Apex's autograd Function: ``apply(bias, activation, input, *weights, *biases)``."""
 
     @staticmethod
+    @in_input_dtype
     def forward(ctx: Any, bias: int, activation: int, *args: Tensor) -> Tensor:
         output = mlp_forward(bias, activation, args)
         # Saved, not kept as ctx attributes: a backward with retain_graph=True may run again, and a ctx holding its
@@ -117,6 +119,7 @@ class MlpFunction(torch.autograd.Function):
         return output[0]
 
     @staticmethod
+    @in_input_dtype
     def backward(ctx: Any, grad_o: Tensor) -> tuple:
         saved = ctx.saved_tensors
         args, activated = saved[: ctx.num_args], saved[ctx.num_args :]

@@ -124,3 +124,23 @@ def test_a_parameter_already_stepped_through_its_master_is_refused_in_a_new_grou
     extra = torch.nn.Parameter(torch.ones(3))
     optimizer.add_param_group({"params": iter([extra]), "lr": 0.5})  # a new parameter, as an iterator, still joins
     assert optimizer.param_groups[1]["params"] == [extra]
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["inside_the_block", "after_delay_unscale"])
+def test_add_param_group_while_gradients_are_scaled_names_where_it_was_called(delayed):
+    # A layer unfrozen mid-iteration: the error must say which scaled state the gradients are in, not always the
+    # delay_unscale one, and leave the optimizer as it was.
+    model = torch.nn.Linear(4, 2)
+    head = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=8.0, verbosity=0)
+    want = "delay_unscale=True" if delayed else "inside the `with amp.scale_loss"
+    with amp.scale_loss(model(torch.ones(3, 4)).sum(), optimizer, delay_unscale=delayed) as scaled:
+        scaled.backward()
+        if not delayed:
+            with pytest.raises(RuntimeError, match=want):
+                optimizer.add_param_group({"params": head.parameters()})
+    if delayed:
+        with pytest.raises(RuntimeError, match=want):
+            optimizer.add_param_group({"params": head.parameters()})
+    assert len(optimizer.param_groups) == 1

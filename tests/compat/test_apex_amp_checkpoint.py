@@ -195,3 +195,38 @@ def test_a_grad_scaler_state_restores_every_loss_scaler():
     native._scale, native._growth_tracker = torch.tensor(512.0), torch.tensor(7, dtype=torch.int32)
     amp.load_state_dict(native.state_dict())
     assert amp.state_dict() == {f"loss_scaler{i}": {"loss_scale": 512.0, "unskipped": 7} for i in range(2)}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_amp_state_loaded_before_initialize_goes_into_the_scalers_initialize_makes(level):
+    """Lightning 1.x restores a checkpoint (model, optimizer, then ``amp.load_state_dict``) before its Apex plugin
+    calls ``initialize``: the scales are those of the checkpoint, and the run continues as the uninterrupted one."""
+    model, optimizer = _build(level, 2)
+    for it in range(ITERS):
+        _iteration(model, optimizer, it, 2, dynamic=True)
+        if it == SAVE_AFTER:
+            checkpoint = _save(model.state_dict(), optimizer.state_dict(), amp.state_dict())
+    final, final_amp = [p.detach().clone() for p in model.parameters()], amp.state_dict()
+
+    amp._amp_state.reset()  # a new process: amp not initialized yet
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
+    model_state, optimizer_state, amp_state = torch.load(io.BytesIO(checkpoint))
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
+    amp.load_state_dict(amp_state)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=level, num_losses=2, scale_window=3, verbosity=0)
+    assert amp.state_dict() == amp_state
+    for it in range(SAVE_AFTER + 1, ITERS):
+        _iteration(model, optimizer, it, 2, dynamic=True)
+    assert amp.state_dict() == final_amp
+    for restored, uninterrupted in zip(model.parameters(), final, strict=True):
+        assert torch.equal(restored, uninterrupted)
+
+
+def test_amp_state_with_foreign_keys_is_refused_before_initialize_too():
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "optimizer"'):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "optimizer": {}})
+    _build("O1", 1)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}

@@ -149,12 +149,17 @@ def test_scale_loss_before_initialize_is_a_clear_error():
             pass
 
 
-def test_load_state_dict_before_initialize_is_a_clear_error():
-    """Apex had no scalers to restore into before ``initialize`` either; the saved scale must not be dropped."""
+def test_load_state_dict_before_initialize_is_kept_for_the_scalers_initialize_makes():
+    """Apex had no scalers to restore into before ``initialize`` (an AttributeError); the saved scale must not be
+    dropped: the next ``initialize`` loads it, once (Lightning 1.x restores amp state before initializing)."""
     amp._amp_state.reset()  # a fresh process
     assert not hasattr(amp._amp_state, "opt_properties")
-    with pytest.raises(RuntimeError, match=r"before amp.initialize\(\)"):
-        amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}})
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}})
+    assert not hasattr(amp._amp_state, "opt_properties")
+    amp.initialize(_model(), opt_level="O1", verbosity=0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7}}
+    amp.initialize(_model(), opt_level="O1", verbosity=0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}
 
 
 def test_a_run_without_amp_resumes_from_the_amp_state_it_saved():

@@ -97,3 +97,24 @@ def test_parameters_start_as_linear_ones_and_bad_shapes_are_named(shim):
         dense(torch.randn(3, 5))
     with pytest.raises(ValueError, match=r"bias=True only, as in Apex, got bias=False"):
         FusedDenseGeluDense(4, 8, 2, bias=False)
+
+
+@pytest.mark.parametrize("name", ["FusedDenseFunc", "DenseNoBiasFunc", "FusedDenseGeluDenseFunc"])
+def test_function_applied_under_autocast_computes_in_its_inputs_dtype(name):
+    """Apex's kernels computed in their inputs' dtype whatever autocast was on (only the wrappers cast first): the
+    Function applied directly under autocast gives float32 and its float32 gradients, not a dtype error in backward."""
+    from ampkit.compat import fused_dense
+
+    torch.manual_seed(0)
+    args = [torch.randn(3, 8), torch.randn(6, 8), torch.randn(6), torch.randn(2, 6), torch.randn(2)]
+    args = [a.requires_grad_() for a in args[: {"FusedDenseFunc": 3, "DenseNoBiasFunc": 2}.get(name, 5)]]
+    function = getattr(fused_dense, name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = function.apply(*args)
+    grads = torch.autograd.grad(out.square().sum(), args)
+    want_out = function.apply(*args)
+    want = torch.autograd.grad(want_out.square().sum(), args)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want_out)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w)

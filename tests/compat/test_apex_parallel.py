@@ -437,6 +437,56 @@ def _check_accumulation_matches_one_process_on_the_doubled_batch(rank, world_siz
     assert not failures, f"differ from one process on the doubled batch: {failures}"
 
 
+def _check_torch_ddp_no_sync_accumulation_matches_one_process(rank, world_size):
+    # Lightning's accumulate_grad_batches and ClassyVision's simulated batch wrap the first micro-batches in torch
+    # DDP's no_sync(). scale_loss stashes those rank-local gradients before the synced backward, which then averaged
+    # only its own micro-batch: the ranks drifted apart (under Apex too). Bit for bit one process on the whole batch.
+    whole = _integer_batches(world_size)
+    mine = [b[rank * 4 : (rank + 1) * 4] for b in whole]
+    failures = []
+    for opt_level, options in (("O1", {}), ("O2", {}), ("O1", {"combine_grad": True})):
+        got = _train_accumulating(opt_level, mine, torch.nn.parallel.DistributedDataParallel, "no_sync", **options)
+        expected = _train_accumulating(opt_level, whole, **options)
+        if not all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)):
+            failures.append(f"{opt_level} {options}")
+    assert not failures, f"differ from one process on the doubled batch: {failures}"
+
+
+def _check_torch_ddp_no_sync_overflow_on_one_rank_skips_on_every_rank(rank, world_size):
+    # An inf in rank 0's no_sync micro-batch reaches rank 1 only through the averaged gradients: rank 1 must back off
+    # and skip as rank 0 does, or the scales and then the weights differ for good.
+    from ampkit.compat import amp
+
+    model = _eighths_linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    # A dynamic scale low enough that only the inf overflows (65536 overflows these fp16 gradients by itself).
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", max_loss_scale=2.0**10, verbosity=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    start = [p.detach().clone() for p in model.parameters()]
+    after_step = []
+    for step in range(2):
+        for micro in range(2):
+            x = torch.ones(2, 4)
+            if step == 0 and micro == 0 and rank == 0:
+                x[0, 0] = float("inf")
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                with amp.scale_loss(ddp(x).float().pow(2).mean(), optimizer) as scaled:
+                    scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after_step.append([p.detach().clone() for p in model.parameters()])
+    mine = torch.cat(
+        [*(t.flatten() for t in after_step[-1]), torch.tensor([amp.state_dict()["loss_scaler0"]["loss_scale"]])]
+    )
+    theirs = mine.clone()
+    dist.broadcast(theirs, 0)
+    drift = (mine - theirs).abs().max()
+    dist.all_reduce(drift, op=dist.ReduceOp.MAX)
+    assert drift.item() == 0, f"replicas (weights, loss scale) differ from rank 0 by {drift.item():.3g}"
+    assert all(torch.equal(a, b) for a, b in zip(after_step[0], start, strict=True)), "the overflowed step was taken"
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**9
+
+
 def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     from ampkit.compat import amp
 
@@ -471,6 +521,8 @@ _TWO_RANK_CHECKS = {
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,
+        _check_torch_ddp_no_sync_accumulation_matches_one_process,
+        _check_torch_ddp_no_sync_overflow_on_one_rank_skips_on_every_rank,
         _check_flat_dist_call_broadcasts_and_averages_each_type,
     )
 }

@@ -642,3 +642,33 @@ def test_nemo_zeroes_the_gradients_of_a_nan_loss_inside_scale_loss_and_trains_on
     reference = _nan_batch_dropped_inside_scale_loss_run(None)
     trained = _nan_batch_dropped_inside_scale_loss_run(opt_level, combine_grad)
     torch.testing.assert_close(trained, reference, atol=2e-3, rtol=0)
+
+
+def test_dlrm_function_calling_mlp_function_forward_and_backward_under_autocast(shim):
+    """NVIDIA DLRM's AmpMlpFunction calls ``apex.mlp.MlpFunction.forward``/``.backward`` with its own ctx. Under a
+    CPU autocast (its CUDA-only ``custom_fwd`` casts nothing there) Apex's kernel computed in the inputs' dtype: the
+    output is float32 and the gradients those of the plain float32 layers, not a dtype error in backward."""
+    import apex.mlp
+
+    class Delegating(torch.autograd.Function):
+        @staticmethod
+        def forward(*args):
+            return apex.mlp.MlpFunction.forward(*args)
+
+        @staticmethod
+        def backward(*args):
+            return apex.mlp.MlpFunction.backward(*args)
+
+    torch.manual_seed(0)
+    mlp = apex.mlp.MLP([8, 16, 4], activation="relu")
+    x = torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = Delegating.apply(mlp.bias, mlp.activation, x, *mlp.weights, *mlp.biases)
+    out.square().sum().backward()
+    got = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    with torch.autocast("cpu", enabled=False):
+        apex.mlp.MlpFunction.apply(mlp.bias, mlp.activation, x, *mlp.weights, *mlp.biases).square().sum().backward()
+    assert out.dtype == torch.float32
+    for g, want in zip(got, (p.grad for p in mlp.parameters()), strict=True):
+        torch.testing.assert_close(g, want)

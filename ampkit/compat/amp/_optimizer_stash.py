@@ -251,8 +251,20 @@ class AmpOptimizerStash:
                 original_zero_grad(set_to_none=set_to_none)
 
         def add_param_group(self: Any, param_group: dict[str, Any]) -> None:
+            # Apex took the new parameters in mid-backward, counting whatever gradient they held as this backward's;
+            # here the stash of gradients still scaled is rebuilt around the new group, so it is refused until then.
+            if stash.combiner.pending and stash.in_scale_loss:
+                raise RuntimeError(
+                    "add_param_group() inside the `with amp.scale_loss(...)` block: the gradients are still "
+                    "multiplied by the loss scale until the block exits and unscales them; add the group before the "
+                    "block or after it"
+                )
             if stash.combiner.pending:
-                raise RuntimeError("add_param_group() while a delay_unscale backward is pending; step first")
+                raise RuntimeError(
+                    "add_param_group() right after amp.scale_loss(..., delay_unscale=True): the gradients are still "
+                    "multiplied by the loss scale; end the accumulation with a scale_loss without delay_unscale (and "
+                    "step), then add the group"
+                )
             if stash.master_weights is not None:
                 params = param_group.get("params")
                 if isinstance(params, torch.Tensor) or (params is not None and not isinstance(params, set)):

@@ -14,6 +14,7 @@ import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.amp.scaler import is_grad_scaler_state
+from ampkit.compat.amp import _ddp_no_sync
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
 from ampkit.compat.amp._optimizer_stash import AmpOptimizerStash, inner_optimizer
@@ -21,6 +22,9 @@ from ampkit.compat.amp.handle import init
 from ampkit.compat.amp.properties import O0, O1, O2, O3, O4, O5, Properties, opt_levels  # noqa: F401 - Apex's
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import is_switch
+
+# What amp.load_state_dict got before the first initialize: loaded into the scalers that initialize makes.
+_held_state: dict[str, Any] | None = None
 
 # initialize's names for the scaler's options, so that an error names the argument the caller wrote.
 _SCALER_OPTION_NAMES = {
@@ -273,9 +277,28 @@ def initialize(
         state_dict_hook.master_sources.append(optimizer._amp_stash.masters_by_param)
     _amp_state.loss_scalers = scalers
     _amp_state.combine_grad = bool(combine_grad)
+    _ddp_no_sync.install()
     if properties.patch_torch_functions:
         init(loss_scale=properties.loss_scale, verbose=verbosity == 2, patch_type=properties.dtype)
+    _restore_held_state()
     return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
+
+
+def _check_scaler_keys(unexpected: list[Any]) -> None:
+    if unexpected:
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{k}"' for k in unexpected)
+            + ". Expected loss_scaler0, loss_scaler1, ..."
+        )
+
+
+def _restore_held_state() -> None:
+    """Load into the new scalers what :func:`load_state_dict` got before any ``initialize`` (once)."""
+    global _held_state
+    held, _held_state = _held_state, None
+    if held is not None:
+        load_state_dict(held)
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -298,27 +321,23 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         raise TypeError(
             f"amp.load_state_dict expects the dict from amp.state_dict(), got {type(state_dict).__name__}{hint}"
         )
-    if not _amp_state.initialized:  # Apex failed here too: its scalers exist only once initialize made them
-        if not state_dict:  # what state_dict() saved in a run without amp (mmcv-style runners always save it)
-            return
-        raise RuntimeError(
-            "amp.load_state_dict() before amp.initialize(): there are no loss scalers to restore into yet; "
-            "call amp.initialize(model, optimizer, ...) first, then amp.load_state_dict(checkpoint['amp'])"
-        )
+    native = is_grad_scaler_state(state_dict)  # a native-AMP checkpoint's scaler: its one scale served every loss
+    unexpected = [] if native else [key for key in state_dict if "loss_scaler" not in key]
+    if not _amp_state.initialized:
+        # Apex raised here (its scalers exist only once initialize made them); Lightning 1.x restores a checkpoint's
+        # amp state before its plugin calls initialize, so the state waits for the scalers the next one makes.
+        _check_scaler_keys(unexpected)
+        global _held_state
+        _held_state = dict(state_dict) if state_dict else None  # {}: a run without amp (mmcv-style runners)
+        return
     scalers = _amp_state.loss_scalers
-    if is_grad_scaler_state(state_dict):  # a native-AMP checkpoint's scaler: its one scale served every loss
+    if native:
         for scaler in scalers:
             scaler.load_state_dict(state_dict)
         return
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
-    unexpected = [key for key in state_dict if "loss_scaler" not in key]
-    if unexpected:
-        raise RuntimeError(
-            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-            + ", ".join(f'"{k}"' for k in unexpected)
-            + ". Expected loss_scaler0, loss_scaler1, ..."
-        )
+    _check_scaler_keys(unexpected)
     for idx, key in enumerate(state_dict):
         if idx >= len(scalers):
             print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(scalers)}")

@@ -13,7 +13,7 @@ import torch
 
 from ampkit.amp import GradientCombiner
 from ampkit.amp.grad_combine import read_flags
-from ampkit.compat.amp import functions, o1_casts
+from ampkit.compat.amp import _ddp_no_sync, functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
@@ -111,6 +111,14 @@ def scale_loss(
             "amp.scale_loss inside another amp.scale_loss of the same optimizer: leave the first with-block (which "
             "unscales its backward's gradients) before scaling the next loss"
         )
+    # What torch DDP's no_sync left rank-local is averaged before it is stashed. An inf that only another rank had
+    # is that rank's overflow, which backed off its scale then: back off here too, before this backward, so that
+    # every rank scales it alike, and skip the step as that rank will.
+    if _ddp_no_sync.average_local_gradients(stashes):
+        scaler.update(True)
+        if scaler.dynamic:
+            for stash in stashes:
+                stash.schedule_skip(loss_id, scaler)
     for stash in stashes:
         stash.prepare_backward()
         stash.match_pending_scale(scaler.loss_scale())
