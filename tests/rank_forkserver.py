@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# What a rank imports before its scenario runs; the first optimizer step imports torch._dynamo.
+# What a rank imports before its scenario runs (the first optimizer step imports torch._dynamo); torchao is optional.
 WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "ampkit", "toy_trainers")
+OPTIONAL_WARM_MODULES = ("torchao.float8",)
 
 
 class ForkedPython:
@@ -177,6 +178,11 @@ def _monitor(request: dict) -> None:
 def _serve() -> None:
     for name in WARM_MODULES:
         importlib.import_module(name)
+    for name in OPTIONAL_WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     import torch
 
     torch.default_generator.manual_seed(torch.default_generator.initial_seed())  # as a fresh process starts

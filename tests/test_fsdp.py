@@ -19,6 +19,7 @@ from child_env import child_env
 from dist_worker import Plain, Shuffled, TwoLosses
 from fsdp_worker import FSDP, FusedAdamShuffled, KeepFinalState, run
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
 from toy_trainers import ToyTrainer
@@ -42,8 +43,7 @@ def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | None
         env = child_env(TESTS, TESTS.parent, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", BATCH=str(batch_size),
                         **({"RESUME_FROM": str(resume)} if resume else {}))  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(ForkedPython([sys.executable, str(WORKER), scenario, str(out)], env=env))  # no import to pay
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr[-3000:]

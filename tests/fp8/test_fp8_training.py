@@ -199,6 +199,7 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
     from pathlib import Path
 
     from child_env import child_env
+    from rank_forkserver import ForkedPython
     from test_distributed import _free_port
 
     here, procs = Path(__file__).resolve().parent, []
@@ -209,7 +210,7 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
             env = child_env(here, here.parent, here.parents[1], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")  # fmt: skip
             args = [sys.executable, str(here / "fsdp_fp8_worker.py"), all_gather, str(tmp_path / all_gather)]
-            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(ForkedPython(args, env=env))  # forked from a process that imported torch already
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr[-3000:]
