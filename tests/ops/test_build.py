@@ -148,11 +148,11 @@ def test_only_builds_the_named_family_and_refuses_an_unknown_one():
     assert "unknown op family ampkit_norm; known: ampkit_multi_tensor, ampkit_norms, ampkit_optimizers" in wrong.stderr
 
 
+# torch/library.h alone: with ATen/ATen.h as well, each of this file's builds compiled three times as long.
 TINY_CPU_SOURCE = """
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
-static at::Tensor plus_one(const at::Tensor& x) { return x + 1; }
+static at::Tensor plus_one(const at::Tensor& x) { return x.add(1); }
 
 TORCH_LIBRARY(NAMESPACE, m) { m.def("plus_one(Tensor x) -> Tensor"); }
 TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("plus_one", plus_one); }
