@@ -66,7 +66,7 @@ COMMANDS = {
 def _keys_for_help(argv: list[str]) -> tuple[type, DictConfig | None, str]:
     """The schema whose keys a command's ``--help`` lists, the values to show (the named config's, else the
     schema's defaults: None) and the epilog's heading."""
-    if {"-h", "--help"} & set(argv) and "--config" in argv[:-1]:
+    if "--config" in argv[:-1]:
         name = argv[argv.index("--config") + 1]
         try:
             trainer_class, cfg = load_config(name)
@@ -88,14 +88,17 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
         "--version", action="version", version=f"ampkit {ampkit.__version__} (torch {torch.__version__})"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    schema, values, heading = _keys_for_help(argv)
+    epilog = None  # the keys' table costs a second to build: only for the help that shows it
+    if {"-h", "--help"} & set(argv):
+        schema, values, heading = _keys_for_help(argv)
+        epilog = f"{heading}:\n{help_text(schema, values)}"
     parsers = {}
     for name, (summary, description) in COMMANDS.items():
         command = parsers[name] = commands.add_parser(
             name,
             help=summary,
             description=description,
-            epilog=f"{heading}:\n{help_text(schema, values)}",
+            epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")

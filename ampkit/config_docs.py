@@ -8,6 +8,7 @@ reference of :class:`ampkit.Config` (``docs/config_reference.md``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import tokenize
@@ -28,8 +29,10 @@ class ConfigKey:
     meaning: str
 
 
+@functools.cache
 def _field_comments(cls: type) -> dict[str, str]:
-    """``{field: trailing comment}`` read from the class's source (empty if the source is unavailable)."""
+    """``{field: trailing comment}`` read from the class's source (empty if the source is unavailable); cached, as
+    finding a class's source parses its whole module."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):

@@ -41,6 +41,18 @@ def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsy
     assert any(line.split() == ["data.batch_size", "8"] for line in text.splitlines())  # the Trainer's own keys
 
 
+def test_a_command_without_help_never_builds_the_keys_table(tmp_path, monkeypatch, capsys):
+    """The table of every config key (read from the schema's source) took a second to build for each command, on
+    every run: it is built for ``--help`` only."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the help's table of config keys was built for a command without --help")
+
+    monkeypatch.setattr(ampkit.cli, "help_text", refused)
+    assert main(["fit", "--config", _config(tmp_path), "--print-config"]) == 0
+    assert "trainer_class" in capsys.readouterr().out
+
+
 def test_top_level_help_says_predict_saves_only_with_output(capsys):
     """``ampkit predict`` runs without --output and then saves nothing, so its summary names --output."""
     with pytest.raises(SystemExit):
