@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# What a rank imports before its scenario runs (the first optimizer step imports torch._dynamo); torchao is optional.
+# What a rank imports before its scenario runs (the first optimizer step imports torch._dynamo). Not torchao: its
+# import asks torch.cuda.is_available(), and a CUDA driver initialised before a fork fails in the forked ranks.
 WARM_MODULES = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "ampkit", "toy_trainers")
-OPTIONAL_WARM_MODULES = ("torchao.float8",)
 
 
 class ForkedPython:
@@ -178,12 +178,10 @@ def _monitor(request: dict) -> None:
 def _serve() -> None:
     for name in WARM_MODULES:
         importlib.import_module(name)
-    for name in OPTIONAL_WARM_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
     import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised while warming up: forked ranks could not use it")
 
     torch.default_generator.manual_seed(torch.default_generator.initial_seed())  # as a fresh process starts
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the monitors are reaped by the kernel
