@@ -61,7 +61,7 @@ class GPTModelConfig:
 class GPTDataConfig:
     batch_size: int = 32  # sequences per batch (per rank)
     val_fraction: float = 0.1  # the corpus's last part, held out for validation
-    val_batches: int = 10  # validation: val_batches global batches of windows, evenly spread over the held-out text
+    val_batches: int = 10  # validation: this many optimizer steps' worth of windows, evenly spread over the val text
 
 
 @dataclass
@@ -478,8 +478,9 @@ class GPTTrainer(ampkit.Trainer):
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
         # val_batches global batches (each rank validates its share): the same windows at one global batch on any
-        # number of ranks, so a run resumed at another world size ranks its checkpoints on the same set.
-        count = d.val_batches * d.batch_size * self.world_size
+        # number of ranks, and with accumulation making it up, so a run resumed at another world size (two ranks
+        # as one with accumulate_grad_batches=2) ranks its checkpoints on the same set.
+        count = d.val_batches * d.batch_size * self.world_size * self.settings.accumulate_grad_batches
         windows = Windows(self._split("val"), self.cfg.model.seq_len, count=count)
         return DataLoader(windows, batch_size=d.batch_size)
 

@@ -287,12 +287,17 @@ def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch()
     checkpoints on another set. The set is val_batches global batches, each rank validating its share."""
     from ampkit.trainer.distributed import DistributedEnv
 
-    def windows(batch_size: int, world_size: int) -> Windows:
-        trainer_class, cfg = load_config("gpt", [*TINY, f"data.batch_size={batch_size}"])
+    def windows(batch_size: int, world_size: int, accumulate: int = 1) -> Windows:
+        overrides = [f"data.batch_size={batch_size}", f"trainer.accumulate_grad_batches={accumulate}"]
+        trainer_class, cfg = load_config("gpt", [*TINY, *overrides])
         trainer = trainer_class(cfg)
         trainer.dist = DistributedEnv(rank=0, world_size=world_size)
         return trainer.val_dataloader().dataset
 
     one, two = windows(8, 1), windows(4, 2)
-    assert len(one) == len(two) == 16
+    # Two ranks resumed on one keep their global batch by accumulating: it validated on half the windows, so the
+    # val/loss curve jumped at the resume and best-k checkpoints were ranked on another set.
+    accumulated = windows(4, 1, accumulate=2)
+    assert len(one) == len(two) == len(accumulated) == 16
     assert all(torch.equal(one[i][0], two[i][0]) for i in range(len(one)))
+    assert all(torch.equal(one[i][0], accumulated[i][0]) for i in range(len(one)))
