@@ -226,15 +226,22 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
     among the top k."""
     if tokens and not len(prompt):
         raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
+    for name, value, valid in (("tokens", tokens, "an integer >= 0"), ("top_k", top_k, "an integer >= 0 (0: greedy)"),
+                               ("temperature", temperature, "a finite number >= 0 (0: greedy)")):  # fmt: skip
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
     idx = prompt[None]
     seq_len = model.seq_len
     for _ in range(tokens):
         with torch.compiler.set_stance("force_eager"):  # a new length each time: compiling each would cost minutes
             logits = model(idx[:, -seq_len:])[:, -1].float()
         if top_k and temperature > 0:
-            logits = logits / temperature
+            # The k likeliest chosen before the temperature: divided first, a high one rounded them into a tie and a
+            # tiny one overflowed them to inf (nan probabilities). Shifted so the best is 0, none can overflow; in
+            # float64, where any finite temperature is finite.
             kth = logits.topk(min(top_k, VOCAB)).values[:, -1:]
-            probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            logits = logits.masked_fill(logits < kth, float("-inf")).double()
+            probs = ((logits - logits.amax(-1, keepdim=True)) / temperature).softmax(-1)
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
         else:
             nxt = logits.argmax(-1, keepdim=True)
@@ -330,7 +337,7 @@ def check_gpt_config(cfg: DictConfig) -> None:
         "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
         "generate.tokens": (lambda v: v >= 0, "an integer >= 0"),
         "generate.top_k": (lambda v: v >= 0, "an integer >= 0 (0: greedy)"),
-        "generate.temperature": (lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+        "generate.temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: greedy)"),
         "generate.every_n_steps": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     }
     problems = [
