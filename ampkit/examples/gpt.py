@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -531,6 +532,15 @@ class GPTTrainer(ampkit.Trainer):
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"  sample at step {s.iteration}: {text!r}")
+
+    def on_predict_start(self) -> None:
+        setting = self.cfg.trainer.compile
+        if setting is not False:  # generation runs eagerly: the setting would do nothing, silently
+            shown = "true" if setting is True else list(setting)
+            rank_zero_warn(
+                f"config key 'trainer.compile'={shown}: predict generates eagerly (each new length would compile "
+                "another graph), so nothing runs compiled; leave the key out for predict"
+            )
 
     def on_predict_end(self, predictions: list[str]) -> None:
         if self.is_global_zero:

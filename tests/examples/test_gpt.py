@@ -279,6 +279,17 @@ def test_generate_refuses_what_it_cannot_sample_by_name():
             generate(model, torch.tensor([1]), **kwargs)
 
 
+@pytest.mark.parametrize(("setting", "shown"), [("true", "true"), ("[Block]", r"\['Block'\]")])
+def test_predict_under_a_compile_setting_warns_that_generation_runs_eagerly(tmp_path, setting, shown):
+    """Generation forces eager mode (each new length would compile a graph): a compile key on predict did nothing,
+    silently."""
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", f"trainer.compile={setting}",
+                                             "generate.tokens=2"])  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"'trainer.compile'={shown}: predict generates eagerly .* nothing runs"):
+        (text,) = trainer_class(cfg).predict()
+    assert text.startswith("The ")
+
+
 def test_an_input_longer_than_the_context_is_refused_by_name():
     """A loaded model called on more than seq_len tokens: the position table's IndexError named nothing."""
     model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
