@@ -100,8 +100,14 @@ def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
 
 
 def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:
-    if setup.sharded:  # before the optimizers: they must hold the sharded parameters
-        return shard_model(module, setup.cfg, setup.device)
+    if not setup.sharded:
+        return module
+    names = list(setup.cfg.distributed.fsdp.shard_modules)
+    units = [sub for sub in list(module.modules())[1:] if type(sub).__name__ in names]  # fully_shard renames them
+    parts = [_count(units)] * bool(units) + ["the root"] * (type(module).forward is not nn.Module.forward)
+    module = shard_model(module, setup.cfg, setup.device)  # before the optimizers: they must hold its shards
+    ranks = setup.dist.world_size
+    setup.notes["sharding"] = f"FSDP2 over {ranks} rank{'s' * (ranks != 1)}, one unit each: {', then '.join(parts)}"
     return module
 
 
