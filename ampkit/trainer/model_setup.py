@@ -116,10 +116,12 @@ def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
 def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:
     if not setup.sharded:
         return module
+    from torch.distributed.fsdp import FSDPModule
+
     names = list(setup.cfg.distributed.fsdp.shard_modules)
-    units = [sub for sub in list(module.modules())[1:] if type(sub).__name__ in names]  # fully_shard renames them
-    parts = [_count(units)] * bool(units) + ["the root"] * (type(module).forward is not nn.Module.forward)
+    units = _count([sub for sub in list(module.modules())[1:] if type(sub).__name__ in names])  # before renaming
     module = shard_model(module, setup.cfg, setup.device)  # before the optimizers: they must hold its shards
+    parts = [units] * bool(units) + ["the root"] * isinstance(module, FSDPModule)
     ranks = setup.dist.world_size
     setup.notes["sharding"] = f"FSDP2 over {ranks} rank{'s' * (ranks != 1)}, one unit each: {', then '.join(parts)}"
     return module
