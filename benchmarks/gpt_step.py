@@ -346,6 +346,18 @@ def headline(row: list[RunTimes], flops: float, peak: float | None, version: str
             f"{cell('lightning')} |")  # fmt: skip
 
 
+def gpu_note(device: torch.device) -> str | None:
+    """What a run on this device cannot give, said before the table: on a CPU, MFU and the GPU figures the docs quote;
+    on a GPU the peak table lacks, MFU."""
+    if device.type == "cpu":
+        return ("On a CPU: MFU is n/a (the peak table is NVIDIA GPUs'), and the ratios at this size are a CPU's; the "
+                "docs' GPU rows (tokens/s and MFU at GPT-2-small shape, the Trainer's target of >= 0.99x the hand "
+                "loop) need a GPU: --device cuda --layers 12 --width 768 --seq-len 1024 --batch 8")  # fmt: skip
+    if any(peak_tflops(device, column) is None for column in ("bf16", "fp16", "fp32")):
+        return f"MFU is n/a in a row whose dtype has no peak for {torch.cuda.get_device_name(device)} in the table"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
@@ -411,6 +423,9 @@ def main() -> None:
         if args.json:
             write_json(args.json, meta, runs)
 
+    note = gpu_note(device)
+    if note:
+        print(note)
     print("| precision | mode | hand loop tok/s | TFLOP/s | MFU | Trainer | Trainer + ampkit fused | Lightning |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     # What the imports made (torch's, ampkit's and Lightning's modules, ~300k objects) is never garbage: frozen, no

@@ -147,6 +147,16 @@ def test_one_sharded_process_trains_as_an_unsharded_one_whatever_the_knobs(tmp_p
     _close(keep.state, plain.module.state_dict())
 
 
+def test_the_start_banner_names_the_fsdp_units(tmp_path, capsys):
+    """The banner named the device and ranks but not the sharding: a user could not see FSDP, nor its units."""
+    fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}
+    cfg = _cfg(
+        tmp_path, distributed=fsdp, trainer={"max_steps": 1, "progress_bar": True}, checkpoint={"enabled": False}
+    )
+    Plain(cfg).fit()
+    assert "  sharding    FSDP2 over 1 rank, one unit each: Linear x2, then the root\n" in capsys.readouterr().out
+
+
 def test_ampkits_fused_adam_steps_each_ranks_shards_as_one_process_steps_the_whole_model(tmp_path):
     """FusedAdam's kernel took FSDP2's DTensors and failed at the first step ('params[0] is on meta'); it now steps
     each rank's local shards, which for an element-wise update is the whole model's step."""

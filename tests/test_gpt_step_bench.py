@@ -45,6 +45,8 @@ def test_each_repeat_runs_between_two_hand_loops_in_a_rotated_order_and_keeps_ev
     assert order == [("hand", 0), ("trainer", 0), ("fused", 0), ("hand", 1), ("fused", 1), ("trainer", 1),
                      ("hand", 2), ("trainer", 2), ("fused", 2), ("hand", 3)]  # fmt: skip
     assert all(len(r["device_ms"]) == len(r["host_ms"]) == 3 and min(r["device_ms"]) > 0 for r in runs)
+    # what a CPU run cannot give is said before the table, with the command that gives it on a GPU
+    assert "On a CPU: MFU is n/a" in stdout.split("| precision |")[0] and "need a GPU: --device cuda" in stdout
     detail = stdout[stdout.index("| precision | mode | contender |") :]
     for label in ("hand loop", "Trainer", "Trainer + ampkit fused"):
         assert f"| fp32 | eager | {label} | " in detail

@@ -167,3 +167,14 @@ def test_the_compile_report_stays_quiet_when_training_runs_the_compiled_code(tmp
         trainer.fit()
         assert trainer.state.global_step == 2
     assert not [w for w in recwarn if "trainer.compile" in str(w.message)]
+
+
+@pytest.mark.parametrize("setting", [True, "[Tanh]"])
+def test_reduce_overhead_off_a_gpu_warns_that_it_compiles_as_the_default_mode(tmp_path, setting):
+    """reduce-overhead is the default mode plus CUDA graphs, which torch leaves out on a CPU without a word."""
+    quiet = {"trainer.max_steps": 1, "trainer.progress_bar": False, "logging.tensorboard": False}
+    compile_keys = {"trainer.compile": setting, "trainer.compile_mode": "reduce-overhead"}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **compile_keys, **quiet))
+    with pytest.warns(UserWarning, match=r"'trainer.compile_mode': 'reduce-overhead' adds CUDA graphs .* on cpu"):
+        trainer.fit()
+    assert trainer.state.global_step == 1

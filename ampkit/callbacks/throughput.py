@@ -3,10 +3,11 @@
 A Trainer tells it what one sample is worth by setting ``tokens_per_sample`` (a language model's sequence length)
 and ``flops_per_sample`` (the training FLOPs of one sample, forward and backward: :func:`count_training_flops`
 measures them once on a meta-device copy of the model, or use ``6 * N + 12 * layers * width * seq_len`` per
-token, the matmul parameters ``N`` plus attention's two products, as torchtitan and nanoGPT do). Samples per batch
-are the leading size of the batch's first tensor, counted on the host: no device sync is added (a batch holding no
-tensor leaves its window's rates unreported). Recomputation
-under activation checkpointing is not counted (that would be hardware FLOPs, not model FLOPs).
+token, the matmul parameters ``N`` plus attention's two products, as torchtitan and nanoGPT do); each is None or a
+finite number > 0, checked when training starts. Samples per batch are the leading size of the batch's first
+tensor, counted on the host: no device sync is added (a batch holding no tensor leaves its window's rates
+unreported). Recomputation under activation checkpointing is not counted (that would be hardware FLOPs, not model
+FLOPs).
 
 MFU is achieved FLOP/s over the device's peak for the compute dtype: a table of dense (no sparsity) peaks for
 current NVIDIA parts, or ``logging.peak_tflops``. On a CPU, or a GPU the table does not know, there is no MFU.
@@ -14,6 +15,8 @@ current NVIDIA parts, or ``logging.peak_tflops``. On a CPU, or a GPU the table d
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -69,6 +72,29 @@ def count_training_flops(forward_loss: Callable[[], torch.Tensor]) -> int:
     with FlopCounterMode(display=False) as counter:
         forward_loss().backward()
     return counter.get_total_flops()
+
+
+def sample_worth(trainer, name: str, what: str) -> float | None:
+    """``trainer.<name>`` (``tokens_per_sample`` or ``flops_per_sample``): None, or a finite number > 0. Anything else
+    is named before training, where it would log negative or nan rates, drop the figure silently (0) or fail at the
+    first window's multiplication (a method, a string)."""
+    value = getattr(trainer, name)
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if math.isfinite(value) and value > 0:
+            return value
+        problem, error = " is invalid", ValueError
+    else:
+        problem, error = f" is a {type(value).__name__}, not a number", TypeError
+    if callable(value):  # a method: the figure is an attribute, read once when training starts, never called
+        problem += f" (it is not called: set self.{name} = ... in configure_model, or make it a @property)"
+    elif isinstance(value, torch.Tensor):
+        problem += " (use .item())"
+    raise error(
+        f"{type(trainer).__name__}.{name}: {value!r}{problem}; expected a finite number > 0 ({what}), or None "
+        "for no such figures"
+    )
 
 
 class HostStopwatch:
@@ -155,8 +181,8 @@ class Throughput(Callback):
         self._warned = False
 
     def on_train_start(self, trainer) -> None:
-        self._tokens_per_sample = trainer.tokens_per_sample
-        self._flops_per_sample = trainer.flops_per_sample
+        self._tokens_per_sample = sample_worth(trainer, "tokens_per_sample", "the tokens in one sample")
+        self._flops_per_sample = sample_worth(trainer, "flops_per_sample", "one sample's training FLOPs")
         self._world = trainer.world_size
         if self.peak is None:
             self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -61,7 +62,7 @@ class GPTModelConfig:
 class GPTDataConfig:
     batch_size: int = 32  # sequences per batch (per rank)
     val_fraction: float = 0.1  # the corpus's last part, held out for validation
-    val_batches: int = 10  # validation: val_batches global batches of windows, evenly spread over the held-out text
+    val_batches: int = 10  # validation: this many optimizer steps' worth of windows, evenly spread over the val text
 
 
 @dataclass
@@ -226,15 +227,22 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
     among the top k."""
     if tokens and not len(prompt):
         raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
+    for name, value, valid in (("tokens", tokens, "an integer >= 0"), ("top_k", top_k, "an integer >= 0 (0: greedy)"),
+                               ("temperature", temperature, "a finite number >= 0 (0: greedy)")):  # fmt: skip
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
     idx = prompt[None]
     seq_len = model.seq_len
     for _ in range(tokens):
         with torch.compiler.set_stance("force_eager"):  # a new length each time: compiling each would cost minutes
             logits = model(idx[:, -seq_len:])[:, -1].float()
         if top_k and temperature > 0:
-            logits = logits / temperature
+            # The k likeliest chosen before the temperature: divided first, a high one rounded them into a tie and a
+            # tiny one overflowed them to inf (nan probabilities). Shifted so the best is 0, none can overflow; in
+            # float64, where any finite temperature is finite.
             kth = logits.topk(min(top_k, VOCAB)).values[:, -1:]
-            probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            logits = logits.masked_fill(logits < kth, float("-inf")).double()
+            probs = ((logits - logits.amax(-1, keepdim=True)) / temperature).softmax(-1)
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
         else:
             nxt = logits.argmax(-1, keepdim=True)
@@ -330,7 +338,7 @@ def check_gpt_config(cfg: DictConfig) -> None:
         "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
         "generate.tokens": (lambda v: v >= 0, "an integer >= 0"),
         "generate.top_k": (lambda v: v >= 0, "an integer >= 0 (0: greedy)"),
-        "generate.temperature": (lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+        "generate.temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: greedy)"),
         "generate.every_n_steps": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
     }
     problems = [
@@ -478,8 +486,9 @@ class GPTTrainer(ampkit.Trainer):
     def val_dataloader(self) -> DataLoader:
         d = self.cfg.data
         # val_batches global batches (each rank validates its share): the same windows at one global batch on any
-        # number of ranks, so a run resumed at another world size ranks its checkpoints on the same set.
-        count = d.val_batches * d.batch_size * self.world_size
+        # number of ranks, and with accumulation making it up, so a run resumed at another world size (two ranks
+        # as one with accumulate_grad_batches=2) ranks its checkpoints on the same set.
+        count = d.val_batches * d.batch_size * self.world_size * self.settings.accumulate_grad_batches
         windows = Windows(self._split("val"), self.cfg.model.seq_len, count=count)
         return DataLoader(windows, batch_size=d.batch_size)
 
@@ -523,6 +532,15 @@ class GPTTrainer(ampkit.Trainer):
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"  sample at step {s.iteration}: {text!r}")
+
+    def on_predict_start(self) -> None:
+        setting = self.cfg.trainer.compile
+        if setting is not False:  # generation runs eagerly: the setting would do nothing, silently
+            shown = "true" if setting is True else list(setting)
+            rank_zero_warn(
+                f"config key 'trainer.compile'={shown}: predict generates eagerly (each new length would compile "
+                "another graph), so nothing runs compiled; leave the key out for predict"
+            )
 
     def on_predict_end(self, predictions: list[str]) -> None:
         if self.is_global_zero:

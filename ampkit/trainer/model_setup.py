@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,11 +87,24 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _compile_mode(setup: ModelSetup) -> str:
+    """``trainer.compile_mode``. reduce-overhead off a GPU warns: what it adds to the default mode is CUDA graphs,
+    which torch leaves out there without a word, so the key would change nothing, silently."""
+    mode = setup.cfg.trainer.compile_mode
+    if mode == "reduce-overhead" and setup.device.type != "cuda" and setup.dist.rank == 0:
+        warnings.warn(
+            f"config key 'trainer.compile_mode': 'reduce-overhead' adds CUDA graphs to the default mode, and on "
+            f"{setup.device.type} there are none: it compiles as mode default does (leave the key out there)",
+            stacklevel=2,
+        )
+    return mode
+
+
 def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
     names = compiled_classes(setup.cfg)
     if not names:
         return module
-    mode = setup.cfg.trainer.compile_mode
+    mode = _compile_mode(setup)
     blocks = _named_modules(module, names, "trainer.compile")
     for block in blocks:
         block.forward = torch.compile(block.forward, mode=mode)
@@ -100,8 +114,16 @@ def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
 
 
 def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:
-    if setup.sharded:  # before the optimizers: they must hold the sharded parameters
-        return shard_model(module, setup.cfg, setup.device)
+    if not setup.sharded:
+        return module
+    from torch.distributed.fsdp import FSDPModule
+
+    names = list(setup.cfg.distributed.fsdp.shard_modules)
+    units = _count([sub for sub in list(module.modules())[1:] if type(sub).__name__ in names])  # before renaming
+    module = shard_model(module, setup.cfg, setup.device)  # before the optimizers: they must hold its shards
+    parts = [units] * bool(units) + ["the root"] * isinstance(module, FSDPModule)
+    ranks = setup.dist.world_size
+    setup.notes["sharding"] = f"FSDP2 over {ranks} rank{'s' * (ranks != 1)}, one unit each: {', then '.join(parts)}"
     return module
 
 
@@ -140,7 +162,7 @@ def compile_whole_model(module: nn.Module, setup: ModelSetup) -> Any:
             f"place instead, e.g. trainer.compile=[{children[0] if children else 'Block'}] (its children: "
             f"{', '.join(children) or 'none'})"
         )
-    mode = setup.cfg.trainer.compile_mode
+    mode = _compile_mode(setup)
     setup.compiled = True
     setup.notes["compile"] = f"whole model, mode {mode}"
     return torch.compile(module, mode=mode)

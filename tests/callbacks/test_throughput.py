@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from toy_trainers import ToyTrainer, toy_cfg
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit import Callback, Phase
 from ampkit.callbacks.progress import _throughput
@@ -314,3 +314,47 @@ class _Reports(Callback):
         if trainer.state.iteration % 4 == 0:
             self.rates.append(trainer.state.throughput.get("samples_per_sec"))
             trainer.state.throughput = {}
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "error", "named"),
+    [
+        ("tokens_per_sample", 0, ValueError, "0 is invalid"),  # was: no tokens/s, silently
+        ("tokens_per_sample", -16, ValueError, "-16 is invalid"),  # was: negative tokens/s logged
+        ("tokens_per_sample", float("nan"), ValueError, "nan is invalid"),
+        ("flops_per_sample", float("inf"), ValueError, "inf is invalid"),
+        ("flops_per_sample", True, TypeError, "True is a bool"),  # was: counted as 1 FLOP
+        ("flops_per_sample", "3e9", TypeError, "'3e9' is a str"),  # was: a TypeError at the first window
+        ("tokens_per_sample", torch.tensor(16), TypeError, r"is a Tensor, not a number \(use \.item\(\)\)"),
+        ("tokens_per_sample", lambda self: 16, TypeError, r"is a method, not a number \(it is not called: set"),
+    ],
+)
+def test_what_a_sample_is_worth_is_checked_before_training(tmp_path, attribute, value, error, named):
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 4, "trainer.progress_bar": False, "logging.tensorboard": False})
+    trainer = type("Worth", (Tokens,), {attribute: value})(cfg)
+    with pytest.raises(error, match=rf"Worth\.{attribute}: .*{named}.*expected a finite number > 0 \(.*or None"):
+        trainer.fit()
+    assert trainer.state.global_step == 0
+
+
+def test_varying_batch_sizes_and_an_unsized_loader_are_counted_batch_by_batch(tmp_path):
+    """Batches of 24, 24, 16 (the epoch's short last one) from a loader without a length: each window's samples are
+    the sizes of its batches, whatever a loader or sampler says of them."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from toy_dataset(64)
+
+    class Streamed(Tokens):
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=24)
+
+    clock = FakeClock(step_s=0.5)
+    cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 7, "trainer.max_epochs": 3, "trainer.progress_bar": False,
+                               "trainer.val_every_n_epochs": 0, "checkpoint.every_n_epochs": 0,
+                               "logging.tensorboard": False, "logging.throughput": False})  # fmt: skip
+    trainer = Streamed(cfg, callbacks=[Throughput(every_n_steps=3, clock=clock)])
+    trainer.fit()
+    # epochs of 24, 24, 16; the window 4..6 (one clock read at each end) holds 24 + 24 + 16 samples in 0.5 s
+    assert trainer.state.throughput["samples_per_sec"] == pytest.approx(64 / 0.5)
+    assert trainer.state.throughput["tokens_per_sec"] == pytest.approx(64 * 16 / 0.5)

@@ -252,6 +252,44 @@ def test_an_empty_prompt_is_refused_not_an_index_error():
     assert torch.equal(generate(model, torch.tensor([7]), 0), torch.tensor([7]))
 
 
+class Ranked(torch.nn.Module):
+    """A stand-in model whose next-byte logits rank the bytes 255 > 254 > ... > 0, a step of 1 apart."""
+
+    seq_len = 4
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.arange(256.0).expand(*idx.shape, 256)
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e-39])
+def test_top_k_samples_among_the_k_likeliest_whatever_the_temperature(temperature):
+    """The temperature divided the logits before top-k chose: 1e39 rounded every logit to 0, so top_k=2 sampled among
+    all 256 bytes; 1e-39 made them inf, and the nan probabilities failed multinomial."""
+    out = generate(Ranked(), torch.tensor([1]), 64, top_k=2, temperature=temperature, generator=torch.manual_seed(0))
+    assert set(out[1:].tolist()) <= {254, 255}
+    if temperature > 1:  # so flat that both of the two are drawn
+        assert set(out[1:].tolist()) == {254, 255}
+
+
+def test_generate_refuses_what_it_cannot_sample_by_name():
+    model = Ranked()
+    for kwargs, named in (({"tokens": -1}, "tokens=-1"), ({"tokens": 2, "top_k": -3}, "top_k=-3"),
+                          ({"tokens": 2, "top_k": 5, "temperature": float("inf")}, "temperature=inf")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"generate: {named} is invalid; expected"):
+            generate(model, torch.tensor([1]), **kwargs)
+
+
+@pytest.mark.parametrize(("setting", "shown"), [("true", "true"), ("[Block]", r"\['Block'\]")])
+def test_predict_under_a_compile_setting_warns_that_generation_runs_eagerly(tmp_path, setting, shown):
+    """Generation forces eager mode (each new length would compile a graph): a compile key on predict did nothing,
+    silently."""
+    trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", f"trainer.compile={setting}",
+                                             "generate.tokens=2"])  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"'trainer.compile'={shown}: predict generates eagerly .* nothing runs"):
+        (text,) = trainer_class(cfg).predict()
+    assert text.startswith("The ")
+
+
 def test_an_input_longer_than_the_context_is_refused_by_name():
     """A loaded model called on more than seq_len tokens: the position table's IndexError named nothing."""
     model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
@@ -269,6 +307,7 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("data.batch_size=-4", "data.batch_size"), ("data.val_fraction=1.5", "data.val_fraction"),
                           ("generate.top_k=-1", "generate.top_k"), ("optim.lr=-1", "optim.lr"),
                           ("generate.temperature=-0.5", "generate.temperature"),
+                          ("generate.temperature=inf", "generate.temperature"),
                           ("generate.prompt=''", "generate.prompt"),
                           ("data.val_fraction=0.00001", "model.seq_len"),  # a held-out text shorter than a window
                           ("data.batch_size=100000", "data.batch_size")):  # a text shorter than one batch  # fmt: skip
@@ -287,12 +326,17 @@ def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch()
     checkpoints on another set. The set is val_batches global batches, each rank validating its share."""
     from ampkit.trainer.distributed import DistributedEnv
 
-    def windows(batch_size: int, world_size: int) -> Windows:
-        trainer_class, cfg = load_config("gpt", [*TINY, f"data.batch_size={batch_size}"])
+    def windows(batch_size: int, world_size: int, accumulate: int = 1) -> Windows:
+        overrides = [f"data.batch_size={batch_size}", f"trainer.accumulate_grad_batches={accumulate}"]
+        trainer_class, cfg = load_config("gpt", [*TINY, *overrides])
         trainer = trainer_class(cfg)
         trainer.dist = DistributedEnv(rank=0, world_size=world_size)
         return trainer.val_dataloader().dataset
 
     one, two = windows(8, 1), windows(4, 2)
-    assert len(one) == len(two) == 16
+    # Two ranks resumed on one keep their global batch by accumulating: it validated on half the windows, so the
+    # val/loss curve jumped at the resume and best-k checkpoints were ranked on another set.
+    accumulated = windows(4, 1, accumulate=2)
+    assert len(one) == len(two) == len(accumulated) == 16
     assert all(torch.equal(one[i][0], two[i][0]) for i in range(len(one)))
+    assert all(torch.equal(one[i][0], accumulated[i][0]) for i in range(len(one)))
