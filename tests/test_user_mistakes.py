@@ -575,6 +575,38 @@ def test_an_epoch_that_trained_nothing_says_why(tmp_path, trainer_class, why):
         trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
 
 
+class NaNLoss(ToyTrainer):
+    """A loss that is NaN at every step (or only at the first, ``first_only``): a scaler can only skip it."""
+
+    first_only = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * float("nan") if not self.first_only or self.state.global_step == 0 else loss
+
+
+class NaNFirstLoss(NaNLoss):
+    first_only = True
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("settings", [{"trainer.max_epochs": 1}, {"trainer.max_steps": 3}])
+def test_an_fp16_epoch_whose_every_step_was_skipped_says_nothing_was_trained(tmp_path, opt_level, settings):
+    """The scaler backs off and skips each step; the run used to end like any other, its weights untouched."""
+    cfg = toy_cfg(tmp_path, **QUIET, **settings, **{"precision.opt_level": opt_level})
+    steps = settings.get("trainer.max_steps", 8)
+    with pytest.warns(UserWarning, match=rf"epoch 0: every step of this epoch was skipped, so the model did not "
+                      rf"change \(optimizer 'sgd' skipped all {steps}: inf/NaN gradients from loss_id 0; loss scale "
+                      rf"now: loss_id 0's is {2.0 ** (16 - steps):g}\)\. .*look for a NaN/inf loss"):  # fmt: skip
+        NaNLoss(cfg).fit()
+    with warnings.catch_warnings():  # an early skip while the scale backs off is no reason to warn
+        warnings.filterwarnings("error", message=".*every step of this epoch")
+        trainer = NaNFirstLoss(toy_cfg(tmp_path / "first", **QUIET, **settings, **{"precision.opt_level": opt_level}))
+        trainer.fit()
+    counts = trainer.optimizer_state[trainer.optimizer]
+    assert counts.skipped_steps >= 1 and counts.steps >= 1
+
+
 def test_a_resume_with_other_optimizers_names_both(tmp_path):
     ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
 

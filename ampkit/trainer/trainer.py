@@ -532,6 +532,7 @@ class Trainer:
         if culprits is not None:
             opt_state.skipped = True
             opt_state.skipped_steps += 1
+            opt_state.epoch_skipped_steps += 1
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
         found_inf = self._device_found_inf(opt_state)
@@ -594,6 +595,7 @@ class Trainer:
             opt_state.steps -= 1
             opt_state.epoch_steps -= 1
             opt_state.skipped_steps += 1
+            opt_state.epoch_skipped_steps += 1
             self._fire_about(step.iteration, "on_optimizer_step_skipped", step.optimizer, culprits)
         for iteration, loss_id, overflowed in scale_updates:  # each scaler's host copy follows its device copy
             loss = self.loss_state[loss_id]
@@ -867,10 +869,10 @@ class Trainer:
         s = self.state
         if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
             for opt_state in self.optimizer_state.values():
-                opt_state.epoch_steps = 0
+                opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
+        exhausted, max_steps, first_batch, first_step = True, self.settings.max_steps, s.batches_done, s.global_step
         # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
         ahead = self.settings.accumulate_grad_batches > 1 and not (
             self._train_length_known and not self._agree_each_batch
@@ -890,10 +892,11 @@ class Trainer:
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
-        if (
-            ran
-            and exhausted
-            and (why := nothing_trained_warning(self.optimizer_state.values(), self.automatic_optimization))
+        # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
+        if (ran and (exhausted or s.global_step > first_step)) and (
+            why := nothing_trained_warning(
+                self.optimizer_state.values(), self.automatic_optimization, self.loss_state.values()
+            )
         ):
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
@@ -1489,7 +1492,12 @@ class Trainer:
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
-                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps, "epoch_steps": st.epoch_steps}
+                st.name: {
+                    "steps": st.steps,
+                    "skipped_steps": st.skipped_steps,
+                    "epoch_steps": st.epoch_steps,
+                    "epoch_skipped_steps": st.epoch_skipped_steps,
+                }
                 for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
@@ -1570,6 +1578,7 @@ class Trainer:
             opt_state.steps = counts.get("steps", 0)
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
+            opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
