@@ -1128,10 +1128,13 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+        outer = self._running
+        if outer is not None:  # from a hook of a running fit (or evaluation): its process group stays its own
+            return self._run_stage(stage, ckpt)
         self._start_distributed()
         clean = False
         failure = None
-        outer, self._running = self._running, self._running or stage.name  # inside a fit (a hook): still the fit's
+        self._running = stage.name
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
@@ -1141,7 +1144,7 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = outer
+            self._running = None
             teardown_distributed(self.dist, clean, failure)
         return result
 
@@ -1170,7 +1173,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
-        self.state.stage = stage.name
+        outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
                 self.fire("on_evaluation_setup", stage.name)
@@ -1187,7 +1190,7 @@ class Trainer:
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
-            self.state.stage = "fit"
+            self.state.stage = outer_stage
         return result
 
     def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
