@@ -607,6 +607,37 @@ def test_an_fp16_epoch_whose_every_step_was_skipped_says_nothing_was_trained(tmp
     assert counts.skipped_steps >= 1 and counts.steps >= 1
 
 
+class HeadOnlyOptimized(ToyTrainer):
+    """Fine-tuning the head, with the body left trainable by mistake (or a layer left out of the optimizer)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[3].parameters(), lr=0.05)
+
+
+class FrozenBody(HeadOnlyOptimized):
+    def configure_model(self):
+        model = super().configure_model()
+        model[0].requires_grad_(False)
+        return model
+
+
+def test_trainable_parameters_no_optimizer_holds_are_named_once_at_fit_start(tmp_path):
+    """They never train, yet each backward computes their gradients, which summed up in .grad over the run."""
+    trainer = HeadOnlyOptimized(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1}))
+    with pytest.warns(UserWarning) as record:
+        trainer.fit()
+    named = [str(w.message) for w in record if "no optimizer holds them" in str(w.message)]
+    assert named == [
+        "configure_optimizers(): 2 parameters of the model require grad but no optimizer holds them ('0.weight', "
+        "'0.bias'; 112 elements): they never train, though every backward computes their gradients, which sum up in "
+        "their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+    ]
+    with warnings.catch_warnings():  # every trainable parameter held, or the others frozen: nothing to say
+        warnings.filterwarnings("error", message=".*no optimizer holds them")
+        ToyTrainer(toy_cfg(tmp_path / "all", **QUIET, **{"trainer.max_steps": 1})).fit()
+        FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
+
+
 def test_a_resume_with_other_optimizers_names_both(tmp_path):
     ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
 

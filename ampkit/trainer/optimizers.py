@@ -189,6 +189,24 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
             )
 
 
+def unoptimized_parameters_warning(specs: list[OptimizerSpec], module: torch.nn.Module) -> str | None:
+    """Why the model's trainable parameters that no optimizer holds are likely a mistake (a layer left out of
+    ``configure_optimizers``, or one meant to be frozen), naming them; None when every one is held. They never
+    train, each backward still computes their gradients, and their ``.grad`` sums those of every step (no
+    optimizer's ``zero_grad`` clears it)."""
+    held = {id(p) for spec in specs for group in spec.optimizer.param_groups for p in group["params"]}
+    left = [(name, p) for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    if not left:
+        return None
+    names = ", ".join(f"'{name}'" for name, _ in left[:5]) + (", ..." if len(left) > 5 else "")
+    elements = sum(p.numel() for _, p in left)
+    return (
+        f"configure_optimizers(): {len(left)} parameters of the model require grad but no optimizer holds them "
+        f"({names}; {elements} elements): they never train, though every backward computes their gradients, which "
+        "sum up in their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+    )
+
+
 def _check_disjoint(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
     """Refuse a parameter held by two optimizers (torch refuses one in two groups of one optimizer)."""
     holder: dict[int, str] = {}

@@ -126,6 +126,7 @@ from ampkit.trainer.optimizers import (
     normalize_optimizers,
     settings_kept_from_checkpoint,
     step_,
+    unoptimized_parameters_warning,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
@@ -1267,6 +1268,8 @@ class Trainer:
                 self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
             )
         check_parameters(self._specs, self.module, self.automatic_optimization)
+        if why := unoptimized_parameters_warning(self._specs, self.module):
+            rank_zero_warn(why)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
