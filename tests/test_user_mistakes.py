@@ -638,6 +638,59 @@ def test_trainable_parameters_no_optimizer_holds_are_named_once_at_fit_start(tmp
         FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
 
 
+class EpochCosine(ToyTrainer):
+    """A cosine schedule returned bare: Lightning's default interval steps it once per epoch."""
+
+    every: ClassVar[dict] = {}
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, **self.every}}
+
+
+class EveryTwentySteps(EpochCosine):
+    every: ClassVar[dict] = {"interval": "step", "frequency": 20}
+
+
+@pytest.mark.parametrize(("trainer_class", "settings", "message"), [
+    (EpochCosine, {"trainer.max_epochs": 1},
+     "the LR scheduler CosineAnnealingLR of optimizer 'sgd' steps every 1 epoch(s), and this run finishes 1: the "
+     "learning rate does not change while it trains. For a schedule over iterations"),
+    (EveryTwentySteps, {}, "CosineAnnealingLR of optimizer 'sgd' steps every 20 iterations, and this run trains 16: "
+     "it never steps. Lower its 'frequency'"),
+    (ToyTrainer, {"trainer.accumulate_grad_batches": 16},
+     "trainer.accumulate_grad_batches=16 is more than the 8 batches of an epoch: each epoch steps once, on 8 batches "
+     "whose losses are each divided by 16, so its gradient is 8/16 of a full window's. Set it to at most 8"),
+    (NoValidation, {"trainer.val_every_n_steps": 2},
+     "trainer.val_every_n_steps=2 does nothing: NoValidation defines no val_dataloader()"),
+    (ToyTrainer, {"trainer.val_every_n_epochs": 3, "checkpoint.monitor": "val/mse"},
+     "validation never runs in this run: trainer.val_every_n_epochs=3 is more than its 2 full epochs and "
+     "trainer.val_every_n_steps=0, and no value reaches checkpoint.monitor='val/mse'. Lower the interval"),
+    (ToyTrainer, {"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 17},
+     "validation never runs in this run: trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=17 is more than "
+     "its 16 steps. Lower"),
+    (ToyTrainer, {"trainer.max_steps": 12},  # the 12th step is not an epoch's end, nor a validation
+     "validation never runs in this run: trainer.val_every_n_epochs=2 is more than its 1 full epochs"),
+])  # fmt: skip
+def test_a_setting_that_does_nothing_in_this_run_is_named_at_fit_start(tmp_path, trainer_class, settings, message):
+    """Each of these trained on as if the setting had not been given, without a word."""
+    settings = {"trainer.max_epochs": 2, "trainer.val_every_n_epochs": 2, **settings}
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        trainer_class(toy_cfg(tmp_path, **QUIET, **settings)).fit()
+
+
+def test_settings_a_run_reaches_are_not_named(tmp_path):
+    reached = {"trainer.max_epochs": 2, "trainer.val_every_n_epochs": 2, "trainer.val_every_n_steps": 16,
+               "trainer.accumulate_grad_batches": 8, "checkpoint.monitor": "val/mse"}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message=".*(never runs|does nothing|more than the|never steps|does not change)"
+        )
+        EpochCosine(toy_cfg(tmp_path, **QUIET, **reached)).fit()
+        ToyTrainer(toy_cfg(tmp_path / "steps", **QUIET, **{**reached, "trainer.max_steps": 2})).fit()  # by steps
+
+
 def test_a_resume_with_other_optimizers_names_both(tmp_path):
     ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
 

@@ -112,6 +112,7 @@ from ampkit.trainer.evaluation import (
     collect_predictions,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
+from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators
 from ampkit.trainer.loader_workers import iterate
@@ -1280,6 +1281,16 @@ class Trainer:
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
+        for why in idle_settings(
+            self.cfg,
+            type(self).__name__,
+            self._val_loader is not None,
+            is_overridden("val_dataloader", self, Trainer),
+            self._num_train_batches,
+            self.num_training_steps,
+            self._specs,
+        ):
+            rank_zero_warn(why)
         self._setup_callbacks()
         on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(
             cb.needs_verdicts_at_once for cb in self.callbacks
