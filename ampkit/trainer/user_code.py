@@ -258,7 +258,7 @@ def _all_skipped_warning(skipped: list[Any], every_optimizer: bool, losses: list
     return (
         f"every step of this epoch was skipped, so {who} did not change (optimizer {counts}: inf/NaN gradients"
         f"{f' from loss_id {blamed}' if blamed else ''}{f'; loss scale now: {scales}' if scales else ''}). A loss "
-        "scaler skips a few steps while its scale backs off; skipping all of them means the gradients are inf/NaN at "
-        "any scale: look for a NaN/inf loss (bad inputs or labels, log or division of 0), parameters already "
-        "non-finite, or too high a learning rate"
+        "scaler skips a few steps while its scale backs off from its first one (precision.init_scale); where it "
+        "keeps skipping, the gradients are inf/NaN at any scale: look for a NaN/inf loss (bad inputs or labels, log "
+        "or division of 0), parameters already non-finite, or too high a learning rate"
     )
