@@ -614,6 +614,34 @@ class HeadOnlyOptimized(ToyTrainer):
         return torch.optim.SGD(self.module[3].parameters(), lr=0.05)
 
 
+class NetWithAnUnusedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.extra = toy_model(), torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.body(x)  # self.extra is never called
+
+
+class UnusedLayer(ToyTrainer):
+    def configure_model(self):
+        return NetWithAnUnusedLayer()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])  # O2: the optimizer holds fp32 masters, named as their params
+def test_parameters_the_loss_never_reaches_are_named_once_at_the_first_step(tmp_path, opt_level):
+    """The optimizer stepped around a layer the forward never called, which never trained, without a word."""
+    trainer = UnusedLayer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "precision.opt_level": opt_level}))
+    with pytest.warns(UserWarning) as record:
+        trainer.fit()
+    named = [str(w.message) for w in record if "received no gradient" in str(w.message)]
+    assert named == [
+        "2 parameters of optimizer 'sgd' received no gradient in its first step ('extra.weight', 'extra.bias'): the "
+        "loss does not depend on them, so they do not train (a layer the forward never calls? a head the loss "
+        "leaves out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+    ]
+
+
 class FrozenBody(HeadOnlyOptimized):
     def configure_model(self):
         model = super().configure_model()
@@ -633,7 +661,7 @@ def test_trainable_parameters_no_optimizer_holds_are_named_once_at_fit_start(tmp
         "their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
     ]
     with warnings.catch_warnings():  # every trainable parameter held, or the others frozen: nothing to say
-        warnings.filterwarnings("error", message=".*no optimizer holds them")
+        warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
         ToyTrainer(toy_cfg(tmp_path / "all", **QUIET, **{"trainer.max_steps": 1})).fit()
         FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
 

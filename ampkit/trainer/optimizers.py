@@ -207,6 +207,27 @@ def unoptimized_parameters_warning(specs: list[OptimizerSpec], module: torch.nn.
     )
 
 
+def unreached_parameters_warning(
+    optimizer: torch.optim.Optimizer, name: str, module: torch.nn.Module, masters: Any = None
+) -> str | None:
+    """At an optimizer's first step: its trainable parameters that received no gradient (a layer the forward never
+    calls, a head the loss leaves out), named, or None. The optimizer steps around them without a word, so they
+    never train. ``masters``: O2's MasterWeights, whose fp32 copies are what the optimizer holds."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    if masters is not None:
+        for param, master in zip(masters.model_params, masters.master_params, strict=True):
+            names[id(master)] = names.get(id(param), "")
+    left = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
+    if not left:
+        return None
+    shown = ", ".join(f"'{names.get(id(p)) or '?'}'" for p in left[:5]) + (", ..." if len(left) > 5 else "")
+    return (
+        f"{len(left)} parameters of optimizer '{name}' received no gradient in its first step ({shown}): the loss "
+        "does not depend on them, so they do not train (a layer the forward never calls? a head the loss leaves "
+        "out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+    )
+
+
 def _check_disjoint(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
     """Refuse a parameter held by two optimizers (torch refuses one in two groups of one optimizer)."""
     holder: dict[int, str] = {}

@@ -128,6 +128,7 @@ from ampkit.trainer.optimizers import (
     settings_kept_from_checkpoint,
     step_,
     unoptimized_parameters_warning,
+    unreached_parameters_warning,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
@@ -524,6 +525,10 @@ class Trainer:
             self._settle(before=self.state.iteration)
         if not _has_grad(optimizer):
             return False
+        if optimizer in self._first_steps_due:  # once: a parameter no loss reaches never trains, silently
+            self._first_steps_due.discard(optimizer)
+            if why := unreached_parameters_warning(optimizer, opt_state.name, self.module, opt_state.master_weights):
+                rank_zero_warn(why)
         if self._facts_pending:
             self._agree_facts()
         if opt_state.loss_ids and _reached_by_scaled_loss(opt_state, self.loss_state):
@@ -1274,6 +1279,7 @@ class Trainer:
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
+        self._first_steps_due = {spec.optimizer for spec in self._specs}
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
         self._val_loader = evaluation_loader(
