@@ -684,7 +684,7 @@ class EveryTwentySteps(EpochCosine):
 @pytest.mark.parametrize(("trainer_class", "settings", "message"), [
     (EpochCosine, {"trainer.max_epochs": 1},
      "the LR scheduler CosineAnnealingLR of optimizer 'sgd' steps every 1 epoch(s), and this run finishes 1: the "
-     "learning rate does not change while it trains. For a schedule over iterations"),
+     "learning rate does not change while it trains; for a schedule over iterations"),
     (EveryTwentySteps, {}, "CosineAnnealingLR of optimizer 'sgd' steps every 20 iterations, and this run trains 16: "
      "it never steps. Lower its 'frequency'"),
     (ToyTrainer, {"trainer.accumulate_grad_batches": 16},

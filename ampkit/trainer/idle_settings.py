@@ -75,10 +75,15 @@ def _idle_scheduler(
         epochs = _full_epochs(cfg, batches_per_epoch)
         if epochs is None or sched.frequency < epochs:
             return None
+        fix = (
+            "train for more epochs"  # a monitored one (ReduceLROnPlateau) reads a validation metric per epoch
+            if sched.monitor is not None
+            else "for a schedule over iterations (warm-up, one-cycle, cosine decay) return it as "
+            "{'scheduler': s, 'interval': 'step'}"
+        )
         return (
             f"{which} of optimizer '{optimizer}' steps every {sched.frequency} epoch(s), and this run finishes "
-            f"{epochs}: the learning rate does not change while it trains. For a schedule over iterations (warm-up, "
-            "one-cycle, cosine decay) return it as {'scheduler': s, 'interval': 'step'}"
+            f"{epochs}: the learning rate does not change while it trains; {fix}"
         )
     if training_steps is None or sched.frequency <= training_steps:
         return None
