@@ -78,12 +78,16 @@ class CheckpointConfig:
 @dataclass
 class EarlyStoppingConfig:
     """Stop when validation metric ``monitor`` has not improved by more than ``min_delta`` for ``patience``
-    validations in a row (off while ``monitor`` is null)."""
+    validations in a row (off while ``monitor`` is null), and at once when it is NaN/inf or crosses a threshold
+    (as Lightning's EarlyStopping)."""
 
     monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     patience: int = 3  # validations in a row without an improvement before stopping
     min_delta: float = 0.0  # a change of at most this does not count as an improvement
+    check_finite: bool = True  # stop at once when monitor is NaN/inf (false: it counts as no improvement)
+    stopping_threshold: float | None = None  # stop at once when monitor is better than this (null: never)
+    divergence_threshold: float | None = None  # stop at once when monitor is worse than this (null: never)
 
 
 @dataclass
@@ -225,6 +229,7 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 
 _POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
+_FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
@@ -273,6 +278,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.save_top_k": ((lambda v: v >= 1 or v == -1), "an integer >= 1, or -1 (keep every one)"),
     "early_stopping.patience": _at_least(1),
     "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),
+    "early_stopping.stopping_threshold": _optional(_FINITE_NUMBER, "never"),
+    "early_stopping.divergence_threshold": _optional(_FINITE_NUMBER, "never"),
     "precision.opt_level": (
         _one_of("O0", "O1", "O2", "O3", "O4", "O5")[0],
         "one of O0, O1, O2, O3, O4, O5 (the letter O, not the number zero)",

@@ -69,6 +69,13 @@ class Evaluated(Plain):
         return self.val_dataloader()
 
 
+class ValidatesInAHook(Plain):
+    """Calls validate() itself at each epoch's end, inside the fit."""
+
+    def on_train_epoch_end(self):
+        self.hook_metrics = self.validate()
+
+
 class UnevenValidation(Plain):
     """25 validation samples in batches of 4: 13 for rank 0 (4 batches), 12 for rank 1 (3 batches)."""
 
@@ -470,6 +477,13 @@ def main(scenario: str, out: Path) -> None:
         trainer.fit()
         runs = [len(trainer.predict()), trainer.validate()]
         torch.save({"runs": runs}, out / f"rank{RANK}.pt")
+        return
+    elif scenario == "validate_in_a_hook":  # the fit owns the process group: it must still leave it at its end
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_epochs": 2}}
+        trainer = ValidatesInAHook(cfg)
+        trainer.fit()
+        left = not torch.distributed.is_initialized()
+        torch.save({"left": left, "hook": trainer.hook_metrics, "after": trainer.validate()}, out / f"rank{RANK}.pt")
         return
     elif scenario == "validate_uneven_fsdp":  # every FSDP forward is a collective: rank 1 runs a filler batch
         fsdp = {"strategy": "fsdp", "fsdp": {"shard_modules": ["Linear"]}}

@@ -161,6 +161,14 @@ def test_fit_then_validate_and_predict_in_one_script_each_get_a_working_process_
     assert rank0["runs"][0] == 2  # 12 of the 24 samples: batches of 8 and 4
 
 
+def test_validate_called_from_a_hook_of_a_fit_leaves_the_fit_its_process_group(tmp_path):
+    """validate() inside a fit's hook took the fit's process group as one it did not own: the fit then ended without
+    its closing barrier and left the group behind, initialised, for the script's next run to adopt."""
+    rank0, rank1 = _ok(launch("validate_in_a_hook", tmp_path, timeout=120))
+    assert rank0["left"] and rank1["left"]
+    assert rank0["hook"] == rank1["hook"] == rank0["after"]  # the final weights, validated within and after the fit
+
+
 def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkpoint(tmp_path):
     """``state.should_stop`` set on one rank only left the other waiting in its next collective until
     ``distributed.timeout_s``, then failing. The ranks agree on it where they meet anyway: in the next iteration's

@@ -55,6 +55,48 @@ def test_early_stopping_stops_after_patience_validations_without_improvement(
     assert trainer.state.global_step == stop_step
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("settings", "scores", "stop_step", "reason"),
+    [
+        ({}, [5, 4, NAN, 3, 2, 1], 3, "val/score is nan, not finite (best was 4.0): the run diverged"),
+        ({"early_stopping.mode": "max"}, [1, -INF, 2, 3], 2, "val/score is -inf, not finite (best was 1.0)"),
+        ({"early_stopping.check_finite": False}, [5, 4, NAN, 3, 2, 1], 8, None),  # counted, then improved on
+        ({"early_stopping.check_finite": False}, [5, NAN, NAN, NAN, 1], 4, "did not improve on 5.0 for 3 valid"),
+        ({"early_stopping.stopping_threshold": 2.5}, [5, 4, 3, 2.5, 2, 1], 5, "val/score = 2.0 reached early_st"),
+        ({"early_stopping.divergence_threshold": 10}, [5, 4, 10, 11, 1], 4, "val/score = 11.0 is past early_stopp"),
+        ({"early_stopping.mode": "max", "early_stopping.stopping_threshold": 3}, [1, 3, 4], 3, "4.0 reached"),
+    ],
+)  # fmt: skip
+def test_early_stopping_stops_at_once_on_a_non_finite_value_or_a_threshold_as_lightning_does(
+    tmp_path, capsys, settings, scores, stop_step, reason
+):
+    """A NaN validation loss counted as one more validation without improvement: a diverged run trained on for
+    ``patience`` more validations, and stopped saying only that the metric did not improve."""
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 3, "checkpoint.enabled": False}
+    trainer = _fit(tmp_path, scores + [0.0] * (8 - len(scores)), **es, **settings, **{"trainer.max_steps": 8})
+    assert trainer.state.global_step == stop_step
+    if reason is None:
+        assert not trainer.state.should_stop
+    else:
+        assert reason in trainer.state.stop_reason
+        assert f"ampkit: early stopping: {trainer.state.stop_reason.removeprefix('early stopping: ')}" in (
+            capsys.readouterr().err
+        )
+
+
+def test_early_stopping_thresholds_that_would_stop_every_run_are_config_errors_before_training(tmp_path):
+    for settings, message in [
+        ({"early_stopping.stopping_threshold": "nan"}, "'early_stopping.stopping_threshold': nan is invalid"),
+        ({"early_stopping.stopping_threshold": 5, "early_stopping.divergence_threshold": 4},
+         "stopping_threshold 5.0 is not better than divergence_threshold 4.0 in mode 'min'"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ToyTrainer(toy_cfg(tmp_path, **{"early_stopping.monitor": "val/mse", **settings})).fit()
+
+
 class _ValidatedAt(Callback):
     def __init__(self) -> None:
         self.steps: list[int] = []

@@ -575,6 +575,150 @@ def test_an_epoch_that_trained_nothing_says_why(tmp_path, trainer_class, why):
         trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
 
 
+class NaNLoss(ToyTrainer):
+    """A loss that is NaN at every step (or only at the first, ``first_only``): a scaler can only skip it."""
+
+    first_only = False
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        return loss * float("nan") if not self.first_only or self.state.global_step == 0 else loss
+
+
+class NaNFirstLoss(NaNLoss):
+    first_only = True
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("settings", [{"trainer.max_epochs": 1}, {"trainer.max_steps": 3}])
+def test_an_fp16_epoch_whose_every_step_was_skipped_says_nothing_was_trained(tmp_path, opt_level, settings):
+    """The scaler backs off and skips each step; the run used to end like any other, its weights untouched."""
+    cfg = toy_cfg(tmp_path, **QUIET, **settings, **{"precision.opt_level": opt_level})
+    steps = settings.get("trainer.max_steps", 8)
+    with pytest.warns(UserWarning, match=rf"epoch 0: every step of this epoch was skipped, so the model did not "
+                      rf"change \(optimizer 'sgd' skipped all {steps}: inf/NaN gradients from loss_id 0; loss scale "
+                      rf"now: loss_id 0's is {2.0 ** (16 - steps):g}\)\. .*look for a NaN/inf loss"):  # fmt: skip
+        NaNLoss(cfg).fit()
+    with warnings.catch_warnings():  # an early skip while the scale backs off is no reason to warn
+        warnings.filterwarnings("error", message=".*every step of this epoch")
+        trainer = NaNFirstLoss(toy_cfg(tmp_path / "first", **QUIET, **settings, **{"precision.opt_level": opt_level}))
+        trainer.fit()
+    counts = trainer.optimizer_state[trainer.optimizer]
+    assert counts.skipped_steps >= 1 and counts.steps >= 1
+
+
+class HeadOnlyOptimized(ToyTrainer):
+    """Fine-tuning the head, with the body left trainable by mistake (or a layer left out of the optimizer)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[3].parameters(), lr=0.05)
+
+
+class NetWithAnUnusedLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.extra = toy_model(), torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.body(x)  # self.extra is never called
+
+
+class UnusedLayer(ToyTrainer):
+    def configure_model(self):
+        return NetWithAnUnusedLayer()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O2"])  # O2: the optimizer holds fp32 masters, named as their params
+def test_parameters_the_loss_never_reaches_are_named_once_at_the_first_step(tmp_path, opt_level):
+    """The optimizer stepped around a layer the forward never called, which never trained, without a word."""
+    trainer = UnusedLayer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "precision.opt_level": opt_level}))
+    with pytest.warns(UserWarning) as record:
+        trainer.fit()
+    named = [str(w.message) for w in record if "received no gradient" in str(w.message)]
+    assert named == [
+        "2 parameters of optimizer 'sgd' received no gradient in its first step ('extra.weight', 'extra.bias'): the "
+        "loss does not depend on them, so they do not train (a layer the forward never calls? a head the loss "
+        "leaves out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+    ]
+
+
+class FrozenBody(HeadOnlyOptimized):
+    def configure_model(self):
+        model = super().configure_model()
+        model[0].requires_grad_(False)
+        return model
+
+
+def test_trainable_parameters_no_optimizer_holds_are_named_once_at_fit_start(tmp_path):
+    """They never train, yet each backward computes their gradients, which summed up in .grad over the run."""
+    trainer = HeadOnlyOptimized(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1}))
+    with pytest.warns(UserWarning) as record:
+        trainer.fit()
+    named = [str(w.message) for w in record if "no optimizer holds them" in str(w.message)]
+    assert named == [
+        "configure_optimizers(): 2 parameters of the model require grad but no optimizer holds them ('0.weight', "
+        "'0.bias'; 112 elements): they never train, though every backward computes their gradients, which sum up in "
+        "their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+    ]
+    with warnings.catch_warnings():  # every trainable parameter held, or the others frozen: nothing to say
+        warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
+        ToyTrainer(toy_cfg(tmp_path / "all", **QUIET, **{"trainer.max_steps": 1})).fit()
+        FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
+
+
+class EpochCosine(ToyTrainer):
+    """A cosine schedule returned bare: Lightning's default interval steps it once per epoch."""
+
+    every: ClassVar[dict] = {}
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=16)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, **self.every}}
+
+
+class EveryTwentySteps(EpochCosine):
+    every: ClassVar[dict] = {"interval": "step", "frequency": 20}
+
+
+@pytest.mark.parametrize(("trainer_class", "settings", "message"), [
+    (EpochCosine, {"trainer.max_epochs": 1},
+     "the LR scheduler CosineAnnealingLR of optimizer 'sgd' steps every 1 epoch(s), and this run finishes 1: the "
+     "learning rate does not change while it trains; for a schedule over iterations"),
+    (EveryTwentySteps, {}, "CosineAnnealingLR of optimizer 'sgd' steps every 20 iterations, and this run trains 16: "
+     "it never steps. Lower its 'frequency'"),
+    (ToyTrainer, {"trainer.accumulate_grad_batches": 16},
+     "trainer.accumulate_grad_batches=16 is more than the 8 batches of an epoch: each epoch steps once, on 8 batches "
+     "whose losses are each divided by 16, so its gradient is 8/16 of a full window's. Set it to at most 8"),
+    (NoValidation, {"trainer.val_every_n_steps": 2},
+     "trainer.val_every_n_steps=2 does nothing: NoValidation defines no val_dataloader()"),
+    (ToyTrainer, {"trainer.val_every_n_epochs": 3, "checkpoint.monitor": "val/mse"},
+     "validation never runs in this run: trainer.val_every_n_epochs=3 is more than its 2 full epochs and "
+     "trainer.val_every_n_steps=0, and no value reaches checkpoint.monitor='val/mse'. Lower the interval"),
+    (ToyTrainer, {"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 17},
+     "validation never runs in this run: trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=17 is more than "
+     "its 16 steps. Lower"),
+    (ToyTrainer, {"trainer.max_steps": 12},  # the 12th step is not an epoch's end, nor a validation
+     "validation never runs in this run: trainer.val_every_n_epochs=2 is more than its 1 full epochs"),
+])  # fmt: skip
+def test_a_setting_that_does_nothing_in_this_run_is_named_at_fit_start(tmp_path, trainer_class, settings, message):
+    """Each of these trained on as if the setting had not been given, without a word."""
+    settings = {"trainer.max_epochs": 2, "trainer.val_every_n_epochs": 2, **settings}
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        trainer_class(toy_cfg(tmp_path, **QUIET, **settings)).fit()
+
+
+def test_settings_a_run_reaches_are_not_named(tmp_path):
+    reached = {"trainer.max_epochs": 2, "trainer.val_every_n_epochs": 2, "trainer.val_every_n_steps": 16,
+               "trainer.accumulate_grad_batches": 8, "checkpoint.monitor": "val/mse"}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message=".*(never runs|does nothing|more than the|never steps|does not change)"
+        )
+        EpochCosine(toy_cfg(tmp_path, **QUIET, **reached)).fit()
+        ToyTrainer(toy_cfg(tmp_path / "steps", **QUIET, **{**reached, "trainer.max_steps": 2})).fit()  # by steps
+
+
 def test_a_resume_with_other_optimizers_names_both(tmp_path):
     ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
 

@@ -100,7 +100,17 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     if cfg.early_stopping.monitor:
         e = cfg.early_stopping
         with _config_section("early_stopping"):
-            callbacks.append(EarlyStopping(e.monitor, mode=e.mode.value, patience=e.patience, min_delta=e.min_delta))
+            callbacks.append(
+                EarlyStopping(
+                    e.monitor,
+                    mode=e.mode.value,
+                    patience=e.patience,
+                    min_delta=e.min_delta,
+                    check_finite=e.check_finite,
+                    stopping_threshold=e.stopping_threshold,
+                    divergence_threshold=e.divergence_threshold,
+                )
+            )
     return callbacks
 
 

@@ -1,7 +1,8 @@
-"""Stop training when a validation metric stops improving."""
+"""Stop training when a validation metric stops improving, turns NaN/inf, or crosses a threshold."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -14,12 +15,41 @@ from ampkit.trainer.callback import Callback
 class EarlyStopping(Callback):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
-    current batch. Its best value and count are saved in checkpoints, so a resumed run keeps counting."""
+    current batch. Its best value and count are saved in checkpoints, so a resumed run keeps counting.
 
-    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    As Lightning's ``EarlyStopping`` it also stops at the first validation whose value is NaN/inf
+    (``check_finite``: a diverged run gains nothing from ``patience`` more validations), better than
+    ``stopping_threshold`` (good enough) or worse than ``divergence_threshold`` (beyond recovery).
+    """
+
+    def __init__(
+        self,
+        monitor: str,
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+    ) -> None:
         if patience < 1:
             raise ValueError(f"patience {patience!r} is invalid; expected an integer >= 1")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
+        for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} {value!r} is invalid; expected a finite number or None")
+        if (
+            stopping_threshold is not None
+            and divergence_threshold is not None
+            and not self.monitor.better(stopping_threshold, divergence_threshold)
+        ):  # every value would stop the run at its first validation
+            raise ValueError(
+                f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
+                f"{divergence_threshold} in mode {mode!r}: every value would stop the run"
+            )
+        self.check_finite = check_finite
+        self.stopping_threshold = stopping_threshold
+        self.divergence_threshold = divergence_threshold
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
@@ -28,15 +58,35 @@ class EarlyStopping(Callback):
         if trainer.state.stage != "fit":  # a standalone validate() is no training progress
             return
         value = self.monitor.value(metrics, trainer.state.global_step)
+        reason = self._stop_at_once(value)
         if self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
+        elif reason is None:
+            self.wait += 1
+            if self.wait >= self.patience:
+                reason = f"{self.monitor.metric} did not improve on {self.best} for {self.wait} validations"
+        if reason is None:
             return
-        self.wait += 1
-        if self.wait >= self.patience:
-            reason = f"early stopping: {self.monitor.metric} did not improve on {self.best} for {self.wait} validations"
-            trainer.state.should_stop, trainer.state.stop_reason = True, reason
-            if trainer.is_global_zero:
-                print(f"ampkit: {reason}, at step {trainer.state.global_step}", file=sys.stderr)
+        reason = f"early stopping: {reason}"
+        trainer.state.should_stop, trainer.state.stop_reason = True, reason
+        if trainer.is_global_zero:
+            print(f"ampkit: {reason}, at step {trainer.state.global_step}", file=sys.stderr)
+
+    def _stop_at_once(self, value: float) -> str | None:
+        """Why ``value`` ends the run whatever the patience (Lightning's order: non-finite, then each threshold)."""
+        metric = self.monitor.metric
+        if not math.isfinite(value):
+            if not self.check_finite:
+                return None
+            return (
+                f"{metric} is {value}, not finite (best was {self.best}): the run diverged; set "
+                "early_stopping.check_finite=false to count it against patience instead"
+            )
+        if self.stopping_threshold is not None and self.monitor.better(value, self.stopping_threshold):
+            return f"{metric} = {value} reached early_stopping.stopping_threshold={self.stopping_threshold}"
+        if self.divergence_threshold is not None and self.monitor.better(self.divergence_threshold, value):
+            return f"{metric} = {value} is past early_stopping.divergence_threshold={self.divergence_threshold}"
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait, **self.monitor.state_dict()}

@@ -51,6 +51,10 @@ class Monitor:
             return None
         return f"{before.metric} ({before.mode}) -> {self.metric} ({self.mode})"
 
+    def better(self, value: float, than: float) -> bool:
+        """Whether ``value`` is strictly better than ``than`` in this mode (no ``min_delta``)."""
+        return value < than if self.mode == "min" else value > than
+
     def improves(self, value: float, best: float | None) -> bool:
         """Whether ``value`` beats ``best`` by more than ``min_delta`` (a non-finite value never does)."""
         if not math.isfinite(value):

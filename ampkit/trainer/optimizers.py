@@ -209,6 +209,45 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
             )
 
 
+def unoptimized_parameters_warning(specs: list[OptimizerSpec], module: torch.nn.Module) -> str | None:
+    """Why the model's trainable parameters that no optimizer holds are likely a mistake (a layer left out of
+    ``configure_optimizers``, or one meant to be frozen), naming them; None when every one is held. They never
+    train, each backward still computes their gradients, and their ``.grad`` sums those of every step (no
+    optimizer's ``zero_grad`` clears it)."""
+    held = {id(p) for spec in specs for group in spec.optimizer.param_groups for p in group["params"]}
+    left = [(name, p) for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
+    if not left:
+        return None
+    names = ", ".join(f"'{name}'" for name, _ in left[:5]) + (", ..." if len(left) > 5 else "")
+    elements = sum(p.numel() for _, p in left)
+    return (
+        f"configure_optimizers(): {len(left)} parameters of the model require grad but no optimizer holds them "
+        f"({names}; {elements} elements): they never train, though every backward computes their gradients, which "
+        "sum up in their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+    )
+
+
+def unreached_parameters_warning(
+    optimizer: torch.optim.Optimizer, name: str, module: torch.nn.Module, masters: Any = None
+) -> str | None:
+    """At an optimizer's first step: its trainable parameters that received no gradient (a layer the forward never
+    calls, a head the loss leaves out), named, or None. The optimizer steps around them without a word, so they
+    never train. ``masters``: O2's MasterWeights, whose fp32 copies are what the optimizer holds."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    if masters is not None:
+        for param, master in zip(masters.model_params, masters.master_params, strict=True):
+            names[id(master)] = names.get(id(param), "")
+    left = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
+    if not left:
+        return None
+    shown = ", ".join(f"'{names.get(id(p)) or '?'}'" for p in left[:5]) + (", ..." if len(left) > 5 else "")
+    return (
+        f"{len(left)} parameters of optimizer '{name}' received no gradient in its first step ({shown}): the loss "
+        "does not depend on them, so they do not train (a layer the forward never calls? a head the loss leaves "
+        "out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+    )
+
+
 def _check_disjoint(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
     """Refuse a parameter held by two optimizers (torch refuses one in two groups of one optimizer)."""
     holder: dict[int, str] = {}

@@ -56,6 +56,7 @@ class OptimizerState:
     steps: int = 0
     skipped_steps: int = 0
     epoch_steps: int = 0
+    epoch_skipped_steps: int = 0  # skipped in this epoch: an epoch of nothing but skips trained nothing
 
     def begin_iteration(self) -> None:
         """Clear the per-iteration facts; the counts carry on."""

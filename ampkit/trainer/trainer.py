@@ -112,6 +112,7 @@ from ampkit.trainer.evaluation import (
     collect_predictions,
 )
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
+from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators
 from ampkit.trainer.loader_workers import iterate
@@ -127,6 +128,8 @@ from ampkit.trainer.optimizers import (
     refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
+    unoptimized_parameters_warning,
+    unreached_parameters_warning,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
@@ -525,6 +528,10 @@ class Trainer:
             self._settle(before=self.state.iteration)
         if not _has_grad(optimizer):
             return False
+        if optimizer in self._first_steps_due:  # once: a parameter no loss reaches never trains, silently
+            self._first_steps_due.discard(optimizer)
+            if why := unreached_parameters_warning(optimizer, opt_state.name, self.module, opt_state.master_weights):
+                rank_zero_warn(why)
         if self._facts_pending:
             self._agree_facts()
         if opt_state.loss_ids and _reached_by_scaled_loss(opt_state, self.loss_state):
@@ -535,6 +542,7 @@ class Trainer:
         if culprits is not None:
             opt_state.skipped = True
             opt_state.skipped_steps += 1
+            opt_state.epoch_skipped_steps += 1
             self.fire("on_optimizer_step_skipped", optimizer, culprits)
             return False
         found_inf = self._device_found_inf(opt_state)
@@ -601,6 +609,7 @@ class Trainer:
             opt_state.steps -= 1
             opt_state.epoch_steps -= 1
             opt_state.skipped_steps += 1
+            opt_state.epoch_skipped_steps += 1
             self._fire_about(step.iteration, "on_optimizer_step_skipped", step.optimizer, culprits)
         for iteration, loss_id, overflowed in scale_updates:  # each scaler's host copy follows its device copy
             loss = self.loss_state[loss_id]
@@ -877,10 +886,10 @@ class Trainer:
         s = self.state
         if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
             for opt_state in self.optimizer_state.values():
-                opt_state.epoch_steps = 0
+                opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted, max_steps, first_batch = True, self.settings.max_steps, s.batches_done
+        exhausted, max_steps, first_batch, first_step = True, self.settings.max_steps, s.batches_done, s.global_step
         # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
         ahead = self.settings.accumulate_grad_batches > 1 and not (
             self._train_length_known and not self._agree_each_batch
@@ -902,10 +911,11 @@ class Trainer:
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
-        if (
-            ran
-            and exhausted
-            and (why := nothing_trained_warning(self.optimizer_state.values(), self.automatic_optimization))
+        # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
+        if (ran and (exhausted or s.global_step > first_step)) and (
+            why := nothing_trained_warning(
+                self.optimizer_state.values(), self.automatic_optimization, self.loss_state.values()
+            )
         ):
             rank_zero_warn(f"epoch {s.epoch}: {why}")
         s.epoch_finished = exhausted
@@ -1137,10 +1147,13 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+        outer = self._running
+        if outer is not None:  # from a hook of a running fit (or evaluation): its process group stays its own
+            return self._run_stage(stage, ckpt)
         self._start_distributed()
         clean = False
         failure = None
-        outer, self._running = self._running, self._running or stage.name  # inside a fit (a hook): still the fit's
+        self._running = stage.name
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
@@ -1150,7 +1163,7 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = outer
+            self._running = None
             teardown_distributed(self.dist, clean, failure)
         return result
 
@@ -1179,7 +1192,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
-        self.state.stage = stage.name
+        outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
                 self.fire("on_evaluation_setup", stage.name)
@@ -1196,7 +1209,7 @@ class Trainer:
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
-            self.state.stage = "fit"
+            self.state.stage = outer_stage
         return result
 
     def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
@@ -1273,11 +1286,14 @@ class Trainer:
                 self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
             )
         check_parameters(self._specs, self.module, self.automatic_optimization)
+        if why := unoptimized_parameters_warning(self._specs, self.module):
+            rank_zero_warn(why)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         if not self.automatic_optimization:
             self._direct_step_guards = refuse_direct_steps(self.optimizers, lambda: self._stepping)
+        self._first_steps_due = {spec.optimizer for spec in self._specs}
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
         self._val_loader = evaluation_loader(
@@ -1285,6 +1301,16 @@ class Trainer:
         )
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
+        for why in idle_settings(
+            self.cfg,
+            type(self).__name__,
+            self._val_loader is not None,
+            is_overridden("val_dataloader", self, Trainer),
+            self._num_train_batches,
+            self.num_training_steps,
+            self._specs,
+        ):
+            rank_zero_warn(why)
         self._setup_callbacks()
         on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(
             cb.needs_verdicts_at_once for cb in self.callbacks
@@ -1503,7 +1529,12 @@ class Trainer:
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
             "optimizer_counts": {
-                st.name: {"steps": st.steps, "skipped_steps": st.skipped_steps, "epoch_steps": st.epoch_steps}
+                st.name: {
+                    "steps": st.steps,
+                    "skipped_steps": st.skipped_steps,
+                    "epoch_steps": st.epoch_steps,
+                    "epoch_skipped_steps": st.epoch_skipped_steps,
+                }
                 for st in self.optimizer_state.values()
             },
             "loop": self.loop_position(),
@@ -1584,6 +1615,7 @@ class Trainer:
             opt_state.steps = counts.get("steps", 0)
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
+            opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
         for cb in self.callbacks:
             if cb.state_key in checkpoint["callbacks"]:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])

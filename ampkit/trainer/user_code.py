@@ -228,11 +228,16 @@ def call_setup_method(trainer: Any, method: str) -> Any:
         raise
 
 
-def nothing_trained_warning(optimizer_states: Any, automatic: bool) -> str | None:
-    """Why an epoch that ends with no optimizer stepped (and none ever skipped) trained nothing, or None: under
-    manual optimization a ``training_step`` that never calls ``self.step``; else a loss reaching no parameter."""
+def nothing_trained_warning(optimizer_states: Any, automatic: bool, loss_states: Any = ()) -> str | None:
+    """Why an epoch that ends with an optimizer that never stepped trained nothing (or nothing with it), or None:
+    every step it took was skipped (non-finite gradients at every step: a loss scaler's early back-off skips a
+    few, not all); under manual optimization a ``training_step`` that never calls ``self.step``; else a loss
+    reaching no parameter. ``loss_states`` (the Trainer's) name the loss scales."""
     states = list(optimizer_states)
-    if any(st.epoch_steps or st.skipped_steps for st in states):
+    all_skipped = [st for st in states if st.epoch_skipped_steps and not st.epoch_steps]
+    if all_skipped:
+        return _all_skipped_warning(all_skipped, len(all_skipped) == len(states), list(loss_states))
+    if any(st.epoch_steps or st.epoch_skipped_steps for st in states):
         return None
     if not automatic:
         return (
@@ -242,4 +247,18 @@ def nothing_trained_warning(optimizer_states: Any, automatic: bool) -> str | Non
     return (
         "no optimizer stepped in this epoch: no parameter of theirs received a gradient (the loss does not depend "
         "on the model's trainable parameters)"
+    )
+
+
+def _all_skipped_warning(skipped: list[Any], every_optimizer: bool, losses: list[Any]) -> str:
+    counts = ", ".join(f"'{st.name}' skipped all {st.epoch_skipped_steps}" for st in skipped)
+    blamed = ", ".join(repr(i) for i in sorted({i for st in skipped for i in st.loss_ids}, key=str))
+    scales = ", ".join(f"loss_id {loss.loss_id!r}'s is {loss.scale:.4g}" for loss in losses if loss.scale is not None)
+    who = "the model" if every_optimizer else "their parameters"
+    return (
+        f"every step of this epoch was skipped, so {who} did not change (optimizer {counts}: inf/NaN gradients"
+        f"{f' from loss_id {blamed}' if blamed else ''}{f'; loss scale now: {scales}' if scales else ''}). A loss "
+        "scaler skips a few steps while its scale backs off from its first one (precision.init_scale); where it "
+        "keeps skipping, the gradients are inf/NaN at any scale: look for a NaN/inf loss (bad inputs or labels, log "
+        "or division of 0), parameters already non-finite, or too high a learning rate"
     )

@@ -1,0 +1,117 @@
+"""Settings that would do nothing, or less than they say, in the run about to start: named at fit start, since
+a run that trains on without them looks like one that used them."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ampkit.trainer.optimizers import OptimizerSpec, SchedulerSpec
+from ampkit.trainer.sanity import monitored_metrics
+
+
+def idle_settings(
+    cfg: DictConfig,
+    trainer_name: str,
+    has_validation: bool,
+    defines_validation: bool,
+    batches_per_epoch: int | None,
+    training_steps: int | None,
+    specs: list[OptimizerSpec] | None = None,
+) -> list[str]:
+    """One warning per setting this run cannot honour. ``has_validation``: a validation loader with batches;
+    ``defines_validation``: the Trainer overrides ``val_dataloader``; ``batches_per_epoch`` and ``training_steps``
+    (:attr:`Trainer.num_training_steps`) are None where the loader has no length; ``specs``: the optimizers and
+    their LR schedulers."""
+    t = cfg.trainer
+    found = []
+    for spec in specs or []:
+        for sched in spec.schedulers:
+            if why := _idle_scheduler(cfg, spec.name, sched, batches_per_epoch, training_steps):
+                found.append(why)
+    if batches_per_epoch is not None and t.accumulate_grad_batches > batches_per_epoch:
+        found.append(
+            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} is more than the {batches_per_epoch} "
+            f"batches of an epoch: each epoch steps once, on {batches_per_epoch} batches whose losses are each "
+            f"divided by {t.accumulate_grad_batches}, so its gradient is {batches_per_epoch}/"
+            f"{t.accumulate_grad_batches} of a full window's. Set it to at most {batches_per_epoch}"
+        )
+    if not defines_validation:
+        if t.val_every_n_steps > 0:
+            found.append(
+                f"trainer.val_every_n_steps={t.val_every_n_steps} does nothing: {trainer_name} defines no "
+                "val_dataloader() (define it and validation_step, or leave the setting at 0)"
+            )
+    elif has_validation and (t.val_every_n_epochs > 0 or t.val_every_n_steps > 0):
+        monitors = ", ".join(f"{key}='{metric}'" for key, metric in monitored_metrics(cfg).items())
+        # The default interval in a run of fewer steps than an epoch (a quick try-out) passes unless monitored.
+        asked = monitors or t.val_every_n_steps > 0 or t.val_every_n_epochs > 1
+        never = _validation_never_runs(cfg, batches_per_epoch, training_steps) if asked else None
+        if never is not None:
+            found.append(
+                f"validation never runs in this run: {never}"
+                + (f", and no value reaches {monitors}" if monitors else "")
+                + ". Lower the interval, or train longer"
+            )
+    return found
+
+
+def _full_epochs(cfg: DictConfig, batches_per_epoch: int | None) -> int | None:
+    """The epochs the run finishes (``max_steps`` may end it within one); None when that is unknown."""
+    t = cfg.trainer
+    if t.max_steps < 0:
+        return t.max_epochs
+    if batches_per_epoch is None:
+        return None
+    return min(t.max_epochs, t.max_steps // -(-batches_per_epoch // t.accumulate_grad_batches))
+
+
+def _idle_scheduler(
+    cfg: DictConfig, optimizer: str, sched: SchedulerSpec, batches_per_epoch: int | None, training_steps: int | None
+) -> str | None:
+    """Why an LR scheduler takes no step before training ends, or None: most often one that steps per epoch (the
+    default interval, as in Lightning) in a run of one epoch, or shorter, which was meant to step per iteration."""
+    which = f"LR scheduler '{sched.name}'" if sched.name else f"the LR scheduler {type(sched.scheduler).__name__}"
+    if sched.interval == "epoch":
+        epochs = _full_epochs(cfg, batches_per_epoch)
+        if epochs is None or sched.frequency < epochs:
+            return None
+        fix = (
+            "train for more epochs"  # a monitored one (ReduceLROnPlateau) reads a validation metric per epoch
+            if sched.monitor is not None
+            else "for a schedule over iterations (warm-up, one-cycle, cosine decay) return it as "
+            "{'scheduler': s, 'interval': 'step'}"
+        )
+        return (
+            f"{which} of optimizer '{optimizer}' steps every {sched.frequency} epoch(s), and this run finishes "
+            f"{epochs}: the learning rate does not change while it trains; {fix}"
+        )
+    if training_steps is None or sched.frequency <= training_steps:
+        return None
+    return (
+        f"{which} of optimizer '{optimizer}' steps every {sched.frequency} iterations, and this run trains "
+        f"{training_steps}: it never steps. Lower its 'frequency'"
+    )
+
+
+def _validation_never_runs(cfg: DictConfig, batches_per_epoch: int | None, training_steps: int | None) -> str | None:
+    """Why neither interval is reached before the run ends (``val_every_n_epochs=5`` with 2 epochs), or None when
+    one is, or may be (an unknown length)."""
+    t = cfg.trainer
+    full_epochs = _full_epochs(cfg, batches_per_epoch)
+    if full_epochs is None:
+        return None
+    if 0 < t.val_every_n_epochs <= full_epochs:
+        return None
+    if t.val_every_n_steps > 0 and (training_steps is None or t.val_every_n_steps <= training_steps):
+        return None
+    epochs = (
+        "trainer.val_every_n_epochs=0"
+        if t.val_every_n_epochs == 0
+        else f"trainer.val_every_n_epochs={t.val_every_n_epochs} is more than its {full_epochs} full epochs"
+    )
+    steps = (
+        "trainer.val_every_n_steps=0"
+        if t.val_every_n_steps == 0
+        else f"trainer.val_every_n_steps={t.val_every_n_steps} is more than its {training_steps} steps"
+    )
+    return f"{epochs} and {steps}"
