@@ -122,7 +122,8 @@ def markdown(schema: type) -> str:
             out += [doc, ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
         for k in leaves:
-            cells = (f"`{k.key}`", f"`{k.type}`", f"`{_shown(k.default)}`", k.meaning)
+            # A meaning's "<run_dir>" would be an HTML tag to MkDocs, hidden on the page: escape its "<".
+            cells = (f"`{k.key}`", f"`{k.type}`", f"`{_shown(k.default)}`", k.meaning.replace("<", "&lt;"))
             out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(out) + "\n"
 

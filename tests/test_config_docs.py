@@ -46,6 +46,17 @@ def test_sections_read_defaults_types_and_comments():
     assert "| `inner.rate` | `float` | `0.5` | how fast: a \\| b |" in markdown(_Schema)
 
 
+@dataclass
+class _Placeholders:
+    out: str = "runs"  # files go under <out>/version_N, or <number> of them
+
+
+def test_placeholders_in_angle_brackets_show_on_the_site():
+    """Raw, ``<out>`` is an HTML tag to MkDocs: the page would read "files go under /version_N"."""
+    row = markdown(_Placeholders).splitlines()[-1]
+    assert row == "| `out` | `str` | `runs` | files go under &lt;out>/version_N, or &lt;number> of them |"
+
+
 def test_docs_reference_is_current():
     assert REFERENCE.read_text() == markdown(Config), (
         "regenerate: python -m ampkit.config_docs > docs/config_reference.md"

@@ -214,6 +214,41 @@ def test_runnable_block_runs(block: Block, tmp_path, monkeypatch):
     assert list(tmp_path.glob("runs/*/version_0/checkpoints/last.pt")), f"{block} trained nothing"
 
 
+def test_the_callbacks_page_skip_counter_counts_a_skip_and_resumes_with_it(tmp_path, monkeypatch):
+    """The page's own example callback, as written there, on a float16 run whose first loss is inf."""
+    import torch
+    import torch.nn.functional as F
+
+    (block,) = [b for b in code_blocks(DOCS / "callbacks.md") if "class SkipCounter" in b.text]
+    namespace: dict = {}
+    exec(compile(block.text, str(block), "exec"), namespace)
+    monkeypatch.chdir(tmp_path)
+
+    class Overflowing(Trainer):
+        def configure_model(self):
+            return torch.nn.Linear(4, 1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.module.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+
+        def training_step(self, batch):
+            loss = F.mse_loss(self.model(batch[0]), batch[1])
+            return loss * float("inf") if self.state.global_step == 0 else loss
+
+    cfg = {"precision": {"opt_level": "O1", "dtype": "float16"}, "trainer": {"progress_bar": False}}
+    counter = namespace["SkipCounter"]()
+    Overflowing(cfg, callbacks=[counter]).fit()
+    assert counter.skips == {0: 1}
+    (last,) = tmp_path.glob("runs/run/version_0/checkpoints/last.pt")
+    assert torch.load(last, weights_only=True)["callbacks"]["SkipCounter"] == {"skips": {0: 1}}
+    resumed = namespace["SkipCounter"]()
+    Overflowing({**cfg, "trainer": {"progress_bar": False, "max_epochs": 2}}, callbacks=[resumed]).fit(resume="last")
+    assert resumed.skips == {0: 1}  # restored from the checkpoint; the second epoch skipped nothing
+
+
 # ------------------------------------------------------------------------------------------------- bash
 
 

@@ -288,3 +288,11 @@ def test_the_gpt_fp8_config_trains_its_blocks_linears_in_float8(tmp_path, monkey
         trainer.model_setup.notes["fp8"]
         == "4 Linear layers in float8; kept in high precision: 'head' (named by skip_modules)"
     )
+
+
+def test_the_banner_counts_one_float8_layer_in_the_singular():
+    from ampkit.amp.fp8.convert import Float8Conversion
+
+    one = Float8Conversion(converted=["0"], skipped={"3": "128x10 not divisible by 16"})
+    assert one.summary() == "1 Linear layer in float8; kept in high precision: '3' (128x10 not divisible by 16)"
+    assert Float8Conversion(converted=["a", "b"]).summary() == "2 Linear layers in float8"

@@ -47,7 +47,8 @@ class Float8Conversion:
 
         Names are quoted: a ``Sequential``'s layers are called ``0``, ``3``, which read as counts when bare."""
         kept = "; ".join(f"'{name}' ({why})" for name, why in self.skipped.items())
-        head = f"{len(self.converted)} Linear layers in float8"
+        n = len(self.converted)
+        head = f"{n} Linear layer{'' if n == 1 else 's'} in float8"
         return f"{head}; kept in high precision: {kept}" if kept else head
 
 
