@@ -50,6 +50,16 @@ class FusedSGDShuffled(Shuffled):
         return ampkit.ops.FusedSGD(self.module.parameters(), lr=1e-2, momentum=0.9)
 
 
+class NaNGradInRank1sShard(ampkit.Callback):
+    """At iteration 2, one element of rank 1's gradient shard turns NaN before the step: only rank 1's shard of the
+    weights is then non-finite, and every loss finite."""
+
+    def on_before_optimizer_step(self, trainer, optimizer):
+        if trainer.state.iteration == 2 and RANK == 1:
+            grad = next(p.grad for p in trainer.module.parameters() if p.grad is not None)
+            grad.to_local().view(-1)[0] = float("nan")
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
@@ -96,6 +106,14 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         trainer_class, cfg = load_config("gpt", overrides)
         trainer = trainer_class(cfg, callbacks=[losses, keep])
         extra = {"losses": losses.losses}
+    elif scenario == "nan_in_one_shard":
+        cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4}}
+        trainer = Shuffled(cfg, callbacks=[NaNGradInRank1sShard()])
+        try:
+            trainer.fit()
+        except ampkit.callbacks.NonFiniteError as error:
+            return {"error": str(error), "version_dir": str(trainer.version_dir)}
+        return {"error": None}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)

@@ -408,3 +408,30 @@ def test_the_gpt_example_shards_per_block_and_resumes_from_two_ranks_on_one(tmp_
     for iteration, loss in one["losses"].items():
         assert loss == pytest.approx(two["losses"][iteration], rel=1e-5)
     _close(one["model"], two["model"])
+
+
+def test_a_nan_that_reaches_the_sharded_weights_stops_before_it_is_checkpointed(tmp_path):
+    """No guard ran under FSDP: a NaN loss trained on and every later checkpoint held a NaN model. The guard now
+    checks each rank's shards (and the ranks agree on the verdict), as it checks a whole model."""
+    from toy_trainers import NaNLossToyTrainer, toy_cfg
+
+    from ampkit.callbacks import NonFiniteError
+
+    cfg = toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2},
+                  **{"checkpoint.every_n_steps": 1, "distributed.strategy": "fsdp"})  # fmt: skip
+    trainer = NaNLossToyTrainer(cfg)
+    with pytest.raises(NonFiniteError, match=r"not finite at step 6 \(.*weight.*\): step 6 applied a loss of nan"):
+        trainer.fit()
+    last = resolve_checkpoint(cfg["run_dir"], "last")
+    assert load_checkpoint(last / "trainer.pt")["loop"]["global_step"] == 5
+    model = consolidate_checkpoint(last)
+    assert model and all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+
+
+def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_path):
+    """Each rank checks only its own shards: the ranks agree on the verdict, or the rank whose shard is finite
+    would write its part of a checkpoint the other refused (and then wait on it)."""
+    results = launch("nan_in_one_shard", tmp_path)
+    for result in results:
+        assert result["error"] is not None and "not finite at step 2" in result["error"], result
+    assert not (Path(results[0]["version_dir"]) / "checkpoints" / "step-00000002").exists()

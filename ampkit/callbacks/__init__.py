@@ -54,8 +54,7 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     """The callbacks the trainer's config switches on, in no particular order (each declares its own)."""
     cfg = trainer.cfg
     callbacks: list[Callback] = precision_callbacks(cfg.precision, sharded=trainer.sharded)
-    if not trainer.sharded:  # its model check reads whole tensors; FSDP's are sharded DTensors
-        callbacks.append(NonFiniteGuard(check_every_n_steps=cfg.logging.log_every_n_steps))
+    callbacks.append(NonFiniteGuard(check_every_n_steps=cfg.logging.log_every_n_steps))
     if trainer.world_size > 1:
         d = cfg.distributed
         grad_sync = d.grad_sync if d.grad_sync != "auto" else "ddp" if trainer.automatic_optimization else "step"

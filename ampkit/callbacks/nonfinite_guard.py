@@ -7,23 +7,31 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
-from ampkit.trainer.distributed import all_reduce_sum
+from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
 
 
 class NonFiniteError(RuntimeError):
     """The model's parameters or buffers became NaN/inf; the message names the first step that made them so."""
 
 
-def nonfinite_entries(state: dict[str, Any]) -> list[str]:
-    """Names of the floating-point tensors in ``state`` (a model's state dict) holding a NaN or an inf."""
+def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) -> list[str]:
+    """Names of the floating-point tensors in ``state`` (a model's state dict) holding a NaN or an inf.
+
+    A sharded entry (FSDP's DTensor) is checked on this rank's shard; with ``env`` the ranks' verdicts are then
+    summed (one collective, every rank calls it), so each rank names the same entries whichever shard holds them.
+    """
     names = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
     if not names:
         return []
-    finite = torch.stack([torch.isfinite(state[k]).all() for k in names]).tolist()  # one sync for all
-    return [name for name, ok in zip(names, finite, strict=True) if not ok]
+    local = [state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in names]
+    bad = torch.stack([torch.isfinite(t).all().logical_not() for t in local]).tolist()  # one sync for all
+    if env is not None:
+        bad = all_reduce_sum([float(b) for b in bad], env)
+    return [name for name, b in zip(names, bad, strict=True) if b]
 
 
 class NonFiniteGuard(Callback):
@@ -76,7 +84,8 @@ class NonFiniteGuard(Callback):
             self._applied = []
 
     def on_save_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
-        self._check_model(trainer, checkpoint["model"], self._first_nonfinite_loss())
+        model = checkpoint["model"] if "model" in checkpoint else trainer.module.state_dict()  # FSDP saves it apart
+        self._check_model(trainer, model, self._first_nonfinite_loss())
         self._applied = []
 
     def _first_nonfinite_loss(self) -> tuple[int, float] | None:
@@ -90,7 +99,8 @@ class NonFiniteGuard(Callback):
         return None
 
     def _check_model(self, trainer, model_state: dict[str, Any], first_bad: tuple[int, float] | None) -> None:
-        bad = nonfinite_entries(model_state)
+        # Whole models are the same on every rank; FSDP's shards differ, so the ranks agree on what they hold.
+        bad = nonfinite_entries(model_state, trainer.dist if trainer.sharded else None)
         step = trainer.state.global_step
         if not bad:
             self._finite_at = step
