@@ -12,6 +12,7 @@ several batches, torch and ampkit interleaved; transformer-like lists (many smal
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -71,6 +72,7 @@ def scaler_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help works off a GPU too
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark is for a GPU machine", file=sys.stderr)
         return 2
