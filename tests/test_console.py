@@ -52,7 +52,7 @@ def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(
         "epoch 1 batch 4/8 step 12",
         "epoch 1 batch 8/8 step 16",
     ]
-    status = r".* \| loss=[\d.e+-]+( samples/s=[\d.]+k?)? \| [\d.]+ it/s \| elapsed \d+:\d\d:\d\d"
+    status = r".* \| loss=[\d.e+-]+( samples/s=[\d.]+k?)? \| [\d.]+ (it/s|s/it) \| elapsed \d+:\d\d:\d\d"
     assert all(re.fullmatch(status, p) for p in progress)
     assert "samples/s=" in progress[-1]  # the throughput of the window that ended at step 10
     epochs = [line for line in lines if re.match(r"epoch \d \|", line)]
@@ -127,3 +127,12 @@ def test_validate_stage_draws_a_bar_and_leaves_its_metrics_to_the_caller(tmp_pat
     captured = capsys.readouterr()
     assert captured.out == ""  # no banner, no epoch line: validate() returns the metrics
     assert "validation: " in captured.err and "3it" in captured.err  # a bar counting the 3 batches
+
+
+def test_steps_slower_than_one_a_second_show_seconds_per_step():
+    """A compiled GPT on a CPU took seconds a step, and its epoch line read "(0.0 it/s)"."""
+    from ampkit.callbacks.progress import _rate
+
+    assert (_rate(0.04), _rate(0.5), _rate(1.0), _rate(12.34), _rate(0.0)) == (
+        "25.0 s/it", "2.0 s/it", "1.0 it/s", "12.3 it/s", "0.0 it/s"
+    )  # fmt: skip

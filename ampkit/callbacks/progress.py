@@ -166,7 +166,7 @@ class ProgressBar(Callback):
             rate = (s.iteration - self._epoch_first_step) / elapsed if elapsed > 0 else 0.0
             total = trainer.num_train_batches
             where = f"epoch {s.epoch} batch {s.batches_done}/{'?' if total is None else total} step {s.iteration}"
-            parts = [where, " ".join(self._status(trainer, outputs)), f"{rate:.1f} it/s"]
+            parts = [where, " ".join(self._status(trainer, outputs)), _rate(rate)]
             parts.append(f"elapsed {_duration(time.perf_counter() - self._fit_start)}")
             self._print(" | ".join(part for part in parts if part))
 
@@ -214,7 +214,7 @@ class ProgressBar(Callback):
         s = trainer.state
         took = time.perf_counter() - self._epoch_start
         steps = s.global_step - self._epoch_first_step
-        parts = [f"epoch {s.epoch}", f"{steps} steps in {_duration(took)} ({steps / took if took > 0 else 0:.1f} it/s)"]
+        parts = [f"epoch {s.epoch}", f"{steps} steps in {_duration(took)} ({_rate(steps / took if took > 0 else 0.0)})"]
         for metrics in (trainer.epoch_scalars, self._epoch_val):
             if metrics:
                 parts.append(" ".join(f"{k}={_number(v)}" for k, v in metrics.items()))
@@ -235,3 +235,11 @@ class ProgressBar(Callback):
             if bar is not None:
                 bar.close()
         self._train_bar = self._val_bar = None
+
+
+def _rate(per_second: float) -> str:
+    """Iterations per second, or seconds per iteration below one a second (as tqdm shows it): slow steps (a
+    compiled GPT on a CPU) read "(0.0 it/s)" otherwise."""
+    if 0 < per_second < 1:
+        return f"{1 / per_second:.1f} s/it"
+    return f"{per_second:.1f} it/s"
