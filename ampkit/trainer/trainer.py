@@ -70,7 +70,13 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change, saved_accumulation
+from ampkit.trainer.batch_layout import (
+    batch_layout,
+    batches_done_here,
+    layout_change,
+    order_change_note,
+    saved_accumulation,
+)
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -1338,6 +1344,11 @@ class Trainer:
     def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None, saved_accumulate: int) -> None:
         """A mid-epoch position moved to this run's ranks x batch size; refused where this run's epoch cannot reach
         it (a larger batch size, less data)."""
+        note = order_change_note(
+            self.fit_start.order_changes, saved_layout, self._batch_layout, self.state.batches_done
+        )
+        if note is not None:
+            rank_zero_warn(f"resuming '{path}' {self.state.batches_done} batches into its epoch: {note}")
         done = batches_done_here(
             saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
         )
