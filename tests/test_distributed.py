@@ -528,6 +528,24 @@ def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_
     assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
 
 
+def test_a_two_rank_checkpoint_resumed_at_the_same_global_batch_warns_of_the_key_but_not_of_skipped_batches(
+    two_rank_run, tmp_path
+):
+    """2 ranks x 4 resumed as 1 x 8: the changed data.batch_size is named, but the warning added that a data setting
+    changes which batches a mid-epoch resume skips, and the sample order continues (the 25th sample next)."""
+    step_3 = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000003.pt"
+    recorder = SampleRecorder()
+    cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "one"), "logging": {"tensorboard": False},
+           "data": {"batch_size": 8}, "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        ToyTrainer(cfg, callbacks=[recorder]).fit(resume=step_3)
+    said = [str(w.message) for w in caught if "resuming" in str(w.message)]
+    assert any(line.endswith("data.batch_size: 4 -> 8") for line in said), said
+    assert not [line for line in said if "skip" in line], said
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    assert [rows for _, rows in recorder.seen] == [order[i : i + 8] for i in range(24, 64, 8)]
+
+
 def test_only_a_map_style_loaders_position_is_rescaled_to_another_batch_layout():
     """An IterableDataset orders (and shards) its own samples: its batch count is resumed as saved."""
     from torch.utils.data import IterableDataset

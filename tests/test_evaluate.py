@@ -311,3 +311,26 @@ def test_a_validation_batch_of_no_samples_is_left_out_of_the_means_with_a_warnin
     with torch.no_grad():
         expected = F.mse_loss(trainer.module(x[kept]).squeeze(1), y[kept])
     assert mse == pytest.approx(float(expected), rel=1e-5)
+
+
+class TimeMajorValidation(ToyTrainer):
+    """Validation batches laid out (time, batch, features): 3 time steps, then 16 and 8 samples."""
+
+    def val_dataloader(self):
+        def time_major(rows):
+            x = torch.stack([r[0] for r in rows])
+            return x.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.stack([r[1] for r in rows])
+
+        return DataLoader(toy_dataset(24, seed=7), batch_size=16, collate_fn=time_major)
+
+    def validation_step(self, batch):
+        return {"samples": float(batch[0].size(1))}
+
+    def samples_in(self, batch):
+        return batch[0].size(1)
+
+
+def test_validation_averages_weigh_each_batch_by_the_trainers_samples_in(tmp_path):
+    """By the leading size both batches weighed 3 (the time steps): the mean was 12, not the per-sample 40/3."""
+    metrics = TimeMajorValidation(toy_cfg(tmp_path, **{"logging.tensorboard": False})).validate()
+    assert metrics["samples"] == pytest.approx((16 * 16 + 8 * 8) / 24)

@@ -178,3 +178,33 @@ def test_reduce_overhead_off_a_gpu_warns_that_it_compiles_as_the_default_mode(tm
     with pytest.warns(UserWarning, match=r"'trainer.compile_mode': 'reduce-overhead' adds CUDA graphs .* on cpu"):
         trainer.fit()
     assert trainer.state.global_step == 1
+
+
+def test_checkpointing_modules_training_code_never_calls_warns_naming_what_ran(tmp_path):
+    """Tanh is checkpointed, then training code calls torch.tanh instead: nothing is recomputed, no memory saved."""
+
+    class Bypasses(ToyTrainer):
+        def training_step(self, batch):
+            x, y = batch
+            net = self.module
+            return F.mse_loss(net[3](net[2](torch.tanh(net[0](x)))).squeeze(1), y)
+
+    quiet = {"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False}
+    trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.activation_checkpointing": "[Tanh]"}, **quiet))
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit()
+    said = [str(w.message) for w in caught if "activation_checkpointing" in str(w.message)]
+    assert len(said) == 1, said  # once, not per step
+    assert "'trainer.activation_checkpointing'=['Tanh']: training code called none of the checkpointed" in said[0]
+    assert "it ran Dropout, Linear instead" in said[0]
+    assert trainer.state.global_step == 2
+    assert not any(m._forward_pre_hooks for m in trainer.module.modules())  # later steps pay nothing
+
+
+def test_checkpointing_that_runs_is_quiet_and_leaves_no_hooks(tmp_path, recwarn):
+    quiet = {"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.activation_checkpointing": "[Tanh]"}, **quiet))
+    trainer.fit()
+    assert trainer.state.global_step == 2
+    assert not [w for w in recwarn if "activation_checkpointing" in str(w.message)]
+    assert not any(m._forward_pre_hooks for m in trainer.module.modules())

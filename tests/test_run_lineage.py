@@ -436,3 +436,51 @@ def test_resuming_another_run_dirs_last_checkpoint_branches_into_run_dir_and_lea
     assert other.version_dir == tmp_path / "two" / "run" / "version_0" and other.state.global_step == 16
     assert (other.version_dir / "lineage.yaml").is_file()
     assert _files(first.version_dir) == before
+
+
+def _mid_epoch_checkpoint(tmp_path) -> Path:
+    """ToyTrainer's step-3 checkpoint: 3 batches of 8 into an epoch of 8 batches."""
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "checkpoint.every_n_steps": 3})).fit()
+    return tmp_path / "run" / "version_0" / "checkpoints" / "step-00000003.pt"
+
+
+def _skip_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "skip" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("changed", "said"),
+    [
+        ({"data.batch_size": 4}, None),  # the position moves in samples: 24 in, at batch 4 as at batch 8
+        ({"data.n": 72}, "it continues at sample 24 of the epoch's order; if data.n changed the dataset or its order"),
+        ({"trainer.seed": 5}, "trainer.seed (0 -> 5) orders a shuffled epoch, so the samples it skips are not"),
+        ({"trainer.limit_train_batches": 6}, None),  # a shorter epoch, the same 24 samples skipped
+    ],
+)
+def test_a_mid_epoch_resume_warns_of_skipped_samples_only_where_a_change_moves_them(tmp_path, changed, said):
+    """Any data.* change added 'a data setting changes which batches a mid-epoch resume skips', untrue where the
+    position is kept in samples (ranks x batch size): the resume continues at the same sample of the same order."""
+    step_3 = _mid_epoch_checkpoint(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}, **changed)).fit(resume=step_3)
+    assert any("changed config" in str(w.message) for w in caught)
+    skips = _skip_warnings(caught)
+    if said is None:
+        assert not skips
+    else:
+        assert len(skips) == 1 and f"resuming '{step_3}' 3 batches into its epoch: {said}" in skips[0], skips
+
+
+def test_a_loader_without_a_batch_layout_warns_that_its_batch_count_may_skip_other_samples():
+    """A batch sampler or an IterableDataset resumes at the saved count of its batches: a data change may move it."""
+    from ampkit.trainer.batch_layout import order_change_note
+
+    known = {"ranks": 2, "batch_size": 32, "epoch_batches": 10}
+    one_process = {"ranks": 1, "batch_size": 64, "epoch_batches": 10}
+    assert order_change_note({"data.batch_size": (32, 64)}, known, one_process, 3) is None
+    note = order_change_note({"data.batch_size": (32, 64)}, known, None, 3)
+    assert note == (
+        "this train loader (no fixed batch size over a map-style dataset) resumes at a count of batches (3), not at "
+        "a sample, so data.batch_size may change which samples those batches are"
+    )

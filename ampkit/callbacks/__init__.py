@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ampkit.callbacks.checkpoint import ModelCheckpoint
+from ampkit.callbacks.checkpointing_report import CheckpointingReport
 from ampkit.callbacks.clipping import GradientClipping
 from ampkit.callbacks.compile_report import CompileReport
 from ampkit.callbacks.distributed import DistributedSync
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Callback",
+    "CheckpointingReport",
     "CompileReport",
     "DistributedSync",
     "EarlyStopping",
@@ -71,6 +73,8 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
         callbacks.append(GradientClipping(clip))
     if trainer.model_setup is not None and trainer.model_setup.compiled:
         callbacks.append(CompileReport())
+    if trainer.model_setup is not None and trainer.model_setup.checkpointed:
+        callbacks.append(CheckpointingReport())
     if cfg.logging.throughput:
         props = resolve_precision(cfg.precision)
         compute_dtype = None if props.opt_level == "O0" else props.dtype

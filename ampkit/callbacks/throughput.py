@@ -4,10 +4,11 @@ A Trainer tells it what one sample is worth by setting ``tokens_per_sample`` (a 
 and ``flops_per_sample`` (the training FLOPs of one sample, forward and backward: :func:`count_training_flops`
 measures them once on a meta-device copy of the model, or use ``6 * N + 12 * layers * width * seq_len`` per
 token, the matmul parameters ``N`` plus attention's two products, as torchtitan and nanoGPT do); each is None or a
-finite number > 0, checked when training starts. Samples per batch are the leading size of the batch's first
-tensor, counted on the host: no device sync is added (a batch holding no tensor leaves its window's rates
-unreported). Recomputation under activation checkpointing is not counted (that would be hardware FLOPs, not model
-FLOPs).
+finite number > 0, checked when training starts. Samples per batch are the Trainer's ``samples_in(batch)`` (by
+default the leading size of the batch's first tensor) and tokens its ``tokens_in(batch)`` where that gives a number
+(packed or variable-length sequences), each counted on the host before the batch moves: no device sync is added (a
+batch whose samples are unknown leaves its window's rates unreported). Recomputation under activation
+checkpointing is not counted (that would be hardware FLOPs, not model FLOPs).
 
 MFU is achieved FLOP/s over the device's peak for the compute dtype: a table of dense (no sparsity) peaks for
 current NVIDIA parts, or ``logging.peak_tflops``. On a CPU, or a GPU the table does not know, there is no MFU.
@@ -173,6 +174,7 @@ class Throughput(Callback):
         self._watch: HostStopwatch | CudaStopwatch = HostStopwatch(clock)
         self._start: Any = None  # the window's start mark; None until the first iteration has ended
         self._samples: int | None = 0  # this rank's samples in the window (None: a batch in it had no tensor)
+        self._tokens: int | None = 0  # this rank's tokens in the window (None: not known for every batch in it)
         self._pauses: list[tuple[Any, Any]] = []  # validation runs and saves inside the window: (start, end) marks
         self._paused_at: Any = None
         self._pause_depth = 0  # pauses open now: one inside another (a save during validation) is left out once
@@ -187,7 +189,7 @@ class Throughput(Callback):
         if self.peak is None:
             self.peak = peak_tflops(trainer.device, matmul_dtype(self.compute_dtype))
         self._watch = stopwatch_for(trainer.device, self.clock)
-        self._start, self._samples, self._pauses, self._unread = None, 0, [], None
+        self._start, self._samples, self._tokens, self._pauses, self._unread = None, 0, 0, [], None
         self._pause_depth = 0
         self._uncounted, self._warned = "", False
 
@@ -202,18 +204,22 @@ class Throughput(Callback):
             self._samples, self._uncounted = None, type(batch).__name__
         elif self._samples is not None:
             self._samples += samples
+        tokens = s.batch_tokens
+        if tokens is None and samples is not None and self._tokens_per_sample:
+            tokens = samples * self._tokens_per_sample
+        self._tokens = None if tokens is None or self._tokens is None else self._tokens + tokens
         if not (s.is_iteration_end and s.iteration % self.every_n_steps == 0):
             return
-        counted = None if self._samples is None else self._samples * self._world
+        counted = None if self._samples is None else (self._samples * self._world, self._tokens)
         window = (self._start, self._watch.mark(), counted, self._pauses, s.iteration)
-        self._start, self._samples, self._pauses = window[1], 0, []
+        self._start, self._samples, self._tokens, self._pauses = window[1], 0, 0, []
         if self._watch.lags:  # report the previous window, whose end the GPU has passed long ago
             window, self._unread = self._unread, window
         if window is not None:
             self._report(trainer, *window)
 
-    def _report(self, trainer, start: Any, end: Any, samples: int | None, pauses: list, step: int) -> None:
-        if samples is None:
+    def _report(self, trainer, start: Any, end: Any, counted: tuple | None, pauses: list, step: int) -> None:
+        if counted is None:
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(
@@ -225,16 +231,20 @@ class Throughput(Callback):
         seconds = self._watch.seconds(start, end) - sum(self._watch.seconds(a, b) for a, b in pauses)
         if seconds <= 0:
             return
-        figures = self.figures(samples, seconds)
+        samples, tokens = counted
+        figures = self.figures(samples, seconds, None if tokens is None else tokens * self._world)
         trainer.state.throughput = figures
         for key, value in figures.items():
             trainer.log(f"perf/{key}", value, always=True, step=step)
 
-    def figures(self, samples: int, seconds: float) -> dict[str, float]:
-        """The rates of ``samples`` (all ranks) trained in ``seconds``."""
+    def figures(self, samples: int, seconds: float, tokens: int | None = None) -> dict[str, float]:
+        """The rates of ``samples`` (all ranks) trained in ``seconds``; ``tokens`` (all ranks) where counted, else
+        samples x ``tokens_per_sample``."""
         figures = {"samples_per_sec": samples / seconds}
-        if self._tokens_per_sample:
-            figures["tokens_per_sec"] = samples * self._tokens_per_sample / seconds
+        if tokens is None and self._tokens_per_sample:
+            tokens = samples * self._tokens_per_sample
+        if tokens is not None:
+            figures["tokens_per_sec"] = tokens / seconds
         if self._flops_per_sample:
             tflops = samples * self._flops_per_sample / seconds / 1e12
             figures["tflops"] = tflops

@@ -78,3 +78,36 @@ def saved_accumulation(checkpoint: dict[str, Any]) -> int:
     trainer = config.get("trainer") if isinstance(config, dict) else None
     accumulate = trainer.get("accumulate_grad_batches") if isinstance(trainer, dict) else None
     return accumulate if isinstance(accumulate, int) and not isinstance(accumulate, bool) and accumulate >= 1 else 1
+
+
+def order_change_note(
+    changes: dict[str, tuple[Any, Any]], saved: dict[str, int] | None, here: dict[str, int] | None, batches_done: int
+) -> str | None:
+    """What the changed keys (``{key: (then, now)}`` of ``data.*`` and ``trainer.seed``) do to the samples a resume
+    ``batches_done`` batches into its epoch skips, or None when they do not change them.
+
+    With both layouts known the position moves in samples, so a key that is the loader's batch size (its values
+    are the layouts' batch sizes) changes nothing there; the banner names the changed samples a step instead."""
+    seed = changes.get("trainer.seed")
+    data = [key for key in changes if key != "trainer.seed"]
+    notes = []
+    if seed is not None:
+        notes.append(
+            f"trainer.seed ({seed[0]} -> {seed[1]}) orders a shuffled epoch, so the samples it skips are not the ones "
+            "the saved run trained"
+        )
+    if saved is not None and here is not None:
+        sizes = (saved["batch_size"], here["batch_size"])
+        data = [key for key in data if sizes[0] == sizes[1] or changes[key] != sizes]
+        if data:
+            notes.append(
+                f"it continues at sample {batches_done * saved['ranks'] * saved['batch_size']} of the epoch's order; "
+                f"if {', '.join(data)} changed the dataset or its order, the samples it skips are not the ones the "
+                "saved run trained"
+            )
+    elif data:
+        notes.append(
+            f"this train loader (no fixed batch size over a map-style dataset) resumes at a count of batches "
+            f"({batches_done}), not at a sample, so {', '.join(data)} may change which samples those batches are"
+        )
+    return "; ".join(notes) or None

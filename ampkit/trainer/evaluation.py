@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from ampkit.trainer.batch_counts import checked_count
 from ampkit.trainer.distributed import (
     all_reduce_sum,
     evened_by_agreement,
@@ -131,11 +132,11 @@ def average_metrics(
     for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
             break
+        n = checked_count(trainer.samples_in(batch), trainer, "samples_in")  # on the host, before it moves
         batch = trainer._to_device(batch)
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         if not real:
             continue
-        n = batch_size(batch)
         if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
             empty.append(i)
             continue

@@ -50,6 +50,7 @@ class ModelSetup:
     notes: dict[str, str] = field(default_factory=dict)
     compiled: bool = False  # some forward is compiled: the first step pays for compilation
     compiled_regions: list[nn.Module] = field(default_factory=list)  # modules compiled in place (trainer.compile)
+    checkpointed: list[nn.Module] = field(default_factory=list)  # trainer.activation_checkpointing's modules
 
     @property
     def compile_setting(self) -> Any:
@@ -77,6 +78,7 @@ def _activation_checkpointing(module: nn.Module, setup: ModelSetup) -> nn.Module
     blocks = _named_modules(module, names, "trainer.activation_checkpointing")
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
+    setup.checkpointed = blocks
     if blocks:
         setup.notes["checkpointing"] = f"activations recomputed in backward: {_count(blocks)}"
     return module

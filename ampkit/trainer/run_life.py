@@ -41,7 +41,7 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +172,9 @@ class FitStart:
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
     nothing_to_train: str | None = None  # why the checkpoint is *finished* (resuming it trains nothing), or None
+    # A mid-epoch checkpoint's changed keys that may move the sample order it resumes in: ``{key: (then, now)}``
+    # of data.* and trainer.seed; whether they do is known once the train loader is built (batch_layout.py).
+    order_changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -366,12 +369,9 @@ def plan_fit(
         )
     changed = config_changes(checkpoint.get("config", {}), cfg)
     if changed:
-        mid_epoch = checkpoint["loop"].get("batches_done", 0) > 0
-        data_changed = any(change.startswith(("data.", "trainer.seed", "trainer.limit_train")) for change in changed)
-        rank_zero_warn(
-            f"resuming '{path}' with a changed config: {'; '.join(changed)}"
-            + (" (a data setting changes which batches a mid-epoch resume skips)" if mid_epoch and data_changed else "")
-        )
+        rank_zero_warn(f"resuming '{path}' with a changed config: {'; '.join(changed)}")
+    mid_epoch = checkpoint["loop"].get("batches_done", 0) > 0
+    order_changes = _order_changes(checkpoint.get("config", {}), cfg) if mid_epoch else {}
     loop = dict(checkpoint["loop"])
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
@@ -397,6 +397,7 @@ def plan_fit(
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,
         nothing_to_train=why_finished(checkpoint, path, cfg),
+        order_changes=order_changes,
     )
 
 
@@ -414,6 +415,13 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
         for key in sorted(before.keys() | now.keys())
         if key not in _EXPECTED_CHANGES and meant_before.get(key) != meant_now.get(key)
     ]
+
+
+def _order_changes(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
+    """``{key: (then, now)}`` for each changed ``data.*`` key and ``trainer.seed`` (the seed of a shuffled epoch)."""
+    before, now = _settings(saved), _settings(cfg)
+    keys = sorted(k for k in before.keys() | now.keys() if k.startswith("data.") or k == "trainer.seed")
+    return {k: (before.get(k), now.get(k)) for k in keys if before.get(k) != now.get(k)}
 
 
 def open_version_dir(

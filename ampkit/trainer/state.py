@@ -20,7 +20,8 @@ class LoopState:
     iteration: int = 0  # 1-based number of the iteration the current batch belongs to (the logging step)
     is_iteration_start: bool = True  # the current batch opens an accumulation window
     is_iteration_end: bool = True  # the current batch closes it: optimizers step after it
-    batch_size: int | None = None  # samples in the current training batch (None: unknown, no tensor in it)
+    batch_size: int | None = None  # samples in the current training batch (Trainer.samples_in; None: unknown)
+    batch_tokens: int | None = None  # its tokens (Trainer.tokens_in; None: samples x tokens_per_sample)
     epoch_finished: bool = False
     # Set it to end training after this batch (under torchrun on one rank too: every rank ends where they next agree,
     # see docs/distributed.md); a resume of the checkpoint trains nothing.

@@ -70,7 +70,14 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_layout import batch_layout, batches_done_here, layout_change, saved_accumulation
+from ampkit.trainer.batch_counts import checked_count
+from ampkit.trainer.batch_layout import (
+    batch_layout,
+    batches_done_here,
+    layout_change,
+    order_change_note,
+    saved_accumulation,
+)
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -421,6 +428,18 @@ class Trainer:
     def configure_callbacks(self) -> list[Callback]:
         """Extra callbacks this Trainer always wants."""
         return []
+
+    def samples_in(self, batch: Any) -> int | None:
+        """The samples in one batch, counted on the host before it moves to the device: they weigh ``log()``'s epoch
+        means and validation's averages and make samples/s. By default the leading size of its first tensor;
+        override for a batch laid out otherwise (time-major: ``return batch[0].size(1)``). None: unknown."""
+        return batch_size(batch)
+
+    def tokens_in(self, batch: Any) -> int | None:
+        """The tokens in one training batch, for tokens/s, counted on the host before it moves to the device. By
+        default None: samples x ``tokens_per_sample``; override for packed or variable-length sequences
+        (``return int(batch["attention_mask"].sum())``)."""
+        return None
 
     # ----------------------------------------------------------------- what training code calls
     def __getattr__(self, name: str) -> Any:
@@ -946,7 +965,9 @@ class Trainer:
                 opt_state.begin_iteration()
             for loss_state in self.loss_state.values():
                 loss_state.begin_iteration()
-        s.batch_size = batch_size(batch)  # once a batch: log()'s epoch means and samples/s read it
+        # Once a batch: log()'s epoch means and the throughput figures read them.
+        s.batch_size = checked_count(self.samples_in(batch), self, "samples_in")
+        s.batch_tokens = checked_count(self.tokens_in(batch), self, "tokens_in")
         if s.batch_size == 0:  # on the host, before any work: nan loss and zero gradients otherwise
             raise empty_batch_error("train_dataloader", f"batch {s.batch_idx} of epoch {s.epoch}, step {s.iteration}")
         if not self._on_cpu:
@@ -1364,6 +1385,11 @@ class Trainer:
     def _check_resume_position(self, path: Path, saved_layout: dict[str, int] | None, saved_accumulate: int) -> None:
         """A mid-epoch position moved to this run's ranks x batch size; refused where this run's epoch cannot reach
         it (a larger batch size, less data)."""
+        note = order_change_note(
+            self.fit_start.order_changes, saved_layout, self._batch_layout, self.state.batches_done
+        )
+        if note is not None:
+            rank_zero_warn(f"resuming '{path}' {self.state.batches_done} batches into its epoch: {note}")
         done = batches_done_here(
             saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,8 +92,9 @@ def test_a_training_batch_is_sized_once_for_the_empty_check_log_and_samples_per_
 
     monkeypatch.setattr(trainer_module, "batch_size", counting)
     monkeypatch.setattr("ampkit.callbacks.throughput.batch_size", counting, raising=False)
+    # No sanity validation: it sizes its own batches.
     cfg = toy_cfg(tmp_path, **{"trainer.max_steps": 6, "trainer.progress_bar": False, "trainer.device": "cpu",
-                               "logging.throughput": False})  # fmt: skip
+                               "logging.throughput": False, "trainer.num_sanity_val_steps": 0})  # fmt: skip
     trainer = LogsAnEpochMean(cfg, callbacks=[Throughput(every_n_steps=2, clock=FakeClock(step_s=0.5))])
     trainer.fit()
     assert len(sized) == 6
@@ -358,3 +361,63 @@ def test_varying_batch_sizes_and_an_unsized_loader_are_counted_batch_by_batch(tm
     # epochs of 24, 24, 16; the window 4..6 (one clock read at each end) holds 24 + 24 + 16 samples in 0.5 s
     assert trainer.state.throughput["samples_per_sec"] == pytest.approx(64 / 0.5)
     assert trainer.state.throughput["tokens_per_sec"] == pytest.approx(64 * 16 / 0.5)
+
+
+class TimeMajor(Tokens):
+    """Batches laid out (time, batch, features), as an RNN's: the leading size is the sequence length, not samples."""
+
+    def train_dataloader(self):
+        return DataLoader(toy_dataset(64), batch_size=8, shuffle=True, collate_fn=_time_major)
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model(x.mean(0)).squeeze(1), y)
+
+    def samples_in(self, batch):
+        return batch[0].size(1)
+
+
+def _time_major(rows):
+    x = torch.stack([r[0] for r in rows])  # (8, 6)
+    return x.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.stack([r[1] for r in rows])  # (3, 8, 6)
+
+
+class PackedTokens(Tokens):
+    """Variable-length sequences: each batch's real tokens (here 10 a sample, as if the rest were padding)."""
+
+    def tokens_in(self, batch):
+        return int(batch[0].size(0)) * 10
+
+
+def test_a_trainer_says_the_samples_and_tokens_of_its_batches(tmp_path):
+    """samples_in: a time-major batch's samples are its second size (the leading one counted 3, the time steps);
+    tokens_in: packed or variable-length sequences count their real tokens, not samples x tokens_per_sample."""
+    settings = {"trainer.max_steps": 8, "trainer.progress_bar": False, "trainer.device": "cpu",
+                "logging.throughput": False, "logging.tensorboard": False}  # fmt: skip
+    figures = {}
+    for cls in (TimeMajor, PackedTokens):
+        trainer = cls(toy_cfg(tmp_path / cls.__name__, **settings),
+                      callbacks=[Throughput(every_n_steps=4, clock=FakeClock(step_s=0.5))])  # fmt: skip
+        trainer.fit()
+        figures[cls.__name__] = trainer.state.throughput
+    assert figures["TimeMajor"]["samples_per_sec"] == pytest.approx(4 * 8 / 0.5)
+    assert figures["TimeMajor"]["tokens_per_sec"] == pytest.approx(4 * 8 * 16 / 0.5)
+    assert figures["PackedTokens"]["samples_per_sec"] == pytest.approx(4 * 8 / 0.5)
+    assert figures["PackedTokens"]["tokens_per_sec"] == pytest.approx(4 * 8 * 10 / 0.5)
+
+
+@pytest.mark.parametrize(
+    ("method", "value", "error", "said"),
+    [
+        ("samples_in", 8.0, TypeError, "returned 8.0: a float, not an int"),
+        ("samples_in", True, TypeError, "returned True: a bool, not an int"),
+        ("tokens_in", -3, ValueError, "returned -3: negative"),
+        ("tokens_in", torch.tensor(80), TypeError, "returned tensor(80): a Tensor, not an int (count on the host"),
+    ],
+)
+def test_a_count_that_is_no_integer_is_named_before_it_skews_a_figure(tmp_path, method, value, error, said):
+    cls = type("Counts", (ToyTrainer,), {method: lambda self, batch: value})
+    trainer = cls(toy_cfg(tmp_path, **{"trainer.max_steps": 2, "trainer.progress_bar": False}))
+    with pytest.raises(error, match=re.escape(f"Counts.{method}(batch) {said}")):
+        trainer.fit()
+    assert trainer.state.global_step == 0
