@@ -87,7 +87,9 @@ class _Server:
     """The warm process: reads one JSON request per line on stdin and forks a rank for each."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # NVML's device count, not the CUDA driver's: a driver initialised before a fork fails in the forked ranks,
+        # and torch.cuda.is_available() (which an import may ask) initialises it otherwise.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         self.log = tempfile.NamedTemporaryFile(prefix="rank-forkserver-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
