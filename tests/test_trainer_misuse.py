@@ -323,3 +323,32 @@ class LogsUnderANumber(ToyTrainer):
 def test_an_integer_loss_and_a_tag_that_is_no_string_are_named(tmp_path, trainer_class, message):
     with pytest.raises(UserCodeError, match=message):
         trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class ValidatesAtEpochEndAndFails(ToyTrainer):
+    """A hook of fit runs validate(), whose step raises."""
+
+    def on_train_epoch_end(self):
+        self.validate()
+
+    def validation_step(self, batch):
+        if self.state.stage == "validate":
+            raise ValueError("the nested validation failed")
+        return super().validation_step(batch)
+
+
+def test_an_error_in_validate_from_a_hook_reaches_each_callback_once(tmp_path):
+    """The nested validate() fired on_exception, then the fit did again as the error unwound it: a callback that
+    saves or reports on failure did so twice."""
+
+    class Counts(ampkit.Callback):
+        def __init__(self):
+            self.errors = []
+
+        def on_exception(self, trainer, exception):
+            self.errors.append(str(exception))
+
+    counts = Counts()
+    with pytest.raises(ValueError, match="the nested validation failed"):
+        ValidatesAtEpochEndAndFails(toy_cfg(tmp_path, **QUIET), callbacks=[counts]).fit()
+    assert counts.errors == ["the nested validation failed"]

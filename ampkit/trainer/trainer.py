@@ -1226,8 +1226,9 @@ class Trainer:
                 result = average_metrics(self, loader, step, batch_end_hook=batch_end)
             self.fire(f"on_{stage.hook}_end", result)
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
-            self._explain(exc)
-            self._fire_every_one("on_exception", exc, failure=exc)
+            if self._running == stage.name:  # from a hook, the outer run fires it, once, as the error unwinds it
+                self._explain(exc)
+                self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
             self.state.stage = outer_stage
