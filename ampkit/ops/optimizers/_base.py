@@ -14,13 +14,14 @@ step, as torch's fused optimizers leave them.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -359,11 +360,28 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
                 )
 
 
-# A step inside a ``torch.compile``d function (a whole train step compiled) runs eagerly, as a graph break: its C++
-# kernels have no fake-tensor form for dynamo to trace, and it reads host numbers (GradScaler's skip, LAMB's norms).
-eager_under_compile = torch.compiler.disable(
-    recursive=True, reason="ampkit's fused optimizer steps run their C++/CUDA kernels eagerly"
-)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def eager_under_compile(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn`` run eagerly inside a ``torch.compile``d function (a whole train step compiled), as a graph break: the
+    C++ kernels have no fake-tensor form for dynamo to trace, and a step reads host numbers (GradScaler's skip,
+    LAMB's norms). Made at the first call, as torch.optim makes its own: ``torch.compiler.disable`` imports dynamo,
+    seconds an ``ampkit`` command that never steps (``--help``, a config error) would otherwise wait for."""
+
+    @functools.wraps(fn)
+    def run_eagerly(*args: P.args, **kwargs: P.kwargs) -> T:
+        eager = _eager_forms.get(fn)
+        if eager is None:
+            reason = "ampkit's fused optimizer steps run their C++/CUDA kernels eagerly"
+            eager = _eager_forms[fn] = torch.compiler.disable(fn, recursive=True, reason=reason)
+        return eager(*args, **kwargs)
+
+    return run_eagerly
+
+
+_eager_forms: dict[Callable, Callable] = {}  # each step function's dynamo-disabled form, made at its first call
 
 
 @contextmanager
