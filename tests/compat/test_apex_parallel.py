@@ -349,7 +349,8 @@ def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
 
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
     # MLPerf's GNMT and SSD step fp32 masters from ``model.allreduce_buffers``: one flat reduced buffer per dtype
-    # (float16 first), which each gradient is a view of, refilled by every backward.
+    # (float16 first), which each gradient is a view of, refilled by every backward; SSD builds its masters from
+    # the parameters ``active_i_buckets`` lists for each.
     class FloatThenHalf(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -375,6 +376,8 @@ def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
     assert (half.dtype, single.dtype) == (torch.float16, torch.float32)
     torch.testing.assert_close(half, torch.cat([g.flatten() for g in expected[2:]]))
     torch.testing.assert_close(single, torch.cat([g.flatten() for g in expected[:2]]))
+    buckets = [[ddp.active_params[i] for i in bucket] for bucket in ddp.active_i_buckets]
+    assert buckets == [[model.low.weight, model.low.bias], [model.high.weight, model.high.bias]]
     half.mul_(2)  # what a flat step does to the buffer, every fp16 gradient sees
     torch.testing.assert_close(model.low.weight.grad, 2 * expected[2])
 

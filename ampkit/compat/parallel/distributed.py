@@ -18,7 +18,8 @@ Apex argument → effect here:
 - ``shared_param`` → rejected, as in Apex.
 - ``retain_allreduce_buffers=True`` → reduce at the end of backward, as ``delay_allreduce``, and keep the flat
   reduced buffers in ``allreduce_buffers`` (one per dtype: float16, float32, float64, bfloat16), each parameter's
-  ``.grad`` a view of its buffer, as Apex left them for optimizers that step a flat gradient (MLPerf's GNMT, SSD).
+  ``.grad`` a view of its buffer, as Apex left them for optimizers that step a flat gradient (MLPerf's GNMT, SSD);
+  ``active_params`` and ``active_i_buckets`` name the parameters of each buffer, as Apex's did.
 - ``allreduce_trigger_params``, ``num_allreduce_streams``, ``allreduce_communicators``, ``prof`` → no effect
   (torch's reducer schedules buckets and streams itself); a non-default value warns once.
 
@@ -32,6 +33,7 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import warnings
@@ -316,7 +318,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 )
             buckets[(param.grad.device, param.grad.dtype)].append(param)
         group, world_size = _group_and_size(self._reduce_options)
-        retained = []
+        retained, retained_params = [], []
         for key in sorted(buckets, key=lambda device_dtype: _APEX_BUCKET_ORDER.get(device_dtype[1], 4)):
             params = buckets[key]
             flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -330,11 +332,16 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 for grad, view in zip(grads, synced, strict=True):
                     grad.data = view.view_as(grad)
                 retained.append(reduced)
+                retained_params.append(params)
             else:
                 # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
                 torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
         if self.retain_allreduce_buffers:
             self.allreduce_buffers = retained
+            # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
+            self.active_params = [p for params in retained_params for p in params]
+            starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
+            self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
 
 
 class Reducer:
