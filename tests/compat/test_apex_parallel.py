@@ -347,6 +347,41 @@ def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
         torch.testing.assert_close(p.grad, want)
 
 
+def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
+    # MLPerf's GNMT and SSD step fp32 masters from ``model.allreduce_buffers``: one flat reduced buffer per dtype
+    # (float16 first), which each gradient is a view of, refilled by every backward; SSD builds its masters from
+    # the parameters ``active_i_buckets`` lists for each.
+    class FloatThenHalf(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.high, self.low = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).half()
+
+        def forward(self, x):
+            return self.low(self.high(x).half())
+
+    torch.manual_seed(0)
+    model = FloatThenHalf()
+    x = _rank_data(rank)[0]
+    model(x).float().pow(2).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    model.zero_grad()
+    ddp = DistributedDataParallel(model, retain_allreduce_buffers=True)
+    for _ in range(2):  # the second backward's buffers replace the first's
+        model.zero_grad(set_to_none=True)
+        ddp(x).float().pow(2).sum().backward()
+    half, single = ddp.allreduce_buffers
+    assert (half.dtype, single.dtype) == (torch.float16, torch.float32)
+    torch.testing.assert_close(half, torch.cat([g.flatten() for g in expected[2:]]))
+    torch.testing.assert_close(single, torch.cat([g.flatten() for g in expected[:2]]))
+    buckets = [[ddp.active_params[i] for i in bucket] for bucket in ddp.active_i_buckets]
+    assert buckets == [[model.low.weight, model.low.bias], [model.high.weight, model.high.bias]]
+    half.mul_(2)  # what a flat step does to the buffer, every fp16 gradient sees
+    torch.testing.assert_close(model.low.weight.grad, 2 * expected[2])
+
+
 def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
     # Each rank builds its own model; DDP hands every rank rank 0's fp16 weights. The fp32 masters must then be
     # identical on every rank (Apex built them from the fp16 weights), or the replicas drift apart for good.
@@ -519,6 +554,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_delay_allreduce_with_an_unused_parameter,
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
+        _check_ddp_retains_allreduce_buffers_for_a_flat_step,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,
         _check_torch_ddp_no_sync_accumulation_matches_one_process,

@@ -1,9 +1,9 @@
 """How real programs use Apex, one usage pattern per test (written here after the projects' own code, CPU-sized):
-transformers' availability check and apex loop, the try-block of imports NVIDIA's BERT and TAPE scripts guard
-apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, the 2019 LAMB calls
-of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total norm
-and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, and optional
-Apex parts behind ``except ImportError``."""
+transformers' availability check, apex loop and Trainer resume, the try-block of imports NVIDIA's BERT and TAPE
+scripts guard apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, the 2019
+LAMB calls of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total
+norm and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, DPR's
+clipping after every accumulated micro-batch, and optional Apex parts behind ``except ImportError``."""
 
 from __future__ import annotations
 
@@ -672,3 +672,100 @@ def test_dlrm_function_calling_mlp_function_forward_and_backward_under_autocast(
     assert out.dtype == torch.float32
     for g, want in zip(got, (p.grad for p in mlp.parameters()), strict=True):
         torch.testing.assert_close(g, want)
+
+
+def _clip_every_micro_batch_run(opt_level: str | None) -> tuple[list[float], torch.Tensor]:
+    """DPR's loop: each micro-batch's backward is followed by clipping ``amp.master_params`` (so the gradients
+    accumulated so far are clipped in place), and every second micro-batch steps, steps the scheduler and zeroes the
+    model's gradients (``model.zero_grad()``, not the optimizer's)."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if opt_level is not None:
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)
+    generator = torch.Generator().manual_seed(5)
+    norms = []
+    for batch in range(6):
+        x = torch.randn(16, 8, generator=generator)
+        inputs = x.to(next(model.parameters()).dtype)
+        loss = torch.nn.functional.mse_loss(model(inputs).float(), x.sum(1, keepdim=True)) / 2
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        params = amp.master_params(optimizer) if opt_level is not None else model.parameters()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1e-2)))
+        if batch % 2 == 1:
+            optimizer.step()
+            scheduler.step()
+            model.zero_grad()
+    return norms, torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_dpr_clips_the_masters_after_every_micro_batch_and_the_next_backward_adds_to_the_clipped_gradients(
+    shim, opt_level
+):
+    """The second micro-batch's norm is that of the first's clipped gradients plus its own: the clip between the two
+    backwards is kept (it is lost if the accumulated gradients are held anywhere but in the masters' ``.grad``)."""
+    want_norms, want = _clip_every_micro_batch_run(None)
+    norms, trained = _clip_every_micro_batch_run(opt_level)
+    assert norms == pytest.approx(want_norms, rel=5e-3)
+    torch.testing.assert_close(trained, want, atol=1e-3, rtol=0)
+
+
+def _hf_trainer_apex_run(opt_level: str, checkpoint: dict | None, stop_after: int | None) -> tuple[torch.Tensor, dict]:
+    """transformers' Trainer with ``_use_apex``: the checkpoint's weights are loaded into the new float32 model before
+    ``amp.initialize`` (``_load_from_checkpoint``), the optimizer and scheduler after it; no amp state is saved.
+    Two micro-batches a step (loss divided by 2), clipping through ``amp.master_params``, ``model.zero_grad()``."""
+    from apex import amp
+
+    model = _mlp()
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 10)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, max_loss_scale=2.0**10, verbosity=0)
+    start = 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        start = checkpoint["step"]
+    for step in range(start, 8 if stop_after is None else stop_after):
+        for micro in range(2):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + micro))
+            output = model(x.to(next(model.parameters()).dtype)).float()
+            loss = torch.nn.functional.mse_loss(output, x.sum(1, keepdim=True))
+            with amp.scale_loss(loss / 2, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        optimizer.step()
+        scheduler.step()
+        model.zero_grad()
+    saved = {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "scheduler": scheduler.state_dict(),
+        "step": stop_after,
+    }
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]), saved
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_hf_trainer_resumed_with_the_weights_loaded_before_initialize_continues_exactly(shim, opt_level):
+    """The Trainer's order (weights into the float32 model, ``initialize``, then the optimizer) with no amp state in
+    the checkpoint goes on bit for bit: at O2 the masters come back exactly, from the float32 weights the model saves
+    or from the optimizer's state (with neither, they would restart from the fp16 rounding of the weights)."""
+    from apex import amp
+
+    uninterrupted, _ = _hf_trainer_apex_run(opt_level, None, None)
+    amp._amp_state.reset()
+    _, checkpoint = _hf_trainer_apex_run(opt_level, None, stop_after=4)
+    amp._amp_state.reset()
+    resumed, _ = _hf_trainer_apex_run(opt_level, checkpoint, None)
+    assert torch.equal(resumed, uninterrupted)

@@ -16,9 +16,12 @@ Apex argument → effect here:
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
 - ``shared_param`` → rejected, as in Apex.
-- ``allreduce_trigger_params``, ``retain_allreduce_buffers``, ``num_allreduce_streams``,
-  ``allreduce_communicators``, ``prof`` → no effect (torch's reducer schedules buckets and streams itself);
-  a non-default value warns once.
+- ``retain_allreduce_buffers=True`` → reduce at the end of backward, as ``delay_allreduce``, and keep the flat
+  reduced buffers in ``allreduce_buffers`` (one per dtype: float16, float32, float64, bfloat16), each parameter's
+  ``.grad`` a view of its buffer, as Apex left them for optimizers that step a flat gradient (MLPerf's GNMT, SSD);
+  ``active_params`` and ``active_i_buckets`` name the parameters of each buffer, as Apex's did.
+- ``allreduce_trigger_params``, ``num_allreduce_streams``, ``allreduce_communicators``, ``prof`` → no effect
+  (torch's reducer schedules buckets and streams itself); a non-default value warns once.
 
 Gradient accumulation: Apex's class had no ``no_sync`` (only ``disable_allreduce``), so clients that use
 ``no_sync`` when a model has it (timm) all-reduced every micro-batch under Apex; here ``no_sync`` is hidden
@@ -30,6 +33,7 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import warnings
@@ -65,9 +69,10 @@ __all__ = [  # Apex's module held its flat collectives too: scripts import flat_
 ]
 
 _FP32_BYTES = 4
+# Apex's split_half_float_double order of the flat buffers (bfloat16 came last, in its later versions).
+_APEX_BUCKET_ORDER = {torch.float16: 0, torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 _NO_EFFECT_DEFAULTS = {
     "allreduce_trigger_params": None,
-    "retain_allreduce_buffers": False,
     "num_allreduce_streams": 1,
     "allreduce_communicators": None,
     "prof": False,
@@ -171,7 +176,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         _warn_ignored_arguments(
             {
                 "allreduce_trigger_params": allreduce_trigger_params,
-                "retain_allreduce_buffers": retain_allreduce_buffers,
                 "num_allreduce_streams": num_allreduce_streams,
                 "allreduce_communicators": allreduce_communicators,
                 "prof": prof,
@@ -196,6 +200,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         delay_allreduce = checked_switch(owner, "delay_allreduce", delay_allreduce)
         gradient_average = checked_switch(owner, "gradient_average", gradient_average)
         allreduce_always_fp32 = checked_switch(owner, "allreduce_always_fp32", allreduce_always_fp32)
+        retain_allreduce_buffers = checked_switch(owner, "retain_allreduce_buffers", retain_allreduce_buffers)
         torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
         if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
             super().__init__(module, **torch_ddp_kwargs)
@@ -213,6 +218,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.allreduce_always_fp32 = allreduce_always_fp32
         self.retain_allreduce_buffers = retain_allreduce_buffers
+        if retain_allreduce_buffers:
+            self.allreduce_buffers: list[torch.Tensor] = []  # filled by each backward (Apex's attribute)
         self.num_allreduce_streams = num_allreduce_streams
         self.allreduce_different_streams = num_allreduce_streams > 1
         self.allreduce_communicators = allreduce_communicators
@@ -253,7 +260,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        delayed = self.delay_allreduce or self._unfrozen_since_construction()
+        delayed = self.delay_allreduce or self.retain_allreduce_buffers or self._unfrozen_since_construction()
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
@@ -296,7 +303,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
-        """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype)."""
+        """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype), in Apex's
+        dtype order."""
         self._allreduce_queued = False
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
         for param in self.module.parameters():
@@ -304,20 +312,36 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 continue
             if param.grad.layout != torch.strided:
                 raise RuntimeError(
-                    f"delay_allreduce=True reduces dense gradients only (as Apex); a parameter of shape "
-                    f"{tuple(param.shape)} has a {param.grad.layout} gradient: use delay_allreduce=False"
+                    f"delay_allreduce=True (or retain_allreduce_buffers=True) reduces dense gradients only (as "
+                    f"Apex); a parameter of shape {tuple(param.shape)} has a {param.grad.layout} gradient: "
+                    f"use delay_allreduce=False"
                 )
             buckets[(param.grad.device, param.grad.dtype)].append(param)
         group, world_size = _group_and_size(self._reduce_options)
-        for params in buckets.values():
+        retained, retained_params = [], []
+        for key in sorted(buckets, key=lambda device_dtype: _APEX_BUCKET_ORDER.get(device_dtype[1], 4)):
+            params = buckets[key]
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             reduced = _before_allreduce(self._reduce_options, flat)
             dist.all_reduce(reduced, group=group)
             reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
-            # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
             grads = [p.grad for p in params]
             synced = reduced.split([g.numel() for g in grads])
-            torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
+            if self.retain_allreduce_buffers:
+                # Apex pointed each gradient into the retained buffer: a flat step on it is a step on them all.
+                for grad, view in zip(grads, synced, strict=True):
+                    grad.data = view.view_as(grad)
+                retained.append(reduced)
+                retained_params.append(params)
+            else:
+                # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
+                torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
+        if self.retain_allreduce_buffers:
+            self.allreduce_buffers = retained
+            # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
+            self.active_params = [p for params in retained_params for p in params]
+            starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
+            self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
 
 
 class Reducer:
