@@ -3,9 +3,11 @@ schedulers, and the two calls the loop makes on each every iteration (``step_``,
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -353,6 +355,23 @@ def settings_kept_from_checkpoint(
     return kept
 
 
+# Set while torch.distributed.checkpoint reads or loads an optimizer's state dict: see state_initialising_steps.
+_INITIALISING_STATE = contextvars.ContextVar("ampkit_initialising_optimizer_state", default=False)
+
+
+@contextmanager
+def state_initialising_steps() -> Iterator[None]:
+    """Let the direct-step guard pass the step torch.distributed.checkpoint takes itself: getting or setting the
+    state dict of an optimizer with no state yet (any before its first step, a momentum-free SGD always) steps it
+    once, on zero gradients at a zero learning rate, to create its state. Without this, a sharded checkpoint under
+    manual optimization failed to save (SGD) or to resume (any optimizer)."""
+    token = _INITIALISING_STATE.set(True)
+    try:
+        yield
+    finally:
+        _INITIALISING_STATE.reset(token)
+
+
 def refuse_direct_steps(
     optimizers: Mapping[str, torch.optim.Optimizer], stepping: Callable[[], torch.optim.Optimizer | None]
 ) -> list[RemovableHandle]:
@@ -361,7 +380,7 @@ def refuse_direct_steps(
     skip rule, clipping and O2's copy of the masters back to the model. Returns the hooks' handles, to remove."""
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if stepping() is not optimizer:
+        if stepping() is not optimizer and not _INITIALISING_STATE.get():
             name = next(n for n, opt in optimizers.items() if opt is optimizer)
             raise UserCodeError(
                 f"optimizer '{name}' was stepped directly (optimizer.step()); under manual optimization call "
