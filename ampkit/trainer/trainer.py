@@ -135,13 +135,12 @@ from ampkit.trainer.optimizers import (
     refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
-    unoptimized_parameters_warning,
-    unreached_parameters_warning,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
+from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
 from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
@@ -547,9 +546,8 @@ class Trainer:
             self._settle(before=self.state.iteration)
         if not _has_grad(optimizer):
             return False
-        if optimizer in self._first_steps_due:  # once: a parameter no loss reaches never trains, silently
-            self._first_steps_due.discard(optimizer)
-            if why := unreached_parameters_warning(optimizer, opt_state.name, self.module, opt_state.master_weights):
+        if self._reach.watching:  # a parameter no loss reaches never trains, silently
+            for why in self._reach.at_step(optimizer, opt_state.name, opt_state.master_weights):
                 rank_zero_warn(why)
         if self._facts_pending:
             self._agree_facts()
@@ -937,6 +935,8 @@ class Trainer:
             )
         ):
             rank_zero_warn(f"epoch {s.epoch}: {why}")
+        for why in self._reach.finish():  # parameters that did not train in the first epoch (at most a window)
+            rank_zero_warn(why)
         s.epoch_finished = exhausted
         if exhausted:
             # Not again when the epoch's last step validated (val_every_n_steps): the same weights, a second pass,
@@ -1307,14 +1307,12 @@ class Trainer:
                 self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
             )
         check_parameters(self._specs, self.module, self.automatic_optimization)
-        if why := unoptimized_parameters_warning(self._specs, self.module):
-            rank_zero_warn(why)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         if not self.automatic_optimization:
             self._direct_step_guards = refuse_direct_steps(self.optimizers, lambda: self._stepping)
-        self._first_steps_due = {spec.optimizer for spec in self._specs}
+        self._reach = ParameterReach(self._specs, self.module)  # named at the end of the first epoch
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
         self._val_loader = evaluation_loader(
