@@ -21,10 +21,10 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
@@ -255,11 +255,10 @@ class LossScaling(Callback):
             count = self._consecutive_skips[name]
             if self.warn_consecutive_skips and count % self.warn_consecutive_skips == 0:
                 culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
-                warnings.warn(
+                rank_zero_warn(  # the ranks agree on each verdict: one line, not one per rank
                     f"optimizer '{name}' skipped {count} steps in a row: non-finite gradients from loss_id "
                     f"{culprits} (scales: {self.scales})",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    category=RuntimeWarning,
                 )
         return new_skips
 
