@@ -608,6 +608,30 @@ def test_an_fp16_epoch_whose_every_step_was_skipped_says_nothing_was_trained(tmp
     assert counts.skipped_steps >= 1 and counts.steps >= 1
 
 
+class NaNFirstThreeLoss(NaNLoss):
+    """A scale backing off for three iterations, longer than an epoch of two batches."""
+
+    def training_step(self, batch):
+        loss = ToyTrainer.training_step(self, batch)
+        return loss * float("nan") if self.state.global_step < 3 else loss
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_epoch_of_skips_while_the_scale_backs_off_warns_only_if_the_run_never_steps(tmp_path, opt_level):
+    """An epoch shorter than the scaler's back-off warned that nothing was trained, though the next one trained.
+    One that never steps is said once, at the run's end, naming its last epoch."""
+    settings = {**QUIET, "trainer.max_epochs": 3, "data.n": 16, "precision.opt_level": opt_level}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*every step of this epoch")
+        trainer = NaNFirstThreeLoss(toy_cfg(tmp_path, **settings))
+        trainer.fit()
+    assert trainer.optimizer_state[trainer.optimizer].steps == 3
+    with pytest.warns(UserWarning) as record:
+        NaNLoss(toy_cfg(tmp_path / "never", **settings)).fit()
+    said = [str(w.message) for w in record if "every step of this epoch" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("epoch 2: every step of this epoch was skipped"), said
+
+
 class HeadOnlyOptimized(ToyTrainer):
     """Fine-tuning the head, with the body left trainable by mistake (or a layer left out of the optimizer)."""
 

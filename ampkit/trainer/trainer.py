@@ -184,6 +184,7 @@ from ampkit.trainer.user_code import (
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
+    never_stepped,
     nothing_trained_warning,
     training_step_loss_error,
 )
@@ -834,6 +835,8 @@ class Trainer:
             while not self._finished():
                 self._run_epoch()
                 self._stop_if_preempted()
+            if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
+                rank_zero_warn(self._unsaid_skips)
             self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
@@ -929,12 +932,14 @@ class Trainer:
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
-        if (ran and (exhausted or s.global_step > first_step)) and (
-            why := nothing_trained_warning(
+        if ran and (exhausted or s.global_step > first_step):
+            why = nothing_trained_warning(
                 self.optimizer_state.values(), self.automatic_optimization, self.loss_state.values()
             )
-        ):
-            rank_zero_warn(f"epoch {s.epoch}: {why}")
+            self._unsaid_skips = f"epoch {s.epoch}: {why}" if why else None
+            if why and not never_stepped(self.optimizer_state.values()):
+                rank_zero_warn(self._unsaid_skips)
+                self._unsaid_skips = None
         for why in self._reach.finish():  # parameters that did not train in the first epoch (at most a window)
             rank_zero_warn(why)
         s.epoch_finished = exhausted
@@ -1295,6 +1300,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
+        self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
