@@ -746,13 +746,21 @@ class FrozenInAHook(HeadOnlyOptimized):
         self.module[0].requires_grad_(False)
 
 
-@pytest.mark.parametrize("trainer_class", [WithAnAverage, FrozenInAHook])
+class GroupAddedInAHook(HeadOnlyOptimized):
+    """An optimizer built for the head, given the trainable body as a second group when training starts."""
+
+    def on_train_start(self):
+        self.optimizer.add_param_group({"params": list(self.module[0].parameters()), "lr": 0.01})
+
+
+@pytest.mark.parametrize("trainer_class", [WithAnAverage, FrozenInAHook, GroupAddedInAHook])
 def test_trainable_parameters_no_loss_reaches_outside_the_optimizers_are_not_named(tmp_path, trainer_class):
     """Named at fit start, as if each backward computed their gradients: an EMA copy or a teacher model kept in the
-    model, or a body frozen in a hook, warned on a healthy run."""
+    model, a body frozen in a hook, or one an optimizer got in a hook, warned on a healthy run. An epoch of 101
+    steps: the window closes at the 100th, before that iteration's zero_grad clears the gradients."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
-        trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
+        trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1, "data.n": 808})).fit()
 
 
 class EpochCosine(ToyTrainer):

@@ -940,7 +940,8 @@ class Trainer:
             if why and not never_stepped(self.optimizer_state.values()):
                 rank_zero_warn(self._unsaid_skips)
                 self._unsaid_skips = None
-        for why in self._reach.finish():  # parameters that did not train in the first epoch (at most a window)
+        # Parameters that did not train in the first epoch (at most a window).
+        for why in self._reach.finish(st.master_weights for st in self.optimizer_state.values()):
             rank_zero_warn(why)
         s.epoch_finished = exhausted
         if exhausted:
