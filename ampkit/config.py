@@ -156,7 +156,7 @@ class PrecisionConfig:
     cast_model_outputs: str | None = None  # O2/O3 outputs are cast to float32 unless this names a dtype
     cast_modules: list[str] = field(default_factory=list)  # submodules cast at their boundary ([]: the model)
     clip_grad_norm: float | None = None  # same as trainer.clip_grad_norm
-    warn_consecutive_skips: int = 10  # warn after this many skipped steps in a row (0: never)
+    warn_consecutive_skips: int = 10  # warn after this many skipped steps in a row, again at twice as many (0: never)
     max_overflows_at_min_scale: int = 10  # error after this many overflows in a row at min_scale (0: never)
     fp8: Float8Config = field(default_factory=Float8Config)
 

@@ -422,7 +422,8 @@ def main(scenario: str, out: Path) -> None:
         extra = {"skips": spy.skips}
     elif scenario == "overflow_amp":
         spy = SkipRecorder()
-        precision = {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0}
+        precision = {"opt_level": "O1", "dtype": "float16", "loss_scale": "dynamic", "init_scale": 1024.0,
+                     "warn_consecutive_skips": 1}  # fmt: skip
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 6}, "precision": precision}
         trainer = InfOnRank1(cfg, callbacks=[spy])
         extra = {"skips": spy.skips}

@@ -313,10 +313,15 @@ def test_overflow_on_one_rank_in_one_loss_skips_the_same_optimizer_everywhere(tm
 
 
 def test_real_loss_scalers_agree_when_only_rank_1_overflows_in_loss_1(tmp_path):
-    rank0, rank1 = _ok(launch("overflow_amp", tmp_path))
+    """The skip is agreed, so the warning of skips in a row (here after 1) is one line, from rank 0: each rank
+    printed its own."""
+    results = launch("overflow_amp", tmp_path)
+    rank0, rank1 = _ok(results)
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]
     assert rank0["scales"] == rank1["scales"] == {"0": 1024.0, "1": 512.0}
     _equal(rank0["model"], rank1["model"])
+    warned = [r.stderr.count("optimizer 'G' skipped 1 steps in a row") for r in results]
+    assert warned == [1, 0]
 
 
 @pytest.mark.parametrize("scenario", ["overflow", "overflow_amp"])

@@ -121,3 +121,31 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_training_nami
     with pytest.raises(UserCodeError, match=r"optimizer 'lbfgs' \(LBFGS\) needs a closure in step\(\)"):
         Lbfgs(toy_cfg(tmp_path, **QUIET)).fit()
     assert not list((tmp_path / "run").rglob("*.pt"))
+
+
+class ManualSharded(ToyTrainer):
+    """Manual optimization with a momentum-free SGD, which keeps no state: torch.distributed.checkpoint steps such
+    an optimizer itself, at a zero learning rate, to create the state it saves or loads."""
+
+    automatic_optimization = False
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.05)
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.backward(loss)
+        self.step(self.optimizer)
+        return loss
+
+
+def test_a_sharded_checkpoint_under_manual_optimization_saves_and_resumes(tmp_path):
+    """The direct-step guard took torch's own state-creating step for the user's: under FSDP a manual run with
+    SGD failed at its first checkpoint, and every manual run failed to resume."""
+    settings = {**QUIET, "checkpoint.enabled": True, "distributed.strategy": "fsdp"}
+    ManualSharded(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 1})).fit()
+    trainer = ManualSharded(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 2}))
+    trainer.fit(resume="last")
+    assert trainer.state.global_step == 16
+    assert trainer.optimizer_state[trainer.optimizer].steps == 16
+    assert not trainer.optimizer._optimizer_step_pre_hooks

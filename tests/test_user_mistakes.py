@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from toy_trainers import ToyConfig, ToyTrainer, toy_cfg, toy_dataset, toy_model
@@ -607,6 +608,30 @@ def test_an_fp16_epoch_whose_every_step_was_skipped_says_nothing_was_trained(tmp
     assert counts.skipped_steps >= 1 and counts.steps >= 1
 
 
+class NaNFirstThreeLoss(NaNLoss):
+    """A scale backing off for three iterations, longer than an epoch of two batches."""
+
+    def training_step(self, batch):
+        loss = ToyTrainer.training_step(self, batch)
+        return loss * float("nan") if self.state.global_step < 3 else loss
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_epoch_of_skips_while_the_scale_backs_off_warns_only_if_the_run_never_steps(tmp_path, opt_level):
+    """An epoch shorter than the scaler's back-off warned that nothing was trained, though the next one trained.
+    One that never steps is said once, at the run's end, naming its last epoch."""
+    settings = {**QUIET, "trainer.max_epochs": 3, "data.n": 16, "precision.opt_level": opt_level}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*every step of this epoch")
+        trainer = NaNFirstThreeLoss(toy_cfg(tmp_path, **settings))
+        trainer.fit()
+    assert trainer.optimizer_state[trainer.optimizer].steps == 3
+    with pytest.warns(UserWarning) as record:
+        NaNLoss(toy_cfg(tmp_path / "never", **settings)).fit()
+    said = [str(w.message) for w in record if "every step of this epoch" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("epoch 2: every step of this epoch was skipped"), said
+
+
 class HeadOnlyOptimized(ToyTrainer):
     """Fine-tuning the head, with the body left trainable by mistake (or a layer left out of the optimizer)."""
 
@@ -629,17 +654,40 @@ class UnusedLayer(ToyTrainer):
 
 
 @pytest.mark.parametrize("opt_level", ["O0", "O2"])  # O2: the optimizer holds fp32 masters, named as their params
-def test_parameters_the_loss_never_reaches_are_named_once_at_the_first_step(tmp_path, opt_level):
+def test_parameters_the_loss_never_reaches_are_named_once_after_the_first_epoch(tmp_path, opt_level):
     """The optimizer stepped around a layer the forward never called, which never trained, without a word."""
     trainer = UnusedLayer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3, "precision.opt_level": opt_level}))
     with pytest.warns(UserWarning) as record:
         trainer.fit()
     named = [str(w.message) for w in record if "received no gradient" in str(w.message)]
     assert named == [
-        "2 parameters of optimizer 'sgd' received no gradient in its first step ('extra.weight', 'extra.bias'): the "
-        "loss does not depend on them, so they do not train (a layer the forward never calls? a head the loss "
-        "leaves out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+        "2 parameters of optimizer 'sgd' received no gradient in any of its first 3 steps ('extra.weight', "
+        "'extra.bias'): the loss does not depend on them, so they do not train (a layer the forward never calls? a "
+        "head the loss leaves out?). Freeze them with requires_grad_(False), or leave them out of the optimizer"
     ]
+
+
+class NetWithASometimesLayer(NetWithAnUnusedLayer):
+    """A conditional layer (a routed expert, an auxiliary head): called on every third training batch only, not
+    the first."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += self.training
+        return self.body(self.extra(x) if self.training and self.calls % 3 == 0 else x)
+
+
+class SometimesLayer(ToyTrainer):
+    def configure_model(self):
+        return NetWithASometimesLayer()
+
+
+def test_a_layer_some_batches_reach_is_not_named(tmp_path):
+    """Named at the first step, which did not call it: a mixture of experts warned on a healthy run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*received no gradient")
+        SometimesLayer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
 
 
 class FrozenBody(HeadOnlyOptimized):
@@ -649,21 +697,70 @@ class FrozenBody(HeadOnlyOptimized):
         return model
 
 
-def test_trainable_parameters_no_optimizer_holds_are_named_once_at_fit_start(tmp_path):
+def test_trainable_parameters_that_get_gradients_in_no_optimizer_are_named_once(tmp_path):
     """They never train, yet each backward computes their gradients, which summed up in .grad over the run."""
-    trainer = HeadOnlyOptimized(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1}))
+    trainer = HeadOnlyOptimized(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
     with pytest.warns(UserWarning) as record:
         trainer.fit()
     named = [str(w.message) for w in record if "no optimizer holds them" in str(w.message)]
     assert named == [
-        "configure_optimizers(): 2 parameters of the model require grad but no optimizer holds them ('0.weight', "
-        "'0.bias'; 112 elements): they never train, though every backward computes their gradients, which sum up in "
-        "their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+        "configure_optimizers(): 2 parameters of the model receive gradients but no optimizer holds them ('0.weight', "
+        "'0.bias'; 112 elements): they never train, and their .grad sums up the gradients of every backward. Add "
+        "them to an optimizer, or freeze them with requires_grad_(False)"
     ]
     with warnings.catch_warnings():  # every trainable parameter held, or the others frozen: nothing to say
         warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
         ToyTrainer(toy_cfg(tmp_path / "all", **QUIET, **{"trainer.max_steps": 1})).fit()
         FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
+
+
+class WithAnAverage(ToyTrainer):
+    """An EMA of the model kept as a submodule (so checkpoints hold it) and validated: torch's AveragedModel copies
+    the model, requires_grad included, and no loss reaches it."""
+
+    def configure_model(self):
+        model = torch.nn.ModuleDict({"net": toy_model()})
+        model["ema"] = torch.optim.swa_utils.AveragedModel(model["net"])
+        return model
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module["net"].parameters(), lr=0.05)
+
+    def training_step(self, batch):
+        x, y = batch
+        return F.mse_loss(self.model["net"](x).squeeze(1), y)
+
+    def on_train_batch_end(self, outputs, batch):
+        self.module["ema"].update_parameters(self.module["net"])
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"mse": F.mse_loss(self.model["ema"](x).squeeze(1), y)}
+
+
+class FrozenInAHook(HeadOnlyOptimized):
+    """Fine-tuning as Lightning's BackboneFinetuning does it: the body is frozen when fit starts, after
+    configure_optimizers built the head's optimizer."""
+
+    def on_fit_start(self):
+        self.module[0].requires_grad_(False)
+
+
+class GroupAddedInAHook(HeadOnlyOptimized):
+    """An optimizer built for the head, given the trainable body as a second group when training starts."""
+
+    def on_train_start(self):
+        self.optimizer.add_param_group({"params": list(self.module[0].parameters()), "lr": 0.01})
+
+
+@pytest.mark.parametrize("trainer_class", [WithAnAverage, FrozenInAHook, GroupAddedInAHook])
+def test_trainable_parameters_no_loss_reaches_outside_the_optimizers_are_not_named(tmp_path, trainer_class):
+    """Named at fit start, as if each backward computed their gradients: an EMA copy or a teacher model kept in the
+    model, a body frozen in a hook, or one an optimizer got in a hook, warned on a healthy run. An epoch of 101
+    steps: the window closes at the 100th, before that iteration's zero_grad clears the gradients."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
+        trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1, "data.n": 808})).fit()
 
 
 class EpochCosine(ToyTrainer):

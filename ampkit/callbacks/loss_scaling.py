@@ -21,10 +21,10 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
@@ -48,7 +48,8 @@ class LossScaling(Callback):
         num_losses: when given, scalers ``0..num_losses-1`` exist from the start and an integer
             ``loss_id`` outside that range is an error; named loss ids are always accepted.
         combine_grad: keep each optimizer's gradients in one flat buffer per dtype.
-        warn_consecutive_skips: warn when an optimizer skipped this many steps in a row (0: never).
+        warn_consecutive_skips: warn when an optimizer skipped this many steps in a row, and again at twice as many
+            (0: never).
         max_overflows_at_min_scale: raise when a scaler overflows this many iterations in a row while
             already at its floor (``min_scale``, or 2**-126 without one; 0: never) — scaling cannot help,
             the loss itself is non-finite.
@@ -253,13 +254,16 @@ class LossScaling(Callback):
         elif new_skips > 0:
             self._consecutive_skips[name] = self._consecutive_skips.get(name, 0) + new_skips
             count = self._consecutive_skips[name]
-            if self.warn_consecutive_skips and count % self.warn_consecutive_skips == 0:
+            every = self.warn_consecutive_skips
+            # At N, 2N, 4N... in a row: a run that skips on for long says so now and then, not every N steps.
+            if every and count % every == 0 and (count // every) & (count // every - 1) == 0:
                 culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
-                warnings.warn(
+                rank_zero_warn(  # the ranks agree on each verdict: one line, not one per rank
                     f"optimizer '{name}' skipped {count} steps in a row: non-finite gradients from loss_id "
-                    f"{culprits} (scales: {self.scales})",
-                    RuntimeWarning,
-                    stacklevel=2,
+                    f"{culprits} (scales: {self.scales}). A scaler skips a few while its scale backs off; more mean "
+                    "a NaN/inf loss or parameters, or too high a learning rate (said again at twice as many; "
+                    "precision.warn_consecutive_skips=0: never)",
+                    category=RuntimeWarning,
                 )
         return new_skips
 

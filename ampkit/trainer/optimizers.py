@@ -3,9 +3,11 @@ schedulers, and the two calls the loop makes on each every iteration (``step_``,
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,42 +211,40 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
             )
 
 
-def unoptimized_parameters_warning(specs: list[OptimizerSpec], module: torch.nn.Module) -> str | None:
-    """Why the model's trainable parameters that no optimizer holds are likely a mistake (a layer left out of
-    ``configure_optimizers``, or one meant to be frozen), naming them; None when every one is held. They never
-    train, each backward still computes their gradients, and their ``.grad`` sums those of every step (no
-    optimizer's ``zero_grad`` clears it)."""
-    held = {id(p) for spec in specs for group in spec.optimizer.param_groups for p in group["params"]}
-    left = [(name, p) for name, p in module.named_parameters() if p.requires_grad and id(p) not in held]
-    if not left:
+def unoptimized_parameters_warning(reached: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Why trainable parameters that got gradients but are in no optimizer are likely a mistake (a layer left out
+    of ``configure_optimizers``, or one meant to be frozen), naming them (``(name, parameter)`` pairs); None for
+    none. They never train, and their ``.grad`` sums those of every step (no optimizer's ``zero_grad`` clears it)."""
+    if not reached:
         return None
-    names = ", ".join(f"'{name}'" for name, _ in left[:5]) + (", ..." if len(left) > 5 else "")
-    elements = sum(p.numel() for _, p in left)
+    names = ", ".join(f"'{name}'" for name, _ in reached[:5]) + (", ..." if len(reached) > 5 else "")
+    elements = sum(p.numel() for _, p in reached)
     return (
-        f"configure_optimizers(): {len(left)} parameters of the model require grad but no optimizer holds them "
-        f"({names}; {elements} elements): they never train, though every backward computes their gradients, which "
-        "sum up in their .grad. Add them to an optimizer, or freeze them with requires_grad_(False)"
+        f"configure_optimizers(): {len(reached)} parameters of the model receive gradients but no optimizer holds "
+        f"them ({names}; {elements} elements): they never train, and their .grad sums up the gradients of every "
+        "backward. Add them to an optimizer, or freeze them with requires_grad_(False)"
     )
 
 
 def unreached_parameters_warning(
-    optimizer: torch.optim.Optimizer, name: str, module: torch.nn.Module, masters: Any = None
+    left: list[torch.Tensor], name: str, steps: int, module: torch.nn.Module, masters: Any = None
 ) -> str | None:
-    """At an optimizer's first step: its trainable parameters that received no gradient (a layer the forward never
-    calls, a head the loss leaves out), named, or None. The optimizer steps around them without a word, so they
-    never train. ``masters``: O2's MasterWeights, whose fp32 copies are what the optimizer holds."""
+    """Why an optimizer's trainable parameters that received no gradient in any of its first ``steps`` steps (a
+    layer the forward never calls, a head the loss leaves out) are likely a mistake, naming them; None for none.
+    The optimizer steps around them without a word, so they never train. ``masters``: O2's MasterWeights, whose
+    fp32 copies are what the optimizer holds."""
+    if not left:
+        return None
     names = {id(p): n for n, p in module.named_parameters()}
     if masters is not None:
         for param, master in zip(masters.model_params, masters.master_params, strict=True):
             names[id(master)] = names.get(id(param), "")
-    left = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad and p.grad is None]
-    if not left:
-        return None
     shown = ", ".join(f"'{names.get(id(p)) or '?'}'" for p in left[:5]) + (", ..." if len(left) > 5 else "")
+    when = "its first step" if steps == 1 else f"any of its first {steps} steps"
     return (
-        f"{len(left)} parameters of optimizer '{name}' received no gradient in its first step ({shown}): the loss "
-        "does not depend on them, so they do not train (a layer the forward never calls? a head the loss leaves "
-        "out?). Where they are used on some batches only, ignore this; else freeze them or leave them out"
+        f"{len(left)} parameters of optimizer '{name}' received no gradient in {when} ({shown}): the loss does not "
+        "depend on them, so they do not train (a layer the forward never calls? a head the loss leaves out?). Freeze "
+        "them with requires_grad_(False), or leave them out of the optimizer"
     )
 
 
@@ -353,6 +353,23 @@ def settings_kept_from_checkpoint(
     return kept
 
 
+# Set while torch.distributed.checkpoint reads or loads an optimizer's state dict: see state_initialising_steps.
+_INITIALISING_STATE = contextvars.ContextVar("ampkit_initialising_optimizer_state", default=False)
+
+
+@contextmanager
+def state_initialising_steps() -> Iterator[None]:
+    """Let the direct-step guard pass the step torch.distributed.checkpoint takes itself: getting or setting the
+    state dict of an optimizer with no state yet (any before its first step, a momentum-free SGD always) steps it
+    once, on zero gradients at a zero learning rate, to create its state. Without this, a sharded checkpoint under
+    manual optimization failed to save (SGD) or to resume (any optimizer)."""
+    token = _INITIALISING_STATE.set(True)
+    try:
+        yield
+    finally:
+        _INITIALISING_STATE.reset(token)
+
+
 def refuse_direct_steps(
     optimizers: Mapping[str, torch.optim.Optimizer], stepping: Callable[[], torch.optim.Optimizer | None]
 ) -> list[RemovableHandle]:
@@ -361,7 +378,7 @@ def refuse_direct_steps(
     skip rule, clipping and O2's copy of the masters back to the model. Returns the hooks' handles, to remove."""
 
     def refuse(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if stepping() is not optimizer:
+        if stepping() is not optimizer and not _INITIALISING_STATE.get():
             name = next(n for n, opt in optimizers.items() if opt is optimizer)
             raise UserCodeError(
                 f"optimizer '{name}' was stepped directly (optimizer.step()); under manual optimization call "

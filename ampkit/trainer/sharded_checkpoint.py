@@ -30,6 +30,7 @@ from ampkit.trainer.checkpoint_io import (
     peek_checkpoint,
     save_atomic,
 )
+from ampkit.trainer.optimizers import state_initialising_steps
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
@@ -46,10 +47,12 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return {
-        "model": get_model_state_dict(module),
-        "optimizers": {name: get_optimizer_state_dict(module, opt) for name, opt in optimizers.items()},
-    }
+    model = get_model_state_dict(module)
+    with state_initialising_steps():  # an optimizer with no state yet is stepped once, at a zero learning rate
+        return {
+            "model": model,
+            "optimizers": {name: get_optimizer_state_dict(module, o) for name, o in optimizers.items()},
+        }
 
 
 def _barrier() -> None:
@@ -198,8 +201,9 @@ def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.opti
         ) from None
     try:
         set_model_state_dict(module, state["model"])
-        for name, opt in optimizers.items():
-            set_optimizer_state_dict(module, opt, state["optimizers"][name])
+        with state_initialising_steps():
+            for name, opt in optimizers.items():
+                set_optimizer_state_dict(module, opt, state["optimizers"][name])
     except (KeyError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's model/optimizers: {exc}") from None
     checkpoint["model"] = module.state_dict()

@@ -135,13 +135,12 @@ from ampkit.trainer.optimizers import (
     refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
-    unoptimized_parameters_warning,
-    unreached_parameters_warning,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
+from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
 from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
@@ -185,6 +184,7 @@ from ampkit.trainer.user_code import (
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
+    never_stepped,
     nothing_trained_warning,
     training_step_loss_error,
 )
@@ -547,9 +547,8 @@ class Trainer:
             self._settle(before=self.state.iteration)
         if not _has_grad(optimizer):
             return False
-        if optimizer in self._first_steps_due:  # once: a parameter no loss reaches never trains, silently
-            self._first_steps_due.discard(optimizer)
-            if why := unreached_parameters_warning(optimizer, opt_state.name, self.module, opt_state.master_weights):
+        if self._reach.watching:  # a parameter no loss reaches never trains, silently
+            for why in self._reach.at_step(optimizer, opt_state.name, opt_state.master_weights):
                 rank_zero_warn(why)
         if self._facts_pending:
             self._agree_facts()
@@ -836,6 +835,8 @@ class Trainer:
             while not self._finished():
                 self._run_epoch()
                 self._stop_if_preempted()
+            if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
+                rank_zero_warn(self._unsaid_skips)
             self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
@@ -931,12 +932,17 @@ class Trainer:
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
-        if (ran and (exhausted or s.global_step > first_step)) and (
-            why := nothing_trained_warning(
+        if ran and (exhausted or s.global_step > first_step):
+            why = nothing_trained_warning(
                 self.optimizer_state.values(), self.automatic_optimization, self.loss_state.values()
             )
-        ):
-            rank_zero_warn(f"epoch {s.epoch}: {why}")
+            self._unsaid_skips = f"epoch {s.epoch}: {why}" if why else None
+            if why and not never_stepped(self.optimizer_state.values()):
+                rank_zero_warn(self._unsaid_skips)
+                self._unsaid_skips = None
+        # Parameters that did not train in the first epoch (at most a window).
+        for why in self._reach.finish(st.master_weights for st in self.optimizer_state.values()):
+            rank_zero_warn(why)
         s.epoch_finished = exhausted
         if exhausted:
             # Not again when the epoch's last step validated (val_every_n_steps): the same weights, a second pass,
@@ -1296,6 +1302,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
+        self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
@@ -1308,14 +1315,12 @@ class Trainer:
                 self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
             )
         check_parameters(self._specs, self.module, self.automatic_optimization)
-        if why := unoptimized_parameters_warning(self._specs, self.module):
-            rank_zero_warn(why)
         self._has_step_schedulers = any(sc.interval == "step" for spec in self._specs for sc in spec.schedulers)
         self.optimizers = NamedOptimizers((spec.name, spec.optimizer) for spec in self._specs)
         self.optimizer_state = {spec.optimizer: OptimizerState(name=spec.name) for spec in self._specs}
         if not self.automatic_optimization:
             self._direct_step_guards = refuse_direct_steps(self.optimizers, lambda: self._stepping)
-        self._first_steps_due = {spec.optimizer for spec in self._specs}
+        self._reach = ParameterReach(self._specs, self.module)  # named at the end of the first epoch
         if self._train_loader is None:  # configure_optimizers did not ask num_train_batches
             self._load_train_data()
         self._val_loader = evaluation_loader(

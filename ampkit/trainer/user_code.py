@@ -250,6 +250,14 @@ def nothing_trained_warning(optimizer_states: Any, automatic: bool, loss_states:
     )
 
 
+def never_stepped(optimizer_states: Any) -> bool:
+    """Whether each optimizer that skipped every step of the epoch has never stepped in the run: its loss scaler
+    may still be backing off from its first scale (an epoch shorter than the back-off), so the epoch's warning waits,
+    said only if the run ends before a step is taken."""
+    skipped = [st for st in optimizer_states if st.epoch_skipped_steps and not st.epoch_steps]
+    return bool(skipped) and all(not st.steps for st in skipped)
+
+
 def _all_skipped_warning(skipped: list[Any], every_optimizer: bool, losses: list[Any]) -> str:
     counts = ", ".join(f"'{st.name}' skipped all {st.epoch_skipped_steps}" for st in skipped)
     blamed = ", ".join(repr(i) for i in sorted({i for st in skipped for i in st.loss_ids}, key=str))

@@ -1,6 +1,7 @@
 """Mixed precision through the Trainer: skip semantics, per-loss scalers, parity, resume, logging."""
 
 import math
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -318,6 +319,12 @@ def test_skip_warning_and_min_scale_error(tmp_path):
         def training_step(self, batch):
             return super().training_step(batch) * math.nan
 
+    # A run that skips on is said at 1, 2, 4, 8... skips in a row (once a step, it drowned every other line).
+    trainer, _ = fit(AlwaysNan, tmp_path / "often", opt_level="O1", warn_consecutive_skips=1)
+    said = [w for w in trainer.caught if "optimizer 'head' skipped" in w]
+    counts = [int(re.search(r"skipped (\d+) steps in a row", w)[1]) for w in said]
+    skipped = trainer.optimizer_state[trainer.optimizers["head"]].skipped_steps
+    assert skipped >= 5 and counts == [2**k for k in range(skipped.bit_length())]
     with pytest.raises(
         NonFiniteError, match="loss_id 0 overflowed in every iteration since step 1, the last 3 at min_scale=4.0"
     ):
