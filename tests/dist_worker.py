@@ -202,6 +202,29 @@ class MetricsPerRank(Plain):
         return {"mse": mse, "only0": 1.0} if RANK == 0 else {"only1": 3.0, "mse": mse}
 
 
+class ExpertOnRank1(Plain):
+    """A layer only rank 1's batches reach (a routed expert): on rank 0 it has no gradient at all."""
+
+    def configure_model(self):
+        body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        return nn.ModuleDict({"body": body, "expert": nn.Linear(6, 1)})
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model["body"](x).squeeze(1)
+        if RANK == 1:
+            out = out + self.model["expert"](x).squeeze(1)
+        return F.mse_loss(out, y)
+
+    def val_dataloader(self):
+        return None
+
+
+class KeepInitialExpert(ampkit.Callback):
+    def on_train_start(self, trainer):
+        self.weight = trainer.module["expert"].weight.detach().clone()
+
+
 class TwoLosses(Plain):
     automatic_optimization = False
 
@@ -519,6 +542,11 @@ def main(scenario: str, out: Path) -> None:
                "distributed": {"grad_sync": "step"}}  # fmt: skip
         trainer = BatchNormNet(cfg, callbacks=[spy])
         extra = {"buffers": spy}
+    elif scenario == "expert_on_rank_1":  # no DDP: the step's all-reduce must line up with a grad rank 0 lacks
+        cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 3},
+               "distributed": {"grad_sync": "step", "timeout_s": 30}}  # fmt: skip
+        initial = KeepInitialExpert()
+        trainer = ExpertOnRank1(cfg, callbacks=[initial])
     elif scenario == "stop":
         torch.save({"runs": stop_runs(out, base)}, out / f"rank{RANK}.pt")
         return
@@ -608,6 +636,8 @@ def main(scenario: str, out: Path) -> None:
         extra = {"grads": spy.grads}
     if scenario == "step_buffers":
         extra = {"buffers": spy.seen}
+    if scenario == "expert_on_rank_1":
+        extra = {"initial_expert": initial.weight}
     if scenario == "overflow_amp":
         scaling = next(cb for cb in trainer.callbacks if cb.name == "LossScaling")
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}

@@ -131,6 +131,15 @@ def test_step_sync_gives_every_forward_rank_0s_buffers_as_ddp_does(tmp_path):
     assert not torch.equal(rank0["buffers"][1]["1.running_mean"], rank0["buffers"][0]["1.running_mean"])
 
 
+def test_a_layer_only_one_rank_reaches_is_averaged_by_the_step_sync_on_every_rank(tmp_path):
+    """``grad_sync: step`` all-reduced the gradients each rank had: with a routed expert only rank 1 reached, the
+    ranks sent buffers of different sizes. Every optimizer parameter now takes part (a zero where a rank has no
+    gradient), as DDP does: the expert gets rank 1's gradient over two on both ranks, and the ranks stay equal."""
+    rank0, rank1 = _ok(launch("expert_on_rank_1", tmp_path))
+    _equal(rank0["model"], rank1["model"])
+    assert not torch.equal(rank0["model"]["expert.weight"], rank0["initial_expert"])  # trained on rank 0 too
+
+
 def test_validate_and_predict_on_two_ranks_shard_the_data_and_agree_with_one_process(tmp_path):
     from dist_worker import Evaluated
 

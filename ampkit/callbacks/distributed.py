@@ -112,8 +112,21 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- collectives
     def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self._flat_collective("gradient all-reduce", grads, dist.all_reduce, divisor=dist.get_world_size())
+        """Average the gradients of the optimizer's trainable parameters over the ranks. Every one takes part, in
+        the same order on every rank, a zero standing in where this rank has none (a layer only some ranks'
+        batches reach: the ranks' buffers then line up), with the count of ranks that had one: a parameter no rank
+        reached keeps no gradient, one some reached gets the average on every rank, as DDP gives it."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if not params:
+            return
+        fillers = {id(p): torch.zeros_like(p) for p in params if p.grad is None}
+        grads = [fillers[id(p)] if id(p) in fillers else p.grad for p in params]
+        held = torch.tensor([float(id(p) not in fillers) for p in params], device=params[0].device)
+        self._flat_collective("gradient all-reduce", [*grads, held], dist.all_reduce, divisor=dist.get_world_size())
+        if fillers:  # read only where this rank lacks one: the common step stays free of host reads
+            for p, reached in zip(params, held.tolist(), strict=True):
+                if id(p) in fillers and reached > 0:
+                    p.grad = fillers[id(p)]
 
     def _average_unfrozen_grads(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         """Average the gradients of this optimizer's parameters unfrozen after DDP wrapped the model (a backbone
