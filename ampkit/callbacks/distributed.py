@@ -112,21 +112,7 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- collectives
     def _average_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Average the gradients of the optimizer's trainable parameters over the ranks. Every one takes part, in
-        the same order on every rank, a zero standing in where this rank has none (a layer only some ranks'
-        batches reach: the ranks' buffers then line up), with the count of ranks that had one: a parameter no rank
-        reached keeps no gradient, one some reached gets the average on every rank, as DDP gives it."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if not params:
-            return
-        fillers = {id(p): torch.zeros_like(p) for p in params if p.grad is None}
-        grads = [fillers[id(p)] if id(p) in fillers else p.grad for p in params]
-        held = torch.tensor([float(id(p) not in fillers) for p in params], device=params[0].device)
-        self._flat_collective("gradient all-reduce", [*grads, held], dist.all_reduce, divisor=dist.get_world_size())
-        if fillers:  # read only where this rank lacks one: the common step stays free of host reads
-            for p, reached in zip(params, held.tolist(), strict=True):
-                if id(p) in fillers and reached > 0:
-                    p.grad = fillers[id(p)]
+        self._average_over_ranks([p for group in optimizer.param_groups for p in group["params"]])
 
     def _average_unfrozen_grads(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         """Average the gradients of this optimizer's parameters unfrozen after DDP wrapped the model (a backbone
@@ -136,10 +122,27 @@ class DistributedSync(Callback):
             pairs = zip(masters.model_params, masters.master_params, strict=True)
         else:
             pairs = ((p, p) for group in optimizer.param_groups for p in group["params"])
-        grads = [owner.grad for p, owner in pairs if id(p) in self._unfrozen and owner.grad is not None]
-        if grads:
-            self._flat_collective("gradient all-reduce", grads, dist.all_reduce, divisor=dist.get_world_size())
+        if self._average_over_ranks([owner for p, owner in pairs if id(p) in self._unfrozen]):
             trainer.optimizer_state[optimizer].grad_norm = None
+
+    def _average_over_ranks(self, tensors: list[torch.Tensor]) -> bool:
+        """Average the ``.grad`` of the trainable ``tensors`` over the ranks; False if there were none. Every one
+        takes part, in the same order on every rank, a zero standing in where this rank has no gradient (a layer
+        only some ranks' batches reach: the ranks' buffers then line up), with the count of ranks that had one: a
+        tensor no rank reached keeps no gradient, one some reached gets the average on every rank, as DDP gives."""
+        # trainable, or given a gradient anyway (the fp32 master of a weight unfrozen after O2 made it)
+        tensors = [t for t in tensors if t.requires_grad or t.grad is not None]
+        if not tensors:
+            return False
+        fillers = {id(t): torch.zeros_like(t) for t in tensors if t.grad is None}
+        grads = [fillers[id(t)] if id(t) in fillers else t.grad for t in tensors]
+        held = torch.tensor([float(id(t) not in fillers) for t in tensors], device=tensors[0].device)
+        self._flat_collective("gradient all-reduce", [*grads, held], dist.all_reduce, divisor=dist.get_world_size())
+        if fillers:  # read only where this rank lacks one: the common step stays free of host reads
+            for t, reached in zip(tensors, held.tolist(), strict=True):
+                if id(t) in fillers and reached > 0:
+                    t.grad = fillers[id(t)]
+        return True
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers on every rank (``grad_sync="step"``, which has no DDP to do it)."""
