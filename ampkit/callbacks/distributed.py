@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ampkit.amp.grad_average import average_grads
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
@@ -126,22 +127,15 @@ class DistributedSync(Callback):
             trainer.optimizer_state[optimizer].grad_norm = None
 
     def _average_over_ranks(self, tensors: list[torch.Tensor]) -> bool:
-        """Average the ``.grad`` of the trainable ``tensors`` over the ranks; False if there were none. Every one
-        takes part, in the same order on every rank, a zero standing in where this rank has no gradient (a layer
-        only some ranks' batches reach: the ranks' buffers then line up), with the count of ranks that had one: a
-        tensor no rank reached keeps no gradient, one some reached gets the average on every rank, as DDP gives."""
+        """Average the ``.grad`` of the trainable ``tensors`` over the ranks, every one taking part (a zero where a
+        rank has none: :func:`~ampkit.amp.grad_average.average_grads`); False if there were none."""
         # trainable, or given a gradient anyway (the fp32 master of a weight unfrozen after O2 made it)
         tensors = [t for t in tensors if t.requires_grad or t.grad is not None]
         if not tensors:
             return False
-        fillers = {id(t): torch.zeros_like(t) for t in tensors if t.grad is None}
-        grads = [fillers[id(t)] if id(t) in fillers else t.grad for t in tensors]
-        held = torch.tensor([float(id(t) not in fillers) for t in tensors], device=tensors[0].device)
-        self._flat_collective("gradient all-reduce", [*grads, held], dist.all_reduce, divisor=dist.get_world_size())
-        if fillers:  # read only where this rank lacks one: the common step stays free of host reads
-            for t, reached in zip(tensors, held.tolist(), strict=True):
-                if id(t) in fillers and reached > 0:
-                    t.grad = fillers[id(t)]
+        average_grads(
+            tensors, dist.get_world_size(), lambda flat: self._collective("gradient all-reduce", dist.all_reduce, flat)
+        )
         return True
 
     def _broadcast_buffers(self) -> None:
@@ -149,17 +143,15 @@ class DistributedSync(Callback):
         self._flat_collective("broadcast of buffers", self._buffers, dist.broadcast, 0)
 
     @torch.no_grad()
-    def _flat_collective(self, what: str, tensors: list[torch.Tensor], fn, *args, divisor: int = 1) -> None:
-        """Run the in-place collective ``fn(flat, *args)`` once per dtype over ``tensors`` flattened together,
-        divide by ``divisor``, and write the result back into each tensor."""
+    def _flat_collective(self, what: str, tensors: list[torch.Tensor], fn, *args) -> None:
+        """Run the in-place collective ``fn(flat, *args)`` once per dtype over ``tensors`` flattened together, and
+        write the result back into each tensor."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         for group in by_dtype.values():
             flat = _flatten_dense_tensors(group)
             self._collective(what, fn, flat, *args)
-            if divisor != 1:
-                flat.div_(divisor)
             for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
                 tensor.copy_(synced)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ampkit.amp.grad_average import average_grads
 from ampkit.compat.amp._amp_state import _amp_state
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ def average_local_gradients(stashes: Sequence[AmpOptimizerStash]) -> bool:
 
     Returns True when an inf or nan reached this rank's gradients from another rank only: this backward then counts
     as an overflow here, as it would have had the backward that made it been all-reduced (the rank that made it has
-    already backed off and skips). Every rank of the group makes the same calls: per (device, dtype), in the order
-    of the module's parameters, one all-reduce of the values and one of which parameters hold a gradient. A
-    parameter whose gradient exists on some ranks only gets the average on all of them, as DDP gives an unused one.
+    already backed off and skips). Every rank of the group makes the same calls, in the order of the module's
+    parameters (:func:`~ampkit.amp.grad_average.average_grads`): a parameter whose gradient exists on some ranks
+    only gets the average on all of them, as DDP gives an unused one.
     """
     if _open_blocks or not _left_local:
         return False
@@ -87,25 +88,7 @@ def average_local_gradients(stashes: Sequence[AmpOptimizerStash]) -> bool:
 def _average_grads(tensors: list[torch.Tensor], group: Any) -> bool:
     """Average the ``.grad`` of ``tensors`` over ``group``; True if that brought in a non-finite value this rank had
     not."""
-    world = dist.get_world_size(group)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
-    finite_before, finite_after = [], []
-    for (device, _), kind in by_kind.items():
-        flat = torch.cat([t.grad.reshape(-1) if t.grad is not None else t.new_zeros(t.numel()) for t in kind])
-        present = torch.tensor([t.grad is not None for t in kind], dtype=torch.float32, device=device)
-        finite_before.append(torch.isfinite(flat).all())
-        dist.all_reduce(flat, group=group)
-        dist.all_reduce(present, group=group)
-        flat.div_(world)
-        finite_after.append(torch.isfinite(flat).all())
-        offset = 0
-        for t, anywhere in zip(kind, present.tolist(), strict=True):
-            part = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-            if t.grad is not None:
-                t.grad.copy_(part)
-            elif anywhere:
-                t.grad = part.clone()
+    finite_before = [torch.isfinite(t.grad).all() for t in tensors if t.grad is not None]
+    average_grads(tensors, dist.get_world_size(group), lambda flat: dist.all_reduce(flat, group=group))
+    finite_after = [torch.isfinite(t.grad).all() for t in tensors if t.grad is not None]
     return all(bool(f) for f in finite_before) and not all(bool(f) for f in finite_after)

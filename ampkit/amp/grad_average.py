@@ -1,0 +1,39 @@
+"""Averaging gradients over the ranks where some ranks have none: the Trainer's own gradient sync
+(``grad_sync: step``) and the Apex API's after a DDP ``no_sync`` block both need buffers that line up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+@torch.no_grad()
+def average_grads(tensors: Sequence[torch.Tensor], world_size: int, all_reduce: Callable[[torch.Tensor], None]) -> None:
+    """Average the ``.grad`` of ``tensors`` (the same list, in the same order, on every rank) over the ranks.
+
+    A rank without a gradient for one (a layer only some ranks' batches reach) sends zeros in its place, so the
+    ranks' buffers line up, with a count of the ranks that had one: a tensor no rank reached keeps no gradient,
+    one some reached gets the average on every rank, as DDP gives it. ``all_reduce(flat)`` sums ``flat`` over the
+    ranks in place, once per device and dtype. The counts are read back only on a rank that lacks a gradient, so
+    the common step reads nothing back.
+    """
+    if not tensors:
+        return
+    fillers = {id(t): torch.zeros_like(t) for t in tensors if t.grad is None}
+    grads = [fillers[id(t)] if id(t) in fillers else t.grad for t in tensors]
+    held = torch.tensor([float(id(t) not in fillers) for t in tensors], device=tensors[0].device)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in (*grads, held):
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for kind in by_kind.values():
+        flat = _flatten_dense_tensors(kind)
+        all_reduce(flat)
+        flat.div_(world_size)
+        for grad, synced in zip(kind, _unflatten_dense_tensors(flat, kind), strict=True):
+            grad.copy_(synced)
+    if fillers:
+        for t, reached in zip(tensors, held.tolist(), strict=True):
+            if id(t) in fillers and reached > 0:
+                t.grad = fillers[id(t)]
