@@ -234,7 +234,7 @@ def nothing_trained_warning(optimizer_states: Any, automatic: bool, loss_states:
     few, not all); under manual optimization a ``training_step`` that never calls ``self.step``; else a loss
     reaching no parameter. ``loss_states`` (the Trainer's) name the loss scales."""
     states = list(optimizer_states)
-    all_skipped = [st for st in states if st.epoch_skipped_steps and not st.epoch_steps]
+    all_skipped = _skipped_every_step(states)
     if all_skipped:
         return _all_skipped_warning(all_skipped, len(all_skipped) == len(states), list(loss_states))
     if any(st.epoch_steps or st.epoch_skipped_steps for st in states):
@@ -254,8 +254,13 @@ def never_stepped(optimizer_states: Any) -> bool:
     """Whether each optimizer that skipped every step of the epoch has never stepped in the run: its loss scaler
     may still be backing off from its first scale (an epoch shorter than the back-off), so the epoch's warning waits,
     said only if the run ends before a step is taken."""
-    skipped = [st for st in optimizer_states if st.epoch_skipped_steps and not st.epoch_steps]
+    skipped = _skipped_every_step(optimizer_states)
     return bool(skipped) and all(not st.steps for st in skipped)
+
+
+def _skipped_every_step(optimizer_states: Any) -> list[Any]:
+    """The optimizers that skipped every step they took this epoch (and took at least one)."""
+    return [st for st in optimizer_states if st.epoch_skipped_steps and not st.epoch_steps]
 
 
 def _all_skipped_warning(skipped: list[Any], every_optimizer: bool, losses: list[Any]) -> str:
