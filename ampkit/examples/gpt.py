@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ampkit
+from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.callbacks.throughput import count_training_flops
 from ampkit.config import build_config
 from ampkit.trainer.checkpoint_io import peek_checkpoint
@@ -233,10 +234,13 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
             raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
     idx = prompt[None]
     seq_len = model.seq_len
+    finite = torch.ones((), dtype=torch.bool, device=idx.device)  # read once at the end on the greedy path: no sync
     for _ in range(tokens):
         with torch.compiler.set_stance("force_eager"):  # a new length each time: compiling each would cost minutes
             logits = model(idx[:, -seq_len:])[:, -1].float()
+        finite &= logits.isfinite().all()
         if top_k and temperature > 0:
+            _refuse_nonfinite(finite)  # sampling reads the host anyway; torch's multinomial names no cause
             # The k likeliest chosen before the temperature: divided first, a high one rounded them into a tie and a
             # tiny one overflowed them to inf (nan probabilities). Shifted so the best is 0, none can overflow; in
             # float64, where any finite temperature is finite.
@@ -247,7 +251,16 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
         else:
             nxt = logits.argmax(-1, keepdim=True)
         idx = torch.cat([idx, nxt], dim=1)
+    _refuse_nonfinite(finite)  # greedy: argmax of nan logits picks a byte silently
     return idx[0]
+
+
+def _refuse_nonfinite(finite: torch.Tensor) -> None:
+    if not finite:
+        raise NonFiniteError(
+            "generate: the model's logits are not finite (nan or inf), so no byte can be chosen from them: its "
+            "weights have diverged or overflow in this precision; generate from an earlier checkpoint (--ckpt PATH)"
+        )
 
 
 def decode(data: torch.Tensor) -> str:
@@ -331,10 +344,11 @@ def check_gpt_config(cfg: DictConfig) -> None:
         "data.batch_size": (lambda v: v >= 1, "an integer >= 1"),
         "data.val_fraction": (lambda v: 0 < v < 1, "a number between 0 and 1 (the held-out share of the text)"),
         "data.val_batches": (lambda v: v >= 1, "an integer >= 1"),
-        "optim.lr": (lambda v: v > 0, "a number > 0"),
-        "optim.min_lr": (lambda v: v >= 0, "a number >= 0"),
+        # finite: an infinite rate or decay made the first step's weights nan, and nothing refused it until sampling
+        "optim.lr": (lambda v: 0 < v < math.inf, "a finite number > 0"),
+        "optim.min_lr": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "optim.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
-        "optim.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+        "optim.weight_decay": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
         "generate.tokens": (lambda v: v >= 0, "an integer >= 0"),
         "generate.top_k": (lambda v: v >= 0, "an integer >= 0 (0: greedy)"),
@@ -348,6 +362,9 @@ def check_gpt_config(cfg: DictConfig) -> None:
     ]
     if cfg.generate.tokens and not cfg.generate.prompt:  # a sample continues the prompt: it needs a byte to start
         problems.append("config key 'generate.prompt': '' is invalid; expected at least one character (e.g. a newline)")
+    if not problems and cfg.optim.min_lr > cfg.optim.lr:  # the cosine would climb to it: a swapped pair
+        problems.append(f"config key 'optim.min_lr': {cfg.optim.min_lr!r} is above optim.lr ({cfg.optim.lr!r}); "
+                        "expected at most optim.lr (the rate decays from optim.lr to it)")  # fmt: skip
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")

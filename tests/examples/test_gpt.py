@@ -279,6 +279,20 @@ def test_generate_refuses_what_it_cannot_sample_by_name():
             generate(model, torch.tensor([1]), **kwargs)
 
 
+@pytest.mark.parametrize("top_k", [0, 5], ids=["greedy", "sampled"])
+def test_a_diverged_model_is_named_not_a_multinomial_error_or_a_silent_argmax(top_k):
+    """Logits gone nan (weights diverged, or overflowing in low precision): sampling failed in torch.multinomial with
+    "probability tensor contains either inf, nan or element < 0" (the samples during fit, and predict), and greedy
+    decoding's argmax returned a byte as if nothing were wrong."""
+    from ampkit.callbacks.nonfinite_guard import NonFiniteError
+
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    with torch.no_grad():
+        model.blocks[0].mlp[2].weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match=r"generate: the model's logits are not finite \(nan or inf\)"):
+        generate(model, torch.tensor([1, 2]), 3, top_k=top_k, generator=torch.manual_seed(0))
+
+
 @pytest.mark.parametrize(("setting", "shown"), [("true", "true"), ("[Block]", r"\['Block'\]")])
 def test_predict_under_a_compile_setting_warns_that_generation_runs_eagerly(tmp_path, setting, shown):
     """Generation forces eager mode (each new length would compile a graph): a compile key on predict did nothing,
@@ -309,6 +323,9 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("generate.temperature=-0.5", "generate.temperature"),
                           ("generate.temperature=inf", "generate.temperature"),
                           ("generate.prompt=''", "generate.prompt"),
+                          # an infinite rate or decay: nan weights after one step, found only by sampling's multinomial
+                          ("optim.lr=inf", "optim.lr"), ("optim.weight_decay=inf", "optim.weight_decay"),
+                          ("optim.min_lr=inf", "optim.min_lr"), ("optim.min_lr=0.1", "optim.min_lr"),  # above lr
                           ("data.val_fraction=0.00001", "model.seq_len"),  # a held-out text shorter than a window
                           ("data.batch_size=100000", "data.batch_size")):  # a text shorter than one batch  # fmt: skip
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
