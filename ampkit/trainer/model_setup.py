@@ -156,7 +156,7 @@ def compile_whole_model(module: nn.Module, setup: ModelSetup) -> Any:
     """
     if setup.compile_setting is not True:
         return module
-    if type(module).forward is nn.Module.forward:
+    if not _has_forward(module):
         children = sorted({type(child).__name__ for child in module.children()})
         raise ConfigError(
             f"config key 'trainer.compile': true compiles the model's forward, but {type(module).__name__} has none "
@@ -219,8 +219,9 @@ def _named_modules(module: nn.Module, names: list[str], key: str) -> list[nn.Mod
     """The submodules (the root included) whose class is named, outermost first.
 
     Raises:
-        ConfigError: a named class the model does not contain (listing the classes it does), or a named module
-            nested inside another named one (its work would be done twice).
+        ConfigError: a named class the model does not contain (listing the classes it does), a container class
+            with no forward (``ModuleList``), or a named module nested inside another named one (its work would be
+            done twice).
     """
     present = {type(m).__name__ for m in module.modules()}
     missing = [name for name in names if name not in present]
@@ -229,6 +230,14 @@ def _named_modules(module: nn.Module, names: list[str], key: str) -> list[nn.Mod
             f"config key '{key}': {missing} not in the model; its module classes: {', '.join(sorted(present))}"
         )
     found = [m for m in module.modules() if type(m).__name__ in names]
+    containers = [m for m in found if not _has_forward(m)]
+    if containers:  # a ModuleList is never called, only its children: the setting would do nothing, until a warning
+        kinds = sorted({type(m).__name__ for m in containers})
+        inner = sorted({type(child).__name__ for m in containers for child in m.children()})
+        raise ConfigError(
+            f"config key '{key}': {kinds} define no forward (containers: training code calls the modules they hold), "
+            f"so nothing would run through them; name the classes inside instead: {', '.join(inner) or 'none'}"
+        )
     inside = {id(sub) for m in found for sub in list(m.modules())[1:]}
     nested = sorted({type(m).__name__ for m in found if id(m) in inside})
     if nested:
@@ -236,6 +245,11 @@ def _named_modules(module: nn.Module, names: list[str], key: str) -> list[nn.Mod
             f"config key '{key}': {nested} sit inside other modules it names ({names}); name only the outer ones"
         )
     return found
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs anything: a container (``ModuleList``, ``ModuleDict``) has no forward."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _count(modules: list[nn.Module]) -> str:
