@@ -417,6 +417,21 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     ]
 
 
+def misfit_detail(exc: BaseException, saved: dict[str, Any], cfg: DictConfig, shown: int = 5) -> str:
+    """Why a checkpoint's state does not load into this run's model (``exc``, from ``load_state_dict``), and the
+    Trainer or config keys it was saved with (``saved``) that differ from this run's: a model size left at its
+    default on predict is then named as the fix, not only as a tensor shape."""
+    detail = str(exc).strip().splitlines()[-1].strip().rstrip(".")  # load_state_dict lists every key: the last says
+    then, now = saved.get("trainer_class"), OmegaConf.select(cfg, "trainer_class")
+    if then and now and then != now:
+        return f"{detail}; it was saved by trainer_class {then}, not this run's {now}"
+    changed = config_changes(saved, cfg) if saved else []
+    if not changed:
+        return detail
+    more = f" (and {len(changed) - shown} more)" if len(changed) > shown else ""
+    return f"{detail}; its config differs from this run's at {'; '.join(changed[:shown])}{more}: set them as it had"
+
+
 def _order_changes(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """``{key: (then, now)}`` for each changed ``data.*`` key and ``trainer.seed`` (the seed of a shuffled epoch)."""
     before, now = _settings(saved), _settings(cfg)

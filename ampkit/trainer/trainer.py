@@ -152,6 +152,7 @@ from ampkit.trainer.run_life import (
     finish_interrupted_pruning,
     lineage,
     load_with_fallback_hint,
+    misfit_detail,
     open_version_dir,
     plan_fit,
     prediction_output,
@@ -1628,7 +1629,7 @@ class Trainer:
                 for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
-            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
         kept = [
             line
@@ -1684,6 +1685,7 @@ class Trainer:
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
             load_sharded(path, self.module, {})
             return
+        checkpoint: dict[str, Any] = {}
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
@@ -1696,7 +1698,7 @@ class Trainer:
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
         except (KeyError, RuntimeError) as exc:
-            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
 
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:

@@ -243,6 +243,28 @@ def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
     assert "sample at step 2: 'The " in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_another_size_or_trainer_names_the_keys_it_was_saved_with(tmp_path):
+    """predict of a checkpoint trained at another size said only "size mismatch for head.weight: copying a param with
+    shape [256, 32] ...": which key to set, and to what, was left to the user."""
+    from toy_trainers import ToyTrainer, toy_cfg
+
+    from ampkit.trainer.checkpoint_io import CheckpointError
+
+    quiet = ["trainer.val_every_n_steps=0", "checkpoint.monitor=null", "logging.tensorboard=false",
+             "generate.every_n_steps=0"]  # fmt: skip
+    trainer_class, cfg = load_config("gpt", [*TINY, *quiet, f"run_dir={tmp_path}/run", "trainer.max_steps=1"])
+    trainer_class(cfg).fit()
+    for override, said in (("model.width=64", "size mismatch for .*model.width: 32 -> 64"),
+                           ("model.layers=2", r"Missing key\(s\) .*model.layers: 1 -> 2")):  # fmt: skip
+        _, cfg = load_config("gpt", [*TINY, *quiet, f"run_dir={tmp_path}/run", override, "generate.tokens=1"])
+        with pytest.raises(CheckpointError, match=rf"does not fit this run's model: {said}: set them as it had"):
+            trainer_class(cfg).predict(ckpt="last")
+    toy = ToyTrainer(toy_cfg(tmp_path / "toy", **{"trainer.max_steps": 1, "logging.tensorboard": False}))
+    toy.fit()
+    with pytest.raises(CheckpointError, match="saved by trainer_class toy_trainers:ToyTrainer, not this run's ampkit"):
+        trainer_class(cfg).predict(ckpt=toy.version_dir / "checkpoints" / "last.pt")
+
+
 def test_an_empty_prompt_is_refused_not_an_index_error():
     """Predict and the samples during fit would fail on the first byte: no position to continue from."""
     model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
