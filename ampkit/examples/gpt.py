@@ -24,6 +24,7 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import statistics
 import time
@@ -221,17 +222,37 @@ def flops_per_token_formula(cfg: GPTModelConfig) -> int:
     return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.width * cfg.seq_len
 
 
+def prompt_bytes(prompt: torch.Tensor | str | list[int]) -> torch.Tensor:
+    """``prompt`` as the model's input: a 1-D long tensor of bytes. A str is encoded as UTF-8 (as the config's
+    ``generate.prompt`` is); a tensor or list must hold integers in [0, 256), the vocabulary."""
+    if isinstance(prompt, str):
+        return torch.tensor(list(prompt.encode("utf-8")), dtype=torch.long)
+    tensor = prompt if isinstance(prompt, torch.Tensor) else None
+    if tensor is None and isinstance(prompt, list | tuple) and all(isinstance(b, int) for b in prompt):
+        tensor = torch.tensor(prompt, dtype=torch.long)
+    expected = f"expected one text's bytes: a str, or a 1-D tensor or list of integers in [0, {VOCAB})"
+    if tensor is None:
+        raise TypeError(f"generate: the prompt is {type(prompt).__name__} {prompt!r}; {expected}")
+    integral = not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+    if tensor.dim() != 1 or not integral:
+        raise TypeError(f"generate: the prompt is a {tensor.dim()}-D {tensor.dtype} tensor; {expected}")
+    low, high = (int(tensor.min()), int(tensor.max())) if len(tensor) else (0, 0)
+    if low < 0 or high >= VOCAB:  # the embedding's IndexError ("index out of range in self") named nothing
+        raise ValueError(f"generate: the prompt holds values from {low} to {high}; {expected}")
+    return tensor.long()
+
+
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0, temperature: float = 1.0,
-             generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-    """``prompt`` (1-D bytes) followed by ``tokens`` more: greedy (``top_k=0`` or ``temperature=0``) or sampled
-    among the top k."""
+def generate(model: nn.Module, prompt: torch.Tensor | str | list[int], tokens: int, top_k: int = 0,
+             temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """``prompt`` (:func:`prompt_bytes`) followed by ``tokens`` more bytes: greedy (``top_k=0`` or ``temperature=0``)
+    or sampled among the top k."""
+    tokens = _setting("tokens", tokens, numbers.Integral, "an integer >= 0")
+    top_k = _setting("top_k", top_k, numbers.Integral, "an integer >= 0 (0: greedy)")
+    temperature = _setting("temperature", temperature, numbers.Real, "a finite number >= 0 (0: greedy)")
+    prompt = prompt_bytes(prompt)
     if tokens and not len(prompt):
         raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
-    for name, value, valid in (("tokens", tokens, "an integer >= 0"), ("top_k", top_k, "an integer >= 0 (0: greedy)"),
-                               ("temperature", temperature, "a finite number >= 0 (0: greedy)")):  # fmt: skip
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
     idx = prompt[None]
     seq_len = model.seq_len
     finite = torch.ones((), dtype=torch.bool, device=idx.device)  # read once at the end on the greedy path: no sync
@@ -253,6 +274,15 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
         idx = torch.cat([idx, nxt], dim=1)
     _refuse_nonfinite(finite)  # greedy: argmax of nan logits picks a byte silently
     return idx[0]
+
+
+def _setting(name: str, value: Any, kind: type, valid: str) -> Any:
+    """A sampling setting of ``kind`` (a one-element tensor read), finite and >= 0; else a ValueError naming it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not (isinstance(value, kind) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
+    return value
 
 
 def _refuse_nonfinite(finite: torch.Tensor) -> None:
@@ -510,7 +540,7 @@ class GPTTrainer(ampkit.Trainer):
         return DataLoader(windows, batch_size=d.batch_size)
 
     def predict_dataloader(self) -> list[torch.Tensor]:
-        return [torch.tensor(list(self.cfg.generate.prompt.encode("utf-8")), dtype=torch.long)]
+        return [prompt_bytes(self.cfg.generate.prompt)]
 
     def training_step(self, batch):
         x, y = batch

@@ -3,6 +3,7 @@ generation into TensorBoard and through ``ampkit predict``, and model-setup keys
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -296,9 +297,28 @@ def test_top_k_samples_among_the_k_likeliest_whatever_the_temperature(temperatur
 def test_generate_refuses_what_it_cannot_sample_by_name():
     model = Ranked()
     for kwargs, named in (({"tokens": -1}, "tokens=-1"), ({"tokens": 2, "top_k": -3}, "top_k=-3"),
-                          ({"tokens": 2, "top_k": 5, "temperature": float("inf")}, "temperature=inf")):  # fmt: skip
+                          ({"tokens": 2, "top_k": 5, "temperature": float("inf")}, "temperature=inf"),
+                          ({"tokens": 2.5}, "tokens=2.5"), ({"tokens": 2, "top_k": 2.5}, "top_k=2.5"),  # were: torch's
+                          ({"tokens": True}, "tokens=True"),
+                          ({"tokens": 2, "temperature": None}, "temperature=None")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"generate: {named} is invalid; expected"):
             generate(model, torch.tensor([1]), **kwargs)
+
+
+def test_a_prompt_outside_the_byte_vocabulary_is_named_and_a_text_is_taken():
+    """A prompt of token ids >= 256 failed in the embedding with "index out of range in self", a float or 2-D one with
+    torch's own words; a str is encoded as the config's generate.prompt is."""
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    for prompt, error, said in ((torch.tensor([72, 300]), ValueError, "holds values from 72 to 300"),
+                                (torch.tensor([-1]), ValueError, "holds values from -1 to -1"),
+                                (torch.tensor([65.0]), TypeError, "is a 1-D torch.float32 tensor"),
+                                (torch.tensor([[65, 66]]), TypeError, "is a 2-D torch.int64 tensor"),
+                                (None, TypeError, "is NoneType None")):  # fmt: skip
+        with pytest.raises(error, match=rf"generate: the prompt {re.escape(said)}; expected one text's bytes"):
+            generate(model, prompt, 2)
+    as_text = generate(model, "Thé", 2)
+    assert torch.equal(as_text[:4], torch.tensor(list("Thé".encode()))) and len(as_text) == 6
+    assert torch.equal(generate(model, torch.tensor([84, 104], dtype=torch.uint8), 2), generate(model, [84, 104], 2))
 
 
 @pytest.mark.parametrize("top_k", [0, 5], ids=["greedy", "sampled"])
