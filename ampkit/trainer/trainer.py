@@ -84,6 +84,7 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_VERSION,
     CheckpointError,
     load_checkpoint,
+    peek_checkpoint,
     save_atomic,
     unloadable_entry,
 )
@@ -1414,7 +1415,7 @@ class Trainer:
 
     def _load_shards(self, path: Path) -> dict[str, Any]:
         try:
-            return load_sharded(path, self.module, self.optimizers)
+            return load_sharded(path, self.module, self.optimizers, self.cfg)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
@@ -1683,7 +1684,7 @@ class Trainer:
     def _load_weights(self, path: Path) -> None:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
-            load_sharded(path, self.module, {})
+            load_sharded(path, self.module, {}, self.cfg)
             return
         checkpoint: dict[str, Any] = {}
         try:
@@ -1698,7 +1699,8 @@ class Trainer:
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
         except (KeyError, RuntimeError) as exc:
-            detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
+            saved = checkpoint or peek_checkpoint(path / TRAINER_FILE) or {}  # a sharded one keeps it in trainer.pt
+            detail = misfit_detail(exc, saved.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
 
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:

@@ -266,6 +266,24 @@ def test_a_checkpoint_of_another_size_or_trainer_names_the_keys_it_was_saved_wit
         trainer_class(cfg).predict(ckpt=toy.version_dir / "checkpoints" / "last.pt")
 
 
+def test_a_sharded_checkpoint_of_another_model_is_a_misfit_not_a_damaged_shard_or_a_silent_load(tmp_path):
+    """Under FSDP, predict of a checkpoint with fewer blocks said "a shard file is damaged or missing", and one saved
+    with LayerNorm's biases loaded into an RMSNorm model without a word, the biases dropped."""
+    from ampkit.trainer.checkpoint_io import CheckpointError
+
+    fsdp = ["distributed.strategy=fsdp", "trainer.val_every_n_steps=0", "checkpoint.monitor=null",
+            "logging.tensorboard=false", "generate.every_n_steps=0", "generate.tokens=1"]  # fmt: skip
+    trainer_class, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", "trainer.max_steps=1"])
+    trainer_class(cfg).fit()
+    for override, said in (("model.layers=2", r"Missing key\(s\): blocks\.1\.norm1\.weight.*model.layers: 1 -> 2"),
+                           ("model.norm=rmsnorm", r"Unexpected key\(s\): blocks\.0\.norm1\.bias.*model.norm"),
+                           ("model.width=64", r"size mismatch for embed\.weight: shape \[256, 32\] in the checkpoint, "
+                                              r"\[256, 64\] in this run's model.*model.width: 32 -> 64")):  # fmt: skip
+        _, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", override])
+        with pytest.raises(CheckpointError, match=rf"sharded checkpoint .* does not fit this run's model: {said}"):
+            trainer_class(cfg).predict(ckpt="last")
+
+
 def test_an_empty_prompt_is_refused_not_an_index_error():
     """Predict and the samples during fit would fail on the first byte: no position to continue from."""
     model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
