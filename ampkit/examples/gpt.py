@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.callbacks.throughput import count_training_flops
-from ampkit.config import build_config
+from ampkit.config import build_config, is_config_instance
 from ampkit.trainer.checkpoint_io import peek_checkpoint
 from ampkit.trainer.run_life import resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
@@ -427,9 +427,11 @@ class GPTTrainer(ampkit.Trainer):
     config_class = GPTConfig
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[ampkit.Callback] | None = None) -> None:
-        if not isinstance(cfg, DictConfig):
-            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
-            cfg = build_config(self.config_class, here, cfg or {})
+        if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
+            super().__init__(cfg, callbacks)  # a path or another object: the Trainer refuses it, naming what it takes
+        # merged onto the schema as the Trainer does: an OmegaConf.create({...}) has no defaults, nothing to check
+        here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+        cfg = build_config(self.config_class, here, {} if cfg is None else cfg)
         check_gpt_config(cfg)
         self._machine_chose = cfg.precision.opt_level == "auto" and cfg.precision.dtype is None  # not the user
         self._chosen = False  # auto's level settled: from a checkpoint, or timed

@@ -397,6 +397,20 @@ def test_model_config_errors_name_the_key(tmp_path):
     )
 
 
+def test_a_bare_omegaconf_config_or_a_path_is_taken_or_refused_as_the_trainer_does():
+    """OmegaConf.create({...}) (no defaults merged) failed the recipe's checks with "'>=' not supported between
+    NoneType and int", and a YAML path with OmegaConf's "Invalid input"; the Trainer itself merges the one and names
+    the other."""
+    import ampkit
+    from ampkit.examples.gpt import GPTTrainer
+
+    with pytest.raises(ampkit.ConfigError, match=r"config key 'model.layers': 0 is invalid; expected an integer >= 1"):
+        GPTTrainer(OmegaConf.create({"model": {"layers": 0}}))
+    assert GPTTrainer(OmegaConf.create({"model": {"layers": 2}, "trainer": {"device": "cpu"}})).cfg.model.width == 128
+    with pytest.raises(ampkit.ConfigError, match=r"GPTTrainer\(cfg=...\): got str 'configs/gpt.yaml'; expected a dict"):
+        GPTTrainer("configs/gpt.yaml")
+
+
 def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch():
     """Two ranks x batch 4 train as one process x batch 8; they validated on half its windows (val_batches *
     batch_size), so the same model reported another val/loss, and a resume on another world size ranked best-k
