@@ -250,6 +250,9 @@ def generate(model: nn.Module, prompt: torch.Tensor | str | list[int], tokens: i
     tokens = _setting("tokens", tokens, numbers.Integral, "an integer >= 0")
     top_k = _setting("top_k", top_k, numbers.Integral, "an integer >= 0 (0: greedy)")
     temperature = _setting("temperature", temperature, numbers.Real, "a finite number >= 0 (0: greedy)")
+    weight = next(model.parameters(), None)
+    if weight is not None and not isinstance(prompt, torch.Tensor):  # a text or list: where the model is
+        prompt = prompt_bytes(prompt).to(weight.device)
     prompt = prompt_bytes(prompt)
     if tokens and not len(prompt):
         raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
