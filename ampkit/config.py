@@ -72,7 +72,7 @@ class CheckpointConfig:
     keep_last: int = 2  # step/epoch files kept besides last.pt
     monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
-    save_top_k: int = 1  # best files kept (-1: every one)
+    save_top_k: int = 1  # best files kept (-1: every one; without a monitor, every step/epoch file)
 
 
 @dataclass
@@ -372,15 +372,15 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def _top_k_without_monitor(cfg: DictConfig) -> str | None:
-    """``checkpoint.save_top_k`` other than 1 without ``checkpoint.monitor`` ranks nothing, so it kept no file at all
-    (Lightning's ModelCheckpoint refuses it too)."""
+    """``checkpoint.save_top_k`` above 1 without ``checkpoint.monitor`` ranks nothing, so it kept no file at all
+    (Lightning's ModelCheckpoint refuses it too); -1 without a monitor keeps every step and epoch file."""
     top_k = OmegaConf.select(cfg, "checkpoint.save_top_k")
-    if top_k == 1 or not isinstance(top_k, int) or OmegaConf.select(cfg, "checkpoint.monitor"):
+    if top_k in (1, -1) or not isinstance(top_k, int) or OmegaConf.select(cfg, "checkpoint.monitor"):
         return None
     return (
         f"config key 'checkpoint.save_top_k': {top_k} keeps the best checkpoints by checkpoint.monitor, which is not "
         "set: set checkpoint.monitor to a validation metric (val/loss), or checkpoint.keep_last to keep the newest "
-        "step and epoch files"
+        "step and epoch files (checkpoint.save_top_k=-1 without a monitor keeps every one)"
     )
 
 

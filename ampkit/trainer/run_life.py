@@ -566,8 +566,11 @@ def finish_interrupted_pruning(start: FitStart) -> None:
     its lock. Rank zero only."""
     if start.version_dir is None or start.checkpoint is None or not start.checkpoint_path.is_file():
         return
-    keep_last = start.checkpoint.get("config", {}).get("checkpoint", {}).get("keep_last")
+    saved_settings = start.checkpoint.get("config", {}).get("checkpoint", {})
+    keep_last = saved_settings.get("keep_last")
     if not isinstance(keep_last, int) or keep_last < 1:
+        return
+    if saved_settings.get("save_top_k") == -1 and not saved_settings.get("monitor"):  # that run kept every file
         return
     lock = RunLock(start.version_dir)
     try:
