@@ -8,6 +8,7 @@ anywhere fail before training with the dotted path, the bad value and what would
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -468,6 +469,28 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
     return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
 
 
+def _nearest_key(schema: DictConfig, parent: str, name: str, valid: list[str]) -> str:
+    """`` (did you mean '...'?)`` for a misspelt key (``max_epoch``) or one written in another section
+    (``trainer.opt_level``, which is ``precision.opt_level``); empty when nothing is near."""
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
+    if close:
+        return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)"
+    elsewhere = [path for path in _key_paths(schema) if path.rpartition(".")[2] == name]
+    return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)" if elsewhere else ""
+
+
+def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every key's dotted path in ``node``, sections included."""
+    paths = []
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            paths.extend(_key_paths(child, f"{path}."))
+    return paths
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     full_key = str(getattr(exc, "full_key", "") or "")
     message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
@@ -485,7 +508,8 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
         parent = full_key.rpartition(".")[0]
         valid = _valid_keys(schema, parent)
         where = f"'{parent}'" if parent else "the top level"
-        return ConfigError(f"unknown config key '{full_key}'; valid keys at {where}: {', '.join(valid)}")
+        hint = _nearest_key(schema, parent, full_key.rpartition(".")[2], valid)
+        return ConfigError(f"unknown config key '{full_key}'{hint}; valid keys at {where}: {', '.join(valid)}")
     return ConfigError(f"config key '{full_key}': {message}")
 
 
