@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -82,10 +83,11 @@ def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys,
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "holds nothing (an empty file)"),
-        ("hello\n", "it holds a str ('hello')"),
+        ("", r"holds nothing \(an empty file\)"),
+        ("hello\n", r"it holds a str \('hello'\)"),
         ("- 1\n- 2\n", "it holds a list"),
-        ("a: [1, 2\n b: :\n", "is not valid YAML: did not find expected ',' or ']' at line 2, column 3"),
+        # the YAML parser's wording differs between OmegaConf releases; the line and column do not
+        ("a: [1, 2\n b: :\n", r"is not valid YAML: (did not find )?expected ',' or '\]'.* at line 2, column 3"),
     ],
     ids=["empty", "a word", "a list", "invalid"],
 )
@@ -94,7 +96,7 @@ def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     config.write_text(text)
     with pytest.raises(ConfigError) as err:
         load_config(config)
-    assert message in str(err.value) and "\n" not in str(err.value)
+    assert re.search(message, str(err.value)) and "\n" not in str(err.value)
 
 
 def test_a_section_given_a_value_names_the_section(tmp_path, capsys):
@@ -434,8 +436,8 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("trainer.compile=[Block", "override 'trainer.compile=[Block': cannot read the value '[Block' (did not find"),
-        ("trainer.max_steps={a", "override 'trainer.max_steps={a': cannot read the value '{a' (did not find"),
+        ("trainer.compile=[Block", "override 'trainer.compile=[Block': cannot read the value '[Block' ("),
+        ("trainer.max_steps={a", "override 'trainer.max_steps={a': cannot read the value '{a' ("),
         ("name=${oops", "override 'name=${oops': cannot read the value '${oops' (no viable alternative"),
         ("trainer..max_steps=3", "key 'trainer..max_steps' has an empty or space-padded part"),
         ("trainer.=3", "key 'trainer.' has an empty or space-padded part"),
