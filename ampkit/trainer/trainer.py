@@ -135,6 +135,7 @@ from ampkit.trainer.optimizers import (
     refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
+    step_scheduler,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
@@ -1109,7 +1110,7 @@ class Trainer:
                 if sched.interval != interval or not stepped or count % sched.frequency:
                     continue
                 if sched.monitor is None:
-                    sched.scheduler.step()
+                    step_scheduler(sched, spec.name)
                     continue
                 key = sched.monitor.removeprefix("val/")
                 if key not in self.val_metrics:
@@ -1124,7 +1125,7 @@ class Trainer:
                         raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
-                sched.scheduler.step(self.val_metrics[key])
+                step_scheduler(sched, spec.name, self.val_metrics[key])
 
     def _validate(self) -> None:
         self._settle()
