@@ -70,7 +70,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_counts import checked_count
+from ampkit.trainer.batch_counts import batch_limit, checked_count
 from ampkit.trainer.batch_layout import (
     batch_layout,
     batches_done_here,
@@ -343,6 +343,8 @@ class Trainer:
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
+        self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
@@ -742,7 +744,7 @@ class Trainer:
     @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
-        return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit)
 
     @property
     def global_rank(self) -> int:
@@ -1133,7 +1135,7 @@ class Trainer:
             return
         self.fire("on_validation_start")
         self.val_metrics = average_metrics(
-            self, self._val_loader, self.validation_step, self.settings.limit_val_batches, "on_validation_batch_end"
+            self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
         )
         self.val_metrics_step = self.state.global_step
         self.fire("on_validation_end", dict(self.val_metrics))
@@ -1291,10 +1293,12 @@ class Trainer:
             self.dist,
             shuffle_default=True,
         )
-        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        limit = self.settings.limit_train_batches
+        self._train_limit = batch_limit(limit, self._train_loader, "trainer.limit_train_batches", "train_dataloader()")
+        self._num_train_batches = _batches_in(self._train_loader, self._train_limit)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
-        equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
+        equal = check_equal_batches(counted_batches(self._train_loader, self._train_limit), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
@@ -1327,6 +1331,9 @@ class Trainer:
         self._val_loader = evaluation_loader(
             check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
         )
+        if self._val_loader is not None:
+            limit = self.settings.limit_val_batches
+            self._val_limit = batch_limit(limit, self._val_loader, "trainer.limit_val_batches", "val_dataloader()")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
