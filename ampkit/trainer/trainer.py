@@ -328,6 +328,7 @@ class Trainer:
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
+        self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
@@ -705,6 +706,14 @@ class Trainer:
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
+    def take_logged(self) -> list[tuple[str, Any, int]]:
+        """``log()``'s values not taken yet, as ``(tag, value, step)``, for the logger that writes them: they leave
+        the queue, and what is logged later in the batch (in a hook that runs after the logger's) waits for its next
+        take instead of being dropped at the batch's end."""
+        taken, self.logged_scalars = self.logged_scalars, []
+        self._logged_taken = True
+        return taken
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Mark the work inside as not training (a checkpoint save, a sample generated in a hook): every callback's
@@ -990,7 +999,11 @@ class Trainer:
             self._end_iteration()
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
-        self.logged_scalars.clear()
+        # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
+        # after every callback's) waits for its next take; with no logger taking them, nothing would.
+        if not self._logged_taken:
+            self.logged_scalars.clear()
+        self._logged_taken = False
         self._batch = None
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
@@ -1133,12 +1146,18 @@ class Trainer:
         self._settle()
         if self._val_loader is None:
             return
-        self.fire("on_validation_start")
-        self.val_metrics = average_metrics(
-            self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
-        )
-        self.val_metrics_step = self.state.global_step
-        self.fire("on_validation_end", dict(self.val_metrics))
+        # Validation is outside the training batch, also where val_every_n_steps runs it inside one: a value its
+        # hooks log() is written at once (not only when the iteration is due to log) and weighs 1 in an epoch mean.
+        batch, self._batch = self._batch, None
+        try:
+            self.fire("on_validation_start")
+            self.val_metrics = average_metrics(
+                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
+            )
+            self.val_metrics_step = self.state.global_step
+            self.fire("on_validation_end", dict(self.val_metrics))
+        finally:
+            self._batch = batch
         self._agree_stop()  # early stopping takes effect at once on every rank
 
     # ----------------------------------------------------------------- validate, test, predict
