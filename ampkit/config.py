@@ -41,7 +41,7 @@ class MonitorMode(str, Enum):
 class TrainerConfig:
     """The loop."""
 
-    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
+    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier); -1: no limit, as in Lightning
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
     max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds, "HH:MM:SS" or "DD:HH:MM:SS"
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
@@ -261,7 +261,7 @@ def duration_seconds(value: Any) -> float | None:
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": ((lambda v: bool(v.strip()) and "\0" not in v), "a non-empty path without NUL characters"),
-    "trainer.max_epochs": _at_least(0),
+    "trainer.max_epochs": ((lambda v: v >= -1), "-1 (no limit: max_steps, max_time or a stop ends the run) or >= 0"),
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (
         (lambda v: v is None or duration_seconds(v) is not None),

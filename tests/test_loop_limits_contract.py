@@ -1,8 +1,9 @@
 """The loop's limits keep the contract Lightning users know: ``max_epochs`` and ``max_steps`` together end the run at
-whichever comes first, ``limit_*_batches`` take a count or a fraction of the batches, validation runs every
-``val_every_n_epochs`` epochs and every ``val_every_n_steps`` iterations, the sanity validation runs
-``num_sanity_val_steps`` batches (-1: all) within ``limit_val_batches``, an epoch cut short by ``max_steps`` is not
-validated, and a resumed run goes on with the batch indices and global steps an uninterrupted one would have."""
+whichever comes first (``max_epochs=-1``: no epoch limit), ``limit_*_batches`` take a count or a fraction of the
+batches, validation runs every ``val_every_n_epochs`` epochs and every ``val_every_n_steps`` iterations, the sanity
+validation runs ``num_sanity_val_steps`` batches (-1: all) within ``limit_val_batches``, an epoch cut short by
+``max_steps`` is not validated, and a resumed run goes on with the batch indices and global steps an uninterrupted one
+would have."""
 
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def test_max_epochs_and_max_steps_end_the_run_at_whichever_comes_first(tmp_path,
     assert trainer.state.global_step == len(positions.batches) == steps
     assert len(positions.epoch_ends) == -(-steps // 8)
     assert sum(step % 8 == 0 for _, step in positions.epoch_ends) == epochs_ended
+
+
+def test_max_epochs_minus_one_leaves_the_run_s_length_to_max_steps_as_in_lightning(tmp_path):
+    """20 steps of 8-batch epochs: two epochs and a half; a resume of the finished run trains nothing."""
+    settings = {"trainer.max_epochs": -1, "trainer.max_steps": 20, "trainer.num_sanity_val_steps": 0}
+    trainer, positions = _fit(tmp_path, **settings, **{"checkpoint.enabled": True})
+    assert trainer.num_training_steps == trainer.state.global_step == 20
+    assert positions.epoch_ends == [(0, 8), (1, 16), (2, 20)]
+    again, positions = _fit(tmp_path, resume="last", **settings, **{"checkpoint.enabled": True})
+    assert again.state.global_step == 20 and positions.batches == []
+
+
+def test_a_max_steps_that_max_epochs_ends_before_is_named_at_fit_start(tmp_path):
+    """Lightning's max_steps alone trains that many steps (its max_epochs then has no limit); here the default
+    max_epochs=1 ended the run after 8 steps without a word."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{**QUIET, "trainer.max_steps": 100}))
+    with pytest.warns(UserWarning, match=r"trainer.max_steps=100 is never reached: trainer.max_epochs=1 ends the run "
+                      r"after 8 steps \(Lightning's max_steps alone lifts its epoch limit; here set "
+                      r"trainer.max_epochs=-1 for none, or raise it\)"):  # fmt: skip
+        trainer.fit()
+    assert trainer.state.global_step == 8
 
 
 def test_an_epoch_max_steps_cuts_short_is_neither_validated_nor_steps_an_epoch_scheduler(tmp_path):
@@ -154,6 +176,12 @@ def test_a_fraction_of_a_loader_without_a_length_is_refused_asking_for_a_count(t
 def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_refused_at_construction(tmp_path, value, message):
     with pytest.raises(ConfigError, match=f"'trainer.limit_train_batches': {message}"):
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.limit_train_batches": value}))
+
+
+def test_a_max_epochs_below_minus_one_is_refused_naming_what_minus_one_means(tmp_path):
+    with pytest.raises(ConfigError, match=r"'trainer.max_epochs': -2 is invalid; expected -1 \(no limit: max_steps, "
+                       r"max_time or a stop ends the run\) or >= 0"):  # fmt: skip
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": -2}))
 
 
 def test_validation_runs_after_every_nth_epoch_and_not_after_a_last_epoch_off_the_interval(tmp_path):

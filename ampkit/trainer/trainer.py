@@ -745,7 +745,7 @@ class Trainer:
         ``configure_optimizers``: ``max_epochs`` x ``ceil(num_train_batches / accumulate_grad_batches)`` (an epoch's
         last, short window steps too), or ``max_steps`` when it ends the run first; None when neither is known."""
         t, batches = self.settings, self.num_train_batches
-        if batches is None:  # an iterable without a length: only max_steps says
+        if batches is None or t.max_epochs < 0:  # an iterable without a length, or no epoch limit: max_steps says
             return t.max_steps if t.max_steps >= 0 else None
         steps = t.max_epochs * -(-batches // t.accumulate_grad_batches)
         return steps if t.max_steps < 0 else min(t.max_steps, steps)
@@ -869,7 +869,7 @@ class Trainer:
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
-        return self._stopping() or s.epoch >= t.max_epochs or 0 <= t.max_steps <= s.global_step
+        return self._stopping() or 0 <= t.max_epochs <= s.epoch or 0 <= t.max_steps <= s.global_step
 
     def _stopping(self) -> bool:
         """Whether training ends now for ``state.should_stop``: at once in one process; under torchrun only once the
