@@ -42,13 +42,13 @@ class MonitorMode(str, Enum):
 class TrainerConfig:
     """The loop."""
 
-    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
+    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier); -1: no limit, as in Lightning
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
     max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds, "HH:MM:SS" or "DD:HH:MM:SS"
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
-    limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
-    limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
-    num_sanity_val_steps: int = 2  # validation batches run before training, checking monitored metrics (0: none)
+    limit_train_batches: int | float | None = None  # batches per epoch: a count, or a fraction (0.25); null: all
+    limit_val_batches: int | float | None = None  # batches per validation: a count, or a fraction of them; null: all
+    num_sanity_val_steps: int = 2  # validation batches run before training, checking monitors (0: none, -1: all)
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation (none when val_every_n_steps just ran)
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
@@ -220,6 +220,13 @@ def _at_least(low: int) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v >= low), f"an integer >= {low}"
 
 
+# A batch count, or a fraction of a loader's batches as Lightning's limit_*_batches take (1.0: all of them).
+_BATCH_LIMIT = (
+    lambda v: v >= 1 if isinstance(v, int) else 0.0 < v <= 1.0,
+    "an integer >= 1 (batches) or a fraction in (0.0, 1.0] of them",
+)
+
+
 def _optional(rule: tuple[Callable[[Any], bool], str], none_means: str) -> tuple[Callable[[Any], bool], str]:
     check, valid = rule
     return (lambda v: v is None or check(v)), f"null ({none_means}) or {valid}"
@@ -255,16 +262,16 @@ def duration_seconds(value: Any) -> float | None:
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": ((lambda v: bool(v.strip()) and "\0" not in v), "a non-empty path without NUL characters"),
-    "trainer.max_epochs": _at_least(0),
+    "trainer.max_epochs": ((lambda v: v >= -1), "-1 (no limit: max_steps, max_time or a stop ends the run) or >= 0"),
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (
         (lambda v: v is None or duration_seconds(v) is not None),
         'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00)',
     ),
     "trainer.accumulate_grad_batches": _at_least(1),
-    "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
-    "trainer.limit_val_batches": _optional(_at_least(1), "all batches; val_every_n_epochs=0 turns validation off"),
-    "trainer.num_sanity_val_steps": ((lambda v: v >= 0), "an integer >= 0 (0: no sanity validation)"),
+    "trainer.limit_train_batches": _optional(_BATCH_LIMIT, "all batches"),
+    "trainer.limit_val_batches": _optional(_BATCH_LIMIT, "all batches; val_every_n_epochs=0 turns validation off"),
+    "trainer.num_sanity_val_steps": ((lambda v: v >= -1), "-1 (all batches), 0 (no sanity validation) or more"),
     "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.val_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),

@@ -217,7 +217,7 @@ def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str
     stopping key changed), or None when it has training left."""
     loop, t = checkpoint["loop"], cfg.trainer
     where = f"epoch {loop['epoch']}, step {loop['global_step']}"
-    if loop["epoch"] >= t.max_epochs or 0 <= t.max_steps <= loop["global_step"]:
+    if 0 <= t.max_epochs <= loop["epoch"] or 0 <= t.max_steps <= loop["global_step"]:
         return (
             f"'{path}' already reached trainer.max_epochs={t.max_epochs} / trainer.max_steps={t.max_steps} ({where}); "
             "nothing was written. Raise a limit to train further from its exact state."
