@@ -91,3 +91,40 @@ def test_levels_without_masters_list_the_parameters_by_dtype(opt_level, low):
     assert [id(p) for p in stash.all_fp32_params] == ([] if low else every)
     assert not hasattr(stash, "fp16_groups")  # so weight-averaging wrappers take the parameters as they are
     assert _fp16_fp32_pairs(optimizer) == []
+
+
+def _swap_in_sampled_weight(optimizer: torch.optim.Optimizer, bank: torch.Tensor, seed: int) -> torch.nn.Parameter:
+    """A partial-FC classifier: a fresh Parameter of sampled class centres replaces the last group's weight, and
+    (for Apex, whose O1 unscaled the parameters of its own list) the stash's list is told too."""
+    rows = torch.randperm(bank.shape[0], generator=torch.Generator().manual_seed(seed))[:3]
+    sampled = torch.nn.Parameter(bank[rows].clone())
+    optimizer.state.pop(optimizer.param_groups[-1]["params"][0], None)
+    optimizer.param_groups[-1]["params"][0] = sampled
+    if hasattr(optimizer._amp_stash, "all_fp32_params"):
+        optimizer._amp_stash.all_fp32_params[-1] = sampled
+    return sampled
+
+
+def _partial_fc_loss(backbone: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    normalize = torch.nn.functional.normalize
+    return torch.nn.functional.linear(normalize(backbone(x).float()), normalize(weight)).float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("combine_grad", [False, True])
+def test_a_parameter_swapped_into_the_optimizer_before_each_o1_backward_gets_unscaled_gradients(combine_grad):
+    torch.manual_seed(0)
+    backbone, bank = torch.nn.Linear(4, 4), torch.randn(10, 4)
+    first = torch.nn.Parameter(bank[:3].clone())
+    optimizer = torch.optim.SGD([{"params": backbone.parameters()}, {"params": [first]}], lr=0.1, momentum=0.9)
+    backbone, optimizer = amp.initialize(
+        backbone, optimizer, opt_level="O1", loss_scale=1024.0, combine_grad=combine_grad, verbosity=0
+    )
+    for seed in range(3):
+        sampled = _swap_in_sampled_weight(optimizer, bank, seed)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + seed))
+        (expected,) = torch.autograd.grad(_partial_fc_loss(backbone, sampled, x), sampled)
+        with amp.scale_loss(_partial_fc_loss(backbone, sampled, x), optimizer) as scaled:
+            scaled.backward()
+        torch.testing.assert_close(sampled.grad, expected, rtol=1e-2, atol=1e-4)  # not 1024 times it
+        optimizer.step()
+        optimizer.zero_grad()

@@ -147,6 +147,7 @@ class AmpOptimizerStash:
             pairs = ((p, p) for p in params)
         model, owners = [], []
         seen: set[int] = set()
+        self._combined_ids = seen  # every float param considered, frozen ones included (see _params_swapped_in)
         # A parameter frozen now (requires_grad=False) is combined too: unfrozen later (staged fine-tuning, yolov3's
         # --freeze-layers), its gradients are unscaled like the others', as in Apex's O1, whose lists held every
         # parameter. Flat buffers (combine_grad) take only trainable ones; prepare_backward rebuilds them on unfreezing.
@@ -183,10 +184,21 @@ class AmpOptimizerStash:
         """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
         self.lazy_init()
         if not self.combiner.pending:
-            if any(p.requires_grad for p in self._frozen_outside):  # unfrozen since the flat buffers were built
+            # Unfrozen since the flat buffers were built, or assigned into a group since the combiner was built.
+            if any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
                 self.combiner.remove()
                 self.combiner = self._build_combiner()
             self.combiner.prepare_backward()
+
+    def _params_swapped_in(self) -> bool:
+        """Whether a group holds a parameter the combiner never saw: a partial-FC classifier assigns a fresh weight into
+        ``param_groups[-1]["params"]`` before each backward (and, for Apex, into ``_amp_stash.all_fp32_params``,
+        whose parameters Apex's O1 unscaled). Without masters only; under O2 the groups hold the masters."""
+        if self.master_weights is not None:
+            return False
+        known = self._combined_ids
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        return any(id(p) not in known for p in params if p.is_floating_point())
 
     def match_pending_scale(self, scale: float) -> None:
         """Before a backward at ``scale``: gradients a delayed unscale left at another loss's scale are brought to
