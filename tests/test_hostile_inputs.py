@@ -5,11 +5,14 @@ the last good checkpoint is never damaged."""
 from __future__ import annotations
 
 import errno
+import io
 import os
+import sys
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -266,6 +269,78 @@ def test_a_full_disk_in_the_middle_of_a_checkpoint_keeps_last_and_leaves_no_temp
     assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 4
     assert main(["fit", "--config", config, "--resume", "last"]) == 0
     assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
+
+
+# A process whose files may grow to a byte limit (RLIMIT_FSIZE): a write past it fails with EFBIG, as a full disk
+# fails one with ENOSPC and a quota with EDQUOT. Python ignores SIGXFSZ, so the write raises instead of the signal
+# killing the process.
+_FILE_SIZE_LIMITED = """
+import resource
+import sys
+
+from ampkit.cli import main
+
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_real_write_failure_mid_checkpoint_is_one_line_naming_the_file_and_keeps_last(tmp_path, capsys):
+    """A file-size limit fails the write of the next checkpoint halfway, as a full disk would: torch.save turns its
+    file's OSError into 'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which named neither.
+    The run stops with one line naming the file and the reason; last.pt is as it was, no temp file is left, and the
+    run resumes from it once the writes succeed."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+    script = tmp_path / "file_size_limited.py"
+    script.write_text(_FILE_SIZE_LIMITED)
+    limit = (checkpoints / "last.pt").stat().st_size // 2  # the config, lock and temp names are far smaller
+    args = ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"]
+    proc = ForkedPython([sys.executable, str(script), str(limit), *args], env=dict(os.environ))
+    _, stderr = proc.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(
+        f"ampkit: error: could not write checkpoint '{checkpoints / 'step-00000006.pt'}' (File too large); "
+        "last.pt still holds the previous checkpoint"
+    ), lines
+    assert _files(checkpoints) == before
+    assert main(args) == 0
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
+
+
+@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EIO, errno.EDQUOT])
+def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_last(
+    tmp_path, capsys, monkeypatch, failure
+):
+    """The operating system refuses a write once a checkpoint file holds 1000 bytes (a full disk, an I/O error, a
+    quota): the error names the file and the reason, and last.pt and the step files are as they were."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+
+    class FailingFile(io.FileIO):
+        def write(self, data):
+            if self.tell() + len(data) > 1000:
+                raise OSError(failure, os.strerror(failure))
+            return super().write(data)
+
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):  # a checkpoint's temp file is opened "wb", as open() makes it
+        return io.BufferedWriter(FailingFile(fd, "w")) if mode == "wb" else real_fdopen(fd, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    assert line.startswith(
+        f"ampkit: error: could not write checkpoint '{checkpoints / 'step-00000006.pt'}' ({os.strerror(failure)}); "
+        "last.pt still holds the previous checkpoint, and --resume last continues from it"
+    )
+    assert _files(checkpoints) == before
 
 
 def test_a_directory_given_as_the_checkpoint_names_the_file_to_pass(trained, capsys):
