@@ -4,6 +4,7 @@ sharded gradients, DCP checkpoints that resume on another world size, consolidat
 from __future__ import annotations
 
 import errno
+import io
 import math
 import os
 import re
@@ -29,21 +30,28 @@ from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "fsdp_worker.py"
 
 
-def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | None = None) -> list[dict]:
-    """Two gloo ranks of ``fsdp_worker.py``; returns each rank's result."""
+def start(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | str | None = None, **extra: str) -> list:
+    """Two gloo ranks of ``fsdp_worker.py`` started (``extra`` variables set in both); returns their processes."""
     port = _free_port()
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(2):
         env = child_env(TESTS, TESTS.parent, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", BATCH=str(batch_size),
-                        **({"RESUME_FROM": str(resume)} if resume else {}))  # fmt: skip
+                        **({"RESUME_FROM": str(resume)} if resume else {}), **extra)  # fmt: skip
         procs.append(ForkedPython([sys.executable, str(WORKER), scenario, str(out)], env=env))  # no import to pay
+    return procs
+
+
+def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | str | None = None) -> list[dict]:
+    """Two gloo ranks of ``fsdp_worker.py``; returns each rank's result."""
+    procs = start(scenario, out, batch_size=batch_size, resume=resume)
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr[-3000:]
@@ -320,6 +328,78 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
     resumed = run("resume", tmp_path, batch_size=8, resume="last")
     assert sorted(resumed["losses"]) == list(range(4, 17))
     assert (checkpoints / "step-00000006" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("filled_at", [0.5, 0.95])
+def test_a_shard_file_whose_write_fails_midway_names_the_reason_and_leaves_last_to_resume(
+    tmp_path, monkeypatch, filled_at
+):
+    """The disk fills partway through a rank's shard file (at a fraction of its full size), and every write after
+    fails. DCP writes each tensor with torch.save, which turns its file's OSError into 'unexpected pos' where the
+    failing write is one of a tensor's records (at 0.95 here): DCP's error then named no reason, and the partial
+    directory was left for the next run to remove. Wherever it fills, the error names the checkpoint and the reason,
+    and the partial directory goes at once."""
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    real_open = Path.open
+
+    class FullDisk(io.FileIO):
+        room = 0
+
+        def write(self, data):
+            if self.tell() + len(data) > self.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(data)
+
+    def open_(path, mode="r", *args, **kwargs):  # DCP opens each rank's shard file with Path.open(mode="wb")
+        if path.parent.name != ".step-00000006.tmp" or path.suffix != ".distcp" or mode != "wb":
+            return real_open(path, mode, *args, **kwargs)
+        file = FullDisk(path, "w")
+        file.room = int((checkpoints / "step-00000003" / path.name).stat().st_size * filled_at)  # the same layout
+        return file
+
+    monkeypatch.setattr(Path, "open", open_)
+    message = (
+        f"could not write checkpoint '{checkpoints / 'step-00000006'}' (No space left on device on rank 0); "
+        "last still holds the previous checkpoint, and --resume last continues from it"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        run("resume", tmp_path, batch_size=8)
+    monkeypatch.undo()
+    assert (checkpoints / "last").resolve().name == "step-00000003"
+    assert not list(checkpoints.glob(".*"))
+    resumed = run("resume", tmp_path, batch_size=8, resume="last")
+    assert sorted(resumed["losses"]) == list(range(4, 17))
+
+
+@pytest.mark.parametrize("moment", ["shards", "after_dcp"])
+def test_a_rank_killed_during_a_sharded_save_leaves_last_whole_and_the_run_resumes_on_two_and_on_one(
+    two_ranks, tmp_path, moment
+):
+    """Rank 1 is SIGKILLed in the save of step 6: as it opens its shard file, or once DCP has written every shard
+    and the metadata. ``last`` moves only after every rank has written, so it still names step 3; a partial directory
+    is never taken for a checkpoint, and the run resumes from step 3 on two ranks and on one as if never killed."""
+    killed = start("resume", tmp_path, DIE_IN_SAVE=moment)
+    for proc in killed:
+        proc.communicate(timeout=240)
+    assert killed[1].returncode == -9 and killed[0].returncode != 0
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "version_0" / "checkpoints"
+    assert resolve_checkpoint(run_dir, "last") == checkpoints / "last"
+    assert (checkpoints / "last").resolve().name == "step-00000003"
+    saved = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step-", ".step-")))
+    # Killed in the writes: the partial directory keeps its temp name (the next fit removes it). Killed after them:
+    # rank zero may have renamed the whole directory in before its last barrier failed.
+    assert saved in (["step-00000003"], [".step-00000006.tmp", "step-00000003"], ["step-00000003", "step-00000006"])
+    if "step-00000006" in saved:
+        assert moment == "after_dcp" and is_sharded_checkpoint(checkpoints / "step-00000006")
+    one = shutil.copytree(run_dir, tmp_path / "one" / "run", symlinks=True).parent
+    uninterrupted = two_ranks[0]
+    for resumed in (launch("resume", tmp_path, resume="last")[0], run("resume", one, batch_size=8, resume="last")):
+        assert sorted(resumed["losses"]) == list(range(4, 17))
+        for iteration, loss in resumed["losses"].items():
+            assert loss == pytest.approx(uninterrupted["losses"][iteration], rel=1e-5)
+        _close(resumed["model"], uninterrupted["model"])
+    assert not list(checkpoints.glob(".*"))
 
 
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):
