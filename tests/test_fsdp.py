@@ -402,6 +402,25 @@ def test_a_rank_killed_during_a_sharded_save_leaves_last_whole_and_the_run_resum
     assert not list(checkpoints.glob(".*"))
 
 
+def test_a_sharded_checkpoint_without_its_metadata_is_refused_naming_what_it_lacks_and_the_newest_whole_one(tmp_path):
+    """A checkpoint directory that lost DCP's .metadata (a partial copy; ampkit renames a directory in only once it is
+    whole) was "a directory, not a checkpoint: pass a checkpoint file in it", and ``last`` leading to it "no last
+    link", which sent the user looking for what is not there."""
+    run("resume", tmp_path, batch_size=8)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    newest = (checkpoints / "last").resolve()
+    (newest / ".metadata").unlink()
+    cut_short = "is a sharded checkpoint without .metadata (a save cut short, or a partial copy): it cannot be resumed"
+    whole = checkpoints / "step-00000015"
+    message = f"('{checkpoints / 'last'}' leads to '{newest.name}', which {cut_short}); the newest checkpoint left is "
+    with pytest.raises(CheckpointError, match=re.escape(f"{message}'{whole}'")):
+        run("resume", tmp_path, batch_size=8, resume="last")
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"'{newest}' {cut_short}; the newest whole checkpoint beside it is '{whole}'")
+    ):
+        run("resume", tmp_path, batch_size=8, resume=str(newest))
+
+
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):
     result = run("resume", tmp_path, batch_size=8)
     weights = consolidate_checkpoint(Path(result["version_dir"]) / "checkpoints" / "last")

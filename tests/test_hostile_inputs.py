@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 import ampkit
 from ampkit.cli import main
 from ampkit.config import ConfigError, load_config
-from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
 from ampkit.trainer.user_code import UserCodeError
 
@@ -341,6 +342,22 @@ def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_l
         "last.pt still holds the previous checkpoint, and --resume last continues from it"
     )
     assert _files(checkpoints) == before
+
+
+def test_a_last_pt_link_that_leads_nowhere_is_named_with_the_newest_checkpoint_left(tmp_path):
+    """A ``last.pt`` turned into a dangling link (by a cleanup script, or a copy; ampkit writes no link there) was
+    reported as "no version_N/checkpoints/last.pt", though the user sees one there."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    ToyTrainer(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    (checkpoints / "last.pt").unlink()
+    (checkpoints / "last.pt").symlink_to("step-00000099.pt")
+    message = (
+        f"('{checkpoints / 'last.pt'}' is a link to 'step-00000099.pt', which does not exist); the newest checkpoint "
+        f"left is '{checkpoints / 'step-00000004.pt'}': resume it by its path"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ToyTrainer(cfg).fit(resume="last")
 
 
 def test_a_directory_given_as_the_checkpoint_names_the_file_to_pass(trained, capsys):

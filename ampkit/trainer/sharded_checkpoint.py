@@ -47,6 +47,18 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return path.is_dir() and (path / TRAINER_FILE).is_file() and (path / ".metadata").is_file()
 
 
+def missing_sharded_parts(path: str | os.PathLike) -> list[str]:
+    """What directory ``path`` lacks of a sharded checkpoint (``.metadata``, ``trainer.pt``) where it holds a part of
+    one (a save cut short, a partial copy); empty for a whole one, or for a directory that is no checkpoint at all."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    parts = {".metadata": (path / ".metadata").is_file(), TRAINER_FILE: (path / TRAINER_FILE).is_file()}
+    if not any(parts.values()) and next(path.glob("*.distcp"), None) is None:
+        return []
+    return [name for name, present in parts.items() if not present]
+
+
 def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
