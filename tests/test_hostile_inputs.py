@@ -9,6 +9,7 @@ import io
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,6 +343,42 @@ def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_l
         "last.pt still holds the previous checkpoint, and --resume last continues from it"
     )
     assert _files(checkpoints) == before
+
+
+def test_an_io_error_that_leaves_the_file_system_read_only_is_named_and_its_temp_file_goes_at_the_next_fit(
+    tmp_path, capsys, monkeypatch
+):
+    """ext4 remounts read-only after an I/O error (errors=remount-ro): the temp file of the failed write cannot be
+    removed, and that removal's "Read-only file system" was raised in place of the write's "Input/output error"."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+
+    def io_error(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    real_unlink = Path.unlink
+
+    def unlink(path, *args, **kwargs):
+        if path.parent == checkpoints and path.name.endswith(".tmp"):  # the file system is read-only from now
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", io_error)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    monkeypatch.undo()
+    assert f"could not write checkpoint '{checkpoints / 'step-00000006.pt'}' (Input/output error); last.pt" in line
+    (temp,) = [p for p in checkpoints.iterdir() if p.name.startswith(".step-00000006.pt.")]
+    assert {p: b for p, b in _files(checkpoints).items() if p != temp} == before
+    assert main(["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"]) == 0
+    assert (
+        f"removed 1 temp file(s) left by an interrupted save: version_0/checkpoints/{temp.name}"
+        in capsys.readouterr().err
+    )
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
 
 
 def test_a_last_pt_link_that_leads_nowhere_is_named_with_the_newest_checkpoint_left(tmp_path):

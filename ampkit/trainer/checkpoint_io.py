@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -113,7 +113,10 @@ def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> N
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        # Where it cannot go (ext4 remounts read-only after an I/O error), the error raised stays the write's, and the
+        # next fit's tidy removes the temp file.
+        with suppress(OSError):
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
