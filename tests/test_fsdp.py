@@ -4,7 +4,6 @@ sharded gradients, DCP checkpoints that resume on another world size, consolidat
 from __future__ import annotations
 
 import errno
-import io
 import math
 import os
 import re
@@ -19,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, Shuffled, TwoLosses
 from fsdp_worker import FSDP, FusedAdamShuffled, KeepFinalState, run
+from full_disk import FullDisk
 from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -290,14 +290,18 @@ def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_dire
     assert resolve_checkpoint(copy, "best") is None
 
 
-@pytest.mark.parametrize("failing", ["shards", "trainer.pt"])
+@pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])
 def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_to_resume(
     tmp_path, monkeypatch, failing
 ):
     """DCP gathers a rank's write failure into a CheckpointException (a BaseException, no path in it): the error
-    names the checkpoint, says what is left, and the partial directory goes at once (a full disk gets space back)."""
-    real_write, real_save = dcp.FileSystemWriter.write_data, torch.save
-    temp = tmp_path / "run" / "version_0" / "checkpoints" / ".step-00000006.tmp"
+    names the checkpoint, says what is left, and the partial directory goes at once (a full disk gets space back).
+    ``shard file at F``: the disk fills at fraction F of a rank's shard file. DCP writes each tensor with torch.save,
+    which turns its file's OSError into 'unexpected pos' where the failing write is one of a tensor's records (at
+    0.95 here): DCP's error then named no reason, and the partial directory stayed until the next run."""
+    real_write, real_save, real_open = dcp.FileSystemWriter.write_data, torch.save, Path.open
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    temp = checkpoints / ".step-00000006.tmp"
 
     def full_disk():
         (temp / "half").write_bytes(b"x")
@@ -310,12 +314,19 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
         at_step_6 = isinstance(obj, dict) and obj.get("loop", {}).get("global_step") == 6
         return full_disk() if at_step_6 else real_save(obj, *args, **kwargs)
 
+    def open_(path, mode="r", *args, **kwargs):  # DCP opens each rank's shard file with Path.open(mode="wb")
+        if path.parent != temp or path.suffix != ".distcp" or mode != "wb":
+            return real_open(path, mode, *args, **kwargs)
+        filled_at = float(failing.rpartition(" ")[2])
+        return FullDisk(path, room=int((checkpoints / "step-00000003" / path.name).stat().st_size * filled_at))
+
     if failing == "shards":
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_shards)
-    else:
+    elif failing == "trainer.pt":
         monkeypatch.setattr(torch, "save", save)
-    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
-    where = " on rank 0" if failing == "shards" else ""
+    else:
+        monkeypatch.setattr(Path, "open", open_)
+    where = "" if failing == "trainer.pt" else " on rank 0"
     message = (
         f"could not write checkpoint '{checkpoints / 'step-00000006'}' (No space left on device{where}); "
         "last still holds the previous checkpoint, and --resume last continues from it"
@@ -328,47 +339,6 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
     resumed = run("resume", tmp_path, batch_size=8, resume="last")
     assert sorted(resumed["losses"]) == list(range(4, 17))
     assert (checkpoints / "step-00000006" / ".metadata").is_file()
-
-
-@pytest.mark.parametrize("filled_at", [0.5, 0.95])
-def test_a_shard_file_whose_write_fails_midway_names_the_reason_and_leaves_last_to_resume(
-    tmp_path, monkeypatch, filled_at
-):
-    """The disk fills partway through a rank's shard file (at a fraction of its full size), and every write after
-    fails. DCP writes each tensor with torch.save, which turns its file's OSError into 'unexpected pos' where the
-    failing write is one of a tensor's records (at 0.95 here): DCP's error then named no reason, and the partial
-    directory was left for the next run to remove. Wherever it fills, the error names the checkpoint and the reason,
-    and the partial directory goes at once."""
-    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
-    real_open = Path.open
-
-    class FullDisk(io.FileIO):
-        room = 0
-
-        def write(self, data):
-            if self.tell() + len(data) > self.room:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return super().write(data)
-
-    def open_(path, mode="r", *args, **kwargs):  # DCP opens each rank's shard file with Path.open(mode="wb")
-        if path.parent.name != ".step-00000006.tmp" or path.suffix != ".distcp" or mode != "wb":
-            return real_open(path, mode, *args, **kwargs)
-        file = FullDisk(path, "w")
-        file.room = int((checkpoints / "step-00000003" / path.name).stat().st_size * filled_at)  # the same layout
-        return file
-
-    monkeypatch.setattr(Path, "open", open_)
-    message = (
-        f"could not write checkpoint '{checkpoints / 'step-00000006'}' (No space left on device on rank 0); "
-        "last still holds the previous checkpoint, and --resume last continues from it"
-    )
-    with pytest.raises(CheckpointError, match=re.escape(message)):
-        run("resume", tmp_path, batch_size=8)
-    monkeypatch.undo()
-    assert (checkpoints / "last").resolve().name == "step-00000003"
-    assert not list(checkpoints.glob(".*"))
-    resumed = run("resume", tmp_path, batch_size=8, resume="last")
-    assert sorted(resumed["losses"]) == list(range(4, 17))
 
 
 @pytest.mark.parametrize("moment", ["shards", "after_dcp"])

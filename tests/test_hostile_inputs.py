@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from full_disk import FullDisk
 from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from torch.utils.data import DataLoader
@@ -325,16 +326,12 @@ def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_l
     checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
     before = _files(checkpoints)
 
-    class FailingFile(io.FileIO):
-        def write(self, data):
-            if self.tell() + len(data) > 1000:
-                raise OSError(failure, os.strerror(failure))
-            return super().write(data)
-
     real_fdopen = os.fdopen
 
     def fdopen(fd, mode="r", *args, **kwargs):  # a checkpoint's temp file is opened "wb", as open() makes it
-        return io.BufferedWriter(FailingFile(fd, "w")) if mode == "wb" else real_fdopen(fd, mode, *args, **kwargs)
+        if mode != "wb":
+            return real_fdopen(fd, mode, *args, **kwargs)
+        return io.BufferedWriter(FullDisk(fd, room=1000, failure=failure))
 
     monkeypatch.setattr(os, "fdopen", fdopen)
     line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
