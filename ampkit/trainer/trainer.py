@@ -1265,7 +1265,9 @@ class Trainer:
     def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
         """Fire an ending hook (``on_exception``, ``on_fit_end``) on every callback even where one raises: the later
         ones save a preempted step, flush logs and leave the process group. While ``failure`` unwinds, a hook's error
-        becomes a note on it (the run's own error stays the one raised); otherwise the first is raised afterwards."""
+        becomes a note on it (the run's own error stays the one raised), except one raised ``from failure``: that
+        one says what the failure was (a dead rank named for gloo's "Connection closed by peer") and is raised in
+        its place once every hook has run. Otherwise the first error is raised afterwards."""
         first = None
         for method in self._hooks[hook]:
             try:
@@ -1273,7 +1275,7 @@ class Trainer:
             except Exception as exc:
                 owner = getattr(method, "__self__", self)
                 where = f"{type(owner).__name__}.{hook}"
-                if failure is None:
+                if failure is None or (exc.__cause__ is failure and first is None):
                     first = first or exc
                 elif hasattr(failure, "add_note"):  # Python 3.11+
                     failure.add_note(f"{where} raised {type(exc).__name__}: {exc} while this error unwound")
