@@ -8,6 +8,7 @@ anywhere fail before training with the dotted path, the bad value and what would
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -42,13 +43,13 @@ class MonitorMode(str, Enum):
 class TrainerConfig:
     """The loop."""
 
-    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier)
+    max_epochs: int = 1  # epochs to train (max_steps may stop it earlier); -1: no limit, as in Lightning
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
     max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds, "HH:MM:SS" or "DD:HH:MM:SS"
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
-    limit_train_batches: int | None = None  # train on at most this many batches per epoch (null: all)
-    limit_val_batches: int | None = None  # validate on at most this many batches (null: all)
-    num_sanity_val_steps: int = 2  # validation batches run before training, checking monitored metrics (0: none)
+    limit_train_batches: int | float | None = None  # batches per epoch: a count, or a fraction (0.25); null: all
+    limit_val_batches: int | float | None = None  # batches per validation: a count, or a fraction of them; null: all
+    num_sanity_val_steps: int = 2  # validation batches run before training, checking monitors (0: none, -1: all)
     val_every_n_epochs: int = 1  # 0 disables epoch-end validation (none when val_every_n_steps just ran)
     val_every_n_steps: int = 0  # 0 disables step-based validation
     clip_grad_norm: float | None = None  # clip each optimizer's unscaled gradients to this total L2 norm (null: off)
@@ -73,7 +74,7 @@ class CheckpointConfig:
     keep_last: int = 2  # step/epoch files kept besides last.pt
     monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
-    save_top_k: int = 1  # best files kept (-1: every one)
+    save_top_k: int = 1  # best files kept (-1: every one; without a monitor, every step/epoch file)
 
 
 @dataclass
@@ -220,6 +221,13 @@ def _at_least(low: int) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v >= low), f"an integer >= {low}"
 
 
+# A batch count, or a fraction of a loader's batches as Lightning's limit_*_batches take (1.0: all of them).
+_BATCH_LIMIT = (
+    lambda v: v >= 1 if isinstance(v, int) else 0.0 < v <= 1.0,
+    "an integer >= 1 (batches) or a fraction in (0.0, 1.0] of them",
+)
+
+
 def _optional(rule: tuple[Callable[[Any], bool], str], none_means: str) -> tuple[Callable[[Any], bool], str]:
     check, valid = rule
     return (lambda v: v is None or check(v)), f"null ({none_means}) or {valid}"
@@ -255,16 +263,16 @@ def duration_seconds(value: Any) -> float | None:
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
 VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "run_dir": ((lambda v: bool(v.strip()) and "\0" not in v), "a non-empty path without NUL characters"),
-    "trainer.max_epochs": _at_least(0),
+    "trainer.max_epochs": ((lambda v: v >= -1), "-1 (no limit: max_steps, max_time or a stop ends the run) or >= 0"),
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (
         (lambda v: v is None or duration_seconds(v) is not None),
         'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00)',
     ),
     "trainer.accumulate_grad_batches": _at_least(1),
-    "trainer.limit_train_batches": _optional(_at_least(1), "all batches"),
-    "trainer.limit_val_batches": _optional(_at_least(1), "all batches; val_every_n_epochs=0 turns validation off"),
-    "trainer.num_sanity_val_steps": ((lambda v: v >= 0), "an integer >= 0 (0: no sanity validation)"),
+    "trainer.limit_train_batches": _optional(_BATCH_LIMIT, "all batches"),
+    "trainer.limit_val_batches": _optional(_BATCH_LIMIT, "all batches; val_every_n_epochs=0 turns validation off"),
+    "trainer.num_sanity_val_steps": ((lambda v: v >= -1), "-1 (all batches), 0 (no sanity validation) or more"),
     "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.val_every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "trainer.clip_grad_norm": _optional(_POSITIVE_NUMBER, "no clipping"),
@@ -373,15 +381,15 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def _top_k_without_monitor(cfg: DictConfig) -> str | None:
-    """``checkpoint.save_top_k`` other than 1 without ``checkpoint.monitor`` ranks nothing, so it kept no file at all
-    (Lightning's ModelCheckpoint refuses it too)."""
+    """``checkpoint.save_top_k`` above 1 without ``checkpoint.monitor`` ranks nothing, so it kept no file at all
+    (Lightning's ModelCheckpoint refuses it too); -1 without a monitor keeps every step and epoch file."""
     top_k = OmegaConf.select(cfg, "checkpoint.save_top_k")
-    if top_k == 1 or not isinstance(top_k, int) or OmegaConf.select(cfg, "checkpoint.monitor"):
+    if top_k in (1, -1) or not isinstance(top_k, int) or OmegaConf.select(cfg, "checkpoint.monitor"):
         return None
     return (
         f"config key 'checkpoint.save_top_k': {top_k} keeps the best checkpoints by checkpoint.monitor, which is not "
         "set: set checkpoint.monitor to a validation metric (val/loss), or checkpoint.keep_last to keep the newest "
-        "step and epoch files"
+        "step and epoch files (checkpoint.save_top_k=-1 without a monitor keeps every one)"
     )
 
 
@@ -469,6 +477,28 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
     return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
 
 
+def _nearest_key(schema: DictConfig, parent: str, name: str, valid: list[str]) -> str:
+    """`` (did you mean '...'?)`` for a misspelt key (``max_epoch``) or one written in another section
+    (``trainer.opt_level``, which is ``precision.opt_level``); empty when nothing is near."""
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
+    if close:
+        return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)"
+    elsewhere = [path for path in _key_paths(schema) if path.rpartition(".")[2] == name]
+    return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)" if elsewhere else ""
+
+
+def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every key's dotted path in ``node``, sections included."""
+    paths = []
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            paths.extend(_key_paths(child, f"{path}."))
+    return paths
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     full_key = str(getattr(exc, "full_key", "") or "")
     message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
@@ -486,7 +516,8 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
         parent = full_key.rpartition(".")[0]
         valid = _valid_keys(schema, parent)
         where = f"'{parent}'" if parent else "the top level"
-        return ConfigError(f"unknown config key '{full_key}'; valid keys at {where}: {', '.join(valid)}")
+        hint = _nearest_key(schema, parent, full_key.rpartition(".")[2], valid)
+        return ConfigError(f"unknown config key '{full_key}'{hint}; valid keys at {where}: {', '.join(valid)}")
     return ConfigError(f"config key '{full_key}': {message}")
 
 

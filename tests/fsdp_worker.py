@@ -126,7 +126,42 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
     return {"model": keep.state, "version_dir": str(trainer.version_dir), "val": trainer.val_metrics, **extra}
 
 
+def die_in_the_save_of_step_6(moment: str) -> None:
+    """SIGKILL this rank during the sharded save of step 6: as it opens its shard file (``shards``), or once DCP has
+    written every rank's shards and the metadata (``after_dcp``), before rank zero renames the directory in."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    def dies(path) -> bool:
+        return Path(path).name == ".step-00000006.tmp"
+
+    if moment == "shards":
+        real_open = Path.open
+
+        def open_(path, mode="r", *args, **kwargs):
+            if mode == "wb" and path.suffix == ".distcp" and dies(path.parent):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_open(path, mode, *args, **kwargs)
+
+        Path.open = open_
+    elif moment == "after_dcp":
+        real_save = dcp.save
+
+        def save(*args, checkpoint_id=None, **kwargs):
+            result = real_save(*args, checkpoint_id=checkpoint_id, **kwargs)
+            if dies(checkpoint_id):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        dcp.save = save
+    else:
+        raise SystemExit(f"unknown moment {moment}")
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
+    if RANK == 1 and "DIE_IN_SAVE" in os.environ:
+        die_in_the_save_of_step_6(os.environ["DIE_IN_SAVE"])
     result = run(scenario, out, int(os.environ.get("BATCH", 4)), os.environ.get("RESUME_FROM"))
     torch.save(result, out / f"rank{RANK}.pt")

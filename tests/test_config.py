@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.config import ConfigError, load_config
+from ampkit.config import Config, ConfigError, build_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,6 +159,25 @@ def test_read_only_run_dir_is_refused_before_fit_runs_user_code(tmp_path):
     with pytest.raises(ConfigError, match=r"'run_dir': cannot create .*locked' is not writable"):
         trainer.fit()
     assert not _RecordsUserCode.called
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("trainer.max_epoch", " (did you mean 'trainer.max_epochs'?)"),  # misspelt
+        ("precision.loss_scale_window", " (did you mean 'precision.scale_window'?)"),
+        ("trainer.opt_level", " (did you mean 'precision.opt_level'?)"),  # another section's key
+        ("logging.monitor", " (did you mean 'checkpoint.monitor' or 'early_stopping.monitor'?)"),
+        ("trainer.learning_rate", ""),  # nothing near: no guess
+        ("bogus", ""),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_valid_one(override, hint):
+    """A typo or a key put in the wrong section is named with what was probably meant, before the list of the
+    section's keys (which does not show a key of another section)."""
+    with pytest.raises(ConfigError) as caught:
+        build_config(Config, OmegaConf.from_dotlist([f"{override}=1"]))
+    assert str(caught.value).startswith(f"unknown config key '{override}'{hint}; valid keys at ")
 
 
 def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):

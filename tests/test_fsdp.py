@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from child_env import child_env
 from dist_worker import Plain, Shuffled, TwoLosses
 from fsdp_worker import FSDP, FusedAdamShuffled, KeepFinalState, run
+from full_disk import FullDisk
 from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -29,21 +30,28 @@ from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "fsdp_worker.py"
 
 
-def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | None = None) -> list[dict]:
-    """Two gloo ranks of ``fsdp_worker.py``; returns each rank's result."""
+def start(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | str | None = None, **extra: str) -> list:
+    """Two gloo ranks of ``fsdp_worker.py`` started (``extra`` variables set in both); returns their processes."""
     port = _free_port()
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(2):
         env = child_env(TESTS, TESTS.parent, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", BATCH=str(batch_size),
-                        **({"RESUME_FROM": str(resume)} if resume else {}))  # fmt: skip
+                        **({"RESUME_FROM": str(resume)} if resume else {}), **extra)  # fmt: skip
         procs.append(ForkedPython([sys.executable, str(WORKER), scenario, str(out)], env=env))  # no import to pay
+    return procs
+
+
+def launch(scenario: str, out: Path, *, batch_size: int = 4, resume: Path | str | None = None) -> list[dict]:
+    """Two gloo ranks of ``fsdp_worker.py``; returns each rank's result."""
+    procs = start(scenario, out, batch_size=batch_size, resume=resume)
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr[-3000:]
@@ -282,14 +290,18 @@ def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_dire
     assert resolve_checkpoint(copy, "best") is None
 
 
-@pytest.mark.parametrize("failing", ["shards", "trainer.pt"])
+@pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])
 def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_to_resume(
     tmp_path, monkeypatch, failing
 ):
     """DCP gathers a rank's write failure into a CheckpointException (a BaseException, no path in it): the error
-    names the checkpoint, says what is left, and the partial directory goes at once (a full disk gets space back)."""
-    real_write, real_save = dcp.FileSystemWriter.write_data, torch.save
-    temp = tmp_path / "run" / "version_0" / "checkpoints" / ".step-00000006.tmp"
+    names the checkpoint, says what is left, and the partial directory goes at once (a full disk gets space back).
+    ``shard file at F``: the disk fills at fraction F of a rank's shard file. DCP writes each tensor with torch.save,
+    which turns its file's OSError into 'unexpected pos' where the failing write is one of a tensor's records (at
+    0.95 here): DCP's error then named no reason, and the partial directory stayed until the next run."""
+    real_write, real_save, real_open = dcp.FileSystemWriter.write_data, torch.save, Path.open
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    temp = checkpoints / ".step-00000006.tmp"
 
     def full_disk():
         (temp / "half").write_bytes(b"x")
@@ -302,12 +314,19 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
         at_step_6 = isinstance(obj, dict) and obj.get("loop", {}).get("global_step") == 6
         return full_disk() if at_step_6 else real_save(obj, *args, **kwargs)
 
+    def open_(path, mode="r", *args, **kwargs):  # DCP opens each rank's shard file with Path.open(mode="wb")
+        if path.parent != temp or path.suffix != ".distcp" or mode != "wb":
+            return real_open(path, mode, *args, **kwargs)
+        filled_at = float(failing.rpartition(" ")[2])
+        return FullDisk(path, room=int((checkpoints / "step-00000003" / path.name).stat().st_size * filled_at))
+
     if failing == "shards":
         monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_shards)
-    else:
+    elif failing == "trainer.pt":
         monkeypatch.setattr(torch, "save", save)
-    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
-    where = " on rank 0" if failing == "shards" else ""
+    else:
+        monkeypatch.setattr(Path, "open", open_)
+    where = "" if failing == "trainer.pt" else " on rank 0"
     message = (
         f"could not write checkpoint '{checkpoints / 'step-00000006'}' (No space left on device{where}); "
         "last still holds the previous checkpoint, and --resume last continues from it"
@@ -320,6 +339,56 @@ def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_t
     resumed = run("resume", tmp_path, batch_size=8, resume="last")
     assert sorted(resumed["losses"]) == list(range(4, 17))
     assert (checkpoints / "step-00000006" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("moment", ["shards", "after_dcp"])
+def test_a_rank_killed_during_a_sharded_save_leaves_last_whole_and_the_run_resumes_on_two_and_on_one(
+    two_ranks, tmp_path, moment
+):
+    """Rank 1 is SIGKILLed in the save of step 6: as it opens its shard file, or once DCP has written every shard
+    and the metadata. ``last`` moves only after every rank has written, so it still names step 3; a partial directory
+    is never taken for a checkpoint, and the run resumes from step 3 on two ranks and on one as if never killed."""
+    killed = start("resume", tmp_path, DIE_IN_SAVE=moment)
+    for proc in killed:
+        proc.communicate(timeout=240)
+    assert killed[1].returncode == -9 and killed[0].returncode != 0
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "version_0" / "checkpoints"
+    assert resolve_checkpoint(run_dir, "last") == checkpoints / "last"
+    assert (checkpoints / "last").resolve().name == "step-00000003"
+    saved = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("step-", ".step-")))
+    # Killed in the writes: the partial directory keeps its temp name (the next fit removes it). Killed after them:
+    # rank zero may have renamed the whole directory in before its last barrier failed.
+    assert saved in (["step-00000003"], [".step-00000006.tmp", "step-00000003"], ["step-00000003", "step-00000006"])
+    if "step-00000006" in saved:
+        assert moment == "after_dcp" and is_sharded_checkpoint(checkpoints / "step-00000006")
+    one = shutil.copytree(run_dir, tmp_path / "one" / "run", symlinks=True).parent
+    uninterrupted = two_ranks[0]
+    for resumed in (launch("resume", tmp_path, resume="last")[0], run("resume", one, batch_size=8, resume="last")):
+        assert sorted(resumed["losses"]) == list(range(4, 17))
+        for iteration, loss in resumed["losses"].items():
+            assert loss == pytest.approx(uninterrupted["losses"][iteration], rel=1e-5)
+        _close(resumed["model"], uninterrupted["model"])
+    assert not list(checkpoints.glob(".*"))
+
+
+def test_a_sharded_checkpoint_without_its_metadata_is_refused_naming_what_it_lacks_and_the_newest_whole_one(tmp_path):
+    """A checkpoint directory that lost DCP's .metadata (a partial copy; ampkit renames a directory in only once it is
+    whole) was "a directory, not a checkpoint: pass a checkpoint file in it", and ``last`` leading to it "no last
+    link", which sent the user looking for what is not there."""
+    run("resume", tmp_path, batch_size=8)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    newest = (checkpoints / "last").resolve()
+    (newest / ".metadata").unlink()
+    cut_short = "is a sharded checkpoint without .metadata (a save cut short, or a partial copy): it cannot be resumed"
+    whole = checkpoints / "step-00000015"
+    message = f"('{checkpoints / 'last'}' leads to '{newest.name}', which {cut_short}); the newest checkpoint left is "
+    with pytest.raises(CheckpointError, match=re.escape(f"{message}'{whole}'")):
+        run("resume", tmp_path, batch_size=8, resume="last")
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"'{newest}' {cut_short}; the newest whole checkpoint beside it is '{whole}'")
+    ):
+        run("resume", tmp_path, batch_size=8, resume=str(newest))
 
 
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):

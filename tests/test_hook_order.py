@@ -232,3 +232,60 @@ def test_hook_phases_naming_no_hook_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"Misnamed.hook_phases names \['on_validation_epoch_end'\], not hooks"):
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 1}), callbacks=[Misnamed()]).fit()
+
+
+VALIDATION = ["on_validation_start", *["validation_step", "on_validation_batch_end"] * 3, "on_validation_end"]
+
+
+def test_step_based_validation_runs_inside_its_batch_after_zero_grad_and_before_on_train_batch_end(tmp_path):
+    """val_every_n_steps=2: validation belongs to the iteration that ends at step 2, so a checkpoint or a logger in
+    on_train_batch_end sees its metrics (Lightning validates after the batch's on_train_batch_end)."""
+    calls = fit_recording(tmp_path, **{"data.n": 24, "trainer.val_every_n_steps": 2, "trainer.val_every_n_epochs": 0,
+                                       "trainer.num_sanity_val_steps": 0})  # fmt: skip
+    second = batch(steps=step())
+    second = [*second[:-1], *VALIDATION, second[-1]]
+    assert calls == fit_of(batch(steps=step()), second, batch(steps=step()))
+
+
+class StopsAfterValidation(Callback):
+    """Early stopping's move: asks to stop in the first on_validation_end of training."""
+
+    def on_validation_end(self, trainer, metrics):
+        if trainer.state.stage == "fit":
+            trainer.state.should_stop = True
+
+
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_an_early_stop_ends_the_epoch_then_the_run_as_lightning_s_does(tmp_path, mid_epoch):
+    """Asked at an epoch-end validation: on_train_epoch_end, then the end. Asked at a step-based one (step 2 of 3):
+    the epoch's later batches and its epoch-end validation do not run, but on_train_epoch_end still fires."""
+    every = {"trainer.val_every_n_steps": 2} if mid_epoch else {}
+    calls: list = []
+    trainer = RecordingTrainer(toy_cfg(tmp_path, **{**QUIET, "data.n": 24, "trainer.max_epochs": 3,
+                                                    "trainer.num_sanity_val_steps": 0, **every}),
+                               callbacks=[Recorder(calls), StopsAfterValidation()])  # fmt: skip
+    trainer.calls = calls
+    trainer.fit()
+    if mid_epoch:
+        second = batch(steps=step())
+        batches = [batch(steps=step()), [*second[:-1], *VALIDATION, second[-1]]]
+    else:
+        batches = [batch(steps=step())] * 3 + [VALIDATION]
+    assert calls == fit_of(*batches)
+    assert trainer.state.global_step == (2 if mid_epoch else 3)
+
+
+def test_a_resume_loads_the_checkpoint_after_set_up_and_before_on_fit_start_then_goes_on_mid_epoch(tmp_path):
+    """As in Lightning, on_load_checkpoint fires once, before on_fit_start; the resumed epoch starts again with
+    on_train_epoch_start and runs only the batch the interrupted run had left."""
+    settings = {**QUIET, "data.n": 24, "trainer.val_every_n_epochs": 0, "checkpoint.enabled": True}
+    first = fit_recording(tmp_path, **settings, **{"trainer.max_steps": 2})
+    assert first == [*fit_of(*[batch(steps=step())] * 2)[:-1], "on_save_checkpoint", "on_fit_end"]  # last.pt
+    calls: list = []
+    resumed = RecordingTrainer(toy_cfg(tmp_path, **settings), callbacks=[Recorder(calls)])
+    resumed.calls = calls
+    resumed.fit(resume="last")
+    set_up = [*SET_UP[:-1], "on_load_checkpoint", "on_fit_start"]
+    epoch_end = ["on_train_epoch_end", "on_save_checkpoint"]  # epoch-1.pt, which is last.pt too: not saved again
+    assert calls == [*set_up, "on_train_start", "on_train_epoch_start", *batch(steps=step()), *epoch_end,
+                     "on_train_end", "on_fit_end"]  # fmt: skip

@@ -5,18 +5,24 @@ the last good checkpoint is never damaged."""
 from __future__ import annotations
 
 import errno
+import io
 import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from full_disk import FullDisk
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
 from ampkit.cli import main
 from ampkit.config import ConfigError, load_config
-from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
 from ampkit.trainer.user_code import UserCodeError
 
@@ -82,10 +88,11 @@ def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys,
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "holds nothing (an empty file)"),
-        ("hello\n", "it holds a str ('hello')"),
+        ("", r"holds nothing \(an empty file\)"),
+        ("hello\n", r"it holds a str \('hello'\)"),
         ("- 1\n- 2\n", "it holds a list"),
-        ("a: [1, 2\n b: :\n", "is not valid YAML: did not find expected ',' or ']' at line 2, column 3"),
+        # the YAML parser's wording differs between OmegaConf releases; the line and column do not
+        ("a: [1, 2\n b: :\n", r"is not valid YAML: (did not find )?expected ',' or '\]'.* at line 2, column 3"),
     ],
     ids=["empty", "a word", "a list", "invalid"],
 )
@@ -94,7 +101,7 @@ def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     config.write_text(text)
     with pytest.raises(ConfigError) as err:
         load_config(config)
-    assert message in str(err.value) and "\n" not in str(err.value)
+    assert re.search(message, str(err.value)) and "\n" not in str(err.value)
 
 
 def test_a_section_given_a_value_names_the_section(tmp_path, capsys):
@@ -268,6 +275,126 @@ def test_a_full_disk_in_the_middle_of_a_checkpoint_keeps_last_and_leaves_no_temp
     assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
 
 
+# A process whose files may grow to a byte limit (RLIMIT_FSIZE): a write past it fails with EFBIG, as a full disk
+# fails one with ENOSPC and a quota with EDQUOT. Python ignores SIGXFSZ, so the write raises instead of the signal
+# killing the process.
+_FILE_SIZE_LIMITED = """
+import resource
+import sys
+
+from ampkit.cli import main
+
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_real_write_failure_mid_checkpoint_is_one_line_naming_the_file_and_keeps_last(tmp_path, capsys):
+    """A file-size limit fails the write of the next checkpoint halfway, as a full disk would: torch.save turns its
+    file's OSError into 'RuntimeError: [enforce fail at inline_container.cc] unexpected pos', which named neither.
+    The run stops with one line naming the file and the reason; last.pt is as it was, no temp file is left, and the
+    run resumes from it once the writes succeed."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+    script = tmp_path / "file_size_limited.py"
+    script.write_text(_FILE_SIZE_LIMITED)
+    limit = (checkpoints / "last.pt").stat().st_size // 2  # the config, lock and temp names are far smaller
+    args = ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"]
+    proc = ForkedPython([sys.executable, str(script), str(limit), *args], env=dict(os.environ))
+    _, stderr = proc.communicate(timeout=120)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(
+        f"ampkit: error: could not write checkpoint '{checkpoints / 'step-00000006.pt'}' (File too large); "
+        "last.pt still holds the previous checkpoint"
+    ), lines
+    assert _files(checkpoints) == before
+    assert main(args) == 0
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
+
+
+@pytest.mark.parametrize("failure", [errno.ENOSPC, errno.EIO, errno.EDQUOT])
+def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_last(
+    tmp_path, capsys, monkeypatch, failure
+):
+    """The operating system refuses a write once a checkpoint file holds 1000 bytes (a full disk, an I/O error, a
+    quota): the error names the file and the reason, and last.pt and the step files are as they were."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):  # a checkpoint's temp file is opened "wb", as open() makes it
+        if mode != "wb":
+            return real_fdopen(fd, mode, *args, **kwargs)
+        return io.BufferedWriter(FullDisk(fd, room=1000, failure=failure))
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    assert line.startswith(
+        f"ampkit: error: could not write checkpoint '{checkpoints / 'step-00000006.pt'}' ({os.strerror(failure)}); "
+        "last.pt still holds the previous checkpoint, and --resume last continues from it"
+    )
+    assert _files(checkpoints) == before
+
+
+def test_an_io_error_that_leaves_the_file_system_read_only_is_named_and_its_temp_file_goes_at_the_next_fit(
+    tmp_path, capsys, monkeypatch
+):
+    """ext4 remounts read-only after an I/O error (errors=remount-ro): the temp file of the failed write cannot be
+    removed, and that removal's "Read-only file system" was raised in place of the write's "Input/output error"."""
+    config = _config(tmp_path, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    assert main(["fit", "--config", config]) == 0
+    checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
+    before = _files(checkpoints)
+
+    def io_error(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    real_unlink = Path.unlink
+
+    def unlink(path, *args, **kwargs):
+        if path.parent == checkpoints and path.name.endswith(".tmp"):  # the file system is read-only from now
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", io_error)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    monkeypatch.undo()
+    assert f"could not write checkpoint '{checkpoints / 'step-00000006.pt'}' (Input/output error); last.pt" in line
+    (temp,) = [p for p in checkpoints.iterdir() if p.name.startswith(".step-00000006.pt.")]
+    assert {p: b for p, b in _files(checkpoints).items() if p != temp} == before
+    assert main(["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"]) == 0
+    assert (
+        f"removed 1 temp file(s) left by an interrupted save: version_0/checkpoints/{temp.name}"
+        in capsys.readouterr().err
+    )
+    assert load_checkpoint(checkpoints / "last.pt")["loop"]["global_step"] == 6
+
+
+def test_a_last_pt_link_that_leads_nowhere_is_named_with_the_newest_checkpoint_left(tmp_path):
+    """A ``last.pt`` turned into a dangling link (by a cleanup script, or a copy; ampkit writes no link there) was
+    reported as "no version_N/checkpoints/last.pt", though the user sees one there."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2})
+    ToyTrainer(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    (checkpoints / "last.pt").unlink()
+    (checkpoints / "last.pt").symlink_to("step-00000099.pt")
+    message = (
+        f"('{checkpoints / 'last.pt'}' is a link to 'step-00000099.pt', which does not exist); the newest checkpoint "
+        f"left is '{checkpoints / 'step-00000004.pt'}': resume it by its path"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ToyTrainer(cfg).fit(resume="last")
+
+
 def test_a_directory_given_as_the_checkpoint_names_the_file_to_pass(trained, capsys):
     tmp_path, config, last = trained
     version_dir = last.parent.parent
@@ -434,8 +561,8 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("trainer.compile=[Block", "override 'trainer.compile=[Block': cannot read the value '[Block' (did not find"),
-        ("trainer.max_steps={a", "override 'trainer.max_steps={a': cannot read the value '{a' (did not find"),
+        ("trainer.compile=[Block", "override 'trainer.compile=[Block': cannot read the value '[Block' ("),
+        ("trainer.max_steps={a", "override 'trainer.max_steps={a': cannot read the value '{a' ("),
         ("name=${oops", "override 'name=${oops': cannot read the value '${oops' (no viable alternative"),
         ("trainer..max_steps=3", "key 'trainer..max_steps' has an empty or space-padded part"),
         ("trainer.=3", "key 'trainer.' has an empty or space-padded part"),

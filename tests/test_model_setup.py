@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
+from ampkit.callbacks.checkpointing_report import CheckpointingReport
 from ampkit.config import load_config
 from ampkit.trainer.model_setup import MODEL_STEPS
 
@@ -197,8 +198,10 @@ def test_reduce_overhead_off_a_gpu_warns_that_it_compiles_as_the_default_mode(tm
     assert trainer.state.global_step == 1
 
 
-def test_checkpointing_modules_training_code_never_calls_warns_naming_what_ran(tmp_path):
-    """Tanh is checkpointed, then training code calls torch.tanh instead: nothing is recomputed, no memory saved."""
+@pytest.mark.parametrize("sharded", [False, True])
+def test_checkpointing_modules_training_code_never_calls_warns_naming_what_ran(tmp_path, sharded):
+    """Tanh is checkpointed, then training code calls torch.tanh instead: nothing is recomputed, no memory saved.
+    Under FSDP the modules are named by their own classes, not fully_shard's FSDP<Name> subclasses."""
 
     class Bypasses(ToyTrainer):
         def training_step(self, batch):
@@ -207,7 +210,8 @@ def test_checkpointing_modules_training_code_never_calls_warns_naming_what_ran(t
             return F.mse_loss(net[3](net[2](torch.tanh(net[0](x)))).squeeze(1), y)
 
     quiet = {"trainer.max_steps": 2, "trainer.progress_bar": False, "logging.tensorboard": False}
-    trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.activation_checkpointing": "[Tanh]"}, **quiet))
+    fsdp = {"distributed.strategy": "fsdp", "distributed.fsdp.shard_modules": "[Linear]"} if sharded else {}
+    trainer = Bypasses(toy_cfg(tmp_path, **{"trainer.activation_checkpointing": "[Tanh]"}, **quiet, **fsdp))
     with pytest.warns(UserWarning) as caught:
         trainer.fit()
     said = [str(w.message) for w in caught if "activation_checkpointing" in str(w.message)]
@@ -215,7 +219,8 @@ def test_checkpointing_modules_training_code_never_calls_warns_naming_what_ran(t
     assert "'trainer.activation_checkpointing'=['Tanh']: training code called none of the checkpointed" in said[0]
     assert "it ran Dropout, Linear instead" in said[0]
     assert trainer.state.global_step == 2
-    assert not any(m._forward_pre_hooks for m in trainer.module.modules())  # later steps pay nothing
+    hooks = [hook for m in trainer.module.modules() for hook in m._forward_pre_hooks.values()]
+    assert not [hook for hook in hooks if isinstance(getattr(hook, "__self__", None), CheckpointingReport)]  # gone
 
 
 def test_checkpointing_that_runs_is_quiet_and_leaves_no_hooks(tmp_path, recwarn):

@@ -33,7 +33,8 @@ from ampkit.trainer.sharded_checkpoint import (
 
 class ModelCheckpoint(Callback):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
-    epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt``.
+    epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
+    with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
 
     Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
@@ -62,14 +63,15 @@ class ModelCheckpoint(Callback):
             )
         if save_top_k < 1 and save_top_k != -1:
             raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
-        if save_top_k != 1 and not monitor:
+        if save_top_k not in (1, -1) and not monitor:
             raise ValueError(
                 f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
-                "validation metric (val/loss), or keep_last to keep the newest step and epoch files"
+                "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
+                "without a monitor keeps every one)"
             )
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
-        self.keep_last = keep_last
+        self.keep_last: int | None = None if save_top_k == -1 and not monitor else keep_last  # None: keep all
         self.monitor = Monitor(monitor, mode, key="checkpoint.monitor") if monitor else None
         self.save_top_k = save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
@@ -230,7 +232,8 @@ class ModelCheckpoint(Callback):
         return path
 
     def _prune(self, directory: Path) -> None:
-        prune_periodic(directory, self.keep_last)
+        if self.keep_last is not None:
+            prune_periodic(directory, self.keep_last)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
@@ -252,7 +255,7 @@ class ModelCheckpoint(Callback):
             if reason is None:
                 raise
             raise _save_failed(writing, reason, directory / LAST, path) from None
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.keep_last is not None:
             prune_sharded(directory, self.keep_last)
         return path
 

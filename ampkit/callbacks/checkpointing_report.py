@@ -55,7 +55,7 @@ class CheckpointingReport(Callback):
 
     def _module_ran(self, module: nn.Module, *_: Any) -> None:
         if module is not self._root:
-            self._ran.add(type(module).__name__)
+            self._ran.add(class_name(module))
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:
@@ -71,7 +71,7 @@ class CheckpointingReport(Callback):
             return
         names = list(trainer.cfg.trainer.activation_checkpointing)
         ran = sorted(self._ran)
-        instead = f"it ran {', '.join(ran)} instead" if ran else f"it ran no module inside {type(self._root).__name__}"
+        instead = f"it ran {', '.join(ran)} instead" if ran else f"it ran no module inside {class_name(self._root)}"
         rank_zero_warn(
             f"config key 'trainer.activation_checkpointing'={names}: training code called none of the checkpointed "
             f"modules in the first iteration, so nothing was recomputed and no memory saved; {instead}: name the "
@@ -80,3 +80,11 @@ class CheckpointingReport(Callback):
 
     def on_fit_end(self, trainer) -> None:
         self._remove_hooks()  # a run that stopped before its first iteration ended
+
+
+def class_name(module: nn.Module) -> str:
+    """The name of the module's own class: FSDP2's ``fully_shard`` swaps it for a subclass named ``FSDP<Name>``, a
+    name the user never wrote."""
+    cls = type(module)
+    own = [base for base in cls.__bases__ if base.__name__ != "FSDPModule"]
+    return own[0].__name__ if own and len(own) < len(cls.__bases__) else cls.__name__

@@ -108,7 +108,8 @@ class ProgressBar(Callback):
         trainable = sum(p.numel() for p in params if p.requires_grad)
         precision = describe_precision(trainer.cfg.precision)
         t = trainer.settings
-        length = f"{t.max_epochs} epochs" + (f", at most {t.max_steps} steps" if t.max_steps >= 0 else "")
+        length = f"{t.max_epochs} epochs" if t.max_epochs >= 0 else "no epoch limit"
+        length += f", at most {t.max_steps} steps" if t.max_steps >= 0 else ""
         batches = trainer.num_train_batches
         lines = [
             f"ampkit: training {type(trainer).__name__}",

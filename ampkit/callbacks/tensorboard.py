@@ -184,7 +184,7 @@ class TensorBoardLogger(Callback):
                     window[key] = [value]
                 else:
                     values.append(value)
-        rows = [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
+        rows = [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
         step = trainer.state.iteration
         if trainer.state.is_iteration_end and self._due(trainer):
             rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
@@ -286,8 +286,7 @@ class TensorBoardLogger(Callback):
     def _take_logged_after_the_last_batch(self, trainer) -> None:
         """Queue what log() got after the last batch (the last epoch's on_train_epoch_end, a Trainer's own
         on_train_end, which runs after this callback's): no batch end follows to take it up."""
-        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.logged_scalars]
-        trainer.logged_scalars.clear()
+        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._failed = True

@@ -500,7 +500,7 @@ class GPTTrainer(ampkit.Trainer):
         """Iterations this run trains: ``trainer.max_steps``, or ``max_epochs``' worth when they end it first (or
         ``max_steps`` is -1); the schedule decays to ``optim.min_lr`` over them."""
         t, batches = self.settings, self.num_train_batches
-        if batches is None:  # an iterable without a length: only max_steps says
+        if batches is None or t.max_epochs < 0:  # an iterable without a length, or no epoch limit: max_steps says
             return t.max_steps
         epochs = t.max_epochs * math.ceil(batches / t.accumulate_grad_batches)
         return epochs if t.max_steps < 0 else min(t.max_steps, epochs)

@@ -1,5 +1,5 @@
 """What one batch holds, as the Trainer's ``samples_in`` and ``tokens_in`` say: checked counts for the epoch
-means, validation averages and throughput figures."""
+means, validation averages and throughput figures; and how many batches a ``limit_*_batches`` setting leaves."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import numbers
 from typing import Any
 
 import torch
+
+from ampkit.config import ConfigError
 
 
 def checked_count(value: Any, owner: object, method: str) -> int | None:
@@ -30,3 +32,31 @@ def checked_count(value: Any, owner: object, method: str) -> int | None:
         f"{type(owner).__name__}.{method}(batch) returned {value!r}: {problem}; expected an integer >= 0 "
         "(the batch's count), or None where it is unknown"
     )
+
+
+def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -> int | None:
+    """``trainer.limit_*_batches`` (config ``key``) as a count of ``loader``'s batches, None for all: an int is a
+    count, a float a fraction of the batches (Lightning's ``int(fraction * len)``; 1.0: all).
+
+    Raises:
+        ConfigError: a fraction below 1.0 of a loader without a length (``source`` names it), or one that leaves no
+            batch.
+    """
+    if limit is None or isinstance(limit, int):
+        return limit
+    if limit >= 1.0:
+        return None
+    try:
+        total = len(loader)
+    except TypeError:
+        raise ConfigError(
+            f"config key '{key}': {limit} is a fraction of the batches, but {source} has no length (a stream): give "
+            "a number of batches (an integer) instead"
+        ) from None
+    count = int(total * limit)
+    if count == 0:
+        raise ConfigError(
+            f"config key '{key}': {limit} of {source}'s {total} batches is less than one batch; give at least "
+            f"{1 / total:.3g}, or a number of batches (an integer)"
+        )
+    return count

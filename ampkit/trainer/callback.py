@@ -196,4 +196,5 @@ class Callback:
 
     def on_exception(self, trainer: Trainer, exception: BaseException) -> None:
         """When ``fit()``, ``validate()``, ``test()`` or ``predict()`` raises (``trainer.state.stage`` says which);
-        the exception propagates afterwards."""
+        the exception propagates afterwards. An error this hook raises becomes a note on it, unless raised ``from
+        exception``: that one explains it (``DistributedSync`` names the rank that died) and propagates instead."""

@@ -11,7 +11,8 @@ import re
 import shutil
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -62,6 +63,41 @@ def _umask() -> int:
     return mask
 
 
+class _WriteFailureRecorder:
+    """A file whose ``write`` keeps the ``OSError`` it raised; everything else is the wrapped file's."""
+
+    def __init__(self, file: IO) -> None:
+        self._file = file
+        self.failure: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.failure = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+@contextmanager
+def write_errors_surfaced(file: IO, path: str | os.PathLike) -> Iterator[IO]:
+    """``file``, whose failed write (a full disk, a quota, an I/O error, a file-size limit) is what a save into it
+    raises, with ``path``: ``torch.save`` swallows its stream's ``OSError`` and raises ``RuntimeError: [enforce fail
+    at inline_container.cc] unexpected pos``, which names neither the file nor the reason."""
+    recorder = _WriteFailureRecorder(file)
+    try:
+        yield recorder
+    except Exception as exc:
+        failure = recorder.failure
+        if failure is None or failure is exc:
+            raise
+        if failure.filename is None:
+            failure.filename = os.fspath(path)
+        raise failure from None
+
+
 def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> None:
     """``write`` into a temp file beside ``path``, fsync it, then rename it over ``path`` (the temp file is
     removed if anything fails): readers see the old file or the new one, never half of one. The file gets the
@@ -71,12 +107,16 @@ def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> N
     try:
         with os.fdopen(fd, mode) as f:
             os.fchmod(f.fileno(), 0o666 & ~_umask())
-            write(f)
+            with write_errors_surfaced(f, path) as sink:
+                write(sink)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        # Where it cannot go (ext4 remounts read-only after an I/O error), the error raised stays the write's, and the
+        # next fit's tidy removes the temp file.
+        with suppress(OSError):
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

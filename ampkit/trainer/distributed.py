@@ -28,7 +28,7 @@ def is_communication_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came from the process group's transport rather than from user code (a ``DataLoader``'s own
     ``timeout``, "DataLoader timed out after N seconds", is the user's data, not a collective)."""
     markers = ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out", "Timed out")
-    if isinstance(exc, dist.DistError):
+    if isinstance(exc, (dist.DistError, DistributedError)):  # the latter: one already diagnosed
         return True
     message = str(exc)
     return isinstance(exc, RuntimeError) and "DataLoader" not in message and any(m in message for m in markers)

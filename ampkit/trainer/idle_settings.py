@@ -28,6 +28,12 @@ def idle_settings(
         for sched in spec.schedulers:
             if why := _idle_scheduler(cfg, spec.name, sched, batches_per_epoch, training_steps):
                 found.append(why)
+    if training_steps is not None and 0 <= t.max_epochs and training_steps < t.max_steps:
+        found.append(
+            f"trainer.max_steps={t.max_steps} is never reached: trainer.max_epochs={t.max_epochs} ends the run after "
+            f"{training_steps} steps (Lightning's max_steps alone lifts its epoch limit; here set "
+            "trainer.max_epochs=-1 for none, or raise it)"
+        )
     if batches_per_epoch is not None and t.accumulate_grad_batches > batches_per_epoch:
         found.append(
             f"trainer.accumulate_grad_batches={t.accumulate_grad_batches} is more than the {batches_per_epoch} "
@@ -59,10 +65,11 @@ def _full_epochs(cfg: DictConfig, batches_per_epoch: int | None) -> int | None:
     """The epochs the run finishes (``max_steps`` may end it within one); None when that is unknown."""
     t = cfg.trainer
     if t.max_steps < 0:
-        return t.max_epochs
+        return t.max_epochs if t.max_epochs >= 0 else None
     if batches_per_epoch is None:
         return None
-    return min(t.max_epochs, t.max_steps // -(-batches_per_epoch // t.accumulate_grad_batches))
+    by_steps = t.max_steps // -(-batches_per_epoch // t.accumulate_grad_batches)
+    return by_steps if t.max_epochs < 0 else min(t.max_epochs, by_steps)
 
 
 def _idle_scheduler(

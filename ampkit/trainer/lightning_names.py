@@ -21,6 +21,10 @@ LIGHTNING_NAMES: dict[str, str] = {
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
     "estimated_stepping_batches": "self.num_training_steps",
+    "lr_schedulers": (
+        "nothing to step: each scheduler configure_optimizers returned steps after its optimizer's steps, as its "
+        "interval and frequency say, under manual optimization too (a scheduler stepped again here would step twice)"
+    ),
 }
 
 

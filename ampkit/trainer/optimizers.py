@@ -36,6 +36,7 @@ class SchedulerSpec:
     monitor: str | None = None
     strict: bool = True  # a missing monitored metric is an error (False: warn and skip the step)
     name: str | None = None  # how messages name it (Lightning's LR-monitor name)
+    count_after_step: int | None = field(default=None, init=False)  # its last_epoch after the Trainer's last step
 
 
 @dataclass
@@ -89,14 +90,40 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
     return spec
 
 
+def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) -> None:
+    """Step ``sched`` (on a monitored ``metric``), refusing one that was stepped elsewhere since the Trainer last
+    stepped it: a Lightning port's manual-optimization ``sched.step()`` in ``training_step`` would step it twice."""
+    count = getattr(sched.scheduler, "last_epoch", None)
+    if sched.count_after_step is not None and count != sched.count_after_step:
+        which = f"LR scheduler '{sched.name}'" if sched.name else f"the LR scheduler {type(sched.scheduler).__name__}"
+        raise UserCodeError(
+            f"{which} of optimizer '{optimizer_name}' was stepped outside the Trainer (its count went from "
+            f"{sched.count_after_step} to {count} since the Trainer stepped it): the Trainer steps each scheduler "
+            "configure_optimizers returned after its optimizer's steps (its interval and frequency), under manual "
+            "optimization too, so a step of your own steps it twice; remove that call"
+        )
+    sched.scheduler.step(*metric)
+    sched.count_after_step = getattr(sched.scheduler, "last_epoch", None)
+
+
+def _takes_no_metric(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is one of torch's that step without a metric (all but ReduceLROnPlateau): the only
+    argument their ``step`` takes is a deprecated epoch number."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
+        scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+    )
+
+
 def _is_lists_pair(result: Any) -> bool:
-    """Lightning's ``([opt1, opt2], [sched1, sched2])``."""
+    """Lightning's ``([opt1, opt2], [sched1, sched2])``, or ``([opt], sched)`` with one scheduler (or its dict) not
+    in a list, which Lightning takes too."""
     return (
         isinstance(result, list | tuple)
         and len(result) == 2
-        and all(isinstance(part, list | tuple) for part in result)
+        and isinstance(result[0], list | tuple)
         and bool(result[0])
         and all(isinstance(opt, torch.optim.Optimizer) for opt in result[0])
+        and not isinstance(result[1], torch.optim.Optimizer)  # [[opt_a], opt_b]: a list holding a list, refused below
     )
 
 
@@ -105,6 +132,8 @@ def _attach_schedulers(optimizers: list[Any], schedulers: list[Any]) -> list[dic
     items: list[dict[str, Any]] = [{"optimizer": opt, "lr_scheduler": []} for opt in optimizers]
     for j, sched in enumerate(schedulers):
         target = getattr(sched.get("scheduler") if isinstance(sched, dict) else sched, "optimizer", None)
+        if not isinstance(target, torch.optim.Optimizer):  # not a scheduler: _scheduler_spec names what it is
+            _scheduler_spec(sched, f"configure_optimizers()[1][{j}]")
         owner = next((item for item in items if item["optimizer"] is target), None)
         if owner is None:
             raise UserCodeError(
@@ -121,7 +150,9 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
     if isinstance(result, list | tuple) and len(result) == 2 and isinstance(result[0], list | tuple) and not result[0]:
         raise UserCodeError(f"configure_optimizers() returned an empty list of optimizers; return {_ACCEPTED}")
     if _is_lists_pair(result):
-        result = _attach_schedulers(list(result[0]), list(result[1]))
+        schedulers = result[1]
+        schedulers = list(schedulers) if isinstance(schedulers, list | tuple) else [schedulers]
+        result = _attach_schedulers(list(result[0]), schedulers)
     items = list(result) if isinstance(result, list | tuple) else [result]
     if not items:
         raise UserCodeError(f"configure_optimizers returned nothing; return {_ACCEPTED}")
@@ -141,11 +172,19 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
                 if target is not item["optimizer"]:
                     raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
-            for spec in sched_specs:  # Lightning puts 'monitor' beside 'optimizer' too
-                spec.monitor = spec.monitor or item.get("monitor")
+            for spec in sched_specs:
+                plateau = isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                if spec.monitor is not None and _takes_no_metric(spec.scheduler):
+                    raise UserCodeError(
+                        f"{where}: its {type(spec.scheduler).__name__} has 'monitor': '{spec.monitor}', but it steps "
+                        "without a metric (step(metric) would set its epoch count to the metric's value): leave "
+                        "'monitor' out of its dict (a ReduceLROnPlateau steps on one)"
+                    )
+                if plateau:  # Lightning puts 'monitor' beside 'optimizer' too, for the plateau scheduler alone
+                    spec.monitor = spec.monitor or item.get("monitor")
                 # an explicit None: the default (a monitored metric is fresh once per validation, not per step)
                 spec.interval = spec.interval or "epoch"
-                if spec.monitor is None and isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                if spec.monitor is None and plateau:
                     raise UserCodeError(
                         f"{where}: a ReduceLROnPlateau steps on a metric: name it with 'monitor' (e.g. "
                         "{'scheduler': sched, 'monitor': 'val/loss', 'interval': 'epoch'})"

@@ -62,7 +62,13 @@ from ampkit.trainer.checkpoint_io import (
     write_text_atomic,
 )
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
-from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, is_sharded_checkpoint, periodic_checkpoints, training_order
+from ampkit.trainer.sharded_checkpoint import (
+    TRAINER_FILE,
+    is_sharded_checkpoint,
+    missing_sharded_parts,
+    periodic_checkpoints,
+    training_order,
+)
 
 LOCK_FILE = "run.lock"
 LINEAGE_FILE = "lineage.yaml"
@@ -88,6 +94,8 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     path = Path(os.path.expandvars(os.path.expanduser(str(ckpt))))
     if path.is_file() or is_sharded_checkpoint(path):
         return path
+    if missing := missing_sharded_parts(path):
+        raise CheckpointError(f"'{path}' {_incomplete(path, missing)}{_newest_whole_beside(path)}")
     if path.is_dir():
         inside = next((c for c in (path / "last.pt", path / "checkpoints" / "last.pt") if c.is_file()), None)
         hint = f" (e.g. '{inside}')" if inside is not None else ""
@@ -95,6 +103,37 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
             f"'{path}' is a directory, not a checkpoint: pass a checkpoint file in it{hint}, or 'last' or 'best'"
         )
     raise CheckpointError(f"no checkpoint file or sharded checkpoint at '{path}' (pass a path, 'last' or 'best')")
+
+
+def _incomplete(path: Path, missing: list[str]) -> str:
+    """Why sharded checkpoint directory ``path``, which lacks ``missing``, cannot be resumed."""
+    return (
+        f"is a sharded checkpoint without {' and '.join(missing)} (a save cut short, or a partial copy): it cannot "
+        "be resumed"
+    )
+
+
+def _newest_whole_beside(path: Path) -> str:
+    """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
+    whole = periodic_checkpoints(path.parent, sharded=True) if path.parent.is_dir() else []
+    return f"; the newest whole checkpoint beside it is '{whole[-1]}'" if whole else ""
+
+
+def _broken_alias(run_dir: str | os.PathLike, alias: str) -> str | None:
+    """Why the newest version directory under ``run_dir`` whose ``checkpoints/`` holds ``alias`` (``last``/``best``,
+    a file or a link) has no checkpoint by that name: it leads nowhere, or to a sharded checkpoint cut short."""
+    for version in reversed(version_dirs(run_dir)):
+        for name in (f"{alias}.pt", alias):
+            link = version / "checkpoints" / name
+            if not os.path.lexists(link):
+                continue
+            target = link.resolve()
+            if missing := missing_sharded_parts(target):
+                return f"'{link}' leads to '{target.name}', which {_incomplete(target, missing)}"
+            if not target.exists():
+                return f"'{link}' is a link to '{os.readlink(link)}', which does not exist"
+            return None
+    return None
 
 
 def _trainer_part(path: Path) -> Path:
@@ -217,7 +256,7 @@ def why_finished(checkpoint: dict[str, Any], path: Path, cfg: DictConfig) -> str
     stopping key changed), or None when it has training left."""
     loop, t = checkpoint["loop"], cfg.trainer
     where = f"epoch {loop['epoch']}, step {loop['global_step']}"
-    if loop["epoch"] >= t.max_epochs or 0 <= t.max_steps <= loop["global_step"]:
+    if 0 <= t.max_epochs <= loop["epoch"] or 0 <= t.max_steps <= loop["global_step"]:
         return (
             f"'{path}' already reached trainer.max_epochs={t.max_epochs} / trainer.max_steps={t.max_steps} ({where}); "
             "nothing was written. Raise a limit to train further from its exact state."
@@ -336,9 +375,10 @@ def plan_fit(
     or branches (see the module's rules); warn about every config key that changed since it was saved."""
     if resume is not None and path is None:
         left = newest_periodic_checkpoint(run_dir)
+        broken = _broken_alias(run_dir, str(resume))
         raise CheckpointError(
-            f"resume='{resume}': no checkpoint under run_dir {quoted_run_dir(run_dir)} (no version_N/checkpoints/"
-            f"{resume}.pt or {resume} link); "
+            f"resume='{resume}': no checkpoint under run_dir {quoted_run_dir(run_dir)} "
+            + (f"({broken}); " if broken else f"(no version_N/checkpoints/{resume}.pt or {resume} link); ")
             + (
                 f"the newest checkpoint left is '{left}': resume it by its path"
                 if left is not None
@@ -587,8 +627,11 @@ def finish_interrupted_pruning(start: FitStart) -> None:
     its lock. Rank zero only."""
     if start.version_dir is None or start.checkpoint is None or not start.checkpoint_path.is_file():
         return
-    keep_last = start.checkpoint.get("config", {}).get("checkpoint", {}).get("keep_last")
+    saved_settings = start.checkpoint.get("config", {}).get("checkpoint", {})
+    keep_last = saved_settings.get("keep_last")
     if not isinstance(keep_last, int) or keep_last < 1:
+        return
+    if saved_settings.get("save_top_k") == -1 and not saved_settings.get("monitor"):  # that run kept every file
         return
     lock = RunLock(start.version_dir)
     try:

@@ -93,9 +93,9 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     checkpoints and early stopping ignore); the RNG is restored afterwards, so training draws what it would have
     drawn without it."""
     t = trainer.settings
-    limit = t.num_sanity_val_steps
-    if loader is None or limit == 0 or t.val_every_n_epochs == t.val_every_n_steps == 0:
+    if loader is None or t.num_sanity_val_steps == 0 or t.val_every_n_epochs == t.val_every_n_steps == 0:
         return
+    limit = sanity_batches(t.num_sanity_val_steps, trainer._val_limit)
     rng = capture_rng()
     trainer.state.stage = "sanity"
     try:
@@ -114,15 +114,23 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     for key, metric in monitored.items():
         if metric.removeprefix("val/") not in metrics:
             where = f"config key '{key}'" if "." in key else key
-            setting = f"={total} (all its batches) or 0" if total else "=0"
+            setting = f"={total} (all its batches) or 0" if total else "=-1 (all its batches) or 0"
             later = (
                 f"; a metric only later batches return (a second validation set) needs trainer.num_sanity_val_steps"
                 f"{setting}"
-                if total is None or limit < total
+                if limit is not None and (total is None or limit < total)
                 else ""
             )
+            checked = "all its" if limit is None else str(limit)
             raise ConfigError(
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
-                f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on "
-                f"trainer.num_sanity_val_steps={limit} batches{later})"
+                f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on {checked} "
+                f"batches, trainer.num_sanity_val_steps={t.num_sanity_val_steps}{later})"
             )
+
+
+def sanity_batches(num_sanity_val_steps: int, limit_val_batches: int | None) -> int | None:
+    """How many validation batches the sanity validation runs (None: all): ``num_sanity_val_steps`` (-1: all, as in
+    Lightning), never more than ``limit_val_batches``, so it validates no batch a validation run would leave out."""
+    limits = [n for n in (num_sanity_val_steps, limit_val_batches) if n is not None and n >= 0]
+    return min(limits) if limits else None

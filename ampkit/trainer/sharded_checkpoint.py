@@ -15,6 +15,8 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from ampkit.trainer.checkpoint_io import (
     load_checkpoint,
     peek_checkpoint,
     save_atomic,
+    write_errors_surfaced,
 )
 from ampkit.trainer.optimizers import state_initialising_steps
 
@@ -43,6 +46,18 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint directory (or the ``last`` link to one)."""
     path = Path(path)
     return path.is_dir() and (path / TRAINER_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def missing_sharded_parts(path: str | os.PathLike) -> list[str]:
+    """What directory ``path`` lacks of a sharded checkpoint (``.metadata``, ``trainer.pt``) where it holds a part of
+    one (a save cut short, a partial copy); empty for a whole one, or for a directory that is no checkpoint at all."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    parts = {".metadata": (path / ".metadata").is_file(), TRAINER_FILE: (path / TRAINER_FILE).is_file()}
+    if not any(parts.values()) and next(path.glob("*.distcp"), None) is None:
+        return []
+    return [name for name, present in parts.items() if not present]
 
 
 def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
@@ -59,6 +74,23 @@ def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _shard_writer(path: Path) -> Any:
+    """DCP's ``FileSystemWriter`` for ``path``, whose files' failed writes are what ``dcp.save`` gathers: DCP writes
+    tensors with ``torch.save``, which hides a full disk behind ``RuntimeError: unexpected pos``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Files(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream, write_errors_surfaced(stream, path) as surfaced:
+                yield surfaced
+
+    writer = FileSystemWriter(path)
+    writer.fs = Files()
+    return writer
 
 
 def save_sharded(
@@ -80,7 +112,8 @@ def save_sharded(
         tmp.mkdir(parents=True)
     _barrier()
     try:
-        dcp.save(_tensor_state(module, optimizers), checkpoint_id=tmp, no_dist=not dist.is_initialized())
+        state = _tensor_state(module, optimizers)
+        dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
         if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
             save_atomic(checkpoint, tmp / TRAINER_FILE)
     except BaseException as exc:

@@ -70,7 +70,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_counts import checked_count
+from ampkit.trainer.batch_counts import batch_limit, checked_count
 from ampkit.trainer.batch_layout import (
     batch_layout,
     batches_done_here,
@@ -136,6 +136,7 @@ from ampkit.trainer.optimizers import (
     refuse_direct_steps,
     settings_kept_from_checkpoint,
     step_,
+    step_scheduler,
     zero_grad_,
 )
 from ampkit.trainer.ordering import callback_list, order_callbacks
@@ -329,6 +330,7 @@ class Trainer:
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
+        self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
@@ -344,6 +346,8 @@ class Trainer:
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._num_train_batches: int | None = None
+        self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
+        self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
@@ -704,6 +708,14 @@ class Trainer:
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
+    def take_logged(self) -> list[tuple[str, Any, int]]:
+        """``log()``'s values not taken yet, as ``(tag, value, step)``, for the logger that writes them: they leave
+        the queue, and what is logged later in the batch (in a hook that runs after the logger's) waits for its next
+        take instead of being dropped at the batch's end."""
+        taken, self.logged_scalars = self.logged_scalars, []
+        self._logged_taken = True
+        return taken
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Mark the work inside as not training (a checkpoint save, a sample generated in a hook): every callback's
@@ -735,7 +747,7 @@ class Trainer:
         ``configure_optimizers``: ``max_epochs`` x ``ceil(num_train_batches / accumulate_grad_batches)`` (an epoch's
         last, short window steps too), or ``max_steps`` when it ends the run first; None when neither is known."""
         t, batches = self.settings, self.num_train_batches
-        if batches is None:  # an iterable without a length: only max_steps says
+        if batches is None or t.max_epochs < 0:  # an iterable without a length, or no epoch limit: max_steps says
             return t.max_steps if t.max_steps >= 0 else None
         steps = t.max_epochs * -(-batches // t.accumulate_grad_batches)
         return steps if t.max_steps < 0 else min(t.max_steps, steps)
@@ -743,7 +755,7 @@ class Trainer:
     @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
-        return 0 if self._val_loader is None else _batches_in(self._val_loader, self.settings.limit_val_batches)
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit)
 
     @property
     def global_rank(self) -> int:
@@ -859,7 +871,7 @@ class Trainer:
 
     def _finished(self) -> bool:
         s, t = self.state, self.settings
-        return self._stopping() or s.epoch >= t.max_epochs or 0 <= t.max_steps <= s.global_step
+        return self._stopping() or 0 <= t.max_epochs <= s.epoch or 0 <= t.max_steps <= s.global_step
 
     def _stopping(self) -> bool:
         """Whether training ends now for ``state.should_stop``: at once in one process; under torchrun only once the
@@ -989,7 +1001,11 @@ class Trainer:
             self._end_iteration()
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
-        self.logged_scalars.clear()
+        # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
+        # after every callback's) waits for its next take; with no logger taking them, nothing would.
+        if not self._logged_taken:
+            self.logged_scalars.clear()
+        self._logged_taken = False
         self._batch = None
 
     def _training_step(self, batch: Any) -> dict[str, Any]:
@@ -1111,7 +1127,7 @@ class Trainer:
                 if sched.interval != interval or not stepped or count % sched.frequency:
                     continue
                 if sched.monitor is None:
-                    sched.scheduler.step()
+                    step_scheduler(sched, spec.name)
                     continue
                 key = sched.monitor.removeprefix("val/")
                 if key not in self.val_metrics:
@@ -1126,18 +1142,24 @@ class Trainer:
                         raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
-                sched.scheduler.step(self.val_metrics[key])
+                step_scheduler(sched, spec.name, self.val_metrics[key])
 
     def _validate(self) -> None:
         self._settle()
         if self._val_loader is None:
             return
-        self.fire("on_validation_start")
-        self.val_metrics = average_metrics(
-            self, self._val_loader, self.validation_step, self.settings.limit_val_batches, "on_validation_batch_end"
-        )
-        self.val_metrics_step = self.state.global_step
-        self.fire("on_validation_end", dict(self.val_metrics))
+        # Validation is outside the training batch, also where val_every_n_steps runs it inside one: a value its
+        # hooks log() is written at once (not only when the iteration is due to log) and weighs 1 in an epoch mean.
+        batch, self._batch = self._batch, None
+        try:
+            self.fire("on_validation_start")
+            self.val_metrics = average_metrics(
+                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
+            )
+            self.val_metrics_step = self.state.global_step
+            self.fire("on_validation_end", dict(self.val_metrics))
+        finally:
+            self._batch = batch
         self._agree_stop()  # early stopping takes effect at once on every rank
 
     # ----------------------------------------------------------------- validate, test, predict
@@ -1245,7 +1267,9 @@ class Trainer:
     def _fire_every_one(self, hook: str, *args: Any, failure: BaseException | None) -> None:
         """Fire an ending hook (``on_exception``, ``on_fit_end``) on every callback even where one raises: the later
         ones save a preempted step, flush logs and leave the process group. While ``failure`` unwinds, a hook's error
-        becomes a note on it (the run's own error stays the one raised); otherwise the first is raised afterwards."""
+        becomes a note on it (the run's own error stays the one raised), except one raised ``from failure``: that
+        one says what the failure was (a dead rank named for gloo's "Connection closed by peer") and is raised in
+        its place once every hook has run. Otherwise the first error is raised afterwards."""
         first = None
         for method in self._hooks[hook]:
             try:
@@ -1253,7 +1277,7 @@ class Trainer:
             except Exception as exc:
                 owner = getattr(method, "__self__", self)
                 where = f"{type(owner).__name__}.{hook}"
-                if failure is None:
+                if failure is None or (exc.__cause__ is failure and first is None):
                     first = first or exc
                 elif hasattr(failure, "add_note"):  # Python 3.11+
                     failure.add_note(f"{where} raised {type(exc).__name__}: {exc} while this error unwound")
@@ -1292,10 +1316,12 @@ class Trainer:
             self.dist,
             shuffle_default=True,
         )
-        self._num_train_batches = _batches_in(self._train_loader, self.settings.limit_train_batches)
+        limit = self.settings.limit_train_batches
+        self._train_limit = batch_limit(limit, self._train_loader, "trainer.limit_train_batches", "train_dataloader()")
+        self._num_train_batches = _batches_in(self._train_loader, self._train_limit)
         self._train_length_known = _batches_in(self._train_loader, None) is not None
         check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
-        equal = check_equal_batches(counted_batches(self._train_loader, self.settings.limit_train_batches), self.dist)
+        equal = check_equal_batches(counted_batches(self._train_loader, self._train_limit), self.dist)
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
@@ -1328,6 +1354,9 @@ class Trainer:
         self._val_loader = evaluation_loader(
             check_loader(call_setup_method(self, "val_dataloader"), "val_dataloader", optional=True), self.dist
         )
+        if self._val_loader is not None:
+            limit = self.settings.limit_val_batches
+            self._val_limit = batch_limit(limit, self._val_loader, "trainer.limit_val_batches", "val_dataloader()")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(

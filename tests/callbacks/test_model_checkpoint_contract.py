@@ -181,7 +181,7 @@ def test_the_sanity_validation_ranks_nothing(tmp_path):
     assert _best_pt_step(run) == 4
 
 
-@pytest.mark.parametrize("top_k", [3, -1])
+@pytest.mark.parametrize("top_k", [3, 2])
 def test_save_top_k_without_a_monitor_is_refused_naming_what_to_set(tmp_path, top_k):
     """It ranked nothing, so no best file was ever kept, without a word (Lightning's ModelCheckpoint refuses it):
     now the config is refused at construction, before any user code, and so is the callback built by hand."""
@@ -191,3 +191,16 @@ def test_save_top_k_without_a_monitor_is_refused_naming_what_to_set(tmp_path, to
     with pytest.raises(ValueError, match=rf"save_top_k={top_k} keeps the best checkpoints by monitor, which is not"):
         ModelCheckpoint(save_top_k=top_k)
     ScriptedScores(toy_cfg(tmp_path, **{"checkpoint.save_top_k": top_k, "checkpoint.monitor": "val/score"}))
+
+
+def test_save_top_k_minus_one_without_a_monitor_keeps_every_periodic_file(tmp_path):
+    """Lightning's ModelCheckpoint(save_top_k=-1) without a monitor keeps every save: here every step file, with
+    keep_last not applied (it was refused, so a user porting that setting could not run at all), also after a
+    resume that finds the run finished."""
+    settings = {"checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1}
+    run = _fit(tmp_path, SCORES, **settings)
+    names = sorted(p.name for p in (run.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", *(f"step-{step:08d}.pt" for step in range(1, 7))]
+    again = _fit(tmp_path, SCORES, resume="last", **settings)
+    assert sorted(p.name for p in (again.version_dir / "checkpoints").iterdir()) == names
+    assert ModelCheckpoint(save_top_k=-1, keep_last=1).keep_last is None

@@ -93,6 +93,18 @@ def test_a_failed_worker_stops_the_others_and_is_the_launchers_exit_status(tmp_p
     assert multiproc.main([str(script), "--world-size", "2"]) == 3
 
 
+def test_a_relaunch_appends_to_the_workers_logs_and_keeps_what_the_crashed_launch_wrote(tmp_path, monkeypatch):
+    """Apex opened ``GPU_I.log`` with "w": relaunching a crashed job erased what rank 1 had printed before the crash."""
+    monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    crashed = "epoch 1 loss 0.52\nepoch 2 loss 0.47\n"
+    (tmp_path / "GPU_1.log").write_text(crashed)
+    script = tmp_path / "worker.py"
+    script.write_text("import sys\nprint(f'rank {sys.argv[-1]} relaunched')\n")
+    assert multiproc.main([str(script), "--world-size", "2"]) == 0
+    assert (tmp_path / "GPU_1.log").read_text() == crashed + "rank 1 relaunched\n"
+
+
 def test_a_worker_killed_by_a_signal_is_the_launchers_exit_status_as_a_shell_gives_it(tmp_path, monkeypatch):
     """An OOM kill (SIGKILL) was returncode -9, which SystemExit turned into exit status 247; a shell says 137."""
     monkeypatch.setattr(multiproc.torch.cuda, "is_available", lambda: False)

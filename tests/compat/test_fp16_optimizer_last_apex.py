@@ -185,6 +185,21 @@ def test_zero_grad_zeroes_in_place_and_accumulation_stays_exact():
     assert all(m.grad is None for m in masters) and all(p.grad is None for p in model.parameters())
 
 
+def test_model_grads_stay_after_backward_as_apex_left_them():
+    """Apex's update_master_grads unscaled the fp16 grads into the masters and left them on the model, still scaled:
+    scripts log a grad norm over ``model.parameters()`` after ``optimizer.backward(loss)``, or check that every
+    parameter got a gradient."""
+    model = _model()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=64.0, verbose=False)
+    optimizer.backward(_loss(model))
+    for param, master in zip(model.parameters(), _masters(optimizer), strict=True):
+        assert param.grad is not None and param.grad.dtype == torch.float16
+        assert torch.equal(param.grad.float() / 64.0, master.grad)
+    optimizer.step()
+    optimizer.zero_grad()  # zeroed in place, as the masters' are
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_existing_optimizer_state_moves_to_the_masters_in_fp32():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -303,9 +303,9 @@ def test_the_gpt_fp8_config_trains_its_blocks_linears_in_float8(tmp_path, monkey
     trainer.fit()
     converted = sorted(name for name, m in trainer.module.named_modules() if is_float8_linear(m))
     assert converted == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"]
-    assert (
-        trainer.model_setup.notes["fp8"]
-        == "4 Linear layers in float8; kept in high precision: 'head' (named by skip_modules)"
+    assert trainer.model_setup.notes["fp8"] == (
+        "4 Linear layers in float8; kept in high precision: 'head' (named by skip_modules); GEMMs emulated in "
+        "float32, slower than without fp8 (float8 GEMMs need CUDA capability 8.9+)"
     )
 
 
@@ -315,3 +315,6 @@ def test_the_banner_counts_one_float8_layer_in_the_singular():
     one = Float8Conversion(converted=["0"], skipped={"3": "128x10 not divisible by 16"})
     assert one.summary() == "1 Linear layer in float8; kept in high precision: '3' (128x10 not divisible by 16)"
     assert Float8Conversion(converted=["a", "b"]).summary() == "2 Linear layers in float8"
+    assert Float8Conversion(skipped={"3": "named by skip_modules"}, emulated=True).summary() == (
+        "0 Linear layers in float8; kept in high precision: '3' (named by skip_modules)"  # nothing to emulate
+    )

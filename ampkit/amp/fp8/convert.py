@@ -52,15 +52,22 @@ class Float8Conversion:
 
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    emulated: bool = False  # the float8 GEMMs run as float32 ones (no float8 hardware, or the reference backend)
 
     def summary(self) -> str:
-        """One line for the start banner: how many layers are in float8, which stayed high precision and why.
+        """One line for the start banner: how many layers are in float8, which stayed high precision and why, and
+        whether the GEMMs are emulated (then the run is slower than without fp8: a newcomer trying the fp8 config
+        on a CPU should know it shows the mechanics, not the speed).
 
         Names are quoted: a ``Sequential``'s layers are called ``0``, ``3``, which read as counts when bare."""
         kept = "; ".join(f"'{name}' ({why})" for name, why in self.skipped.items())
         n = len(self.converted)
-        head = f"{n} Linear layer{'' if n == 1 else 's'} in float8"
-        return f"{head}; kept in high precision: {kept}" if kept else head
+        line = f"{n} Linear layer{'' if n == 1 else 's'} in float8"
+        if kept:
+            line += f"; kept in high precision: {kept}"
+        if self.emulated and n:
+            line += "; GEMMs emulated in float32, slower than without fp8 (float8 GEMMs need CUDA capability 8.9+)"
+        return line
 
 
 def _skip_reason(name: str, module: nn.Linear, modules: list[str], skip_modules: list[str]) -> str | None:
@@ -124,6 +131,7 @@ def convert_to_float8(
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, Float8Linear.from_linear(module, spec))
     report.converted = list(chosen)
+    report.emulated = emulate or backend == "reference"
     return report
 
 

@@ -17,6 +17,7 @@ import torch
 from ampkit.amp import GradientCombiner, LossScaler, MasterWeights, OptLevelProperties
 from ampkit.amp.grad_combine import CombineResult
 from ampkit.compat.amp._amp_state import maybe_print
+from ampkit.compat.amp._param_lists import MasterGroups, params_of_dtype
 from ampkit.compat.amp.functions import disable_casts
 
 _MASTER_STATE_KEY = "ampkit_master_weights"
@@ -63,26 +64,56 @@ class AmpOptimizerStash:
             if master is not param and original is not None:
                 master.copy_(original)
 
+    # Apex's lists of its lazy init (``_param_lists``): under O2 per param group and flat, under O1/O3 by dtype.
+    # Each exists only where Apex's did, so ``hasattr(stash, "fp16_groups")`` tells weight-averaging code which case.
+    @property
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
+        """Apex's O2 list, per param group: the low-precision model parameters that have a float32 master."""
+        return self._master_groups().fp16
+
+    @property
+    def fp32_from_fp16_groups(self) -> list[list[torch.Tensor]]:
+        """Apex's O2 list, per param group: the float32 masters of :attr:`fp16_groups`, in the same order."""
+        return self._master_groups().fp32_from_fp16
+
+    @property
+    def fp32_from_fp32_groups(self) -> list[list[torch.Tensor]]:
+        """Apex's O2 list, per param group: the parameters that were float32 already (batch norm's)."""
+        return self._master_groups().fp32_from_fp32
+
     @property
     def all_fp16_params(self) -> list[torch.Tensor]:
-        """Apex's O2 list: the low-precision model parameters that have a float32 master."""
-        return [model for model, master in self._master_pairs() if master is not model]
+        """The low-precision model parameters: under O2 those with a float32 master (``fp16_groups`` flattened)."""
+        if self.master_weights is None:
+            return params_of_dtype(inner_optimizer(self.optimizer), low=True)
+        return [p for group in self.fp16_groups for p in group]
 
     @property
     def all_fp32_from_fp16_params(self) -> list[torch.Tensor]:
         """Apex's O2 list: the float32 masters of those parameters (NVIDIA's BERT clears their grads after an
-        overflow it detected by hand)."""
-        return [master for model, master in self._master_pairs() if master is not model]
+        overflow it detected by hand). Empty without masters."""
+        if self.master_weights is None:
+            return []
+        return [p for group in self.fp32_from_fp16_groups for p in group]
 
     @property
     def all_fp32_from_fp32_params(self) -> list[torch.Tensor]:
-        """Apex's O2 list: the parameters that were float32 already (batch norm's), their own masters."""
-        return [model for model, master in self._master_pairs() if master is model]
-
-    def _master_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Apex's O2 list: the parameters that were float32 already, their own masters. Empty without masters."""
         if self.master_weights is None:
             return []
-        return list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
+        return [p for group in self.fp32_from_fp32_groups for p in group]
+
+    @property
+    def all_fp32_params(self) -> list[torch.Tensor]:
+        """Apex's O1/O3 list: the optimizer's float32 parameters (under O2 Apex had none by this name)."""
+        if self.master_weights is not None:
+            raise AttributeError("_amp_stash.all_fp32_params is Apex's list without master weights (O1/O3)")
+        return params_of_dtype(inner_optimizer(self.optimizer), low=False)
+
+    def _master_groups(self) -> MasterGroups:
+        if self.master_weights is None:
+            raise AttributeError("Apex's per-group lists (fp16_groups, ...) exist with master weights (O2) only")
+        return MasterGroups(self.master_weights)
 
     def masters_by_param(self) -> dict[int, torch.Tensor]:
         """``id(model parameter) -> float32 master`` for the parameters that have a separate master."""
@@ -116,6 +147,7 @@ class AmpOptimizerStash:
             pairs = ((p, p) for p in params)
         model, owners = [], []
         seen: set[int] = set()
+        self._combined_ids = seen  # every float param considered, frozen ones included (see _params_swapped_in)
         # A parameter frozen now (requires_grad=False) is combined too: unfrozen later (staged fine-tuning, yolov3's
         # --freeze-layers), its gradients are unscaled like the others', as in Apex's O1, whose lists held every
         # parameter. Flat buffers (combine_grad) take only trainable ones; prepare_backward rebuilds them on unfreezing.
@@ -152,10 +184,21 @@ class AmpOptimizerStash:
         """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
         self.lazy_init()
         if not self.combiner.pending:
-            if any(p.requires_grad for p in self._frozen_outside):  # unfrozen since the flat buffers were built
+            # Unfrozen since the flat buffers were built, or assigned into a group since the combiner was built.
+            if any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
                 self.combiner.remove()
                 self.combiner = self._build_combiner()
             self.combiner.prepare_backward()
+
+    def _params_swapped_in(self) -> bool:
+        """Whether a group holds a parameter the combiner never saw: a partial-FC classifier assigns a fresh weight into
+        ``param_groups[-1]["params"]`` before each backward (and, for Apex, into ``_amp_stash.all_fp32_params``,
+        whose parameters Apex's O1 unscaled). Without masters only; under O2 the groups hold the masters."""
+        if self.master_weights is not None:
+            return False
+        known = self._combined_ids
+        params = (p for group in self.optimizer.param_groups for p in group["params"])
+        return any(id(p) not in known for p in params if p.is_floating_point())
 
     def match_pending_scale(self, scale: float) -> None:
         """Before a backward at ``scale``: gradients a delayed unscale left at another loss's scale are brought to

@@ -134,9 +134,10 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
         # Every param, frozen ones too (Apex's lists above hold the trainable ones): one unfrozen later has its
         # gradients unscaled into its master and the master copied back, where Apex stepped it in fp16 on its scaled
-        # gradients.
+        # gradients. The model keeps its (scaled) fp16 grads after each backward, as Apex's copy into the masters left
+        # them: scripts log a grad norm over model.parameters() or check that every param got one.
         pairs = list(zip(self.master_weights.model_params, self.master_weights.master_params, strict=True))
-        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs])
+        self._combiner = GradientCombiner([p for p, _ in pairs], [m for _, m in pairs], keep_param_grads=True)
         self._low_pairs = [(p, m) for p, m in pairs if m is not p]
         # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
         # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.

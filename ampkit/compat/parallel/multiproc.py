@@ -1,7 +1,8 @@
 """Apex's launcher, ``python -m apex.parallel.multiproc SCRIPT [ARGS...]``: one worker process per GPU.
 
 Each worker runs ``python SCRIPT ARGS --world-size N --rank I`` (values ARGS already give are replaced). Rank 0
-prints to this terminal and rank I > 0 to ``GPU_I.log`` in the working directory, as in Apex. N is the number of
+prints to this terminal and rank I > 0 to ``GPU_I.log`` in the working directory, as in Apex, but appended to:
+Apex truncated it, so relaunching a crashed job erased what its workers had printed. N is the number of
 CUDA devices, as in Apex; without one it is ARGS' ``--world-size`` (default 1), so CPU runs with gloo can start
 several ranks. Unlike Apex, a failed worker stops the others (SIGTERM, then SIGKILL after ``STOP_GRACE_S``) and the
 launcher exits with its status.
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = []
     try:
         for rank, command in enumerate(worker_commands(args)):
-            stdout = None if rank == 0 else open(f"GPU_{rank}.log", "w")  # closed below
+            stdout = None if rank == 0 else open(f"GPU_{rank}.log", "a")  # closed below
             if stdout is not None:
                 logs.append(stdout)
             workers.append(subprocess.Popen(command, stdout=stdout))

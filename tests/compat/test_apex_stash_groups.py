@@ -1,0 +1,130 @@
+"""The lists Apex's lazy init left in ``optimizer._amp_stash``, which code outside amp reads: under O2 the per-group
+``fp16_groups`` / ``fp32_from_fp16_groups`` / ``fp32_from_fp32_groups`` (model weights averaged across ranks by a
+local-SGD or gossip wrapper are written into their fp32 masters through them), and under O1/O3 ``all_fp16_params``
+/ ``all_fp32_params``. Such code asks ``hasattr(optimizer._amp_stash, "fp16_groups")`` first, so where a list is
+missing it silently does nothing, and the next step writes the stale masters back over the averaged weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampkit.compat import amp
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+def _two_groups(model: torch.nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return torch.optim.SGD([{"params": decay, "weight_decay": 0.01}, {"params": rest}], lr=0.1)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+    with amp.scale_loss(model(x).float().pow(2).mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _fp16_fp32_pairs(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs a weight-averaging wrapper keeps in step, found as such wrappers find them."""
+    if not (hasattr(optimizer, "_amp_stash") and hasattr(optimizer._amp_stash, "fp16_groups")):
+        return []
+    stash = optimizer._amp_stash
+    groups = zip(stash.fp16_groups, stash.fp32_from_fp16_groups, strict=True)
+    return [pair for fp16, fp32 in groups for pair in zip(fp16, fp32, strict=True)]
+
+
+def test_o2_stash_lists_masters_per_param_group_as_apexs_lazy_init_did():
+    model = _model()
+    model, optimizer = amp.initialize(model, _two_groups(model), opt_level="O2", verbosity=0)
+    stash = optimizer._amp_stash
+    assert len(stash.fp16_groups) == len(stash.fp32_from_fp16_groups) == len(stash.fp32_from_fp32_groups) == 2
+    for group, fp16, fp32_from_fp16, fp32_from_fp32 in zip(
+        optimizer.param_groups, stash.fp16_groups, stash.fp32_from_fp16_groups, stash.fp32_from_fp32_groups, strict=True
+    ):
+        # The optimizer steps exactly the masters and the float32 (batch norm) parameters of the group.
+        assert {id(p) for p in group["params"]} == {id(p) for p in fp32_from_fp16 + fp32_from_fp32}
+        assert all(p.dtype == torch.float16 for p in fp16) and all(p.dtype == torch.float32 for p in fp32_from_fp16)
+        for low, master in zip(fp16, fp32_from_fp16, strict=True):
+            assert low.shape == master.shape and torch.equal(low.float(), master.half().float())
+    batch_norm = {id(model[1].weight), id(model[1].bias)}
+    assert {id(p) for g in stash.fp32_from_fp32_groups for p in g} == batch_norm
+    assert [id(p) for p in stash.all_fp16_params] == [id(p) for g in stash.fp16_groups for p in g]
+    assert [id(p) for p in stash.all_fp32_from_fp16_params] == [id(p) for g in stash.fp32_from_fp16_groups for p in g]
+    assert [id(p) for p in stash.all_fp32_from_fp32_params] == [id(p) for g in stash.fp32_from_fp32_groups for p in g]
+    assert not hasattr(stash, "all_fp32_params")  # Apex's O1/O3 list, absent under O2
+
+
+def test_weights_averaged_into_the_masters_through_fp16_groups_survive_the_next_step():
+    """A local-SGD style wrapper averages the model's fp16 weights after a step and writes them into their fp32
+    copies through the stash's groups; the next step must start from the averaged weights."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _two_groups(model), opt_level="O2", verbosity=0)
+    _train_step(model, optimizer, 1)
+    pairs = _fp16_fp32_pairs(optimizer)
+    assert len(pairs) == 4  # the two Linear layers' weights and biases
+    with torch.no_grad():
+        for low, master in pairs:
+            low.mul_(0.5)  # stands in for the all-reduce average of the ranks' weights
+            master.copy_(low)
+    averaged = [low.detach().clone() for low, _ in pairs]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0  # a step that changes nothing but copies the masters into the model
+    _train_step(model, optimizer, 2)
+    for (low, _), expected in zip(pairs, averaged, strict=True):
+        assert torch.equal(low, expected)
+
+
+@pytest.mark.parametrize(("opt_level", "low"), [("O1", False), ("O3", True)])
+def test_levels_without_masters_list_the_parameters_by_dtype(opt_level, low):
+    model = _model()
+    model, optimizer = amp.initialize(model, _two_groups(model), opt_level=opt_level, verbosity=0)
+    stash = optimizer._amp_stash
+    every = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert [id(p) for p in stash.all_fp16_params] == (every if low else [])
+    assert [id(p) for p in stash.all_fp32_params] == ([] if low else every)
+    assert not hasattr(stash, "fp16_groups")  # so weight-averaging wrappers take the parameters as they are
+    assert _fp16_fp32_pairs(optimizer) == []
+
+
+def _swap_in_sampled_weight(optimizer: torch.optim.Optimizer, bank: torch.Tensor, seed: int) -> torch.nn.Parameter:
+    """A partial-FC classifier: a fresh Parameter of sampled class centres replaces the last group's weight, and
+    (for Apex, whose O1 unscaled the parameters of its own list) the stash's list is told too."""
+    rows = torch.randperm(bank.shape[0], generator=torch.Generator().manual_seed(seed))[:3]
+    sampled = torch.nn.Parameter(bank[rows].clone())
+    optimizer.state.pop(optimizer.param_groups[-1]["params"][0], None)
+    optimizer.param_groups[-1]["params"][0] = sampled
+    if hasattr(optimizer._amp_stash, "all_fp32_params"):
+        optimizer._amp_stash.all_fp32_params[-1] = sampled
+    return sampled
+
+
+def _partial_fc_loss(backbone: torch.nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    normalize = torch.nn.functional.normalize
+    return torch.nn.functional.linear(normalize(backbone(x).float()), normalize(weight)).float().logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("combine_grad", [False, True])
+def test_a_parameter_swapped_into_the_optimizer_before_each_o1_backward_gets_unscaled_gradients(combine_grad):
+    torch.manual_seed(0)
+    backbone, bank = torch.nn.Linear(4, 4), torch.randn(10, 4)
+    first = torch.nn.Parameter(bank[:3].clone())
+    optimizer = torch.optim.SGD([{"params": backbone.parameters()}, {"params": [first]}], lr=0.1, momentum=0.9)
+    backbone, optimizer = amp.initialize(
+        backbone, optimizer, opt_level="O1", loss_scale=1024.0, combine_grad=combine_grad, verbosity=0
+    )
+    for seed in range(3):
+        sampled = _swap_in_sampled_weight(optimizer, bank, seed)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 + seed))
+        (expected,) = torch.autograd.grad(_partial_fc_loss(backbone, sampled, x), sampled)
+        with amp.scale_loss(_partial_fc_loss(backbone, sampled, x), optimizer) as scaled:
+            scaled.backward()
+        torch.testing.assert_close(sampled.grad, expected, rtol=1e-2, atol=1e-4)  # not 1024 times it
+        optimizer.step()
+        optimizer.zero_grad()

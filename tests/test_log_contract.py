@@ -1,0 +1,108 @@
+"""``self.log`` keeps the contract Lightning users know: a value logged in a training hook reaches TensorBoard at
+the iteration it was logged in, whichever hook logged it (a validation's hooks and the Trainer's own
+``on_train_batch_end`` too); ``on_step``/``on_epoch`` together name ``_step``/``_epoch`` tags; numbers and
+one-element tensors of any dtype log the same; and a NaN is written as it is, neither dropped nor stopping the run.
+(``log()`` in ``validation_step``, which returns its metrics instead, is refused with that advice:
+test_user_mistakes.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from toy_trainers import ToyTrainer, toy_cfg
+
+QUIET = {"checkpoint.enabled": False, "trainer.progress_bar": False, "logging.throughput": False,
+         "trainer.num_sanity_val_steps": 0}  # fmt: skip
+
+
+def _fit(tmp_path, trainer_class, **overrides):
+    trainer = trainer_class(toy_cfg(tmp_path, **{**QUIET, **overrides}))
+    trainer.fit()
+    return trainer
+
+
+def _scalars(trainer, tag: str) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+
+
+class LogsAtBatchEnd(ToyTrainer):
+    """Lightning allows self.log in on_train_batch_end; the Trainer's own hook runs after every callback's."""
+
+    def on_train_batch_end(self, outputs, batch):
+        self.log("batch_end/index", float(self.state.batch_idx))
+
+
+def test_a_value_logged_in_the_trainer_s_own_on_train_batch_end_reaches_tensorboard_at_its_step(tmp_path):
+    """It runs after the TensorBoard callback had taken the batch's values, which were then cleared: every value was
+    dropped. Now it waits for the next take and keeps its own step, the epoch's last one too."""
+    trainer = _fit(tmp_path, LogsAtBatchEnd, **{"logging.log_every_n_steps": 2, "trainer.max_epochs": 2})
+    assert _scalars(trainer, "batch_end/index") == [(step, float((step - 1) % 8)) for step in range(2, 17, 2)]
+
+
+class LogsInValidationHooks(ToyTrainer):
+    """A validation's own metric computed in on_validation_end, as Lightning's on_validation_epoch_end logs one."""
+
+    def on_validation_end(self, metrics):
+        self.log("val_custom/rmse", math.sqrt(metrics["mse"]))
+
+
+@pytest.mark.parametrize("every", [{"trainer.val_every_n_steps": 3, "trainer.val_every_n_epochs": 0}, {}])
+def test_a_value_logged_in_a_validation_hook_is_written_at_the_validation_s_step(tmp_path, every):
+    """Step-based validation runs inside a training batch: a value its hooks logged was written only if that iteration
+    was due to log (every 10th here), so at steps 3, 6, 9, 12, 15 nothing reached TensorBoard. It is written at once,
+    as at an epoch's end, beside the val/ metrics of the same validation."""
+    trainer = _fit(tmp_path, LogsInValidationHooks, **{"logging.log_every_n_steps": 10, "trainer.max_epochs": 2},
+                   **every)  # fmt: skip
+    validations = _scalars(trainer, "val/mse")
+    assert len(validations) == (5 if every else 2)
+    logged = _scalars(trainer, "val_custom/rmse")
+    assert [step for step, _ in logged] == [step for step, _ in validations]
+    for (_, rmse), (_, mse) in zip(logged, validations, strict=True):
+        assert rmse == pytest.approx(math.sqrt(mse), rel=1e-6)
+
+
+class LogsEveryKind(ToyTrainer):
+    """The same number logged as a float, an int, and tensors of three dtypes, with on_step and on_epoch."""
+
+    def training_step(self, batch):
+        value = float(self.state.batch_idx)
+        self.log("kind/float", value, on_epoch=True)
+        self.log("kind/int", int(value), on_epoch=True)
+        self.log("kind/float16", torch.tensor(value, dtype=torch.float16), on_epoch=True)
+        self.log("kind/float64", torch.tensor([value], dtype=torch.float64), on_epoch=True)
+        self.log("kind/grad", torch.tensor(value, requires_grad=True) * 1, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_numbers_and_one_element_tensors_of_any_dtype_log_the_same_values_under_step_and_epoch_tags(tmp_path):
+    """20 samples in batches of 8, 8, 4: each epoch mean is the batch index weighted by batch size, (0*8 + 1*8 +
+    2*4) / 20 = 0.8, and each step value the batch's own."""
+    trainer = _fit(tmp_path, LogsEveryKind, **{"data.n": 20, "logging.log_every_n_steps": 1})
+    kinds = ["float", "int", "float16", "float64", "grad"]
+    assert trainer.epoch_scalars == {f"kind/{kind}_epoch": pytest.approx(0.8) for kind in kinds}
+    assert all(type(value) is float for value in trainer.epoch_scalars.values())
+    for kind in kinds:
+        assert _scalars(trainer, f"kind/{kind}_step") == [(1, 0.0), (2, 1.0), (3, 2.0)], kind
+        assert _scalars(trainer, f"kind/{kind}_epoch") == [(3, pytest.approx(0.8))], kind
+        assert _scalars(trainer, f"kind/{kind}") == [], kind  # with both, only the suffixed tags
+
+
+class LogsANaN(ToyTrainer):
+    def training_step(self, batch):
+        self.log("maybe_nan", math.nan if self.state.batch_idx == 1 else 1.0, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_a_nan_is_written_as_it_is_and_makes_its_epoch_mean_nan_without_stopping_the_run(tmp_path):
+    trainer = _fit(tmp_path, LogsANaN, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2})
+    assert trainer.state.global_step == 16
+    steps = _scalars(trainer, "maybe_nan_step")
+    assert [step for step, _ in steps] == list(range(1, 17))
+    assert [step for step, value in steps if math.isnan(value)] == [2, 10]
+    epoch_means = _scalars(trainer, "maybe_nan_epoch")
+    assert [(step, math.isnan(value)) for step, value in epoch_means] == [(8, True), (16, True)]
