@@ -16,13 +16,14 @@ import math
 import os
 import re
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, PathNode
 
@@ -581,10 +582,18 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                     f"config key '{prefix}{key}': {value!r} is not a boolean; expected true or false "
                     "(also yes/no, on/off, 1/0)"
                 )
-            if isinstance(child, ListConfig) and not isinstance(value, list | tuple):
+            length = _tuple_length(child)
+            if length is not None and isinstance(value, list | tuple) and len(value) != length:
+                return ConfigError(  # OmegaConf's own error names no key ("TupleConfig length 1 does not match")
+                    f"config key '{prefix}{key}': {list(value)!r} has {len(value)} item{'s' * (len(value) != 1)}; "
+                    f"expected {length} (e.g. {prefix}{key}={list(child)})"
+                )
+            if (isinstance(child, ListConfig) or length is not None) and not isinstance(value, list | tuple):
                 if value is None and child._is_optional():
                     continue
                 example = value if isinstance(value, str) and value.isidentifier() else "a, b"
+                if length is not None:  # a pair such as betas: its default shows the shape
+                    example = ", ".join(str(item) for item in child)
                 return ConfigError(
                     f"config key '{prefix}{key}': {value!r} is not a list; expected a list, e.g. "
                     f"{prefix}{key}=[{example}] (a YAML list in a file)"
@@ -612,6 +621,14 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
         if found is not None:
             return found
     return None
+
+
+def _tuple_length(node: Any) -> int | None:
+    """The fixed length of a ``tuple[float, float]`` key's node; None for any other node (``tuple[int, ...]`` too)."""
+    if not isinstance(node, TupleConfig):
+        return None
+    args = typing.get_args(node._metadata.ref_type)
+    return None if not args or Ellipsis in args else len(args)
 
 
 def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:

@@ -2,7 +2,8 @@
 
 ``import apex``, ``from apex import amp``, ``apex.parallel``, ``apex.fp16_utils``, ``apex.optimizers`` and
 ``apex.normalization`` resolve to :mod:`ampkit.compat`, in the script and in the Python processes it spawns.
-``-m MODULE`` runs a module instead of a file. If a real apex is installed it is used (and a warning says so)
+``-m MODULE`` runs a module instead of a file, and a directory with a ``__main__.py`` runs as python runs it; ``--``
+ends the runner's own options. If a real apex is installed it is used (and a warning says so)
 unless ``--force-shim`` is given. Under ``python -m torch.distributed.launch ... -m ampkit.legacy SCRIPT`` the
 launcher's ``--local-rank=N`` reaches the script as Apex-era launchers passed it (see :func:`_local_rank_flag`).
 """
@@ -19,7 +20,7 @@ import ampkit
 from ampkit.compat import _child_shim
 from ampkit.compat.shim import install_apex_shim, served_module_name
 
-_USAGE = "usage: python -m ampkit.legacy [--force-shim] (SCRIPT | -m MODULE) [ARGS...]"
+_USAGE = "usage: python -m ampkit.legacy [--force-shim] [--] (SCRIPT | -m MODULE) [ARGS...]"
 # What torch.distributed.launch (without --use-env) puts before the program's arguments: here, before the script.
 _LAUNCHER_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
 # The script's globals, kept until the interpreter exits as ``python script.py`` keeps them. Freed when runpy
@@ -58,6 +59,20 @@ def _missing_module(name: str) -> str | None:
     return f"ampkit.legacy: module not found: {name!r} (not importable from {sys.path[0] or '.'!r})"
 
 
+def _unrunnable_script(path: str) -> str | None:
+    """Why ``python path`` would not run, or None: a file, or a directory holding ``__main__.py``, runs."""
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "__main__.py")):
+        return None
+    if os.path.isdir(path):
+        return f"{path!r} is a directory without a __main__.py; name the script in it"
+    if path.startswith("-"):  # an option of the script's, given before it (or a typo of --force-shim)
+        return (
+            f"unknown option {path!r}; the runner's own are --force-shim and -m MODULE, and the script's arguments "
+            f"go after it: python -m ampkit.legacy SCRIPT {path} ..."
+        )
+    return f"script not found: {path!r}"
+
+
 def _program_source(args: list[str]) -> str:
     """The text of the script or module ``args`` names ("" where it cannot be read: a compiled or namespace one)."""
     path = args[0]
@@ -87,8 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     force = False
     local_rank = None
-    while args and (args[0] in ("--force-shim", "-h", "--help") or _LAUNCHER_LOCAL_RANK.fullmatch(args[0])):
+    while args and (args[0] in ("--force-shim", "-h", "--help", "--") or _LAUNCHER_LOCAL_RANK.fullmatch(args[0])):
         option = args.pop(0)
+        if option == "--":  # the end of the runner's options, as python's own: the script comes next
+            break
         if launcher_flag := _LAUNCHER_LOCAL_RANK.fullmatch(option):
             local_rank = launcher_flag.group(1)
         elif option == "--force-shim":
@@ -98,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             return
     if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit(_USAGE)
-    if args[0] != "-m" and not os.path.isfile(args[0]):
-        raise SystemExit(f"ampkit.legacy: script not found: {args[0]!r}\n{_USAGE}")
+    if args[0] != "-m" and (problem := _unrunnable_script(args[0])):
+        raise SystemExit(f"ampkit.legacy: {problem}\n{_USAGE}")
     if args[0] == "-m" and (missing := _missing_module(args[1])):
         raise SystemExit(missing)
     if local_rank is not None:  # the script's own first argument, where the launcher would have put it
@@ -120,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     script, rest = args[0], args[1:]
     sys.argv = [script, *rest]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    script_dir = os.path.abspath(script) if os.path.isdir(script) else os.path.dirname(os.path.abspath(script))
+    sys.path[0] = script_dir  # as python's own: a directory run by its __main__.py is itself the first entry
     _script_globals.append(runpy.run_path(script, run_name="__main__"))
 
 

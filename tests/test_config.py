@@ -261,3 +261,19 @@ def test_yaml_and_command_line_booleans_still_read(tmp_path):
     assert not (cfg.trainer.progress_bar or cfg.logging.tensorboard or cfg.checkpoint.enabled or cfg.logging.throughput)
     with pytest.raises(ConfigError, match=r"config key 'trainer.progress_bar': 2 is not a boolean"):
         load_config(path, ["trainer.progress_bar=2"])
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("[0.9]", r"\[0.9\] has 1 item; expected 2 \(e.g. optim.betas=\[0.9, 0.95\]\)"),
+        ("[0.9,0.9,0.9]", r"\[0.9, 0.9, 0.9\] has 3 items; expected 2"),
+        ("abc", r"'abc' is not a list; expected a list, e.g. optim.betas=\[0.9, 0.95\]"),
+    ],
+)
+def test_a_pair_key_given_another_length_is_named(value, said):
+    """A ``tuple[float, float]`` key (the GPT recipe's optim.betas) given one item: OmegaConf's error carries no key,
+    so it read "config key '': TupleConfig length 1 does not match type hint length 2"."""
+    with pytest.raises(ConfigError, match=rf"^config key 'optim.betas': {said}"):
+        load_config("gpt", [f"optim.betas={value}"])
+    assert tuple(load_config("gpt", ["optim.betas=[0.8,0.9]"])[1].optim.betas) == (0.8, 0.9)

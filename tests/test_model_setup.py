@@ -53,6 +53,23 @@ def test_a_class_the_model_lacks_or_nested_names_fail_before_training(tmp_path, 
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.parametrize(
+    "key", ["trainer.compile", "trainer.activation_checkpointing", "distributed.fsdp.shard_modules"]
+)
+def test_a_container_class_that_is_never_called_fails_before_training_naming_what_it_holds(tmp_path, key):
+    """The GPT's blocks sit in a ModuleList, which training code iterates and never calls: naming it trained a whole
+    iteration before a warning said that nothing had run compiled or checkpointed, and FSDP's fully_shard raised a
+    ValueError printing the whole ModuleList."""
+    strategy = ["distributed.strategy=fsdp"] if key.startswith("distributed") else []
+    trainer_class, cfg = load_config("gpt", [*TINY_GPT, *strategy, f"run_dir={tmp_path}", f"{key}=[ModuleList]"])
+    trainer = trainer_class(cfg)
+    with pytest.raises(
+        ampkit.ConfigError, match=rf"'{key}': \['ModuleList'\] define no forward .* inside instead: Block"
+    ):
+        trainer.fit()
+    assert trainer.state.global_step == 0
+
+
 class SavedBytes(ampkit.Callback):
     """Bytes autograd keeps for backward during each training forward, and each iteration's loss."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ampkit.amp.fp8 import ROLES, Float8Recorder, is_float8_linear, recipe_named
+from ampkit.amp.scaler import interval_option
 from ampkit.trainer.callback import Callback, Phase
 
 
@@ -41,10 +42,8 @@ class Float8Telemetry(Callback):
     phase = Phase.OBSERVE
 
     def __init__(self, recipe: str, every_n_steps: int = 100) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"Float8Telemetry(every_n_steps={every_n_steps!r}): expected an integer >= 1")
         self.recipe = recipe_named(recipe)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = interval_option(every_n_steps, "Float8Telemetry: every_n_steps")
         self.recorder: Float8Recorder | None = None
 
     def on_fit_start(self, trainer) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import MasterWeights
+from ampkit.amp.scaler import interval_option
 from ampkit.trainer.callback import Callback, Phase
 
 
@@ -37,9 +38,7 @@ class GradientHistograms(Callback):
     phase = Phase.OBSERVE  # reads the gradients once unscaled, averaged and clipped
 
     def __init__(self, every_n_steps: int = 100) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"GradientHistograms(every_n_steps={every_n_steps!r}): expected an integer >= 1")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = interval_option(every_n_steps, "GradientHistograms: every_n_steps")
         self.overflowed: dict[str, list[str]] = {}  # optimizer name -> parameters of its last skipped step
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:

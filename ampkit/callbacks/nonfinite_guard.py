@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from ampkit.amp.scaler import interval_option
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
@@ -46,9 +47,7 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(self, check_every_n_steps: int = 10) -> None:
-        if check_every_n_steps < 1:
-            raise ValueError(f"NonFiniteGuard: check_every_n_steps must be >= 1, got {check_every_n_steps}")
-        self.check_every_n_steps = check_every_n_steps
+        self.check_every_n_steps = interval_option(check_every_n_steps, "NonFiniteGuard: check_every_n_steps")
         self._pending: list[torch.Tensor] = []  # this iteration's losses, until its end
         self._applied: list[tuple[int, list[torch.Tensor]]] = []  # (iteration, losses) of steps since the last check
         self._finite_at = 0  # the last global step at which the model was seen finite

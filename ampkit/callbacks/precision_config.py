@@ -122,7 +122,7 @@ def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> l
 
 def fp8_problems(cfg: DictConfig) -> list[str]:
     """What is wrong with ``precision.fp8`` (enabled) given the rest of ``cfg``: one message per bad key, naming it."""
-    from ampkit.amp.fp8 import INSTALL_HINT, fp8_gemm_capable, torchao_available
+    from ampkit.amp.fp8 import INSTALL_HINT, fp8_gemm_capable, torchao_available, torchao_import_error
 
     f, props = cfg.precision.fp8, resolve_precision(cfg.precision)
     problems: dict[str, str] = {}
@@ -133,6 +133,11 @@ def fp8_problems(cfg: DictConfig) -> list[str]:
         )
     if f.backend == "torchao" and not torchao_available():
         problems["precision.fp8.backend"] = f"'torchao' needs torchao, which is not installed: {INSTALL_HINT}"
+    elif f.backend == "torchao" and (broken := torchao_import_error()):  # else a traceback once the model is built
+        problems["precision.fp8.backend"] = (
+            f"'torchao' needs torchao, which is installed but fails to import ({broken}): install one built for torch "
+            f"{torch.__version__} ({INSTALL_HINT}), or use backend 'reference'"
+        )
     try:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(auto if cfg.trainer.device == "auto" else cfg.trainer.device)

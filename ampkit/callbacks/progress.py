@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.precision_config import describe_precision
 from ampkit.trainer.callback import Callback, Phase
 
@@ -60,10 +61,8 @@ class ProgressBar(Callback):
     phase = Phase.OBSERVE
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"ProgressBar(every_n_steps={every_n_steps!r}): expected an integer >= 1")
         self.bar = _interactive() if bar is None else bar
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = interval_option(every_n_steps, "ProgressBar: every_n_steps")
         self.refresh_s = refresh_s
         self._train_bar: Any = None
         self._val_bar: Any = None

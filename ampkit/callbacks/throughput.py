@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.trainer.callback import Callback, Phase
 
 # Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
@@ -71,7 +72,25 @@ def count_training_flops(forward_loss: Callable[[], torch.Tensor]) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        forward_loss().backward()
+        try:
+            loss = forward_loss()
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # torch's words name no way out
+            reason = (str(exc).strip().splitlines() or [""])[0].split(". ")[0]  # torch's first sentence says it
+            raise RuntimeError(
+                f"count_training_flops: forward_loss() failed ({type(exc).__name__}: {reason}). On the meta device "
+                "a forward that reads values (.item(), an if on a tensor, nonzero, .numpy()) cannot run, since none "
+                "exist: count on a small real batch, or set flops_per_sample by hand (6 per matmul parameter per "
+                "token, plus attention's) or to None"
+            ) from None
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            shown = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                shown = "a loss that needs no gradient (no trainable parameter reaches it, or it ran under no_grad)"
+            raise TypeError(
+                f"count_training_flops: forward_loss() returned {shown}; expected a scalar loss that backward() can "
+                "differentiate, e.g. lambda: model(x).float().logsumexp(-1).sum()"
+            )
+        loss.backward()
     return counter.get_total_flops()
 
 
@@ -160,13 +179,10 @@ class Throughput(Callback):
         peak_tflops: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"Throughput(every_n_steps={every_n_steps!r}): expected an integer >= 1")
-        if peak_tflops is not None and not peak_tflops > 0:
-            raise ValueError(f"Throughput(peak_tflops={peak_tflops!r}): expected a number > 0 or None")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = interval_option(every_n_steps, "Throughput: every_n_steps")
         self.compute_dtype = compute_dtype
-        self.peak = peak_tflops
+        # a str, bool or inf was taken as given: a str failed the comparison, inf and True logged a wrong MFU
+        self.peak = None if peak_tflops is None else positive_option(peak_tflops, "Throughput: peak_tflops")
         self.clock = clock
         self._tokens_per_sample: int | None = None
         self._flops_per_sample: float | None = None

@@ -24,6 +24,7 @@ Launch: ``ampkit fit --config gpt`` (the packaged ``ampkit/configs/gpt.yaml``); 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import statistics
 import time
@@ -38,8 +39,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import ampkit
+from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.callbacks.throughput import count_training_flops
-from ampkit.config import build_config
+from ampkit.config import build_config, is_config_instance
 from ampkit.trainer.checkpoint_io import peek_checkpoint
 from ampkit.trainer.run_life import resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
@@ -220,23 +222,49 @@ def flops_per_token_formula(cfg: GPTModelConfig) -> int:
     return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.width * cfg.seq_len
 
 
+def prompt_bytes(prompt: torch.Tensor | str | list[int]) -> torch.Tensor:
+    """``prompt`` as the model's input: a 1-D long tensor of bytes. A str is encoded as UTF-8 (as the config's
+    ``generate.prompt`` is); a tensor or list must hold integers in [0, 256), the vocabulary."""
+    if isinstance(prompt, str):
+        return torch.tensor(list(prompt.encode("utf-8")), dtype=torch.long)
+    tensor = prompt if isinstance(prompt, torch.Tensor) else None
+    if tensor is None and isinstance(prompt, list | tuple) and all(isinstance(b, int) for b in prompt):
+        tensor = torch.tensor(prompt, dtype=torch.long)
+    expected = f"expected one text's bytes: a str, or a 1-D tensor or list of integers in [0, {VOCAB})"
+    if tensor is None:
+        raise TypeError(f"generate: the prompt is {type(prompt).__name__} {prompt!r}; {expected}")
+    integral = not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+    if tensor.dim() != 1 or not integral:
+        raise TypeError(f"generate: the prompt is a {tensor.dim()}-D {tensor.dtype} tensor; {expected}")
+    low, high = (int(tensor.min()), int(tensor.max())) if len(tensor) else (0, 0)
+    if low < 0 or high >= VOCAB:  # the embedding's IndexError ("index out of range in self") named nothing
+        raise ValueError(f"generate: the prompt holds values from {low} to {high}; {expected}")
+    return tensor.long()
+
+
 @torch.no_grad()
-def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0, temperature: float = 1.0,
-             generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-    """``prompt`` (1-D bytes) followed by ``tokens`` more: greedy (``top_k=0`` or ``temperature=0``) or sampled
-    among the top k."""
+def generate(model: nn.Module, prompt: torch.Tensor | str | list[int], tokens: int, top_k: int = 0,
+             temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    """``prompt`` (:func:`prompt_bytes`) followed by ``tokens`` more bytes: greedy (``top_k=0`` or ``temperature=0``)
+    or sampled among the top k."""
+    tokens = _setting("tokens", tokens, numbers.Integral, "an integer >= 0")
+    top_k = _setting("top_k", top_k, numbers.Integral, "an integer >= 0 (0: greedy)")
+    temperature = _setting("temperature", temperature, numbers.Real, "a finite number >= 0 (0: greedy)")
+    weight = next(model.parameters(), None)
+    if weight is not None and not isinstance(prompt, torch.Tensor):  # a text or list: where the model is
+        prompt = prompt_bytes(prompt).to(weight.device)
+    prompt = prompt_bytes(prompt)
     if tokens and not len(prompt):
         raise ValueError("generate: the prompt is empty; the model continues text, so give it at least one byte")
-    for name, value, valid in (("tokens", tokens, "an integer >= 0"), ("top_k", top_k, "an integer >= 0 (0: greedy)"),
-                               ("temperature", temperature, "a finite number >= 0 (0: greedy)")):  # fmt: skip
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
     idx = prompt[None]
     seq_len = model.seq_len
+    finite = torch.ones((), dtype=torch.bool, device=idx.device)  # read once at the end on the greedy path: no sync
     for _ in range(tokens):
         with torch.compiler.set_stance("force_eager"):  # a new length each time: compiling each would cost minutes
             logits = model(idx[:, -seq_len:])[:, -1].float()
+        finite &= logits.isfinite().all()
         if top_k and temperature > 0:
+            _refuse_nonfinite(finite)  # sampling reads the host anyway; torch's multinomial names no cause
             # The k likeliest chosen before the temperature: divided first, a high one rounded them into a tie and a
             # tiny one overflowed them to inf (nan probabilities). Shifted so the best is 0, none can overflow; in
             # float64, where any finite temperature is finite.
@@ -247,7 +275,25 @@ def generate(model: nn.Module, prompt: torch.Tensor, tokens: int, top_k: int = 0
         else:
             nxt = logits.argmax(-1, keepdim=True)
         idx = torch.cat([idx, nxt], dim=1)
+    _refuse_nonfinite(finite)  # greedy: argmax of nan logits picks a byte silently
     return idx[0]
+
+
+def _setting(name: str, value: Any, kind: type, valid: str) -> Any:
+    """A sampling setting of ``kind`` (a one-element tensor read), finite and >= 0; else a ValueError naming it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not (isinstance(value, kind) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"generate: {name}={value!r} is invalid; expected {valid}")
+    return value
+
+
+def _refuse_nonfinite(finite: torch.Tensor) -> None:
+    if not finite:
+        raise NonFiniteError(
+            "generate: the model's logits are not finite (nan or inf), so no byte can be chosen from them: its "
+            "weights have diverged or overflow in this precision; generate from an earlier checkpoint (--ckpt PATH)"
+        )
 
 
 def decode(data: torch.Tensor) -> str:
@@ -331,10 +377,11 @@ def check_gpt_config(cfg: DictConfig) -> None:
         "data.batch_size": (lambda v: v >= 1, "an integer >= 1"),
         "data.val_fraction": (lambda v: 0 < v < 1, "a number between 0 and 1 (the held-out share of the text)"),
         "data.val_batches": (lambda v: v >= 1, "an integer >= 1"),
-        "optim.lr": (lambda v: v > 0, "a number > 0"),
-        "optim.min_lr": (lambda v: v >= 0, "a number >= 0"),
+        # finite: an infinite rate or decay made the first step's weights nan, and nothing refused it until sampling
+        "optim.lr": (lambda v: 0 < v < math.inf, "a finite number > 0"),
+        "optim.min_lr": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "optim.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
-        "optim.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+        "optim.weight_decay": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         "optim.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
         "generate.tokens": (lambda v: v >= 0, "an integer >= 0"),
         "generate.top_k": (lambda v: v >= 0, "an integer >= 0 (0: greedy)"),
@@ -348,6 +395,9 @@ def check_gpt_config(cfg: DictConfig) -> None:
     ]
     if cfg.generate.tokens and not cfg.generate.prompt:  # a sample continues the prompt: it needs a byte to start
         problems.append("config key 'generate.prompt': '' is invalid; expected at least one character (e.g. a newline)")
+    if not problems and cfg.optim.min_lr > cfg.optim.lr:  # the cosine would climb to it: a swapped pair
+        problems.append(f"config key 'optim.min_lr': {cfg.optim.min_lr!r} is above optim.lr ({cfg.optim.lr!r}); "
+                        "expected at most optim.lr (the rate decays from optim.lr to it)")  # fmt: skip
     m = cfg.model
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
@@ -380,9 +430,11 @@ class GPTTrainer(ampkit.Trainer):
     config_class = GPTConfig
 
     def __init__(self, cfg: DictConfig | dict | None = None, callbacks: list[ampkit.Callback] | None = None) -> None:
-        if not isinstance(cfg, DictConfig):
-            here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
-            cfg = build_config(self.config_class, here, cfg or {})
+        if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
+            super().__init__(cfg, callbacks)  # a path or another object: the Trainer refuses it, naming what it takes
+        # merged onto the schema as the Trainer does: an OmegaConf.create({...}) has no defaults, nothing to check
+        here = {"trainer_class": f"{type(self).__module__}:{type(self).__qualname__}"}
+        cfg = build_config(self.config_class, here, {} if cfg is None else cfg)
         check_gpt_config(cfg)
         self._machine_chose = cfg.precision.opt_level == "auto" and cfg.precision.dtype is None  # not the user
         self._chosen = False  # auto's level settled: from a checkpoint, or timed
@@ -493,7 +545,7 @@ class GPTTrainer(ampkit.Trainer):
         return DataLoader(windows, batch_size=d.batch_size)
 
     def predict_dataloader(self) -> list[torch.Tensor]:
-        return [torch.tensor(list(self.cfg.generate.prompt.encode("utf-8")), dtype=torch.long)]
+        return [prompt_bytes(self.cfg.generate.prompt)]
 
     def training_step(self, batch):
         x, y = batch

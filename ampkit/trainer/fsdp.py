@@ -17,6 +17,7 @@ from torch import nn
 
 from ampkit.amp import OptLevelProperties
 from ampkit.config import ConfigError
+from ampkit.trainer.module_names import has_forward, modules_named
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -102,20 +103,15 @@ def shard_model(module: nn.Module, cfg: DictConfig, device: torch.device) -> nn.
     first), then the root. Needs a process group (one rank is fine).
 
     Raises:
-        ConfigError: a named class the model does not contain (listing the classes it does).
+        ConfigError: a named class the model does not contain (listing the classes it does), or a container class
+            (``ModuleList``), which ``fully_shard`` refuses.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     knobs = cfg.distributed.fsdp
     names = list(knobs.shard_modules)
-    present = {type(m).__name__ for m in module.modules()}
-    missing = [name for name in names if name not in present]
-    if missing:
-        raise ConfigError(
-            f"config key 'distributed.fsdp.shard_modules': {missing} not in the model; "
-            f"its module classes: {', '.join(sorted(present))}"
-        )
+    named = modules_named(module, names, "distributed.fsdp.shard_modules", nested=True)  # FSDP2 nests units
     param_dtype = fsdp_param_dtype(cfg.precision)
     inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     root = MixedPrecisionPolicy(
@@ -128,8 +124,8 @@ def shard_model(module: nn.Module, cfg: DictConfig, device: torch.device) -> nn.
         "reshard_after_forward": True if knobs.reshard_after_forward is None else knobs.reshard_after_forward,
         "offload_policy": CPUOffloadPolicy() if knobs.cpu_offload else OffloadPolicy(),
     }
-    units = [sub for sub in list(module.modules())[1:] if type(sub).__name__ in names]
-    container = type(module).forward is nn.Module.forward  # a ModuleDict whose children training code calls
+    units = [sub for sub in named if sub is not module]
+    container = not has_forward(module)  # a ModuleDict whose children training code calls
     if container:
         covered = {id(p) for unit in units for p in unit.parameters()}
         loose = [name for name, p in module.named_parameters() if id(p) not in covered]

@@ -35,6 +35,7 @@ from ampkit.config import ConfigError
 from ampkit.trainer.distributed import DistributedEnv, broadcast_module_
 from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import shard_model
+from ampkit.trainer.module_names import has_forward, modules_named
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -75,7 +76,7 @@ def _convert_to_float8(module: nn.Module, setup: ModelSetup) -> nn.Module:
 
 def _activation_checkpointing(module: nn.Module, setup: ModelSetup) -> nn.Module:
     names = list(setup.cfg.trainer.activation_checkpointing)
-    blocks = _named_modules(module, names, "trainer.activation_checkpointing")
+    blocks = modules_named(module, names, "trainer.activation_checkpointing")
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
     setup.checkpointed = blocks
@@ -107,7 +108,7 @@ def _compile_regions(module: nn.Module, setup: ModelSetup) -> nn.Module:
     if not names:
         return module
     mode = _compile_mode(setup)
-    blocks = _named_modules(module, names, "trainer.compile")
+    blocks = modules_named(module, names, "trainer.compile")
     for block in blocks:
         block.forward = torch.compile(block.forward, mode=mode)
     setup.compiled, setup.compiled_regions = True, blocks
@@ -156,7 +157,7 @@ def compile_whole_model(module: nn.Module, setup: ModelSetup) -> Any:
     """
     if setup.compile_setting is not True:
         return module
-    if type(module).forward is nn.Module.forward:
+    if not has_forward(module):
         children = sorted({type(child).__name__ for child in module.children()})
         raise ConfigError(
             f"config key 'trainer.compile': true compiles the model's forward, but {type(module).__name__} has none "
@@ -213,29 +214,6 @@ def validate_model_setup(cfg: DictConfig) -> None:
             f"config key 'trainer.activation_checkpointing': {_plain(names)!r} is invalid; expected a list of "
             "module class names (e.g. [Block])"
         )
-
-
-def _named_modules(module: nn.Module, names: list[str], key: str) -> list[nn.Module]:
-    """The submodules (the root included) whose class is named, outermost first.
-
-    Raises:
-        ConfigError: a named class the model does not contain (listing the classes it does), or a named module
-            nested inside another named one (its work would be done twice).
-    """
-    present = {type(m).__name__ for m in module.modules()}
-    missing = [name for name in names if name not in present]
-    if missing:
-        raise ConfigError(
-            f"config key '{key}': {missing} not in the model; its module classes: {', '.join(sorted(present))}"
-        )
-    found = [m for m in module.modules() if type(m).__name__ in names]
-    inside = {id(sub) for m in found for sub in list(m.modules())[1:]}
-    nested = sorted({type(m).__name__ for m in found if id(m) in inside})
-    if nested:
-        raise ConfigError(
-            f"config key '{key}': {nested} sit inside other modules it names ({names}); name only the outer ones"
-        )
-    return found
 
 
 def _count(modules: list[nn.Module]) -> str:

@@ -457,6 +457,27 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     ]
 
 
+def misfit_detail(exc: BaseException, saved: dict[str, Any], cfg: DictConfig, shown: int = 5) -> str:
+    """Why a checkpoint's state does not load into this run's model (``exc``, from ``load_state_dict``), and the
+    Trainer or config keys it was saved with (``saved``) that differ from this run's: a model size left at its
+    default on predict is then named as the fix, not only as a tensor shape."""
+    detail = str(exc).strip().splitlines()[-1].strip().rstrip(".")  # load_state_dict lists every key: the last says
+    return detail + config_misfit(saved, cfg, shown)
+
+
+def config_misfit(saved: dict[str, Any], cfg: DictConfig, shown: int = 5) -> str:
+    """``"; it was saved by trainer_class X ..."`` or ``"; its config differs from this run's at key: a -> b"``: the
+    part of a misfit's message that names the fix ("" when the configs agree)."""
+    then, now = saved.get("trainer_class"), OmegaConf.select(cfg, "trainer_class")
+    if then and now and then != now:
+        return f"; it was saved by trainer_class {then}, not this run's {now}"
+    changed = config_changes(saved, cfg) if saved else []
+    if not changed:
+        return ""
+    more = f" (and {len(changed) - shown} more)" if len(changed) > shown else ""
+    return f"; its config differs from this run's at {'; '.join(changed[:shown])}{more}: set them as it had"
+
+
 def _order_changes(saved: dict[str, Any], cfg: DictConfig) -> dict[str, tuple[Any, Any]]:
     """``{key: (then, now)}`` for each changed ``data.*`` key and ``trainer.seed`` (the seed of a shuffled epoch)."""
     before, now = _settings(saved), _settings(cfg)

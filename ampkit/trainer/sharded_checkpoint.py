@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
 from ampkit.trainer.checkpoint_io import (
@@ -211,17 +212,26 @@ def prune_sharded(directory: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+def load_sharded(
+    path: Path, module: nn.Module, optimizers: dict[str, torch.optim.Optimizer], cfg: DictConfig | None = None
+) -> dict[str, Any]:
     """Load the shards at ``path`` into ``module`` and ``optimizers`` (resharded to this run's world size).
 
     Returns ``trainer.pt``'s dict, with ``model``/``optimizers`` set to the loaded states so the Trainer's
-    plain restore path can apply them as for an unsharded checkpoint.
+    plain restore path can apply them as for an unsharded checkpoint. ``cfg``: this run's config, whose keys that
+    differ from the checkpoint's a misfit names.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     checkpoint = load_checkpoint(path / TRAINER_FILE)
     state = _tensor_state(module, optimizers)
+    misfit = _model_misfit(path, state["model"])
+    if misfit is not None:  # else DCP's size error reads as a damaged shard, and keys it lacks load nothing silently
+        from ampkit.trainer.run_life import config_misfit  # run_life builds on this module
+
+        hint = config_misfit(checkpoint.get("config") or {}, cfg) if cfg is not None else ""
+        raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's model: {misfit}{hint}")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
     try:
@@ -242,6 +252,35 @@ def load_sharded(path: Path, module: nn.Module, optimizers: dict[str, torch.opti
     checkpoint["model"] = module.state_dict()
     checkpoint["optimizers"] = {name: opt.state_dict() for name, opt in optimizers.items()}
     return checkpoint
+
+
+def _model_misfit(path: Path, model_state: dict[str, Any]) -> str | None:
+    """How the model saved at ``path`` differs from ``model_state`` (this run's, as DTensors or tensors) in its keys
+    or shapes, as ``load_state_dict`` says it of an unsharded checkpoint; None when they match."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {
+        key.removeprefix("model."): meta
+        for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    missing = [key for key in model_state if key not in saved]
+    unexpected = [
+        key for key, meta in saved.items() if key not in model_state and isinstance(meta, TensorStorageMetadata)
+    ]
+    if missing or unexpected:
+        parts = [f"Missing key(s): {', '.join(missing[:4])}"] * bool(missing)
+        parts += [f"Unexpected key(s): {', '.join(unexpected[:4])}"] * bool(unexpected)
+        return "; ".join(parts)
+    for key, tensor in model_state.items():
+        meta = saved[key]
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
+            return (
+                f"size mismatch for {key}: shape {list(meta.size)} in the checkpoint, {list(tensor.shape)} in this "
+                "run's model"
+            )
+    return None
 
 
 def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:

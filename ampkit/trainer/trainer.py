@@ -84,6 +84,7 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_VERSION,
     CheckpointError,
     load_checkpoint,
+    peek_checkpoint,
     save_atomic,
     unloadable_entry,
 )
@@ -153,6 +154,7 @@ from ampkit.trainer.run_life import (
     finish_interrupted_pruning,
     lineage,
     load_with_fallback_hint,
+    misfit_detail,
     open_version_dir,
     plan_fit,
     prediction_output,
@@ -1442,7 +1444,7 @@ class Trainer:
 
     def _load_shards(self, path: Path) -> dict[str, Any]:
         try:
-            return load_sharded(path, self.module, self.optimizers)
+            return load_sharded(path, self.module, self.optimizers, self.cfg)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
@@ -1657,7 +1659,7 @@ class Trainer:
                 for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
-            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model/optimizers: {detail}") from None
         kept = [
             line
@@ -1711,8 +1713,9 @@ class Trainer:
     def _load_weights(self, path: Path) -> None:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
-            load_sharded(path, self.module, {})
+            load_sharded(path, self.module, {}, self.cfg)
             return
+        checkpoint: dict[str, Any] = {}
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
@@ -1725,7 +1728,8 @@ class Trainer:
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
         except (KeyError, RuntimeError) as exc:
-            detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+            saved = checkpoint or peek_checkpoint(path / TRAINER_FILE) or {}  # a sharded one keeps it in trainer.pt
+            detail = misfit_detail(exc, saved.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
 
     def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:

@@ -11,7 +11,10 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit import Callback, Phase
-from ampkit.callbacks.progress import _throughput
+from ampkit.callbacks.fp8 import Float8Telemetry
+from ampkit.callbacks.grad_histograms import GradientHistograms
+from ampkit.callbacks.nonfinite_guard import NonFiniteGuard
+from ampkit.callbacks.progress import ProgressBar, _throughput
 from ampkit.callbacks.throughput import (
     PEAK_TFLOPS,
     Throughput,
@@ -30,6 +33,34 @@ def test_training_flops_of_a_linear_are_six_per_weight_per_sample():
     assert count_training_flops(lambda: layer(x).sum()) == 2 * 5 * 48 * 24 * 2
     x.requires_grad_()
     assert count_training_flops(lambda: layer(x).sum()) == 6 * 5 * 48 * 24  # and the input's gradient
+
+
+class ReadsAValue(torch.nn.Module):
+    """A forward the meta device cannot run: it reads a value (a mixture-of-experts router's capacity, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * x.abs().sum().item()
+
+
+def test_a_forward_the_flop_counter_cannot_run_or_a_non_scalar_loss_is_named():
+    """torch's own words ("Tensor.item() cannot be called on meta tensors", "grad can be implicitly created only for
+    scalar outputs") said neither which call failed nor what to do instead."""
+    with torch.device("meta"):
+        model, x = ReadsAValue(), torch.zeros(2, 8)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^count_training_flops: forward_loss\(\) failed \(RuntimeError: Tensor"
+        r"\.item\(\) cannot be called on meta tensors\)\. On the meta device .* set flops_per_sample",
+    ):
+        count_training_flops(lambda: model(x).sum())
+    for returned, shown in ((lambda: model.layer(x), "a tensor of shape (2, 8)"), (lambda: None, "None"),
+                            (lambda: x.sum(), "a loss that needs no gradient")):  # fmt: skip
+        with pytest.raises(TypeError, match=re.escape(f"count_training_flops: forward_loss() returned {shown}")):
+            count_training_flops(returned)
 
 
 class FakeClock:
@@ -159,6 +190,39 @@ def test_bad_peak_is_a_config_error(tmp_path, key, value):
 
     with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):
         ToyTrainer(toy_cfg(tmp_path, **{key: value}))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"peak_tflops": "989"}, "peak_tflops='989': expected a number"),  # was: a TypeError from '>'
+        ({"peak_tflops": float("inf")}, "peak_tflops=inf: expected a finite number > 0"),  # was: MFU 0, silently
+        ({"peak_tflops": True}, "peak_tflops=True: expected a number"),  # was: a peak of 1 TFLOP/s
+        ({"every_n_steps": 2.5}, "every_n_steps=2.5: expected an integer >= 1"),  # was: a window every 5 steps
+        ({"every_n_steps": "10"}, "every_n_steps='10': expected an integer >= 1"),
+    ],
+)
+def test_a_peak_or_window_that_is_no_number_is_named_at_construction(kwargs, said):
+    with pytest.raises(ValueError, match=re.escape(f"Throughput: {said}")):
+        Throughput(**kwargs)
+    assert Throughput(every_n_steps=4.0, peak_tflops=torch.tensor(989.0)).peak == 989.0  # whole and scalar: taken
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda n: ProgressBar(every_n_steps=n), "ProgressBar: every_n_steps"),
+        (lambda n: GradientHistograms(every_n_steps=n), "GradientHistograms: every_n_steps"),
+        (lambda n: Float8Telemetry("tensorwise", every_n_steps=n), "Float8Telemetry: every_n_steps"),
+        (lambda n: NonFiniteGuard(check_every_n_steps=n), "NonFiniteGuard: check_every_n_steps"),
+    ],
+)
+def test_every_callbacks_interval_is_one_check(make, named):
+    """Each callback compared its interval with < 1 alone: 2.5 ran on every fifth step, True as 1, and "10" failed
+    with Python's TypeError."""
+    for bad in (2.5, "10", True, 0):
+        with pytest.raises(ValueError, match=re.escape(f"{named}={bad!r}: expected an integer >= 1")):
+            make(bad)
 
 
 class LaggingWatch:

@@ -413,9 +413,29 @@ def test_legacy_launcher_argument_errors(tmp_path, capsys):
         main(["-m", "no_such_module_xyz"])
     with pytest.raises(SystemExit, match="module not found: 'no_such_package_xyz.train'"):
         main(["-m", "no_such_package_xyz.train"])
+    # An Apex flag before the script, and a folder: each read "script not found: '--opt_level'" (or the folder)
+    with pytest.raises(
+        SystemExit, match=r"unknown option '--opt_level'; .* python -m ampkit.legacy SCRIPT --opt_level"
+    ):
+        main(["--opt_level", "O1", str(tmp_path / "train.py")])
+    with pytest.raises(SystemExit, match=r"is a directory without a __main__.py; name the script in it"):
+        main([str(tmp_path)])
     main(["--help"])
     assert "--force-shim" in capsys.readouterr().out
     assert "AMPKIT_APEX_SHIM" not in os.environ and "apex" not in sys.modules  # nothing was installed
+
+
+def test_legacy_runner_takes_a_double_dash_and_a_directory_as_python_does(tmp_path):
+    """``python -m ampkit.legacy -- train.py`` read "script not found: '--'", and a directory holding ``__main__.py``
+    (which ``python DIR`` runs) was refused as not found."""
+    app = tmp_path / "app dir"
+    app.mkdir()
+    (app / "__main__.py").write_text(  # as under python DIR: the directory is on sys.path, its parent is not
+        "import os, sys\nimport apex\nprint(sys.argv[1:], sys.path[0], os.path.dirname(sys.argv[0]) in sys.path)\n"
+    )
+    result = _legacy("--", app, "an arg with spaces", "--", "-x")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"['an arg with spaces', '--', '-x'] {app} False"
 
 
 @pytest.mark.parametrize("as_module", [False, True])

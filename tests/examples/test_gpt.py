@@ -3,6 +3,7 @@ generation into TensorBoard and through ``ampkit predict``, and model-setup keys
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,46 @@ def test_without_tensorboard_samples_go_to_the_console(tmp_path, capsys):
     assert "sample at step 2: 'The " in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_another_size_or_trainer_names_the_keys_it_was_saved_with(tmp_path):
+    """predict of a checkpoint trained at another size said only "size mismatch for head.weight: copying a param with
+    shape [256, 32] ...": which key to set, and to what, was left to the user."""
+    from toy_trainers import ToyTrainer, toy_cfg
+
+    from ampkit.trainer.checkpoint_io import CheckpointError
+
+    quiet = ["trainer.val_every_n_steps=0", "checkpoint.monitor=null", "logging.tensorboard=false",
+             "generate.every_n_steps=0"]  # fmt: skip
+    trainer_class, cfg = load_config("gpt", [*TINY, *quiet, f"run_dir={tmp_path}/run", "trainer.max_steps=1"])
+    trainer_class(cfg).fit()
+    for override, said in (("model.width=64", "size mismatch for .*model.width: 32 -> 64"),
+                           ("model.layers=2", r"Missing key\(s\) .*model.layers: 1 -> 2")):  # fmt: skip
+        _, cfg = load_config("gpt", [*TINY, *quiet, f"run_dir={tmp_path}/run", override, "generate.tokens=1"])
+        with pytest.raises(CheckpointError, match=rf"does not fit this run's model: {said}: set them as it had"):
+            trainer_class(cfg).predict(ckpt="last")
+    toy = ToyTrainer(toy_cfg(tmp_path / "toy", **{"trainer.max_steps": 1, "logging.tensorboard": False}))
+    toy.fit()
+    with pytest.raises(CheckpointError, match="saved by trainer_class toy_trainers:ToyTrainer, not this run's ampkit"):
+        trainer_class(cfg).predict(ckpt=toy.version_dir / "checkpoints" / "last.pt")
+
+
+def test_a_sharded_checkpoint_of_another_model_is_a_misfit_not_a_damaged_shard_or_a_silent_load(tmp_path):
+    """Under FSDP, predict of a checkpoint with fewer blocks said "a shard file is damaged or missing", and one saved
+    with LayerNorm's biases loaded into an RMSNorm model without a word, the biases dropped."""
+    from ampkit.trainer.checkpoint_io import CheckpointError
+
+    fsdp = ["distributed.strategy=fsdp", "trainer.val_every_n_steps=0", "checkpoint.monitor=null",
+            "logging.tensorboard=false", "generate.every_n_steps=0", "generate.tokens=1"]  # fmt: skip
+    trainer_class, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", "trainer.max_steps=1"])
+    trainer_class(cfg).fit()
+    for override, said in (("model.layers=2", r"Missing key\(s\): blocks\.1\.norm1\.weight.*model.layers: 1 -> 2"),
+                           ("model.norm=rmsnorm", r"Unexpected key\(s\): blocks\.0\.norm1\.bias.*model.norm"),
+                           ("model.width=64", r"size mismatch for embed\.weight: shape \[256, 32\] in the checkpoint, "
+                                              r"\[256, 64\] in this run's model.*model.width: 32 -> 64")):  # fmt: skip
+        _, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", override])
+        with pytest.raises(CheckpointError, match=rf"sharded checkpoint .* does not fit this run's model: {said}"):
+            trainer_class(cfg).predict(ckpt="last")
+
+
 def test_an_empty_prompt_is_refused_not_an_index_error():
     """Predict and the samples during fit would fail on the first byte: no position to continue from."""
     model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
@@ -274,9 +315,42 @@ def test_top_k_samples_among_the_k_likeliest_whatever_the_temperature(temperatur
 def test_generate_refuses_what_it_cannot_sample_by_name():
     model = Ranked()
     for kwargs, named in (({"tokens": -1}, "tokens=-1"), ({"tokens": 2, "top_k": -3}, "top_k=-3"),
-                          ({"tokens": 2, "top_k": 5, "temperature": float("inf")}, "temperature=inf")):  # fmt: skip
+                          ({"tokens": 2, "top_k": 5, "temperature": float("inf")}, "temperature=inf"),
+                          ({"tokens": 2.5}, "tokens=2.5"), ({"tokens": 2, "top_k": 2.5}, "top_k=2.5"),  # were: torch's
+                          ({"tokens": True}, "tokens=True"),
+                          ({"tokens": 2, "temperature": None}, "temperature=None")):  # fmt: skip
         with pytest.raises(ValueError, match=rf"generate: {named} is invalid; expected"):
             generate(model, torch.tensor([1]), **kwargs)
+
+
+def test_a_prompt_outside_the_byte_vocabulary_is_named_and_a_text_is_taken():
+    """A prompt of token ids >= 256 failed in the embedding with "index out of range in self", a float or 2-D one with
+    torch's own words; a str is encoded as the config's generate.prompt is."""
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    for prompt, error, said in ((torch.tensor([72, 300]), ValueError, "holds values from 72 to 300"),
+                                (torch.tensor([-1]), ValueError, "holds values from -1 to -1"),
+                                (torch.tensor([65.0]), TypeError, "is a 1-D torch.float32 tensor"),
+                                (torch.tensor([[65, 66]]), TypeError, "is a 2-D torch.int64 tensor"),
+                                (None, TypeError, "is NoneType None")):  # fmt: skip
+        with pytest.raises(error, match=rf"generate: the prompt {re.escape(said)}; expected one text's bytes"):
+            generate(model, prompt, 2)
+    as_text = generate(model, "Thé", 2)
+    assert torch.equal(as_text[:4], torch.tensor(list("Thé".encode()))) and len(as_text) == 6
+    assert torch.equal(generate(model, torch.tensor([84, 104], dtype=torch.uint8), 2), generate(model, [84, 104], 2))
+
+
+@pytest.mark.parametrize("top_k", [0, 5], ids=["greedy", "sampled"])
+def test_a_diverged_model_is_named_not_a_multinomial_error_or_a_silent_argmax(top_k):
+    """Logits gone nan (weights diverged, or overflowing in low precision): sampling failed in torch.multinomial with
+    "probability tensor contains either inf, nan or element < 0" (the samples during fit, and predict), and greedy
+    decoding's argmax returned a byte as if nothing were wrong."""
+    from ampkit.callbacks.nonfinite_guard import NonFiniteError
+
+    model = GPT(GPTModelConfig(layers=1, width=32, heads=2, seq_len=16))
+    with torch.no_grad():
+        model.blocks[0].mlp[2].weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match=r"generate: the model's logits are not finite \(nan or inf\)"):
+        generate(model, torch.tensor([1, 2]), 3, top_k=top_k, generator=torch.manual_seed(0))
 
 
 @pytest.mark.parametrize(("setting", "shown"), [("true", "true"), ("[Block]", r"\['Block'\]")])
@@ -309,6 +383,9 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("generate.temperature=-0.5", "generate.temperature"),
                           ("generate.temperature=inf", "generate.temperature"),
                           ("generate.prompt=''", "generate.prompt"),
+                          # an infinite rate or decay: nan weights after one step, found only by sampling's multinomial
+                          ("optim.lr=inf", "optim.lr"), ("optim.weight_decay=inf", "optim.weight_decay"),
+                          ("optim.min_lr=inf", "optim.min_lr"), ("optim.min_lr=0.1", "optim.min_lr"),  # above lr
                           ("data.val_fraction=0.00001", "model.seq_len"),  # a held-out text shorter than a window
                           ("data.batch_size=100000", "data.batch_size")):  # a text shorter than one batch  # fmt: skip
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
@@ -318,6 +395,20 @@ def test_model_config_errors_name_the_key(tmp_path):
         Path(ampkit.config.builtin_configs()["gpt"]).read_text()
         == (Path(__file__).resolve().parents[2] / "configs" / "gpt.yaml").read_text()
     )
+
+
+def test_a_bare_omegaconf_config_or_a_path_is_taken_or_refused_as_the_trainer_does():
+    """OmegaConf.create({...}) (no defaults merged) failed the recipe's checks with "'>=' not supported between
+    NoneType and int", and a YAML path with OmegaConf's "Invalid input"; the Trainer itself merges the one and names
+    the other."""
+    import ampkit
+    from ampkit.examples.gpt import GPTTrainer
+
+    with pytest.raises(ampkit.ConfigError, match=r"config key 'model.layers': 0 is invalid; expected an integer >= 1"):
+        GPTTrainer(OmegaConf.create({"model": {"layers": 0}}))
+    assert GPTTrainer(OmegaConf.create({"model": {"layers": 2}, "trainer": {"device": "cpu"}})).cfg.model.width == 128
+    with pytest.raises(ampkit.ConfigError, match=r"GPTTrainer\(cfg=...\): got str 'configs/gpt.yaml'; expected a dict"):
+        GPTTrainer("configs/gpt.yaml")
 
 
 def test_validation_windows_are_the_same_on_any_world_size_at_one_global_batch():

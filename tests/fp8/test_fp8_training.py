@@ -69,6 +69,25 @@ def test_backend_torchao_without_torchao_names_the_install_command(tmp_path, mon
         Fp8Trainer(fp8_cfg(tmp_path, backend="torchao"))
 
 
+def test_a_torchao_that_fails_to_import_is_named_before_the_model_is_built(tmp_path, monkeypatch):
+    """A torchao built for another torch is found by find_spec but fails on import: the run got past every check and
+    died in the fp8 set-up step with torchao's ImportError traceback."""
+    import sys
+
+    broken = tmp_path / "site" / "torchao"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("undefined symbol: _ZN3c1017SymbolicShapeMeta")\n')
+    monkeypatch.syspath_prepend(str(broken.parent))
+    for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(
+        ampkit.ConfigError,
+        match=r"'precision.fp8.backend': 'torchao' needs torchao, which is installed but fails to import "
+        r"\(ImportError: undefined symbol: _ZN3c10.*\): install one built for torch .* or use backend 'reference'",
+    ):
+        Fp8Trainer(fp8_cfg(tmp_path, backend="torchao"))
+
+
 def test_torchao_needs_a_float8_gpu_for_real_gemms_and_cannot_run_gw_hp_under_cpu_autocast(tmp_path):
     with pytest.raises(ampkit.ConfigError, match="'precision.fp8.emulate': false needs float8 GEMMs.*capability"):
         Fp8Trainer(fp8_cfg(tmp_path, backend="torchao", fp8={"emulate": False}))

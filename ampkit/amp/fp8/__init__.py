@@ -10,6 +10,7 @@ from ampkit.amp.fp8.convert import (
     fp8_gemm_capable,
     is_float8_linear,
     torchao_available,
+    torchao_import_error,
 )
 from ampkit.amp.fp8.linear import Float8Linear, Float8Matmul, scaled_mm
 from ampkit.amp.fp8.recipes import RECIPES, Float8Recipe, OperandCast, recipe_named
@@ -39,4 +40,5 @@ __all__ = [
     "scaled_mm",
     "to_float8",
     "torchao_available",
+    "torchao_import_error",
 ]

@@ -30,6 +30,17 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+def torchao_import_error() -> str | None:
+    """Why an installed torchao's float8 training fails to import (one built for another torch fails on its compiled
+    parts), or None when it imports. It imports torchao: ask only when a run uses it."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:  # ImportError, or the OSError/RuntimeError of an extension built for another torch
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {reason}"
+    return None
+
+
 def fp8_gemm_capable(device: torch.device) -> bool:
     """Whether ``device`` runs float8 GEMMs natively (CUDA compute capability 8.9 or later)."""
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
