@@ -118,6 +118,8 @@ class _Server:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.proc.stdout.close()
+        self.log.close()  # at exit, an open one is a ResourceWarning printed after the test summary
         Path(self.log.name).unlink(missing_ok=True)
 
 
