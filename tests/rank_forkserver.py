@@ -112,8 +112,12 @@ class _Server:
         self.proc.stdin.flush()
 
     def close(self) -> None:
-        if self.alive():
+        alive = self.alive()
+        try:
             self.proc.stdin.close()  # the server exits at the end of its input
+        except OSError:  # it died with unread input: the pipe is broken
+            pass
+        if alive:
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
