@@ -177,6 +177,17 @@ def _check_reducer_broadcasts_parameters_only(rank, world_size):
         torch.testing.assert_close(p.grad, torch.full_like(p, (world_size + 1) / 2))
 
 
+def _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex(rank, world_size):
+    """Apex's Reducer gathered the tensors of any nesting of lists, tuples or generators, skipping anything else:
+    ``Reducer([p.grad for p in params])`` after a backward that left one parameter without a grad kept working.
+    Here the list was kept as given and ``reduce()`` failed on the ``None`` (or on a nested list)."""
+    used, unused, other = torch.full((3,), rank + 1.0), None, torch.full((2, 2), rank * 4.0).half()
+    reducer = Reducer([[used, unused], (g for g in [other])])
+    reducer.reduce()
+    torch.testing.assert_close(used, torch.full((3,), (world_size + 1) / 2))
+    torch.testing.assert_close(other, torch.full((2, 2), 2.0 * (world_size - 1)).half())
+
+
 def _check_flat_dist_call_broadcasts_and_averages_each_type(rank, world_size):
     """NVIDIA's BERT pretraining: ``flat_dist_call(params, dist.broadcast, (0,))`` before training; Apex
     averaged a flat ``all_reduce`` over the world."""
@@ -560,6 +571,7 @@ _TWO_RANK_CHECKS = {
         _check_torch_ddp_no_sync_accumulation_matches_one_process,
         _check_torch_ddp_no_sync_overflow_on_one_rank_skips_on_every_rank,
         _check_flat_dist_call_broadcasts_and_averages_each_type,
+        _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex,
     )
 }
 

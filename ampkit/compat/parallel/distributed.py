@@ -38,6 +38,7 @@ import math
 import numbers
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,10 +350,10 @@ class Reducer:
 
     Args:
         module_or_grads_list: a module (its parameters are broadcast from rank 0 now, its buffers left alone,
-            and its parameters' grads are reduced) or a list of gradient tensors.
+            and its parameters' grads are reduced) or gradient tensors in a (possibly nested) list, tuple or generator.
     """
 
-    def __init__(self, module_or_grads_list: torch.nn.Module | list[torch.Tensor]) -> None:
+    def __init__(self, module_or_grads_list: torch.nn.Module | Iterable[Any]) -> None:
         if isinstance(module_or_grads_list, torch.nn.Module):
             self.module: torch.nn.Module | None = module_or_grads_list
             self.grads: list[torch.Tensor] | None = None
@@ -360,7 +361,10 @@ class Reducer:
             flat_dist_call([param.detach() for param in self.module.parameters()], dist.broadcast, (0,))
         else:
             self.module = None
-            self.grads = list(module_or_grads_list)
+            # as Apex: the tensors found in any nesting of lists, tuples or generators; a None (a parameter that has
+            # no grad yet) is skipped, where list() kept it for reduce() to fail on
+            self.grads = []
+            extract_tensors(module_or_grads_list, self.grads)
 
     def reduce(self) -> None:
         """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex)."""
