@@ -4,6 +4,7 @@ DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer 
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import os
 import traceback
@@ -177,6 +178,17 @@ def _check_reducer_broadcasts_parameters_only(rank, world_size):
         torch.testing.assert_close(p.grad, torch.full_like(p, (world_size + 1) / 2))
 
 
+def _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex(rank, world_size):
+    """Apex's Reducer gathered the tensors of any nesting of lists, tuples or generators, skipping anything else:
+    ``Reducer([p.grad for p in params])`` after a backward that left one parameter without a grad kept working.
+    Here the list was kept as given and ``reduce()`` failed on the ``None`` (or on a nested list)."""
+    used, unused, other = torch.full((3,), rank + 1.0), None, torch.full((2, 2), rank * 4.0).half()
+    reducer = Reducer([[used, unused], (g for g in [other])])
+    reducer.reduce()
+    torch.testing.assert_close(used, torch.full((3,), (world_size + 1) / 2))
+    torch.testing.assert_close(other, torch.full((2, 2), 2.0 * (world_size - 1)).half())
+
+
 def _check_flat_dist_call_broadcasts_and_averages_each_type(rank, world_size):
     """NVIDIA's BERT pretraining: ``flat_dist_call(params, dist.broadcast, (0,))`` before training; Apex
     averaged a flat ``all_reduce`` over the world."""
@@ -318,6 +330,42 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     assert all(p.grad is None for p in model["unused"].parameters())
     # One allreduce at the end of backward, as Apex: torch's graph walk (and its warning) stays off.
     assert not ddp.find_unused_parameters and not caught, [str(w.message) for w in caught]
+
+
+def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size):
+    """thunlp/ERNIE's last layer computes an entity branch no loss reads, under Apex's DDP in its default mode. Apex
+    built its buckets from the parameters its first backward reached, so this trained; torch's reducer stopped the
+    second forward ("Expected to have finished reduction in the prior iteration"). The model returns an object of
+    its own class: the end-of-backward reduce (delay_allreduce's too) was queued from hooks on the tensors found in
+    the output, and with none found the gradients stayed rank-local."""
+    base, mean, _ = _linear_grads(world_size)
+
+    class Output:  # a class of the model's own, as a model output can be: no list, tuple or dict to search
+        def __init__(self, logits):
+            self.logits = logits
+
+    class UnusedBranch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return Output(self.used(x))
+
+    for delay_allreduce, unused_layer in itertools.product((False, True), (True, False)):
+        model = UnusedBranch()
+        model.used.load_state_dict(base.state_dict())
+        if not unused_layer:
+            model.unused.requires_grad_(False)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay_allreduce)
+        for _ in range(3):
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).logits.pow(2).sum().backward()
+            for p, m in zip(model.used.parameters(), mean, strict=True):
+                torch.testing.assert_close(p.grad, m)
+            assert all(p.grad is None for p in model.unused.parameters())
+        # every parameter used, by default: torch's reducer overlaps the allreduce from the second backward on
+        assert ddp.require_backward_grad_sync is not (unused_layer or delay_allreduce)
 
 
 def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
@@ -530,7 +578,8 @@ def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     ddp = DistributedDataParallel(model)
     ddp.disable_allreduce()
     with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
-        ddp(torch.ones(2, 4))
+        ddp(torch.ones(2, 4)).float().sum().backward()  # the first backward reduces at its end, as Apex's did
+    ddp(torch.ones(2, 4))  # then torch's reducer, synced though the switch is off
     assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
     # Apex's reducer attributes, which scripts read (world_size as a float, the accumulation switch, ...)
     assert (ddp.world_size, ddp._disable_allreduce, ddp.delay_allreduce) == (float(world_size), True, False)
@@ -552,6 +601,7 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_ddp_retains_allreduce_buffers_for_a_flat_step,
@@ -560,6 +610,7 @@ _TWO_RANK_CHECKS = {
         _check_torch_ddp_no_sync_accumulation_matches_one_process,
         _check_torch_ddp_no_sync_overflow_on_one_rank_skips_on_every_rank,
         _check_flat_dist_call_broadcasts_and_averages_each_type,
+        _check_reducer_of_a_grads_list_takes_the_tensors_in_it_as_apex,
     )
 }
 

@@ -83,6 +83,33 @@ def test_master_param_helpers_refuse_lists_that_do_not_pair_up(helper):
         helper(model_params[:2], flat, flat_master=True)  # unflattening took a prefix of the flat master
 
 
+def test_a_flat_master_of_a_network_to_half_model_trains_like_per_param_masters():
+    """The DAWNBench-era loop: ``prep_param_lists(network_to_half(model), flat_master=True)``, an optimizer on the one
+    flat master, grads copied in and values copied back by hand. network_to_half keeps BatchNorm in fp32, so the
+    params mix dtypes; Apex flattened them into one fp32 master (torch.cat promotes), and this was refused here."""
+    torch.manual_seed(0)
+    reference = ConvNet()
+    x, target = torch.randn(4, 3, 6, 6), torch.tensor([0, 1, 1, 0])
+    trained = []
+    for flat in (True, False):
+        model = network_to_half(copy.deepcopy(reference))
+        model_params, master_params = prep_param_lists(model, flat_master=flat)
+        assert {p.dtype for p in model_params} == {torch.float16, torch.float32}
+        optimizer = torch.optim.SGD(master_params, lr=0.1, momentum=0.9, weight_decay=1e-4)
+        for _ in range(3):
+            model.zero_grad()
+            (F.cross_entropy(model(x).float(), target) * 128.0).backward()
+            model_grads_to_master_grads(model_params, master_params, flat_master=flat)
+            for master in master_params:
+                master.grad.mul_(1.0 / 128.0)
+            optimizer.step()
+            master_params_to_model_params(model_params, master_params, flat_master=flat)
+        trained.append([p.detach().clone() for p in model_params])
+    for flat_trained, per_param_trained in zip(*trained, strict=True):
+        torch.testing.assert_close(flat_trained, per_param_trained, rtol=0, atol=0)  # dtypes too
+    assert not torch.equal(trained[0][0], reference.conv.weight.half())  # it trained
+
+
 def test_a_flat_master_of_a_frozen_model_is_refused_by_name():
     model = torch.nn.Linear(2, 2).half().requires_grad_(False)
     assert prep_param_lists(model) == ([], [])

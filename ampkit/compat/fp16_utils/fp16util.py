@@ -81,7 +81,7 @@ def prep_param_lists(
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """Return ``(model_params, master_params)``: fp32 copies of the trainable params to hand the optimizer.
 
-    With ``flat_master=True`` the masters are one flat fp32 parameter (all model params must share a dtype).
+    With ``flat_master=True`` the masters are one flat fp32 parameter, whatever mix of float dtypes the model has.
     """
     # by truthiness "False" returned one flat master, which the optimizer would then step as the only parameter
     flat_master = checked_switch("prep_param_lists", "flat_master", flat_master)
@@ -92,11 +92,7 @@ def prep_param_lists(
                 "prep_param_lists(flat_master=True): the model has no parameters with requires_grad=True to make a "
                 "flat master of; use flat_master=False (it returns empty lists) or unfreeze a parameter"
             )
-        dtypes = {p.dtype for p in model_params}
-        if len(dtypes) > 1:
-            raise TypeError(
-                f"flat_master=True needs all model params to share one dtype, got {sorted(map(str, dtypes))}"
-            )
+        # mixed dtypes (network_to_half keeps BatchNorm in fp32) flatten by type promotion, as Apex's did on torch 1.5+
         master = torch.nn.Parameter(_flatten_dense_tensors([p.detach() for p in model_params]).float())
         return model_params, [master]
     master_params = [torch.nn.Parameter(p.detach().clone().float()) for p in model_params]

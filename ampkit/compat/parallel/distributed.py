@@ -12,6 +12,11 @@ Apex argument → effect here:
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
   construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
+- A parameter the forward never uses (an unused head, the last layer's unused branch): Apex's default mode built
+  its buckets from what its first backward reached, reducing that backward at its end. So does the first backward
+  here; if it left a parameter of torch's reducer without a gradient on any rank, every backward reduces at its
+  end (the same numbers, no overlap), else torch's reducer overlaps from the second on. ``find_unused_parameters``
+  or ``static_graph``, when given, go to torch instead.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -38,6 +43,7 @@ import math
 import numbers
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,17 +127,6 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     reduced = _before_allreduce(options, buffer)
     future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
-
-
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
-    return []
 
 
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
@@ -237,6 +232,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._warned_disable_under_amp = False
         # torch's reducer holds the parameters trainable now; see _unfrozen_since_construction.
         self._frozen_at_construction = [p for p in self.module.parameters() if not p.requires_grad]
+        # ... and expects a gradient for each of them at every synced backward. Apex built its buckets from the
+        # parameters its first backward reached (reducing that one at its end), so a layer the forward never uses
+        # was no error there; here too the first backward reduces at its end and finds out (see forward).
+        self._reducer_params = [p for p in self.module.parameters() if p.requires_grad]
+        self._reducer_params_all_used: bool | None = (
+            True if torch_ddp_kwargs.get("find_unused_parameters") or torch_ddp_kwargs.get("static_graph") else None
+        )
+        self._param_hooks: dict[int, Any] = {}  # id(param) -> its handle; see _hook_trainable_params
+        self._param_hooks_armed = False
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
@@ -260,13 +264,38 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        delayed = self.delay_allreduce or self.retain_allreduce_buffers or self._unfrozen_since_construction()
+        delayed = (
+            self.delay_allreduce
+            or self.retain_allreduce_buffers
+            or self._unfrozen_since_construction()
+            or not self._reducer_params_all_used  # unknown until the first synced backward, or a layer left unused
+        )
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
-        if reduce and delayed and torch.is_grad_enabled():
-            self._reduce_at_end_of_backward(output)
+        # Delayed, the parameters' gradient hooks queue the reduce at the end of the backward that reaches them.
+        self._param_hooks_armed = reduce and delayed and torch.is_grad_enabled()
+        if self._param_hooks_armed:
+            self._hook_trainable_params()
+        elif not delayed:  # torch's reducer from now on: no call per parameter per backward
+            for hook in self._param_hooks.values():
+                hook.remove()
+            self._param_hooks.clear()
         return output
+
+    def _hook_trainable_params(self) -> None:
+        """Give every trainable parameter a hook that queues :meth:`_allreduce_grads` once its gradient has been
+        accumulated. Apex's delayed reduce was queued from such hooks; hooks on the forward's output would miss an
+        output of the model's own class, which no search sees into, and leave the gradients unreduced."""
+
+        def queue(_: torch.Tensor) -> None:
+            if self._param_hooks_armed and not self._allreduce_queued:
+                self._allreduce_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
+
+        for param in self.module.parameters():
+            if param.requires_grad and id(param) not in self._param_hooks:
+                self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(queue)
 
     def _unfrozen_since_construction(self) -> bool:
         """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
@@ -286,20 +315,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 stacklevel=3,
             )
         return True
-
-    def _reduce_at_end_of_backward(self, output: Any) -> None:
-        """Queue :meth:`_allreduce_grads` to run once the backward that reaches ``output`` has finished."""
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if not tensors:
-            return
-
-        def queue(_: torch.Tensor) -> None:
-            if not self._allreduce_queued:  # once per backward, whichever output it reaches first
-                self._allreduce_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
-
-        for tensor in tensors:
-            tensor.register_hook(queue)
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
@@ -342,6 +357,17 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+        if self._reducer_params_all_used is None and not (self.delay_allreduce or self.retain_allreduce_buffers):
+            self._reducer_params_all_used = self._every_rank_reached_every_reducer_param(group)
+
+    def _every_rank_reached_every_reducer_param(self, group: Any) -> bool:
+        """After the first synced backward: whether it gave every parameter torch's reducer holds a gradient, on
+        every rank (one flag all-reduced, so that all ranks go on in the same mode). If not, every backward
+        reduces at its end, as this first one did; otherwise torch's reducer overlaps the allreduce from now on."""
+        unused = any(p.grad is None for p in self._reducer_params)
+        flag = torch.tensor([float(unused)], device=self._reducer_params[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return not bool(flag.item())
 
 
 class Reducer:
@@ -349,10 +375,10 @@ class Reducer:
 
     Args:
         module_or_grads_list: a module (its parameters are broadcast from rank 0 now, its buffers left alone,
-            and its parameters' grads are reduced) or a list of gradient tensors.
+            and its parameters' grads are reduced) or gradient tensors in a (possibly nested) list, tuple or generator.
     """
 
-    def __init__(self, module_or_grads_list: torch.nn.Module | list[torch.Tensor]) -> None:
+    def __init__(self, module_or_grads_list: torch.nn.Module | Iterable[Any]) -> None:
         if isinstance(module_or_grads_list, torch.nn.Module):
             self.module: torch.nn.Module | None = module_or_grads_list
             self.grads: list[torch.Tensor] | None = None
@@ -360,7 +386,10 @@ class Reducer:
             flat_dist_call([param.detach() for param in self.module.parameters()], dist.broadcast, (0,))
         else:
             self.module = None
-            self.grads = list(module_or_grads_list)
+            # as Apex: the tensors found in any nesting of lists, tuples or generators; a None (a parameter that has
+            # no grad yet) is skipped, where list() kept it for reduce() to fail on
+            self.grads = []
+            extract_tensors(module_or_grads_list, self.grads)
 
     def reduce(self) -> None:
         """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex)."""
