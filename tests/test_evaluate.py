@@ -226,6 +226,21 @@ def test_load_model_returns_the_trained_module_for_inference(tmp_path):
     torch.testing.assert_close(model(x), fitted.module(x))
 
 
+def test_load_model_into_another_model_names_the_mismatch_in_one_line(tmp_path):
+    """load_state_dict lists every key before its reason; the error keeps the reason and names the checkpoint."""
+
+    class Wider(ToyTrainer):
+        def configure_model(self):
+            return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.0), nn.Linear(32, 1))
+
+    path = _fitted(tmp_path).version_dir / "checkpoints" / "last.pt"
+    with pytest.raises(ampkit.CheckpointError) as caught:
+        ampkit.load_model(path, trainer_class=Wider)
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint '{path}' does not fit Wider's model: size mismatch for ")
+    assert "\n" not in message
+
+
 @dataclass
 class _Pair:
     x: torch.Tensor

@@ -9,6 +9,7 @@ import torch
 
 from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.run_life import load_failure_reason
 from ampkit.trainer.trainer import Trainer
 
 
@@ -38,6 +39,6 @@ def load_model(
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:
-        detail = str(exc).strip().splitlines()[-1].strip()  # load_state_dict lists every key: the last says why
+        detail = load_failure_reason(exc)
         raise CheckpointError(f"checkpoint '{path}' does not fit {trainer_class.__name__}'s model: {detail}") from None
     return module.to(device).eval()

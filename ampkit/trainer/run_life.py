@@ -461,8 +461,12 @@ def misfit_detail(exc: BaseException, saved: dict[str, Any], cfg: DictConfig, sh
     """Why a checkpoint's state does not load into this run's model (``exc``, from ``load_state_dict``), and the
     Trainer or config keys it was saved with (``saved``) that differ from this run's: a model size left at its
     default on predict is then named as the fix, not only as a tensor shape."""
-    detail = str(exc).strip().splitlines()[-1].strip().rstrip(".")  # load_state_dict lists every key: the last says
-    return detail + config_misfit(saved, cfg, shown)
+    return load_failure_reason(exc) + config_misfit(saved, cfg, shown)
+
+
+def load_failure_reason(exc: BaseException) -> str:
+    """The line of ``load_state_dict``'s error that says why (it lists every key first, then the reason)."""
+    return str(exc).strip().splitlines()[-1].strip().rstrip(".")
 
 
 def config_misfit(saved: dict[str, Any], cfg: DictConfig, shown: int = 5) -> str:
