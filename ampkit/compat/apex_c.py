@@ -13,7 +13,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor holding ``tensors`` one after the other (all of one dtype and device)."""
+    """One 1-D tensor holding ``tensors`` one after the other, on one device (mixed float dtypes are promoted, as
+    ``torch.cat`` does)."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("apex_C.flatten: expected a non-empty list of tensors, got an empty one")
