@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint, TensorBoardLogger
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -352,3 +353,28 @@ def test_an_error_in_validate_from_a_hook_reaches_each_callback_once(tmp_path):
     with pytest.raises(ValueError, match="the nested validation failed"):
         ValidatesAtEpochEndAndFails(toy_cfg(tmp_path, **QUIET), callbacks=[counts]).fit()
     assert counts.errors == ["the nested validation failed"]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: TensorBoardLogger(log_every_n_steps=0),
+            "TensorBoardLogger: log_every_n_steps=0: expected an integer >= 1",
+        ),
+        (lambda: TensorBoardLogger(flush_secs="5"), "TensorBoardLogger: flush_secs must be >= 0, got '5'"),
+        (
+            lambda: ModelCheckpoint(every_n_steps=2.5),
+            r"ModelCheckpoint: every_n_steps=2.5: expected an integer >= 0 \(0: never\)",
+        ),
+        (lambda: ModelCheckpoint(every_n_epochs="1"), r"ModelCheckpoint: every_n_epochs='1': expected an integer >= 0"),
+        (lambda: ModelCheckpoint(keep_last=0), "ModelCheckpoint: keep_last=0: expected an integer >= 1"),
+        (lambda: EarlyStopping("val/loss", patience=2.5), "EarlyStopping: patience=2.5: expected an integer >= 1"),
+    ],
+    ids=["log every 0", "flush a string", "every 2.5 steps", "every '1' epochs", "keep none", "patience 2.5"],
+)
+def test_a_callback_built_by_hand_refuses_a_count_that_is_no_count_naming_it(build, message):
+    """Built in Python (the config checks its keys first), these raised ZeroDivisionError at the first step (0),
+    Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
+    with pytest.raises(ValueError, match=message):
+        build()

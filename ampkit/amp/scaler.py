@@ -46,12 +46,15 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
     return value
 
 
-def interval_option(value: Any, option: str) -> int:
+def interval_option(value: Any, option: str, *, zero_means: str | None = None) -> int:
     """``value`` as an int if it is a whole number >= 1 (a count of iterations: ``1000.0`` from a float option, as
-    Apex took it, or numpy's ``int64``); else a ValueError naming ``option``."""
+    Apex took it, or numpy's ``int64``), or 0 where ``zero_means`` says what 0 does ("never"); else a ValueError
+    naming ``option``."""
     whole = isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
-    if isinstance(value, bool) or not whole or value < 1:
-        raise ValueError(f"{option}={value!r}: expected an integer >= 1")
+    lowest = 0 if zero_means else 1
+    if isinstance(value, bool) or not whole or value < lowest:
+        zero = f" ({lowest}: {zero_means})" if zero_means else ""
+        raise ValueError(f"{option}={value!r}: expected an integer >= {lowest}{zero}")
     return int(value)
 
 

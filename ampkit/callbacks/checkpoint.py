@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import (
@@ -56,11 +57,9 @@ class ModelCheckpoint(Callback):
         mode: str = "min",
         save_top_k: int = 1,
     ) -> None:
-        if every_n_steps < 0 or every_n_epochs < 0 or keep_last < 1:
-            raise ValueError(
-                f"ModelCheckpoint: every_n_steps ({every_n_steps}) and every_n_epochs ({every_n_epochs}) "
-                f"must be >= 0 and keep_last ({keep_last}) >= 1"
-            )
+        every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
+        every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
+        keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
         if save_top_k < 1 and save_top_k != -1:
             raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
         if save_top_k not in (1, -1) and not monitor:

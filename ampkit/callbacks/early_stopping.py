@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import Monitor
 from ampkit.trainer.callback import Callback
 
@@ -32,8 +33,7 @@ class EarlyStopping(Callback):
         stopping_threshold: float | None = None,
         divergence_threshold: float | None = None,
     ) -> None:
-        if patience < 1:
-            raise ValueError(f"patience {patience!r} is invalid; expected an integer >= 1")
+        patience = interval_option(patience, "EarlyStopping: patience")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and not math.isfinite(value):

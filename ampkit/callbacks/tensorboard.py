@@ -4,6 +4,7 @@ and ``trainer.logger``'s images, histograms and text."""
 from __future__ import annotations
 
 import functools
+import numbers
 import threading
 import time
 import weakref
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from ampkit.amp.scaler import interval_option
 from ampkit.config import flatten
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
@@ -128,9 +130,9 @@ class TensorBoardLogger(Callback):
     state_is_optional = True  # a resume with logging.tensorboard=false has no use for the window
 
     def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0) -> None:
-        if not flush_secs >= 0:
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:
             raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
-        self.log_every_n_steps = log_every_n_steps
+        self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
