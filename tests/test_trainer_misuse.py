@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
-from ampkit.callbacks import EarlyStopping, ModelCheckpoint, TensorBoardLogger
+from ampkit.callbacks import EarlyStopping, GradientClipping, MaxTime, ModelCheckpoint, TensorBoardLogger
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -370,10 +370,25 @@ def test_an_error_in_validate_from_a_hook_reaches_each_callback_once(tmp_path):
         (lambda: ModelCheckpoint(every_n_epochs="1"), r"ModelCheckpoint: every_n_epochs='1': expected an integer >= 0"),
         (lambda: ModelCheckpoint(keep_last=0), "ModelCheckpoint: keep_last=0: expected an integer >= 1"),
         (lambda: EarlyStopping("val/loss", patience=2.5), "EarlyStopping: patience=2.5: expected an integer >= 1"),
+        (lambda: GradientClipping("1.0"), "GradientClipping: max_norm='1.0': expected a number"),
+        (lambda: GradientClipping(True), "GradientClipping: max_norm=True: expected a number"),
+        (lambda: MaxTime("60"), "MaxTime: max_time_s='60': expected a number"),
+        (lambda: MaxTime(True), "MaxTime: max_time_s=True: expected a number"),  # was a limit of 1 second
     ],
-    ids=["log every 0", "flush a string", "every 2.5 steps", "every '1' epochs", "keep none", "patience 2.5"],
+    ids=[
+        "log every 0",
+        "flush a string",
+        "every 2.5 steps",
+        "every '1' epochs",
+        "keep none",
+        "patience 2.5",
+        "clip a string",
+        "clip True",
+        "time a string",
+        "time True",
+    ],  # fmt: skip
 )
-def test_a_callback_built_by_hand_refuses_a_count_that_is_no_count_naming_it(build, message):
+def test_a_callback_built_by_hand_refuses_a_number_that_is_no_number_naming_it(build, message):
     """Built in Python (the config checks its keys first), these raised ZeroDivisionError at the first step (0),
     Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
     with pytest.raises(ValueError, match=message):

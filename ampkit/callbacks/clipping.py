@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ampkit.amp.scaler import positive_option
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.device_skip import nonfinite_flag
 from ampkit.trainer.state import skip_verdict
@@ -29,9 +30,7 @@ class GradientClipping(Callback):
     phase = Phase.CLIP
 
     def __init__(self, max_norm: float) -> None:
-        if not max_norm > 0:
-            raise ValueError(f"GradientClipping: max_norm must be > 0, got {max_norm!r}")
-        self.max_norm = float(max_norm)
+        self.max_norm = positive_option(max_norm, "GradientClipping: max_norm")  # as trainer.clip_grad_norm
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         opt_state = trainer.optimizer_state[optimizer]

@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any
 
+from ampkit.amp.scaler import positive_option
 from ampkit.trainer.callback import Callback
 
 
@@ -14,9 +15,8 @@ class MaxTime(Callback):
     The time so far is saved in checkpoints (as Lightning's ``Timer`` does), so a resumed run counts on from it."""
 
     def __init__(self, max_time_s: float) -> None:
-        if not max_time_s > 0:
-            raise ValueError(f"max_time {max_time_s!r} is invalid; expected a duration > 0")
-        self.max_time_s = max_time_s
+        self.max_time_s = positive_option(max_time_s, "MaxTime: max_time_s")  # seconds; trainer.max_time also
+        # takes "HH:MM:SS" and null (no limit), and then builds no MaxTime
         self.elapsed_before = 0.0  # seconds trained by the runs this one resumed
         self._started: float | None = None
 
