@@ -366,7 +366,8 @@ def _local_rank_script(path: Path, *spellings: str) -> Path:
         f"parser.add_argument({', '.join(map(repr, spellings))}, type=int, default=0)\n"
         "parser.add_argument('--lr')\n"
         "args = parser.parse_args()\n"
-        "print('local rank', args.local_rank, 'lr', args.lr)\n"
+        # one string, so that two ranks' unbuffered prints into one pipe cannot interleave inside a line
+        "print(f'local rank {args.local_rank} lr {args.lr}')\n"
     )
     return path
 
