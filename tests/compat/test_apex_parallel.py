@@ -4,7 +4,6 @@ DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer 
 import contextlib
 import functools
 import gc
-import itertools
 import json
 import os
 import traceback
@@ -335,9 +334,7 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
 def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size):
     """thunlp/ERNIE's last layer computes an entity branch no loss reads, under Apex's DDP in its default mode. Apex
     built its buckets from the parameters its first backward reached, so this trained; torch's reducer stopped the
-    second forward ("Expected to have finished reduction in the prior iteration"). The model returns an object of
-    its own class: the end-of-backward reduce (delay_allreduce's too) was queued from hooks on the tensors found in
-    the output, and with none found the gradients stayed rank-local."""
+    second forward ("Expected to have finished reduction in the prior iteration")."""
     base, mean, _ = _linear_grads(world_size)
 
     class Output:  # a class of the model's own, as a model output can be: no list, tuple or dict to search
@@ -352,20 +349,20 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
         def forward(self, x):
             return Output(self.used(x))
 
-    for delay_allreduce, unused_layer in itertools.product((False, True), (True, False)):
+    for unused_layer in (True, False):
         model = UnusedBranch()
         model.used.load_state_dict(base.state_dict())
         if not unused_layer:
             model.unused.requires_grad_(False)
-        ddp = DistributedDataParallel(model, delay_allreduce=delay_allreduce)
+        ddp = DistributedDataParallel(model)
         for _ in range(3):
             model.zero_grad()
             ddp(_rank_data(rank)[0]).logits.pow(2).sum().backward()
             for p, m in zip(model.used.parameters(), mean, strict=True):
                 torch.testing.assert_close(p.grad, m)
             assert all(p.grad is None for p in model.unused.parameters())
-        # every parameter used, by default: torch's reducer overlaps the allreduce from the second backward on
-        assert ddp.require_backward_grad_sync is not (unused_layer or delay_allreduce)
+        # every parameter used: torch's reducer overlaps the allreduce from the second backward on
+        assert ddp.require_backward_grad_sync is not unused_layer
 
 
 def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):

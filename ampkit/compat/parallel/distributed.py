@@ -129,6 +129,17 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
 
 
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
     ignored = sorted(name for name, value in given.items() if value != _NO_EFFECT_DEFAULTS[name])
     if ignored:
@@ -239,7 +250,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._reducer_params_all_used: bool | None = (
             True if torch_ddp_kwargs.get("find_unused_parameters") or torch_ddp_kwargs.get("static_graph") else None
         )
-        self._param_hooks: dict[int, Any] = {}  # id(param) -> its handle; see _hook_trainable_params
+        self._param_hooks: list[Any] = []
         self._param_hooks_armed = False
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
@@ -273,29 +284,32 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
-        # Delayed, the parameters' gradient hooks queue the reduce at the end of the backward that reaches them.
-        self._param_hooks_armed = reduce and delayed and torch.is_grad_enabled()
-        if self._param_hooks_armed:
-            self._hook_trainable_params()
-        elif not delayed:  # torch's reducer from now on: no call per parameter per backward
-            for hook in self._param_hooks.values():
-                hook.remove()
-            self._param_hooks.clear()
+        self._param_hooks_armed = False
+        if reduce and delayed and torch.is_grad_enabled():
+            if self._reduces_from_param_hooks():
+                self._arm_param_hooks()
+            else:
+                self._reduce_at_end_of_backward(output)
         return output
 
-    def _hook_trainable_params(self) -> None:
-        """Give every trainable parameter a hook that queues :meth:`_allreduce_grads` once its gradient has been
-        accumulated. Apex's delayed reduce was queued from such hooks; hooks on the forward's output would miss an
-        output of the model's own class, which no search sees into, and leave the gradients unreduced."""
+    def _reduces_from_param_hooks(self) -> bool:
+        """The default mode before its first synced backward, or after one that left a parameter unused."""
+        return not self._reducer_params_all_used and not (self.delay_allreduce or self.retain_allreduce_buffers)
+
+    def _arm_param_hooks(self) -> None:
+        """Have the next backward queue :meth:`_allreduce_grads` from the parameters' own gradient hooks, which
+        fire whatever the forward returned (a class of its own, which the output search below cannot see into,
+        would leave the gradients unreduced, where torch's reducer needs no output)."""
+        self._param_hooks_armed = True
+        if self._param_hooks:
+            return
 
         def queue(_: torch.Tensor) -> None:
             if self._param_hooks_armed and not self._allreduce_queued:
                 self._allreduce_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
 
-        for param in self.module.parameters():
-            if param.requires_grad and id(param) not in self._param_hooks:
-                self._param_hooks[id(param)] = param.register_post_accumulate_grad_hook(queue)
+        self._param_hooks = [p.register_post_accumulate_grad_hook(queue) for p in self._reducer_params]
 
     def _unfrozen_since_construction(self) -> bool:
         """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
@@ -315,6 +329,20 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 stacklevel=3,
             )
         return True
+
+    def _reduce_at_end_of_backward(self, output: Any) -> None:
+        """Queue :meth:`_allreduce_grads` to run once the backward that reaches ``output`` has finished."""
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        if not tensors:
+            return
+
+        def queue(_: torch.Tensor) -> None:
+            if not self._allreduce_queued:  # once per backward, whichever output it reaches first
+                self._allreduce_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
+
+        for tensor in tensors:
+            tensor.register_hook(queue)
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
@@ -357,8 +385,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
-        if self._reducer_params_all_used is None and not (self.delay_allreduce or self.retain_allreduce_buffers):
+        self._param_hooks_armed = False
+        if self._reducer_params_all_used is None and self._reduces_from_param_hooks():
             self._reducer_params_all_used = self._every_rank_reached_every_reducer_param(group)
+            if self._reducer_params_all_used:  # torch's reducer from now on
+                for hook in self._param_hooks:
+                    hook.remove()
+                self._param_hooks = []
 
     def _every_rank_reached_every_reducer_param(self, group: Any) -> bool:
         """After the first synced backward: whether it gave every parameter torch's reducer holds a gradient, on
