@@ -331,36 +331,6 @@ def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     assert not ddp.find_unused_parameters and not caught, [str(w.message) for w in caught]
 
 
-def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size):
-    """thunlp/ERNIE's last layer computes an entity branch no loss reads, under Apex's DDP in its default mode. Apex
-    built its buckets from the parameters its first backward reached, so this trained; torch's reducer stopped the
-    second forward ("Expected to have finished reduction in the prior iteration")."""
-    base, mean, _ = _linear_grads(world_size)
-
-    class UnusedBranch(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
-
-        def forward(self, x):
-            return self.used(x)
-
-    for unused_layer in (True, False):
-        model = UnusedBranch()
-        model.used.load_state_dict(base.state_dict())
-        if not unused_layer:
-            model.unused.requires_grad_(False)
-        ddp = DistributedDataParallel(model)
-        for _ in range(3):
-            model.zero_grad()
-            ddp(_rank_data(rank)[0]).pow(2).sum().backward()
-            for p, m in zip(model.used.parameters(), mean, strict=True):
-                torch.testing.assert_close(p.grad, m)
-            assert all(p.grad is None for p in model.unused.parameters())
-        # every parameter used: torch's reducer overlaps the allreduce from the second backward on
-        assert ddp.require_backward_grad_sync is not unused_layer
-
-
 def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
     # O2 keeps batch norm in fp32 beside fp16 layers: each dtype is reduced in its own flat tensor, to the mean.
     class HalfThenFloat(torch.nn.Module):
@@ -571,8 +541,7 @@ def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     ddp = DistributedDataParallel(model)
     ddp.disable_allreduce()
     with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
-        ddp(torch.ones(2, 4)).float().sum().backward()  # the first backward reduces at its end, as Apex's did
-    ddp(torch.ones(2, 4))  # then torch's reducer, synced though the switch is off
+        ddp(torch.ones(2, 4))
     assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
     # Apex's reducer attributes, which scripts read (world_size as a float, the accumulation switch, ...)
     assert (ddp.world_size, ddp._disable_allreduce, ddp.delay_allreduce) == (float(world_size), True, False)
@@ -594,7 +563,6 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
-        _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_ddp_retains_allreduce_buffers_for_a_flat_step,

@@ -12,11 +12,6 @@ Apex argument → effect here:
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
   construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
-- A parameter the forward never uses (an unused head, the last layer's unused branch): Apex's default mode built
-  its buckets from what its first backward reached, reducing that backward at its end. So does the first backward
-  here; if it left a parameter of torch's reducer without a gradient on any rank, every backward reduces at its
-  end (the same numbers, no overlap), else torch's reducer overlaps from the second on. ``find_unused_parameters``
-  or ``static_graph``, when given, go to torch instead.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -243,13 +238,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self._warned_disable_under_amp = False
         # torch's reducer holds the parameters trainable now; see _unfrozen_since_construction.
         self._frozen_at_construction = [p for p in self.module.parameters() if not p.requires_grad]
-        # ... and expects a gradient for each of them at every synced backward. Apex built its buckets from the
-        # parameters its first backward reached (reducing that one at its end), so a layer the forward never uses
-        # was no error there; here too the first backward reduces at its end and finds out (see forward).
-        self._reducer_params = [p for p in self.module.parameters() if p.requires_grad]
-        self._reducer_params_all_used: bool | None = (
-            True if torch_ddp_kwargs.get("find_unused_parameters") or torch_ddp_kwargs.get("static_graph") else None
-        )
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
@@ -273,12 +261,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        delayed = (
-            self.delay_allreduce
-            or self.retain_allreduce_buffers
-            or self._unfrozen_since_construction()
-            or not self._reducer_params_all_used  # unknown until the first synced backward, or a layer left unused
-        )
+        delayed = self.delay_allreduce or self.retain_allreduce_buffers or self._unfrozen_since_construction()
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
@@ -360,17 +343,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
-        if self._reducer_params_all_used is None and not (self.delay_allreduce or self.retain_allreduce_buffers):
-            self._reducer_params_all_used = self._every_rank_reached_every_reducer_param(group)
-
-    def _every_rank_reached_every_reducer_param(self, group: Any) -> bool:
-        """After the first synced backward: whether it gave every parameter torch's reducer holds a gradient, on
-        every rank (one flag all-reduced, so that all ranks go on in the same mode). If not, every backward
-        reduces at its end, as this first one did; otherwise torch's reducer overlaps the allreduce from now on."""
-        unused = any(p.grad is None for p in self._reducer_params)
-        flag = torch.tensor([float(unused)], device=self._reducer_params[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return not bool(flag.item())
 
 
 class Reducer:
