@@ -344,18 +344,25 @@ def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
     torch.manual_seed(0)
     model = HalfThenFloat()
     x = _rank_data(rank)[0]
-    model(x.half()).float().pow(2).sum().backward()
-    expected = [p.grad.clone() for p in model.parameters()]
-    for grad in expected:
-        dist.all_reduce(grad)
-        grad.div_(world_size)
-    model.zero_grad()
+    expected = _averaged_grads(model, model(x.half()).float().pow(2).sum(), world_size)
     ddp = DistributedDataParallel(model, delay_allreduce=True)
     out = ddp(x.half())
     out.float().pow(2).sum().backward()
     for p, want in zip(model.parameters(), expected, strict=True):
         assert p.grad.dtype == p.dtype
         torch.testing.assert_close(p.grad, want)
+
+
+def _averaged_grads(model: torch.nn.Module, loss: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """The gradients ``loss`` gives ``model``'s parameters, averaged over the ranks by hand (what DDP must produce);
+    the model's own are zeroed again."""
+    loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    model.zero_grad()
+    return expected
 
 
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
@@ -373,12 +380,7 @@ def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
     torch.manual_seed(0)
     model = FloatThenHalf()
     x = _rank_data(rank)[0]
-    model(x).float().pow(2).sum().backward()
-    expected = [p.grad.clone() for p in model.parameters()]
-    for grad in expected:
-        dist.all_reduce(grad)
-        grad.div_(world_size)
-    model.zero_grad()
+    expected = _averaged_grads(model, model(x).float().pow(2).sum(), world_size)
     ddp = DistributedDataParallel(model, retain_allreduce_buffers=True)
     for _ in range(2):  # the second backward's buffers replace the first's
         model.zero_grad(set_to_none=True)
