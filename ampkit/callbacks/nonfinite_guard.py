@@ -36,9 +36,10 @@ def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) 
 
 
 class NonFiniteGuard(Callback):
-    """Checks the model before every checkpoint, and every ``check_every_n_steps`` iterations whether a loss
-    of an iteration whose update was applied (an optimizer stepped) was non-finite; a non-finite model stops
-    the run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
+    """Checks the model before every checkpoint, at the end of training, and every ``check_every_n_steps``
+    iterations whether a loss of an iteration whose update was applied (an optimizer stepped) was non-finite; a
+    non-finite model stops the run with :class:`NonFiniteError` naming that first step, so the last checkpoint
+    keeps a finite model and a run shorter than the interval does not end with a NaN model said by nothing.
 
     Cheap: it keeps a reference to each loss (under automatic optimization the Trainer's own detached copy in
     the batch outputs, so it adds no tensor op; under manual optimization a detached copy at each backward);
@@ -81,6 +82,13 @@ class NonFiniteGuard(Callback):
             if all_reduce_sum([float(first_bad is not None)], trainer.dist)[0]:
                 self._check_model(trainer, trainer.module.state_dict(), first_bad)
             self._applied = []
+
+    def on_train_end(self, trainer) -> None:
+        # Steps since the last check (a run shorter than check_every_n_steps, checkpoints off) would go unread:
+        # the fit would return a NaN model without a word. A model seen finite at this step is not read again.
+        if self._finite_at != trainer.state.global_step:
+            self._check_model(trainer, trainer.module.state_dict(), self._first_nonfinite_loss())
+        self._applied = []
 
     def on_save_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
         model = checkpoint["model"] if "model" in checkpoint else trainer.module.state_dict()  # FSDP saves it apart
