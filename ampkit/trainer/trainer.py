@@ -119,6 +119,7 @@ from ampkit.trainer.evaluation import (
     batch_size,
     collect_predictions,
 )
+from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
@@ -350,6 +351,9 @@ class Trainer:
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
+        # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
+        self._loop_phase: str | None = None
+        self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
@@ -855,6 +859,7 @@ class Trainer:
         except BaseException as exc:
             failure = exc
             self._explain(exc)
+            self._note_loop_position(exc)
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
@@ -932,15 +937,17 @@ class Trainer:
         batches = self._epoch_batches(ahead)
         if ahead:
             batches = self._flag_last(batches)
+        self._loop_phase = "fetch"
         for batch in batches:
             self._run_batch(batch)
+            self._loop_phase = "fetch"
             self._stop_if_preempted()
             # A callback (early stopping) asked, or the limit. A stop asked inside an accumulation window waits for
             # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
             if (s.is_iteration_end and self._stopping()) or 0 <= max_steps <= s.global_step:
                 exhausted = s.batches_done == self._num_train_batches
                 break
-        self._at_last_batch = False
+        self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
@@ -974,6 +981,7 @@ class Trainer:
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches
+        self._loop_phase = "batch"
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
@@ -1297,6 +1305,18 @@ class Trainer:
                     exception.add_note(line)
                 return
 
+    def _note_loop_position(self, exception: BaseException) -> None:
+        """Add to an error raised in an epoch's loop the batch and epoch it struck and the checkpoint to resume: the
+        traceback of a dataset's or DataLoader worker's error names neither."""
+        if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
+            return
+        try:
+            newest = resolve_checkpoint(self.cfg.run_dir, "last")
+        except Exception:  # an unreadable run directory: the note must not replace the error it explains
+            newest = None
+        exception.add_note(loop_position_note(self._loop_phase, self.state, self._fetched_ahead, newest))
+        self._loop_phase = None
+
     # ----------------------------------------------------------------- set-up and data
     def _setup_model(self) -> None:
         if self.settings.seed is not None:
@@ -1529,10 +1549,12 @@ class Trainer:
         each fetch are kept for a checkpoint: a fetch may draw from them (a random augmentation), and it ran before the
         batch before it, so a mid-epoch resume fetches it from there (bit-identical resumes)."""
         self._rng_before_fetch = capture_rng()
+        self._fetched_ahead = 0
         upcoming = next(batches, _NO_BATCH)
         if self._rng_after_fetch is not None:  # a resume: the RNGs the saved run had after its batch
             restore_rng(self._rng_after_fetch)
             self._rng_after_fetch = None
+        self._fetched_ahead = 1
         while upcoming is not _NO_BATCH:
             self._rng_before_fetch = capture_rng()
             batch, upcoming = upcoming, next(batches, _NO_BATCH)
@@ -1540,6 +1562,7 @@ class Trainer:
             yield batch
         self._at_last_batch = False
         self._rng_before_fetch = None
+        self._fetched_ahead = 0
 
     def _to_device(self, batch: Any) -> Any:
         """``batch`` with its tensors on the device, found in dicts, lists, tuples (named too) and dataclasses (frozen

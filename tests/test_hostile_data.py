@@ -1,0 +1,97 @@
+"""What users' data, models and losses throw at the Trainer mid-run: a sample that raises, a DataLoader worker that
+dies, a step that fails on one batch, parameters or losses that hold no values. Each error says where it struck and
+what to do, and the last good checkpoint stays loadable."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+from ampkit.trainer.checkpoint_io import load_checkpoint
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
+
+
+class _BadSample(Dataset):
+    """The toy set, whose sample ``bad`` raises (a corrupt record)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.samples, self.bad = toy_dataset(n), bad
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"record {i} is corrupt")
+        return self.samples[i]
+
+
+class _BadStream(IterableDataset):
+    """The same, without a length: with accumulation the loop fetches one batch ahead."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.set = _BadSample(n, bad)
+
+    def __iter__(self):
+        return (self.set[i] for i in range(len(self.set)))
+
+
+class RaisesAtSample40(ToyTrainer):
+    workers = 0
+
+    def train_dataloader(self):  # sample 40 is in batch 5 (batches of 8, in order)
+        return DataLoader(_BadSample(64, 40), batch_size=8, num_workers=self.workers)
+
+
+class RaisesInAWorker(RaisesAtSample40):
+    workers = 2
+
+
+class RaisesInAStream(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(_BadStream(64, 40), batch_size=8)
+
+
+class StepFailsOnce(ToyTrainer):
+    def training_step(self, batch):
+        if (self.state.epoch, self.state.batch_idx) == (1, 3):
+            raise RuntimeError("shape mismatch in my loss")
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "settings", "where", "saved_step"),
+    [
+        (RaisesAtSample40, {}, "while train_dataloader() produced batch 5 of epoch 0", 5),
+        (RaisesInAWorker, {}, "while train_dataloader() produced batch 5 of epoch 0", 5),
+        (
+            RaisesInAStream,
+            {"trainer.accumulate_grad_batches": 2},
+            "while train_dataloader() produced batch 5 of epoch 0",
+            2,
+        ),
+        (StepFailsOnce, {"trainer.max_epochs": 2}, "in training batch 3 of epoch 1 (iteration 12)", 11),
+    ],
+    ids=["dataset", "worker", "stream read ahead", "training_step"],
+)
+def test_an_error_mid_epoch_names_its_batch_and_the_intact_checkpoint(
+    tmp_path, trainer_class, settings, where, saved_step
+):
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET, **settings, **{"checkpoint.every_n_steps": 1}))
+    with pytest.raises((ValueError, RuntimeError)) as failure:
+        trainer.fit()
+    last = trainer.version_dir / "checkpoints" / "last.pt"
+    note = f"ampkit: raised {where}; the newest checkpoint, '{last}', is intact: --resume last"
+    assert note in "\n".join(getattr(failure.value, "__notes__", []))
+    assert load_checkpoint(last)["loop"]["global_step"] == saved_step
+
+
+def test_an_error_before_the_first_checkpoint_says_none_was_saved(tmp_path):
+    trainer = RaisesAtSample40(toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 100}))
+    with pytest.raises(ValueError, match="record 40 is corrupt") as failure:
+        trainer.fit()
+    assert failure.value.__notes__[-1] == (
+        "ampkit: raised while train_dataloader() produced batch 5 of epoch 0; no checkpoint was saved before it"
+    )
