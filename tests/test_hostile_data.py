@@ -5,10 +5,13 @@ what to do, and the last good checkpoint stays loadable."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.inference import load_model
+from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
 
@@ -95,3 +98,29 @@ def test_an_error_before_the_first_checkpoint_says_none_was_saved(tmp_path):
     assert failure.value.__notes__[-1] == (
         "ampkit: raised while train_dataloader() produced batch 5 of epoch 0; no checkpoint was saved before it"
     )
+
+
+class BuiltOnMeta(ToyTrainer):
+    def configure_model(self):
+        with torch.device("meta"):  # a big-model habit: build without memory, then forget to materialize
+            return super().configure_model()
+
+
+class LossOnMeta(ToyTrainer):
+    def training_step(self, batch):
+        return super().training_step(batch).to("meta")
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_its_tensors_and_the_way_out(tmp_path):
+    message = r"configure_model\(\) returned a model whose 0.weight, 0.bias, 3.weight and 1 more are on the meta device"
+    with pytest.raises(UserCodeError, match=message + r".*model.to_empty\(device='cpu'\)"):
+        BuiltOnMeta(toy_cfg(tmp_path, **QUIET)).fit()
+    trainer = ToyTrainer(toy_cfg(tmp_path / "trained", **QUIET, **{"trainer.max_steps": 1}))
+    trainer.fit()
+    with pytest.raises(UserCodeError, match=message):
+        load_model(trainer.version_dir / "checkpoints" / "last.pt", trainer_class=BuiltOnMeta)
+
+
+def test_a_loss_on_the_meta_device_is_named(tmp_path):
+    with pytest.raises(UserCodeError, match="the loss of loss_id 0 is on the meta device, which holds no values"):
+        LossOnMeta(toy_cfg(tmp_path, **QUIET)).fit()

@@ -11,6 +11,7 @@ from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.run_life import load_failure_reason
 from ampkit.trainer.trainer import Trainer
+from ampkit.trainer.user_code import check_model_has_values
 
 
 def load_model(
@@ -36,6 +37,7 @@ def load_model(
     precision = config.get("precision", {})
     config["precision"] = {**precision, "fp8": {**precision.get("fp8", {}), "enabled": False}}
     module = trainer_class(config).configure_model()
+    check_model_has_values(module)
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:

@@ -185,6 +185,7 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    check_model_has_values,
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
@@ -1325,6 +1326,7 @@ class Trainer:
         module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
+        check_model_has_values(module)
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 

@@ -43,9 +43,28 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
             f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
         )
+    if loss.is_meta:  # autograd's "Cannot copy out of meta tensor" names neither the loss nor the way out
+        raise UserCodeError(
+            f"the loss of loss_id {loss_id!r} is on the meta device, which holds no values to backpropagate; compute "
+            "it from the model's output on the device the model is on"
+        )
     if loss.is_complex():  # autograd's own error names neither the loss nor the way out
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} is {loss.dtype}; expected a real number (take .abs() or .real)"
+        )
+
+
+def check_model_has_values(module: torch.nn.Module) -> None:
+    """``configure_model``'s module holds values: a parameter or buffer on the meta device (built under
+    ``torch.device("meta")`` and never materialized) has none to train, move or load into, and torch's error at
+    ``.to(device)`` names neither the tensors nor the way out."""
+    names = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserCodeError(
+            f"configure_model() returned a model whose {shown} are on the meta device, which holds no values: build "
+            "it on a real device, or materialize it in configure_model (model.to_empty(device='cpu'), then "
+            "initialize its weights, e.g. with each module's reset_parameters())"
         )
 
 
