@@ -1,0 +1,66 @@
+"""Files handed to ``fit(resume=...)``, ``validate(ckpt=...)`` and ``load_model`` that are no usable ampkit
+checkpoint: a bare state_dict, a Lightning ``.ckpt``, an Apex-era script's dict. Each is refused naming
+the file, what it holds and how to use its weights, and the run directory is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.inference import load_model
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step run's last.pt, and its model's weights."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    return trainer.version_dir / "checkpoints" / "last.pt", trainer.module.state_dict()
+
+
+def _lightning(weights, last):
+    return {"epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6.6", "optimizer_states": [],
+            "state_dict": {f"model.{k}": v for k, v in weights.items()}}  # fmt: skip
+
+
+def _apex(weights, last):
+    return {"model": weights, "optimizer": {}, "amp": {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 3}}}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda weights, last: weights, r"it is a bare state_dict of 4 tensors \(torch.save\(model.state_dict\(\)\)\)"),
+        (
+            lambda weights, last: {f"module.{k}": v for k, v in weights.items()},
+            r"bare state_dict of 4 tensors .*taking the 'module.' prefix of a DDP wrapper off its keys",
+        ),
+        (_lightning, r"it is a Lightning checkpoint \(Lightning 2.6.6\), whose weights are under 'state_dict'"),
+        (_apex, r"it is an Apex-era training script's checkpoint \(keys 'model', 'optimizer', 'amp'; 'amp' holds"),
+        (lambda weights, last: torch.zeros(3), r"it holds a tensor of shape \(3,\), not a dict"),
+    ],
+    ids=["state_dict", "ddp state_dict", "lightning", "apex", "tensor"],
+)
+@pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
+def test_a_file_that_is_no_usable_checkpoint_is_refused_saying_what_it_holds(tmp_path, trained, use, content, message):
+    last, weights = trained
+    path = tmp_path / "given.ckpt"
+    torch.save(content(weights, last), path)
+    run = tmp_path / "run"
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}))
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}'|'{path}' is not an ampkit checkpoint") as error:
+        if use == "resume":
+            trainer.fit(resume=path)
+        elif use == "validate":
+            trainer.validate(ckpt=path)
+        else:
+            load_model(path, trainer_class=ToyTrainer)
+    assert error.match(message)
+    if "not an ampkit checkpoint" in str(error.value):
+        assert error.match(r"to use its weights, load them in configure_model|not a dict")
+    assert not [p for p in run.rglob("*") if p.is_file() and p.suffix in (".pt", ".yaml")]
