@@ -1,5 +1,5 @@
 """Files handed to ``fit(resume=...)``, ``validate(ckpt=...)`` and ``load_model`` that are no usable ampkit
-checkpoint: a bare state_dict, a Lightning ``.ckpt``, an Apex-era script's dict. Each is refused naming
+checkpoint: a bare state_dict, a Lightning ``.ckpt``, an Apex-era script's dict, NaN weights. Each is refused naming
 the file, what it holds and how to use its weights, and the run directory is left as it was."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.inference import load_model
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
@@ -32,6 +32,12 @@ def _apex(weights, last):
     return {"model": weights, "optimizer": {}, "amp": {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 3}}}
 
 
+def _nan_weights(weights, last):
+    checkpoint = load_checkpoint(last)
+    checkpoint["model"]["3.bias"].fill_(float("nan"))
+    return checkpoint
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -43,8 +49,9 @@ def _apex(weights, last):
         (_lightning, r"it is a Lightning checkpoint \(Lightning 2.6.6\), whose weights are under 'state_dict'"),
         (_apex, r"it is an Apex-era training script's checkpoint \(keys 'model', 'optimizer', 'amp'; 'amp' holds"),
         (lambda weights, last: torch.zeros(3), r"it holds a tensor of shape \(3,\), not a dict"),
+        (_nan_weights, r"holds non-finite model weights \(3.bias holds NaN/inf\): a diverged model"),
     ],
-    ids=["state_dict", "ddp state_dict", "lightning", "apex", "tensor"],
+    ids=["state_dict", "ddp state_dict", "lightning", "apex", "tensor", "nan weights"],
 )
 @pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
 def test_a_file_that_is_no_usable_checkpoint_is_refused_saying_what_it_holds(tmp_path, trained, use, content, message):

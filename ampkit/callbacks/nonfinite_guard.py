@@ -7,32 +7,16 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 
 from ampkit.amp.scaler import interval_option
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
-from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
+from ampkit.trainer.distributed import all_reduce_sum
+from ampkit.trainer.finite_weights import nonfinite_entries
 
 
 class NonFiniteError(RuntimeError):
     """The model's parameters or buffers became NaN/inf; the message names the first step that made them so."""
-
-
-def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) -> list[str]:
-    """Names of the floating-point tensors in ``state`` (a model's state dict) holding a NaN or an inf.
-
-    A sharded entry (FSDP's DTensor) is checked on this rank's shard; with ``env`` the ranks' verdicts are then
-    summed (one collective, every rank calls it), so each rank names the same entries whichever shard holds them.
-    """
-    names = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    if not names:
-        return []
-    local = [state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in names]
-    bad = torch.stack([torch.isfinite(t).all().logical_not() for t in local]).tolist()  # one sync for all
-    if env is not None:
-        bad = all_reduce_sum([float(b) for b in bad], env)
-    return [name for name, b in zip(names, bad, strict=True) if b]
 
 
 class NonFiniteGuard(Callback):

@@ -9,6 +9,7 @@ import torch
 
 from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.run_life import load_failure_reason
 from ampkit.trainer.trainer import Trainer
 from ampkit.trainer.user_code import check_model_has_values
@@ -38,6 +39,7 @@ def load_model(
     config["precision"] = {**precision, "fp8": {**precision.get("fp8", {}), "enabled": False}}
     module = trainer_class(config).configure_model()
     check_model_has_values(module)
+    check_saved_weights_finite(path, checkpoint.get("model", {}))
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:

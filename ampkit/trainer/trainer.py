@@ -120,6 +120,7 @@ from ampkit.trainer.evaluation import (
     collect_predictions,
 )
 from ampkit.trainer.failure_note import loop_position_note
+from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
@@ -1676,6 +1677,7 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
+        check_saved_weights_finite(path, checkpoint["model"], self.dist if self.sharded else None)
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1749,6 +1751,7 @@ class Trainer:
                 if "model" not in checkpoint:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
+                check_saved_weights_finite(path, state)
             self.module.load_state_dict(state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
