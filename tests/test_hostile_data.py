@@ -124,3 +124,37 @@ def test_a_model_on_the_meta_device_is_refused_naming_its_tensors_and_the_way_ou
 def test_a_loss_on_the_meta_device_is_named(tmp_path):
     with pytest.raises(UserCodeError, match="the loss of loss_id 0 is on the meta device, which holds no values"):
         LossOnMeta(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class _Overstated(IterableDataset):
+    """40 samples, whose ``__len__`` says 64 (a stream that counted its files, not what they hold)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __iter__(self):
+        return iter(toy_dataset(40))
+
+
+class OverstatedLength(ToyTrainer):
+    def train_dataloader(self):  # 5 batches, len() 8
+        return DataLoader(_Overstated(), batch_size=8)
+
+
+def test_a_loader_shorter_than_its_len_leaving_an_accumulation_window_open_is_refused(tmp_path):
+    trainer = OverstatedLength(toy_cfg(tmp_path, **QUIET, **{"trainer.accumulate_grad_batches": 4}))
+    message = (
+        r"yielded 5 batches in epoch 0, but its len\(\) says 8: the gradients of its last 1 wait for an accumulation "
+        r"window \(trainer.accumulate_grad_batches\) to close at batch 7, which never comes"
+    )
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert trainer.state.global_step == 1
+
+
+def test_a_loader_shorter_than_its_len_is_said_once(tmp_path):
+    trainer = OverstatedLength(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=r"yielded 5 batches in epoch 0, but its len\(\) says 8: progress") as said:
+        trainer.fit()
+    assert trainer.state.global_step == 10
+    assert len([w for w in said if "but its len() says" in str(w.message)]) == 1

@@ -192,6 +192,7 @@ from ampkit.trainer.user_code import (
     keyword_batch_error,
     never_stepped,
     nothing_trained_warning,
+    short_epoch_message,
     training_step_loss_error,
 )
 
@@ -356,6 +357,7 @@ class Trainer:
         # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
         self._loop_phase: str | None = None
         self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
+        self._said_short_epoch = False  # warned that the loader yields fewer batches than its len()
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
@@ -953,6 +955,8 @@ class Trainer:
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
+        if ran and exhausted and not self._agree_each_batch and s.batches_done < (self._num_train_batches or 0):
+            self._short_epoch()
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
         if ran and (exhausted or s.global_step > first_step):
@@ -980,6 +984,19 @@ class Trainer:
         self._agree_stop()  # before the next epoch starts
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
+
+    def _short_epoch(self) -> None:
+        """The loader ended before its ``len()``: an accumulation window its last batch left open is an error (its
+        gradients would join the next epoch's first step); else a warning, as counts built on len() are off."""
+        s, accumulate, promised = self.state, self.settings.accumulate_grad_batches, self._num_train_batches
+        open_batches = 0 if s.is_iteration_end else s.batch_idx % accumulate + 1
+        window_end = min((s.batch_idx // accumulate + 1) * accumulate, promised) - 1
+        why = short_epoch_message(s.epoch, s.batches_done, promised, open_batches, window_end)
+        if open_batches:
+            raise UserCodeError(why)
+        if not self._said_short_epoch:  # once a run: each epoch would say the same
+            self._said_short_epoch = True
+            rank_zero_warn(why)
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches

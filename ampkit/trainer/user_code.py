@@ -190,6 +190,21 @@ def exhausted_loader_error(epoch: int, expected: int | None) -> UserCodeError:
     )
 
 
+def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, window_end: int) -> str:
+    """Why an epoch whose loader yielded ``got`` batches, fewer than its ``len()`` of ``promised``, is wrong
+    (``open_batches``: the batches of an accumulation window its last batch left open, to close at batch
+    ``window_end``, whose gradients no step took); most often an IterableDataset whose ``__len__`` overstates it."""
+    fix = "make its len() count what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    said = f"train_dataloader() yielded {got} batches in epoch {epoch}, but its len() says {promised}"
+    if open_batches:
+        return (
+            f"{said}: the gradients of its last {open_batches} wait for an accumulation window "
+            f"(trainer.accumulate_grad_batches) to close at batch {window_end}, which never comes, so the next "
+            f"epoch's first step would take them too; {fix}"
+        )
+    return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
+
+
 def _why_no_batches(loader: Any, world_size: int) -> str:
     """Why a DataLoader yields no batch (``: its 1 sample dealt to 2 ranks, 1 per rank, ...``) where lengths tell."""
     guess = " (an empty dataset, or a batch size above its length?)"
