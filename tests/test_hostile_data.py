@@ -100,6 +100,40 @@ def test_an_error_before_the_first_checkpoint_says_none_was_saved(tmp_path):
     )
 
 
+class _Samples(Dataset):
+    """16 samples made by ``sample(i)``."""
+
+    def __init__(self, sample) -> None:
+        self.sample = sample
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+
+class RaggedSamples(ToyTrainer):
+    def train_dataloader(self):  # sequences of 1..3 values: torch.stack refuses them
+        return DataLoader(_Samples(lambda i: (torch.ones(i % 3 + 1), torch.zeros(()))), batch_size=4)
+
+
+class NoneSamples(ToyTrainer):
+    def train_dataloader(self):  # a dataset returning None for records it could not parse
+        return DataLoader(_Samples(lambda i: None if i == 6 else toy_dataset(16)[i]), batch_size=4)
+
+
+@pytest.mark.parametrize(("trainer_class", "batch"), [(RaggedSamples, 0), (NoneSamples, 1)])
+def test_samples_the_default_collate_cannot_stack_are_named_with_the_way_out(tmp_path, trainer_class, batch):
+    with pytest.raises((RuntimeError, TypeError)) as failure:
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+    assert (
+        f"produced batch {batch} of epoch 0 (in the DataLoader's default collate_fn, which stacks each field of "
+        "the samples into one tensor and cannot stack these: a None, tensors of unequal shapes, or a type it does not "
+        "know; drop such samples in the dataset, or give the DataLoader a collate_fn that pads or filters them)"
+    ) in failure.value.__notes__[-1]
+
+
 class BuiltOnMeta(ToyTrainer):
     def configure_model(self):
         with torch.device("meta"):  # a big-model habit: build without memory, then forget to materialize
