@@ -311,6 +311,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "
             "a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
         )
+    if isinstance(checkpoint[FORMAT_KEY], bool) or not isinstance(checkpoint[FORMAT_KEY], int):
+        raise CheckpointError(
+            f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]!r}; ampkit writes a whole number (this ampkit "
+            f"reads up to {FORMAT_VERSION}): the file was written by other code or damaged"
+        )
     if checkpoint[FORMAT_KEY] > FORMAT_VERSION:
         raise CheckpointError(
             f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]}; this ampkit reads up to {FORMAT_VERSION}"

@@ -4,6 +4,7 @@ of the weights a checkpoint brings back (a resume or an evaluation from NaN weig
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,12 +30,15 @@ def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) 
     return [name for name, b in zip(names, bad, strict=True) if b]
 
 
-def check_saved_weights_finite(
-    path: str | os.PathLike, model_state: dict[str, Any], env: DistributedEnv | None = None
-) -> None:
-    """Refuse the weights of checkpoint ``path`` if any is NaN/inf: ampkit never writes such a model, so the file
-    was damaged or written by other code, and training or evaluating from it gives NaN everywhere. ``env``: the
-    state is sharded (FSDP), and every rank calls this so that all refuse it together."""
+def check_saved_weights_finite(path: str | os.PathLike, model_state: Any, env: DistributedEnv | None = None) -> None:
+    """Refuse the weights of checkpoint ``path`` unless they are a state dict with no NaN/inf: ampkit never writes
+    other, so the file was damaged or written by other code, and training or evaluating from NaN gives NaN
+    everywhere. ``env``: the state is sharded (FSDP), and every rank calls this so that all refuse it together."""
+    if not isinstance(model_state, Mapping):  # load_state_dict's TypeError would name neither file nor entry
+        raise CheckpointError(
+            f"checkpoint '{path}' has a 'model' entry of type {type(model_state).__name__}; expected the model's "
+            "state_dict (a dict of tensors): the file was written by other code or damaged"
+        )
     bad = nonfinite_entries(model_state, env)
     if bad:
         shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")

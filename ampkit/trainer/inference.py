@@ -39,7 +39,9 @@ def load_model(
     config["precision"] = {**precision, "fp8": {**precision.get("fp8", {}), "enabled": False}}
     module = trainer_class(config).configure_model()
     check_model_has_values(module)
-    check_saved_weights_finite(path, checkpoint.get("model", {}))
+    if "model" not in checkpoint:  # else load_state_dict's KeyError would read as a misfit
+        raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
+    check_saved_weights_finite(path, checkpoint["model"])
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:
