@@ -11,6 +11,7 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.inference import load_model
 
@@ -97,3 +98,17 @@ def test_load_model_of_a_checkpoint_without_weights_says_so(tmp_path, trained):
     torch.save(_damaged(model=None)(weights, last), path)
     with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' has no 'model' entry: it holds no weights"):
         load_model(path, trainer_class=ToyTrainer)
+
+
+def test_load_model_takes_a_sharded_checkpoint_directory_as_validate_does(tmp_path):
+    """An FSDP run saves directories: load_model said 'no checkpoint file' of them, where the user meant its model."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2, "distributed.strategy": "fsdp"}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    model = load_model(checkpoints / "step-00000002", trainer_class=ToyTrainer)
+    saved = consolidate_checkpoint(checkpoints / "step-00000002")
+    assert model.state_dict().keys() == saved.keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    with pytest.raises(CheckpointError, match=re.escape(f"'{trainer.version_dir}' is a directory, not a checkpoint")):
+        load_model(trainer.version_dir, trainer_class=ToyTrainer)
