@@ -4,6 +4,8 @@ what to do, and the last good checkpoint stays loadable."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -192,3 +194,37 @@ def test_a_loader_shorter_than_its_len_is_said_once(tmp_path):
         trainer.fit()
     assert trainer.state.global_step == 10
     assert len([w for w in said if "but its len() says" in str(w.message)]) == 1
+
+
+class _Endless(IterableDataset):
+    """The toy samples over and over: a stream with no end and no length."""
+
+    def __iter__(self):
+        samples = toy_dataset(64)
+        while True:
+            yield from (samples[i] for i in range(64))
+
+
+class EndlessStream(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(_Endless(), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({}, "checkpoints are written (checkpoint.every_n_steps=0) and validation runs (trainer.val_every_n_steps=0)"),
+        ({"trainer.val_every_n_steps": 2}, "checkpoints are written (checkpoint.every_n_steps=0) only at"),
+        ({"checkpoint.every_n_steps": 2, "trainer.val_every_n_steps": 2}, None),
+        ({"trainer.limit_train_batches": 3}, None),
+    ],
+)
+def test_a_stream_without_length_warns_when_checkpoints_or_validation_wait_for_its_end(tmp_path, settings, said):
+    trainer = EndlessStream(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3}, **settings))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    assert trainer.state.global_step == 3
+    told = [str(w.message) for w in seen if "an epoch ends only where its data does" in str(w.message)]
+    assert len(told) == (0 if said is None else 1)
+    assert said is None or said in told[0]
