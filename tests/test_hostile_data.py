@@ -136,6 +136,56 @@ def test_samples_the_default_collate_cannot_stack_are_named_with_the_way_out(tmp
     ) in failure.value.__notes__[-1]
 
 
+class _DecaysInForward(torch.nn.Module):
+    """Shrinks its output layer's weight in its forward, after using it (a hand-made weight decay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        y = self.out(torch.tanh(self.hidden(x)))
+        with torch.no_grad():
+            self.out.weight.mul_(0.99)  # autograd saved it for the hidden layer's gradient
+        return y
+
+
+class _ActivationInPlace(torch.nn.Module):
+    """Changes an activation autograd saved, of the same shape as a parameter: no parameter is to blame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.ones(8, 6))
+
+    def forward(self, x):
+        h = torch.sigmoid(x * self.mix)
+        out = h.sum(1, keepdim=True)
+        h.mul_(2)
+        return out
+
+
+class DecaysInForward(ToyTrainer):
+    def configure_model(self):
+        return _DecaysInForward()
+
+
+class ActivationInPlace(ToyTrainer):
+    def configure_model(self):
+        return _ActivationInPlace()
+
+
+def test_a_parameter_changed_in_place_in_the_forward_is_named(tmp_path):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as failure:
+        DecaysInForward(toy_cfg(tmp_path, **QUIET)).fit()
+    assert (
+        "raised in training batch 0 of epoch 0 (iteration 1) (autograd needed parameter 'out.weight' as the forward "
+        "used it, and something changed it in place before the backward"
+    ) in failure.value.__notes__[-1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as failure:
+        ActivationInPlace(toy_cfg(tmp_path / "activation", **QUIET)).fit()
+    assert "(iteration 1); no checkpoint" in failure.value.__notes__[-1]
+
+
 class BuiltOnMeta(ToyTrainer):
     def configure_model(self):
         with torch.device("meta"):  # a big-model habit: build without memory, then forget to materialize

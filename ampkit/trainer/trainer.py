@@ -1333,7 +1333,9 @@ class Trainer:
             newest = resolve_checkpoint(self.cfg.run_dir, "last")
         except Exception:  # an unreadable run directory: the note must not replace the error it explains
             newest = None
-        exception.add_note(loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest))
+        exception.add_note(
+            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module)
+        )
         self._loop_phase = None
 
     # ----------------------------------------------------------------- set-up and data
