@@ -136,6 +136,19 @@ def test_samples_the_default_collate_cannot_stack_are_named_with_the_way_out(tmp
     ) in failure.value.__notes__[-1]
 
 
+class BadValidationSample(ToyTrainer):
+    def val_dataloader(self):  # sample 10 is in batch 1
+        return DataLoader(_BadSample(24, 10), batch_size=8)
+
+
+@pytest.mark.parametrize("run", ["fit", "validate"])
+def test_an_evaluation_sample_that_raises_names_its_loader_and_batch(tmp_path, run):
+    trainer = BadValidationSample(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(ValueError, match="record 10 is corrupt") as failure:
+        trainer.fit() if run == "fit" else trainer.validate()
+    assert "ampkit: raised while val_dataloader() produced batch 1" in failure.value.__notes__
+
+
 class _DecaysInForward(torch.nn.Module):
     """Shrinks its output layer's weight in its forward, after using it (a hand-made weight decay)."""
 

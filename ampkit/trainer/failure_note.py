@@ -1,10 +1,12 @@
 """Where in a fit an exception from the user's data or code struck, as a note at the end of its traceback: a
-dataset that raises at one sample, a DataLoader worker that dies, a ``training_step`` that fails on one batch."""
+dataset that raises at one sample, a DataLoader worker that dies, a ``training_step`` that fails on one batch (and
+in an evaluation, the batch its loader was producing)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,7 @@ def loop_position_note(
     change autograd refused may name."""
     if phase == "fetch":
         where = f"while train_dataloader() produced batch {state.batches_done + fetched_ahead} of epoch {state.epoch}"
-        if _raised_in_default_collate(exception):
-            where += (
-                " (in the DataLoader's default collate_fn, which stacks each field of the samples into one tensor and "
-                "cannot stack these: a None, tensors of unequal shapes, or a type it does not know; drop such "
-                "samples in the dataset, or give the DataLoader a collate_fn that pads or filters them)"
-            )
+        where += _collate_hint(exception)
     else:
         where = f"in training batch {state.batch_idx} of epoch {state.epoch} (iteration {state.iteration})"
         if module is not None and (changed := _changed_in_place(exception, module)):
@@ -55,6 +52,35 @@ def loop_position_note(
             "from it"
         )
     return f"ampkit: raised {where}; {kept}"
+
+
+def noting_fetch_failures(batches: Iterable[Any], source: str) -> Iterator[Any]:
+    """``batches``, an error raised while fetching one noted with the batch's index and ``source``
+    (``"val_dataloader()"``), as :func:`loop_position_note` notes a training batch's."""
+    iterator = iter(batches)
+    index = 0
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"ampkit: raised while {source} produced batch {index}{_collate_hint(exc)}")
+            raise
+        yield batch
+        index += 1
+
+
+def _collate_hint(exception: BaseException) -> str:
+    """What to do, where the DataLoader's default collate_fn refused the samples; else ``""``."""
+    if not _raised_in_default_collate(exception):
+        return ""
+    return (
+        " (in the DataLoader's default collate_fn, which stacks each field of the samples into one tensor and cannot "
+        "stack these: a None, tensors of unequal shapes, or a type it does not know; drop such samples in the "
+        "dataset, or give the DataLoader a collate_fn that pads or filters them)"
+    )
 
 
 def _raised_in_default_collate(exception: BaseException) -> bool:
