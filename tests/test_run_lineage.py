@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -484,3 +485,31 @@ def test_a_loader_without_a_batch_layout_warns_that_its_batch_count_may_skip_oth
         "this train loader (no fixed batch size over a map-style dataset) resumes at a count of batches (3), not at "
         "a sample, so data.batch_size may change which samples those batches are"
     )
+
+
+def test_a_resume_waits_for_another_process_tidying_its_version_directory(tmp_path, monkeypatch):
+    """Every fit tidies each idle version directory under run_dir under its lock, for a moment: a ``--resume last``
+    (or a fresh run's new version_N) taking the lock then was refused, naming the tidier, though no run wrote there."""
+    from ampkit.trainer import run_life
+
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
+    version_0 = tmp_path / "run" / "version_0"
+    tidying, resumed = threading.Event(), threading.Event()
+    remove = run_life.remove_stale_temps
+
+    def slow_remove(version_dir):  # the other process's tidying, caught while it holds the lock
+        if threading.current_thread() is not threading.main_thread():
+            tidying.set()
+            resumed.wait(0.5)
+        return remove(version_dir)
+
+    monkeypatch.setattr(run_life, "remove_stale_temps", slow_remove)
+    tidier = threading.Thread(target=run_life.tidy_run_dir, args=(tmp_path / "run",))
+    tidier.start()
+    assert tidying.wait(30) and (version_0 / LOCK_FILE).exists()
+    resumed_run = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    resumed_run.fit(resume="last")
+    resumed.set()
+    tidier.join()
+    assert resumed_run.version_dir == version_0 and resumed_run.state.epoch == 2
+    assert not (version_0 / LOCK_FILE).exists()

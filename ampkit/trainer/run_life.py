@@ -26,7 +26,8 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
   now another process's after a reboot or a container restart) is stale and taken over. Under ``torchrun``
-  only rank zero takes it.
+  only rank zero takes it. The tidying above takes each idle directory's lock for a moment; a run starting there
+  meanwhile waits for it, not refused.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
   ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
@@ -637,7 +638,7 @@ def finish_interrupted_pruning(start: FitStart) -> None:
         return
     if saved_settings.get("save_top_k") == -1 and not saved_settings.get("monitor"):  # that run kept every file
         return
-    lock = RunLock(start.version_dir)
+    lock = RunLock(start.version_dir, tidying=True)
     try:
         lock.acquire()
     except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written
@@ -655,7 +656,7 @@ def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
     it is tidied; a read-only one is skipped). Rank zero only, before the run writes anything."""
     removed: list[Path] = []
     for version_dir in version_dirs(run_dir):
-        lock = RunLock(version_dir)
+        lock = RunLock(version_dir, tidying=True)
         try:
             lock.acquire()
         except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written: not ours to tidy
@@ -673,6 +674,9 @@ def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------- the lock
+TIDYING_WAIT_S = 30.0  # how long a run waits for another process's tidying of its version directory
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
     try:
@@ -700,10 +704,13 @@ def _process_start(pid: int) -> str | None:
 
 
 class RunLock:
-    """``version_N/run.lock``: one live run writes a version directory at a time."""
+    """``version_N/run.lock``: one live run writes a version directory at a time. ``tidying``: a lock held only while
+    :func:`tidy_run_dir` (or a finished run's pruning) works there, for a moment; a run starting meanwhile waits for
+    it (up to :data:`TIDYING_WAIT_S`) instead of being refused."""
 
-    def __init__(self, version_dir: Path) -> None:
+    def __init__(self, version_dir: Path, tidying: bool = False) -> None:
         self.path = version_dir / LOCK_FILE
+        self.tidying = tidying
         self._mine: dict[str, Any] | None = None
 
     def _holder(self) -> dict[str, Any] | None:
@@ -724,26 +731,40 @@ class RunLock:
         return started is not None and _process_start(pid) not in (None, started)
 
     def acquire(self) -> None:
-        """Take the lock, taking over a stale one; a :class:`RunDirectoryError` naming a live holder."""
+        """Take the lock, taking over a stale one and waiting out another process's tidying; a
+        :class:`RunDirectoryError` naming a live holder."""
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         if (started := _process_start(os.getpid())) is not None:
             mine["started"] = started
+        if self.tidying:
+            mine["tidying"] = True
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(mine))
+        deadline, take_overs = time.monotonic() + TIDYING_WAIT_S, 0
         try:
-            for _ in range(3):
+            while True:
                 try:
                     os.link(tmp, self.path)  # creates the lock with its content at once, or fails if there is one
                     self._mine = mine
                     return
                 except FileExistsError:
                     holder = self._holder()
-                    if not self._stale(holder):
-                        raise RunDirectoryError(self._refusal(holder)) from None
+                if holder is None and not os.path.lexists(self.path):  # released just now: try again
+                    continue
+                if self._stale(holder) and take_overs < 3:
                     self._take_over(holder)
-            raise RunDirectoryError(self._refusal(self._holder()))
+                    take_overs += 1
+                elif self._waits_for(holder) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                else:
+                    raise RunDirectoryError(self._refusal(holder))
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _waits_for(self, holder: dict[str, Any] | None) -> bool:
+        """Whether a run taking the lock waits for ``holder`` to let go: another process tidying there for a moment
+        (a tidier itself moves on: the directory is someone else's to tidy now)."""
+        return not self.tidying and holder is not None and bool(holder.get("tidying"))
 
     def _take_over(self, stale: dict[str, Any]) -> None:
         """Remove a stale lock, unless another run replaced it meanwhile (then it is put back)."""
@@ -764,6 +785,8 @@ class RunLock:
             who = "an unreadable lock"
         else:
             who = f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
+            if holder.get("tidying"):
+                who += f", tidying it for over {TIDYING_WAIT_S:g} s"
         return (
             f"run directory '{self.path.parent}' is in use by {who}: two runs would write the same checkpoints. "
             f"Wait for it to end, start a fresh run (without --resume), or, if that run is gone, delete '{self.path}'"
