@@ -513,3 +513,37 @@ def test_a_resume_waits_for_another_process_tidying_its_version_directory(tmp_pa
     tidier.join()
     assert resumed_run.version_dir == version_0 and resumed_run.state.epoch == 2
     assert not (version_0 / LOCK_FILE).exists()
+
+
+def test_a_run_dir_holding_the_user_s_own_files_keeps_every_one(tmp_path):
+    """run_dir pointed at a folder the user already fills: their files beside the versions, and another tool's
+    version_0 (Lightning's layout, with a sharded ``best`` and a ``.best.old`` copy of it). Fresh runs, a resume and a
+    branch take the next version_N and leave each byte of theirs; the tidying did rmtree ``.best.old`` (an ampkit
+    name for a set-aside checkpoint) and took a lock inside the other tool's directory."""
+    run = tmp_path / "run"
+    theirs = [
+        run / "epoch=3.pt",
+        run / "last.pt",
+        run / "best.pt",
+        run / "notes.txt",
+        run / "events.out.tfevents.1700000000.host.1.0",
+        run / "version_0" / "hparams.yaml",
+        run / "version_0" / "events.out.tfevents.1700000000.host.2.0",
+        run / "version_0" / "checkpoints" / "epoch=3-step=100.ckpt",
+        run / "version_0" / "checkpoints" / "last.ckpt",
+        run / "version_0" / "checkpoints" / "best" / ".metadata",
+        run / "version_0" / "checkpoints" / ".best.old" / ".metadata",
+    ]
+    for number, path in enumerate(theirs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"the user's file {number}".encode())
+    before = _files(run)
+    common = {**QUIET, "checkpoint.every_n_steps": 4, "checkpoint.keep_last": 9}
+    ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 1})).fit()
+    resumed = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    branch = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 2}))
+    branch.fit(resume=resumed.version_dir / "checkpoints" / "step-00000008.pt")
+    assert (resumed.version_dir.name, branch.version_dir.name) == ("version_1", "version_2")
+    assert {path: kept for path, kept in _files(run).items() if path in before} == before
+    assert sorted(run.iterdir()) == sorted([*theirs[:5], run / "version_0", run / "version_1", run / "version_2"])

@@ -21,8 +21,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     deletes a file of another lineage.
 
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
-  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories no live
-  run holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted.
+  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories an ampkit
+  run made (another tool's ``version_N`` beside them is left alone) and no live run holds, and a sharded
+  checkpoint set aside by an interrupted save is put back, never deleted.
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
   now another process's after a reboot or a container restart) is stale and taken over. Under ``torchrun``
@@ -652,10 +653,11 @@ def finish_interrupted_pruning(start: FitStart) -> None:
 
 
 def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
-    """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that no live run holds (each locked while
-    it is tidied; a read-only one is skipped). Rank zero only, before the run writes anything."""
+    """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that an ampkit run made and no live run
+    holds (each locked while it is tidied; a read-only one is skipped). Rank zero only, before the run writes
+    anything."""
     removed: list[Path] = []
-    for version_dir in version_dirs(run_dir):
+    for version_dir in filter(_made_by_a_run, version_dirs(run_dir)):
         lock = RunLock(version_dir, tidying=True)
         try:
             lock.acquire()
@@ -671,6 +673,18 @@ def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
         names = ", ".join(str(p.relative_to(Path(run_dir))) for p in removed)
         print(f"ampkit: removed {len(removed)} temp file(s) left by an interrupted save: {names}", file=sys.stderr)
     return removed
+
+
+def _made_by_a_run(version_dir: Path) -> bool:
+    """Whether ``version_dir`` is an ampkit run's: it holds the config a run writes first, under its lock, or the lock
+    or its temp file (a run killed before the config). Another tool's ``version_N`` in the same folder (Lightning's
+    ``lightning_logs/version_0``) is not tidied: names alike there (``.best.old/``) are its own files."""
+    if (version_dir / "config.yaml").is_file():
+        return True
+    try:
+        return any(p.name == LOCK_FILE or _LOCK_TEMP.match(p.name) for p in version_dir.iterdir())
+    except OSError:  # unreadable: not ours to tidy
+        return False
 
 
 # ----------------------------------------------------------------------------------------- the lock
