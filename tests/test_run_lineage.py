@@ -547,3 +547,18 @@ def test_a_run_dir_holding_the_user_s_own_files_keeps_every_one(tmp_path):
     assert (resumed.version_dir.name, branch.version_dir.name) == ("version_1", "version_2")
     assert {path: kept for path, kept in _files(run).items() if path in before} == before
     assert sorted(run.iterdir()) == sorted([*theirs[:5], run / "version_0", run / "version_1", run / "version_2"])
+
+
+def test_resume_best_after_best_pt_was_deleted_by_hand_takes_the_ranking_s_best(tmp_path):
+    """best.pt is a copy of the ranking's best best-<step>.pt; with it deleted (to save its space) ``--resume best``
+    failed, naming the newest step file as what was left, though the best checkpoint lay beside it."""
+    settings = {**QUIET, "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": 2, "trainer.val_every_n_steps": 2}
+    first = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 1}))
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    best = load_checkpoint(checkpoints / "best.pt")
+    (checkpoints / "best.pt").unlink()
+    branch = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 2}))
+    branch.fit(resume="best")
+    (ranked_best,) = [p for p in checkpoints.glob("best-*.pt") if load_checkpoint(p)["loop"] == best["loop"]]
+    assert OmegaConf.load(branch.version_dir / "lineage.yaml").branched_from == str(ranked_best)

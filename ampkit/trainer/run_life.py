@@ -345,9 +345,9 @@ def _last_of(version_dir: Path) -> Path | None:
 
 
 def _best_of(version_dir: Path) -> Path | None:
-    """``version_dir``'s ``best`` checkpoint (``best.pt``, or the link to a sharded one), or None. Where the ``best``
-    link of sharded checkpoints is gone (a copy that drops links), the directory its newest checkpoint ranks best,
-    which the link would name; never a guess past a dangling link."""
+    """``version_dir``'s ``best`` checkpoint (``best.pt``, or the link to a sharded one), or None. Where ``best.pt``
+    or the ``best`` link is gone (deleted by hand; a copy that drops links), the checkpoint its newest one ranks
+    best, which ``best`` would be; never a guess past a dangling link."""
     checkpoints = version_dir / "checkpoints"
     best_file, best_link = checkpoints / "best.pt", checkpoints / "best"
     if best_file.is_file():
@@ -357,7 +357,7 @@ def _best_of(version_dir: Path) -> Path | None:
     if os.path.lexists(best_link) or not checkpoints.is_dir():
         return None
     newest = _last_of(version_dir)
-    if newest is None or not is_sharded_checkpoint(newest):
+    if newest is None:
         return None
     try:
         states = peek_checkpoint(_trainer_part(newest))["callbacks"].values()
@@ -367,7 +367,7 @@ def _best_of(version_dir: Path) -> Path | None:
     if not isinstance(ranked, dict):
         return None
     best = checkpoints / next(iter(ranked))  # the best first, as ModelCheckpoint ranks them
-    return best if (best / ".metadata").is_file() else None
+    return best if best.is_file() or (best / ".metadata").is_file() else None
 
 
 def plan_fit(
