@@ -562,3 +562,19 @@ def test_resume_best_after_best_pt_was_deleted_by_hand_takes_the_ranking_s_best(
     branch.fit(resume="best")
     (ranked_best,) = [p for p in checkpoints.glob("best-*.pt") if load_checkpoint(p)["loop"] == best["loop"]]
     assert OmegaConf.load(branch.version_dir / "lineage.yaml").branched_from == str(ranked_best)
+
+
+def test_the_last_checkpoint_of_a_run_whose_checkpoints_are_read_only_branches(tmp_path, monkeypatch):
+    """checkpoints/ made read-only to keep them, in a version directory that stays writable: the resume continued
+    there, trained, and stopped at its first save (permission denied) with nothing new saved."""
+    first = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    first.fit()
+    kept = first.version_dir / "checkpoints"
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != kept and writable(path, mode))
+    before = _files(kept)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=rf"but '{re.escape(str(kept))}' cannot be written \(read-only\)"):
+        resumed.fit(resume="last")
+    assert resumed.version_dir.name == "version_1" and resumed.state.global_step == 16
+    assert _files(kept) == before

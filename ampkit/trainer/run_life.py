@@ -418,9 +418,9 @@ def plan_fit(
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
         version_dir = None
-    if version_dir is not None and not os.access(version_dir, os.W_OK | os.X_OK):  # an archived run: read-only
+    if version_dir is not None and (unwritable := _unwritable(version_dir)) is not None:
         rank_zero_warn(
-            f"'{path}' is the last checkpoint of its run, but '{version_dir}' cannot be written (read-only): "
+            f"'{path}' is the last checkpoint of its run, but '{unwritable}' cannot be written (read-only): "
             f"training branches from it into a new version under run_dir '{run_dir}'"
         )
         version_dir = None
@@ -441,6 +441,13 @@ def plan_fit(
         nothing_to_train=why_finished(checkpoint, path, cfg),
         order_changes=order_changes,
     )
+
+
+def _unwritable(version_dir: Path) -> Path | None:
+    """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write (an archived run; one whose
+    checkpoints were made read-only to keep them), or None: a resume of its last checkpoint branches then, rather than
+    training on to fail at its first save."""
+    return next((d for d in (version_dir, version_dir / "checkpoints") if not os.access(d, os.W_OK | os.X_OK)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
