@@ -151,7 +151,7 @@ def _version_dir_of(path: Path) -> Path | None:
     return None
 
 
-def _loop_of(path: Path) -> dict[str, int] | None:
+def loop_of(path: Path) -> dict[str, int] | None:
     """The loop position saved in checkpoint ``path`` (memory-mapped: the tensors are not read), None if unreadable."""
     checkpoint = peek_checkpoint(_trainer_part(path))
     try:
@@ -200,7 +200,7 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
         return False
     if last.resolve() == path.resolve() or (last.is_file() and path.is_file() and os.path.samefile(last, path)):
         return True
-    return _loop_of(last) == loop
+    return loop_of(last) == loop
 
 
 @dataclass
