@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -476,6 +477,22 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
         assert len(steps) == len(set(steps)), f"{tag}: {steps}"
     for tag in ("train/loss", "train/lr/sgd", "val/mse"):
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(e.step, e.value) for e in reference.Scalars(tag)]
+
+
+def test_a_continued_run_waits_at_most_a_second_for_an_event_file_stamped_ahead(tmp_path, monkeypatch):
+    """A continued run starts its event file in a later second than the newest there (TensorBoard reads them in name
+    order); one stamped an hour ahead (copied from a machine whose clock runs ahead) made the resume sleep an hour."""
+    import ampkit.callbacks.tensorboard as tensorboard
+
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 2})
+    first = ToyTrainer(cfg)
+    first.fit()
+    ahead = int(time.time()) + 3600
+    (first.version_dir / "tensorboard" / f"events.out.tfevents.{ahead}.elsewhere.1.0").write_bytes(b"")
+    slept = []
+    monkeypatch.setattr(tensorboard.time, "sleep", slept.append)
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 4})).fit(resume="last")
+    assert max(slept, default=0) <= 1
 
 
 class _DiskFillsAtEpoch1(Callback):

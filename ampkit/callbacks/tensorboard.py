@@ -85,9 +85,10 @@ def _after_the_newest_event_file(log_dir: Path) -> None:
     """Wait, if need be, for the second after the newest event file's in ``log_dir`` began. TensorBoard reads a
     directory's files in name order, which starts with the second a file was created: a continued run's file made in
     the same second as its predecessor's could be read first (the pid decides), and the predecessor's purge would
-    then hide this run's steps."""
+    then hide this run's steps. At most a second: a file stamped later still (another machine's clock) is not waited
+    for."""
     seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
-    if seconds and (wait := max(seconds) + 1 - time.time()) > 0:
+    if seconds and 0 < (wait := max(seconds) + 1 - time.time()) <= 1:
         time.sleep(wait)
 
 
