@@ -21,7 +21,7 @@ from ampkit.trainer.checkpoint_io import (
     unloadable_entry,
 )
 from ampkit.trainer.preemption import Preempted
-from ampkit.trainer.run_life import prune_periodic
+from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     is_sharded_checkpoint,
@@ -102,7 +102,19 @@ class ModelCheckpoint(Callback):
                     shutil.rmtree(best, ignore_errors=True)
         if trainer.sharded:
             self._relink_best(directory)
+        else:
+            self._recopy_best(directory)
         self._prune(directory)
+
+    def _recopy_best(self, directory: Path) -> None:
+        """Make ``best.pt`` a copy of the restored ranking's best again where a kill left it holding another state:
+        a save copies its new best there before it moves ``last.pt``, and that best's own file went above. A
+        ``best.pt`` deleted by hand stays deleted."""
+        if not self.best_k:
+            return
+        alias, best = directory / "best.pt", directory / next(iter(self.best_k))
+        if alias.is_file() and best.is_file() and loop_of(alias) != loop_of(best):
+            copy_atomic(best, alias)
 
     def _relink_best(self, directory: Path) -> None:
         """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
