@@ -939,6 +939,8 @@ class Trainer:
             # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
             if (s.is_iteration_end and self._stopping()) or 0 <= max_steps <= s.global_step:
                 exhausted = s.batches_done == self._num_train_batches
+                if not exhausted and self._stopping():
+                    self._validate_at_stop()
                 break
         self._at_last_batch = False
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
@@ -971,6 +973,18 @@ class Trainer:
         self._agree_stop()  # before the next epoch starts
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
+
+    def _validate_at_stop(self) -> None:
+        """A stop asked mid-epoch (a callback, ``max_time``) validates the weights it leaves, once, as Lightning
+        does, in an epoch that validates at all; not again after the validation that asked it (early stopping). The
+        run's stop reason stays the first one, whatever that validation's early stopping says."""
+        s = self.state
+        validates = self._val_every_n_steps > 0 or _every(self.settings.val_every_n_epochs, s.epoch + 1)
+        if not validates or self.val_metrics_step == s.global_step:
+            return
+        reason = s.stop_reason
+        self._validate()
+        s.stop_reason = reason
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches
