@@ -1,18 +1,24 @@
 """``self.log`` keeps the contract Lightning users know: a value logged in a training hook reaches TensorBoard at
 the iteration it was logged in, whichever hook logged it (a validation's hooks and the Trainer's own
 ``on_train_batch_end`` too); ``on_step``/``on_epoch`` together name ``_step``/``_epoch`` tags; numbers and
-one-element tensors of any dtype log the same; and a NaN is written as it is, neither dropped nor stopping the run.
+one-element tensors of any dtype log the same; a NaN is written as it is, neither dropped nor stopping the run; and
+an ``on_epoch`` tag belongs to one hook, as Lightning keys each hook's values apart (a second hook logging it is
+refused, where one mean would have mixed both).
 (``log()`` in ``validation_step``, which returns its metrics instead, is refused with that advice:
 test_user_mistakes.py.)"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from toy_trainers import ToyTrainer, toy_cfg
+from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
+
+from ampkit import Callback
+from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"checkpoint.enabled": False, "trainer.progress_bar": False, "logging.throughput": False,
          "trainer.num_sanity_val_steps": 0}  # fmt: skip
@@ -106,3 +112,74 @@ def test_a_nan_is_written_as_it_is_and_makes_its_epoch_mean_nan_without_stopping
     assert [step for step, value in steps if math.isnan(value)] == [2, 10]
     epoch_means = _scalars(trainer, "maybe_nan_epoch")
     assert [(step, math.isnan(value)) for step, value in epoch_means] == [(8, True), (16, True)]
+
+
+class LogsBatchMse(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/mse", loss, on_epoch=True)
+        return loss
+
+
+class AlsoAtBatchEnd(LogsBatchMse):
+    def on_train_batch_end(self, outputs, batch):
+        self.log("train/mse", 2.0 * outputs["loss"], on_epoch=True)
+
+
+class AlsoAtEpochEnd(LogsBatchMse):
+    def on_train_epoch_end(self):
+        self.log("train/mse", 0.0, on_epoch=True)
+
+
+class AlsoBeforeTheStep(Callback):
+    def on_before_optimizer_step(self, trainer, optimizer):
+        trainer.log("train/mse", float(trainer.grad_norm(optimizer)), on_epoch=True)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "callbacks", "second"),
+    [
+        (AlsoAtBatchEnd, [], "on_train_batch_end"),
+        (AlsoAtEpochEnd, [], "on_train_epoch_end"),
+        (LogsBatchMse, [AlsoBeforeTheStep()], "on_before_optimizer_step"),
+    ],
+)
+def test_an_epoch_tag_logged_from_a_second_hook_is_refused_naming_both_hooks(tmp_path, trainer_class, callbacks,
+                                                                            second):  # fmt: skip
+    """Lightning keeps each hook's values of a tag apart (and writes one hook's epoch mean); here both went into one
+    mean, the per-batch loss averaged with a gradient norm or with an epoch-end value weighing as one batch: a number
+    that was neither hook's."""
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
+    message = f"log('train/mse', on_epoch=True) in {second}: 'train/mse' has an epoch mean logged in training_step"
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        trainer.fit()
+
+
+class ManualLogsAroundItsStep(ManualOptimization, ToyTrainer):
+    """Logs one tag before its backward and after its step: both in training_step, whatever hooks ran between."""
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.model(x).squeeze(1), y)
+        self.log("manual/x", 1.0, on_epoch=True, on_step=False)
+        self.backward(loss)
+        self.step(self.optimizer)
+        self.log("manual/x", 3.0, on_epoch=True, on_step=False)
+
+
+class LogsAtBatchEndToo(Callback):
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.log("batch_end/x", 1.0, on_epoch=True, on_step=False)
+
+
+class OwnBatchEndLogs(ManualLogsAroundItsStep):
+    def on_train_batch_end(self, outputs, batch):
+        self.log("batch_end/x", 3.0, on_epoch=True, on_step=False)
+
+
+def test_one_hook_may_log_an_epoch_tag_many_times_and_a_callback_shares_its_hook_with_the_trainer(tmp_path):
+    """As Lightning's key is the hook's name: training_step's values around its own backward and step (hooks ran in
+    between) make one mean, and so do a callback's and the Trainer's own on_train_batch_end."""
+    trainer = OwnBatchEndLogs(toy_cfg(tmp_path, **QUIET), callbacks=[LogsAtBatchEndToo()])
+    trainer.fit()
+    assert trainer.epoch_scalars == {"manual/x": 2.0, "batch_end/x": 2.0}

@@ -334,6 +334,10 @@ class Trainer:
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
+        # The hook (or training_step) running now, and the one that logs each on_epoch tag: Lightning keeps one tag's
+        # values apart per hook, so one mean over two hooks' values would be neither's.
+        self._fx: str | None = None
+        self._epoch_fx: dict[str, str] = {}
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
@@ -490,14 +494,17 @@ class Trainer:
         loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
+        fx, self._fx = self._fx, "on_before_backward"
         for hook in self._hooks["on_before_backward"]:  # mixed precision scales the loss here
             hook(self, backward)
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
+        self._fx = "on_after_backward"
         for hook in self._hooks["on_after_backward"]:  # ... and unscales the new gradients, reporting found_inf
             hook(self, backward)
+        self._fx = fx
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
 
@@ -560,8 +567,10 @@ class Trainer:
             self._agree_facts()
         if opt_state.loss_ids and _reached_by_scaled_loss(opt_state, self.loss_state):
             self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
+        fx, self._fx = self._fx, "on_before_optimizer_step"
         for hook in self._hooks["on_before_optimizer_step"]:  # clipping
             hook(self, optimizer)
+        self._fx = fx
         culprits = skip_verdict(opt_state, self.loss_state)
         if culprits is not None:
             opt_state.skipped = True
@@ -583,8 +592,10 @@ class Trainer:
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
+        fx, self._fx = self._fx, "on_after_optimizer_step"
         for hook in self._hooks["on_after_optimizer_step"]:
             hook(self, optimizer)
+        self._fx = fx
         return True
 
     def _device_found_inf(self, opt_state: OptimizerState) -> torch.Tensor | None:
@@ -703,10 +714,23 @@ class Trainer:
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
+            self._check_one_hook_logs(tag)
             weight = (self.state.batch_size or 1) if self._batch is not None else 1
             total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
+
+    def _check_one_hook_logs(self, tag: str) -> None:
+        """Refuse an ``on_epoch`` tag that another hook logs too: Lightning keeps each hook's values of a tag apart
+        (and writes one hook's mean), where one mean of both would be neither's."""
+        fx = self._fx or "code outside the Trainer's hooks"
+        first = self._epoch_fx.setdefault(tag, fx)
+        if first != fx:
+            raise UserCodeError(
+                f"log('{tag}', on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and one "
+                f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
+                f"'{tag}_{fx}')"
+            )
 
     def take_logged(self) -> list[tuple[str, Any, int]]:
         """``log()``'s values not taken yet, as ``(tag, value, step)``, for the logger that writes them: they leave
@@ -730,8 +754,12 @@ class Trainer:
 
         The hooks of every batch loop over ``self._hooks[hook]`` in place instead: a hook nobody overrides
         then costs an empty loop, not a call (a few microseconds a step on a small model)."""
-        for method in self._hooks[hook]:
-            method(self, *args)
+        fx, self._fx = self._fx, hook
+        try:
+            for method in self._hooks[hook]:
+                method(self, *args)
+        finally:
+            self._fx = fx
 
     @property
     def num_train_batches(self) -> int | None:
@@ -1007,14 +1035,18 @@ class Trainer:
         if not self._on_cpu:
             batch = self._to_device(batch)
         self._batch = batch
+        self._fx = "on_train_batch_start"
         for hook in self._hooks["on_train_batch_start"]:
             hook(self, batch)
+        self._fx = "training_step"
         outputs = self._training_step(batch)
         s.batches_done += 1
         if s.is_iteration_end:
             self._end_iteration()
+        self._fx = "on_train_batch_end"
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
+        self._fx = None
         # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
         # after every callback's) waits for its next take; with no logger taking them, nothing would.
         if not self._logged_taken:
@@ -1119,10 +1151,12 @@ class Trainer:
                 self._verdicts.waiting_schedules.append((self.state.iteration, stepped))
             else:
                 self._step_schedulers("step")
+        fx, self._fx = self._fx, "on_before_zero_grad"
         for optimizer in self.optimizers.values():
             for hook in self._hooks["on_before_zero_grad"]:
                 hook(self, optimizer)
             zero_grad_(optimizer)
+        self._fx = fx
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
@@ -1344,6 +1378,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
+        self._epoch_fx, self._fx = {}, None
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
