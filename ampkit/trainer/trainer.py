@@ -122,7 +122,7 @@ from ampkit.trainer.evaluation import (
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
-from ampkit.trainer.loader_rng import capture_generators, restore_generators
+from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
@@ -1548,9 +1548,7 @@ class Trainer:
             generators = resume["loader_generators"]  # None: a checkpoint of a run before they were saved
             if generators is not None and generators["epoch" if skip else "now"] is not None:
                 restore_generators(self._train_loader, generators["epoch" if skip else "now"])
-        sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
-            sampler.set_epoch(self.state.epoch)
+        set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
         iterator = iterate(self._train_loader)
