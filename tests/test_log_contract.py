@@ -183,3 +183,29 @@ def test_one_hook_may_log_an_epoch_tag_many_times_and_a_callback_shares_its_hook
     trainer = OwnBatchEndLogs(toy_cfg(tmp_path, **QUIET), callbacks=[LogsAtBatchEndToo()])
     trainer.fit()
     assert trainer.epoch_scalars == {"manual/x": 2.0, "batch_end/x": 2.0}
+
+
+class LogsAtEpochEnd(ToyTrainer):
+    """Lightning's on_train_epoch_end logs an epoch's metric with on_epoch=True (its default there)."""
+
+    def on_train_epoch_end(self):
+        self.log("epoch_end/x", 10.0 * (self.state.epoch + 1), on_epoch=True, on_step=False)
+
+
+class LogsAtEpochEndInACallback(Callback):
+    def on_train_epoch_end(self, trainer):
+        trainer.log("epoch_end/x", 10.0 * (trainer.state.epoch + 1), on_epoch=True, on_step=False)
+
+
+@pytest.mark.parametrize("where", ["trainer", "callback"])
+def test_an_epoch_value_logged_in_on_train_epoch_end_is_written_once_at_that_epoch_s_end(tmp_path, where):
+    """The epoch's means were taken before the hook ran: its value went into the next epoch's sums, written an epoch
+    late as that epoch's mean (10 at step 16), and the last epoch's never. A callback's hook runs before the
+    TensorBoard callback's, the Trainer's own after it: each value is written once either way."""
+    if where == "trainer":
+        trainer = _fit(tmp_path, LogsAtEpochEnd, **{"trainer.max_epochs": 3})
+    else:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}),
+                             callbacks=[LogsAtEpochEndInACallback()])  # fmt: skip
+        trainer.fit()
+    assert _scalars(trainer, "epoch_end/x") == [(8, 10.0), (16, 20.0), (24, 30.0)]

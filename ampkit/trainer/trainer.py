@@ -338,6 +338,7 @@ class Trainer:
         # values apart per hook, so one mean over two hooks' values would be neither's.
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
+        self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
@@ -715,8 +716,12 @@ class Trainer:
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
             self._check_one_hook_logs(tag)
+            epoch_tag = f"{tag}_epoch" if on_step else tag
+            if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
+                self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
+                return
             weight = (self.state.batch_size or 1) if self._batch is not None else 1
-            total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
+            total = self._epoch_sums.setdefault(epoch_tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
@@ -946,6 +951,7 @@ class Trainer:
 
     def _run_epoch(self) -> None:
         s = self.state
+        self._epoch_means_taken = False
         if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
             for opt_state in self.optimizer_state.values():
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
@@ -995,6 +1001,7 @@ class Trainer:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
+        self._epoch_means_taken = True
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
         self.fire("on_train_epoch_end")
@@ -1378,7 +1385,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
-        self._epoch_fx, self._fx = {}, None
+        self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
