@@ -209,3 +209,25 @@ def test_an_epoch_value_logged_in_on_train_epoch_end_is_written_once_at_that_epo
                              callbacks=[LogsAtEpochEndInACallback()])  # fmt: skip
         trainer.fit()
     assert _scalars(trainer, "epoch_end/x") == [(8, 10.0), (16, 20.0), (24, 30.0)]
+
+
+class LogsATensor(ToyTrainer):
+    value: torch.Tensor | str = torch.zeros(2, 3)
+
+    def training_step(self, batch):
+        self.log("train/acc", self.value)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(2, 3), "log('train/acc'): expected a scalar, got a tensor of shape (2, 3); log one number"),
+        ("0.5", "log('train/acc'): expected a number or a one-element tensor, got str"),
+    ],
+)
+def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(tmp_path, value, message):
+    """A user error, which the CLI prints as one line: it was a bare ValueError (TypeError), a traceback."""
+    LogsATensor.value = value
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, LogsATensor)

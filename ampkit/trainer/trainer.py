@@ -705,11 +705,14 @@ class Trainer:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+            if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
+                raise UserCodeError(
+                    f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}; log one number "
+                    "(its mean, a norm) or each element under a tag of its own"
+                )
             value = value.detach()
         elif not isinstance(value, numbers.Real):
-            raise TypeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+            raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
         if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
