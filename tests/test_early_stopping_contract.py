@@ -66,6 +66,16 @@ def test_a_stop_asked_mid_epoch_validates_the_weights_it_leaves_once_and_ranks_t
     assert last["val_metrics"] == {"score": 1.0}
 
 
+def test_the_last_checkpoint_of_a_stop_holds_its_validation_also_after_a_save_at_that_step(tmp_path):
+    """Saved every step, at on_train_batch_end, before the stop's validation: the end saw that moment saved already,
+    so last.pt held the step without its validation's metrics."""
+    Scripted.scores = [9.0] * 3 + [1.0] * 13
+    trainer, _ = _fit(tmp_path, 3, **{"checkpoint.every_n_steps": 1})
+    last = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 3 and last["stopped_early"] == "enough"
+    assert (last["val_metrics"], last["val_metrics_step"]) == ({"score": 1.0}, 3)
+
+
 @pytest.mark.parametrize(
     ("settings", "validated"),
     [
