@@ -76,7 +76,7 @@ class ModelCheckpoint(Callback):
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
-        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, recorded stop) saved last
+        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, stop, validation) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
@@ -272,8 +272,9 @@ class ModelCheckpoint(Callback):
 
 
 def _moment(trainer) -> dict[str, Any]:
-    """What a checkpoint saved now would record of the run's course: its loop position and whether it stopped."""
-    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason()}
+    """What a checkpoint saved now would record of the run's course: its loop position, whether it stopped, and the
+    step of its latest validation (one run after this step's save, as a stop's, is saved again at the end)."""
+    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason(), "validated_at": trainer.val_metrics_step}
 
 
 def _save_failed(writing: Path, reason: str, last: Path, written: Path | None) -> CheckpointError:
