@@ -194,3 +194,29 @@ def test_cast_weights_are_not_cached_across_iterations():
         with amp.scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
             scaled.backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_eval_attention_layers_after_a_cast_op_run_the_cast_functions(dtype):
+    """torch >= 1.12 sends an eval-mode batch_first ``TransformerEncoderLayer`` or ``MultiheadAttention`` through
+    fused kernels no O1 list reaches, which refused the low-precision output of the Linear before them next to
+    their float32 weights. As under autocast, O1 keeps them on the layer's functions: the torch those Apex scripts
+    were written for had no such kernels. After O1 the fast paths are back."""
+    torch.manual_seed(0)
+    embed = torch.nn.Linear(6, 8)
+    encoder = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    model = torch.nn.ModuleList([embed, encoder, attention]).eval()
+    amp.initialize(model, opt_level="O1", dtype=dtype, verbosity=0)
+    x = torch.randn(3, 5, 6)
+    with torch.no_grad():
+        h = embed(x)
+        encoded = encoder(h)
+        attended, _ = attention(h, h, h, need_weights=False)
+    assert attended.dtype == dtype  # its output projection is a Linear
+    assert encoded.dtype == torch.float32  # its last function is layer_norm, which O1 runs in float32
+    with torch.no_grad(), amp.disable_casts():
+        reference = encoder(embed(x))  # the same functions in float32: the cast path agrees within rounding
+    torch.testing.assert_close(encoded.float(), reference, atol=0.05, rtol=0.05)
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    assert torch.backends.mha.get_fastpath_enabled()

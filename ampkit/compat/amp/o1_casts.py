@@ -317,6 +317,21 @@ def _rnn_check_input_wrapper(state: CastState) -> Callable[[Callable], Callable]
     return make
 
 
+def _fastpath_off_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """``torch.backends.mha.get_fastpath_enabled`` answering False while O1 casts, as torch's layers do under
+    autocast: an eval-mode ``MultiheadAttention``/``TransformerEncoder(Layer)`` then runs its functions, which
+    O1 casts, instead of a fused kernel (torch >= 1.12) that no list reaches and that refuses mixed dtypes."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper() -> bool:
+            return False if state.is_active() else original()
+
+        return wrapper
+
+    return make
+
+
 def _as_inplace(names: Iterable[str]) -> list[str]:
     return [name + "_" for name in names]
 
@@ -366,6 +381,7 @@ def install_o1_casts(
         patches.replace(tensor.MODULE, name, match_self_wrapper(state))
     rnn_module = torch.nn.modules.rnn
     patches.set(rnn_module, "_VF", _RnnBackend(rnn_module._VF, state, dtype))
+    patches.replace(torch.backends.mha, "get_fastpath_enabled", _fastpath_off_wrapper(state))
     patches.replace(rnn_module.RNNBase, "check_input", _rnn_check_input_wrapper(state))
     for name, message in functional.BANNED_FUNCS:
         if allow_banned:
