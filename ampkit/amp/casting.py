@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,8 +61,26 @@ def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype, own_to) for v in value)
     if isinstance(value, Mapping):
-        return type(value)({k: cast_floating(v, dtype, own_to) for k, v in value.items()})
+        return _rebuild_mapping(value, {k: cast_floating(v, dtype, own_to) for k, v in value.items()})
     return value
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+    """``items`` in the type of ``original``. A dict subclass is copied, then given the cast values one by one:
+    no constructor is called, so a defaultdict keeps its factory, a subclass taking arguments of its own keeps
+    them, and HF's ModelOutput (which refuses ``update``) its fields. Another mapping is built from ``items``,
+    or is a plain dict when its constructor refuses them, as Apex's casts returned every mapping."""
+    if type(original) is dict:
+        return items
+    if isinstance(original, dict):
+        rebuilt = copy.copy(original)
+        for key, value in items.items():
+            rebuilt[key] = value
+        return rebuilt
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
 
 
 def _has_own_to(value: Any) -> bool:

@@ -4,6 +4,7 @@ such a batch reaches the half model in half precision and such an output comes b
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import pytest
@@ -100,3 +101,26 @@ def test_a_batch_whose_to_takes_no_dtype_is_named():
     model = amp.initialize(Net(), opt_level="O2", verbosity=0)
     with pytest.raises(TypeError, match=r"DeviceOnly.*\.to\(torch\.float16\)"):
         model(DeviceOnly(torch.randn(2, 4)))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_defaultdict_of_losses_comes_back_cast_with_its_factory(opt_level):
+    """A model returning its losses in a ``collections.defaultdict`` (and taking one): rebuilding it with
+    ``defaultdict(dict_of_values)`` failed ("first argument must be callable or None") at O2, and under O1 with
+    ``cast_model_outputs``; Apex returned a plain dict."""
+
+    class Losses(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, weights: collections.defaultdict) -> collections.defaultdict:
+            losses = collections.defaultdict(float)
+            losses["cls"] += (self.linear(x) * weights["cls"].to(x.dtype)).sum()
+            return losses
+
+    kwargs = {"cast_model_outputs": torch.float32} if opt_level == "O1" else {}
+    model = amp.initialize(Losses(), opt_level=opt_level, verbosity=0, **kwargs)
+    out = model(torch.randn(3, 4), collections.defaultdict(lambda: torch.ones(1), {"cls": torch.ones(2)}))
+    assert isinstance(out, collections.defaultdict) and out.default_factory is float
+    assert out["cls"].dtype == torch.float32 and out["box"] == 0.0
