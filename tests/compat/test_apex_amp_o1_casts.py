@@ -220,3 +220,26 @@ def test_eval_attention_layers_after_a_cast_op_run_the_cast_functions(dtype):
     torch.testing.assert_close(encoded.float(), reference, atol=0.05, rtol=0.05)
     amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
     assert torch.backends.mha.get_fastpath_enabled()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_prelu_and_bilinear_modules_after_a_cast_op_are_cast_as_torch_prelu_and_bilinear(dtype):
+    """Apex's O1 patched ``torch.prelu`` (low precision) and ``torch.bilinear`` (promote), which ``nn.PReLU`` and
+    ``nn.Bilinear`` reached through ``F.prelu``/``F.bilinear``. torch has since made those two F functions the very
+    objects ``torch.prelu``/``torch.bilinear`` were, so a patch of torch's name alone missed the modules: a
+    face-recognition backbone's Conv-BN-PReLU failed with "prelu: Type promoting not supported"."""
+    originals = (F.prelu, F.bilinear, torch.prelu, torch.bilinear)
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.PReLU(4))
+    head = torch.nn.Bilinear(4, 4, 2)
+    model = torch.nn.ModuleList([body, head])
+    amp.initialize(model, opt_level="O1", dtype=dtype, verbosity=0)
+    features = body(torch.randn(2, 3, 5, 5))
+    assert features.dtype == dtype
+    pooled = features.mean((2, 3))
+    scores = head(pooled, torch.randn(2, 4))  # a low-precision and a float32 input: promoted, as Apex's CASTS
+    assert scores.dtype == torch.float32
+    scores.sum().backward()
+    assert body[2].weight.grad.dtype == torch.float32
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    assert (F.prelu, F.bilinear, torch.prelu, torch.bilinear) == originals  # all four put back
