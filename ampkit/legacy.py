@@ -15,6 +15,8 @@ import os
 import re
 import runpy
 import sys
+from collections.abc import Callable
+from types import TracebackType
 
 import ampkit
 from ampkit.compat import _child_shim
@@ -26,7 +28,8 @@ _LAUNCHER_LOCAL_RANK = re.compile(r"--local[-_]rank=(\d+)")
 # The script's globals, kept until the interpreter exits as ``python script.py`` keeps them. Freed when runpy
 # returns, a torch DDP model over gloo died while Python still ran: its process group's destructor joined gloo's
 # thread, which waited for the GIL to free a tensor, and about one run in four hung at exit under torchrun.
-_script_globals: list[dict] = []
+# A failed program's error is kept too: its frames hold the same globals.
+_script_globals: list[object] = []
 
 
 def _share_shim_with_child_processes() -> None:
@@ -133,13 +136,38 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 f"ampkit.legacy: the installed apex has no module {module!r}; --force-shim serves ampkit's"
             )
-        _script_globals.append(runpy.run_module(module, run_name="__main__", alter_sys=True))
+        _run_as_python_would(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
         return
     script, rest = args[0], args[1:]
     sys.argv = [script, *rest]
     script_dir = os.path.abspath(script) if os.path.isdir(script) else os.path.dirname(os.path.abspath(script))
     sys.path[0] = script_dir  # as python's own: a directory run by its __main__.py is itself the first entry
-    _script_globals.append(runpy.run_path(script, run_name="__main__"))
+    # Its ``__file__`` (and the traceback's frames) absolute, as python's own since 3.9.
+    _run_as_python_would(lambda: runpy.run_path(os.path.abspath(script), run_name="__main__"))
+
+
+def _run_as_python_would(run: Callable[[], dict]) -> None:
+    """Run the program; an error it raises is reported from the program's own first frame down, as
+    ``python script.py`` reports it, without the runner's and runpy's frames above it, and exits 1."""
+    try:
+        _script_globals.append(run())
+    except Exception as error:
+        _script_globals.append(error)
+        frames = _program_frames(error.__traceback__)
+        sys.excepthook(type(error), error.with_traceback(frames), frames)  # the hook prints the error's own
+        raise SystemExit(1) from None
+
+
+def _program_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` without its leading frames of this module and runpy (None if nothing else is left: an error
+    raised before the program ran, such as a SyntaxError, which prints its own location)."""
+    while tb is not None and _is_runner_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def _is_runner_frame(filename: str) -> bool:
+    return filename in (__file__, runpy.__file__) or filename == "<frozen runpy>"
 
 
 if __name__ == "__main__":

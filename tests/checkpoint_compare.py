@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-# What legitimately differs between two runs of one training: where they were written.
-RUN_SPECIFIC = {("config", "run_dir")}
+# What legitimately differs between two runs of one training: where they were written, and when (the TensorBoard
+# events of the checkpoint's step carry their wall times and steps/s).
+RUN_SPECIFIC = {("config", "run_dir"), ("callbacks", "TensorBoardLogger", "step_events")}
 
 
 def differences(a: Any, b: Any, path: tuple[Any, ...] = ()) -> list[str]:

@@ -1,18 +1,24 @@
 """``self.log`` keeps the contract Lightning users know: a value logged in a training hook reaches TensorBoard at
 the iteration it was logged in, whichever hook logged it (a validation's hooks and the Trainer's own
 ``on_train_batch_end`` too); ``on_step``/``on_epoch`` together name ``_step``/``_epoch`` tags; numbers and
-one-element tensors of any dtype log the same; and a NaN is written as it is, neither dropped nor stopping the run.
+one-element tensors of any dtype log the same; a NaN is written as it is, neither dropped nor stopping the run; and
+an ``on_epoch`` tag belongs to one hook, as Lightning keys each hook's values apart (a second hook logging it is
+refused, where one mean would have mixed both).
 (``log()`` in ``validation_step``, which returns its metrics instead, is refused with that advice:
 test_user_mistakes.py.)"""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from toy_trainers import ToyTrainer, toy_cfg
+from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
+
+from ampkit import Callback
+from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"checkpoint.enabled": False, "trainer.progress_bar": False, "logging.throughput": False,
          "trainer.num_sanity_val_steps": 0}  # fmt: skip
@@ -106,3 +112,122 @@ def test_a_nan_is_written_as_it_is_and_makes_its_epoch_mean_nan_without_stopping
     assert [step for step, value in steps if math.isnan(value)] == [2, 10]
     epoch_means = _scalars(trainer, "maybe_nan_epoch")
     assert [(step, math.isnan(value)) for step, value in epoch_means] == [(8, True), (16, True)]
+
+
+class LogsBatchMse(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/mse", loss, on_epoch=True)
+        return loss
+
+
+class AlsoAtBatchEnd(LogsBatchMse):
+    def on_train_batch_end(self, outputs, batch):
+        self.log("train/mse", 2.0 * outputs["loss"], on_epoch=True)
+
+
+class AlsoAtEpochEnd(LogsBatchMse):
+    def on_train_epoch_end(self):
+        self.log("train/mse", 0.0, on_epoch=True)
+
+
+class AlsoBeforeTheStep(Callback):
+    def on_before_optimizer_step(self, trainer, optimizer):
+        trainer.log("train/mse", float(trainer.grad_norm(optimizer)), on_epoch=True)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "callbacks", "second"),
+    [
+        (AlsoAtBatchEnd, [], "on_train_batch_end"),
+        (AlsoAtEpochEnd, [], "on_train_epoch_end"),
+        (LogsBatchMse, [AlsoBeforeTheStep()], "on_before_optimizer_step"),
+    ],
+)
+def test_an_epoch_tag_logged_from_a_second_hook_is_refused_naming_both_hooks(tmp_path, trainer_class, callbacks,
+                                                                            second):  # fmt: skip
+    """Lightning keeps each hook's values of a tag apart (and writes one hook's epoch mean); here both went into one
+    mean, the per-batch loss averaged with a gradient norm or with an epoch-end value weighing as one batch: a number
+    that was neither hook's."""
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET), callbacks=callbacks)
+    message = f"log('train/mse', on_epoch=True) in {second}: 'train/mse' has an epoch mean logged in training_step"
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        trainer.fit()
+
+
+class ManualLogsAroundItsStep(ManualOptimization, ToyTrainer):
+    """Logs one tag before its backward and after its step: both in training_step, whatever hooks ran between."""
+
+    def training_step(self, batch):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.model(x).squeeze(1), y)
+        self.log("manual/x", 1.0, on_epoch=True, on_step=False)
+        self.backward(loss)
+        self.step(self.optimizer)
+        self.log("manual/x", 3.0, on_epoch=True, on_step=False)
+
+
+class LogsAtBatchEndToo(Callback):
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.log("batch_end/x", 1.0, on_epoch=True, on_step=False)
+
+
+class OwnBatchEndLogs(ManualLogsAroundItsStep):
+    def on_train_batch_end(self, outputs, batch):
+        self.log("batch_end/x", 3.0, on_epoch=True, on_step=False)
+
+
+def test_one_hook_may_log_an_epoch_tag_many_times_and_a_callback_shares_its_hook_with_the_trainer(tmp_path):
+    """As Lightning's key is the hook's name: training_step's values around its own backward and step (hooks ran in
+    between) make one mean, and so do a callback's and the Trainer's own on_train_batch_end."""
+    trainer = OwnBatchEndLogs(toy_cfg(tmp_path, **QUIET), callbacks=[LogsAtBatchEndToo()])
+    trainer.fit()
+    assert trainer.epoch_scalars == {"manual/x": 2.0, "batch_end/x": 2.0}
+
+
+class LogsAtEpochEnd(ToyTrainer):
+    """Lightning's on_train_epoch_end logs an epoch's metric with on_epoch=True (its default there)."""
+
+    def on_train_epoch_end(self):
+        self.log("epoch_end/x", 10.0 * (self.state.epoch + 1), on_epoch=True, on_step=False)
+
+
+class LogsAtEpochEndInACallback(Callback):
+    def on_train_epoch_end(self, trainer):
+        trainer.log("epoch_end/x", 10.0 * (trainer.state.epoch + 1), on_epoch=True, on_step=False)
+
+
+@pytest.mark.parametrize("where", ["trainer", "callback"])
+def test_an_epoch_value_logged_in_on_train_epoch_end_is_written_once_at_that_epoch_s_end(tmp_path, where):
+    """The epoch's means were taken before the hook ran: its value went into the next epoch's sums, written an epoch
+    late as that epoch's mean (10 at step 16), and the last epoch's never. A callback's hook runs before the
+    TensorBoard callback's, the Trainer's own after it: each value is written once either way."""
+    if where == "trainer":
+        trainer = _fit(tmp_path, LogsAtEpochEnd, **{"trainer.max_epochs": 3})
+    else:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}),
+                             callbacks=[LogsAtEpochEndInACallback()])  # fmt: skip
+        trainer.fit()
+    assert _scalars(trainer, "epoch_end/x") == [(8, 10.0), (16, 20.0), (24, 30.0)]
+
+
+class LogsATensor(ToyTrainer):
+    value: torch.Tensor | str = torch.zeros(2, 3)
+
+    def training_step(self, batch):
+        self.log("train/acc", self.value)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(2, 3), "log('train/acc'): expected a scalar, got a tensor of shape (2, 3); log one number"),
+        ("0.5", "log('train/acc'): expected a number or a one-element tensor, got str"),
+    ],
+)
+def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(tmp_path, value, message):
+    """A user error, which the CLI prints as one line: it was a bare ValueError (TypeError), a traceback."""
+    LogsATensor.value = value
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, LogsATensor)

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -484,3 +485,96 @@ def test_a_loader_without_a_batch_layout_warns_that_its_batch_count_may_skip_oth
         "this train loader (no fixed batch size over a map-style dataset) resumes at a count of batches (3), not at "
         "a sample, so data.batch_size may change which samples those batches are"
     )
+
+
+def test_a_resume_waits_for_another_process_tidying_its_version_directory(tmp_path, monkeypatch):
+    """Every fit tidies each idle version directory under run_dir under its lock, for a moment: a ``--resume last``
+    (or a fresh run's new version_N) taking the lock then was refused, naming the tidier, though no run wrote there."""
+    from ampkit.trainer import run_life
+
+    ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1})).fit()
+    version_0 = tmp_path / "run" / "version_0"
+    tidying, resumed = threading.Event(), threading.Event()
+    remove = run_life.remove_stale_temps
+
+    def slow_remove(version_dir):  # the other process's tidying, caught while it holds the lock
+        if threading.current_thread() is not threading.main_thread():
+            tidying.set()
+            resumed.wait(0.5)
+        return remove(version_dir)
+
+    monkeypatch.setattr(run_life, "remove_stale_temps", slow_remove)
+    tidier = threading.Thread(target=run_life.tidy_run_dir, args=(tmp_path / "run",))
+    tidier.start()
+    assert tidying.wait(30) and (version_0 / LOCK_FILE).exists()
+    resumed_run = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    resumed_run.fit(resume="last")
+    resumed.set()
+    tidier.join()
+    assert resumed_run.version_dir == version_0 and resumed_run.state.epoch == 2
+    assert not (version_0 / LOCK_FILE).exists()
+
+
+def test_a_run_dir_holding_the_user_s_own_files_keeps_every_one(tmp_path):
+    """run_dir pointed at a folder the user already fills: their files beside the versions, and another tool's
+    version_0 (Lightning's layout, with a sharded ``best`` and a ``.best.old`` copy of it). Fresh runs, a resume and a
+    branch take the next version_N and leave each byte of theirs; the tidying did rmtree ``.best.old`` (an ampkit
+    name for a set-aside checkpoint) and took a lock inside the other tool's directory."""
+    run = tmp_path / "run"
+    theirs = [
+        run / "epoch=3.pt",
+        run / "last.pt",
+        run / "best.pt",
+        run / "notes.txt",
+        run / "events.out.tfevents.1700000000.host.1.0",
+        run / "version_0" / "hparams.yaml",
+        run / "version_0" / "events.out.tfevents.1700000000.host.2.0",
+        run / "version_0" / "checkpoints" / "epoch=3-step=100.ckpt",
+        run / "version_0" / "checkpoints" / "last.ckpt",
+        run / "version_0" / "checkpoints" / "best" / ".metadata",
+        run / "version_0" / "checkpoints" / ".best.old" / ".metadata",
+    ]
+    for number, path in enumerate(theirs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"the user's file {number}".encode())
+    before = _files(run)
+    common = {**QUIET, "checkpoint.every_n_steps": 4, "checkpoint.keep_last": 9}
+    ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 1})).fit()
+    resumed = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    branch = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_epochs": 2}))
+    branch.fit(resume=resumed.version_dir / "checkpoints" / "step-00000008.pt")
+    assert (resumed.version_dir.name, branch.version_dir.name) == ("version_1", "version_2")
+    assert {path: kept for path, kept in _files(run).items() if path in before} == before
+    assert sorted(run.iterdir()) == sorted([*theirs[:5], run / "version_0", run / "version_1", run / "version_2"])
+
+
+def test_resume_best_after_best_pt_was_deleted_by_hand_takes_the_ranking_s_best(tmp_path):
+    """best.pt is a copy of the ranking's best best-<step>.pt; with it deleted (to save its space) ``--resume best``
+    failed, naming the newest step file as what was left, though the best checkpoint lay beside it."""
+    settings = {**QUIET, "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": 2, "trainer.val_every_n_steps": 2}
+    first = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 1}))
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    best = load_checkpoint(checkpoints / "best.pt")
+    (checkpoints / "best.pt").unlink()
+    branch = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 2}))
+    branch.fit(resume="best")
+    (ranked_best,) = [p for p in checkpoints.glob("best-*.pt") if load_checkpoint(p)["loop"] == best["loop"]]
+    assert OmegaConf.load(branch.version_dir / "lineage.yaml").branched_from == str(ranked_best)
+
+
+def test_the_last_checkpoint_of_a_run_whose_checkpoints_are_read_only_branches(tmp_path, monkeypatch):
+    """checkpoints/ made read-only to keep them, in a version directory that stays writable: the resume continued
+    there, trained, and stopped at its first save (permission denied) with nothing new saved."""
+    first = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    first.fit()
+    kept = first.version_dir / "checkpoints"
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != kept and writable(path, mode))
+    before = _files(kept)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=rf"but '{re.escape(str(kept))}' cannot be written \(read-only\)"):
+        resumed.fit(resume="last")
+    assert resumed.version_dir.name == "version_1" and resumed.state.global_step == 16
+    assert _files(kept) == before

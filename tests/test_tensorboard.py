@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from child_env import child_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit import Callback
+from ampkit import Callback, Phase
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.run_life import RunDirectoryError
+
+TESTS = Path(__file__).resolve().parent
 
 
 def _events(trainer) -> EventAccumulator:
@@ -414,6 +423,76 @@ def test_a_mid_window_resume_logs_the_loss_over_the_whole_window(tmp_path):
         warnings.simplefilter("always")
         ToyTrainer(toy_cfg(tmp_path, **settings, **{"logging.tensorboard": False})).fit(resume="last")
     assert not [w for w in caught if "state of callbacks" in str(w.message)]
+
+
+class _SigkillAfter(Callback):
+    """SIGKILL once every callback, the checkpoint's included, is done with ``hook`` at ``step`` (a node lost there)."""
+
+    phase = Phase.PERSIST
+
+    def __init__(self, hook: str, step: int) -> None:
+        self.hook, self.step = hook, step
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        self._kill_at("on_train_batch_end", trainer)
+
+    def on_validation_end(self, trainer, metrics):
+        self._kill_at("on_validation_end", trainer)
+
+    def _kill_at(self, hook, trainer):
+        if hook == self.hook and trainer.state.global_step == self.step and trainer.state.stage == "fit":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit_killed(cfg_json: str, hook: str, step: int) -> None:
+    """A subprocess's run: ToyTrainer continuing ``cfg``'s newest checkpoint, if any, SIGKILLed at ``hook``/``step``."""
+    from ampkit.trainer.run_life import resolve_checkpoint
+
+    cfg = json.loads(cfg_json)
+    ToyTrainer(cfg, callbacks=[_SigkillAfter(hook, step)]).fit(resume=resolve_checkpoint(cfg["run_dir"], "last"))
+
+
+def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterrupted_one(tmp_path):
+    """SIGKILLed just after the step-4 checkpoint: the events of steps 1-4 sat in SummaryWriter's buffer (written to
+    the file every 120 s) and were lost, and the resume logs only from step 5. Then killed after the step-8 checkpoint
+    at the epoch's last batch, once validation had written val/mse at step 8: the resume validates again, and step 8
+    showed two values (purge_step hid only steps 9 on). Each killed run's console lines stay in its pipe."""
+    settings = {"trainer.max_epochs": 2, "logging.log_every_n_steps": 1, "checkpoint.every_n_steps": 4,
+                "logging.console_every_n_steps": 1}  # fmt: skip
+    straight = ToyTrainer(toy_cfg(tmp_path / "straight", **settings))
+    straight.fit()
+    cfg = toy_cfg(tmp_path / "killed", **settings)
+    for hook, step in (("on_train_batch_end", 4), ("on_validation_end", 8)):
+        code = f"import test_tensorboard; test_tensorboard.fit_killed({json.dumps(cfg)!r}, {hook!r}, {step})"
+        killed = subprocess.run(
+            [sys.executable, "-c", code], env=child_env(TESTS, TESTS.parent), capture_output=True, text=True
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        assert f"step {step} |" in killed.stdout.splitlines()[-1]
+    resumed = ToyTrainer(cfg)
+    resumed.fit(resume="last")
+    events, reference = _events(resumed), _events(straight)
+    for tag in events.Tags()["scalars"]:
+        steps = [e.step for e in events.Scalars(tag)]
+        assert len(steps) == len(set(steps)), f"{tag}: {steps}"
+    for tag in ("train/loss", "train/lr/sgd", "val/mse"):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(e.step, e.value) for e in reference.Scalars(tag)]
+
+
+def test_a_continued_run_waits_at_most_a_second_for_an_event_file_stamped_ahead(tmp_path, monkeypatch):
+    """A continued run starts its event file in a later second than the newest there (TensorBoard reads them in name
+    order); one stamped an hour ahead (copied from a machine whose clock runs ahead) made the resume sleep an hour."""
+    import ampkit.callbacks.tensorboard as tensorboard
+
+    cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 2})
+    first = ToyTrainer(cfg)
+    first.fit()
+    ahead = int(time.time()) + 3600
+    (first.version_dir / "tensorboard" / f"events.out.tfevents.{ahead}.elsewhere.1.0").write_bytes(b"")
+    slept = []
+    monkeypatch.setattr(tensorboard.time, "sleep", slept.append)
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 4})).fit(resume="last")
+    assert max(slept, default=0) <= 1
 
 
 class _DiskFillsAtEpoch1(Callback):

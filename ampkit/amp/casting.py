@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,22 +43,61 @@ def autocast_for(model_or_device: nn.Module | torch.device | str, dtype: torch.d
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=enabled)
 
 
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
     """Cast the floating tensors inside ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
 
-    Integer tensors, strings and other objects pass through unchanged.
+    Integer tensors, strings and other objects pass through unchanged. With ``own_to``, an object of another
+    class that has a ``to`` method (a custom batch, a namedtuple with its own ``to``) is cast by
+    ``value.to(dtype)``: the contract Apex's O2/O3 offered such classes. Dicts and modules are not.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (str, bytes)):
         return value
+    if own_to and _has_own_to(value):
+        return _cast_by_own_to(value, dtype)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(cast_floating(v, dtype) for v in value))
+        return type(value)(*(cast_floating(v, dtype, own_to) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype, own_to) for v in value)
     if isinstance(value, Mapping):
-        return type(value)({k: cast_floating(v, dtype) for k, v in value.items()})
+        return _rebuild_mapping(value, {k: cast_floating(v, dtype, own_to) for k, v in value.items()})
     return value
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+    """``items`` in the type of ``original``. A dict subclass is copied, then given the cast values one by one:
+    no constructor is called, so a defaultdict keeps its factory, a subclass taking arguments of its own keeps
+    them, and HF's ModelOutput (which refuses ``update``) its fields. Another mapping is built from ``items``,
+    or is a plain dict when its constructor refuses them, as Apex's casts returned every mapping."""
+    if type(original) is dict:
+        return items
+    if isinstance(original, dict):
+        rebuilt = copy.copy(original)
+        for key, value in items.items():
+            rebuilt[key] = value
+        return rebuilt
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
+
+
+def _has_own_to(value: Any) -> bool:
+    # A mapping keeps the per-tensor cast (HF's BatchEncoding.to refuses a dtype with a warning and casts
+    # nothing), and a module passed as an argument is the caller's to cast (``.to`` would cast it in place).
+    return callable(getattr(value, "to", None)) and not isinstance(value, (Mapping, nn.Module))
+
+
+def _cast_by_own_to(value: Any, dtype: torch.dtype) -> Any:
+    try:
+        return value.to(dtype)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as err:
+        raise TypeError(
+            f"{type(value).__name__}.to({dtype}) failed: {err}. The model's inputs and outputs are cast to its "
+            f"dtype, and an object of a class of your own by its .to(dtype); give {type(value).__name__} a .to "
+            "that takes a dtype and casts its floating tensors, or pass the tensors themselves"
+        ) from err
 
 
 def _is_batchnorm(module: nn.Module) -> bool:
@@ -103,34 +143,42 @@ class BoundaryCasts:
 class _CastInputs:
     """Forward pre-hook casting floating inputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    own_to = False  # hooks pickled before the option existed load with it off
+
+    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
         self.dtype = dtype
+        self.own_to = own_to
 
     def __call__(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
+        return cast_floating(args, self.dtype, self.own_to), cast_floating(kwargs, self.dtype, self.own_to)
 
 
 class _CastOutputs:
     """Forward hook casting floating outputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    own_to = False
+
+    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
         self.dtype = dtype
+        self.own_to = own_to
 
     def __call__(self, _: nn.Module, args: tuple, output: Any) -> Any:
-        return cast_floating(output, self.dtype)
+        return cast_floating(output, self.dtype, self.own_to)
 
 
 def add_boundary_casts(
     model: nn.Module,
     input_dtype: torch.dtype | None,
     output_dtype: torch.dtype | None = torch.float32,
+    own_to: bool = False,
 ) -> BoundaryCasts:
     """Cast floating inputs (positional and keyword) of ``model`` to ``input_dtype`` and its floating
     outputs to ``output_dtype``; ``None`` leaves that side alone. The model stays picklable (``torch.save``).
+    ``own_to`` casts objects of other classes by their own ``.to(dtype)`` (see :func:`cast_floating`).
     """
     handles = []
     if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype), with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype, own_to), with_kwargs=True))
     if output_dtype is not None:
-        handles.append(model.register_forward_hook(_CastOutputs(output_dtype)))
+        handles.append(model.register_forward_hook(_CastOutputs(output_dtype, own_to)))
     return BoundaryCasts(handles)

@@ -21,7 +21,7 @@ from ampkit.trainer.checkpoint_io import (
     unloadable_entry,
 )
 from ampkit.trainer.preemption import Preempted
-from ampkit.trainer.run_life import prune_periodic
+from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
     is_sharded_checkpoint,
@@ -76,7 +76,7 @@ class ModelCheckpoint(Callback):
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
-        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, recorded stop) saved last
+        self._saved_at: dict[str, Any] | None = None  # the moment (loop position, stop, validation) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
 
     def on_fit_start(self, trainer) -> None:
@@ -102,7 +102,19 @@ class ModelCheckpoint(Callback):
                     shutil.rmtree(best, ignore_errors=True)
         if trainer.sharded:
             self._relink_best(directory)
+        else:
+            self._recopy_best(directory)
         self._prune(directory)
+
+    def _recopy_best(self, directory: Path) -> None:
+        """Make ``best.pt`` a copy of the restored ranking's best again where a kill left it holding another state:
+        a save copies its new best there before it moves ``last.pt``, and that best's own file went above. A
+        ``best.pt`` deleted by hand stays deleted."""
+        if not self.best_k:
+            return
+        alias, best = directory / "best.pt", directory / next(iter(self.best_k))
+        if alias.is_file() and best.is_file() and loop_of(alias) != loop_of(best):
+            copy_atomic(best, alias)
 
     def _relink_best(self, directory: Path) -> None:
         """Point a sharded run's ``best`` link at the restored ranking's best again, where a kill left it naming a
@@ -260,8 +272,9 @@ class ModelCheckpoint(Callback):
 
 
 def _moment(trainer) -> dict[str, Any]:
-    """What a checkpoint saved now would record of the run's course: its loop position and whether it stopped."""
-    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason()}
+    """What a checkpoint saved now would record of the run's course: its loop position, whether it stopped, and the
+    step of its latest validation (one run after this step's save, as a stop's, is saved again at the end)."""
+    return {**trainer.loop_position(), "stopped_early": trainer.stop_reason(), "validated_at": trainer.val_metrics_step}
 
 
 def _save_failed(writing: Path, reason: str, last: Path, written: Path | None) -> CheckpointError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import re
 import threading
 import time
 import weakref
@@ -77,6 +78,57 @@ def writer_closed() -> None:
         threading.excepthook = hook.keywords["previous"]
 
 
+_EVENT_FILE = re.compile(r"^events\.out\.tfevents\.(\d+)\.")
+
+
+def _after_the_newest_event_file(log_dir: Path) -> None:
+    """Wait, if need be, for the second after the newest event file's in ``log_dir`` began. TensorBoard reads a
+    directory's files in name order, which starts with the second a file was created: a continued run's file made in
+    the same second as its predecessor's could be read first (the pid decides), and the predecessor's purge would
+    then hide this run's steps. At most a second: a file stamped later still (another machine's clock) is not waited
+    for."""
+    seconds = [int(m.group(1)) for p in log_dir.glob("events.out.tfevents.*") if (m := _EVENT_FILE.match(p.name))]
+    if seconds and 0 < (wait := max(seconds) + 1 - time.time()) <= 1:
+        time.sleep(wait)
+
+
+class StepEvents:
+    """Every event a writer writes passes here: those of its newest step are kept (serialized), so a checkpoint saved
+    at that step carries them. In a run continued from a checkpoint of step N, TensorBoard's purge of step N comes
+    just before the run's first event at N, followed by the events the checkpoint carries.
+
+    Why: a step checkpoint at an epoch's last batch comes before that epoch's validation and epoch means, which the
+    continued run logs at N again; the killed run may have written them too (two values at N). Purging N at the start
+    instead would hide the step's loss, which only the killed run logged (before its checkpoint); where the continued
+    run logs nothing at N, nothing is purged there."""
+
+    def __init__(self, file_writer: Any, purge_at: int | None = None, carried: list[bytes] | None = None) -> None:
+        self._add_event = file_writer.add_event
+        file_writer.add_event = self.add_event
+        self.step, self.events = -1, []
+        self._purge_at, self._carried = purge_at, carried or []
+
+    def add_event(self, event: Any, step: int | None = None, walltime: float | None = None) -> None:
+        """``FileWriter.add_event``, noted; the purge and the carried events first where this is step N's first."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        if self._purge_at is not None and (event.step if step is None else int(step)) == self._purge_at:
+            self._add_event(Event(step=self._purge_at, session_log=SessionLog(status=SessionLog.START)))
+            self._purge_at = None
+            for data in self._carried:
+                carried = Event.FromString(data)
+                self._add_event(carried, carried.step, carried.wall_time)
+                self._note(carried)
+        self._add_event(event, step, walltime)
+        self._note(event)
+
+    def _note(self, event: Any) -> None:
+        if event.step > self.step:
+            self.step, self.events = event.step, []
+        if event.step == self.step:
+            self.events.append(event.SerializeToString())
+
+
 class TensorBoardWriter(Logger):
     """``trainer.logger`` while :class:`TensorBoardLogger` runs: writes to its event files."""
 
@@ -143,6 +195,8 @@ class TensorBoardLogger(Callback):
         self._last_time = 0.0
         self._last_step = 0
         self._failed = False  # the run raised: closing the writer must not replace that error with its own
+        self._step_events: StepEvents | None = None
+        self._carried: dict[str, Any] | None = None  # the restored checkpoint's step and its events
 
     def _due(self, trainer) -> bool:
         return trainer.state.iteration % self.log_every_n_steps == 0
@@ -151,13 +205,22 @@ class TensorBoardLogger(Callback):
         if not trainer.is_global_zero:
             return
         # A continued run logs again the steps its killed predecessor wrote after the checkpoint: purge_step hides
-        # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value.
+        # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value. The
+        # checkpoint's own step is purged only if this run logs at it again (StepEvents).
+        step, carried = trainer.state.global_step, self._carried
         continued = trainer.fit_start.version_dir is not None
-        purge_step = trainer.state.global_step + 1 if continued else None
+        purge_step = step + 1 if continued else None
         self._failed = False
         log_dir = trainer.version_dir / "tensorboard"
         with writing_events(log_dir):
+            if continued:
+                _after_the_newest_event_file(log_dir)
             self.writer = summary_writer(log_dir, purge_step)
+            if continued and carried is not None:  # a checkpoint of an older ampkit carries none: no purge at step
+                events = carried["events"] if carried["step"] == step else []
+                self._step_events = StepEvents(self.writer.file_writer, step, events)
+            else:
+                self._step_events = StepEvents(self.writer.file_writer)
             trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
@@ -205,21 +268,32 @@ class TensorBoardLogger(Callback):
             self._queued += rows
 
     def state_dict(self) -> dict[str, Any]:
-        """The batch outputs since the last log step, so a resume's first ``train/<output>`` point averages the
-        same batches as an uninterrupted run's (not only those since the resume)."""
+        """What was logged so far goes to the event file first, before the checkpoint exists (SummaryWriter writes
+        its buffer out every 120 s: a SIGKILL lost the steps before the checkpoint, which a resume does not log again).
+        Saved: the events of the newest step (see :class:`StepEvents`), and the batch outputs since the last log step,
+        so a resume's first ``train/<output>`` point averages the same batches as an uninterrupted run's."""
+        state: dict[str, Any] = {}
+        if self.writer is not None:
+            try:
+                self._flush()
+                with writing_events(Path(self.writer.log_dir)):
+                    self.writer.flush()
+            except RunDirectoryError:  # the checkpoint is saved all the same; the writer's next write says why
+                pass
+            state["step_events"] = {"step": self._step_events.step, "events": list(self._step_events.events)}
         if not self._window:
-            return {}
+            return state
         tensors = [v for values in self._window.values() for v in values if isinstance(v, torch.Tensor)]
         read = iter(read_scalars(*tensors))
-        return {
-            "window": {
-                key: [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-                for key, values in self._window.items()
-            }
+        state["window"] = {
+            key: [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+            for key, values in self._window.items()
         }
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._window = {key: list(values) for key, values in state.get("window", {}).items()}
+        self._carried = state.get("step_events")
 
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if not self._due(trainer):
@@ -305,7 +379,7 @@ class TensorBoardLogger(Callback):
             if not self._failed:  # after a failure it fails again (its thread stopped at a full disk): the first stands
                 raise
         finally:
-            self.writer = None
+            self.writer, self._step_events, self._carried = None, None, None
             trainer.logger = Logger()
             writer_closed()
 

@@ -402,9 +402,21 @@ def check_gpt_config(cfg: DictConfig) -> None:
     if not problems and m.width % m.heads:
         problems.append(f"config key 'model.width': {m.width} is not a multiple of model.heads ({m.heads})")
     if not problems:
-        problems += _batch_problems(cfg)
+        problems += _batch_problems(cfg) or _size_problems(m)
     if problems:
         raise ampkit.ConfigError("; ".join(problems))
+
+
+def _size_problems(m: DictConfig) -> list[str]:
+    """A model whose float32 weights alone exceed this machine's memory (a typo such as ``model.layers=10000000``):
+    named here, where building it would run for hours or be killed without a word."""
+    params = m.layers * 12 * m.width**2 + (VOCAB + m.seq_len) * m.width
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 4 * params <= memory:
+        return []
+    return [f"config keys 'model.layers' ({m.layers}), 'model.width' ({m.width}) and 'model.seq_len' ({m.seq_len}): "
+            f"a model of {params:.2e} parameters needs {4 * params / 2**30:,.0f} GiB for its float32 weights alone, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB of memory; lower them"]  # fmt: skip
 
 
 def _batch_problems(cfg: DictConfig) -> list[str]:

@@ -293,19 +293,20 @@ def distributed_loader(
 
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
+    if loader.batch_sampler is None or isinstance(sampler_of(loader), DistributedSampler):
         return loader
-    shuffle = shuffle_default and isinstance(loader.sampler, RandomSampler)
-    if not env.enabled and not (shuffle and _is_permutation(loader.sampler)):
+    shuffle = shuffle_default and isinstance(sampler_of(loader), RandomSampler)
+    if not env.enabled and not (shuffle and _is_permutation(sampler_of(loader))):
         return loader
     if not env.enabled and type(loader.batch_sampler).__name__ != "BatchSampler":
         return loader
     _check_shardable(loader, source)
     sampler = DistributedSampler(loader.dataset, num_replicas=env.world_size, rank=env.rank, shuffle=shuffle,
                                  seed=seed)  # fmt: skip
+    batches = loader.batch_sampler  # the loader's own, or one given as batch_sampler= (loader.batch_size is None)
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        loader.dataset, batch_size=batches.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=batches.drop_last,
         timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
@@ -471,16 +472,39 @@ def evaluation_loader(loader: Any, env: DistributedEnv, source: str = "val_datal
 
     if not env.enabled or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
+    if loader.batch_sampler is None:
+        return loader
+    if isinstance(sampler_of(loader), DistributedSampler):
+        _warn_of_padding(sampler_of(loader), source)
         return loader
     _check_shardable(loader, source)
-    batches = EvaluationBatches(len(loader.dataset), loader.batch_size, loader.drop_last, env)
+    given = loader.batch_sampler  # the loader's own, or one given as batch_sampler= (loader.batch_size is None)
+    batches = EvaluationBatches(len(loader.dataset), given.batch_size, given.drop_last, env)
     return DataLoader(
         loader.dataset, batch_sampler=batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         generator=loader.generator, prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
         persistent_workers=loader.persistent_workers,
     )  # fmt: skip
+
+
+def _warn_of_padding(sampler: Any, source: str) -> None:
+    """A ``DistributedSampler`` evaluating a set the ranks do not divide evenly repeats samples to even out the
+    shards (unless ``drop_last``, which leaves some out): said, as Lightning does, as they count twice in the means."""
+    size = len(sampler.dataset)
+    if sampler.drop_last or size % sampler.num_replicas == 0:
+        return
+    rank_zero_warn(
+        f"{source}'s DistributedSampler repeats {sampler.total_size - size} of its {size} samples to give each of "
+        f"{sampler.num_replicas} ranks as many, so they count twice in the means: give the DataLoader a plain sampler "
+        "(or none), which ampkit shards across the ranks with each sample evaluated once"
+    )
+
+
+def sampler_of(loader: Any) -> Any:
+    """The sampler that orders a DataLoader's samples: its batch sampler's. One given as ``batch_sampler=
+    BatchSampler(sampler, ...)`` is not ``loader.sampler``, a SequentialSampler the loader never reads."""
+    return getattr(loader.batch_sampler, "sampler", loader.sampler)
 
 
 def _check_shardable(loader: Any, source: str) -> None:
@@ -494,8 +518,9 @@ def _check_shardable(loader: Any, source: str) -> None:
             f"{source}'s custom batch_sampler cannot be sharded across ranks automatically; give the "
             "DataLoader a DistributedSampler yourself"
         )
-    if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
-        if isinstance(loader.sampler, WeightedRandomSampler):  # a Subset or a DistributedSampler drops the weights
+    sampler = sampler_of(loader)
+    if not isinstance(sampler, RandomSampler | SequentialSampler):
+        if isinstance(sampler, WeightedRandomSampler):  # a Subset or a DistributedSampler drops the weights
             instead = "give the DataLoader a DistributedSampler subclass that draws this rank's share with the weights"
         else:
             instead = (
@@ -503,7 +528,7 @@ def _check_shardable(loader: Any, source: str) -> None:
                 "DataLoader a DistributedSampler yourself"
             )
         raise ValueError(
-            f"{source}'s sampler {type(loader.sampler).__name__} cannot be sharded across ranks automatically (each "
+            f"{source}'s sampler {type(sampler).__name__} cannot be sharded across ranks automatically (each "
             f"rank would draw from the whole dataset, also samples it leaves out); {instead}"
         )
 

@@ -1,6 +1,7 @@
 """The ``torch.Generator`` objects a training loader draws from besides torch's global RNG, captured and restored with
 a checkpoint: a sampler given its own generator (``WeightedRandomSampler(..., generator=g)``) draws each epoch's order
-from it, and a loader's ``generator=`` seeds its workers, so a resume must put them where the saved run had them."""
+from it, and a loader's ``generator=`` seeds its workers, so a resume must put them where the saved run had them.
+A sampler seeded per epoch (``set_epoch``) is told each epoch here too."""
 
 from __future__ import annotations
 
@@ -10,12 +11,26 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 
+def _owners(loader: Any) -> tuple[Any, ...]:
+    """``loader``, its sampler, its batch sampler and that one's sampler (a ``batch_sampler=`` hides its own)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Tell each of ``loader``'s samplers that has a ``set_epoch`` (a ``DistributedSampler``, whose order is a function
+    of it) which epoch starts, each once, as Lightning does: one never told shuffles every epoch alike."""
+    told: list[Any] = []
+    for owner in _owners(loader)[1:]:
+        if callable(getattr(owner, "set_epoch", None)) and all(owner is not seen for seen in told):
+            owner.set_epoch(epoch)
+            told.append(owner)
+
+
 def loader_generators(loader: Any) -> list[torch.Generator]:
     """The generators of ``loader``, its sampler and its batch sampler (and that one's sampler), each once."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
     found: list[torch.Generator] = []
-    for owner in owners:
+    for owner in _owners(loader):
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator) and all(generator is not seen for seen in found):
             found.append(generator)

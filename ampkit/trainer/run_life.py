@@ -21,12 +21,14 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     deletes a file of another lineage.
 
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
-  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories no live
-  run holds, and a sharded checkpoint set aside by an interrupted save is put back, never deleted.
+  are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories an ampkit
+  run made (another tool's ``version_N`` beside them is left alone) and no live run holds, and a sharded
+  checkpoint set aside by an interrupted save is put back, never deleted.
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
   now another process's after a reboot or a container restart) is stale and taken over. Under ``torchrun``
-  only rank zero takes it.
+  only rank zero takes it. The tidying above takes each idle directory's lock for a moment; a run starting there
+  meanwhile waits for it, not refused.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
   ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
@@ -149,7 +151,7 @@ def _version_dir_of(path: Path) -> Path | None:
     return None
 
 
-def _loop_of(path: Path) -> dict[str, int] | None:
+def loop_of(path: Path) -> dict[str, int] | None:
     """The loop position saved in checkpoint ``path`` (memory-mapped: the tensors are not read), None if unreadable."""
     checkpoint = peek_checkpoint(_trainer_part(path))
     try:
@@ -198,7 +200,7 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
         return False
     if last.resolve() == path.resolve() or (last.is_file() and path.is_file() and os.path.samefile(last, path)):
         return True
-    return _loop_of(last) == loop
+    return loop_of(last) == loop
 
 
 @dataclass
@@ -343,9 +345,9 @@ def _last_of(version_dir: Path) -> Path | None:
 
 
 def _best_of(version_dir: Path) -> Path | None:
-    """``version_dir``'s ``best`` checkpoint (``best.pt``, or the link to a sharded one), or None. Where the ``best``
-    link of sharded checkpoints is gone (a copy that drops links), the directory its newest checkpoint ranks best,
-    which the link would name; never a guess past a dangling link."""
+    """``version_dir``'s ``best`` checkpoint (``best.pt``, or the link to a sharded one), or None. Where ``best.pt``
+    or the ``best`` link is gone (deleted by hand; a copy that drops links), the checkpoint its newest one ranks
+    best, which ``best`` would be; never a guess past a dangling link."""
     checkpoints = version_dir / "checkpoints"
     best_file, best_link = checkpoints / "best.pt", checkpoints / "best"
     if best_file.is_file():
@@ -355,7 +357,7 @@ def _best_of(version_dir: Path) -> Path | None:
     if os.path.lexists(best_link) or not checkpoints.is_dir():
         return None
     newest = _last_of(version_dir)
-    if newest is None or not is_sharded_checkpoint(newest):
+    if newest is None:
         return None
     try:
         states = peek_checkpoint(_trainer_part(newest))["callbacks"].values()
@@ -365,7 +367,7 @@ def _best_of(version_dir: Path) -> Path | None:
     if not isinstance(ranked, dict):
         return None
     best = checkpoints / next(iter(ranked))  # the best first, as ModelCheckpoint ranks them
-    return best if (best / ".metadata").is_file() else None
+    return best if best.is_file() or (best / ".metadata").is_file() else None
 
 
 def plan_fit(
@@ -416,9 +418,9 @@ def plan_fit(
     version_dir = _version_dir_of(path)
     if version_dir is not None and not _newest_of_its_run(path, version_dir, loop):
         version_dir = None
-    if version_dir is not None and not os.access(version_dir, os.W_OK | os.X_OK):  # an archived run: read-only
+    if version_dir is not None and (unwritable := _unwritable(version_dir)) is not None:
         rank_zero_warn(
-            f"'{path}' is the last checkpoint of its run, but '{version_dir}' cannot be written (read-only): "
+            f"'{path}' is the last checkpoint of its run, but '{unwritable}' cannot be written (read-only): "
             f"training branches from it into a new version under run_dir '{run_dir}'"
         )
         version_dir = None
@@ -439,6 +441,13 @@ def plan_fit(
         nothing_to_train=why_finished(checkpoint, path, cfg),
         order_changes=order_changes,
     )
+
+
+def _unwritable(version_dir: Path) -> Path | None:
+    """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write (an archived run; one whose
+    checkpoints were made read-only to keep them), or None: a resume of its last checkpoint branches then, rather than
+    training on to fail at its first save."""
+    return next((d for d in (version_dir, version_dir / "checkpoints") if not os.access(d, os.W_OK | os.X_OK)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
@@ -637,7 +646,7 @@ def finish_interrupted_pruning(start: FitStart) -> None:
         return
     if saved_settings.get("save_top_k") == -1 and not saved_settings.get("monitor"):  # that run kept every file
         return
-    lock = RunLock(start.version_dir)
+    lock = RunLock(start.version_dir, tidying=True)
     try:
         lock.acquire()
     except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written
@@ -651,11 +660,12 @@ def finish_interrupted_pruning(start: FitStart) -> None:
 
 
 def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
-    """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that no live run holds (each locked while
-    it is tidied; a read-only one is skipped). Rank zero only, before the run writes anything."""
+    """:func:`remove_stale_temps` in every ``version_N`` under ``run_dir`` that an ampkit run made and no live run
+    holds (each locked while it is tidied; a read-only one is skipped). Rank zero only, before the run writes
+    anything."""
     removed: list[Path] = []
-    for version_dir in version_dirs(run_dir):
-        lock = RunLock(version_dir)
+    for version_dir in filter(_made_by_a_run, version_dirs(run_dir)):
+        lock = RunLock(version_dir, tidying=True)
         try:
             lock.acquire()
         except (RunDirectoryError, OSError):  # a live run writes there, or it cannot be written: not ours to tidy
@@ -672,7 +682,22 @@ def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _made_by_a_run(version_dir: Path) -> bool:
+    """Whether ``version_dir`` is an ampkit run's: it holds the config a run writes first, under its lock, or the lock
+    or its temp file (a run killed before the config). Another tool's ``version_N`` in the same folder (Lightning's
+    ``lightning_logs/version_0``) is not tidied: names alike there (``.best.old/``) are its own files."""
+    if (version_dir / "config.yaml").is_file():
+        return True
+    try:
+        return any(p.name == LOCK_FILE or _LOCK_TEMP.match(p.name) for p in version_dir.iterdir())
+    except OSError:  # unreadable: not ours to tidy
+        return False
+
+
 # ----------------------------------------------------------------------------------------- the lock
+TIDYING_WAIT_S = 30.0  # how long a run waits for another process's tidying of its version directory
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
     try:
@@ -700,10 +725,13 @@ def _process_start(pid: int) -> str | None:
 
 
 class RunLock:
-    """``version_N/run.lock``: one live run writes a version directory at a time."""
+    """``version_N/run.lock``: one live run writes a version directory at a time. ``tidying``: a lock held only while
+    :func:`tidy_run_dir` (or a finished run's pruning) works there, for a moment; a run starting meanwhile waits for
+    it (up to :data:`TIDYING_WAIT_S`) instead of being refused."""
 
-    def __init__(self, version_dir: Path) -> None:
+    def __init__(self, version_dir: Path, tidying: bool = False) -> None:
         self.path = version_dir / LOCK_FILE
+        self.tidying = tidying
         self._mine: dict[str, Any] | None = None
 
     def _holder(self) -> dict[str, Any] | None:
@@ -724,26 +752,40 @@ class RunLock:
         return started is not None and _process_start(pid) not in (None, started)
 
     def acquire(self) -> None:
-        """Take the lock, taking over a stale one; a :class:`RunDirectoryError` naming a live holder."""
+        """Take the lock, taking over a stale one and waiting out another process's tidying; a
+        :class:`RunDirectoryError` naming a live holder."""
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         if (started := _process_start(os.getpid())) is not None:
             mine["started"] = started
+        if self.tidying:
+            mine["tidying"] = True
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(mine))
+        deadline, take_overs = time.monotonic() + TIDYING_WAIT_S, 0
         try:
-            for _ in range(3):
+            while True:
                 try:
                     os.link(tmp, self.path)  # creates the lock with its content at once, or fails if there is one
                     self._mine = mine
                     return
                 except FileExistsError:
                     holder = self._holder()
-                    if not self._stale(holder):
-                        raise RunDirectoryError(self._refusal(holder)) from None
+                if holder is None and not os.path.lexists(self.path):  # released just now: try again
+                    continue
+                if self._stale(holder) and take_overs < 3:
                     self._take_over(holder)
-            raise RunDirectoryError(self._refusal(self._holder()))
+                    take_overs += 1
+                elif self._waits_for(holder) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                else:
+                    raise RunDirectoryError(self._refusal(holder))
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _waits_for(self, holder: dict[str, Any] | None) -> bool:
+        """Whether a run taking the lock waits for ``holder`` to let go: another process tidying there for a moment
+        (a tidier itself moves on: the directory is someone else's to tidy now)."""
+        return not self.tidying and holder is not None and bool(holder.get("tidying"))
 
     def _take_over(self, stale: dict[str, Any]) -> None:
         """Remove a stale lock, unless another run replaced it meanwhile (then it is put back)."""
@@ -764,6 +806,8 @@ class RunLock:
             who = "an unreadable lock"
         else:
             who = f"pid {holder.get('pid')} on host {holder.get('host')} (since {holder.get('since')})"
+            if holder.get("tidying"):
+                who += f", tidying it for over {TIDYING_WAIT_S:g} s"
         return (
             f"run directory '{self.path.parent}' is in use by {who}: two runs would write the same checkpoints. "
             f"Wait for it to end, start a fresh run (without --resume), or, if that run is gone, delete '{self.path}'"

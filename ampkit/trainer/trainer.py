@@ -124,7 +124,7 @@ from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
-from ampkit.trainer.loader_rng import capture_generators, restore_generators
+from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
@@ -338,6 +338,11 @@ class Trainer:
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
+        # The hook (or training_step) running now, and the one that logs each on_epoch tag: Lightning keeps one tag's
+        # values apart per hook, so one mean over two hooks' values would be neither's.
+        self._fx: str | None = None
+        self._epoch_fx: dict[str, str] = {}
+        self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
@@ -498,14 +503,17 @@ class Trainer:
         loss_state.backwards += 1
         for opt_state in self.optimizer_state.values():
             opt_state.grad_norm = None
+        fx, self._fx = self._fx, "on_before_backward"
         for hook in self._hooks["on_before_backward"]:  # mixed precision scales the loss here
             hook(self, backward)
         if self.sharded:
             backward_to(backward.loss, backward.inputs, self.module)
         else:
             backward.loss.backward(inputs=backward.inputs)
+        self._fx = "on_after_backward"
         for hook in self._hooks["on_after_backward"]:  # ... and unscales the new gradients, reporting found_inf
             hook(self, backward)
+        self._fx = fx
         if loss_state.reported or self.dist.enabled:  # every rank agrees after every backward, in lockstep
             self._facts_pending = True
 
@@ -568,8 +576,10 @@ class Trainer:
             self._agree_facts()
         if opt_state.loss_ids and _reached_by_scaled_loss(opt_state, self.loss_state):
             self.fire("on_after_unscale", optimizer, skip_verdict(opt_state, self.loss_state) is not None)
+        fx, self._fx = self._fx, "on_before_optimizer_step"
         for hook in self._hooks["on_before_optimizer_step"]:  # clipping
             hook(self, optimizer)
+        self._fx = fx
         culprits = skip_verdict(opt_state, self.loss_state)
         if culprits is not None:
             opt_state.skipped = True
@@ -591,8 +601,10 @@ class Trainer:
         opt_state.stepped = True
         opt_state.steps += 1
         opt_state.epoch_steps += 1
+        fx, self._fx = self._fx, "on_after_optimizer_step"
         for hook in self._hooks["on_after_optimizer_step"]:
             hook(self, optimizer)
+        self._fx = fx
         return True
 
     def _device_found_inf(self, opt_state: OptimizerState) -> torch.Tensor | None:
@@ -701,20 +713,40 @@ class Trainer:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+            if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
+                raise UserCodeError(
+                    f"log('{tag}'): expected a scalar, got a tensor of shape {tuple(value.shape)}; log one number "
+                    "(its mean, a norm) or each element under a tag of its own"
+                )
             value = value.detach()
         elif not isinstance(value, numbers.Real):
-            raise TypeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+            raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
         if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
             step_tag = f"{tag}_step" if on_epoch else tag
             self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
+            self._check_one_hook_logs(tag)
+            epoch_tag = f"{tag}_epoch" if on_step else tag
+            if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
+                self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
+                return
             weight = (self.state.batch_size or 1) if self._batch is not None else 1
-            total = self._epoch_sums.setdefault(f"{tag}_epoch" if on_step else tag, [0.0, 0])
+            total = self._epoch_sums.setdefault(epoch_tag, [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
+
+    def _check_one_hook_logs(self, tag: str) -> None:
+        """Refuse an ``on_epoch`` tag that another hook logs too: Lightning keeps each hook's values of a tag apart
+        (and writes one hook's mean), where one mean of both would be neither's."""
+        fx = self._fx or "code outside the Trainer's hooks"
+        first = self._epoch_fx.setdefault(tag, fx)
+        if first != fx:
+            raise UserCodeError(
+                f"log('{tag}', on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and one "
+                f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
+                f"'{tag}_{fx}')"
+            )
 
     def take_logged(self) -> list[tuple[str, Any, int]]:
         """``log()``'s values not taken yet, as ``(tag, value, step)``, for the logger that writes them: they leave
@@ -738,8 +770,12 @@ class Trainer:
 
         The hooks of every batch loop over ``self._hooks[hook]`` in place instead: a hook nobody overrides
         then costs an empty loop, not a call (a few microseconds a step on a small model)."""
-        for method in self._hooks[hook]:
-            method(self, *args)
+        fx, self._fx = self._fx, hook
+        try:
+            for method in self._hooks[hook]:
+                method(self, *args)
+        finally:
+            self._fx = fx
 
     @property
     def num_train_batches(self) -> int | None:
@@ -927,6 +963,7 @@ class Trainer:
 
     def _run_epoch(self) -> None:
         s = self.state
+        self._epoch_means_taken = False
         if s.batches_done == 0:  # a mid-epoch resume keeps the epoch's steps so far: epoch schedulers step on them
             for opt_state in self.optimizer_state.values():
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
@@ -944,13 +981,16 @@ class Trainer:
         self._loop_phase = "fetch"
         for batch in batches:
             self._run_batch(batch)
-            self._loop_phase = "fetch"
+            self._loop_phase = None  # between batches (a stop's validation): no batch to name
             self._stop_if_preempted()
             # A callback (early stopping) asked, or the limit. A stop asked inside an accumulation window waits for
             # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
             if (s.is_iteration_end and self._stopping()) or 0 <= max_steps <= s.global_step:
                 exhausted = s.batches_done == self._num_train_batches
+                if not exhausted and self._stopping():
+                    self._validate_at_stop()
                 break
+            self._loop_phase = "fetch"
         self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
@@ -978,12 +1018,25 @@ class Trainer:
                 self._validate()
             self._step_schedulers("epoch")
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
+        self._epoch_means_taken = True
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
         self.fire("on_train_epoch_end")
         self._agree_stop()  # before the next epoch starts
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
+
+    def _validate_at_stop(self) -> None:
+        """A stop asked mid-epoch (a callback, ``max_time``) validates the weights it leaves, once, as Lightning
+        does, in an epoch that validates at all; not again after the validation that asked it (early stopping). The
+        run's stop reason stays the first one, whatever that validation's early stopping says."""
+        s = self.state
+        validates = self._val_every_n_steps > 0 or _every(self.settings.val_every_n_epochs, s.epoch + 1)
+        if not validates or self.val_metrics_step == s.global_step:
+            return
+        reason = s.stop_reason
+        self._validate()
+        s.stop_reason = reason
 
     def _short_epoch(self) -> None:
         """The loader ended before its ``len()``: an accumulation window its last batch left open is an error (its
@@ -1020,14 +1073,18 @@ class Trainer:
         if not self._on_cpu:
             batch = self._to_device(batch)
         self._batch = batch
+        self._fx = "on_train_batch_start"
         for hook in self._hooks["on_train_batch_start"]:
             hook(self, batch)
+        self._fx = "training_step"
         outputs = self._training_step(batch)
         s.batches_done += 1
         if s.is_iteration_end:
             self._end_iteration()
+        self._fx = "on_train_batch_end"
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
+        self._fx = None
         # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
         # after every callback's) waits for its next take; with no logger taking them, nothing would.
         if not self._logged_taken:
@@ -1132,10 +1189,12 @@ class Trainer:
                 self._verdicts.waiting_schedules.append((self.state.iteration, stepped))
             else:
                 self._step_schedulers("step")
+        fx, self._fx = self._fx, "on_before_zero_grad"
         for optimizer in self.optimizers.values():
             for hook in self._hooks["on_before_zero_grad"]:
                 hook(self, optimizer)
             zero_grad_(optimizer)
+        self._fx = fx
         self.state.global_step += 1
         if self._val_every_n_steps > 0 and self.state.global_step % self._val_every_n_steps == 0:
             self._validate()
@@ -1372,6 +1431,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
+        self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
@@ -1541,9 +1601,7 @@ class Trainer:
             generators = resume["loader_generators"]  # None: a checkpoint of a run before they were saved
             if generators is not None and generators["epoch" if skip else "now"] is not None:
                 restore_generators(self._train_loader, generators["epoch" if skip else "now"])
-        sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):  # the seeded sampler: a new shuffle each epoch, the same on every rank
-            sampler.set_epoch(self.state.epoch)
+        set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
         iterator = iterate(self._train_loader)

@@ -1,7 +1,7 @@
 """O1 autocast on CPU, O2/O3 model casts keeping batch norm fp32, casts at the model boundary."""
 
 import io
-from collections import namedtuple
+from collections import defaultdict, namedtuple
 
 import pytest
 import torch
@@ -86,6 +86,26 @@ def test_cast_floating_recurses_and_leaves_others():
     assert out["x"][1][1] == "s" and isinstance(out["p"], Pair) and out["p"].a.dtype == torch.float16
     t = torch.ones(2, dtype=torch.float16)
     assert cast_floating(t, torch.float16) is t
+
+
+def test_cast_floating_rebuilds_mappings_whose_constructor_takes_no_dict():
+    """A defaultdict of losses keeps its factory, and a dict class whose constructor takes arguments of its own
+    keeps its class and attributes: rebuilding them with ``type(value)(dict_of_values)`` failed or built a wrong
+    object."""
+
+    class Named(dict):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.name = name
+
+    losses = defaultdict(float, {"cls": torch.ones(1)})
+    out = cast_floating(losses, torch.float16)
+    assert isinstance(out, defaultdict) and out.default_factory is float and out["cls"].dtype == torch.float16
+    named = Named("heads")
+    named["box"] = torch.ones(1)
+    out = cast_floating(named, torch.float16)
+    assert isinstance(out, Named) and out.name == "heads" and out == {"box": torch.ones(1, dtype=torch.float16)}
+    assert named["box"].dtype == torch.float32, "the original is not changed"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -133,6 +133,23 @@ def test_the_ranking_survives_a_resume_and_a_worse_value_after_it_evicts_nothing
     assert _best_pt_step(middle) == 2
 
 
+def test_a_kill_between_best_pt_and_last_pt_leaves_best_pt_the_ranking_s_best_after_the_resume(tmp_path):
+    """A save copies a new best into best.pt before it moves last.pt. Killed in between, the resume restored last.pt's
+    ranking and removed the new best-<step>.pt, but best.pt kept that state, ranked by nothing; where the step scored
+    otherwise on resume (a changed config, a GPU's other rounding) best.pt stayed a model no ranking named."""
+    import shutil
+
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.every_n_steps": 1}
+    first = _fit(tmp_path, SCORES, **keys, **{"trainer.max_steps": 4})
+    checkpoints = first.version_dir / "checkpoints"
+    assert _best_pt_step(first) == 4
+    shutil.copy(checkpoints / "step-00000003.pt", checkpoints / "last.pt")  # as if killed before last.pt moved
+    run = _fit(tmp_path, {**SCORES, 4: 0.95}, resume="last", **keys, **{"trainer.max_steps": 4})
+    assert run.version_dir == first.version_dir
+    assert not (checkpoints / "best-00000004.pt").exists()
+    assert _best_pt_step(run) == 2
+
+
 def test_a_monitor_never_returned_is_an_error_naming_it_and_the_metrics_there_are(tmp_path):
     """Lightning's ModelCheckpoint raises naming the monitor and the available metrics; so does ampkit, at the
     first validation (here without the sanity check, which would catch it before training)."""

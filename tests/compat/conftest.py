@@ -17,4 +17,4 @@ def _fresh_amp_state():
     amp._amp_state.reset()
     yield
     amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)  # undoes O1 function patches
-    amp._amp_state.reset()
+    amp._amp_state.__init__()  # forgets the last O1 handle too, which a reset keeps (as Apex did)

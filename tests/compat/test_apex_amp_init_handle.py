@@ -306,8 +306,9 @@ def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
     where ``amp.initialize(enabled="False")`` is refused."""
     with pytest.raises(ValueError, match=rf"^{name}='False': expected True or False$"):
         amp.init(**{name: "False"})
-    assert isinstance(amp.init(**{name: 0}), amp.handle.NoOpHandle if name == "enabled" else amp.handle.AmpHandle)
-    amp._amp_state.handle._deactivate()
+    handle = amp.init(**{name: 0})
+    assert isinstance(handle, amp.handle.NoOpHandle if name == "enabled" else amp.handle.AmpHandle)
+    handle._deactivate()
 
 
 def test_the_wrapped_optimizers_zero_grad_without_an_argument_is_the_optimizers_own():

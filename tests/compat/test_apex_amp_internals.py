@@ -49,6 +49,25 @@ def test_opt_properties_exists_only_once_initialize_ran():
     assert not hasattr(_amp_state, "opt_properties")
 
 
+def test_loss_scalers_and_handle_exist_only_once_amp_made_them():
+    """Libraries ask ``hasattr(amp._amp_state, "loss_scalers")`` (is amp training?) and ``"handle"`` (are O1's
+    casts on?) before touching them, as with Apex, whose state gained each attribute only when it was made."""
+    assert not any(hasattr(_amp_state, name) for name in ("loss_scalers", "handle", "min_loss_scale"))
+    assert amp.state_dict() == {}
+    amp.init(enabled=False)  # a NoOpHandle is not kept as the handle
+    amp.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), enabled=False)
+    assert not any(hasattr(_amp_state, name) for name in ("loss_scalers", "handle", "min_loss_scale"))
+    assert amp.state_dict() == {}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})  # a disabled run skips it
+    amp.initialize(_model(), opt_level="O2", verbosity=0)
+    assert len(_amp_state.loss_scalers) == 1 and not hasattr(_amp_state, "handle")
+    amp.initialize(_model(), opt_level="O1", verbosity=0)
+    handle = _amp_state.handle
+    assert handle.is_active()
+    amp.initialize(_model(), opt_level="O0", verbosity=0)
+    assert _amp_state.handle is handle and not handle.is_active()  # kept, deactivated, as Apex left it
+
+
 def test_all_wrappers_lists_the_patched_functions_and_deactivate_restores_them_and_saved_ones():
     original_mm, original_sigmoid = torch.mm, torch.sigmoid
     handle = amp.init(verbose=False)

@@ -194,3 +194,52 @@ def test_cast_weights_are_not_cached_across_iterations():
         with amp.scale_loss(out.float().pow(2).mean(), optimizer) as scaled:
             scaled.backward()
         optimizer.step()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_eval_attention_layers_after_a_cast_op_run_the_cast_functions(dtype):
+    """torch >= 1.12 sends an eval-mode batch_first ``TransformerEncoderLayer`` or ``MultiheadAttention`` through
+    fused kernels no O1 list reaches, which refused the low-precision output of the Linear before them next to
+    their float32 weights. As under autocast, O1 keeps them on the layer's functions: the torch those Apex scripts
+    were written for had no such kernels. After O1 the fast paths are back."""
+    torch.manual_seed(0)
+    embed = torch.nn.Linear(6, 8)
+    encoder = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    model = torch.nn.ModuleList([embed, encoder, attention]).eval()
+    amp.initialize(model, opt_level="O1", dtype=dtype, verbosity=0)
+    x = torch.randn(3, 5, 6)
+    with torch.no_grad():
+        h = embed(x)
+        encoded = encoder(h)
+        attended, _ = attention(h, h, h, need_weights=False)
+    assert attended.dtype == dtype  # its output projection is a Linear
+    assert encoded.dtype == torch.float32  # its last function is layer_norm, which O1 runs in float32
+    with torch.no_grad(), amp.disable_casts():
+        reference = encoder(embed(x))  # the same functions in float32: the cast path agrees within rounding
+    torch.testing.assert_close(encoded.float(), reference, atol=0.05, rtol=0.05)
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_prelu_and_bilinear_modules_after_a_cast_op_are_cast_as_torch_prelu_and_bilinear(dtype):
+    """Apex's O1 patched ``torch.prelu`` (low precision) and ``torch.bilinear`` (promote), which ``nn.PReLU`` and
+    ``nn.Bilinear`` reached through ``F.prelu``/``F.bilinear``. torch has since made those two F functions the very
+    objects ``torch.prelu``/``torch.bilinear`` were, so a patch of torch's name alone missed the modules: a
+    face-recognition backbone's Conv-BN-PReLU failed with "prelu: Type promoting not supported"."""
+    originals = (F.prelu, F.bilinear, torch.prelu, torch.bilinear)
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.PReLU(4))
+    head = torch.nn.Bilinear(4, 4, 2)
+    model = torch.nn.ModuleList([body, head])
+    amp.initialize(model, opt_level="O1", dtype=dtype, verbosity=0)
+    features = body(torch.randn(2, 3, 5, 5))
+    assert features.dtype == dtype
+    pooled = features.mean((2, 3))
+    scores = head(pooled, torch.randn(2, 4))  # a low-precision and a float32 input: promoted, as Apex's CASTS
+    assert scores.dtype == torch.float32
+    scores.sum().backward()
+    assert body[2].weight.grad.dtype == torch.float32
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    assert (F.prelu, F.bilinear, torch.prelu, torch.bilinear) == originals  # all four put back

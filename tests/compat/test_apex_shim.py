@@ -457,6 +457,37 @@ def test_a_legacy_script_keeps_its_globals_until_the_interpreter_exits(tmp_path,
     assert result.stdout.split() == ["at", "exit", "freed"]
 
 
+@pytest.mark.parametrize("as_module", [False, True])
+def test_a_failing_legacy_script_reports_its_error_as_python_does(tmp_path, as_module):
+    """The traceback starts at the script's own first frame (nine runner and runpy frames stood above it), the exit
+    status is python's 1, and what the script holds still outlives it until exit."""
+    (tmp_path / "failing.py").write_text(
+        "import atexit, weakref\n"
+        "class Held:\n"
+        "    pass\n"
+        "held = Held()\n"
+        "weakref.finalize(held, print, 'freed', flush=True)\n"
+        "atexit.register(print, 'at exit', flush=True)\n"
+        "def train():\n"
+        "    raise ValueError('bad batch')\n"
+        "train()\n"
+    )
+    target = ["-m", "failing"] if as_module else ["failing.py"]
+    result = _legacy(*target, cwd=tmp_path, extra_path=(tmp_path,))
+    plain = subprocess.run([sys.executable, *target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (
+        (result.returncode, result.stdout.split())
+        == (plain.returncode, plain.stdout.split())
+        == (1, ["at", "exit", "freed"])
+    )
+    first_script_frame = result.stderr.splitlines()[1]  # python -m keeps two runpy frames; the runner drops them
+    assert first_script_frame == f'  File "{tmp_path / "failing.py"}", line 9, in <module>'
+    assert result.stderr.split(first_script_frame)[1] == plain.stderr.split(first_script_frame)[1]
+    (tmp_path / "broken.py").write_text("x = (\n")  # a SyntaxError: its location alone, as python prints it
+    result = _legacy("broken.py", cwd=tmp_path)
+    assert (result.returncode, result.stderr.splitlines()[0]) == (1, f'  File "{tmp_path / "broken.py"}", line 1')
+
+
 def test_spawned_child_processes_of_a_legacy_run_see_the_shim(tmp_path):
     script = tmp_path / "spawning.py"
     script.write_text(

@@ -3,7 +3,8 @@ transformers' availability check, apex loop and Trainer resume, the try-block of
 scripts guard apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its resume through the masters, the 2019
 LAMB calls of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total
 norm and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, DPR's
-clipping after every accumulated micro-batch, and optional Apex parts behind ``except ImportError``."""
+clipping after every accumulated micro-batch, GPT2-Chinese's clipping inside the ``scale_loss`` block, UER-py's
+adversarial backwards after it, and optional Apex parts behind ``except ImportError``."""
 
 from __future__ import annotations
 
@@ -769,3 +770,85 @@ def test_hf_trainer_resumed_with_the_weights_loaded_before_initialize_continues_
     amp._amp_state.reset()
     resumed, _ = _hf_trainer_apex_run(opt_level, checkpoint, None)
     assert torch.equal(resumed, uninterrupted)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_gpt2_chinese_clips_the_masters_inside_the_scale_loss_block_as_apex_did(shim, opt_level):
+    """GPT2-Chinese calls ``clip_grad_norm_(amp.master_params(optimizer))`` inside the ``scale_loss`` block. There,
+    as in Apex, O1's gradients hold only this backward's part, still scaled (the earlier micro-batch is stashed), so
+    the clip shrinks it to ``max_norm / scale``; O2's masters hold the earlier micro-batches, unscaled, and the new
+    part arrives on exit, unclipped."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=1024.0, verbosity=0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    reference(x).pow(2).mean().backward()
+    grad = reference.weight.grad
+    optimizer.zero_grad()
+    for clip in (False, True):  # two micro-batches of the same loss; the second clips inside its block
+        with amp.scale_loss(model(x.to(next(model.parameters()).dtype)).float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+            if clip:
+                norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+    master_grad = next(iter(amp.master_params(optimizer))).grad.float()
+    if opt_level == "O1":
+        torch.testing.assert_close(norm, 1024.0 * grad.norm(), rtol=2e-3, atol=0)
+        expected = grad + grad / (1024.0 * grad.norm())
+    else:
+        torch.testing.assert_close(norm, grad.norm(), rtol=2e-3, atol=0)
+        expected = grad / grad.norm() + grad
+    torch.testing.assert_close(master_grad, expected, rtol=0, atol=2e-3 * expected.norm().item())  # fp16 model
+
+
+@pytest.mark.parametrize("attack", ["fgm", "pgd"])
+def test_uer_adversarial_backwards_after_the_block_and_a_restored_grad_reach_the_step(shim, attack):
+    """UER-py's ``--use_adv`` at O1: after the ``scale_loss`` block, plain ``backward()`` calls of losses on
+    perturbed embeddings add unscaled gradients (FGM), and PGD backs the gradients up, zeroes them, and puts the
+    backups back by assigning ``param.grad`` before its last backward. The step uses exactly what ``.grad`` holds,
+    as under Apex, whose O1 only replaced a step after an overflow."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(20, 8)
+    model = torch.nn.Sequential(embedding, torch.nn.Flatten(), torch.nn.Linear(40, 3))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(2))
+    labels = torch.tensor([0, 1, 2, 1])
+
+    def run(net, scaled_backward):
+        def loss():
+            return torch.nn.functional.cross_entropy(net(ids).float(), labels)
+
+        weight = net[0].weight
+        scaled_backward(loss())
+        backup = weight.data.clone()
+        grads = [p.grad.clone() for p in net.parameters()]
+        weight.data.add_(0.5 * weight.grad / weight.grad.norm())
+        if attack == "pgd":
+            net.zero_grad()
+            loss().backward()
+            weight.data.add_(0.3 * weight.grad / weight.grad.norm())
+            for p, g in zip(net.parameters(), grads, strict=True):
+                p.grad = g
+        loss().backward()
+        weight.data = backup
+
+    def scaled(loss):
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+
+    run(model, scaled)
+    run(reference, lambda loss: loss.backward())
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    for g, ref in zip(grads, reference.parameters(), strict=True):
+        torch.testing.assert_close(g, ref.grad, rtol=1e-2, atol=2e-3)  # O1 ran the Linear in fp16
+    optimizer.step()
+    for p, b, g in zip(model.parameters(), before, grads, strict=True):
+        torch.testing.assert_close(p.detach(), b - 0.5 * g, rtol=0, atol=1e-6)

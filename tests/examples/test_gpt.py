@@ -387,7 +387,10 @@ def test_model_config_errors_name_the_key(tmp_path):
                           ("optim.lr=inf", "optim.lr"), ("optim.weight_decay=inf", "optim.weight_decay"),
                           ("optim.min_lr=inf", "optim.min_lr"), ("optim.min_lr=0.1", "optim.min_lr"),  # above lr
                           ("data.val_fraction=0.00001", "model.seq_len"),  # a held-out text shorter than a window
-                          ("data.batch_size=100000", "data.batch_size")):  # a text shorter than one batch  # fmt: skip
+                          ("data.batch_size=100000", "data.batch_size"),  # a text shorter than one batch
+                          # more float32 weights than any machine's memory: building it ran for hours
+                          ("model.layers=1000000000", "model.layers"),
+                          ("model.width=10000000", "model.width")):  # fmt: skip
         trainer_class, cfg = load_config("gpt", [*TINY, f"run_dir={tmp_path}", override, "precision.opt_level=auto"])
         with pytest.raises(ampkit.ConfigError, match=f"'{key}'"):  # before the auto precision times anything
             trainer_class(cfg)

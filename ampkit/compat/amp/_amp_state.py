@@ -19,30 +19,45 @@ from ampkit.compat.amp.scaler import ApexLossScaler
 class AmpState:
     """What ``amp.initialize`` set up: the resolved properties, one scaler per loss, the cast settings.
 
-    ``opt_properties`` exists only once ``initialize`` ran, as in Apex: ``hasattr(amp._amp_state,
-    "opt_properties")`` is how Apex itself, and libraries around it, ask whether amp was initialized.
+    As in Apex, ``opt_properties`` exists only once ``initialize`` ran, ``loss_scalers`` (and the
+    ``min_loss_scale``/``max_loss_scale`` it was given) only once an enabled one did, and ``handle`` only
+    once O1 (or ``amp.init``) patched torch: ``hasattr(amp._amp_state, "loss_scalers")`` and the like are
+    how libraries around Apex ask whether amp is on. ampkit's own code reads ``active_handle``.
     """
 
     opt_properties: OptLevelProperties
+    loss_scalers: list[ApexLossScaler]
+    min_loss_scale: float | None
+    max_loss_scale: float | None
 
     def __init__(self) -> None:
         self.hard_override = False  # Apex's switch turning the opt-level Properties' errors into warnings
+        self.active_handle: Any = None  # the handle O1's casts and decorators follow (a NoOpHandle too)
+        self._apex_handle: Any = None  # the last AmpHandle, what Apex kept in ``_amp_state.handle``
         self.reset()
 
     def reset(self) -> None:
         """Forget the previous run (called at the start of every ``initialize``); its O1 casts are undone."""
         # The AmpHandle of the last O1 (``amp.init`` or an O1 ``initialize``); as in Apex it stays reachable
         # after a later ``initialize``, deactivated, so ``_amp_state.handle._deactivate()`` keeps working.
-        self.handle: Any = getattr(self, "handle", None)
-        if self.handle is not None:
-            self.handle._deactivate()
-        vars(self).pop("opt_properties", None)
-        self.min_loss_scale: float | None = None  # initialize's arguments, kept where Apex kept them
-        self.max_loss_scale: float | None = None
-        self.loss_scalers: list[ApexLossScaler] = []
+        if self.active_handle is not None:
+            self.active_handle._deactivate()
+        for name in ("opt_properties", "loss_scalers", "min_loss_scale", "max_loss_scale"):
+            vars(self).pop(name, None)
         self.verbosity: int = 1
         self.combine_grad: bool = False
         self.allow_incoming_model_not_fp32: bool = getattr(self, "allow_incoming_model_not_fp32", False)
+
+    @property
+    def handle(self) -> Any:
+        """The last O1 handle; absent (AttributeError) until ``amp.init`` or an O1 ``initialize`` made one."""
+        if self._apex_handle is None:
+            raise AttributeError("'AmpState' object has no attribute 'handle' (no O1 handle was made yet)")
+        return self._apex_handle
+
+    @handle.setter
+    def handle(self, handle: Any) -> None:
+        self.active_handle = self._apex_handle = handle
 
     @property
     def initialized(self) -> bool:
@@ -53,7 +68,7 @@ class AmpState:
         """True when ``scale_loss`` takes each backward's gradients out of ``.grad`` (loss scaling, O2 masters,
         flat buffers) and adds them back after it: a backward then only ever sees its own new gradients."""
         if not self.initialized:  # amp.init's handle API stashes around every scaled backward
-            return self.handle is not None and self.handle.is_active()
+            return self.active_handle is not None and self.active_handle.is_active()
         if not self.opt_properties.enabled:
             return False
         unit_static = all(not s.dynamic and s.loss_scale() == 1.0 for s in self.loss_scalers)

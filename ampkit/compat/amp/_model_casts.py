@@ -1,5 +1,6 @@
 """How ``amp.initialize`` casts models: O2/O3 cast the weights and the model's inputs and outputs; O1 casts
-no model (it patches torch's functions, see ``o1_casts``) but may cast its outputs.
+no model (it patches torch's functions, see ``o1_casts``) but may cast its outputs. An input or output of the
+script's own class is cast by its ``.to(dtype)``, as Apex's applier did ("Allow handling of custom batch classes").
 
 Everything is hooks (no ``model.forward`` replaced), so models stay picklable, and each model's hooks
 are remembered so that a later ``initialize`` of the same model removes them before adding its own.
@@ -67,8 +68,8 @@ def apply_model_casts(
         cast_model(model, properties.cast_model_type, keep_batchnorm_fp32=keep_bn)
         if output_dtype is None:
             output_dtype = torch.float32
-        handles.append(add_boundary_casts(model, properties.cast_model_type, output_dtype))
+        handles.append(add_boundary_casts(model, properties.cast_model_type, output_dtype, own_to=True))
     elif output_dtype is not None:
-        handles.append(add_boundary_casts(model, None, output_dtype))
+        handles.append(add_boundary_casts(model, None, output_dtype, own_to=True))
     if handles:
         _installed[model] = handles

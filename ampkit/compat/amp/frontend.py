@@ -258,9 +258,9 @@ def initialize(
         for _ in range(num_losses)
     ]
     _amp_state.opt_properties = properties
-    _amp_state.min_loss_scale, _amp_state.max_loss_scale = min_loss_scale, max_loss_scale
     if not enabled:
         return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
+    _amp_state.min_loss_scale, _amp_state.max_loss_scale = min_loss_scale, max_loss_scale
     _check_parameters(model_list, optimizer_list)
     _print_properties(properties, cast_model_outputs, num_losses)
     fp32_values = None
@@ -308,7 +308,7 @@ def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
     """Apex's format: ``{"loss_scaler0": {"loss_scale": s, "unskipped": n}, ...}``, one entry per loss."""
     if destination is None:
         destination = OrderedDict()
-    for idx, scaler in enumerate(_amp_state.loss_scalers):
+    for idx, scaler in enumerate(getattr(_amp_state, "loss_scalers", ())):  # {} before an enabled initialize
         destination[f"loss_scaler{idx}"] = scaler.state_dict()
     return destination
 
@@ -333,7 +333,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
         global _held_state
         _held_state = dict(state_dict) if state_dict else None  # {}: a run without amp (mmcv-style runners)
         return
-    scalers = _amp_state.loss_scalers
+    scalers = getattr(_amp_state, "loss_scalers", [])  # none after initialize(enabled=False)
     if native:
         for scaler in scalers:
             scaler.load_state_dict(state_dict)

@@ -53,16 +53,16 @@ class _ActiveHandle:
     """The cast state of whichever handle is current when a decorated function is called."""
 
     def is_active(self) -> bool:
-        handle = _amp_state.handle
+        handle = _amp_state.active_handle
         return handle is not None and handle.is_active()
 
     @property
     def has_cache(self) -> bool:
-        return _amp_state.handle.has_cache
+        return _amp_state.active_handle.has_cache
 
     @property
     def cache(self) -> dict[torch.Tensor, torch.Tensor]:
-        return _amp_state.handle.cache
+        return _amp_state.active_handle.cache
 
 
 def _decorate(fn: Callable, kind: str) -> Callable:
@@ -75,7 +75,7 @@ def _decorate(fn: Callable, kind: str) -> Callable:
             return fn(*args, **kwargs)
         if kind == "promote":
             return promoted(*args, **kwargs)
-        dtype = _amp_state.handle.dtype if kind == "half" else torch.float32
+        dtype = _amp_state.active_handle.dtype if kind == "half" else torch.float32
         args, kwargs = o1_casts.cast_arguments(state, dtype, kind == "half", args, kwargs)
         return fn(*args, **kwargs)
 
@@ -101,7 +101,7 @@ def promote_function(fn: Callable) -> Callable:
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
     """Turn O1's casts off inside the block (Apex's ``amp.disable_casts``)."""
-    handle = _amp_state.handle
+    handle = _amp_state.active_handle
     if handle is None:
         yield
         return

@@ -146,12 +146,12 @@ def scale_loss(
 
 def _clear_cast_cache() -> None:
     """Drop O1's cached weight casts: the weights change at the step that follows (Apex did it here)."""
-    if _amp_state.handle is not None:
-        _amp_state.handle._clear_cache()
+    if _amp_state.active_handle is not None:
+        _amp_state.active_handle._clear_cache()
 
 
 def _casts_disabled() -> contextlib.AbstractContextManager:
-    handle = _amp_state.handle
+    handle = _amp_state.active_handle
     return handle._disable_casts() if handle is not None else contextlib.nullcontext()
 
 
@@ -443,7 +443,7 @@ def init(
     for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("allow_banned", allow_banned)):
         if not is_switch(value):  # bool("False") is True: amp.initialize refuses it too
             raise ValueError(f"{name}={value!r}: expected True or False")
-    previous = _amp_state.handle
+    previous = _amp_state.active_handle
     if previous is not None:
         previous._deactivate()
     if not enabled:
@@ -451,5 +451,7 @@ def init(
     else:
         handle = AmpHandle(loss_scale, enable_caching, verbose, patch_type)
         handle._patches = o1_casts.install_o1_casts(handle, patch_type, allow_banned, functions.registered_casts())
-    _amp_state.handle = handle
+    _amp_state.active_handle = handle
+    if enabled:  # as in Apex, a disabled init's NoOpHandle is not kept as ``_amp_state.handle``
+        _amp_state.handle = handle
     return handle

@@ -317,6 +317,42 @@ def _rnn_check_input_wrapper(state: CastState) -> Callable[[Callable], Callable]
     return make
 
 
+def _fastpath_off_wrapper(state: CastState) -> Callable[[Callable], Callable]:
+    """``torch.backends.mha.get_fastpath_enabled`` answering False while O1 casts, as torch's layers do under
+    autocast: an eval-mode ``MultiheadAttention``/``TransformerEncoder(Layer)`` then runs its functions, which
+    O1 casts, instead of a fused kernel (torch >= 1.12) that no list reaches and that refuses mixed dtypes."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper() -> bool:
+            return False if state.is_active() else original()
+
+        return wrapper
+
+    return make
+
+
+def _replace_with_functional_alias(
+    patches: CastPatches,
+    owner: Any,
+    name: str,
+    make_wrapper: Callable[[Callable], Callable],
+    functional_listed: set[str],
+) -> None:
+    """Wrap ``owner.name``, and ``torch.nn.functional.name`` too where it is the same function as ``torch.name``
+    and the functional table does not list it (``conv2d`` has been an alias all along, with a row of its own).
+
+    In Apex's day ``F.prelu`` and ``F.bilinear`` called ``torch.prelu``/``torch.bilinear``, so a patch of torch's
+    name reached ``nn.PReLU`` and ``nn.Bilinear``; torch has since made them aliases of the torch functions,
+    which a patch of one name misses.
+    """
+    original = getattr(owner, name, None)
+    patches.replace(owner, name, make_wrapper)
+    functional = torch.nn.functional
+    if owner is torch and name not in functional_listed and getattr(functional, name, object()) is original:
+        patches.replace(functional, name, make_wrapper)
+
+
 def _as_inplace(names: Iterable[str]) -> list[str]:
     return [name + "_" for name in names]
 
@@ -334,13 +370,15 @@ def install_o1_casts(
     """
     patches = CastPatches()
     low, fp32 = cast_wrapper(state, dtype, True), cast_wrapper(state, torch.float32, False)
-    for module, name, kind in user_casts:
-        patches.replace(module, name, {"half": low, "float": fp32, "promote": promote_wrapper(state)}[kind])
     # Read at every install, as Apex's amp.init did: edits a script made to the lists take effect.
     functional, torch_lists, tensor = functional_overrides, torch_overrides, tensor_overrides
+    functional_listed = {*functional.FP16_FUNCS, *functional.FP32_FUNCS, *(name for name, _ in functional.BANNED_FUNCS)}
+    promote = promote_wrapper(state)
+    for module, name, kind in user_casts:
+        wrapper = {"half": low, "float": fp32, "promote": promote}[kind]
+        _replace_with_functional_alias(patches, module, name, wrapper, functional_listed)
     tensor_fp32 = [name for name in tensor.FP32_FUNCS if name not in _CAST_BEFORE_TRANSFER]
     before_transfer = [name for name in tensor.FP32_FUNCS if name in _CAST_BEFORE_TRANSFER]
-    promote = promote_wrapper(state)
     tables = [
         (functional.MODULE, functional.FP16_FUNCS, low),
         (functional.MODULE, functional.FP32_FUNCS, fp32),
@@ -356,7 +394,7 @@ def install_o1_casts(
     ]
     for owner, names, wrapper in tables:
         for name in names:
-            patches.replace(owner, name, wrapper)
+            _replace_with_functional_alias(patches, owner, name, wrapper, functional_listed)
     for name in _as_inplace(torch_lists.FP32_FUNCS):
         message = f"Cannot call in-place function {name} with low-precision arguments under amp O1."
         patches.replace(torch_lists.MODULE, name, error_if_any_low_wrapper(state, message))
@@ -366,6 +404,7 @@ def install_o1_casts(
         patches.replace(tensor.MODULE, name, match_self_wrapper(state))
     rnn_module = torch.nn.modules.rnn
     patches.set(rnn_module, "_VF", _RnnBackend(rnn_module._VF, state, dtype))
+    patches.replace(torch.backends.mha, "get_fastpath_enabled", _fastpath_off_wrapper(state))
     patches.replace(rnn_module.RNNBase, "check_input", _rnn_check_input_wrapper(state))
     for name, message in functional.BANNED_FUNCS:
         if allow_banned:

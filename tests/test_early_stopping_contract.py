@@ -1,0 +1,130 @@
+"""A stop keeps the contract Lightning users know: a stop asked mid-epoch (a callback, ``max_time``) validates the
+weights it leaves once, in an epoch that validates at all, and that validation is ranked for ``best.pt``; early
+stopping mid-epoch (``val_every_n_steps``) ends the run at the validation that asked, validated once, its
+checkpoint at that step; a negative ``min_delta`` is refused rather than silently turned round. (Patience,
+``check_finite``, the thresholds, a missing monitor and a resumed count: test_monitoring.py.)"""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+import pytest
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import Callback, ConfigError
+from ampkit.trainer.checkpoint_io import load_checkpoint
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
+         "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": 2}  # fmt: skip
+
+
+class Scripted(ToyTrainer):
+    """Validation reports ``scores[global_step]`` (8 batches per epoch)."""
+
+    scores: ClassVar[list[float]] = []
+
+    def validation_step(self, batch):
+        return {"score": self.scores[self.state.global_step]}
+
+
+class StopAt(Callback):
+    """Asks to stop at the end of iteration ``step``, as MaxTime or a user's callback would; records validations."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.validated: list[int] = []
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        if trainer.state.global_step == self.step and not trainer.state.should_stop:
+            trainer.state.should_stop, trainer.state.stop_reason = True, "enough"
+
+    def on_validation_end(self, trainer, metrics) -> None:
+        if trainer.state.stage == "fit":
+            self.validated.append(trainer.state.global_step)
+
+
+def _fit(tmp_path, stop_at: int, **overrides) -> tuple[Scripted, StopAt]:
+    spy = StopAt(stop_at)
+    trainer = Scripted(toy_cfg(tmp_path, **QUIET, **overrides), callbacks=[spy])
+    trainer.fit()
+    return trainer, spy
+
+
+def test_a_stop_asked_mid_epoch_validates_the_weights_it_leaves_once_and_ranks_them(tmp_path):
+    """The run ended at step 3 of an epoch that validates only at its end: the model it leaves was never validated,
+    and best.pt named no checkpoint of it (Lightning validates once when a stop is asked)."""
+    Scripted.scores = [9.0] * 3 + [1.0] * 13
+    trainer, spy = _fit(tmp_path, 3, **{"checkpoint.monitor": "val/score", "checkpoint.every_n_epochs": 1})
+    assert trainer.state.global_step == 3
+    assert spy.validated == [3]
+    assert trainer.val_metrics == {"score": 1.0} and trainer.val_metrics_step == 3
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 3
+    last = load_checkpoint(checkpoints / "last.pt")
+    assert last["loop"]["global_step"] == 3 and last["stopped_early"] == "enough"
+    assert last["val_metrics"] == {"score": 1.0}
+
+
+def test_the_last_checkpoint_of_a_stop_holds_its_validation_also_after_a_save_at_that_step(tmp_path):
+    """Saved every step, at on_train_batch_end, before the stop's validation: the end saw that moment saved already,
+    so last.pt held the step without its validation's metrics."""
+    Scripted.scores = [9.0] * 3 + [1.0] * 13
+    trainer, _ = _fit(tmp_path, 3, **{"checkpoint.every_n_steps": 1})
+    last = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 3 and last["stopped_early"] == "enough"
+    assert (last["val_metrics"], last["val_metrics_step"]) == ({"score": 1.0}, 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "validated"),
+    [
+        ({"trainer.val_every_n_epochs": 2}, []),  # epoch 0 does not validate: a stop in it does not either
+        ({"trainer.val_every_n_epochs": 0}, []),  # validation off
+        ({"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 3}, [3]),  # it just ran: not again
+        ({"trainer.val_every_n_epochs": 0, "trainer.val_every_n_steps": 2}, [2, 3]),
+    ],
+)
+def test_a_stop_validates_only_where_the_run_validates_and_not_twice_on_one_model(tmp_path, settings, validated):
+    Scripted.scores = [1.0] * 16
+    trainer, spy = _fit(tmp_path, 3, **{"checkpoint.enabled": False}, **settings)
+    assert trainer.state.global_step == 3
+    assert spy.validated == validated
+
+
+def test_a_stop_at_an_epoch_s_last_batch_validates_once_as_the_epoch_s_end(tmp_path):
+    Scripted.scores = [1.0] * 16
+    _, spy = _fit(tmp_path, 8, **{"checkpoint.enabled": False})
+    assert spy.validated == [8]
+
+
+def test_the_stop_s_own_reason_stays_when_its_validation_would_also_stop_early(tmp_path):
+    """Early stopping sees the stop's validation (a NaN here) and asks too; the run stopped for the first reason."""
+    Scripted.scores = [1.0, 1.0, 1.0, float("nan")] + [1.0] * 12
+    es = {"early_stopping.monitor": "val/score", "checkpoint.enabled": False}
+    trainer, spy = _fit(tmp_path, 3, **es)
+    assert spy.validated == [3]
+    assert trainer.state.stop_reason == "enough"
+
+
+def test_early_stopping_mid_epoch_ends_at_the_validation_that_asked_with_its_checkpoint(tmp_path):
+    """Validation every 2 steps, patience 2: best at step 2, none better at 4 and 6, so the run ends at step 6,
+    mid-epoch, validated once there (no second pass for the stop), its last checkpoint that step's."""
+    Scripted.scores = [5.0, 5.0, 1.0, 1.0, 2.0, 2.0, 1.5] + [0.0] * 9
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 2, "checkpoint.monitor": "val/score"}
+    trainer, spy = _fit(tmp_path, -1, **es, **{"trainer.val_every_n_steps": 2, "trainer.val_every_n_epochs": 0})
+    assert trainer.state.global_step == 6 and trainer.state.batches_done == 6
+    assert spy.validated == [2, 4, 6]
+    assert trainer.state.stop_reason.startswith("early stopping: val/score did not improve on 1.0 for 2 validations")
+    checkpoints = trainer.version_dir / "checkpoints"
+    last = load_checkpoint(checkpoints / "last.pt")
+    assert last["loop"]["global_step"] == 6 and last["stopped_early"] == trainer.state.stop_reason
+    assert last["callbacks"]["EarlyStopping"]["best"] == 1.0 and last["callbacks"]["EarlyStopping"]["wait"] == 2
+    assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 2
+
+
+def test_a_negative_min_delta_is_refused_naming_it_rather_than_turned_round(tmp_path):
+    """Lightning takes min_delta's magnitude whatever its sign; here the sign would be a silent guess."""
+    message = "'early_stopping.min_delta': -0.1 is invalid"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ToyTrainer(toy_cfg(tmp_path, **{"early_stopping.monitor": "val/mse", "early_stopping.min_delta": -0.1}))
