@@ -7,38 +7,23 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 
 from ampkit.amp.scaler import interval_option
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
-from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
+from ampkit.trainer.distributed import all_reduce_sum
+from ampkit.trainer.finite_weights import nonfinite_entries
 
 
 class NonFiniteError(RuntimeError):
     """The model's parameters or buffers became NaN/inf; the message names the first step that made them so."""
 
 
-def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) -> list[str]:
-    """Names of the floating-point tensors in ``state`` (a model's state dict) holding a NaN or an inf.
-
-    A sharded entry (FSDP's DTensor) is checked on this rank's shard; with ``env`` the ranks' verdicts are then
-    summed (one collective, every rank calls it), so each rank names the same entries whichever shard holds them.
-    """
-    names = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    if not names:
-        return []
-    local = [state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in names]
-    bad = torch.stack([torch.isfinite(t).all().logical_not() for t in local]).tolist()  # one sync for all
-    if env is not None:
-        bad = all_reduce_sum([float(b) for b in bad], env)
-    return [name for name, b in zip(names, bad, strict=True) if b]
-
-
 class NonFiniteGuard(Callback):
-    """Checks the model before every checkpoint, and every ``check_every_n_steps`` iterations whether a loss
-    of an iteration whose update was applied (an optimizer stepped) was non-finite; a non-finite model stops
-    the run with :class:`NonFiniteError` naming that first step, so the last checkpoint keeps a finite model.
+    """Checks the model before every checkpoint, at the end of training, and every ``check_every_n_steps``
+    iterations whether a loss of an iteration whose update was applied (an optimizer stepped) was non-finite; a
+    non-finite model stops the run with :class:`NonFiniteError` naming that first step, so the last checkpoint
+    keeps a finite model and a run shorter than the interval does not end with a NaN model said by nothing.
 
     Cheap: it keeps a reference to each loss (under automatic optimization the Trainer's own detached copy in
     the batch outputs, so it adds no tensor op; under manual optimization a detached copy at each backward);
@@ -81,6 +66,13 @@ class NonFiniteGuard(Callback):
             if all_reduce_sum([float(first_bad is not None)], trainer.dist)[0]:
                 self._check_model(trainer, trainer.module.state_dict(), first_bad)
             self._applied = []
+
+    def on_train_end(self, trainer) -> None:
+        # Steps since the last check (a run shorter than check_every_n_steps, checkpoints off) would go unread:
+        # the fit would return a NaN model without a word. A model seen finite at this step is not read again.
+        if self._finite_at != trainer.state.global_step:
+            self._check_model(trainer, trainer.module.state_dict(), self._first_nonfinite_loss())
+        self._applied = []
 
     def on_save_checkpoint(self, trainer, checkpoint: dict[str, Any]) -> None:
         model = checkpoint["model"] if "model" in checkpoint else trainer.module.state_dict()  # FSDP saves it apart

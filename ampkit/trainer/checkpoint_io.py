@@ -18,6 +18,8 @@ from typing import IO, Any
 
 import torch
 
+from ampkit.trainer.foreign_checkpoint import foreign_contents
+
 FORMAT_KEY = "ampkit_checkpoint"
 FORMAT_VERSION = 1
 
@@ -305,7 +307,15 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
         raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {_describe(exc)}") from None
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
-        raise CheckpointError(f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry)")
+        raise CheckpointError(
+            f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "
+            "a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
+        )
+    if isinstance(checkpoint[FORMAT_KEY], bool) or not isinstance(checkpoint[FORMAT_KEY], int):
+        raise CheckpointError(
+            f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]!r}; ampkit writes a whole number (this ampkit "
+            f"reads up to {FORMAT_VERSION}): the file was written by other code or damaged"
+        )
     if checkpoint[FORMAT_KEY] > FORMAT_VERSION:
         raise CheckpointError(
             f"'{path}' has checkpoint format {checkpoint[FORMAT_KEY]}; this ampkit reads up to {FORMAT_VERSION}"

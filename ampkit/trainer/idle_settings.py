@@ -41,6 +41,13 @@ def idle_settings(
             f"divided by {t.accumulate_grad_batches}, so its gradient is {batches_per_epoch}/"
             f"{t.accumulate_grad_batches} of a full window's. Set it to at most {batches_per_epoch}"
         )
+    if batches_per_epoch is None and (waiting := _waiting_for_epoch_end(cfg, has_validation)):
+        found.append(
+            f"train_dataloader() has no length, so an epoch ends only where its data does, and {waiting} only at "
+            "an epoch's end: a stream that never ends (or runs for days) gets none before the run stops, and a crash "
+            "leaves nothing to resume. Set checkpoint.every_n_steps (and trainer.val_every_n_steps), or "
+            "trainer.limit_train_batches for epochs of that many batches"
+        )
     if not defines_validation:
         if t.val_every_n_steps > 0:
             found.append(
@@ -59,6 +66,17 @@ def idle_settings(
                 + ". Lower the interval, or train longer"
             )
     return found
+
+
+def _waiting_for_epoch_end(cfg: DictConfig, has_validation: bool) -> str:
+    """What this run does only at an epoch's end (``checkpoints (checkpoint.every_n_steps=0)``), or ``""``."""
+    t, c = cfg.trainer, cfg.checkpoint
+    waiting = []
+    if c.enabled and c.every_n_steps == 0:
+        waiting.append("checkpoints are written (checkpoint.every_n_steps=0)")
+    if has_validation and t.val_every_n_steps == 0 and t.val_every_n_epochs > 0:
+        waiting.append("validation runs (trainer.val_every_n_steps=0)")
+    return " and ".join(waiting)
 
 
 def _full_epochs(cfg: DictConfig, batches_per_epoch: int | None) -> int | None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
-from ampkit.trainer.run_life import load_failure_reason
+from ampkit.trainer.finite_weights import check_saved_weights_finite
+from ampkit.trainer.run_life import load_failure_reason, resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, consolidate_checkpoint, is_sharded_checkpoint
 from ampkit.trainer.trainer import Trainer
+from ampkit.trainer.user_code import check_model_has_values
 
 
 def load_model(
@@ -20,10 +22,13 @@ def load_model(
 
     The Trainer class and its config come from the checkpoint (``trainer_class`` names another, e.g. one
     defined in a script's ``__main__``). The weights load in the model's own dtypes (an O2 run's half
-    weights become float32 in a float32 model).
+    weights become float32 in a float32 model). A sharded (FSDP) checkpoint directory loads too, gathered whole.
     """
-    path = Path(ckpt)
-    checkpoint = load_checkpoint(path)
+    path = resolve_checkpoint(".", ckpt)  # a path only: names a directory that holds none, or a partial copy
+    if is_sharded_checkpoint(path):  # its config is in its trainer file; its shards gathered into one state dict
+        checkpoint = {**load_checkpoint(path / TRAINER_FILE), "model": consolidate_checkpoint(path)}
+    else:
+        checkpoint = load_checkpoint(path)
     config = dict(checkpoint.get("config") or {})
     if trainer_class is None:
         if not config.get("trainer_class"):
@@ -36,6 +41,10 @@ def load_model(
     precision = config.get("precision", {})
     config["precision"] = {**precision, "fp8": {**precision.get("fp8", {}), "enabled": False}}
     module = trainer_class(config).configure_model()
+    check_model_has_values(module)
+    if "model" not in checkpoint:  # else load_state_dict's KeyError would read as a misfit
+        raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
+    check_saved_weights_finite(path, checkpoint["model"])
     try:
         module.load_state_dict(checkpoint["model"])
     except (KeyError, RuntimeError) as exc:

@@ -119,6 +119,8 @@ from ampkit.trainer.evaluation import (
     batch_size,
     collect_predictions,
 )
+from ampkit.trainer.failure_note import loop_position_note
+from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
@@ -184,11 +186,13 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    check_model_has_values,
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
     never_stepped,
     nothing_trained_warning,
+    short_epoch_message,
     training_step_loss_error,
 )
 
@@ -355,6 +359,10 @@ class Trainer:
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
+        # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
+        self._loop_phase: str | None = None
+        self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
+        self._said_short_epoch = False  # warned that the loader yields fewer batches than its len()
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
@@ -891,6 +899,7 @@ class Trainer:
         except BaseException as exc:
             failure = exc
             self._explain(exc)
+            self._note_loop_position(exc)
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
@@ -969,8 +978,10 @@ class Trainer:
         batches = self._epoch_batches(ahead)
         if ahead:
             batches = self._flag_last(batches)
+        self._loop_phase = "fetch"
         for batch in batches:
             self._run_batch(batch)
+            self._loop_phase = None  # between batches (a stop's validation): no batch to name
             self._stop_if_preempted()
             # A callback (early stopping) asked, or the limit. A stop asked inside an accumulation window waits for
             # its end, as under torchrun: its checkpoint then holds whole windows, and a run extended from it is exact.
@@ -979,10 +990,13 @@ class Trainer:
                 if not exhausted and self._stopping():
                     self._validate_at_stop()
                 break
-        self._at_last_batch = False
+            self._loop_phase = "fetch"
+        self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
+        if ran and exhausted and not self._agree_each_batch and s.batches_done < (self._num_train_batches or 0):
+            self._short_epoch()
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
         if ran and (exhausted or s.global_step > first_step):
@@ -1024,8 +1038,22 @@ class Trainer:
         self._validate()
         s.stop_reason = reason
 
+    def _short_epoch(self) -> None:
+        """The loader ended before its ``len()``: an accumulation window its last batch left open is an error (its
+        gradients would join the next epoch's first step); else a warning, as counts built on len() are off."""
+        s, accumulate, promised = self.state, self.settings.accumulate_grad_batches, self._num_train_batches
+        open_batches = 0 if s.is_iteration_end else s.batch_idx % accumulate + 1
+        window_end = min((s.batch_idx // accumulate + 1) * accumulate, promised) - 1
+        why = short_epoch_message(s.epoch, s.batches_done, promised, open_batches, window_end)
+        if open_batches:
+            raise UserCodeError(why)
+        if not self._said_short_epoch:  # once a run: each epoch would say the same
+            self._said_short_epoch = True
+            rank_zero_warn(why)
+
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches
+        self._loop_phase = "batch"
         s.batch_idx = s.batches_done
         s.iteration = s.global_step + 1
         s.is_iteration_start = s.batch_idx % accumulate == 0
@@ -1355,6 +1383,20 @@ class Trainer:
                     exception.add_note(line)
                 return
 
+    def _note_loop_position(self, exception: BaseException) -> None:
+        """Add to an error raised in an epoch's loop the batch and epoch it struck and the checkpoint to resume: the
+        traceback of a dataset's or DataLoader worker's error names neither."""
+        if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
+            return
+        try:
+            newest = resolve_checkpoint(self.cfg.run_dir, "last")
+        except Exception:  # an unreadable run directory: the note must not replace the error it explains
+            newest = None
+        exception.add_note(
+            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module)
+        )
+        self._loop_phase = None
+
     # ----------------------------------------------------------------- set-up and data
     def _setup_model(self) -> None:
         if self.settings.seed is not None:
@@ -1363,6 +1405,7 @@ class Trainer:
         module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
+        check_model_has_values(module)
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
 
@@ -1586,10 +1629,12 @@ class Trainer:
         each fetch are kept for a checkpoint: a fetch may draw from them (a random augmentation), and it ran before the
         batch before it, so a mid-epoch resume fetches it from there (bit-identical resumes)."""
         self._rng_before_fetch = capture_rng()
+        self._fetched_ahead = 0
         upcoming = next(batches, _NO_BATCH)
         if self._rng_after_fetch is not None:  # a resume: the RNGs the saved run had after its batch
             restore_rng(self._rng_after_fetch)
             self._rng_after_fetch = None
+        self._fetched_ahead = 1
         while upcoming is not _NO_BATCH:
             self._rng_before_fetch = capture_rng()
             batch, upcoming = upcoming, next(batches, _NO_BATCH)
@@ -1597,6 +1642,7 @@ class Trainer:
             yield batch
         self._at_last_batch = False
         self._rng_before_fetch = None
+        self._fetched_ahead = 0
 
     def _to_device(self, batch: Any) -> Any:
         """``batch`` with its tensors on the device, found in dicts, lists, tuples (named too) and dataclasses (frozen
@@ -1708,6 +1754,7 @@ class Trainer:
                 f"checkpoint '{path}' has the optimizers {saved}; this run's configure_optimizers() makes {ours}: "
                 "resume with the optimizers it was saved with (their names come from configure_optimizers)"
             )
+        check_saved_weights_finite(path, checkpoint["model"], self.dist if self.sharded else None)
         try:
             self.module.load_state_dict(checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
@@ -1781,6 +1828,7 @@ class Trainer:
                 if "model" not in checkpoint:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
+                check_saved_weights_finite(path, state)
             self.module.load_state_dict(state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise

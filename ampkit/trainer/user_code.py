@@ -43,9 +43,28 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
             f"the loss of loss_id {loss_id!r} does not require grad: it was computed under torch.no_grad(), "
             "detached, or from no trainable parameter"
         )
+    if loss.is_meta:  # autograd's "Cannot copy out of meta tensor" names neither the loss nor the way out
+        raise UserCodeError(
+            f"the loss of loss_id {loss_id!r} is on the meta device, which holds no values to backpropagate; compute "
+            "it from the model's output on the device the model is on"
+        )
     if loss.is_complex():  # autograd's own error names neither the loss nor the way out
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} is {loss.dtype}; expected a real number (take .abs() or .real)"
+        )
+
+
+def check_model_has_values(module: torch.nn.Module) -> None:
+    """``configure_model``'s module holds values: a parameter or buffer on the meta device (built under
+    ``torch.device("meta")`` and never materialized) has none to train, move or load into, and torch's error at
+    ``.to(device)`` names neither the tensors nor the way out."""
+    names = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UserCodeError(
+            f"configure_model() returned a model whose {shown} are on the meta device, which holds no values: build "
+            "it on a real device, or materialize it in configure_model (model.to_empty(device='cpu'), then "
+            "initialize its weights, e.g. with each module's reset_parameters())"
         )
 
 
@@ -169,6 +188,21 @@ def exhausted_loader_error(epoch: int, expected: int | None) -> UserCodeError:
         f"train_dataloader() yielded no batch in epoch {epoch}{promised}: {before}an iterable that yields nothing. "
         "Return a DataLoader, or an object whose __iter__ starts a new pass each time it is called"
     )
+
+
+def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, window_end: int) -> str:
+    """Why an epoch whose loader yielded ``got`` batches, fewer than its ``len()`` of ``promised``, is wrong
+    (``open_batches``: the batches of an accumulation window its last batch left open, to close at batch
+    ``window_end``, whose gradients no step took); most often an IterableDataset whose ``__len__`` overstates it."""
+    fix = "make its len() count what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    said = f"train_dataloader() yielded {got} batches in epoch {epoch}, but its len() says {promised}"
+    if open_batches:
+        return (
+            f"{said}: the gradients of its last {open_batches} wait for an accumulation window "
+            f"(trainer.accumulate_grad_batches) to close at batch {window_end}, which never comes, so the next "
+            f"epoch's first step would take them too; {fix}"
+        )
+    return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
 
 
 def _why_no_batches(loader: Any, world_size: int) -> str:

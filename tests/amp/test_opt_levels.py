@@ -111,6 +111,12 @@ def test_bad_loss_scale_names_the_option(bad):
         parse_loss_scale(bad)
 
 
+@pytest.mark.parametrize("bad", [1e40, "1e-50"])
+def test_a_static_loss_scale_outside_float32_s_range_is_refused_naming_the_range(bad):
+    with pytest.raises(ValueError, match=r"must lie in float32's range of scales, 2\*\*-126 to 3.403e\+38"):
+        resolve_opt_level("O2", loss_scale=bad)
+
+
 def test_overrides_at_o2_o3():
     props = resolve_opt_level("O2", keep_batchnorm_fp32="False", master_weights=False)
     assert props.keep_batchnorm_fp32 is False and props.master_weights is False

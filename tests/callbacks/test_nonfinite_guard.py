@@ -29,6 +29,19 @@ def test_without_checkpoints_the_periodic_check_names_the_first_bad_step(tmp_pat
         NaNLossToyTrainer(cfg).fit()
 
 
+@pytest.mark.parametrize("precision", [{}, {"precision.opt_level": "O1", "precision.dtype": "bfloat16"}])
+def test_a_run_that_ends_before_the_periodic_check_is_checked_at_its_end(tmp_path, precision):
+    """8 steps, a check every 10 and no checkpoint: a NaN at step 1 (float32, or bfloat16 with no loss scaler)
+    must not end the fit with a NaN model and no word."""
+
+    class NaNFirst(NaNLossToyTrainer):
+        nan_at = 1
+
+    cfg = toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 1, "checkpoint.enabled": False}, **precision)
+    with pytest.raises(NonFiniteError, match=r"not finite at step 8 .*: step 1 applied a loss of nan"):
+        NaNFirst(cfg).fit()
+
+
 @pytest.mark.parametrize(("precision", "advice"), [
     ({}, "Lower the learning rate, clip gradients, or use a loss scaler"),
     ({"precision.opt_level": "O3", "precision.dtype": "bfloat16"}, "opt_level=O3 steps the half-precision weights"),

@@ -7,6 +7,7 @@ fp32 master weights travel in ``optimizer.state_dict()`` (Apex lost them).
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -223,6 +224,16 @@ def test_amp_state_loaded_before_initialize_goes_into_the_scalers_initialize_mak
     assert amp.state_dict() == final_amp
     for restored, uninterrupted in zip(model.parameters(), final, strict=True):
         assert torch.equal(restored, uninterrupted)
+
+
+def test_a_whole_training_checkpoint_given_to_amp_load_state_dict_names_its_amp_entry():
+    """Apex's README saves {'model': ..., 'optimizer': ..., 'amp': amp.state_dict()}; handing that whole dict over is
+    the usual slip, refused as Apex refused it, and now saying which entry to pass."""
+    _build("O1", 1)
+    checkpoint = {"model": {}, "optimizer": {}, "amp": amp.state_dict()}
+    with pytest.raises(RuntimeError, match=re.escape("(a whole checkpoint: pass its 'amp' entry")):
+        amp.load_state_dict(checkpoint)
+    amp.load_state_dict(checkpoint["amp"])
 
 
 def test_amp_state_with_foreign_keys_is_refused_before_initialize_too():

@@ -454,6 +454,21 @@ def test_a_loss_id_out_of_range_is_the_index_error_apex_raised_too(loss_id):
     assert isinstance(e.value, ValueError)
 
 
+def test_a_bool_loss_id_picks_the_scaler_it_indexed_in_apex():
+    """Apex took ``_amp_state.loss_scalers[loss_id]``, so ``loss_id=is_discriminator`` used scaler 1 or 0."""
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})  # fmt: skip
+    for loss_id, scale in ((True, 8.0), (False, 4.0)):
+        loss = model(torch.randn(3, 4)).float().sum()
+        with amp.scale_loss(loss, optimizer, loss_id=loss_id) as scaled:
+            assert scaled.item() == pytest.approx(loss.item() * scale)
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_small_apex_misuses_are_named():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)

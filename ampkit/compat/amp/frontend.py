@@ -286,10 +286,13 @@ def initialize(
 
 def _check_scaler_keys(unexpected: list[Any]) -> None:
     if unexpected:
+        # A whole training checkpoint handed over (Apex's own README saves amp.state_dict() under 'amp' in one)
+        whole = " (a whole checkpoint: pass its 'amp' entry, amp.load_state_dict(checkpoint['amp']))"
         raise RuntimeError(
             "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
             + ", ".join(f'"{k}"' for k in unexpected)
             + ". Expected loss_scaler0, loss_scaler1, ..."
+            + (whole if "amp" in unexpected else "")
         )
 
 

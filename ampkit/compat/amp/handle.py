@@ -84,7 +84,8 @@ def scale_loss(
         yield loss
         return
     scalers = _amp_state.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral):  # numpy's integers index as in Apex
+    # Apex indexed its list of scalers with loss_id: numpy's integers and bools (True: loss 1) index it as well
+    if not isinstance(loss_id, numbers.Integral):
         raise TypeError(
             f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"

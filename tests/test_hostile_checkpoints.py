@@ -1,0 +1,114 @@
+"""Files handed to ``fit(resume=...)``, ``validate(ckpt=...)`` and ``load_model`` that are no usable ampkit
+checkpoint: a bare state_dict, a Lightning ``.ckpt``, an Apex-era script's dict, NaN weights, damaged entries.
+Each is refused naming the file, what it holds and how to use its weights, and the run directory is left as it
+was."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import consolidate_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.inference import load_model
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step run's last.pt, and its model's weights."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    return trainer.version_dir / "checkpoints" / "last.pt", trainer.module.state_dict()
+
+
+def _lightning(weights, last):
+    return {"epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6.6", "optimizer_states": [],
+            "state_dict": {f"model.{k}": v for k, v in weights.items()}}  # fmt: skip
+
+
+def _apex(weights, last):
+    return {"model": weights, "optimizer": {}, "amp": {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 3}}}
+
+
+def _nan_weights(weights, last):
+    checkpoint = load_checkpoint(last)
+    checkpoint["model"]["3.bias"].fill_(float("nan"))
+    return checkpoint
+
+
+def _damaged(**entries):
+    def content(weights, last):
+        checkpoint = load_checkpoint(last)
+        for key, value in entries.items():
+            if value is None:
+                del checkpoint[key]
+            else:
+                checkpoint[key] = value
+        return checkpoint
+
+    return content
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (lambda weights, last: weights, r"it is a bare state_dict of 4 tensors \(torch.save\(model.state_dict\(\)\)\)"),
+        (
+            lambda weights, last: {f"module.{k}": v for k, v in weights.items()},
+            r"bare state_dict of 4 tensors .*taking the 'module.' prefix of a DDP wrapper off its keys",
+        ),
+        (_lightning, r"it is a Lightning checkpoint \(Lightning 2.6.6\), whose weights are under 'state_dict'"),
+        (_apex, r"it is an Apex-era training script's checkpoint \(keys 'model', 'optimizer', 'amp'; 'amp' holds"),
+        (lambda weights, last: torch.zeros(3), r"it holds a tensor of shape \(3,\), not a dict"),
+        (_nan_weights, r"holds non-finite model weights \(3.bias holds NaN/inf\): a diverged model"),
+        (_damaged(model=[1, 2]), r"has a 'model' entry of type list; expected the model's state_dict"),
+        (_damaged(ampkit_checkpoint="1"), r"has checkpoint format '1'; ampkit writes a whole number"),
+    ],
+    ids=["state_dict", "ddp state_dict", "lightning", "apex", "tensor", "nan weights", "model a list", "format a str"],
+)
+@pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
+def test_a_file_that_is_no_usable_checkpoint_is_refused_saying_what_it_holds(tmp_path, trained, use, content, message):
+    last, weights = trained
+    path = tmp_path / "given.ckpt"
+    torch.save(content(weights, last), path)
+    run = tmp_path / "run"
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}))
+    with pytest.raises(CheckpointError, match=re.escape(f"'{path}'")) as error:
+        if use == "resume":
+            trainer.fit(resume=path)
+        elif use == "validate":
+            trainer.validate(ckpt=path)
+        else:
+            load_model(path, trainer_class=ToyTrainer)
+    assert error.match(message)
+    if "not an ampkit checkpoint" in str(error.value):
+        assert error.match(r"to use its weights, load them in configure_model|not a dict")
+    assert not [p for p in run.rglob("*") if p.is_file() and p.suffix in (".pt", ".yaml")]
+
+
+def test_load_model_of_a_checkpoint_without_weights_says_so(tmp_path, trained):
+    last, weights = trained
+    path = tmp_path / "no_model.pt"
+    torch.save(_damaged(model=None)(weights, last), path)
+    with pytest.raises(CheckpointError, match=rf"checkpoint '{path}' has no 'model' entry: it holds no weights"):
+        load_model(path, trainer_class=ToyTrainer)
+
+
+def test_load_model_takes_a_sharded_checkpoint_directory_as_validate_does(tmp_path):
+    """An FSDP run saves directories: load_model said 'no checkpoint file' of them, where the user meant its model."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2, "distributed.strategy": "fsdp"}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    model = load_model(checkpoints / "step-00000002", trainer_class=ToyTrainer)
+    saved = consolidate_checkpoint(checkpoints / "step-00000002")
+    assert model.state_dict().keys() == saved.keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    with pytest.raises(CheckpointError, match=re.escape(f"'{trainer.version_dir}' is a directory, not a checkpoint")):
+        load_model(trainer.version_dir, trainer_class=ToyTrainer)

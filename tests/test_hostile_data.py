@@ -1,0 +1,293 @@
+"""What users' data, models and losses throw at the Trainer mid-run: a sample that raises, a DataLoader worker that
+dies, a step that fails on one batch, parameters or losses that hold no values. Each error says where it struck and
+what to do, and the last good checkpoint stays loadable."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.inference import load_model
+from ampkit.trainer.user_code import UserCodeError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
+
+
+class _BadSample(Dataset):
+    """The toy set, whose sample ``bad`` raises (a corrupt record)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.samples, self.bad = toy_dataset(n), bad
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"record {i} is corrupt")
+        return self.samples[i]
+
+
+class _BadStream(IterableDataset):
+    """The same, without a length: with accumulation the loop fetches one batch ahead."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.set = _BadSample(n, bad)
+
+    def __iter__(self):
+        return (self.set[i] for i in range(len(self.set)))
+
+
+class RaisesAtSample40(ToyTrainer):
+    workers = 0
+
+    def train_dataloader(self):  # sample 40 is in batch 5 (batches of 8, in order)
+        return DataLoader(_BadSample(64, 40), batch_size=8, num_workers=self.workers)
+
+
+class RaisesInAWorker(RaisesAtSample40):
+    workers = 2
+
+
+class RaisesInAStream(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(_BadStream(64, 40), batch_size=8)
+
+
+class StepFailsOnce(ToyTrainer):
+    def training_step(self, batch):
+        if (self.state.epoch, self.state.batch_idx) == (1, 3):
+            raise RuntimeError("shape mismatch in my loss")
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "settings", "where", "saved_step"),
+    [
+        (RaisesAtSample40, {}, "while train_dataloader() produced batch 5 of epoch 0", 5),
+        (RaisesInAWorker, {}, "while train_dataloader() produced batch 5 of epoch 0", 5),
+        (
+            RaisesInAStream,
+            {"trainer.accumulate_grad_batches": 2},
+            "while train_dataloader() produced batch 5 of epoch 0",
+            2,
+        ),
+        (StepFailsOnce, {"trainer.max_epochs": 2}, "in training batch 3 of epoch 1 (iteration 12)", 11),
+    ],
+    ids=["dataset", "worker", "stream read ahead", "training_step"],
+)
+def test_an_error_mid_epoch_names_its_batch_and_the_intact_checkpoint(
+    tmp_path, trainer_class, settings, where, saved_step
+):
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET, **settings, **{"checkpoint.every_n_steps": 1}))
+    with pytest.raises((ValueError, RuntimeError)) as failure:
+        trainer.fit()
+    last = trainer.version_dir / "checkpoints" / "last.pt"
+    note = f"ampkit: raised {where}; the newest checkpoint, '{last}', is intact: --resume last"
+    assert note in "\n".join(getattr(failure.value, "__notes__", []))
+    assert load_checkpoint(last)["loop"]["global_step"] == saved_step
+
+
+def test_an_error_before_the_first_checkpoint_says_none_was_saved(tmp_path):
+    trainer = RaisesAtSample40(toy_cfg(tmp_path, **QUIET, **{"checkpoint.every_n_steps": 100}))
+    with pytest.raises(ValueError, match="record 40 is corrupt") as failure:
+        trainer.fit()
+    assert failure.value.__notes__[-1] == (
+        "ampkit: raised while train_dataloader() produced batch 5 of epoch 0; no checkpoint was saved before it"
+    )
+
+
+class _Samples(Dataset):
+    """16 samples made by ``sample(i)``."""
+
+    def __init__(self, sample) -> None:
+        self.sample = sample
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i):
+        return self.sample(i)
+
+
+class RaggedSamples(ToyTrainer):
+    def train_dataloader(self):  # sequences of 1..3 values: torch.stack refuses them
+        return DataLoader(_Samples(lambda i: (torch.ones(i % 3 + 1), torch.zeros(()))), batch_size=4)
+
+
+class NoneSamples(ToyTrainer):
+    def train_dataloader(self):  # a dataset returning None for records it could not parse
+        return DataLoader(_Samples(lambda i: None if i == 6 else toy_dataset(16)[i]), batch_size=4)
+
+
+@pytest.mark.parametrize(("trainer_class", "batch"), [(RaggedSamples, 0), (NoneSamples, 1)])
+def test_samples_the_default_collate_cannot_stack_are_named_with_the_way_out(tmp_path, trainer_class, batch):
+    with pytest.raises((RuntimeError, TypeError)) as failure:
+        trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+    assert (
+        f"produced batch {batch} of epoch 0 (in the DataLoader's default collate_fn, which stacks each field of "
+        "the samples into one tensor and cannot stack these: a None, tensors of unequal shapes, or a type it does not "
+        "know; drop such samples in the dataset, or give the DataLoader a collate_fn that pads or filters them)"
+    ) in failure.value.__notes__[-1]
+
+
+class BadValidationSample(ToyTrainer):
+    def val_dataloader(self):  # sample 10 is in batch 1
+        return DataLoader(_BadSample(24, 10), batch_size=8)
+
+
+@pytest.mark.parametrize("run", ["fit", "validate"])
+def test_an_evaluation_sample_that_raises_names_its_loader_and_batch(tmp_path, run):
+    trainer = BadValidationSample(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(ValueError, match="record 10 is corrupt") as failure:
+        trainer.fit() if run == "fit" else trainer.validate()
+    assert "ampkit: raised while val_dataloader() produced batch 1" in failure.value.__notes__
+
+
+class _DecaysInForward(torch.nn.Module):
+    """Shrinks its output layer's weight in its forward, after using it (a hand-made weight decay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = torch.nn.Linear(6, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        y = self.out(torch.tanh(self.hidden(x)))
+        with torch.no_grad():
+            self.out.weight.mul_(0.99)  # autograd saved it for the hidden layer's gradient
+        return y
+
+
+class _ActivationInPlace(torch.nn.Module):
+    """Changes an activation autograd saved, of the same shape as a parameter: no parameter is to blame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.ones(8, 6))
+
+    def forward(self, x):
+        h = torch.sigmoid(x * self.mix)
+        out = h.sum(1, keepdim=True)
+        h.mul_(2)
+        return out
+
+
+class DecaysInForward(ToyTrainer):
+    def configure_model(self):
+        return _DecaysInForward()
+
+
+class ActivationInPlace(ToyTrainer):
+    def configure_model(self):
+        return _ActivationInPlace()
+
+
+def test_a_parameter_changed_in_place_in_the_forward_is_named(tmp_path):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as failure:
+        DecaysInForward(toy_cfg(tmp_path, **QUIET)).fit()
+    assert (
+        "raised in training batch 0 of epoch 0 (iteration 1) (autograd needed parameter 'out.weight' as the forward "
+        "used it, and something changed it in place before the backward"
+    ) in failure.value.__notes__[-1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as failure:
+        ActivationInPlace(toy_cfg(tmp_path / "activation", **QUIET)).fit()
+    assert "(iteration 1); no checkpoint" in failure.value.__notes__[-1]
+
+
+class BuiltOnMeta(ToyTrainer):
+    def configure_model(self):
+        with torch.device("meta"):  # a big-model habit: build without memory, then forget to materialize
+            return super().configure_model()
+
+
+class LossOnMeta(ToyTrainer):
+    def training_step(self, batch):
+        return super().training_step(batch).to("meta")
+
+
+def test_a_model_on_the_meta_device_is_refused_naming_its_tensors_and_the_way_out(tmp_path):
+    message = r"configure_model\(\) returned a model whose 0.weight, 0.bias, 3.weight and 1 more are on the meta device"
+    with pytest.raises(UserCodeError, match=message + r".*model.to_empty\(device='cpu'\)"):
+        BuiltOnMeta(toy_cfg(tmp_path, **QUIET)).fit()
+    trainer = ToyTrainer(toy_cfg(tmp_path / "trained", **QUIET, **{"trainer.max_steps": 1}))
+    trainer.fit()
+    with pytest.raises(UserCodeError, match=message):
+        load_model(trainer.version_dir / "checkpoints" / "last.pt", trainer_class=BuiltOnMeta)
+
+
+def test_a_loss_on_the_meta_device_is_named(tmp_path):
+    with pytest.raises(UserCodeError, match="the loss of loss_id 0 is on the meta device, which holds no values"):
+        LossOnMeta(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class _Overstated(IterableDataset):
+    """40 samples, whose ``__len__`` says 64 (a stream that counted its files, not what they hold)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __iter__(self):
+        return iter(toy_dataset(40))
+
+
+class OverstatedLength(ToyTrainer):
+    def train_dataloader(self):  # 5 batches, len() 8
+        return DataLoader(_Overstated(), batch_size=8)
+
+
+def test_a_loader_shorter_than_its_len_leaving_an_accumulation_window_open_is_refused(tmp_path):
+    trainer = OverstatedLength(toy_cfg(tmp_path, **QUIET, **{"trainer.accumulate_grad_batches": 4}))
+    message = (
+        r"yielded 5 batches in epoch 0, but its len\(\) says 8: the gradients of its last 1 wait for an accumulation "
+        r"window \(trainer.accumulate_grad_batches\) to close at batch 7, which never comes"
+    )
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert trainer.state.global_step == 1
+
+
+def test_a_loader_shorter_than_its_len_is_said_once(tmp_path):
+    trainer = OverstatedLength(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=r"yielded 5 batches in epoch 0, but its len\(\) says 8: progress") as said:
+        trainer.fit()
+    assert trainer.state.global_step == 10
+    assert len([w for w in said if "but its len() says" in str(w.message)]) == 1
+
+
+class _Endless(IterableDataset):
+    """The toy samples over and over: a stream with no end and no length."""
+
+    def __iter__(self):
+        samples = toy_dataset(64)
+        while True:
+            yield from (samples[i] for i in range(64))
+
+
+class EndlessStream(ToyTrainer):
+    def train_dataloader(self):
+        return DataLoader(_Endless(), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({}, "checkpoints are written (checkpoint.every_n_steps=0) and validation runs (trainer.val_every_n_steps=0)"),
+        ({"trainer.val_every_n_steps": 2}, "checkpoints are written (checkpoint.every_n_steps=0) only at"),
+        ({"checkpoint.every_n_steps": 2, "trainer.val_every_n_steps": 2}, None),
+        ({"trainer.limit_train_batches": 3}, None),
+    ],
+)
+def test_a_stream_without_length_warns_when_checkpoints_or_validation_wait_for_its_end(tmp_path, settings, said):
+    trainer = EndlessStream(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3}, **settings))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    assert trainer.state.global_step == 3
+    told = [str(w.message) for w in seen if "an epoch ends only where its data does" in str(w.message)]
+    assert len(told) == (0 if said is None else 1)
+    assert said is None or said in told[0]
