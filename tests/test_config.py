@@ -113,6 +113,9 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("trainer.accumulate_grad_batches", 10**23, "out of range; expected a 64-bit integer"),  # OverflowError
         ("data.batch_size", -(10**20), "out of range; expected a 64-bit integer"),  # a Trainer's own section too
         ("run_dir", "' '", "a non-empty path"),
+        ("precision.dtype", "float32", "not a low-precision dtype; use float16 or bfloat16"),  # named as a dotted key
+        ("precision.loss_scale", -1, "a static loss scale must be finite and > 0"),
+        ("precision.keep_batchnorm_fp32", "maybe", "expected True, False"),
     ],
 )
 def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from omegaconf import DictConfig
@@ -48,6 +49,10 @@ def resolve_precision(precision: DictConfig) -> OptLevelProperties:
             loss_scale=None if _unscaled(precision) else precision.loss_scale,
         )
     except (RuntimeError, ValueError) as exc:
+        # The opt-level resolver speaks Apex's ``name=value: why``; a config user reads the dotted key.
+        named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
+        if named and named.group(1) in precision:
+            raise ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}") from None
         raise ConfigError(f"config section 'precision': {exc}") from None
 
 
@@ -116,6 +121,10 @@ def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> l
             check_nonfinite=skip_nonfinite,
         )
     except (RuntimeError, ValueError) as exc:
+        # The opt-level resolver speaks Apex's ``name=value: why``; a config user reads the dotted key.
+        named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
+        if named and named.group(1) in precision:
+            raise ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}") from None
         raise ConfigError(f"config section 'precision': {exc}") from None
     return [casting, scaling]
 
