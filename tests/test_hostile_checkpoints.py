@@ -112,3 +112,19 @@ def test_load_model_takes_a_sharded_checkpoint_directory_as_validate_does(tmp_pa
         assert torch.equal(value, saved[key]), key
     with pytest.raises(CheckpointError, match=re.escape(f"'{trainer.version_dir}' is a directory, not a checkpoint")):
         load_model(trainer.version_dir, trainer_class=ToyTrainer)
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [{"epoch": 0, "batches_done": 2, "global_step": "2"}, {"epoch": 0, "batches_done": 0, "global_step": -5}, [0, 2]],
+    ids=["step a str", "step negative", "a list"],
+)
+def test_a_resume_refuses_a_loop_position_that_is_no_count(tmp_path, trained, loop):
+    """A string step failed deep in the limit checks as a bare TypeError, and a negative one resumed before the
+    start; either is a file edited or written by other code."""
+    last, weights = trained
+    path = tmp_path / "edited.pt"
+    torch.save(_damaged(loop=loop)(weights, last), path)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint '{path}' has a loop position ")):
+        trainer.fit(resume=path)

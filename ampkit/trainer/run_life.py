@@ -409,6 +409,7 @@ def plan_fit(
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
             f"resumed{weights}{beside}"
         )
+    _check_loop_position(path, checkpoint["loop"])
     changed = config_changes(checkpoint.get("config", {}), cfg)
     if changed:
         rank_zero_warn(f"resuming '{path}' with a changed config: {'; '.join(changed)}")
@@ -441,6 +442,20 @@ def plan_fit(
         nothing_to_train=why_finished(checkpoint, path, cfg),
         order_changes=order_changes,
     )
+
+
+def _check_loop_position(path: Path, loop: Any) -> None:
+    """Refuse a loop position that is not whole numbers >= 0 (a file edited or written by other code): a string
+    failed deep in the limit checks as a TypeError, and a negative step resumed before the start."""
+    keys = ("epoch", "batches_done", "global_step")
+    values = [loop.get(k, 0 if k == "batches_done" else None) for k in keys] if isinstance(loop, dict) else [None]
+    fine = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)  # batches_done: format 1
+    if not fine:
+        shown = {k: loop.get(k) for k in keys} if isinstance(loop, dict) else loop
+        raise CheckpointError(
+            f"checkpoint '{path}' has a loop position {shown!r}; expected whole numbers >= 0 for {', '.join(keys)} "
+            "(the file was edited or written by other code): resume another checkpoint"
+        )
 
 
 def _unwritable(version_dir: Path) -> Path | None:
