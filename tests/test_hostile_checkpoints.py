@@ -6,6 +6,7 @@ was."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -128,3 +129,30 @@ def test_a_resume_refuses_a_loop_position_that_is_no_count(tmp_path, trained, lo
     trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4}))
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint '{path}' has a loop position ")):
         trainer.fit(resume=path)
+
+
+def _sharded_with_nan(source, target):
+    """A copy of sharded checkpoint ``source`` at ``target`` whose first model weight holds a NaN."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    whole = target.parent / "whole.pt"
+    dcp_to_torch_save(source, whole)
+    state = torch.load(whole, weights_only=False)
+    next(v for v in state["model"].values() if v.is_floating_point()).view(-1)[0] = float("nan")
+    torch.save(state, whole)
+    torch_save_to_dcp(whole, target)
+    shutil.copy(source / "trainer.pt", target / "trainer.pt")
+
+
+@pytest.mark.parametrize("sharded_run", [True, False], ids=["into fsdp", "consolidated"])
+def test_evaluating_a_sharded_checkpoint_with_nan_weights_is_refused(tmp_path, sharded_run):
+    """validate(ckpt=) of a sharded directory loaded its shards (straight into an FSDP model, or consolidated into a
+    plain one) without the finite check a .pt file gets, and evaluated NaN."""
+    cfg = {"trainer.max_steps": 2, "distributed.strategy": "fsdp"}
+    trainer = ToyTrainer(toy_cfg(tmp_path / "saved", **QUIET, **cfg))
+    trainer.fit()
+    damaged = tmp_path / "damaged"
+    _sharded_with_nan(trainer.version_dir / "checkpoints" / "step-00000002", damaged)
+    evaluator = ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET, **(cfg if sharded_run else {})))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint '{damaged}' holds non-finite model weights")):
+        evaluator.validate(ckpt=damaged)

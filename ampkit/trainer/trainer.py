@@ -1818,11 +1818,13 @@ class Trainer:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
             load_sharded(path, self.module, {}, self.cfg)
+            check_saved_weights_finite(path, self.module.state_dict(), self.dist)  # every rank: one collective
             return
         checkpoint: dict[str, Any] = {}
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
+                check_saved_weights_finite(path, state)
             else:
                 checkpoint = load_with_fallback_hint(path)
                 if "model" not in checkpoint:
