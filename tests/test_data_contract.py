@@ -67,6 +67,33 @@ def test_a_distributed_sampler_inside_a_batch_sampler_is_told_each_epoch(tmp_pat
     assert len({tuple(order) for order in _epochs(trainer)}) == 3
 
 
+class _EpochNoted(torch.utils.data.SequentialSampler):
+    """A sampler that notes each ``set_epoch`` it is told."""
+
+    def __init__(self, data) -> None:
+        super().__init__(data)
+        self.told: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.told.append(epoch)
+
+
+class ValidatesWithEpochSampler(ToyTrainer):
+    def val_dataloader(self):
+        data = toy_dataset(24, seed=7)
+        self.val_sampler = getattr(self, "val_sampler", None) or _EpochNoted(data)
+        return DataLoader(data, batch_size=8, sampler=self.val_sampler)
+
+
+def test_a_validation_sampler_is_told_each_epoch_as_a_training_one_is(tmp_path):
+    """Lightning tells evaluation loaders' samplers the epoch too (a shuffled DistributedSampler there drew one
+    order for good); they were never told."""
+    settings = {"trainer.max_epochs": 3, "checkpoint.enabled": False, "trainer.val_every_n_epochs": 1}
+    trainer = ValidatesWithEpochSampler(toy_cfg(tmp_path, **QUIET, **settings))
+    trainer.fit()
+    assert trainer.val_sampler.told == [0, 1, 2]
+
+
 @pytest.mark.parametrize("loader", ["shuffle", "batch_sampler"])
 def test_a_mid_epoch_resume_goes_on_with_the_next_unseen_sample(tmp_path, loader):
     """Stopped after 5 of 8 batches of epoch 1 and resumed: the samples of the rest of that epoch and of the next are

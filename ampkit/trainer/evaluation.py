@@ -20,6 +20,7 @@ from ampkit.trainer.distributed import (
     union_over_ranks,
 )
 from ampkit.trainer.failure_note import noting_fetch_failures
+from ampkit.trainer.loader_rng import set_sampler_epoch
 from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.user_code import check_metrics
 
@@ -130,6 +131,7 @@ def average_metrics(
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
     source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
+    set_sampler_epoch(loader, trainer.state.epoch)  # as Lightning: a shuffled DistributedSampler's order per epoch
     empty: list[int] = []
     for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
@@ -168,6 +170,7 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
     modes = training_modes(trainer.module)
     trainer.module.eval()
     predictions = []
+    set_sampler_epoch(loader, trainer.state.epoch)
     for batch, real in real_and_filler_batches(trainer, loader, "predict_dataloader()"):
         output = run_step(trainer, step, trainer._to_device(batch))
         if real:
