@@ -170,13 +170,14 @@ def test_an_iteration_reads_no_device_value(tmp_path, monkeypatch, precision, fu
 def test_the_console_and_tensorboard_read_only_at_their_own_steps(tmp_path, monkeypatch):
     """A user's default run logs: TensorBoard every 3 iterations and a console line every 4 read the loss, at
     most once an iteration, and only then; at the run's last iteration TensorBoard also writes the batches since
-    its last log step (the run ends there, so that read costs no overlap)."""
+    its last log step, and the NonFiniteGuard reads the losses since its last check and the model's finiteness
+    (the run ends there, so those reads cost no overlap)."""
     log = trainer_loop(tmp_path, monkeypatch, 2, "fp16", tensorboard=True, log_every_n_steps=3,
                        console_every_n_steps=4)  # fmt: skip
     assert BATCHES % 3, "the last iteration must not be a TensorBoard log step for this test to see its tail read"
     for iteration, reads in log.reads.items():
         if iteration == BATCHES:
-            assert len(reads) == 1 + (BATCHES % 4 == 0), (iteration, reads)  # TensorBoard's tail, and the console's
+            assert len(reads) == 3 + (BATCHES % 4 == 0), (iteration, reads)  # TensorBoard's tail, the guard's two
             continue
         assert iteration % 3 == 0 or iteration % 4 == 0, (iteration, reads)
         assert len(reads) <= 1, (iteration, reads)

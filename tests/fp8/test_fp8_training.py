@@ -11,6 +11,7 @@ from fp8_trainers import BACKENDS, Fp8Trainer, fp8_cfg, fp8_model
 
 import ampkit
 from ampkit.amp.fp8 import RECIPES, Float8Linear, amax_to_scale, is_float8_linear
+from ampkit.callbacks import NonFiniteError
 
 
 class Recorder(ampkit.Callback):
@@ -176,7 +177,10 @@ def test_telemetry_logs_each_layers_amax_scale_and_underflow_every_n_steps(tmp_p
 
     rec = Recorder()
     cfg = fp8_cfg(tmp_path, fp8={"telemetry_every_n_steps": 2}, trainer={"max_steps": 5}, logging={"tensorboard": True})
-    trainer = fit(cfg, inf_at=4, callbacks=[rec])
+    trainer = Fp8Trainer(cfg, callbacks=[rec])
+    trainer.inf_at = 4
+    with pytest.raises(NonFiniteError, match="step 4 applied a loss of nan"):  # nothing skipped it: a NaN model
+        trainer.fit()
     steps = sorted({step for _, step in rec.scalars})
     assert steps == [2, 4]
     layers = {tag.split("/")[1] for tag, _ in rec.scalars}
