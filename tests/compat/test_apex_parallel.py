@@ -365,6 +365,41 @@ def _averaged_grads(model: torch.nn.Module, loss: torch.Tensor, world_size: int)
     return expected
 
 
+def _check_ddp_reduces_at_the_end_of_backward_whatever_the_forward_returns(rank, world_size):
+    """A model returning an object of its own class (ModelOutput-like: no tensor, list, tuple or dict for a search to
+    find) kept its gradients rank-local, silently, in every mode that reduces at the end of backward: the reduce was
+    queued from hooks on the tensors found in the output. Apex queued it from the parameters' gradient hooks."""
+
+    class Output:
+        def __init__(self, logits):
+            self.logits = logits
+
+    class OwnOutput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return Output(self.linear(x))
+
+    x = _rank_data(rank)[0]
+    rank_local = []  # asserted after every case's collectives, so that a failure leaves the ranks in step
+    cases = [(dict(delay_allreduce=True), False), (dict(retain_allreduce_buffers=True), False), (dict(), True)]
+    for kwargs, unfrozen_after_wrapping in cases:
+        torch.manual_seed(0)
+        model = OwnOutput()
+        expected = _averaged_grads(model, model(x).logits.pow(2).sum(), world_size)
+        model.linear.weight.requires_grad_(not unfrozen_after_wrapping)
+        ddp = DistributedDataParallel(model, **kwargs)
+        model.linear.weight.requires_grad_(True)
+        for step in range(2):  # the hooks serve every backward, not only the first
+            model.zero_grad()
+            ddp(x).logits.pow(2).sum().backward()
+            if not all(torch.allclose(p.grad, want) for p, want in zip(model.parameters(), expected, strict=True)):
+                rank_local.append(f"{kwargs}, unfrozen after wrapping: {unfrozen_after_wrapping}, backward {step}")
+    assert not rank_local, rank_local
+
+
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
     # MLPerf's GNMT and SSD step fp32 masters from ``model.allreduce_buffers``: one flat reduced buffer per dtype
     # (float16 first), which each gradient is a view of, refilled by every backward; SSD builds its masters from
@@ -568,6 +603,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_ddp_retains_allreduce_buffers_for_a_flat_step,
+        _check_ddp_reduces_at_the_end_of_backward_whatever_the_forward_returns,
         _check_accumulation_matches_one_process_on_the_doubled_batch,
         _check_disable_allreduce_under_amp_warns_and_reduces,
         _check_torch_ddp_no_sync_accumulation_matches_one_process,

@@ -5,7 +5,9 @@ Apex argument → effect here:
 - ``message_size`` (elements) → ``bucket_cap_mb = message_size * 4 bytes`` (Apex sized buckets in fp32 elements).
 - ``delay_allreduce=True`` → Apex's "allreduce at the end of backward": torch's reducer stays idle and, once
   backward has finished, the gradients that exist are all-reduced in one flat tensor per dtype. No graph walk
-  (torch's ``find_unused_parameters``) is needed, and a parameter the forward did not use is no error.
+  (torch's ``find_unused_parameters``) is needed, and a parameter the forward did not use is no error. The reduce
+  is queued from the parameters' gradient hooks, as Apex's was, so whatever the forward returns (a class of the
+  model's own included) its backward is reduced.
 - ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → divide by the predivide
   factor before the allreduce and, when averaging, multiply by ``predivide / world_size`` after it; with
   ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
@@ -33,10 +35,12 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -124,15 +128,14 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in a forward's output (a tensor, or lists, tuples and dicts of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors_in(item)]
-    return []
+def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, _param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: queue its DDP's delayed allreduce, once per backward. The DDP is
+    held by a weak reference: the hook lives on the parameter, which the DDP holds, and a cycle would leave the DDP
+    (its reducer and process group) to the garbage collector, possibly in interpreter finalization."""
+    ddp = ddp_ref()
+    if ddp is not None and ddp._reduce_after_backward and not ddp._allreduce_queued:
+        ddp._allreduce_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(ddp._allreduce_grads)
 
 
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
@@ -235,6 +238,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             always_fp32=allreduce_always_fp32,
         )
         self._allreduce_queued = False
+        self._reduce_after_backward = False  # set by each forward with grad enabled; read by the parameters' hooks
+        self._hooked_params: dict[int, Any] = {}  # id(param) -> the handle of its hook; see _hook_trainable_params
         self._warned_disable_under_amp = False
         # torch's reducer holds the parameters trainable now; see _unfrozen_since_construction.
         self._frozen_at_construction = [p for p in self.module.parameters() if not p.requires_grad]
@@ -265,9 +270,21 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
-        if reduce and delayed and torch.is_grad_enabled():
-            self._reduce_at_end_of_backward(output)
+        if torch.is_grad_enabled():  # a no-grad forward (validation) leaves the pending backward's reduce as it was
+            self._allreduce_queued = False  # a backward that failed before its reduce ran leaves it set
+            self._reduce_after_backward = reduce and delayed
+            if self._reduce_after_backward:
+                self._hook_trainable_params()
         return output
+
+    def _hook_trainable_params(self) -> None:
+        """Give each trainable parameter a hook that queues :meth:`_allreduce_grads` once its gradient is accumulated,
+        as Apex queued its delayed reduce from the gradient accumulators' hooks. Hooks on the forward's output would
+        miss an output of the model's own class, which no search sees into, and leave the gradients rank-local."""
+        hook = functools.partial(_queue_end_of_backward_reduce, weakref.ref(self))
+        for param in self.module.parameters():
+            if param.requires_grad and id(param) not in self._hooked_params:
+                self._hooked_params[id(param)] = param.register_post_accumulate_grad_hook(hook)
 
     def _unfrozen_since_construction(self) -> bool:
         """Whether a parameter frozen at construction trains now (a layer unfrozen for fine-tuning). torch's reducer
@@ -287,20 +304,6 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                 stacklevel=3,
             )
         return True
-
-    def _reduce_at_end_of_backward(self, output: Any) -> None:
-        """Queue :meth:`_allreduce_grads` to run once the backward that reaches ``output`` has finished."""
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
-        if not tensors:
-            return
-
-        def queue(_: torch.Tensor) -> None:
-            if not self._allreduce_queued:  # once per backward, whichever output it reaches first
-                self._allreduce_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._allreduce_grads)
-
-        for tensor in tensors:
-            tensor.register_hook(queue)
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
