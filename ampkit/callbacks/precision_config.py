@@ -37,6 +37,15 @@ def _skips_nonfinite(precision: DictConfig, props: OptLevelProperties, unscaled:
     return not (unscaled and props.dtype == torch.bfloat16)
 
 
+def _config_error(exc: Exception, precision: DictConfig) -> ConfigError:
+    """``exc`` of the opt-level resolver or the scaler, which speak Apex's ``name=value: why``, as a config user reads
+    it: by the dotted key (``config key 'precision.dtype': ...``) where it names one of the section's keys."""
+    named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
+    if named and named.group(1) in precision:
+        return ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}")
+    return ConfigError(f"config section 'precision': {exc}")
+
+
 def resolve_precision(precision: DictConfig) -> OptLevelProperties:
     """The opt level's recipe with the section's overrides (``loss_scale: none``: the level's default scale is
     dropped); an invalid option is a :class:`ConfigError` naming the section."""
@@ -49,11 +58,7 @@ def resolve_precision(precision: DictConfig) -> OptLevelProperties:
             loss_scale=None if _unscaled(precision) else precision.loss_scale,
         )
     except (RuntimeError, ValueError) as exc:
-        # The opt-level resolver speaks Apex's ``name=value: why``; a config user reads the dotted key.
-        named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
-        if named and named.group(1) in precision:
-            raise ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}") from None
-        raise ConfigError(f"config section 'precision': {exc}") from None
+        raise _config_error(exc, precision) from None
 
 
 def precision_callbacks(precision: DictConfig, sharded: bool = False) -> list[Callback]:
@@ -121,11 +126,7 @@ def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> l
             check_nonfinite=skip_nonfinite,
         )
     except (RuntimeError, ValueError) as exc:
-        # The opt-level resolver speaks Apex's ``name=value: why``; a config user reads the dotted key.
-        named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
-        if named and named.group(1) in precision:
-            raise ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}") from None
-        raise ConfigError(f"config section 'precision': {exc}") from None
+        raise _config_error(exc, precision) from None
     return [casting, scaling]
 
 

@@ -518,7 +518,7 @@ def test_tensorboard_amp_tags(tmp_path):
     ("precision", "message"),
     [
         ({"opt_level": "O9"}, "'precision.opt_level': 'O9' is invalid"),
-        ({"opt_level": "O1", "dtype": "float8"}, "dtype='float8'"),
+        ({"opt_level": "O1", "dtype": "float8"}, "'precision.dtype': 'float8' is not a low-precision dtype"),
         ({"opt_level": "O1", "growth_factor": 0.5}, "'precision.growth_factor': 0.5 is invalid"),
         ({"opt_level": "O1", "clip_grad_norm": -1.0}, "'precision.clip_grad_norm': -1.0"),
         # the scaler's knobs at O0 too: the typo would surface only when O1 is tried, as the run's own key
@@ -600,7 +600,7 @@ def test_bf16_loss_scaling_on_request_and_fp16_needs_its_scaler(tmp_path):
     assert {"LossScaling", "NonFiniteCheck"}.isdisjoint(cb.name for cb in fp16.callbacks)
     checked, _ = fit(SharedBackwardTrainer, tmp_path, opt_level="O1", loss_scale="none")  # float16's default: on
     assert "NonFiniteCheck" in [cb.name for cb in checked.callbacks]
-    with pytest.raises(ampkit.ConfigError, match="skip_nonfinite=False needs loss_scale: none"):
+    with pytest.raises(ampkit.ConfigError, match="'precision.skip_nonfinite': False needs loss_scale: none"):
         SharedBackwardTrainer(config(tmp_path, opt_level="O1", dtype="float16", skip_nonfinite=False))
 
 

@@ -439,18 +439,23 @@ def test_legacy_runner_takes_a_double_dash_and_a_directory_as_python_does(tmp_pa
     assert result.stdout.splitlines()[-1] == f"['an arg with spaces', '--', '-x'] {app} False"
 
 
+# Prints 'at exit' from its atexit handler, then 'freed' when its global object goes. Builtins only as callbacks: a
+# function of the script would hold its globals itself.
+_HOLDS_AN_OBJECT_UNTIL_EXIT = (
+    "import atexit, weakref\n"
+    "class Held:\n"
+    "    pass\n"
+    "held = Held()\n"
+    "weakref.finalize(held, print, 'freed', flush=True)\n"
+    "atexit.register(print, 'at exit', flush=True)\n"
+)
+
+
 @pytest.mark.parametrize("as_module", [False, True])
 def test_a_legacy_script_keeps_its_globals_until_the_interpreter_exits(tmp_path, as_module):
     """As under ``python script.py``, what the script holds outlives its last line (its atexit handlers see it):
     freed earlier, a torch DDP model over gloo deadlocked at exit on the GIL in about one torchrun run in four."""
-    (tmp_path / "holding.py").write_text(  # builtins only as callbacks: a function of the script holds its globals
-        "import atexit, weakref\n"
-        "class Held:\n"
-        "    pass\n"
-        "held = Held()\n"
-        "weakref.finalize(held, print, 'freed', flush=True)\n"
-        "atexit.register(print, 'at exit', flush=True)\n"
-    )
+    (tmp_path / "holding.py").write_text(_HOLDS_AN_OBJECT_UNTIL_EXIT)
     target = ["-m", "holding"] if as_module else [tmp_path / "holding.py"]
     result = _legacy(*target, cwd=tmp_path, extra_path=(tmp_path,))
     assert result.returncode == 0, result.stderr
@@ -462,15 +467,7 @@ def test_a_failing_legacy_script_reports_its_error_as_python_does(tmp_path, as_m
     """The traceback starts at the script's own first frame (nine runner and runpy frames stood above it), the exit
     status is python's 1, and what the script holds still outlives it until exit."""
     (tmp_path / "failing.py").write_text(
-        "import atexit, weakref\n"
-        "class Held:\n"
-        "    pass\n"
-        "held = Held()\n"
-        "weakref.finalize(held, print, 'freed', flush=True)\n"
-        "atexit.register(print, 'at exit', flush=True)\n"
-        "def train():\n"
-        "    raise ValueError('bad batch')\n"
-        "train()\n"
+        _HOLDS_AN_OBJECT_UNTIL_EXIT + "def train():\n    raise ValueError('bad batch')\ntrain()\n"
     )
     target = ["-m", "failing"] if as_module else ["failing.py"]
     result = _legacy(*target, cwd=tmp_path, extra_path=(tmp_path,))
