@@ -156,3 +156,21 @@ def test_evaluating_a_sharded_checkpoint_with_nan_weights_is_refused(tmp_path, s
     evaluator = ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET, **(cfg if sharded_run else {})))
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint '{damaged}' holds non-finite model weights")):
         evaluator.validate(ckpt=damaged)
+
+
+def test_load_model_of_last_or_best_without_a_run_here_names_where_it_looked(tmp_path, trained, monkeypatch):
+    """'last' resolves among the runs under the current directory: with none there it was a bare TypeError; and a
+    run_dir handed over names its newest run's last checkpoint as the one to pass."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("last", "best"):
+        with pytest.raises(CheckpointError, match=rf"load_model\('{name}'\): no run under the current directory"):
+            load_model(name, trainer_class=ToyTrainer)
+    last, _ = trained
+    run_dir = last.parents[2]
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"is a directory, not a checkpoint: pass a checkpoint file in it (e.g. '{last}')"),
+    ):
+        load_model(run_dir, trainer_class=ToyTrainer)
+    monkeypatch.chdir(run_dir)
+    assert isinstance(load_model("last", trainer_class=ToyTrainer), torch.nn.Module)

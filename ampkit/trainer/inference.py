@@ -24,7 +24,12 @@ def load_model(
     defined in a script's ``__main__``). The weights load in the model's own dtypes (an O2 run's half
     weights become float32 in a float32 model). A sharded (FSDP) checkpoint directory loads too, gathered whole.
     """
-    path = resolve_checkpoint(".", ckpt)  # a path only: names a directory that holds none, or a partial copy
+    path = resolve_checkpoint(".", ckpt)  # 'last'/'best': of the runs under the current directory
+    if path is None:
+        raise CheckpointError(
+            f"load_model({str(ckpt)!r}): no run under the current directory '{os.getcwd()}' has a {ckpt} checkpoint; "
+            f"pass a checkpoint's path (e.g. runs/version_0/checkpoints/{ckpt}.pt), or call it from the run_dir"
+        )
     if is_sharded_checkpoint(path):  # its config is in its trainer file; its shards gathered into one state dict
         checkpoint = {**load_checkpoint(path / TRAINER_FILE), "model": consolidate_checkpoint(path)}
     else:

@@ -100,6 +100,7 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
         raise CheckpointError(f"'{path}' {_incomplete(path, missing)}{_newest_whole_beside(path)}")
     if path.is_dir():
         inside = next((c for c in (path / "last.pt", path / "checkpoints" / "last.pt") if c.is_file()), None)
+        inside = inside or resolve_checkpoint(path, "last")  # a run_dir: its newest run's last
         hint = f" (e.g. '{inside}')" if inside is not None else ""
         raise CheckpointError(
             f"'{path}' is a directory, not a checkpoint: pass a checkpoint file in it{hint}, or 'last' or 'best'"
