@@ -61,7 +61,8 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (lambda last: os.urandom(300), "is not a torch checkpoint"),
+        # random bytes, but not starting as a pickle (0x80) or a zip does: those read as a damaged torch file
+        (lambda last: b"\x00" + os.urandom(299), "is not a torch checkpoint"),
         (lambda last: last.read_bytes()[:300], "is corrupt or truncated: RuntimeError: PytorchStreamReader failed"),
         (lambda last: b"", "is an empty file"),
         (lambda last: None, "is not an ampkit checkpoint (no 'ampkit_checkpoint' entry)"),
