@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedEnv, all_reduce_sum
+from ampkit.trainer.user_code import first_names
 
 
 def nonfinite_entries(state: dict[str, Any], env: DistributedEnv | None = None) -> list[str]:
@@ -41,9 +42,9 @@ def check_saved_weights_finite(path: str | os.PathLike, model_state: Any, env: D
         )
     bad = nonfinite_entries(model_state, env)
     if bad:
-        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        verb = "holds" if len(bad) == 1 else "hold"
         raise CheckpointError(
-            f"checkpoint '{path}' holds non-finite model weights ({shown} {'holds' if len(bad) == 1 else 'hold'} "
+            f"checkpoint '{path}' holds non-finite model weights ({first_names(bad)} {verb} "
             "NaN/inf): a diverged model (ampkit never saves one) or a damaged file; resume or evaluate an earlier "
             "checkpoint"
         )

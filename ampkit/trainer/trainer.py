@@ -1824,13 +1824,12 @@ class Trainer:
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
-                check_saved_weights_finite(path, state)
             else:
                 checkpoint = load_with_fallback_hint(path)
                 if "model" not in checkpoint:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
-                check_saved_weights_finite(path, state)
+            check_saved_weights_finite(path, state)
             self.module.load_state_dict(state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise

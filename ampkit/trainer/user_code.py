@@ -54,17 +54,21 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
         )
 
 
+def first_names(names: list[str], shown: int = 3) -> str:
+    """``names`` for a message: the first ``shown`` of them, then how many more (``a, b, c and 4 more``)."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def check_model_has_values(module: torch.nn.Module) -> None:
     """``configure_model``'s module holds values: a parameter or buffer on the meta device (built under
     ``torch.device("meta")`` and never materialized) has none to train, move or load into, and torch's error at
     ``.to(device)`` names neither the tensors nor the way out."""
     names = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
     if names:
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         raise UserCodeError(
-            f"configure_model() returned a model whose {shown} are on the meta device, which holds no values: build "
-            "it on a real device, or materialize it in configure_model (model.to_empty(device='cpu'), then "
-            "initialize its weights, e.g. with each module's reset_parameters())"
+            f"configure_model() returned a model whose {first_names(names)} are on the meta device, which holds no "
+            "values: build it on a real device, or materialize it in configure_model (model.to_empty(device='cpu'), "
+            "then initialize its weights, e.g. with each module's reset_parameters())"
         )
 
 
