@@ -13,6 +13,7 @@ from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import all_reduce_sum
 from ampkit.trainer.finite_weights import nonfinite_entries
+from ampkit.trainer.user_code import first_names
 
 
 class NonFiniteError(RuntimeError):
@@ -101,9 +102,8 @@ class NonFiniteGuard(Callback):
         else:
             since = f"somewhere in steps {self._finite_at + 1}..{step} (every loss was finite: a step overflowed)"
         raise NonFiniteError(
-            f"the model is not finite at step {step} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''} "
-            f"hold NaN/inf): {since}. Stopped before checkpointing it, so the last checkpoint keeps a finite "
-            f"model. {_advice(trainer)}"
+            f"the model is not finite at step {step} ({first_names(bad)} hold NaN/inf): {since}. Stopped before "
+            f"checkpointing it, so the last checkpoint keeps a finite model. {_advice(trainer)}"
         )
 
 
