@@ -72,7 +72,7 @@ class CheckpointConfig:
     every_n_steps: int = 0  # a step-N.pt every N iterations (0: never)
     every_n_epochs: int = 1  # an epoch-N.pt every N epochs (0: never)
     keep_last: int = 2  # step/epoch files kept besides last.pt
-    monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
+    monitor: str | None = None  # val/loss, or a train/ epoch mean: keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     save_top_k: int = 1  # best files kept (-1: every one; without a monitor, every step/epoch file)
 
@@ -83,7 +83,7 @@ class EarlyStoppingConfig:
     validations in a row (off while ``monitor`` is null), and at once when it is NaN/inf or crosses a threshold
     (as Lightning's EarlyStopping)."""
 
-    monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
+    monitor: str | None = None  # val/loss, or a train/ epoch mean (checked at epoch ends); null: no early stopping
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     patience: int = 3  # validations in a row without an improvement before stopping
     min_delta: float = 0.0  # a change of at most this does not count as an improvement

@@ -18,14 +18,25 @@ if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
 
 _MONITOR_KEYS = ("checkpoint.monitor", "early_stopping.monitor")
+# A monitor that names a training metric (no validation needed) rather than a validation one.
+_TRAINING_HINT = (
+    "; to monitor a training value instead, log it in training_step with self.log('train/<name>', value, "
+    "on_epoch=True) and monitor 'train/<name>' (its epoch mean, checked at each epoch's end)"
+)
+
+
+def is_training_metric(metric: str) -> bool:
+    """Whether a monitor names a ``train/`` tag: the epoch mean of ``log(..., on_epoch=True)``, read at each epoch's
+    end (Lightning's ``check_on_train_epoch_end``), not a validation metric."""
+    return metric.startswith("train/")
 
 
 def monitored_metrics(cfg: DictConfig) -> dict[str, str]:
-    """The validation metrics the config monitors, by config key."""
+    """The validation metrics the config monitors, by config key (``train/`` epoch means need no validation)."""
     monitors = {key: OmegaConf.select(cfg, key) for key in _MONITOR_KEYS}
     if not cfg.checkpoint.enabled:
         monitors.pop("checkpoint.monitor")
-    return {key: metric for key, metric in monitors.items() if metric}
+    return {key: metric for key, metric in monitors.items() if metric and not is_training_metric(metric)}
 
 
 def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_dataloader: bool) -> None:
@@ -37,7 +48,7 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
     if not has_val_dataloader:
         raise ConfigError(
             f"config key '{key}': monitors '{metric}', but {trainer_name} defines no val_dataloader(); "
-            f"define it (and validation_step), or set {key}=null"
+            f"define it (and validation_step), or set {key}=null{_TRAINING_HINT}"
         )
     t = cfg.trainer
     if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
@@ -126,6 +137,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
                 f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on {checked} "
                 f"batches, trainer.num_sanity_val_steps={t.num_sanity_val_steps}{later})"
+                + (_TRAINING_HINT if "." in key else "")
             )
 
 

@@ -1,0 +1,138 @@
+"""Monitoring a training value keeps the contract Lightning users know from ``check_on_train_epoch_end`` and
+``save_on_train_epoch_end``: a ``train/`` tag logged with ``on_epoch=True`` ranks best-k checkpoints and counts early
+stopping's patience at each epoch's end, with no validation at all or validation less often than that; a NaN epoch
+never ranks and stops the run; a tag never logged, and a validation metric in a run that never validates, are errors
+naming what to do instead of a run that silently ranks and stops nothing."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from typing import ClassVar
+
+import pytest
+from toy_trainers import ToyTrainer, toy_cfg
+
+import ampkit
+from ampkit import ConfigError
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.optimizers import MonitorNotFoundError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
+         "data.n": 16, "checkpoint.every_n_epochs": 0}  # fmt: skip
+# data.n 16 in batches of 8: two batches (iterations) per epoch, so epoch e ends at step 2 * (e + 1).
+
+
+class EpochScores(ToyTrainer):
+    """No validation; each training batch logs ``scores[epoch]``, so the epoch mean of ``train/score`` is it."""
+
+    scores: ClassVar[list[float]] = []
+    on_step = False
+    val_dataloader = ampkit.Trainer.val_dataloader
+
+    def training_step(self, batch):
+        self.log("train/score", self.scores[self.state.epoch], on_step=self.on_step, on_epoch=True)
+        return super().training_step(batch)
+
+
+class ValidatedEpochScores(EpochScores):
+    val_dataloader = ToyTrainer.val_dataloader
+
+
+def _fit(tmp_path, scores, *, trainer=EpochScores, callbacks=(), **overrides):
+    trainer = type("Scripted", (trainer,), {"scores": scores})
+    run = trainer(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": len(scores), **overrides}), callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a short run's settings are named; these tests mean them
+        run.fit()
+    return run
+
+
+def _best_steps(run) -> list[int]:
+    names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
+    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"best-(\d{8})\.pt", name)))
+
+
+def _best_pt_step(run) -> int:
+    return load_checkpoint(run.version_dir / "checkpoints" / "best.pt")["loop"]["global_step"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "top_k", "kept", "best"),
+    [("min", 1, [6], 6), ("min", 2, [2, 6], 6), ("max", 1, [4], 4), ("min", -1, [2, 4, 6, 8], 6)],
+)
+def test_a_train_epoch_mean_ranks_each_epoch_s_end_without_any_validation(tmp_path, mode, top_k, kept, best):
+    """Epochs end at steps 2, 4, 6, 8 with means 0.5, 0.9, 0.1, 0.7: the k best of them are kept by mode, and
+    best.pt is a copy of the best epoch's end (Lightning saves on train epoch end when nothing validates)."""
+    run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.mode": mode,
+                                                   "checkpoint.save_top_k": top_k})  # fmt: skip
+    assert _best_steps(run) == kept
+    assert _best_pt_step(run) == best
+
+
+def test_a_tag_logged_on_step_too_is_monitored_by_its_name_as_its_epoch_mean(tmp_path):
+    """log(on_step=True, on_epoch=True) writes train/score_step and train/score_epoch; monitoring 'train/score' reads
+    the epoch mean, as Lightning's callback metrics hold the epoch value under the plain name at the epoch's end."""
+    trainer = type("OnStepToo", (EpochScores,), {"on_step": True})
+    run = _fit(tmp_path, [0.5, 0.1, 0.9], trainer=trainer, **{"checkpoint.monitor": "train/score"})
+    assert _best_steps(run) == [4]
+
+
+def test_a_train_monitor_ranks_every_epoch_where_validation_runs_only_every_second(tmp_path):
+    """Validation every 2nd epoch does not hold back a training monitor: each epoch's end is ranked."""
+    run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], trainer=ValidatedEpochScores,
+               **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1,
+                  "trainer.val_every_n_epochs": 2})  # fmt: skip
+    assert _best_steps(run) == [2, 4, 6, 8]
+    assert _best_pt_step(run) == 6
+
+
+def test_a_nan_epoch_mean_is_never_best(tmp_path):
+    run = _fit(tmp_path, [0.5, math.nan, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1})
+    assert _best_steps(run) == [2, 6]
+    assert _best_pt_step(run) == 2
+
+
+def test_a_tie_with_the_best_epoch_keeps_the_earlier_file(tmp_path):
+    run = _fit(tmp_path, [0.5, 0.2, 0.2, 0.9], **{"checkpoint.monitor": "train/score"})
+    assert _best_steps(run) == [4]
+
+
+def test_early_stopping_on_a_train_epoch_mean_counts_epochs_without_validation(tmp_path):
+    """Patience 2: the best is epoch 1's 0.2; epochs 2 and 3 do not improve on it, so the run stops after epoch 3 of
+    6, and the checkpoint records why."""
+    run = _fit(tmp_path, [0.5, 0.2, 0.3, 0.4, 0.1, 0.1],
+               **{"early_stopping.monitor": "train/score", "early_stopping.patience": 2})  # fmt: skip
+    assert (run.state.epoch, run.state.global_step) == (4, 8)
+    assert "train/score did not improve on 0.2 for 2 epochs" in run.state.stop_reason
+    last = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 8 and "did not improve" in last["stopped_early"]
+
+
+def test_a_nan_train_epoch_mean_stops_the_run_at_that_epoch(tmp_path):
+    run = _fit(tmp_path, [0.5, math.nan, 0.1], **{"early_stopping.monitor": "train/score"})
+    assert run.state.global_step == 4
+    assert "not finite" in run.state.stop_reason
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_train_tag_never_logged_is_an_error_naming_the_tags_that_were(tmp_path, key):
+    message = r"'train/acc' is no epoch mean of epoch 0, which logged train/score; .*self\.log\('train/acc', loss"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5, 0.2], **{key: "train/acc"})
+
+
+@pytest.mark.parametrize("callback", [ModelCheckpoint(monitor="val/mse"), EarlyStopping(monitor="val/mse")])
+def test_a_validation_monitor_given_in_code_to_a_run_that_never_validates_is_refused(tmp_path, callback):
+    """A callback built in code skips the config's checks: without validation it would rank or stop nothing, without
+    a word. It is refused when fit starts, naming the train/ alternative."""
+    message = r"'val/mse' is a validation metric, but this run never validates \(no val_dataloader\(\)\).*train/ tag"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5], callbacks=[callback], **{"checkpoint.enabled": False})
+
+
+def test_a_validation_monitor_in_the_config_of_a_run_without_validation_names_the_train_alternative(tmp_path):
+    with pytest.raises(ConfigError, match=r"defines no val_dataloader\(\).*monitor 'train/<name>'"):
+        _fit(tmp_path, [0.5], **{"early_stopping.monitor": "loss"})
