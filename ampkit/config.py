@@ -27,6 +27,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, PathNode
 
+from ampkit.lightning_settings import LIGHTNING_SETTINGS
+
 
 class ConfigError(ValueError):
     """Invalid configuration: the message names the dotted key, the bad value and the valid choices."""
@@ -478,13 +480,19 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
 
 
 def _nearest_key(schema: DictConfig, parent: str, name: str, valid: list[str]) -> str:
-    """`` (did you mean '...'?)`` for a misspelt key (``max_epoch``) or one written in another section
-    (``trainer.opt_level``, which is ``precision.opt_level``); empty when nothing is near."""
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
-    if close:
-        return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)"
+    """`` (did you mean '...'?)`` for Lightning's name of a setting (``val_check_interval``), a key written in
+    another section (``trainer.log_every_n_steps``, which is ``logging.log_every_n_steps``: that exact name beats a
+    near one here) or a misspelt key (``max_epoch``); empty when nothing is near."""
+    if name in LIGHTNING_SETTINGS:
+        instead = LIGHTNING_SETTINGS[name]
+        if instead.startswith("no config key: "):
+            return f" (Lightning's {name} has no config key here: {instead.removeprefix('no config key: ')})"
+        return f" (Lightning's {name}; here it is {instead})"
     elsewhere = [path for path in _key_paths(schema) if path.rpartition(".")[2] == name]
-    return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)" if elsewhere else ""
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)"
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
+    return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)" if close else ""
 
 
 def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:

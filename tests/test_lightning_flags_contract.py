@@ -1,0 +1,105 @@
+"""Trainer flags a Lightning user types keep a contract: a key ampkit names otherwise (``val_check_interval``,
+``check_val_every_n_epoch``, ``gradient_clip_val``), one that lives in another section (``trainer.log_every_n_steps``)
+and one ampkit has no key for (``fast_dev_run``, ``overfit_batches``, ``save_on_train_epoch_end``) are refused
+naming what does its work here, before training; the recipe named for ``fast_dev_run`` runs one batch of each and
+writes no checkpoint nor events; and the learning rate each optimizer's step used reaches TensorBoard per param
+group, as Lightning's LearningRateMonitor logs it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import Callback, ConfigError
+from ampkit.config import Config, build_config
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("trainer.val_check_interval=0.25", "(Lightning's val_check_interval; here it is trainer.val_every_n_steps, "
+                                            "in iterations"),
+        ("trainer.check_val_every_n_epoch=2", "(Lightning's check_val_every_n_epoch; here it is "
+                                              "trainer.val_every_n_epochs)"),
+        ("trainer.gradient_clip_val=1.0", "(Lightning's gradient_clip_val; here it is trainer.clip_grad_norm)"),
+        ("trainer.log_every_n_steps=5", "(did you mean 'logging.log_every_n_steps'?)"),  # not val_every_n_steps
+        ("trainer.fast_dev_run=true", "(Lightning's fast_dev_run has no config key here: trainer.max_epochs=1 "
+                                      "trainer.limit_train_batches=1"),
+        ("trainer.overfit_batches=2", "(Lightning's overfit_batches has no config key here: "
+                                      "trainer.limit_train_batches=N"),
+        ("trainer.limit_test_batches=2", "(Lightning's limit_test_batches has no config key here"),  # not limit_train
+        ("trainer.min_epochs=2", "(Lightning's min_epochs has no config key here"),  # not max_epochs
+        ("checkpoint.save_on_train_epoch_end=true", "(Lightning's save_on_train_epoch_end has no config key here: a "
+                                                    "train/ monitor ranks at each epoch's end"),
+        ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
+        ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
+    ],
+)  # fmt: skip
+def test_a_lightning_flag_is_refused_naming_what_does_its_work_here(override, hint):
+    with pytest.raises(ConfigError) as caught:
+        build_config(Config, OmegaConf.from_dotlist([override]))
+    key = override.partition("=")[0]
+    assert str(caught.value).startswith(f"unknown config key '{key}' {hint}")
+
+
+class Counts(Callback):
+    def __init__(self) -> None:
+        self.train_batches = self.validation_batches = 0
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        self.train_batches += 1
+
+    def on_validation_batch_end(self, trainer, metrics, batch) -> None:
+        self.validation_batches += 1
+
+
+def test_the_fast_dev_run_recipe_runs_one_batch_of_each_and_writes_no_checkpoint_nor_events(tmp_path):
+    """The settings the fast_dev_run error names, as written there, do what Lightning's fast_dev_run does."""
+    with pytest.raises(ConfigError) as caught:
+        build_config(Config, OmegaConf.from_dotlist(["trainer.fast_dev_run=true"]))
+    settings = str(caught.value).partition("no config key here: ")[2].partition(" runs ")[0].split()
+    counts = Counts()
+    overrides = dict(setting.split("=") for setting in settings)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **overrides, **{"trainer.progress_bar": False}), callbacks=[counts])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit()
+    assert (counts.train_batches, counts.validation_batches) == (1, 1)
+    written = {p.name for p in trainer.version_dir.rglob("*")}
+    assert not any(name.endswith(".pt") or name.startswith("events.out") for name in written), written
+
+
+class TwoOptimizers(ToyTrainer):
+    """A per-step warmup on SGD's two param groups (step n trains at n/10 of each group's rate), Adam unscheduled."""
+
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        sgd = torch.optim.SGD([{"params": first.weight}, {"params": first.bias, "lr": 0.01}], lr=0.1, momentum=0.9)
+        warmup = torch.optim.lr_scheduler.LambdaLR(sgd, lambda done: (done + 1) / 10)
+        adam = torch.optim.Adam(head.parameters(), lr=0.001)
+        return [{"optimizer": sgd, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}, adam]
+
+
+def test_each_optimizer_s_and_param_group_s_learning_rate_reaches_tensorboard_as_its_step_used_it(tmp_path):
+    """LearningRateMonitor's per-step curve: one tag per optimizer (train/lr/<name>) and per further param group
+    (/group_<i>), each point the rate that step trained at, before its step-interval scheduler moved it on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.num_sanity_val_steps": 0, "data.n": 32}  # fmt: skip
+    trainer = TwoOptimizers(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    steps = [1, 2, 3, 4]
+    for tag, rates in [("train/lr/sgd", [0.1 * n / 10 for n in steps]),
+                       ("train/lr/sgd/group_1", [0.01 * n / 10 for n in steps]),
+                       ("train/lr/adam", [0.001] * 4)]:  # fmt: skip
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [step for step, _ in logged] == steps, tag
+        assert [value for _, value in logged] == pytest.approx(rates, rel=1e-6), tag
+    assert "train/lr/adam/group_1" not in events.Tags()["scalars"]
