@@ -136,3 +136,33 @@ def test_a_validation_monitor_given_in_code_to_a_run_that_never_validates_is_ref
 def test_a_validation_monitor_in_the_config_of_a_run_without_validation_names_the_train_alternative(tmp_path):
     with pytest.raises(ConfigError, match=r"defines no val_dataloader\(\).*monitor 'train/<name>'"):
         _fit(tmp_path, [0.5], **{"early_stopping.monitor": "loss"})
+
+
+class ValidationScores(ToyTrainer):
+    """Validation after step N reports ``scores[N]``."""
+
+    scores: ClassVar[dict[int, float]] = {}
+
+    def validation_step(self, batch):
+        return {"score": self.scores[self.state.global_step]}
+
+
+@pytest.mark.parametrize(
+    ("trainer", "scores", "settings", "ranked", "best"),
+    [
+        (EpochScores, [0.5, 0.1, 0.9], {"checkpoint.monitor": "train/score"}, [2, 4, 6], 4),
+        (ValidationScores, {2: 0.5, 4: 0.1, 6: 0.9}, {"checkpoint.monitor": "val/score"}, [2, 4, 6], 4),
+        (ValidationScores, {4: 0.5, 8: 0.1, 12: 0.9}, {"checkpoint.monitor": "val/score",
+                                                       "trainer.val_every_n_epochs": 2}, [4, 8, 12], 8),
+    ],
+)  # fmt: skip
+def test_step_checkpoints_between_measurements_are_never_ranked_by_an_older_value(
+    tmp_path, trainer, scores, settings, ranked, best
+):
+    """A step-N.pt every step (2 per epoch), the monitored value measured only at epoch ends or validations: only
+    those moments become best files, so no file is ranked by a value measured on other weights (Lightning ranks each
+    step save by the latest value logged, which can be a validation or an epoch older than the step's weights)."""
+    run = _fit(tmp_path, scores, trainer=trainer, **{"checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1,
+               "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": ranked[-1] // 2, **settings})  # fmt: skip
+    assert _best_steps(run) == ranked
+    assert _best_pt_step(run) == best
