@@ -103,3 +103,29 @@ def test_each_optimizer_s_and_param_group_s_learning_rate_reaches_tensorboard_as
         assert [step for step, _ in logged] == steps, tag
         assert [value for _, value in logged] == pytest.approx(rates, rel=1e-6), tag
     assert "train/lr/adam/group_1" not in events.Tags()["scalars"]
+
+
+class NamedGroups(ToyTrainer):
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        return torch.optim.AdamW([{"params": first.weight, "name": "body", "lr": 0.1},
+                                  {"params": first.bias, "name": "body", "lr": 0.2},
+                                  {"params": head.parameters(), "name": "head", "lr": 0.3}])  # fmt: skip
+
+
+def test_a_param_group_s_name_names_its_learning_rate_tag_and_a_shared_name_hides_no_value(tmp_path):
+    """As Lightning's LearningRateMonitor: a group given a "name" is logged under it; a second group of that name
+    keeps its index, as one tag would show only one of the two rates."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.max_steps": 1}  # fmt: skip
+    trainer = NamedGroups(toy_cfg(tmp_path, **settings))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    logged = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if tag.startswith("train/lr/")}
+    assert logged == pytest.approx({"train/lr/adamw/body": 0.1, "train/lr/adamw/group_1": 0.2,
+                                    "train/lr/adamw/head": 0.3})  # fmt: skip

@@ -164,7 +164,8 @@ class TensorBoardLogger(Callback):
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log, and at
     the last step over those since),
-    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups'),
+    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups',
+    ``/<name>`` for a group with a ``"name"``),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
     ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
@@ -232,11 +233,7 @@ class TensorBoardLogger(Callback):
         """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
         moved them to the next iteration's."""
         if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
-            self._lrs = [
-                (f"train/lr/{name}" + (f"/group_{i}" if i else ""), group["lr"])  # each group's, as Lightning's
-                for name, opt in trainer.optimizers.items()
-                for i, group in enumerate(opt.param_groups)
-            ]
+            self._lrs = [row for name, opt in trainer.optimizers.items() for row in _learning_rates(name, opt)]
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
@@ -382,6 +379,21 @@ class TensorBoardLogger(Callback):
             self.writer, self._step_events, self._carried = None, None, None
             trainer.logger = Logger()
             writer_closed()
+
+
+def _learning_rates(optimizer_name: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, float]]:
+    """Each param group's ``(tag, lr)``, as Lightning's LearningRateMonitor names them: ``train/lr/<optimizer>`` for
+    the first, ``/group_<i>`` for the others, or ``/<name>`` for a group given a ``"name"`` (a name two groups share
+    goes to the first; the second keeps its index, so neither value hides the other)."""
+    rows, tags = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        name = group.get("name")
+        tag = f"train/lr/{optimizer_name}/{name}" if isinstance(name, str) and name else None
+        if tag is None or tag in tags:
+            tag = f"train/lr/{optimizer_name}" + (f"/group_{i}" if i else "")
+        tags.add(tag)
+        rows.append((tag, group["lr"]))
+    return rows
 
 
 def _as_list(value: Any) -> list[Any]:
