@@ -129,3 +129,17 @@ def test_a_param_group_s_name_names_its_learning_rate_tag_and_a_shared_name_hide
     logged = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if tag.startswith("train/lr/")}
     assert logged == pytest.approx({"train/lr/adamw/body": 0.1, "train/lr/adamw/group_1": 0.2,
                                     "train/lr/adamw/head": 0.3})  # fmt: skip
+
+
+@pytest.mark.parametrize(("every", "tensorboard", "warned"), [(10, True, True), (4, True, False), (10, False, False)])
+def test_a_log_interval_longer_than_the_run_is_named_at_fit_start(tmp_path, every, tensorboard, warned):
+    """4 iterations logged every 10 would write no per-step value at all (no learning-rate curve): named at fit start,
+    as Lightning warns of a logging interval above the batches it trains."""
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": every, "logging.tensorboard": tensorboard,
+                "checkpoint.enabled": False, "data.n": 32}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    said = [str(w.message) for w in caught if "logging.log_every_n_steps" in str(w.message)]
+    expected = ["logging.log_every_n_steps=10 is more than this run's 4 iterations: TensorBoard gets no learning rate"]
+    assert [message[: len(expected[0])] for message in said] == (expected if warned else [])

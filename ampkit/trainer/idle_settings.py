@@ -41,6 +41,13 @@ def idle_settings(
             f"divided by {t.accumulate_grad_batches}, so its gradient is {batches_per_epoch}/"
             f"{t.accumulate_grad_batches} of a full window's. Set it to at most {batches_per_epoch}"
         )
+    every = cfg.logging.log_every_n_steps
+    if cfg.logging.tensorboard and training_steps is not None and 0 < training_steps < every:
+        found.append(
+            f"logging.log_every_n_steps={every} is more than this run's {training_steps} iterations: TensorBoard gets "
+            "no learning rate, gradient norm or log(on_step) value of any step, only the losses' mean at the end "
+            f"(Lightning warns likewise); set it to at most {training_steps}"
+        )
     if batches_per_epoch is None and (waiting := _waiting_for_epoch_end(cfg, has_validation)):
         found.append(
             f"train_dataloader() has no length, so an epoch ends only where its data does, and {waiting} only at "
