@@ -35,7 +35,7 @@ class Plain(ToyTrainer):
 
 class RankScores(Plain):
     """No validation; logs a train/score epoch mean of its own on each rank (4 batches per epoch): rank 1's alone
-    would stop a patience of 2 after epoch 2, rank 0's after epoch 3."""
+    would stop a patience of 2 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau (patience 0) steps on it."""
 
     scores = {0: [0.5, 0.2, 0.3, 0.4, 0.1], 1: [0.1, 0.9, 0.9, 0.9, 0.9]}
     val_dataloader = ampkit.Trainer.val_dataloader
@@ -43,6 +43,11 @@ class RankScores(Plain):
     def training_step(self, batch):
         self.log("train/score", self.scores[RANK][self.state.epoch], on_step=False, on_epoch=True)
         return super().training_step(batch)
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, patience=0, factor=0.5)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/score"}}
 
 
 class BareModule(Plain):
@@ -662,6 +667,7 @@ def main(scenario: str, out: Path) -> None:
         extra["facts_on_device"] = trainer.facts_on_device
     if scenario == "train_monitor":
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
+        extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

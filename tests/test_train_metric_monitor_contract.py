@@ -12,6 +12,7 @@ import warnings
 from typing import ClassVar
 
 import pytest
+import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
@@ -166,3 +167,46 @@ def test_step_checkpoints_between_measurements_are_never_ranked_by_an_older_valu
                "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": ranked[-1] // 2, **settings})  # fmt: skip
     assert _best_steps(run) == ranked
     assert _best_pt_step(run) == best
+
+
+class PlateauOnTrainScore(EpochScores):
+    """A ReduceLROnPlateau (patience 0, halving) on the monitored train/score; ``interval`` as the class says."""
+
+    interval = "epoch"
+    monitor = "train/score"
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, patience=0, factor=0.5)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": self.monitor,
+                                                   "interval": self.interval}}  # fmt: skip
+
+
+class EpochStartRates(ampkit.Callback):
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_epoch_start(self, trainer) -> None:
+        self.rates.append(trainer.optimizer.param_groups[0]["lr"])
+
+
+def test_a_plateau_scheduler_steps_on_a_train_epoch_mean_without_validation(tmp_path):
+    """As Lightning's {'monitor': 'train_loss'}: epoch 2's 0.3 does not improve on 0.2, so epoch 3 trains at half."""
+    rates = EpochStartRates()
+    _fit(tmp_path, [0.5, 0.2, 0.3, 0.1], trainer=PlateauOnTrainScore, callbacks=[rates])
+    assert rates.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])
+
+
+@pytest.mark.parametrize(
+    ("interval", "monitor", "error", "message"),
+    [
+        ("step", "train/score", ConfigError, r"monitors 'train/score', an epoch mean known at epoch ends only, but "
+                                             r"steps every step: give it 'interval': 'epoch'"),
+        ("epoch", "train/acc", MonitorNotFoundError, r"monitors 'train/acc', but epoch 0 logged train/score: log it in "
+                                                     r"training_step with self\.log\('train/acc'"),
+    ],
+)  # fmt: skip
+def test_a_plateau_scheduler_s_train_monitor_it_cannot_read_is_named(tmp_path, interval, monitor, error, message):
+    trainer = type("Plateau", (PlateauOnTrainScore,), {"interval": interval, "monitor": monitor})
+    with pytest.raises(error, match=message):
+        _fit(tmp_path, [0.5, 0.2], trainer=trainer)

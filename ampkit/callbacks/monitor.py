@@ -8,7 +8,7 @@ from typing import Any
 
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
-from ampkit.trainer.sanity import is_training_metric
+from ampkit.trainer.sanity import epoch_mean, is_training_metric
 
 MODES = ("min", "max")
 
@@ -67,8 +67,7 @@ class Monitor:
         TensorBoard shows), so all ranks rank and stop alike. One not logged is a one-line error naming the tags
         that were."""
         means = trainer.epoch_scalars
-        value = means.get(self.key, means.get(f"{self.key}_epoch"))
-        value = broadcast_object(value, trainer.dist)
+        value = broadcast_object(epoch_mean(means, self.key), trainer.dist)
         if value is not None:
             return float(value)
         which = f"config key '{self.setting}'" if self.setting else "monitor"

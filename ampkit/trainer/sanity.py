@@ -31,6 +31,12 @@ def is_training_metric(metric: str) -> bool:
     return metric.startswith("train/")
 
 
+def epoch_mean(means: dict[str, float], metric: str) -> float | None:
+    """A monitored ``train/`` tag's value among an epoch's ``means`` (``train/loss_epoch`` for ``train/loss`` logged
+    with ``on_step`` too, as Lightning's monitors find it), or None when it was not logged."""
+    return means.get(metric, means.get(f"{metric}_epoch"))
+
+
 def monitored_metrics(cfg: DictConfig) -> dict[str, str]:
     """The validation metrics the config monitors, by config key (``train/`` epoch means need no validation)."""
     monitors = {key: OmegaConf.select(cfg, key) for key in _MONITOR_KEYS}
@@ -60,13 +66,21 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
 
 def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
     """A strict scheduler stepping on a validation metric at epoch ends needs a validation before its first step:
-    refused before training, not with a KeyError after the first epoch (Lightning asks the same of 'frequency')."""
+    refused before training, not with a KeyError after the first epoch (Lightning asks the same of 'frequency'). One
+    monitoring a ``train/`` epoch mean steps at epoch ends, where that mean is known."""
     t = trainer.settings
     for spec in trainer._specs:
         for sched in spec.schedulers:
-            if sched.monitor is None or not sched.strict or sched.interval != "epoch" or t.val_every_n_steps > 0:
-                continue
             which = f"the scheduler '{sched.name}'" if sched.name else "the scheduler"
+            if sched.monitor is not None and is_training_metric(sched.monitor) and sched.interval != "epoch":
+                raise ConfigError(
+                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', an epoch mean known at epoch ends "
+                    f"only, but steps every {sched.interval}: give it 'interval': 'epoch'"
+                )
+            if sched.monitor is None or is_training_metric(sched.monitor):
+                continue
+            if not sched.strict or sched.interval != "epoch" or t.val_every_n_steps > 0:
+                continue
             if trainer._val_loader is None or t.val_every_n_epochs == 0:
                 raise ConfigError(
                     f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', but validation never runs "
@@ -119,7 +133,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     monitored = monitored_metrics(trainer.cfg)
     for spec in trainer._specs:
         for sched in spec.schedulers:
-            if sched.monitor is not None and sched.strict:
+            if sched.monitor is not None and sched.strict and not is_training_metric(sched.monitor):
                 monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
     total = trainer.num_val_batches
     for key, metric in monitored.items():
