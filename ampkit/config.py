@@ -100,6 +100,7 @@ class LoggingConfig:
 
     tensorboard: bool = True  # write TensorBoard event files under <version_dir>/tensorboard
     log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
+    log_momentum: bool = False  # also train/momentum/<optimizer>: each group's momentum or Adam's beta1
     console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
     grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
     throughput: bool = True  # samples/s (tokens/s, TFLOP/s, MFU when the Trainer sets what a sample is worth)

@@ -143,3 +143,56 @@ def test_a_log_interval_longer_than_the_run_is_named_at_fit_start(tmp_path, ever
     said = [str(w.message) for w in caught if "logging.log_every_n_steps" in str(w.message)]
     expected = ["logging.log_every_n_steps=10 is more than this run's 4 iterations: TensorBoard gets no learning rate"]
     assert [message[: len(expected[0])] for message in said] == (expected if warned else [])
+
+
+class OneCycle(ToyTrainer):
+    """SGD and Adam under per-step OneCycleLR, which cycles SGD's momentum and Adam's first beta with the rate."""
+
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        sgd = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam(head.parameters(), lr=0.01)
+        schedules = []
+        for opt in (sgd, adam):
+            cycle = torch.optim.lr_scheduler.OneCycleLR(opt, opt.defaults["lr"], total_steps=4)
+            schedules.append({"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}})
+        return schedules
+
+
+def _one_cycle_momenta(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The momentum (or beta1) a OneCycleLR of 4 steps gives each of its 4 steps, replayed on ``optimizer``."""
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, optimizer.defaults["lr"], total_steps=4)
+    momenta = []
+    for _ in range(4):
+        group = optimizer.param_groups[0]
+        momenta.append(group["momentum"] if "momentum" in group else group["betas"][0])
+        optimizer.step()
+        cycle.step()
+    return momenta
+
+
+@pytest.mark.parametrize("log_momentum", [True, False])
+def test_log_momentum_writes_each_optimizer_s_momentum_as_its_step_used_it(tmp_path, log_momentum):
+    """As LearningRateMonitor(log_momentum=True): a cycled momentum (SGD's, Adam's beta1) is visible per step; off by
+    default, as there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.num_sanity_val_steps": 0, "data.n": 32, "logging.log_momentum": log_momentum}  # fmt: skip
+    trainer = OneCycle(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    tags = sorted(tag for tag in events.Tags()["scalars"] if tag.startswith("train/momentum/"))
+    if not log_momentum:
+        assert tags == []
+        return
+    assert tags == ["train/momentum/adam", "train/momentum/sgd"]
+    parameter = [torch.nn.Parameter(torch.zeros(1))]
+    expected = {"sgd": _one_cycle_momenta(torch.optim.SGD(parameter, lr=0.1, momentum=0.9)),
+                "adam": _one_cycle_momenta(torch.optim.Adam(parameter, lr=0.01))}  # fmt: skip
+    for name, momenta in expected.items():
+        logged = events.Scalars(f"train/momentum/{name}")
+        assert [e.step for e in logged] == [1, 2, 3, 4]
+        assert [e.value for e in logged] == pytest.approx(momenta, rel=1e-6)
+    assert len(set(expected["sgd"])) > 1, "the schedule moved the momentum, or the test shows nothing"

@@ -165,7 +165,7 @@ class TensorBoardLogger(Callback):
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log, and at
     the last step over those since),
     ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups',
-    ``/<name>`` for a group with a ``"name"``),
+    ``/<name>`` for a group with a ``"name"``; with ``log_momentum`` each group's ``train/momentum/...`` too),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
     ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
@@ -182,11 +182,12 @@ class TensorBoardLogger(Callback):
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
     state_is_optional = True  # a resume with logging.tensorboard=false has no use for the window
 
-    def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0) -> None:
+    def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0, log_momentum: bool = False) -> None:
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:
             raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
         self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs
+        self.log_momentum = log_momentum
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
@@ -233,7 +234,9 @@ class TensorBoardLogger(Callback):
         """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
         moved them to the next iteration's."""
         if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
-            self._lrs = [row for name, opt in trainer.optimizers.items() for row in _learning_rates(name, opt)]
+            self._lrs = [
+                row for name, opt in trainer.optimizers.items() for row in _learning_rates(name, opt, self.log_momentum)
+            ]
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if self.writer is None:
@@ -381,18 +384,22 @@ class TensorBoardLogger(Callback):
             writer_closed()
 
 
-def _learning_rates(optimizer_name: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, float]]:
+def _learning_rates(optimizer_name: str, optimizer: torch.optim.Optimizer, momentum: bool) -> list[tuple[str, float]]:
     """Each param group's ``(tag, lr)``, as Lightning's LearningRateMonitor names them: ``train/lr/<optimizer>`` for
     the first, ``/group_<i>`` for the others, or ``/<name>`` for a group given a ``"name"`` (a name two groups share
-    goes to the first; the second keeps its index, so neither value hides the other)."""
-    rows, tags = [], set()
+    goes to the first; the second keeps its index, so neither value hides the other). With ``momentum``, also each
+    group's ``train/momentum/...``: its ``momentum``, or Adam's first beta (a group with neither has none)."""
+    rows, suffixes = [], set()
     for i, group in enumerate(optimizer.param_groups):
         name = group.get("name")
-        tag = f"train/lr/{optimizer_name}/{name}" if isinstance(name, str) and name else None
-        if tag is None or tag in tags:
-            tag = f"train/lr/{optimizer_name}" + (f"/group_{i}" if i else "")
-        tags.add(tag)
-        rows.append((tag, group["lr"]))
+        suffix = f"/{name}" if isinstance(name, str) and name else None
+        if suffix is None or suffix in suffixes:
+            suffix = f"/group_{i}" if i else ""
+        suffixes.add(suffix)
+        rows.append((f"train/lr/{optimizer_name}{suffix}", group["lr"]))
+        value = group.get("momentum", group.get("betas", (None,))[0]) if momentum else None
+        if value is not None:
+            rows.append((f"train/momentum/{optimizer_name}{suffix}", value))
     return rows
 
 
