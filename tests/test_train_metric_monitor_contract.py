@@ -210,3 +210,19 @@ def test_a_plateau_scheduler_s_train_monitor_it_cannot_read_is_named(tmp_path, i
     trainer = type("Plateau", (PlateauOnTrainScore,), {"interval": interval, "monitor": monitor})
     with pytest.raises(error, match=message):
         _fit(tmp_path, [0.5, 0.2], trainer=trainer)
+
+
+class Stream(EpochScores):
+    """Its batches come from a generator: no length, so an epoch ends where the data does."""
+
+    def train_dataloader(self):
+        return (batch for batch in super().train_dataloader())
+
+
+def test_a_train_monitor_over_a_stream_is_named_at_fit_start_as_checked_only_where_the_data_ends(tmp_path):
+    settings = {**QUIET, "checkpoint.monitor": "train/score", "checkpoint.every_n_steps": 1,
+                "trainer.max_steps": 1, "trainer.max_epochs": -1}  # fmt: skip
+    trainer = type("Scripted", (Stream,), {"scores": [0.5]})(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"has no length, so an epoch ends only where its data does, and "
+                      r"checkpoint.monitor='train/score' \(an epoch mean\) is checked only then"):  # fmt: skip
+        trainer.fit()
