@@ -3,10 +3,10 @@ a run that trains on without them looks like one that used them."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ampkit.trainer.optimizers import OptimizerSpec, SchedulerSpec
-from ampkit.trainer.sanity import is_training_metric, monitored_metrics
+from ampkit.trainer.sanity import monitored_metrics
 
 
 def idle_settings(
@@ -55,9 +55,10 @@ def idle_settings(
             "leaves nothing to resume. Set checkpoint.every_n_steps (and trainer.val_every_n_steps), or "
             "trainer.limit_train_batches for epochs of that many batches"
         )
-    if batches_per_epoch is None and (monitors := _training_monitors(cfg)):
+    trained = " and ".join(f"{key}='{metric}'" for key, metric in monitored_metrics(cfg, training=True).items())
+    if batches_per_epoch is None and trained:
         found.append(
-            f"train_dataloader() has no length, so an epoch ends only where its data does, and {monitors} (an epoch "
+            f"train_dataloader() has no length, so an epoch ends only where its data does, and {trained} (an epoch "
             "mean) is checked only then: a stream that never ends ranks and stops on nothing. Set "
             "trainer.limit_train_batches for epochs of that many batches, or monitor a validation metric with "
             "trainer.val_every_n_steps"
@@ -80,15 +81,6 @@ def idle_settings(
                 + ". Lower the interval, or train longer"
             )
     return found
-
-
-def _training_monitors(cfg: DictConfig) -> str:
-    """The config's ``train/`` monitors, as ``checkpoint.monitor='train/loss'``, or ``""``."""
-    monitors = {key: OmegaConf.select(cfg, key) for key in ("checkpoint.monitor", "early_stopping.monitor")}
-    if not cfg.checkpoint.enabled:
-        monitors.pop("checkpoint.monitor")
-    named = [f"{key}='{metric}'" for key, metric in monitors.items() if metric and is_training_metric(metric)]
-    return " and ".join(named)
 
 
 def _waiting_for_epoch_end(cfg: DictConfig, has_validation: bool) -> str:

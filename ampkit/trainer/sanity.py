@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
 
 _MONITOR_KEYS = ("checkpoint.monitor", "early_stopping.monitor")
-# A monitor that names a training metric (no validation needed) rather than a validation one.
+# The way out of a validation monitor a run cannot meet: a training value, which needs no validation.
 _TRAINING_HINT = (
     "; to monitor a training value instead, log it in training_step with self.log('train/<name>', value, "
     "on_epoch=True) and monitor 'train/<name>' (its epoch mean, checked at each epoch's end)"
@@ -37,12 +37,13 @@ def epoch_mean(means: dict[str, float], metric: str) -> float | None:
     return means.get(metric, means.get(f"{metric}_epoch"))
 
 
-def monitored_metrics(cfg: DictConfig) -> dict[str, str]:
-    """The validation metrics the config monitors, by config key (``train/`` epoch means need no validation)."""
+def monitored_metrics(cfg: DictConfig, training: bool = False) -> dict[str, str]:
+    """The validation metrics the config monitors, by config key; with ``training`` its ``train/`` epoch means
+    instead (which need no validation)."""
     monitors = {key: OmegaConf.select(cfg, key) for key in _MONITOR_KEYS}
     if not cfg.checkpoint.enabled:
         monitors.pop("checkpoint.monitor")
-    return {key: metric for key, metric in monitors.items() if metric and not is_training_metric(metric)}
+    return {key: metric for key, metric in monitors.items() if metric and is_training_metric(metric) == training}
 
 
 def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_dataloader: bool) -> None:
