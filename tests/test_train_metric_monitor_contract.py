@@ -226,3 +226,35 @@ def test_a_train_monitor_over_a_stream_is_named_at_fit_start_as_checked_only_whe
     with pytest.warns(UserWarning, match=r"has no length, so an epoch ends only where its data does, and "
                       r"checkpoint.monitor='train/score' \(an epoch mean\) is checked only then"):  # fmt: skip
         trainer.fit()
+
+
+class BatchScores(EpochScores):
+    """Logs 10 * epoch + batch_idx: an epoch's mean needs both of its batches (epoch 0: 0.5, epoch 1: 10.5)."""
+
+    def training_step(self, batch):
+        self.log("train/score", 10.0 * self.state.epoch + self.state.batch_idx, on_step=False, on_epoch=True)
+        return ToyTrainer.training_step(self, batch)
+
+
+class CrashAtStep(ampkit.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if trainer.state.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupted_one(tmp_path):
+    settings = {"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1}
+    whole = _fit(tmp_path / "whole", [0, 0], trainer=BatchScores, **settings)
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path / "resumed", [0, 0], trainer=BatchScores, callbacks=[CrashAtStep(1)], **settings)
+    trainer = type("Scripted", (BatchScores,), {"scores": [0, 0]})
+    resumed = trainer(toy_cfg(tmp_path / "resumed", **{**QUIET, "trainer.max_epochs": 2, **settings}))
+    resumed.fit(resume="last")
+
+    def ranking(run) -> dict[str, float]:
+        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+
+    assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
