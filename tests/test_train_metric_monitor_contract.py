@@ -1,8 +1,10 @@
 """Monitoring a training value keeps the contract Lightning users know from ``check_on_train_epoch_end`` and
-``save_on_train_epoch_end``: a ``train/`` tag logged with ``on_epoch=True`` ranks best-k checkpoints and counts early
-stopping's patience at each epoch's end, with no validation at all or validation less often than that; a NaN epoch
-never ranks and stops the run; a tag never logged, and a validation metric in a run that never validates, are errors
-naming what to do instead of a run that silently ranks and stops nothing."""
+``save_on_train_epoch_end``: a ``train/`` tag logged with ``on_epoch=True`` ranks best-k checkpoints, counts early
+stopping's patience and steps a ReduceLROnPlateau at each epoch's end, with no validation at all or validation less
+often than that, by the whole epoch's mean also across a resume; a NaN epoch never ranks and stops the run; step
+checkpoints between measurements are never ranked by an older value; a tag never logged, a validation metric in a run
+that never validates and a train/ monitor over an endless stream are named instead of a run that silently ranks and
+stops nothing."""
 
 from __future__ import annotations
 
