@@ -196,3 +196,30 @@ def test_log_momentum_writes_each_optimizer_s_momentum_as_its_step_used_it(tmp_p
         assert [e.step for e in logged] == [1, 2, 3, 4]
         assert [e.value for e in logged] == pytest.approx(momenta, rel=1e-6)
     assert len(set(expected["sgd"])) > 1, "the schedule moved the momentum, or the test shows nothing"
+
+
+class LogsReturnedLossPerEpoch(ToyTrainer):
+    """A Lightning port: self.log('train/loss', loss, on_epoch=True, on_step=False) of the loss it also returns."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_an_epoch_mean_under_the_tag_of_a_returned_value_gets_a_curve_of_its_own(tmp_path):
+    """TensorBoard writes the returned loss as train/loss every log step; the epoch mean of log('train/loss',
+    on_epoch=True, on_step=False) went to that curve too, two values at each epoch's last step. It goes to
+    train/loss_epoch instead, said once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 2, "checkpoint.enabled": False,
+                "trainer.max_epochs": 2, "data.n": 32, "trainer.num_sanity_val_steps": 0}  # fmt: skip
+    trainer = LogsReturnedLossPerEpoch(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"its epoch mean goes to 'train/loss_epoch'") as said:
+        trainer.fit()
+    assert len([w for w in said if "train/loss_epoch" in str(w.message)]) == 1
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [e.step for e in events.Scalars("train/loss_epoch")] == [4, 8]

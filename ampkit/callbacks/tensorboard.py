@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ampkit.amp.scaler import interval_option
@@ -190,6 +191,8 @@ class TensorBoardLogger(Callback):
         self.log_momentum = log_momentum
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
+        self._output_tags: set[str] = set()  # train/<output> tags the window writes: no epoch mean may share one
+        self._renamed: set[str] = set()  # epoch tags written as <tag>_epoch for that, said once each
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
         self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
         self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
@@ -247,6 +250,7 @@ class TensorBoardLogger(Callback):
                 values = window.get(key)
                 if values is None:
                     window[key] = [value]
+                    self._output_tags.add(f"train/{key}")
                 else:
                     values.append(value)
         rows = [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
@@ -343,7 +347,22 @@ class TensorBoardLogger(Callback):
         self._flush()
         with writing_events(Path(self.writer.log_dir)):
             for tag, value in trainer.epoch_scalars.items():
-                self.writer.add_scalar(tag, value, trainer.state.global_step)
+                self.writer.add_scalar(self._epoch_tag(tag), value, trainer.state.global_step)
+
+    def _epoch_tag(self, tag: str) -> str:
+        """``tag``, or ``<tag>_epoch`` where training_step returns a value of that name, which is written under
+        ``tag`` at each log step: one curve would mix the two (log(on_epoch=True, on_step=False) of the returned
+        loss, as a Lightning port does). Said once, naming both."""
+        if tag not in self._output_tags:
+            return tag
+        if tag not in self._renamed:
+            self._renamed.add(tag)
+            rank_zero_warn(
+                f"log('{tag}', on_epoch=True, on_step=False): TensorBoard writes '{tag}' at each log step already "
+                f"(training_step returns '{tag.removeprefix('train/')}'), so its epoch mean goes to '{tag}_epoch' "
+                "instead of mixing into that curve; log it under another tag, or with on_step=True for both"
+            )
+        return f"{tag}_epoch"
 
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
