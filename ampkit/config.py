@@ -27,6 +27,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, PathNode
 
+from ampkit.lightning_settings import LIGHTNING_SETTINGS
+
 
 class ConfigError(ValueError):
     """Invalid configuration: the message names the dotted key, the bad value and the valid choices."""
@@ -72,7 +74,7 @@ class CheckpointConfig:
     every_n_steps: int = 0  # a step-N.pt every N iterations (0: never)
     every_n_epochs: int = 1  # an epoch-N.pt every N epochs (0: never)
     keep_last: int = 2  # step/epoch files kept besides last.pt
-    monitor: str | None = None  # a validation metric (val/loss): keep the best as best-<step>.pt, best.pt
+    monitor: str | None = None  # val/loss, or a train/ epoch mean: keep the best as best-<step>.pt, best.pt
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     save_top_k: int = 1  # best files kept (-1: every one; without a monitor, every step/epoch file)
 
@@ -83,7 +85,7 @@ class EarlyStoppingConfig:
     validations in a row (off while ``monitor`` is null), and at once when it is NaN/inf or crosses a threshold
     (as Lightning's EarlyStopping)."""
 
-    monitor: str | None = None  # a validation metric (val/loss); null: no early stopping
+    monitor: str | None = None  # val/loss, or a train/ epoch mean (checked at epoch ends); null: no early stopping
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     patience: int = 3  # validations in a row without an improvement before stopping
     min_delta: float = 0.0  # a change of at most this does not count as an improvement
@@ -98,6 +100,7 @@ class LoggingConfig:
 
     tensorboard: bool = True  # write TensorBoard event files under <version_dir>/tensorboard
     log_every_n_steps: int = 10  # scalars (and trainer.log's on_step values) every N iterations
+    log_momentum: bool = False  # also train/momentum/<optimizer>: each group's momentum or Adam's beta1
     console_every_n_steps: int = 50  # a plain progress line every N iterations when stdout is not a terminal
     grad_histograms_every_n_steps: int = 0  # per-parameter gradient histograms every N iterations (0: off)
     throughput: bool = True  # samples/s (tokens/s, TFLOP/s, MFU when the Trainer sets what a sample is worth)
@@ -478,13 +481,19 @@ def _valid_keys(schema: DictConfig, parent: str) -> list[str]:
 
 
 def _nearest_key(schema: DictConfig, parent: str, name: str, valid: list[str]) -> str:
-    """`` (did you mean '...'?)`` for a misspelt key (``max_epoch``) or one written in another section
-    (``trainer.opt_level``, which is ``precision.opt_level``); empty when nothing is near."""
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
-    if close:
-        return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)"
+    """`` (did you mean '...'?)`` for Lightning's name of a setting (``val_check_interval``), a key written in
+    another section (``trainer.log_every_n_steps``, which is ``logging.log_every_n_steps``: that exact name beats a
+    near one here) or a misspelt key (``max_epoch``); empty when nothing is near."""
+    if name in LIGHTNING_SETTINGS:
+        instead = LIGHTNING_SETTINGS[name]
+        if instead.startswith("no config key: "):
+            return f" (Lightning's {name} has no config key here: {instead.removeprefix('no config key: ')})"
+        return f" (Lightning's {name}; here it is {instead})"
     elsewhere = [path for path in _key_paths(schema) if path.rpartition(".")[2] == name]
-    return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)" if elsewhere else ""
+    if elsewhere:
+        return f" (did you mean {' or '.join(repr(path) for path in elsewhere)}?)"
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
+    return f" (did you mean '{f'{parent}.' if parent else ''}{close[0]}'?)" if close else ""
 
 
 def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:

@@ -33,6 +33,23 @@ class Plain(ToyTrainer):
         return DataLoader(toy_dataset(64), batch_size=self.cfg.data.batch_size, shuffle=False)
 
 
+class RankScores(Plain):
+    """No validation; logs a train/score epoch mean of its own on each rank (4 batches per epoch): rank 1's alone
+    would stop a patience of 2 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau (patience 0) steps on it."""
+
+    scores = {0: [0.5, 0.2, 0.3, 0.4, 0.1], 1: [0.1, 0.9, 0.9, 0.9, 0.9]}
+    val_dataloader = ampkit.Trainer.val_dataloader
+
+    def training_step(self, batch):
+        self.log("train/score", self.scores[RANK][self.state.epoch], on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, patience=0, factor=0.5)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/score"}}
+
+
 class BareModule(Plain):
     """Its loss comes from self.module, the model DDP wraps, not from self.model."""
 
@@ -556,6 +573,11 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "sigterm_logging_rarely":  # no logging iteration to agree the stop at before the epoch's end
         torch.save(preempted_then_resumed(out, base, FusedSgdToy, log_every=1000), out / f"rank{RANK}.pt")
         return
+    elif scenario == "train_monitor":
+        cfg = {**base, "checkpoint": {"monitor": "train/score", "every_n_epochs": 0},
+               "early_stopping": {"monitor": "train/score", "patience": 2}, "trainer": {**cpu, "max_epochs": 5},
+               "distributed": {"timeout_s": 30}}  # fmt: skip
+        trainer = RankScores(cfg)
     elif scenario == "bare_module":
         trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
     elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
@@ -643,6 +665,9 @@ def main(scenario: str, out: Path) -> None:
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
     if scenario.startswith("overflow"):
         extra["facts_on_device"] = trainer.facts_on_device
+    if scenario == "train_monitor":
+        extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
+        extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

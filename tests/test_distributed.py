@@ -199,6 +199,18 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
         assert stopped.startswith(reason), (name, stopped)
 
 
+def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):
+    """Each rank logs an epoch mean of its own; ranking, early stopping and a plateau scheduler use rank zero's, the
+    one TensorBoard shows, on every rank: the run stops where rank zero's values say (step 16), not where rank 1's
+    would (12), and the learning rate halved twice on every rank (rank 1's values alone would halve it thrice)."""
+    rank0, rank1 = _ok(launch("train_monitor", tmp_path, timeout=120))
+    reason = "early stopping: train/score did not improve on 0.2 for 2 epochs"
+    assert rank0["stopped"] == rank1["stopped"] == (16, reason)
+    assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 4)
+    best = torch.load(Path(rank0["version_dir"]) / "checkpoints" / "best.pt", weights_only=True)
+    assert best["loop"]["global_step"] == 8
+
+
 def test_a_metric_only_some_ranks_return_is_averaged_over_those_ranks_on_every_rank(tmp_path):
     from dist_worker import Plain
 

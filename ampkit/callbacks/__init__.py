@@ -82,7 +82,7 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
     if cfg.trainer.progress_bar:
         callbacks.append(ProgressBar(every_n_steps=cfg.logging.console_every_n_steps))
     if cfg.logging.tensorboard:
-        callbacks.append(TensorBoardLogger(log_every_n_steps=cfg.logging.log_every_n_steps))
+        callbacks.append(TensorBoardLogger(cfg.logging.log_every_n_steps, log_momentum=cfg.logging.log_momentum))
         if cfg.logging.grad_histograms_every_n_steps > 0:
             callbacks.append(GradientHistograms(every_n_steps=cfg.logging.grad_histograms_every_n_steps))
     if cfg.checkpoint.enabled:

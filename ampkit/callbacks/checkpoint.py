@@ -41,8 +41,9 @@ class ModelCheckpoint(Callback):
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
 
     With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k`` (-1: all)
-    best so far is saved as ``best-<step>.pt`` and ``best.pt`` names the best one; the ranking is saved in
-    checkpoints, so a resumed run keeps it. A file leaves the top k only after its replacement is written.
+    best so far is saved as ``best-<step>.pt`` and ``best.pt`` names the best one; a ``train/`` tag ranks each
+    epoch's end by its ``log(..., on_epoch=True)`` mean instead. The ranking is saved in checkpoints, so a resumed
+    run keeps it. A file leaves the top k only after its replacement is written.
     A run resumed with another ``monitor`` or ``mode`` ranks afresh; the earlier ranking's files are kept.
     """
 
@@ -82,6 +83,8 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
+        if self.monitor is not None:
+            self.monitor.check_reachable(trainer)
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
@@ -134,11 +137,13 @@ class ModelCheckpoint(Callback):
 
     def on_train_epoch_end(self, trainer) -> None:
         s = trainer.state
+        if self.monitor is not None and self.monitor.per_epoch:  # a train/ epoch mean ranks this epoch's end
+            self._pending = self.monitor.epoch_value(trainer)
         due = s.epoch_finished and self.every_n_epochs > 0 and (s.epoch + 1) % self.every_n_epochs == 0
         self._save_now(trainer, f"epoch-{s.epoch + 1:04d}.pt" if due else None)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
-        if self.monitor is not None and trainer.state.stage == "fit":
+        if self.monitor is not None and not self.monitor.per_epoch and trainer.state.stage == "fit":
             self._pending = self.monitor.value(metrics, trainer.state.global_step)
 
     def _save_now(self, trainer, periodic: str | None) -> None:

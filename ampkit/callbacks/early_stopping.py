@@ -1,4 +1,4 @@
-"""Stop training when a validation metric stops improving, turns NaN/inf, or crosses a threshold."""
+"""Stop training when a monitored metric stops improving, turns NaN/inf, or crosses a threshold."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from ampkit.trainer.callback import Callback
 class EarlyStopping(Callback):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
-    current batch. Its best value and count are saved in checkpoints, so a resumed run keeps counting.
+    current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at each
+    epoch's end, so patience counts epochs. Its best value and count are saved in checkpoints, so a resumed run
+    keeps counting.
 
     As Lightning's ``EarlyStopping`` it also stops at the first validation whose value is NaN/inf
     (``check_finite``: a diverged run gains nothing from ``patience`` more validations), better than
@@ -54,17 +56,27 @@ class EarlyStopping(Callback):
         self.best: float | None = None
         self.wait = 0
 
+    def on_fit_start(self, trainer) -> None:
+        self.monitor.check_reachable(trainer)
+
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
-        if trainer.state.stage != "fit":  # a standalone validate() is no training progress
+        if trainer.state.stage != "fit" or self.monitor.per_epoch:  # a standalone validate() is no training progress
             return
-        value = self.monitor.value(metrics, trainer.state.global_step)
+        self._check(trainer, self.monitor.value(metrics, trainer.state.global_step), "validations")
+
+    def on_train_epoch_end(self, trainer) -> None:
+        if self.monitor.per_epoch:  # a train/ epoch mean: Lightning's check_on_train_epoch_end
+            self._check(trainer, self.monitor.epoch_value(trainer), "epochs")
+
+    def _check(self, trainer, value: float, checks: str) -> None:
+        """Count ``value`` against ``patience`` (``checks``: what it counts, for the message), and stop if due."""
         reason = self._stop_at_once(value)
         if self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
         elif reason is None:
             self.wait += 1
             if self.wait >= self.patience:
-                reason = f"{self.monitor.metric} did not improve on {self.best} for {self.wait} validations"
+                reason = f"{self.monitor.metric} did not improve on {self.best} for {self.wait} {checks}"
         if reason is None:
             return
         reason = f"early stopping: {reason}"

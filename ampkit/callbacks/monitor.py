@@ -1,17 +1,21 @@
-"""A monitored validation metric: which one, whether lower or higher is better, and by how much."""
+"""A monitored metric (a validation metric, or a ``train/`` epoch mean): which one, whether lower or higher is
+better, and by how much."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
+from ampkit.trainer.sanity import epoch_mean, is_training_metric
 
 MODES = ("min", "max")
 
 
 class Monitor:
-    """``metric`` (``val/loss`` or ``loss``) read from validation's averaged metrics; ``mode`` min or max."""
+    """``metric`` (``val/loss`` or ``loss``) read from validation's averaged metrics, or a ``train/`` tag read from
+    the epoch means of ``log(..., on_epoch=True)`` at each epoch's end (``per_epoch``); ``mode`` min or max."""
 
     def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0, key: str | None = None) -> None:
         if mode not in MODES:
@@ -19,7 +23,8 @@ class Monitor:
         if not min_delta >= 0:
             raise ValueError(f"min_delta {min_delta!r} is invalid; expected a number >= 0")
         self.metric = metric
-        self.key = metric.removeprefix("val/")
+        self.per_epoch = is_training_metric(metric)
+        self.key = metric if self.per_epoch else metric.removeprefix("val/")
         self.mode = mode
         self.min_delta = min_delta
         self.setting = key  # the config key it is set by (``checkpoint.monitor``), for messages
@@ -36,6 +41,42 @@ class Monitor:
                 "validation_step must return a monitored metric at every validation"
             )
         return float(metrics[self.key])
+
+    def check_reachable(self, trainer) -> None:
+        """Refuse a validation metric in a run that never validates, at ``fit`` start: it would rank or stop nothing,
+        without a word. The config's monitors are checked when the Trainer is built; this catches a callback given
+        in code."""
+        t = trainer.settings
+        if self.per_epoch or (trainer.num_val_batches != 0 and (t.val_every_n_epochs or t.val_every_n_steps)):
+            return
+        which = f"config key '{self.setting}'" if self.setting else f"monitor '{self.metric}'"
+        why = (
+            "no val_dataloader()"
+            if trainer.num_val_batches == 0
+            else "trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=0"
+        )
+        raise MonitorNotFoundError(
+            f"{which}: '{self.metric}' is a validation metric, but this run never validates ({why}), so nothing "
+            f"would be ranked or stopped on it; validate, or monitor a training value: a train/ tag logged with "
+            "self.log(..., on_epoch=True), checked at each epoch's end"
+        )
+
+    def epoch_value(self, trainer) -> float:
+        """This epoch's mean of the monitored ``train/`` tag, at its end (``train/loss_epoch`` for ``train/loss``
+        logged with ``on_step`` too, as Lightning's monitor finds it): rank zero's on every rank (the value
+        TensorBoard shows), so all ranks rank and stop alike. One not logged is a one-line error naming the tags
+        that were."""
+        means = trainer.epoch_scalars
+        value = broadcast_object(epoch_mean(means, self.key), trainer.dist)
+        if value is not None:
+            return float(value)
+        which = f"config key '{self.setting}'" if self.setting else "monitor"
+        logged = ", ".join(broadcast_object(sorted(means), trainer.dist)) or "none"
+        raise MonitorNotFoundError(
+            f"{which}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged {logged}; a "
+            f"monitored train/ tag is logged in every epoch, e.g. self.log('{self.metric}', loss, on_epoch=True) in "
+            "training_step"
+        )
 
     def state_dict(self) -> dict[str, str]:
         """Which metric and mode the values a callback saves beside this were measured by."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ampkit.amp.scaler import interval_option
@@ -164,7 +165,8 @@ class TensorBoardLogger(Callback):
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log, and at
     the last step over those since),
-    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups'),
+    ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups',
+    ``/<name>`` for a group with a ``"name"``; with ``log_momentum`` each group's ``train/momentum/...`` too),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
     ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
     flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
@@ -181,13 +183,16 @@ class TensorBoardLogger(Callback):
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
     state_is_optional = True  # a resume with logging.tensorboard=false has no use for the window
 
-    def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0) -> None:
+    def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0, log_momentum: bool = False) -> None:
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:
             raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
         self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs
+        self.log_momentum = log_momentum
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
+        self._output_tags: set[str] = set()  # train/<output> tags the window writes: no epoch mean may share one
+        self._renamed: set[str] = set()  # epoch tags written as <tag>_epoch for that, said once each
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
         self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
         self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
@@ -233,9 +238,7 @@ class TensorBoardLogger(Callback):
         moved them to the next iteration's."""
         if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
             self._lrs = [
-                (f"train/lr/{name}" + (f"/group_{i}" if i else ""), group["lr"])  # each group's, as Lightning's
-                for name, opt in trainer.optimizers.items()
-                for i, group in enumerate(opt.param_groups)
+                row for name, opt in trainer.optimizers.items() for row in _learning_rates(name, opt, self.log_momentum)
             ]
 
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
@@ -247,6 +250,7 @@ class TensorBoardLogger(Callback):
                 values = window.get(key)
                 if values is None:
                     window[key] = [value]
+                    self._output_tags.add(f"train/{key}")
                 else:
                     values.append(value)
         rows = [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
@@ -343,7 +347,22 @@ class TensorBoardLogger(Callback):
         self._flush()
         with writing_events(Path(self.writer.log_dir)):
             for tag, value in trainer.epoch_scalars.items():
-                self.writer.add_scalar(tag, value, trainer.state.global_step)
+                self.writer.add_scalar(self._epoch_tag(tag), value, trainer.state.global_step)
+
+    def _epoch_tag(self, tag: str) -> str:
+        """``tag``, or ``<tag>_epoch`` where training_step returns a value of that name, which is written under
+        ``tag`` at each log step: one curve would mix the two (log(on_epoch=True, on_step=False) of the returned
+        loss, as a Lightning port does). Said once, naming both."""
+        if tag not in self._output_tags:
+            return tag
+        if tag not in self._renamed:
+            self._renamed.add(tag)
+            rank_zero_warn(
+                f"log('{tag}', on_epoch=True, on_step=False): TensorBoard writes '{tag}' at each log step already "
+                f"(training_step returns '{tag.removeprefix('train/')}'), so its epoch mean goes to '{tag}_epoch' "
+                "instead of mixing into that curve; log it under another tag, or with on_step=True for both"
+            )
+        return f"{tag}_epoch"
 
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
@@ -382,6 +401,25 @@ class TensorBoardLogger(Callback):
             self.writer, self._step_events, self._carried = None, None, None
             trainer.logger = Logger()
             writer_closed()
+
+
+def _learning_rates(optimizer_name: str, optimizer: torch.optim.Optimizer, momentum: bool) -> list[tuple[str, float]]:
+    """Each param group's ``(tag, lr)``, as Lightning's LearningRateMonitor names them: ``train/lr/<optimizer>`` for
+    the first, ``/group_<i>`` for the others, or ``/<name>`` for a group given a ``"name"`` (a name two groups share
+    goes to the first; the second keeps its index, so neither value hides the other). With ``momentum``, also each
+    group's ``train/momentum/...``: its ``momentum``, or Adam's first beta (a group with neither has none)."""
+    rows, suffixes = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        name = group.get("name")
+        suffix = f"/{name}" if isinstance(name, str) and name else None
+        if suffix is None or suffix in suffixes:
+            suffix = f"/group_{i}" if i else ""
+        suffixes.add(suffix)
+        rows.append((f"train/lr/{optimizer_name}{suffix}", group["lr"]))
+        value = group.get("momentum", group.get("betas", (None,))[0]) if momentum else None
+        if value is not None:
+            rows.append((f"train/momentum/{optimizer_name}{suffix}", value))
+    return rows
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -41,12 +41,27 @@ def idle_settings(
             f"divided by {t.accumulate_grad_batches}, so its gradient is {batches_per_epoch}/"
             f"{t.accumulate_grad_batches} of a full window's. Set it to at most {batches_per_epoch}"
         )
+    every = cfg.logging.log_every_n_steps
+    if cfg.logging.tensorboard and training_steps is not None and 0 < training_steps < every:
+        found.append(
+            f"logging.log_every_n_steps={every} is more than this run's {training_steps} iterations: TensorBoard gets "
+            "no learning rate, gradient norm or log(on_step) value of any step, only the losses' mean at the end "
+            f"(Lightning warns likewise); set it to at most {training_steps}"
+        )
     if batches_per_epoch is None and (waiting := _waiting_for_epoch_end(cfg, has_validation)):
         found.append(
             f"train_dataloader() has no length, so an epoch ends only where its data does, and {waiting} only at "
             "an epoch's end: a stream that never ends (or runs for days) gets none before the run stops, and a crash "
             "leaves nothing to resume. Set checkpoint.every_n_steps (and trainer.val_every_n_steps), or "
             "trainer.limit_train_batches for epochs of that many batches"
+        )
+    trained = " and ".join(f"{key}='{metric}'" for key, metric in monitored_metrics(cfg, training=True).items())
+    if batches_per_epoch is None and trained:
+        found.append(
+            f"train_dataloader() has no length, so an epoch ends only where its data does, and {trained} (an epoch "
+            "mean) is checked only then: a stream that never ends ranks and stops on nothing. Set "
+            "trainer.limit_train_batches for epochs of that many batches, or monitor a validation metric with "
+            "trainer.val_every_n_steps"
         )
     if not defines_validation:
         if t.val_every_n_steps > 0:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ampkit.lightning_settings import LIGHTNING_SETTINGS
+
 LIGHTNING_NAMES: dict[str, str] = {
     "current_epoch": "self.state.epoch",
     "global_step": "self.state.global_step",
@@ -34,25 +36,6 @@ def missing_attribute(obj: Any, name: str) -> AttributeError:
     if name in LIGHTNING_NAMES:
         message += f" (Lightning's name; here it is {LIGHTNING_NAMES[name]})"
     return AttributeError(message, name=name, obj=obj)
-
-
-# Lightning Trainer arguments whose ampkit config key has another name.
-LIGHTNING_SETTINGS: dict[str, str] = {
-    "precision": "precision.opt_level",
-    "accelerator": "trainer.device",
-    "devices": "trainer.device (one process; torchrun starts more)",
-    "gradient_clip_val": "trainer.clip_grad_norm",
-    "gradient_clip_algorithm": (
-        "no config key: clipping is by norm (trainer.clip_grad_norm); to clip by value, call "
-        "torch.nn.utils.clip_grad_value_ in a callback's on_before_optimizer_step, where gradients are unscaled"
-    ),
-    "check_val_every_n_epoch": "trainer.val_every_n_epochs",
-    "val_check_interval": "trainer.val_every_n_steps",
-    "default_root_dir": "run_dir",
-    "enable_progress_bar": "trainer.progress_bar",
-    "enable_checkpointing": "checkpoint.enabled",
-    "strategy": "distributed.strategy",
-}
 
 
 def keyword_settings_error(class_name: str, schema: type, names: list[str]) -> str:

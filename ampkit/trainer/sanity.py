@@ -18,14 +18,32 @@ if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
 
 _MONITOR_KEYS = ("checkpoint.monitor", "early_stopping.monitor")
+# The way out of a validation monitor a run cannot meet: a training value, which needs no validation.
+_TRAINING_HINT = (
+    "; to monitor a training value instead, log it in training_step with self.log('train/<name>', value, "
+    "on_epoch=True) and monitor 'train/<name>' (its epoch mean, checked at each epoch's end)"
+)
 
 
-def monitored_metrics(cfg: DictConfig) -> dict[str, str]:
-    """The validation metrics the config monitors, by config key."""
+def is_training_metric(metric: str) -> bool:
+    """Whether a monitor names a ``train/`` tag: the epoch mean of ``log(..., on_epoch=True)``, read at each epoch's
+    end (Lightning's ``check_on_train_epoch_end``), not a validation metric."""
+    return metric.startswith("train/")
+
+
+def epoch_mean(means: dict[str, float], metric: str) -> float | None:
+    """A monitored ``train/`` tag's value among an epoch's ``means`` (``train/loss_epoch`` for ``train/loss`` logged
+    with ``on_step`` too, as Lightning's monitors find it), or None when it was not logged."""
+    return means.get(metric, means.get(f"{metric}_epoch"))
+
+
+def monitored_metrics(cfg: DictConfig, training: bool = False) -> dict[str, str]:
+    """The validation metrics the config monitors, by config key; with ``training`` its ``train/`` epoch means
+    instead (which need no validation)."""
     monitors = {key: OmegaConf.select(cfg, key) for key in _MONITOR_KEYS}
     if not cfg.checkpoint.enabled:
         monitors.pop("checkpoint.monitor")
-    return {key: metric for key, metric in monitors.items() if metric}
+    return {key: metric for key, metric in monitors.items() if metric and is_training_metric(metric) == training}
 
 
 def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_dataloader: bool) -> None:
@@ -37,7 +55,7 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
     if not has_val_dataloader:
         raise ConfigError(
             f"config key '{key}': monitors '{metric}', but {trainer_name} defines no val_dataloader(); "
-            f"define it (and validation_step), or set {key}=null"
+            f"define it (and validation_step), or set {key}=null{_TRAINING_HINT}"
         )
     t = cfg.trainer
     if t.val_every_n_epochs == 0 and t.val_every_n_steps == 0:
@@ -49,13 +67,21 @@ def check_monitors_can_be_met(cfg: DictConfig, trainer_name: str, has_val_datalo
 
 def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
     """A strict scheduler stepping on a validation metric at epoch ends needs a validation before its first step:
-    refused before training, not with a KeyError after the first epoch (Lightning asks the same of 'frequency')."""
+    refused before training, not with a KeyError after the first epoch (Lightning asks the same of 'frequency'). One
+    monitoring a ``train/`` epoch mean steps at epoch ends, where that mean is known."""
     t = trainer.settings
     for spec in trainer._specs:
         for sched in spec.schedulers:
-            if sched.monitor is None or not sched.strict or sched.interval != "epoch" or t.val_every_n_steps > 0:
-                continue
             which = f"the scheduler '{sched.name}'" if sched.name else "the scheduler"
+            if sched.monitor is not None and is_training_metric(sched.monitor) and sched.interval != "epoch":
+                raise ConfigError(
+                    f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', an epoch mean known at epoch ends "
+                    f"only, but steps every {sched.interval}: give it 'interval': 'epoch'"
+                )
+            if sched.monitor is None or is_training_metric(sched.monitor):
+                continue
+            if not sched.strict or sched.interval != "epoch" or t.val_every_n_steps > 0:
+                continue
             if trainer._val_loader is None or t.val_every_n_epochs == 0:
                 raise ConfigError(
                     f"{which} of optimizer '{spec.name}' monitors '{sched.monitor}', but validation never runs "
@@ -108,7 +134,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     monitored = monitored_metrics(trainer.cfg)
     for spec in trainer._specs:
         for sched in spec.schedulers:
-            if sched.monitor is not None and sched.strict:
+            if sched.monitor is not None and sched.strict and not is_training_metric(sched.monitor):
                 monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
     total = trainer.num_val_batches
     for key, metric in monitored.items():
@@ -126,6 +152,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
                 f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on {checked} "
                 f"batches, trainer.num_sanity_val_steps={t.num_sanity_val_steps}{later})"
+                + (_TRAINING_HINT if "." in key else "")
             )
 
 

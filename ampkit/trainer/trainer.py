@@ -132,6 +132,7 @@ from ampkit.trainer.optimizers import (
     MonitorNotFoundError,
     NamedOptimizers,
     OptimizerSpec,
+    SchedulerSpec,
     check_parameters,
     group_settings,
     normalize_optimizers,
@@ -169,6 +170,8 @@ from ampkit.trainer.run_life import (
 from ampkit.trainer.sanity import (
     check_epoch_scheduler_monitors,
     check_monitors_can_be_met,
+    epoch_mean,
+    is_training_metric,
     sanity_validate,
     usable_validation_loader,
 )
@@ -1016,11 +1019,12 @@ class Trainer:
             # and a second non-improving validation for early stopping's patience.
             if _every(self.settings.val_every_n_epochs, s.epoch + 1) and self.val_metrics_step != s.global_step:
                 self._validate()
-            self._step_schedulers("epoch")
+        # The means after validation (whose hooks may log into them) and before the schedulers (which may monitor one)
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
         self._epoch_means_taken = True
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
+            self._step_schedulers("epoch")
         self.fire("on_train_epoch_end")
         self._agree_stop()  # before the next epoch starts
         if exhausted:
@@ -1215,6 +1219,9 @@ class Trainer:
                 if sched.monitor is None:
                     step_scheduler(sched, spec.name)
                     continue
+                if is_training_metric(sched.monitor):
+                    self._step_on_epoch_mean(sched, spec.name)
+                    continue
                 key = sched.monitor.removeprefix("val/")
                 if key not in self.val_metrics:
                     which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
@@ -1229,6 +1236,23 @@ class Trainer:
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
                 step_scheduler(sched, spec.name, self.val_metrics[key])
+
+    def _step_on_epoch_mean(self, sched: SchedulerSpec, optimizer: str) -> None:
+        """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors: rank zero's on every rank (the value
+        TensorBoard shows), so every rank's learning rate stays the same."""
+        value = broadcast_object(epoch_mean(self.epoch_scalars, sched.monitor), self.dist)
+        if value is not None:
+            step_scheduler(sched, optimizer, value)
+            return
+        which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+        logged = ", ".join(broadcast_object(sorted(self.epoch_scalars), self.dist)) or "none"
+        problem = (
+            f"{which} of '{optimizer}' monitors '{sched.monitor}', but epoch {self.state.epoch} logged {logged}: "
+            f"log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
+        )
+        if sched.strict:
+            raise MonitorNotFoundError(problem)
+        rank_zero_warn(f"{problem}; not stepping it (strict=False)")
 
     def _validate(self) -> None:
         self._settle()

@@ -1,0 +1,45 @@
+"""Lightning's Trainer, ModelCheckpoint and EarlyStopping arguments that ampkit's config names otherwise or has no
+key for, each with what does its work here: the errors of a config key or a ``Trainer(...)`` keyword a Lightning
+user types name it (``val_check_interval`` is ``trainer.val_every_n_steps``) instead of only listing valid keys."""
+
+from __future__ import annotations
+
+# name -> its config key, or "no config key: " and what to set instead; read as "<name> is <value>".
+LIGHTNING_SETTINGS: dict[str, str] = {
+    "precision": "precision.opt_level",
+    "accelerator": "trainer.device",
+    "devices": "trainer.device (one process; torchrun starts more)",
+    "gradient_clip_val": "trainer.clip_grad_norm",
+    "gradient_clip_algorithm": (
+        "no config key: clipping is by norm (trainer.clip_grad_norm); to clip by value, call "
+        "torch.nn.utils.clip_grad_value_ in a callback's on_before_optimizer_step, where gradients are unscaled"
+    ),
+    "check_val_every_n_epoch": "trainer.val_every_n_epochs",
+    "val_check_interval": (
+        "trainer.val_every_n_steps, in iterations counted over the whole run; for a fraction of an epoch give that "
+        "share of its iterations, e.g. 100 for 0.25 of 400"
+    ),
+    "default_root_dir": "run_dir",
+    "enable_progress_bar": "trainer.progress_bar",
+    "enable_checkpointing": "checkpoint.enabled",
+    "strategy": "distributed.strategy",
+    "fast_dev_run": (
+        "no config key: trainer.max_epochs=1 trainer.limit_train_batches=1 trainer.limit_val_batches=1 "
+        "trainer.num_sanity_val_steps=0 checkpoint.enabled=false logging.tensorboard=false runs one batch of "
+        "training and one of validation, writing no checkpoint nor TensorBoard events"
+    ),
+    "overfit_batches": (
+        "no config key: trainer.limit_train_batches=N with an unshuffled train_dataloader() trains on the same N "
+        "batches every epoch (Lightning validates on them too)"
+    ),
+    "limit_test_batches": "no config key: test runs every batch of test_dataloader()",
+    "limit_predict_batches": "no config key: predict runs every batch of predict_dataloader()",
+    "min_epochs": "no config key: a stop ends the run when asked; give early stopping a larger patience instead",
+    "min_steps": "no config key: a stop ends the run when asked; give early stopping a larger patience instead",
+    "every_n_train_steps": "checkpoint.every_n_steps",
+    "save_last": "no config key: last.pt is always written",
+    "save_on_train_epoch_end": "no config key: a train/ monitor ranks at each epoch's end, any other at validations",
+    "check_on_train_epoch_end": "no config key: a train/ monitor counts at each epoch's end, any other at validations",
+    "dirpath": "no config key: checkpoints go to <run_dir>/version_N/checkpoints (set run_dir)",
+    "filename": "no config key: checkpoint files are named by step (step-N.pt, best-N.pt), whatever the metric",
+}

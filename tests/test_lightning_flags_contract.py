@@ -1,0 +1,225 @@
+"""Trainer flags a Lightning user types keep a contract: a key ampkit names otherwise (``val_check_interval``,
+``check_val_every_n_epoch``, ``gradient_clip_val``), one that lives in another section (``trainer.log_every_n_steps``)
+and one ampkit has no key for (``fast_dev_run``, ``overfit_batches``, ``save_on_train_epoch_end``) are refused
+naming what does its work here, before training; the recipe named for ``fast_dev_run`` runs one batch of each and
+writes no checkpoint nor events; and the learning rate each optimizer's step used reaches TensorBoard per param
+group, as Lightning's LearningRateMonitor logs it."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit import Callback, ConfigError
+from ampkit.config import Config, build_config
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("trainer.val_check_interval=0.25", "(Lightning's val_check_interval; here it is trainer.val_every_n_steps, "
+                                            "in iterations"),
+        ("trainer.check_val_every_n_epoch=2", "(Lightning's check_val_every_n_epoch; here it is "
+                                              "trainer.val_every_n_epochs)"),
+        ("trainer.gradient_clip_val=1.0", "(Lightning's gradient_clip_val; here it is trainer.clip_grad_norm)"),
+        ("trainer.log_every_n_steps=5", "(did you mean 'logging.log_every_n_steps'?)"),  # not val_every_n_steps
+        ("trainer.fast_dev_run=true", "(Lightning's fast_dev_run has no config key here: trainer.max_epochs=1 "
+                                      "trainer.limit_train_batches=1"),
+        ("trainer.overfit_batches=2", "(Lightning's overfit_batches has no config key here: "
+                                      "trainer.limit_train_batches=N"),
+        ("trainer.limit_test_batches=2", "(Lightning's limit_test_batches has no config key here"),  # not limit_train
+        ("trainer.min_epochs=2", "(Lightning's min_epochs has no config key here"),  # not max_epochs
+        ("checkpoint.save_on_train_epoch_end=true", "(Lightning's save_on_train_epoch_end has no config key here: a "
+                                                    "train/ monitor ranks at each epoch's end"),
+        ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
+        ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
+    ],
+)  # fmt: skip
+def test_a_lightning_flag_is_refused_naming_what_does_its_work_here(override, hint):
+    with pytest.raises(ConfigError) as caught:
+        build_config(Config, OmegaConf.from_dotlist([override]))
+    key = override.partition("=")[0]
+    assert str(caught.value).startswith(f"unknown config key '{key}' {hint}")
+
+
+class Counts(Callback):
+    def __init__(self) -> None:
+        self.train_batches = self.validation_batches = 0
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        self.train_batches += 1
+
+    def on_validation_batch_end(self, trainer, metrics, batch) -> None:
+        self.validation_batches += 1
+
+
+def test_the_fast_dev_run_recipe_runs_one_batch_of_each_and_writes_no_checkpoint_nor_events(tmp_path):
+    """The settings the fast_dev_run error names, as written there, do what Lightning's fast_dev_run does."""
+    with pytest.raises(ConfigError) as caught:
+        build_config(Config, OmegaConf.from_dotlist(["trainer.fast_dev_run=true"]))
+    settings = str(caught.value).partition("no config key here: ")[2].partition(" runs ")[0].split()
+    counts = Counts()
+    overrides = dict(setting.split("=") for setting in settings)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **overrides, **{"trainer.progress_bar": False}), callbacks=[counts])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit()
+    assert (counts.train_batches, counts.validation_batches) == (1, 1)
+    written = {p.name for p in trainer.version_dir.rglob("*")}
+    assert not any(name.endswith(".pt") or name.startswith("events.out") for name in written), written
+
+
+class TwoOptimizers(ToyTrainer):
+    """A per-step warmup on SGD's two param groups (step n trains at n/10 of each group's rate), Adam unscheduled."""
+
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        sgd = torch.optim.SGD([{"params": first.weight}, {"params": first.bias, "lr": 0.01}], lr=0.1, momentum=0.9)
+        warmup = torch.optim.lr_scheduler.LambdaLR(sgd, lambda done: (done + 1) / 10)
+        adam = torch.optim.Adam(head.parameters(), lr=0.001)
+        return [{"optimizer": sgd, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}, adam]
+
+
+def test_each_optimizer_s_and_param_group_s_learning_rate_reaches_tensorboard_as_its_step_used_it(tmp_path):
+    """LearningRateMonitor's per-step curve: one tag per optimizer (train/lr/<name>) and per further param group
+    (/group_<i>), each point the rate that step trained at, before its step-interval scheduler moved it on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.num_sanity_val_steps": 0, "data.n": 32}  # fmt: skip
+    trainer = TwoOptimizers(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    steps = [1, 2, 3, 4]
+    for tag, rates in [("train/lr/sgd", [0.1 * n / 10 for n in steps]),
+                       ("train/lr/sgd/group_1", [0.01 * n / 10 for n in steps]),
+                       ("train/lr/adam", [0.001] * 4)]:  # fmt: skip
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [step for step, _ in logged] == steps, tag
+        assert [value for _, value in logged] == pytest.approx(rates, rel=1e-6), tag
+    assert "train/lr/adam/group_1" not in events.Tags()["scalars"]
+
+
+class NamedGroups(ToyTrainer):
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        return torch.optim.AdamW([{"params": first.weight, "name": "body", "lr": 0.1},
+                                  {"params": first.bias, "name": "body", "lr": 0.2},
+                                  {"params": head.parameters(), "name": "head", "lr": 0.3}])  # fmt: skip
+
+
+def test_a_param_group_s_name_names_its_learning_rate_tag_and_a_shared_name_hides_no_value(tmp_path):
+    """As Lightning's LearningRateMonitor: a group given a "name" is logged under it; a second group of that name
+    keeps its index, as one tag would show only one of the two rates."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.max_steps": 1}  # fmt: skip
+    trainer = NamedGroups(toy_cfg(tmp_path, **settings))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    logged = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if tag.startswith("train/lr/")}
+    assert logged == pytest.approx({"train/lr/adamw/body": 0.1, "train/lr/adamw/group_1": 0.2,
+                                    "train/lr/adamw/head": 0.3})  # fmt: skip
+
+
+@pytest.mark.parametrize(("every", "tensorboard", "warned"), [(10, True, True), (4, True, False), (10, False, False)])
+def test_a_log_interval_longer_than_the_run_is_named_at_fit_start(tmp_path, every, tensorboard, warned):
+    """4 iterations logged every 10 would write no per-step value at all (no learning-rate curve): named at fit start,
+    as Lightning warns of a logging interval above the batches it trains."""
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": every, "logging.tensorboard": tensorboard,
+                "checkpoint.enabled": False, "data.n": 32}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    said = [str(w.message) for w in caught if "logging.log_every_n_steps" in str(w.message)]
+    expected = ["logging.log_every_n_steps=10 is more than this run's 4 iterations: TensorBoard gets no learning rate"]
+    assert [message[: len(expected[0])] for message in said] == (expected if warned else [])
+
+
+class OneCycle(ToyTrainer):
+    """SGD and Adam under per-step OneCycleLR, which cycles SGD's momentum and Adam's first beta with the rate."""
+
+    def configure_optimizers(self):
+        first, head = self.module[0], self.module[3]
+        sgd = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam(head.parameters(), lr=0.01)
+        schedules = []
+        for opt in (sgd, adam):
+            cycle = torch.optim.lr_scheduler.OneCycleLR(opt, opt.defaults["lr"], total_steps=4)
+            schedules.append({"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}})
+        return schedules
+
+
+def _one_cycle_momenta(optimizer: torch.optim.Optimizer) -> list[float]:
+    """The momentum (or beta1) a OneCycleLR of 4 steps gives each of its 4 steps, replayed on ``optimizer``."""
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, optimizer.defaults["lr"], total_steps=4)
+    momenta = []
+    for _ in range(4):
+        group = optimizer.param_groups[0]
+        momenta.append(group["momentum"] if "momentum" in group else group["betas"][0])
+        optimizer.step()
+        cycle.step()
+    return momenta
+
+
+@pytest.mark.parametrize("log_momentum", [True, False])
+def test_log_momentum_writes_each_optimizer_s_momentum_as_its_step_used_it(tmp_path, log_momentum):
+    """As LearningRateMonitor(log_momentum=True): a cycled momentum (SGD's, Adam's beta1) is visible per step; off by
+    default, as there."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 1, "checkpoint.enabled": False,
+                "trainer.num_sanity_val_steps": 0, "data.n": 32, "logging.log_momentum": log_momentum}  # fmt: skip
+    trainer = OneCycle(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    tags = sorted(tag for tag in events.Tags()["scalars"] if tag.startswith("train/momentum/"))
+    if not log_momentum:
+        assert tags == []
+        return
+    assert tags == ["train/momentum/adam", "train/momentum/sgd"]
+    parameter = [torch.nn.Parameter(torch.zeros(1))]
+    expected = {"sgd": _one_cycle_momenta(torch.optim.SGD(parameter, lr=0.1, momentum=0.9)),
+                "adam": _one_cycle_momenta(torch.optim.Adam(parameter, lr=0.01))}  # fmt: skip
+    for name, momenta in expected.items():
+        logged = events.Scalars(f"train/momentum/{name}")
+        assert [e.step for e in logged] == [1, 2, 3, 4]
+        assert [e.value for e in logged] == pytest.approx(momenta, rel=1e-6)
+    assert len(set(expected["sgd"])) > 1, "the schedule moved the momentum, or the test shows nothing"
+
+
+class LogsReturnedLossPerEpoch(ToyTrainer):
+    """A Lightning port: self.log('train/loss', loss, on_epoch=True, on_step=False) of the loss it also returns."""
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_an_epoch_mean_under_the_tag_of_a_returned_value_gets_a_curve_of_its_own(tmp_path):
+    """TensorBoard writes the returned loss as train/loss every log step; the epoch mean of log('train/loss',
+    on_epoch=True, on_step=False) went to that curve too, two values at each epoch's last step. It goes to
+    train/loss_epoch instead, said once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"trainer.progress_bar": False, "logging.log_every_n_steps": 2, "checkpoint.enabled": False,
+                "trainer.max_epochs": 2, "data.n": 32, "trainer.num_sanity_val_steps": 0}  # fmt: skip
+    trainer = LogsReturnedLossPerEpoch(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"its epoch mean goes to 'train/loss_epoch'") as said:
+        trainer.fit()
+    assert len([w for w in said if "train/loss_epoch" in str(w.message)]) == 1
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [e.step for e in events.Scalars("train/loss_epoch")] == [4, 8]

@@ -1,0 +1,262 @@
+"""Monitoring a training value keeps the contract Lightning users know from ``check_on_train_epoch_end`` and
+``save_on_train_epoch_end``: a ``train/`` tag logged with ``on_epoch=True`` ranks best-k checkpoints, counts early
+stopping's patience and steps a ReduceLROnPlateau at each epoch's end, with no validation at all or validation less
+often than that, by the whole epoch's mean also across a resume; a NaN epoch never ranks and stops the run; step
+checkpoints between measurements are never ranked by an older value; a tag never logged, a validation metric in a run
+that never validates and a train/ monitor over an endless stream are named instead of a run that silently ranks and
+stops nothing."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from typing import ClassVar
+
+import pytest
+import torch
+from toy_trainers import ToyTrainer, toy_cfg
+
+import ampkit
+from ampkit import ConfigError
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.optimizers import MonitorNotFoundError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
+         "data.n": 16, "checkpoint.every_n_epochs": 0}  # fmt: skip
+# data.n 16 in batches of 8: two batches (iterations) per epoch, so epoch e ends at step 2 * (e + 1).
+
+
+class EpochScores(ToyTrainer):
+    """No validation; each training batch logs ``scores[epoch]``, so the epoch mean of ``train/score`` is it."""
+
+    scores: ClassVar[list[float]] = []
+    on_step = False
+    val_dataloader = ampkit.Trainer.val_dataloader
+
+    def training_step(self, batch):
+        self.log("train/score", self.scores[self.state.epoch], on_step=self.on_step, on_epoch=True)
+        return super().training_step(batch)
+
+
+class ValidatedEpochScores(EpochScores):
+    val_dataloader = ToyTrainer.val_dataloader
+
+
+def _fit(tmp_path, scores, *, trainer=EpochScores, callbacks=(), **overrides):
+    trainer = type("Scripted", (trainer,), {"scores": scores})
+    run = trainer(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": len(scores), **overrides}), callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a short run's settings are named; these tests mean them
+        run.fit()
+    return run
+
+
+def _best_steps(run) -> list[int]:
+    names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
+    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"best-(\d{8})\.pt", name)))
+
+
+def _best_pt_step(run) -> int:
+    return load_checkpoint(run.version_dir / "checkpoints" / "best.pt")["loop"]["global_step"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "top_k", "kept", "best"),
+    [("min", 1, [6], 6), ("min", 2, [2, 6], 6), ("max", 1, [4], 4), ("min", -1, [2, 4, 6, 8], 6)],
+)
+def test_a_train_epoch_mean_ranks_each_epoch_s_end_without_any_validation(tmp_path, mode, top_k, kept, best):
+    """Epochs end at steps 2, 4, 6, 8 with means 0.5, 0.9, 0.1, 0.7: the k best of them are kept by mode, and
+    best.pt is a copy of the best epoch's end (Lightning saves on train epoch end when nothing validates)."""
+    run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.mode": mode,
+                                                   "checkpoint.save_top_k": top_k})  # fmt: skip
+    assert _best_steps(run) == kept
+    assert _best_pt_step(run) == best
+
+
+def test_a_tag_logged_on_step_too_is_monitored_by_its_name_as_its_epoch_mean(tmp_path):
+    """log(on_step=True, on_epoch=True) writes train/score_step and train/score_epoch; monitoring 'train/score' reads
+    the epoch mean, as Lightning's callback metrics hold the epoch value under the plain name at the epoch's end."""
+    trainer = type("OnStepToo", (EpochScores,), {"on_step": True})
+    run = _fit(tmp_path, [0.5, 0.1, 0.9], trainer=trainer, **{"checkpoint.monitor": "train/score"})
+    assert _best_steps(run) == [4]
+
+
+def test_a_train_monitor_ranks_every_epoch_where_validation_runs_only_every_second(tmp_path):
+    """Validation every 2nd epoch does not hold back a training monitor: each epoch's end is ranked."""
+    run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], trainer=ValidatedEpochScores,
+               **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1,
+                  "trainer.val_every_n_epochs": 2})  # fmt: skip
+    assert _best_steps(run) == [2, 4, 6, 8]
+    assert _best_pt_step(run) == 6
+
+
+def test_a_nan_epoch_mean_is_never_best(tmp_path):
+    run = _fit(tmp_path, [0.5, math.nan, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1})
+    assert _best_steps(run) == [2, 6]
+    assert _best_pt_step(run) == 2
+
+
+def test_a_tie_with_the_best_epoch_keeps_the_earlier_file(tmp_path):
+    run = _fit(tmp_path, [0.5, 0.2, 0.2, 0.9], **{"checkpoint.monitor": "train/score"})
+    assert _best_steps(run) == [4]
+
+
+def test_early_stopping_on_a_train_epoch_mean_counts_epochs_without_validation(tmp_path):
+    """Patience 2: the best is epoch 1's 0.2; epochs 2 and 3 do not improve on it, so the run stops after epoch 3 of
+    6, and the checkpoint records why."""
+    run = _fit(tmp_path, [0.5, 0.2, 0.3, 0.4, 0.1, 0.1],
+               **{"early_stopping.monitor": "train/score", "early_stopping.patience": 2})  # fmt: skip
+    assert (run.state.epoch, run.state.global_step) == (4, 8)
+    assert "train/score did not improve on 0.2 for 2 epochs" in run.state.stop_reason
+    last = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")
+    assert last["loop"]["global_step"] == 8 and "did not improve" in last["stopped_early"]
+
+
+def test_a_nan_train_epoch_mean_stops_the_run_at_that_epoch(tmp_path):
+    run = _fit(tmp_path, [0.5, math.nan, 0.1], **{"early_stopping.monitor": "train/score"})
+    assert run.state.global_step == 4
+    assert "not finite" in run.state.stop_reason
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_train_tag_never_logged_is_an_error_naming_the_tags_that_were(tmp_path, key):
+    message = r"'train/acc' is no epoch mean of epoch 0, which logged train/score; .*self\.log\('train/acc', loss"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5, 0.2], **{key: "train/acc"})
+
+
+@pytest.mark.parametrize("callback", [ModelCheckpoint(monitor="val/mse"), EarlyStopping(monitor="val/mse")])
+def test_a_validation_monitor_given_in_code_to_a_run_that_never_validates_is_refused(tmp_path, callback):
+    """A callback built in code skips the config's checks: without validation it would rank or stop nothing, without
+    a word. It is refused when fit starts, naming the train/ alternative."""
+    message = r"'val/mse' is a validation metric, but this run never validates \(no val_dataloader\(\)\).*train/ tag"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5], callbacks=[callback], **{"checkpoint.enabled": False})
+
+
+def test_a_validation_monitor_in_the_config_of_a_run_without_validation_names_the_train_alternative(tmp_path):
+    with pytest.raises(ConfigError, match=r"defines no val_dataloader\(\).*monitor 'train/<name>'"):
+        _fit(tmp_path, [0.5], **{"early_stopping.monitor": "loss"})
+
+
+class ValidationScores(ToyTrainer):
+    """Validation after step N reports ``scores[N]``."""
+
+    scores: ClassVar[dict[int, float]] = {}
+
+    def validation_step(self, batch):
+        return {"score": self.scores[self.state.global_step]}
+
+
+@pytest.mark.parametrize(
+    ("trainer", "scores", "settings", "ranked", "best"),
+    [
+        (EpochScores, [0.5, 0.1, 0.9], {"checkpoint.monitor": "train/score"}, [2, 4, 6], 4),
+        (ValidationScores, {2: 0.5, 4: 0.1, 6: 0.9}, {"checkpoint.monitor": "val/score"}, [2, 4, 6], 4),
+        (ValidationScores, {4: 0.5, 8: 0.1, 12: 0.9}, {"checkpoint.monitor": "val/score",
+                                                       "trainer.val_every_n_epochs": 2}, [4, 8, 12], 8),
+    ],
+)  # fmt: skip
+def test_step_checkpoints_between_measurements_are_never_ranked_by_an_older_value(
+    tmp_path, trainer, scores, settings, ranked, best
+):
+    """A step-N.pt every step (2 per epoch), the monitored value measured only at epoch ends or validations: only
+    those moments become best files, so no file is ranked by a value measured on other weights (Lightning ranks each
+    step save by the latest value logged, which can be a validation or an epoch older than the step's weights)."""
+    run = _fit(tmp_path, scores, trainer=trainer, **{"checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1,
+               "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": ranked[-1] // 2, **settings})  # fmt: skip
+    assert _best_steps(run) == ranked
+    assert _best_pt_step(run) == best
+
+
+class PlateauOnTrainScore(EpochScores):
+    """A ReduceLROnPlateau (patience 0, halving) on the monitored train/score; ``interval`` as the class says."""
+
+    interval = "epoch"
+    monitor = "train/score"
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, patience=0, factor=0.5)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": self.monitor,
+                                                   "interval": self.interval}}  # fmt: skip
+
+
+class EpochStartRates(ampkit.Callback):
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_epoch_start(self, trainer) -> None:
+        self.rates.append(trainer.optimizer.param_groups[0]["lr"])
+
+
+def test_a_plateau_scheduler_steps_on_a_train_epoch_mean_without_validation(tmp_path):
+    """As Lightning's {'monitor': 'train_loss'}: epoch 2's 0.3 does not improve on 0.2, so epoch 3 trains at half."""
+    rates = EpochStartRates()
+    _fit(tmp_path, [0.5, 0.2, 0.3, 0.1], trainer=PlateauOnTrainScore, callbacks=[rates])
+    assert rates.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])
+
+
+@pytest.mark.parametrize(
+    ("interval", "monitor", "error", "message"),
+    [
+        ("step", "train/score", ConfigError, r"monitors 'train/score', an epoch mean known at epoch ends only, but "
+                                             r"steps every step: give it 'interval': 'epoch'"),
+        ("epoch", "train/acc", MonitorNotFoundError, r"monitors 'train/acc', but epoch 0 logged train/score: log it in "
+                                                     r"training_step with self\.log\('train/acc'"),
+    ],
+)  # fmt: skip
+def test_a_plateau_scheduler_s_train_monitor_it_cannot_read_is_named(tmp_path, interval, monitor, error, message):
+    trainer = type("Plateau", (PlateauOnTrainScore,), {"interval": interval, "monitor": monitor})
+    with pytest.raises(error, match=message):
+        _fit(tmp_path, [0.5, 0.2], trainer=trainer)
+
+
+class Stream(EpochScores):
+    """Its batches come from a generator: no length, so an epoch ends where the data does."""
+
+    def train_dataloader(self):
+        return (batch for batch in super().train_dataloader())
+
+
+def test_a_train_monitor_over_a_stream_is_named_at_fit_start_as_checked_only_where_the_data_ends(tmp_path):
+    settings = {**QUIET, "checkpoint.monitor": "train/score", "checkpoint.every_n_steps": 1,
+                "trainer.max_steps": 1, "trainer.max_epochs": -1}  # fmt: skip
+    trainer = type("Scripted", (Stream,), {"scores": [0.5]})(toy_cfg(tmp_path, **settings))
+    with pytest.warns(UserWarning, match=r"has no length, so an epoch ends only where its data does, and "
+                      r"checkpoint.monitor='train/score' \(an epoch mean\) is checked only then"):  # fmt: skip
+        trainer.fit()
+
+
+class BatchScores(EpochScores):
+    """Logs 10 * epoch + batch_idx: an epoch's mean needs both of its batches (epoch 0: 0.5, epoch 1: 10.5)."""
+
+    def training_step(self, batch):
+        self.log("train/score", 10.0 * self.state.epoch + self.state.batch_idx, on_step=False, on_epoch=True)
+        return ToyTrainer.training_step(self, batch)
+
+
+class CrashAtStep(ampkit.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, batch) -> None:
+        if trainer.state.global_step == self.step:
+            raise RuntimeError("crash")
+
+
+def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupted_one(tmp_path):
+    settings = {"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1}
+    whole = _fit(tmp_path / "whole", [0, 0], trainer=BatchScores, **settings)
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(tmp_path / "resumed", [0, 0], trainer=BatchScores, callbacks=[CrashAtStep(1)], **settings)
+    trainer = type("Scripted", (BatchScores,), {"scores": [0, 0]})
+    resumed = trainer(toy_cfg(tmp_path / "resumed", **{**QUIET, "trainer.max_epochs": 2, **settings}))
+    resumed.fit(resume="last")
+
+    def ranking(run) -> dict[str, float]:
+        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+
+    assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
