@@ -83,6 +83,28 @@ def test_property_table(level, weight_dtype, bn_dtype, master_weights, scale, dy
     assert output.dtype == (torch.float16 if level == "O1" else torch.float32)
 
 
+def test_o2_keeps_only_affine_batchnorms_float32_as_apex():
+    """Apex's ``keep_batchnorm_fp32`` kept a batch norm float32 only when it has a weight and bias: one built with
+    ``affine=False`` (a projection head's) was cast to half, its running statistics too, and normalised in half.
+    The state dict still saves float32, so a checkpoint loads at any level."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, affine=False), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+    plain, affine = model[1], model[2]
+    assert plain.running_mean.dtype == plain.running_var.dtype == torch.float16
+    assert affine.weight.dtype == affine.running_mean.dtype == torch.float32
+    x = torch.randn(16, 4)
+    model(x)
+    assert plain.running_var.dtype == torch.float16  # the statistics are updated in half
+    model.eval()
+    hidden = model[0](x.half())
+    expected = torch.nn.functional.batch_norm(hidden, plain.running_mean, plain.running_var, eps=plain.eps)
+    torch.testing.assert_close(plain(hidden), expected, rtol=0, atol=0)
+    assert model.state_dict()["1.running_mean"].dtype == torch.float32
+
+
 def test_overrides_that_apex_allows():
     model = _model()
     model, optimizer = amp.initialize(

@@ -17,6 +17,7 @@ from torch import nn
 
 from ampkit.amp import OptLevelProperties
 from ampkit.amp.casting import add_boundary_casts, cast_model
+from ampkit.compat.fp16_utils.fp16util import convert_network
 
 _installed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -64,8 +65,12 @@ def apply_model_casts(
     output_dtype = cast_model_outputs
     if properties.cast_model_type is not None:
         handles.append(model._register_state_dict_hook(state_dict_hook))
-        keep_bn = bool(properties.keep_batchnorm_fp32)
-        cast_model(model, properties.cast_model_type, keep_batchnorm_fp32=keep_bn)
+        if properties.keep_batchnorm_fp32:
+            # Apex's rule: only batch norms with a weight and bias stay float32; one with affine=False is cast,
+            # running statistics included
+            convert_network(model, properties.cast_model_type)
+        else:
+            cast_model(model, properties.cast_model_type)
         if output_dtype is None:
             output_dtype = torch.float32
         handles.append(add_boundary_casts(model, properties.cast_model_type, output_dtype, own_to=True))
