@@ -140,16 +140,60 @@ class BoundaryCasts:
         self._handles.clear()
 
 
+def _first_tensor_name(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """The qualified name of the first parameter (else buffer) of ``model`` in ``dtype``; None if it has none."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.dtype == dtype:
+            return name
+    return None
+
+
+class _DtypeWatch:
+    """Tells whether a model still holds a tensor in the dtype its boundary casts were made for.
+
+    A model cast again as a whole (``model.float()`` for inference, on a model loaded whole) holds none, and
+    its casts stand down. One tensor is watched, so the check is cheap: when it changes dtype the model is
+    searched once, and the watch moves to a tensor still in the dtype (one layer the script made float32) or
+    stays, marked away, until the watched tensor is cast back.
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.away = False
+
+    def recast_away(self, model: nn.Module) -> bool:
+        owner_name, _, leaf = self.name.rpartition(".")
+        try:
+            tensor = getattr(model.get_submodule(owner_name), leaf, None)
+        except AttributeError:
+            tensor = None  # the layer was replaced since: search again
+        if isinstance(tensor, torch.Tensor):
+            if tensor.dtype == self.dtype:
+                self.away = False
+                return False
+            if self.away:
+                return True
+        name = _first_tensor_name(model, self.dtype)
+        self.away = name is None
+        self.name = name or self.name
+        return self.away
+
+
 class _CastInputs:
     """Forward pre-hook casting floating inputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
-    own_to = False  # hooks pickled before the option existed load with it off
+    own_to = False  # hooks pickled before an option existed load with it off
+    watch: _DtypeWatch | None = None
 
-    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, own_to: bool = False, watch: _DtypeWatch | None = None) -> None:
         self.dtype = dtype
         self.own_to = own_to
+        self.watch = watch
 
-    def __call__(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.watch is not None and self.watch.recast_away(module):
+            return args, kwargs
         return cast_floating(args, self.dtype, self.own_to), cast_floating(kwargs, self.dtype, self.own_to)
 
 
@@ -157,12 +201,16 @@ class _CastOutputs:
     """Forward hook casting floating outputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
     own_to = False
+    watch: _DtypeWatch | None = None
 
-    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, own_to: bool = False, watch: _DtypeWatch | None = None) -> None:
         self.dtype = dtype
         self.own_to = own_to
+        self.watch = watch
 
-    def __call__(self, _: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.watch is not None and self.watch.recast_away(module):
+            return output
         return cast_floating(output, self.dtype, self.own_to)
 
 
@@ -175,10 +223,15 @@ def add_boundary_casts(
     """Cast floating inputs (positional and keyword) of ``model`` to ``input_dtype`` and its floating
     outputs to ``output_dtype``; ``None`` leaves that side alone. The model stays picklable (``torch.save``).
     ``own_to`` casts objects of other classes by their own ``.to(dtype)`` (see :func:`cast_floating`).
+
+    The hooks stand down once the model holds no tensor in ``input_dtype``: a model saved whole, loaded and
+    ``.float()``-ed for inference takes float32 inputs and returns its own outputs, as a float32 model does.
     """
     handles = []
+    watched = _first_tensor_name(model, input_dtype) if input_dtype is not None else None
+    watch = _DtypeWatch(watched, input_dtype) if watched is not None else None
     if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype, own_to), with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype, own_to, watch), with_kwargs=True))
     if output_dtype is not None:
-        handles.append(model.register_forward_hook(_CastOutputs(output_dtype, own_to)))
+        handles.append(model.register_forward_hook(_CastOutputs(output_dtype, own_to, watch)))
     return BoundaryCasts(handles)
