@@ -3,12 +3,14 @@
 - O1: :func:`autocast_for` runs the forward under ``torch.autocast`` on the model's device type.
 - O2/O3: :func:`cast_model` casts a model's floating-point parameters and buffers, optionally keeping
   batch-norm layers in float32; :func:`add_boundary_casts` casts floating inputs to the model's type at
-  its boundary and its floating outputs back (Apex casts outputs to float32 unless told otherwise).
+  its boundary and its floating outputs back (Apex casts outputs to float32 unless told otherwise);
+  :func:`patch_forward_casts` does the same by replacing ``model.forward``, as Apex did.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,11 +19,13 @@ from torch import nn
 
 __all__ = [
     "BoundaryCasts",
+    "ForwardCasts",
     "add_boundary_casts",
     "autocast_for",
     "cast_floating",
     "cast_model",
     "model_device",
+    "patch_forward_casts",
 ]
 
 
@@ -227,11 +231,81 @@ def add_boundary_casts(
     The hooks stand down once the model holds no tensor in ``input_dtype``: a model saved whole, loaded and
     ``.float()``-ed for inference takes float32 inputs and returns its own outputs, as a float32 model does.
     """
+    cast_inputs, cast_outputs = _boundary_casters(model, input_dtype, output_dtype, own_to)
     handles = []
+    if cast_inputs is not None:
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if cast_outputs is not None:
+        handles.append(model.register_forward_hook(cast_outputs))
+    return BoundaryCasts(handles)
+
+
+def _boundary_casters(
+    model: nn.Module, input_dtype: torch.dtype | None, output_dtype: torch.dtype | None, own_to: bool
+) -> tuple[_CastInputs | None, _CastOutputs | None]:
     watched = _first_tensor_name(model, input_dtype) if input_dtype is not None else None
     watch = _DtypeWatch(watched, input_dtype) if watched is not None else None
-    if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype, own_to, watch), with_kwargs=True))
-    if output_dtype is not None:
-        handles.append(model.register_forward_hook(_CastOutputs(output_dtype, own_to, watch)))
-    return BoundaryCasts(handles)
+    cast_inputs = _CastInputs(input_dtype, own_to, watch) if input_dtype is not None else None
+    cast_outputs = _CastOutputs(output_dtype, own_to, watch) if output_dtype is not None else None
+    return cast_inputs, cast_outputs
+
+
+class _CastForward:
+    """The ``forward`` put on a model by :func:`patch_forward_casts` (an object, not a closure, so the model
+    pickles and ``copy.deepcopy`` gives the copy a forward of its own)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cast_inputs: _CastInputs | None,
+        cast_outputs: _CastOutputs | None,
+        inner: Any = None,
+    ) -> None:
+        self.model = model
+        self.cast_inputs = cast_inputs
+        self.cast_outputs = cast_outputs
+        self.inner = inner  # a forward the script had set on the model itself; None: its class's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if self.cast_inputs is not None:
+            args, kwargs = self.cast_inputs(model, args, kwargs)
+        forward = self.inner if self.inner is not None else type(model).forward.__get__(model)
+        output = forward(*args, **kwargs)
+        return self.cast_outputs(model, args, output) if self.cast_outputs is not None else output
+
+
+class ForwardCasts:
+    """Handle for the forward :func:`patch_forward_casts` set; :meth:`remove` gives the model its own back."""
+
+    def __init__(self, model: nn.Module, patched: _CastForward) -> None:
+        self._model = weakref.ref(model)
+        self._patched = patched
+
+    def remove(self) -> None:
+        """Restore the forward the model had, unless the script has replaced ours since."""
+        model = self._model()
+        if model is None or model.__dict__.get("forward") is not self._patched:
+            return
+        if self._patched.inner is None:
+            del model.__dict__["forward"]
+        else:
+            model.forward = self._patched.inner
+
+
+def patch_forward_casts(
+    model: nn.Module,
+    input_dtype: torch.dtype | None,
+    output_dtype: torch.dtype | None = torch.float32,
+    own_to: bool = False,
+) -> ForwardCasts:
+    """Replace ``model.forward`` with one casting as :func:`add_boundary_casts` does, as Apex's ``initialize`` did.
+
+    Unlike hooks, the casts then also apply where a script calls ``model.forward(x)`` itself, or a model's own
+    method calls ``self.forward(x)``; ``model(x)`` goes through the same forward. A forward the script had set
+    on the model (``model.forward = ...``) is the one called inside.
+    """
+    cast_inputs, cast_outputs = _boundary_casters(model, input_dtype, output_dtype, own_to)
+    patched = _CastForward(model, cast_inputs, cast_outputs, model.__dict__.get("forward"))
+    model.forward = patched
+    return ForwardCasts(model, patched)

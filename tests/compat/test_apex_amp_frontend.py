@@ -105,6 +105,63 @@ def test_o2_keeps_only_affine_batchnorms_float32_as_apex():
     assert model.state_dict()["1.running_mean"].dtype == torch.float32
 
 
+class _LanguageModel(torch.nn.Module):
+    """A recurrent LM whose trainer calls ``model.forward(x, hidden)`` itself, and whose loss method calls
+    ``self.forward``: flair's LanguageModel and its trainer did both."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 8)
+        self.rnn = torch.nn.GRU(8, 8)
+        self.decoder = torch.nn.Linear(8, 5)
+
+    def forward(self, x, hidden):
+        output, hidden = self.rnn(self.encoder(x), hidden)
+        return self.decoder(output), hidden
+
+    def forward_loss(self, x, hidden, target):
+        logits, _ = self.forward(x, hidden)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_direct_forward_call_casts_as_apexs_patched_forward_did(level):
+    """Apex replaced ``model.forward``, so ``model.forward(x)`` and a method's ``self.forward(x)`` cast float32
+    inputs to half and the outputs back, as ``model(x)`` does; they met half weights with float32 inputs before."""
+    torch.manual_seed(0)
+    model = _LanguageModel()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level=level, verbosity=0)
+    x, hidden = torch.randn(3, 2, 4), torch.zeros(1, 2, 8)
+    logits, new_hidden = model.forward(x, hidden)
+    assert logits.dtype == new_hidden.dtype == torch.float32
+    assert torch.equal(logits, model(x, hidden)[0])
+    loss = model.forward_loss(x, hidden, torch.randint(0, 5, (3, 2)))
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+
+
+def test_a_deep_copy_made_after_initialize_runs_its_own_weights():
+    """An EMA made with ``copy.deepcopy(model)`` after O2 gets a casting forward of its own: Apex's closure kept
+    calling the original model's forward, so the copy's weights were never used."""
+    torch.manual_seed(0)
+    model = amp.initialize(_LanguageModel(), opt_level="O2", verbosity=0)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in ema.parameters():
+            param.zero_()
+    x, hidden = torch.randn(3, 2, 4), torch.zeros(1, 2, 8)
+    assert not ema.forward(x, hidden)[0].any() and model.forward(x, hidden)[0].any()
+    restored = torch.load(io.BytesIO(_pickled(ema)), weights_only=False)
+    assert restored.forward(x, hidden)[0].dtype == torch.float32 and not restored(x, hidden)[0].any()
+
+
+def _pickled(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def test_overrides_that_apex_allows():
     model = _model()
     model, optimizer = amp.initialize(
