@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -250,6 +251,23 @@ def _boundary_casters(
     return cast_inputs, cast_outputs
 
 
+# Per thread (DataParallel runs its replicas in threads): the modules whose hooked call has cast the inputs and is
+# about to run their forward, innermost last.
+_hooked_calls = threading.local()
+
+
+class _EnterForward:
+    """Forward pre-hook of :func:`patch_forward_casts`, after the input casts: tells the patched forward which module
+    is being called. A DataParallel replica shares the original's ``forward`` object, so only the hook, which torch
+    calls with the replica, can say whose weights to run."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        stack = getattr(_hooked_calls, "modules", None)
+        if stack is None:
+            stack = _hooked_calls.modules = []
+        stack.append(module)
+
+
 class _CastForward:
     """The ``forward`` put on a model by :func:`patch_forward_casts` (an object, not a closure, so the model
     pickles and ``copy.deepcopy`` gives the copy a forward of its own)."""
@@ -266,24 +284,32 @@ class _CastForward:
         self.cast_outputs = cast_outputs
         self.inner = inner  # a forward the script had set on the model itself; None: its class's
 
+    def _forward_of(self, module: nn.Module) -> Any:
+        return self.inner if self.inner is not None else type(module).forward.__get__(module)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        model = self.model
+        stack = getattr(_hooked_calls, "modules", None)
+        if stack and stack[-1].__dict__.get("forward") is self:
+            # model(x): the hooks have cast the inputs and will cast the outputs
+            return self._forward_of(stack.pop())(*args, **kwargs)
+        model = self.model  # model.forward(x), called by the script itself
         if self.cast_inputs is not None:
             args, kwargs = self.cast_inputs(model, args, kwargs)
-        forward = self.inner if self.inner is not None else type(model).forward.__get__(model)
-        output = forward(*args, **kwargs)
+        output = self._forward_of(model)(*args, **kwargs)
         return self.cast_outputs(model, args, output) if self.cast_outputs is not None else output
 
 
 class ForwardCasts:
-    """Handle for the forward :func:`patch_forward_casts` set; :meth:`remove` gives the model its own back."""
+    """Handle for what :func:`patch_forward_casts` installed; :meth:`remove` gives the model its own forward back."""
 
-    def __init__(self, model: nn.Module, patched: _CastForward) -> None:
+    def __init__(self, model: nn.Module, patched: _CastForward, hooks: BoundaryCasts) -> None:
         self._model = weakref.ref(model)
         self._patched = patched
+        self._hooks = hooks
 
     def remove(self) -> None:
-        """Restore the forward the model had, unless the script has replaced ours since."""
+        """Take the hooks off and restore the forward the model had, unless the script has replaced ours since."""
+        self._hooks.remove()
         model = self._model()
         if model is None or model.__dict__.get("forward") is not self._patched:
             return
@@ -299,13 +325,20 @@ def patch_forward_casts(
     output_dtype: torch.dtype | None = torch.float32,
     own_to: bool = False,
 ) -> ForwardCasts:
-    """Replace ``model.forward`` with one casting as :func:`add_boundary_casts` does, as Apex's ``initialize`` did.
+    """Cast as :func:`add_boundary_casts` does, and also where a script calls ``model.forward(x)`` itself or a
+    model's method calls ``self.forward(x)``: ``model.forward`` is replaced, as Apex's ``initialize`` did.
 
-    Unlike hooks, the casts then also apply where a script calls ``model.forward(x)`` itself, or a model's own
-    method calls ``self.forward(x)``; ``model(x)`` goes through the same forward. A forward the script had set
-    on the model (``model.forward = ...``) is the one called inside.
+    ``model(x)`` is cast by hooks, as with :func:`add_boundary_casts`, so DataParallel replicas run their own
+    weights (Apex's replaced forward ran the original's on every device). A forward the script had set on the
+    model (``model.forward = ...``) is the one called inside.
     """
     cast_inputs, cast_outputs = _boundary_casters(model, input_dtype, output_dtype, own_to)
     patched = _CastForward(model, cast_inputs, cast_outputs, model.__dict__.get("forward"))
+    handles = []
+    if cast_inputs is not None:
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    handles.append(model.register_forward_pre_hook(_EnterForward()))
+    if cast_outputs is not None:
+        handles.append(model.register_forward_hook(cast_outputs))
     model.forward = patched
-    return ForwardCasts(model, patched)
+    return ForwardCasts(model, patched, BoundaryCasts(handles))

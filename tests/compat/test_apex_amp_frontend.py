@@ -156,6 +156,28 @@ def test_a_deep_copy_made_after_initialize_runs_its_own_weights():
     assert restored.forward(x, hidden)[0].dtype == torch.float32 and not restored(x, hidden)[0].any()
 
 
+class _Projection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_a_dataparallel_replica_runs_its_own_weights():
+    """DataParallel replicas share the model's ``forward`` object (a shallow copy of its ``__dict__``): each must
+    still run its own weights, which Apex's replaced forward did not (NVIDIA/apex#227: O2 + DataParallel failed
+    with a device mismatch). The replica is built here as torch's ``replicate`` builds it, on one CPU."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Projection(), opt_level="O2", verbosity=0)
+    replica = model._replicate_for_data_parallel()
+    replica.weight = model.weight.detach() * 2  # replicate() sets each replica's copies as plain attributes
+    x = torch.randn(2, 4)
+    assert torch.equal(replica(x), (x.half() @ (model.weight.detach() * 2)).float())
+    assert torch.equal(model(x), (x.half() @ model.weight.detach()).float())
+
+
 def _pickled(obj):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
