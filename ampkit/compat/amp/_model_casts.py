@@ -2,10 +2,11 @@
 no model (it patches torch's functions, see ``o1_casts``) but may cast its outputs. An input or output of the
 script's own class is cast by its ``.to(dtype)``, as Apex's applier did ("Allow handling of custom batch classes").
 
-``model.forward`` is replaced by a casting one, as Apex's was, so a script calling ``model.forward(x)`` itself (flair's
-language-model trainer) or a model calling ``self.forward`` gets the casts too; the replacement is an object, not
-a closure, so the model still pickles. A state-dict hook saves float32. What each model got is remembered, so that a
-later ``initialize`` of the same model takes it off before adding its own.
+``model(x)`` is cast by hooks, and ``model.forward`` is replaced as Apex's was, so a script calling
+``model.forward(x)`` itself (flair's language-model trainer) or a model calling ``self.forward`` gets the casts
+too (see ``patch_forward_casts``); both are objects, not closures, so the model still pickles. A state-dict hook
+saves float32. What each model got is remembered, so that a later ``initialize`` of the same model takes it off
+before adding its own.
 """
 
 from __future__ import annotations
