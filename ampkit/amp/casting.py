@@ -303,20 +303,22 @@ class ForwardCasts:
     """Handle for what :func:`patch_forward_casts` installed; :meth:`remove` gives the model its own forward back."""
 
     def __init__(self, model: nn.Module, patched: _CastForward, hooks: BoundaryCasts) -> None:
+        # Weak: the patched forward holds the model, and a handle kept by whoever installed it (amp's registry of
+        # initialized models) must not keep a dropped model alive.
         self._model = weakref.ref(model)
-        self._patched = patched
+        self._patched = weakref.ref(patched)
         self._hooks = hooks
 
     def remove(self) -> None:
         """Take the hooks off and restore the forward the model had, unless the script has replaced ours since."""
         self._hooks.remove()
-        model = self._model()
-        if model is None or model.__dict__.get("forward") is not self._patched:
+        model, patched = self._model(), self._patched()
+        if model is None or patched is None or model.__dict__.get("forward") is not patched:
             return
-        if self._patched.inner is None:
+        if patched.inner is None:
             del model.__dict__["forward"]
         else:
-            model.forward = self._patched.inner
+            model.forward = patched.inner
 
 
 def patch_forward_casts(

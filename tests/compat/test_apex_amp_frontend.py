@@ -1,8 +1,10 @@
 """amp.initialize: signature, return shapes, Apex's property table and override errors, re-initialization."""
 
 import copy
+import gc
 import io
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -176,6 +178,21 @@ def test_a_dataparallel_replica_runs_its_own_weights():
     x = torch.randn(2, 4)
     assert torch.equal(replica(x), (x.half() @ (model.weight.detach() * 2)).float())
     assert torch.equal(model(x), (x.half() @ model.weight.detach()).float())
+
+
+def test_models_initialized_and_dropped_are_freed():
+    """A sweep or a notebook initializes model after model: amp's record of each model's casting forward must not
+    keep the dropped ones (and their weights) alive."""
+    refs = []
+    for _ in range(3):
+        model = torch.nn.Linear(3, 3)
+        model, optimizer = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+        model(torch.randn(1, 3))
+        refs.append(weakref.ref(model))
+        del model, optimizer
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
 
 
 def _pickled(obj):
