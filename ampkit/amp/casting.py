@@ -251,8 +251,9 @@ def _boundary_casters(
     return cast_inputs, cast_outputs
 
 
-# Per thread (DataParallel runs its replicas in threads): the modules whose hooked call has cast the inputs and is
-# about to run their forward, innermost last.
+# Per thread (DataParallel runs its replicas in threads): weak references to the modules whose hooked call has cast
+# the inputs and is about to run their forward. An entry lives only between the last of our pre-hooks and the
+# forward, so there is at most one unless a later pre-hook of the script's calls another model.
 _hooked_calls = threading.local()
 
 
@@ -265,7 +266,18 @@ class _EnterForward:
         stack = getattr(_hooked_calls, "modules", None)
         if stack is None:
             stack = _hooked_calls.modules = []
-        stack.append(module)
+        stack.append(weakref.ref(module))
+
+
+class _LeaveForward:
+    """Forward hook of :func:`patch_forward_casts`, run even when the call raised: drops the entry of a call that a
+    later pre-hook of the script's aborted before the forward ran, so the next direct ``model.forward(x)`` is not
+    taken for a hooked call."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        stack = getattr(_hooked_calls, "modules", None)
+        if stack and stack[-1]() is module:
+            stack.pop()
 
 
 class _CastForward:
@@ -289,9 +301,11 @@ class _CastForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stack = getattr(_hooked_calls, "modules", None)
-        if stack and stack[-1].__dict__.get("forward") is self:
+        called = stack[-1]() if stack else None
+        if called is not None and called.__dict__.get("forward") is self:
             # model(x): the hooks have cast the inputs and will cast the outputs
-            return self._forward_of(stack.pop())(*args, **kwargs)
+            stack.pop()
+            return self._forward_of(called)(*args, **kwargs)
         model = self.model  # model.forward(x), called by the script itself
         if self.cast_inputs is not None:
             args, kwargs = self.cast_inputs(model, args, kwargs)
@@ -340,6 +354,7 @@ def patch_forward_casts(
     if cast_inputs is not None:
         handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
     handles.append(model.register_forward_pre_hook(_EnterForward()))
+    handles.append(model.register_forward_hook(_LeaveForward(), always_call=True))
     if cast_outputs is not None:
         handles.append(model.register_forward_hook(cast_outputs))
     model.forward = patched

@@ -195,6 +195,23 @@ def test_models_initialized_and_dropped_are_freed():
     assert [ref() for ref in refs] == [None, None, None]
 
 
+def test_a_call_aborted_by_a_later_hook_leaves_direct_forward_calls_cast():
+    """A pre-hook of the script's that raises (a shape check) aborts ``model(x)`` between amp's input cast and the
+    forward: a later ``model.forward(x)`` must still cast its float32 inputs."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Projection(), opt_level="O2", verbosity=0)
+
+    def reject(module, args):
+        raise ValueError("batch too small")
+
+    handle = model.register_forward_pre_hook(reject)
+    with pytest.raises(ValueError, match="batch too small"):
+        model(torch.randn(2, 4))
+    handle.remove()
+    x = torch.randn(2, 4)
+    assert torch.equal(model.forward(x), (x.half() @ model.weight.detach()).float())
+
+
 def _pickled(obj):
     buffer = io.BytesIO()
     torch.save(obj, buffer)
