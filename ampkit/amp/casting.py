@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import weakref
 from collections.abc import Mapping
@@ -298,6 +299,12 @@ class _CastForward:
 
     def _forward_of(self, module: nn.Module) -> Any:
         return self.inner if self.inner is not None else type(module).forward.__get__(module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The model's own: transformers picks the dataset columns and generate()'s keyword arguments from
+        # inspect.signature(model.forward)
+        return inspect.signature(self._forward_of(self.model))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stack = getattr(_hooked_calls, "modules", None)

@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import inspect
 import io
 import warnings
 import weakref
@@ -136,6 +137,7 @@ def test_a_direct_forward_call_casts_as_apexs_patched_forward_did(level):
     x, hidden = torch.randn(3, 2, 4), torch.zeros(1, 2, 8)
     logits, new_hidden = model.forward(x, hidden)
     assert logits.dtype == new_hidden.dtype == torch.float32
+    assert list(inspect.signature(model.forward).parameters) == ["x", "hidden"]  # transformers reads it
     assert torch.equal(logits, model(x, hidden)[0])
     loss = model.forward_loss(x, hidden, torch.randint(0, 5, (3, 2)))
     with amp.scale_loss(loss, optimizer) as scaled:
