@@ -3,12 +3,16 @@
 - O1: :func:`autocast_for` runs the forward under ``torch.autocast`` on the model's device type.
 - O2/O3: :func:`cast_model` casts a model's floating-point parameters and buffers, optionally keeping
   batch-norm layers in float32; :func:`add_boundary_casts` casts floating inputs to the model's type at
-  its boundary and its floating outputs back (Apex casts outputs to float32 unless told otherwise).
+  its boundary and its floating outputs back (Apex casts outputs to float32 unless told otherwise);
+  :func:`patch_forward_casts` does the same by replacing ``model.forward``, as Apex did.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,11 +21,13 @@ from torch import nn
 
 __all__ = [
     "BoundaryCasts",
+    "ForwardCasts",
     "add_boundary_casts",
     "autocast_for",
     "cast_floating",
     "cast_model",
     "model_device",
+    "patch_forward_casts",
 ]
 
 
@@ -140,16 +146,60 @@ class BoundaryCasts:
         self._handles.clear()
 
 
+def _first_tensor_name(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """The qualified name of the first parameter (else buffer) of ``model`` in ``dtype``; None if it has none."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.dtype == dtype:
+            return name
+    return None
+
+
+class _DtypeWatch:
+    """Tells whether a model still holds a tensor in the dtype its boundary casts were made for.
+
+    A model cast again as a whole (``model.float()`` for inference, on a model loaded whole) holds none, and
+    its casts stand down. One tensor is watched, so the check is cheap: when it changes dtype the model is
+    searched once, and the watch moves to a tensor still in the dtype (one layer the script made float32) or
+    stays, marked away, until the watched tensor is cast back.
+    """
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.away = False
+
+    def recast_away(self, model: nn.Module) -> bool:
+        owner_name, _, leaf = self.name.rpartition(".")
+        try:
+            tensor = getattr(model.get_submodule(owner_name), leaf, None)
+        except AttributeError:
+            tensor = None  # the layer was replaced since: search again
+        if isinstance(tensor, torch.Tensor):
+            if tensor.dtype == self.dtype:
+                self.away = False
+                return False
+            if self.away:
+                return True
+        name = _first_tensor_name(model, self.dtype)
+        self.away = name is None
+        self.name = name or self.name
+        return self.away
+
+
 class _CastInputs:
     """Forward pre-hook casting floating inputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
-    own_to = False  # hooks pickled before the option existed load with it off
+    own_to = False  # hooks pickled before an option existed load with it off
+    watch: _DtypeWatch | None = None
 
-    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, own_to: bool = False, watch: _DtypeWatch | None = None) -> None:
         self.dtype = dtype
         self.own_to = own_to
+        self.watch = watch
 
-    def __call__(self, _: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.watch is not None and self.watch.recast_away(module):
+            return args, kwargs
         return cast_floating(args, self.dtype, self.own_to), cast_floating(kwargs, self.dtype, self.own_to)
 
 
@@ -157,12 +207,16 @@ class _CastOutputs:
     """Forward hook casting floating outputs to ``dtype`` (an object, not a closure, so the model pickles)."""
 
     own_to = False
+    watch: _DtypeWatch | None = None
 
-    def __init__(self, dtype: torch.dtype, own_to: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype, own_to: bool = False, watch: _DtypeWatch | None = None) -> None:
         self.dtype = dtype
         self.own_to = own_to
+        self.watch = watch
 
-    def __call__(self, _: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.watch is not None and self.watch.recast_away(module):
+            return output
         return cast_floating(output, self.dtype, self.own_to)
 
 
@@ -175,10 +229,140 @@ def add_boundary_casts(
     """Cast floating inputs (positional and keyword) of ``model`` to ``input_dtype`` and its floating
     outputs to ``output_dtype``; ``None`` leaves that side alone. The model stays picklable (``torch.save``).
     ``own_to`` casts objects of other classes by their own ``.to(dtype)`` (see :func:`cast_floating`).
+
+    The hooks stand down once the model holds no tensor in ``input_dtype``: a model saved whole, loaded and
+    ``.float()``-ed for inference takes float32 inputs and returns its own outputs, as a float32 model does.
     """
+    cast_inputs, cast_outputs = _boundary_casters(model, input_dtype, output_dtype, own_to)
     handles = []
-    if input_dtype is not None:
-        handles.append(model.register_forward_pre_hook(_CastInputs(input_dtype, own_to), with_kwargs=True))
-    if output_dtype is not None:
-        handles.append(model.register_forward_hook(_CastOutputs(output_dtype, own_to)))
+    if cast_inputs is not None:
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if cast_outputs is not None:
+        handles.append(model.register_forward_hook(cast_outputs))
     return BoundaryCasts(handles)
+
+
+def _boundary_casters(
+    model: nn.Module, input_dtype: torch.dtype | None, output_dtype: torch.dtype | None, own_to: bool
+) -> tuple[_CastInputs | None, _CastOutputs | None]:
+    watched = _first_tensor_name(model, input_dtype) if input_dtype is not None else None
+    watch = _DtypeWatch(watched, input_dtype) if watched is not None else None
+    cast_inputs = _CastInputs(input_dtype, own_to, watch) if input_dtype is not None else None
+    cast_outputs = _CastOutputs(output_dtype, own_to, watch) if output_dtype is not None else None
+    return cast_inputs, cast_outputs
+
+
+# Per thread (DataParallel runs its replicas in threads): weak references to the modules whose hooked call has cast
+# the inputs and is about to run their forward. An entry lives only between the last of our pre-hooks and the
+# forward, so there is at most one unless a later pre-hook of the script's calls another model.
+_hooked_calls = threading.local()
+
+
+class _EnterForward:
+    """Forward pre-hook of :func:`patch_forward_casts`, after the input casts: tells the patched forward which module
+    is being called. A DataParallel replica shares the original's ``forward`` object, so only the hook, which torch
+    calls with the replica, can say whose weights to run."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        stack = getattr(_hooked_calls, "modules", None)
+        if stack is None:
+            stack = _hooked_calls.modules = []
+        stack.append(weakref.ref(module))
+
+
+class _LeaveForward:
+    """Forward hook of :func:`patch_forward_casts`, run even when the call raised: drops the entry of a call that a
+    later pre-hook of the script's aborted before the forward ran, so the next direct ``model.forward(x)`` is not
+    taken for a hooked call."""
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        stack = getattr(_hooked_calls, "modules", None)
+        if stack and stack[-1]() is module:
+            stack.pop()
+
+
+class _CastForward:
+    """The ``forward`` put on a model by :func:`patch_forward_casts` (an object, not a closure, so the model
+    pickles and ``copy.deepcopy`` gives the copy a forward of its own)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cast_inputs: _CastInputs | None,
+        cast_outputs: _CastOutputs | None,
+        inner: Any = None,
+    ) -> None:
+        self.model = model
+        self.cast_inputs = cast_inputs
+        self.cast_outputs = cast_outputs
+        self.inner = inner  # a forward the script had set on the model itself; None: its class's
+
+    def _forward_of(self, module: nn.Module) -> Any:
+        return self.inner if self.inner is not None else type(module).forward.__get__(module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The model's own: transformers picks the dataset columns and generate()'s keyword arguments from
+        # inspect.signature(model.forward)
+        return inspect.signature(self._forward_of(self.model))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_hooked_calls, "modules", None)
+        called = stack[-1]() if stack else None
+        if called is not None and called.__dict__.get("forward") is self:
+            # model(x): the hooks have cast the inputs and will cast the outputs
+            stack.pop()
+            return self._forward_of(called)(*args, **kwargs)
+        model = self.model  # model.forward(x), called by the script itself
+        if self.cast_inputs is not None:
+            args, kwargs = self.cast_inputs(model, args, kwargs)
+        output = self._forward_of(model)(*args, **kwargs)
+        return self.cast_outputs(model, args, output) if self.cast_outputs is not None else output
+
+
+class ForwardCasts:
+    """Handle for what :func:`patch_forward_casts` installed; :meth:`remove` gives the model its own forward back."""
+
+    def __init__(self, model: nn.Module, patched: _CastForward, hooks: BoundaryCasts) -> None:
+        # Weak: the patched forward holds the model, and a handle kept by whoever installed it (amp's registry of
+        # initialized models) must not keep a dropped model alive.
+        self._model = weakref.ref(model)
+        self._patched = weakref.ref(patched)
+        self._hooks = hooks
+
+    def remove(self) -> None:
+        """Take the hooks off and restore the forward the model had, unless the script has replaced ours since."""
+        self._hooks.remove()
+        model, patched = self._model(), self._patched()
+        if model is None or patched is None or model.__dict__.get("forward") is not patched:
+            return
+        if patched.inner is None:
+            del model.__dict__["forward"]
+        else:
+            model.forward = patched.inner
+
+
+def patch_forward_casts(
+    model: nn.Module,
+    input_dtype: torch.dtype | None,
+    output_dtype: torch.dtype | None = torch.float32,
+    own_to: bool = False,
+) -> ForwardCasts:
+    """Cast as :func:`add_boundary_casts` does, and also where a script calls ``model.forward(x)`` itself or a
+    model's method calls ``self.forward(x)``: ``model.forward`` is replaced, as Apex's ``initialize`` did.
+
+    ``model(x)`` is cast by hooks, as with :func:`add_boundary_casts`, so DataParallel replicas run their own
+    weights (Apex's replaced forward ran the original's on every device). A forward the script had set on the
+    model (``model.forward = ...``) is the one called inside.
+    """
+    cast_inputs, cast_outputs = _boundary_casters(model, input_dtype, output_dtype, own_to)
+    patched = _CastForward(model, cast_inputs, cast_outputs, model.__dict__.get("forward"))
+    handles = []
+    if cast_inputs is not None:
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    handles.append(model.register_forward_pre_hook(_EnterForward()))
+    handles.append(model.register_forward_hook(_LeaveForward(), always_call=True))
+    if cast_outputs is not None:
+        handles.append(model.register_forward_hook(cast_outputs))
+    model.forward = patched
+    return ForwardCasts(model, patched, BoundaryCasts(handles))

@@ -67,6 +67,21 @@ def test_boundary_casts_none_and_remove():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_boundary_casts_stand_down_on_a_model_cast_back_to_float32(dtype):
+    """``model.float()`` for export: float32 inputs reach float32 weights, and ``model.to(dtype)`` casts again."""
+    torch.manual_seed(0)
+    model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=True)
+    add_boundary_casts(model, dtype, torch.float32)
+    model.float()
+    x = torch.randn(2, 3, 5, 5)
+    model(x, scale=torch.ones(1))
+    assert model.seen[-1] == (torch.float32, torch.float32)
+    model.to(dtype)
+    model(x, scale=torch.ones(1))
+    assert model.seen[-1] == (dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_model_with_boundary_casts_pickles_whole_and_keeps_casting(dtype):
     model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=True)
     add_boundary_casts(model, dtype, torch.float32)

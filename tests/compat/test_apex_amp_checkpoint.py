@@ -182,6 +182,49 @@ def test_whole_model_saved_with_torch_save_loads_and_still_casts(level):
     assert loaded(x).dtype == torch.float32 and torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_whole_model_loaded_and_cast_to_float32_runs_as_a_float32_model(level):
+    """An inference script loads the pickled model and calls ``.float()``: its boundary casts stand down (Apex's
+    replaced forward did not pickle at all), so float32 inputs meet float32 weights rather than being cast to half,
+    and the outputs are the float32 model's own: float64 after ``.double()``."""
+    model, optimizer = _build(level, 1)
+    _iteration(model, optimizer, 0, 1, dynamic=False)
+    (loaded,) = torch.load(io.BytesIO(_save(model)), weights_only=False)
+    x = torch.randn(4, 6)
+    loaded.float()
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    reference.load_state_dict(loaded.state_dict())
+    torch.testing.assert_close(loaded(x), reference(x), rtol=0, atol=0)
+    assert loaded.double()(x.double()).dtype == torch.float64
+    loaded.half()  # cast back: its inputs are cast again
+    assert loaded(x).dtype == torch.float32 and torch.equal(loaded(x), model(x))
+
+
+class _HeadFirst(torch.nn.Module):
+    """A classifier head declared before the body (its weight is the model's first tensor), run in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 3)
+        self.body = torch.nn.Linear(6, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)).float())
+
+
+def test_a_layer_made_float32_after_initialize_keeps_the_models_input_casts():
+    """A script that keeps its head float32 after O2 (``model.head.float()``) still has the rest in half: the
+    inputs keep being cast, though the tensor first in the model is no longer half."""
+    torch.manual_seed(0)
+    model = amp.initialize(_HeadFirst(), opt_level="O2", verbosity=0)
+    model.head.float()
+    seen = []
+    model.body.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    assert model(torch.randn(4, 6)).dtype == torch.float32
+    assert model(torch.randn(4, 6)).dtype == torch.float32
+    assert seen == [torch.float16, torch.float16]
+
+
 def test_load_state_dict_of_a_path_says_it_wants_the_dict():
     _build("O1", 1)
     with pytest.raises(TypeError, match=r"expects the dict from amp.state_dict\(\), got str \(load the file first"):

@@ -1,8 +1,11 @@
 """amp.initialize: signature, return shapes, Apex's property table and override errors, re-initialization."""
 
 import copy
+import gc
+import inspect
 import io
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -81,6 +84,140 @@ def test_property_table(level, weight_dtype, bn_dtype, master_weights, scale, dy
     assert scaler.loss_scale() == scale and scaler.dynamic == dynamic
     output = model(torch.randn(3, 4))
     assert output.dtype == (torch.float16 if level == "O1" else torch.float32)
+
+
+def test_o2_keeps_only_affine_batchnorms_float32_as_apex():
+    """Apex's ``keep_batchnorm_fp32`` kept a batch norm float32 only when it has a weight and bias: one built with
+    ``affine=False`` (a projection head's) was cast to half, its running statistics too, and normalised in half.
+    The state dict still saves float32, so a checkpoint loads at any level."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, affine=False), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+    plain, affine = model[1], model[2]
+    assert plain.running_mean.dtype == plain.running_var.dtype == torch.float16
+    assert affine.weight.dtype == affine.running_mean.dtype == torch.float32
+    x = torch.randn(16, 4)
+    model(x)
+    assert plain.running_var.dtype == torch.float16  # the statistics are updated in half
+    model.eval()
+    hidden = model[0](x.half())
+    expected = torch.nn.functional.batch_norm(hidden, plain.running_mean, plain.running_var, eps=plain.eps)
+    torch.testing.assert_close(plain(hidden), expected, rtol=0, atol=0)
+    assert model.state_dict()["1.running_mean"].dtype == torch.float32
+
+
+class _LanguageModel(torch.nn.Module):
+    """A recurrent LM whose trainer calls ``model.forward(x, hidden)`` itself, and whose loss method calls
+    ``self.forward``: flair's LanguageModel and its trainer did both."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 8)
+        self.rnn = torch.nn.GRU(8, 8)
+        self.decoder = torch.nn.Linear(8, 5)
+
+    def forward(self, x, hidden):
+        output, hidden = self.rnn(self.encoder(x), hidden)
+        return self.decoder(output), hidden
+
+    def forward_loss(self, x, hidden, target):
+        logits, _ = self.forward(x, hidden)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_direct_forward_call_casts_as_apexs_patched_forward_did(level):
+    """Apex replaced ``model.forward``, so ``model.forward(x)`` and a method's ``self.forward(x)`` cast float32
+    inputs to half and the outputs back, as ``model(x)`` does; they met half weights with float32 inputs before."""
+    torch.manual_seed(0)
+    model = _LanguageModel()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level=level, verbosity=0)
+    x, hidden = torch.randn(3, 2, 4), torch.zeros(1, 2, 8)
+    logits, new_hidden = model.forward(x, hidden)
+    assert logits.dtype == new_hidden.dtype == torch.float32
+    assert list(inspect.signature(model.forward).parameters) == ["x", "hidden"]  # transformers reads it
+    assert torch.equal(logits, model(x, hidden)[0])
+    loss = model.forward_loss(x, hidden, torch.randint(0, 5, (3, 2)))
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+
+
+def test_a_deep_copy_made_after_initialize_runs_its_own_weights():
+    """An EMA made with ``copy.deepcopy(model)`` after O2 gets a casting forward of its own: Apex's closure kept
+    calling the original model's forward, so the copy's weights were never used."""
+    torch.manual_seed(0)
+    model = amp.initialize(_LanguageModel(), opt_level="O2", verbosity=0)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in ema.parameters():
+            param.zero_()
+    x, hidden = torch.randn(3, 2, 4), torch.zeros(1, 2, 8)
+    assert not ema.forward(x, hidden)[0].any() and model.forward(x, hidden)[0].any()
+    restored = torch.load(io.BytesIO(_pickled(ema)), weights_only=False)
+    assert restored.forward(x, hidden)[0].dtype == torch.float32 and not restored(x, hidden)[0].any()
+
+
+class _Projection(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_a_dataparallel_replica_runs_its_own_weights():
+    """DataParallel replicas share the model's ``forward`` object (a shallow copy of its ``__dict__``): each must
+    still run its own weights, which Apex's replaced forward did not (NVIDIA/apex#227: O2 + DataParallel failed
+    with a device mismatch). The replica is built here as torch's ``replicate`` builds it, on one CPU."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Projection(), opt_level="O2", verbosity=0)
+    replica = model._replicate_for_data_parallel()
+    replica.weight = model.weight.detach() * 2  # replicate() sets each replica's copies as plain attributes
+    x = torch.randn(2, 4)
+    assert torch.equal(replica(x), (x.half() @ (model.weight.detach() * 2)).float())
+    assert torch.equal(model(x), (x.half() @ model.weight.detach()).float())
+
+
+def test_models_initialized_and_dropped_are_freed():
+    """A sweep or a notebook initializes model after model: amp's record of each model's casting forward must not
+    keep the dropped ones (and their weights) alive."""
+    refs = []
+    for _ in range(3):
+        model = torch.nn.Linear(3, 3)
+        model, optimizer = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+        model(torch.randn(1, 3))
+        refs.append(weakref.ref(model))
+        del model, optimizer
+    amp.initialize(torch.nn.Linear(1, 1), opt_level="O0", verbosity=0)
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
+
+
+def test_a_call_aborted_by_a_later_hook_leaves_direct_forward_calls_cast():
+    """A pre-hook of the script's that raises (a shape check) aborts ``model(x)`` between amp's input cast and the
+    forward: a later ``model.forward(x)`` must still cast its float32 inputs."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Projection(), opt_level="O2", verbosity=0)
+
+    def reject(module, args):
+        raise ValueError("batch too small")
+
+    handle = model.register_forward_pre_hook(reject)
+    with pytest.raises(ValueError, match="batch too small"):
+        model(torch.randn(2, 4))
+    handle.remove()
+    x = torch.randn(2, 4)
+    assert torch.equal(model.forward(x), (x.half() @ model.weight.detach()).float())
+
+
+def _pickled(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def test_overrides_that_apex_allows():

@@ -4,7 +4,8 @@ scripts guard apex with, NVIDIA BERT's LAMB on ``amp_C``'s two stages and its re
 LAMB calls of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that year's FusedLAMB), fairseq's total
 norm and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, DPR's
 clipping after every accumulated micro-batch, GPT2-Chinese's clipping inside the ``scale_loss`` block, UER-py's
-adversarial backwards after it, and optional Apex parts behind ``except ImportError``."""
+adversarial backwards after it, pytext's export of its O2 model cast back to float32, LF-Font's aux loss scaled into
+two optimizers, and optional Apex parts behind ``except ImportError``."""
 
 from __future__ import annotations
 
@@ -852,3 +853,74 @@ def test_uer_adversarial_backwards_after_the_block_and_a_restored_grad_reach_the
     optimizer.step()
     for p, b, g in zip(model.parameters(), before, grads, strict=True):
         torch.testing.assert_close(p.detach(), b - 0.5 * g, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+def test_pytext_exports_its_o2_model_after_casting_it_back_to_float32(shim):
+    """pytext's FP16OptimizerApex: micro-batches accumulated with ``delay_unscale`` on all but the last, clipping
+    through ``amp.master_params``, step; then ``pre_export`` calls ``model.float()`` and traces the model with float32
+    inputs. The model is float32 again, so its casts stand down and the trace runs the float32 weights."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        for index in range(3):
+            x, y = torch.randn(4, 6, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            with amp.scale_loss(loss, optimizer, delay_unscale=index < 2) as scaled:
+                scaled.backward()
+        norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
+        assert math.isfinite(norm)
+        optimizer.step()
+    model.float()
+    x = torch.randn(2, 6)
+    traced = torch.jit.trace(model.eval(), (x,))
+    plain = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(traced(x), plain(x), rtol=0, atol=0)
+
+
+def test_lffont_aux_losses_scaled_into_two_optimizers_skip_both_after_an_overflow(shim, capsys):
+    """LF-Font: four models (one a deep-copied EMA with no optimizer) and num_losses=4. The aux-classifier loss is
+    scaled into ``[ac_optim, g_optim]`` (loss_id 2), ``ac_optim`` steps at once and ``g_optim`` after the generator's
+    own loss (loss_id 1). An inf in loss 2 replaces the next step of both, each printing scaler 2's message, and
+    backs off scaler 2 only; the EMA, accumulated on the half weights, keeps following the generator."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    gen, aux = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+    ema = copy.deepcopy(gen)
+    g_optim = torch.optim.SGD(gen.parameters(), lr=0.1)
+    ac_optim = torch.optim.SGD(aux.parameters(), lr=0.1)
+    [gen, ema, aux], [g_optim, ac_optim] = amp.initialize(
+        [gen, ema, aux], [g_optim, ac_optim], opt_level="O2", num_losses=4, verbosity=1
+    )
+    generator = torch.Generator().manual_seed(3)
+    moved = []
+    for iteration in range(3):
+        before = [p.detach().clone() for p in (*gen.parameters(), *aux.parameters())]
+        x, comp = torch.randn(5, 4, generator=generator), torch.randint(0, 3, (5,), generator=generator)
+        feats = gen(x)
+        g_optim.zero_grad()
+        ac_loss = torch.nn.functional.cross_entropy(aux(feats), comp) * (float("inf") if iteration == 1 else 1.0)
+        ac_optim.zero_grad()
+        with amp.scale_loss(ac_loss, [ac_optim, g_optim], loss_id=2) as scaled:
+            scaled.backward(retain_graph=True)
+        ac_optim.step()
+        with amp.scale_loss(feats.pow(2).mean(), g_optim, loss_id=1) as scaled:
+            scaled.backward()
+        g_optim.step()
+        with torch.no_grad():
+            for e, g in zip(ema.parameters(), gen.parameters(), strict=True):
+                e.mul_(0.5).add_(g, alpha=0.5)
+        after = [p.detach() for p in (*gen.parameters(), *aux.parameters())]
+        moved.append(all(not torch.equal(a, b) for a, b in zip(after, before, strict=True)))
+    assert moved == [True, False, True]
+    assert capsys.readouterr().out.count("Skipping step, loss scaler 2 reducing loss scale to 32768.0") == 2
+    assert [s.loss_scale() for s in amp._amp_state.loss_scalers] == [65536.0, 65536.0, 32768.0, 65536.0]
+    assert ema.weight.dtype == torch.float16 and ema(torch.randn(2, 4)).dtype == torch.float32

@@ -2,8 +2,11 @@
 no model (it patches torch's functions, see ``o1_casts``) but may cast its outputs. An input or output of the
 script's own class is cast by its ``.to(dtype)``, as Apex's applier did ("Allow handling of custom batch classes").
 
-Everything is hooks (no ``model.forward`` replaced), so models stay picklable, and each model's hooks
-are remembered so that a later ``initialize`` of the same model removes them before adding its own.
+``model(x)`` is cast by hooks, and ``model.forward`` is replaced as Apex's was, so a script calling
+``model.forward(x)`` itself (flair's language-model trainer) or a model calling ``self.forward`` gets the casts
+too (see ``patch_forward_casts``); both are objects, not closures, so the model still pickles. A state-dict hook
+saves float32. What each model got is remembered, so that a later ``initialize`` of the same model takes it off
+before adding its own.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from torch import nn
 
 from ampkit.amp import OptLevelProperties
-from ampkit.amp.casting import add_boundary_casts, cast_model
+from ampkit.amp.casting import cast_model, patch_forward_casts
+from ampkit.compat.fp16_utils.fp16util import convert_network
 
 _installed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -50,7 +54,7 @@ class Float32StateDict:
 
 
 def remove_model_casts(model: nn.Module) -> None:
-    """Take off the hooks a previous ``initialize`` put on ``model``."""
+    """Take off the forward and hooks a previous ``initialize`` put on ``model``."""
     for handle in _installed.pop(model, []):
         handle.remove()
 
@@ -58,18 +62,22 @@ def remove_model_casts(model: nn.Module) -> None:
 def apply_model_casts(
     model: nn.Module, properties: OptLevelProperties, cast_model_outputs: Any, state_dict_hook: Float32StateDict
 ) -> None:
-    """Cast ``model`` as ``properties`` say and install the forward and state-dict hooks of its opt level."""
+    """Cast ``model`` as ``properties`` say and install the casting forward and state-dict hook of its opt level."""
     remove_model_casts(model)
     handles: list[Any] = []
     output_dtype = cast_model_outputs
     if properties.cast_model_type is not None:
         handles.append(model._register_state_dict_hook(state_dict_hook))
-        keep_bn = bool(properties.keep_batchnorm_fp32)
-        cast_model(model, properties.cast_model_type, keep_batchnorm_fp32=keep_bn)
+        if properties.keep_batchnorm_fp32:
+            # Apex's rule: only batch norms with a weight and bias stay float32; one with affine=False is cast,
+            # running statistics included
+            convert_network(model, properties.cast_model_type)
+        else:
+            cast_model(model, properties.cast_model_type)
         if output_dtype is None:
             output_dtype = torch.float32
-        handles.append(add_boundary_casts(model, properties.cast_model_type, output_dtype, own_to=True))
+        handles.append(patch_forward_casts(model, properties.cast_model_type, output_dtype, own_to=True))
     elif output_dtype is not None:
-        handles.append(add_boundary_casts(model, None, output_dtype, own_to=True))
+        handles.append(patch_forward_casts(model, None, output_dtype, own_to=True))
     if handles:
         _installed[model] = handles
