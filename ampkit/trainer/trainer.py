@@ -1716,6 +1716,8 @@ class Trainer:
             "val_metrics_step": self.val_metrics_step,
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
+            # which hook logs each on_epoch tag: a resume refuses a second hook's as the run before it would have
+            "epoch_fx": dict(self._epoch_fx),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
@@ -1802,6 +1804,7 @@ class Trainer:
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
+        self._epoch_fx = dict(checkpoint.get("epoch_fx", {}))  # absent from checkpoints of an older ampkit
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],
