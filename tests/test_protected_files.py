@@ -27,13 +27,13 @@ def _files(root: Path) -> dict:
 
 class KeepsStepTwo(ToyTrainer):
     """Validates at every step a metric that grows, so each validation is a new best and pushes the previous one out
-    of a top 1; at step 2, after its save, the user write-protects that step's files."""
+    of a top 1; at step 3, before its save, the user write-protects step 2's files."""
 
     def validation_step(self, batch):
         return {"step": float(self.state.global_step)}
 
     def on_train_batch_end(self, outputs, batch):
-        if self.state.global_step == 2:
+        if self.state.global_step == 3:
             for path in self.version_dir.glob("checkpoints/*-00000002*"):
                 _read_only(path)
 
@@ -101,7 +101,7 @@ def test_a_write_protected_best_pt_mid_run_stops_the_save_naming_it(tmp_path):
 
     class ProtectsBest(KeepsStepTwo):
         def on_train_batch_end(self, outputs, batch):
-            if self.state.global_step == 2:
+            if self.state.global_step == 3:
                 _read_only(self.version_dir / "checkpoints" / "best.pt")
 
     settings = {

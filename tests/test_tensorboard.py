@@ -433,6 +433,9 @@ class _SigkillAfter(Callback):
     def __init__(self, hook: str, step: int) -> None:
         self.hook, self.step = hook, step
 
+    def on_train_batch_start(self, trainer, batch):
+        self._kill_at("on_train_batch_start", trainer)
+
     def on_train_batch_end(self, trainer, outputs, batch):
         self._kill_at("on_train_batch_end", trainer)
 
@@ -477,6 +480,48 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
         assert len(steps) == len(set(steps)), f"{tag}: {steps}"
     for tag in ("train/loss", "train/lr/sgd", "val/mse"):
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(e.step, e.value) for e in reference.Scalars(tag)]
+
+
+class LogsInItsOwnHooks(ToyTrainer):
+    """Logs in its own batch-end and epoch-end hooks, as Lightning users log a metric computed there."""
+
+    def on_train_batch_end(self, outputs, batch):
+        self.log("own/batch_end", float(self.state.global_step))
+
+    def on_train_epoch_end(self):
+        self.log("own/epoch_end", float(self.state.epoch))
+
+
+def fit_killed_logging(cfg_json: str, hook: str, step: int) -> None:
+    """As :func:`fit_killed`, with :class:`LogsInItsOwnHooks`."""
+    cfg = json.loads(cfg_json)
+    LogsInItsOwnHooks(cfg, callbacks=[_SigkillAfter(hook, step)]).fit()
+
+
+@pytest.mark.parametrize(
+    ("every", "hook"),
+    [
+        ({"checkpoint.every_n_steps": 4}, "on_train_batch_end"),  # at once after the save
+        ({"checkpoint.every_n_steps": 4}, "on_train_batch_start"),  # once the step's hooks are all done
+        ({"checkpoint.every_n_epochs": 1}, "on_train_batch_start"),  # after the epoch's end and its save
+    ],
+)
+def test_what_the_trainer_logs_in_its_own_hooks_at_a_checkpoint_s_step_survives_a_kill(tmp_path, every, hook):
+    """The Trainer's own on_train_batch_end (and on_train_epoch_end) ran after the checkpoint's save: what it logged at
+    that step was in no event file and no checkpoint when a kill came after the save, and the resume starts at the
+    next step, so the step's value never showed."""
+    settings = {"trainer.max_epochs": 2, "logging.log_every_n_steps": 1, "trainer.progress_bar": False, **every}
+    cfg = toy_cfg(tmp_path, **settings)
+    code = f"import test_tensorboard; test_tensorboard.fit_killed_logging({json.dumps(cfg)!r}, {hook!r}, 8)"
+    killed = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(TESTS, TESTS.parent), capture_output=True, text=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = LogsInItsOwnHooks(cfg)
+    resumed.fit(resume="last")
+    events = _events(resumed)
+    assert [(e.step, e.value) for e in events.Scalars("own/batch_end")] == [(s, float(s)) for s in range(1, 17)]
+    assert [(e.step, e.value) for e in events.Scalars("own/epoch_end")] == [(8, 0.0), (16, 1.0)]
 
 
 def test_a_continued_run_waits_at_most_a_second_for_an_event_file_stamped_ahead(tmp_path, monkeypatch):

@@ -38,7 +38,8 @@ class ModelCheckpoint(Callback):
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
     with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
 
-    Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
+    Its phase runs last, after the Trainer's own hooks too, so it captures an iteration's final state (e.g. updated
+    loss scales, what the Trainer's ``on_train_batch_end`` changed).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
 
     With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k`` (-1: all)

@@ -22,7 +22,7 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
 checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
 batch (validate: then on_validation_batch_end) → on_<validation|test|predict>_end. Hooks defined on the
-subclass run after the callbacks' hooks.
+subclass run after the callbacks' hooks, but before the checkpoint's (``Phase.PERSIST``), which saves what they left.
 
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
@@ -78,7 +78,7 @@ from ampkit.trainer.batch_layout import (
     order_change_note,
     saved_accumulation,
 )
-from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.callback import HOOKS, Callback, Phase
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -1579,16 +1579,17 @@ class Trainer:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
             if not set(cb.hook_phases) <= known:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
-        self._hooks = {
-            hook: [
-                getattr(cb, hook)
-                for cb in sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
-                if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
-            ]
-            for hook in HOOKS
-        }
-        for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
-            self._hooks[hook].append(getattr(type(self), hook))
+        self._hooks = {}
+        for hook in HOOKS:
+            ordered = sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
+            running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
+            self._hooks[hook] = [getattr(cb, hook) for cb in running]
+            if hook in self._own_hooks:  # called as fn(self, *args)
+                # The subclass's own hook runs after the callbacks' but before a checkpoint's (PERSIST): what it
+                # changes or logs at a checkpoint's step is in that checkpoint, not lost to a kill after the save.
+                persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
+                at = persist.index(True) if True in persist else len(running)
+                self._hooks[hook].insert(at, getattr(type(self), hook))
 
     def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
@@ -1801,6 +1802,9 @@ class Trainer:
             loop["batches_done"],
             loop["global_step"],
         )
+        # The iteration the loop is at between batches, as in the run that saved it: a resume at an epoch's last batch
+        # runs that epoch's end before any batch, and its log() values and logger events are stamped with it.
+        self.state.iteration = loop["global_step"]
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
