@@ -32,8 +32,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   only rank zero takes it. The tidying above takes each idle directory's lock for a moment; a run starting there
   meanwhile waits for it, not refused.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
-  file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
-  ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
+  file that holds an ampkit checkpoint is refused; an existing file only with ``overwrite`` (never a write-protected
+  one); an existing directory (or a path ending in ``/``) gets ``predictions.pt`` inside it; a symlink is written
+  where it leads (the link stays).
 """
 
 from __future__ import annotations
@@ -867,9 +868,12 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------------------- predict's output
-def prediction_output(output: str | os.PathLike, reading: Path | None, world_size: int = 1) -> Path:
-    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), or, on
-    ``world_size`` ranks (each writes ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
+def prediction_output(
+    output: str | os.PathLike, reading: Path | None, world_size: int = 1, overwrite: bool = False
+) -> Path:
+    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), a file
+    that exists (unless ``overwrite``) or a write-protected one (even then), or, on ``world_size`` ranks (each writes
+    ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
@@ -892,8 +896,6 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
-    if world_size == 1 and path.is_symlink():  # written where it leads: the user's link stays, its file is updated
-        return real
     stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
     if stale:
         raise RunDirectoryError(
@@ -901,7 +903,20 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
             f"predict on more ranks, which a reader of {path.stem}.rank*{path.suffix} would mix with this run's "
             f"{world_size}: remove them or name another output"
         )
-    return path
+    # A symlink is written where it leads: the user's link stays, its file is updated.
+    written = real if world_size == 1 and path.is_symlink() else path
+    writes = [written] if world_size == 1 else [rank_output(path, rank) for rank in range(world_size)]
+    if kept := next((w for w in writes if write_protected(w)), None):
+        raise RunDirectoryError(
+            f"predict --output '{output}': refusing to write there, '{kept}' is write-protected (chmod a-w): ampkit "
+            "never replaces it; name a new file"
+        )
+    if not overwrite and (existing := [w for w in writes if w.exists()]):
+        raise RunDirectoryError(
+            f"predict --output '{output}': '{existing[0]}' exists already; pass --overwrite (predict(..., "
+            "overwrite=True)) to replace it, or name a new file"
+        )
+    return written
 
 
 def rank_output(path: Path, rank: int) -> Path:

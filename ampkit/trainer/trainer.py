@@ -1262,15 +1262,18 @@ class Trainer:
         """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics (``ckpt`` as in validate)."""
         return self._evaluate(TEST, ckpt)
 
-    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+    def predict(
+        self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None, overwrite: bool = False
+    ) -> list[Any]:
         """``predict_step``'s output for each batch of ``predict_dataloader()`` (tensors on the CPU).
 
         ``output``: also save them there (``torch.save``; an existing directory gets ``predictions.pt``; under
         ``torchrun`` each rank writes ``<stem>.rank<N><suffix>`` with its shard). Checked before anything runs:
-        an output that would overwrite a checkpoint is refused.
+        an output that would overwrite a checkpoint is refused, and so is an existing file unless ``overwrite``.
         """
         if output is not None:
-            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt), launched_world_size())
+            reading = resolve_checkpoint(self.cfg.run_dir, ckpt)
+            output = prediction_output(output, reading, launched_world_size(), overwrite)
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
             path = output
