@@ -35,6 +35,16 @@ def run(contender: str, repeat: int, step_ms: float, tokens_per_s: float) -> Run
                     tokens_per_s)  # fmt: skip
 
 
+def test_an_existing_json_file_is_replaced_only_with_overwrite(tmp_path):
+    """--json replaced the times an earlier run left at that path, without a word."""
+    out = tmp_path / "gpt.json"
+    out.write_text("the times of an earlier run")
+    done = bench(tmp_path, "--steps", "2", "--warmup", "1", "--repeats", "1", "--json", str(out))
+    _, stderr = done.communicate(timeout=120)
+    assert done.returncode == 2 and "exists already: pass --overwrite" in stderr
+    assert out.read_text() == "the times of an earlier run"
+
+
 def test_each_repeat_runs_between_two_hand_loops_in_a_rotated_order_and_keeps_every_step(tmp_path):
     out = tmp_path / "gpt.json"
     done = bench(tmp_path, "--steps", "3", "--warmup", "1", "--repeats", "3", "--json", str(out))
