@@ -285,7 +285,8 @@ class Trainer:
             def training_step(self, batch):  return F.cross_entropy(self.model(batch[0]), batch[1])
 
     A subclass may define any hook of :class:`Callback` without the ``trainer`` argument
-    (``def on_train_epoch_end(self)``); it runs after the callbacks' (a misspelt hook is an error).
+    (``def on_train_epoch_end(self)``); it runs after the callbacks' but before a checkpoint's (a misspelt hook is
+    an error).
     """
 
     config_class: ClassVar[type] = Config
@@ -1086,7 +1087,7 @@ class Trainer:
             hook(self, outputs, batch)
         self._fx = None
         # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
-        # after every callback's) waits for its next take; with no logger taking them, nothing would.
+        # after the logger's) waits for its next take (or a checkpoint's); with no logger taking them, nothing would.
         if not self._logged_taken:
             self.logged_scalars.clear()
         self._logged_taken = False
