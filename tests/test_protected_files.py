@@ -3,6 +3,7 @@ replaced: pruning passes over it, and a resume that would replace ``last``/``bes
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -130,3 +131,18 @@ def test_a_write_protected_checkpoints_folder_makes_the_resume_branch_for_root_t
     with pytest.warns(UserWarning, match=rf"but '{re.escape(str(kept))}' cannot be written \(read-only\)"):
         resumed.fit(resume="last")
     assert resumed.version_dir.name == "version_1" and _files(kept) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="under this umask only root can write in the folders a run makes")
+def test_a_umask_that_takes_write_permission_away_protects_nothing(tmp_path):
+    """Under umask 0277 every file ampkit writes has no write permission: the run's second save refused to replace
+    its own last.pt, and pruning kept every step file."""
+    settings = {**QUIET, "trainer.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1}
+    before = os.umask(0o277)
+    try:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **settings))
+        trainer.fit()
+    finally:
+        os.umask(before)
+    names = sorted(p.name for p in (trainer.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000004.pt"]

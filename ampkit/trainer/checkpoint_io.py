@@ -110,7 +110,11 @@ PROTECTED = "write-protected (no write permission): ampkit never deletes or repl
 def write_protected(path: str | os.PathLike) -> bool:
     """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or any file
     directly in it, with no write permission for anyone. Read from the mode, not ``os.access``: root may write
-    anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads."""
+    anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads.
+    Never under a umask that takes every write permission away (``umask 0277``): then every file ampkit writes
+    looks so, and none can be told to be the user's."""
+    if not 0o222 & ~_umask():
+        return False
     path = Path(path)
     try:
         mode = path.stat().st_mode
