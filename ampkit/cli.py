@@ -111,7 +111,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
         "--output",
         default=None,
         help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a "
-        "checkpoint); without it nothing is written",
+        "checkpoint; an existing file only with --overwrite); without it nothing is written",
+    )
+    parsers["predict"].add_argument(
+        "--overwrite", action="store_true", help="replace an existing --output file (never a write-protected one)"
     )
     for command in parsers.values():
         command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -167,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "fit":
             trainer.fit(resume=args.resume)
         elif args.command == "predict":
-            predictions = trainer.predict(ckpt=args.ckpt, output=args.output)
+            predictions = trainer.predict(ckpt=args.ckpt, output=args.output, overwrite=args.overwrite)
         else:
             metrics = getattr(trainer, args.command)(ckpt=args.ckpt)
     except USER_ERRORS as exc:

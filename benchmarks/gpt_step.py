@@ -33,7 +33,8 @@ from device-bound ones and stalls from uniform slowness: device ms/step (median,
 every repeat), host ms/step (median), the end lag (how far the device trailed the host at the last step: about 0
 when the GPU waits for Python), each run's set-up seconds and the median-step speed against the hand loops.
 ``--json PATH`` writes every run's raw per-step device and host times (rewritten after each run, so a run stopped
-by SIGINT keeps the finished ones; it then prints the detail table of what ran). Run from the repository root::
+by SIGINT keeps the finished ones; it then prints the detail table of what ran); an existing file is replaced only
+with ``--overwrite``. Run from the repository root::
 
     PYTHONPATH=$PWD python benchmarks/gpt_step.py --steps 30 --repeats 3
     PYTHONPATH=$PWD python benchmarks/gpt_step.py --device cuda --layers 12 --width 768 --seq-len 1024 --batch 8
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -375,7 +377,10 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--run-dir", default="/tmp/ampkit-bench-gpt")
     parser.add_argument("--json", metavar="PATH", help="write every run's raw per-step device and host times here")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     args = parser.parse_args()
+    if args.json and os.path.lexists(args.json) and not args.overwrite:  # an earlier run's times are not lost
+        parser.error(f"--json {args.json!r} exists already: pass --overwrite to replace it, or name a new file")
     device = torch.device(args.device)
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: expected cpu, cuda or cuda:N")

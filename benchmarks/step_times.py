@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -108,8 +109,13 @@ def detail_table(runs: list[RunTimes], reference: str, labels: dict[str, str]) -
 
 def write_json(path: str, meta: dict, runs: Iterable[RunTimes]) -> None:
     """``meta`` and every run's raw times, replacing ``path`` whole (a run cut mid-write leaves the last complete
-    file)."""
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump({**meta, "runs": [asdict(run) for run in runs]}, f)
-    os.replace(partial, path)
+    file), through a temp file of a name no other file has (a fixed ``<path>.partial`` replaced one of the user's)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, partial = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({**meta, "runs": [asdict(run) for run in runs]}, f)
+        os.replace(partial, path)
+    except BaseException:
+        os.unlink(partial)
+        raise

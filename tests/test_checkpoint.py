@@ -965,3 +965,24 @@ def test_an_epoch_mean_of_log_on_epoch_spans_a_mid_epoch_resume(tmp_path):
     resumed = _LogsBatchIndexPerEpoch(toy_cfg(tmp_path / "cut", **quiet))
     resumed.fit(resume="last")
     assert full.epoch_scalars == {"index": 3.5} and resumed.epoch_scalars == full.epoch_scalars
+
+
+class FreezesItsFirstLayerAtStep4(ToyTrainer):
+    """Freezes a layer in its own on_train_batch_end, as a schedule of unfreezing (or freezing) is often written."""
+
+    def on_train_batch_end(self, outputs, batch):
+        if self.state.global_step == 4:
+            self.module[0].weight.requires_grad_(False)
+
+
+def test_a_change_the_trainer_s_own_batch_end_makes_at_a_checkpoint_s_step_is_in_that_checkpoint(tmp_path):
+    """The step-4 checkpoint was saved before the Trainer's own on_train_batch_end froze the layer, and a resume from it
+    (which never runs step 4's hooks again) trained the layer the uninterrupted run had frozen."""
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "checkpoint.every_n_steps": 4,
+                "checkpoint.keep_last": 9}  # fmt: skip
+    FreezesItsFirstLayerAtStep4(toy_cfg(tmp_path, **settings)).fit()
+    step_4 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000004.pt"
+    resumed = FreezesItsFirstLayerAtStep4(toy_cfg(tmp_path, **settings))
+    resumed.fit(resume=step_4)
+    assert not resumed.module[0].weight.requires_grad
+    torch.testing.assert_close(resumed.module[0].weight.detach(), load_checkpoint(step_4)["model"]["0.weight"])

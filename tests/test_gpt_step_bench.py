@@ -16,7 +16,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from step_times import RunTimes, detail_table, paired_ratios  # noqa: E402  (a script's sibling, not a package)
+from step_times import RunTimes, detail_table, paired_ratios, write_json  # noqa: E402  (a script's sibling, not a package)
 
 TINY = ["--layers", "1", "--width", "32", "--seq-len", "8", "--batch", "2", "--threads", "1", "--precisions", "fp32",
         "--modes", "eager"]  # fmt: skip
@@ -33,6 +33,25 @@ def bench(tmp_path: Path, *args: str) -> subprocess.Popen:
 def run(contender: str, repeat: int, step_ms: float, tokens_per_s: float) -> RunTimes:
     return RunTimes("bf16", "eager", contender, repeat, 0, 1, [50.0, step_ms, step_ms], [1.0, 2.0, 2.0], 0.5, 0.1,
                     tokens_per_s)  # fmt: skip
+
+
+def test_an_existing_json_file_is_replaced_only_with_overwrite(tmp_path):
+    """--json replaced the times an earlier run left at that path, without a word."""
+    out = tmp_path / "gpt.json"
+    out.write_text("the times of an earlier run")
+    done = bench(tmp_path, "--steps", "2", "--warmup", "1", "--repeats", "1", "--json", str(out))
+    _, stderr = done.communicate(timeout=120)
+    assert done.returncode == 2 and "exists already: pass --overwrite" in stderr
+    assert out.read_text() == "the times of an earlier run"
+
+
+def test_the_json_file_is_written_whole_through_a_temp_name_no_file_of_the_user_s_has(tmp_path):
+    """It went through a fixed ``gpt.json.partial``, replacing a file of that name."""
+    mine = tmp_path / "gpt.json.partial"
+    mine.write_text("the user's own file")
+    write_json(str(tmp_path / "gpt.json"), {"steps": 3}, [run("hand", 0, 2.0, 100.0)])
+    assert json.loads((tmp_path / "gpt.json").read_text())["runs"][0]["contender"] == "hand"
+    assert mine.read_text() == "the user's own file" and sorted(tmp_path.iterdir()) == [tmp_path / "gpt.json", mine]
 
 
 def test_each_repeat_runs_between_two_hand_loops_in_a_rotated_order_and_keeps_every_step(tmp_path):

@@ -155,6 +155,17 @@ def test_an_epoch_tag_logged_from_a_second_hook_is_refused_naming_both_hooks(tmp
         trainer.fit()
 
 
+def test_a_resume_refuses_the_second_hook_s_epoch_tag_as_the_run_before_it_did(tmp_path):
+    """Which hook logs a tag was not in the checkpoint: resumed at the epoch's last batch (saved before the epoch's
+    end), on_train_epoch_end claimed the tag first, and the run wrote what the uninterrupted one refused."""
+    saves = {**QUIET, "checkpoint.enabled": True, "checkpoint.every_n_steps": 8}
+    with pytest.raises(UserCodeError, match="on_train_epoch_end: 'train/mse' has an epoch mean logged in"):
+        AlsoAtEpochEnd(toy_cfg(tmp_path, **saves)).fit()
+    step_8 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000008.pt"
+    with pytest.raises(UserCodeError, match="on_train_epoch_end: 'train/mse' has an epoch mean logged in"):
+        AlsoAtEpochEnd(toy_cfg(tmp_path, **saves)).fit(resume=step_8)
+
+
 class ManualLogsAroundItsStep(ManualOptimization, ToyTrainer):
     """Logs one tag before its backward and after its step: both in training_step, whatever hooks ran between."""
 

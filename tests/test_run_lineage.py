@@ -151,9 +151,34 @@ def test_predict_output_through_a_symlink_updates_the_file_it_leads_to_and_keeps
     target.write_bytes(b"old predictions")
     link = tmp_path / "preds.pt"
     link.symlink_to(target)
-    predictions = Predicting(toy_cfg(tmp_path, **QUIET)).predict(output=link)
+    predictions = Predicting(toy_cfg(tmp_path, **QUIET)).predict(output=link, overwrite=True)
     assert link.is_symlink() and link.resolve() == target
     torch.testing.assert_close(torch.load(target, weights_only=True), predictions)
+
+
+def test_predict_replaces_an_existing_output_only_with_overwrite_never_a_read_only_one(tmp_path, capsys):
+    """An existing predictions file of the user's was replaced silently; a read-only one too (os.replace ignores the
+    mode). Refused before anything runs, naming the way out; --overwrite replaces it whole."""
+    from ampkit.cli import main
+
+    config = tmp_path / "toy.yaml"
+    OmegaConf.save({"trainer_class": "test_run_lineage:Predicting", "run_dir": str(tmp_path / "run"),
+                    "trainer": {"max_steps": 2, "progress_bar": False}, "logging": {"tensorboard": False}},
+                   config)  # fmt: skip
+    assert main(["fit", "--config", str(config)]) == 0
+    mine = tmp_path / "preds.pt"
+    mine.write_bytes(b"the user's own predictions")
+    capsys.readouterr()
+    assert main(["predict", "--config", str(config), "--output", str(mine)]) == 2
+    assert f"'{mine}' exists already; pass --overwrite" in capsys.readouterr().err
+    assert mine.read_bytes() == b"the user's own predictions"
+    assert main(["predict", "--config", str(config), "--output", str(mine), "--overwrite"]) == 0
+    assert [p.shape[0] for p in torch.load(mine)] == [4, 4, 2]
+    mine.chmod(0o444)
+    kept = mine.read_bytes()
+    capsys.readouterr()
+    assert main(["predict", "--config", str(config), "--output", str(mine), "--overwrite"]) == 2
+    assert f"'{mine}' is write-protected" in capsys.readouterr().err and mine.read_bytes() == kept
 
 
 def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):

@@ -479,6 +479,44 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
         assert [(e.step, e.value) for e in events.Scalars(tag)] == [(e.step, e.value) for e in reference.Scalars(tag)]
 
 
+class LogsInItsOwnHooks(ToyTrainer):
+    """Logs in its own batch-end and epoch-end hooks, as Lightning users log a metric computed there."""
+
+    def on_train_batch_end(self, outputs, batch):
+        self.log("own/batch_end", float(self.state.global_step))
+
+    def on_train_epoch_end(self):
+        self.log("own/epoch_end", float(self.state.epoch))
+
+
+def fit_killed_logging(cfg_json: str, hook: str, step: int) -> None:
+    """As :func:`fit_killed`, with :class:`LogsInItsOwnHooks`."""
+    from ampkit.trainer.run_life import resolve_checkpoint
+
+    cfg = json.loads(cfg_json)
+    LogsInItsOwnHooks(cfg, callbacks=[_SigkillAfter(hook, step)]).fit(resume=resolve_checkpoint(cfg["run_dir"], "last"))
+
+
+def test_what_the_trainer_logs_in_its_own_hooks_at_a_checkpoint_s_step_survives_a_kill(tmp_path):
+    """The Trainer's own on_train_batch_end and on_train_epoch_end ran after the checkpoint's save: what they logged
+    at its step was in no event file and no checkpoint when a kill came after the save, and the resume starts at the
+    next step, so the step's value never showed. Killed right after the step-8 save, the epoch's end still to come:
+    the resume runs it first, and stamped its values at step 0."""
+    settings = {"trainer.max_epochs": 2, "logging.log_every_n_steps": 1, "trainer.progress_bar": False,
+                "checkpoint.every_n_steps": 4}  # fmt: skip
+    cfg = toy_cfg(tmp_path, **settings)
+    code = f"import test_tensorboard; test_tensorboard.fit_killed_logging({json.dumps(cfg)!r}, 'on_train_batch_end', 8)"
+    killed = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(TESTS, TESTS.parent), capture_output=True, text=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = LogsInItsOwnHooks(cfg)
+    resumed.fit(resume="last")
+    events = _events(resumed)
+    assert [(e.step, e.value) for e in events.Scalars("own/batch_end")] == [(s, float(s)) for s in range(1, 17)]
+    assert [(e.step, e.value) for e in events.Scalars("own/epoch_end")] == [(8, 0.0), (16, 1.0)]
+
+
 def test_a_continued_run_waits_at_most_a_second_for_an_event_file_stamped_ahead(tmp_path, monkeypatch):
     """A continued run starts its event file in a later second than the newest there (TensorBoard reads them in name
     order); one stamped an hour ahead (copied from a machine whose clock runs ahead) made the resume sleep an hour."""

@@ -16,6 +16,7 @@ from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     copy_atomic,
+    deletable,
     is_best_k_checkpoint_name,
     save_atomic,
     unloadable_entry,
@@ -37,7 +38,8 @@ class ModelCheckpoint(Callback):
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
     with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
 
-    Its phase runs last, so it captures an iteration's final state (e.g. updated loss scales).
+    Its phase runs last, after the Trainer's own hooks too, so it captures an iteration's final state (e.g. updated
+    loss scales, what the Trainer's ``on_train_batch_end`` changed).
     A crash at any moment leaves the previous ``last.pt`` loadable: files are renamed into place.
 
     With ``monitor`` (a validation metric, ``mode`` min or max) each validation among the ``save_top_k`` (-1: all)
@@ -79,6 +81,7 @@ class ModelCheckpoint(Callback):
         self._ranked_by: dict[str, str] = {}  # the monitor and mode of a restored ranking, kept when this run has none
         self._saved_at: dict[str, Any] | None = None  # the moment (loop position, stop, validation) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
+        self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -95,9 +98,8 @@ class ModelCheckpoint(Callback):
         if not directory.is_dir():
             return
         ranked = (*self.best_k, *self.kept)
-        for best in directory.glob("best-*"):  # pushed out of the top k, or written after last: a kill's
-            if best.name in ranked:
-                continue
+        unranked = [best for best in directory.glob("best-*") if best.name not in ranked]
+        for best in deletable(sorted(unranked), self._protected):  # pushed out of the top k, or written after last
             if is_best_k_checkpoint_name(best.name, sharded=False):
                 best.unlink(missing_ok=True)
             elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
@@ -156,7 +158,7 @@ class ModelCheckpoint(Callback):
         path = self.save(trainer, periodic or best, best=best)
         if path is None or not trainer.is_global_zero:
             return
-        for name in dropped:
+        for name in (old.name for old in deletable([path.parent / name for name in dropped], self._protected)):
             if trainer.sharded:
                 shutil.rmtree(path.parent / name, ignore_errors=True)
             else:
@@ -249,7 +251,7 @@ class ModelCheckpoint(Callback):
 
     def _prune(self, directory: Path) -> None:
         if self.keep_last is not None:
-            prune_periodic(directory, self.keep_last)
+            prune_periodic(directory, self.keep_last, self._protected)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
@@ -272,7 +274,7 @@ class ModelCheckpoint(Callback):
                 raise
             raise _save_failed(writing, reason, directory / LAST, path) from None
         if trainer.is_global_zero and self.keep_last is not None:
-            prune_sharded(directory, self.keep_last)
+            prune_sharded(directory, self.keep_last, self._protected)
         return path
 
 

@@ -201,6 +201,7 @@ class TensorBoardLogger(Callback):
         self._last_step = 0
         self._failed = False  # the run raised: closing the writer must not replace that error with its own
         self._step_events: StepEvents | None = None
+        self._take_logged: Callable[[], list[tuple[str, Any, int]]] = list  # the fitting Trainer's take_logged
         self._carried: dict[str, Any] | None = None  # the restored checkpoint's step and its events
 
     def _due(self, trainer) -> bool:
@@ -227,6 +228,7 @@ class TensorBoardLogger(Callback):
             else:
                 self._step_events = StepEvents(self.writer.file_writer)
             trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
+            self._take_logged = trainer.take_logged
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
             self.writer.file_writer.add_summary(start)
@@ -278,6 +280,9 @@ class TensorBoardLogger(Callback):
         so a resume's first ``train/<output>`` point averages the same batches as an uninterrupted run's."""
         state: dict[str, Any] = {}
         if self.writer is not None:
+            # What log() got since the batch's take (the Trainer's own on_train_batch_end and on_train_epoch_end run
+            # between it and the save): the run resumed from this checkpoint does not log at its step again.
+            self._queued += [(at_step, tag, value) for tag, value, at_step in self._take_logged()]
             try:
                 self._flush()
                 with writing_events(Path(self.writer.log_dir)):

@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.foreign_checkpoint import foreign_contents
 
@@ -100,11 +102,60 @@ def write_errors_surfaced(file: IO, path: str | os.PathLike) -> Iterator[IO]:
         raise failure from None
 
 
+# A user keeps a file by taking away its write permission (``chmod a-w``), as rm, rsync and git understand it: they ask
+# before deleting, or refuse to overwrite. ampkit never deletes or replaces such a file.
+PROTECTED = "write-protected (no write permission): ampkit never deletes or replaces it"
+
+
+def write_protected(path: str | os.PathLike) -> bool:
+    """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or any file
+    directly in it, with no write permission for anyone. Read from the mode, not ``os.access``: root may write
+    anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads.
+    Never under a umask that takes every write permission away (``umask 0277``): then every file ampkit writes
+    looks so, and none can be told to be the user's."""
+    if not 0o222 & ~_umask():
+        return False
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        if not mode & 0o222:
+            return True
+        if not stat.S_ISDIR(mode):
+            return False
+        return any(not entry.stat().st_mode & 0o222 for entry in os.scandir(path) if entry.is_file())
+    except OSError:  # gone, or unreadable: nothing there to keep
+        return False
+
+
+def refuse_protected(path: str | os.PathLike) -> None:
+    """A ``PermissionError`` naming ``path`` when it is :func:`write_protected`: a write would replace what the user
+    keeps."""
+    if write_protected(path):
+        raise PermissionError(errno.EACCES, PROTECTED, os.fspath(path))
+
+
+def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[Path]:
+    """``checkpoints`` less the write-protected ones (``chmod a-w``: the user keeps them), each named in one warning
+    (once per ``warned``, which records it): pruning neither deletes nor counts them."""
+    warned = set() if warned is None else warned
+    kept = [path for path in checkpoints if write_protected(path)]
+    for path in kept:
+        if path not in warned:
+            warned.add(path)
+            rank_zero_warn(
+                f"'{path}' is write-protected (chmod a-w): ampkit keeps it, outside the checkpoints that keep_last and "
+                "save_top_k count; make it writable again (chmod u+w) to let them delete it"
+            )
+    return [path for path in checkpoints if path not in kept]
+
+
 def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> None:
     """``write`` into a temp file beside ``path``, fsync it, then rename it over ``path`` (the temp file is
     removed if anything fails): readers see the old file or the new one, never half of one. The file gets the
     permissions ``open()`` would give it (the umask's), not the temp file's owner-only ones, so a run directory
-    on a shared filesystem stays readable by whom the user's umask lets read it."""
+    on a shared filesystem stays readable by whom the user's umask lets read it. A write-protected ``path`` is
+    refused (:func:`refuse_protected`)."""
+    refuse_protected(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode) as f:

@@ -1,9 +1,10 @@
 """Hooks a Trainer subclass or a callback defines (``def on_train_epoch_end(self)``), and a Trainer's steps'
 signatures, checked before anything runs.
 
-A Trainer's take a callback hook's arguments minus ``trainer`` and run after every callback, as Lightning runs its
-module's hooks. A method named ``on_...`` that is not a hook, or that cannot take the hook's arguments,
-is refused before training: silently never calling it would hide the mistake.
+A Trainer's take a callback hook's arguments minus ``trainer`` and run after every callback but a checkpoint's
+(``Phase.PERSIST``, which saves what they leave), as Lightning runs its module's hooks. A method named ``on_...`` that
+is not a hook, or that cannot take the hook's arguments, is refused before training: silently never calling it
+would hide the mistake.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     the keys that decide when it stops are unchanged (:data:`STOPPING_KEYS`). Nothing runs and nothing is
     written; a larger limit (or a changed stopping key) continues it from its exact state (RNG included).
   - **continue**: the checkpoint is its version directory's newest (``last.pt`` holds the same loop
-    position) and that directory is under ``run_dir``: training goes on there (unless it is read-only: then it
-    is a branch).
+    position) and that directory is under ``run_dir``: training goes on there (unless it is read-only, or its
+    ``last``/``best`` is write-protected: then it is a branch).
   - **branch**: anything else (an older step file, a ``best.pt`` behind ``last.pt``, a file outside a run, the
     newest of a run under another ``run_dir``):
     a new ``version_N`` under ``run_dir``, whose ``lineage.yaml`` and ``config.yaml`` name the checkpoint
@@ -20,6 +20,8 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
     deletes a file of another lineage.
 
+* A file with no write permission (``chmod a-w``, by mode: root too) is the user's to keep: nothing deletes or
+  replaces it (``checkpoint_io.write_protected``). Pruning passes over it, uncounted, with one warning.
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
   are removed: only ampkit's own temp names (:func:`remove_stale_temps`), only in version directories an ampkit
   run made (another tool's ``version_N`` beside them is left alone) and no live run holds, and a sharded
@@ -30,8 +32,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   only rank zero takes it. The tidying above takes each idle directory's lock for a moment; a run starting there
   meanwhile waits for it, not refused.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
-  file that holds an ampkit checkpoint is refused; an existing directory (or a path ending in ``/``) gets
-  ``predictions.pt`` inside it; a symlink is written where it leads (the link stays).
+  file that holds an ampkit checkpoint is refused; an existing file only with ``overwrite`` (never a write-protected
+  one); an existing directory (or a path ending in ``/``) gets ``predictions.pt`` inside it; a symlink is written
+  where it leads (the link stays).
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     PERIODIC_STEM,
     CheckpointError,
+    deletable,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
+    write_protected,
     write_text_atomic,
 )
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
@@ -426,6 +431,13 @@ def plan_fit(
             f"training branches from it into a new version under run_dir '{run_dir}'"
         )
         version_dir = None
+    if version_dir is not None and (kept := _protected_alias(version_dir)) is not None:
+        rank_zero_warn(
+            f"'{path}' is the last checkpoint of its run, but '{kept}' is write-protected (kept by chmod a-w), and "
+            f"continuing there would replace it: training branches from it into a new version under run_dir "
+            f"'{run_dir}'"
+        )
+        version_dir = None
     if version_dir is not None and Path(run_dir).absolute().resolve() != version_dir.parent.resolve():
         # Continuing there would prune that run's files by this config's keep_last and replace its last/best.
         rank_zero_warn(
@@ -460,10 +472,28 @@ def _check_loop_position(path: Path, loop: Any) -> None:
 
 
 def _unwritable(version_dir: Path) -> Path | None:
-    """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write (an archived run; one whose
-    checkpoints were made read-only to keep them), or None: a resume of its last checkpoint branches then, rather than
-    training on to fail at its first save."""
-    return next((d for d in (version_dir, version_dir / "checkpoints") if not os.access(d, os.W_OK | os.X_OK)), None)
+    """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write, or that was made
+    read-only to keep it (an archived run; ``chmod a-w checkpoints``, which root could write through), or None: a
+    resume of its last checkpoint branches then, rather than training on to fail at its first save."""
+    folders = (version_dir, version_dir / "checkpoints")
+    return next((d for d in folders if not os.access(d, os.W_OK | os.X_OK) or _mode_read_only(d)), None)
+
+
+def _mode_read_only(directory: Path) -> bool:
+    """Whether ``directory`` itself has no write permission for anyone (what it holds is not read)."""
+    try:
+        return not directory.stat().st_mode & 0o222
+    except OSError:
+        return False
+
+
+def _protected_alias(version_dir: Path) -> Path | None:
+    """The first of ``version_dir``'s ``last``/``best`` checkpoints (``last.pt``, ``best.pt``; a copied ``last`` or
+    ``best`` directory) that is write-protected, or None: the next save of a run continued there would replace it.
+    A ``last``/``best`` symlink is no such file (moving it leaves the checkpoint it named in place)."""
+    checkpoints = version_dir / "checkpoints"
+    aliases = [checkpoints / name for name in ("last.pt", "best.pt", "last", "best")]
+    return next((a for a in aliases if a.exists() and not a.is_symlink() and write_protected(a)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
@@ -643,10 +673,11 @@ def remove_stale_temps(version_dir: Path) -> list[Path]:
     return removed
 
 
-def prune_periodic(checkpoints: Path, keep_last: int) -> None:
+def prune_periodic(checkpoints: Path, keep_last: int, warned: set[Path] | None = None) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint files (``step-*``/``epoch-*``) in ``checkpoints``;
-    ``best-*`` files are the best-k ranking's to keep or drop."""
-    for old in periodic_checkpoints(checkpoints, sharded=False)[:-keep_last]:
+    ``best-*`` files are the best-k ranking's to keep or drop. A write-protected one is kept and not counted among
+    the ``keep_last`` (:func:`deletable`)."""
+    for old in deletable(periodic_checkpoints(checkpoints, sharded=False), warned)[:-keep_last]:
         old.unlink(missing_ok=True)
 
 
@@ -837,9 +868,12 @@ class RunLock:
 
 
 # ----------------------------------------------------------------------------------------- predict's output
-def prediction_output(output: str | os.PathLike, reading: Path | None, world_size: int = 1) -> Path:
-    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), or, on
-    ``world_size`` ranks (each writes ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
+def prediction_output(
+    output: str | os.PathLike, reading: Path | None, world_size: int = 1, overwrite: bool = False
+) -> Path:
+    """The file ``predict(output=...)`` writes: refused when it would overwrite a checkpoint (see the rules), a file
+    that exists (unless ``overwrite``) or a write-protected one (even then), or, on ``world_size`` ranks (each writes
+    ``<stem>.rank<N><suffix>``), when shards of a run on more ranks lie beside it."""
     text = os.path.expandvars(os.path.expanduser(str(output)))
     if not text.strip():
         raise RunDirectoryError("predict --output is empty: name a file to write the predictions to")
@@ -862,8 +896,6 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
-    if world_size == 1 and path.is_symlink():  # written where it leads: the user's link stays, its file is updated
-        return real
     stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
     if stale:
         raise RunDirectoryError(
@@ -871,7 +903,20 @@ def prediction_output(output: str | os.PathLike, reading: Path | None, world_siz
             f"predict on more ranks, which a reader of {path.stem}.rank*{path.suffix} would mix with this run's "
             f"{world_size}: remove them or name another output"
         )
-    return path
+    # A symlink is written where it leads: the user's link stays, its file is updated.
+    written = real if world_size == 1 and path.is_symlink() else path
+    writes = [written] if world_size == 1 else [rank_output(path, rank) for rank in range(world_size)]
+    if kept := next((w for w in writes if write_protected(w)), None):
+        raise RunDirectoryError(
+            f"predict --output '{output}': refusing to write there, '{kept}' is write-protected (chmod a-w): ampkit "
+            "never replaces it; name a new file"
+        )
+    if not overwrite and (existing := [w for w in writes if w.exists()]):
+        raise RunDirectoryError(
+            f"predict --output '{output}': '{existing[0]}' exists already; pass --overwrite (predict(..., "
+            "overwrite=True)) to replace it, or name a new file"
+        )
+    return written
 
 
 def rank_output(path: Path, rank: int) -> Path:

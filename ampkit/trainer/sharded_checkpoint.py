@@ -28,9 +28,11 @@ from torch import nn
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
+    deletable,
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
+    refuse_protected,
     save_atomic,
     write_errors_surfaced,
 )
@@ -102,10 +104,12 @@ def save_sharded(
 ) -> Path:
     """Write ``module``'s and ``optimizers``' shards (every rank) and ``checkpoint`` (rank zero) to ``path``.
 
-    Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete.
+    Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete. A write-protected
+    checkpoint already at ``path`` is refused on every rank alike, before any writes.
     """
     import torch.distributed.checkpoint as dcp
 
+    refuse_protected(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if is_zero:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
@@ -161,6 +165,7 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     aside = link.with_name(f".{alias}.old")
     copied = link.is_dir() and not link.is_symlink()
     if copied:  # a symlink cannot be renamed over a directory
+        refuse_protected(link)
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(link, aside)
     os.replace(tmp, link)
@@ -203,11 +208,11 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
-def prune_sharded(directory: Path, keep_last: int) -> None:
+def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
-    ``best-*`` ones are the best-k ranking's to keep or drop)."""
+    ``best-*`` ones are the best-k ranking's to keep or drop; a write-protected one is kept, uncounted)."""
     last = (directory / LAST).resolve()
-    for old in periodic_checkpoints(directory, sharded=True)[:-keep_last]:
+    for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
             shutil.rmtree(old, ignore_errors=True)
 

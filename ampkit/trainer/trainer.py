@@ -22,7 +22,7 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
 checkpoint weights → callbacks → on_evaluation_setup → on_<validation|test|predict>_start → the step per
 batch (validate: then on_validation_batch_end) → on_<validation|test|predict>_end. Hooks defined on the
-subclass run after the callbacks' hooks.
+subclass run after the callbacks' hooks, but before the checkpoint's (``Phase.PERSIST``), which saves what they left.
 
 An *iteration* is one accumulation window of ``trainer.accumulate_grad_batches`` batches; ``global_step``
 counts iterations. Under ``automatic_optimization`` the Trainer calls ``backward`` on the returned loss
@@ -78,7 +78,7 @@ from ampkit.trainer.batch_layout import (
     order_change_note,
     saved_accumulation,
 )
-from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.callback import HOOKS, Callback, Phase
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -288,7 +288,8 @@ class Trainer:
             def training_step(self, batch):  return F.cross_entropy(self.model(batch[0]), batch[1])
 
     A subclass may define any hook of :class:`Callback` without the ``trainer`` argument
-    (``def on_train_epoch_end(self)``); it runs after the callbacks' (a misspelt hook is an error).
+    (``def on_train_epoch_end(self)``); it runs after the callbacks' but before a checkpoint's (a misspelt hook is
+    an error).
     """
 
     config_class: ClassVar[type] = Config
@@ -1090,7 +1091,7 @@ class Trainer:
             hook(self, outputs, batch)
         self._fx = None
         # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
-        # after every callback's) waits for its next take; with no logger taking them, nothing would.
+        # after the logger's) waits for its next take (or a checkpoint's); with no logger taking them, nothing would.
         if not self._logged_taken:
             self.logged_scalars.clear()
         self._logged_taken = False
@@ -1286,15 +1287,18 @@ class Trainer:
         """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics (``ckpt`` as in validate)."""
         return self._evaluate(TEST, ckpt)
 
-    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+    def predict(
+        self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None, overwrite: bool = False
+    ) -> list[Any]:
         """``predict_step``'s output for each batch of ``predict_dataloader()`` (tensors on the CPU).
 
         ``output``: also save them there (``torch.save``; an existing directory gets ``predictions.pt``; under
         ``torchrun`` each rank writes ``<stem>.rank<N><suffix>`` with its shard). Checked before anything runs:
-        an output that would overwrite a checkpoint is refused.
+        an output that would overwrite a checkpoint is refused, and so is an existing file unless ``overwrite``.
         """
         if output is not None:
-            output = prediction_output(output, resolve_checkpoint(self.cfg.run_dir, ckpt), launched_world_size())
+            reading = resolve_checkpoint(self.cfg.run_dir, ckpt)
+            output = prediction_output(output, reading, launched_world_size(), overwrite)
         predictions = self._evaluate(PREDICT, ckpt)
         if output is not None:
             path = output
@@ -1603,16 +1607,17 @@ class Trainer:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
             if not set(cb.hook_phases) <= known:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
-        self._hooks = {
-            hook: [
-                getattr(cb, hook)
-                for cb in sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
-                if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]
-            ]
-            for hook in HOOKS
-        }
-        for hook in self._own_hooks:  # the subclass's own hooks, after the callbacks'; called as fn(self, *args)
-            self._hooks[hook].append(getattr(type(self), hook))
+        self._hooks = {}
+        for hook in HOOKS:
+            ordered = sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
+            running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
+            self._hooks[hook] = [getattr(cb, hook) for cb in running]
+            if hook in self._own_hooks:  # called as fn(self, *args)
+                # The subclass's own hook runs after the callbacks' but before a checkpoint's (PERSIST): what it
+                # changes or logs at a checkpoint's step is in that checkpoint, not lost to a kill after the save.
+                persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
+                at = persist.index(True) if True in persist else len(running)
+                self._hooks[hook].insert(at, getattr(type(self), hook))
 
     def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
@@ -1740,6 +1745,8 @@ class Trainer:
             "val_metrics_step": self.val_metrics_step,
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
+            # which hook logs each on_epoch tag: a resume refuses a second hook's as the run before it would have
+            "epoch_fx": dict(self._epoch_fx),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
@@ -1823,9 +1830,13 @@ class Trainer:
             loop["batches_done"],
             loop["global_step"],
         )
+        # The iteration the loop is at between batches, as in the run that saved it: a resume at an epoch's last batch
+        # runs that epoch's end before any batch, and its log() values and logger events are stamped with it.
+        self.state.iteration = loop["global_step"]
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
+        self._epoch_fx = dict(checkpoint.get("epoch_fx", {}))  # absent from checkpoints of an older ampkit
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],

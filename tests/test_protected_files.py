@@ -1,0 +1,148 @@
+"""A checkpoint the user made read-only (``chmod a-w``, the Unix way to say "keep this") is never deleted or
+replaced: pruning passes over it, and a resume that would replace ``last``/``best`` branches instead."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.trainer.checkpoint_io import CheckpointError, save_atomic
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+def _read_only(path: Path) -> None:
+    path.chmod(path.stat().st_mode & ~0o222)
+    for inner in path.iterdir() if path.is_dir() else []:
+        inner.chmod(inner.stat().st_mode & ~0o222)
+
+
+def _files(root: Path) -> dict:
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class KeepsStepTwo(ToyTrainer):
+    """Validates at every step a metric that grows, so each validation is a new best and pushes the previous one out
+    of a top 1; at step 3, before its save, the user write-protects step 2's files."""
+
+    def validation_step(self, batch):
+        return {"step": float(self.state.global_step)}
+
+    def on_train_batch_end(self, outputs, batch):
+        if self.state.global_step == 3:
+            for path in self.version_dir.glob("checkpoints/*-00000002*"):
+                _read_only(path)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+def test_pruning_keeps_write_protected_checkpoints_outside_keep_last_and_top_k(tmp_path, sharded):
+    """keep_last and save_top_k deleted write-protected step and best files as any others."""
+    settings = {
+        **QUIET,
+        "trainer.max_steps": 6,
+        "trainer.val_every_n_steps": 1,
+        "trainer.num_sanity_val_steps": 0,
+        "checkpoint.every_n_steps": 1,
+        "checkpoint.keep_last": 2,
+        "checkpoint.monitor": "val/step",
+        "checkpoint.mode": "max",
+        "checkpoint.save_top_k": 1,
+    }
+    if sharded:
+        settings["distributed.strategy"] = "fsdp"
+    trainer = KeepsStepTwo(toy_cfg(tmp_path, **settings))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit()
+    suffix = "" if sharded else ".pt"
+    names = sorted(p.name for p in (trainer.version_dir / "checkpoints").iterdir())
+    assert [n for n in names if n.startswith("step-")] == [f"step-{s:08d}{suffix}" for s in (2, 5, 6)]
+    assert [n for n in names if n.startswith("best-")] == [f"best-{s:08d}{suffix}" for s in (2, 6)]
+    said = [str(w.message) for w in caught if "write-protected" in str(w.message)]
+    assert sorted(re.findall(r"(?:step|best)-00000002", " ".join(said))) == ["best-00000002", "step-00000002"]
+    assert len(said) == 2  # one warning per file, not one per save
+
+
+@pytest.mark.parametrize("alias", ["last.pt", "best.pt"])
+def test_a_write_protected_last_or_best_makes_the_resume_branch(tmp_path, alias):
+    """os.replace ignores the file's mode: --resume last replaced a read-only last.pt (and best.pt) with newer
+    states."""
+    settings = {**QUIET, "checkpoint.monitor": "val/mse", "trainer.val_every_n_steps": 2}
+    first = ToyTrainer(toy_cfg(tmp_path, **settings))
+    first.fit()
+    kept = first.version_dir / "checkpoints" / alias
+    _read_only(kept)
+    before = _files(first.version_dir)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=rf"'{re.escape(str(kept))}' is write-protected .* training branches"):
+        resumed.fit(resume="last")
+    assert resumed.version_dir.name == "version_1" and resumed.state.global_step == 16
+    assert _files(first.version_dir) == before
+
+
+def test_a_save_never_replaces_a_write_protected_file(tmp_path):
+    """The last line of defence, below every caller: the file stays as it was and the error names it."""
+    kept = save_atomic({"ampkit_checkpoint": 1, "mine": 1}, tmp_path / "last.pt")
+    _read_only(kept)
+    before = kept.read_bytes()
+    with pytest.raises(PermissionError, match="write-protected") as raised:
+        save_atomic({"ampkit_checkpoint": 1, "mine": 2}, kept)
+    assert raised.value.filename == str(kept) and kept.read_bytes() == before
+    assert sorted(tmp_path.iterdir()) == [kept]  # no temp file left
+
+
+def test_a_write_protected_best_pt_mid_run_stops_the_save_naming_it(tmp_path):
+    """A best.pt made read-only while the run trains: the next new best stops the run at that save with the file
+    named (the step's own file is whole), instead of replacing it."""
+
+    class ProtectsBest(KeepsStepTwo):
+        def on_train_batch_end(self, outputs, batch):
+            if self.state.global_step == 3:
+                _read_only(self.version_dir / "checkpoints" / "best.pt")
+
+    settings = {
+        **QUIET,
+        "trainer.max_steps": 6,
+        "trainer.val_every_n_steps": 1,
+        "trainer.num_sanity_val_steps": 0,
+        "checkpoint.monitor": "val/step",
+        "checkpoint.mode": "max",
+    }
+    trainer = ProtectsBest(toy_cfg(tmp_path, **settings))
+    best = tmp_path / "run" / "version_0" / "checkpoints" / "best.pt"
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(best))}' \(write-protected"):
+        trainer.fit()
+
+
+def test_a_write_protected_checkpoints_folder_makes_the_resume_branch_for_root_too(tmp_path):
+    """The read-only check asked os.access, which says yes to root: as root, --resume last wrote into a checkpoints/
+    folder the user had made read-only to keep it."""
+    first = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    first.fit()
+    kept = first.version_dir / "checkpoints"
+    kept.chmod(0o555)
+    before = _files(kept)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}))
+    with pytest.warns(UserWarning, match=rf"but '{re.escape(str(kept))}' cannot be written \(read-only\)"):
+        resumed.fit(resume="last")
+    assert resumed.version_dir.name == "version_1" and _files(kept) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="under this umask only root can write in the folders a run makes")
+def test_a_umask_that_takes_write_permission_away_protects_nothing(tmp_path):
+    """Under umask 0277 every file ampkit writes has no write permission: the run's second save refused to replace
+    its own last.pt, and pruning kept every step file."""
+    settings = {**QUIET, "trainer.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1}
+    before = os.umask(0o277)
+    try:
+        trainer = ToyTrainer(toy_cfg(tmp_path, **settings))
+        trainer.fit()
+    finally:
+        os.umask(before)
+    names = sorted(p.name for p in (trainer.version_dir / "checkpoints").iterdir())
+    assert names == ["last.pt", "step-00000004.pt"]
