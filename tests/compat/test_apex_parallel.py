@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from ampkit.compat.parallel import (
     LARC,
@@ -400,6 +401,81 @@ def _check_ddp_reduces_at_the_end_of_backward_whatever_the_forward_returns(rank,
     assert not rank_local, rank_local
 
 
+def _grads_equal(model: torch.nn.Module, expected: list[torch.Tensor | None]) -> bool:
+    """Whether ``model``'s gradients are ``expected`` (None where expected is None)."""
+    pairs = zip([p.grad for p in model.parameters()], expected, strict=True)
+    return all(got is None if want is None else got is not None and torch.allclose(got, want) for got, want in pairs)
+
+
+class _UnusedBranch(torch.nn.Module):
+    """thunlp/ERNIE's last layer in outline: it computes an entity branch that no loss reads, and returns an object
+    of its own class (no tensor, list, tuple or dict to search)."""
+
+    class Output:
+        def __init__(self, logits, entities):
+            self.logits, self.entities = logits, entities
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.Output(self.used(x), self.unused(x))
+
+
+def _check_ddp_sum_reduces_each_gradient_once_per_forward(rank, world_size):
+    """A second backward before the next forward (here a loss on the weights themselves, the same on every rank)
+    adds to gradients already summed over the ranks. Reduced again, they were counted once per rank; Apex queued its
+    reduce once per forward, which left the later part local, and so does torch's reducer."""
+    base, _, total = _linear_grads(world_size)
+    cases = [("delay_allreduce", False), ("retain_allreduce_buffers", False), (None, False)]
+    wrong = []
+    for switch, unused_layer in cases:
+        model = _UnusedBranch()
+        model.used.load_state_dict(base.state_dict())
+        model.unused.requires_grad_(unused_layer)
+        kwargs = {switch: True} if switch else {}
+        ddp = DistributedDataParallel(model, gradient_average=False, **kwargs)
+        for step in range(2):  # the default mode's second forward is torch's reducer's when no layer is unused
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).logits.pow(2).sum().backward()
+            model.used.weight.pow(2).sum().backward()
+            want = [total[0] + 2 * base.weight.detach(), total[1]]
+            if not all(torch.allclose(p.grad, w) for p, w in zip(model.used.parameters(), want, strict=True)):
+                wrong.append(f"{kwargs}, unused layer: {unused_layer}, backward {step}")
+    assert not wrong, wrong
+
+
+def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size):
+    """A head under a reentrant checkpoint is differentiated in a backward of its own, which ends before the rest of
+    the model gets its gradients: both backwards must be reduced (once per forward left the body rank-local), and a
+    sum must not sum the head's gradients twice."""
+
+    class CheckpointedHead(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return checkpoint(self.head, self.body(x), use_reentrant=True)
+
+    x = _rank_data(rank)[0]
+    wrong = []
+    for kwargs in (dict(delay_allreduce=True), dict(delay_allreduce=True, gradient_average=False), dict()):
+        torch.manual_seed(0)
+        model = CheckpointedHead()
+        expected = _averaged_grads(model, model(x).pow(2).sum(), world_size)
+        if kwargs.get("gradient_average") is False:
+            expected = [g * world_size for g in expected]
+        ddp = DistributedDataParallel(model, **kwargs)
+        for step in range(3):
+            model.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            if not _grads_equal(model, expected):
+                wrong.append(f"{kwargs}, backward {step}")
+    assert not wrong, wrong
+
+
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
     # MLPerf's GNMT and SSD step fp32 masters from ``model.allreduce_buffers``: one flat reduced buffer per dtype
     # (float16 first), which each gradient is a view of, refilled by every backward; SSD builds its masters from
@@ -600,6 +676,8 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_sum_reduces_each_gradient_once_per_forward,
+        _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint,
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_ddp_retains_allreduce_buffers_for_a_flat_step,

@@ -14,6 +14,11 @@ Apex argument → effect here:
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
   construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
+- The end-of-backward reduce runs at the end of each backward that reaches a parameter (a reentrant checkpoint's
+  inner one included), as averaging is then exact: the part reduced before is the same on every rank. A sum
+  (``gradient_average=False``) is not: there a gradient reduced since the forward is not reduced again, and what
+  a later backward adds to it (a loss on the weights themselves) stays local, as under Apex, whose reduce was
+  queued once per forward.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -238,6 +243,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             always_fp32=allreduce_always_fp32,
         )
         self._allreduce_queued = False
+        self._reduced_since_forward: set[int] = set()  # ids of the gradients summed since the forward (no average)
         self._reduce_after_backward = False  # set by each forward with grad enabled; read by the parameters' hooks
         self._hooked_params: dict[int, Any] = {}  # id(param) -> the handle of its hook; see _hook_trainable_params
         self._warned_disable_under_amp = False
@@ -272,6 +278,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         output = super().forward(*inputs, **kwargs)
         if torch.is_grad_enabled():  # a no-grad forward (validation) leaves the pending backward's reduce as it was
             self._allreduce_queued = False  # a backward that failed before its reduce ran leaves it set
+            self._reduced_since_forward.clear()
             self._reduce_after_backward = reduce and delayed
             if self._reduce_after_backward:
                 self._hook_trainable_params()
@@ -308,11 +315,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
         """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype), in Apex's
-        dtype order."""
+        dtype order. Summing, a gradient already reduced since the forward is left as it is (see the module
+        docstring)."""
         self._allreduce_queued = False
+        summed = self._reduced_since_forward if not self._reduce_options.average else None
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
         for param in self.module.parameters():
-            if param.grad is None:
+            if param.grad is None or (summed is not None and id(param) in summed):
                 continue
             if param.grad.layout != torch.strided:
                 raise RuntimeError(
@@ -321,6 +330,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                     f"use delay_allreduce=False"
                 )
             buckets[(param.grad.device, param.grad.dtype)].append(param)
+        if summed is not None:
+            summed.update(id(p) for params in buckets.values() for p in params)
         group, world_size = _group_and_size(self._reduce_options)
         retained, retained_params = [], []
         for key in sorted(buckets, key=lambda device_dtype: _APEX_BUCKET_ORDER.get(device_dtype[1], 4)):
@@ -340,7 +351,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             else:
                 # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
                 torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
-        if self.retain_allreduce_buffers:
+        if self.retain_allreduce_buffers and retained:  # a sum's later backward may have had nothing left to reduce
             self.allreduce_buffers = retained
             # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
             self.active_params = [p for params in retained_params for p in params]
