@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from ampkit.compat.parallel import (
     LARC,
@@ -353,14 +354,15 @@ def _check_ddp_delay_allreduce_flattens_each_dtype(rank, world_size):
         torch.testing.assert_close(p.grad, want)
 
 
-def _averaged_grads(model: torch.nn.Module, loss: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    """The gradients ``loss`` gives ``model``'s parameters, averaged over the ranks by hand (what DDP must produce);
-    the model's own are zeroed again."""
+def _averaged_grads(model: torch.nn.Module, loss: torch.Tensor, world_size: int) -> list[torch.Tensor | None]:
+    """The gradients ``loss`` gives ``model``'s parameters, averaged over the ranks by hand (what DDP must produce;
+    None for a parameter it does not reach); the model's own are zeroed again."""
     loss.backward()
-    expected = [p.grad.clone() for p in model.parameters()]
+    expected = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     for grad in expected:
-        dist.all_reduce(grad)
-        grad.div_(world_size)
+        if grad is not None:
+            dist.all_reduce(grad)
+            grad.div_(world_size)
     model.zero_grad()
     return expected
 
@@ -398,6 +400,126 @@ def _check_ddp_reduces_at_the_end_of_backward_whatever_the_forward_returns(rank,
             if not all(torch.allclose(p.grad, want) for p, want in zip(model.parameters(), expected, strict=True)):
                 rank_local.append(f"{kwargs}, unfrozen after wrapping: {unfrozen_after_wrapping}, backward {step}")
     assert not rank_local, rank_local
+
+
+def _grads_equal(model: torch.nn.Module, expected: list[torch.Tensor | None]) -> bool:
+    """Whether ``model``'s gradients are ``expected`` (None where expected is None)."""
+    pairs = zip([p.grad for p in model.parameters()], expected, strict=True)
+    return all(got is None if want is None else got is not None and torch.allclose(got, want) for got, want in pairs)
+
+
+class _UnusedBranch(torch.nn.Module):
+    """thunlp/ERNIE's last layer in outline: it computes an entity branch that no loss reads, and returns an object
+    of its own class (no tensor, list, tuple or dict to search)."""
+
+    class Output:
+        def __init__(self, logits, entities):
+            self.logits, self.entities = logits, entities
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.Output(self.used(x), self.unused(x))
+
+
+def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size):
+    """Apex built its buckets from the parameters its first backward reached, so ERNIE trained under its default
+    mode; torch's reducer stopped the second forward ("Expected to have finished reduction in the prior
+    iteration"). Every backward must average the gradients the loss gives, with or without the unused layer."""
+    x = _rank_data(rank)[0]
+    wrong, overlapping = [], []  # asserted after every case's collectives, so that a failure leaves the ranks in step
+    for kwargs in (dict(), dict(gradient_predivide_factor=2.0)):
+        for unused_layer in (True, False):
+            torch.manual_seed(0)
+            model = _UnusedBranch()
+            model.unused.requires_grad_(unused_layer)
+            expected = _averaged_grads(model, model(x).logits.pow(2).sum(), world_size)
+            ddp = DistributedDataParallel(model, **kwargs)
+            for step in range(3):
+                model.zero_grad()
+                ddp(x).logits.pow(2).sum().backward()
+                if not _grads_equal(model, expected):
+                    wrong.append(f"{kwargs}, unused layer: {unused_layer}, backward {step}")
+            # every parameter reached: torch's reducer overlaps the allreduce from the second forward on
+            overlapping.append(ddp.require_backward_grad_sync)
+    assert not wrong, wrong
+    assert overlapping == [False, True, False, True]
+
+
+def _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer(rank, world_size):
+    """The end-of-backward reduce takes dense gradients only; torch's reducer takes sparse ones, as it did."""
+    torch.manual_seed(0)
+    embedding, dense = torch.nn.Embedding(6, 3, sparse=True), torch.nn.Embedding(6, 3)
+    dense.load_state_dict(embedding.state_dict())
+    tokens = torch.tensor([rank, 3, 5])
+    dense(tokens).pow(2).sum().backward()
+    want = dense.weight.grad
+    dist.all_reduce(want)
+    ddp = DistributedDataParallel(embedding)
+    averaged = []
+    for _ in range(2):
+        embedding.zero_grad()
+        ddp(tokens).pow(2).sum().backward()
+        averaged.append(torch.allclose(embedding.weight.grad.to_dense(), want / world_size))
+    assert averaged == [True, True]
+
+
+def _check_ddp_sum_reduces_each_gradient_once_per_forward(rank, world_size):
+    """A second backward before the next forward (here a loss on the weights themselves, the same on every rank)
+    adds to gradients already summed over the ranks. Reduced again, they were counted once per rank; Apex queued its
+    reduce once per forward, which left the later part local, and so does torch's reducer."""
+    base, _, total = _linear_grads(world_size)
+    cases = [("delay_allreduce", False), ("retain_allreduce_buffers", False), (None, True), (None, False)]
+    wrong = []
+    for switch, unused_layer in cases:
+        model = _UnusedBranch()
+        model.used.load_state_dict(base.state_dict())
+        model.unused.requires_grad_(unused_layer)
+        kwargs = {switch: True} if switch else {}
+        ddp = DistributedDataParallel(model, gradient_average=False, **kwargs)
+        for step in range(2):  # the default mode's second forward is torch's reducer's when no layer is unused
+            model.zero_grad()
+            ddp(_rank_data(rank)[0]).logits.pow(2).sum().backward()
+            model.used.weight.pow(2).sum().backward()
+            want = [total[0] + 2 * base.weight.detach(), total[1]]
+            if not all(torch.allclose(p.grad, w) for p, w in zip(model.used.parameters(), want, strict=True)):
+                wrong.append(f"{kwargs}, unused layer: {unused_layer}, backward {step}")
+    assert not wrong, wrong
+
+
+def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size):
+    """A head under a reentrant checkpoint is differentiated in a backward of its own, which ends before the rest of
+    the model gets its gradients: both backwards must be reduced (once per forward left the body rank-local), and a
+    sum must not sum the head's gradients twice. Nor may that inner backward decide the default mode's overlap (it
+    would find the body unreached)."""
+
+    class CheckpointedHead(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return checkpoint(self.head, self.body(x), use_reentrant=True)
+
+    x = _rank_data(rank)[0]
+    wrong = []
+    for kwargs in (dict(delay_allreduce=True), dict(delay_allreduce=True, gradient_average=False), dict()):
+        torch.manual_seed(0)
+        model = CheckpointedHead()
+        expected = _averaged_grads(model, model(x).pow(2).sum(), world_size)
+        if kwargs.get("gradient_average") is False:
+            expected = [g * world_size for g in expected]
+        ddp = DistributedDataParallel(model, **kwargs)
+        for step in range(3):
+            model.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            if not _grads_equal(model, expected):
+                wrong.append(f"{kwargs}, backward {step}")
+        if not kwargs and not ddp.require_backward_grad_sync:
+            wrong.append("the default mode never handed over to torch's reducer")
+    assert not wrong, wrong
 
 
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
@@ -578,7 +700,8 @@ def _check_disable_allreduce_under_amp_warns_and_reduces(rank, world_size):
     ddp = DistributedDataParallel(model)
     ddp.disable_allreduce()
     with pytest.warns(UserWarning, match="every micro-batch is all-reduced"):
-        ddp(torch.ones(2, 4))
+        ddp(torch.ones(2, 4)).float().sum().backward()  # the first backward reduces at its end, as Apex's did
+    ddp(torch.ones(2, 4))  # then torch's reducer, synced though the switch is off
     assert not hasattr(ddp, "no_sync") and ddp.require_backward_grad_sync
     # Apex's reducer attributes, which scripts read (world_size as a float, the accumulation switch, ...)
     assert (ddp.world_size, ddp._disable_allreduce, ddp.delay_allreduce) == (float(world_size), True, False)
@@ -600,6 +723,10 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
+        _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,
+        _check_ddp_sum_reduces_each_gradient_once_per_forward,
+        _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint,
         _check_ddp_reduces_a_layer_unfrozen_after_construction,
         _check_ddp_delay_allreduce_flattens_each_dtype,
         _check_ddp_retains_allreduce_buffers_for_a_flat_step,

@@ -14,6 +14,18 @@ Apex argument → effect here:
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
   construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
+- A parameter the forward never uses (thunlp/ERNIE's last layer computes an entity branch no loss reads): Apex's
+  default mode built its buckets from the gradients its first backward produced, reducing that backward at its
+  end, and never waited for the others. Here too the first synced backward reduces at its end. If the backwards
+  of that forward reached every parameter torch's reducer holds, on every rank, torch's reducer overlaps the
+  allreduce from the next forward on (where this is decided, so that a reentrant checkpoint's inner backward does
+  not decide it early); else every backward reduces at its end (the same averages, no overlap).
+  ``find_unused_parameters``, ``static_graph`` or a sparse-gradient embedding go to torch's reducer from the start.
+- The end-of-backward reduce runs at the end of each backward that reaches a parameter (a reentrant checkpoint's
+  inner one included), as averaging is then exact: the part reduced before is the same on every rank. A sum
+  (``gradient_average=False``) is not: there a gradient reduced since the forward is not reduced again, and what
+  a later backward adds to it (a loss on the weights themselves) stays local, as under Apex, whose reduce was
+  queued once per forward.
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -128,14 +140,24 @@ def _apex_allreduce_hook(options, bucket):  # unannotated: DDP rejects string an
     return future.then(lambda fut: _after_allreduce(options, fut.value()[0], world_size).to(buffer.dtype))
 
 
-def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, _param: torch.Tensor) -> None:
-    """A parameter's post-accumulate-grad hook: queue its DDP's delayed allreduce, once per backward. The DDP is
-    held by a weak reference: the hook lives on the parameter, which the DDP holds, and a cycle would leave the DDP
-    (its reducer and process group) to the garbage collector, possibly in interpreter finalization."""
+def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: queue its DDP's delayed allreduce, once per backward, and note the
+    parameter while the DDP is finding out which ones its backwards reach. The DDP is held by a weak reference: the
+    hook lives on the parameter, which the DDP holds, and a cycle would leave the DDP (its reducer and process
+    group) to the garbage collector, possibly in interpreter finalization."""
     ddp = ddp_ref()
-    if ddp is not None and ddp._reduce_after_backward and not ddp._allreduce_queued:
+    if ddp is None or not ddp._reduce_after_backward:
+        return
+    if ddp._reached_params is not None:
+        ddp._reached_params.add(id(param))
+    if not ddp._allreduce_queued:
         ddp._allreduce_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(ddp._allreduce_grads)
+
+
+def _has_sparse_gradients(module: torch.nn.Module) -> bool:
+    """Whether an embedding of ``module`` gives sparse gradients (torch's reducer's own test)."""
+    return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in module.modules())
 
 
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
@@ -238,11 +260,24 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             always_fp32=allreduce_always_fp32,
         )
         self._allreduce_queued = False
+        self._reduced_since_forward: set[int] = set()  # ids of the gradients summed since the forward (no average)
         self._reduce_after_backward = False  # set by each forward with grad enabled; read by the parameters' hooks
         self._hooked_params: dict[int, Any] = {}  # id(param) -> the handle of its hook; see _hook_trainable_params
         self._warned_disable_under_amp = False
         # torch's reducer holds the parameters trainable now; see _unfrozen_since_construction.
         self._frozen_at_construction = [p for p in self.module.parameters() if not p.requires_grad]
+        # ... and wants a gradient for each of them at every synced backward: whether it gets them is found out by
+        # the first synced forward's backwards, which reduce at their end meanwhile (_decide_whether_reducer_overlaps).
+        self._reducer_params = [p for p in self._module_parameters if p.requires_grad]
+        torch_decides = (
+            torch_ddp_kwargs.get("find_unused_parameters")
+            or torch_ddp_kwargs.get("static_graph")
+            or delay_allreduce
+            or retain_allreduce_buffers
+            or _has_sparse_gradients(self.module)  # the end-of-backward reduce takes dense gradients only
+        )
+        self._reducer_overlaps: bool | None = True if torch_decides else None
+        self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
 
@@ -265,15 +300,25 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
+        if self._reached_params is not None and torch.is_grad_enabled():
+            self._decide_whether_reducer_overlaps()
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
-        delayed = self.delay_allreduce or self.retain_allreduce_buffers or self._unfrozen_since_construction()
+        delayed = (
+            self.delay_allreduce
+            or self.retain_allreduce_buffers
+            or self._unfrozen_since_construction()
+            or not self._reducer_overlaps  # not known before the first synced backward, or a parameter went unused
+        )
         # Delayed, torch's reducer stays idle: the end-of-backward callback reduces instead.
         self.require_backward_grad_sync = reduce and not delayed
         output = super().forward(*inputs, **kwargs)
         if torch.is_grad_enabled():  # a no-grad forward (validation) leaves the pending backward's reduce as it was
             self._allreduce_queued = False  # a backward that failed before its reduce ran leaves it set
+            self._reduced_since_forward.clear()
             self._reduce_after_backward = reduce and delayed
             if self._reduce_after_backward:
+                if self._reducer_overlaps is None:
+                    self._reached_params = set()
                 self._hook_trainable_params()
         return output
 
@@ -308,11 +353,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
         """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype), in Apex's
-        dtype order."""
+        dtype order. Summing, a gradient already reduced since the forward is left as it is (see the module
+        docstring)."""
         self._allreduce_queued = False
+        summed = self._reduced_since_forward if not self._reduce_options.average else None
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
         for param in self.module.parameters():
-            if param.grad is None:
+            if param.grad is None or (summed is not None and id(param) in summed):
                 continue
             if param.grad.layout != torch.strided:
                 raise RuntimeError(
@@ -321,6 +368,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                     f"use delay_allreduce=False"
                 )
             buckets[(param.grad.device, param.grad.dtype)].append(param)
+        if summed is not None:
+            summed.update(id(p) for params in buckets.values() for p in params)
         group, world_size = _group_and_size(self._reduce_options)
         retained, retained_params = [], []
         for key in sorted(buckets, key=lambda device_dtype: _APEX_BUCKET_ORDER.get(device_dtype[1], 4)):
@@ -340,12 +389,31 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             else:
                 # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
                 torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
-        if self.retain_allreduce_buffers:
+        if self.retain_allreduce_buffers and retained:  # a sum's later backward may have had nothing left to reduce
             self.allreduce_buffers = retained
             # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+
+    def _decide_whether_reducer_overlaps(self) -> None:
+        """At the forward after the default mode's first synced one: torch's reducer overlaps the allreduce from now
+        on if the backwards in between reached every parameter it holds, on every rank (two flags all-reduced, so
+        that the ranks go on alike); otherwise every backward reduces at its end, as those did. No backward on any
+        rank (a loss skipped) leaves it to the next synced forward's."""
+        reached, self._reached_params = self._reached_params, None
+        missed = any(id(p) not in reached for p in self._reducer_params)
+        flags = torch.tensor([float(missed), float(bool(reached))], device=self._reducer_params[0].device)
+        group, _ = _group_and_size(self._reduce_options)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        missed_on_a_rank, reached_on_a_rank = flags.tolist()
+        if not reached_on_a_rank:
+            return
+        self._reducer_overlaps = not missed_on_a_rank
+        if self._reducer_overlaps:  # no per-parameter call in the backwards torch's reducer serves
+            for handle in self._hooked_params.values():
+                handle.remove()
+            self._hooked_params.clear()
 
 
 class Reducer:
