@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
+from ampkit.trainer.launch_env import check_launch_environment, launch_int
 
 
 class DistributedError(RuntimeError):
@@ -80,13 +81,13 @@ class DistributedEnv:
 
 def launched_world_size() -> int:
     """How many processes torchrun launched (``WORLD_SIZE``; 1 without it), known before the group is joined."""
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return launch_int("WORLD_SIZE")
 
 
 def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
-    world_size = launched_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    check_launch_environment()
+    world_size, local_rank = launched_world_size(), launch_int("LOCAL_RANK")
     if world_size <= 1:
         if cfg.distributed.strategy != "fsdp" or dist.is_initialized():
             return DistributedEnv()
@@ -109,6 +110,7 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
         )
     owns = not dist.is_initialized()
     if owns:
+        check_launch_environment(joining=True)  # torchrun's rendezvous variables, all of them, before torch reads one
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=cfg.distributed.timeout_s)

@@ -123,6 +123,7 @@ from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
+from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import iterate
@@ -1848,6 +1849,7 @@ class Trainer:
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
         check_values(self.cfg)
+        check_launch_environment()
         if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's to check
             self._check_run_dir(write=False)
         t = self.cfg.trainer

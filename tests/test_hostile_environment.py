@@ -1,0 +1,95 @@
+"""An odd environment around a run: torchrun's variables set by hand (``WORLD_SIZE`` without ``MASTER_ADDR``, a rank
+that is no number or beyond the world) or ampkit's switches (``AMPKIT_OPS``, ``AMPKIT_FUSED_BACKEND``,
+``AMPKIT_CUDA_KERNELS``) holding a misspelt value. Each is one line naming the variable and what is valid, before
+anything is written, not int()'s or torch's rendezvous traceback, nor an error at the first fused op mid-epoch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.cli import main
+from ampkit.config import ConfigError
+from ampkit.ops.optimizers import FusedAdam
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SWITCHES = ("AMPKIT_OPS", "AMPKIT_FUSED_BACKEND", "AMPKIT_CUDA_KERNELS")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in LAUNCH_VARIABLES + SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+
+
+class FusedToy(ToyTrainer):
+    """Steps with ampkit's FusedAdam, which reads the ops switches at its first step."""
+
+    def configure_optimizers(self):
+        return FusedAdam(self.module.parameters(), lr=self.cfg.lr)
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({"WORLD_SIZE": "two"}, r"environment variable WORLD_SIZE='two' is not an integer >= 1 \(torchrun sets"),
+        ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is not an integer >= 1"),
+        ({"LOCAL_RANK": "gpu0"}, r"environment variable LOCAL_RANK='gpu0' is not an integer >= 0"),
+        ({"RANK": "-1"}, r"environment variable RANK='-1' is not an integer >= 0"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            r"environment variable RANK=2 is not below WORLD_SIZE=2 \(torchrun sets WORLD_SIZE, RANK and LOCAL_RANK",
+        ),
+        ({"AMPKIT_OPS": "kernels"}, r"AMPKIT_OPS='kernels' is not valid; use one of auto, reference, kernel"),
+        (
+            {"AMPKIT_FUSED_BACKEND": "apex"},
+            r"AMPKIT_FUSED_BACKEND: invalid fused backend 'apex'; expected one of auto, torch, ampkit",
+        ),
+        (
+            {"AMPKIT_CUDA_KERNELS": "fast", "AMPKIT_OPS": "x"},
+            r"AMPKIT_OPS='x' is not valid.*; AMPKIT_CUDA_KERNELS='fast' is not valid; use per_tensor \(the default\) "
+            r"or multi_tensor",
+        ),
+    ],
+)
+def test_an_unusable_launch_variable_or_ops_switch_is_one_line_before_anything_is_written(
+    tmp_path, monkeypatch, capsys, environment, message
+):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = tmp_path / "run.yaml"
+    settings = {**toy_cfg(tmp_path), "trainer_class": f"{__name__}:FusedToy"}
+    settings.update(logging={"tensorboard": False}, trainer={"device": "cpu", "max_steps": 2, "progress_bar": False})
+    OmegaConf.save(settings, config)
+    assert main(["fit", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ampkit: error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_world_size_without_torchrun_s_rendezvous_variables_names_them_and_the_launch(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_steps": 2}))
+    with pytest.raises(ConfigError) as raised:
+        trainer.fit()
+    assert str(raised.value) == (
+        "WORLD_SIZE=2 asks for 2 processes, but MASTER_ADDR, MASTER_PORT are not set: launch with torchrun "
+        "--nproc-per-node 2 (it sets them for each process), or unset WORLD_SIZE to train in one process"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_cuda_kernel_choice_misspelt_is_refused_by_the_python_ops_too(monkeypatch):
+    """On CUDA an op without a checked kernel asks Python, not C++, which kernels to run: a misspelt value there
+    must not quietly mean the default."""
+    from ampkit.ops.optimizers._kernels import UNCHECKED_ON_CUDA, op
+
+    monkeypatch.setenv("AMPKIT_CUDA_KERNELS", "multi-tensor")
+    with pytest.raises(ValueError, match=r"AMPKIT_CUDA_KERNELS='multi-tensor' is not valid; use per_tensor"):
+        op(next(iter(UNCHECKED_ON_CUDA)), torch.device("cuda"))
