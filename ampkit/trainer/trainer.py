@@ -180,6 +180,7 @@ from ampkit.trainer.sharded_checkpoint import (
     load_sharded,
 )
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
+from ampkit.trainer.state_misfit import check_optimizer_fits, check_schedulers_fit, load_model_state
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
     UserCodeError,
@@ -1695,6 +1696,10 @@ class Trainer:
         checkpoint = {
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
+            # their classes: a resume refuses to load one's state into another class, which would take it silently
+            "scheduler_types": {
+                spec.name: [type(sc.scheduler).__name__ for sc in spec.schedulers] for spec in self._specs
+            },
             "optimizer_counts": {
                 st.name: {
                     "steps": st.steps,
@@ -1757,11 +1762,19 @@ class Trainer:
             )
         check_saved_weights_finite(path, checkpoint["model"], self.dist if self.sharded else None)
         try:
-            self.module.load_state_dict(checkpoint["model"])
+            load_model_state(self.module, checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
+            saved_groups = (checkpoint.get(TRAINABLE_KEY) or {}).get("groups", {})
+            our_groups = trainable_record(self.module, self.optimizers, self._master_pairs())["groups"]
             for spec in self._specs:
-                spec.optimizer.load_state_dict(checkpoint["optimizers"][spec.name])
-                for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
+                saved_state, schedulers = checkpoint["optimizers"][spec.name], checkpoint["schedulers"][spec.name]
+                check_optimizer_fits(
+                    spec.name, saved_state, spec.optimizer, saved_groups.get(spec.name), our_groups[spec.name]
+                )
+                spec.optimizer.load_state_dict(saved_state)
+                saved_types = checkpoint.get("scheduler_types", {}).get(spec.name)
+                check_schedulers_fit(spec.name, saved_types, len(schedulers), [sc.scheduler for sc in spec.schedulers])
+                for sched, state in zip(spec.schedulers, schedulers, strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
@@ -1831,7 +1844,7 @@ class Trainer:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
             check_saved_weights_finite(path, state)
-            self.module.load_state_dict(state)
+            load_model_state(self.module, state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
         except (KeyError, RuntimeError) as exc:
