@@ -120,3 +120,18 @@ def test_another_scheduler_class_is_refused_and_the_same_one_resumes(tmp_path):
     resumed = WithStepLR(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2}))
     resumed.fit(resume="last")
     assert resumed.state.epoch == 2
+
+
+def test_the_loss_scaler_a_precision_change_drops_is_named_as_the_config_s_not_as_a_callback_to_pass(tmp_path):
+    """fp16 resumed as bf16 said to pass LossScaling to Trainer(callbacks=...): it is ampkit's own, which the config
+    switches on."""
+    fp16 = {**QUIET, "precision.opt_level": "O1", "precision.dtype": "float16"}
+    ToyTrainer(toy_cfg(tmp_path, **fp16)).fit()
+    bf16 = {**fp16, "precision.dtype": "bfloat16", "trainer.max_epochs": 2}
+    with pytest.warns(UserWarning) as warned:
+        ToyTrainer(toy_cfg(tmp_path, **bf16)).fit(resume="last")
+    said = [str(w.message) for w in warned if "holds the state of" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "holds the state of ['LossScaling'], which its config switched on and this run's config leaves off; it is "
+        "not restored (set the config as it was to restore it)"
+    ), said

@@ -1568,8 +1568,10 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
+        defaults = default_callbacks(self)
+        self._config_callback_keys = sorted(cb.state_key for cb in defaults)  # a resume's config may drop them
         self.callbacks = order_callbacks(
-            default_callbacks(self)
+            defaults
             + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
             + self._user_callbacks
         )
@@ -1724,6 +1726,7 @@ class Trainer:
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
+            "config_callback_states": self._config_callback_keys,
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": plain_config(self.cfg),
             # What configure_optimizers() built for this run (values a weights-only load rebuilds: a custom
@@ -1802,6 +1805,13 @@ class Trainer:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
         present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
+        by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]
+        if by_config:  # ampkit's own, which a config key switched on then (fp16's loss scaling) and off now
+            rank_zero_warn(
+                f"checkpoint '{path}' holds the state of {by_config}, which its config switched on and this run's "
+                "config leaves off; it is not restored (set the config as it was to restore it)"
+            )
+        orphaned = [key for key in orphaned if key not in by_config]
         if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
             rank_zero_warn(
                 f"checkpoint '{path}' holds the state of callbacks {orphaned} that this run does not have; it is not "
