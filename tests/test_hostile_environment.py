@@ -1,11 +1,14 @@
 """An odd environment around a run: torchrun's variables set by hand (``WORLD_SIZE`` without ``MASTER_ADDR``, a rank
 that is no number or beyond the world) or ampkit's switches (``AMPKIT_OPS``, ``AMPKIT_FUSED_BACKEND``,
 ``AMPKIT_CUDA_KERNELS``) holding a misspelt value. Each is one line naming the variable and what is valid, before
-anything is written, not int()'s or torch's rendezvous traceback, nor an error at the first fused op mid-epoch."""
+anything is written, not int()'s or torch's rendezvous traceback, nor an error at the first fused op mid-epoch.
+A terminal that hangs up (SIGHUP) leaves a resumable run and a last line saying so."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -93,3 +96,47 @@ def test_a_cuda_kernel_choice_misspelt_is_refused_by_the_python_ops_too(monkeypa
     monkeypatch.setenv("AMPKIT_CUDA_KERNELS", "multi-tensor")
     with pytest.raises(ValueError, match=r"AMPKIT_CUDA_KERNELS='multi-tensor' is not valid; use per_tensor"):
         op(next(iter(UNCHECKED_ON_CUDA)), torch.device("cuda"))
+
+
+class HangUpAtStep3(ToyTrainer):
+    """Its terminal closes (SIGHUP to itself) in the third step, after the checkpoint of step 2."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return super().training_step(batch)
+
+
+def _hang_up_config(tmp_path) -> str:
+    config = tmp_path / "run.yaml"
+    settings = {**toy_cfg(tmp_path), "trainer_class": f"{__name__}:HangUpAtStep3"}
+    settings.update(logging={"tensorboard": False}, trainer={"device": "cpu", "max_steps": 6, "progress_bar": False})
+    settings.update(checkpoint={"every_n_steps": 2})
+    OmegaConf.save(settings, config)
+    return str(config)
+
+
+def test_a_sighup_ends_the_cli_run_with_a_last_line_and_leaves_it_resumable(tmp_path, capsys):
+    """SIGHUP's default action ended the process at once: no last line, the run lock left behind."""
+    config = _hang_up_config(tmp_path)
+    assert main(["fit", "--config", config]) == 129
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"ampkit: hung up (SIGHUP) (--resume last continues from {last})"
+    )
+    assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    with pytest.MonkeyPatch.context() as patch:  # the resumed run's step 2 is no new hang-up
+        patch.setattr(HangUpAtStep3, "training_step", ToyTrainer.training_step)
+        assert main(["fit", "--config", config, "--resume", "last"]) == 0
+    assert "finished 6 steps" in capsys.readouterr().out
+
+
+def test_a_sighup_the_caller_ignores_stays_ignored(tmp_path):
+    """``nohup ampkit fit ...``: the run goes on after its terminal closes."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert main(["fit", "--config", _hang_up_config(tmp_path)]) == 0
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
