@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import signal
 import sys
 from typing import Any
@@ -211,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
             f"ampkit: finished {s.global_step} steps in {_trained_span(s.epoch, s.batches_done)}"
             + (f"; {shown}" if shown else "")
         )
-        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
+        logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
+        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {logdir})")
     elif args.command == "predict":
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
         written = trainer.predictions_path

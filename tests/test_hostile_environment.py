@@ -140,3 +140,16 @@ def test_a_sighup_the_caller_ignores_stays_ignored(tmp_path):
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_the_tensorboard_command_of_a_run_dir_with_a_space_pastes_as_one_argument(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    run_dir = tmp_path / "my runs" / "ünï"
+    settings = {**toy_cfg(tmp_path), "run_dir": str(run_dir)}
+    settings.update(logging={"tensorboard": False}, trainer={"device": "cpu", "max_steps": 1, "progress_bar": False})
+    OmegaConf.save(settings, config)
+    assert main(["fit", "--config", str(config)]) == 0
+    version = run_dir / "version_0"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"ampkit: run directory {version} (tensorboard --logdir '{version}')"
+    )
