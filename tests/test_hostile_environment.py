@@ -153,3 +153,14 @@ def test_the_tensorboard_command_of_a_run_dir_with_a_space_pastes_as_one_argumen
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"ampkit: run directory {version} (tensorboard --logdir '{version}')"
     )
+
+
+def test_a_config_file_indented_with_a_tab_names_the_tab(tmp_path, capsys):
+    """PyYAML says "found character that cannot start any token", which names no character; an editor shows none."""
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer_class: toy_trainers:ToyTrainer\ntrainer:\n\tmax_steps: 2\n")
+    assert main(["fit", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"ampkit: error: config file '{config}' is not valid YAML: a tab at line 3, column 1: YAML indents with "
+        "spaces, never tabs (--debug shows the traceback)"
+    )
