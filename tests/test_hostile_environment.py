@@ -19,7 +19,7 @@ from ampkit.cli import main
 from ampkit.config import ConfigError
 from ampkit.ops.optimizers import FusedAdam
 
-LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 SWITCHES = ("AMPKIT_OPS", "AMPKIT_FUSED_BACKEND", "AMPKIT_CUDA_KERNELS")
 
 
@@ -43,6 +43,7 @@ class FusedToy(ToyTrainer):
         ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is not an integer >= 1"),
         ({"LOCAL_RANK": "gpu0"}, r"environment variable LOCAL_RANK='gpu0' is not an integer >= 0"),
         ({"RANK": "-1"}, r"environment variable RANK='-1' is not an integer >= 0"),
+        ({"TORCHELASTIC_RESTART_COUNT": "x"}, r"environment variable TORCHELASTIC_RESTART_COUNT='x' is not an integer"),
         (
             {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
             r"environment variable RANK=2 is not below WORLD_SIZE=2 \(torchrun sets WORLD_SIZE, RANK and LOCAL_RANK",

@@ -10,7 +10,8 @@ import os
 from ampkit.config import ConfigError
 from ampkit.ops.environment import environment_problems
 
-_LEAST = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
+# the least valid value of each integer torchrun sets (TORCHELASTIC_RESTART_COUNT: the restarts of its worker group)
+_LEAST = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "TORCHELASTIC_RESTART_COUNT": 0}
 _RENDEZVOUS = ("RANK", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads beside WORLD_SIZE
 
 
@@ -35,7 +36,8 @@ _UNSET_HINT = (
 
 
 def launch_int(name: str) -> int:
-    """``WORLD_SIZE`` (1 when unset), ``RANK`` or ``LOCAL_RANK`` (0 when unset); a ConfigError naming a bad value."""
+    """``WORLD_SIZE`` (1 when unset), ``RANK``, ``LOCAL_RANK`` or ``TORCHELASTIC_RESTART_COUNT`` (0 when unset); a
+    ConfigError naming a bad value."""
     value, problem = _launch_int(name)
     if problem is not None:
         raise ConfigError(f"{problem} ({_UNSET_HINT})")
