@@ -165,3 +165,19 @@ def test_a_config_file_indented_with_a_tab_names_the_tab(tmp_path, capsys):
         f"ampkit: error: config file '{config}' is not valid YAML: a tab at line 3, column 1: YAML indents with "
         "spaces, never tabs (--debug shows the traceback)"
     )
+
+
+def test_a_local_rank_beyond_the_gpus_is_named_under_gloo_too(monkeypatch):
+    """distributed.backend=gloo on a GPU machine still trains each rank on cuda:LOCAL_RANK: a rank beyond the GPUs
+    failed later with CUDA's 'invalid device ordinal'."""
+    from ampkit.config import Config
+    from ampkit.trainer.distributed import setup_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = OmegaConf.structured(Config)
+    cfg.distributed.backend = "gloo"
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs cuda:1, but this machine has 1 GPU\(s\)"):
+        setup_distributed(cfg)

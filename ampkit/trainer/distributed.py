@@ -98,11 +98,12 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
                                 world_size=1)  # fmt: skip
         return DistributedEnv(owns_group=True)
     backend = cfg.distributed.backend
+    on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "gloo"
+        backend = "nccl" if on_gpu else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
-    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+    if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(
             f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
             "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
