@@ -10,6 +10,9 @@ they are only shown by whatever the Trainer's ``on_predict_end`` prints, as the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shlex
+import signal
 import sys
 from typing import Any
 
@@ -150,13 +153,19 @@ def _resume_hint(cfg: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(_parser(argv), argv)
-    with sigterm_raises(Terminated):  # fit() inside takes SIGTERM over, to save the step it stops at
+    # fit() inside takes SIGTERM over, to save the step it stops at; a SIGHUP (the terminal or ssh session closed)
+    # unwinds as a Ctrl-C does, where its default action would end the process without a last line
+    with sigterm_raises(Terminated), sigterm_raises(HungUp, signal.SIGHUP):
         return _run(args)
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's notice before it kills a job; torchrun's to the ranks left when one fails), raised
     where the process is so that it unwinds as an interrupt does: the run lock released, the resume hint printed."""
+
+
+class HungUp(KeyboardInterrupt):
+    """SIGHUP (the terminal or ssh session of the run closed), raised where the process is, as :class:`Terminated`."""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -188,9 +197,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         sigterm = isinstance(exc, Terminated | Preempted)
-        how = "terminated (SIGTERM)" if sigterm else "interrupted"
-        print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
-        return 143 if sigterm else 130
+        how = "terminated (SIGTERM)" if sigterm else "hung up (SIGHUP)" if isinstance(exc, HungUp) else "interrupted"
+        with contextlib.suppress(OSError):  # a hung-up terminal may take no more output
+            print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
+        return 143 if sigterm else 129 if isinstance(exc, HungUp) else 130
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:
@@ -205,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
             f"ampkit: finished {s.global_step} steps in {_trained_span(s.epoch, s.batches_done)}"
             + (f"; {shown}" if shown else "")
         )
-        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {trainer.version_dir})")
+        logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
+        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {logdir})")
     elif args.command == "predict":
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
         written = trainer.predictions_path

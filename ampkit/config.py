@@ -786,11 +786,17 @@ def _scalar_texts(path: Path) -> dict[str, str]:
     return texts
 
 
-def _yaml_problem(exc: Exception) -> str:
-    """A YAML error in one line: its problem and where (``did not find expected ',' at line 2, column 3``)."""
+def _yaml_problem(exc: Exception, text: str | None = None) -> str:
+    """A YAML error in one line: its problem and where (``did not find expected ',' at line 2, column 3``). ``text``:
+    the YAML read, to name a tab where PyYAML's problem does not."""
     problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
     if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+        where = f"at line {mark.line + 1}, column {mark.column + 1}"
+        line = (text or "").splitlines()[mark.line : mark.line + 1]
+        if line and line[0][mark.column : mark.column + 1] == "\t":  # PyYAML names no character: "found character
+            # that cannot start any token"
+            return f"a tab {where}: YAML indents with spaces, never tabs"
+        return f"{problem} {where}"
     return " ".join(str(exc).split())
 
 
@@ -801,7 +807,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> tuple[t
     try:
         raw = OmegaConf.load(path)
     except Exception as exc:  # yaml errors come in several types
-        raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(exc)}") from None
+        text = Path(path).read_text(errors="replace") if Path(path).is_file() else None
+        raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(exc, text)}") from None
     top = _top_level(path)  # not raw: OmegaConf reads a lone word as {word: None} and an empty file as {}
     if not isinstance(raw, DictConfig) or not isinstance(top, dict):
         got = "nothing (an empty file)" if top is None else f"a {type(top).__name__} ({str(top)[:40]!r})"

@@ -257,7 +257,14 @@ def _build_and_load(name: str, sources: list[Path], with_cuda: bool) -> None:
     if _load_cached(build_dir):
         return
     _check_toolchain()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        (build_dir / _LOCK).touch()
+    except OSError as exc:  # a HOME read-only or missing (a container's), a cache directory on a full disk
+        raise _BuildFailed(
+            f"its build cache '{build_dir}' cannot be written ({exc.strerror or exc}): set AMPKIT_EXTENSIONS_DIR to "
+            "a writable directory (without it, TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)"
+        ) from None
     toolchain = _cuda_toolchain() if with_cuda else None
     with _build_lock(build_dir):  # under it, another process's finished build or failure is seen once it is written
         if _load_cached(build_dir):

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
+from ampkit.trainer.launch_env import check_launch_environment, launch_int
 
 
 class DistributedError(RuntimeError):
@@ -80,13 +81,13 @@ class DistributedEnv:
 
 def launched_world_size() -> int:
     """How many processes torchrun launched (``WORLD_SIZE``; 1 without it), known before the group is joined."""
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return launch_int("WORLD_SIZE")
 
 
 def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
-    world_size = launched_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    check_launch_environment()
+    world_size, local_rank = launched_world_size(), launch_int("LOCAL_RANK")
     if world_size <= 1:
         if cfg.distributed.strategy != "fsdp" or dist.is_initialized():
             return DistributedEnv()
@@ -97,11 +98,12 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
                                 world_size=1)  # fmt: skip
         return DistributedEnv(owns_group=True)
     backend = cfg.distributed.backend
+    on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "gloo"
+        backend = "nccl" if on_gpu else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
-    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+    if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(
             f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
             "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
@@ -109,6 +111,7 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
         )
     owns = not dist.is_initialized()
     if owns:
+        check_launch_environment(joining=True)  # torchrun's rendezvous variables, all of them, before torch reads one
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=cfg.distributed.timeout_s)

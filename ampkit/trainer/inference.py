@@ -11,6 +11,7 @@ from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.run_life import load_failure_reason, resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, consolidate_checkpoint, is_sharded_checkpoint
+from ampkit.trainer.state_misfit import load_model_state
 from ampkit.trainer.trainer import Trainer
 from ampkit.trainer.user_code import check_model_has_values
 
@@ -51,7 +52,7 @@ def load_model(
         raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
     check_saved_weights_finite(path, checkpoint["model"])
     try:
-        module.load_state_dict(checkpoint["model"])
+        load_model_state(module, checkpoint["model"])
     except (KeyError, RuntimeError) as exc:
         detail = load_failure_reason(exc)
         raise CheckpointError(f"checkpoint '{path}' does not fit {trainer_class.__name__}'s model: {detail}") from None

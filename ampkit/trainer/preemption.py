@@ -61,13 +61,13 @@ class _AskToStop:
                 self.raised = exc
 
 
-def _replaceable() -> tuple[bool, Any]:
-    """Whether ampkit may install a SIGTERM handler now, and the handler there: only in the main thread (where signal
-    handlers live), and not where the caller ignores SIGTERM or handles it outside Python (``getsignal`` says None;
-    that handler could not be put back)."""
+def _replaceable(signum: int = signal.SIGTERM) -> tuple[bool, Any]:
+    """Whether ampkit may install a handler of ``signum`` now, and the handler there: only in the main thread (where
+    signal handlers live), and not where the caller ignores the signal (``nohup`` ignores SIGHUP) or handles it outside
+    Python (``getsignal`` says None; that handler could not be put back)."""
     if threading.current_thread() is not threading.main_thread():
         return False, None
-    current = signal.getsignal(signal.SIGTERM)
+    current = signal.getsignal(signum)
     return current is not None and current != signal.SIG_IGN, current
 
 
@@ -108,16 +108,17 @@ def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sigterm_raises(exception: Callable[[], BaseException]) -> Iterator[None]:
-    """While in the block, a SIGTERM raises ``exception()`` where the process is, after the Python handler that was
-    there before heard it; that handler is put back after. ``fit()`` inside the block takes SIGTERM over (it asks to
-    stop instead) and passes it on to that handler, not to this one."""
-    replace, current = _replaceable()
+def sigterm_raises(exception: Callable[[], BaseException], signum: int = signal.SIGTERM) -> Iterator[None]:
+    """While in the block, a SIGTERM (or ``signum``) raises ``exception()`` where the process is, after the Python
+    handler that was there before heard it; that handler is put back after. ``fit()`` inside the block takes SIGTERM
+    over (it asks to stop instead) and passes it on to that handler, not to this one; another signal (SIGHUP, whose
+    default action ends the process without a word) is raised inside ``fit()`` too, which unwinds as from a Ctrl-C."""
+    replace, current = _replaceable(signum)
     if not replace:
         yield
         return
-    signal.signal(signal.SIGTERM, _Raise(exception, _passed_on_to(current)))
+    signal.signal(signum, _Raise(exception, _passed_on_to(current)))
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, current)
+        signal.signal(signum, current)

@@ -68,6 +68,7 @@ from ampkit.trainer.checkpoint_io import (
     write_protected,
     write_text_atomic,
 )
+from ampkit.trainer.launch_env import launch_int
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
@@ -323,7 +324,7 @@ def restarted_from(run_dir: str | os.PathLike, launch: str) -> Path | None:
     """In a worker group torchrun restarted (``--max-restarts``), the checkpoint the same fit of its earlier attempt
     left under ``run_dir``: the newest ``last`` whose ``launch`` is ``launch``, else None (a first attempt, or one
     that died before saving, starts fresh)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < 1:
+    if launch_int("TORCHELASTIC_RESTART_COUNT") < 1:
         return None
     for version in reversed(version_dirs(run_dir)):
         path = _last_of(version)

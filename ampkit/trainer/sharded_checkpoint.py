@@ -37,6 +37,7 @@ from ampkit.trainer.checkpoint_io import (
     write_errors_surfaced,
 )
 from ampkit.trainer.optimizers import state_initialising_steps
+from ampkit.trainer.state_misfit import model_misfit, shapes_of
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
@@ -266,26 +267,11 @@ def _model_misfit(path: Path, model_state: dict[str, Any]) -> str | None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {
-        key.removeprefix("model."): meta
+        key.removeprefix("model."): tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
         for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
         if key.startswith("model.")
     }
-    missing = [key for key in model_state if key not in saved]
-    unexpected = [
-        key for key, meta in saved.items() if key not in model_state and isinstance(meta, TensorStorageMetadata)
-    ]
-    if missing or unexpected:
-        parts = [f"Missing key(s): {', '.join(missing[:4])}"] * bool(missing)
-        parts += [f"Unexpected key(s): {', '.join(unexpected[:4])}"] * bool(unexpected)
-        return "; ".join(parts)
-    for key, tensor in model_state.items():
-        meta = saved[key]
-        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
-            return (
-                f"size mismatch for {key}: shape {list(meta.size)} in the checkpoint, {list(tensor.shape)} in this "
-                "run's model"
-            )
-    return None
+    return model_misfit(saved, shapes_of(model_state))
 
 
 def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -123,6 +123,7 @@ from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
+from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import iterate
@@ -182,6 +183,7 @@ from ampkit.trainer.sharded_checkpoint import (
     load_sharded,
 )
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
+from ampkit.trainer.state_misfit import check_optimizer_fits, check_schedulers_fit, load_model_state
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
     UserCodeError,
@@ -1594,8 +1596,10 @@ class Trainer:
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks
 
+        defaults = default_callbacks(self)
+        self._config_callback_keys = sorted(cb.state_key for cb in defaults)  # a resume's config may drop them
         self.callbacks = order_callbacks(
-            default_callbacks(self)
+            defaults
             + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
             + self._user_callbacks
         )
@@ -1723,6 +1727,10 @@ class Trainer:
         checkpoint = {
             FORMAT_KEY: FORMAT_VERSION,
             "schedulers": {spec.name: [sc.scheduler.state_dict() for sc in spec.schedulers] for spec in self._specs},
+            # their classes: a resume refuses to load one's state into another class, which would take it silently
+            "scheduler_types": {
+                spec.name: [type(sc.scheduler).__name__ for sc in spec.schedulers] for spec in self._specs
+            },
             "optimizer_counts": {
                 st.name: {
                     "steps": st.steps,
@@ -1749,6 +1757,7 @@ class Trainer:
             "epoch_fx": dict(self._epoch_fx),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
+            "config_callback_states": self._config_callback_keys,
             TRAINABLE_KEY: trainable_record(self.module, self.optimizers, self._master_pairs()),
             "config": plain_config(self.cfg),
             # What configure_optimizers() built for this run (values a weights-only load rebuilds: a custom
@@ -1787,11 +1796,19 @@ class Trainer:
             )
         check_saved_weights_finite(path, checkpoint["model"], self.dist if self.sharded else None)
         try:
-            self.module.load_state_dict(checkpoint["model"])
+            load_model_state(self.module, checkpoint["model"])
             saved_masters_into_model(self.module, self.optimizers, checkpoint)
+            saved_groups = (checkpoint.get(TRAINABLE_KEY) or {}).get("groups", {})
+            our_groups = trainable_record(self.module, self.optimizers, self._master_pairs())["groups"]
             for spec in self._specs:
-                spec.optimizer.load_state_dict(checkpoint["optimizers"][spec.name])
-                for sched, state in zip(spec.schedulers, checkpoint["schedulers"][spec.name], strict=True):
+                saved_state, schedulers = checkpoint["optimizers"][spec.name], checkpoint["schedulers"][spec.name]
+                check_optimizer_fits(
+                    spec.name, saved_state, spec.optimizer, saved_groups.get(spec.name), our_groups[spec.name]
+                )
+                spec.optimizer.load_state_dict(saved_state)
+                saved_types = checkpoint.get("scheduler_types", {}).get(spec.name)
+                check_schedulers_fit(spec.name, saved_types, len(schedulers), [sc.scheduler for sc in spec.schedulers])
+                for sched, state in zip(spec.schedulers, schedulers, strict=True):
                     sched.scheduler.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as exc:
             detail = misfit_detail(exc, checkpoint.get("config") or {}, self.cfg)
@@ -1819,6 +1836,13 @@ class Trainer:
                 cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
         present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
+        by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]
+        if by_config:  # ampkit's own, which a config key switched on then (fp16's loss scaling) and off now
+            rank_zero_warn(
+                f"checkpoint '{path}' holds the state of {by_config}, which its config switched on and this run's "
+                "config leaves off; it is not restored (set the config as it was to restore it)"
+            )
+        orphaned = [key for key in orphaned if key not in by_config]
         if orphaned:  # a callback left out or renamed on resume: its saved state would vanish without a word
             rank_zero_warn(
                 f"checkpoint '{path}' holds the state of callbacks {orphaned} that this run does not have; it is not "
@@ -1865,7 +1889,7 @@ class Trainer:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
             check_saved_weights_finite(path, state)
-            self.module.load_state_dict(state)
+            load_model_state(self.module, state)
         except CheckpointError:  # a corrupt or foreign file (a RuntimeError too): its own message says why
             raise
         except (KeyError, RuntimeError) as exc:
@@ -1883,6 +1907,7 @@ class Trainer:
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
         check_values(self.cfg)
+        check_launch_environment()
         if os.environ.get("RANK", "0") == "0":  # a file in the way; write access is fit's to check
             self._check_run_dir(write=False)
         t = self.cfg.trainer

@@ -275,8 +275,10 @@ def test_a_sharded_checkpoint_of_another_model_is_a_misfit_not_a_damaged_shard_o
             "logging.tensorboard=false", "generate.every_n_steps=0", "generate.tokens=1"]  # fmt: skip
     trainer_class, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", "trainer.max_steps=1"])
     trainer_class(cfg).fit()
-    for override, said in (("model.layers=2", r"Missing key\(s\): blocks\.1\.norm1\.weight.*model.layers: 1 -> 2"),
-                           ("model.norm=rmsnorm", r"Unexpected key\(s\): blocks\.0\.norm1\.bias.*model.norm"),
+    for override, said in (("model.layers=2", r"Missing key\(s\) in the checkpoint: blocks\.1\.norm1\.weight.*"
+                                              r"model.layers: 1 -> 2"),
+                           ("model.norm=rmsnorm", r"Unexpected key\(s\) in the checkpoint: blocks\.0\.norm1\.bias.*"
+                                                  r"model.norm"),
                            ("model.width=64", r"size mismatch for embed\.weight: shape \[256, 32\] in the checkpoint, "
                                               r"\[256, 64\] in this run's model.*model.width: 32 -> 64")):  # fmt: skip
         _, cfg = load_config("gpt", [*TINY, *fsdp, f"run_dir={tmp_path}", override])

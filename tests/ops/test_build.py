@@ -320,3 +320,22 @@ def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch)
     assert run.returncode == 0, (run.returncode, run.stderr)
     assert run.stdout.strip() == "[1.0, 1.0]"
     assert library.stat().st_size == len(whole)
+
+
+def test_a_build_cache_that_cannot_be_written_is_named_with_the_variable_that_moves_it(tmp_path, monkeypatch):
+    """A HOME that is read-only or missing (a container's) left '[Errno 20] Not a directory' and no way out."""
+    (tmp_path / "home").write_text("a file where the cache's parent should be")
+    monkeypatch.setenv("AMPKIT_EXTENSIONS_DIR", str(tmp_path / "home" / "cache"))
+    monkeypatch.delenv("AMPKIT_OPS", raising=False)
+    source = tmp_path / "fine.cpp"
+    source.write_text("int ampkit_test_fine() { return 1; }\n")
+    name = f"ampkit_uncached_{tmp_path.name.replace('-', '_')}"
+    family = _build.register_family(name, [source])
+    try:
+        with pytest.warns(RuntimeWarning) as record:
+            assert family.use_kernel() is False
+    finally:
+        _build.FAMILIES.pop(name, None)
+    (warning,) = [str(w.message) for w in record if name in str(w.message)]
+    assert f"its build cache '{tmp_path / 'home' / 'cache' / 'ampkit'}" in warning
+    assert "cannot be written (Not a directory): set AMPKIT_EXTENSIONS_DIR to a writable directory" in warning

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
 from ampkit.ops._build import CSRC_DIR, register_family
+from ampkit.ops.environment import cuda_kernels
 from ampkit.ops.reference import optimizers as reference
 
 _CPU_SOURCES = [
@@ -43,8 +43,7 @@ def op(name: str, device: torch.device) -> Callable[..., object]:
     tensors use the reference (an error under ``AMPKIT_OPS=kernel``). ``UNCHECKED_ON_CUDA`` ops use it on CUDA
     too unless opted in.
     """
-    opted_in = os.environ.get("AMPKIT_CUDA_KERNELS") == "multi_tensor"
-    if device.type == "cuda" and name in UNCHECKED_ON_CUDA and not opted_in:
+    if device.type == "cuda" and name in UNCHECKED_ON_CUDA and cuda_kernels() != "multi_tensor":
         return getattr(reference, name)
     if FAMILY.serves(device, name):
         return getattr(torch.ops.ampkit_optimizers, name)

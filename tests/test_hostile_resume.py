@@ -1,0 +1,137 @@
+"""A resume after the user changed the code: a layer added, removed or resized, an optimizer's param groups or frozen
+parameters changed, a scheduler added or of another class. Each is refused before anything is written, in one line
+naming every difference (keys with their shapes, groups with their sizes and parameters, schedulers by class), not
+torch's wall of keys, its "different number of parameter groups", or a zip() error; nor is another scheduler class's
+state loaded into this one's without a word."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from toy_trainers import ToyTrainer, toy_cfg, toy_model
+
+from ampkit.trainer.checkpoint_io import CheckpointError
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 1}
+
+
+class Wider(ToyTrainer):
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+
+
+class OneMore(ToyTrainer):
+    def configure_model(self):
+        return nn.Sequential(*toy_model(), nn.Linear(1, 1))
+
+
+class Shifted(ToyTrainer):
+    def configure_model(self):
+        return nn.Sequential(*toy_model()[:3], nn.Identity(), nn.Linear(16, 1))  # the last layer is `4.` now
+
+
+class TwoGroups(ToyTrainer):
+    def configure_optimizers(self):
+        first, last = self.module[0], self.module[3]
+        return torch.optim.SGD([{"params": first.parameters()}, {"params": last.parameters(), "lr": 0.01}], lr=0.05)
+
+
+class FrozenFirst(ToyTrainer):
+    def configure_model(self):
+        model = toy_model()
+        model[0].requires_grad_(False)
+        return model
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module[3].parameters(), lr=self.cfg.lr, momentum=0.9)
+
+
+class WithStepLR(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3)}
+
+
+class WithCosine(ToyTrainer):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10)}
+
+
+def _trained(tmp_path, trainer_class=ToyTrainer):
+    trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
+    return sorted((tmp_path / "run").rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "trainer_class, said",
+    [
+        (
+            Wider,
+            r"size mismatch for 0\.weight: shape \[16, 6\] in the checkpoint, \[32, 6\] in this run's model; also "
+            r"0\.bias \[16\] -> \[32\], 3\.weight \[1, 16\] -> \[1, 32\]$",
+        ),
+        (OneMore, r": Missing key\(s\) in the checkpoint: 4\.weight \[1, 1\], 4\.bias \[1\]$"),
+        (
+            Shifted,
+            r": Missing key\(s\) in the checkpoint: 4\.weight \[1, 16\], 4\.bias \[1\]; Unexpected key\(s\) in the "
+            r"checkpoint: 3\.weight \[1, 16\], 3\.bias \[1\]$",
+        ),
+        (
+            TwoGroups,
+            r"optimizer 'sgd' holds 1 param group of 4 parameters in the checkpoint, 2 param groups of 2, 2 parameters "
+            r"in this run: its state cannot be restored into other param groups\. Resume with configure_optimizers\(\)",
+        ),
+        (
+            WithStepLR,
+            r"optimizer 'sgd' has the lr schedulers \[none\] in the checkpoint, \[StepLR\] in this run: their state",
+        ),
+    ],
+)
+def test_a_resume_with_a_changed_model_optimizer_or_scheduler_names_every_difference_and_writes_nothing(
+    tmp_path, trainer_class, said
+):
+    before = _trained(tmp_path)
+    with pytest.raises(CheckpointError) as raised:
+        trainer_class(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2})).fit(resume="last")
+    message = str(raised.value)
+    assert "\n" not in message and re.search(said, message), message
+    assert sorted((tmp_path / "run").rglob("*")) == before
+
+
+def test_a_layer_frozen_then_or_now_names_the_parameters_only_one_side_s_optimizer_holds(tmp_path):
+    _trained(tmp_path / "frozen_then", FrozenFirst)
+    with pytest.raises(CheckpointError, match=r"1 param group of 2 parameters in the checkpoint, 1 param group of 4 "
+                       r"parameters in this run; only this run's holds 0\.weight, 0\.bias: "):  # fmt: skip
+        ToyTrainer(toy_cfg(tmp_path / "frozen_then", **{**QUIET, "trainer.max_epochs": 2})).fit(resume="last")
+    _trained(tmp_path / "frozen_now")
+    with pytest.raises(CheckpointError, match=r"; only the checkpoint's holds 0\.weight, 0\.bias: "):
+        FrozenFirst(toy_cfg(tmp_path / "frozen_now", **{**QUIET, "trainer.max_epochs": 2})).fit(resume="last")
+
+
+def test_another_scheduler_class_is_refused_and_the_same_one_resumes(tmp_path):
+    """StepLR's state loaded into CosineAnnealingLR (``__dict__.update``) gave a schedule neither run asked for."""
+    _trained(tmp_path, WithStepLR)
+    with pytest.raises(CheckpointError, match=r"the lr schedulers \[StepLR\] in the checkpoint, \[CosineAnnealingLR\]"):
+        WithCosine(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2})).fit(resume="last")
+    resumed = WithStepLR(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2}))
+    resumed.fit(resume="last")
+    assert resumed.state.epoch == 2
+
+
+def test_the_loss_scaler_a_precision_change_drops_is_named_as_the_config_s_not_as_a_callback_to_pass(tmp_path):
+    """fp16 resumed as bf16 said to pass LossScaling to Trainer(callbacks=...): it is ampkit's own, which the config
+    switches on."""
+    fp16 = {**QUIET, "precision.opt_level": "O1", "precision.dtype": "float16"}
+    ToyTrainer(toy_cfg(tmp_path, **fp16)).fit()
+    bf16 = {**fp16, "precision.dtype": "bfloat16", "trainer.max_epochs": 2}
+    with pytest.warns(UserWarning) as warned:
+        ToyTrainer(toy_cfg(tmp_path, **bf16)).fit(resume="last")
+    said = [str(w.message) for w in warned if "holds the state of" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "holds the state of ['LossScaling'], which its config switched on and this run's config leaves off; it is "
+        "not restored (set the config as it was to restore it)"
+    ), said
