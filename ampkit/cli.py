@@ -179,7 +179,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "fit":
             trainer.fit(resume=args.resume)
         elif args.command == "predict":
-            predictions = trainer.predict(ckpt=args.ckpt, output=args.output, overwrite=args.overwrite)
+            # overwrite only when asked: a subclass's predict(ckpt, output) written before the option still runs
+            replace = {"overwrite": True} if args.overwrite else {}
+            predictions = trainer.predict(ckpt=args.ckpt, output=args.output, **replace)
         else:
             metrics = getattr(trainer, args.command)(ckpt=args.ckpt)
     except USER_ERRORS as exc:

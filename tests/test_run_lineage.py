@@ -181,6 +181,27 @@ def test_predict_replaces_an_existing_output_only_with_overwrite_never_a_read_on
     assert f"'{mine}' is write-protected" in capsys.readouterr().err and mine.read_bytes() == kept
 
 
+class PredictingWithOwnPredict(Predicting):
+    """A subclass overriding predict with the signature it had before the ``overwrite`` option."""
+
+    def predict(self, ckpt=None, output=None):
+        return super().predict(ckpt, output)
+
+
+def test_ampkit_predict_runs_a_subclass_predict_written_before_the_overwrite_option(tmp_path):
+    """The CLI passed overwrite=False to every predict: a Trainer overriding predict(ckpt, output) (the GPT recipe
+    did) failed with a TypeError; without --overwrite it is not passed."""
+    from ampkit.cli import main
+
+    config = tmp_path / "toy.yaml"
+    OmegaConf.save({"trainer_class": "test_run_lineage:PredictingWithOwnPredict", "run_dir": str(tmp_path / "run"),
+                    "trainer": {"max_steps": 2, "progress_bar": False}, "logging": {"tensorboard": False}},
+                   config)  # fmt: skip
+    assert main(["fit", "--config", str(config)]) == 0
+    assert main(["predict", "--config", str(config), "--output", str(tmp_path / "preds.pt")]) == 0
+    assert [p.shape[0] for p in torch.load(tmp_path / "preds.pt")] == [4, 4, 2]
+
+
 def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):
     from ampkit.cli import main
 

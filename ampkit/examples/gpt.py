@@ -488,9 +488,11 @@ class GPTTrainer(ampkit.Trainer):
         self._keep_saved_precision(ckpt)
         return super().test(ckpt)
 
-    def predict(self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None) -> list[Any]:
+    def predict(
+        self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None, overwrite: bool = False
+    ) -> list[Any]:
         self._keep_saved_precision(ckpt)
-        return super().predict(ckpt, output)
+        return super().predict(ckpt, output, overwrite)
 
     def _split(self, which: str) -> torch.Tensor:
         if not self._data:
