@@ -9,12 +9,12 @@ stops nothing."""
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from typing import ClassVar
 
 import pytest
 import torch
+from best_checkpoints import best_pt_step, best_steps
 from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
@@ -53,15 +53,6 @@ def _fit(tmp_path, scores, *, trainer=EpochScores, callbacks=(), **overrides):
     return run
 
 
-def _best_steps(run) -> list[int]:
-    names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
-    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"best-(\d{8})\.pt", name)))
-
-
-def _best_pt_step(run) -> int:
-    return load_checkpoint(run.version_dir / "checkpoints" / "best.pt")["loop"]["global_step"]
-
-
 @pytest.mark.parametrize(
     ("mode", "top_k", "kept", "best"),
     [("min", 1, [6], 6), ("min", 2, [2, 6], 6), ("max", 1, [4], 4), ("min", -1, [2, 4, 6, 8], 6)],
@@ -71,8 +62,8 @@ def test_a_train_epoch_mean_ranks_each_epoch_s_end_without_any_validation(tmp_pa
     best.pt is a copy of the best epoch's end (Lightning saves on train epoch end when nothing validates)."""
     run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.mode": mode,
                                                    "checkpoint.save_top_k": top_k})  # fmt: skip
-    assert _best_steps(run) == kept
-    assert _best_pt_step(run) == best
+    assert best_steps(run) == kept
+    assert best_pt_step(run) == best
 
 
 def test_a_tag_logged_on_step_too_is_monitored_by_its_name_as_its_epoch_mean(tmp_path):
@@ -80,7 +71,7 @@ def test_a_tag_logged_on_step_too_is_monitored_by_its_name_as_its_epoch_mean(tmp
     the epoch mean, as Lightning's callback metrics hold the epoch value under the plain name at the epoch's end."""
     trainer = type("OnStepToo", (EpochScores,), {"on_step": True})
     run = _fit(tmp_path, [0.5, 0.1, 0.9], trainer=trainer, **{"checkpoint.monitor": "train/score"})
-    assert _best_steps(run) == [4]
+    assert best_steps(run) == [4]
 
 
 def test_a_train_monitor_ranks_every_epoch_where_validation_runs_only_every_second(tmp_path):
@@ -88,19 +79,19 @@ def test_a_train_monitor_ranks_every_epoch_where_validation_runs_only_every_seco
     run = _fit(tmp_path, [0.5, 0.9, 0.1, 0.7], trainer=ValidatedEpochScores,
                **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1,
                   "trainer.val_every_n_epochs": 2})  # fmt: skip
-    assert _best_steps(run) == [2, 4, 6, 8]
-    assert _best_pt_step(run) == 6
+    assert best_steps(run) == [2, 4, 6, 8]
+    assert best_pt_step(run) == 6
 
 
 def test_a_nan_epoch_mean_is_never_best(tmp_path):
     run = _fit(tmp_path, [0.5, math.nan, 0.7], **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1})
-    assert _best_steps(run) == [2, 6]
-    assert _best_pt_step(run) == 2
+    assert best_steps(run) == [2, 6]
+    assert best_pt_step(run) == 2
 
 
 def test_a_tie_with_the_best_epoch_keeps_the_earlier_file(tmp_path):
     run = _fit(tmp_path, [0.5, 0.2, 0.2, 0.9], **{"checkpoint.monitor": "train/score"})
-    assert _best_steps(run) == [4]
+    assert best_steps(run) == [4]
 
 
 def test_early_stopping_on_a_train_epoch_mean_counts_epochs_without_validation(tmp_path):
@@ -167,8 +158,8 @@ def test_step_checkpoints_between_measurements_are_never_ranked_by_an_older_valu
     step save by the latest value logged, which can be a validation or an epoch older than the step's weights)."""
     run = _fit(tmp_path, scores, trainer=trainer, **{"checkpoint.save_top_k": -1, "checkpoint.every_n_steps": 1,
                "trainer.num_sanity_val_steps": 0, "trainer.max_epochs": ranked[-1] // 2, **settings})  # fmt: skip
-    assert _best_steps(run) == ranked
-    assert _best_pt_step(run) == best
+    assert best_steps(run) == ranked
+    assert best_pt_step(run) == best
 
 
 class PlateauOnTrainScore(EpochScores):

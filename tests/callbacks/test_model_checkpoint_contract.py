@@ -5,10 +5,10 @@ missing monitor named with the metrics there are, and none of the user's files e
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
+from best_checkpoints import best_pt_step, best_steps
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import ConfigError
@@ -39,16 +39,6 @@ def _fit(tmp_path, scores, *, trainer=ScriptedScores, resume=None, **overrides):
     return run
 
 
-def _best_steps(run) -> list[int]:
-    """The steps of the best-k files on disk, oldest first."""
-    names = (p.name for p in (run.version_dir / "checkpoints").iterdir())
-    return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"best-(\d{8})\.pt", name)))
-
-
-def _best_pt_step(run) -> int:
-    return load_checkpoint(run.version_dir / "checkpoints" / "best.pt")["loop"]["global_step"]
-
-
 SCORES = {1: 0.5, 2: 0.3, 3: 0.9, 4: 0.1, 5: 0.4, 6: 0.2}
 
 
@@ -67,8 +57,8 @@ def test_the_best_k_by_mode_are_kept_and_best_pt_holds_the_best(tmp_path, mode, 
     of them also as best.pt, a copy of that step's state."""
     run = _fit(tmp_path, SCORES, **{"checkpoint.monitor": "val/score", "checkpoint.mode": mode,
                                      "checkpoint.save_top_k": top_k})  # fmt: skip
-    assert _best_steps(run) == kept
-    assert _best_pt_step(run) == best
+    assert best_steps(run) == kept
+    assert best_pt_step(run) == best
     callback_state = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]
     ranked = sorted((SCORES[s] for s in kept), reverse=mode == "max")
     assert list(callback_state["best_k"].values()) == pytest.approx(ranked), "the saved ranking lists the best first"
@@ -79,8 +69,8 @@ def test_a_tie_keeps_the_earlier_checkpoint(tmp_path):
     first to reach the best value."""
     run = _fit(tmp_path, {1: 0.5, 2: 0.2, 3: 0.2, 4: 0.5, 5: 0.2, 6: 0.9},
                **{"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2})  # fmt: skip
-    assert _best_steps(run) == [2, 3]
-    assert _best_pt_step(run) == 2
+    assert best_steps(run) == [2, 3]
+    assert best_pt_step(run) == 2
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
@@ -90,13 +80,13 @@ def test_a_non_finite_value_is_never_ranked_nor_saved_as_best(tmp_path, mode, ba
     room (Lightning keeps a NaN one as the worst while there is room, and ranks a -inf one best in min mode)."""
     run = _fit(tmp_path, {1: bad, 2: 0.5, 3: bad, 4: 0.4, 5: bad, 6: 0.6},
                **{"checkpoint.monitor": "val/score", "checkpoint.mode": mode, "checkpoint.save_top_k": 5})  # fmt: skip
-    assert _best_steps(run) == [2, 4, 6]
-    assert _best_pt_step(run) == (4 if mode == "min" else 6)
+    assert best_steps(run) == [2, 4, 6]
+    assert best_pt_step(run) == (4 if mode == "min" else 6)
 
 
 def test_only_non_finite_values_leave_no_best_pt(tmp_path):
     run = _fit(tmp_path, dict.fromkeys(range(1, 7), math.nan), **{"checkpoint.monitor": "val/score"})
-    assert _best_steps(run) == []
+    assert best_steps(run) == []
     assert not (run.version_dir / "checkpoints" / "best.pt").exists()
     assert (run.version_dir / "checkpoints" / "last.pt").is_file()
 
@@ -111,7 +101,7 @@ def test_every_n_steps_and_every_n_epochs_both_save_and_keep_last_prunes_them_to
     assert names == ["best-00000018.pt", "best.pt", "epoch-0002.pt", "last.pt",
                      "step-00000016.pt", "step-00000018.pt"]  # fmt: skip
     assert load_checkpoint(run.version_dir / "checkpoints" / "epoch-0002.pt")["loop"]["global_step"] == 12
-    assert _best_pt_step(run) == 18
+    assert best_pt_step(run) == 18
 
 
 def test_the_ranking_survives_a_resume_and_a_worse_value_after_it_evicts_nothing_better(tmp_path):
@@ -121,16 +111,16 @@ def test_the_ranking_survives_a_resume_and_a_worse_value_after_it_evicts_nothing
     after = {7: 0.6, 8: 0.95, 9: 0.2, 10: 0.4, 11: 0.99, 12: 0.05}
     keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 3}
     first = _fit(tmp_path, before, **keys)
-    assert _best_steps(first) == [1, 2, 3]
+    assert best_steps(first) == [1, 2, 3]
     run = _fit(tmp_path, {**before, **after}, resume="last", **keys, **{"trainer.max_epochs": 2})
     assert run.version_dir == first.version_dir
-    assert _best_steps(run) == [2, 9, 12]
-    assert _best_pt_step(run) == 12
+    assert best_steps(run) == [2, 9, 12]
+    assert best_pt_step(run) == 12
     middle = _fit(tmp_path, before, **keys)  # a fresh run (version_1): stopped where no later value beats step 2
     _fit(tmp_path, {**before, 7: 0.6, 8: 0.95, 9: 0.7, 10: 0.4, 11: 0.99, 12: 0.8}, resume="last", **keys,
          **{"trainer.max_epochs": 2})  # fmt: skip
-    assert _best_steps(middle) == [2, 3, 10]
-    assert _best_pt_step(middle) == 2
+    assert best_steps(middle) == [2, 3, 10]
+    assert best_pt_step(middle) == 2
 
 
 def test_a_kill_between_best_pt_and_last_pt_leaves_best_pt_the_ranking_s_best_after_the_resume(tmp_path):
@@ -142,12 +132,12 @@ def test_a_kill_between_best_pt_and_last_pt_leaves_best_pt_the_ranking_s_best_af
     keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "checkpoint.every_n_steps": 1}
     first = _fit(tmp_path, SCORES, **keys, **{"trainer.max_steps": 4})
     checkpoints = first.version_dir / "checkpoints"
-    assert _best_pt_step(first) == 4
+    assert best_pt_step(first) == 4
     shutil.copy(checkpoints / "step-00000003.pt", checkpoints / "last.pt")  # as if killed before last.pt moved
     run = _fit(tmp_path, {**SCORES, 4: 0.95}, resume="last", **keys, **{"trainer.max_steps": 4})
     assert run.version_dir == first.version_dir
     assert not (checkpoints / "best-00000004.pt").exists()
-    assert _best_pt_step(run) == 2
+    assert best_pt_step(run) == 2
 
 
 def test_a_monitor_never_returned_is_an_error_naming_it_and_the_metrics_there_are(tmp_path):
@@ -165,7 +155,7 @@ def test_a_metric_name_with_odd_characters_ranks_and_names_files_by_step(tmp_pat
     metric name ranks and writes no odd path."""
     trainer = type("Odd", (ScriptedScores,), {"name": metric})
     run = _fit(tmp_path, SCORES, trainer=trainer, **{"checkpoint.monitor": f"val/{metric}", "checkpoint.mode": "max"})
-    assert _best_steps(run) == [3]
+    assert best_steps(run) == [3]
     names = {p.name for p in (run.version_dir / "checkpoints").iterdir()}
     assert names == {"best-00000003.pt", "best.pt", "last.pt", "step-00000006.pt"}  # the last, saved at the end
 
@@ -194,8 +184,8 @@ def test_the_sanity_validation_ranks_nothing(tmp_path):
     """As in Lightning, the validation batches run before training save no checkpoint: their better value (the
     untrained model's, here scripted best) never becomes best.pt."""
     run = _fit(tmp_path, {0: -1.0, **SCORES}, **{"checkpoint.monitor": "val/score", "trainer.num_sanity_val_steps": 2})
-    assert _best_steps(run) == [4]
-    assert _best_pt_step(run) == 4
+    assert best_steps(run) == [4]
+    assert best_pt_step(run) == 4
 
 
 @pytest.mark.parametrize("top_k", [3, 2])
