@@ -111,6 +111,42 @@ def test_a_nan_train_epoch_mean_stops_the_run_at_that_epoch(tmp_path):
     assert "not finite" in run.state.stop_reason
 
 
+class RecordsItsLosses(EpochScores):
+    """Logs no train/loss: records each batch's returned loss and size by epoch."""
+
+    seen: ClassVar[dict[int, list[tuple[float, int]]]] = {}
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.seen.setdefault(self.state.epoch, []).append((float(loss), self.state.batch_size))
+        return loss
+
+
+class LogsItsOwnTrainLoss(EpochScores):
+    def training_step(self, batch):
+        self.log("train/loss", self.scores[self.state.epoch], on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+
+def test_the_returned_loss_is_monitored_as_train_loss_with_no_log_call(tmp_path):
+    """checkpoint.monitor=train/loss names the loss training_step returns (TensorBoard's train/loss): each epoch's
+    end is ranked by its mean over the epoch, weighted by batch size as log(on_epoch=True) is, which TensorBoard
+    also writes as train/loss_epoch. It was an error naming a log() call the built-in configs cannot make."""
+    trainer = type("Recorded", (RecordsItsLosses,), {"seen": {}})
+    run = _fit(tmp_path, [0.5] * 3, trainer=trainer,
+               **{"checkpoint.monitor": "train/loss", "checkpoint.save_top_k": -1})  # fmt: skip
+    means = [sum(v * n for v, n in seen) / sum(n for _, n in seen) for _, seen in sorted(trainer.seen.items())]
+    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    by_step = {int(name.removeprefix("best-").removesuffix(".pt")): value for name, value in ranked.items()}
+    assert [by_step[step] for step in (2, 4, 6)] == pytest.approx(means)
+
+
+def test_a_train_loss_the_code_logs_itself_is_the_one_monitored(tmp_path):
+    """Its own log('train/loss', on_epoch=True) values (0.1, 0.9, 0.5) rank, not the returned loss's mean."""
+    run = _fit(tmp_path, [0.1, 0.9, 0.5], trainer=LogsItsOwnTrainLoss, **{"checkpoint.monitor": "train/loss"})
+    assert best_steps(run) == [2]
+
+
 @pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
 def test_a_train_tag_never_logged_is_an_error_naming_the_tags_that_were(tmp_path, key):
     message = r"'train/acc' is no epoch mean of epoch 0, which logged train/score; .*self\.log\('train/acc', loss"

@@ -75,7 +75,7 @@ class Monitor:
         raise MonitorNotFoundError(
             f"{which}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged {logged}; a "
             f"monitored train/ tag is logged in every epoch, e.g. self.log('{self.metric}', loss, on_epoch=True) in "
-            "training_step"
+            "training_step, or is a value training_step returns (train/loss: its loss)"
         )
 
     def state_dict(self) -> dict[str, str]:

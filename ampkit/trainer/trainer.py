@@ -348,6 +348,7 @@ class Trainer:
         # values apart per hook, so one mean over two hooks' values would be neither's.
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
+        self._fed_outputs: tuple[str, ...] = ()  # training_step outputs a train/ monitor names; see _monitored_outputs
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
@@ -742,6 +743,31 @@ class Trainer:
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
+    def _monitored_outputs(self) -> tuple[str, ...]:
+        """The keys of training_step's output a ``train/`` monitor names (``train/loss``: the returned loss), which
+        the run then averages over each epoch itself (``train/loss_epoch``) unless the code logs that tag with
+        ``on_epoch=True``: a monitor of the loss it trains on needs no log() call."""
+        monitors = [getattr(cb, "monitor", None) for cb in self.callbacks]  # ampkit's Monitor, or a name
+        metrics = [getattr(m, "metric", m) for m in monitors]
+        metrics += [sched.monitor for spec in self._specs for sched in spec.schedulers]
+        named = {m.removeprefix("train/") for m in metrics if isinstance(m, str) and is_training_metric(m)}
+        return tuple(sorted(named))
+
+    def _feed_epoch_means(self, outputs: dict[str, Any]) -> None:
+        """Add this batch's monitored outputs to their epoch means (a device add, no host read), weighted by its
+        size as log(on_epoch=True) is; not one the code logs itself with on_epoch=True (its own mean is monitored)."""
+        for key in self._fed_outputs:
+            value = outputs.get(key)
+            tag = f"train/{key}"
+            if tag in self._epoch_fx or value is None or (isinstance(value, torch.Tensor) and value.numel() != 1):
+                continue
+            if not isinstance(value, torch.Tensor | numbers.Real):
+                continue
+            weight = self.state.batch_size or 1
+            total = self._epoch_sums.setdefault(f"{tag}_epoch", [0.0, 0])
+            total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
+            total[1] += weight
+
     def _check_one_hook_logs(self, tag: str) -> None:
         """Refuse an ``on_epoch`` tag that another hook logs too: Lightning keeps each hook's values of a tag apart
         (and writes one hook's mean), where one mean of both would be neither's."""
@@ -887,6 +913,7 @@ class Trainer:
         failure = None
         try:
             self.fire("on_fit_start")
+            self._fed_outputs = self._monitored_outputs()
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
@@ -1085,6 +1112,8 @@ class Trainer:
             hook(self, batch)
         self._fx = "training_step"
         outputs = self._training_step(batch)
+        if self._fed_outputs:
+            self._feed_epoch_means(outputs)
         s.batches_done += 1
         if s.is_iteration_end:
             self._end_iteration()
