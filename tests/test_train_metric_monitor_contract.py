@@ -154,6 +154,24 @@ def test_a_train_tag_never_logged_is_an_error_naming_the_tags_that_were(tmp_path
         _fit(tmp_path, [0.5, 0.2], **{key: "train/acc"})
 
 
+def test_a_train_tag_nothing_gives_a_value_is_named_at_the_first_iteration_not_an_epoch_later(tmp_path):
+    """The epoch's end stops the run without the value: a warning after the first iteration (its hooks included,
+    which may log it) lets a long first epoch be stopped before it is spent."""
+    heard: list[int] = []
+
+    class CountWarnings(ampkit.Callback):
+        def on_train_batch_end(self, trainer, outputs, batch):
+            heard.append(sum("'train/acc' is monitored, but the first iteration" in str(w.message) for w in caught))
+
+    trainer = type("Scripted", (EpochScores,), {"scores": [0.5, 0.2]})
+    cfg = toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 2, "checkpoint.monitor": "train/acc"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(MonitorNotFoundError, match="'train/acc' is no epoch mean of epoch 0"):
+            trainer(cfg, callbacks=[CountWarnings()]).fit()
+    assert heard == [0, 1]
+
+
 @pytest.mark.parametrize("callback", [ModelCheckpoint(monitor="val/mse"), EarlyStopping(monitor="val/mse")])
 def test_a_validation_monitor_given_in_code_to_a_run_that_never_validates_is_refused(tmp_path, callback):
     """A callback built in code skips the config's checks: without validation it would rank or stop nothing, without

@@ -348,7 +348,8 @@ class Trainer:
         # values apart per hook, so one mean over two hooks' values would be neither's.
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
-        self._fed_outputs: tuple[str, ...] = ()  # training_step outputs a train/ monitor names; see _monitored_outputs
+        self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
+        self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
@@ -743,22 +744,20 @@ class Trainer:
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
 
-    def _monitored_outputs(self) -> tuple[str, ...]:
-        """The keys of training_step's output a ``train/`` monitor names (``train/loss``: the returned loss), which
-        the run then averages over each epoch itself (``train/loss_epoch``) unless the code logs that tag with
-        ``on_epoch=True``: a monitor of the loss it trains on needs no log() call."""
+    def _monitored_train_tags(self) -> tuple[str, ...]:
+        """The ``train/`` tags a callback or scheduler monitors. One naming a key of training_step's output
+        (``train/loss``: the returned loss) the run averages over each epoch itself (``train/loss_epoch``) unless the
+        code logs that tag with ``on_epoch=True``: a monitor of the loss it trains on needs no log() call."""
         monitors = [getattr(cb, "monitor", None) for cb in self.callbacks]  # ampkit's Monitor, or a name
         metrics = [getattr(m, "metric", m) for m in monitors]
         metrics += [sched.monitor for spec in self._specs for sched in spec.schedulers]
-        named = {m.removeprefix("train/") for m in metrics if isinstance(m, str) and is_training_metric(m)}
-        return tuple(sorted(named))
+        return tuple(sorted({m for m in metrics if isinstance(m, str) and is_training_metric(m)}))
 
     def _feed_epoch_means(self, outputs: dict[str, Any]) -> None:
         """Add this batch's monitored outputs to their epoch means (a device add, no host read), weighted by its
         size as log(on_epoch=True) is; not one the code logs itself with on_epoch=True (its own mean is monitored)."""
-        for key in self._fed_outputs:
-            value = outputs.get(key)
-            tag = f"train/{key}"
+        for tag in self._train_monitors:
+            value = outputs.get(tag.removeprefix("train/"))
             if tag in self._epoch_fx or value is None or (isinstance(value, torch.Tensor) and value.numel() != 1):
                 continue
             if not isinstance(value, torch.Tensor | numbers.Real):
@@ -767,6 +766,20 @@ class Trainer:
             total = self._epoch_sums.setdefault(f"{tag}_epoch", [0.0, 0])
             total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
             total[1] += weight
+
+    def _warn_unheard_monitors(self) -> None:
+        """At the first iteration's end, name a monitored ``train/`` tag nothing has given a value yet: the epoch's
+        end stops the run without one, and a warning now costs no epoch of training."""
+        unheard = [
+            t for t in self._monitors_unheard if t not in self._epoch_sums and f"{t}_epoch" not in self._epoch_sums
+        ]
+        self._monitors_unheard = ()
+        for tag in unheard:
+            rank_zero_warn(
+                f"'{tag}' is monitored, but the first iteration gave it no value: its epoch mean, read at each epoch's "
+                f"end, comes from self.log('{tag}', value, on_epoch=True) in training_step or a value training_step "
+                f"returns under '{tag.removeprefix('train/')}'; without one the run stops at this epoch's end"
+            )
 
     def _check_one_hook_logs(self, tag: str) -> None:
         """Refuse an ``on_epoch`` tag that another hook logs too: Lightning keeps each hook's values of a tag apart
@@ -913,7 +926,7 @@ class Trainer:
         failure = None
         try:
             self.fire("on_fit_start")
-            self._fed_outputs = self._monitored_outputs()
+            self._train_monitors = self._monitors_unheard = self._monitored_train_tags()
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
@@ -1112,7 +1125,7 @@ class Trainer:
             hook(self, batch)
         self._fx = "training_step"
         outputs = self._training_step(batch)
-        if self._fed_outputs:
+        if self._train_monitors:
             self._feed_epoch_means(outputs)
         s.batches_done += 1
         if s.is_iteration_end:
@@ -1121,6 +1134,8 @@ class Trainer:
         for hook in self._hooks["on_train_batch_end"]:
             hook(self, outputs, batch)
         self._fx = None
+        if self._monitors_unheard and s.is_iteration_end:
+            self._warn_unheard_monitors()
         # What a hook logged after the logger took this batch's values (the Trainer's own on_train_batch_end runs
         # after the logger's) waits for its next take (or a checkpoint's); with no logger taking them, nothing would.
         if not self._logged_taken:
