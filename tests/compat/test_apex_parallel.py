@@ -448,6 +448,37 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
     assert overlapping == [False, True, False, True]
 
 
+def _check_ddp_default_mode_with_a_branch_only_some_ranks_use(rank, world_size):
+    """ERNIE's entity branch is used on a rank whose batch has entities only: each rank's end-of-backward reduce then
+    held other gradients (a flat buffer of another size: gloo failed, NCCL would hang). A gradient some rank has is
+    averaged on every rank, the others' counted as zeros, as torch's reducer counts an unused parameter's."""
+    x = _rank_data(rank)[0]
+
+    def loss_of(out):
+        return out.logits.pow(2).sum() + (out.entities.pow(2).sum() if rank == 0 else 0)
+
+    torch.manual_seed(0)
+    model = _UnusedBranch()
+    loss_of(model(x)).backward()
+    expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    model.zero_grad()
+    ddp = DistributedDataParallel(model)
+    wrong = []
+    for step in range(3):
+        model.zero_grad()
+        try:
+            loss_of(ddp(x)).backward()
+        except RuntimeError as exc:  # gloo's size mismatch: the ranks are out of step from here on
+            wrong.append(f"backward {step}: {exc}")
+            break
+        if not _grads_equal(model, expected):
+            wrong.append(f"backward {step}: gradients differ from the hand-averaged ones")
+    assert not wrong, wrong
+
+
 def _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer(rank, world_size):
     """The end-of-backward reduce takes dense gradients only; torch's reducer takes sparse ones, as it did."""
     torch.manual_seed(0)
@@ -724,6 +755,7 @@ _TWO_RANK_CHECKS = {
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
+        _check_ddp_default_mode_with_a_branch_only_some_ranks_use,
         _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,
         _check_ddp_sum_reduces_each_gradient_once_per_forward,
         _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint,

@@ -19,7 +19,8 @@ Apex argument → effect here:
   end, and never waited for the others. Here too the first synced backward reduces at its end. If the backwards
   of that forward reached every parameter torch's reducer holds, on every rank, torch's reducer overlaps the
   allreduce from the next forward on (where this is decided, so that a reentrant checkpoint's inner backward does
-  not decide it early); else every backward reduces at its end (the same averages, no overlap).
+  not decide it early); else every backward reduces at its end (the same averages, no overlap), with the
+  gradients some rank has and another lacks counted as zeros on the other (one small all-reduce per backward).
   ``find_unused_parameters``, ``static_graph`` or a sparse-gradient embedding go to torch's reducer from the start.
 - The end-of-backward reduce runs at the end of each backward that reaches a parameter (a reentrant checkpoint's
   inner one included), as averaging is then exact: the part reduced before is the same on every rank. A sum
@@ -356,6 +357,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         dtype order. Summing, a gradient already reduced since the forward is left as it is (see the module
         docstring)."""
         self._allreduce_queued = False
+        if not (self.delay_allreduce or self.retain_allreduce_buffers):
+            self._fill_gradients_another_rank_has()
         summed = self._reduced_since_forward if not self._reduce_options.average else None
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
         for param in self.module.parameters():
@@ -395,6 +398,22 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             self.active_params = [p for params in retained_params for p in params]
             starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
             self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+
+    def _fill_gradients_another_rank_has(self) -> None:
+        """The default mode's end-of-backward reduce: a gradient another rank has and this one lacks (a branch only
+        some ranks' batches use, ERNIE's entities) is counted as zeros here, as torch's reducer counts an unused
+        parameter's, so that every rank reduces the same flat buffers (else gloo aborts and NCCL hangs). One small
+        all-reduce per backward, in this mode only; under ``delay_allreduce`` each rank reduces what it has, as in
+        Apex."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:
+            return
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        group, _ = _group_and_size(self._reduce_options)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+        for param, some_rank_has in zip(params, has.tolist(), strict=True):
+            if some_rank_has and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def _decide_whether_reducer_overlaps(self) -> None:
         """At the forward after the default mode's first synced one: torch's reducer overlaps the allreduce from now
