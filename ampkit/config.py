@@ -273,7 +273,7 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00)',
     ),
     "trainer.accumulate_grad_batches": _at_least(1),
-    "trainer.limit_train_batches": _optional(_BATCH_LIMIT, "all batches"),
+    "trainer.limit_train_batches": _optional(_BATCH_LIMIT, "all batches; ampkit validate validates alone"),
     "trainer.limit_val_batches": _optional(_BATCH_LIMIT, "all batches; val_every_n_epochs=0 turns validation off"),
     "trainer.num_sanity_val_steps": ((lambda v: v >= -1), "-1 (all batches), 0 (no sanity validation) or more"),
     "trainer.val_every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),

@@ -170,7 +170,8 @@ def test_a_fraction_of_a_loader_without_a_length_is_refused_asking_for_a_count(t
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(0, r"0 is invalid; expected null \(all batches\) or an integer >= 1 \(batches\) or a fraction in \(0.0, 1.0\]"),
+    [(0, r"0 is invalid; expected null \(all batches; ampkit validate validates alone\) or an integer >= 1 "
+         r"\(batches\) or a fraction in \(0.0, 1.0\]"),
      (1.5, r"1.5 is invalid"), (0.0, r"0.0 is invalid"), (-2, r"-2 is invalid")],
 )  # fmt: skip
 def test_a_limit_that_is_neither_a_count_nor_a_fraction_is_refused_at_construction(tmp_path, value, message):
