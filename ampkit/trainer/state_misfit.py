@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import is_lazy
 
+from ampkit.trainer.user_code import first_names
+
 Shape = tuple[int, ...] | None  # None: an entry that is no tensor (a module's extra state)
 
 
@@ -28,11 +30,6 @@ def shapes_of(state: Mapping[str, Any]) -> dict[str, Shape]:
     }
 
 
-def _listed(entries: list[str], shown: int) -> str:
-    more = f" (and {len(entries) - shown} more)" if len(entries) > shown else ""
-    return ", ".join(entries[:shown]) + more
-
-
 def _shape(shape: Shape) -> str:
     return "" if shape is None else f" {list(shape)}"
 
@@ -47,13 +44,13 @@ def model_misfit(saved: Mapping[str, Shape], ours: Mapping[str, Shape], shown: i
         for key, shape in ours.items()
         if shape is not None and saved.get(key) is not None and saved[key] != shape
     ]
-    parts = [f"Missing key(s) in the checkpoint: {_listed(missing, shown)}"] * bool(missing)
-    parts += [f"Unexpected key(s) in the checkpoint: {_listed(unexpected, shown)}"] * bool(unexpected)
+    parts = [f"Missing key(s) in the checkpoint: {first_names(missing, shown)}"] * bool(missing)
+    parts += [f"Unexpected key(s) in the checkpoint: {first_names(unexpected, shown)}"] * bool(unexpected)
     if resized:
         key, then, now = resized[0]
         part = f"size mismatch for {key}: shape {list(then)} in the checkpoint, {list(now)} in this run's model"
         others = [f"{key} {list(then)} -> {list(now)}" for key, then, now in resized[1:]]
-        parts.append(part + (f"; also {_listed(others, shown - 1)}" if others else ""))
+        parts.append(part + (f"; also {first_names(others, shown - 1)}" if others else ""))
     return "; ".join(parts) or None
 
 
@@ -90,8 +87,8 @@ def check_optimizer_fits(
         held_now = [n for group in our_names for n in group if n is not None]
         only_now = [n for n in held_now if n not in set(held_then)]
         only_then = [n for n in held_then if n not in set(held_now)]
-        text += f"; only this run's holds {_listed(only_now, 4)}" * bool(only_now)
-        text += f"; only the checkpoint's holds {_listed(only_then, 4)}" * bool(only_then)
+        text += f"; only this run's holds {first_names(only_now, 4)}" * bool(only_now)
+        text += f"; only the checkpoint's holds {first_names(only_then, 4)}" * bool(only_then)
     raise StateMisfit(
         f"{text}: its state cannot be restored into other param groups. Resume with configure_optimizers() building "
         "them as the saved run had, or start a new run that loads the checkpoint's weights in configure_model()"
