@@ -739,10 +739,15 @@ class Trainer:
             if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
                 self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
                 return
-            weight = (self.state.batch_size or 1) if self._batch is not None else 1
-            total = self._epoch_sums.setdefault(epoch_tag, [0.0, 0])
-            total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
-            total[1] += weight
+            self._add_to_epoch_sum(epoch_tag, value)
+
+    def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
+        """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
+        metrics and Lightning's epoch means are; a tensor stays on its device (no host read)."""
+        weight = (self.state.batch_size or 1) if self._batch is not None else 1
+        total = self._epoch_sums.setdefault(tag, [0.0, 0])
+        total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
+        total[1] += weight
 
     def _monitored_train_tags(self) -> tuple[str, ...]:
         """The ``train/`` tags a callback or scheduler monitors. One naming a key of training_step's output
@@ -758,14 +763,9 @@ class Trainer:
         size as log(on_epoch=True) is; not one the code logs itself with on_epoch=True (its own mean is monitored)."""
         for tag in self._train_monitors:
             value = outputs.get(tag.removeprefix("train/"))
-            if tag in self._epoch_fx or value is None or (isinstance(value, torch.Tensor) and value.numel() != 1):
-                continue
-            if not isinstance(value, torch.Tensor | numbers.Real):
-                continue
-            weight = self.state.batch_size or 1
-            total = self._epoch_sums.setdefault(f"{tag}_epoch", [0.0, 0])
-            total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
-            total[1] += weight
+            scalar = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+            if scalar and tag not in self._epoch_fx:
+                self._add_to_epoch_sum(f"{tag}_epoch", value)
 
     def _warn_unheard_monitors(self) -> None:
         """At the first iteration's end, name a monitored ``train/`` tag nothing has given a value yet: the epoch's
