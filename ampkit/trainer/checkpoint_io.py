@@ -113,18 +113,14 @@ def write_protected(path: str | os.PathLike) -> bool:
     anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads.
     Never under a umask that takes every write permission away (``umask 0277``): then every file ampkit writes
     looks so, and none can be told to be the user's."""
-    if not 0o222 & ~_umask():
-        return False
-    path = Path(path)
     try:
-        mode = path.stat().st_mode
-        if not mode & 0o222:
-            return True
-        if not stat.S_ISDIR(mode):
-            return False
-        return any(not entry.stat().st_mode & 0o222 for entry in os.scandir(path) if entry.is_file())
+        mode = Path(path).stat().st_mode
+        read_only = not mode & 0o222 or (
+            stat.S_ISDIR(mode) and any(not e.stat().st_mode & 0o222 for e in os.scandir(path) if e.is_file())
+        )
     except OSError:  # gone, or unreadable: nothing there to keep
         return False
+    return read_only and bool(0o222 & ~_umask())  # the umask read only for a file that looks kept
 
 
 def refuse_protected(path: str | os.PathLike) -> None:
