@@ -48,6 +48,15 @@ def _assert_finished_and_tidy(run_dir: Path, reference: dict) -> None:
     assert not (last.parent.parent / LOCK_FILE).exists()
 
 
+def _signal(proc: multiprocessing.Process, signum: int) -> bool:
+    """Send ``signum``; False if the process had already ended (the forkserver reaps it, so its pid is gone)."""
+    try:
+        os.kill(proc.pid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"fault-injection seed {seed}")
@@ -80,14 +89,14 @@ def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path
         run_dir = tmp_path / f"killed{runs}" / "run"
         proc = start(run_dir.parent)
         proc.join(rng.uniform(0.0, duration))
-        if proc.is_alive():
-            os.kill(proc.pid, rng.choice([signal.SIGKILL, signal.SIGINT]))  # SIGINT: KeyboardInterrupt, as Ctrl-C
+        if proc.is_alive() and _signal(proc, rng.choice([signal.SIGKILL, signal.SIGINT])):  # SIGINT: as Ctrl-C
             proc.join()
             kills += 1
             last = resolve_checkpoint(run_dir, "last")
             if last is not None:  # loadable, whatever the moment of the kill
                 resumed_from.add(load_checkpoint(last)["loop"]["global_step"])
             continue
+        proc.join()  # it ended by itself, perhaps between the check and the signal
         # This run, restarted after each kill until it finished, ends exactly where the reference did.
         assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
         _assert_finished_and_tidy(run_dir, reference)
