@@ -59,6 +59,7 @@ from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
     PERIODIC_STEM,
+    PROTECTED,
     CheckpointError,
     deletable,
     is_best_k_checkpoint_name,
@@ -565,12 +566,31 @@ def open_version_dir(
             shutil.rmtree(version_dir, ignore_errors=True)
         if not isinstance(exc, OSError):
             raise
+        if exc.strerror == PROTECTED:
+            raise RunDirectoryError(_protected_record(Path(exc.filename), global_step)) from None
         where = exc.filename or version_dir or run_dir
         raise RunDirectoryError(
             f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
             f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
         ) from None
     return version_dir, lock
+
+
+def _protected_record(path: Path, global_step: int) -> str:
+    """Why a run cannot start over ``path``, a record of its version directory the user write-protected, and the
+    ways on (a resume from a step again, with another config, replaces the record an earlier one left there)."""
+    if _RESUMED_CONFIG.match(path.name):
+        why = (
+            f"it records the config of an earlier resume from step {global_step}, which this resume, with another "
+            "config, would replace"
+        )
+        ways = ", move it elsewhere to keep it, or resume with the config it holds"
+    else:
+        why, ways = "this run would replace it", " or move it elsewhere to keep it"
+    return (
+        f"'{path}' is write-protected (chmod a-w): {why}, and ampkit never replaces such a file. Make it writable "
+        f"again (chmod u+w) to let it be replaced{ways}; nothing was trained and no checkpoint was touched"
+    )
 
 
 def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
