@@ -82,6 +82,7 @@ class ModelCheckpoint(Callback):
         self._saved_at: dict[str, Any] | None = None  # the moment (loop position, stop, validation) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
         self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
+        self._protected_before: list[str] = []  # the names of those a resumed run's checkpoint had warned about
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -92,9 +93,11 @@ class ModelCheckpoint(Callback):
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
+            self._protected_before = []
         if not trainer.is_global_zero:  # other ranks have no run directory
             return
         directory = trainer.version_dir / "checkpoints"
+        self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
             return
         ranked = (*self.best_k, *self.kept)
@@ -184,11 +187,13 @@ class ModelCheckpoint(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
-        return {"best_k": dict(self.best_k), "kept": list(self.kept), **ranked_by}
+        protected = sorted(path.name for path in self._protected if path.exists())
+        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
+        self._protected_before = list(state.get("protected", []))
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
         if change is not None and self.best_k:
