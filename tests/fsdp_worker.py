@@ -60,6 +60,22 @@ class NaNGradInRank1sShard(ampkit.Callback):
             grad.to_local().view(-1)[0] = float("nan")
 
 
+class CopiesLastAndProtectsIt(ampkit.Callback):
+    """Before the save of step 4, rank zero (a user with a shell) puts a copy of the checkpoint ``last`` links to in
+    the link's place, as a copy of the run that follows links makes it, and takes its write permission."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 4 and RANK == 0:
+            import shutil
+
+            last = trainer.version_dir / "checkpoints" / "last"
+            target = last.resolve()
+            last.unlink()
+            shutil.copytree(target, last)
+            for path in (*last.iterdir(), last):
+                path.chmod(path.stat().st_mode & ~0o222)
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
@@ -113,6 +129,15 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
             trainer.fit()
         except ampkit.callbacks.NonFiniteError as error:
             return {"error": str(error), "version_dir": str(trainer.version_dir)}
+        return {"error": None}
+    elif scenario == "protected_last":
+        cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4},
+               "distributed": {**FSDP, "timeout_s": 20}}  # fmt: skip
+        trainer = Shuffled(cfg, callbacks=[CopiesLastAndProtectsIt()])
+        try:
+            trainer.fit()
+        except ampkit.CheckpointError as error:
+            return {"error": str(error), "step": trainer.state.global_step}
         return {"error": None}
     else:
         raise SystemExit(f"unknown scenario {scenario}")

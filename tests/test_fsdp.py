@@ -504,3 +504,14 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_pat
     for result in results:
         assert result["error"] is not None and "not finite at step 2" in result["error"], result
     assert not (Path(results[0]["version_dir"]) / "checkpoints" / "step-00000002").exists()
+
+
+def test_a_write_protected_copied_last_directory_stops_every_rank_at_the_save(tmp_path):
+    """Rank zero alone refused to replace a write-protected copy of the checkpoint in place of the ``last`` link: rank 1
+    trained on into a collective rank zero never joined, and waited there for the timeout."""
+    results = launch("protected_last", tmp_path)
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last"
+    for result in results:
+        assert result["step"] == 4
+        assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
+    assert (last / ".metadata").is_file() and not last.is_symlink()

@@ -21,6 +21,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
@@ -263,24 +264,35 @@ class ModelCheckpoint(Callback):
         writing = directory / name
         try:
             path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
-            if best is not None:  # directories cannot be hard-linked: the same state saved again under its best-k name
-                if best != name:
-                    writing = directory / best
-                    save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
-                if trainer.is_global_zero:
-                    writing = directory / "best"
-                    point_last_at(directory / next(iter(self.best_k)), "best")
-            if trainer.is_global_zero:
-                writing = directory / LAST
-                point_last_at(path)
+            if best is not None and best != name:  # directories cannot be hard-linked: the state saved again
+                writing = directory / best
+                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:
                 raise
             raise _save_failed(writing, reason, directory / LAST, path) from None
+        # Rank zero moves the links; its failure (a write-protected copy of a checkpoint in a link's place) stops every
+        # rank, or the others would train on into a collective it never joins.
+        failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
+        if (failed := broadcast_object(failed, trainer.dist)) is not None:
+            raise _save_failed(Path(failed[0]), failed[1], directory / LAST, path)
         if trainer.is_global_zero and self.keep_last is not None:
             prune_sharded(directory, self.keep_last, self._protected)
         return path
+
+    def _point_links(self, directory: Path, path: Path, best: str | None) -> tuple[str, str] | None:
+        """Point ``best`` (when this moment ranked) and ``last`` at their checkpoints; ``(link, reason)`` of the one
+        that could not be, or None."""
+        writing = directory / "best"
+        try:
+            if best is not None:
+                point_last_at(directory / next(iter(self.best_k)), "best")
+            writing = directory / LAST
+            point_last_at(path)
+        except OSError as exc:
+            return str(writing), exc.strerror or str(exc)
+        return None
 
 
 def _moment(trainer) -> dict[str, Any]:

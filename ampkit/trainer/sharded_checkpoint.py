@@ -79,6 +79,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank_zero(value: Any) -> Any:
+    """Rank zero's ``value`` on every rank (``value`` itself in one process)."""
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def _shard_writer(path: Path) -> Any:
     """DCP's ``FileSystemWriter`` for ``path``, whose files' failed writes are what ``dcp.save`` gathers: DCP writes
     tensors with ``torch.save``, which hides a full disk behind ``RuntimeError: unexpected pos``."""
@@ -106,16 +115,22 @@ def save_sharded(
     """Write ``module``'s and ``optimizers``' shards (every rank) and ``checkpoint`` (rank zero) to ``path``.
 
     Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete. A write-protected
-    checkpoint already at ``path`` is refused on every rank alike, before any writes.
+    checkpoint already at ``path`` (or a directory that cannot be made) is refused on every rank alike, as rank zero
+    found it, before any writes.
     """
     import torch.distributed.checkpoint as dcp
 
-    refuse_protected(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    refused = None
     if is_zero:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            refuse_protected(path)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            refused = exc
+    if (refused := _from_rank_zero(refused)) is not None:  # also the barrier: no rank writes before tmp exists
+        raise refused
     try:
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
