@@ -39,6 +39,7 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -792,6 +793,20 @@ def _process_start(pid: int) -> str | None:
     return f"{boot}/{ticks}"
 
 
+# os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse).
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
+def _no_hard_links(version_dir: Path, exc: OSError) -> str:
+    """Why a run cannot write ``version_dir``: its file system makes no hard link, which the lock is taken by."""
+    return (
+        f"run directory '{version_dir}' is on a file system without hard links (os.link: {exc.strerror}), which the "
+        "run lock is taken by: an object-store mount (s3fs, gcsfuse, blobfuse), whose renames are no atomic "
+        "replacement either, so a kill mid-save could leave no whole last.pt. Put run_dir on a local disk or a "
+        "network file system (NFS, Lustre, GPFS) and copy the run to the object store after"
+    )
+
+
 class RunLock:
     """``version_N/run.lock``: one live run writes a version directory at a time. ``tidying``: a lock held only while
     :func:`tidy_run_dir` (or a finished run's pruning) works there, for a moment; a run starting meanwhile waits for
@@ -838,6 +853,10 @@ class RunLock:
                     return
                 except FileExistsError:
                     holder = self._holder()
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINKS:
+                        raise
+                    raise RunDirectoryError(_no_hard_links(self.path.parent, exc)) from None
                 if holder is None and not os.path.lexists(self.path):  # released just now: try again
                     continue
                 if self._stale(holder) and take_overs < 3:
