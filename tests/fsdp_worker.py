@@ -76,6 +76,16 @@ class CopiesLastAndProtectsIt(ampkit.Callback):
                 path.chmod(path.stat().st_mode & ~0o222)
 
 
+class Rank1LateToTheSave(ampkit.Callback):
+    """Rank 1 takes 1.5 s to add its state to the checkpoint of step 2 (a slow or stuck callback of its own)."""
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        if trainer.state.global_step == 2 and RANK == 1:
+            import time
+
+            time.sleep(1.5)
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
@@ -139,6 +149,14 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         except ampkit.CheckpointError as error:
             return {"error": str(error), "step": trainer.state.global_step}
         return {"error": None}
+    elif scenario == "late_rank":
+        from ampkit.trainer import waiting
+
+        waiting.SAY_AFTER_S = 0.5
+        cfg = {**base, "checkpoint": {"every_n_steps": 2}, "trainer": {**cpu, "max_steps": 2}}
+        trainer = Shuffled(cfg, callbacks=[Rank1LateToTheSave()])
+        trainer.fit()
+        return {}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)

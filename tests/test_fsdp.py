@@ -515,3 +515,17 @@ def test_a_write_protected_copied_last_directory_stops_every_rank_at_the_save(tm
         assert result["step"] == 4
         assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
     assert (last / ".metadata").is_file() and not last.is_symlink()
+
+
+def test_rank_zero_names_the_rank_it_waits_for_at_a_save(tmp_path):
+    """A rank that hung before a sharded save kept rank zero waiting there without a word until distributed.timeout_s
+    (300 s by default) failed the run."""
+    procs = start("late_rank", tmp_path)
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
+    said = [line for line in outputs[0][1].splitlines() if "has waited" in line]
+    assert said == [
+        "ampkit: rank 0 has waited 0.5 s at the save of step-00000002 for rank(s) 1; a rank that died or hangs there "
+        "stops the run after distributed.timeout_s (its own output says why)"
+    ]
+    assert "has waited" not in outputs[1][1]

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
@@ -32,6 +31,7 @@ from ampkit.trainer.sharded_checkpoint import (
     save_sharded,
     write_failure,
 )
+from ampkit.trainer.waiting import barrier
 
 
 class ModelCheckpoint(Callback):
@@ -217,7 +217,7 @@ class ModelCheckpoint(Callback):
             return
         self.on_train_end(trainer)
         if trainer.dist.enabled:  # no rank leaves before rank zero's file is written: torchrun would end it
-            dist.barrier()
+            barrier(f"the save of step {trainer.state.global_step}, where a SIGTERM stopped the run")
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the

@@ -38,6 +38,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.state_misfit import model_misfit, shapes_of
+from ampkit.trainer.waiting import barrier
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
@@ -72,11 +73,6 @@ def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer
             "model": model,
             "optimizers": {name: get_optimizer_state_dict(module, o) for name, o in optimizers.items()},
         }
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _from_rank_zero(value: Any) -> Any:
@@ -121,6 +117,7 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     tmp = path.with_name(f".{path.name}.tmp")
+    barrier(f"the save of {path.name}")  # every rank has come: rank zero names one that died or hangs before it
     refused = None
     if is_zero:
         try:
@@ -150,7 +147,7 @@ def save_sharded(
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         shutil.rmtree(aside, ignore_errors=True)
-    _barrier()
+    barrier(f"the end of the save of {path.name}")
     return path
 
 
@@ -255,6 +252,7 @@ def load_sharded(
         raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's model: {misfit}{hint}")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
+    barrier(f"the resume of {path.name}")  # every rank has read trainer.pt: rank zero names one that has not
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a shard file truncated, missing or unreadable
