@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
-from toy_trainers import ToyTrainer
+from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
@@ -529,3 +529,26 @@ def test_rank_zero_names_the_rank_it_waits_for_at_a_save(tmp_path):
         "stops the run after distributed.timeout_s (its own output says why)"
     ]
     assert "has waited" not in outputs[1][1]
+
+
+def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path, monkeypatch):
+    """keep_last deleted an old checkpoint directory file by file under its own name: a kill midway left a
+    ``step-N`` without ``.metadata``, neither resumable nor ever pruned again."""
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the kill strikes after the first file
+        if (Path(path) / ".metadata").is_file() and "00000001" in Path(path).name:
+            (Path(path) / ".metadata").unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "distributed.strategy": "fsdp",
+                "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "trainer.max_steps": 3}  # fmt: skip
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert all(is_sharded_checkpoint(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit(resume="last")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last", "step-00000003"]

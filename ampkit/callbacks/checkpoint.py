@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from ampkit.trainer.sharded_checkpoint import (
     is_sharded_checkpoint,
     point_last_at,
     prune_sharded,
+    remove_sharded,
     save_sharded,
     write_failure,
 )
@@ -108,7 +108,7 @@ class ModelCheckpoint(Callback):
                 best.unlink(missing_ok=True)
             elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
                 if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
-                    shutil.rmtree(best, ignore_errors=True)
+                    remove_sharded(best)
         if trainer.sharded:
             self._relink_best(directory)
         else:
@@ -164,7 +164,7 @@ class ModelCheckpoint(Callback):
             return
         for name in (old.name for old in deletable([path.parent / name for name in dropped], self._protected)):
             if trainer.sharded:
-                shutil.rmtree(path.parent / name, ignore_errors=True)
+                remove_sharded(path.parent / name)
             else:
                 (path.parent / name).unlink(missing_ok=True)
 

@@ -221,13 +221,26 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
+def remove_sharded(path: Path) -> None:
+    """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
+    next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
+    neither resumable nor ever pruned."""
+    doomed = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        os.replace(path, doomed)
+    except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
     ``best-*`` ones are the best-k ranking's to keep or drop; a write-protected one is kept, uncounted)."""
     last = (directory / LAST).resolve()
     for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_sharded(old)
 
 
 def load_sharded(
