@@ -77,13 +77,17 @@ class CopiesLastAndProtectsIt(ampkit.Callback):
 
 
 class Rank1LateToTheSave(ampkit.Callback):
-    """Rank 1 takes 1.5 s to add its state to the checkpoint of step 2 (a slow or stuck callback of its own)."""
+    """Rank 1 adds its state to the checkpoint of step 2 (a slow or stuck callback of its own) only 1 s after rank 0
+    came to that save's barrier (its first: it counts its arrivals in the store)."""
 
     def on_save_checkpoint(self, trainer, checkpoint):
         if trainer.state.global_step == 2 and RANK == 1:
             import time
 
-            time.sleep(1.5)
+            store = torch.distributed.distributed_c10d._get_default_store()
+            while store.add("ampkit/barriers/0", 0) < 1:
+                time.sleep(0.01)
+            time.sleep(1)
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -140,23 +144,18 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         except ampkit.callbacks.NonFiniteError as error:
             return {"error": str(error), "version_dir": str(trainer.version_dir)}
         return {"error": None}
-    elif scenario == "protected_last":
+    elif scenario == "late_rank_then_protected_last":
+        from ampkit.trainer import waiting
+
+        waiting.SAY_AFTER_S = 0.5
         cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4},
                "distributed": {**FSDP, "timeout_s": 20}}  # fmt: skip
-        trainer = Shuffled(cfg, callbacks=[CopiesLastAndProtectsIt()])
+        trainer = Shuffled(cfg, callbacks=[Rank1LateToTheSave(), CopiesLastAndProtectsIt()])
         try:
             trainer.fit()
         except ampkit.CheckpointError as error:
             return {"error": str(error), "step": trainer.state.global_step}
         return {"error": None}
-    elif scenario == "late_rank":
-        from ampkit.trainer import waiting
-
-        waiting.SAY_AFTER_S = 0.5
-        cfg = {**base, "checkpoint": {"every_n_steps": 2}, "trainer": {**cpu, "max_steps": 2}}
-        trainer = Shuffled(cfg, callbacks=[Rank1LateToTheSave()])
-        trainer.fit()
-        return {}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)

@@ -506,21 +506,11 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_pat
     assert not (Path(results[0]["version_dir"]) / "checkpoints" / "step-00000002").exists()
 
 
-def test_a_write_protected_copied_last_directory_stops_every_rank_at_the_save(tmp_path):
-    """Rank zero alone refused to replace a write-protected copy of the checkpoint in place of the ``last`` link: rank 1
-    trained on into a collective rank zero never joined, and waited there for the timeout."""
-    results = launch("protected_last", tmp_path)
-    last = tmp_path / "run" / "version_0" / "checkpoints" / "last"
-    for result in results:
-        assert result["step"] == 4
-        assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
-    assert (last / ".metadata").is_file() and not last.is_symlink()
-
-
-def test_rank_zero_names_the_rank_it_waits_for_at_a_save(tmp_path):
-    """A rank that hung before a sharded save kept rank zero waiting there without a word until distributed.timeout_s
-    (300 s by default) failed the run."""
-    procs = start("late_rank", tmp_path)
+def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops_every_rank(tmp_path):
+    """Rank zero waited for a rank late to a save without a word until distributed.timeout_s (300 s by default) failed
+    the run; and it alone refused to replace a write-protected copy of the checkpoint in the ``last`` link's place,
+    while rank 1 trained on into a collective rank zero never joined."""
+    procs = start("late_rank_then_protected_last", tmp_path)
     outputs = [proc.communicate(timeout=240) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
     said = [line for line in outputs[0][1].splitlines() if "has waited" in line]
@@ -529,6 +519,12 @@ def test_rank_zero_names_the_rank_it_waits_for_at_a_save(tmp_path):
         "stops the run after distributed.timeout_s (its own output says why)"
     ]
     assert "has waited" not in outputs[1][1]
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last"
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["step"] == 4
+        assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
+    assert (last / ".metadata").is_file() and not last.is_symlink()
 
 
 def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path, monkeypatch):
