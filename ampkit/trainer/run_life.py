@@ -47,6 +47,7 @@ import shutil
 import socket
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -594,16 +595,29 @@ def _protected_record(path: Path, global_step: int) -> str:
     )
 
 
+# What a run writes in its version directory before it trains (its lock it has released: one there now is another's).
+_RUN_RECORDS = ("config.yaml", LINEAGE_FILE, "tensorboard", "checkpoints")
+
+
 def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
     """Remove the version directory a fresh run or a branch created, when it stopped before training (its sanity
-    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. A directory that a
-    resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero only."""
+    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. Only what the run wrote
+    goes: a file a callback of the user's put there (a copy of the script) is kept, and its directory with it. A
+    directory that a resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero
+    only."""
     if version_dir is None or start.version_dir is not None:
         return
     checkpoints = version_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return
-    shutil.rmtree(version_dir, ignore_errors=True)
+    for path in (version_dir / name for name in _RUN_RECORDS):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
+    with suppress(OSError):  # not empty: what is left is the user's
+        version_dir.rmdir()
 
 
 def lineage(start: FitStart) -> dict[str, Any]:
