@@ -154,8 +154,12 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         try:
             trainer.fit()
         except ampkit.CheckpointError as error:
-            return {"error": str(error), "step": trainer.state.global_step}
-        return {"error": None}
+            stopped = {"error": str(error), "step": trainer.state.global_step}
+        else:
+            stopped = {"error": None}
+        resumed = Shuffled({**cfg, "trainer": {**cpu, "max_steps": 6}})  # every rank branches from the kept last
+        resumed.fit(resume="last")
+        return {**stopped, "resumed_in": str(resumed.version_dir), "resumed_to": resumed.state.global_step}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)

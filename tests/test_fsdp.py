@@ -509,7 +509,7 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_pat
 def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops_every_rank(tmp_path):
     """Rank zero waited for a rank late to a save without a word until distributed.timeout_s (300 s by default) failed
     the run; and it alone refused to replace a write-protected copy of the checkpoint in the ``last`` link's place,
-    while rank 1 trained on into a collective rank zero never joined."""
+    while rank 1 trained on into a collective rank zero never joined. A resume then branches on every rank."""
     procs = start("late_rank_then_protected_last", tmp_path)
     outputs = [proc.communicate(timeout=240) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
@@ -524,6 +524,7 @@ def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["step"] == 4
         assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
+        assert result["resumed_in"] == str(tmp_path / "run" / "version_1") and result["resumed_to"] == 6
     assert (last / ".metadata").is_file() and not last.is_symlink()
 
 
