@@ -90,3 +90,13 @@ def _iterate(loader: Any) -> Iterator[Any]:
     finally:
         loader.worker_init_fn = own
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def release_workers(iterator: Any) -> None:
+    """Shut down the worker processes of ``iterator``, a DataLoader's (not persistent workers', which the loader
+    keeps for its next epoch), now. Called when an error leaves an epoch: the error's traceback holds the iterator,
+    and torch's shutdown run later by the garbage collector of that traceback waited 5 s for each worker (the
+    process or notebook stalled 10 s after a bad sample, with 2 workers), where one run now takes milliseconds."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None and not getattr(iterator, "_persistent_workers", True):
+        shutdown()

@@ -126,7 +126,7 @@ from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
-from ampkit.trainer.loader_workers import iterate
+from ampkit.trainer.loader_workers import iterate, release_workers
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -370,6 +370,7 @@ class Trainer:
         # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
         self._loop_phase: str | None = None
         self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
+        self._epoch_iterator: Any = None  # the train loader's iterator of the epoch running, released on an error
         self._said_short_epoch = False  # warned that the loader yields fewer batches than its len()
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
@@ -946,6 +947,7 @@ class Trainer:
             failure = exc
             self._explain(exc)
             self._note_loop_position(exc)
+            release_workers(self._epoch_iterator)
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
@@ -1037,7 +1039,7 @@ class Trainer:
                     self._validate_at_stop()
                 break
             self._loop_phase = "fetch"
-        self._at_last_batch, self._loop_phase = False, None
+        self._at_last_batch, self._loop_phase, self._epoch_iterator = False, None, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
@@ -1681,7 +1683,7 @@ class Trainer:
         set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
-        iterator = iterate(self._train_loader)
+        iterator = self._epoch_iterator = iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(
