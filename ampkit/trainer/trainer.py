@@ -126,7 +126,7 @@ from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
-from ampkit.trainer.loader_workers import iterate
+from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -362,6 +362,7 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
+        self._workers = StartedWorkers()  # the loader workers a run started, ended as it ends
         self._num_train_batches: int | None = None
         self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
@@ -888,6 +889,7 @@ class Trainer:
             raise
         finally:
             self._running = None
+            self._workers.shut_down()
             for guard in self._direct_step_guards:
                 guard.remove()
             self._direct_step_guards = []
@@ -1375,6 +1377,7 @@ class Trainer:
             raise
         finally:
             self._running = None
+            self._workers.shut_down()
             teardown_distributed(self.dist, clean, failure)
         return result
 
@@ -1681,7 +1684,7 @@ class Trainer:
         set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
-        iterator = iterate(self._train_loader)
+        iterator = self._workers.iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(

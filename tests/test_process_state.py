@@ -1,0 +1,50 @@
+"""What a fit leaves in the process it ran in (a notebook, a pytest session, a sweep running fits in a loop), after
+it returns and after it raises: no worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+from torch.utils.data import DataLoader
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
+
+
+class _WorkerLoaders(ToyTrainer):
+    persistent = True
+    fail_at: int | None = None
+
+    def train_dataloader(self):
+        data = toy_dataset(self.cfg.data.n)
+        return DataLoader(data, batch_size=8, shuffle=True, num_workers=1, persistent_workers=self.persistent)
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(24, seed=7), batch_size=8, num_workers=1, persistent_workers=self.persistent)
+
+    def training_step(self, batch):
+        if self.state.global_step == self.fail_at:
+            raise ValueError("a step that fails")
+        return super().training_step(batch)
+
+
+def _workers() -> set[int]:
+    return {child.pid for child in multiprocessing.active_children()}
+
+
+def test_a_fit_ends_the_loader_workers_it_started_kept_trainer_or_kept_error(tmp_path):
+    """Persistent workers lived as long as the Trainer that keeps their loaders (a notebook's variable, a sweep's
+    list of Trainers: 2 processes per loader per fit), and an epoch's workers as long as the error that stopped it
+    (IPython keeps the last one; its traceback holds the epoch's iterator). Lightning's teardown ends both."""
+    before = _workers()
+    trainer = _WorkerLoaders(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    assert _workers() == before
+    trainer.validate()  # a persistent loader iterated again starts new workers, and its run ends them too
+    assert _workers() == before
+    failing = _WorkerLoaders(toy_cfg(tmp_path / "b", **QUIET))
+    failing.persistent, failing.fail_at = False, 1
+    with pytest.raises(ValueError, match="a step that fails") as kept:
+        failing.fit()
+    assert kept.value is not None and _workers() == before
