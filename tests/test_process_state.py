@@ -1,13 +1,17 @@
 """What a fit leaves in the process it ran in (a notebook, a pytest session, a sweep running fits in a loop), after
-it returns and after it raises: no worker processes."""
+it returns and after it raises: no worker processes; and the caller's torch modes a fit must not inherit (grad mode
+off, an outer autocast)."""
 
 from __future__ import annotations
 
 import multiprocessing
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+
+from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -48,3 +52,23 @@ def test_a_fit_ends_the_loader_workers_it_started_kept_trainer_or_kept_error(tmp
     with pytest.raises(ValueError, match="a step that fails") as kept:
         failing.fit()
     assert kept.value is not None and _workers() == before
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_fit_called_with_grad_mode_off_trains(tmp_path, mode):
+    """Under the caller's no_grad() (an evaluation function's decorator) every loss had no graph, and the fit failed
+    at its first backward saying the loss was computed under torch.no_grad()."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    with mode():
+        trainer.fit()
+    assert trainer.state.global_step == 2
+    assert all(p.requires_grad and not p.is_inference() for p in trainer.module.parameters())
+
+
+def test_a_fit_inside_the_callers_autocast_is_refused_naming_it_before_anything_is_written(tmp_path):
+    """An outer autocast cast every forward and backward of a float32 (O0) run to bfloat16, silently."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    message = r"torch.autocast\(device_type='cpu', dtype=torch.bfloat16\).*precision.opt_level=O0\).*O1 precision.dtype"
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert not (tmp_path / "run").exists()

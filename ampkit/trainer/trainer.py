@@ -79,6 +79,7 @@ from ampkit.trainer.batch_layout import (
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -873,13 +874,14 @@ class Trainer:
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
             )
+        refuse_outer_autocast(self.cfg, self.device)
         self._start_distributed()
         clean = False
         failure = None
         self._preempt_asked = False
         self._running = "fit"
         try:
-            with sigterm_asks_to_stop(self._ask_preemption):
+            with sigterm_asks_to_stop(self._ask_preemption), grad_mode_for_training():
                 self._fit(resume)
             clean = True
         except BaseException as exc:
