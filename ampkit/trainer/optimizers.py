@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import numbers
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -78,6 +79,11 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
         spec = SchedulerSpec(**value)
     else:
         spec = SchedulerSpec(scheduler=value)
+    if isinstance(spec.scheduler, type):  # its unbound step() passed the check below, and failed at the first step
+        raise UserCodeError(
+            f"{where}: lr_scheduler is the class {spec.scheduler.__name__}, not a scheduler: construct it on the "
+            f"optimizer ({spec.scheduler.__name__}(optimizer, ...))"
+        )
     if not all(callable(getattr(spec.scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
         raise UserCodeError(
             f"{where}: lr_scheduler is {type(spec.scheduler).__name__} ({str(spec.scheduler)[:40]!r}); expected a "
@@ -85,8 +91,18 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
         )
     if spec.interval not in (None, "step", "epoch"):
         raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
+    if isinstance(spec.frequency, bool) or not isinstance(spec.frequency, numbers.Integral):
+        raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency!r} must be an integer >= 1")
     if spec.frequency < 1:
         raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
+    spec.frequency = int(spec.frequency)
+    if not isinstance(spec.strict, bool):  # "false" would be true
+        raise UserCodeError(f"{where}: lr_scheduler strict {spec.strict!r} must be True or False")
+    for key in ("monitor", "name"):
+        if not isinstance(getattr(spec, key), str | None):
+            raise UserCodeError(
+                f"{where}: lr_scheduler {key} {getattr(spec, key)!r} must be a string (e.g. 'val/loss') or None"
+            )
     return spec
 
 
@@ -166,12 +182,17 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             if unknown:
                 raise UserCodeError(f"{where}: unknown keys {sorted(unknown)}; return {_ACCEPTED}")
             scheds = item.get("lr_scheduler")
-            scheds = scheds if isinstance(scheds, list) else ([] if scheds is None else [scheds])
+            scheds = list(scheds) if isinstance(scheds, list | tuple) else ([] if scheds is None else [scheds])
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
+            if not isinstance(item.get("monitor"), str | None):
+                raise UserCodeError(f"{where}: monitor {item['monitor']!r} must be a string (e.g. 'val/loss') or None")
             for spec in sched_specs:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
                 if target is not item["optimizer"]:
-                    raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
+                    raise UserCodeError(
+                        f"{where}: its lr_scheduler steps another optimizer than its 'optimizer' "
+                        f"({_which_optimizer(target, items)}): put each scheduler beside the optimizer it steps"
+                    )
             for spec in sched_specs:
                 plateau = isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
                 if spec.monitor is not None and _takes_no_metric(spec.scheduler):
@@ -198,6 +219,11 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 f"{where} is a dict whose 'optimizer' is {found} (keys: {sorted(map(str, item))}); it needs "
                 f"'optimizer': a torch.optim.Optimizer. Return {_ACCEPTED}"
             )
+        elif isinstance(item, type) and issubclass(item, torch.optim.Optimizer):
+            raise UserCodeError(
+                f"{where} is the class {item.__name__}, not an optimizer: construct it "
+                f"({item.__name__}(self.module.parameters(), lr=...))"
+            )
         else:
             raise UserCodeError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")
     defaults = Counter(type(s.optimizer).__name__.lower() for s in specs if not s.name)
@@ -212,6 +238,13 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
+    schedulers = [sched.scheduler for spec in specs for sched in spec.schedulers]
+    if len({id(sched) for sched in schedulers}) != len(schedulers):  # each listing would step it once more
+        twice = next(sched for sched in schedulers if sum(other is sched for other in schedulers) > 1)
+        raise UserCodeError(
+            f"configure_optimizers() returned one {type(twice).__name__} object twice: the Trainer would step it "
+            "once for each; return each scheduler once"
+        )
     for spec in specs:
         if _needs_closure(spec.optimizer):
             raise UserCodeError(
@@ -221,6 +254,15 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 "none (SGD, AdamW...)"
             )
     return specs
+
+
+def _which_optimizer(optimizer: Any, items: list[Any]) -> str:
+    """Where ``optimizer`` is among ``configure_optimizers``' items, for a message: ``"configure_optimizers()[1]'s"``,
+    or that it returned no such optimizer."""
+    for i, item in enumerate(items):
+        if optimizer is item or (isinstance(item, dict) and optimizer is item.get("optimizer")):
+            return f"that of configure_optimizers()[{i}]"
+    return f"a {type(optimizer).__name__} that configure_optimizers() did not return"
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
