@@ -1,11 +1,13 @@
 """What a fit leaves in the process it ran in (a notebook, a pytest session, a sweep running fits in a loop), after
-it returns and after it raises: no worker processes; and the caller's torch modes a fit must not inherit (grad mode
-off, an outer autocast)."""
+it returns and after it raises: no worker processes, and the caller's random generators as they were. And the
+caller's torch modes that a fit must not inherit (grad mode off, an outer autocast)."""
 
 from __future__ import annotations
 
 import multiprocessing
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -72,3 +74,28 @@ def test_a_fit_inside_the_callers_autocast_is_refused_naming_it_before_anything_
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UserCodeError, match=message):
         trainer.fit()
     assert not (tmp_path / "run").exists()
+
+
+def _draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
+def _seed_callers(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def test_a_seeded_run_leaves_the_callers_random_generators_as_they_were(tmp_path):
+    """A fit or a fresh validate seeded by trainer.seed (0 by default) reseeded Python's, NumPy's and torch's global
+    generators for good: a sweep drawing each trial's settings from random after a fit drew the same ones every
+    time. With trainer.seed=null the run draws from the caller's generators, which it leaves advanced."""
+    _seed_callers(1)
+    expected = _draws()
+    _seed_callers(1)
+    ToyTrainer(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1})).fit()
+    ToyTrainer(toy_cfg(tmp_path / "b", **QUIET)).validate()
+    assert _draws() == expected
+    _seed_callers(1)
+    ToyTrainer(toy_cfg(tmp_path / "c", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": "null"})).fit()
+    assert _draws() != expected

@@ -149,7 +149,14 @@ from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
-from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
+from ampkit.trainer.rng import (
+    capture_callers_rng,
+    capture_rng,
+    restore_callers_rng,
+    restore_rng,
+    rng_not_restored,
+    seed_everything,
+)
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
@@ -880,6 +887,7 @@ class Trainer:
         failure = None
         self._preempt_asked = False
         self._running = "fit"
+        callers_rng = capture_callers_rng() if self.settings.seed is not None else None  # a seeded run draws its own
         try:
             with sigterm_asks_to_stop(self._ask_preemption), grad_mode_for_training():
                 self._fit(resume)
@@ -892,6 +900,8 @@ class Trainer:
         finally:
             self._running = None
             self._workers.shut_down()
+            if callers_rng is not None:
+                restore_callers_rng(callers_rng)
             for guard in self._direct_step_guards:
                 guard.remove()
             self._direct_step_guards = []
@@ -1369,6 +1379,8 @@ class Trainer:
         clean = False
         failure = None
         self._running = stage.name
+        seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
+        callers_rng = capture_callers_rng() if seeds else None
         try:
             result = self._run_stage(stage, ckpt)
             clean = True
@@ -1380,6 +1392,8 @@ class Trainer:
         finally:
             self._running = None
             self._workers.shut_down()
+            if callers_rng is not None:
+                restore_callers_rng(callers_rng)
             teardown_distributed(self.dist, clean, failure)
         return result
 
