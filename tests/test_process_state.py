@@ -1,11 +1,13 @@
 """What a fit leaves in the process it ran in (a notebook, a pytest session, a sweep running fits in a loop), after
 it returns and after it raises: no worker processes, and the caller's random generators as they were. And the
-caller's torch modes that a fit must not inherit (grad mode off, an outer autocast)."""
+caller's torch modes that a fit must not inherit (grad mode off, an outer autocast) or that it explains (anomaly
+detection)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -99,3 +101,17 @@ def test_a_seeded_run_leaves_the_callers_random_generators_as_they_were(tmp_path
     _seed_callers(1)
     ToyTrainer(toy_cfg(tmp_path / "c", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": "null"})).fit()
     assert _draws() != expected
+
+
+def test_a_scaled_float16_run_under_anomaly_detection_says_why_it_stopped(tmp_path):
+    """The first steps of a dynamic loss scale overflow by design (the step is skipped, the scale lowered); torch's
+    anomaly detection raises on their NaN gradients, and the error named only a backward function."""
+    precision = {"precision.opt_level": "O1", "precision.dtype": "float16", "trainer.max_steps": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **precision))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+        with torch.autograd.detect_anomaly(), pytest.raises(RuntimeError, match="returned nan values") as err:
+            trainer.fit()
+    note = "\n".join(err.value.__notes__)
+    assert "anomaly detection stopped the run" in note and "scale now 65536" in note
+    assert "precision.dtype=bfloat16" in note
