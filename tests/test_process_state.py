@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import threading
 import warnings
 
 import numpy as np
@@ -115,3 +116,29 @@ def test_a_scaled_float16_run_under_anomaly_detection_says_why_it_stopped(tmp_pa
     note = "\n".join(err.value.__notes__)
     assert "anomaly detection stopped the run" in note and "scale now 65536" in note
     assert "precision.dtype=bfloat16" in note
+
+
+class _WaitsInFit(ToyTrainer):
+    def on_train_start(self):
+        self.started.set()
+        self.release.wait(30)
+
+
+def test_a_fit_or_validate_from_another_thread_while_one_runs_is_refused_naming_both_threads(tmp_path):
+    """A second thread's fit() was refused as one 'from a hook or a step' of the running fit, and its validate() ran
+    beside the fit on the same model and loop state."""
+    trainer = _WaitsInFit(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+    trainer.started, trainer.release = threading.Event(), threading.Event()
+    first = threading.Thread(target=trainer.fit, name="first")
+    first.start()
+    try:
+        assert trainer.started.wait(30)
+        refused = r"in thread 'MainThread' while fit\(\) is running in thread 'first'"
+        for call in (trainer.fit, trainer.validate):
+            with pytest.raises(UserCodeError, match=refused):
+                call()
+    finally:
+        trainer.release.set()
+        first.join(30)
+    assert trainer.state.global_step == 1
+    trainer.validate()  # the run is over: its thread no longer holds the Trainer

@@ -48,6 +48,7 @@ import dataclasses
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from itertools import islice
@@ -211,6 +212,7 @@ from ampkit.trainer.user_code import (
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
+_CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry point at a time (Trainer._claim)
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
     "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
@@ -401,6 +403,7 @@ class Trainer:
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
+        self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
@@ -876,17 +879,20 @@ class Trainer:
 
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
-        if self._running is not None:  # it would recurse until Python's stack runs out
+        if not self._claim("fit"):  # it would recurse until Python's stack runs out
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
             )
-        refuse_outer_autocast(self.cfg, self.device)
-        self._start_distributed()
+        try:
+            refuse_outer_autocast(self.cfg, self.device)
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
         self._preempt_asked = False
-        self._running = "fit"
         callers_rng = capture_callers_rng() if self.settings.seed is not None else None  # a seeded run draws its own
         try:
             with sigterm_asks_to_stop(self._ask_preemption), grad_mode_for_training():
@@ -911,6 +917,24 @@ class Trainer:
             if self._discard_version_dir and self.is_global_zero:
                 discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean, failure)
+
+    def _claim(self, entry: str) -> bool:
+        """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
+        the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
+        the optimizers and the loop's state (and both passed the check before either marked itself)."""
+        here = (threading.get_ident(), threading.current_thread().name)
+        with _CLAIMS:
+            if self._running is None:
+                self._running, self._running_in = entry, here
+                return True
+        if self._running_in != here:
+            raise UserCodeError(
+                f"{entry}() was called in thread '{here[1]}' while {self._running}() is running in thread "
+                f"'{self._running_in[1]}' on this {type(self).__name__}: one Trainer runs one "
+                "fit, validate, test or predict at a time (they would share its model, optimizers and loop state); "
+                "build a Trainer for each thread"
+            )
+        return False
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -1372,13 +1396,15 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        outer = self._running
-        if outer is not None:  # from a hook of a running fit (or evaluation): its process group stays its own
+        if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
-        self._start_distributed()
+        try:
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
-        self._running = stage.name
         seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
         callers_rng = capture_callers_rng() if seeds else None
         try:
