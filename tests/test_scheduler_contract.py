@@ -413,3 +413,25 @@ def test_a_scheduler_the_trainer_steps_and_the_step_steps_too_is_refused_at_once
                        r"Trainer \(its count went from 2 to 3 since the Trainer stepped it\)"):  # fmt: skip
         run.fit()
     assert run.state.global_step == 1
+
+
+class OneCycle(ToyTrainer):
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        one_cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=8)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": one_cycle, "interval": "step"}}
+
+
+def test_a_one_cycle_schedule_the_run_would_step_past_is_refused_before_training(tmp_path):
+    """torch raised 'Tried to step 9 times' at the ninth step, after training that far (and, without a checkpoint
+    since, losing it). A schedule the run fits in trains, also resumed; a resume that would outrun it is refused."""
+    half = {"checkpoint.enabled": True, "trainer.max_steps": 4, "trainer.max_epochs": 2}
+    assert _fit(tmp_path, OneCycle, **half).state.global_step == 4
+    resumed = _fit(tmp_path, OneCycle, resume="last", **{**half, "trainer.max_steps": 8})
+    assert resumed.state.global_step == 8
+    refused = r"the OneCycleLR of optimizer 'sgd' steps at each step of it \('interval': 'step'\), {} times in this run"
+    with pytest.raises(UserCodeError, match=refused.format(2) + r", but has total_steps=8 \(0 left\): .* step 9"):
+        _fit(tmp_path, OneCycle, resume="last", **{**half, "trainer.max_steps": 10})
+    with pytest.raises(UserCodeError, match=refused.format(16) + r".*total_steps=self.num_training_steps"):
+        _fit(tmp_path / "two epochs", OneCycle, **{"trainer.max_epochs": 2})
+    assert not (tmp_path / "two epochs").exists()

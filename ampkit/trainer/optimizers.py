@@ -122,6 +122,29 @@ def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) ->
     sched.count_after_step = getattr(sched.scheduler, "last_epoch", None)
 
 
+def refuse_scheduler_overrun(spec: OptimizerSpec, steps_taken: int, iterations_left: int) -> None:
+    """Refuse a ``OneCycleLR`` stepped per iteration that this run would step past its ``total_steps``: torch raises
+    "Tried to step N times" at the step after them, once the run has trained that far (the steps since its last
+    checkpoint lost). ``steps_taken``: the optimizer's steps so far (a resume's); ``iterations_left``: at most one
+    step of it each."""
+    for sched in spec.schedulers:
+        if sched.interval != "step" or not isinstance(sched.scheduler, torch.optim.lr_scheduler.OneCycleLR):
+            continue
+        total = sched.scheduler.total_steps
+        room = total - sched.scheduler.last_epoch  # last_epoch: 0 once constructed
+        wanted = (steps_taken + iterations_left) // sched.frequency - steps_taken // sched.frequency
+        if wanted > room:
+            which = f"LR scheduler '{sched.name}'" if sched.name else "the OneCycleLR"
+            every = "each step" if sched.frequency == 1 else f"every {sched.frequency} steps"
+            per = "" if sched.frequency == 1 else f" // {sched.frequency}"
+            raise UserCodeError(
+                f"configure_optimizers(): {which} of optimizer '{spec.name}' steps at {every} of it ('interval': "
+                f"'step'), {wanted} times in this run, but has total_steps={total} ({room} left): torch would raise "
+                f"at its step {total + 1}, after training that far. Build it with total_steps="
+                f"self.num_training_steps{per} (the iterations the run trains)"
+            )
+
+
 def _takes_no_metric(scheduler: Any) -> bool:
     """Whether ``scheduler`` is one of torch's that step without a metric (all but ReduceLROnPlateau): the only
     argument their ``step`` takes is a deprecated epoch number."""

@@ -140,6 +140,7 @@ from ampkit.trainer.optimizers import (
     group_settings,
     normalize_optimizers,
     refuse_direct_steps,
+    refuse_scheduler_overrun,
     settings_kept_from_checkpoint,
     step_,
     step_scheduler,
@@ -1618,6 +1619,10 @@ class Trainer:
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
             self._check_resume_position(path, checkpoint.get("batch_layout"), saved_accumulation(checkpoint))
+        if self.automatic_optimization and (total := self.num_training_steps) is not None:  # one step per iteration
+            for spec in self._specs:
+                steps = self.optimizer_state[spec.optimizer].steps
+                refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
         self.version_dir = None
         if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
