@@ -142,3 +142,14 @@ def test_a_fit_or_validate_from_another_thread_while_one_runs_is_refused_naming_
         first.join(30)
     assert trainer.state.global_step == 1
     trainer.validate()  # the run is over: its thread no longer holds the Trainer
+
+
+def test_a_fit_under_a_meta_default_device_names_that_setting(tmp_path):
+    """It was told to materialize its model, which would not help: the run's own tensors would be on meta too."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    torch.set_default_device("meta")
+    try:
+        with pytest.raises(UserCodeError, match=r"torch.set_default_device\('meta'\) puts every tensor.*set it back"):
+            trainer.fit()
+    finally:
+        torch.set_default_device(None)
