@@ -261,13 +261,14 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
-    schedulers = [sched.scheduler for spec in specs for sched in spec.schedulers]
-    if len({id(sched) for sched in schedulers}) != len(schedulers):  # each listing would step it once more
-        twice = next(sched for sched in schedulers if sum(other is sched for other in schedulers) > 1)
-        raise UserCodeError(
-            f"configure_optimizers() returned one {type(twice).__name__} object twice: the Trainer would step it "
-            "once for each; return each scheduler once"
-        )
+    listed: set[int] = set()
+    for sched in (sched.scheduler for spec in specs for sched in spec.schedulers):
+        if id(sched) in listed:  # each listing would step it once more
+            raise UserCodeError(
+                f"configure_optimizers() returned one {type(sched).__name__} object twice: the Trainer would step it "
+                "once for each; return each scheduler once"
+            )
+        listed.add(id(sched))
     for spec in specs:
         if _needs_closure(spec.optimizer):
             raise UserCodeError(
@@ -280,8 +281,8 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
 
 
 def _which_optimizer(optimizer: Any, items: list[Any]) -> str:
-    """Where ``optimizer`` is among ``configure_optimizers``' items, for a message: ``"configure_optimizers()[1]'s"``,
-    or that it returned no such optimizer."""
+    """Where ``optimizer`` is among ``configure_optimizers``' items, for a message (``"that of
+    configure_optimizers()[1]"``), or that it returned no such optimizer."""
     for i, item in enumerate(items):
         if optimizer is item or (isinstance(item, dict) and optimizer is item.get("optimizer")):
             return f"that of configure_optimizers()[{i}]"

@@ -894,10 +894,10 @@ class Trainer:
         clean = False
         failure = None
         self._preempt_asked = False
-        callers_rng = capture_callers_rng() if self.settings.seed is not None else None  # a seeded run draws its own
         try:
-            with sigterm_asks_to_stop(self._ask_preemption), grad_mode_for_training():
-                self._fit(resume)
+            with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
+                with grad_mode_for_training():
+                    self._fit(resume)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -906,9 +906,6 @@ class Trainer:
             raise
         finally:
             self._running = None
-            self._workers.shut_down()
-            if callers_rng is not None:
-                restore_callers_rng(callers_rng)
             for guard in self._direct_step_guards:
                 guard.remove()
             self._direct_step_guards = []
@@ -936,6 +933,18 @@ class Trainer:
                 "build a Trainer for each thread"
             )
         return False
+
+    @contextmanager
+    def _process_kept(self, seeds: bool) -> Iterator[None]:
+        """The process as a run (``fit``, a standalone ``validate``...) found it once it ends, also by an error: the
+        loader workers it started ended, and, where it ``seeds`` (``trainer.seed``), the caller's RNGs as they were."""
+        callers_rng = capture_callers_rng() if seeds else None
+        try:
+            yield
+        finally:
+            self._workers.shut_down()
+            if callers_rng is not None:
+                restore_callers_rng(callers_rng)
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -1407,9 +1416,9 @@ class Trainer:
         clean = False
         failure = None
         seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
-        callers_rng = capture_callers_rng() if seeds else None
         try:
-            result = self._run_stage(stage, ckpt)
+            with self._process_kept(seeds):
+                result = self._run_stage(stage, ckpt)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1418,9 +1427,6 @@ class Trainer:
             raise
         finally:
             self._running = None
-            self._workers.shut_down()
-            if callers_rng is not None:
-                restore_callers_rng(callers_rng)
             teardown_distributed(self.dist, clean, failure)
         return result
 
