@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from ampkit.trainer.loader_workers import release_workers
-
 # torch's default collate_fn: in a traceback's frames, or in the text of the traceback a DataLoader worker sends back
 _DEFAULT_COLLATE = os.path.join("torch", "utils", "data", "_utils", "collate.py")
 # autograd's error for a saved tensor changed in place: "... modified by an inplace operation: [torch.FloatTensor
@@ -69,7 +67,6 @@ def noting_fetch_failures(batches: Iterable[Any], source: str) -> Iterator[Any]:
         except Exception as exc:
             if hasattr(exc, "add_note"):
                 exc.add_note(f"ampkit: raised while {source} produced batch {index}{_collate_hint(exc)}")
-            release_workers(iterator)
             raise
         yield batch
         index += 1

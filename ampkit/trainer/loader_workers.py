@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,6 +68,33 @@ def iterate(loader: Any) -> Iterator[Any]:
     return _iterate(loader)
 
 
+class StartedWorkers:
+    """The worker processes a run (a ``fit``, a standalone ``validate``...) started through :meth:`iterate`, ended by
+    :meth:`shut_down` as the run ends, as Lightning's teardown ends them. Else persistent workers live on, with their
+    pipes and threads, as long as the Trainer (which keeps its loaders) does: a notebook or a sweep keeping its
+    Trainers piles them up. So do an epoch's workers while an error that stopped it is kept (IPython keeps the last
+    one), since its traceback holds the epoch's iterator; and where the loader raised, torch's shutdown run once the
+    garbage collector takes that traceback waited 5 s for each worker, where one run now takes milliseconds."""
+
+    def __init__(self) -> None:
+        self._started: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # iterator -> its loader
+
+    def iterate(self, loader: Any) -> Iterator[Any]:
+        """:func:`iterate`, its worker processes remembered until :meth:`shut_down`."""
+        iterator = iterate(loader)
+        if callable(getattr(iterator, "_shutdown_workers", None)):  # torch's multi-process iterator
+            self._started[iterator] = loader
+        return iterator
+
+    def shut_down(self) -> None:
+        """End the workers started since the last call; a persistent loader starts new ones when iterated again."""
+        started, self._started = self._started, weakref.WeakKeyDictionary()
+        for iterator, loader in list(started.items()):
+            iterator._shutdown_workers()
+            if getattr(loader, "_iterator", None) is iterator:  # a persistent loader's: it would reuse dead workers
+                loader._iterator = None
+
+
 def _without_drawing(loader: Any) -> Iterator[Any]:
     """``iter(loader)`` of persistent workers, torch's RNG left as it was: their start draws the workers' seed from
     it, which only the first epoch of a run does, so a resumed run's RNG (its dropout) would go off the course of
@@ -90,13 +118,3 @@ def _iterate(loader: Any) -> Iterator[Any]:
     finally:
         loader.worker_init_fn = own
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def release_workers(iterator: Any) -> None:
-    """Shut down the worker processes of ``iterator``, a DataLoader's (not persistent workers', which the loader
-    keeps for its next epoch), now. Called when an error leaves an epoch: the error's traceback holds the iterator,
-    and torch's shutdown run later by the garbage collector of that traceback waited 5 s for each worker (the
-    process or notebook stalled 10 s after a bad sample, with 2 workers), where one run now takes milliseconds."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None and not getattr(iterator, "_persistent_workers", True):
-        shutdown()

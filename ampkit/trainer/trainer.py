@@ -48,6 +48,7 @@ import dataclasses
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from itertools import islice
@@ -79,6 +80,7 @@ from ampkit.trainer.batch_layout import (
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -126,7 +128,7 @@ from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
-from ampkit.trainer.loader_workers import iterate, release_workers
+from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -138,6 +140,7 @@ from ampkit.trainer.optimizers import (
     group_settings,
     normalize_optimizers,
     refuse_direct_steps,
+    refuse_scheduler_overrun,
     settings_kept_from_checkpoint,
     step_,
     step_scheduler,
@@ -148,7 +151,14 @@ from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
-from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
+from ampkit.trainer.rng import (
+    capture_callers_rng,
+    capture_rng,
+    restore_callers_rng,
+    restore_rng,
+    rng_not_restored,
+    seed_everything,
+)
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
@@ -203,6 +213,7 @@ from ampkit.trainer.user_code import (
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
+_CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry point at a time (Trainer._claim)
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
     "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
@@ -362,6 +373,7 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
+        self._workers = StartedWorkers()  # the loader workers a run started, ended as it ends
         self._num_train_batches: int | None = None
         self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
@@ -370,7 +382,6 @@ class Trainer:
         # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
         self._loop_phase: str | None = None
         self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
-        self._epoch_iterator: Any = None  # the train loader's iterator of the epoch running, released on an error
         self._said_short_epoch = False  # warned that the loader yields fewer batches than its len()
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
@@ -393,6 +404,7 @@ class Trainer:
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
+        self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
@@ -868,19 +880,24 @@ class Trainer:
 
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
-        if self._running is not None:  # it would recurse until Python's stack runs out
+        if not self._claim("fit"):  # it would recurse until Python's stack runs out
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
             )
-        self._start_distributed()
+        try:
+            refuse_outer_autocast(self.cfg, self.device)
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
         self._preempt_asked = False
-        self._running = "fit"
         try:
-            with sigterm_asks_to_stop(self._ask_preemption):
-                self._fit(resume)
+            with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
+                with grad_mode_for_training():
+                    self._fit(resume)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -898,6 +915,36 @@ class Trainer:
             if self._discard_version_dir and self.is_global_zero:
                 discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean, failure)
+
+    def _claim(self, entry: str) -> bool:
+        """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
+        the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
+        the optimizers and the loop's state (and both passed the check before either marked itself)."""
+        here = (threading.get_ident(), threading.current_thread().name)
+        with _CLAIMS:
+            if self._running is None:
+                self._running, self._running_in = entry, here
+                return True
+        if self._running_in != here:
+            raise UserCodeError(
+                f"{entry}() was called in thread '{here[1]}' while {self._running}() is running in thread "
+                f"'{self._running_in[1]}' on this {type(self).__name__}: one Trainer runs one "
+                "fit, validate, test or predict at a time (they would share its model, optimizers and loop state); "
+                "build a Trainer for each thread"
+            )
+        return False
+
+    @contextmanager
+    def _process_kept(self, seeds: bool) -> Iterator[None]:
+        """The process as a run (``fit``, a standalone ``validate``...) found it once it ends, also by an error: the
+        loader workers it started ended, and, where it ``seeds`` (``trainer.seed``), the caller's RNGs as they were."""
+        callers_rng = capture_callers_rng() if seeds else None
+        try:
+            yield
+        finally:
+            self._workers.shut_down()
+            if callers_rng is not None:
+                restore_callers_rng(callers_rng)
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -947,7 +994,6 @@ class Trainer:
             failure = exc
             self._explain(exc)
             self._note_loop_position(exc)
-            release_workers(self._epoch_iterator)
             self._fire_every_one("on_exception", exc, failure=exc)
             raise
         finally:
@@ -1039,7 +1085,7 @@ class Trainer:
                     self._validate_at_stop()
                 break
             self._loop_phase = "fetch"
-        self._at_last_batch, self._loop_phase, self._epoch_iterator = False, None, None
+        self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
         if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
@@ -1360,15 +1406,19 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        outer = self._running
-        if outer is not None:  # from a hook of a running fit (or evaluation): its process group stays its own
+        if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
-        self._start_distributed()
+        try:
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
-        self._running = stage.name
+        seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
         try:
-            result = self._run_stage(stage, ckpt)
+            with self._process_kept(seeds):
+                result = self._run_stage(stage, ckpt)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1575,6 +1625,10 @@ class Trainer:
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
             self._check_resume_position(path, checkpoint.get("batch_layout"), saved_accumulation(checkpoint))
+        if self.automatic_optimization and (total := self.num_training_steps) is not None:  # one step per iteration
+            for spec in self._specs:
+                steps = self.optimizer_state[spec.optimizer].steps
+                refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
         self.version_dir = None
         if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
@@ -1683,7 +1737,7 @@ class Trainer:
         set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
-        iterator = self._epoch_iterator = iterate(self._train_loader)
+        iterator = self._workers.iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(
