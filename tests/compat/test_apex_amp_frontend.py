@@ -494,6 +494,18 @@ def test_verbosity_controls_the_setup_printout(capsys):
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("is_master", [True, False])
+def test_verbosity_may_be_a_bool_as_apex_took_it(is_master, capsys):
+    """NVIDIA's retinanet-examples (odtk) passes ``verbosity=is_master``: Apex compared it with 0, so rank 0
+    printed and the others kept quiet. It was refused as not an integer."""
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O2", verbosity=is_master)
+    assert ("Selected optimization level O2" in capsys.readouterr().out) is is_master
+    assert amp._amp_state.verbosity == int(is_master)
+    with pytest.raises(ValueError, match=r"verbosity='1': expected an integer"):
+        amp.initialize(model, opt_level="O0", verbosity="1")
+
+
 def test_state_dict_has_apex_format_and_round_trips():
     model = _model()
     amp.initialize(model, _sgd(model), opt_level="O1", num_losses=2, verbosity=0)

@@ -238,8 +238,9 @@ def initialize(
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")  # doctest: +SKIP
     """
     _amp_state.reset()
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+    if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
+    verbosity = int(verbosity)
     if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
     num_losses = int(num_losses)  # numpy's integers too, as Apex's range(num_losses) took them
