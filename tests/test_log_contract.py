@@ -242,3 +242,19 @@ def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(
     LogsATensor.value = value
     with pytest.raises(UserCodeError, match=re.escape(message)):
         _fit(tmp_path, LogsATensor)
+
+
+class LogsItsOwnStepLoss(ToyTrainer):
+    """Logs 'train/loss' itself, per step (a Lightning port's self.log('train/loss', loss)), as 100 x the step."""
+
+    def training_step(self, batch):
+        self.log("train/loss", 100.0 * self.state.iteration)
+        return super().training_step(batch)
+
+
+def test_a_train_loss_logged_per_step_is_written_as_logged_not_replaced_by_the_returned_loss_s_mean(tmp_path):
+    """TensorBoard writes the returned loss under train/loss itself (the mean since the last log step); a tag the code
+    logs is its author's curve, as Lightning writes only what log() gets: the returned loss's mean overwrote it at every
+    log step."""
+    trainer = _fit(tmp_path, LogsItsOwnStepLoss, **{"logging.log_every_n_steps": 4, "trainer.max_epochs": 2})
+    assert _scalars(trainer, "train/loss") == [(4, 400.0), (8, 800.0), (12, 1200.0), (16, 1600.0)]
