@@ -341,6 +341,9 @@ class Trainer:
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
+        # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
+        # iteration writes its own (_log_the_last_iteration), as it writes the outputs since the last log step.
+        self._held_step_values: dict[str, tuple[Any, int, int]] = {}
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
@@ -705,8 +708,8 @@ class Trainer:
         """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
-        or ``always`` for events such as an overflow; outside a batch, e.g. in ``on_train_epoch_end``, always) at
-        ``step`` (default: this iteration). ``on_epoch``: its mean
+        the run's last, or ``always`` for events such as an overflow; outside a batch, e.g. in
+        ``on_train_epoch_end``, always) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
@@ -730,9 +733,12 @@ class Trainer:
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
-        if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
-            step_tag = f"{tag}_step" if on_epoch else tag
-            self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
+        if on_step:
+            step_tag, at = f"{tag}_step" if on_epoch else tag, self.event_iteration if step is None else step
+            if always or self._batch is None or _every(self._log_every, self.state.iteration):
+                self.logged_scalars.append((step_tag, value, at))
+            else:  # written only if the run ends with this iteration
+                self._held_step_values[step_tag] = (value, at, self.state.iteration)
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
             self._check_one_hook_logs(tag)
             epoch_tag = f"{tag}_epoch" if on_step else tag
@@ -740,6 +746,15 @@ class Trainer:
                 self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
                 return
             self._add_to_epoch_sum(epoch_tag, value)
+
+    def _log_the_last_iteration(self) -> None:
+        """Queue the on_step values of the run's last iteration that it was not due to log: a run that ends off the
+        ``log_every_n_steps`` interval (max_steps, a stop) writes its last step's values, as it writes the returned
+        outputs' since the last log step (Lightning logs at a stop's step too). Not a SIGTERM's step: that run goes on
+        when resumed, and logs as one never stopped would."""
+        held, self._held_step_values = self._held_step_values, {}
+        last = self.state.global_step
+        self.logged_scalars += [(tag, value, at) for tag, (value, at, iteration) in held.items() if iteration == last]
 
     def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
         """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
@@ -941,6 +956,7 @@ class Trainer:
                 self._stop_if_preempted()
             if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
                 rank_zero_warn(self._unsaid_skips)
+            self._log_the_last_iteration()
             self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
@@ -1506,6 +1522,7 @@ class Trainer:
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
+        self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
