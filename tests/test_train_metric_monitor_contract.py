@@ -305,3 +305,31 @@ def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupte
         return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
 
     assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
+
+
+class StepOnlyScores(EpochScores):
+    """Logs train/acc per step only (log()'s default), as a Lightning training_step does."""
+
+    def training_step(self, batch):
+        self.log("train/acc", 0.5)
+        return super().training_step(batch)
+
+
+class CountsBatches(ampkit.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        self.batches += 1
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_train_tag_logged_per_step_only_is_refused_after_the_first_iteration_naming_on_epoch(tmp_path, key):
+    """A monitored train/ tag is its epoch mean; Lightning ranks one logged per step only by its last batch's value
+    (one batch's noise). The run trained its whole first epoch (4 batches) before the epoch's end named the tags it
+    logged; the first iteration shows what is wrong, and the error says how to log it."""
+    counted = CountsBatches()
+    message = r"'train/acc' is monitored, but log\('train/acc'\) gives it per step only.*on_epoch=True"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5], trainer=StepOnlyScores, callbacks=[counted], **{key: "train/acc", "data.n": 32})
+    assert counted.batches == 1

@@ -353,6 +353,7 @@ class Trainer:
         self._epoch_fx: dict[str, str] = {}
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
+        self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
@@ -733,6 +734,8 @@ class Trainer:
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
+        if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
+            self._monitors_per_step.add(tag)
         if on_step:
             step_tag, at = f"{tag}_step" if on_epoch else tag, self.event_iteration if step is None else step
             if always or self._batch is None or _every(self._log_every, self.state.iteration):
@@ -789,6 +792,15 @@ class Trainer:
             t for t in self._monitors_unheard if t not in self._epoch_sums and f"{t}_epoch" not in self._epoch_sums
         ]
         self._monitors_unheard = ()
+        if per_step := [tag for tag in unheard if tag in self._monitors_per_step]:
+            # Lightning ranks such a tag by its last batch's value, one batch's noise; the epoch's end would fail
+            # here anyway, an epoch of training later.
+            tag = per_step[0]
+            raise MonitorNotFoundError(
+                f"'{tag}' is monitored, but log('{tag}') gives it per step only (on_epoch=False): a monitored train/ "
+                f"tag is its epoch mean, read at each epoch's end; log it with self.log('{tag}', value, "
+                "on_epoch=True) (on_step=True too keeps its per-step curve)"
+            )
         for tag in unheard:
             rank_zero_warn(
                 f"'{tag}' is monitored, but the first iteration gave it no value: its epoch mean, read at each epoch's "
@@ -942,6 +954,7 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self._train_monitors = self._monitors_unheard = self._monitored_train_tags()
+            self._monitors_per_step = set()
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
