@@ -333,3 +333,38 @@ def test_a_train_tag_logged_per_step_only_is_refused_after_the_first_iteration_n
     with pytest.raises(MonitorNotFoundError, match=message):
         _fit(tmp_path, [0.5], trainer=StepOnlyScores, callbacks=[counted], **{key: "train/acc", "data.n": 32})
     assert counted.batches == 1
+
+
+class EpochLevelScores(EpochScores):
+    """Every batch of epoch e logs scores[e]: an epoch's mean, whole or cut short, is scores[e]."""
+
+    def training_step(self, batch):
+        self.log("train/score", self.scores[self.state.epoch], on_step=False, on_epoch=True)
+        return ToyTrainer.training_step(self, batch)
+
+
+def test_a_max_steps_stop_mid_epoch_ranks_the_partial_epoch_s_mean_as_lightning_does(tmp_path):
+    """Lightning runs on_train_epoch_end where max_steps cuts an epoch short, and its checkpoint ranks the mean of the
+    batches run: step 6 (2 of epoch 1's 4 batches) is ranked by epoch 1's partial mean."""
+    run = _fit(tmp_path, [0.5, 0.2], trainer=EpochLevelScores,
+               **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "data.n": 32,
+                  "trainer.max_steps": 6})  # fmt: skip
+    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    assert ranked == {"best-00000006.pt": pytest.approx(0.2), "best-00000004.pt": pytest.approx(0.5)}
+
+
+def test_an_epoch_cut_short_by_max_steps_and_finished_on_resume_counts_once_against_patience(tmp_path):
+    """Epoch 1 (no improvement) is cut at step 6 and finished by a resume with a larger max_steps: early stopping
+    counted it at the cut and again at its end, and with patience 2 stopped at step 8, an epoch before the run that
+    was never cut (epoch 2 improves). The cut epoch is checked once, at its end: the run ended at the cut anyway."""
+    settings = {"early_stopping.monitor": "train/score", "early_stopping.patience": 2, "data.n": 32}
+    scores = [1.0, 2.0, 0.5]
+    whole = _fit(tmp_path / "whole", scores, trainer=EpochLevelScores, **settings)
+    _fit(tmp_path / "cut", scores, trainer=EpochLevelScores, **{**settings, "trainer.max_steps": 6})
+    trainer = type("Scripted", (EpochLevelScores,), {"scores": scores})
+    resumed = trainer(toy_cfg(tmp_path / "cut", **{**QUIET, **settings, "trainer.max_epochs": 3}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(resume="last")
+    assert whole.state.global_step == resumed.state.global_step == 12
+    assert not resumed.state.stop_reason

@@ -16,8 +16,8 @@ from ampkit.trainer.callback import Callback
 class EarlyStopping(Callback):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
-    current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at each
-    epoch's end, so patience counts epochs. Its best value and count are saved in checkpoints, so a resumed run
+    current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at the end
+    of each whole epoch, so patience counts epochs. Its best value and count are saved in checkpoints, so a resumed run
     keeps counting.
 
     As Lightning's ``EarlyStopping`` it also stops at the first validation whose value is NaN/inf
@@ -65,7 +65,9 @@ class EarlyStopping(Callback):
         self._check(trainer, self.monitor.value(metrics, trainer.state.global_step), "validations")
 
     def on_train_epoch_end(self, trainer) -> None:
-        if self.monitor.per_epoch:  # a train/ epoch mean: Lightning's check_on_train_epoch_end
+        # A train/ epoch mean: Lightning's check_on_train_epoch_end. Not of an epoch a stop cut short (max_steps): the
+        # run ends there anyway, and a resume that finishes the epoch checks it then, so it counts once.
+        if self.monitor.per_epoch and trainer.state.epoch_finished:
             self._check(trainer, self.monitor.epoch_value(trainer), "epochs")
 
     def _check(self, trainer, value: float, checks: str) -> None:
