@@ -368,3 +368,31 @@ def test_an_epoch_cut_short_by_max_steps_and_finished_on_resume_counts_once_agai
         resumed.fit(resume="last")
     assert whole.state.global_step == resumed.state.global_step == 12
     assert not resumed.state.stop_reason
+
+
+class LogsAtItsEpochEnd(EpochScores):
+    """Lightning's pattern: an epoch's metric computed in on_train_epoch_end, logged there, and monitored."""
+
+    def training_step(self, batch):
+        return ToyTrainer.training_step(self, batch)
+
+    def on_train_epoch_end(self):
+        self.log("train/epoch_score", self.scores[self.state.epoch], on_epoch=True, on_step=False)
+
+
+def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_that_epoch_s(tmp_path):
+    """Lightning runs monitoring callbacks' on_train_epoch_end after the module's for this. Here the value reached
+    TensorBoard but no monitor: the first iteration warned, and epoch 0's end stopped the run naming no epoch mean.
+    Patience 1: epoch 2's 0.3 does not improve on 0.2, so the run stops there, every epoch's end ranked."""
+    trainer = type("Scripted", (LogsAtItsEpochEnd,), {"scores": [0.5, 0.2, 0.3, 0.1]})
+    cfg = toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 4, "checkpoint.monitor": "train/epoch_score",
+                               "checkpoint.save_top_k": -1, "early_stopping.monitor": "train/epoch_score",
+                               "early_stopping.patience": 1})  # fmt: skip
+    run = trainer(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit()
+    assert not [w for w in caught if "train/epoch_score" in str(w.message)]
+    assert run.state.global_step == 6 and "did not improve on 0.2 for 1 epochs" in run.state.stop_reason
+    assert best_steps(run) == [2, 4, 6]
+    assert best_pt_step(run) == 4

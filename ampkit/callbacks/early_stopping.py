@@ -10,7 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import Monitor
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 
 
 class EarlyStopping(Callback):
@@ -24,6 +24,10 @@ class EarlyStopping(Callback):
     (``check_finite``: a diverged run gains nothing from ``patience`` more validations), better than
     ``stopping_threshold`` (good enough) or worse than ``divergence_threshold`` (beyond recovery).
     """
+
+    # After the Trainer's own on_train_epoch_end, which may log the monitored epoch value (and before the checkpoint's,
+    # so that the epoch's checkpoint records a stop), as Lightning runs monitoring callbacks after the module's hook.
+    hook_phases = {"on_train_epoch_end": Phase.PERSIST}
 
     def __init__(
         self,

@@ -63,10 +63,11 @@ class Monitor:
 
     def epoch_value(self, trainer) -> float:
         """This epoch's mean of the monitored ``train/`` tag, at its end (``train/loss_epoch`` for ``train/loss``
-        logged with ``on_step`` too, as Lightning's monitor finds it): rank zero's on every rank (the value
+        logged with ``on_step`` too, as Lightning's monitor finds it; a value logged in ``on_train_epoch_end``
+        is the epoch's): rank zero's on every rank (the value
         TensorBoard shows), so all ranks rank and stop alike. One not logged is a one-line error naming the tags
         that were."""
-        means = trainer.epoch_scalars
+        means = trainer.monitor_values()
         value = broadcast_object(epoch_mean(means, self.key), trainer.dist)
         if value is not None:
             return float(value)

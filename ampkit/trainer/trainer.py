@@ -345,6 +345,7 @@ class Trainer:
         # iteration writes its own (_log_the_last_iteration), as it writes the outputs since the last log step.
         self._held_step_values: dict[str, tuple[Any, int, int]] = {}
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
+        self._epoch_end_values: dict[str, Any] = {}  # on_epoch values logged in on_train_epoch_end (monitor_values)
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
         # The hook (or training_step) running now, and the one that logs each on_epoch tag: Lightning keeps one tag's
@@ -747,6 +748,8 @@ class Trainer:
             epoch_tag = f"{tag}_epoch" if on_step else tag
             if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
                 self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
+                # ... and a monitor's (Lightning's pattern: an epoch metric computed and logged there).
+                self._epoch_end_values[epoch_tag] = value
                 return
             self._add_to_epoch_sum(epoch_tag, value)
 
@@ -758,6 +761,13 @@ class Trainer:
         held, self._held_step_values = self._held_step_values, {}
         last = self.state.global_step
         self.logged_scalars += [(tag, value, at) for tag, (value, at, iteration) in held.items() if iteration == last]
+
+    def monitor_values(self) -> dict[str, float]:
+        """The epoch's values a ``train/`` monitor reads at its end: the ``on_epoch`` means, and the values logged
+        with ``on_epoch=True`` in ``on_train_epoch_end`` so far (an epoch metric computed there, as Lightning's
+        monitoring callbacks read one logged in the module's hook)."""
+        late = {tag: float(value) for tag, value in self._epoch_end_values.items()}
+        return {**self.epoch_scalars, **late}
 
     def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
         """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
@@ -792,6 +802,8 @@ class Trainer:
             t for t in self._monitors_unheard if t not in self._epoch_sums and f"{t}_epoch" not in self._epoch_sums
         ]
         self._monitors_unheard = ()
+        if "on_train_epoch_end" in self._own_hooks:  # it may log them there, as the epoch's values
+            return
         if per_step := [tag for tag in unheard if tag in self._monitors_per_step]:
             # Lightning ranks such a tag by its last batch's value, one batch's noise; the epoch's end would fail
             # here anyway, an epoch of training later.
@@ -1093,7 +1105,7 @@ class Trainer:
                 self._validate()
         # The means after validation (whose hooks may log into them) and before the schedulers (which may monitor one)
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
-        self._epoch_means_taken = True
+        self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
             self._step_schedulers("epoch")
