@@ -377,14 +377,19 @@ class LogsAtItsEpochEnd(EpochScores):
         return ToyTrainer.training_step(self, batch)
 
     def on_train_epoch_end(self):
-        self.log("train/epoch_score", self.scores[self.state.epoch], on_epoch=True, on_step=False)
+        if self.on_step:  # log()'s defaults, where Lightning's in this hook are on_step=False, on_epoch=True
+            self.log("train/epoch_score", self.scores[self.state.epoch])
+        else:
+            self.log("train/epoch_score", self.scores[self.state.epoch], on_epoch=True, on_step=False)
 
 
-def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_that_epoch_s(tmp_path):
+@pytest.mark.parametrize("on_step", [False, True], ids=["on_epoch", "defaults"])
+def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_that_epoch_s(tmp_path, on_step):
     """Lightning runs monitoring callbacks' on_train_epoch_end after the module's for this. Here the value reached
     TensorBoard but no monitor: the first iteration warned, and epoch 0's end stopped the run naming no epoch mean.
     Patience 1: epoch 2's 0.3 does not improve on 0.2, so the run stops there, every epoch's end ranked."""
-    trainer = type("Scripted", (LogsAtItsEpochEnd,), {"scores": [0.5, 0.2, 0.3, 0.1]})
+    scripted = {"scores": [0.5, 0.2, 0.3, 0.1], "on_step": on_step}
+    trainer = type("Scripted", (LogsAtItsEpochEnd,), scripted)
     cfg = toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 4, "checkpoint.monitor": "train/epoch_score",
                                "checkpoint.save_top_k": -1, "early_stopping.monitor": "train/epoch_score",
                                "early_stopping.patience": 1})  # fmt: skip

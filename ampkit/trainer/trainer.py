@@ -734,9 +734,11 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
-        # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
+        if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
+            self._epoch_end_values[tag] = value  # on_epoch=True: a monitor reads it as the epoch's value too
+        # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
         if on_step:
             step_tag, at = f"{tag}_step" if on_epoch else tag, self.event_iteration if step is None else step
             if always or self._batch is None or _every(self._log_every, self.state.iteration):
