@@ -29,6 +29,11 @@ class Monitor:
         self.min_delta = min_delta
         self.setting = key  # the config key it is set by (``checkpoint.monitor``), for messages
 
+    def __str__(self) -> str:
+        """The metric's name: a callback's ``state_key`` of ``f"{type(self).__name__}[{self.monitor}]"`` (the advice
+        for several instances of one class) is the same in every process, so a resume finds each one's state."""
+        return self.metric
+
     def value(self, metrics: dict[str, float], step: int | None = None) -> float:
         """The monitored value among ``metrics`` of the validation at ``step``; a missing one is a one-line error
         naming the metrics there are (Lightning's ModelCheckpoint raises too: no ranking skips a validation)."""
