@@ -512,6 +512,19 @@ def test_a_resume_without_a_stateful_callback_of_the_checkpoint_names_it(tmp_pat
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, **common})).fit(resume="last")
 
 
+def test_a_callback_added_on_resume_starts_fresh_without_a_warning(tmp_path):
+    """As Lightning's restore: a callback the checkpoint holds no state for is not loaded and not named (nothing saved
+    is lost); it counts from the resume on."""
+    common = {"logging.tensorboard": False, "trainer.progress_bar": False, "data.n": 16}
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, **common})).fit()
+    counter = BatchCounter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **common}), callbacks=[counter]).fit(resume="last")
+    assert counter.batches == 2
+    assert not [w for w in caught if "BatchCounter" in str(w.message)]
+
+
 def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):
     cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False})
     first, second = ToyTrainer(cfg), ToyTrainer(cfg)

@@ -352,7 +352,11 @@ class Trainer:
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
+        # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
+        # iteration writes its own (_log_the_last_iteration), as it writes the outputs since the last log step.
+        self._held_step_values: dict[str, tuple[Any, int, int]] = {}
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
+        self._epoch_end_values: dict[str, Any] = {}  # on_epoch values logged in on_train_epoch_end (monitor_values)
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
         # The hook (or training_step) running now, and the one that logs each on_epoch tag: Lightning keeps one tag's
@@ -361,6 +365,7 @@ class Trainer:
         self._epoch_fx: dict[str, str] = {}
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
+        self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
@@ -718,8 +723,8 @@ class Trainer:
         """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
-        or ``always`` for events such as an overflow; outside a batch, e.g. in ``on_train_epoch_end``, always) at
-        ``step`` (default: this iteration). ``on_epoch``: its mean
+        the run's last, or ``always`` for events such as an overflow; outside a batch, e.g. in
+        ``on_train_epoch_end``, always) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
@@ -742,17 +747,42 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+        if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
+            self._monitors_per_step.add(tag)
+        if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
+            self._epoch_end_values[tag] = value  # on_epoch=True: a monitor reads it as the epoch's value too
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
-        if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
-            step_tag = f"{tag}_step" if on_epoch else tag
-            self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
+        if on_step:
+            step_tag, at = f"{tag}_step" if on_epoch else tag, self.event_iteration if step is None else step
+            if always or self._batch is None or _every(self._log_every, self.state.iteration):
+                self.logged_scalars.append((step_tag, value, at))
+            else:  # written only if the run ends with this iteration
+                self._held_step_values[step_tag] = (value, at, self.state.iteration)
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
             self._check_one_hook_logs(tag)
             epoch_tag = f"{tag}_epoch" if on_step else tag
             if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
                 self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
+                # ... and a monitor's (Lightning's pattern: an epoch metric computed and logged there).
+                self._epoch_end_values[epoch_tag] = value
                 return
             self._add_to_epoch_sum(epoch_tag, value)
+
+    def _log_the_last_iteration(self) -> None:
+        """Queue the on_step values of the run's last iteration that it was not due to log: a run that ends off the
+        ``log_every_n_steps`` interval (max_steps, a stop) writes its last step's values, as it writes the returned
+        outputs' since the last log step (Lightning logs at a stop's step too). Not a SIGTERM's step: that run goes on
+        when resumed, and logs as one never stopped would."""
+        held, self._held_step_values = self._held_step_values, {}
+        last = self.state.global_step
+        self.logged_scalars += [(tag, value, at) for tag, (value, at, iteration) in held.items() if iteration == last]
+
+    def monitor_values(self) -> dict[str, float]:
+        """The epoch's values a ``train/`` monitor reads at its end: the ``on_epoch`` means, and the values logged
+        with ``on_epoch=True`` in ``on_train_epoch_end`` so far (an epoch metric computed there, as Lightning's
+        monitoring callbacks read one logged in the module's hook)."""
+        late = {tag: float(value) for tag, value in self._epoch_end_values.items()}
+        return {**self.epoch_scalars, **late}
 
     def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
         """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
@@ -787,6 +817,17 @@ class Trainer:
             t for t in self._monitors_unheard if t not in self._epoch_sums and f"{t}_epoch" not in self._epoch_sums
         ]
         self._monitors_unheard = ()
+        if "on_train_epoch_end" in self._own_hooks:  # it may log them there, as the epoch's values
+            return
+        if per_step := [tag for tag in unheard if tag in self._monitors_per_step]:
+            # Lightning ranks such a tag by its last batch's value, one batch's noise; the epoch's end would fail
+            # here anyway, an epoch of training later.
+            tag = per_step[0]
+            raise MonitorNotFoundError(
+                f"'{tag}' is monitored, but log('{tag}') gives it per step only (on_epoch=False): a monitored train/ "
+                f"tag is its epoch mean, read at each epoch's end; log it with self.log('{tag}', value, "
+                "on_epoch=True) (on_step=True too keeps its per-step curve)"
+            )
         for tag in unheard:
             rank_zero_warn(
                 f"'{tag}' is monitored, but the first iteration gave it no value: its epoch mean, read at each epoch's "
@@ -975,6 +1016,7 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self._train_monitors = self._monitors_unheard = self._monitored_train_tags()
+            self._monitors_per_step = set()
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
@@ -989,6 +1031,7 @@ class Trainer:
                 self._stop_if_preempted()
             if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
                 rank_zero_warn(self._unsaid_skips)
+            self._log_the_last_iteration()
             self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
@@ -1112,7 +1155,7 @@ class Trainer:
                 self._validate()
         # The means after validation (whose hooks may log into them) and before the schedulers (which may monitor one)
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
-        self._epoch_means_taken = True
+        self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
             self._step_schedulers("epoch")
@@ -1558,6 +1601,7 @@ class Trainer:
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
+        self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
