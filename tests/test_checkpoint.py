@@ -160,6 +160,21 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     cfg_path = tmp_path / "toy.yaml"
     OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "killed")}), cfg_path)
     env = child_env(TESTS, REPO)
+    # The uninterrupted run in a process of its own too (where this one has used CUDA, another test on a machine with
+    # a GPU, its checkpoints also hold CUDA's RNG state, which a CPU run in a fresh process does not save), run on
+    # the other core meanwhile.
+    full_path = tmp_path / "full.yaml"
+    OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "full")}), full_path)
+    with open(tmp_path / "full.err", "w") as full_err:
+        full = subprocess.Popen(_cli(full_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=full_err)
+    try:
+        _kill_resume_and_compare(cfg_path, env, full, tmp_path)
+    finally:
+        full.kill()
+        full.wait()
+
+
+def _kill_resume_and_compare(cfg_path: Path, env: dict, full: subprocess.Popen, tmp_path: Path) -> None:
     last = tmp_path / "killed" / "version_0" / "checkpoints" / "last.pt"
     killed = False
     for _attempt in range(3):
@@ -185,13 +200,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(tmp_path):
     assert result.returncode == 0, result.stderr
     resumed = load_checkpoint(last)
     assert resumed["loop"]["global_step"] == 24
-
-    # The uninterrupted run in a process of its own too: where this one has used CUDA (another test, on a machine with
-    # a GPU), its checkpoints also hold CUDA's RNG state, which a CPU run in a fresh process does not save.
-    full_path = tmp_path / "full.yaml"
-    OmegaConf.save(OmegaConf.create({**settings, "run_dir": str(tmp_path / "full")}), full_path)
-    full = subprocess.run(_cli(full_path), cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
-    assert full.returncode == 0, full.stderr
+    assert full.wait(timeout=120) == 0, (tmp_path / "full.err").read_text()
     full_last = tmp_path / "full" / "version_0" / "checkpoints" / "last.pt"
     assert_same_checkpoint(resumed, load_checkpoint(full_last))  # RNG included
 
@@ -503,6 +512,19 @@ def test_a_resume_without_a_stateful_callback_of_the_checkpoint_names_it(tmp_pat
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 3, **common})).fit(resume="last")
 
 
+def test_a_callback_added_on_resume_starts_fresh_without_a_warning(tmp_path):
+    """As Lightning's restore: a callback the checkpoint holds no state for is not loaded and not named (nothing saved
+    is lost); it counts from the resume on."""
+    common = {"logging.tensorboard": False, "trainer.progress_bar": False, "data.n": 16}
+    ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, **common})).fit()
+    counter = BatchCounter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 2, **common}), callbacks=[counter]).fit(resume="last")
+    assert counter.batches == 2
+    assert not [w for w in caught if "BatchCounter" in str(w.message)]
+
+
 def test_fresh_runs_never_overwrite_earlier_ones(tmp_path):
     cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False})
     first, second = ToyTrainer(cfg), ToyTrainer(cfg)
@@ -665,32 +687,6 @@ def test_pruning_and_tidying_never_touch_a_users_own_files(tmp_path, sharded):
     assert periodic == [f"step-{s:08d}" + ("" if sharded else ".pt") for s in (20, 24)]
 
 
-def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tmp_path):
-    """SIGTERM, what Slurm or Kubernetes send before killing a job (and torchrun sends the ranks left when one
-    fails), killed the process silently with its lock held; now it unwinds as an interrupt: exit 143, the resume
-    hint, the lock released, and ``--resume last`` continues."""
-    settings = {"trainer_class": "toy_trainers:SlowToyTrainer", "trainer": {"max_epochs": 3},
-                "checkpoint": {"every_n_steps": 1}, "run_dir": str(tmp_path / "run")}  # fmt: skip
-    cfg_path = tmp_path / "toy.yaml"
-    OmegaConf.save(OmegaConf.create(settings), cfg_path)
-    env = child_env(TESTS, REPO)
-    version = tmp_path / "run" / "version_0"
-    with subprocess.Popen(_cli(cfg_path), cwd=TESTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True) as proc:  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not (version / "checkpoints" / "last.pt").exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    assert "ampkit: terminated (SIGTERM) (--resume last continues from" in err
-    assert not (version / "run.lock").exists()
-    resumed = subprocess.run([*_cli(cfg_path), "--resume", "last"], cwd=TESTS, env=env, capture_output=True,
-                             text=True, timeout=120)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    assert load_checkpoint(version / "checkpoints" / "last.pt")["loop"]["global_step"] == 24
-
-
 class _SigtermAt(ampkit.Callback):
     def __init__(self, step: int, times: int = 1) -> None:
         self.step, self.times = step, times
@@ -822,7 +818,9 @@ def test_a_sigterm_to_the_whole_process_group_spares_the_loader_workers_and_save
     """Slurm signals every process of a job step and torchrun's agent each rank's process group, DataLoader workers
     included: they died of it, and the run failed with torch's 'DataLoader worker (pid N) is killed by signal:
     Terminated' and saved nothing. Now the workers (persistent ones, a validation's, with the loader's own
-    worker_init_fn) keep serving, the step is saved, the exit status is 143 and --resume last finishes the run."""
+    worker_init_fn) keep serving, the step is saved, the exit status is 143 and --resume last finishes the run.
+    SIGTERM (what Slurm or Kubernetes send before a kill) once killed the process silently with its lock held; it
+    unwinds as an interrupt, with the resume hint, and the lock released."""
     settings = {"trainer_class": "toy_trainers:WorkersToyTrainer", "run_dir": str(tmp_path / "run"),
                 "trainer": {"max_epochs": 2, "device": "cpu", "progress_bar": False, "val_every_n_steps": 4},
                 "logging": {"tensorboard": False}}  # fmt: skip
@@ -834,6 +832,8 @@ def test_a_sigterm_to_the_whole_process_group_spares_the_loader_workers_and_save
     step = 3 if during == "train" else 4
     assert cut.returncode == 143, cut.stderr
     assert f"ampkit: SIGTERM: stopping at step {step}" in cut.stderr and "DataLoader worker" not in cut.stderr
+    assert "ampkit: terminated (SIGTERM) (--resume last continues from" in cut.stderr
+    assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
     last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
     assert load_checkpoint(last)["loop"] == {"epoch": 0, "batches_done": step, "global_step": step}
     env.pop("AMPKIT_TEST_GROUP_SIGTERM")

@@ -4,6 +4,7 @@ what to do, and the last good checkpoint stays loadable."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -91,6 +92,58 @@ def test_an_error_mid_epoch_names_its_batch_and_the_intact_checkpoint(
     note = f"ampkit: raised {where}; the newest checkpoint, '{last}', is intact: --resume last"
     assert note in "\n".join(getattr(failure.value, "__notes__", []))
     assert load_checkpoint(last)["loop"]["global_step"] == saved_step
+
+
+class _PidRecordingBadSample(_BadSample):
+    """The bad-sample set, each worker writing its pid to ``folder`` as it reads."""
+
+    def __init__(self, folder, n: int, bad: int) -> None:
+        super().__init__(n, bad)
+        self.folder = folder
+
+    def __getitem__(self, i):
+        (self.folder / str(os.getpid())).touch()
+        return super().__getitem__(i)
+
+
+class RaisesInATrainingWorker(ToyTrainer):
+    pids = None  # the folder its workers write their pids to
+
+    def train_dataloader(self):
+        return DataLoader(_PidRecordingBadSample(self.pids, 64, 40), batch_size=8, num_workers=2)
+
+
+class RaisesInAValidationWorker(RaisesInATrainingWorker):
+    def train_dataloader(self):
+        return ToyTrainer.train_dataloader(self)
+
+    def val_dataloader(self):
+        return DataLoader(_PidRecordingBadSample(self.pids, 24, 12), batch_size=8, num_workers=2)
+
+
+@pytest.mark.parametrize("trainer_class", [RaisesInATrainingWorker, RaisesInAValidationWorker])
+def test_the_workers_of_a_loader_that_raised_are_gone_when_the_error_reaches_the_caller(
+    tmp_path, monkeypatch, trainer_class
+):
+    """The error's traceback held the loader's iterator, and torch's shutdown, run when the garbage collector took
+    that traceback, waited 5 s for each worker: a notebook or a sweep stalled 10 s after a bad sample."""
+    (tmp_path / "pids").mkdir()
+    monkeypatch.setattr(trainer_class, "pids", tmp_path / "pids")
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(ValueError, match="is corrupt") as failure:
+        trainer.fit()
+    workers = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(workers) == 2 and os.getpid() not in workers
+    alive = [pid for pid in workers if _alive(pid)]
+    assert alive == [], f"workers {alive} outlived the error {failure.value!r}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_an_error_before_the_first_checkpoint_says_none_was_saved(tmp_path):

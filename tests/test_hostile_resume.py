@@ -102,6 +102,22 @@ def test_a_resume_with_a_changed_model_optimizer_or_scheduler_names_every_differ
     assert sorted((tmp_path / "run").rglob("*")) == before
 
 
+def test_other_param_groups_under_fsdp_are_named_as_without_it_not_as_a_damaged_shard(tmp_path):
+    """DCP's load failed on the missing ``param_groups.1.lr`` key, which read as a damaged shard file."""
+    sharded = {**QUIET, "distributed.strategy": "fsdp"}
+    ToyTrainer(toy_cfg(tmp_path, **sharded)).fit()
+    before = sorted((tmp_path / "run").rglob("*"))
+    with pytest.raises(CheckpointError) as raised:
+        TwoGroups(toy_cfg(tmp_path, **{**sharded, "trainer.max_epochs": 2})).fit(resume="last")
+    message = str(raised.value)
+    assert re.search(
+        r"sharded checkpoint '.*last' does not fit this run's optimizers: optimizer 'sgd' holds 1 param group of 4 "
+        r"parameters in the checkpoint, 2 param groups of 2, 2 parameters in this run: ",
+        message,
+    ), message
+    assert "damaged" not in message and sorted((tmp_path / "run").rglob("*")) == before
+
+
 def test_a_layer_frozen_then_or_now_names_the_parameters_only_one_side_s_optimizer_holds(tmp_path):
     _trained(tmp_path / "frozen_then", FrozenFirst)
     with pytest.raises(CheckpointError, match=r"1 param group of 2 parameters in the checkpoint, 1 param group of 4 "

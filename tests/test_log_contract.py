@@ -10,14 +10,16 @@ test_user_mistakes.py.)"""
 from __future__ import annotations
 
 import math
+import os
 import re
+import signal
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
 
-from ampkit import Callback
+from ampkit import Callback, Preempted
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"checkpoint.enabled": False, "trainer.progress_bar": False, "logging.throughput": False,
@@ -242,3 +244,56 @@ def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(
     LogsATensor.value = value
     with pytest.raises(UserCodeError, match=re.escape(message)):
         _fit(tmp_path, LogsATensor)
+
+
+class LogsItsOwnStepLoss(ToyTrainer):
+    """Logs 'train/loss' itself, per step (a Lightning port's self.log('train/loss', loss)), as 100 x the step."""
+
+    def training_step(self, batch):
+        self.log("train/loss", 100.0 * self.state.iteration)
+        return super().training_step(batch)
+
+
+def test_a_train_loss_logged_per_step_is_written_as_logged_not_replaced_by_the_returned_loss_s_mean(tmp_path):
+    """TensorBoard writes the returned loss under train/loss itself (the mean since the last log step); a tag the code
+    logs is its author's curve, as Lightning writes only what log() gets: the returned loss's mean overwrote it at every
+    log step."""
+    trainer = _fit(tmp_path, LogsItsOwnStepLoss, **{"logging.log_every_n_steps": 4, "trainer.max_epochs": 2})
+    assert _scalars(trainer, "train/loss") == [(4, 400.0), (8, 800.0), (12, 1200.0), (16, 1600.0)]
+
+
+class LogsTheStep(ToyTrainer):
+    def training_step(self, batch):
+        self.log("step/x", 10.0 * self.state.iteration)
+        return super().training_step(batch)
+
+
+class EndsAtStep5(Callback):
+    """Stops the run at step 5 as ``how`` says: early stopping's flag, or a SIGTERM (a preemption)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 5 and self.how == "should_stop":
+            trainer.state.should_stop = True
+        elif trainer.state.global_step == 5 and self.how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("how", ["max_steps", "should_stop", "sigterm"])
+def test_a_run_ending_off_the_log_interval_writes_its_last_step_s_logged_values(tmp_path, how):
+    """Step 5 of log_every_n_steps=4 ends the run: its log() values were dropped, while the returned loss got a point
+    there (the batches since the last log step). Lightning logs at a stop's step too. A SIGTERM's step is no end: the
+    resumed run logs as one never stopped, so neither gets a point at 5 (the loss's batches wait in the checkpoint)."""
+    trainer = LogsTheStep(toy_cfg(tmp_path, **QUIET, **{"logging.log_every_n_steps": 4, "trainer.max_epochs": 2,
+                                                        "trainer.max_steps": 5 if how == "max_steps" else -1}),
+                          callbacks=[EndsAtStep5(how)])  # fmt: skip
+    if how == "sigterm":
+        with pytest.raises(Preempted):
+            trainer.fit()
+    else:
+        trainer.fit()
+    steps = [4] if how == "sigterm" else [4, 5]
+    assert _scalars(trainer, "step/x") == [(step, 10.0 * step) for step in steps]
+    assert [step for step, _ in _scalars(trainer, "train/loss")] == steps

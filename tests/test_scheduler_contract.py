@@ -45,6 +45,7 @@ def _halving(form: str):
                 "{optimizer, lr_scheduler: config}": {"optimizer": sgd, "lr_scheduler": {"scheduler": halve}},
                 "[{optimizer, lr_scheduler}]": [{"optimizer": sgd, "lr_scheduler": halve}],
                 "({optimizer, lr_scheduler: config},)": ({"optimizer": sgd, "lr_scheduler": {"scheduler": halve}},),
+                "{optimizer, lr_scheduler: (scheduler,)}": {"optimizer": sgd, "lr_scheduler": (halve,)},
             }[form]
 
     return Form
@@ -58,6 +59,7 @@ WITH_SCHEDULER = [
     "{optimizer, lr_scheduler}",
     "{optimizer, lr_scheduler: config}",
     "[{optimizer, lr_scheduler}]",
+    "{optimizer, lr_scheduler: (scheduler,)}",  # a list of them was taken, a tuple named as no scheduler
     "({optimizer, lr_scheduler: config},)",
 ]
 
@@ -134,8 +136,55 @@ def _step(sgd):
         ),
         pytest.param(
             lambda sgd: {"optimizer": sgd, "lr_scheduler": _step(torch.optim.SGD([sgd.param_groups[0]["params"][0]]))},
-            r"its lr_scheduler steps another optimizer than its 'optimizer'",
+            r"its lr_scheduler steps another optimizer than its 'optimizer' \(a SGD that configure_optimizers\(\) "
+            r"did not return\)",
             id="scheduler of another optimizer",
+        ),
+        # Each below was a bare TypeError or AttributeError from inside ampkit, or (strict) a string taken as True.
+        pytest.param(
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": {"scheduler": _step(sgd), "frequency": "2"}},
+            r"lr_scheduler frequency '2' must be an integer >= 1",
+            id="frequency a string",
+        ),
+        pytest.param(
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": {"scheduler": _step(sgd), "frequency": 1.5}},
+            r"lr_scheduler frequency 1.5 must be an integer >= 1",
+            id="frequency a fraction",
+        ),
+        pytest.param(
+            lambda sgd: {
+                "optimizer": sgd,
+                "lr_scheduler": {"scheduler": _plateau(sgd), "monitor": "val/mse", "strict": "false"},
+            },
+            r"lr_scheduler strict 'false' must be True or False",
+            id="strict a string",
+        ),
+        pytest.param(
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": {"scheduler": _plateau(sgd), "monitor": 5}},
+            r"lr_scheduler monitor 5 must be a string \(e.g. 'val/loss'\) or None",
+            id="monitor a number",
+        ),
+        pytest.param(
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.StepLR},
+            r"lr_scheduler is the class StepLR, not a scheduler: construct it on the optimizer",
+            id="scheduler class",
+        ),
+        pytest.param(
+            lambda sgd: torch.optim.SGD,
+            r"configure_optimizers\(\)\[0\] is the class SGD, not an optimizer: construct it",
+            id="optimizer class",
+        ),
+        pytest.param(  # it was stepped twice per epoch, then named as stepped outside the Trainer
+            lambda sgd: (lambda halve: ([sgd], [halve, halve]))(_step(sgd)),
+            r"returned one StepLR object twice: the Trainer would step it once for each",
+            id="one scheduler twice",
+        ),
+        pytest.param(
+            lambda sgd: (lambda other: [{"optimizer": sgd, "lr_scheduler": _step(other)}, other])(
+                torch.optim.SGD([sgd.param_groups[0]["params"].pop()], lr=0.1)
+            ),
+            r"steps another optimizer than its 'optimizer' \(that of configure_optimizers\(\)\[1\]\)",
+            id="scheduler beside the wrong one of two optimizers",
         ),
     ],
 )
@@ -364,3 +413,25 @@ def test_a_scheduler_the_trainer_steps_and_the_step_steps_too_is_refused_at_once
                        r"Trainer \(its count went from 2 to 3 since the Trainer stepped it\)"):  # fmt: skip
         run.fit()
     assert run.state.global_step == 1
+
+
+class OneCycle(ToyTrainer):
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        one_cycle = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=8)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": one_cycle, "interval": "step"}}
+
+
+def test_a_one_cycle_schedule_the_run_would_step_past_is_refused_before_training(tmp_path):
+    """torch raised 'Tried to step 9 times' at the ninth step, after training that far (and, without a checkpoint
+    since, losing it). A schedule the run fits in trains, also resumed; a resume that would outrun it is refused."""
+    half = {"checkpoint.enabled": True, "trainer.max_steps": 4, "trainer.max_epochs": 2}
+    assert _fit(tmp_path, OneCycle, **half).state.global_step == 4
+    resumed = _fit(tmp_path, OneCycle, resume="last", **{**half, "trainer.max_steps": 8})
+    assert resumed.state.global_step == 8
+    refused = r"the OneCycleLR of optimizer 'sgd' steps at each step of it \('interval': 'step'\), {} times in this run"
+    with pytest.raises(UserCodeError, match=refused.format(2) + r", but has total_steps=8 \(0 left\): .* step 9"):
+        _fit(tmp_path, OneCycle, resume="last", **{**half, "trainer.max_steps": 10})
+    with pytest.raises(UserCodeError, match=refused.format(16) + r".*total_steps=self.num_training_steps"):
+        _fit(tmp_path / "two epochs", OneCycle, **{"trainer.max_epochs": 2})
+    assert not (tmp_path / "two epochs").exists()

@@ -305,3 +305,99 @@ def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupte
         return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
 
     assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
+
+
+class StepOnlyScores(EpochScores):
+    """Logs train/acc per step only (log()'s default), as a Lightning training_step does."""
+
+    def training_step(self, batch):
+        self.log("train/acc", 0.5)
+        return super().training_step(batch)
+
+
+class CountsBatches(ampkit.Callback):
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, outputs, batch) -> None:
+        self.batches += 1
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_train_tag_logged_per_step_only_is_refused_after_the_first_iteration_naming_on_epoch(tmp_path, key):
+    """A monitored train/ tag is its epoch mean; Lightning ranks one logged per step only by its last batch's value
+    (one batch's noise). The run trained its whole first epoch (4 batches) before the epoch's end named the tags it
+    logged; the first iteration shows what is wrong, and the error says how to log it."""
+    counted = CountsBatches()
+    message = r"'train/acc' is monitored, but log\('train/acc'\) gives it per step only.*on_epoch=True"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5], trainer=StepOnlyScores, callbacks=[counted], **{key: "train/acc", "data.n": 32})
+    assert counted.batches == 1
+
+
+class EpochLevelScores(EpochScores):
+    """Every batch of epoch e logs scores[e]: an epoch's mean, whole or cut short, is scores[e]."""
+
+    def training_step(self, batch):
+        self.log("train/score", self.scores[self.state.epoch], on_step=False, on_epoch=True)
+        return ToyTrainer.training_step(self, batch)
+
+
+def test_a_max_steps_stop_mid_epoch_ranks_the_partial_epoch_s_mean_as_lightning_does(tmp_path):
+    """Lightning runs on_train_epoch_end where max_steps cuts an epoch short, and its checkpoint ranks the mean of the
+    batches run: step 6 (2 of epoch 1's 4 batches) is ranked by epoch 1's partial mean."""
+    run = _fit(tmp_path, [0.5, 0.2], trainer=EpochLevelScores,
+               **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "data.n": 32,
+                  "trainer.max_steps": 6})  # fmt: skip
+    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    assert ranked == {"best-00000006.pt": pytest.approx(0.2), "best-00000004.pt": pytest.approx(0.5)}
+
+
+def test_an_epoch_cut_short_by_max_steps_and_finished_on_resume_counts_once_against_patience(tmp_path):
+    """Epoch 1 (no improvement) is cut at step 6 and finished by a resume with a larger max_steps: early stopping
+    counted it at the cut and again at its end, and with patience 2 stopped at step 8, an epoch before the run that
+    was never cut (epoch 2 improves). The cut epoch is checked once, at its end: the run ended at the cut anyway."""
+    settings = {"early_stopping.monitor": "train/score", "early_stopping.patience": 2, "data.n": 32}
+    scores = [1.0, 2.0, 0.5]
+    whole = _fit(tmp_path / "whole", scores, trainer=EpochLevelScores, **settings)
+    _fit(tmp_path / "cut", scores, trainer=EpochLevelScores, **{**settings, "trainer.max_steps": 6})
+    trainer = type("Scripted", (EpochLevelScores,), {"scores": scores})
+    resumed = trainer(toy_cfg(tmp_path / "cut", **{**QUIET, **settings, "trainer.max_epochs": 3}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(resume="last")
+    assert whole.state.global_step == resumed.state.global_step == 12
+    assert not resumed.state.stop_reason
+
+
+class LogsAtItsEpochEnd(EpochScores):
+    """Lightning's pattern: an epoch's metric computed in on_train_epoch_end, logged there, and monitored."""
+
+    def training_step(self, batch):
+        return ToyTrainer.training_step(self, batch)
+
+    def on_train_epoch_end(self):
+        if self.on_step:  # log()'s defaults, where Lightning's in this hook are on_step=False, on_epoch=True
+            self.log("train/epoch_score", self.scores[self.state.epoch])
+        else:
+            self.log("train/epoch_score", self.scores[self.state.epoch], on_epoch=True, on_step=False)
+
+
+@pytest.mark.parametrize("on_step", [False, True], ids=["on_epoch", "defaults"])
+def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_that_epoch_s(tmp_path, on_step):
+    """Lightning runs monitoring callbacks' on_train_epoch_end after the module's for this. Here the value reached
+    TensorBoard but no monitor: the first iteration warned, and epoch 0's end stopped the run naming no epoch mean.
+    Patience 1: epoch 2's 0.3 does not improve on 0.2, so the run stops there, every epoch's end ranked."""
+    scripted = {"scores": [0.5, 0.2, 0.3, 0.1], "on_step": on_step}
+    trainer = type("Scripted", (LogsAtItsEpochEnd,), scripted)
+    cfg = toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 4, "checkpoint.monitor": "train/epoch_score",
+                               "checkpoint.save_top_k": -1, "early_stopping.monitor": "train/epoch_score",
+                               "early_stopping.patience": 1})  # fmt: skip
+    run = trainer(cfg)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit()
+    assert not [w for w in caught if "train/epoch_score" in str(w.message)]
+    assert run.state.global_step == 6 and "did not improve on 0.2 for 1 epochs" in run.state.stop_reason
+    assert best_steps(run) == [2, 4, 6]
+    assert best_pt_step(run) == 4

@@ -306,6 +306,28 @@ class _CastForward:
         # inspect.signature(model.forward)
         return inspect.signature(self._forward_of(self.model))
 
+    # A bound method's names, as functools.wraps gives a wrapper: Lightning's is_overridden("forward", model)
+    # follows __wrapped__ to compare __code__, and loggers print __name__/__qualname__. No __func__, as on Apex's
+    # closure and on any wrapper: accelerate rebinds forward.__func__ with MethodType when it exists, which would
+    # drop the casts of a direct model.forward(x); without it, it wraps this forward whole.
+    @property
+    def __wrapped__(self) -> Any:
+        return self._forward_of(self.model)
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.model
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self._forward_of(self.model), "__name__", "forward")
+
+    def __getattr__(self, name: str) -> Any:
+        # __qualname__ cannot be a property (the class statement takes it as the class's own name)
+        if name == "__qualname__":
+            return getattr(self._forward_of(self.model), "__qualname__", "forward")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stack = getattr(_hooked_calls, "modules", None)
         called = stack[-1]() if stack else None

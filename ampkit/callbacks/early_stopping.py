@@ -10,20 +10,24 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import Monitor
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, Phase
 
 
 class EarlyStopping(Callback):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
-    current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at each
-    epoch's end, so patience counts epochs. Its best value and count are saved in checkpoints, so a resumed run
+    current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at the end
+    of each whole epoch, so patience counts epochs. Its best value and count are saved in checkpoints, so a resumed run
     keeps counting.
 
     As Lightning's ``EarlyStopping`` it also stops at the first validation whose value is NaN/inf
     (``check_finite``: a diverged run gains nothing from ``patience`` more validations), better than
     ``stopping_threshold`` (good enough) or worse than ``divergence_threshold`` (beyond recovery).
     """
+
+    # After the Trainer's own on_train_epoch_end, which may log the monitored epoch value (and before the checkpoint's,
+    # so that the epoch's checkpoint records a stop), as Lightning runs monitoring callbacks after the module's hook.
+    hook_phases = {"on_train_epoch_end": Phase.PERSIST}
 
     def __init__(
         self,
@@ -65,7 +69,9 @@ class EarlyStopping(Callback):
         self._check(trainer, self.monitor.value(metrics, trainer.state.global_step), "validations")
 
     def on_train_epoch_end(self, trainer) -> None:
-        if self.monitor.per_epoch:  # a train/ epoch mean: Lightning's check_on_train_epoch_end
+        # A train/ epoch mean: Lightning's check_on_train_epoch_end. Not of an epoch a stop cut short (max_steps): the
+        # run ends there anyway, and a resume that finishes the epoch checks it then, so it counts once.
+        if self.monitor.per_epoch and trainer.state.epoch_finished:
             self._check(trainer, self.monitor.epoch_value(trainer), "epochs")
 
     def _check(self, trainer, value: float, checks: str) -> None:

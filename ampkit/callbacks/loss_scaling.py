@@ -21,6 +21,7 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
+
+# torch's anomaly detection on a NaN that a backward returned
+_ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
 
 # A scaler per int loss_id is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
 MAX_NUM_LOSSES = 1024
@@ -124,6 +128,19 @@ class LossScaling(Callback):
         if num_losses is not None and self.scaled:
             for loss_id in range(num_losses):
                 self.scaler(loss_id)
+
+    def explain_exception(self, trainer, exception: BaseException) -> str | None:
+        if not (self.scaled and isinstance(exception, RuntimeError) and _ANOMALY_NAN.search(str(exception))):
+            return None
+        scales = ", ".join(f"{scale:g}" for scale in self.scales.values())
+        return (
+            f"torch's anomaly detection stopped the run: {exception} The losses are scaled (precision.loss_scale="
+            f"{self.loss_scale}, scale now {scales}), and a scale too large for float16 makes inf and NaN gradients, "
+            "for which the Trainer skips the step and lowers the scale (expected while a dynamic scale finds its "
+            "level); anomaly detection raises on them instead. To find a NaN of the model's own with anomaly "
+            "detection on, train in bfloat16 (precision.dtype=bfloat16, no loss scale) or float32 "
+            "(precision.opt_level=O0)"
+        )
 
     # ------------------------------------------------------------------ scalers
     @staticmethod

@@ -29,6 +29,11 @@ class Monitor:
         self.min_delta = min_delta
         self.setting = key  # the config key it is set by (``checkpoint.monitor``), for messages
 
+    def __str__(self) -> str:
+        """The metric's name: a callback's ``state_key`` of ``f"{type(self).__name__}[{self.monitor}]"`` (the advice
+        for several instances of one class) is the same in every process, so a resume finds each one's state."""
+        return self.metric
+
     def value(self, metrics: dict[str, float], step: int | None = None) -> float:
         """The monitored value among ``metrics`` of the validation at ``step``; a missing one is a one-line error
         naming the metrics there are (Lightning's ModelCheckpoint raises too: no ranking skips a validation)."""
@@ -63,10 +68,11 @@ class Monitor:
 
     def epoch_value(self, trainer) -> float:
         """This epoch's mean of the monitored ``train/`` tag, at its end (``train/loss_epoch`` for ``train/loss``
-        logged with ``on_step`` too, as Lightning's monitor finds it): rank zero's on every rank (the value
+        logged with ``on_step`` too, as Lightning's monitor finds it; a value logged in ``on_train_epoch_end``
+        is the epoch's): rank zero's on every rank (the value
         TensorBoard shows), so all ranks rank and stop alike. One not logged is a one-line error naming the tags
         that were."""
-        means = trainer.epoch_scalars
+        means = trainer.monitor_values()
         value = broadcast_object(epoch_mean(means, self.key), trainer.dist)
         if value is not None:
             return float(value)

@@ -164,7 +164,7 @@ class TensorBoardLogger(Callback):
     """Writes ``<version_dir>/tensorboard`` event files.
 
     Tags: ``train/<output>`` (``train/loss`` and each named loss; mean over the batches since the last log, and at
-    the last step over those since),
+    the last step over those since; a tag ``trainer.log`` writes is left to it),
     ``train/lr/<optimizer>`` (the rate the step used; ``train/lr/<optimizer>/group_<i>``: its other param groups',
     ``/<name>`` for a group with a ``"name"``; with ``log_momentum`` each group's ``train/momentum/...`` too),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
@@ -192,6 +192,7 @@ class TensorBoardLogger(Callback):
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._output_tags: set[str] = set()  # train/<output> tags the window writes: no epoch mean may share one
+        self._logged_tags: set[str] = set()  # tags log() wrote: a batch output of that name leaves them to it
         self._renamed: set[str] = set()  # epoch tags written as <tag>_epoch for that, said once each
         self._grad_norms: list[tuple[str, torch.Tensor]] = []  # this iteration's norms, read with the rest
         self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
@@ -255,10 +256,10 @@ class TensorBoardLogger(Callback):
                     self._output_tags.add(f"train/{key}")
                 else:
                     values.append(value)
-        rows = [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
+        rows = self._taken()
         step = trainer.state.iteration
         if trainer.state.is_iteration_end and self._due(trainer):
-            rows += [(step, f"train/{key}", values) for key, values in window.items()]  # logged as their mean
+            rows += self._window_rows(step)  # each output's values since the last log step, logged as their mean
             rows += [(step, tag, norm) for tag, norm in self._grad_norms]
             rows += [(step, tag, lr) for tag, lr in self._lrs]
             now = time.perf_counter()
@@ -273,6 +274,19 @@ class TensorBoardLogger(Callback):
         elif rows:  # trainer.log(..., always=True) between log steps (an overflow event)
             self._queued += rows
 
+    def _taken(self) -> list[tuple[int, str, Any]]:
+        """``trainer.log``'s values not taken yet, as ``(step, tag, value)`` rows; their tags are noted."""
+        rows = [(at_step, tag, value) for tag, value, at_step in self._take_logged()]
+        self._logged_tags.update(tag for _, tag, _ in rows)
+        return rows
+
+    def _window_rows(self, step: int) -> list[tuple[int, str, Any]]:
+        """The batch outputs since the last log step as ``train/<output>`` rows at ``step``, but for a tag the code
+        logs itself: ``self.log('train/loss', v)`` is what its author asked to see, where one curve of both would
+        mix its values with the returned loss's means (Lightning writes only what ``log()`` is given)."""
+        rows = [(step, f"train/{key}", values) for key, values in self._window.items()]
+        return [row for row in rows if row[1] not in self._logged_tags]
+
     def state_dict(self) -> dict[str, Any]:
         """What was logged so far goes to the event file first, before the checkpoint exists (SummaryWriter writes
         its buffer out every 120 s: a SIGKILL lost the steps before the checkpoint, which a resume does not log again).
@@ -282,7 +296,7 @@ class TensorBoardLogger(Callback):
         if self.writer is not None:
             # What log() got since the batch's take (the Trainer's own on_train_batch_end and on_train_epoch_end run
             # between it and the save): the run resumed from this checkpoint does not log at its step again.
-            self._queued += [(at_step, tag, value) for tag, value, at_step in self._take_logged()]
+            self._queued += self._taken()
             try:
                 self._flush()
                 with writing_events(Path(self.writer.log_dir)):
@@ -372,10 +386,10 @@ class TensorBoardLogger(Callback):
     def on_train_end(self, trainer) -> None:
         if self.writer is None:
             return
-        step = trainer.state.global_step  # the batches since the last log step, as their own point at the last step
-        self._queued += [(step, f"train/{key}", values) for key, values in self._window.items()]
+        self._take_logged_after_the_last_batch()  # first: the window leaves out a tag log() writes
+        # The batches since the last log step, as their own point at the last step.
+        self._queued += self._window_rows(trainer.state.global_step)
         self._window = {}
-        self._take_logged_after_the_last_batch(trainer)
         self._flush()
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
         experiment, _, end = _hparams_summaries(trainer, final)
@@ -383,10 +397,10 @@ class TensorBoardLogger(Callback):
             self.writer.file_writer.add_summary(experiment)
             self.writer.file_writer.add_summary(end)
 
-    def _take_logged_after_the_last_batch(self, trainer) -> None:
+    def _take_logged_after_the_last_batch(self) -> None:
         """Queue what log() got after the last batch (the last epoch's on_train_epoch_end, a Trainer's own
         on_train_end, which runs after this callback's): no batch end follows to take it up."""
-        self._queued += [(at_step, tag, value) for tag, value, at_step in trainer.take_logged()]
+        self._queued += self._taken()
 
     def on_exception(self, trainer, exception: BaseException) -> None:
         self._failed = True
@@ -395,7 +409,7 @@ class TensorBoardLogger(Callback):
         if self.writer is None:
             return
         try:
-            self._take_logged_after_the_last_batch(trainer)
+            self._take_logged_after_the_last_batch()
             self._flush()
             with writing_events(Path(self.writer.log_dir)):
                 self.writer.close()

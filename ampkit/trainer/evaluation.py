@@ -21,7 +21,6 @@ from ampkit.trainer.distributed import (
 )
 from ampkit.trainer.failure_note import noting_fetch_failures
 from ampkit.trainer.loader_rng import set_sampler_epoch
-from ampkit.trainer.loader_workers import iterate
 from ampkit.trainer.user_code import check_metrics
 
 if TYPE_CHECKING:
@@ -107,7 +106,7 @@ def real_and_filler_batches(trainer: Trainer, loader: Any, source: str) -> Itera
     have more, its results dropped. Under FSDP, where every forward is a collective, a loader that may give the ranks
     different counts (an ``IterableDataset``, per-rank lists) is padded to the longest rank's."""
     filler = filler_batches_from(loader)
-    batches = noting_fetch_failures(iterate(loader), source)  # a bad sample's error names its batch
+    batches = noting_fetch_failures(trainer._workers.iterate(loader), source)  # a bad sample's error names its batch
     if filler is None and trainer.dist.enabled and trainer.sharded and evened_by_agreement(loader):
         return padded_to_the_longest_rank(batches, trainer.dist, source)
     return ((batch, filler is None or i < filler) for i, batch in enumerate(batches))

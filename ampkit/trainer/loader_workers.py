@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +66,33 @@ def iterate(loader: Any) -> Iterator[Any]:
     if getattr(loader, "persistent_workers", False):
         return _without_drawing(loader)
     return _iterate(loader)
+
+
+class StartedWorkers:
+    """The worker processes a run (a ``fit``, a standalone ``validate``...) started through :meth:`iterate`, ended by
+    :meth:`shut_down` as the run ends, as Lightning's teardown ends them. Else persistent workers live on, with their
+    pipes and threads, as long as the Trainer (which keeps its loaders) does: a notebook or a sweep keeping its
+    Trainers piles them up. So do an epoch's workers while an error that stopped it is kept (IPython keeps the last
+    one), since its traceback holds the epoch's iterator; and where the loader raised, torch's shutdown run once the
+    garbage collector takes that traceback waited 5 s for each worker, where one run now takes milliseconds."""
+
+    def __init__(self) -> None:
+        self._started: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # iterator -> its loader
+
+    def iterate(self, loader: Any) -> Iterator[Any]:
+        """:func:`iterate`, its worker processes remembered until :meth:`shut_down`."""
+        iterator = iterate(loader)
+        if callable(getattr(iterator, "_shutdown_workers", None)):  # torch's multi-process iterator
+            self._started[iterator] = loader
+        return iterator
+
+    def shut_down(self) -> None:
+        """End the workers started since the last call; a persistent loader starts new ones when iterated again."""
+        started, self._started = self._started, weakref.WeakKeyDictionary()
+        for iterator, loader in list(started.items()):
+            iterator._shutdown_workers()
+            if getattr(loader, "_iterator", None) is iterator:  # a persistent loader's: it would reuse dead workers
+                loader._iterator = None
 
 
 def _without_drawing(loader: Any) -> Iterator[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import numbers
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -78,6 +79,11 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
         spec = SchedulerSpec(**value)
     else:
         spec = SchedulerSpec(scheduler=value)
+    if isinstance(spec.scheduler, type):  # its unbound step() passed the check below, and failed at the first step
+        raise UserCodeError(
+            f"{where}: lr_scheduler is the class {spec.scheduler.__name__}, not a scheduler: construct it on the "
+            f"optimizer ({spec.scheduler.__name__}(optimizer, ...))"
+        )
     if not all(callable(getattr(spec.scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
         raise UserCodeError(
             f"{where}: lr_scheduler is {type(spec.scheduler).__name__} ({str(spec.scheduler)[:40]!r}); expected a "
@@ -85,8 +91,18 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
         )
     if spec.interval not in (None, "step", "epoch"):
         raise UserCodeError(f"{where}: lr_scheduler interval '{spec.interval}' must be 'step' or 'epoch'")
+    if isinstance(spec.frequency, bool) or not isinstance(spec.frequency, numbers.Integral):
+        raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency!r} must be an integer >= 1")
     if spec.frequency < 1:
         raise UserCodeError(f"{where}: lr_scheduler frequency {spec.frequency} must be >= 1")
+    spec.frequency = int(spec.frequency)
+    if not isinstance(spec.strict, bool):  # "false" would be true
+        raise UserCodeError(f"{where}: lr_scheduler strict {spec.strict!r} must be True or False")
+    for key in ("monitor", "name"):
+        if not isinstance(getattr(spec, key), str | None):
+            raise UserCodeError(
+                f"{where}: lr_scheduler {key} {getattr(spec, key)!r} must be a string (e.g. 'val/loss') or None"
+            )
     return spec
 
 
@@ -104,6 +120,29 @@ def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) ->
         )
     sched.scheduler.step(*metric)
     sched.count_after_step = getattr(sched.scheduler, "last_epoch", None)
+
+
+def refuse_scheduler_overrun(spec: OptimizerSpec, steps_taken: int, iterations_left: int) -> None:
+    """Refuse a ``OneCycleLR`` stepped per iteration that this run would step past its ``total_steps``: torch raises
+    "Tried to step N times" at the step after them, once the run has trained that far (the steps since its last
+    checkpoint lost). ``steps_taken``: the optimizer's steps so far (a resume's); ``iterations_left``: at most one
+    step of it each."""
+    for sched in spec.schedulers:
+        if sched.interval != "step" or not isinstance(sched.scheduler, torch.optim.lr_scheduler.OneCycleLR):
+            continue
+        total = sched.scheduler.total_steps
+        room = total - sched.scheduler.last_epoch  # last_epoch: 0 once constructed
+        wanted = (steps_taken + iterations_left) // sched.frequency - steps_taken // sched.frequency
+        if wanted > room:
+            which = f"LR scheduler '{sched.name}'" if sched.name else "the OneCycleLR"
+            every = "each step" if sched.frequency == 1 else f"every {sched.frequency} steps"
+            per = "" if sched.frequency == 1 else f" // {sched.frequency}"
+            raise UserCodeError(
+                f"configure_optimizers(): {which} of optimizer '{spec.name}' steps at {every} of it ('interval': "
+                f"'step'), {wanted} times in this run, but has total_steps={total} ({room} left): torch would raise "
+                f"at its step {total + 1}, after training that far. Build it with total_steps="
+                f"self.num_training_steps{per} (the iterations the run trains)"
+            )
 
 
 def _takes_no_metric(scheduler: Any) -> bool:
@@ -166,12 +205,17 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             if unknown:
                 raise UserCodeError(f"{where}: unknown keys {sorted(unknown)}; return {_ACCEPTED}")
             scheds = item.get("lr_scheduler")
-            scheds = scheds if isinstance(scheds, list) else ([] if scheds is None else [scheds])
+            scheds = list(scheds) if isinstance(scheds, list | tuple) else ([] if scheds is None else [scheds])
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
+            if not isinstance(item.get("monitor"), str | None):
+                raise UserCodeError(f"{where}: monitor {item['monitor']!r} must be a string (e.g. 'val/loss') or None")
             for spec in sched_specs:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
                 if target is not item["optimizer"]:
-                    raise UserCodeError(f"{where}: its lr_scheduler steps another optimizer than its 'optimizer'")
+                    raise UserCodeError(
+                        f"{where}: its lr_scheduler steps another optimizer than its 'optimizer' "
+                        f"({_which_optimizer(target, items)}): put each scheduler beside the optimizer it steps"
+                    )
             for spec in sched_specs:
                 plateau = isinstance(spec.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
                 if spec.monitor is not None and _takes_no_metric(spec.scheduler):
@@ -198,6 +242,11 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 f"{where} is a dict whose 'optimizer' is {found} (keys: {sorted(map(str, item))}); it needs "
                 f"'optimizer': a torch.optim.Optimizer. Return {_ACCEPTED}"
             )
+        elif isinstance(item, type) and issubclass(item, torch.optim.Optimizer):
+            raise UserCodeError(
+                f"{where} is the class {item.__name__}, not an optimizer: construct it "
+                f"({item.__name__}(self.module.parameters(), lr=...))"
+            )
         else:
             raise UserCodeError(f"{where} is {type(item).__name__}; return {_ACCEPTED}")
     defaults = Counter(type(s.optimizer).__name__.lower() for s in specs if not s.name)
@@ -212,6 +261,14 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
         raise UserCodeError(f"optimizer names must be unique, got {names}")
     if len({id(s.optimizer) for s in specs}) != len(specs):
         raise UserCodeError("the same optimizer object was returned twice by configure_optimizers")
+    listed: set[int] = set()
+    for sched in (sched.scheduler for spec in specs for sched in spec.schedulers):
+        if id(sched) in listed:  # each listing would step it once more
+            raise UserCodeError(
+                f"configure_optimizers() returned one {type(sched).__name__} object twice: the Trainer would step it "
+                "once for each; return each scheduler once"
+            )
+        listed.add(id(sched))
     for spec in specs:
         if _needs_closure(spec.optimizer):
             raise UserCodeError(
@@ -221,6 +278,15 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
                 "none (SGD, AdamW...)"
             )
     return specs
+
+
+def _which_optimizer(optimizer: Any, items: list[Any]) -> str:
+    """Where ``optimizer`` is among ``configure_optimizers``' items, for a message (``"that of
+    configure_optimizers()[1]"``), or that it returned no such optimizer."""
+    for i, item in enumerate(items):
+        if optimizer is item or (isinstance(item, dict) and optimizer is item.get("optimizer")):
+            return f"that of configure_optimizers()[{i}]"
+    return f"a {type(optimizer).__name__} that configure_optimizers() did not return"
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -60,6 +60,23 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"][saver], "cuda")  # the current device, when CUDA starts if later
 
 
+def capture_callers_rng() -> dict[str, Any]:
+    """The RNG states of the code calling a seeded run, for :func:`restore_callers_rng` as the run ends, and the seed
+    torch's CUDA generators start from (CUDA may start during the run)."""
+    state = capture_rng()
+    state["initial_seed"] = torch.initial_seed()
+    return state
+
+
+def restore_callers_rng(state: dict[str, Any]) -> None:
+    """Put back what :func:`capture_callers_rng` captured: the run's seeding and draws do not reach the caller's
+    generators (a sweep drawing each trial's settings from ``random`` got the same ones after every fit). CUDA that
+    started during the run gets the generators it would have started with."""
+    restore_rng(state)
+    if "cuda" not in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(state["initial_seed"])
+
+
 def rng_not_restored(state: dict[str, Any]) -> str | None:
     """What :func:`restore_rng` leaves out of ``state`` on this machine, as a clause for a warning; None if nothing:
     the CUDA states of devices it lacks."""

@@ -37,7 +37,8 @@ from ampkit.trainer.checkpoint_io import (
     write_errors_surfaced,
 )
 from ampkit.trainer.optimizers import state_initialising_steps
-from ampkit.trainer.state_misfit import model_misfit, shapes_of
+from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
+from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
 from ampkit.trainer.waiting import barrier
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
@@ -263,6 +264,7 @@ def load_sharded(
 
         hint = config_misfit(checkpoint.get("config") or {}, cfg) if cfg is not None else ""
         raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's model: {misfit}{hint}")
+    _check_param_groups(path, checkpoint, module, optimizers)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
     barrier(f"the resume of {path.name}")  # every rank has read trainer.pt: rank zero names one that has not
@@ -284,6 +286,25 @@ def load_sharded(
     checkpoint["model"] = module.state_dict()
     checkpoint["optimizers"] = {name: opt.state_dict() for name, opt in optimizers.items()}
     return checkpoint
+
+
+def _check_param_groups(
+    path: Path, checkpoint: dict[str, Any], module: nn.Module, optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """Refuse optimizers whose param groups are not those saved (by the names ``trainer.pt`` recorded), as an
+    unsharded resume does: DCP's load named a missing ``param_groups.1.lr`` key, read as a damaged shard."""
+    saved_groups = (checkpoint.get(TRAINABLE_KEY) or {}).get("groups", {})
+    our_groups = trainable_record(module, optimizers)["groups"]
+    for name, optimizer in optimizers.items():
+        saved_names = saved_groups.get(name)
+        if saved_names is None:  # a checkpoint from before the record was kept
+            continue
+        try:
+            check_optimizer_fits(
+                name, {"param_groups": [{"params": g} for g in saved_names]}, optimizer, saved_names, our_groups[name]
+            )
+        except StateMisfit as exc:
+            raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's optimizers: {exc}") from None
 
 
 def _model_misfit(path: Path, model_state: dict[str, Any]) -> str | None:

@@ -48,6 +48,7 @@ import dataclasses
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from itertools import islice
@@ -79,6 +80,7 @@ from ampkit.trainer.batch_layout import (
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -126,7 +128,7 @@ from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
 from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
-from ampkit.trainer.loader_workers import iterate
+from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.model_setup import ModelSetup, setup_model, validate_model_setup
 from ampkit.trainer.optimizers import (
@@ -138,6 +140,7 @@ from ampkit.trainer.optimizers import (
     group_settings,
     normalize_optimizers,
     refuse_direct_steps,
+    refuse_scheduler_overrun,
     settings_kept_from_checkpoint,
     step_,
     step_scheduler,
@@ -148,7 +151,14 @@ from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
-from ampkit.trainer.rng import capture_rng, restore_rng, rng_not_restored, seed_everything
+from ampkit.trainer.rng import (
+    capture_callers_rng,
+    capture_rng,
+    restore_callers_rng,
+    restore_rng,
+    rng_not_restored,
+    seed_everything,
+)
 from ampkit.trainer.run_dir import quoted_run_dir, shard_writing_problem, unwritable_reason
 from ampkit.trainer.run_life import (
     FitStart,
@@ -203,6 +213,7 @@ from ampkit.trainer.user_code import (
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
+_CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry point at a time (Trainer._claim)
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
     "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
@@ -341,7 +352,11 @@ class Trainer:
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
+        # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
+        # iteration writes its own (_log_the_last_iteration), as it writes the outputs since the last log step.
+        self._held_step_values: dict[str, tuple[Any, int, int]] = {}
         self.epoch_scalars: dict[str, float] = {}  # Trainer.log's on_epoch means, set before on_train_epoch_end
+        self._epoch_end_values: dict[str, Any] = {}  # on_epoch values logged in on_train_epoch_end (monitor_values)
         self.logger: Logger = Logger()  # images/histograms/text; a logging callback replaces this no-op one
         self._epoch_sums: dict[str, list[Any]] = {}
         # The hook (or training_step) running now, and the one that logs each on_epoch tag: Lightning keeps one tag's
@@ -350,6 +365,7 @@ class Trainer:
         self._epoch_fx: dict[str, str] = {}
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
+        self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
@@ -362,6 +378,7 @@ class Trainer:
         self._specs: list[OptimizerSpec] = []
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
+        self._workers = StartedWorkers()  # the loader workers a run started, ended as it ends
         self._num_train_batches: int | None = None
         self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
@@ -392,6 +409,7 @@ class Trainer:
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
+        self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
@@ -705,8 +723,8 @@ class Trainer:
         """Record a scalar for the loggers (tensors are detached, so no graph is kept alive).
 
         ``on_step``: written at the end of this batch if the iteration is due (every ``logging.log_every_n_steps``,
-        or ``always`` for events such as an overflow; outside a batch, e.g. in ``on_train_epoch_end``, always) at
-        ``step`` (default: this iteration). ``on_epoch``: its mean
+        the run's last, or ``always`` for events such as an overflow; outside a batch, e.g. in
+        ``on_train_epoch_end``, always) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
         ``_step`` and ``_epoch`` suffixes.
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
@@ -729,17 +747,42 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+        if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
+            self._monitors_per_step.add(tag)
+        if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
+            self._epoch_end_values[tag] = value  # on_epoch=True: a monitor reads it as the epoch's value too
         # Outside a training batch (an epoch-end hook, as Lightning users log an epoch's metric) it is written at once.
-        if on_step and (always or self._batch is None or _every(self._log_every, self.state.iteration)):
-            step_tag = f"{tag}_step" if on_epoch else tag
-            self.logged_scalars.append((step_tag, value, self.event_iteration if step is None else step))
+        if on_step:
+            step_tag, at = f"{tag}_step" if on_epoch else tag, self.event_iteration if step is None else step
+            if always or self._batch is None or _every(self._log_every, self.state.iteration):
+                self.logged_scalars.append((step_tag, value, at))
+            else:  # written only if the run ends with this iteration
+                self._held_step_values[step_tag] = (value, at, self.state.iteration)
         if on_epoch:  # weighted by the batch's size, as validation metrics and Lightning's epoch means are
             self._check_one_hook_logs(tag)
             epoch_tag = f"{tag}_epoch" if on_step else tag
             if self._epoch_means_taken:  # on_train_epoch_end: its own value is the epoch's, not one for the next
                 self.logged_scalars.append((epoch_tag, value, self.event_iteration if step is None else step))
+                # ... and a monitor's (Lightning's pattern: an epoch metric computed and logged there).
+                self._epoch_end_values[epoch_tag] = value
                 return
             self._add_to_epoch_sum(epoch_tag, value)
+
+    def _log_the_last_iteration(self) -> None:
+        """Queue the on_step values of the run's last iteration that it was not due to log: a run that ends off the
+        ``log_every_n_steps`` interval (max_steps, a stop) writes its last step's values, as it writes the returned
+        outputs' since the last log step (Lightning logs at a stop's step too). Not a SIGTERM's step: that run goes on
+        when resumed, and logs as one never stopped would."""
+        held, self._held_step_values = self._held_step_values, {}
+        last = self.state.global_step
+        self.logged_scalars += [(tag, value, at) for tag, (value, at, iteration) in held.items() if iteration == last]
+
+    def monitor_values(self) -> dict[str, float]:
+        """The epoch's values a ``train/`` monitor reads at its end: the ``on_epoch`` means, and the values logged
+        with ``on_epoch=True`` in ``on_train_epoch_end`` so far (an epoch metric computed there, as Lightning's
+        monitoring callbacks read one logged in the module's hook)."""
+        late = {tag: float(value) for tag, value in self._epoch_end_values.items()}
+        return {**self.epoch_scalars, **late}
 
     def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
         """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
@@ -774,6 +817,17 @@ class Trainer:
             t for t in self._monitors_unheard if t not in self._epoch_sums and f"{t}_epoch" not in self._epoch_sums
         ]
         self._monitors_unheard = ()
+        if "on_train_epoch_end" in self._own_hooks:  # it may log them there, as the epoch's values
+            return
+        if per_step := [tag for tag in unheard if tag in self._monitors_per_step]:
+            # Lightning ranks such a tag by its last batch's value, one batch's noise; the epoch's end would fail
+            # here anyway, an epoch of training later.
+            tag = per_step[0]
+            raise MonitorNotFoundError(
+                f"'{tag}' is monitored, but log('{tag}') gives it per step only (on_epoch=False): a monitored train/ "
+                f"tag is its epoch mean, read at each epoch's end; log it with self.log('{tag}', value, "
+                "on_epoch=True) (on_step=True too keeps its per-step curve)"
+            )
         for tag in unheard:
             rank_zero_warn(
                 f"'{tag}' is monitored, but the first iteration gave it no value: its epoch mean, read at each epoch's "
@@ -867,19 +921,24 @@ class Trainer:
 
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
-        if self._running is not None:  # it would recurse until Python's stack runs out
+        if not self._claim("fit"):  # it would recurse until Python's stack runs out
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
             )
-        self._start_distributed()
+        try:
+            refuse_outer_autocast(self.cfg, self.device)
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
         self._preempt_asked = False
-        self._running = "fit"
         try:
-            with sigterm_asks_to_stop(self._ask_preemption), sighup_raises():
-                self._fit(resume)
+            with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
+                with sighup_raises(), grad_mode_for_training():
+                    self._fit(resume)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -899,6 +958,36 @@ class Trainer:
             if self._discard_version_dir and self.is_global_zero:
                 discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean, failure)
+
+    def _claim(self, entry: str) -> bool:
+        """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
+        the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
+        the optimizers and the loop's state (and both passed the check before either marked itself)."""
+        here = (threading.get_ident(), threading.current_thread().name)
+        with _CLAIMS:
+            if self._running is None:
+                self._running, self._running_in = entry, here
+                return True
+        if self._running_in != here:
+            raise UserCodeError(
+                f"{entry}() was called in thread '{here[1]}' while {self._running}() is running in thread "
+                f"'{self._running_in[1]}' on this {type(self).__name__}: one Trainer runs one "
+                "fit, validate, test or predict at a time (they would share its model, optimizers and loop state); "
+                "build a Trainer for each thread"
+            )
+        return False
+
+    @contextmanager
+    def _process_kept(self, seeds: bool) -> Iterator[None]:
+        """The process as a run (``fit``, a standalone ``validate``...) found it once it ends, also by an error: the
+        loader workers it started ended, and, where it ``seeds`` (``trainer.seed``), the caller's RNGs as they were."""
+        callers_rng = capture_callers_rng() if seeds else None
+        try:
+            yield
+        finally:
+            self._workers.shut_down()
+            if callers_rng is not None:
+                restore_callers_rng(callers_rng)
 
     def _start_distributed(self) -> None:
         self.dist = setup_distributed(self.cfg)
@@ -929,6 +1018,7 @@ class Trainer:
         try:
             self.fire("on_fit_start")
             self._train_monitors = self._monitors_unheard = self._monitored_train_tags()
+            self._monitors_per_step = set()
             if self.fit_start.branched_from is not None:
                 self.logger.log_text("run/lineage", OmegaConf.to_yaml(lineage(self.fit_start)), self.state.global_step)
             try:
@@ -943,6 +1033,7 @@ class Trainer:
                 self._stop_if_preempted()
             if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
                 rank_zero_warn(self._unsaid_skips)
+            self._log_the_last_iteration()
             self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
@@ -1066,7 +1157,7 @@ class Trainer:
                 self._validate()
         # The means after validation (whose hooks may log into them) and before the schedulers (which may monitor one)
         self.epoch_scalars = {tag: float(total / count) for tag, (total, count) in self._epoch_sums.items()}
-        self._epoch_means_taken = True
+        self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
             self._step_schedulers("epoch")
@@ -1360,15 +1451,19 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        outer = self._running
-        if outer is not None:  # from a hook of a running fit (or evaluation): its process group stays its own
+        if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
-        self._start_distributed()
+        try:
+            self._start_distributed()
+        except BaseException:
+            self._running = None
+            raise
         clean = False
         failure = None
-        self._running = stage.name
+        seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
         try:
-            result = self._run_stage(stage, ckpt)
+            with self._process_kept(seeds):
+                result = self._run_stage(stage, ckpt)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1513,6 +1608,7 @@ class Trainer:
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
+        self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
@@ -1580,6 +1676,10 @@ class Trainer:
             checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
             self._restore(checkpoint, path)
             self._check_resume_position(path, checkpoint.get("batch_layout"), saved_accumulation(checkpoint))
+        if self.automatic_optimization and (total := self.num_training_steps) is not None:  # one step per iteration
+            for spec in self._specs:
+                steps = self.optimizer_state[spec.optimizer].steps
+                refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
         self.version_dir = None
         if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
             self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
@@ -1688,7 +1788,7 @@ class Trainer:
         set_sampler_epoch(self._train_loader, self.state.epoch)  # a new shuffle each epoch, the same on every rank
         self._epoch_rng = capture_rng()
         self._epoch_generators = capture_generators(self._train_loader)
-        iterator = iterate(self._train_loader)
+        iterator = self._workers.iterate(self._train_loader)
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(

@@ -64,6 +64,13 @@ def check_model_has_values(module: torch.nn.Module) -> None:
     ``torch.device("meta")`` and never materialized) has none to train, move or load into, and torch's error at
     ``.to(device)`` names neither the tensors nor the way out."""
     names = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if names and torch.get_default_device().type == "meta":  # every tensor the run makes would have no values
+        raise UserCodeError(
+            f"configure_model() returned a model whose {first_names(names)} are on the meta device, where "
+            "torch.set_default_device('meta') puts every tensor made without a device (the run's own too): set it "
+            "back with torch.set_default_device(None) before fit(), and build the model under `with "
+            "torch.device('meta'):` where meant"
+        )
     if names:
         raise UserCodeError(
             f"configure_model() returned a model whose {first_names(names)} are on the meta device, which holds no "

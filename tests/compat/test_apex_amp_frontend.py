@@ -1,6 +1,7 @@
 """amp.initialize: signature, return shapes, Apex's property table and override errors, re-initialization."""
 
 import copy
+import functools
 import gc
 import inspect
 import io
@@ -143,6 +144,69 @@ def test_a_direct_forward_call_casts_as_apexs_patched_forward_did(level):
     with amp.scale_loss(loss, optimizer) as scaled:
         scaled.backward()
     optimizer.step()
+
+
+def _is_overridden(name, instance, parent):
+    """Lightning's ``is_overridden``: follow ``__wrapped__`` (functools.wraps) and compare the code objects."""
+    method = getattr(instance, name)
+    method = getattr(method, "__wrapped__", method)
+    return method.__code__ is not getattr(parent, name).__code__
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_the_casting_forward_answers_as_the_bound_forward_does(level):
+    """Code that introspects ``model.forward`` after ``initialize`` sees the model's own: Lightning's
+    ``is_overridden`` reads ``__code__`` through ``__wrapped__`` (an AttributeError before), loggers its names. It
+    has no ``__func__``: accelerate rebinds ``forward.__func__`` where it exists, which would drop the casts, and
+    wraps the forward whole otherwise; that wrapper still casts."""
+    model = _LanguageModel()
+    model = amp.initialize(model, opt_level=level, verbosity=0)
+    forward = model.forward
+    assert _is_overridden("forward", model, torch.nn.Module)
+    assert (forward.__name__, forward.__qualname__) == ("forward", "_LanguageModel.forward")
+    assert forward.__self__ is model and inspect.unwrap(forward) == _LanguageModel.forward.__get__(model)
+    assert not hasattr(forward, "__func__")
+    wrapped = functools.wraps(forward)(lambda *args, **kwargs: forward(*args, **kwargs))
+    assert wrapped.__name__ == "forward" and list(inspect.signature(wrapped).parameters) == ["x", "hidden"]
+    logits, _ = wrapped(torch.randn(3, 2, 4), torch.zeros(1, 2, 8))
+    assert logits.dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_torchscript_module_is_refused_where_it_would_be_cast_and_left_as_it_was():
+    """O2/O3 refuse a scripted model before touching it, saying what works (Apex cast it to half, then failed in
+    torch's "_register_state_dict_hook is not supported on ScriptModules"); O1, whose patched functions its compiled
+    code never calls, warns that it runs in float32."""
+    scripted = torch.jit.script(_model())
+    with pytest.raises(RuntimeError, match=r"models\[0\] is a TorchScript module .*O2.*torch\.jit\.trace"):
+        amp.initialize(scripted, _sgd(scripted), opt_level="O2", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in scripted.parameters())
+    assert isinstance(scripted.forward, torch.ScriptMethod)
+    with pytest.warns(UserWarning, match="runs in float32"):
+        amp.initialize(scripted, _sgd(scripted), opt_level="O1", verbosity=0)
+
+
+def test_torch_compile_after_o2_trains_as_the_eager_model():
+    """A newer user's ``torch.compile(model)`` (or ``model.compile()``) after O2 ``initialize`` compiles in one graph
+    and trains bit for bit as the eager model: the casting forward and hooks trace through."""
+
+    def train(compile_it):
+        torch.manual_seed(0)
+        model = _model()
+        model, optimizer = amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
+        run = torch.compile(model, backend="eager", fullgraph=True) if compile_it else model
+        for _ in range(2):
+            out = run(torch.randn(6, 4))
+            with amp.scale_loss(out.pow(2).mean(), optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return out, model.state_dict()
+
+    torch._dynamo.reset()
+    (out, state), (eager_out, eager_state) = train(True), train(False)
+    assert out.dtype == torch.float32 and torch.equal(out, eager_out)
+    assert all(torch.equal(state[k], eager_state[k]) for k in eager_state)
 
 
 def test_a_deep_copy_made_after_initialize_runs_its_own_weights():
@@ -428,6 +492,18 @@ def test_verbosity_controls_the_setup_printout(capsys):
     model = _model()
     amp.initialize(model, _sgd(model), opt_level="O2", verbosity=0)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("is_master", [True, False])
+def test_verbosity_may_be_a_bool_as_apex_took_it(is_master, capsys):
+    """NVIDIA's retinanet-examples (odtk) passes ``verbosity=is_master``: Apex compared it with 0, so rank 0
+    printed and the others kept quiet. It was refused as not an integer."""
+    model = _model()
+    amp.initialize(model, _sgd(model), opt_level="O2", verbosity=is_master)
+    assert ("Selected optimization level O2" in capsys.readouterr().out) is is_master
+    assert amp._amp_state.verbosity == int(is_master)
+    with pytest.raises(ValueError, match=r"verbosity='1': expected an integer"):
+        amp.initialize(model, opt_level="O0", verbosity="1")
 
 
 def test_state_dict_has_apex_format_and_round_trips():

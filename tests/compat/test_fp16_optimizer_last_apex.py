@@ -132,6 +132,29 @@ def test_overflow_verdict_is_sticky_until_zero_grad(capsys):
     assert optimizer.overflow and optimizer.loss_scale == 128.0  # one update for the delayed backwards
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zeroing_the_models_grads_instead_of_the_optimizers_starts_each_iteration_afresh(set_to_none, capsys):
+    """transformer-xl calls ``model.zero_grad()``, never the optimizer's: Apex rebuilt the master grads from the
+    model's at each backward, so each step took that iteration's gradients. They had accumulated the earlier steps'
+    here, and after one overflow its inf with them: every later step was skipped."""
+
+    def train(zero_model_grads):
+        model = _model()
+        optimizer = _dynamic(model, init_scale=2.0**10)
+        for loss_scale in (float("inf"), 1.0, 1.0, 1.0):
+            model.zero_grad(set_to_none=set_to_none) if zero_model_grads else optimizer.zero_grad()
+            optimizer.backward(_loss(model, loss_scale))
+            optimizer.clip_master_grads(10.0)
+            optimizer.step()
+        return model, optimizer
+
+    model, optimizer = train(zero_model_grads=True)
+    reference, reference_optimizer = train(zero_model_grads=False)
+    assert capsys.readouterr().out.count("Gradient overflow") == 2  # the first iteration's only, in each run
+    assert not optimizer.overflow and optimizer.loss_scale == reference_optimizer.loss_scale == 512.0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
 def test_static_scaler_never_overflows():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -69,6 +69,29 @@ def _check_models(models: list[Any]) -> None:
                 )
 
 
+def _check_scripted(models: list[Any], properties: OptLevelProperties, cast_model_outputs: Any) -> None:
+    """A TorchScript module cannot take a replaced ``forward`` or state-dict hooks, and its compiled code calls none
+    of the torch functions O1 patches: refused where the model would be cast, warned about under O1."""
+    for i, model in enumerate(models):
+        if not isinstance(model, torch.jit.ScriptModule):
+            continue
+        what = f"models[{i}] is a TorchScript module ({type(model).__name__})"
+        if properties.cast_model_type not in (None, torch.float32) or cast_model_outputs is not None:
+            # Apex failed here too, in torch's "_register_state_dict_hook is not supported on ScriptModules",
+            # after it had cast the module to half
+            raise RuntimeError(
+                f"{what}: amp.initialize cannot cast it at {properties.opt_level} (torch takes no state-dict hook on a "
+                "ScriptModule, and O2/O3 need one to save float32). Pass the Python module to amp.initialize; if "
+                "you need TorchScript, torch.jit.trace the model it returns."
+            )
+        if properties.patch_torch_functions:
+            warnings.warn(
+                f"{what}: its compiled code calls none of the torch functions {properties.opt_level} casts, so it "
+                "runs in float32 (as under Apex). Pass the Python module to amp.initialize for mixed precision.",
+                stacklevel=3,
+            )
+
+
 def _check_masters_unshared(optimizers: list[Any]) -> None:
     """Under master weights each optimizer keeps fp32 masters of its parameters and copies them into the model
     after its step: two optimizers over one parameter would each overwrite the other's update (Apex lost one
@@ -215,8 +238,9 @@ def initialize(
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")  # doctest: +SKIP
     """
     _amp_state.reset()
-    if isinstance(verbosity, bool) or not isinstance(verbosity, int):
+    if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
+    verbosity = int(verbosity)
     if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
         raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
     num_losses = int(num_losses)  # numpy's integers too, as Apex's range(num_losses) took them
@@ -241,6 +265,8 @@ def initialize(
     optimizers_given = optimizers is not None
     optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
     _check_models(model_list)
+    if enabled:
+        _check_scripted(model_list, properties, cast_model_outputs)
     _check_optimizers(optimizer_list)
     if properties.master_weights:
         _check_masters_unshared(optimizer_list)

@@ -142,6 +142,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
         # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
         self._grads_overflowed = False
+        self._stepped = False  # a step or a skip since the last backward: the next one drops the master grads
 
     def _build_groups(self) -> None:
         """Apex's per-group lists of the trainable params: fp16 (model) / fp32 master pairs, and fp32 params."""
@@ -208,6 +209,17 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
                 self._zero(group["params"], set_grads_to_None)
             self._zero(self.all_fp16_params, set_grads_to_None)
         self._grads_overflowed = False
+        self._stepped = False
+
+    def _drop_master_grads(self) -> None:
+        """The first backward after a step or a skip starts the master grads afresh. Apex rebuilt them from the
+        model's grads at each backward, so a script that zeroes the model's grads (transformer-xl's
+        ``model.zero_grad()``) rather than this optimizer's started each iteration clean; here they accumulate, and
+        kept the last iteration's gradients (and, after an overflow, its inf: every later step was skipped)."""
+        for _, master in self._low_pairs:
+            master.grad = None
+        self._grads_overflowed = False
+        self._stepped = False
 
     @staticmethod
     def _zero(params: list[torch.Tensor], set_to_none: bool) -> None:
@@ -226,6 +238,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # by truthiness "False" unscaled after this backward, where the caller meant to accumulate first
         update_master_grads = checked_switch("FP16_Optimizer.backward", "update_master_grads", update_master_grads)
         if not self._combiner.pending:
+            if self._stepped:
+                self._drop_master_grads()
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)
         if update_master_grads:
@@ -273,12 +287,14 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         report the skip (the scale already backed off in ``update_master_grads``) and return ``None``."""
         if self.overflow:
             maybe_print(f"Gradient overflow.  Skipping step, reducing loss scale to {self.loss_scaler.loss_scale()}")
+            self._stepped = True
             return None
         if closure is not None:
             result = self._step_with_closure(closure)
         else:
             result = self.optimizer.step()
         self._master_params_to_model_params()
+        self._stepped = True
         return result
 
     def _step_with_closure(self, closure: Callable[[], Any]) -> Any:
