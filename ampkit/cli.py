@@ -26,7 +26,7 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.preemption import Preempted, sigterm_raises
+from ampkit.trainer.preemption import HungUp, Preempted, sigterm_raises
 from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
@@ -162,10 +162,6 @@ def main(argv: list[str] | None = None) -> int:
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's notice before it kills a job; torchrun's to the ranks left when one fails), raised
     where the process is so that it unwinds as an interrupt does: the run lock released, the resume hint printed."""
-
-
-class HungUp(KeyboardInterrupt):
-    """SIGHUP (the terminal or ssh session of the run closed), raised where the process is, as :class:`Terminated`."""
 
 
 def _run(args: argparse.Namespace) -> int:

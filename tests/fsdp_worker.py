@@ -60,6 +60,36 @@ class NaNGradInRank1sShard(ampkit.Callback):
             grad.to_local().view(-1)[0] = float("nan")
 
 
+class CopiesLastAndProtectsIt(ampkit.Callback):
+    """Before the save of step 4, rank zero (a user with a shell) puts a copy of the checkpoint ``last`` links to in
+    the link's place, as a copy of the run that follows links makes it, and takes its write permission."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 4 and RANK == 0:
+            import shutil
+
+            last = trainer.version_dir / "checkpoints" / "last"
+            target = last.resolve()
+            last.unlink()
+            shutil.copytree(target, last)
+            for path in (*last.iterdir(), last):
+                path.chmod(path.stat().st_mode & ~0o222)
+
+
+class Rank1LateToTheSave(ampkit.Callback):
+    """Rank 1 adds its state to the checkpoint of step 2 (a slow or stuck callback of its own) only 1 s after rank 0
+    came to that save's barrier (its first: it counts its arrivals in the store)."""
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        if trainer.state.global_step == 2 and RANK == 1:
+            import time
+
+            store = torch.distributed.distributed_c10d._get_default_store()
+            while store.add("ampkit/barriers/0", 0) < 1:
+                time.sleep(0.01)
+            time.sleep(1)
+
+
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole (a collective: all ranks call it)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
@@ -114,6 +144,22 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         except ampkit.callbacks.NonFiniteError as error:
             return {"error": str(error), "version_dir": str(trainer.version_dir)}
         return {"error": None}
+    elif scenario == "late_rank_then_protected_last":
+        from ampkit.trainer import waiting
+
+        waiting.SAY_AFTER_S = 0.5
+        cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4},
+               "distributed": {**FSDP, "timeout_s": 20}}  # fmt: skip
+        trainer = Shuffled(cfg, callbacks=[Rank1LateToTheSave(), CopiesLastAndProtectsIt()])
+        try:
+            trainer.fit()
+        except ampkit.CheckpointError as error:
+            stopped = {"error": str(error), "step": trainer.state.global_step}
+        else:
+            stopped = {"error": None}
+        resumed = Shuffled({**cfg, "trainer": {**cpu, "max_steps": 6}})  # every rank branches from the kept last
+        resumed.fit(resume="last")
+        return {**stopped, "resumed_in": str(resumed.version_dir), "resumed_to": resumed.state.global_step}
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)

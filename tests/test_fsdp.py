@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_distributed import _free_port
-from toy_trainers import ToyTrainer
+from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
@@ -504,3 +504,48 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_pat
     for result in results:
         assert result["error"] is not None and "not finite at step 2" in result["error"], result
     assert not (Path(results[0]["version_dir"]) / "checkpoints" / "step-00000002").exists()
+
+
+def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops_every_rank(tmp_path):
+    """Rank zero waited for a rank late to a save without a word until distributed.timeout_s (300 s by default) failed
+    the run; and it alone refused to replace a write-protected copy of the checkpoint in the ``last`` link's place,
+    while rank 1 trained on into a collective rank zero never joined. A resume then branches on every rank."""
+    procs = start("late_rank_then_protected_last", tmp_path)
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
+    said = [line for line in outputs[0][1].splitlines() if "has waited" in line]
+    assert said == [
+        "ampkit: rank 0 has waited 0.5 s at the save of step-00000002 for rank(s) 1; a rank that died or hangs there "
+        "stops the run after distributed.timeout_s (its own output says why)"
+    ]
+    assert "has waited" not in outputs[1][1]
+    last = tmp_path / "run" / "version_0" / "checkpoints" / "last"
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["step"] == 4
+        assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
+        assert result["resumed_in"] == str(tmp_path / "run" / "version_1") and result["resumed_to"] == 6
+    assert (last / ".metadata").is_file() and not last.is_symlink()
+
+
+def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path, monkeypatch):
+    """keep_last deleted an old checkpoint directory file by file under its own name: a kill midway left a
+    ``step-N`` without ``.metadata``, neither resumable nor ever pruned again."""
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # the kill strikes after the first file
+        if (Path(path) / ".metadata").is_file() and "00000001" in Path(path).name:
+            (Path(path) / ".metadata").unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "distributed.strategy": "fsdp",
+                "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "trainer.max_steps": 3}  # fmt: skip
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert all(is_sharded_checkpoint(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit(resume="last")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last", "step-00000003"]

@@ -1,4 +1,5 @@
-"""SIGTERM handlers ampkit installs pass the signal on to the Python handler they replaced, and put it back."""
+"""SIGTERM handlers ampkit installs pass the signal on to the Python handler they replaced, and put it back; a
+Python-API fit() stopped by a signal leaves a resumable run, no lock and a last line saying what resumes it."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import os
 import signal
 
 import pytest
+from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.trainer.preemption import sigterm_asks_to_stop, sigterm_raises
+from ampkit.trainer.preemption import HungUp, Preempted, sigterm_asks_to_stop, sigterm_raises
 
 
 class _Terminated(Exception):
@@ -63,3 +65,47 @@ def test_the_cli_leaves_a_handler_installed_outside_python_in_place(monkeypatch)
     monkeypatch.setattr(signal, "signal", lambda signum, handler: pytest.fail("SIGTERM's handler was replaced"))
     with sigterm_raises(_Terminated):
         pass
+
+
+class SignalledAtStep2(ToyTrainer):
+    """Sends itself ``signum`` in its third step, after the checkpoint of step 2."""
+
+    signum = signal.SIGHUP
+
+    def training_step(self, batch):
+        if self.state.global_step == 2:
+            os.kill(os.getpid(), self.signum)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("signum", "raised", "how", "step"),
+    [
+        (signal.SIGHUP, HungUp, "hung up (SIGHUP: its terminal closed)", 2),
+        (signal.SIGINT, KeyboardInterrupt, "interrupted", 2),
+        (signal.SIGTERM, Preempted, "stopped by SIGTERM", 3),  # at the step's end, saved
+    ],
+    ids=["SIGHUP", "SIGINT", "SIGTERM"],
+)
+def test_a_signal_to_a_python_api_fit_leaves_a_resumable_run_and_says_so(tmp_path, signum, raised, how, step):
+    """Under ``python train.py`` a SIGHUP (the terminal closed) ended the process at once: no word, the run lock
+    left; a Ctrl-C's traceback ended in a bare KeyboardInterrupt, naming nothing to resume."""
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "checkpoint.every_n_steps": 2}
+    # What a terminal's script has (a runner under nohup, or one whose workers ignore SIGINT, has others).
+    handler = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+    outside = signal.signal(signum, handler)
+    trainer = type("Signalled", (SignalledAtStep2,), {"signum": signum})(toy_cfg(tmp_path, **settings))
+    try:
+        with pytest.raises(raised) as stopped:
+            trainer.fit()
+        assert signal.getsignal(signum) == handler
+    finally:
+        signal.signal(signum, outside)
+    last = trainer.version_dir / "checkpoints" / "last.pt"
+    assert (
+        stopped.value.__notes__[-1] == f"ampkit: fit() {how} at step {step}; fit(resume='last') continues from '{last}'"
+    )
+    assert not (trainer.version_dir / "run.lock").exists()
+    resumed = ToyTrainer(toy_cfg(tmp_path, **settings))
+    resumed.fit(resume="last")
+    assert resumed.version_dir == trainer.version_dir and resumed.state.global_step == 8

@@ -12,6 +12,7 @@ import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.trainer.checkpoint_io import CheckpointError, save_atomic
+from ampkit.trainer.run_life import RunDirectoryError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -146,3 +147,43 @@ def test_a_umask_that_takes_write_permission_away_protects_nothing(tmp_path):
         os.umask(before)
     names = sorted(p.name for p in (trainer.version_dir / "checkpoints").iterdir())
     assert names == ["last.pt", "step-00000004.pt"]
+
+
+def test_a_write_protected_config_record_is_named_with_the_ways_on(tmp_path):
+    """A resume from a step that an earlier resume (with another config) left a config record for replaces that
+    record: write-protected, it was refused as 'cannot write ... free space or write access under run_dir'."""
+
+    class StopsAtOnce(ToyTrainer):
+        def training_step(self, batch):
+            raise KeyboardInterrupt
+
+    ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
+    with pytest.raises(KeyboardInterrupt):
+        StopsAtOnce(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "lr": 0.01})).fit(resume="last")
+    record = tmp_path / "run" / "version_0" / "config.resumed_at_step_8.yaml"
+    _read_only(record)
+    before = _files(tmp_path)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2, "lr": 0.02}))
+    with pytest.raises(RunDirectoryError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the changed config's warning
+        resumed.fit(resume="last")
+    assert str(raised.value).startswith(f"'{record}' is write-protected (chmod a-w): it records the config of an")
+    assert "chmod u+w" in str(raised.value) and "free space" not in str(raised.value)
+    assert _files(tmp_path) == before
+
+
+def test_a_write_protected_checkpoint_is_warned_about_once_in_a_run_not_at_every_resume(tmp_path):
+    """Each resume warned again about every write-protected file pruning passed over, though nothing had changed."""
+    settings = {**QUIET, "trainer.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1}
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    kept = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000004.pt"
+    _read_only(kept)
+    said = []
+    for max_steps in (6, 8):
+        resumed = ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_steps": max_steps}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.fit(resume="last")
+        said.append([str(w.message) for w in caught if "write-protected" in str(w.message)])
+    assert len(said[0]) == 1 and str(kept) in said[0][0] and said[1] == []
+    assert kept.is_file() and resumed.version_dir.name == "version_0"

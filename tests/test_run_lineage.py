@@ -4,6 +4,7 @@ version directory."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -275,6 +276,36 @@ def test_a_stale_lock_is_taken_over_and_a_foreign_host_s_is_refused(tmp_path):
     with pytest.raises(RunDirectoryError, match="pid 1 on host elsewhere"):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 4})).fit(resume="last")
     assert lock.exists()  # someone else's: left alone
+
+
+def test_a_run_stopped_by_its_sanity_check_takes_back_only_what_it_wrote(tmp_path):
+    """The version_N made for a run whose sanity validation failed was removed whole, with the file a callback of the
+    user's had put there (a copy of the script, for the record)."""
+
+    class KeepsItsScript(ToyTrainer):
+        def on_fit_start(self):
+            (self.version_dir / "train.py").write_text("# the script of this run\n")
+
+        def validation_step(self, batch):
+            raise ValueError("a broken validation_step")
+
+    trainer = KeepsItsScript(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(ValueError, match="a broken validation_step"):
+        trainer.fit()
+    assert sorted(p.name for p in trainer.version_dir.iterdir()) == ["train.py"]
+
+
+def test_a_run_dir_without_hard_links_is_named_as_such_and_left_as_it_was(tmp_path, monkeypatch):
+    """On an object-store mount (s3fs, gcsfuse) os.link fails, and the lock's failure read as 'cannot write ...:
+    free space or write access under run_dir', though neither was the matter."""
+
+    def no_link(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted", str(source))
+
+    monkeypatch.setattr(os, "link", no_link)
+    with pytest.raises(RunDirectoryError, match=r"file system without hard links \(os.link: Operation not permitted\)"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit()
+    assert list((tmp_path / "run").iterdir()) == []  # the version_0 made for it is gone again
 
 
 def test_a_resume_with_a_changed_config_names_each_changed_key(tmp_path):

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
@@ -21,6 +19,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
@@ -28,9 +27,11 @@ from ampkit.trainer.sharded_checkpoint import (
     is_sharded_checkpoint,
     point_last_at,
     prune_sharded,
+    remove_sharded,
     save_sharded,
     write_failure,
 )
+from ampkit.trainer.waiting import barrier
 
 
 class ModelCheckpoint(Callback):
@@ -82,6 +83,7 @@ class ModelCheckpoint(Callback):
         self._saved_at: dict[str, Any] | None = None  # the moment (loop position, stop, validation) saved last
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
         self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
+        self._protected_before: list[str] = []  # the names of those a resumed run's checkpoint had warned about
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -92,9 +94,11 @@ class ModelCheckpoint(Callback):
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
+            self._protected_before = []
         if not trainer.is_global_zero:  # other ranks have no run directory
             return
         directory = trainer.version_dir / "checkpoints"
+        self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
             return
         ranked = (*self.best_k, *self.kept)
@@ -104,7 +108,7 @@ class ModelCheckpoint(Callback):
                 best.unlink(missing_ok=True)
             elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
                 if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
-                    shutil.rmtree(best, ignore_errors=True)
+                    remove_sharded(best)
         if trainer.sharded:
             self._relink_best(directory)
         else:
@@ -160,7 +164,7 @@ class ModelCheckpoint(Callback):
             return
         for name in (old.name for old in deletable([path.parent / name for name in dropped], self._protected)):
             if trainer.sharded:
-                shutil.rmtree(path.parent / name, ignore_errors=True)
+                remove_sharded(path.parent / name)
             else:
                 (path.parent / name).unlink(missing_ok=True)
 
@@ -184,11 +188,13 @@ class ModelCheckpoint(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
-        return {"best_k": dict(self.best_k), "kept": list(self.kept), **ranked_by}
+        protected = sorted(path.name for path in self._protected if path.exists())
+        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
+        self._protected_before = list(state.get("protected", []))
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
         if change is not None and self.best_k:
@@ -211,7 +217,7 @@ class ModelCheckpoint(Callback):
             return
         self.on_train_end(trainer)
         if trainer.dist.enabled:  # no rank leaves before rank zero's file is written: torchrun would end it
-            dist.barrier()
+            barrier(f"the save of step {trainer.state.global_step}, where a SIGTERM stopped the run")
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
@@ -258,24 +264,35 @@ class ModelCheckpoint(Callback):
         writing = directory / name
         try:
             path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
-            if best is not None:  # directories cannot be hard-linked: the same state saved again under its best-k name
-                if best != name:
-                    writing = directory / best
-                    save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
-                if trainer.is_global_zero:
-                    writing = directory / "best"
-                    point_last_at(directory / next(iter(self.best_k)), "best")
-            if trainer.is_global_zero:
-                writing = directory / LAST
-                point_last_at(path)
+            if best is not None and best != name:  # directories cannot be hard-linked: the state saved again
+                writing = directory / best
+                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:
                 raise
             raise _save_failed(writing, reason, directory / LAST, path) from None
+        # Rank zero moves the links; its failure (a write-protected copy of a checkpoint in a link's place) stops every
+        # rank, or the others would train on into a collective it never joins.
+        failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
+        if (failed := broadcast_object(failed, trainer.dist)) is not None:
+            raise _save_failed(Path(failed[0]), failed[1], directory / LAST, path)
         if trainer.is_global_zero and self.keep_last is not None:
             prune_sharded(directory, self.keep_last, self._protected)
         return path
+
+    def _point_links(self, directory: Path, path: Path, best: str | None) -> tuple[str, str] | None:
+        """Point ``best`` (when this moment ranked) and ``last`` at their checkpoints; ``(link, reason)`` of the one
+        that could not be, or None."""
+        writing = directory / "best"
+        try:
+            if best is not None:
+                point_last_at(directory / next(iter(self.best_k)), "best")
+            writing = directory / LAST
+            point_last_at(path)
+        except OSError as exc:
+            return str(writing), exc.strerror or str(exc)
+        return None
 
 
 def _moment(trainer) -> dict[str, Any]:

@@ -29,6 +29,26 @@ class Preempted(KeyboardInterrupt):
     """``fit()`` stopped for SIGTERM; it unwinds as an interrupt does (the run lock released, exit status 143)."""
 
 
+class HungUp(KeyboardInterrupt):
+    """SIGHUP (the terminal or ssh session of the run closed), raised where the process is: the run unwinds as from a
+    Ctrl-C (its lock released, what it saved left to resume), where SIGHUP's default action ends it without a word."""
+
+
+def interrupt_note(exc: KeyboardInterrupt, step: int, newest: Any) -> str:
+    """The last line of the traceback of a ``fit()`` that ``exc`` stopped: why, at which step, and what
+    ``fit(resume="last")`` continues from (``newest``; None before the run's first checkpoint)."""
+    how = (
+        "stopped by SIGTERM"
+        if isinstance(exc, Preempted)
+        else "hung up (SIGHUP: its terminal closed)"
+        if isinstance(exc, HungUp)
+        else "interrupted"
+    )
+    if newest is None:
+        return f"ampkit: fit() {how} at step {step}, before its first checkpoint: fit() again starts over"
+    return f"ampkit: fit() {how} at step {step}; fit(resume='last') continues from '{newest}'"
+
+
 class _Raise:
     """The CLI's SIGTERM handler (outside ``fit()``): the handler it replaced hears the signal, then ``exception`` is
     raised where the process is."""
@@ -105,6 +125,22 @@ def sigterm_asks_to_stop(ask: Callable[[], None]) -> Iterator[None]:
             raise handler.raised
     finally:
         signal.signal(signal.SIGTERM, current)
+
+
+@contextlib.contextmanager
+def sighup_raises() -> Iterator[None]:
+    """While in the block, a SIGHUP raises :class:`HungUp` where the process is, if its default action was to come
+    (which ends the process at once: no last line, the run lock left). A handler the caller set stays: ``nohup``'s
+    (ignored), a Python one (``ampkit fit``'s, the user's). Put back after."""
+    replace, current = _replaceable(signal.SIGHUP)
+    if not replace or current != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGHUP, _Raise(HungUp, None))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, current)
 
 
 @contextlib.contextmanager

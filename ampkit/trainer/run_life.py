@@ -39,6 +39,7 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -46,6 +47,7 @@ import shutil
 import socket
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
     PERIODIC_STEM,
+    PROTECTED,
     CheckpointError,
     deletable,
     is_best_k_checkpoint_name,
@@ -565,6 +568,8 @@ def open_version_dir(
             shutil.rmtree(version_dir, ignore_errors=True)
         if not isinstance(exc, OSError):
             raise
+        if exc.strerror == PROTECTED:
+            raise RunDirectoryError(_protected_record(Path(exc.filename), global_step)) from None
         where = exc.filename or version_dir or run_dir
         raise RunDirectoryError(
             f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
@@ -573,16 +578,46 @@ def open_version_dir(
     return version_dir, lock
 
 
+def _protected_record(path: Path, global_step: int) -> str:
+    """Why a run cannot start over ``path``, a record of its version directory the user write-protected, and the
+    ways on (a resume from a step again, with another config, replaces the record an earlier one left there)."""
+    if _RESUMED_CONFIG.match(path.name):
+        why = (
+            f"it records the config of an earlier resume from step {global_step}, which this resume, with another "
+            "config, would replace"
+        )
+        ways = ", move it elsewhere to keep it, or resume with the config it holds"
+    else:
+        why, ways = "this run would replace it", " or move it elsewhere to keep it"
+    return (
+        f"'{path}' is write-protected (chmod a-w): {why}, and ampkit never replaces such a file. Make it writable "
+        f"again (chmod u+w) to let it be replaced{ways}; nothing was trained and no checkpoint was touched"
+    )
+
+
+# What a run writes in its version directory before it trains (its lock it has released: one there now is another's).
+_RUN_RECORDS = ("config.yaml", LINEAGE_FILE, "tensorboard", "checkpoints")
+
+
 def discard_new_version_dir(version_dir: Path | None, start: FitStart) -> None:
     """Remove the version directory a fresh run or a branch created, when it stopped before training (its sanity
-    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. A directory that a
-    resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero only."""
+    validation failed): a mistake caught before training leaves no empty ``version_N`` behind. Only what the run wrote
+    goes: a file a callback of the user's put there (a copy of the script) is kept, and its directory with it. A
+    directory that a resume continues, or that holds anything under ``checkpoints/``, is never touched. Rank zero
+    only."""
     if version_dir is None or start.version_dir is not None:
         return
     checkpoints = version_dir / "checkpoints"
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         return
-    shutil.rmtree(version_dir, ignore_errors=True)
+    for path in (version_dir / name for name in _RUN_RECORDS):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
+    with suppress(OSError):  # not empty: what is left is the user's
+        version_dir.rmdir()
 
 
 def lineage(start: FitStart) -> dict[str, Any]:
@@ -772,6 +807,20 @@ def _process_start(pid: int) -> str | None:
     return f"{boot}/{ticks}"
 
 
+# os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse).
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
+def _no_hard_links(version_dir: Path, exc: OSError) -> str:
+    """Why a run cannot write ``version_dir``: its file system makes no hard link, which the lock is taken by."""
+    return (
+        f"run directory '{version_dir}' is on a file system without hard links (os.link: {exc.strerror}), which the "
+        "run lock is taken by: an object-store mount (s3fs, gcsfuse, blobfuse), whose renames are no atomic "
+        "replacement either, so a kill mid-save could leave no whole last.pt. Put run_dir on a local disk or a "
+        "network file system (NFS, Lustre, GPFS) and copy the run to the object store after"
+    )
+
+
 class RunLock:
     """``version_N/run.lock``: one live run writes a version directory at a time. ``tidying``: a lock held only while
     :func:`tidy_run_dir` (or a finished run's pruning) works there, for a moment; a run starting meanwhile waits for
@@ -818,6 +867,10 @@ class RunLock:
                     return
                 except FileExistsError:
                     holder = self._holder()
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINKS:
+                        raise
+                    raise RunDirectoryError(_no_hard_links(self.path.parent, exc)) from None
                 if holder is None and not os.path.lexists(self.path):  # released just now: try again
                     continue
                 if self._stale(holder) and take_overs < 3:

@@ -39,6 +39,7 @@ from ampkit.trainer.checkpoint_io import (
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
+from ampkit.trainer.waiting import barrier
 
 # torch.distributed.checkpoint is imported where it is used: loading it costs every run start-up time.
 
@@ -75,9 +76,13 @@ def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer
         }
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _from_rank_zero(value: Any) -> Any:
+    """Rank zero's ``value`` on every rank (``value`` itself in one process)."""
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
 
 
 def _shard_writer(path: Path) -> Any:
@@ -107,16 +112,23 @@ def save_sharded(
     """Write ``module``'s and ``optimizers``' shards (every rank) and ``checkpoint`` (rank zero) to ``path``.
 
     Collective: every rank calls it with the same ``path``. Returns ``path`` once it is complete. A write-protected
-    checkpoint already at ``path`` is refused on every rank alike, before any writes.
+    checkpoint already at ``path`` (or a directory that cannot be made) is refused on every rank alike, as rank zero
+    found it, before any writes.
     """
     import torch.distributed.checkpoint as dcp
 
-    refuse_protected(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    barrier(f"the save of {path.name}")  # every rank has come: rank zero names one that died or hangs before it
+    refused = None
     if is_zero:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            refuse_protected(path)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            refused = exc
+    if (refused := _from_rank_zero(refused)) is not None:  # also the barrier: no rank writes before tmp exists
+        raise refused
     try:
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
@@ -136,7 +148,7 @@ def save_sharded(
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         shutil.rmtree(aside, ignore_errors=True)
-    _barrier()
+    barrier(f"the end of the save of {path.name}")
     return path
 
 
@@ -210,13 +222,26 @@ def _loop_position(file: str, inode: int, mtime_ns: int, size: int) -> tuple[int
         return -1, -1
 
 
+def remove_sharded(path: Path) -> None:
+    """Delete checkpoint directory ``path`` at once: renamed to its temp name first (``.step-00000006.tmp``, which the
+    next fit's tidy removes), so a kill midway leaves no half of it under a checkpoint's name, where it would be
+    neither resumable nor ever pruned."""
+    doomed = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(doomed, ignore_errors=True)
+    try:
+        os.replace(path, doomed)
+    except OSError:  # gone already, or its folder is read-only: nothing is deleted, and it stays whole
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = None) -> None:
     """Delete all but the newest ``keep_last`` periodic checkpoint directories (never the one ``last`` points at;
     ``best-*`` ones are the best-k ranking's to keep or drop; a write-protected one is kept, uncounted)."""
     last = (directory / LAST).resolve()
     for old in deletable(periodic_checkpoints(directory, sharded=True), warned)[:-keep_last]:
         if old.resolve() != last:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_sharded(old)
 
 
 def load_sharded(
@@ -242,6 +267,7 @@ def load_sharded(
     _check_param_groups(path, checkpoint, module, optimizers)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 
+    barrier(f"the resume of {path.name}")  # every rank has read trainer.pt: rank zero names one that has not
     try:
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a shard file truncated, missing or unreadable

@@ -150,7 +150,7 @@ from ampkit.trainer.ordering import callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
-from ampkit.trainer.preemption import Preempted, sigterm_asks_to_stop
+from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
 from ampkit.trainer.rng import (
     capture_callers_rng,
     capture_rng,
@@ -937,12 +937,14 @@ class Trainer:
         self._preempt_asked = False
         try:
             with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
-                with grad_mode_for_training():
+                with sighup_raises(), grad_mode_for_training():
                     self._fit(resume)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
                 self._raise_set_up_failure(exc, "fit")
+            if isinstance(exc, KeyboardInterrupt) and self.is_global_zero:
+                exc.add_note(interrupt_note(exc, self.state.global_step, self._newest_checkpoint()))
             failure = exc
             raise
         finally:
@@ -1557,14 +1559,19 @@ class Trainer:
         traceback of a dataset's or DataLoader worker's error names neither."""
         if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
             return
-        try:
-            newest = resolve_checkpoint(self.cfg.run_dir, "last")
-        except Exception:  # an unreadable run directory: the note must not replace the error it explains
-            newest = None
+        newest = self._newest_checkpoint()
         exception.add_note(
             loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module)
         )
         self._loop_phase = None
+
+    def _newest_checkpoint(self) -> Path | None:
+        """What ``fit(resume="last")`` would continue from, for a note on a failure (None where it cannot be read: the
+        note must not replace the error it explains)."""
+        try:
+            return resolve_checkpoint(self.cfg.run_dir, "last")
+        except Exception:
+            return None
 
     # ----------------------------------------------------------------- set-up and data
     def _setup_model(self) -> None:
