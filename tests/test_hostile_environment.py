@@ -120,13 +120,17 @@ def _hang_up_config(tmp_path) -> str:
 def test_a_sighup_ends_the_cli_run_with_a_last_line_and_leaves_it_resumable(tmp_path, capsys):
     """SIGHUP's default action ended the process at once: no last line, the run lock left behind."""
     config = _hang_up_config(tmp_path)
-    assert main(["fit", "--config", config]) == 129
+    outside = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's (under nohup, the test's runner ignores it)
+    try:
+        assert main(["fit", "--config", config]) == 129
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, outside)
     last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"ampkit: hung up (SIGHUP) (--resume last continues from {last})"
     )
     assert not (tmp_path / "run" / "version_0" / "run.lock").exists()
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
     with pytest.MonkeyPatch.context() as patch:  # the resumed run's step 2 is no new hang-up
         patch.setattr(HangUpAtStep3, "training_step", ToyTrainer.training_step)
         assert main(["fit", "--config", config, "--resume", "last"]) == 0
