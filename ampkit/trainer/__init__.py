@@ -5,7 +5,7 @@ from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.inference import load_model
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
-from ampkit.trainer.preemption import Preempted
+from ampkit.trainer.preemption import HungUp, Preempted
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.trainer import Trainer
 
@@ -20,6 +20,7 @@ __all__ = [
     "LossState",
     "OptimizerState",
     "Phase",
+    "HungUp",
     "Preempted",
     "Trainer",
     "load_checkpoint",
