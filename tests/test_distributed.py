@@ -806,3 +806,25 @@ def test_what_a_failed_rank_leaves_for_the_others_to_name_is_never_an_empty_mess
         assert dist.distributed_c10d._get_default_store().get("ampkit/failed/0").decode() == left
     finally:
         dist.destroy_process_group()
+
+
+def test_the_rank_that_arrives_after_its_peers_gave_up_on_it_is_told_it_was_the_slow_one(monkeypatch):
+    """Rank 0's collective timed out waiting for a stuck rank 1, named it and left; rank 1, reaching its own collective
+    later, found rank 0 checked in and was told 'all ranks are alive; a collective timed out or the ranks diverged'."""
+    import torch.distributed as dist
+
+    from ampkit.trainer.distributed import diagnose_failure
+
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    timed_out = RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    first = str(diagnose_failure("the all-reduce", timed_out, wait_s=0.2))
+    assert first.startswith("rank 0: the all-reduce failed: rank(s) 1 died or stopped responding (RuntimeError: ")
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    late = str(diagnose_failure("the all-reduce", RuntimeError("[gloo] Connection closed by peer"), wait_s=0.2))
+    assert late.startswith(
+        "rank 1: the all-reduce failed: rank(s) 0 stopped waiting for this rank at an earlier collective and left: "
+        "this rank was slower than distributed.timeout_s there"
+    ), late

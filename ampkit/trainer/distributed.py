@@ -57,11 +57,20 @@ def _missing_ranks(wait_s: float) -> str:
                        if store.check([f"ampkit/failed/{r}"])}  # fmt: skip
             missing = [r for r in missing if r not in failed and not store.check([f"ampkit/alive/{r}"])]
             time.sleep(0.05)
+        if missing:  # a rank that arrives later learns that this one stopped waiting for it
+            store.set(f"ampkit/missed/{me}", ",".join(map(str, missing)))
+        left = [r for r in range(world) if r != me and r not in failed and store.check([f"ampkit/missed/{r}"])
+                and str(me) in store.get(f"ampkit/missed/{r}").decode().split(",")]  # fmt: skip
     except Exception:  # the store itself is gone: it lives with rank 0 or the launcher
         return "the rendezvous store is unreachable, so rank 0 or the launcher died"
     found = [f"rank {rank} failed with {why}" for rank, why in sorted(failed.items())]
     if missing:
         found.append(f"rank(s) {', '.join(map(str, missing))} died or stopped responding")
+    if left:  # this rank was the slow one: its peers' collective timed out first
+        found.append(
+            f"rank(s) {', '.join(map(str, left))} stopped waiting for this rank at an earlier collective and left: "
+            "this rank was slower than distributed.timeout_s there (stuck, or doing work the others were not)"
+        )
     return "; ".join(found) or "all ranks are alive; a collective timed out or the ranks diverged"
 
 
