@@ -401,3 +401,29 @@ def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_
     assert run.state.global_step == 6 and "did not improve on 0.2 for 1 epochs" in run.state.stop_reason
     assert best_steps(run) == [2, 4, 6]
     assert best_pt_step(run) == 4
+
+
+class PlateauOnItsEpochEndValue(LogsAtItsEpochEnd):
+    """The plateau scheduler monitors the value the Trainer logs in its own on_train_epoch_end; records the rate
+    that hook reads."""
+
+    interval, monitor = "epoch", "train/epoch_score"
+    configure_optimizers = PlateauOnTrainScore.configure_optimizers
+    rates: ClassVar[list[float]] = []
+
+    def on_train_epoch_end(self):
+        super().on_train_epoch_end()
+        self.rates.append(self.optimizer.param_groups[0]["lr"])
+
+
+def test_a_plateau_scheduler_steps_on_a_value_logged_in_on_train_epoch_end_after_that_hook(tmp_path):
+    """Lightning steps epoch schedulers after on_train_epoch_end: a ReduceLROnPlateau reads an epoch metric the module
+    logs there (here it stepped first and found none), and the rate read there is the epoch's own. The epoch's
+    checkpoint is saved after the step, so it holds the halved rate a resume continues with."""
+    trainer = type("Scripted", (PlateauOnItsEpochEndValue,), {"rates": []})
+    starts = EpochStartRates()
+    run = _fit(tmp_path, [0.5, 0.2, 0.3, 0.1], trainer=trainer, callbacks=[starts], **{"checkpoint.every_n_epochs": 1})
+    assert starts.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])  # epoch 2's 0.3 does not improve on 0.2
+    assert trainer.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "epoch-0003.pt")["optimizers"]
+    assert next(iter(saved.values()))["param_groups"][0]["lr"] == pytest.approx(0.05)
