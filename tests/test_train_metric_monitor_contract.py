@@ -136,7 +136,8 @@ def test_the_returned_loss_is_monitored_as_train_loss_with_no_log_call(tmp_path)
     run = _fit(tmp_path, [0.5] * 3, trainer=trainer,
                **{"checkpoint.monitor": "train/loss", "checkpoint.save_top_k": -1})  # fmt: skip
     means = [sum(v * n for v, n in seen) / sum(n for _, n in seen) for _, seen in sorted(trainer.seen.items())]
-    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    ranked = saved["ModelCheckpoint[train/loss]"]["best_k"]
     by_step = {int(name.removeprefix("best-").removesuffix(".pt")): value for name, value in ranked.items()}
     assert [by_step[step] for step in (2, 4, 6)] == pytest.approx(means)
 
@@ -302,7 +303,9 @@ def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupte
     resumed.fit(resume="last")
 
     def ranking(run) -> dict[str, float]:
-        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"][
+            "ModelCheckpoint[train/score]"
+        ]["best_k"]
 
     assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
 
@@ -349,7 +352,8 @@ def test_a_max_steps_stop_mid_epoch_ranks_the_partial_epoch_s_mean_as_lightning_
     run = _fit(tmp_path, [0.5, 0.2], trainer=EpochLevelScores,
                **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "data.n": 32,
                   "trainer.max_steps": 6})  # fmt: skip
-    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    ranked = saved["ModelCheckpoint[train/score]"]["best_k"]
     assert ranked == {"best-00000006.pt": pytest.approx(0.2), "best-00000004.pt": pytest.approx(0.5)}
 
 

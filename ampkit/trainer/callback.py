@@ -76,6 +76,10 @@ class Callback:
     # Hooks this callback runs in another phase than ``phase``: a timer whose start and end hooks must enclose the
     # work the other callbacks do in theirs (Throughput leaves validation out, the loggers' flush at its end too).
     hook_phases: ClassVar[Mapping[str, Phase]] = {}
+    # True for a callback whose ``state_key`` names what it watches (``EarlyStopping[val/loss]``): a resume whose
+    # checkpoint lacks that key gives it the state its class saved under another (the metric changed since, or an older
+    # ampkit keyed it by class name alone), and its ``load_state_dict`` decides what of it still holds.
+    state_key_may_change: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

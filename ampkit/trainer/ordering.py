@@ -10,7 +10,8 @@ from ampkit.trainer.user_code import UserCodeError
 
 
 class CallbackOrderError(ValueError):
-    """Callbacks cannot be ordered (two share a ``state_key``, so checkpoints could not tell their states apart)."""
+    """Callbacks cannot run together: two share a ``state_key`` (checkpoints could not tell their states apart), or
+    two would write the same files (two ``ModelCheckpoint`` ranking best checkpoints)."""
 
 
 def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:

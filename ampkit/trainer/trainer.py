@@ -81,6 +81,7 @@ from ampkit.trainer.batch_layout import (
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.callback_states import states_to_load
 from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -1986,10 +1987,10 @@ class Trainer:
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
             opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
-        for cb in self.callbacks:
-            if cb.state_key in checkpoint["callbacks"]:
-                cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-        present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
+        loaded = states_to_load(self.callbacks, checkpoint["callbacks"])
+        for cb, key in loaded:
+            cb.load_state_dict(checkpoint["callbacks"][key])
+        present = {key for _, key in loaded}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]
         if by_config:  # ampkit's own, which a config key switched on then (fp16's loss scaling) and off now
