@@ -52,6 +52,7 @@ class ModelCheckpoint(Callback):
 
     phase = Phase.PERSIST
     state_key_may_change = True  # keyed by its monitor
+    saves_checkpoints = True  # after every other PERSIST hook: its save holds what they did
 
     def __init__(
         self,

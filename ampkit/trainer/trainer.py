@@ -1767,7 +1767,8 @@ class Trainer:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks, self._persist_at = {}, {}
         for hook in HOOKS:
-            ordered = sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
+            # ties: as given, a checkpoint's save after the others of its phase (they may log or change its state)
+            ordered = sorted(self.callbacks, key=lambda cb: (cb.hook_phases.get(hook, cb.phase), cb.saves_checkpoints))
             running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
             persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
