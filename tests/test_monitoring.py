@@ -211,7 +211,8 @@ def test_a_checkpoint_keyed_by_class_name_still_resumes_early_stopping_and_the_b
 
 def test_two_early_stoppings_on_other_metrics_each_resume_their_own_count(tmp_path):
     """As Lightning's, keyed by their monitor: they were refused as one state_key. 'score' improves at every step,
-    'neg' never after step 1: resumed at step 3, each goes on counting from where it was."""
+    'neg' never after step 1: resumed at step 3, each goes on counting from where it was, and the one whose patience
+    runs out stops the run, as Lightning stops at the first of several to ask."""
 
     class TwoScores(Scripted):
         def validation_step(self, batch):
@@ -219,15 +220,16 @@ def test_two_early_stoppings_on_other_metrics_each_resume_their_own_count(tmp_pa
             return {"score": score, "neg": -score}
 
     def fit(max_steps, resume=None):
-        stoppers = [EarlyStopping("val/score", patience=9), EarlyStopping("val/neg", patience=9)]
-        TwoScores.scores = [5, 4, 3, 2]
-        TwoScores(toy_cfg(tmp_path, **EVERY_STEP, **{"trainer.max_steps": max_steps}), callbacks=stoppers).fit(
-            resume=resume
-        )
-        return [(es.best, es.wait) for es in stoppers]
+        stoppers = [EarlyStopping("val/score", patience=3), EarlyStopping("val/neg", patience=3)]
+        TwoScores.scores = [5, 4, 3, 2, 1, 0]
+        run = TwoScores(toy_cfg(tmp_path, **EVERY_STEP, **{"trainer.max_steps": max_steps}), callbacks=stoppers)
+        run.fit(resume=resume)
+        return [(es.best, es.wait) for es in stoppers], run.state
 
-    assert fit(3) == [(3, 0), (-5, 2)]
-    assert fit(4, resume="last") == [(2, 0), (-5, 3)]
+    assert fit(3)[0] == [(3, 0), (-5, 2)]
+    counts, state = fit(6, resume="last")
+    assert counts == [(2, 0), (-5, 3)] and state.global_step == 4
+    assert state.stop_reason.startswith("early stopping: val/neg did not improve on -5.0 for 3 validations")
 
 
 def test_validate_best_loads_the_best_checkpoint(tmp_path):
