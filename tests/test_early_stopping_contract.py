@@ -1,8 +1,8 @@
 """A stop keeps the contract Lightning users know: a stop asked mid-epoch (a callback, ``max_time``) validates the
 weights it leaves once, in an epoch that validates at all, and that validation is ranked for ``best.pt``; early
 stopping mid-epoch (``val_every_n_steps``) ends the run at the validation that asked, validated once, its
-checkpoint at that step; a negative ``min_delta`` is refused rather than silently turned round; two instances keyed
-by their monitor, as Lightning's are, save under names a resume finds. (Patience,
+checkpoint at that step; a negative ``min_delta`` is refused rather than silently turned round; two instances, keyed
+by their monitor as Lightning's are, save under names a resume finds. (Patience,
 ``check_finite``, the thresholds, a missing monitor and a resumed count: test_monitoring.py.)"""
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def test_early_stopping_mid_epoch_ends_at_the_validation_that_asked_with_its_che
     checkpoints = trainer.version_dir / "checkpoints"
     last = load_checkpoint(checkpoints / "last.pt")
     assert last["loop"]["global_step"] == 6 and last["stopped_early"] == trainer.state.stop_reason
-    assert last["callbacks"]["EarlyStopping"]["best"] == 1.0 and last["callbacks"]["EarlyStopping"]["wait"] == 2
+    saved = last["callbacks"]["EarlyStopping[val/score]"]
+    assert saved["best"] == 1.0 and saved["wait"] == 2
     assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 2
 
 
@@ -132,23 +133,15 @@ def test_a_negative_min_delta_is_refused_naming_it_rather_than_turned_round(tmp_
         ToyTrainer(toy_cfg(tmp_path, **{"early_stopping.monitor": "val/mse", "early_stopping.min_delta": -0.1}))
 
 
-class KeyedEarlyStopping(EarlyStopping):
-    """Two of them in one run, told apart as Lightning's are and as the duplicate-state_key error advises."""
-
-    @property
-    def state_key(self) -> str:
-        return f"{type(self).__name__}[{self.monitor}]"
-
-
 def test_two_early_stoppings_keyed_by_their_monitor_save_under_names_a_resume_finds(tmp_path):
     """The key held the Monitor object's repr, a memory address that differs in every process, so a resume could
     never find either state (it warned that the checkpoint's were not this run's, and both counts started afresh)."""
-    callbacks = [KeyedEarlyStopping("val/mse", patience=9), KeyedEarlyStopping("train/loss", patience=9)]
+    callbacks = [EarlyStopping("val/mse", patience=9), EarlyStopping("train/loss", patience=9)]
     run = ToyTrainer(toy_cfg(tmp_path, **{**QUIET, "trainer.max_epochs": 1, "data.n": 16}), callbacks=callbacks)
     run.fit()
     saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
     assert {key for key in saved if "EarlyStopping" in key} == {
-        "KeyedEarlyStopping[val/mse]",
-        "KeyedEarlyStopping[train/loss]",
+        "EarlyStopping[val/mse]",
+        "EarlyStopping[train/loss]",
     }
-    assert saved["KeyedEarlyStopping[train/loss]"]["monitor"] == "train/loss"
+    assert saved["EarlyStopping[train/loss]"]["monitor"] == "train/loss"

@@ -278,6 +278,40 @@ def test_callbacks_are_told_apart_by_their_checkpoint_key(tmp_path):
         order_callbacks([_KeyedCounter("shared"), Other("shared")])
 
 
+class _PersistPhaseCounter(Callback):
+    """Runs in PERSIST (as a callback reading what the Trainer's own hooks log must), given after the config's
+    ModelCheckpoint: counts epoch ends, and logs one per batch into an epoch mean."""
+
+    phase = Phase.PERSIST
+
+    def __init__(self):
+        self.epochs = 0
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.log("train/batches", 1.0, on_step=False, on_epoch=True)
+
+    def on_train_epoch_end(self, trainer):
+        self.epochs += 1
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+
+def test_a_checkpoint_holds_what_the_other_callbacks_of_its_phase_did_at_its_hook(tmp_path):
+    """Lightning runs checkpoint callbacks after every other: a step's and an epoch's checkpoint hold what a callback
+    of the same phase logged and the state it reached at that hook. Given after the ModelCheckpoint, it ran after the
+    save, and each checkpoint held the state of one hook earlier (a resume from it counted that hook twice)."""
+    settings = {"logging.tensorboard": False, "trainer.max_epochs": 1, "data.n": 16, "checkpoint.every_n_steps": 1,
+                "trainer.num_sanity_val_steps": 0, "checkpoint.keep_last": 9}  # fmt: skip
+    trainer = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[_PersistPhaseCounter()])
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    step, epoch = (torch.load(checkpoints / name, weights_only=True) for name in ("step-00000001.pt", "epoch-0001.pt"))
+    assert step["epoch_sums"]["train/batches"] == [8.0, 8]  # one batch of 8
+    assert epoch["callbacks"]["_PersistPhaseCounter"] == {"epochs": 1}
+    assert [cb.name for cb in trainer.callbacks][-2:] == ["_PersistPhaseCounter", "ModelCheckpoint"]
+
+
 class NoDropout(ToyTrainer):
     def configure_model(self):
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))

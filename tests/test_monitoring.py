@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError, consolidate_checkpoint
+from ampkit.callbacks import EarlyStopping
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -135,7 +137,7 @@ def test_best_k_keeps_the_top_files_and_best_pt_names_the_best(tmp_path):
     checkpoints = trainer.version_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("best*.pt")) == ["best-00000004.pt", "best-00000005.pt", "best.pt"]
     assert load_checkpoint(checkpoints / "best.pt")["loop"]["global_step"] == 4
-    assert load_checkpoint(checkpoints / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"] == {
+    assert load_checkpoint(checkpoints / "last.pt")["callbacks"]["ModelCheckpoint[val/score]"]["best_k"] == {
         "best-00000004.pt": 1.0,
         "best-00000005.pt": 2.0,
     }
@@ -184,6 +186,50 @@ def test_early_stopping_resumed_with_another_mode_counts_afresh(tmp_path):
     with pytest.warns(UserWarning, match=r"early_stopping.monitor or mode changed.*\(val/score \(min\) -> val/"):
         resumed = _fit(tmp_path, scores, resume="last", **es, **{"early_stopping.mode": "max"})
     assert resumed.state.global_step == 7  # best 2 at step 4, then three validations without improvement
+
+
+def test_a_checkpoint_keyed_by_class_name_still_resumes_early_stopping_and_the_best_k_ranking(tmp_path):
+    """An older ampkit saved EarlyStopping's and ModelCheckpoint's states under their class names; now keyed by their
+    monitor, each still finds its own: the count stops the resumed run as an uninterrupted one, the ranking keeps its
+    files, and no warning says a state was not restored."""
+    scores = [5, 4, 4.5, 4.2, 4.1, 3, 2, 1]
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 3, "checkpoint.monitor": "val/score",
+          "checkpoint.save_top_k": 2}  # fmt: skip
+    last = _fit(tmp_path, scores, **es, **{"trainer.max_steps": 4}).version_dir / "checkpoints" / "last.pt"
+    checkpoint = torch.load(last, weights_only=True)
+    for name in ("EarlyStopping", "ModelCheckpoint"):
+        checkpoint["callbacks"][name] = checkpoint["callbacks"].pop(f"{name}[val/score]")
+    torch.save(checkpoint, last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit(tmp_path, scores, resume="last", **es)
+    assert not [w for w in caught if "not restored" in str(w.message)]
+    assert resumed.state.global_step == 5  # the third validation without improvement on 4 (step 2)
+    checkpoints = resumed.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == ["best-00000002.pt", "best-00000005.pt"]
+
+
+def test_two_early_stoppings_on_other_metrics_each_resume_their_own_count(tmp_path):
+    """As Lightning's, keyed by their monitor: they were refused as one state_key. 'score' improves at every step,
+    'neg' never after step 1: resumed at step 3, each goes on counting from where it was, and the one whose patience
+    runs out stops the run, as Lightning stops at the first of several to ask."""
+
+    class TwoScores(Scripted):
+        def validation_step(self, batch):
+            score = self.scores[self.state.global_step - 1]
+            return {"score": score, "neg": -score}
+
+    def fit(max_steps, resume=None):
+        stoppers = [EarlyStopping("val/score", patience=3), EarlyStopping("val/neg", patience=3)]
+        TwoScores.scores = [5, 4, 3, 2, 1, 0]
+        run = TwoScores(toy_cfg(tmp_path, **EVERY_STEP, **{"trainer.max_steps": max_steps}), callbacks=stoppers)
+        run.fit(resume=resume)
+        return [(es.best, es.wait) for es in stoppers], run.state
+
+    assert fit(3)[0] == [(3, 0), (-5, 2)]
+    counts, state = fit(6, resume="last")
+    assert counts == [(2, 0), (-5, 3)] and state.global_step == 4
+    assert state.stop_reason.startswith("early stopping: val/neg did not improve on -5.0 for 3 validations")
 
 
 def test_validate_best_loads_the_best_checkpoint(tmp_path):

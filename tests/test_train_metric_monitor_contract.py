@@ -136,7 +136,8 @@ def test_the_returned_loss_is_monitored_as_train_loss_with_no_log_call(tmp_path)
     run = _fit(tmp_path, [0.5] * 3, trainer=trainer,
                **{"checkpoint.monitor": "train/loss", "checkpoint.save_top_k": -1})  # fmt: skip
     means = [sum(v * n for v, n in seen) / sum(n for _, n in seen) for _, seen in sorted(trainer.seen.items())]
-    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    ranked = saved["ModelCheckpoint[train/loss]"]["best_k"]
     by_step = {int(name.removeprefix("best-").removesuffix(".pt")): value for name, value in ranked.items()}
     assert [by_step[step] for step in (2, 4, 6)] == pytest.approx(means)
 
@@ -302,7 +303,9 @@ def test_a_run_resumed_mid_epoch_ranks_the_whole_epoch_s_mean_as_an_uninterrupte
     resumed.fit(resume="last")
 
     def ranking(run) -> dict[str, float]:
-        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+        return load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"][
+            "ModelCheckpoint[train/score]"
+        ]["best_k"]
 
     assert ranking(resumed) == ranking(whole) == {"best-00000002.pt": 0.5, "best-00000004.pt": 10.5}
 
@@ -349,7 +352,8 @@ def test_a_max_steps_stop_mid_epoch_ranks_the_partial_epoch_s_mean_as_lightning_
     run = _fit(tmp_path, [0.5, 0.2], trainer=EpochLevelScores,
                **{"checkpoint.monitor": "train/score", "checkpoint.save_top_k": -1, "data.n": 32,
                   "trainer.max_steps": 6})  # fmt: skip
-    ranked = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]["best_k"]
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    ranked = saved["ModelCheckpoint[train/score]"]["best_k"]
     assert ranked == {"best-00000006.pt": pytest.approx(0.2), "best-00000004.pt": pytest.approx(0.5)}
 
 
@@ -401,3 +405,29 @@ def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_
     assert run.state.global_step == 6 and "did not improve on 0.2 for 1 epochs" in run.state.stop_reason
     assert best_steps(run) == [2, 4, 6]
     assert best_pt_step(run) == 4
+
+
+class PlateauOnItsEpochEndValue(LogsAtItsEpochEnd):
+    """The plateau scheduler monitors the value the Trainer logs in its own on_train_epoch_end; records the rate
+    that hook reads."""
+
+    interval, monitor = "epoch", "train/epoch_score"
+    configure_optimizers = PlateauOnTrainScore.configure_optimizers
+    rates: ClassVar[list[float]] = []
+
+    def on_train_epoch_end(self):
+        super().on_train_epoch_end()
+        self.rates.append(self.optimizer.param_groups[0]["lr"])
+
+
+def test_a_plateau_scheduler_steps_on_a_value_logged_in_on_train_epoch_end_after_that_hook(tmp_path):
+    """Lightning steps epoch schedulers after on_train_epoch_end: a ReduceLROnPlateau reads an epoch metric the module
+    logs there (here it stepped first and found none), and the rate read there is the epoch's own. The epoch's
+    checkpoint is saved after the step, so it holds the halved rate a resume continues with."""
+    trainer = type("Scripted", (PlateauOnItsEpochEndValue,), {"rates": []})
+    starts = EpochStartRates()
+    run = _fit(tmp_path, [0.5, 0.2, 0.3, 0.1], trainer=trainer, callbacks=[starts], **{"checkpoint.every_n_epochs": 1})
+    assert starts.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])  # epoch 2's 0.3 does not improve on 0.2
+    assert trainer.rates == pytest.approx([0.1, 0.1, 0.1, 0.05])
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "epoch-0003.pt")["optimizers"]
+    assert next(iter(saved.values()))["param_groups"][0]["lr"] == pytest.approx(0.05)

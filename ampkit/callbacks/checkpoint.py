@@ -20,6 +20,7 @@ from ampkit.trainer.checkpoint_io import (
     unloadable_entry,
 )
 from ampkit.trainer.distributed import broadcast_object
+from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
@@ -51,6 +52,8 @@ class ModelCheckpoint(Callback):
     """
 
     phase = Phase.PERSIST
+    state_key_may_change = True  # keyed by its monitor
+    saves_checkpoints = True  # after every other PERSIST hook: its save holds what they did
 
     def __init__(
         self,
@@ -84,12 +87,28 @@ class ModelCheckpoint(Callback):
         self._pending: float | None = None  # a validation's value, saved once the iteration's state is final
         self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
         self._protected_before: list[str] = []  # the names of those a resumed run's checkpoint had warned about
+        self._restored = False  # a resume loaded its state: its ranking says which best files are this lineage's
+
+    @property
+    def state_key(self) -> str:
+        """``ModelCheckpoint[val/loss]`` (``[None]`` without a monitor): the config's periodic checkpoints and a
+        best-k one given in code save their states apart, as Lightning keys them by their monitor (a checkpoint of
+        an older ampkit, keyed ``ModelCheckpoint``, still loads)."""
+        return f"{type(self).__name__}[{self.monitor}]"
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
+        peers = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
         if self.monitor is not None:
             self.monitor.check_reachable(trainer)
+            rankers = [str(cb.monitor) for cb in peers if cb.monitor is not None]
+            if len(rankers) > 1:  # one checkpoints directory: each would prune the other's best files and best.pt
+                raise CallbackOrderError(
+                    f"{len(rankers)} ModelCheckpoint callbacks rank best checkpoints (monitors {', '.join(rankers)}); "
+                    "they would share best.pt and the best-N files of one checkpoints directory, each pruning the "
+                    "other's: rank by one monitor (checkpoint.monitor), and stop or log by the others"
+                )
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
@@ -101,7 +120,12 @@ class ModelCheckpoint(Callback):
         self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
             return
-        ranked = (*self.best_k, *self.kept)
+        if not self._restored or (self.monitor is None and not self.best_k and not self.kept):
+            # No ranking of its own to tidy by: the best files there are another ModelCheckpoint's, or of a ranking
+            # a resume did not restore (named in its warning), and stay.
+            self._prune(directory)
+            return
+        ranked = {name for cb in peers for name in (*cb.best_k, *cb.kept)}  # any ModelCheckpoint's ranking stays
         unranked = [best for best in directory.glob("best-*") if best.name not in ranked]
         for best in deletable(sorted(unranked), self._protected):  # pushed out of the top k, or written after last
             if is_best_k_checkpoint_name(best.name, sharded=False):
@@ -195,6 +219,7 @@ class ModelCheckpoint(Callback):
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
         self._protected_before = list(state.get("protected", []))
+        self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
         if change is not None and self.best_k:

@@ -28,6 +28,7 @@ class EarlyStopping(Callback):
     # After the Trainer's own on_train_epoch_end, which may log the monitored epoch value (and before the checkpoint's,
     # so that the epoch's checkpoint records a stop), as Lightning runs monitoring callbacks after the module's hook.
     hook_phases = {"on_train_epoch_end": Phase.PERSIST}
+    state_key_may_change = True  # keyed by its monitor
 
     def __init__(
         self,
@@ -59,6 +60,12 @@ class EarlyStopping(Callback):
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
+
+    @property
+    def state_key(self) -> str:
+        """``EarlyStopping[val/loss]``: several in one run, on other metrics, each save and resume their own count, as
+        Lightning keys them by their monitor (a checkpoint of an older ampkit, keyed ``EarlyStopping``, still loads)."""
+        return f"{type(self).__name__}[{self.monitor}]"
 
     def on_fit_start(self, trainer) -> None:
         self.monitor.check_reachable(trainer)

@@ -3,7 +3,8 @@
 Hooks run in the order documented on :class:`ampkit.Trainer`. At every hook, callbacks run in the order
 of the :class:`Phase` they serve (casting before data parallelism before loss scaling before clipping
 before user code before loggers before checkpoints); callbacks of one phase keep the order they were
-given in. No correctness depends on another callback's name.
+given in, but one that saves checkpoints (``saves_checkpoints``) runs after the others of its phase. No correctness
+depends on another callback's name.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class Callback:
     # Hooks this callback runs in another phase than ``phase``: a timer whose start and end hooks must enclose the
     # work the other callbacks do in theirs (Throughput leaves validation out, the loggers' flush at its end too).
     hook_phases: ClassVar[Mapping[str, Phase]] = {}
+    # True for a callback whose ``state_key`` names what it watches (``EarlyStopping[val/loss]``): a resume whose
+    # checkpoint lacks that key gives it the state its class saved under another (the metric changed since, or an older
+    # ampkit keyed it by class name alone), and its ``load_state_dict`` decides what of it still holds.
+    state_key_may_change: ClassVar[bool] = False
+    # True for a callback that writes checkpoints: at every hook it runs after the other callbacks of its phase (as
+    # Lightning runs its checkpoint callbacks last), so what they changed or logged there is in the checkpoint.
+    saves_checkpoints: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

@@ -10,11 +10,13 @@ from ampkit.trainer.user_code import UserCodeError
 
 
 class CallbackOrderError(ValueError):
-    """Callbacks cannot be ordered (two share a ``state_key``, so checkpoints could not tell their states apart)."""
+    """Callbacks cannot run together: two share a ``state_key`` (checkpoints could not tell their states apart), or
+    two would write the same files (two ``ModelCheckpoint`` ranking best checkpoints)."""
 
 
 def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
-    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`; ties keep the given order.
+    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`, those that save checkpoints last in theirs; ties
+    keep the given order.
 
     Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
     """
@@ -33,7 +35,7 @@ def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
             "could not tell their states apart: give each its own state_key property, e.g. f'{type(self).__name__}"
             "[{self.monitor}]'"
         )
-    return sorted(callbacks, key=lambda cb: cb.phase)
+    return sorted(callbacks, key=lambda cb: (cb.phase, cb.saves_checkpoints))
 
 
 def callback_list(value: Any, where: str) -> list[Callback]:

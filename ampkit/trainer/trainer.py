@@ -16,7 +16,8 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                     → on_before_zero_grad → zero_grad → validation if due (on_validation_start →
                        validation_step → on_validation_batch_end per batch → on_validation_end)
                   → on_train_batch_end
-      at the end of the epoch: validation if due → epoch-interval schedulers → on_train_epoch_end
+      at the end of the epoch: validation if due → on_train_epoch_end (callbacks, then the Trainer's own)
+                    → epoch-interval schedulers → on_train_epoch_end of the checkpoint callbacks (PERSIST)
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
@@ -80,6 +81,7 @@ from ampkit.trainer.batch_layout import (
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.callback_states import states_to_load
 from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
@@ -864,14 +866,15 @@ class Trainer:
                 stack.enter_context(callback.paused())
             yield
 
-    def fire(self, hook: str, *args: Any) -> None:
-        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer.
+    def fire(self, hook: str, *args: Any, methods: list[Any] | None = None) -> None:
+        """Call ``hook`` on every callback that overrides it, in the declared order, then on this Trainer
+        (``methods``: a part of ``self._hooks[hook]`` only, as the epoch's end fires its PERSIST part apart).
 
         The hooks of every batch loop over ``self._hooks[hook]`` in place instead: a hook nobody overrides
         then costs an empty loop, not a call (a few microseconds a step on a small model)."""
         fx, self._fx = self._fx, hook
         try:
-            for method in self._hooks[hook]:
+            for method in self._hooks[hook] if methods is None else methods:
                 method(self, *args)
         finally:
             self._fx = fx
@@ -1160,8 +1163,14 @@ class Trainer:
         self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
+        # Epoch schedulers step after the epoch-end hooks of the callbacks and the Trainer, as Lightning's do (a
+        # plateau scheduler reads a value logged there; a rate read there is the epoch's own), and before the
+        # checkpoint's (PERSIST), whose save then holds the stepped schedulers that a resume continues from.
+        hooks, at = self._hooks["on_train_epoch_end"], self._persist_at["on_train_epoch_end"]
+        self.fire("on_train_epoch_end", methods=hooks[:at])
+        if exhausted:
             self._step_schedulers("epoch")
-        self.fire("on_train_epoch_end")
+        self.fire("on_train_epoch_end", methods=hooks[at:])
         self._agree_stop()  # before the next epoch starts
         if exhausted:
             s.epoch, s.batches_done, s.epoch_finished = s.epoch + 1, 0, False
@@ -1378,14 +1387,15 @@ class Trainer:
                 step_scheduler(sched, spec.name, self.val_metrics[key])
 
     def _step_on_epoch_mean(self, sched: SchedulerSpec, optimizer: str) -> None:
-        """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors: rank zero's on every rank (the value
-        TensorBoard shows), so every rank's learning rate stays the same."""
-        value = broadcast_object(epoch_mean(self.epoch_scalars, sched.monitor), self.dist)
+        """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors (or the value logged for it in
+        ``on_train_epoch_end``, as a monitor reads it): rank zero's on every rank (the value TensorBoard shows), so
+        every rank's learning rate stays the same."""
+        value = broadcast_object(epoch_mean(self.monitor_values(), sched.monitor), self.dist)
         if value is not None:
             step_scheduler(sched, optimizer, value)
             return
         which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
-        logged = ", ".join(broadcast_object(sorted(self.epoch_scalars), self.dist)) or "none"
+        logged = ", ".join(broadcast_object(sorted(self.monitor_values()), self.dist)) or "none"
         problem = (
             f"{which} of '{optimizer}' monitors '{sched.monitor}', but epoch {self.state.epoch} logged {logged}: "
             f"log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
@@ -1762,17 +1772,20 @@ class Trainer:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
             if not set(cb.hook_phases) <= known:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
-        self._hooks = {}
+        self._hooks, self._persist_at = {}, {}
         for hook in HOOKS:
-            ordered = sorted(self.callbacks, key=lambda cb: cb.hook_phases.get(hook, cb.phase))  # ties: as given
+            # ties: as given, a checkpoint's save after the others of its phase (they may log or change its state)
+            ordered = sorted(self.callbacks, key=lambda cb: (cb.hook_phases.get(hook, cb.phase), cb.saves_checkpoints))
             running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
+            persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
+            at = persist.index(True) if True in persist else len(running)
             if hook in self._own_hooks:  # called as fn(self, *args)
                 # The subclass's own hook runs after the callbacks' but before a checkpoint's (PERSIST): what it
                 # changes or logs at a checkpoint's step is in that checkpoint, not lost to a kill after the save.
-                persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
-                at = persist.index(True) if True in persist else len(running)
                 self._hooks[hook].insert(at, getattr(type(self), hook))
+                at += 1
+            self._persist_at[hook] = at  # where the PERSIST hooks start (epoch schedulers step just before them)
 
     def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
@@ -1982,10 +1995,10 @@ class Trainer:
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
             opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
-        for cb in self.callbacks:
-            if cb.state_key in checkpoint["callbacks"]:
-                cb.load_state_dict(checkpoint["callbacks"][cb.state_key])
-        present = {cb.state_key for cb in self.callbacks}.union(checkpoint.get("optional_callback_states", ()))
+        loaded = states_to_load(self.callbacks, checkpoint["callbacks"])
+        for cb, key in loaded:
+            cb.load_state_dict(checkpoint["callbacks"][key])
+        present = {key for _, key in loaded}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]
         if by_config:  # ampkit's own, which a config key switched on then (fp16's loss scaling) and off now

@@ -15,6 +15,7 @@ from ampkit import ConfigError
 from ampkit.callbacks import ModelCheckpoint
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.optimizers import MonitorNotFoundError
+from ampkit.trainer.ordering import CallbackOrderError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
 
@@ -59,7 +60,8 @@ def test_the_best_k_by_mode_are_kept_and_best_pt_holds_the_best(tmp_path, mode, 
                                      "checkpoint.save_top_k": top_k})  # fmt: skip
     assert best_steps(run) == kept
     assert best_pt_step(run) == best
-    callback_state = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]["ModelCheckpoint"]
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    callback_state = saved["ModelCheckpoint[val/score]"]
     ranked = sorted((SCORES[s] for s in kept), reverse=mode == "max")
     assert list(callback_state["best_k"].values()) == pytest.approx(ranked), "the saved ranking lists the best first"
 
@@ -211,3 +213,36 @@ def test_save_top_k_minus_one_without_a_monitor_keeps_every_periodic_file(tmp_pa
     again = _fit(tmp_path, SCORES, resume="last", **settings)
     assert sorted(p.name for p in (again.version_dir / "checkpoints").iterdir()) == names
     assert ModelCheckpoint(save_top_k=-1, keep_last=1).keep_last is None
+
+
+def test_a_best_k_checkpoint_given_in_code_runs_beside_the_config_s_periodic_one_and_each_resumes_its_own(tmp_path):
+    """Lightning's usual pair, a periodic ModelCheckpoint and a best-k one, keyed apart by their monitor: the best-k
+    ranking survives a resume and the periodic one deletes none of its files. Two of them in one run were refused,
+    as if they shared one state."""
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+
+    def fit(max_steps, resume=None):
+        best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
+        run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
+        run.fit(resume=resume)
+        return run, best_k
+
+    run, _ = fit(3)
+    saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
+    assert list(saved["ModelCheckpoint[val/score]"]["best_k"]) == ["best-00000002.pt", "best-00000001.pt"]
+    assert saved["ModelCheckpoint[None]"]["best_k"] == {}
+    run, best_k = fit(6, resume="last")
+    assert list(best_k.best_k) == ["best-00000004.pt", "best-00000006.pt"]  # 0.1, 0.2: ranked on from 0.3, 0.5
+    assert best_steps(run) == [4, 6] and best_pt_step(run) == 4
+
+
+def test_two_checkpoints_ranking_best_files_are_refused_naming_both_monitors(tmp_path):
+    """They would share best.pt and the best-N files of one directory, each pruning the other's: one error before
+    training, not a run that deletes best checkpoints."""
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    cfg = toy_cfg(tmp_path, **QUIET, **{"checkpoint.monitor": "val/score", "trainer.max_steps": 1})
+    run = scripted(cfg, callbacks=[ModelCheckpoint(monitor="val/other")])
+    with pytest.raises(CallbackOrderError, match=r"2 ModelCheckpoint callbacks rank best .*monitors val/score, val/o"):
+        run.fit()
+    assert run.state.global_step == 0
