@@ -172,16 +172,18 @@ def test_each_master_grad_follows_what_the_script_did_to_its_model_grad():
         optimizer.backward((model["head"](out) if use_head else out).float().pow(2).mean())
         optimizer.step()
 
-    for _ in range(3):  # never zeroed: the script accumulates on purpose, as with torch's optimizers
-        iteration(use_head=True)
+    for use_head in (True, True, True, False, True):  # never zeroed: it accumulates, as with torch's optimizers
+        iteration(use_head)
     assert all(torch.allclose(g, 3 * f, rtol=1e-3) for g, f in zip(seen[2], seen[0], strict=True))
+    assert torch.allclose(seen[3][2], 3 * seen[0][2], rtol=1e-3)  # not reached: the head's sum stays
+    assert torch.allclose(seen[4][2], 4 * seen[0][2], rtol=1e-3)
     model.zero_grad(set_to_none=False)  # zeroed in place, then the head is not reached
     iteration(use_head=False)
-    head_weight = seen[3][2]
+    head_weight = seen[5][2]
     assert head_weight is not None and not head_weight.any()
     model.zero_grad()  # set to None: the head's master grad goes too
     iteration(use_head=False)
-    assert seen[4][2] is None and seen[4][0] is not None
+    assert seen[6][2] is None and seen[6][0] is not None
 
 
 def test_static_scaler_never_overflows():

@@ -146,6 +146,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # Each model param's grad as the last update_master_grads left it (the tensor and its version), or None:
         # at the first backward after a step it tells whether the script zeroed it, set it to None, or kept it.
         self._left_grads: list[tuple[torch.Tensor, int] | None] = [None] * len(self._low_pairs)
+        self._grads_before: list[torch.Tensor | None] = [None] * len(self._low_pairs)  # as the pending backward began
 
     def _build_groups(self) -> None:
         """Apex's per-group lists of the trainable params: fp16 (model) / fp32 master pairs, and fp32 params."""
@@ -260,6 +261,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         if not self._combiner.pending:
             if self._stepped:
                 self._restart_master_grads()
+            self._grads_before = [p.grad for p, _ in self._low_pairs]
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)
         if update_master_grads:
@@ -273,6 +275,11 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
             found_inf = self._combiner.combine(self.loss_scaler).found_inf
             if self.loss_scaler.dynamic and not self._grads_overflowed:
                 self._grads_overflowed = bool(found_inf.item())
+            # a param no backward reached keeps the grad it had, as Apex left it (prepare_backward took it away)
+            for (param, _), before in zip(self._low_pairs, self._grads_before, strict=True):
+                if param.grad is None and before is not None:
+                    param.grad = before
+            self._grads_before = [None] * len(self._low_pairs)
             self._left_grads = [None if p.grad is None else (p.grad, p.grad._version) for p, _ in self._low_pairs]
         self.loss_scaler.update(self._grads_overflowed)
         self.overflow = self.loss_scaler._has_overflow
