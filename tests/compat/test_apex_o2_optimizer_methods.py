@@ -110,3 +110,39 @@ def test_loading_a_checkpoint_without_masters_mid_run_goes_on_from_the_loaded_we
     # same. Going on from where it was, the run differed by 2e-2 to 9e-2.
     for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x, use_head):
+        h = self.body(x)
+        return self.head(h) if use_head else h
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_a_layer_no_backward_of_an_accumulation_reaches_steps_as_under_apex(delayed):
+    """Apex's O2 ``zero_grad()`` zeroed the model's gradients in place, and a ``delay_unscale`` backward left them
+    there: a layer that none of the accumulation's backwards reached got a zero master gradient and was stepped (its
+    momentum went on). A backward without ``delay_unscale`` set them to None first, so such a layer was not stepped.
+    The zero master gradient of the first case was missing."""
+    amp._amp_state.reset()
+    torch.manual_seed(0)
+    model = _Heads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+
+    def accumulate(use_head):
+        optimizer.zero_grad()
+        for k, delay in enumerate((delayed, False)):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(k))
+            with amp.scale_loss(model(x, use_head).float().pow(2).mean(), optimizer, delay_unscale=delay) as scaled:
+                scaled.backward()
+        optimizer.step()
+
+    accumulate(use_head=True)  # the head gets momentum
+    before = model.head.weight.detach().clone()
+    accumulate(use_head=False)
+    assert torch.equal(model.head.weight, before) is not delayed

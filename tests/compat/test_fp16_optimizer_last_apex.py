@@ -155,6 +155,37 @@ def test_zeroing_the_models_grads_instead_of_the_optimizers_starts_each_iteratio
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+def test_each_master_grad_follows_what_the_script_did_to_its_model_grad():
+    """Apex set each master grad to its model grad over the scale at every backward: a model grad never zeroed
+    went on accumulating across steps, and one zeroed in place (``model.zero_grad(set_to_none=False)``) of a param
+    no backward reached gave the step zeros (its momentum went on). Every master grad was dropped after a step."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"body": torch.nn.Linear(4, 3), "head": torch.nn.Linear(3, 2)}).half()
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), static_loss_scale=128.0, verbose=False)
+    seen = []
+    optimizer.optimizer.register_step_pre_hook(
+        lambda opt, *_: seen.append([None if p.grad is None else p.grad.clone() for p in _masters(opt)])
+    )
+
+    def iteration(use_head):
+        out = model["body"](_x())
+        optimizer.backward((model["head"](out) if use_head else out).float().pow(2).mean())
+        optimizer.step()
+
+    for use_head in (True, True, True, False, True):  # never zeroed: it accumulates, as with torch's optimizers
+        iteration(use_head)
+    assert all(torch.allclose(g, 3 * f, rtol=1e-3) for g, f in zip(seen[2], seen[0], strict=True))
+    assert torch.allclose(seen[3][2], 3 * seen[0][2], rtol=1e-3)  # not reached: the head's sum stays
+    assert torch.allclose(seen[4][2], 4 * seen[0][2], rtol=1e-3)
+    model.zero_grad(set_to_none=False)  # zeroed in place, then the head is not reached
+    iteration(use_head=False)
+    head_weight = seen[5][2]
+    assert head_weight is not None and not head_weight.any()
+    model.zero_grad()  # set to None: the head's master grad goes too
+    iteration(use_head=False)
+    assert seen[6][2] is None and seen[6][0] is not None
+
+
 def test_static_scaler_never_overflows():
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -53,6 +53,7 @@ class AmpOptimizerStash:
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
         self._masters_checked = self.master_weights is None
+        self._kept_model_grads: list[torch.Tensor] = []  # see _masters_with_model_grads
         self.combiner = self._build_combiner()
         self._patch_methods()
 
@@ -180,10 +181,13 @@ class AmpOptimizerStash:
             self._adopt_model_changes()
         self.lazy_init_called = True
 
-    def prepare_backward(self) -> None:
-        """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending)."""
+    def prepare_backward(self, delayed: bool = False) -> None:
+        """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending).
+
+        ``delayed``: the backward is a ``delay_unscale`` one, which starts an accumulation."""
         self.lazy_init()
         if not self.combiner.pending:
+            self._kept_model_grads = self._masters_with_model_grads() if delayed else []
             # Unfrozen since the flat buffers were built, or assigned into a group since the combiner was built.
             if any(p.requires_grad for p in self._frozen_outside) or self._params_swapped_in():
                 self.combiner.remove()
@@ -217,7 +221,22 @@ class AmpOptimizerStash:
     def combine(self, scaler: LossScaler) -> CombineResult:
         """Unscale the new gradients by ``scaler`` and add the stash."""
         self.pending_scale = None
-        return self.combiner.combine(scaler)
+        result = self.combiner.combine(scaler)
+        for master in self._kept_model_grads:
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+        self._kept_model_grads = []
+        return result
+
+    def _masters_with_model_grads(self) -> list[torch.Tensor]:
+        """The masters whose model parameter holds a gradient (zeroed in place by Apex's O2 ``zero_grad``) as a
+        ``delay_unscale`` accumulation starts. Apex left those gradients in place for the accumulation, so a
+        parameter none of its backwards reached still got a zero master gradient and was stepped (its momentum and
+        weight decay went on); a backward without ``delay_unscale`` set them to None first, and it was not."""
+        if self.master_weights is None or self.combine_grad:
+            return []
+        pairs = zip(self.master_weights.model_params, self.master_weights.master_params, strict=True)
+        return [master for param, master in pairs if master is not param and param.grad is not None]
 
     def clear_master_grads(self) -> None:
         """Drop the fp32 master gradients (Apex did after every step and skip; the model grads stay)."""

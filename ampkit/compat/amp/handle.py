@@ -121,7 +121,7 @@ def scale_loss(
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
     for stash in stashes:
-        stash.prepare_backward()
+        stash.prepare_backward(delayed=delay_unscale)
         stash.match_pending_scale(scaler.loss_scale())
         stash.in_scale_loss = True
     try:

@@ -142,7 +142,11 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         # Whether a backward since the last zero_grad overflowed: its inf stays in the accumulated master grads,
         # so (as Apex, which re-checked the accumulated fp16 grads) every later update_master_grads sees it again.
         self._grads_overflowed = False
-        self._stepped = False  # a step or a skip since the last backward: the next one drops the master grads
+        self._stepped = False  # a step or a skip since the last backward: the next one restarts the master grads
+        # Each model param's grad as the last update_master_grads left it (the tensor and its version), or None:
+        # at the first backward after a step it tells whether the script zeroed it, set it to None, or kept it.
+        self._left_grads: list[tuple[torch.Tensor, int] | None] = [None] * len(self._low_pairs)
+        self._grads_before: list[torch.Tensor | None] = [None] * len(self._low_pairs)  # as the pending backward began
 
     def _build_groups(self) -> None:
         """Apex's per-group lists of the trainable params: fp16 (model) / fp32 master pairs, and fp32 params."""
@@ -211,14 +215,31 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         self._grads_overflowed = False
         self._stepped = False
 
-    def _drop_master_grads(self) -> None:
-        """The first backward after a step or a skip starts the master grads afresh. Apex rebuilt them from the
-        model's grads at each backward, so a script that zeroes the model's grads (transformer-xl's
-        ``model.zero_grad()``) rather than this optimizer's started each iteration clean; here they accumulate, and
-        kept the last iteration's gradients (and, after an overflow, its inf: every later step was skipped)."""
-        for _, master in self._low_pairs:
-            master.grad = None
-        self._grads_overflowed = False
+    @torch.no_grad()
+    def _restart_master_grads(self) -> None:
+        """At the first backward after a step or a skip, each master grad follows what the script did to its model
+        param's grad, as Apex's did (it set the master grads to the model's over the scale at every backward):
+
+        - set to None (``model.zero_grad()`` on torch 2, transformer-xl): the master grad is dropped;
+        - zeroed or changed in place (``model.zero_grad(set_to_none=False)``): it is that grad over the scale, so a
+          param no backward reaches steps on zeros (momentum and weight decay go on), as under Apex;
+        - left as the last backward left it (not zeroed): the master grad is kept, and the new gradients add to it.
+
+        Apex stepped on the master's stale gradient where a param's grad was None; here it is dropped."""
+        inv_scale = 1.0 / self.loss_scaler.loss_scale()
+        kept: list[torch.Tensor] = []
+        for (param, master), left in zip(self._low_pairs, self._left_grads, strict=True):
+            grad = param.grad
+            if grad is None:
+                master.grad = None
+            elif left is not None and grad is left[0] and grad._version == left[1]:
+                if master.grad is not None:
+                    kept.append(master.grad)
+            else:
+                master.grad = grad.detach().to(master.dtype, copy=True).mul_(inv_scale)
+        # the overflow of the last iteration counts again only if its gradients were kept (Apex re-checked them)
+        if self._grads_overflowed:
+            self._grads_overflowed = bool(kept) and not all(bool(torch.isfinite(g).all()) for g in kept)
         self._stepped = False
 
     @staticmethod
@@ -239,7 +260,8 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         update_master_grads = checked_switch("FP16_Optimizer.backward", "update_master_grads", update_master_grads)
         if not self._combiner.pending:
             if self._stepped:
-                self._drop_master_grads()
+                self._restart_master_grads()
+            self._grads_before = [p.grad for p, _ in self._low_pairs]
             self._combiner.prepare_backward()
         (loss.float() * self.loss_scaler.loss_scale()).backward(retain_graph=retain_graph)
         if update_master_grads:
@@ -253,6 +275,12 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
             found_inf = self._combiner.combine(self.loss_scaler).found_inf
             if self.loss_scaler.dynamic and not self._grads_overflowed:
                 self._grads_overflowed = bool(found_inf.item())
+            # a param no backward reached keeps the grad it had, as Apex left it (prepare_backward took it away)
+            for (param, _), before in zip(self._low_pairs, self._grads_before, strict=True):
+                if param.grad is None and before is not None:
+                    param.grad = before
+            self._grads_before = [None] * len(self._low_pairs)
+            self._left_grads = [None if p.grad is None else (p.grad, p.grad._version) for p, _ in self._low_pairs]
         self.loss_scaler.update(self._grads_overflowed)
         self.overflow = self.loss_scaler._has_overflow
 
