@@ -352,6 +352,8 @@ class Trainer:
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
+        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here.
+        self.validation_end_values: dict[str, float] = {}
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
@@ -749,6 +751,8 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+        if self._fx == "on_validation_end":  # an epoch metric computed there (AUC), as Lightning users log one
+            self.validation_end_values[tag] = float(value)
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -1372,11 +1376,16 @@ class Trainer:
                     self._step_on_epoch_mean(sched, spec.name)
                     continue
                 key = sched.monitor.removeprefix("val/")
-                if key not in self.val_metrics:
+                value = self.val_metrics.get(key)
+                if value is None:  # a tag an on_validation_end hook logged: rank zero's, so all ranks step alike
+                    value = broadcast_object(self.validation_end_values.get(sched.monitor), self.dist)
+                if value is None:
                     which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+                    logged = sorted(self.validation_end_values)
                     problem = (
                         f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
+                        + (f" and its on_validation_end hooks logged {logged}" if logged else "")
                     )
                     if not self.val_metrics and interval == "step":
                         problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
@@ -1384,7 +1393,7 @@ class Trainer:
                         raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
-                step_scheduler(sched, spec.name, self.val_metrics[key])
+                step_scheduler(sched, spec.name, value)
 
     def _step_on_epoch_mean(self, sched: SchedulerSpec, optimizer: str) -> None:
         """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors (or the value logged for it in
@@ -1416,7 +1425,7 @@ class Trainer:
             self.val_metrics = average_metrics(
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
-            self.val_metrics_step = self.state.global_step
+            self.val_metrics_step, self.validation_end_values = self.state.global_step, {}
             self.fire("on_validation_end", dict(self.val_metrics))
         finally:
             self._batch = batch
@@ -1915,6 +1924,7 @@ class Trainer:
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
+            "validation_end_values": dict(self.validation_end_values),
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             # which hook logs each on_epoch tag: a resume refuses a second hook's as the run before it would have
@@ -2023,6 +2033,7 @@ class Trainer:
         self.state.iteration = loop["global_step"]
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
+        self.validation_end_values = dict(checkpoint.get("validation_end_values", {}))  # absent before this ampkit
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
         self._epoch_fx = dict(checkpoint.get("epoch_fx", {}))  # absent from checkpoints of an older ampkit
         self._resume = {
