@@ -148,7 +148,7 @@ from ampkit.trainer.optimizers import (
     step_scheduler,
     zero_grad_,
 )
-from ampkit.trainer.ordering import callback_list, order_callbacks
+from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
@@ -1764,15 +1764,16 @@ class Trainer:
             print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
 
     def _setup_callbacks(self) -> None:
-        from ampkit.callbacks import default_callbacks
+        from ampkit.callbacks import default_callbacks, switched_on_by
 
         defaults = default_callbacks(self)
         self._config_callback_keys = sorted(cb.state_key for cb in defaults)  # a resume's config may drop them
-        self.callbacks = order_callbacks(
-            defaults
-            + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
-            + self._user_callbacks
-        )
+        own = callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
+        keys = [switched_on_by(cb) for cb in defaults]
+        sources = [FROM_CONFIG if key is None else f"{FROM_CONFIG}'s {key}" for key in keys]
+        sources += ["configure_callbacks()"] * len(own)
+        sources += ["Trainer(callbacks=...)"] * len(self._user_callbacks)
+        self.callbacks = order_callbacks(defaults + own + self._user_callbacks, sources)
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
