@@ -50,6 +50,25 @@ class RankScores(Plain):
         return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/score"}}
 
 
+class RankValidationScores(RankScores):
+    """Validates each epoch; its on_validation_end logs a val_auc of its own on each rank (an AUC over that rank's
+    shard): rank 1's alone would stop a patience of 1 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau
+    (patience 0) steps on it."""
+
+    val_dataloader = Plain.val_dataloader
+
+    def training_step(self, batch):
+        return Plain.training_step(self, batch)
+
+    def on_validation_end(self, metrics):
+        self.log("val_auc", self.scores[RANK][self.state.epoch] if self.state.stage == "fit" else 0.0)
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.05)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, patience=0, factor=0.5)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "val_auc"}}
+
+
 class BareModule(Plain):
     """Its loss comes from self.module, the model DDP wraps, not from self.model."""
 
@@ -578,6 +597,11 @@ def main(scenario: str, out: Path) -> None:
                "early_stopping": {"monitor": "train/score", "patience": 2}, "trainer": {**cpu, "max_epochs": 5},
                "distributed": {"timeout_s": 30}}  # fmt: skip
         trainer = RankScores(cfg)
+    elif scenario == "val_end_monitor":
+        cfg = {**base, "checkpoint": {"monitor": "val_auc", "every_n_epochs": 0},
+               "early_stopping": {"monitor": "val_auc", "patience": 1}, "trainer": {**cpu, "max_epochs": 4},
+               "distributed": {"timeout_s": 30}}  # fmt: skip
+        trainer = RankValidationScores(cfg)
     elif scenario == "bare_module":
         trainer = BareModule({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 2}})
     elif scenario == "uneven_batches":  # no hang until distributed.timeout_s (10 s here), whatever the data
@@ -665,7 +689,7 @@ def main(scenario: str, out: Path) -> None:
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
     if scenario.startswith("overflow"):
         extra["facts_on_device"] = trainer.facts_on_device
-    if scenario == "train_monitor":
+    if scenario in ("train_monitor", "val_end_monitor"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,

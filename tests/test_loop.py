@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 from ampkit import Callback, Phase
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint
 from ampkit.trainer.optimizers import step_
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
 
@@ -584,3 +587,90 @@ def test_a_mid_epoch_resume_of_a_stream_fetched_ahead_is_bit_identical(tmp_path)
     assert resumed.state.global_step == whole.state.global_step == 12
     for key, value in whole.module.state_dict().items():
         assert torch.equal(resumed.module.state_dict()[key], value), key
+
+
+class _Returns(ToyTrainer):
+    """configure_callbacks() returns ``returned`` (a Lightning module's habit)."""
+
+    returned: ClassVar[list[Callback]] = []
+
+    def configure_callbacks(self):
+        return self.returned
+
+
+@pytest.mark.parametrize(
+    ("returned", "settings", "message"),
+    [
+        pytest.param(
+            lambda: [EarlyStopping("val/mse", patience=9)],
+            {"early_stopping.monitor": "val/mse"},
+            "(from EarlyStopping of the config's early_stopping.monitor, EarlyStopping of configure_callbacks()); a "
+            "checkpoint could not tell their states apart: ampkit runs both, where Lightning lets "
+            "configure_callbacks() replace the Trainer's callback of its type; keep one: leave it out of the code or "
+            "switch off the config's early_stopping.monitor",
+            id="the config's early stopping",
+        ),
+        pytest.param(
+            lambda: [ModelCheckpoint(every_n_epochs=1)],
+            {},
+            "['ModelCheckpoint[None]'] (from ModelCheckpoint of the config's checkpoint.enabled, ModelCheckpoint of "
+            "configure_callbacks()); a checkpoint could not tell their states apart: ampkit runs both, where "
+            "Lightning lets configure_callbacks() replace the Trainer's callback of its type; keep one: leave it out "
+            "of the code or switch off the config's checkpoint.enabled",
+            id="the config's periodic checkpoints",
+        ),
+    ],
+)
+def test_a_callback_configure_callbacks_returns_beside_the_configs_own_of_its_state_key_is_refused_naming_both(
+    tmp_path, returned, settings, message
+):
+    """Lightning's configure_callbacks() replaces the Trainer's callback of its type; ampkit runs every callback it
+    is given (a CLI override of the config's would otherwise go unheard), so a clash names both and the way out."""
+    _Returns.returned = returned()
+    trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False, **settings}))
+    with pytest.raises(CallbackOrderError, match=re.escape(message)):
+        trainer.fit()
+    assert trainer.state.global_step == 0
+
+
+def test_a_callback_given_to_the_trainer_and_returned_by_configure_callbacks_is_refused_naming_both(tmp_path):
+    _Returns.returned = [_KeyedCounter("Counter")]
+    trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False}), callbacks=[_KeyedCounter("Counter")])
+    message = (
+        "(from _KeyedCounter of configure_callbacks(), _KeyedCounter of Trainer(callbacks=...)); a checkpoint could "
+        "not tell their states apart: ampkit runs both, where Lightning lets configure_callbacks() replace the "
+        "Trainer's callback of its type; give each its own state_key property"
+    )
+    with pytest.raises(CallbackOrderError, match=re.escape(message)):
+        trainer.fit()
+
+
+def test_a_best_k_checkpoint_configure_callbacks_returns_runs_beside_the_configs_periodic_one(tmp_path):
+    """Lightning's commonest use: a ModelCheckpoint(monitor=...) from configure_callbacks(). Its state_key differs
+    from the config's periodic checkpoints', so both run, as Lightning's replacement would not (it drops the
+    Trainer's): the periodic last.pt and the best-k files, each with its own state."""
+    _Returns.returned = [ModelCheckpoint(monitor="val/mse", save_top_k=1)]
+    trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.max_epochs": 2}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert (checkpoints / "best.pt").is_file() and (checkpoints / "last.pt").is_file()
+    saved = torch.load(checkpoints / "last.pt", weights_only=True)["callbacks"]
+    assert {"ModelCheckpoint[None]", "ModelCheckpoint[val/mse]"} <= set(saved)
+
+
+def test_a_checkpoint_configure_callbacks_returns_saving_step_files_by_other_settings_than_the_configs_is_refused(
+    tmp_path,
+):
+    """Both prune one directory's step and epoch files, each by its own keep_last: the config's keep_last=3 would
+    keep two. One error before training names both settings and the way out."""
+    _Returns.returned = [ModelCheckpoint(monitor="val/mse")]  # every_n_epochs=1, keep_last=2 by default
+    trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False, "checkpoint.keep_last": 3}))
+    message = (
+        "2 ModelCheckpoint callbacks save step/epoch files into one checkpoints directory by other settings "
+        "(ModelCheckpoint[None]: every_n_steps=0, every_n_epochs=1, keep_last=3; ModelCheckpoint[val/mse]: "
+        "every_n_steps=0, every_n_epochs=1, keep_last=2), each pruning the other's: give the one in code "
+        "every_n_epochs=0 and every_n_steps=0"
+    )
+    with pytest.raises(CallbackOrderError, match=re.escape(message)):
+        trainer.fit()
+    assert trainer.state.global_step == 0

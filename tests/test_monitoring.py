@@ -312,3 +312,55 @@ def test_best_k_under_fsdp_keeps_directories_and_best_links_the_best(tmp_path):
     for key, value in weights.items():
         torch.testing.assert_close(sharded.module.state_dict()[key].full_tensor(), value)
         torch.testing.assert_close(plain.module.state_dict()[key], value)
+
+
+class LogsScoreAtValidationEnd(Scripted):
+    """validation_step returns no monitored metric; the Trainer's own on_validation_end logs ``val/score`` (an AUC
+    computed over the whole set, as a Lightning port logs one in on_validation_epoch_end)."""
+
+    def validation_step(self, batch):
+        return {"other": 0.0}
+
+    def on_validation_end(self, metrics):
+        fit = self.state.stage == "fit"  # the sanity pass (before any step) logs one too, proving the hook does
+        self.log("val/score", torch.tensor(self.scores[self.state.global_step - 1] if fit else 0.0))
+
+
+class _LogsAuc(Callback):
+    def on_validation_end(self, trainer, metrics):
+        trainer.log("val_auc", Scripted.scores[trainer.state.global_step - 1] if trainer.state.stage == "fit" else 0)
+
+
+def test_a_value_logged_in_on_validation_end_is_monitored_by_early_stopping_and_best_k(tmp_path):
+    """As Lightning monitors what is logged by the time its monitors run: EarlyStopping runs after the Trainer's own
+    on_validation_end (PERSIST), so it counts what that hook logs, and best-k ranks it."""
+    scores = [5, 4, 4.5, 4.2, 4.1, 3, 2, 1]
+    monitored = {"early_stopping.monitor": "val/score", "checkpoint.monitor": "val/score"}
+    LogsScoreAtValidationEnd.scores = scores
+    trainer = LogsScoreAtValidationEnd(toy_cfg(tmp_path, **EVERY_STEP, **monitored, **{"checkpoint.save_top_k": 2}))
+    trainer.fit()
+    assert trainer.state.global_step == 5  # the same stop as a validation_step returning the score
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best-*.pt")) == ["best-00000002.pt", "best-00000005.pt"]
+    assert load_checkpoint(checkpoints / "last.pt")["validation_end_values"] == {"val/score": pytest.approx(4.1)}
+
+
+def test_a_tag_a_callback_logs_in_on_validation_end_is_monitored_and_the_sanity_pass_accepts_it(tmp_path):
+    """A callback given after the config's EarlyStopping logs Lightning's ``val_auc``: it is still counted."""
+    Scripted.scores = [1, 2, 3, 3, 2, 2.5, 9]
+    es = {"early_stopping.monitor": "val_auc", "early_stopping.mode": "max", "trainer.num_sanity_val_steps": 2}
+    trainer = Scripted(toy_cfg(tmp_path, **EVERY_STEP, **es), callbacks=[_LogsAuc()])
+    trainer.fit()
+    assert trainer.state.global_step == 6
+
+
+def test_a_monitor_neither_returned_nor_logged_at_validation_end_names_both(tmp_path):
+    LogsScoreAtValidationEnd.scores = [1.0] * 8
+    cfg = toy_cfg(tmp_path, **EVERY_STEP, **{"early_stopping.monitor": "val/auc", "trainer.num_sanity_val_steps": 0})
+    message = (
+        "'val/auc' is not a metric of the validation at step 1, which returned val/other and logged val/score in "
+        "on_validation_end; validation_step must return a monitored metric at every validation, or a callback or "
+        "the Trainer log it in on_validation_end with self.log('val/auc', value)"
+    )
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        LogsScoreAtValidationEnd(cfg).fit()

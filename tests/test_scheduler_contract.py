@@ -247,6 +247,20 @@ def test_a_plateau_scheduler_steps_on_the_validation_metric_it_monitors(tmp_path
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
+class PlateauOnALoggedTag(PlateauOn):
+    """Monitors a tag its own on_validation_end logs (Lightning's on_validation_epoch_end + self.log('val_auc'))."""
+
+    monitor = "val_auc"
+
+    def on_validation_end(self, metrics):
+        self.log("val_auc", 1.0)
+
+
+def test_a_plateau_scheduler_steps_on_a_tag_logged_in_on_validation_end(tmp_path):
+    trainer = _fit(tmp_path, PlateauOnALoggedTag, **{"data.n": 16, "trainer.max_epochs": 3})
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
 class DecayBesideAMonitor(ToyTrainer):
     """Lightning's habit: 'monitor' beside the optimizer while its scheduler is an epoch decay."""
 

@@ -48,6 +48,7 @@ __all__ = [
     "TensorBoardLogger",
     "Throughput",
     "default_callbacks",
+    "switched_on_by",
     "precision_callbacks",
 ]
 
@@ -115,6 +116,25 @@ def default_callbacks(trainer: Trainer) -> list[Callback]:
                 )
             )
     return callbacks
+
+
+def switched_on_by(callback: Callback) -> str | None:
+    """The config key that switches a callback of :func:`default_callbacks` on, to name in an error about it; None
+    for one the precision or distributed settings imply, or that is always on (``NonFiniteGuard``)."""
+    if isinstance(callback, ModelCheckpoint):
+        return "checkpoint.monitor" if callback.monitor is not None else "checkpoint.enabled"
+    return next((key for kind, key in _SWITCHED_ON_BY if isinstance(callback, kind)), None)
+
+
+_SWITCHED_ON_BY = (
+    (EarlyStopping, "early_stopping.monitor"),
+    (TensorBoardLogger, "logging.tensorboard"),
+    (GradientHistograms, "logging.grad_histograms_every_n_steps"),
+    (ProgressBar, "trainer.progress_bar"),
+    (Throughput, "logging.throughput"),
+    (MaxTime, "trainer.max_time"),
+    (GradientClipping, "trainer.clip_grad_norm"),
+)
 
 
 @contextmanager

@@ -109,6 +109,14 @@ class ModelCheckpoint(Callback):
                     "they would share best.pt and the best-N files of one checkpoints directory, each pruning the "
                     "other's: rank by one monitor (checkpoint.monitor), and stop or log by the others"
                 )
+        periodic = {cb.state_key: cb._periodic_settings() for cb in peers if cb.every_n_steps or cb.every_n_epochs}
+        if len(set(periodic.values())) > 1:  # one directory: the one keeping fewer would prune the other's files
+            raise CallbackOrderError(
+                f"{len(periodic)} ModelCheckpoint callbacks save step/epoch files into one checkpoints directory by "
+                f"other settings ({'; '.join(f'{key}: {kept}' for key, kept in periodic.items())}), each pruning the "
+                "other's: give the one in code every_n_epochs=0 and every_n_steps=0 (it saves its best-k files only), "
+                "or the config's settings"
+            )
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
@@ -160,6 +168,10 @@ class ModelCheckpoint(Callback):
         else:
             link.unlink(missing_ok=True)
 
+    def _periodic_settings(self) -> str:
+        """What it saves and keeps of the step and epoch files (``keep_last`` None: every one)."""
+        return f"every_n_steps={self.every_n_steps}, every_n_epochs={self.every_n_epochs}, keep_last={self.keep_last}"
+
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
         due = s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0
@@ -174,7 +186,7 @@ class ModelCheckpoint(Callback):
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.monitor is not None and not self.monitor.per_epoch and trainer.state.stage == "fit":
-            self._pending = self.monitor.value(metrics, trainer.state.global_step)
+            self._pending = self.monitor.value(metrics, trainer.state.global_step, trainer)
 
     def _save_now(self, trainer, periodic: str | None) -> None:
         """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending

@@ -25,9 +25,10 @@ class EarlyStopping(Callback):
     ``stopping_threshold`` (good enough) or worse than ``divergence_threshold`` (beyond recovery).
     """
 
-    # After the Trainer's own on_train_epoch_end, which may log the monitored epoch value (and before the checkpoint's,
-    # so that the epoch's checkpoint records a stop), as Lightning runs monitoring callbacks after the module's hook.
-    hook_phases = {"on_train_epoch_end": Phase.PERSIST}
+    # After the Trainer's own on_train_epoch_end and on_validation_end, which may log the monitored value (and before
+    # the checkpoint's, so that its checkpoint records a stop), as Lightning runs monitoring callbacks after the
+    # module's hooks.
+    hook_phases = {"on_train_epoch_end": Phase.PERSIST, "on_validation_end": Phase.PERSIST}
     state_key_may_change = True  # keyed by its monitor
 
     def __init__(
@@ -73,7 +74,7 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if trainer.state.stage != "fit" or self.monitor.per_epoch:  # a standalone validate() is no training progress
             return
-        self._check(trainer, self.monitor.value(metrics, trainer.state.global_step), "validations")
+        self._check(trainer, self.monitor.value(metrics, trainer.state.global_step, trainer), "validations")
 
     def on_train_epoch_end(self, trainer) -> None:
         # A train/ epoch mean: Lightning's check_on_train_epoch_end. Not of an epoch a stop cut short (max_steps): the

@@ -34,18 +34,29 @@ class Monitor:
         for several instances of one class) is the same in every process, so a resume finds each one's state."""
         return self.metric
 
-    def value(self, metrics: dict[str, float], step: int | None = None) -> float:
-        """The monitored value among ``metrics`` of the validation at ``step``; a missing one is a one-line error
-        naming the metrics there are (Lightning's ModelCheckpoint raises too: no ranking skips a validation)."""
-        if self.key not in metrics:
-            which = f"config key '{self.setting}'" if self.setting else "monitor"
-            at = "" if step is None else f" at step {step}"
-            returned = ", ".join(f"val/{m}" for m in sorted(metrics)) or "nothing"
-            raise MonitorNotFoundError(
-                f"{which}: '{self.metric}' is not a metric of the validation{at}, which returned {returned}; "
-                "validation_step must return a monitored metric at every validation"
-            )
-        return float(metrics[self.key])
+    def value(self, metrics: dict[str, float], step: int | None = None, trainer=None) -> float:
+        """The monitored value among ``metrics`` of the validation at ``step``, or, given ``trainer``, a value logged
+        under the monitored tag in that validation's ``on_validation_end`` (an AUC a callback or the Trainer computes
+        there, as Lightning monitors what ``on_validation_epoch_end`` logs): rank zero's on every rank, so all ranks
+        rank and stop alike. A missing one is a one-line error naming what there is (Lightning's ModelCheckpoint
+        raises too: no ranking skips a validation)."""
+        if self.key in metrics:
+            return float(metrics[self.key])
+        logged = trainer.validation_end_values if trainer is not None else {}
+        value = logged.get(self.metric)
+        if trainer is not None:  # a tag one rank alone logs (or each its own shard's) ranks and stops all alike
+            value = broadcast_object(value, trainer.dist)
+        if value is not None:
+            return float(value)
+        which = f"config key '{self.setting}'" if self.setting else "monitor"
+        at = "" if step is None else f" at step {step}"
+        returned = ", ".join(f"val/{m}" for m in sorted(metrics)) or "nothing"
+        raise MonitorNotFoundError(
+            f"{which}: '{self.metric}' is not a metric of the validation{at}, which returned {returned}"
+            + (f" and logged {', '.join(sorted(logged))} in on_validation_end" if logged else "")
+            + f"; validation_step must return a monitored metric at every validation, or a callback or the Trainer "
+            f"log it in on_validation_end with self.log('{self.metric}', value)"
+        )
 
     def check_reachable(self, trainer) -> None:
         """Refuse a validation metric in a run that never validates, at ``fit`` start: it would rank or stop nothing,

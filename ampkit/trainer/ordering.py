@@ -8,17 +8,22 @@ from typing import Any
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.user_code import UserCodeError
 
+FROM_CONFIG = "the config"  # a built-in callback's source in order_callbacks: this, or "the config's <key>"
+
 
 class CallbackOrderError(ValueError):
     """Callbacks cannot run together: two share a ``state_key`` (checkpoints could not tell their states apart), or
-    two would write the same files (two ``ModelCheckpoint`` ranking best checkpoints)."""
+    two would write the same files (two ``ModelCheckpoint`` ranking best checkpoints, or keeping step files by other
+    settings)."""
 
 
-def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
+def order_callbacks(callbacks: Sequence[Callback], sources: Sequence[str] | None = None) -> list[Callback]:
     """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`, those that save checkpoints last in theirs; ties
     keep the given order.
 
     Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
+    ``sources`` says where each callback came from (``"configure_callbacks()"``, ``"the config's
+    early_stopping.monitor"``), for the error naming two that clash.
     """
     for i, cb in enumerate(callbacks):  # not a state_key clash to fix: one object, whose hooks would run twice
         if any(other is cb for other in callbacks[:i]):
@@ -29,11 +34,29 @@ def order_callbacks(callbacks: Sequence[Callback]) -> list[Callback]:
     keys = [cb.state_key for cb in callbacks]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
     if duplicates:
-        owners = sorted({type(cb).__name__ for cb in callbacks if cb.state_key in duplicates})
+        clashing = [i for i, key in enumerate(keys) if key in duplicates]
+        if sources is None:
+            owners = ", ".join(sorted({type(callbacks[i]).__name__ for i in clashing}))
+        else:
+            owners = ", ".join(f"{type(callbacks[i]).__name__} of {sources[i]}" for i in clashing)
+        origins = {sources[i] for i in clashing} if sources is not None else set()
+        built_in = sorted(origin for origin in origins if origin.startswith(FROM_CONFIG))
+        if built_in:
+            advice = "keep one: leave it out of the code" + (
+                "" if built_in[0] == FROM_CONFIG else f" or switch off {built_in[0]}"
+            )
+        else:
+            advice = "give each its own state_key property, e.g. f'{type(self).__name__}[{self.monitor}]'"
+        # Lightning drops the Trainer's callbacks of a type configure_callbacks() returns; ampkit runs every callback
+        # it is given, so a setting of the dropped one (a CLI override of early_stopping.patience) is never ignored.
+        if "configure_callbacks()" in origins and len(origins) > 1:
+            advice = (
+                "ampkit runs both, where Lightning lets configure_callbacks() replace the Trainer's callback of its "
+                f"type; {advice}"
+            )
         raise CallbackOrderError(
-            f"callback state_key must be unique, got duplicates: {duplicates} (from {', '.join(owners)}); a checkpoint "
-            "could not tell their states apart: give each its own state_key property, e.g. f'{type(self).__name__}"
-            "[{self.monitor}]'"
+            f"callback state_key must be unique, got duplicates: {duplicates} (from {owners}); a checkpoint could not "
+            f"tell their states apart: {advice}"
         )
     return sorted(callbacks, key=lambda cb: (cb.phase, cb.saves_checkpoints))
 

@@ -127,10 +127,13 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     try:
         trainer.fire("on_validation_start")
         metrics = average_metrics(trainer, loader, trainer.validation_step, limit)
+        trainer.validation_end_values = {}
         trainer.fire("on_validation_end", dict(metrics))
     finally:
         trainer.state.stage = "fit"
     restore_rng(rng)
+    # A tag an on_validation_end hook logs is monitored as a validation metric; the sanity pass's are no run's values.
+    logged, trainer.validation_end_values = trainer.validation_end_values, {}
     monitored = monitored_metrics(trainer.cfg)
     for spec in trainer._specs:
         for sched in spec.schedulers:
@@ -138,7 +141,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 monitored[f"the scheduler of optimizer '{spec.name}'"] = sched.monitor
     total = trainer.num_val_batches
     for key, metric in monitored.items():
-        if metric.removeprefix("val/") not in metrics:
+        if metric.removeprefix("val/") not in metrics and metric not in logged:
             where = f"config key '{key}'" if "." in key else key
             setting = f"={total} (all its batches) or 0" if total else "=-1 (all its batches) or 0"
             later = (
@@ -150,8 +153,10 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
             checked = "all its" if limit is None else str(limit)
             raise ConfigError(
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
-                f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'} (checked before training on {checked} "
-                f"batches, trainer.num_sanity_val_steps={t.num_sanity_val_steps}{later})"
+                f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'}"
+                + (f" and on_validation_end logs {', '.join(sorted(logged))}" if logged else "")
+                + f" (checked before training on {checked} batches, trainer.num_sanity_val_steps="
+                f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with self.log('{metric}', value)"
                 + (_TRAINING_HINT if "." in key else "")
             )
 

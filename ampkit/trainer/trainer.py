@@ -148,7 +148,7 @@ from ampkit.trainer.optimizers import (
     step_scheduler,
     zero_grad_,
 )
-from ampkit.trainer.ordering import callback_list, order_callbacks
+from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
 from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
@@ -352,6 +352,8 @@ class Trainer:
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
+        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here.
+        self.validation_end_values: dict[str, float] = {}
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
@@ -749,6 +751,8 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+        if self._fx == "on_validation_end":  # an epoch metric computed there (AUC), as Lightning users log one
+            self.validation_end_values[tag] = float(value)
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -1372,11 +1376,16 @@ class Trainer:
                     self._step_on_epoch_mean(sched, spec.name)
                     continue
                 key = sched.monitor.removeprefix("val/")
-                if key not in self.val_metrics:
+                value = self.val_metrics.get(key)
+                if value is None:  # a tag an on_validation_end hook logged: rank zero's, so all ranks step alike
+                    value = broadcast_object(self.validation_end_values.get(sched.monitor), self.dist)
+                if value is None:
                     which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+                    logged = sorted(self.validation_end_values)
                     problem = (
                         f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
                         f"produced {sorted(self.val_metrics) or 'nothing yet'}"
+                        + (f" and its on_validation_end hooks logged {logged}" if logged else "")
                     )
                     if not self.val_metrics and interval == "step":
                         problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
@@ -1384,7 +1393,7 @@ class Trainer:
                         raise MonitorNotFoundError(problem)
                     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
                     continue
-                step_scheduler(sched, spec.name, self.val_metrics[key])
+                step_scheduler(sched, spec.name, value)
 
     def _step_on_epoch_mean(self, sched: SchedulerSpec, optimizer: str) -> None:
         """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors (or the value logged for it in
@@ -1416,7 +1425,7 @@ class Trainer:
             self.val_metrics = average_metrics(
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
-            self.val_metrics_step = self.state.global_step
+            self.val_metrics_step, self.validation_end_values = self.state.global_step, {}
             self.fire("on_validation_end", dict(self.val_metrics))
         finally:
             self._batch = batch
@@ -1755,15 +1764,16 @@ class Trainer:
             print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
 
     def _setup_callbacks(self) -> None:
-        from ampkit.callbacks import default_callbacks
+        from ampkit.callbacks import default_callbacks, switched_on_by
 
         defaults = default_callbacks(self)
         self._config_callback_keys = sorted(cb.state_key for cb in defaults)  # a resume's config may drop them
-        self.callbacks = order_callbacks(
-            defaults
-            + callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
-            + self._user_callbacks
-        )
+        own = callback_list(call_setup_method(self, "configure_callbacks"), "configure_callbacks()")
+        keys = [switched_on_by(cb) for cb in defaults]
+        sources = [FROM_CONFIG if key is None else f"{FROM_CONFIG}'s {key}" for key in keys]
+        sources += ["configure_callbacks()"] * len(own)
+        sources += ["Trainer(callbacks=...)"] * len(self._user_callbacks)
+        self.callbacks = order_callbacks(defaults + own + self._user_callbacks, sources)
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
@@ -1915,6 +1925,7 @@ class Trainer:
             "batch_layout": self._batch_layout,
             "val_metrics": dict(self.val_metrics),
             "val_metrics_step": self.val_metrics_step,
+            "validation_end_values": dict(self.validation_end_values),
             # log(on_epoch=True) sums so far this epoch: a mid-epoch resume's epoch mean covers the whole epoch
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             # which hook logs each on_epoch tag: a resume refuses a second hook's as the run before it would have
@@ -2023,6 +2034,7 @@ class Trainer:
         self.state.iteration = loop["global_step"]
         self.val_metrics = dict(checkpoint.get("val_metrics", {}))
         self.val_metrics_step = checkpoint.get("val_metrics_step")
+        self.validation_end_values = dict(checkpoint.get("validation_end_values", {}))  # absent before this ampkit
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
         self._epoch_fx = dict(checkpoint.get("epoch_fx", {}))  # absent from checkpoints of an older ampkit
         self._resume = {
