@@ -223,6 +223,20 @@ _LOG_OPTIONS = (
 )
 
 
+def _scheduler_name(sched: SchedulerSpec, optimizer: str) -> str:
+    """How a message names a scheduler: ``scheduler 'warmup' of 'adam'`` (its ``name`` where it has one)."""
+    which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
+    return f"{which} of '{optimizer}'"
+
+
+def _refuse_or_skip(sched: SchedulerSpec, problem: str) -> None:
+    """A scheduler whose monitored value is missing (``problem`` says why): an error where it is ``strict``, else a
+    warning, and it does not step."""
+    if sched.strict:
+        raise MonitorNotFoundError(problem)
+    rank_zero_warn(f"{problem}; not stepping it (strict=False)")
+
+
 def _every(n: int, count: int) -> bool:
     """Event filter: the ``count``-th occurrence is due every ``n`` (``n <= 0`` never)."""
     return n > 0 and count % n == 0
@@ -1374,26 +1388,27 @@ class Trainer:
                     continue
                 if is_training_metric(sched.monitor):
                     self._step_on_epoch_mean(sched, spec.name)
-                    continue
-                key = sched.monitor.removeprefix("val/")
-                value = self.val_metrics.get(key)
-                if value is None:  # a tag an on_validation_end hook logged: rank zero's, so all ranks step alike
-                    value = broadcast_object(self.validation_end_values.get(sched.monitor), self.dist)
-                if value is None:
-                    which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
-                    logged = sorted(self.validation_end_values)
-                    problem = (
-                        f"{which} of '{spec.name}' monitors '{sched.monitor}', but validation "
-                        f"produced {sorted(self.val_metrics) or 'nothing yet'}"
-                        + (f" and its on_validation_end hooks logged {logged}" if logged else "")
-                    )
-                    if not self.val_metrics and interval == "step":
-                        problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
-                    if sched.strict:
-                        raise MonitorNotFoundError(problem)
-                    rank_zero_warn(f"{problem}; not stepping it (strict=False)")
-                    continue
-                step_scheduler(sched, spec.name, value)
+                else:
+                    self._step_on_validation_value(sched, spec.name, interval)
+
+    def _step_on_validation_value(self, sched: SchedulerSpec, optimizer: str, interval: str) -> None:
+        """Step ``sched`` on the validation metric it monitors, or a tag an ``on_validation_end`` hook logged (rank
+        zero's, so that every rank steps alike)."""
+        value = self.val_metrics.get(sched.monitor.removeprefix("val/"))
+        if value is None:
+            value = broadcast_object(self.validation_end_values.get(sched.monitor), self.dist)
+        if value is not None:
+            step_scheduler(sched, optimizer, value)
+            return
+        logged = sorted(self.validation_end_values)
+        problem = (
+            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but validation "
+            f"produced {sorted(self.val_metrics) or 'nothing yet'}"
+            + (f" and its on_validation_end hooks logged {logged}" if logged else "")
+        )
+        if not self.val_metrics and interval == "step":
+            problem += " (its 'interval' is 'step'; 'epoch', a monitor's default, steps after validation)"
+        _refuse_or_skip(sched, problem)
 
     def _step_on_epoch_mean(self, sched: SchedulerSpec, optimizer: str) -> None:
         """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors (or the value logged for it in
@@ -1403,15 +1418,12 @@ class Trainer:
         if value is not None:
             step_scheduler(sched, optimizer, value)
             return
-        which = f"scheduler '{sched.name}'" if sched.name else "scheduler"
         logged = ", ".join(broadcast_object(sorted(self.monitor_values()), self.dist)) or "none"
         problem = (
-            f"{which} of '{optimizer}' monitors '{sched.monitor}', but epoch {self.state.epoch} logged {logged}: "
-            f"log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
+            f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
+            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
         )
-        if sched.strict:
-            raise MonitorNotFoundError(problem)
-        rank_zero_warn(f"{problem}; not stepping it (strict=False)")
+        _refuse_or_skip(sched, problem)
 
     def _validate(self) -> None:
         self._settle()
