@@ -300,9 +300,7 @@ def _check_param_groups(
         if saved_names is None:  # a checkpoint from before the record was kept
             continue
         try:
-            check_optimizer_fits(
-                name, {"param_groups": [{"params": g} for g in saved_names]}, optimizer, saved_names, our_groups[name]
-            )
+            check_optimizer_fits(name, [len(g) for g in saved_names], optimizer, saved_names, our_groups[name])
         except StateMisfit as exc:
             raise CheckpointError(f"sharded checkpoint '{path}' does not fit this run's optimizers: {exc}") from None
 

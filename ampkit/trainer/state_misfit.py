@@ -70,14 +70,13 @@ def _groups(sizes: list[int]) -> str:
 
 def check_optimizer_fits(
     name: str,
-    saved: Mapping[str, Any],
+    then: list[int],
     optimizer: torch.optim.Optimizer,
     saved_names: list[list[str | None]] | None,
     our_names: list[list[str | None]],
 ) -> None:
-    """Raise :class:`StateMisfit` when the optimizer state ``saved`` has other param groups than ``optimizer``: their
-    sizes, and the parameters (by name, ``saved_names`` as the checkpoint recorded them) held on one side only."""
-    then = [len(group["params"]) for group in saved.get("param_groups", [])]
+    """Raise :class:`StateMisfit` when the checkpoint's param groups (``then``: their sizes) are not ``optimizer``'s:
+    their sizes, and the parameters (by name, ``saved_names`` as the checkpoint recorded them) held on one side only."""
     now = [len(group["params"]) for group in optimizer.param_groups]
     if then == now:
         return

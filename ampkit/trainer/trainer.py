@@ -1989,8 +1989,9 @@ class Trainer:
             our_groups = trainable_record(self.module, self.optimizers, self._master_pairs())["groups"]
             for spec in self._specs:
                 saved_state, schedulers = checkpoint["optimizers"][spec.name], checkpoint["schedulers"][spec.name]
+                then = [len(group["params"]) for group in saved_state.get("param_groups", [])]
                 check_optimizer_fits(
-                    spec.name, saved_state, spec.optimizer, saved_groups.get(spec.name), our_groups[spec.name]
+                    spec.name, then, spec.optimizer, saved_groups.get(spec.name), our_groups[spec.name]
                 )
                 spec.optimizer.load_state_dict(saved_state)
                 saved_types = checkpoint.get("scheduler_types", {}).get(spec.name)
