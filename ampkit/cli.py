@@ -26,7 +26,7 @@ from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.preemption import HungUp, Preempted, sigterm_raises
+from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
 from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(_parser(argv), argv)
     # fit() inside takes SIGTERM over, to save the step it stops at; a SIGHUP (the terminal or ssh session closed)
     # unwinds as a Ctrl-C does, where its default action would end the process without a last line
-    with sigterm_raises(Terminated), sigterm_raises(HungUp, signal.SIGHUP):
+    with signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):
         return _run(args)
 
 

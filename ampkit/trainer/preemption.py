@@ -132,23 +132,20 @@ def sighup_raises() -> Iterator[None]:
     """While in the block, a SIGHUP raises :class:`HungUp` where the process is, if its default action was to come
     (which ends the process at once: no last line, the run lock left). A handler the caller set stays: ``nohup``'s
     (ignored), a Python one (``ampkit fit``'s, the user's). Put back after."""
-    replace, current = _replaceable(signal.SIGHUP)
-    if not replace or current != signal.SIG_DFL:
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGHUP, _Raise(HungUp, None))
-    try:
+    with signal_raises(HungUp, signal.SIGHUP):
         yield
-    finally:
-        signal.signal(signal.SIGHUP, current)
 
 
 @contextlib.contextmanager
-def sigterm_raises(exception: Callable[[], BaseException], signum: int = signal.SIGTERM) -> Iterator[None]:
-    """While in the block, a SIGTERM (or ``signum``) raises ``exception()`` where the process is, after the Python
-    handler that was there before heard it; that handler is put back after. ``fit()`` inside the block takes SIGTERM
-    over (it asks to stop instead) and passes it on to that handler, not to this one; another signal (SIGHUP, whose
-    default action ends the process without a word) is raised inside ``fit()`` too, which unwinds as from a Ctrl-C."""
+def signal_raises(exception: Callable[[], BaseException], signum: int = signal.SIGTERM) -> Iterator[None]:
+    """While in the block, ``signum`` (SIGTERM by default) raises ``exception()`` where the process is, after the
+    Python handler that was there before heard it; that handler is put back after. ``fit()`` inside the block takes
+    SIGTERM over (it asks to stop instead) and passes it on to that handler, not to this one; another signal (SIGHUP,
+    whose default action ends the process without a word) is raised inside ``fit()`` too, which unwinds as from a
+    Ctrl-C."""
     replace, current = _replaceable(signum)
     if not replace:
         yield
