@@ -9,8 +9,8 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
-from ampkit.callbacks.monitor import Monitor
-from ampkit.trainer.callback import Callback, Phase
+from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     copy_atomic,
@@ -35,7 +35,7 @@ from ampkit.trainer.sharded_checkpoint import (
 from ampkit.trainer.waiting import barrier
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(KeyedByMonitor):
     """Save ``step-N.pt`` every ``every_n_steps`` iterations and ``epoch-N.pt`` every ``every_n_epochs``
     epochs, plus at the end of training; keep the newest ``keep_last`` of them and ``last.pt`` (every one of them
     with ``save_top_k=-1`` and no ``monitor``, as Lightning's ModelCheckpoint keeps every save then).
@@ -52,7 +52,6 @@ class ModelCheckpoint(Callback):
     """
 
     phase = Phase.PERSIST
-    state_key_may_change = True  # keyed by its monitor
     saves_checkpoints = True  # after every other PERSIST hook: its save holds what they did
 
     def __init__(
@@ -88,13 +87,6 @@ class ModelCheckpoint(Callback):
         self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
         self._protected_before: list[str] = []  # the names of those a resumed run's checkpoint had warned about
         self._restored = False  # a resume loaded its state: its ranking says which best files are this lineage's
-
-    @property
-    def state_key(self) -> str:
-        """``ModelCheckpoint[val/loss]`` (``[None]`` without a monitor): the config's periodic checkpoints and a
-        best-k one given in code save their states apart, as Lightning keys them by their monitor (a checkpoint of
-        an older ampkit, keyed ``ModelCheckpoint``, still loads)."""
-        return f"{type(self).__name__}[{self.monitor}]"
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking

@@ -9,11 +9,11 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
-from ampkit.callbacks.monitor import Monitor
-from ampkit.trainer.callback import Callback, Phase
+from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.trainer.callback import Phase
 
 
-class EarlyStopping(Callback):
+class EarlyStopping(KeyedByMonitor):
     """Sets ``trainer.state.should_stop`` after ``patience`` validations in a row without an improvement of
     ``monitor`` by more than ``min_delta`` (``mode``: ``min`` or ``max``); the loop then ends after the
     current batch. A ``train/`` monitor is the epoch mean of a ``log(..., on_epoch=True)`` tag, checked at the end
@@ -29,7 +29,6 @@ class EarlyStopping(Callback):
     # the checkpoint's, so that its checkpoint records a stop), as Lightning runs monitoring callbacks after the
     # module's hooks.
     hook_phases = {"on_train_epoch_end": Phase.PERSIST, "on_validation_end": Phase.PERSIST}
-    state_key_may_change = True  # keyed by its monitor
 
     def __init__(
         self,
@@ -61,12 +60,6 @@ class EarlyStopping(Callback):
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
-
-    @property
-    def state_key(self) -> str:
-        """``EarlyStopping[val/loss]``: several in one run, on other metrics, each save and resume their own count, as
-        Lightning keys them by their monitor (a checkpoint of an older ampkit, keyed ``EarlyStopping``, still loads)."""
-        return f"{type(self).__name__}[{self.monitor}]"
 
     def on_fit_start(self, trainer) -> None:
         self.monitor.check_reachable(trainer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
 from ampkit.trainer.sanity import epoch_mean, is_training_metric
@@ -120,3 +121,17 @@ class Monitor:
         if best is None:
             return True
         return value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
+
+
+class KeyedByMonitor(Callback):
+    """A callback whose checkpoint state is keyed by the metric it watches (``EarlyStopping[val/loss]``,
+    ``ModelCheckpoint[None]`` without one): several of one class, on other metrics, each save and resume their own,
+    as Lightning keys them by their monitor. A checkpoint of an older ampkit, keyed by the class name, or of a run
+    that watched another metric still hands it its class's state (``state_key_may_change``)."""
+
+    state_key_may_change = True
+    monitor: Monitor | None
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__name__}[{self.monitor}]"
