@@ -178,7 +178,7 @@ class ModelCheckpoint(KeyedByMonitor):
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.monitor is not None and not self.monitor.per_epoch and trainer.state.stage == "fit":
-            self._pending = self.monitor.value(metrics, trainer.state.global_step, trainer)
+            self._pending = self.monitor.value(metrics, trainer)
 
     def _save_now(self, trainer, periodic: str | None) -> None:
         """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending

@@ -67,7 +67,7 @@ class EarlyStopping(KeyedByMonitor):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if trainer.state.stage != "fit" or self.monitor.per_epoch:  # a standalone validate() is no training progress
             return
-        self._check(trainer, self.monitor.value(metrics, trainer.state.global_step, trainer), "validations")
+        self._check(trainer, self.monitor.value(metrics, trainer), "validations")
 
     def on_train_epoch_end(self, trainer) -> None:
         # A train/ epoch mean: Lightning's check_on_train_epoch_end. Not of an epoch a stop cut short (max_steps): the

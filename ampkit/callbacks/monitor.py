@@ -9,7 +9,7 @@ from typing import Any
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
-from ampkit.trainer.sanity import epoch_mean, is_training_metric
+from ampkit.trainer.sanity import is_training_metric
 
 MODES = ("min", "max")
 
@@ -35,29 +35,28 @@ class Monitor:
         for several instances of one class) is the same in every process, so a resume finds each one's state."""
         return self.metric
 
-    def value(self, metrics: dict[str, float], step: int | None = None, trainer=None) -> float:
-        """The monitored value among ``metrics`` of the validation at ``step``, or, given ``trainer``, a value logged
-        under the monitored tag in that validation's ``on_validation_end`` (an AUC a callback or the Trainer computes
-        there, as Lightning monitors what ``on_validation_epoch_end`` logs): rank zero's on every rank, so all ranks
-        rank and stop alike. A missing one is a one-line error naming what there is (Lightning's ModelCheckpoint
-        raises too: no ranking skips a validation)."""
-        if self.key in metrics:
-            return float(metrics[self.key])
-        logged = trainer.validation_end_values if trainer is not None else {}
-        value = logged.get(self.metric)
-        if trainer is not None:  # a tag one rank alone logs (or each its own shard's) ranks and stops all alike
-            value = broadcast_object(value, trainer.dist)
+    def value(self, metrics: dict[str, float], trainer) -> float:
+        """The monitored value among ``metrics`` of the validation that just ran, or a value logged under the
+        monitored tag in its ``on_validation_end`` (an AUC a callback or the Trainer computes there, as Lightning
+        monitors what ``on_validation_epoch_end`` logs; see ``Trainer.monitored_validation_value``). A missing one is
+        a one-line error naming what there is (Lightning's ModelCheckpoint raises too: no ranking skips a
+        validation)."""
+        value = trainer.monitored_validation_value(self.metric, metrics)
         if value is not None:
             return float(value)
-        which = f"config key '{self.setting}'" if self.setting else "monitor"
-        at = "" if step is None else f" at step {step}"
+        logged = trainer.validation_end_values
         returned = ", ".join(f"val/{m}" for m in sorted(metrics)) or "nothing"
         raise MonitorNotFoundError(
-            f"{which}: '{self.metric}' is not a metric of the validation{at}, which returned {returned}"
+            f"{self._named()}: '{self.metric}' is not a metric of the validation at step {trainer.state.global_step}, "
+            f"which returned {returned}"
             + (f" and logged {', '.join(sorted(logged))} in on_validation_end" if logged else "")
             + f"; validation_step must return a monitored metric at every validation, or a callback or the Trainer "
             f"log it in on_validation_end with self.log('{self.metric}', value)"
         )
+
+    def _named(self) -> str:
+        """How a message names this monitor: by the config key that sets it, where one does."""
+        return f"config key '{self.setting}'" if self.setting else "monitor"
 
     def check_reachable(self, trainer) -> None:
         """Refuse a validation metric in a run that never validates, at ``fit`` start: it would rank or stop nothing,
@@ -84,16 +83,14 @@ class Monitor:
         is the epoch's): rank zero's on every rank (the value
         TensorBoard shows), so all ranks rank and stop alike. One not logged is a one-line error naming the tags
         that were."""
-        means = trainer.monitor_values()
-        value = broadcast_object(epoch_mean(means, self.key), trainer.dist)
+        value = trainer.monitored_epoch_value(self.key)
         if value is not None:
             return float(value)
-        which = f"config key '{self.setting}'" if self.setting else "monitor"
-        logged = ", ".join(broadcast_object(sorted(means), trainer.dist)) or "none"
+        logged = ", ".join(broadcast_object(sorted(trainer.monitor_values()), trainer.dist)) or "none"
         raise MonitorNotFoundError(
-            f"{which}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged {logged}; a "
-            f"monitored train/ tag is logged in every epoch, e.g. self.log('{self.metric}', loss, on_epoch=True) in "
-            "training_step, or is a value training_step returns (train/loss: its loss)"
+            f"{self._named()}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged "
+            f"{logged}; a monitored train/ tag is logged in every epoch, e.g. self.log('{self.metric}', loss, "
+            "on_epoch=True) in training_step, or is a value training_step returns (train/loss: its loss)"
         )
 
     def state_dict(self) -> dict[str, str]:

@@ -804,6 +804,21 @@ class Trainer:
         late = {tag: float(value) for tag, value in self._epoch_end_values.items()}
         return {**self.epoch_scalars, **late}
 
+    def monitored_epoch_value(self, metric: str) -> float | None:
+        """This epoch's value of the monitored ``train/`` tag ``metric`` among :meth:`monitor_values` (or its
+        ``_epoch`` mean), rank zero's on every rank (the value TensorBoard shows), so that every rank ranks, stops
+        and schedules alike; None where the epoch logged none. Collective: every rank calls it."""
+        return broadcast_object(epoch_mean(self.monitor_values(), metric), self.dist)
+
+    def monitored_validation_value(self, metric: str, metrics: Mapping[str, float]) -> float | None:
+        """The monitored validation value ``metric``: among ``metrics`` (what validation_step returned, its ``val/``
+        dropped), else a tag an ``on_validation_end`` hook logged (an AUC computed there), rank zero's on every rank;
+        None where neither has it."""
+        value = metrics.get(metric.removeprefix("val/"))
+        if value is None:  # every rank's metrics have the same keys: all of them take this collective or none
+            value = broadcast_object(self.validation_end_values.get(metric), self.dist)
+        return value
+
     def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
         """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
         metrics and Lightning's epoch means are; a tensor stays on its device (no host read)."""
@@ -1394,9 +1409,7 @@ class Trainer:
     def _step_on_validation_value(self, sched: SchedulerSpec, optimizer: str, interval: str) -> None:
         """Step ``sched`` on the validation metric it monitors, or a tag an ``on_validation_end`` hook logged (rank
         zero's, so that every rank steps alike)."""
-        value = self.val_metrics.get(sched.monitor.removeprefix("val/"))
-        if value is None:
-            value = broadcast_object(self.validation_end_values.get(sched.monitor), self.dist)
+        value = self.monitored_validation_value(sched.monitor, self.val_metrics)
         if value is not None:
             step_scheduler(sched, optimizer, value)
             return
@@ -1414,7 +1427,7 @@ class Trainer:
         """Step ``sched`` on this epoch's mean of the ``train/`` tag it monitors (or the value logged for it in
         ``on_train_epoch_end``, as a monitor reads it): rank zero's on every rank (the value TensorBoard shows), so
         every rank's learning rate stays the same."""
-        value = broadcast_object(epoch_mean(self.monitor_values(), sched.monitor), self.dist)
+        value = self.monitored_epoch_value(sched.monitor)
         if value is not None:
             step_scheduler(sched, optimizer, value)
             return
