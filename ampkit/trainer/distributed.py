@@ -186,9 +186,9 @@ def _leave_failure(failure: BaseException, env: DistributedEnv) -> None:
         pass
 
 
-def broadcast_object(value: Any, env: DistributedEnv) -> Any:
-    """Rank zero's ``value`` on every rank."""
-    if not env.enabled:
+def broadcast_object(value: Any, env: DistributedEnv | None = None) -> Any:
+    """Rank zero's ``value`` on every rank (``env`` None: of the process group there is, if any)."""
+    if not (dist.is_initialized() if env is None else env.enabled):
         return value
     holder = [value]
     dist.broadcast_object_list(holder, src=0)

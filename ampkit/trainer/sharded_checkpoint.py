@@ -36,6 +36,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     write_errors_surfaced,
 )
+from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
@@ -74,15 +75,6 @@ def _tensor_state(module: nn.Module, optimizers: dict[str, torch.optim.Optimizer
             "model": model,
             "optimizers": {name: get_optimizer_state_dict(module, o) for name, o in optimizers.items()},
         }
-
-
-def _from_rank_zero(value: Any) -> Any:
-    """Rank zero's ``value`` on every rank (``value`` itself in one process)."""
-    if not dist.is_initialized():
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
 
 
 def _shard_writer(path: Path) -> Any:
@@ -127,7 +119,7 @@ def save_sharded(
             tmp.mkdir(parents=True)
         except OSError as exc:
             refused = exc
-    if (refused := _from_rank_zero(refused)) is not None:  # also the barrier: no rank writes before tmp exists
+    if (refused := broadcast_object(refused)) is not None:  # also the barrier: no rank writes before tmp exists
         raise refused
     try:
         state = _tensor_state(module, optimizers)
