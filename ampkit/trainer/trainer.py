@@ -153,6 +153,7 @@ from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
+from ampkit.trainer.process_runs import enter_run, leave_run
 from ampkit.trainer.rng import (
     capture_callers_rng,
     capture_rng,
@@ -966,7 +967,7 @@ class Trainer:
             refuse_outer_autocast(self.cfg, self.device)
             self._start_distributed()
         except BaseException:
-            self._running = None
+            self._release()
             raise
         clean = False
         failure = None
@@ -984,7 +985,7 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = None
+            self._release()
             for guard in self._direct_step_guards:
                 guard.remove()
             self._direct_step_guards = []
@@ -998,20 +999,33 @@ class Trainer:
     def _claim(self, entry: str) -> bool:
         """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
         the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
-        the optimizers and the loop's state (and both passed the check before either marked itself)."""
+        the optimizers and the loop's state (and both passed the check before either marked itself), as is a run of
+        another Trainer while one runs in another thread (:mod:`~ampkit.trainer.process_runs`)."""
         here = (threading.get_ident(), threading.current_thread().name)
         with _CLAIMS:
-            if self._running is None:
+            claimed = self._running is None
+            if claimed:
                 self._running, self._running_in = entry, here
-                return True
+        if claimed:
+            try:
+                enter_run(self, entry)  # another Trainer's run in another thread: refused, naming it
+            except UserCodeError:
+                self._running = None
+                raise
+            return True
         if self._running_in != here:
             raise UserCodeError(
                 f"{entry}() was called in thread '{here[1]}' while {self._running}() is running in thread "
                 f"'{self._running_in[1]}' on this {type(self).__name__}: one Trainer runs one "
                 "fit, validate, test or predict at a time (they would share its model, optimizers and loop state); "
-                "build a Trainer for each thread"
+                "call it after that one returns"
             )
         return False
+
+    def _release(self) -> None:
+        """The run :meth:`_claim` marked has ended."""
+        self._running = None
+        leave_run(self)
 
     @contextmanager
     def _process_kept(self, seeds: bool) -> Iterator[None]:
@@ -1500,7 +1514,7 @@ class Trainer:
         try:
             self._start_distributed()
         except BaseException:
-            self._running = None
+            self._release()
             raise
         clean = False
         failure = None
@@ -1515,7 +1529,7 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = None
+            self._release()
             teardown_distributed(self.dist, clean, failure)
         return result
 
