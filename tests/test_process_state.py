@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -116,6 +117,29 @@ def test_a_scaled_float16_run_under_anomaly_detection_says_why_it_stopped(tmp_pa
     note = "\n".join(err.value.__notes__)
     assert "anomaly detection stopped the run" in note and "scale now 65536" in note
     assert "precision.dtype=bfloat16" in note
+
+
+class _RecordsForwardDtypes(ToyTrainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.dtypes = getattr(self, "dtypes", set()) | {out.dtype}
+        return F.mse_loss(out.squeeze(1).float(), y)
+
+
+def test_apex_patches_of_torch_functions_leave_a_fit_at_its_own_precision(tmp_path):
+    """An O0 fit after an Apex script's amp.init() (or amp.initialize(..., patch_torch_functions=True)) in the same
+    process ran its forward in float16: those patches are process-wide. They still cast outside the run."""
+    from ampkit.compat import amp
+
+    handle = amp.init(enabled=True, patch_type=torch.float16)
+    try:
+        trainer = _RecordsForwardDtypes(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+        trainer.fit()
+        assert trainer.dtypes == {torch.float32}
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float16
+    finally:
+        handle._deactivate()
 
 
 class _WaitsInFit(ToyTrainer):

@@ -63,6 +63,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from ampkit.amp.patch_scope import without_torch_patches
 from ampkit.config import (
     Config,
     ConfigError,
@@ -974,7 +975,7 @@ class Trainer:
         self._preempt_asked = False
         try:
             with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
-                with sighup_raises(), grad_mode_for_training():
+                with sighup_raises(), grad_mode_for_training(), without_torch_patches():
                     self._fit(resume)
             clean = True
         except BaseException as exc:
@@ -1520,7 +1521,7 @@ class Trainer:
         failure = None
         seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
         try:
-            with self._process_kept(seeds):
+            with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt)
             clean = True
         except BaseException as exc:
