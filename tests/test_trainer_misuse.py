@@ -393,3 +393,49 @@ def test_a_callback_built_by_hand_refuses_a_number_that_is_no_number_naming_it(b
     Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+class _StepIsNone(ToyTrainer):  # Lightning code disabling a step
+    validation_step = None
+
+
+class _LoaderIsAName(ToyTrainer):
+    train_dataloader = "toy"
+
+
+def _instance_step_none(trainer):
+    trainer.training_step = None
+
+
+def _instance_hook(trainer):
+    trainer.on_train_epoch_end = lambda: None
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "change", "message"),
+    [
+        (_StepIsNone, None, r"_StepIsNone.validation_step is None, which replaces the method Trainer.validation_step "
+                            r"with no function; define it as def validation_step\(self, batch\), or delete"),
+        (_LoaderIsAName, None, r"_LoaderIsAName.train_dataloader is 'toy', which replaces the method"),
+        (ToyTrainer, _instance_step_none, r"trainer.training_step was set to None on this ToyTrainer, which replaces "
+                                          r"its method training_step\(\) with no function; delete the attribute"),
+        (ToyTrainer, _instance_hook, r"trainer.on_train_epoch_end was set on this ToyTrainer instance, where the "
+                                     r"Trainer never calls it.*Define def on_train_epoch_end\(self, ...\) in Toy"),
+    ],
+    ids=["step-none", "loader-str", "instance-step-none", "instance-hook"],
+)  # fmt: skip
+def test_a_method_replaced_by_no_function_or_a_hook_set_on_the_instance_is_named_before_anything_runs(
+    tmp_path, trainer_class, change, message
+):
+    """A step set to None failed inside inspect ('None is not a callable object'); on the instance, at its first
+    batch with a TypeError. A hook set on the instance never ran, silently: hooks are read from the class."""
+    if change is None:
+        with pytest.raises(UserCodeError, match=message):
+            trainer_class(toy_cfg(tmp_path, **QUIET))
+        return
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET))
+    change(trainer)
+    for run in (trainer.fit, trainer.validate):
+        with pytest.raises(UserCodeError, match=message):
+            run()
+    assert not (tmp_path / "run").exists()

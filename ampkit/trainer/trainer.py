@@ -150,7 +150,7 @@ from ampkit.trainer.optimizers import (
     zero_grad_,
 )
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
-from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
+from ampkit.trainer.own_hooks import check_instance_attributes, check_replaced_methods, check_step_signatures, own_hooks
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
@@ -336,6 +336,7 @@ class Trainer:
         if settings:  # Lightning's Trainer(max_epochs=3): here settings are config keys
             raise TypeError(keyword_settings_error(type(self).__name__, self.config_class, list(settings)))
         self._own_hooks = own_hooks(type(self), Trainer)
+        check_replaced_methods(type(self), Trainer)
         check_step_signatures(type(self))
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
             raise ConfigError(
@@ -959,6 +960,7 @@ class Trainer:
 
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
+        check_instance_attributes(self, Trainer)
         if not self._claim("fit"):  # it would recurse until Python's stack runs out
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
@@ -1510,6 +1512,7 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+        check_instance_attributes(self, Trainer)
         if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
         try:
