@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset, toy_model
 
 import ampkit
 from ampkit.callbacks import EarlyStopping, GradientClipping, MaxTime, ModelCheckpoint, TensorBoardLogger
@@ -439,3 +439,32 @@ def test_a_method_replaced_by_no_function_or_a_hook_set_on_the_instance_is_named
         with pytest.raises(UserCodeError, match=message):
             run()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_set_by_hand_that_configure_model_does_not_return_is_named_not_dropped(tmp_path):
+    """trainer.model set by hand was silently dropped by fit() (which builds from configure_model) and by a fresh
+    validate(); after a fit, validate(ckpt=...) loaded the checkpoint into trainer.module and evaluated the model set
+    by hand. Lightning code's self.model set in __init__ and returned by configure_model still trains."""
+    trainer = ToyTrainer(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
+    trainer.model = torch.nn.Linear(6, 1)
+    for run in (trainer.fit, trainer.validate):
+        with pytest.raises(UserCodeError, match=r"trainer.model was set to a Linear which configure_model\(\) did not"):
+            run()
+    trainer.model = None
+    trainer.fit()
+    trainer.module = torch.nn.Linear(6, 1)
+    with pytest.raises(UserCodeError, match=r"validate\(\) of ToyTrainer: trainer.module was set to a Linear after"):
+        trainer.validate(ckpt="last")
+
+    class SetInInit(ToyTrainer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.model = toy_model()
+
+        def configure_model(self):
+            return self.model
+
+    own = SetInInit(toy_cfg(tmp_path / "b", **QUIET, **{"trainer.max_steps": 1}))
+    first = own.model
+    own.fit()
+    assert own.module is first and own.state.global_step == 1

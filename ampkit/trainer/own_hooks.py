@@ -115,3 +115,30 @@ def check_instance_attributes(trainer: object, base: type) -> None:
                 f"the hooks its class defines. Define def {name}(self, ...) in {cls.__name__}, or pass a Callback "
                 f"with that hook ({cls.__name__}(callbacks=[...]))"
             )
+
+
+def models_set_by_hand(trainer: Any, left: tuple[Any, Any]) -> dict[str, Any]:
+    """``trainer.module``/``trainer.model`` where they are not what its last run left (``left``: both None before any
+    run): set by hand (a model assigned in ``__init__`` or between runs)."""
+    held = {"module": trainer.module, "model": trainer.model}
+    return {
+        name: obj for (name, obj), was in zip(held.items(), left, strict=True) if obj is not None and obj is not was
+    }
+
+
+def refuse_models_set_by_hand(trainer: Any, by_hand: dict[str, Any], entry: str, built: Any = None) -> None:
+    """Refuse to drop or misuse a model set by hand: one that ``configure_model()`` did not return (``built``; None
+    where the run builds none) would be dropped by the run's set-up, or evaluated apart from the module a checkpoint
+    loads into."""
+    dropped = {name: obj for name, obj in by_hand.items() if obj is not built}
+    if not dropped:
+        return
+    held = " and ".join(f"trainer.{name} was set to a {type(obj).__name__}" for name, obj in dropped.items())
+    which = "after the last run set up another" if built is None else "which configure_model() did not return"
+    raise UserCodeError(
+        f"{entry}() of {type(trainer).__name__}: {held} {which}; the "
+        "Trainer runs the model it builds from configure_model() (trainer.module, and trainer.model wrapping or "
+        "compiling it) and loads checkpoints into it, so the one set would be dropped or evaluated apart from them. "
+        "Return it from configure_model() (a Trainer attribute of another name may hold it), or set both to None "
+        "for the next run to build its own"
+    )

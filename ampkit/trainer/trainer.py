@@ -150,7 +150,14 @@ from ampkit.trainer.optimizers import (
     zero_grad_,
 )
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
-from ampkit.trainer.own_hooks import check_instance_attributes, check_replaced_methods, check_step_signatures, own_hooks
+from ampkit.trainer.own_hooks import (
+    check_instance_attributes,
+    check_replaced_methods,
+    check_step_signatures,
+    models_set_by_hand,
+    own_hooks,
+    refuse_models_set_by_hand,
+)
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
@@ -431,6 +438,8 @@ class Trainer:
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
         self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
+        self._models_left: tuple[Any, Any] = (None, None)  # module and model as the last run that built one left them
+        self._built_model = False  # the run in progress built its model (then _release records it in _models_left)
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
@@ -1028,6 +1037,8 @@ class Trainer:
     def _release(self) -> None:
         """The run :meth:`_claim` marked has ended."""
         self._running = None
+        if self._built_model:  # with what its callbacks made of it (a DDP wrapper); a run failing before keeps the last
+            self._models_left, self._built_model = (self.module, self.model), False
         leave_run(self)
 
     @contextmanager
@@ -1513,6 +1524,8 @@ class Trainer:
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         check_instance_attributes(self, Trainer)
+        if self._running is None and self.module is not None:  # evaluates the model there: one set by hand is not
+            refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left), stage.name)
         if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
         try:
@@ -1640,12 +1653,15 @@ class Trainer:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
+        by_hand = models_set_by_hand(self, self._models_left)
         module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
+        refuse_models_set_by_hand(self, by_hand, self._running or "fit", built=module)
         check_model_has_values(module)
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
+        self._built_model = True
 
     def _load_train_data(self) -> None:
         """``train_dataloader()``, sharded across ranks, and its batches per epoch."""
