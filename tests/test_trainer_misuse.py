@@ -468,3 +468,17 @@ def test_a_model_set_by_hand_that_configure_model_does_not_return_is_named_not_d
     first = own.model
     own.fit()
     assert own.module is first and own.state.global_step == 1
+
+
+def test_a_config_changed_between_runs_is_checked_and_followed(tmp_path):
+    """trainer.cfg.trainer.max_steps raised in a notebook between two fits: the loop kept the settings taken at
+    construction, so the resume said its checkpoint had reached the old limit while the warnings quoted the new one."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    trainer.cfg.trainer.accumulate_grad_batches = 0
+    with pytest.raises(ampkit.ConfigError, match="trainer.accumulate_grad_batches"):
+        trainer.fit(resume="last")
+    trainer.cfg.trainer.accumulate_grad_batches = 1
+    trainer.cfg.trainer.max_steps = 4
+    trainer.fit(resume="last")
+    assert trainer.state.global_step == 4

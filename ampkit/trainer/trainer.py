@@ -358,14 +358,8 @@ class Trainer:
         self.cfg: DictConfig = cfg
         self.dist = DistributedEnv()  # one process until fit/validate/test/predict start torch.distributed
         self._validate_config()
-        # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
-        self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
-        self._log_every: int = self.cfg.logging.log_every_n_steps
+        self._take_settings()
         self.state = LoopState()
-        self.device = self._resolve_device(self.settings.device)
-        self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
-        self._val_every_n_steps = self.settings.val_every_n_steps
-        self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = callback_list(callbacks, "Trainer(callbacks=...)")
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
@@ -443,6 +437,25 @@ class Trainer:
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
+
+    def _take_settings(self) -> None:
+        """The loop's plain copies of the config's settings (reading an OmegaConf node costs microseconds, paid
+        several times a step), and what the config they came from was (see :meth:`_follow_config`)."""
+        self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
+        self._log_every: int = self.cfg.logging.log_every_n_steps
+        self.device = self._resolve_device(self.settings.device)
+        self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
+        self._val_every_n_steps = self.settings.val_every_n_steps
+        self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
+        self._settings_from = OmegaConf.to_container(self.cfg)
+
+    def _follow_config(self) -> None:
+        """Before a run: a config changed since the settings were taken (``trainer.cfg.trainer.max_steps = 5`` in a
+        notebook between two fits) is checked as at construction and taken again. Else the loop ran on the old
+        settings while checks and messages read the new ones, and a resume said it had nothing to train."""
+        if OmegaConf.to_container(self.cfg) != self._settings_from:
+            self._validate_config()
+            self._take_settings()
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -970,6 +983,8 @@ class Trainer:
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
         check_instance_attributes(self, Trainer)
+        if self._running is None:  # from a hook of a run, the run's settings stay
+            self._follow_config()
         if not self._claim("fit"):  # it would recurse until Python's stack runs out
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
@@ -1524,6 +1539,8 @@ class Trainer:
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
         check_instance_attributes(self, Trainer)
+        if self._running is None:
+            self._follow_config()
         if self._running is None and self.module is not None:  # evaluates the model there: one set by hand is not
             refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left), stage.name)
         if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
