@@ -482,3 +482,26 @@ def test_a_config_changed_between_runs_is_checked_and_followed(tmp_path):
     trainer.cfg.trainer.max_steps = 4
     trainer.fit(resume="last")
     assert trainer.state.global_step == 4
+
+
+class _BuffersOnly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(6))
+
+    def forward(self, x):
+        return (x @ self.weight)[:, None]
+
+
+class _FixedTransformTrainer(ToyTrainer):
+    def configure_model(self):
+        return _BuffersOnly()
+
+
+def test_a_model_of_buffers_only_is_named_by_fit_and_evaluated_by_validate(tmp_path):
+    """fit() failed inside torch ('optimizer got an empty parameter list'), in configure_optimizers."""
+    trainer = _FixedTransformTrainer(toy_cfg(tmp_path, **QUIET))
+    message = r"returned a _BuffersOnly with no parameters to train \(only buffers: weight\): make trainable tensors"
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert set(_FixedTransformTrainer(toy_cfg(tmp_path, **QUIET)).validate()) == {"mse"}

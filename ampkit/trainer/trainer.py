@@ -212,6 +212,7 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    check_model_has_parameters,
     check_model_has_values,
     empty_batch_error,
     exhausted_loader_error,
@@ -1706,6 +1707,7 @@ class Trainer:
         self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
+        check_model_has_parameters(self.module)
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
         self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
