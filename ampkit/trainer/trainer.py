@@ -73,7 +73,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.batch_counts import batch_limit, checked_count
+from ampkit.trainer.batch_counts import batch_limit, checked_count, loader_length
 from ampkit.trainer.batch_layout import (
     batch_layout,
     batches_done_here,
@@ -304,12 +304,9 @@ class _NoHooksYet(dict):
         )
 
 
-def _batches_in(loader: Any, limit: int | None) -> int | None:
+def _batches_in(loader: Any, limit: int | None, source: str) -> int | None:
     """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
-    try:
-        total = len(loader)
-    except TypeError:
-        total = None
+    total = loader_length(loader, source)
     return total if limit is None else limit if total is None else min(total, limit)
 
 
@@ -960,7 +957,7 @@ class Trainer:
     @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
-        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit)
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
 
     @property
     def global_rank(self) -> int:
@@ -1691,10 +1688,12 @@ class Trainer:
         )
         limit = self.settings.limit_train_batches
         self._train_limit = batch_limit(limit, self._train_loader, "trainer.limit_train_batches", "train_dataloader()")
-        self._num_train_batches = _batches_in(self._train_loader, self._train_limit)
-        self._train_length_known = _batches_in(self._train_loader, None) is not None
+        self._num_train_batches = _batches_in(self._train_loader, self._train_limit, "train_dataloader()")
+        self._train_length_known = _batches_in(self._train_loader, None, "train_dataloader()") is not None
         check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
-        equal = check_equal_batches(counted_batches(self._train_loader, self._train_limit), self.dist)
+        equal = check_equal_batches(
+            counted_batches(self._train_loader, self._train_limit, "train_dataloader()"), self.dist
+        )
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
