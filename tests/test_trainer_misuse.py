@@ -505,3 +505,24 @@ def test_a_model_of_buffers_only_is_named_by_fit_and_evaluated_by_validate(tmp_p
     with pytest.raises(UserCodeError, match=message):
         trainer.fit()
     assert set(_FixedTransformTrainer(toy_cfg(tmp_path, **QUIET)).validate()) == {"mse"}
+
+
+class _OptimizersFailOnce(ToyTrainer):
+    failed = False
+
+    def configure_optimizers(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("no optimizer yet")
+        return super().configure_optimizers()
+
+
+def test_validate_after_a_fit_that_failed_while_setting_up_evaluates_as_before_any_fit(tmp_path):
+    """The failed fit left a model but no callbacks: validate() then failed saying the hook on_exception had no
+    callbacks yet, as if called from outside a run."""
+    trainer = _OptimizersFailOnce(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
+    with pytest.raises(RuntimeError, match="no optimizer yet"):
+        trainer.fit()
+    assert trainer.validate() == ToyTrainer(toy_cfg(tmp_path / "b", **QUIET)).validate()
+    trainer.fit()
+    assert trainer.state.global_step == 1

@@ -1550,7 +1550,7 @@ class Trainer:
             raise
         clean = False
         failure = None
-        seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
+        seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
         try:
             with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt)
@@ -1565,6 +1565,11 @@ class Trainer:
             teardown_distributed(self.dist, clean, failure)
         return result
 
+    def _unset(self) -> bool:
+        """Whether no run set this Trainer up (its model and callbacks), so an evaluation builds them: also after a
+        fit that failed while setting up (configure_optimizers, a loader), which left a model but no callbacks."""
+        return self.module is None or isinstance(self._hooks, _NoHooksYet)
+
     def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
         """A collective that failed before the callbacks that name a dead rank were set up (comparing configs,
         counting batches, sharing the run directory) is raised naming the ranks that did not check in."""
@@ -1577,7 +1582,7 @@ class Trainer:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
             )
-        fresh = self.module is None  # not fitted in this process: build the model as fit would
+        fresh = self._unset()  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
         if path is not None:
@@ -1700,6 +1705,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
+        self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
