@@ -388,3 +388,29 @@ def test_a_loader_whose_len_raises_is_named_unless_it_says_it_has_none(tmp_path,
         return
     with pytest.raises(UserCodeError, match=message + r".*raises TypeError where it has no length"):
         trainer.fit()
+
+
+class _Float64Layer(torch.nn.Module):
+    """A first layer kept in float64 on purpose, then float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.head = torch.nn.Linear(6, 4).double(), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.wide(x.to(self.wide.weight.dtype)).to(self.head.weight.dtype))
+
+
+class _Float64LayerTrainer(ToyTrainer):
+    def configure_model(self):
+        return _Float64Layer()
+
+
+def test_o2_says_it_casts_float64_parameters_down_too(tmp_path):
+    """O2 casts every floating-point parameter, float64 ones too, as Apex did: the layer kept in float64 trained in
+    bfloat16 with float32 masters, silently."""
+    precision = {"precision.opt_level": "O2", "precision.dtype": "bfloat16"}
+    trainer = _Float64LayerTrainer(toy_cfg(tmp_path, **QUIET, **precision, **{"trainer.max_steps": 1}))
+    with pytest.warns(UserWarning, match=r"opt_level=O2 casts the model's float64 parameters to bfloat16 too "
+                                         r"\(wide.weight, wide.bias\).*O1 keeps them"):  # fmt: skip
+        trainer.fit()
