@@ -444,7 +444,8 @@ def test_a_method_replaced_by_no_function_or_a_hook_set_on_the_instance_is_named
 def test_a_model_set_by_hand_that_configure_model_does_not_return_is_named_not_dropped(tmp_path):
     """trainer.model set by hand was silently dropped by fit() (which builds from configure_model) and by a fresh
     validate(); after a fit, validate(ckpt=...) loaded the checkpoint into trainer.module and evaluated the model set
-    by hand. Lightning code's self.model set in __init__ and returned by configure_model still trains."""
+    by hand. A wrapper of trainer.module evaluates it, and Lightning code's self.model set in __init__ and returned
+    by configure_model still trains."""
     trainer = ToyTrainer(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
     trainer.model = torch.nn.Linear(6, 1)
     for run in (trainer.fit, trainer.validate):
@@ -452,8 +453,11 @@ def test_a_model_set_by_hand_that_configure_model_does_not_return_is_named_not_d
             run()
     trainer.model = None
     trainer.fit()
+    trained = trainer.validate(ckpt="last")
+    trainer.model = torch.nn.Sequential(trainer.module)  # a wrapper of the run's module (torch.compile's) runs it
+    assert trainer.validate(ckpt="last") == trained
     trainer.module = torch.nn.Linear(6, 1)
-    with pytest.raises(UserCodeError, match=r"validate\(\) of ToyTrainer: trainer.module was set to a Linear after"):
+    with pytest.raises(UserCodeError, match=r"validate\(\) of ToyTrainer: trainer.module was set to a Linear and"):
         trainer.validate(ckpt="last")
 
     class SetInInit(ToyTrainer):

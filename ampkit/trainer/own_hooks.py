@@ -13,6 +13,8 @@ import difflib
 import inspect
 from typing import Any
 
+from torch import nn
+
 from ampkit.trainer.callback import HOOKS, Callback
 from ampkit.trainer.user_code import UserCodeError
 
@@ -117,13 +119,20 @@ def check_instance_attributes(trainer: object, base: type) -> None:
             )
 
 
-def models_set_by_hand(trainer: Any, left: tuple[Any, Any]) -> dict[str, Any]:
+def models_set_by_hand(trainer: Any, left: tuple[Any, Any], wrappers: bool = False) -> dict[str, Any]:
     """``trainer.module``/``trainer.model`` where they are not what its last run left (``left``: both None before any
-    run): set by hand (a model assigned in ``__init__`` or between runs)."""
+    run): set by hand (a model assigned in ``__init__`` or between runs). With ``wrappers``, a ``trainer.model`` that
+    wraps the run's own ``trainer.module`` (``torch.compile(trainer.module)`` for a faster evaluation) is not one: it
+    runs the module, and so the weights a checkpoint loads into it."""
     held = {"module": trainer.module, "model": trainer.model}
-    return {
+    by_hand = {
         name: obj for (name, obj), was in zip(held.items(), left, strict=True) if obj is not None and obj is not was
     }
+    model = by_hand.get("model")
+    if wrappers and "module" not in by_hand and isinstance(model, nn.Module):
+        if any(sub is trainer.module for sub in model.modules()):
+            del by_hand["model"]
+    return by_hand
 
 
 def refuse_models_set_by_hand(trainer: Any, by_hand: dict[str, Any], entry: str, built: Any = None) -> None:
@@ -139,6 +148,6 @@ def refuse_models_set_by_hand(trainer: Any, by_hand: dict[str, Any], entry: str,
         f"{entry}() of {type(trainer).__name__}: {held} {which}; the "
         "Trainer runs the model it builds from configure_model() (trainer.module, and trainer.model wrapping or "
         "compiling it) and loads checkpoints into it, so the one set would be dropped or evaluated apart from them. "
-        "Return it from configure_model() (a Trainer attribute of another name may hold it), or set both to None "
-        "for the next run to build its own"
+        "Return it from configure_model() (a Trainer attribute of another name may hold it; trainer.compile compiles "
+        "it), or set both to None for the next run to build its own"
     )

@@ -1540,7 +1540,7 @@ class Trainer:
         if self._running is None:
             self._follow_config()
         if self._running is None and self.module is not None:  # evaluates the model there: one set by hand is not
-            refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left), stage.name)
+            refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
         if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
             return self._run_stage(stage, ckpt)
         try:
