@@ -168,26 +168,37 @@ def test_a_fit_or_validate_from_another_thread_while_one_runs_is_refused_naming_
     trainer.validate()  # the run is over: its thread no longer holds the Trainer
 
 
-def test_another_trainers_run_in_another_thread_while_one_runs_is_refused_naming_it(tmp_path):
-    """Two Trainers fitting in two threads (a sweep's thread pool) shared torch's global generators: a seeded fit
-    drew other numbers than alone, and each one's end put the caller's generators back under the other's feet."""
-    trainer = _WaitsInFit(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
+def _fit_beside_a_waiting_fit(tmp_path, seeds: tuple[int | str, int | str], runs) -> None:
+    """``runs(other)`` in this thread while a _WaitsInFit fits in thread 'first' (``seeds``: theirs, other's)."""
+    trainer = _WaitsInFit(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": seeds[0]}))
     trainer.started, trainer.release = threading.Event(), threading.Event()
     first = threading.Thread(target=trainer.fit, name="first")
     first.start()
-    other = ToyTrainer(toy_cfg(tmp_path / "b", **QUIET, **{"trainer.max_steps": 1}))
+    other = ToyTrainer(toy_cfg(tmp_path / "b", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": seeds[1]}))
     try:
         assert trainer.started.wait(30)
-        refused = r"fit\(\) of _WaitsInFit is running in thread 'first' of this process.*'spawn'"
-        for call in (other.fit, other.validate):
-            with pytest.raises(UserCodeError, match=refused):
-                call()
+        runs(other)
     finally:
         trainer.release.set()
         first.join(30)
-    assert not (tmp_path / "b").exists()
-    other.fit()  # the first run is over
-    assert other.state.global_step == 1
+    assert trainer.state.global_step == 1
+
+
+def test_another_trainers_run_in_another_thread_while_one_runs_is_refused_naming_it_unless_neither_is_seeded(
+    tmp_path,
+):
+    """Two Trainers fitting in two threads (a sweep's thread pool) shared torch's global generators: a seeded fit
+    drew other numbers than alone, and each one's end put the caller's generators back under the other's feet."""
+    refused = r"fit\(\) of _WaitsInFit is running in thread 'first' of this process.*'spawn'.*trainer.seed=null"
+
+    def refuses(other):
+        for call in (other.fit, other.validate):
+            with pytest.raises(UserCodeError, match=refused):
+                call()
+
+    _fit_beside_a_waiting_fit(tmp_path / "seeded", (0, "null"), refuses)
+    assert not (tmp_path / "seeded" / "b").exists()
+    _fit_beside_a_waiting_fit(tmp_path / "unseeded", ("null", "null"), lambda other: other.fit())
 
 
 def test_a_fit_under_a_meta_default_device_names_that_setting(tmp_path):

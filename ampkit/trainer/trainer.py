@@ -983,7 +983,7 @@ class Trainer:
         check_instance_attributes(self, Trainer)
         if self._running is None:  # from a hook of a run, the run's settings stay
             self._follow_config()
-        if not self._claim("fit"):  # it would recurse until Python's stack runs out
+        if not self._claim("fit", seeded=self.settings.seed is not None):  # it would recurse until the stack ends
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
@@ -1021,7 +1021,7 @@ class Trainer:
                 discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean, failure)
 
-    def _claim(self, entry: str) -> bool:
+    def _claim(self, entry: str, seeded: bool) -> bool:
         """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
         the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
         the optimizers and the loop's state (and both passed the check before either marked itself), as is a run of
@@ -1033,7 +1033,7 @@ class Trainer:
                 self._running, self._running_in = entry, here
         if claimed:
             try:
-                enter_run(self, entry)  # another Trainer's run in another thread: refused, naming it
+                enter_run(self, entry, seeded)  # another Trainer's run in another thread: refused, naming it
             except UserCodeError:
                 self._running = None
                 raise
@@ -1541,7 +1541,8 @@ class Trainer:
             self._follow_config()
         if self._running is None and self.module is not None:  # evaluates the model there: one set by hand is not
             refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
-        if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
+        seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
+        if not self._claim(stage.name, seeds):  # from a hook of a running run: its process group stays its own
             return self._run_stage(stage, ckpt)
         try:
             self._start_distributed()
@@ -1550,7 +1551,6 @@ class Trainer:
             raise
         clean = False
         failure = None
-        seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
         try:
             with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt)
