@@ -156,6 +156,26 @@ def test_validate_and_test_return_what_their_end_hooks_logged_beside_the_means(t
     assert set(trainer.validate()) == {"mse", "val/rmse"}
 
 
+class _SeesValidationEndValues(Callback):
+    def __init__(self) -> None:
+        self.at_start: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer):
+        self.at_start.append(dict(trainer.validation_end_values))
+
+
+def test_a_second_fit_starts_without_the_values_the_first_fit_s_validation_logged(tmp_path):
+    """Each fit() is a run of its own: the first's logged values reached the second (its hparams, were it to end
+    before validating), where its means (val_metrics) did not."""
+    seen = _SeesValidationEndValues()
+    once = {"trainer.max_steps": 1, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+    trainer = LogsTheSetsValue(toy_cfg(tmp_path, **QUIET, **once), callbacks=[seen])
+    trainer.fit()
+    assert trainer.validation_end_values == {"val_auc": 0.75}
+    trainer.fit()
+    assert seen.at_start == [{}, {}]
+
+
 @pytest.mark.parametrize("container", [list, dict])
 def test_several_validation_loaders_are_refused_before_training_naming_how_to_combine_them(tmp_path, container):
     """Lightning runs each and suffixes its metrics with /dataloader_idx_N; here one loader of tagged batches does."""

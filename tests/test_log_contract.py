@@ -89,6 +89,10 @@ class _LogsInValidation(Callback):
     def __init__(self, hook: str, tag: str, **options) -> None:
         self.hook, self.tag, self.options = hook, tag, options
 
+    def on_validation_start(self, trainer):
+        if self.hook == "on_validation_start":
+            trainer.log(self.tag, 1.0, **self.options)
+
     def on_validation_batch_end(self, trainer, metrics, batch):
         if self.hook == "on_validation_batch_end":
             trainer.log(self.tag, 1.0, **self.options)
@@ -104,15 +108,21 @@ class _LogsInValidation(Callback):
         ("on_validation_end", "val/mse", {}, "log('val/mse') in on_validation_end: validation_step returns 'mse' "
          "(val/mse, its mean over the set), so one name would hold two values; log this one under a tag of its own"),
         ("on_validation_end", "mse", {}, "log('mse') in on_validation_end: validation_step returns 'mse'"),
-        ("on_validation_batch_end", "val/x", {"on_epoch": True}, "log('val/x', on_epoch=True) in "
-         "on_validation_batch_end: an epoch mean logged there would be one of the training epoch's; a value over the "
-         "evaluated set is one its step returns (averaged over the set) or one on_validation_end logs"),
+        ("on_validation_batch_end", "val/x", {}, "log('val/x') in on_validation_batch_end: each validation "
+         "batch's value would be written at one training step, the last batch's left (Lightning averages it over the "
+         "set): return it from validation_step (averaged over the set and written as val/<name>), or log the set's "
+         "value in on_validation_end"),
+        ("on_validation_batch_end", "val/x", {"on_epoch": True}, "log('val/x') in on_validation_batch_end"),
+        ("on_validation_start", "val/x", {"on_epoch": True}, "log('val/x', on_epoch=True) in on_validation_start: an "
+         "epoch mean logged there would be one of the training epoch's; a value over the evaluated set is one its "
+         "step returns (averaged over the set) or one on_validation_end logs"),
     ],
 )  # fmt: skip
 def test_a_validation_value_that_would_mix_with_another_is_refused_naming_the_hook(tmp_path, hook, tag, options,
                                                                                    message):  # fmt: skip
-    """A tag the step returns too would hold two values in what validate() returns and in TensorBoard; an epoch mean
-    logged per validation batch joined the training epoch's sums, written at its end as a training value."""
+    """A tag the step returns too would hold two values in what validate() returns and in TensorBoard. Logged per
+    validation batch, each batch's value overwrote the last at one training step (Lightning's default there is the
+    set's mean), and an on_epoch mean joined the training epoch's sums, written at its end as a training value."""
     trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_LogsInValidation(hook, tag, **options)])
     with pytest.raises(UserCodeError, match=re.escape(message)):
         trainer.validate()

@@ -219,15 +219,11 @@ _CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry po
 # Where log() gives the evaluated set's value, and the evaluation hooks before them, in which an on_epoch mean would
 # join the training epoch's: each names the hook that logs the set's value instead.
 _EVALUATION_ENDS = ("on_validation_end", "on_test_end")
-_EVALUATION_HOOKS = {
-    "on_validation_start": "on_validation_end",
-    "on_validation_batch_end": "on_validation_end",
-    "on_test_start": "on_test_end",
-}
+_EVALUATION_STARTS = {"on_validation_start": "on_validation_end", "on_test_start": "on_test_end"}
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
-    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
-    "Lightning's without sync_dist"
+    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), every value goes to TensorBoard "
+    "(no logger=False), and each value is this rank's, as Lightning's without sync_dist"
 )
 
 
@@ -780,11 +776,18 @@ class Trainer:
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
-        if on_epoch and self._fx in _EVALUATION_HOOKS:  # outside training, yet it would join training's epoch mean
+        if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
+            raise UserCodeError(
+                f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
+                "training step, the last batch's left (Lightning averages it over the set): return it from "
+                "validation_step (averaged over the set and written as val/<name>), or log the set's value in "
+                "on_validation_end"
+            )
+        if on_epoch and self._fx in _EVALUATION_STARTS:  # outside training, yet it would join training's epoch mean
             raise UserCodeError(
                 f"log('{tag}', on_epoch=True) in {self._fx}: an epoch mean logged there would be one of the training "
                 f"epoch's; a value over the evaluated set is one its step returns (averaged over the set) or one "
-                f"{_EVALUATION_HOOKS[self._fx]} logs"
+                f"{_EVALUATION_STARTS[self._fx]} logs"
             )
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
@@ -1086,6 +1089,7 @@ class Trainer:
         # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
         self.state = LoopState()
         self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
+        self.validation_end_values = {}  # an earlier fit's would reach this one's hparams before it validates
         self._resume = self._rng_after_fetch = None
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
