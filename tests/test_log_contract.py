@@ -128,6 +128,16 @@ def test_a_validation_value_that_would_mix_with_another_is_refused_naming_the_ho
         trainer.validate()
 
 
+def test_a_value_logged_by_the_sanity_validation_or_a_validate_before_the_fit_is_not_written(tmp_path):
+    """Both were written at step 0 (a validate()'s by the next fit's logger): the sanity pass's value of a few batches
+    of an untrained model beside the fit's own, which Lightning keeps from its loggers, as ampkit keeps its val/."""
+    trainer = LogsInValidationHooks(toy_cfg(tmp_path, **{**QUIET, "trainer.num_sanity_val_steps": 2}))
+    assert "val_custom/rmse" in trainer.validate()
+    trainer.fit()
+    validations = [step for step, _ in _scalars(trainer, "val/mse")]
+    assert [step for step, _ in _scalars(trainer, "val_custom/rmse")] == validations == [8]
+
+
 class LogsEveryKind(ToyTrainer):
     """The same number logged as a float, an int, and tensors of three dtypes, with on_step and on_epoch."""
 

@@ -824,7 +824,11 @@ class Trainer:
                 "so one name would hold two values; log this one under a tag of its own"
             )
         (self.validation_end_values if validation else self.test_end_values)[tag] = float(value)
-        self.logged_scalars.append((tag, value, self.event_iteration if step is None else step))
+        # Written for a fit's validations only, as their val/ metrics are: not the sanity pass's (a few batches of an
+        # untrained model, which Lightning keeps from its loggers too), nor a validate() or test() of their own, which
+        # no logger takes from (the next fit's would write it at its first step).
+        if self.state.stage == "fit":
+            self.logged_scalars.append((tag, value, self.event_iteration if step is None else step))
 
     def _fire_evaluation_end(self, hook: str, metrics: dict[str, float]) -> None:
         """Fire ``on_validation_end`` or ``on_test_end`` with the set's ``metrics``; what its hooks log replaces the
