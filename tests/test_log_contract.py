@@ -57,6 +57,9 @@ class LogsInValidationHooks(ToyTrainer):
     """A validation's own metric computed in on_validation_end, as Lightning's on_validation_epoch_end logs one (there
     its default is on_epoch=True, which a port may keep)."""
 
+    def on_validation_start(self):
+        self.log("val_custom/started", 1.0)
+
     def on_validation_end(self, metrics):
         self.log("val_custom/rmse", math.sqrt(metrics["mse"]))
         self.log("val_custom/twice", 2 * metrics["mse"], on_epoch=True)
@@ -130,12 +133,14 @@ def test_a_validation_value_that_would_mix_with_another_is_refused_naming_the_ho
 
 def test_a_value_logged_by_the_sanity_validation_or_a_validate_before_the_fit_is_not_written(tmp_path):
     """Both were written at step 0 (a validate()'s by the next fit's logger): the sanity pass's value of a few batches
-    of an untrained model beside the fit's own, which Lightning keeps from its loggers, as ampkit keeps its val/."""
+    of an untrained model beside the fit's own, which Lightning keeps from its loggers, as ampkit keeps its val/.
+    Whichever hook logged it: on_validation_start's too."""
     trainer = LogsInValidationHooks(toy_cfg(tmp_path, **{**QUIET, "trainer.num_sanity_val_steps": 2}))
     assert "val_custom/rmse" in trainer.validate()
     trainer.fit()
     validations = [step for step, _ in _scalars(trainer, "val/mse")]
     assert [step for step, _ in _scalars(trainer, "val_custom/rmse")] == validations == [8]
+    assert [step for step, _ in _scalars(trainer, "val_custom/started")] == validations
 
 
 class LogsEveryKind(ToyTrainer):

@@ -789,6 +789,8 @@ class Trainer:
                 f"epoch's; a value over the evaluated set is one its step returns (averaged over the set) or one "
                 f"{_EVALUATION_STARTS[self._fx]} logs"
             )
+        if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
+            return
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -826,7 +828,7 @@ class Trainer:
         (self.validation_end_values if validation else self.test_end_values)[tag] = float(value)
         # Written for a fit's validations only, as their val/ metrics are: not the sanity pass's (a few batches of an
         # untrained model, which Lightning keeps from its loggers too), nor a validate() or test() of their own, which
-        # no logger takes from (the next fit's would write it at its first step).
+        # no logger takes from (the next fit's would write it at its first step). So is every value log() gets.
         if self.state.stage == "fit":
             self.logged_scalars.append((tag, value, self.event_iteration if step is None else step))
 
