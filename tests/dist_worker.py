@@ -53,7 +53,7 @@ class RankScores(Plain):
 class RankValidationScores(RankScores):
     """Validates each epoch; its on_validation_end logs a val_auc of its own on each rank (an AUC over that rank's
     shard): rank 1's alone would stop a patience of 1 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau
-    (patience 0) steps on it."""
+    (patience 0) steps on it. A validate() after the fit logs one of its own on each rank too."""
 
     val_dataloader = Plain.val_dataloader
 
@@ -61,7 +61,8 @@ class RankValidationScores(RankScores):
         return Plain.training_step(self, batch)
 
     def on_validation_end(self, metrics):
-        self.log("val_auc", self.scores[RANK][self.state.epoch] if self.state.stage == "fit" else 0.0)
+        value = {"fit": lambda: self.scores[RANK][self.state.epoch], "validate": lambda: 10.0 + RANK}
+        self.log("val_auc", value.get(self.state.stage, lambda: 0.0)())
 
     def configure_optimizers(self):
         sgd = torch.optim.SGD(self.module.parameters(), lr=0.05)
@@ -692,6 +693,8 @@ def main(scenario: str, out: Path) -> None:
     if scenario in ("train_monitor", "val_end_monitor"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    if scenario == "val_end_monitor":
+        extra["validated"] = trainer.validate()
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

@@ -214,11 +214,13 @@ def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank
 def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_rank_zero_s_value(tmp_path):
     """Each rank's on_validation_end logs a value of its own: early stopping, best-k and a plateau scheduler read rank
     zero's on every rank, so the run stops where rank zero's values say (step 12), not where rank 1's would (8), and
-    every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not)."""
+    every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not); a validate()
+    after it returns rank zero's value on every rank too."""
     rank0, rank1 = _ok(launch("val_end_monitor", tmp_path, timeout=120))
     reason = "early stopping: val_auc did not improve on 0.2 for 1 validations"
     assert rank0["stopped"] == rank1["stopped"] == (12, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 2)
+    assert rank0["validated"]["val_auc"] == rank1["validated"]["val_auc"] == 10.0
     best = torch.load(Path(rank0["version_dir"]) / "checkpoints" / "best.pt", weights_only=True)
     assert best["loop"]["global_step"] == 8
 

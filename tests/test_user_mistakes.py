@@ -939,6 +939,8 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
         trainer.fit()
     with pytest.raises(AttributeError, match=r"no attribute 'trainer' \(Lightning's name; here it is self "):
         _ = trainer.trainer
+    with pytest.raises(AttributeError, match=r"'callback_metrics' \(Lightning's name; here it is self.val_metrics "):
+        _ = trainer.callback_metrics  # after fit, as a Lightning test reads the last metrics
     with pytest.raises(AttributeError, match=r"^'ReadsLightningsEpoch' object has no attribute 'epoch_count'$"):
         _ = trainer.epoch_count
     trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}

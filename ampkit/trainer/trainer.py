@@ -216,10 +216,14 @@ from ampkit.trainer.user_code import (
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry point at a time (Trainer._claim)
+# Where log() gives the evaluated set's value, and the evaluation hooks before them, in which an on_epoch mean would
+# join the training epoch's: each names the hook that logs the set's value instead.
+_EVALUATION_ENDS = ("on_validation_end", "on_test_end")
+_EVALUATION_STARTS = {"on_validation_start": "on_validation_end", "on_test_start": "on_test_end"}
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
-    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
-    "Lightning's without sync_dist"
+    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), every value goes to TensorBoard "
+    "(no logger=False), and each value is this rank's, as Lightning's without sync_dist"
 )
 
 
@@ -366,8 +370,11 @@ class Trainer:
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
-        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here.
+        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here, and
+        # validate() returns them beside its means, as on_test_end's (test_end_values) beside test()'s.
         self.validation_end_values: dict[str, float] = {}
+        self.test_end_values: dict[str, float] = {}
+        self._evaluated: Mapping[str, float] = {}  # the means of the evaluation whose end hook runs now (log() checks)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
@@ -744,7 +751,8 @@ class Trainer:
         the run's last, or ``always`` for events such as an overflow; outside a batch, e.g. in
         ``on_train_epoch_end``, always) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
-        ``_step`` and ``_epoch`` suffixes.
+        ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
+        (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
         if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
@@ -765,8 +773,24 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
-        if self._fx == "on_validation_end":  # an epoch metric computed there (AUC), as Lightning users log one
-            self.validation_end_values[tag] = float(value)
+        if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
+            self._log_evaluation_value(tag, value, step)
+            return
+        if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
+            raise UserCodeError(
+                f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
+                "training step, the last batch's left (Lightning averages it over the set): return it from "
+                "validation_step (averaged over the set and written as val/<name>), or log the set's value in "
+                "on_validation_end"
+            )
+        if on_epoch and self._fx in _EVALUATION_STARTS:  # outside training, yet it would join training's epoch mean
+            raise UserCodeError(
+                f"log('{tag}', on_epoch=True) in {self._fx}: an epoch mean logged there would be one of the training "
+                f"epoch's; a value over the evaluated set is one its step returns (averaged over the set) or one "
+                f"{_EVALUATION_STARTS[self._fx]} logs"
+            )
+        if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
+            return
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -787,6 +811,39 @@ class Trainer:
                 self._epoch_end_values[epoch_tag] = value
                 return
             self._add_to_epoch_sum(epoch_tag, value)
+
+    def _log_evaluation_value(self, tag: str, value: float | torch.Tensor, step: int | None) -> None:
+        """A value an ``on_validation_end``/``on_test_end`` hook logs: the evaluated set's, kept for monitors and for
+        what validate()/test() return (one per evaluation, so no ``_step``/``_epoch`` tags, whatever ``on_step`` and
+        ``on_epoch`` say) and written under ``tag`` at the evaluation's step."""
+        validation = self._fx == "on_validation_end"
+        prefix = "val/" if validation else "test/"
+        clash = tag if tag in self._evaluated else tag.removeprefix(prefix)
+        if clash in self._evaluated:
+            step_name = "validation_step" if validation else "test_step"
+            raise UserCodeError(
+                f"log('{tag}') in {self._fx}: {step_name} returns '{clash}' ({prefix}{clash}, its mean over the set), "
+                "so one name would hold two values; log this one under a tag of its own"
+            )
+        (self.validation_end_values if validation else self.test_end_values)[tag] = float(value)
+        # Written for a fit's validations only, as their val/ metrics are: not the sanity pass's (a few batches of an
+        # untrained model, which Lightning keeps from its loggers too), nor a validate() or test() of their own, which
+        # no logger takes from (the next fit's would write it at its first step). So is every value log() gets.
+        if self.state.stage == "fit":
+            self.logged_scalars.append((tag, value, self.event_iteration if step is None else step))
+
+    def _fire_evaluation_end(self, hook: str, metrics: dict[str, float]) -> None:
+        """Fire ``on_validation_end`` or ``on_test_end`` with the set's ``metrics``; what its hooks log replaces the
+        previous evaluation's values (``validation_end_values``, ``test_end_values``)."""
+        if hook == "on_validation_end":
+            self.validation_end_values = {}
+        else:
+            self.test_end_values = {}
+        self._evaluated = metrics
+        try:
+            self.fire(hook, dict(metrics))
+        finally:
+            self._evaluated = {}
 
     def _log_the_last_iteration(self) -> None:
         """Queue the on_step values of the run's last iteration that it was not due to log: a run that ends off the
@@ -1038,6 +1095,7 @@ class Trainer:
         # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
         self.state = LoopState()
         self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
+        self.validation_end_values = {}  # an earlier fit's would reach this one's hparams before it validates
         self._resume = self._rng_after_fetch = None
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
@@ -1450,8 +1508,8 @@ class Trainer:
             self.val_metrics = average_metrics(
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
-            self.val_metrics_step, self.validation_end_values = self.state.global_step, {}
-            self.fire("on_validation_end", dict(self.val_metrics))
+            self.val_metrics_step = self.state.global_step
+            self._fire_evaluation_end("on_validation_end", self.val_metrics)
         finally:
             self._batch = batch
         self._agree_stop()  # early stopping takes effect at once on every rank
@@ -1461,13 +1519,14 @@ class Trainer:
         """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
 
         ``ckpt``: ``"last"``, ``"best"`` (the newest under ``run_dir``), a path, or None for the current weights.
-        Runs under the configured precision and, under ``torchrun``, each rank on its shard.
+        Runs under the configured precision and, under ``torchrun``, each rank on its shard. Beside the means (keyed
+        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values.
         """
-        self.val_metrics = self._evaluate(VALIDATE, ckpt)
-        return dict(self.val_metrics)
+        return self._evaluate(VALIDATE, ckpt)
 
     def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
-        """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics (``ckpt`` as in validate)."""
+        """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics and what ``on_test_end``
+        hooks logged (``ckpt`` and the values as in validate)."""
         return self._evaluate(TEST, ckpt)
 
     def predict(
@@ -1552,10 +1611,15 @@ class Trainer:
             step = getattr(self, stage.step)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step)
+                self.fire("on_predict_end", result)
             else:
                 batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, batch_end_hook=batch_end)
-            self.fire(f"on_{stage.hook}_end", result)
+                if stage is VALIDATE:
+                    self.val_metrics = result
+                self._fire_evaluation_end(f"on_{stage.hook}_end", result)
+                logged = self.validation_end_values if stage is VALIDATE else self.test_end_values
+                result = {**result, **broadcast_object(logged, self.dist)}  # rank zero's, as monitors read them
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             if self._running == stage.name:  # from a hook, the outer run fires it, once, as the error unwinds it
                 self._explain(exc)
