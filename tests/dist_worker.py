@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -450,6 +453,38 @@ class GradSpy(ampkit.Callback):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
 
 
+def node_local_resumes(out: Path, base: dict) -> dict:
+    """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
+    of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
+    checkpoint at last.pt's path, and a copy of rank 0's; last, a resume rank 0 refuses (a live run holds the lock)."""
+    here = out / f"node{RANK}"
+    here.mkdir()
+    os.chdir(here)
+    checkpoints = Path("run/version_0/checkpoints")
+    trained = {**base["trainer"], "max_steps": 4, "max_epochs": 10}
+    cfg = {**base, "run_dir": "run", "checkpoint": {"every_n_steps": 2, "keep_last": 50, "every_n_epochs": 0},
+           "distributed": {"timeout_s": 20}, "trainer": trained}  # fmt: skip
+    Plain(cfg).fit()
+    node0 = out / "node0" / checkpoints
+    outcomes = {}
+    for case, max_steps, copied in [("none", 6, None), ("older", 6, "step-00000002.pt"), ("copied", 6, "last.pt"),
+                                    ("locked", 8, "last.pt")]:  # fmt: skip
+        if RANK == 1 and copied is not None:
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(node0 / copied, checkpoints / "last.pt")
+        if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
+            lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
+            (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
+        trainer = Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}})
+        start = time.monotonic()
+        try:
+            trainer.fit(resume="last")
+            outcomes[case] = ("trained", trainer.state.global_step, trainer.module.state_dict())
+        except Exception as exc:
+            outcomes[case] = (type(exc).__name__, str(exc), time.monotonic() - start)
+    return {"outcomes": outcomes}
+
+
 def main(scenario: str, out: Path) -> None:
     # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).
     cpu = {"progress_bar": False, "device": "cpu", "skip_verdict": SKIP_VERDICT}
@@ -671,6 +706,9 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
                "distributed": {"timeout_s": 60}}  # fmt: skip
         trainer = StepFailsOnRank1(cfg)
+    elif scenario == "node_local":
+        torch.save(node_local_resumes(out, base), out / f"rank{RANK}.pt")
+        return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)

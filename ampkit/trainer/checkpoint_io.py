@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import io
 import os
 import pickle
@@ -248,6 +249,29 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
     except Exception:  # whatever the unpickler meets in foreign bytes
         return None
     return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def file_fingerprint(path: str | os.PathLike) -> str | None:
+    """A digest telling checkpoint file ``path`` from any other, read without its tensors: the names, sizes and
+    CRC-32s of the records of torch's zip archive, the pickle that holds every value but the tensors, and each small
+    record (``.data/serialization_id``, unique to each save). A copy of the file has the same one. None when no file
+    can be read there."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for record in archive.infolist():
+                name = record.filename.partition("/")[2]  # the archive's folder is named after nothing that matters
+                digest.update(f"{name}:{record.file_size}:{record.CRC}\n".encode())
+                if name == "data.pkl" or record.file_size <= 4096:
+                    digest.update(archive.read(record))
+    except zipfile.BadZipFile:  # the legacy format, or a damaged file: every byte
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            return None
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 # What torch.load(weights_only=True) rebuilds without naming code: these exact types, tensors, and the classes torch

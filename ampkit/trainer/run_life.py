@@ -20,6 +20,8 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
     deletes a file of another lineage.
 
+* Under ``torchrun`` rank zero alone looks at ``run_dir`` and decides the above for every rank; a rank that does not
+  see the checkpoint it chose at that path (a node-local disk) stops every rank (``agreed_start``).
 * A file with no write permission (``chmod a-w``, by mode: root too) is the user's to keep: nothing deletes or
   replaces it (``checkpoint_io.write_protected``). Pruning passes over it, uncounted, with one warning.
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``

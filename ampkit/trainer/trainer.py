@@ -52,6 +52,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -72,6 +73,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
+from ampkit.trainer.agreed_start import agreed_fit_start
 from ampkit.trainer.batch_counts import batch_limit, checked_count
 from ampkit.trainer.batch_layout import (
     batch_layout,
@@ -103,6 +105,7 @@ from ampkit.trainer.distributed import (
     check_equal_batches,
     check_same_config,
     counted_batches,
+    decided_by_rank_zero,
     diagnose_failure,
     distributed_loader,
     evaluation_loader,
@@ -1042,7 +1045,9 @@ class Trainer:
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
-        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
+        # Rank zero decides for every rank, from its own look at run_dir (a node-local one differs between nodes).
+        plan = partial(self._plan_fit, resume)
+        self.fit_start = agreed_fit_start(plan, self.dist, str(self.cfg.run_dir))
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
         if self.fit_start.finished:
@@ -1079,6 +1084,10 @@ class Trainer:
             raise
         finally:
             self._fire_every_one("on_fit_end", failure=failure)
+
+    def _plan_fit(self, resume: str | os.PathLike | None) -> FitStart:
+        """:func:`plan_fit` from this process's own look at ``run_dir`` (rank zero's, under torchrun)."""
+        return plan_fit(self.cfg.run_dir, resume, resolve_checkpoint(self.cfg.run_dir, resume), self.cfg)
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
@@ -1724,12 +1733,18 @@ class Trainer:
             for spec in self._specs:
                 steps = self.optimizer_state[spec.optimizer].steps
                 refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
+        # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
+        # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
         self.version_dir = None
-        if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
-            self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        version_dir = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
+        self.version_dir = version_dir if self.is_global_zero or self.sharded else None
         if self.sharded:  # every rank writes its shards into the checkpoint directory
-            self.version_dir = broadcast_object(self.version_dir, self.dist)
             self._check_shards_writable()
+
+    def _open_version_dir(self, start: FitStart) -> Path:
+        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory)."""
+        self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        return self.version_dir
 
     def _check_shards_writable(self) -> None:
         """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
