@@ -234,7 +234,7 @@ def _unpickler_detail(exc: pickle.UnpicklingError) -> tuple[bool, str]:
 _TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """``Type: first sentence of the message`` (torch appends paragraphs of advice to a corrupt archive's)."""
     text = " ".join(str(exc).split())
     first = text.split(". ", 1)[0].rstrip(".")
@@ -374,9 +374,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"which could run code ({detail}). ampkit loads checkpoints with weights_only=True."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {describe(exc)}") from None
     except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {describe(exc)}") from None
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(
             f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "
