@@ -108,16 +108,18 @@ def write_errors_surfaced(file: IO, path: str | os.PathLike) -> Iterator[IO]:
 PROTECTED = "write-protected (no write permission): ampkit never deletes or replaces it"
 
 
-def write_protected(path: str | os.PathLike) -> bool:
-    """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or any file
-    directly in it, with no write permission for anyone. Read from the mode, not ``os.access``: root may write
-    anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads.
-    Never under a umask that takes every write permission away (``umask 0277``): then every file ampkit writes
-    looks so, and none can be told to be the user's."""
+def write_protected(path: str | os.PathLike, contents: bool = True) -> bool:
+    """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or, with
+    ``contents``, any file directly in it, with no write permission for anyone. Read from the mode, not
+    ``os.access``: root may write anything, yet a ``chmod a-w`` is a request to keep the file all the same. A
+    symlink is read where it leads. Never under a umask that takes every write permission away (``umask 0277``):
+    then every file and folder ampkit writes looks so, and none can be told to be the user's."""
     try:
         mode = Path(path).stat().st_mode
         read_only = not mode & 0o222 or (
-            stat.S_ISDIR(mode) and any(not e.stat().st_mode & 0o222 for e in os.scandir(path) if e.is_file())
+            contents
+            and stat.S_ISDIR(mode)
+            and any(not e.stat().st_mode & 0o222 for e in os.scandir(path) if e.is_file())
         )
     except OSError:  # gone, or unreadable: nothing there to keep
         return False

@@ -481,16 +481,8 @@ def _unwritable(version_dir: Path) -> Path | None:
     """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write, or that was made
     read-only to keep it (an archived run; ``chmod a-w checkpoints``, which root could write through), or None: a
     resume of its last checkpoint branches then, rather than training on to fail at its first save."""
-    folders = (version_dir, version_dir / "checkpoints")
-    return next((d for d in folders if not os.access(d, os.W_OK | os.X_OK) or _mode_read_only(d)), None)
-
-
-def _mode_read_only(directory: Path) -> bool:
-    """Whether ``directory`` itself has no write permission for anyone (what it holds is not read)."""
-    try:
-        return not directory.stat().st_mode & 0o222
-    except OSError:
-        return False
+    folders = (version_dir, version_dir / "checkpoints")  # a protected checkpoint in one is not the folder's mode
+    return next((d for d in folders if not os.access(d, os.W_OK | os.X_OK) or write_protected(d, contents=False)), None)
 
 
 def _protected_alias(version_dir: Path) -> Path | None:
