@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
 from ampkit.callbacks import EarlyStopping, MaxTime
+from ampkit.callbacks import checkpoint as checkpoint_module
 
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
@@ -453,10 +455,11 @@ class GradSpy(ampkit.Callback):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
 
 
-def node_local_resumes(out: Path, base: dict) -> dict:
+def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
-    checkpoint at last.pt's path, and a copy of rank 0's; last, a resume rank 0 refuses (a live run holds the lock)."""
+    checkpoint at last.pt's path, and a copy of rank 0's; then a resume rank 0 refuses (a live run holds the lock), and
+    a fresh run whose first save fails on rank 0 (its disk is full), the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -475,14 +478,26 @@ def node_local_resumes(out: Path, base: dict) -> dict:
         if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
-        trainer = Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}})
-        start = time.monotonic()
-        try:
-            trainer.fit(resume="last")
-            outcomes[case] = ("trained", trainer.state.global_step, trainer.module.state_dict())
-        except Exception as exc:
-            outcomes[case] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        outcomes[case] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}}), resume="last")
+    if RANK == 0:
+        checkpoint_module.save_atomic = _disk_full
+    outcomes["disk_full"] = _outcome(Plain(cfg))
     return {"outcomes": outcomes}
+
+
+def _disk_full(obj, path: Path) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _outcome(trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None) -> tuple:
+    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``), or the error's type and
+    message and the seconds it took to come."""
+    start = time.monotonic()
+    try:
+        trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "trained", trainer.state.global_step, trainer.module.state_dict()
 
 
 def main(scenario: str, out: Path) -> None:
@@ -706,8 +721,8 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
                "distributed": {"timeout_s": 60}}  # fmt: skip
         trainer = StepFailsOnRank1(cfg)
-    elif scenario == "node_local":
-        torch.save(node_local_resumes(out, base), out / f"rank{RANK}.pt")
+    elif scenario == "rank_zero_decides":
+        torch.save(rank_zero_decides(out, base), out / f"rank{RANK}.pt")
         return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}

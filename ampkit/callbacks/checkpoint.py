@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
-from ampkit.trainer.distributed import broadcast_object
+from ampkit.trainer.distributed import broadcast_object, decided_by_rank_zero
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
@@ -279,8 +280,13 @@ class ModelCheckpoint(KeyedByMonitor):
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
-        if not trainer.is_global_zero:
-            return None
+        # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
+        # training on into a collective rank zero never joins.
+        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
+        return path if trainer.is_global_zero else None
+
+    def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
+        """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / filename
         try:
