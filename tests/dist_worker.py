@@ -458,8 +458,9 @@ class GradSpy(ampkit.Callback):
 def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
-    checkpoint at last.pt's path, and a copy of rank 0's; then a resume rank 0 refuses (a live run holds the lock), and
-    a fresh run whose first save fails on rank 0 (its disk is full), the one rank that writes."""
+    checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
+    rank 0 refuses (a live run holds the lock), and a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -469,7 +470,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
            "distributed": {"timeout_s": 20}, "trainer": trained}  # fmt: skip
     Plain(cfg).fit()
     node0 = out / "node0" / checkpoints
-    outcomes = {}
+    outcomes = {"validate": _outcome(Plain(cfg), validate="last")}
     for case, max_steps, copied in [("none", 6, None), ("older", 6, "step-00000002.pt"), ("copied", 6, "last.pt"),
                                     ("locked", 8, "last.pt")]:  # fmt: skip
         if RANK == 1 and copied is not None:

@@ -686,3 +686,4 @@ def test_what_each_node_sees_at_a_checkpoints_path_tells_a_copy_from_another_che
     assert difference(view_of(node1), zeros) == "has shard file(s) __1_0.distcp of other sizes"
     (node1 / "__1_0.distcp").unlink()
     assert difference(view_of(node1), zeros) == "lacks its shard file(s) __1_0.distcp"
+    assert difference(view_of(tmp_path / "node2"), zeros) == "has no checkpoint there"

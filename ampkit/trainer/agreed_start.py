@@ -7,7 +7,8 @@ its own disk, where rank zero's node holds the checkpoints and another node none
 different checkpoints would train on from different steps, and ranks that disagreed on continue or branch would write
 to two version directories. So rank zero plans, and a rank that does not see rank zero's checkpoint (no file there,
 another one, a sharded checkpoint without some of its shard files) stops every rank before anything is trained or
-written, naming the ranks and their hosts: a resume needs the checkpoint on every node.
+written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test and predict
+with a checkpoint are checked alike (:func:`agreed_checkpoint`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ampkit.trainer.checkpoint_io import CheckpointError, file_fingerprint
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
@@ -51,12 +53,14 @@ def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
     """How this process's view of a checkpoint differs from rank zero's (``zeros``), or None where it is the same."""
     if mine.fingerprint == zeros.fingerprint:
         return None
+    if mine.fingerprint is None and not mine.shards:
+        return "has no checkpoint there"
     if lacking := sorted(zeros.shards.keys() - mine.shards.keys()):
         return f"lacks its shard file(s) {', '.join(lacking)}"
-    if mine.fingerprint is None:
-        return "has no checkpoint there"
     if resized := sorted(n for n, size in mine.shards.items() if zeros.shards.get(n, size) != size):
         return f"has shard file(s) {', '.join(resized)} of other sizes"
+    if mine.fingerprint is None:
+        return f"lacks its {TRAINER_FILE} or .metadata"
     return f"has another checkpoint there ({_position(mine.loop)})"
 
 
@@ -78,22 +82,50 @@ def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir:
         return replace(planned[0], checkpoint=None), view_of(path) if path is not None else None  # no tensors sent
 
     start, zeros = decided_by_rank_zero(rank_zeros, env)
+    if planned:
+        start = planned[0]
     if zeros is None or start.finished:  # nothing to load: a finished run trains nothing
-        return planned[0] if planned else start
-    path, problem = start.checkpoint_path, None
+        return start
+    checkpoint = _same_on_every_rank(start.checkpoint_path, zeros, env, run_dir, "resuming", load=not zeros.shards)
+    return start if checkpoint is None else replace(start, checkpoint=checkpoint)
+
+
+def agreed_checkpoint(resolve: Callable[[], Path | None], env: DistributedEnv, run_dir: str, what: str) -> Path | None:
+    """``resolve()`` (a checkpoint's path from ``last``/``best`` or a path given) on rank zero, its value and its
+    errors on every rank, once every rank has found the checkpoint there the same file as rank zero's (each reads it:
+    validate, test, predict). ``what``: what reads it, for the message (``validate: loading``)."""
+    if not env.enabled:
+        return resolve()
+
+    def rank_zeros() -> tuple[Path | None, CheckpointView | None]:
+        path = resolve()
+        return path, view_of(path) if path is not None else None
+
+    path, zeros = decided_by_rank_zero(rank_zeros, env)
+    if path is not None:
+        _same_on_every_rank(path, zeros, env, run_dir, what, load=False)
+    return path
+
+
+def _same_on_every_rank(
+    path: Path, zeros: CheckpointView, env: DistributedEnv, run_dir: str, what: str, load: bool
+) -> dict[str, Any] | None:
+    """Refuse on every rank, naming each rank (and its host) that sees another file at ``path`` than rank zero's
+    (``zeros``), or cannot ``load`` it; the checkpoint loaded on this rank (not rank zero), or None."""
+    checkpoint, problem = None, None
     if env.rank != 0:
         problem = difference(view_of(path), zeros)
-        if problem is None and not zeros.shards:  # a checkpoint file: its whole state, here as on rank zero
+        if problem is None and load:
             try:
-                start = replace(start, checkpoint=load_with_fallback_hint(path))
+                checkpoint = load_with_fallback_hint(path)
             except CheckpointError as exc:
                 problem = f"cannot load it: {exc}"
     found = gather_object((socket.gethostname(), problem), env)
-    if seen := [f"rank {rank} (host {host}) {what}" for rank, (host, what) in enumerate(found) if what]:
+    if seen := [f"rank {rank} (host {host}) {said}" for rank, (host, said) in enumerate(found) if said]:
         raise CheckpointError(
-            f"resuming '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. Every rank loads the "
-            f"checkpoint it resumes, so run_dir '{run_dir}' (and a checkpoint resumed by its path) must be on a "
-            "file system every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or copy the "
-            "checkpoint to that path on every node. Nothing was trained or written"
+            f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. Every rank reads that "
+            f"checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) must be on a file system "
+            "every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or copy the checkpoint to "
+            "that path on every node. Nothing was trained or written"
         )
-    return planned[0] if planned else start
+    return checkpoint

@@ -73,7 +73,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
-from ampkit.trainer.agreed_start import agreed_fit_start
+from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
 from ampkit.trainer.batch_counts import batch_limit, checked_count
 from ampkit.trainer.batch_layout import (
     batch_layout,
@@ -1535,7 +1535,10 @@ class Trainer:
             raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        path = self._resolve_checkpoint(ckpt)
+        path = None
+        if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
+            resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
+            path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
         if ckpt is not None and path is None:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
@@ -2113,13 +2116,6 @@ class Trainer:
             saved = checkpoint or peek_checkpoint(path / TRAINER_FILE) or {}  # a sharded one keeps it in trainer.pt
             detail = misfit_detail(exc, saved.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
-
-    def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
-        """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
-        if ckpt is not None and str(ckpt) in ("last", "best"):  # rank zero decides: every rank loads one file
-            found = resolve_checkpoint(self.cfg.run_dir, ckpt) if self.is_global_zero else None
-            return broadcast_object(found, self.dist)
-        return resolve_checkpoint(self.cfg.run_dir, ckpt)
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
