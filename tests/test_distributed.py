@@ -675,7 +675,7 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     diverged. Rank zero now decides, and every rank refuses with one line naming the rank, its host and the fix (a
     validate too); a copy of rank 0's checkpoint on rank 1's disk resumes. A resume rank 0 refuses (a live run holds
     the lock) and a save that fails on rank 0 (a full disk) stop rank 1 with the same error at once, not in a later
-    collective with another (a DistributedError, exit status 1 where rank 0's is 2; under NCCL a wait for
+    collective with another (a DistributedError, exit status 1 where rank 0's is 2; under NCCL maybe a wait for
     distributed.timeout_s)."""
     outcomes = [r["outcomes"] for r in _ok(launch("rank_zero_decides", tmp_path))]
     host = socket.gethostname()

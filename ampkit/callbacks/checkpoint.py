@@ -263,8 +263,8 @@ class ModelCheckpoint(KeyedByMonitor):
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
-        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Saving is no
-        training: the throughput windows leave its time out."""
+        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Every rank calls
+        it: rank zero's failure stops them all. Saving is no training: the throughput windows leave its time out."""
         with trainer.paused():
             return self._save(trainer, filename, best)
 

@@ -201,7 +201,8 @@ def broadcast_object(value: Any, env: DistributedEnv | None = None) -> Any:
 def decided_by_rank_zero(decide: Callable[[], T], env: DistributedEnv) -> T:
     """``decide()``, run on rank zero only, and its value (which must pickle) on every rank; where it raises, every
     rank raises that error (its type and message), so that no rank trains on into a collective rank zero never joins,
-    to fail there with another error (or, under NCCL, to wait until ``distributed.timeout_s``)."""
+    to fail there with another error (or, under NCCL, which may not notice a peer that left, to wait there until
+    ``distributed.timeout_s``)."""
     if not env.enabled:
         return decide()
     outcome = None
