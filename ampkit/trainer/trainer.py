@@ -52,6 +52,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -72,6 +73,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
+from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
 from ampkit.trainer.batch_counts import batch_limit, checked_count
 from ampkit.trainer.batch_layout import (
     batch_layout,
@@ -103,6 +105,7 @@ from ampkit.trainer.distributed import (
     check_equal_batches,
     check_same_config,
     counted_batches,
+    decided_by_rank_zero,
     diagnose_failure,
     distributed_loader,
     evaluation_loader,
@@ -1100,7 +1103,9 @@ class Trainer:
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
-        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
+        # Rank zero decides for every rank, from its own look at run_dir (a node-local one differs between nodes).
+        plan = partial(self._plan_fit, resume)
+        self.fit_start = agreed_fit_start(plan, self.dist, str(self.cfg.run_dir))
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
         if self.fit_start.finished:
@@ -1137,6 +1142,10 @@ class Trainer:
             raise
         finally:
             self._fire_every_one("on_fit_end", failure=failure)
+
+    def _plan_fit(self, resume: str | os.PathLike | None) -> FitStart:
+        """:func:`plan_fit` from this process's own look at ``run_dir`` (rank zero's, under torchrun)."""
+        return plan_fit(self.cfg.run_dir, resume, resolve_checkpoint(self.cfg.run_dir, resume), self.cfg)
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
@@ -1585,7 +1594,10 @@ class Trainer:
             raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        path = self._resolve_checkpoint(ckpt)
+        path = None
+        if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
+            resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
+            path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
         if ckpt is not None and path is None:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
@@ -1788,12 +1800,18 @@ class Trainer:
             for spec in self._specs:
                 steps = self.optimizer_state[spec.optimizer].steps
                 refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
+        # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
+        # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
         self.version_dir = None
-        if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
-            self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        version_dir = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
+        self.version_dir = version_dir if self.is_global_zero or self.sharded else None
         if self.sharded:  # every rank writes its shards into the checkpoint directory
-            self.version_dir = broadcast_object(self.version_dir, self.dist)
             self._check_shards_writable()
+
+    def _open_version_dir(self, start: FitStart) -> Path:
+        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory)."""
+        self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        return self.version_dir
 
     def _check_shards_writable(self) -> None:
         """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
@@ -2162,13 +2180,6 @@ class Trainer:
             saved = checkpoint or peek_checkpoint(path / TRAINER_FILE) or {}  # a sharded one keeps it in trainer.pt
             detail = misfit_detail(exc, saved.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
-
-    def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
-        """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
-        if ckpt is not None and str(ckpt) in ("last", "best"):  # rank zero decides: every rank loads one file
-            found = resolve_checkpoint(self.cfg.run_dir, ckpt) if self.is_global_zero else None
-            return broadcast_object(found, self.dist)
-        return resolve_checkpoint(self.cfg.run_dir, ckpt)
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:
