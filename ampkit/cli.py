@@ -14,6 +14,7 @@ import contextlib
 import shlex
 import signal
 import sys
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -138,8 +139,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
-def _metrics(prefix: str, metrics: dict[str, float]) -> str:
-    return ", ".join(f"{prefix}/{k}={v:.4f}" for k, v in metrics.items())
+def _metrics(prefix: str, metrics: dict[str, float], logged: Container[str] = ()) -> str:
+    """``metrics`` as ``val/acc=0.9300, ...``: a step's means under ``prefix``, a tag its end hooks ``logged`` as is."""
+    return ", ".join(f"{k if k in logged else f'{prefix}/{k}'}={v:.4f}" for k, v in metrics.items())
 
 
 def _resume_hint(cfg: Any) -> str:
@@ -224,7 +226,9 @@ def _run(args: argparse.Namespace) -> int:
             where = written if trainer.world_size == 1 else f"one file per rank beside {written}"
             print(f"ampkit: predictions of {batches} saved to {where}")
     else:
-        print(f"ampkit: {args.command}: {_metrics('val' if args.command == 'validate' else 'test', metrics)}")
+        validate = args.command == "validate"
+        logged = trainer.validation_end_values if validate else trainer.test_end_values
+        print(f"ampkit: {args.command}: {_metrics('val' if validate else 'test', metrics, logged)}")
     return 0
 
 

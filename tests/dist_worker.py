@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -16,6 +20,7 @@ from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
 from ampkit.callbacks import EarlyStopping, MaxTime
+from ampkit.callbacks import checkpoint as checkpoint_module
 
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
@@ -53,7 +58,7 @@ class RankScores(Plain):
 class RankValidationScores(RankScores):
     """Validates each epoch; its on_validation_end logs a val_auc of its own on each rank (an AUC over that rank's
     shard): rank 1's alone would stop a patience of 1 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau
-    (patience 0) steps on it."""
+    (patience 0) steps on it. A validate() after the fit logs one of its own on each rank too."""
 
     val_dataloader = Plain.val_dataloader
 
@@ -61,7 +66,8 @@ class RankValidationScores(RankScores):
         return Plain.training_step(self, batch)
 
     def on_validation_end(self, metrics):
-        self.log("val_auc", self.scores[RANK][self.state.epoch] if self.state.stage == "fit" else 0.0)
+        value = {"fit": lambda: self.scores[RANK][self.state.epoch], "validate": lambda: 10.0 + RANK}
+        self.log("val_auc", value.get(self.state.stage, lambda: 0.0)())
 
     def configure_optimizers(self):
         sgd = torch.optim.SGD(self.module.parameters(), lr=0.05)
@@ -450,6 +456,52 @@ class GradSpy(ampkit.Callback):
         self.grads = {n: p.grad.clone() for n, p in trainer.module.named_parameters()}
 
 
+def rank_zero_decides(out: Path, base: dict) -> dict:
+    """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
+    of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
+    checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
+    rank 0 refuses (a live run holds the lock), and a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes."""
+    here = out / f"node{RANK}"
+    here.mkdir()
+    os.chdir(here)
+    checkpoints = Path("run/version_0/checkpoints")
+    trained = {**base["trainer"], "max_steps": 4, "max_epochs": 10}
+    cfg = {**base, "run_dir": "run", "checkpoint": {"every_n_steps": 2, "keep_last": 50, "every_n_epochs": 0},
+           "distributed": {"timeout_s": 20}, "trainer": trained}  # fmt: skip
+    Plain(cfg).fit()
+    node0 = out / "node0" / checkpoints
+    outcomes = {"validate": _outcome(Plain(cfg), validate="last")}
+    for case, max_steps, copied in [("none", 6, None), ("older", 6, "step-00000002.pt"), ("copied", 6, "last.pt"),
+                                    ("locked", 8, "last.pt")]:  # fmt: skip
+        if RANK == 1 and copied is not None:
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(node0 / copied, checkpoints / "last.pt")
+        if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
+            lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
+            (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
+        outcomes[case] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}}), resume="last")
+    if RANK == 0:
+        checkpoint_module.save_atomic = _disk_full
+    outcomes["disk_full"] = _outcome(Plain(cfg))
+    return {"outcomes": outcomes}
+
+
+def _disk_full(obj, path: Path) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _outcome(trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None) -> tuple:
+    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``), or the error's type and
+    message and the seconds it took to come."""
+    start = time.monotonic()
+    try:
+        trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "trained", trainer.state.global_step, trainer.module.state_dict()
+
+
 def main(scenario: str, out: Path) -> None:
     # CPU processes and gloo, also on a machine with a GPU (two ranks cannot share one GPU under NCCL).
     cpu = {"progress_bar": False, "device": "cpu", "skip_verdict": SKIP_VERDICT}
@@ -671,6 +723,9 @@ def main(scenario: str, out: Path) -> None:
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 8},
                "distributed": {"timeout_s": 60}}  # fmt: skip
         trainer = StepFailsOnRank1(cfg)
+    elif scenario == "rank_zero_decides":
+        torch.save(rank_zero_decides(out, base), out / f"rank{RANK}.pt")
+        return
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)
@@ -692,6 +747,8 @@ def main(scenario: str, out: Path) -> None:
     if scenario in ("train_monitor", "val_end_monitor"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
+    if scenario == "val_end_monitor":
+        extra["validated"] = trainer.validate()
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,
                 "version_dir": str(trainer.version_dir), **extra}, out / f"rank{RANK}.pt")  # fmt: skip
 

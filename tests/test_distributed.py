@@ -214,11 +214,13 @@ def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank
 def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_rank_zero_s_value(tmp_path):
     """Each rank's on_validation_end logs a value of its own: early stopping, best-k and a plateau scheduler read rank
     zero's on every rank, so the run stops where rank zero's values say (step 12), not where rank 1's would (8), and
-    every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not)."""
+    every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not); a validate()
+    after it returns rank zero's value on every rank too."""
     rank0, rank1 = _ok(launch("val_end_monitor", tmp_path, timeout=120))
     reason = "early stopping: val_auc did not improve on 0.2 for 1 validations"
     assert rank0["stopped"] == rank1["stopped"] == (12, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 2)
+    assert rank0["validated"]["val_auc"] == rank1["validated"]["val_auc"] == 10.0
     best = torch.load(Path(rank0["version_dir"]) / "checkpoints" / "best.pt", weights_only=True)
     assert best["loop"]["global_step"] == 8
 
@@ -667,6 +669,35 @@ def test_an_fsdp_run_dir_that_rank_1_cannot_write_fails_on_every_rank_before_tra
         assert "on rank 1 it is not writable there" in result.stderr, result.stderr[-2000:]
         assert torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)["global_step"] == 0
     assert not (tmp_path / "run" / "version_0").exists()  # made for a run that never trained: removed again
+
+
+def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank_does_at_once(tmp_path):
+    """Each rank looked at run_dir itself: where rank 1's node-local disk held no checkpoint, rank 1 alone failed;
+    where it held an older one at last.pt's path, rank 1 resumed that one (step 2, rank 0 step 4) and the ranks
+    diverged. Rank zero now decides, and every rank refuses with one line naming the rank, its host and the fix (a
+    validate too); a copy of rank 0's checkpoint on rank 1's disk resumes. A resume rank 0 refuses (a live run holds
+    the lock) and a save that fails on rank 0 (a full disk) stop rank 1 with the same error at once, not in a later
+    collective with another (a DistributedError, exit status 1 where rank 0's is 2; under NCCL maybe a wait for
+    distributed.timeout_s)."""
+    outcomes = [r["outcomes"] for r in _ok(launch("rank_zero_decides", tmp_path))]
+    host = socket.gethostname()
+    cases = [("none", "resuming", "no checkpoint there"), ("validate", "validate: loading", "no checkpoint there"),
+             ("older", "resuming", "another checkpoint there (epoch 0, step 2)")]  # fmt: skip
+    for case, doing, seen in cases:
+        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        kind, message, _ = outcomes[0][case]
+        assert kind == "CheckpointError"
+        assert message.startswith(f"{doing} 'run/version_0/checkpoints/last.pt' (epoch 1, step 4 on rank 0): rank 1 ")
+        assert f"rank 1 (host {host}) has {seen}. Every rank reads" in message
+        assert "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk" in message
+    (_, step0, model0), (_, step1, model1) = outcomes[0]["copied"], outcomes[1]["copied"]
+    assert step0 == step1 == 6
+    _equal(model0, model1)
+    full, locked = "step-00000002.pt' (No space left on device)", "is in use by pid"
+    for case, kind, said in [("locked", "RunDirectoryError", locked), ("disk_full", "CheckpointError", full)]:
+        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]
+        assert outcomes[1][case][2] < 5
 
 
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):

@@ -1,9 +1,9 @@
 """The evaluation loop keeps the contract Lightning users know: the steps run in eval mode without autograd and hand
 the model back in train mode; validation leaves BatchNorm's statistics as training left them; a set's mean weighs
-a short last batch by its size; ``validate``/``test`` return one plain dict of the set's means (Lightning returns a
-list of one dict per dataloader) and ``predict`` a list of per-batch outputs; several validation loaders are refused
-naming how to combine them. (Each submodule's own mode kept, ``samples_in``, empty batches:
-test_evaluate.py.)"""
+a short last batch by its size; ``validate``/``test`` return one plain dict of the set's means and of what their end
+hooks logged (Lightning returns a list of one dict per dataloader) and ``predict`` a list of per-batch outputs;
+several validation loaders are refused naming how to combine them. (Each submodule's own mode kept, ``samples_in``,
+empty batches: test_evaluate.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
+from ampkit import Callback
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False,
@@ -120,6 +121,59 @@ def test_validate_and_test_return_one_dict_of_means_and_predict_a_list_of_batch_
     predictions = trainer.predict()
     assert [p.shape for p in predictions] == [(8, 1)] * 3  # 24 samples in batches of 8, on the CPU, detached
     assert not any(p.requires_grad for p in predictions)
+
+
+class LogsTheSetsValue(Observed):
+    """Lightning's on_validation_epoch_end/on_test_epoch_end pattern: a value over the whole set, logged at its end."""
+
+    logs_auc = True
+
+    def on_validation_end(self, metrics):
+        if self.logs_auc:
+            self.log("val_auc", 0.75, on_epoch=True)
+
+    def on_test_end(self, metrics):
+        self.log("test/auc", torch.tensor(0.25))
+
+
+class _LogsRmse(Callback):
+    def on_validation_end(self, trainer, metrics):
+        trainer.log("val/rmse", metrics["mse"] ** 0.5)
+
+
+def test_validate_and_test_return_what_their_end_hooks_logged_beside_the_means(tmp_path):
+    """As Lightning returns every epoch-level value logged in the run: a callback's and the Trainer's own, under the
+    tags they were logged with. The step's means keep their names (and trainer.val_metrics holds only those), and a
+    validation returns only what its own hooks logged, not an earlier one's."""
+    trainer = LogsTheSetsValue(toy_cfg(tmp_path, **QUIET), callbacks=[_LogsRmse()])
+    validated, tested = trainer.validate(), trainer.test()
+    mse = validated["mse"]
+    assert validated == {"mse": mse, "val/rmse": pytest.approx(mse**0.5), "val_auc": 0.75}
+    assert tested == {"mse": pytest.approx(mse), "test/auc": 0.25}
+    assert all(type(value) is float for value in [*validated.values(), *tested.values()])
+    assert trainer.val_metrics == {"mse": mse}
+    trainer.logs_auc = False
+    assert set(trainer.validate()) == {"mse", "val/rmse"}
+
+
+class _SeesValidationEndValues(Callback):
+    def __init__(self) -> None:
+        self.at_start: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer):
+        self.at_start.append(dict(trainer.validation_end_values))
+
+
+def test_a_second_fit_starts_without_the_values_the_first_fit_s_validation_logged(tmp_path):
+    """Each fit() is a run of its own: the first's logged values reached the second (its hparams, were it to end
+    before validating), where its means (val_metrics) did not."""
+    seen = _SeesValidationEndValues()
+    once = {"trainer.max_steps": 1, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+    trainer = LogsTheSetsValue(toy_cfg(tmp_path, **QUIET, **once), callbacks=[seen])
+    trainer.fit()
+    assert trainer.validation_end_values == {"val_auc": 0.75}
+    trainer.fit()
+    assert seen.at_start == [{}, {}]
 
 
 @pytest.mark.parametrize("container", [list, dict])

@@ -35,6 +35,9 @@ class Evaluated(ToyTrainer):
     def predict_dataloader(self):
         return DataLoader(toy_dataset(10, seed=11), batch_size=4)
 
+    def on_test_end(self, metrics):
+        self.log("test_auc", 0.5)  # a value over the set, which the CLI prints under its own tag
+
 
 def _fitted(tmp_path, **overrides) -> Evaluated:
     trainer = Evaluated(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2}, **overrides))
@@ -208,7 +211,8 @@ def test_cli_validate_test_predict(tmp_path, capsys, monkeypatch):
     assert main(["validate", "--config", str(config), "trainer.progress_bar=false"]) == 0
     assert capsys.readouterr().out.strip() == f"ampkit: validate: val/mse={metrics['mse']:.4f}"
     assert main(["test", "--config", str(config), "--ckpt", "last"]) == 0
-    assert capsys.readouterr().out.startswith("ampkit: test: test/mae=")
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("ampkit: test: test/mae=") and printed.endswith(", test_auc=0.5000")
     out = tmp_path / "preds.pt"
     assert main(["predict", "--config", str(config), "--ckpt", str(fitted.version_dir / "checkpoints/last.pt"),
                  "--output", str(out)]) == 0  # fmt: skip

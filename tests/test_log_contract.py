@@ -17,6 +17,7 @@ import signal
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
 
 from ampkit import Callback, Preempted
@@ -53,10 +54,15 @@ def test_a_value_logged_in_the_trainer_s_own_on_train_batch_end_reaches_tensorbo
 
 
 class LogsInValidationHooks(ToyTrainer):
-    """A validation's own metric computed in on_validation_end, as Lightning's on_validation_epoch_end logs one."""
+    """A validation's own metric computed in on_validation_end, as Lightning's on_validation_epoch_end logs one (there
+    its default is on_epoch=True, which a port may keep)."""
+
+    def on_validation_start(self):
+        self.log("val_custom/started", 1.0)
 
     def on_validation_end(self, metrics):
         self.log("val_custom/rmse", math.sqrt(metrics["mse"]))
+        self.log("val_custom/twice", 2 * metrics["mse"], on_epoch=True)
 
 
 @pytest.mark.parametrize("every", [{"trainer.val_every_n_steps": 3, "trainer.val_every_n_epochs": 0}, {}])
@@ -72,6 +78,69 @@ def test_a_value_logged_in_a_validation_hook_is_written_at_the_validation_s_step
     assert [step for step, _ in logged] == [step for step, _ in validations]
     for (_, rmse), (_, mse) in zip(logged, validations, strict=True):
         assert rmse == pytest.approx(math.sqrt(mse), rel=1e-6)
+    # on_epoch=True there is the set's value too: written once per validation under its tag, not as _step and _epoch
+    # tags of a training epoch's mean; and the HParams tab compares runs by both tags, as by val/mse.
+    assert _scalars(trainer, "val_custom/twice") == [(step, pytest.approx(2 * mse)) for step, mse in validations]
+    assert _scalars(trainer, "val_custom/twice_step") == _scalars(trainer, "val_custom/twice_epoch") == []
+    events = EventAccumulator(str(trainer.version_dir / "tensorboard"))
+    events.Reload()
+    experiment = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/experiment"]).experiment
+    assert sorted(m.name.tag for m in experiment.metric_infos) == ["val/mse", "val_custom/rmse", "val_custom/twice"]
+
+
+class _LogsInValidation(Callback):
+    def __init__(self, hook: str, tag: str, **options) -> None:
+        self.hook, self.tag, self.options = hook, tag, options
+
+    def on_validation_start(self, trainer):
+        if self.hook == "on_validation_start":
+            trainer.log(self.tag, 1.0, **self.options)
+
+    def on_validation_batch_end(self, trainer, metrics, batch):
+        if self.hook == "on_validation_batch_end":
+            trainer.log(self.tag, 1.0, **self.options)
+
+    def on_validation_end(self, trainer, metrics):
+        if self.hook == "on_validation_end":
+            trainer.log(self.tag, 1.0, **self.options)
+
+
+@pytest.mark.parametrize(
+    ("hook", "tag", "options", "message"),
+    [
+        ("on_validation_end", "val/mse", {}, "log('val/mse') in on_validation_end: validation_step returns 'mse' "
+         "(val/mse, its mean over the set), so one name would hold two values; log this one under a tag of its own"),
+        ("on_validation_end", "mse", {}, "log('mse') in on_validation_end: validation_step returns 'mse'"),
+        ("on_validation_batch_end", "val/x", {}, "log('val/x') in on_validation_batch_end: each validation "
+         "batch's value would be written at one training step, the last batch's left (Lightning averages it over the "
+         "set): return it from validation_step (averaged over the set and written as val/<name>), or log the set's "
+         "value in on_validation_end"),
+        ("on_validation_batch_end", "val/x", {"on_epoch": True}, "log('val/x') in on_validation_batch_end"),
+        ("on_validation_start", "val/x", {"on_epoch": True}, "log('val/x', on_epoch=True) in on_validation_start: an "
+         "epoch mean logged there would be one of the training epoch's; a value over the evaluated set is one its "
+         "step returns (averaged over the set) or one on_validation_end logs"),
+    ],
+)  # fmt: skip
+def test_a_validation_value_that_would_mix_with_another_is_refused_naming_the_hook(tmp_path, hook, tag, options,
+                                                                                   message):  # fmt: skip
+    """A tag the step returns too would hold two values in what validate() returns and in TensorBoard. Logged per
+    validation batch, each batch's value overwrote the last at one training step (Lightning's default there is the
+    set's mean), and an on_epoch mean joined the training epoch's sums, written at its end as a training value."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_LogsInValidation(hook, tag, **options)])
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        trainer.validate()
+
+
+def test_a_value_logged_by_the_sanity_validation_or_a_validate_before_the_fit_is_not_written(tmp_path):
+    """Both were written at step 0 (a validate()'s by the next fit's logger): the sanity pass's value of a few batches
+    of an untrained model beside the fit's own, which Lightning keeps from its loggers, as ampkit keeps its val/.
+    Whichever hook logged it: on_validation_start's too."""
+    trainer = LogsInValidationHooks(toy_cfg(tmp_path, **{**QUIET, "trainer.num_sanity_val_steps": 2}))
+    assert "val_custom/rmse" in trainer.validate()
+    trainer.fit()
+    validations = [step for step, _ in _scalars(trainer, "val/mse")]
+    assert [step for step, _ in _scalars(trainer, "val_custom/rmse")] == validations == [8]
+    assert [step for step, _ in _scalars(trainer, "val_custom/started")] == validations
 
 
 class LogsEveryKind(ToyTrainer):

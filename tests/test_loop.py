@@ -598,6 +598,17 @@ class _Returns(ToyTrainer):
         return self.returned
 
 
+class _NamedCheckpoint(ModelCheckpoint):
+    """A user's subclass, as a Lightning module returns one: it only adds to the files a save writes."""
+
+    def on_save_checkpoint(self, trainer, checkpoint):
+        checkpoint["note"] = "mine"
+
+
+class _PatientStopping(EarlyStopping):
+    """A user's subclass with a stopping rule of its own."""
+
+
 @pytest.mark.parametrize(
     ("returned", "settings", "message"),
     [
@@ -619,13 +630,30 @@ class _Returns(ToyTrainer):
             "of the code or switch off the config's checkpoint.enabled",
             id="the config's periodic checkpoints",
         ),
+        pytest.param(
+            lambda: [_NamedCheckpoint(every_n_epochs=1, keep_last=5)],
+            {},
+            "['ModelCheckpoint[None]'] (from ModelCheckpoint of the config's checkpoint.enabled, _NamedCheckpoint of "
+            "configure_callbacks()); a checkpoint could not tell their states apart: ampkit runs both, where "
+            "Lightning lets configure_callbacks() replace the Trainer's callback of its type; keep one: leave it out "
+            "of the code or switch off the config's checkpoint.enabled",
+            id="a subclass beside the config's periodic checkpoints",
+        ),
+        pytest.param(
+            lambda: [_PatientStopping("val/mse", patience=9)],
+            {"early_stopping.monitor": "val/mse"},
+            "(from EarlyStopping of the config's early_stopping.monitor, _PatientStopping of configure_callbacks())",
+            id="a subclass on the config's early stopping metric",
+        ),
     ],
 )
 def test_a_callback_configure_callbacks_returns_beside_the_configs_own_of_its_state_key_is_refused_naming_both(
     tmp_path, returned, settings, message
 ):
-    """Lightning's configure_callbacks() replaces the Trainer's callback of its type; ampkit runs every callback it
-    is given (a CLI override of the config's would otherwise go unheard), so a clash names both and the way out."""
+    """Lightning's configure_callbacks() replaces the Trainer's callback of its type or a subclass of it; ampkit runs
+    every callback it is given (a CLI override of the config's would otherwise go unheard), so a clash names both and
+    the way out. A subclass was keyed by its own class name: it ran beside the config's as a second writer keeping
+    another number of files (or a second stopper on one metric)."""
     _Returns.returned = returned()
     trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False, **settings}))
     with pytest.raises(CallbackOrderError, match=re.escape(message)):
@@ -646,16 +674,17 @@ def test_a_callback_given_to_the_trainer_and_returned_by_configure_callbacks_is_
 
 
 def test_a_best_k_checkpoint_configure_callbacks_returns_runs_beside_the_configs_periodic_one(tmp_path):
-    """Lightning's commonest use: a ModelCheckpoint(monitor=...) from configure_callbacks(). Its state_key differs
-    from the config's periodic checkpoints', so both run, as Lightning's replacement would not (it drops the
-    Trainer's): the periodic last.pt and the best-k files, each with its own state."""
-    _Returns.returned = [ModelCheckpoint(monitor="val/mse", save_top_k=1)]
+    """Lightning's commonest use: a ModelCheckpoint(monitor=...) from configure_callbacks(), here a subclass made on
+    purpose. Its state_key differs from the config's periodic checkpoints', so both run, as Lightning's replacement
+    would not (it drops the Trainer's): the periodic last.pt and the best-k files, each with its own state."""
+    _Returns.returned = [_NamedCheckpoint(monitor="val/mse", save_top_k=1)]
     trainer = _Returns(toy_cfg(tmp_path, **{"logging.tensorboard": False, "trainer.max_epochs": 2}))
     trainer.fit()
     checkpoints = trainer.version_dir / "checkpoints"
     assert (checkpoints / "best.pt").is_file() and (checkpoints / "last.pt").is_file()
     saved = torch.load(checkpoints / "last.pt", weights_only=True)["callbacks"]
     assert {"ModelCheckpoint[None]", "ModelCheckpoint[val/mse]"} <= set(saved)
+    assert torch.load(checkpoints / "best.pt", weights_only=True)["note"] == "mine"
 
 
 def test_a_checkpoint_configure_callbacks_returns_saving_step_files_by_other_settings_than_the_configs_is_refused(

@@ -149,6 +149,24 @@ def test_a_umask_that_takes_write_permission_away_protects_nothing(tmp_path):
     assert names == ["last.pt", "step-00000004.pt"]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="under this umask only root can write in the folders a run makes")
+def test_under_a_umask_that_takes_write_permission_away_a_resume_continues_its_run(tmp_path):
+    """The resume's own test for a read-only version directory read the folder's mode without the umask's guard that
+    checkpoint files have: under umask 0277 every folder a run makes has no write permission, so each --resume last
+    branched into a new version_N, saying its run directory was read-only."""
+    before = os.umask(0o277)
+    try:
+        ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2})).fit()
+        resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 3}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.fit(resume="last")
+    finally:
+        os.umask(before)
+    assert resumed.version_dir.name == "version_0" and resumed.fit_start.branched_from is None
+    assert not [w for w in caught if "read-only" in str(w.message)]
+
+
 def test_a_write_protected_config_record_is_named_with_the_ways_on(tmp_path):
     """A resume from a step that an earlier resume (with another config) left a config record for replaces that
     record: write-protected, it was refused as 'cannot write ... free space or write access under run_dir'."""

@@ -655,3 +655,35 @@ def test_the_last_checkpoint_of_a_run_whose_checkpoints_are_read_only_branches(t
         resumed.fit(resume="last")
     assert resumed.version_dir.name == "version_1" and resumed.state.global_step == 16
     assert _files(kept) == before
+
+
+def test_what_each_node_sees_at_a_checkpoints_path_tells_a_copy_from_another_checkpoint(tmp_path):
+    """Rank zero's checkpoint as another node sees it at the same path (agreed_start): a copy is the same, a save of
+    other weights at the same step is another checkpoint, and a sharded checkpoint lacking a shard file or holding one
+    of another size is named, without reading a tensor."""
+    import shutil
+
+    from ampkit.trainer.agreed_start import difference, view_of
+    from ampkit.trainer.checkpoint_io import save_atomic
+
+    state = {"loop": {"epoch": 1, "global_step": 4}, "model": {"w": torch.ones(3)}}
+    saved = save_atomic(state, tmp_path / "node0" / "last.pt")
+    zeros = view_of(saved)
+    assert difference(view_of(Path(shutil.copy(saved, tmp_path / "copy.pt"))), zeros) is None
+    other = {**state, "model": {"w": torch.zeros(3)}}
+    assert difference(view_of(save_atomic(other, tmp_path / "other.pt")), zeros) == (
+        "has another checkpoint there (epoch 1, step 4)"
+    )
+    assert difference(view_of(tmp_path / "absent.pt"), zeros) == "has no checkpoint there"
+    sharded = tmp_path / "node0" / "step-00000004"
+    save_atomic(state, sharded / "trainer.pt")
+    for name, data in [(".metadata", b"meta"), ("__0_0.distcp", b"0" * 8), ("__1_0.distcp", b"1" * 8)]:
+        (sharded / name).write_bytes(data)
+    zeros = view_of(sharded)
+    node1 = Path(shutil.copytree(sharded, tmp_path / "node1"))
+    assert difference(view_of(node1), zeros) is None
+    (node1 / "__1_0.distcp").write_bytes(b"1" * 4)
+    assert difference(view_of(node1), zeros) == "has shard file(s) __1_0.distcp of other sizes"
+    (node1 / "__1_0.distcp").unlink()
+    assert difference(view_of(node1), zeros) == "lacks its shard file(s) __1_0.distcp"
+    assert difference(view_of(tmp_path / "node2"), zeros) == "has no checkpoint there"

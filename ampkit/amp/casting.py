@@ -296,6 +296,11 @@ class _CastForward:
         self.cast_inputs = cast_inputs
         self.cast_outputs = cast_outputs
         self.inner = inner  # a forward the script had set on the model itself; None: its class's
+        # functools.wraps' names that the class itself defines (a property would replace the class's own): help(),
+        # inspect.getdoc and pydoc show the model's forward
+        forward = self._forward_of(model)
+        self.__doc__ = getattr(forward, "__doc__", None)
+        self.__module__ = getattr(forward, "__module__", type(model).__module__)
 
     def _forward_of(self, module: nn.Module) -> Any:
         return self.inner if self.inner is not None else type(module).forward.__get__(module)
@@ -322,10 +327,28 @@ class _CastForward:
     def __name__(self) -> str:
         return getattr(self._forward_of(self.model), "__name__", "forward")
 
+    def __get__(self, instance: Any, owner: type | None = None) -> _CastForward:
+        # Already bound to its model, as a bound method is. Having __get__ makes inspect.isroutine answer True, so
+        # help(model.forward) shows the forward's signature and docstring rather than this class.
+        return self
+
     def __getattr__(self, name: str) -> Any:
-        # __qualname__ cannot be a property (the class statement takes it as the class's own name)
-        if name == "__qualname__":
-            return getattr(self._forward_of(self.model), "__qualname__", "forward")
+        # __qualname__ cannot be a property (the class statement takes it as the class's own name). torch.export
+        # reads forward.__code__ for its source location, then calls the model, casts included.
+        if name in ("__qualname__", "__code__", "__defaults__", "__kwdefaults__", "__annotations__"):
+            forward = self._forward_of(self.model)
+            if name == "__qualname__":
+                return getattr(forward, name, "forward")
+            return getattr(forward, name)
+        if name == "__globals__":
+            # torch.jit.script compiles a forward from its source and globals: it would compile the model's own
+            # forward without these casts, so it is told why not and what works
+            raise AttributeError(
+                f"torch.jit.script cannot compile the forward amp.initialize put on {type(self.model).__name__} "
+                "(it casts inputs and outputs in Python, which TorchScript cannot compile; Apex's could not be "
+                "scripted either). Use torch.jit.trace(model, example_inputs) or torch.export.export(model, args), "
+                "which record the casts, or script a float32 copy of the model loaded from model.state_dict()"
+            )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

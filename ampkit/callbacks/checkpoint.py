@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
-from ampkit.trainer.distributed import broadcast_object
+from ampkit.trainer.distributed import broadcast_object, decided_by_rank_zero
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
@@ -49,6 +50,8 @@ class ModelCheckpoint(KeyedByMonitor):
     epoch's end by its ``log(..., on_epoch=True)`` mean instead. The ranking is saved in checkpoints, so a resumed
     run keeps it. A file leaves the top k only after its replacement is written.
     A run resumed with another ``monitor`` or ``mode`` ranks afresh; the earlier ranking's files are kept.
+    Beside another one (the config's, and a best-k one in code) the step and epoch files have one writer, the first
+    that saves them: it alone writes them, prunes them by its ``keep_last`` and makes the run's end save.
     """
 
     phase = Phase.PERSIST
@@ -87,6 +90,8 @@ class ModelCheckpoint(KeyedByMonitor):
         self._protected: set[Path] = set()  # write-protected files pruning passed over, each warned about once
         self._protected_before: list[str] = []  # the names of those a resumed run's checkpoint had warned about
         self._restored = False  # a resume loaded its state: its ranking says which best files are this lineage's
+        self._peers: list[ModelCheckpoint] = [self]  # every ModelCheckpoint of the run, this one among them
+        self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -109,6 +114,11 @@ class ModelCheckpoint(KeyedByMonitor):
                 "other's: give the one in code every_n_epochs=0 and every_n_steps=0 (it saves its best-k files only), "
                 "or the config's settings"
             )
+        # One writer per file: the step and epoch files (periodic, and the run's end save) are the first periodic
+        # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
+        # not prune them by its own keep_last. Alone, one writes them all.
+        self._peers = peers
+        self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
@@ -167,6 +177,7 @@ class ModelCheckpoint(KeyedByMonitor):
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         s = trainer.state
         due = s.is_iteration_end and self.every_n_steps > 0 and s.global_step % self.every_n_steps == 0
+        due = due and self._writes_periodic
         self._save_now(trainer, f"step-{s.global_step:08d}.pt" if due else None)
 
     def on_train_epoch_end(self, trainer) -> None:
@@ -174,6 +185,7 @@ class ModelCheckpoint(KeyedByMonitor):
         if self.monitor is not None and self.monitor.per_epoch:  # a train/ epoch mean ranks this epoch's end
             self._pending = self.monitor.epoch_value(trainer)
         due = s.epoch_finished and self.every_n_epochs > 0 and (s.epoch + 1) % self.every_n_epochs == 0
+        due = due and self._writes_periodic
         self._save_now(trainer, f"epoch-{s.epoch + 1:04d}.pt" if due else None)
 
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
@@ -236,7 +248,8 @@ class ModelCheckpoint(KeyedByMonitor):
             self.best_k = {}
 
     def on_train_end(self, trainer) -> None:
-        if self._saved_at != _moment(trainer):  # also a stop asked after this step's save (an epoch-end hook)
+        moment = _moment(trainer)  # also a stop asked after this step's save (an epoch-end hook) is another moment
+        if self._writes_periodic and all(cb._saved_at != moment for cb in self._peers):
             self.save(trainer, f"step-{trainer.state.global_step:08d}.pt")
 
     def on_exception(self, trainer, exception: BaseException) -> None:
@@ -250,8 +263,8 @@ class ModelCheckpoint(KeyedByMonitor):
 
     def save(self, trainer, filename: str, best: str | None = None) -> Path | None:
         """Write a checkpoint named ``filename`` (also named ``best`` when given, and ``best.pt`` pointed at the
-        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Saving is no
-        training: the throughput windows leave its time out."""
+        best one), then point ``last.pt`` at it (rank zero; under FSDP every rank writes its shards). Every rank calls
+        it: rank zero's failure stops them all. Saving is no training: the throughput windows leave its time out."""
         with trainer.paused():
             return self._save(trainer, filename, best)
 
@@ -267,8 +280,13 @@ class ModelCheckpoint(KeyedByMonitor):
         self._saved_at = _moment(trainer)
         if trainer.sharded:  # FSDP: every rank writes its shards into a directory named without ".pt"
             return self._save_sharded(trainer, checkpoint, Path(filename).stem, best)
-        if not trainer.is_global_zero:
-            return None
+        # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
+        # training on into a collective rank zero never joins.
+        path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
+        return path if trainer.is_global_zero else None
+
+    def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
+        """Rank zero's part of a save: the file, its best-k copies, ``last.pt``, then the pruning."""
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / filename
         try:
@@ -285,7 +303,7 @@ class ModelCheckpoint(KeyedByMonitor):
         return path
 
     def _prune(self, directory: Path) -> None:
-        if self.keep_last is not None:
+        if self.keep_last is not None and self._writes_periodic:
             prune_periodic(directory, self.keep_last, self._protected)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
@@ -306,7 +324,7 @@ class ModelCheckpoint(KeyedByMonitor):
         failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
         if (failed := broadcast_object(failed, trainer.dist)) is not None:
             raise _save_failed(Path(failed[0]), failed[1], directory / LAST, path)
-        if trainer.is_global_zero and self.keep_last is not None:
+        if trainer.is_global_zero and self.keep_last is not None and self._writes_periodic:
             prune_sharded(directory, self.keep_last, self._protected)
         return path
 

@@ -124,11 +124,20 @@ class KeyedByMonitor(Callback):
     """A callback whose checkpoint state is keyed by the metric it watches (``EarlyStopping[val/loss]``,
     ``ModelCheckpoint[None]`` without one): several of one class, on other metrics, each save and resume their own,
     as Lightning keys them by their monitor. A checkpoint of an older ampkit, keyed by the class name, or of a run
-    that watched another metric still hands it its class's state (``state_key_may_change``)."""
+    that watched another metric still hands it its class's state (``state_key_may_change``).
+
+    A subclass is keyed by the ampkit class it extends (``ModelCheckpoint[None]``), so one that
+    ``configure_callbacks()`` returns beside the config's on the same metric clashes with it, as the plain class does,
+    instead of running as a second writer or stopper by other rules (Lightning would let it replace the config's); on
+    a metric of its own it runs beside it."""
 
     state_key_may_change = True
     monitor: Monitor | None
 
     @property
     def state_key(self) -> str:
-        return f"{type(self).__name__}[{self.monitor}]"
+        # The first class below KeyedByMonitor in the subclass's line (ModelCheckpoint, EarlyStopping).
+        keyed = next(
+            k for k in reversed(type(self).__mro__) if issubclass(k, KeyedByMonitor) and k is not KeyedByMonitor
+        )
+        return f"{keyed.__name__}[{self.monitor}]"

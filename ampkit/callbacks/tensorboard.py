@@ -169,7 +169,8 @@ class TensorBoardLogger(Callback):
     ``/<name>`` for a group with a ``"name"``; with ``log_momentum`` each group's ``train/momentum/...`` too),
     ``train/grad_norm/<optimizer>`` (total L2 norm of the gradients the optimizer is about to use, before clipping),
     ``train/steps_per_sec``, ``val/<metric>``; the resolved config as
-    flattened hparams (with the final ``val/`` metrics, so the HParams tab compares runs by them); every scalar
+    flattened hparams (with the final ``val/`` metrics and the tags ``on_validation_end`` logged, so the HParams tab
+    compares runs by them); every scalar
     queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
 
@@ -391,7 +392,9 @@ class TensorBoardLogger(Callback):
         self._queued += self._window_rows(trainer.state.global_step)
         self._window = {}
         self._flush()
-        final = {f"val/{key}": value for key, value in trainer.val_metrics.items()}
+        # The tags on_validation_end hooks logged are validation metrics too (an AUC over the set), as they are to
+        # monitors and in what validate() returns; the HParams tab compares runs by them.
+        final = {f"val/{key}": value for key, value in trainer.val_metrics.items()} | trainer.validation_end_values
         experiment, _, end = _hparams_summaries(trainer, final)
         with writing_events(Path(self.writer.log_dir)):
             self.writer.file_writer.add_summary(experiment)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import io
 import os
 import pickle
@@ -107,16 +108,18 @@ def write_errors_surfaced(file: IO, path: str | os.PathLike) -> Iterator[IO]:
 PROTECTED = "write-protected (no write permission): ampkit never deletes or replaces it"
 
 
-def write_protected(path: str | os.PathLike) -> bool:
-    """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or any file
-    directly in it, with no write permission for anyone. Read from the mode, not ``os.access``: root may write
-    anything, yet a ``chmod a-w`` is a request to keep the file all the same. A symlink is read where it leads.
-    Never under a umask that takes every write permission away (``umask 0277``): then every file ampkit writes
-    looks so, and none can be told to be the user's."""
+def write_protected(path: str | os.PathLike, contents: bool = True) -> bool:
+    """Whether ``path`` was made read-only to keep it: a file, or a directory (a sharded checkpoint) or, with
+    ``contents``, any file directly in it, with no write permission for anyone. Read from the mode, not
+    ``os.access``: root may write anything, yet a ``chmod a-w`` is a request to keep the file all the same. A
+    symlink is read where it leads. Never under a umask that takes every write permission away (``umask 0277``):
+    then every file and folder ampkit writes looks so, and none can be told to be the user's."""
     try:
         mode = Path(path).stat().st_mode
         read_only = not mode & 0o222 or (
-            stat.S_ISDIR(mode) and any(not e.stat().st_mode & 0o222 for e in os.scandir(path) if e.is_file())
+            contents
+            and stat.S_ISDIR(mode)
+            and any(not e.stat().st_mode & 0o222 for e in os.scandir(path) if e.is_file())
         )
     except OSError:  # gone, or unreadable: nothing there to keep
         return False
@@ -233,7 +236,7 @@ def _unpickler_detail(exc: pickle.UnpicklingError) -> tuple[bool, str]:
 _TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     """``Type: first sentence of the message`` (torch appends paragraphs of advice to a corrupt archive's)."""
     text = " ".join(str(exc).split())
     first = text.split(". ", 1)[0].rstrip(".")
@@ -248,6 +251,29 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
     except Exception:  # whatever the unpickler meets in foreign bytes
         return None
     return checkpoint if isinstance(checkpoint, dict) else None
+
+
+def file_fingerprint(path: str | os.PathLike) -> str | None:
+    """A digest telling checkpoint file ``path`` from any other, read without its tensors: the names, sizes and
+    CRC-32s of the records of torch's zip archive, the pickle that holds every value but the tensors, and each small
+    record (``.data/serialization_id``, unique to each save). A copy of the file has the same one. None when no file
+    can be read there."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for record in archive.infolist():
+                name = record.filename.partition("/")[2]  # the archive's folder is named after nothing that matters
+                digest.update(f"{name}:{record.file_size}:{record.CRC}\n".encode())
+                if name == "data.pkl" or record.file_size <= 4096:
+                    digest.update(archive.read(record))
+    except zipfile.BadZipFile:  # the legacy format, or a damaged file: every byte
+        try:
+            digest.update(Path(path).read_bytes())
+        except OSError:
+            return None
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 # What torch.load(weights_only=True) rebuilds without naming code: these exact types, tensors, and the classes torch
@@ -350,9 +376,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"which could run code ({detail}). ampkit loads checkpoints with weights_only=True."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {describe(exc)}") from None
     except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {_describe(exc)}") from None
+        raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {describe(exc)}") from None
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(
             f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import pickle
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
 from ampkit.trainer.batch_counts import loader_length
 from ampkit.trainer.launch_env import check_launch_environment, launch_int
+
+T = TypeVar("T")
 
 
 class DistributedError(RuntimeError):
@@ -194,6 +197,35 @@ def broadcast_object(value: Any, env: DistributedEnv | None = None) -> Any:
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def decided_by_rank_zero(decide: Callable[[], T], env: DistributedEnv) -> T:
+    """``decide()``, run on rank zero only, and its value (which must pickle) on every rank; where it raises, every
+    rank raises that error (its type and message), so that no rank trains on into a collective rank zero never joins,
+    to fail there with another error (or, under NCCL, which may not notice a peer that left, to wait there until
+    ``distributed.timeout_s``)."""
+    if not env.enabled:
+        return decide()
+    outcome = None
+    if env.rank == 0:
+        try:
+            outcome = (True, decide())
+        except Exception as exc:
+            shared = exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")
+            broadcast_object((False, shared), env)
+            raise  # rank zero's own error, with its traceback
+    decided, value = broadcast_object(outcome, env)
+    if not decided:
+        raise value
+    return value
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # a value that cannot travel to the other ranks
+        return False
+    return True
 
 
 def broadcast_module_(module: torch.nn.Module, env: DistributedEnv) -> None:

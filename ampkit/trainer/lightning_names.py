@@ -15,6 +15,18 @@ LIGHTNING_NAMES: dict[str, str] = {
     "trainer": "self (a Trainer is Lightning's module and trainer in one)",
     "manual_backward": "self.backward(loss, loss_id=..., optimizer=...)",
     "log_dict": "self.log(tag, value) for each item",
+    "callback_metrics": (
+        "self.val_metrics (the latest validation's means, named as validation_step returns them), "
+        "self.validation_end_values (what its on_validation_end hooks logged) and self.monitor_values() (this "
+        "training epoch's on_epoch means), each kept after fit()"
+    ),
+    "logged_metrics": (
+        "nothing kept per step: log() hands its values to TensorBoard; self.epoch_scalars holds the latest epoch's "
+        "on_epoch means"
+    ),
+    "progress_bar_metrics": (
+        "nothing: the bar shows what training_step returns and the epoch means of on_epoch tags (no prog_bar)"
+    ),
     "hparams": "self.cfg (the resolved config)",
     "save_hyperparameters": "nothing: self.cfg is saved in every checkpoint and in the run directory",
     "toggle_optimizer": "self.backward(loss, optimizer=opt), which gives only that optimizer's parameters grads",

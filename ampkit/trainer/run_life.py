@@ -20,6 +20,8 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
     pruning (``keep_last``, best-k), which only ever deletes inside the directory a run writes, never
     deletes a file of another lineage.
 
+* Under ``torchrun`` rank zero alone looks at ``run_dir`` and decides the above for every rank; a rank that does not
+  see the checkpoint it chose at that path (a node-local disk) stops every rank (``agreed_start``).
 * A file with no write permission (``chmod a-w``, by mode: root too) is the user's to keep: nothing deletes or
   replaces it (``checkpoint_io.write_protected``). Pruning passes over it, uncounted, with one warning.
 * Before a ``fit()`` (finished or not) writes anything, the temp files that a killed save left under ``run_dir``
@@ -479,16 +481,8 @@ def _unwritable(version_dir: Path) -> Path | None:
     """The first of ``version_dir`` and its ``checkpoints/`` that this process cannot write, or that was made
     read-only to keep it (an archived run; ``chmod a-w checkpoints``, which root could write through), or None: a
     resume of its last checkpoint branches then, rather than training on to fail at its first save."""
-    folders = (version_dir, version_dir / "checkpoints")
-    return next((d for d in folders if not os.access(d, os.W_OK | os.X_OK) or _mode_read_only(d)), None)
-
-
-def _mode_read_only(directory: Path) -> bool:
-    """Whether ``directory`` itself has no write permission for anyone (what it holds is not read)."""
-    try:
-        return not directory.stat().st_mode & 0o222
-    except OSError:
-        return False
+    folders = (version_dir, version_dir / "checkpoints")  # a protected checkpoint in one is not the folder's mode
+    return next((d for d in folders if not os.access(d, os.W_OK | os.X_OK) or write_protected(d, contents=False)), None)
 
 
 def _protected_alias(version_dir: Path) -> Path | None:

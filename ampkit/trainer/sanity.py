@@ -127,8 +127,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     try:
         trainer.fire("on_validation_start")
         metrics = average_metrics(trainer, loader, trainer.validation_step, limit)
-        trainer.validation_end_values = {}
-        trainer.fire("on_validation_end", dict(metrics))
+        trainer._fire_evaluation_end("on_validation_end", metrics)
     finally:
         trainer.state.stage = "fit"
     restore_rng(rng)

@@ -29,6 +29,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
     deletable,
+    describe,
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
@@ -92,6 +93,26 @@ def _shard_writer(path: Path) -> Any:
     writer = FileSystemWriter(path)
     writer.fs = Files()
     return writer
+
+
+def _shard_reader(path: Path) -> Any:
+    """DCP's ``FileSystemReader`` for ``path``, whose failure to read a shard file (truncated, damaged) names that file:
+    DCP's own error names neither the file nor, in a multi-rank load, which of the rank's files it was reading."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class Files(FileSystem):
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                try:
+                    yield stream
+                except Exception as exc:
+                    raise CheckpointError(f"shard file '{Path(path).name}' is damaged ({describe(exc)})") from None
+
+    reader = FileSystemReader(path)
+    reader.fs = Files()
+    return reader
 
 
 def save_sharded(
@@ -261,7 +282,7 @@ def load_sharded(
 
     barrier(f"the resume of {path.name}")  # every rank has read trainer.pt: rank zero names one that has not
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=path, storage_reader=_shard_reader(path), no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # a shard file truncated, missing or unreadable
         failures = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
         raise CheckpointError(

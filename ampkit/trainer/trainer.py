@@ -52,6 +52,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, ClassVar
@@ -73,6 +74,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
+from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
 from ampkit.trainer.batch_counts import batch_limit, checked_count, loader_length
 from ampkit.trainer.batch_layout import (
     batch_layout,
@@ -104,6 +106,7 @@ from ampkit.trainer.distributed import (
     check_equal_batches,
     check_same_config,
     counted_batches,
+    decided_by_rank_zero,
     diagnose_failure,
     distributed_loader,
     evaluation_loader,
@@ -226,10 +229,14 @@ from ampkit.trainer.user_code import (
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
 _CLAIMS = threading.Lock()  # one check-and-mark of a Trainer's running entry point at a time (Trainer._claim)
+# Where log() gives the evaluated set's value, and the evaluation hooks before them, in which an on_epoch mean would
+# join the training epoch's: each names the hook that logs the set's value instead.
+_EVALUATION_ENDS = ("on_validation_end", "on_test_end")
+_EVALUATION_STARTS = {"on_validation_start": "on_validation_end", "on_test_start": "on_test_end"}
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
-    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), and each value is this rank's, as "
-    "Lightning's without sync_dist"
+    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), every value goes to TensorBoard "
+    "(no logger=False), and each value is this rank's, as Lightning's without sync_dist"
 )
 
 
@@ -368,8 +375,11 @@ class Trainer:
         self.loss_state: dict[Any, LossState] = {}
         self.val_metrics: dict[str, float] = {}
         self.val_metrics_step: int | None = None  # the global step val_metrics were measured at (None: unknown)
-        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here.
+        # What on_validation_end hooks log(), by tag, in the latest validation: monitors read a tag it lacks here, and
+        # validate() returns them beside its means, as on_test_end's (test_end_values) beside test()'s.
         self.validation_end_values: dict[str, float] = {}
+        self.test_end_values: dict[str, float] = {}
+        self._evaluated: Mapping[str, float] = {}  # the means of the evaluation whose end hook runs now (log() checks)
         self.logged_scalars: list[tuple[str, Any, int]] = []  # Trainer.log's values to write at this batch's end
         self._logged_taken = False  # a logger took logged_scalars in this batch (take_logged)
         # on_step values of iterations not due to log, the latest per tag: (value, step, iteration). The run's last
@@ -767,7 +777,8 @@ class Trainer:
         the run's last, or ``always`` for events such as an overflow; outside a batch, e.g. in
         ``on_train_epoch_end``, always) at ``step`` (default: this iteration). ``on_epoch``: its mean
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
-        ``_step`` and ``_epoch`` suffixes.
+        ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
+        (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
         if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
@@ -788,8 +799,24 @@ class Trainer:
             value = value.detach()
         elif not isinstance(value, numbers.Real):
             raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
-        if self._fx == "on_validation_end":  # an epoch metric computed there (AUC), as Lightning users log one
-            self.validation_end_values[tag] = float(value)
+        if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
+            self._log_evaluation_value(tag, value, step)
+            return
+        if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
+            raise UserCodeError(
+                f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
+                "training step, the last batch's left (Lightning averages it over the set): return it from "
+                "validation_step (averaged over the set and written as val/<name>), or log the set's value in "
+                "on_validation_end"
+            )
+        if on_epoch and self._fx in _EVALUATION_STARTS:  # outside training, yet it would join training's epoch mean
+            raise UserCodeError(
+                f"log('{tag}', on_epoch=True) in {self._fx}: an epoch mean logged there would be one of the training "
+                f"epoch's; a value over the evaluated set is one its step returns (averaged over the set) or one "
+                f"{_EVALUATION_STARTS[self._fx]} logs"
+            )
+        if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
+            return
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -810,6 +837,39 @@ class Trainer:
                 self._epoch_end_values[epoch_tag] = value
                 return
             self._add_to_epoch_sum(epoch_tag, value)
+
+    def _log_evaluation_value(self, tag: str, value: float | torch.Tensor, step: int | None) -> None:
+        """A value an ``on_validation_end``/``on_test_end`` hook logs: the evaluated set's, kept for monitors and for
+        what validate()/test() return (one per evaluation, so no ``_step``/``_epoch`` tags, whatever ``on_step`` and
+        ``on_epoch`` say) and written under ``tag`` at the evaluation's step."""
+        validation = self._fx == "on_validation_end"
+        prefix = "val/" if validation else "test/"
+        clash = tag if tag in self._evaluated else tag.removeprefix(prefix)
+        if clash in self._evaluated:
+            step_name = "validation_step" if validation else "test_step"
+            raise UserCodeError(
+                f"log('{tag}') in {self._fx}: {step_name} returns '{clash}' ({prefix}{clash}, its mean over the set), "
+                "so one name would hold two values; log this one under a tag of its own"
+            )
+        (self.validation_end_values if validation else self.test_end_values)[tag] = float(value)
+        # Written for a fit's validations only, as their val/ metrics are: not the sanity pass's (a few batches of an
+        # untrained model, which Lightning keeps from its loggers too), nor a validate() or test() of their own, which
+        # no logger takes from (the next fit's would write it at its first step). So is every value log() gets.
+        if self.state.stage == "fit":
+            self.logged_scalars.append((tag, value, self.event_iteration if step is None else step))
+
+    def _fire_evaluation_end(self, hook: str, metrics: dict[str, float]) -> None:
+        """Fire ``on_validation_end`` or ``on_test_end`` with the set's ``metrics``; what its hooks log replaces the
+        previous evaluation's values (``validation_end_values``, ``test_end_values``)."""
+        if hook == "on_validation_end":
+            self.validation_end_values = {}
+        else:
+            self.test_end_values = {}
+        self._evaluated = metrics
+        try:
+            self.fire(hook, dict(metrics))
+        finally:
+            self._evaluated = {}
 
     def _log_the_last_iteration(self) -> None:
         """Queue the on_step values of the run's last iteration that it was not due to log: a run that ends off the
@@ -1079,11 +1139,14 @@ class Trainer:
         # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
         self.state = LoopState()
         self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
+        self.validation_end_values = {}  # an earlier fit's would reach this one's hparams before it validates
         self._resume = self._rng_after_fetch = None
         self._launch = torchrun_launch()
         if resume is None and self._launch is not None:  # a torchrun restart continues its first attempt's run
             resume = self._restarted_from()
-        self.fit_start = plan_fit(self.cfg.run_dir, resume, self._resolve_checkpoint(resume), self.cfg)
+        # Rank zero decides for every rank, from its own look at run_dir (a node-local one differs between nodes).
+        plan = partial(self._plan_fit, resume)
+        self.fit_start = agreed_fit_start(plan, self.dist, str(self.cfg.run_dir))
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
         if self.fit_start.finished:
@@ -1120,6 +1183,10 @@ class Trainer:
             raise
         finally:
             self._fire_every_one("on_fit_end", failure=failure)
+
+    def _plan_fit(self, resume: str | os.PathLike | None) -> FitStart:
+        """:func:`plan_fit` from this process's own look at ``run_dir`` (rank zero's, under torchrun)."""
+        return plan_fit(self.cfg.run_dir, resume, resolve_checkpoint(self.cfg.run_dir, resume), self.cfg)
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
@@ -1491,8 +1558,8 @@ class Trainer:
             self.val_metrics = average_metrics(
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
-            self.val_metrics_step, self.validation_end_values = self.state.global_step, {}
-            self.fire("on_validation_end", dict(self.val_metrics))
+            self.val_metrics_step = self.state.global_step
+            self._fire_evaluation_end("on_validation_end", self.val_metrics)
         finally:
             self._batch = batch
         self._agree_stop()  # early stopping takes effect at once on every rank
@@ -1502,13 +1569,14 @@ class Trainer:
         """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
 
         ``ckpt``: ``"last"``, ``"best"`` (the newest under ``run_dir``), a path, or None for the current weights.
-        Runs under the configured precision and, under ``torchrun``, each rank on its shard.
+        Runs under the configured precision and, under ``torchrun``, each rank on its shard. Beside the means (keyed
+        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values.
         """
-        self.val_metrics = self._evaluate(VALIDATE, ckpt)
-        return dict(self.val_metrics)
+        return self._evaluate(VALIDATE, ckpt)
 
     def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
-        """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics (``ckpt`` as in validate)."""
+        """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics and what ``on_test_end``
+        hooks logged (``ckpt`` and the values as in validate)."""
         return self._evaluate(TEST, ckpt)
 
     def predict(
@@ -1577,7 +1645,10 @@ class Trainer:
             raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
     def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        path = self._resolve_checkpoint(ckpt)
+        path = None
+        if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
+            resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
+            path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
         if ckpt is not None and path is None:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
@@ -1603,10 +1674,15 @@ class Trainer:
             step = getattr(self, stage.step)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step)
+                self.fire("on_predict_end", result)
             else:
                 batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, batch_end_hook=batch_end)
-            self.fire(f"on_{stage.hook}_end", result)
+                if stage is VALIDATE:
+                    self.val_metrics = result
+                self._fire_evaluation_end(f"on_{stage.hook}_end", result)
+                logged = self.validation_end_values if stage is VALIDATE else self.test_end_values
+                result = {**result, **broadcast_object(logged, self.dist)}  # rank zero's, as monitors read them
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             if self._running == stage.name:  # from a hook, the outer run fires it, once, as the error unwinds it
                 self._explain(exc)
@@ -1782,12 +1858,18 @@ class Trainer:
             for spec in self._specs:
                 steps = self.optimizer_state[spec.optimizer].steps
                 refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
+        # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
+        # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
         self.version_dir = None
-        if self.is_global_zero:  # one run writes a version directory at a time (run_life's rules)
-            self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        version_dir = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
+        self.version_dir = version_dir if self.is_global_zero or self.sharded else None
         if self.sharded:  # every rank writes its shards into the checkpoint directory
-            self.version_dir = broadcast_object(self.version_dir, self.dist)
             self._check_shards_writable()
+
+    def _open_version_dir(self, start: FitStart) -> Path:
+        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory)."""
+        self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
+        return self.version_dir
 
     def _check_shards_writable(self) -> None:
         """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
@@ -2156,13 +2238,6 @@ class Trainer:
             saved = checkpoint or peek_checkpoint(path / TRAINER_FILE) or {}  # a sharded one keeps it in trainer.pt
             detail = misfit_detail(exc, saved.get("config") or {}, self.cfg)
             raise CheckpointError(f"checkpoint '{path}' does not fit this run's model: {detail}") from None
-
-    def _resolve_checkpoint(self, ckpt: str | os.PathLike | None) -> Path | None:
-        """A checkpoint path from ``"last"``/``"best"`` (None if the run has none yet) or a path."""
-        if ckpt is not None and str(ckpt) in ("last", "best"):  # rank zero decides: every rank loads one file
-            found = resolve_checkpoint(self.cfg.run_dir, ckpt) if self.is_global_zero else None
-            return broadcast_object(found, self.dist)
-        return resolve_checkpoint(self.cfg.run_dir, ckpt)
 
     # ----------------------------------------------------------------- validation of settings
     def _validate_config(self) -> None:

@@ -13,6 +13,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import ConfigError
 from ampkit.callbacks import ModelCheckpoint
+from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.optimizers import MonitorNotFoundError
 from ampkit.trainer.ordering import CallbackOrderError
@@ -235,6 +236,31 @@ def test_a_best_k_checkpoint_given_in_code_runs_beside_the_config_s_periodic_one
     run, best_k = fit(6, resume="last")
     assert list(best_k.best_k) == ["best-00000004.pt", "best-00000006.pt"]  # 0.1, 0.2: ranked on from 0.3, 0.5
     assert best_steps(run) == [4, 6] and best_pt_step(run) == 4
+
+
+@pytest.mark.parametrize("periodic", [{"every_n_epochs": 0}, {"every_n_steps": 1, "every_n_epochs": 0, "keep_last": 5}])
+def test_beside_the_config_s_periodic_checkpoint_one_in_code_neither_writes_nor_prunes_its_step_files(
+    tmp_path, monkeypatch, periodic
+):
+    """A best-k ModelCheckpoint given in code pruned the config's step files by its own keep_last (2 of the config's 5
+    kept) and wrote the run's end save again; one by the config's very settings wrote every step file a second time.
+    The step files have one writer now: each is written once and keep_last keeps the config's 5."""
+    writes = []
+    real_save = checkpoint_module.save_atomic
+    monkeypatch.setattr(
+        checkpoint_module, "save_atomic", lambda obj, path: writes.append(path.name) or real_save(obj, path)
+    )
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.max_steps": 6, "trainer.val_every_n_steps": 1,
+                "trainer.num_sanity_val_steps": 0, "checkpoint.every_n_steps": 1, "checkpoint.every_n_epochs": 0,
+                "checkpoint.keep_last": 5}  # fmt: skip
+    run = scripted(toy_cfg(tmp_path, **settings), callbacks=[ModelCheckpoint(monitor="val/score", **periodic)])
+    run.fit()
+    steps = sorted(p.name for p in (run.version_dir / "checkpoints").glob("step-*"))
+    assert steps == [f"step-{step:08d}.pt" for step in range(2, 7)]
+    # step 6 twice, as with the config's alone: its validation came after its save, and the run's end saves it again
+    assert sorted(writes) == ["best-00000001.pt", "best-00000002.pt", "best-00000004.pt",
+                              *(f"step-{step:08d}.pt" for step in (1, 2, 3, 4, 5, 6, 6))]  # fmt: skip
 
 
 def test_two_checkpoints_ranking_best_files_are_refused_naming_both_monitors(tmp_path):

@@ -5,6 +5,8 @@ import functools
 import gc
 import inspect
 import io
+import pydoc
+import typing
 import warnings
 import weakref
 
@@ -184,6 +186,46 @@ def test_a_torchscript_module_is_refused_where_it_would_be_cast_and_left_as_it_w
     assert isinstance(scripted.forward, torch.ScriptMethod)
     with pytest.warns(UserWarning, match="runs in float32"):
         amp.initialize(scripted, _sgd(scripted), opt_level="O1", verbosity=0)
+
+
+class _Documented(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Project ``x`` and normalise it."""
+        return self.norm(self.proj(x)) * scale
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_help_and_inspect_show_the_models_forward_not_the_casting_object(level):
+    """``help(model.forward)``, ``inspect.getdoc``/``getsource`` and type hints after ``initialize`` show the model's
+    forward, as ``functools.wraps`` would: help() printed the casting class's docstring and no signature."""
+    model = amp.initialize(_Documented(), opt_level=level, verbosity=0)
+    text = pydoc.render_doc(model.forward, renderer=pydoc.plaintext)
+    assert "forward(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor\n    Project ``x`` and normalise it." in text
+    assert inspect.getdoc(model.forward) == "Project ``x`` and normalise it."
+    assert inspect.getsource(model.forward) == inspect.getsource(_Documented.forward)
+    assert typing.get_type_hints(model.forward) == {"x": torch.Tensor, "scale": float, "return": torch.Tensor}
+    assert model.forward.__module__ == __name__
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.(script|trace|trace_method)` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_an_initialized_model_is_exported_or_traced_with_its_casts_and_refused_by_torchscript(level):
+    """``torch.export`` and ``torch.jit.trace`` record the casts (export failed reading ``forward.__code__``);
+    ``torch.jit.script`` would compile the model's own forward without them, so it is refused naming the cause and
+    what works (it failed on an unexplained ``__globals__``; Apex's closure could not be scripted either)."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Documented(), opt_level=level, verbosity=0).eval()
+    x = torch.randn(5, 4)
+    with pytest.raises(AttributeError, match=r"script cannot compile the forward .* on _Documented .*jit\.trace"):
+        torch.jit.script(model)
+    for recorded in (torch.export.export(model, (x,)).module(), torch.jit.trace(model, (x,))):
+        out = recorded(x)
+        assert out.dtype == torch.float32 and torch.equal(out, model(x))
 
 
 def test_torch_compile_after_o2_trains_as_the_eager_model():

@@ -146,3 +146,22 @@ def test_a_layer_no_backward_of_an_accumulation_reaches_steps_as_under_apex(dela
     before = model.head.weight.detach().clone()
     accumulate(use_head=False)
     assert torch.equal(model.head.weight, before) is not delayed
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_gradients_never_zeroed_step_on_each_iterations_backwards_only(delayed):
+    """A script that never zeroes: each O2 step takes only its own iteration's backwards, with or without
+    ``delay_unscale``, as Apex's non-delayed path did (its prepare dropped the fp16 gradients). Apex's delayed
+    accumulation skipped that prepare, so it added every earlier iteration's fp16 gradients, scaled by their own
+    scales, into the next one; ampkit does not, on purpose (documented under "Accumulating with delay_unscale")."""
+    amp._amp_state.reset()
+    model = torch.nn.Linear(4, 1, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=8.0, verbosity=0)
+    for it in range(3):
+        for k, delay in enumerate((delayed, False)):
+            with amp.scale_loss(model(torch.full((1, 4), 2.0 * it + k + 1)).sum(), optimizer, delay_unscale=delay) as s:
+                s.backward()
+        [master] = amp.master_params(optimizer)
+        assert torch.equal(master.grad, torch.full((1, 4), 4.0 * it + 3))  # this iteration's two inputs
+        optimizer.step()

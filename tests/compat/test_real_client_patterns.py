@@ -5,7 +5,8 @@ LAMB calls of ``amp_C`` (NVIDIA BERT's stage 2 with ``lr`` last, copies of that 
 norm and FusedLayerNorm subclass, Megatron's gradient clipping and fp32-to-fp16 copies through ``amp_C``, DPR's
 clipping after every accumulated micro-batch, GPT2-Chinese's clipping inside the ``scale_loss`` block, UER-py's
 adversarial backwards after it, pytext's export of its O2 model cast back to float32, LF-Font's aux loss scaled into
-two optimizers, and optional Apex parts behind ``except ImportError``."""
+two optimizers, ``@amp.float_function`` where programs placed it, and optional Apex parts behind
+``except ImportError``."""
 
 from __future__ import annotations
 
@@ -924,3 +925,58 @@ def test_lffont_aux_losses_scaled_into_two_optimizers_skip_both_after_an_overflo
     assert capsys.readouterr().out.count("Skipping step, loss scaler 2 reducing loss scale to 32768.0") == 2
     assert [s.loss_scale() for s in amp._amp_state.loss_scalers] == [65536.0, 65536.0, 32768.0, 65536.0]
     assert ema.weight.dtype == torch.float16 and ema(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_float_function_decorates_where_real_programs_put_it(shim):
+    """``@amp.float_function`` as programs placed it: under ``@staticmethod`` on an autograd Function's
+    ``forward(ctx, *args)`` (insightface's partial-FC cross entropy), under ``@abc.abstractmethod`` on a loss base
+    class, on a module's ``forward`` taking a list and keywords, and around a compiled op, as maskrcnn-benchmark's
+    ``nms = amp.float_function(_C.nms)``. Each casts the half tensors of an O1 forward to float32, and the abstract
+    method stays abstract."""
+    import abc
+
+    from apex import amp
+
+    class CrossEntropy(torch.autograd.Function):
+        @staticmethod
+        @amp.float_function
+        def forward(ctx, *args):
+            ctx.save_for_backward(args[1])
+            return args[1].float().sum() if args[1].dtype == torch.float32 else None
+
+        @staticmethod
+        def backward(ctx, grad):
+            (logits,) = ctx.saved_tensors
+            return None, torch.ones_like(logits) * grad
+
+    class Loss(abc.ABC):
+        @abc.abstractmethod
+        @amp.float_function
+        def compute(self, prediction, target):
+            """Implemented by each loss."""
+
+    class L2(Loss):
+        @amp.float_function
+        def compute(self, prediction, target):
+            return (prediction - target).pow(2).mean()
+
+    class Normalise(torch.nn.Module):
+        @amp.float_function
+        def forward(self, xs, scale=None, **kwargs):
+            return [x / x.norm(dim=1, keepdim=True) * scale for x in xs]
+
+    topk = amp.float_function(torch.topk)
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    layer, optimizer = amp.initialize(layer, optimizer, opt_level="O1", loss_scale=128.0, verbosity=0)
+    hidden = layer(torch.randn(3, 4))
+    assert hidden.dtype == torch.float16
+    with pytest.raises(TypeError, match="abstract"):
+        Loss()
+    loss = CrossEntropy.apply(torch.tensor(1.0), hidden) + L2().compute(hidden, torch.zeros(3, 4))
+    assert loss.dtype == torch.float32
+    outputs = Normalise()([hidden, hidden], scale=hidden[:1], extra=hidden)
+    assert [out.dtype for out in outputs] == [torch.float32] * 2 and topk(hidden, 2).values.dtype == torch.float32
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    assert layer.weight.grad.dtype == torch.float32 and torch.isfinite(layer.weight.grad).all()

@@ -1,0 +1,131 @@
+"""Where a ``fit()`` starts, decided once by rank zero for every rank (``run_life.plan_fit``: which checkpoint,
+continue or branch, which version directory, the warnings), and the checkpoint checked to be the same file on every
+rank before any rank loads it.
+
+Each rank looking at the run directory itself could decide differently: on a node-local ``run_dir`` each node sees
+its own disk, where rank zero's node holds the checkpoints and another node none, or older ones. Ranks that resumed
+different checkpoints would train on from different steps, and ranks that disagreed on continue or branch would write
+to two version directories. So rank zero plans, and a rank that does not see rank zero's checkpoint (no file there,
+another one, a sharded checkpoint without some of its shard files) stops every rank before anything is trained or
+written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test and predict
+with a checkpoint are checked alike (:func:`agreed_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ampkit.trainer.checkpoint_io import CheckpointError, file_fingerprint
+from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
+from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of
+from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """What one process sees at a checkpoint's path, read without its tensors."""
+
+    fingerprint: str | None  # None: no checkpoint there (see :func:`file_fingerprint`)
+    loop: dict[str, int] | None
+    shards: dict[str, int]  # a sharded checkpoint's shard files, by name, and their sizes
+
+
+def view_of(path: Path) -> CheckpointView:
+    """What this process sees at ``path``: a checkpoint file, or a sharded checkpoint's directory (its ``trainer.pt``,
+    ``.metadata`` and the names and sizes of its shard files: each rank reads only some of those)."""
+    if not path.is_dir():
+        return CheckpointView(file_fingerprint(path), loop_of(path), {})
+    shards = {p.name: p.stat().st_size for p in sorted(path.glob("*.distcp")) if p.is_file()}
+    trainer_part, metadata = file_fingerprint(path / TRAINER_FILE), path / ".metadata"
+    if trainer_part is None or not metadata.is_file():
+        return CheckpointView(None, None, shards)
+    digest = hashlib.sha256(f"{trainer_part}\n{sorted(shards.items())}\n".encode())
+    digest.update(metadata.read_bytes())
+    return CheckpointView(digest.hexdigest(), loop_of(path), shards)
+
+
+def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
+    """How this process's view of a checkpoint differs from rank zero's (``zeros``), or None where it is the same."""
+    if mine.fingerprint == zeros.fingerprint:
+        return None
+    if mine.fingerprint is None and not mine.shards:
+        return "has no checkpoint there"
+    if lacking := sorted(zeros.shards.keys() - mine.shards.keys()):
+        return f"lacks its shard file(s) {', '.join(lacking)}"
+    if resized := sorted(n for n, size in mine.shards.items() if zeros.shards.get(n, size) != size):
+        return f"has shard file(s) {', '.join(resized)} of other sizes"
+    if mine.fingerprint is None:
+        return f"lacks its {TRAINER_FILE} or .metadata"
+    return f"has another checkpoint there ({_position(mine.loop)})"
+
+
+def _position(loop: dict[str, int] | None) -> str:
+    return "no loop position" if loop is None else f"epoch {loop.get('epoch')}, step {loop.get('global_step')}"
+
+
+def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir: str) -> FitStart:
+    """``plan()`` (which resolves and loads the checkpoint) on rank zero, its decision and its errors on every rank;
+    each other rank loads the checkpoint rank zero chose (a file's whole state; a sharded one's shards are loaded
+    later, with the model) once every rank has found it the same file as rank zero's. ``run_dir``: for the message."""
+    if not env.enabled:
+        return plan()
+    planned: list[FitStart] = []
+
+    def rank_zeros() -> tuple[FitStart, CheckpointView | None]:
+        planned.append(plan())
+        path = planned[0].checkpoint_path
+        return replace(planned[0], checkpoint=None), view_of(path) if path is not None else None  # no tensors sent
+
+    start, zeros = decided_by_rank_zero(rank_zeros, env)
+    if planned:
+        start = planned[0]
+    if zeros is None or start.finished:  # nothing to load: a finished run trains nothing
+        return start
+    checkpoint = _same_on_every_rank(start.checkpoint_path, zeros, env, run_dir, "resuming", load=not zeros.shards)
+    return start if checkpoint is None else replace(start, checkpoint=checkpoint)
+
+
+def agreed_checkpoint(resolve: Callable[[], Path | None], env: DistributedEnv, run_dir: str, what: str) -> Path | None:
+    """``resolve()`` (a checkpoint's path from ``last``/``best`` or a path given) on rank zero, its value and its
+    errors on every rank, once every rank has found the checkpoint there the same file as rank zero's (each reads it:
+    validate, test, predict). ``what``: what reads it, for the message (``validate: loading``)."""
+    if not env.enabled:
+        return resolve()
+
+    def rank_zeros() -> tuple[Path | None, CheckpointView | None]:
+        path = resolve()
+        return path, view_of(path) if path is not None else None
+
+    path, zeros = decided_by_rank_zero(rank_zeros, env)
+    if path is not None:
+        _same_on_every_rank(path, zeros, env, run_dir, what, load=False)
+    return path
+
+
+def _same_on_every_rank(
+    path: Path, zeros: CheckpointView, env: DistributedEnv, run_dir: str, what: str, load: bool
+) -> dict[str, Any] | None:
+    """Refuse on every rank, naming each rank (and its host) that sees another file at ``path`` than rank zero's
+    (``zeros``), or cannot ``load`` it; the checkpoint loaded on this rank (not rank zero), or None."""
+    checkpoint, problem = None, None
+    if env.rank != 0:
+        problem = difference(view_of(path), zeros)
+        if problem is None and load:
+            try:
+                checkpoint = load_with_fallback_hint(path)
+            except CheckpointError as exc:
+                problem = f"cannot load it: {exc}"
+    found = gather_object((socket.gethostname(), problem), env)
+    if seen := [f"rank {rank} (host {host}) {said}" for rank, (host, said) in enumerate(found) if said]:
+        raise CheckpointError(
+            f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. Every rank reads that "
+            f"checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) must be on a file system "
+            "every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or copy the checkpoint to "
+            "that path on every node. Nothing was trained or written"
+        )
+    return checkpoint
