@@ -344,3 +344,73 @@ def test_a_stream_without_length_warns_when_checkpoints_or_validation_wait_for_i
     told = [str(w.message) for w in seen if "an epoch ends only where its data does" in str(w.message)]
     assert len(told) == (0 if said is None else 1)
     assert said is None or said in told[0]
+
+
+class _LengthRaises:
+    """The toy batches, from an iterable whose __len__ raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error, self.loader = error, DataLoader(toy_dataset(32), batch_size=8)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "loader", "message"),
+    [
+        (
+            RuntimeError("index not built"),
+            "train",
+            r"len\(train_dataloader\(\)\) raised RuntimeError: index not built; ",
+        ),
+        (
+            ValueError("__len__() should return >= 0"),
+            "val",
+            r"len\(val_dataloader\(\)\) raised ValueError: __len__\(\)",
+        ),
+        (NotImplementedError(), "train", None),  # a stream's way to say it has no length, as TypeError is
+    ],
+    ids=["raises", "negative", "not-implemented"],
+)
+def test_a_loader_whose_len_raises_is_named_unless_it_says_it_has_none(tmp_path, error, loader, message):
+    """A __len__ that raised (or returned -1) surfaced as its own error from deep in the set-up, naming no loader;
+    NotImplementedError, which some samplers and streams raise, failed the run instead of meaning no length."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": -1}))
+    setattr(trainer, f"{loader}_dataloader", lambda: _LengthRaises(error))
+    if message is None:
+        with pytest.warns(UserWarning, match=r"train_dataloader\(\) has no length"):
+            trainer.fit()
+        assert trainer.state.global_step == 4
+        return
+    with pytest.raises(UserCodeError, match=message + r".*raises TypeError where it has no length"):
+        trainer.fit()
+
+
+class _Float64Layer(torch.nn.Module):
+    """A first layer kept in float64 on purpose, then float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide, self.head = torch.nn.Linear(6, 4).double(), torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.wide(x.to(self.wide.weight.dtype)).to(self.head.weight.dtype))
+
+
+class _Float64LayerTrainer(ToyTrainer):
+    def configure_model(self):
+        return _Float64Layer()
+
+
+def test_o2_says_it_casts_float64_parameters_down_too(tmp_path):
+    """O2 casts every floating-point parameter, float64 ones too, as Apex did: the layer kept in float64 trained in
+    bfloat16 with float32 masters, silently."""
+    precision = {"precision.opt_level": "O2", "precision.dtype": "bfloat16"}
+    trainer = _Float64LayerTrainer(toy_cfg(tmp_path, **QUIET, **precision, **{"trainer.max_steps": 1}))
+    with pytest.warns(UserWarning, match=r"opt_level=O2 casts the model's float64 parameters to bfloat16 too "
+                                         r"\(wide.weight, wide.bias\).*O1 keeps them"):  # fmt: skip
+        trainer.fit()

@@ -14,6 +14,7 @@ import ampkit
 from ampkit.callbacks.checkpointing_report import CheckpointingReport
 from ampkit.config import load_config
 from ampkit.trainer.model_setup import MODEL_STEPS
+from ampkit.trainer.user_code import UserCodeError
 
 TINY_GPT = ["model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=16", "data.batch_size=4",
             "data.val_batches=1", "model.dropout=0.1", "trainer.device=cpu", "trainer.progress_bar=false",
@@ -230,3 +231,37 @@ def test_checkpointing_that_runs_is_quiet_and_leaves_no_hooks(tmp_path, recwarn)
     assert trainer.state.global_step == 2
     assert not [w for w in recwarn if "activation_checkpointing" in str(w.message)]
     assert not any(m._forward_pre_hooks for m in trainer.module.modules())
+
+
+class _StrictAttributes(torch.nn.Module):
+    """A module whose __getattr__ raises a KeyError for a name it lacks (a config-backed module), not AttributeError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _StrictAttributesTrainer(ToyTrainer):
+    def configure_model(self):
+        return _StrictAttributes()
+
+
+@pytest.mark.parametrize("setting", [{"trainer.compile": True}, {"distributed.strategy": "fsdp"}])
+def test_a_getattr_raising_no_attribute_error_is_named_before_compile_or_fsdp_run(tmp_path, setting):
+    """torch's compile and FSDP's state dicts look attributes up with hasattr(), which lets only AttributeError
+    through: compile failed inside torch naming _torchdynamo_orig_callable, and FSDP trained, then failed at its first
+    checkpoint naming _fqn_modifiers."""
+    quiet = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_steps": 1}
+    trainer = _StrictAttributesTrainer(toy_cfg(tmp_path, **quiet, **setting))
+    message = r"_StrictAttributes.__getattr__ raises KeyError \('_ampkit_attribute.*'\) for an attribute it lacks"
+    with pytest.raises(UserCodeError, match=message + r".*Raise AttributeError there"):
+        trainer.fit()

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
@@ -118,6 +119,29 @@ def test_a_scaled_float16_run_under_anomaly_detection_says_why_it_stopped(tmp_pa
     assert "precision.dtype=bfloat16" in note
 
 
+class _RecordsForwardDtypes(ToyTrainer):
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(x)
+        self.dtypes = getattr(self, "dtypes", set()) | {out.dtype}
+        return F.mse_loss(out.squeeze(1).float(), y)
+
+
+def test_apex_patches_of_torch_functions_leave_a_fit_at_its_own_precision(tmp_path):
+    """An O0 fit after an Apex script's amp.init() (or amp.initialize(..., patch_torch_functions=True)) in the same
+    process ran its forward in float16: those patches are process-wide. They still cast outside the run."""
+    from ampkit.compat import amp
+
+    handle = amp.init(enabled=True, patch_type=torch.float16)
+    try:
+        trainer = _RecordsForwardDtypes(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+        trainer.fit()
+        assert trainer.dtypes == {torch.float32}
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float16
+    finally:
+        handle._deactivate()
+
+
 class _WaitsInFit(ToyTrainer):
     def on_train_start(self):
         self.started.set()
@@ -142,6 +166,39 @@ def test_a_fit_or_validate_from_another_thread_while_one_runs_is_refused_naming_
         first.join(30)
     assert trainer.state.global_step == 1
     trainer.validate()  # the run is over: its thread no longer holds the Trainer
+
+
+def _fit_beside_a_waiting_fit(tmp_path, seeds: tuple[int | str, int | str], runs) -> None:
+    """``runs(other)`` in this thread while a _WaitsInFit fits in thread 'first' (``seeds``: theirs, other's)."""
+    trainer = _WaitsInFit(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": seeds[0]}))
+    trainer.started, trainer.release = threading.Event(), threading.Event()
+    first = threading.Thread(target=trainer.fit, name="first")
+    first.start()
+    other = ToyTrainer(toy_cfg(tmp_path / "b", **QUIET, **{"trainer.max_steps": 1, "trainer.seed": seeds[1]}))
+    try:
+        assert trainer.started.wait(30)
+        runs(other)
+    finally:
+        trainer.release.set()
+        first.join(30)
+    assert trainer.state.global_step == 1
+
+
+def test_another_trainers_run_in_another_thread_while_one_runs_is_refused_naming_it_unless_neither_is_seeded(
+    tmp_path,
+):
+    """Two Trainers fitting in two threads (a sweep's thread pool) shared torch's global generators: a seeded fit
+    drew other numbers than alone, and each one's end put the caller's generators back under the other's feet."""
+    refused = r"fit\(\) of _WaitsInFit is running in thread 'first' of this process.*'spawn'.*trainer.seed=null"
+
+    def refuses(other):
+        for call in (other.fit, other.validate):
+            with pytest.raises(UserCodeError, match=refused):
+                call()
+
+    _fit_beside_a_waiting_fit(tmp_path / "seeded", (0, "null"), refuses)
+    assert not (tmp_path / "seeded" / "b").exists()
+    _fit_beside_a_waiting_fit(tmp_path / "unseeded", ("null", "null"), lambda other: other.fit())
 
 
 def test_a_fit_under_a_meta_default_device_names_that_setting(tmp_path):

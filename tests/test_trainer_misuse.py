@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from torch.utils.data import DataLoader
-from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
+from toy_trainers import ToyTrainer, toy_cfg, toy_dataset, toy_model
 
 import ampkit
 from ampkit.callbacks import EarlyStopping, GradientClipping, MaxTime, ModelCheckpoint, TensorBoardLogger
@@ -393,3 +393,140 @@ def test_a_callback_built_by_hand_refuses_a_number_that_is_no_number_naming_it(b
     Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+class _StepIsNone(ToyTrainer):  # Lightning code disabling a step
+    validation_step = None
+
+
+class _LoaderIsAName(ToyTrainer):
+    train_dataloader = "toy"
+
+
+def _instance_step_none(trainer):
+    trainer.training_step = None
+
+
+def _instance_hook(trainer):
+    trainer.on_train_epoch_end = lambda: None
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "change", "message"),
+    [
+        (_StepIsNone, None, r"_StepIsNone.validation_step is None, which replaces the method Trainer.validation_step "
+                            r"with no function; define it as def validation_step\(self, batch\), or delete"),
+        (_LoaderIsAName, None, r"_LoaderIsAName.train_dataloader is 'toy', which replaces the method"),
+        (ToyTrainer, _instance_step_none, r"trainer.training_step was set to None on this ToyTrainer, which replaces "
+                                          r"its method training_step\(\) with no function; delete the attribute"),
+        (ToyTrainer, _instance_hook, r"trainer.on_train_epoch_end was set on this ToyTrainer instance, where the "
+                                     r"Trainer never calls it.*Define def on_train_epoch_end\(self, ...\) in Toy"),
+    ],
+    ids=["step-none", "loader-str", "instance-step-none", "instance-hook"],
+)  # fmt: skip
+def test_a_method_replaced_by_no_function_or_a_hook_set_on_the_instance_is_named_before_anything_runs(
+    tmp_path, trainer_class, change, message
+):
+    """A step set to None failed inside inspect ('None is not a callable object'); on the instance, at its first
+    batch with a TypeError. A hook set on the instance never ran, silently: hooks are read from the class."""
+    if change is None:
+        with pytest.raises(UserCodeError, match=message):
+            trainer_class(toy_cfg(tmp_path, **QUIET))
+        return
+    trainer = trainer_class(toy_cfg(tmp_path, **QUIET))
+    change(trainer)
+    for run in (trainer.fit, trainer.validate):
+        with pytest.raises(UserCodeError, match=message):
+            run()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_set_by_hand_that_configure_model_does_not_return_is_named_not_dropped(tmp_path):
+    """trainer.model set by hand was silently dropped by fit() (which builds from configure_model) and by a fresh
+    validate(); after a fit, validate(ckpt=...) loaded the checkpoint into trainer.module and evaluated the model set
+    by hand. A wrapper of trainer.module evaluates it, and Lightning code's self.model set in __init__ and returned
+    by configure_model still trains."""
+    trainer = ToyTrainer(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
+    trainer.model = torch.nn.Linear(6, 1)
+    for run in (trainer.fit, trainer.validate):
+        with pytest.raises(UserCodeError, match=r"trainer.model was set to a Linear which configure_model\(\) did not"):
+            run()
+    trainer.model = None
+    trainer.fit()
+    trained = trainer.validate(ckpt="last")
+    trainer.model = torch.nn.Sequential(trainer.module)  # a wrapper of the run's module (torch.compile's) runs it
+    assert trainer.validate(ckpt="last") == trained
+    trainer.module = torch.nn.Linear(6, 1)
+    with pytest.raises(UserCodeError, match=r"validate\(\) of ToyTrainer: trainer.module was set to a Linear and"):
+        trainer.validate(ckpt="last")
+
+    class SetInInit(ToyTrainer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.model = toy_model()
+
+        def configure_model(self):
+            return self.model
+
+    own = SetInInit(toy_cfg(tmp_path / "b", **QUIET, **{"trainer.max_steps": 1}))
+    first = own.model
+    own.fit()
+    assert own.module is first and own.state.global_step == 1
+
+
+def test_a_config_changed_between_runs_is_checked_and_followed(tmp_path):
+    """trainer.cfg.trainer.max_steps raised in a notebook between two fits: the loop kept the settings taken at
+    construction, so the resume said its checkpoint had reached the old limit while the warnings quoted the new one."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    trainer.cfg.trainer.accumulate_grad_batches = 0
+    with pytest.raises(ampkit.ConfigError, match="trainer.accumulate_grad_batches"):
+        trainer.fit(resume="last")
+    trainer.cfg.trainer.accumulate_grad_batches = 1
+    trainer.cfg.trainer.max_steps = 4
+    trainer.fit(resume="last")
+    assert trainer.state.global_step == 4
+
+
+class _BuffersOnly(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(6))
+
+    def forward(self, x):
+        return (x @ self.weight)[:, None]
+
+
+class _FixedTransformTrainer(ToyTrainer):
+    def configure_model(self):
+        return _BuffersOnly()
+
+
+def test_a_model_of_buffers_only_is_named_by_fit_and_evaluated_by_validate(tmp_path):
+    """fit() failed inside torch ('optimizer got an empty parameter list'), in configure_optimizers."""
+    trainer = _FixedTransformTrainer(toy_cfg(tmp_path, **QUIET))
+    message = r"returned a _BuffersOnly with no parameters to train \(only buffers: weight\): make trainable tensors"
+    with pytest.raises(UserCodeError, match=message):
+        trainer.fit()
+    assert set(_FixedTransformTrainer(toy_cfg(tmp_path, **QUIET)).validate()) == {"mse"}
+
+
+class _OptimizersFailOnce(ToyTrainer):
+    failed = False
+
+    def configure_optimizers(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("no optimizer yet")
+        return super().configure_optimizers()
+
+
+def test_validate_after_a_fit_that_failed_while_setting_up_evaluates_as_before_any_fit(tmp_path):
+    """The failed fit left a model but no callbacks: validate() then failed saying the hook on_exception had no
+    callbacks yet, as if called from outside a run."""
+    trainer = _OptimizersFailOnce(toy_cfg(tmp_path / "a", **QUIET, **{"trainer.max_steps": 1}))
+    with pytest.raises(RuntimeError, match="no optimizer yet"):
+        trainer.fit()
+    assert trainer.validate() == ToyTrainer(toy_cfg(tmp_path / "b", **QUIET)).validate()
+    trainer.fit()
+    assert trainer.state.global_step == 1

@@ -21,6 +21,20 @@ from ampkit.amp import (
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.state import BackwardState
+from ampkit.trainer.user_code import first_names
+
+
+def _warn_of_float64(module: torch.nn.Module, opt_level: str, cast_type: torch.dtype) -> None:
+    """Say that the model cast takes float64 parameters down too (as Apex's O2 did): a layer kept in float64 on
+    purpose trained in half precision with float32 masters, silently."""
+    wide = [name for name, p in module.named_parameters() if p.dtype == torch.float64]
+    if wide:
+        low = str(cast_type).removeprefix("torch.")
+        rank_zero_warn(
+            f"precision.opt_level={opt_level} casts the model's float64 parameters to {low} too ({first_names(wide)}), "
+            "as Apex did, with float32 master copies: their float64 precision is lost. opt_level O1 keeps them "
+            "(autocast leaves float64 alone)"
+        )
 
 
 class MixedPrecision(Callback):
@@ -91,6 +105,7 @@ class MixedPrecision(Callback):
             self._autocast = autocast_for(model_device(trainer.module), props.dtype)
         cast_type = props.cast_model_type
         if cast_type is not None and cast_type != torch.float32:
+            _warn_of_float64(trainer.module, props.opt_level, cast_type)
             cast_model(trainer.module, cast_type, keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32))
             for module in self._boundaries(trainer):
                 add_boundary_casts(module, cast_type, self.cast_model_outputs or torch.float32)

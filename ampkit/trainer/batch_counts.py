@@ -1,5 +1,6 @@
 """What one batch holds, as the Trainer's ``samples_in`` and ``tokens_in`` say: checked counts for the epoch
-means, validation averages and throughput figures; and how many batches a ``limit_*_batches`` setting leaves."""
+means, validation averages and throughput figures; how many batches a loader says it has; and how many batches a
+``limit_*_batches`` setting leaves."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from ampkit.config import ConfigError
+from ampkit.trainer.user_code import UserCodeError
 
 
 def checked_count(value: Any, owner: object, method: str) -> int | None:
@@ -34,6 +36,25 @@ def checked_count(value: Any, owner: object, method: str) -> int | None:
     )
 
 
+def loader_length(loader: Any, source: str) -> int | None:
+    """``len(loader)``, None for a loader without a length: no ``__len__``, or one raising ``TypeError`` or
+    ``NotImplementedError``, as streams' and some samplers' do.
+
+    Raises:
+        UserCodeError: its ``__len__`` raised another error, or returned no integer >= 0 (Python's own message named
+            neither the loader, ``source``, nor the way out).
+    """
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
+    except Exception as exc:
+        raise UserCodeError(
+            f"len({source}) raised {type(exc).__name__}: {exc}; its __len__ returns the number of batches of a pass "
+            "(an integer >= 0), or raises TypeError where it has no length (the epoch then ends where the data does)"
+        ) from exc
+
+
 def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -> int | None:
     """``trainer.limit_*_batches`` (config ``key``) as a count of ``loader``'s batches, None for all: an int is a
     count, a float a fraction of the batches (Lightning's ``int(fraction * len)``; 1.0: all).
@@ -46,13 +67,12 @@ def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -
         return limit
     if limit >= 1.0:
         return None
-    try:
-        total = len(loader)
-    except TypeError:
+    total = loader_length(loader, source)
+    if total is None:
         raise ConfigError(
             f"config key '{key}': {limit} is a fraction of the batches, but {source} has no length (a stream): give "
             "a number of batches (an integer) instead"
-        ) from None
+        )
     count = int(total * limit)
     if count == 0:
         raise ConfigError(

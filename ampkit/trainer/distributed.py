@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
+from ampkit.trainer.batch_counts import loader_length
 from ampkit.trainer.launch_env import check_launch_environment, launch_int
 
 T = TypeVar("T")
@@ -357,16 +358,15 @@ def distributed_loader(
     )  # fmt: skip
 
 
-def counted_batches(loader: Any, limit: int | None) -> int | None:
+def counted_batches(loader: Any, limit: int | None, source: str) -> int | None:
     """The batches a pass over ``loader`` yields (at most ``limit``) where that is sure, else None: one without a
     length, or an ``IterableDataset``'s, whose ``len`` is a hint its stream may undercut, also below ``limit``."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
         return None
-    try:
-        count = len(loader)
-    except TypeError:
+    count = loader_length(loader, source)
+    if count is None:
         return None
     return count if limit is None else min(count, limit)
 

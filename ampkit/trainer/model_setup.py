@@ -36,6 +36,7 @@ from ampkit.trainer.distributed import DistributedEnv, broadcast_module_
 from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import shard_model
 from ampkit.trainer.module_names import has_forward, modules_named
+from ampkit.trainer.user_code import UserCodeError
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -144,9 +145,35 @@ def setup_model(module: nn.Module, setup: ModelSetup) -> tuple[nn.Module, Any]:
 
     Returns ``(module, model)``: the bare (possibly sharded) module, and what training code calls.
     """
+    if setup.sharded or setup.compile_setting:  # before any step: FSDP's checkpoints would fail only at the first save
+        refuse_getattr_breaking_hasattr(module)
     for _, step in MODEL_STEPS:
         module = step(module, setup)
     return module, compile_whole_model(module, setup)
+
+
+def refuse_getattr_breaking_hasattr(module: nn.Module) -> None:
+    """Refuse a module class of the model whose ``__getattr__`` raises another error than ``AttributeError`` for a
+    name it lacks: torch's compile, FSDP and sharded state dicts look attributes up with ``hasattr``, which lets only
+    ``AttributeError`` through, so such a run failed deep inside torch, naming an attribute the user never used (under
+    FSDP at the first checkpoint, its training lost)."""
+    seen: set[type] = set()
+    for sub in module.modules():
+        kind = type(sub)
+        if kind in seen or kind.__getattr__ is nn.Module.__getattr__:
+            continue
+        seen.add(kind)
+        try:
+            sub._ampkit_attribute_no_module_has  # noqa: B018 (the lookup is the probe)
+        except AttributeError:
+            continue
+        except Exception as probe:
+            raise UserCodeError(
+                f"{kind.__name__}.__getattr__ raises {type(probe).__name__} ({probe}) for an attribute it lacks, where "
+                "Python expects AttributeError: torch's compile and FSDP (distributed.strategy, trainer.compile) look "
+                "attributes up with hasattr(), which lets only AttributeError through. Raise AttributeError there, as "
+                "nn.Module's __getattr__ does"
+            ) from None
 
 
 def compile_whole_model(module: nn.Module, setup: ModelSetup) -> Any:

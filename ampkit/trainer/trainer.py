@@ -64,6 +64,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from ampkit.amp.patch_scope import without_torch_patches
 from ampkit.config import (
     Config,
     ConfigError,
@@ -74,7 +75,7 @@ from ampkit.config import (
     plain_config,
 )
 from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
-from ampkit.trainer.batch_counts import batch_limit, checked_count
+from ampkit.trainer.batch_counts import batch_limit, checked_count, loader_length
 from ampkit.trainer.batch_layout import (
     batch_layout,
     batches_done_here,
@@ -152,10 +153,18 @@ from ampkit.trainer.optimizers import (
     zero_grad_,
 )
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
-from ampkit.trainer.own_hooks import check_step_signatures, own_hooks
+from ampkit.trainer.own_hooks import (
+    check_instance_attributes,
+    check_replaced_methods,
+    check_step_signatures,
+    models_set_by_hand,
+    own_hooks,
+    refuse_models_set_by_hand,
+)
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
 from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
+from ampkit.trainer.process_runs import enter_run, leave_run
 from ampkit.trainer.rng import (
     capture_callers_rng,
     capture_rng,
@@ -206,6 +215,7 @@ from ampkit.trainer.user_code import (
     check_batches,
     check_loader,
     check_loss,
+    check_model_has_parameters,
     check_model_has_values,
     empty_batch_error,
     exhausted_loader_error,
@@ -301,12 +311,9 @@ class _NoHooksYet(dict):
         )
 
 
-def _batches_in(loader: Any, limit: int | None) -> int | None:
+def _batches_in(loader: Any, limit: int | None, source: str) -> int | None:
     """How many batches a pass over ``loader`` yields under ``limit``; None when it has no length and no limit."""
-    try:
-        total = len(loader)
-    except TypeError:
-        total = None
+    total = loader_length(loader, source)
     return total if limit is None else limit if total is None else min(total, limit)
 
 
@@ -341,6 +348,7 @@ class Trainer:
         if settings:  # Lightning's Trainer(max_epochs=3): here settings are config keys
             raise TypeError(keyword_settings_error(type(self).__name__, self.config_class, list(settings)))
         self._own_hooks = own_hooks(type(self), Trainer)
+        check_replaced_methods(type(self), Trainer)
         check_step_signatures(type(self))
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
             raise ConfigError(
@@ -355,14 +363,8 @@ class Trainer:
         self.cfg: DictConfig = cfg
         self.dist = DistributedEnv()  # one process until fit/validate/test/predict start torch.distributed
         self._validate_config()
-        # A plain copy for the loop: reading an OmegaConf node costs microseconds, paid several times a step.
-        self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
-        self._log_every: int = self.cfg.logging.log_every_n_steps
+        self._take_settings()
         self.state = LoopState()
-        self.device = self._resolve_device(self.settings.device)
-        self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
-        self._val_every_n_steps = self.settings.val_every_n_steps
-        self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
         self._user_callbacks = callback_list(callbacks, "Trainer(callbacks=...)")
         self.callbacks: list[Callback] = []
         self.module: torch.nn.Module | None = None  # the bare model: checkpoints and optimizers use it
@@ -438,9 +440,30 @@ class Trainer:
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
         self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
+        self._models_left: tuple[Any, Any] = (None, None)  # module and model as the last run that built one left them
+        self._built_model = False  # the run in progress built its model (then _release records it in _models_left)
         self._in_automatic_step = False  # training_step runs under automatic optimization: the Trainer backpropagates
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer step() is stepping now
         self._direct_step_guards: list[Any] = []  # manual optimization: hooks refusing optimizer.step() outside step()
+
+    def _take_settings(self) -> None:
+        """The loop's plain copies of the config's settings (reading an OmegaConf node costs microseconds, paid
+        several times a step), and what the config they came from was (see :meth:`_follow_config`)."""
+        self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
+        self._log_every: int = self.cfg.logging.log_every_n_steps
+        self.device = self._resolve_device(self.settings.device)
+        self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
+        self._val_every_n_steps = self.settings.val_every_n_steps
+        self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
+        self._settings_from = OmegaConf.to_container(self.cfg)
+
+    def _follow_config(self) -> None:
+        """Before a run: a config changed since the settings were taken (``trainer.cfg.trainer.max_steps = 5`` in a
+        notebook between two fits) is checked as at construction and taken again. Else the loop ran on the old
+        settings while checks and messages read the new ones, and a resume said it had nothing to train."""
+        if OmegaConf.to_container(self.cfg) != self._settings_from:
+            self._validate_config()
+            self._take_settings()
 
     # ----------------------------------------------------------------- what a subclass implements
     def configure_model(self) -> torch.nn.Module:
@@ -994,7 +1017,7 @@ class Trainer:
     @property
     def num_val_batches(self) -> int | None:
         """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
-        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit)
+        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
 
     @property
     def global_rank(self) -> int:
@@ -1017,7 +1040,10 @@ class Trainer:
 
         Each call is a run of its own: a second ``fit()`` trains a new model from the start (``resume="last"``
         continues the first), and ``fit()`` from a hook or step of a running ``fit``/``validate``... is refused."""
-        if not self._claim("fit"):  # it would recurse until Python's stack runs out
+        check_instance_attributes(self, Trainer)
+        if self._running is None:  # from a hook of a run, the run's settings stay
+            self._follow_config()
+        if not self._claim("fit", seeded=self.settings.seed is not None):  # it would recurse until the stack ends
             raise UserCodeError(
                 f"fit() was called while {self._running}() is running (from a hook or a step of "
                 f"{type(self).__name__}); a fit runs to its end before another starts: call fit() after it returns"
@@ -1026,14 +1052,14 @@ class Trainer:
             refuse_outer_autocast(self.cfg, self.device)
             self._start_distributed()
         except BaseException:
-            self._running = None
+            self._release()
             raise
         clean = False
         failure = None
         self._preempt_asked = False
         try:
             with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
-                with sighup_raises(), grad_mode_for_training():
+                with sighup_raises(), grad_mode_for_training(), without_torch_patches():
                     self._fit(resume)
             clean = True
         except BaseException as exc:
@@ -1044,7 +1070,7 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = None
+            self._release()
             for guard in self._direct_step_guards:
                 guard.remove()
             self._direct_step_guards = []
@@ -1055,23 +1081,38 @@ class Trainer:
                 discard_new_version_dir(self.version_dir, self.fit_start)
             teardown_distributed(self.dist, clean, failure)
 
-    def _claim(self, entry: str) -> bool:
+    def _claim(self, entry: str, seeded: bool) -> bool:
         """Mark ``entry`` (``"fit"``, ``"validate"``...) as running, or return False: called from a hook or a step of
         the run in progress. Called from another thread while one runs, it is refused: the two would share the model,
-        the optimizers and the loop's state (and both passed the check before either marked itself)."""
+        the optimizers and the loop's state (and both passed the check before either marked itself), as is a run of
+        another Trainer while one runs in another thread (:mod:`~ampkit.trainer.process_runs`)."""
         here = (threading.get_ident(), threading.current_thread().name)
         with _CLAIMS:
-            if self._running is None:
+            claimed = self._running is None
+            if claimed:
                 self._running, self._running_in = entry, here
-                return True
+        if claimed:
+            try:
+                enter_run(self, entry, seeded)  # another Trainer's run in another thread: refused, naming it
+            except UserCodeError:
+                self._running = None
+                raise
+            return True
         if self._running_in != here:
             raise UserCodeError(
                 f"{entry}() was called in thread '{here[1]}' while {self._running}() is running in thread "
                 f"'{self._running_in[1]}' on this {type(self).__name__}: one Trainer runs one "
                 "fit, validate, test or predict at a time (they would share its model, optimizers and loop state); "
-                "build a Trainer for each thread"
+                "call it after that one returns"
             )
         return False
+
+    def _release(self) -> None:
+        """The run :meth:`_claim` marked has ended."""
+        self._running = None
+        if self._built_model:  # with what its callbacks made of it (a DDP wrapper); a run failing before keeps the last
+            self._models_left, self._built_model = (self.module, self.model), False
+        leave_run(self)
 
     @contextmanager
     def _process_kept(self, seeds: bool) -> Iterator[None]:
@@ -1563,18 +1604,23 @@ class Trainer:
         return predictions
 
     def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
-        if not self._claim(stage.name):  # from a hook of a running fit (or evaluation): its process group stays its own
+        check_instance_attributes(self, Trainer)
+        if self._running is None:
+            self._follow_config()
+        if self._running is None and self.module is not None:  # evaluates the model there: one set by hand is not
+            refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
+        seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
+        if not self._claim(stage.name, seeds):  # from a hook of a running run: its process group stays its own
             return self._run_stage(stage, ckpt)
         try:
             self._start_distributed()
         except BaseException:
-            self._running = None
+            self._release()
             raise
         clean = False
         failure = None
-        seeds = self.module is None and self.settings.seed is not None  # a fresh model is built from the seed
         try:
-            with self._process_kept(seeds):
+            with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt)
             clean = True
         except BaseException as exc:
@@ -1583,9 +1629,14 @@ class Trainer:
             failure = exc
             raise
         finally:
-            self._running = None
+            self._release()
             teardown_distributed(self.dist, clean, failure)
         return result
+
+    def _unset(self) -> bool:
+        """Whether no run set this Trainer up (its model and callbacks), so an evaluation builds them: also after a
+        fit that failed while setting up (configure_optimizers, a loader), which left a model but no callbacks."""
+        return self.module is None or isinstance(self._hooks, _NoHooksYet)
 
     def _raise_set_up_failure(self, exc: RuntimeError, stage: str) -> None:
         """A collective that failed before the callbacks that name a dead rank were set up (comparing configs,
@@ -1602,7 +1653,7 @@ class Trainer:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
             )
-        fresh = self.module is None  # not fitted in this process: build the model as fit would
+        fresh = self._unset()  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
         if path is not None:
@@ -1698,12 +1749,15 @@ class Trainer:
         if self.settings.seed is not None:
             seed_everything(self.settings.seed)
         self.model_setup = ModelSetup(self.cfg, self.device, self.dist, self.sharded)  # configure_model may add notes
+        by_hand = models_set_by_hand(self, self._models_left)
         module = call_setup_method(self, "configure_model")
         if not isinstance(module, torch.nn.Module):
             raise UserCodeError(f"configure_model() must return a torch.nn.Module, got {type(module).__name__}")
+        refuse_models_set_by_hand(self, by_hand, self._running or "fit", built=module)
         check_model_has_values(module)
         # Broadcast, checkpoint, compile, shard: the order is stated once, in ampkit/trainer/model_setup.py.
         self.module, self.model = setup_model(module.to(self.device), self.model_setup)
+        self._built_model = True
 
     def _load_train_data(self) -> None:
         """``train_dataloader()``, sharded across ranks, and its batches per epoch."""
@@ -1715,22 +1769,26 @@ class Trainer:
         )
         limit = self.settings.limit_train_batches
         self._train_limit = batch_limit(limit, self._train_loader, "trainer.limit_train_batches", "train_dataloader()")
-        self._num_train_batches = _batches_in(self._train_loader, self._train_limit)
-        self._train_length_known = _batches_in(self._train_loader, None) is not None
+        self._num_train_batches = _batches_in(self._train_loader, self._train_limit, "train_dataloader()")
+        self._train_length_known = _batches_in(self._train_loader, None, "train_dataloader()") is not None
         check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
-        equal = check_equal_batches(counted_batches(self._train_loader, self._train_limit), self.dist)
+        equal = check_equal_batches(
+            counted_batches(self._train_loader, self._train_limit, "train_dataloader()"), self.dist
+        )
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
+        self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
+        check_model_has_parameters(self.module)
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
         self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}

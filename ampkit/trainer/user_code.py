@@ -79,6 +79,20 @@ def check_model_has_values(module: torch.nn.Module) -> None:
         )
 
 
+def check_model_has_parameters(module: torch.nn.Module) -> None:
+    """A model to train holds a parameter: one of buffers only (a fixed transform, a model whose weights were
+    registered as buffers) failed inside torch, in ``configure_optimizers``, as an optimizer of an empty list."""
+    if next(module.parameters(), None) is not None:
+        return
+    buffers = [name for name, _ in module.named_buffers()]
+    held = f"only buffers: {first_names(buffers)}" if buffers else "no tensors"
+    raise UserCodeError(
+        f"configure_model() returned a {type(module).__name__} with no parameters to train ({held}): make trainable "
+        "tensors nn.Parameter (register_parameter, not register_buffer); validate, test and predict run a model "
+        "without any as it is"
+    )
+
+
 def _shown(value: Any) -> str:
     """``value`` as an error names it: its type, and a number's value (``float 0.53``)."""
     if value is None:

@@ -71,7 +71,7 @@ def _decorate(fn: Callable, kind: str) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not state.is_active():
+        if not o1_casts.casts_here(state):
             return fn(*args, **kwargs)
         if kind == "promote":
             return promoted(*args, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ampkit.amp.patch_scope import torch_patches_cast
 from ampkit.compat.amp.lists import functional_overrides, tensor_overrides, torch_overrides
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -42,6 +43,12 @@ class CastState(Protocol):
 
     @property
     def cache(self) -> dict[torch.Tensor, torch.Tensor]: ...
+
+
+def casts_here(state: CastState) -> bool:
+    """Whether the patches cast now: their handle is active, and this thread runs no Trainer, whose config sets its
+    own precision (:mod:`ampkit.amp.patch_scope`)."""
+    return state.is_active() and torch_patches_cast()
 
 
 def _castable(x: Any) -> bool:
@@ -158,7 +165,7 @@ def cast_wrapper(state: CastState, dtype: torch.dtype, try_caching: bool) -> Cal
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not state.is_active():
+            if not casts_here(state):
                 return original(*args, **kwargs)
             args, kwargs = cast_arguments(state, dtype, try_caching, args, kwargs)
             return original(*args, **kwargs)
@@ -176,7 +183,7 @@ def fp32_before_transfer_wrapper(state: CastState) -> Callable[[Callable], Calla
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if state.is_active() and self.device.type != "cpu":
+            if casts_here(state) and self.device.type != "cpu":
                 self = _cast_value(self, torch.float32)
             return original(self, *args, **kwargs)
 
@@ -191,7 +198,7 @@ def promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if state.is_active() and _is_amp_mix(_floating_dtypes((*args, *kwargs.values()))):
+            if casts_here(state) and _is_amp_mix(_floating_dtypes((*args, *kwargs.values()))):
                 args = tuple(_cast_value(a, torch.float32) for a in args)
                 kwargs = {k: _cast_value(v, torch.float32) for k, v in kwargs.items()}
             return original(*args, **kwargs)
@@ -207,7 +214,7 @@ def sequence_promote_wrapper(state: CastState) -> Callable[[Callable], Callable]
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(seq: Any, *args: Any, **kwargs: Any) -> Any:
-            if state.is_active() and isinstance(seq, (list, tuple)) and _is_amp_mix(_floating_dtypes(seq)):
+            if casts_here(state) and isinstance(seq, (list, tuple)) and _is_amp_mix(_floating_dtypes(seq)):
                 seq = [_cast(x, torch.float32) if _castable(x) else x for x in seq]
             return original(seq, *args, **kwargs)
 
@@ -222,7 +229,7 @@ def match_self_wrapper(state: CastState) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if state.is_active() and _castable(self):
+            if casts_here(state) and _castable(self):
                 args = tuple(_cast_value(a, self.dtype) for a in args)
                 kwargs = {k: _cast_value(v, self.dtype) for k, v in kwargs.items()}
             return original(self, *args, **kwargs)
@@ -238,7 +245,7 @@ def error_if_self_low_wrapper(state: CastState, name: str) -> Callable[[Callable
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not state.is_active():
+            if not casts_here(state):
                 return original(self, *args, **kwargs)
             if isinstance(self, torch.Tensor) and self.dtype in LOW_PRECISION:
                 raise NotImplementedError(
@@ -260,7 +267,7 @@ def error_if_any_low_wrapper(state: CastState, message: str) -> Callable[[Callab
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if state.is_active() and _floating_dtypes((*args, *kwargs.values())) & set(LOW_PRECISION):
+            if casts_here(state) and _floating_dtypes((*args, *kwargs.values())) & set(LOW_PRECISION):
                 raise NotImplementedError(message)
             return original(*args, **kwargs)
 
@@ -290,7 +297,7 @@ class _RnnBackend:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not state.is_active():
+            if not casts_here(state):
                 return original(*args, **kwargs)
             return original(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 
@@ -308,7 +315,7 @@ def _rnn_check_input_wrapper(state: CastState) -> Callable[[Callable], Callable]
         @functools.wraps(original)
         def wrapper(self: Any, input: torch.Tensor, batch_sizes: Any) -> None:
             weight_dtype = self._flat_weights[0].dtype if self._flat_weights else input.dtype
-            if state.is_active() and input.dtype != weight_dtype:
+            if casts_here(state) and input.dtype != weight_dtype:
                 input = torch.empty(input.shape, dtype=weight_dtype, device="meta")
             return original(self, input, batch_sizes)
 
@@ -325,7 +332,7 @@ def _fastpath_off_wrapper(state: CastState) -> Callable[[Callable], Callable]:
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper() -> bool:
-            return False if state.is_active() else original()
+            return False if casts_here(state) else original()
 
         return wrapper
 
