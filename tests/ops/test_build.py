@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_env import child_env
+from rank_forkserver import ForkedPython
 
 from ampkit.ops import _build
 from ampkit.ops import build as ops_build
@@ -185,17 +186,25 @@ def _plain_family_source(tmp_path: Path) -> tuple[str, Path]:
 
 
 def _load_in_a_new_process(name: str, source: Path) -> subprocess.CompletedProcess:
-    """Build or load the plain family in a fresh process (as a training run would) and print its function's result
-    on 1, called in the library the loader loaded."""
-    script = (
+    """Build or load the plain family in a process of its own (as a training run would) and print its function's
+    result on 1, called in the library the loader loaded. Forked from the warm rank server, which never loads the
+    library: a new Python spent seconds importing torch with ampkit, twice in most of these tests."""
+    script = source.parent / "load_plain_family.py"
+    script.write_text(
         "import ctypes\n"
         "from ampkit.ops import _build\n"
         f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
         f"library = _build.extension_dir({name!r}, [{str(source)!r}], with_cuda=False) / '{name}.so'\n"
         f"print(ctypes.CDLL(str(library)).{name}_plus_one(1))\n"
     )
-    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    command = [sys.executable, str(script)]
+    loading = ForkedPython(command, env=child_env(REPO_ROOT, AMPKIT_OPS="kernel"))
+    try:
+        stdout, stderr = loading.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        loading.kill()  # as subprocess.run does on its timeout
+        raise
+    return subprocess.CompletedProcess(command, loading.returncode, stdout, stderr)
 
 
 @pytest.fixture
