@@ -10,6 +10,7 @@ from pathlib import Path
 
 from child_env import child_env
 from omegaconf import OmegaConf
+from rank_forkserver import ForkedPython
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks import ProgressBar
@@ -27,14 +28,26 @@ class _NamedLossesOverflowAt3(ToyTrainer):
         return {"loss": scaled, "mse_x2": 2 * loss}
 
 
-def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(tmp_path):
+def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``command`` (a Python script and its arguments) run in this directory, forked from the warm rank server."""
+    run = ForkedPython(command, env=env)
+    stdout, stderr = run.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
+
+
+def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(tmp_path, monkeypatch):
+    monkeypatch.chdir(TESTS)  # where the runs start
     cfg_path = tmp_path / "toy.yaml"
     trainer = {"max_epochs": 2, "device": "cpu"}  # the banner's device: auto would name a GPU where one is visible
     cfg = {"trainer_class": "toy_trainers:ToyTrainer", "run_dir": str(tmp_path / "run"), "trainer": trainer}
     OmegaConf.save(OmegaConf.create(cfg), cfg_path)
     env = {k: v for k, v in child_env(TESTS, REPO).items() if k != "CI"}  # not CI: only the pipe says "no terminal"
-    command = [sys.executable, "-m", "ampkit", "fit", "--config", str(cfg_path), "logging.console_every_n_steps=4"]
-    result = subprocess.run(command, cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    # The CLI's main() in a process forked from the warm rank server, its stdout a file (like a pipe, no terminal): a
+    # new Python spent seconds importing torch and ampkit, twice.
+    cli = tmp_path / "ampkit_cli.py"
+    cli.write_text("import sys\nfrom ampkit.cli import main\nsys.exit(main())\n")
+    command = [sys.executable, str(cli), "fit", "--config", str(cfg_path), "logging.console_every_n_steps=4"]
+    result = _run(command, env)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:6] == [
@@ -62,7 +75,7 @@ def test_piped_stdout_gets_a_banner_progress_lines_and_val_prefixed_epoch_lines(
 
     # a resume says where it started and counts what this run trained
     more = [*command, "trainer.max_epochs=3", "--resume", "last"]
-    resumed = subprocess.run(more, cwd=TESTS, env=env, capture_output=True, text=True, timeout=120)
+    resumed = _run(more, env)
     assert resumed.returncode == 0, resumed.stderr
     last = tmp_path / "run" / "version_0" / "checkpoints" / "last.pt"
     assert f"  resumed     from {last} at step 16" in resumed.stdout.splitlines()

@@ -35,13 +35,18 @@ def run(contender: str, repeat: int, step_ms: float, tokens_per_s: float) -> Run
                     tokens_per_s)  # fmt: skip
 
 
-def test_an_existing_json_file_is_replaced_only_with_overwrite(tmp_path):
-    """--json replaced the times an earlier run left at that path, without a word."""
+def test_an_existing_json_file_is_replaced_only_with_overwrite(tmp_path, monkeypatch, capsys):
+    """--json replaced the times an earlier run left at that path, without a word. Run in this process: the refusal
+    is argparse's exit 2 before any run, and a new Python spent seconds importing torch to give it."""
+    import gpt_step
+
     out = tmp_path / "gpt.json"
     out.write_text("the times of an earlier run")
-    done = bench(tmp_path, "--steps", "2", "--warmup", "1", "--repeats", "1", "--json", str(out))
-    _, stderr = done.communicate(timeout=120)
-    assert done.returncode == 2 and "exists already: pass --overwrite" in stderr
+    argv = [*TINY, "--run-dir", str(tmp_path / "runs"), "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", ["gpt_step.py", *argv, "--json", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        gpt_step.main()
+    assert exited.value.code == 2 and "exists already: pass --overwrite" in capsys.readouterr().err
     assert out.read_text() == "the times of an earlier run"
 
 

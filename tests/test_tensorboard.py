@@ -8,7 +8,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from child_env import child_env
+from rank_forkserver import ForkedPython
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from toy_trainers import ToyTrainer, toy_cfg
 
@@ -452,6 +452,19 @@ def fit_killed(cfg_json: str, hook: str, step: int) -> None:
     ToyTrainer(cfg, callbacks=[_SigkillAfter(hook, step)]).fit(resume=resolve_checkpoint(cfg["run_dir"], "last"))
 
 
+def run_killed(how: str, cfg: dict, hook: str, step: int, script: Path) -> tuple[int, str, str]:
+    """``how`` (:func:`fit_killed` or :func:`fit_killed_logging`) in a process of its own: its exit status, stdout and
+    stderr. Forked from the warm rank server, not a new Python: that one spent seconds importing torch, ampkit and
+    TensorBoard. It computes with this process's thread count (the server's ranks run one), as a new Python would."""
+    script.write_text(
+        f"import torch, test_tensorboard\ntorch.set_num_threads({torch.get_num_threads()})\n"
+        f"test_tensorboard.{how}({json.dumps(cfg)!r}, {hook!r}, {step})\n"
+    )
+    killed = ForkedPython([sys.executable, str(script)], env=child_env(TESTS, TESTS.parent))
+    stdout, stderr = killed.communicate(timeout=240)
+    return killed.returncode, stdout, stderr
+
+
 def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterrupted_one(tmp_path):
     """SIGKILLed just after the step-4 checkpoint: the events of steps 1-4 sat in SummaryWriter's buffer (written to
     the file every 120 s) and were lost, and the resume logs only from step 5. Then killed after the step-8 checkpoint
@@ -463,12 +476,9 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
     straight.fit()
     cfg = toy_cfg(tmp_path / "killed", **settings)
     for hook, step in (("on_train_batch_end", 4), ("on_validation_end", 8)):
-        code = f"import test_tensorboard; test_tensorboard.fit_killed({json.dumps(cfg)!r}, {hook!r}, {step})"
-        killed = subprocess.run(
-            [sys.executable, "-c", code], env=child_env(TESTS, TESTS.parent), capture_output=True, text=True
-        )
-        assert killed.returncode == -signal.SIGKILL, killed.stderr
-        assert f"step {step} |" in killed.stdout.splitlines()[-1]
+        returncode, stdout, stderr = run_killed("fit_killed", cfg, hook, step, tmp_path / f"killed_at_{step}.py")
+        assert returncode == -signal.SIGKILL, stderr
+        assert f"step {step} |" in stdout.splitlines()[-1]
     resumed = ToyTrainer(cfg)
     resumed.fit(resume="last")
     events, reference = _events(resumed), _events(straight)
@@ -505,11 +515,8 @@ def test_what_the_trainer_logs_in_its_own_hooks_at_a_checkpoint_s_step_survives_
     settings = {"trainer.max_epochs": 2, "logging.log_every_n_steps": 1, "trainer.progress_bar": False,
                 "checkpoint.every_n_steps": 4}  # fmt: skip
     cfg = toy_cfg(tmp_path, **settings)
-    code = f"import test_tensorboard; test_tensorboard.fit_killed_logging({json.dumps(cfg)!r}, 'on_train_batch_end', 8)"
-    killed = subprocess.run(
-        [sys.executable, "-c", code], env=child_env(TESTS, TESTS.parent), capture_output=True, text=True
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    returncode, _, stderr = run_killed("fit_killed_logging", cfg, "on_train_batch_end", 8, tmp_path / "killed.py")
+    assert returncode == -signal.SIGKILL, stderr
     resumed = LogsInItsOwnHooks(cfg)
     resumed.fit(resume="last")
     events = _events(resumed)

@@ -217,7 +217,6 @@ def test_telemetry_records_a_compiled_model_by_running_its_telemetry_steps_eager
     "torchao" not in BACKENDS, reason='FSDP float8 all-gather is torchao\'s (pip install "ampkit[fp8]")'
 )
 def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gather(tmp_path):
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -247,9 +246,13 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
             assert torch.equal(float8[rank]["model"][key], value), key
     # the float8 run's sharded checkpoint consolidates where torchao cannot be imported (weights_only=True)
     last, plain = tmp_path / "float8" / "run" / "version_0" / "checkpoints" / "last", tmp_path / "plain.pt"
-    code = ("import sys; sys.modules['torchao'] = None; import torch, ampkit; "
-            f"torch.save(ampkit.consolidate_checkpoint({str(last)!r}), {str(plain)!r})")  # fmt: skip
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=child_env(here, here.parents[1]))
+    script = tmp_path / "consolidate.py"  # forked too: a new Python spent seconds importing torch and ampkit
+    script.write_text("import sys\nassert 'torchao' not in sys.modules\nsys.modules['torchao'] = None\n"
+                      "import torch, ampkit\n"
+                      f"torch.save(ampkit.consolidate_checkpoint({str(last)!r}), {str(plain)!r})\n")  # fmt: skip
+    consolidating = ForkedPython([sys.executable, str(script)], env=child_env(here, here.parents[1]))
+    _, stderr = consolidating.communicate(timeout=240)
+    assert consolidating.returncode == 0, stderr[-3000:]
     for key, value in torch.load(plain, weights_only=True).items():
         assert type(value) is torch.Tensor and torch.equal(value, float8[0]["model"][key]), key
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from child_env import child_env
+from rank_forkserver import ForkedPython
 
 from ampkit.ops import _build
+from ampkit.ops import build as ops_build
 
 BROKEN_SOURCE = '#error "deliberately broken ampkit test source"\n'
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,12 +112,26 @@ def test_cache_key_follows_header_edits(tmp_path):
     assert _build.extension_dir("ampkit_x", [source], with_cuda=False) != before
 
 
-def test_ahead_of_time_build_is_reused_by_a_new_process():
+def _run_forked(script: Path, code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` (``code`` written to ``script``) with ``env`` set, in a process forked from the warm rank
+    server, which imports torch and ampkit but builds and loads no op: a new Python spent seconds importing them."""
+    script.write_text(code)
+    command = [sys.executable, str(script), *args]
+    child = ForkedPython(command, env=child_env(REPO_ROOT, **env))
+    try:
+        stdout, stderr = child.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        child.kill()  # as subprocess.run does on its timeout
+        raise
+    return subprocess.CompletedProcess(command, child.returncode, stdout, stderr)
+
+
+_BUILD_COMMAND = "import sys\nfrom ampkit.ops.build import main\nsys.exit(main())\n"  # python -m ampkit.ops.build
+
+
+def test_ahead_of_time_build_is_reused_by_a_new_process(tmp_path):
     """`python -m ampkit.ops.build` fills the cache; a new process then loads it without compiling."""
-    env = child_env(REPO_ROOT)
-    build = subprocess.run(
-        [sys.executable, "-m", "ampkit.ops.build"], env=env, capture_output=True, text=True, timeout=300
-    )
+    build = _run_forked(tmp_path / "build.py", _BUILD_COMMAND)
     assert build.returncode == 0, build.stderr
     assert "ampkit_multi_tensor: ready in" in build.stdout
     script = (
@@ -124,28 +140,23 @@ def test_ahead_of_time_build_is_reused_by_a_new_process():
         "assert _FAMILY.use_kernel()\n"
         "print(torch.ops.ampkit_multi_tensor.l2norm([torch.ones(4)], False)[0].item())\n"
     )
-    load = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**env, "AMPKIT_OPS": "kernel"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    load = _run_forked(tmp_path / "load.py", script, AMPKIT_OPS="kernel")
     assert load.returncode == 0, load.stderr
     assert "compiling" not in load.stderr
     assert load.stdout.strip() == "2.0"
 
 
-def test_only_builds_the_named_family_and_refuses_an_unknown_one():
-    """``--only`` lets a GPU script build the families in parallel processes; a misspelt one names the known."""
-    env = child_env(REPO_ROOT)
-    only = [sys.executable, "-m", "ampkit.ops.build", "--only", "ampkit_norms"]
-    build = subprocess.run(only, env=env, capture_output=True, text=True, timeout=300)
+def test_only_builds_the_named_family_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+    """``--only`` lets a GPU script build the families in parallel processes; a misspelt one names the known. The
+    refusal is checked in this process (it builds nothing): a new Python spent seconds importing torch to give it."""
+    build = _run_forked(tmp_path / "build.py", _BUILD_COMMAND, "--only", "ampkit_norms")
     assert build.returncode == 0, build.stderr
     assert build.stdout.startswith("ampkit_norms: ready in") and "ampkit_multi_tensor" not in build.stdout
-    wrong = subprocess.run([*only[:-1], "ampkit_norm"], env=env, capture_output=True, text=True, timeout=300)
-    assert wrong.returncode == 2
-    assert "unknown op family ampkit_norm; known: ampkit_multi_tensor, ampkit_norms, ampkit_optimizers" in wrong.stderr
+    monkeypatch.setenv("AMPKIT_OPS", "kernel")  # as main() sets it, for its process: undone after the test
+    assert ops_build.main(["--only", "ampkit_norm"]) == 2
+    wrong = capsys.readouterr()
+    assert "unknown op family ampkit_norm; known: ampkit_multi_tensor, ampkit_norms, ampkit_optimizers" in wrong.err
+    assert wrong.out == ""  # nothing built
 
 
 # torch/library.h alone: with ATen/ATen.h as well, each of this file's builds compiled three times as long.
@@ -181,17 +192,16 @@ def _plain_family_source(tmp_path: Path) -> tuple[str, Path]:
 
 
 def _load_in_a_new_process(name: str, source: Path) -> subprocess.CompletedProcess:
-    """Build or load the plain family in a fresh process (as a training run would) and print its function's result
-    on 1, called in the library the loader loaded."""
-    script = (
+    """Build or load the plain family in a process of its own (as a training run would) and print its function's
+    result on 1, called in the library the loader loaded."""
+    code = (
         "import ctypes\n"
         "from ampkit.ops import _build\n"
         f"assert _build.register_family({name!r}, [{str(source)!r}]).use_kernel()\n"
         f"library = _build.extension_dir({name!r}, [{str(source)!r}], with_cuda=False) / '{name}.so'\n"
         f"print(ctypes.CDLL(str(library)).{name}_plus_one(1))\n"
     )
-    env = child_env(REPO_ROOT, AMPKIT_OPS="kernel")
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    return _run_forked(source.parent / "load_plain_family.py", code, AMPKIT_OPS="kernel")
 
 
 @pytest.fixture
