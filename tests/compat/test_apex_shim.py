@@ -381,13 +381,13 @@ def test_the_local_rank_torch_distributed_launch_puts_first_reaches_the_script_a
     tmp_path, spellings, rank_flag
 ):
     """``python -m torch.distributed.launch ... -m ampkit.legacy train.py`` starts ``ampkit.legacy --local-rank=N
-    train.py``: the rank is the script's, and Apex-era scripts (Apex's examples, Swin) parse only ``--local_rank``,
-    what the launcher passed before torch 2.0."""
+    train.py`` (``--local_rank=N`` before torch 2.0): the rank is the script's, and Apex-era scripts (Apex's
+    examples, Swin) parse only ``--local_rank``, what the launcher passed before torch 2.0."""
     script = _local_rank_script(tmp_path / "train.py", *spellings)
-    result = _legacy("--local-rank=1", "--force-shim", script, "--lr", "0.1")
+    result = _legacy(rank_flag, "--force-shim", script, "--lr", "0.1")
     assert result.returncode == 0, result.stderr
     assert "local rank 1 lr 0.1" in result.stdout
-    module = _legacy("--local-rank=1", "-m", "train", "--lr", "0.1", extra_path=[tmp_path])
+    module = _legacy(rank_flag, "-m", "train", "--lr", "0.1", extra_path=[tmp_path])
     assert module.returncode == 0, module.stderr
     assert "local rank 1 lr 0.1" in module.stdout
 
