@@ -230,6 +230,16 @@ def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, 
     return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
 
 
+def long_epoch_message(epoch: int, promised: int) -> str:
+    """Why an epoch that stopped at its loader's ``len()`` of ``promised`` batches while the loader had more (an
+    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on."""
+    return (
+        f"train_dataloader() has more batches than its len() of {promised}: epoch {epoch} ended after {promised} "
+        "of them, as every epoch will (as Lightning's do), and the rest are never trained on; make its len() count "
+        "what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    )
+
+
 def _why_no_batches(loader: Any, world_size: int) -> str:
     """Why a DataLoader yields no batch (``: its 1 sample dealt to 2 ranks, 1 per rank, ...``) where lengths tell."""
     guess = " (an empty dataset, or a batch size above its length?)"
