@@ -361,6 +361,19 @@ def test_a_loader_longer_than_its_len_ends_each_epoch_there_and_is_said_once(tmp
         assert not [str(w.message) for w in seen if "len()" in str(w.message)]
 
 
+class ZeroLength(UnderstatedLength):
+    length = 0  # 5 batches, len() 0
+
+
+def test_a_stream_whose_len_is_0_is_refused_for_its_len_not_as_yielding_nothing(tmp_path):
+    # The error said "yields no batches" of a stream that yields 5: only its len() was 0.
+    message = (
+        r"^len\(train_dataloader\(\)\) is 0, and an epoch ends at len\(\), so no epoch would train on it; its __len__"
+    )
+    with pytest.raises(UserCodeError, match=message):
+        ZeroLength(toy_cfg(tmp_path, **QUIET)).fit()
+
+
 class _Endless(IterableDataset):
     """The toy samples over and over: a stream with no end and no length."""
 
