@@ -206,7 +206,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "fit" and trainer.fit_start.finished:
         return 0  # a resume of a finished run: the Trainer said so, and wrote nothing
     if args.command == "fit":
-        shown = _metrics("val", trainer.val_metrics)
+        logged = trainer.validation_end_values  # the last validation's on_validation_end values, rank zero's
+        shown = _metrics("val", {**trainer.val_metrics, **logged}, logged)
         s = trainer.state
         if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
             at = trainer.val_metrics_step

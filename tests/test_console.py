@@ -14,6 +14,7 @@ from rank_forkserver import ForkedPython
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks import ProgressBar
+from ampkit.cli import main
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -26,6 +27,14 @@ class _NamedLossesOverflowAt3(ToyTrainer):
         loss = super().training_step(batch)
         scaled = loss * math.inf if self.state.iteration == 3 else loss
         return {"loss": scaled, "mse_x2": 2 * loss}
+
+
+class _LogsAucAtValidationEnd(ToyTrainer):
+    """Logs an AUC-like value over the validated set in the Trainer's own on_validation_end, which runs after the
+    console's callbacks of its phase."""
+
+    def on_validation_end(self, metrics):
+        self.log("val/auc", 0.25 if self.state.stage == "fit" else 0.75)  # the sanity pass's is no run's value
 
 
 def _run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -102,6 +111,21 @@ def test_status_shows_named_losses_loss_scale_and_skipped_steps(tmp_path, capsys
     (at_4,) = [line for line in out.splitlines() if line.startswith("epoch 0 batch 4/8")]
     assert re.search(r"\| loss=[\d.]+ mse_x2=[\d.]+ scale\[0\]=32768 skipped=1 \|", at_4), at_4
     assert re.search(r"^epoch 0 step 4 \| val/mse=[\d.]+ \| validation [\d.]+ s$", out, re.M)  # step validation
+
+
+def test_values_logged_in_on_validation_end_show_beside_the_means_on_every_line(tmp_path, capsys):
+    """A user who logs val/auc in on_validation_end sees it in the validation's line, the epoch's and the CLI's last."""
+    config = tmp_path / "fit.yaml"
+    cfg = toy_cfg(
+        tmp_path,
+        **{"trainer.max_epochs": 1, "data.n": 32, "trainer.val_every_n_steps": 3, "logging.tensorboard": False},
+    )
+    OmegaConf.save(OmegaConf.create({**cfg, "trainer_class": f"{__name__}:_LogsAucAtValidationEnd"}), config)
+    assert main(["fit", "--config", str(config), "logging.console_every_n_steps=4"]) == 0  # stdout piped: no bars
+    out = capsys.readouterr().out
+    assert re.search(r"^epoch 0 step 3 \| val/mse=[\d.]+ val/auc=0.25 \| validation [\d.]+ s$", out, re.M), out
+    assert re.search(r"^epoch 0 \| 4 steps in .* \| val/mse=[\d.]+ val/auc=0.25$", out, re.M), out
+    assert re.search(r"^ampkit: finished 4 steps in 1 epoch; val/mse=[\d.]+, val/auc=0.2500$", out, re.M), out
 
 
 def test_terminal_bars_for_training_and_validation(tmp_path, capsys):

@@ -312,6 +312,68 @@ def test_a_loader_shorter_than_its_len_is_said_once(tmp_path):
     assert len([w for w in said if "but its len() says" in str(w.message)]) == 1
 
 
+class _Understated(IterableDataset):
+    """40 samples, whose ``__len__`` says ``length`` (24: a stream that counted some of its files)."""
+
+    def __init__(self, length: int = 24) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return iter(toy_dataset(40))
+
+
+class UnderstatedLength(ToyTrainer):
+    length = 24
+
+    def train_dataloader(self):  # 5 batches, len() 3
+        return DataLoader(_Understated(self.length), batch_size=8)
+
+
+class ExactLength(UnderstatedLength):
+    length = 40
+
+
+BARE = {"trainer.val_every_n_epochs": 0, "checkpoint.enabled": False}  # training alone: what the check is in
+
+
+def test_a_loader_longer_than_its_len_ends_each_epoch_there_and_is_said_once(tmp_path):
+    trainer = UnderstatedLength(toy_cfg(tmp_path, **QUIET, **BARE, **{"trainer.max_epochs": 2}))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    assert trainer.state.global_step == 6  # each epoch ends at len(), as Lightning's does
+    said = [str(w.message) for w in seen if "more batches than its len()" in str(w.message)]
+    assert said == [
+        "train_dataloader() has more batches than its len() of 3: epoch 0 ended after 3 of them, as every epoch will "
+        "(as Lightning's do), and the rest are never trained on; make its len() count what it yields, or give it no "
+        "__len__ (the epoch then ends where the data does)"
+    ]
+    assert not [w for w in seen if "Length of IterableDataset" in str(w.message)]  # torch's, on the batch checked
+
+    # no word where len() counts every batch, nor where limit_train_batches, not len(), ends the epoch
+    for trainer, limit in ((ExactLength, {}), (UnderstatedLength, {"trainer.limit_train_batches": 2})):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer(toy_cfg(tmp_path / trainer.__name__, **QUIET, **BARE, **limit)).fit()
+        assert not [str(w.message) for w in seen if "len()" in str(w.message)]
+
+
+class ZeroLength(UnderstatedLength):
+    length = 0  # 5 batches, len() 0
+
+
+def test_a_stream_whose_len_is_0_is_refused_for_its_len_not_as_yielding_nothing(tmp_path):
+    # The error said "yields no batches" of a stream that yields 5: only its len() was 0.
+    message = (
+        r"^len\(train_dataloader\(\)\) is 0, and an epoch ends at len\(\), so no epoch would train on it; its __len__"
+    )
+    with pytest.raises(UserCodeError, match=message):
+        ZeroLength(toy_cfg(tmp_path, **QUIET)).fit()
+
+
 class _Endless(IterableDataset):
     """The toy samples over and over: a stream with no end and no length."""
 

@@ -59,6 +59,9 @@ class ProgressBar(Callback):
     iterations."""
 
     phase = Phase.OBSERVE
+    # The validation's line waits for the Trainer's own on_validation_end and the user callbacks' (as early stopping
+    # does): it shows what they log there (an AUC over the set) beside validation_step's means.
+    hook_phases = {"on_validation_end": Phase.PERSIST}
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
         self.bar = _interactive() if bar is None else bar
@@ -196,7 +199,8 @@ class ProgressBar(Callback):
         if self._val_bar is not None:
             self._val_bar.close()
             self._val_bar = None
-        shown = {f"val/{key}": value for key, value in metrics.items()}
+        # what on_validation_end hooks logged, under the tags they logged
+        shown = {f"val/{key}": value for key, value in metrics.items()} | trainer.validation_end_values
         s = trainer.state
         if s.stage != "fit":  # trainer.validate() returns its metrics (the CLI prints them)
             return

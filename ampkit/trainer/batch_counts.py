@@ -5,6 +5,8 @@ means, validation averages and throughput figures; how many batches a loader say
 from __future__ import annotations
 
 import numbers
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -80,3 +82,29 @@ def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -
             f"{1 / total:.3g}, or a number of batches (an integer)"
         )
     return count
+
+
+def length_may_undercount(loader: Any) -> bool:
+    """Whether a pass over ``loader`` may yield more batches than its ``len()``: a DataLoader over an IterableDataset
+    (a stream's ``__len__`` is its author's count) or an iterable of the user's own; a DataLoader over a map-style
+    dataset and a list count exactly."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(loader, DataLoader):
+        return isinstance(loader.dataset, IterableDataset)
+    return not isinstance(loader, Sequence)
+
+
+def yields_more(iterator: Iterator[Any]) -> bool:
+    """Whether ``iterator``, an epoch's pass cut at its loader's ``len()``, had a batch left: one more is fetched and
+    dropped (each epoch starts a new pass). torch's own warning about it is silenced, as the caller's names the way
+    out; an error fetching it is no batch's the run trains on, so it says False."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Length of IterableDataset")
+        try:
+            return next(iterator, _END) is not _END
+        except Exception:
+            return False
+
+
+_END = object()

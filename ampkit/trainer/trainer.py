@@ -75,7 +75,13 @@ from ampkit.config import (
     plain_config,
 )
 from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
-from ampkit.trainer.batch_counts import batch_limit, checked_count, loader_length
+from ampkit.trainer.batch_counts import (
+    batch_limit,
+    checked_count,
+    length_may_undercount,
+    loader_length,
+    yields_more,
+)
 from ampkit.trainer.batch_layout import (
     batch_layout,
     batches_done_here,
@@ -220,6 +226,7 @@ from ampkit.trainer.user_code import (
     empty_batch_error,
     exhausted_loader_error,
     keyword_batch_error,
+    long_epoch_message,
     never_stepped,
     nothing_trained_warning,
     short_epoch_message,
@@ -418,6 +425,9 @@ class Trainer:
         self._loop_phase: str | None = None
         self._fetched_ahead = 0  # batches fetched beyond the one running (_flag_last reads one ahead)
         self._said_short_epoch = False  # warned that the loader yields fewer batches than its len()
+        self._check_long_epoch = False  # the loader's len() ends each epoch but may undercount it (a stream's)
+        self._said_long_epoch = False  # warned that the loader yields more batches than its len()
+        self._epoch_pass: Iterator[Any] | None = None  # the epoch's pass over the loader, before its cut at len()
         self._rng_before_fetch: dict[str, Any] | None = None  # fetching one ahead: the RNGs before the last fetch
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
@@ -1280,6 +1290,9 @@ class Trainer:
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         if ran and exhausted and not self._agree_each_batch and s.batches_done < (self._num_train_batches or 0):
             self._short_epoch()
+        if self._check_long_epoch and s.batches_done == self._num_train_batches:
+            self._long_epoch()
+        self._epoch_pass = None
         self._settle()  # counts, skip events and schedulers settled before anything reads them at the epoch's end
         # A stopped epoch (max_steps, early stopping) is the run's last: its steps are said too, if any ended in it.
         if ran and (exhausted or s.global_step > first_step):
@@ -1340,6 +1353,13 @@ class Trainer:
         if not self._said_short_epoch:  # once a run: each epoch would say the same
             self._said_short_epoch = True
             rank_zero_warn(why)
+
+    def _long_epoch(self) -> None:
+        """The epoch took its loader's ``len()`` of batches: a loader with more is said once a run (the rest are never
+        trained on). Checked every epoch, a batch fetched and dropped, so a resumed run draws as an unbroken one."""
+        if yields_more(self._epoch_pass) and not self._said_long_epoch:
+            self._said_long_epoch = True
+            rank_zero_warn(long_epoch_message(self.state.epoch, self._num_train_batches))
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches
@@ -1770,7 +1790,11 @@ class Trainer:
         limit = self.settings.limit_train_batches
         self._train_limit = batch_limit(limit, self._train_loader, "trainer.limit_train_batches", "train_dataloader()")
         self._num_train_batches = _batches_in(self._train_loader, self._train_limit, "train_dataloader()")
-        self._train_length_known = _batches_in(self._train_loader, None, "train_dataloader()") is not None
+        full = _batches_in(self._train_loader, None, "train_dataloader()")
+        self._train_length_known = full is not None
+        self._check_long_epoch = (
+            full is not None and full == self._num_train_batches and length_may_undercount(self._train_loader)
+        )
         check_batches(self._num_train_batches, "train_dataloader", self._train_loader, self.world_size)
         equal = check_equal_batches(
             counted_batches(self._train_loader, self._train_limit, "train_dataloader()"), self.dist
@@ -1989,6 +2013,7 @@ class Trainer:
         elif skip:
             restore_rng(resume["rng"])
         total = self._num_train_batches
+        self._epoch_pass = iterator
         batches = islice(iterator, None if total is None else max(total - skip, 0))
         if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
             return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)

@@ -195,9 +195,19 @@ def keyword_batch_error(batch: Any, exc: BaseException) -> UserCodeError | None:
 
 def check_batches(count: int | None, method: str, loader: Any = None, world_size: int = 1) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing); ``loader`` (this
-    rank's) and ``world_size`` let the error give the numbers behind it."""
-    if count == 0:
-        raise UserCodeError(f"{method}() yields no batches{_why_no_batches(loader, world_size)}")
+    rank's) and ``world_size`` let the error give the numbers behind it, or say that only its ``len()`` is 0 where
+    that is its author's count (an IterableDataset's)."""
+    if count != 0:
+        return
+    from ampkit.trainer.batch_counts import length_may_undercount
+
+    if loader is not None and length_may_undercount(loader):  # a stream's len() 0 need not mean it yields nothing
+        raise UserCodeError(
+            f"len({method}()) is 0, and an epoch ends at len(), so no epoch would train on it; its __len__ returns "
+            "the number of batches a pass yields, or raises TypeError where it has no length (the epoch then ends "
+            "where the data does)"
+        )
+    raise UserCodeError(f"{method}() yields no batches{_why_no_batches(loader, world_size)}")
 
 
 def exhausted_loader_error(epoch: int, expected: int | None) -> UserCodeError:
@@ -228,6 +238,16 @@ def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, 
             f"epoch's first step would take them too; {fix}"
         )
     return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
+
+
+def long_epoch_message(epoch: int, promised: int) -> str:
+    """Why an epoch that stopped at its loader's ``len()`` of ``promised`` batches while the loader had more (an
+    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on."""
+    return (
+        f"train_dataloader() has more batches than its len() of {promised}: epoch {epoch} ended after {promised} "
+        "of them, as every epoch will (as Lightning's do), and the rest are never trained on; make its len() count "
+        "what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    )
 
 
 def _why_no_batches(loader: Any, world_size: int) -> str:
