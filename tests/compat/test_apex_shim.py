@@ -5,8 +5,10 @@ import importlib.util
 import io
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 import warnings
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from child_env import child_env
+from rank_forkserver import ForkedPython
 
 import ampkit.compat.amp
 from ampkit.compat import install_apex_shim, uninstall_apex_shim
@@ -319,12 +322,32 @@ def test_a_model_pickled_in_apex_fp16_model_loads_and_runs_on_the_shim():
         uninstall_apex_shim()
 
 
+# ``python -m ampkit.legacy``: python -m puts the working directory first on sys.path, where a forked script's own
+# directory would be; this file lives apart from every test's folder, so that nothing it holds shadows them.
+_LEGACY_MAIN = "import os, sys\nsys.path[0] = os.getcwd()\nfrom ampkit.legacy import main\nmain()\n"
+
+
 def _legacy(*args, cwd=REPO, extra_path=()):
-    env = child_env(REPO, *extra_path, OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "ampkit.legacy", *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    """``python -m ampkit.legacy ARGS`` in ``cwd``, forked from the warm rank server: what these runs check is the
+    runner's handling of its program and arguments, not a new interpreter, and each new one spent seconds importing
+    torch and ampkit."""
+    main = Path(tempfile.mkdtemp(prefix="legacy-main-")) / "legacy_main.py"
+    main.write_text(_LEGACY_MAIN)
+    command = [sys.executable, str(main), *map(str, args)]
+    here = os.getcwd()
+    os.chdir(cwd)  # the fork starts where this process is when it asks for it
+    try:
+        run = ForkedPython(command, env=child_env(REPO, *extra_path, OMP_NUM_THREADS="1"))
+    finally:
+        os.chdir(here)
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        run.kill()  # as subprocess.run does on its timeout
+        raise
+    finally:
+        shutil.rmtree(main.parent)
+    return subprocess.CompletedProcess(command, run.returncode, stdout, stderr)
 
 
 def test_legacy_gan_example_trains_through_the_shim(tmp_path):

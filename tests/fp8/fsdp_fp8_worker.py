@@ -1,5 +1,6 @@
-"""One rank of the float8 FSDP test: ``python fsdp_fp8_worker.py ALL_GATHER OUT_DIR`` (ALL_GATHER: float8 | high)
-with torchrun-style env vars. Trains through one inf batch and saves what the test compares."""
+"""One rank of the float8 FSDP test: ``python fsdp_fp8_worker.py OUT_DIR`` with torchrun-style env vars. Trains
+through one inf batch with the float8 all-gather (in OUT_DIR/float8), then again with the high-precision one (in
+OUT_DIR/high), and saves what the test compares: one launch for both runs, each rank importing torchao once."""
 
 from __future__ import annotations
 
@@ -42,11 +43,14 @@ def train(all_gather: bool, out: Path) -> dict:
     trainer.fit()
     state = trainer.optimizer_state[trainer.optimizer]
     local_weight = type(trainer.module[0].weight.to_local()).__name__
-    return {"model": keep.state, "precomputes": len(PRECOMPUTES), "steps": state.steps,
+    precomputes = len(PRECOMPUTES)
+    PRECOMPUTES.clear()  # the next run counts its own
+    return {"model": keep.state, "precomputes": precomputes, "steps": state.steps,
             "skipped": state.skipped_steps, "local_weight": local_weight}  # fmt: skip
 
 
 if __name__ == "__main__":
-    all_gather, out = sys.argv[1], Path(sys.argv[2])
+    out = Path(sys.argv[1])
     torchao.float8.precompute_float8_dynamic_scale_for_fsdp = counting_precompute
-    torch.save(train(all_gather == "float8", out), out / f"rank{os.environ['RANK']}.pt")
+    for all_gather in ("float8", "high"):
+        torch.save(train(all_gather == "float8", out / all_gather), out / all_gather / f"rank{os.environ['RANK']}.pt")

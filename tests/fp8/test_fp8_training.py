@@ -224,15 +224,14 @@ def test_fsdp_float8_all_gather_on_two_ranks_equals_the_high_precision_all_gathe
     from rank_forkserver import ForkedPython
     from test_distributed import _free_port
 
-    here, procs = Path(__file__).resolve().parent, []
-    for all_gather in ("float8", "high"):  # both runs at once: 4 processes
-        port = str(_free_port())
+    here, procs, port = Path(__file__).resolve().parent, [], str(_free_port())
+    for all_gather in ("float8", "high"):
         (tmp_path / all_gather).mkdir()
-        for rank in range(2):
-            env = child_env(here, here.parent, here.parents[1], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")  # fmt: skip
-            args = [sys.executable, str(here / "fsdp_fp8_worker.py"), all_gather, str(tmp_path / all_gather)]
-            procs.append(ForkedPython(args, env=env))  # forked from a process that imported torch already
+    for rank in range(2):  # each rank runs both, one after the other: torchao's import, paid once per rank
+        env = child_env(here, here.parent, here.parents[1], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")  # fmt: skip
+        args = [sys.executable, str(here / "fsdp_fp8_worker.py"), str(tmp_path)]
+        procs.append(ForkedPython(args, env=env))  # forked from a process that imported torch already
     for proc in procs:
         _, stderr = proc.communicate(timeout=240)
         assert proc.returncode == 0, stderr[-3000:]
