@@ -460,7 +460,8 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
     checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
-    rank 0 refuses (a live run holds the lock), and a fresh run whose first save fails on rank 0 (its disk is full),
+    rank 0 refuses (a live run holds the lock), a predict whose output rank 0 refuses (a file of the user's in the
+    way on its disk alone), and a fresh run whose first save fails on rank 0 (its disk is full),
     the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
@@ -481,6 +482,9 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
         outcomes[case] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}}), resume="last")
+    if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
+        Path("preds.rank0.pt").write_text("the user's")
+    outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
@@ -491,12 +495,17 @@ def _disk_full(obj, path: Path) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def _outcome(trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None) -> tuple:
-    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``), or the error's type and
-    message and the seconds it took to come."""
+def _outcome(
+    trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None, predict: str | None = None
+) -> tuple:
+    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``, ``predict(output=predict)``),
+    or the error's type and message and the seconds it took to come."""
     start = time.monotonic()
     try:
-        trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
+        if predict:
+            trainer.predict(output=predict)
+        else:
+            trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
     except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "trained", trainer.state.global_step, trainer.module.state_dict()
