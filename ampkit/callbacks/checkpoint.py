@@ -310,10 +310,10 @@ class ModelCheckpoint(KeyedByMonitor):
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / name
         try:
-            path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+            path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
             if best is not None and best != name:  # directories cannot be hard-linked: the state saved again
                 writing = directory / best
-                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:

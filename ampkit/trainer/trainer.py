@@ -1189,8 +1189,7 @@ class Trainer:
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
-        path = restarted_from(self.cfg.run_dir, self._launch) if self.is_global_zero else None
-        path = broadcast_object(path, self.dist)
+        path = decided_by_rank_zero(partial(restarted_from, self.cfg.run_dir, self._launch), self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
