@@ -124,8 +124,12 @@ class ModelCheckpoint(KeyedByMonitor):
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
             self._protected_before = []
-        if not trainer.is_global_zero:  # other ranks have no run directory
-            return
+        # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
+        # every rank here, or the others would train on into a collective it never joins.
+        decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
+
+    def _tidy(self, trainer, peers: list[ModelCheckpoint]) -> None:
+        """Rank zero's tidy-up of the checkpoints directory at a fit's start (see :meth:`on_fit_start`)."""
         directory = trainer.version_dir / "checkpoints"
         self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
