@@ -460,9 +460,9 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
     checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
-    rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a predict whose output
-    rank 0 refuses (a file of the user's in the way on its disk alone), and a fresh run whose first save fails on rank
-    0 (its disk is full), the one rank that writes."""
+    rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a run whose dropping of
+    a best-k file fails on rank 0, a predict whose output rank 0 refuses (a file of the user's in the way on its disk
+    alone), and a fresh run whose first save fails on rank 0 (its disk is full), the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -488,6 +488,13 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         checkpoint_module.prune_periodic = _cannot_delete
     outcomes["prune_refused"] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": 8}}), resume="last")
     checkpoint_module.prune_periodic = prune_periodic
+    deletable = checkpoint_module.deletable
+    if RANK == 0:  # rank 0 cannot look at the best-k files it would drop from the ranking (EACCES)
+        checkpoint_module.deletable = _cannot_delete
+    ranked = {**cfg, "run_dir": "ranked", "data": {"batch_size": 8}, "trainer": {**base["trainer"], "max_epochs": 2},
+              "checkpoint": {"monitor": "train/score", "every_n_steps": 0, "every_n_epochs": 0}}  # fmt: skip
+    outcomes["drop_refused"] = _outcome(RankScores(ranked))
+    checkpoint_module.deletable = deletable
     if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
         Path("preds.rank0.pt").write_text("the user's")
     outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
@@ -497,8 +504,8 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     return {"outcomes": outcomes}
 
 
-def _cannot_delete(directory: Path, *args) -> None:
-    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory / "step-00000002.pt"))
+def _cannot_delete(where: Path | list, *args) -> None:
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "checkpoints")
 
 
 def _disk_full(obj, path: Path) -> None:

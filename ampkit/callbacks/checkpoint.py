@@ -203,14 +203,19 @@ class ModelCheckpoint(KeyedByMonitor):
         best, dropped = self._rank_pending(trainer)
         if periodic is None and best is None:
             return
-        path = self.save(trainer, periodic or best, best=best)
-        if path is None or not trainer.is_global_zero:
-            return
-        for name in (old.name for old in deletable([path.parent / name for name in dropped], self._protected)):
+        self.save(trainer, periodic or best, best=best)
+        # Rank zero deletes what left the ranking; its failure (a file it may not delete) stops every rank here, or
+        # the others would train on into a collective it never joins.
+        decided_by_rank_zero(partial(self._drop, trainer, dropped), trainer.dist)
+
+    def _drop(self, trainer, dropped: list[str]) -> None:
+        """Delete the best-k files ``dropped`` from the ranking (rank zero; a write-protected one stays)."""
+        directory = trainer.version_dir / "checkpoints"
+        for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
             if trainer.sharded:
-                remove_sharded(path.parent / name)
+                remove_sharded(directory / name)
             else:
-                (path.parent / name).unlink(missing_ok=True)
+                (directory / name).unlink(missing_ok=True)
 
     def _rank_pending(self, trainer) -> tuple[str | None, list[str]]:
         """Enter the pending validation value into the best-k ranking: (this moment's best-k file name if it
