@@ -22,6 +22,7 @@ import ampkit
 from ampkit.callbacks import EarlyStopping, MaxTime
 from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.callbacks import tensorboard as tensorboard_module
+from ampkit.trainer import trainer as trainer_module
 
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
@@ -462,7 +463,8 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
     checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
     rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a run whose dropping of
-    a best-k file fails on rank 0, one whose TensorBoard events rank 0 cannot open, a predict whose output rank 0
+    a best-k file fails on rank 0, one whose run_dir rank 0 cannot look at, one whose TensorBoard events rank 0 cannot
+    open, a predict whose output rank 0
     refuses (a file of the user's in the way on its disk alone), and a fresh run whose first save fails on rank 0 (its
     disk is full), the one rank that writes."""
     here = out / f"node{RANK}"
@@ -497,6 +499,11 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
               "checkpoint": {"monitor": "train/score", "every_n_steps": 0, "every_n_epochs": 0}}  # fmt: skip
     outcomes["drop_refused"] = _outcome(RankScores(ranked))
     checkpoint_module.deletable = deletable
+    unwritable_reason, looking = trainer_module.unwritable_reason, Plain({**cfg, "run_dir": "looked"})
+    if RANK == 0:  # at fit's start rank 0 cannot look at run_dir's parent (EACCES on a folder above it)
+        trainer_module.unwritable_reason = _cannot_delete
+    outcomes["look_refused"] = _outcome(looking)
+    trainer_module.unwritable_reason = unwritable_reason
     summary_writer = tensorboard_module.summary_writer
     if RANK == 0:  # rank 0, the one that writes events, cannot open them (its disk is full)
         tensorboard_module.summary_writer = _disk_full

@@ -676,9 +676,9 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     where it held an older one at last.pt's path, rank 1 resumed that one (step 2, rank 0 step 4) and the ranks
     diverged. Rank zero now decides, and every rank refuses with one line naming the rank, its host and the fix (a
     validate too); a copy of rank 0's checkpoint on rank 1's disk resumes. A resume rank 0 refuses (a live run holds
-    the lock), a resume whose pruning fails on rank 0 (a best-k file's deletion, TensorBoard's events), a predict
-    output rank 0 refuses (a user's file in the way on its disk) and a save that fails on rank 0 (a full disk) stop
-    rank 1 with the same error at once, not in a later
+    the lock), a resume whose pruning fails on rank 0 (a best-k file's deletion, run_dir's check, TensorBoard's
+    events), a predict output rank 0 refuses (a user's file in the way on its disk) and a save that fails on rank 0
+    (a full disk) stop rank 1 with the same error at once, not in a later
     collective with another (a DistributedError, exit status 1 where rank 0's is 2; under NCCL maybe a wait for
     distributed.timeout_s)."""
     outcomes = [r["outcomes"] for r in _ok(launch("rank_zero_decides", tmp_path))]
@@ -702,6 +702,7 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
                              ("predict_refused", "RunDirectoryError", in_the_way),
                              ("prune_refused", "PermissionError", "Permission denied"),
                              ("drop_refused", "PermissionError", "Permission denied"),
+                             ("look_refused", "PermissionError", "Permission denied"),
                              ("events_refused", "RunDirectoryError", no_events)]:  # fmt: skip
         assert outcomes[0][case][:2] == outcomes[1][case][:2], case
         assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]

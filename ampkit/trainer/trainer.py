@@ -2275,8 +2275,7 @@ class Trainer:
         """``run_dir`` can hold a run (and, with ``write``, this process may write there). validate/test/predict only
         read it, so a read-only run directory (an archive, a shared mount) still serves them. Rank zero, which writes
         it, decides for every rank (once distributed has started), so all stop together."""
-        reason = unwritable_reason(self.cfg.run_dir, write) if self.is_global_zero else None
-        reason = broadcast_object(reason, self.dist)
+        reason = decided_by_rank_zero(partial(unwritable_reason, self.cfg.run_dir, write), self.dist)
         if reason is not None:
             raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
 
