@@ -21,6 +21,8 @@ from toy_trainers import ToyTrainer, toy_dataset
 import ampkit
 from ampkit.callbacks import EarlyStopping, MaxTime
 from ampkit.callbacks import checkpoint as checkpoint_module
+from ampkit.callbacks import tensorboard as tensorboard_module
+from ampkit.trainer import trainer as trainer_module
 
 RANK = int(os.environ.get("RANK", 0))
 FUSED = os.environ.get("FUSED") == "1"  # torch's fused SGD: it takes GradScaler's found_inf, so device verdicts
@@ -460,8 +462,11 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
     checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
-    rank 0 refuses (a live run holds the lock), and a fresh run whose first save fails on rank 0 (its disk is full),
-    the one rank that writes."""
+    rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a run whose dropping of
+    a best-k file fails on rank 0, one whose run_dir rank 0 cannot look at, one whose TensorBoard events rank 0 cannot
+    open, a predict whose output rank 0
+    refuses (a file of the user's in the way on its disk alone), and a fresh run whose first save fails on rank 0 (its
+    disk is full), the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -481,22 +486,57 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
         outcomes[case] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": max_steps}}), resume="last")
+    prune_periodic = checkpoint_module.prune_periodic
+    if RANK == 0:  # the lock's run gone, a resume's pruning of rank 0's checkpoints at fit start fails (EACCES)
+        (checkpoints.parent / "run.lock").unlink()
+        checkpoint_module.prune_periodic = _cannot_delete
+    outcomes["prune_refused"] = _outcome(Plain({**cfg, "trainer": {**cfg["trainer"], "max_steps": 8}}), resume="last")
+    checkpoint_module.prune_periodic = prune_periodic
+    deletable = checkpoint_module.deletable
+    if RANK == 0:  # rank 0 cannot look at the best-k files it would drop from the ranking (EACCES)
+        checkpoint_module.deletable = _cannot_delete
+    ranked = {**cfg, "run_dir": "ranked", "data": {"batch_size": 8}, "trainer": {**base["trainer"], "max_epochs": 2},
+              "checkpoint": {"monitor": "train/score", "every_n_steps": 0, "every_n_epochs": 0}}  # fmt: skip
+    outcomes["drop_refused"] = _outcome(RankScores(ranked))
+    checkpoint_module.deletable = deletable
+    unwritable_reason, looking = trainer_module.unwritable_reason, Plain({**cfg, "run_dir": "looked"})
+    if RANK == 0:  # at fit's start rank 0 cannot look at run_dir's parent (EACCES on a folder above it)
+        trainer_module.unwritable_reason = _cannot_delete
+    outcomes["look_refused"] = _outcome(looking)
+    trainer_module.unwritable_reason = unwritable_reason
+    summary_writer = tensorboard_module.summary_writer
+    if RANK == 0:  # rank 0, the one that writes events, cannot open them (its disk is full)
+        tensorboard_module.summary_writer = _disk_full
+    outcomes["events_refused"] = _outcome(Plain({**cfg, "run_dir": "events", "logging": {"tensorboard": True}}))
+    tensorboard_module.summary_writer = summary_writer
+    if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
+        Path("preds.rank0.pt").write_text("the user's")
+    outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
     return {"outcomes": outcomes}
 
 
+def _cannot_delete(where: Path | list, *args) -> None:
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "checkpoints")
+
+
 def _disk_full(obj, path: Path) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def _outcome(trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None) -> tuple:
-    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``), or the error's type and
-    message and the seconds it took to come."""
+def _outcome(
+    trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None, predict: str | None = None
+) -> tuple:
+    """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``, ``predict(output=predict)``),
+    or the error's type and message and the seconds it took to come."""
     start = time.monotonic()
     try:
-        trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
+        if predict:
+            trainer.predict(output=predict)
+        else:
+            trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
     except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "trained", trainer.state.global_step, trainer.module.state_dict()

@@ -676,7 +676,9 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     where it held an older one at last.pt's path, rank 1 resumed that one (step 2, rank 0 step 4) and the ranks
     diverged. Rank zero now decides, and every rank refuses with one line naming the rank, its host and the fix (a
     validate too); a copy of rank 0's checkpoint on rank 1's disk resumes. A resume rank 0 refuses (a live run holds
-    the lock) and a save that fails on rank 0 (a full disk) stop rank 1 with the same error at once, not in a later
+    the lock), a resume whose pruning fails on rank 0 (a best-k file's deletion, run_dir's check, TensorBoard's
+    events), a predict output rank 0 refuses (a user's file in the way on its disk) and a save that fails on rank 0
+    (a full disk) stop rank 1 with the same error at once, not in a later
     collective with another (a DistributedError, exit status 1 where rank 0's is 2; under NCCL maybe a wait for
     distributed.timeout_s)."""
     outcomes = [r["outcomes"] for r in _ok(launch("rank_zero_decides", tmp_path))]
@@ -694,7 +696,14 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     assert step0 == step1 == 6
     _equal(model0, model1)
     full, locked = "step-00000002.pt' (No space left on device)", "is in use by pid"
-    for case, kind, said in [("locked", "RunDirectoryError", locked), ("disk_full", "CheckpointError", full)]:
+    no_events = "cannot write TensorBoard events under 'events/version_0/tensorboard' (No space left on device)"
+    in_the_way = "predict --output 'preds.pt': 'preds.rank0.pt' exists already; pass --overwrite"
+    for case, kind, said in [("locked", "RunDirectoryError", locked), ("disk_full", "CheckpointError", full),
+                             ("predict_refused", "RunDirectoryError", in_the_way),
+                             ("prune_refused", "PermissionError", "Permission denied"),
+                             ("drop_refused", "PermissionError", "Permission denied"),
+                             ("look_refused", "PermissionError", "Permission denied"),
+                             ("events_refused", "RunDirectoryError", no_events)]:  # fmt: skip
         assert outcomes[0][case][:2] == outcomes[1][case][:2], case
         assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]
         assert outcomes[1][case][2] < 5

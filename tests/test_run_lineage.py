@@ -128,19 +128,20 @@ class Predicting(ToyTrainer):
         return DataLoader(toy_dataset(10, seed=11), batch_size=4)
 
 
-def test_predict_on_fewer_ranks_refuses_an_output_whose_earlier_shards_would_be_mixed_in(tmp_path, monkeypatch):
+def test_predict_on_fewer_ranks_refuses_an_output_whose_earlier_shards_would_be_mixed_in(tmp_path):
     """preds.rank2.pt of an earlier predict on 4 ranks beside a 2-rank one's output: a reader of preds.rank*.pt
-    would take 4 shards and interleave wrong rows. Refused before anything runs; one process writes preds.pt."""
+    would take 4 shards and interleave wrong rows. Refused (rank zero's check, which a 2-rank predict agrees on
+    before anything runs: tests/test_distributed.py); one process writes preds.pt."""
+    from ampkit.trainer.run_life import prediction_output
+
     shards = {tmp_path / f"preds.rank{rank}.pt": f"shard {rank}".encode() for rank in range(4)}
     for shard, content in shards.items():
         shard.write_bytes(content)
     cfg = toy_cfg(tmp_path, **{"trainer.progress_bar": False, "logging.tensorboard": False})
-    monkeypatch.setenv("WORLD_SIZE", "2")
     message = "preds.rank2.pt, preds.rank3.pt beside it hold the shards of an earlier predict on more ranks"
     with pytest.raises(RunDirectoryError, match=re.escape(f"predict --output '{tmp_path / 'preds.pt'}': {message}")):
-        Predicting(cfg).predict(output=tmp_path / "preds.pt")
+        prediction_output(tmp_path / "preds.pt", None, world_size=2)
     assert all(shard.read_bytes() == content for shard, content in shards.items())
-    monkeypatch.delenv("WORLD_SIZE")
     Predicting(cfg).predict(output=tmp_path / "preds.pt")
     assert (tmp_path / "preds.pt").is_file()
 

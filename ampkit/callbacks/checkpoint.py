@@ -124,8 +124,12 @@ class ModelCheckpoint(KeyedByMonitor):
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
             self._protected_before = []
-        if not trainer.is_global_zero:  # other ranks have no run directory
-            return
+        # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
+        # every rank here, or the others would train on into a collective it never joins.
+        decided_by_rank_zero(partial(self._tidy, trainer, peers), trainer.dist)
+
+    def _tidy(self, trainer, peers: list[ModelCheckpoint]) -> None:
+        """Rank zero's tidy-up of the checkpoints directory at a fit's start (see :meth:`on_fit_start`)."""
         directory = trainer.version_dir / "checkpoints"
         self._protected = {directory / name for name in self._protected_before}  # said once in the run, not per resume
         if not directory.is_dir():
@@ -199,14 +203,19 @@ class ModelCheckpoint(KeyedByMonitor):
         best, dropped = self._rank_pending(trainer)
         if periodic is None and best is None:
             return
-        path = self.save(trainer, periodic or best, best=best)
-        if path is None or not trainer.is_global_zero:
-            return
-        for name in (old.name for old in deletable([path.parent / name for name in dropped], self._protected)):
+        self.save(trainer, periodic or best, best=best)
+        # Rank zero deletes what left the ranking; its failure (a file it may not delete) stops every rank here, or
+        # the others would train on into a collective it never joins.
+        decided_by_rank_zero(partial(self._drop, trainer, dropped), trainer.dist)
+
+    def _drop(self, trainer, dropped: list[str]) -> None:
+        """Delete the best-k files ``dropped`` from the ranking (rank zero; a write-protected one stays)."""
+        directory = trainer.version_dir / "checkpoints"
+        for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
             if trainer.sharded:
-                remove_sharded(path.parent / name)
+                remove_sharded(directory / name)
             else:
-                (path.parent / name).unlink(missing_ok=True)
+                (directory / name).unlink(missing_ok=True)
 
     def _rank_pending(self, trainer) -> tuple[str | None, list[str]]:
         """Enter the pending validation value into the best-k ranking: (this moment's best-k file name if it
@@ -310,10 +319,10 @@ class ModelCheckpoint(KeyedByMonitor):
         directory, path = trainer.version_dir / "checkpoints", None
         writing = directory / name
         try:
-            path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+            path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
             if best is not None and best != name:  # directories cannot be hard-linked: the state saved again
                 writing = directory / best
-                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.is_global_zero)
+                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:

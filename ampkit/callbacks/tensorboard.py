@@ -22,6 +22,7 @@ from ampkit.amp.scaler import interval_option
 from ampkit.config import flatten
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.distributed import decided_by_rank_zero
 from ampkit.trainer.logger import Logger, check_image
 from ampkit.trainer.run_life import RunDirectoryError
 
@@ -210,8 +211,12 @@ class TensorBoardLogger(Callback):
         return trainer.state.iteration % self.log_every_n_steps == 0
 
     def on_fit_start(self, trainer) -> None:
-        if not trainer.is_global_zero:
-            return
+        # Rank zero alone writes events; its failure to open them (a full disk, a file in the way) stops every rank
+        # here, or the others would train on into a collective it never joins.
+        decided_by_rank_zero(functools.partial(self._open_writer, trainer), trainer.dist)
+
+    def _open_writer(self, trainer) -> None:
+        """Rank zero's writer for this fit, its hparams session started (see :meth:`on_fit_start`)."""
         # A continued run logs again the steps its killed predecessor wrote after the checkpoint: purge_step hides
         # those earlier events from TensorBoard (the files stay), so each step shows once, this run's value. The
         # checkpoint's own step is purged only if this run logs at it again (StepEvents).

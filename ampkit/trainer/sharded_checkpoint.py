@@ -37,7 +37,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     write_errors_surfaced,
 )
-from ampkit.trainer.distributed import broadcast_object
+from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
@@ -115,12 +115,19 @@ def _shard_reader(path: Path) -> Any:
     return reader
 
 
+def _make_room(path: Path, tmp: Path) -> None:
+    """Refuse a write-protected checkpoint at ``path``; make ``tmp`` afresh for the save's files."""
+    refuse_protected(path)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+    tmp.mkdir(parents=True)
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     module: nn.Module,
     optimizers: dict[str, torch.optim.Optimizer],
     path: Path,
-    is_zero: bool,
+    env: DistributedEnv,
 ) -> Path:
     """Write ``module``'s and ``optimizers``' shards (every rank) and ``checkpoint`` (rank zero) to ``path``.
 
@@ -130,18 +137,11 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    is_zero = env.rank == 0
     tmp = path.with_name(f".{path.name}.tmp")
     barrier(f"the save of {path.name}")  # every rank has come: rank zero names one that died or hangs before it
-    refused = None
-    if is_zero:
-        try:
-            refuse_protected(path)
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-            tmp.mkdir(parents=True)
-        except OSError as exc:
-            refused = exc
-    if (refused := broadcast_object(refused)) is not None:  # also the barrier: no rank writes before tmp exists
-        raise refused
+    # Rank zero's refusal, on every rank alike; also the barrier: no rank writes before tmp exists.
+    decided_by_rank_zero(functools.partial(_make_room, path, tmp), env)
     try:
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())

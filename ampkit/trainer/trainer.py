@@ -50,7 +50,7 @@ import numbers
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from itertools import islice
@@ -118,7 +118,6 @@ from ampkit.trainer.distributed import (
     evaluation_loader,
     gather_object,
     is_communication_failure,
-    launched_world_size,
     setup_distributed,
     teardown_distributed,
     while_every_rank_has_a_batch,
@@ -1200,8 +1199,7 @@ class Trainer:
 
     def _restarted_from(self) -> Path | None:
         """Rank zero's :func:`restarted_from` on every rank, said on rank zero's console."""
-        path = restarted_from(self.cfg.run_dir, self._launch) if self.is_global_zero else None
-        path = broadcast_object(path, self.dist)
+        path = decided_by_rank_zero(partial(restarted_from, self.cfg.run_dir, self._launch), self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
@@ -1608,12 +1606,16 @@ class Trainer:
         ``torchrun`` each rank writes ``<stem>.rank<N><suffix>`` with its shard). Checked before anything runs:
         an output that would overwrite a checkpoint is refused, and so is an existing file unless ``overwrite``.
         """
+        checked: list[Path] = []
+
+        def check_output(reading: Path | None) -> None:
+            # Rank zero's look at the disk decides for every rank: a refusal there stops them all, with its message.
+            decide = partial(prediction_output, output, reading, self.dist.world_size, overwrite)
+            checked.append(decided_by_rank_zero(decide, self.dist))
+
+        predictions = self._evaluate(PREDICT, ckpt, check_output if output is not None else None)
         if output is not None:
-            reading = resolve_checkpoint(self.cfg.run_dir, ckpt)
-            output = prediction_output(output, reading, launched_world_size(), overwrite)
-        predictions = self._evaluate(PREDICT, ckpt)
-        if output is not None:
-            path = output
+            path = output = checked[0]
             if self.world_size > 1:
                 path = rank_output(path, self.global_rank)
             try:
@@ -1623,7 +1625,11 @@ class Trainer:
             self.predictions_path = output
         return predictions
 
-    def _evaluate(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+    def _evaluate(
+        self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
+    ) -> Any:
+        """``stage`` over its loader; ``before(checkpoint path)`` runs on every rank once the checkpoint is agreed,
+        before the model is built (predict's check of its output)."""
         check_instance_attributes(self, Trainer)
         if self._running is None:
             self._follow_config()
@@ -1631,7 +1637,7 @@ class Trainer:
             refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
         seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
         if not self._claim(stage.name, seeds):  # from a hook of a running run: its process group stays its own
-            return self._run_stage(stage, ckpt)
+            return self._run_stage(stage, ckpt, before)
         try:
             self._start_distributed()
         except BaseException:
@@ -1641,7 +1647,7 @@ class Trainer:
         failure = None
         try:
             with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
-                result = self._run_stage(stage, ckpt)
+                result = self._run_stage(stage, ckpt, before)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1664,11 +1670,15 @@ class Trainer:
         if self.dist.enabled and not isinstance(exc, DistributedError) and is_communication_failure(exc):
             raise diagnose_failure(f"a collective while setting up {stage}", exc) from exc
 
-    def _run_stage(self, stage: Stage, ckpt: str | os.PathLike | None) -> Any:
+    def _run_stage(
+        self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
+    ) -> Any:
         path = None
         if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
             resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
             path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
+        if before is not None:
+            before(path)
         if ckpt is not None and path is None:
             raise CheckpointError(
                 f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
@@ -2290,8 +2300,7 @@ class Trainer:
         """``run_dir`` can hold a run (and, with ``write``, this process may write there). validate/test/predict only
         read it, so a read-only run directory (an archive, a shared mount) still serves them. Rank zero, which writes
         it, decides for every rank (once distributed has started), so all stop together."""
-        reason = unwritable_reason(self.cfg.run_dir, write) if self.is_global_zero else None
-        reason = broadcast_object(reason, self.dist)
+        reason = decided_by_rank_zero(partial(unwritable_reason, self.cfg.run_dir, write), self.dist)
         if reason is not None:
             raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
 
