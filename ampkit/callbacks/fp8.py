@@ -13,15 +13,14 @@ class Float8AllGatherScales(Callback):
     """With FSDP2's float8 all-gather (torchao), recomputes every float8 weight's scale in one all-reduce after each
     optimizer step that ran, so the next all-gather casts the updated weights with their own amax.
 
-    A skipped step leaves the weights, hence their scales, as they were: nothing is recomputed. All ranks agree
-    on every skip verdict, so all of them join the all-reduce or none does.
+    A step skipped on the host fires no ``on_after_optimizer_step``, so nothing is recomputed; one the device skips
+    (its verdict read later) recomputes the scales its unchanged weights already have. All ranks agree on every skip
+    verdict, so all of them join the all-reduce or none does.
     """
 
     phase = Phase.DISTRIBUTE  # after the casting callback's master-weight copy, before anything reads the model
 
     def on_after_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
-        if not trainer.optimizer_state[optimizer].stepped:
-            return
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(trainer.module)
