@@ -205,8 +205,10 @@ class ModelCheckpoint(KeyedByMonitor):
             return
         self.save(trainer, periodic or best, best=best)
         # Rank zero deletes what left the ranking; its failure (a file it may not delete) stops every rank here, or
-        # the others would train on into a collective it never joins.
-        decided_by_rank_zero(partial(self._drop, trainer, dropped), trainer.dist)
+        # the others would train on into a collective it never joins. Every rank ranks rank zero's value from one
+        # state, so all of them drop the same files and take this collective, or none does (most saves drop none).
+        if dropped:
+            decided_by_rank_zero(partial(self._drop, trainer, dropped), trainer.dist)
 
     def _drop(self, trainer, dropped: list[str]) -> None:
         """Delete the best-k files ``dropped`` from the ranking (rank zero; a write-protected one stays)."""
