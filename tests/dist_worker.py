@@ -509,6 +509,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         tensorboard_module.summary_writer = _disk_full
     outcomes["events_refused"] = _outcome(Plain({**cfg, "run_dir": "events", "logging": {"tensorboard": True}}))
     tensorboard_module.summary_writer = summary_writer
+    outcomes["events_fail_mid_run"], outcomes["resumed_after_events"] = _events_fail_mid_run(cfg, checkpoints)
     if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
         Path("preds.rank0.pt").write_text("the user's")
     outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
@@ -516,6 +517,47 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
     return {"outcomes": outcomes}
+
+
+class EventsDiskFills(ampkit.Callback):
+    """From step 5 on, the disk under rank 0's event files is full: TensorBoard's writer thread fails, and the next
+    write on the training thread raises. A text is logged at each step, as examples/gpt.py logs its samples."""
+
+    full = False
+
+    def on_train_batch_start(self, trainer, batch):
+        EventsDiskFills.full = RANK == 0 and trainer.state.global_step >= 4
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.logger.log_text("sample", f"at step {trainer.state.global_step}")
+
+
+def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple]:
+    """A run of 8 steps whose event files rank 0 can no longer write from step 5 on, then (rank 1 given a copy of
+    rank 0's newest checkpoint) its resume, without TensorBoard."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    real = RecordWriter.write
+
+    def fills(self, data):
+        if EventsDiskFills.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    RecordWriter.write = fills
+    trained = {**cfg["trainer"], "max_steps": 8}
+    logged = {**cfg, "run_dir": "midrun", "trainer": trained, "logging": {"tensorboard": True, "log_every_n_steps": 1}}
+    try:
+        failed = _outcome(Plain(logged, callbacks=[EventsDiskFills()]))
+    finally:
+        RecordWriter.write, EventsDiskFills.full = real, False
+    newest = Path("midrun") / checkpoints.relative_to("run") / "last.pt"
+    if RANK == 1:
+        newest.parent.mkdir(parents=True)
+        shutil.copyfile(Path("..") / "node0" / newest, newest)
+    step = torch.load(newest, weights_only=False)["loop"]["global_step"]
+    resumed = _outcome(Plain({**logged, "logging": {"tensorboard": False}}), resume="last")
+    return failed, (step, *resumed)
 
 
 def _cannot_delete(where: Path | list, *args) -> None:

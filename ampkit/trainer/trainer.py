@@ -118,6 +118,7 @@ from ampkit.trainer.distributed import (
     evaluation_loader,
     gather_object,
     is_communication_failure,
+    raise_the_first_failure,
     setup_distributed,
     teardown_distributed,
     while_every_rank_has_a_batch,
@@ -447,6 +448,7 @@ class Trainer:
         self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
+        self._rank_failure: BaseException | None = None  # fail_on_every_rank's error, until the ranks next agree
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
         self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
         self._models_left: tuple[Any, Any] = (None, None)  # module and model as the last run that built one left them
@@ -1043,6 +1045,17 @@ class Trainer:
         """Whether this is rank 0, the process that logs, shows progress and writes checkpoints."""
         return self.dist.rank == 0
 
+    def fail_on_every_rank(self, error: BaseException) -> None:
+        """Stop the fit with ``error``, met on this rank alone (rank zero's write of TensorBoard events, a file only it
+        writes): raised at once in one process; under torchrun kept, and raised on every rank where the ranks next
+        meet to agree on a stop (the iteration after next at the latest, or as the fit ends), so that the others do
+        not train on into a collective this rank has left and fail there with another error. A later one is dropped.
+        """
+        if not self.dist.enabled or self._running != "fit":
+            raise error
+        if self._rank_failure is None:
+            self._rank_failure = error
+
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
@@ -1070,6 +1083,8 @@ class Trainer:
             with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
                 with sighup_raises(), grad_mode_for_training(), without_torch_patches():
                     self._fit(resume)
+                # What rank zero alone wrote as the fit ended (TensorBoard's last events) failed: every rank says so.
+                raise_the_first_failure(self._rank_failure, self.dist)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1147,6 +1162,7 @@ class Trainer:
         # An earlier fit's position would end this one at once, and its checkpoints would stamp an untrained model
         # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
         self.state = LoopState()
+        self._rank_failure = None
         self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
         self.validation_end_values = {}  # an earlier fit's would reach this one's hparams before it validates
         self._resume = self._rng_after_fetch = None
@@ -1237,7 +1253,10 @@ class Trainer:
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
-        stop_asked, preempted = any_rank([s.should_stop, self._preempt_asked], self.dist)
+        failed = self._rank_failure is not None
+        stop_asked, preempted, any_failed = any_rank([s.should_stop, self._preempt_asked, failed], self.dist)
+        if any_failed:
+            raise_the_first_failure(self._rank_failure, self.dist)
         self._preempt_agreed = self._preempt_agreed or preempted
         if not stop_asked:
             return
@@ -1445,7 +1464,7 @@ class Trainer:
                 flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
                 flags.append(flag + 1.0 if loss.found_inf else flag)
         hears_stop = distributed and not self._stop_agreed  # the ask rides along: no collective of its own
-        asked = self.state.should_stop or self._preempt_asked
+        asked = self.state.should_stop or self._preempt_asked or self._rank_failure is not None
         agreed = any_rank([*flags, asked] if hears_stop else flags, self.dist)
         if hears_stop:
             self._stop_heard = agreed.pop() or self._stop_heard
@@ -1472,7 +1491,7 @@ class Trainer:
         # at the next iteration's end on every rank alike, which then agree the stop on the host.
         hears_stop = distributed and not self._stop_agreed
         if hears_stop:
-            asked = self.state.should_stop or self._preempt_asked
+            asked = self.state.should_stop or self._preempt_asked or self._rank_failure is not None
             flags.append(torch.full((), float(asked), device=self.device))  # a fill: no copy from the host
         agreed = any_rank_on_device(flags, self.dist)
         if hears_stop:
