@@ -48,7 +48,6 @@ import copy
 import dataclasses
 import numbers
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -101,6 +100,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -1218,7 +1218,7 @@ class Trainer:
         path = decided_by_rank_zero(partial(restarted_from, self.cfg.run_dir, self._launch), self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-            print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
+            say(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'")
         return path
 
     def _finished(self) -> bool:
@@ -1240,7 +1240,7 @@ class Trainer:
         asked = self._preempt_agreed if self.dist.enabled else self._preempt_asked
         if asked and self.state.is_iteration_end and not self._finished():  # a run that ends here saves as it ends
             if self.is_global_zero:
-                print(f"ampkit: SIGTERM: stopping at step {self.state.global_step}", file=sys.stderr)
+                say(f"ampkit: SIGTERM: stopping at step {self.state.global_step}")
             raise Preempted(f"SIGTERM: stopped at step {self.state.global_step}")
 
     def _agree_stop(self) -> None:
@@ -1268,7 +1268,7 @@ class Trainer:
         else:
             reason = "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(asked) if why is not None)
         if self.is_global_zero:  # also after its own callback's line: that named the step it asked at, maybe earlier
-            print(f"ampkit: stopping every rank at step {s.global_step}: {reason}", file=sys.stderr)
+            say(f"ampkit: stopping every rank at step {s.global_step}: {reason}")
         s.should_stop, s.stop_reason, self._stop_agreed = True, reason, True
 
     def _run_epoch(self) -> None:
@@ -1979,7 +1979,7 @@ class Trainer:
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
             finish_interrupted_pruning(self.fit_start)
-            print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
+            say(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}")
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks, switched_on_by
