@@ -692,6 +692,15 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
         assert message.startswith(f"{doing} 'run/version_0/checkpoints/last.pt' (epoch 1, step 4 on rank 0): rank 1 ")
         assert f"rank 1 (host {host}) has {seen}. Every rank reads" in message
         assert "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk" in message
+    # A copy whose tensor bytes were torn (its zip directory intact: the fingerprint is rank 0's) was loaded by
+    # rank 1 without a word, its optimizer state other than rank 0's; its records are now read against their CRC-32s.
+    assert outcomes[0]["torn"][:2] == outcomes[1]["torn"][:2]
+    kind, message, _ = outcomes[1]["torn"]
+    assert kind == "CheckpointError"
+    assert f"(epoch 1, step 4 on rank 0): rank 1 (host {host}) has a damaged copy: its record 'data/" in message
+    assert "is not as written (BadZipFile: Bad CRC-32 for file" in message
+    assert "copy the checkpoint there again from a whole one, or resume an older checkpoint" in message
+    assert "not a node-local disk" not in message
     (_, step0, model0), (_, step1, model1) = outcomes[0]["copied"], outcomes[1]["copied"]
     assert step0 == step1 == 6
     _equal(model0, model1)
