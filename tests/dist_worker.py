@@ -463,12 +463,13 @@ class GradSpy(ampkit.Callback):
 def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
-    checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
-    rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a run whose dropping of
-    a best-k file fails on rank 0, one whose run_dir rank 0 cannot look at, one whose TensorBoard events rank 0 cannot
-    open, a predict whose output rank 0
-    refuses (a file of the user's in the way on its disk alone), and a fresh run whose first save fails on rank 0 (its
-    disk is full), the one rank that writes."""
+    checkpoint at last.pt's path, a copy of rank 0's torn in a tensor's bytes, and a whole copy (a validate of it
+    first, while rank 1 has none); then a resume rank 0 refuses (a live run holds the lock), one whose pruning at its
+    start fails on rank 0, a run whose dropping of a best-k file fails on rank 0, one whose run_dir rank 0 cannot look
+    at, one whose TensorBoard events rank 0 cannot open, a run whose TensorBoard events rank 0 can no longer write
+    mid-run (and its resume), a predict whose output rank 0 refuses (a file of the user's in the way on its disk
+    alone), one whose shard rank 1 cannot write, and a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -517,6 +518,11 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
         Path("preds.rank0.pt").write_text("the user's")
     outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
+    save_atomic = trainer_module.save_atomic
+    if RANK == 1:  # rank 1's disk fills as it writes its shard of the predictions; rank 0 writes its own
+        trainer_module.save_atomic = _disk_full
+    outcomes["predict_unwritten"] = _outcome(Evaluated(cfg), predict="unwritten.pt")
+    trainer_module.save_atomic = save_atomic
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))

@@ -716,6 +716,10 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
         assert outcomes[0][case][:2] == outcomes[1][case][:2], case
         assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]
         assert outcomes[1][case][2] < 5
+    # Rank 1 cannot write its shard of the predictions (a full disk): rank 0 returned as if the output were whole.
+    unwritten = "cannot write predictions to 'unwritten.rank1.pt' (No space left on device)"
+    assert outcomes[0]["predict_unwritten"][:2] == outcomes[1]["predict_unwritten"][:2] == ("RunDirectoryError",
+                                                                                              unwritten)  # fmt: skip
     # Rank 0's event files fail mid-run (a full disk): every rank stops with its error within an iteration or two,
     # where rank 1 trained on into the next step's all-reduce and failed there with a DistributedError; the newest
     # checkpoint (step 6: saved before the ranks met) resumes to the end on both.

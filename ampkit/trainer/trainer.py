@@ -1632,23 +1632,31 @@ class Trainer:
             decide = partial(prediction_output, output, reading, self.dist.world_size, overwrite)
             checked.append(decided_by_rank_zero(decide, self.dist))
 
-        predictions = self._evaluate(PREDICT, ckpt, check_output if output is not None else None)
-        if output is not None:
-            path = output = checked[0]
-            if self.world_size > 1:
-                path = rank_output(path, self.global_rank)
+        def write(predictions: list[Any]) -> None:
+            # Each rank writes its own shard; one rank's failure stops every rank with its error, so that none returns
+            # as if the output were whole (a script's next step, reading every shard, would find one missing).
+            path = checked[0] if self.world_size == 1 else rank_output(checked[0], self.global_rank)
+            failure = None
             try:
                 save_atomic(predictions, path)
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
-                raise RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})") from None
-            self.predictions_path = output
-        return predictions
+                failure = RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})")
+            raise_the_first_failure(failure, self.dist)
+            self.predictions_path = checked[0]
+
+        output_given = output is not None
+        return self._evaluate(PREDICT, ckpt, check_output if output_given else None, write if output_given else None)
 
     def _evaluate(
-        self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
+        self,
+        stage: Stage,
+        ckpt: str | os.PathLike | None,
+        before: Callable[[Path | None], None] | None = None,
+        after: Callable[[Any], None] | None = None,
     ) -> Any:
         """``stage`` over its loader; ``before(checkpoint path)`` runs on every rank once the checkpoint is agreed,
-        before the model is built (predict's check of its output)."""
+        before the model is built (predict's check of its output), ``after(result)`` on every rank at the end, while
+        the ranks can still agree (predict's write of its output)."""
         check_instance_attributes(self, Trainer)
         if self._running is None:
             self._follow_config()
@@ -1656,7 +1664,10 @@ class Trainer:
             refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
         seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
         if not self._claim(stage.name, seeds):  # from a hook of a running run: its process group stays its own
-            return self._run_stage(stage, ckpt, before)
+            result = self._run_stage(stage, ckpt, before)
+            if after is not None:
+                after(result)
+            return result
         try:
             self._start_distributed()
         except BaseException:
@@ -1667,6 +1678,8 @@ class Trainer:
         try:
             with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt, before)
+                if after is not None:
+                    after(result)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
