@@ -514,7 +514,10 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         tensorboard_module.summary_writer = _disk_full
     outcomes["events_refused"] = _outcome(Plain({**cfg, "run_dir": "events", "logging": {"tensorboard": True}}))
     tensorboard_module.summary_writer = summary_writer
-    outcomes["events_fail_mid_run"], outcomes["resumed_after_events"] = _events_fail_mid_run(cfg, checkpoints)
+    events_failed = _events_fail_mid_run(cfg, checkpoints)
+    outcomes["events_fail_mid_run"], outcomes["resumed_after_events"], outcomes["events_fail_at_the_end"] = (
+        events_failed
+    )
     if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
         Path("preds.rank0.pt").write_text("the user's")
     outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
@@ -530,44 +533,61 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
 
 
 class EventsDiskFills(ampkit.Callback):
-    """From step 5 on, the disk under rank 0's event files is full: TensorBoard's writer thread fails, and the next
-    write on the training thread raises. A text is logged at each step, as examples/gpt.py logs its samples."""
+    """From step ``from_step`` on, the disk under rank 0's event files is full: TensorBoard's writer thread fails, and
+    the next write on the training thread raises. A text is logged at each step, as examples/gpt.py logs samples."""
 
     full = False
 
+    def __init__(self, from_step: int) -> None:
+        self.from_step = from_step
+
     def on_train_batch_start(self, trainer, batch):
-        EventsDiskFills.full = RANK == 0 and trainer.state.global_step >= 4
+        EventsDiskFills.full = RANK == 0 and trainer.state.global_step + 1 >= self.from_step
 
     def on_train_batch_end(self, trainer, outputs, batch):
         trainer.logger.log_text("sample", f"at step {trainer.state.global_step}")
 
 
-def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple]:
+class EventsDiskFillsAtTheEnd(ampkit.Callback):
+    """Rank 0's disk under the event files fills once training ended: closing the writer fails, after the last point
+    in the loop where the ranks agree on a stop."""
+
+    def on_train_end(self, trainer):
+        EventsDiskFills.full = RANK == 0
+
+
+def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple, tuple]:
     """A run of 8 steps whose event files rank 0 can no longer write from step 5 on, then (rank 1 given a copy of
-    rank 0's newest checkpoint) its resume, without TensorBoard."""
+    rank 0's newest checkpoint) its resume, without TensorBoard; and a run whose events fail as it ends, after
+    the last point in the loop where the ranks agree on a stop (its failure is agreed as the fit ends)."""
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    real = RecordWriter.write
+    real_write, real_flush = RecordWriter.write, RecordWriter.flush
 
-    def fills(self, data):
-        if EventsDiskFills.full:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(self, data)
+    def full(real):
+        def fails_when_full(self, *args):
+            if EventsDiskFills.full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(self, *args)
 
-    RecordWriter.write = fills
+        return fails_when_full
+
+    RecordWriter.write, RecordWriter.flush = full(real_write), full(real_flush)
     trained = {**cfg["trainer"], "max_steps": 8}
     logged = {**cfg, "run_dir": "midrun", "trainer": trained, "logging": {"tensorboard": True, "log_every_n_steps": 1}}
     try:
-        failed = _outcome(Plain(logged, callbacks=[EventsDiskFills()]))
+        failed = _outcome(Plain(logged, callbacks=[EventsDiskFills(5)]))
+        EventsDiskFills.full = False
+        at_the_end = _outcome(Plain({**logged, "run_dir": "endrun"}, callbacks=[EventsDiskFillsAtTheEnd()]))
     finally:
-        RecordWriter.write, EventsDiskFills.full = real, False
+        RecordWriter.write, RecordWriter.flush, EventsDiskFills.full = real_write, real_flush, False
     newest = Path("midrun") / checkpoints.relative_to("run") / "last.pt"
     if RANK == 1:
         newest.parent.mkdir(parents=True)
         shutil.copyfile(Path("..") / "node0" / newest, newest)
     step = torch.load(newest, weights_only=False)["loop"]["global_step"]
     resumed = _outcome(Plain({**logged, "logging": {"tensorboard": False}}), resume="last")
-    return failed, (step, *resumed)
+    return failed, (step, *resumed), at_the_end
 
 
 def _tear(path: Path) -> None:

@@ -722,11 +722,13 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
                                                                                               unwritten)  # fmt: skip
     # Rank 0's event files fail mid-run (a full disk): every rank stops with its error within an iteration or two,
     # where rank 1 trained on into the next step's all-reduce and failed there with a DistributedError; the newest
-    # checkpoint (step 6: saved before the ranks met) resumes to the end on both.
+    # checkpoint (saved before the ranks met) resumes to the end on both. Where they fail as the fit ends (closing
+    # the writer), after the loop's last agreement, every rank raises it as its fit returns.
     mid_run = "cannot write TensorBoard events under 'midrun/version_0/tensorboard' (No space left on device)"
-    assert outcomes[0]["events_fail_mid_run"][:2] == outcomes[1]["events_fail_mid_run"][:2]
-    assert outcomes[1]["events_fail_mid_run"][0] == "RunDirectoryError"
-    assert mid_run in outcomes[1]["events_fail_mid_run"][1]
+    for case, run in [("events_fail_mid_run", "midrun"), ("events_fail_at_the_end", "endrun")]:
+        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        assert outcomes[1][case][0] == "RunDirectoryError"
+        assert mid_run.replace("midrun", run) in outcomes[1][case][1]
     (step0, *resumed0), (step1, *resumed1) = outcomes[0]["resumed_after_events"], outcomes[1]["resumed_after_events"]
     assert 4 <= step0 == step1 < 8 and resumed0[:2] == resumed1[:2] == ["trained", 8]
     _equal(resumed0[2], resumed1[2])
