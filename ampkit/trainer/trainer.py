@@ -1248,7 +1248,8 @@ class Trainer:
         every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
         iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
         stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
-        checkpoint resumes)."""
+        checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and raised here
+        on every rank."""
         self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
