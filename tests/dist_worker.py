@@ -8,8 +8,10 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -461,12 +463,13 @@ class GradSpy(ampkit.Callback):
 def rank_zero_decides(out: Path, base: dict) -> dict:
     """Each rank in a folder of its own with a relative run_dir, as each node of a job sees its own local disk: a run
     of 4 steps (rank 0's folder gets its checkpoints), then resumes of it while rank 1's folder holds nothing, an older
-    checkpoint at last.pt's path, and a copy of rank 0's (a validate of it first, while rank 1 has none); then a resume
-    rank 0 refuses (a live run holds the lock), one whose pruning at its start fails on rank 0, a run whose dropping of
-    a best-k file fails on rank 0, one whose run_dir rank 0 cannot look at, one whose TensorBoard events rank 0 cannot
-    open, a predict whose output rank 0
-    refuses (a file of the user's in the way on its disk alone), and a fresh run whose first save fails on rank 0 (its
-    disk is full), the one rank that writes."""
+    checkpoint at last.pt's path, a copy of rank 0's torn in a tensor's bytes, and a whole copy (a validate of it
+    first, while rank 1 has none); then a resume rank 0 refuses (a live run holds the lock), one whose pruning at its
+    start fails on rank 0, a run whose dropping of a best-k file fails on rank 0, one whose run_dir rank 0 cannot look
+    at, one whose TensorBoard events rank 0 cannot open, a run whose TensorBoard events rank 0 can no longer write
+    mid-run (and its resume), a predict whose output rank 0 refuses (a file of the user's in the way on its disk
+    alone), one whose shard rank 1 cannot write, and a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -477,11 +480,13 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     Plain(cfg).fit()
     node0 = out / "node0" / checkpoints
     outcomes = {"validate": _outcome(Plain(cfg), validate="last")}
-    for case, max_steps, copied in [("none", 6, None), ("older", 6, "step-00000002.pt"), ("copied", 6, "last.pt"),
-                                    ("locked", 8, "last.pt")]:  # fmt: skip
+    for case, max_steps, copied in [("none", 6, None), ("older", 6, "step-00000002.pt"), ("torn", 6, "last.pt"),
+                                    ("copied", 6, "last.pt"), ("locked", 8, "last.pt")]:  # fmt: skip
         if RANK == 1 and copied is not None:
             checkpoints.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(node0 / copied, checkpoints / "last.pt")
+            if case == "torn":
+                _tear(checkpoints / "last.pt")
         if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
@@ -509,13 +514,93 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         tensorboard_module.summary_writer = _disk_full
     outcomes["events_refused"] = _outcome(Plain({**cfg, "run_dir": "events", "logging": {"tensorboard": True}}))
     tensorboard_module.summary_writer = summary_writer
+    events_failed = _events_fail_mid_run(cfg, checkpoints)
+    outcomes["events_fail_mid_run"], outcomes["resumed_after_events"], outcomes["events_fail_at_the_end"] = (
+        events_failed
+    )
     if RANK == 0:  # a user's file in the way on rank 0's disk only: rank 1 would have predicted into a collective
         Path("preds.rank0.pt").write_text("the user's")
     outcomes["predict_refused"] = _outcome(Plain(cfg), predict="preds.pt")
+    save_atomic = trainer_module.save_atomic
+    if RANK == 1:  # rank 1's disk fills as it writes its shard of the predictions; rank 0 writes its own
+        trainer_module.save_atomic = _disk_full
+    outcomes["predict_unwritten"] = _outcome(Evaluated(cfg), predict="unwritten.pt")
+    trainer_module.save_atomic = save_atomic
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
     return {"outcomes": outcomes}
+
+
+class EventsDiskFills(ampkit.Callback):
+    """From step ``from_step`` on, the disk under rank 0's event files is full: TensorBoard's writer thread fails, and
+    the next write on the training thread raises. A text is logged at each step, as examples/gpt.py logs samples."""
+
+    full = False
+
+    def __init__(self, from_step: int) -> None:
+        self.from_step = from_step
+
+    def on_train_batch_start(self, trainer, batch):
+        EventsDiskFills.full = RANK == 0 and trainer.state.global_step + 1 >= self.from_step
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.logger.log_text("sample", f"at step {trainer.state.global_step}")
+
+
+class EventsDiskFillsAtTheEnd(ampkit.Callback):
+    """Rank 0's disk under the event files fills once training ended: closing the writer fails, after the last point
+    in the loop where the ranks agree on a stop."""
+
+    def on_train_end(self, trainer):
+        EventsDiskFills.full = RANK == 0
+
+
+def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple, tuple]:
+    """A run of 8 steps whose event files rank 0 can no longer write from step 5 on, then (rank 1 given a copy of
+    rank 0's newest checkpoint) its resume, without TensorBoard; and a run whose events fail as it ends, after
+    the last point in the loop where the ranks agree on a stop (its failure is agreed as the fit ends)."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    real_write, real_flush = RecordWriter.write, RecordWriter.flush
+
+    def full(real):
+        def fails_when_full(self, *args):
+            if EventsDiskFills.full:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(self, *args)
+
+        return fails_when_full
+
+    RecordWriter.write, RecordWriter.flush = full(real_write), full(real_flush)
+    trained = {**cfg["trainer"], "max_steps": 8}
+    logged = {**cfg, "run_dir": "midrun", "trainer": trained, "logging": {"tensorboard": True, "log_every_n_steps": 1}}
+    try:
+        failed = _outcome(Plain(logged, callbacks=[EventsDiskFills(5)]))
+        EventsDiskFills.full = False
+        at_the_end = _outcome(Plain({**logged, "run_dir": "endrun"}, callbacks=[EventsDiskFillsAtTheEnd()]))
+    finally:
+        RecordWriter.write, RecordWriter.flush, EventsDiskFills.full = real_write, real_flush, False
+    newest = Path("midrun") / checkpoints.relative_to("run") / "last.pt"
+    if RANK == 1:
+        newest.parent.mkdir(parents=True)
+        shutil.copyfile(Path("..") / "node0" / newest, newest)
+    step = torch.load(newest, weights_only=False)["loop"]["global_step"]
+    resumed = _outcome(Plain({**logged, "logging": {"tensorboard": False}}), resume="last")
+    return failed, (step, *resumed), at_the_end
+
+
+def _tear(path: Path) -> None:
+    """Change bytes in the middle of the largest tensor record of checkpoint ``path``, leaving the zip archive's
+    directory (names, sizes, CRC-32s) as it was: a copy torn by a failing disk or an interrupted rsync --inplace."""
+    with zipfile.ZipFile(path) as archive:
+        tensors = [r for r in archive.infolist() if r.filename.partition("/")[2].startswith("data/")]
+        record = max(tensors, key=lambda r: r.file_size)
+    data = bytearray(path.read_bytes())
+    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26 : record.header_offset + 30])
+    middle = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
+    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
+    path.write_bytes(bytes(data))
 
 
 def _cannot_delete(where: Path | list, *args) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import math
+import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
 from child_env import child_env
 from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
@@ -15,6 +20,8 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.callbacks import ProgressBar
 from ampkit.cli import main
+from ampkit.trainer.checkpoint_io import load_checkpoint
+from ampkit.trainer.console import say
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -173,3 +180,49 @@ def test_steps_slower_than_one_a_second_show_seconds_per_step():
     assert (_rate(0.04), _rate(0.5), _rate(1.0), _rate(12.34), _rate(0.0)) == (
         "25.0 s/it", "2.0 s/it", "1.0 it/s", "12.3 it/s", "0.0 it/s"
     )  # fmt: skip
+
+
+class _ClosesAfter(io.StringIO):
+    """A console whose reader goes away (``| head`` exited, the ``tee`` of a log killed) after ``writes`` writes:
+    every write after fails with EPIPE, as a closed pipe's do."""
+
+    def __init__(self, writes: int, name: str) -> None:
+        super().__init__()
+        self.writes, self.name = writes, name
+
+    def write(self, text: str) -> int:
+        if self.writes <= 0:
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+        self.writes -= 1
+        return super().write(text)
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_a_console_that_goes_away_mid_run_stops_the_output_not_the_run(tmp_path, monkeypatch, bar):
+    """The next progress line (stdout) or bar redraw (stderr) after the pipe closed raised BrokenPipeError and ended
+    the run (under torchrun rank zero's alone, which writes, the others failing in their next collective): the
+    output stops, said once, and the run trains to its end and saves its checkpoint."""
+    monkeypatch.setattr(sys, "stdout", _ClosesAfter(2, "<stdout>"))  # the banner, then nothing
+    monkeypatch.setattr(sys, "stderr", _ClosesAfter(0, "<stderr>"))  # where the bars draw
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 2, "trainer.progress_bar": False, "logging.tensorboard": False})
+    trainer = ToyTrainer(cfg, callbacks=[ProgressBar(bar=bar, every_n_steps=1, refresh_s=0.0)])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.fit()
+    gone = [str(w.message) for w in said if "cannot write to the console" in str(w.message)]
+    assert gone == [f"cannot write to the console: {os.strerror(errno.EPIPE)}; ampkit writes no more progress or "
+                    "notices there, and the run goes on: its checkpoints and TensorBoard events are its record (run "
+                    "under nohup or redirect the output to a file to keep it)"]  # fmt: skip
+    assert trainer.state.global_step == 16
+    assert load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["loop"]["global_step"] == 16
+
+
+def test_a_notice_to_a_closed_console_is_dropped_said_once_and_the_next_not_tried(monkeypatch):
+    """ampkit's one-line notices (a stop, a SIGTERM, early stopping) on a closed stderr raised on rank zero alone."""
+    closed = _ClosesAfter(0, "<stderr>")
+    monkeypatch.setattr(sys, "stderr", closed)
+    with pytest.warns(UserWarning, match=re.escape("cannot write to the console (<stderr>): Broken pipe;")) as said:
+        say("ampkit: stopping every rank at step 3")
+        closed.writes = 1  # a write now would pass: none is tried, a closed pipe stays closed
+        say("ampkit: SIGTERM: stopping at step 4")
+    assert len(said) == 1 and closed.getvalue() == ""

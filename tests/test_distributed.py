@@ -692,6 +692,15 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
         assert message.startswith(f"{doing} 'run/version_0/checkpoints/last.pt' (epoch 1, step 4 on rank 0): rank 1 ")
         assert f"rank 1 (host {host}) has {seen}. Every rank reads" in message
         assert "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk" in message
+    # A copy whose tensor bytes were torn (its zip directory intact: the fingerprint is rank 0's) was loaded by
+    # rank 1 without a word, its optimizer state other than rank 0's; its records are now read against their CRC-32s.
+    assert outcomes[0]["torn"][:2] == outcomes[1]["torn"][:2]
+    kind, message, _ = outcomes[1]["torn"]
+    assert kind == "CheckpointError"
+    assert f"(epoch 1, step 4 on rank 0): rank 1 (host {host}) has a damaged copy: its record 'data/" in message
+    assert "is not as written (BadZipFile: Bad CRC-32 for file" in message
+    assert "copy the checkpoint there again from a whole one, or resume an older checkpoint" in message
+    assert "not a node-local disk" not in message
     (_, step0, model0), (_, step1, model1) = outcomes[0]["copied"], outcomes[1]["copied"]
     assert step0 == step1 == 6
     _equal(model0, model1)
@@ -707,6 +716,22 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
         assert outcomes[0][case][:2] == outcomes[1][case][:2], case
         assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]
         assert outcomes[1][case][2] < 5
+    # Rank 1 cannot write its shard of the predictions (a full disk): rank 0 returned as if the output were whole.
+    unwritten = "cannot write predictions to 'unwritten.rank1.pt' (No space left on device)"
+    assert outcomes[0]["predict_unwritten"][:2] == outcomes[1]["predict_unwritten"][:2] == ("RunDirectoryError",
+                                                                                              unwritten)  # fmt: skip
+    # Rank 0's event files fail mid-run (a full disk): every rank stops with its error within an iteration or two,
+    # where rank 1 trained on into the next step's all-reduce and failed there with a DistributedError; the newest
+    # checkpoint (saved before the ranks met) resumes to the end on both. Where they fail as the fit ends (closing
+    # the writer), after the loop's last agreement, every rank raises it as its fit returns.
+    mid_run = "cannot write TensorBoard events under 'midrun/version_0/tensorboard' (No space left on device)"
+    for case, run in [("events_fail_mid_run", "midrun"), ("events_fail_at_the_end", "endrun")]:
+        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        assert outcomes[1][case][0] == "RunDirectoryError"
+        assert mid_run.replace("midrun", run) in outcomes[1][case][1]
+    (step0, *resumed0), (step1, *resumed1) = outcomes[0]["resumed_after_events"], outcomes[1]["resumed_after_events"]
+    assert 4 <= step0 == step1 < 8 and resumed0[:2] == resumed1[:2] == ["trained", 8]
+    _equal(resumed0[2], resumed1[2])
 
 
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):

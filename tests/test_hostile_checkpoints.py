@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import struct
+import zipfile
 
 import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
-from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
@@ -174,3 +176,27 @@ def test_load_model_of_last_or_best_without_a_run_here_names_where_it_looked(tmp
         load_model(run_dir, trainer_class=ToyTrainer)
     monkeypatch.chdir(run_dir)
     assert isinstance(load_model("last", trainer_class=ToyTrainer), torch.nn.Module)
+
+
+def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_check(tmp_path, trained):
+    """A copy torn in a tensor's bytes loads without an error, with other values (torch.load checks no CRC-32), and
+    its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the legacy format
+    (no CRCs to check), pass."""
+    last, _ = trained
+    whole = last.read_bytes()
+    with zipfile.ZipFile(last) as archive:
+        record = max(archive.infolist(), key=lambda r: r.file_size if "/data/" in r.filename else -1)
+    name_length, extra_length = struct.unpack("<HH", whole[record.header_offset + 26 : record.header_offset + 30])
+    start = record.header_offset + 30 + name_length + extra_length
+    torn = tmp_path / "torn.pt"
+    torn.write_bytes(whole[:start] + bytes(record.file_size) + whole[start + record.file_size :])
+    assert load_checkpoint(torn)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it as it is
+    name = record.filename.partition("/")[2]
+    assert damaged_record(torn) == f"its record '{name}' is not as written (BadZipFile: Bad CRC-32 for file " \
+        f"'{record.filename}')"  # fmt: skip
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert damaged_record(cut).startswith("its zip archive's directory cannot be read, so the file was cut short")
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    assert damaged_record(last) is damaged_record(legacy) is damaged_record(tmp_path / "absent.pt") is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -11,6 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
 from ampkit.trainer.callback import Phase
+from ampkit.trainer.console import say
 
 
 class EarlyStopping(KeyedByMonitor):
@@ -89,7 +89,7 @@ class EarlyStopping(KeyedByMonitor):
         reason = f"early stopping: {reason}"
         trainer.state.should_stop, trainer.state.stop_reason = True, reason
         if trainer.is_global_zero:
-            print(f"ampkit: {reason}, at step {trainer.state.global_step}", file=sys.stderr)
+            say(f"ampkit: {reason}, at step {trainer.state.global_step}")
 
     def _stop_at_once(self, value: float) -> str | None:
         """Why ``value`` ends the run whatever the patience (Lightning's order: non-finite, then each threshold)."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
 from ampkit.amp.scaler import positive_option
 from ampkit.trainer.callback import Callback
+from ampkit.trainer.console import say
 
 
 class MaxTime(Callback):
@@ -36,7 +36,7 @@ class MaxTime(Callback):
             reason = f"trainer.max_time={self.max_time_s:g}s reached after {self.elapsed():.1f}s of training"
             s.should_stop, s.stop_reason = True, reason
             if trainer.is_global_zero:
-                print(f"ampkit: {reason}, at step {s.global_step}", file=sys.stderr)
+                say(f"ampkit: {reason}, at step {s.global_step}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"elapsed_s": self.elapsed()}

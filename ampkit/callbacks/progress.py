@@ -7,17 +7,22 @@ CI: the same facts as a plain line every ``every_n_steps`` iterations, so a log 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.precision_config import describe_precision
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.console import console_gone
+
+Hook = TypeVar("Hook", bound=Callable[..., None])
 
 
 def _interactive() -> bool:
@@ -53,6 +58,28 @@ def _si(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _writes_to_the_console(hook: Hook) -> Hook:
+    """A hook that draws or prints: where the console is gone (an ``OSError``: a closed pipe, a full disk under a
+    redirected log), the bar turns itself off for the rest of the run, said once, and the run goes on
+    (:mod:`ampkit.trainer.console`)."""
+
+    @functools.wraps(hook)
+    def drawing(self: ProgressBar, trainer: Any, *args: Any) -> None:
+        if self._console_gone:
+            return
+        try:
+            hook(self, trainer, *args)
+        except OSError as exc:
+            self._console_gone = True
+            for bar in (self._val_bar, self._train_bar):
+                if bar is not None:
+                    bar.disable = True  # closed without drawing again
+            self._train_bar = self._val_bar = None
+            console_gone(exc)
+
+    return drawing  # type: ignore[return-value]
+
+
 class ProgressBar(Callback):
     """Console output. ``bar``: draw tqdm bars (default: when stdout is a terminal and ``CI`` is unset),
     redrawn at most every ``refresh_s`` seconds; otherwise print a plain status line every ``every_n_steps``
@@ -74,6 +101,7 @@ class ProgressBar(Callback):
         self._fit_start = self._epoch_start = self._val_start = self._last_postfix = 0.0
         self._epoch_first_step = 0
         self._fit_first_step = 0  # the step fit() started from (a resume's)
+        self._console_gone = False  # a write failed: nothing is drawn or printed for the rest of the run
 
     # ------------------------------------------------------------------ output
     def _print(self, text: str) -> None:
@@ -102,6 +130,7 @@ class ProgressBar(Callback):
         return shown
 
     # ------------------------------------------------------------------ hooks
+    @_writes_to_the_console
     def on_fit_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
@@ -137,6 +166,7 @@ class ProgressBar(Callback):
     def on_loss_scale_update(self, trainer, loss_id: Any, old: float, new: float) -> None:
         self._scales[loss_id] = new
 
+    @_writes_to_the_console
     def on_train_epoch_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
@@ -154,6 +184,7 @@ class ProgressBar(Callback):
                 mininterval=self.refresh_s,
             )
 
+    @_writes_to_the_console
     def on_train_batch_end(self, trainer, outputs: dict[str, Any], batch: Any) -> None:
         if not trainer.is_global_zero:
             return
@@ -173,6 +204,7 @@ class ProgressBar(Callback):
             parts.append(f"elapsed {_duration(time.perf_counter() - self._fit_start)}")
             self._print(" | ".join(part for part in parts if part))
 
+    @_writes_to_the_console
     def on_validation_start(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
@@ -189,10 +221,12 @@ class ProgressBar(Callback):
                 mininterval=self.refresh_s,
             )
 
+    @_writes_to_the_console
     def on_validation_batch_end(self, trainer, metrics: dict[str, Any], batch: Any) -> None:
         if self._val_bar is not None:
             self._val_bar.update(1)
 
+    @_writes_to_the_console
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if not trainer.is_global_zero:
             return
@@ -211,6 +245,7 @@ class ProgressBar(Callback):
         took = time.perf_counter() - self._val_start
         self._print(f"epoch {s.epoch} step {s.global_step} | {values} | validation {took:.1f} s")
 
+    @_writes_to_the_console
     def on_train_epoch_end(self, trainer) -> None:
         if not trainer.is_global_zero:
             return
@@ -224,6 +259,7 @@ class ProgressBar(Callback):
                 parts.append(" ".join(f"{k}={_number(v)}" for k, v in metrics.items()))
         self._print(" | ".join(parts))
 
+    @_writes_to_the_console
     def on_train_end(self, trainer) -> None:
         if trainer.is_global_zero:
             took = time.perf_counter() - self._fit_start
@@ -231,6 +267,7 @@ class ProgressBar(Callback):
             trained = f"{step} steps" if first == 0 else f"to step {step} ({step - first} steps in this run)"
             self._print(f"ampkit: trained {trained} in {_duration(took)}")
 
+    @_writes_to_the_console
     def on_fit_end(self, trainer) -> None:
         self._close_bars()
 

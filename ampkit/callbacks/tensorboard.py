@@ -28,16 +28,21 @@ from ampkit.trainer.run_life import RunDirectoryError
 
 
 @contextmanager
-def writing_events(log_dir: Path) -> Iterator[None]:
+def writing_events(log_dir: Path, failed: Callable[[RunDirectoryError], None] | None = None) -> Iterator[None]:
     """A failed write of the event files (a full disk, a read-only remount; TensorBoard's writer thread reports it
-    at the next write) as one line naming ``log_dir``, not an OSError without a path."""
+    at the next write) as one line naming ``log_dir``, not an OSError without a path: raised, or given to ``failed``
+    (``Trainer.fail_on_every_rank``: under torchrun, rank zero alone writes events, and every rank must stop)."""
     try:
         yield
     except OSError as exc:
-        raise RunDirectoryError(
+        error = RunDirectoryError(
             f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
             "access) there, or set logging.tensorboard=false; no checkpoint was touched"
-        ) from None
+        )
+        error.__suppress_context__ = True  # the OSError names no file: this line says it all
+        if failed is None:
+            raise error from None
+        failed(error)
 
 
 # TensorBoard's writer threads of ampkit's SummaryWriters: an OSError there (a full disk) is raised again by the
@@ -134,11 +139,18 @@ class StepEvents:
 class TensorBoardWriter(Logger):
     """``trainer.logger`` while :class:`TensorBoardLogger` runs: writes to its event files."""
 
-    def __init__(self, writer: Any, current_step: Callable[[], int], flush_scalars: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        writer: Any,
+        current_step: Callable[[], int],
+        flush_scalars: Callable[[], None],
+        failed: Callable[[RunDirectoryError], None],
+    ) -> None:
         self.writer = writer
         self.log_dir = Path(writer.log_dir)
         self._current_step = current_step
         self._flush_scalars = flush_scalars
+        self._failed = failed  # a failed write stops the fit on every rank (Trainer.fail_on_every_rank)
 
     def _step(self, step: int | None) -> int:
         self._flush_scalars()  # the scalars queued so far go first: the file stays in step order
@@ -146,18 +158,18 @@ class TensorBoardWriter(Logger):
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
         dataformats = check_image(tag, image)
-        with writing_events(self.log_dir):
+        with writing_events(self.log_dir, self._failed):
             self.writer.add_image(tag, image.detach().cpu(), self._step(step), dataformats=dataformats)
 
     def log_histogram(self, tag: str, values: torch.Tensor, step: int | None = None) -> None:
         values = values.detach().float().cpu()
         if not bool(values.isfinite().all()):
             raise ValueError(f"log_histogram('{tag}'): the values hold inf/nan; log the finite ones")
-        with writing_events(self.log_dir):
+        with writing_events(self.log_dir, self._failed):
             self.writer.add_histogram(tag, values, self._step(step))
 
     def log_text(self, tag: str, text: str, step: int | None = None) -> None:
-        with writing_events(self.log_dir):
+        with writing_events(self.log_dir, self._failed):
             self.writer.add_text(tag, text, self._step(step))
 
 
@@ -203,6 +215,8 @@ class TensorBoardLogger(Callback):
         self._last_time = 0.0
         self._last_step = 0
         self._failed = False  # the run raised: closing the writer must not replace that error with its own
+        # Where a failed write goes (Trainer.fail_on_every_rank): every rank stops, not rank zero alone, which writes.
+        self._fail_run: Callable[[RunDirectoryError], None] | None = None
         self._step_events: StepEvents | None = None
         self._take_logged: Callable[[], list[tuple[str, Any, int]]] = list  # the fitting Trainer's take_logged
         self._carried: dict[str, Any] | None = None  # the restored checkpoint's step and its events
@@ -234,13 +248,20 @@ class TensorBoardLogger(Callback):
                 self._step_events = StepEvents(self.writer.file_writer, step, events)
             else:
                 self._step_events = StepEvents(self.writer.file_writer)
-            trainer.logger = TensorBoardWriter(self.writer, lambda: trainer.state.iteration, self._flush)
+            self._fail_run = trainer.fail_on_every_rank
+            trainer.logger = TensorBoardWriter(
+                self.writer, lambda: trainer.state.iteration, self._flush, self._fail_run
+            )
             self._take_logged = trainer.take_logged
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
             self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
         self._last_flush = self._last_time
+
+    def _writing(self) -> Any:
+        """:func:`writing_events` for this fit's event files, a failure stopping the fit on every rank."""
+        return writing_events(Path(self.writer.log_dir), self._fail_run)
 
     def on_train_batch_start(self, trainer, batch: Any) -> None:
         """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
@@ -305,10 +326,10 @@ class TensorBoardLogger(Callback):
             self._queued += self._taken()
             try:
                 self._flush()
-                with writing_events(Path(self.writer.log_dir)):
+                with self._writing():
                     self.writer.flush()
             except RunDirectoryError:  # the checkpoint is saved all the same; the writer's next write says why
-                pass
+                pass  # (under torchrun the failure is kept, and every rank stops with it once they next meet)
             state["step_events"] = {"step": self._step_events.step, "events": list(self._step_events.events)}
         if not self._window:
             return state
@@ -336,7 +357,7 @@ class TensorBoardLogger(Callback):
         self._last_flush = time.perf_counter()
         if self._queued:
             rows, self._queued = self._queued, []
-            with writing_events(Path(self.writer.log_dir)):
+            with self._writing():
                 self._write(rows)
 
     def _write(self, rows: list[tuple[int, str, Any]]) -> None:
@@ -361,7 +382,7 @@ class TensorBoardLogger(Callback):
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training
             return
         self._flush()
-        with writing_events(Path(self.writer.log_dir)):
+        with self._writing():
             for key, value in metrics.items():
                 self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
             self.writer.flush()
@@ -370,7 +391,7 @@ class TensorBoardLogger(Callback):
         if self.writer is None:
             return
         self._flush()
-        with writing_events(Path(self.writer.log_dir)):
+        with self._writing():
             for tag, value in trainer.epoch_scalars.items():
                 self.writer.add_scalar(self._epoch_tag(tag), value, trainer.state.global_step)
 
@@ -401,7 +422,7 @@ class TensorBoardLogger(Callback):
         # monitors and in what validate() returns; the HParams tab compares runs by them.
         final = {f"val/{key}": value for key, value in trainer.val_metrics.items()} | trainer.validation_end_values
         experiment, _, end = _hparams_summaries(trainer, final)
-        with writing_events(Path(self.writer.log_dir)):
+        with self._writing():
             self.writer.file_writer.add_summary(experiment)
             self.writer.file_writer.add_summary(end)
 
@@ -419,7 +440,7 @@ class TensorBoardLogger(Callback):
         try:
             self._take_logged_after_the_last_batch()
             self._flush()
-            with writing_events(Path(self.writer.log_dir)):
+            with self._writing():
                 self.writer.close()
         except RunDirectoryError:
             if not self._failed:  # after a failure it fails again (its thread stopped at a full disk): the first stands

@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.callbacks.throughput import count_training_flops
 from ampkit.config import build_config, is_config_instance
 from ampkit.trainer.checkpoint_io import peek_checkpoint
+from ampkit.trainer.console import say, say_above_the_bars
 from ampkit.trainer.run_life import resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
 
@@ -578,8 +580,8 @@ class GPTTrainer(ampkit.Trainer):
     def on_fit_start(self) -> None:
         if self.is_global_zero:
             train = self._split("train")
-            print(f"  unigram entropy of the training bytes: {unigram_entropy(train):.3f} nats/byte "
-                  f"(a model must go below it to have learnt context)", flush=True)  # fmt: skip
+            say(f"  unigram entropy of the training bytes: {unigram_entropy(train):.3f} nats/byte "
+                "(a model must go below it to have learnt context)", sys.stdout)  # fmt: skip
 
     def on_train_start(self) -> None:
         self._sample_every = self.cfg.generate.every_n_steps  # read once: on_train_batch_end runs every batch
@@ -595,9 +597,7 @@ class GPTTrainer(ampkit.Trainer):
             if self.cfg.logging.tensorboard:
                 self.logger.log_text("samples", text)
             elif self.is_global_zero:  # no TensorBoard to take it: the console, rather than generating for nothing
-                from tqdm.auto import tqdm
-
-                tqdm.write(f"  sample at step {s.iteration}: {text!r}")
+                say_above_the_bars(f"  sample at step {s.iteration}: {text!r}")
 
     def on_predict_start(self) -> None:
         setting = self.cfg.trainer.compile

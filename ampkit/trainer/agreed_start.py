@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ampkit.trainer.checkpoint_io import CheckpointError, file_fingerprint
+from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, file_fingerprint
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
 from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
@@ -111,21 +111,35 @@ def _same_on_every_rank(
     path: Path, zeros: CheckpointView, env: DistributedEnv, run_dir: str, what: str, load: bool
 ) -> dict[str, Any] | None:
     """Refuse on every rank, naming each rank (and its host) that sees another file at ``path`` than rank zero's
-    (``zeros``), or cannot ``load`` it; the checkpoint loaded on this rank (not rank zero), or None."""
+    (``zeros``), a damaged one (rank zero too: its fingerprint trusts the CRCs, which torch.load never checks), or
+    cannot ``load`` it; the checkpoint loaded on this rank (not rank zero), or None."""
     checkpoint, problem = None, None
-    if env.rank != 0:
+    damaged = damaged_record(path / TRAINER_FILE if path.is_dir() else path)  # also why a copy cut short differs
+    if env.rank != 0 and damaged is None:
         problem = difference(view_of(path), zeros)
-        if problem is None and load:
-            try:
-                checkpoint = load_with_fallback_hint(path)
-            except CheckpointError as exc:
-                problem = f"cannot load it: {exc}"
-    found = gather_object((socket.gethostname(), problem), env)
-    if seen := [f"rank {rank} (host {host}) {said}" for rank, (host, said) in enumerate(found) if said]:
-        raise CheckpointError(
-            f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. Every rank reads that "
-            f"checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) must be on a file system "
-            "every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or copy the checkpoint to "
-            "that path on every node. Nothing was trained or written"
+    if env.rank != 0 and problem is None and damaged is None and load:
+        try:
+            checkpoint = load_with_fallback_hint(path)
+        except CheckpointError as exc:
+            problem = f"cannot load it: {exc}"
+    found = gather_object((socket.gethostname(), problem, damaged), env)
+    seen = [f"rank {rank} (host {host}) {said or f'has a damaged copy: {why}'}"
+            for rank, (host, said, why) in enumerate(found) if said or why]  # fmt: skip
+    if not seen:
+        return checkpoint
+    fixes = []
+    if any(said for _, said, _ in found):
+        fixes.append(
+            f"Every rank reads that checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) "
+            "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or "
+            "copy the checkpoint to that path on every node"
         )
-    return checkpoint
+    if any(why for _, _, why in found):
+        fixes.append(
+            "A damaged copy would load without an error, with other values on that rank than on the others: copy the "
+            "checkpoint there again from a whole one, or resume an older checkpoint"
+        )
+    raise CheckpointError(
+        f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
+        "trained or written"
+    )

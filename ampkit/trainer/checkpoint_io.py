@@ -276,6 +276,30 @@ def file_fingerprint(path: str | os.PathLike) -> str | None:
     return digest.hexdigest()
 
 
+def damaged_record(path: str | os.PathLike) -> str | None:
+    """What is damaged in checkpoint file ``path`` (a copy cut short or torn, a disk's error), found by reading every
+    record of its zip archive against the size and CRC-32 in the archive's directory, which torch.load checks not:
+    a torn copy loads without a word, with wrong values. None where every record is whole, where the file is no zip
+    archive (the legacy format holds no CRCs), and where it cannot be opened (the caller says so)."""
+    try:
+        with open(path, "rb") as file:
+            if file.read(4) != _TORCH_FILE_STARTS[0]:
+                return None
+        with zipfile.ZipFile(path) as archive:
+            for record in archive.infolist():
+                try:
+                    with archive.open(record) as stream:
+                        while stream.read(1 << 24):  # zipfile checks the size and CRC-32 at the record's end
+                            pass
+                except (zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
+                    return f"its record '{record.filename.partition('/')[2]}' is not as written ({describe(exc)})"
+    except zipfile.BadZipFile as exc:
+        return f"its zip archive's directory cannot be read, so the file was cut short ({exc})"
+    except OSError:
+        return None
+    return None
+
+
 # What torch.load(weights_only=True) rebuilds without naming code: these exact types, tensors, and the classes torch
 # allows by name (torch.Size, OrderedDict...). A subclass (a namedtuple, a defaultdict) or a NumPy value is refused.
 _PLAIN_TYPES = frozenset({bool, int, float, complex, str, bytes, bytearray, type(None), torch.dtype, torch.device})

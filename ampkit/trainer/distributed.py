@@ -211,13 +211,36 @@ def decided_by_rank_zero(decide: Callable[[], T], env: DistributedEnv) -> T:
         try:
             outcome = (True, decide())
         except Exception as exc:
-            shared = exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")
-            broadcast_object((False, shared), env)
+            broadcast_object((False, _travelling(exc)), env)
             raise  # rank zero's own error, with its traceback
     decided, value = broadcast_object(outcome, env)
     if not decided:
         raise value
     return value
+
+
+def raise_the_first_failure(failure: BaseException | None, env: DistributedEnv) -> None:
+    """Every rank's ``failure`` (an error met on that rank alone, or None), gathered (one collective): where any rank
+    has one, every rank raises the lowest such rank's, its type and message (that rank its own, with its traceback),
+    so that all stop together with one error rather than the others failing later in a collective it left."""
+    if not env.enabled:
+        if failure is not None:
+            raise failure
+        return
+    failures = gather_object(None if failure is None else _travelling(failure), env)
+    for rank, found in enumerate(failures):
+        if found is None:
+            continue
+        if rank == env.rank:
+            raise failure
+        if hasattr(found, "add_note"):  # Python 3.11+
+            found.add_note(f"ampkit: rank {rank} met this error; every rank stops with it")
+        raise found
+
+
+def _travelling(exc: BaseException) -> BaseException:
+    """``exc``, or where it cannot pickle, a RuntimeError of its type and message: what goes to the other ranks."""
+    return exc if _picklable(exc) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _picklable(value: Any) -> bool:

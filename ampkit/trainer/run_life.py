@@ -47,7 +47,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from ampkit.trainer.checkpoint_io import (
     write_protected,
     write_text_atomic,
 )
+from ampkit.trainer.console import say
 from ampkit.trainer.launch_env import launch_int
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
@@ -755,7 +755,7 @@ def tidy_run_dir(run_dir: str | os.PathLike) -> list[Path]:
             lock.release()
     if removed:
         names = ", ".join(str(p.relative_to(Path(run_dir))) for p in removed)
-        print(f"ampkit: removed {len(removed)} temp file(s) left by an interrupted save: {names}", file=sys.stderr)
+        say(f"ampkit: removed {len(removed)} temp file(s) left by an interrupted save: {names}")
     return removed
 
 

@@ -48,7 +48,6 @@ import copy
 import dataclasses
 import numbers
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -101,6 +100,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     unloadable_entry,
 )
+from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
 from ampkit.trainer.distributed import (
     DistributedEnv,
@@ -118,6 +118,7 @@ from ampkit.trainer.distributed import (
     evaluation_loader,
     gather_object,
     is_communication_failure,
+    raise_the_first_failure,
     setup_distributed,
     teardown_distributed,
     while_every_rank_has_a_batch,
@@ -447,6 +448,7 @@ class Trainer:
         self._preempt_asked = False  # a SIGTERM arrived (preemption.py): stop and save where the iteration ends
         self._preempt_agreed = False  # under torchrun: the ranks agreed that one of them got a SIGTERM
         self._stop_heard = False  # a rank's stop or SIGTERM, heard in the facts' collective: agree at iteration end
+        self._rank_failure: BaseException | None = None  # fail_on_every_rank's error, until the ranks next agree
         self._running: str | None = None  # the entry point running now (fit, validate...): fit() inside one is refused
         self._running_in: tuple[int, str] | None = None  # the thread it runs in, by id and name (see _claim)
         self._models_left: tuple[Any, Any] = (None, None)  # module and model as the last run that built one left them
@@ -1043,6 +1045,17 @@ class Trainer:
         """Whether this is rank 0, the process that logs, shows progress and writes checkpoints."""
         return self.dist.rank == 0
 
+    def fail_on_every_rank(self, error: BaseException) -> None:
+        """Stop the fit with ``error``, met on this rank alone (rank zero's write of TensorBoard events, a file only it
+        writes): raised at once in one process; under torchrun kept, and raised on every rank where the ranks next
+        meet to agree on a stop (the iteration after next at the latest, or as the fit ends), so that the others do
+        not train on into a collective this rank has left and fail there with another error. A later one is dropped.
+        """
+        if not self.dist.enabled or self._running != "fit":
+            raise error
+        if self._rank_failure is None:
+            self._rank_failure = error
+
     # ----------------------------------------------------------------- fit
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
@@ -1070,6 +1083,8 @@ class Trainer:
             with self._process_kept(self.settings.seed is not None), sigterm_asks_to_stop(self._ask_preemption):
                 with sighup_raises(), grad_mode_for_training(), without_torch_patches():
                     self._fit(resume)
+                # What rank zero alone wrote as the fit ended (TensorBoard's last events) failed: every rank says so.
+                raise_the_first_failure(self._rank_failure, self.dist)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1147,6 +1162,7 @@ class Trainer:
         # An earlier fit's position would end this one at once, and its checkpoints would stamp an untrained model
         # with that fit's step: each fit starts at step 0 (a resume then restores its checkpoint's position).
         self.state = LoopState()
+        self._rank_failure = None
         self.val_metrics, self.val_metrics_step, self.epoch_scalars = {}, None, {}
         self.validation_end_values = {}  # an earlier fit's would reach this one's hparams before it validates
         self._resume = self._rng_after_fetch = None
@@ -1202,7 +1218,7 @@ class Trainer:
         path = decided_by_rank_zero(partial(restarted_from, self.cfg.run_dir, self._launch), self.dist)
         if path is not None and self.is_global_zero:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-            print(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'", file=sys.stderr)
+            say(f"ampkit: torchrun restart {restart} continues this launch's run from '{path}'")
         return path
 
     def _finished(self) -> bool:
@@ -1224,7 +1240,7 @@ class Trainer:
         asked = self._preempt_agreed if self.dist.enabled else self._preempt_asked
         if asked and self.state.is_iteration_end and not self._finished():  # a run that ends here saves as it ends
             if self.is_global_zero:
-                print(f"ampkit: SIGTERM: stopping at step {self.state.global_step}", file=sys.stderr)
+                say(f"ampkit: SIGTERM: stopping at step {self.state.global_step}")
             raise Preempted(f"SIGTERM: stopped at step {self.state.global_step}")
 
     def _agree_stop(self) -> None:
@@ -1232,12 +1248,16 @@ class Trainer:
         every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
         iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
         stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
-        checkpoint resumes)."""
+        checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and raised here
+        on every rank."""
         self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
         s = self.state
-        stop_asked, preempted = any_rank([s.should_stop, self._preempt_asked], self.dist)
+        failed = self._rank_failure is not None
+        stop_asked, preempted, any_failed = any_rank([s.should_stop, self._preempt_asked, failed], self.dist)
+        if any_failed:
+            raise_the_first_failure(self._rank_failure, self.dist)
         self._preempt_agreed = self._preempt_agreed or preempted
         if not stop_asked:
             return
@@ -1249,7 +1269,7 @@ class Trainer:
         else:
             reason = "; ".join(f"rank {rank}: {why}" for rank, why in enumerate(asked) if why is not None)
         if self.is_global_zero:  # also after its own callback's line: that named the step it asked at, maybe earlier
-            print(f"ampkit: stopping every rank at step {s.global_step}: {reason}", file=sys.stderr)
+            say(f"ampkit: stopping every rank at step {s.global_step}: {reason}")
         s.should_stop, s.stop_reason, self._stop_agreed = True, reason, True
 
     def _run_epoch(self) -> None:
@@ -1445,7 +1465,7 @@ class Trainer:
                 flag = reported[0] if len(reported) == 1 else torch.stack([f.reshape(()) for f in reported]).sum()
                 flags.append(flag + 1.0 if loss.found_inf else flag)
         hears_stop = distributed and not self._stop_agreed  # the ask rides along: no collective of its own
-        asked = self.state.should_stop or self._preempt_asked
+        asked = self.state.should_stop or self._preempt_asked or self._rank_failure is not None
         agreed = any_rank([*flags, asked] if hears_stop else flags, self.dist)
         if hears_stop:
             self._stop_heard = agreed.pop() or self._stop_heard
@@ -1472,7 +1492,7 @@ class Trainer:
         # at the next iteration's end on every rank alike, which then agree the stop on the host.
         hears_stop = distributed and not self._stop_agreed
         if hears_stop:
-            asked = self.state.should_stop or self._preempt_asked
+            asked = self.state.should_stop or self._preempt_asked or self._rank_failure is not None
             flags.append(torch.full((), float(asked), device=self.device))  # a fill: no copy from the host
         agreed = any_rank_on_device(flags, self.dist)
         if hears_stop:
@@ -1613,23 +1633,31 @@ class Trainer:
             decide = partial(prediction_output, output, reading, self.dist.world_size, overwrite)
             checked.append(decided_by_rank_zero(decide, self.dist))
 
-        predictions = self._evaluate(PREDICT, ckpt, check_output if output is not None else None)
-        if output is not None:
-            path = output = checked[0]
-            if self.world_size > 1:
-                path = rank_output(path, self.global_rank)
+        def write(predictions: list[Any]) -> None:
+            # Each rank writes its own shard; one rank's failure stops every rank with its error, so that none returns
+            # as if the output were whole (a script's next step, reading every shard, would find one missing).
+            path = checked[0] if self.world_size == 1 else rank_output(checked[0], self.global_rank)
+            failure = None
             try:
                 save_atomic(predictions, path)
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
-                raise RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})") from None
-            self.predictions_path = output
-        return predictions
+                failure = RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})")
+            raise_the_first_failure(failure, self.dist)
+            self.predictions_path = checked[0]
+
+        output_given = output is not None
+        return self._evaluate(PREDICT, ckpt, check_output if output_given else None, write if output_given else None)
 
     def _evaluate(
-        self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
+        self,
+        stage: Stage,
+        ckpt: str | os.PathLike | None,
+        before: Callable[[Path | None], None] | None = None,
+        after: Callable[[Any], None] | None = None,
     ) -> Any:
         """``stage`` over its loader; ``before(checkpoint path)`` runs on every rank once the checkpoint is agreed,
-        before the model is built (predict's check of its output)."""
+        before the model is built (predict's check of its output), ``after(result)`` on every rank at the end, while
+        the ranks can still agree (predict's write of its output)."""
         check_instance_attributes(self, Trainer)
         if self._running is None:
             self._follow_config()
@@ -1637,7 +1665,10 @@ class Trainer:
             refuse_models_set_by_hand(self, models_set_by_hand(self, self._models_left, wrappers=True), stage.name)
         seeds = self._unset() and self.settings.seed is not None  # a fresh model is built from the seed
         if not self._claim(stage.name, seeds):  # from a hook of a running run: its process group stays its own
-            return self._run_stage(stage, ckpt, before)
+            result = self._run_stage(stage, ckpt, before)
+            if after is not None:
+                after(result)
+            return result
         try:
             self._start_distributed()
         except BaseException:
@@ -1648,6 +1679,8 @@ class Trainer:
         try:
             with self._process_kept(seeds), without_torch_patches():  # its precision is the config's alone
                 result = self._run_stage(stage, ckpt, before)
+                if after is not None:
+                    after(result)
             clean = True
         except BaseException as exc:
             if isinstance(exc, RuntimeError):
@@ -1960,7 +1993,7 @@ class Trainer:
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
         if self.is_global_zero:
             finish_interrupted_pruning(self.fit_start)
-            print(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}", file=sys.stderr)
+            say(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}")
 
     def _setup_callbacks(self) -> None:
         from ampkit.callbacks import default_callbacks, switched_on_by

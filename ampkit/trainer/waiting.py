@@ -9,10 +9,11 @@ group, and a rank whose count is behind rank zero's has not come to this barrier
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch.distributed as dist
+
+from ampkit.trainer.console import say
 
 SAY_AFTER_S = 10.0  # how long rank zero waits at a barrier before it names the ranks not there yet
 
@@ -43,11 +44,10 @@ def _say_who_is_late(work: dist.Work, store: dist.Store, arrivals: int, what: st
             except Exception:  # the store is unreachable: the barrier's own error will say more
                 return
             if late:
-                print(
+                say(
                     f"ampkit: rank 0 has waited {SAY_AFTER_S:g} s at {what} for rank(s) {', '.join(map(str, late))}; "
                     "a rank that died or hangs there stops the run after distributed.timeout_s (its own output says "
-                    "why)",
-                    file=sys.stderr,
+                    "why)"
                 )
             return
         time.sleep(0.01)
