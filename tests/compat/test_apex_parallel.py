@@ -448,34 +448,41 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
     assert overlapping == [False, True, False, True]
 
 
-def _check_ddp_default_mode_with_a_branch_only_some_ranks_use(rank, world_size):
+def _check_ddp_with_a_branch_only_some_ranks_use(rank, world_size):
     """ERNIE's entity branch is used on a rank whose batch has entities only: each rank's end-of-backward reduce then
-    held other gradients (a flat buffer of another size: gloo failed, NCCL would hang). A gradient some rank has is
-    averaged on every rank, the others' counted as zeros, as torch's reducer counts an unused parameter's."""
+    held other gradients. A flat buffer of another size failed in gloo (NCCL would hang); under ``delay_allreduce``
+    and ``retain_allreduce_buffers``, two branches of one size used on different ranks were summed into each other,
+    silently, and the ranks' weights drifted apart (as under Apex). A gradient some rank has is averaged on every
+    rank, the others' counted as zeros, as torch's reducer counts an unused parameter's."""
     x = _rank_data(rank)[0]
-
-    def loss_of(out):
-        return out.logits.pow(2).sum() + (out.entities.pow(2).sum() if rank == 0 else 0)
-
-    torch.manual_seed(0)
-    model = _UnusedBranch()
-    loss_of(model(x)).backward()
-    expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
-    for grad in expected:
-        dist.all_reduce(grad)
-        grad.div_(world_size)
-    model.zero_grad()
-    ddp = DistributedDataParallel(model)
+    uses = {  # the silent case first: a failure there stops the check before gloo's abort on the other
+        "each rank uses one branch": lambda out: (out.logits if rank == 0 else out.entities).pow(2).sum(),
+        "rank 0 also uses the entities": lambda out: (
+            out.logits.pow(2).sum() + (out.entities.pow(2).sum() if rank == 0 else 0)
+        ),
+    }
+    cases = [
+        (kwargs, use)
+        for kwargs in (dict(), dict(delay_allreduce=True), dict(retain_allreduce_buffers=True))
+        for use in uses
+    ]
     wrong = []
-    for step in range(3):
-        model.zero_grad()
-        try:
-            loss_of(ddp(x)).backward()
-        except RuntimeError as exc:  # gloo's size mismatch: the ranks are out of step from here on
-            wrong.append(f"backward {step}: {exc}")
+    for kwargs, use in cases:
+        torch.manual_seed(0)
+        model = _UnusedBranch()
+        uses[use](model(x)).backward()
+        expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+        for grad in expected:
+            dist.all_reduce(grad)
+            grad.div_(world_size)
+        ddp = DistributedDataParallel(model, **kwargs)
+        for step in range(3):
+            model.zero_grad()
+            uses[use](ddp(x)).backward()
+            if not _grads_equal(model, expected):
+                wrong.append(f"{kwargs}, {use}, backward {step}: gradients differ from the hand-averaged ones")
+        if wrong:  # every rank stops here: the ranks' gradients were compared after the same collectives
             break
-        if not _grads_equal(model, expected):
-            wrong.append(f"backward {step}: gradients differ from the hand-averaged ones")
     assert not wrong, wrong
 
 
@@ -536,7 +543,12 @@ def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size
 
     x = _rank_data(rank)[0]
     wrong = []
-    for kwargs in (dict(delay_allreduce=True), dict(delay_allreduce=True, gradient_average=False), dict()):
+    cases = [
+        {switch: True, **average}
+        for switch in ("delay_allreduce", "retain_allreduce_buffers")
+        for average in ({}, dict(gradient_average=False))
+    ]
+    for kwargs in [*cases, dict()]:
         torch.manual_seed(0)
         model = CheckpointedHead()
         expected = _averaged_grads(model, model(x).pow(2).sum(), world_size)
@@ -544,13 +556,33 @@ def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size
             expected = [g * world_size for g in expected]
         ddp = DistributedDataParallel(model, **kwargs)
         for step in range(3):
-            model.zero_grad()
+            model.zero_grad(set_to_none=step % 2 == 0)
             ddp(x).pow(2).sum().backward()
             if not _grads_equal(model, expected):
                 wrong.append(f"{kwargs}, backward {step}")
+            if kwargs.get("retain_allreduce_buffers") and not _retained_buffers_hold_every_gradient(ddp, model):
+                wrong.append(f"{kwargs}, backward {step}: allreduce_buffers miss a gradient")
         if not kwargs and not ddp.require_backward_grad_sync:
             wrong.append("the default mode never handed over to torch's reducer")
     assert not wrong, wrong
+
+
+def _retained_buffers_hold_every_gradient(ddp: DistributedDataParallel, model: torch.nn.Module) -> bool:
+    """Whether ``allreduce_buffers`` (one flat buffer per dtype) hold every gradient, each a view of its buffer, and
+    ``active_params``/``active_i_buckets`` list them: what a flat step (MLPerf SSD's masters) reads and writes. Under
+    a reentrant checkpoint the head, summed by the inner backward, was left out of the buffers the outer one kept."""
+    buckets = [[ddp.active_params[i] for i in bucket] for bucket in ddp.active_i_buckets]
+    if sorted(id(p) for bucket in buckets for p in bucket) != sorted(id(p) for p in model.parameters()):
+        return False
+    for buffer, params in zip(ddp.allreduce_buffers, buckets, strict=True):
+        if not torch.equal(buffer, torch.cat([p.grad.flatten() for p in params])):
+            return False
+        buffer.add_(1)  # a flat step on the buffer must be a step on every gradient
+        moved = torch.equal(buffer, torch.cat([p.grad.flatten() for p in params]))
+        buffer.sub_(1)
+        if not moved:
+            return False
+    return True
 
 
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
@@ -755,7 +787,7 @@ _TWO_RANK_CHECKS = {
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
-        _check_ddp_default_mode_with_a_branch_only_some_ranks_use,
+        _check_ddp_with_a_branch_only_some_ranks_use,
         _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,
         _check_ddp_sum_reduces_each_gradient_once_per_forward,
         _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint,
