@@ -305,6 +305,37 @@ def _check_ddp_reduces_a_layer_unfrozen_after_construction(rank, world_size):
             torch.testing.assert_close(p.grad, m, msg=f"delay_allreduce={delay_allreduce}")
 
 
+def _check_ddp_takes_a_module_frozen_whole(rank, world_size):
+    """kanachan's IQL wraps its target Q networks, frozen whole and updated from the online networks' masters, in Apex
+    DDP, then ``convert_syncbn_model``: torch's constructor refused them ("not needed when a module doesn't have any
+    parameter that requires a gradient"). Apex broadcast their parameters and ran their forwards. Unfrozen later,
+    such a module's gradients are averaged, as any layer's unfrozen after wrapping."""
+    torch.manual_seed(rank)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2))
+    target.requires_grad_(False)
+    ddp = convert_syncbn_model(DistributedDataParallel(target))
+    weights = torch.cat([p.flatten() for p in target.parameters()])
+    rank0 = weights.clone()
+    dist.broadcast(rank0, 0)
+    x = _rank_data(rank)[0]
+    outputs = []
+    for _ in range(2):  # forwards with and without grad mode and no backward, as a target network runs
+        with torch.no_grad():
+            outputs.append(ddp(x))
+        outputs.append(ddp(x))
+    frozen_outputs = [out.requires_grad for out in outputs]
+    head = torch.nn.Linear(4, 2)
+    head.requires_grad_(False)
+    wrapped_head = DistributedDataParallel(head)
+    head.requires_grad_(True)  # unfrozen later
+    expected = _averaged_grads(head, head(x).pow(2).sum(), world_size)
+    wrapped_head(x).pow(2).sum().backward()
+    assert torch.equal(weights, rank0)
+    assert frozen_outputs == [False] * 4
+    assert isinstance(ddp.module[1], SyncBatchNorm)
+    assert _grads_equal(head, expected)
+
+
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     # Apex's delay_allreduce reduced the grads that existed at the end of backward; an unused layer is fine.
     base, mean, _ = _linear_grads(world_size)
@@ -786,6 +817,7 @@ _TWO_RANK_CHECKS = {
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_takes_a_module_frozen_whole,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
         _check_ddp_with_a_branch_only_some_ranks_use,
         _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,

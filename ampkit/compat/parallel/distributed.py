@@ -16,7 +16,8 @@ Apex argument → effect here:
   ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
-  construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
+  construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``. A module frozen
+  whole (kanachan's target networks) is taken, as Apex took it, though torch's constructor refuses one.
 - A parameter the forward never uses (thunlp/ERNIE's last layer computes an entity branch no loss reads): Apex's
   default mode built its buckets from the gradients its first backward produced, reducing that backward at its
   end, and never waited for the others. Here too the first synced backward reduces at its end. If the backwards
@@ -53,6 +54,7 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -60,7 +62,7 @@ import numbers
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +184,25 @@ def _gradient_buckets(params: list[torch.nn.Parameter]) -> dict[tuple[torch.devi
     return {key: buckets[key] for key in sorted(buckets, key=lambda key: _APEX_BUCKET_ORDER.get(key[1], 4))}
 
 
+@contextlib.contextmanager
+def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
+    """Make a module none of whose parameters trains (a target network or a teacher, frozen whole) trainable while
+    torch's constructor runs, which refuses it ("DistributedDataParallel is not needed when a module doesn't have any
+    parameter that requires a gradient"); Apex's class took it, broadcast its parameters and ran its forwards. The
+    parameters then count as frozen at construction (see ``_unfrozen_since_construction``)."""
+    params = list(module.parameters())
+    frozen_whole = bool(params) and not any(p.requires_grad for p in params)
+    if frozen_whole:
+        for param in params:
+            param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        if frozen_whole:
+            for param in params:
+                param.requires_grad_(False)
+
+
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
     ignored = sorted(name for name, value in given.items() if value != _NO_EFFECT_DEFAULTS[name])
     if ignored:
@@ -250,15 +271,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         allreduce_always_fp32 = checked_switch(owner, "allreduce_always_fp32", allreduce_always_fp32)
         retain_allreduce_buffers = checked_switch(owner, "retain_allreduce_buffers", retain_allreduce_buffers)
         torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
-        if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
-            super().__init__(module, **torch_ddp_kwargs)
-        else:
-            # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
-            # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
-            # hide torch >= 2.13's deprecation warning, which the user cannot act on.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-                super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+        with _trainable_while_torch_wraps(module):
+            if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
+                super().__init__(module, **torch_ddp_kwargs)
+            else:
+                # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
+                # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
+                # hide torch >= 2.13's deprecation warning, which the user cannot act on.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
+                    )
+                    super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
         # Apex's attributes, which scripts and subclasses read.
         self.delay_allreduce = delay_allreduce
         self.message_size = message_size
@@ -300,6 +324,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             or _has_sparse_gradients(self.module)  # the end-of-backward reduce takes dense gradients only
         )
         self._reducer_overlaps: bool | None = True if torch_decides else None
+        if not self._reducer_params:  # a frozen module (a target network): torch's reducer never runs for it
+            self._reducer_overlaps = False
         self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
