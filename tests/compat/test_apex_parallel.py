@@ -4,6 +4,7 @@ DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer 
 import contextlib
 import functools
 import gc
+import io
 import json
 import os
 import traceback
@@ -669,6 +670,74 @@ def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
     assert drift.item() == 0, f"replicas differ from rank 0 by {drift.item():.3g}"
 
 
+def _apex_imagenet_example(seed: int, world_size: int):
+    """Apex's own ``examples/imagenet/main_amp.py`` set-up, CPU-sized: ``convert_syncbn_model``, channels_last, the
+    learning rate scaled by the global batch, O2 with ``keep_batchnorm_fp32`` and ``loss_scale`` as the strings
+    argparse gives, then Apex DDP with ``delay_allreduce=True``."""
+    from ampkit.compat import amp
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 5),
+    )
+    model = convert_syncbn_model(model).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1 * 8 * world_size / 256, momentum=0.9, weight_decay=1e-4)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", keep_batchnorm_fp32="True", loss_scale="128.0", verbosity=0
+    )
+    return DistributedDataParallel(model, delay_allreduce=True), optimizer
+
+
+def _apex_imagenet_iterations(model, optimizer, rank, world_size, first, count):
+    """The example's ``train``: its learning-rate schedule on the groups, channels_last inputs, ``scale_loss``, and
+    the loss averaged over the ranks for printing (its ``reduce_tensor``)."""
+    from ampkit.compat import amp
+
+    printed = []
+    for i in range(first, first + count):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * (i + 1)
+        g = torch.Generator().manual_seed(100 * i + rank)
+        images = torch.randn(8, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        loss = torch.nn.functional.cross_entropy(model(images), torch.randint(0, 5, (8,), generator=g))
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        reduced = loss.data.clone()
+        dist.all_reduce(reduced)
+        printed.append((reduced / world_size).item())
+    return printed
+
+
+def _check_apex_imagenet_example_resumes_exactly_and_keeps_the_ranks_equal(rank, world_size):
+    """Apex's ImageNet example, resumed as it resumes: a new model and optimizer built and initialized, wrapped in
+    DDP, then ``model.load_state_dict`` and ``optimizer.load_state_dict`` from ``{state_dict, optimizer}``."""
+    model, optimizer = _apex_imagenet_example(seed=rank, world_size=world_size)
+    _apex_imagenet_iterations(model, optimizer, rank, world_size, 0, 3)
+    checkpoint = io.BytesIO()
+    torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
+    straight = _apex_imagenet_iterations(model, optimizer, rank, world_size, 3, 3)
+    want = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    _reset_amp()
+    model, optimizer = _apex_imagenet_example(seed=rank + 7, world_size=world_size)
+    checkpoint.seek(0)
+    saved = torch.load(checkpoint, weights_only=True)
+    model.load_state_dict(saved["state_dict"])
+    optimizer.load_state_dict(saved["optimizer"])
+    resumed = _apex_imagenet_iterations(model, optimizer, rank, world_size, 3, 3)
+    got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    rank0 = got.clone()
+    dist.broadcast(rank0, 0)
+    assert resumed == straight
+    assert torch.equal(got, want) and torch.equal(got, rank0)
+
+
 def _integer_batches(world_size):
     """Micro-batches of small integers for a Linear with eighths for weights: every product and sum is exact in
     fp16, so two ranks on half batches must match one process on the whole batch bit for bit."""
@@ -816,6 +885,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
+        _check_apex_imagenet_example_resumes_exactly_and_keeps_the_ranks_equal,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
         _check_ddp_takes_a_module_frozen_whole,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
