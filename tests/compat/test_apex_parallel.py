@@ -518,6 +518,23 @@ def _check_ddp_with_a_branch_only_some_ranks_use(rank, world_size):
     assert not wrong, wrong
 
 
+def _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have(rank, world_size):
+    """Apex's ``Reducer(module).reduce()`` flattened each rank's own gradients: with a branch used on one rank and
+    another of the same size on the other, each rank averaged its gradient with the other branch's. Every rank now
+    reduces the same list, a gradient it lacks counted as zeros."""
+    torch.manual_seed(0)
+    model = _UnusedBranch()
+    reducer = Reducer(model)
+    out = model(_rank_data(rank)[0])
+    (out.logits if rank == 0 else out.entities).pow(2).sum().backward()
+    expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+    for grad in expected:
+        dist.all_reduce(grad)
+        grad.div_(world_size)
+    reducer.reduce()
+    assert _grads_equal(model, expected)
+
+
 def _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer(rank, world_size):
     """The end-of-backward reduce takes dense gradients only; torch's reducer takes sparse ones, as it did."""
     torch.manual_seed(0)
@@ -879,6 +896,7 @@ _TWO_RANK_CHECKS = {
         _check_ddp_sum_stays_predivided,
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
+        _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have,
         _check_sync_batchnorm_matches_full_batch,
         _check_sync_batchnorm_keeps_float64,
         _check_sync_batchnorm_eval_without_running_stats_syncs,

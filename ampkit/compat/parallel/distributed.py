@@ -184,6 +184,23 @@ def _gradient_buckets(params: list[torch.nn.Parameter]) -> dict[tuple[torch.devi
     return {key: buckets[key] for key in sorted(buckets, key=lambda key: _APEX_BUCKET_ORDER.get(key[1], 4))}
 
 
+def _agree_across_ranks(params: list[torch.nn.Parameter], wanted: list[bool], group: Any) -> list[torch.nn.Parameter]:
+    """The parameters some rank wants reduced, the same list on every rank; one that has no gradient here gets zeros,
+    as torch's reducer counts an unused parameter's (a branch only some ranks' batches use, ERNIE's entities; a layer
+    one rank's batch skips). Each rank flattening its own list, as Apex did, made the flat buffers differ: gloo
+    aborts, NCCL hangs, and two of the same size are added into each other, so the ranks' weights drift apart. One
+    small all-reduce of flags."""
+    if not params:
+        return []
+    flags = torch.tensor(wanted, dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    agreed = [param for param, some_rank_wants in zip(params, flags.tolist(), strict=True) if some_rank_wants]
+    for param in agreed:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    return agreed
+
+
 @contextlib.contextmanager
 def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
     """Make a module none of whose parameters trains (a target network or a teacher, frozen whole) trainable while
@@ -427,27 +444,17 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         Averaging, every gradient some rank has (averaging again what was averaged before changes nothing). Summing,
         those a backward added to since the last reduce and not summed yet in this forward: summed again, a gradient
         would count once per rank, and a zeroed one summed at a reentrant checkpoint's inner backward would miss what
-        the outer one adds. A gradient another rank takes and this one lacks (a branch only some ranks' batches use,
-        ERNIE's entities; a layer one rank's batch skips) is counted as zeros here, as torch's reducer counts an
-        unused parameter's. Else the flat buffers differ: gloo aborts, NCCL hangs, and two of the same size are added
-        into each other (Apex's ``delay_allreduce`` did that, and the ranks' weights drifted apart). One small
-        all-reduce of flags per end-of-backward reduce."""
+        the outer one adds. A gradient another rank takes and this one lacks is counted as zeros here (see
+        :func:`_agree_across_ranks`)."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:
-            return []
         if self._reduce_options.average:
             wanted = [p.grad is not None for p in params]
         else:
             new, summed = self._accumulated_since_reduce, self._reduced_since_forward
             wanted = [p.grad is not None and id(p) in new and id(p) not in summed for p in params]
         self._accumulated_since_reduce = set()
-        flags = torch.tensor(wanted, dtype=torch.int32, device=params[0].device)
         group, _ = _group_and_size(self._reduce_options)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        agreed = [param for param, some_rank_wants in zip(params, flags.tolist(), strict=True) if some_rank_wants]
-        for param in agreed:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+        agreed = _agree_across_ranks(params, wanted, group)
         if not self._reduce_options.average:
             self._reduced_since_forward.update(id(p) for p in agreed)
         return agreed
@@ -519,9 +526,12 @@ class Reducer:
             extract_tensors(module_or_grads_list, self.grads)
 
     def reduce(self) -> None:
-        """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex)."""
+        """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex). On a module,
+        a gradient only some ranks have is averaged with zeros from the others (Apex reduced each rank's own list)."""
         if self.module is not None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            params = list(self.module.parameters())
+            agreed = _agree_across_ranks(params, [p.grad is not None for p in params], dist.group.WORLD)
+            grads = [p.grad for p in agreed]
         else:
             grads = self.grads or []
         flat_dist_call(grads, dist.all_reduce)  # one flat allreduce per type, averaged
