@@ -184,6 +184,13 @@ def _gradient_buckets(params: list[torch.nn.Parameter]) -> dict[tuple[torch.devi
     return {key: buckets[key] for key in sorted(buckets, key=lambda key: _APEX_BUCKET_ORDER.get(key[1], 4))}
 
 
+def _copy_into_grads(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    """Copy ``flat`` (the gradients of ``params``, concatenated) back into their ``.grad`` tensors."""
+    grads = [p.grad for p in params]
+    synced = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
+
+
 def _agree_across_ranks(params: list[torch.nn.Parameter], wanted: list[bool], group: Any) -> list[torch.nn.Parameter]:
     """The parameters some rank wants reduced, the same list on every rank; one that has no gradient here gets zeros,
     as torch's reducer counts an unused parameter's (a branch only some ranks' batches use, ERNIE's entities; a layer
@@ -426,15 +433,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         group, world_size = _group_and_size(self._reduce_options)
         reduced_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.nn.Parameter], torch.Tensor]] = {}
         for key, params in _gradient_buckets(self._agree_gradients_to_reduce()).items():
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
             reduced = _before_allreduce(self._reduce_options, flat)
             dist.all_reduce(reduced, group=group)
             reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
-            # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
-            synced = reduced.split([g.numel() for g in grads])
-            torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
-            reduced_buckets[key] = (params, reduced)
+            if self.retain_allreduce_buffers:
+                reduced_buckets[key] = (params, reduced)  # the gradients become views of it: no copy back
+            else:
+                _copy_into_grads(reduced, params)  # the same tensors, as Apex: whoever holds one sees it reduced
         if self.retain_allreduce_buffers:
             self._retain_buffers(reduced_buckets)
 
@@ -472,7 +478,10 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         buffers = []
         for key, params in buckets.items():
             reduced_params, buffer = reduced_buckets.get(key, ([], None))
-            if buffer is None or [id(p) for p in reduced_params] != [id(p) for p in params]:
+            if buffer is not None and [id(p) for p in reduced_params] != [id(p) for p in params]:
+                _copy_into_grads(buffer, reduced_params)  # part of the bucket: the rest was summed before
+                buffer = None
+            if buffer is None:
                 buffer = torch.cat([p.grad.reshape(-1) for p in params])
             views = buffer.split([p.grad.numel() for p in params])
             for param, view in zip(params, views, strict=True):
