@@ -228,6 +228,36 @@ def test_an_initialized_model_is_exported_or_traced_with_its_casts_and_refused_b
         assert out.dtype == torch.float32 and torch.equal(out, model(x))
 
 
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_fx_symbolic_trace_of_an_initialized_model_leaves_out_the_casts_as_under_apex(level):
+    """``torch.fx.symbolic_trace(model)`` traces the class's ``forward`` (``type(root).forward``), never the one
+    ``initialize`` set on the model, as with Apex's: the traced module meets float32 inputs with half weights and
+    fails with torch's dtype error, and runs on inputs cast by hand. A module that calls the model is traced
+    through its casts (they become ``.to`` nodes), and ``torch.export``'s module is an fx GraphModule with them."""
+    torch.manual_seed(0)
+    model = amp.initialize(_Documented(), opt_level=level, verbosity=0).eval()
+    x = torch.randn(5, 4)
+    traced = torch.fx.symbolic_trace(model)
+    assert not any(node.target == "to" for node in traced.graph.nodes)
+    with pytest.raises(RuntimeError, match=r"must have the same dtype, but got Float and Half"):
+        traced(x)
+    assert torch.equal(traced(x.half()).float(), model(x))
+
+    class Caller(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    exported = torch.export.export(model, (x,)).module()
+    for graph_module in (torch.fx.symbolic_trace(Caller(model)), exported):
+        assert isinstance(graph_module, torch.fx.GraphModule)
+        out = graph_module(x)
+        assert out.dtype == torch.float32 and torch.equal(out, model(x))
+
+
 def test_torch_compile_after_o2_trains_as_the_eager_model():
     """A newer user's ``torch.compile(model)`` (or ``model.compile()``) after O2 ``initialize`` compiles in one graph
     and trains bit for bit as the eager model: the casting forward and hooks trace through."""

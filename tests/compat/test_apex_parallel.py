@@ -4,6 +4,7 @@ DistributedDataParallel (Apex's reduction options, rank-local buffers), Reducer 
 import contextlib
 import functools
 import gc
+import io
 import json
 import os
 import traceback
@@ -305,6 +306,37 @@ def _check_ddp_reduces_a_layer_unfrozen_after_construction(rank, world_size):
             torch.testing.assert_close(p.grad, m, msg=f"delay_allreduce={delay_allreduce}")
 
 
+def _check_ddp_takes_a_module_frozen_whole(rank, world_size):
+    """kanachan's IQL wraps its target Q networks, frozen whole and updated from the online networks' masters, in Apex
+    DDP, then ``convert_syncbn_model``: torch's constructor refused them ("not needed when a module doesn't have any
+    parameter that requires a gradient"). Apex broadcast their parameters and ran their forwards. Unfrozen later,
+    such a module's gradients are averaged, as any layer's unfrozen after wrapping."""
+    torch.manual_seed(rank)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2))
+    target.requires_grad_(False)
+    ddp = convert_syncbn_model(DistributedDataParallel(target))
+    weights = torch.cat([p.flatten() for p in target.parameters()])
+    rank0 = weights.clone()
+    dist.broadcast(rank0, 0)
+    x = _rank_data(rank)[0]
+    outputs = []
+    for _ in range(2):  # forwards with and without grad mode and no backward, as a target network runs
+        with torch.no_grad():
+            outputs.append(ddp(x))
+        outputs.append(ddp(x))
+    frozen_outputs = [out.requires_grad for out in outputs]
+    head = torch.nn.Linear(4, 2)
+    head.requires_grad_(False)
+    wrapped_head = DistributedDataParallel(head)
+    head.requires_grad_(True)  # unfrozen later
+    expected = _averaged_grads(head, head(x).pow(2).sum(), world_size)
+    wrapped_head(x).pow(2).sum().backward()
+    assert torch.equal(weights, rank0)
+    assert frozen_outputs == [False] * 4
+    assert isinstance(ddp.module[1], SyncBatchNorm)
+    assert _grads_equal(head, expected)
+
+
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     # Apex's delay_allreduce reduced the grads that existed at the end of backward; an unused layer is fine.
     base, mean, _ = _linear_grads(world_size)
@@ -448,35 +480,59 @@ def _check_ddp_default_mode_with_a_layer_the_forward_never_uses(rank, world_size
     assert overlapping == [False, True, False, True]
 
 
-def _check_ddp_default_mode_with_a_branch_only_some_ranks_use(rank, world_size):
+def _check_ddp_with_a_branch_only_some_ranks_use(rank, world_size):
     """ERNIE's entity branch is used on a rank whose batch has entities only: each rank's end-of-backward reduce then
-    held other gradients (a flat buffer of another size: gloo failed, NCCL would hang). A gradient some rank has is
-    averaged on every rank, the others' counted as zeros, as torch's reducer counts an unused parameter's."""
+    held other gradients. A flat buffer of another size failed in gloo (NCCL would hang); under ``delay_allreduce``
+    and ``retain_allreduce_buffers``, two branches of one size used on different ranks were summed into each other,
+    silently, and the ranks' weights drifted apart (as under Apex). A gradient some rank has is averaged on every
+    rank, the others' counted as zeros, as torch's reducer counts an unused parameter's."""
     x = _rank_data(rank)[0]
+    uses = {  # the silent case first: a failure there stops the check before gloo's abort on the other
+        "each rank uses one branch": lambda out: (out.logits if rank == 0 else out.entities).pow(2).sum(),
+        "rank 0 also uses the entities": lambda out: (
+            out.logits.pow(2).sum() + (out.entities.pow(2).sum() if rank == 0 else 0)
+        ),
+    }
+    cases = [
+        (kwargs, use)
+        for kwargs in (dict(), dict(delay_allreduce=True), dict(retain_allreduce_buffers=True))
+        for use in uses
+    ]
+    wrong = []
+    for kwargs, use in cases:
+        torch.manual_seed(0)
+        model = _UnusedBranch()
+        uses[use](model(x)).backward()
+        expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+        for grad in expected:
+            dist.all_reduce(grad)
+            grad.div_(world_size)
+        ddp = DistributedDataParallel(model, **kwargs)
+        for step in range(3):
+            model.zero_grad()
+            uses[use](ddp(x)).backward()
+            if not _grads_equal(model, expected):
+                wrong.append(f"{kwargs}, {use}, backward {step}: gradients differ from the hand-averaged ones")
+        if wrong:  # every rank stops here: the ranks' gradients were compared after the same collectives
+            break
+    assert not wrong, wrong
 
-    def loss_of(out):
-        return out.logits.pow(2).sum() + (out.entities.pow(2).sum() if rank == 0 else 0)
 
+def _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have(rank, world_size):
+    """Apex's ``Reducer(module).reduce()`` flattened each rank's own gradients: with a branch used on one rank and
+    another of the same size on the other, each rank averaged its gradient with the other branch's. Every rank now
+    reduces the same list, a gradient it lacks counted as zeros."""
     torch.manual_seed(0)
     model = _UnusedBranch()
-    loss_of(model(x)).backward()
+    reducer = Reducer(model)
+    out = model(_rank_data(rank)[0])
+    (out.logits if rank == 0 else out.entities).pow(2).sum().backward()
     expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
     for grad in expected:
         dist.all_reduce(grad)
         grad.div_(world_size)
-    model.zero_grad()
-    ddp = DistributedDataParallel(model)
-    wrong = []
-    for step in range(3):
-        model.zero_grad()
-        try:
-            loss_of(ddp(x)).backward()
-        except RuntimeError as exc:  # gloo's size mismatch: the ranks are out of step from here on
-            wrong.append(f"backward {step}: {exc}")
-            break
-        if not _grads_equal(model, expected):
-            wrong.append(f"backward {step}: gradients differ from the hand-averaged ones")
-    assert not wrong, wrong
+    reducer.reduce()
+    assert _grads_equal(model, expected)
 
 
 def _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer(rank, world_size):
@@ -536,7 +592,12 @@ def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size
 
     x = _rank_data(rank)[0]
     wrong = []
-    for kwargs in (dict(delay_allreduce=True), dict(delay_allreduce=True, gradient_average=False), dict()):
+    cases = [
+        {switch: True, **average}
+        for switch in ("delay_allreduce", "retain_allreduce_buffers")
+        for average in ({}, dict(gradient_average=False))
+    ]
+    for kwargs in [*cases, dict()]:
         torch.manual_seed(0)
         model = CheckpointedHead()
         expected = _averaged_grads(model, model(x).pow(2).sum(), world_size)
@@ -544,13 +605,33 @@ def _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint(rank, world_size
             expected = [g * world_size for g in expected]
         ddp = DistributedDataParallel(model, **kwargs)
         for step in range(3):
-            model.zero_grad()
+            model.zero_grad(set_to_none=step % 2 == 0)
             ddp(x).pow(2).sum().backward()
             if not _grads_equal(model, expected):
                 wrong.append(f"{kwargs}, backward {step}")
+            if kwargs.get("retain_allreduce_buffers") and not _retained_buffers_hold_every_gradient(ddp, model):
+                wrong.append(f"{kwargs}, backward {step}: allreduce_buffers miss a gradient")
         if not kwargs and not ddp.require_backward_grad_sync:
             wrong.append("the default mode never handed over to torch's reducer")
     assert not wrong, wrong
+
+
+def _retained_buffers_hold_every_gradient(ddp: DistributedDataParallel, model: torch.nn.Module) -> bool:
+    """Whether ``allreduce_buffers`` (one flat buffer per dtype) hold every gradient, each a view of its buffer, and
+    ``active_params``/``active_i_buckets`` list them: what a flat step (MLPerf SSD's masters) reads and writes. Under
+    a reentrant checkpoint the head, summed by the inner backward, was left out of the buffers the outer one kept."""
+    buckets = [[ddp.active_params[i] for i in bucket] for bucket in ddp.active_i_buckets]
+    if sorted(id(p) for bucket in buckets for p in bucket) != sorted(id(p) for p in model.parameters()):
+        return False
+    for buffer, params in zip(ddp.allreduce_buffers, buckets, strict=True):
+        if not torch.equal(buffer, torch.cat([p.grad.flatten() for p in params])):
+            return False
+        buffer.add_(1)  # a flat step on the buffer must be a step on every gradient
+        moved = torch.equal(buffer, torch.cat([p.grad.flatten() for p in params]))
+        buffer.sub_(1)
+        if not moved:
+            return False
+    return True
 
 
 def _check_ddp_retains_allreduce_buffers_for_a_flat_step(rank, world_size):
@@ -604,6 +685,74 @@ def _check_o2_masters_stay_identical_across_ranks(rank, world_size):
     drift = (mine - theirs).abs().max()
     dist.all_reduce(drift, op=dist.ReduceOp.MAX)  # every rank fails together, so the next check is not stranded
     assert drift.item() == 0, f"replicas differ from rank 0 by {drift.item():.3g}"
+
+
+def _apex_imagenet_example(seed: int, world_size: int):
+    """Apex's own ``examples/imagenet/main_amp.py`` set-up, CPU-sized: ``convert_syncbn_model``, channels_last, the
+    learning rate scaled by the global batch, O2 with ``keep_batchnorm_fp32`` and ``loss_scale`` as the strings
+    argparse gives, then Apex DDP with ``delay_allreduce=True``."""
+    from ampkit.compat import amp
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 5),
+    )
+    model = convert_syncbn_model(model).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1 * 8 * world_size / 256, momentum=0.9, weight_decay=1e-4)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", keep_batchnorm_fp32="True", loss_scale="128.0", verbosity=0
+    )
+    return DistributedDataParallel(model, delay_allreduce=True), optimizer
+
+
+def _apex_imagenet_iterations(model, optimizer, rank, world_size, first, count):
+    """The example's ``train``: its learning-rate schedule on the groups, channels_last inputs, ``scale_loss``, and
+    the loss averaged over the ranks for printing (its ``reduce_tensor``)."""
+    from ampkit.compat import amp
+
+    printed = []
+    for i in range(first, first + count):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * (i + 1)
+        g = torch.Generator().manual_seed(100 * i + rank)
+        images = torch.randn(8, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+        loss = torch.nn.functional.cross_entropy(model(images), torch.randint(0, 5, (8,), generator=g))
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        reduced = loss.data.clone()
+        dist.all_reduce(reduced)
+        printed.append((reduced / world_size).item())
+    return printed
+
+
+def _check_apex_imagenet_example_resumes_exactly_and_keeps_the_ranks_equal(rank, world_size):
+    """Apex's ImageNet example, resumed as it resumes: a new model and optimizer built and initialized, wrapped in
+    DDP, then ``model.load_state_dict`` and ``optimizer.load_state_dict`` from ``{state_dict, optimizer}``."""
+    model, optimizer = _apex_imagenet_example(seed=rank, world_size=world_size)
+    _apex_imagenet_iterations(model, optimizer, rank, world_size, 0, 3)
+    checkpoint = io.BytesIO()
+    torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
+    straight = _apex_imagenet_iterations(model, optimizer, rank, world_size, 3, 3)
+    want = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    _reset_amp()
+    model, optimizer = _apex_imagenet_example(seed=rank + 7, world_size=world_size)
+    checkpoint.seek(0)
+    saved = torch.load(checkpoint, weights_only=True)
+    model.load_state_dict(saved["state_dict"])
+    optimizer.load_state_dict(saved["optimizer"])
+    resumed = _apex_imagenet_iterations(model, optimizer, rank, world_size, 3, 3)
+    got = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    rank0 = got.clone()
+    dist.broadcast(rank0, 0)
+    assert resumed == straight
+    assert torch.equal(got, want) and torch.equal(got, rank0)
 
 
 def _integer_batches(world_size):
@@ -747,15 +896,18 @@ _TWO_RANK_CHECKS = {
         _check_ddp_sum_stays_predivided,
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
+        _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have,
         _check_sync_batchnorm_matches_full_batch,
         _check_sync_batchnorm_keeps_float64,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,
         _check_o2_masters_stay_identical_across_ranks,
+        _check_apex_imagenet_example_resumes_exactly_and_keeps_the_ranks_equal,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
+        _check_ddp_takes_a_module_frozen_whole,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
-        _check_ddp_default_mode_with_a_branch_only_some_ranks_use,
+        _check_ddp_with_a_branch_only_some_ranks_use,
         _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,
         _check_ddp_sum_reduces_each_gradient_once_per_forward,
         _check_ddp_reduces_both_backwards_of_a_reentrant_checkpoint,

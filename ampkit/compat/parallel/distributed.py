@@ -7,13 +7,17 @@ Apex argument → effect here:
   backward has finished, the gradients that exist are all-reduced in one flat tensor per dtype. No graph walk
   (torch's ``find_unused_parameters``) is needed, and a parameter the forward did not use is no error. The reduce
   is queued from the parameters' gradient hooks, as Apex's was, so whatever the forward returns (a class of the
-  model's own included) its backward is reduced.
+  model's own included) its backward is reduced. A gradient only some ranks have (a parameter one rank's batch did
+  not use) is counted as zeros on the others, at the cost of one small all-reduce of flags per backward: Apex
+  reduced each rank's own list, so the ranks' flat buffers differed (a hang, or two parameters' gradients of one
+  size added into each other, silently).
 - ``gradient_average``, ``gradient_predivide_factor``, ``allreduce_always_fp32`` → divide by the predivide
   factor before the allreduce and, when averaging, multiply by ``predivide / world_size`` after it; with
   ``gradient_average=False`` the result stays ``sum / predivide``, as in Apex. It reduces in fp32 when asked.
   Without these options (and without ``delay_allreduce``) torch's default comm hook runs.
 - A parameter frozen at construction and unfrozen later: torch's reducer keeps the parameters trainable at
-  construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``.
+  construction, so from then on each backward reduces at its end, as ``delay_allreduce=True``. A module frozen
+  whole (kanachan's target networks) is taken, as Apex took it, though torch's constructor refuses one.
 - A parameter the forward never uses (thunlp/ERNIE's last layer computes an entity branch no loss reads): Apex's
   default mode built its buckets from the gradients its first backward produced, reducing that backward at its
   end, and never waited for the others. Here too the first synced backward reduces at its end. If the backwards
@@ -24,9 +28,10 @@ Apex argument → effect here:
   ``find_unused_parameters``, ``static_graph`` or a sparse-gradient embedding go to torch's reducer from the start.
 - The end-of-backward reduce runs at the end of each backward that reaches a parameter (a reentrant checkpoint's
   inner one included), as averaging is then exact: the part reduced before is the same on every rank. A sum
-  (``gradient_average=False``) is not: there a gradient reduced since the forward is not reduced again, and what
-  a later backward adds to it (a loss on the weights themselves) stays local, as under Apex, whose reduce was
-  queued once per forward.
+  (``gradient_average=False``) is not: there each reduce takes the gradients a backward added to since the last
+  one, a gradient reduced since the forward is not reduced again, and what a later backward adds to it (a loss on
+  the weights themselves) stays local, as under Apex, whose reduce was queued once per forward. (Apex's queued
+  reduce ran at the end of a reentrant checkpoint's inner backward only, leaving the rest rank-local.)
 - Buffers (e.g. BatchNorm running statistics) stay rank-local: Apex broadcast only the parameters, once, at
   construction, so torch's buffer broadcast is off unless ``broadcast_buffers``/``forward_sync_buffers`` is given.
 - ``gradient_average_split_factor`` → Apex's deprecated alias of ``gradient_predivide_factor`` (warns).
@@ -34,7 +39,8 @@ Apex argument → effect here:
 - ``retain_allreduce_buffers=True`` → reduce at the end of backward, as ``delay_allreduce``, and keep the flat
   reduced buffers in ``allreduce_buffers`` (one per dtype: float16, float32, float64, bfloat16), each parameter's
   ``.grad`` a view of its buffer, as Apex left them for optimizers that step a flat gradient (MLPerf's GNMT, SSD);
-  ``active_params`` and ``active_i_buckets`` name the parameters of each buffer, as Apex's did.
+  ``active_params`` and ``active_i_buckets`` name the parameters of each buffer, as Apex's did. The buffers hold
+  every gradient after each backward, a reentrant checkpoint's included (Apex's held the inner backward's only).
 - ``allreduce_trigger_params``, ``num_allreduce_streams``, ``allreduce_communicators``, ``prof`` → no effect
   (torch's reducer schedules buckets and streams itself); a non-default value warns once.
 
@@ -48,6 +54,7 @@ micro-batch is all-reduced instead, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -55,7 +62,7 @@ import numbers
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +156,7 @@ def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, param: torch.Tensor) -> 
     ddp = ddp_ref()
     if ddp is None or not ddp._reduce_after_backward:
         return
+    ddp._accumulated_since_reduce.add(id(param))
     if ddp._reached_params is not None:
         ddp._reached_params.add(id(param))
     if not ddp._allreduce_queued:
@@ -159,6 +167,64 @@ def _queue_end_of_backward_reduce(ddp_ref: weakref.ref, param: torch.Tensor) -> 
 def _has_sparse_gradients(module: torch.nn.Module) -> bool:
     """Whether an embedding of ``module`` gives sparse gradients (torch's reducer's own test)."""
     return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in module.modules())
+
+
+def _gradient_buckets(params: list[torch.nn.Parameter]) -> dict[tuple[torch.device, torch.dtype], list[Any]]:
+    """``params`` (each with a gradient) by their gradients' (device, dtype), in Apex's dtype order. A sparse gradient
+    is an error: the flat reduce takes dense ones only, as Apex's."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
+    for param in params:
+        if param.grad.layout != torch.strided:
+            raise RuntimeError(
+                f"delay_allreduce=True (or retain_allreduce_buffers=True) reduces dense gradients only (as "
+                f"Apex); a parameter of shape {tuple(param.shape)} has a {param.grad.layout} gradient: "
+                f"use delay_allreduce=False"
+            )
+        buckets[(param.grad.device, param.grad.dtype)].append(param)
+    return {key: buckets[key] for key in sorted(buckets, key=lambda key: _APEX_BUCKET_ORDER.get(key[1], 4))}
+
+
+def _copy_into_grads(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+    """Copy ``flat`` (the gradients of ``params``, concatenated) back into their ``.grad`` tensors."""
+    grads = [p.grad for p in params]
+    synced = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
+
+
+def _agree_across_ranks(params: list[torch.nn.Parameter], wanted: list[bool], group: Any) -> list[torch.nn.Parameter]:
+    """The parameters some rank wants reduced, the same list on every rank; one that has no gradient here gets zeros,
+    as torch's reducer counts an unused parameter's (a branch only some ranks' batches use, ERNIE's entities; a layer
+    one rank's batch skips). Each rank flattening its own list, as Apex did, made the flat buffers differ: gloo
+    aborts, NCCL hangs, and two of the same size are added into each other, so the ranks' weights drift apart. One
+    small all-reduce of flags."""
+    if not params:
+        return []
+    flags = torch.tensor(wanted, dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    agreed = [param for param, some_rank_wants in zip(params, flags.tolist(), strict=True) if some_rank_wants]
+    for param in agreed:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    return agreed
+
+
+@contextlib.contextmanager
+def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
+    """Make a module none of whose parameters trains (a target network or a teacher, frozen whole) trainable while
+    torch's constructor runs, which refuses it ("DistributedDataParallel is not needed when a module doesn't have any
+    parameter that requires a gradient"); Apex's class took it, broadcast its parameters and ran its forwards. The
+    parameters then count as frozen at construction (see ``_unfrozen_since_construction``)."""
+    params = list(module.parameters())
+    frozen_whole = bool(params) and not any(p.requires_grad for p in params)
+    if frozen_whole:
+        for param in params:
+            param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        if frozen_whole:
+            for param in params:
+                param.requires_grad_(False)
 
 
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
@@ -229,15 +295,18 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         allreduce_always_fp32 = checked_switch(owner, "allreduce_always_fp32", allreduce_always_fp32)
         retain_allreduce_buffers = checked_switch(owner, "retain_allreduce_buffers", retain_allreduce_buffers)
         torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
-        if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
-            super().__init__(module, **torch_ddp_kwargs)
-        else:
-            # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
-            # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
-            # hide torch >= 2.13's deprecation warning, which the user cannot act on.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-                super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+        with _trainable_while_torch_wraps(module):
+            if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
+                super().__init__(module, **torch_ddp_kwargs)
+            else:
+                # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
+                # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
+                # hide torch >= 2.13's deprecation warning, which the user cannot act on.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
+                    )
+                    super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
         # Apex's attributes, which scripts and subclasses read.
         self.delay_allreduce = delay_allreduce
         self.message_size = message_size
@@ -262,6 +331,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         )
         self._allreduce_queued = False
         self._reduced_since_forward: set[int] = set()  # ids of the gradients summed since the forward (no average)
+        self._accumulated_since_reduce: set[int] = set()  # ids of the gradients a backward added to since the reduce
         self._reduce_after_backward = False  # set by each forward with grad enabled; read by the parameters' hooks
         self._hooked_params: dict[int, Any] = {}  # id(param) -> the handle of its hook; see _hook_trainable_params
         self._warned_disable_under_amp = False
@@ -278,6 +348,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             or _has_sparse_gradients(self.module)  # the end-of-backward reduce takes dense gradients only
         )
         self._reducer_overlaps: bool | None = True if torch_decides else None
+        if not self._reducer_params:  # a frozen module (a target network): torch's reducer never runs for it
+            self._reducer_overlaps = False
         self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
         if not delay_allreduce and not self._reduce_options.is_torch_default:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
@@ -316,6 +388,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if torch.is_grad_enabled():  # a no-grad forward (validation) leaves the pending backward's reduce as it was
             self._allreduce_queued = False  # a backward that failed before its reduce ran leaves it set
             self._reduced_since_forward.clear()
+            self._accumulated_since_reduce.clear()
             self._reduce_after_backward = reduce and delayed
             if self._reduce_after_backward:
                 if self._reducer_overlaps is None:
@@ -353,67 +426,72 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:
-        """Apex's delayed allreduce: the gradients that exist, one flat all-reduce per (device, dtype), in Apex's
-        dtype order. Summing, a gradient already reduced since the forward is left as it is (see the module
-        docstring)."""
+        """Apex's delayed allreduce: the gradients the ranks agree to reduce (:meth:`_agree_gradients_to_reduce`),
+        one flat all-reduce per (device, dtype), in Apex's dtype order. Retaining, the buffers are then rebuilt over
+        every gradient (see :meth:`_retain_buffers`)."""
         self._allreduce_queued = False
-        if not (self.delay_allreduce or self.retain_allreduce_buffers):
-            self._fill_gradients_another_rank_has()
-        summed = self._reduced_since_forward if not self._reduce_options.average else None
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = defaultdict(list)
-        for param in self.module.parameters():
-            if param.grad is None or (summed is not None and id(param) in summed):
-                continue
-            if param.grad.layout != torch.strided:
-                raise RuntimeError(
-                    f"delay_allreduce=True (or retain_allreduce_buffers=True) reduces dense gradients only (as "
-                    f"Apex); a parameter of shape {tuple(param.shape)} has a {param.grad.layout} gradient: "
-                    f"use delay_allreduce=False"
-                )
-            buckets[(param.grad.device, param.grad.dtype)].append(param)
-        if summed is not None:
-            summed.update(id(p) for params in buckets.values() for p in params)
         group, world_size = _group_and_size(self._reduce_options)
-        retained, retained_params = [], []
-        for key in sorted(buckets, key=lambda device_dtype: _APEX_BUCKET_ORDER.get(device_dtype[1], 4)):
-            params = buckets[key]
+        reduced_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.nn.Parameter], torch.Tensor]] = {}
+        for key, params in _gradient_buckets(self._agree_gradients_to_reduce()).items():
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             reduced = _before_allreduce(self._reduce_options, flat)
             dist.all_reduce(reduced, group=group)
             reduced = _after_allreduce(self._reduce_options, reduced, world_size).to(flat.dtype)
-            grads = [p.grad for p in params]
-            synced = reduced.split([g.numel() for g in grads])
             if self.retain_allreduce_buffers:
-                # Apex pointed each gradient into the retained buffer: a flat step on it is a step on them all.
-                for grad, view in zip(grads, synced, strict=True):
-                    grad.data = view.view_as(grad)
-                retained.append(reduced)
-                retained_params.append(params)
+                reduced_buckets[key] = (params, reduced)  # the gradients become views of it: no copy back
             else:
-                # Copied back into the same tensors, as Apex did: whoever holds a gradient sees it reduced.
-                torch._foreach_copy_(grads, [s.view_as(g) for s, g in zip(synced, grads, strict=True)])
-        if self.retain_allreduce_buffers and retained:  # a sum's later backward may have had nothing left to reduce
-            self.allreduce_buffers = retained
-            # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
-            self.active_params = [p for params in retained_params for p in params]
-            starts = [0, *itertools.accumulate(len(params) for params in retained_params)]
-            self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
+                _copy_into_grads(reduced, params)  # the same tensors, as Apex: whoever holds one sees it reduced
+        if self.retain_allreduce_buffers:
+            self._retain_buffers(reduced_buckets)
 
-    def _fill_gradients_another_rank_has(self) -> None:
-        """The default mode's end-of-backward reduce: a gradient another rank has and this one lacks (a branch only
-        some ranks' batches use, ERNIE's entities) is counted as zeros here, as torch's reducer counts an unused
-        parameter's, so that every rank reduces the same flat buffers (else gloo aborts and NCCL hangs). One small
-        all-reduce per backward, in this mode only; under ``delay_allreduce`` each rank reduces what it has, as in
-        Apex."""
+    def _agree_gradients_to_reduce(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters whose gradients this end-of-backward reduce takes, the same on every rank.
+
+        Averaging, every gradient some rank has (averaging again what was averaged before changes nothing). Summing,
+        those a backward added to since the last reduce and not summed yet in this forward: summed again, a gradient
+        would count once per rank, and a zeroed one summed at a reentrant checkpoint's inner backward would miss what
+        the outer one adds. A gradient another rank takes and this one lacks is counted as zeros here (see
+        :func:`_agree_across_ranks`)."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:
-            return
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+        if self._reduce_options.average:
+            wanted = [p.grad is not None for p in params]
+        else:
+            new, summed = self._accumulated_since_reduce, self._reduced_since_forward
+            wanted = [p.grad is not None and id(p) in new and id(p) not in summed for p in params]
+        self._accumulated_since_reduce = set()
         group, _ = _group_and_size(self._reduce_options)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
-        for param, some_rank_has in zip(params, has.tolist(), strict=True):
-            if some_rank_has and param.grad is None:
-                param.grad = torch.zeros_like(param)
+        agreed = _agree_across_ranks(params, wanted, group)
+        if not self._reduce_options.average:
+            self._reduced_since_forward.update(id(p) for p in agreed)
+        return agreed
+
+    def _retain_buffers(
+        self, reduced_buckets: dict[tuple[torch.device, torch.dtype], tuple[list[torch.nn.Parameter], torch.Tensor]]
+    ) -> None:
+        """Keep one flat buffer per bucket in ``allreduce_buffers``, each gradient a view of it, as Apex left them for
+        a flat step (a step on the buffer is a step on every gradient). Every gradient is in them, also one a sum
+        reduced at an earlier backward of this forward (a reentrant checkpoint's inner one) and left out of this
+        one's reduce; a bucket reduced whole is kept as it is, with no second copy."""
+        buckets = _gradient_buckets([p for p in self.module.parameters() if p.grad is not None])
+        if not buckets:
+            return
+        buffers = []
+        for key, params in buckets.items():
+            reduced_params, buffer = reduced_buckets.get(key, ([], None))
+            if buffer is not None and [id(p) for p in reduced_params] != [id(p) for p in params]:
+                _copy_into_grads(buffer, reduced_params)  # part of the bucket: the rest was summed before
+                buffer = None
+            if buffer is None:
+                buffer = torch.cat([p.grad.reshape(-1) for p in params])
+            views = buffer.split([p.grad.numel() for p in params])
+            for param, view in zip(params, views, strict=True):
+                param.grad.data = view.view_as(param.grad)
+            buffers.append(buffer)
+        self.allreduce_buffers = buffers
+        # Apex's bucket structure, which scripts read to build flat masters matching the buffers (MLPerf SSD)
+        self.active_params = [p for params in buckets.values() for p in params]
+        starts = [0, *itertools.accumulate(len(params) for params in buckets.values())]
+        self.active_i_buckets = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
 
     def _decide_whether_reducer_overlaps(self) -> None:
         """At the forward after the default mode's first synced one: torch's reducer overlaps the allreduce from now
@@ -457,9 +535,12 @@ class Reducer:
             extract_tensors(module_or_grads_list, self.grads)
 
     def reduce(self) -> None:
-        """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex)."""
+        """Average the gradients over all ranks, in place (one flat allreduce per tensor type, as Apex). On a module,
+        a gradient only some ranks have is averaged with zeros from the others (Apex reduced each rank's own list)."""
         if self.module is not None:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            params = list(self.module.parameters())
+            agreed = _agree_across_ranks(params, [p.grad is not None for p in params], dist.group.WORLD)
+            grads = [p.grad for p in agreed]
         else:
             grads = self.grads or []
         flat_dist_call(grads, dist.all_reduce)  # one flat allreduce per type, averaged
