@@ -75,7 +75,9 @@ def test_no_training_data_is_an_error_naming_the_dataloader(tmp_path, capsys):
 
 
 def test_no_validation_data_warns_and_a_monitor_without_validation_is_refused(tmp_path):
-    with pytest.warns(UserWarning, match="val_dataloader\\(\\) yields no batches: validation is skipped"):
+    with pytest.warns(
+        UserWarning, match="val_dataloader\\(\\) yields no batches: its dataset is empty; validation is skipped"
+    ):
         EmptyValidation(toy_cfg(tmp_path, **QUIET)).fit()
     with pytest.raises(
         ConfigError, match="'checkpoint.monitor': monitors 'val/mse', but val_dataloader\\(\\) yields no"

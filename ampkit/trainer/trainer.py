@@ -131,6 +131,7 @@ from ampkit.trainer.evaluation import (
     average_metrics,
     batch_size,
     collect_predictions,
+    warn_of_no_batches,
 )
 from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
@@ -1696,6 +1697,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
+        warn_of_no_batches(stage, loader, self.world_size)
         outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
@@ -1848,7 +1850,7 @@ class Trainer:
         if self._val_loader is not None:
             limit = self.settings.limit_val_batches
             self._val_limit = batch_limit(limit, self._val_loader, "trainer.limit_val_batches", "val_dataloader()")
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
+        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
