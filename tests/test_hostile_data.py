@@ -362,6 +362,27 @@ def test_a_loader_longer_than_its_len_ends_each_epoch_there_and_is_said_once(tmp
         assert not [str(w.message) for w in seen if "len()" in str(w.message)]
 
 
+class UnshardedWorkers(ExactLength):
+    def train_dataloader(self):  # len() 5, each of 2 workers yields all 5 batches
+        return DataLoader(_Understated(self.length), batch_size=8, num_workers=2)
+
+
+def test_a_stream_each_worker_yields_whole_is_named_as_the_cause_of_more_batches_than_len(tmp_path):
+    # The warning said only to fix __len__, which counted right: each of the 2 workers yielded every sample.
+    trainer = UnshardedWorkers(toy_cfg(tmp_path, **QUIET, **BARE))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    said = [str(w.message) for w in seen if "more batches than its len()" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "its DataLoader runs num_workers=2, each with its own copy of the IterableDataset: unless its __iter__ "
+        "yields only its worker's share, every worker yields the whole stream and each sample comes 2 times. Shard "
+        "it in __iter__ by torch.utils.data.get_worker_info() (its id and num_workers: skip the samples of the other "
+        "workers); else make its len() count what it yields, or give it no __len__ (the epoch then ends where the "
+        "data does)"
+    )
+
+
 class ZeroLength(UnderstatedLength):
     length = 0  # 5 batches, len() 0
 

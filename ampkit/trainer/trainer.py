@@ -1358,7 +1358,7 @@ class Trainer:
         trained on). Checked every epoch, a batch fetched and dropped, so a resumed run draws as an unbroken one."""
         if yields_more(self._epoch_pass) and not self._said_long_epoch:
             self._said_long_epoch = True
-            rank_zero_warn(long_epoch_message(self.state.epoch, self._num_train_batches))
+            rank_zero_warn(long_epoch_message(self.state.epoch, self._num_train_batches, self._train_loader))
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches

@@ -260,14 +260,24 @@ def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, 
     return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
 
 
-def long_epoch_message(epoch: int, promised: int) -> str:
+def long_epoch_message(epoch: int, promised: int, loader: Any = None) -> str:
     """Why an epoch that stopped at its loader's ``len()`` of ``promised`` batches while the loader had more (an
-    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on."""
-    return (
+    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on. Under a
+    DataLoader with several workers, the commonest cause comes first: each worker iterating the whole stream."""
+    said = (
         f"train_dataloader() has more batches than its len() of {promised}: epoch {epoch} ended after {promised} "
-        "of them, as every epoch will (as Lightning's do), and the rest are never trained on; make its len() count "
-        "what it yields, or give it no __len__ (the epoch then ends where the data does)"
+        "of them, as every epoch will (as Lightning's do), and the rest are never trained on"
     )
+    fix = "make its len() count what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
+    if workers > 1:
+        return (
+            f"{said}; its DataLoader runs num_workers={workers}, each with its own copy of the IterableDataset: "
+            f"unless its __iter__ yields only its worker's share, every worker yields the whole stream and each sample "
+            f"comes {workers} times. Shard it in __iter__ by torch.utils.data.get_worker_info() (its id and "
+            f"num_workers: skip the samples of the other workers); else {fix}"
+        )
+    return f"{said}; {fix}"
 
 
 def _why_no_batches(loader: Any, world_size: int) -> str:
