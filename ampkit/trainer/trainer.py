@@ -89,7 +89,7 @@ from ampkit.trainer.batch_layout import (
     order_change_note,
     saved_accumulation,
 )
-from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.callback import HOOKS, Callback, Phase, run_order
 from ampkit.trainer.callback_states import states_to_load
 from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
@@ -1985,8 +1985,9 @@ class Trainer:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks, self._persist_at = {}, {}
         for hook in HOOKS:
-            # ties: as given, a checkpoint's save after the others of its phase (they may log or change its state)
-            ordered = sorted(self.callbacks, key=lambda cb: (cb.hook_phases.get(hook, cb.phase), cb.saves_checkpoints))
+            # ties: as given, but the console after the others of its phase (it shows what they log) and a checkpoint's
+            # save after that (they may log or change its state)
+            ordered = sorted(self.callbacks, key=partial(run_order, hook=hook))
             running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
             persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
