@@ -133,6 +133,18 @@ def test_limit_val_batches_takes_a_count_or_a_fraction_and_the_average_covers_on
         assert trainer.val_metrics["mse"] == pytest.approx(mse)
 
 
+@pytest.mark.parametrize(("limit", "sizes"), [(2, [8, 8]), (0.5, [8]), ("null", [8, 8, 8])])
+def test_a_standalone_validate_covers_the_batches_limit_val_batches_leaves_as_fit_s_validations_do(
+    tmp_path, limit, sizes
+):
+    """Lightning's trainer.validate() honours limit_val_batches; validate() ran every batch of the set, so its means
+    were not those of the validations of the fit it evaluates."""
+    trainer = CountsValidationBatches(toy_cfg(tmp_path, **{**QUIET, "trainer.limit_val_batches": limit}))
+    trainer.validation_batches = []
+    metrics = trainer.validate()
+    assert trainer.validation_batches == sizes and set(metrics) == {"mse"}
+
+
 class Stream:
     """Batches without a length (an IterableDataset's loader)."""
 

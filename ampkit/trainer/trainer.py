@@ -1708,8 +1708,13 @@ class Trainer:
                 result = collect_predictions(self, loader, step)
                 self.fire("on_predict_end", result)
             else:
-                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
-                result = average_metrics(self, loader, step, batch_end_hook=batch_end)
+                batch_end, limit = None, None
+                if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
+                    batch_end = "on_validation_batch_end"
+                    limit = batch_limit(
+                        self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
+                    )
+                result = average_metrics(self, loader, step, limit, batch_end)
                 if stage is VALIDATE:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
