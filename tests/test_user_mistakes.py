@@ -951,6 +951,27 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
         _ = trainer.optimizer
 
 
+class _StopsAsLightningDoes(ampkit.Callback):
+    """A ported Lightning callback: asks the run to stop by setting trainer.should_stop."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 2:
+            trainer.should_stop = True
+
+
+def test_lightnings_should_stop_set_on_the_trainer_is_refused_naming_state_should_stop(tmp_path):
+    """trainer.should_stop = True set an attribute nothing reads: the run trained on to its end without a word."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}), callbacks=[_StopsAsLightningDoes()])
+    said = (
+        r"^ToyTrainer.should_stop = True would stop nothing: Lightning's trainer.should_stop is self.state.should_stop"
+    )
+    with pytest.raises(AttributeError, match=said):
+        trainer.fit()
+    assert trainer.state.global_step == 2
+    with pytest.raises(AttributeError, match=r"'should_stop' \(Lightning's name; here it is self.state.should_stop"):
+        _ = trainer.should_stop
+
+
 def test_settings_passed_as_keyword_arguments_name_their_config_keys():
     """Lightning's Trainer(max_epochs=3, precision=...) here: each name's config key, not Python's bare TypeError."""
     with pytest.raises(TypeError) as err:

@@ -11,6 +11,10 @@ from ampkit.lightning_settings import LIGHTNING_SETTINGS
 
 LIGHTNING_NAMES: dict[str, str] = {
     "current_epoch": "self.state.epoch",
+    "should_stop": (
+        "self.state.should_stop (trainer.state.should_stop in a callback): set it True and training ends after this "
+        "iteration"
+    ),
     "global_step": "self.state.global_step",
     "trainer": "self (a Trainer is Lightning's module and trainer in one)",
     "manual_backward": "self.backward(loss, loss_id=..., optimizer=...)",

@@ -138,7 +138,7 @@ from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
-from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
+from ampkit.trainer.lightning_names import LIGHTNING_NAMES, keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
@@ -561,6 +561,21 @@ class Trainer:
                 obj=self,
             )
         raise missing_attribute(self, name)
+
+    @property
+    def should_stop(self) -> bool:
+        """Lightning's ``trainer.should_stop``, refused naming ``state.should_stop``: a value set here would stop
+        nothing (a ported callback's ``trainer.should_stop = True``)."""
+        raise missing_attribute(self, "should_stop")
+
+    @should_stop.setter
+    def should_stop(self, value: Any) -> None:
+        raise AttributeError(
+            f"{type(self).__name__}.should_stop = {value!r} would stop nothing: Lightning's trainer.should_stop is "
+            f"{LIGHTNING_NAMES['should_stop']}",
+            name="should_stop",
+            obj=self,
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
