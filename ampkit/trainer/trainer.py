@@ -827,6 +827,11 @@ class Trainer:
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
+        if not (on_step or on_epoch):  # nothing would be written: Lightning refuses it too
+            raise UserCodeError(
+                f"log('{tag}', on_step=False, on_epoch=False) writes nothing; give on_step=True (its value at the "
+                "logged steps) or on_epoch=True (its mean over the epoch), or both"
+            )
         if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
             raise UserCodeError(
                 f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
