@@ -80,6 +80,7 @@ from ampkit.trainer.batch_counts import (
     checked_count,
     length_may_undercount,
     loader_length,
+    shuffled_subset_message,
     yields_more,
 )
 from ampkit.trainer.batch_layout import (
@@ -1875,6 +1876,11 @@ class Trainer:
         if self._val_loader is not None:
             limit = self.settings.limit_val_batches
             self._val_limit = batch_limit(limit, self._val_loader, "trainer.limit_val_batches", "val_dataloader()")
+            said = shuffled_subset_message(
+                self._val_loader, self._val_limit, limit, "trainer.limit_val_batches", "val_dataloader()"
+            )
+            if said is not None:
+                rank_zero_warn(said)
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
