@@ -60,10 +60,10 @@ class ProgressBar(Callback):
 
     phase = Phase.OBSERVE
     # The validation's and the epoch's lines wait for the Trainer's own hook and every other callback's but a
-    # checkpoint's, wherever they stand in the list (shows_logged_values): they show what those log there (an AUC
+    # checkpoint's, wherever they stand in the list (reads_logged_values): they show what those log there (an AUC
     # over the set, an epoch metric) beside validation_step's means and the epoch means.
     hook_phases = {"on_validation_end": Phase.PERSIST, "on_train_epoch_end": Phase.PERSIST}
-    shows_logged_values = True
+    reads_logged_values = True
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
         self.bar = _interactive() if bar is None else bar
