@@ -3,6 +3,8 @@ Lightning's ``configure_optimizers`` return forms."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
@@ -55,6 +57,35 @@ def test_a_misspelt_or_misshapen_hook_is_refused_before_anything_runs(tmp_path):
 
     with pytest.raises(TypeError, match=r"define it as def on_train_batch_end\(self, outputs, batch\)"):
         CallbackShaped(toy_cfg(tmp_path))
+
+
+class _PortedSetup(ToyTrainer):
+    def setup(self, stage):  # Lightning calls it before each run; the Trainer never would
+        self.weights = torch.ones(2)
+
+
+class _PortedEpochEnd(ToyTrainer):
+    def validation_epoch_end(self, outputs):  # Lightning 1.x
+        self.best = outputs
+
+
+class _OwnSetupHelper(ToyTrainer):
+    def setup(self):  # a helper of the Trainer's own, called by its code: no Lightning 'stage'
+        return 1
+
+
+@pytest.mark.parametrize(("trainer_class", "said"), [
+    (_PortedSetup, "_PortedSetup.setup is a LightningModule hook, which an ampkit Trainer never calls; here its work "
+                   "is done by configure_model() builds the model"),
+    (_PortedEpochEnd, "_PortedEpochEnd.validation_epoch_end is a LightningModule hook, which an ampkit Trainer never "
+                      "calls; here its work is done by on_validation_end(self, metrics)"),
+])  # fmt: skip
+def test_a_lightning_module_hook_the_trainer_never_calls_is_refused_at_construction(tmp_path, trainer_class, said):
+    """A ported setup(self, stage) or validation_epoch_end never ran, without a word: what it set was missing later,
+    or its work silently undone."""
+    with pytest.raises(TypeError, match=re.escape(said)):
+        trainer_class(toy_cfg(tmp_path, **QUIET))
+    assert _OwnSetupHelper(toy_cfg(tmp_path, **QUIET)).setup() == 1
 
 
 def test_a_callback_is_not_called_for_the_hooks_it_declares_unused(tmp_path):

@@ -46,6 +46,56 @@ LIGHTNING_NAMES: dict[str, str] = {
 }
 
 
+# A LightningModule's hooks without the on_ prefix, which a Trainer never calls -> what does their work here. One a
+# ported Trainer defines would silently never run (an on_... one that is no hook is refused as misspelt already).
+LIGHTNING_MODULE_HOOKS: dict[str, str] = {
+    "setup": (
+        "configure_model() builds the model and the *_dataloader() methods the data, each called once per run; work "
+        "for every run goes in __init__"
+    ),
+    "teardown": "on_fit_end, which runs at the end of every fit, also after an exception",
+    "configure_sharded_model": "configure_model(), which returns the model (FSDP shards it: distributed.strategy)",
+    "training_epoch_end": "on_train_epoch_end(self); an epoch's means are self.epoch_scalars",
+    "validation_epoch_end": "on_validation_end(self, metrics), metrics being validation_step's means over the set",
+    "test_epoch_end": "on_test_end(self, metrics), metrics being test_step's means over the set",
+    "training_step_end": "training_step itself: what it returns is the step's output",
+    "validation_step_end": "validation_step itself: what it returns is averaged over the set",
+    "test_step_end": "test_step itself: what it returns is averaged over the set",
+    "optimizer_step": (
+        "the Trainer's own step (skip rule, clipping, loss scaling); a callback's on_before_optimizer_step runs "
+        "before it, or automatic_optimization = False to call self.step(opt) yourself"
+    ),
+    "optimizer_zero_grad": "the Trainer's zero_grad(set_to_none=True) at each iteration's end (on_before_zero_grad)",
+    "lr_scheduler_step": "configure_optimizers' scheduler dict ('interval', 'frequency', 'monitor')",
+    "configure_gradient_clipping": (
+        "trainer.clip_grad_norm, or a callback's on_before_optimizer_step, where gradients are unscaled"
+    ),
+    "transfer_batch_to_device": "the Trainer, which moves the tensors of dicts, lists, tuples and dataclasses",
+}
+# Of these, names a Trainer may use for a helper of its own: Lightning's only where they take Lightning's 'stage'.
+_TAKES_STAGE = ("setup", "teardown")
+
+
+def lightning_module_hooks(cls: type, base: type) -> list[str]:
+    """The LightningModule hooks (:data:`LIGHTNING_MODULE_HOOKS`) that ``cls`` or a mixin defines below ``base``:
+    ``setup``/``teardown`` only with a ``stage`` argument, as a helper of that name may be the Trainer's own."""
+    import inspect
+
+    found = []
+    for name in LIGHTNING_MODULE_HOOKS:
+        owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+        if owner is None or owner in base.__mro__ or not callable(vars(owner)[name]):
+            continue
+        if name in _TAKES_STAGE:
+            try:
+                if "stage" not in inspect.signature(vars(owner)[name]).parameters:
+                    continue
+            except (TypeError, ValueError):  # no signature to read
+                continue
+        found.append(name)
+    return found
+
+
 def missing_attribute(obj: Any, name: str) -> AttributeError:
     """The AttributeError for ``obj.name``: with the ampkit spelling when ``name`` is Lightning's."""
     message = f"'{type(obj).__name__}' object has no attribute '{name}'"

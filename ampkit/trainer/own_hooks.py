@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.lightning_names import LIGHTNING_MODULE_HOOKS, lightning_module_hooks
 from ampkit.trainer.user_code import UserCodeError
 
 
@@ -74,6 +75,18 @@ def check_step_signatures(cls: type) -> None:
                 f"def {name}(self, batch) (the batch's index within the epoch is self.state.batch_idx, where "
                 "Lightning passes batch_idx)"
             ) from None
+
+
+def check_lightning_module_hooks(cls: type, base: type) -> None:
+    """A LightningModule hook a ported Trainer defines (``setup(self, stage)``, ``validation_epoch_end``), which the
+    Trainer never calls, is refused at construction naming what does its work here: it would silently never run."""
+    found = lightning_module_hooks(cls, base)
+    if found:
+        name = found[0]
+        raise UserCodeError(
+            f"{cls.__name__}.{name} is a LightningModule hook, which an ampkit Trainer never calls; here its work is "
+            f"done by {LIGHTNING_MODULE_HOOKS[name]}"
+        )
 
 
 def _replaced_methods(namespace: Any, base: type) -> list[str]:

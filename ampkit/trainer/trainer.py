@@ -162,6 +162,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
 from ampkit.trainer.own_hooks import (
     check_instance_attributes,
+    check_lightning_module_hooks,
     check_replaced_methods,
     check_step_signatures,
     models_set_by_hand,
@@ -358,6 +359,7 @@ class Trainer:
         self._own_hooks = own_hooks(type(self), Trainer)
         check_replaced_methods(type(self), Trainer)
         check_step_signatures(type(self))
+        check_lightning_module_hooks(type(self), Trainer)
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
             raise ConfigError(
                 f"{type(self).__name__}(cfg=...): got {type(cfg).__name__} {str(cfg)[:60]!r}; expected a dict, an "
