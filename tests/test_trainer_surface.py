@@ -75,10 +75,10 @@ class _OwnSetupHelper(ToyTrainer):
 
 
 @pytest.mark.parametrize(("trainer_class", "said"), [
-    (_PortedSetup, "_PortedSetup.setup is a LightningModule hook, which an ampkit Trainer never calls; here its work "
-                   "is done by configure_model() builds the model"),
-    (_PortedEpochEnd, "_PortedEpochEnd.validation_epoch_end is a LightningModule hook, which an ampkit Trainer never "
-                      "calls; here its work is done by on_validation_end(self, metrics)"),
+    (_PortedSetup, "_PortedSetup.setup is a LightningModule hook, which ampkit never calls; in ampkit: "
+                   "configure_model() builds the model"),
+    (_PortedEpochEnd, "_PortedEpochEnd.validation_epoch_end is a LightningModule hook, which ampkit never calls; in "
+                      "ampkit: on_validation_end(self, metrics)"),
 ])  # fmt: skip
 def test_a_lightning_module_hook_the_trainer_never_calls_is_refused_at_construction(tmp_path, trainer_class, said):
     """A ported setup(self, stage) or validation_epoch_end never ran, without a word: what it set was missing later,
@@ -86,6 +86,18 @@ def test_a_lightning_module_hook_the_trainer_never_calls_is_refused_at_construct
     with pytest.raises(TypeError, match=re.escape(said)):
         trainer_class(toy_cfg(tmp_path, **QUIET))
     assert _OwnSetupHelper(toy_cfg(tmp_path, **QUIET)).setup() == 1
+
+
+class _PortedCallbackSetup(Callback):
+    def setup(self, trainer, pl_module, stage):  # a Lightning Callback's
+        self.ready = True
+
+
+def test_a_lightning_callback_s_setup_is_refused_when_the_run_starts(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_PortedCallbackSetup()])
+    said = "_PortedCallbackSetup.setup is a Callback hook, which ampkit never calls; in ampkit: on_fit_start"
+    with pytest.raises(TypeError, match=re.escape(said)):
+        trainer.fit()
 
 
 def test_a_callback_is_not_called_for_the_hooks_it_declares_unused(tmp_path):

@@ -72,17 +72,23 @@ LIGHTNING_MODULE_HOOKS: dict[str, str] = {
     ),
     "transfer_batch_to_device": "the Trainer, which moves the tensors of dicts, lists, tuples and dataclasses",
 }
-# Of these, names a Trainer may use for a helper of its own: Lightning's only where they take Lightning's 'stage'.
+# A Lightning Callback's hooks without the on_ prefix -> what does their work in an ampkit Callback.
+LIGHTNING_CALLBACK_HOOKS: dict[str, str] = {
+    "setup": "on_fit_start (a fit) and on_evaluation_setup (a standalone validate, test or predict)",
+    "teardown": "on_fit_end, which runs at the end of every fit, also after an exception",
+}
+# Of these, names a class may use for a helper of its own: Lightning's only where they take Lightning's 'stage'.
 _TAKES_STAGE = ("setup", "teardown")
 
 
-def lightning_module_hooks(cls: type, base: type) -> list[str]:
-    """The LightningModule hooks (:data:`LIGHTNING_MODULE_HOOKS`) that ``cls`` or a mixin defines below ``base``:
-    ``setup``/``teardown`` only with a ``stage`` argument, as a helper of that name may be the Trainer's own."""
+def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[str]:
+    """The Lightning hooks among ``hooks`` (:data:`LIGHTNING_MODULE_HOOKS`, :data:`LIGHTNING_CALLBACK_HOOKS`) that
+    ``cls`` or a mixin defines below ``base``: ``setup``/``teardown`` only with a ``stage`` argument, as a helper of
+    that name may be the class's own."""
     import inspect
 
     found = []
-    for name in LIGHTNING_MODULE_HOOKS:
+    for name in hooks:
         owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
         if owner is None or owner in base.__mro__ or not callable(vars(owner)[name]):
             continue

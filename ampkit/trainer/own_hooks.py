@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from ampkit.trainer.callback import HOOKS, Callback
-from ampkit.trainer.lightning_names import LIGHTNING_MODULE_HOOKS, lightning_module_hooks
+from ampkit.trainer.lightning_names import LIGHTNING_CALLBACK_HOOKS, LIGHTNING_MODULE_HOOKS, lightning_only_hooks
 from ampkit.trainer.user_code import UserCodeError
 
 
@@ -77,15 +77,17 @@ def check_step_signatures(cls: type) -> None:
             ) from None
 
 
-def check_lightning_module_hooks(cls: type, base: type) -> None:
-    """A LightningModule hook a ported Trainer defines (``setup(self, stage)``, ``validation_epoch_end``), which the
-    Trainer never calls, is refused at construction naming what does its work here: it would silently never run."""
-    found = lightning_module_hooks(cls, base)
+def check_lightning_only_hooks(cls: type, base: type) -> None:
+    """A Lightning hook without the ``on_`` prefix that a ported Trainer (``base``: Trainer; ``setup(self, stage)``,
+    ``validation_epoch_end``) or Callback (``base``: Callback; ``setup``, ``teardown``) defines is refused naming what
+    does its work here: ampkit never calls it, so it would silently never run."""
+    callback = issubclass(cls, Callback)
+    hooks = LIGHTNING_CALLBACK_HOOKS if callback else LIGHTNING_MODULE_HOOKS
+    found = lightning_only_hooks(cls, base, hooks)
     if found:
-        name = found[0]
+        name, kind = found[0], "Callback" if callback else "LightningModule"
         raise UserCodeError(
-            f"{cls.__name__}.{name} is a LightningModule hook, which an ampkit Trainer never calls; here its work is "
-            f"done by {LIGHTNING_MODULE_HOOKS[name]}"
+            f"{cls.__name__}.{name} is a {kind} hook, which ampkit never calls; in ampkit: {hooks[name]}"
         )
 
 

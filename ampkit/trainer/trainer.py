@@ -162,7 +162,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
 from ampkit.trainer.own_hooks import (
     check_instance_attributes,
-    check_lightning_module_hooks,
+    check_lightning_only_hooks,
     check_replaced_methods,
     check_step_signatures,
     models_set_by_hand,
@@ -359,7 +359,7 @@ class Trainer:
         self._own_hooks = own_hooks(type(self), Trainer)
         check_replaced_methods(type(self), Trainer)
         check_step_signatures(type(self))
-        check_lightning_module_hooks(type(self), Trainer)
+        check_lightning_only_hooks(type(self), Trainer)
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
             raise ConfigError(
                 f"{type(self).__name__}(cfg=...): got {type(cfg).__name__} {str(cfg)[:60]!r}; expected a dict, an "
@@ -2010,6 +2010,7 @@ class Trainer:
         self.callbacks = order_callbacks(defaults + own + self._user_callbacks, sources)
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
+            check_lightning_only_hooks(type(cb), Callback)  # nor Lightning's setup(trainer, pl_module, stage)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
