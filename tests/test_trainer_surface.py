@@ -248,6 +248,22 @@ def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
         trainer.fit()
 
 
+class LogsWithABatchSize(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/acc", 0.5, on_epoch=True, batch_size=3)
+        return loss
+
+
+def test_log_with_lightning_s_batch_size_names_samples_in_which_weighs_epoch_means_here(tmp_path):
+    """Refused with log()'s own options only: nothing said where the batch's weight in the epoch mean comes from."""
+    from ampkit.trainer.user_code import UserCodeError
+
+    with pytest.raises(UserCodeError, match=r"got batch_size, which it does not take: .*; an on_epoch mean weighs "
+                       r"each batch by samples_in\(batch\) \(override it for Lightning's batch_size\)"):  # fmt: skip
+        LogsWithABatchSize(toy_cfg(tmp_path, **QUIET)).fit()
+
+
 class PlateauEachEpoch(ToyTrainer):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.module.parameters(), lr=0.05)

@@ -244,9 +244,15 @@ _EVALUATION_ENDS = ("on_validation_end", "on_test_end")
 _EVALUATION_STARTS = {"on_validation_start": "on_validation_end", "on_test_start": "on_test_end"}
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
-    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), every value goes to TensorBoard "
-    "(no logger=False), and each value is this rank's, as Lightning's without sync_dist"
+    "beside 'loss', and the epoch line the epoch means of on_epoch tags and what on_train_epoch_end hooks log "
+    "(Lightning's prog_bar), every value goes to TensorBoard (no logger=False), and each value is this rank's, as "
+    "Lightning's without sync_dist"
 )
+# What does the work of Lightning's log() options that change a value's meaning, named where one is given.
+_LOG_OPTION_INSTEAD = {
+    "batch_size": "an on_epoch mean weighs each batch by samples_in(batch) (override it for Lightning's batch_size)",
+    "reduce_fx": "an on_epoch value is the epoch's mean; for a max or a sum, log it yourself in on_train_epoch_end",
+}
 
 
 def _scheduler_name(sched: SchedulerSpec, optimizer: str) -> str:
@@ -814,7 +820,12 @@ class Trainer:
                 f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
             )
         if others:
-            raise UserCodeError(f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}")
+            instead = "".join(
+                f"; {_LOG_OPTION_INSTEAD[name]}" for name in sorted(others) if name in _LOG_OPTION_INSTEAD
+            )
+            raise UserCodeError(
+                f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}{instead}"
+            )
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
