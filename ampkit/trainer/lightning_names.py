@@ -29,7 +29,8 @@ LIGHTNING_NAMES: dict[str, str] = {
         "on_epoch means"
     ),
     "progress_bar_metrics": (
-        "nothing: the bar shows what training_step returns and the epoch means of on_epoch tags (no prog_bar)"
+        "nothing: the bar shows what training_step returns, and the epoch line the epoch means of on_epoch tags and "
+        "what on_train_epoch_end hooks log (no prog_bar)"
     ),
     "hparams": "self.cfg (the resolved config)",
     "save_hyperparameters": "nothing: self.cfg is saved in every checkpoint and in the run directory",
