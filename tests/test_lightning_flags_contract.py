@@ -37,6 +37,12 @@ from ampkit.config import Config, build_config
                                                     "train/ monitor ranks at each epoch's end"),
         ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
         ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
+        ("trainer.logger=false", "(Lightning's logger; here it is logging.tensorboard)"),
+        ("checkpoint.save_weights_only=true", "(Lightning's save_weights_only has no config key here: a checkpoint "
+                                              "holds everything a resume needs; ampkit.load_model(path)"),
+        ("trainer.reload_dataloaders_every_n_epochs=1", "(Lightning's reload_dataloaders_every_n_epochs has no config "
+                                                        "key here: train_dataloader() and val_dataloader() are called "
+                                                        "once per run"),
     ],
 )  # fmt: skip
 def test_a_lightning_flag_is_refused_naming_what_does_its_work_here(override, hint):
