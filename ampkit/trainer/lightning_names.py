@@ -5,6 +5,7 @@ has an ampkit spelling; the error names it instead of only saying the attribute 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
@@ -86,8 +87,6 @@ def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[s
     """The Lightning hooks among ``hooks`` (:data:`LIGHTNING_MODULE_HOOKS`, :data:`LIGHTNING_CALLBACK_HOOKS`) that
     ``cls`` or a mixin defines below ``base``: ``setup``/``teardown`` only with a ``stage`` argument, as a helper of
     that name may be the class's own."""
-    import inspect
-
     found = []
     for name in hooks:
         owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)

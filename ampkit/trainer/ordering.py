@@ -18,8 +18,8 @@ class CallbackOrderError(ValueError):
 
 
 def order_callbacks(callbacks: Sequence[Callback], sources: Sequence[str] | None = None) -> list[Callback]:
-    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase` (:func:`~ampkit.trainer.callback.run_order`: the
-    console after the others of its phase, those that save checkpoints last); ties keep the given order.
+    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase` (:func:`~ampkit.trainer.callback.run_order`: those
+    reading logged values after the others of their phase, those that save checkpoints last); ties keep the given order.
 
     Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
     ``sources`` says where each callback came from (``"configure_callbacks()"``, ``"the config's

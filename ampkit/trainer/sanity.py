@@ -106,8 +106,8 @@ def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | No
     monitors = monitored_metrics(cfg)
     if monitors:
         key, metric = next(iter(monitors.items()))
-        why = _no_validation_batches(loader, world_size, "validation never runs") if empty else "returned None"
-        raise ConfigError(f"config key '{key}': monitors '{metric}', but {'' if empty else 'val_dataloader() '}{why}")
+        why = _no_validation_batches(loader, world_size, "validation never runs") if empty else None
+        raise ConfigError(f"config key '{key}': monitors '{metric}', but {why or 'val_dataloader() returned None'}")
     if empty:
         rank_zero_warn(_no_validation_batches(loader, world_size, "validation is skipped"))
     return None

@@ -2030,8 +2030,8 @@ class Trainer:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks, self._persist_at = {}, {}
         for hook in HOOKS:
-            # ties: as given, but the console after the others of its phase (it shows what they log) and a checkpoint's
-            # save after that (they may log or change its state)
+            # ties: as given, but a reader of logged values (the console, early stopping) after the others of its phase
+            # and a checkpoint's save after that (they may log or change its state)
             ordered = sorted(self.callbacks, key=partial(run_order, hook=hook))
             running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
