@@ -229,3 +229,19 @@ def test_an_epoch_mean_under_the_tag_of_a_returned_value_gets_a_curve_of_its_own
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert [e.step for e in events.Scalars("train/loss_epoch")] == [4, 8]
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("checkpoint.save_top_k=0", "expected an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is "
+                                "checkpoint.enabled=false"),
+    ("early_stopping.patience=0", "expected an integer >= 1 (Lightning's 0 stops at the first validation without "
+                                  "improvement, as 1 does here)"),
+])  # fmt: skip
+def test_a_lightning_value_ampkit_takes_otherwise_is_refused_naming_the_setting_that_does_its_work(
+    tmp_path, override, said
+):
+    """Lightning's save_top_k=0 and patience=0 were refused as out of range only, naming nothing doing their work."""
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{key: int(value)}))
+    assert str(caught.value) == f"config key '{key}': 0 is invalid; {said}"
