@@ -16,8 +16,9 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     ),
     "check_val_every_n_epoch": "trainer.val_every_n_epochs",
     "val_check_interval": (
-        "trainer.val_every_n_steps, in iterations counted over the whole run; for a fraction of an epoch give that "
-        "share of its iterations, e.g. 100 for 0.25 of 400"
+        "trainer.val_every_n_steps, in iterations counted over the whole run, beside which epoch ends validate too "
+        "unless trainer.val_every_n_epochs=0 (Lightning's integer interval replaces them); for a fraction of an epoch "
+        "give that share of its iterations, e.g. 100 for 0.25 of 400"
     ),
     "default_root_dir": "run_dir",
     "enable_progress_bar": "trainer.progress_bar",

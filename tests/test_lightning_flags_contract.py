@@ -22,7 +22,8 @@ from ampkit.config import Config, build_config
     ("override", "hint"),
     [
         ("trainer.val_check_interval=0.25", "(Lightning's val_check_interval; here it is trainer.val_every_n_steps, "
-                                            "in iterations"),
+                                            "in iterations counted over the whole run, beside which epoch ends "
+                                            "validate too unless trainer.val_every_n_epochs=0"),
         ("trainer.check_val_every_n_epoch=2", "(Lightning's check_val_every_n_epoch; here it is "
                                               "trainer.val_every_n_epochs)"),
         ("trainer.gradient_clip_val=1.0", "(Lightning's gradient_clip_val; here it is trainer.clip_grad_norm)"),
