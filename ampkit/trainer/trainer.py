@@ -1595,7 +1595,9 @@ class Trainer:
         logged = ", ".join(broadcast_object(sorted(self.monitor_values()), self.dist)) or "none"
         problem = (
             f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
-            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
+            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True), or in "
+            "on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST (epoch-interval "
+            "schedulers step before the PERSIST hooks)"
         )
         _refuse_or_skip(sched, problem)
 
