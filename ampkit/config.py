@@ -287,8 +287,14 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.every_n_steps": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "checkpoint.every_n_epochs": ((lambda v: v >= 0), "an integer >= 0 (0: never)"),
     "checkpoint.keep_last": _at_least(1),
-    "checkpoint.save_top_k": ((lambda v: v >= 1 or v == -1), "an integer >= 1, or -1 (keep every one)"),
-    "early_stopping.patience": _at_least(1),
+    "checkpoint.save_top_k": (
+        (lambda v: v >= 1 or v == -1),
+        "an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is checkpoint.enabled=false",
+    ),
+    "early_stopping.patience": (
+        (lambda v: v >= 1),
+        "an integer >= 1 (Lightning's 0 stops at the first validation without improvement, as 1 does here)",
+    ),
     "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),
     "early_stopping.stopping_threshold": _optional(_FINITE_NUMBER, "never"),
     "early_stopping.divergence_threshold": _optional(_FINITE_NUMBER, "never"),

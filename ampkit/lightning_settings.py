@@ -16,8 +16,9 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     ),
     "check_val_every_n_epoch": "trainer.val_every_n_epochs",
     "val_check_interval": (
-        "trainer.val_every_n_steps, in iterations counted over the whole run; for a fraction of an epoch give that "
-        "share of its iterations, e.g. 100 for 0.25 of 400"
+        "trainer.val_every_n_steps, in iterations counted over the whole run, beside which epoch ends validate too "
+        "unless trainer.val_every_n_epochs=0 (Lightning's integer interval replaces them); for a fraction of an epoch "
+        "give that share of its iterations, e.g. 100 for 0.25 of 400"
     ),
     "default_root_dir": "run_dir",
     "enable_progress_bar": "trainer.progress_bar",
@@ -42,4 +43,30 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "check_on_train_epoch_end": "no config key: a train/ monitor counts at each epoch's end, any other at validations",
     "dirpath": "no config key: checkpoints go to <run_dir>/version_N/checkpoints (set run_dir)",
     "filename": "no config key: checkpoint files are named by step (step-N.pt, best-N.pt), whatever the metric",
+    "save_weights_only": (
+        "no config key: a checkpoint holds everything a resume needs; ampkit.load_model(path) reads its model alone"
+    ),
+    "train_time_interval": (
+        "no config key: checkpoint.every_n_steps saves every N iterations, and a preempted run (SIGTERM) saves the "
+        "step it stops at"
+    ),
+    "strict": (
+        "no config key: a monitor a validation does not return is always an error, which the sanity validation finds "
+        "before training"
+    ),
+    "logger": "logging.tensorboard",
+    "num_nodes": "no config key: torchrun starts the processes (--nnodes, --nproc-per-node)",
+    "enable_model_summary": "no config key: the start banner counts the parameters (trainer.progress_bar=false: none)",
+    "reload_dataloaders_every_n_epochs": (
+        "no config key: train_dataloader() and val_dataloader() are called once per run; a sampler's set_epoch, "
+        "called at each epoch, or a dataset reading self.state.epoch varies the data by epoch"
+    ),
+    "use_distributed_sampler": (
+        "no config key: under torchrun each rank takes its share of a DataLoader's samples (training: a "
+        "DistributedSampler, shuffled where its sampler shuffled; evaluation: each sample once); give it your own "
+        "DistributedSampler to choose"
+    ),
+    "inference_mode": "no config key: validate, test and predict run under torch.no_grad()",
+    "deterministic": "no config key: call torch.use_deterministic_algorithms(True) before fit()",
+    "detect_anomaly": "no config key: call torch.autograd.set_detect_anomaly(True) before fit()",
 }

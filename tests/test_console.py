@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from rank_forkserver import ForkedPython
 from toy_trainers import ToyTrainer, toy_cfg
 
+from ampkit import Callback, Phase
 from ampkit.callbacks import ProgressBar
 from ampkit.cli import main
 from ampkit.trainer.checkpoint_io import load_checkpoint
@@ -133,6 +134,33 @@ def test_values_logged_in_on_validation_end_show_beside_the_means_on_every_line(
     assert re.search(r"^epoch 0 step 3 \| val/mse=[\d.]+ val/auc=0.25 \| validation [\d.]+ s$", out, re.M), out
     assert re.search(r"^epoch 0 \| 4 steps in .* \| val/mse=[\d.]+ val/auc=0.25$", out, re.M), out
     assert re.search(r"^ampkit: finished 4 steps in 1 epoch; val/mse=[\d.]+, val/auc=0.2500$", out, re.M), out
+
+
+class _LogsAtPersist(Callback):
+    """Logs a value over the validated set and an epoch metric from PERSIST, the phase of a callback reading what the
+    Trainer's own hooks log."""
+
+    phase = Phase.PERSIST
+
+    def on_validation_end(self, trainer, metrics):
+        trainer.log("val/auc", 0.5)
+
+    def on_train_epoch_end(self, trainer):
+        trainer.log("train/acc", 0.75)
+
+
+def test_values_a_persist_phase_callback_logs_show_on_the_lines_wherever_it_stands_in_the_list(tmp_path, capsys):
+    """Given after the progress bar, it logged after the bar had printed its validation and epoch lines, so its values
+    missed them (and a value logged in on_train_epoch_end showed on no line at all)."""
+    cfg = {"trainer.max_epochs": 1, "data.n": 32, "trainer.val_every_n_steps": 3, "logging.tensorboard": False}
+    cfg |= {"trainer.progress_bar": False, "checkpoint.monitor": "val/auc", "checkpoint.mode": "max"}
+    for i, callbacks in enumerate(
+        ([ProgressBar(bar=False), _LogsAtPersist()], [_LogsAtPersist(), ProgressBar(bar=False)])
+    ):
+        ToyTrainer(toy_cfg(tmp_path / str(i), **cfg), callbacks=callbacks).fit()
+        out = capsys.readouterr().out
+        assert re.search(r"^epoch 0 step 3 \| val/mse=[\d.]+ val/auc=0.5 \| validation [\d.]+ s$", out, re.M), out
+        assert re.search(r"^epoch 0 \| 4 steps in .* \| train/acc=0.75 \| val/mse=[\d.]+ val/auc=0.5$", out, re.M), out
 
 
 def test_terminal_bars_for_training_and_validation(tmp_path, capsys):

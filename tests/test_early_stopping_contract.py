@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit import Callback, ConfigError
+from ampkit import Callback, ConfigError, Phase
 from ampkit.callbacks import EarlyStopping
 from ampkit.trainer.checkpoint_io import load_checkpoint
 
@@ -145,3 +145,26 @@ def test_two_early_stoppings_keyed_by_their_monitor_save_under_names_a_resume_fi
         "EarlyStopping[train/loss]",
     }
     assert saved["EarlyStopping[train/loss]"]["monitor"] == "train/loss"
+
+
+class _ScoresAtPersist(Callback):
+    """Logs a value over the validated set from PERSIST (a callback that reads what the Trainer's own hooks log),
+    given after the config's EarlyStopping: it rises over the first two validations, then falls for good."""
+
+    phase = Phase.PERSIST
+
+    def on_validation_end(self, trainer, metrics):
+        step = trainer.state.global_step
+        trainer.log("val/auc", 0.5 + step / 10 if step <= 4 else 0.5)
+
+
+def test_early_stopping_sees_a_value_a_persist_phase_callback_logs_wherever_it_stands_in_the_list(tmp_path):
+    """Given after EarlyStopping, it logged after early stopping had looked: the run failed at its first validation
+    with 'not a metric of the validation', though the sanity check had found the value."""
+    settings = {"early_stopping.monitor": "val/auc", "early_stopping.mode": "max", "early_stopping.patience": 2,
+                "trainer.val_every_n_steps": 2, "trainer.num_sanity_val_steps": 1,
+                "checkpoint.enabled": False}  # fmt: skip
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{**QUIET, **settings}), callbacks=[_ScoresAtPersist()])
+    trainer.fit()
+    assert trainer.state.global_step == 8  # validations at 2, 4 (best 0.9), 6 and 8 (0.5): patience 2 ends it at 8
+    assert trainer.state.stop_reason == "early stopping: val/auc did not improve on 0.9 for 2 validations"

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
+from ampkit.config import ConfigError
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.inference import load_model
 from ampkit.trainer.user_code import UserCodeError
@@ -361,6 +362,27 @@ def test_a_loader_longer_than_its_len_ends_each_epoch_there_and_is_said_once(tmp
         assert not [str(w.message) for w in seen if "len()" in str(w.message)]
 
 
+class UnshardedWorkers(ExactLength):
+    def train_dataloader(self):  # len() 5, each of 2 workers yields all 5 batches
+        return DataLoader(_Understated(self.length), batch_size=8, num_workers=2)
+
+
+def test_a_stream_each_worker_yields_whole_is_named_as_the_cause_of_more_batches_than_len(tmp_path):
+    # The warning said only to fix __len__, which counted right: each of the 2 workers yielded every sample.
+    trainer = UnshardedWorkers(toy_cfg(tmp_path, **QUIET, **BARE))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit()
+    said = [str(w.message) for w in seen if "more batches than its len()" in str(w.message)]
+    assert len(said) == 1 and said[0].endswith(
+        "its DataLoader runs num_workers=2, each with its own copy of the IterableDataset: unless its __iter__ "
+        "yields only its worker's share, every worker yields the whole stream and each sample comes 2 times. Shard "
+        "it in __iter__ by torch.utils.data.get_worker_info() (its id and num_workers: skip the samples of the other "
+        "workers); else make its len() count what it yields, or give it no __len__ (the epoch then ends where the "
+        "data does)"
+    )
+
+
 class ZeroLength(UnderstatedLength):
     length = 0  # 5 batches, len() 0
 
@@ -368,10 +390,72 @@ class ZeroLength(UnderstatedLength):
 def test_a_stream_whose_len_is_0_is_refused_for_its_len_not_as_yielding_nothing(tmp_path):
     # The error said "yields no batches" of a stream that yields 5: only its len() was 0.
     message = (
-        r"^len\(train_dataloader\(\)\) is 0, and an epoch ends at len\(\), so no epoch would train on it; its __len__"
+        r"^len\(train_dataloader\(\)\) is 0, so no epoch would train on it \(an epoch ends at len\(\)\); its __len__"
     )
     with pytest.raises(UserCodeError, match=message):
         ZeroLength(toy_cfg(tmp_path, **QUIET)).fit()
+
+
+class ZeroLengthValidation(ExactLength):
+    def val_dataloader(self):  # 5 batches, len() 0
+        return DataLoader(_Understated(0), batch_size=8)
+
+
+class EmptyEvaluationSets(ExactLength):
+    """A validation set emptied by a filter, a test set whose 3 samples drop_last leaves out of a batch of 8, and
+    no predict set at all."""
+
+    def val_dataloader(self):
+        return DataLoader(toy_dataset(0), batch_size=8)
+
+    def test_dataloader(self):
+        return DataLoader(toy_dataset(3), batch_size=8, drop_last=True)
+
+    def test_step(self, batch):
+        return {"mse": self.model(batch[0]).square().mean()}
+
+    def predict_dataloader(self):
+        return DataLoader(toy_dataset(0), batch_size=8)
+
+
+def _said(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in seen if "batches" in str(w.message) and "dataloader()" in str(w.message)]
+
+
+def test_an_evaluation_loader_without_batches_is_said_as_precisely_as_the_train_loaders(tmp_path):
+    # A validation stream whose len() is 0 (it yields 5) was said to yield no batches, and an empty test or predict
+    # set returned {} or [] without a word: each now names what the train loader's error names.
+    stream = ZeroLengthValidation(toy_cfg(tmp_path / "stream", **QUIET, **{"checkpoint.enabled": False}))
+    assert _said(stream.fit) == [
+        "len(val_dataloader()) is 0, so validation is skipped; its __len__ returns the number of batches a pass "
+        "yields, or raises TypeError where it has no length (validation then runs to its end)"
+    ]
+    assert stream.val_metrics == {}
+    monitored = {"checkpoint.monitor": "val/mse"}
+    with pytest.raises(
+        ConfigError, match=r"monitors 'val/mse', but len\(val_dataloader\(\)\) is 0, so validation never"
+    ):
+        ZeroLengthValidation(toy_cfg(tmp_path / "monitored", **QUIET, **monitored)).fit()
+
+    empty = EmptyEvaluationSets(toy_cfg(tmp_path / "empty", **QUIET, **{"checkpoint.enabled": False}))
+    assert _said(empty.fit) == ["val_dataloader() yields no batches: its dataset is empty; validation is skipped"]
+    assert _said(empty.test) == [
+        "test_dataloader() yields no batches: 3 samples per epoch, fewer than batch_size=8 with drop_last=True (a "
+        "smaller batch_size, or drop_last=False); test() returns no metrics"
+    ]
+    assert _said(empty.predict) == [
+        "predict_dataloader() yields no batches: its dataset is empty; predict() returns no predictions"
+    ]
+    assert _said(empty.validate) == [
+        "val_dataloader() yields no batches: its dataset is empty; validate() returns no metrics"
+    ]
+    # a stream's pass runs to its end whatever its len() says: test() of one whose len() is 0 runs its 5 batches
+    streamed = EmptyEvaluationSets(toy_cfg(tmp_path / "streamed", **QUIET))
+    streamed.test_dataloader = lambda: DataLoader(_Understated(0), batch_size=8)
+    assert _said(streamed.test) == [] and set(streamed.test()) == {"mse"}
 
 
 class _Endless(IterableDataset):

@@ -22,7 +22,8 @@ from ampkit.config import Config, build_config
     ("override", "hint"),
     [
         ("trainer.val_check_interval=0.25", "(Lightning's val_check_interval; here it is trainer.val_every_n_steps, "
-                                            "in iterations"),
+                                            "in iterations counted over the whole run, beside which epoch ends "
+                                            "validate too unless trainer.val_every_n_epochs=0"),
         ("trainer.check_val_every_n_epoch=2", "(Lightning's check_val_every_n_epoch; here it is "
                                               "trainer.val_every_n_epochs)"),
         ("trainer.gradient_clip_val=1.0", "(Lightning's gradient_clip_val; here it is trainer.clip_grad_norm)"),
@@ -37,6 +38,12 @@ from ampkit.config import Config, build_config
                                                     "train/ monitor ranks at each epoch's end"),
         ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
         ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
+        ("trainer.logger=false", "(Lightning's logger; here it is logging.tensorboard)"),
+        ("checkpoint.save_weights_only=true", "(Lightning's save_weights_only has no config key here: a checkpoint "
+                                              "holds everything a resume needs; ampkit.load_model(path)"),
+        ("trainer.reload_dataloaders_every_n_epochs=1", "(Lightning's reload_dataloaders_every_n_epochs has no config "
+                                                        "key here: train_dataloader() and val_dataloader() are called "
+                                                        "once per run"),
     ],
 )  # fmt: skip
 def test_a_lightning_flag_is_refused_naming_what_does_its_work_here(override, hint):
@@ -223,3 +230,19 @@ def test_an_epoch_mean_under_the_tag_of_a_returned_value_gets_a_curve_of_its_own
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8]
     assert [e.step for e in events.Scalars("train/loss_epoch")] == [4, 8]
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("checkpoint.save_top_k=0", "expected an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is "
+                                "checkpoint.enabled=false"),
+    ("early_stopping.patience=0", "expected an integer >= 1 (Lightning's 0 stops at the first validation without "
+                                  "improvement, as 1 does here)"),
+])  # fmt: skip
+def test_a_lightning_value_ampkit_takes_otherwise_is_refused_naming_the_setting_that_does_its_work(
+    tmp_path, override, said
+):
+    """Lightning's save_top_k=0 and patience=0 were refused as out of range only, naming nothing doing their work."""
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{key: int(value)}))
+    assert str(caught.value) == f"config key '{key}': 0 is invalid; {said}"

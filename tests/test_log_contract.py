@@ -315,6 +315,19 @@ def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(
         _fit(tmp_path, LogsATensor)
 
 
+class LogsNeitherPerStepNorPerEpoch(ToyTrainer):
+    def training_step(self, batch):
+        self.log("train/acc", 0.5, on_step=False)  # on_epoch stays False: nothing would be written
+        return super().training_step(batch)
+
+
+def test_a_value_logged_neither_per_step_nor_per_epoch_is_refused_as_lightning_refuses_it(tmp_path):
+    """It was dropped without a word: no tag, no epoch mean, nothing a monitor could read."""
+    message = "log('train/acc', on_step=False, on_epoch=False) writes nothing; give on_step=True"
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, LogsNeitherPerStepNorPerEpoch)
+
+
 class LogsItsOwnStepLoss(ToyTrainer):
     """Logs 'train/loss' itself, per step (a Lightning port's self.log('train/loss', loss)), as 100 x the step."""
 

@@ -133,6 +133,40 @@ def test_limit_val_batches_takes_a_count_or_a_fraction_and_the_average_covers_on
         assert trainer.val_metrics["mse"] == pytest.approx(mse)
 
 
+@pytest.mark.parametrize(("limit", "sizes"), [(2, [8, 8]), (0.5, [8]), ("null", [8, 8, 8])])
+def test_a_standalone_validate_covers_the_batches_limit_val_batches_leaves_as_fit_s_validations_do(
+    tmp_path, limit, sizes
+):
+    """Lightning's trainer.validate() honours limit_val_batches; validate() ran every batch of the set, so its means
+    were not those of the validations of the fit it evaluates."""
+    trainer = CountsValidationBatches(toy_cfg(tmp_path, **{**QUIET, "trainer.limit_val_batches": limit}))
+    trainer.validation_batches = []
+    metrics = trainer.validate()
+    assert trainer.validation_batches == sizes and set(metrics) == {"mse"}
+
+
+class ShuffledValidation(ToyTrainer):
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(toy_dataset(24), batch_size=8, shuffle=True)
+
+
+@pytest.mark.parametrize(("trainer_class", "limit", "said"), [
+    (ShuffledValidation, 2, "val_dataloader() shuffles its samples (RandomSampler) and trainer.limit_val_batches=2 "
+                            "runs 2 of its 3 batches: each validation measures other samples"),
+    (ShuffledValidation, 3, None),  # every batch: the same samples, in another order
+    (ToyTrainer, 2, None),  # unshuffled: the same first 2 batches each time
+])  # fmt: skip
+def test_a_shuffled_validation_set_cut_by_limit_val_batches_is_said_to_measure_other_samples_each_time(
+    tmp_path, trainer_class, limit, said
+):
+    """Each validation took the first 2 batches of another shuffle: a best checkpoint ranked noise, without a word."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer_class(toy_cfg(tmp_path, **{**QUIET, "trainer.limit_val_batches": limit, "trainer.max_steps": 1})).fit()
+    shuffles = [str(w.message) for w in seen if "shuffles its samples" in str(w.message)]
+    assert len(shuffles) == (said is not None) and all(said in message for message in shuffles)
+
+
 class Stream:
     """Batches without a length (an IterableDataset's loader)."""
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
+import ampkit
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False,
@@ -449,3 +450,29 @@ def test_a_one_cycle_schedule_the_run_would_step_past_is_refused_before_training
     with pytest.raises(UserCodeError, match=refused.format(16) + r".*total_steps=self.num_training_steps"):
         _fit(tmp_path / "two epochs", OneCycle, **{"trainer.max_epochs": 2})
     assert not (tmp_path / "two epochs").exists()
+
+
+class _LogsAccuracyAtPersist(ampkit.Callback):
+    phase = ampkit.Phase.PERSIST  # its on_train_epoch_end runs after epoch-interval schedulers step
+
+    def on_train_epoch_end(self, trainer):
+        trainer.log("train/acc", 0.5)
+
+
+class PlateauOnEpochEndValue(ToyTrainer):
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd)
+        return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/acc", "interval": "epoch"}}
+
+
+def test_a_scheduler_missing_an_epoch_end_value_a_persist_callback_logs_names_the_phase_it_needs(tmp_path):
+    """The error only said to log it in training_step, though it was logged at the epoch's end, after the step."""
+    trainer = PlateauOnEpochEndValue(toy_cfg(tmp_path, **QUIET), callbacks=[_LogsAccuracyAtPersist()])
+    said = (
+        r"or in on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST \(epoch-interval"
+    )
+    with pytest.raises(UserCodeError, match=said):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the first iteration gave the monitor no value: said, then refused
+            trainer.fit()

@@ -3,6 +3,8 @@ Lightning's ``configure_optimizers`` return forms."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
@@ -55,6 +57,47 @@ def test_a_misspelt_or_misshapen_hook_is_refused_before_anything_runs(tmp_path):
 
     with pytest.raises(TypeError, match=r"define it as def on_train_batch_end\(self, outputs, batch\)"):
         CallbackShaped(toy_cfg(tmp_path))
+
+
+class _PortedSetup(ToyTrainer):
+    def setup(self, stage):  # Lightning calls it before each run; the Trainer never would
+        self.weights = torch.ones(2)
+
+
+class _PortedEpochEnd(ToyTrainer):
+    def validation_epoch_end(self, outputs):  # Lightning 1.x
+        self.best = outputs
+
+
+class _OwnSetupHelper(ToyTrainer):
+    def setup(self):  # a helper of the Trainer's own, called by its code: no Lightning 'stage'
+        return 1
+
+
+@pytest.mark.parametrize(("trainer_class", "said"), [
+    (_PortedSetup, "_PortedSetup.setup is a LightningModule hook, which ampkit never calls; in ampkit: "
+                   "configure_model() builds the model"),
+    (_PortedEpochEnd, "_PortedEpochEnd.validation_epoch_end is a LightningModule hook, which ampkit never calls; in "
+                      "ampkit: on_validation_end(self, metrics)"),
+])  # fmt: skip
+def test_a_lightning_module_hook_the_trainer_never_calls_is_refused_at_construction(tmp_path, trainer_class, said):
+    """A ported setup(self, stage) or validation_epoch_end never ran, without a word: what it set was missing later,
+    or its work silently undone."""
+    with pytest.raises(TypeError, match=re.escape(said)):
+        trainer_class(toy_cfg(tmp_path, **QUIET))
+    assert _OwnSetupHelper(toy_cfg(tmp_path, **QUIET)).setup() == 1
+
+
+class _PortedCallbackSetup(Callback):
+    def setup(self, trainer, pl_module, stage):  # a Lightning Callback's
+        self.ready = True
+
+
+def test_a_lightning_callback_s_setup_is_refused_when_the_run_starts(tmp_path):
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET), callbacks=[_PortedCallbackSetup()])
+    said = "_PortedCallbackSetup.setup is a Callback hook, which ampkit never calls; in ampkit: on_fit_start"
+    with pytest.raises(TypeError, match=re.escape(said)):
+        trainer.fit()
 
 
 def test_a_callback_is_not_called_for_the_hooks_it_declares_unused(tmp_path):
@@ -203,6 +246,22 @@ def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
     with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar, sync_dist, which it does not take: "
                        r"log\(\) takes on_step, on_epoch, always and step; the progress bar shows"):  # fmt: skip
         trainer.fit()
+
+
+class LogsWithABatchSize(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("train/acc", 0.5, on_epoch=True, batch_size=3)
+        return loss
+
+
+def test_log_with_lightning_s_batch_size_names_samples_in_which_weighs_epoch_means_here(tmp_path):
+    """Refused with log()'s own options only: nothing said where the batch's weight in the epoch mean comes from."""
+    from ampkit.trainer.user_code import UserCodeError
+
+    with pytest.raises(UserCodeError, match=r"got batch_size, which it does not take: .*; an on_epoch mean weighs "
+                       r"each batch by samples_in\(batch\) \(override it for Lightning's batch_size\)"):  # fmt: skip
+        LogsWithABatchSize(toy_cfg(tmp_path, **QUIET)).fit()
 
 
 class PlateauEachEpoch(ToyTrainer):

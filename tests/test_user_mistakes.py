@@ -75,7 +75,9 @@ def test_no_training_data_is_an_error_naming_the_dataloader(tmp_path, capsys):
 
 
 def test_no_validation_data_warns_and_a_monitor_without_validation_is_refused(tmp_path):
-    with pytest.warns(UserWarning, match="val_dataloader\\(\\) yields no batches: validation is skipped"):
+    with pytest.warns(
+        UserWarning, match="val_dataloader\\(\\) yields no batches: its dataset is empty; validation is skipped"
+    ):
         EmptyValidation(toy_cfg(tmp_path, **QUIET)).fit()
     with pytest.raises(
         ConfigError, match="'checkpoint.monitor': monitors 'val/mse', but val_dataloader\\(\\) yields no"
@@ -947,6 +949,27 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
     trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}
     with pytest.raises(AttributeError, match=r"there are 2 optimizers \(a, b\); use self.optimizers\[name\]"):
         _ = trainer.optimizer
+
+
+class _StopsAsLightningDoes(ampkit.Callback):
+    """A ported Lightning callback: asks the run to stop by setting trainer.should_stop."""
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        if trainer.state.global_step == 2:
+            trainer.should_stop = True
+
+
+def test_lightnings_should_stop_set_on_the_trainer_is_refused_naming_state_should_stop(tmp_path):
+    """trainer.should_stop = True set an attribute nothing reads: the run trained on to its end without a word."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 3}), callbacks=[_StopsAsLightningDoes()])
+    said = (
+        r"^ToyTrainer.should_stop = True would stop nothing: Lightning's trainer.should_stop is self.state.should_stop"
+    )
+    with pytest.raises(AttributeError, match=said):
+        trainer.fit()
+    assert trainer.state.global_step == 2
+    with pytest.raises(AttributeError, match=r"'should_stop' \(Lightning's name; here it is self.state.should_stop"):
+        _ = trainer.should_stop
 
 
 def test_settings_passed_as_keyword_arguments_name_their_config_keys():

@@ -29,6 +29,7 @@ class EarlyStopping(KeyedByMonitor):
     # the checkpoint's, so that its checkpoint records a stop), as Lightning runs monitoring callbacks after the
     # module's hooks.
     hook_phases = {"on_train_epoch_end": Phase.PERSIST, "on_validation_end": Phase.PERSIST}
+    reads_logged_values = True  # and after a PERSIST-phase callback that logs the monitored value, wherever it stands
 
     def __init__(
         self,

@@ -86,9 +86,11 @@ class ProgressBar(Callback):
     iterations."""
 
     phase = Phase.OBSERVE
-    # The validation's line waits for the Trainer's own on_validation_end and the user callbacks' (as early stopping
-    # does): it shows what they log there (an AUC over the set) beside validation_step's means.
-    hook_phases = {"on_validation_end": Phase.PERSIST}
+    # The validation's and the epoch's lines wait for the Trainer's own hook and every other callback's but a
+    # checkpoint's, wherever they stand in the list (reads_logged_values): they show what those log there (an AUC
+    # over the set, an epoch metric) beside validation_step's means and the epoch means.
+    hook_phases = {"on_validation_end": Phase.PERSIST, "on_train_epoch_end": Phase.PERSIST}
+    reads_logged_values = True
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
         self.bar = _interactive() if bar is None else bar
@@ -254,7 +256,7 @@ class ProgressBar(Callback):
         took = time.perf_counter() - self._epoch_start
         steps = s.global_step - self._epoch_first_step
         parts = [f"epoch {s.epoch}", f"{steps} steps in {_duration(took)} ({_rate(steps / took if took > 0 else 0.0)})"]
-        for metrics in (trainer.epoch_scalars, self._epoch_val):
+        for metrics in (trainer.monitor_values(), self._epoch_val):  # epoch means, and what epoch-end hooks logged
             if metrics:
                 parts.append(" ".join(f"{k}={_number(v)}" for k, v in metrics.items()))
         self._print(" | ".join(parts))

@@ -84,6 +84,30 @@ def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -
     return count
 
 
+def shuffled_subset_message(loader: Any, limit: int | None, setting: Any, key: str, source: str) -> str | None:
+    """Why a shuffled evaluation ``loader`` that ``limit`` batches of it cut (config ``key`` = ``setting``) is said:
+    each validation then measures other samples, so its metrics, and the best checkpoint or early stopping that rank
+    them, compare different subsets (Lightning warns of any shuffled evaluation loader). None where every
+    validation measures the same samples: no shuffling, or a limit that leaves every batch."""
+    from torch.utils.data import DataLoader, RandomSampler, SubsetRandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    if limit is None or not isinstance(loader, DataLoader):
+        return None
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    shuffled = isinstance(sampler, RandomSampler | SubsetRandomSampler) or (
+        isinstance(sampler, DistributedSampler) and sampler.shuffle
+    )
+    total = loader_length(loader, source)
+    if not shuffled or (total is not None and limit >= total):
+        return None
+    return (
+        f"{source} shuffles its samples ({type(sampler).__name__}) and {key}={setting} runs {limit} of its "
+        f"{'?' if total is None else total} batches: each validation measures other samples, so its metrics (and a "
+        "monitor ranking them: the best checkpoint, early stopping) compare different subsets; give it shuffle=False"
+    )
+
+
 def length_may_undercount(loader: Any) -> bool:
     """Whether a pass over ``loader`` may yield more batches than its ``len()``: a DataLoader over an IterableDataset
     (a stream's ``__len__`` is its author's count) or an iterable of the user's own; a DataLoader over a map-style

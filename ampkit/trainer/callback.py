@@ -3,8 +3,9 @@
 Hooks run in the order documented on :class:`ampkit.Trainer`. At every hook, callbacks run in the order
 of the :class:`Phase` they serve (casting before data parallelism before loss scaling before clipping
 before user code before loggers before checkpoints); callbacks of one phase keep the order they were
-given in, but one that saves checkpoints (``saves_checkpoints``) runs after the others of its phase. No correctness
-depends on another callback's name.
+given in, but one that reads what was logged (``reads_logged_values``: the console, early stopping) runs after
+the others of its phase, and one that saves checkpoints (``saves_checkpoints``) after that. No correctness
+depends on another callback's name, nor on a callback's place in the list given.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
 
     from ampkit.trainer.state import BackwardState
     from ampkit.trainer.trainer import Trainer
+
+
+def run_order(callback: Callback, hook: str | None = None) -> tuple[int, bool, bool]:
+    """Where ``callback`` runs at ``hook`` (None: its own phase): by phase, then one reading logged values after the
+    others of its phase, then one saving checkpoints last; a sort key, ties kept in the order given."""
+    phase = callback.phase if hook is None else callback.hook_phases.get(hook, callback.phase)
+    return phase, callback.saves_checkpoints, callback.reads_logged_values
+
 
 HOOKS: tuple[str, ...] = (
     "on_fit_start",
@@ -84,6 +93,10 @@ class Callback:
     # True for a callback that writes checkpoints: at every hook it runs after the other callbacks of its phase (as
     # Lightning runs its checkpoint callbacks last), so what they changed or logged there is in the checkpoint.
     saves_checkpoints: ClassVar[bool] = False
+    # True for a callback that reads what the hooks before it logged (the console's lines, early stopping's monitor): at
+    # every hook it runs after the other callbacks of its phase, whatever their place in the list, but before a
+    # checkpoint's, so a value another callback of its phase logs there is one it sees.
+    reads_logged_values: ClassVar[bool] = False
 
     @property
     def name(self) -> str:

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from ampkit.trainer.batch_counts import checked_count
+from ampkit.trainer.batch_counts import checked_count, length_may_undercount, loader_length
 from ampkit.trainer.distributed import (
     all_reduce_sum,
     evened_by_agreement,
@@ -21,7 +22,7 @@ from ampkit.trainer.distributed import (
 )
 from ampkit.trainer.failure_note import noting_fetch_failures
 from ampkit.trainer.loader_rng import set_sampler_epoch
-from ampkit.trainer.user_code import check_metrics
+from ampkit.trainer.user_code import check_metrics, no_batches_message
 
 if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
@@ -68,6 +69,19 @@ def batch_size(batch: Any) -> int | None:
         if size == 0:
             found = 0
     return found
+
+
+_RETURNS_NOTHING = {"validate": "validate() returns no metrics", "test": "test() returns no metrics"}
+
+
+def warn_of_no_batches(stage: Stage, loader: Any, world_size: int) -> None:
+    """A standalone validate/test/predict over a loader of ``len()`` 0 runs no step and returns nothing: said, naming
+    why as fit's loaders' messages do (Lightning warns of a zero-length loader too). A stream's ``len()`` is its
+    author's count and its pass runs to the end whatever it says, so it is not judged by it."""
+    if length_may_undercount(loader) or loader_length(loader, f"{stage.dataloader}()") != 0:
+        return
+    outcome = _RETURNS_NOTHING.get(stage.name, "predict() returns no predictions")
+    rank_zero_warn(no_batches_message(stage.dataloader, loader, world_size, outcome))
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.

@@ -5,12 +5,17 @@ has an ampkit spelling; the error names it instead of only saying the attribute 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
 
 LIGHTNING_NAMES: dict[str, str] = {
     "current_epoch": "self.state.epoch",
+    "should_stop": (
+        "self.state.should_stop (trainer.state.should_stop in a callback): set it True and training ends after this "
+        "iteration"
+    ),
     "global_step": "self.state.global_step",
     "trainer": "self (a Trainer is Lightning's module and trainer in one)",
     "manual_backward": "self.backward(loss, loss_id=..., optimizer=...)",
@@ -25,7 +30,8 @@ LIGHTNING_NAMES: dict[str, str] = {
         "on_epoch means"
     ),
     "progress_bar_metrics": (
-        "nothing: the bar shows what training_step returns and the epoch means of on_epoch tags (no prog_bar)"
+        "nothing: the bar shows what training_step returns, and the epoch line the epoch means of on_epoch tags and "
+        "what on_train_epoch_end hooks log (no prog_bar)"
     ),
     "hparams": "self.cfg (the resolved config)",
     "save_hyperparameters": "nothing: self.cfg is saved in every checkpoint and in the run directory",
@@ -40,6 +46,60 @@ LIGHTNING_NAMES: dict[str, str] = {
         "interval and frequency say, under manual optimization too (a scheduler stepped again here would step twice)"
     ),
 }
+
+
+# A LightningModule's hooks without the on_ prefix, which a Trainer never calls -> what does their work here. One a
+# ported Trainer defines would silently never run (an on_... one that is no hook is refused as misspelt already).
+LIGHTNING_MODULE_HOOKS: dict[str, str] = {
+    "setup": (
+        "configure_model() builds the model and the *_dataloader() methods the data, each called once per run; work "
+        "for every run goes in __init__"
+    ),
+    "teardown": "on_fit_end, which runs at the end of every fit, also after an exception",
+    "configure_sharded_model": "configure_model(), which returns the model (FSDP shards it: distributed.strategy)",
+    "training_epoch_end": "on_train_epoch_end(self); an epoch's means are self.epoch_scalars",
+    "validation_epoch_end": "on_validation_end(self, metrics), metrics being validation_step's means over the set",
+    "test_epoch_end": "on_test_end(self, metrics), metrics being test_step's means over the set",
+    "training_step_end": "training_step itself: what it returns is the step's output",
+    "validation_step_end": "validation_step itself: what it returns is averaged over the set",
+    "test_step_end": "test_step itself: what it returns is averaged over the set",
+    "optimizer_step": (
+        "the Trainer's own step (skip rule, clipping, loss scaling); a callback's on_before_optimizer_step runs "
+        "before it, or automatic_optimization = False to call self.step(opt) yourself"
+    ),
+    "optimizer_zero_grad": "the Trainer's zero_grad(set_to_none=True) at each iteration's end (on_before_zero_grad)",
+    "lr_scheduler_step": "configure_optimizers' scheduler dict ('interval', 'frequency', 'monitor')",
+    "configure_gradient_clipping": (
+        "trainer.clip_grad_norm, or a callback's on_before_optimizer_step, where gradients are unscaled"
+    ),
+    "transfer_batch_to_device": "the Trainer, which moves the tensors of dicts, lists, tuples and dataclasses",
+}
+# A Lightning Callback's hooks without the on_ prefix -> what does their work in an ampkit Callback.
+LIGHTNING_CALLBACK_HOOKS: dict[str, str] = {
+    "setup": "on_fit_start (a fit) and on_evaluation_setup (a standalone validate, test or predict)",
+    "teardown": "on_fit_end, which runs at the end of every fit, also after an exception",
+}
+# Of these, names a class may use for a helper of its own: Lightning's only where they take Lightning's 'stage'.
+_TAKES_STAGE = ("setup", "teardown")
+
+
+def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[str]:
+    """The Lightning hooks among ``hooks`` (:data:`LIGHTNING_MODULE_HOOKS`, :data:`LIGHTNING_CALLBACK_HOOKS`) that
+    ``cls`` or a mixin defines below ``base``: ``setup``/``teardown`` only with a ``stage`` argument, as a helper of
+    that name may be the class's own."""
+    found = []
+    for name in hooks:
+        owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+        if owner is None or owner in base.__mro__ or not callable(vars(owner)[name]):
+            continue
+        if name in _TAKES_STAGE:
+            try:
+                if "stage" not in inspect.signature(vars(owner)[name]).parameters:
+                    continue
+            except (TypeError, ValueError):  # no signature to read
+                continue
+        found.append(name)
+    return found
 
 
 def missing_attribute(obj: Any, name: str) -> AttributeError:

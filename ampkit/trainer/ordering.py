@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ampkit.trainer.callback import Callback
+from ampkit.trainer.callback import Callback, run_order
 from ampkit.trainer.user_code import UserCodeError
 
 FROM_CONFIG = "the config"  # a built-in callback's source in order_callbacks: this, or "the config's <key>"
@@ -18,8 +18,8 @@ class CallbackOrderError(ValueError):
 
 
 def order_callbacks(callbacks: Sequence[Callback], sources: Sequence[str] | None = None) -> list[Callback]:
-    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase`, those that save checkpoints last in theirs; ties
-    keep the given order.
+    """Sort ``callbacks`` by :class:`~ampkit.trainer.callback.Phase` (:func:`~ampkit.trainer.callback.run_order`: those
+    reading logged values after the others of their phase, those that save checkpoints last); ties keep the given order.
 
     Each ``state_key`` must be unique: a checkpoint keeps callbacks' states by it, so a shared one saved only the last.
     ``sources`` says where each callback came from (``"configure_callbacks()"``, ``"the config's
@@ -58,7 +58,7 @@ def order_callbacks(callbacks: Sequence[Callback], sources: Sequence[str] | None
             f"callback state_key must be unique, got duplicates: {duplicates} (from {owners}); a checkpoint could not "
             f"tell their states apart: {advice}"
         )
-    return sorted(callbacks, key=lambda cb: (cb.phase, cb.saves_checkpoints))
+    return sorted(callbacks, key=run_order)
 
 
 def callback_list(value: Any, where: str) -> list[Callback]:

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ampkit.trainer.callback import HOOKS, Callback
+from ampkit.trainer.lightning_names import LIGHTNING_CALLBACK_HOOKS, LIGHTNING_MODULE_HOOKS, lightning_only_hooks
 from ampkit.trainer.user_code import UserCodeError
 
 
@@ -74,6 +75,20 @@ def check_step_signatures(cls: type) -> None:
                 f"def {name}(self, batch) (the batch's index within the epoch is self.state.batch_idx, where "
                 "Lightning passes batch_idx)"
             ) from None
+
+
+def check_lightning_only_hooks(cls: type, base: type) -> None:
+    """A Lightning hook without the ``on_`` prefix that a ported Trainer (``base``: Trainer; ``setup(self, stage)``,
+    ``validation_epoch_end``) or Callback (``base``: Callback; ``setup``, ``teardown``) defines is refused naming what
+    does its work here: ampkit never calls it, so it would silently never run."""
+    callback = issubclass(cls, Callback)
+    hooks = LIGHTNING_CALLBACK_HOOKS if callback else LIGHTNING_MODULE_HOOKS
+    found = lightning_only_hooks(cls, base, hooks)
+    if found:
+        name, kind = found[0], "Callback" if callback else "LightningModule"
+        raise UserCodeError(
+            f"{cls.__name__}.{name} is a {kind} hook, which ampkit never calls; in ampkit: {hooks[name]}"
+        )
 
 
 def _replaced_methods(namespace: Any, base: type) -> list[str]:

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampkit.config import ConfigError
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
+from ampkit.trainer.user_code import no_batches_message
 
 if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
@@ -96,20 +97,24 @@ def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
                 )
 
 
-def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | None) -> Any:
-    """``loader``, or None when it yields no batches (with a warning that validation is skipped); no validation
-    data at all is an error when a metric is monitored."""
+def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | None, world_size: int = 1) -> Any:
+    """``loader``, or None when it has no batches (with a warning that validation is skipped, naming why as the train
+    loader's error does); no validation data at all is an error when a metric is monitored."""
     empty = loader is not None and num_batches == 0
     if loader is not None and not empty:
         return loader
     monitors = monitored_metrics(cfg)
     if monitors:
         key, metric = next(iter(monitors.items()))
-        returned = "yields no batches" if empty else "returned None"
-        raise ConfigError(f"config key '{key}': monitors '{metric}', but val_dataloader() {returned}")
+        why = _no_validation_batches(loader, world_size, "validation never runs") if empty else None
+        raise ConfigError(f"config key '{key}': monitors '{metric}', but {why or 'val_dataloader() returned None'}")
     if empty:
-        rank_zero_warn("val_dataloader() yields no batches: validation is skipped")
+        rank_zero_warn(_no_validation_batches(loader, world_size, "validation is skipped"))
     return None
+
+
+def _no_validation_batches(loader: Any, world_size: int, outcome: str) -> str:
+    return no_batches_message("val_dataloader", loader, world_size, outcome, "validation then runs to its end")
 
 
 def sanity_validate(trainer: Trainer, loader: Any) -> None:

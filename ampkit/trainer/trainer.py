@@ -79,6 +79,7 @@ from ampkit.trainer.batch_counts import (
     checked_count,
     length_may_undercount,
     loader_length,
+    shuffled_subset_message,
     yields_more,
 )
 from ampkit.trainer.batch_layout import (
@@ -88,7 +89,7 @@ from ampkit.trainer.batch_layout import (
     order_change_note,
     saved_accumulation,
 )
-from ampkit.trainer.callback import HOOKS, Callback, Phase
+from ampkit.trainer.callback import HOOKS, Callback, Phase, run_order
 from ampkit.trainer.callback_states import states_to_load
 from ampkit.trainer.calling_context import grad_mode_for_training, refuse_outer_autocast
 from ampkit.trainer.checkpoint_io import (
@@ -132,13 +133,14 @@ from ampkit.trainer.evaluation import (
     average_metrics,
     batch_size,
     collect_predictions,
+    warn_of_no_batches,
 )
 from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
-from ampkit.trainer.lightning_names import keyword_settings_error, missing_attribute
+from ampkit.trainer.lightning_names import LIGHTNING_NAMES, keyword_settings_error, missing_attribute
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
@@ -161,6 +163,7 @@ from ampkit.trainer.optimizers import (
 from ampkit.trainer.ordering import FROM_CONFIG, callback_list, order_callbacks
 from ampkit.trainer.own_hooks import (
     check_instance_attributes,
+    check_lightning_only_hooks,
     check_replaced_methods,
     check_step_signatures,
     models_set_by_hand,
@@ -242,9 +245,15 @@ _EVALUATION_ENDS = ("on_validation_end", "on_test_end")
 _EVALUATION_STARTS = {"on_validation_start": "on_validation_end", "on_test_start": "on_test_end"}
 _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
-    "beside 'loss' and the epoch means of on_epoch tags (Lightning's prog_bar), every value goes to TensorBoard "
-    "(no logger=False), and each value is this rank's, as Lightning's without sync_dist"
+    "beside 'loss', and the epoch line the epoch means of on_epoch tags and what on_train_epoch_end hooks log "
+    "(Lightning's prog_bar), every value goes to TensorBoard (no logger=False), and each value is this rank's, as "
+    "Lightning's without sync_dist"
 )
+# What does the work of Lightning's log() options that change a value's meaning, named where one is given.
+_LOG_OPTION_INSTEAD = {
+    "batch_size": "an on_epoch mean weighs each batch by samples_in(batch) (override it for Lightning's batch_size)",
+    "reduce_fx": "an on_epoch value is the epoch's mean; for a max or a sum, log it yourself in on_train_epoch_end",
+}
 
 
 def _scheduler_name(sched: SchedulerSpec, optimizer: str) -> str:
@@ -357,6 +366,7 @@ class Trainer:
         self._own_hooks = own_hooks(type(self), Trainer)
         check_replaced_methods(type(self), Trainer)
         check_step_signatures(type(self))
+        check_lightning_only_hooks(type(self), Trainer)
         if not (cfg is None or isinstance(cfg, dict | DictConfig) or is_config_instance(cfg)):
             raise ConfigError(
                 f"{type(self).__name__}(cfg=...): got {type(cfg).__name__} {str(cfg)[:60]!r}; expected a dict, an "
@@ -562,6 +572,21 @@ class Trainer:
                 obj=self,
             )
         raise missing_attribute(self, name)
+
+    @property
+    def should_stop(self) -> bool:
+        """Lightning's ``trainer.should_stop``, refused naming ``state.should_stop``: a value set here would stop
+        nothing (a ported callback's ``trainer.should_stop = True``)."""
+        raise missing_attribute(self, "should_stop")
+
+    @should_stop.setter
+    def should_stop(self, value: Any) -> None:
+        raise AttributeError(
+            f"{type(self).__name__}.should_stop = {value!r} would stop nothing: Lightning's trainer.should_stop is "
+            f"{LIGHTNING_NAMES['should_stop']}",
+            name="should_stop",
+            obj=self,
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -797,7 +822,12 @@ class Trainer:
                 f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
             )
         if others:
-            raise UserCodeError(f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}")
+            instead = "".join(
+                f"; {_LOG_OPTION_INSTEAD[name]}" for name in sorted(others) if name in _LOG_OPTION_INSTEAD
+            )
+            raise UserCodeError(
+                f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}{instead}"
+            )
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
@@ -813,6 +843,11 @@ class Trainer:
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
+        if not (on_step or on_epoch):  # nothing would be written: Lightning refuses it too
+            raise UserCodeError(
+                f"log('{tag}', on_step=False, on_epoch=False) writes nothing; give on_step=True (its value at the "
+                "logged steps) or on_epoch=True (its mean over the epoch), or both"
+            )
         if self._fx == "on_validation_batch_end":  # Lightning's default there is the mean over the set
             raise UserCodeError(
                 f"log('{tag}') in on_validation_batch_end: each validation batch's value would be written at one "
@@ -1377,7 +1412,7 @@ class Trainer:
         trained on). Checked every epoch, a batch fetched and dropped, so a resumed run draws as an unbroken one."""
         if yields_more(self._epoch_pass) and not self._said_long_epoch:
             self._said_long_epoch = True
-            rank_zero_warn(long_epoch_message(self.state.epoch, self._num_train_batches))
+            rank_zero_warn(long_epoch_message(self.state.epoch, self._num_train_batches, self._train_loader))
 
     def _run_batch(self, batch: Any) -> None:
         s, accumulate = self.state, self.settings.accumulate_grad_batches
@@ -1580,7 +1615,9 @@ class Trainer:
         logged = ", ".join(broadcast_object(sorted(self.monitor_values()), self.dist)) or "none"
         problem = (
             f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
-            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True)"
+            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True), or in "
+            "on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST (epoch-interval "
+            "schedulers step before the PERSIST hooks)"
         )
         _refuse_or_skip(sched, problem)
 
@@ -1729,6 +1766,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
+        warn_of_no_batches(stage, loader, self.world_size)
         outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
@@ -1739,8 +1777,13 @@ class Trainer:
                 result = collect_predictions(self, loader, step)
                 self.fire("on_predict_end", result)
             else:
-                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
-                result = average_metrics(self, loader, step, batch_end_hook=batch_end)
+                batch_end, limit = None, None
+                if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
+                    batch_end = "on_validation_batch_end"
+                    limit = batch_limit(
+                        self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
+                    )
+                result = average_metrics(self, loader, step, limit, batch_end)
                 if stage is VALIDATE:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
@@ -1881,7 +1924,12 @@ class Trainer:
         if self._val_loader is not None:
             limit = self.settings.limit_val_batches
             self._val_limit = batch_limit(limit, self._val_loader, "trainer.limit_val_batches", "val_dataloader()")
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches)
+            said = shuffled_subset_message(
+                self._val_loader, self._val_limit, limit, "trainer.limit_val_batches", "val_dataloader()"
+            )
+            if said is not None:
+                rank_zero_warn(said)
+        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
@@ -2008,6 +2056,7 @@ class Trainer:
         self.callbacks = order_callbacks(defaults + own + self._user_callbacks, sources)
         for cb in self.callbacks:  # a misspelt hook (Lightning's on_validation_epoch_end) would never run
             own_hooks(type(cb), Callback, takes_trainer=True)
+            check_lightning_only_hooks(type(cb), Callback)  # nor Lightning's setup(trainer, pl_module, stage)
         unused, known = {id(cb): set(cb.unused_hooks(self)) for cb in self.callbacks}, set(HOOKS)
         for cb in self.callbacks:
             if not unused[id(cb)] <= known:
@@ -2016,8 +2065,9 @@ class Trainer:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
         self._hooks, self._persist_at = {}, {}
         for hook in HOOKS:
-            # ties: as given, a checkpoint's save after the others of its phase (they may log or change its state)
-            ordered = sorted(self.callbacks, key=lambda cb: (cb.hook_phases.get(hook, cb.phase), cb.saves_checkpoints))
+            # ties: as given, but a reader of logged values (the console, early stopping) after the others of its phase
+            # and a checkpoint's save after that (they may log or change its state)
+            ordered = sorted(self.callbacks, key=partial(run_order, hook=hook))
             running = [cb for cb in ordered if is_overridden(hook, cb, Callback) and hook not in unused[id(cb)]]
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
             persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]

@@ -195,19 +195,39 @@ def keyword_batch_error(batch: Any, exc: BaseException) -> UserCodeError | None:
 
 def check_batches(count: int | None, method: str, loader: Any = None, world_size: int = 1) -> None:
     """A training loader with batches (an empty one would 'finish' at once, training nothing); ``loader`` (this
-    rank's) and ``world_size`` let the error give the numbers behind it, or say that only its ``len()`` is 0 where
-    that is its author's count (an IterableDataset's)."""
+    rank's) and ``world_size`` let the error give the numbers behind it (:func:`no_batches_message`)."""
     if count != 0:
         return
+    raise UserCodeError(
+        no_batches_message(
+            method,
+            loader,
+            world_size,
+            "no epoch would train on it (an epoch ends at len())",
+            "the epoch then ends where the data does",
+        )
+    )
+
+
+def no_batches_message(
+    method: str,
+    loader: Any,
+    world_size: int,
+    outcome: str,
+    stream_then: str = "a pass then runs to the end of the data",
+) -> str:
+    """Why ``method()``'s loader, of ``len()`` 0, has no batches, and its ``outcome`` (``validation is skipped``):
+    that only its ``len()`` is 0 where that is its author's count (an IterableDataset's, which may yield more; a
+    stream without a length does ``stream_then`` instead), else the numbers behind it where lengths tell (an empty
+    dataset, a per-rank share below one batch). One message for the train, validation, test and predict loaders."""
     from ampkit.trainer.batch_counts import length_may_undercount
 
     if loader is not None and length_may_undercount(loader):  # a stream's len() 0 need not mean it yields nothing
-        raise UserCodeError(
-            f"len({method}()) is 0, and an epoch ends at len(), so no epoch would train on it; its __len__ returns "
-            "the number of batches a pass yields, or raises TypeError where it has no length (the epoch then ends "
-            "where the data does)"
+        return (
+            f"len({method}()) is 0, so {outcome}; its __len__ returns the number of batches "
+            f"a pass yields, or raises TypeError where it has no length ({stream_then})"
         )
-    raise UserCodeError(f"{method}() yields no batches{_why_no_batches(loader, world_size)}")
+    return f"{method}() yields no batches{_why_no_batches(loader, world_size)}; {outcome}"
 
 
 def exhausted_loader_error(epoch: int, expected: int | None) -> UserCodeError:
@@ -240,27 +260,43 @@ def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, 
     return f"{said}: progress, num_training_steps (a scheduler's length) and mid-epoch resumes count on len(); {fix}"
 
 
-def long_epoch_message(epoch: int, promised: int) -> str:
+def long_epoch_message(epoch: int, promised: int, loader: Any = None) -> str:
     """Why an epoch that stopped at its loader's ``len()`` of ``promised`` batches while the loader had more (an
-    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on."""
-    return (
+    IterableDataset whose ``__len__`` understates it) is said: the batches past it are never trained on. Under a
+    DataLoader with several workers, the commonest cause comes first: each worker iterating the whole stream."""
+    said = (
         f"train_dataloader() has more batches than its len() of {promised}: epoch {epoch} ended after {promised} "
-        "of them, as every epoch will (as Lightning's do), and the rest are never trained on; make its len() count "
-        "what it yields, or give it no __len__ (the epoch then ends where the data does)"
+        "of them, as every epoch will (as Lightning's do), and the rest are never trained on"
     )
+    fix = "make its len() count what it yields, or give it no __len__ (the epoch then ends where the data does)"
+    workers = getattr(loader, "num_workers", 0) if isinstance(loader, torch.utils.data.DataLoader) else 0
+    if workers > 1:
+        return (
+            f"{said}; its DataLoader runs num_workers={workers}, each with its own copy of the IterableDataset: "
+            f"unless its __iter__ yields only its worker's share, every worker yields the whole stream and each sample "
+            f"comes {workers} times. Shard it in __iter__ by torch.utils.data.get_worker_info() (its id and "
+            f"num_workers: skip the samples of the other workers); else {fix}"
+        )
+    return f"{said}; {fix}"
 
 
 def _why_no_batches(loader: Any, world_size: int) -> str:
     """Why a DataLoader yields no batch (``: its 1 sample dealt to 2 ranks, 1 per rank, ...``) where lengths tell."""
     guess = " (an empty dataset, or a batch size above its length?)"
-    if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+    if not isinstance(loader, torch.utils.data.DataLoader):
         return guess
     try:
-        total, share = len(loader.dataset), len(loader.sampler)
-    except TypeError:  # a dataset or sampler without a length
+        total = len(loader.dataset)
+    except TypeError:  # a dataset without a length
         return guess
     if total == 0:
         return ": its dataset is empty"
+    if loader.batch_size is None:  # a batch_sampler of its own (evaluation's per-rank batches)
+        return guess
+    try:
+        share = len(loader.sampler)
+    except TypeError:  # a sampler without a length
+        return guess
     if not (loader.drop_last and share < loader.batch_size):
         return guess
     if world_size > 1:
