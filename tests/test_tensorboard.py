@@ -461,6 +461,9 @@ class _SigkillAfter(Callback):
     """SIGKILL once every callback, the checkpoint's included, is done with ``hook`` at ``step`` (a node lost there)."""
 
     phase = Phase.PERSIST
+    # Among the checkpoint writers, which run after the rest of their phase; given after the built-in ModelCheckpoint,
+    # it runs after its save (a plain PERSIST callback ran before it, so the kill came before the save).
+    saves_checkpoints = True
 
     def __init__(self, hook: str, step: int) -> None:
         self.hook, self.step = hook, step
@@ -511,6 +514,7 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
         returncode, stdout, stderr = run_killed("fit_killed", cfg, hook, step, tmp_path / f"killed_at_{step}.py")
         assert returncode == -signal.SIGKILL, stderr
         assert f"step {step} |" in stdout.splitlines()[-1]
+        assert (Path(cfg["run_dir"]) / "version_0" / "checkpoints" / f"step-{step:08d}.pt").exists()  # killed after it
     resumed = ToyTrainer(cfg)
     resumed.fit(resume="last")
     events, reference = _events(resumed), _events(straight)
@@ -549,6 +553,7 @@ def test_what_the_trainer_logs_in_its_own_hooks_at_a_checkpoint_s_step_survives_
     cfg = toy_cfg(tmp_path, **settings)
     returncode, _, stderr = run_killed("fit_killed_logging", cfg, "on_train_batch_end", 8, tmp_path / "killed.py")
     assert returncode == -signal.SIGKILL, stderr
+    assert (Path(cfg["run_dir"]) / "version_0" / "checkpoints" / "step-00000008.pt").exists()  # killed after it
     resumed = LogsInItsOwnHooks(cfg)
     resumed.fit(resume="last")
     events = _events(resumed)
