@@ -304,6 +304,23 @@ def test_injected_overflow_skips_exactly_the_reached_optimizers(loss, step, opt_
             assert new == scale, (loss_id, it)
 
 
+def test_every_scaler_knob_of_the_config_shapes_the_scale(tmp_path):
+    """precision.init_scale, backoff_factor, growth_factor, growth_interval and max_scale each move the scale away
+    from where the defaults would put it: a knob lost on its way to the scalers trained on with the default."""
+    _, rec = fit(
+        SharedBackwardTrainer, tmp_path, inject={0: 1}, loss_scale="dynamic", init_scale=2.0**10, backoff_factor=0.25,
+        growth_factor=4.0, growth_interval=2, max_scale=2.0**11,
+    )  # fmt: skip
+    assert [(it, old, new) for it, _, old, new in rec.scale_updates] == [
+        (1, 2.0**10, 2.0**8),  # the overflow: x0.25
+        (2, 2.0**8, 2.0**8),
+        (3, 2.0**8, 2.0**10),  # two clean updates: x4
+        (4, 2.0**10, 2.0**10),
+        (5, 2.0**10, 2.0**11),  # x4 capped at max_scale
+        (6, 2.0**11, 2.0**11),
+    ]
+
+
 def test_skip_warning_and_min_scale_error(tmp_path):
     trainer, _ = fit(
         TwoLossTrainer,
