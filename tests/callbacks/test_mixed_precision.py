@@ -113,6 +113,7 @@ class TwoLossTrainer(ampkit.Trainer):
     """Manual optimization with two losses: "A" reaches both optimizers, "B" only the head's."""
 
     automatic_optimization = False
+    loss_ids = ("A", "B")  # the loss_id each backward passes (injections stay keyed "A" and "B")
 
     def configure_model(self):
         torch.manual_seed(0)
@@ -133,12 +134,12 @@ class TwoLossTrainer(ampkit.Trainer):
         loss_a = (out - y).square().mean()
         if inject.get("A") == self.state.iteration:
             loss_a = loss_a * math.inf
-        self.backward(loss_a, loss_id="A")
+        self.backward(loss_a, loss_id=self.loss_ids[0])
         feats = self.module.body(x).detach()
         loss_b = self.module.head(feats).abs().mean()
         if inject.get("B") == self.state.iteration:
             loss_b = loss_b * math.nan
-        self.backward(loss_b, loss_id="B", optimizer=self.optimizers["head"])
+        self.backward(loss_b, loss_id=self.loss_ids[1], optimizer=self.optimizers["head"])
         for optimizer in self.optimizers.values():
             self.step(optimizer)
         return {"loss_a": loss_a.detach(), "loss_b": loss_b.detach()}
@@ -319,6 +320,17 @@ def test_every_scaler_knob_of_the_config_shapes_the_scale(tmp_path):
         (5, 2.0**10, 2.0**11),  # x4 capped at max_scale
         (6, 2.0**11, 2.0**11),
     ]
+
+
+class IntegerLossIds(TwoLossTrainer):
+    loss_ids = (0, 1)  # Apex's convention (num_losses)
+
+
+def test_integer_loss_ids_each_get_a_scaler_of_their_own(tmp_path):
+    """Loss 1's overflow backs off loss 1's scaler alone; loss 0 keeps its scale."""
+    trainer, _ = fit(IntegerLossIds, tmp_path, inject={"B": 2}, opt_level="O1", init_scale=2.0**10, growth_interval=100)
+    (scaling,) = [cb for cb in trainer.callbacks if isinstance(cb, LossScaling)]
+    assert scaling.scales == {0: 2.0**10, 1: 2.0**9}
 
 
 def test_skip_warning_and_min_scale_error(tmp_path):
