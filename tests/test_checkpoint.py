@@ -365,7 +365,7 @@ def test_corrupt_truncated_foreign_and_missing_checkpoints(tmp_path):
         load_checkpoint(truncated)
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(pickle.dumps([1, 2, 3], protocol=2) + b"\x00junk")
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="garbage.pt' is corrupt or truncated"):
         load_checkpoint(garbage)
     for name, text in [("text.pt", "not a checkpoint\n"), ("metrics.csv", "epoch,loss\n1,0.5\n"), ("e.json", "{}")]:
         (tmp_path / name).write_text(text)
@@ -425,8 +425,12 @@ def test_bad_resume_files_leave_nothing_behind(tmp_path):
         def configure_model(self):
             return torch.nn.Linear(6, 3)
 
-    for trainer_class, resume in [(ToyTrainer, text), (ToyTrainer, tmp_path / "absent.pt"), (Wider, "last")]:
-        with pytest.raises(CheckpointError):
+    for trainer_class, resume, why in [
+        (ToyTrainer, text, "notes.txt' is not a torch checkpoint"),
+        (ToyTrainer, tmp_path / "absent.pt", "no checkpoint file or sharded checkpoint at '.*absent.pt'"),
+        (Wider, "last", r"last.pt' does not fit this run's model/optimizers: Missing key\(s\) in the checkpoint"),
+    ]:
+        with pytest.raises(CheckpointError, match=why):
             trainer_class(toy_cfg(tmp_path, **{"trainer.max_epochs": 3})).fit(resume=resume)
     after = {p: p.read_bytes() for p in trainer.version_dir.rglob("*") if p.is_file()}
     assert after == before  # no config.resumed_at_step_*.yaml

@@ -30,8 +30,9 @@ def test_version(capsys):
 def test_help_lists_config_keys_with_defaults_and_no_rest_markup(tmp_path, capsys):
     helps = [["--help"], *([command, "--help"] for command in ("fit", "validate", "test", "predict"))]
     for argv in (*helps, ["validate", "--config", _config(tmp_path), "--help"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exit_info:
             main(argv)
+        assert exit_info.value.code == 0, argv
         text = capsys.readouterr().out
         assert "``" not in text and ":class:" not in text
         if argv[0] != "--help":
@@ -55,8 +56,9 @@ def test_a_command_without_help_never_builds_the_keys_table(tmp_path, monkeypatc
 
 def test_top_level_help_says_predict_saves_only_with_output(capsys):
     """``ampkit predict`` runs without --output and then saves nothing, so its summary names --output."""
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
+    assert exit_info.value.code == 0
     summary = capsys.readouterr().out.split("    predict", 1)[1].split("options:")[0]
     assert "--output" in summary
 
@@ -64,8 +66,9 @@ def test_top_level_help_says_predict_saves_only_with_output(capsys):
 def test_help_with_a_config_shows_that_files_values_and_every_keys_meaning(tmp_path, capsys):
     """``fit --config f --help`` is how a user checks what a file sets: its values, not the schema's defaults,
     and the meanings of the keys the Trainer's schema inherits."""
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", _config(tmp_path, trainer={"max_steps": 7}, data={"batch_size": 3}), "--help"])
+    assert exit_info.value.code == 0
     lines = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["trainer.max_steps", "7"] == next(line[:2] for line in lines if line[:1] == ["trainer.max_steps"])
     assert ["data.batch_size", "3"] in lines

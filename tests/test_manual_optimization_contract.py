@@ -68,6 +68,34 @@ def test_each_optimizer_counts_its_steps_and_global_step_counts_iterations(tmp_p
     assert trainer.optimizers["D"].param_groups[0]["lr"] == 0.1
 
 
+class ReadsTheNormBetweenBackwards(TwoNets):
+    """G's gradients from two backwards, their norm read after the first (to log it, say), clipped at the step."""
+
+    def training_step(self, batch):
+        x, g = batch[0], self.optimizers["G"]
+        self.backward(self.model["G"](x).square().mean(), optimizer="G")
+        first = float(self.grad_norm(g))
+        self.backward(self.model["G"](x).abs().mean(), optimizer="G")
+        exact = float(torch.nn.utils.get_total_norm([p.grad for p in self.module["G"].parameters()]))
+        second = float(self.grad_norm(g))
+        self.step("G")
+        clipped = float(torch.nn.utils.get_total_norm([p.grad for p in self.module["G"].parameters()]))
+        self.norms.append((first, second, exact, clipped))
+
+
+def test_a_grad_norm_read_between_backwards_is_not_the_one_clipping_uses_after_the_next(tmp_path):
+    """trainer.grad_norm is cached for the callbacks of a step; a backward since makes it stale: the second read, and
+    clipping, take the norm of the gradients of both backwards."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2, "trainer.clip_grad_norm": 0.01})
+    trainer = ReadsTheNormBetweenBackwards(cfg)
+    trainer.norms = []
+    trainer.fit()
+    assert len(trainer.norms) == 2
+    for first, second, exact, clipped in trainer.norms:
+        assert first != pytest.approx(exact, rel=1e-3)
+        assert second == pytest.approx(exact, rel=1e-6) and clipped == pytest.approx(0.01, rel=1e-5)
+
+
 class StepsItself(TwoNets):
     """A Lightning port: ``opt.step()`` and ``opt.zero_grad()`` on the optimizer itself."""
 

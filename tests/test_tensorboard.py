@@ -373,25 +373,57 @@ def test_a_value_logged_in_a_trainers_own_on_train_end_is_written(tmp_path):
     assert [(e.step, e.value) for e in _events(trainer).Scalars("final_metric")] == [(8, 3.5)]
 
 
+class _ReadsEventsAfterSaves(Callback):
+    """Reads the event files back from disk at the batch after each checkpoint, before anything logs again: what a
+    SIGKILL just after the save would have left."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer, batch):
+        step = trainer.state.global_step
+        if (trainer.version_dir / "checkpoints" / f"step-{step:08d}.pt").exists() and step not in self.seen:
+            self.seen[step] = [e.step for e in _events(trainer).Scalars("train/loss")]
+
+
+def test_a_checkpoint_s_save_writes_every_scalar_logged_up_to_its_step_to_the_event_file(tmp_path, monkeypatch):
+    """The logger queues scalars (flush_secs) and SummaryWriter's thread writes them when it gets to them (on a slow
+    disk, seconds later): without the flush in the logger's state_dict, a kill just after a checkpoint lost steps the
+    resume never logs again. The writer thread here takes 20 ms a record, a slow disk's pace."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    write = RecordWriter.write
+    monkeypatch.setattr(RecordWriter, "write", lambda self, data: (time.sleep(0.02), write(self, data))[1])
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.log_every_n_steps": 1, "checkpoint.every_n_steps": 3})
+    reader = _ReadsEventsAfterSaves()
+    ToyTrainer(cfg, callbacks=[reader]).fit()
+    assert reader.seen == {3: [1, 2, 3], 6: [1, 2, 3, 4, 5, 6]}
+
+
+class _LogsRunMark(Callback):
+    def __init__(self, mark: float) -> None:
+        self.mark = mark
+
+    def on_train_batch_end(self, trainer, outputs, batch):
+        trainer.log("run_mark", self.mark)
+
+
 def test_a_continued_run_replaces_the_steps_logged_after_its_checkpoint(tmp_path):
     """A run killed after its last checkpoint had already written later steps; the continued run logs them again.
     TensorBoard showed each of those steps twice (two points per step, a zigzag where the killed run's values
     differ); the continued run's writer purges the killed run's events past the checkpoint, as SummaryWriter's
-    purge_step does."""
-    import shutil
-
+    purge_step does. Each run logs its own mark, so the steps shown say which run wrote them."""
     cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.log_every_n_steps": 1, "checkpoint.every_n_steps": 3,
                               "checkpoint.keep_last": 5})  # fmt: skip
-    first = ToyTrainer(cfg)
+    first = ToyTrainer(cfg, callbacks=[_LogsRunMark(1.0)])
     first.fit()
-    checkpoints = first.version_dir / "checkpoints"
-    for later in sorted(checkpoints.glob("step-*.pt"))[1:]:  # as if killed just after the save at step 3
-        later.unlink()
-    shutil.copy(checkpoints / "step-00000003.pt", checkpoints / "last.pt")
-    continued = ToyTrainer(cfg)
+    _cut_back_to(first.version_dir / "checkpoints", 3)  # as if killed just after the save at step 3
+    continued = ToyTrainer(cfg, callbacks=[_LogsRunMark(2.0)])
     continued.fit(resume="last")
     assert continued.version_dir == first.version_dir  # a continue, into the same TensorBoard directory
-    assert [e.step for e in _events(continued).Scalars("train/loss")] == list(range(1, 9))
+    events = _events(continued)
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))
+    assert [(e.step, e.value) for e in events.Scalars("run_mark")] == [(s, 1.0 if s <= 3 else 2.0) for s in range(1, 9)]
 
 
 def _cut_back_to(checkpoints, step):
@@ -429,6 +461,9 @@ class _SigkillAfter(Callback):
     """SIGKILL once every callback, the checkpoint's included, is done with ``hook`` at ``step`` (a node lost there)."""
 
     phase = Phase.PERSIST
+    # Among the checkpoint writers, which run after the rest of their phase; given after the built-in ModelCheckpoint,
+    # it runs after its save (a plain PERSIST callback ran before it, so the kill came before the save).
+    saves_checkpoints = True
 
     def __init__(self, hook: str, step: int) -> None:
         self.hook, self.step = hook, step
@@ -479,6 +514,7 @@ def test_a_run_killed_after_its_checkpoints_shows_every_step_once_as_an_uninterr
         returncode, stdout, stderr = run_killed("fit_killed", cfg, hook, step, tmp_path / f"killed_at_{step}.py")
         assert returncode == -signal.SIGKILL, stderr
         assert f"step {step} |" in stdout.splitlines()[-1]
+        assert (Path(cfg["run_dir"]) / "version_0" / "checkpoints" / f"step-{step:08d}.pt").exists()  # killed after it
     resumed = ToyTrainer(cfg)
     resumed.fit(resume="last")
     events, reference = _events(resumed), _events(straight)
@@ -517,6 +553,7 @@ def test_what_the_trainer_logs_in_its_own_hooks_at_a_checkpoint_s_step_survives_
     cfg = toy_cfg(tmp_path, **settings)
     returncode, _, stderr = run_killed("fit_killed_logging", cfg, "on_train_batch_end", 8, tmp_path / "killed.py")
     assert returncode == -signal.SIGKILL, stderr
+    assert (Path(cfg["run_dir"]) / "version_0" / "checkpoints" / "step-00000008.pt").exists()  # killed after it
     resumed = LogsInItsOwnHooks(cfg)
     resumed.fit(resume="last")
     events = _events(resumed)

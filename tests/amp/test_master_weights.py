@@ -112,6 +112,19 @@ def test_checkpoint_round_trip_continues_bit_identically(dtype, flat):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loaded_masters_are_what_the_model_computes_with(dtype):
+    """A checkpoint's masters restored (Apex's FP16_Optimizer state loaded without the model's, say) go into the
+    model at once: left stale, the model's forwards ran on its old weights until the first step overwrote them."""
+    _, _, saved = build(dtype, seed=0)
+    model, _, masters = build(dtype, seed=7)
+    masters.load_state_dict(saved.state_dict())
+    low = [(p, m) for p, m in zip(masters.model_params, masters.master_params, strict=True) if p is not m]
+    assert len(low) == 4
+    for (p, m), s in zip(low, saved.state_dict()["master_params"], strict=True):
+        assert torch.equal(m, s) and torch.equal(p, s.to(dtype))
+
+
 def _round_trip(obj):
     import io
 

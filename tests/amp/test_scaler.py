@@ -138,12 +138,14 @@ def test_bad_knobs_name_the_option(kwargs, message):
 def test_follows_torch_grad_scaler_through_overflows_and_growth_and_resumes_from_its_state_dict():
     """The scale torch.amp.GradScaler keeps, update by update (backoff on an inf, growth after the interval), on the
     host and on the device, the same float32 scaled loss; and a LossScaler loaded from GradScaler's state_dict
-    mid-run goes on as GradScaler does (torch's cap is none: ``max_scale=None``)."""
+    mid-run goes on as GradScaler does (torch's cap is none: ``max_scale=None``). Factors other than the defaults, so a
+    knob ignored on either path shows."""
     generator = torch.Generator().manual_seed(0)
     overflows = (torch.rand(120, generator=generator) < 0.2).tolist()
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    host = LossScaler(init_scale=2.0**10, growth_interval=3, max_scale=None)
-    device = LossScaler(init_scale=2.0**10, growth_interval=3, max_scale=None)
+    knobs = {"growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3}
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, **knobs)
+    host = LossScaler(init_scale=2.0**10, max_scale=None, **knobs)
+    device = LossScaler(init_scale=2.0**10, max_scale=None, **knobs)
     device.keep_on_device(torch.device("cpu"))
     weight = torch.nn.Parameter(torch.full((1,), 0.3))
     optimizer = torch.optim.SGD([weight], lr=0.0)
@@ -160,6 +162,6 @@ def test_follows_torch_grad_scaler_through_overflows_and_growth_and_resumes_from
         device.update(overflow)
         assert host.scale == device.scale == grad_scaler.get_scale(), i
         if i == 60:
-            host = LossScaler(growth_interval=3, max_scale=None)
+            host = LossScaler(max_scale=None, **knobs)
             host.load_state_dict(grad_scaler.state_dict())
     assert grad_scaler.get_scale() != 2.0**10  # the sequence moved the scale

@@ -113,6 +113,7 @@ class TwoLossTrainer(ampkit.Trainer):
     """Manual optimization with two losses: "A" reaches both optimizers, "B" only the head's."""
 
     automatic_optimization = False
+    loss_ids = ("A", "B")  # the loss_id each backward passes (injections stay keyed "A" and "B")
 
     def configure_model(self):
         torch.manual_seed(0)
@@ -133,12 +134,12 @@ class TwoLossTrainer(ampkit.Trainer):
         loss_a = (out - y).square().mean()
         if inject.get("A") == self.state.iteration:
             loss_a = loss_a * math.inf
-        self.backward(loss_a, loss_id="A")
+        self.backward(loss_a, loss_id=self.loss_ids[0])
         feats = self.module.body(x).detach()
         loss_b = self.module.head(feats).abs().mean()
         if inject.get("B") == self.state.iteration:
             loss_b = loss_b * math.nan
-        self.backward(loss_b, loss_id="B", optimizer=self.optimizers["head"])
+        self.backward(loss_b, loss_id=self.loss_ids[1], optimizer=self.optimizers["head"])
         for optimizer in self.optimizers.values():
             self.step(optimizer)
         return {"loss_a": loss_a.detach(), "loss_b": loss_b.detach()}
@@ -304,6 +305,34 @@ def test_injected_overflow_skips_exactly_the_reached_optimizers(loss, step, opt_
             assert new == scale, (loss_id, it)
 
 
+def test_every_scaler_knob_of_the_config_shapes_the_scale(tmp_path):
+    """precision.init_scale, backoff_factor, growth_factor, growth_interval and max_scale each move the scale away
+    from where the defaults would put it: a knob lost on its way to the scalers trained on with the default."""
+    _, rec = fit(
+        SharedBackwardTrainer, tmp_path, inject={0: 1}, loss_scale="dynamic", init_scale=2.0**10, backoff_factor=0.25,
+        growth_factor=4.0, growth_interval=2, max_scale=2.0**11,
+    )  # fmt: skip
+    assert [(it, old, new) for it, _, old, new in rec.scale_updates] == [
+        (1, 2.0**10, 2.0**8),  # the overflow: x0.25
+        (2, 2.0**8, 2.0**8),
+        (3, 2.0**8, 2.0**10),  # two clean updates: x4
+        (4, 2.0**10, 2.0**10),
+        (5, 2.0**10, 2.0**11),  # x4 capped at max_scale
+        (6, 2.0**11, 2.0**11),
+    ]
+
+
+class IntegerLossIds(TwoLossTrainer):
+    loss_ids = (0, 1)  # Apex's convention (num_losses)
+
+
+def test_integer_loss_ids_each_get_a_scaler_of_their_own(tmp_path):
+    """Loss 1's overflow backs off loss 1's scaler alone; loss 0 keeps its scale."""
+    trainer, _ = fit(IntegerLossIds, tmp_path, inject={"B": 2}, opt_level="O1", init_scale=2.0**10, growth_interval=100)
+    (scaling,) = [cb for cb in trainer.callbacks if isinstance(cb, LossScaling)]
+    assert scaling.scales == {0: 2.0**10, 1: 2.0**9}
+
+
 def test_skip_warning_and_min_scale_error(tmp_path):
     trainer, _ = fit(
         TwoLossTrainer,
@@ -431,10 +460,13 @@ def test_config_errors_name_the_option(tmp_path):
 @pytest.mark.parametrize("combine_grad", [False, True])
 @pytest.mark.parametrize("opt_level, dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "bfloat16")])
 def test_resumed_run_continues_bit_identically(tmp_path, opt_level, dtype, combine_grad):
-    kwargs = dict(opt_level=opt_level, dtype=dtype, combine_grad=combine_grad, growth_interval=2, init_scale=2.0**20)
+    # float16 at 2**17 overflows in iterations 1 and 4 and trains in 3: the checkpoint at 3 holds trained masters
+    # and a backed-off scale (at 2**20 every iteration up to 4 overflowed: the masters saved were the initial ones).
+    kwargs = dict(opt_level=opt_level, dtype=dtype, combine_grad=combine_grad, growth_interval=2, init_scale=2.0**17)
     kwargs["cast_modules"] = ["body", "head"]
     kwargs["skip_nonfinite"] = True  # the NaN of step 2 is skipped in bfloat16 too (float16's scalers always skip)
-    full, _ = fit(TwoLossTrainer, tmp_path / "full", inject={"B": 2}, **kwargs)
+    full, recorded = fit(TwoLossTrainer, tmp_path / "full", inject={"B": 2}, **kwargs)
+    assert all(recorded.changed[2].values())  # both optimizers stepped in iteration 3, before the checkpoint
     first, _ = fit(
         TwoLossTrainer,
         tmp_path / "part",

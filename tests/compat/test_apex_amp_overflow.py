@@ -115,6 +115,29 @@ def test_inf_in_one_backward_skips_exactly_the_optimizers_it_reached(inject_loss
             torch.testing.assert_close(p.float(), q, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_an_inf_in_one_optimizer_s_gradients_skips_every_optimizer_its_scale_loss_names(level):
+    """Apex keeps one overflow verdict per ``scale_loss``: loss 1's inf reaching model 1's weight alone skips the next
+    step of both optimizers it names (model 0's gradients are finite) and backs off loss 1's scaler once."""
+    m0, m1 = _models()
+    opt0, opt1 = _optimizers(m0, m1)
+    extra = {"loss_scale": "dynamic"} if level == "O0" else {}
+    [m0, m1], [opt0, opt1] = amp.initialize(
+        [m0, m1], [opt0, opt1], opt_level=level, num_losses=2, verbosity=0, **extra
+    )  # fmt: skip
+    m1.weight.register_hook(lambda grad: grad * float("inf"))
+    _, loss1 = _losses(m0, m1, _batch(0))
+    with amp.scale_loss(loss1, [opt0, opt1], loss_id=1) as scaled:
+        scaled.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m0.parameters())
+    before = copy.deepcopy([m0.state_dict(), m1.state_dict()])
+    opt0.step()
+    opt1.step()
+    after = [m0.state_dict(), m1.state_dict()]
+    assert all(torch.equal(b[k], a[k]) for b, a in zip(before, after, strict=True) for k in b)
+    assert [s.loss_scale() for s in amp._amp_state.loss_scalers] == [2.0**16, 2.0**15]
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_combine_grad_flat_buffers_give_bitwise_the_same_training(level):
     plain = _train_with_amp(level, inject_iter=2, inject_loss=1)
