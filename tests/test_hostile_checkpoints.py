@@ -15,7 +15,7 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
-from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
@@ -178,25 +178,60 @@ def test_load_model_of_last_or_best_without_a_run_here_names_where_it_looked(tmp
     assert isinstance(load_model("last", trainer_class=ToyTrainer), torch.nn.Module)
 
 
-def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_check(tmp_path, trained):
-    """A copy torn in a tensor's bytes loads without an error, with other values (torch.load checks no CRC-32), and
-    its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the legacy format
-    (no CRCs to check), pass."""
-    last, _ = trained
-    whole = last.read_bytes()
-    with zipfile.ZipFile(last) as archive:
+def _tear(source, target):
+    """A copy of checkpoint ``source`` at ``target`` whose largest tensor record is zeroed, its zip directory (names,
+    sizes, CRC-32s) as written: a copy torn by a failing disk or an interrupted ``rsync --inplace``. Its record's
+    name."""
+    whole = source.read_bytes()
+    with zipfile.ZipFile(source) as archive:
         record = max(archive.infolist(), key=lambda r: r.file_size if "/data/" in r.filename else -1)
     name_length, extra_length = struct.unpack("<HH", whole[record.header_offset + 26 : record.header_offset + 30])
     start = record.header_offset + 30 + name_length + extra_length
+    target.write_bytes(whole[:start] + bytes(record.file_size) + whole[start + record.file_size :])
+    return record.filename
+
+
+def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_check(tmp_path, trained):
+    """A copy torn in a tensor's bytes loads through torch.load without an error, with other values (it checks no
+    CRC-32), and its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the
+    legacy format (no CRCs to check), pass. load_checkpoint refuses the torn copy, naming its record."""
+    last, _ = trained
     torn = tmp_path / "torn.pt"
-    torn.write_bytes(whole[:start] + bytes(record.file_size) + whole[start + record.file_size :])
-    assert load_checkpoint(torn)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it as it is
-    name = record.filename.partition("/")[2]
+    record = _tear(last, torn)
+    assert torch.load(torn, weights_only=True)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it
+    name = record.partition("/")[2]
     assert damaged_record(torn) == f"its record '{name}' is not as written (BadZipFile: Bad CRC-32 for file " \
-        f"'{record.filename}')"  # fmt: skip
+        f"'{record}')"  # fmt: skip
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"checkpoint '{torn}' is damaged: its record '{name}'")):
+        load_checkpoint(torn)
     cut = tmp_path / "cut.pt"
-    cut.write_bytes(whole[: len(whole) // 2])
+    cut.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     assert damaged_record(cut).startswith("its zip archive's directory cannot be read, so the file was cut short")
     legacy = tmp_path / "legacy.pt"
     torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert damaged_record(last) is damaged_record(legacy) is damaged_record(tmp_path / "absent.pt") is None
+
+
+@pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
+def test_a_torn_last_pt_is_refused_in_one_process_naming_its_record_and_the_newest_whole_file(tmp_path, use):
+    """A single process loaded a copy torn in a tensor's bytes without a word (torch.load checks no CRC-32) and
+    trained or evaluated other weights. Each load reads its records against their CRC-32s, and the way back skips
+    a newest step file torn too."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    last = checkpoints / "last.pt"
+    record = _tear(checkpoints / "step-00000006.pt", last)
+    _tear(checkpoints / "step-00000006.pt", checkpoints / "step-00000006.pt")
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 8, "checkpoint.every_n_steps": 2}))
+    with pytest.raises(DamagedCheckpointError) as error:
+        if use == "resume":
+            resumed.fit(resume="last")
+        elif use == "validate":
+            resumed.validate(ckpt="last")
+        else:
+            load_model(last, trainer_class=ToyTrainer)
+    assert error.match(re.escape(f"checkpoint '{last}' is damaged: its record '{record.partition('/')[2]}' is not"))
+    if use != "load_model":
+        assert error.match(re.escape(f"the newest whole checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'"))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written: no version_1

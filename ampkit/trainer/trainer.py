@@ -1706,10 +1706,10 @@ class Trainer:
     def _run_stage(
         self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
     ) -> Any:
-        path = None
+        path, checkpoint = None, None
         if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
             resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
-            path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
+            path, checkpoint = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
         if before is not None:
             before(path)
         if ckpt is not None and path is None:
@@ -1720,7 +1720,8 @@ class Trainer:
         if fresh:
             self._setup_model()
         if path is not None:
-            self._load_weights(path)
+            self._load_weights(path, checkpoint)
+            checkpoint = None  # its optimizer states are not held through the evaluation
         if fresh:
             self._setup_callbacks()
         loader = check_loader(call_setup_method(self, stage.dataloader), stage.dataloader, optional=True)
@@ -2283,18 +2284,19 @@ class Trainer:
             rank_zero_warn(f"checkpoint '{path}': {not_restored}")
         self.fire("on_load_checkpoint", checkpoint)
 
-    def _load_weights(self, path: Path) -> None:
-        """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
+    def _load_weights(self, path: Path, checkpoint: dict[str, Any] | None = None) -> None:
+        """The model weights of a checkpoint file or sharded directory, for validate/test/predict; ``checkpoint``: the
+        file, where every rank has loaded it already (agreed_checkpoint)."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
             load_sharded(path, self.module, {}, self.cfg)
             check_saved_weights_finite(path, self.module.state_dict(), self.dist)  # every rank: one collective
             return
-        checkpoint: dict[str, Any] = {}
+        checkpoint = checkpoint or {}
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
             else:
-                checkpoint = load_with_fallback_hint(path)
+                checkpoint = checkpoint or load_with_fallback_hint(path)
                 if "model" not in checkpoint:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]
