@@ -468,8 +468,8 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     start fails on rank 0, a run whose dropping of a best-k file fails on rank 0, one whose run_dir rank 0 cannot look
     at, one whose TensorBoard events rank 0 cannot open, a run whose TensorBoard events rank 0 can no longer write
     mid-run (and its resume), a predict whose output rank 0 refuses (a file of the user's in the way on its disk
-    alone), one whose shard rank 1 cannot write, and a fresh run whose first save fails on rank 0 (its disk is full),
-    the one rank that writes."""
+    alone), one whose shard rank 1 cannot write, a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes, and a run whose training step fails on every rank after rank 0 saved a checkpoint."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -526,10 +526,31 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         trainer_module.save_atomic = _disk_full
     outcomes["predict_unwritten"] = _outcome(Evaluated(cfg), predict="unwritten.pt")
     trainer_module.save_atomic = save_atomic
+    saving = checkpoint_module.save_atomic
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
+    checkpoint_module.save_atomic = saving
+    outcomes["failed_at_step_3"] = _noted(FailsAtStep3({**cfg, "run_dir": "failing"}))
     return {"outcomes": outcomes}
+
+
+class FailsAtStep3(Plain):
+    """A training step that raises on every rank at step 3, after the checkpoint of step 2 (rank 0's disk alone)."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 2:
+            raise ValueError("a sample that cannot be read")
+        return super().training_step(batch)
+
+
+def _noted(trainer: ampkit.Trainer) -> list[str]:
+    """The notes ampkit added to the error of ``trainer.fit()``."""
+    try:
+        trainer.fit()
+    except ValueError as exc:
+        return list(getattr(exc, "__notes__", []))
+    return []
 
 
 class EventsDiskFills(ampkit.Callback):

@@ -407,6 +407,9 @@ class Trainer:
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
+        # What fit(resume='last') continues from as rank zero, which writes the checkpoints, sees it: known on every
+        # rank from the fit's start and each save, for a failure's note (on a node-local disk another rank's differs).
+        self.rank_zero_last: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
         self._launch: str | None = None  # which fit of which torchrun launch this is (None outside torchrun)
@@ -1802,7 +1805,10 @@ class Trainer:
 
     def _newest_checkpoint(self) -> Path | None:
         """What ``fit(resume="last")`` would continue from, for a note on a failure (None where it cannot be read: the
-        note must not replace the error it explains)."""
+        note must not replace the error it explains). Rank zero's: another rank's disk may hold none, or older ones;
+        it is known there without a collective, which a failing rank may never reach (:attr:`rank_zero_last`)."""
+        if self.dist.enabled and not self.is_global_zero:
+            return self.rank_zero_last
         try:
             return resolve_checkpoint(self.cfg.run_dir, "last")
         except Exception:
@@ -1929,15 +1935,16 @@ class Trainer:
         # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
         # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
         self.version_dir = None
-        version_dir = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
+        version_dir, self.rank_zero_last = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
         self.version_dir = version_dir if self.is_global_zero or self.sharded else None
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self._check_shards_writable()
 
-    def _open_version_dir(self, start: FitStart) -> Path:
-        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory)."""
+    def _open_version_dir(self, start: FitStart) -> tuple[Path, Path | None]:
+        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory), and what
+        ``fit(resume="last")`` would continue from."""
         self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
-        return self.version_dir
+        return self.version_dir, self._newest_checkpoint()
 
     def _check_shards_writable(self) -> None:
         """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
