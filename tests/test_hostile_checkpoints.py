@@ -6,7 +6,6 @@ was."""
 from __future__ import annotations
 
 import re
-import shutil
 import struct
 import zipfile
 
@@ -17,6 +16,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 from ampkit import consolidate_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
+from ampkit.trainer.sharded_checkpoint import SHARD_CRCS
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
 
@@ -134,7 +134,8 @@ def test_a_resume_refuses_a_loop_position_that_is_no_count(tmp_path, trained, lo
 
 
 def _sharded_with_nan(source, target):
-    """A copy of sharded checkpoint ``source`` at ``target`` whose first model weight holds a NaN."""
+    """A copy of sharded checkpoint ``source`` at ``target`` whose first model weight holds a NaN, written by other
+    code than ampkit's save."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     whole = target.parent / "whole.pt"
@@ -143,7 +144,9 @@ def _sharded_with_nan(source, target):
     next(v for v in state["model"].values() if v.is_floating_point()).view(-1)[0] = float("nan")
     torch.save(state, whole)
     torch_save_to_dcp(whole, target)
-    shutil.copy(source / "trainer.pt", target / "trainer.pt")
+    trainer_part = load_checkpoint(source / "trainer.pt")
+    del trainer_part[SHARD_CRCS]  # its shard files are others: as an older ampkit's, it records none to check
+    torch.save(trainer_part, target / "trainer.pt")
 
 
 @pytest.mark.parametrize("sharded_run", [True, False], ids=["into fsdp", "consolidated"])
@@ -235,3 +238,26 @@ def test_a_torn_last_pt_is_refused_in_one_process_naming_its_record_and_the_newe
     if use != "load_model":
         assert error.match(re.escape(f"the newest whole checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'"))
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written: no version_1
+
+
+@pytest.mark.parametrize("use", ["resume", "validate into fsdp", "validate consolidated"])
+def test_a_sharded_checkpoint_torn_in_a_shard_is_refused_naming_the_shard_file(tmp_path, use):
+    """DCP keeps no checksum, and a shard file torn in a tensor's bytes (its layout intact) loaded without an error,
+    with other weights. The CRC-32 of each shard file, recorded in trainer.pt at the save, is checked at the load."""
+    sharded = {**QUIET, "distributed.strategy": "fsdp", "trainer.max_steps": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **sharded))
+    trainer.fit()
+    last = (trainer.version_dir / "checkpoints" / "last").resolve()
+    weight = consolidate_checkpoint(last)["0.weight"].numpy().tobytes()
+    shard = next(f for f in last.glob("*.distcp") if weight in f.read_bytes())
+    data = shard.read_bytes()
+    start = data.index(weight)
+    shard.write_bytes(data[:start] + bytes(len(weight)) + data[start + len(weight) :])
+    named = rf"sharded checkpoint '{last.parent}/(last|{last.name})': shard file\(s\) {shard.name} are not as written"
+    with pytest.raises(CheckpointError, match=named):
+        if use == "resume":
+            ToyTrainer(toy_cfg(tmp_path, **{**sharded, "trainer.max_steps": 4})).fit(resume="last")
+        elif use == "validate into fsdp":
+            ToyTrainer(toy_cfg(tmp_path / "eval", **sharded)).validate(ckpt=last)
+        else:
+            ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET)).validate(ckpt=last)
