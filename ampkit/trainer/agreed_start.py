@@ -1,14 +1,14 @@
 """Where a ``fit()`` starts, decided once by rank zero for every rank (``run_life.plan_fit``: which checkpoint,
-continue or branch, which version directory, the warnings), and the checkpoint checked to be the same file on every
-rank before any rank loads it.
+continue or branch, which version directory, the warnings), and the checkpoint each rank loads checked to be rank
+zero's file, and whole, before any rank uses it.
 
 Each rank looking at the run directory itself could decide differently: on a node-local ``run_dir`` each node sees
 its own disk, where rank zero's node holds the checkpoints and another node none, or older ones. Ranks that resumed
 different checkpoints would train on from different steps, and ranks that disagreed on continue or branch would write
 to two version directories. So rank zero plans, and a rank that does not see rank zero's checkpoint (no file there,
-another one, a sharded checkpoint without some of its shard files) stops every rank before anything is trained or
-written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test and predict
-with a checkpoint are checked alike (:func:`agreed_checkpoint`).
+another one, a sharded checkpoint without some of its shard files, a damaged copy) stops every rank before anything
+is trained or written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test
+and predict with a checkpoint are checked alike (:func:`agreed_checkpoint`).
 """
 
 from __future__ import annotations
