@@ -8,16 +8,15 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
@@ -486,7 +485,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
             checkpoints.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(node0 / copied, checkpoints / "last.pt")
             if case == "torn":
-                _tear(checkpoints / "last.pt")
+                tear(checkpoints / "last.pt", checkpoints / "last.pt")
         if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
@@ -609,19 +608,6 @@ def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple, tu
     step = torch.load(newest, weights_only=False)["loop"]["global_step"]
     resumed = _outcome(Plain({**logged, "logging": {"tensorboard": False}}), resume="last")
     return failed, (step, *resumed), at_the_end
-
-
-def _tear(path: Path) -> None:
-    """Change bytes in the middle of the largest tensor record of checkpoint ``path``, leaving the zip archive's
-    directory (names, sizes, CRC-32s) as it was: a copy torn by a failing disk or an interrupted rsync --inplace."""
-    with zipfile.ZipFile(path) as archive:
-        tensors = [r for r in archive.infolist() if r.filename.partition("/")[2].startswith("data/")]
-        record = max(tensors, key=lambda r: r.file_size)
-    data = bytearray(path.read_bytes())
-    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26 : record.header_offset + 30])
-    middle = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
-    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
-    path.write_bytes(bytes(data))
 
 
 def _cannot_delete(where: Path | list, *args) -> None:

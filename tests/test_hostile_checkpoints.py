@@ -6,11 +6,10 @@ was."""
 from __future__ import annotations
 
 import re
-import struct
-import zipfile
 
 import pytest
 import torch
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
@@ -181,26 +180,13 @@ def test_load_model_of_last_or_best_without_a_run_here_names_where_it_looked(tmp
     assert isinstance(load_model("last", trainer_class=ToyTrainer), torch.nn.Module)
 
 
-def _tear(source, target):
-    """A copy of checkpoint ``source`` at ``target`` whose largest tensor record is zeroed, its zip directory (names,
-    sizes, CRC-32s) as written: a copy torn by a failing disk or an interrupted ``rsync --inplace``. Its record's
-    name."""
-    whole = source.read_bytes()
-    with zipfile.ZipFile(source) as archive:
-        record = max(archive.infolist(), key=lambda r: r.file_size if "/data/" in r.filename else -1)
-    name_length, extra_length = struct.unpack("<HH", whole[record.header_offset + 26 : record.header_offset + 30])
-    start = record.header_offset + 30 + name_length + extra_length
-    target.write_bytes(whole[:start] + bytes(record.file_size) + whole[start + record.file_size :])
-    return record.filename
-
-
 def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_check(tmp_path, trained):
     """A copy torn in a tensor's bytes loads through torch.load without an error, with other values (it checks no
     CRC-32), and its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the
     legacy format (no CRCs to check), pass. load_checkpoint refuses the torn copy, naming its record."""
     last, _ = trained
     torn = tmp_path / "torn.pt"
-    record = _tear(last, torn)
+    record = tear(last, torn)
     assert torch.load(torn, weights_only=True)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it
     name = record.partition("/")[2]
     assert damaged_record(torn) == f"its record '{name}' is not as written (BadZipFile: Bad CRC-32 for file " \
@@ -224,8 +210,8 @@ def test_a_torn_last_pt_is_refused_in_one_process_naming_its_record_and_the_newe
     trainer.fit()
     checkpoints = trainer.version_dir / "checkpoints"
     last = checkpoints / "last.pt"
-    record = _tear(checkpoints / "step-00000006.pt", last)
-    _tear(checkpoints / "step-00000006.pt", checkpoints / "step-00000006.pt")
+    record = tear(checkpoints / "step-00000006.pt", last)
+    tear(checkpoints / "step-00000006.pt", checkpoints / "step-00000006.pt")
     resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 8, "checkpoint.every_n_steps": 2}))
     with pytest.raises(DamagedCheckpointError) as error:
         if use == "resume":

@@ -1003,8 +1003,7 @@ def _is_run_record(path: Path) -> bool:
 
 
 def _holds_checkpoint(path: Path) -> bool:
-    try:
-        load_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
+    """Whether file ``path`` holds an ampkit checkpoint, read without its tensors: a damaged copy, which no load
+    takes, is still the user's checkpoint."""
+    checkpoint = peek_checkpoint(path)
+    return checkpoint is not None and FORMAT_KEY in checkpoint
