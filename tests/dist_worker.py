@@ -8,16 +8,15 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
@@ -468,8 +467,8 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     start fails on rank 0, a run whose dropping of a best-k file fails on rank 0, one whose run_dir rank 0 cannot look
     at, one whose TensorBoard events rank 0 cannot open, a run whose TensorBoard events rank 0 can no longer write
     mid-run (and its resume), a predict whose output rank 0 refuses (a file of the user's in the way on its disk
-    alone), one whose shard rank 1 cannot write, and a fresh run whose first save fails on rank 0 (its disk is full),
-    the one rank that writes."""
+    alone), one whose shard rank 1 cannot write, a fresh run whose first save fails on rank 0 (its disk is full),
+    the one rank that writes, and a run whose training step fails on every rank after rank 0 saved a checkpoint."""
     here = out / f"node{RANK}"
     here.mkdir()
     os.chdir(here)
@@ -486,7 +485,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
             checkpoints.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(node0 / copied, checkpoints / "last.pt")
             if case == "torn":
-                _tear(checkpoints / "last.pt")
+                tear(checkpoints / "last.pt", checkpoints / "last.pt")
         if RANK == 0 and case == "locked":  # the pid of a live process on this host: another run's
             lock = {"pid": os.getppid(), "host": socket.gethostname(), "since": "now"}
             (checkpoints.parent / "run.lock").write_text(json.dumps(lock))
@@ -526,10 +525,31 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
         trainer_module.save_atomic = _disk_full
     outcomes["predict_unwritten"] = _outcome(Evaluated(cfg), predict="unwritten.pt")
     trainer_module.save_atomic = save_atomic
+    saving = checkpoint_module.save_atomic
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
+    checkpoint_module.save_atomic = saving
+    outcomes["failed_at_step_3"] = _noted(FailsAtStep3({**cfg, "run_dir": "failing"}))
     return {"outcomes": outcomes}
+
+
+class FailsAtStep3(Plain):
+    """A training step that raises on every rank at step 3, after the checkpoint of step 2 (rank 0's disk alone)."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 2:
+            raise ValueError("a sample that cannot be read")
+        return super().training_step(batch)
+
+
+def _noted(trainer: ampkit.Trainer) -> list[str]:
+    """The notes ampkit added to the error of ``trainer.fit()``."""
+    try:
+        trainer.fit()
+    except ValueError as exc:
+        return list(getattr(exc, "__notes__", []))
+    return []
 
 
 class EventsDiskFills(ampkit.Callback):
@@ -588,19 +608,6 @@ def _events_fail_mid_run(cfg: dict, checkpoints: Path) -> tuple[tuple, tuple, tu
     step = torch.load(newest, weights_only=False)["loop"]["global_step"]
     resumed = _outcome(Plain({**logged, "logging": {"tensorboard": False}}), resume="last")
     return failed, (step, *resumed), at_the_end
-
-
-def _tear(path: Path) -> None:
-    """Change bytes in the middle of the largest tensor record of checkpoint ``path``, leaving the zip archive's
-    directory (names, sizes, CRC-32s) as it was: a copy torn by a failing disk or an interrupted rsync --inplace."""
-    with zipfile.ZipFile(path) as archive:
-        tensors = [r for r in archive.infolist() if r.filename.partition("/")[2].startswith("data/")]
-        record = max(tensors, key=lambda r: r.file_size)
-    data = bytearray(path.read_bytes())
-    name_length, extra_length = struct.unpack("<HH", data[record.header_offset + 26 : record.header_offset + 30])
-    middle = record.header_offset + 30 + name_length + extra_length + record.file_size // 2
-    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
-    path.write_bytes(bytes(data))
 
 
 def _cannot_delete(where: Path | list, *args) -> None:

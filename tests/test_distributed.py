@@ -732,6 +732,11 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     (step0, *resumed0), (step1, *resumed1) = outcomes[0]["resumed_after_events"], outcomes[1]["resumed_after_events"]
     assert 4 <= step0 == step1 < 8 and resumed0[:2] == resumed1[:2] == ["trained", 8]
     _equal(resumed0[2], resumed1[2])
+    # A failed step's note names the checkpoint --resume last continues from: rank 1's disk, which holds none, said
+    # "no checkpoint was saved before it" while rank 0 had one. It is rank zero's, the rank that writes them.
+    kept = "the newest checkpoint, 'failing/version_0/checkpoints/last.pt', is intact"
+    notes = [outcome["failed_at_step_3"] for outcome in outcomes]
+    assert all(any(kept in note for note in noted) for noted in notes), notes
 
 
 def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):

@@ -6,17 +6,16 @@ was."""
 from __future__ import annotations
 
 import re
-import shutil
-import struct
-import zipfile
 
 import pytest
 import torch
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
-from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
+from ampkit.trainer.sharded_checkpoint import SHARD_CRCS
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
 
@@ -134,7 +133,8 @@ def test_a_resume_refuses_a_loop_position_that_is_no_count(tmp_path, trained, lo
 
 
 def _sharded_with_nan(source, target):
-    """A copy of sharded checkpoint ``source`` at ``target`` whose first model weight holds a NaN."""
+    """A copy of sharded checkpoint ``source`` at ``target`` whose first model weight holds a NaN, written by other
+    code than ampkit's save."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     whole = target.parent / "whole.pt"
@@ -143,7 +143,9 @@ def _sharded_with_nan(source, target):
     next(v for v in state["model"].values() if v.is_floating_point()).view(-1)[0] = float("nan")
     torch.save(state, whole)
     torch_save_to_dcp(whole, target)
-    shutil.copy(source / "trainer.pt", target / "trainer.pt")
+    trainer_part = load_checkpoint(source / "trainer.pt")
+    del trainer_part[SHARD_CRCS]  # its shard files are others: as an older ampkit's, it records none to check
+    torch.save(trainer_part, target / "trainer.pt")
 
 
 @pytest.mark.parametrize("sharded_run", [True, False], ids=["into fsdp", "consolidated"])
@@ -179,24 +181,69 @@ def test_load_model_of_last_or_best_without_a_run_here_names_where_it_looked(tmp
 
 
 def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_check(tmp_path, trained):
-    """A copy torn in a tensor's bytes loads without an error, with other values (torch.load checks no CRC-32), and
-    its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the legacy format
-    (no CRCs to check), pass."""
+    """A copy torn in a tensor's bytes loads through torch.load without an error, with other values (it checks no
+    CRC-32), and its zip directory is the whole file's; a copy cut short has no directory. Whole files, and the
+    legacy format (no CRCs to check), pass. load_checkpoint refuses the torn copy, naming its record."""
     last, _ = trained
-    whole = last.read_bytes()
-    with zipfile.ZipFile(last) as archive:
-        record = max(archive.infolist(), key=lambda r: r.file_size if "/data/" in r.filename else -1)
-    name_length, extra_length = struct.unpack("<HH", whole[record.header_offset + 26 : record.header_offset + 30])
-    start = record.header_offset + 30 + name_length + extra_length
     torn = tmp_path / "torn.pt"
-    torn.write_bytes(whole[:start] + bytes(record.file_size) + whole[start + record.file_size :])
-    assert load_checkpoint(torn)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it as it is
-    name = record.filename.partition("/")[2]
+    record = tear(last, torn)
+    assert torch.load(torn, weights_only=True)["loop"] == load_checkpoint(last)["loop"]  # torch.load takes it
+    name = record.partition("/")[2]
     assert damaged_record(torn) == f"its record '{name}' is not as written (BadZipFile: Bad CRC-32 for file " \
-        f"'{record.filename}')"  # fmt: skip
+        f"'{record}')"  # fmt: skip
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"checkpoint '{torn}' is damaged: its record '{name}'")):
+        load_checkpoint(torn)
     cut = tmp_path / "cut.pt"
-    cut.write_bytes(whole[: len(whole) // 2])
+    cut.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     assert damaged_record(cut).startswith("its zip archive's directory cannot be read, so the file was cut short")
     legacy = tmp_path / "legacy.pt"
     torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert damaged_record(last) is damaged_record(legacy) is damaged_record(tmp_path / "absent.pt") is None
+
+
+@pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
+def test_a_torn_last_pt_is_refused_in_one_process_naming_its_record_and_the_newest_whole_file(tmp_path, use):
+    """A single process loaded a copy torn in a tensor's bytes without a word (torch.load checks no CRC-32) and
+    trained or evaluated other weights. Each load reads its records against their CRC-32s, and the way back skips
+    a newest step file torn too."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    last = checkpoints / "last.pt"
+    record = tear(checkpoints / "step-00000006.pt", last)
+    tear(checkpoints / "step-00000006.pt", checkpoints / "step-00000006.pt")
+    resumed = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 8, "checkpoint.every_n_steps": 2}))
+    with pytest.raises(DamagedCheckpointError) as error:
+        if use == "resume":
+            resumed.fit(resume="last")
+        elif use == "validate":
+            resumed.validate(ckpt="last")
+        else:
+            load_model(last, trainer_class=ToyTrainer)
+    assert error.match(re.escape(f"checkpoint '{last}' is damaged: its record '{record.partition('/')[2]}' is not"))
+    if use != "load_model":
+        assert error.match(re.escape(f"the newest whole checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'"))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written: no version_1
+
+
+@pytest.mark.parametrize("use", ["resume", "validate into fsdp", "validate consolidated"])
+def test_a_sharded_checkpoint_torn_in_a_shard_is_refused_naming_the_shard_file(tmp_path, use):
+    """DCP keeps no checksum, and a shard file torn in a tensor's bytes (its layout intact) loaded without an error,
+    with other weights. The CRC-32 of each shard file, recorded in trainer.pt at the save, is checked at the load."""
+    sharded = {**QUIET, "distributed.strategy": "fsdp", "trainer.max_steps": 2}
+    trainer = ToyTrainer(toy_cfg(tmp_path, **sharded))
+    trainer.fit()
+    last = (trainer.version_dir / "checkpoints" / "last").resolve()
+    weight = consolidate_checkpoint(last)["0.weight"].numpy().tobytes()
+    shard = next(f for f in last.glob("*.distcp") if weight in f.read_bytes())
+    data = shard.read_bytes()
+    start = data.index(weight)
+    shard.write_bytes(data[:start] + bytes(len(weight)) + data[start + len(weight) :])
+    named = rf"sharded checkpoint '{last.parent}/(last|{last.name})': shard file\(s\) {shard.name} are not as written"
+    with pytest.raises(CheckpointError, match=named):
+        if use == "resume":
+            ToyTrainer(toy_cfg(tmp_path, **{**sharded, "trainer.max_steps": 4})).fit(resume="last")
+        elif use == "validate into fsdp":
+            ToyTrainer(toy_cfg(tmp_path / "eval", **sharded)).validate(ckpt=last)
+        else:
+            ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET)).validate(ckpt=last)

@@ -435,7 +435,7 @@ def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_pa
     (checkpoints / "last.pt").write_bytes(b"PK\x03\x04 garbage")
     settings = ["--resume", "last", "trainer.max_steps=6"] if command == "fit" else ["--ckpt", "last"]
     line = _one_line_error(capsys, [command, "--config", config, *settings])
-    assert f"the newest readable checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'" in line
+    assert f"the newest whole checkpoint beside it is '{checkpoints / 'step-00000004.pt'}'" in line
 
 
 class NaNFirstStep(ToyTrainer):

@@ -20,6 +20,7 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
@@ -216,11 +217,14 @@ def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):
     kept = _files(checkpoints)
     outside = tmp_path / "copy.pt"
     outside.write_bytes((checkpoints / "last.pt").read_bytes())
+    torn = tmp_path / "torn.pt"  # a damaged copy is still the user's checkpoint: it is not written over either
+    tear(checkpoints / "last.pt", torn)
+    torn_bytes = torn.read_bytes()
     version = checkpoints.parent
     (tmp_path / "link").symlink_to(checkpoints)  # a link into checkpoints/ is inside it
     records = {p: p.read_bytes() for p in (version / "config.yaml", version / "run.lock") if p.exists()}
     (version / "tensorboard").mkdir(exist_ok=True)
-    for output in (checkpoints / "last.pt", checkpoints / "preds.pt", outside, tmp_path / "link" / "new.pt",
+    for output in (checkpoints / "last.pt", checkpoints / "preds.pt", outside, torn, tmp_path / "link" / "new.pt",
                    version / "config.yaml", version / "lineage.yaml", version / "run.lock",
                    version / "tensorboard" / "events.out.tfevents.1"):  # fmt: skip
         capsys.readouterr()
@@ -228,6 +232,7 @@ def test_predict_output_never_overwrites_a_checkpoint(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"predict --output '{output}': refusing to write there" in err and "Traceback" not in err
     assert _files(checkpoints) == kept and outside.read_bytes() == (checkpoints / "last.pt").read_bytes()
+    assert torn.read_bytes() == torn_bytes
     assert all(path.read_bytes() == content for path, content in records.items())
     assert not (version / "run.lock").exists() and not (version / "lineage.yaml").exists()
     # An existing directory, or a path ending in "/", gets predictions.pt inside it.

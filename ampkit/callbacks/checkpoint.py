@@ -294,6 +294,7 @@ class ModelCheckpoint(KeyedByMonitor):
         # Rank zero writes the file; where that fails (a full disk) every rank stops here with its error, rather than
         # training on into a collective rank zero never joins.
         path = decided_by_rank_zero(partial(self._write, trainer, checkpoint, filename, best), trainer.dist)
+        trainer.rank_zero_last = path.parent / "last.pt"  # every rank: a failure's note names rank zero's
         return path if trainer.is_global_zero else None
 
     def _write(self, trainer, checkpoint: dict[str, Any], filename: str, best: str | None) -> Path:
@@ -337,6 +338,7 @@ class ModelCheckpoint(KeyedByMonitor):
             raise _save_failed(Path(failed[0]), failed[1], directory / LAST, path)
         if trainer.is_global_zero and self.keep_last is not None and self._writes_periodic:
             prune_sharded(directory, self.keep_last, self._protected)
+        trainer.rank_zero_last = directory / LAST  # every rank: a failure's note names rank zero's
         return path
 
     def _point_links(self, directory: Path, path: Path, best: str | None) -> tuple[str, str] | None:

@@ -1,14 +1,14 @@
 """Where a ``fit()`` starts, decided once by rank zero for every rank (``run_life.plan_fit``: which checkpoint,
-continue or branch, which version directory, the warnings), and the checkpoint checked to be the same file on every
-rank before any rank loads it.
+continue or branch, which version directory, the warnings), and the checkpoint each rank loads checked to be rank
+zero's file, and whole, before any rank uses it.
 
 Each rank looking at the run directory itself could decide differently: on a node-local ``run_dir`` each node sees
 its own disk, where rank zero's node holds the checkpoints and another node none, or older ones. Ranks that resumed
 different checkpoints would train on from different steps, and ranks that disagreed on continue or branch would write
 to two version directories. So rank zero plans, and a rank that does not see rank zero's checkpoint (no file there,
-another one, a sharded checkpoint without some of its shard files) stops every rank before anything is trained or
-written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test and predict
-with a checkpoint are checked alike (:func:`agreed_checkpoint`).
+another one, a sharded checkpoint without some of its shard files, a damaged copy) stops every rank before anything
+is trained or written, naming the ranks and their hosts: a resume needs the checkpoint on every node. validate, test
+and predict with a checkpoint are checked alike (:func:`agreed_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, file_fingerprint
+from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, file_fingerprint
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
 from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
@@ -70,8 +70,9 @@ def _position(loop: dict[str, int] | None) -> str:
 
 def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir: str) -> FitStart:
     """``plan()`` (which resolves and loads the checkpoint) on rank zero, its decision and its errors on every rank;
-    each other rank loads the checkpoint rank zero chose (a file's whole state; a sharded one's shards are loaded
-    later, with the model) once every rank has found it the same file as rank zero's. ``run_dir``: for the message."""
+    each other rank loads the checkpoint rank zero chose (a file's whole state; a sharded one's ``trainer.pt``, its
+    shards are loaded later, with the model), and every rank stops where any rank's is not rank zero's file or is
+    damaged. ``run_dir``: for the message."""
     if not env.enabled:
         return plan()
     planned: list[FitStart] = []
@@ -86,42 +87,52 @@ def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir:
         start = planned[0]
     if zeros is None or start.finished:  # nothing to load: a finished run trains nothing
         return start
-    checkpoint = _same_on_every_rank(start.checkpoint_path, zeros, env, run_dir, "resuming", load=not zeros.shards)
-    return start if checkpoint is None else replace(start, checkpoint=checkpoint)
+    # Rank zero loaded it in plan(); its load's errors, a damaged copy among them, went to every rank already.
+    checkpoint = _same_on_every_rank(start.checkpoint_path, zeros, env, run_dir, "resuming", load=env.rank != 0)
+    return start if zeros.shards or checkpoint is None else replace(start, checkpoint=checkpoint)
 
 
-def agreed_checkpoint(resolve: Callable[[], Path | None], env: DistributedEnv, run_dir: str, what: str) -> Path | None:
+def agreed_checkpoint(
+    resolve: Callable[[], Path | None], env: DistributedEnv, run_dir: str, what: str
+) -> tuple[Path | None, dict[str, Any] | None]:
     """``resolve()`` (a checkpoint's path from ``last``/``best`` or a path given) on rank zero, its value and its
-    errors on every rank, once every rank has found the checkpoint there the same file as rank zero's (each reads it:
-    validate, test, predict). ``what``: what reads it, for the message (``validate: loading``)."""
+    errors on every rank, and the checkpoint file loaded there on every rank, once every rank has found it the same
+    file as rank zero's and whole (validate, test, predict); a sharded checkpoint's ``trainer.pt`` is checked so, and
+    None is returned for it (its shards load into the model). ``what``: what reads it, for the message
+    (``validate: loading``)."""
     if not env.enabled:
-        return resolve()
+        return resolve(), None
 
     def rank_zeros() -> tuple[Path | None, CheckpointView | None]:
         path = resolve()
         return path, view_of(path) if path is not None else None
 
     path, zeros = decided_by_rank_zero(rank_zeros, env)
-    if path is not None:
-        _same_on_every_rank(path, zeros, env, run_dir, what, load=False)
-    return path
+    if path is None:
+        return None, None
+    checkpoint = _same_on_every_rank(path, zeros, env, run_dir, what, load=True)
+    return path, None if zeros.shards else checkpoint
 
 
 def _same_on_every_rank(
     path: Path, zeros: CheckpointView, env: DistributedEnv, run_dir: str, what: str, load: bool
 ) -> dict[str, Any] | None:
     """Refuse on every rank, naming each rank (and its host) that sees another file at ``path`` than rank zero's
-    (``zeros``), a damaged one (rank zero too: its fingerprint trusts the CRCs, which torch.load never checks), or
-    cannot ``load`` it; the checkpoint loaded on this rank (not rank zero), or None."""
-    checkpoint, problem = None, None
-    damaged = damaged_record(path / TRAINER_FILE if path.is_dir() else path)  # also why a copy cut short differs
+    (``zeros``), or where ``load`` cannot load it (its file, or a sharded one's ``trainer.pt``), a damaged copy
+    among them: the load reads each record against its CRC-32, which torch.load never checks and the fingerprint
+    trusts. The checkpoint loaded on this rank, or None where not ``load``."""
+    checkpoint, problem, damaged, failure = None, None, None, None
+    if load:
+        try:
+            checkpoint = load_with_fallback_hint(path / TRAINER_FILE if path.is_dir() else path)
+        except DamagedCheckpointError as exc:
+            damaged = exc.damage
+        except CheckpointError as exc:
+            failure = exc
     if env.rank != 0 and damaged is None:
         problem = difference(view_of(path), zeros)
-    if env.rank != 0 and problem is None and damaged is None and load:
-        try:
-            checkpoint = load_with_fallback_hint(path)
-        except CheckpointError as exc:
-            problem = f"cannot load it: {exc}"
+    if problem is None and failure is not None:
+        problem = f"cannot load it: {failure}"
     found = gather_object((socket.gethostname(), problem, damaged), env)
     seen = [f"rank {rank} (host {host}) {said or f'has a damaged copy: {why}'}"
             for rank, (host, said, why) in enumerate(found) if said or why]  # fmt: skip

@@ -47,6 +47,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, unsafe or not ampkit's."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint file whose bytes are not those written (a copy torn or cut short, a disk's error); ``damage`` says
+    what in it (:func:`damaged_record`), apart from the file's name: a whole copy of it elsewhere is another matter."""
+
+    def __init__(self, message: str, damage: str) -> None:
+        super().__init__(message)
+        self.damage = damage
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # it travels to the other ranks whole
+        return type(self), (str(self), self.damage)
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -379,7 +391,8 @@ def _user_safe_globals() -> list[Any]:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load an ampkit checkpoint with ``weights_only=True``; every failure is one :class:`CheckpointError`."""
+    """Load an ampkit checkpoint with ``weights_only=True``, its records read against their CRC-32s (a damaged copy is
+    a :class:`DamagedCheckpointError`); every failure is one :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at '{path}'")
@@ -400,9 +413,18 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"which could run code ({detail}). ampkit loads checkpoints with weights_only=True."
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint '{path}' is corrupt or truncated: {describe(exc)}") from None
+        message = f"checkpoint '{path}' is corrupt or truncated: {describe(exc)}"
+        damage = damaged_record(path)  # read only where torch failed: a copy cut short, a record torn
+        raise (CheckpointError(message) if damage is None else DamagedCheckpointError(message, damage)) from None
     except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
         raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {describe(exc)}") from None
+    # torch.load checks no CRC-32: a copy torn in a tensor's bytes loads without an error, with other values.
+    if (damage := damaged_record(path)) is not None:
+        raise DamagedCheckpointError(
+            f"checkpoint '{path}' is damaged: {damage}; it would load without an error, with other values than "
+            "those saved",
+            damage,
+        )
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(
             f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "

@@ -64,6 +64,8 @@ from ampkit.trainer.checkpoint_io import (
     PERIODIC_STEM,
     PROTECTED,
     CheckpointError,
+    DamagedCheckpointError,
+    damaged_record,
     deletable,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
@@ -173,25 +175,30 @@ def loop_of(path: Path) -> dict[str, int] | None:
 
 
 def load_with_fallback_hint(path: Path) -> dict[str, Any]:
-    """:func:`load_checkpoint`; when ``path`` cannot be read, the error names the newest readable checkpoint beside
-    it (a damaged ``last.pt`` leaves its step files to resume from: a resume from one is a branch)."""
+    """:func:`load_checkpoint` (which reads every record against its CRC-32); when ``path`` cannot be read or is
+    damaged, the error names the newest whole checkpoint beside it (a damaged ``last.pt`` leaves its step files to
+    resume from: a resume from one is a branch)."""
     try:
         return load_checkpoint(path)
     except CheckpointError as exc:
         fallback = _newest_readable_beside(path)
         if fallback is None:
             raise
-        raise CheckpointError(f"{exc}; the newest readable checkpoint beside it is '{fallback}'") from None
+        hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
+        if isinstance(exc, DamagedCheckpointError):
+            raise DamagedCheckpointError(hint, exc.damage) from None
+        raise CheckpointError(hint) from None
 
 
 def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Path | None:
-    """The newest checkpoint file beside ``path`` that can be read and holds ``sections``, or None."""
+    """The newest checkpoint file beside ``path`` that is whole (its records match their CRC-32s) and holds
+    ``sections``, or None. Read newest first: an older file is read only where every newer one is damaged."""
     if path.parent.name != "checkpoints" or not path.parent.is_dir():
         return None
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
     usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
-    ranked = [((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable]
-    return max(ranked)[-1] if ranked else None
+    ranked = sorted((((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable), reverse=True)
+    return next((p for *_, p in ranked if damaged_record(p) is None), None)
 
 
 def _is_periodic(path: Path) -> bool:
@@ -996,8 +1003,7 @@ def _is_run_record(path: Path) -> bool:
 
 
 def _holds_checkpoint(path: Path) -> bool:
-    try:
-        load_checkpoint(path)
-    except CheckpointError:
-        return False
-    return True
+    """Whether file ``path`` holds an ampkit checkpoint, read without its tensors: a damaged copy, which no load
+    takes, is still the user's checkpoint."""
+    checkpoint = peek_checkpoint(path)
+    return checkpoint is not None and FORMAT_KEY in checkpoint

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +38,7 @@ from ampkit.trainer.checkpoint_io import (
     save_atomic,
     write_errors_surfaced,
 )
-from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero
+from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
 from ampkit.trainer.optimizers import state_initialising_steps
 from ampkit.trainer.param_groups import TRAINABLE_KEY, trainable_record
 from ampkit.trainer.state_misfit import StateMisfit, check_optimizer_fits, model_misfit, shapes_of
@@ -47,6 +48,9 @@ from ampkit.trainer.waiting import barrier
 
 TRAINER_FILE = "trainer.pt"
 LAST = "last"
+# trainer.pt's record of each shard file's CRC-32, taken as the save ends: DCP keeps none, and reads a shard torn in a
+# tensor's bytes without a word (torch.load checks no CRC), so a resume would train on other weights.
+SHARD_CRCS = "shard_crc32"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -145,8 +149,12 @@ def save_sharded(
     try:
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
+        # Each rank reads back the files it wrote (still in the page cache), and rank zero records them all.
+        crcs = gather_object(_crcs(sorted(tmp.glob(f"__{env.rank}_*.distcp"))), env)
         if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
-            save_atomic(checkpoint, tmp / TRAINER_FILE)
+            save_atomic(
+                {**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE
+            )
     except BaseException as exc:
         # DCP fails on every rank once all are done writing; trainer.pt is rank zero's last write: the partial
         # directory goes now, not at the next run, so a full disk gets its space back.
@@ -163,6 +171,38 @@ def save_sharded(
         shutil.rmtree(aside, ignore_errors=True)
     barrier(f"the end of the save of {path.name}")
     return path
+
+
+def _crc32(file: Path) -> int:
+    crc = 0
+    with file.open("rb") as stream:
+        while chunk := stream.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _crcs(files: list[Path]) -> dict[str, int]:
+    return {file.name: _crc32(file) for file in files}
+
+
+def refuse_damaged_shards(path: Path, saved: dict[str, int] | None, collective: bool) -> None:
+    """A :class:`CheckpointError` naming each shard file of sharded checkpoint ``path`` whose CRC-32 is not the one
+    recorded at its save (``saved``; None for a checkpoint of an ampkit that recorded none). ``collective``: every
+    rank checks its share of the files (every world-size-th one) and hears the others' findings; else this process
+    checks them all."""
+    if not saved:
+        return
+    together = collective and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    env = DistributedEnv(rank=rank, world_size=world_size)
+    mine = sorted(saved)[rank::world_size]
+    found = gather_object([n for n in mine if not (path / n).is_file() or _crc32(path / n) != saved[n]], env)
+    if damaged := sorted(name for names in found for name in names):
+        raise CheckpointError(
+            f"sharded checkpoint '{path}': shard file(s) {', '.join(damaged)} are not as written (their CRC-32s are "
+            "not those recorded at the save): a copy torn or a disk's error, which would load without an error, "
+            f"with other values; resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+        )
 
 
 def write_failure(exc: BaseException) -> str | None:
@@ -289,6 +329,8 @@ def load_sharded(
             f"sharded checkpoint '{path}' cannot be read ({failures or exc}): a shard file is damaged or missing; "
             f"resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
         ) from None
+    # DCP read them: a shard torn in a tensor's bytes passes it.
+    refuse_damaged_shards(path, checkpoint.get(SHARD_CRCS), collective=True)
     try:
         set_model_state_dict(module, state["model"])
         with state_initialising_steps():
@@ -351,4 +393,6 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=path, no_dist=True)
+    # A process of its own (a script's rank zero alone may call it): it checks every shard file itself.
+    refuse_damaged_shards(path, load_checkpoint(path / TRAINER_FILE).get(SHARD_CRCS), collective=False)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

@@ -417,6 +417,9 @@ class Trainer:
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
         self.version_dir: Path | None = None
+        # What fit(resume='last') continues from as rank zero, which writes the checkpoints, sees it: known on every
+        # rank from the fit's start and each save, for a failure's note (on a node-local disk another rank's differs).
+        self.rank_zero_last: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
         self._launch: str | None = None  # which fit of which torchrun launch this is (None outside torchrun)
@@ -1743,10 +1746,10 @@ class Trainer:
     def _run_stage(
         self, stage: Stage, ckpt: str | os.PathLike | None, before: Callable[[Path | None], None] | None = None
     ) -> Any:
-        path = None
+        path, checkpoint = None, None
         if ckpt is not None:  # rank zero resolves it, and every rank must see that file (a node-local run_dir may not)
             resolve, run_dir = partial(resolve_checkpoint, self.cfg.run_dir, ckpt), str(self.cfg.run_dir)
-            path = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
+            path, checkpoint = agreed_checkpoint(resolve, self.dist, run_dir, f"{stage.name}: loading")
         if before is not None:
             before(path)
         if ckpt is not None and path is None:
@@ -1757,7 +1760,8 @@ class Trainer:
         if fresh:
             self._setup_model()
         if path is not None:
-            self._load_weights(path)
+            self._load_weights(path, checkpoint)
+            checkpoint = None  # its optimizer states are not held through the evaluation
         if fresh:
             self._setup_callbacks()
         loader = check_loader(call_setup_method(self, stage.dataloader), stage.dataloader, optional=True)
@@ -1844,7 +1848,10 @@ class Trainer:
 
     def _newest_checkpoint(self) -> Path | None:
         """What ``fit(resume="last")`` would continue from, for a note on a failure (None where it cannot be read: the
-        note must not replace the error it explains)."""
+        note must not replace the error it explains). Rank zero's: another rank's disk may hold none, or older ones;
+        it is known there without a collective, which a failing rank may never reach (:attr:`rank_zero_last`)."""
+        if self.dist.enabled and not self.is_global_zero:
+            return self.rank_zero_last
         try:
             return resolve_checkpoint(self.cfg.run_dir, "last")
         except Exception:
@@ -1976,15 +1983,16 @@ class Trainer:
         # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
         # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
         self.version_dir = None
-        version_dir = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
+        version_dir, self.rank_zero_last = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
         self.version_dir = version_dir if self.is_global_zero or self.sharded else None
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self._check_shards_writable()
 
-    def _open_version_dir(self, start: FitStart) -> Path:
-        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory)."""
+    def _open_version_dir(self, start: FitStart) -> tuple[Path, Path | None]:
+        """:func:`open_version_dir`, keeping its lock (rank zero's: the others get only the directory), and what
+        ``fit(resume="last")`` would continue from."""
         self.version_dir, self._lock = open_version_dir(self.cfg.run_dir, start, self.cfg, self.state.global_step)
-        return self.version_dir
+        return self.version_dir, self._newest_checkpoint()
 
     def _check_shards_writable(self) -> None:
         """Under FSDP every rank writes its shards into the version directory rank zero made: each must see it and
@@ -2333,18 +2341,19 @@ class Trainer:
             rank_zero_warn(f"checkpoint '{path}': {not_restored}")
         self.fire("on_load_checkpoint", checkpoint)
 
-    def _load_weights(self, path: Path) -> None:
-        """The model weights of a checkpoint file or sharded directory, for validate/test/predict."""
+    def _load_weights(self, path: Path, checkpoint: dict[str, Any] | None = None) -> None:
+        """The model weights of a checkpoint file or sharded directory, for validate/test/predict; ``checkpoint``: the
+        file, where every rank has loaded it already (agreed_checkpoint)."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
             load_sharded(path, self.module, {}, self.cfg)
             check_saved_weights_finite(path, self.module.state_dict(), self.dist)  # every rank: one collective
             return
-        checkpoint: dict[str, Any] = {}
+        checkpoint = checkpoint or {}
         try:
             if is_sharded_checkpoint(path):
                 state = consolidate_checkpoint(path)
             else:
-                checkpoint = load_with_fallback_hint(path)
+                checkpoint = checkpoint or load_with_fallback_hint(path)
                 if "model" not in checkpoint:
                     raise CheckpointError(f"checkpoint '{path}' has no 'model' entry: it holds no weights to load")
                 state = checkpoint["model"]

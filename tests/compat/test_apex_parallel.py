@@ -337,6 +337,42 @@ def _check_ddp_takes_a_module_frozen_whole(rank, world_size):
     assert _grads_equal(head, expected)
 
 
+class _Standardize(torch.nn.Module):
+    """A module of buffers only (an input normalizer, as image models put before their backbone)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.register_buffer("mean", torch.full((4,), float(rank)))
+        self.register_buffer("std", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+def _check_ddp_takes_a_module_without_parameters(rank, world_size):
+    """torch's constructor refuses a module with no parameter at all (it cannot even tell its device); Apex's class
+    broadcast and reduced nothing and ran its forwards, leaving each rank's buffers its own. In every reduce mode a
+    backward through it reaches the input's gradient, and a misspelt torch keyword is still an error."""
+    x = _rank_data(rank)[0]
+    outputs, grads = [], []
+    for kwargs in ({}, {"delay_allreduce": True}, {"gradient_average": False}, {"retain_allreduce_buffers": True}):
+        ddp = DistributedDataParallel(_Standardize(rank), **kwargs)
+        leaf = x.clone().requires_grad_(True)
+        out = ddp(leaf)
+        out.pow(2).sum().backward()
+        outputs.append(out.detach())
+        grads.append(leaf.grad)
+        ddp.disable_allreduce()
+        ddp(leaf)
+    expected = (x - rank) / 2
+    with pytest.raises(TypeError, match="find_unused_parameter"):
+        DistributedDataParallel(_Standardize(rank), find_unused_parameter=True)
+    assert all(torch.equal(out, expected) for out in outputs)
+    assert all(torch.equal(grad, expected) for grad in grads)  # d/dx of ((x - m) / 2)^2 summed
+    assert torch.equal(ddp.module.mean, torch.full((4,), float(rank)))  # rank-local, not broadcast
+    assert ddp.world_size == float(world_size) and list(ddp.parameters()) == []
+
+
 def _check_ddp_delay_allreduce_with_an_unused_parameter(rank, world_size):
     # Apex's delay_allreduce reduced the grads that existed at the end of backward; an unused layer is fine.
     base, mean, _ = _linear_grads(world_size)
@@ -906,6 +942,7 @@ _TWO_RANK_CHECKS = {
         _check_apex_imagenet_example_resumes_exactly_and_keeps_the_ranks_equal,
         _check_ddp_delay_allreduce_with_an_unused_parameter,
         _check_ddp_takes_a_module_frozen_whole,
+        _check_ddp_takes_a_module_without_parameters,
         _check_ddp_default_mode_with_a_layer_the_forward_never_uses,
         _check_ddp_with_a_branch_only_some_ranks_use,
         _check_ddp_default_mode_leaves_sparse_embeddings_to_torchs_reducer,

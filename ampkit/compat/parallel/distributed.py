@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import math
 import numbers
@@ -295,18 +296,13 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         allreduce_always_fp32 = checked_switch(owner, "allreduce_always_fp32", allreduce_always_fp32)
         retain_allreduce_buffers = checked_switch(owner, "retain_allreduce_buffers", retain_allreduce_buffers)
         torch_ddp_kwargs.setdefault("bucket_cap_mb", message_size * _FP32_BYTES / 2**20)
-        with _trainable_while_torch_wraps(module):
-            if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
-                super().__init__(module, **torch_ddp_kwargs)
-            else:
-                # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
-                # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
-                # hide torch >= 2.13's deprecation warning, which the user cannot act on.
-                with warnings.catch_warnings():
-                    warnings.filterwarnings(
-                        "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
-                    )
-                    super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+        # A module with no parameter at all (a normalizer of buffers, a resize): torch's constructor refuses it, Apex's
+        # broadcast and reduced nothing and ran its forwards. Nothing of torch's DDP has anything to do for it.
+        self._parameterless = next(module.parameters(), None) is None
+        if self._parameterless:
+            self._wrap_without_torch(module, torch_ddp_kwargs)
+        else:
+            self._wrap_with_torch(module, torch_ddp_kwargs)
         # Apex's attributes, which scripts and subclasses read.
         self.delay_allreduce = delay_allreduce
         self.message_size = message_size
@@ -351,8 +347,34 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         if not self._reducer_params:  # a frozen module (a target network): torch's reducer never runs for it
             self._reducer_overlaps = False
         self._reached_params: set[int] | None = None  # filled by the parameters' hooks while _reducer_overlaps is None
-        if not delay_allreduce and not self._reduce_options.is_torch_default:
+        if not delay_allreduce and not self._reduce_options.is_torch_default and not self._parameterless:
             self.register_comm_hook(self._reduce_options, _apex_allreduce_hook)
+
+    def _wrap_with_torch(self, module: torch.nn.Module, torch_ddp_kwargs: dict[str, Any]) -> None:
+        """torch's constructor on ``module`` (one frozen whole made trainable while it runs)."""
+        with _trainable_while_torch_wraps(module):
+            if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
+                super().__init__(module, **torch_ddp_kwargs)
+            else:
+                # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
+                # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
+                # hide torch >= 2.13's deprecation warning, which the user cannot act on.
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
+                    )
+                    super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+
+    def _wrap_without_torch(self, module: torch.nn.Module, torch_ddp_kwargs: dict[str, Any]) -> None:
+        """Hold ``module``, which has no parameter, as Apex's class did: no broadcast, no reducer; :meth:`forward`
+        runs it. torch's keyword arguments are still checked against its constructor's, so a misspelt one is an
+        error, not dropped."""
+        inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).bind(self, module, **torch_ddp_kwargs)
+        torch.nn.Module.__init__(self)
+        self.module = module
+        self.process_group = torch_ddp_kwargs.get("process_group") or dist.distributed_c10d._get_default_group()
+        self._module_parameters: list[torch.nn.Parameter] = []
+        self.require_backward_grad_sync = False  # nothing to reduce
 
     @property
     def no_sync(self) -> Any:
@@ -373,6 +395,8 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; this forward's backward all-reduces unless :meth:`disable_allreduce` is in effect."""
+        if self._parameterless:  # no gradient to reduce, as under Apex
+            return self.module(*inputs, **kwargs)
         if self._reached_params is not None and torch.is_grad_enabled():
             self._decide_whether_reducer_overlaps()
         reduce = not self._disable_allreduce or self._stash_needs_every_backward_reduced()
