@@ -560,3 +560,27 @@ def test_o2_says_it_casts_float64_parameters_down_too(tmp_path):
     with pytest.warns(UserWarning, match=r"opt_level=O2 casts the model's float64 parameters to bfloat16 too "
                                          r"\(wide.weight, wide.bias\).*O1 keeps them"):  # fmt: skip
         trainer.fit()
+
+
+class _ImportsPastItsLen(_Understated):
+    """Past its ``len()`` the stream's reader imports a library that installs a warning filter, as many do."""
+
+    def __iter__(self):
+        for index, sample in enumerate(super().__iter__()):
+            if index == self.length:
+                warnings.filterwarnings("ignore", message="a library's own filter")
+            yield sample
+
+
+class _FilterPastItsLen(UnderstatedLength):
+    def train_dataloader(self):
+        return DataLoader(_ImportsPastItsLen(self.length), batch_size=8)
+
+
+def test_the_batch_checked_past_len_leaves_a_filter_the_loader_installs(tmp_path):
+    """The batch fetched past len() ran under warnings.catch_warnings, which swaps the process's filters: a filter
+    installed meanwhile (by the loader, or by another thread's unseeded run) was dropped as the check ended."""
+    trainer = _FilterPastItsLen(toy_cfg(tmp_path, **QUIET, **BARE))
+    with pytest.warns(UserWarning, match=r"more batches than its len\(\)"):  # its exit restores the filters
+        trainer.fit()
+        assert any(f[0] == "ignore" and f[1] and f[1].pattern == "a library's own filter" for f in warnings.filters)

@@ -14,7 +14,6 @@ import functools
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -337,6 +336,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -348,7 +348,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    # dcp.load's single-process mode warns that it is one, which is the point here: its loader is called directly
+    # rather than the warning filtered, as warnings.catch_warnings swaps the filters of every thread's run
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
