@@ -242,6 +242,7 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
 _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
+_METRIC_NAME = (lambda v: bool(v.strip())), "a metric's name, such as val/loss"  # "" monitored nothing, silently
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
@@ -291,10 +292,12 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         (lambda v: v >= 1 or v == -1),
         "an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is checkpoint.enabled=false",
     ),
+    "checkpoint.monitor": _optional(_METRIC_NAME, "no best checkpoint"),
     "early_stopping.patience": (
         (lambda v: v >= 1),
         "an integer >= 1 (Lightning's 0 stops at the first validation without improvement, as 1 does here)",
     ),
+    "early_stopping.monitor": _optional(_METRIC_NAME, "no early stopping"),
     "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),
     "early_stopping.stopping_threshold": _optional(_FINITE_NUMBER, "never"),
     "early_stopping.divergence_threshold": _optional(_FINITE_NUMBER, "never"),
