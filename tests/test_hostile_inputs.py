@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import io
+import math
 import os
 import re
 import sys
@@ -165,9 +166,31 @@ class SchedulerOfAnother(ToyTrainer):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(other, 1)}
 
 
+class NaNLearningRate(ToyTrainer):
+    """``lr=nan`` in the config (or a typo'd computation): torch's SGD takes it, and the run trained into NaN
+    weights before an error said the model was not finite, naming no learning rate."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=float("nan"), momentum=0.9)
+
+
+class NaNFirstFactor(ToyTrainer):
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        return {"optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(sgd, lambda epoch: math.inf)}
+
+
+class NaNMomentum(ToyTrainer):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.1, momentum=torch.tensor(math.nan))
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
+        (NaNLearningRate, "optimizer 'sgd' (SGD) has lr=nan in param group 0; expected a finite number >= 0"),
+        (NaNFirstFactor, "optimizer 'sgd' (SGD) has lr=inf in param group 0; expected a finite number >= 0"),
+        (NaNMomentum, "optimizer 'sgd' (SGD) has momentum=nan in param group 0; expected a number (NaN sets nothing)"),
         (ForeignParameters, "optimizer 'sgd' holds 1 of its 5 parameters outside the model"),
         (OneParameterTwoOptimizers, "is in optimizers 'sgd' and 'adam': under automatic optimization"),
         (NoOptimizerInDict, "configure_optimizers()[0] is a dict whose 'optimizer' is NoneType (keys: ['optim'])"),

@@ -150,6 +150,7 @@ from ampkit.trainer.optimizers import (
     NamedOptimizers,
     OptimizerSpec,
     SchedulerSpec,
+    check_group_settings,
     check_parameters,
     group_settings,
     normalize_optimizers,
@@ -1900,6 +1901,7 @@ class Trainer:
         self._setup_model()
         check_model_has_parameters(self.module)
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        check_group_settings(self._specs)
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
         self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
