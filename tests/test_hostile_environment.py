@@ -52,6 +52,10 @@ class FusedToy(ToyTrainer):
             {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
             r"environment variable RANK=2 is not below WORLD_SIZE=2 \(torchrun sets WORLD_SIZE, RANK and LOCAL_RANK",
         ),
+        (  # a hand-set or leftover LOCAL_RANK: the rank waited for a rendezvous until its 300 s timeout
+            {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            r"environment variable LOCAL_RANK=3 is not below WORLD_SIZE=2 \(torchrun sets",
+        ),
         ({"AMPKIT_OPS": "kernels"}, r"AMPKIT_OPS='kernels' is not valid; use one of auto, reference, kernel"),
         (
             {"AMPKIT_FUSED_BACKEND": "apex"},
