@@ -200,3 +200,19 @@ def test_a_damaged_copy_is_found_by_its_records_crcs_which_torch_load_does_not_c
     legacy = tmp_path / "legacy.pt"
     torch.save({"a": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     assert damaged_record(last) is damaged_record(legacy) is damaged_record(tmp_path / "absent.pt") is None
+
+
+@pytest.mark.parametrize("given", [True, 5, b"last"], ids=["True", "an int", "bytes"])
+@pytest.mark.parametrize("call", ["fit", "validate", "predict", "load_model"])
+def test_a_checkpoint_given_as_no_path_names_its_type_and_writes_nothing(tmp_path, trained, monkeypatch, call, given):
+    """str() of it was taken as a file name: fit(resume=True) looked for a file 'True', and resume=5 resumed
+    whatever run './5' held."""
+    monkeypatch.chdir(tmp_path)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    run = {"fit": lambda: trainer.fit(resume=given), "validate": lambda: trainer.validate(ckpt=given),
+           "predict": lambda: trainer.predict(ckpt=given),
+           "load_model": lambda: load_model(given, trainer_class=ToyTrainer)}[call]  # fmt: skip
+    expected = rf"the checkpoint given is {re.escape(repr(given))}, of type {type(given).__name__}; expected a path"
+    with pytest.raises(TypeError, match=expected):
+        run()
+    assert not list(tmp_path.iterdir())

@@ -98,6 +98,12 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     """A checkpoint from ``"last"``/``"best"`` (None if ``run_dir`` has none yet) or a path (an error if absent)."""
     if ckpt is None:
         return None
+    if not isinstance(ckpt, str | os.PathLike):  # str() of it named a file of that name: fit(resume=True) 'True'
+        hint = " ('last': the newest run's last checkpoint)" if isinstance(ckpt, bool) else ""
+        raise TypeError(
+            f"the checkpoint given is {ckpt!r}, of type {type(ckpt).__name__}; expected a path (str or os.PathLike), "
+            f"'last' or 'best'{hint}"
+        )
     if str(ckpt) == "last":
         return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
     if str(ckpt) == "best":
