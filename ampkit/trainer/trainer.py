@@ -818,10 +818,9 @@ class Trainer:
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
-        if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
-            raise UserCodeError(
-                f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
-            )
+        if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
+            what = "empty" if isinstance(tag, str) else type(tag).__name__
+            raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
         if others:
             instead = "".join(
                 f"; {_LOG_OPTION_INSTEAD[name]}" for name in sorted(others) if name in _LOG_OPTION_INSTEAD
