@@ -449,6 +449,26 @@ def test_a_full_disk_while_saving_predictions_is_one_error_and_leaves_no_temp(tr
     assert list(output.parent.iterdir()) == []
 
 
+class CountsPredictions(Predicting):
+    steps = 0
+
+    def predict_step(self, batch):
+        type(self).steps += 1
+        return super().predict_step(batch)
+
+
+def test_predictions_bound_for_a_path_under_a_file_are_refused_before_any_is_made(trained, tmp_path):
+    """The output's folder was made only at the save, after every batch was predicted: a path under a file (or a
+    folder no one may write) threw them all away with 'File exists'."""
+    _, _, last = trained
+    (tmp_path / "notes.txt").write_text("mine")
+    output = tmp_path / "notes.txt" / "preds" / "predictions.pt"
+    with pytest.raises(RunDirectoryError, match=f"predict --output '{output}': cannot write there, "
+                       f"'{tmp_path / 'notes.txt'}' is not a directory; name another file"):  # fmt: skip
+        CountsPredictions(toy_cfg(tmp_path, **QUIET)).predict(ckpt=last, output=output)
+    assert CountsPredictions.steps == 0 and (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("command", ["fit", "validate"])
 def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_path, capsys, command):
     config = _config(tmp_path, **{"trainer.max_steps": 4, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 2})

@@ -74,7 +74,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.launch_env import launch_int
-from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
+from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_reason, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     is_sharded_checkpoint,
@@ -950,6 +950,8 @@ def prediction_output(
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    if unusable := unwritable_reason(path.parent):  # found only once every batch was predicted, which were lost
+        raise RunDirectoryError(f"predict --output '{output}': cannot write there, {unusable}; name another file")
     stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
     if stale:
         raise RunDirectoryError(
