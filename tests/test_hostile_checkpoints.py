@@ -15,6 +15,7 @@ import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
+from ampkit.config import ConfigError
 from ampkit.trainer.checkpoint_io import CheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
 
@@ -216,3 +217,18 @@ def test_a_checkpoint_given_as_no_path_names_its_type_and_writes_nothing(tmp_pat
     with pytest.raises(TypeError, match=expected):
         run()
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu", "'gpu' is not a device; use auto, cpu, cuda or cuda:N"), (5, "5 is not a device; use auto, cpu, cuda")]
+    + [("cuda:0", "'cuda:0' requested but CUDA is not available; use auto or cpu")] * (not torch.cuda.is_available()),
+)
+def test_load_model_to_a_device_there_is_not_names_the_argument_before_reading_the_checkpoint(
+    tmp_path, monkeypatch, device, message
+):
+    """torch's own error came once the checkpoint was read and the model built: 'Expected one of cpu, cuda, ipu, xpu,
+    ... device type at start of device string: gpu', or an AssertionError 'Torch not compiled with CUDA enabled'."""
+    monkeypatch.setattr("ampkit.trainer.inference.resolve_checkpoint", lambda *args: pytest.fail("read a checkpoint"))
+    with pytest.raises(ConfigError, match=re.escape(f"load_model(device=...): {message}")):
+        load_model("runs/version_0/checkpoints/last.pt", trainer_class=ToyTrainer, device=device)

@@ -103,6 +103,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
+from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.distributed import (
     DistributedEnv,
     DistributedError,
@@ -473,7 +474,7 @@ class Trainer:
         several times a step), and what the config they came from was (see :meth:`_follow_config`)."""
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
         self._log_every: int = self.cfg.logging.log_every_n_steps
-        self.device = self._resolve_device(self.settings.device)
+        self.device = resolve_device(self.settings.device)
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
@@ -2387,21 +2388,3 @@ class Trainer:
         reason = decided_by_rank_zero(partial(unwritable_reason, self.cfg.run_dir, write), self.dist)
         if reason is not None:
             raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
-
-    @staticmethod
-    def _resolve_device(name: str) -> torch.device:
-        if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise ConfigError(
-                f"config key 'trainer.device': '{name}' is not a device; use auto, cpu, cuda or cuda:N"
-            ) from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"config key 'trainer.device': '{name}' is not supported; use auto, cpu, cuda or cuda:N")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"config key 'trainer.device': '{name}' requested but CUDA is not available; use auto or cpu"
-            )
-        return device
