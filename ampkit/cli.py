@@ -84,6 +84,24 @@ def _keys_for_help(argv: list[str]) -> tuple[type, DictConfig | None, str]:
     )
 
 
+class _GivenOnce(argparse.Action):
+    """An option a command line gives once: a second, other value (``--config a.yaml --config b.yaml``) was taken
+    over the first without a word, where its user may have meant both (LightningCLI merges several ``--config``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._given: list[str] = []
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        if self._given and self._given[0] != values:
+            hint = " (a config's keys are changed by key=value overrides after it)" if self.dest == "config" else ""
+            parser.error(f"argument {option}: given twice ({self._given[0]!r}, then {values!r}); give it once{hint}")
+        self._given.append(values)
+        setattr(namespace, self.dest, values)
+
+
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ampkit", description="ampkit: a PyTorch training loop built around mixed precision."
@@ -105,15 +123,20 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
             epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")
+        command.add_argument(
+            "--config", required=True, action=_GivenOnce, help="YAML file naming trainer_class, or a built-in name"
+        )
     parsers["fit"].add_argument(
-        "--resume", default=None, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
+        "--resume", default=None, action=_GivenOnce, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
     )
     for name in ("validate", "test", "predict"):
-        parsers[name].add_argument("--ckpt", default="last", help="'last' or 'best' (newest under run_dir) or a path")
+        parsers[name].add_argument(
+            "--ckpt", default="last", action=_GivenOnce, help="'last' or 'best' (newest under run_dir) or a path"
+        )
     parsers["predict"].add_argument(
         "--output",
         default=None,
+        action=_GivenOnce,
         help="file to torch.save the per-batch predictions to (a directory: predictions.pt in it; never a "
         "checkpoint; an existing file only with --overwrite); without it nothing is written",
     )

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
-from omegaconf.nodes import AnyNode, BooleanNode, PathNode
+from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
 
@@ -242,6 +242,7 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
 _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
+_METRIC_NAME = (lambda v: bool(v.strip())), "a metric's name, such as val/loss"  # "" monitored nothing, silently
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
@@ -291,10 +292,12 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         (lambda v: v >= 1 or v == -1),
         "an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is checkpoint.enabled=false",
     ),
+    "checkpoint.monitor": _optional(_METRIC_NAME, "no best checkpoint"),
     "early_stopping.patience": (
         (lambda v: v >= 1),
         "an integer >= 1 (Lightning's 0 stops at the first validation without improvement, as 1 does here)",
     ),
+    "early_stopping.monitor": _optional(_METRIC_NAME, "no early stopping"),
     "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),
     "early_stopping.stopping_threshold": _optional(_FINITE_NUMBER, "never"),
     "early_stopping.divergence_threshold": _optional(_FINITE_NUMBER, "never"),
@@ -584,14 +587,20 @@ def _plain(source: Any) -> Any:
 
 def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | None:
     """The error for a section given a plain value (``trainer=3``), a list key given anything but a list
-    (``trainer.activation_checkpointing=Block``), which OmegaConf reports without its key or as a raw TypeError, or
-    a boolean key given anything but a boolean (``trainer.progress_bar=2``), which OmegaConf reads as true."""
+    (``trainer.activation_checkpointing=Block``), which OmegaConf reports without its key or as a raw TypeError, a
+    boolean key given anything but a boolean (``trainer.progress_bar=2``), which OmegaConf reads as true, or a float
+    key given an integer no float holds (400 digits), which OmegaConf reports as a bare OverflowError."""
 
     def find(node: DictConfig, source: Any, prefix: str) -> ConfigError | None:
         if not isinstance(source, dict):
             return None
         for key, value in source.items():
             child = node._get_node(key) if isinstance(key, str) and key in node else None
+            if isinstance(child, FloatNode) and _beyond_float(value):  # OmegaConf: a bare OverflowError
+                return ConfigError(
+                    f"config key '{prefix}{key}': an integer of {len(str(abs(value)))} digits is out of range; "
+                    f"expected a float, between -{sys.float_info.max:.4g} and {sys.float_info.max:.4g}"
+                )
             if isinstance(child, BooleanNode) and not _reads_as_bool(value):
                 return ConfigError(
                     f"config key '{prefix}{key}': {value!r} is not a boolean; expected true or false "
@@ -636,6 +645,11 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
         if found is not None:
             return found
     return None
+
+
+def _beyond_float(value: Any) -> bool:
+    """Whether ``value`` is an integer too large for a float (``float(value)`` raises OverflowError)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
 
 
 def _tuple_length(node: Any) -> int | None:

@@ -109,6 +109,27 @@ def test_overrides_may_come_on_both_sides_of_an_option(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("command", "option", "first", "second"),
+    [
+        ("fit", "--config", None, "other.yaml"),
+        ("fit", "--resume", "last", "best"),
+        ("predict", "--output", "a.pt", "b.pt"),
+    ],
+)
+def test_an_option_given_twice_with_two_values_is_refused_naming_both(tmp_path, capsys, command, option, first, second):
+    """The second value was taken and the first dropped without a word: ``--config base.yaml --config exp.yaml``
+    ran exp.yaml alone, where LightningCLI merges the two. The same value twice is no conflict."""
+    config = _config(tmp_path)
+    first = config if first is None else first
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", config, option, first, option, second, "--print-config"])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: given twice ({first!r}, then {second!r}); give it once" in capsys.readouterr().err
+    assert main(["fit", "--config", config, "--config", config, "--print-config"]) == 0
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
     ("trainer_class", "override", "message"),
     [
         (

@@ -116,6 +116,12 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("precision.dtype", "float32", "not a low-precision dtype; use float16 or bfloat16"),  # named as a dotted key
         ("precision.loss_scale", -1, "a static loss scale must be finite and > 0"),
         ("precision.keep_batchnorm_fp32", "maybe", "expected True, False"),
+        # checked at O0 too, where no callback reads them: a typo surfaced only once O1 (or O2) was tried
+        ("precision.num_losses", -1, r"expected None or an integer in \[1, 1024\]"),
+        ("precision.cast_model_outputs", "int8", "no dtype of a model's outputs; use float32, float16 or bfloat16"),
+        # an empty name monitored nothing: no best checkpoint, no early stopping, and no word of it
+        ("checkpoint.monitor", "''", "expected null \\(no best checkpoint\\) or a metric's name"),
+        ("early_stopping.monitor", "' '", "expected null \\(no early stopping\\) or a metric's name"),
     ],
 )
 def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):

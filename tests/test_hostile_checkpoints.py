@@ -13,6 +13,7 @@ from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import consolidate_checkpoint
+from ampkit.config import ConfigError
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
 from ampkit.trainer.sharded_checkpoint import SHARD_CRCS
@@ -247,3 +248,34 @@ def test_a_sharded_checkpoint_torn_in_a_shard_is_refused_naming_the_shard_file(t
             ToyTrainer(toy_cfg(tmp_path / "eval", **sharded)).validate(ckpt=last)
         else:
             ToyTrainer(toy_cfg(tmp_path / "eval", **QUIET)).validate(ckpt=last)
+
+
+@pytest.mark.parametrize("given", [True, 5, b"last"], ids=["True", "an int", "bytes"])
+@pytest.mark.parametrize("call", ["fit", "validate", "predict", "load_model"])
+def test_a_checkpoint_given_as_no_path_names_its_type_and_writes_nothing(tmp_path, trained, monkeypatch, call, given):
+    """str() of it was taken as a file name: fit(resume=True) looked for a file 'True', and resume=5 resumed
+    whatever run './5' held."""
+    monkeypatch.chdir(tmp_path)
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    run = {"fit": lambda: trainer.fit(resume=given), "validate": lambda: trainer.validate(ckpt=given),
+           "predict": lambda: trainer.predict(ckpt=given),
+           "load_model": lambda: load_model(given, trainer_class=ToyTrainer)}[call]  # fmt: skip
+    expected = rf"the checkpoint given is {re.escape(repr(given))}, of type {type(given).__name__}; expected a path"
+    with pytest.raises(TypeError, match=expected):
+        run()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu", "'gpu' is not a device; use auto, cpu, cuda or cuda:N"), (5, "5 is not a device; use auto, cpu, cuda")]
+    + [("cuda:0", "'cuda:0' requested but CUDA is not available; use auto or cpu")] * (not torch.cuda.is_available()),
+)
+def test_load_model_to_a_device_there_is_not_names_the_argument_before_reading_the_checkpoint(
+    tmp_path, monkeypatch, device, message
+):
+    """torch's own error came once the checkpoint was read and the model built: 'Expected one of cpu, cuda, ipu, xpu,
+    ... device type at start of device string: gpu', or an AssertionError 'Torch not compiled with CUDA enabled'."""
+    monkeypatch.setattr("ampkit.trainer.inference.resolve_checkpoint", lambda *args: pytest.fail("read a checkpoint"))
+    with pytest.raises(ConfigError, match=re.escape(f"load_model(device=...): {message}")):
+        load_model("runs/version_0/checkpoints/last.pt", trainer_class=ToyTrainer, device=device)

@@ -4,6 +4,7 @@ what to do, and the last good checkpoint stays loadable."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -560,3 +561,74 @@ def test_o2_says_it_casts_float64_parameters_down_too(tmp_path):
     with pytest.warns(UserWarning, match=r"opt_level=O2 casts the model's float64 parameters to bfloat16 too "
                                          r"\(wide.weight, wide.bias\).*O1 keeps them"):  # fmt: skip
         trainer.fit()
+
+
+class _ImportsPastItsLen(_Understated):
+    """Past its ``len()`` the stream's reader imports a library that installs a warning filter, as many do."""
+
+    def __iter__(self):
+        for index, sample in enumerate(super().__iter__()):
+            if index == self.length:
+                warnings.filterwarnings("ignore", message="a library's own filter")
+            yield sample
+
+
+class _FilterPastItsLen(UnderstatedLength):
+    def train_dataloader(self):
+        return DataLoader(_ImportsPastItsLen(self.length), batch_size=8)
+
+
+def test_the_batch_checked_past_len_leaves_a_filter_the_loader_installs(tmp_path):
+    """The batch fetched past len() ran under warnings.catch_warnings, which swaps the process's filters: a filter
+    installed meanwhile (by the loader, or by another thread's unseeded run) was dropped as the check ended."""
+    trainer = _FilterPastItsLen(toy_cfg(tmp_path, **QUIET, **BARE))
+    with pytest.warns(UserWarning, match=r"more batches than its len\(\)"):  # its exit restores the filters
+        trainer.fit()
+        assert any(f[0] == "ignore" and f[1] and f[1].pattern == "a library's own filter" for f in warnings.filters)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Features:
+    x: torch.Tensor
+    source: str = "sensor"
+
+
+@dataclasses.dataclass
+class _Prediction:
+    value: torch.Tensor
+
+
+class _TakesAndGivesDataclasses(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 1)
+
+    def forward(self, features: _Features) -> _Prediction:
+        return _Prediction(self.linear(features.x).squeeze(1))
+
+
+class DataclassModel(ToyTrainer):
+    def configure_model(self):
+        return _TakesAndGivesDataclasses()
+
+    def training_step(self, batch):
+        x, y = batch
+        out = self.model(_Features(x))
+        self.output_dtypes = getattr(self, "output_dtypes", set()) | {out.value.dtype}
+        return torch.nn.functional.mse_loss(out.value, y)
+
+    def validation_step(self, batch):
+        x, y = batch
+        return {"mse": torch.nn.functional.mse_loss(self.model(_Features(x)).value, y)}
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3", "O5"])
+def test_a_model_taking_and_returning_dataclasses_trains_with_a_cast_model(tmp_path, opt_level):
+    """A cast model's inputs in a dataclass stayed float32 (torch's 'mat1 and mat2 must have the same dtype' at the
+    first step), and its output dataclass stayed in the model's dtype, where a dict's or a tuple's are float32."""
+    cfg = toy_cfg(
+        tmp_path, **QUIET, **{"precision.opt_level": opt_level, "trainer.max_steps": 2, "precision.init_scale": 128}
+    )
+    trainer = DataclassModel(cfg)
+    trainer.fit()
+    assert trainer.state.global_step == 2 and trainer.output_dtypes == {torch.float32}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
+import warnings
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from toy_trainers import ToyTrainer, toy_cfg
 from ampkit.cli import main
 from ampkit.config import ConfigError
 from ampkit.ops.optimizers import FusedAdam
+
+QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
 
 LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 SWITCHES = ("AMPKIT_OPS", "AMPKIT_FUSED_BACKEND", "AMPKIT_CUDA_KERNELS")
@@ -47,6 +51,10 @@ class FusedToy(ToyTrainer):
         (
             {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
             r"environment variable RANK=2 is not below WORLD_SIZE=2 \(torchrun sets WORLD_SIZE, RANK and LOCAL_RANK",
+        ),
+        (  # a hand-set or leftover LOCAL_RANK: the rank waited for a rendezvous until its 300 s timeout
+            {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            r"environment variable LOCAL_RANK=3 is not below WORLD_SIZE=2 \(torchrun sets",
         ),
         ({"AMPKIT_OPS": "kernels"}, r"AMPKIT_OPS='kernels' is not valid; use one of auto, reference, kernel"),
         (
@@ -185,3 +193,30 @@ def test_a_local_rank_beyond_the_gpus_is_named_under_gloo_too(monkeypatch):
     cfg.distributed.backend = "gloo"
     with pytest.raises(ConfigError, match=r"LOCAL_RANK 1 needs cuda:1, but this machine has 1 GPU\(s\)"):
         setup_distributed(cfg)
+
+
+def test_no_run_swaps_the_process_warning_filters_nor_leaves_them_changed(tmp_path, monkeypatch):
+    """Two unseeded runs may share a process, one a thread: ``warnings.catch_warnings`` swaps the filters of the whole
+    process, so one run's exit put back filters under the other's feet (a filter its code installed meanwhile lost,
+    a warning it hid shown). No ampkit code enters one in a fit, a resume, a validate or a sharded checkpoint's load,
+    and each leaves the filters and ``showwarning`` as it found them."""
+    entered: list[str] = []
+
+    class Recorded(warnings.catch_warnings):
+        def __enter__(self):
+            entered.append(sys._getframe(1).f_globals.get("__name__", "?"))
+            return super().__enter__()
+
+    monkeypatch.setattr(warnings, "catch_warnings", Recorded)
+    before = (list(warnings.filters), warnings.showwarning)
+    sharded = {"trainer.max_steps": 2, "distributed.strategy": "fsdp", "trainer.seed": "null"}
+    ToyTrainer(toy_cfg(tmp_path / "fsdp", **QUIET, **sharded)).fit()
+    last = next((tmp_path / "fsdp").rglob("checkpoints/last"))
+    ToyTrainer(toy_cfg(tmp_path / "fsdp", **QUIET, **{**sharded, "trainer.max_steps": 3})).fit(resume=last)
+    plain = ToyTrainer(toy_cfg(tmp_path / "plain", **QUIET, **{"trainer.max_steps": 2}))
+    plain.fit()
+    plain.fit(resume="last")
+    plain.validate()
+    ToyTrainer(toy_cfg(tmp_path / "plain", **QUIET)).validate(ckpt=last)  # consolidated in one process
+    assert (list(warnings.filters), warnings.showwarning) == before
+    assert not [name for name in entered if name.startswith("ampkit")]

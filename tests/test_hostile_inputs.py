@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import io
+import math
 import os
 import re
 import sys
@@ -165,9 +166,31 @@ class SchedulerOfAnother(ToyTrainer):
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(other, 1)}
 
 
+class NaNLearningRate(ToyTrainer):
+    """``lr=nan`` in the config (or a typo'd computation): torch's SGD takes it, and the run trained into NaN
+    weights before an error said the model was not finite, naming no learning rate."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=float("nan"), momentum=0.9)
+
+
+class NaNFirstFactor(ToyTrainer):
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
+        return {"optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(sgd, lambda epoch: math.inf)}
+
+
+class NaNMomentum(ToyTrainer):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.module.parameters(), lr=0.1, momentum=torch.tensor(math.nan))
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
+        (NaNLearningRate, "optimizer 'sgd' (SGD) has lr=nan in param group 0; expected a finite number >= 0"),
+        (NaNFirstFactor, "optimizer 'sgd' (SGD) has lr=inf in param group 0; expected a finite number >= 0"),
+        (NaNMomentum, "optimizer 'sgd' (SGD) has momentum=nan in param group 0; expected a number (NaN sets nothing)"),
         (ForeignParameters, "optimizer 'sgd' holds 1 of its 5 parameters outside the model"),
         (OneParameterTwoOptimizers, "is in optimizers 'sgd' and 'adam': under automatic optimization"),
         (NoOptimizerInDict, "configure_optimizers()[0] is a dict whose 'optimizer' is NoneType (keys: ['optim'])"),
@@ -426,6 +449,26 @@ def test_a_full_disk_while_saving_predictions_is_one_error_and_leaves_no_temp(tr
     assert list(output.parent.iterdir()) == []
 
 
+class CountsPredictions(Predicting):
+    steps = 0
+
+    def predict_step(self, batch):
+        type(self).steps += 1
+        return super().predict_step(batch)
+
+
+def test_predictions_bound_for_a_path_under_a_file_are_refused_before_any_is_made(trained, tmp_path):
+    """The output's folder was made only at the save, after every batch was predicted: a path under a file (or a
+    folder no one may write) threw them all away with 'File exists'."""
+    _, _, last = trained
+    (tmp_path / "notes.txt").write_text("mine")
+    output = tmp_path / "notes.txt" / "preds" / "predictions.pt"
+    with pytest.raises(RunDirectoryError, match=f"predict --output '{output}': cannot write there, "
+                       f"'{tmp_path / 'notes.txt'}' is not a directory; name another file"):  # fmt: skip
+        CountsPredictions(toy_cfg(tmp_path, **QUIET)).predict(ckpt=last, output=output)
+    assert CountsPredictions.steps == 0 and (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("command", ["fit", "validate"])
 def test_a_damaged_last_pt_names_the_newest_readable_checkpoint_beside_it(tmp_path, capsys, command):
     config = _config(tmp_path, **{"trainer.max_steps": 4, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 2})
@@ -567,8 +610,11 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         ("name=${oops", "override 'name=${oops': cannot read the value '${oops' (no viable alternative"),
         ("trainer..max_steps=3", "key 'trainer..max_steps' has an empty or space-padded part"),
         ("trainer.=3", "key 'trainer.' has an empty or space-padded part"),
+        # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
+        (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
+        (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
     ],
-    ids=["unclosed list", "unclosed mapping", "unclosed interpolation", "double dot", "trailing dot"],
+    ids=["unclosed list", "unclosed mapping", "unclosed interpolation", "double dot", "trailing dot", "huge", "-huge"],
 )
 def test_an_override_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, override, message):
     line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])

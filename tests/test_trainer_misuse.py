@@ -314,14 +314,34 @@ class LogsUnderANumber(ToyTrainer):
         return loss
 
 
+class LogsUnderNoName(ToyTrainer):  # TensorBoard took '' as a tag
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("", loss)
+        return loss
+
+
+class ValidatesUnderANumber(ToyTrainer):  # written as 'val/3'; a monitor could not name it
+    def validation_step(self, batch):
+        return {3: super().validation_step(batch)["mse"]}
+
+
+class ValidatesUnderNoName(ToyTrainer):  # written as 'val/'
+    def validation_step(self, batch):
+        return {"": super().validation_step(batch)["mse"]}
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "message"),
     [
         (IntegerLoss, r"the loss of loss_id 0 is a torch.int64 tensor, which has no gradient; expected a floating"),
         (LogsUnderANumber, r"log\(tag=3\): the tag is int; expected a string such as 'train/acc'"),
+        (LogsUnderNoName, r"log\(tag=''\): the tag is empty; expected a string such as 'train/acc'"),
+        (ValidatesUnderANumber, r"returned metric 3, a name that is int; each metric is named"),
+        (ValidatesUnderNoName, r"validation_step\(batch\) returned metric '', an empty name"),
     ],
 )
-def test_an_integer_loss_and_a_tag_that_is_no_string_are_named(tmp_path, trainer_class, message):
+def test_an_integer_loss_and_a_tag_or_metric_name_that_is_no_string_are_named(tmp_path, trainer_class, message):
     with pytest.raises(UserCodeError, match=message):
         trainer_class(toy_cfg(tmp_path, **QUIET)).fit()
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import threading
 import weakref
@@ -50,11 +51,13 @@ def autocast_for(model_or_device: nn.Module | torch.device | str, dtype: torch.d
 
 
 def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
-    """Cast the floating tensors inside ``value`` (nested lists, tuples, namedtuples, dicts) to ``dtype``.
+    """Cast the floating tensors inside ``value`` (nested lists, tuples, namedtuples, dicts, dataclasses) to ``dtype``.
 
     Integer tensors, strings and other objects pass through unchanged. With ``own_to``, an object of another
     class that has a ``to`` method (a custom batch, a namedtuple with its own ``to``) is cast by
-    ``value.to(dtype)``: the contract Apex's O2/O3 offered such classes. Dicts and modules are not.
+    ``value.to(dtype)``: the contract Apex's O2/O3 offered such classes. Dicts and modules are not. A dataclass
+    (frozen too) is copied with its fields cast: passed through, its tensors reached a cast model in float32 (a
+    dtype mismatch in the first matmul), and a model's output dataclass stayed in float16 where others are float32.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
@@ -66,8 +69,13 @@ def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
         return type(value)(*(cast_floating(v, dtype, own_to) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype, own_to) for v in value)
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping):  # HF's ModelOutput, a dataclass too, is rebuilt as the mapping it is
         return _rebuild_mapping(value, {k: cast_floating(v, dtype, own_to) for k, v in value.items()})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cast = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(cast, f.name, cast_floating(getattr(value, f.name), dtype, own_to))  # frozen ones too
+        return cast
     return value
 
 

@@ -41,6 +41,18 @@ _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
 MAX_NUM_LOSSES = 1024
 
 
+def check_num_losses(num_losses: Any) -> None:
+    """Raise a ValueError unless ``num_losses`` is None or an integer in [1, MAX_NUM_LOSSES]: checked wherever it is
+    set, also where no scaler is made (O0, bfloat16 unscaled), so a bad value is no surprise when one is."""
+    if num_losses is not None and (
+        isinstance(num_losses, bool) or not isinstance(num_losses, int) or not 1 <= num_losses <= MAX_NUM_LOSSES
+    ):
+        raise ValueError(
+            f"num_losses={num_losses!r}: expected None or an integer in [1, {MAX_NUM_LOSSES}] (each gets its "
+            "scaler now; name the loss_ids for more)"
+        )
+
+
 class LossScaling(Callback):
     """One :class:`~ampkit.amp.LossScaler` per ``loss_id`` (int or name) and the combined unscale.
 
@@ -96,13 +108,7 @@ class LossScaling(Callback):
         self.check_nonfinite = check_nonfinite or self.scaled
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
-        if num_losses is not None and (
-            isinstance(num_losses, bool) or not isinstance(num_losses, int) or not 1 <= num_losses <= MAX_NUM_LOSSES
-        ):
-            raise ValueError(
-                f"num_losses={num_losses!r}: expected None or an integer in [1, {MAX_NUM_LOSSES}] (each gets its "
-                "scaler now; name the loss_ids for more)"
-            )
+        check_num_losses(num_losses)
         for option, value in (
             ("warn_consecutive_skips", warn_consecutive_skips),
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),

@@ -37,6 +37,25 @@ def _warn_of_float64(module: torch.nn.Module, opt_level: str, cast_type: torch.d
         )
 
 
+def output_dtype(cast_model_outputs: torch.dtype | str | None) -> torch.dtype | None:
+    """``cast_model_outputs`` as a dtype: float32 (``"float32"``, ``"fp32"``) or a low-precision one; None stays None.
+
+    Raises:
+        ValueError: a name of no such dtype (``cast_model_outputs=...``)."""
+    if not isinstance(cast_model_outputs, str):
+        return cast_model_outputs
+    name = cast_model_outputs.lower().removeprefix("torch.")
+    if name in ("float32", "fp32"):
+        return torch.float32
+    try:
+        return parse_dtype(name, "cast_model_outputs")
+    except ValueError:
+        raise ValueError(
+            f"cast_model_outputs={cast_model_outputs!r} is no dtype of a model's outputs; use float32, float16 or "
+            "bfloat16 (null: float32)"
+        ) from None
+
+
 class MixedPrecision(Callback):
     """Applies an :class:`~ampkit.amp.OptLevelProperties` recipe to the Trainer's model and optimizers.
 
@@ -67,12 +86,7 @@ class MixedPrecision(Callback):
     ) -> None:
         self.properties = properties
         self.cast_modules = tuple(cast_modules)
-        if isinstance(cast_model_outputs, str):
-            name = cast_model_outputs.lower().removeprefix("torch.")
-            cast_model_outputs = (
-                torch.float32 if name in ("float32", "fp32") else parse_dtype(name, "cast_model_outputs")
-            )
-        self.cast_model_outputs = cast_model_outputs
+        self.cast_model_outputs = output_dtype(cast_model_outputs)
         self.masters: dict[torch.optim.Optimizer, MasterWeights] = {}
         self._ready = False
         self._pending_state: dict[str, Any] | None = None

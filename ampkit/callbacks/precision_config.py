@@ -10,9 +10,9 @@ from omegaconf import DictConfig
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
 from ampkit.callbacks.fp8 import Float8AllGatherScales, Float8Telemetry
-from ampkit.callbacks.loss_scaling import LossScaling
+from ampkit.callbacks.loss_scaling import LossScaling, check_num_losses
 from ampkit.callbacks.nonfinite import NonFiniteCheck
-from ampkit.callbacks.precision import MixedPrecision
+from ampkit.callbacks.precision import MixedPrecision, output_dtype
 from ampkit.config import ConfigError
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.fp8 import fsdp_float8_all_gather
@@ -97,6 +97,9 @@ def mixed_precision_callbacks(precision: DictConfig, sharded: bool = False) -> l
     growth_interval = p.growth_interval if p.growth_interval is not None else p.scale_window
     props = resolve_precision(p)
     try:
+        # checked at every level: the early returns below build no callback that would check them
+        check_num_losses(p.num_losses)
+        output_dtype(p.cast_model_outputs)
         if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
             return []
         if sharded:

@@ -5,7 +5,6 @@ means, validation averages and throughput figures; how many batches a loader say
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -121,14 +120,17 @@ def length_may_undercount(loader: Any) -> bool:
 
 def yields_more(iterator: Iterator[Any]) -> bool:
     """Whether ``iterator``, an epoch's pass cut at its loader's ``len()``, had a batch left: one more is fetched and
-    dropped (each epoch starts a new pass). torch's own warning about it is silenced, as the caller's names the way
-    out; an error fetching it is no batch's the run trains on, so it says False."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Length of IterableDataset")
-        try:
-            return next(iterator, _END) is not _END
-        except Exception:
-            return False
+    dropped (each epoch starts a new pass); an error fetching it is no batch's the run trains on, so it says False.
+
+    torch's DataLoader iterator warns of a stream longer than its ``len()`` (the caller's own warning names the way
+    out); it is told the length is unknown instead of the warning being filtered, as ``warnings.catch_warnings``
+    swaps the process's filters, which a run in another thread (or the loader's own code) shares."""
+    if getattr(iterator, "_IterableDataset_len_called", None) is not None:
+        iterator._IterableDataset_len_called = None  # type: ignore[attr-defined]  # reset with each new pass
+    try:
+        return next(iterator, _END) is not _END
+    except Exception:
+        return False
 
 
 _END = object()

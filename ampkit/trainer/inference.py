@@ -8,6 +8,7 @@ import torch
 
 from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.run_life import load_failure_reason, resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, consolidate_checkpoint, is_sharded_checkpoint
@@ -25,6 +26,7 @@ def load_model(
     defined in a script's ``__main__``). The weights load in the model's own dtypes (an O2 run's half
     weights become float32 in a float32 model). A sharded (FSDP) checkpoint directory loads too, gathered whole.
     """
+    device = resolve_device(device, "load_model(device=...)", types=None)  # before the checkpoint is read
     path = resolve_checkpoint(".", ckpt)  # 'last'/'best': of the runs under the current directory
     if path is None:
         raise CheckpointError(

@@ -50,9 +50,11 @@ def check_launch_environment(joining: bool = False) -> None:
     set: a launch without torchrun that set only ``WORLD_SIZE`` would otherwise fail deep in torch."""
     found = {name: _launch_int(name) for name in _LEAST}
     problems = [problem for _, problem in found.values() if problem is not None]
-    world, rank = found["WORLD_SIZE"][0], found["RANK"][0]
-    if world is not None and rank is not None and rank >= world:
-        problems.append(f"environment variable RANK={rank} is not below WORLD_SIZE={world}")
+    world = found["WORLD_SIZE"][0]
+    for name in ("RANK", "LOCAL_RANK"):  # a local rank counts the processes on this machine, all of them in the world
+        value = found[name][0]
+        if world is not None and value is not None and value >= world:
+            problems.append(f"environment variable {name}={value} is not below WORLD_SIZE={world}")
     if problems:
         problems[-1] += f" ({_UNSET_HINT})"
     missing = [name for name in _RENDEZVOUS if not os.environ.get(name)]

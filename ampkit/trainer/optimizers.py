@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import math
 import numbers
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -314,6 +315,39 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
                 "outside the model: checkpoints would not save them. Build it from self.module.parameters() (make "
                 "any extra parameter an attribute of the model configure_model returns)"
             )
+
+
+def check_group_settings(specs: list[OptimizerSpec]) -> None:
+    """No param group holds a NaN setting, nor a learning rate that is negative or infinite: torch's SGD takes
+    ``lr=float("nan")`` (a config's ``lr=nan``, a scheduler's first factor), and the run trained into NaN weights
+    before the error said the model was not finite, the learning rate unnamed."""
+    for spec in specs:
+        for index, group in enumerate(spec.optimizer.param_groups):
+            for key, value in group.items():
+                if key == "params":  # read no parameter: a sharded one's local part may be empty
+                    continue
+                numbers_in = [_setting_number(item) for item in (value if isinstance(value, tuple | list) else [value])]
+                if all(number is None for number in numbers_in):
+                    continue
+                bad = any(n is not None and math.isnan(n) for n in numbers_in) or (
+                    key == "lr" and not all(n is not None and 0 <= n < math.inf for n in numbers_in)
+                )
+                if bad:
+                    valid = "a finite number >= 0" if key == "lr" else "a number (NaN sets nothing)"
+                    raise UserCodeError(
+                        f"configure_optimizers(): optimizer '{spec.name}' ({type(spec.optimizer).__name__}) has "
+                        f"{key}={_plain(value)!r} in param group {index}; expected {valid}, as passed to the optimizer "
+                        "or set by its LR scheduler's first step"
+                    )
+
+
+def _setting_number(value: Any) -> float | None:
+    """A param group's setting as a float where it is a real number (a one-element floating tensor too), else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach()) if value.numel() == 1 and value.is_floating_point() else None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def unoptimized_parameters_warning(reached: list[tuple[str, torch.Tensor]]) -> str | None:

@@ -76,7 +76,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.launch_env import launch_int
-from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, version_dirs
+from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_reason, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     is_sharded_checkpoint,
@@ -100,6 +100,12 @@ def resolve_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike | Non
     """A checkpoint from ``"last"``/``"best"`` (None if ``run_dir`` has none yet) or a path (an error if absent)."""
     if ckpt is None:
         return None
+    if not isinstance(ckpt, str | os.PathLike):  # str() of it named a file of that name: fit(resume=True) 'True'
+        hint = " ('last': the newest run's last checkpoint)" if isinstance(ckpt, bool) else ""
+        raise TypeError(
+            f"the checkpoint given is {ckpt!r}, of type {type(ckpt).__name__}; expected a path (str or os.PathLike), "
+            f"'last' or 'best'{hint}"
+        )
     if str(ckpt) == "last":
         return next(filter(None, map(_last_of, reversed(version_dirs(run_dir)))), None)
     if str(ckpt) == "best":
@@ -951,6 +957,8 @@ def prediction_output(
         refuse = "it holds an ampkit checkpoint"
     if refuse:
         raise RunDirectoryError(f"predict --output '{output}': refusing to write there, {refuse}; name a new file")
+    if unusable := unwritable_reason(path.parent):  # found only once every batch was predicted, which were lost
+        raise RunDirectoryError(f"predict --output '{output}': cannot write there, {unusable}; name another file")
     stale = _rank_files_beyond(path, world_size) if world_size > 1 else []
     if stale:
         raise RunDirectoryError(

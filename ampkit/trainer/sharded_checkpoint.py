@@ -14,7 +14,6 @@ import functools
 import os
 import re
 import shutil
-import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -379,6 +378,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -390,9 +390,9 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # DCP warns that it loads in a single process, which is the point here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    # dcp.load's single-process mode warns that it is one, which is the point here: its loader is called directly
+    # rather than the warning filtered, as warnings.catch_warnings swaps the filters of every thread's run
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     # A process of its own (a script's rank zero alone may call it): it checks every shard file itself.
     refuse_damaged_shards(path, load_checkpoint(path / TRAINER_FILE).get(SHARD_CRCS), collective=False)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

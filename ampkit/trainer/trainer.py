@@ -103,6 +103,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
+from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.distributed import (
     DistributedEnv,
     DistributedError,
@@ -150,6 +151,7 @@ from ampkit.trainer.optimizers import (
     NamedOptimizers,
     OptimizerSpec,
     SchedulerSpec,
+    check_group_settings,
     check_parameters,
     group_settings,
     normalize_optimizers,
@@ -475,7 +477,7 @@ class Trainer:
         several times a step), and what the config they came from was (see :meth:`_follow_config`)."""
         self.settings: TrainerConfig = OmegaConf.to_object(self.cfg.trainer)
         self._log_every: int = self.cfg.logging.log_every_n_steps
-        self.device = self._resolve_device(self.settings.device)
+        self.device = resolve_device(self.settings.device)
         self._on_cpu = self.device.type == "cpu"  # batches stay where the DataLoader put them
         self._val_every_n_steps = self.settings.val_every_n_steps
         self.sharded = uses_fsdp(self.cfg)  # FSDP: sharded model and optimizer state, DCP checkpoints
@@ -820,10 +822,9 @@ class Trainer:
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
         """
-        if not isinstance(tag, str):  # a number or tuple as a TensorBoard tag would be written under its str()
-            raise UserCodeError(
-                f"log(tag={tag!r}): the tag is {type(tag).__name__}; expected a string such as 'train/acc'"
-            )
+        if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
+            what = "empty" if isinstance(tag, str) else type(tag).__name__
+            raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
         if others:
             instead = "".join(
                 f"; {_LOG_OPTION_INSTEAD[name]}" for name in sorted(others) if name in _LOG_OPTION_INSTEAD
@@ -1907,6 +1908,7 @@ class Trainer:
         self._setup_model()
         check_model_has_parameters(self.module)
         self._specs = normalize_optimizers(call_setup_method(self, "configure_optimizers"))
+        check_group_settings(self._specs)
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
         self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
@@ -2395,21 +2397,3 @@ class Trainer:
         reason = decided_by_rank_zero(partial(unwritable_reason, self.cfg.run_dir, write), self.dist)
         if reason is not None:
             raise ConfigError(f"config key 'run_dir': cannot create a run under '{self.cfg.run_dir}': {reason}")
-
-    @staticmethod
-    def _resolve_device(name: str) -> torch.device:
-        if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise ConfigError(
-                f"config key 'trainer.device': '{name}' is not a device; use auto, cpu, cuda or cuda:N"
-            ) from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"config key 'trainer.device': '{name}' is not supported; use auto, cpu, cuda or cuda:N")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                f"config key 'trainer.device': '{name}' requested but CUDA is not available; use auto or cpu"
-            )
-        return device

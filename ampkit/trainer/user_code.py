@@ -134,6 +134,11 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
             f"{method} returned a {type(metrics).__name__}; expected a dict of metrics, e.g. {{'loss': loss}}"
         )
     for key, value in metrics.items():
+        if not isinstance(key, str) or not key.strip():  # logged under val/<name>: 'val/3', or 'val/' for ''
+            what = "an empty name" if isinstance(key, str) else f"a name that is {type(key).__name__}"
+            raise UserCodeError(
+                f"{method} returned metric {key!r}, {what}; each metric is named by a non-empty string such as 'mse'"
+            )
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):

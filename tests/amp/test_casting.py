@@ -1,5 +1,6 @@
 """O1 autocast on CPU, O2/O3 model casts keeping batch norm fp32, casts at the model boundary."""
 
+import dataclasses
 import io
 from collections import defaultdict, namedtuple
 
@@ -101,6 +102,23 @@ def test_cast_floating_recurses_and_leaves_others():
     assert out["x"][1][1] == "s" and isinstance(out["p"], Pair) and out["p"].a.dtype == torch.float16
     t = torch.ones(2, dtype=torch.float16)
     assert cast_floating(t, torch.float16) is t
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    image: torch.Tensor
+    ids: torch.Tensor
+    name: str = "batch"
+
+
+def test_cast_floating_casts_the_fields_of_a_dataclass_frozen_too_and_leaves_the_original():
+    """Passed through uncast, a dataclass's float32 tensors met an O2 model's float16 weights in its first matmul (a
+    dtype mismatch), and a dataclass the model returned stayed float16 where a dict or a namedtuple is cast back."""
+    value = _Inputs(torch.ones(2), torch.ones(2, dtype=torch.int64))
+    out = cast_floating({"inputs": [value]}, torch.float16)["inputs"][0]
+    assert isinstance(out, _Inputs) and out.name == "batch"
+    assert out.image.dtype == torch.float16 and out.ids.dtype == torch.int64
+    assert value.image.dtype == torch.float32, "the original is not changed"
 
 
 def test_cast_floating_rebuilds_mappings_whose_constructor_takes_no_dict():

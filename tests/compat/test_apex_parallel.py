@@ -7,10 +7,12 @@ import gc
 import io
 import json
 import os
+import sys
 import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -151,9 +153,17 @@ def _check_ddp_keeps_rank_local_buffers(rank, world_size):
     expected = _bn_net(seed=0)  # rank 0's parameters ...
     for bn in (net[1], expected[1]):
         bn.running_mean.fill_(float(rank))  # ... with this rank's buffers
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*broadcast_buffers", category=FutureWarning)  # torch >= 2.13
+    swapped = []  # torch >= 2.13 deprecates broadcast_buffers: a catch_warnings hiding it swaps every thread's filters
+
+    class Recorded(warnings.catch_warnings):
+        def __enter__(self):
+            swapped.append(sys._getframe(1).f_globals.get("__name__", "?"))
+            return super().__enter__()
+
+    with warnings.catch_warnings(), mock.patch.object(warnings, "catch_warnings", Recorded):
+        warnings.filterwarnings("error", message=".*broadcast_buffers", category=FutureWarning)
         ddp = DistributedDataParallel(net)
+    assert not [name for name in swapped if name.startswith("ampkit")], swapped
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         x = torch.randn(4, 3, generator=g) + 5 * rank

@@ -228,6 +228,22 @@ def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
                 param.requires_grad_(False)
 
 
+def _broadcast_parameters(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """torch DDP's construction-time sync without its buffers: every rank's trainable parameters checked to have
+    rank 0's shapes (a clear error, not a hang), then rank 0's parameters broadcast, as Apex's constructor did."""
+    from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
+
+    _verify_param_shape_across_processes(ddp.process_group, [p for p in ddp._module_parameters if p.requires_grad])
+    _sync_module_states(
+        module=ddp.module,
+        process_group=ddp.process_group,
+        broadcast_bucket_size=ddp.broadcast_bucket_size,
+        src=0,
+        params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+        broadcast_buffers=False,
+    )
+
+
 def _warn_ignored_arguments(given: dict[str, Any]) -> None:
     ignored = sorted(name for name, value in given.items() if value != _NO_EFFECT_DEFAULTS[name])
     if ignored:
@@ -356,14 +372,15 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
             if "broadcast_buffers" in torch_ddp_kwargs or "forward_sync_buffers" in torch_ddp_kwargs:
                 super().__init__(module, **torch_ddp_kwargs)
             else:
-                # Apex broadcast parameters only; ``broadcast_buffers=False`` is torch's one switch that also keeps
-                # buffers out of the construction-time sync (``forward_sync_buffers=False`` does not), so use it and
-                # hide torch >= 2.13's deprecation warning, which the user cannot act on.
-                with warnings.catch_warnings():
-                    warnings.filterwarnings(
-                        "ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning
-                    )
-                    super().__init__(module, broadcast_buffers=False, **torch_ddp_kwargs)
+                # Apex broadcast rank 0's parameters at construction and never a buffer. torch >= 2.13 deprecates its
+                # one switch for that (``broadcast_buffers=False``, with a warning a caller could only hide by
+                # swapping the process's warning filters, which another thread's run shares), and
+                # ``forward_sync_buffers=False`` still broadcasts buffers at construction: so torch's
+                # construction-time sync is off, and ours sends the parameters alone.
+                init_sync = torch_ddp_kwargs.pop("init_sync", True)
+                super().__init__(module, forward_sync_buffers=False, init_sync=False, **torch_ddp_kwargs)
+                if init_sync:
+                    _broadcast_parameters(self)
 
     def _wrap_without_torch(self, module: torch.nn.Module, torch_ddp_kwargs: dict[str, Any]) -> None:
         """Hold ``module``, which has no parameter, as Apex's class did: no broadcast, no reducer; :meth:`forward`

@@ -1,0 +1,34 @@
+"""The device a run (``trainer.device``) or a loaded model (``load_model(device=...)``) goes to, checked where it
+is named: torch's own errors for a misspelt one or a missing GPU named neither the setting nor what is valid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampkit.config import ConfigError
+
+
+def resolve_device(
+    name: Any, where: str = "config key 'trainer.device'", types: tuple[str, ...] | None = ("cpu", "cuda")
+) -> torch.device:
+    """``name`` (``auto``, ``cpu``, ``cuda``, ``cuda:N`` or a ``torch.device``) as a device this process can use;
+    ``types``: the device types taken (None: any torch knows, as a model loaded for inference may go to ``mps``).
+
+    Raises:
+        ConfigError: no such device, another type than ``types``, or cuda without CUDA, naming ``where``.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(name, str | torch.device):  # torch.device(5) is an accelerator's index, not a name
+        raise ConfigError(f"{where}: {name!r} is not a device; use auto, cpu, cuda or cuda:N")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{where}: '{name}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if types is not None and device.type not in types:
+        raise ConfigError(f"{where}: '{name}' is not supported; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{where}: '{name}' requested but CUDA is not available; use auto or cpu")
+    return device
