@@ -10,7 +10,7 @@ from ampkit.config import import_object
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.finite_weights import check_saved_weights_finite
-from ampkit.trainer.run_life import load_failure_reason, resolve_checkpoint
+from ampkit.trainer.run_life import load_failure_reason, load_with_fallback_hint, resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE, consolidate_checkpoint, is_sharded_checkpoint
 from ampkit.trainer.state_misfit import load_model_state
 from ampkit.trainer.trainer import Trainer
@@ -35,8 +35,8 @@ def load_model(
         )
     if is_sharded_checkpoint(path):  # its config is in its trainer file; its shards gathered into one state dict
         checkpoint = {**load_checkpoint(path / TRAINER_FILE), "model": consolidate_checkpoint(path)}
-    else:
-        checkpoint = load_checkpoint(path)
+    else:  # a damaged file's error names the newest whole checkpoint beside it, as a resume's does
+        checkpoint = load_with_fallback_hint(path)
     config = dict(checkpoint.get("config") or {})
     if trainer_class is None:
         if not config.get("trainer_class"):
