@@ -56,6 +56,10 @@ class FusedToy(ToyTrainer):
             {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
             r"environment variable LOCAL_RANK=3 is not below WORLD_SIZE=2 \(torchrun sets",
         ),
+        (  # processes started by hand without WORLD_SIZE: each trained alone, all of them into one run_dir
+            {"RANK": "1"},
+            r"environment variable RANK=1 is set but WORLD_SIZE is not: a rank > 0 needs a world \(torchrun sets",
+        ),
         ({"AMPKIT_OPS": "kernels"}, r"AMPKIT_OPS='kernels' is not valid; use one of auto, reference, kernel"),
         (
             {"AMPKIT_FUSED_BACKEND": "apex"},

@@ -55,6 +55,9 @@ def check_launch_environment(joining: bool = False) -> None:
         value = found[name][0]
         if world is not None and value is not None and value >= world:
             problems.append(f"environment variable {name}={value} is not below WORLD_SIZE={world}")
+    rank = found["RANK"][0]
+    if world is None and rank:  # processes started by hand, WORLD_SIZE forgotten: each trained alone into one run_dir
+        problems.append(f"environment variable RANK={rank} is set but WORLD_SIZE is not: a rank > 0 needs a world")
     if problems:
         problems[-1] += f" ({_UNSET_HINT})"
     missing = [name for name in _RENDEZVOUS if not os.environ.get(name)]
