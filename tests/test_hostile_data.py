@@ -96,6 +96,22 @@ def test_an_error_mid_epoch_names_its_batch_and_the_intact_checkpoint(
     assert load_checkpoint(last)["loop"]["global_step"] == saved_step
 
 
+class GivesANoneBatch(ToyTrainer):
+    """A collate_fn that returns None for a batch it drops: training_step's ``x, y = batch`` raised a bare TypeError."""
+
+    def train_dataloader(self):
+        batches = list(super().train_dataloader())
+        return batches[:2] + [None] + batches[2:]
+
+
+def test_a_none_batch_is_named_as_the_loader_s_in_the_error_s_note(tmp_path):
+    trainer = GivesANoneBatch(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(TypeError, match="cannot unpack non-iterable NoneType") as failure:
+        trainer.fit()
+    notes = "\n".join(getattr(failure.value, "__notes__", []))
+    assert "in training batch 2 of epoch 0 (iteration 3) (train_dataloader() gave None as this batch" in notes
+
+
 class _PidRecordingBadSample(_BadSample):
     """The bad-sample set, each worker writing its pid to ``folder`` as it reads."""
 

@@ -27,17 +27,23 @@ def loop_position_note(
     fetched_ahead: int,
     newest_checkpoint: Path | None,
     module: torch.nn.Module | None = None,
+    batch_is_none: bool = False,
 ) -> str:
     """One line naming the batch and epoch that ``phase`` (``"fetch"``: ``train_dataloader()`` was producing the
     next batch; ``"batch"``: the step of the current one) was at, why where that is plain (the default collate_fn
     refusing the samples), and the checkpoint ``--resume last`` continues from. ``fetched_ahead``: batches the loop
     fetched beyond the one running (1 when it reads one ahead); ``module``: the model, whose parameters an in-place
-    change autograd refused may name."""
+    change autograd refused may name; ``batch_is_none``: the batch that step took was None."""
     if phase == "fetch":
         where = f"while train_dataloader() produced batch {state.batches_done + fetched_ahead} of epoch {state.epoch}"
         where += _collate_hint(exception)
     else:
         where = f"in training batch {state.batch_idx} of epoch {state.epoch} (iteration {state.iteration})"
+        if batch_is_none:
+            where += (
+                " (train_dataloader() gave None as this batch, as a collate_fn or an IterableDataset that returns None "
+                "for a batch it drops does: leave such batches out in the loader)"
+            )
         if module is not None and (changed := _changed_in_place(exception, module)):
             where += (
                 f" (autograd needed {changed} as the forward used it, and something changed it in place before the "

@@ -1842,8 +1842,10 @@ class Trainer:
         if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
             return
         newest = self._newest_checkpoint()
+        # the batch is set before its first hook runs, so None there is the batch the loader gave
+        none = self._fx in ("on_train_batch_start", "training_step") and self._batch is None
         exception.add_note(
-            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module)
+            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module, none)
         )
         self._loop_phase = None
 
