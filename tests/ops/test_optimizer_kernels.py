@@ -341,6 +341,29 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
             torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_nonfinite_gradients_propagate_as_in_the_reference(case):
+    """Called without ``found_inf`` (Apex's fused optimizers and amp_C never skip inside the op), a NaN, inf or -inf
+    gradient reaches the arithmetic: each kernel writes non-finite values exactly where its reference does (AMSGrad's
+    running max and the square roots included), and the other tensors stay finite and equal."""
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    key = "grads" if "grads" in args else "updates"
+    for i, value in ((1, math.nan), (3, math.inf), (7, -math.inf)):
+        args[key][i].view(-1)[args[key][i].numel() // 2] = value
+    expected = clone_args(args)
+    kernel(name)(**args)
+    getattr(ref, name)(**expected)
+    tol = 1e-10 if name in SUMMING_OPS else 1e-12
+    written = [k for k, v in expected.items() if isinstance(v, list) and k not in ("grads", "steps")]
+    for key_ in written:
+        for i, (a, e) in enumerate(zip(args[key_], expected[key_], strict=True)):
+            torch.testing.assert_close(
+                a, e, rtol=tol, atol=tol, equal_nan=True, msg=lambda m, k=key_, i=i: f"{k}[{i}]: {m}"
+            )
+    assert any(not t.isfinite().all() for k in written for t in args[k])
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_adamp_nonfinite_gradients_propagate_as_in_the_reference(bad):
     """A NaN or inf gradient makes the projection test fail for its row and tensor in the kernel as in the
