@@ -399,42 +399,95 @@ def assert_close_lists(actual: list, expected: list) -> None:
         )
 
 
-@pytest.mark.parametrize("ops", ["reference", "kernel"])
-def test_lamb_on_a_hand_computed_step(ops, monkeypatch):
-    """Apex FusedLAMB, one step: the global norm of every gradient (here 2) over max_grad_norm=1 halves them;
-    the AdamW-mode update of a first step is ``g / (|g| + eps) + wd * p``; the trust ratio ``|p| / |u|`` scales lr,
-    except for a zero-norm weight, which takes lr alone."""
-    lr, wd, eps = 0.1, 0.01, 1e-6
-    p1, p2 = [3.0, 4.0], [0.0]
-    g1, g2 = [1.2, 0.0], [1.6]
-    clipped1, clipped2 = [g / 2 for g in g1], [g / 2 for g in g2]
-    u1 = [g / (abs(g) + eps) + wd * p for g, p in zip(clipped1, p1, strict=True)]
-    u2 = [g / (abs(g) + eps) for g in clipped2]
-    ratio1 = lr * 5.0 / math.hypot(*u1)
-    expected = [[p - ratio1 * u for p, u in zip(p1, u1, strict=True)], [-lr * u2[0]]]
-    make = functools.partial(FusedLAMB, lr=lr, weight_decay=wd, eps=eps, max_grad_norm=1.0)
-    assert_close_lists(run_fused(make, [p1, p2], [[g1, g2]], ops, monkeypatch), expected)
+LAMB_OPTIONS = [  # adam_w_mode, weight_decay, use_nvlamb, grad_averaging, bias_correction, max_grad_norm
+    (True, 0.01, False, True, True, 1.0),  # Apex's defaults: the global norm (2, then 1.0) is clipped to 1
+    (False, 0.01, False, False, True, 10.0),  # L2 decay inside the moments, no clipping, no grad averaging
+    (True, 0.0, True, True, False, 1.0),  # NVLAMB: the trust ratio without weight decay
+    (True, 0.0, False, True, True, 1.0),  # no decay, no NVLAMB: plain lr
+]
 
 
 @pytest.mark.parametrize("ops", ["reference", "kernel"])
-@pytest.mark.parametrize("reg_inside_moment", [False, True])
-def test_novograd_on_hand_computed_steps(ops, reg_inside_moment, monkeypatch):
-    """Apex FusedNovoGrad, two steps on one tensor: its norm state is seeded with the first gradient norm (0.5),
-    then blended as ``sqrt(b2 * v^2 + (1 - b2) * n^2)``; the denominator is ``v / sqrt(1 - b2^t) + eps``."""
+@pytest.mark.parametrize("adam_w_mode,wd,use_nvlamb,grad_averaging,bias_correction,max_grad_norm", LAMB_OPTIONS)
+def test_lamb_on_hand_computed_steps(
+    ops, adam_w_mode, wd, use_nvlamb, grad_averaging, bias_correction, max_grad_norm, monkeypatch
+):
+    """Apex FusedLAMB, two steps over two tensors: every gradient is divided by ``global_norm / max_grad_norm``
+    when the norm of all of them exceeds max_grad_norm; stage 1 writes the Adam direction (plus ``wd * p`` in AdamW
+    mode; L2 mode adds it to the gradient); stage 2 scales lr by the trust ratio ``|p| / |u|`` when weight decay
+    is non-zero or use_nvlamb, except for a zero-norm weight (the second tensor), which takes lr alone."""
+    lr, (b1, b2), eps = 0.1, (0.9, 0.999), 1e-6
+    weights = [[3.0, 4.0], [0.0]]
+    grad_seq = [[[1.2, 0.0], [1.6]], [[-0.6, 0.8], [0.0]]]
+    m = [[0.0] * len(w) for w in weights]
+    v = [[0.0] * len(w) for w in weights]
+    beta3 = 1 - b1 if grad_averaging else 1.0
+    p = [list(w) for w in weights]
+    for t, grads in enumerate(grad_seq, start=1):
+        norm = math.sqrt(sum(x * x for g in grads for x in g))
+        clip = norm / max_grad_norm if norm > max_grad_norm else 1.0
+        bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+        for i, g in enumerate(grads):
+            u = []
+            for j, gj in enumerate(g):
+                scaled = gj / clip + (0.0 if adam_w_mode else wd * p[i][j])
+                m[i][j] = b1 * m[i][j] + beta3 * scaled
+                v[i][j] = b2 * v[i][j] + (1 - b2) * scaled * scaled
+                u.append(m[i][j] / bc1 / (math.sqrt(v[i][j] / bc2) + eps) + (wd * p[i][j] if adam_w_mode else 0.0))
+            p_norm, u_norm = math.sqrt(sum(x * x for x in p[i])), math.sqrt(sum(x * x for x in u))
+            trusted = (wd != 0 or use_nvlamb) and p_norm != 0 and u_norm != 0
+            ratio = lr * p_norm / u_norm if trusted else lr
+            p[i] = [pj - ratio * uj for pj, uj in zip(p[i], u, strict=True)]
+    make = functools.partial(
+        FusedLAMB,
+        lr=lr,
+        betas=(b1, b2),
+        eps=eps,
+        weight_decay=wd,
+        adam_w_mode=adam_w_mode,
+        use_nvlamb=use_nvlamb,
+        grad_averaging=grad_averaging,
+        bias_correction=bias_correction,
+        max_grad_norm=max_grad_norm,
+    )
+    assert_close_lists(run_fused(make, weights, grad_seq, ops, monkeypatch), p)
+
+
+NOVOGRAD_OPTIONS = [  # reg_inside_moment, norm_type, init_zero, grad_averaging, bias_correction
+    (False, 2, False, True, True),  # Apex's defaults
+    (True, 2, False, True, True),
+    (False, 0, True, False, True),
+    (True, 0, False, True, False),
+    (False, 2, True, True, False),
+]
+
+
+@pytest.mark.parametrize("ops", ["reference", "kernel"])
+@pytest.mark.parametrize("reg_inside_moment,norm_type,init_zero,grad_averaging,bias_correction", NOVOGRAD_OPTIONS)
+def test_novograd_on_hand_computed_steps(
+    ops, reg_inside_moment, norm_type, init_zero, grad_averaging, bias_correction, monkeypatch
+):
+    """Apex FusedNovoGrad, two steps on one tensor. Its per-tensor norm (L2, or max-abs with norm_type=0) state
+    starts at the first step's norm (at 0 with init_zero) and is blended every step as ``sqrt(b2 * v^2 + (1 - b2) *
+    n^2)`` (``b2 * v + (1 - b2) * n`` for max-abs); the denominator is ``v / sqrt(1 - b2^t) + eps``; the moment
+    takes ``1 - b1`` of the gradient with grad_averaging, all of it without."""
     lr, (b1, b2), eps, wd = 0.1, (0.95, 0.98), 1e-8, 0.001
     p, m, v = [3.0, 4.0], [0.0, 0.0], None
     grad_seq = [[0.3, 0.4]], [[-1.2, 0.5]]
+    beta3 = 1 - b1 if grad_averaging else 1.0
     for t, (g,) in enumerate(grad_seq, start=1):
-        n = math.hypot(*g)
-        v = n if v is None else math.sqrt(b2 * v * v + (1 - b2) * n * n)
-        denom = v / math.sqrt(1 - b2**t) + eps
-        bc1 = 1 - b1**t
+        n = math.hypot(*g) if norm_type == 2 else max(abs(x) for x in g)
+        if v is None:
+            v = 0.0 if init_zero else n
+        v = math.sqrt(b2 * v * v + (1 - b2) * n * n) if norm_type == 2 else b2 * v + (1 - b2) * n
+        bc1, bc2 = (1 - b1**t, math.sqrt(1 - b2**t)) if bias_correction else (1.0, 1.0)
+        denom = v / bc2 + eps
         for j in range(2):
             if reg_inside_moment:  # Apex's moment mode 0: decay inside the moment
-                m[j] = b1 * m[j] + (1 - b1) * (g[j] / denom + wd * p[j])
+                m[j] = b1 * m[j] + beta3 * (g[j] / denom + wd * p[j])
                 p[j] -= lr * m[j] / bc1
             else:
-                m[j] = b1 * m[j] + (1 - b1) * g[j]
+                m[j] = b1 * m[j] + beta3 * g[j]
                 p[j] -= lr * (m[j] / bc1 / denom + wd * p[j])
     make = functools.partial(
         FusedNovoGrad,
@@ -443,6 +496,10 @@ def test_novograd_on_hand_computed_steps(ops, reg_inside_moment, monkeypatch):
         eps=eps,
         weight_decay=wd,
         reg_inside_moment=reg_inside_moment,
+        norm_type=norm_type,
+        init_zero=init_zero,
+        grad_averaging=grad_averaging,
+        bias_correction=bias_correction,
     )
     assert_close_lists(run_fused(make, [[3.0, 4.0]], list(grad_seq), ops, monkeypatch), [p])
 
