@@ -504,24 +504,70 @@ def test_novograd_on_hand_computed_steps(
     assert_close_lists(run_fused(make, [[3.0, 4.0]], list(grad_seq), ops, monkeypatch), [p])
 
 
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _minus_radial(q: list[float], w: list[float], eps: float) -> list[float]:
+    """``q`` less its part along the unit weight ``w / (|w| + eps)``: AdamP's projection."""
+    unit = [x / (math.sqrt(_dot(w, w)) + eps) for x in w]
+    radial = _dot(unit, q)
+    return [qi - u * radial for qi, u in zip(q, unit, strict=True)]
+
+
+ADAMP_CASES = {  # a 2x2 weight and its gradient
+    "channel": ([[1.0, 2.0], [3.0, -1.0]], [[2.0, -1.0], [1.0, 3.0]]),  # each row's gradient orthogonal to the row
+    "layer": ([[2.0, 1.0], [1.0, 1.0]], [[1.0, 0.0], [0.0, -2.0]]),  # orthogonal to the whole weight only
+    "none": ([[1.0, 2.0], [3.0, 4.0]], [[1.0, 1.0], [1.0, 1.0]]),
+}
+
+
 @pytest.mark.parametrize("ops", ["reference", "kernel"])
-def test_adamp_on_a_hand_computed_step(ops, monkeypatch):
-    """clovaai/AdamP, one step. The 1x2 weight's gradient is orthogonal to it (cosine 0 < delta / sqrt(2)), so its
-    Adam direction ``q`` loses the part along the unit weight ``p / (|p| + eps)`` and its weight decay is scaled by
-    wd_ratio; the 1-D weight takes plain Adam with the full decay. Step 1's denominator is ``|g| + eps``."""
-    lr, (b1, b2), eps, wd, wd_ratio = 0.1, (0.9, 0.999), 1e-8, 0.1, 0.5
-    w, g = [1.0, 2.0], [2.0, -1.0]
-    q = [(1 - b1) * gi / (abs(gi) + eps) for gi in g]  # m / denom; step_size lr / (1 - b1) divides m's (1 - b1)
-    unit = [wi / (math.hypot(*w) + eps) for wi in w]
-    radial = sum(u * qi for u, qi in zip(unit, q, strict=True))
-    q = [qi - u * radial for qi, u in zip(q, unit, strict=True)]
-    w_new = [wi * (1 - lr * wd * wd_ratio) - lr / (1 - b1) * qi for wi, qi in zip(w, q, strict=True)]
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("case", list(ADAMP_CASES))
+def test_adamp_on_a_hand_computed_step(ops, nesterov, case, monkeypatch):
+    """clovaai/AdamP, one step. A weight whose every row has ``|cos(g, row)| < delta / sqrt(row length)`` has each
+    row's radial part taken out of its Adam direction (channel-wise); failing that, one with ``|cos(g, w)| < delta /
+    sqrt(numel)`` has the whole weight's (layer-wise); either way its weight decay is scaled by wd_ratio. Otherwise,
+    and for the 1-D weight, plain Adam with the full decay. Nesterov's direction is ``b1 * m + (1 - b1) * g``."""
+    lr, (b1, b2), eps, wd, wd_ratio, delta = 0.1, (0.9, 0.999), 1e-8, 0.1, 0.5, 0.1
+    rows, grad_rows = ADAMP_CASES[case]
+
+    def direction(g: list[float]) -> list[float]:
+        m = [(1 - b1) * x for x in g]
+        denom = [math.sqrt((1 - b2) * x * x) / math.sqrt(1 - b2) + eps for x in g]
+        first = [b1 * mi + (1 - b1) * x for mi, x in zip(m, g, strict=True)] if nesterov else m
+        return [f / d for f, d in zip(first, denom, strict=True)]
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        return abs(_dot(a, b)) / math.sqrt(_dot(a, a) * _dot(b, b))
+
+    flat, flat_g = [x for r in rows for x in r], [x for r in grad_rows for x in r]
+    q = [direction(g) for g in grad_rows]
+    if max(cosine(r, g) for r, g in zip(rows, grad_rows, strict=True)) < delta / math.sqrt(2):
+        branch, ratio = "channel", wd_ratio
+        q = [_minus_radial(qi, r, eps) for qi, r in zip(q, rows, strict=True)]
+    elif cosine(flat, flat_g) < delta / math.sqrt(4):
+        branch, ratio = "layer", wd_ratio
+        projected = _minus_radial([x for r in q for x in r], flat, eps)
+        q = [projected[:2], projected[2:]]
+    else:
+        branch, ratio = "none", 1.0
+    assert branch == case
+    plain = [direction(g) for g in grad_rows]
+    moved = max(abs(a - b) for qa, qb in zip(q, plain, strict=True) for a, b in zip(qa, qb, strict=True))
+    assert (moved > 0.01) == (case != "none")  # the projection changes the direction, where it applies
+    expected = [
+        [w * (1 - lr * wd * ratio) - lr / (1 - b1) * qi for w, qi in zip(r, qr, strict=True)]
+        for r, qr in zip(rows, q, strict=True)
+    ]
     v, h = [0.5, -0.5], [1.0, 2.0]
-    v_new = [vi * (1 - lr * wd) - lr * hi / (abs(hi) + eps) for vi, hi in zip(v, h, strict=True)]
-    make = functools.partial(FusedAdamP, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, wd_ratio=wd_ratio)
-    got = run_fused(make, [[w], v], [[[g], h]], ops, monkeypatch)
-    assert_close_lists(got, [[w_new], v_new])
-    assert abs(radial) > 0.01  # the projection did change the direction
+    v_new = [vi * (1 - lr * wd) - lr / (1 - b1) * qi for vi, qi in zip(v, direction(h), strict=True)]
+    make = functools.partial(
+        FusedAdamP, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, wd_ratio=wd_ratio, delta=delta, nesterov=nesterov
+    )
+    got = run_fused(make, [rows, v], [[grad_rows, h]], ops, monkeypatch)
+    assert_close_lists(got, [expected, v_new])
 
 
 @pytest.mark.parametrize("ops", ["reference", "kernel"])
