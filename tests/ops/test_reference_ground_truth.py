@@ -345,7 +345,7 @@ def _mt_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(s, dtype=torch.float64).to(dtype) for s in MT_SHAPES]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", [None, float("inf"), float("nan")])
 def test_scale_reference_is_torchs_unscale_and_inf_check(dtype, bad):
     """``scale_`` is what ``GradScaler.unscale_`` runs: torch's ``_amp_foreach_non_finite_check_and_unscale_``."""
