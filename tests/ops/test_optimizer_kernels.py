@@ -566,6 +566,52 @@ def test_the_reference_refuses_the_dtypes_the_kernel_refuses(mutate, message):
     assert all(p.is_meta or torch.equal(p, b) for p, b in zip(args["params"], before, strict=True))
 
 
+def _replace(key: str, index: int, make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    return lambda a: a[key].__setitem__(index, make(a[key][index]))
+
+
+def _half_adam(*a, **k):
+    return adam_args(torch.float16, torch.float16, True, **k)
+
+
+# A bad list entry past the first tensor: the reference stepped every tensor before it, then failed naming nothing.
+REFUSED_BY_BOTH = [
+    ("short masters", _half_adam, lambda a: a.update(master_params=a["master_params"][:-1]), r"master_params has 11"),
+    ("half master", _half_adam, _replace("master_params", 3, lambda t: t.half()), r"master_params\[3\] has dtype"),
+    ("fp32 masters", adam_args, lambda a: a.update(master_params=[p.clone() for p in a["params"]]), r"only meaningful"),
+    ("no amsgrad list", lambda *a: adam_args(*a, amsgrad=True), lambda a: a.update(max_exp_avg_sqs=[]), r"has 0 tens"),
+    ("amsgrad list unused", adam_args, lambda a: a.update(max_exp_avg_sqs=a["exp_avgs"]), r"must be empty"),
+    ("state on meta", adam_args, _replace("exp_avgs", 3, lambda t: t.to("meta")), r"exp_avgs\[3\] is on meta"),
+    ("int step", adam_args, _replace("steps", 3, lambda t: t.long()), r"steps\[3\] must be a one-element float32"),
+    ("short buffers", sgd_args, lambda a: a.update(momentum_buffers=a["momentum_buffers"][:-1]), r"buffers has 11"),
+    ("buffer shape", sgd_args, _replace("momentum_buffers", 3, lambda t: t[:5]), r"buffers\[3\] has shape \[5\]"),
+    ("no grad_avgs", rmsprop_args, lambda a: a.update(grad_avgs=[]), r"grad_avgs has 0 tensors"),
+    ("short ratios", lamb_stage2_args, lambda a: a.update(ratios=a["ratios"][:3]), r"ratios must be a .*vector"),
+    ("short denoms", novograd_args, lambda a: a.update(denoms=a["denoms"][:3]), r"denoms must be a .*vector"),
+]
+OPS_OF = {adam_args: "adam_step", _half_adam: "adam_step", sgd_args: "sgd_step", rmsprop_args: "rmsprop_step",
+          lamb_stage2_args: "lamb_stage2", novograd_args: "novograd_step"}  # fmt: skip
+
+
+@pytest.mark.parametrize("side", ["kernel", "reference"])
+@pytest.mark.parametrize("build,mutate,message", [b[1:] for b in REFUSED_BY_BOTH], ids=[b[0] for b in REFUSED_BY_BOTH])
+def test_the_reference_refuses_what_the_kernel_refuses_before_writing_anything(side, build, mutate, message):
+    """The reference is the fallback and the CUDA path of the ops without a checked kernel: it takes the kernel's list
+    checks, all before the first write. A list one tensor short, a tensor on another device or an int step counter
+    stepped the tensors before it, then raised an IndexError or torch's error naming no list; masters of the wrong
+    dtype or next to float32 params were taken without a word."""
+    name = OPS_OF.get(build, "adam_step")
+    args = build(torch.float32, torch.float32, False) if build is not _half_adam else build()
+    mutate(args)
+    before = clone_args({k: v for k, v in args.items() if isinstance(v, list)})
+    run = kernel(name) if side == "kernel" else getattr(ref, name)
+    with pytest.raises(RuntimeError, match=message):
+        run(**args)
+    for key, value in before.items():
+        for i, (a, b) in enumerate(zip(args[key], value, strict=True)):
+            assert a.is_meta or torch.equal(a, b), f"{key}[{i}] was written"
+
+
 # ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
