@@ -490,10 +490,12 @@ def test_half_grads_are_written_back_unscaled_like_foreach_div(dtype):
         ("found_inf", torch.tensor([0], dtype=torch.int32), r"found_inf must be a one-element float32"),
     ],
 )
-def test_bad_scaler_tensors_are_named(argument, value, message):
+@pytest.mark.parametrize("side", ["kernel", "reference"])
+def test_bad_scaler_tensors_are_named(argument, value, message, side):
+    """By the reference too, which read an int32 found_inf or a float64 scale where the kernel refuses them."""
     args = adam_args(torch.float32, torch.float32, False)
     with pytest.raises(RuntimeError, match=message):
-        kernel("adam_step")(**args, **{argument: value})
+        (kernel("adam_step") if side == "kernel" else ref.adam_step)(**args, **{argument: value})
 
 
 BAD_INPUTS = [

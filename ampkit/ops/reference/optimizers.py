@@ -110,8 +110,20 @@ def _bump(step: Tensor) -> float:
     return float(step.item())
 
 
-def _skipped(found_inf: Tensor | None) -> bool:
-    """torch's GradScaler contract: a non-zero ``found_inf`` skips the whole step (read on the host here)."""
+def _scaler_skips(op: str, params: TensorList, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+    """torch's GradScaler contract, checked as the kernels check it: ``grad_scale`` and ``found_inf`` are absent or
+    one-element float32 tensors on the params' device, and a non-zero ``found_inf`` skips the whole step (read on
+    the host here). An int flag or a float64 scale was taken here, which the kernels refuse."""
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if (
+            t is not None
+            and len(params)
+            and (t.numel() != 1 or t.dtype != torch.float32 or t.device != params[0].device)
+        ):
+            raise RuntimeError(
+                f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
+                f"{t.dtype} of shape {list(t.shape)} on {t.device}"
+            )
     return found_inf is not None and float(found_inf) != 0
 
 
@@ -172,7 +184,7 @@ def adam_step(
         exp_avg_sqs=exp_avg_sqs,
         steps=steps,
     )
-    if _skipped(found_inf):
+    if _scaler_skips("adam_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -221,7 +233,7 @@ def sgd_step(
         optional={"momentum_buffers": (momentum_buffers, momentum != 0)},
         grads=grads,
     )
-    if _skipped(found_inf):
+    if _scaler_skips("sgd_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -252,7 +264,7 @@ def adagrad_step(
 ) -> None:
     """Adagrad step, torch.optim semantics."""
     _check_lists("adagrad_step", params, master_params=master_params, grads=grads, state_sums=state_sums, steps=steps)
-    if _skipped(found_inf):
+    if _scaler_skips("adagrad_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -294,7 +306,7 @@ def rmsprop_step(
         square_avgs=square_avgs,
         steps=steps,
     )
-    if _skipped(found_inf):
+    if _scaler_skips("rmsprop_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -350,7 +362,7 @@ def rmsprop_tf_step(
         square_avgs=square_avgs,
         steps=steps,
     )
-    if _skipped(found_inf):
+    if _scaler_skips("rmsprop_tf_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -409,7 +421,7 @@ def adadelta_step(
         acc_deltas=acc_deltas,
         steps=steps,
     )
-    if _skipped(found_inf):
+    if _scaler_skips("adadelta_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
