@@ -41,6 +41,14 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def rows_are_blocks(t: Tensor) -> bool:
+    """Whether each index of ``t``'s first dimension covers one gap-free block of a dense ``t``'s memory (contiguous,
+    channels-last; not a transpose): kernels that reduce over a weight's rows by reading memory blocks need it."""
+    if t.dim() < 2 or t.size(0) <= 1 or t.numel() == 0:
+        return True
+    return t.stride(0) == t.numel() // t.size(0)
+
+
 def first_overlap(tensors: Sequence[Tensor]) -> tuple[int, int] | None:
     """Indices ``(i, j)``, ``i < j``, of two of ``tensors`` (dense ones) whose memory overlaps, or None. Sorted by
     address, each compared with the next: if any two overlap, two neighbours do. Empty tensors hold no memory."""

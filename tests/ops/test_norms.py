@@ -128,6 +128,22 @@ def test_fp32_matches_float64_reference(kind, shape, normalized_shape, affine):
     _assert_matches(kind, x, w, b, normalized_shape, FP32_TOL)
 
 
+FP64_TOL = {"y": {"rtol": 1e-12, "atol": 1e-12}, "grad": {"rtol": 1e-11, "atol": 1e-11}}
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("n", [1, 3, 4097])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_float64_kernel_matches_float64_reference(kind, n, memory_efficient):
+    """The float64 kernel is the reference's arithmetic: rows of odd lengths (a single element, shorter than a
+    vector, one past a multiple of it), one of them read through a transposed (non-contiguous) view."""
+    x = torch.randn(9, n, dtype=torch.float64) * 3 + 1
+    transposed = (torch.randn(n, 5, dtype=torch.float64) * 2).t()
+    w, b = _weight((n,), torch.float64), torch.randn(n, dtype=torch.float64)
+    for inputs in (x, transposed):
+        _assert_matches(kind, inputs, w, b, (n,), FP64_TOL, memory_efficient)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("affine", [True, False])
 def test_memory_efficient_matches_float64_reference(kind, affine):

@@ -341,6 +341,29 @@ def test_half_params_with_fp32_state_match_reference(case, dtype, master, grad_d
             torch.testing.assert_close(p, m.to(dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_nonfinite_gradients_propagate_as_in_the_reference(case):
+    """Called without ``found_inf`` (Apex's fused optimizers and amp_C never skip inside the op), a NaN, inf or -inf
+    gradient reaches the arithmetic: each kernel writes non-finite values exactly where its reference does (AMSGrad's
+    running max and the square roots included), and the other tensors stay finite and equal."""
+    name, build = CASES[case]
+    args = build(torch.float64, torch.float64, False)
+    key = "grads" if "grads" in args else "updates"
+    for i, value in ((1, math.nan), (3, math.inf), (7, -math.inf)):
+        args[key][i].view(-1)[args[key][i].numel() // 2] = value
+    expected = clone_args(args)
+    kernel(name)(**args)
+    getattr(ref, name)(**expected)
+    tol = 1e-10 if name in SUMMING_OPS else 1e-12
+    written = [k for k, v in expected.items() if isinstance(v, list) and k not in ("grads", "steps")]
+    for key_ in written:
+        for i, (a, e) in enumerate(zip(args[key_], expected[key_], strict=True)):
+            torch.testing.assert_close(
+                a, e, rtol=tol, atol=tol, equal_nan=True, msg=lambda m, k=key_, i=i: f"{k}[{i}]: {m}"
+            )
+    assert any(not t.isfinite().all() for k in written for t in args[k])
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_adamp_nonfinite_gradients_propagate_as_in_the_reference(bad):
     """A NaN or inf gradient makes the projection test fail for its row and tensor in the kernel as in the
@@ -358,10 +381,18 @@ def test_adamp_nonfinite_gradients_propagate_as_in_the_reference(bad):
     assert args["params"][2].isfinite().all()
 
 
-def test_empty_lists_are_a_no_op():
-    kernel("adam_step")([], [], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, False, True, 1.0)
-    kernel("lamb_stage2")([], [], [], torch.zeros(0, dtype=torch.float64))
-    kernel("adamp_step")([], [], [], [], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.1, False, 1.0)
+@pytest.mark.parametrize("case", list(CASES))
+def test_empty_lists_are_a_no_op(case):
+    """Every op, kernel and reference, takes empty lists (a group whose params got no grads), GradScaler's tensors
+    included."""
+    name, build = CASES[case]
+    args = {k: [] if isinstance(v, list) else v for k, v in build(torch.float32, torch.float32, False).items()}
+    for key in ("ratios", "denoms"):
+        if key in args:
+            args[key] = torch.zeros(0, dtype=torch.float64)
+    scaler = dict(grad_scale=one(2.0), found_inf=one(0.0)) if case in SCALER_CASES else {}
+    kernel(name)(**args, **scaler)
+    getattr(ref, name)(**args, **scaler)
 
 
 def test_strided_tensors_are_rejected_with_the_list_named():
@@ -467,10 +498,12 @@ def test_half_grads_are_written_back_unscaled_like_foreach_div(dtype):
         ("found_inf", torch.tensor([0], dtype=torch.int32), r"found_inf must be a one-element float32"),
     ],
 )
-def test_bad_scaler_tensors_are_named(argument, value, message):
+@pytest.mark.parametrize("side", ["kernel", "reference"])
+def test_bad_scaler_tensors_are_named(argument, value, message, side):
+    """By the reference too, which read an int32 found_inf or a float64 scale where the kernel refuses them."""
     args = adam_args(torch.float32, torch.float32, False)
     with pytest.raises(RuntimeError, match=message):
-        kernel("adam_step")(**args, **{argument: value})
+        (kernel("adam_step") if side == "kernel" else ref.adam_step)(**args, **{argument: value})
 
 
 BAD_INPUTS = [
@@ -541,6 +574,52 @@ def test_the_reference_refuses_the_dtypes_the_kernel_refuses(mutate, message):
     with pytest.raises(RuntimeError, match=message):
         ref.adam_step(**args)
     assert all(p.is_meta or torch.equal(p, b) for p, b in zip(args["params"], before, strict=True))
+
+
+def _replace(key: str, index: int, make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    return lambda a: a[key].__setitem__(index, make(a[key][index]))
+
+
+def _half_adam(*a, **k):
+    return adam_args(torch.float16, torch.float16, True, **k)
+
+
+# A bad list entry past the first tensor: the reference stepped every tensor before it, then failed naming nothing.
+REFUSED_BY_BOTH = [
+    ("short masters", _half_adam, lambda a: a.update(master_params=a["master_params"][:-1]), r"master_params has 11"),
+    ("half master", _half_adam, _replace("master_params", 3, lambda t: t.half()), r"master_params\[3\] has dtype"),
+    ("fp32 masters", adam_args, lambda a: a.update(master_params=[p.clone() for p in a["params"]]), r"only meaningful"),
+    ("no amsgrad list", lambda *a: adam_args(*a, amsgrad=True), lambda a: a.update(max_exp_avg_sqs=[]), r"has 0 tens"),
+    ("amsgrad list unused", adam_args, lambda a: a.update(max_exp_avg_sqs=a["exp_avgs"]), r"must be empty"),
+    ("state on meta", adam_args, _replace("exp_avgs", 3, lambda t: t.to("meta")), r"exp_avgs\[3\] is on meta"),
+    ("int step", adam_args, _replace("steps", 3, lambda t: t.long()), r"steps\[3\] must be a one-element float32"),
+    ("short buffers", sgd_args, lambda a: a.update(momentum_buffers=a["momentum_buffers"][:-1]), r"buffers has 11"),
+    ("buffer shape", sgd_args, _replace("momentum_buffers", 3, lambda t: t[:5]), r"buffers\[3\] has shape \[5\]"),
+    ("no grad_avgs", rmsprop_args, lambda a: a.update(grad_avgs=[]), r"grad_avgs has 0 tensors"),
+    ("short ratios", lamb_stage2_args, lambda a: a.update(ratios=a["ratios"][:3]), r"ratios must be a .*vector"),
+    ("short denoms", novograd_args, lambda a: a.update(denoms=a["denoms"][:3]), r"denoms must be a .*vector"),
+]
+OPS_OF = {adam_args: "adam_step", _half_adam: "adam_step", sgd_args: "sgd_step", rmsprop_args: "rmsprop_step",
+          lamb_stage2_args: "lamb_stage2", novograd_args: "novograd_step"}  # fmt: skip
+
+
+@pytest.mark.parametrize("side", ["kernel", "reference"])
+@pytest.mark.parametrize("build,mutate,message", [b[1:] for b in REFUSED_BY_BOTH], ids=[b[0] for b in REFUSED_BY_BOTH])
+def test_the_reference_refuses_what_the_kernel_refuses_before_writing_anything(side, build, mutate, message):
+    """The reference is the fallback and the CUDA path of the ops without a checked kernel: it takes the kernel's list
+    checks, all before the first write. A list one tensor short, a tensor on another device or an int step counter
+    stepped the tensors before it, then raised an IndexError or torch's error naming no list; masters of the wrong
+    dtype or next to float32 params were taken without a word."""
+    name = OPS_OF.get(build, "adam_step")
+    args = build(torch.float32, torch.float32, False) if build is not _half_adam else build()
+    mutate(args)
+    before = clone_args({k: v for k, v in args.items() if isinstance(v, list)})
+    run = kernel(name) if side == "kernel" else getattr(ref, name)
+    with pytest.raises(RuntimeError, match=message):
+        run(**args)
+    for key, value in before.items():
+        for i, (a, b) in enumerate(zip(args[key], value, strict=True)):
+            assert a.is_meta or torch.equal(a, b), f"{key}[{i}] was written"
 
 
 # ---------------------------------------------------------------- CUDA kernels (run where a GPU exists)

@@ -310,6 +310,33 @@ def test_matches_float64_reference_over_100_steps(case, dtype, tol):
     assert rel_diff(params, expected) <= tol
 
 
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_adamp_projects_the_rows_of_a_weight_whatever_its_memory_layout(layout):
+    """AdamP's projection test and coefficients are per row (dim 0). A weight stored transposed (a dense
+    ``nn.Parameter(w.t())``) has its rows spread across memory: the kernel, which sums rows over memory blocks, took
+    its columns for rows (0.03 off after one step). Such a weight now steps through the reference; a channels-last
+    one (rows still blocks) through the kernel; both as the row-major weight does."""
+    shape = (7, 13) if layout == "transposed" else (6, 4, 3, 3)
+    weight = torch.randn(shape, dtype=torch.float64)
+    stored = weight.t().contiguous().t() if layout == "transposed" else weight.to(memory_format=torch.channels_last)
+    ours, plain = torch.nn.Parameter(stored.clone()), torch.nn.Parameter(weight.clone())
+    assert ours.is_contiguous() is False
+    expected = [weight.clone()]
+    grad_seq = []
+    optimizers = [FusedAdamP([p], lr=0.1, weight_decay=0.1) for p in (ours, plain)]
+    for _ in range(3):
+        g = torch.randn(shape, dtype=torch.float64)  # orthogonal to each row: the channel-wise projection
+        rows, g_rows = plain.detach().reshape(shape[0], -1), g.reshape(shape[0], -1)
+        g = (g_rows - rows * (g_rows * rows).sum(1, keepdim=True) / rows.square().sum(1, keepdim=True)).reshape(shape)
+        grad_seq.append([g])
+        ours.grad, plain.grad = g.clone(), g.clone()
+        for opt in optimizers:
+            opt.step()
+    expected = adamp_reference(expected, grad_seq, 0.1, (0.9, 0.999), 1e-8, 0.1)
+    torch.testing.assert_close(ours.detach(), plain.detach(), rtol=1e-9, atol=1e-9)  # sums in another order
+    torch.testing.assert_close(ours.detach(), expected[0], rtol=1e-9, atol=1e-9)
+
+
 # ----------------------------------------------------------------- state_dict compatibility
 
 STATE_PAIRS = {

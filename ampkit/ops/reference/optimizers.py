@@ -25,10 +25,22 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
-    """The kernels' list checks (``csrc/optimizers/list_checks.h``), with their dtype messages: params of one float
-    dtype, grads of it (or float32 for half params), every other list but ``steps`` in the accumulate dtype. Without
-    them an int parameter was stepped and truncated, and a complex one lost its imaginary part, without a word."""
+def _check_lists(
+    op: str,
+    params: TensorList,
+    *,
+    master_params: TensorList = (),
+    optional: dict[str, tuple[TensorList, bool]] | None = None,
+    vectors: dict[str, Tensor] | None = None,
+    **lists: TensorList,
+) -> None:
+    """The kernels' argument checks (``csrc/optimizers/list_checks.h``), with their messages, all made before anything
+    is written: params of one float dtype on one device; grads of it (or float32 for half params); every other list
+    in the accumulate dtype, one tensor per param, of its shape, on its device; each ``optional`` list (name: (list,
+    whether these options use it)) empty unless used; float32 ``master_params`` only for half params; one-element
+    float step counters; host ``vectors`` (LAMB's ratios, NovoGrad's denominators) with one entry per param. Without
+    them an int parameter was stepped and truncated, a complex one lost its imaginary part, and a list one tensor
+    short (or one tensor on another device) stepped every parameter before it, then failed naming no list."""
     for i, p in enumerate(params):
         if p.dtype not in _FLOATS:
             raise RuntimeError(f"{op}: params[{i}] has dtype {p.dtype}; expected float32, float64, float16 or bfloat16")
@@ -40,25 +52,57 @@ def _check_lists(op: str, params: TensorList, **lists: TensorList) -> None:
             raise RuntimeError(
                 f"{op}: params[{i}] is on {p.device}; every list must be on params[0]'s device, not meta"
             )
-    acc = _acc_dtype(params[0]) if params else torch.float32
-    for name, values in lists.items():
+    matched = dict(lists)
+    for name, (values, used) in (optional or {}).items():
+        if used:
+            matched[name] = values
+        elif len(values):
+            raise RuntimeError(f"{op}: {name} must be empty for these options; got {len(values)} tensors")
+    if len(master_params):
+        if params and params[0].dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(
+                f"{op}: master_params are only meaningful for float16/bfloat16 params, but params are {params[0].dtype}"
+            )
+        matched["master_params"] = master_params
+    for name, values in matched.items():
         if len(values) != len(params):
-            raise ValueError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
-        if name == "steps" or not params:  # one scalar counter per tensor
+            raise RuntimeError(f"{op}: {name} has {len(values)} tensors but params has {len(params)}")
+    if not params:
+        return
+    acc = _acc_dtype(params[0])
+    for name, values in matched.items():
+        if name == "steps":  # one counter per tensor, read on the host or where the params are
+            for i, s in enumerate(values):
+                if s.numel() != 1 or s.dtype not in (torch.float32, torch.float64) or s.is_meta:
+                    raise RuntimeError(
+                        f"{op}: steps[{i}] must be a one-element float32 tensor; got {s.dtype} of shape "
+                        f"{list(s.shape)} on {s.device}"
+                    )
             continue
         if name == "grads":
-            grad_dtype = values[0].dtype
-            if grad_dtype != params[0].dtype and not (grad_dtype == torch.float32 and acc == torch.float32):
+            expected = values[0].dtype
+            if expected != params[0].dtype and not (expected == torch.float32 and acc == torch.float32):
                 raise RuntimeError(
-                    f"{op}: grads have dtype {grad_dtype} but params have {params[0].dtype}; expected the parameter "
+                    f"{op}: grads have dtype {expected} but params have {params[0].dtype}; expected the parameter "
                     "dtype or float32"
                 )
-        expected = grad_dtype if name == "grads" else acc
+        else:
+            expected = torch.float32 if name == "master_params" else acc
         for i, (t, p) in enumerate(zip(values, params, strict=True)):
+            if t.device != p.device:
+                raise RuntimeError(f"{op}: {name}[{i}] is on {t.device}; expected {p.device}")
             if t.dtype != expected:
                 raise RuntimeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected {expected}")
             if t.shape != p.shape:
-                raise ValueError(f"{op}: {name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
+                raise RuntimeError(
+                    f"{op}: {name}[{i}] has shape {list(t.shape)} but params[{i}] has shape {list(p.shape)}"
+                )
+    for name, vector in (vectors or {}).items():
+        if vector.dim() != 1 or vector.numel() != len(params) or not vector.is_floating_point() or vector.is_meta:
+            raise RuntimeError(
+                f"{op}: {name} must be a float64 vector with one entry per param ({len(params)}); got {vector.dtype} "
+                f"of shape {list(vector.shape)} on {vector.device}"
+            )
 
 
 def _bump(step: Tensor) -> float:
@@ -66,8 +110,20 @@ def _bump(step: Tensor) -> float:
     return float(step.item())
 
 
-def _skipped(found_inf: Tensor | None) -> bool:
-    """torch's GradScaler contract: a non-zero ``found_inf`` skips the whole step (read on the host here)."""
+def _scaler_skips(op: str, params: TensorList, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
+    """torch's GradScaler contract, checked as the kernels check it: ``grad_scale`` and ``found_inf`` are absent or
+    one-element float32 tensors on the params' device, and a non-zero ``found_inf`` skips the whole step (read on
+    the host here). An int flag or a float64 scale was taken here, which the kernels refuse."""
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if (
+            t is not None
+            and len(params)
+            and (t.numel() != 1 or t.dtype != torch.float32 or t.device != params[0].device)
+        ):
+            raise RuntimeError(
+                f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
+                f"{t.dtype} of shape {list(t.shape)} on {t.device}"
+            )
     return found_inf is not None and float(found_inf) != 0
 
 
@@ -118,8 +174,17 @@ def adam_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """Adam (L2 weight decay) or AdamW (decoupled) step, torch.optim semantics."""
-    _check_lists("adam_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
-    if _skipped(found_inf):
+    _check_lists(
+        "adam_step",
+        params,
+        master_params=master_params,
+        optional={"max_exp_avg_sqs": (max_exp_avg_sqs, amsgrad)},
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        steps=steps,
+    )
+    if _scaler_skips("adam_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -161,8 +226,14 @@ def sgd_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """SGD step with optional momentum/dampening/Nesterov; ``first_step`` seeds the buffers with the grad."""
-    _check_lists("sgd_step", params, grads=grads)
-    if _skipped(found_inf):
+    _check_lists(
+        "sgd_step",
+        params,
+        master_params=master_params,
+        optional={"momentum_buffers": (momentum_buffers, momentum != 0)},
+        grads=grads,
+    )
+    if _scaler_skips("sgd_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -192,8 +263,8 @@ def adagrad_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """Adagrad step, torch.optim semantics."""
-    _check_lists("adagrad_step", params, grads=grads, state_sums=state_sums, steps=steps)
-    if _skipped(found_inf):
+    _check_lists("adagrad_step", params, master_params=master_params, grads=grads, state_sums=state_sums, steps=steps)
+    if _scaler_skips("adagrad_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -226,8 +297,16 @@ def rmsprop_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """RMSprop step (centered, momentum), torch.optim semantics."""
-    _check_lists("rmsprop_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
-    if _skipped(found_inf):
+    _check_lists(
+        "rmsprop_step",
+        params,
+        master_params=master_params,
+        optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
+        grads=grads,
+        square_avgs=square_avgs,
+        steps=steps,
+    )
+    if _scaler_skips("rmsprop_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -274,8 +353,16 @@ def rmsprop_tf_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """TensorFlow-style RMSprop (timm's RMSpropTF): eps inside the sqrt, optional lr inside momentum."""
-    _check_lists("rmsprop_tf_step", params, grads=grads, square_avgs=square_avgs, steps=steps)
-    if _skipped(found_inf):
+    _check_lists(
+        "rmsprop_tf_step",
+        params,
+        master_params=master_params,
+        optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
+        grads=grads,
+        square_avgs=square_avgs,
+        steps=steps,
+    )
+    if _scaler_skips("rmsprop_tf_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -325,8 +412,16 @@ def adadelta_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """Adadelta step, torch.optim semantics."""
-    _check_lists("adadelta_step", params, grads=grads, square_avgs=square_avgs, acc_deltas=acc_deltas)
-    if _skipped(found_inf):
+    _check_lists(
+        "adadelta_step",
+        params,
+        master_params=master_params,
+        grads=grads,
+        square_avgs=square_avgs,
+        acc_deltas=acc_deltas,
+        steps=steps,
+    )
+    if _scaler_skips("adadelta_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -360,7 +455,16 @@ def lamb_stage1(
     grad_factor: float,
 ) -> None:
     """LAMB stage 1 (Apex): update the moments, write the raw direction into ``updates``."""
-    _check_lists("lamb_stage1", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, updates=updates)
+    _check_lists(
+        "lamb_stage1",
+        params,
+        master_params=master_params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        updates=updates,
+        steps=steps,
+    )
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i in range(len(params)):
         step = _bump(steps[i])
@@ -382,7 +486,7 @@ def lamb_stage1(
 @torch.no_grad()
 def lamb_stage2(params: TensorList, updates: TensorList, master_params: TensorList, ratios: Tensor) -> None:
     """LAMB stage 2: ``param -= ratios[i] * update`` (ratios = lr x trust ratio per tensor)."""
-    _check_lists("lamb_stage2", params, updates=updates)
+    _check_lists("lamb_stage2", params, master_params=master_params, vectors={"ratios": ratios}, updates=updates)
     for i in range(len(params)):
         p = _load(params, master_params, i)
         _store(params, master_params, i, p - float(ratios[i]) * updates[i])
@@ -404,7 +508,9 @@ def novograd_step(
     grad_factor: float,
 ) -> None:
     """NovoGrad element update (Apex) given each tensor's denominator."""
-    _check_lists("novograd_step", params, grads=grads, exp_avgs=exp_avgs)
+    _check_lists(
+        "novograd_step", params, master_params=master_params, vectors={"denoms": denoms}, grads=grads, exp_avgs=exp_avgs
+    )
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i in range(len(params)):
         p = _load(params, master_params, i)
@@ -471,7 +577,15 @@ def adamp_step(
     """AdamP (clovaai/AdamP): Adam whose direction loses its radial part where the weight looks scale-invariant
     (see ``adamp_projection``), with weight decay scaled by ``wd_ratio`` there. Step counters are host tensors; the
     rest runs on the params' device without reading it back."""
-    _check_lists("adamp_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    _check_lists(
+        "adamp_step",
+        params,
+        master_params=master_params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        steps=steps,
+    )
     for i in range(len(params)):
         step = _bump(steps[i])
         p = _load(params, master_params, i)
