@@ -16,8 +16,9 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                     → on_before_zero_grad → zero_grad → validation if due (on_validation_start →
                        validation_step → on_validation_batch_end per batch → on_validation_end)
                   → on_train_batch_end
-      at the end of the epoch: validation if due → on_train_epoch_end (callbacks, then the Trainer's own)
-                    → epoch-interval schedulers → on_train_epoch_end of the checkpoint callbacks (PERSIST)
+      at the end of the epoch: validation if due → on_train_epoch_end (callbacks up to OBSERVE, the Trainer's own,
+                    PERSIST's but the checkpoint writers') → epoch-interval schedulers → on_train_epoch_end of the
+                    checkpoint writers (``saves_checkpoints``)
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
@@ -1370,10 +1371,10 @@ class Trainer:
         self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
-        # Epoch schedulers step after the epoch-end hooks of the callbacks and the Trainer, as Lightning's do (a
-        # plateau scheduler reads a value logged there; a rate read there is the epoch's own), and before the
-        # checkpoint's (PERSIST), whose save then holds the stepped schedulers that a resume continues from.
-        hooks, at = self._hooks["on_train_epoch_end"], self._persist_at["on_train_epoch_end"]
+        # Epoch schedulers step after the epoch-end hooks of the callbacks and the Trainer, PERSIST's too, as
+        # Lightning's do (a plateau scheduler reads a value logged there; a rate read there is the epoch's own), and
+        # before the checkpoint writers', whose save then holds the stepped schedulers that a resume continues from.
+        hooks, at = self._hooks["on_train_epoch_end"], self._saves_at["on_train_epoch_end"]
         self.fire("on_train_epoch_end", methods=hooks[:at])
         if exhausted:
             self._step_schedulers("epoch")
@@ -1616,8 +1617,9 @@ class Trainer:
         problem = (
             f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
             f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True), or in "
-            "on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST (epoch-interval "
-            "schedulers step before the PERSIST hooks)"
+            "on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints (epoch-interval "
+            "schedulers step before the checkpoint writers' on_train_epoch_end, whose save then holds the stepped "
+            "schedulers)"
         )
         _refuse_or_skip(sched, problem)
 
@@ -2063,7 +2065,7 @@ class Trainer:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
             if not set(cb.hook_phases) <= known:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
-        self._hooks, self._persist_at = {}, {}
+        self._hooks, self._saves_at = {}, {}
         for hook in HOOKS:
             # ties: as given, but a reader of logged values (the console, early stopping) after the others of its phase
             # and a checkpoint's save after that (they may log or change its state)
@@ -2072,12 +2074,14 @@ class Trainer:
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
             persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
             at = persist.index(True) if True in persist else len(running)
+            saves = [is_persist and cb.saves_checkpoints for cb, is_persist in zip(running, persist, strict=True)]
+            saves_at = saves.index(True) if True in saves else len(running)
             if hook in self._own_hooks:  # called as fn(self, *args)
                 # The subclass's own hook runs after the callbacks' but before a checkpoint's (PERSIST): what it
                 # changes or logs at a checkpoint's step is in that checkpoint, not lost to a kill after the save.
                 self._hooks[hook].insert(at, getattr(type(self), hook))
-                at += 1
-            self._persist_at[hook] = at  # where the PERSIST hooks start (epoch schedulers step just before them)
+                saves_at += 1
+            self._saves_at[hook] = saves_at  # where the checkpoint writers start (epoch schedulers step just before)
 
     def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
