@@ -134,6 +134,7 @@ from ampkit.trainer.evaluation import (
     average_metrics,
     batch_size,
     collect_predictions,
+    warn_of_an_empty_pass,
     warn_of_no_batches,
 )
 from ampkit.trainer.failure_note import loop_position_note
@@ -417,6 +418,7 @@ class Trainer:
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
+        self.evaluated_batches = 0  # the real batches this rank ran in the latest evaluation pass
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
@@ -1768,7 +1770,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
-        warn_of_no_batches(stage, loader, self.world_size)
+        said_empty = warn_of_no_batches(stage, loader, self.world_size)
         outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
@@ -1777,6 +1779,7 @@ class Trainer:
             step = getattr(self, stage.step)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step)
+                warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
                 batch_end, limit = None, None
@@ -1786,6 +1789,7 @@ class Trainer:
                         self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
                     )
                 result = average_metrics(self, loader, step, limit, batch_end)
+                warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
