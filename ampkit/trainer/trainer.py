@@ -125,6 +125,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
     while_every_rank_has_a_batch,
 )
+from ampkit.trainer.duplicated_data import FirstBatchComparison
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
     PREDICT,
@@ -1893,6 +1894,7 @@ class Trainer:
         )
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
+        self._first_batch_comparison = FirstBatchComparison(self._train_loader, self.dist)  # the same on every rank?
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
@@ -2117,8 +2119,8 @@ class Trainer:
         self._epoch_pass = iterator
         batches = islice(iterator, None if total is None else max(total - skip, 0))
         if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
-            return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
-        return batches
+            batches = while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
+        return self._first_batch_comparison.batches(batches)  # after the agreement: every rank has a first batch
 
     def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
