@@ -18,7 +18,7 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                   → on_train_batch_end
       at the end of the epoch: validation if due → on_train_epoch_end (callbacks up to OBSERVE, the Trainer's own,
                     PERSIST's but the checkpoint writers') → epoch-interval schedulers → on_train_epoch_end of the
-                    checkpoint writers (``saves_checkpoints``)
+                    checkpoint writers (saves_checkpoints)
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
