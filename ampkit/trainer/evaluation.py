@@ -87,11 +87,10 @@ def warn_of_no_batches(stage: Stage, loader: Any, world_size: int) -> bool:
 
 
 def warn_of_an_empty_pass(stage: Stage, loader: Any, batches: int, env: DistributedEnv, expected: bool) -> None:
-    """A standalone validate/test/predict whose pass ran no batch on any rank (``batches``: this rank's), where no
+    """A standalone validate/test/predict whose pass ran no batch on any rank (``batches``: all ranks'), where no
     ``len()`` said so beforehand (a stream without one, or whose ``len()`` promised more): said after the pass, or it
-    returned ``{}`` or ``[]`` without a word; not where that was ``expected`` (said before, or a limit of 0). Every
-    rank calls it, whatever its own data (one collective when distributed)."""
-    if all_reduce_sum([float(batches)], env)[0] > 0 or expected:
+    returned ``{}`` or ``[]`` without a word; not where that was ``expected`` (said before, or a limit of 0)."""
+    if batches > 0 or expected:
         return
     length = loader_length(loader, f"{stage.dataloader}()")
     told = "it has no len() to tell beforehand" if length is None else f"though its len() is {length}"
@@ -163,7 +162,7 @@ def average_metrics(
     filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
-    trainer.evaluated_batches = 0
+    ran = 0  # real batches: the pass's count over all ranks is kept in trainer.evaluated_batches
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
     source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
@@ -177,7 +176,7 @@ def average_metrics(
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         if not real:
             continue
-        trainer.evaluated_batches += 1
+        ran += 1
         if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
             empty.append(i)
             continue
@@ -196,7 +195,10 @@ def average_metrics(
             stacklevel=2,
         )
     keys = union_over_ranks(list(sums), trainer.dist)
-    totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
+    totals = all_reduce_sum(
+        [sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys] + [float(ran)], trainer.dist
+    )
+    trainer.evaluated_batches = int(totals[-1])
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
 
 
@@ -213,7 +215,7 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
         if real:
             predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
     restore_training_modes(modes)
-    trainer.evaluated_batches = len(predictions)
+    trainer.evaluated_batches = int(all_reduce_sum([float(len(predictions))], trainer.dist)[0])
     return predictions
 
 

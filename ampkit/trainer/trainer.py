@@ -419,7 +419,7 @@ class Trainer:
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
-        self.evaluated_batches = 0  # the real batches this rank ran in the latest evaluation pass
+        self.evaluated_batches = 0  # the real batches every rank together ran in the latest evaluation pass
         self.version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
