@@ -496,6 +496,18 @@ def test_an_evaluation_stream_that_yields_nothing_is_said_after_its_pass(tmp_pat
     ]
 
 
+def test_a_validation_stream_that_yields_nothing_in_a_fit_is_said_once(tmp_path):
+    # Each epoch's validation ran no batch and gave {} without a word (no monitor to miss it).
+    trainer = EmptyEvaluationSets(toy_cfg(tmp_path, **QUIET, **{"checkpoint.enabled": False, "trainer.max_epochs": 2}))
+    trainer.val_dataloader = lambda: DataLoader(_Filtered(None), batch_size=8)
+    assert _said(trainer.fit) == [
+        "val_dataloader() yielded no batches (it has no len() to tell beforehand); the validation at step 5 gives no "
+        "metrics (said once a fit): a stream that ended at once (an iterator an earlier pass used up, a filter that "
+        "drops every sample, a shard by rank that leaves none)"
+    ]
+    assert trainer.state.global_step == 10 and trainer.val_metrics == {}  # 5 batches an epoch
+
+
 class _Endless(IterableDataset):
     """The toy samples over and over: a stream with no end and no length."""
 

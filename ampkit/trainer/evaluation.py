@@ -86,19 +86,23 @@ def warn_of_no_batches(stage: Stage, loader: Any, world_size: int) -> bool:
     return True
 
 
-def warn_of_an_empty_pass(stage: Stage, loader: Any, batches: int, env: DistributedEnv, expected: bool) -> None:
-    """A standalone validate/test/predict whose pass ran no batch on any rank (``batches``: all ranks'), where no
-    ``len()`` said so beforehand (a stream without one, or whose ``len()`` promised more): said after the pass, or it
-    returned ``{}`` or ``[]`` without a word; not where that was ``expected`` (said before, or a limit of 0)."""
+def warn_of_an_empty_pass(
+    stage: Stage, loader: Any, batches: int, env: DistributedEnv, expected: bool, outcome: str | None = None
+) -> bool:
+    """An evaluation pass that ran no batch on any rank (``batches``: all ranks'), where no ``len()`` said so
+    beforehand (a stream without one, or whose ``len()`` promised more): said after the pass, or validate/test/predict
+    returned ``{}`` or ``[]`` (a fit's validation, no metrics: ``outcome``) without a word; not where that was
+    ``expected`` (said before, or a limit of 0). Whether it was said."""
     if batches > 0 or expected:
-        return
+        return False
     length = loader_length(loader, f"{stage.dataloader}()")
     told = "it has no len() to tell beforehand" if length is None else f"though its len() is {length}"
     rank_zero_warn(
         f"{stage.dataloader}() yielded no batches{' on any rank' if env.enabled else ''} ({told}); "
-        f"{_outcome(stage)}: a stream that ended at once (an iterator an earlier pass used up, a filter that drops "
-        "every sample, a shard by rank that leaves none)"
+        f"{outcome or _outcome(stage)}: a stream that ended at once (an iterator an earlier pass used up, a filter "
+        "that drops every sample, a shard by rank that leaves none)"
     )
+    return True
 
 
 def _outcome(stage: Stage) -> str:

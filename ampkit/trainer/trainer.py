@@ -1639,6 +1639,11 @@ class Trainer:
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
             self.val_metrics_step = self.state.global_step
+            if not self._said_empty_validation:
+                self._said_empty_validation = warn_of_an_empty_pass(
+                    VALIDATE, self._val_loader, self.evaluated_batches, self.dist, expected=False,
+                    outcome=f"the validation at step {self.state.global_step} gives no metrics (said once a fit)",
+                )  # fmt: skip
             self._fire_evaluation_end("on_validation_end", self.val_metrics)
         finally:
             self._batch = batch
@@ -1901,6 +1906,7 @@ class Trainer:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
+        self._said_empty_validation = False  # a validation stream that yielded nothing is said once per fit
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._held_step_values = {}
