@@ -6,7 +6,7 @@ shards itself (by ``torch.distributed.get_rank()``) is never named, and only bat
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -44,7 +44,7 @@ class FirstBatchComparison:
         self.env, self.source, self.loader = env, source, loader
         self.pending = env.enabled and not _dealt_by_a_sampler(loader)
 
-    def batches(self, batches: Iterable[Any]) -> Iterable[Any]:
+    def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``, the first one compared across ranks while a comparison is pending (every rank fetches its
         first batch at the same point: the loop agrees on each batch of a stream, or the counts are equal); after it,
         the loader's own iterator, with no Python frame per batch."""
