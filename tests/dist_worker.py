@@ -129,16 +129,40 @@ class UnevenValidation(Plain):
 
 
 class RankStream(IterableDataset):
-    """A stream of its own samples per rank: 40 (10 batches of 4) on rank 0, 24 (6 batches) on rank 1."""
+    """A stream of its own samples per rank: 40 (10 batches of 4) on rank 0, the other 24 (6 batches) on rank 1."""
 
     def __iter__(self):
         x, y = toy_dataset(64).tensors
-        return iter(list(zip(x, y, strict=True))[: 40 if RANK == 0 else 24])
+        samples = list(zip(x, y, strict=True))
+        return iter(samples[:40] if RANK == 0 else samples[40:])
 
 
 class UnevenStream(Plain):
     def train_dataloader(self):
         return DataLoader(RankStream(), batch_size=self.cfg.data.batch_size)
+
+
+class WholeStream(IterableDataset):
+    """The same 24 samples on every rank: a stream that never looks at its rank."""
+
+    def __iter__(self):
+        x, y = toy_dataset(64).tensors
+        return iter(list(zip(x, y, strict=True))[:24])
+
+
+class DuplicatedStream(Plain):
+    def train_dataloader(self):
+        return DataLoader(WholeStream(), batch_size=self.cfg.data.batch_size)
+
+
+def warned(fit) -> list[str]:
+    """The warnings ``fit()`` gave."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit()
+    return [str(w.message) for w in seen]
 
 
 class UnevenLists(Plain):
@@ -797,9 +821,11 @@ def main(scenario: str, out: Path) -> None:
         except ValueError as exc:
             refused = str(exc)
         trainer = UnevenStream(cfg)
-        trainer.fit()
-        torch.save({"refused": refused, "global_step": trainer.state.global_step,
-                    "model": trainer.module.state_dict()}, out / f"rank{RANK}.pt")  # fmt: skip
+        sharded = warned(trainer.fit)
+        duplicated = warned(DuplicatedStream({**cfg, "trainer": {**cpu, "max_steps": 2}}).fit)
+        saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
+                 "duplicated": duplicated, "model": trainer.module.state_dict()}  # fmt: skip
+        torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order
         train = {**cpu, "max_epochs": 2, "accumulate_grad_batches": 4}

@@ -282,7 +282,8 @@ def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_ran
 def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path):
     """Rank 0 has 10 batches, rank 1 6: rank 0's 7th step waited in the gradient all-reduce until
     ``distributed.timeout_s``, then failed blaming a live rank. Counts known up front are refused at set-up naming
-    them; a stream (an IterableDataset) ends every rank's epoch where the shortest runs out, with a warning."""
+    them; a stream (an IterableDataset) ends every rank's epoch where the shortest runs out, with a warning. A
+    stream giving every rank the same batches is named."""
     results = launch("uneven_batches", tmp_path, timeout=120)
     rank0, rank1 = _ok(results)
     refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
@@ -291,8 +292,41 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
         assert "trainer.limit_train_batches=6" in rank["refused"]
         assert rank["global_step"] == 12  # 6 steps in each of 2 epochs
     _equal(rank0["model"], rank1["model"])
-    assert "epoch 0: the training data of rank(s) 1 ran out after 6 batches" in results[0].stderr
-    assert "ran out" not in results[1].stderr  # rank zero alone warns
+    assert any("epoch 0: the training data of rank(s) 1 ran out after 6 batches" in w for w in rank0["sharded"])
+    assert not any("ran out" in w for w in rank1["sharded"])  # rank zero alone warns
+    # A stream that is not sharded gave both ranks every sample, silently: named once, by rank zero. The one that
+    # shards itself by rank is not.
+    same = [
+        [w for w in rank[run] if "same first batch" in w]
+        for rank in (rank0, rank1)
+        for run in ("sharded", "duplicated")
+    ]
+    assert same[0] == same[2] == same[3] == []
+    assert len(same[1]) == 1
+    assert same[1][0].startswith(
+        "train_dataloader() gave each of the 2 ranks the same first batch: its WholeStream is not sharded across ranks"
+    )
+
+
+def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone():
+    """Batches alike in contents (not identity) share a fingerprint; another shape or dtype does not; a tensor with no
+    plain bytes gives none (never named). A loader a DistributedSampler deals is not compared at all (no gather)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ampkit.trainer.distributed import DistributedEnv
+    from ampkit.trainer.duplicated_data import FirstBatchComparison, batch_fingerprint
+
+    batch = {"x": torch.arange(6.0).reshape(2, 3).bfloat16(), "ids": ["a", "b"], "w": torch.tensor(1.0)}
+    assert batch_fingerprint(batch) == batch_fingerprint({**batch, "x": batch["x"].clone()})
+    assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(3, 2))
+    assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(2, 3, dtype=torch.float64))
+    assert batch_fingerprint([torch.eye(3).to_sparse()]) is None
+    two = DistributedEnv(rank=0, world_size=2)
+    data = toy_dataset(8)
+    dealt = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    assert not FirstBatchComparison(dealt, two).pending
+    assert FirstBatchComparison(iter([1, 2]), two).pending
+    assert not FirstBatchComparison(iter([1, 2]), DistributedEnv()).pending
 
 
 def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps(tmp_path):

@@ -475,6 +475,56 @@ def test_an_evaluation_loader_without_batches_is_said_as_precisely_as_the_train_
     assert _said(streamed.test) == [] and set(streamed.test()) == {"mse"}
 
 
+class _Filtered(IterableDataset):
+    """A stream whose filter dropped every sample; its ``__len__`` (None: none) is what it counted beforehand."""
+
+    def __init__(self, length: int | None) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("a stream has no length")
+        return self.length
+
+    def __iter__(self):
+        return iter(())
+
+
+def test_an_evaluation_stream_that_yields_nothing_is_said_after_its_pass(tmp_path):
+    # Judged by len() alone: a stream with no len(), or one whose len() promised 3 batches, yielding nothing returned {}
+    # or [] from test() and predict() without a word (and validate() too).
+    trainer = EmptyEvaluationSets(toy_cfg(tmp_path, **QUIET, **{"checkpoint.enabled": False}))
+    trainer.test_dataloader = lambda: DataLoader(_Filtered(None), batch_size=8)
+    trainer.predict_dataloader = lambda: DataLoader(_Filtered(24), batch_size=8)  # 3 batches
+    trainer.val_dataloader = lambda: DataLoader(_Filtered(None), batch_size=8)
+    assert _said(trainer.test) == [
+        "test_dataloader() yielded no batches (it has no len() to tell beforehand); test() returns no metrics: a "
+        "stream that ended at once (an iterator an earlier pass used up, a filter that drops every sample, a shard by "
+        "rank that leaves none)"
+    ]
+    assert _said(trainer.predict)[0].startswith(
+        "predict_dataloader() yielded no batches (though its len() is 3); predict() returns no predictions"
+    )
+    assert _said(trainer.validate)[0].startswith("val_dataloader() yielded no batches (it has no len() to tell")
+    # said once: an empty set its len() named beforehand is not said again after the pass
+    empty = EmptyEvaluationSets(toy_cfg(tmp_path / "empty", **QUIET, **{"checkpoint.enabled": False}))
+    assert _said(empty.predict) == [
+        "predict_dataloader() yields no batches: its dataset is empty; predict() returns no predictions"
+    ]
+
+
+def test_a_validation_stream_that_yields_nothing_in_a_fit_is_said_once(tmp_path):
+    # Each epoch's validation ran no batch and gave {} without a word (no monitor to miss it).
+    trainer = EmptyEvaluationSets(toy_cfg(tmp_path, **QUIET, **{"checkpoint.enabled": False, "trainer.max_epochs": 2}))
+    trainer.val_dataloader = lambda: DataLoader(_Filtered(None), batch_size=8)
+    assert _said(trainer.fit) == [
+        "val_dataloader() yielded no batches (it has no len() to tell beforehand); the validation at step 5 gives no "
+        "metrics (said once a fit): a stream that ended at once (an iterator an earlier pass used up, a filter that "
+        "drops every sample, a shard by rank that leaves none)"
+    ]
+    assert trainer.state.global_step == 10 and trainer.val_metrics == {}  # 5 batches an epoch
+
+
 class _Endless(IterableDataset):
     """The toy samples over and over: a stream with no end and no length."""
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit import Callback, ConfigError, consolidate_checkpoint
+from ampkit import Callback, ConfigError, Phase, consolidate_checkpoint
 from ampkit.callbacks import EarlyStopping
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
@@ -352,6 +352,26 @@ def test_a_tag_a_callback_logs_in_on_validation_end_is_monitored_and_the_sanity_
     trainer = Scripted(toy_cfg(tmp_path, **EVERY_STEP, **es), callbacks=[_LogsAuc()])
     trainer.fit()
     assert trainer.state.global_step == 6
+
+
+class _SavesAndLogsAuc(_LogsAuc):
+    """A checkpoint writer of the user's (it saves a file of its own) that also logs ``val_auc``."""
+
+    phase = Phase.PERSIST
+    saves_checkpoints = True
+
+
+def test_best_k_ranks_a_value_another_checkpoint_writer_logs_wherever_it_stands_in_the_list(tmp_path):
+    """A checkpoint writer of the user's that logs the monitored value, given after the config's ModelCheckpoint, ran
+    after it by its place in the list: the first validation failed with 'not a metric of the validation'. Lightning
+    runs ModelCheckpoint last; so does ampkit among the checkpoint writers, whatever the list's order."""
+    Scripted.scores = [5, 3, 4, 1, 2, 6]
+    best = {"checkpoint.monitor": "val_auc", "checkpoint.save_top_k": 2, "trainer.max_steps": 6}
+    trainer = Scripted(toy_cfg(tmp_path, **EVERY_STEP, **best), callbacks=[_SavesAndLogsAuc()])
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("best*.pt")) == ["best-00000004.pt", "best-00000005.pt", "best.pt"]
+    assert [type(cb).__name__ for cb in trainer.callbacks][-2:] == ["_SavesAndLogsAuc", "ModelCheckpoint"]
 
 
 def test_a_monitor_neither_returned_nor_logged_at_validation_end_names_both(tmp_path):

@@ -453,24 +453,44 @@ def test_a_one_cycle_schedule_the_run_would_step_past_is_refused_before_training
 
 
 class _LogsAccuracyAtPersist(ampkit.Callback):
-    phase = ampkit.Phase.PERSIST  # its on_train_epoch_end runs after epoch-interval schedulers step
+    """Logs an epoch's accuracy in PERSIST (after the Trainer's own hook): 0.5, then worse, 0.4, for a plateau."""
+
+    phase = ampkit.Phase.PERSIST
 
     def on_train_epoch_end(self, trainer):
-        trainer.log("train/acc", 0.5)
+        trainer.log("train/acc", 0.5 if trainer.state.epoch == 0 else 0.4)
+
+
+class _SavesAndLogsAccuracy(_LogsAccuracyAtPersist):
+    saves_checkpoints = True  # its on_train_epoch_end runs after epoch-interval schedulers step
 
 
 class PlateauOnEpochEndValue(ToyTrainer):
     def configure_optimizers(self):
         sgd = torch.optim.SGD(self.module.parameters(), lr=0.1)
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd, mode="max", patience=0, factor=0.5)
         return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/acc", "interval": "epoch"}}
 
 
-def test_a_scheduler_missing_an_epoch_end_value_a_persist_callback_logs_names_the_phase_it_needs(tmp_path):
+def test_a_plateau_scheduler_steps_on_an_epoch_end_value_a_persist_callback_logs(tmp_path):
+    """Epoch schedulers stepped before every PERSIST hook: the plateau scheduler monitoring a value a PERSIST callback
+    logs at the epoch's end found none and the run was refused. Lightning steps them after the epoch-end callbacks;
+    ampkit does so too, before the checkpoint writers' alone (whose save holds the stepped scheduler)."""
+    cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})
+    trainer = PlateauOnEpochEndValue(cfg, callbacks=[_LogsAccuracyAtPersist()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first iteration gave the monitor no value yet: said
+        trainer.fit()
+    assert trainer.state.epoch == 2
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)  # 0.5, then 0.4: one halving
+
+
+def test_a_scheduler_missing_an_epoch_end_value_a_checkpoint_writer_logs_names_where_it_counts(tmp_path):
     """The error only said to log it in training_step, though it was logged at the epoch's end, after the step."""
-    trainer = PlateauOnEpochEndValue(toy_cfg(tmp_path, **QUIET), callbacks=[_LogsAccuracyAtPersist()])
+    trainer = PlateauOnEpochEndValue(toy_cfg(tmp_path, **QUIET), callbacks=[_SavesAndLogsAccuracy()])
     said = (
-        r"or in on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST \(epoch-interval"
+        r"or in on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints \(epoch-interval "
+        r"schedulers step before the checkpoint writers' on_train_epoch_end"
     )
     with pytest.raises(UserCodeError, match=said):
         with warnings.catch_warnings():

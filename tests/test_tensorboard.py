@@ -461,9 +461,11 @@ class _SigkillAfter(Callback):
     """SIGKILL once every callback, the checkpoint's included, is done with ``hook`` at ``step`` (a node lost there)."""
 
     phase = Phase.PERSIST
-    # Among the checkpoint writers, which run after the rest of their phase; given after the built-in ModelCheckpoint,
-    # it runs after its save (a plain PERSIST callback ran before it, so the kill came before the save).
+    # A checkpoint writer reading logged values, as ModelCheckpoint: those run after the rest of their phase, and given
+    # after the built-in ModelCheckpoint, it runs after its save (a plain PERSIST callback, or a checkpoint writer that
+    # reads nothing, ran before it, so the kill came before the save).
     saves_checkpoints = True
+    reads_logged_values = True
 
     def __init__(self, hook: str, step: int) -> None:
         self.hook, self.step = hook, step

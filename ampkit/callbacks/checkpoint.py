@@ -56,6 +56,9 @@ class ModelCheckpoint(KeyedByMonitor):
 
     phase = Phase.PERSIST
     saves_checkpoints = True  # after every other PERSIST hook: its save holds what they did
+    # Its monitor reads what was logged: it runs after every other checkpoint writer too (Lightning runs it last), so
+    # a value one of them logs at that hook is ranked, wherever that one stands in the list.
+    reads_logged_values = True
 
     def __init__(
         self,

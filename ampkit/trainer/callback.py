@@ -4,7 +4,8 @@ Hooks run in the order documented on :class:`ampkit.Trainer`. At every hook, cal
 of the :class:`Phase` they serve (casting before data parallelism before loss scaling before clipping
 before user code before loggers before checkpoints); callbacks of one phase keep the order they were
 given in, but one that reads what was logged (``reads_logged_values``: the console, early stopping) runs after
-the others of its phase, and one that saves checkpoints (``saves_checkpoints``) after that. No correctness
+the others of its phase, and one that saves checkpoints (``saves_checkpoints``) after that; among the checkpoint
+writers, one that reads logged values (``ModelCheckpoint``, ranking by its monitor) runs last. No correctness
 depends on another callback's name, nor on a callback's place in the list given.
 """
 
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 def run_order(callback: Callback, hook: str | None = None) -> tuple[int, bool, bool]:
     """Where ``callback`` runs at ``hook`` (None: its own phase): by phase, then one reading logged values after the
-    others of its phase, then one saving checkpoints last; a sort key, ties kept in the order given."""
+    others of its phase, then one saving checkpoints after those, one that also reads logged values (a best-k ranking)
+    last; a sort key, ties kept in the order given."""
     phase = callback.phase if hook is None else callback.hook_phases.get(hook, callback.phase)
     return phase, callback.saves_checkpoints, callback.reads_logged_values
 
@@ -95,7 +97,8 @@ class Callback:
     saves_checkpoints: ClassVar[bool] = False
     # True for a callback that reads what the hooks before it logged (the console's lines, early stopping's monitor): at
     # every hook it runs after the other callbacks of its phase, whatever their place in the list, but before a
-    # checkpoint's, so a value another callback of its phase logs there is one it sees.
+    # checkpoint's, so a value another callback of its phase logs there is one it sees. A checkpoint writer that reads
+    # them (ModelCheckpoint's monitor) runs after the other checkpoint writers, whose logged values it then ranks.
     reads_logged_values: ClassVar[bool] = False
 
     @property

@@ -14,6 +14,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.batch_counts import checked_count, length_may_undercount, loader_length
 from ampkit.trainer.distributed import (
+    DistributedEnv,
     all_reduce_sum,
     evened_by_agreement,
     filler_batches_from,
@@ -74,14 +75,38 @@ def batch_size(batch: Any) -> int | None:
 _RETURNS_NOTHING = {"validate": "validate() returns no metrics", "test": "test() returns no metrics"}
 
 
-def warn_of_no_batches(stage: Stage, loader: Any, world_size: int) -> None:
+def warn_of_no_batches(stage: Stage, loader: Any, world_size: int) -> bool:
     """A standalone validate/test/predict over a loader of ``len()`` 0 runs no step and returns nothing: said, naming
-    why as fit's loaders' messages do (Lightning warns of a zero-length loader too). A stream's ``len()`` is its
-    author's count and its pass runs to the end whatever it says, so it is not judged by it."""
+    why as fit's loaders' messages do (Lightning warns of a zero-length loader too); whether it was said. A stream's
+    ``len()`` is its author's count and its pass runs to the end whatever it says, so it is not judged by it (see
+    :func:`warn_of_an_empty_pass`)."""
     if length_may_undercount(loader) or loader_length(loader, f"{stage.dataloader}()") != 0:
-        return
-    outcome = _RETURNS_NOTHING.get(stage.name, "predict() returns no predictions")
-    rank_zero_warn(no_batches_message(stage.dataloader, loader, world_size, outcome))
+        return False
+    rank_zero_warn(no_batches_message(stage.dataloader, loader, world_size, _outcome(stage)))
+    return True
+
+
+def warn_of_an_empty_pass(
+    stage: Stage, loader: Any, batches: int, env: DistributedEnv, expected: bool, outcome: str | None = None
+) -> bool:
+    """An evaluation pass that ran no batch on any rank (``batches``: all ranks'), where no ``len()`` said so
+    beforehand (a stream without one, or whose ``len()`` promised more): said after the pass, or validate/test/predict
+    returned ``{}`` or ``[]`` (a fit's validation, no metrics: ``outcome``) without a word; not where that was
+    ``expected`` (said before, or a limit of 0). Whether it was said."""
+    if batches > 0 or expected:
+        return False
+    length = loader_length(loader, f"{stage.dataloader}()")
+    told = "it has no len() to tell beforehand" if length is None else f"though its len() is {length}"
+    rank_zero_warn(
+        f"{stage.dataloader}() yielded no batches{' on any rank' if env.enabled else ''} ({told}); "
+        f"{outcome or _outcome(stage)}: a stream that ended at once (an iterator an earlier pass used up, a filter "
+        "that drops every sample, a shard by rank that leaves none)"
+    )
+    return True
+
+
+def _outcome(stage: Stage) -> str:
+    return _RETURNS_NOTHING.get(stage.name, "predict() returns no predictions")
 
 
 # What an evaluation step gives where a Lightning step calls self.log: Trainer.log there is refused with it.
@@ -141,6 +166,7 @@ def average_metrics(
     filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
+    ran = 0  # real batches: the pass's count over all ranks is kept in trainer.evaluated_batches
     sums: dict[str, float] = {}
     seen: dict[str, float] = {}
     source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
@@ -154,6 +180,7 @@ def average_metrics(
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
         if not real:
             continue
+        ran += 1
         if n == 0:  # no samples, nothing to average (its step ran: a sharded model's collectives keep in step)
             empty.append(i)
             continue
@@ -172,7 +199,10 @@ def average_metrics(
             stacklevel=2,
         )
     keys = union_over_ranks(list(sums), trainer.dist)
-    totals = all_reduce_sum([sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys], trainer.dist)
+    totals = all_reduce_sum(
+        [sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys] + [float(ran)], trainer.dist
+    )
+    trainer.evaluated_batches = int(totals[-1])
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
 
 
@@ -189,6 +219,7 @@ def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any
         if real:
             predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
     restore_training_modes(modes)
+    trainer.evaluated_batches = int(all_reduce_sum([float(len(predictions))], trainer.dist)[0])
     return predictions
 
 

@@ -16,8 +16,9 @@ Order of one ``fit()`` (pinned by ``tests/test_hook_order.py``)::
                     → on_before_zero_grad → zero_grad → validation if due (on_validation_start →
                        validation_step → on_validation_batch_end per batch → on_validation_end)
                   → on_train_batch_end
-      at the end of the epoch: validation if due → on_train_epoch_end (callbacks, then the Trainer's own)
-                    → epoch-interval schedulers → on_train_epoch_end of the checkpoint callbacks (PERSIST)
+      at the end of the epoch: validation if due → on_train_epoch_end (callbacks up to OBSERVE, the Trainer's own,
+                    PERSIST's but the checkpoint writers') → epoch-interval schedulers → on_train_epoch_end of the
+                    checkpoint writers (saves_checkpoints)
     on_train_end → on_fit_end (also after an exception, which first fires on_exception)
 
 A standalone ``validate``/``test``/``predict`` (not fitted in this process): seed → configure_model →
@@ -125,6 +126,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
     while_every_rank_has_a_batch,
 )
+from ampkit.trainer.duplicated_data import FirstBatchComparison
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
     PREDICT,
@@ -134,6 +136,7 @@ from ampkit.trainer.evaluation import (
     average_metrics,
     batch_size,
     collect_predictions,
+    warn_of_an_empty_pass,
     warn_of_no_batches,
 )
 from ampkit.trainer.failure_note import loop_position_note
@@ -418,6 +421,7 @@ class Trainer:
         self._epoch_means_taken = False  # this epoch's means are computed: later on_epoch values are written at once
         self._batch: Any = None  # the training batch running now: its size weighs log()'s epoch means
         self.evaluation_step: str | None = None  # the evaluation step running now (validation_step...), or None
+        self.evaluated_batches = 0  # the real batches every rank together ran in the latest evaluation pass
         self.version_dir: Path | None = None
         # What fit(resume='last') continues from as rank zero, which writes the checkpoints, sees it: known on every
         # rank from the fit's start and each save, for a failure's note (on a node-local disk another rank's differs).
@@ -1374,10 +1378,10 @@ class Trainer:
         self._epoch_means_taken, self._epoch_end_values = True, {}
         if exhausted:  # a stopped epoch's sums go on into its checkpoint, for a resume to finish the epoch
             self._epoch_sums = {}
-        # Epoch schedulers step after the epoch-end hooks of the callbacks and the Trainer, as Lightning's do (a
-        # plateau scheduler reads a value logged there; a rate read there is the epoch's own), and before the
-        # checkpoint's (PERSIST), whose save then holds the stepped schedulers that a resume continues from.
-        hooks, at = self._hooks["on_train_epoch_end"], self._persist_at["on_train_epoch_end"]
+        # Epoch schedulers step after the epoch-end hooks of the callbacks and the Trainer, PERSIST's too, as
+        # Lightning's do (a plateau scheduler reads a value logged there; a rate read there is the epoch's own), and
+        # before the checkpoint writers', whose save then holds the stepped schedulers that a resume continues from.
+        hooks, at = self._hooks["on_train_epoch_end"], self._saves_at["on_train_epoch_end"]
         self.fire("on_train_epoch_end", methods=hooks[:at])
         if exhausted:
             self._step_schedulers("epoch")
@@ -1620,8 +1624,9 @@ class Trainer:
         problem = (
             f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
             f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True), or in "
-            "on_train_epoch_end by the Trainer's own hook or a callback of a phase before PERSIST (epoch-interval "
-            "schedulers step before the PERSIST hooks)"
+            "on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints (epoch-interval "
+            "schedulers step before the checkpoint writers' on_train_epoch_end, whose save then holds the stepped "
+            "schedulers)"
         )
         _refuse_or_skip(sched, problem)
 
@@ -1638,6 +1643,11 @@ class Trainer:
                 self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
             )
             self.val_metrics_step = self.state.global_step
+            if not self._said_empty_validation:
+                self._said_empty_validation = warn_of_an_empty_pass(
+                    VALIDATE, self._val_loader, self.evaluated_batches, self.dist, expected=False,
+                    outcome=f"the validation at step {self.state.global_step} gives no metrics (said once a fit)",
+                )  # fmt: skip
             self._fire_evaluation_end("on_validation_end", self.val_metrics)
         finally:
             self._batch = batch
@@ -1771,7 +1781,7 @@ class Trainer:
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
             )
         loader = evaluation_loader(loader, self.dist, f"{stage.dataloader}()")
-        warn_of_no_batches(stage, loader, self.world_size)
+        said_empty = warn_of_no_batches(stage, loader, self.world_size)
         outer_stage, self.state.stage = self.state.stage, stage.name  # from a hook: the fit's stage after it
         try:
             if fresh:
@@ -1780,6 +1790,7 @@ class Trainer:
             step = getattr(self, stage.step)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step)
+                warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
                 batch_end, limit = None, None
@@ -1789,6 +1800,7 @@ class Trainer:
                         self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
                     )
                 result = average_metrics(self, loader, step, limit, batch_end)
+                warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
@@ -1897,12 +1909,14 @@ class Trainer:
         )
         self._batch_agreement = None if equal else batch_agreement_group(self.dist)
         self._agree_each_batch = not equal
+        self._first_batch_comparison = FirstBatchComparison(self._train_loader, self.dist)  # the same on every rank?
         self._batch_layout = batch_layout(self._train_loader, self.world_size, self._num_train_batches)
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
         self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
+        self._said_empty_validation = False  # a validation stream that yielded nothing is said once per fit
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._held_step_values = {}
@@ -2075,7 +2089,7 @@ class Trainer:
                 raise ValueError(f"{cb.name}.unused_hooks() names {sorted(unused[id(cb)] - known)}, not hooks")
             if not set(cb.hook_phases) <= known:
                 raise ValueError(f"{cb.name}.hook_phases names {sorted(set(cb.hook_phases) - known)}, not hooks")
-        self._hooks, self._persist_at = {}, {}
+        self._hooks, self._saves_at = {}, {}
         for hook in HOOKS:
             # ties: as given, but a reader of logged values (the console, early stopping) after the others of its phase
             # and a checkpoint's save after that (they may log or change its state)
@@ -2084,12 +2098,14 @@ class Trainer:
             self._hooks[hook] = [getattr(cb, hook) for cb in running]
             persist = [cb.hook_phases.get(hook, cb.phase) >= Phase.PERSIST for cb in running]
             at = persist.index(True) if True in persist else len(running)
+            saves = [is_persist and cb.saves_checkpoints for cb, is_persist in zip(running, persist, strict=True)]
+            saves_at = saves.index(True) if True in saves else len(running)
             if hook in self._own_hooks:  # called as fn(self, *args)
                 # The subclass's own hook runs after the callbacks' but before a checkpoint's (PERSIST): what it
                 # changes or logs at a checkpoint's step is in that checkpoint, not lost to a kill after the save.
                 self._hooks[hook].insert(at, getattr(type(self), hook))
-                at += 1
-            self._persist_at[hook] = at  # where the PERSIST hooks start (epoch schedulers step just before them)
+                saves_at += 1
+            self._saves_at[hook] = saves_at  # where the checkpoint writers start (epoch schedulers step just before)
 
     def _epoch_batches(self, ahead: bool = False) -> Iterator[Any]:
         """This epoch's batches (an iterator made now: no Python frame between the loop and the loader per batch);
@@ -2121,8 +2137,8 @@ class Trainer:
         self._epoch_pass = iterator
         batches = islice(iterator, None if total is None else max(total - skip, 0))
         if self._agree_each_batch:  # some rank's count is unknown: the epoch ends where any rank's data does
-            return while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
-        return batches
+            batches = while_every_rank_has_a_batch(batches, self.dist, self._batch_agreement, self.state.epoch, skip)
+        return self._first_batch_comparison.batches(batches)  # after the agreement: every rank has a first batch
 
     def _flag_last(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches`` fetched one ahead, so that a loader without a length still marks its last batch
