@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
-from collections.abc import Container
+import warnings
+from collections.abc import Container, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
-from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
+from ampkit.trainer.run_life import RunDirectoryError, loop_of, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
@@ -144,12 +146,36 @@ def _metrics(prefix: str, metrics: dict[str, float], logged: Container[str] = ()
     return ", ".join(f"{k if k in logged else f'{prefix}/{k}'}={v:.4f}" for k, v in metrics.items())
 
 
-def _resume_hint(cfg: Any) -> str:
-    """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
+def _resume_hint(cfg: Any, stopped_at: int | None = None) -> str:
+    """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet. A Ctrl-C
+    saves nothing, so where that checkpoint is older than the step the run ``stopped_at``, the hint names both: the
+    steps between are trained again."""
     newest = None if cfg is None else resolve_checkpoint(cfg.run_dir, "last")
     if newest is None:
         return " before its first checkpoint (run it again without --resume to start over)"
-    return f" (--resume last continues from {newest})"
+    saved = (loop_of(newest) or {}).get("global_step")
+    if saved is None or stopped_at is None or stopped_at <= saved:
+        return f" (--resume last continues from {newest})"
+    return f" (--resume last continues from {newest}, saved at step {saved}; this run reached step {stopped_at})"
+
+
+@contextlib.contextmanager
+def _short_warnings() -> Iterator[None]:
+    """ampkit's own warnings as one ``ampkit: warning: ...`` line: a command's user needs the message, not the path
+    and source line inside ampkit that raised it. A warning from elsewhere (torch, the user's own module) keeps both."""
+    package, original = os.path.dirname(ampkit.__file__) + os.sep, warnings.formatwarning
+
+    def short(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None):
+        if not str(filename).startswith(package):
+            return original(message, category, filename, lineno, line)
+        kind = "warning" if category is UserWarning else category.__name__
+        return f"ampkit: {kind}: {message}\n"
+
+    warnings.formatwarning = short
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(_parser(argv), argv)
     # fit() inside takes SIGTERM over, to save the step it stops at; a SIGHUP (the terminal or ssh session closed)
     # unwinds as a Ctrl-C does, where its default action would end the process without a last line
-    with signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):
+    with _short_warnings(), signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):
         return _run(args)
 
 
@@ -167,7 +193,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = None
+    cfg = trainer = None
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -199,7 +225,9 @@ def _run(args: argparse.Namespace) -> int:
         sigterm = isinstance(exc, Terminated | Preempted)
         how = "terminated (SIGTERM)" if sigterm else "hung up (SIGHUP)" if isinstance(exc, HungUp) else "interrupted"
         with contextlib.suppress(OSError):  # a hung-up terminal may take no more output
-            print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
+            stopped_at = None if trainer is None else trainer.state.global_step
+            hint = _resume_hint(cfg, stopped_at) if args.command == "fit" else ""
+            print(f"ampkit: {how}{hint}", file=sys.stderr)
         return 143 if sigterm else 129 if isinstance(exc, HungUp) else 130
     if not trainer.is_global_zero:
         return 0

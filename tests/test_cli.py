@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 
 import pytest
 from omegaconf import OmegaConf
@@ -173,3 +175,43 @@ def test_the_interrupt_hint_names_the_sharded_checkpoint_resume_last_continues_w
     (step / ".metadata").touch()
     (step / "trainer.pt").touch()
     assert _resume_hint(OmegaConf.create({"run_dir": str(tmp_path)})) == f" (--resume last continues from {step})"
+
+
+def test_an_interrupted_fit_names_the_step_it_stopped_at_and_the_step_resume_continues_from(tmp_path, capsys):
+    """A Ctrl-C saves nothing: the hint said only which file --resume last continues from, so a user took the steps
+    since that checkpoint for kept."""
+    quiet = {"progress_bar": False}
+    config = _config(tmp_path, "toy_trainers:CtrlCToyTrainer", trainer=quiet, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, "trainer.max_epochs=3"]) == 130
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+    assert (
+        capsys.readouterr().err
+        == f"ampkit: interrupted (--resume last continues from {last}, saved at step 8; this run reached step 10)\n"
+    )
+
+
+def _show_warnings_as_python_does(monkeypatch) -> None:
+    """Python's own way to show a warning (pytest records them instead): ``warnings.formatwarning`` to stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    monkeypatch.setattr(warnings, "showwarning", show)
+
+
+def test_ampkits_own_warnings_print_as_one_line_without_its_source(tmp_path, capsys, monkeypatch):
+    """A command's warning printed the path inside ampkit that raised it and that source line
+    (``rank_zero_warn(why)``), noise to a user of the command; a warning from elsewhere keeps its place."""
+    _show_warnings_as_python_does(monkeypatch)
+    settings = {
+        "trainer": {"progress_bar": False, "val_every_n_epochs": 0, "val_every_n_steps": 100},
+        "logging": {"tensorboard": False},
+    }
+    config = _config(tmp_path, checkpoint={"monitor": "val/mse"}, **settings)
+    assert main(["fit", "--config", config]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("ampkit: warning: validation never runs in this run: ") and err.count("\n") == 1
+    with warnings.catch_warnings():  # restored after the command: a script's warnings are Python's again
+        warnings.simplefilter("always")
+        warnings.warn("outside the command", stacklevel=1)
+    assert f"{__file__}:" in capsys.readouterr().err
