@@ -215,3 +215,18 @@ def test_ampkits_own_warnings_print_as_one_line_without_its_source(tmp_path, cap
         warnings.simplefilter("always")
         warnings.warn("outside the command", stacklevel=1)
     assert f"{__file__}:" in capsys.readouterr().err
+
+
+def test_a_best_checkpoint_a_run_never_kept_says_why_and_names_last(tmp_path, capsys):
+    """The GPT example cut short (``trainer.max_steps=30``, validation every 100) keeps no best.pt, and the
+    documented ``predict --ckpt best`` said only "no 'best.pt' ... (pass a path)"."""
+    settings = {"trainer": {"progress_bar": False}, "logging": {"tensorboard": False}}
+    config = _config(tmp_path, checkpoint={"monitor": "val/mse"}, **settings)
+    assert main(["fit", "--config", config, "trainer.val_every_n_epochs=0", "trainer.val_every_n_steps=100"]) == 0
+    capsys.readouterr()
+    assert main(["predict", "--config", config, "--ckpt", "best"]) == 2
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+    assert f"best.pt is kept only where checkpoint.monitor ('val/mse') was logged at a save; '{last}' is the" in (
+        capsys.readouterr().err
+    )
+    assert main(["validate", "--config", config, "--ckpt", "last"]) == 0  # the named alternative loads

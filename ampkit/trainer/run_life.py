@@ -150,6 +150,19 @@ def _broken_alias(run_dir: str | os.PathLike, alias: str) -> str | None:
     return None
 
 
+def missing_alias_hint(run_dir: str | os.PathLike, alias: str, monitor: str | None) -> str:
+    """Why ``alias`` (``last``/``best``) names no checkpoint under ``run_dir``, and what to pass instead: a ``best``
+    missing beside a ``last`` is a run that never logged ``monitor`` (this config's ``checkpoint.monitor``)."""
+    if broken := _broken_alias(run_dir, alias):
+        return f" ({broken}; pass a path)"
+    last = resolve_checkpoint(run_dir, "last") if alias == "best" else None
+    if last is not None:
+        kept = f"checkpoint.monitor ('{monitor}') was logged" if monitor else "checkpoint.monitor is set"
+        return f": best.pt is kept only where {kept} at a save; '{last}' is the newest checkpoint (--ckpt last)"
+    left = newest_periodic_checkpoint(run_dir)
+    return f": the newest checkpoint left is '{left}' (pass its path)" if left is not None else " (pass a path)"
+
+
 def _trainer_part(path: Path) -> Path:
     """The file holding a checkpoint's loop position (a sharded checkpoint keeps it in ``trainer.pt``)."""
     return path / TRAINER_FILE if is_sharded_checkpoint(path) else path

@@ -192,6 +192,7 @@ from ampkit.trainer.run_life import (
     lineage,
     load_with_fallback_hint,
     misfit_detail,
+    missing_alias_hint,
     open_version_dir,
     plan_fit,
     prediction_output,
@@ -1750,9 +1751,8 @@ class Trainer:
         if before is not None:
             before(path)
         if ckpt is not None and path is None:
-            raise CheckpointError(
-                f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
-            )
+            hint = missing_alias_hint(self.cfg.run_dir, str(ckpt), self.cfg.checkpoint.monitor)
+            raise CheckpointError(f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)}{hint}")
         fresh = self._unset()  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
