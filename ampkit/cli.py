@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
-from ampkit.config import Config, ConfigError, load_config
+from ampkit.config import Config, ConfigError, builtin_configs, load_config
 from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
@@ -87,8 +87,13 @@ def _keys_for_help(argv: list[str]) -> tuple[type, DictConfig | None, str]:
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    builtin = ", ".join(builtin_configs())
     parser = argparse.ArgumentParser(
-        prog="ampkit", description="ampkit: a PyTorch training loop built around mixed precision."
+        prog="ampkit",
+        description="ampkit: a PyTorch training loop built around mixed precision.",
+        epilog=f"Start with a built-in example: ampkit fit --config digits (built-in configs: {builtin}).\n"
+        "ampkit COMMAND --help lists every config key; add --config FILE for that file's values.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"ampkit {ampkit.__version__} (torch {torch.__version__})"
@@ -107,7 +112,9 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
             epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        command.add_argument("--config", required=True, help="YAML file naming trainer_class, or a built-in name")
+        command.add_argument(
+            "--config", required=True, help=f"YAML file naming trainer_class, or a built-in config ({builtin})"
+        )
     parsers["fit"].add_argument(
         "--resume", default=None, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
     )
@@ -180,7 +187,11 @@ def _short_warnings() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parse(_parser(argv), argv)
+    parser = _parser(argv)
+    if not argv:  # a first try of the bare command: the commands and where to start, not a usage error alone
+        parser.print_help(sys.stderr)
+        return 2
+    args = _parse(parser, argv)
     # fit() inside takes SIGTERM over, to save the step it stops at; a SIGHUP (the terminal or ssh session closed)
     # unwinds as a Ctrl-C does, where its default action would end the process without a last line
     with _short_warnings(), signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):

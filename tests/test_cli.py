@@ -230,3 +230,14 @@ def test_a_best_checkpoint_a_run_never_kept_says_why_and_names_last(tmp_path, ca
         capsys.readouterr().err
     )
     assert main(["validate", "--config", config, "--ckpt", "last"]) == 0  # the named alternative loads
+
+
+def test_the_bare_command_and_help_say_where_to_start_and_name_the_built_in_configs(capsys):
+    """A first ``ampkit`` printed only "the following arguments are required: COMMAND", and no help named the
+    built-in configs ``--config`` accepts, so a newcomer outside a checkout had no config to start from."""
+    assert main([]) == 2
+    bare = capsys.readouterr().err
+    assert "    fit " in bare and "ampkit fit --config digits (built-in configs: digits, gpt)" in bare
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert "or a built-in config (digits, gpt)" in " ".join(capsys.readouterr().out.split())
