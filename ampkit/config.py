@@ -432,9 +432,17 @@ def import_object(path: str, what: str = "trainer_class", search_from: Path | No
     try:
         return getattr(module, attr)
     except AttributeError:
-        public = sorted(n for n in vars(module) if not n.startswith("_") and isinstance(vars(module)[n], type))
+        # its own classes and those it exports (__all__), not the DataLoader it imported: no config names that
+        exported = set(getattr(module, "__all__", ()))
+        public = sorted(
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and isinstance(v, type) and (v.__module__ == module.__name__ or n in exported)
+        )
+        close = difflib.get_close_matches(attr, public, n=1, cutoff=0.6)
+        hint = f" (did you mean '{module_name}:{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"{what}: module '{module_name}' has no '{attr}'; classes it defines: {', '.join(public) or 'none'}"
+            f"{what}: module '{module_name}' has no '{attr}'{hint}; classes it defines: {', '.join(public) or 'none'}"
         ) from None
 
 
