@@ -810,6 +810,10 @@ def _yaml_problem(exc: Exception, text: str | None = None) -> str:
         if line and line[0][mark.column : mark.column + 1] == "\t":  # PyYAML names no character: "found character
             # that cannot start any token"
             return f"a tab {where}: YAML indents with spaces, never tabs"
+        # an unclosed bracket or quote is found lines later (at the end of the file): where it opened is the line to fix
+        context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and opened is not None and opened.line != mark.line:
+            where += f" ({context} that starts at line {opened.line + 1}, column {opened.column + 1})"
         return f"{problem} {where}"
     return " ".join(str(exc).split())
 
