@@ -230,6 +230,9 @@ def test_a_best_checkpoint_a_run_never_kept_says_why_and_names_last(tmp_path, ca
         capsys.readouterr().err
     )
     assert main(["validate", "--config", config, "--ckpt", "last"]) == 0  # the named alternative loads
+    capsys.readouterr()
+    assert main(["fit", "--config", config, "--resume", "best"]) == 2  # fit --resume best alike, naming --resume last
+    assert f"was logged at a save; '{last}' is the newest checkpoint (--resume last)" in capsys.readouterr().err
 
 
 def test_the_bare_command_and_help_say_where_to_start_and_name_the_built_in_configs(capsys):
