@@ -256,7 +256,8 @@ def _run(args: argparse.Namespace) -> int:
             + (f"; {shown}" if shown else "")
         )
         logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
-        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {logdir})")
+        board = f" (tensorboard --logdir {logdir})" if trainer.cfg.logging.tensorboard else ""  # no events: no hint
+        print(f"ampkit: run directory {trainer.version_dir}{board}")
     elif args.command == "predict":
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
         written = trainer.predictions_path
