@@ -191,6 +191,7 @@ from ampkit.trainer.run_life import (
     finish_interrupted_pruning,
     lineage,
     load_with_fallback_hint,
+    loop_of,
     misfit_detail,
     missing_alias_hint,
     open_version_dir,
@@ -1126,7 +1127,9 @@ class Trainer:
             if isinstance(exc, RuntimeError):
                 self._raise_set_up_failure(exc, "fit")
             if isinstance(exc, KeyboardInterrupt) and self.is_global_zero:
-                exc.add_note(interrupt_note(exc, self.state.global_step, self._newest_checkpoint()))
+                newest = self._newest_checkpoint()
+                saved = None if newest is None else (loop_of(newest) or {}).get("global_step")
+                exc.add_note(interrupt_note(exc, self.state.global_step, newest, saved))
             failure = exc
             raise
         finally:
