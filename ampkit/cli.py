@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
-from collections.abc import Container
+import warnings
+from collections.abc import Container, Iterator
 from typing import Any
 
 import torch
@@ -22,13 +24,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
-from ampkit.config import Config, ConfigError, load_config
+from ampkit.config import Config, ConfigError, builtin_configs, load_config
 from ampkit.config_docs import help_text
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
-from ampkit.trainer.run_life import RunDirectoryError, resolve_checkpoint
+from ampkit.trainer.run_life import RunDirectoryError, loop_of, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
@@ -103,8 +105,13 @@ class _GivenOnce(argparse.Action):
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    builtin = ", ".join(builtin_configs())
     parser = argparse.ArgumentParser(
-        prog="ampkit", description="ampkit: a PyTorch training loop built around mixed precision."
+        prog="ampkit",
+        description="ampkit: a PyTorch training loop built around mixed precision.",
+        epilog=f"Start with a built-in example: ampkit fit --config digits (built-in configs: {builtin}).\n"
+        "ampkit COMMAND --help lists every config key; add --config FILE for that file's values.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"ampkit {ampkit.__version__} (torch {torch.__version__})"
@@ -124,7 +131,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         command.add_argument(
-            "--config", required=True, action=_GivenOnce, help="YAML file naming trainer_class, or a built-in name"
+            "--config",
+            required=True,
+            action=_GivenOnce,
+            help=f"YAML file naming trainer_class, or a built-in config ({builtin})",
         )
     parsers["fit"].add_argument(
         "--resume", default=None, action=_GivenOnce, help="'last' or 'best' (newest under run_dir) or a checkpoint path"
@@ -167,20 +177,48 @@ def _metrics(prefix: str, metrics: dict[str, float], logged: Container[str] = ()
     return ", ".join(f"{k if k in logged else f'{prefix}/{k}'}={v:.4f}" for k, v in metrics.items())
 
 
-def _resume_hint(cfg: Any) -> str:
-    """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet."""
+def _resume_hint(cfg: Any, stopped_at: int | None = None) -> str:
+    """What an interrupted ``fit`` can resume from: the newest checkpoint under ``run_dir``, or none yet. A Ctrl-C
+    saves nothing, so where that checkpoint is older than the step the run ``stopped_at``, the hint names both: the
+    steps between are trained again."""
     newest = None if cfg is None else resolve_checkpoint(cfg.run_dir, "last")
     if newest is None:
         return " before its first checkpoint (run it again without --resume to start over)"
-    return f" (--resume last continues from {newest})"
+    saved = (loop_of(newest) or {}).get("global_step")
+    if saved is None or stopped_at is None or stopped_at <= saved:
+        return f" (--resume last continues from {newest})"
+    return f" (--resume last continues from {newest}, saved at step {saved}; this run reached step {stopped_at})"
+
+
+@contextlib.contextmanager
+def _short_warnings() -> Iterator[None]:
+    """ampkit's own warnings as one ``ampkit: warning: ...`` line: a command's user needs the message, not the path
+    and source line inside ampkit that raised it. A warning from elsewhere (torch, the user's own module) keeps both."""
+    package, original = os.path.dirname(ampkit.__file__) + os.sep, warnings.formatwarning
+
+    def short(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None):
+        if not str(filename).startswith(package):
+            return original(message, category, filename, lineno, line)
+        kind = "warning" if category is UserWarning else category.__name__
+        return f"ampkit: {kind}: {message}\n"
+
+    warnings.formatwarning = short
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parse(_parser(argv), argv)
+    parser = _parser(argv)
+    if not argv:  # a first try of the bare command: the commands and where to start, not a usage error alone
+        parser.print_help(sys.stderr)
+        return 2
+    args = _parse(parser, argv)
     # fit() inside takes SIGTERM over, to save the step it stops at; a SIGHUP (the terminal or ssh session closed)
     # unwinds as a Ctrl-C does, where its default action would end the process without a last line
-    with signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):
+    with _short_warnings(), signal_raises(Terminated), signal_raises(HungUp, signal.SIGHUP):
         return _run(args)
 
 
@@ -190,7 +228,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = None
+    cfg = trainer = None
     try:
         trainer_class, cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -222,7 +260,9 @@ def _run(args: argparse.Namespace) -> int:
         sigterm = isinstance(exc, Terminated | Preempted)
         how = "terminated (SIGTERM)" if sigterm else "hung up (SIGHUP)" if isinstance(exc, HungUp) else "interrupted"
         with contextlib.suppress(OSError):  # a hung-up terminal may take no more output
-            print(f"ampkit: {how}{_resume_hint(cfg) if args.command == 'fit' else ''}", file=sys.stderr)
+            stopped_at = None if trainer is None else trainer.state.global_step
+            hint = _resume_hint(cfg, stopped_at) if args.command == "fit" else ""
+            print(f"ampkit: {how}{hint}", file=sys.stderr)
         return 143 if sigterm else 129 if isinstance(exc, HungUp) else 130
     if not trainer.is_global_zero:
         return 0
@@ -240,7 +280,8 @@ def _run(args: argparse.Namespace) -> int:
             + (f"; {shown}" if shown else "")
         )
         logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
-        print(f"ampkit: run directory {trainer.version_dir} (tensorboard --logdir {logdir})")
+        board = f" (tensorboard --logdir {logdir})" if trainer.cfg.logging.tensorboard else ""  # no events: no hint
+        print(f"ampkit: run directory {trainer.version_dir}{board}")
     elif args.command == "predict":
         batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
         written = trainer.predictions_path

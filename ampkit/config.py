@@ -435,9 +435,17 @@ def import_object(path: str, what: str = "trainer_class", search_from: Path | No
     try:
         return getattr(module, attr)
     except AttributeError:
-        public = sorted(n for n in vars(module) if not n.startswith("_") and isinstance(vars(module)[n], type))
+        # its own classes and those it exports (__all__), not the DataLoader it imported: no config names that
+        exported = set(getattr(module, "__all__", ()))
+        public = sorted(
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and isinstance(v, type) and (v.__module__ == module.__name__ or n in exported)
+        )
+        close = difflib.get_close_matches(attr, public, n=1, cutoff=0.6)
+        hint = f" (did you mean '{module_name}:{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"{what}: module '{module_name}' has no '{attr}'; classes it defines: {', '.join(public) or 'none'}"
+            f"{what}: module '{module_name}' has no '{attr}'{hint}; classes it defines: {', '.join(public) or 'none'}"
         ) from None
 
 
@@ -816,6 +824,10 @@ def _yaml_problem(exc: Exception, text: str | None = None) -> str:
         if line and line[0][mark.column : mark.column + 1] == "\t":  # PyYAML names no character: "found character
             # that cannot start any token"
             return f"a tab {where}: YAML indents with spaces, never tabs"
+        # an unclosed bracket or quote is found lines later (at the end of the file): where it opened is the line to fix
+        context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and opened is not None and opened.line != mark.line:
+            where += f" ({context} that starts at line {opened.line + 1}, column {opened.column + 1})"
         return f"{problem} {where}"
     return " ".join(str(exc).split())
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 
 import pytest
 from omegaconf import OmegaConf
@@ -197,3 +199,72 @@ def test_the_interrupt_hint_names_the_sharded_checkpoint_resume_last_continues_w
     (step / ".metadata").touch()
     (step / "trainer.pt").touch()
     assert _resume_hint(OmegaConf.create({"run_dir": str(tmp_path)})) == f" (--resume last continues from {step})"
+
+
+def test_an_interrupted_fit_names_the_step_it_stopped_at_and_the_step_resume_continues_from(tmp_path, capsys):
+    """A Ctrl-C saves nothing: the hint said only which file --resume last continues from, so a user took the steps
+    since that checkpoint for kept."""
+    quiet = {"progress_bar": False}
+    config = _config(tmp_path, "toy_trainers:CtrlCToyTrainer", trainer=quiet, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, "trainer.max_epochs=3"]) == 130
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+    assert (
+        capsys.readouterr().err
+        == f"ampkit: interrupted (--resume last continues from {last}, saved at step 8; this run reached step 10)\n"
+    )
+
+
+def _show_warnings_as_python_does(monkeypatch) -> None:
+    """Python's own way to show a warning (pytest records them instead): ``warnings.formatwarning`` to stderr."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    monkeypatch.setattr(warnings, "showwarning", show)
+
+
+def test_ampkits_own_warnings_print_as_one_line_without_its_source(tmp_path, capsys, monkeypatch):
+    """A command's warning printed the path inside ampkit that raised it and that source line
+    (``rank_zero_warn(why)``), noise to a user of the command; a warning from elsewhere keeps its place."""
+    _show_warnings_as_python_does(monkeypatch)
+    settings = {
+        "trainer": {"progress_bar": False, "val_every_n_epochs": 0, "val_every_n_steps": 100},
+        "logging": {"tensorboard": False},
+    }
+    config = _config(tmp_path, checkpoint={"monitor": "val/mse"}, **settings)
+    assert main(["fit", "--config", config]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("ampkit: warning: validation never runs in this run: ") and err.count("\n") == 1
+    with warnings.catch_warnings():  # restored after the command: a script's warnings are Python's again
+        warnings.simplefilter("always")
+        warnings.warn("outside the command", stacklevel=1)
+    assert f"{__file__}:" in capsys.readouterr().err
+
+
+def test_a_best_checkpoint_a_run_never_kept_says_why_and_names_last(tmp_path, capsys):
+    """The GPT example cut short (``trainer.max_steps=30``, validation every 100) keeps no best.pt, and the
+    documented ``predict --ckpt best`` said only "no 'best.pt' ... (pass a path)"."""
+    settings = {"trainer": {"progress_bar": False}, "logging": {"tensorboard": False}}
+    config = _config(tmp_path, checkpoint={"monitor": "val/mse"}, **settings)
+    assert main(["fit", "--config", config, "trainer.val_every_n_epochs=0", "trainer.val_every_n_steps=100"]) == 0
+    capsys.readouterr()
+    assert main(["predict", "--config", config, "--ckpt", "best"]) == 2
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+    assert f"best.pt is kept only where checkpoint.monitor ('val/mse') was logged at a save; '{last}' is the" in (
+        capsys.readouterr().err
+    )
+    assert main(["validate", "--config", config, "--ckpt", "last"]) == 0  # the named alternative loads
+    capsys.readouterr()
+    assert main(["fit", "--config", config, "--resume", "best"]) == 2  # fit --resume best alike, naming --resume last
+    assert f"was logged at a save; '{last}' is the newest checkpoint (--resume last)" in capsys.readouterr().err
+
+
+def test_the_bare_command_and_help_say_where_to_start_and_name_the_built_in_configs(capsys):
+    """A first ``ampkit`` printed only "the following arguments are required: COMMAND", and no help named the
+    built-in configs ``--config`` accepts, so a newcomer outside a checkout had no config to start from."""
+    assert main([]) == 2
+    bare = capsys.readouterr().err
+    assert "    fit " in bare and "ampkit fit --config digits (built-in configs: digits, gpt)" in bare
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert "or a built-in config (digits, gpt)" in " ".join(capsys.readouterr().out.split())

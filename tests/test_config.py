@@ -76,6 +76,11 @@ def test_missing_trainer_class_module_and_attribute(tmp_path, monkeypatch):
         load_config(_write(tmp_path, "trainer_class: examples.digits:Nope\n"))
     with pytest.raises(ConfigError, match="must set trainer_class"):
         load_config(_write(tmp_path, "name: x\n"))
+    # a near miss is named, and the list holds the module's own classes, not the DataLoader it imported
+    with pytest.raises(ConfigError) as misspelt:
+        load_config(_write(tmp_path, "trainer_class: ampkit.examples.digits:DigitTrainer\n"))
+    assert "(did you mean 'ampkit.examples.digits:DigitsTrainer'?)" in str(misspelt.value)
+    assert "DataLoader" not in str(misspelt.value) and "TensorDataset" not in str(misspelt.value)
     with pytest.raises(ConfigError, match="not a subclass of ampkit.Trainer"):
         load_config(_write(tmp_path, "trainer_class: examples.digits:DigitsConfig\n"))
 

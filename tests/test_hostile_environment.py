@@ -163,13 +163,16 @@ def test_the_tensorboard_command_of_a_run_dir_with_a_space_pastes_as_one_argumen
     config = tmp_path / "run.yaml"
     run_dir = tmp_path / "my runs" / "ünï"
     settings = {**toy_cfg(tmp_path), "run_dir": str(run_dir)}
-    settings.update(logging={"tensorboard": False}, trainer={"device": "cpu", "max_steps": 1, "progress_bar": False})
+    settings.update(trainer={"device": "cpu", "max_steps": 1, "progress_bar": False})
     OmegaConf.save(settings, config)
     assert main(["fit", "--config", str(config)]) == 0
     version = run_dir / "version_0"
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"ampkit: run directory {version} (tensorboard --logdir '{version}')"
     )
+    # a run that wrote no TensorBoard events is pointed at no TensorBoard
+    assert main(["fit", "--config", str(config), "logging.tensorboard=false"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"ampkit: run directory {run_dir / 'version_1'}"
 
 
 def test_a_config_file_indented_with_a_tab_names_the_tab(tmp_path, capsys):

@@ -95,8 +95,11 @@ def test_a_bad_checkpoint_file_is_one_line_saying_what_is_wrong(trained, capsys,
         ("- 1\n- 2\n", "it holds a list"),
         # the YAML parser's wording differs between OmegaConf releases; the line and column do not
         ("a: [1, 2\n b: :\n", r"is not valid YAML: (did not find )?expected ',' or '\]'.* at line 2, column 3"),
+        # found lines later, an unclosed bracket or quote is named where it opened
+        ("a: [1, 2\nb: 3\nc: 4\n", r"at line 2, column 2 \(.*flow sequence that starts at line 1, column 4\)$"),
+        ('a: "x\nb: 3\n', r"at line 3, column 1 \(.*quoted scalar that starts at line 1, column 4\)$"),
     ],
-    ids=["empty", "a word", "a list", "invalid"],
+    ids=["empty", "a word", "a list", "invalid", "unclosed bracket", "unclosed quote"],
 )
 def test_a_config_file_that_is_no_mapping_is_one_line(tmp_path, text, message):
     config = tmp_path / "bad.yaml"

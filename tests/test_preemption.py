@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from toy_trainers import ToyTrainer, toy_cfg
+from toy_trainers import CtrlCToyTrainer, ToyTrainer, toy_cfg
 
 from ampkit.trainer.preemption import HungUp, Preempted, signal_raises, sigterm_asks_to_stop
 
@@ -109,3 +109,15 @@ def test_a_signal_to_a_python_api_fit_leaves_a_resumable_run_and_says_so(tmp_pat
     resumed = ToyTrainer(toy_cfg(tmp_path, **settings))
     resumed.fit(resume="last")
     assert resumed.version_dir == trainer.version_dir and resumed.state.global_step == 8
+
+
+def test_a_ctrl_c_after_the_last_save_says_which_step_resume_continues_from(tmp_path):
+    """A Ctrl-C saves nothing: the note named last.pt alone, so the steps since its save looked kept."""
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 2}
+    trainer = CtrlCToyTrainer(toy_cfg(tmp_path, **settings))
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        trainer.fit()
+    last = trainer.version_dir / "checkpoints" / "last.pt"
+    assert stopped.value.__notes__[-1] == (
+        f"ampkit: fit() interrupted at step 10; fit(resume='last') continues from '{last}' (saved at step 8)"
+    )

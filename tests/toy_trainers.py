@@ -220,3 +220,12 @@ class OwnGeneratorToyTrainer(ToyTrainer):
         generator = torch.Generator().manual_seed(1)
         sampler = torch.utils.data.WeightedRandomSampler(torch.ones(len(data)), len(data), generator=generator)
         return DataLoader(data, batch_size=self.cfg.data.batch_size, sampler=sampler)
+
+
+class CtrlCToyTrainer(ToyTrainer):
+    """A Ctrl-C (KeyboardInterrupt) in the step after step 10, two steps past the epoch-end checkpoint of step 8."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 10:
+            raise KeyboardInterrupt
+        return super().training_step(batch)

@@ -34,9 +34,10 @@ class HungUp(KeyboardInterrupt):
     Ctrl-C (its lock released, what it saved left to resume), where SIGHUP's default action ends it without a word."""
 
 
-def interrupt_note(exc: KeyboardInterrupt, step: int, newest: Any) -> str:
+def interrupt_note(exc: KeyboardInterrupt, step: int, newest: Any, saved: int | None = None) -> str:
     """The last line of the traceback of a ``fit()`` that ``exc`` stopped: why, at which step, and what
-    ``fit(resume="last")`` continues from (``newest``; None before the run's first checkpoint)."""
+    ``fit(resume="last")`` continues from (``newest``; None before the run's first checkpoint), with the step it
+    ``saved`` where that is older (a Ctrl-C saves nothing: the steps between are trained again)."""
     how = (
         "stopped by SIGTERM"
         if isinstance(exc, Preempted)
@@ -46,7 +47,8 @@ def interrupt_note(exc: KeyboardInterrupt, step: int, newest: Any) -> str:
     )
     if newest is None:
         return f"ampkit: fit() {how} at step {step}, before its first checkpoint: fit() again starts over"
-    return f"ampkit: fit() {how} at step {step}; fit(resume='last') continues from '{newest}'"
+    behind = f" (saved at step {saved})" if saved is not None and saved < step else ""
+    return f"ampkit: fit() {how} at step {step}; fit(resume='last') continues from '{newest}'{behind}"
 
 
 class _Raise:

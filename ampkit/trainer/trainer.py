@@ -196,7 +196,9 @@ from ampkit.trainer.run_life import (
     finish_interrupted_pruning,
     lineage,
     load_with_fallback_hint,
+    loop_of,
     misfit_detail,
+    missing_alias_hint,
     open_version_dir,
     plan_fit,
     prediction_output,
@@ -1133,7 +1135,9 @@ class Trainer:
             if isinstance(exc, RuntimeError):
                 self._raise_set_up_failure(exc, "fit")
             if isinstance(exc, KeyboardInterrupt) and self.is_global_zero:
-                exc.add_note(interrupt_note(exc, self.state.global_step, self._newest_checkpoint()))
+                newest = self._newest_checkpoint()
+                saved = None if newest is None else (loop_of(newest) or {}).get("global_step")
+                exc.add_note(interrupt_note(exc, self.state.global_step, newest, saved))
             failure = exc
             raise
         finally:
@@ -1764,9 +1768,8 @@ class Trainer:
         if before is not None:
             before(path)
         if ckpt is not None and path is None:
-            raise CheckpointError(
-                f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)} (pass a path)"
-            )
+            hint = missing_alias_hint(self.cfg.run_dir, str(ckpt), self.cfg.checkpoint.monitor)
+            raise CheckpointError(f"{stage.name}: no '{ckpt}.pt' under {quoted_run_dir(self.cfg.run_dir)}{hint}")
         fresh = self._unset()  # not fitted in this process: build the model as fit would
         if fresh:
             self._setup_model()
