@@ -153,10 +153,11 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     parsers["predict"].add_argument(
         "--overwrite", action="store_true", help="replace an existing --output file (never a write-protected one)"
     )
-    for command in parsers.values():
+    for name, command in parsers.items():
         command.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
         command.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-        command.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.max_epochs=3")
+        example = "trainer.max_epochs=3" if name == "fit" else "trainer.device=cpu"  # a key the command reads
+        command.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
     return parser
 
 
