@@ -39,7 +39,7 @@ _LEGACY_NAMES = ("FP16_Optimizer",)
 __all__ = [*_APEX_NAMES, *_LEGACY_NAMES]
 
 # Apex counted these optimizers' steps per param group: their Apex names do the same.
-_GROUP_STEP_NAMES = ("FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb")
+_GROUP_STEP_NAMES = ("FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad")
 
 Arguments = dict[str, Any]
 

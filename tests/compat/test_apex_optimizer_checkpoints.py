@@ -1,6 +1,7 @@
 """A checkpoint written by Apex's fused optimizers resumes in ampkit's: Apex kept the step count in the param
-group (FusedAdam, FusedLAMB, FusedMixedPrecisionLamb), no step at all (FusedAdagrad), and FusedNovoGrad's
-second moments in the group as ``[fp16 params' norms, fp32 params' norms]``."""
+group (FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad), no step at all (FusedAdagrad), and
+FusedNovoGrad's second moments in the group as ``[fp16 params' norms, fp32 params' norms]``; and counted it as
+Apex did."""
 
 from __future__ import annotations
 
@@ -99,3 +100,20 @@ def test_a_checkpoint_counting_steps_per_parameter_resumes_at_its_step_under_ape
     for ours, theirs in zip(resumed_params, params, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     assert first.param_groups[0]["step"] == STEPS + 2
+
+
+@pytest.mark.parametrize("name", ["FusedAdam", "FusedLAMB", "FusedNovoGrad"])
+def test_apexs_names_count_a_step_a_group_sat_out_without_gradients(name):
+    """Apex's FusedAdam, FusedLAMB and FusedNovoGrad advanced each group's ``step`` at every ``step()``, gradients or
+    not: a group's first update after steps without gradients takes the bias correction of the steps taken."""
+    cls = getattr(optimizers, name)
+    sat_out, counted = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    sitting = cls([sat_out], lr=0.1)
+    sitting.step()  # no gradient yet
+    told = cls([counted], lr=0.1)
+    told.param_groups[0]["step"] = 1
+    for param, optimizer in ((sat_out, sitting), (counted, told)):
+        param.grad = torch.tensor([0.5, -1.0, 2.0])
+        optimizer.step()
+    assert sitting.param_groups[0]["step"] == told.param_groups[0]["step"] == 2
+    torch.testing.assert_close(sat_out, counted, rtol=0, atol=0)

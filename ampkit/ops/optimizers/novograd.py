@@ -144,8 +144,9 @@ class FusedNovoGrad(FusedOptimizer):
         return torch.where(previous == _UNSET, norms, blended)
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
-        for group in self.param_groups:
-            if any(p.grad is not None for p in group["params"]):
+        for group in self.param_groups:  # a group whose parameters had no gradient sat the step out, as torch's do;
+            # Apex's class counted every step() in every group (``_steps_per_group``)
+            if self._steps_per_group or any(p.grad is not None for p in group["params"]):
                 group["step"] = group.get("step", 0) + 1
         offset = 0
         for group, bucket, blended in self._blends:
