@@ -1,7 +1,7 @@
 """The training loop and what it exposes to callbacks."""
 
 from ampkit.trainer.callback import HOOKS, Callback, Phase
-from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, load_checkpoint
 from ampkit.trainer.inference import load_model
 from ampkit.trainer.logger import Logger
 from ampkit.trainer.ordering import CallbackOrderError, order_callbacks
@@ -15,6 +15,7 @@ __all__ = [
     "Callback",
     "CallbackOrderError",
     "CheckpointError",
+    "DamagedCheckpointError",
     "Logger",
     "LoopState",
     "LossState",
