@@ -234,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         trainer_class, cfg = load_config(args.config, args.overrides)
         if args.print_config:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            trainer_class(cfg)  # the checks a run makes at once: a value no run takes is an error, not printed as fine
             return 0
         trainer = trainer_class(cfg)
         if args.command == "fit":

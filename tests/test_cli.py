@@ -87,6 +87,16 @@ def test_print_config_prints_the_resolved_config_and_does_not_train(tmp_path, ca
     assert not (tmp_path / "runs").exists()
 
 
+def test_print_config_of_a_value_no_run_takes_prints_it_and_names_it(tmp_path, capsys):
+    """--print-config is how a user checks a config: opt_level O7 was printed with exit status 0, as if fine."""
+    config = _config(tmp_path, name="toy")
+    assert main(["fit", "--config", config, "--print-config", "precision.opt_level=O7"]) == 2
+    captured = capsys.readouterr()
+    assert OmegaConf.create(captured.out).precision.opt_level == "O7"
+    assert re.search(r"^ampkit: error: .*opt_level.*'O7'", captured.err, re.M), captured.err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_overrides_may_come_on_both_sides_of_an_option(tmp_path, capsys):
     """``fit --config f trainer.max_steps=9 --resume last trainer.seed=1`` is how a resume command grows: every
     override applies, later ones winning, and a stray word or option is still an error naming it."""
