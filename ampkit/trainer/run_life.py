@@ -242,6 +242,36 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
     return loop_of(last) == loop
 
 
+def _newer_than_last(last: Path) -> Path | None:
+    """The newest periodic or best-k checkpoint (file or shard directory) beside ``last`` whose saved loop position
+    is past ``last``'s, and whole: a kill between ModelCheckpoint's save of it and its move of ``last`` leaves it.
+    Only loop positions are read (no tensors), and the CRC-32s of that one file."""
+    checkpoints, position = last.parent, loop_of(last)
+    if position is None or not checkpoints.is_dir():
+        return None
+    names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
+    candidates = [
+        p
+        for p in checkpoints.iterdir()
+        if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
+    ]
+    ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
+    newest = max(ahead, key=lambda found: (found[0], _is_periodic(found[1])), default=(None, None))[1]
+    if newest is None or (newest.is_file() and damaged_record(newest) is not None):
+        return None
+    return newest
+
+
+def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:
+    """Whether loop position ``loop`` is later than ``last``'s (a whole-number global step beyond it)."""
+    step, last_step = loop.get("global_step"), last.get("global_step")
+    return isinstance(step, int) and isinstance(last_step, int) and step > last_step
+
+
+def _position_of(loop: dict[str, int] | None) -> str:
+    return "no loop position" if loop is None else f"epoch {loop.get('epoch')}, step {loop.get('global_step')}"
+
+
 @dataclass
 class FitStart:
     """Where a ``fit()`` starts: from scratch, or a checkpoint (loaded unless sharded) and what to do with it."""
@@ -436,6 +466,12 @@ def plan_fit(
         rank_zero_warn(
             f"resume='{resume}': {', '.join(v.name for v in newer)} under run_dir '{run_dir}' is newer but has no "
             f"{resume} checkpoint; resuming '{path}' (name a checkpoint by its path to choose another)"
+        )
+    if str(resume) == "last" and (ahead := _newer_than_last(path)) is not None:
+        rank_zero_warn(
+            f"resume='last': '{ahead}' beside '{path.name}' is newer ({_position_of(loop_of(ahead))}; "
+            f"{path.name}: {_position_of(loop_of(path))}): the run was stopped between the two saves. Resuming "
+            f"'{path}'; to take the newer one instead, --resume {ahead} (a branch)"
         )
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
