@@ -121,34 +121,37 @@ def _same_on_every_rank(
     (``zeros``), or where ``load`` cannot load it (its file, or a sharded one's ``trainer.pt``), a damaged copy
     among them: the load reads each record against its CRC-32, which torch.load never checks and the fingerprint
     trusts. The checkpoint loaded on this rank, or None where not ``load``."""
-    checkpoint, problem, damaged, failure = None, None, None, None
+    checkpoint, problem, damaged, failure, fallback = None, None, None, None, None
     if load:
         try:
             checkpoint = load_with_fallback_hint(path / TRAINER_FILE if path.is_dir() else path)
         except DamagedCheckpointError as exc:
-            damaged = exc.damage
+            damaged, fallback = exc.damage, exc.fallback
         except CheckpointError as exc:
             failure = exc
     if env.rank != 0 and damaged is None:
         problem = difference(view_of(path), zeros)
     if problem is None and failure is not None:
         problem = f"cannot load it: {failure}"
-    found = gather_object((socket.gethostname(), problem, damaged), env)
+    found = gather_object((socket.gethostname(), problem, damaged, fallback), env)
     seen = [f"rank {rank} (host {host}) {said or f'has a damaged copy: {why}'}"
-            for rank, (host, said, why) in enumerate(found) if said or why]  # fmt: skip
+            for rank, (host, said, why, _) in enumerate(found) if said or why]  # fmt: skip
     if not seen:
         return checkpoint
     fixes = []
-    if any(said for _, said, _ in found):
+    if any(said for _, said, _, _ in found):
         fixes.append(
             f"Every rank reads that checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) "
             "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or "
             "copy the checkpoint to that path on every node"
         )
-    if any(why for _, _, why in found):
+    if any(why for _, _, why, _ in found):
+        # rank zero's first: the newest whole checkpoint beside the damaged copy, as a single process names it
+        beside = next((whole for *_, whole in found if whole is not None), None)
         fixes.append(
             "A damaged copy would load without an error, with other values on that rank than on the others: copy the "
             "checkpoint there again from a whole one, or resume an older checkpoint"
+            + (f"; the newest whole checkpoint beside it is '{beside}'" if beside is not None else "")
         )
     raise CheckpointError(
         f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "

@@ -206,7 +206,7 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
         if isinstance(exc, DamagedCheckpointError):
-            raise DamagedCheckpointError(hint, exc.damage) from None
+            raise DamagedCheckpointError(hint, exc.damage, fallback) from None
         raise CheckpointError(hint) from None
 
 
