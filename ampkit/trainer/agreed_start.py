@@ -22,7 +22,7 @@ from typing import Any
 
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, file_fingerprint
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
-from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of
+from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of, position_text
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
 
 
@@ -61,11 +61,7 @@ def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
         return f"has shard file(s) {', '.join(resized)} of other sizes"
     if mine.fingerprint is None:
         return f"lacks its {TRAINER_FILE} or .metadata"
-    return f"has another checkpoint there ({_position(mine.loop)})"
-
-
-def _position(loop: dict[str, int] | None) -> str:
-    return "no loop position" if loop is None else f"epoch {loop.get('epoch')}, step {loop.get('global_step')}"
+    return f"has another checkpoint there ({position_text(mine.loop)})"
 
 
 def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir: str) -> FitStart:
@@ -154,6 +150,6 @@ def _same_on_every_rank(
             + (f"; the newest whole checkpoint beside it is '{beside}'" if beside is not None else "")
         )
     raise CheckpointError(
-        f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
+        f"{what} '{path}' ({position_text(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
         "trained or written"
     )
