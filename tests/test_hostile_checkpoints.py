@@ -16,6 +16,7 @@ from ampkit import consolidate_checkpoint
 from ampkit.config import ConfigError
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, damaged_record, load_checkpoint
 from ampkit.trainer.inference import load_model
+from ampkit.trainer.run_life import load_with_fallback_hint
 from ampkit.trainer.sharded_checkpoint import SHARD_CRCS
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "logging.throughput": False}
@@ -278,3 +279,34 @@ def test_load_model_to_a_device_there_is_not_names_the_argument_before_reading_t
     monkeypatch.setattr("ampkit.trainer.inference.resolve_checkpoint", lambda *args: pytest.fail("read a checkpoint"))
     with pytest.raises(ConfigError, match=re.escape(f"load_model(device=...): {message}")):
         load_model("runs/version_0/checkpoints/last.pt", trainer_class=ToyTrainer, device=device)
+
+
+def test_a_distributed_evaluation_of_a_torn_rank_zero_copy_names_the_newest_whole_file_as_one_process_does(
+    tmp_path, monkeypatch
+):
+    """Under torchrun, validate/test/predict with rank 0's copy torn named the damaged record only; a single process
+    names the newest whole checkpoint beside it too. Rank 1 (whole copy) is played by the gather's answer."""
+    from ampkit.trainer import agreed_start
+    from ampkit.trainer.distributed import DistributedEnv
+
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 4, "checkpoint.every_n_steps": 2}))
+    trainer.fit()
+    checkpoints = trainer.version_dir / "checkpoints"
+    last = checkpoints / "last.pt"
+    tear(checkpoints / "step-00000004.pt", last)
+    tear(checkpoints / "step-00000004.pt", checkpoints / "step-00000004.pt")
+    with pytest.raises(DamagedCheckpointError) as alone:
+        load_with_fallback_hint(last)
+    whole = f"the newest whole checkpoint beside it is '{checkpoints / 'step-00000002.pt'}'"
+    assert whole in str(alone.value)
+
+    def gather(mine, env):
+        return [mine, ("n2", *[None] * (len(mine) - 1))]  # rank 1 found nothing wrong
+
+    monkeypatch.setattr(agreed_start, "gather_object", gather)
+    monkeypatch.setattr(agreed_start, "decided_by_rank_zero", lambda decide, env: decide())
+    with pytest.raises(CheckpointError) as raised:
+        agreed_start.agreed_checkpoint(lambda: last, DistributedEnv(0, 2), "run", "validate: loading")
+    message = str(raised.value)
+    assert "rank 0 (host " in message and ") has a damaged copy: its record 'data/" in message, message
+    assert message.endswith(f"or resume an older checkpoint; {whole}. Nothing was trained or written"), message

@@ -7,6 +7,7 @@ state loaded into this one's without a word."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -151,3 +152,37 @@ def test_the_loss_scaler_a_precision_change_drops_is_named_as_the_config_s_not_a
         "holds the state of ['LossScaling'], which its config switched on and this run's config leaves off; it is "
         "not restored (set the config as it was to restore it)"
     ), said
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_kill_between_a_periodic_save_and_last_s_move_resumes_last_and_names_the_newer_file(tmp_path, strategy):
+    """A SIGKILL after ModelCheckpoint wrote epoch-0002 but before it moved ``last`` left the resume at epoch 1 without
+    a word; it still resumes ``last`` (deterministic), and says which newer file to pass to take that one instead."""
+    saved = {**QUIET, "trainer.max_epochs": 2, "checkpoint.every_n_epochs": 1, "distributed.strategy": strategy}
+    ToyTrainer(toy_cfg(tmp_path, **saved)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    newer = checkpoints / ("epoch-0002" if strategy == "fsdp" else "epoch-0002.pt")
+    last = checkpoints / ("last" if strategy == "fsdp" else "last.pt")
+    if strategy == "fsdp":  # the link moved back to the epoch before, as the kill left it
+        last.unlink()
+        last.symlink_to("epoch-0001")
+    else:
+        last.unlink()
+        last.write_bytes((checkpoints / "epoch-0001.pt").read_bytes())
+    resumed = ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 3}))
+    with pytest.warns(UserWarning) as warned:
+        resumed.fit(resume="last")
+    said = [str(w.message) for w in warned if "is newer" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert f"'{newer}' beside '{last.name}' is newer (epoch 2, step " in said[0], said
+    assert said[0].endswith(f"Resuming '{last}'; to take the newer one instead, --resume {newer} (a branch)"), said
+    assert resumed.fit_start.loop["epoch"] == 1 and resumed.state.epoch == 3
+
+
+def test_a_resume_whose_last_is_the_newest_checkpoint_says_nothing_of_newer_files(tmp_path):
+    saved = {**QUIET, "trainer.max_epochs": 2, "checkpoint.every_n_epochs": 1}
+    ToyTrainer(toy_cfg(tmp_path, **saved)).fit()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 3})).fit(resume="last")
+    assert not [w for w in warned if "is newer" in str(w.message)]

@@ -22,7 +22,7 @@ from typing import Any
 
 from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, file_fingerprint
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
-from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of
+from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of, position_text
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
 
 
@@ -61,11 +61,7 @@ def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
         return f"has shard file(s) {', '.join(resized)} of other sizes"
     if mine.fingerprint is None:
         return f"lacks its {TRAINER_FILE} or .metadata"
-    return f"has another checkpoint there ({_position(mine.loop)})"
-
-
-def _position(loop: dict[str, int] | None) -> str:
-    return "no loop position" if loop is None else f"epoch {loop.get('epoch')}, step {loop.get('global_step')}"
+    return f"has another checkpoint there ({position_text(mine.loop)})"
 
 
 def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir: str) -> FitStart:
@@ -121,36 +117,39 @@ def _same_on_every_rank(
     (``zeros``), or where ``load`` cannot load it (its file, or a sharded one's ``trainer.pt``), a damaged copy
     among them: the load reads each record against its CRC-32, which torch.load never checks and the fingerprint
     trusts. The checkpoint loaded on this rank, or None where not ``load``."""
-    checkpoint, problem, damaged, failure = None, None, None, None
+    checkpoint, problem, damaged, failure, fallback = None, None, None, None, None
     if load:
         try:
             checkpoint = load_with_fallback_hint(path / TRAINER_FILE if path.is_dir() else path)
         except DamagedCheckpointError as exc:
-            damaged = exc.damage
+            damaged, fallback = exc.damage, exc.fallback
         except CheckpointError as exc:
             failure = exc
     if env.rank != 0 and damaged is None:
         problem = difference(view_of(path), zeros)
     if problem is None and failure is not None:
         problem = f"cannot load it: {failure}"
-    found = gather_object((socket.gethostname(), problem, damaged), env)
+    found = gather_object((socket.gethostname(), problem, damaged, fallback), env)
     seen = [f"rank {rank} (host {host}) {said or f'has a damaged copy: {why}'}"
-            for rank, (host, said, why) in enumerate(found) if said or why]  # fmt: skip
+            for rank, (host, said, why, _) in enumerate(found) if said or why]  # fmt: skip
     if not seen:
         return checkpoint
     fixes = []
-    if any(said for _, said, _ in found):
+    if any(said for _, said, _, _ in found):
         fixes.append(
             f"Every rank reads that checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) "
             "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or "
             "copy the checkpoint to that path on every node"
         )
-    if any(why for _, _, why in found):
+    if any(why for _, _, why, _ in found):
+        # rank zero's first: the newest whole checkpoint beside the damaged copy, as a single process names it
+        beside = next((whole for *_, whole in found if whole is not None), None)
         fixes.append(
             "A damaged copy would load without an error, with other values on that rank than on the others: copy the "
             "checkpoint there again from a whole one, or resume an older checkpoint"
+            + (f"; the newest whole checkpoint beside it is '{beside}'" if beside is not None else "")
         )
     raise CheckpointError(
-        f"{what} '{path}' ({_position(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
+        f"{what} '{path}' ({position_text(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
         "trained or written"
     )

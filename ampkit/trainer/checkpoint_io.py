@@ -49,14 +49,16 @@ class CheckpointError(RuntimeError):
 
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint file whose bytes are not those written (a copy torn or cut short, a disk's error); ``damage`` says
-    what in it (:func:`damaged_record`), apart from the file's name: a whole copy of it elsewhere is another matter."""
+    what in it (:func:`damaged_record`), apart from the file's name: a whole copy of it elsewhere is another matter.
+    ``fallback``: the newest whole checkpoint beside it, where the message names one."""
 
-    def __init__(self, message: str, damage: str) -> None:
+    def __init__(self, message: str, damage: str, fallback: Path | None = None) -> None:
         super().__init__(message)
         self.damage = damage
+        self.fallback = fallback
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # it travels to the other ranks whole
-        return type(self), (str(self), self.damage)
+    def __reduce__(self) -> tuple[type, tuple[str, str, Path | None]]:  # it travels to the other ranks whole
+        return type(self), (str(self), self.damage, self.fallback)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -206,7 +206,7 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
         if isinstance(exc, DamagedCheckpointError):
-            raise DamagedCheckpointError(hint, exc.damage) from None
+            raise DamagedCheckpointError(hint, exc.damage, fallback) from None
         raise CheckpointError(hint) from None
 
 
@@ -242,6 +242,37 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
     return loop_of(last) == loop
 
 
+def _newer_than_last(last: Path) -> Path | None:
+    """The newest periodic or best-k checkpoint (file or shard directory) beside ``last`` whose saved loop position
+    is past ``last``'s, and whole: a kill between ModelCheckpoint's save of it and its move of ``last`` leaves it.
+    Only loop positions are read (no tensors), and the CRC-32s of that one file."""
+    checkpoints, position = last.parent, loop_of(last)
+    if position is None or not checkpoints.is_dir():
+        return None
+    names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
+    candidates = [
+        p
+        for p in checkpoints.iterdir()
+        if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
+    ]
+    ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
+    newest = max(ahead, key=lambda found: (found[0], _is_periodic(found[1])), default=(None, None))[1]
+    if newest is None or (newest.is_file() and damaged_record(newest) is not None):
+        return None
+    return newest
+
+
+def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:
+    """Whether loop position ``loop`` is later than ``last``'s (a whole-number global step beyond it)."""
+    step, last_step = loop.get("global_step"), last.get("global_step")
+    return isinstance(step, int) and isinstance(last_step, int) and step > last_step
+
+
+def position_text(loop: dict[str, int] | None) -> str:
+    """``epoch E, step S`` of a saved loop position, for messages."""
+    return "no loop position" if loop is None else f"epoch {loop.get('epoch')}, step {loop.get('global_step')}"
+
+
 @dataclass
 class FitStart:
     """Where a ``fit()`` starts: from scratch, or a checkpoint (loaded unless sharded) and what to do with it."""
@@ -255,6 +286,9 @@ class FitStart:
     # A mid-epoch checkpoint's changed keys that may move the sample order it resumes in: ``{key: (then, now)}``
     # of data.* and trainer.seed; whether they do is known once the train loader is built (batch_layout.py).
     order_changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    # ``key: old -> new`` of every config key changed since the save (:func:`config_changes`), said once by the
+    # Trainer with the optimizer settings the checkpoint restores over them (:func:`resume_settings_warning`).
+    config_changes: list[str] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -437,6 +471,12 @@ def plan_fit(
             f"resume='{resume}': {', '.join(v.name for v in newer)} under run_dir '{run_dir}' is newer but has no "
             f"{resume} checkpoint; resuming '{path}' (name a checkpoint by its path to choose another)"
         )
+    if path.name in ("last.pt", "last") and (ahead := _newer_than_last(path)) is not None:  # a torchrun restart's too
+        rank_zero_warn(
+            f"'{ahead}' beside '{path.name}' is newer ({position_text(loop_of(ahead))}; "
+            f"{path.name}: {position_text(loop_of(path))}): the run was stopped between the two saves. Resuming "
+            f"'{path}'; to take the newer one instead, --resume {ahead} (a branch)"
+        )
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
     checkpoint = load_with_fallback_hint(_trainer_part(path))
@@ -452,9 +492,7 @@ def plan_fit(
             f"resumed{weights}{beside}"
         )
     _check_loop_position(path, checkpoint["loop"])
-    changed = config_changes(checkpoint.get("config", {}), cfg)
-    if changed:
-        rank_zero_warn(f"resuming '{path}' with a changed config: {'; '.join(changed)}")
+    changed = config_changes(checkpoint.get("config", {}), cfg)  # said by the Trainer: see resume_settings_warning
     mid_epoch = checkpoint["loop"].get("batches_done", 0) > 0
     order_changes = _order_changes(checkpoint.get("config", {}), cfg) if mid_epoch else {}
     loop = dict(checkpoint["loop"])
@@ -490,6 +528,7 @@ def plan_fit(
         branched_from=path if version_dir is None else None,
         nothing_to_train=why_finished(checkpoint, path, cfg),
         order_changes=order_changes,
+        config_changes=changed,
     )
 
 
@@ -538,6 +577,22 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
         for key in sorted(before.keys() | now.keys())
         if key not in _EXPECTED_CHANGES and meant_before.get(key) != meant_now.get(key)
     ]
+
+
+def resume_settings_warning(path: Path, changed: list[str], kept: list[str]) -> str | None:
+    """One warning for a resume's ``changed`` config keys and the optimizer settings its checkpoint restores over
+    configure_optimizers()'s (``kept``: a changed ``lr`` that does not train), or None where there is neither. Two
+    warnings said the new rate was taken, then that it was not."""
+    if not changed and not kept:
+        return None
+    said = f"resuming '{path}' with a changed config: {'; '.join(changed)}" if changed else f"checkpoint '{path}'"
+    if not kept:
+        return said
+    return (
+        f"{said}{'; but it' if changed else ''} restores its optimizers' settings over configure_optimizers()'s: "
+        f"{'; '.join(kept)}{', so those train on as saved' if changed else ''}; to change them on resume, set "
+        "param_groups in on_load_checkpoint"
+    )
 
 
 def misfit_detail(exc: BaseException, saved: dict[str, Any], cfg: DictConfig, shown: int = 5) -> str:

@@ -205,6 +205,7 @@ from ampkit.trainer.run_life import (
     rank_output,
     resolve_checkpoint,
     restarted_from,
+    resume_settings_warning,
     tidy_run_dir,
     torchrun_launch,
 )
@@ -435,6 +436,7 @@ class Trainer:
         self.predictions_path: Path | None = None  # the file predict(output=...) wrote (rank zero's)
         self._specs: list[OptimizerSpec] = []
         self._configured: dict[str, list[dict[str, Any]]] = {}  # each optimizer's group settings as configured
+        self._unsaid_config_changes: list[str] = []  # a resume's changed config keys, said with its restore
         self._train_loader: Any = None  # train_dataloader(), once per set-up (see _load_train_data)
         self._workers = StartedWorkers()  # the loader workers a run started, ended as it ends
         self._num_train_batches: int | None = None
@@ -1219,13 +1221,18 @@ class Trainer:
         # Rank zero decides for every rank, from its own look at run_dir (a node-local one differs between nodes).
         plan = partial(self._plan_fit, resume)
         self.fit_start = agreed_fit_start(plan, self.dist, str(self.cfg.run_dir))
+        self._unsaid_config_changes = list(self.fit_start.config_changes)  # said as its optimizers are restored
         if self.is_global_zero:  # what a killed save left behind goes first, also when nothing will be trained
             tidy_run_dir(self.cfg.run_dir)
         if self.fit_start.finished:
+            self._say_config_changes(self.fit_start.checkpoint_path, [])
             self._already_finished()
             return
-        self._check_run_dir(write=True)  # before any user code runs
-        self._setup(self.fit_start)
+        try:
+            self._check_run_dir(write=True)  # before any user code runs
+            self._setup(self.fit_start)
+        finally:  # a failure before the restore still names what changed
+            self._say_config_changes(self.fit_start.checkpoint_path, [])
         failure = None
         try:
             self.fire("on_fit_start")
@@ -2273,6 +2280,13 @@ class Trainer:
             for pair in zip(st.master_weights.model_params, st.master_weights.master_params, strict=True)
         ]
 
+    def _say_config_changes(self, path: Path | None, kept: list[str]) -> None:
+        """Warn once of the resume's changed config keys not yet said, with the optimizer settings ``kept`` from
+        the checkpoint over configure_optimizers()'s (:func:`resume_settings_warning`)."""
+        changed, self._unsaid_config_changes = self._unsaid_config_changes, []
+        if path is not None and (said := resume_settings_warning(path, changed, kept)) is not None:
+            rank_zero_warn(said)
+
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
         from ampkit.callbacks.precision import saved_masters_into_model
 
@@ -2310,11 +2324,7 @@ class Trainer:
                 spec, self._configured[spec.name], checkpoint.get("configured_optimizer_settings", {}).get(spec.name)
             )
         ]
-        if kept:  # the config's "lr: 0.05 -> 0.001" warning would have the user believe the new rate trains
-            rank_zero_warn(
-                f"checkpoint '{path}' restores its optimizers' settings over configure_optimizers()'s: "
-                f"{'; '.join(kept)}; to change them on resume, set param_groups in on_load_checkpoint"
-            )
+        self._say_config_changes(path, kept)  # with them: "lr: 0.05 -> 0.001" alone reads as the new rate training
         for opt_state in self.optimizer_state.values():
             counts = checkpoint["optimizer_counts"].get(opt_state.name, {})
             opt_state.steps = counts.get("steps", 0)
