@@ -13,6 +13,7 @@ import torch
 from fused_optimizer_cases import OPTIMIZERS, SHAPES
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import ampkit.compat.optimizers as apex_optimizers
 from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD
 
 # Flags torch.optim added over its versions; a checkpoint written before them lacks them.
@@ -449,6 +450,23 @@ def test_load_state_dict_hooks_edit_in_place_or_replace_in_order_and_post_hooks_
     optimizer.load_state_dict(copy.deepcopy(saved))
     assert seen == [0.002, 0.002]
     run(optimizer, params, 1, 1)
+
+
+@pytest.mark.parametrize("name", apex_optimizers._APEX_NAMES)
+def test_apexs_names_run_each_step_hook_once_whatever_was_built_before(name):
+    """Apex's names are subclasses of the fused optimizers, and torch wraps a class's ``step`` in its hooks when the
+    first optimizer of that class is built. Apex's FusedAdam has a step of its own calling its base's: once a plain
+    ``FusedAdam`` had been built in the process, every hook ran twice and a pre-hook adding a closure added two."""
+    cls = getattr(apex_optimizers, name)
+    cls.__base__([torch.nn.Parameter(torch.zeros(2))])  # the base class's step is wrapped too now
+    params = make_params()
+    optimizer = cls(params)
+    calls = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: ((*args, lambda: calls.append("closure")), kwargs))
+    run(optimizer, params, 0, 1)
+    assert calls == ["pre", "closure", "post"]
 
 
 # ----------------------------------------------------------------- torch.optim's own state dicts
