@@ -147,6 +147,34 @@ def test_named_parameters_are_saved_by_name_and_load_either_way(name, named_firs
     assert resumed.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_reordering_pre_hook_loads_it(name):
+    """torch pairs saved states with parameters by position: two ``Linear(3, 3)`` listed the other way round took
+    each other's state without a word (their shapes agree). Where both sides name their parameters the load is
+    refused, the optimizer keeping its state, and a pre-hook that reorders the state dict by name (torch's advice)
+    loads each state onto its own parameter."""
+    make = OPTIMIZERS[name]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    optimizer = make(model.named_parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    named = list(model.named_parameters())
+    reordered = make(named[2:] + named[:2])
+    with pytest.raises(ValueError, match=r"another order \(parameter 0 is '0.weight' there, '1.weight' here\)"):
+        reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert len(reordered.state) == 0
+
+    def by_name(opt, state_dict):
+        saved, ours = state_dict["param_groups"][0], opt.param_groups[0]["param_names"]
+        ids = dict(zip(saved["param_names"], saved["params"], strict=True))
+        state_dict["param_groups"][0] = {**saved, "params": [ids[n] for n in ours], "param_names": ours}
+
+    reordered.register_load_state_dict_pre_hook(by_name)
+    reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for p in model.parameters():
+        assert_same(reordered.state[p], optimizer.state[p])
+
+
 # ----------------------------------------------------------------- param groups and hyper-parameters
 
 

@@ -360,6 +360,32 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
                 )
 
 
+def refuse_reordered_names(owner: str, saved_groups: Sequence[Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Raise ValueError when the state dict names this optimizer's parameters (``param_names``, kept by an optimizer
+    built from ``named_parameters()``) in another order: torch's loader pairs states with parameters by position, so
+    each parameter would take another's moments (silently, where their shapes agree)."""
+    saved, ours = _param_names(saved_groups), _param_names(groups)
+    if saved is None or ours is None or saved == ours or sorted(saved) != sorted(ours):
+        return  # unnamed, or other names (a wrapper's prefix, ``module.``): loaded by position, as torch loads them
+    at = next(i for i, (then, now) in enumerate(zip(saved, ours, strict=True)) if then != now)
+    raise ValueError(
+        f"{owner}.load_state_dict: the state dict holds this optimizer's parameters in another order (parameter {at} "
+        f"is '{saved[at]}' there, '{ours[at]}' here); states load by position, so each would take another's. Build "
+        "the optimizer with the parameters in the saved order, or reorder the state dict in a load_state_dict pre-hook"
+    )
+
+
+def _param_names(groups: Sequence[Any]) -> list[str] | None:
+    """Every group's ``param_names`` in order, or None unless each group holds a list of strings there."""
+    names: list[str] = []
+    for group in groups:
+        held = group.get("param_names")
+        if not isinstance(held, list | tuple) or not all(isinstance(name, str) for name in held):
+            return None
+        names += held
+    return names
+
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -847,6 +873,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if returned is not None:
                 state_dict = returned
         check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)
+        refuse_reordered_names(type(self).__name__, state_dict["param_groups"], self.param_groups)
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "
