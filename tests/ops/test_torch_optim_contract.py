@@ -85,6 +85,26 @@ def test_a_saved_or_copied_optimizer_continues_bit_identically_and_saves_the_sam
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_resumed_optimizers_param_groups_hold_what_the_saved_ones_held_and_nothing_else(name):
+    """torch restores each saved group whole: keys of the user's own (a group's name for logging) come back, and
+    nothing is added. A resumed FusedAdam kept torch's ``decoupled_weight_decay``, which it saves beside
+    ``adam_w_mode`` for torch.optim's Adam, in its groups: a key its step never reads, there after a resume only."""
+    make = OPTIMIZERS[name]
+    params = make_params()
+    optimizer = make([{"params": params[:2], "name": "backbone"}, {"params": params[2:], "lr": 1e-3, "tags": ["head"]}])
+    run(optimizer, params, 0, 1)
+    resumed_params = copies(params)
+    resumed = make([{"params": resumed_params[:2]}, {"params": resumed_params[2:]}])
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+    def settings(opt):
+        return [{key: value for key, value in group.items() if key != "params"} for group in opt.param_groups]
+
+    assert settings(resumed) == settings(optimizer)
+    assert settings(resumed)[0]["name"] == "backbone" and settings(resumed)[1]["tags"] == ["head"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_a_deep_copy_has_the_same_public_attributes(name):
     params = make_params()
     optimizer = OPTIMIZERS[name](params)

@@ -104,11 +104,14 @@ class FusedAdam(FusedOptimizer):
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
         """torch's loader; a group saved by ``torch.optim.Adam``/``AdamW`` resumes with its ``decoupled_weight_decay``
-        as ``adam_w_mode``, as torch's Adam takes the saved flag over its own (the saved group's options win)."""
+        as ``adam_w_mode``, as torch's Adam takes the saved flag over its own (the saved group's options win). The
+        flag then leaves the group (``state_dict`` writes it from ``adam_w_mode``): kept, it was a second switch the
+        step never reads, and the resumed groups differed from the saved run's."""
         super()._load_state(state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
                 group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+            group.pop("decoupled_weight_decay", None)
 
     def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
         return group["bias_correction"] and acc_dtype(param) == param.dtype
