@@ -419,6 +419,27 @@ def test_complex_parameters_which_torch_optim_steps_as_real_pairs_are_refused_by
     run(optimizer, params, 0, 1)
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_torchs_differentiable_switch_on_is_refused_in_a_group_or_a_checkpoint_and_off_loads(name):
+    """torch.optim's ``differentiable=True`` (meta-learning through the update) cannot hold for kernels stepping in
+    place under ``no_grad``: given in a param group, or in a torch checkpoint's groups, it was kept and ignored."""
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 1)
+    with pytest.raises(ValueError, match=r"Invalid differentiable of a param group: True \(fused optimizers"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "differentiable": True})
+    assert len(optimizer.param_groups) == 1
+    saved = optimizer.state_dict()
+    from_torch = copy.deepcopy(saved)
+    from_torch["param_groups"][0]["differentiable"] = True
+    with pytest.raises(ValueError, match=r"saved param_groups\[0\]: Invalid differentiable"):
+        optimizer.load_state_dict(from_torch)
+    assert_same(optimizer.state_dict(), saved)
+    from_torch["param_groups"][0]["differentiable"] = False  # as every torch.optim checkpoint has it
+    optimizer.load_state_dict(from_torch)
+    run(optimizer, params, 1, 1)
+
+
 # ----------------------------------------------------------------- hooks
 
 

@@ -311,7 +311,8 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
 
 def check_group_hypers(group: dict[str, Any]) -> None:
     """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
-    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
+    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read; torch's
+    ``differentiable=True``, which these steps cannot honour, is refused rather than ignored."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
             check_hyper(f"{key} of a param group", group[key], low, high, closed=high == math.inf)
@@ -320,6 +321,11 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
+    if group.get("differentiable"):  # torch.optim's switch, in a group of the user's or from a torch checkpoint
+        raise ValueError(
+            f"Invalid differentiable of a param group: {group['differentiable']!r} (fused optimizers update in place "
+            "under torch.no_grad(), so no gradient flows through their step; use torch.optim's optimizer for that)"
+        )
 
 
 def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[str]) -> None:
