@@ -16,6 +16,7 @@ from ampkit.ops.optimizers._base import (
     ScalerTensors,
     acc_dtype,
     check_betas,
+    check_flag,
     check_hyper,
     torch_step_counts,
 )
@@ -85,6 +86,21 @@ class FusedAdam(FusedOptimizer):
             capturable=capturable,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """The base class's checks; a group given torch.optim.Adam's ``decoupled_weight_decay`` (which the step does not
+        read) is refused where it says other than the group's ``adam_w_mode``, and else left to ``adam_w_mode``."""
+        super()._check_group(group)
+        if "decoupled_weight_decay" not in group:
+            return
+        check_flag("decoupled_weight_decay of a param group", group["decoupled_weight_decay"])
+        if bool(group["decoupled_weight_decay"]) != bool(group["adam_w_mode"]):
+            raise ValueError(
+                f"A param group gives decoupled_weight_decay={group['decoupled_weight_decay']!r} (torch.optim.Adam's "
+                f"name) and adam_w_mode={group['adam_w_mode']!r}: FusedAdam reads adam_w_mode (True: AdamW's decay, "
+                "False: L2 as torch.optim.Adam); set that one"
+            )
+        del group["decoupled_weight_decay"]
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
