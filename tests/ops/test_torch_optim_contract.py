@@ -16,6 +16,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import ampkit.compat.optimizers as apex_optimizers
 from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD
 
+# Apex's names (``apex.optimizers`` through the shim), with their defaults: subclasses of the fused optimizers, with
+# Apex's attributes, FusedAdam's own step and, for FusedAdam, FusedLAMB and FusedNovoGrad, step counts per group.
+APEX_OPTIMIZERS = {f"apex_{name}": getattr(apex_optimizers, name) for name in apex_optimizers._APEX_NAMES}
 # Flags torch.optim added over its versions; a checkpoint written before them lacks them.
 NEWER_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay")
 
@@ -56,12 +59,12 @@ def assert_same(actual, expected):
 
 
 @pytest.mark.parametrize("how", ["state_dict", "torch_save_weights_only", "deepcopy", "pickle"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [*OPTIMIZERS, *APEX_OPTIMIZERS])
 def test_a_saved_or_copied_optimizer_continues_bit_identically_and_saves_the_same_state(name, how):
     """torch's rule: an optimizer resumed from its ``state_dict()`` (or a deep copy, or a pickle) steps exactly as
     the one it came from, and then saves the same state dict. A resumed fused optimizer used to save torch's own
     ``differentiable`` option in every group, which the original had not."""
-    make = OPTIMIZERS[name]
+    make = {**OPTIMIZERS, **APEX_OPTIMIZERS}[name]
     params = make_params()
     optimizer = make(params)
     run(optimizer, params, 0, 3)
@@ -521,12 +524,12 @@ def test_load_state_dict_hooks_edit_in_place_or_replace_in_order_and_post_hooks_
     run(optimizer, params, 1, 1)
 
 
-@pytest.mark.parametrize("name", apex_optimizers._APEX_NAMES)
+@pytest.mark.parametrize("name", list(APEX_OPTIMIZERS))
 def test_apexs_names_run_each_step_hook_once_whatever_was_built_before(name):
     """Apex's names are subclasses of the fused optimizers, and torch wraps a class's ``step`` in its hooks when the
     first optimizer of that class is built. Apex's FusedAdam has a step of its own calling its base's: once a plain
     ``FusedAdam`` had been built in the process, every hook ran twice and a pre-hook adding a closure added two."""
-    cls = getattr(apex_optimizers, name)
+    cls = APEX_OPTIMIZERS[name]
     cls.__base__([torch.nn.Parameter(torch.zeros(2))])  # the base class's step is wrapped too now
     params = make_params()
     optimizer = cls(params)
