@@ -78,7 +78,7 @@ class LossScaler:
     ``min_scale`` when given, else 2**-126, where float32 can no longer hold ``1/scale``) and resets
     the clean-update counter; the
     ``growth_interval``-th consecutive clean update multiplies it by ``growth_factor`` (capped at
-    ``max_scale``). A static scale (a number) never changes.
+    ``max_scale``), or the next one where a restored count had passed it. A static scale (a number) never changes.
 
     Call :meth:`update` exactly once per iteration, after every optimizer that used this loss stepped.
 
@@ -197,7 +197,9 @@ class LossScaler:
         else:
             new = old
             self.unskipped += 1
-            if self.unskipped == self.growth_interval:
+            # At least, not exactly: a count restored from a run with a longer interval (a GradScaler's state, or a
+            # resume with growth_interval lowered) had passed it, and counting on to equality never grew again.
+            if self.unskipped >= self.growth_interval:
                 new = old * self.growth_factor
                 if self.max_scale is not None:
                     new = min(new, self.max_scale)
@@ -227,7 +229,7 @@ class LossScaler:
             return
         overflow = found_inf.reshape(()).to(state.scale.device) != 0
         clean = state.unskipped + 1
-        grows = clean == self.growth_interval
+        grows = clean >= self.growth_interval  # as update(): a restored count may have passed it
         grown = state.scale * self.growth_factor
         if self.max_scale is not None:
             grown = torch.clamp_max(grown, self.max_scale)

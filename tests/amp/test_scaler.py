@@ -33,6 +33,25 @@ def test_growth_after_exactly_interval_clean_updates(interval):
     assert s.update(torch.zeros(1)) == (8.0, 16.0)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize(
+    "state",
+    [{"scale": 1024.0, "_growth_tracker": 1500}, {"loss_scale": 1024.0, "unskipped": 1500}],
+    ids=["grad_scaler_state", "own_state"],
+)
+def test_a_restored_clean_count_past_the_interval_grows_at_the_next_clean_update(state, on_device):
+    """A GradScaler's state counting toward a longer interval, or a resume with ``growth_interval`` lowered, restores a
+    clean count already past the interval: counted on to equality, the scale never grew again until an overflow."""
+    scaler = LossScaler(growth_interval=1000)
+    if on_device:
+        scaler.keep_on_device(torch.device("cpu"))
+    scaler.load_state_dict(dict(state))
+    if on_device:
+        scaler.update_on_device(torch.tensor(0.0))
+        assert scaler.scale_loss(torch.ones(())).item() == 2048.0  # the device copy grew
+    assert scaler.update(False) == (1024.0, 2048.0) and scaler.unskipped == 0
+
+
 def test_backoff_floored_at_min_scale_and_at_the_float32_limit_without():
     s = LossScaler(init_scale=8.0, min_scale=2.0)
     assert [s.update(torch.ones(1))[1] for _ in range(4)] == [4.0, 2.0, 2.0, 2.0]
