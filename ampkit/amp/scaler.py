@@ -246,7 +246,7 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry, or a ``torch.amp.GradScaler``'s
         state: its ``scale`` and ``_growth_tracker``, the clean steps since the scale last changed); knobs stay as
-        configured."""
+        configured, and a dynamic scale outside this scaler's ``min_scale``/``max_scale`` is brought within them."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
@@ -261,10 +261,15 @@ class LossScaler:
             scale = scale.item()
         if isinstance(unskipped, torch.Tensor):
             unskipped = int(unskipped.item())
-        self._scale = positive_option(scale, "loss_scale")
+        scale = positive_option(scale, "loss_scale")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
-        self.unskipped = unskipped
+        if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
+            scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
+        self._scale, self.unskipped = (
+            scale,
+            unskipped,
+        )  # both checked first: a refused state leaves the scaler as it was
         if self._on_device is not None:
             self._on_device = _DeviceScale(self._scale, self.unskipped, self._on_device.scale.device)
 

@@ -118,6 +118,17 @@ def test_load_state_dict_errors():
         s.load_state_dict({"loss_scale": -2.0, "unskipped": 0})
     with pytest.raises(ValueError, match="unskipped=-1"):
         s.load_state_dict({"loss_scale": 2.0, "unskipped": -1})
+    assert (s.scale, s.unskipped) == (2.0**16, 0)  # a refused state changed the scale before the count was checked
+
+
+def test_a_restored_dynamic_scale_keeps_this_runs_floor_and_cap():
+    """torch's GradScaler has no cap (its scale may reach 2**30), and a resume may lower ``max_scale`` or raise
+    ``min_scale``: the restored scale stayed outside them, so the next "growth" lowered it to the cap."""
+    capped, floored, static = LossScaler(), LossScaler(min_scale=4.0), LossScaler(2.0**30)
+    capped.load_state_dict({"scale": 2.0**30, "_growth_tracker": 5})
+    floored.load_state_dict({"loss_scale": 1.0, "unskipped": 0})
+    static.load_state_dict({"loss_scale": 2.0**30, "unskipped": 0})
+    assert (capped.scale, capped.unskipped, floored.scale, static.scale) == (2.0**24, 5, 4.0, 2.0**30)
 
 
 def test_an_overflow_verdict_that_is_not_a_flag_is_refused():
