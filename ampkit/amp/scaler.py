@@ -266,10 +266,8 @@ class LossScaler:
             raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
             scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
-        self._scale, self.unskipped = (
-            scale,
-            unskipped,
-        )  # both checked first: a refused state leaves the scaler as it was
+        # Set together, both checked first: a refused state leaves the scaler as it was.
+        self._scale, self.unskipped = scale, unskipped
         if self._on_device is not None:
             self._on_device = _DeviceScale(self._scale, self.unskipped, self._on_device.scale.device)
 
