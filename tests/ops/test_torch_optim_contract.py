@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS, SHAPES
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import ampkit.compat.optimizers as apex_optimizers
@@ -174,8 +175,8 @@ def test_named_parameters_are_saved_by_name_and_load_either_way(name, named_firs
 def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_reordering_pre_hook_loads_it(name):
     """torch pairs saved states with parameters by position: two ``Linear(3, 3)`` listed the other way round took
     each other's state without a word (their shapes agree). Where both sides name their parameters the load is
-    refused, the optimizer keeping its state, and a pre-hook that reorders the state dict by name (torch's advice)
-    loads each state onto its own parameter."""
+    refused, the optimizer keeping its state; a pre-hook that reorders the state dict by name (torch's advice), or
+    torch.distributed.checkpoint, loads each state onto its own parameter."""
     make = OPTIMIZERS[name]
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
     optimizer = make(model.named_parameters())
@@ -196,6 +197,12 @@ def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_re
     reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     for p in model.parameters():
         assert_same(reordered.state[p], optimizer.state[p])
+    # torch.distributed.checkpoint maps by name itself and hands the groups over in this optimizer's order, with their
+    # names as saved: not refused.
+    by_dcp = make(named[2:] + named[:2])
+    set_optimizer_state_dict(model, by_dcp, get_optimizer_state_dict(model, optimizer))
+    for p in model.parameters():
+        assert_same(by_dcp.state[p], optimizer.state[p])
 
 
 # ----------------------------------------------------------------- param groups and hyper-parameters

@@ -370,6 +370,8 @@ def refuse_reordered_names(owner: str, saved_groups: Sequence[Any], groups: Sequ
     """Raise ValueError when the state dict names this optimizer's parameters (``param_names``, kept by an optimizer
     built from ``named_parameters()``) in another order: torch's loader pairs states with parameters by position, so
     each parameter would take another's moments (silently, where their shapes agree)."""
+    if not all(isinstance(pid, int) for group in saved_groups for pid in group["params"]):
+        return  # torch.distributed.checkpoint's, keyed by name and put in this optimizer's order (names as saved)
     saved, ours = _param_names(saved_groups), _param_names(groups)
     if saved is None or ours is None or saved == ours or sorted(saved) != sorted(ours):
         return  # unnamed, or other names (a wrapper's prefix, ``module.``): loaded by position, as torch loads them
