@@ -277,10 +277,8 @@ def _run(args: argparse.Namespace) -> int:
         if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
             at = trainer.val_metrics_step
             shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
-        print(
-            f"ampkit: finished {s.global_step} steps in {_trained_span(s.epoch, s.batches_done)}"
-            + (f"; {shown}" if shown else "")
-        )
+        steps = f"{s.global_step} step{'s' * (s.global_step != 1)}"
+        print(f"ampkit: finished {steps} in {_trained_span(s.epoch, s.batches_done)}" + (f"; {shown}" if shown else ""))
         logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
         board = f" (tensorboard --logdir {logdir})" if trainer.cfg.logging.tensorboard else ""  # no events: no hint
         print(f"ampkit: run directory {trainer.version_dir}{board}")

@@ -191,12 +191,16 @@ def test_the_final_line_says_when_the_validation_it_shows_ran(tmp_path, capsys):
     assert f"(validated at step {steps})" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("max_steps", "span"), [(8, "1 epoch"), (11, "1 epoch and 3 batches"), (3, "3 batches")])
-def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, max_steps, span):
+@pytest.mark.parametrize(
+    ("max_steps", "trained"),
+    [(8, "8 steps in 1 epoch"), (11, "11 steps in 1 epoch and 3 batches"), (3, "3 steps in 3 batches")]
+    + [(1, "1 step in 1 batch")],  # not "1 steps"
+)
+def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, max_steps, trained):
     """A stop inside an epoch (max_steps here; max_time and early stopping alike) ran only part of it."""
     config = _config(tmp_path, trainer={"progress_bar": False, "max_epochs": 3}, logging={"tensorboard": False})
     assert main(["fit", "--config", config, f"trainer.max_steps={max_steps}"]) == 0
-    assert re.search(rf"finished {max_steps} steps in {span}[;\n]", capsys.readouterr().out)
+    assert re.search(rf"finished {trained}[;\n]", capsys.readouterr().out)
 
 
 def test_the_interrupt_hint_names_the_sharded_checkpoint_resume_last_continues_when_its_link_is_lost(tmp_path):

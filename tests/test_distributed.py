@@ -217,7 +217,7 @@ def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_
     every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not); a validate()
     after it returns rank zero's value on every rank too."""
     rank0, rank1 = _ok(launch("val_end_monitor", tmp_path, timeout=120))
-    reason = "early stopping: val_auc did not improve on 0.2 for 1 validations"
+    reason = "early stopping: val_auc did not improve on 0.2 for 1 validation"
     assert rank0["stopped"] == rank1["stopped"] == (12, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 2)
     assert rank0["validated"]["val_auc"] == rank1["validated"]["val_auc"] == 10.0
@@ -389,7 +389,7 @@ def test_real_loss_scalers_agree_when_only_rank_1_overflows_in_loss_1(tmp_path):
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]
     assert rank0["scales"] == rank1["scales"] == {"0": 1024.0, "1": 512.0}
     _equal(rank0["model"], rank1["model"])
-    warned = [r.stderr.count("optimizer 'G' skipped 1 steps in a row") for r in results]
+    warned = [r.stderr.count("optimizer 'G' skipped 1 step in a row") for r in results]
     assert warned == [1, 0]
 
 
