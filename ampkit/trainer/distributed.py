@@ -292,15 +292,6 @@ def gather_object(value: Any, env: DistributedEnv) -> list[Any]:
     return gathered
 
 
-def union_over_ranks(keys: list[str], env: DistributedEnv) -> list[str]:
-    """The keys any rank holds, in one order on every rank (rank zero's first): sums keyed by them line up."""
-    if not env.enabled:
-        return keys
-    gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, keys)
-    return list(dict.fromkeys(key for rank_keys in gathered for key in rank_keys))
-
-
 def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
     """Element-wise sum over ranks (one collective)."""
     if not env.enabled:

@@ -126,7 +126,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
     while_every_rank_has_a_batch,
 )
-from ampkit.trainer.duplicated_data import FirstBatchComparison
+from ampkit.trainer.duplicated_data import EvaluationFirstBatch, FirstBatchComparison
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
     PREDICT,
@@ -1651,8 +1651,9 @@ class Trainer:
         try:
             self.fire("on_validation_start")
             self.val_metrics = average_metrics(
-                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
-            )
+                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end",
+                self._val_first_batch,
+            )  # fmt: skip
             self.val_metrics_step = self.state.global_step
             if not self._said_empty_validation:
                 self._said_empty_validation = warn_of_an_empty_pass(
@@ -1798,8 +1799,9 @@ class Trainer:
                 self.fire("on_evaluation_setup", stage.name)
             self.fire(f"on_{stage.hook}_start")
             step = getattr(self, stage.step)
+            first_batch = EvaluationFirstBatch(loader, self.dist, f"{stage.dataloader}()")  # every rank alike?
             if stage is PREDICT:
-                result = collect_predictions(self, loader, step)
+                result = collect_predictions(self, loader, step, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
@@ -1809,7 +1811,7 @@ class Trainer:
                     limit = batch_limit(
                         self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
                     )
-                result = average_metrics(self, loader, step, limit, batch_end)
+                result = average_metrics(self, loader, step, limit, batch_end, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
                     self.val_metrics = result
@@ -1965,6 +1967,7 @@ class Trainer:
             if said is not None:
                 rank_zero_warn(said)
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
+        self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
