@@ -84,10 +84,12 @@ from ampkit.trainer.batch_counts import (
     yields_more,
 )
 from ampkit.trainer.batch_layout import (
+    RescaledResume,
     batch_layout,
     batches_done_here,
     layout_change,
     order_change_note,
+    rescaling,
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase, run_order
@@ -455,6 +457,7 @@ class Trainer:
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self.resumed_layout_change: str | None = None  # samples per step in the resumed checkpoint and now, if changed
+        self.rescaled_resume: RescaledResume | None = None  # a mid-epoch position moved to batches of another size
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
@@ -1929,6 +1932,7 @@ class Trainer:
         self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._said_empty_validation = False  # a validation stream that yielded nothing is said once per fit
+        self.resumed_layout_change = self.rescaled_resume = None  # a resume sets them; an earlier fit's go
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._held_step_values = {}
@@ -2048,10 +2052,12 @@ class Trainer:
         )
         if note is not None:
             rank_zero_warn(f"resuming '{path}' {self.state.batches_done} batches into its epoch: {note}")
+        saved_batches = self.state.batches_done
         done = batches_done_here(
-            saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
+            saved_layout, self._batch_layout, saved_batches, self.settings.accumulate_grad_batches, path
         )
         self.state.batches_done = self._resume["batches_done"] = done
+        self.rescaled_resume = rescaling(self.state.epoch, saved_layout, self._batch_layout, saved_batches, done)
         self.resumed_layout_change = layout_change(
             saved_layout, self._batch_layout, saved_accumulate, self.settings.accumulate_grad_batches
         )
