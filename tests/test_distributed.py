@@ -631,14 +631,23 @@ class SampleRecorder(ampkit.Callback):
 def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_sample(two_rank_run, tmp_path):
     """Resumed by one process at the same per-rank batch, the step-3 checkpoint (3 global batches of 2 x 4 = 24
     samples into epoch 0) continues with the epoch's 25th sample: it had skipped only 3 x 4, so 12 samples were
-    trained on twice in that epoch."""
+    trained on twice in that epoch. Its batch count is this run's, as the closing line says."""
     step_3 = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000003.pt"
     recorder = SampleRecorder()
     cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "one"), "logging": {"tensorboard": False},
            "data": {"batch_size": 4}, "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
-    ToyTrainer(cfg, callbacks=[recorder]).fit(resume=step_3)
+    trainer = ToyTrainer(cfg, callbacks=[recorder])
+    trainer.fit(resume=step_3)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's, seed 0 epoch 0
     assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
+    # A stop in that epoch one step on (step 4, 7 batches in) counts this run's batches, naming the checkpoint's:
+    # "4 steps in 7 batches" read as if 3 batches had not stepped.
+    from ampkit.cli import _trained_span
+
+    assert _trained_span(0, 7, trainer.rescaled_resume) == (
+        "7 batches of 4 samples (1 rank x 4), the first 6 of them the resumed checkpoint's 3 batches of 8 samples "
+        "(2 ranks x 4)"
+    )
 
 
 def test_a_two_rank_checkpoint_resumed_at_the_same_global_batch_warns_of_the_key_but_not_of_skipped_batches(
