@@ -27,6 +27,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
+from ampkit.trainer import checkpoint_io
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
@@ -389,6 +390,39 @@ def test_a_sharded_checkpoint_without_its_metadata_is_refused_naming_what_it_lac
         CheckpointError, match=re.escape(f"'{newest}' {cut_short}; the newest whole checkpoint beside it is '{whole}'")
     ):
         run("resume", tmp_path, batch_size=8, resume=str(newest))
+
+
+def test_a_sharded_resume_reads_its_trainer_pt_once_for_the_plan_the_restore_and_the_shards(tmp_path, monkeypatch):
+    """The resume's plan, its restore of the trainable record and the shards' load each loaded trainer.pt again (each
+    load reading it twice: torch.load, then every record against its CRC-32): a large file read six times, by readers
+    that could each see another file if it was replaced meanwhile. Read once now, and what was read handed along."""
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "distributed.strategy": "fsdp",
+                "checkpoint.every_n_steps": 2, "trainer.max_steps": 2}  # fmt: skip
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    real_load, real_damaged = torch.load, checkpoint_io.damaged_record
+    loads, checks = [], []
+
+    def is_trainer_pt(file) -> bool:  # a path, or a file opened from one (DCP loads its shards from other objects)
+        name = getattr(file, "name", file)
+        return isinstance(name, str | os.PathLike) and Path(name).name == "trainer.pt"
+
+    def load(file, *args, **kwargs):
+        if is_trainer_pt(file) and not kwargs.get("mmap"):  # a peek (mmap) reads its pickle alone
+            loads.append(file)
+        return real_load(file, *args, **kwargs)
+
+    def damaged_record(file):
+        if is_trainer_pt(file):
+            checks.append(file)
+        return real_damaged(file)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(checkpoint_io, "damaged_record", damaged_record)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_steps": 3}))
+    resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 2 and resumed.state.global_step == 3
+    assert len(loads) == 1 and len(checks) == 1, (loads, checks)
+    assert checks[0] is loads[0]  # the file object the load read: one file, even if another is put at its path
 
 
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):

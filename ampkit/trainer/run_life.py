@@ -279,6 +279,9 @@ class FitStart:
 
     checkpoint_path: Path | None = None
     checkpoint: dict[str, Any] | None = None  # None for a sharded checkpoint: its shards need the model
+    # A sharded checkpoint's trainer.pt as loaded to plan (CRC-32s checked): the restore and the shards' load take
+    # this one reading, so a large file is read once and one replaced meanwhile cannot give them two.
+    trainer_part: dict[str, Any] | None = None
     loop: dict[str, int] | None = None
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
@@ -523,6 +526,7 @@ def plan_fit(
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
+        trainer_part=checkpoint if sharded else None,
         loop=loop,
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,

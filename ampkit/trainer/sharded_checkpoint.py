@@ -297,18 +297,23 @@ def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = No
 
 
 def load_sharded(
-    path: Path, module: nn.Module, optimizers: dict[str, torch.optim.Optimizer], cfg: DictConfig | None = None
+    path: Path,
+    module: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    cfg: DictConfig | None = None,
+    trainer_part: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the shards at ``path`` into ``module`` and ``optimizers`` (resharded to this run's world size).
 
     Returns ``trainer.pt``'s dict, with ``model``/``optimizers`` set to the loaded states so the Trainer's
     plain restore path can apply them as for an unsharded checkpoint. ``cfg``: this run's config, whose keys that
-    differ from the checkpoint's a misfit names.
+    differ from the checkpoint's a misfit names. ``trainer_part``: ``trainer.pt`` as this process loaded it already
+    (``load_checkpoint``, a resume's plan): not read again.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    checkpoint = load_checkpoint(path / TRAINER_FILE)
+    checkpoint = dict(trainer_part) if trainer_part is not None else load_checkpoint(path / TRAINER_FILE)
     state = _tensor_state(module, optimizers)
     misfit = _model_misfit(path, state["model"])
     if misfit is not None:  # else DCP's size error reads as a damaged shard, and keys it lacks load nothing silently
@@ -373,9 +378,12 @@ def _model_misfit(path: Path, model_state: dict[str, Any]) -> str | None:
     return model_misfit(saved, shapes_of(model_state))
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(
+    path: str | os.PathLike, trainer_part: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's full state dict from an ampkit checkpoint (sharded directory or ``.pt`` file), in one
-    process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
+    process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``. ``trainer_part``: a
+    sharded one's ``trainer.pt`` as the caller loaded it already (``load_checkpoint``): not read again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -394,5 +402,6 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     # rather than the warning filtered, as warnings.catch_warnings swaps the filters of every thread's run
     _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     # A process of its own (a script's rank zero alone may call it): it checks every shard file itself.
-    refuse_damaged_shards(path, load_checkpoint(path / TRAINER_FILE).get(SHARD_CRCS), collective=False)
+    trainer_part = trainer_part if trainer_part is not None else load_checkpoint(path / TRAINER_FILE)
+    refuse_damaged_shards(path, trainer_part.get(SHARD_CRCS), collective=False)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}
