@@ -65,7 +65,6 @@ from ampkit.trainer.checkpoint_io import (
     PROTECTED,
     CheckpointError,
     DamagedCheckpointError,
-    damaged_record,
     deletable,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
@@ -79,6 +78,7 @@ from ampkit.trainer.launch_env import launch_int
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_reason, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
+    checkpoint_damage,
     is_sharded_checkpoint,
     missing_sharded_parts,
     periodic_checkpoints,
@@ -137,8 +137,9 @@ def _incomplete(path: Path, missing: list[str]) -> str:
 
 def _newest_whole_beside(path: Path) -> str:
     """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
-    whole = periodic_checkpoints(path.parent, sharded=True) if path.parent.is_dir() else []
-    return f"; the newest whole checkpoint beside it is '{whole[-1]}'" if whole else ""
+    found = periodic_checkpoints(path.parent, sharded=True) if path.parent.is_dir() else []
+    whole = next((p for p in reversed(found) if checkpoint_damage(p) is None), None)  # read newest first
+    return f"; the newest whole checkpoint beside it is '{whole}'" if whole is not None else ""
 
 
 def _broken_alias(run_dir: str | os.PathLike, alias: str) -> str | None:
@@ -218,7 +219,7 @@ def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
     usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
     ranked = sorted((((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable), reverse=True)
-    return next((p for *_, p in ranked if damaged_record(p) is None), None)
+    return next((p for *_, p in ranked if checkpoint_damage(p) is None), None)
 
 
 def _is_periodic(path: Path) -> bool:
@@ -244,8 +245,9 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
 
 def _newer_than_last(last: Path) -> Path | None:
     """The newest periodic or best-k checkpoint (file or shard directory) beside ``last`` whose saved loop position
-    is past ``last``'s, and whole: a kill between ModelCheckpoint's save of it and its move of ``last`` leaves it.
-    Only loop positions are read (no tensors), and the CRC-32s of that one file."""
+    is past ``last``'s, and whole as a load finds it (:func:`checkpoint_damage`: a sharded one's shard files too): a
+    kill between ModelCheckpoint's save of it and its move of ``last`` leaves it. Only loop positions are read (no
+    tensors), and the CRC-32s of the newest, and of an older one only where every newer one is damaged."""
     checkpoints, position = last.parent, loop_of(last)
     if position is None or not checkpoints.is_dir():
         return None
@@ -256,10 +258,8 @@ def _newer_than_last(last: Path) -> Path | None:
         if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
     ]
     ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest = max(ahead, key=lambda found: (found[0], _is_periodic(found[1])), default=(None, None))[1]
-    if newest is None or (newest.is_file() and damaged_record(newest) is not None):
-        return None
-    return newest
+    newest_first = sorted(ahead, key=lambda found: (found[0], _is_periodic(found[1])), reverse=True)
+    return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
 
 
 def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:

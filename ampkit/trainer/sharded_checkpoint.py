@@ -28,6 +28,7 @@ from torch import nn
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
+    damaged_record,
     deletable,
     describe,
     is_periodic_checkpoint_name,
@@ -194,14 +195,46 @@ def refuse_damaged_shards(path: Path, saved: dict[str, int] | None, collective: 
     together = collective and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
     env = DistributedEnv(rank=rank, world_size=world_size)
-    mine = sorted(saved)[rank::world_size]
-    found = gather_object([n for n in mine if not (path / n).is_file() or _crc32(path / n) != saved[n]], env)
+    found = gather_object(damaged_shards(path, saved, sorted(saved)[rank::world_size]), env)
     if damaged := sorted(name for names in found for name in names):
         raise CheckpointError(
             f"sharded checkpoint '{path}': shard file(s) {', '.join(damaged)} are not as written (their CRC-32s are "
             "not those recorded at the save): a copy torn or a disk's error, which would load without an error, "
             f"with other values; resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
         )
+
+
+def damaged_shards(path: Path, saved: dict[str, int], names: list[str]) -> list[str]:
+    """Those of shard files ``names`` of sharded checkpoint ``path`` that are missing, unreadable or not as written
+    (their CRC-32 is not the one ``saved`` at the save)."""
+    damaged = []
+    for name in names:
+        try:
+            whole = _crc32(path / name) == saved[name]
+        except OSError:  # gone, or unreadable: no rank can load it
+            whole = False
+        if not whole:
+            damaged.append(name)
+    return damaged
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What a load would find damaged or missing in checkpoint ``path`` (a file, or a sharded directory: its
+    ``.metadata``, its ``trainer.pt``'s records, and its shard files against the CRC-32s recorded at the save), or
+    None where it is whole: the one test of a checkpoint to name in a load's place."""
+    if not path.is_dir():
+        return damaged_record(path) if path.is_file() else "it is gone"
+    if missing := missing_sharded_parts(path):
+        return f"it lacks {' and '.join(missing)}"
+    if (damage := damaged_record(path / TRAINER_FILE)) is not None:
+        return f"its {TRAINER_FILE}: {damage}"
+    trainer_part = peek_checkpoint(path / TRAINER_FILE)
+    if trainer_part is None:
+        return f"its {TRAINER_FILE} cannot be read"
+    saved = trainer_part.get(SHARD_CRCS) or {}
+    if torn := damaged_shards(path, saved, sorted(saved)):
+        return f"its shard file(s) {', '.join(torn)} are not as written"
+    return None
 
 
 def write_failure(exc: BaseException) -> str | None:
