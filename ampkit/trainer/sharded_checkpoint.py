@@ -150,27 +150,45 @@ def save_sharded(
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
         # Each rank reads back the files it wrote (still in the page cache), and rank zero records them all.
-        crcs = gather_object(_crcs(sorted(tmp.glob(f"__{env.rank}_*.distcp"))), env)
-        if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
-            save_atomic(
-                {**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE
-            )
+        crcs = _every_ranks_crcs(tmp, env)
+        # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards. Rank zero's last
+        # writes (trainer.pt, the rename) failing (a full disk) stop every rank with its error: the others waited for
+        # it at the next collective until distributed.timeout_s, to fail there with a timeout.
+        decided_by_rank_zero(functools.partial(_finish_save, checkpoint, crcs, tmp, path), env)
     except BaseException as exc:
         # DCP fails on every rank once all are done writing; trainer.pt is rank zero's last write: the partial
         # directory goes now, not at the next run, so a full disk gets its space back.
         if is_zero and write_failure(exc) is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if is_zero:
-        aside = path.with_name(f".{path.name}.old")
-        if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(path, aside)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(aside, ignore_errors=True)
     barrier(f"the end of the save of {path.name}")
     return path
+
+
+def _every_ranks_crcs(tmp: Path, env: DistributedEnv) -> list[dict[str, int]]:
+    """Each rank's CRC-32s of the shard files it wrote into ``tmp``, on every rank; a rank that cannot read one back
+    (an I/O error) fails every rank's save with its error, rather than leaving the others in this collective."""
+    try:
+        mine: dict[str, int] | OSError = _crcs(sorted(tmp.glob(f"__{env.rank}_*.distcp")))
+    except OSError as exc:
+        mine = exc
+    found = gather_object(mine, env)
+    if (failure := next((f for f in found if isinstance(f, OSError)), None)) is not None:
+        raise failure
+    return found
+
+
+def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Path, path: Path) -> None:
+    """Rank zero's end of a sharded save: ``trainer.pt`` with every shard's CRC-32 written into ``tmp``, then ``tmp``
+    renamed to ``path`` (a checkpoint of that name set aside until the new one is in its place)."""
+    save_atomic({**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE)
+    aside = path.with_name(f".{path.name}.old")
+    if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _crc32(file: Path) -> int:
