@@ -81,6 +81,7 @@ from ampkit.trainer.sharded_checkpoint import (
     checkpoint_damage,
     is_sharded_checkpoint,
     missing_sharded_parts,
+    newest_whole_beside,
     periodic_checkpoints,
     training_order,
 )
@@ -137,8 +138,7 @@ def _incomplete(path: Path, missing: list[str]) -> str:
 
 def _newest_whole_beside(path: Path) -> str:
     """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
-    found = periodic_checkpoints(path.parent, sharded=True) if path.parent.is_dir() else []
-    whole = next((p for p in reversed(found) if checkpoint_damage(p) is None), None)  # read newest first
+    whole = newest_whole_beside(path)
     return f"; the newest whole checkpoint beside it is '{whole}'" if whole is not None else ""
 
 
@@ -198,11 +198,12 @@ def loop_of(path: Path) -> dict[str, int] | None:
 def load_with_fallback_hint(path: Path) -> dict[str, Any]:
     """:func:`load_checkpoint` (which reads every record against its CRC-32); when ``path`` cannot be read or is
     damaged, the error names the newest whole checkpoint beside it (a damaged ``last.pt`` leaves its step files to
-    resume from: a resume from one is a branch)."""
+    resume from: a resume from one is a branch; a sharded checkpoint's ``trainer.pt``, the directories beside it)."""
     try:
         return load_checkpoint(path)
     except CheckpointError as exc:
-        fallback = _newest_readable_beside(path)
+        sharded = path.name == TRAINER_FILE and is_sharded_checkpoint(path.parent)  # its directory's neighbours
+        fallback = newest_whole_beside(path.parent) if sharded else _newest_readable_beside(path)
         if fallback is None:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"

@@ -210,16 +210,40 @@ def refuse_damaged_shards(path: Path, saved: dict[str, int] | None, collective: 
     checks them all."""
     if not saved:
         return
-    together = collective and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    env = DistributedEnv(rank=rank, world_size=world_size)
-    found = gather_object(damaged_shards(path, saved, sorted(saved)[rank::world_size]), env)
+    env = _process_group() if collective else DistributedEnv()
+    found = gather_object(damaged_shards(path, saved, sorted(saved)[env.rank :: env.world_size]), env)
     if damaged := sorted(name for names in found for name in names):
         raise CheckpointError(
             f"sharded checkpoint '{path}': shard file(s) {', '.join(damaged)} are not as written (their CRC-32s are "
             "not those recorded at the save): a copy torn or a disk's error, which would load without an error, "
-            f"with other values; resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+            f"with other values; {_resume_instead(path, env)}"
         )
+
+
+def _process_group() -> DistributedEnv:
+    """This process's place in the process group there is (one process where there is none)."""
+    if not dist.is_initialized():
+        return DistributedEnv()
+    return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def newest_whole_beside(path: Path) -> Path | None:
+    """The newest periodic sharded checkpoint beside ``path`` (not ``path``, nor the one its ``last`` link leads to)
+    that a load takes whole (:func:`checkpoint_damage`), or None; read newest first."""
+    if not path.parent.is_dir():
+        return None
+    itself = path.resolve()
+    found = [p for p in periodic_checkpoints(path.parent, sharded=True) if p.resolve() != itself]
+    return next((p for p in reversed(found) if checkpoint_damage(p) is None), None)
+
+
+def _resume_instead(path: Path, env: DistributedEnv) -> str:
+    """What to resume in the place of damaged sharded checkpoint ``path``: the newest whole one beside it, as rank zero
+    finds it (every rank refuses it together; each reading every shard file of the others would cost as many loads)."""
+    whole = decided_by_rank_zero(functools.partial(newest_whole_beside, path), env)
+    if whole is None:
+        return "resume an older checkpoint, if one is left"
+    return f"the newest whole checkpoint beside it is '{whole}' (--resume {whole}, a branch)"
 
 
 def damaged_shards(path: Path, saved: dict[str, int], names: list[str]) -> list[str]:
@@ -382,7 +406,7 @@ def load_sharded(
         failures = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
         raise CheckpointError(
             f"sharded checkpoint '{path}' cannot be read ({failures or exc}): a shard file is damaged or missing; "
-            f"resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+            f"{_resume_instead(path, _process_group())}"
         ) from None
     # DCP read them: a shard torn in a tensor's bytes passes it.
     refuse_damaged_shards(path, checkpoint.get(SHARD_CRCS), collective=True)
