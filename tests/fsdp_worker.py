@@ -193,7 +193,8 @@ def failing_sharded_saves(base: dict, cpu: dict) -> dict:
 
     A rank late to the save of step 2, then a write-protected copy in ``last``'s place at step 4; a resume to step 6
     (a branch, in version_1); the disk full at step 8, as rank 1 writes its shard file, then as rank 0 writes
-    trainer.pt; a resume of ``last`` (step 6) to 8; and ``last`` (step 8) with rank 1's shard file torn, resumed."""
+    trainer.pt; a resume of ``last`` (step 6) to 8; ``last`` (step 8) with rank 1's shard file torn, resumed; and step 6
+    validated."""
     from ampkit.trainer import waiting
 
     waiting.SAY_AFTER_S = 0.5
@@ -213,6 +214,8 @@ def failing_sharded_saves(base: dict, cpu: dict) -> dict:
     if RANK == 1:  # before the next fit's rendezvous: no rank reads it before
         tear_own_weight_shard(after, after.version_dir / "checkpoints" / "last" / "__1_0.distcp")
     result["torn"] = failed(Shuffled({**cfg, "trainer": {**cpu, "max_steps": 10, "max_epochs": 2}}), resume="last")
+    # A whole one beside it evaluated: every rank's trainer.pt, checked against rank zero's, loads with the shards.
+    result["validated"] = Shuffled(cfg).validate(ckpt=str(after.version_dir / "checkpoints" / "step-00000006"))
     return result
 
 

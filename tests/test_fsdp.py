@@ -592,6 +592,7 @@ def test_a_sharded_save_that_fails_on_one_rank_stops_every_rank_and_the_next_res
         assert kind == "CheckpointError" and step == 0, result["torn"]  # refused as it loads: nothing restored
         assert f"sharded checkpoint '{checkpoints / 'last'}': shard file(s) __1_0.distcp are not as written" in error
     assert load_checkpoint(checkpoints / "last" / "trainer.pt")["loop"]["global_step"] == 8  # nothing saved after
+    assert results[0]["validated"] == results[1]["validated"] and results[0]["validated"]
     assert not list(checkpoints.glob(".*"))  # no partial directory left by the failed saves
 
 

@@ -96,8 +96,8 @@ def agreed_checkpoint(
 ) -> tuple[Path | None, dict[str, Any] | None]:
     """``resolve()`` (a checkpoint's path from ``last``/``best`` or a path given) on rank zero, its value and its
     errors on every rank, and the checkpoint file loaded there on every rank, once every rank has found it the same
-    file as rank zero's and whole (validate, test, predict); a sharded checkpoint's ``trainer.pt`` is checked so, and
-    None is returned for it (its shards load into the model). ``what``: what reads it, for the message
+    file as rank zero's and whole (validate, test, predict); a sharded checkpoint's ``trainer.pt`` is checked and
+    returned so (its shards load into the model with it). ``what``: what reads it, for the message
     (``validate: loading``)."""
     if not env.enabled:
         return resolve(), None
@@ -109,8 +109,7 @@ def agreed_checkpoint(
     path, zeros = decided_by_rank_zero(rank_zeros, env)
     if path is None:
         return None, None
-    checkpoint = _same_on_every_rank(path, zeros, env, run_dir, what, load=True)
-    return path, None if zeros.shards else checkpoint
+    return path, _same_on_every_rank(path, zeros, env, run_dir, what, load=True)
 
 
 def _same_on_every_rank(

@@ -2373,15 +2373,15 @@ class Trainer:
 
     def _load_weights(self, path: Path, checkpoint: dict[str, Any] | None = None) -> None:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict; ``checkpoint``: the
-        file, where every rank has loaded it already (agreed_checkpoint)."""
+        file (a sharded one's ``trainer.pt``), where every rank has loaded it already (agreed_checkpoint)."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
-            load_sharded(path, self.module, {}, self.cfg)
+            load_sharded(path, self.module, {}, self.cfg, checkpoint)
             check_saved_weights_finite(path, self.module.state_dict(), self.dist)  # every rank: one collective
             return
         checkpoint = checkpoint or {}
         try:
             if is_sharded_checkpoint(path):
-                state = consolidate_checkpoint(path)
+                state = consolidate_checkpoint(path, checkpoint or None)
             else:
                 checkpoint = checkpoint or load_with_fallback_hint(path)
                 if "model" not in checkpoint:
