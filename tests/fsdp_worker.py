@@ -3,12 +3,16 @@ one process, which shards trivially)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from dist_worker import InfOnRank1, Shuffled, SkipRecorder
+from full_disk import FullDisk
 from torch.distributed.tensor import DTensor
 
 import ampkit
@@ -144,22 +148,8 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
         except ampkit.callbacks.NonFiniteError as error:
             return {"error": str(error), "version_dir": str(trainer.version_dir)}
         return {"error": None}
-    elif scenario == "late_rank_then_protected_last":
-        from ampkit.trainer import waiting
-
-        waiting.SAY_AFTER_S = 0.5
-        cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4},
-               "distributed": {**FSDP, "timeout_s": 20}}  # fmt: skip
-        trainer = Shuffled(cfg, callbacks=[Rank1LateToTheSave(), CopiesLastAndProtectsIt()])
-        try:
-            trainer.fit()
-        except ampkit.CheckpointError as error:
-            stopped = {"error": str(error), "step": trainer.state.global_step}
-        else:
-            stopped = {"error": None}
-        resumed = Shuffled({**cfg, "trainer": {**cpu, "max_steps": 6}})  # every rank branches from the kept last
-        resumed.fit(resume="last")
-        return {**stopped, "resumed_in": str(resumed.version_dir), "resumed_to": resumed.state.global_step}
+    elif scenario == "failing_sharded_saves":
+        return failing_sharded_saves(base, cpu)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     trainer.fit(resume=resume)
@@ -170,6 +160,81 @@ def run(scenario: str, out: Path, batch_size: int, resume: str | None = None) ->
     if scenario == "gpt":
         extra["units"] = sorted({type(m).__name__ for m in trainer.module.modules() if hasattr(m, "unshard")})
     return {"model": keep.state, "version_dir": str(trainer.version_dir), "val": trainer.val_metrics, **extra}
+
+
+@contextmanager
+def full_disk_at_step_8(failing: str) -> Iterator[None]:
+    """The disk fills in the sharded save of step 8: on rank 1 as it writes its shard file (``rank 1's shard``), or on
+    rank 0 as it writes ``trainer.pt`` (``rank 0's trainer.pt``), its last write."""
+    real_open, real_save = Path.open, torch.save
+
+    def open_(path, mode="r", *args, **kwargs):  # DCP opens each rank's shard file with Path.open(mode="wb")
+        if mode == "wb" and path.suffix == ".distcp" and path.parent.name == ".step-00000008.tmp":
+            return FullDisk(path, room=64)
+        return real_open(path, mode, *args, **kwargs)
+
+    def save(obj, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("loop", {}).get("global_step") == 8:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, *args, **kwargs)
+
+    if failing == f"rank {RANK}'s shard":
+        Path.open = open_
+    elif failing == f"rank {RANK}'s trainer.pt":
+        torch.save = save
+    try:
+        yield
+    finally:
+        Path.open, torch.save = real_open, real_save
+
+
+def failing_sharded_saves(base: dict, cpu: dict) -> dict:
+    """Sharded saves that fail on one rank, and what the next resume takes: each stage's error on this rank.
+
+    A rank late to the save of step 2, then a write-protected copy in ``last``'s place at step 4; a resume to step 6
+    (a branch, in version_1); the disk full at step 8, as rank 1 writes its shard file, then as rank 0 writes
+    trainer.pt; a resume of ``last`` (step 6) to 8; ``last`` (step 8) with rank 1's shard file torn, resumed; and step 6
+    validated."""
+    from ampkit.trainer import waiting
+
+    waiting.SAY_AFTER_S = 0.5
+    cfg = {**base, "checkpoint": {"every_n_steps": 2, "keep_last": 50}, "trainer": {**cpu, "max_steps": 4},
+           "distributed": {**FSDP, "timeout_s": 30}}  # fmt: skip
+    result = {"error": failed(Shuffled(cfg, callbacks=[Rank1LateToTheSave(), CopiesLastAndProtectsIt()]))}
+    resumed = Shuffled({**cfg, "trainer": {**cpu, "max_steps": 6}})  # every rank branches from the kept last
+    resumed.fit(resume="last")
+    result |= {"resumed_in": str(resumed.version_dir), "resumed_to": resumed.state.global_step}
+    cfg = {**cfg, "trainer": {**cpu, "max_steps": 8}}
+    for failing in ("rank 1's shard", "rank 0's trainer.pt"):
+        with full_disk_at_step_8(failing):
+            result[failing] = failed(Shuffled(cfg), resume="last")
+    after = Shuffled(cfg)
+    after.fit(resume="last")
+    result |= {"after_from": after.fit_start.loop["global_step"], "after_to": after.state.global_step}
+    if RANK == 1:  # before the next fit's rendezvous: no rank reads it before
+        tear_own_weight_shard(after, after.version_dir / "checkpoints" / "last" / "__1_0.distcp")
+    result["torn"] = failed(Shuffled({**cfg, "trainer": {**cpu, "max_steps": 10, "max_epochs": 2}}), resume="last")
+    # A whole one beside it evaluated: every rank's trainer.pt, checked against rank zero's, loads with the shards.
+    result["validated"] = Shuffled(cfg).validate(ckpt=str(after.version_dir / "checkpoints" / "step-00000006"))
+    return result
+
+
+def tear_own_weight_shard(trainer: ampkit.Trainer, shard: Path) -> None:
+    """Zero this rank's shard of the first weight in ``shard``, the file it wrote (its layout intact: DCP reads it
+    without an error), as a failing disk or an interrupted ``rsync --inplace`` tears it."""
+    weight = next(trainer.module.parameters()).to_local().detach().numpy().tobytes()
+    data = shard.read_bytes()
+    start = data.index(weight)
+    shard.write_bytes(data[:start] + bytes(len(weight)) + data[start + len(weight) :])
+
+
+def failed(trainer: ampkit.Trainer, resume: str | None = None) -> tuple[str, str, int] | None:
+    """``trainer.fit(resume=resume)``'s error (its type, its message, the step the trainer was at), or None."""
+    try:
+        trainer.fit(resume=resume)
+    except Exception as error:
+        return type(error).__name__, str(error), trainer.state.global_step
+    return None
 
 
 def die_in_the_save_of_step_6(moment: str) -> None:

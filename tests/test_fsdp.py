@@ -27,6 +27,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
+from ampkit.trainer import checkpoint_io
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
@@ -391,6 +392,39 @@ def test_a_sharded_checkpoint_without_its_metadata_is_refused_naming_what_it_lac
         run("resume", tmp_path, batch_size=8, resume=str(newest))
 
 
+def test_a_sharded_resume_reads_its_trainer_pt_once_for_the_plan_the_restore_and_the_shards(tmp_path, monkeypatch):
+    """The resume's plan, its restore of the trainable record and the shards' load each loaded trainer.pt again (each
+    load reading it twice: torch.load, then every record against its CRC-32): a large file read six times, by readers
+    that could each see another file if it was replaced meanwhile. Read once now, and what was read handed along."""
+    settings = {"logging.tensorboard": False, "trainer.progress_bar": False, "distributed.strategy": "fsdp",
+                "checkpoint.every_n_steps": 2, "trainer.max_steps": 2}  # fmt: skip
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    real_load, real_damaged = torch.load, checkpoint_io.damaged_record
+    loads, checks = [], []
+
+    def is_trainer_pt(file) -> bool:  # a path, or a file opened from one (DCP loads its shards from other objects)
+        name = getattr(file, "name", file)
+        return isinstance(name, str | os.PathLike) and Path(name).name == "trainer.pt"
+
+    def load(file, *args, **kwargs):
+        if is_trainer_pt(file) and not kwargs.get("mmap"):  # a peek (mmap) reads its pickle alone
+            loads.append(file)
+        return real_load(file, *args, **kwargs)
+
+    def damaged_record(file):
+        if is_trainer_pt(file):
+            checks.append(file)
+        return real_damaged(file)
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(checkpoint_io, "damaged_record", damaged_record)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_steps": 3}))
+    resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 2 and resumed.state.global_step == 3
+    assert len(loads) == 1 and len(checks) == 1, (loads, checks)
+    assert checks[0] is loads[0]  # the file object the load read: one file, even if another is put at its path
+
+
 def test_consolidate_checkpoint_gives_a_plain_state_dict_of_the_whole_model(tmp_path):
     result = run("resume", tmp_path, batch_size=8)
     weights = consolidate_checkpoint(Path(result["version_dir"]) / "checkpoints" / "last")
@@ -506,26 +540,60 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_checkpoint(tmp_pat
     assert not (Path(results[0]["version_dir"]) / "checkpoints" / "step-00000002").exists()
 
 
-def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops_every_rank(tmp_path):
+@pytest.fixture(scope="module")
+def failing_saves(tmp_path_factory) -> tuple[Path, list[str], list[dict]]:
+    """One two-rank launch of sharded saves that fail on one rank, and resumes after them (``fsdp_worker.py``'s
+    ``failing_sharded_saves``): its folder, each rank's stderr and each rank's result."""
+    out = tmp_path_factory.mktemp("failing_saves")
+    procs = start("failing_sharded_saves", out)
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
+    return out, [stderr for _, stderr in outputs], [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def test_at_sharded_saves_rank_zero_names_a_late_rank_and_a_protected_last_stops_every_rank(failing_saves):
     """Rank zero waited for a rank late to a save without a word until distributed.timeout_s (300 s by default) failed
     the run; and it alone refused to replace a write-protected copy of the checkpoint in the ``last`` link's place,
     while rank 1 trained on into a collective rank zero never joined. A resume then branches on every rank."""
-    procs = start("late_rank_then_protected_last", tmp_path)
-    outputs = [proc.communicate(timeout=240) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs[1][1][-3000:]
-    said = [line for line in outputs[0][1].splitlines() if "has waited" in line]
+    out, stderr, results = failing_saves
+    said = [line for line in stderr[0].splitlines() if "has waited" in line]
     assert said == [
         "ampkit: rank 0 has waited 0.5 s at the save of step-00000002 for rank(s) 1; a rank that died or hangs there "
         "stops the run after distributed.timeout_s (its own output says why)"
     ]
-    assert "has waited" not in outputs[1][1]
-    last = tmp_path / "run" / "version_0" / "checkpoints" / "last"
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        assert result["step"] == 4
-        assert result["error"].startswith(f"could not write checkpoint '{last}' (write-protected")
-        assert result["resumed_in"] == str(tmp_path / "run" / "version_1") and result["resumed_to"] == 6
+    assert "has waited" not in stderr[1]
+    last = out / "run" / "version_0" / "checkpoints" / "last"
+    for result in results:
+        kind, error, step = result["error"]
+        assert kind == "CheckpointError" and step == 4
+        assert error.startswith(f"could not write checkpoint '{last}' (write-protected")
+        assert result["resumed_in"] == str(out / "run" / "version_1") and result["resumed_to"] == 6
     assert (last / ".metadata").is_file() and not last.is_symlink()
+
+
+def test_a_sharded_save_that_fails_on_one_rank_stops_every_rank_and_the_next_resume_takes_the_last_whole_one(
+    failing_saves,
+):
+    """A full disk at step 8's save, as rank 1 wrote its shard file (DCP gathers it to every rank) or as rank 0 wrote
+    trainer.pt, its last write: rank 1 then waited in the save's closing barrier until distributed.timeout_s, to
+    fail with a timeout. Every rank now stops with rank 0's error; ``last`` still names step 6, which the next resume
+    takes. A shard file torn on disk, which only the rank that checks it (rank 1) finds, stops both before training."""
+    out, _, results = failing_saves
+    checkpoints = out / "run" / "version_1" / "checkpoints"
+    for failing, where in (("rank 1's shard", " on rank 1"), ("rank 0's trainer.pt", "")):
+        message = (
+            f"could not write checkpoint '{checkpoints / 'step-00000008'}' (No space left on device{where}); last "
+            "still holds the previous checkpoint, and --resume last continues from it"
+        )
+        assert [result[failing] for result in results] == [("CheckpointError", message, 8)] * 2, failing
+    for result in results:
+        assert (result["after_from"], result["after_to"]) == (6, 8)
+        kind, error, step = result["torn"]
+        assert kind == "CheckpointError" and step == 0, result["torn"]  # refused as it loads: nothing restored
+        assert f"sharded checkpoint '{checkpoints / 'last'}': shard file(s) __1_0.distcp are not as written" in error
+    assert load_checkpoint(checkpoints / "last" / "trainer.pt")["loop"]["global_step"] == 8  # nothing saved after
+    assert results[0]["validated"] == results[1]["validated"] and results[0]["validated"]
+    assert not list(checkpoints.glob(".*"))  # no partial directory left by the failed saves
 
 
 def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path, monkeypatch):

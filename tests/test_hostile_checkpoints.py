@@ -104,12 +104,23 @@ def test_load_model_of_a_checkpoint_without_weights_says_so(tmp_path, trained):
         load_model(path, trainer_class=ToyTrainer)
 
 
-def test_load_model_takes_a_sharded_checkpoint_directory_as_validate_does(tmp_path):
-    """An FSDP run saves directories: load_model said 'no checkpoint file' of them, where the user meant its model."""
+def test_load_model_takes_a_sharded_checkpoint_directory_as_validate_does(tmp_path, monkeypatch):
+    """An FSDP run saves directories: load_model said 'no checkpoint file' of them, where the user meant its model.
+    Its trainer.pt is read once (its config, then the shard files' CRC-32s): the consolidation loaded it again."""
     trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2, "distributed.strategy": "fsdp"}))
     trainer.fit()
     checkpoints = trainer.version_dir / "checkpoints"
-    model = load_model(checkpoints / "step-00000002", trainer_class=ToyTrainer)
+    real_load, loads = torch.load, []
+
+    def load(file, *args, **kwargs):
+        if getattr(file, "name", None) == str(checkpoints / "step-00000002" / "trainer.pt"):
+            loads.append(file)
+        return real_load(file, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "load", load)
+        model = load_model(checkpoints / "step-00000002", trainer_class=ToyTrainer)
+    assert len(loads) == 1
     saved = consolidate_checkpoint(checkpoints / "step-00000002")
     assert model.state_dict().keys() == saved.keys()
     for key, value in model.state_dict().items():

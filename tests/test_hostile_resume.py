@@ -7,14 +7,18 @@ state loaded into this one's without a word."""
 from __future__ import annotations
 
 import re
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg, toy_model
 
 from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.run_life import resolve_checkpoint
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 1}
 
@@ -177,6 +181,58 @@ def test_a_kill_between_a_periodic_save_and_last_s_move_resumes_last_and_names_t
     assert f"'{newer}' beside '{last.name}' is newer (epoch 2, step " in said[0], said
     assert said[0].endswith(f"Resuming '{last}'; to take the newer one instead, --resume {newer} (a branch)"), said
     assert resumed.fit_start.loop["epoch"] == 1 and resumed.state.epoch == 3
+
+
+SHARDED_EPOCHS = {**QUIET, "trainer.max_epochs": 3, "checkpoint.every_n_epochs": 1, "checkpoint.keep_last": 3,
+                  "distributed.strategy": "fsdp"}  # fmt: skip
+
+
+def _three_sharded_epochs_the_last_torn(tmp_path) -> Path:
+    """The checkpoints folder of a sharded run of three epochs, a shard file of ``epoch-0003`` torn."""
+    ToyTrainer(toy_cfg(tmp_path, **SHARDED_EPOCHS)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    shard = next((checkpoints / "epoch-0003").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of a tensor, its layout intact
+    shard.write_bytes(bytes(data))
+    return checkpoints
+
+
+def test_a_torn_sharded_checkpoint_names_the_newest_whole_one_beside_it_as_a_file_does(tmp_path):
+    """A torn shard file, or a damaged trainer.pt, said 'resume from an older checkpoint beside it (--resume
+    .../step-NNNNNNNN)' or nothing, where a damaged file names the newest whole checkpoint beside it."""
+    checkpoints = _three_sharded_epochs_the_last_torn(tmp_path)
+    torn, whole = checkpoints / "epoch-0003", checkpoints / "epoch-0002"
+    again = {**SHARDED_EPOCHS, "trainer.max_epochs": 4}
+    with pytest.raises(CheckpointError, match=re.escape(f"the newest whole checkpoint beside it is '{whole}'")):
+        ToyTrainer(toy_cfg(tmp_path, **again)).fit(resume=str(torn))
+    tear(torn / "trainer.pt", torn / "trainer.pt")
+    with pytest.raises(CheckpointError, match=re.escape(f"the newest whole checkpoint beside it is '{whole}'")):
+        ToyTrainer(toy_cfg(tmp_path, **again)).fit(resume=str(torn))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written
+
+
+def test_a_newer_sharded_checkpoint_torn_in_a_shard_is_not_the_one_named_to_take_instead(tmp_path):
+    """Only a newer directory's .metadata was checked: one whose shard file was torn (its CRC-32 not the one recorded
+    at its save) was named as the checkpoint to take, which its load then refused. The newest whole one is named."""
+    saved = SHARDED_EPOCHS
+    checkpoints = _three_sharded_epochs_the_last_torn(tmp_path)
+    last = checkpoints / "last"
+    last.unlink()
+    last.symlink_to("epoch-0001")  # killed after the saves of epochs 2 and 3, before last moved
+    cut_short = shutil.copytree(checkpoints / "epoch-0002", checkpoints / "step-00000099")
+    (cut_short / ".metadata").unlink()  # a save cut short, resumed by its path: the whole one beside it is named
+    with pytest.raises(
+        CheckpointError, match=f"the newest whole checkpoint beside it is '{checkpoints / 'epoch-0002'}'"
+    ):
+        resolve_checkpoint(tmp_path / "run", cut_short)
+    shutil.rmtree(cut_short)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 4}))
+    with pytest.warns(UserWarning) as warned:
+        resumed.fit(resume="last")
+    said = [str(w.message) for w in warned if "is newer" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"'{checkpoints / 'epoch-0002'}' beside 'last' is newer"), said
+    assert resumed.fit_start.loop["epoch"] == 1
 
 
 def test_a_resume_whose_last_is_the_newest_checkpoint_says_nothing_of_newer_files(tmp_path):

@@ -66,9 +66,9 @@ def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
 
 def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir: str) -> FitStart:
     """``plan()`` (which resolves and loads the checkpoint) on rank zero, its decision and its errors on every rank;
-    each other rank loads the checkpoint rank zero chose (a file's whole state; a sharded one's ``trainer.pt``, its
-    shards are loaded later, with the model), and every rank stops where any rank's is not rank zero's file or is
-    damaged. ``run_dir``: for the message."""
+    each other rank loads the checkpoint rank zero chose (a file's whole state; a sharded one's ``trainer.pt``, kept
+    in ``trainer_part``: its shards are loaded later, with the model), and every rank stops where any rank's is not
+    rank zero's file or is damaged. ``run_dir``: for the message."""
     if not env.enabled:
         return plan()
     planned: list[FitStart] = []
@@ -76,7 +76,8 @@ def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir:
     def rank_zeros() -> tuple[FitStart, CheckpointView | None]:
         planned.append(plan())
         path = planned[0].checkpoint_path
-        return replace(planned[0], checkpoint=None), view_of(path) if path is not None else None  # no tensors sent
+        sent = replace(planned[0], checkpoint=None, trainer_part=None)  # no tensors sent: each rank loads its own
+        return sent, view_of(path) if path is not None else None
 
     start, zeros = decided_by_rank_zero(rank_zeros, env)
     if planned:
@@ -85,7 +86,9 @@ def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir:
         return start
     # Rank zero loaded it in plan(); its load's errors, a damaged copy among them, went to every rank already.
     checkpoint = _same_on_every_rank(start.checkpoint_path, zeros, env, run_dir, "resuming", load=env.rank != 0)
-    return start if zeros.shards or checkpoint is None else replace(start, checkpoint=checkpoint)
+    if checkpoint is None:
+        return start
+    return replace(start, trainer_part=checkpoint) if zeros.shards else replace(start, checkpoint=checkpoint)
 
 
 def agreed_checkpoint(
@@ -93,8 +96,8 @@ def agreed_checkpoint(
 ) -> tuple[Path | None, dict[str, Any] | None]:
     """``resolve()`` (a checkpoint's path from ``last``/``best`` or a path given) on rank zero, its value and its
     errors on every rank, and the checkpoint file loaded there on every rank, once every rank has found it the same
-    file as rank zero's and whole (validate, test, predict); a sharded checkpoint's ``trainer.pt`` is checked so, and
-    None is returned for it (its shards load into the model). ``what``: what reads it, for the message
+    file as rank zero's and whole (validate, test, predict); a sharded checkpoint's ``trainer.pt`` is checked and
+    returned so (its shards load into the model with it). ``what``: what reads it, for the message
     (``validate: loading``)."""
     if not env.enabled:
         return resolve(), None
@@ -106,8 +109,7 @@ def agreed_checkpoint(
     path, zeros = decided_by_rank_zero(rank_zeros, env)
     if path is None:
         return None, None
-    checkpoint = _same_on_every_rank(path, zeros, env, run_dir, what, load=True)
-    return path, None if zeros.shards else checkpoint
+    return path, _same_on_every_rank(path, zeros, env, run_dir, what, load=True)
 
 
 def _same_on_every_rank(

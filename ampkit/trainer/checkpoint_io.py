@@ -290,16 +290,37 @@ def file_fingerprint(path: str | os.PathLike) -> str | None:
     return digest.hexdigest()
 
 
-def damaged_record(path: str | os.PathLike) -> str | None:
+def damaged_record(path: str | os.PathLike | IO[bytes]) -> str | None:
     """What is damaged in checkpoint file ``path`` (a copy cut short or torn, a disk's error), found by reading every
     record of its zip archive against the size and CRC-32 in the archive's directory, which torch.load checks not:
     a torn copy loads without a word, with wrong values. None where every record is whole, where the file is no zip
-    archive (the legacy format holds no CRCs), and where it cannot be opened (the caller says so)."""
+    archive (the legacy format holds no CRCs), and where it cannot be opened (the caller says so). ``path`` may be a
+    file open for reading, read from its start: the file a load read, not one put at its path since."""
     try:
-        with open(path, "rb") as file:
+        with _opened(path) as file:
+            file.seek(0)
             if file.read(4) != _TORCH_FILE_STARTS[0]:
                 return None
-        with zipfile.ZipFile(path) as archive:
+            file.seek(0)
+            return _damaged_in(file)
+    except OSError:
+        return None
+
+
+@contextmanager
+def _opened(path: str | os.PathLike | IO[bytes]) -> Iterator[IO[bytes]]:
+    """``path`` opened for reading, closed after; a file object as it is, left open (its owner closes it)."""
+    if isinstance(path, str | os.PathLike):
+        with open(path, "rb") as file:
+            yield file
+    else:
+        yield path
+
+
+def _damaged_in(file: IO[bytes]) -> str | None:
+    """:func:`damaged_record` of the zip archive in open ``file``."""
+    try:
+        with zipfile.ZipFile(file) as archive:
             for record in archive.infolist():
                 try:
                     with archive.open(record) as stream:
@@ -309,8 +330,6 @@ def damaged_record(path: str | os.PathLike) -> str | None:
                     return f"its record '{record.filename.partition('/')[2]}' is not as written ({describe(exc)})"
     except zipfile.BadZipFile as exc:
         return f"its zip archive's directory cannot be read, so the file was cut short ({exc})"
-    except OSError:
-        return None
     return None
 
 
@@ -398,14 +417,21 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint file at '{path}'")
-    with path.open("rb") as f:
-        start = f.read(4)
+    # Opened once: the load and the CRC-32 check read one file, even where another is put at its path meanwhile.
+    with path.open("rb") as file:
+        return _load_open(path, file)
+
+
+def _load_open(path: Path, file: IO[bytes]) -> dict[str, Any]:
+    """:func:`load_checkpoint` of ``file``, open at ``path``."""
+    start = file.read(4)
+    file.seek(0)
     if not start:
         raise CheckpointError(f"checkpoint '{path}' is an empty file")
     if not start.startswith(_TORCH_FILE_STARTS):
         raise CheckpointError(f"'{path}' is not a torch checkpoint (torch.save writes a zip archive or a pickle)")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         names_code, detail = _unpickler_detail(exc)
         if not names_code:
@@ -416,12 +442,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         message = f"checkpoint '{path}' is corrupt or truncated: {describe(exc)}"
-        damage = damaged_record(path)  # read only where torch failed: a copy cut short, a record torn
+        damage = damaged_record(file)  # read only where torch failed: a copy cut short, a record torn
         raise (CheckpointError(message) if damage is None else DamagedCheckpointError(message, damage)) from None
     except Exception as exc:  # the unpickler fails on foreign bytes with whatever error it meets (KeyError...)
         raise CheckpointError(f"checkpoint '{path}' is corrupt or not a torch checkpoint: {describe(exc)}") from None
     # torch.load checks no CRC-32: a copy torn in a tensor's bytes loads without an error, with other values.
-    if (damage := damaged_record(path)) is not None:
+    if (damage := damaged_record(file)) is not None:
         raise DamagedCheckpointError(
             f"checkpoint '{path}' is damaged: {damage}; it would load without an error, with other values than "
             "those saved",

@@ -34,7 +34,8 @@ def load_model(
             f"pass a checkpoint's path (e.g. runs/version_0/checkpoints/{ckpt}.pt), or call it from the run_dir"
         )
     if is_sharded_checkpoint(path):  # its config is in its trainer file; its shards gathered into one state dict
-        checkpoint = {**load_checkpoint(path / TRAINER_FILE), "model": consolidate_checkpoint(path)}
+        trainer_part = load_checkpoint(path / TRAINER_FILE)
+        checkpoint = {**trainer_part, "model": consolidate_checkpoint(path, trainer_part)}
     else:  # a damaged file's error names the newest whole checkpoint beside it, as a resume's does
         checkpoint = load_with_fallback_hint(path)
     config = dict(checkpoint.get("config") or {})

@@ -65,7 +65,6 @@ from ampkit.trainer.checkpoint_io import (
     PROTECTED,
     CheckpointError,
     DamagedCheckpointError,
-    damaged_record,
     deletable,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
@@ -79,8 +78,10 @@ from ampkit.trainer.launch_env import launch_int
 from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_reason, version_dirs
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
+    checkpoint_damage,
     is_sharded_checkpoint,
     missing_sharded_parts,
+    newest_whole_beside,
     periodic_checkpoints,
     training_order,
 )
@@ -137,8 +138,8 @@ def _incomplete(path: Path, missing: list[str]) -> str:
 
 def _newest_whole_beside(path: Path) -> str:
     """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
-    whole = periodic_checkpoints(path.parent, sharded=True) if path.parent.is_dir() else []
-    return f"; the newest whole checkpoint beside it is '{whole[-1]}'" if whole else ""
+    whole = newest_whole_beside(path)
+    return f"; the newest whole checkpoint beside it is '{whole}'" if whole is not None else ""
 
 
 def _broken_alias(run_dir: str | os.PathLike, alias: str) -> str | None:
@@ -197,11 +198,12 @@ def loop_of(path: Path) -> dict[str, int] | None:
 def load_with_fallback_hint(path: Path) -> dict[str, Any]:
     """:func:`load_checkpoint` (which reads every record against its CRC-32); when ``path`` cannot be read or is
     damaged, the error names the newest whole checkpoint beside it (a damaged ``last.pt`` leaves its step files to
-    resume from: a resume from one is a branch)."""
+    resume from: a resume from one is a branch; a sharded checkpoint's ``trainer.pt``, the directories beside it)."""
     try:
         return load_checkpoint(path)
     except CheckpointError as exc:
-        fallback = _newest_readable_beside(path)
+        sharded = path.name == TRAINER_FILE and is_sharded_checkpoint(path.parent)  # its directory's neighbours
+        fallback = newest_whole_beside(path.parent) if sharded else _newest_readable_beside(path)
         if fallback is None:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
@@ -218,7 +220,7 @@ def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -
     others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
     usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
     ranked = sorted((((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable), reverse=True)
-    return next((p for *_, p in ranked if damaged_record(p) is None), None)
+    return next((p for *_, p in ranked if checkpoint_damage(p) is None), None)
 
 
 def _is_periodic(path: Path) -> bool:
@@ -244,8 +246,9 @@ def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> b
 
 def _newer_than_last(last: Path) -> Path | None:
     """The newest periodic or best-k checkpoint (file or shard directory) beside ``last`` whose saved loop position
-    is past ``last``'s, and whole: a kill between ModelCheckpoint's save of it and its move of ``last`` leaves it.
-    Only loop positions are read (no tensors), and the CRC-32s of that one file."""
+    is past ``last``'s, and whole as a load finds it (:func:`checkpoint_damage`: a sharded one's shard files too): a
+    kill between ModelCheckpoint's save of it and its move of ``last`` leaves it. Only loop positions are read (no
+    tensors), and the CRC-32s of the newest, and of an older one only where every newer one is damaged."""
     checkpoints, position = last.parent, loop_of(last)
     if position is None or not checkpoints.is_dir():
         return None
@@ -256,10 +259,8 @@ def _newer_than_last(last: Path) -> Path | None:
         if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
     ]
     ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest = max(ahead, key=lambda found: (found[0], _is_periodic(found[1])), default=(None, None))[1]
-    if newest is None or (newest.is_file() and damaged_record(newest) is not None):
-        return None
-    return newest
+    newest_first = sorted(ahead, key=lambda found: (found[0], _is_periodic(found[1])), reverse=True)
+    return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
 
 
 def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:
@@ -279,6 +280,9 @@ class FitStart:
 
     checkpoint_path: Path | None = None
     checkpoint: dict[str, Any] | None = None  # None for a sharded checkpoint: its shards need the model
+    # A sharded checkpoint's trainer.pt as loaded to plan (CRC-32s checked): the restore and the shards' load take
+    # this one reading, so a large file is read once and one replaced meanwhile cannot give them two.
+    trainer_part: dict[str, Any] | None = None
     loop: dict[str, int] | None = None
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
@@ -523,6 +527,7 @@ def plan_fit(
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
+        trainer_part=checkpoint if sharded else None,
         loop=loop,
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,

@@ -28,6 +28,7 @@ from torch import nn
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
+    damaged_record,
     deletable,
     describe,
     is_periodic_checkpoint_name,
@@ -149,27 +150,45 @@ def save_sharded(
         state = _tensor_state(module, optimizers)
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp), no_dist=not dist.is_initialized())
         # Each rank reads back the files it wrote (still in the page cache), and rank zero records them all.
-        crcs = gather_object(_crcs(sorted(tmp.glob(f"__{env.rank}_*.distcp"))), env)
-        if is_zero:  # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards
-            save_atomic(
-                {**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE
-            )
+        crcs = _every_ranks_crcs(tmp, env)
+        # dcp.save returned on rank zero after it wrote .metadata, i.e. after every rank's shards. Rank zero's last
+        # writes (trainer.pt, the rename) failing (a full disk) stop every rank with its error: the others waited for
+        # it at the next collective until distributed.timeout_s, to fail there with a timeout.
+        decided_by_rank_zero(functools.partial(_finish_save, checkpoint, crcs, tmp, path), env)
     except BaseException as exc:
         # DCP fails on every rank once all are done writing; trainer.pt is rank zero's last write: the partial
         # directory goes now, not at the next run, so a full disk gets its space back.
         if is_zero and write_failure(exc) is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if is_zero:
-        aside = path.with_name(f".{path.name}.old")
-        if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(path, aside)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(aside, ignore_errors=True)
     barrier(f"the end of the save of {path.name}")
     return path
+
+
+def _every_ranks_crcs(tmp: Path, env: DistributedEnv) -> list[dict[str, int]]:
+    """Each rank's CRC-32s of the shard files it wrote into ``tmp``, on every rank; a rank that cannot read one back
+    (an I/O error) fails every rank's save with its error, rather than leaving the others in this collective."""
+    try:
+        mine: dict[str, int] | OSError = _crcs(sorted(tmp.glob(f"__{env.rank}_*.distcp")))
+    except OSError as exc:
+        mine = exc
+    found = gather_object(mine, env)
+    if (failure := next((f for f in found if isinstance(f, OSError)), None)) is not None:
+        raise failure
+    return found
+
+
+def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Path, path: Path) -> None:
+    """Rank zero's end of a sharded save: ``trainer.pt`` with every shard's CRC-32 written into ``tmp``, then ``tmp``
+    renamed to ``path`` (a checkpoint of that name set aside until the new one is in its place)."""
+    save_atomic({**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE)
+    aside = path.with_name(f".{path.name}.old")
+    if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _crc32(file: Path) -> int:
@@ -191,17 +210,73 @@ def refuse_damaged_shards(path: Path, saved: dict[str, int] | None, collective: 
     checks them all."""
     if not saved:
         return
-    together = collective and dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
-    env = DistributedEnv(rank=rank, world_size=world_size)
-    mine = sorted(saved)[rank::world_size]
-    found = gather_object([n for n in mine if not (path / n).is_file() or _crc32(path / n) != saved[n]], env)
+    env = _process_group() if collective else DistributedEnv()
+    found = gather_object(damaged_shards(path, saved, sorted(saved)[env.rank :: env.world_size]), env)
     if damaged := sorted(name for names in found for name in names):
         raise CheckpointError(
             f"sharded checkpoint '{path}': shard file(s) {', '.join(damaged)} are not as written (their CRC-32s are "
             "not those recorded at the save): a copy torn or a disk's error, which would load without an error, "
-            f"with other values; resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+            f"with other values; {_resume_instead(path, env)}"
         )
+
+
+def _process_group() -> DistributedEnv:
+    """This process's place in the process group there is (one process where there is none)."""
+    if not dist.is_initialized():
+        return DistributedEnv()
+    return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+def newest_whole_beside(path: Path) -> Path | None:
+    """The newest periodic sharded checkpoint beside ``path`` (not ``path``, nor the one its ``last`` link leads to)
+    that a load takes whole (:func:`checkpoint_damage`), or None; read newest first."""
+    if not path.parent.is_dir():
+        return None
+    itself = path.resolve()
+    found = [p for p in periodic_checkpoints(path.parent, sharded=True) if p.resolve() != itself]
+    return next((p for p in reversed(found) if checkpoint_damage(p) is None), None)
+
+
+def _resume_instead(path: Path, env: DistributedEnv) -> str:
+    """What to resume in the place of damaged sharded checkpoint ``path``: the newest whole one beside it, as rank zero
+    finds it (every rank refuses it together; each reading every shard file of the others would cost as many loads)."""
+    whole = decided_by_rank_zero(functools.partial(newest_whole_beside, path), env)
+    if whole is None:
+        return "resume an older checkpoint, if one is left"
+    return f"the newest whole checkpoint beside it is '{whole}' (--resume {whole}, a branch)"
+
+
+def damaged_shards(path: Path, saved: dict[str, int], names: list[str]) -> list[str]:
+    """Those of shard files ``names`` of sharded checkpoint ``path`` that are missing, unreadable or not as written
+    (their CRC-32 is not the one ``saved`` at the save)."""
+    damaged = []
+    for name in names:
+        try:
+            whole = _crc32(path / name) == saved[name]
+        except OSError:  # gone, or unreadable: no rank can load it
+            whole = False
+        if not whole:
+            damaged.append(name)
+    return damaged
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What a load would find damaged or missing in checkpoint ``path`` (a file, or a sharded directory: its
+    ``.metadata``, its ``trainer.pt``'s records, and its shard files against the CRC-32s recorded at the save), or
+    None where it is whole: the one test of a checkpoint to name in a load's place."""
+    if not path.is_dir():
+        return damaged_record(path) if path.is_file() else "it is gone"
+    if missing := missing_sharded_parts(path):
+        return f"it lacks {' and '.join(missing)}"
+    if (damage := damaged_record(path / TRAINER_FILE)) is not None:
+        return f"its {TRAINER_FILE}: {damage}"
+    trainer_part = peek_checkpoint(path / TRAINER_FILE)
+    if trainer_part is None:
+        return f"its {TRAINER_FILE} cannot be read"
+    saved = trainer_part.get(SHARD_CRCS) or {}
+    if torn := damaged_shards(path, saved, sorted(saved)):
+        return f"its shard file(s) {', '.join(torn)} are not as written"
+    return None
 
 
 def write_failure(exc: BaseException) -> str | None:
@@ -297,18 +372,23 @@ def prune_sharded(directory: Path, keep_last: int, warned: set[Path] | None = No
 
 
 def load_sharded(
-    path: Path, module: nn.Module, optimizers: dict[str, torch.optim.Optimizer], cfg: DictConfig | None = None
+    path: Path,
+    module: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    cfg: DictConfig | None = None,
+    trainer_part: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load the shards at ``path`` into ``module`` and ``optimizers`` (resharded to this run's world size).
 
     Returns ``trainer.pt``'s dict, with ``model``/``optimizers`` set to the loaded states so the Trainer's
     plain restore path can apply them as for an unsharded checkpoint. ``cfg``: this run's config, whose keys that
-    differ from the checkpoint's a misfit names.
+    differ from the checkpoint's a misfit names. ``trainer_part``: ``trainer.pt`` as this process loaded it already
+    (``load_checkpoint``, a resume's plan): not read again.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    checkpoint = load_checkpoint(path / TRAINER_FILE)
+    checkpoint = dict(trainer_part) if trainer_part is not None else load_checkpoint(path / TRAINER_FILE)
     state = _tensor_state(module, optimizers)
     misfit = _model_misfit(path, state["model"])
     if misfit is not None:  # else DCP's size error reads as a damaged shard, and keys it lacks load nothing silently
@@ -326,7 +406,7 @@ def load_sharded(
         failures = "; ".join(f"rank {rank}: {type(err).__name__}: {err}" for rank, (err, _) in exc.failures.items())
         raise CheckpointError(
             f"sharded checkpoint '{path}' cannot be read ({failures or exc}): a shard file is damaged or missing; "
-            f"resume from an older checkpoint beside it (--resume {path.parent}/step-NNNNNNNN)"
+            f"{_resume_instead(path, _process_group())}"
         ) from None
     # DCP read them: a shard torn in a tensor's bytes passes it.
     refuse_damaged_shards(path, checkpoint.get(SHARD_CRCS), collective=True)
@@ -373,9 +453,12 @@ def _model_misfit(path: Path, model_state: dict[str, Any]) -> str | None:
     return model_misfit(saved, shapes_of(model_state))
 
 
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def consolidate_checkpoint(
+    path: str | os.PathLike, trainer_part: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's full state dict from an ampkit checkpoint (sharded directory or ``.pt`` file), in one
-    process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``."""
+    process, e.g. for inference: ``model.load_state_dict(ampkit.consolidate_checkpoint(path))``. ``trainer_part``: a
+    sharded one's ``trainer.pt`` as the caller loaded it already (``load_checkpoint``): not read again."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -394,5 +477,6 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     # rather than the warning filtered, as warnings.catch_warnings swaps the filters of every thread's run
     _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     # A process of its own (a script's rank zero alone may call it): it checks every shard file itself.
-    refuse_damaged_shards(path, load_checkpoint(path / TRAINER_FILE).get(SHARD_CRCS), collective=False)
+    trainer_part = trainer_part if trainer_part is not None else load_checkpoint(path / TRAINER_FILE)
+    refuse_damaged_shards(path, trainer_part.get(SHARD_CRCS), collective=False)
     return {key.removeprefix(prefix): tensor for key, tensor in state.items()}

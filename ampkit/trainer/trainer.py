@@ -99,7 +99,6 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
     CheckpointError,
-    load_checkpoint,
     peek_checkpoint,
     save_atomic,
     unloadable_entry,
@@ -1944,9 +1943,7 @@ class Trainer:
         # What configure_optimizers set, before groups added mid-run come back (their settings are the checkpoint's).
         self._configured = {spec.name: group_settings(spec.optimizer) for spec in self._specs}
         if start.checkpoint_path is not None:  # a group added and parameters unfrozen mid-run, as when it was saved
-            saved = start.checkpoint
-            if saved is None:  # sharded: the record is in its trainer file
-                saved = load_checkpoint(start.checkpoint_path / TRAINER_FILE)
+            saved = start.checkpoint if start.checkpoint is not None else start.trainer_part  # sharded: trainer.pt's
             restore_trainable(
                 self.module, {spec.name: spec.optimizer for spec in self._specs}, saved.get(TRAINABLE_KEY)
             )
@@ -2008,7 +2005,7 @@ class Trainer:
                 "(one included)"
             )
         if path is not None:  # before anything is written: a checkpoint that does not fit leaves no trace
-            checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path)
+            checkpoint = start.checkpoint if start.checkpoint is not None else self._load_shards(path, start)
             self._restore(checkpoint, path)
             self._check_resume_position(path, checkpoint.get("batch_layout"), saved_accumulation(checkpoint))
         if self.automatic_optimization and (total := self.num_training_steps) is not None:  # one step per iteration
@@ -2069,9 +2066,9 @@ class Trainer:
                 "settings it was saved with, or resume from an epoch-end checkpoint"
             )
 
-    def _load_shards(self, path: Path) -> dict[str, Any]:
+    def _load_shards(self, path: Path, start: FitStart) -> dict[str, Any]:
         try:
-            return load_sharded(path, self.module, self.optimizers, self.cfg)
+            return load_sharded(path, self.module, self.optimizers, self.cfg, start.trainer_part)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
@@ -2385,15 +2382,15 @@ class Trainer:
 
     def _load_weights(self, path: Path, checkpoint: dict[str, Any] | None = None) -> None:
         """The model weights of a checkpoint file or sharded directory, for validate/test/predict; ``checkpoint``: the
-        file, where every rank has loaded it already (agreed_checkpoint)."""
+        file (a sharded one's ``trainer.pt``), where every rank has loaded it already (agreed_checkpoint)."""
         if is_sharded_checkpoint(path) and self.sharded:  # shards straight into this run's sharded model
-            load_sharded(path, self.module, {}, self.cfg)
+            load_sharded(path, self.module, {}, self.cfg, checkpoint)
             check_saved_weights_finite(path, self.module.state_dict(), self.dist)  # every rank: one collective
             return
         checkpoint = checkpoint or {}
         try:
             if is_sharded_checkpoint(path):
-                state = consolidate_checkpoint(path)
+                state = consolidate_checkpoint(path, checkpoint or None)
             else:
                 checkpoint = checkpoint or load_with_fallback_hint(path)
                 if "model" not in checkpoint:
