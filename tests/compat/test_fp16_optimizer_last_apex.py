@@ -384,6 +384,9 @@ def test_load_state_dict_reads_apex_checkpoints():
         torch.equal(p, m.half())
         for p, m in zip(restored.all_fp16_params, restored.all_fp32_from_fp16_params, strict=True)
     )
+    restored.load_state_dict(saved)  # ampkit's own form: the scale is brought under the cap the Apex one restored
+    assert restored.loss_scale == 4096.0 < optimizer.loss_scale and restored.loss_scaler._unskipped == 1
+    restored = _dynamic(_model())
     restored.load_state_dict(saved)  # ampkit's own form: scaler dict, flat masters
     assert restored.loss_scale == optimizer.loss_scale and restored.loss_scaler._unskipped == 1
     for got, want in zip(restored.all_fp32_from_fp16_params, optimizer.all_fp32_from_fp16_params, strict=True):
