@@ -1,0 +1,257 @@
+"""Programs that reached past Apex's documented API, one pattern per test (written here after the programs' own code,
+CPU-sized): a masked batch norm subclassing ``apex.parallel.SyncBatchNorm`` that reduces its own statistics and calls
+``apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction``; copies of Apex's fused layers (NeMo's and Megatron's
+softmax, FastLayerNorm ports) that cast through ``apex._autocast_utils``; MLPerf-era fairseq importing the sharded
+Adams Apex dropped in 2022, and NVIDIA's Megatron scripts importing ``apex.contrib.torchsched``; Habana's GPU
+migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by hand; and convasr's
+``data_parallel_and_autocast``, which initializes an ``nn.Sequential`` around the model and casts a DataParallel's
+inputs itself. The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def _masked_sync_batchnorm_class():
+    """The client's subclass in outline: statistics over the valid (mask > 0) positions only, scaled up by how many
+    positions the mask dropped, reduced over the ranks by hand, then normalised by ``SyncBatchnormFunction``."""
+    import apex
+    from apex.parallel import ReduceOp
+    from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
+
+    class MaskSyncBatchNorm(apex.parallel.SyncBatchNorm):
+        def forward(self, inputs):
+            input, mask = inputs
+            mask = (mask[:, 0:1] > 0).float().detach()
+            input = input * mask
+            rectifier = input[:, 0].numel() / (mask.sum() + 1e-3)
+            if not self.training:
+                return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                    self.eps)  # fmt: skip
+            process_group = self.process_group or torch.distributed.group.WORLD
+            world_size = 1
+            with torch.no_grad():
+                flat = input.transpose(0, 1).reshape(input.shape[1], -1)
+                count = float(flat.shape[1])
+                mean, sqr_mean = flat.mean(1) * rectifier, flat.pow(2).mean(1) * rectifier**2
+                if torch.distributed.is_initialized():
+                    world_size = torch.distributed.get_world_size(process_group)
+                    torch.distributed.all_reduce(mean, ReduceOp.SUM, process_group)
+                    torch.distributed.all_reduce(sqr_mean, ReduceOp.SUM, process_group)
+                    mean, sqr_mean, count = mean / world_size, sqr_mean / world_size, count * world_size
+                var = sqr_mean - mean.pow(2)
+                self.running_mean = self.momentum * mean + (1 - self.momentum) * self.running_mean
+                self.running_var = count / (count - 1) * self.momentum * var + (1 - self.momentum) * self.running_var
+            return SyncBatchnormFunction.apply(input, self.weight, self.bias, mean, var, self.eps, process_group,
+                                               world_size)  # fmt: skip
+
+    return MaskSyncBatchNorm
+
+
+def test_a_masked_sync_batchnorm_through_sync_batchnorm_function_is_a_batch_norm_where_nothing_is_masked(shim):
+    mask_bn = _masked_sync_batchnorm_class()(3)
+    reference = torch.nn.BatchNorm2d(3)
+    with torch.no_grad():
+        for bn in (mask_bn, reference):
+            bn.weight.copy_(torch.tensor([0.5, 1.5, 2.0]))
+            bn.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = torch.randn(4, 3, 5, 5) * 3 + 1
+    upstream = torch.randn(4, 3, 5, 5)
+    ours, theirs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    out = mask_bn((ours, torch.ones(4, 1, 5, 5)))
+    (out * upstream).sum().backward()
+    reference_out = reference(theirs)
+    (reference_out * upstream).sum().backward()
+    # The rectifier (100 / (100 + 1e-3)) shifts the statistics by 1e-5 relative: well inside these bounds.
+    torch.testing.assert_close(out, reference_out.detach(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(mask_bn.weight.grad, reference.weight.grad, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(mask_bn.bias.grad, reference.bias.grad)
+    torch.testing.assert_close(mask_bn.running_var, reference.running_var, rtol=1e-3, atol=1e-3)
+
+
+def test_sync_batchnorm_function_gives_the_batch_norm_gradient_for_the_statistics_it_is_given(shim):
+    """Apex's backward treats ``mean`` and ``var`` as the batch's own statistics (its ``mean_dy`` terms), whatever
+    they are: normalising with running statistics (the client's semi-global variant) still subtracts them."""
+    from apex.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
+
+    x = (torch.randn(6, 2, 7, dtype=torch.float64) * 2 + 3).requires_grad_(True)
+    weight = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
+    bias = torch.tensor([0.2, -0.4], dtype=torch.float64, requires_grad=True)
+    mean, var = torch.tensor([2.5, 3.5], dtype=torch.float64), torch.tensor([3.0, 5.0], dtype=torch.float64)
+    upstream = torch.randn(6, 2, 7, dtype=torch.float64)
+    out = SyncBatchnormFunction.apply(x, weight, bias, mean, var, 1e-5, None, 1)
+    (out * upstream).sum().backward()
+    shape = (1, 2, 1)
+    invstd = (var + 1e-5).rsqrt().view(shape)
+    torch.testing.assert_close(out, ((x - mean.view(shape)) * invstd * weight.view(shape) + bias.view(shape)))
+    centred = x.detach() - mean.view(shape)
+    mean_dy = upstream.mean((0, 2), keepdim=True)
+    mean_dy_xmu = (upstream * centred).mean((0, 2), keepdim=True)
+    expected = (upstream - mean_dy - centred * invstd**2 * mean_dy_xmu) * invstd * weight.detach().view(shape)
+    torch.testing.assert_close(x.grad, expected)
+    torch.testing.assert_close(weight.grad, (centred * invstd * upstream).sum((0, 2)))
+    torch.testing.assert_close(bias.grad, upstream.sum((0, 2)))
+    with pytest.raises(ValueError, match=r"one value per channel .* \(6, 2, 7\), got \(3,\)"):
+        SyncBatchnormFunction.apply(x, weight, bias, torch.zeros(3), var, 1e-5, None, 1)
+
+
+class _LayerNormKernel(torch.autograd.Function):
+    """A copied fused layer's kernel stand-in: records the dtypes it was handed (it runs with autocast off)."""
+
+    seen: list[torch.dtype] = []
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        _LayerNormKernel.seen = [x.dtype, weight.dtype, bias.dtype]
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("not differentiated here")
+
+
+def test_copied_fused_layers_cast_their_inputs_through_apex_autocast_utils(shim):
+    import apex
+    from apex._autocast_utils import _cast_if_autocast_enabled, _get_autocast_dtypes, _get_current_dtype
+
+    def fast_layer_norm(x, weight, bias, eps):  # the FastLayerNorm ports' and Apex's own fused layers' wrapper
+        args = _cast_if_autocast_enabled(x, weight, bias, eps)
+        with torch.autocast("cpu", enabled=False):
+            return _LayerNormKernel.apply(*args)
+
+    x, weight, bias = torch.randn(2, 8), torch.ones(8), torch.zeros(8)
+    assert _cast_if_autocast_enabled(x, weight, 1.0)[0] is x  # outside autocast: the arguments themselves
+    assert fast_layer_norm(x, weight, bias, 1e-5).dtype == torch.float32
+    assert _get_current_dtype() == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast_layer_norm(x, weight, bias, 1e-5)
+        assert _get_current_dtype() == torch.bfloat16
+        # NeMo's softmax passes (inputs, mask, scale): tensors in a list are cast too, float64 and ints are not
+        mixed = _cast_if_autocast_enabled([x, x.double()], torch.ones(2, dtype=torch.int64), 0.5)
+    assert _LayerNormKernel.seen == [torch.bfloat16] * 3 and out.dtype == torch.bfloat16
+    assert [t.dtype for t in mixed[0]] == [torch.bfloat16, torch.float64] and mixed[1].dtype == torch.int64
+    assert mixed[2] == 0.5
+    assert set(_get_autocast_dtypes()) >= {torch.float16}  # apex.transformer's tests parametrize over these
+    assert apex._autocast_utils._cast_if_autocast_enabled is _cast_if_autocast_enabled  # as after Apex's import
+
+
+@pytest.mark.parametrize(
+    ("statement", "advice"),
+    [
+        # MLPerf-era fairseq's optim/adam.py imported all three at its top
+        ("from apex.contrib.optimizers.distributed_fused_adam_v3 import DistributedFusedAdamV3", "ZeroRedundancy"),
+        ("from apex.contrib.optimizers.distributed_fused_adam_v2 import DistributedFusedAdamV2", "FSDP"),
+        ("import apex.contrib.torchsched", "torch.compile(model)"),  # NVIDIA's Megatron training scripts
+        ("from apex.contrib.torchsched.passes import pre_grad_custom_pass", "torch.compile(model)"),
+        ("from apex.parallel.optimized_sync_batchnorm_kernel import SyncBatchnormFunction", "apex.parallel.SyncBatch"),
+    ],
+)
+def test_removed_or_cuda_only_apex_modules_programs_import_name_what_to_use(shim, statement, advice):
+    with pytest.raises(ModuleNotFoundError, match="does not serve") as refused:
+        exec(statement, {})
+    assert advice in str(refused.value)
+    # `find_spec(...) is not None` feature checks fall back (for the first module missing: a submodule of a missing
+    # package is a ModuleNotFoundError from find_spec, as for any package not installed)
+    assert importlib.util.find_spec(refused.value.name) is None
+
+
+def test_habanas_initialize_replacement_builds_amp_state_by_hand_and_scale_loss_passes_the_loss_through(shim):
+    """Habana's gpu_migration ``apex.amp.initialize``: a fresh ``Properties`` with ``enabled = False``, one
+    ``LossScaler(1.0)`` per loss, the model's forward wrapped in the device's autocast; scripts then call
+    ``amp.scale_loss`` and ``amp.state_dict`` as under Apex."""
+    import apex
+    from apex import amp
+
+    def habana_initialize(models, optimizers=None, opt_level="O1", num_losses=1):
+        apex.amp._amp_state.opt_properties = apex.amp.frontend.Properties()
+        apex.amp._amp_state.opt_properties.enabled = False
+        apex.amp._amp_state.loss_scalers = [apex.amp.scaler.LossScaler(1.0) for _ in range(num_losses)]
+        forward = models.forward
+
+        def wrapped(*args, **kwargs):
+            with torch.autocast(device_type="cpu", dtype=None):  # "hpu" there
+                return forward(*args, **kwargs)
+
+        models.forward = wrapped
+        return models, optimizers
+
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    twin.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = habana_initialize(model, optimizer, num_losses=2)
+    x = torch.randn(3, 4)
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, optimizer, loss_id=1) as scaled_loss:
+        assert scaled_loss is loss
+        scaled_loss.backward()
+    optimizer.step()
+    with torch.autocast("cpu"):
+        twin(x).float().pow(2).mean().backward()
+    torch.testing.assert_close(model.weight, twin.weight.detach() - 0.1 * twin.weight.grad)
+    assert amp.state_dict() == {f"loss_scaler{i}": {"loss_scale": 1.0, "unskipped": 0} for i in range(2)}
+
+
+def test_convasr_initializes_a_sequential_and_casts_a_data_parallels_io_itself(shim):
+    """convasr's ``data_parallel_and_autocast``: ``amp.initialize(nn.Sequential(model), optimizers=..., ...)`` so
+    that the cast forward is the Sequential's, then ``DataParallel(model[0])`` whose forward it replaces with casts
+    read from ``_amp_state.opt_properties.options`` through ``amp._initialize.applier``; the model returns a dict."""
+    import apex
+    from torch import nn
+
+    class OneConvModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.ModuleList([nn.Conv1d(8, 16, kernel_size=5, stride=2, padding=2)])
+
+        def forward(self, x):
+            for subblock in self.conv:
+                x = subblock(x)
+            return dict(out=x)
+
+    torch.manual_seed(0)
+    model, twin = OneConvModel(), OneConvModel()
+    twin.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = apex.amp.initialize(nn.Sequential(model), optimizers=optimizer, opt_level="O2", verbosity=0)
+    model = torch.nn.DataParallel(model[0])
+    options = apex.amp._amp_state.opt_properties.options
+    applier = apex.amp._initialize.applier
+
+    def input_caster(tensor):
+        return tensor.to(options["cast_model_type"]) if tensor.is_floating_point() else tensor
+
+    def output_caster(tensor):
+        wanted = options["cast_model_outputs"] if options.get("cast_model_outputs") is not None else torch.float32
+        return tensor.to(wanted) if tensor.is_floating_point() else tensor
+
+    old_forward = model.forward
+    model.forward = lambda *args, **kwargs: applier(
+        old_forward(*applier(args, input_caster), **applier(kwargs, input_caster)), output_caster
+    )
+    x = torch.randn(2, 8, 20)
+    out = model(x)["out"]
+    assert out.dtype == torch.float32 and model.module.conv[0].weight.dtype == torch.float16
+    half_twin = OneConvModel()
+    half_twin.load_state_dict(twin.state_dict())
+    torch.testing.assert_close(out, half_twin.half()(x.half())["out"].float(), rtol=0, atol=0)
+    with apex.amp.scale_loss(out.pow(2).mean(), optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    master = optimizer.param_groups[0]["params"][0]
+    assert master.dtype == torch.float32 and not torch.equal(master, twin.conv[0].weight)
+    torch.testing.assert_close(model.module.conv[0].weight, master.half(), rtol=0, atol=0)
