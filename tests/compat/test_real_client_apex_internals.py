@@ -3,9 +3,10 @@ CPU-sized): a masked batch norm subclassing ``apex.parallel.SyncBatchNorm`` that
 ``apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction``; copies of Apex's fused layers (NeMo's and Megatron's
 softmax, FastLayerNorm ports) that cast through ``apex._autocast_utils``; MLPerf-era fairseq importing the sharded
 Adams Apex dropped in 2022, and NVIDIA's Megatron scripts importing ``apex.contrib.torchsched``; Habana's GPU
-migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by hand; and convasr's
+migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by hand; convasr's
 ``data_parallel_and_autocast``, which initializes an ``nn.Sequential`` around the model and casts a DataParallel's
-inputs itself. The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
+inputs itself; and glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``).
+The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
 
@@ -255,3 +256,139 @@ def test_convasr_initializes_a_sequential_and_casts_a_data_parallels_io_itself(s
     master = optimizer.param_groups[0]["params"][0]
     assert master.dtype == torch.float32 and not torch.equal(master, twin.conv[0].weight)
     torch.testing.assert_close(model.module.conv[0].weight, master.half(), rtol=0, atol=0)
+
+
+class _ActNorm(torch.nn.Module):
+    """glow-tts' ActNorm: its first training forward sets bias and log-scale from the batch (data-dependent init)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.logs = torch.nn.Parameter(torch.zeros(1, channels, 1))
+        self.bias = torch.nn.Parameter(torch.zeros(1, channels, 1))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                mean, var = x.mean([0, 2]), x.var([0, 2], unbiased=False)
+                logs = 0.5 * torch.log(torch.clamp_min(var, 1e-6))
+                self.bias.data.copy_((-mean * torch.exp(-logs)).view(1, -1, 1).to(self.bias.dtype))
+                self.logs.data.copy_((-logs).view(1, -1, 1).to(self.logs.dtype))
+            self.initialized = True
+        return self.bias + torch.exp(self.logs) * x, torch.sum(self.logs) * x.shape[2]
+
+
+class _InvConv(torch.nn.Module):
+    """glow-tts' invertible 1x1 convolution: ``F.conv1d`` with a square weight, its ``torch.logdet`` in the loss."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        weight = torch.linalg.qr(torch.randn(channels, channels))[0]
+        if torch.det(weight) < 0:  # as glow-tts: a positive determinant, so that its log is defined
+            weight[:, 0] = -weight[:, 0]
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x):
+        return F.conv1d(x, self.weight.unsqueeze(-1)), torch.logdet(self.weight) * x.shape[2]
+
+
+class _Flow(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_ActNorm(4), _InvConv(4), _ActNorm(4)])
+
+    def forward(self, x):
+        logdet = 0
+        for layer in self.layers:
+            x, piece = layer(x)
+            logdet = logdet + piece
+        return x, logdet
+
+
+class _NoamAdam:
+    """glow-tts' ``commons.Adam``: a plain object holding ``_optim`` and setting its lr on the Noam schedule."""
+
+    def __init__(self, params, dim_model: int, warmup_steps: int, lr: float) -> None:
+        self.dim_model, self.warmup_steps, self.lr, self.step_num = dim_model, warmup_steps, lr, 1
+        self._optim = torch.optim.Adam(params, lr=lr * self._lr_scale(), betas=(0.9, 0.98), eps=1e-9)
+
+    def _lr_scale(self) -> float:
+        return self.dim_model**-0.5 * min(self.step_num**-0.5, self.step_num * self.warmup_steps**-1.5)
+
+    def step(self) -> None:
+        self._optim.step()
+        self.step_num += 1
+        for group in self._optim.param_groups:
+            group["lr"] = self.lr * self._lr_scale()
+
+    def zero_grad(self) -> None:
+        self._optim.zero_grad()
+
+    def state_dict(self):
+        return self._optim.state_dict()
+
+    def load_state_dict(self, state):
+        self._optim.load_state_dict(state)
+
+
+def _clip_grad_value(parameters, clip_value: float) -> float:
+    """glow-tts' ``commons.clip_grad_value_``: each gradient clamped, the total norm computed on the way."""
+    total = 0.0
+    for p in [p for p in parameters if p.grad is not None]:
+        total += p.grad.data.norm(2).item() ** 2
+        p.grad.data.clamp_(min=-clip_value, max=clip_value)
+    return total**0.5
+
+
+def _glow_tts_run(fp16_run: bool, steps: int, state=None):
+    import apex
+    from apex import amp
+
+    torch.manual_seed(0)
+    generator = _Flow()
+    optimizer_g = _NoamAdam(generator.parameters(), dim_model=4, warmup_steps=4, lr=1.0)
+    if fp16_run:
+        generator, optimizer_g._optim = amp.initialize(generator, optimizer_g._optim, opt_level="O1", verbosity=0)
+    if state is not None:  # utils.load_checkpoint: the model's state and the wrapper's (its inner optimizer's)
+        generator.load_state_dict(state["model"])
+        optimizer_g.load_state_dict(state["optimizer"])
+        optimizer_g.step_num = state["step_num"]
+        for layer in generator.layers:
+            layer.initialized = True
+    data = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(1)) * 2 + 0.5
+    norms, losses = [], []
+    for _ in range(steps):
+        optimizer_g.zero_grad()
+        z, logdet = generator(data)
+        loss_g = 0.5 * torch.sum(z.float() ** 2) / z.numel() - logdet.float() / z.numel()
+        losses.append(loss_g.item())
+        if fp16_run:
+            with amp.scale_loss(loss_g, optimizer_g._optim) as scaled_loss:
+                scaled_loss.backward()
+            norms.append(_clip_grad_value(amp.master_params(optimizer_g._optim), 5))
+        else:
+            loss_g.backward()
+            norms.append(_clip_grad_value(generator.parameters(), 5))
+        optimizer_g.step()
+    saved = {"model": generator.state_dict(), "optimizer": optimizer_g.state_dict(), "step_num": optimizer_g.step_num}
+    apex.amp._amp_state.reset()
+    return generator, optimizer_g, (norms, losses), saved
+
+
+def test_glow_tts_initializes_its_wrappers_inner_optimizer_and_clips_gradient_values_of_the_masters(shim):
+    """glow-tts (jaywalnut310/glow-tts) ``train.py --fp16_run``: ``generator, optimizer_g._optim =
+    amp.initialize(generator, optimizer_g._optim, opt_level="O1")`` on its Noam wrapper, ActNorm's data-dependent
+    init in the first O1 forward, ``clip_grad_value_(amp.master_params(optimizer_g._optim), 5)`` between the block
+    and the wrapper's ``step()``, and ``utils.load_checkpoint`` of the model and the wrapper's state on restart."""
+    o1, o1_optimizer, o1_curves, _ = _glow_tts_run(True, steps=6)
+    _, _, fp32_curves, _ = _glow_tts_run(False, steps=6)
+    assert o1.layers[0].bias.dtype == torch.float32  # O1 leaves the weights float32
+    # No step skipped: the gradient norms and losses follow fp32's (Adam on the ActNorm biases, whose gradients the
+    # data-dependent init leaves near zero, turns fp16 rounding into different weights, as it would under Apex).
+    torch.testing.assert_close(torch.tensor(o1_curves), torch.tensor(fp32_curves), rtol=5e-2, atol=1e-3)
+    assert o1_optimizer._optim.param_groups[0]["lr"] == pytest.approx(4**-0.5 * min(7**-0.5, 7 * 4**-1.5))
+    _, _, _, half_way = _glow_tts_run(True, steps=3)
+    _, resumed_optimizer, resumed_curves, _ = _glow_tts_run(True, steps=3, state=half_way)
+    assert resumed_optimizer.step_num == 7 and resumed_optimizer._optim is not None
+    # glow-tts saves no amp state, so the scale restarts at 2**16: the losses go on from where the run stopped
+    torch.testing.assert_close(torch.tensor(resumed_curves[1]), torch.tensor(o1_curves[1][3:]), rtol=1e-2, atol=1e-3)
