@@ -5,12 +5,14 @@ softmax, FastLayerNorm ports) that cast through ``apex._autocast_utils``; MLPerf
 Adams Apex dropped in 2022, and NVIDIA's Megatron scripts importing ``apex.contrib.torchsched``; Habana's GPU
 migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by hand; convasr's
 ``data_parallel_and_autocast``, which initializes an ``nn.Sequential`` around the model and casts a DataParallel's
-inputs itself; and glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``).
+inputs itself; Horovod Adasum's BERT optimizer, which writes its own overflow verdict into amp's scaler; and
+glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``).
 The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -392,3 +394,52 @@ def test_glow_tts_initializes_its_wrappers_inner_optimizer_and_clips_gradient_va
     assert resumed_optimizer.step_num == 7 and resumed_optimizer._optim is not None
     # glow-tts saves no amp state, so the scale restarts at 2**16: the losses go on from where the run stopped
     torch.testing.assert_close(torch.tensor(resumed_curves[1]), torch.tensor(o1_curves[1][3:]), rtol=1e-2, atol=1e-3)
+
+
+def test_adasum_bert_optimizer_drives_amps_scaler_with_its_own_overflow_verdict(shim):
+    """Horovod Adasum's BERT optimizer (a wrapper around an amp-initialized ``FusedAdam``): ``_amp_lazy_init()``,
+    ``_loss_scale = 2**15``, its own unscale of the fp16 gradients into fp32 masters through
+    ``amp_C.multi_tensor_scale(..., scaler._overflow_buf, ...)``, an overflow verdict from the gradients' norm written
+    to ``scaler._has_overflow``, then ``update_scale()`` and ``clear_overflow_state()``, as Apex's scaler took them."""
+    import amp_C
+    from apex import amp
+    from apex.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    optimizer._amp_lazy_init()  # "why they lazily init is beyond me": Apex's processed optimizers answer it
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = 2**15
+    masters = [p.detach().clone().float().requires_grad_(False) for p in model.parameters()]
+    for master in masters:
+        master.grad = torch.zeros_like(master)
+
+    def adasum_step(fp16_grads):
+        amp_C.multi_tensor_scale(65536, scaler._overflow_buf, [fp16_grads, [m.grad for m in masters]],
+                                 1.0 / scaler.loss_scale())  # fmt: skip
+        norm_sq = sum(m.grad.norm() ** 2 for m in masters)
+        had_overflow = not math.isfinite(norm_sq.item())
+        if not had_overflow:
+            groups = optimizer.param_groups
+            optimizer.param_groups = [dict(groups[0], params=masters)]  # step the masters, as the wrapper does
+            optimizer.step()
+            optimizer.param_groups = groups
+        scaler._has_overflow = had_overflow
+        skipped = scaler.update_scale()
+        scaler.clear_overflow_state()
+        return skipped
+
+    before = [m.clone() for m in masters]
+    clean = [torch.full_like(p, 2.0**15, dtype=torch.float16) for p in model.parameters()]
+    assert adasum_step(clean) is False and scaler.loss_scale() == 2**15 and scaler._unskipped == 1
+    assert all(not torch.equal(m, b) for m, b in zip(masters, before, strict=True))
+    stepped = [m.clone() for m in masters]
+    overflowing = [g.clone() for g in clean]
+    overflowing[0][0, 0] = float("inf")
+    assert adasum_step(overflowing) is True and scaler.loss_scale() == 2**14 and scaler._unskipped == 0
+    assert scaler._has_overflow is False and int(scaler._overflow_buf.item()) == 0  # cleared for the next step
+    assert all(torch.equal(m, s) for m, s in zip(masters, stepped, strict=True))  # the skipped step left them
+    scaler._has_overflow = True  # a verdict the script reached itself backs off even with a clean buffer
+    assert scaler.update_scale() is True and scaler.loss_scale() == 2**13
