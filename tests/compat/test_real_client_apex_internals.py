@@ -6,13 +6,15 @@ Adams Apex dropped in 2022, and NVIDIA's Megatron scripts importing ``apex.contr
 migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by hand; convasr's
 ``data_parallel_and_autocast``, which initializes an ``nn.Sequential`` around the model and casts a DataParallel's
 inputs itself; Horovod Adasum's BERT optimizer, which writes its own overflow verdict into amp's scaler; and
-glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``).
+glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``); and a Kaggle
+solution passing torchcontrib's ``SWA`` wrapper (no ``Optimizer.__init__``) through ``amp.initialize``.
 The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
@@ -443,3 +445,78 @@ def test_adasum_bert_optimizer_drives_amps_scaler_with_its_own_overflow_verdict(
     assert all(torch.equal(m, s) for m, s in zip(masters, stepped, strict=True))  # the skipped step left them
     scaler._has_overflow = True  # a verdict the script reached itself backs off even with a clean buffer
     assert scaler.update_scale() is True and scaler.loss_scale() == 2**13
+
+
+def _torchcontrib_swa_class() -> type:
+    """torchcontrib's ``SWA`` in outline: it wraps an optimizer without calling ``Optimizer.__init__``, shares its
+    ``param_groups`` and counts steps in them, and averages the weights into buffers of its own ``state``. A class
+    per run: torch's ``zero_grad`` patches the class's ``step`` with hooks that need ``Optimizer.__init__``'s fields
+    (with or without amp, SWA's ``step`` then fails on torch 2; amp's own ``step`` replaces it on the instance)."""
+
+    class SWA(torch.optim.Optimizer):
+        def __init__(self, optimizer, swa_start: int, swa_freq: int) -> None:
+            self.optimizer, self.swa_start, self.swa_freq = optimizer, swa_start, swa_freq
+            self.defaults, self.param_groups, self.state = optimizer.defaults, optimizer.param_groups, {}
+            for group in self.param_groups:
+                group["n_avg"], group["step_counter"] = 0, 0
+
+        def step(self, closure=None):
+            loss = self.optimizer.step(closure)
+            for group in self.param_groups:
+                group["step_counter"] += 1
+                if group["step_counter"] > self.swa_start and group["step_counter"] % self.swa_freq == 0:
+                    for p in group["params"]:
+                        buf = self.state.setdefault(p, {}).setdefault("swa_buffer", torch.zeros_like(p.data))
+                        buf.add_((p.data - buf) / float(group["n_avg"] + 1))
+                    group["n_avg"] += 1
+            return loss
+
+        def swap_swa_sgd(self) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    buf = self.state[p]["swa_buffer"]
+                    current = p.data.clone()
+                    p.data.copy_(buf)
+                    buf.copy_(current)
+
+    return SWA
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_kaggle_swa_wrapper_through_initialize_averages_what_the_optimizer_steps(shim, opt_level):
+    """BloodAxe's APTOS 2019 Kaggle solution: torchcontrib's ``SWA`` around SGD, then catalyst's ``fp16=True``
+    (``amp.initialize`` at O1) and a ``MultiStepLR`` on the wrapper. The first step overflows and is skipped whole, so
+    SWA does not count it, as under Apex. The average is of what the optimizer steps: the model's weights at O1, the
+    fp32 masters at O2, where ``swap_swa_sgd()`` leaves the half model as it was (as under Apex)."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = _torchcontrib_swa_class()(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), swa_start=2, swa_freq=2
+    )
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[3], gamma=0.8)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    stepped = optimizer.param_groups[0]["params"][0]  # the layer's weight: fp32 masters at O2
+    snapshots = []
+    for _ in range(7):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()  # the first one overflows at 2**16 (a loss of ~1.5): its step is skipped
+        optimizer.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()", as Apex
+            scheduler.step()
+        snapshots.append(stepped.detach().clone())
+    group = optimizer.param_groups[0]
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2**15 and group["step_counter"] == 6
+    assert group["n_avg"] == 2 and group["lr"] == pytest.approx(0.08)
+    model_weight = model[0].weight.detach().clone()
+    optimizer.swap_swa_sgd()
+    torch.testing.assert_close(stepped.detach(), (snapshots[4] + snapshots[6]) / 2)  # step counters 4 and 6
+    if opt_level == "O1":
+        assert stepped is model[0].weight
+    else:
+        assert stepped.dtype == torch.float32 and torch.equal(model[0].weight, model_weight)
