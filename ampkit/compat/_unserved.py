@@ -36,6 +36,10 @@ UNSERVED: dict[str, tuple[str, str]] = {
         "a sharded FusedAdam, removed from Apex in 2022",
         "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
     ),
+    "apex.contrib.optimizers.distributed_fused_adam_v4": (
+        "a sharded FusedAdam of Apex's development branches",
+        "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
+    ),
     "apex.contrib.optimizers.fused_lamb": ("the first FusedLAMB", "apex.optimizers.FusedLAMB"),
     "apex.contrib.optimizers.fused_sgd": ("the first FusedSGD", "apex.optimizers.FusedSGD"),
     "apex.contrib.sparsity": ("ASP 2:4 sparsity", "torch.ao.pruning or torch.sparse.to_sparse_semi_structured"),
@@ -50,6 +54,10 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.torchsched": (
         "a multi-stream torch.compile backend for CUDA",
         "torch.compile(model) with its default backend",
+    ),
+    "apex.normalization.instance_norm": (
+        "nvFuser instance norms, removed from Apex in 2023",
+        "torch.nn.InstanceNorm3d",
     ),
     "apex.parallel.optimized_sync_batchnorm_kernel": (
         "the syncbn CUDA extension's autograd function",

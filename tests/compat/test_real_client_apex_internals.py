@@ -12,6 +12,7 @@ The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import warnings
@@ -160,6 +161,8 @@ def test_copied_fused_layers_cast_their_inputs_through_apex_autocast_utils(shim)
         # MLPerf-era fairseq's optim/adam.py imported all three at its top
         ("from apex.contrib.optimizers.distributed_fused_adam_v3 import DistributedFusedAdamV3", "ZeroRedundancy"),
         ("from apex.contrib.optimizers.distributed_fused_adam_v2 import DistributedFusedAdamV2", "FSDP"),
+        ("from apex.contrib.optimizers.distributed_fused_adam_v4 import DistributedFusedAdamV4", "FSDP"),
+        ("from apex.normalization.instance_norm import InstanceNorm3dNVFuser", "torch.nn.InstanceNorm3d"),
         ("import apex.contrib.torchsched", "torch.compile(model)"),  # NVIDIA's Megatron training scripts
         ("from apex.contrib.torchsched.passes import pre_grad_custom_pass", "torch.compile(model)"),
         ("from apex.parallel.optimized_sync_batchnorm_kernel import SyncBatchnormFunction", "apex.parallel.SyncBatch"),
@@ -172,6 +175,24 @@ def test_removed_or_cuda_only_apex_modules_programs_import_name_what_to_use(shim
     # `find_spec(...) is not None` feature checks fall back (for the first module missing: a submodule of a missing
     # package is a ModuleNotFoundError from find_spec, as for any package not installed)
     assert importlib.util.find_spec(refused.value.name) is None
+
+
+def test_monai_asks_for_apexs_nvfuser_instance_norm_and_falls_back_on_being_told_what_to_use(shim):
+    """MONAI's ``instance_nvfuser`` norm: ``optional_import("apex.normalization", name="InstanceNorm3dNVFuser")``
+    (an attribute read, caught) decides between Apex's nvFuser kernel (2022-23) and ``nn.InstanceNorm3d``."""
+    import apex.normalization
+
+    def optional_import(module: str, name: str):  # MONAI's, in outline
+        try:
+            return getattr(importlib.import_module(module), name), True
+        except (ImportError, AttributeError) as error:
+            return error, False
+
+    found, available = optional_import("apex.normalization", name="InstanceNorm3dNVFuser")
+    assert not available and isinstance(found, AttributeError) and "torch.nn.InstanceNorm3d" in str(found)
+    assert not hasattr(apex.normalization, "InstanceNorm2dNVFuser")
+    with pytest.raises(ImportError, match=r"InstanceNorm1dNVFuser .*use torch\.nn\.InstanceNorm1d"):
+        exec("from apex.normalization import InstanceNorm1dNVFuser", {})
 
 
 def test_habanas_initialize_replacement_builds_amp_state_by_hand_and_scale_loss_passes_the_loss_through(shim):
