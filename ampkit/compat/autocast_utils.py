@@ -7,7 +7,7 @@ hold no tensor), so a copied layer runs the same under ``torch.autocast("cpu", .
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,16 +16,16 @@ from torch.amp.autocast_mode import _cast
 __all__ = ["_cast_if_autocast_enabled"]  # Apex's __all__; the other two are imported by name
 
 
-def _device_type(args: Sequence[Any]) -> str:
-    """The device type of the first tensor among ``args`` (nested in lists or tuples too), else ``"cuda"``."""
+def _device_type(args: Sequence[Any]) -> str | None:
+    """The device type of the first tensor among ``args``, looking into lists, tuples and dicts; None if none."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return arg.device.type
-        if isinstance(arg, (list, tuple)) and arg:
-            found = _device_type(arg)
-            if found != "cuda" or any(isinstance(a, torch.Tensor) for a in arg):
-                return found
-    return "cuda"
+        nested = arg.values() if isinstance(arg, Mapping) else arg if isinstance(arg, (list, tuple)) else ()
+        found = _device_type(list(nested))
+        if found is not None:
+            return found
+    return None
 
 
 def _get_autocast_dtypes() -> Sequence[torch.dtype]:
@@ -47,7 +47,7 @@ def _get_current_dtype(dtype: torch.dtype | None = None) -> torch.dtype:
 def _cast_if_autocast_enabled(*args: Any) -> tuple[Any, ...]:
     """``args`` with their floating tensors (in lists, tuples and dicts too) cast to autocast's dtype when autocast
     is on for their device; unchanged otherwise. float64 tensors and other devices' tensors stay as they are."""
-    device_type = _device_type(args)
+    device_type = _device_type(args) or "cuda"  # Apex's only device
     if not torch.is_autocast_enabled(device_type):
         return args
     return _cast(args, device_type, torch.get_autocast_dtype(device_type))

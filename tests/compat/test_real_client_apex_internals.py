@@ -148,6 +148,7 @@ def test_copied_fused_layers_cast_their_inputs_through_apex_autocast_utils(shim)
         assert _get_current_dtype() == torch.bfloat16
         # NeMo's softmax passes (inputs, mask, scale): tensors in a list are cast too, float64 and ints are not
         mixed = _cast_if_autocast_enabled([x, x.double()], torch.ones(2, dtype=torch.int64), 0.5)
+        assert _cast_if_autocast_enabled({"scores": x})[0]["scores"].dtype == torch.bfloat16
     assert _LayerNormKernel.seen == [torch.bfloat16] * 3 and out.dtype == torch.bfloat16
     assert [t.dtype for t in mixed[0]] == [torch.bfloat16, torch.float64] and mixed[1].dtype == torch.int64
     assert mixed[2] == 0.5
@@ -175,6 +176,52 @@ def test_removed_or_cuda_only_apex_modules_programs_import_name_what_to_use(shim
     # `find_spec(...) is not None` feature checks fall back (for the first module missing: a submodule of a missing
     # package is a ModuleNotFoundError from find_spec, as for any package not installed)
     assert importlib.util.find_spec(refused.value.name) is None
+
+
+# Every module of Apex's tree at its last commit with amp (May 2025), its tests and examples aside: served ...
+_APEX_MODULES_SERVED = """
+apex apex._autocast_utils apex.amp apex.amp._amp_state apex.amp._initialize apex.amp.amp apex.amp.frontend
+apex.amp.handle apex.amp.lists apex.amp.lists.functional_overrides apex.amp.lists.tensor_overrides
+apex.amp.lists.torch_overrides apex.amp.scaler apex.amp.utils apex.contrib apex.contrib.clip_grad
+apex.contrib.clip_grad.clip_grad apex.contrib.focal_loss apex.contrib.focal_loss.focal_loss apex.contrib.optimizers
+apex.contrib.optimizers.fp16_optimizer apex.contrib.optimizers.fused_adam apex.contrib.xentropy
+apex.contrib.xentropy.softmax_xentropy apex.fp16_utils apex.fp16_utils.fp16_optimizer apex.fp16_utils.fp16util
+apex.fp16_utils.loss_scaler apex.fused_dense apex.fused_dense.fused_dense apex.mlp apex.mlp.mlp
+apex.multi_tensor_apply apex.multi_tensor_apply.multi_tensor_apply apex.normalization
+apex.normalization.fused_layer_norm apex.optimizers apex.optimizers.fused_adagrad apex.optimizers.fused_adam
+apex.optimizers.fused_lamb apex.optimizers.fused_mixed_precision_lamb apex.optimizers.fused_novograd
+apex.optimizers.fused_sgd apex.parallel apex.parallel.LARC apex.parallel.distributed apex.parallel.multiproc
+apex.parallel.optimized_sync_batchnorm apex.parallel.sync_batchnorm apex.parallel.sync_batchnorm_kernel
+""".split()
+# ... or refused naming what to use instead (a package and its deepest module: submodules share the refusal) ...
+_APEX_MODULES_REFUSED = """
+apex.RNN apex.RNN.models apex.contrib.bottleneck apex.contrib.bottleneck.halo_exchangers apex.contrib.conv_bias_relu
+apex.contrib.cudnn_gbn.batch_norm apex.contrib.fmha.fmha apex.contrib.gpu_direct_storage apex.contrib.group_norm
+apex.contrib.groupbn.batch_norm apex.contrib.index_mul_2d.index_mul_2d apex.contrib.layer_norm.layer_norm
+apex.contrib.multihead_attn apex.contrib.multihead_attn.fast_self_multihead_attn_func apex.contrib.nccl_allocator
+apex.contrib.openfold_triton.fused_adam_swa apex.contrib.optimizers.distributed_fused_adam
+apex.contrib.optimizers.distributed_fused_lamb apex.contrib.optimizers.fused_lamb apex.contrib.optimizers.fused_sgd
+apex.contrib.peer_memory.peer_memory apex.contrib.sparsity apex.contrib.sparsity.permutation_search_kernels
+apex.contrib.torchsched.inductor.scheduler apex.contrib.transducer.transducer
+apex.parallel.optimized_sync_batchnorm_kernel apex.transformer
+apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_with_interleaving
+""".split()
+# ... except amp's internal modules, which name what apex.amp provides.
+_APEX_AMP_INTERNALS = ["apex.amp._process_optimizer", "apex.amp.compat", "apex.amp.opt", "apex.amp.rnn_compat",
+                       "apex.amp.wrap"]  # fmt: skip
+
+
+def test_every_module_of_apexs_last_tree_is_served_or_refused_naming_what_to_use(shim):
+    """The class of failure this round's clients met (a module missing, or refused with no advice), checked across
+    Apex's whole tree, so that no import of one of its modules stops a program without saying what to do."""
+    for name in _APEX_MODULES_SERVED:
+        importlib.import_module(name)
+    for name in _APEX_MODULES_REFUSED:
+        with pytest.raises(ModuleNotFoundError, match=r"does not serve .*; use "):
+            importlib.import_module(name)
+    for name in _APEX_AMP_INTERNALS:
+        with pytest.raises(ModuleNotFoundError, match=r"apex\.amp provides .*initialize"):
+            importlib.import_module(name)
 
 
 def test_monai_asks_for_apexs_nvfuser_instance_norm_and_falls_back_on_being_told_what_to_use(shim):
