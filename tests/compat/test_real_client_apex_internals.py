@@ -7,14 +7,17 @@ migration layer, which replaces ``amp.initialize`` by building ``_amp_state`` by
 ``data_parallel_and_autocast``, which initializes an ``nn.Sequential`` around the model and casts a DataParallel's
 inputs itself; Horovod Adasum's BERT optimizer, which writes its own overflow verdict into amp's scaler; and
 glow-tts, which initializes the optimizer inside its own Noam wrapper (``optimizer_g._optim``); and a Kaggle
-solution passing torchcontrib's ``SWA`` wrapper (no ``Optimizer.__init__``) through ``amp.initialize``.
+solution passing torchcontrib's ``SWA`` wrapper (no ``Optimizer.__init__``) through ``amp.initialize``; a Lightning
+fork entering ``scale_loss`` by hand and deferring its optimizer checkpoint to amp's lazy init.
 The two-rank part of the batch norm is in ``test_apex_parallel.py``."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import math
+import types
 import warnings
 
 import pytest
@@ -588,3 +591,83 @@ def test_kaggle_swa_wrapper_through_initialize_averages_what_the_optimizer_steps
         assert stepped is model[0].weight
     else:
         assert stepped.dtype == torch.float32 and torch.equal(model[0].weight, model_weight)
+
+
+def _lightning_fork_patch_optimizer(optimizer) -> None:
+    """A Lightning 1.1 fork's ApexPlugin ``_patch_optimizer``: ``state_dict`` adds ``master_params`` once amp's lazy
+    init ran; the first ``load_state_dict`` (the checkpoint) is kept and loaded again by a wrapper of
+    ``_lazy_init_maybe_master_weights``, which then copies ``master_params`` into the optimizer's parameters."""
+    old_lazy_init, old_state_dict, old_load = (
+        optimizer._lazy_init_maybe_master_weights, optimizer.state_dict, optimizer.load_state_dict
+    )  # fmt: skip
+
+    def lazy_init(self):
+        old_lazy_init()
+        self._amp_stash.lazy_init_called = True
+        if hasattr(self, "_lazy_saved_state_dict"):
+            self.load_state_dict(self._lazy_saved_state_dict)
+            del self._lazy_saved_state_dict
+
+    def state_dict(self):
+        state = old_state_dict()
+        if self._amp_stash.lazy_init_called:
+            state["master_params"] = [p.data.clone() for g in self.param_groups for p in g["params"]]
+        return state
+
+    def load_state_dict(self, state):
+        if not self._amp_stash.lazy_init_called and not hasattr(self, "_lazy_saved_state_dict"):
+            self._lazy_saved_state_dict = state
+            return old_load(state)
+        if self._amp_stash.lazy_init_called and "master_params" in state:
+            saved = state.pop("master_params")
+            for p in [p for g in self.param_groups for p in g["params"]]:
+                p.data.copy_(saved.pop(0))
+        return old_load(state)
+
+    optimizer._lazy_init_maybe_master_weights = types.MethodType(lazy_init, optimizer)
+    optimizer.state_dict = types.MethodType(state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_lightning_fork_defers_its_optimizer_checkpoint_and_enters_scale_loss_by_hand(shim, opt_level):
+    """The fork's plugin also enters ``amp.scale_loss`` by hand (``__enter__``, ``backward``, ``__exit__(None, None,
+    None)``, raising if that returns true). A run resumed from its ``{model, optimizer}`` checkpoint is bit-identical:
+    the masters come back exact (the O2 model's state dict and the optimizer's both hold them), and so do Adam's
+    moments, loaded at the first ``load_state_dict``. The wrapper of ``_lazy_init_maybe_master_weights`` is not
+    called by the first backward here (Apex called it): nothing is left for it to load."""
+    from apex import amp
+
+    def build(state=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        if state is not None:
+            model.load_state_dict(state["model"])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+        _lightning_fork_patch_optimizer(optimizer)
+        if state is not None:
+            optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        return model, optimizer
+
+    def train(model, optimizer, first, count):
+        for i in range(first, first + count):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            optimizer.zero_grad()
+            context = amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer)
+            context.__enter__().backward()
+            assert not context.__exit__(None, None, None)
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, 0, 6)
+    uninterrupted = [p.detach().clone() for p in amp.master_params(optimizer)]
+    model, optimizer = build()
+    train(model, optimizer, 0, 3)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    assert "master_params" in state["optimizer"]
+    model, optimizer = build(state)
+    train(model, optimizer, 3, 3)
+    for ours, theirs in zip(amp.master_params(optimizer), uninterrupted, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
