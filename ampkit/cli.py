@@ -26,6 +26,7 @@ import ampkit
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.config import Config, ConfigError, builtin_configs, load_config
 from ampkit.config_docs import help_text
+from ampkit.trainer.batch_layout import RescaledResume
 from ampkit.trainer.checkpoint_io import CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
@@ -277,10 +278,9 @@ def _run(args: argparse.Namespace) -> int:
         if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
             at = trainer.val_metrics_step
             shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
-        print(
-            f"ampkit: finished {s.global_step} steps in {_trained_span(s.epoch, s.batches_done)}"
-            + (f"; {shown}" if shown else "")
-        )
+        steps = f"{s.global_step} step{'s' * (s.global_step != 1)}"
+        span = _trained_span(s.epoch, s.batches_done, trainer.rescaled_resume)
+        print(f"ampkit: finished {steps} in {span}" + (f"; {shown}" if shown else ""))
         logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
         board = f" (tensorboard --logdir {logdir})" if trainer.cfg.logging.tensorboard else ""  # no events: no hint
         print(f"ampkit: run directory {trainer.version_dir}{board}")
@@ -299,11 +299,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trained_span(epochs: int, batches: int) -> str:
+def _trained_span(epochs: int, batches: int, rescaled: RescaledResume | None = None) -> str:
     """``"2 epochs"``, ``"1 epoch and 12 batches"``: a stop inside an epoch (max_steps, max_time, early stopping)
-    ran part of it, which is not a whole epoch."""
+    ran part of it, which is not a whole epoch. Where that epoch was resumed on batches of another size (2 ranks'
+    checkpoint on 1), the batches are this run's, and the ``rescaled`` note says so and which were the checkpoint's:
+    "5 steps in 7 batches" read as if two batches had not stepped."""
     whole = f"{epochs} epoch{'' if epochs == 1 else 's'}"
     part = f"{batches} batch{'' if batches == 1 else 'es'}"
+    if rescaled is not None and rescaled.epoch == epochs and batches:
+        part += f" {rescaled.note()}"
     return whole if not batches else part if not epochs else f"{whole} and {part}"
 
 

@@ -249,6 +249,28 @@ class UnevenValidationStream(Plain):
         return self.val_dataloader()
 
 
+class NormedUnevenValidation(UnevenValidationStream):
+    """A BatchNorm (buffers DDP broadcasts at the first forward after a training one) and a validation stream whose
+    9 samples are all rank 0's: rank 1 has none."""
+
+    empty_on_1 = True
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+class DuplicatedEvaluation(Plain):
+    """Validates, tests and predicts on a stream that gives every rank the same 24 samples."""
+
+    def val_dataloader(self):
+        return DataLoader(WholeStream(), batch_size=4)
+
+    test_dataloader = predict_dataloader = val_dataloader
+
+    def test_step(self, batch):
+        return self.validation_step(batch)
+
+
 class OptimizerFailsOnRank1(Plain):
     def configure_optimizers(self):
         if RANK == 1:
@@ -823,8 +845,17 @@ def main(scenario: str, out: Path) -> None:
         trainer = UnevenStream(cfg)
         sharded = warned(trainer.fit)
         duplicated = warned(DuplicatedStream({**cfg, "trainer": {**cpu, "max_steps": 2}}).fit)
+        # evaluation: rank 1 has no validation batch, and DDP's first no-grad forward broadcasts the BatchNorm's
+        normed = NormedUnevenValidation({**cfg, "trainer": {**cpu, "max_epochs": 1}})
+        normed_warned = warned(normed.fit)
+        # the same samples on every rank, evaluated: named once a fit (a sanity pass, two validations), once a call
+        evaluated = DuplicatedEvaluation({**cfg, "trainer": {**cpu, "max_epochs": 1, "val_every_n_steps": 2}})
+        calls = {"fit": evaluated.fit, "validate": evaluated.validate, "test": evaluated.test,
+                 "predict": evaluated.predict}  # fmt: skip
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
-                 "duplicated": duplicated, "model": trainer.module.state_dict()}  # fmt: skip
+                 "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
+                 "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),
+                 "evaluated": {call: warned(run) for call, run in calls.items()}}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order

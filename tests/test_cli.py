@@ -191,12 +191,46 @@ def test_the_final_line_says_when_the_validation_it_shows_ran(tmp_path, capsys):
     assert f"(validated at step {steps})" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("max_steps", "span"), [(8, "1 epoch"), (11, "1 epoch and 3 batches"), (3, "3 batches")])
-def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, max_steps, span):
+@pytest.mark.parametrize(
+    ("max_steps", "trained"),
+    [(8, "8 steps in 1 epoch"), (11, "11 steps in 1 epoch and 3 batches"), (3, "3 steps in 3 batches")]
+    + [(1, "1 step in 1 batch")],  # not "1 steps"
+)
+def test_the_final_line_counts_a_partly_run_epoch_as_batches(tmp_path, capsys, max_steps, trained):
     """A stop inside an epoch (max_steps here; max_time and early stopping alike) ran only part of it."""
     config = _config(tmp_path, trainer={"progress_bar": False, "max_epochs": 3}, logging={"tensorboard": False})
     assert main(["fit", "--config", config, f"trainer.max_steps={max_steps}"]) == 0
-    assert re.search(rf"finished {max_steps} steps in {span}[;\n]", capsys.readouterr().out)
+    assert re.search(rf"finished {trained}[;\n]", capsys.readouterr().out)
+
+
+def test_the_final_line_after_a_resume_on_other_batches_says_which_batches_it_counts(tmp_path, capsys):
+    """A checkpoint 2 batches of 16 into its epoch resumed with batches of 8 (as 2 ranks' resumed on 1) continues at
+    batch 4 of this run's: 3 steps later the line read "finished 5 steps in 7 batches", as if 2 had not stepped.
+    It says whose batches it counts, where the line ends in that epoch (a later one's batches are all this run's).
+    A resume on as many samples a batch (2 ranks x 8 on 1 x 16) keeps its count and says nothing more."""
+    config = _config(tmp_path, trainer={"progress_bar": False, "max_epochs": 1}, logging={"tensorboard": False},
+                     data={"batch_size": 16})  # fmt: skip
+    assert main(["fit", "--config", config, "trainer.max_steps=2"]) == 0
+    capsys.readouterr()
+    assert main(["fit", "--config", config, "data.batch_size=8", "trainer.max_steps=5", "--resume", "last"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^ampkit: finished 5 steps in 7 batches of 8 samples \(1 rank x 8\), the first 4 of them the resumed "
+        r"checkpoint's 2 batches of 16 samples \(1 rank x 16\)$",
+        out,
+        re.M,
+    ), out
+    from ampkit.cli import _trained_span
+    from ampkit.trainer.batch_layout import rescaling
+
+    two_ranks, one_rank = {"ranks": 2, "batch_size": 8}, {"ranks": 1, "batch_size": 8}
+    moved = rescaling(1, two_ranks, one_rank, 3, 6)
+    assert _trained_span(1, 9, moved) == (
+        "1 epoch and 9 batches of 8 samples (1 rank x 8), the first 6 of them the resumed checkpoint's 3 batches of "
+        "16 samples (2 ranks x 8)"
+    )
+    assert _trained_span(2, 9, moved) == "2 epochs and 9 batches"  # a later epoch: every batch is this run's
+    assert rescaling(1, two_ranks, {"ranks": 1, "batch_size": 16}, 3, 3) is None  # as many samples a batch
 
 
 def test_the_interrupt_hint_names_the_sharded_checkpoint_resume_last_continues_when_its_link_is_lost(tmp_path):

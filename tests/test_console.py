@@ -121,6 +121,23 @@ def test_status_shows_named_losses_loss_scale_and_skipped_steps(tmp_path, capsys
     assert re.search(r"^epoch 0 step 4 \| val/mse=[\d.]+ \| validation [\d.]+ s$", out, re.M)  # step validation
 
 
+@pytest.mark.parametrize(
+    ("epochs", "steps", "length", "epoch_0", "trained"),
+    [(1, 1, "1 epoch, at most 1 step", "1 step", "1 step"), (2, -1, "2 epochs", "8 steps", "16 steps")],
+)
+def test_the_console_counts_one_epoch_and_one_step_in_the_singular(
+    tmp_path, capsys, epochs, steps, length, epoch_0, trained
+):
+    """A one-epoch, one-step run (the smoke test a newcomer runs first) read "1 epochs" and "trained 1 steps"."""
+    settings = {"trainer.max_epochs": epochs, "trainer.max_steps": steps, "logging.tensorboard": False}
+    cfg = toy_cfg(tmp_path, **settings, **{"trainer.progress_bar": False, "checkpoint.enabled": False})
+    ToyTrainer(cfg, callbacks=[ProgressBar(bar=False)]).fit()
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  data        8 batches/epoch, {length}, accumulate 1" in lines
+    assert any(line.startswith(f"epoch 0 | {epoch_0} in ") for line in lines), lines
+    assert any(line.startswith(f"ampkit: trained {trained} in ") for line in lines), lines
+
+
 def test_values_logged_in_on_validation_end_show_beside_the_means_on_every_line(tmp_path, capsys):
     """A user who logs val/auc in on_validation_end sees it in the validation's line, the epoch's and the CLI's last."""
     config = tmp_path / "fit.yaml"

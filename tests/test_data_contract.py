@@ -179,12 +179,18 @@ def test_a_distributed_sampler_inside_a_batch_sampler_is_used_as_it_is_under_two
         assert evaluation_loader(loader, env) is loader
 
 
-def test_a_distributed_sampler_that_pads_a_validation_set_with_repeats_is_named():
-    """5 samples on 2 ranks: it repeats one so that each rank has 3, and that one counts twice in the means."""
+def test_a_distributed_sampler_that_pads_a_validation_set_with_repeats_is_named(monkeypatch):
+    """5 samples on 2 ranks: it repeats one so that each rank has 3, and that one counts twice in the means (is
+    predicted twice: predict's warning spoke of means it has none of)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)  # a run sets it: alone, this test had none
     data = _indexed(5)
     loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
     with pytest.warns(UserWarning, match=r"val_dataloader\(\)'s DistributedSampler repeats 1 of its 5 samples to give"):
         assert evaluation_loader(loader, DistributedEnv(rank=0, world_size=2)) is loader
+    with pytest.warns(UserWarning, match=r"repeats 1 of its 5 samples .*, so they are predicted twice: give"):
+        evaluation_loader(loader, DistributedEnv(rank=0, world_size=2), "predict_dataloader()")  # no means there
     even = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, 2, rank=0, shuffle=False, drop_last=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # drop_last: no repeats, nothing to say

@@ -217,7 +217,7 @@ def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_
     every rank's learning rate halved once (rank 1's own values would halve it at step 8, rank 0's not); a validate()
     after it returns rank zero's value on every rank too."""
     rank0, rank1 = _ok(launch("val_end_monitor", tmp_path, timeout=120))
-    reason = "early stopping: val_auc did not improve on 0.2 for 1 validations"
+    reason = "early stopping: val_auc did not improve on 0.2 for 1 validation"
     assert rank0["stopped"] == rank1["stopped"] == (12, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 2)
     assert rank0["validated"]["val_auc"] == rank1["validated"]["val_auc"] == 10.0
@@ -279,11 +279,15 @@ def test_evaluation_batches_cover_each_sample_once_in_as_many_steps_on_every_ran
     assert real == list(range(24 if drop_last else size))
 
 
-def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path):
+def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
     """Rank 0 has 10 batches, rank 1 6: rank 0's 7th step waited in the gradient all-reduce until
     ``distributed.timeout_s``, then failed blaming a live rank. Counts known up front are refused at set-up naming
     them; a stream (an IterableDataset) ends every rank's epoch where the shortest runs out, with a warning. A
-    stream giving every rank the same batches is named."""
+    stream giving every rank the same batches is named, for training and for evaluation.
+
+    A validation stream with no batch on rank 1, under DDP with a BatchNorm: rank 0's first validation forward
+    broadcast the buffers (DDP does at the first forward after a training one), which rank 1 never ran, and the fit
+    failed after the timeout; every rank syncs them before the pass now, and both get rank 0's model's mean."""
     results = launch("uneven_batches", tmp_path, timeout=120)
     rank0, rank1 = _ok(results)
     refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
@@ -307,14 +311,35 @@ def test_ranks_with_unequal_training_batches_never_wait_for_the_timeout(tmp_path
         "train_dataloader() gave each of the 2 ranks the same first batch: its WholeStream is not sharded across ranks"
     )
 
+    from dist_worker import NormedUnevenValidation
+
+    assert rank0["normed_val"] == rank1["normed_val"]
+    _equal(rank0["normed_model"], rank1["normed_model"])  # rank 0's buffers, synced before validation
+    model = NormedUnevenValidation.configure_model(None)
+    model.load_state_dict(rank0["normed_model"])
+    x, y = toy_dataset(13, seed=7)[:9]  # rank 0's share, the only one
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model.eval()(x).squeeze(1), y).item()
+    assert rank0["normed_val"]["mse"] == pytest.approx(expected, rel=1e-5)
+    assert not any("same first batch" in w for rank in (rank0, rank1) for w in rank["normed_warned"])  # its own
+    for call, said in rank0["evaluated"].items():
+        same = [w for w in said if "same first batch" in w]
+        assert len(same) == 1, (call, same)  # a fit: its sanity pass compares, its two validations do not again
+        source = {"fit": "val", "validate": "val"}.get(call, call)
+        assert same[0].startswith(f"{source}_dataloader() gave each of the 2 ranks the same first batch: its Whole")
+        outcome = "every rank predicts every sample" if call == "predict" else "every rank evaluates every sample"
+        assert outcome in same[0]
+    assert not any("same first batch" in w for said in rank1["evaluated"].values() for w in said)  # rank zero's
+
 
 def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone():
     """Batches alike in contents (not identity) share a fingerprint; another shape or dtype does not; a tensor with no
-    plain bytes gives none (never named). A loader a DistributedSampler deals is not compared at all (no gather)."""
+    plain bytes gives none (never named). A loader a DistributedSampler deals is not compared at all (no gather), nor
+    an evaluation loader ampkit shards."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from ampkit.trainer.distributed import DistributedEnv
-    from ampkit.trainer.duplicated_data import FirstBatchComparison, batch_fingerprint
+    from ampkit.trainer.distributed import DistributedEnv, evaluation_loader
+    from ampkit.trainer.duplicated_data import EvaluationFirstBatch, FirstBatchComparison, batch_fingerprint
 
     batch = {"x": torch.arange(6.0).reshape(2, 3).bfloat16(), "ids": ["a", "b"], "w": torch.tensor(1.0)}
     assert batch_fingerprint(batch) == batch_fingerprint({**batch, "x": batch["x"].clone()})
@@ -327,6 +352,14 @@ def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled
     assert not FirstBatchComparison(dealt, two).pending
     assert FirstBatchComparison(iter([1, 2]), two).pending
     assert not FirstBatchComparison(iter([1, 2]), DistributedEnv()).pending
+    # an evaluation loader ampkit shards (each sample on one rank) is not compared either; a stream is, and the
+    # ranks' fingerprints come from the pass's closing gather: the first batch is noted, not gathered at once
+    sharded = evaluation_loader(DataLoader(data, batch_size=2), two)
+    assert not EvaluationFirstBatch(sharded, two).pending and not EvaluationFirstBatch(dealt, two).pending
+    stream = EvaluationFirstBatch(iter([1, 2]), two, "predict_dataloader()")
+    assert stream.note(batch) == batch_fingerprint(batch)
+    stream.judge([stream.note(batch), None])  # rank 1 had no batch: nothing to say, and nothing more to compare
+    assert not stream.pending and stream.note(batch) is None
 
 
 def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps(tmp_path):
@@ -389,7 +422,7 @@ def test_real_loss_scalers_agree_when_only_rank_1_overflows_in_loss_1(tmp_path):
     assert rank0["skips"] == rank1["skips"] == [(3, "G")]
     assert rank0["scales"] == rank1["scales"] == {"0": 1024.0, "1": 512.0}
     _equal(rank0["model"], rank1["model"])
-    warned = [r.stderr.count("optimizer 'G' skipped 1 steps in a row") for r in results]
+    warned = [r.stderr.count("optimizer 'G' skipped 1 step in a row") for r in results]
     assert warned == [1, 0]
 
 
@@ -598,14 +631,23 @@ class SampleRecorder(ampkit.Callback):
 def test_a_mid_epoch_checkpoint_of_two_ranks_resumes_in_one_process_at_the_same_sample(two_rank_run, tmp_path):
     """Resumed by one process at the same per-rank batch, the step-3 checkpoint (3 global batches of 2 x 4 = 24
     samples into epoch 0) continues with the epoch's 25th sample: it had skipped only 3 x 4, so 12 samples were
-    trained on twice in that epoch."""
+    trained on twice in that epoch. Its batch count is this run's, as the closing line says."""
     step_3 = Path(two_rank_run[0]["version_dir"]) / "checkpoints" / "step-00000003.pt"
     recorder = SampleRecorder()
     cfg = {"trainer_class": "x:y", "run_dir": str(tmp_path / "one"), "logging": {"tensorboard": False},
            "data": {"batch_size": 4}, "trainer": {"max_epochs": 1, "progress_bar": False, "device": "cpu"}}  # fmt: skip
-    ToyTrainer(cfg, callbacks=[recorder]).fit(resume=step_3)
+    trainer = ToyTrainer(cfg, callbacks=[recorder])
+    trainer.fit(resume=step_3)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()  # the sampler's, seed 0 epoch 0
     assert [rows for _, rows in recorder.seen] == [order[i : i + 4] for i in range(24, 64, 4)]
+    # A stop in that epoch one step on (step 4, 7 batches in) counts this run's batches, naming the checkpoint's:
+    # "4 steps in 7 batches" read as if 3 batches had not stepped.
+    from ampkit.cli import _trained_span
+
+    assert _trained_span(0, 7, trainer.rescaled_resume) == (
+        "7 batches of 4 samples (1 rank x 4), the first 6 of them the resumed checkpoint's 3 batches of 8 samples "
+        "(2 ranks x 4)"
+    )
 
 
 def test_a_two_rank_checkpoint_resumed_at_the_same_global_batch_warns_of_the_key_but_not_of_skipped_batches(

@@ -9,6 +9,7 @@ stops nothing."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import ClassVar
 
@@ -402,7 +403,7 @@ def test_a_value_the_trainer_logs_in_its_own_on_train_epoch_end_is_monitored_as_
         warnings.simplefilter("always")
         run.fit()
     assert not [w for w in caught if "train/epoch_score" in str(w.message)]
-    assert run.state.global_step == 6 and "did not improve on 0.2 for 1 epochs" in run.state.stop_reason
+    assert run.state.global_step == 6 and re.search(r"did not improve on 0\.2 for 1 epoch\b", run.state.stop_reason)
     assert best_steps(run) == [2, 4, 6]
     assert best_pt_step(run) == 4
 

@@ -78,7 +78,7 @@ class LossScaler:
     ``min_scale`` when given, else 2**-126, where float32 can no longer hold ``1/scale``) and resets
     the clean-update counter; the
     ``growth_interval``-th consecutive clean update multiplies it by ``growth_factor`` (capped at
-    ``max_scale``). A static scale (a number) never changes.
+    ``max_scale``), or the next one where a restored count had passed it. A static scale (a number) never changes.
 
     Call :meth:`update` exactly once per iteration, after every optimizer that used this loss stepped.
 
@@ -197,7 +197,9 @@ class LossScaler:
         else:
             new = old
             self.unskipped += 1
-            if self.unskipped == self.growth_interval:
+            # At least, not exactly: a count restored from a run with a longer interval (a GradScaler's state, or a
+            # resume with growth_interval lowered) had passed it, and counting on to equality never grew again.
+            if self.unskipped >= self.growth_interval:
                 new = old * self.growth_factor
                 if self.max_scale is not None:
                     new = min(new, self.max_scale)
@@ -227,7 +229,7 @@ class LossScaler:
             return
         overflow = found_inf.reshape(()).to(state.scale.device) != 0
         clean = state.unskipped + 1
-        grows = clean == self.growth_interval
+        grows = clean >= self.growth_interval  # as update(): a restored count may have passed it
         grown = state.scale * self.growth_factor
         if self.max_scale is not None:
             grown = torch.clamp_max(grown, self.max_scale)
@@ -244,7 +246,7 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry, or a ``torch.amp.GradScaler``'s
         state: its ``scale`` and ``_growth_tracker``, the clean steps since the scale last changed); knobs stay as
-        configured."""
+        configured, and a dynamic scale outside this scaler's ``min_scale``/``max_scale`` is brought within them."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
@@ -259,10 +261,13 @@ class LossScaler:
             scale = scale.item()
         if isinstance(unskipped, torch.Tensor):
             unskipped = int(unskipped.item())
-        self._scale = positive_option(scale, "loss_scale")
+        scale = positive_option(scale, "loss_scale")
         if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
             raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
-        self.unskipped = unskipped
+        if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
+            scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
+        # Set together, both checked first: a refused state leaves the scaler as it was.
+        self._scale, self.unskipped = scale, unskipped
         if self._on_device is not None:
             self._on_device = _DeviceScale(self._scale, self.unskipped, self._on_device.scale.device)
 

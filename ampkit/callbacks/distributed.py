@@ -104,6 +104,25 @@ class DistributedSync(Callback):
                 "call self.model in training_step"
             )
 
+    def on_validation_start(self, trainer) -> None:
+        self._sync_buffers_before_evaluation()
+
+    def on_test_start(self, trainer) -> None:  # a test() from a hook of the fit: its steps call the DDP model too
+        self._sync_buffers_before_evaluation()
+
+    def on_predict_start(self, trainer) -> None:
+        self._sync_buffers_before_evaluation()
+
+    def _sync_buffers_before_evaluation(self) -> None:
+        """DDP gives every rank rank 0's buffers (BatchNorm statistics) at the first forward after a training one:
+        in an evaluation, at its first batch, which a rank with no batch (an uneven stream) never runs, so the
+        others waited in that broadcast until distributed.timeout_s. Every rank syncs them here instead, where all
+        meet, and DDP is told the pass's forwards need none, as its first no-grad forward would have told it."""
+        if self._ddp is None or not self._ddp.will_sync_module_buffers():
+            return
+        self._collective("broadcast of buffers before evaluation", self._ddp._sync_buffers)
+        self._ddp.require_forward_param_sync = False
+
     def on_before_optimizer_step(self, trainer, optimizer: torch.optim.Optimizer) -> None:
         if self.grad_sync == "step":  # every rank averages (also before a skip: the verdict is agreed anyway)
             self._average_grads(optimizer)

@@ -68,23 +68,24 @@ class EarlyStopping(KeyedByMonitor):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if trainer.state.stage != "fit" or self.monitor.per_epoch:  # a standalone validate() is no training progress
             return
-        self._check(trainer, self.monitor.value(metrics, trainer), "validations")
+        self._check(trainer, self.monitor.value(metrics, trainer), "validation")
 
     def on_train_epoch_end(self, trainer) -> None:
         # A train/ epoch mean: Lightning's check_on_train_epoch_end. Not of an epoch a stop cut short (max_steps): the
         # run ends there anyway, and a resume that finishes the epoch checks it then, so it counts once.
         if self.monitor.per_epoch and trainer.state.epoch_finished:
-            self._check(trainer, self.monitor.epoch_value(trainer), "epochs")
+            self._check(trainer, self.monitor.epoch_value(trainer), "epoch")
 
-    def _check(self, trainer, value: float, checks: str) -> None:
-        """Count ``value`` against ``patience`` (``checks``: what it counts, for the message), and stop if due."""
+    def _check(self, trainer, value: float, check: str) -> None:
+        """Count ``value`` against ``patience`` (``check``: what it counts, for the message), and stop if due."""
         reason = self._stop_at_once(value)
         if self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
         elif reason is None:
             self.wait += 1
             if self.wait >= self.patience:
-                reason = f"{self.monitor.metric} did not improve on {self.best} for {self.wait} {checks}"
+                checks = f"{self.wait} {check}{'s' * (self.wait != 1)}"
+                reason = f"{self.monitor.metric} did not improve on {self.best} for {checks}"
         if reason is None:
             return
         reason = f"early stopping: {reason}"

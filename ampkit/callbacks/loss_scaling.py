@@ -281,8 +281,9 @@ class LossScaling(Callback):
             # At N, 2N, 4N... in a row: a run that skips on for long says so now and then, not every N steps.
             if every and count % every == 0 and (count // every) & (count // every - 1) == 0:
                 culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
+                skipped = f"{count} step{'s' * (count != 1)}"
                 rank_zero_warn(  # the ranks agree on each verdict: one line, not one per rank
-                    f"optimizer '{name}' skipped {count} steps in a row: non-finite gradients from loss_id "
+                    f"optimizer '{name}' skipped {skipped} in a row: non-finite gradients from loss_id "
                     f"{culprits} (scales: {self.scales}). A scaler skips a few while its scale backs off; more mean "
                     "a NaN/inf loss or parameters, or too high a learning rate (said again at twice as many; "
                     "precision.warn_consecutive_skips=0: never)",

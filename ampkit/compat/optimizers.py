@@ -111,9 +111,16 @@ def _fused_adam_step(base: type) -> Callable[..., Any]:
                 "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, and call "
                 "step() with no arguments."
             )
-        return base.step(self, closure, **kwargs)
+        return _unhooked(base.step)(self, closure, **kwargs)
 
     return step
+
+
+def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` without the wrapper torch puts around a class's ``step`` (hooks, profiler record) when the class's first
+    optimizer is built: called from the subclass's own wrapped ``step``, ``base``'s hooks ran a second time once any
+    ``base`` had been built in the process, and a pre-hook that replaces the arguments got them twice."""
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
 def _first_fused_adam_when_asked(cls: type, *args: Any, **kwargs: Any) -> Any:

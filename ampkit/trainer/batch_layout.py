@@ -3,6 +3,7 @@ on another world size or batch size continues at the same sample of the epoch in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,44 @@ def batch_layout(loader: Any, world_size: int, epoch_batches: int | None) -> dic
     if not isinstance(size, int) or epoch_batches is None:
         return None
     return {"ranks": world_size, "batch_size": size, "epoch_batches": epoch_batches}
+
+
+@dataclass(frozen=True)
+class RescaledResume:
+    """A mid-epoch resume into epoch ``epoch`` whose position moved to batches of another size: the checkpoint's
+    ``saved_batches`` batches of the ``saved`` layout are this run's first ``batches`` of the ``here`` layout."""
+
+    epoch: int
+    saved_batches: int
+    saved: dict[str, int]
+    batches: int
+    here: dict[str, int]
+
+    def note(self) -> str:
+        """What this run's batch count means in the resumed epoch, after the count of its batches: ``"of 8 samples
+        (1 rank x 8), the first 4 of them the resumed checkpoint's 2 batches of 16 samples (2 ranks x 8)"``."""
+        return (
+            f"of {samples_a_batch(self.here)}, the first {self.batches} of them the resumed checkpoint's "
+            f"{self.saved_batches} batch{'' if self.saved_batches == 1 else 'es'} of {samples_a_batch(self.saved)}"
+        )
+
+
+def samples_a_batch(layout: dict[str, int]) -> str:
+    """``"16 samples (2 ranks x 8)"``: the samples one batch draws over all ranks."""
+    ranks, size = layout["ranks"], layout["batch_size"]
+    return f"{ranks * size} samples ({ranks} rank{'s' * (ranks != 1)} x {size})"
+
+
+def rescaling(
+    epoch: int, saved: dict[str, int] | None, here: dict[str, int] | None, saved_batches: int, batches: int
+) -> RescaledResume | None:
+    """The :class:`RescaledResume` of a resume ``saved_batches`` into epoch ``epoch`` that :func:`batches_done_here`
+    moved to ``batches`` of this run's; None where the batches kept their size (or either layout is unknown)."""
+    if not saved_batches or saved is None or here is None:
+        return None
+    if saved["ranks"] * saved["batch_size"] == here["ranks"] * here["batch_size"]:
+        return None
+    return RescaledResume(epoch, saved_batches, saved, batches, here)
 
 
 def batches_done_here(

@@ -292,15 +292,6 @@ def gather_object(value: Any, env: DistributedEnv) -> list[Any]:
     return gathered
 
 
-def union_over_ranks(keys: list[str], env: DistributedEnv) -> list[str]:
-    """The keys any rank holds, in one order on every rank (rank zero's first): sums keyed by them line up."""
-    if not env.enabled:
-        return keys
-    gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, keys)
-    return list(dict.fromkeys(key for rank_keys in gathered for key in rank_keys))
-
-
 def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
     """Element-wise sum over ranks (one collective)."""
     if not env.enabled:
@@ -557,14 +548,16 @@ def evaluation_loader(loader: Any, env: DistributedEnv, source: str = "val_datal
 
 def _warn_of_padding(sampler: Any, source: str) -> None:
     """A ``DistributedSampler`` evaluating a set the ranks do not divide evenly repeats samples to even out the
-    shards (unless ``drop_last``, which leaves some out): said, as Lightning does, as they count twice in the means."""
+    shards (unless ``drop_last``, which leaves some out): said, as Lightning does, as they count twice in the means
+    (in predictions, are predicted twice)."""
     size = len(sampler.dataset)
     if sampler.drop_last or size % sampler.num_replicas == 0:
         return
+    twice = "are predicted twice" if source == "predict_dataloader()" else "count twice in the means"
     rank_zero_warn(
         f"{source}'s DistributedSampler repeats {sampler.total_size - size} of its {size} samples to give each of "
-        f"{sampler.num_replicas} ranks as many, so they count twice in the means: give the DataLoader a plain sampler "
-        "(or none), which ampkit shards across the ranks with each sample evaluated once"
+        f"{sampler.num_replicas} ranks as many, so they {twice}: give the DataLoader a plain sampler (or none), which "
+        "ampkit shards across the ranks with each sample evaluated once"
     )
 
 

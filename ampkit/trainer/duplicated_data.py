@@ -1,7 +1,9 @@
-"""Under torchrun, a training stream no sampler deals to the ranks (an IterableDataset, an iterable of the user's) may
-give every rank the same batches: each rank then trains on the same samples, N-fold, without a word. Lightning does
-not look; ampkit compares the ranks' first batches once per fit (one gather of a short digest), so a stream that
-shards itself (by ``torch.distributed.get_rank()``) is never named, and only batches alike on every rank are."""
+"""Under torchrun, a stream no sampler deals to the ranks (an IterableDataset, an iterable of the user's) may give
+every rank the same batches: each rank then trains on the same samples, N-fold, or evaluates every sample N times
+over, without a word. Lightning does not look; ampkit compares the ranks' first batches once (a short digest per
+rank), so a stream that shards itself (by ``torch.distributed.get_rank()``) is never named, and only batches alike
+on every rank are. Training compares at its first batch, where every rank has one; an evaluation pass, whose ranks
+may run different counts (a rank with none), notes its first batch and compares in the gather that ends it."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from ampkit.trainer.distributed import DistributedEnv, gather_object, sampler_of
+from ampkit.trainer.distributed import DistributedEnv, EvaluationBatches, gather_object, sampler_of
 
 _NO_BATCH = object()
 
@@ -42,7 +44,7 @@ class FirstBatchComparison:
 
     def __init__(self, loader: Any, env: DistributedEnv, source: str = "train_dataloader()") -> None:
         self.env, self.source, self.loader = env, source, loader
-        self.pending = env.enabled and not _dealt_by_a_sampler(loader)
+        self.pending = env.enabled and not _dealt_to_the_ranks(loader)
 
     def batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``, the first one compared across ranks while a comparison is pending (every rank fetches its
@@ -57,30 +59,53 @@ class FirstBatchComparison:
         batch = next(iterator, _NO_BATCH)
         if batch is _NO_BATCH:  # an epoch with nothing left (a resume at its end): the next epoch's first, then
             return
-        self.pending = False
-        self._compare(batch_fingerprint(batch))
+        self.judge(gather_object(batch_fingerprint(batch), self.env))
         yield batch
 
-    def _compare(self, fingerprint: str | None) -> None:
-        fingerprints = gather_object(fingerprint, self.env)
+    def judge(self, fingerprints: list[str | None]) -> None:
+        """Warn where every rank's first batch has one fingerprint (None: a rank had none, or no plain bytes); the
+        comparison is then done."""
+        self.pending = False
         if None in fingerprints or len(set(fingerprints)) > 1:
             return
         what = getattr(self.loader, "dataset", self.loader)
         rank_zero_warn(
             f"{self.source} gave each of the {self.env.world_size} ranks the same first batch: its "
             f"{type(what).__name__} is not sharded across ranks (no DistributedSampler deals it, and ampkit does not "
-            f"split a stream), so every rank trains on the same samples, {self.env.world_size} times over; in its "
-            "__iter__, keep the samples of torch.distributed.get_rank() out of every get_world_size() (and of "
-            "get_worker_info() under DataLoader workers), or use a map-style Dataset, which ampkit shards (samples "
-            "alike by design, such as a constant benchmark batch, may ignore this)"
+            f"split a stream), so {self._outcome()}; in its __iter__, keep the samples of "
+            "torch.distributed.get_rank() out of every get_world_size() (and of get_worker_info() under DataLoader "
+            "workers), or use a map-style Dataset, which ampkit shards (samples alike by design, such as a constant "
+            "benchmark batch, may ignore this)"
         )
 
+    def _outcome(self) -> str:
+        return f"every rank trains on the same samples, {self.env.world_size} times over"
 
-def _dealt_by_a_sampler(loader: Any) -> bool:
-    """Whether a ``DistributedSampler`` gives each rank its own share of ``loader``'s samples."""
+
+class EvaluationFirstBatch(FirstBatchComparison):
+    """The same comparison for an evaluation pass (validation, test, predict), whose ranks may run different numbers
+    of batches, a rank none: the pass notes its first batch's fingerprint (:meth:`note`) and hands every rank's to
+    :meth:`judge` from the gather that ends it, so the comparison costs no collective of its own."""
+
+    def note(self, batch: Any) -> str | None:
+        """The fingerprint of ``batch``, the pass's first, while the comparison is pending; else None."""
+        return batch_fingerprint(batch) if self.pending else None
+
+    def _outcome(self) -> str:
+        n = self.env.world_size
+        if self.source == "predict_dataloader()":
+            return f"every rank predicts every sample, {n} times the work, and each rank's predictions hold them all"
+        return f"every rank evaluates every sample: the means are right, but each pass does {n} times the work"
+
+
+def _dealt_to_the_ranks(loader: Any) -> bool:
+    """Whether each rank gets its own share of ``loader``'s samples: a ``DistributedSampler`` deals them, or ampkit's
+    evaluation sharding (``EvaluationBatches``) does."""
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     if not isinstance(loader, DataLoader):
         return False
+    if isinstance(loader.batch_sampler, EvaluationBatches):
+        return True
     return isinstance(loader.sampler, DistributedSampler) or isinstance(sampler_of(loader), DistributedSampler)

@@ -18,9 +18,10 @@ from ampkit.trainer.distributed import (
     all_reduce_sum,
     evened_by_agreement,
     filler_batches_from,
+    gather_object,
     padded_to_the_longest_rank,
-    union_over_ranks,
 )
+from ampkit.trainer.duplicated_data import EvaluationFirstBatch
 from ampkit.trainer.failure_note import noting_fetch_failures
 from ampkit.trainer.loader_rng import set_sampler_epoch
 from ampkit.trainer.user_code import check_metrics, no_batches_message
@@ -158,12 +159,14 @@ def average_metrics(
     step: Callable[[Any], dict[str, Any]],
     limit: int | None = None,
     batch_end_hook: str | None = None,
+    first_batch: EvaluationFirstBatch | None = None,
 ) -> dict[str, float]:
     """Run ``step`` on every batch (the model in eval mode) and average each metric, weighted by batch size,
     over the batches of all ranks that returned it; ``batch_end_hook`` fires with each batch's metrics and the batch.
 
     A metric only some batches return (one per validation set of a chained loader) is averaged over those; a
-    filler batch (a rank with fewer samples keeping step with the others) counts for nothing."""
+    filler batch (a rank with fewer samples keeping step with the others) counts for nothing. The ranks may run
+    different numbers of batches: they meet only at the end, where ``first_batch`` compares their first ones."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
     ran = 0  # real batches: the pass's count over all ranks is kept in trainer.evaluated_batches
@@ -172,9 +175,12 @@ def average_metrics(
     source = _DATALOADER_OF.get(step.__name__, "the evaluation data")
     set_sampler_epoch(loader, trainer.state.epoch)  # as Lightning: a shuffled DistributedSampler's order per epoch
     empty: list[int] = []
+    fingerprint = None  # of this rank's first batch, while first_batch's comparison is pending
     for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, source)):
         if limit is not None and i >= limit:
             break
+        if i == 0 and first_batch is not None:
+            fingerprint = first_batch.note(batch)
         n = checked_count(trainer.samples_in(batch), trainer, "samples_in")  # on the host, before it moves
         batch = trainer._to_device(batch)
         metrics = check_metrics(run_step(trainer, step, batch), f"{step.__name__}(batch)")
@@ -198,7 +204,7 @@ def average_metrics(
             "means",
             stacklevel=2,
         )
-    keys = union_over_ranks(list(sums), trainer.dist)
+    keys = _keys_of_every_rank(list(sums), fingerprint, first_batch, trainer.dist)
     totals = all_reduce_sum(
         [sums.get(k, 0.0) for k in keys] + [seen.get(k, 0.0) for k in keys] + [float(ran)], trainer.dist
     )
@@ -206,20 +212,42 @@ def average_metrics(
     return {key: totals[i] / totals[len(keys) + i] for i, key in enumerate(keys)}
 
 
+def _keys_of_every_rank(
+    keys: list[str], fingerprint: str | None, first_batch: EvaluationFirstBatch | None, env: DistributedEnv
+) -> list[str]:
+    """The metric keys any rank returned, in one order on every rank (rank zero's first), so that sums keyed by them
+    line up; the same gather carries each rank's first-batch ``fingerprint`` to ``first_batch`` while it is pending."""
+    if not env.enabled:
+        return keys
+    gathered = gather_object((keys, fingerprint), env)
+    if first_batch is not None and first_batch.pending:
+        first_batch.judge([rank_fingerprint for _, rank_fingerprint in gathered])
+    return list(dict.fromkeys(key for rank_keys, _ in gathered for key in rank_keys))
+
+
 @torch.no_grad()
-def collect_predictions(trainer: Trainer, loader: Any, step: Callable[[Any], Any]) -> list[Any]:
+def collect_predictions(
+    trainer: Trainer, loader: Any, step: Callable[[Any], Any], first_batch: EvaluationFirstBatch | None = None
+) -> list[Any]:
     """``step``'s output for every batch (the model in eval mode), tensors detached and moved to the CPU; a filler
-    batch's (a rank with fewer samples keeping step with the others) is dropped."""
+    batch's (a rank with fewer samples keeping step with the others) is dropped. The ranks meet only at the end, in
+    one gather of their counts, which carries the comparison of their first batches (``first_batch``)."""
     modes = training_modes(trainer.module)
     trainer.module.eval()
     predictions = []
+    fingerprint = None
     set_sampler_epoch(loader, trainer.state.epoch)
-    for batch, real in real_and_filler_batches(trainer, loader, "predict_dataloader()"):
+    for i, (batch, real) in enumerate(real_and_filler_batches(trainer, loader, "predict_dataloader()")):
+        if i == 0 and first_batch is not None:
+            fingerprint = first_batch.note(batch)
         output = run_step(trainer, step, trainer._to_device(batch))
         if real:
             predictions.append(apply_to_collection(output, torch.Tensor, lambda t: t.detach().cpu()))
     restore_training_modes(modes)
-    trainer.evaluated_batches = int(all_reduce_sum([float(len(predictions))], trainer.dist)[0])
+    gathered = gather_object((len(predictions), fingerprint), trainer.dist)
+    if first_batch is not None and first_batch.pending and trainer.dist.enabled:
+        first_batch.judge([rank_fingerprint for _, rank_fingerprint in gathered])
+    trainer.evaluated_batches = sum(count for count, _ in gathered)
     return predictions
 
 

@@ -31,8 +31,8 @@ def idle_settings(
     if training_steps is not None and 0 <= t.max_epochs and training_steps < t.max_steps:
         found.append(
             f"trainer.max_steps={t.max_steps} is never reached: trainer.max_epochs={t.max_epochs} ends the run after "
-            f"{training_steps} steps (Lightning's max_steps alone lifts its epoch limit; here set "
-            "trainer.max_epochs=-1 for none, or raise it)"
+            f"{training_steps} step{'s' * (training_steps != 1)} (Lightning's max_steps alone lifts its epoch "
+            "limit; here set trainer.max_epochs=-1 for none, or raise it)"
         )
     if batches_per_epoch is not None and t.accumulate_grad_batches > batches_per_epoch:
         found.append(
@@ -44,7 +44,8 @@ def idle_settings(
     every = cfg.logging.log_every_n_steps
     if cfg.logging.tensorboard and training_steps is not None and 0 < training_steps < every:
         found.append(
-            f"logging.log_every_n_steps={every} is more than this run's {training_steps} iterations: TensorBoard gets "
+            f"logging.log_every_n_steps={every} is more than this run's {training_steps} "
+            f"iteration{'s' * (training_steps != 1)}: TensorBoard gets "
             "no learning rate, gradient norm or log(on_step) value of any step, only the losses' mean at the end "
             f"(Lightning warns likewise); set it to at most {training_steps}"
         )
@@ -147,11 +148,13 @@ def _validation_never_runs(cfg: DictConfig, batches_per_epoch: int | None, train
     epochs = (
         "trainer.val_every_n_epochs=0"
         if t.val_every_n_epochs == 0
-        else f"trainer.val_every_n_epochs={t.val_every_n_epochs} is more than its {full_epochs} full epochs"
+        else f"trainer.val_every_n_epochs={t.val_every_n_epochs} is more than its {full_epochs} full "
+        f"epoch{'s' * (full_epochs != 1)}"
     )
     steps = (
         "trainer.val_every_n_steps=0"
         if t.val_every_n_steps == 0
-        else f"trainer.val_every_n_steps={t.val_every_n_steps} is more than its {training_steps} steps"
+        else f"trainer.val_every_n_steps={t.val_every_n_steps} is more than its {training_steps} "
+        f"step{'s' * (training_steps != 1)}"
     )
     return f"{epochs} and {steps}"

@@ -131,7 +131,7 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
     trainer.state.stage = "sanity"
     try:
         trainer.fire("on_validation_start")
-        metrics = average_metrics(trainer, loader, trainer.validation_step, limit)
+        metrics = average_metrics(trainer, loader, trainer.validation_step, limit, first_batch=trainer._val_first_batch)
         trainer._fire_evaluation_end("on_validation_end", metrics)
     finally:
         trainer.state.stage = "fit"

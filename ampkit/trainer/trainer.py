@@ -84,10 +84,12 @@ from ampkit.trainer.batch_counts import (
     yields_more,
 )
 from ampkit.trainer.batch_layout import (
+    RescaledResume,
     batch_layout,
     batches_done_here,
     layout_change,
     order_change_note,
+    rescaling,
     saved_accumulation,
 )
 from ampkit.trainer.callback import HOOKS, Callback, Phase, run_order
@@ -126,7 +128,7 @@ from ampkit.trainer.distributed import (
     teardown_distributed,
     while_every_rank_has_a_batch,
 )
-from ampkit.trainer.duplicated_data import FirstBatchComparison
+from ampkit.trainer.duplicated_data import EvaluationFirstBatch, FirstBatchComparison
 from ampkit.trainer.evaluation import (
     INSTEAD_OF_LOG,
     PREDICT,
@@ -455,6 +457,7 @@ class Trainer:
         self._rng_after_fetch: dict[str, Any] | None = None  # a resume fetching one ahead: the RNGs after its first
         self._batch_layout: dict[str, int] | None = None  # samples per training batch over all ranks (batch_layout)
         self.resumed_layout_change: str | None = None  # samples per step in the resumed checkpoint and now, if changed
+        self.rescaled_resume: RescaledResume | None = None  # a mid-epoch position moved to batches of another size
         self._agree_each_batch = False  # under torchrun, some rank's batch count is unknown (an IterableDataset)
         self._batch_agreement: Any = None  # the process group that agreement runs in (None: the default one)
         self._has_step_schedulers = False  # any scheduler with interval "step": walked once per iteration
@@ -1651,8 +1654,9 @@ class Trainer:
         try:
             self.fire("on_validation_start")
             self.val_metrics = average_metrics(
-                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end"
-            )
+                self, self._val_loader, self.validation_step, self._val_limit, "on_validation_batch_end",
+                self._val_first_batch,
+            )  # fmt: skip
             self.val_metrics_step = self.state.global_step
             if not self._said_empty_validation:
                 self._said_empty_validation = warn_of_an_empty_pass(
@@ -1798,8 +1802,9 @@ class Trainer:
                 self.fire("on_evaluation_setup", stage.name)
             self.fire(f"on_{stage.hook}_start")
             step = getattr(self, stage.step)
+            first_batch = EvaluationFirstBatch(loader, self.dist, f"{stage.dataloader}()")  # every rank alike?
             if stage is PREDICT:
-                result = collect_predictions(self, loader, step)
+                result = collect_predictions(self, loader, step, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
@@ -1809,7 +1814,7 @@ class Trainer:
                     limit = batch_limit(
                         self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
                     )
-                result = average_metrics(self, loader, step, limit, batch_end)
+                result = average_metrics(self, loader, step, limit, batch_end, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
                     self.val_metrics = result
@@ -1927,6 +1932,7 @@ class Trainer:
         self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._said_empty_validation = False  # a validation stream that yielded nothing is said once per fit
+        self.resumed_layout_change = self.rescaled_resume = None  # a resume sets them; an earlier fit's go
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._held_step_values = {}
@@ -1965,6 +1971,7 @@ class Trainer:
             if said is not None:
                 rank_zero_warn(said)
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
+        self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
@@ -2045,10 +2052,12 @@ class Trainer:
         )
         if note is not None:
             rank_zero_warn(f"resuming '{path}' {self.state.batches_done} batches into its epoch: {note}")
+        saved_batches = self.state.batches_done
         done = batches_done_here(
-            saved_layout, self._batch_layout, self.state.batches_done, self.settings.accumulate_grad_batches, path
+            saved_layout, self._batch_layout, saved_batches, self.settings.accumulate_grad_batches, path
         )
         self.state.batches_done = self._resume["batches_done"] = done
+        self.rescaled_resume = rescaling(self.state.epoch, saved_layout, self._batch_layout, saved_batches, done)
         self.resumed_layout_change = layout_change(
             saved_layout, self._batch_layout, saved_accumulate, self.settings.accumulate_grad_batches
         )

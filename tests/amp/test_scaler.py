@@ -33,6 +33,25 @@ def test_growth_after_exactly_interval_clean_updates(interval):
     assert s.update(torch.zeros(1)) == (8.0, 16.0)
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize(
+    "state",
+    [{"scale": 1024.0, "_growth_tracker": 1500}, {"loss_scale": 1024.0, "unskipped": 1500}],
+    ids=["grad_scaler_state", "own_state"],
+)
+def test_a_restored_clean_count_past_the_interval_grows_at_the_next_clean_update(state, on_device):
+    """A GradScaler's state counting toward a longer interval, or a resume with ``growth_interval`` lowered, restores a
+    clean count already past the interval: counted on to equality, the scale never grew again until an overflow."""
+    scaler = LossScaler(growth_interval=1000)
+    if on_device:
+        scaler.keep_on_device(torch.device("cpu"))
+    scaler.load_state_dict(dict(state))
+    if on_device:
+        scaler.update_on_device(torch.tensor(0.0))
+        assert scaler.scale_loss(torch.ones(())).item() == 2048.0  # the device copy grew
+    assert scaler.update(False) == (1024.0, 2048.0) and scaler.unskipped == 0
+
+
 def test_backoff_floored_at_min_scale_and_at_the_float32_limit_without():
     s = LossScaler(init_scale=8.0, min_scale=2.0)
     assert [s.update(torch.ones(1))[1] for _ in range(4)] == [4.0, 2.0, 2.0, 2.0]
@@ -99,6 +118,17 @@ def test_load_state_dict_errors():
         s.load_state_dict({"loss_scale": -2.0, "unskipped": 0})
     with pytest.raises(ValueError, match="unskipped=-1"):
         s.load_state_dict({"loss_scale": 2.0, "unskipped": -1})
+    assert (s.scale, s.unskipped) == (2.0**16, 0)  # a refused state changed the scale before the count was checked
+
+
+def test_a_restored_dynamic_scale_keeps_this_runs_floor_and_cap():
+    """torch's GradScaler has no cap (its scale may reach 2**30), and a resume may lower ``max_scale`` or raise
+    ``min_scale``: the restored scale stayed outside them, so the next "growth" lowered it to the cap."""
+    capped, floored, static = LossScaler(), LossScaler(min_scale=4.0), LossScaler(2.0**30)
+    capped.load_state_dict({"scale": 2.0**30, "_growth_tracker": 5})
+    floored.load_state_dict({"loss_scale": 1.0, "unskipped": 0})
+    static.load_state_dict({"loss_scale": 2.0**30, "unskipped": 0})
+    assert (capped.scale, capped.unskipped, floored.scale, static.scale) == (2.0**24, 5, 4.0, 2.0**30)
 
 
 def test_an_overflow_verdict_that_is_not_a_flag_is_refused():

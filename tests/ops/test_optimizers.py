@@ -403,6 +403,18 @@ def test_a_resumed_adam_keeps_the_saved_weight_decay_mode(first, second):
     assert rel_diff(b, a) <= 1e-12
 
 
+def test_torch_adams_decoupled_weight_decay_in_a_group_is_refused_where_it_says_other_than_adam_w_mode():
+    """A group written for torch.optim.Adam (``decoupled_weight_decay=False``: L2 decay) was kept and ignored: FusedAdam
+    went on with AdamW's decay. Agreeing with ``adam_w_mode`` it is taken, leaving the group ``adam_w_mode`` only."""
+    params = make_params(torch.float32)
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=False .* and adam_w_mode=True: FusedAdam reads"):
+        FusedAdam([{"params": params, "decoupled_weight_decay": False}], weight_decay=0.1)
+    optimizer = FusedAdam([{"params": params[:1], "decoupled_weight_decay": False, "adam_w_mode": False}])
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=True .* and adam_w_mode=False"):
+        optimizer.add_param_group({"params": params[1:], "decoupled_weight_decay": True, "adam_w_mode": False})
+    assert len(optimizer.param_groups) == 1 and "decoupled_weight_decay" not in optimizer.param_groups[0]
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 

@@ -11,10 +11,15 @@ import pickle
 import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS, SHAPES
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+import ampkit.compat.optimizers as apex_optimizers
 from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD
 
+# Apex's names (``apex.optimizers`` through the shim), with their defaults: subclasses of the fused optimizers, with
+# Apex's attributes, FusedAdam's own step and, for FusedAdam, FusedLAMB and FusedNovoGrad, step counts per group.
+APEX_OPTIMIZERS = {f"apex_{name}": getattr(apex_optimizers, name) for name in apex_optimizers._APEX_NAMES}
 # Flags torch.optim added over its versions; a checkpoint written before them lacks them.
 NEWER_TORCH_FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay")
 
@@ -55,12 +60,12 @@ def assert_same(actual, expected):
 
 
 @pytest.mark.parametrize("how", ["state_dict", "torch_save_weights_only", "deepcopy", "pickle"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", [*OPTIMIZERS, *APEX_OPTIMIZERS])
 def test_a_saved_or_copied_optimizer_continues_bit_identically_and_saves_the_same_state(name, how):
     """torch's rule: an optimizer resumed from its ``state_dict()`` (or a deep copy, or a pickle) steps exactly as
     the one it came from, and then saves the same state dict. A resumed fused optimizer used to save torch's own
     ``differentiable`` option in every group, which the original had not."""
-    make = OPTIMIZERS[name]
+    make = {**OPTIMIZERS, **APEX_OPTIMIZERS}[name]
     params = make_params()
     optimizer = make(params)
     run(optimizer, params, 0, 3)
@@ -81,6 +86,26 @@ def test_a_saved_or_copied_optimizer_continues_bit_identically_and_saves_the_sam
     run(resumed, resumed_params, 3, 3)
     assert_same(resumed_params, params)
     assert_same(resumed.state_dict(), optimizer.state_dict())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_resumed_optimizers_param_groups_hold_what_the_saved_ones_held_and_nothing_else(name):
+    """torch restores each saved group whole: keys of the user's own (a group's name for logging) come back, and
+    nothing is added. A resumed FusedAdam kept torch's ``decoupled_weight_decay``, which it saves beside
+    ``adam_w_mode`` for torch.optim's Adam, in its groups: a key its step never reads, there after a resume only."""
+    make = OPTIMIZERS[name]
+    params = make_params()
+    optimizer = make([{"params": params[:2], "name": "backbone"}, {"params": params[2:], "lr": 1e-3, "tags": ["head"]}])
+    run(optimizer, params, 0, 1)
+    resumed_params = copies(params)
+    resumed = make([{"params": resumed_params[:2]}, {"params": resumed_params[2:]}])
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+    def settings(opt):
+        return [{key: value for key, value in group.items() if key != "params"} for group in opt.param_groups]
+
+    assert settings(resumed) == settings(optimizer)
+    assert settings(resumed)[0]["name"] == "backbone" and settings(resumed)[1]["tags"] == ["head"]
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -144,6 +169,40 @@ def test_named_parameters_are_saved_by_name_and_load_either_way(name, named_firs
     model(torch.randn(4, 3)).sum().backward()
     resumed.step()
     assert resumed.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_reordering_pre_hook_loads_it(name):
+    """torch pairs saved states with parameters by position: two ``Linear(3, 3)`` listed the other way round took
+    each other's state without a word (their shapes agree). Where both sides name their parameters the load is
+    refused, the optimizer keeping its state; a pre-hook that reorders the state dict by name (torch's advice), or
+    torch.distributed.checkpoint, loads each state onto its own parameter."""
+    make = OPTIMIZERS[name]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    optimizer = make(model.named_parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    named = list(model.named_parameters())
+    reordered = make(named[2:] + named[:2])
+    with pytest.raises(ValueError, match=r"another order \(parameter 0 is '0.weight' there, '1.weight' here\)"):
+        reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert len(reordered.state) == 0
+
+    def by_name(opt, state_dict):
+        saved, ours = state_dict["param_groups"][0], opt.param_groups[0]["param_names"]
+        ids = dict(zip(saved["param_names"], saved["params"], strict=True))
+        state_dict["param_groups"][0] = {**saved, "params": [ids[n] for n in ours], "param_names": ours}
+
+    reordered.register_load_state_dict_pre_hook(by_name)
+    reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for p in model.parameters():
+        assert_same(reordered.state[p], optimizer.state[p])
+    # torch.distributed.checkpoint maps by name itself and hands the groups over in this optimizer's order, with their
+    # names as saved: not refused.
+    by_dcp = make(named[2:] + named[:2])
+    set_optimizer_state_dict(model, by_dcp, get_optimizer_state_dict(model, optimizer))
+    for p in model.parameters():
+        assert_same(by_dcp.state[p], optimizer.state[p])
 
 
 # ----------------------------------------------------------------- param groups and hyper-parameters
@@ -370,6 +429,27 @@ def test_complex_parameters_which_torch_optim_steps_as_real_pairs_are_refused_by
     run(optimizer, params, 0, 1)
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_torchs_differentiable_switch_on_is_refused_in_a_group_or_a_checkpoint_and_off_loads(name):
+    """torch.optim's ``differentiable=True`` (meta-learning through the update) cannot hold for kernels stepping in
+    place under ``no_grad``: given in a param group, or in a torch checkpoint's groups, it was kept and ignored."""
+    params = make_params()
+    optimizer = OPTIMIZERS[name](params)
+    run(optimizer, params, 0, 1)
+    with pytest.raises(ValueError, match=r"Invalid differentiable of a param group: True \(fused optimizers"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "differentiable": True})
+    assert len(optimizer.param_groups) == 1
+    saved = optimizer.state_dict()
+    from_torch = copy.deepcopy(saved)
+    from_torch["param_groups"][0]["differentiable"] = True
+    with pytest.raises(ValueError, match=r"saved param_groups\[0\]: Invalid differentiable"):
+        optimizer.load_state_dict(from_torch)
+    assert_same(optimizer.state_dict(), saved)
+    from_torch["param_groups"][0]["differentiable"] = False  # as every torch.optim checkpoint has it
+    optimizer.load_state_dict(from_torch)
+    run(optimizer, params, 1, 1)
+
+
 # ----------------------------------------------------------------- hooks
 
 
@@ -449,6 +529,23 @@ def test_load_state_dict_hooks_edit_in_place_or_replace_in_order_and_post_hooks_
     optimizer.load_state_dict(copy.deepcopy(saved))
     assert seen == [0.002, 0.002]
     run(optimizer, params, 1, 1)
+
+
+@pytest.mark.parametrize("name", list(APEX_OPTIMIZERS))
+def test_apexs_names_run_each_step_hook_once_whatever_was_built_before(name):
+    """Apex's names are subclasses of the fused optimizers, and torch wraps a class's ``step`` in its hooks when the
+    first optimizer of that class is built. Apex's FusedAdam has a step of its own calling its base's: once a plain
+    ``FusedAdam`` had been built in the process, every hook ran twice and a pre-hook adding a closure added two."""
+    cls = APEX_OPTIMIZERS[name]
+    cls.__base__([torch.nn.Parameter(torch.zeros(2))])  # the base class's step is wrapped too now
+    params = make_params()
+    optimizer = cls(params)
+    calls = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: ((*args, lambda: calls.append("closure")), kwargs))
+    run(optimizer, params, 0, 1)
+    assert calls == ["pre", "closure", "post"]
 
 
 # ----------------------------------------------------------------- torch.optim's own state dicts

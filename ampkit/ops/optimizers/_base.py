@@ -311,7 +311,8 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
 
 def check_group_hypers(group: dict[str, Any]) -> None:
     """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
-    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read."""
+    ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read; torch's
+    ``differentiable=True``, which these steps cannot honour, is refused rather than ignored."""
     for key, (low, high) in GROUP_HYPER_RULES.items():
         if key in group:
             check_hyper(f"{key} of a param group", group[key], low, high, closed=high == math.inf)
@@ -320,6 +321,11 @@ def check_group_hypers(group: dict[str, Any]) -> None:
             check_flag(f"{key} of a param group", group[key])
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
+    if group.get("differentiable"):  # torch.optim's switch, in a group of the user's or from a torch checkpoint
+        raise ValueError(
+            f"Invalid differentiable of a param group: {group['differentiable']!r} (fused optimizers update in place "
+            "under torch.no_grad(), so no gradient flows through their step; use torch.optim's optimizer for that)"
+        )
 
 
 def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[str]) -> None:
@@ -358,6 +364,34 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
                 raise TypeError(
                     f"{where}: saved state[{pid!r}][{key!r}] is a {type(value).__name__}, expected a tensor"
                 )
+
+
+def refuse_reordered_names(owner: str, saved_groups: Sequence[Any], groups: Sequence[dict[str, Any]]) -> None:
+    """Raise ValueError when the state dict names this optimizer's parameters (``param_names``, kept by an optimizer
+    built from ``named_parameters()``) in another order: torch's loader pairs states with parameters by position, so
+    each parameter would take another's moments (silently, where their shapes agree)."""
+    if not all(isinstance(pid, int) for group in saved_groups for pid in group["params"]):
+        return  # torch.distributed.checkpoint's, keyed by name and put in this optimizer's order (names as saved)
+    saved, ours = _param_names(saved_groups), _param_names(groups)
+    if saved is None or ours is None or saved == ours or sorted(saved) != sorted(ours):
+        return  # unnamed, or other names (a wrapper's prefix, ``module.``): loaded by position, as torch loads them
+    at = next(i for i, (then, now) in enumerate(zip(saved, ours, strict=True)) if then != now)
+    raise ValueError(
+        f"{owner}.load_state_dict: the state dict holds this optimizer's parameters in another order (parameter {at} "
+        f"is '{saved[at]}' there, '{ours[at]}' here); states load by position, so each would take another's. Build "
+        "the optimizer with the parameters in the saved order, or reorder the state dict in a load_state_dict pre-hook"
+    )
+
+
+def _param_names(groups: Sequence[Any]) -> list[str] | None:
+    """Every group's ``param_names`` in order, or None unless each group holds a list of strings there."""
+    names: list[str] = []
+    for group in groups:
+        held = group.get("param_names")
+        if not isinstance(held, list | tuple) or not all(isinstance(name, str) for name in held):
+            return None
+        names += held
+    return names
 
 
 P = ParamSpec("P")
@@ -847,6 +881,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if returned is not None:
                 state_dict = returned
         check_state_dict_layout(type(self).__name__, state_dict, tensor_keys)
+        refuse_reordered_names(type(self).__name__, state_dict["param_groups"], self.param_groups)
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: the state dict has {len(state_dict['param_groups'])} param "

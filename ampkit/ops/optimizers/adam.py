@@ -16,6 +16,7 @@ from ampkit.ops.optimizers._base import (
     ScalerTensors,
     acc_dtype,
     check_betas,
+    check_flag,
     check_hyper,
     torch_step_counts,
 )
@@ -86,6 +87,21 @@ class FusedAdam(FusedOptimizer):
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """The base class's checks; a group given torch.optim.Adam's ``decoupled_weight_decay`` (which the step does not
+        read) is refused where it says other than the group's ``adam_w_mode``, and else left to ``adam_w_mode``."""
+        super()._check_group(group)
+        if "decoupled_weight_decay" not in group:
+            return
+        check_flag("decoupled_weight_decay of a param group", group["decoupled_weight_decay"])
+        if bool(group["decoupled_weight_decay"]) != bool(group["adam_w_mode"]):
+            raise ValueError(
+                f"A param group gives decoupled_weight_decay={group['decoupled_weight_decay']!r} (torch.optim.Adam's "
+                f"name) and adam_w_mode={group['adam_w_mode']!r}: FusedAdam reads adam_w_mode (True: AdamW's decay, "
+                "False: L2 as torch.optim.Adam); set that one"
+            )
+        del group["decoupled_weight_decay"]
+
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["exp_avg"] = torch.zeros_like(param, dtype=acc_dtype(param))
@@ -104,11 +120,14 @@ class FusedAdam(FusedOptimizer):
 
     def _load_state(self, state_dict: dict[str, Any]) -> None:
         """torch's loader; a group saved by ``torch.optim.Adam``/``AdamW`` resumes with its ``decoupled_weight_decay``
-        as ``adam_w_mode``, as torch's Adam takes the saved flag over its own (the saved group's options win)."""
+        as ``adam_w_mode``, as torch's Adam takes the saved flag over its own (the saved group's options win). The
+        flag then leaves the group (``state_dict`` writes it from ``adam_w_mode``): kept, it was a second switch the
+        step never reads, and the resumed groups differed from the saved run's."""
         super()._load_state(state_dict)
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             if "adam_w_mode" not in saved and "decoupled_weight_decay" in saved:
                 group["adam_w_mode"] = bool(saved["decoupled_weight_decay"])
+            group.pop("decoupled_weight_decay", None)
 
     def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
         return group["bias_correction"] and acc_dtype(param) == param.dtype
