@@ -27,6 +27,19 @@ UNSERVED: dict[str, tuple[str, str]] = {
         "a sharded FusedLAMB",
         "apex.optimizers.FusedLAMB with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
     ),
+    # MLPerf's fairseq (2019-20) imported both at the top of its Adam module; Apex dropped them in June 2022
+    "apex.contrib.optimizers.distributed_fused_adam_v2": (
+        "a sharded FusedAdam, removed from Apex in 2022",
+        "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
+    ),
+    "apex.contrib.optimizers.distributed_fused_adam_v3": (
+        "a sharded FusedAdam, removed from Apex in 2022",
+        "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
+    ),
+    "apex.contrib.optimizers.distributed_fused_adam_v4": (
+        "a sharded FusedAdam of Apex's development branches",
+        "apex.optimizers.FusedAdam with torch.distributed.optim.ZeroRedundancyOptimizer or FSDP",
+    ),
     "apex.contrib.optimizers.fused_lamb": ("the first FusedLAMB", "apex.optimizers.FusedLAMB"),
     "apex.contrib.optimizers.fused_sgd": ("the first FusedSGD", "apex.optimizers.FusedSGD"),
     "apex.contrib.sparsity": ("ASP 2:4 sparsity", "torch.ao.pruning or torch.sparse.to_sparse_semi_structured"),
@@ -38,6 +51,19 @@ UNSERVED: dict[str, tuple[str, str]] = {
     "apex.contrib.nccl_allocator": ("an NCCL memory pool", "no equivalent off CUDA; leave the call out"),
     "apex.contrib.gpu_direct_storage": ("GPUDirect Storage I/O", "torch.save / torch.load"),
     "apex.contrib.openfold_triton": ("OpenFold's Triton kernels", "the model's plain PyTorch LayerNorm and attention"),
+    "apex.contrib.torchsched": (
+        "a multi-stream torch.compile backend for CUDA",
+        "torch.compile(model) with its default backend",
+    ),
+    "apex.normalization.instance_norm": (
+        "nvFuser instance norms, removed from Apex in 2023",
+        "torch.nn.InstanceNorm3d",
+    ),
+    "apex.parallel.optimized_sync_batchnorm_kernel": (
+        "the syncbn CUDA extension's autograd function",
+        "apex.parallel.SyncBatchNorm (served), or apex.parallel.sync_batchnorm_kernel.SyncBatchnormFunction with "
+        "statistics you reduce",
+    ),
     "apex.transformer": ("tensor and pipeline parallelism", "Megatron-Core or torch.distributed.tensor.parallel"),
     "apex.RNN": ("Apex's RNN modules", "torch.nn.LSTM, torch.nn.GRU or torch.nn.RNN"),
     "apex.reparameterization": ("weight normalization", "torch.nn.utils.parametrizations.weight_norm"),

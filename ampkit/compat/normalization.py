@@ -155,7 +155,18 @@ _FUNCTION_CLASSES = tuple(cls.__name__ for cls in _ApexNormFunction.__subclasses
 __all__ = [*_MODULES, *_FUNCTIONS, *_FUNCTION_CLASSES, "manual_rms_norm"]
 
 
+# Apex's nvFuser instance norms (2022-23, CUDA only): MONAI asks for InstanceNorm3dNVFuser and falls back on None
+_NVFUSER_INSTANCE_NORMS = ("InstanceNorm1dNVFuser", "InstanceNorm2dNVFuser", "InstanceNorm3dNVFuser")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _NVFUSER_INSTANCE_NORMS:
+        raise missing_name(
+            f"ampkit's apex shim does not serve apex.normalization.{name} (an nvFuser kernel, removed from Apex in "
+            f"2023); use torch.nn.{name.removesuffix('NVFuser')}",
+            "apex.normalization",
+            name,
+        )
     if name not in (*_MODULES, *_FUNCTIONS):
         raise missing_name(
             f"module {__name__!r} has no attribute {name!r}; Apex norm names are {__all__}",

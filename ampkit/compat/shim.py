@@ -35,6 +35,7 @@ APEX_SUBPACKAGES = {
     "multi_tensor_apply": "ampkit.compat.multi_tensor_apply",
     "mlp": "ampkit.compat.mlp",
     "fused_dense": "ampkit.compat.fused_dense",
+    "_autocast_utils": "ampkit.compat.autocast_utils",  # copies of Apex's fused layers import its cast helper
 }
 # Apex's CUDA extension, a top-level module: served only while the shim is installed, never put on sys.path.
 _TOP_LEVEL_MODULES = {
@@ -95,6 +96,9 @@ def _target_module_name(fullname: str) -> str:
         raise ModuleNotFoundError(message, name=fullname)
     target = APEX_SUBPACKAGES[head] + (f".{tail}" if tail else "")
     if not _module_exists(target):  # e.g. apex.amp.opt: Apex's internal module layout is not reproduced
+        unserved = _unserved_message(fullname)  # a CUDA-only internal that programs imported: what to use instead
+        if unserved:
+            raise ModuleNotFoundError(unserved, name=fullname)
         package = importlib.import_module(APEX_SUBPACKAGES[head])
         names = getattr(package, "__all__", None) or [n for n in dir(package) if not n.startswith("_")]
         raise ModuleNotFoundError(
@@ -103,8 +107,9 @@ def _target_module_name(fullname: str) -> str:
     return target
 
 
+_PUBLIC_SUBPACKAGES = [name for name in APEX_SUBPACKAGES if not name.startswith("_")]
 _PROVIDED = (
-    f"ampkit's apex shim provides apex.{{{', '.join(APEX_SUBPACKAGES)}}} and "
+    f"ampkit's apex shim provides apex.{{{', '.join(_PUBLIC_SUBPACKAGES)}}} and "
     f"apex.contrib.{{{', '.join(_SERVED_CONTRIB)}}}"
 )
 
@@ -141,7 +146,7 @@ def _make_apex_package() -> types.ModuleType:
             return importlib.import_module(f"apex.{name}")
         unserved = _unserved_message(f"apex.{name}")  # apex.transformer: what to use instead
         message = unserved or (
-            f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(APEX_SUBPACKAGES)}"
+            f"module 'apex' (ampkit shim) has no attribute {name!r}; it provides {', '.join(_PUBLIC_SUBPACKAGES)}"
             " and contrib"
         )
         raise missing_name(message, "apex", name, submodule=unserved is not None)

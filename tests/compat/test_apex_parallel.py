@@ -242,6 +242,34 @@ def _check_sync_batchnorm_matches_full_batch(rank, world_size):
     torch.testing.assert_close(sync_bn.running_var, reference_bn.running_var)
 
 
+def _check_sync_batchnorm_function_with_statistics_reduced_by_hand_matches_full_batch(rank, world_size):
+    # A masked batch norm subclassing apex.parallel.SyncBatchNorm reduces its own statistics and calls Apex's
+    # pure-Python SyncBatchnormFunction, whose backward averages mean(dy) and mean(dy * (x - mean)) over the ranks.
+    from ampkit.compat.parallel.sync_batchnorm_kernel import SyncBatchnormFunction
+
+    full = torch.cat([_rank_data(r)[1] for r in range(world_size)])
+    upstream = torch.linspace(-1.0, 1.0, full.numel()).reshape(full.shape)
+    reference_bn = torch.nn.BatchNorm1d(4)
+    full_input = full.clone().requires_grad_(True)
+    reference_out = reference_bn(full_input)
+    (reference_out * upstream).sum().backward()
+    local = _rank_data(rank)[1].clone().requires_grad_(True)
+    with torch.no_grad():
+        flat = local.transpose(0, 1).reshape(4, -1)
+        stats = torch.cat([flat.mean(1), flat.pow(2).mean(1)])
+        dist.all_reduce(stats)
+        mean, sqr_mean = (stats / world_size).chunk(2)
+    bn_weight, bn_bias = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    out = SyncBatchnormFunction.apply(local, bn_weight, bn_bias, mean, sqr_mean - mean.pow(2), 1e-5, None, world_size)
+    rows = slice(rank * 6, (rank + 1) * 6)
+    (out * upstream[rows]).sum().backward()
+    weight_grad = bn_weight.grad.clone()
+    dist.all_reduce(weight_grad)  # local, as Apex left them: data parallelism sums (or averages) them
+    torch.testing.assert_close(out, reference_out[rows], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(local.grad, full_input.grad[rows], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weight_grad, reference_bn.weight.grad, rtol=1e-4, atol=1e-5)
+
+
 def _check_sync_batchnorm_keeps_float64(rank, world_size):
     # Float64 data (a large offset, a small spread: float32 keeps none of it) normalises as torch's float64 batch
     # norm does, forward and backward; statistics computed in float32 lost everything below 1e-3 here.
@@ -945,6 +973,7 @@ _TWO_RANK_CHECKS = {
         _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have,
         _check_sync_batchnorm_matches_full_batch,
         _check_sync_batchnorm_keeps_float64,
+        _check_sync_batchnorm_function_with_statistics_reduced_by_hand_matches_full_batch,
         _check_sync_batchnorm_eval_without_running_stats_syncs,
         _check_ddp_disable_and_enable_allreduce,
         _check_syncbn_process_groups,

@@ -70,6 +70,12 @@ class ApexLossScaler(LossScaler):
         (as in Apex, a static scaler never reports one: it does not skip)."""
         return self.last_found_inf
 
+    @_has_overflow.setter
+    def _has_overflow(self, value: bool | torch.Tensor) -> None:
+        """A verdict the script reached itself (Horovod's Adasum BERT optimizer checks its own gradient norm): the
+        next ``update_scale`` takes it as Apex's did, backing a dynamic scale off without reading the buffer."""
+        self.last_found_inf = overflow_verdict(value)
+
     last_found_inf: bool = False
 
     def update(self, found_inf: bool | torch.Tensor) -> tuple[float, float]:
