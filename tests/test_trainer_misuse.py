@@ -4,14 +4,25 @@ or backpropagates itself, callbacks given twice): each is one error naming the m
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset, toy_model
 
 import ampkit
-from ampkit.callbacks import EarlyStopping, GradientClipping, MaxTime, ModelCheckpoint, TensorBoardLogger
+from ampkit.callbacks import (
+    DistributedSync,
+    EarlyStopping,
+    GradientClipping,
+    LossScaling,
+    MaxTime,
+    ModelCheckpoint,
+    ProgressBar,
+    TensorBoardLogger,
+)
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -413,6 +424,32 @@ def test_a_callback_built_by_hand_refuses_a_number_that_is_no_number_naming_it(b
     Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+# Each on/off argument of a callback built by hand, as (build, the attribute it sets, its owner and name).
+_SWITCHES = [
+    (lambda v: EarlyStopping("val/loss", check_finite=v), "check_finite", "EarlyStopping: check_finite"),
+    (lambda v: DistributedSync(sync_batchnorm=v), "sync_batchnorm", "DistributedSync: sync_batchnorm"),
+    (lambda v: LossScaling(combine_grad=v), "combine_grad", "LossScaling: combine_grad"),
+    (lambda v: LossScaling("none", check_nonfinite=v), "check_nonfinite", "LossScaling: check_nonfinite"),
+    (lambda v: TensorBoardLogger(log_momentum=v), "log_momentum", "TensorBoardLogger: log_momentum"),
+    (lambda v: ProgressBar(bar=v), "bar", "ProgressBar: bar"),
+]
+
+
+@pytest.mark.parametrize(("build", "attribute", "named"), _SWITCHES, ids=[s[2] for s in _SWITCHES])
+def test_a_callback_switch_built_by_hand_is_true_or_false(build, attribute, named):
+    """Taken as given, "False" (a value read as text) was truthy and switched the feature on: early stopping on a
+    NaN, a sync batch norm conversion, flat gradient buffers, momentum logging or a bar no one asked for; 2 and None
+    too. The config's schema made them bools; a callback built in Python had no check."""
+    for bad in ("False", "no", 2, None, 0.5):
+        if bad is None and attribute == "bar":
+            continue  # ProgressBar's None: a bar where the console is interactive
+        with pytest.raises(ValueError, match=re.escape(f"{named} must be True or False, got {bad!r}")):
+            build(bad)
+    for good, expected in ((0, False), (1, True), (np.bool_(False), False), (True, True)):
+        value = getattr(build(good), attribute)
+        assert value is expected
 
 
 class _StepIsNone(ToyTrainer):  # Lightning code disabling a step

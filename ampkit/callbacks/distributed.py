@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.amp.grad_average import average_grads
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
@@ -42,7 +43,7 @@ class DistributedSync(Callback):
             raise ValueError(f"DistributedSync: grad_sync must be 'ddp', 'step' or 'fsdp', got {grad_sync!r}")
         self.grad_sync = grad_sync
         self.ddp_kwargs = dict(ddp_kwargs or {})
-        self.sync_batchnorm = sync_batchnorm
+        self.sync_batchnorm = checked_switch("DistributedSync", "sync_batchnorm", sync_batchnorm)
         self.failure_wait_s = failure_wait_s
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end

@@ -9,6 +9,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
 
@@ -55,7 +56,7 @@ class EarlyStopping(KeyedByMonitor):
                 f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
                 f"{divergence_threshold} in mode {mode!r}: every value would stop the run"
             )
-        self.check_finite = check_finite
+        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.patience = patience

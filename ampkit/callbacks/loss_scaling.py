@@ -30,6 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp import GradientCombiner, LossScaler
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
@@ -105,7 +106,7 @@ class LossScaling(Callback):
         )
         self.loss_scale = loss_scale
         self.scaled = loss_scale != "none"
-        self.check_nonfinite = check_nonfinite or self.scaled
+        self.check_nonfinite = checked_switch("LossScaling", "check_nonfinite", check_nonfinite) or self.scaled
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
         check_num_losses(num_losses)
@@ -116,7 +117,7 @@ class LossScaling(Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{option}={value!r}: expected an integer >= 0 (0 disables it)")
         self.num_losses = num_losses
-        self.combine_grad = combine_grad
+        self.combine_grad = checked_switch("LossScaling", "combine_grad", combine_grad)
         self.warn_consecutive_skips = warn_consecutive_skips
         self.max_overflows_at_min_scale = max_overflows_at_min_scale
         self.scalers: dict[Any, LossScaler] = {}

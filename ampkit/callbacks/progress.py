@@ -19,6 +19,7 @@ import torch
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.precision_config import describe_precision
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.console import console_gone
 
@@ -98,7 +99,8 @@ class ProgressBar(Callback):
     reads_logged_values = True
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
-        self.bar = _interactive() if bar is None else bar
+        hint = " (None: a bar where the console is interactive)"
+        self.bar = _interactive() if bar is None else checked_switch("ProgressBar", "bar", bar, hint)
         self.every_n_steps = interval_option(every_n_steps, "ProgressBar: every_n_steps")
         self.refresh_s = refresh_s
         self._train_bar: Any = None
