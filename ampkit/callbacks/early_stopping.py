@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -45,7 +46,9 @@ class EarlyStopping(KeyedByMonitor):
         patience = interval_option(patience, "EarlyStopping: patience")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
-            if value is not None and not math.isfinite(value):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            ):  # a str failed in math.isfinite naming neither; True was a threshold of 1
                 raise ValueError(f"{name} {value!r} is invalid; expected a finite number or None")
         if (
             stopping_threshold is not None

@@ -8,6 +8,8 @@ CI: the same facts as a plain line every ``every_n_steps`` iterations, so a log 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import sys
 import time
@@ -102,7 +104,9 @@ class ProgressBar(Callback):
         hint = " (None: a bar where the console is interactive)"
         self.bar = _interactive() if bar is None else checked_switch("ProgressBar", "bar", bar, hint)
         self.every_n_steps = interval_option(every_n_steps, "ProgressBar: every_n_steps")
-        self.refresh_s = refresh_s
+        if isinstance(refresh_s, bool) or not isinstance(refresh_s, numbers.Real) or not 0 <= refresh_s < math.inf:
+            raise ValueError(f"ProgressBar: refresh_s={refresh_s!r}: expected a finite number of seconds >= 0")
+        self.refresh_s = float(refresh_s)
         self._train_bar: Any = None
         self._val_bar: Any = None
         self._scales: dict[Any, float] = {}
