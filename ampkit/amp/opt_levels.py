@@ -99,17 +99,17 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{option}={value!r}: a static loss scale must be finite and > 0")
-    if not _FLOAT32_SCALES[0] <= scale <= _FLOAT32_SCALES[1]:  # finite for Python, not for the float32 it scales
+    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:  # finite for Python, not for the float32 it scales
         raise ValueError(
             f"{option}={value!r}: a static loss scale must lie in float32's range of scales, 2**-126 to "
-            f"{_FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its unscaling factor is (every step NaN)"
+            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its unscaling factor is (every step NaN)"
         )
     return scale
 
 
 # The scales a float32 loss and gradient can carry: float32's smallest normal number (whose reciprocal it still
 # holds) to its largest. Apex's float() took 1e40, which made every scaled loss inf.
-_FLOAT32_SCALES = (2.0**-126, torch.finfo(torch.float32).max)
+FLOAT32_SCALES = (2.0**-126, torch.finfo(torch.float32).max)
 
 
 def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:

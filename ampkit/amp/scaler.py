@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampkit.amp.opt_levels import parse_loss_scale
+from ampkit.amp.opt_levels import FLOAT32_SCALES, parse_loss_scale
 
 __all__ = ["LossScaler"]
 
@@ -130,6 +130,13 @@ class LossScaler:
                 start = min(start, self.max_scale)
             if self.min_scale is not None:
                 start = max(start, self.min_scale)
+            if not FLOAT32_SCALES[0] <= start <= FLOAT32_SCALES[1]:  # as a static scale (torch refuses it too)
+                which, given = ("min_scale", min_scale) if start == self.min_scale else ("init_scale", init_scale)
+                raise ValueError(
+                    f"{names[which]}={given!r}: the first dynamic scale must lie in float32's range of "
+                    f"scales, 2**-126 to {FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss or its unscaling factor is "
+                    "inf, and every step is skipped until the scale backs off into it"
+                )
         else:
             start = float(mode)
         self._scale: float = start
@@ -158,6 +165,8 @@ class LossScaler:
         The scale is a cached 0-dim tensor: a tensor product skips wrapping a Python number on every call
         (torch's GradScaler does the same); both multiply in float32, so the bits are the same.
         """
+        if not isinstance(loss, torch.Tensor):  # a float or a list failed on .dtype
+            raise TypeError(f"scale_loss expects the loss as a tensor, got {type(loss).__name__}")
         if loss.dtype != torch.float32:
             loss = loss.float()
         if self._on_device is not None:
@@ -262,8 +271,7 @@ class LossScaler:
         if isinstance(unskipped, torch.Tensor):
             unskipped = int(unskipped.item())
         scale = positive_option(scale, "loss_scale")
-        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-            raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
+        unskipped = interval_option(unskipped, "unskipped", zero_means="no clean update yet")  # numpy's and 3.0 too
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
             scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
         # Set together, both checked first: a refused state leaves the scaler as it was.

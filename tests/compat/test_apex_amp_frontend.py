@@ -396,6 +396,16 @@ def test_a_bad_scaler_option_is_named_as_initialize_spells_it(option, value, mes
         amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, min_loss_scale=1024.0, max_loss_scale=8.0)
 
 
+def test_a_first_scale_float32_cannot_carry_is_named_as_initialize_spells_it():
+    """With no cap, dynamic_init_scale=1e300 scaled every loss to inf: some 870 steps skipped, as under Apex, before
+    the scale halved back into float32's range. The default cap of 2**24 still takes it."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^dynamic_init_scale=1e\+300: the first dynamic scale must lie in float32"):
+        amp.initialize(model, _sgd(model), verbosity=0, dynamic_init_scale=1e300, max_loss_scale=None)
+    amp.initialize(model, _sgd(model), verbosity=0, dynamic_init_scale=1e300)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**24
+
+
 def test_bfloat16_on_request():
     model = _model()
     model, _ = amp.initialize(model, _sgd(model), opt_level="O2", dtype="bfloat16", verbosity=0)
