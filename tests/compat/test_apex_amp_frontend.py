@@ -762,6 +762,23 @@ def test_a_bool_loss_id_picks_the_scaler_it_indexed_in_apex():
             scaled.backward()
         optimizer.step()
         optimizer.zero_grad()
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(IndexError, match=r"^loss_id=True \(index 1\) is out of range: .*num_losses=1"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=True):  # was named "loss_id=1"
+            pass
+
+
+def test_models_or_optimizers_given_as_a_generator_are_named_as_passed():
+    """A generator was reported as "models[0] is a generator", an index into a list the caller never made; Apex took a
+    single object or a list, and refused anything else."""
+    model = _model()
+    with pytest.raises(TypeError, match=r"^models is a generator; amp.initialize takes one model or a list of them"):
+        amp.initialize((m for m in [model]), _sgd(model), verbosity=0)
+    with pytest.raises(TypeError, match=r"^optimizers is a generator; .* one optimizer or a list of them: pass list"):
+        amp.initialize(model, (o for o in [_sgd(model)]), verbosity=0)
+    models, optimizers = amp.initialize((model,), [_sgd(model)], verbosity=0)  # a tuple and a list: as passed
+    assert type(models) is tuple and type(optimizers) is list
 
 
 def test_small_apex_misuses_are_named():

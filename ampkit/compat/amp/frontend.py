@@ -7,7 +7,7 @@ import numbers
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,10 +41,16 @@ def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
 
 
-def _as_list(value: Any) -> tuple[list[Any], type | None]:
-    """The items, and the container type to hand them back in (``None`` for a single object)."""
+def _as_list(value: Any, name: str) -> tuple[list[Any], type | None]:
+    """The items, and the container type to hand them back in (``None`` for a single object). A one-pass iterator
+    (``model.children()``, a generator expression) is refused by ``name``: Apex's rule, a single object or a list."""
     if isinstance(value, (list, tuple)):
         return list(value), type(value)
+    if isinstance(value, Iterator):  # was "models[0] is a generator", an index into a list the caller never made
+        raise TypeError(
+            f"{name} is a {type(value).__name__}; amp.initialize takes one {name[:-1]} or a list of them: pass "
+            f"list(...) of it, and unpack the list it hands back"
+        )
     return [value], None
 
 
@@ -261,9 +267,9 @@ def initialize(
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
     ):
         raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: expected a floating torch dtype or None")
-    model_list, models_container = _as_list(models)
+    model_list, models_container = _as_list(models, "models")
     optimizers_given = optimizers is not None
-    optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
+    optimizer_list, optimizers_container = _as_list(optimizers, "optimizers") if optimizers_given else ([], None)
     _check_models(model_list)
     if enabled:
         _check_scripted(model_list, properties, cast_model_outputs)

@@ -90,11 +90,13 @@ def scale_loss(
             f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
-    loss_id = int(loss_id)
+    given, loss_id = loss_id, int(loss_id)
     if not 0 <= loss_id < len(scalers):
-        raise LossIdRangeError(
-            f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
-            f"so valid loss ids are 0..{len(scalers) - 1}"
+        raise LossIdRangeError(  # named as written: loss_id=True read "loss_id=1", which the caller never wrote
+            f"loss_id={given!r}"
+            + (f" (index {loss_id})" if repr(given) != repr(loss_id) else "")
+            + f" is out of range: amp.initialize was called with num_losses={len(scalers)}, so valid loss ids are "
+            f"0..{len(scalers) - 1}"
         )
     _check_loss(loss, "amp.scale_loss")
     for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
