@@ -58,15 +58,16 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     return int(value)
 
 
-def overflow_verdict(found_inf: Any) -> bool:
+def overflow_verdict(found_inf: Any, name: str = "found_inf") -> bool:
     """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
-    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one."""
+    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one.
+    ``name``: the argument as the caller's API spells it, for the error."""
     if isinstance(found_inf, torch.Tensor):
         if found_inf.numel() != 1:
-            raise ValueError(f"found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
+            raise ValueError(f"{name} must be a one-element tensor, got shape {tuple(found_inf.shape)}")
         return bool(found_inf.item())
     if not isinstance(found_inf, bool | numbers.Number | np.generic):
-        raise TypeError(f"found_inf must be a bool or a one-element tensor, got {found_inf!r}")
+        raise TypeError(f"{name} must be a bool or a one-element tensor, got {found_inf!r}")
     return bool(found_inf)
 
 
