@@ -278,6 +278,21 @@ def test_handle_scale_loss_unscales_grads_and_skips_the_step_after_an_overflow(c
     handle._deactivate()
 
 
+def test_handle_scale_loss_unscales_a_parameter_listed_twice_once():
+    """torch takes a parameter listed twice in a group with a warning; the handle's unscale walked the groups and
+    divided its one gradient by the scale twice."""
+    handle = amp.init(loss_scale=4.0)
+    try:
+        weight = torch.nn.Parameter(torch.ones(2))
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            optimizer = torch.optim.SGD([weight, weight], lr=0.1)
+        with handle.scale_loss((weight * 3).sum(), optimizer) as scaled:
+            scaled.backward()
+        assert weight.grad.tolist() == [3.0, 3.0]
+    finally:
+        handle._deactivate()
+
+
 def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
     """``amp.scale_loss`` named a loss passed as a number; Apex's older ``handle.scale_loss`` and
     ``optimizer.scale_loss`` (of ``wrap_optimizer``) failed on it with ``'float' object has no attribute 'float'``,

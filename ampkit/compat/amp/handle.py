@@ -174,8 +174,9 @@ class _LossScaling:
 
     def __init__(self, optimizer: Any, scaler: ApexLossScaler) -> None:
         self.scaler = scaler
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        # frozen ones too: unfrozen later, their gradients are unscaled like the others'
+        # once each (torch only warns about a parameter listed twice in a group); frozen ones too: unfrozen later,
+        # their gradients are unscaled like the others'
+        params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
         self.combiner = GradientCombiner([p for p in params if p.is_floating_point()])
 
 
