@@ -122,7 +122,8 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
     raise ValueError(f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16")
 
 
-def _parse_keep_batchnorm_fp32(value: Any) -> bool | None:
+def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
+    """Apex's ``keep_batchnorm_fp32``: True, False, their strings (Apex's argparse scripts pass them) or None."""
     if value == "True":
         return True
     if value == "False":
@@ -218,7 +219,7 @@ def resolve_opt_level(
             )
         props["patch_torch_functions"] = value
     if keep_batchnorm_fp32 is not None:
-        value = _parse_keep_batchnorm_fp32(keep_batchnorm_fp32)
+        value = parse_keep_batchnorm_fp32(keep_batchnorm_fp32)
         if o1:
             raise RuntimeError(
                 "With opt_level O1, batchnorm runs in float32 automatically, so keep_batchnorm_fp32 should "
