@@ -21,6 +21,7 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any
 
@@ -155,12 +156,16 @@ class LossScaling(Callback):
         return f"loss_scaler{loss_id}"
 
     def scaler(self, loss_id: Any = 0) -> LossScaler:
-        """The scaler of ``loss_id``, created on first use."""
+        """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
+        # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
+        # refused before; numpy's int64 was refused unless its scaler existed
+        if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
+            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
+        if not isinstance(loss_id, int | str):
+            loss_id = int(loss_id)
         scaler = self.scalers.get(loss_id)
         if scaler is not None:
             return scaler
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int | str):
-            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
         if isinstance(loss_id, int) and self.num_losses is not None and not 0 <= loss_id < self.num_losses:
             raise ValueError(
                 f"loss_id={loss_id} is out of range for precision.num_losses={self.num_losses} "
