@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -373,8 +374,12 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
     _check_scaler_keys(unexpected)
-    for idx, key in enumerate(state_dict):
+    for position, key in enumerate(state_dict):
+        # by the number in its key (Apex went by position: a dict reordered on the way, by a sorted JSON or YAML
+        # dump, gave loss 0 the scale of loss 2, and loss_scaler10 came before loss_scaler2)
+        number = re.fullmatch(r"loss_scaler(\d+)", str(key))
+        idx = int(number.group(1)) if number else position
         if idx >= len(scalers):
             print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(scalers)}")
-            break
+            continue
         scalers[idx].load_state_dict(state_dict[key])
