@@ -25,6 +25,8 @@ __all__ = ["LossScaler"]
 # and 2**-126 (float32's smallest normal number) is the last power of two whose reciprocal float32 holds.
 # Apex let the scale decay to 1e-200; its unscale factor was a Python float.
 LOWEST_SCALE = 2.0**-126
+# A scaler per loss is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
+MAX_NUM_LOSSES = 1024
 # The constructor's options, by their own names; a caller may spell them its way (``option_names``).
 _OPTIONS = ("loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
 

@@ -29,6 +29,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
+from ampkit.amp.scaler import MAX_NUM_LOSSES
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.ops._switches import checked_switch
@@ -38,9 +39,6 @@ from ampkit.trainer.state import BackwardState
 
 # torch's anomaly detection on a NaN that a backward returned
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
-
-# A scaler per int loss_id is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
-MAX_NUM_LOSSES = 1024
 
 
 def check_num_losses(num_losses: Any) -> None:

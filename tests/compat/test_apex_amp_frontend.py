@@ -6,6 +6,7 @@ import gc
 import inspect
 import io
 import pydoc
+import re
 import typing
 import warnings
 import weakref
@@ -504,6 +505,16 @@ def test_o3_recasts_optimizer_state_made_before_initialize(make):
         scaled.backward()
     optimizer.step()
     assert model.weight.dtype == torch.half and torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("num_losses", [0, -1, 1.5, True, "2", 10**8])
+def test_a_num_losses_that_is_no_count_of_scalers_is_named(num_losses):
+    """10**8 (a typo) made a scaler each for the better part of an hour: bounded as precision.num_losses is."""
+    model = _model()
+    with pytest.raises(
+        ValueError, match=rf"^num_losses={re.escape(repr(num_losses))}: expected an integer in \[1, 1024\]"
+    ):
+        amp.initialize(model, _sgd(model), verbosity=0, num_losses=num_losses)
 
 
 def test_loss_id_out_of_range_names_num_losses():
