@@ -792,6 +792,16 @@ def test_models_or_optimizers_given_as_a_generator_are_named_as_passed():
     assert type(models) is tuple and type(optimizers) is list
 
 
+def test_an_optimizer_listed_twice_in_scale_loss_is_unscaled_once():
+    """[optimizer, optimizer] failed inside amp ("combine() called without prepare_backward()"), naming neither."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", loss_scale=4.0, verbosity=0)
+    with amp.scale_loss(model(torch.ones(1, 2)).float().sum(), [optimizer, optimizer]) as scaled:
+        scaled.backward()
+    assert model.weight.grad.tolist() == [[1.0, 1.0]]
+
+
 def test_small_apex_misuses_are_named():
     model = _model()
     model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)

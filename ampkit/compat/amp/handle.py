@@ -21,7 +21,8 @@ from ampkit.ops._switches import is_switch
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
-    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one."""
+    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one, each once
+    (``[opt, opt]`` failed inside amp, in "combine() called without prepare_backward()")."""
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not items:
         raise ValueError(
@@ -34,7 +35,7 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
                 f"optimizers[{i}] ({type(optimizer).__name__}) was not returned by amp.initialize; pass every "
                 "optimizer used with amp.scale_loss through amp.initialize first."
             )
-    return items
+    return list({id(optimizer): optimizer for optimizer in items}.values())
 
 
 class LossIdRangeError(ValueError, IndexError):
