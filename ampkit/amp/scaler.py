@@ -60,6 +60,14 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     return int(value)
 
 
+def loss_count_option(value: Any, option: str) -> int:
+    """``value`` as a number of losses, each given its scaler up front: a whole number (numpy's too) in
+    [1, MAX_NUM_LOSSES]; else a ValueError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_LOSSES:
+        raise ValueError(f"{option}={value!r}: expected an integer in [1, {MAX_NUM_LOSSES}]")
+    return int(value)
+
+
 def overflow_verdict(found_inf: Any, name: str = "found_inf") -> bool:
     """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
     (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one.

@@ -343,6 +343,22 @@ def test_the_wrapped_optimizers_zero_grad_without_an_argument_is_the_optimizers_
         amp._amp_state.handle._deactivate()
 
 
+def test_wrap_optimizers_num_loss_follows_initializes_num_losses():
+    """numpy's int64 was refused where amp.initialize takes it, and 10**8 (a typo) made a scaler each for the better
+    part of an hour; both follow initialize's rule now."""
+    import numpy as np
+
+    handle = amp.init()
+    try:
+        sgd = torch.optim.SGD(_fp16_exact_linear().parameters(), lr=0.1)
+        for bad in (0, True, 1.5, 10**8):
+            with pytest.raises(ValueError, match=rf"^num_loss={bad!r}: expected an integer in \[1, 1024\]"):
+                handle.wrap_optimizer(sgd, num_loss=bad)
+        assert len(handle.wrap_optimizer(sgd, num_loss=np.int64(2))._loss_scaler) == 2
+    finally:
+        handle._deactivate()
+
+
 def test_wrapped_optimizer_keeps_one_scaler_per_loss_and_combines_their_grads():
     handle = amp.init()
     model = _fp16_exact_linear()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
-from ampkit.amp.scaler import MAX_NUM_LOSSES, is_grad_scaler_state
+from ampkit.amp.scaler import is_grad_scaler_state, loss_count_option
 from ampkit.compat.amp import _ddp_no_sync
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
@@ -248,13 +248,9 @@ def initialize(
     if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     verbosity = int(verbosity)
-    if (
-        isinstance(num_losses, bool)
-        or not isinstance(num_losses, numbers.Integral)
-        or not 1 <= num_losses <= MAX_NUM_LOSSES
-    ):  # 10**8, a typo, made a scaler each for the better part of an hour
-        raise ValueError(f"num_losses={num_losses!r}: expected an integer in [1, {MAX_NUM_LOSSES}]")
-    num_losses = int(num_losses)  # numpy's integers too, as Apex's range(num_losses) took them
+    # numpy's integers too, as Apex's range(num_losses) took them; 10**8, a typo, made a scaler each for the better
+    # part of an hour
+    num_losses = loss_count_option(num_losses, "num_losses")
     if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity

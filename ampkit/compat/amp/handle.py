@@ -13,6 +13,7 @@ import torch
 
 from ampkit.amp import GradientCombiner
 from ampkit.amp.grad_combine import read_flags
+from ampkit.amp.scaler import loss_count_option
 from ampkit.compat.amp import _ddp_no_sync, functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
@@ -356,8 +357,7 @@ class OptimWrapper:
     """
 
     def __init__(self, optimizer: Any, amp_handle: AmpHandle | NoOpHandle, num_loss: int) -> None:
-        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
-            raise ValueError(f"num_loss={num_loss!r}: expected an integer >= 1")
+        num_loss = loss_count_option(num_loss, "num_loss")  # as amp.initialize's num_losses: numpy's, and bounded
         self._optimizer = optimizer
         self._amp_handle = amp_handle
         self._num_loss = num_loss
