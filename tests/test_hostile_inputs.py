@@ -143,6 +143,14 @@ class ForeignParameters(ToyTrainer):
         return torch.optim.SGD([torch.nn.Parameter(torch.ones(2)), *self.module.parameters()], lr=0.1)
 
 
+class OneParameterListedTwice(ToyTrainer):
+    """torch only warns (an error to come) and steps it twice per step; the scaler unscaled its gradient twice."""
+
+    def configure_optimizers(self):
+        params = list(self.module.parameters())
+        return torch.optim.SGD([*params, params[0]], lr=0.1)
+
+
 class OneParameterTwoOptimizers(ToyTrainer):
     """A second optimizer for the last layer, by mistake over it again: under automatic optimization it would move
     twice per iteration."""
@@ -196,6 +204,7 @@ class NaNMomentum(ToyTrainer):
         (NaNMomentum, "optimizer 'sgd' (SGD) has momentum=nan in param group 0; expected a number (NaN sets nothing)"),
         (ForeignParameters, "optimizer 'sgd' holds 1 of its 5 parameters outside the model"),
         (OneParameterTwoOptimizers, "is in optimizers 'sgd' and 'adam': under automatic optimization"),
+        (OneParameterListedTwice, "parameter '0.weight' is listed twice in param group 0 of optimizer 'sgd': torch"),
         (NoOptimizerInDict, "configure_optimizers()[0] is a dict whose 'optimizer' is NoneType (keys: ['optim'])"),
         (SchedulerByName, "lr_scheduler is str ('cosine'); expected a scheduler object with step()"),
         (SchedulerOfAnother, "its lr_scheduler steps another optimizer than its 'optimizer'"),

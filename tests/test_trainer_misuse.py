@@ -4,14 +4,28 @@ or backpropagates itself, callbacks given twice): each is one error naming the m
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset, toy_model
 
 import ampkit
-from ampkit.callbacks import EarlyStopping, GradientClipping, MaxTime, ModelCheckpoint, TensorBoardLogger
+from ampkit.amp import resolve_opt_level
+from ampkit.callbacks import (
+    DistributedSync,
+    EarlyStopping,
+    GradientClipping,
+    LossScaling,
+    MaxTime,
+    MixedPrecision,
+    ModelCheckpoint,
+    ProgressBar,
+    TensorBoardLogger,
+    Throughput,
+)
 from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.user_code import UserCodeError
 
@@ -413,6 +427,126 @@ def test_a_callback_built_by_hand_refuses_a_number_that_is_no_number_naming_it(b
     Python's comparison TypeError (a string), or took 2.5 and saved or stopped on a schedule no one asked for."""
     with pytest.raises(ValueError, match=message):
         build()
+
+
+# Each on/off argument of a callback built by hand, as (build, the attribute it sets, its owner and name).
+_SWITCHES = [
+    (lambda v: EarlyStopping("val/loss", check_finite=v), "check_finite", "EarlyStopping: check_finite"),
+    (lambda v: DistributedSync(sync_batchnorm=v), "sync_batchnorm", "DistributedSync: sync_batchnorm"),
+    (lambda v: LossScaling(combine_grad=v), "combine_grad", "LossScaling: combine_grad"),
+    (lambda v: LossScaling("none", check_nonfinite=v), "check_nonfinite", "LossScaling: check_nonfinite"),
+    (lambda v: TensorBoardLogger(log_momentum=v), "log_momentum", "TensorBoardLogger: log_momentum"),
+    (lambda v: ProgressBar(bar=v), "bar", "ProgressBar: bar"),
+]
+
+
+@pytest.mark.parametrize(("build", "attribute", "named"), _SWITCHES, ids=[s[2] for s in _SWITCHES])
+def test_a_callback_switch_built_by_hand_is_true_or_false(build, attribute, named):
+    """Taken as given, "False" (a value read as text) was truthy and switched the feature on: early stopping on a
+    NaN, a sync batch norm conversion, flat gradient buffers, momentum logging or a bar no one asked for; 2 and None
+    too. The config's schema made them bools; a callback built in Python had no check."""
+    for bad in ("False", "no", 2, None, 0.5):
+        if bad is None and attribute == "bar":
+            continue  # ProgressBar's None: a bar where the console is interactive
+        with pytest.raises(ValueError, match=re.escape(f"{named} must be True or False, got {bad!r}")):
+            build(bad)
+    for good, expected in ((0, False), (1, True), (np.bool_(False), False), (True, True)):
+        value = getattr(build(good), attribute)
+        assert value is expected
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        (lambda: ModelCheckpoint(monitor=""), ValueError, "monitor '' is invalid; expected a metric's name"),
+        (lambda: ModelCheckpoint(monitor=0), ValueError, "monitor 0 is invalid; expected a metric's name"),
+        (lambda: EarlyStopping(3), ValueError, "monitor 3 is invalid; expected a metric's name"),
+        (lambda: ModelCheckpoint(mode="maximum"), ValueError, "mode 'maximum' is invalid; expected one of min, max"),
+        (lambda: ModelCheckpoint(save_top_k=True), ValueError, "save_top_k True is invalid; expected an integer >= 1"),
+        (lambda: ModelCheckpoint(save_top_k="3", monitor="val/loss"), ValueError, "save_top_k '3' is invalid"),
+        (lambda: ModelCheckpoint(save_top_k=2.5, monitor="val/loss"), ValueError, "save_top_k 2.5 is invalid"),
+        (lambda: EarlyStopping("val/loss", min_delta="0.1"), ValueError, "min_delta '0.1' is invalid"),
+        (lambda: EarlyStopping("val/loss", min_delta=True), ValueError, "min_delta True is invalid"),
+        (lambda: EarlyStopping("val/loss", min_delta=float("inf")), ValueError, "expected a finite number >= 0"),
+        (lambda: EarlyStopping("val/loss", stopping_threshold="0.1"), ValueError, "stopping_threshold '0.1' is"),
+        (lambda: EarlyStopping("val/loss", divergence_threshold=True), ValueError, "divergence_threshold True is"),
+        (lambda: DistributedSync(ddp_kwargs=[]), TypeError, "DistributedSync: ddp_kwargs must be a dict"),
+        (
+            lambda: DistributedSync(ddp_kwargs={"find_unused_parameter": True}),
+            ValueError,
+            r"ddp_kwargs names \['find_unused_parameter'\], no option of Distributed.*, find_unused_parameters,",
+        ),
+        (lambda: DistributedSync(ddp_kwargs={"device_ids": [0]}), ValueError, r"names \['device_ids'\]"),
+        (lambda: DistributedSync(failure_wait_s="5"), ValueError, "DistributedSync: failure_wait_s='5': expected a"),
+        (lambda: DistributedSync(failure_wait_s=-1), ValueError, "failure_wait_s=-1.0: expected a finite number > 0"),
+        (lambda: ProgressBar(refresh_s="0.1"), ValueError, "ProgressBar: refresh_s='0.1': expected a finite number"),
+        (lambda: ProgressBar(refresh_s=-1), ValueError, "ProgressBar: refresh_s=-1: expected a finite number"),
+        (lambda: Throughput(compute_dtype="bf16x"), ValueError, "Throughput: compute_dtype='bf16x': expected None"),
+        (lambda: Throughput(compute_dtype=torch.int8), ValueError, "Throughput: compute_dtype=torch.int8: expected"),
+        (lambda: Throughput(clock=0.5), TypeError, "Throughput: clock must be a function returning seconds"),
+        (lambda: MixedPrecision("O2"), TypeError, "MixedPrecision: properties must be an OptLevelProperties"),
+        (
+            lambda: MixedPrecision(resolve_opt_level("O2"), cast_modules="generator"),
+            TypeError,
+            "MixedPrecision: cast_modules must be a list of module names, such as \\['generator'\\], got 'generator'",
+        ),
+        (lambda: MixedPrecision(resolve_opt_level("O2"), cast_modules=[1]), TypeError, "cast_modules must be a list"),
+        (
+            lambda: MixedPrecision(resolve_opt_level("O2"), cast_model_outputs=torch.int32),
+            ValueError,
+            "cast_model_outputs=torch.int32 is no dtype of a model's outputs",
+        ),
+    ],
+    ids=[
+        "blank monitor",
+        "monitor 0",
+        "monitor an int",
+        "mode a typo",
+        "top-k True",
+        "top-k a string",
+        "top-k 2.5",
+        "min_delta a string",
+        "min_delta True",
+        "min_delta inf",
+        "threshold a string",
+        "threshold True",
+        "ddp_kwargs a list",
+        "ddp_kwargs a typo",
+        "ddp_kwargs device_ids",
+        "wait a string",
+        "wait negative",
+        "refresh a string",
+        "refresh negative",
+        "compute dtype a typo",
+        "compute dtype int8",
+        "clock a number",
+        "properties a string",
+        "cast_modules a string",
+        "cast_modules ints",
+        "outputs int32",
+    ],  # fmt: skip
+)
+def test_a_callback_built_by_hand_refuses_a_value_of_the_wrong_kind_naming_it(build, error, message):
+    """The config's schema and rules check these keys; built in Python they were taken as given: a blank or 0 monitor
+    ranked nothing, True kept one best file, "bfloat16"'s typo read the fp32 peak (a wrong MFU), a ddp_kwargs typo
+    failed at fit start on every rank, "generator" cast the modules g, e, n, ... and a string failed in a comparison
+    or math.isfinite naming neither the callback nor the argument."""
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_a_callback_built_by_hand_takes_what_its_config_key_takes():
+    """The checks above refuse no value the config passes, nor the obvious spellings of one."""
+    assert ModelCheckpoint(mode="max").monitor is None  # a mode without a monitor: checked, then unused
+    assert ModelCheckpoint(monitor="val/acc", mode="max", save_top_k=np.int64(3)).save_top_k == 3
+    assert EarlyStopping("val/loss", min_delta=0, stopping_threshold=np.float32(0.5)).monitor.min_delta == 0
+    assert DistributedSync(ddp_kwargs={"find_unused_parameters": True}).ddp_kwargs == {"find_unused_parameters": True}
+    assert DistributedSync(failure_wait_s=0.5).failure_wait_s == 0.5
+    assert ProgressBar(refresh_s=0).refresh_s == 0.0
+    assert Throughput(compute_dtype="bfloat16").compute_dtype is torch.bfloat16
+    assert Throughput(compute_dtype="fp32").compute_dtype is torch.float32
+    cast = MixedPrecision(resolve_opt_level("O2"), cast_modules=("generator",), cast_model_outputs=torch.float64)
+    assert (cast.cast_modules, cast.cast_model_outputs) == (("generator",), torch.float64)
 
 
 class _StepIsNone(ToyTrainer):  # Lightning code disabling a step

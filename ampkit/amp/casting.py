@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.amp.opt_levels import parse_dtype, parse_keep_batchnorm_fp32
+from ampkit.ops._switches import checked_switch
+
 __all__ = [
     "BoundaryCasts",
     "ForwardCasts",
@@ -41,13 +44,25 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def autocast_for(model_or_device: nn.Module | torch.device | str, dtype: torch.dtype, enabled: bool = True):
-    """``torch.autocast`` on the device type of ``model_or_device`` with ``dtype`` (O1's casting)."""
+def autocast_for(
+    model_or_device: nn.Module | torch.device | str, dtype: torch.dtype | str, enabled: bool = True
+) -> torch.autocast:
+    """``torch.autocast`` on the device type of ``model_or_device`` with ``dtype`` (O1's casting): float16 or
+    bfloat16, or its name. torch took another dtype with a warning and ran in float32, and ``enabled="False"`` on."""
+    dtype = parse_dtype(dtype)
+    enabled = checked_switch("autocast_for", "enabled", enabled)
     if isinstance(model_or_device, nn.Module):
         device = model_device(model_or_device)
     else:
         device = torch.device(model_or_device)
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=enabled)
+
+
+def _floating_dtype(value: Any, option: str) -> torch.dtype:
+    """``value`` if it is a floating-point torch dtype; else a ValueError naming ``option``."""
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"{option}={value!r}: expected a floating-point torch dtype")
+    return value
 
 
 def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
@@ -58,7 +73,12 @@ def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
     ``value.to(dtype)``: the contract Apex's O2/O3 offered such classes. Dicts and modules are not. A dataclass
     (frozen too) is copied with its fields cast: passed through, its tensors reached a cast model in float32 (a
     dtype mismatch in the first matmul), and a model's output dataclass stayed in float16 where others are float32.
+    ``dtype`` is a floating one: ``torch.int32`` truncated every floating tensor, silently.
     """
+    return _cast_floating(value, _floating_dtype(dtype, "dtype"), checked_switch("cast_floating", "own_to", own_to))
+
+
+def _cast_floating(value: Any, dtype: torch.dtype, own_to: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (str, bytes)):
@@ -66,15 +86,15 @@ def cast_floating(value: Any, dtype: torch.dtype, own_to: bool = False) -> Any:
     if own_to and _has_own_to(value):
         return _cast_by_own_to(value, dtype)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(cast_floating(v, dtype, own_to) for v in value))
+        return type(value)(*(_cast_floating(v, dtype, own_to) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, own_to) for v in value)
+        return type(value)(_cast_floating(v, dtype, own_to) for v in value)
     if isinstance(value, Mapping):  # HF's ModelOutput, a dataclass too, is rebuilt as the mapping it is
-        return _rebuild_mapping(value, {k: cast_floating(v, dtype, own_to) for k, v in value.items()})
+        return _rebuild_mapping(value, {k: _cast_floating(v, dtype, own_to) for k, v in value.items()})
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cast = copy.copy(value)
         for f in dataclasses.fields(value):
-            object.__setattr__(cast, f.name, cast_floating(getattr(value, f.name), dtype, own_to))  # frozen ones too
+            object.__setattr__(cast, f.name, _cast_floating(getattr(value, f.name), dtype, own_to))  # frozen ones too
         return cast
     return value
 
@@ -125,8 +145,10 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool |
     included) keep float32 weights and running statistics; torch's batch norm accepts low-precision
     inputs with float32 parameters on CPU and CUDA. Returns ``model``.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r}: expected a floating-point torch dtype")
+    if not isinstance(model, nn.Module):  # a list failed in model.modules()
+        raise TypeError(f"cast_model expects a torch.nn.Module, got {type(model).__name__}")
+    dtype = _floating_dtype(dtype, "dtype")
+    keep_batchnorm_fp32 = parse_keep_batchnorm_fp32(keep_batchnorm_fp32)  # "False" kept batch norm in float32
     for module in model.modules():
         keep = keep_batchnorm_fp32 and _is_batchnorm(module)
         target = torch.float32 if keep else dtype
@@ -208,7 +230,7 @@ class _CastInputs:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.watch is not None and self.watch.recast_away(module):
             return args, kwargs
-        return cast_floating(args, self.dtype, self.own_to), cast_floating(kwargs, self.dtype, self.own_to)
+        return _cast_floating(args, self.dtype, self.own_to), _cast_floating(kwargs, self.dtype, self.own_to)
 
 
 class _CastOutputs:
@@ -225,7 +247,7 @@ class _CastOutputs:
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.watch is not None and self.watch.recast_away(module):
             return output
-        return cast_floating(output, self.dtype, self.own_to)
+        return _cast_floating(output, self.dtype, self.own_to)
 
 
 def add_boundary_casts(
@@ -253,6 +275,10 @@ def add_boundary_casts(
 def _boundary_casters(
     model: nn.Module, input_dtype: torch.dtype | None, output_dtype: torch.dtype | None, own_to: bool
 ) -> tuple[_CastInputs | None, _CastOutputs | None]:
+    for option, dtype in (("input_dtype", input_dtype), ("output_dtype", output_dtype)):
+        if dtype is not None:  # torch.int64 cast every floating input to integers, silently
+            _floating_dtype(dtype, option)
+    own_to = checked_switch("boundary casts", "own_to", own_to)
     watched = _first_tensor_name(model, input_dtype) if input_dtype is not None else None
     watch = _DtypeWatch(watched, input_dtype) if watched is not None else None
     cast_inputs = _CastInputs(input_dtype, own_to, watch) if input_dtype is not None else None

@@ -27,6 +27,7 @@ import torch
 from ampkit.amp.scaler import LossScaler, positive_option
 from ampkit.ops import multi_tensor
 from ampkit.ops._layout import local_shards
+from ampkit.ops._switches import checked_switch
 
 __all__ = ["CombineResult", "GradientCombiner", "read_flags", "unscale_and_check_"]
 
@@ -310,10 +311,19 @@ class GradientCombiner:
         flat: bool = False,
         keep_param_grads: bool = False,
     ) -> None:
+        flat = checked_switch("GradientCombiner", "flat", flat)
+        keep_param_grads = checked_switch("GradientCombiner", "keep_param_grads", keep_param_grads)
         self.params: list[torch.Tensor] = list(params)
         owners = self.params if grad_owners is None else list(grad_owners)
         if len(owners) != len(self.params):
             raise ValueError(f"grad_owners has {len(owners)} tensors but params has {len(self.params)}")
+        first_index: dict[int, int] = {}
+        for i, p in enumerate(self.params):
+            if (j := first_index.setdefault(id(p), i)) != i:  # its one gradient was unscaled once per listing
+                raise ValueError(
+                    f"params[{j}] and params[{i}] are one tensor (shape {tuple(p.shape)}): its gradient would be "
+                    "unscaled twice; list each parameter once"
+                )
         for i, (p, o) in enumerate(zip(self.params, owners, strict=True)):
             if flat and not p.requires_grad:  # a frozen one is no error otherwise: it has no grad until unfrozen
                 raise ValueError(

@@ -99,17 +99,17 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{option}={value!r}: a static loss scale must be finite and > 0")
-    if not _FLOAT32_SCALES[0] <= scale <= _FLOAT32_SCALES[1]:  # finite for Python, not for the float32 it scales
+    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:  # finite for Python, not for the float32 it scales
         raise ValueError(
             f"{option}={value!r}: a static loss scale must lie in float32's range of scales, 2**-126 to "
-            f"{_FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its unscaling factor is (every step NaN)"
+            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its unscaling factor is (every step NaN)"
         )
     return scale
 
 
 # The scales a float32 loss and gradient can carry: float32's smallest normal number (whose reciprocal it still
 # holds) to its largest. Apex's float() took 1e40, which made every scaled loss inf.
-_FLOAT32_SCALES = (2.0**-126, torch.finfo(torch.float32).max)
+FLOAT32_SCALES = (2.0**-126, torch.finfo(torch.float32).max)
 
 
 def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
@@ -122,7 +122,8 @@ def _parse_cast_model_type(value: Any) -> torch.dtype | None | Literal[False]:
     raise ValueError(f"cast_model_type={value!r}: expected None, False, torch.float32, torch.float16 or torch.bfloat16")
 
 
-def _parse_keep_batchnorm_fp32(value: Any) -> bool | None:
+def parse_keep_batchnorm_fp32(value: Any) -> bool | None:
+    """Apex's ``keep_batchnorm_fp32``: True, False, their strings (Apex's argparse scripts pass them) or None."""
     if value == "True":
         return True
     if value == "False":
@@ -218,7 +219,7 @@ def resolve_opt_level(
             )
         props["patch_torch_functions"] = value
     if keep_batchnorm_fp32 is not None:
-        value = _parse_keep_batchnorm_fp32(keep_batchnorm_fp32)
+        value = parse_keep_batchnorm_fp32(keep_batchnorm_fp32)
         if o1:
             raise RuntimeError(
                 "With opt_level O1, batchnorm runs in float32 automatically, so keep_batchnorm_fp32 should "

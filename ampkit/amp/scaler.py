@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampkit.amp.opt_levels import parse_loss_scale
+from ampkit.amp.opt_levels import FLOAT32_SCALES, parse_loss_scale
 
 __all__ = ["LossScaler"]
 
@@ -25,6 +25,8 @@ __all__ = ["LossScaler"]
 # and 2**-126 (float32's smallest normal number) is the last power of two whose reciprocal float32 holds.
 # Apex let the scale decay to 1e-200; its unscale factor was a Python float.
 LOWEST_SCALE = 2.0**-126
+# A scaler per loss is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
+MAX_NUM_LOSSES = 1024
 # The constructor's options, by their own names; a caller may spell them its way (``option_names``).
 _OPTIONS = ("loss_scale", "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale")
 
@@ -58,15 +60,24 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     return int(value)
 
 
-def overflow_verdict(found_inf: Any) -> bool:
+def loss_count_option(value: Any, option: str) -> int:
+    """``value`` as a number of losses, each given its scaler up front: a whole number (numpy's too) in
+    [1, MAX_NUM_LOSSES]; else a ValueError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_LOSSES:
+        raise ValueError(f"{option}={value!r}: expected an integer in [1, {MAX_NUM_LOSSES}]")
+    return int(value)
+
+
+def overflow_verdict(found_inf: Any, name: str = "found_inf") -> bool:
     """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
-    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one."""
+    (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one.
+    ``name``: the argument as the caller's API spells it, for the error."""
     if isinstance(found_inf, torch.Tensor):
         if found_inf.numel() != 1:
-            raise ValueError(f"found_inf must be a one-element tensor, got shape {tuple(found_inf.shape)}")
+            raise ValueError(f"{name} must be a one-element tensor, got shape {tuple(found_inf.shape)}")
         return bool(found_inf.item())
     if not isinstance(found_inf, bool | numbers.Number | np.generic):
-        raise TypeError(f"found_inf must be a bool or a one-element tensor, got {found_inf!r}")
+        raise TypeError(f"{name} must be a bool or a one-element tensor, got {found_inf!r}")
     return bool(found_inf)
 
 
@@ -130,6 +141,13 @@ class LossScaler:
                 start = min(start, self.max_scale)
             if self.min_scale is not None:
                 start = max(start, self.min_scale)
+            if not FLOAT32_SCALES[0] <= start <= FLOAT32_SCALES[1]:  # as a static scale (torch refuses it too)
+                which, given = ("min_scale", min_scale) if start == self.min_scale else ("init_scale", init_scale)
+                raise ValueError(
+                    f"{names[which]}={given!r}: the first dynamic scale must lie in float32's range of "
+                    f"scales, 2**-126 to {FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss or its unscaling factor is "
+                    "inf, and every step is skipped until the scale backs off into it"
+                )
         else:
             start = float(mode)
         self._scale: float = start
@@ -158,6 +176,8 @@ class LossScaler:
         The scale is a cached 0-dim tensor: a tensor product skips wrapping a Python number on every call
         (torch's GradScaler does the same); both multiply in float32, so the bits are the same.
         """
+        if not isinstance(loss, torch.Tensor):  # a float or a list failed on .dtype
+            raise TypeError(f"scale_loss expects the loss as a tensor, got {type(loss).__name__}")
         if loss.dtype != torch.float32:
             loss = loss.float()
         if self._on_device is not None:
@@ -262,8 +282,7 @@ class LossScaler:
         if isinstance(unskipped, torch.Tensor):
             unskipped = int(unskipped.item())
         scale = positive_option(scale, "loss_scale")
-        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-            raise ValueError(f"unskipped={unskipped!r}: expected an integer >= 0")
+        unskipped = interval_option(unskipped, "unskipped", zero_means="no clean update yet")  # numpy's and 3.0 too
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
             scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
         # Set together, both checked first: a refused state leaves the scaler as it was.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
-from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -72,9 +73,17 @@ class ModelCheckpoint(KeyedByMonitor):
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
-        if save_top_k < 1 and save_top_k != -1:
+        check_mode(mode)  # without a monitor too, as Lightning: a typo would surface only once one is set
+        if (
+            isinstance(save_top_k, bool)
+            or not isinstance(save_top_k, numbers.Integral)
+            or (save_top_k < 1 and save_top_k != -1)
+        ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
             raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
-        if save_top_k not in (1, -1) and not monitor:
+        save_top_k = int(save_top_k)
+        # 0 or "" was no monitor, silently (the config refuses a blank one)
+        self.monitor = None if monitor is None else Monitor(monitor, mode, key="checkpoint.monitor")
+        if save_top_k not in (1, -1) and self.monitor is None:
             raise ValueError(
                 f"save_top_k={save_top_k} keeps the best checkpoints by monitor, which is not set: give monitor a "
                 "validation metric (val/loss), or keep_last to keep the newest step and epoch files (save_top_k=-1 "
@@ -82,8 +91,7 @@ class ModelCheckpoint(KeyedByMonitor):
             )
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
-        self.keep_last: int | None = None if save_top_k == -1 and not monitor else keep_last  # None: keep all
-        self.monitor = Monitor(monitor, mode, key="checkpoint.monitor") if monitor else None
+        self.keep_last: int | None = None if save_top_k == -1 and self.monitor is None else keep_last  # None: all
         self.save_top_k = save_top_k
         self.best_k: dict[str, float] = {}  # file name -> monitored value, the best first
         self.kept: list[str] = []  # best-k files ranked by an earlier monitor or mode: neither ranked nor pruned

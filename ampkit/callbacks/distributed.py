@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -13,6 +15,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ampkit.amp.grad_average import average_grads
+from ampkit.amp.scaler import positive_option
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.sync_batchnorm import convert_sync_batchnorm
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import DistributedError, diagnose_failure, is_communication_failure
@@ -41,9 +45,9 @@ class DistributedSync(Callback):
         if grad_sync not in ("ddp", "step", "fsdp"):
             raise ValueError(f"DistributedSync: grad_sync must be 'ddp', 'step' or 'fsdp', got {grad_sync!r}")
         self.grad_sync = grad_sync
-        self.ddp_kwargs = dict(ddp_kwargs or {})
-        self.sync_batchnorm = sync_batchnorm
-        self.failure_wait_s = failure_wait_s
+        self.ddp_kwargs = _checked_ddp_kwargs(ddp_kwargs)
+        self.sync_batchnorm = checked_switch("DistributedSync", "sync_batchnorm", sync_batchnorm)
+        self.failure_wait_s = positive_option(failure_wait_s, "DistributedSync: failure_wait_s")
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self._unwrapped: Any = None  # trainer.model before DDP wrapped it, handed back at fit end
         self._buffers: list[torch.Tensor] = []  # grad_sync="step": the module's buffers, broadcast before forwards
@@ -212,6 +216,27 @@ _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training" 
 # torch's DDP error at the forward after a backward that left parameters without a gradient
 _UNFINISHED_REDUCTION = re.compile(r"Expected to have finished reduction in the prior iteration")
 _UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def _checked_ddp_kwargs(ddp_kwargs: Any) -> dict[str, Any]:
+    """``ddp_kwargs`` as a dict of DistributedDataParallel's own options, checked when the callback is built: a typo
+    (``find_unused_parameter``) or ``device_ids``, which the callback sets, failed only at fit start, on every rank,
+    and a list or 0 was taken as no options."""
+    if ddp_kwargs is None:
+        return {}
+    if not isinstance(ddp_kwargs, Mapping):
+        raise TypeError(
+            f"DistributedSync: ddp_kwargs must be a dict of DistributedDataParallel options or None, got {ddp_kwargs!r}"
+        )
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    options = [name for name in params if name not in ("self", "module", "device_ids")]
+    unknown = [key for key in ddp_kwargs if key not in options]
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise ValueError(
+            f"DistributedSync: ddp_kwargs names {unknown}, no option of DistributedDataParallel here (device_ids "
+            f"follows trainer.device, module is the Trainer's); its options: {', '.join(options)}"
+        )
+    return dict(ddp_kwargs)
 
 
 def unused_parameter_names(names: list[str], message: str) -> str:

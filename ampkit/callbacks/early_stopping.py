@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
 
@@ -44,7 +46,9 @@ class EarlyStopping(KeyedByMonitor):
         patience = interval_option(patience, "EarlyStopping: patience")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
-            if value is not None and not math.isfinite(value):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            ):  # a str failed in math.isfinite naming neither; True was a threshold of 1
                 raise ValueError(f"{name} {value!r} is invalid; expected a finite number or None")
         if (
             stopping_threshold is not None
@@ -55,7 +59,7 @@ class EarlyStopping(KeyedByMonitor):
                 f"stopping_threshold {stopping_threshold} is not better than divergence_threshold "
                 f"{divergence_threshold} in mode {mode!r}: every value would stop the run"
             )
-        self.check_finite = check_finite
+        self.check_finite = checked_switch("EarlyStopping", "check_finite", check_finite)  # bool("False") is True
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold
         self.patience = patience

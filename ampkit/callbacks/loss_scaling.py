@@ -21,6 +21,7 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any
 
@@ -28,17 +29,16 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
+from ampkit.amp.scaler import MAX_NUM_LOSSES
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
 
 # torch's anomaly detection on a NaN that a backward returned
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
-
-# A scaler per int loss_id is made up front (Apex's num_losses): a bound, so a typo cannot hang the set-up.
-MAX_NUM_LOSSES = 1024
 
 
 def check_num_losses(num_losses: Any) -> None:
@@ -105,7 +105,7 @@ class LossScaling(Callback):
         )
         self.loss_scale = loss_scale
         self.scaled = loss_scale != "none"
-        self.check_nonfinite = check_nonfinite or self.scaled
+        self.check_nonfinite = checked_switch("LossScaling", "check_nonfinite", check_nonfinite) or self.scaled
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
         check_num_losses(num_losses)
@@ -116,7 +116,7 @@ class LossScaling(Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{option}={value!r}: expected an integer >= 0 (0 disables it)")
         self.num_losses = num_losses
-        self.combine_grad = combine_grad
+        self.combine_grad = checked_switch("LossScaling", "combine_grad", combine_grad)
         self.warn_consecutive_skips = warn_consecutive_skips
         self.max_overflows_at_min_scale = max_overflows_at_min_scale
         self.scalers: dict[Any, LossScaler] = {}
@@ -154,12 +154,16 @@ class LossScaling(Callback):
         return f"loss_scaler{loss_id}"
 
     def scaler(self, loss_id: Any = 0) -> LossScaler:
-        """The scaler of ``loss_id``, created on first use."""
+        """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
+        # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
+        # refused before; numpy's int64 was refused unless its scaler existed
+        if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
+            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
+        if not isinstance(loss_id, int | str):
+            loss_id = int(loss_id)
         scaler = self.scalers.get(loss_id)
         if scaler is not None:
             return scaler
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int | str):
-            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
         if isinstance(loss_id, int) and self.num_losses is not None and not 0 <= loss_id < self.num_losses:
             raise ValueError(
                 f"loss_id={loss_id} is out of range for precision.num_losses={self.num_losses} "

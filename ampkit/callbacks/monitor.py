@@ -4,6 +4,7 @@ better, and by how much."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from ampkit.trainer.callback import Callback
@@ -14,15 +15,22 @@ from ampkit.trainer.sanity import is_training_metric
 MODES = ("min", "max")
 
 
+def check_mode(mode: Any) -> None:
+    """Raise a ValueError naming ``mode`` unless it is one of :data:`MODES`."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
+
+
 class Monitor:
     """``metric`` (``val/loss`` or ``loss``) read from validation's averaged metrics, or a ``train/`` tag read from
     the epoch means of ``log(..., on_epoch=True)`` at each epoch's end (``per_epoch``); ``mode`` min or max."""
 
     def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0, key: str | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is invalid; expected one of {', '.join(MODES)}")
-        if not min_delta >= 0:
-            raise ValueError(f"min_delta {min_delta!r} is invalid; expected a number >= 0")
+        if not isinstance(metric, str) or not metric.strip():  # an int failed in str.startswith, naming neither
+            raise ValueError(f"monitor {metric!r} is invalid; expected a metric's name, such as val/loss")
+        check_mode(mode)
+        if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not 0 <= min_delta < math.inf:
+            raise ValueError(f"min_delta {min_delta!r} is invalid; expected a finite number >= 0")
         self.metric = metric
         self.per_epoch = is_training_metric(metric)
         self.key = metric if self.per_epoch else metric.removeprefix("val/")

@@ -42,18 +42,29 @@ def output_dtype(cast_model_outputs: torch.dtype | str | None) -> torch.dtype | 
 
     Raises:
         ValueError: a name of no such dtype (``cast_model_outputs=...``)."""
-    if not isinstance(cast_model_outputs, str):
+    if cast_model_outputs is None or (
+        isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
+    ):
         return cast_model_outputs
-    name = cast_model_outputs.lower().removeprefix("torch.")
+    name = cast_model_outputs.lower().removeprefix("torch.") if isinstance(cast_model_outputs, str) else None
     if name in ("float32", "fp32"):
         return torch.float32
-    try:
+    try:  # an int dtype or a number, taken as given, failed in the first forward's cast, naming neither
         return parse_dtype(name, "cast_model_outputs")
     except ValueError:
         raise ValueError(
             f"cast_model_outputs={cast_model_outputs!r} is no dtype of a model's outputs; use float32, float16 or "
             "bfloat16 (null: float32)"
         ) from None
+
+
+def _names(values: Any) -> tuple[str, ...] | None:
+    """``values`` as a tuple of strings, or None where it is no iterable of strings."""
+    try:
+        names = tuple(values)
+    except TypeError:
+        return None
+    return names if all(isinstance(name, str) for name in names) else None
 
 
 class MixedPrecision(Callback):
@@ -84,8 +95,20 @@ class MixedPrecision(Callback):
         cast_modules: Sequence[str] = (),
         cast_model_outputs: torch.dtype | str | None = None,
     ) -> None:
+        if not isinstance(properties, OptLevelProperties):
+            raise TypeError(
+                f"MixedPrecision: properties must be an OptLevelProperties (ampkit.amp.resolve_opt_level('O2')), got "
+                f"{properties!r}"
+            )
+        # a str was read as its letters: "generator" named the modules g, e, n, ... none of which the model has
+        names = None if isinstance(cast_modules, str) else _names(cast_modules)
+        if names is None:
+            raise TypeError(
+                f"MixedPrecision: cast_modules must be a list of module names, such as ['generator'], got "
+                f"{cast_modules!r}"
+            )
         self.properties = properties
-        self.cast_modules = tuple(cast_modules)
+        self.cast_modules = names
         self.cast_model_outputs = output_dtype(cast_model_outputs)
         self.masters: dict[torch.optim.Optimizer, MasterWeights] = {}
         self._ready = False

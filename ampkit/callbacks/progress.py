@@ -8,6 +8,8 @@ CI: the same facts as a plain line every ``every_n_steps`` iterations, so a log 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import sys
 import time
@@ -19,6 +21,7 @@ import torch
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.precision_config import describe_precision
+from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.console import console_gone
 
@@ -98,9 +101,12 @@ class ProgressBar(Callback):
     reads_logged_values = True
 
     def __init__(self, bar: bool | None = None, every_n_steps: int = 50, refresh_s: float = 0.1) -> None:
-        self.bar = _interactive() if bar is None else bar
+        hint = " (None: a bar where the console is interactive)"
+        self.bar = _interactive() if bar is None else checked_switch("ProgressBar", "bar", bar, hint)
         self.every_n_steps = interval_option(every_n_steps, "ProgressBar: every_n_steps")
-        self.refresh_s = refresh_s
+        if isinstance(refresh_s, bool) or not isinstance(refresh_s, numbers.Real) or not 0 <= refresh_s < math.inf:
+            raise ValueError(f"ProgressBar: refresh_s={refresh_s!r}: expected a finite number of seconds >= 0")
+        self.refresh_s = float(refresh_s)
         self._train_bar: Any = None
         self._val_bar: Any = None
         self._scales: dict[Any, float] = {}

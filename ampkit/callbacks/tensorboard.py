@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from ampkit.amp.scaler import interval_option
 from ampkit.config import flatten
+from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.distributed import decided_by_rank_zero
@@ -202,7 +203,7 @@ class TensorBoardLogger(Callback):
             raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
         self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs
-        self.log_momentum = log_momentum
+        self.log_momentum = checked_switch("TensorBoardLogger", "log_momentum", log_momentum)
         self.writer: Any = None
         self._window: dict[str, list[Any]] = {}  # each batch output's values since the last log (not read yet)
         self._output_tags: set[str] = set()  # train/<output> tags the window writes: no epoch mean may share one

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
+from ampkit.amp.opt_levels import parse_dtype
 from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.trainer.callback import Callback, Phase
 
@@ -63,6 +64,24 @@ def matmul_dtype(compute_dtype: torch.dtype | None) -> str:
     if compute_dtype == torch.float16:
         return "fp16"
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def checked_compute_dtype(value: Any) -> torch.dtype | None:
+    """Throughput's ``compute_dtype``: None or float32 (the fp32/tf32 column), float16 or bfloat16, as a dtype or its
+    name. Anything else was taken as float32: "bfloat16" written as text read the fp32 peak and logged a wrong MFU."""
+    if value is None or value is torch.float32:
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in ("float32", "fp32"):
+        return torch.float32
+    if isinstance(value, str | torch.dtype):
+        try:
+            return parse_dtype(value)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"Throughput: compute_dtype={value!r}: expected None, torch.float32, torch.float16 or torch.bfloat16 (or its "
+        "name, such as 'bfloat16')"
+    )
 
 
 def count_training_flops(forward_loss: Callable[[], torch.Tensor]) -> int:
@@ -180,9 +199,13 @@ class Throughput(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.every_n_steps = interval_option(every_n_steps, "Throughput: every_n_steps")
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = checked_compute_dtype(compute_dtype)
         # a str, bool or inf was taken as given: a str failed the comparison, inf and True logged a wrong MFU
         self.peak = None if peak_tflops is None else positive_option(peak_tflops, "Throughput: peak_tflops")
+        if not callable(clock):
+            raise TypeError(
+                f"Throughput: clock must be a function returning seconds (time.perf_counter), got {clock!r}"
+            )
         self.clock = clock
         self._tokens_per_sample: int | None = None
         self._flops_per_sample: float | None = None

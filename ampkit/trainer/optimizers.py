@@ -304,6 +304,7 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
     training it is lost on resume (make it an attribute of the model instead). Under automatic optimization no
     parameter is in two optimizers: each would step it from the one gradient, so it would move twice."""
     own = {id(p) for p in module.parameters()}
+    _check_listed_once(specs, module)
     if automatic:
         _check_disjoint(specs, module)
     for spec in specs:
@@ -385,6 +386,23 @@ def unreached_parameters_warning(
         "depend on them, so they do not train (a layer the forward never calls? a head the loss leaves out?). Freeze "
         "them with requires_grad_(False), or leave them out of the optimizer"
     )
+
+
+def _check_listed_once(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:
+    """Refuse a parameter listed twice in one param group: torch only warns (an error to come), and steps it twice
+    per step, and the loss scaler would unscale its one gradient twice."""
+    for spec in specs:
+        for index, group in enumerate(spec.optimizer.param_groups):
+            seen: set[int] = set()
+            for p in group["params"]:
+                if id(p) in seen:
+                    name = next((n for n, q in module.named_parameters() if q is p), "a parameter")
+                    raise UserCodeError(
+                        f"configure_optimizers(): parameter '{name}' is listed twice in param group {index} of "
+                        f"optimizer '{spec.name}': torch would step it twice per step (it warns that this will be an "
+                        "error); list each parameter once (self.module.parameters() does)"
+                    )
+                seen.add(id(p))
 
 
 def _check_disjoint(specs: list[OptimizerSpec], module: torch.nn.Module) -> None:

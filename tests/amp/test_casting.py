@@ -155,3 +155,50 @@ def test_autocast_for_cpu_model(dtype):
 def test_cast_model_rejects_bad_dtype():
     with pytest.raises(ValueError, match="dtype=torch.int8"):
         cast_model(nn.Linear(2, 2), torch.int8)
+
+
+def _bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: autocast_for("cpu", torch.int32), ValueError, "dtype=torch.int32 is not a low-precision dtype"),
+        (lambda: autocast_for("cpu", torch.float32), ValueError, "dtype=torch.float32 is not a low-precision dtype"),
+        (
+            lambda: autocast_for("cpu", torch.bfloat16, "False"),
+            ValueError,
+            "enabled must be True or False, got 'False'",
+        ),
+        (lambda: cast_floating(torch.ones(2), torch.int32), ValueError, "dtype=torch.int32: expected a floating-point"),
+        (lambda: add_boundary_casts(nn.Linear(2, 2), torch.int64), ValueError, "input_dtype=torch.int64: expected a"),
+        (lambda: add_boundary_casts(nn.Linear(2, 2), None, torch.bool), ValueError, "output_dtype=torch.bool: expect"),
+        (lambda: cast_model([nn.Linear(2, 2)], torch.float16), TypeError, "cast_model expects a torch.nn.Module, got"),
+        (lambda: cast_model(_bn_model(), torch.float16, "maybe"), ValueError, "keep_batchnorm_fp32='maybe': expected"),
+    ],
+    ids=[
+        "autocast int",
+        "autocast fp32",
+        "autocast enabled text",
+        "cast int",
+        "inputs to int",
+        "outputs to bool",
+        "cast a list",
+        "keep bn maybe",
+    ],  # fmt: skip
+)
+def test_the_casting_helpers_name_a_dtype_or_switch_they_cannot_use(call, error, message):
+    """Taken as given: torch's autocast warned and ran in float32 (int32, float32), enabled="False" autocast anyway,
+    an integer dtype truncated every floating tensor it cast, and a list failed in model.modules()."""
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_cast_model_reads_apexs_keep_batchnorm_strings():
+    """Apex's argparse scripts pass keep_batchnorm_fp32 as the string "False", which kept batch norm in float32
+    (a truthy string); resolve_opt_level already read it, cast_model now does too."""
+    assert cast_model(_bn_model(), torch.float16, keep_batchnorm_fp32="False")[1].weight.dtype == torch.float16
+    assert cast_model(_bn_model(), torch.float16, keep_batchnorm_fp32="True")[1].weight.dtype == torch.float32
+    with autocast_for("cpu", "bfloat16"):  # a dtype's name, as the config and resolve_opt_level take it
+        assert nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.bfloat16

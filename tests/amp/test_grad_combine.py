@@ -280,6 +280,26 @@ def test_state_errors():
     GradientCombiner([torch.zeros(2)])  # unflat, a frozen parameter waits: it has no gradient until unfrozen
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_parameter_listed_twice_is_refused_not_unscaled_twice(flat):
+    """Unflat, the second listing unscaled the one gradient again: 3.0 came out as 3/scale, silently."""
+    p = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[2\] are one tensor \(shape \(2,\)\): its gradient"):
+        GradientCombiner([p, torch.nn.Parameter(torch.ones(3)), p], flat=flat)
+    combiner, scaler = GradientCombiner([p], flat=flat), LossScaler(init_scale=4.0)
+    combiner.prepare_backward()
+    scaler.scale_loss((p * 3).sum()).backward()
+    combiner.combine(scaler)
+    assert p.grad.tolist() == [3.0, 3.0]
+
+
+def test_a_switch_that_is_no_bool_is_named():
+    """flat="False" (truthy) built flat buffers no one asked for."""
+    for option in ("flat", "keep_param_grads"):
+        with pytest.raises(ValueError, match=f"GradientCombiner: {option} must be True or False, got 'False'"):
+            GradientCombiner([torch.nn.Parameter(torch.ones(2))], **{option: "False"})
+
+
 def test_unreached_optimizer_gets_no_grads_and_no_flag():
     params = make_params(torch.float32)
     combiner = GradientCombiner(params)

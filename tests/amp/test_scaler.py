@@ -158,11 +158,42 @@ def test_an_overflow_verdict_that_is_not_a_flag_is_refused():
         ({"max_scale": "big"}, "max_scale='big'"),
         ({"min_scale": 8.0, "max_scale": 4.0}, "min_scale=8.0 is larger than max_scale=4.0"),
         ({"loss_scale": "dyn"}, "loss_scale='dyn'"),
+        # as a static scale: a first scale float32 cannot carry skipped every step until it backed off
+        ({"init_scale": 1e300, "max_scale": None}, "init_scale=1e[+]300: the first dynamic scale must lie in float32"),
+        ({"init_scale": 1e-300}, "init_scale=1e-300: the first dynamic scale must lie in float32's range"),
+        ({"min_scale": 1e39, "max_scale": None}, "min_scale=1e[+]39: the first dynamic scale must lie in float32"),
     ],
 )
 def test_bad_knobs_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaler(**kwargs)
+
+
+def test_a_first_scale_beyond_float32_skipped_every_step_until_it_backed_off():
+    """``init_scale=1e300`` with no cap scaled every loss to inf: about 870 skipped steps before the scale came back
+    into float32's range (torch's GradScaler refuses it at its first scale()). A cap brings it into range, as before."""
+    with pytest.raises(ValueError, match="init_scale"):
+        LossScaler(init_scale=1e300, max_scale=None)
+    assert LossScaler(init_scale=1e300).scale == 2.0**24  # the default cap
+    assert LossScaler(init_scale=1e-300, min_scale=1.0).scale == 1.0  # the floor
+
+
+def test_scale_loss_names_a_loss_that_is_no_tensor():
+    with pytest.raises(TypeError, match="scale_loss expects the loss as a tensor, got float"):
+        LossScaler().scale_loss(2.5)  # was: AttributeError: 'float' object has no attribute 'dtype'
+
+
+def test_a_saved_clean_count_that_is_a_whole_number_of_another_type_loads():
+    """Apex assigned whatever the state held; numpy's int64 (a state built with numpy) and 3.0 were refused."""
+    s = LossScaler()
+    s.load_state_dict({"loss_scale": 8.0, "unskipped": np.int64(3)})
+    assert (s.scale, s.unskipped) == (8.0, 3) and type(s.unskipped) is int
+    s.load_state_dict({"loss_scale": 8.0, "unskipped": 5.0})
+    assert s.unskipped == 5 and type(s.unskipped) is int
+    for bad in (2.5, True, "3"):
+        with pytest.raises(ValueError, match=f"unskipped={bad!r}: expected an integer >= 0"):
+            s.load_state_dict({"loss_scale": 4.0, "unskipped": bad})
+        assert (s.scale, s.unskipped) == (8.0, 5)  # a state refused loads nothing of itself
 
 
 def test_follows_torch_grad_scaler_through_overflows_and_growth_and_resumes_from_its_state_dict():

@@ -6,6 +6,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -452,6 +453,19 @@ def test_config_errors_name_the_option(tmp_path):
         fit(SharedBackwardTrainer, tmp_path, opt_level="O2", cast_modules=["decoder"])
     with pytest.raises(ValueError, match="loss_id=2 is out of range for precision.num_losses=2"):
         LossScaling(num_losses=2).scaler(2)
+
+
+def test_a_loss_id_is_an_int_or_a_name_whether_its_scaler_exists_or_not():
+    """True and 1.0 hash as 1: once loss 1's scaler existed (num_losses=2) they took it silently, before that they
+    were refused; numpy's int64 (an index from an array) was refused unless its scaler existed."""
+    scaling = LossScaling(num_losses=2)
+    for bad in (True, False, 1.0, 0.0, None):
+        with pytest.raises(TypeError, match=f"loss_id={bad!r}: expected an int or a str"):
+            scaling.scaler(bad)
+    assert scaling.scaler(np.int64(1)) is scaling.scaler(1)
+    fresh = LossScaling()
+    fresh.scaler(np.int64(3))  # made under a plain int: its tags and checkpoint key read loss_scaler3
+    assert [type(loss_id) for loss_id in fresh.scales] == [int]
 
 
 # ---------------------------------------------------------------------- resume and logging

@@ -231,6 +231,18 @@ def test_load_state_dict_of_a_path_says_it_wants_the_dict():
         amp.load_state_dict("/path/to/file.pt")
 
 
+def test_each_scalers_state_goes_to_the_loss_its_key_numbers(capsys):
+    """Apex went by position: a state dict reordered on its way (a sorted JSON or YAML dump puts loss_scaler10
+    before loss_scaler2) gave each loss another's scale, silently. A key beyond num_losses is skipped, as in Apex."""
+    _build("O1", 11)
+    saved = {f"loss_scaler{i}": {"loss_scale": 2.0**i, "unskipped": i} for i in range(12)}
+    amp.load_state_dict(dict(sorted(saved.items())))  # 0, 1, 10, 11, 2, 3, ...
+    assert amp.state_dict() == {key: saved[key] for key in (f"loss_scaler{i}" for i in range(11))}
+    out = capsys.readouterr().out
+    assert "state_dict contains 12 entries, while 11 loss_scalers are used" in out
+    assert "Skipping loss_scaler[11], since num_losses was set to 11" in out
+
+
 def test_a_grad_scaler_state_restores_every_loss_scaler():
     """A native-AMP checkpoint's torch.amp.GradScaler state (one scale for every loss) moving to amp: its scale
     and clean-step count, not an error listing GradScaler's keys."""

@@ -6,6 +6,7 @@ import gc
 import inspect
 import io
 import pydoc
+import re
 import typing
 import warnings
 import weakref
@@ -396,6 +397,16 @@ def test_a_bad_scaler_option_is_named_as_initialize_spells_it(option, value, mes
         amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0, min_loss_scale=1024.0, max_loss_scale=8.0)
 
 
+def test_a_first_scale_float32_cannot_carry_is_named_as_initialize_spells_it():
+    """With no cap, dynamic_init_scale=1e300 scaled every loss to inf: some 870 steps skipped, as under Apex, before
+    the scale halved back into float32's range. The default cap of 2**24 still takes it."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^dynamic_init_scale=1e\+300: the first dynamic scale must lie in float32"):
+        amp.initialize(model, _sgd(model), verbosity=0, dynamic_init_scale=1e300, max_loss_scale=None)
+    amp.initialize(model, _sgd(model), verbosity=0, dynamic_init_scale=1e300)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**24
+
+
 def test_bfloat16_on_request():
     model = _model()
     model, _ = amp.initialize(model, _sgd(model), opt_level="O2", dtype="bfloat16", verbosity=0)
@@ -494,6 +505,16 @@ def test_o3_recasts_optimizer_state_made_before_initialize(make):
         scaled.backward()
     optimizer.step()
     assert model.weight.dtype == torch.half and torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("num_losses", [0, -1, 1.5, True, "2", 10**8])
+def test_a_num_losses_that_is_no_count_of_scalers_is_named(num_losses):
+    """10**8 (a typo) made a scaler each for the better part of an hour: bounded as precision.num_losses is."""
+    model = _model()
+    with pytest.raises(
+        ValueError, match=rf"^num_losses={re.escape(repr(num_losses))}: expected an integer in \[1, 1024\]"
+    ):
+        amp.initialize(model, _sgd(model), verbosity=0, num_losses=num_losses)
 
 
 def test_loss_id_out_of_range_names_num_losses():
@@ -752,6 +773,33 @@ def test_a_bool_loss_id_picks_the_scaler_it_indexed_in_apex():
             scaled.backward()
         optimizer.step()
         optimizer.zero_grad()
+    model = _model()
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", verbosity=0)
+    with pytest.raises(IndexError, match=r"^loss_id=True \(index 1\) is out of range: .*num_losses=1"):
+        with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer, loss_id=True):  # was named "loss_id=1"
+            pass
+
+
+def test_models_or_optimizers_given_as_a_generator_are_named_as_passed():
+    """A generator was reported as "models[0] is a generator", an index into a list the caller never made; Apex took a
+    single object or a list, and refused anything else."""
+    model = _model()
+    with pytest.raises(TypeError, match=r"^models is a generator; amp.initialize takes one model or a list of them"):
+        amp.initialize((m for m in [model]), _sgd(model), verbosity=0)
+    with pytest.raises(TypeError, match=r"^optimizers is a generator; .* one optimizer or a list of them: pass list"):
+        amp.initialize(model, (o for o in [_sgd(model)]), verbosity=0)
+    models, optimizers = amp.initialize((model,), [_sgd(model)], verbosity=0)  # a tuple and a list: as passed
+    assert type(models) is tuple and type(optimizers) is list
+
+
+def test_an_optimizer_listed_twice_in_scale_loss_is_unscaled_once():
+    """[optimizer, optimizer] failed inside amp ("combine() called without prepare_backward()"), naming neither."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model, optimizer = amp.initialize(model, _sgd(model), opt_level="O1", loss_scale=4.0, verbosity=0)
+    with amp.scale_loss(model(torch.ones(1, 2)).float().sum(), [optimizer, optimizer]) as scaled:
+        scaled.backward()
+    assert model.weight.grad.tolist() == [[1.0, 1.0]]
 
 
 def test_small_apex_misuses_are_named():

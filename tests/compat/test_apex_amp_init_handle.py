@@ -278,6 +278,21 @@ def test_handle_scale_loss_unscales_grads_and_skips_the_step_after_an_overflow(c
     handle._deactivate()
 
 
+def test_handle_scale_loss_unscales_a_parameter_listed_twice_once():
+    """torch takes a parameter listed twice in a group with a warning; the handle's unscale walked the groups and
+    divided its one gradient by the scale twice."""
+    handle = amp.init(loss_scale=4.0)
+    try:
+        weight = torch.nn.Parameter(torch.ones(2))
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            optimizer = torch.optim.SGD([weight, weight], lr=0.1)
+        with handle.scale_loss((weight * 3).sum(), optimizer) as scaled:
+            scaled.backward()
+        assert weight.grad.tolist() == [3.0, 3.0]
+    finally:
+        handle._deactivate()
+
+
 def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
     """``amp.scale_loss`` named a loss passed as a number; Apex's older ``handle.scale_loss`` and
     ``optimizer.scale_loss`` (of ``wrap_optimizer``) failed on it with ``'float' object has no attribute 'float'``,
@@ -326,6 +341,22 @@ def test_the_wrapped_optimizers_zero_grad_without_an_argument_is_the_optimizers_
         assert param.grad is None
     finally:
         amp._amp_state.handle._deactivate()
+
+
+def test_wrap_optimizers_num_loss_follows_initializes_num_losses():
+    """numpy's int64 was refused where amp.initialize takes it, and 10**8 (a typo) made a scaler each for the better
+    part of an hour; both follow initialize's rule now."""
+    import numpy as np
+
+    handle = amp.init()
+    try:
+        sgd = torch.optim.SGD(_fp16_exact_linear().parameters(), lr=0.1)
+        for bad in (0, True, 1.5, 10**8):
+            with pytest.raises(ValueError, match=rf"^num_loss={bad!r}: expected an integer in \[1, 1024\]"):
+                handle.wrap_optimizer(sgd, num_loss=bad)
+        assert len(handle.wrap_optimizer(sgd, num_loss=np.int64(2))._loss_scaler) == 2
+    finally:
+        handle._deactivate()
 
 
 def test_wrapped_optimizer_keeps_one_scaler_per_loss_and_combines_their_grads():

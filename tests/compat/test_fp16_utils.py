@@ -280,11 +280,15 @@ def test_fp16_optimizers_bad_scale_options_are_named_as_the_user_wrote_them(kwar
     (lambda s: s.DynamicLossScaler(init_scale=float("inf")), r"init_scale=inf: expected a finite number > 0"),
     (lambda s: s.DynamicLossScaler(scale_factor=1), r"scale_factor=1.0: expected a number > 1"),
     (lambda s: s.DynamicLossScaler(scale_window=0), r"scale_window=0: expected an integer >= 1"),
+    (lambda s: s.LossScaler(1e39), r"scale=1e\+39: a loss scale must lie in float32's range of scales"),
+    (lambda s: s.LossScaler(1e-300), r"scale=1e-300: a loss scale must lie in float32's range of scales"),
+    (lambda s: s.DynamicLossScaler(init_scale=1e300), r"init_scale=1e\+300: a loss scale must lie in float32's"),
 ])  # fmt: skip
 def test_stand_alone_loss_scalers_name_a_scale_that_cannot_train(make, message):
     """A static scale of 0 zeroed every gradient and NaN made them all NaN, without a word; a scale_factor of 1
     never backed off, so every step after an overflow was skipped; a scale_window of 0 divided by zero at the first
-    clean iteration."""
+    clean iteration. A scale float32 cannot carry made every scaled loss inf (a static scaler, whose has_overflow is
+    always False, stepped on the inf gradients; a dynamic one skipped some 870 steps from 1e300) or 0."""
     from ampkit.compat import fp16_utils
 
     with pytest.raises(ValueError, match=message):
@@ -309,6 +313,23 @@ def test_stand_alone_loss_scalers_take_every_number_apex_took():
     assert fp16_utils.DynamicLossScaler(scale_window=np.int64(1000)).scale_window == 1000
     with pytest.raises(ValueError, match=r"scale_window=1000.5: expected an integer >= 1"):
         fp16_utils.DynamicLossScaler(scale_window=1000.5)
+
+
+def test_a_dynamic_scalers_overflow_verdict_is_a_flag():
+    """update_scale took its verdict by truthiness: None (a verdict never computed) counted as a clean iteration and
+    grew the scale, "no" as an overflow that backed it off. A bool, numpy's bool or a one-element tensor stays valid."""
+    import numpy as np
+
+    from ampkit.compat.fp16_utils import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=4.0, scale_window=1)
+    for bad in (None, "no"):
+        with pytest.raises(TypeError, match=rf"^overflow must be a bool or a one-element tensor, got {bad!r}"):
+            scaler.update_scale(bad)
+    assert scaler.loss_scale == 4.0
+    scaler.update_scale(torch.tensor(True))
+    scaler.update_scale(np.bool_(True))
+    assert scaler.loss_scale == 1.0
 
 
 def test_stand_alone_loss_scalers_follow_apex_rules():

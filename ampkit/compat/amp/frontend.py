@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ampkit.amp import OptLevelProperties, resolve_opt_level
-from ampkit.amp.scaler import is_grad_scaler_state
+from ampkit.amp.scaler import is_grad_scaler_state, loss_count_option
 from ampkit.compat.amp import _ddp_no_sync
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp._model_casts import Float32StateDict, apply_model_casts
@@ -41,10 +42,16 @@ def _is_optimizer(obj: Any) -> bool:
     return isinstance(obj, torch.optim.Optimizer) or isinstance(getattr(obj, "optim", None), torch.optim.Optimizer)
 
 
-def _as_list(value: Any) -> tuple[list[Any], type | None]:
-    """The items, and the container type to hand them back in (``None`` for a single object)."""
+def _as_list(value: Any, name: str) -> tuple[list[Any], type | None]:
+    """The items, and the container type to hand them back in (``None`` for a single object). A one-pass iterator
+    (``model.children()``, a generator expression) is refused by ``name``: Apex's rule, a single object or a list."""
     if isinstance(value, (list, tuple)):
         return list(value), type(value)
+    if isinstance(value, Iterator):  # was "models[0] is a generator", an index into a list the caller never made
+        raise TypeError(
+            f"{name} is a {type(value).__name__}; amp.initialize takes one {name[:-1]} or a list of them: pass "
+            f"list(...) of it, and unpack the list it hands back"
+        )
     return [value], None
 
 
@@ -241,9 +248,9 @@ def initialize(
     if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     verbosity = int(verbosity)
-    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
-        raise ValueError(f"num_losses={num_losses!r}: expected an integer >= 1")
-    num_losses = int(num_losses)  # numpy's integers too, as Apex's range(num_losses) took them
+    # numpy's integers too, as Apex's range(num_losses) took them; 10**8, a typo, made a scaler each for the better
+    # part of an hour
+    num_losses = loss_count_option(num_losses, "num_losses")
     if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
     _amp_state.verbosity = verbosity
@@ -261,9 +268,9 @@ def initialize(
         isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point
     ):
         raise ValueError(f"cast_model_outputs={cast_model_outputs!r}: expected a floating torch dtype or None")
-    model_list, models_container = _as_list(models)
+    model_list, models_container = _as_list(models, "models")
     optimizers_given = optimizers is not None
-    optimizer_list, optimizers_container = _as_list(optimizers) if optimizers_given else ([], None)
+    optimizer_list, optimizers_container = _as_list(optimizers, "optimizers") if optimizers_given else ([], None)
     _check_models(model_list)
     if enabled:
         _check_scripted(model_list, properties, cast_model_outputs)
@@ -367,8 +374,12 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
     _check_scaler_keys(unexpected)
-    for idx, key in enumerate(state_dict):
+    for position, key in enumerate(state_dict):
+        # by the number in its key (Apex went by position: a dict reordered on the way, by a sorted JSON or YAML
+        # dump, gave loss 0 the scale of loss 2, and loss_scaler10 came before loss_scaler2)
+        number = re.fullmatch(r"loss_scaler(\d+)", str(key))
+        idx = int(number.group(1)) if number else position
         if idx >= len(scalers):
             print(f"Skipping loss_scaler[{idx}], since num_losses was set to {len(scalers)}")
-            break
+            continue
         scalers[idx].load_state_dict(state_dict[key])

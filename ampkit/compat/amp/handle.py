@@ -13,6 +13,7 @@ import torch
 
 from ampkit.amp import GradientCombiner
 from ampkit.amp.grad_combine import read_flags
+from ampkit.amp.scaler import loss_count_option
 from ampkit.compat.amp import _ddp_no_sync, functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
@@ -21,7 +22,8 @@ from ampkit.ops._switches import is_switch
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
-    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one."""
+    """The optimizers ``scale_loss`` unscales for, each one that ``amp.initialize`` returned; at least one, each once
+    (``[opt, opt]`` failed inside amp, in "combine() called without prepare_backward()")."""
     items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not items:
         raise ValueError(
@@ -34,7 +36,7 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
                 f"optimizers[{i}] ({type(optimizer).__name__}) was not returned by amp.initialize; pass every "
                 "optimizer used with amp.scale_loss through amp.initialize first."
             )
-    return items
+    return list({id(optimizer): optimizer for optimizer in items}.values())
 
 
 class LossIdRangeError(ValueError, IndexError):
@@ -90,11 +92,13 @@ def scale_loss(
             f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
-    loss_id = int(loss_id)
+    given, loss_id = loss_id, int(loss_id)
     if not 0 <= loss_id < len(scalers):
-        raise LossIdRangeError(
-            f"loss_id={loss_id!r} is out of range: amp.initialize was called with num_losses={len(scalers)}, "
-            f"so valid loss ids are 0..{len(scalers) - 1}"
+        raise LossIdRangeError(  # named as written: loss_id=True read "loss_id=1", which the caller never wrote
+            f"loss_id={given!r}"
+            + (f" (index {loss_id})" if repr(given) != repr(loss_id) else "")
+            + f" is out of range: amp.initialize was called with num_losses={len(scalers)}, so valid loss ids are "
+            f"0..{len(scalers) - 1}"
         )
     _check_loss(loss, "amp.scale_loss")
     for name, value in (("delay_unscale", delay_unscale), ("delay_overflow_check", delay_overflow_check)):
@@ -172,8 +176,9 @@ class _LossScaling:
 
     def __init__(self, optimizer: Any, scaler: ApexLossScaler) -> None:
         self.scaler = scaler
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        # frozen ones too: unfrozen later, their gradients are unscaled like the others'
+        # once each (torch only warns about a parameter listed twice in a group); frozen ones too: unfrozen later,
+        # their gradients are unscaled like the others'
+        params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
         self.combiner = GradientCombiner([p for p in params if p.is_floating_point()])
 
 
@@ -352,8 +357,7 @@ class OptimWrapper:
     """
 
     def __init__(self, optimizer: Any, amp_handle: AmpHandle | NoOpHandle, num_loss: int) -> None:
-        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
-            raise ValueError(f"num_loss={num_loss!r}: expected an integer >= 1")
+        num_loss = loss_count_option(num_loss, "num_loss")  # as amp.initialize's num_losses: numpy's, and bounded
         self._optimizer = optimizer
         self._amp_handle = amp_handle
         self._num_loss = num_loss

@@ -14,7 +14,21 @@ from typing import Any
 
 import torch
 
-from ampkit.amp.scaler import interval_option, positive_option
+from ampkit.amp.opt_levels import FLOAT32_SCALES
+from ampkit.amp.scaler import interval_option, overflow_verdict, positive_option
+
+
+def _float32_scale(value: Any, option: str) -> float:
+    """``value`` as a scale a float32 loss can carry (as amp's static ``loss_scale``): 1e39 scaled every loss to inf,
+    which a static scaler stepped on (its ``has_overflow`` is always False) and a dynamic one skipped some 870 times
+    from 1e300; 1e-300 scaled every loss to 0, which trained nothing."""
+    scale = positive_option(value, option)
+    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:
+        raise ValueError(
+            f"{option}={value!r}: a loss scale must lie in float32's range of scales, 2**-126 to "
+            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or 0"
+        )
+    return scale
 
 
 def _has_inf_or_nan(x: torch.Tensor) -> bool:
@@ -27,7 +41,7 @@ class LossScaler:
 
     def __init__(self, scale: float = 1) -> None:
         # 0 zeroed every gradient, NaN or inf made them all NaN, a string failed at the first backward
-        self.cur_scale = positive_option(scale, "scale")
+        self.cur_scale = _float32_scale(scale, "scale")
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Always False: a static scale never reports an overflow."""
@@ -65,7 +79,7 @@ class DynamicLossScaler(LossScaler):
     """
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
-        super().__init__(positive_option(init_scale, "init_scale"))
+        super().__init__(_float32_scale(init_scale, "init_scale"))
         self.cur_iter = 0
         self.last_overflow_iter = -1
         # a factor of 1 never backed off, so every step after an overflow was skipped; a window of 0 divided by zero
@@ -82,8 +96,9 @@ class DynamicLossScaler(LossScaler):
 
     def update_scale(self, overflow: bool) -> None:
         """One iteration's update: divide on overflow (floor 1); multiply once every ``scale_window`` clean
-        iterations since the last overflow (counted as Apex counted them)."""
-        if overflow:
+        iterations since the last overflow (counted as Apex counted them). ``overflow`` is a bool or a one-element
+        tensor: None (a verdict never computed) counted as clean and "no" as an overflow."""
+        if overflow_verdict(overflow, "overflow"):
             self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
             self.last_overflow_iter = self.cur_iter
         elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
