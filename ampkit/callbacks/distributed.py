@@ -57,6 +57,7 @@ class DistributedSync(Callback):
         self._ddp_names: list[str] = []  # their names, in DDP's order (its errors number them)
         self._trainable: TrainableParams | None = None
         self._unfrozen: set[int] = set()  # trainable parameters DDP does not average: averaged at the step instead
+        self._evaluating: str | None = None  # "validation", "test", "prediction" while one runs (a fit's included)
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
@@ -109,13 +110,25 @@ class DistributedSync(Callback):
             )
 
     def on_validation_start(self, trainer) -> None:
+        self._evaluating = "validation"
         self._sync_buffers_before_evaluation()
 
     def on_test_start(self, trainer) -> None:  # a test() from a hook of the fit: its steps call the DDP model too
+        self._evaluating = "test"
         self._sync_buffers_before_evaluation()
 
     def on_predict_start(self, trainer) -> None:
+        self._evaluating = "prediction"
         self._sync_buffers_before_evaluation()
+
+    def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
+        self._evaluating = None
+
+    def on_test_end(self, trainer, metrics: dict[str, float]) -> None:
+        self._evaluating = None
+
+    def on_predict_end(self, trainer, predictions: list[Any]) -> None:
+        self._evaluating = None
 
     def _sync_buffers_before_evaluation(self) -> None:
         """DDP gives every rank rank 0's buffers (BatchNorm statistics) at the first forward after a training one:
@@ -197,7 +210,8 @@ class DistributedSync(Callback):
     def on_exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, DistributedError) or not is_communication_failure(exception):
             return
-        during = trainer.state.stage if trainer.state.stage in ("validate", "test", "predict") else "training"
+        # a fit's validation runs in stage "fit": the pass that was running, not the stage, says where it failed
+        during = self._evaluating or ("validation before training" if trainer.state.stage == "sanity" else "training")
         raise self._diagnose(f"a collective during {during}", exception) from exception
 
     def _collective(self, what: str, fn, *args) -> None:
