@@ -58,6 +58,21 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip, dtype, scale):
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
 
+def test_larc_clipping_never_raises_a_layer_s_rate_above_the_group_s():
+    """With clip=True the local rate is min(trust ratio / lr, 1): a layer whose ratio exceeds lr steps at lr, as the
+    plain optimizer would; without clipping (LARS) the same ratio scales the step up."""
+    torch.manual_seed(0)
+    lr = 0.1
+    for clip in (True, False):
+        weight = torch.nn.Parameter(torch.randn(4, 3))
+        weight.grad = 1e-3 * torch.randn(4, 3)  # tiny gradient: trust ratio 0.02 * |w| / |g| is far above lr
+        ratio = 0.02 * weight.detach().norm() / (weight.grad.norm() + 1e-8)
+        assert ratio / lr > 10
+        expected = weight.detach() - lr * (1.0 if clip else ratio) * weight.grad
+        LARC(torch.optim.SGD([weight], lr=lr), clip=clip).step()
+        torch.testing.assert_close(weight.detach(), expected)
+
+
 def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
     bn = model[1][0]
