@@ -151,6 +151,19 @@ def _check_ddp_reduction_options(rank, world_size):
         _assert_ddp_grads(rank, base, kwargs, want)
 
 
+def _check_ddp_always_fp32_sums_half_gradients_in_float32(rank, world_size):
+    # Apex's reason for the option: float16 gradients of 40000 on every rank sum past float16's 65504; summed in
+    # float32 and averaged, they come back as 40000 (in float16, every element was inf).
+    for kwargs in (dict(allreduce_always_fp32=True), dict(allreduce_always_fp32=True, delay_allreduce=True)):
+        model = torch.nn.Linear(1, 1, bias=False).half()
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        ddp = DistributedDataParallel(model, **kwargs)
+        ddp(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()
+        grad = model.weight.grad
+        assert grad.dtype == torch.float16 and grad.item() == 40000.0, f"{kwargs}: {grad}"
+
+
 def _check_ddp_sum_stays_predivided(rank, world_size):
     # Apex's allreduce_bucket divides by the factor before the allreduce and only multiplies back when averaging.
     base, _, total = _linear_grads(world_size)
@@ -955,6 +968,7 @@ _TWO_RANK_CHECKS = {
     for check in (
         _check_ddp_reduction_options,
         _check_ddp_sum_stays_predivided,
+        _check_ddp_always_fp32_sums_half_gradients_in_float32,
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
         _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have,
