@@ -104,6 +104,10 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("trainer.val_every_n_steps", -3, "an integer >= 0"),
         ("trainer.val_every_n_epochs", -1, "an integer >= 0"),
         ("trainer.max_steps", -2, "-1 \\(no limit\\) or an integer >= 0"),
+        # a limit of no time at all, in each spelling: refused naming the config key
+        ("trainer.max_time", "00:00:00", 'a number of seconds > 0, "HH:MM:SS"'),
+        ("trainer.max_time", "0:00:00:00", 'a number of seconds > 0, "HH:MM:SS"'),
+        ("trainer.max_time", 0, 'a number of seconds > 0, "HH:MM:SS"'),
         ("checkpoint.keep_last", 0, "an integer >= 1"),
         ("checkpoint.every_n_steps", -1, "an integer >= 0"),
         ("checkpoint.every_n_epochs", -1, "an integer >= 0"),
