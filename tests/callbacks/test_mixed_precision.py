@@ -618,6 +618,8 @@ def test_bf16_skip_nonfinite_guards_the_step_when_asked(tmp_path, opt_level):
         ({"opt_level": "O1", "loss_scale": "none"}, "O1 float16, skip_nonfinite"),  # float16's default: checked
         ({"opt_level": "O1", "loss_scale": "none", "skip_nonfinite": False}, "O1 float16"),
         ({"opt_level": "O2", "dtype": "bfloat16", "loss_scale": "dynamic"}, "O2 bfloat16, loss scale dynamic"),
+        ({"opt_level": "O0"}, "O0 (float32)"),  # no low precision at all: no dtype or scale to name
+        ({"opt_level": "O2", "loss_scale": 128}, "O2 float16, loss scale 128.0"),
     ],
 )
 def test_the_console_line_says_whether_steps_are_checked(options, line):
