@@ -211,6 +211,19 @@ def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_run_dir_expands_home_and_variables_and_names_an_unset_one(monkeypatch):
+    """docs/checkpoints.md: paths in the config expand ``~`` and ``$VAR`` as a shell would; an unset variable is an
+    error naming it, not a directory called ``$SCRATCH`` under the working directory."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("AMPKIT_TEST_SCRATCH", "/scratch/job7")
+    monkeypatch.delenv("AMPKIT_TEST_UNSET", raising=False)
+    base = {"trainer_class": "toy_trainers:ToyTrainer"}
+    assert build_config(Config, base, {"run_dir": "~/runs"}).run_dir == "/home/someone/runs"
+    assert build_config(Config, base, {"run_dir": "$AMPKIT_TEST_SCRATCH/runs"}).run_dir == "/scratch/job7/runs"
+    with pytest.raises(ConfigError, match="config key 'run_dir': .*names environment variable AMPKIT_TEST_UNSET"):
+        build_config(Config, base, {"run_dir": "$AMPKIT_TEST_UNSET/runs"})
+
+
 def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
     trainer.fit()
