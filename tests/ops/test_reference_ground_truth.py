@@ -117,6 +117,31 @@ def test_adam_reference_is_torchs_adam_and_adamw(adam_w_mode, amsgrad, maximize,
     assert [float(s) for s in steps] == [float(STEPS)] * len(SHAPES)
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_reference_without_bias_correction_steps_on_the_raw_moments(adam_w_mode):
+    """Apex's ``FusedAdam(bias_correction=False)``, which torch has no twin of: ``p -= lr * m / (sqrt(v) + eps)``
+    with the moments as they are, worked out element by element in Python floats."""
+    start, grad_seq = [0.5, -1.5, 2.0], [[0.3, -0.2, 0.1], [-0.4, 0.6, 0.05], [0.2, 0.2, -0.3]]
+    lr, b1, b2, eps, wd = 1e-2, 0.8, 0.99, 1e-8, 0.1
+    ours = [torch.tensor(start, dtype=torch.float64)]
+    m, v, steps = zeros(ours), zeros(ours), counters(ours)
+    for g in grad_seq:
+        grads = [torch.tensor(g, dtype=torch.float64)]
+        ref.adam_step(ours, grads, m, v, [], [], steps, lr, b1, b2, eps, wd, adam_w_mode, False, False, 1.0)
+    want = []
+    for i, x in enumerate(start):
+        mi = vi = 0.0
+        for g in (step[i] for step in grad_seq):
+            if adam_w_mode:
+                x *= 1 - lr * wd
+            else:
+                g += wd * x
+            mi, vi = b1 * mi + (1 - b1) * g, b2 * vi + (1 - b2) * g * g
+            x -= lr * mi / (math.sqrt(vi) + eps)
+        want.append(x)
+    torch.testing.assert_close(ours[0], torch.tensor(want, dtype=torch.float64), **TOL)
+
+
 SGD_OPTIONS = [
     (momentum, dampening, nesterov, weight_decay, maximize)
     for momentum, dampening, nesterov, weight_decay, maximize in itertools.product(
