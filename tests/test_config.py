@@ -238,6 +238,7 @@ def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
         ("16-mixed", "Lightning's autocast in float16 with a dynamic loss scaler: opt_level O1"),
         ("bf16-true", "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16"),
         ("32-true", "float32: opt_level O0"),
+        ("BF16-Mixed", "Lightning's autocast in bfloat16: opt_level O4"),  # named in any letter case
     ],
 )
 def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_same(tmp_path, value, same):
