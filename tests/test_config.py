@@ -121,6 +121,7 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("distributed.bucket_cap_mb", "1e30", "a number > 0 and below 2\\*\\*43"),  # DDP: a raw TypeError
         ("trainer.accumulate_grad_batches", 10**23, "out of range; expected a 64-bit integer"),  # OverflowError
         ("data.batch_size", -(10**20), "out of range; expected a 64-bit integer"),  # a Trainer's own section too
+        ("trainer.max_steps", 2**63, "out of range; expected a 64-bit integer"),  # one past int64's largest
         ("run_dir", "' '", "a non-empty path"),
         ("precision.dtype", "float32", "not a low-precision dtype; use float16 or bfloat16"),  # named as a dotted key
         ("precision.loss_scale", -1, "a static loss scale must be finite and > 0"),
