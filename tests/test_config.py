@@ -90,6 +90,9 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(REPO / "configs/digits.yaml", ["trainer.max_epochs"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.yaml")
+    # a folder exists: saying it does not sent users looking for a typo
+    with pytest.raises(ConfigError, match=f"--config '{tmp_path}' is a directory; name a YAML file in it"):
+        load_config(tmp_path)
 
 
 @pytest.mark.parametrize(
