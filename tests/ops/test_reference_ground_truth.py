@@ -633,3 +633,28 @@ def test_rmsprop_tf_on_hand_computed_steps(ops, centered, decoupled_decay, lr_in
         lr_in_momentum=lr_in_momentum,
     )
     assert_close_lists(run_fused(make, [[1.5, -2.0]], grad_seq, ops, monkeypatch), [p])
+
+
+@pytest.mark.parametrize("ops", ["reference", "kernel"])
+@pytest.mark.parametrize("lr_in_momentum", [True, False])
+def test_rmsprop_tf_momentum_carries_the_rate_it_was_built_with_when_lr_in_momentum(ops, lr_in_momentum, monkeypatch):
+    """Under a schedule the two forms part: with lr_in_momentum the buffer keeps each step's own rate (timm's
+    RMSpropTF), without it the whole buffer moves at the current rate. The rate doubles between two steps here."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    alpha, eps, mom, rates, grads = 0.9, 1e-3, 0.9, [0.01, 0.02], [0.5, -1.0]
+    w, sq, buf = 1.5, 1.0, 0.0
+    for lr, g in zip(rates, grads, strict=True):
+        sq += (1 - alpha) * (g * g - sq)
+        if lr_in_momentum:
+            buf = mom * buf + lr * g / math.sqrt(sq + eps)
+            w -= buf
+        else:
+            buf = mom * buf + g / math.sqrt(sq + eps)
+            w -= lr * buf
+    param = torch.nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
+    opt = FusedRMSpropTF([param], lr=rates[0], alpha=alpha, eps=eps, momentum=mom, lr_in_momentum=lr_in_momentum)
+    for lr, g in zip(rates, grads, strict=True):
+        opt.param_groups[0]["lr"] = lr
+        param.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+    assert_close_lists([param.detach().tolist()], [[w]])
