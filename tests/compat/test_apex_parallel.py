@@ -73,6 +73,15 @@ def test_larc_clipping_never_raises_a_layer_s_rate_above_the_group_s():
         torch.testing.assert_close(weight.detach(), expected)
 
 
+def test_larc_leaves_a_zero_parameter_or_gradient_to_the_wrapped_optimizer():
+    """A zero-initialised bias has no norm to trust: Apex left its gradient as it was, so it trains at the group's
+    rate (a ratio of 0 would freeze it at zero for good)."""
+    bias = torch.nn.Parameter(torch.zeros(3))
+    bias.grad = torch.tensor([0.5, -1.0, 2.0])
+    LARC(torch.optim.SGD([bias], lr=0.1)).step()
+    torch.testing.assert_close(bias.detach(), torch.tensor([-0.05, 0.1, -0.2]))
+
+
 def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
     bn = model[1][0]
