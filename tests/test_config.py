@@ -90,6 +90,9 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(REPO / "configs/digits.yaml", ["trainer.max_epochs"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "absent.yaml")
+    # a folder exists: saying it does not sent users looking for a typo
+    with pytest.raises(ConfigError, match=f"--config '{tmp_path}' is a directory; name a YAML file in it"):
+        load_config(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +107,10 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("trainer.val_every_n_steps", -3, "an integer >= 0"),
         ("trainer.val_every_n_epochs", -1, "an integer >= 0"),
         ("trainer.max_steps", -2, "-1 \\(no limit\\) or an integer >= 0"),
+        # a limit of no time at all, in each spelling: refused naming the config key
+        ("trainer.max_time", "00:00:00", 'a number of seconds > 0, "HH:MM:SS"'),
+        ("trainer.max_time", "0:00:00:00", 'a number of seconds > 0, "HH:MM:SS"'),
+        ("trainer.max_time", 0, 'a number of seconds > 0, "HH:MM:SS"'),
         ("checkpoint.keep_last", 0, "an integer >= 1"),
         ("checkpoint.every_n_steps", -1, "an integer >= 0"),
         ("checkpoint.every_n_epochs", -1, "an integer >= 0"),
@@ -117,6 +124,7 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("distributed.bucket_cap_mb", "1e30", "a number > 0 and below 2\\*\\*43"),  # DDP: a raw TypeError
         ("trainer.accumulate_grad_batches", 10**23, "out of range; expected a 64-bit integer"),  # OverflowError
         ("data.batch_size", -(10**20), "out of range; expected a 64-bit integer"),  # a Trainer's own section too
+        ("trainer.max_steps", 2**63, "out of range; expected a 64-bit integer"),  # one past int64's largest
         ("run_dir", "' '", "a non-empty path"),
         ("precision.dtype", "float32", "not a low-precision dtype; use float16 or bfloat16"),  # named as a dotted key
         ("precision.loss_scale", -1, "a static loss scale must be finite and > 0"),
@@ -207,6 +215,19 @@ def test_cli_reports_bad_config_in_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_run_dir_expands_home_and_variables_and_names_an_unset_one(monkeypatch):
+    """docs/checkpoints.md: paths in the config expand ``~`` and ``$VAR`` as a shell would; an unset variable is an
+    error naming it, not a directory called ``$SCRATCH`` under the working directory."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("AMPKIT_TEST_SCRATCH", "/scratch/job7")
+    monkeypatch.delenv("AMPKIT_TEST_UNSET", raising=False)
+    base = {"trainer_class": "toy_trainers:ToyTrainer"}
+    assert build_config(Config, base, {"run_dir": "~/runs"}).run_dir == "/home/someone/runs"
+    assert build_config(Config, base, {"run_dir": "$AMPKIT_TEST_SCRATCH/runs"}).run_dir == "/scratch/job7/runs"
+    with pytest.raises(ConfigError, match="config key 'run_dir': .*names environment variable AMPKIT_TEST_UNSET"):
+        build_config(Config, base, {"run_dir": "$AMPKIT_TEST_UNSET/runs"})
+
+
 def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
     trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.tensorboard": False}))
     trainer.fit()
@@ -221,6 +242,7 @@ def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
         ("16-mixed", "Lightning's autocast in float16 with a dynamic loss scaler: opt_level O1"),
         ("bf16-true", "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16"),
         ("32-true", "float32: opt_level O0"),
+        ("BF16-Mixed", "Lightning's autocast in bfloat16: opt_level O4"),  # named in any letter case
     ],
 )
 def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_same(tmp_path, value, same):

@@ -200,6 +200,10 @@ def test_a_fraction_of_a_loader_without_a_length_is_refused_asking_for_a_count(t
     trainer = Streaming(toy_cfg(tmp_path, **{**QUIET, "trainer.limit_train_batches": 0.5}))
     with pytest.raises(ConfigError, match=r"0.5 is a fraction of the batches, but train_dataloader\(\) has no length"):
         trainer.fit()
+    # 1.0 is every batch, which needs no length: the stream's 4 batches train
+    trainer = Streaming(toy_cfg(tmp_path, **{**QUIET, "trainer.limit_train_batches": 1.0, "trainer.max_epochs": 1}))
+    trainer.fit()
+    assert trainer.state.global_step == 4
 
 
 @pytest.mark.parametrize(

@@ -475,6 +475,28 @@ def test_max_time_counts_on_across_a_resume(tmp_path):
     assert timer.max_time_s == 86400 and 0 < saved["elapsed_s"] == timer.elapsed_before < timer.elapsed()
 
 
+def test_max_time_stops_once_the_lineage_s_time_is_spent_counting_the_runs_before(monkeypatch):
+    """A resumed run that had 50 s of its 60 s stops 10 s in, at the iteration that reaches the limit itself."""
+    import types
+
+    from ampkit.callbacks import MaxTime, max_time
+
+    clock = types.SimpleNamespace(monotonic=lambda: now)
+    monkeypatch.setattr(max_time, "time", clock)
+    now = 1000.0
+    timer = MaxTime(60.0)
+    timer.load_state_dict({"elapsed_s": 50.0})  # what the checkpoint of the earlier runs saved
+    state = types.SimpleNamespace(is_iteration_end=True, should_stop=False, stop_reason=None, global_step=7)
+    trainer = types.SimpleNamespace(state=state, is_global_zero=False)
+    timer.on_train_start(trainer)
+    now += 9.0
+    timer.on_train_batch_end(trainer, {}, None)
+    assert not state.should_stop and timer.state_dict() == {"elapsed_s": 59.0}
+    now += 1.0
+    timer.on_train_batch_end(trainer, {}, None)
+    assert state.should_stop and state.stop_reason == "trainer.max_time=60s reached after 60.0s of training"
+
+
 def test_a_finished_run_s_resume_finishes_the_pruning_a_kill_interrupted(tmp_path):
     """Killed between its final save and that save's pruning: the restart trains nothing but prunes to keep_last."""
     cfg = toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 6, "checkpoint.every_n_steps": 2})

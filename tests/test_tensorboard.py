@@ -79,6 +79,22 @@ def test_tags_steps_values_and_hparams(tmp_path):
     assert start.hparams["lr"].number_value == 0.01
 
 
+def test_steps_per_sec_counts_every_step_since_the_last_log_step(tmp_path, monkeypatch):
+    """The rate is the steps between two log steps over the time between them: on a clock that runs 0.25 s a step
+    it is 4 steps/s at every log step, whatever log_every_n_steps is."""
+    import types
+
+    from ampkit.callbacks import tensorboard
+
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "logging.log_every_n_steps": 4}))
+    clock = types.SimpleNamespace(time=time.time, sleep=time.sleep)
+    clock.perf_counter = lambda: trainer.state.global_step * 0.25
+    monkeypatch.setattr(tensorboard, "time", clock)
+    trainer.fit()
+    rates = [(e.step, e.value) for e in _events(trainer).Scalars("train/steps_per_sec")]
+    assert rates == [(4, 4.0), (8, 4.0)]
+
+
 def _hparams_plugin_data(events: EventAccumulator, tag: str):
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
@@ -239,6 +255,31 @@ def test_each_param_group_s_learning_rate_is_logged(tmp_path):
     events = _events(trainer)
     assert [e.value for e in events.Scalars("train/lr/sgd")] == pytest.approx([0.01, 0.01])
     assert [e.value for e in events.Scalars("train/lr/sgd/group_1")] == pytest.approx([0.001, 0.001])
+
+
+def test_named_param_groups_and_momentum_are_tagged_as_lightning_s_lr_monitor_tags_them(tmp_path):
+    """A group with a ``"name"`` is tagged by it; a name an earlier group took keeps its index, so neither curve
+    hides the other; with log_momentum, Adam's first beta is the momentum."""
+
+    class NamedGroups(ToyTrainer):
+        def configure_optimizers(self):
+            (w0, b0), (w3, b3) = self.module[0].parameters(), self.module[3].parameters()
+            groups = [{"params": [w3]}, {"params": [b3], "lr": 0.002, "name": "head_bias"}]
+            groups += [{"params": [w0], "lr": 0.003, "name": "body"}, {"params": [b0], "lr": 0.004, "name": "body"}]
+            return torch.optim.Adam(groups, lr=0.001, betas=(0.8, 0.99))
+
+    cfg = toy_cfg(tmp_path, **{"logging.log_every_n_steps": 4, "logging.log_momentum": True})
+    trainer = NamedGroups(cfg)
+    trainer.fit()
+    events = _events(trainer)
+    lrs = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"] if tag.startswith("train/lr/")}
+    assert lrs == pytest.approx(
+        {"train/lr/adam": 0.001, "train/lr/adam/head_bias": 0.002, "train/lr/adam/body": 0.003,
+         "train/lr/adam/group_3": 0.004}
+    )  # fmt: skip
+    momenta = [tag for tag in events.Tags()["scalars"] if tag.startswith("train/momentum/")]
+    assert sorted(momenta) == sorted(tag.replace("/lr/", "/momentum/") for tag in lrs)
+    assert all(e.value == pytest.approx(0.8) for tag in momenta for e in events.Scalars(tag))
 
 
 def test_log_rejects_a_non_scalar(tmp_path):

@@ -38,6 +38,19 @@ def test_cast_model_keeps_batchnorm_fp32_when_asked(dtype, keep_bn):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cast_model_casts_gradients_already_there_with_their_parameters(dtype):
+    """A model cast after a backward (a warm-up step in float32) keeps each grad in its parameter's dtype, so the
+    next backward accumulates into it; batch norm kept float32 keeps float32 grads."""
+    model = ConvNet()
+    model(torch.randn(2, 3, 5, 5))["logits"].sum().backward()
+    conv_grad = model.conv.weight.grad.clone()
+    cast_model(model, dtype, keep_batchnorm_fp32=True)
+    assert model.conv.weight.grad.dtype == model.head.weight.grad.dtype == dtype
+    assert model.bn.weight.grad.dtype == torch.float32
+    assert torch.equal(model.conv.weight.grad, conv_grad.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_o2_forward_backward_with_boundary_casts(dtype):
     torch.manual_seed(0)
     model = cast_model(ConvNet(), dtype, keep_batchnorm_fp32=True)

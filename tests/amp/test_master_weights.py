@@ -135,12 +135,22 @@ def _round_trip(obj):
 
 
 def test_refresh_after_add_param_group_and_state_moves():
+    """A parameter added later gets its master with what it had: its gradient, its requires_grad, and the optimizer
+    state kept under it (a loaded checkpoint's), which would otherwise sit under a tensor the optimizer never steps."""
     model, optimizer, masters = build(torch.float16)
     extra = nn.Parameter(torch.ones(3, dtype=torch.float16))
-    optimizer.add_param_group({"params": [extra]})
+    extra.grad = torch.full((3,), 0.5, dtype=torch.float16)
+    frozen = nn.Parameter(torch.ones(2, dtype=torch.float16), requires_grad=False)
+    optimizer.add_param_group({"params": [extra, frozen]})
+    optimizer.state[extra] = {"exp_avg": torch.full((3,), 0.25)}
     masters.refresh()
-    assert masters.model_params[-1] is extra and masters.master_params[-1].dtype == torch.float32
-    assert optimizer.param_groups[-1]["params"][0] is masters.master_params[-1]
+    (extra_model, frozen_model), (master, frozen_master) = masters.model_params[-2:], masters.master_params[-2:]
+    assert extra_model is extra and frozen_model is frozen and master.dtype == frozen_master.dtype == torch.float32
+    stepped = optimizer.param_groups[-1]["params"]
+    assert stepped[0] is master and stepped[1] is frozen_master
+    assert master.grad.dtype == torch.float32 and torch.equal(master.grad, torch.full((3,), 0.5))
+    assert master.requires_grad and not frozen_master.requires_grad
+    assert extra not in optimizer.state and torch.equal(optimizer.state[master]["exp_avg"], torch.full((3,), 0.25))
 
 
 def test_load_state_dict_errors():

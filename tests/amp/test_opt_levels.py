@@ -144,3 +144,24 @@ def test_disabled_is_float32():
     props = resolve_opt_level("O2", enabled=False)
     assert props.enabled is False and props.cast_model_type == torch.float32
     assert props.loss_scale == 1.0 and props.master_weights is False
+
+
+def test_options_is_apex_s_seven_keys_with_the_resolved_values():
+    props = resolve_opt_level("O2", dtype="bf16", keep_batchnorm_fp32=False, loss_scale=64)
+    assert props.options == {
+        "enabled": True,
+        "opt_level": "O2",
+        "cast_model_type": torch.bfloat16,
+        "patch_torch_functions": False,
+        "keep_batchnorm_fp32": False,
+        "master_weights": True,
+        "loss_scale": 64.0,
+    }
+
+
+def test_the_static_loss_scale_range_is_the_one_the_message_names():
+    smallest, largest = 2.0**-126, torch.finfo(torch.float32).max
+    assert parse_loss_scale(smallest) == smallest and parse_loss_scale(largest) == largest
+    for outside in (2.0**-127, 2.0**-140, largest * 2):
+        with pytest.raises(ValueError, match=r"2\*\*-126 to 3.403e\+38"):
+            parse_loss_scale(outside)

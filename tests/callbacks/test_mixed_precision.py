@@ -17,7 +17,7 @@ from torch import nn
 import ampkit
 from ampkit.callbacks import LossScaling, MixedPrecision, NonFiniteError
 from ampkit.callbacks.precision_config import describe_precision
-from ampkit.config import PrecisionConfig
+from ampkit.config import Float8Config, PrecisionConfig
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -632,6 +632,12 @@ def test_bf16_skip_nonfinite_guards_the_step_when_asked(tmp_path, opt_level):
         ({"opt_level": "O1", "loss_scale": "none"}, "O1 float16, skip_nonfinite"),  # float16's default: checked
         ({"opt_level": "O1", "loss_scale": "none", "skip_nonfinite": False}, "O1 float16"),
         ({"opt_level": "O2", "dtype": "bfloat16", "loss_scale": "dynamic"}, "O2 bfloat16, loss scale dynamic"),
+        ({"opt_level": "O0"}, "O0 (float32)"),  # no low precision at all: no dtype or scale to name
+        ({"opt_level": "O2", "loss_scale": 128}, "O2 float16, loss scale 128.0"),
+        (
+            {"opt_level": "O5", "fp8": Float8Config(enabled=True, backend="reference")},
+            "O5 bfloat16, fp8 tensorwise (reference)",
+        ),
     ],
 )
 def test_the_console_line_says_whether_steps_are_checked(options, line):

@@ -102,6 +102,25 @@ def test_rates_over_each_window_from_a_fake_clock_and_logged(tmp_path):
     assert {"perf/samples_per_sec", "perf/tflops", "perf/mfu"} <= set(events.Tags()["scalars"])
 
 
+def test_each_rank_reports_the_whole_world_s_rates_against_the_whole_world_s_peak():
+    """Under torchrun every rank counts its own batches: the figures are all ranks' (this rank's counts x world
+    size) and MFU divides by every device's peak, so one rank's share is not reported as the run's."""
+    import types
+
+    logged = {}
+    state = types.SimpleNamespace(is_iteration_end=True, iteration=0, batch_size=8, batch_tokens=100, throughput={})
+    rank = types.SimpleNamespace(tokens_per_sample=16, flops_per_sample=3e9, world_size=2, device=torch.device("cpu"))
+    rank.state, rank.log = state, lambda tag, value, always, step: logged.__setitem__(tag, value)
+    meter = Throughput(every_n_steps=2, peak_tflops=100.0, clock=FakeClock(step_s=0.5))
+    meter.on_train_start(rank)
+    for state.iteration in (1, 2):  # the first starts the clock; the second closes a window of one batch in 0.5 s
+        meter.on_train_batch_end(rank, {}, None)
+    tflops = 2 * 8 * 3e9 / 0.5 / 1e12
+    want = {"samples_per_sec": 2 * 8 / 0.5, "tokens_per_sec": 2 * 100 / 0.5, "tflops": tflops, "mfu": tflops / 200}
+    assert state.throughput == pytest.approx(want)
+    assert logged == pytest.approx({f"perf/{key}": value for key, value in want.items()})
+
+
 class LogsAnEpochMean(Tokens):
     def training_step(self, batch):
         loss = super().training_step(batch)

@@ -128,6 +128,14 @@ def test_disable_casts_turns_o1_off_inside_the_block():
     inside, after = _run(probe, fn)
     assert inside.dtype == torch.float32 and after.dtype == torch.float16
 
+    def nested(x):  # leaving an inner block restores the state it found: still off inside the outer one
+        with amp.disable_casts():
+            with amp.disable_casts():
+                pass
+            return probe.linear(x)
+
+    assert _run(probe, nested).dtype == torch.float32
+
 
 def test_registered_functions_apply_from_the_next_o1_initialize_and_are_undone_after():
     namespace = types.SimpleNamespace(
@@ -175,6 +183,8 @@ def test_decorators_cast_only_while_o1_is_active():
     assert as_half(x).dtype == torch.bfloat16
     assert as_float(x.half()).dtype == torch.float32
     assert promoted(x.half(), x) == (torch.float32, torch.float32)
+    assert promoted(x, b=x.half()) == (torch.float32, torch.float32)  # a keyword argument is cast too
+    assert promoted(x.half(), b=x.half()) == (torch.float16, torch.float16)  # no mix: left as it is
     amp.initialize(Probe(), opt_level="O2", verbosity=0)
     assert as_half(x).dtype == torch.float32
 

@@ -58,6 +58,30 @@ def test_larc_scales_each_gradient_by_its_trust_ratio(clip, dtype, scale):
     assert optimizer.param_groups[0]["weight_decay"] == wd  # restored after the step
 
 
+def test_larc_clipping_never_raises_a_layer_s_rate_above_the_group_s():
+    """With clip=True the local rate is min(trust ratio / lr, 1): a layer whose ratio exceeds lr steps at lr, as the
+    plain optimizer would; without clipping (LARS) the same ratio scales the step up."""
+    torch.manual_seed(0)
+    lr = 0.1
+    for clip in (True, False):
+        weight = torch.nn.Parameter(torch.randn(4, 3))
+        weight.grad = 1e-3 * torch.randn(4, 3)  # tiny gradient: trust ratio 0.02 * |w| / |g| is far above lr
+        ratio = 0.02 * weight.detach().norm() / (weight.grad.norm() + 1e-8)
+        assert ratio / lr > 10
+        expected = weight.detach() - lr * (1.0 if clip else ratio) * weight.grad
+        LARC(torch.optim.SGD([weight], lr=lr), clip=clip).step()
+        torch.testing.assert_close(weight.detach(), expected)
+
+
+def test_larc_leaves_a_zero_parameter_or_gradient_to_the_wrapped_optimizer():
+    """A zero-initialised bias has no norm to trust: Apex left its gradient as it was, so it trains at the group's
+    rate (a ratio of 0 would freeze it at zero for good)."""
+    bias = torch.nn.Parameter(torch.zeros(3))
+    bias.grad = torch.tensor([0.5, -1.0, 2.0])
+    LARC(torch.optim.SGD([bias], lr=0.1)).step()
+    torch.testing.assert_close(bias.detach(), torch.tensor([-0.05, 0.1, -0.2]))
+
+
 def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
     bn = model[1][0]
@@ -134,6 +158,19 @@ def _check_ddp_reduction_options(rank, world_size):
     ]
     for kwargs, want in cases:
         _assert_ddp_grads(rank, base, kwargs, want)
+
+
+def _check_ddp_always_fp32_sums_half_gradients_in_float32(rank, world_size):
+    # Apex's reason for the option: float16 gradients of 40000 on every rank sum past float16's 65504; summed in
+    # float32 and averaged, they come back as 40000 (in float16, every element was inf).
+    for kwargs in (dict(allreduce_always_fp32=True), dict(allreduce_always_fp32=True, delay_allreduce=True)):
+        model = torch.nn.Linear(1, 1, bias=False).half()
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        ddp = DistributedDataParallel(model, **kwargs)
+        ddp(torch.full((1, 1), 40000.0, dtype=torch.float16)).sum().backward()
+        grad = model.weight.grad
+        assert grad.dtype == torch.float16 and grad.item() == 40000.0, f"{kwargs}: {grad}"
 
 
 def _check_ddp_sum_stays_predivided(rank, world_size):
@@ -968,6 +1005,7 @@ _TWO_RANK_CHECKS = {
     for check in (
         _check_ddp_reduction_options,
         _check_ddp_sum_stays_predivided,
+        _check_ddp_always_fp32_sums_half_gradients_in_float32,
         _check_ddp_keeps_rank_local_buffers,
         _check_reducer_broadcasts_parameters_only,
         _check_reducer_of_a_module_averages_a_gradient_only_some_ranks_have,

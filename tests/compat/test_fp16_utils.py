@@ -46,7 +46,48 @@ def test_fp16model_casts_all_but_affine_batchnorm(dtype):
 def test_network_to_half_casts_input_and_keeps_batchnorm_float():
     model = network_to_half(ConvNet())
     assert model[1].conv.weight.dtype == torch.float16 and model[1].bn.weight.dtype == torch.float32
+    assert model[1].bn.running_mean.dtype == torch.float32
+    # Apex's rule is affine batch norms only: one without weight and bias is cast, its statistics too
+    assert model[1].bn_no_affine.running_mean.dtype == torch.float16
     assert model(torch.randn(2, 3, 6, 6)).dtype == torch.float16
+
+
+def test_network_to_half_passes_integer_inputs_through_uncast():
+    """Token ids stay integers: tofp16 casts floating inputs only, so an embedding model still indexes."""
+    model = network_to_half(torch.nn.Embedding(5, 3))
+    out = model(torch.tensor([[1, 4]]))
+    assert out.dtype == torch.float16 and torch.equal(out[0], model[1].weight[[1, 4]])
+
+
+def test_convert_network_casts_existing_gradients_with_their_parameters():
+    """A model converted after a backward keeps grads of its parameters' dtype, so the next backward accumulates."""
+    from ampkit.compat.fp16_utils import convert_network
+
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    before = model.weight.grad.clone()
+    convert_network(model, torch.bfloat16)
+    assert model.weight.grad.dtype == model.bias.grad.dtype == torch.bfloat16
+    assert torch.equal(model.weight.grad, before.to(torch.bfloat16))
+    model(torch.randn(4, 3, dtype=torch.bfloat16)).sum().backward()
+    assert model.weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("flat_master", [False, True])
+def test_a_model_param_without_a_gradient_gives_its_master_none_or_zeros(flat_master):
+    """A parameter the loss never reached: its own master's grad is cleared, its span of a flat master's is zero."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).half()
+    model_params, master_params = prep_param_lists(model, flat_master=flat_master)
+    model[0](torch.ones(1, 2, dtype=torch.float16)).float().sum().backward()  # model[1] gets no gradient
+    if not flat_master:
+        master_params[2].grad = torch.ones(2, 2)  # a stale grad of an earlier iteration
+    model_grads_to_master_grads(model_params, master_params, flat_master=flat_master)
+    if flat_master:
+        grad = master_params[0].grad
+        assert torch.equal(grad[:6], torch.cat([model[0].weight.grad.float().reshape(-1), model[0].bias.grad.float()]))
+        assert torch.equal(grad[6:], torch.zeros(6))
+    else:
+        assert master_params[0].grad is not None and master_params[2].grad is None and master_params[3].grad is None
 
 
 @pytest.mark.parametrize("flat_master", [False, True])
@@ -360,6 +401,19 @@ def test_stand_alone_loss_scalers_follow_apex_rules():
     weight.grad = None
     LossScaler(4.0).backward((weight * 2).sum())  # backward of the scaled loss
     assert torch.equal(weight.grad, torch.full((2,), 8.0))
+
+
+def test_scale_gradient_as_a_backward_hook_scales_the_input_gradients():
+    """Apex's scalers also scale by hook: ``module.register_full_backward_hook(scaler.scale_gradient)`` multiplies
+    the gradient flowing out of the module to its input by the current scale."""
+    from ampkit.compat.fp16_utils import DynamicLossScaler, LossScaler
+
+    for scaler, scale in ((LossScaler(4.0), 4.0), (DynamicLossScaler(init_scale=8.0), 8.0)):
+        layer = torch.nn.Linear(2, 2)
+        layer.register_full_backward_hook(scaler.scale_gradient)
+        x = torch.ones(1, 2, requires_grad=True)
+        layer(x).sum().backward()
+        assert torch.allclose(x.grad, scale * layer.weight.detach().sum(0, keepdim=True))
 
 
 def test_a_flat_master_that_is_not_true_or_false_is_named():

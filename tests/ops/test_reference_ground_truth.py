@@ -117,6 +117,31 @@ def test_adam_reference_is_torchs_adam_and_adamw(adam_w_mode, amsgrad, maximize,
     assert [float(s) for s in steps] == [float(STEPS)] * len(SHAPES)
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_reference_without_bias_correction_steps_on_the_raw_moments(adam_w_mode):
+    """Apex's ``FusedAdam(bias_correction=False)``, which torch has no twin of: ``p -= lr * m / (sqrt(v) + eps)``
+    with the moments as they are, worked out element by element in Python floats."""
+    start, grad_seq = [0.5, -1.5, 2.0], [[0.3, -0.2, 0.1], [-0.4, 0.6, 0.05], [0.2, 0.2, -0.3]]
+    lr, b1, b2, eps, wd = 1e-2, 0.8, 0.99, 1e-8, 0.1
+    ours = [torch.tensor(start, dtype=torch.float64)]
+    m, v, steps = zeros(ours), zeros(ours), counters(ours)
+    for g in grad_seq:
+        grads = [torch.tensor(g, dtype=torch.float64)]
+        ref.adam_step(ours, grads, m, v, [], [], steps, lr, b1, b2, eps, wd, adam_w_mode, False, False, 1.0)
+    want = []
+    for i, x in enumerate(start):
+        mi = vi = 0.0
+        for g in (step[i] for step in grad_seq):
+            if adam_w_mode:
+                x *= 1 - lr * wd
+            else:
+                g += wd * x
+            mi, vi = b1 * mi + (1 - b1) * g, b2 * vi + (1 - b2) * g * g
+            x -= lr * mi / (math.sqrt(vi) + eps)
+        want.append(x)
+    torch.testing.assert_close(ours[0], torch.tensor(want, dtype=torch.float64), **TOL)
+
+
 SGD_OPTIONS = [
     (momentum, dampening, nesterov, weight_decay, maximize)
     for momentum, dampening, nesterov, weight_decay, maximize in itertools.product(
@@ -608,3 +633,28 @@ def test_rmsprop_tf_on_hand_computed_steps(ops, centered, decoupled_decay, lr_in
         lr_in_momentum=lr_in_momentum,
     )
     assert_close_lists(run_fused(make, [[1.5, -2.0]], grad_seq, ops, monkeypatch), [p])
+
+
+@pytest.mark.parametrize("ops", ["reference", "kernel"])
+@pytest.mark.parametrize("lr_in_momentum", [True, False])
+def test_rmsprop_tf_momentum_carries_the_rate_it_was_built_with_when_lr_in_momentum(ops, lr_in_momentum, monkeypatch):
+    """Under a schedule the two forms part: with lr_in_momentum the buffer keeps each step's own rate (timm's
+    RMSpropTF), without it the whole buffer moves at the current rate. The rate doubles between two steps here."""
+    monkeypatch.setenv("AMPKIT_OPS", ops)
+    alpha, eps, mom, rates, grads = 0.9, 1e-3, 0.9, [0.01, 0.02], [0.5, -1.0]
+    w, sq, buf = 1.5, 1.0, 0.0
+    for lr, g in zip(rates, grads, strict=True):
+        sq += (1 - alpha) * (g * g - sq)
+        if lr_in_momentum:
+            buf = mom * buf + lr * g / math.sqrt(sq + eps)
+            w -= buf
+        else:
+            buf = mom * buf + g / math.sqrt(sq + eps)
+            w -= lr * buf
+    param = torch.nn.Parameter(torch.tensor([1.5], dtype=torch.float64))
+    opt = FusedRMSpropTF([param], lr=rates[0], alpha=alpha, eps=eps, momentum=mom, lr_in_momentum=lr_in_momentum)
+    for lr, g in zip(rates, grads, strict=True):
+        opt.param_groups[0]["lr"] = lr
+        param.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+    assert_close_lists([param.detach().tolist()], [[w]])
