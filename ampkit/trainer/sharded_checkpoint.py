@@ -28,6 +28,7 @@ from torch import nn
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
+    copy_atomic,
     damaged_record,
     deletable,
     describe,
@@ -182,6 +183,12 @@ def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Pa
     """Rank zero's end of a sharded save: ``trainer.pt`` with every shard's CRC-32 written into ``tmp``, then ``tmp``
     renamed to ``path`` (a checkpoint of that name set aside until the new one is in its place)."""
     save_atomic({**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE)
+    _move_into_place(tmp, path)
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename finished checkpoint directory ``tmp`` to ``path`` (rank zero), a checkpoint of that name set aside until
+    the new one is in its place."""
     aside = path.with_name(f".{path.name}.old")
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
         shutil.rmtree(aside, ignore_errors=True)
@@ -189,6 +196,22 @@ def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Pa
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def copy_sharded(source: Path, alias: Path) -> Path:
+    """Make checkpoint directory ``alias`` a copy of ``source`` (rank zero), renamed into place once whole, as a save's
+    directory is: one moment's state saved once under two names (a periodic and a best-k one), each whole on its own
+    when retention deletes the other. Copies, not links, as :func:`copy_atomic` makes a file's aliases."""
+    tmp = alias.with_name(f".{alias.name}.tmp")
+    _make_room(alias, tmp)
+    try:
+        for file in sorted(source.iterdir()):  # DCP's .metadata and shard files, and trainer.pt: no subdirectories
+            copy_atomic(file, tmp / file.name)
+        _move_into_place(tmp, alias)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back now, not at the next run
+        raise
+    return alias
 
 
 def _crc32(file: Path) -> int:
