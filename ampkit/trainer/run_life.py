@@ -137,7 +137,7 @@ def _incomplete(path: Path, missing: list[str]) -> str:
 
 
 def _newest_whole_beside(path: Path) -> str:
-    """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
+    """``; the newest whole checkpoint beside it is '...'`` (:func:`newest_whole_beside`), or nothing."""
     whole = newest_whole_beside(path)
     return f"; the newest whole checkpoint beside it is '{whole}'" if whole is not None else ""
 
@@ -203,7 +203,7 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
         return load_checkpoint(path)
     except CheckpointError as exc:
         sharded = path.name == TRAINER_FILE and is_sharded_checkpoint(path.parent)  # its directory's neighbours
-        fallback = newest_whole_beside(path.parent) if sharded else _newest_readable_beside(path)
+        fallback = newest_whole_beside(path.parent if sharded else path)
         if fallback is None:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
@@ -212,26 +212,9 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
         raise CheckpointError(hint) from None
 
 
-def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Path | None:
-    """The newest checkpoint file beside ``path`` that is whole (its records match their CRC-32s) and holds
-    ``sections``, or None. Read newest first: an older file is read only where every newer one is damaged."""
-    if path.parent.name != "checkpoints" or not path.parent.is_dir():
-        return None
-    others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
-    usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
-    ranked = sorted((((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable), reverse=True)
-    return next((p for *_, p in ranked if checkpoint_damage(p) is None), None)
-
-
 def _is_periodic(path: Path) -> bool:
     """Whether ``path`` is a step/epoch file (named before a best file of the same step: it is kept longer)."""
     return is_periodic_checkpoint_name(path.name, sharded=False)
-
-
-def _holds(path: Path, sections: tuple[str, ...]) -> bool:
-    """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read)."""
-    checkpoint = peek_checkpoint(path)
-    return checkpoint is not None and all(section in checkpoint for section in sections)
 
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
@@ -489,7 +472,7 @@ def plan_fit(
         missing[:0] = [section for section in ("model", "optimizers") if section not in checkpoint]
     if missing:
         weights = " (its weights may still load with validate/test/predict --ckpt)" if "model" not in missing else ""
-        complete = None if sharded else _newest_readable_beside(path, ("model", "optimizers", *RESUME_SECTIONS))
+        complete = newest_whole_beside(path, ("model", "optimizers", *RESUME_SECTIONS))
         beside = f"; the newest complete checkpoint beside it is '{complete}'" if complete is not None else ""
         raise CheckpointError(
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
