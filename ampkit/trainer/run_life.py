@@ -48,7 +48,8 @@ import re
 import shutil
 import socket
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from ampkit.trainer.checkpoint_io import (
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
+    load_fingerprinted,
     peek_checkpoint,
     write_protected,
     write_text_atomic,
@@ -199,8 +201,16 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
     """:func:`load_checkpoint` (which reads every record against its CRC-32); when ``path`` cannot be read or is
     damaged, the error names the newest whole checkpoint beside it (a damaged ``last.pt`` leaves its step files to
     resume from: a resume from one is a branch; a sharded checkpoint's ``trainer.pt``, the directories beside it)."""
-    try:
+    with fallback_hint(path):
         return load_checkpoint(path)
+
+
+@contextmanager
+def fallback_hint(path: Path) -> Iterator[None]:
+    """A :class:`CheckpointError` of a load of ``path`` in the block, raised again naming the newest whole checkpoint
+    beside it (see :func:`load_with_fallback_hint`)."""
+    try:
+        yield
     except CheckpointError as exc:
         sharded = path.name == TRAINER_FILE and is_sharded_checkpoint(path.parent)  # its directory's neighbours
         fallback = newest_whole_beside(path.parent if sharded else path)
@@ -266,6 +276,9 @@ class FitStart:
     # A sharded checkpoint's trainer.pt as loaded to plan (CRC-32s checked): the restore and the shards' load take
     # this one reading, so a large file is read once and one replaced meanwhile cannot give them two.
     trainer_part: dict[str, Any] | None = None
+    # The file_fingerprint of the file that load read (a sharded checkpoint's trainer.pt): what the other ranks' copies
+    # are checked against (agreed_start), not a file put at its path since.
+    fingerprint: str | None = None
     loop: dict[str, int] | None = None
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
@@ -466,7 +479,8 @@ def plan_fit(
         )
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
-    checkpoint = load_with_fallback_hint(_trainer_part(path))
+    with fallback_hint(_trainer_part(path)):
+        checkpoint, fingerprint = load_fingerprinted(_trainer_part(path))
     missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
     if not sharded:  # a sharded checkpoint keeps its model and optimizers in the shards
         missing[:0] = [section for section in ("model", "optimizers") if section not in checkpoint]
@@ -511,6 +525,7 @@ def plan_fit(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
         trainer_part=checkpoint if sharded else None,
+        fingerprint=fingerprint,
         loop=loop,
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,
