@@ -247,6 +247,22 @@ def test_the_checkpoint_named_beside_a_torn_one_follows_one_rule_for_files_and_s
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written
 
 
+def test_a_sharded_checkpoint_lacking_a_section_names_the_newest_complete_one_as_a_file_does(tmp_path):
+    """A trainer.pt trimmed of a section a resume reads was refused naming no checkpoint to take, where a file's
+    refusal names the newest complete one beside it."""
+    ToyTrainer(toy_cfg(tmp_path, **SHARDED_EPOCHS)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    trimmed = torch.load(checkpoints / "epoch-0003" / "trainer.pt", weights_only=True)
+    del trimmed["schedulers"]
+    torch.save(trimmed, checkpoints / "epoch-0003" / "trainer.pt")
+    again = ToyTrainer(toy_cfg(tmp_path, **{**SHARDED_EPOCHS, "trainer.max_epochs": 4}))
+    complete = f"; the newest complete checkpoint beside it is '{checkpoints / 'epoch-0002'}'"
+    with pytest.raises(
+        CheckpointError, match=r"' \(format 1\) lacks schedulers: it cannot be resumed .*" + re.escape(complete)
+    ):
+        again.fit(resume="last")
+
+
 def test_a_newer_sharded_checkpoint_torn_in_a_shard_is_not_the_one_named_to_take_instead(tmp_path):
     """Only a newer directory's .metadata was checked: one whose shard file was torn (its CRC-32 not the one recorded
     at its save) was named as the checkpoint to take, which its load then refused. The newest whole one is named."""
