@@ -81,6 +81,7 @@ from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_r
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     checkpoint_damage,
+    checkpoint_kind,
     is_sharded_checkpoint,
     missing_sharded_parts,
     newest_whole_beside,
@@ -222,11 +223,6 @@ def fallback_hint(path: Path) -> Iterator[None]:
         raise CheckpointError(hint) from None
 
 
-def _is_periodic(path: Path) -> bool:
-    """Whether ``path`` is a step/epoch file (named before a best file of the same step: it is kept longer)."""
-    return is_periodic_checkpoint_name(path.name, sharded=False)
-
-
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
     """Whether checkpoint ``path`` holds ``version_dir``'s newest state (``last.pt``'s loop position)."""
     last = _last_of(version_dir)
@@ -245,14 +241,9 @@ def _newer_than_last(last: Path) -> Path | None:
     checkpoints, position = last.parent, loop_of(last)
     if position is None or not checkpoints.is_dir():
         return None
-    names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
-    candidates = [
-        p
-        for p in checkpoints.iterdir()
-        if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
-    ]
+    candidates = [p for p in checkpoints.iterdir() if checkpoint_kind(p) in (0, 1)]  # step/epoch and best-k ones
     ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest_first = sorted(ahead, key=lambda found: (found[0], _is_periodic(found[1])), reverse=True)
+    newest_first = sorted(ahead, key=lambda found: (found[0], -checkpoint_kind(found[1])), reverse=True)
     return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
 
 

@@ -263,12 +263,13 @@ def newest_whole_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Pa
     older one only where every newer one is damaged."""
     if not path.parent.is_dir():
         return None
-    found = [p for p in path.parent.iterdir() if _kind(p) is not None and not _same(p, path) and _holds(p, sections)]
-    newest_first = sorted(found, key=lambda p: (training_order(p)[0], -_kind(p), training_order(p)), reverse=True)
+    kinds = {p: kind for p in path.parent.iterdir() if (kind := checkpoint_kind(p)) is not None}
+    found = [p for p in kinds if not _same(p, path) and _holds(p, sections)]
+    newest_first = sorted(found, key=lambda p: (training_order(p)[0], -kinds[p], training_order(p)), reverse=True)
     return next((p for p in newest_first if checkpoint_damage(p) is None), None)
 
 
-def _kind(path: Path) -> int | None:
+def checkpoint_kind(path: Path) -> int | None:
     """Which of ampkit's checkpoints ``path`` is (0: step/epoch, 1: best-k, 2: an alias, last or best), or None for
     anything else (a user's file, a temp file, a directory that is no whole sharded checkpoint's)."""
     sharded = path.is_dir()
