@@ -31,7 +31,7 @@ from ampkit.trainer import checkpoint_io
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
-from ampkit.trainer.sharded_checkpoint import is_sharded_checkpoint
+from ampkit.trainer.sharded_checkpoint import checkpoint_damage, is_sharded_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "fsdp_worker.py"
@@ -289,6 +289,27 @@ def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_dire
     assert resolve_checkpoint(copy, "best") == copy / "version_0" / "checkpoints" / named
     (copy / "version_0" / "checkpoints" / "best").symlink_to("best-00000099")  # dangling: named, never guessed past
     assert resolve_checkpoint(copy, "best") is None
+
+
+def test_a_moment_saved_as_a_periodic_and_a_best_k_checkpoint_writes_its_shards_once(tmp_path, monkeypatch):
+    """An epoch's end that was also among the best wrote the whole sharded state twice (a second DCP save, every
+    rank gathering and writing its shards again). Written once now and copied, so each name stays whole alone."""
+    saves = []
+    real_save = dcp.save
+    monkeypatch.setattr(
+        dcp, "save", lambda *args, **kwargs: saves.append(kwargs["checkpoint_id"]) or real_save(*args, **kwargs)
+    )
+    cfg = _cfg(tmp_path, trainer={"max_epochs": 3}, distributed=FSDP,
+               checkpoint={"monitor": "val/mse", "save_top_k": 2, "keep_last": 1})  # fmt: skip
+    ScriptedValidation(cfg).fit()
+    assert [Path(s).name for s in saves] == [".epoch-0001.tmp", ".epoch-0002.tmp", ".epoch-0003.tmp"]
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "best-00000016", "best-00000024", "epoch-0003",
+                                                              "last"]  # fmt: skip
+    for best in ("best-00000016", "best-00000024"):  # its epoch file pruned by keep_last: the copy is whole alone
+        assert not (checkpoints / best).is_symlink() and checkpoint_damage(checkpoints / best) is None
+        assert load_checkpoint(checkpoints / best / "trainer.pt")["loop"]["global_step"] == int(best[5:])
+    assert not list(checkpoints.glob(".*"))
 
 
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])

@@ -321,3 +321,53 @@ def test_a_distributed_evaluation_of_a_torn_rank_zero_copy_names_the_newest_whol
     message = str(raised.value)
     assert "rank 0 (host " in message and ") has a damaged copy: its record 'data/" in message, message
     assert message.endswith(f"or resume an older checkpoint; {whole}. Nothing was trained or written"), message
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "fsdp"])
+def test_the_other_ranks_are_checked_against_the_checkpoint_rank_zero_read_not_one_put_at_its_path_since(
+    tmp_path, monkeypatch, sharded
+):
+    """Rank 0 planned a resume from one reading of the checkpoint and fingerprinted the file for the other ranks in a
+    second: a file put at its path between the two was what they were checked against and loaded, while rank 0 held
+    the first. The view rank 0 sends is of what its plan read. Rank 1 is played in this process with rank 0's answer;
+    validate's rank 0 checks its own load against the view it sent."""
+    from ampkit.trainer import agreed_start
+    from ampkit.trainer.distributed import DistributedEnv
+    from ampkit.trainer.run_life import plan_fit
+
+    settings = {**QUIET, "trainer.max_steps": 4, "checkpoint.every_n_steps": 2}
+    settings.update({"distributed.strategy": "fsdp"} if sharded else {})
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    path, older = (checkpoints / f"step-0000000{step}{'' if sharded else '.pt'}" for step in (4, 2))
+    part, older_part = (p / "trainer.pt" if sharded else p for p in (path, older))
+    kept = part.read_bytes()
+    cfg = ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_steps": 6})).cfg
+
+    def replace_it() -> None:  # as a copy does: the whole file renamed into place
+        (tmp_path / "new").write_bytes(older_part.read_bytes())
+        (tmp_path / "new").replace(part)
+
+    def plan():
+        start = plan_fit(tmp_path / "run", str(path), path, cfg)
+        replace_it()  # after the plan read it, before anything else
+        return start
+
+    answers = []
+    monkeypatch.setattr(
+        agreed_start, "decided_by_rank_zero", lambda decide, env: answers.append(decide()) or answers[0]
+    )
+    monkeypatch.setattr(agreed_start, "gather_object", lambda mine, env: [mine, ("n2", None, None, None)])
+    start = agreed_start.agreed_fit_start(plan, DistributedEnv(0, 2), "run")
+    assert start.loop["global_step"] == 4
+    monkeypatch.setattr(agreed_start, "decided_by_rank_zero", lambda decide, env: answers[0])  # rank 1
+    monkeypatch.setattr(agreed_start, "gather_object", lambda mine, env: [("n1", None, None, None), mine])
+    with pytest.raises(CheckpointError, match=r"\(epoch \d+, step 4 on rank 0\): rank 1 \(host .*\) has another "):
+        agreed_start.agreed_fit_start(lambda: pytest.fail("rank 1 planned"), DistributedEnv(1, 2), "run")
+
+    part.write_bytes(kept)
+    monkeypatch.setattr(agreed_start, "decided_by_rank_zero", lambda decide, env: (decide(), replace_it())[0])
+    monkeypatch.setattr(agreed_start, "gather_object", lambda mine, env: [mine, ("n2", None, None, None)])
+    replaced = r"\) read another file there than the one it showed the others \(replaced meanwhile\): run it again\. "
+    with pytest.raises(CheckpointError, match=rf"rank 0 \(host .*{replaced}Nothing was trained or written$"):
+        agreed_start.agreed_checkpoint(lambda: path, DistributedEnv(0, 2), "run", "validate: loading")

@@ -6,6 +6,7 @@ state loaded into this one's without a word."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import warnings
@@ -210,6 +211,56 @@ def test_a_torn_sharded_checkpoint_names_the_newest_whole_one_beside_it_as_a_fil
     with pytest.raises(CheckpointError, match=re.escape(f"the newest whole checkpoint beside it is '{whole}'")):
         ToyTrainer(toy_cfg(tmp_path, **again)).fit(resume=str(torn))
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
+def test_the_checkpoint_named_beside_a_torn_one_follows_one_rule_for_files_and_shard_directories(tmp_path, sharded):
+    """A torn shard directory's hint looked only at step/epoch directories, where a torn file's took any file beside
+    it: with the older epochs pruned, its whole best-k copy of the same moment went unnamed ('resume an older
+    checkpoint'). One rule now: ampkit's checkpoints beside it, best-k ones and last/best too, newest first, a
+    step/epoch one before a best-k one of the same step, then an alias; not a user's file, nor a damaged copy."""
+    settings = {**QUIET, "trainer.max_epochs": 3, "checkpoint.every_n_epochs": 1, "checkpoint.keep_last": 1,
+                "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": -1,
+                **({"distributed.strategy": "fsdp"} if sharded else {})}  # fmt: skip
+    ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    suffix = "" if sharded else ".pt"
+    torn, copy = checkpoints / f"epoch-0003{suffix}", checkpoints / f"best-00000024{suffix}"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith(("epoch", "best-"))) == [
+        f"best-000000{step}{suffix}" for step in ("08", "16", "24")
+    ] + [torn.name]
+    (checkpoints / "mine.pt").write_bytes((copy / "trainer.pt" if sharded else copy).read_bytes())  # a user's
+    os.utime(checkpoints / "mine.pt", (2e9, 2e9))
+    for damaged in (torn, copy):  # a shard file (or a tensor record) of the newest two torn
+        if sharded:
+            shard = next(damaged.glob("*.distcp"))
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        else:
+            tear(damaged, damaged)
+        again = ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_epochs": 4}))
+        # then last.pt, a whole copy too (a link to the torn one, for directories), or the best-k one before
+        beside = copy if damaged is torn else checkpoints / ("best-00000016" if sharded else "last.pt")
+        with pytest.raises(CheckpointError, match=re.escape(f"the newest whole checkpoint beside it is '{beside}'")):
+            again.fit(resume=str(torn))
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written
+
+
+def test_a_sharded_checkpoint_lacking_a_section_names_the_newest_complete_one_as_a_file_does(tmp_path):
+    """A trainer.pt trimmed of a section a resume reads was refused naming no checkpoint to take, where a file's
+    refusal names the newest complete one beside it."""
+    ToyTrainer(toy_cfg(tmp_path, **SHARDED_EPOCHS)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    trimmed = torch.load(checkpoints / "epoch-0003" / "trainer.pt", weights_only=True)
+    del trimmed["schedulers"]
+    torch.save(trimmed, checkpoints / "epoch-0003" / "trainer.pt")
+    again = ToyTrainer(toy_cfg(tmp_path, **{**SHARDED_EPOCHS, "trainer.max_epochs": 4}))
+    complete = f"; the newest complete checkpoint beside it is '{checkpoints / 'epoch-0002'}'"
+    with pytest.raises(
+        CheckpointError, match=r"' \(format 1\) lacks schedulers: it cannot be resumed .*" + re.escape(complete)
+    ):
+        again.fit(resume="last")
 
 
 def test_a_newer_sharded_checkpoint_torn_in_a_shard_is_not_the_one_named_to_take_instead(tmp_path):

@@ -27,6 +27,7 @@ from ampkit.trainer.preemption import Preempted
 from ampkit.trainer.run_life import loop_of, prune_periodic
 from ampkit.trainer.sharded_checkpoint import (
     LAST,
+    copy_sharded,
     is_sharded_checkpoint,
     point_last_at,
     prune_sharded,
@@ -334,9 +335,9 @@ class ModelCheckpoint(KeyedByMonitor):
         writing = directory / name
         try:
             path = save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
-            if best is not None and best != name:  # directories cannot be hard-linked: the state saved again
+            if best is not None and best != name:  # one moment, two names: the state written once, then copied
                 writing = directory / best
-                save_sharded(checkpoint, trainer.module, trainer.optimizers, writing, trainer.dist)
+                decided_by_rank_zero(partial(copy_sharded, path, writing), trainer.dist)
         except BaseException as exc:  # a full disk on any rank (DCP gathers the failures): the previous ones are whole
             reason = write_failure(exc)
             if reason is None:

@@ -20,10 +20,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, file_fingerprint
+from ampkit.trainer.checkpoint_io import CheckpointError, DamagedCheckpointError, file_fingerprint, load_fingerprinted
 from ampkit.trainer.distributed import DistributedEnv, decided_by_rank_zero, gather_object
-from ampkit.trainer.run_life import FitStart, load_with_fallback_hint, loop_of, position_text
+from ampkit.trainer.run_life import FitStart, fallback_hint, loop_of, position_text
 from ampkit.trainer.sharded_checkpoint import TRAINER_FILE
+
+# Rank zero's finding where its load of a checkpoint read another file than the view it sent the other ranks.
+REPLACED = "read another file there than the one it showed the others (replaced meanwhile): run it again"
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,24 @@ class CheckpointView:
     shards: dict[str, int]  # a sharded checkpoint's shard files, by name, and their sizes
 
 
-def view_of(path: Path) -> CheckpointView:
+def view_of(path: Path, read: tuple[str | None, dict[str, Any]] | None = None) -> CheckpointView:
     """What this process sees at ``path``: a checkpoint file, or a sharded checkpoint's directory (its ``trainer.pt``,
-    ``.metadata`` and the names and sizes of its shard files: each rank reads only some of those)."""
+    ``.metadata`` and the names and sizes of its shard files: each rank reads only some of those). ``read``: the
+    fingerprint and entries of the file (a sharded one's ``trainer.pt``) as this process loaded it, seen in the place
+    of the file at ``path`` now: one put there since is not the state this process holds."""
+    if read is None:
+        part = path / TRAINER_FILE if path.is_dir() else path
+        read = (file_fingerprint(part), {"loop": loop_of(path)})
+    fingerprint, loop = read[0], read[1].get("loop")
     if not path.is_dir():
-        return CheckpointView(file_fingerprint(path), loop_of(path), {})
+        return CheckpointView(fingerprint, loop, {})
     shards = {p.name: p.stat().st_size for p in sorted(path.glob("*.distcp")) if p.is_file()}
-    trainer_part, metadata = file_fingerprint(path / TRAINER_FILE), path / ".metadata"
-    if trainer_part is None or not metadata.is_file():
+    metadata = path / ".metadata"
+    if fingerprint is None or not metadata.is_file():
         return CheckpointView(None, None, shards)
-    digest = hashlib.sha256(f"{trainer_part}\n{sorted(shards.items())}\n".encode())
+    digest = hashlib.sha256(f"{fingerprint}\n{sorted(shards.items())}\n".encode())
     digest.update(metadata.read_bytes())
-    return CheckpointView(digest.hexdigest(), loop_of(path), shards)
+    return CheckpointView(digest.hexdigest(), loop, shards)
 
 
 def difference(mine: CheckpointView, zeros: CheckpointView) -> str | None:
@@ -77,7 +86,10 @@ def agreed_fit_start(plan: Callable[[], FitStart], env: DistributedEnv, run_dir:
         planned.append(plan())
         path = planned[0].checkpoint_path
         sent = replace(planned[0], checkpoint=None, trainer_part=None)  # no tensors sent: each rank loads its own
-        return sent, view_of(path) if path is not None else None
+        if path is None:
+            return sent, None
+        loaded = planned[0].checkpoint if planned[0].checkpoint is not None else planned[0].trainer_part
+        return sent, view_of(path, (planned[0].fingerprint, loaded))  # what the plan read, not the file there now
 
     start, zeros = decided_by_rank_zero(rank_zeros, env)
     if planned:
@@ -119,16 +131,20 @@ def _same_on_every_rank(
     (``zeros``), or where ``load`` cannot load it (its file, or a sharded one's ``trainer.pt``), a damaged copy
     among them: the load reads each record against its CRC-32, which torch.load never checks and the fingerprint
     trusts. The checkpoint loaded on this rank, or None where not ``load``."""
-    checkpoint, problem, damaged, failure, fallback = None, None, None, None, None
+    checkpoint, fingerprint, problem, damaged, failure, fallback = None, None, None, None, None, None
     if load:
+        part = path / TRAINER_FILE if path.is_dir() else path
         try:
-            checkpoint = load_with_fallback_hint(path / TRAINER_FILE if path.is_dir() else path)
+            with fallback_hint(part):
+                checkpoint, fingerprint = load_fingerprinted(part)
         except DamagedCheckpointError as exc:
             damaged, fallback = exc.damage, exc.fallback
         except CheckpointError as exc:
             failure = exc
-    if env.rank != 0 and damaged is None:
-        problem = difference(view_of(path), zeros)
+    if env.rank != 0 and damaged is None:  # what this rank loaded, or where it loads nothing, what is there
+        problem = difference(view_of(path, (fingerprint, checkpoint) if checkpoint is not None else None), zeros)
+    elif checkpoint is not None and view_of(path, (fingerprint, checkpoint)).fingerprint != zeros.fingerprint:
+        problem = REPLACED
     if problem is None and failure is not None:
         problem = f"cannot load it: {failure}"
     found = gather_object((socket.gethostname(), problem, damaged, fallback), env)
@@ -137,7 +153,7 @@ def _same_on_every_rank(
     if not seen:
         return checkpoint
     fixes = []
-    if any(said for _, said, _, _ in found):
+    if any(said and said != REPLACED for _, said, _, _ in found):
         fixes.append(
             f"Every rank reads that checkpoint itself, so run_dir '{run_dir}' (and a checkpoint named by its path) "
             "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk: move it there, or "
@@ -152,6 +168,6 @@ def _same_on_every_rank(
             + (f"; the newest whole checkpoint beside it is '{beside}'" if beside is not None else "")
         )
     raise CheckpointError(
-        f"{what} '{path}' ({position_text(zeros.loop)} on rank 0): {'; '.join(seen)}. {'. '.join(fixes)}. Nothing was "
-        "trained or written"
+        f"{what} '{path}' ({position_text(zeros.loop)} on rank 0): {'; '.join(seen)}. "
+        f"{''.join(f'{fix}. ' for fix in fixes)}Nothing was trained or written"
     )

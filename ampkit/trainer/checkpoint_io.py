@@ -267,24 +267,25 @@ def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
     return checkpoint if isinstance(checkpoint, dict) else None
 
 
-def file_fingerprint(path: str | os.PathLike) -> str | None:
+def file_fingerprint(path: str | os.PathLike | IO[bytes]) -> str | None:
     """A digest telling checkpoint file ``path`` from any other, read without its tensors: the names, sizes and
     CRC-32s of the records of torch's zip archive, the pickle that holds every value but the tensors, and each small
     record (``.data/serialization_id``, unique to each save). A copy of the file has the same one. None when no file
-    can be read there."""
+    can be read there. ``path`` may be a file open for reading (see :func:`damaged_record`)."""
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(path) as archive:
-            for record in archive.infolist():
-                name = record.filename.partition("/")[2]  # the archive's folder is named after nothing that matters
-                digest.update(f"{name}:{record.file_size}:{record.CRC}\n".encode())
-                if name == "data.pkl" or record.file_size <= 4096:
-                    digest.update(archive.read(record))
-    except zipfile.BadZipFile:  # the legacy format, or a damaged file: every byte
-        try:
-            digest.update(Path(path).read_bytes())
-        except OSError:
-            return None
+        with _opened(path) as file:
+            file.seek(0)
+            try:
+                with zipfile.ZipFile(file) as archive:
+                    for record in archive.infolist():
+                        name = record.filename.partition("/")[2]  # the archive's folder is named after nothing
+                        digest.update(f"{name}:{record.file_size}:{record.CRC}\n".encode())
+                        if name == "data.pkl" or record.file_size <= 4096:
+                            digest.update(archive.read(record))
+            except zipfile.BadZipFile:  # the legacy format, or a damaged file: every byte
+                file.seek(0)
+                digest.update(file.read())
     except OSError:
         return None
     return digest.hexdigest()
@@ -420,6 +421,16 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     # Opened once: the load and the CRC-32 check read one file, even where another is put at its path meanwhile.
     with path.open("rb") as file:
         return _load_open(path, file)
+
+
+def load_fingerprinted(path: str | os.PathLike) -> tuple[dict[str, Any], str | None]:
+    """:func:`load_checkpoint`, and the :func:`file_fingerprint` of the file it read: the one open file, so a file put
+    at ``path`` meanwhile is not the one the digest tells others to be."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint file at '{path}'")
+    with path.open("rb") as file:
+        return _load_open(path, file), file_fingerprint(file)
 
 
 def _load_open(path: Path, file: IO[bytes]) -> dict[str, Any]:

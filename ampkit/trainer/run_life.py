@@ -48,7 +48,8 @@ import re
 import shutil
 import socket
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from ampkit.trainer.checkpoint_io import (
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
+    load_fingerprinted,
     peek_checkpoint,
     write_protected,
     write_text_atomic,
@@ -79,6 +81,7 @@ from ampkit.trainer.run_dir import new_version_dir, quoted_run_dir, unwritable_r
 from ampkit.trainer.sharded_checkpoint import (
     TRAINER_FILE,
     checkpoint_damage,
+    checkpoint_kind,
     is_sharded_checkpoint,
     missing_sharded_parts,
     newest_whole_beside,
@@ -137,7 +140,7 @@ def _incomplete(path: Path, missing: list[str]) -> str:
 
 
 def _newest_whole_beside(path: Path) -> str:
-    """``; the newest whole checkpoint beside it is '...'`` (a periodic one in the same folder), or nothing."""
+    """``; the newest whole checkpoint beside it is '...'`` (:func:`newest_whole_beside`), or nothing."""
     whole = newest_whole_beside(path)
     return f"; the newest whole checkpoint beside it is '{whole}'" if whole is not None else ""
 
@@ -199,39 +202,25 @@ def load_with_fallback_hint(path: Path) -> dict[str, Any]:
     """:func:`load_checkpoint` (which reads every record against its CRC-32); when ``path`` cannot be read or is
     damaged, the error names the newest whole checkpoint beside it (a damaged ``last.pt`` leaves its step files to
     resume from: a resume from one is a branch; a sharded checkpoint's ``trainer.pt``, the directories beside it)."""
-    try:
+    with fallback_hint(path):
         return load_checkpoint(path)
+
+
+@contextmanager
+def fallback_hint(path: Path) -> Iterator[None]:
+    """A :class:`CheckpointError` of a load of ``path`` in the block, raised again naming the newest whole checkpoint
+    beside it (see :func:`load_with_fallback_hint`)."""
+    try:
+        yield
     except CheckpointError as exc:
         sharded = path.name == TRAINER_FILE and is_sharded_checkpoint(path.parent)  # its directory's neighbours
-        fallback = newest_whole_beside(path.parent) if sharded else _newest_readable_beside(path)
+        fallback = newest_whole_beside(path.parent if sharded else path)
         if fallback is None:
             raise
         hint = f"{exc}; the newest whole checkpoint beside it is '{fallback}'"
         if isinstance(exc, DamagedCheckpointError):
             raise DamagedCheckpointError(hint, exc.damage, fallback) from None
         raise CheckpointError(hint) from None
-
-
-def _newest_readable_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Path | None:
-    """The newest checkpoint file beside ``path`` that is whole (its records match their CRC-32s) and holds
-    ``sections``, or None. Read newest first: an older file is read only where every newer one is damaged."""
-    if path.parent.name != "checkpoints" or not path.parent.is_dir():
-        return None
-    others = [p for p in path.parent.glob("*.pt") if p.is_file() and p.name != path.name]
-    usable = [p for p in others if not (path.exists() and os.path.samefile(p, path)) and _holds(p, sections)]
-    ranked = sorted((((order := training_order(p))[:2], _is_periodic(p), order, p) for p in usable), reverse=True)
-    return next((p for *_, p in ranked if checkpoint_damage(p) is None), None)
-
-
-def _is_periodic(path: Path) -> bool:
-    """Whether ``path`` is a step/epoch file (named before a best file of the same step: it is kept longer)."""
-    return is_periodic_checkpoint_name(path.name, sharded=False)
-
-
-def _holds(path: Path, sections: tuple[str, ...]) -> bool:
-    """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read)."""
-    checkpoint = peek_checkpoint(path)
-    return checkpoint is not None and all(section in checkpoint for section in sections)
 
 
 def _newest_of_its_run(path: Path, version_dir: Path, loop: dict[str, int]) -> bool:
@@ -252,14 +241,9 @@ def _newer_than_last(last: Path) -> Path | None:
     checkpoints, position = last.parent, loop_of(last)
     if position is None or not checkpoints.is_dir():
         return None
-    names = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
-    candidates = [
-        p
-        for p in checkpoints.iterdir()
-        if any(n(p.name, False) and p.is_file() or n(p.name, True) and is_sharded_checkpoint(p) for n in names)
-    ]
+    candidates = [p for p in checkpoints.iterdir() if checkpoint_kind(p) in (0, 1)]  # step/epoch and best-k ones
     ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest_first = sorted(ahead, key=lambda found: (found[0], _is_periodic(found[1])), reverse=True)
+    newest_first = sorted(ahead, key=lambda found: (found[0], -checkpoint_kind(found[1])), reverse=True)
     return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
 
 
@@ -283,6 +267,9 @@ class FitStart:
     # A sharded checkpoint's trainer.pt as loaded to plan (CRC-32s checked): the restore and the shards' load take
     # this one reading, so a large file is read once and one replaced meanwhile cannot give them two.
     trainer_part: dict[str, Any] | None = None
+    # The file_fingerprint of the file that load read (a sharded checkpoint's trainer.pt): what the other ranks' copies
+    # are checked against (agreed_start), not a file put at its path since.
+    fingerprint: str | None = None
     loop: dict[str, int] | None = None
     version_dir: Path | None = None  # the directory a *continue* writes; None: a new version_N
     branched_from: Path | None = None  # the checkpoint a *branch* started from
@@ -483,13 +470,14 @@ def plan_fit(
         )
     sharded = is_sharded_checkpoint(path)
     # Loaded before any user code runs, so an empty, foreign or incomplete file fails at once.
-    checkpoint = load_with_fallback_hint(_trainer_part(path))
+    with fallback_hint(_trainer_part(path)):
+        checkpoint, fingerprint = load_fingerprinted(_trainer_part(path))
     missing = [section for section in RESUME_SECTIONS if section not in checkpoint]
     if not sharded:  # a sharded checkpoint keeps its model and optimizers in the shards
         missing[:0] = [section for section in ("model", "optimizers") if section not in checkpoint]
     if missing:
         weights = " (its weights may still load with validate/test/predict --ckpt)" if "model" not in missing else ""
-        complete = None if sharded else _newest_readable_beside(path, ("model", "optimizers", *RESUME_SECTIONS))
+        complete = newest_whole_beside(path, ("model", "optimizers", *RESUME_SECTIONS))
         beside = f"; the newest complete checkpoint beside it is '{complete}'" if complete is not None else ""
         raise CheckpointError(
             f"checkpoint '{path}' (format {checkpoint[FORMAT_KEY]}) lacks {', '.join(missing)}: it cannot be "
@@ -528,6 +516,7 @@ def plan_fit(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
         trainer_part=checkpoint if sharded else None,
+        fingerprint=fingerprint,
         loop=loop,
         version_dir=version_dir,
         branched_from=path if version_dir is None else None,

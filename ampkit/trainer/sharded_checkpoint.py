@@ -28,9 +28,11 @@ from torch import nn
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     _fsync_dir,
+    copy_atomic,
     damaged_record,
     deletable,
     describe,
+    is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
@@ -182,6 +184,12 @@ def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Pa
     """Rank zero's end of a sharded save: ``trainer.pt`` with every shard's CRC-32 written into ``tmp``, then ``tmp``
     renamed to ``path`` (a checkpoint of that name set aside until the new one is in its place)."""
     save_atomic({**checkpoint, SHARD_CRCS: {k: v for rank in crcs for k, v in rank.items()}}, tmp / TRAINER_FILE)
+    _move_into_place(tmp, path)
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename finished checkpoint directory ``tmp`` to ``path`` (rank zero), a checkpoint of that name set aside until
+    the new one is in its place."""
     aside = path.with_name(f".{path.name}.old")
     if path.exists():  # the same name saved again (e.g. after a resume): keep the old one until replaced
         shutil.rmtree(aside, ignore_errors=True)
@@ -189,6 +197,22 @@ def _finish_save(checkpoint: dict[str, Any], crcs: list[dict[str, int]], tmp: Pa
     os.replace(tmp, path)
     _fsync_dir(path.parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def copy_sharded(source: Path, alias: Path) -> Path:
+    """Make checkpoint directory ``alias`` a copy of ``source`` (rank zero), renamed into place once whole, as a save's
+    directory is: one moment's state saved once under two names (a periodic and a best-k one), each whole on its own
+    when retention deletes the other. Copies, not links, as :func:`copy_atomic` makes a file's aliases."""
+    tmp = alias.with_name(f".{alias.name}.tmp")
+    _make_room(alias, tmp)
+    try:
+        for file in sorted(source.iterdir()):  # DCP's .metadata and shard files, and trainer.pt: no subdirectories
+            copy_atomic(file, tmp / file.name)
+        _move_into_place(tmp, alias)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back now, not at the next run
+        raise
+    return alias
 
 
 def _crc32(file: Path) -> int:
@@ -227,14 +251,49 @@ def _process_group() -> DistributedEnv:
     return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def newest_whole_beside(path: Path) -> Path | None:
-    """The newest periodic sharded checkpoint beside ``path`` (not ``path``, nor the one its ``last`` link leads to)
-    that a load takes whole (:func:`checkpoint_damage`), or None; read newest first."""
+# The copies (or links) of a run's newest and best checkpoints, by kind: files and sharded directories.
+_ALIASES = {False: ("last.pt", "best.pt"), True: (LAST, "best")}
+
+
+def newest_whole_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Path | None:
+    """The newest of ampkit's checkpoints beside ``path`` (step/epoch, best-k and last/best ones, files and shard
+    directories alike; not ``path``, nor a link or copy of it by another name) that holds ``sections`` and that a load
+    takes whole (:func:`checkpoint_damage`), or None: the one rule every hint naming a checkpoint to take instead
+    follows. Newest by global step, a step/epoch one first (kept longest), then a best-k one; read newest first, an
+    older one only where every newer one is damaged."""
     if not path.parent.is_dir():
         return None
-    itself = path.resolve()
-    found = [p for p in periodic_checkpoints(path.parent, sharded=True) if p.resolve() != itself]
-    return next((p for p in reversed(found) if checkpoint_damage(p) is None), None)
+    kinds = {p: kind for p in path.parent.iterdir() if (kind := checkpoint_kind(p)) is not None}
+    found = [p for p in kinds if not _same(p, path) and _holds(p, sections)]
+    newest_first = sorted(found, key=lambda p: (training_order(p)[0], -kinds[p], training_order(p)), reverse=True)
+    return next((p for p in newest_first if checkpoint_damage(p) is None), None)
+
+
+def checkpoint_kind(path: Path) -> int | None:
+    """Which of ampkit's checkpoints ``path`` is (0: step/epoch, 1: best-k, 2: an alias, last or best), or None for
+    anything else (a user's file, a temp file, a directory that is no whole sharded checkpoint's)."""
+    sharded = path.is_dir()
+    if sharded and not is_sharded_checkpoint(path) or not sharded and not path.is_file():
+        return None
+    kinds = (is_periodic_checkpoint_name(path.name, sharded), is_best_k_checkpoint_name(path.name, sharded),
+             path.name in _ALIASES[sharded])  # fmt: skip
+    return next((i for i, is_kind in enumerate(kinds) if is_kind), None)
+
+
+def _same(path: Path, other: Path) -> bool:
+    """Whether ``path`` is ``other`` under another name (a link to it, a hard link)."""
+    try:
+        return os.path.samefile(path, other)
+    except OSError:  # ``other`` gone: no name is it
+        return False
+
+
+def _holds(path: Path, sections: tuple[str, ...]) -> bool:
+    """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read); a
+    sharded one's ``trainer.pt`` lacks the model and optimizers its shards hold."""
+    checkpoint = peek_checkpoint(path / TRAINER_FILE if path.is_dir() else path)
+    needed = [s for s in sections if not (path.is_dir() and s in ("model", "optimizers"))]
+    return checkpoint is not None and all(section in checkpoint for section in needed)
 
 
 def _resume_instead(path: Path, env: DistributedEnv) -> str:
