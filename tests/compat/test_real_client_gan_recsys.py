@@ -1,10 +1,15 @@
-"""How a GAN toolbox and a recommender benchmark used Apex, one program per test (written here after the projects'
-own code, CPU-sized): open-mmlab/mmgeneration's ``apex_amp`` path (one GAN module, its two optimizers from a dict
-through one O1 ``initialize`` with ``num_losses=2``, ``loss_id`` per loss, an R1 gradient penalty scaled by hand
-with ``_amp_state.loss_scalers[0]``), and ajtulloch/sparse-ads-baselines' ``FastZeroFusedSGD`` (a ``FusedSGD``
-subclass zeroing gradients through ``amp_C.multi_tensor_scale`` by 0, and its ``amp_zero_grad`` over Apex's O2
-lists installed as the optimizer's ``zero_grad``). Also torch's own ``parametrizations.spectral_norm`` (the spectral
-norm torch now recommends for such discriminators) under O1."""
+"""How a GAN toolbox, a recommender benchmark and a vision-language fine-tuner used Apex, one program per test
+(written here after the projects' own code, CPU-sized):
+
+- open-mmlab/mmgeneration's ``apex_amp`` path: one GAN module, its two optimizers from a dict through one O1
+  ``initialize`` with ``num_losses=2``, ``loss_id`` per loss, an R1 gradient penalty scaled by hand with
+  ``_amp_state.loss_scalers[0]``; with torch's own ``parametrizations.spectral_norm`` in the discriminator too;
+- ajtulloch/sparse-ads-baselines' ``FastZeroFusedSGD``: a ``FusedSGD`` subclass zeroing gradients through
+  ``amp_C.multi_tensor_scale`` by 0, and its ``amp_zero_grad`` over Apex's O2 lists installed as ``zero_grad``;
+- CLIP-ViL's VQA/SNLI fine-tuning: its ``FusedOptimizer``, an ``Optimizer`` subclass that never calls ``__init__``
+  and shares the param groups of an AdamW and an SGD, taken apart for ``initialize``, rebuilt after it, and
+  handed whole to ``amp.master_params``.
+"""
 
 from __future__ import annotations
 
@@ -242,3 +247,85 @@ def test_sparse_ads_amp_zero_grad_without_masters_is_apexs_attribute_error(shim,
     stash = optimizer._amp_stash
     assert not hasattr(stash, "all_fp32_from_fp16_params")
     assert hasattr(stash, "all_fp16_params") and hasattr(stash, "all_fp32_params")
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """CLIP-ViL's ``lxrt.visual_transformers.FusedOptimizer``: the param groups of several optimizers, one ``step``."""
+
+    def __init__(self, optimizers) -> None:  # no Optimizer.__init__, as in the program
+        self.optimizers = optimizers
+        param_groups = []
+        for optimizer in self.optimizers:
+            param_groups += optimizer.param_groups
+        self.param_groups = param_groups
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+class _VisualQA(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual_model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+        )  # fmt: skip
+        self.head = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.head(self.visual_model(feats))
+
+
+def _clip_vil_run(opt_level: str | None, steps: int = 4, accumulation: int = 2) -> list[tuple[float, float]]:
+    """CLIP-ViL's ``--use_separate_optimizer_for_visual`` path: AdamW over the language side's decay groups, SGD over
+    the visual model, a warmup schedule built on the AdamW before ``initialize``, accumulation, clipping through
+    ``amp.master_params`` of the rebuilt wrapper, ``model.zero_grad()``. Returns (loss, grad norm) per step."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = _VisualQA()
+    no_decay = ["bias", "LayerNorm.weight"]
+    named = [(n, p) for n, p in model.named_parameters() if "visual_model" not in n]
+    groups = [
+        {"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
+    ]
+    optim = torch.optim.AdamW(groups, lr=1e-3, eps=1e-6)
+    sgd = torch.optim.SGD(model.visual_model.parameters(), 0.05, momentum=0.9, weight_decay=1e-4)
+    fused = _FusedOptimizer([optim, sgd])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / 3))
+    if opt_level is not None:
+        model, [optim, sgd] = amp.initialize(model, fused.optimizers, enabled=True, opt_level=opt_level,
+                                             loss_scale=128.0, verbosity=0)  # fmt: skip
+        fused = _FusedOptimizer([optim, sgd])
+    criterion = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    history = []
+    for i in range(steps * accumulation):
+        g = torch.Generator().manual_seed(i)
+        feats, target = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        loss = criterion(model(feats).float(), target) / accumulation
+        if opt_level is not None:
+            with amp.scale_loss(loss, fused.optimizers) as scaled_loss:
+                scaled_loss.backward()
+        else:
+            loss.backward()
+        if (i + 1) % accumulation == 0:
+            params = amp.master_params(fused) if opt_level is not None else model.parameters()
+            total_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            fused.step()
+            scheduler.step()
+            model.zero_grad()
+            history.append((loss.item() * accumulation, total_norm.item()))
+    return history
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_clip_vil_two_optimizers_behind_its_fused_wrapper_track_float32(shim, opt_level):
+    """The wrapper rebuilt after ``initialize`` shares the amp optimizers' param groups, so ``amp.master_params``
+    of it yields the masters at O2 (as Apex's, which read ``param_groups``): the clipped norm and the losses
+    follow the float32 run."""
+    reference = _clip_vil_run(None)
+    mixed = _clip_vil_run(opt_level)
+    for step, step_ref in zip(mixed, reference, strict=True):
+        assert step == pytest.approx(step_ref, rel=2e-3)
