@@ -158,6 +158,7 @@ def test_torchs_parametrized_spectral_norm_runs_under_o1_as_in_float32(shim):
     half, single = torch.randn(5).half(), torch.randn(5)
     assert torch.vdot(single, half).dtype == torch.float32
     assert single.vdot(half) == pytest.approx(torch.vdot(single, half.float()).item())
+    assert torch.inner(half, single).dtype == half.inner(single).dtype == torch.float32  # dot's other kin
 
 
 def _fast_zero_fused_sgd():
