@@ -426,6 +426,33 @@ def test_disabled_returns_inputs_and_scale_loss_is_a_passthrough():
         assert scaled is loss
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(opt_level=None),
+        dict(opt_level="o2"),
+        dict(opt_level="O2", loss_scale=0),  # pytorch-pretrained-BERT's "0 means dynamic", passed through
+        dict(opt_level="O1", keep_batchnorm_fp32=True),
+        dict(opt_level="O2", loss_scale="None", num_losses=0, min_loss_scale=-1.0),
+    ],
+)
+def test_disabled_reads_no_other_setting_as_apex(settings):
+    """Apex's ``initialize`` returned at ``enabled=False`` before reading anything else, so the float32 run of a
+    script passing its fp16 settings through (``enabled=cfg.fp16, opt_level=cfg.opt_level, ...``) ran whatever
+    they held; here it stopped on them. The switch itself is still checked: ``'False'`` is not False."""
+    model = _model()
+    optimizer = _sgd(model)
+    returned = amp.initialize(model, optimizer, enabled=False, verbosity=0, **settings)
+    assert returned[0] is model and returned[1] is optimizer
+    assert amp.initialize(model, enabled=False, **settings) is model
+    with amp.scale_loss(model(torch.randn(3, 4)).sum(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    assert not amp._amp_state.opt_properties.enabled and amp.state_dict() == {}
+    with pytest.raises(ValueError, match=r"enabled='False': expected True or False"):
+        amp.initialize(model, optimizer, enabled="False", **settings)
+
+
 def test_scale_loss_before_initialize_is_a_clear_error():
     model = _model()
     with pytest.raises(RuntimeError, match="amp.initialize"):

@@ -92,17 +92,24 @@ class AmpOptimizerStash:
     @property
     def all_fp32_from_fp16_params(self) -> list[torch.Tensor]:
         """Apex's O2 list: the float32 masters of those parameters (NVIDIA's BERT clears their grads after an
-        overflow it detected by hand). Empty without masters."""
-        if self.master_weights is None:
-            return []
+        overflow it detected by hand). Absent without masters, as in Apex (see :meth:`_o2_only`)."""
+        self._o2_only("all_fp32_from_fp16_params")
         return [p for group in self.fp32_from_fp16_groups for p in group]
 
     @property
     def all_fp32_from_fp32_params(self) -> list[torch.Tensor]:
-        """Apex's O2 list: the parameters that were float32 already, their own masters. Empty without masters."""
-        if self.master_weights is None:
-            return []
+        """Apex's O2 list: the parameters that were float32 already, their own masters. Absent without masters."""
+        self._o2_only("all_fp32_from_fp32_params")
         return [p for group in self.fp32_from_fp32_groups for p in group]
+
+    def _o2_only(self, name: str) -> None:
+        """Refuse an O2 list without masters, as Apex's missing attribute did: an empty list read there made a
+        hand-written ``zero_grad`` over ``all_fp16_params + all_fp32_from_fp32_params`` clear no O1 gradient."""
+        if self.master_weights is None:
+            raise AttributeError(
+                f"_amp_stash.{name} is Apex's list with master weights (O2) only; without masters (O1/O3) "
+                "the optimizer's parameters are in _amp_stash.all_fp16_params and all_fp32_params"
+            )
 
     @property
     def all_fp32_params(self) -> list[torch.Tensor]:

@@ -248,12 +248,19 @@ def initialize(
     if not isinstance(verbosity, numbers.Integral):  # a bool too: NVIDIA's odtk passes verbosity=is_master
         raise ValueError(f"verbosity={verbosity!r}: expected an integer (0 silences amp)")
     verbosity = int(verbosity)
+    _amp_state.verbosity = verbosity
+    if not is_switch(enabled):  # by truthiness enabled='False' from a config switched amp on
+        raise ValueError(f"enabled={enabled!r}: expected True or False")
+    if not enabled:
+        # Apex returned here, reading nothing else: a float32 run of a script that passes its fp16 settings through
+        # (opt_level=None or 'o1', loss_scale=0 meaning dynamic, ...) must not stop on them
+        _amp_state.opt_properties = resolve_opt_level("O0", enabled=False)
+        return models if optimizers is None else (models, optimizers)
     # numpy's integers too, as Apex's range(num_losses) took them; 10**8, a typo, made a scaler each for the better
     # part of an hour
     num_losses = loss_count_option(num_losses, "num_losses")
     if combine_grad is not None and not is_switch(combine_grad):
         raise ValueError(f"combine_grad={combine_grad!r}: expected True, False or None")  # bool("False") is True
-    _amp_state.verbosity = verbosity
     properties = resolve_opt_level(
         opt_level,
         dtype=dtype,
@@ -272,8 +279,7 @@ def initialize(
     optimizers_given = optimizers is not None
     optimizer_list, optimizers_container = _as_list(optimizers, "optimizers") if optimizers_given else ([], None)
     _check_models(model_list)
-    if enabled:
-        _check_scripted(model_list, properties, cast_model_outputs)
+    _check_scripted(model_list, properties, cast_model_outputs)
     _check_optimizers(optimizer_list)
     if properties.master_weights:
         _check_masters_unshared(optimizer_list)
@@ -291,8 +297,6 @@ def initialize(
         for _ in range(num_losses)
     ]
     _amp_state.opt_properties = properties
-    if not enabled:
-        return _return_shape(model_list, models_container, optimizer_list, optimizers_container, optimizers_given)
     _amp_state.min_loss_scale, _amp_state.max_loss_scale = min_loss_scale, max_loss_scale
     _check_parameters(model_list, optimizer_list)
     _print_properties(properties, cast_model_outputs, num_losses)

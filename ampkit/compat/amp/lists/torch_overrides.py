@@ -12,8 +12,10 @@ FP32_FUNCS = ["acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", 
               "sinh", "tan", "pow", "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var",
               "renorm"]  # fmt: skip
 
-# the widest type among the arguments (Apex's promote)
-CASTS = ["addcdiv", "addcmul", "atan2", "cross", "bilinear", "dot", "add", "div", "mul",
+# the widest type among the arguments (Apex's promote); ``vdot`` and ``inner``, ``dot``'s kin that joined torch
+# after Apex's lists were written, are promoted alike: torch's ``parametrizations.spectral_norm`` takes ``vdot`` of
+# its float32 ``u`` and an O1-cast ``mv``, which torch refuses for mixed dtypes
+CASTS = ["addcdiv", "addcmul", "atan2", "cross", "bilinear", "dot", "vdot", "inner", "add", "div", "mul",
          "eq", "equal", "ge", "gt", "le", "lt", "ne"]  # fmt: skip
 
 SEQUENCE_CASTS = ["cat", "stack"]
