@@ -266,7 +266,8 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry, or a ``torch.amp.GradScaler``'s
         state: its ``scale`` and ``_growth_tracker``, the clean steps since the scale last changed); knobs stay as
-        configured, and a dynamic scale outside this scaler's ``min_scale``/``max_scale`` is brought within them."""
+        configured, a dynamic scale outside this scaler's ``min_scale``/``max_scale`` (and float32's range) is brought
+        within them, and a static scale float32 cannot carry is refused."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
@@ -284,7 +285,14 @@ class LossScaler:
         scale = positive_option(scale, "loss_scale")
         unskipped = interval_option(unskipped, "unskipped", zero_means="no clean update yet")  # numpy's and 3.0 too
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
-            scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
+            cap = FLOAT32_SCALES[1] if self.max_scale is None else min(self.max_scale, FLOAT32_SCALES[1])
+            scale = min(max(scale, self.floor), cap)
+        elif not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:  # a static scale never backs off: every step inf
+            raise ValueError(
+                f"loss_scale={scale!r} in the loaded state: a static loss scale must lie in float32's "
+                f"range of scales, 2**-126 to {FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its "
+                "unscaling factor is (every step skipped)"
+            )
         # Set together, both checked first: a refused state leaves the scaler as it was.
         self._scale, self.unskipped = scale, unskipped
         if self._on_device is not None:
