@@ -236,6 +236,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         # the scale's options first: one refused leaves the optimizer's groups as they were
+        verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
         self._configure_scale(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self.optimizer = init_optimizer
         self.fp16_groups: list[list[torch.Tensor]] = []  # the model's params
@@ -280,6 +281,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
         """Clear the model's fp16 grads (the masters never hold any)."""
+        set_grads_to_None = checked_switch("FP16_Optimizer.zero_grad", "set_grads_to_None", set_grads_to_None)
         for group in self.fp16_groups:
             for p in group:
                 if set_grads_to_None:

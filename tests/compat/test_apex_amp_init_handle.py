@@ -315,10 +315,10 @@ def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
         handle._deactivate()
 
 
-@pytest.mark.parametrize("name", ["enabled", "enable_caching", "allow_banned"])
+@pytest.mark.parametrize("name", ["enabled", "enable_caching", "verbose", "allow_banned"])
 def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
     """``amp.init(enabled="False")`` (a string from a config) was read by truthiness and patched torch for O1,
-    where ``amp.initialize(enabled="False")`` is refused."""
+    where ``amp.initialize(enabled="False")`` is refused; ``verbose="yes"`` was kept as the handle's flag."""
     with pytest.raises(ValueError, match=rf"^{name}='False': expected True or False$"):
         amp.init(**{name: "False"})
     handle = amp.init(**{name: 0})

@@ -89,6 +89,26 @@ def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
     assert all(p is q for p, q in zip(sgd.param_groups[0]["params"], model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("first_api", [False, True])
+def test_a_switch_given_as_text_is_refused(first_api):
+    """``verbose="False"`` printed every set-up message and ``zero_grad(set_grads_to_None="False")`` dropped the
+    gradients: both FP16_Optimizers read them by truthiness."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer as FirstFP16Optimizer
+
+    model = _model()
+    wrapper = FirstFP16Optimizer if first_api else FP16_Optimizer
+    with pytest.raises(ValueError, match="^FP16_Optimizer: verbose must be True or False, got 'False'$"):
+        wrapper(torch.optim.SGD(model.parameters(), lr=0.1), verbose="False")
+    optimizer = wrapper(torch.optim.SGD(model.parameters(), lr=0.1), verbose=0)
+    assert optimizer.verbose is False
+    optimizer.backward(_loss(model))
+    with pytest.raises(
+        TypeError, match="^FP16_Optimizer.zero_grad: set_grads_to_None must be True or False, got 'no'$"
+    ):
+        optimizer.zero_grad(set_grads_to_None="no")
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_scale_moves_in_update_master_grads_and_step_only_reports(capsys):
     model = _model()
     optimizer = _dynamic(model, init_scale=2.0**10, scale_window=4)

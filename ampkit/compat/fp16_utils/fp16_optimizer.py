@@ -106,7 +106,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         dynamic_loss_args: Mapping[str, Any] | None = None,
         verbose: bool = True,
     ) -> None:
-        self.verbose = verbose
+        self.verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
         # the scale's options before the optimizer is touched: one refused leaves its groups as they were
         self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
         if self.dynamic_loss_scale:
@@ -204,6 +204,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
         ``overflow`` is left as it is (as in Apex); the overflow seen by this iteration's backwards is forgotten.
         """
+        set_grads_to_None = checked_switch("FP16_Optimizer.zero_grad", "set_grads_to_None", set_grads_to_None)
         if set_grads_to_None:
             self._combiner.zero_grad()
         elif self._combiner.pending:
