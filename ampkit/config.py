@@ -242,7 +242,15 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
 _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
-_METRIC_NAME = (lambda v: bool(v.strip())), "a metric's name, such as val/loss"  # "" monitored nothing, silently
+
+
+def names_a_metric(value: str) -> bool:
+    """Whether a monitor's text names a metric: not blank, and not blank after its ``val/`` or ``train/`` prefix
+    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name)."""
+    return bool(re.sub(r"^\s*(val|train)/", "", value).strip())
+
+
+_METRIC_NAME = names_a_metric, "a metric's name, such as val/loss"
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).

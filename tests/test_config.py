@@ -135,6 +135,13 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         # an empty name monitored nothing: no best checkpoint, no early stopping, and no word of it
         ("checkpoint.monitor", "''", "expected null \\(no best checkpoint\\) or a metric's name"),
         ("early_stopping.monitor", "' '", "expected null \\(no early stopping\\) or a metric's name"),
+        # nor did a prefix alone: the metric it looked for had no name
+        ("checkpoint.monitor", "val/", "'val/' is invalid; expected null \\(no best checkpoint\\) or a metric's name"),
+        (
+            "early_stopping.monitor",
+            "train/",
+            "'train/' is invalid; expected null \\(no early stopping\\) or a metric's name",
+        ),
     ],
 )
 def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):

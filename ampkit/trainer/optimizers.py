@@ -17,6 +17,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ampkit.config import names_a_metric
 from ampkit.trainer.user_code import UserCodeError
 
 
@@ -104,7 +105,14 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
             raise UserCodeError(
                 f"{where}: lr_scheduler {key} {getattr(spec, key)!r} must be a string (e.g. 'val/loss') or None"
             )
+    _check_monitor_names_a_metric(spec.monitor, f"{where}: lr_scheduler monitor")
     return spec
+
+
+def _check_monitor_names_a_metric(monitor: str | None, named: str) -> None:
+    """Refuse a monitor that names no metric (``""``, ``"val/"``): the scheduler waited on a value never produced."""
+    if monitor is not None and not names_a_metric(monitor):
+        raise UserCodeError(f"{named} {monitor!r} names no metric; give one such as 'val/loss', or None")
 
 
 def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) -> None:
@@ -210,6 +218,7 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
             if not isinstance(item.get("monitor"), str | None):
                 raise UserCodeError(f"{where}: monitor {item['monitor']!r} must be a string (e.g. 'val/loss') or None")
+            _check_monitor_names_a_metric(item.get("monitor"), f"{where}: monitor")
             for spec in sched_specs:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
                 if target is not item["optimizer"]:
