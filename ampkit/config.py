@@ -552,6 +552,10 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
         where = f"'{parent}'" if parent else "the top level"
         hint = _nearest_key(schema, parent, full_key.rpartition(".")[2], valid)
         return ConfigError(f"unknown config key '{full_key}'{hint}; valid keys at {where}: {', '.join(valid)}")
+    unfound = re.fullmatch(r"Interpolation key '([\w.]+)' not found", message)
+    if unfound:  # ${SCRATCH} in a YAML file: OmegaConf reads it as a config key before any path is expanded
+        name = unfound.group(1)
+        message += f": ${{{name}}} names a config key; an environment variable is ${name} or ${{oc.env:{name}}}"
     return ConfigError(f"config key '{full_key}': {message}")
 
 
@@ -732,7 +736,8 @@ _UNSET_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def expand_path(value: str, key: str) -> str:
-    """``~`` and ``$VAR``/``${VAR}`` expanded as a shell would (an unset variable is an error naming it)."""
+    """``~`` and ``$VAR`` expanded as a shell would (an unset variable is an error naming it). ``${VAR}`` never gets
+    here: OmegaConf resolves it first as another config key; in braces an environment variable is ``${oc.env:VAR}``."""
     expanded = os.path.expanduser(os.path.expandvars(value))
     unset = _UNSET_VARIABLE.search(expanded)
     if unset:
