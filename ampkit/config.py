@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
+from ampkit.wording import counted
 
 
 class ConfigError(ValueError):
@@ -629,7 +630,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             length = _tuple_length(child)
             if length is not None and isinstance(value, list | tuple) and len(value) != length:
                 return ConfigError(  # OmegaConf's own error names no key ("TupleConfig length 1 does not match")
-                    f"config key '{prefix}{key}': {list(value)!r} has {len(value)} item{'s' * (len(value) != 1)}; "
+                    f"config key '{prefix}{key}': {list(value)!r} has {counted(len(value), 'item')}; "
                     f"expected {length} (e.g. {prefix}{key}={list(child)})"
                 )
             if (isinstance(child, ListConfig) or length is not None) and not isinstance(value, list | tuple):

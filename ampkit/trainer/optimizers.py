@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampkit.config import names_a_metric
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import counted
 
 
 class MonitorNotFoundError(UserCodeError, KeyError):
@@ -321,9 +322,10 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
         foreign = sum(id(p) not in own for p in params)
         if foreign:
             raise UserCodeError(
-                f"configure_optimizers(): optimizer '{spec.name}' holds {foreign} of its {len(params)} parameters "
-                "outside the model: checkpoints would not save them. Build it from self.module.parameters() (make "
-                "any extra parameter an attribute of the model configure_model returns)"
+                f"configure_optimizers(): optimizer '{spec.name}' holds {foreign} of its "
+                f"{counted(len(params), 'parameter')} outside the model: checkpoints would not save them. Build it "
+                "from self.module.parameters() (make any extra parameter an attribute of the model configure_model "
+                "returns)"
             )
 
 
