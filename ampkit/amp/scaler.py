@@ -48,6 +48,19 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
     return value
 
 
+def float32_scale(value: Any, option: str) -> float:
+    """``value`` as a scale a float32 loss can carry (as amp's static ``loss_scale``), else a ValueError naming
+    ``option``: 1e39 scaled every loss to inf, which a static scaler stepped on and a dynamic one skipped some 870
+    times from 1e300; 1e-300 scaled every loss to 0, which trained nothing."""
+    scale = positive_option(value, option)
+    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:
+        raise ValueError(
+            f"{option}={value!r}: a loss scale must lie in float32's range of scales, 2**-126 to "
+            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or 0"
+        )
+    return scale
+
+
 def interval_option(value: Any, option: str, *, zero_means: str | None = None) -> int:
     """``value`` as an int if it is a whole number >= 1 (a count of iterations: ``1000.0`` from a float option, as
     Apex took it, or numpy's ``int64``), or 0 where ``zero_means`` says what 0 does ("never"); else a ValueError
@@ -287,12 +300,8 @@ class LossScaler:
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
             cap = FLOAT32_SCALES[1] if self.max_scale is None else min(self.max_scale, FLOAT32_SCALES[1])
             scale = min(max(scale, self.floor), cap)
-        elif not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:  # a static scale never backs off: every step inf
-            raise ValueError(
-                f"loss_scale={scale!r} in the loaded state: a static loss scale must lie in float32's "
-                f"range of scales, 2**-126 to {FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or its "
-                "unscaling factor is (every step skipped)"
-            )
+        else:  # a static scale never backs off: one float32 cannot carry made every step inf
+            scale = float32_scale(scale, "loss_scale")
         # Set together, both checked first: a refused state leaves the scaler as it was.
         self._scale, self.unskipped = scale, unskipped
         if self._on_device is not None:
