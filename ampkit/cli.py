@@ -33,6 +33,7 @@ from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
 from ampkit.trainer.run_life import RunDirectoryError, loop_of, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
+from ampkit.wording import counted
 
 # What a user can fix from the message alone: one line, no traceback (``--debug`` shows it). The Trainer raises
 # NotImplementedError for a method the command needs and the subclass lacks (``test`` without test_dataloader),
@@ -278,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
         if shown and trainer.val_metrics_step != s.global_step:  # e.g. a resume that did not validate again
             at = trainer.val_metrics_step
             shown += f" (validated at step {at})" if at is not None else " (from the checkpoint resumed)"
-        steps = f"{s.global_step} step{'s' * (s.global_step != 1)}"
+        steps = counted(s.global_step, "step")
         span = _trained_span(s.epoch, s.batches_done, trainer.rescaled_resume)
         print(f"ampkit: finished {steps} in {span}" + (f"; {shown}" if shown else ""))
         logdir = shlex.quote(str(trainer.version_dir))  # a run_dir with a space must paste as one argument
@@ -304,8 +305,8 @@ def _trained_span(epochs: int, batches: int, rescaled: RescaledResume | None = N
     ran part of it, which is not a whole epoch. Where that epoch was resumed on batches of another size (2 ranks'
     checkpoint on 1), the batches are this run's, and the ``rescaled`` note says so and which were the checkpoint's:
     "5 steps in 7 batches" read as if two batches had not stepped."""
-    whole = f"{epochs} epoch{'' if epochs == 1 else 's'}"
-    part = f"{batches} batch{'' if batches == 1 else 'es'}"
+    whole = counted(epochs, "epoch")
+    part = counted(batches, "batch", "batches")
     if rescaled is not None and rescaled.epoch == epochs and batches:
         part += f" {rescaled.note()}"
     return whole if not batches else part if not epochs else f"{whole} and {part}"

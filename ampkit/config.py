@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
+from ampkit.wording import counted
 
 
 class ConfigError(ValueError):
@@ -242,7 +243,15 @@ def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
 
 _POSITIVE_NUMBER = (lambda v: 0 < v < math.inf), "a finite number > 0"  # nan and inf fail the comparison
 _FINITE_NUMBER = (lambda v: -math.inf < v < math.inf), "a finite number"
-_METRIC_NAME = (lambda v: bool(v.strip())), "a metric's name, such as val/loss"  # "" monitored nothing, silently
+
+
+def names_a_metric(value: str) -> bool:
+    """Whether a monitor's text names a metric: not blank, and not blank after its ``val/`` or ``train/`` prefix
+    (``""`` monitored nothing, silently; ``"val/"`` looked for a metric with no name)."""
+    return bool(re.sub(r"^\s*(val|train)/", "", value).strip())
+
+
+_METRIC_NAME = names_a_metric, "a metric's name, such as val/loss"
 
 # Every integer key holds a 64-bit integer: torch, islice and DataLoader take nothing larger (trainer.seed has its
 # own range: torch takes any seed that a signed or unsigned 64-bit integer holds).
@@ -544,6 +553,10 @@ def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
         where = f"'{parent}'" if parent else "the top level"
         hint = _nearest_key(schema, parent, full_key.rpartition(".")[2], valid)
         return ConfigError(f"unknown config key '{full_key}'{hint}; valid keys at {where}: {', '.join(valid)}")
+    unfound = re.fullmatch(r"Interpolation key '([\w.]+)' not found", message)
+    if unfound:  # ${SCRATCH} in a YAML file: OmegaConf reads it as a config key before any path is expanded
+        name = unfound.group(1)
+        message += f": ${{{name}}} names a config key; an environment variable is ${name} or ${{oc.env:{name}}}"
     return ConfigError(f"config key '{full_key}': {message}")
 
 
@@ -617,7 +630,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             length = _tuple_length(child)
             if length is not None and isinstance(value, list | tuple) and len(value) != length:
                 return ConfigError(  # OmegaConf's own error names no key ("TupleConfig length 1 does not match")
-                    f"config key '{prefix}{key}': {list(value)!r} has {len(value)} item{'s' * (len(value) != 1)}; "
+                    f"config key '{prefix}{key}': {list(value)!r} has {counted(len(value), 'item')}; "
                     f"expected {length} (e.g. {prefix}{key}={list(child)})"
                 )
             if (isinstance(child, ListConfig) or length is not None) and not isinstance(value, list | tuple):
@@ -724,7 +737,8 @@ _UNSET_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def expand_path(value: str, key: str) -> str:
-    """``~`` and ``$VAR``/``${VAR}`` expanded as a shell would (an unset variable is an error naming it)."""
+    """``~`` and ``$VAR`` expanded as a shell would (an unset variable is an error naming it). ``${VAR}`` never gets
+    here: OmegaConf resolves it first as another config key; in braces an environment variable is ``${oc.env:VAR}``."""
     expanded = os.path.expanduser(os.path.expandvars(value))
     unset = _UNSET_VARIABLE.search(expanded)
     if unset:

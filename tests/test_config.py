@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +136,13 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         # an empty name monitored nothing: no best checkpoint, no early stopping, and no word of it
         ("checkpoint.monitor", "''", "expected null \\(no best checkpoint\\) or a metric's name"),
         ("early_stopping.monitor", "' '", "expected null \\(no early stopping\\) or a metric's name"),
+        # nor did a prefix alone: the metric it looked for had no name
+        ("checkpoint.monitor", "val/", "'val/' is invalid; expected null \\(no best checkpoint\\) or a metric's name"),
+        (
+            "early_stopping.monitor",
+            "train/",
+            "'train/' is invalid; expected null \\(no early stopping\\) or a metric's name",
+        ),
     ],
 )
 def test_invalid_values_are_rejected_at_construction(tmp_path, key, value, expected):
@@ -226,6 +234,15 @@ def test_run_dir_expands_home_and_variables_and_names_an_unset_one(monkeypatch):
     assert build_config(Config, base, {"run_dir": "$AMPKIT_TEST_SCRATCH/runs"}).run_dir == "/scratch/job7/runs"
     with pytest.raises(ConfigError, match="config key 'run_dir': .*names environment variable AMPKIT_TEST_UNSET"):
         build_config(Config, base, {"run_dir": "$AMPKIT_TEST_UNSET/runs"})
+    # In braces, OmegaConf reads a config key first: its own resolver is the form that names a variable, and the
+    # shell's form failed with no word of either
+    assert build_config(Config, base, {"run_dir": "${oc.env:AMPKIT_TEST_SCRATCH}/runs"}).run_dir == "/scratch/job7/runs"
+    expected = (
+        "config key 'run_dir': Interpolation key 'AMPKIT_TEST_SCRATCH' not found: ${AMPKIT_TEST_SCRATCH} names a "
+        "config key; an environment variable is $AMPKIT_TEST_SCRATCH or ${oc.env:AMPKIT_TEST_SCRATCH}"
+    )
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        build_config(Config, base, {"run_dir": "${AMPKIT_TEST_SCRATCH}/runs"})
 
 
 def test_resolved_config_is_saved_in_the_run_directory(tmp_path):

@@ -271,3 +271,27 @@ def test_a_notice_to_a_closed_console_is_dropped_said_once_and_the_next_not_trie
         closed.writes = 1  # a write now would pass: none is tried, a closed pipe stays closed
         say("ampkit: SIGTERM: stopping at step 4")
     assert len(said) == 1 and closed.getvalue() == ""
+
+
+def test_a_count_of_one_is_worded_in_the_singular(tmp_path):
+    """Messages said "1 batches" where a count can be 1 (a resume one batch into its epoch, a loader that yielded one
+    batch, a sanity check of one batch): every count goes through one helper."""
+    from ampkit.config import ConfigError
+    from ampkit.trainer.batch_layout import RescaledResume, batches_done_here
+    from ampkit.trainer.checkpoint_io import CheckpointError
+    from ampkit.trainer.user_code import short_epoch_message
+    from ampkit.wording import counted
+
+    assert [counted(n, "batch", "batches") for n in (0, 1, 2)] == ["0 batches", "1 batch", "2 batches"]
+    assert counted(1, "step") == "1 step" and counted(3, "rank") == "3 ranks"
+    assert short_epoch_message(0, 1, 2, 0, 0).startswith("train_dataloader() yielded 1 batch in epoch 0, but its")
+    one, two = {"ranks": 1, "batch_size": 8, "epoch_batches": 8}, {"ranks": 2, "batch_size": 8, "epoch_batches": 4}
+    assert (
+        RescaledResume(0, 1, one, 1, one).note().endswith("the resumed checkpoint's 1 batch of 8 samples (1 rank x 8)")
+    )
+    said = re.escape("is 1 batch of 8 samples (1 rank x 8) into its epoch; this run's batches take 16 samples (2 ranks")
+    with pytest.raises(CheckpointError, match=said):
+        batches_done_here(one, two, 1, 1, Path("ck.pt"))
+    cfg = toy_cfg(tmp_path, **{"checkpoint.monitor": "val/absent", "trainer.num_sanity_val_steps": 1})
+    with pytest.raises(ConfigError, match=r"\(checked before training on 1 batch, trainer.num_sanity_val_steps=1"):
+        ToyTrainer(cfg).fit()

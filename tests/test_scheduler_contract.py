@@ -165,6 +165,16 @@ def _step(sgd):
             r"lr_scheduler monitor 5 must be a string \(e.g. 'val/loss'\) or None",
             id="monitor a number",
         ),
+        pytest.param(  # a prefix alone: the scheduler waited for a metric with no name
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": {"scheduler": _plateau(sgd), "monitor": "val/"}},
+            r"lr_scheduler monitor 'val/' names no metric; give one such as 'val/loss', or None",
+            id="monitor a prefix alone",
+        ),
+        pytest.param(
+            lambda sgd: {"optimizer": sgd, "lr_scheduler": _plateau(sgd), "monitor": ""},
+            r"monitor '' names no metric; give one such as 'val/loss', or None",
+            id="monitor blank",
+        ),
         pytest.param(
             lambda sgd: {"optimizer": sgd, "lr_scheduler": torch.optim.lr_scheduler.StepLR},
             r"lr_scheduler is the class StepLR, not a scheduler: construct it on the optimizer",

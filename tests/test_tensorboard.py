@@ -374,6 +374,9 @@ def test_flush_secs_is_checked():
 
     with pytest.raises(ValueError, match=r"flush_secs must be >= 0, got -1"):
         TensorBoardLogger(flush_secs=-1)
+    # inf was taken, and the queue then waited for validation or the end of the run
+    with pytest.raises(ValueError, match=r"flush_secs=inf would hold .* a finite number of seconds >= 0"):
+        TensorBoardLogger(flush_secs=math.inf)
 
 
 class _LogsBatchIndex(ToyTrainer):

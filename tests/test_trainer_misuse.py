@@ -460,6 +460,8 @@ def test_a_callback_switch_built_by_hand_is_true_or_false(build, attribute, name
     [
         (lambda: ModelCheckpoint(monitor=""), ValueError, "monitor '' is invalid; expected a metric's name"),
         (lambda: ModelCheckpoint(monitor=0), ValueError, "monitor 0 is invalid; expected a metric's name"),
+        (lambda: ModelCheckpoint(monitor="val/"), ValueError, "monitor 'val/' is invalid; expected a metric's name"),
+        (lambda: EarlyStopping("train/ "), ValueError, "monitor 'train/ ' is invalid; expected a metric's name"),
         (lambda: EarlyStopping(3), ValueError, "monitor 3 is invalid; expected a metric's name"),
         (lambda: ModelCheckpoint(mode="maximum"), ValueError, "mode 'maximum' is invalid; expected one of min, max"),
         (lambda: ModelCheckpoint(save_top_k=True), ValueError, "save_top_k True is invalid; expected an integer >= 1"),
@@ -500,6 +502,8 @@ def test_a_callback_switch_built_by_hand_is_true_or_false(build, attribute, name
     ids=[
         "blank monitor",
         "monitor 0",
+        "monitor val/ alone",
+        "monitor train/ alone",
         "monitor an int",
         "mode a typo",
         "top-k True",

@@ -48,6 +48,19 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
     return value
 
 
+def float32_scale(value: Any, option: str) -> float:
+    """``value`` as a scale a float32 loss can carry (as amp's static ``loss_scale``), else a ValueError naming
+    ``option``: 1e39 scaled every loss to inf, which a static scaler stepped on and a dynamic one skipped some 870
+    times from 1e300; 1e-300 scaled every loss to 0, which trained nothing."""
+    scale = positive_option(value, option)
+    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:
+        raise ValueError(
+            f"{option}={value!r}: a loss scale must lie in float32's range of scales, 2**-126 to "
+            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or 0"
+        )
+    return scale
+
+
 def interval_option(value: Any, option: str, *, zero_means: str | None = None) -> int:
     """``value`` as an int if it is a whole number >= 1 (a count of iterations: ``1000.0`` from a float option, as
     Apex took it, or numpy's ``int64``), or 0 where ``zero_means`` says what 0 does ("never"); else a ValueError
@@ -266,7 +279,8 @@ class LossScaler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` (or an Apex ``loss_scalerN`` entry, or a ``torch.amp.GradScaler``'s
         state: its ``scale`` and ``_growth_tracker``, the clean steps since the scale last changed); knobs stay as
-        configured, and a dynamic scale outside this scaler's ``min_scale``/``max_scale`` is brought within them."""
+        configured, a dynamic scale outside this scaler's ``min_scale``/``max_scale`` (and float32's range) is brought
+        within them, and a static scale float32 cannot carry is refused."""
         if not isinstance(state, Mapping):
             raise TypeError(
                 f"a loss scaler's state is a dict {{'loss_scale': float, 'unskipped': int}}, got {type(state).__name__}"
@@ -284,7 +298,10 @@ class LossScaler:
         scale = positive_option(scale, "loss_scale")
         unskipped = interval_option(unskipped, "unskipped", zero_means="no clean update yet")  # numpy's and 3.0 too
         if self.dynamic:  # this run's floor and cap hold for a restored scale too (a GradScaler's had no cap)
-            scale = min(max(scale, self.floor), math.inf if self.max_scale is None else self.max_scale)
+            cap = FLOAT32_SCALES[1] if self.max_scale is None else min(self.max_scale, FLOAT32_SCALES[1])
+            scale = min(max(scale, self.floor), cap)
+        else:  # a static scale never backs off: one float32 cannot carry made every step inf
+            scale = float32_scale(scale, "loss_scale")
         # Set together, both checked first: a refused state leaves the scaler as it was.
         self._scale, self.unskipped = scale, unskipped
         if self._on_device is not None:

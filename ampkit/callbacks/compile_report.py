@@ -10,6 +10,7 @@ from torch import nn
 
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.console import say_above_the_bars
+from ampkit.wording import counted
 
 
 def _graphs_compiled() -> int:
@@ -72,7 +73,7 @@ class CompileReport(Callback):
                 f"modules in the first iteration, so nothing ran compiled; {fix}"
             )
         elif trainer.is_global_zero:
-            say_above_the_bars(f"ampkit: compiled {graphs} graph{'s' * (graphs != 1)}; first iteration {took:.1f} s")
+            say_above_the_bars(f"ampkit: compiled {counted(graphs, 'graph')}; first iteration {took:.1f} s")
 
     def on_fit_end(self, trainer) -> None:
         self._remove_hooks()  # a run that stopped before its first iteration ended

@@ -13,6 +13,7 @@ from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
+from ampkit.wording import counted
 
 
 class EarlyStopping(KeyedByMonitor):
@@ -88,7 +89,7 @@ class EarlyStopping(KeyedByMonitor):
         elif reason is None:
             self.wait += 1
             if self.wait >= self.patience:
-                checks = f"{self.wait} {check}{'s' * (self.wait != 1)}"
+                checks = counted(self.wait, check)
                 reason = f"{self.monitor.metric} did not improve on {self.best} for {checks}"
         if reason is None:
             return

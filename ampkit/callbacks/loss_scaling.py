@@ -36,6 +36,7 @@ from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
 from ampkit.trainer.state import BackwardState
+from ampkit.wording import counted
 
 # torch's anomaly detection on a NaN that a backward returned
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
@@ -285,7 +286,7 @@ class LossScaling(Callback):
             # At N, 2N, 4N... in a row: a run that skips on for long says so now and then, not every N steps.
             if every and count % every == 0 and (count // every) & (count // every - 1) == 0:
                 culprits = ", ".join(repr(i) for i in sorted(opt_state.loss_ids, key=str))
-                skipped = f"{count} step{'s' * (count != 1)}"
+                skipped = counted(count, "step")
                 rank_zero_warn(  # the ranks agree on each verdict: one line, not one per rank
                     f"optimizer '{name}' skipped {skipped} in a row: non-finite gradients from loss_id "
                     f"{culprits} (scales: {self.scales}). A scaler skips a few while its scale backs off; more mean "

@@ -7,6 +7,7 @@ import math
 import numbers
 from typing import Any
 
+from ampkit.config import names_a_metric
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
@@ -26,7 +27,7 @@ class Monitor:
     the epoch means of ``log(..., on_epoch=True)`` at each epoch's end (``per_epoch``); ``mode`` min or max."""
 
     def __init__(self, metric: str, mode: str = "min", min_delta: float = 0.0, key: str | None = None) -> None:
-        if not isinstance(metric, str) or not metric.strip():  # an int failed in str.startswith, naming neither
+        if not isinstance(metric, str) or not names_a_metric(metric):  # an int failed in str.startswith, naming neither
             raise ValueError(f"monitor {metric!r} is invalid; expected a metric's name, such as val/loss")
         check_mode(mode)
         if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not 0 <= min_delta < math.inf:

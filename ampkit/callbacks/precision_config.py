@@ -201,7 +201,8 @@ def _describe_mixed_precision(precision: DictConfig) -> str:
     if props.opt_level == "O0" and (p.loss_scale is None or _unscaled(p)):
         return "O0 (float32)"
     unscaled = _without_scaler(p, props)
-    dtype = str(props.dtype).removeprefix("torch.")
+    # O0 casts nothing: its loss scale (a float32 loss scaled) runs beside no low-precision dtype, whatever ``dtype``
+    runs = "O0 (float32)" if props.opt_level == "O0" else f"{p.opt_level} {str(props.dtype).removeprefix('torch.')}"
     if unscaled:
-        return f"{p.opt_level} {dtype}" + (", skip_nonfinite" if _skips_nonfinite(p, props, unscaled) else "")
-    return f"{p.opt_level} {dtype}, loss scale {props.loss_scale}"
+        return runs + (", skip_nonfinite" if _skips_nonfinite(p, props, unscaled) else "")
+    return f"{runs}, loss scale {props.loss_scale}"

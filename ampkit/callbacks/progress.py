@@ -24,6 +24,7 @@ from ampkit.callbacks.precision_config import describe_precision
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.console import console_gone
+from ampkit.wording import counted
 
 Hook = TypeVar("Hook", bound=Callable[..., None])
 
@@ -34,11 +35,6 @@ def _interactive() -> bool:
 
 def _number(value: float) -> str:
     return f"{value:.4g}"
-
-
-def _count(n: int, noun: str) -> str:
-    """``"1 step"``, ``"2 steps"``: the console's counts read as a person writes them."""
-    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _duration(seconds: float) -> str:
@@ -153,8 +149,8 @@ class ProgressBar(Callback):
         trainable = sum(p.numel() for p in params if p.requires_grad)
         precision = describe_precision(trainer.cfg.precision)
         t = trainer.settings
-        length = _count(t.max_epochs, "epoch") if t.max_epochs >= 0 else "no epoch limit"
-        length += f", at most {_count(t.max_steps, 'step')}" if t.max_steps >= 0 else ""
+        length = counted(t.max_epochs, "epoch") if t.max_epochs >= 0 else "no epoch limit"
+        length += f", at most {counted(t.max_steps, 'step')}" if t.max_steps >= 0 else ""
         batches = trainer.num_train_batches
         lines = [
             f"ampkit: training {type(trainer).__name__}",
@@ -267,7 +263,7 @@ class ProgressBar(Callback):
         took = time.perf_counter() - self._epoch_start
         steps = s.global_step - self._epoch_first_step
         rate = _rate(steps / took if took > 0 else 0.0)
-        parts = [f"epoch {s.epoch}", f"{_count(steps, 'step')} in {_duration(took)} ({rate})"]
+        parts = [f"epoch {s.epoch}", f"{counted(steps, 'step')} in {_duration(took)} ({rate})"]
         for metrics in (trainer.monitor_values(), self._epoch_val):  # epoch means, and what epoch-end hooks logged
             if metrics:
                 parts.append(" ".join(f"{k}={_number(v)}" for k, v in metrics.items()))
@@ -278,8 +274,8 @@ class ProgressBar(Callback):
         if trainer.is_global_zero:
             took = time.perf_counter() - self._fit_start
             step, first = trainer.state.global_step, self._fit_first_step
-            this_run = f"to step {step} ({_count(step - first, 'step')} in this run)"
-            trained = _count(step, "step") if first == 0 else this_run
+            this_run = f"to step {step} ({counted(step - first, 'step')} in this run)"
+            trained = counted(step, "step") if first == 0 else this_run
             self._print(f"ampkit: trained {trained} in {_duration(took)}")
 
     @_writes_to_the_console

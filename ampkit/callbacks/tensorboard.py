@@ -4,6 +4,7 @@ and ``trainer.logger``'s images, histograms and text."""
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 import re
 import threading
@@ -201,6 +202,11 @@ class TensorBoardLogger(Callback):
     def __init__(self, log_every_n_steps: int = 10, flush_secs: float = 5.0, log_momentum: bool = False) -> None:
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real) or not flush_secs >= 0:
             raise ValueError(f"TensorBoardLogger: flush_secs must be >= 0, got {flush_secs!r}")
+        if not math.isfinite(flush_secs):  # the queue would be written only before validation and at the end
+            raise ValueError(
+                f"TensorBoardLogger: flush_secs={flush_secs!r} would hold every training scalar until validation or "
+                "the end of the run; give a finite number of seconds >= 0 (0: write at every log step)"
+            )
         self.log_every_n_steps = interval_option(log_every_n_steps, "TensorBoardLogger: log_every_n_steps")
         self.flush_secs = flush_secs
         self.log_momentum = checked_switch("TensorBoardLogger", "log_momentum", log_momentum)

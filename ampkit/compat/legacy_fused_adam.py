@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ampkit.amp.scaler import interval_option, positive_option
+from ampkit.amp.scaler import float32_scale, interval_option, positive_option
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.ops._switches import checked_switch
@@ -236,6 +236,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got {type(init_optimizer).__name__}")
         # the scale's options first: one refused leaves the optimizer's groups as they were
+        verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
         self._configure_scale(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
         self.optimizer = init_optimizer
         self.fp16_groups: list[list[torch.Tensor]] = []  # the model's params
@@ -263,7 +264,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
                     f"FP16_Optimizer: dynamic_loss_args has {unknown}; the keys it takes are {list(self._DYNAMIC_ARGS)}"
                 )
             self.cur_scale = args.get("init_scale", 2**16)  # an int, as Apex's (its messages print 65536)
-            positive_option(self.cur_scale, "FP16_Optimizer: dynamic_loss_args init_scale")
+            float32_scale(self.cur_scale, "FP16_Optimizer: dynamic_loss_args init_scale")  # 1e39: every loss inf
             self.scale_factor = positive_option(
                 args.get("scale_factor", 2), "FP16_Optimizer: dynamic_loss_args scale_factor", above_one=True
             )
@@ -276,10 +277,11 @@ class FP16_Optimizer(PromotedOptimizerAttributes):  # noqa: N801 - Apex's name
                 raise ValueError("FP16_Optimizer: dynamic_loss_args needs dynamic_loss_scale=True")
             if not (isinstance(static_loss_scale, int | float) and 0 < static_loss_scale < math.inf):
                 raise ValueError(f"FP16_Optimizer: static_loss_scale={static_loss_scale!r}: expected a number > 0")
-            self.cur_scale = float(static_loss_scale)
+            self.cur_scale = float32_scale(static_loss_scale, "FP16_Optimizer: static_loss_scale")
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
         """Clear the model's fp16 grads (the masters never hold any)."""
+        set_grads_to_None = checked_switch("FP16_Optimizer.zero_grad", "set_grads_to_None", set_grads_to_None)
         for group in self.fp16_groups:
             for p in group:
                 if set_grads_to_None:

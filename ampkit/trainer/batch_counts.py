@@ -12,6 +12,7 @@ import torch
 
 from ampkit.config import ConfigError
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import counted
 
 
 def checked_count(value: Any, owner: object, method: str) -> int | None:
@@ -77,8 +78,8 @@ def batch_limit(limit: int | float | None, loader: Any, key: str, source: str) -
     count = int(total * limit)
     if count == 0:
         raise ConfigError(
-            f"config key '{key}': {limit} of {source}'s {total} batches is less than one batch; give at least "
-            f"{1 / total:.3g}, or a number of batches (an integer)"
+            f"config key '{key}': {limit} of {source}'s {counted(total, 'batch', 'batches')} is less than one batch; "
+            f"give at least {1 / total:.3g}, or a number of batches (an integer)"
         )
     return count
 
@@ -100,9 +101,10 @@ def shuffled_subset_message(loader: Any, limit: int | None, setting: Any, key: s
     total = loader_length(loader, source)
     if not shuffled or (total is not None and limit >= total):
         return None
+    batches = "? batches" if total is None else counted(total, "batch", "batches")
     return (
         f"{source} shuffles its samples ({type(sampler).__name__}) and {key}={setting} runs {limit} of its "
-        f"{'?' if total is None else total} batches: each validation measures other samples, so its metrics (and a "
+        f"{batches}: each validation measures other samples, so its metrics (and a "
         "monitor ranking them: the best checkpoint, early stopping) compare different subsets; give it shuffle=False"
     )
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.wording import counted
 
 
 def batch_layout(loader: Any, world_size: int, epoch_batches: int | None) -> dict[str, int] | None:
@@ -38,14 +39,14 @@ class RescaledResume:
         (1 rank x 8), the first 4 of them the resumed checkpoint's 2 batches of 16 samples (2 ranks x 8)"``."""
         return (
             f"of {samples_a_batch(self.here)}, the first {self.batches} of them the resumed checkpoint's "
-            f"{self.saved_batches} batch{'' if self.saved_batches == 1 else 'es'} of {samples_a_batch(self.saved)}"
+            f"{counted(self.saved_batches, 'batch', 'batches')} of {samples_a_batch(self.saved)}"
         )
 
 
 def samples_a_batch(layout: dict[str, int]) -> str:
     """``"16 samples (2 ranks x 8)"``: the samples one batch draws over all ranks."""
     ranks, size = layout["ranks"], layout["batch_size"]
-    return f"{ranks * size} samples ({ranks} rank{'s' * (ranks != 1)} x {size})"
+    return f"{counted(ranks * size, 'sample')} ({counted(ranks, 'rank')} x {size})"
 
 
 def rescaling(
@@ -81,9 +82,8 @@ def batches_done_here(
     done, rest = divmod(batches_done * saved_samples, samples)
     if rest or done % accumulate:
         raise CheckpointError(
-            f"checkpoint '{path}' is {batches_done} batches of {saved_samples} samples "
-            f"({saved['ranks']} rank(s) x {saved['batch_size']}) into its epoch; this run's batches take {samples} "
-            f"({here['ranks']} rank(s) x {here['batch_size']})"
+            f"checkpoint '{path}' is {counted(batches_done, 'batch', 'batches')} of {samples_a_batch(saved)} into its "
+            f"epoch; this run's batches take {samples_a_batch(here)}"
             + (f" and step every {accumulate}" if accumulate > 1 else "")
             + ", so it cannot continue at that sample: resume with ranks x batch size "
             f"= {saved_samples}, or from an epoch-end checkpoint"
@@ -105,7 +105,7 @@ def layout_change(
     def shown(layout: dict[str, int], accumulate: int) -> str:
         ranks, size = layout["ranks"], layout["batch_size"]
         batches = f" x {accumulate} batches accumulated" if accumulate != 1 else ""
-        return f"{ranks * size * accumulate} ({ranks} rank{'s' * (ranks != 1)} x {size}{batches})"
+        return f"{ranks * size * accumulate} ({counted(ranks, 'rank')} x {size}{batches})"
 
     return f"{shown(saved, saved_accumulate)} then, {shown(here, accumulate)} now"
 

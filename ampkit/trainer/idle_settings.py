@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from ampkit.trainer.optimizers import OptimizerSpec, SchedulerSpec
 from ampkit.trainer.sanity import monitored_metrics
+from ampkit.wording import counted
 
 
 def idle_settings(
@@ -31,7 +32,7 @@ def idle_settings(
     if training_steps is not None and 0 <= t.max_epochs and training_steps < t.max_steps:
         found.append(
             f"trainer.max_steps={t.max_steps} is never reached: trainer.max_epochs={t.max_epochs} ends the run after "
-            f"{training_steps} step{'s' * (training_steps != 1)} (Lightning's max_steps alone lifts its epoch "
+            f"{counted(training_steps, 'step')} (Lightning's max_steps alone lifts its epoch "
             "limit; here set trainer.max_epochs=-1 for none, or raise it)"
         )
     if batches_per_epoch is not None and t.accumulate_grad_batches > batches_per_epoch:
@@ -44,8 +45,8 @@ def idle_settings(
     every = cfg.logging.log_every_n_steps
     if cfg.logging.tensorboard and training_steps is not None and 0 < training_steps < every:
         found.append(
-            f"logging.log_every_n_steps={every} is more than this run's {training_steps} "
-            f"iteration{'s' * (training_steps != 1)}: TensorBoard gets "
+            f"logging.log_every_n_steps={every} is more than this run's {counted(training_steps, 'iteration')}: "
+            "TensorBoard gets "
             "no learning rate, gradient norm or log(on_step) value of any step, only the losses' mean at the end "
             f"(Lightning warns likewise); set it to at most {training_steps}"
         )
@@ -148,13 +149,11 @@ def _validation_never_runs(cfg: DictConfig, batches_per_epoch: int | None, train
     epochs = (
         "trainer.val_every_n_epochs=0"
         if t.val_every_n_epochs == 0
-        else f"trainer.val_every_n_epochs={t.val_every_n_epochs} is more than its {full_epochs} full "
-        f"epoch{'s' * (full_epochs != 1)}"
+        else f"trainer.val_every_n_epochs={t.val_every_n_epochs} is more than its {counted(full_epochs, 'full epoch')}"
     )
     steps = (
         "trainer.val_every_n_steps=0"
         if t.val_every_n_steps == 0
-        else f"trainer.val_every_n_steps={t.val_every_n_steps} is more than its {training_steps} "
-        f"step{'s' * (training_steps != 1)}"
+        else f"trainer.val_every_n_steps={t.val_every_n_steps} is more than its {counted(training_steps, 'step')}"
     )
     return f"{epochs} and {steps}"

@@ -37,6 +37,7 @@ from ampkit.trainer.fp8 import convert_model_to_float8
 from ampkit.trainer.fsdp import shard_model
 from ampkit.trainer.module_names import has_forward, modules_named
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import counted
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -127,7 +128,7 @@ def _shard(module: nn.Module, setup: ModelSetup) -> nn.Module:
     module = shard_model(module, setup.cfg, setup.device)  # before the optimizers: they must hold its shards
     parts = [units] * bool(units) + ["the root"] * isinstance(module, FSDPModule)
     ranks = setup.dist.world_size
-    setup.notes["sharding"] = f"FSDP2 over {ranks} rank{'s' * (ranks != 1)}, one unit each: {', then '.join(parts)}"
+    setup.notes["sharding"] = f"FSDP2 over {counted(ranks, 'rank')}, one unit each: {', then '.join(parts)}"
     return module
 
 

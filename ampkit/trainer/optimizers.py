@@ -17,7 +17,9 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 from torch.utils.hooks import RemovableHandle
 
+from ampkit.config import names_a_metric
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import counted
 
 
 class MonitorNotFoundError(UserCodeError, KeyError):
@@ -104,7 +106,14 @@ def _scheduler_spec(value: Any, where: str) -> SchedulerSpec:
             raise UserCodeError(
                 f"{where}: lr_scheduler {key} {getattr(spec, key)!r} must be a string (e.g. 'val/loss') or None"
             )
+    _check_monitor_names_a_metric(spec.monitor, f"{where}: lr_scheduler monitor")
     return spec
+
+
+def _check_monitor_names_a_metric(monitor: str | None, named: str) -> None:
+    """Refuse a monitor that names no metric (``""``, ``"val/"``): the scheduler waited on a value never produced."""
+    if monitor is not None and not names_a_metric(monitor):
+        raise UserCodeError(f"{named} {monitor!r} names no metric; give one such as 'val/loss', or None")
 
 
 def step_scheduler(sched: SchedulerSpec, optimizer_name: str, *metric: float) -> None:
@@ -210,6 +219,7 @@ def normalize_optimizers(result: Any) -> list[OptimizerSpec]:
             sched_specs = [_scheduler_spec(s, where) for s in scheds]
             if not isinstance(item.get("monitor"), str | None):
                 raise UserCodeError(f"{where}: monitor {item['monitor']!r} must be a string (e.g. 'val/loss') or None")
+            _check_monitor_names_a_metric(item.get("monitor"), f"{where}: monitor")
             for spec in sched_specs:
                 target = getattr(spec.scheduler, "optimizer", item["optimizer"])
                 if target is not item["optimizer"]:
@@ -312,9 +322,10 @@ def check_parameters(specs: list[OptimizerSpec], module: torch.nn.Module, automa
         foreign = sum(id(p) not in own for p in params)
         if foreign:
             raise UserCodeError(
-                f"configure_optimizers(): optimizer '{spec.name}' holds {foreign} of its {len(params)} parameters "
-                "outside the model: checkpoints would not save them. Build it from self.module.parameters() (make "
-                "any extra parameter an attribute of the model configure_model returns)"
+                f"configure_optimizers(): optimizer '{spec.name}' holds {foreign} of its "
+                f"{counted(len(params), 'parameter')} outside the model: checkpoints would not save them. Build it "
+                "from self.module.parameters() (make any extra parameter an attribute of the model configure_model "
+                "returns)"
             )
 
 

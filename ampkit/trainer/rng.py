@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
+from ampkit.wording import counted
+
 _NUMPY = RequirementCache("numpy")
 
 
@@ -83,10 +85,10 @@ def rng_not_restored(state: dict[str, Any]) -> str | None:
     saved, here = len(state.get("cuda", ())), _cuda_devices()
     if saved <= here:
         return None
-    has = "no CUDA device" if here == 0 else f"{here} CUDA device{'s' * (here > 1)}"
+    has = "no CUDA device" if here == 0 else counted(here, "CUDA device")
     left = f"device {here}'s is" if saved - here == 1 else f"those of devices {here}-{saved - 1} are"
     return (
-        f"it holds the CUDA RNG states of {saved} device{'s' * (saved > 1)} and this machine has {has}: {left} not "
+        f"it holds the CUDA RNG states of {counted(saved, 'device')} and this machine has {has}: {left} not "
         "restored (random draws there would differ from the run it continues)"
     )
 

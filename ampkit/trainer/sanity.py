@@ -14,6 +14,7 @@ from ampkit.config import ConfigError
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
 from ampkit.trainer.user_code import no_batches_message
+from ampkit.wording import counted
 
 if TYPE_CHECKING:
     from ampkit.trainer.trainer import Trainer
@@ -154,12 +155,12 @@ def sanity_validate(trainer: Trainer, loader: Any) -> None:
                 if limit is not None and (total is None or limit < total)
                 else ""
             )
-            checked = "all its" if limit is None else str(limit)
+            checked = "all its batches" if limit is None else counted(limit, "batch", "batches")
             raise ConfigError(
                 f"{where}: monitors '{metric}', which is not a validation metric; validation_step returns "
                 f"{', '.join(f'val/{m}' for m in metrics) or 'nothing'}"
                 + (f" and on_validation_end logs {', '.join(sorted(logged))}" if logged else "")
-                + f" (checked before training on {checked} batches, trainer.num_sanity_val_steps="
+                + f" (checked before training on {checked}, trainer.num_sanity_val_steps="
                 f"{t.num_sanity_val_steps}{later}); or log it in on_validation_end with self.log('{metric}', value)"
                 + (_TRAINING_HINT if "." in key else "")
             )

@@ -13,6 +13,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from ampkit.trainer.user_code import first_names
+from ampkit.wording import counted
 
 Shape = tuple[int, ...] | None  # None: an entry that is no tensor (a module's extra state)
 
@@ -64,7 +65,7 @@ def load_model_state(module: torch.nn.Module, state: Mapping[str, Any]) -> None:
 
 
 def _groups(sizes: list[int]) -> str:
-    groups = f"{len(sizes)} param group{'' if len(sizes) == 1 else 's'}"
+    groups = counted(len(sizes), "param group")
     return f"{groups} of {', '.join(map(str, sizes))} parameter{'' if sizes == [1] else 's'}"
 
 

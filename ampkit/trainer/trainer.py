@@ -244,6 +244,7 @@ from ampkit.trainer.user_code import (
     short_epoch_message,
     training_step_loss_error,
 )
+from ampkit.wording import counted
 
 _NO_BATCH = object()  # the end of an epoch's batches, fetched one ahead
 _STOP_ASKED = "trainer.state.should_stop was set"  # the stop reason when the setter gave none
@@ -2048,7 +2049,9 @@ class Trainer:
             self.fit_start.order_changes, saved_layout, self._batch_layout, self.state.batches_done
         )
         if note is not None:
-            rank_zero_warn(f"resuming '{path}' {self.state.batches_done} batches into its epoch: {note}")
+            rank_zero_warn(
+                f"resuming '{path}' {counted(self.state.batches_done, 'batch', 'batches')} into its epoch: {note}"
+            )
         saved_batches = self.state.batches_done
         done = batches_done_here(
             saved_layout, self._batch_layout, saved_batches, self.settings.accumulate_grad_batches, path
@@ -2061,9 +2064,9 @@ class Trainer:
         total = self._num_train_batches
         if total is not None and done > total:
             raise CheckpointError(
-                f"checkpoint '{path}' is {done} batches into epoch {self.state.epoch}, but this run's epoch has "
-                f"{total}: the data, batch size or limit_train_batches changed since it was saved. Resume with the "
-                "settings it was saved with, or resume from an epoch-end checkpoint"
+                f"checkpoint '{path}' is {counted(done, 'batch', 'batches')} into epoch {self.state.epoch}, but this "
+                f"run's epoch has {total}: the data, batch size or limit_train_batches changed since it was saved. "
+                "Resume with the settings it was saved with, or resume from an epoch-end checkpoint"
             )
 
     def _load_shards(self, path: Path, start: FitStart) -> dict[str, Any]:
@@ -2141,8 +2144,9 @@ class Trainer:
         for done in range(skip):
             if next(iterator, None) is None:  # a loader without a length, shorter than when the checkpoint was saved
                 raise CheckpointError(
-                    f"the resumed checkpoint is {skip} batches into epoch {self.state.epoch}, but this run's "
-                    f"train_dataloader() yields only {done}: the data or batch size changed since it was saved"
+                    f"the resumed checkpoint is {counted(skip, 'batch', 'batches')} into epoch {self.state.epoch}, "
+                    f"but this run's train_dataloader() yields only {done}: the data or batch size changed since it "
+                    "was saved"
                 )
         if skip and ahead and resume.get("rng_before_fetch") is not None:
             restore_rng(resume["rng_before_fetch"])

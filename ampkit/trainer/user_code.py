@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from ampkit.config import AMPKIT_KEYS, flatten
+from ampkit.wording import counted
 
 
 class UserCodeError(TypeError, ValueError):
@@ -255,7 +256,9 @@ def short_epoch_message(epoch: int, got: int, promised: int, open_batches: int, 
     (``open_batches``: the batches of an accumulation window its last batch left open, to close at batch
     ``window_end``, whose gradients no step took); most often an IterableDataset whose ``__len__`` overstates it."""
     fix = "make its len() count what it yields, or give it no __len__ (the epoch then ends where the data does)"
-    said = f"train_dataloader() yielded {got} batches in epoch {epoch}, but its len() says {promised}"
+    said = (
+        f"train_dataloader() yielded {counted(got, 'batch', 'batches')} in epoch {epoch}, but its len() says {promised}"
+    )
     if open_batches:
         return (
             f"{said}: the gradients of its last {open_batches} wait for an accumulation window "
@@ -305,16 +308,12 @@ def _why_no_batches(loader: Any, world_size: int) -> str:
     if not (loader.drop_last and share < loader.batch_size):
         return guess
     if world_size > 1:
-        counts = f"its {_samples(total)} dealt to {world_size} ranks, {share} per rank"
+        counts = f"its {counted(total, 'sample')} dealt to {world_size} ranks, {share} per rank"
         fixes = "fewer ranks, a smaller batch_size, or drop_last=False"
     else:
-        counts = f"{_samples(share)} per epoch"
+        counts = f"{counted(share, 'sample')} per epoch"
         fixes = "a smaller batch_size, or drop_last=False"
     return f": {counts}, fewer than batch_size={loader.batch_size} with drop_last=True ({fixes})"
-
-
-def _samples(count: int) -> str:
-    return f"{count} sample" if count == 1 else f"{count} samples"
 
 
 def _named_settings(cfg: DictConfig, message: str) -> str:

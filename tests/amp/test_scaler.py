@@ -1,6 +1,7 @@
 """LossScaler: growth, backoff floor, cap, static scale, Apex state format, knob errors."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -129,6 +130,20 @@ def test_a_restored_dynamic_scale_keeps_this_runs_floor_and_cap():
     floored.load_state_dict({"loss_scale": 1.0, "unskipped": 0})
     static.load_state_dict({"loss_scale": 2.0**30, "unskipped": 0})
     assert (capped.scale, capped.unskipped, floored.scale, static.scale) == (2.0**24, 5, 4.0, 2.0**30)
+
+
+@pytest.mark.parametrize("saved", [1e39, 1e300, 2.0**-130])
+def test_a_restored_scale_float32_cannot_carry(saved):
+    """A static scaler took a saved scale its constructor refuses (every step inf, and a static scale never backs
+    off), and a dynamic one without ``max_scale`` kept 1e300 and skipped hundreds of steps backing off from it."""
+    static, state = LossScaler(128.0), {"loss_scale": saved, "unskipped": 3}
+    with pytest.raises(ValueError, match=re.escape(f"loss_scale={saved!r}: a loss scale must lie in float32's range")):
+        static.load_state_dict(state)
+    assert (static.scale, static.unskipped) == (128.0, 0)
+    uncapped = LossScaler(max_scale=None)
+    uncapped.load_state_dict(state)
+    assert uncapped.scale == (torch.finfo(torch.float32).max if saved > 1 else 2.0**-126)
+    assert torch.isfinite(uncapped.scale_loss(torch.ones(()))) and torch.isfinite(uncapped.inv_scale_tensor("cpu"))
 
 
 def test_an_overflow_verdict_that_is_not_a_flag_is_refused():

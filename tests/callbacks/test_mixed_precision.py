@@ -633,6 +633,9 @@ def test_bf16_skip_nonfinite_guards_the_step_when_asked(tmp_path, opt_level):
         ({"opt_level": "O1", "loss_scale": "none", "skip_nonfinite": False}, "O1 float16"),
         ({"opt_level": "O2", "dtype": "bfloat16", "loss_scale": "dynamic"}, "O2 bfloat16, loss scale dynamic"),
         ({"opt_level": "O0"}, "O0 (float32)"),  # no low precision at all: no dtype or scale to name
+        # a scale asked for at O0 scales a float32 loss: "O0 float16" named a dtype that never ran
+        ({"opt_level": "O0", "loss_scale": "dynamic"}, "O0 (float32), loss scale dynamic"),
+        ({"opt_level": "O0", "dtype": "bfloat16", "loss_scale": 128}, "O0 (float32), loss scale 128.0"),
         ({"opt_level": "O2", "loss_scale": 128}, "O2 float16, loss scale 128.0"),
         (
             {"opt_level": "O5", "fp8": Float8Config(enabled=True, backend="reference")},

@@ -5,6 +5,7 @@ with CUDA type strings read as dtypes: Apex's behaviour is the spec of the compa
 """
 
 import functools
+import re
 
 import pytest
 import torch
@@ -315,10 +316,10 @@ def test_the_handle_apis_name_a_loss_that_is_a_number_and_an_optimizer_list():
         handle._deactivate()
 
 
-@pytest.mark.parametrize("name", ["enabled", "enable_caching", "allow_banned"])
+@pytest.mark.parametrize("name", ["enabled", "enable_caching", "verbose", "allow_banned"])
 def test_amp_init_refuses_a_switch_that_is_not_true_or_false(name):
     """``amp.init(enabled="False")`` (a string from a config) was read by truthiness and patched torch for O1,
-    where ``amp.initialize(enabled="False")`` is refused."""
+    where ``amp.initialize(enabled="False")`` is refused; ``verbose="yes"`` was kept as the handle's flag."""
     with pytest.raises(ValueError, match=rf"^{name}='False': expected True or False$"):
         amp.init(**{name: "False"})
     handle = amp.init(**{name: 0})
@@ -461,6 +462,25 @@ def test_initialize_o1_creates_the_handle_and_scalers_answer_to_apex_attributes(
     with amp.scale_loss(model(torch.randn(3, 2)).sum(), optimizer, delay_overflow_check=True) as scaled:
         scaled.backward()
     assert not scaler._has_overflow  # Apex cleared it before every unscale, delayed check or not
+
+
+@pytest.mark.parametrize("bad", [1e39, 0.0, float("nan"), "big"])
+def test_a_written_scale_float32_cannot_carry_is_refused(bad):
+    """NVIDIA's scripts write ``scaler._loss_scale = args.init_loss_scale``, and FP16_Optimizer's ``loss_scale`` is
+    that attribute: 1e39 or 0 was taken, and every scaled loss was inf (skipped, or stepped on by a static scaler)
+    or 0."""
+    from ampkit.compat.fp16_utils import FP16_Optimizer
+
+    model = nn.Linear(2, 2)
+    model, optimizer = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1), opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    with pytest.raises(ValueError, match=re.escape(f"_loss_scale={bad!r}: ")):
+        scaler._loss_scale = bad
+    assert scaler._loss_scale == 2.0**16
+    wrapped = FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).half().parameters(), lr=1), verbose=False)
+    with pytest.raises(ValueError, match=re.escape(f"FP16_Optimizer.loss_scale={bad!r}: ")):
+        wrapped.loss_scale = bad
+    assert wrapped.loss_scale == 1.0
 
 
 def test_a_static_scaler_never_reports_an_overflow_and_a_zero_floor_is_none():

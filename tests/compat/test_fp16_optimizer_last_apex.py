@@ -78,6 +78,8 @@ def test_dynamic_loss_args_are_loss_scaler_keywords():
     ({"static_loss_scale": 0.0}, "^static_loss_scale=0.0: a static loss scale must be finite and > 0"),
     ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 0}},
      r"^dynamic_loss_args\['init_scale'\]=0.0: expected a finite"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 1e39}},  # above the cap: it was taken as given
+     r"^dynamic_loss_args\['init_scale'\]=1e\+39: a loss scale must lie in float32's range"),
 ])  # fmt: skip
 def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
     """A switch read by truthiness took ``dynamic_loss_scale="False"`` as on; a refused scale was named only after the
@@ -87,6 +89,37 @@ def test_a_refused_option_leaves_the_optimizer_as_it_was(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FP16_Optimizer(sgd, verbose=False, **kwargs)
     assert all(p is q for p, q in zip(sgd.param_groups[0]["params"], model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("first_api", [False, True])
+def test_a_switch_given_as_text_is_refused(first_api):
+    """``verbose="False"`` printed every set-up message and ``zero_grad(set_grads_to_None="False")`` dropped the
+    gradients: both FP16_Optimizers read them by truthiness."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer as FirstFP16Optimizer
+
+    model = _model()
+    wrapper = FirstFP16Optimizer if first_api else FP16_Optimizer
+    with pytest.raises(ValueError, match="^FP16_Optimizer: verbose must be True or False, got 'False'$"):
+        wrapper(torch.optim.SGD(model.parameters(), lr=0.1), verbose="False")
+    optimizer = wrapper(torch.optim.SGD(model.parameters(), lr=0.1), verbose=0)
+    assert optimizer.verbose is False
+    optimizer.backward(_loss(model))
+    with pytest.raises(
+        TypeError, match="^FP16_Optimizer.zero_grad: set_grads_to_None must be True or False, got 'no'$"
+    ):
+        optimizer.zero_grad(set_grads_to_None="no")
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"static_loss_scale": 1e39}, {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 1e39}}]
+)
+def test_the_first_apis_scale_float32_cannot_carry_is_refused(kwargs):
+    """Apex's first FP16_Optimizer (beside its FusedAdam) took 1e39, and every float32 scaled loss was inf."""
+    from ampkit.compat.legacy_fused_adam import FP16_Optimizer as FirstFP16Optimizer
+
+    with pytest.raises(ValueError, match=r"=1e\+39: a loss scale must lie in float32's range"):
+        FirstFP16Optimizer(torch.optim.SGD(_model().parameters(), lr=0.1), verbose=False, **kwargs)
 
 
 def test_scale_moves_in_update_master_grads_and_step_only_reports(capsys):

@@ -17,6 +17,7 @@ from torch import nn
 
 from ampkit.amp.fp8.linear import Float8Linear
 from ampkit.amp.fp8.recipes import recipe_named
+from ampkit.wording import counted
 
 BACKENDS = ("torchao", "reference")
 """precision.fp8.backend values: torchao's Float8Linear, or ampkit's own pure-torch casts."""
@@ -62,7 +63,7 @@ class Float8Conversion:
         Names are quoted: a ``Sequential``'s layers are called ``0``, ``3``, which read as counts when bare."""
         kept = "; ".join(f"'{name}' ({why})" for name, why in self.skipped.items())
         n = len(self.converted)
-        line = f"{n} Linear layer{'' if n == 1 else 's'} in float8"
+        line = f"{counted(n, 'Linear layer')} in float8"
         if kept:
             line += f"; kept in high precision: {kept}"
         if self.emulated and n:

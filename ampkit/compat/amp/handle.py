@@ -444,7 +444,8 @@ def init(
     """
     if patch_type not in o1_casts.LOW_PRECISION:
         raise ValueError(f"patch_type={patch_type!r}: expected torch.float16 or torch.bfloat16")
-    for name, value in (("enabled", enabled), ("enable_caching", enable_caching), ("allow_banned", allow_banned)):
+    switches = {"enabled": enabled, "enable_caching": enable_caching, "verbose": verbose, "allow_banned": allow_banned}
+    for name, value in switches.items():
         if not is_switch(value):  # bool("False") is True: amp.initialize refuses it too
             raise ValueError(f"{name}={value!r}: expected True or False")
     previous = _amp_state.active_handle

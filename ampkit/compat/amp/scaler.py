@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import LossScaler
-from ampkit.amp.scaler import overflow_verdict
+from ampkit.amp.scaler import float32_scale, overflow_verdict
 
 
 class ApexLossScaler(LossScaler):
@@ -30,7 +30,8 @@ class ApexLossScaler(LossScaler):
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        self._scale = float(value)
+        # NVIDIA's scripts set it from --init_loss_scale: 1e39 or 0 was taken, and every scaled loss was inf or 0
+        self._scale = float32_scale(value, "_loss_scale")
 
     @property
     def _unskipped(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ampkit.amp import GradientCombiner, MasterWeights
+from ampkit.amp.scaler import float32_scale
 from ampkit.compat import amp_c
 from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
@@ -65,7 +66,8 @@ def _dynamic_scaler(dynamic_loss_args: Mapping[str, Any] | None) -> ApexLossScal
         max_scale=args.get("max_loss_scale", 2.0**24),
         option_names=_DYNAMIC_LOSS_ARG_NAMES,
     )
-    scaler._loss_scale = init_scale  # Apex starts at init_scale as given, even above max_loss_scale
+    # Apex starts at init_scale as given, even above max_loss_scale; within float32's range (1e39 skipped ~870 steps)
+    scaler._loss_scale = float32_scale(init_scale, _DYNAMIC_LOSS_ARG_NAMES["init_scale"])
     return scaler
 
 
@@ -106,7 +108,7 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
         dynamic_loss_args: Mapping[str, Any] | None = None,
         verbose: bool = True,
     ) -> None:
-        self.verbose = verbose
+        self.verbose = checked_switch("FP16_Optimizer", "verbose", verbose)  # "False" printed every message
         # the scale's options before the optimizer is touched: one refused leaves its groups as they were
         self.dynamic_loss_scale = checked_switch("FP16_Optimizer", "dynamic_loss_scale", dynamic_loss_scale)
         if self.dynamic_loss_scale:
@@ -197,13 +199,14 @@ class FP16_Optimizer(PromotedOptimizerAttributes):
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
-        self.loss_scaler._loss_scale = value
+        self.loss_scaler._loss_scale = float32_scale(value, "FP16_Optimizer.loss_scale")  # named as the user wrote it
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:
         """Zero the masters' and fp16 params' grads in place (Apex's default) or set them to ``None``.
 
         ``overflow`` is left as it is (as in Apex); the overflow seen by this iteration's backwards is forgotten.
         """
+        set_grads_to_None = checked_switch("FP16_Optimizer.zero_grad", "set_grads_to_None", set_grads_to_None)
         if set_grads_to_None:
             self._combiner.zero_grad()
         elif self._combiner.pending:

@@ -14,21 +14,7 @@ from typing import Any
 
 import torch
 
-from ampkit.amp.opt_levels import FLOAT32_SCALES
-from ampkit.amp.scaler import interval_option, overflow_verdict, positive_option
-
-
-def _float32_scale(value: Any, option: str) -> float:
-    """``value`` as a scale a float32 loss can carry (as amp's static ``loss_scale``): 1e39 scaled every loss to inf,
-    which a static scaler stepped on (its ``has_overflow`` is always False) and a dynamic one skipped some 870 times
-    from 1e300; 1e-300 scaled every loss to 0, which trained nothing."""
-    scale = positive_option(value, option)
-    if not FLOAT32_SCALES[0] <= scale <= FLOAT32_SCALES[1]:
-        raise ValueError(
-            f"{option}={value!r}: a loss scale must lie in float32's range of scales, 2**-126 to "
-            f"{FLOAT32_SCALES[1]:.4g}: beyond it the scaled loss is inf or 0"
-        )
-    return scale
+from ampkit.amp.scaler import float32_scale, interval_option, overflow_verdict, positive_option
 
 
 def _has_inf_or_nan(x: torch.Tensor) -> bool:
@@ -41,7 +27,7 @@ class LossScaler:
 
     def __init__(self, scale: float = 1) -> None:
         # 0 zeroed every gradient, NaN or inf made them all NaN, a string failed at the first backward
-        self.cur_scale = _float32_scale(scale, "scale")
+        self.cur_scale = float32_scale(scale, "scale")
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         """Always False: a static scale never reports an overflow."""
@@ -79,7 +65,7 @@ class DynamicLossScaler(LossScaler):
     """
 
     def __init__(self, init_scale: float = 2**32, scale_factor: float = 2.0, scale_window: int = 1000) -> None:
-        super().__init__(_float32_scale(init_scale, "init_scale"))
+        super().__init__(float32_scale(init_scale, "init_scale"))
         self.cur_iter = 0
         self.last_overflow_iter = -1
         # a factor of 1 never backed off, so every step after an overflow was skipped; a window of 0 divided by zero
