@@ -104,6 +104,27 @@ class ModelCheckpoint(KeyedByMonitor):
         self._restored = False  # a resume loaded its state: its ranking says which best files are this lineage's
         self._peers: list[ModelCheckpoint] = [self]  # every ModelCheckpoint of the run, this one among them
         self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
+        self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
+
+    @property
+    def best_k_models(self) -> dict[str, float]:
+        """Lightning's ``best_k_models``: each kept best-k checkpoint's path -> its monitored value, the best first
+        (floats, not tensors); restored by a resume, empty before a fit or without a ``monitor``."""
+        if self._directory is None:
+            return {}
+        return {str(self._directory / name): value for name, value in self.best_k.items()}
+
+    @property
+    def best_model_path(self) -> str:
+        """Lightning's ``best_model_path``: the path of the best checkpoint ranked so far (``best.pt`` is a copy of
+        it), or ``""`` where none was."""
+        return next(iter(self.best_k_models), "")
+
+    @property
+    def best_model_score(self) -> float | None:
+        """Lightning's ``best_model_score``: the monitored value of :attr:`best_model_path`, or None where none was
+        ranked."""
+        return next(iter(self.best_k.values()), None) if self._directory is not None else None
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -130,6 +151,7 @@ class ModelCheckpoint(KeyedByMonitor):
         # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
         # not prune them by its own keep_last. Alone, one writes them all.
         self._peers = peers
+        self._directory = trainer.version_dir / "checkpoints"
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)

@@ -272,3 +272,31 @@ def test_two_checkpoints_ranking_best_files_are_refused_naming_both_monitors(tmp
     with pytest.raises(CallbackOrderError, match=r"2 ModelCheckpoint callbacks rank best .*monitors val/score, val/o"):
         run.fit()
     assert run.state.global_step == 0
+
+
+def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_a_resume(tmp_path):
+    """A Lightning user reads ``checkpoint.best_model_path`` after fit (to load or report it): there was no such
+    attribute. They name the ranked files by path, the best first, and a resumed run ranks on from its checkpoint's."""
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+
+    def fit(max_steps, resume=None):
+        best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
+        run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
+        run.fit(resume=resume)
+        return run, best_k
+
+    fresh = ModelCheckpoint(monitor="val/score")
+    assert (fresh.best_model_path, fresh.best_model_score, fresh.best_k_models) == ("", None, {})
+    run, best_k = fit(3)
+    directory = run.version_dir / "checkpoints"
+    expected = {str(directory / "best-00000002.pt"): 0.3, str(directory / "best-00000001.pt"): 0.5}
+    assert best_k.best_k_models == pytest.approx(expected) and list(best_k.best_k_models) == list(expected)
+    assert best_k.best_model_path == str(directory / "best-00000002.pt")
+    assert best_k.best_model_score == pytest.approx(0.3)
+    assert load_checkpoint(best_k.best_model_path)["loop"]["global_step"] == best_pt_step(run) == 2
+    run, best_k = fit(6, resume="last")
+    assert best_k.best_model_path == str(directory / "best-00000004.pt")
+    assert best_k.best_model_score == pytest.approx(0.1)
+    assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
+    assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
