@@ -12,6 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
+from ampkit.lightning_settings import lightning_arguments_error
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -70,7 +71,10 @@ class ModelCheckpoint(KeyedByMonitor):
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
+        **lightning_only: Any,
     ) -> None:
+        if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
+            raise lightning_arguments_error(type(self), list(lightning_only))
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
