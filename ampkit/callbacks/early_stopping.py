@@ -70,6 +70,17 @@ class EarlyStopping(KeyedByMonitor):
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
+        self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
+
+    @property
+    def wait_count(self) -> int:
+        """Lightning's name of :attr:`wait`: the checks in a row without an improvement."""
+        return self.wait
+
+    @property
+    def best_score(self) -> float | None:
+        """Lightning's name of :attr:`best`: the best value so far (a float, not a tensor; None before a check)."""
+        return self.best
 
     def on_fit_start(self, trainer) -> None:
         self.monitor.check_reachable(trainer)
@@ -98,6 +109,7 @@ class EarlyStopping(KeyedByMonitor):
         if reason is None:
             return
         reason = f"early stopping: {reason}"
+        self.stopped_epoch = trainer.state.epoch
         trainer.state.should_stop, trainer.state.stop_reason = True, reason
         if trainer.is_global_zero:
             say(f"ampkit: {reason}, at step {trainer.state.global_step}")
@@ -119,7 +131,7 @@ class EarlyStopping(KeyedByMonitor):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "wait": self.wait, **self.monitor.state_dict()}
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch, **self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved best value and count; a checkpoint of another monitor or mode starts counting afresh."""
@@ -131,3 +143,4 @@ class EarlyStopping(KeyedByMonitor):
             )
             return
         self.best, self.wait = state["best"], state["wait"]
+        self.stopped_epoch = state.get("stopped_epoch", 0)  # none in an older ampkit's checkpoint
