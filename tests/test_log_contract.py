@@ -379,3 +379,41 @@ def test_a_run_ending_off_the_log_interval_writes_its_last_step_s_logged_values(
     steps = [4] if how == "sigterm" else [4, 5]
     assert _scalars(trainer, "step/x") == [(step, 10.0 * step) for step in steps]
     assert [step for step, _ in _scalars(trainer, "train/loss")] == steps
+
+
+class LogsOneTagTwoWays(ToyTrainer):
+    """Logs 'acc' per step in training_step, and its epoch mean (or an epoch value) under the same tag in ``where``."""
+
+    where = "training_step"
+
+    def training_step(self, batch):
+        self.log("acc", 0.5)
+        if self.where == "training_step":
+            self.log("acc", 0.5, on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+    def on_train_batch_end(self, outputs, batch):
+        if self.where == "on_train_batch_end":
+            self.log("acc", 0.7, on_step=False, on_epoch=True)
+
+    def on_train_epoch_end(self):
+        if self.where == "on_train_epoch_end":
+            self.log("acc", 0.9)  # Lightning's default there is on_epoch=True: the epoch's value
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("training_step", "log() in training_step would write epoch means under 'acc', which gets per-step values "
+                          "logged in training_step: one curve of both would be neither"),
+        ("on_train_batch_end", "log() in on_train_batch_end would write epoch means under 'acc', which gets "
+                               "per-step values logged in training_step"),
+        ("on_train_epoch_end", "log() in on_train_epoch_end would write epoch means under 'acc', which gets "
+                               "per-step values logged in training_step"),
+    ],
+)  # fmt: skip
+def test_one_tag_logged_per_step_and_as_an_epoch_mean_is_refused_naming_both_hooks(tmp_path, where, message):
+    """Both reached one TensorBoard curve: eight per-step points and, at step 8, the epoch's mean among them, each
+    read as the other. Lightning refuses the pair in one hook ('twice ... with different arguments')."""
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": where}))

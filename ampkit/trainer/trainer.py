@@ -420,6 +420,7 @@ class Trainer:
         # values apart per hook, so one mean over two hooks' values would be neither's.
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
+        self._curve_kind: dict[str, tuple[bool, str]] = {}  # log()'s TensorBoard tags: (epoch means?, first hook)
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
         self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
@@ -878,6 +879,10 @@ class Trainer:
             )
         if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
             return
+        if on_step:  # an on_step value in on_train_epoch_end is the epoch's (Lightning's default there: on_epoch)
+            self._check_one_curve(f"{tag}_step" if on_epoch else tag, epoch=self._epoch_means_taken and not on_epoch)
+        if on_epoch:
+            self._check_one_curve(f"{tag}_epoch" if on_step else tag, epoch=True)
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -1024,6 +1029,20 @@ class Trainer:
                 f"log('{tag}', on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and one "
                 f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
                 f"'{tag}_{fx}')"
+            )
+
+    def _check_one_curve(self, name: str, epoch: bool) -> None:
+        """Refuse a log() that would write epoch means under a TensorBoard tag that gets per-step values (or the
+        reverse): one curve of both is neither, and Lightning refuses the pair in one hook ("twice ... with different
+        arguments")."""
+        fx = self._fx or "code outside the Trainer's hooks"
+        first_epoch, first_fx = self._curve_kind.setdefault(name, (epoch, fx))
+        if first_epoch != epoch:
+            kinds = ("per-step values", "epoch means")
+            raise UserCodeError(
+                f"log() in {fx} would write {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
+                f"{first_fx}: one curve of both would be neither; log one of them under a tag of its own (on_step and "
+                "on_epoch together write <tag>_step and <tag>_epoch)"
             )
 
     def take_logged(self) -> list[tuple[str, Any, int]]:
@@ -1935,6 +1954,7 @@ class Trainer:
         self.resumed_layout_change = self.rescaled_resume = None  # a resume sets them; an earlier fit's go
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
+        self._curve_kind = {}
         self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
