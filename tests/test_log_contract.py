@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+from typing import ClassVar
 
 import pytest
 import torch
@@ -417,3 +418,35 @@ def test_one_tag_logged_per_step_and_as_an_epoch_mean_is_refused_naming_both_hoo
     read as the other. Lightning refuses the pair in one hook ('twice ... with different arguments')."""
     with pytest.raises(UserCodeError, match=re.escape(message)):
         _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": where}))
+
+
+class LogsWithOptions(ToyTrainer):
+    options: ClassVar[dict] = {}
+
+    def training_step(self, batch):
+        self.log("train/acc", 0.25, **self.options)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"on_epoch": "False"}, "log('train/acc', on_epoch='False'): expected True or False or None (the hook's"),
+        ({"on_step": 2}, "log('train/acc', on_step=2): expected True or False or None"),
+        ({"always": "yes"}, "log('train/acc', always='yes'): expected True or False"),
+        ({"step": "5"}, "log('train/acc', step='5'): expected None (this iteration) or an integer >= 0"),
+        ({"step": -1}, "log('train/acc', step=-1): expected None"),
+    ],
+)
+def test_an_option_that_is_no_switch_or_step_is_refused_naming_it(tmp_path, options, message):
+    """on_epoch='False' (a value read from a config as text) was truthy: the tag was silently split into
+    train/acc_step and train/acc_epoch."""
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": options}))
+
+
+def test_none_for_on_step_and_on_epoch_is_the_hook_s_default_as_in_lightning(tmp_path):
+    """A port passing Lightning's None ("the hook's default") got 'writes nothing': both were falsy."""
+    trainer = _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": {"on_step": None, "on_epoch": None}}),
+                   **{"logging.log_every_n_steps": 4})  # fmt: skip
+    assert _scalars(trainer, "train/acc") == [(4, 0.25), (8, 0.25)]

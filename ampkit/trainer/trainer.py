@@ -74,6 +74,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
+from ampkit.ops._switches import is_switch
 from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
 from ampkit.trainer.batch_counts import (
     batch_limit,
@@ -278,6 +279,17 @@ def _refuse_or_skip(sched: SchedulerSpec, problem: str) -> None:
     if sched.strict:
         raise MonitorNotFoundError(problem)
     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
+
+
+def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
+    """log()'s ``name`` argument as a bool: ``None`` is ``default`` (Lightning's "the hook's default") where there is
+    one; ``"False"`` or 2 is an error, where it was silently on."""
+    if value is None and default is not None:
+        return default
+    if is_switch(value):
+        return bool(value)
+    or_none = " or None (the hook's default)" if default is not None else ""
+    raise UserCodeError(f"log('{tag}', {name}={value!r}): expected True or False{or_none}")
 
 
 def _every(n: int, count: int) -> bool:
@@ -818,8 +830,8 @@ class Trainer:
         tag: str,
         value: float | torch.Tensor,
         *,
-        on_step: bool = True,
-        on_epoch: bool = False,
+        on_step: bool | None = True,
+        on_epoch: bool | None = False,
         always: bool = False,
         step: int | None = None,
         **others: Any,
@@ -833,6 +845,7 @@ class Trainer:
         ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
+        ``None`` for ``on_step``/``on_epoch`` is Lightning's "the hook's default", which these defaults are.
         """
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
@@ -844,6 +857,11 @@ class Trainer:
             raise UserCodeError(
                 f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}{instead}"
             )
+        on_step = _log_switch(tag, "on_step", on_step, default=True)
+        on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
+        always = _log_switch(tag, "always", always, default=None)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+            raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
