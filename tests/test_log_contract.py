@@ -294,6 +294,13 @@ def test_an_epoch_value_logged_in_on_train_epoch_end_is_written_once_at_that_epo
     assert _scalars(trainer, "epoch_end/x") == [(8, 10.0), (16, 20.0), (24, 30.0)]
 
 
+class _Accuracy:
+    """Stands for a torchmetrics Metric, which a Lightning port logs as an object (its log() computes it)."""
+
+    def compute(self) -> float:
+        return 0.5
+
+
 class LogsATensor(ToyTrainer):
     value: torch.Tensor | str = torch.zeros(2, 3)
 
@@ -307,8 +314,10 @@ class LogsATensor(ToyTrainer):
     [
         (torch.zeros(2, 3), "log('train/acc'): expected a scalar, got a tensor of shape (2, 3); log one number"),
         ("0.5", "log('train/acc'): expected a number or a one-element tensor, got str"),
+        (_Accuracy(), "got _Accuracy; for a metric object, log its value (metric(preds, target) per step, or "
+                      "metric.compute() in on_train_epoch_end, then metric.reset())"),
     ],
-)
+)  # fmt: skip
 def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(tmp_path, value, message):
     """A user error, which the CLI prints as one line: it was a bare ValueError (TypeError), a traceback."""
     LogsATensor.value = value

@@ -873,7 +873,15 @@ class Trainer:
                 )
             value = value.detach()
         elif not isinstance(value, numbers.Real):
-            raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+            metric = (  # a torchmetrics Metric, which Lightning's log() computes and resets itself
+                "; for a metric object, log its value (metric(preds, target) per step, or metric.compute() in "
+                "on_train_epoch_end, then metric.reset())"
+                if callable(getattr(value, "compute", None))
+                else ""
+            )
+            raise UserCodeError(
+                f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}{metric}"
+            )
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
