@@ -459,3 +459,25 @@ def test_none_for_on_step_and_on_epoch_is_the_hook_s_default_as_in_lightning(tmp
     trainer = _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": {"on_step": None, "on_epoch": None}}),
                    **{"logging.log_every_n_steps": 4})  # fmt: skip
     assert _scalars(trainer, "train/acc") == [(4, 0.25), (8, 0.25)]
+
+
+class LogsOneTagTwiceInAStep(ToyTrainer):
+    """Logs 'x' in training_step, then again in its own on_train_batch_end, which runs after TensorBoard's."""
+
+    def training_step(self, batch):
+        self.log("x", 1.5)
+        return super().training_step(batch)
+
+    def on_train_batch_end(self, outputs, batch):
+        self.log("x", 2.0)
+
+
+@pytest.mark.parametrize("every", [{}, {"trainer.val_every_n_steps": 4, "trainer.val_every_n_epochs": 0}])
+def test_a_tag_logged_twice_in_a_step_is_one_point_the_last_value_also_where_validation_or_an_epoch_ends(
+    tmp_path, every
+):
+    """As Lightning writes a step's last value. At a step whose validation or epoch end wrote the queue, the first
+    value was written there and the second at the next write: two points at one step, the stale one first."""
+    trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2},
+                   **every)  # fmt: skip
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]
