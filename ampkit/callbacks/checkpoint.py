@@ -280,10 +280,23 @@ class ModelCheckpoint(KeyedByMonitor):
         protected = sorted(path.name for path in self._protected if path.exists())
         return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
 
+    def _check_names(self, ranked: list[Any], protected: list[Any]) -> None:
+        """Refuse a restored state naming a file outside its checkpoints directory (``../notes.txt``), which pruning
+        would delete: an edited or damaged checkpoint, as ampkit writes best-k names and plain file names only."""
+        ranked = [name for name in ranked if not _is_best_k_name(name)]
+        plain = [name for name in protected if not _is_plain_name(name)]
+        if ranked or plain:
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state names {(ranked or plain)[0]!r} among its checkpoint files, "
+                "which is no file name ampkit gives one (best-<step>.pt) and which its pruning would delete: the "
+                "checkpoint was edited or is damaged; resume an earlier one"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
-        self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
-        self._protected_before = list(state.get("protected", []))
+        best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
+        self._check_names([*best_k, *kept], list(protected))
+        self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -391,6 +404,18 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc.strerror or str(exc)
         return None
+
+
+def _is_best_k_name(name: Any) -> bool:
+    """Whether ``name`` is a best-k checkpoint's (``best-00000012.pt``, or a sharded one's directory)."""
+    return isinstance(name, str) and (
+        is_best_k_checkpoint_name(name, sharded=False) or is_best_k_checkpoint_name(name, sharded=True)
+    )
+
+
+def _is_plain_name(name: Any) -> bool:
+    """Whether ``name`` names a file in the directory itself: no path, no ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def _moment(trainer) -> dict[str, Any]:

@@ -5,6 +5,7 @@ missing monitor named with the metrics there are, and none of the user's files e
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -300,3 +301,25 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert best_k.best_model_score == pytest.approx(0.1)
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
     assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
+
+
+@pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),
+                                            ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"])])  # fmt: skip
+def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_deletes_it(tmp_path, key, entry):
+    """An edited checkpoint whose ranking named 'notes.txt' (0.5, pushed out of the top 2 by step 4's 0.1) had the
+    resumed run delete that file of the user's from its checkpoints directory ('../../notes.txt' too: pruning took
+    the name's last part)."""
+    scores = {1: 0.9, 2: 0.3, 3: 0.8, 4: 0.1, 5: 0.2, 6: 0.2}
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
+    run = _fit(tmp_path, scores, **keys)
+    notes = run.version_dir / "checkpoints" / "notes.txt"
+    notes.write_text("mine")
+    last = run.version_dir / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    state = checkpoint["callbacks"]["ModelCheckpoint[val/score]"]
+    state[key] = {**state[key], **entry} if isinstance(entry, dict) else [*state[key], *entry]
+    torch.save(checkpoint, last)
+    named = next(iter(entry))
+    with pytest.raises(checkpoint_module.CheckpointError, match=rf"names '{re.escape(named)}' among its checkpoint"):
+        _fit(tmp_path, scores, resume="last", **{**keys, "trainer.max_steps": 6})
+    assert notes.read_text() == "mine"
