@@ -73,6 +73,12 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "detect_anomaly": "no config key: call torch.autograd.set_detect_anomaly(True) before fit()",
 }
 
+# What Lightning's 0 for a setting ampkit counts from 1 (or -1) does here, for the error that refuses the 0.
+LIGHTNING_ZERO: dict[str, str] = {
+    "save_top_k": "Lightning's 0 (save none) is checkpoint.enabled=false",
+    "patience": "Lightning's 0 stops at the first validation without improvement, as 1 does here",
+}
+
 # Lightning's ModelCheckpoint and EarlyStopping arguments that ampkit's classes lack -> what does their work here; read
 # as "<name>: <value>". A port passing one hears that, not only "unexpected keyword argument".
 LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {

@@ -261,11 +261,15 @@ def test_a_lightning_value_ampkit_takes_otherwise_is_refused_naming_the_setting_
          "check_on_train_epoch_end (Lightning's; here: a train/ monitor counts at each epoch's end"),
         (lambda: EarlyStopping("val/loss", verbose=True), "verbose (Lightning's; here: a stop is always said"),
         (lambda: EarlyStopping("val/loss", pateince=3), "pateince. It takes monitor, mode, patience,"),
+        (lambda: EarlyStopping("val/loss", patience=0), "(Lightning's 0 stops at the first validation without "
+                                                       "improvement, as 1 does here)"),
+        (lambda: ModelCheckpoint(monitor="val/loss", save_top_k=0), "; Lightning's 0 (save none) is "
+                                                                    "checkpoint.enabled=false"),
     ],
 )  # fmt: skip
 def test_a_lightning_callback_argument_is_refused_naming_what_does_its_work_here(build, hint):
     """A port's ModelCheckpoint(filename=...) or EarlyStopping(check_on_train_epoch_end=...) met only Python's
     'unexpected keyword argument', naming nothing ampkit does instead (the config keys of the same names did)."""
-    with pytest.raises(TypeError) as caught:
+    with pytest.raises((TypeError, ValueError)) as caught:  # a 0 is a value out of range, as for the config keys
         build()
     assert hint in str(caught.value)

@@ -12,7 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
-from ampkit.lightning_settings import lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -84,7 +84,10 @@ class ModelCheckpoint(KeyedByMonitor):
             or not isinstance(save_top_k, numbers.Integral)
             or (save_top_k < 1 and save_top_k != -1)
         ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
-            raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
+            zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
+            raise ValueError(
+                f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
+            )
         save_top_k = int(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         self.monitor = None if monitor is None else Monitor(monitor, mode, key="checkpoint.monitor")

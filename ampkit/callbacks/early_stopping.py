@@ -10,7 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
-from ampkit.lightning_settings import lightning_arguments_error
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
@@ -48,6 +48,8 @@ class EarlyStopping(KeyedByMonitor):
     ) -> None:
         if lightning_only:  # check_on_train_epoch_end, verbose...: a port hears what does their work here
             raise lightning_arguments_error(type(self), list(lightning_only))
+        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
+            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         patience = interval_option(patience, "EarlyStopping: patience")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
