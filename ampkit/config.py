@@ -27,7 +27,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
-from ampkit.lightning_settings import LIGHTNING_SETTINGS
+from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
 from ampkit.wording import counted
 
 
@@ -299,12 +299,12 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint.keep_last": _at_least(1),
     "checkpoint.save_top_k": (
         (lambda v: v >= 1 or v == -1),
-        "an integer >= 1, or -1 (keep every one); Lightning's 0 (save none) is checkpoint.enabled=false",
+        f"an integer >= 1, or -1 (keep every one); {LIGHTNING_ZERO['save_top_k']}",
     ),
     "checkpoint.monitor": _optional(_METRIC_NAME, "no best checkpoint"),
     "early_stopping.patience": (
         (lambda v: v >= 1),
-        "an integer >= 1 (Lightning's 0 stops at the first validation without improvement, as 1 does here)",
+        f"an integer >= 1 ({LIGHTNING_ZERO['patience']})",
     ),
     "early_stopping.monitor": _optional(_METRIC_NAME, "no early stopping"),
     "early_stopping.min_delta": ((lambda v: 0 <= v < math.inf), "a finite number >= 0"),

@@ -4,6 +4,8 @@ user types name it (``val_check_interval`` is ``trainer.val_every_n_steps``) ins
 
 from __future__ import annotations
 
+import inspect
+
 # name -> its config key, or "no config key: " and what to set instead; read as "<name> is <value>".
 LIGHTNING_SETTINGS: dict[str, str] = {
     "precision": "precision.opt_level",
@@ -70,3 +72,45 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "deterministic": "no config key: call torch.use_deterministic_algorithms(True) before fit()",
     "detect_anomaly": "no config key: call torch.autograd.set_detect_anomaly(True) before fit()",
 }
+
+# What Lightning's 0 for a setting ampkit counts from 1 (or -1) does here, for the error that refuses the 0.
+LIGHTNING_ZERO: dict[str, str] = {
+    "save_top_k": "Lightning's 0 (save none) is checkpoint.enabled=false",
+    "patience": "Lightning's 0 stops at the first validation without improvement, as 1 does here",
+}
+
+# Lightning's ModelCheckpoint and EarlyStopping arguments that ampkit's classes lack -> what does their work here; read
+# as "<name>: <value>". A port passing one hears that, not only "unexpected keyword argument".
+LIGHTNING_CALLBACK_ARGUMENTS: dict[str, dict[str, str]] = {
+    "ModelCheckpoint": {
+        "dirpath": "checkpoints go to <run_dir>/version_N/checkpoints (set run_dir in the config)",
+        "filename": (
+            "files are named by step (step-N.pt, epoch-N.pt, best-N.pt), whatever the metric; best_k_models maps "
+            "each best file to its value"
+        ),
+        "auto_insert_metric_name": "files are named by step, never by the metric",
+        "every_n_train_steps": "every_n_steps",
+        "save_last": "last.pt is always written (a copy of the newest checkpoint)",
+        "save_on_train_epoch_end": "a train/ monitor ranks at each epoch's end, any other at validations",
+        "save_weights_only": "a checkpoint holds everything a resume needs; ampkit.load_model(path) reads its model",
+        "train_time_interval": "every_n_steps saves every N iterations, and a SIGTERM saves the step it stops at",
+        "enable_version_counter": "each fresh run writes its own version_N, never over an earlier one's files",
+        "verbose": "best_k_models and best_model_path say what was ranked",
+    },
+    "EarlyStopping": {
+        "check_on_train_epoch_end": "a train/ monitor counts at each epoch's end, any other at validations",
+        "strict": "a monitor a validation does not return is always an error, found by the sanity validation",
+        "verbose": "a stop is always said on the console (rank zero's), with its reason",
+        "log_rank_zero_only": "rank zero alone says why the run stopped",
+    },
+}
+
+
+def lightning_arguments_error(cls: type, names: list[str]) -> TypeError:
+    """The TypeError of ``cls(**kwargs)`` given arguments ``names`` it lacks: each Lightning one with what does its
+    work here (``every_n_train_steps: every_n_steps``), and the arguments ``cls`` takes."""
+    known = LIGHTNING_CALLBACK_ARGUMENTS.get(cls.__name__, {})
+    said = [f"{name} (Lightning's; here: {known[name]})" if name in known else name for name in sorted(names)]
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    takes = [p.name for p in parameters if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return TypeError(f"{cls.__name__}() got arguments it does not take: {'; '.join(said)}. It takes {', '.join(takes)}")

@@ -168,3 +168,27 @@ def test_early_stopping_sees_a_value_a_persist_phase_callback_logs_wherever_it_s
     trainer.fit()
     assert trainer.state.global_step == 8  # validations at 2, 4 (best 0.9), 6 and 8 (0.5): patience 2 ends it at 8
     assert trainer.state.stop_reason == "early stopping: val/auc did not improve on 0.9 for 2 validations"
+
+
+def test_wait_count_best_score_and_stopped_epoch_read_as_lightning_s_and_a_resume_counts_on(tmp_path):
+    """A Lightning test of a port asserts ``early_stopping.stopped_epoch`` and ``wait_count`` after fit: neither
+    existed. Best at step 2, five worse validations stop it at step 12 (epoch 1); a resume with patience 6 counts on
+    from 5, so the next worse validation (step 14) stops it, not a fresh count."""
+    Scripted.scores = [9.0, 9.0, 1.0] + [2.0] * 13
+    settings = {**QUIET, "early_stopping.monitor": "val/score", "trainer.val_every_n_steps": 2,
+                "trainer.val_every_n_epochs": 0}  # fmt: skip
+
+    def fit(patience, resume=None):
+        trainer = Scripted(toy_cfg(tmp_path, **settings, **{"early_stopping.patience": patience}))
+        trainer.fit(resume=resume)
+        return trainer, next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+
+    assert (EarlyStopping("val/loss").stopped_epoch, EarlyStopping("val/loss").wait_count) == (0, 0)
+    trainer, stopper = fit(5)
+    assert trainer.state.global_step == 12
+    assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 5, 1.0)
+    trainer, stopper = fit(6, resume="last")
+    assert trainer.state.global_step == 14
+    assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
+    saved = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["callbacks"]["EarlyStopping[val/score]"]
+    assert saved["stopped_epoch"] == 1

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit import Callback, ConfigError
+from ampkit.callbacks import EarlyStopping, ModelCheckpoint
 from ampkit.config import Config, build_config
 
 
@@ -246,3 +247,29 @@ def test_a_lightning_value_ampkit_takes_otherwise_is_refused_naming_the_setting_
     with pytest.raises(ConfigError) as caught:
         ToyTrainer(toy_cfg(tmp_path, **{key: int(value)}))
     assert str(caught.value) == f"config key '{key}': 0 is invalid; {said}"
+
+
+@pytest.mark.parametrize(
+    ("build", "hint"),
+    [
+        (lambda: ModelCheckpoint(monitor="val/loss", filename="{epoch}-{val/loss:.2f}"),
+         "filename (Lightning's; here: files are named by step (step-N.pt, epoch-N.pt, best-N.pt)"),
+        (lambda: ModelCheckpoint(every_n_train_steps=100), "every_n_train_steps (Lightning's; here: every_n_steps)"),
+        (lambda: ModelCheckpoint(save_last="link"), "save_last (Lightning's; here: last.pt is always written"),
+        (lambda: ModelCheckpoint(dirpath="ckpts"), "dirpath (Lightning's; here: checkpoints go to <run_dir>/version_N"),
+        (lambda: EarlyStopping("train/loss", check_on_train_epoch_end=True),
+         "check_on_train_epoch_end (Lightning's; here: a train/ monitor counts at each epoch's end"),
+        (lambda: EarlyStopping("val/loss", verbose=True), "verbose (Lightning's; here: a stop is always said"),
+        (lambda: EarlyStopping("val/loss", pateince=3), "pateince. It takes monitor, mode, patience,"),
+        (lambda: EarlyStopping("val/loss", patience=0), "(Lightning's 0 stops at the first validation without "
+                                                       "improvement, as 1 does here)"),
+        (lambda: ModelCheckpoint(monitor="val/loss", save_top_k=0), "; Lightning's 0 (save none) is "
+                                                                    "checkpoint.enabled=false"),
+    ],
+)  # fmt: skip
+def test_a_lightning_callback_argument_is_refused_naming_what_does_its_work_here(build, hint):
+    """A port's ModelCheckpoint(filename=...) or EarlyStopping(check_on_train_epoch_end=...) met only Python's
+    'unexpected keyword argument', naming nothing ampkit does instead (the config keys of the same names did)."""
+    with pytest.raises((TypeError, ValueError)) as caught:  # a 0 is a value out of range, as for the config keys
+        build()
+    assert hint in str(caught.value)

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+from typing import ClassVar
 
 import pytest
 import torch
@@ -293,6 +294,13 @@ def test_an_epoch_value_logged_in_on_train_epoch_end_is_written_once_at_that_epo
     assert _scalars(trainer, "epoch_end/x") == [(8, 10.0), (16, 20.0), (24, 30.0)]
 
 
+class _Accuracy:
+    """Stands for a torchmetrics Metric, which a Lightning port logs as an object (its log() computes it)."""
+
+    def compute(self) -> float:
+        return 0.5
+
+
 class LogsATensor(ToyTrainer):
     value: torch.Tensor | str = torch.zeros(2, 3)
 
@@ -306,8 +314,10 @@ class LogsATensor(ToyTrainer):
     [
         (torch.zeros(2, 3), "log('train/acc'): expected a scalar, got a tensor of shape (2, 3); log one number"),
         ("0.5", "log('train/acc'): expected a number or a one-element tensor, got str"),
+        (_Accuracy(), "got _Accuracy; for a metric object, log its value (metric(preds, target) per step, or "
+                      "metric.compute() in on_train_epoch_end, then metric.reset())"),
     ],
-)
+)  # fmt: skip
 def test_a_value_that_is_no_scalar_is_a_user_error_naming_the_tag_and_its_shape(tmp_path, value, message):
     """A user error, which the CLI prints as one line: it was a bare ValueError (TypeError), a traceback."""
     LogsATensor.value = value
@@ -379,3 +389,95 @@ def test_a_run_ending_off_the_log_interval_writes_its_last_step_s_logged_values(
     steps = [4] if how == "sigterm" else [4, 5]
     assert _scalars(trainer, "step/x") == [(step, 10.0 * step) for step in steps]
     assert [step for step, _ in _scalars(trainer, "train/loss")] == steps
+
+
+class LogsOneTagTwoWays(ToyTrainer):
+    """Logs 'acc' per step in training_step, and its epoch mean (or an epoch value) under the same tag in ``where``."""
+
+    where = "training_step"
+
+    def training_step(self, batch):
+        self.log("acc", 0.5)
+        if self.where == "training_step":
+            self.log("acc", 0.5, on_step=False, on_epoch=True)
+        return super().training_step(batch)
+
+    def on_train_batch_end(self, outputs, batch):
+        if self.where == "on_train_batch_end":
+            self.log("acc", 0.7, on_step=False, on_epoch=True)
+
+    def on_train_epoch_end(self):
+        if self.where == "on_train_epoch_end":
+            self.log("acc", 0.9)  # Lightning's default there is on_epoch=True: the epoch's value
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("training_step", "log() in training_step would write epoch means under 'acc', which gets per-step values "
+                          "logged in training_step: one curve of both would be neither"),
+        ("on_train_batch_end", "log() in on_train_batch_end would write epoch means under 'acc', which gets "
+                               "per-step values logged in training_step"),
+        ("on_train_epoch_end", "log() in on_train_epoch_end would write epoch means under 'acc', which gets "
+                               "per-step values logged in training_step"),
+    ],
+)  # fmt: skip
+def test_one_tag_logged_per_step_and_as_an_epoch_mean_is_refused_naming_both_hooks(tmp_path, where, message):
+    """Both reached one TensorBoard curve: eight per-step points and, at step 8, the epoch's mean among them, each
+    read as the other. Lightning refuses the pair in one hook ('twice ... with different arguments')."""
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": where}))
+
+
+class LogsWithOptions(ToyTrainer):
+    options: ClassVar[dict] = {}
+
+    def training_step(self, batch):
+        self.log("train/acc", 0.25, **self.options)
+        return super().training_step(batch)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"on_epoch": "False"}, "log('train/acc', on_epoch='False'): expected True or False or None (the hook's"),
+        ({"on_step": 2}, "log('train/acc', on_step=2): expected True or False or None"),
+        ({"always": "yes"}, "log('train/acc', always='yes'): expected True or False"),
+        ({"step": "5"}, "log('train/acc', step='5'): expected None (this iteration) or an integer >= 0"),
+        ({"step": -1}, "log('train/acc', step=-1): expected None"),
+    ],
+)
+def test_an_option_that_is_no_switch_or_step_is_refused_naming_it(tmp_path, options, message):
+    """on_epoch='False' (a value read from a config as text) was truthy: the tag was silently split into
+    train/acc_step and train/acc_epoch."""
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": options}))
+
+
+def test_none_for_on_step_and_on_epoch_is_the_hook_s_default_as_in_lightning(tmp_path):
+    """A port passing Lightning's None ("the hook's default") got 'writes nothing': both were falsy."""
+    trainer = _fit(tmp_path, type("Logs", (LogsWithOptions,), {"options": {"on_step": None, "on_epoch": None}}),
+                   **{"logging.log_every_n_steps": 4})  # fmt: skip
+    assert _scalars(trainer, "train/acc") == [(4, 0.25), (8, 0.25)]
+
+
+class LogsOneTagTwiceInAStep(ToyTrainer):
+    """Logs 'x' in training_step, then again in its own on_train_batch_end, which runs after TensorBoard's."""
+
+    def training_step(self, batch):
+        self.log("x", 1.5)
+        return super().training_step(batch)
+
+    def on_train_batch_end(self, outputs, batch):
+        self.log("x", 2.0)
+
+
+@pytest.mark.parametrize("every", [{}, {"trainer.val_every_n_steps": 4, "trainer.val_every_n_epochs": 0}])
+def test_a_tag_logged_twice_in_a_step_is_one_point_the_last_value_also_where_validation_or_an_epoch_ends(
+    tmp_path, every
+):
+    """As Lightning writes a step's last value. At a step whose validation or epoch end wrote the queue, the first
+    value was written there and the second at the next write: two points at one step, the stale one first."""
+    trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2},
+                   **every)  # fmt: skip
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]

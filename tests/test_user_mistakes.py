@@ -950,6 +950,8 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
         _ = trainer.trainer
     with pytest.raises(AttributeError, match=r"'callback_metrics' \(Lightning's name; here it is self.val_metrics "):
         _ = trainer.callback_metrics  # after fit, as a Lightning test reads the last metrics
+    with pytest.raises(AttributeError, match=r"'checkpoint_callback' \(Lightning's name; here it is the ModelCheckp"):
+        _ = trainer.checkpoint_callback.best_model_path  # after fit, to load the best model
     with pytest.raises(AttributeError, match=r"^'ReadsLightningsEpoch' object has no attribute 'epoch_count'$"):
         _ = trainer.epoch_count
     trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}

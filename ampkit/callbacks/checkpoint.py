@@ -12,6 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor, check_mode
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.checkpoint_io import (
     CheckpointError,
@@ -70,7 +71,10 @@ class ModelCheckpoint(KeyedByMonitor):
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
+        **lightning_only: Any,
     ) -> None:
+        if lightning_only:  # dirpath, filename, save_last...: a port hears what does their work here
+            raise lightning_arguments_error(type(self), list(lightning_only))
         every_n_steps = interval_option(every_n_steps, "ModelCheckpoint: every_n_steps", zero_means="never")
         every_n_epochs = interval_option(every_n_epochs, "ModelCheckpoint: every_n_epochs", zero_means="never")
         keep_last = interval_option(keep_last, "ModelCheckpoint: keep_last")
@@ -80,7 +84,10 @@ class ModelCheckpoint(KeyedByMonitor):
             or not isinstance(save_top_k, numbers.Integral)
             or (save_top_k < 1 and save_top_k != -1)
         ):  # True kept one file, a str failed in a comparison, 2.5 ranked 2.5 files
-            raise ValueError(f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one)")
+            zero = f"; {LIGHTNING_ZERO['save_top_k']}" if save_top_k == 0 and save_top_k is not False else ""
+            raise ValueError(
+                f"save_top_k {save_top_k!r} is invalid; expected an integer >= 1, or -1 (keep every one){zero}"
+            )
         save_top_k = int(save_top_k)
         # 0 or "" was no monitor, silently (the config refuses a blank one)
         self.monitor = None if monitor is None else Monitor(monitor, mode, key="checkpoint.monitor")
@@ -104,6 +111,27 @@ class ModelCheckpoint(KeyedByMonitor):
         self._restored = False  # a resume loaded its state: its ranking says which best files are this lineage's
         self._peers: list[ModelCheckpoint] = [self]  # every ModelCheckpoint of the run, this one among them
         self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
+        self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
+
+    @property
+    def best_k_models(self) -> dict[str, float]:
+        """Lightning's ``best_k_models``: each kept best-k checkpoint's path -> its monitored value, the best first
+        (floats, not tensors); restored by a resume, empty before a fit or without a ``monitor``."""
+        if self._directory is None:
+            return {}
+        return {str(self._directory / name): value for name, value in self.best_k.items()}
+
+    @property
+    def best_model_path(self) -> str:
+        """Lightning's ``best_model_path``: the path of the best checkpoint ranked so far (``best.pt`` is a copy of
+        it), or ``""`` where none was."""
+        return next(iter(self.best_k_models), "")
+
+    @property
+    def best_model_score(self) -> float | None:
+        """Lightning's ``best_model_score``: the monitored value of :attr:`best_model_path`, or None where none was
+        ranked."""
+        return next(iter(self.best_k.values()), None) if self._directory is not None else None
 
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
@@ -130,6 +158,7 @@ class ModelCheckpoint(KeyedByMonitor):
         # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
         # not prune them by its own keep_last. Alone, one writes them all.
         self._peers = peers
+        self._directory = trainer.version_dir / "checkpoints"
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
@@ -254,10 +283,23 @@ class ModelCheckpoint(KeyedByMonitor):
         protected = sorted(path.name for path in self._protected if path.exists())
         return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
 
+    def _check_names(self, ranked: list[Any], protected: list[Any]) -> None:
+        """Refuse a restored state naming a file outside its checkpoints directory (``../notes.txt``), which pruning
+        would delete: an edited or damaged checkpoint, as ampkit writes best-k names and plain file names only."""
+        ranked = [name for name in ranked if not _is_best_k_name(name)]
+        plain = [name for name in protected if not _is_plain_name(name)]
+        if ranked or plain:
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state names {(ranked or plain)[0]!r} among its checkpoint files, "
+                "which is no file name ampkit gives one (best-<step>.pt) and which its pruning would delete: the "
+                "checkpoint was edited or is damaged; resume an earlier one"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
-        self.best_k, self.kept = dict(state.get("best_k", {})), list(state.get("kept", []))
-        self._protected_before = list(state.get("protected", []))
+        best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
+        self._check_names([*best_k, *kept], list(protected))
+        self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -365,6 +407,18 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc.strerror or str(exc)
         return None
+
+
+def _is_best_k_name(name: Any) -> bool:
+    """Whether ``name`` is a best-k checkpoint's (``best-00000012.pt``, or a sharded one's directory)."""
+    return isinstance(name, str) and (
+        is_best_k_checkpoint_name(name, sharded=False) or is_best_k_checkpoint_name(name, sharded=True)
+    )
+
+
+def _is_plain_name(name: Any) -> bool:
+    """Whether ``name`` names a file in the directory itself: no path, no ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def _moment(trainer) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp.scaler import interval_option
 from ampkit.callbacks.monitor import KeyedByMonitor, Monitor
+from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
@@ -43,7 +44,12 @@ class EarlyStopping(KeyedByMonitor):
         check_finite: bool = True,
         stopping_threshold: float | None = None,
         divergence_threshold: float | None = None,
+        **lightning_only: Any,
     ) -> None:
+        if lightning_only:  # check_on_train_epoch_end, verbose...: a port hears what does their work here
+            raise lightning_arguments_error(type(self), list(lightning_only))
+        if isinstance(patience, numbers.Real) and not isinstance(patience, bool) and patience == 0:
+            raise ValueError(f"EarlyStopping: patience=0: expected an integer >= 1 ({LIGHTNING_ZERO['patience']})")
         patience = interval_option(patience, "EarlyStopping: patience")
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
@@ -66,6 +72,17 @@ class EarlyStopping(KeyedByMonitor):
         self.patience = patience
         self.best: float | None = None
         self.wait = 0
+        self.stopped_epoch = 0  # Lightning's: the epoch (0-based) whose check stopped the run, 0 while none did
+
+    @property
+    def wait_count(self) -> int:
+        """Lightning's name of :attr:`wait`: the checks in a row without an improvement."""
+        return self.wait
+
+    @property
+    def best_score(self) -> float | None:
+        """Lightning's name of :attr:`best`: the best value so far (a float, not a tensor; None before a check)."""
+        return self.best
 
     def on_fit_start(self, trainer) -> None:
         self.monitor.check_reachable(trainer)
@@ -94,6 +111,7 @@ class EarlyStopping(KeyedByMonitor):
         if reason is None:
             return
         reason = f"early stopping: {reason}"
+        self.stopped_epoch = trainer.state.epoch
         trainer.state.should_stop, trainer.state.stop_reason = True, reason
         if trainer.is_global_zero:
             say(f"ampkit: {reason}, at step {trainer.state.global_step}")
@@ -115,7 +133,7 @@ class EarlyStopping(KeyedByMonitor):
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "wait": self.wait, **self.monitor.state_dict()}
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch, **self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved best value and count; a checkpoint of another monitor or mode starts counting afresh."""
@@ -127,3 +145,4 @@ class EarlyStopping(KeyedByMonitor):
             )
             return
         self.best, self.wait = state["best"], state["wait"]
+        self.stopped_epoch = state.get("stopped_epoch", 0)  # none in an older ampkit's checkpoint

@@ -359,13 +359,23 @@ class TensorBoardLogger(Callback):
         if self.writer is not None:  # read at the batch end, with the other values of this step
             self._grad_norms.append((f"train/grad_norm/{trainer.optimizer_state[optimizer].name}", norm))
 
-    def _flush(self) -> None:
-        """Write the queued scalars."""
+    def _flush(self, before: int | None = None) -> None:
+        """Write the queued scalars (``before``: only those of earlier steps; the rest stay queued)."""
         self._last_flush = time.perf_counter()
         if self._queued:
             rows, self._queued = self._queued, []
+            if before is not None:
+                self._queued = [row for row in rows if row[0] >= before]
+                rows = [row for row in rows if row[0] < before]
             with self._writing():
                 self._write(rows)
+
+    def _take_logged_and_flush(self) -> None:
+        """Write the queued scalars with what log() got since the last take (the Trainer's own on_train_batch_end
+        runs after this callback's): a tag logged twice in a step is one value, the last, as in Lightning, where
+        writing the queue alone left the later value for another write, a second point at that step."""
+        self._queued += self._taken()
+        self._flush()
 
     def _write(self, rows: list[tuple[int, str, Any]]) -> None:
         """Write (step, tag, value) scalars, a list of values standing for their mean: every tensor is read to the
@@ -388,7 +398,10 @@ class TensorBoardLogger(Callback):
     def on_validation_end(self, trainer, metrics: dict[str, float]) -> None:
         if self.writer is None or trainer.state.stage != "fit":  # not the sanity pass before training
             return
-        self._flush()
+        # This step's logged values wait: inside a batch (val_every_n_steps) the Trainer's own on_train_batch_end may
+        # log one again, and one tag's two values at one step would be two points.
+        self._queued += self._taken()
+        self._flush(before=trainer.state.global_step)
         with self._writing():
             for key, value in metrics.items():
                 self.writer.add_scalar(f"val/{key}", value, trainer.state.global_step)
@@ -397,7 +410,7 @@ class TensorBoardLogger(Callback):
     def on_train_epoch_end(self, trainer) -> None:
         if self.writer is None:
             return
-        self._flush()
+        self._take_logged_and_flush()
         with self._writing():
             for tag, value in trainer.epoch_scalars.items():
                 self.writer.add_scalar(self._epoch_tag(tag), value, trainer.state.global_step)

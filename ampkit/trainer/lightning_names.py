@@ -33,6 +33,13 @@ LIGHTNING_NAMES: dict[str, str] = {
         "nothing: the bar shows what training_step returns, and the epoch line the epoch means of on_epoch tags and "
         "what on_train_epoch_end hooks log (no prog_bar)"
     ),
+    "checkpoint_callback": (
+        "the ModelCheckpoint among self.callbacks (the config's checkpoint section, or one given in code, whose "
+        "best_model_path, best_model_score and best_k_models answer as Lightning's)"
+    ),
+    "checkpoint_callbacks": "[cb for cb in self.callbacks if isinstance(cb, ampkit.callbacks.ModelCheckpoint)]",
+    "early_stopping_callback": "the EarlyStopping among self.callbacks (the config's early_stopping section)",
+    "early_stopping_callbacks": "[cb for cb in self.callbacks if isinstance(cb, ampkit.callbacks.EarlyStopping)]",
     "hparams": "self.cfg (the resolved config)",
     "save_hyperparameters": "nothing: self.cfg is saved in every checkpoint and in the run directory",
     "toggle_optimizer": "self.backward(loss, optimizer=opt), which gives only that optimizer's parameters grads",

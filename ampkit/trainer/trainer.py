@@ -74,6 +74,7 @@ from ampkit.config import (
     is_config_instance,
     plain_config,
 )
+from ampkit.ops._switches import is_switch
 from ampkit.trainer.agreed_start import agreed_checkpoint, agreed_fit_start
 from ampkit.trainer.batch_counts import (
     batch_limit,
@@ -280,6 +281,17 @@ def _refuse_or_skip(sched: SchedulerSpec, problem: str) -> None:
     rank_zero_warn(f"{problem}; not stepping it (strict=False)")
 
 
+def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
+    """log()'s ``name`` argument as a bool: ``None`` is ``default`` (Lightning's "the hook's default") where there is
+    one; ``"False"`` or 2 is an error, where it was silently on."""
+    if value is None and default is not None:
+        return default
+    if is_switch(value):
+        return bool(value)
+    or_none = " or None (the hook's default)" if default is not None else ""
+    raise UserCodeError(f"log('{tag}', {name}={value!r}): expected True or False{or_none}")
+
+
 def _every(n: int, count: int) -> bool:
     """Event filter: the ``count``-th occurrence is due every ``n`` (``n <= 0`` never)."""
     return n > 0 and count % n == 0
@@ -420,6 +432,7 @@ class Trainer:
         # values apart per hook, so one mean over two hooks' values would be neither's.
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
+        self._curve_kind: dict[str, tuple[bool, str]] = {}  # log()'s TensorBoard tags: (epoch means?, first hook)
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
         self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
@@ -817,8 +830,8 @@ class Trainer:
         tag: str,
         value: float | torch.Tensor,
         *,
-        on_step: bool = True,
-        on_epoch: bool = False,
+        on_step: bool | None = True,
+        on_epoch: bool | None = False,
         always: bool = False,
         step: int | None = None,
         **others: Any,
@@ -832,6 +845,7 @@ class Trainer:
         ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
+        ``None`` for ``on_step``/``on_epoch`` is Lightning's "the hook's default", which these defaults are.
         """
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
@@ -843,6 +857,11 @@ class Trainer:
             raise UserCodeError(
                 f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}{instead}"
             )
+        on_step = _log_switch(tag, "on_step", on_step, default=True)
+        on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
+        always = _log_switch(tag, "always", always, default=None)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+            raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
             raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
@@ -854,7 +873,15 @@ class Trainer:
                 )
             value = value.detach()
         elif not isinstance(value, numbers.Real):
-            raise UserCodeError(f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}")
+            metric = (  # a torchmetrics Metric, which Lightning's log() computes and resets itself
+                "; for a metric object, log its value (metric(preds, target) per step, or metric.compute() in "
+                "on_train_epoch_end, then metric.reset())"
+                if callable(getattr(value, "compute", None))
+                else ""
+            )
+            raise UserCodeError(
+                f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}{metric}"
+            )
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return
@@ -878,6 +905,10 @@ class Trainer:
             )
         if self.state.stage != "fit":  # the sanity validation, a validate() or test() of its own: see below
             return
+        if on_step:  # an on_step value in on_train_epoch_end is the epoch's (Lightning's default there: on_epoch)
+            self._check_one_curve(f"{tag}_step" if on_epoch else tag, epoch=self._epoch_means_taken and not on_epoch)
+        if on_epoch:
+            self._check_one_curve(f"{tag}_epoch" if on_step else tag, epoch=True)
         if not on_epoch and tag in self._monitors_unheard:  # the first iteration: a monitor it cannot feed
             self._monitors_per_step.add(tag)
         if on_step and not on_epoch and self._epoch_means_taken:  # on_train_epoch_end, where Lightning's default is
@@ -1024,6 +1055,20 @@ class Trainer:
                 f"log('{tag}', on_epoch=True) in {fx}: '{tag}' has an epoch mean logged in {first} already, and one "
                 f"mean of both hooks' values would be neither's: log it under a tag of its own here (e.g. "
                 f"'{tag}_{fx}')"
+            )
+
+    def _check_one_curve(self, name: str, epoch: bool) -> None:
+        """Refuse a log() that would write epoch means under a TensorBoard tag that gets per-step values (or the
+        reverse): one curve of both is neither, and Lightning refuses the pair in one hook ("twice ... with different
+        arguments")."""
+        fx = self._fx or "code outside the Trainer's hooks"
+        first_epoch, first_fx = self._curve_kind.setdefault(name, (epoch, fx))
+        if first_epoch != epoch:
+            kinds = ("per-step values", "epoch means")
+            raise UserCodeError(
+                f"log() in {fx} would write {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
+                f"{first_fx}: one curve of both would be neither; log one of them under a tag of its own (on_step and "
+                "on_epoch together write <tag>_step and <tag>_epoch)"
             )
 
     def take_logged(self) -> list[tuple[str, Any, int]]:
@@ -1935,6 +1980,7 @@ class Trainer:
         self.resumed_layout_change = self.rescaled_resume = None  # a resume sets them; an earlier fit's go
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
+        self._curve_kind = {}
         self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()

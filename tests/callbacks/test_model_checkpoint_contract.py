@@ -5,6 +5,7 @@ missing monitor named with the metrics there are, and none of the user's files e
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -272,3 +273,53 @@ def test_two_checkpoints_ranking_best_files_are_refused_naming_both_monitors(tmp
     with pytest.raises(CallbackOrderError, match=r"2 ModelCheckpoint callbacks rank best .*monitors val/score, val/o"):
         run.fit()
     assert run.state.global_step == 0
+
+
+def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_a_resume(tmp_path):
+    """A Lightning user reads ``checkpoint.best_model_path`` after fit (to load or report it): there was no such
+    attribute. They name the ranked files by path, the best first, and a resumed run ranks on from its checkpoint's."""
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+
+    def fit(max_steps, resume=None):
+        best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
+        run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
+        run.fit(resume=resume)
+        return run, best_k
+
+    fresh = ModelCheckpoint(monitor="val/score")
+    assert (fresh.best_model_path, fresh.best_model_score, fresh.best_k_models) == ("", None, {})
+    run, best_k = fit(3)
+    directory = run.version_dir / "checkpoints"
+    expected = {str(directory / "best-00000002.pt"): 0.3, str(directory / "best-00000001.pt"): 0.5}
+    assert best_k.best_k_models == pytest.approx(expected) and list(best_k.best_k_models) == list(expected)
+    assert best_k.best_model_path == str(directory / "best-00000002.pt")
+    assert best_k.best_model_score == pytest.approx(0.3)
+    assert load_checkpoint(best_k.best_model_path)["loop"]["global_step"] == best_pt_step(run) == 2
+    run, best_k = fit(6, resume="last")
+    assert best_k.best_model_path == str(directory / "best-00000004.pt")
+    assert best_k.best_model_score == pytest.approx(0.1)
+    assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
+    assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
+
+
+@pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),
+                                            ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"])])  # fmt: skip
+def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_deletes_it(tmp_path, key, entry):
+    """An edited checkpoint whose ranking named 'notes.txt' (0.5, pushed out of the top 2 by step 4's 0.1) had the
+    resumed run delete that file of the user's from its checkpoints directory ('../../notes.txt' too: pruning took
+    the name's last part)."""
+    scores = {1: 0.9, 2: 0.3, 3: 0.8, 4: 0.1, 5: 0.2, 6: 0.2}
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
+    run = _fit(tmp_path, scores, **keys)
+    notes = run.version_dir / "checkpoints" / "notes.txt"
+    notes.write_text("mine")
+    last = run.version_dir / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    state = checkpoint["callbacks"]["ModelCheckpoint[val/score]"]
+    state[key] = {**state[key], **entry} if isinstance(entry, dict) else [*state[key], *entry]
+    torch.save(checkpoint, last)
+    named = next(iter(entry))
+    with pytest.raises(checkpoint_module.CheckpointError, match=rf"names '{re.escape(named)}' among its checkpoint"):
+        _fit(tmp_path, scores, resume="last", **{**keys, "trainer.max_steps": 6})
+    assert notes.read_text() == "mine"
