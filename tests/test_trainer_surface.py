@@ -243,9 +243,39 @@ def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
     from ampkit.trainer.user_code import UserCodeError
 
     trainer = LogsWithLightningOptions(toy_cfg(tmp_path, **QUIET))
-    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar, sync_dist, which it does not take: "
-                       r"log\(\) takes on_step, on_epoch, always and step; the progress bar shows"):  # fmt: skip
+    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar=True, sync_dist=True, which it does "
+                       r"not take: log\(\) takes on_step, on_epoch, always and step; the progress"):  # fmt: skip
         trainer.fit()
+
+
+class LogsWithLightningOptionsAtWhatLogDoes(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log("plain", loss, on_epoch=True)
+        options = {"prog_bar": False, "logger": True, "sync_dist": False, "rank_zero_only": False}
+        self.log("spelt_out", loss, on_epoch=True, enable_graph=False, reduce_fx="mean", **options)
+        self.log("torch_mean", loss, on_epoch=True, reduce_fx=torch.mean)
+        return loss
+
+
+def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp_path):
+    """A port spelling out Lightning's defaults (sync_dist=False, reduce_fx="mean") logs as without them; the same
+    options at other values, or a 0 for a False, are still refused by name and value."""
+    from ampkit.trainer.user_code import UserCodeError
+
+    trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1}))
+    trainer.fit()
+    means = trainer.monitor_values()
+    assert means["plain_epoch"] == means["spelt_out_epoch"] == means["torch_mean_epoch"]
+    trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET))
+    for refused, shown in [
+        ({"sync_dist": 0}, "sync_dist=0"),
+        ({"reduce_fx": "max"}, "reduce_fx='max'"),
+        ({"reduce_fx": torch.max}, "reduce_fx=<built-in method max"),
+        ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
+    ]:
+        with pytest.raises(UserCodeError, match=re.escape(shown)):
+            trainer.log("x", 1.0, **refused)
 
 
 class LogsWithABatchSize(ToyTrainer):
@@ -259,7 +289,7 @@ def test_log_with_lightning_s_batch_size_names_samples_in_which_weighs_epoch_mea
     """Refused with log()'s own options only: nothing said where the batch's weight in the epoch mean comes from."""
     from ampkit.trainer.user_code import UserCodeError
 
-    with pytest.raises(UserCodeError, match=r"got batch_size, which it does not take: .*; an on_epoch mean weighs "
+    with pytest.raises(UserCodeError, match=r"got batch_size=3, which it does not take: .*; an on_epoch mean weighs "
                        r"each batch by samples_in\(batch\) \(override it for Lightning's batch_size\)"):  # fmt: skip
         LogsWithABatchSize(toy_cfg(tmp_path, **QUIET)).fit()
 

@@ -266,6 +266,23 @@ _LOG_OPTION_INSTEAD = {
     "reduce_fx": "an on_epoch value is the epoch's mean; for a max or a sum, log it yourself in on_train_epoch_end",
 }
 
+# Lightning's log() options at the values that ask for what log() does here anyway: a port that spells them out
+# (``sync_dist=False``, ``reduce_fx="mean"``) is taken as written; another value is refused above.
+_LOG_OPTION_AS_HERE: dict[str, tuple[Any, ...]] = {
+    "prog_bar": (False,),  # the bar shows what training_step returns, never a log() value
+    "logger": (True,),  # every value goes to TensorBoard
+    "sync_dist": (False,),  # each rank's own value
+    "rank_zero_only": (False,),  # every rank may log; rank zero writes
+    "enable_graph": (False,),  # values are detached
+    "reduce_fx": ("mean", torch.mean),  # an on_epoch value is the epoch's mean
+}
+
+
+def _asks_what_log_does(option: str, value: Any) -> bool:
+    """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it."""
+    same_as_here = _LOG_OPTION_AS_HERE.get(option, ())
+    return any(value is same or (isinstance(value, str) and value == same) for same in same_as_here)
+
 
 def _scheduler_name(sched: SchedulerSpec, optimizer: str) -> str:
     """How a message names a scheduler: ``scheduler 'warmup' of 'adam'`` (its ``name`` where it has one)."""
@@ -844,19 +861,18 @@ class Trainer:
         over the epoch (weighted by each batch's size), written at the epoch's end. With both, the tags get
         ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
-        Another option (Lightning's ``prog_bar``, ``sync_dist``...) is refused, naming what does its work here.
+        Lightning's ``prog_bar``, ``sync_dist``, ``reduce_fx``... are taken at the values that ask for what log()
+        does anyway (``sync_dist=False``, ``reduce_fx="mean"``) and refused at others, naming what does their work.
         ``None`` for ``on_step``/``on_epoch`` is Lightning's "the hook's default", which these defaults are.
         """
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
-        if others:
-            instead = "".join(
-                f"; {_LOG_OPTION_INSTEAD[name]}" for name in sorted(others) if name in _LOG_OPTION_INSTEAD
-            )
-            raise UserCodeError(
-                f"log('{tag}') got {', '.join(sorted(others))}, which it does not take: {_LOG_OPTIONS}{instead}"
-            )
+        refused = sorted(name for name, given in others.items() if not _asks_what_log_does(name, given))
+        if refused:
+            instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
+            got = ", ".join(f"{name}={others[name]!r}" for name in refused)
+            raise UserCodeError(f"log('{tag}') got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         always = _log_switch(tag, "always", always, default=None)
