@@ -217,24 +217,25 @@ def test_save_top_k_minus_one_without_a_monitor_keeps_every_periodic_file(tmp_pa
     assert ModelCheckpoint(save_top_k=-1, keep_last=1).keep_last is None
 
 
+def _fit_ranking_two_best(tmp_path, max_steps: int, resume=None):
+    """A scripted-score run with a best-2 ModelCheckpoint given in code (validating every step): the run and it."""
+    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
+    best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
+    run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
+    run.fit(resume=resume)
+    return run, best_k
+
+
 def test_a_best_k_checkpoint_given_in_code_runs_beside_the_config_s_periodic_one_and_each_resumes_its_own(tmp_path):
     """Lightning's usual pair, a periodic ModelCheckpoint and a best-k one, keyed apart by their monitor: the best-k
     ranking survives a resume and the periodic one deletes none of its files. Two of them in one run were refused,
     as if they shared one state."""
-    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
-    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
-
-    def fit(max_steps, resume=None):
-        best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
-        run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
-        run.fit(resume=resume)
-        return run, best_k
-
-    run, _ = fit(3)
+    run, _ = _fit_ranking_two_best(tmp_path, 3)
     saved = load_checkpoint(run.version_dir / "checkpoints" / "last.pt")["callbacks"]
     assert list(saved["ModelCheckpoint[val/score]"]["best_k"]) == ["best-00000002.pt", "best-00000001.pt"]
     assert saved["ModelCheckpoint[None]"]["best_k"] == {}
-    run, best_k = fit(6, resume="last")
+    run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")
     assert list(best_k.best_k) == ["best-00000004.pt", "best-00000006.pt"]  # 0.1, 0.2: ranked on from 0.3, 0.5
     assert best_steps(run) == [4, 6] and best_pt_step(run) == 4
 
@@ -278,25 +279,16 @@ def test_two_checkpoints_ranking_best_files_are_refused_naming_both_monitors(tmp
 def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_a_resume(tmp_path):
     """A Lightning user reads ``checkpoint.best_model_path`` after fit (to load or report it): there was no such
     attribute. They name the ranked files by path, the best first, and a resumed run ranks on from its checkpoint's."""
-    scripted = type("Scripted", (ScriptedScores,), {"scores": SCORES})
-    settings = {**QUIET, "data.n": 48, "trainer.val_every_n_steps": 1, "trainer.num_sanity_val_steps": 0}
-
-    def fit(max_steps, resume=None):
-        best_k = ModelCheckpoint(monitor="val/score", save_top_k=2, every_n_epochs=0)
-        run = scripted(toy_cfg(tmp_path, **settings, **{"trainer.max_steps": max_steps}), callbacks=[best_k])
-        run.fit(resume=resume)
-        return run, best_k
-
     fresh = ModelCheckpoint(monitor="val/score")
     assert (fresh.best_model_path, fresh.best_model_score, fresh.best_k_models) == ("", None, {})
-    run, best_k = fit(3)
+    run, best_k = _fit_ranking_two_best(tmp_path, 3)
     directory = run.version_dir / "checkpoints"
     expected = {str(directory / "best-00000002.pt"): 0.3, str(directory / "best-00000001.pt"): 0.5}
     assert best_k.best_k_models == pytest.approx(expected) and list(best_k.best_k_models) == list(expected)
     assert best_k.best_model_path == str(directory / "best-00000002.pt")
     assert best_k.best_model_score == pytest.approx(0.3)
     assert load_checkpoint(best_k.best_model_path)["loop"]["global_step"] == best_pt_step(run) == 2
-    run, best_k = fit(6, resume="last")
+    run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")
     assert best_k.best_model_path == str(directory / "best-00000004.pt")
     assert best_k.best_model_score == pytest.approx(0.1)
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
