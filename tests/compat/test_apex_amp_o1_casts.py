@@ -48,6 +48,9 @@ def _run(probe, fn, x=None):
         ("bmm", lambda p, x: torch.bmm(x[None], x[None])),
         ("addmm", lambda p, x: torch.addmm(x, x, x)),
         ("linalg.matmul", lambda p, x: torch.linalg.matmul(x, x)),  # a function of its own, not torch.matmul
+        ("linalg.multi_dot", lambda p, x: torch.linalg.multi_dot([x.half(), x, x])),
+        ("chain_matmul", lambda p, x: torch.chain_matmul(x, x.half())),
+        ("sdpa", lambda p, x: F.scaled_dot_product_attention(x[None].half(), x[None], x[None], attn_mask=x.float())),
         ("conv1d", lambda p, x: F.conv1d(x[None], x[:, :, None])),
     ],
 )

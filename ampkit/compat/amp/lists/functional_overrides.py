@@ -4,8 +4,10 @@ import torch.nn.functional
 
 MODULE = torch.nn.functional
 
+# ``scaled_dot_product_attention`` (after Apex; matmuls, low precision as torch's autocast has it) refuses a query,
+# key and value of mixed dtypes, and a float32 additive mask beside a low-precision query
 FP16_FUNCS = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc",
-              "linear"]  # fmt: skip
+              "linear", "scaled_dot_product_attention"]  # fmt: skip
 
 FP32_FUNCS = [
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",

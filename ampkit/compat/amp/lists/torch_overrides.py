@@ -1,12 +1,13 @@
 """O1's casts of ``torch.*`` (Apex's ``apex/amp/lists/torch_overrides.py``; the batched matmuls are low precision,
-as Apex had them with CUDA 9.1 or later)."""
+as Apex had them with CUDA 9.1 or later; ``chain_matmul``, after Apex, is a chain of them)."""
 
 import torch
 
 MODULE = torch
 
 FP16_FUNCS = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc",
-              "prelu", "addmm", "addmv", "addr", "matmul", "mm", "mv", "addbmm", "baddbmm", "bmm"]  # fmt: skip
+              "prelu", "addmm", "addmv", "addr", "matmul", "mm", "mv", "addbmm", "baddbmm", "bmm",
+              "chain_matmul"]  # fmt: skip
 
 FP32_FUNCS = ["acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "reciprocal", "rsqrt",
               "sinh", "tan", "pow", "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var",
