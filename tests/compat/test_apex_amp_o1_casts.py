@@ -142,6 +142,7 @@ _PROMOTED = {
     "scatter_reduce": lambda low, f: torch.scatter_reduce(f, 0, _SCATTER_INDEX, low, "amax"),
     "masked_scatter": lambda low, f: torch.masked_scatter(f, f > 1, low),
     "put": lambda low, f: torch.put(f, _INDEX, low[0]),
+    "F.embedding_bag": lambda low, f: F.embedding_bag(_SCATTER_INDEX, f, per_sample_weights=low, mode="sum"),
     "linalg.vecdot": lambda low, f: torch.linalg.vecdot(low, f),
     "linalg.cross": lambda low, f: torch.linalg.cross(low[:, :3], f[:, :3]),
     "linalg.solve": lambda low, f: torch.linalg.solve(_SPD, low),

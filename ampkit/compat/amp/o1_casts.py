@@ -379,7 +379,8 @@ def install_o1_casts(
     low, fp32 = cast_wrapper(state, dtype, True), cast_wrapper(state, torch.float32, False)
     # Read at every install, as Apex's amp.init did: edits a script made to the lists take effect.
     functional, torch_lists, tensor, linalg = functional_overrides, torch_overrides, tensor_overrides, linalg_overrides
-    functional_listed = {*functional.FP16_FUNCS, *functional.FP32_FUNCS, *(name for name, _ in functional.BANNED_FUNCS)}
+    functional_listed = {*functional.FP16_FUNCS, *functional.FP32_FUNCS, *functional.CASTS}
+    functional_listed |= {name for name, _ in functional.BANNED_FUNCS}
     promote = promote_wrapper(state)
     for module, name, kind in user_casts:
         wrapper = {"half": low, "float": fp32, "promote": promote}[kind]
@@ -395,6 +396,7 @@ def install_o1_casts(
         (tensor.MODULE, tensor_fp32, fp32),
         (tensor.MODULE, before_transfer, fp32_before_transfer_wrapper(state)),
         (linalg.MODULE, linalg.FP16_FUNCS, low),
+        (functional.MODULE, functional.CASTS, promote),
         (torch_lists.MODULE, torch_lists.CASTS, promote),
         (tensor.MODULE, tensor.CASTS, promote),
         (linalg.MODULE, linalg.CASTS, promote),
