@@ -47,6 +47,10 @@ def _run(probe, fn, x=None):
         ("matmul", lambda p, x: x @ x),
         ("bmm", lambda p, x: torch.bmm(x[None], x[None])),
         ("addmm", lambda p, x: torch.addmm(x, x, x)),
+        ("linalg.matmul", lambda p, x: torch.linalg.matmul(x, x)),  # a function of its own, not torch.matmul
+        ("linalg.multi_dot", lambda p, x: torch.linalg.multi_dot([x.half(), x, x])),
+        ("chain_matmul", lambda p, x: torch.chain_matmul(x, x.half())),
+        ("sdpa", lambda p, x: F.scaled_dot_product_attention(x[None].half(), x[None], x[None], attn_mask=x.float())),
         ("conv1d", lambda p, x: F.conv1d(x[None], x[:, :, None])),
     ],
 )
@@ -100,6 +104,81 @@ def test_promotion_to_the_widest_type(dtype):
     assert _run(probe, inplace).dtype == dtype  # in-place ops keep the destination's type
     assert _run(probe, lambda x: F.relu(x.to(dtype))).dtype == dtype  # type-preserving ops preserve
     assert _run(probe, lambda x: F.relu(x)).dtype == torch.float32
+
+
+_INDEX = torch.tensor([2, 0, 3, 1])
+_SCATTER_INDEX = torch.tensor([[1, 0, 3, 2]] * 4)
+_SPD = torch.eye(4) * 4 + torch.arange(16.0).reshape(4, 4) / 16  # float32 matrices the solvers factor
+_SPD = _SPD @ _SPD.T
+
+
+# Functions that refuse mixed float16/float32 inputs on current torch and that Apex's lists predate or missed,
+# each called with a low-precision ``low`` and a float32 ``f`` (4x4, values in [0.5, 1.5)).
+_PROMOTED = {
+    "tensordot": lambda low, f: torch.tensordot(low, f, dims=1),
+    "cdist": lambda low, f: torch.cdist(low, f),
+    "lerp": lambda low, f: torch.lerp(low, f, 0.3),
+    "lerp weight": lambda low, f: torch.lerp(f, f * 2, low),
+    "Tensor.lerp": lambda low, f: low.lerp(f, 0.3),
+    "heaviside": lambda low, f: torch.heaviside(low - 1, f),
+    "isclose": lambda low, f: torch.isclose(low, f),
+    "allclose": lambda low, f: torch.tensor(torch.allclose(low, low.float())),
+    "cholesky_solve": lambda low, f: torch.cholesky_solve(low, torch.linalg.cholesky(_SPD)),
+    "triangular_solve": lambda low, f: torch.triangular_solve(low, torch.linalg.cholesky(_SPD), upper=False),
+    "complex": lambda low, f: torch.complex(low, f),
+    "polar": lambda low, f: torch.polar(low, f),
+    "binomial": lambda low, f: (torch.manual_seed(0), torch.binomial(f.floor() * 9, low - 0.5))[1],
+    "histogram": lambda low, f: torch.histogram(f, torch.linspace(0, 2, 5).to(low.dtype)),
+    "meshgrid": lambda low, f: torch.meshgrid(low[0], f[0], indexing="ij"),
+    "cartesian_prod": lambda low, f: torch.cartesian_prod(low[0], f[0]),
+    "index_add": lambda low, f: torch.index_add(f, 0, _INDEX, low),
+    "Tensor.index_add": lambda low, f: low.index_add(0, _INDEX, f),
+    "index_copy": lambda low, f: torch.index_copy(f, 0, _INDEX, low),
+    "index_put": lambda low, f: torch.index_put(f, (_INDEX,), low),
+    "index_reduce": lambda low, f: torch.index_reduce(f, 0, _INDEX, low, "prod"),
+    "scatter": lambda low, f: torch.scatter(f, 0, _SCATTER_INDEX, low),
+    "scatter_add": lambda low, f: torch.scatter_add(f, 0, _SCATTER_INDEX, low),
+    "Tensor.scatter_add": lambda low, f: low.scatter_add(0, _SCATTER_INDEX, f),
+    "scatter_reduce": lambda low, f: torch.scatter_reduce(f, 0, _SCATTER_INDEX, low, "amax"),
+    "masked_scatter": lambda low, f: torch.masked_scatter(f, f > 1, low),
+    "put": lambda low, f: torch.put(f, _INDEX, low[0]),
+    "F.embedding_bag": lambda low, f: F.embedding_bag(_SCATTER_INDEX, f, per_sample_weights=low, mode="sum"),
+    "linalg.vecdot": lambda low, f: torch.linalg.vecdot(low, f),
+    "linalg.cross": lambda low, f: torch.linalg.cross(low[:, :3], f[:, :3]),
+    "linalg.solve": lambda low, f: torch.linalg.solve(_SPD, low),
+    "linalg.solve_ex": lambda low, f: torch.linalg.solve_ex(_SPD, low),
+    "linalg.lstsq": lambda low, f: torch.linalg.lstsq(_SPD, low).solution,
+    "linalg.lu_solve": lambda low, f: torch.linalg.lu_solve(*torch.linalg.lu_factor(_SPD), low),
+    "linalg.ldl_solve": lambda low, f: torch.linalg.ldl_solve(*torch.linalg.ldl_factor(_SPD), low),
+    "linalg.householder_product": lambda low, f: torch.linalg.householder_product(f, low[0, :2]),
+}
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("name", _PROMOTED)
+def test_functions_newer_than_apex_lists_promote_mixed_inputs(dtype, name):
+    """torch refuses these with one float16 and one float32 input ("expected both vectors to have same dtype");
+    O1 runs them in float32, as Apex's ``dot`` and ``cross``: the result is what the float32 call gives."""
+    fn = _PROMOTED[name]
+    torch.manual_seed(1)
+    low, f = (torch.rand(4, 4) + 0.5).to(dtype), torch.rand(4, 4) + 0.5
+    reference = fn(low.float(), f)  # the same values, all float32: nothing to promote
+    _o1_probe(dtype)
+    torch.testing.assert_close(fn(low, f), reference)  # dtypes too: float32 (complex64, bool) as the reference's
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_in_place_forms_of_the_newer_promoted_functions_keep_self_type(dtype):
+    """``index_add_`` of O1-cast messages into a float32 buffer (a graph network's aggregation) adds them as
+    float32; ``lerp_`` of a low-precision tensor towards a float32 one stays low precision, as ``add_`` does."""
+    messages, buffer = torch.rand(4, 4).to(dtype), torch.zeros(4, 4)
+    _o1_probe(dtype)
+    buffer.index_add_(0, _INDEX, messages)
+    expected = torch.zeros(4, 4).index_add(0, _INDEX, messages.float())
+    assert buffer.dtype == torch.float32 and torch.equal(buffer, expected)
+    low = torch.zeros(4, dtype=dtype)
+    low.lerp_(torch.ones(4), 0.5)
+    assert low.dtype == dtype and torch.equal(low, torch.full((4,), 0.5, dtype=dtype))
 
 
 def test_weights_and_their_grads_stay_float32_and_casts_last_until_the_next_initialize():

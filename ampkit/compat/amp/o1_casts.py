@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ampkit.amp.patch_scope import torch_patches_cast
-from ampkit.compat.amp.lists import functional_overrides, tensor_overrides, torch_overrides
+from ampkit.compat.amp.lists import functional_overrides, linalg_overrides, tensor_overrides, torch_overrides
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -378,8 +378,9 @@ def install_o1_casts(
     patches = CastPatches()
     low, fp32 = cast_wrapper(state, dtype, True), cast_wrapper(state, torch.float32, False)
     # Read at every install, as Apex's amp.init did: edits a script made to the lists take effect.
-    functional, torch_lists, tensor = functional_overrides, torch_overrides, tensor_overrides
-    functional_listed = {*functional.FP16_FUNCS, *functional.FP32_FUNCS, *(name for name, _ in functional.BANNED_FUNCS)}
+    functional, torch_lists, tensor, linalg = functional_overrides, torch_overrides, tensor_overrides, linalg_overrides
+    functional_listed = {*functional.FP16_FUNCS, *functional.FP32_FUNCS, *functional.CASTS}
+    functional_listed |= {name for name, _ in functional.BANNED_FUNCS}
     promote = promote_wrapper(state)
     for module, name, kind in user_casts:
         wrapper = {"half": low, "float": fp32, "promote": promote}[kind]
@@ -394,8 +395,11 @@ def install_o1_casts(
         (tensor.MODULE, tensor.FP16_FUNCS, low),
         (tensor.MODULE, tensor_fp32, fp32),
         (tensor.MODULE, before_transfer, fp32_before_transfer_wrapper(state)),
+        (linalg.MODULE, linalg.FP16_FUNCS, low),
+        (functional.MODULE, functional.CASTS, promote),
         (torch_lists.MODULE, torch_lists.CASTS, promote),
         (tensor.MODULE, tensor.CASTS, promote),
+        (linalg.MODULE, linalg.CASTS, promote),
         (torch_lists.MODULE, torch_lists.SEQUENCE_CASTS, sequence_promote_wrapper(state)),
         (tensor.MODULE, tensor.SEQUENCE_CASTS, sequence_promote_wrapper(state)),
     ]

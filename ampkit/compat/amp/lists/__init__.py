@@ -6,9 +6,11 @@ the spec here, not ``torch.autocast``'s (autocast runs ``sum`` and ``pow`` in th
 autocast leaves ``atan2`` and ``cat`` to torch's type promotion, Apex promotes explicitly and casts in-place
 ops to ``self``'s type). Each O1 ``initialize`` reads them afresh, so a script that edits them first gets its
 edit, as with Apex: NVIDIA's Tacotron 2 moves ``softmax`` from ``FP32_FUNCS`` to ``FP16_FUNCS``. Names a torch
-build lacks are skipped when the casts are installed.
+build lacks are skipped when the casts are installed. ``linalg_overrides`` is ampkit's own: Apex's lists predate
+``torch.linalg``.
 """
 
 from ampkit.compat.amp.lists import functional_overrides as functional_overrides
+from ampkit.compat.amp.lists import linalg_overrides as linalg_overrides
 from ampkit.compat.amp.lists import tensor_overrides as tensor_overrides
 from ampkit.compat.amp.lists import torch_overrides as torch_overrides

@@ -4,8 +4,10 @@ import torch.nn.functional
 
 MODULE = torch.nn.functional
 
+# ``scaled_dot_product_attention`` (after Apex; matmuls, low precision as torch's autocast has it) refuses a query,
+# key and value of mixed dtypes, and a float32 additive mask beside a low-precision query
 FP16_FUNCS = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc",
-              "linear"]  # fmt: skip
+              "linear", "scaled_dot_product_attention"]  # fmt: skip
 
 FP32_FUNCS = [
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",
@@ -15,6 +17,10 @@ FP32_FUNCS = [
     "multi_margin_loss", "nll_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
     "triplet_margin_loss", "ctc_loss",
 ]  # fmt: skip
+
+# the widest type among the arguments: not in Apex's table; ``embedding_bag`` refuses low-precision
+# ``per_sample_weights`` (an O1-cast linear's output) beside its float32 weight
+CASTS = ["embedding_bag"]
 
 # (name, the error a low-precision call raises unless banned functions are allowed)
 BANNED_FUNCS = [
