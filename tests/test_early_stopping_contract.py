@@ -192,6 +192,9 @@ def test_wait_count_best_score_and_stopped_epoch_read_as_lightning_s_and_a_resum
     assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
     saved = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["callbacks"]["EarlyStopping[val/score]"]
     assert saved["stopped_epoch"] == 1
+    trainer, stopper = fit(6, resume="last")  # the stopped run again: it trains nothing, and reads as it stopped
+    assert trainer.state.global_step == 14
+    assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
 
 
 @pytest.mark.parametrize(

@@ -133,6 +133,11 @@ class ModelCheckpoint(KeyedByMonitor):
         ranked."""
         return next(iter(self.best_k.values()), None) if self._directory is not None else None
 
+    def ranked_in(self, directory: Path) -> None:
+        """Name the restored ranking's files in ``directory``: for a resume of a finished run, where no
+        :meth:`on_fit_start` runs to say where the run's checkpoints are."""
+        self._directory = directory
+
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
