@@ -163,7 +163,8 @@ class ModelCheckpoint(KeyedByMonitor):
         # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
         # not prune them by its own keep_last. Alone, one writes them all.
         self._peers = peers
-        self._directory = trainer.version_dir / "checkpoints"
+        # rank zero's: the other ranks of a DDP run write no files and have no run directory
+        self._directory = trainer.version_dir / "checkpoints" if trainer.version_dir is not None else None
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)
