@@ -192,3 +192,28 @@ def test_wait_count_best_score_and_stopped_epoch_read_as_lightning_s_and_a_resum
     assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
     saved = load_checkpoint(trainer.version_dir / "checkpoints" / "last.pt")["callbacks"]["EarlyStopping[val/score]"]
     assert saved["stopped_epoch"] == 1
+    trainer, stopper = fit(6, resume="last")  # the stopped run again: it trains nothing, and reads as it stopped
+    assert trainer.state.global_step == 14
+    assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "scores", "step", "best"),
+    [
+        ({"early_stopping.stopping_threshold": 2.5}, [9.0, 5.0, 2.5, 2.0], 3, 2.5),
+        ({"early_stopping.divergence_threshold": 10.0}, [9.0, 11.0], 1, None),
+    ],
+)
+def test_a_value_that_stops_the_run_at_once_leaves_best_score_and_wait_count_as_lightning_s(
+    tmp_path, threshold, scores, step, best
+):
+    """Lightning counts no value that stops the run at once: a diverged first value (11.0) was read back as
+    best_score, and the one past stopping_threshold replaced the best it was compared with."""
+    Scripted.scores = scores
+    settings = {**QUIET, "early_stopping.monitor": "val/score", "trainer.val_every_n_steps": 1,
+                "trainer.val_every_n_epochs": 0, **threshold}  # fmt: skip
+    trainer = Scripted(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    stopper = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+    assert trainer.state.global_step == step and trainer.state.should_stop
+    assert (stopper.best_score, stopper.wait_count) == (best, 0)

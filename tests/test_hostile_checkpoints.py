@@ -67,6 +67,10 @@ def _damaged(**entries):
             lambda weights, last: {f"module.{k}": v for k, v in weights.items()},
             r"bare state_dict of 4 tensors .*taking the 'module.' prefix of a DDP wrapper off its keys",
         ),
+        (
+            lambda weights, last: {"3.bias": weights["3.bias"]},  # one layer's saved alone: '1 tensors' read
+            r"it is a bare state_dict of 1 tensor \(torch.save",
+        ),
         (_lightning, r"it is a Lightning checkpoint \(Lightning 2.6.6\), whose weights are under 'state_dict'"),
         (_apex, r"it is an Apex-era training script's checkpoint \(keys 'model', 'optimizer', 'amp'; 'amp' holds"),
         (lambda weights, last: torch.zeros(3), r"it holds a tensor of shape \(3,\), not a dict"),
@@ -74,7 +78,17 @@ def _damaged(**entries):
         (_damaged(model=[1, 2]), r"has a 'model' entry of type list; expected the model's state_dict"),
         (_damaged(ampkit_checkpoint="1"), r"has checkpoint format '1'; ampkit writes a whole number"),
     ],
-    ids=["state_dict", "ddp state_dict", "lightning", "apex", "tensor", "nan weights", "model a list", "format a str"],
+    ids=[
+        "state_dict",
+        "ddp state_dict",
+        "one tensor",
+        "lightning",
+        "apex",
+        "tensor",
+        "nan weights",
+        "model a list",
+        "format a str",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("use", ["resume", "validate", "load_model"])
 def test_a_file_that_is_no_usable_checkpoint_is_refused_saying_what_it_holds(tmp_path, trained, use, content, message):

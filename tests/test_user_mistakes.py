@@ -21,6 +21,7 @@ import ampkit
 from ampkit.cli import main
 from ampkit.config import ConfigError
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint, save_atomic
+from ampkit.trainer.optimizers import unoptimized_parameters_warning, unreached_parameters_warning
 from ampkit.trainer.user_code import UserCodeError
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False}
@@ -711,9 +712,25 @@ def test_trainable_parameters_that_get_gradients_in_no_optimizer_are_named_once(
         "them to an optimizer, or freeze them with requires_grad_(False)"
     ]
     with warnings.catch_warnings():  # every trainable parameter held, or the others frozen: nothing to say
-        warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
+        warnings.filterwarnings("error", message=".*(no optimizer holds (it|them)|received no gradient)")
         ToyTrainer(toy_cfg(tmp_path / "all", **QUIET, **{"trainer.max_steps": 1})).fit()
         FrozenBody(toy_cfg(tmp_path / "frozen", **QUIET, **{"trainer.max_steps": 1})).fit()
+
+
+def test_one_parameter_left_out_or_unreached_is_worded_in_the_singular():
+    """'1 parameters of the model receive gradients ... they never train' read for a single bias left out."""
+    bias = torch.nn.Parameter(torch.zeros(1))
+    assert unoptimized_parameters_warning([("head.bias", bias)]) == (
+        "configure_optimizers(): 1 parameter of the model receives gradients but no optimizer holds it ('head.bias'; "
+        "1 element): it never trains, and its .grad sums up the gradients of every backward. Add it to an optimizer, "
+        "or freeze it with requires_grad_(False)"
+    )
+    module = torch.nn.Linear(2, 1)
+    assert unreached_parameters_warning([module.bias], "sgd", 1, module) == (
+        "1 parameter of optimizer 'sgd' received no gradient in its first step ('bias'): the loss does not depend on "
+        "it, so it does not train (a layer the forward never calls? a head the loss leaves out?). Freeze it with "
+        "requires_grad_(False), or leave it out of the optimizer"
+    )
 
 
 class WithAnAverage(ToyTrainer):
@@ -761,7 +778,7 @@ def test_trainable_parameters_no_loss_reaches_outside_the_optimizers_are_not_nam
     model, a body frozen in a hook, or one an optimizer got in a hook, warned on a healthy run. An epoch of 101
     steps: the window closes at the 100th, before that iteration's zero_grad clears the gradients."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*(no optimizer holds them|received no gradient)")
+        warnings.filterwarnings("error", message=".*(no optimizer holds (it|them)|received no gradient)")
         trainer_class(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1, "data.n": 808})).fit()
 
 

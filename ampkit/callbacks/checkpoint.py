@@ -133,6 +133,11 @@ class ModelCheckpoint(KeyedByMonitor):
         ranked."""
         return next(iter(self.best_k.values()), None) if self._directory is not None else None
 
+    def ranked_in(self, directory: Path) -> None:
+        """Name the restored ranking's files in ``directory``: for a resume of a finished run, where no
+        :meth:`on_fit_start` runs to say where the run's checkpoints are."""
+        self._directory = directory
+
     def on_fit_start(self, trainer) -> None:
         """Tidy up after a killed run: drop files beyond ``keep_last`` and best files out of the restored ranking
         (all of this directory's own lineage; its temp files went before: see ``ampkit.trainer.run_life``)."""
@@ -158,7 +163,8 @@ class ModelCheckpoint(KeyedByMonitor):
         # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
         # not prune them by its own keep_last. Alone, one writes them all.
         self._peers = peers
-        self._directory = trainer.version_dir / "checkpoints"
+        # rank zero's: the other ranks of a DDP run write no files and have no run directory
+        self._directory = trainer.version_dir / "checkpoints" if trainer.version_dir is not None else None
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)

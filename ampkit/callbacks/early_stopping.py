@@ -100,8 +100,9 @@ class EarlyStopping(KeyedByMonitor):
 
     def _check(self, trainer, value: float, check: str) -> None:
         """Count ``value`` against ``patience`` (``check``: what it counts, for the message), and stop if due."""
+        # a value that stops the run at once is not counted, as in Lightning: a diverged one was taken as the best
         reason = self._stop_at_once(value)
-        if self.monitor.improves(value, self.best):
+        if reason is None and self.monitor.improves(value, self.best):
             self.best, self.wait = value, 0
         elif reason is None:
             self.wait += 1

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ampkit.wording import counted
+
 _LOAD_IN_CONFIGURE_MODEL = (
     "to use its weights, load them in configure_model (model.load_state_dict(torch.load(path, weights_only=True)"
     "{entry}))"
@@ -37,8 +39,8 @@ def foreign_contents(obj: Any) -> str:
     if obj and all(isinstance(value, torch.Tensor) for value in obj.values()):
         wrapped = all(str(key).startswith("module.") for key in obj)  # saved from a DDP/DataParallel wrapper
         return (
-            f"it is a bare state_dict of {len(obj)} tensors (torch.save(model.state_dict())), no training run's "
-            "state; "
+            f"it is a bare state_dict of {counted(len(obj), 'tensor')} (torch.save(model.state_dict())), no training "
+            "run's state; "
             + _LOAD_IN_CONFIGURE_MODEL.format(entry="")
             + (", taking the 'module.' prefix of a DDP wrapper off its keys" if wrapped else "")
         )

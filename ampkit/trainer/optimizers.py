@@ -370,10 +370,15 @@ def unoptimized_parameters_warning(reached: list[tuple[str, torch.Tensor]]) -> s
         return None
     names = ", ".join(f"'{name}'" for name, _ in reached[:5]) + (", ..." if len(reached) > 5 else "")
     elements = sum(p.numel() for _, p in reached)
+    receive, it, they, train, its = (
+        ("receives", "it", "it", "trains", "its")
+        if len(reached) == 1
+        else ("receive", "them", "they", "train", "their")
+    )
     return (
-        f"configure_optimizers(): {len(reached)} parameters of the model receive gradients but no optimizer holds "
-        f"them ({names}; {elements} elements): they never train, and their .grad sums up the gradients of every "
-        "backward. Add them to an optimizer, or freeze them with requires_grad_(False)"
+        f"configure_optimizers(): {counted(len(reached), 'parameter')} of the model {receive} gradients but no "
+        f"optimizer holds {it} ({names}; {counted(elements, 'element')}): {they} never {train}, and {its} .grad "
+        f"sums up the gradients of every backward. Add {it} to an optimizer, or freeze {it} with requires_grad_(False)"
     )
 
 
@@ -392,10 +397,11 @@ def unreached_parameters_warning(
             names[id(master)] = names.get(id(param), "")
     shown = ", ".join(f"'{names.get(id(p)) or '?'}'" for p in left[:5]) + (", ..." if len(left) > 5 else "")
     when = "its first step" if steps == 1 else f"any of its first {steps} steps"
+    it, does, they = ("it", "does", "it") if len(left) == 1 else ("them", "do", "they")
     return (
-        f"{len(left)} parameters of optimizer '{name}' received no gradient in {when} ({shown}): the loss does not "
-        "depend on them, so they do not train (a layer the forward never calls? a head the loss leaves out?). Freeze "
-        "them with requires_grad_(False), or leave them out of the optimizer"
+        f"{counted(len(left), 'parameter')} of optimizer '{name}' received no gradient in {when} ({shown}): the loss "
+        f"does not depend on {it}, so {they} {does} not train (a layer the forward never calls? a head the loss "
+        f"leaves out?). Freeze {it} with requires_grad_(False), or leave {it} out of the optimizer"
     )
 
 

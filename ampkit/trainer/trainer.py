@@ -2138,7 +2138,11 @@ class Trainer:
             raise CheckpointError(f"{exc} (this run's distributed.strategy: {self.cfg.distributed.strategy})") from None
 
     def _already_finished(self) -> None:
-        """A resume of a run that already finished (run_life's rules): nothing runs, nothing is written."""
+        """A resume of a run that already finished (run_life's rules): nothing runs, nothing is written. The
+        callbacks' saved states are restored, so a fit() run again to read ``best_model_path`` or ``stopped_epoch``
+        (a Lightning idiom) reads the run's; the model and optimizers are not built."""
+        from ampkit.callbacks import ModelCheckpoint
+
         loop, path = self.fit_start.loop, self.fit_start.checkpoint_path
         self.state.epoch, self.state.batches_done, self.state.global_step = (
             loop["epoch"],
@@ -2146,6 +2150,13 @@ class Trainer:
             loop["global_step"],
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
+        self._setup_callbacks()
+        self._load_callback_states(
+            (self.fit_start.checkpoint or self.fit_start.trainer_part or {}).get("callbacks", {})
+        )
+        for cb in self.callbacks:  # its ranked files are beside the checkpoint (no on_fit_start told it where)
+            if isinstance(cb, ModelCheckpoint):
+                cb.ranked_in(path.parent)
         if self.is_global_zero:
             finish_interrupted_pruning(self.fit_start)
             say(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}")
@@ -2359,6 +2370,13 @@ class Trainer:
         if path is not None and (said := resume_settings_warning(path, changed, kept)) is not None:
             rank_zero_warn(said)
 
+    def _load_callback_states(self, saved: dict[str, Any]) -> list[tuple[Callback, str]]:
+        """Each callback's state among ``saved`` loaded into it; returns ``(callback, key)`` of those loaded."""
+        loaded = states_to_load(self.callbacks, saved)
+        for cb, key in loaded:
+            cb.load_state_dict(saved[key])
+        return loaded
+
     def _restore(self, checkpoint: dict[str, Any], path: Path) -> None:
         from ampkit.callbacks.precision import saved_masters_into_model
 
@@ -2403,9 +2421,7 @@ class Trainer:
             opt_state.skipped_steps = counts.get("skipped_steps", 0)
             opt_state.epoch_steps = counts.get("epoch_steps", 0)
             opt_state.epoch_skipped_steps = counts.get("epoch_skipped_steps", 0)
-        loaded = states_to_load(self.callbacks, checkpoint["callbacks"])
-        for cb, key in loaded:
-            cb.load_state_dict(checkpoint["callbacks"][key])
+        loaded = self._load_callback_states(checkpoint["callbacks"])
         present = {key for _, key in loaded}.union(checkpoint.get("optional_callback_states", ()))
         orphaned = sorted(key for key, state in checkpoint["callbacks"].items() if state and key not in present)
         by_config = [key for key in orphaned if key in checkpoint.get("config_callback_states", ())]

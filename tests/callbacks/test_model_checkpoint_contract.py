@@ -293,6 +293,10 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert best_k.best_model_score == pytest.approx(0.1)
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
     assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
+    # fit() again on the finished run (Lightning's idiom to get the best path): nothing trains, the ranking reads
+    run, best_k = fit(6, resume="last")
+    assert run.state.global_step == 6 and best_k.best_model_path == str(directory / "best-00000004.pt")
+    assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
 
 
 @pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),

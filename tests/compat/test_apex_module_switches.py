@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from ampkit.compat.amp.handle import AmpHandle
 from ampkit.compat.fused_dense import FusedDense
 from ampkit.compat.mlp import MLP
 from ampkit.compat.parallel import LARC, DistributedDataParallel, SyncBatchNorm
@@ -31,6 +32,8 @@ BUILDS = {
     "SyncBatchNorm: channel_last": lambda v: SyncBatchNorm(4, channel_last=v),
     "SyncBatchNorm: fuse_relu": lambda v: SyncBatchNorm(4, fuse_relu=v),
     "LARC: clip": lambda v: LARC(_sgd(), clip=v),
+    "AmpHandle: enable_caching": lambda v: AmpHandle(enable_caching=v),
+    "AmpHandle: verbose": lambda v: AmpHandle(verbose=v),
     # refused before torch's DDP needs a process group
     "DistributedDataParallel: delay_allreduce": lambda v: _ddp(delay_allreduce=v),
     "DistributedDataParallel: gradient_average": lambda v: _ddp(gradient_average=v),
@@ -55,6 +58,8 @@ def test_true_false_and_their_numpy_and_integer_forms_still_build():
     with pytest.raises(ValueError, match="channel_last must be True or False, got 'True'"):
         norm._specify_channel_last("True")
     assert LARC(_sgd(), clip=np.bool_(False)).clip is False
+    handle = AmpHandle(enable_caching=np.bool_(False), verbose=1)
+    assert handle.has_cache is False and handle.verbose is True
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -1.0])

@@ -18,7 +18,7 @@ from ampkit.compat.amp import _ddp_no_sync, functions, o1_casts
 from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
-from ampkit.ops._switches import is_switch
+from ampkit.ops._switches import checked_switch, is_switch
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
@@ -198,8 +198,9 @@ class AmpHandle:
         verbose: bool = False,
         dtype: torch.dtype = torch.float16,
     ) -> None:
-        self._enable_caching = enable_caching
-        self._verbose = verbose
+        # amp.init checks these too; a handle built directly stored verbose="no" as its flag
+        self._enable_caching = checked_switch("AmpHandle", "enable_caching", enable_caching)
+        self._verbose = checked_switch("AmpHandle", "verbose", verbose)
         self._cache: dict[torch.Tensor, torch.Tensor] = {}
         self._default_scaler: ApexLossScaler | None = ApexLossScaler(loss_scale)
         self._scalings: dict[int, _LossScaling] = {}
