@@ -294,7 +294,7 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
     assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
     # fit() again on the finished run (Lightning's idiom to get the best path): nothing trains, the ranking reads
-    run, best_k = fit(6, resume="last")
+    run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")
     assert run.state.global_step == 6 and best_k.best_model_path == str(directory / "best-00000004.pt")
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
 
