@@ -197,6 +197,23 @@ def test_wait_count_best_score_and_stopped_epoch_read_as_lightning_s_and_a_resum
     assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (1, 6, 1.0)
 
 
+class CallbacksFromTheModel(Scripted):
+    def configure_callbacks(self):  # reads the model, which a finished run's fit() does not build
+        return [EarlyStopping("val/score", patience=len(list(self.module.parameters())))]
+
+
+def test_a_finished_run_whose_callbacks_need_the_model_still_trains_nothing_and_says_why_they_read_empty(tmp_path):
+    """fit() on a finished run restores the callbacks' states where it can rebuild them; a configure_callbacks()
+    that needs the model (not built there) leaves them unrestored with one warning, never an error."""
+    Scripted.scores = [1.0] * 8
+    trainer = CallbacksFromTheModel(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    trainer.fit()
+    again = CallbacksFromTheModel(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 2}))
+    with pytest.warns(UserWarning, match=r"callbacks of the finished run .* were not restored \(AttributeError"):
+        again.fit(resume="last")
+    assert again.state.global_step == 2 and again.callbacks == []
+
+
 @pytest.mark.parametrize(
     ("threshold", "scores", "step", "best"),
     [

@@ -2150,13 +2150,19 @@ class Trainer:
             loop["global_step"],
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
-        self._setup_callbacks()
-        self._load_callback_states(
-            (self.fit_start.checkpoint or self.fit_start.trainer_part or {}).get("callbacks", {})
-        )
-        for cb in self.callbacks:  # its ranked files are beside the checkpoint (no on_fit_start told it where)
-            if isinstance(cb, ModelCheckpoint):
-                cb.ranked_in(path.parent)
+        try:  # configure_callbacks() may read the model or the data, which a finished run does not build
+            self._setup_callbacks()
+            saved = self.fit_start.checkpoint or self.fit_start.trainer_part or {}
+            self._load_callback_states(saved.get("callbacks", {}))
+            for cb in self.callbacks:  # its ranked files are beside the checkpoint (no on_fit_start told it where)
+                if isinstance(cb, ModelCheckpoint):
+                    cb.ranked_in(path.parent)
+        except Exception as error:  # a convenience, so it never turns "nothing to train" into a failure
+            self.callbacks = []
+            rank_zero_warn(
+                f"the callbacks of the finished run '{path}' were not restored ({type(error).__name__}: {error}): "
+                "their saved states (best_model_path, stopped_epoch...) are not on this Trainer"
+            )
         if self.is_global_zero:
             finish_interrupted_pruning(self.fit_start)
             say(f"ampkit: nothing to train: {self.fit_start.nothing_to_train}")
