@@ -2154,6 +2154,7 @@ class Trainer:
             loop["global_step"],
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
+        self.rank_zero_version_dir = self.version_dir  # every rank's: nothing is written
         try:  # configure_callbacks() may read the model or the data, which a finished run does not build
             self._setup_callbacks()
             saved = self.fit_start.checkpoint or self.fit_start.trainer_part or {}
