@@ -936,6 +936,7 @@ def main(scenario: str, out: Path) -> None:
     if scenario in ("train_monitor", "val_end_monitor"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
+        extra["best_model_path"] = next(cb for cb in trainer.callbacks if cb.name == "ModelCheckpoint").best_model_path
     if scenario == "val_end_monitor":
         extra["validated"] = trainer.validate()
     torch.save({"model": trainer.module.state_dict(), "val": trainer.val_metrics,

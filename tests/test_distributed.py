@@ -202,13 +202,17 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
 def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):
     """Each rank logs an epoch mean of its own; ranking, early stopping and a plateau scheduler use rank zero's, the
     one TensorBoard shows, on every rank: the run stops where rank zero's values say (step 16), not where rank 1's
-    would (12), and the learning rate halved twice on every rank (rank 1's values alone would halve it thrice)."""
+    would (12), and the learning rate halved twice on every rank (rank 1's values alone would halve it thrice).
+    best_model_path names rank zero's file on every rank (rank 1, without a version_dir, read ''), as Lightning's, so
+    a test(ckpt=...) every rank runs gets one path."""
     rank0, rank1 = _ok(launch("train_monitor", tmp_path, timeout=120))
     reason = "early stopping: train/score did not improve on 0.2 for 2 epochs"
     assert rank0["stopped"] == rank1["stopped"] == (16, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 4)
     best = torch.load(Path(rank0["version_dir"]) / "checkpoints" / "best.pt", weights_only=True)
     assert best["loop"]["global_step"] == 8
+    named = str(Path(rank0["version_dir"]) / "checkpoints" / "best-00000008.pt")
+    assert rank0["best_model_path"] == rank1["best_model_path"] == named
 
 
 def test_a_tag_each_rank_logs_in_on_validation_end_ranks_stops_and_schedules_on_rank_zero_s_value(tmp_path):

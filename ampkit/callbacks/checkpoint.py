@@ -163,8 +163,10 @@ class ModelCheckpoint(KeyedByMonitor):
         # one's to write and prune, so two by the same settings do not each write every file, and a best-k one does
         # not prune them by its own keep_last. Alone, one writes them all.
         self._peers = peers
-        # rank zero's: the other ranks of a DDP run write no files and have no run directory
-        self._directory = trainer.version_dir / "checkpoints" if trainer.version_dir is not None else None
+        # rank zero's on every rank (a DDP run's other ranks have no version_dir): every rank ranks alike, so
+        # best_model_path is one path on all of them, as Lightning's, for a test(ckpt=...) every rank runs
+        named = trainer.rank_zero_version_dir
+        self._directory = named / "checkpoints" if named is not None else None
         self._writes_periodic = self is next((cb for cb in peers if cb.every_n_steps or cb.every_n_epochs), peers[0])
         if trainer.fit_start.checkpoint_path is not None:  # the restored state is saved already: not again at the end
             self._saved_at = _moment(trainer)

@@ -461,6 +461,9 @@ class Trainer:
         # What fit(resume='last') continues from as rank zero, which writes the checkpoints, sees it: known on every
         # rank from the fit's start and each save, for a failure's note (on a node-local disk another rank's differs).
         self.rank_zero_last: Path | None = None
+        # Rank zero's version directory, known on every rank from the fit's start: paths a callback names alike on
+        # every rank (best_model_path), never a place to write (another rank's disk may not hold it).
+        self.rank_zero_version_dir: Path | None = None
         self.fit_start = FitStart()  # where the last fit() started: fresh, a checkpoint it continued or branched from
         self._lock: RunLock | None = None
         self._launch: str | None = None  # which fit of which torchrun launch this is (None outside torchrun)
@@ -2077,9 +2080,10 @@ class Trainer:
                 refuse_scheduler_overrun(spec, steps, total - self.state.global_step)
         # One run writes a version directory at a time (run_life's rules): rank zero opens it, and where it refuses (a
         # live run holds it) every rank stops with its error, rather than training on into a collective it never joins.
-        self.version_dir = None
+        self.version_dir = self.rank_zero_version_dir = None
         version_dir, self.rank_zero_last = decided_by_rank_zero(partial(self._open_version_dir, start), self.dist)
         self.version_dir = version_dir if self.is_global_zero or self.sharded else None
+        self.rank_zero_version_dir = version_dir
         if self.sharded:  # every rank writes its shards into the checkpoint directory
             self._check_shards_writable()
 
@@ -2150,6 +2154,7 @@ class Trainer:
             loop["global_step"],
         )
         self.version_dir = path.parent.parent if self.fit_start.version_dir is not None else None
+        self.rank_zero_version_dir = self.version_dir  # every rank's: nothing is written
         try:  # configure_callbacks() may read the model or the data, which a finished run does not build
             self._setup_callbacks()
             saved = self.fit_start.checkpoint or self.fit_start.trainer_part or {}
