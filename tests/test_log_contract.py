@@ -411,22 +411,30 @@ class LogsOneTagTwoWays(ToyTrainer):
             self.log("acc", 0.9)  # Lightning's default there is on_epoch=True: the epoch's value
 
 
-@pytest.mark.parametrize(
-    ("where", "message"),
-    [
-        ("training_step", "log() in training_step would write epoch means under 'acc', which gets per-step values "
-                          "logged in training_step: one curve of both would be neither"),
-        ("on_train_batch_end", "log() in on_train_batch_end would write epoch means under 'acc', which gets "
-                               "per-step values logged in training_step"),
-        ("on_train_epoch_end", "log() in on_train_epoch_end would write epoch means under 'acc', which gets "
-                               "per-step values logged in training_step"),
-    ],
-)  # fmt: skip
-def test_one_tag_logged_per_step_and_as_an_epoch_mean_is_refused_naming_both_hooks(tmp_path, where, message):
+def test_one_tag_logged_per_step_and_as_an_epoch_mean_in_one_hook_is_refused_naming_it(tmp_path):
     """Both reached one TensorBoard curve: eight per-step points and, at step 8, the epoch's mean among them, each
     read as the other. Lightning refuses the pair in one hook ('twice ... with different arguments')."""
+    message = ("log() in training_step writes epoch means under 'acc', which gets per-step values logged in "
+               "training_step: one curve of both is neither")  # fmt: skip
     with pytest.raises(UserCodeError, match=re.escape(message)):
-        _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": where}))
+        _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": "training_step"}))
+
+
+@pytest.mark.parametrize("where", ["on_train_batch_end", "on_train_epoch_end"])
+def test_one_tag_logged_per_step_and_as_an_epoch_mean_in_two_hooks_is_said_once(tmp_path, where):
+    """Across hooks Lightning writes both into the one curve without a word; here the run goes on as there, and one
+    warning names the tag and both hooks (not one per batch)."""
+    message = (f"log() in {where} writes epoch means under 'acc', which gets per-step values logged in "
+               "training_step: one curve of both is neither")  # fmt: skip
+    with pytest.warns(UserWarning) as caught:
+        trainer = _fit(tmp_path, type("Logs", (LogsOneTagTwoWays,), {"where": where}))
+    assert [str(w.message) for w in caught if "one curve of both" in str(w.message)] == [message + _TAG_ADVICE]
+    assert trainer.state.global_step > 0
+
+
+_TAG_ADVICE = (
+    "; log one of them under a tag of its own (on_step and on_epoch together write <tag>_step and <tag>_epoch)"
+)
 
 
 class LogsWithOptions(ToyTrainer):

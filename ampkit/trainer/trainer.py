@@ -450,6 +450,7 @@ class Trainer:
         self._fx: str | None = None
         self._epoch_fx: dict[str, str] = {}
         self._curve_kind: dict[str, tuple[bool, str]] = {}  # log()'s TensorBoard tags: (epoch means?, first hook)
+        self._curve_mix_said: set[tuple[str, str]] = set()  # (tag, hook) whose mixed curve was warned of
         self._train_monitors: tuple[str, ...] = ()  # the train/ tags monitored; see _monitored_train_tags
         self._monitors_unheard: tuple[str, ...] = ()  # checked once, at the first iteration's end
         self._monitors_per_step: set[str] = set()  # of those, the ones log() gave a per-step value only
@@ -1077,18 +1078,23 @@ class Trainer:
             )
 
     def _check_one_curve(self, name: str, epoch: bool) -> None:
-        """Refuse a log() that would write epoch means under a TensorBoard tag that gets per-step values (or the
-        reverse): one curve of both is neither, and Lightning refuses the pair in one hook ("twice ... with different
-        arguments")."""
+        """A log() that writes epoch means under a TensorBoard tag that gets per-step values (or the reverse): one
+        curve of both is neither. Refused within one hook, as Lightning refuses the pair there ("twice ... with
+        different arguments"); across hooks, where Lightning writes both, said once per tag."""
         fx = self._fx or "code outside the Trainer's hooks"
         first_epoch, first_fx = self._curve_kind.setdefault(name, (epoch, fx))
-        if first_epoch != epoch:
-            kinds = ("per-step values", "epoch means")
-            raise UserCodeError(
-                f"log() in {fx} would write {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
-                f"{first_fx}: one curve of both would be neither; log one of them under a tag of its own (on_step and "
-                "on_epoch together write <tag>_step and <tag>_epoch)"
-            )
+        if first_epoch == epoch or (name, fx) in self._curve_mix_said:
+            return
+        kinds = ("per-step values", "epoch means")
+        problem = (
+            f"log() in {fx} writes {kinds[epoch]} under '{name}', which gets {kinds[first_epoch]} logged in "
+            f"{first_fx}: one curve of both is neither; log one of them under a tag of its own (on_step and "
+            "on_epoch together write <tag>_step and <tag>_epoch)"
+        )
+        if fx == first_fx:
+            raise UserCodeError(problem)
+        self._curve_mix_said.add((name, fx))
+        rank_zero_warn(problem)
 
     def take_logged(self) -> list[tuple[str, Any, int]]:
         """``log()``'s values not taken yet, as ``(tag, value, step)``, for the logger that writes them: they leave
@@ -2000,6 +2006,7 @@ class Trainer:
         self._epoch_sums = {}  # a resume restores its checkpoint's
         self._epoch_fx, self._fx, self._epoch_means_taken = {}, None, False
         self._curve_kind = {}
+        self._curve_mix_said = set()
         self._held_step_values = {}
         self._unsaid_skips: str | None = None  # an epoch of skips while the scale may still be backing off
         self._setup_model()
