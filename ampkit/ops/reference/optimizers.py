@@ -277,6 +277,31 @@ def adagrad_step(
     _write_back_unscaled(grads, grad_scale)
 
 
+def _check_rmsprop_lists(
+    op: str,
+    params: TensorList,
+    grads: TensorList,
+    square_avgs: TensorList,
+    grad_avgs: TensorList,
+    momentum_buffers: TensorList,
+    master_params: TensorList,
+    steps: TensorList,
+    *,
+    centered: bool,
+    momentum: float,
+) -> None:
+    """Both RMSprops' lists: ``grad_avgs`` only where centered, ``momentum_buffers`` only with momentum."""
+    _check_lists(
+        op,
+        params,
+        master_params=master_params,
+        optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
+        grads=grads,
+        square_avgs=square_avgs,
+        steps=steps,
+    )
+
+
 @torch.no_grad()
 def rmsprop_step(
     params: TensorList,
@@ -297,15 +322,8 @@ def rmsprop_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """RMSprop step (centered, momentum), torch.optim semantics."""
-    _check_lists(
-        "rmsprop_step",
-        params,
-        master_params=master_params,
-        optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
-        grads=grads,
-        square_avgs=square_avgs,
-        steps=steps,
-    )
+    lists = (params, grads, square_avgs, grad_avgs, momentum_buffers, master_params, steps)
+    _check_rmsprop_lists("rmsprop_step", *lists, centered=centered, momentum=momentum)
     if _scaler_skips("rmsprop_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
@@ -353,15 +371,8 @@ def rmsprop_tf_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """TensorFlow-style RMSprop (timm's RMSpropTF): eps inside the sqrt, optional lr inside momentum."""
-    _check_lists(
-        "rmsprop_tf_step",
-        params,
-        master_params=master_params,
-        optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
-        grads=grads,
-        square_avgs=square_avgs,
-        steps=steps,
-    )
+    lists = (params, grads, square_avgs, grad_avgs, momentum_buffers, master_params, steps)
+    _check_rmsprop_lists("rmsprop_tf_step", *lists, centered=centered, momentum=momentum)
     if _scaler_skips("rmsprop_tf_step", params, grad_scale, found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
