@@ -241,9 +241,9 @@ def _newer_than_last(last: Path) -> Path | None:
     checkpoints, position = last.parent, loop_of(last)
     if position is None or not checkpoints.is_dir():
         return None
-    candidates = [p for p in checkpoints.iterdir() if checkpoint_kind(p) in (0, 1)]  # step/epoch and best-k ones
-    ahead = [(loop["global_step"], p) for p in candidates if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest_first = sorted(ahead, key=lambda found: (found[0], -checkpoint_kind(found[1])), reverse=True)
+    kinds = {p: kind for p in checkpoints.iterdir() if (kind := checkpoint_kind(p)) in (0, 1)}  # step/epoch, best-k
+    ahead = [(loop["global_step"], p) for p in kinds if (loop := loop_of(p)) and _is_past(loop, position)]
+    newest_first = sorted(ahead, key=lambda found: (found[0], -kinds[found[1]]), reverse=True)
     return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
 
 

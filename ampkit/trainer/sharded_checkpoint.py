@@ -264,8 +264,8 @@ def newest_whole_beside(path: Path, sections: tuple[str, ...] = ("loop",)) -> Pa
     if not path.parent.is_dir():
         return None
     kinds = {p: kind for p in path.parent.iterdir() if (kind := checkpoint_kind(p)) is not None}
-    found = [p for p in kinds if not _same(p, path) and _holds(p, sections)]
-    newest_first = sorted(found, key=lambda p: (training_order(p)[0], -kinds[p], training_order(p)), reverse=True)
+    order = {p: training_order(p) for p in kinds if not _same(p, path) and _holds(p, sections)}
+    newest_first = sorted(order, key=lambda p: (order[p][0], -kinds[p], order[p]), reverse=True)
     return next((p for p in newest_first if checkpoint_damage(p) is None), None)
 
 
