@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace) -> int:
         board = f" (tensorboard --logdir {logdir})" if trainer.cfg.logging.tensorboard else ""  # no events: no hint
         print(f"ampkit: run directory {trainer.version_dir}{board}")
     elif args.command == "predict":
-        batches = f"{len(predictions)} batch" + ("" if len(predictions) == 1 else "es")
+        batches = counted(len(predictions), "batch", "batches")
         written = trainer.predictions_path
         if written is None:
             print(f"ampkit: predictions of {batches} not saved (--output FILE saves them)")
