@@ -12,7 +12,9 @@
   that calls ``initialize`` a second time on the same models with new optimizers;
 - transformers' question-answering scripts (``run_squad.py``), which call
   ``apex.amp.register_half_function(torch, "einsum")`` before ``initialize`` so that XLNet's attention einsums run in
-  half at O1.
+  half at O1;
+- onnxruntime-training's ``ApexAMPModifier``: a ``zero_grad`` over the stash's lists and a replaced
+  ``_post_amp_backward`` written against Apex's internals, which amp does not call.
 """
 
 from __future__ import annotations
@@ -395,3 +397,61 @@ def test_run_squads_einsum_registered_half_before_initialize_runs_xlnets_attenti
     assert model.r_w_bias.dtype == (torch.float32 if opt_level == "O1" else torch.float16)
     assert losses[opt_level][-1] < losses[opt_level][0]
     torch.testing.assert_close(losses[opt_level], losses["O0"], rtol=0, atol=2e-3)
+
+
+def _ort_apex_amp_modifier(optimizer) -> None:
+    """onnxruntime-training's ``ApexAMPModifier`` (what its ``FP16_Optimizer(optimizer)`` applies to an amp optimizer
+    once ``import amp_C`` works and the optimizer has ``_post_amp_backward`` and ``zero_grad``): a faster copy of
+    Apex's O2 ``_post_amp_backward``, written against Apex's internals, and a ``zero_grad`` over the stash's lists
+    that sets the gradients to None."""
+    import types
+
+    import amp_C  # noqa: F401  (its requirement check)
+
+    assert callable(optimizer._post_amp_backward) and callable(optimizer.zero_grad)
+
+    def post_backward_with_master_weights(self, scaler):
+        from apex import amp as apex_amp
+
+        apex_amp._process_optimizer.post_backward_models_are_masters(scaler, [], [])  # Apex's internal module
+
+    def zero_grad(self, set_to_none=True):
+        stash = self._amp_stash
+        self._amp_lazy_init()
+        for param in stash.all_fp16_params + stash.all_fp32_from_fp32_params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.detach_()
+                param.grad.zero_()
+        for param in stash.all_fp32_from_fp16_params:
+            param.grad = None
+
+    optimizer._post_amp_backward = types.MethodType(post_backward_with_master_weights, optimizer)
+    optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+
+
+def test_onnxruntimes_apex_amp_modifier_trains_at_o2_on_amps_own_unscale(shim):
+    """``amp.scale_loss`` unscales through the stash, not through ``optimizer._post_amp_backward``: onnxruntime's
+    replacement, which reaches into ``apex.amp._process_optimizer`` (not served), is never called, and the run follows
+    O0. Its ``zero_grad`` (gradients to None, the model's and the masters') is the optimizer's from then on."""
+    from apex import amp
+
+    finals = {}
+    for opt_level in ("O0", "O2"):
+        model = _bn_mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+        if opt_level == "O2":
+            _ort_apex_amp_modifier(optimizer)
+        for i in range(5):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+            optimizer.zero_grad()
+            assert all(p.grad is None for p in model.parameters()) or opt_level == "O0"
+            with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+        finals[opt_level] = [p.detach().float().clone() for p in amp.master_params(optimizer)]
+    for ours, full in zip(finals["O2"], finals["O0"], strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)
