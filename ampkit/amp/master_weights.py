@@ -89,7 +89,9 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the masters and copy them into the model."""
+        """Restore the masters and copy them into the model where it does not hold their rounding already: a load
+        between a forward and its backward (a script's wrapper of Apex's lazy init reloads its checkpoint there)
+        leaves the weights that the forward saved for the backward untouched."""
         if "master_params" not in state:
             raise KeyError(f"master weights state needs 'master_params'; got keys {sorted(state)}")
         saved = state["master_params"]
@@ -101,4 +103,6 @@ class MasterWeights:
             if value.shape != master.shape:
                 raise ValueError(f"master_params[{i}] has shape {tuple(value.shape)}, expected {tuple(master.shape)}")
             master.copy_(value)
-        self.copy_to_model()
+        stale = [(p, m) for p, m in zip(self._low, self._low_masters, strict=True) if not torch.equal(p, m.to(p.dtype))]
+        if stale:
+            torch._foreach_copy_([p for p, _ in stale], [m for _, m in stale])

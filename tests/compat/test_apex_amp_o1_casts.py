@@ -106,6 +106,34 @@ def test_promotion_to_the_widest_type(dtype):
     assert _run(probe, lambda x: F.relu(x)).dtype == torch.float32
 
 
+# Each O1 rule with its tensors passed by keyword (torch's own names for them), a low-precision and a float32 one mixed.
+_BY_KEYWORD = {
+    "where": (lambda low, f: torch.where(condition=f > 1, input=low, other=f), torch.float32),
+    "addcmul": (lambda low, f: torch.addcmul(f, tensor1=low, tensor2=f), torch.float32),
+    "lerp": (lambda low, f: torch.lerp(low, end=f, weight=f), torch.float32),
+    "Tensor.lerp": (lambda low, f: low.lerp(end=f, weight=0.5), torch.float32),
+    "add": (lambda low, f: torch.add(input=low, other=f), torch.float32),
+    "cat": (lambda low, f: torch.cat(tensors=[low, f]), torch.float32),
+    "cat dim": (lambda low, f: torch.cat(tensors=(low, f), dim=1), torch.float32),
+    "stack": (lambda low, f: torch.stack(tensors=[f, low], dim=0), torch.float32),
+    "F.linear": (lambda low, f: F.linear(f, weight=f, bias=f[0]), "low"),
+    "F.linear all": (lambda low, f: F.linear(input=low, weight=f, bias=f[0]), "low"),
+    "addmm": (lambda low, f: torch.addmm(input=f, mat1=low, mat2=f), "low"),
+    "softmax": (lambda low, f: F.softmax(input=low, dim=-1), torch.float32),
+}
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("name", _BY_KEYWORD)
+def test_tensors_passed_by_keyword_are_cast_as_positional_ones(dtype, name):
+    """``torch.cat(tensors=[...])`` was a ``TypeError`` (its wrapper took the sequence positionally); the others are
+    pinned so that keyword tensors stay cast as positional ones are."""
+    fn, expected = _BY_KEYWORD[name]
+    probe = _o1_probe(dtype)
+    out = _run(probe, lambda x: fn(x.to(dtype), x.abs() + 0.5))
+    assert out.dtype == (dtype if expected == "low" else expected)
+
+
 _INDEX = torch.tensor([2, 0, 3, 1])
 _SCATTER_INDEX = torch.tensor([[1, 0, 3, 2]] * 4)
 _SPD = torch.eye(4) * 4 + torch.arange(16.0).reshape(4, 4) / 16  # float32 matrices the solvers factor

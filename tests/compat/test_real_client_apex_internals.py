@@ -634,8 +634,8 @@ def test_lightning_fork_defers_its_optimizer_checkpoint_and_enters_scale_loss_by
     """The fork's plugin also enters ``amp.scale_loss`` by hand (``__enter__``, ``backward``, ``__exit__(None, None,
     None)``, raising if that returns true). A run resumed from its ``{model, optimizer}`` checkpoint is bit-identical:
     the masters come back exact (the O2 model's state dict and the optimizer's both hold them), and so do Adam's
-    moments, loaded at the first ``load_state_dict``. The wrapper of ``_lazy_init_maybe_master_weights`` is not
-    called by the first backward here (Apex called it): nothing is left for it to load."""
+    moments, loaded at the first ``load_state_dict``. The first backward calls the wrapper of
+    ``_lazy_init_maybe_master_weights``, as Apex's did, which loads the checkpoint once more."""
     from apex import amp
 
     def build(state=None):
@@ -669,5 +669,60 @@ def test_lightning_fork_defers_its_optimizer_checkpoint_and_enters_scale_loss_by
     assert "master_params" in state["optimizer"]
     model, optimizer = build(state)
     train(model, optimizer, 3, 3)
+    for ours, theirs in zip(amp.master_params(optimizer), uninterrupted, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_lightning_fork_resumes_an_apex_checkpoint_with_the_masters_its_lazy_init_wrapper_reloads(shim):
+    """A checkpoint Apex wrote at O2 holds the half model and, through the fork's ``state_dict``, the fp32 masters
+    as ``master_params``, but not ampkit's own master key. Apex's first backward called the optimizer's
+    ``_lazy_init_maybe_master_weights`` through the attribute, so the fork's wrapper reloaded the checkpoint and put
+    the exact masters back: the resumed run is bit-identical. Calling ampkit's own lazy init instead left the masters
+    at the half model's rounding."""
+    from apex import amp
+
+    calls = []
+
+    def build(state=None):
+        calls.clear()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        if state is not None:
+            model.load_state_dict(state["model"])
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0, verbosity=0)
+        _lightning_fork_patch_optimizer(optimizer)
+        wrapped = optimizer._lazy_init_maybe_master_weights
+
+        def counted(self):
+            calls.append(self)
+            wrapped()
+
+        optimizer._lazy_init_maybe_master_weights = types.MethodType(counted, optimizer)
+        if state is not None:
+            optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        return model, optimizer
+
+    def train(model, optimizer, first, count):
+        for i in range(first, first + count):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+            optimizer.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, 0, 6)
+    uninterrupted = [p.detach().clone() for p in amp.master_params(optimizer)]
+    model, optimizer = build()
+    train(model, optimizer, 0, 3)
+    assert calls == [optimizer]  # once, at the first backward
+    apex_optimizer_state = optimizer.state_dict()
+    del apex_optimizer_state["ampkit_master_weights"]  # Apex saved no masters of its own
+    half_model = {k: v.half() for k, v in model.state_dict().items()}  # Apex's O2 model state was fp16
+    model, optimizer = build({"model": half_model, "optimizer": apex_optimizer_state})
+    train(model, optimizer, 3, 3)
+    assert calls == [optimizer] and not hasattr(optimizer, "_lazy_saved_state_dict")
     for ours, theirs in zip(amp.master_params(optimizer), uninterrupted, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

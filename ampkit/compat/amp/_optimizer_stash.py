@@ -183,10 +183,19 @@ class AmpOptimizerStash:
                 master.copy_(param)
 
     def lazy_init(self) -> None:
-        """Apex's first-backward setup: take over weights loaded into the model since ``initialize``."""
+        """Apex's ``_amp_lazy_init`` (first backward, step): the first time, call the optimizer's
+        ``_lazy_init_maybe_master_weights`` through the attribute, as Apex did, so a script's wrapper of it runs (a
+        Lightning fork reloads its deferred checkpoint there); every time, take over weights loaded since."""
+        if not self.lazy_init_called:
+            self.optimizer._lazy_init_maybe_master_weights()
+            self.lazy_init_called = True
+        self.take_over_model_weights()
+
+    def take_over_model_weights(self) -> None:
+        """ampkit's ``_lazy_init_maybe_master_weights``: the masters take over weights loaded into the model since
+        ``initialize`` or a checkpoint without masters (Apex built its masters from the model here)."""
         if not self._masters_checked:
             self._adopt_model_changes()
-        self.lazy_init_called = True
 
     def prepare_backward(self, delayed: bool = False) -> None:
         """Stash existing gradients before a scaled backward (no-op while a delayed unscale is pending).
@@ -379,10 +388,13 @@ class AmpOptimizerStash:
         def amp_lazy_init(self: Any) -> None:
             stash.lazy_init()
 
+        def lazy_init_maybe_master_weights(self: Any) -> None:
+            stash.take_over_model_weights()
+
         optimizer._prepare_amp_backward = types.MethodType(prepare_amp_backward, optimizer)
         optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
         optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
-        optimizer._lazy_init_maybe_master_weights = types.MethodType(amp_lazy_init, optimizer)
+        optimizer._lazy_init_maybe_master_weights = types.MethodType(lazy_init_maybe_master_weights, optimizer)
         if hasattr(original_step, "_wrapped_by_lr_sched"):
             # A scheduler built before initialize (transformers 2.x, NVIDIA's SSD and GNMT) counts optimizer steps
             # through the step it wrapped, which this one calls: keep its mark, or torch's scheduler warns at its

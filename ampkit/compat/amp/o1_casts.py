@@ -209,14 +209,22 @@ def promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
 
 
 def sequence_promote_wrapper(state: CastState) -> Callable[[Callable], Callable]:
-    """``cat``/``stack``: cast the sequence to float32 when it mixes a low-precision dtype with float32."""
+    """``cat``/``stack``: cast the sequence to float32 when it mixes a low-precision dtype with float32. The sequence
+    comes first or as ``tensors=`` (torch's name for it), which a wrapper taking it positionally refused."""
+
+    def promoted(seq: Any) -> Any:
+        if isinstance(seq, (list, tuple)) and _is_amp_mix(_floating_dtypes(seq)):
+            return [_cast(x, torch.float32) if _castable(x) else x for x in seq]
+        return seq
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
-        def wrapper(seq: Any, *args: Any, **kwargs: Any) -> Any:
-            if casts_here(state) and isinstance(seq, (list, tuple)) and _is_amp_mix(_floating_dtypes(seq)):
-                seq = [_cast(x, torch.float32) if _castable(x) else x for x in seq]
-            return original(seq, *args, **kwargs)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if casts_here(state) and args:
+                args = (promoted(args[0]), *args[1:])
+            elif casts_here(state) and "tensors" in kwargs:
+                kwargs = {**kwargs, "tensors": promoted(kwargs["tensors"])}
+            return original(*args, **kwargs)
 
         return wrapper
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _RequiredParameter, required
 
 from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
@@ -66,6 +67,9 @@ class FusedSGD(FusedOptimizer):
     ``torch.optim.SGD`` and Apex do; ``fp32_momentum=True`` keeps it in float32 instead (less rounding, twice
     the memory). With ``master_weights=True`` the buffer belongs to the fp32 master and is float32.
 
+    ``lr=torch.optim.optimizer.required`` (Apex's default, which wrappers of it pass on) takes each param group's own
+    ``lr``; a group without one is torch's ``ValueError``.
+
     Apex's ``materialize_master_grads`` is accepted for compatibility and has no effect: with
     ``master_weights=True`` the kernel reads the fp16/bf16 gradients directly.
 
@@ -88,7 +92,7 @@ class FusedSGD(FusedOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | _RequiredParameter = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -104,7 +108,8 @@ class FusedSGD(FusedOptimizer):
     ) -> None:
         check_flag("wd_after_momentum", wd_after_momentum)  # a truthy "False" switched the decay's order
         check_flag("materialize_master_grads", materialize_master_grads)
-        check_hyper("lr", lr)
+        if lr is not required:  # Apex's default, which wrappers pass on: then every param group names its own lr
+            check_hyper("lr", lr)
         check_hyper("momentum", momentum)
         check_hyper("weight_decay", weight_decay)
         check_flag("nesterov", nesterov)  # before it is read: "False" was refused as a Nesterov without momentum
