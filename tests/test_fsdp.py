@@ -27,7 +27,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
-from ampkit.trainer import checkpoint_io
+from ampkit.trainer import checkpoint_io, sharded_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
@@ -310,6 +310,47 @@ def test_a_moment_saved_as_a_periodic_and_a_best_k_checkpoint_writes_its_shards_
         assert not (checkpoints / best).is_symlink() and checkpoint_damage(checkpoints / best) is None
         assert load_checkpoint(checkpoints / best / "trainer.pt")["loop"]["global_step"] == int(best[5:])
     assert not list(checkpoints.glob(".*"))
+
+
+def test_a_full_disk_while_a_moment_is_copied_to_its_best_k_name_stops_the_run_and_a_resume_takes_last(
+    tmp_path, monkeypatch
+):
+    """The copy of a sharded moment to its best-k name (epoch-0002 to best-00000016) had no test of a disk that fills
+    midway: the run stops with one line, as a file's failed best-k copy stops it; the half-copied directory goes (never
+    under a checkpoint's name), the periodic one stays whole, last and best keep naming the previous ones, and a resume
+    of last takes epoch 1 and trains the rest as a run never stopped."""
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    copying, real_copy = checkpoints / ".best-00000016.tmp", sharded_checkpoint.copy_atomic
+
+    def copy(source, alias):
+        if alias.parent == copying and any(copying.iterdir()):  # the second file: the first is copied whole
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(sharded_checkpoint, "copy_atomic", copy)
+    settings = {"distributed": FSDP, "checkpoint": {"monitor": "val/mse", "save_top_k": 2, "keep_last": 3}}
+    message = (
+        f"could not write checkpoint '{checkpoints / 'best-00000016'}' (No space left on device); "
+        "last still holds the previous checkpoint, and --resume last continues from it"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings)).fit()
+    monkeypatch.undo()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "best-00000008", "epoch-0001", "epoch-0002",
+                                                              "last"]  # fmt: skip
+    assert (checkpoints / "last").resolve().name == "epoch-0001" and (checkpoints / "best").resolve().name == (
+        "best-00000008"
+    )
+    assert checkpoint_damage(checkpoints / "epoch-0002") is None
+    assert resolve_checkpoint(tmp_path / "run", "last") == checkpoints / "last"
+    resumed = ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings))
+    with pytest.warns(UserWarning, match=re.escape(f"'{checkpoints / 'epoch-0002'}' beside 'last' is newer")):
+        resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 8 and resumed.state.global_step == 24
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("best-")) == ["best-00000016",
+                                                                                           "best-00000024"]  # fmt: skip
+    assert (checkpoints / "best").resolve().name == "best-00000016"
+    assert checkpoint_damage(checkpoints / "best-00000016") is None and not list(checkpoints.glob(".*"))
 
 
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])
