@@ -242,9 +242,12 @@ def _newer_than_last(last: Path) -> Path | None:
     if position is None or not checkpoints.is_dir():
         return None
     kinds = {p: kind for p in checkpoints.iterdir() if (kind := checkpoint_kind(p)) in (0, 1)}  # step/epoch, best-k
-    ahead = [(loop["global_step"], p) for p in kinds if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest_first = sorted(ahead, key=lambda found: (found[0], -kinds[found[1]]), reverse=True)
-    return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
+    ahead = [p for p in kinds if (loop := loop_of(p)) and _is_past(loop, position)]
+    # newest_whole_beside's order: of one step, a step/epoch one first, then the later moment (an epoch's end after
+    # its last batch's), not the directory's listing order
+    order = {p: training_order(p) for p in ahead}
+    newest_first = sorted(ahead, key=lambda p: (order[p][0], -kinds[p], order[p]), reverse=True)
+    return next((p for p in newest_first if checkpoint_damage(p) is None), None)
 
 
 def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:
