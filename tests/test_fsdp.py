@@ -27,6 +27,7 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
+from ampkit.callbacks import ModelCheckpoint
 from ampkit.trainer import checkpoint_io, sharded_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
@@ -289,6 +290,24 @@ def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_dire
     assert resolve_checkpoint(copy, "best") == copy / "version_0" / "checkpoints" / named
     (copy / "version_0" / "checkpoints" / "best").symlink_to("best-00000099")  # dangling: named, never guessed past
     assert resolve_checkpoint(copy, "best") is None
+
+
+def test_fit_on_a_finished_sharded_run_reads_its_best_k_ranking_back(tmp_path):
+    """fit() again on a finished run restores the callbacks' states (Lightning's idiom to read best_model_path); a
+    sharded run's come from the trainer.pt its resume plan read (its checkpoint is not loaded whole), which only
+    reading had checked: best_model_path names the best directory, and nothing trains or is written."""
+    cfg = _cfg(tmp_path, trainer={"max_epochs": 3}, distributed=FSDP,
+               checkpoint={"monitor": "val/mse", "save_top_k": 2})  # fmt: skip
+    ScriptedValidation(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.rglob("*"))
+    again = ScriptedValidation(cfg)
+    again.fit(resume="last")
+    ranker = next(cb for cb in again.callbacks if isinstance(cb, ModelCheckpoint))
+    assert again.fit_start.finished and again.state.global_step == 24
+    assert ranker.best_model_path == str(checkpoints / "best-00000016") and ranker.best_model_score == 0.5
+    assert list(ranker.best_k_models) == [str(checkpoints / "best-00000016"), str(checkpoints / "best-00000024")]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.rglob("*")) == before
 
 
 def test_a_moment_saved_as_a_periodic_and_a_best_k_checkpoint_writes_its_shards_once(tmp_path, monkeypatch):
