@@ -41,7 +41,6 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -62,6 +61,7 @@ from ampkit.config import AMPKIT_KEYS, duration_seconds, flatten
 from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
+    NO_HARD_LINKS,
     PERIODIC_STEM,
     PROTECTED,
     CheckpointError,
@@ -883,10 +883,6 @@ def _process_start(pid: int) -> str | None:
     return f"{boot}/{ticks}"
 
 
-# os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse).
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
-
-
 def _no_hard_links(version_dir: Path, exc: OSError) -> str:
     """Why a run cannot write ``version_dir``: its file system makes no hard link, which the lock is taken by."""
     return (
@@ -944,7 +940,7 @@ class RunLock:
                 except FileExistsError:
                     holder = self._holder()
                 except OSError as exc:
-                    if exc.errno not in _NO_HARD_LINKS:
+                    if exc.errno not in NO_HARD_LINKS:
                         raise
                     raise RunDirectoryError(_no_hard_links(self.path.parent, exc)) from None
                 if holder is None and not os.path.lexists(self.path):  # released just now: try again
