@@ -372,6 +372,40 @@ def test_a_full_disk_while_a_moment_is_copied_to_its_best_k_name_stops_the_run_a
     assert checkpoint_damage(checkpoints / "best-00000016") is None and not list(checkpoints.glob(".*"))
 
 
+def test_a_first_save_whose_best_k_copy_failed_is_copied_again_by_the_resume_that_takes_its_moment(
+    tmp_path, monkeypatch
+):
+    """The run's first save (epoch 1, the best by mode max) failed copying to best-00000008 on a full disk, before any
+    last was made: --resume last takes epoch-0001, whose ranking names best-00000008. Nothing made that copy, so
+    best_model_path named no directory, best was never made, and keep_last later pruned epoch-0001, the only copy of
+    the run's best state. The resume makes the copy, and best names it, as the save would have."""
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    copying, real_copy = checkpoints / ".best-00000008.tmp", sharded_checkpoint.copy_atomic
+
+    def copy(source, alias):
+        if alias.parent == copying:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(sharded_checkpoint, "copy_atomic", copy)
+    settings = {"distributed": FSDP, "checkpoint": {"monitor": "val/mse", "mode": "max", "save_top_k": 2,
+                                                    "keep_last": 1}}  # fmt: skip
+    with pytest.raises(CheckpointError, match=re.escape(f"'{checkpoints / 'epoch-0001'}' was written whole")):
+        ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings)).fit()
+    monkeypatch.undo()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-0001"]
+    resumed = ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings))
+    resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 8 and resumed.state.global_step == 24
+    ranker = next(cb for cb in resumed.callbacks if isinstance(cb, ModelCheckpoint))
+    best = checkpoints / "best-00000008"
+    assert ranker.best_model_path == str(best) and checkpoint_damage(best) is None
+    assert load_checkpoint(best / "trainer.pt")["loop"]["global_step"] == 8
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "best-00000008", "best-00000024", "epoch-0003",
+                                                              "last"]  # fmt: skip
+    assert (checkpoints / "best").resolve().name == "best-00000008"
+
+
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])
 def test_a_full_disk_midway_through_a_sharded_save_is_one_line_and_leaves_last_to_resume(
     tmp_path, monkeypatch, failing
