@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import ampkit
 from ampkit.cli import main
+from ampkit.trainer.checkpoint_io import load_checkpoint
 from ampkit.trainer.ordering import CallbackOrderError
 
 
@@ -256,6 +257,36 @@ def test_an_interrupted_fit_names_the_step_it_stopped_at_and_the_step_resume_con
         capsys.readouterr().err
         == f"ampkit: interrupted (--resume last continues from {last}, saved at step 8; this run reached step 10)\n"
     )
+
+
+RESUMED_FROM = "(--resume last continues from {last}"
+
+
+@pytest.mark.parametrize(
+    ("sent", "status", "said"),
+    [
+        ("TERM", 143, f"ampkit: SIGTERM: stopping at step 11\nampkit: terminated (SIGTERM) {RESUMED_FROM})"),
+        ("HUP", 129, f"ampkit: hung up (SIGHUP) {RESUMED_FROM}, saved at step 8; this run reached step 10)"),
+    ],
+)
+def test_a_preempted_or_hung_up_fit_exits_with_a_status_of_its_own_and_resume_last_finishes_it(
+    tmp_path, capsys, monkeypatch, sent, status, said
+):
+    """What a wrapper script or a scheduler's requeue rule reads: a fit stopped by SIGTERM (a preemption, its step
+    saved) or SIGHUP exits 143 or 129 ("resume me"), never 0, 2 (bad input) or the 1 of a crash, whose traceback
+    Python prints; then --resume last finishes the run."""
+    monkeypatch.setenv("AMPKIT_TEST_SIGNAL", sent)
+    quiet = {"progress_bar": False}
+    config = _config(tmp_path, "toy_trainers:SignalledToyTrainer", trainer=quiet, logging={"tensorboard": False})
+    assert main(["fit", "--config", config, "trainer.max_epochs=3"]) == status
+    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.pt"
+    assert capsys.readouterr().err == said.format(last=last) + "\n"
+    assert load_checkpoint(last)["loop"]["global_step"] == (11 if sent == "TERM" else 8)
+    assert main(["fit", "--config", config, "trainer.max_epochs=3", "--resume", "last"]) == 0
+    assert load_checkpoint(last)["loop"]["global_step"] == 24
+    monkeypatch.setenv("AMPKIT_TEST_SIGNAL", "crash")
+    with pytest.raises(RuntimeError, match="a batch this step cannot take"):  # Python's status 1, with its traceback
+        main(["fit", "--config", config, "trainer.max_epochs=3", f"run_dir={tmp_path / 'crashed'}"])
 
 
 def _show_warnings_as_python_does(monkeypatch) -> None:

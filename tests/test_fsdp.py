@@ -27,7 +27,8 @@ from toy_trainers import ToyTrainer, toy_cfg
 
 import ampkit
 from ampkit import consolidate_checkpoint
-from ampkit.trainer import checkpoint_io
+from ampkit.callbacks import ModelCheckpoint
+from ampkit.trainer import checkpoint_io, sharded_checkpoint
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.fsdp import fsdp_param_dtype
 from ampkit.trainer.run_life import resolve_checkpoint
@@ -291,6 +292,24 @@ def test_a_sharded_run_whose_best_link_a_copy_dropped_resumes_best_from_the_dire
     assert resolve_checkpoint(copy, "best") is None
 
 
+def test_fit_on_a_finished_sharded_run_reads_its_best_k_ranking_back(tmp_path):
+    """fit() again on a finished run restores the callbacks' states (Lightning's idiom to read best_model_path); a
+    sharded run's come from the trainer.pt its resume plan read (its checkpoint is not loaded whole), which only
+    reading had checked: best_model_path names the best directory, and nothing trains or is written."""
+    cfg = _cfg(tmp_path, trainer={"max_epochs": 3}, distributed=FSDP,
+               checkpoint={"monitor": "val/mse", "save_top_k": 2})  # fmt: skip
+    ScriptedValidation(cfg).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.rglob("*"))
+    again = ScriptedValidation(cfg)
+    again.fit(resume="last")
+    ranker = next(cb for cb in again.callbacks if isinstance(cb, ModelCheckpoint))
+    assert again.fit_start.finished and again.state.global_step == 24
+    assert ranker.best_model_path == str(checkpoints / "best-00000016") and ranker.best_model_score == 0.5
+    assert list(ranker.best_k_models) == [str(checkpoints / "best-00000016"), str(checkpoints / "best-00000024")]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in checkpoints.rglob("*")) == before
+
+
 def test_a_moment_saved_as_a_periodic_and_a_best_k_checkpoint_writes_its_shards_once(tmp_path, monkeypatch):
     """An epoch's end that was also among the best wrote the whole sharded state twice (a second DCP save, every
     rank gathering and writing its shards again). Written once now and copied, so each name stays whole alone."""
@@ -310,6 +329,81 @@ def test_a_moment_saved_as_a_periodic_and_a_best_k_checkpoint_writes_its_shards_
         assert not (checkpoints / best).is_symlink() and checkpoint_damage(checkpoints / best) is None
         assert load_checkpoint(checkpoints / best / "trainer.pt")["loop"]["global_step"] == int(best[5:])
     assert not list(checkpoints.glob(".*"))
+
+
+def test_a_full_disk_while_a_moment_is_copied_to_its_best_k_name_stops_the_run_and_a_resume_takes_last(
+    tmp_path, monkeypatch
+):
+    """The copy of a sharded moment to its best-k name (epoch-0002 to best-00000016) had no test of a disk that fills
+    midway: the run stops with one line, as a file's failed best-k copy stops it; the half-copied directory goes (never
+    under a checkpoint's name), the periodic one stays whole, last and best keep naming the previous ones, and a resume
+    of last takes epoch 1 and trains the rest as a run never stopped."""
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    copying, real_copy = checkpoints / ".best-00000016.tmp", sharded_checkpoint.copy_atomic
+
+    def copy(source, alias):
+        if alias.parent == copying and any(copying.iterdir()):  # the second file: the first is copied whole
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(sharded_checkpoint, "copy_atomic", copy)
+    settings = {"distributed": FSDP, "checkpoint": {"monitor": "val/mse", "save_top_k": 2, "keep_last": 3}}
+    message = (
+        f"could not write checkpoint '{checkpoints / 'best-00000016'}' (No space left on device); "
+        "last still holds the previous checkpoint, and --resume last continues from it"
+    )
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings)).fit()
+    monkeypatch.undo()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "best-00000008", "epoch-0001", "epoch-0002",
+                                                              "last"]  # fmt: skip
+    assert (checkpoints / "last").resolve().name == "epoch-0001" and (checkpoints / "best").resolve().name == (
+        "best-00000008"
+    )
+    assert checkpoint_damage(checkpoints / "epoch-0002") is None
+    assert resolve_checkpoint(tmp_path / "run", "last") == checkpoints / "last"
+    resumed = ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings))
+    with pytest.warns(UserWarning, match=re.escape(f"'{checkpoints / 'epoch-0002'}' beside 'last' is newer")):
+        resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 8 and resumed.state.global_step == 24
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("best-")) == ["best-00000016",
+                                                                                           "best-00000024"]  # fmt: skip
+    assert (checkpoints / "best").resolve().name == "best-00000016"
+    assert checkpoint_damage(checkpoints / "best-00000016") is None and not list(checkpoints.glob(".*"))
+
+
+def test_a_first_save_whose_best_k_copy_failed_is_copied_again_by_the_resume_that_takes_its_moment(
+    tmp_path, monkeypatch
+):
+    """The run's first save (epoch 1, the best by mode max) failed copying to best-00000008 on a full disk, before any
+    last was made: --resume last takes epoch-0001, whose ranking names best-00000008. Nothing made that copy, so
+    best_model_path named no directory, best was never made, and keep_last later pruned epoch-0001, the only copy of
+    the run's best state. The resume makes the copy, and best names it, as the save would have."""
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    copying, real_copy = checkpoints / ".best-00000008.tmp", sharded_checkpoint.copy_atomic
+
+    def copy(source, alias):
+        if alias.parent == copying:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_copy(source, alias)
+
+    monkeypatch.setattr(sharded_checkpoint, "copy_atomic", copy)
+    settings = {"distributed": FSDP, "checkpoint": {"monitor": "val/mse", "mode": "max", "save_top_k": 2,
+                                                    "keep_last": 1}}  # fmt: skip
+    with pytest.raises(CheckpointError, match=re.escape(f"'{checkpoints / 'epoch-0001'}' was written whole")):
+        ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings)).fit()
+    monkeypatch.undo()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-0001"]
+    resumed = ScriptedValidation(_cfg(tmp_path, trainer={"max_epochs": 3}, **settings))
+    resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == 8 and resumed.state.global_step == 24
+    ranker = next(cb for cb in resumed.callbacks if isinstance(cb, ModelCheckpoint))
+    best = checkpoints / "best-00000008"
+    assert ranker.best_model_path == str(best) and checkpoint_damage(best) is None
+    assert load_checkpoint(best / "trainer.pt")["loop"]["global_step"] == 8
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "best-00000008", "best-00000024", "epoch-0003",
+                                                              "last"]  # fmt: skip
+    assert (checkpoints / "best").resolve().name == "best-00000008"
 
 
 @pytest.mark.parametrize("failing", ["shards", "trainer.pt", "shard file at 0.5", "shard file at 0.95"])

@@ -286,6 +286,35 @@ def test_a_newer_sharded_checkpoint_torn_in_a_shard_is_not_the_one_named_to_take
     assert resumed.fit_start.loop["epoch"] == 1
 
 
+@pytest.mark.parametrize("listed", ["sorted", "reversed"])
+def test_the_newer_sharded_checkpoint_named_among_several_of_one_step_does_not_depend_on_the_listing_order(
+    tmp_path, monkeypatch, listed
+):
+    """Killed after step 16's saves (step-00000016 at the batch's end; epoch-0002 and its best-k copy at the epoch's
+    end) before last moved: the notice named whichever of them the directory listed first, where the one rule of
+    checkpoints beside another names the latest moment first (epoch 2's end, after the batch's), a step/epoch one
+    before a best-k one of the same moment."""
+    saved = {**QUIET, "trainer.max_epochs": 2, "checkpoint.every_n_epochs": 1, "checkpoint.every_n_steps": 8,
+             "checkpoint.keep_last": 5, "checkpoint.monitor": "val/mse", "checkpoint.save_top_k": -1,
+             "distributed.strategy": "fsdp"}  # fmt: skip
+    ToyTrainer(toy_cfg(tmp_path, **saved)).fit()
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    (checkpoints / "last").unlink()
+    (checkpoints / "last").symlink_to("epoch-0001")
+    real_iterdir = Path.iterdir
+
+    def iterdir(path):
+        found = sorted(real_iterdir(path))
+        return iter(found if listed == "sorted" or path != checkpoints else found[::-1])
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    resumed = ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 3}))
+    with pytest.warns(UserWarning) as warned:
+        resumed.fit(resume="last")
+    said = [str(w.message) for w in warned if "is newer" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(f"'{checkpoints / 'epoch-0002'}' beside 'last' is newer"), said
+
+
 def test_a_resume_whose_last_is_the_newest_checkpoint_says_nothing_of_newer_files(tmp_path):
     saved = {**QUIET, "trainer.max_epochs": 2, "checkpoint.every_n_epochs": 1}
     ToyTrainer(toy_cfg(tmp_path, **saved)).fit()

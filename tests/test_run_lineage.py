@@ -184,6 +184,37 @@ def test_predict_replaces_an_existing_output_only_with_overwrite_never_a_read_on
     assert f"'{mine}' is write-protected" in capsys.readouterr().err and mine.read_bytes() == kept
 
 
+class OutputTakenMidway(Predicting):
+    """Another process writes the output file while this predict runs (after its start's check found none)."""
+
+    def predict_step(self, batch):
+        taken = Path(self.taken)
+        if not taken.exists():
+            taken.write_bytes(b"another process's predictions")
+        return super().predict_step(batch)
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_predict_never_replaces_an_output_another_process_wrote_while_it_ran(tmp_path, monkeypatch, links):
+    """The output was checked at the start, then renamed over whatever was there at the end: two predicts started at
+    once into one --output (each found none) left the second's alone, the first's replaced without a word. Without
+    overwrite the file found at the end is kept too (by a hard link's no-clobber, or a last look where the filesystem
+    has none), the temp file goes, and the error says so; with overwrite it is replaced."""
+    if not links:  # an object-store mount (s3fs, gcsfuse)
+        monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(OSError(errno.EPERM, "no hard links")))
+    output = tmp_path / "preds.pt"
+    trainer = OutputTakenMidway(toy_cfg(tmp_path, **QUIET))
+    trainer.taken = str(output)
+    with pytest.raises(RunDirectoryError, match=re.escape(f"cannot write predictions to '{output}': a file appeared")):
+        trainer.predict(output=output)
+    assert output.read_bytes() == b"another process's predictions" and trainer.predictions_path is None
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["preds.pt"]  # no temp file left
+    output.unlink()
+    predictions = trainer.predict(output=output, overwrite=True)
+    torch.testing.assert_close(torch.load(output, weights_only=True), predictions)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["preds.pt"]
+
+
 class PredictingWithOwnPredict(Predicting):
     """A subclass overriding predict with the signature it had before the ``overwrite`` option."""
 

@@ -222,6 +222,18 @@ class OwnGeneratorToyTrainer(ToyTrainer):
         return DataLoader(data, batch_size=self.cfg.data.batch_size, sampler=sampler)
 
 
+class SignalledToyTrainer(ToyTrainer):
+    """Once in the process, in the step after step 10: a signal to this process as a scheduler or a closed terminal
+    sends it (env AMPKIT_TEST_SIGNAL: TERM, HUP), or a crash (crash); nothing where the variable is unset."""
+
+    def training_step(self, batch):
+        if self.state.global_step == 10 and (name := os.environ.pop("AMPKIT_TEST_SIGNAL", None)) is not None:
+            if name == "crash":
+                raise RuntimeError("a batch this step cannot take")
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+        return super().training_step(batch)
+
+
 class CtrlCToyTrainer(ToyTrainer):
     """A Ctrl-C (KeyboardInterrupt) in the step after step 10, two steps past the epoch-end checkpoint of step 8."""
 

@@ -197,10 +197,27 @@ class ModelCheckpoint(KeyedByMonitor):
                 if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
                     remove_sharded(best)
         if trainer.sharded:
+            self._copy_resumed_moment(trainer, directory)
             self._relink_best(directory)
         else:
             self._recopy_best(directory)
         self._prune(directory)
+
+    def _copy_resumed_moment(self, trainer, directory: Path) -> None:
+        """Make the resumed moment's best-k copy where its ranking names one that is missing: a sharded run's first
+        save failed copying it (a full disk) before any ``last`` was made, and ``--resume last`` took that moment's
+        periodic directory (the fallback where ``last`` is missing). ``best`` names the copy where it leads the
+        ranking, as after that save. (A file's moment has no such fallback: its resume by path branches.)"""
+        start, loop = trainer.fit_start.checkpoint_path, trainer.fit_start.loop
+        if start is None or loop is None:
+            return
+        copy = directory / f"best-{loop['global_step']:08d}"
+        source = start.resolve()
+        if copy.name not in self.best_k or copy.exists() or copy.is_symlink() or source.parent != directory.resolve():
+            return
+        copy_sharded(source, copy)
+        if copy.name == next(iter(self.best_k)):
+            point_last_at(copy, "best")
 
     def _recopy_best(self, directory: Path) -> None:
         """Make ``best.pt`` a copy of the restored ranking's best again where a kill left it holding another state:

@@ -162,12 +162,18 @@ def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[
     return [path for path in checkpoints if path not in kept]
 
 
-def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> None:
+# os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse; FAT):
+# there, no file can be put in place only where none is in one step, and a save that must not replace one looks first.
+NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
+
+
+def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None], replace: bool = True) -> None:
     """``write`` into a temp file beside ``path``, fsync it, then rename it over ``path`` (the temp file is
     removed if anything fails): readers see the old file or the new one, never half of one. The file gets the
     permissions ``open()`` would give it (the umask's), not the temp file's owner-only ones, so a run directory
     on a shared filesystem stays readable by whom the user's umask lets read it. A write-protected ``path`` is
-    refused (:func:`refuse_protected`)."""
+    refused (:func:`refuse_protected`); so is, unless ``replace``, a file at ``path`` however new (one that another
+    process wrote while this one wrote its own): a FileExistsError."""
     refuse_protected(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -177,7 +183,10 @@ def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> N
                 write(sink)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _put_in_place_unless_taken(Path(tmp), path)
     except BaseException:
         # Where it cannot go (ext4 remounts read-only after an I/O error), the error raised stays the write's, and the
         # next fit's tidy removes the temp file.
@@ -186,11 +195,27 @@ def _replace_atomically(path: Path, mode: str, write: Callable[[IO], None]) -> N
         raise
 
 
-def save_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    """Write ``obj`` to a temp file beside ``path``, fsync it, then rename: readers see old or new, never half."""
+def _put_in_place_unless_taken(tmp: Path, path: Path) -> None:
+    """Give finished file ``tmp`` the name ``path`` only where no file has it (a FileExistsError else), in one step
+    (a hard link) where the filesystem has them; the temp name goes."""
+    try:
+        os.link(tmp, path)
+    except OSError as exc:
+        if exc.errno not in NO_HARD_LINKS:
+            raise
+        if path.exists() or path.is_symlink():  # no atomic way here: looked at as late as can be
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
+def save_atomic(obj: Any, path: str | os.PathLike, replace: bool = True) -> Path:
+    """Write ``obj`` to a temp file beside ``path``, fsync it, then rename: readers see old or new, never half.
+    Unless ``replace``, a file at ``path`` (one written meanwhile by another process) stays: a FileExistsError."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(path, "wb", lambda f: torch.save(obj, f))
+    _replace_atomically(path, "wb", lambda f: torch.save(obj, f), replace)
     _fsync_dir(path.parent)
     return path
 

@@ -41,7 +41,6 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -62,6 +61,7 @@ from ampkit.config import AMPKIT_KEYS, duration_seconds, flatten
 from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
+    NO_HARD_LINKS,
     PERIODIC_STEM,
     PROTECTED,
     CheckpointError,
@@ -242,9 +242,12 @@ def _newer_than_last(last: Path) -> Path | None:
     if position is None or not checkpoints.is_dir():
         return None
     kinds = {p: kind for p in checkpoints.iterdir() if (kind := checkpoint_kind(p)) in (0, 1)}  # step/epoch, best-k
-    ahead = [(loop["global_step"], p) for p in kinds if (loop := loop_of(p)) and _is_past(loop, position)]
-    newest_first = sorted(ahead, key=lambda found: (found[0], -kinds[found[1]]), reverse=True)
-    return next((p for _, p in newest_first if checkpoint_damage(p) is None), None)
+    ahead = [p for p in kinds if (loop := loop_of(p)) and _is_past(loop, position)]
+    # newest_whole_beside's order: of one step, a step/epoch one first, then the later moment (an epoch's end after
+    # its last batch's), not the directory's listing order
+    order = {p: training_order(p) for p in ahead}
+    newest_first = sorted(ahead, key=lambda p: (order[p][0], -kinds[p], order[p]), reverse=True)
+    return next((p for p in newest_first if checkpoint_damage(p) is None), None)
 
 
 def _is_past(loop: dict[str, int], last: dict[str, int]) -> bool:
@@ -880,10 +883,6 @@ def _process_start(pid: int) -> str | None:
     return f"{boot}/{ticks}"
 
 
-# os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse).
-_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
-
-
 def _no_hard_links(version_dir: Path, exc: OSError) -> str:
     """Why a run cannot write ``version_dir``: its file system makes no hard link, which the lock is taken by."""
     return (
@@ -941,7 +940,7 @@ class RunLock:
                 except FileExistsError:
                     holder = self._holder()
                 except OSError as exc:
-                    if exc.errno not in _NO_HARD_LINKS:
+                    if exc.errno not in NO_HARD_LINKS:
                         raise
                     raise RunDirectoryError(_no_hard_links(self.path.parent, exc)) from None
                 if holder is None and not os.path.lexists(self.path):  # released just now: try again

@@ -1775,7 +1775,14 @@ class Trainer:
             path = checked[0] if self.world_size == 1 else rank_output(checked[0], self.global_rank)
             failure = None
             try:
-                save_atomic(predictions, path)
+                # Unless asked to overwrite, a file another process put there while this one predicted stays.
+                save_atomic(predictions, path, replace=overwrite)
+            except FileExistsError:
+                failure = RunDirectoryError(
+                    f"cannot write predictions to '{path}': a file appeared there while this predict ran (another "
+                    "process wrote it), which is kept; pass --overwrite (predict(..., overwrite=True)) to replace it, "
+                    "or name a new file"
+                )
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
                 failure = RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})")
             raise_the_first_failure(failure, self.dist)
