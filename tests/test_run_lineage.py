@@ -199,17 +199,28 @@ def test_predict_never_replaces_an_output_another_process_wrote_while_it_ran(tmp
     """The output was checked at the start, then renamed over whatever was there at the end: two predicts started at
     once into one --output (each found none) left the second's alone, the first's replaced without a word. Without
     overwrite the file found at the end is kept too (by a hard link's no-clobber, or a last look where the filesystem
-    has none), the temp file goes, and the error says so; with overwrite it is replaced."""
+    has none), the temp file goes, and the error says so; this run's predictions are kept beside it under the first
+    free ``<stem>.<N><suffix>`` (an hour's predict is not thrown away), named in the error; with overwrite the file
+    is replaced."""
     if not links:  # an object-store mount (s3fs, gcsfuse)
         monkeypatch.setattr(os, "link", lambda *args: (_ for _ in ()).throw(OSError(errno.EPERM, "no hard links")))
     output = tmp_path / "preds.pt"
     trainer = OutputTakenMidway(toy_cfg(tmp_path, **QUIET))
     trainer.taken = str(output)
-    with pytest.raises(RunDirectoryError, match=re.escape(f"cannot write predictions to '{output}': a file appeared")):
+    (tmp_path / "preds.1.pt").write_bytes(b"an earlier kept file")  # taken too: the next free name is used
+    with pytest.raises(
+        RunDirectoryError, match=re.escape(f"cannot write predictions to '{output}': a file appeared")
+    ) as err:
         trainer.predict(output=output)
+    kept = tmp_path / "preds.2.pt"
+    assert f"this run's predictions are in '{kept}'" in str(err.value)
     assert output.read_bytes() == b"another process's predictions" and trainer.predictions_path is None
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["preds.pt"]  # no temp file left
-    output.unlink()
+    assert (tmp_path / "preds.1.pt").read_bytes() == b"an earlier kept file"
+    assert [p.shape[0] for p in torch.load(kept, weights_only=True)] == [4, 4, 2]
+    # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["preds.1.pt", "preds.2.pt", "preds.pt"]
+    for name in ("preds.pt", "preds.1.pt", "preds.2.pt"):
+        (tmp_path / name).unlink()
     predictions = trainer.predict(output=output, overwrite=True)
     torch.testing.assert_close(torch.load(output, weights_only=True), predictions)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "run") == ["preds.pt"]

@@ -72,6 +72,7 @@ from ampkit.trainer.checkpoint_io import (
     load_checkpoint,
     load_fingerprinted,
     peek_checkpoint,
+    save_atomic,
     write_protected,
     write_text_atomic,
 )
@@ -1050,6 +1051,21 @@ def prediction_output(
 def rank_output(path: Path, rank: int) -> Path:
     """The file rank ``rank`` of several writes for ``predict(output=path)``: ``<stem>.rank<N><suffix>``."""
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def save_predictions_beside(predictions: Any, path: Path) -> str:
+    """Save ``predictions`` under the first free ``<stem>.<N><suffix>`` beside ``path`` (which another process took
+    while they were computed), so the work is not lost; says where, or why nothing could be saved."""
+    for n in range(1, 1000):
+        beside = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        try:
+            save_atomic(predictions, beside, replace=False)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            return f"this run's predictions could not be kept beside it either ({exc.strerror or exc})"
+        return f"this run's predictions are in '{beside}'"
+    return f"this run's predictions could not be kept: {path.stem}.1{path.suffix} to .999 are all taken"
 
 
 def _rank_files_beyond(path: Path, world_size: int) -> list[Path]:

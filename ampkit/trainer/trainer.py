@@ -208,6 +208,7 @@ from ampkit.trainer.run_life import (
     resolve_checkpoint,
     restarted_from,
     resume_settings_warning,
+    save_predictions_beside,
     tidy_run_dir,
     torchrun_launch,
 )
@@ -1778,10 +1779,11 @@ class Trainer:
                 # Unless asked to overwrite, a file another process put there while this one predicted stays.
                 save_atomic(predictions, path, replace=overwrite)
             except FileExistsError:
+                kept = save_predictions_beside(predictions, path)  # what this run computed is not thrown away either
                 failure = RunDirectoryError(
                     f"cannot write predictions to '{path}': a file appeared there while this predict ran (another "
-                    "process wrote it), which is kept; pass --overwrite (predict(..., overwrite=True)) to replace it, "
-                    "or name a new file"
+                    f"process wrote it), which is kept; {kept}; pass --overwrite (predict(..., overwrite=True)) to "
+                    "replace it, or name a new file"
                 )
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
                 failure = RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})")
