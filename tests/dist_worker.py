@@ -267,7 +267,7 @@ class Normed(Plain):
 
 
 class CountsRecompiles(ampkit.Callback):
-    """The recompiles torch's dynamo logged by the end of each validation and of the fit."""
+    """The recompiles torch's dynamo logged by the end of each validation and of the fit, and the graphs it compiled."""
 
     def __init__(self):
         import logging
@@ -278,12 +278,14 @@ class CountsRecompiles(ampkit.Callback):
         counter.emit = lambda record: setattr(self, "logged", self.logged + 1)
         logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(counter)
         self.seen: list[int] = []
+        self.graphs = 0
 
     def on_validation_end(self, trainer, metrics):
         self.seen.append(self.logged)
 
     def on_fit_end(self, trainer):
         self.seen.append(self.logged)
+        self.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def compiled_with(backend: str) -> None:
@@ -966,6 +968,8 @@ def main(scenario: str, out: Path) -> None:
         extra = {"grads": spy.grads}
     if scenario == "step_buffers":
         extra = {"buffers": spy.seen}
+    if scenario == "ddp_compile_switches":
+        extra["compiled"] = spy.graphs
     if scenario == "expert_on_rank_1":
         extra = {"initial_expert": initial.weight}
     if scenario == "overflow_amp":
