@@ -259,6 +259,41 @@ class NormedUnevenValidation(UnevenValidationStream):
         return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
 
 
+class Normed(Plain):
+    """A BatchNorm, whose buffers every rank takes from rank 0 before each validation."""
+
+    def configure_model(self):
+        return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+class CountsRecompiles(ampkit.Callback):
+    """The recompiles torch's dynamo logged by the end of each validation and of the fit, and the graphs it compiled."""
+
+    def __init__(self):
+        import logging
+
+        torch._logging.set_logs(recompiles=True)
+        self.logged = 0
+        counter = logging.Handler()
+        counter.emit = lambda record: setattr(self, "logged", self.logged + 1)
+        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(counter)
+        self.seen: list[int] = []
+        self.graphs = 0
+
+    def on_validation_end(self, trainer, metrics):
+        self.seen.append(self.logged)
+
+    def on_fit_end(self, trainer):
+        self.seen.append(self.logged)
+        self.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compiled_with(backend: str) -> None:
+    """``torch.compile`` with ``backend`` (``trainer.compile`` takes none: inductor builds C++ for minutes on CPU)."""
+    compile_ = torch.compile
+    torch.compile = lambda model, mode=None, **kwargs: compile_(model, **{**kwargs, "backend": backend})
+
+
 class DuplicatedEvaluation(Plain):
     """Validates, tests and predicts on a stream that gives every rank the same 24 samples."""
 
@@ -915,6 +950,13 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "rank_zero_decides":
         torch.save(rank_zero_decides(out, base), out / f"rank{RANK}.pt")
         return
+    elif scenario == "ddp_compile_switches":  # DDP's buffer sync before each validation, the whole model compiled
+        compiled_with("eager")
+        spy = CountsRecompiles()
+        train = {**cpu, "max_epochs": 3, "limit_train_batches": 2, "compile": True, "num_sanity_val_steps": 0}
+        cfg = {**base, "data": {"batch_size": 4}, "checkpoint": {"enabled": False}, "trainer": train}
+        trainer = Normed(cfg, callbacks=[spy])
+        extra = {"recompiles": spy.seen}
     elif scenario == "mismatch":
         cfg = {**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1 + RANK}}
         trainer = Plain(cfg)
@@ -926,6 +968,8 @@ def main(scenario: str, out: Path) -> None:
         extra = {"grads": spy.grads}
     if scenario == "step_buffers":
         extra = {"buffers": spy.seen}
+    if scenario == "ddp_compile_switches":
+        extra["compiled"] = spy.graphs
     if scenario == "expert_on_rank_1":
         extra = {"initial_expert": initial.weight}
     if scenario == "overflow_amp":

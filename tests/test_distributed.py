@@ -462,6 +462,19 @@ def test_sync_batchnorm_with_unequal_batches_equals_one_process_on_the_concatena
         torch.testing.assert_close(rank1["model"][f"1.{key}"], value, rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_model_under_ddp_compiles_and_its_validations_recompile_nothing(tmp_path):
+    """trainer.compile=true under DDP compiles the model's forward: torch.compile of the DDP wrapper compiled no graph
+    (dynamo stops at DDP's forward and ran the model eagerly). DistributedSync gives every rank rank 0's BatchNorm
+    buffers as each validation starts and tells DDP its forwards need no sync; no switch between training and
+    validation may recompile: the first validation compiles the no-grad case once, the later two reuse it."""
+    ranks = _ok(launch("ddp_compile_switches", tmp_path))
+    for rank in ranks:
+        assert rank["compiled"] >= 1
+        first, *later = rank["recompiles"]  # at each validation's end (3 epochs), then at the fit's
+        assert later == [first] * 3, rank["recompiles"]
+    _equal(ranks[0]["model"], ranks[1]["model"])
+
+
 def _one_forward_stats(x: torch.Tensor) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4))

@@ -39,7 +39,7 @@ class CompileReport(Callback):
     def on_train_start(self, trainer) -> None:
         self._called = False
         setup = trainer.model_setup
-        watched = setup.compiled_regions or [trainer.model]  # regional, or the compiled root (DDP's when wrapped)
+        watched = setup.compiled_regions or [trainer.model]  # regional, or the compiled root (DDP over it when wrapped)
         self._hooks = [m.register_forward_pre_hook(self._ran) for m in watched if isinstance(m, nn.Module)]
         self._start, self._graphs = time.perf_counter(), _graphs_compiled()
 

@@ -67,12 +67,13 @@ class DistributedSync(Callback):
         if self.grad_sync == "ddp":
             self._unwrapped = trainer.model
             device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
-            self._ddp = torch.nn.parallel.DistributedDataParallel(
-                trainer.module, device_ids=device_ids, **self.ddp_kwargs
-            )
-            trainer.model = torch.compile(self._ddp) if compiles_whole_model(trainer.cfg) else self._ddp
-            if trainer.model is self._ddp:  # (a compiled DDP forward traces its hooks: left unwatched)
-                self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
+            # DDP over the compiled module: the DDP wrapper compiled gave no graph at all (torch 2.13's dynamo stops
+            # at DDP's forward, whose _inside_ddp_forward it cannot trace, and ran the model eagerly: pytorch#140416)
+            compiled = compiles_whole_model(trainer.cfg)
+            inner = torch.compile(trainer.module, mode=trainer.cfg.trainer.compile_mode) if compiled else trainer.module
+            self._ddp = torch.nn.parallel.DistributedDataParallel(inner, device_ids=device_ids, **self.ddp_kwargs)
+            trainer.model = self._ddp
+            self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
             wrapped = [(name, p) for name, p in trainer.module.named_parameters() if p.requires_grad]
             self._ddp_names, self._ddp_params = [name for name, _ in wrapped], {id(p) for _, p in wrapped}
             self._trainable, self._unfrozen = TrainableParams(trainer.module, trainer.optimizers.values()), set()

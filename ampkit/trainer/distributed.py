@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampkit.amp import read_flags
 from ampkit.config import ConfigError, flatten
 from ampkit.trainer.batch_counts import loader_length
+from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.launch_env import check_launch_environment, launch_int
 
 T = TypeVar("T")
@@ -111,22 +112,28 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
                                 world_size=1)  # fmt: skip
         return DistributedEnv(owns_group=True)
     backend = cfg.distributed.backend
-    on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+    on_gpu = torch.cuda.is_available() and resolve_device(cfg.trainer.device).type == "cuda"
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
+    if backend == "nccl" and not on_gpu:  # every collective of the run would hand NCCL a CPU tensor, and fail
+        raise ConfigError(
+            f"config key 'distributed.backend': nccl takes CUDA tensors only, but trainer.device is "
+            f"'{cfg.trainer.device}', so the run trains on the CPU: use distributed.backend=gloo (or auto) for CPU "
+            "processes, or trainer.device=cuda"
+        )
     if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(
             f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
             "GPU(s): launch at most one process per GPU (torchrun --nproc-per-node), or set trainer.device=cpu "
             "to train on CPU processes with gloo"
         )
+    if backend == "nccl" or on_gpu:  # also in a group the script made: NCCL's object collectives stage on this GPU
+        torch.cuda.set_device(local_rank)
     owns = not dist.is_initialized()
     if owns:
         check_launch_environment(joining=True)  # torchrun's rendezvous variables, all of them, before torch reads one
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=cfg.distributed.timeout_s)
         store, rank, size = _fresh_group_store(timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -188,6 +195,18 @@ def _leave_failure(failure: BaseException, env: DistributedEnv) -> None:
         store.set(f"ampkit/failed/{env.rank}", (f"{name}: {text}" if text else name)[:300])
     except Exception:  # the store is gone with rank 0: the peers name this rank as dead instead
         pass
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device this rank's tensor collectives on ``group`` (None: the default group) take their tensors on: the CPU
+    where its backend takes CPU tensors (gloo; "cpu:gloo,cuda:nccl"), else this rank's own GPU (NCCL refuses a CPU
+    tensor, and takes each rank's on the GPU set at set-up, as its object collectives stage through it)."""
+    backend = str(dist.get_backend(group))
+    if ":" in backend:  # a backend per device type
+        takes_cpu = any(pair.split(":")[0].strip() == "cpu" for pair in backend.split(","))
+    else:
+        takes_cpu = "cpu" in dist.Backend.backend_capability.get(backend, ["cpu"])
+    return torch.device("cpu") if takes_cpu else torch.device("cuda", torch.cuda.current_device())
 
 
 def broadcast_object(value: Any, env: DistributedEnv | None = None) -> Any:
@@ -296,9 +315,7 @@ def all_reduce_sum(values: list[float], env: DistributedEnv) -> list[float]:
     """Element-wise sum over ranks (one collective)."""
     if not env.enabled:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        tensor = tensor.cuda()
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor)
     return tensor.cpu().tolist()
 
@@ -311,8 +328,7 @@ def any_rank(flags: Sequence[torch.Tensor | bool], env: DistributedEnv) -> list[
             return [flags[0].item() != 0]  # the common case: one loss, one process (a one-element flag)
         read = iter(read_flags([f for f in flags if isinstance(f, torch.Tensor)]))
         return [next(read) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    device = device or torch.device("cpu")
+    device = collective_device()
     values = torch.stack(
         [
             f.reshape(()).to(device, torch.float32)
@@ -408,7 +424,7 @@ def check_equal_batches(count: int | None, env: DistributedEnv, source: str = "t
 def batch_agreement_group(env: DistributedEnv) -> Any:
     """The group :func:`while_every_rank_has_a_batch` agrees in: a gloo group on the CPU beside NCCL, so that asking
     whether every rank has a batch never waits for the device. Every rank calls it, at the same point."""
-    return dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
+    return None if collective_device().type == "cpu" else dist.new_group(backend="gloo")
 
 
 _NO_BATCH = object()  # what while_every_rank_has_a_batch's next() returns at the end of a rank's batches
@@ -424,7 +440,7 @@ def while_every_rank_has_a_batch(
     iterator = iter(batches)
     while True:
         batch = next(iterator, _NO_BATCH)
-        mine = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)
+        mine = torch.tensor([0 if batch is _NO_BATCH else 1], dtype=torch.int32)  # the group takes CPU tensors
         having = mine.clone()
         dist.all_reduce(having, group=group)
         ranks_with_a_batch = int(having.item())
@@ -459,7 +475,7 @@ def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -
     """``(batch, real)``: this rank's ``batches``, then its last one again (``real`` False: its results are
     dropped) until every rank's ran out, so every rank runs as many forwards, as FSDP's collectives in each need.
     One small collective per batch; a rank with no batch at all while others have some is refused on every rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = collective_device()
     iterator, last, done = iter(batches), _NO_BATCH, 0
     while True:
         batch = next(iterator, _NO_BATCH)

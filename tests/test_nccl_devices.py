@@ -1,0 +1,284 @@
+"""What ampkit's collectives would hand NCCL, checked on a CPU machine: ``torch.distributed`` replaced by a pretend
+two-rank world whose default group is NCCL (every tensor must be on this rank's GPU) beside any gloo group the code
+makes, and a pretend GPU: a CPU tensor that says it lives on ``cuda:0`` (``OnGpu``), so values still come back.
+Every tensor collective is recorded with the backend its group has; one on the wrong device fails the test there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from toy_trainers import ToyTrainer, toy_cfg
+
+from ampkit.callbacks.distributed import DistributedSync
+from ampkit.trainer import distributed, model_setup
+from ampkit.trainer import trainer as trainer_module
+from ampkit.trainer.distributed import DistributedEnv
+
+NCCL_ALONE = ("nccl", "cuda:nccl")  # groups that take no CPU tensor ("cpu:gloo,cuda:nccl" gives the CPU's to gloo)
+GPU = torch.device("cuda", 0)  # this rank's GPU: what torch.cuda.current_device() says after set_device(0)
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor that reports ``cuda:0`` as its device; what torch computes from it is one too, until ``.cpu()``."""
+
+    @property
+    def device(self) -> torch.device:
+        return GPU
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _names_cpu(args[1:], kwargs)):
+            return args[0].as_subclass(torch.Tensor).clone()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _names_cpu(args: tuple, kwargs: dict) -> bool:
+    return any(_device_of(a) == "cpu" for a in (*args, kwargs.get("device")))
+
+
+def _device_of(value: Any) -> str | None:
+    if isinstance(value, str | torch.device):
+        return torch.device(value).type
+    return None
+
+
+class PretendGpu(TorchFunctionMode):
+    """Tensors made on, or moved to, ``cuda`` are made on the CPU and marked :class:`OnGpu`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        to_gpu = _device_of(kwargs.get("device")) == "cuda"
+        if to_gpu:
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0].clone().as_subclass(OnGpu)
+        if func is torch.Tensor.to and any(_device_of(a) == "cuda" for a in args[1:]):
+            args, to_gpu = tuple("cpu" if _device_of(a) == "cuda" else a for a in args), True
+        result = func(*args, **kwargs)
+        return result.as_subclass(OnGpu) if to_gpu and isinstance(result, torch.Tensor) else result
+
+
+@dataclass(frozen=True)
+class Group:
+    """A group the code made with ``dist.new_group``."""
+
+    backend: str
+
+
+@dataclass
+class PretendNccl:
+    """Two ranks whose rank 1 contributes what rank 0 does; ``calls``: (collective, backend, devices) of each."""
+
+    default_backend: str = "nccl"  # how init_process_group named it: "nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"
+    calls: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
+    device_set: int | None = None  # torch.cuda.set_device's last index
+
+    def backend(self, group: Any = None) -> str:
+        return self.default_backend if group is None else group.backend
+
+    model_device: torch.device | None = None  # set while a collective of the model's own tensors runs
+
+    def record(self, name: str, tensors: list[torch.Tensor], group: Any = None) -> None:
+        backend = self.backend(group)
+        devices = tuple(str(t.device) for t in tensors)
+        self.calls.append((name, backend, devices))
+        if (
+            backend in NCCL_ALONE
+        ):  # the model's tensors are where it is: under NCCL, on this rank's GPU (trainer.device)
+            expected = str(self.model_device or GPU)
+            wrong = [d for d in devices if d != expected]
+            assert not wrong, f"{name} would hand NCCL a tensor on {wrong[0]}, not this rank's GPU {expected}"
+
+    def of_the_model(self, run):
+        """``run`` (a collective of the model's own parameters, buffers or gradients) with the model's device as
+        the one NCCL takes: this rank's GPU in a real run, the CPU where the test's model is."""
+
+        def wrapped(*args, **kwargs):
+            self.model_device = torch.device("cpu")
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.model_device = None
+
+        return wrapped
+
+    def record_object(self, name: str, group: Any = None) -> None:
+        """NCCL's object collectives stage through torch.cuda.current_device(): set_device must have chosen it."""
+        self.calls.append((name, self.backend(group), ()))
+        if self.backend(group) in NCCL_ALONE:
+            assert self.device_set == GPU.index, f"{name} under NCCL before torch.cuda.set_device({GPU.index})"
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        self.record("all_reduce", [tensor], group)
+        if op == dist.ReduceOp.SUM:
+            tensor.mul_(2)
+
+    def broadcast(self, tensor, src=0, group=None, async_op=False):
+        self.record("broadcast", [tensor], group)
+
+    def all_gather(self, out, tensor, group=None, async_op=False):
+        self.record("all_gather", [*out, tensor], group)
+        for each in out:
+            each.copy_(tensor)
+
+    def all_gather_object(self, out, value, group=None):
+        self.record_object("all_gather_object", group)
+        out[:] = [value] * len(out)
+
+    def broadcast_object_list(self, values, src=0, group=None, device=None):
+        self.record_object("broadcast_object_list", group)
+
+    def barrier(self, group=None, async_op=False, device_ids=None):
+        self.record_object("barrier", group)
+        return Done()
+
+    def set_device(self, index) -> None:
+        self.device_set = torch.device(index).index if not isinstance(index, int) else index
+
+
+class Done:
+    """The work of a collective that has completed."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def nccl(monkeypatch):
+    """The pretend NCCL world, this process its rank 0 with ``cuda:0`` its GPU, and the pretend GPU's tensors."""
+    world = PretendNccl()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", world.set_device)
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list", "barrier"):
+        monkeypatch.setattr(dist, name, getattr(world, name))
+    monkeypatch.setattr(dist, "get_backend", world.backend)
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, backend=None, **kw: Group(backend or "nccl"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    with PretendGpu():
+        yield world
+
+
+def test_the_pretend_world_refuses_a_cpu_tensor_to_nccl_and_takes_one_to_gloo(nccl):
+    """The check itself: a collective put on the CPU fails; the same on a gloo group beside NCCL is right."""
+    with pytest.raises(AssertionError, match=r"all_reduce would hand NCCL a tensor on cpu, not this rank's GPU"):
+        dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1), group=dist.new_group(backend="gloo"))
+    flag = torch.ones(1, device="cuda")
+    dist.all_reduce(flag)
+    assert flag.device == GPU and flag.cpu().tolist() == [2.0]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl"])
+def test_the_loops_own_collectives_put_their_tensors_on_this_ranks_gpu(nccl, backend):
+    """Also in a group a script made as ``init_process_group("cuda:nccl")``, which the backend's name "nccl" alone
+    did not recognise: its flags went to NCCL on the CPU."""
+    nccl.default_backend = backend
+    env = DistributedEnv(rank=0, world_size=2)
+    assert distributed.collective_device() == GPU
+    assert distributed.all_reduce_sum([1.0, 2.5], env) == [2.0, 5.0]
+    assert distributed.any_rank([torch.tensor(0.0), True, False], env) == [False, True, False]
+    assert list(distributed.padded_to_the_longest_rank(["a", "b"], env, "val_dataloader()")) == [
+        ("a", True),
+        ("b", True),
+    ]
+    group = distributed.batch_agreement_group(env)
+    assert group == Group("gloo")  # asking whether every rank has a batch never waits for the GPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pretend rank 1 doubles the count: it "has more"
+        list(distributed.while_every_rank_has_a_batch(iter("ab"), env, group, epoch=0))
+    assert [backend for name, backend, _ in nccl.calls] == [backend] * 5 + ["gloo"] * 3
+    assert all(devices == ("cpu",) * len(devices) for _, backend, devices in nccl.calls if backend == "gloo")
+
+
+def test_a_group_with_a_cpu_backend_beside_nccl_keeps_the_loops_flags_on_the_cpu(nccl):
+    """``cpu:gloo,cuda:nccl`` takes CPU tensors through gloo: no copy to the GPU, and no gloo group of its own for
+    the batch agreement."""
+    nccl.default_backend = "cpu:gloo,cuda:nccl"
+    env = DistributedEnv(rank=0, world_size=2)
+    assert distributed.collective_device() == torch.device("cpu")
+    assert distributed.all_reduce_sum([1.0], env) == [2.0]
+    assert distributed.batch_agreement_group(env) is None
+    assert nccl.calls == [("all_reduce", "cpu:gloo,cuda:nccl", ("cpu",))]
+
+
+def test_a_group_the_script_made_still_gets_this_ranks_gpu_set(nccl, monkeypatch):
+    """A script that made its NCCL group itself before fit(): without set_device every rank's object collectives
+    staged through cuda:0."""
+    from omegaconf import OmegaConf
+
+    from ampkit.config import Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = OmegaConf.structured(Config)
+    cfg.distributed.backend = "nccl"
+    env = distributed.setup_distributed(cfg)
+    assert (env.local_rank, env.owns_group, nccl.device_set) == (1, False, 1)
+
+
+def test_nccl_with_a_cpu_device_is_refused_before_the_group_is_joined(nccl, monkeypatch):
+    """Every collective of such a run (DDP's gradients, the loop's own) would hand NCCL a CPU tensor."""
+    from omegaconf import OmegaConf
+
+    from ampkit import ConfigError
+    from ampkit.config import Config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = OmegaConf.structured(Config)
+    cfg.distributed.backend, cfg.trainer.device = "nccl", "cpu"
+    with pytest.raises(ConfigError, match=r"'distributed.backend': nccl takes CUDA tensors only, but trainer.device"):
+        distributed.setup_distributed(cfg)
+
+
+class Predicts(ToyTrainer):
+    predict_dataloader = ToyTrainer.val_dataloader
+
+
+def test_a_fit_validate_and_predict_hand_nccl_only_tensors_on_this_ranks_gpu(nccl, tmp_path, monkeypatch):
+    """A fit of two epochs with validation, sharded checkpoints' decisions, a stop agreed across ranks, then a
+    validate and a predict: every collective of the loop's own (host verdicts, stop asks, evaluation sums and the
+    first-batch digests, rank zero's decisions) on this rank's GPU or on a gloo group. The model's own collectives
+    (its initial broadcast, step-time gradient averages) go where the model is: on the CPU in this test."""
+
+    def torchrun_on_gpu_0(cfg):
+        torch.cuda.set_device(0)  # what setup_distributed does for an NCCL rank
+        return DistributedEnv(rank=0, world_size=2)
+
+    monkeypatch.setattr(trainer_module, "setup_distributed", torchrun_on_gpu_0)
+    monkeypatch.setattr(model_setup, "broadcast_module_", nccl.of_the_model(model_setup.broadcast_module_))
+    monkeypatch.setattr(DistributedSync, "_average_over_ranks", nccl.of_the_model(DistributedSync._average_over_ranks))
+    monkeypatch.setattr(DistributedSync, "_flat_collective", nccl.of_the_model(DistributedSync._flat_collective))
+    overrides = {"trainer.max_epochs": 2, "distributed.grad_sync": "step", "logging.tensorboard": False,
+                 "trainer.progress_bar": False, "logging.log_every_n_steps": 2}  # fmt: skip
+    trainer = Predicts(toy_cfg(tmp_path, **overrides))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pretend rank 1's batches are rank 0's: named as duplicated data
+        trainer.fit()
+        trainer.validate(ckpt="last")
+        trainer.predict()
+    names = {name for name, _, _ in nccl.calls}
+    assert {"all_reduce", "all_gather_object", "broadcast_object_list"} <= names, names
