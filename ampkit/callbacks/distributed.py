@@ -67,8 +67,9 @@ class DistributedSync(Callback):
         if self.grad_sync == "ddp":
             self._unwrapped = trainer.model
             device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
-            # DDP over the compiled module: the DDP wrapper compiled gave no graph at all (torch 2.13's dynamo stops
-            # at DDP's forward, whose _inside_ddp_forward it cannot trace, and ran the model eagerly: pytorch#140416)
+            # DDP over the compiled module: dynamo stops at a compiled DDP wrapper's forward (its _inside_ddp_forward
+            # is not traced) and went on only into a model of the user's own class; an nn.Sequential compiled no
+            # graph. Either way dynamo's DDP optimizer splits the graph at DDP's buckets (it asks for the active DDP)
             compiled = compiles_whole_model(trainer.cfg)
             inner = torch.compile(trainer.module, mode=trainer.cfg.trainer.compile_mode) if compiled else trainer.module
             self._ddp = torch.nn.parallel.DistributedDataParallel(inner, device_ids=device_ids, **self.ddp_kwargs)
