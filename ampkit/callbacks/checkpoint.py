@@ -282,9 +282,14 @@ class ModelCheckpoint(KeyedByMonitor):
             return None, []
         name = f"best-{trainer.state.global_step:08d}" + ("" if trainer.sharded else ".pt")
         ranked.append((name, value))
-        ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")
-        self.best_k = dict(ranked[:top_k])  # recorded first: the new file's own state includes it
-        return name, [dropped for dropped, _ in ranked[top_k:]]
+        ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")  # stable: ties oldest first
+        dropped = []
+        while len(ranked) > top_k:  # more than one only where a resume lowered save_top_k
+            # Of the worst tied, the oldest leaves, as Lightning's kth_best_model_path (max/min keeps the first)
+            worst = next(i for i, (_, kept) in enumerate(ranked) if kept == ranked[-1][1])
+            dropped.append(ranked.pop(worst)[0])
+        self.best_k = dict(ranked)  # recorded first: the new file's own state includes it
+        return name, dropped
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by

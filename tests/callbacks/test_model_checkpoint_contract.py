@@ -78,6 +78,20 @@ def test_a_tie_keeps_the_earlier_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_better_value_pushes_out_the_oldest_of_the_tied_worst_also_across_a_resume(tmp_path, mode):
+    """Lightning's kth_best_model_path is the first of the tied worst in its ranking (``max``/``min`` return the
+    first), so a better value replaces the oldest of them: ampkit dropped the newest."""
+    sign = 1 if mode == "min" else -1
+    scores = {step: sign * value for step, value in {1: 0.5, 2: 0.5, 3: 0.5, 4: 0.2, 5: 0.1, 6: 0.9}.items()}
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.mode": mode, "checkpoint.save_top_k": 3}
+    run = _fit(tmp_path, scores, **keys, **{"trainer.max_steps": 4})
+    assert best_steps(run) == [2, 3, 4]  # step 4's 0.2 pushed out step 1, the oldest of three tied at 0.5
+    run = _fit(tmp_path, scores, resume="last", **keys)
+    assert best_steps(run) == [3, 4, 5]  # the restored ranking still knows step 2 is older than step 3
+    assert best_pt_step(run) == 5
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_value_is_never_ranked_nor_saved_as_best(tmp_path, mode, bad):
     """NaN, +inf and -inf are no improvement in either mode: not best.pt, not among the top k even while it has
