@@ -489,3 +489,19 @@ def test_a_tag_logged_twice_in_a_step_is_one_point_the_last_value_also_where_val
     trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2},
                    **every)  # fmt: skip
     assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_tag_logged_twice_in_a_step_is_one_point_also_where_the_timed_flush_falls_on_that_step(
+    tmp_path, monkeypatch, every
+):
+    """The timed flush (every flush_secs; 0 here: every log step) wrote the queue at the batch's end, before the
+    Trainer's own on_train_batch_end logged the tag again: two points at that step, the stale one first."""
+    from ampkit.callbacks import tensorboard
+
+    init = tensorboard.TensorBoardLogger.__init__
+    monkeypatch.setattr(tensorboard.TensorBoardLogger, "__init__",
+                        lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "flush_secs": 0.0}))  # fmt: skip
+    trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": every, "trainer.max_epochs": 2})
+    steps = [*range(every, 17, every), *([16] if 16 % every else [])]  # and the run's last
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in steps]
