@@ -112,6 +112,7 @@ class ModelCheckpoint(KeyedByMonitor):
         self._peers: list[ModelCheckpoint] = [self]  # every ModelCheckpoint of the run, this one among them
         self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
         self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
+        self._newest: str | None = None  # the step or epoch file it saved last: best_model_path without a monitor
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -124,8 +125,12 @@ class ModelCheckpoint(KeyedByMonitor):
     @property
     def best_model_path(self) -> str:
         """Lightning's ``best_model_path``: the path of the best checkpoint ranked so far (``best.pt`` is a copy of
-        it), or ``""`` where none was."""
-        return next(iter(self.best_k_models), "")
+        it), or ``""`` where none was; without a ``monitor``, as Lightning's, the step or epoch file saved last (the
+        run's, where another ModelCheckpoint writes them)."""
+        if self.monitor is not None:
+            return next(iter(self.best_k_models), "")
+        newest = self._newest or next((cb._newest for cb in self._peers if cb._newest), None)
+        return str(self._directory / newest) if self._directory is not None and newest is not None else ""
 
     @property
     def best_model_score(self) -> float | None:
@@ -172,6 +177,7 @@ class ModelCheckpoint(KeyedByMonitor):
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
+            self._newest = None
             self._protected_before = []
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
@@ -294,7 +300,8 @@ class ModelCheckpoint(KeyedByMonitor):
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
         protected = sorted(path.name for path in self._protected if path.exists())
-        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
+        newest = {} if self._newest is None else {"newest": self._newest}
+        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **newest, **ranked_by}
 
     def _check_names(self, ranked: list[Any], protected: list[Any]) -> None:
         """Refuse a restored state naming a file outside its checkpoints directory (``../notes.txt``), which pruning
@@ -311,8 +318,10 @@ class ModelCheckpoint(KeyedByMonitor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
-        self._check_names([*best_k, *kept], list(protected))
+        newest = state.get("newest")  # absent before this ampkit, and before a first save
+        self._check_names([*best_k, *kept], [*protected, *([] if newest is None else [newest])])
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
+        self._newest = newest
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
@@ -347,6 +356,8 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
+        if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
+            self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         if (entry := unloadable_entry(checkpoint)) is not None:  # found at the first save, not at the resume
             raise CheckpointError(

@@ -333,3 +333,19 @@ def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_dele
     with pytest.raises(checkpoint_module.CheckpointError, match=rf"names '{re.escape(named)}' among its checkpoint"):
         _fit(tmp_path, scores, resume="last", **{**keys, "trainer.max_steps": 6})
     assert notes.read_text() == "mine"
+
+
+def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightning_s_also_after_a_resume(tmp_path):
+    """Lightning's ModelCheckpoint without a monitor answers best_model_path with the checkpoint it saved last (a
+    port's test(ckpt_path=cb.best_model_path) after fit); here it read '', and best_model_score stays None."""
+    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.num_sanity_val_steps": 0}
+    periodic = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)
+    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[periodic])
+    run.fit()
+    directory = run.version_dir / "checkpoints"
+    assert periodic.best_model_path == str(directory / "step-00000007.pt")  # the run's end save, after step 6's
+    assert (periodic.best_model_score, periodic.best_k_models) == (None, {})
+    assert load_checkpoint(periodic.best_model_path)["loop"]["global_step"] == 7
+    again = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)  # fit() again on the finished run: restored
+    ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
+    assert again.best_model_path == str(directory / "step-00000007.pt")
