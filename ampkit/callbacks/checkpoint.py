@@ -138,6 +138,33 @@ class ModelCheckpoint(KeyedByMonitor):
         ranked."""
         return next(iter(self.best_k.values()), None) if self._directory is not None else None
 
+    @property
+    def kth_best_model_path(self) -> str:
+        """Lightning's ``kth_best_model_path``: once the top k is full (with ``save_top_k=-1``, once one is ranked), the
+        path of the checkpoint a better value pushes out next, the oldest of the worst; ``""`` before."""
+        kth = self._kth()
+        return "" if kth is None or self._directory is None else str(self._directory / kth)
+
+    @property
+    def kth_value(self) -> float | None:
+        """Lightning's ``kth_value``: the monitored value of :attr:`kth_best_model_path` (a float), a value to beat to
+        enter the full top k; None before (where Lightning's holds inf)."""
+        kth = self._kth()
+        return None if kth is None or self._directory is None else self.best_k[kth]
+
+    def _kth(self) -> str | None:
+        """The name of the ranked file a better value pushes out next, or None while the top k has room."""
+        if not self.best_k or (self.save_top_k != -1 and len(self.best_k) < self.save_top_k):
+            return None
+        ranked = list(self.best_k.items())
+        return ranked[_oldest_of_the_worst(ranked)][0]
+
+    @property
+    def dirpath(self) -> str | None:
+        """Lightning's ``dirpath``: the checkpoints directory of the latest fit (``<run>/version_N/checkpoints``), or
+        None before one; set by the run directory here, not by an argument."""
+        return None if self._directory is None else str(self._directory)
+
     def ranked_in(self, directory: Path) -> None:
         """Name the restored ranking's files in ``directory``: for a resume of a finished run, where no
         :meth:`on_fit_start` runs to say where the run's checkpoints are."""
@@ -291,9 +318,7 @@ class ModelCheckpoint(KeyedByMonitor):
         ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")  # stable: ties oldest first
         dropped = []
         while len(ranked) > top_k:  # more than one only where a resume lowered save_top_k
-            # Of the worst tied, the oldest leaves, as Lightning's kth_best_model_path (max/min keeps the first)
-            worst = next(i for i, (_, kept) in enumerate(ranked) if kept == ranked[-1][1])
-            dropped.append(ranked.pop(worst)[0])
+            dropped.append(ranked.pop(_oldest_of_the_worst(ranked))[0])
         self.best_k = dict(ranked)  # recorded first: the new file's own state includes it
         return name, dropped
 
@@ -431,6 +456,12 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc.strerror or str(exc)
         return None
+
+
+def _oldest_of_the_worst(ranked: list[tuple[str, float]]) -> int:
+    """The index in ``ranked`` (best first, ties oldest first) of the worst entry, the oldest of those tied for that
+    place: the one a better value replaces, as Lightning's ``kth_best_model_path`` (``max``/``min`` keep the first)."""
+    return next(i for i, (_, value) in enumerate(ranked) if value == ranked[-1][1])
 
 
 def _is_best_k_name(name: Any) -> bool:
