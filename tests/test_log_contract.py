@@ -553,3 +553,19 @@ def test_a_mix_of_one_tag_across_two_hooks_is_said_once_in_a_run_also_across_a_r
         warnings.simplefilter("always")
         trainer_class(toy_cfg(tmp_path, **saves)).fit(resume=step_16)
     assert [str(w.message) for w in caught if "one curve of both" in str(w.message)] == []
+
+
+class WritesTextThenLogsTheTagAgain(LogsOneTagTwiceInAStep):
+    """Its own on_train_batch_end writes a note through self.logger (as the GAN example writes its samples), which
+    writes the queued scalars first, then logs 'x' again."""
+
+    def on_train_batch_end(self, outputs, batch):
+        self.logger.log_text("note", "sampled")
+        super().on_train_batch_end(outputs, batch)
+
+
+def test_a_tag_logged_twice_in_a_step_is_one_point_also_where_an_image_or_text_is_written_between(tmp_path):
+    """Writing an image, histogram or text wrote every queued scalar, this step's first value too, before the Trainer's
+    own on_train_batch_end logged the tag again: two points at each step."""
+    trainer = _fit(tmp_path, WritesTextThenLogsTheTagAgain, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2})
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]

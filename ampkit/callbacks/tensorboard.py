@@ -155,7 +155,7 @@ class TensorBoardWriter(Logger):
         self._failed = failed  # a failed write stops the fit on every rank (Trainer.fail_on_every_rank)
 
     def _step(self, step: int | None) -> int:
-        self._flush_scalars()  # the scalars queued so far go first: the file stays in step order
+        self._flush_scalars()  # the earlier steps' scalars go first: the file stays in step order
         return self._current_step() if step is None else step
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
@@ -191,10 +191,10 @@ class TensorBoardLogger(Callback):
 
     Scalars are queued at their log step and written every ``flush_secs`` seconds, at the start of the iteration
     after a log step (every hook of the step has logged then: one point per tag and step), and before validation
-    metrics, images and the end of the run, so the file stays in step order: one read of all queued tensors
-    (one sync on a GPU) and one hand-off to the writer thread per flush, not per log step. On a tiny model
-    each log step's write cost several times the step itself; SummaryWriter flushes its file to disk only
-    every 120 s, so the queue delays nothing TensorBoard shows.
+    metrics, images (the earlier steps' there) and the end of the run, so the file stays in step order: one read
+    of all queued tensors (one sync on a GPU) and one hand-off to the writer thread per flush, not per log step. On a
+    tiny model each log step's write cost several times the step itself; SummaryWriter flushes its file to disk
+    only every 120 s, so the queue delays nothing TensorBoard shows.
     """
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
@@ -258,8 +258,13 @@ class TensorBoardLogger(Callback):
             else:
                 self._step_events = StepEvents(self.writer.file_writer)
             self._fail_run = trainer.fail_on_every_rank
+            # Before an image, histogram or text: the earlier steps' scalars, not this one's, which a later hook of
+            # the step may log again (one point per tag and step, as at the timed flush).
             trainer.logger = TensorBoardWriter(
-                self.writer, lambda: trainer.state.iteration, self._flush, self._fail_run
+                self.writer,
+                lambda: trainer.state.iteration,
+                lambda: self._flush(before=trainer.state.iteration),
+                self._fail_run,
             )
             self._take_logged = trainer.take_logged
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
