@@ -160,6 +160,15 @@ class ModelCheckpoint(KeyedByMonitor):
         return ranked[_oldest_of_the_worst(ranked)][0]
 
     @property
+    def last_model_path(self) -> str:
+        """Lightning's ``last_model_path`` (ampkit always keeps one, as Lightning's ``save_last=True``): the path of
+        ``last.pt`` (a sharded run's ``last``) once the run saved a checkpoint, ``""`` before."""
+        saved = next((name for cb in self._peers for name in (cb._newest, *cb.best_k, *cb.kept) if name), None)
+        if saved is None or self._directory is None:
+            return ""
+        return str(self._directory / ("last.pt" if saved.endswith(".pt") else LAST))
+
+    @property
     def dirpath(self) -> str | None:
         """Lightning's ``dirpath``: the checkpoints directory of the latest fit (``<run>/version_N/checkpoints``), or
         None before one; set by the run directory here, not by an argument."""

@@ -319,7 +319,7 @@ def test_kth_best_model_path_kth_value_and_dirpath_read_as_lightning_s(tmp_path)
     assert (ModelCheckpoint().dirpath, ModelCheckpoint(monitor="val/score").kth_best_model_path) == (None, "")
     run, best_k = _fit_ranking_two_best(tmp_path, 1)
     directory = run.version_dir / "checkpoints"
-    assert best_k.dirpath == str(directory)
+    assert best_k.dirpath == str(directory) and best_k.last_model_path == str(directory / "last.pt")
     assert (best_k.kth_best_model_path, best_k.kth_value) == ("", None)  # one of two places taken
     run, best_k = _fit_ranking_two_best(tmp_path, 3, resume="last")  # 0.5, 0.3 ranked; 0.9 not
     assert best_k.kth_best_model_path == str(directory / "best-00000001.pt") and best_k.kth_value == 0.5
@@ -366,7 +366,9 @@ def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightn
     directory = run.version_dir / "checkpoints"
     assert periodic.best_model_path == str(directory / "step-00000007.pt")  # the run's end save, after step 6's
     assert (periodic.best_model_score, periodic.best_k_models) == (None, {})
+    assert periodic.last_model_path == str(directory / "last.pt") and ModelCheckpoint().last_model_path == ""
     assert load_checkpoint(periodic.best_model_path)["loop"]["global_step"] == 7
     again = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)  # fit() again on the finished run: restored
     ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
     assert again.best_model_path == str(directory / "step-00000007.pt")
+    assert again.last_model_path == str(directory / "last.pt")
