@@ -113,6 +113,7 @@ class ModelCheckpoint(KeyedByMonitor):
         self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
         self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
         self._newest: str | None = None  # the step or epoch file it saved last: best_model_path without a monitor
+        self._current: float | None = None  # the monitored value of the best-k file saved last (current_score)
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -137,6 +138,12 @@ class ModelCheckpoint(KeyedByMonitor):
         """Lightning's ``best_model_score``: the monitored value of :attr:`best_model_path`, or None where none was
         ranked."""
         return next(iter(self.best_k.values()), None) if self._directory is not None else None
+
+    @property
+    def current_score(self) -> float | None:
+        """Lightning's ``current_score``: the monitored value of the checkpoint that entered the top k last (a
+        float), or None before one did; restored by a resume."""
+        return self._current
 
     @property
     def kth_best_model_path(self) -> str:
@@ -213,7 +220,7 @@ class ModelCheckpoint(KeyedByMonitor):
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
-            self._newest = None
+            self._newest = self._current = None
             self._protected_before = []
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
@@ -328,14 +335,22 @@ class ModelCheckpoint(KeyedByMonitor):
         dropped = []
         while len(ranked) > top_k:  # more than one only where a resume lowered save_top_k
             dropped.append(ranked.pop(_oldest_of_the_worst(ranked))[0])
-        self.best_k = dict(ranked)  # recorded first: the new file's own state includes it
+        self.best_k, self._current = dict(ranked), value  # recorded first: the new file's own state includes them
         return name, dropped
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
         protected = sorted(path.name for path in self._protected if path.exists())
         newest = {} if self._newest is None else {"newest": self._newest}
-        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **newest, **ranked_by}
+        current = {} if self._current is None else {"current_score": self._current}
+        return {
+            "best_k": dict(self.best_k),
+            "kept": list(self.kept),
+            "protected": protected,
+            **newest,
+            **current,
+            **ranked_by,
+        }
 
     def _check_names(self, ranked: list[Any], protected: list[Any]) -> None:
         """Refuse a restored state naming a file outside its checkpoints directory (``../notes.txt``), which pruning
@@ -355,10 +370,17 @@ class ModelCheckpoint(KeyedByMonitor):
         newest = state.get("newest")  # absent before this ampkit, and before a first save
         self._check_names([*best_k, *kept], [*protected, *([] if newest is None else [newest])])
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
+        current = state.get("current_score")  # as newest
+        if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state holds current_score {current!r}, which is no number: the "
+                "checkpoint was edited or is damaged; resume an earlier one"
+            )
         self._newest = newest
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
+        self._current = None if current is None or change is not None else float(current)  # another metric's: none
         if change is not None and self.best_k:
             rank_zero_warn(
                 f"checkpoint.monitor or mode changed since the checkpoint ({change}): best-k ranks afresh from the "

@@ -313,19 +313,24 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
 
 
-def test_kth_best_model_path_kth_value_and_dirpath_read_as_lightning_s(tmp_path):
+def test_kth_best_model_path_kth_value_current_score_and_dirpath_read_as_lightning_s(tmp_path):
     """A port reads ``checkpoint_callback.dirpath`` (where the files are) and ``kth_value`` (the value to beat):
     AttributeError. The k-th is the file a better value pushes out next, set once the top k is full."""
     assert (ModelCheckpoint().dirpath, ModelCheckpoint(monitor="val/score").kth_best_model_path) == (None, "")
+    assert ModelCheckpoint(monitor="val/score").current_score is None
     run, best_k = _fit_ranking_two_best(tmp_path, 1)
     directory = run.version_dir / "checkpoints"
     assert best_k.dirpath == str(directory) and best_k.last_model_path == str(directory / "last.pt")
     assert (best_k.kth_best_model_path, best_k.kth_value) == ("", None)  # one of two places taken
+    assert best_k.current_score == 0.5  # the value of the checkpoint that entered the top k last
     run, best_k = _fit_ranking_two_best(tmp_path, 3, resume="last")  # 0.5, 0.3 ranked; 0.9 not
     assert best_k.kth_best_model_path == str(directory / "best-00000001.pt") and best_k.kth_value == 0.5
+    assert best_k.current_score == pytest.approx(0.3)  # 0.9 entered nothing, as in Lightning
     run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")  # 0.1 and 0.2 pushed them out
     assert best_k.kth_best_model_path == str(directory / "best-00000006.pt")
     assert best_k.kth_value == pytest.approx(0.2)
+    _, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")  # the finished run: each answer restored
+    assert best_k.current_score == best_k.kth_value == pytest.approx(0.2)
     tied = ModelCheckpoint(monitor="val/score", save_top_k=3)
     tied.best_k, tied._directory = (
         {"best-00000004.pt": 0.2, "best-00000002.pt": 0.5, "best-00000003.pt": 0.5},
