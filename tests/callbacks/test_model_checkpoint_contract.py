@@ -377,3 +377,14 @@ def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightn
     ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
     assert again.best_model_path == str(directory / "step-00000007.pt")
     assert again.last_model_path == str(directory / "last.pt")
+
+
+def test_a_restored_current_score_that_is_no_number_is_refused_by_name(tmp_path):
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
+    run = _fit(tmp_path, SCORES, **keys)
+    last = run.version_dir / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    checkpoint["callbacks"]["ModelCheckpoint[val/score]"]["current_score"] = "high"
+    torch.save(checkpoint, last)
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"current_score 'high', which is no number"):
+        _fit(tmp_path, SCORES, resume="last", **{**keys, "trainer.max_steps": 6})
