@@ -90,7 +90,7 @@ class EarlyStoppingConfig:
     mode: MonitorMode = MonitorMode.min  # which way monitor improves
     patience: int = 3  # validations in a row without an improvement before stopping
     min_delta: float = 0.0  # a change of at most this does not count as an improvement
-    check_finite: bool = True  # stop at once when monitor is NaN/inf (false: it counts as no improvement)
+    check_finite: bool = True  # stop at once when monitor is NaN/inf (false: no improvement; inf meets thresholds)
     stopping_threshold: float | None = None  # stop at once when monitor is better than this (null: never)
     divergence_threshold: float | None = None  # stop at once when monitor is worse than this (null: never)
 

@@ -234,3 +234,28 @@ def test_a_value_that_stops_the_run_at_once_leaves_best_score_and_wait_count_as_
     stopper = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
     assert trainer.state.global_step == step and trainer.state.should_stop
     assert (stopper.best_score, stopper.wait_count) == (best, 0)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "scores", "step"),
+    [
+        ({"early_stopping.divergence_threshold": 10.0}, [9.0, 5.0, float("inf"), 4.0], 2),
+        ({"early_stopping.stopping_threshold": 1.0}, [9.0, 5.0, float("-inf"), 4.0], 2),
+        ({"early_stopping.divergence_threshold": 10.0}, [9.0, 5.0, float("nan"), 6.0, 7.0], 4),
+    ],
+)
+def test_check_finite_off_still_stops_an_infinite_value_past_a_threshold_as_lightning(
+    tmp_path, threshold, scores, step
+):
+    """check_finite=False counts a NaN/inf value as no improvement, but Lightning still weighs it against the
+    thresholds: inf is past any divergence_threshold (min mode), -inf better than any stopping_threshold. The run
+    trained on past them; a NaN, which no threshold compares with, still counts against patience."""
+    Scripted.scores = scores
+    settings = {**QUIET, "early_stopping.monitor": "val/score", "early_stopping.check_finite": False,
+                "early_stopping.patience": 3, "trainer.val_every_n_steps": 1, "trainer.val_every_n_epochs": 0,
+                **threshold}  # fmt: skip
+    trainer = Scripted(toy_cfg(tmp_path, **settings))
+    trainer.fit()
+    stopper = next(cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping))
+    assert trainer.state.global_step == step and trainer.state.should_stop
+    assert (stopper.best_score, stopper.wait_count) == (5.0, 3 if step == 4 else 0)

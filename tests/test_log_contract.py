@@ -13,6 +13,7 @@ import math
 import os
 import re
 import signal
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -488,4 +489,83 @@ def test_a_tag_logged_twice_in_a_step_is_one_point_the_last_value_also_where_val
     value was written there and the second at the next write: two points at one step, the stale one first."""
     trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2},
                    **every)  # fmt: skip
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_tag_logged_twice_in_a_step_is_one_point_also_where_the_timed_flush_falls_on_that_step(
+    tmp_path, monkeypatch, every
+):
+    """The timed flush (every flush_secs; 0 here: every log step) wrote the queue at the batch's end, before the
+    Trainer's own on_train_batch_end logged the tag again: two points at that step, the stale one first."""
+    from ampkit.callbacks import tensorboard
+
+    init = tensorboard.TensorBoardLogger.__init__
+    monkeypatch.setattr(tensorboard.TensorBoardLogger, "__init__",
+                        lambda self, *args, **kwargs: init(self, *args, **{**kwargs, "flush_secs": 0.0}))  # fmt: skip
+    trainer = _fit(tmp_path, LogsOneTagTwiceInAStep, **{"logging.log_every_n_steps": every, "trainer.max_epochs": 2})
+    steps = [*range(every, 17, every), *([16] if 16 % every else [])]  # and the run's last
+    assert _scalars(trainer, "x") == [(step, 2.0) for step in steps]
+
+
+class LogsPerStepThenAsAnEpochMean(ToyTrainer):
+    """Logs 'acc' per step in its first epoch, then as an epoch mean in the same hook."""
+
+    def training_step(self, batch):
+        self.log("acc", 0.5, on_step=self.state.epoch == 0, on_epoch=self.state.epoch > 0)
+        return super().training_step(batch)
+
+
+def test_a_resume_refuses_one_tag_s_per_step_values_and_epoch_means_as_the_run_before_it_did(tmp_path):
+    """Which kind of value a tag got first was not in the checkpoint: resumed at the first epoch's last batch, the
+    run took the second epoch's means under a tag of per-step values, which the uninterrupted run refused."""
+    saves = {**QUIET, "checkpoint.enabled": True, "checkpoint.every_n_steps": 8, "trainer.max_epochs": 2}
+    message = (
+        "log() in training_step writes epoch means under 'acc', which gets per-step values logged in training_step"
+    )
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        LogsPerStepThenAsAnEpochMean(toy_cfg(tmp_path, **saves)).fit()
+    step_8 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000008.pt"
+    with pytest.raises(UserCodeError, match=re.escape(message)):
+        LogsPerStepThenAsAnEpochMean(toy_cfg(tmp_path, **saves)).fit(resume=step_8)
+    checkpoint = torch.load(step_8, weights_only=True)  # one of an older ampkit, without the record, still loads
+    del checkpoint["curve_kind"], checkpoint["curve_mix_said"]
+    torch.save(checkpoint, step_8)
+    trainer = LogsPerStepThenAsAnEpochMean(toy_cfg(tmp_path, **saves))
+    trainer.fit(resume=step_8)
+    assert trainer.state.global_step == 16
+
+
+def test_a_mix_of_one_tag_across_two_hooks_is_said_once_in_a_run_also_across_a_resume(tmp_path):
+    """Resumed at the second epoch's last batch, the run said it again, with the hooks the other way round."""
+    saves = {
+        **QUIET,
+        "checkpoint.enabled": True,
+        "checkpoint.every_n_steps": 8,
+        "trainer.max_epochs": 3,
+        "checkpoint.keep_last": 9,
+    }
+    trainer_class = type("Logs", (LogsOneTagTwoWays,), {"where": "on_train_epoch_end"})
+    with pytest.warns(UserWarning, match="one curve of both"):
+        trainer_class(toy_cfg(tmp_path, **saves)).fit(resume=None)
+    step_16 = tmp_path / "run" / "version_0" / "checkpoints" / "step-00000016.pt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_class(toy_cfg(tmp_path, **saves)).fit(resume=step_16)
+    assert [str(w.message) for w in caught if "one curve of both" in str(w.message)] == []
+
+
+class WritesTextThenLogsTheTagAgain(LogsOneTagTwiceInAStep):
+    """Its own on_train_batch_end writes a note through self.logger (as the GAN example writes its samples), which
+    writes the queued scalars first, then logs 'x' again."""
+
+    def on_train_batch_end(self, outputs, batch):
+        self.logger.log_text("note", "sampled")
+        super().on_train_batch_end(outputs, batch)
+
+
+def test_a_tag_logged_twice_in_a_step_is_one_point_also_where_an_image_or_text_is_written_between(tmp_path):
+    """Writing an image, histogram or text wrote every queued scalar, this step's first value too, before the Trainer's
+    own on_train_batch_end logged the tag again: two points at each step."""
+    trainer = _fit(tmp_path, WritesTextThenLogsTheTagAgain, **{"logging.log_every_n_steps": 1, "trainer.max_epochs": 2})
     assert _scalars(trainer, "x") == [(step, 2.0) for step in range(1, 17)]

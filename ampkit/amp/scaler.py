@@ -102,7 +102,8 @@ class LossScaler:
     ``min_scale`` when given, else 2**-126, where float32 can no longer hold ``1/scale``) and resets
     the clean-update counter; the
     ``growth_interval``-th consecutive clean update multiplies it by ``growth_factor`` (capped at
-    ``max_scale``), or the next one where a restored count had passed it. A static scale (a number) never changes.
+    ``max_scale``; not at all where float32 could not carry the result, as torch's GradScaler), or the next one where
+    a restored count had passed it. A static scale (a number) never changes.
 
     Call :meth:`update` exactly once per iteration, after every optimizer that used this loss stepped.
 
@@ -236,6 +237,8 @@ class LossScaler:
                 new = old * self.growth_factor
                 if self.max_scale is not None:
                     new = min(new, self.max_scale)
+                if new > FLOAT32_SCALES[1]:  # as torch's _amp_update_scale_: no growth to a scale float32 cannot carry
+                    new = old
                 self.unskipped = 0
         self._scale = new
         return old, new
@@ -266,6 +269,7 @@ class LossScaler:
         grown = state.scale * self.growth_factor
         if self.max_scale is not None:
             grown = torch.clamp_max(grown, self.max_scale)
+        grown = torch.where(grown > FLOAT32_SCALES[1], state.scale, grown)  # as update()
         backed_off = torch.clamp_min(state.scale * self.backoff_factor, self.floor)
         state.set(
             torch.where(overflow, backed_off, torch.where(grows, grown, state.scale)),

@@ -112,6 +112,8 @@ class ModelCheckpoint(KeyedByMonitor):
         self._peers: list[ModelCheckpoint] = [self]  # every ModelCheckpoint of the run, this one among them
         self._writes_periodic = True  # whether this one writes and prunes the step/epoch files (one per run does)
         self._directory: Path | None = None  # the checkpoints directory of the latest fit, which best_k's names are in
+        self._newest: str | None = None  # the step or epoch file it saved last: best_model_path without a monitor
+        self._current: float | None = None  # the monitored value of the best-k file saved last (current_score)
 
     @property
     def best_k_models(self) -> dict[str, float]:
@@ -124,14 +126,60 @@ class ModelCheckpoint(KeyedByMonitor):
     @property
     def best_model_path(self) -> str:
         """Lightning's ``best_model_path``: the path of the best checkpoint ranked so far (``best.pt`` is a copy of
-        it), or ``""`` where none was."""
-        return next(iter(self.best_k_models), "")
+        it), or ``""`` where none was; without a ``monitor``, as Lightning's, the step or epoch file saved last (the
+        run's, where another ModelCheckpoint writes them)."""
+        if self.monitor is not None:
+            return next(iter(self.best_k_models), "")
+        newest = self._newest or next((cb._newest for cb in self._peers if cb._newest), None)
+        return str(self._directory / newest) if self._directory is not None and newest is not None else ""
 
     @property
     def best_model_score(self) -> float | None:
         """Lightning's ``best_model_score``: the monitored value of :attr:`best_model_path`, or None where none was
         ranked."""
         return next(iter(self.best_k.values()), None) if self._directory is not None else None
+
+    @property
+    def current_score(self) -> float | None:
+        """Lightning's ``current_score``: the monitored value of the checkpoint that entered the top k last (a
+        float), or None before one did; restored by a resume."""
+        return self._current
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """Lightning's ``kth_best_model_path``: once the top k is full (with ``save_top_k=-1``, once one is ranked), the
+        path of the checkpoint a better value pushes out next, the oldest of the worst; ``""`` before."""
+        kth = self._kth()
+        return "" if kth is None or self._directory is None else str(self._directory / kth)
+
+    @property
+    def kth_value(self) -> float | None:
+        """Lightning's ``kth_value``: the monitored value of :attr:`kth_best_model_path` (a float), a value to beat to
+        enter the full top k; None before (where Lightning's holds inf)."""
+        kth = self._kth()
+        return None if kth is None or self._directory is None else self.best_k[kth]
+
+    def _kth(self) -> str | None:
+        """The name of the ranked file a better value pushes out next, or None while the top k has room."""
+        if not self.best_k or (self.save_top_k != -1 and len(self.best_k) < self.save_top_k):
+            return None
+        ranked = list(self.best_k.items())
+        return ranked[_oldest_of_the_worst(ranked)][0]
+
+    @property
+    def last_model_path(self) -> str:
+        """Lightning's ``last_model_path`` (ampkit always keeps one, as Lightning's ``save_last=True``): the path of
+        ``last.pt`` (a sharded run's ``last``) once the run saved a checkpoint, ``""`` before."""
+        saved = next((name for cb in self._peers for name in (cb._newest, *cb.best_k, *cb.kept) if name), None)
+        if saved is None or self._directory is None:
+            return ""
+        return str(self._directory / ("last.pt" if saved.endswith(".pt") else LAST))
+
+    @property
+    def dirpath(self) -> str | None:
+        """Lightning's ``dirpath``: the checkpoints directory of the latest fit (``<run>/version_N/checkpoints``), or
+        None before one; set by the run directory here, not by an argument."""
+        return None if self._directory is None else str(self._directory)
 
     def ranked_in(self, directory: Path) -> None:
         """Name the restored ranking's files in ``directory``: for a resume of a finished run, where no
@@ -172,6 +220,7 @@ class ModelCheckpoint(KeyedByMonitor):
             self._saved_at = _moment(trainer)
         if trainer.fit_start.branched_from is not None:  # a new version directory: the ranked files stay in the old
             self.best_k, self.kept = {}, []  # one, so the branch ranks its own (on every rank alike: all save shards)
+            self._newest = self._current = None
             self._protected_before = []
         # Rank zero alone tidies (other ranks have no run directory); its failure (a file it may not delete) stops
         # every rank here, or the others would train on into a collective it never joins.
@@ -299,14 +348,26 @@ class ModelCheckpoint(KeyedByMonitor):
             return None, []
         name = f"best-{trainer.state.global_step:08d}" + ("" if trainer.sharded else ".pt")
         ranked.append((name, value))
-        ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")
-        self.best_k = dict(ranked[:top_k])  # recorded first: the new file's own state includes it
-        return name, [dropped for dropped, _ in ranked[top_k:]]
+        ranked.sort(key=lambda item: item[1], reverse=self.monitor.mode == "max")  # stable: ties oldest first
+        dropped = []
+        while len(ranked) > top_k:  # more than one only where a resume lowered save_top_k
+            dropped.append(ranked.pop(_oldest_of_the_worst(ranked))[0])
+        self.best_k, self._current = dict(ranked), value  # recorded first: the new file's own state includes them
+        return name, dropped
 
     def state_dict(self) -> dict[str, Any]:
         ranked_by = self.monitor.state_dict() if self.monitor is not None else self._ranked_by
         protected = sorted(path.name for path in self._protected if path.exists())
-        return {"best_k": dict(self.best_k), "kept": list(self.kept), "protected": protected, **ranked_by}
+        newest = {} if self._newest is None else {"newest": self._newest}
+        current = {} if self._current is None else {"current_score": self._current}
+        return {
+            "best_k": dict(self.best_k),
+            "kept": list(self.kept),
+            "protected": protected,
+            **newest,
+            **current,
+            **ranked_by,
+        }
 
     def _check_names(self, ranked: list[Any], protected: list[Any]) -> None:
         """Refuse a restored state naming a file outside its checkpoints directory (``../notes.txt``), which pruning
@@ -323,11 +384,20 @@ class ModelCheckpoint(KeyedByMonitor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The saved ranking; one by another monitor or mode is set aside (its files kept) and ranking restarts."""
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
-        self._check_names([*best_k, *kept], list(protected))
+        newest = state.get("newest")  # absent before this ampkit, and before a first save
+        self._check_names([*best_k, *kept], [*protected, *([] if newest is None else [newest])])
         self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
+        current = state.get("current_score")  # as newest
+        if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
+            raise CheckpointError(
+                f"the checkpoint's {self.state_key} state holds current_score {current!r}, which is no number: the "
+                "checkpoint was edited or is damaged; resume an earlier one"
+            )
+        self._newest = newest
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}
         change = self.monitor.changed_since(state) if self.monitor is not None else None
+        self._current = None if current is None or change is not None else float(current)  # another metric's: none
         if change is not None and self.best_k:
             rank_zero_warn(
                 f"checkpoint.monitor or mode changed since the checkpoint ({change}): best-k ranks afresh from the "
@@ -359,6 +429,8 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
+        if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
+            self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         if (entry := unloadable_entry(checkpoint)) is not None:  # found at the first save, not at the resume
             raise CheckpointError(
@@ -432,6 +504,12 @@ class ModelCheckpoint(KeyedByMonitor):
         except OSError as exc:
             return str(writing), exc.strerror or str(exc)
         return None
+
+
+def _oldest_of_the_worst(ranked: list[tuple[str, float]]) -> int:
+    """The index in ``ranked`` (best first, ties oldest first) of the worst entry, the oldest of those tied for that
+    place: the one a better value replaces, as Lightning's ``kth_best_model_path`` (``max``/``min`` keep the first)."""
+    return next(i for i, (_, value) in enumerate(ranked) if value == ranked[-1][1])
 
 
 def _is_best_k_name(name: Any) -> bool:

@@ -120,9 +120,7 @@ class EarlyStopping(KeyedByMonitor):
     def _stop_at_once(self, value: float) -> str | None:
         """Why ``value`` ends the run whatever the patience (Lightning's order: non-finite, then each threshold)."""
         metric = self.monitor.metric
-        if not math.isfinite(value):
-            if not self.check_finite:
-                return None
+        if not math.isfinite(value) and self.check_finite:  # else an inf is still past a threshold, as in Lightning
             return (
                 f"{metric} is {value}, not finite (best was {self.best}): the run diverged; set "
                 "early_stopping.check_finite=false to count it against patience instead"

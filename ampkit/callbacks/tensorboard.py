@@ -155,7 +155,7 @@ class TensorBoardWriter(Logger):
         self._failed = failed  # a failed write stops the fit on every rank (Trainer.fail_on_every_rank)
 
     def _step(self, step: int | None) -> int:
-        self._flush_scalars()  # the scalars queued so far go first: the file stays in step order
+        self._flush_scalars()  # the earlier steps' scalars go first: the file stays in step order
         return self._current_step() if step is None else step
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
@@ -189,11 +189,12 @@ class TensorBoardLogger(Callback):
     queued with ``trainer.log`` (``on_epoch`` means at each epoch's end); and, through ``trainer.logger``,
     images, histograms and text.
 
-    Scalars are queued at their log step and written every ``flush_secs`` seconds (and before validation
-    metrics, images and the end of the run, so the file stays in step order): one read of all queued tensors
-    (one sync on a GPU) and one hand-off to the writer thread per flush, not per log step. On a tiny model
-    each log step's write cost several times the step itself; SummaryWriter flushes its file to disk only
-    every 120 s, so the queue delays nothing TensorBoard shows.
+    Scalars are queued at their log step and written every ``flush_secs`` seconds, at the start of the iteration
+    after a log step (every hook of the step has logged then: one point per tag and step), and before validation
+    metrics, images (the earlier steps' there) and the end of the run, so the file stays in step order: one read
+    of all queued tensors (one sync on a GPU) and one hand-off to the writer thread per flush, not per log step. On a
+    tiny model each log step's write cost several times the step itself; SummaryWriter flushes its file to disk
+    only every 120 s, so the queue delays nothing TensorBoard shows.
     """
 
     phase = Phase.OBSERVE  # after clipping has cached the pre-clip norm, after scalers logged
@@ -219,6 +220,7 @@ class TensorBoardLogger(Callback):
         self._lrs: list[tuple[str, float]] = []  # this iteration's learning rates, taken at its start
         self._queued: list[tuple[int, str, Any]] = []  # (step, tag, value) rows not written yet
         self._last_flush = 0.0
+        self._flush_next = False  # flush_secs passed at the last log step: its rows go at the next iteration's start
         self._last_time = 0.0
         self._last_step = 0
         self._failed = False  # the run raised: closing the writer must not replace that error with its own
@@ -256,24 +258,35 @@ class TensorBoardLogger(Callback):
             else:
                 self._step_events = StepEvents(self.writer.file_writer)
             self._fail_run = trainer.fail_on_every_rank
+            # Before an image, histogram or text: the earlier steps' scalars, not this one's, which a later hook of
+            # the step may log again (one point per tag and step, as at the timed flush).
             trainer.logger = TensorBoardWriter(
-                self.writer, lambda: trainer.state.iteration, self._flush, self._fail_run
+                self.writer,
+                lambda: trainer.state.iteration,
+                lambda: self._flush(before=trainer.state.iteration),
+                self._fail_run,
             )
             self._take_logged = trainer.take_logged
             # The session's hparams now; the experiment (which names the metrics) once the final metrics exist.
             _, start, _ = _hparams_summaries(trainer, {})
             self.writer.file_writer.add_summary(start)
         self._last_time, self._last_step = time.perf_counter(), trainer.state.global_step
-        self._last_flush = self._last_time
+        self._last_flush, self._flush_next = self._last_time, False
 
     def _writing(self) -> Any:
         """:func:`writing_events` for this fit's event files, a failure stopping the fit on every rank."""
         return writing_events(Path(self.writer.log_dir), self._fail_run)
 
     def on_train_batch_start(self, trainer, batch: Any) -> None:
-        """The learning rates this iteration's steps use: at its end the step-interval schedulers have already
-        moved them to the next iteration's."""
-        if self.writer is not None and trainer.state.is_iteration_start and self._due(trainer):
+        """The timed flush of the previous log step's rows, and the learning rates this iteration's steps use: at its
+        end the step-interval schedulers have already moved them to the next iteration's."""
+        if self.writer is None or not trainer.state.is_iteration_start:
+            return
+        if self._flush_next:  # now, not at the log step's end: the Trainer's own on_train_batch_end (after this
+            self._flush_next = False  # callback's) may log a tag again there, and two writes were two points
+            self._queued += self._taken()
+            self._flush(before=trainer.state.iteration)
+        if self._due(trainer):
             self._lrs = [
                 row for name, opt in trainer.optimizers.items() for row in _learning_rates(name, opt, self.log_momentum)
             ]
@@ -303,8 +316,7 @@ class TensorBoardLogger(Callback):
             self._window, self._grad_norms, self._lrs = {}, [], []
             if rows:
                 self._queued += rows
-            if now - self._last_flush >= self.flush_secs:
-                self._flush()
+            self._flush_next = now - self._last_flush >= self.flush_secs
         elif rows:  # trainer.log(..., always=True) between log steps (an overflow event)
             self._queued += rows
 

@@ -35,7 +35,8 @@ LIGHTNING_NAMES: dict[str, str] = {
     ),
     "checkpoint_callback": (
         "the ModelCheckpoint among self.callbacks (the config's checkpoint section, or one given in code, whose "
-        "best_model_path, best_model_score and best_k_models answer as Lightning's)"
+        "best_model_path, best_model_score, best_k_models, current_score, kth_best_model_path, kth_value, "
+        "last_model_path and dirpath answer as Lightning's)"
     ),
     "checkpoint_callbacks": "[cb for cb in self.callbacks if isinstance(cb, ampkit.callbacks.ModelCheckpoint)]",
     "early_stopping_callback": "the EarlyStopping among self.callbacks (the config's early_stopping section)",

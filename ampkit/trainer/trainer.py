@@ -2361,6 +2361,10 @@ class Trainer:
             "epoch_sums": {tag: [float(total), count] for tag, (total, count) in self._epoch_sums.items()},
             # which hook logs each on_epoch tag: a resume refuses a second hook's as the run before it would have
             "epoch_fx": dict(self._epoch_fx),
+            # which kind of value (per step, epoch means) each log() tag got first, and in which hook, and the mixes
+            # warned of: a resume refuses or warns of a mix as the run before it would have, and says it once
+            "curve_kind": {name: [epoch, fx] for name, (epoch, fx) in self._curve_kind.items()},
+            "curve_mix_said": sorted([name, fx] for name, fx in self._curve_mix_said),
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "optional_callback_states": sorted(cb.state_key for cb in self.callbacks if cb.state_is_optional),
             "config_callback_states": self._config_callback_keys,
@@ -2477,6 +2481,8 @@ class Trainer:
         self.validation_end_values = dict(checkpoint.get("validation_end_values", {}))  # absent before this ampkit
         self._epoch_sums = {tag: list(total) for tag, total in checkpoint.get("epoch_sums", {}).items()}
         self._epoch_fx = dict(checkpoint.get("epoch_fx", {}))  # absent from checkpoints of an older ampkit
+        self._curve_kind = {name: (bool(epoch), fx) for name, (epoch, fx) in checkpoint.get("curve_kind", {}).items()}
+        self._curve_mix_said = {(name, fx) for name, fx in checkpoint.get("curve_mix_said", [])}  # as epoch_fx
         self._resume = {
             "batches_done": loop["batches_done"],
             "rng": checkpoint["rng"],

@@ -75,6 +75,30 @@ def test_growth_capped_at_max_scale():
     assert s.scale == 2.0**40
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("max_scale", [None, 1e300])
+def test_growth_that_float32_cannot_carry_keeps_the_scale_as_torch_grad_scaler(on_device, max_scale):
+    """Without a cap within float32 (torch's GradScaler has none) the scale grew past float32's largest number: every
+    scaled loss was then inf, each growth one more skipped step. torch's _amp_update_scale_ keeps the scale instead."""
+    knobs = {"init_scale": 2.0**126, "growth_interval": 2, "growth_factor": 2.0}
+    grad_scaler = torch.amp.GradScaler("cpu", **knobs)
+    scaler = LossScaler(max_scale=max_scale, **knobs)
+    if on_device:
+        scaler.keep_on_device(torch.device("cpu"))
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    for _ in range(6):
+        grad_scaler.scale(weight.sum() * 0).backward()
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        if on_device:
+            scaler.update_on_device(torch.tensor(0.0))
+        scaler.update(False)
+        assert scaler.scale == grad_scaler.get_scale()
+        assert torch.isfinite(scaler.scale_loss(torch.ones(()))), "the scaled loss stays finite"
+    assert scaler.scale == 2.0**127 and scaler.unskipped == grad_scaler.state_dict()["_growth_tracker"] == 0
+
+
 @pytest.mark.parametrize("value", [128.0, "128.0", 1])
 def test_static_never_changes(value):
     s = LossScaler(value)

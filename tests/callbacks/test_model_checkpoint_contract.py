@@ -78,6 +78,20 @@ def test_a_tie_keeps_the_earlier_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_better_value_pushes_out_the_oldest_of_the_tied_worst_also_across_a_resume(tmp_path, mode):
+    """Lightning's kth_best_model_path is the first of the tied worst in its ranking (``max``/``min`` return the
+    first), so a better value replaces the oldest of them: ampkit dropped the newest."""
+    sign = 1 if mode == "min" else -1
+    scores = {step: sign * value for step, value in {1: 0.5, 2: 0.5, 3: 0.5, 4: 0.2, 5: 0.1, 6: 0.9}.items()}
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.mode": mode, "checkpoint.save_top_k": 3}
+    run = _fit(tmp_path, scores, **keys, **{"trainer.max_steps": 4})
+    assert best_steps(run) == [2, 3, 4]  # step 4's 0.2 pushed out step 1, the oldest of three tied at 0.5
+    run = _fit(tmp_path, scores, resume="last", **keys)
+    assert best_steps(run) == [3, 4, 5]  # the restored ranking still knows step 2 is older than step 3
+    assert best_pt_step(run) == 5
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_value_is_never_ranked_nor_saved_as_best(tmp_path, mode, bad):
     """NaN, +inf and -inf are no improvement in either mode: not best.pt, not among the top k even while it has
@@ -299,6 +313,32 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
 
 
+def test_kth_best_model_path_kth_value_current_score_and_dirpath_read_as_lightning_s(tmp_path):
+    """A port reads ``checkpoint_callback.dirpath`` (where the files are) and ``kth_value`` (the value to beat):
+    AttributeError. The k-th is the file a better value pushes out next, set once the top k is full."""
+    assert (ModelCheckpoint().dirpath, ModelCheckpoint(monitor="val/score").kth_best_model_path) == (None, "")
+    assert ModelCheckpoint(monitor="val/score").current_score is None
+    run, best_k = _fit_ranking_two_best(tmp_path, 1)
+    directory = run.version_dir / "checkpoints"
+    assert best_k.dirpath == str(directory) and best_k.last_model_path == str(directory / "last.pt")
+    assert (best_k.kth_best_model_path, best_k.kth_value) == ("", None)  # one of two places taken
+    assert best_k.current_score == 0.5  # the value of the checkpoint that entered the top k last
+    run, best_k = _fit_ranking_two_best(tmp_path, 3, resume="last")  # 0.5, 0.3 ranked; 0.9 not
+    assert best_k.kth_best_model_path == str(directory / "best-00000001.pt") and best_k.kth_value == 0.5
+    assert best_k.current_score == pytest.approx(0.3)  # 0.9 entered nothing, as in Lightning
+    run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")  # 0.1 and 0.2 pushed them out
+    assert best_k.kth_best_model_path == str(directory / "best-00000006.pt")
+    assert best_k.kth_value == pytest.approx(0.2)
+    _, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")  # the finished run: each answer restored
+    assert best_k.current_score == best_k.kth_value == pytest.approx(0.2)
+    tied = ModelCheckpoint(monitor="val/score", save_top_k=3)
+    tied.best_k, tied._directory = (
+        {"best-00000004.pt": 0.2, "best-00000002.pt": 0.5, "best-00000003.pt": 0.5},
+        directory,
+    )
+    assert tied.kth_best_model_path == str(directory / "best-00000002.pt")  # the oldest of the tied, as Lightning's
+
+
 @pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),
                                             ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"])])  # fmt: skip
 def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_deletes_it(tmp_path, key, entry):
@@ -319,3 +359,32 @@ def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_dele
     with pytest.raises(checkpoint_module.CheckpointError, match=rf"names '{re.escape(named)}' among its checkpoint"):
         _fit(tmp_path, scores, resume="last", **{**keys, "trainer.max_steps": 6})
     assert notes.read_text() == "mine"
+
+
+def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightning_s_also_after_a_resume(tmp_path):
+    """Lightning's ModelCheckpoint without a monitor answers best_model_path with the checkpoint it saved last (a
+    port's test(ckpt_path=cb.best_model_path) after fit); here it read '', and best_model_score stays None."""
+    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.num_sanity_val_steps": 0}
+    periodic = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)
+    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[periodic])
+    run.fit()
+    directory = run.version_dir / "checkpoints"
+    assert periodic.best_model_path == str(directory / "step-00000007.pt")  # the run's end save, after step 6's
+    assert (periodic.best_model_score, periodic.best_k_models) == (None, {})
+    assert periodic.last_model_path == str(directory / "last.pt") and ModelCheckpoint().last_model_path == ""
+    assert load_checkpoint(periodic.best_model_path)["loop"]["global_step"] == 7
+    again = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)  # fit() again on the finished run: restored
+    ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
+    assert again.best_model_path == str(directory / "step-00000007.pt")
+    assert again.last_model_path == str(directory / "last.pt")
+
+
+def test_a_restored_current_score_that_is_no_number_is_refused_by_name(tmp_path):
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
+    run = _fit(tmp_path, SCORES, **keys)
+    last = run.version_dir / "checkpoints" / "last.pt"
+    checkpoint = load_checkpoint(last)
+    checkpoint["callbacks"]["ModelCheckpoint[val/score]"]["current_score"] = "high"
+    torch.save(checkpoint, last)
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"current_score 'high', which is no number"):
+        _fit(tmp_path, SCORES, resume="last", **{**keys, "trainer.max_steps": 6})
