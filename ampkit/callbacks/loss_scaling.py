@@ -29,7 +29,7 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
-from ampkit.amp.scaler import MAX_NUM_LOSSES
+from ampkit.amp.scaler import loss_count_option
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.ops._switches import checked_switch
@@ -42,16 +42,11 @@ from ampkit.wording import counted
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
 
 
-def check_num_losses(num_losses: Any) -> None:
-    """Raise a ValueError unless ``num_losses`` is None or an integer in [1, MAX_NUM_LOSSES]: checked wherever it is
-    set, also where no scaler is made (O0, bfloat16 unscaled), so a bad value is no surprise when one is."""
-    if num_losses is not None and (
-        isinstance(num_losses, bool) or not isinstance(num_losses, int) or not 1 <= num_losses <= MAX_NUM_LOSSES
-    ):
-        raise ValueError(
-            f"num_losses={num_losses!r}: expected None or an integer in [1, {MAX_NUM_LOSSES}] (each gets its "
-            "scaler now; name the loss_ids for more)"
-        )
+def check_num_losses(num_losses: Any) -> int | None:
+    """``num_losses`` as None or an int in [1, MAX_NUM_LOSSES] (amp.initialize's rule, numpy's integers too), else a
+    ValueError: checked wherever it is set, also where no scaler is made (O0, bfloat16 unscaled), so a bad value is
+    no surprise when one is."""
+    return loss_count_option(num_losses, "num_losses", optional=True)
 
 
 class LossScaling(Callback):
@@ -109,7 +104,7 @@ class LossScaling(Callback):
         self.check_nonfinite = checked_switch("LossScaling", "check_nonfinite", check_nonfinite) or self.scaled
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
-        check_num_losses(num_losses)
+        num_losses = check_num_losses(num_losses)
         for option, value in (
             ("warn_consecutive_skips", warn_consecutive_skips),
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),
