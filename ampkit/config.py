@@ -360,13 +360,15 @@ _FOREIGN_SPELLINGS = {
 
 
 def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
-    """Each integer leaf, in any section (a Trainer's own too), that no 64-bit integer holds, by dotted key."""
+    """Each integer key, in any section (a Trainer's own too), whose value no 64-bit integer holds, by dotted key."""
     found = {}
     for key in cfg.keys():
         full_key = f"{prefix}{key}"
         value = cfg._get_node(key)
         if isinstance(value, DictConfig):
             found |= _integers_out_of_range(value, f"{full_key}.")
+            continue
+        if isinstance(value, AnyNode):  # a key of several forms (loss_scale, max_time): its own rule words it
             continue
         value = cfg[key]
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
