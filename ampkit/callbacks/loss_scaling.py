@@ -21,7 +21,6 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
-import numbers
 import re
 from typing import Any
 
@@ -35,7 +34,7 @@ from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
-from ampkit.trainer.state import BackwardState
+from ampkit.trainer.state import BackwardState, loss_id_key
 from ampkit.wording import counted
 
 # torch's anomaly detection on a NaN that a backward returned
@@ -153,10 +152,7 @@ class LossScaling(Callback):
         """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
         # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
         # refused before; numpy's int64 was refused unless its scaler existed
-        if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
-            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
-        if not isinstance(loss_id, int | str):
-            loss_id = int(loss_id)
+        loss_id = loss_id_key(loss_id)
         scaler = self.scalers.get(loss_id)
         if scaler is not None:
             return scaler
