@@ -690,6 +690,12 @@ def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
         key, equals, value = item.partition("=")
         # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
         key = key.removeprefix("++").removeprefix("+")
+        if key.startswith("~"):  # Hydra's deletion: read as a key named '~trainer...' or as no key=value at all
+            name = key[1:] or "the key"
+            raise ConfigError(
+                f"override '{item}': removing a key (Hydra's '~') is not supported, as every key of the schema has a "
+                f"value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
+            )
         if not equals or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
         if not all(part.strip() == part and part for part in key.split(".")):
