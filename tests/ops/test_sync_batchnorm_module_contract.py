@@ -156,6 +156,10 @@ def test_an_input_of_other_channels_is_named_before_the_batch_counts(cls):
     with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\) got an input of 3 channels \(shape \[2, 3, 5\]\)"):
         layer(torch.randn(2, 3, 5))
     assert int(layer.num_batches_tracked) == 0
+    if cls is ApexSyncBatchNorm:  # Apex's channel_last: named as laid out, not as moved to dimension 1
+        layer = cls(4, channel_last=True)
+        with pytest.raises(RuntimeError, match=r"channel_last=True\) got an input of 5 channels \(shape \[2, 3, 5\]\)"):
+            layer(torch.randn(2, 3, 5))
 
 
 def test_eps_0_is_refused_where_batch_statistics_normalize_and_taken_on_running_ones():
