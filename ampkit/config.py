@@ -360,13 +360,15 @@ _FOREIGN_SPELLINGS = {
 
 
 def _integers_out_of_range(cfg: DictConfig, prefix: str = "") -> dict[str, int]:
-    """Each integer leaf, in any section (a Trainer's own too), that no 64-bit integer holds, by dotted key."""
+    """Each integer key, in any section (a Trainer's own too), whose value no 64-bit integer holds, by dotted key."""
     found = {}
     for key in cfg.keys():
         full_key = f"{prefix}{key}"
         value = cfg._get_node(key)
         if isinstance(value, DictConfig):
             found |= _integers_out_of_range(value, f"{full_key}.")
+            continue
+        if isinstance(value, AnyNode):  # a key of several forms (loss_scale, max_time): its own rule words it
             continue
         value = cfg[key]
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
@@ -688,6 +690,12 @@ def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
         key, equals, value = item.partition("=")
         # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
         key = key.removeprefix("++").removeprefix("+")
+        if key.startswith("~"):  # Hydra's deletion: read as a key named '~trainer...' or as no key=value at all
+            name = key[1:] or "the key"
+            raise ConfigError(
+                f"override '{item}': removing a key (Hydra's '~') is not supported, as every key of the schema has a "
+                f"value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
+            )
         if not equals or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
         if not all(part.strip() == part and part for part in key.split(".")):

@@ -129,6 +129,8 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         ("run_dir", "' '", "a non-empty path"),
         ("precision.dtype", "float32", "not a low-precision dtype; use float16 or bfloat16"),  # named as a dotted key
         ("precision.loss_scale", -1, "a static loss scale must be finite and > 0"),
+        # a key of several forms is worded by its own rule, not as an integer key out of int64's range
+        ("precision.loss_scale", 2**200, r"1606938044.*: a static loss scale must lie in float32's range of scales"),
         ("precision.keep_batchnorm_fp32", "maybe", "expected True, False"),
         # checked at O0 too, where no callback reads them: a typo surfaced only once O1 (or O2) was tried
         ("precision.num_losses", -1, r"expected None or an integer in \[1, 1024\]"),

@@ -622,11 +622,24 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         ("name=${oops", "override 'name=${oops': cannot read the value '${oops' (no viable alternative"),
         ("trainer..max_steps=3", "key 'trainer..max_steps' has an empty or space-padded part"),
         ("trainer.=3", "key 'trainer.' has an empty or space-padded part"),
+        # Hydra's deletion: 'is not of the form key=value', or an unknown key '~trainer' when a value was given
+        ("~trainer.max_epochs", "override '~trainer.max_epochs': removing a key (Hydra's '~') is not supported"),
+        ("~trainer.max_epochs=3", "leave out the override to keep trainer.max_epochs's default, or set it"),
         # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
         (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
         (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
     ],
-    ids=["unclosed list", "unclosed mapping", "unclosed interpolation", "double dot", "trailing dot", "huge", "-huge"],
+    ids=[
+        "unclosed list",
+        "unclosed mapping",
+        "unclosed interpolation",
+        "double dot",
+        "trailing dot",
+        "tilde",
+        "tilde with value",
+        "huge",
+        "-huge",
+    ],
 )
 def test_an_override_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, override, message):
     line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])

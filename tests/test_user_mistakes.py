@@ -251,6 +251,16 @@ class LossIdList(ToyTrainer):
         self.backward(super().training_step(batch), loss_id=[1])
 
 
+class LossIdTensor(ToyTrainer):
+    """A tensor hashes by identity: at O0, where no scaler refused it, each backward made a new loss entry, which
+    every iteration then walked (and ranks could never agree on)."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch):
+        self.backward(super().training_step(batch), loss_id=torch.tensor(0))
+
+
 class UnknownOptimizerName(ToyTrainer):
     automatic_optimization = False
 
@@ -314,7 +324,8 @@ class EmptyBatch(ToyTrainer):
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
         ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
-        ("LossIdList", "backward(loss_id=[1]): a loss id is a name or a number, not a list"),
+        ("LossIdList", "backward(loss_id=[1]): a loss id is a name or an integer, not a list"),
+        ("LossIdTensor", "backward(loss_id=tensor(0)): a loss id is a name or an integer, not a Tensor"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),
         ("PlateauWithoutMonitor", "a ReduceLROnPlateau steps on a metric: name it with 'monitor'"),
         ("NoOptimizersListed", "configure_optimizers() returned an empty list of optimizers"),

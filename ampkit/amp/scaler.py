@@ -73,11 +73,17 @@ def interval_option(value: Any, option: str, *, zero_means: str | None = None) -
     return int(value)
 
 
-def loss_count_option(value: Any, option: str) -> int:
-    """``value`` as a number of losses, each given its scaler up front: a whole number (numpy's too) in
-    [1, MAX_NUM_LOSSES]; else a ValueError naming ``option``."""
+def loss_count_option(value: Any, option: str, *, optional: bool = False) -> int | None:
+    """``value`` as a number of losses, each given its scaler up front: an integer (numpy's too, as Apex's
+    ``range(num_losses)`` took it; not a bool, nor 2.0 or "2", which Apex's range refused) in [1, MAX_NUM_LOSSES],
+    or None where ``optional``; else a ValueError naming ``option``. The one rule of the Trainer and the Apex layer."""
+    if optional and value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_LOSSES:
-        raise ValueError(f"{option}={value!r}: expected an integer in [1, {MAX_NUM_LOSSES}]")
+        allowed = "None or an integer" if optional else "an integer"
+        raise ValueError(
+            f"{option}={value!r}: expected {allowed} in [1, {MAX_NUM_LOSSES}] (each loss gets its scaler up front)"
+        )
     return int(value)
 
 

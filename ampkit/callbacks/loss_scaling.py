@@ -21,7 +21,6 @@ a GAN's D step between its D and G backwards needs the verdict in between, so tw
 
 from __future__ import annotations
 
-import numbers
 import re
 from typing import Any
 
@@ -29,29 +28,24 @@ import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.amp import GradientCombiner, LossScaler
-from ampkit.amp.scaler import MAX_NUM_LOSSES
+from ampkit.amp.scaler import loss_count_option
 from ampkit.callbacks.found_inf_flags import FoundInfFlags
 from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Callback, Phase
 from ampkit.trainer.param_groups import TrainableParams
-from ampkit.trainer.state import BackwardState
+from ampkit.trainer.state import BackwardState, loss_id_key
 from ampkit.wording import counted
 
 # torch's anomaly detection on a NaN that a backward returned
 _ANOMALY_NAN = re.compile(r"Function '\w+' returned nan values")
 
 
-def check_num_losses(num_losses: Any) -> None:
-    """Raise a ValueError unless ``num_losses`` is None or an integer in [1, MAX_NUM_LOSSES]: checked wherever it is
-    set, also where no scaler is made (O0, bfloat16 unscaled), so a bad value is no surprise when one is."""
-    if num_losses is not None and (
-        isinstance(num_losses, bool) or not isinstance(num_losses, int) or not 1 <= num_losses <= MAX_NUM_LOSSES
-    ):
-        raise ValueError(
-            f"num_losses={num_losses!r}: expected None or an integer in [1, {MAX_NUM_LOSSES}] (each gets its "
-            "scaler now; name the loss_ids for more)"
-        )
+def check_num_losses(num_losses: Any) -> int | None:
+    """``num_losses`` as None or an int in [1, MAX_NUM_LOSSES] (amp.initialize's rule, numpy's integers too), else a
+    ValueError: checked wherever it is set, also where no scaler is made (O0, bfloat16 unscaled), so a bad value is
+    no surprise when one is."""
+    return loss_count_option(num_losses, "num_losses", optional=True)
 
 
 class LossScaling(Callback):
@@ -109,7 +103,7 @@ class LossScaling(Callback):
         self.check_nonfinite = checked_switch("LossScaling", "check_nonfinite", check_nonfinite) or self.scaled
         if self.scaled:
             LossScaler(loss_scale, **self._knobs)  # validate the knobs now, not at the first backward
-        check_num_losses(num_losses)
+        num_losses = check_num_losses(num_losses)
         for option, value in (
             ("warn_consecutive_skips", warn_consecutive_skips),
             ("max_overflows_at_min_scale", max_overflows_at_min_scale),
@@ -158,10 +152,7 @@ class LossScaling(Callback):
         """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
         # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
         # refused before; numpy's int64 was refused unless its scaler existed
-        if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
-            raise TypeError(f"loss_id={loss_id!r}: expected an int or a str")
-        if not isinstance(loss_id, int | str):
-            loss_id = int(loss_id)
+        loss_id = loss_id_key(loss_id)
         scaler = self.scalers.get(loss_id)
         if scaler is not None:
             return scaler

@@ -33,7 +33,7 @@ from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import unscale_l2norm
-from ampkit.ops.optimizers._base import check_betas, check_hyper
+from ampkit.ops.optimizers._base import check_betas, check_group_at_step, check_group_hypers, check_hyper
 
 # Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
@@ -151,6 +151,16 @@ class LegacyFusedAdam(torch.optim.Optimizer):
         self.eps_mode = 0 if eps_inside_sqrt else 1  # Apex's attribute: 0 adds eps inside the square root
         self._amp_scale_adjustment = amp_scale_adjustment  # read only by Apex's long-gone amp integration
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's own settings are checked as the constructor's (an ``lr`` of -1 in a group dict
+        was taken); a group refused is not kept."""
+        super().add_param_group(param_group)
+        try:
+            check_group_hypers(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
     @torch.no_grad()
     def step(
         self,
@@ -170,6 +180,8 @@ class LegacyFusedAdam(torch.optim.Optimizer):
                 loss = closure()
         # the kernel divides every gradient by it: 0, inf or NaN made the weights NaN, a negative one stepped uphill
         scale = positive_option(scale, "FusedAdam.step: scale")
+        for index, group in enumerate(self.param_groups):  # a value written since construction, before any moves
+            check_group_at_step("FusedAdam", index, group)
         groups = len(self.param_groups)
         grads_per_group = _per_group(grads, groups)
         outputs_per_group = _per_group(output_params, groups)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.norms import NormShapeError
 from ampkit.ops.optimizers._base import check_hyper
 
 
@@ -105,8 +106,22 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.process_group = process_group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
+        """Before ``num_batches_tracked`` counts the batch or a collective starts: torch's errors named neither the
+        layer nor its channels ("running_mean should contain 3 elements not 4"), and the synced path reduced the
+        statistics of the wrong channels first."""
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
+        if input.shape[1] != self.num_features:  # also the RuntimeError torch raised, for code that catches it
+            raise NormShapeError(
+                f"{type(self).__name__}({self.num_features}) got an input of {input.shape[1]} channels (shape "
+                f"{list(input.shape)}); dimension 1 holds the channels"
+            )
+        batch_stats = self.training or self.running_mean is None  # torch's eval on running statistics takes eps=0
+        if batch_stats and not self.eps > 0:  # a channel of equal values normalized by 1/0
+            raise ValueError(
+                f"{type(self).__name__}: eps={self.eps!r} must be > 0 to normalize by batch statistics (training); "
+                "eps=0 serves evaluation on running statistics only"
+            )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)

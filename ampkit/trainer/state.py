@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -77,6 +78,14 @@ class LossScaleUpdater(Protocol):
     def scale(self) -> float: ...
 
     def update(self, found_inf: bool) -> tuple[float, float]: ...
+
+
+def loss_id_key(loss_id: Any) -> int | str:
+    """``loss_id`` as the key of its loss's scaler and facts: an int (numpy's made one) or a name; else a TypeError.
+    True and 1.0 hash as 1, and a tensor by identity: a new key (and a new scaler) at each backward."""
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
+        raise TypeError(f"loss_id={loss_id!r}: expected an int or a str, not a {type(loss_id).__name__}")
+    return loss_id if isinstance(loss_id, int | str) else int(loss_id)
 
 
 @dataclass(slots=True)

@@ -655,7 +655,7 @@ class Trainer:
         get grads."""
         if self._in_automatic_step:
             self._refuse_in_automatic_step("backward")
-        check_loss(loss, loss_id)
+        loss_id = check_loss(loss, loss_id)
         inputs = None
         if optimizer is not None:
             optimizer = self._optimizer_named(optimizer, "backward")

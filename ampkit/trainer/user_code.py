@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
 from ampkit.config import AMPKIT_KEYS, flatten
+from ampkit.trainer.state import loss_id_key
 from ampkit.wording import counted
 
 
@@ -21,13 +22,15 @@ class UserCodeError(TypeError, ValueError):
     Both a TypeError and a ValueError, as the wrong type or the wrong value it reports."""
 
 
-def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
+def check_loss(loss: torch.Tensor, loss_id: Any) -> int | str:
     """A loss ``backward`` can use: a real scalar tensor that requires grad (three reads per backward), and a
-    ``loss_id`` that can name its scaler."""
-    if not isinstance(loss_id, Hashable):
+    ``loss_id`` that can name its scaler, returned as its key (:func:`loss_id_key`)."""
+    try:
+        loss_id = loss_id_key(loss_id)
+    except TypeError:  # at O0 too: a tensor id made a new loss entry at every backward, scaled or not
         raise UserCodeError(
-            f"backward(loss_id={loss_id!r}): a loss id is a name or a number, not a {type(loss_id).__name__}"
-        )
+            f"backward(loss_id={loss_id!r}): a loss id is a name or an integer, not a {type(loss_id).__name__}"
+        ) from None
     if not isinstance(loss, torch.Tensor):
         raise UserCodeError(f"backward(loss_id={loss_id!r}) got a {type(loss).__name__}; expected the loss tensor")
     if loss.numel() != 1:
@@ -53,6 +56,7 @@ def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
         raise UserCodeError(
             f"the loss of loss_id {loss_id!r} is {loss.dtype}; expected a real number (take .abs() or .real)"
         )
+    return loss_id
 
 
 def first_names(names: list[str], shown: int = 3) -> str:

@@ -468,6 +468,20 @@ def test_a_loss_id_is_an_int_or_a_name_whether_its_scaler_exists_or_not():
     assert [type(loss_id) for loss_id in fresh.scales] == [int]
 
 
+def test_num_losses_is_counted_by_amp_initialize_s_rule():
+    """One rule with amp.initialize's num_losses: numpy's integers count (LossScaling refused np.int64(2), which
+    Apex's range() took); a bool, 2.0 and "2" do not, as Apex's range() refused them."""
+    scaling = LossScaling(num_losses=np.int64(2))
+    assert sorted(scaling.scales) == [0, 1] and type(scaling.num_losses) is int
+    from ampkit.compat import amp
+
+    for bad in (True, 2.0, "2", 0, 1025):
+        with pytest.raises(ValueError, match=rf"^num_losses={re.escape(repr(bad))}: expected None or an integer"):
+            LossScaling(num_losses=bad)
+        with pytest.raises(ValueError, match=rf"^num_losses={re.escape(repr(bad))}: expected an integer in"):
+            amp.initialize(nn.Linear(2, 2), None, opt_level="O1", num_losses=bad, verbosity=0)
+
+
 # ---------------------------------------------------------------------- resume and logging
 
 

@@ -235,6 +235,28 @@ def test_bad_optimizer_arguments_are_named():
         FP16_Optimizer("adam")
 
 
+def test_a_group_s_own_settings_are_checked_when_added_and_at_each_step():
+    """A group dict's ``lr=-1`` was taken by the constructor that refuses ``lr=-1``; a value written into
+    ``param_groups`` later failed as "can't multiply sequence by non-int" ("1e-3") or "math domain error"
+    (``betas=(0.9, 1.5)``), or turned every weight NaN (``lr=nan``)."""
+    with pytest.raises(ValueError, match=r"Invalid lr of a param group: -1.0"):
+        LegacyFusedAdam([{"params": [torch.nn.Parameter(torch.ones(3))], "lr": -1.0}])
+    for key, value, message in [
+        ("lr", "1e-3", r"Invalid lr of FusedAdam.param_groups\[1\]: '1e-3' is a str"),
+        ("lr", math.nan, r"Invalid lr of FusedAdam.param_groups\[1\]: nan"),
+        ("betas", (0.9, 1.5), r"Invalid betas\[1\] of FusedAdam.param_groups\[1\]: 1.5"),
+        ("max_grad_norm", None, r"Invalid max_grad_norm of FusedAdam.param_groups\[1\]: None"),
+    ]:
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+        optimizer = LegacyFusedAdam([{"params": params[:1]}, {"params": params[1:]}], lr=0.1)
+        for param in params:
+            param.grad = torch.ones(3)
+        optimizer.param_groups[1][key] = value
+        with pytest.raises((TypeError, ValueError), match=message):
+            optimizer.step()
+        assert all(torch.equal(param.detach(), torch.ones(3)) for param in params) and not optimizer.state
+
+
 class CopiedFirstFusedAdam(torch.optim.Optimizer):
     """How OpenNMT-py, fairseq forks and UniLM kept Apex's first FusedAdam: their own copy of its Python side,
     loading the deprecated ``fused_adam_cuda`` extension by name and calling it per tensor."""

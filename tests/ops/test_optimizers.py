@@ -953,6 +953,53 @@ def test_a_groups_own_hyperparameters_are_checked_and_a_refused_group_is_not_kep
     optimizer.step()  # still steps
 
 
+_WRITTEN_AFTER_CONSTRUCTION = [
+    ("lr", "1e-3", r"Invalid lr of {}\.param_groups\[1\]: '1e-3' is a str"),  # FusedAdam read it through float()
+    ("lr", None, r"Invalid lr of {}\.param_groups\[1\]: None is a NoneType"),
+    ("lr", torch.tensor([1e-3, 1e-3]), r"Invalid lr of {}\.param_groups\[1\]: tensor\(\[.*is a Tensor"),
+    ("lr", float("nan"), r"Invalid lr of {}\.param_groups\[1\]: nan \(expected a finite value >= 0"),
+    ("lr", -1, r"Invalid lr of {}\.param_groups\[1\]: -1 \(expected a finite value >= 0"),
+    ("eps", "1e-8", r"Invalid eps of {}\.param_groups\[1\]: '1e-8' is a str"),
+    ("weight_decay", None, r"Invalid weight_decay of {}\.param_groups\[1\]: None"),
+    ("betas", (0.9, 1.5), r"Invalid betas\[1\] of {}\.param_groups\[1\]: 1.5 \(expected a value in \[0.0, 1.0\)"),
+    ("betas", None, r"Invalid betas of {}\.param_groups\[1\]: None is a NoneType"),
+    ("maximize", "False", r"Invalid maximize of {}\.param_groups\[1\]: 'False' is a str"),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, key, value, message",
+    [
+        (cls, *case)
+        for cls in ALL_FUSED
+        for case in _WRITTEN_AFTER_CONSTRUCTION
+        if case[0] in cls(make_params()[:1], **({"lr": 0.1} if cls is FusedSGD else {})).defaults
+    ],
+    ids=str,
+)
+def test_a_group_setting_written_after_construction_is_checked_at_step_before_anything_moves(cls, key, value, message):
+    """Written into ``param_groups`` after the constructor checked it (a scheduler's, a config's), a string, None or
+    a two-element tensor failed deep in torch's dispatcher ('adam_step() Expected a value of type float'), and
+    ``betas=(0.9, 1.5)``, ``lr=nan`` or ``lr=-1`` stepped every weight to NaN or uphill. Refused at the step, naming
+    the group and the key, before any group has moved."""
+    kwargs = {"lr": 0.1} if cls is FusedSGD else {}
+    params = make_params()[:2]
+    optimizer = cls([{"params": params[:1]}, {"params": params[1:]}], **kwargs)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.param_groups[1][key] = value
+    before = [p.detach().clone() for p in params]
+    with pytest.raises((TypeError, ValueError), match=message.format(cls.__name__)):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    with pytest.raises((TypeError, ValueError), match=message.format(cls.__name__)):
+        optimizer.step_with_grad_factor(1.0)
+    optimizer.param_groups[1][key] = optimizer.defaults[key]
+    optimizer.param_groups[1]["lr"] = torch.tensor(optimizer.defaults["lr"])  # a one-element tensor is an lr
+    optimizer.step()
+    assert not torch.equal(before[1], params[1])
+
+
 def test_a_loaded_state_without_masters_gets_them_back():
     """fp16 weights with ``master_weights=True``, loaded from a state saved without masters (torch's AdamW, a run
     without them): the masters are made again, so updates smaller than fp16's spacing still add up."""

@@ -146,3 +146,29 @@ def test_sync_batch_norm_takes_a_zero_size_batch_as_batch_norm_does(training):
     assert assert_same_maths(ours, theirs, images(n=0)).shape == (0, 3, 5, 4)
     for key, value in theirs.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [SyncBatchNorm, ApexSyncBatchNorm])
+def test_an_input_of_other_channels_is_named_before_the_batch_counts(cls):
+    """torch's 'running_mean should contain 3 elements not 4' named neither the layer nor its channels, and the
+    failed batch was counted in num_batches_tracked (momentum=None's average then divided by one batch too many)."""
+    layer = cls(4, momentum=None)
+    with pytest.raises(RuntimeError, match=r"SyncBatchNorm\(4\) got an input of 3 channels \(shape \[2, 3, 5\]\)"):
+        layer(torch.randn(2, 3, 5))
+    assert int(layer.num_batches_tracked) == 0
+    if cls is ApexSyncBatchNorm:  # Apex's channel_last: named as laid out, not as moved to dimension 1
+        layer = cls(4, channel_last=True)
+        with pytest.raises(RuntimeError, match=r"channel_last=True\) got an input of 5 channels \(shape \[2, 3, 5\]\)"):
+            layer(torch.randn(2, 3, 5))
+
+
+def test_eps_0_is_refused_where_batch_statistics_normalize_and_taken_on_running_ones():
+    """torch's BatchNorm takes eps=0 and its training forward fails with 'batch_norm eps must be positive' naming no
+    layer; the synced path divided a channel of equal values by 0. Evaluation on running statistics serves it."""
+    layer = SyncBatchNorm(3, eps=0.0)
+    with pytest.raises(ValueError, match=r"SyncBatchNorm: eps=0.0 must be > 0 to normalize by batch statistics"):
+        layer(torch.randn(4, 3))
+    assert int(layer.num_batches_tracked) == 0
+    assert torch.isfinite(layer.eval()(torch.randn(4, 3))).all()
+    with pytest.raises(ValueError, match=r"eps=0.0 must be > 0"):  # no running statistics: batch ones, in eval too
+        SyncBatchNorm(3, eps=0.0, track_running_stats=False).eval()(torch.randn(4, 3))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ampkit.ops import sync_batchnorm as _ops
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.norms import NormShapeError
 
 
 def _spans_ranks(process_group: dist.ProcessGroup | None) -> bool:
@@ -60,6 +61,11 @@ class SyncBatchNorm(_ops.SyncBatchNorm):
 
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         channels_moved = self.channel_last and input.dim() > 2
+        if channels_moved and input.shape[-1] != self.num_features:  # named before the move, as the caller laid it out
+            raise NormShapeError(
+                f"SyncBatchNorm({self.num_features}, channel_last=True) got an input of {input.shape[-1]} channels "
+                f"(shape {list(input.shape)}); its last dimension holds the channels"
+            )
         if channels_moved:  # Apex's channel_last: the channels are the input's last dimension, (N, ..., C)
             input = input.movedim(-1, 1)
         if not self.training and not self.track_running_stats and _spans_ranks(self.process_group):

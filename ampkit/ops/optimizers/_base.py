@@ -328,6 +328,47 @@ def check_group_hypers(group: dict[str, Any]) -> None:
         )
 
 
+def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
+    """:func:`check_group_hypers`' rules again at a step, for values written into ``param_groups[index]`` since it
+    was added (a scheduler's, a config's): a string, None or a two-element tensor failed deep in torch's dispatcher,
+    and ``betas=(0.9, 1.5)`` or ``lr=nan`` turned every weight NaN. One pass over the group's items: a float in
+    range or a bool flag costs a look-up and two comparisons."""
+    for key, value in group.items():
+        if type(value) is float:
+            bounds = _STEP_BOUNDS.get(key)
+            if bounds is None or bounds[0] <= value < bounds[1]:
+                continue
+        elif type(value) is bool and key in _FLAG_KEYS:
+            continue
+        elif key == "betas" and type(value) is tuple and len(value) == 2:
+            beta1, beta2 = value
+            if type(beta1) is float and type(beta2) is float and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0:
+                continue
+        if key in _STEP_BOUNDS or key in _FLAG_KEYS or key == "betas":
+            _check_group_value(f"{key} of {owner}.param_groups[{index}]", key, value)
+
+
+def _check_group_value(name: str, key: str, value: Any) -> None:
+    """The slow path of :func:`check_group_at_step`: the rule of ``key``. A one-element float tensor off the CPU (a
+    capturable ``lr``) is checked for its shape and dtype, its value never read (a host sync each step)."""
+    if key in GROUP_HYPER_RULES:
+        off_cpu = isinstance(value, Tensor) and value.device.type != "cpu"
+        if off_cpu and value.numel() == 1 and value.is_floating_point():
+            return
+        low, high = GROUP_HYPER_RULES[key]
+        check_hyper(name, value, low, high, closed=high == math.inf)
+    elif key in _FLAG_KEYS:
+        check_flag(name, value)
+    elif key == "betas":
+        check_betas(value, name[len(key) :])
+
+
+# check_group_at_step's fast path: (low, high) of each hyper-parameter; a value at ``high`` (inf where inf is
+# allowed) takes the slow path, which accepts it
+_STEP_BOUNDS = {key: (low, math.inf if high is None else high) for key, (low, high) in GROUP_HYPER_RULES.items()}
+_FLAG_KEYS = frozenset(GROUP_FLAGS)
+
+
 def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[str]) -> None:
     """Raise naming what is wrong unless ``state_dict`` is laid out as ``Optimizer.state_dict()`` returns: a dict of
     ``state`` (per parameter, dicts whose ``tensor_keys`` hold tensors or None and whose ``step`` is a number) and
@@ -569,6 +610,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups_at_step()
         found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
         grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
         if self._scaler_in_kernel:
@@ -588,6 +630,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
             self._unscale_(grads, grad_scale)
         return loss
+
+    def _check_groups_at_step(self) -> None:
+        """:func:`check_group_at_step` on every group, before anything is read or stepped."""
+        owner = type(self).__name__
+        for index, group in enumerate(self.param_groups):
+            check_group_at_step(owner, index, group)
 
     def _read_with_scaler(self, grad_scale: Tensor | None) -> Tensor | None:
         """Values the step reads on the host anyway (a vector on the device, computed with the gradients divided by
@@ -642,6 +690,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 checked for free.
         """
         check_grad_factor(grad_factor)
+        self._check_groups_at_step()
         for group, buckets in self._all_buckets():
             factor = -grad_factor if group.get("maximize", False) else grad_factor
             self._steps_from_group(group, buckets)

@@ -88,6 +88,7 @@ class FusedLAMB(FusedOptimizer):
     @torch.no_grad()
     def step_with_grad_factor(self, grad_factor: float) -> None:
         check_grad_factor(grad_factor)
+        self._check_groups_at_step()
         norm = self._read_with_scaler(None)
         self._step_on_host(grad_factor, None if norm is None else norm.double().cpu())
 

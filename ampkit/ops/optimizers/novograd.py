@@ -108,6 +108,7 @@ class FusedNovoGrad(FusedOptimizer):
     @eager_under_compile
     def step_with_grad_factor(self, grad_factor: float) -> None:
         check_grad_factor(grad_factor)
+        self._check_groups_at_step()
         blended = self._blend_norms(abs(grad_factor))
         self._step_on_host(grad_factor, None if blended is None else blended.cpu())
 
