@@ -293,3 +293,19 @@ def test_a_resume_whose_last_is_the_newest_checkpoint_says_nothing_of_newer_file
         warnings.simplefilter("always")
         ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 3})).fit(resume="last")
     assert not [w for w in warned if "is newer" in str(w.message)]
+
+
+def test_the_checkpoint_named_beside_one_is_never_itself_nor_a_link_to_it(tmp_path):
+    """The hint names another checkpoint to take in a refused one's place: never the refused one itself, nor its
+    ``last.pt``/``best.pt`` alias where that is a link to it (a hint naming the same file again); a newer one first."""
+    from ampkit.trainer.sharded_checkpoint import newest_whole_beside
+
+    older, newer = tmp_path / "step-00000002.pt", tmp_path / "step-00000004.pt"
+    for step, path in ((2, older), (4, newer)):
+        torch.save({"loop": {"epoch": 0, "global_step": step}}, path)
+    os.link(newer, tmp_path / "last.pt")
+    (tmp_path / "best.pt").symlink_to(newer.name)
+    assert newest_whole_beside(newer) == older
+    assert newest_whole_beside(older) == newer  # the step file before its aliases of the same moment
+    older.unlink()
+    assert newest_whole_beside(newer) is None
