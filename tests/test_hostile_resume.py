@@ -315,6 +315,8 @@ def test_the_checkpoint_named_beside_one_is_never_itself_nor_a_link_to_it(tmp_pa
     (tmp_path / "best.pt").symlink_to(newer.name)
     assert newest_whole_beside(newer) == older
     assert newest_whole_beside(older) == newer  # the step file before its aliases of the same moment
+    torch.save({"model": {}}, tmp_path / "step-00000008.pt")  # no loop position: nothing a resume could take
+    assert newest_whole_beside(older) == newer
     older.unlink()
     assert newest_whole_beside(newer) is None
 
