@@ -349,6 +349,7 @@ def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled
 
     batch = {"x": torch.arange(6.0).reshape(2, 3).bfloat16(), "ids": ["a", "b"], "w": torch.tensor(1.0)}
     assert batch_fingerprint(batch) == batch_fingerprint({**batch, "x": batch["x"].clone()})
+    assert batch_fingerprint(batch) != batch_fingerprint({**batch, "ids": ["a", "c"]})  # what is no tensor counts too
     assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(3, 2))
     assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(2, 3, dtype=torch.float64))
     assert batch_fingerprint([torch.eye(3).to_sparse()]) is None
