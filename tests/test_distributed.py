@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -336,10 +337,11 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
     assert not any("same first batch" in w for said in rank1["evaluated"].values() for w in said)  # rank zero's
 
 
-def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone():
+def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone(monkeypatch):
     """Batches alike in contents (not identity) share a fingerprint; another shape or dtype does not; a tensor with no
     plain bytes gives none (never named). A loader a DistributedSampler deals is not compared at all (no gather), nor
     an evaluation loader ampkit shards."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
     from torch.utils.data.distributed import DistributedSampler
 
     from ampkit.trainer.distributed import DistributedEnv, evaluation_loader
@@ -347,6 +349,7 @@ def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled
 
     batch = {"x": torch.arange(6.0).reshape(2, 3).bfloat16(), "ids": ["a", "b"], "w": torch.tensor(1.0)}
     assert batch_fingerprint(batch) == batch_fingerprint({**batch, "x": batch["x"].clone()})
+    assert batch_fingerprint(batch) != batch_fingerprint({**batch, "ids": ["a", "c"]})  # what is no tensor counts too
     assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(3, 2))
     assert batch_fingerprint(torch.zeros(2, 3)) != batch_fingerprint(torch.zeros(2, 3, dtype=torch.float64))
     assert batch_fingerprint([torch.eye(3).to_sparse()]) is None
@@ -364,6 +367,13 @@ def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled
     assert stream.note(batch) == batch_fingerprint(batch)
     stream.judge([stream.note(batch), None])  # rank 1 had no batch: nothing to say, and nothing more to compare
     assert not stream.pending and stream.note(batch) is None
+    monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        EvaluationFirstBatch(iter([1, 2]), two, "val_dataloader()").judge([None, None])  # no plain bytes: unknown
+        EvaluationFirstBatch(iter([1, 2]), two, "val_dataloader()").judge(["same", "same"])
+    alike = "val_dataloader() gave each of the 2 ranks the same first batch"
+    assert [str(w.message).split(":")[0] for w in said] == [alike]
 
 
 def test_a_stream_on_one_rank_and_a_list_on_another_accumulate_to_the_same_steps(tmp_path):

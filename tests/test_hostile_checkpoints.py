@@ -5,6 +5,7 @@ was."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -385,3 +386,63 @@ def test_the_other_ranks_are_checked_against_the_checkpoint_rank_zero_read_not_o
     replaced = r"\) read another file there than the one it showed the others \(replaced meanwhile\): run it again\. "
     with pytest.raises(CheckpointError, match=rf"rank 0 \(host .*{replaced}Nothing was trained or written$"):
         agreed_start.agreed_checkpoint(lambda: path, DistributedEnv(0, 2), "run", "validate: loading")
+
+
+def test_load_fingerprinted_digests_the_file_it_loaded_not_one_put_at_its_path_meanwhile(tmp_path, monkeypatch):
+    """The digest the other ranks' copies are checked against is of the file rank zero loaded: read again by path, a
+    newer save put there during the load gave the digest of a file no rank had loaded."""
+    from ampkit.trainer.checkpoint_io import FORMAT_KEY, file_fingerprint, load_fingerprinted
+
+    loaded, newer = tmp_path / "last.pt", tmp_path / ".last.pt.tmp"
+    torch.save({FORMAT_KEY: 1, "loop": {"global_step": 4}, "w": torch.ones(8)}, loaded)
+    torch.save({FORMAT_KEY: 1, "loop": {"global_step": 6}, "w": torch.zeros(8)}, newer)
+    expected, other = file_fingerprint(loaded), file_fingerprint(newer)
+    load = torch.load
+
+    def load_then_replace(*args, **kwargs):
+        checkpoint = load(*args, **kwargs)
+        os.replace(newer, loaded)  # a save moved into place while the load ran
+        return checkpoint
+
+    monkeypatch.setattr(torch, "load", load_then_replace)
+    checkpoint, fingerprint = load_fingerprinted(loaded)
+    assert checkpoint["loop"]["global_step"] == 4
+    assert fingerprint == expected != other
+
+
+def test_a_legacy_format_checkpoint_is_fingerprinted_by_every_byte(tmp_path):
+    """A file of torch's pre-zip format holds no archive to read record by record: its digest is of all its bytes,
+    read from its start (after the zip reader has moved through it), so two such files of other values differ."""
+    from ampkit.trainer.checkpoint_io import file_fingerprint
+
+    one, other = tmp_path / "one.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.ones(4)}, one, _use_new_zipfile_serialization=False)
+    torch.save({"w": torch.zeros(4)}, other, _use_new_zipfile_serialization=False)
+    assert file_fingerprint(one) != file_fingerprint(other)
+    (tmp_path / "copy.pt").write_bytes(one.read_bytes())
+    assert file_fingerprint(one) == file_fingerprint(tmp_path / "copy.pt")
+
+
+def test_a_sharded_copy_that_fails_part_way_leaves_neither_its_temp_folder_nor_a_partial_copy(tmp_path, monkeypatch):
+    """A best-k alias of a sharded checkpoint is copied file by file into a temp folder: a full disk part way left
+    that folder, its shards' worth of space held until the next run."""
+    import errno
+
+    from ampkit.trainer import sharded_checkpoint
+
+    source = tmp_path / "step-00000004"
+    source.mkdir()
+    for name in (".metadata", "__0_0.distcp", "trainer.pt"):
+        (source / name).write_bytes(b"x" * 64)
+    copy = sharded_checkpoint.copy_atomic
+    copied = []
+
+    def fills_the_disk(src, dst):
+        if copied:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        copied.append(copy(src, dst))
+
+    monkeypatch.setattr(sharded_checkpoint, "copy_atomic", fills_the_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        sharded_checkpoint.copy_sharded(source, tmp_path / "best-00000004")
+    assert copied and sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]

@@ -211,6 +211,14 @@ def test_a_torn_sharded_checkpoint_names_the_newest_whole_one_beside_it_as_a_fil
     with pytest.raises(CheckpointError, match=re.escape(f"the newest whole checkpoint beside it is '{whole}'")):
         ToyTrainer(toy_cfg(tmp_path, **again)).fit(resume=str(torn))
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["version_0"]  # nothing written
+    # the test behind each hint: what a load of each directory would find, its trainer.pt read before its shards
+    from ampkit.trainer.sharded_checkpoint import checkpoint_damage
+
+    assert checkpoint_damage(whole) is None
+    assert checkpoint_damage(torn).startswith("its trainer.pt: its record ")
+    shutil.copytree(whole, tmp_path / "partial")
+    (tmp_path / "partial" / ".metadata").unlink()  # a copy cut short
+    assert checkpoint_damage(tmp_path / "partial") == "it lacks .metadata"
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["files", "fsdp"])
@@ -322,3 +330,33 @@ def test_a_resume_whose_last_is_the_newest_checkpoint_says_nothing_of_newer_file
         warnings.simplefilter("always")
         ToyTrainer(toy_cfg(tmp_path, **{**saved, "trainer.max_epochs": 3})).fit(resume="last")
     assert not [w for w in warned if "is newer" in str(w.message)]
+
+
+def test_the_checkpoint_named_beside_one_is_never_itself_nor_a_link_to_it(tmp_path):
+    """The hint names another checkpoint to take in a refused one's place: never the refused one itself, nor its
+    ``last.pt``/``best.pt`` alias where that is a link to it (a hint naming the same file again); a newer one first."""
+    from ampkit.trainer.sharded_checkpoint import newest_whole_beside
+
+    older, newer = tmp_path / "step-00000002.pt", tmp_path / "step-00000004.pt"
+    for step, path in ((2, older), (4, newer)):
+        torch.save({"loop": {"epoch": 0, "global_step": step}}, path)
+    os.link(newer, tmp_path / "last.pt")
+    (tmp_path / "best.pt").symlink_to(newer.name)
+    assert newest_whole_beside(newer) == older
+    assert newest_whole_beside(older) == newer  # the step file before its aliases of the same moment
+    torch.save({"model": {}}, tmp_path / "step-00000008.pt")  # no loop position: nothing a resume could take
+    assert newest_whole_beside(older) == newer
+    older.unlink()
+    assert newest_whole_beside(newer) is None
+
+
+def test_the_newer_checkpoint_named_beside_last_is_the_newest_whole_one(tmp_path):
+    """Of the checkpoints past ``last.pt``'s step (a kill between their saves and its move), the newest is named, its
+    step/epoch file before a best-k copy of the same step; a damaged newest gives way to the next."""
+    from ampkit.trainer.run_life import _newer_than_last
+
+    for name, step in [("last.pt", 2), ("step-00000004.pt", 4), ("best-00000006.pt", 6), ("step-00000006.pt", 6)]:
+        torch.save({"loop": {"epoch": 0, "global_step": step}, "model": {"w": torch.ones(64)}}, tmp_path / name)
+    assert _newer_than_last(tmp_path / "last.pt") == tmp_path / "step-00000006.pt"
+    tear(tmp_path / "step-00000006.pt", tmp_path / "step-00000006.pt")  # its tensor zeroed: its loop still reads
+    assert _newer_than_last(tmp_path / "last.pt") == tmp_path / "best-00000006.pt"

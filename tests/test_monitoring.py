@@ -89,6 +89,14 @@ def test_early_stopping_stops_at_once_on_a_non_finite_value_or_a_threshold_as_li
         )
 
 
+def test_a_stop_after_one_validation_without_improvement_words_its_count_in_the_singular(tmp_path):
+    """patience=1 stopped saying "for 1 validations": the count goes through the shared wording helper."""
+    es = {"early_stopping.monitor": "val/score", "early_stopping.patience": 1, "checkpoint.enabled": False}
+    trainer = _fit(tmp_path, [5, 6, 7, 8], **es, **{"trainer.max_steps": 4})
+    assert trainer.state.global_step == 2
+    assert trainer.state.stop_reason == "early stopping: val/score did not improve on 5.0 for 1 validation"
+
+
 def test_early_stopping_thresholds_that_would_stop_every_run_are_config_errors_before_training(tmp_path):
     for settings, message in [
         ({"early_stopping.stopping_threshold": "nan"}, "'early_stopping.stopping_threshold': nan is invalid"),

@@ -273,6 +273,9 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
         ({"reduce_fx": "max"}, "reduce_fx='max'"),
         ({"reduce_fx": torch.max}, "reduce_fx=<built-in method max"),
         ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
+        ({"logger": False}, "got logger=False, which"),
+        ({"rank_zero_only": True}, "got rank_zero_only=True, which"),
+        ({"enable_graph": True}, "got enable_graph=True, which"),
     ]:
         with pytest.raises(UserCodeError, match=re.escape(shown)):
             trainer.log("x", 1.0, **refused)

@@ -34,6 +34,7 @@ def _where_it_failed(monkeypatch, stage: str, before=()) -> str:
         ("fit", [("on_validation_start",)], "a collective during validation"),
         ("fit", [("on_validation_start",), ("on_validation_end", {})], "a collective during training"),
         ("fit", [("on_test_start",)], "a collective during test"),
+        ("fit", [("on_test_start",), ("on_test_end", {})], "a collective during training"),
         ("predict", [("on_predict_start",)], "a collective during prediction"),
         ("predict", [("on_predict_start",), ("on_predict_end", [])], "a collective during training"),
     ],
@@ -46,3 +47,33 @@ def test_an_already_diagnosed_failure_is_not_diagnosed_again(monkeypatch):
     monkeypatch.setattr(sync_module, "diagnose_failure", lambda *a: pytest.fail("diagnosed twice"))
     trainer = types.SimpleNamespace(state=types.SimpleNamespace(stage="fit"))
     assert DistributedSync().on_exception(trainer, DistributedError("rank 1: ...")) is None
+
+
+class _DDPBuffers:
+    """What DistributedSync reads of DDP's buffer sync: DDP syncs buffers at a forward while
+    ``require_forward_param_sync`` is on (a training forward turns it on again)."""
+
+    def __init__(self, has_buffers: bool) -> None:
+        self.has_buffers, self.require_forward_param_sync, self.synced = has_buffers, True, 0
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.has_buffers
+
+    def _sync_buffers(self) -> None:
+        self.synced += 1
+
+
+@pytest.mark.parametrize("start", ["on_validation_start", "on_test_start", "on_predict_start"])
+def test_every_rank_syncs_the_buffers_at_an_evaluation_s_start_and_ddp_syncs_none_in_its_forwards(start):
+    """A rank with no evaluation batch never ran the first forward where DDP broadcast the buffers, and the others
+    waited there until the timeout: each pass's start syncs them on every rank, once, and tells DDP not to."""
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(stage="fit"))
+    sync = DistributedSync()
+    sync._ddp = ddp = _DDPBuffers(has_buffers=True)
+    getattr(sync, start)(trainer)
+    assert (ddp.synced, ddp.require_forward_param_sync) == (1, False)
+    getattr(sync, start)(trainer)  # no training forward since: nothing to sync again
+    assert ddp.synced == 1
+    sync._ddp = bare = _DDPBuffers(has_buffers=False)  # no buffers (or broadcast_buffers=False): no collective
+    getattr(sync, start)(trainer)
+    assert (bare.synced, bare.require_forward_param_sync) == (0, True)

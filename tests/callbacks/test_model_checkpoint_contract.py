@@ -307,6 +307,13 @@ def test_best_model_path_score_and_best_k_models_read_as_lightning_s_also_after_
     assert best_k.best_model_score == pytest.approx(0.1)
     assert list(best_k.best_k_models) == [str(directory / "best-00000004.pt"), str(directory / "best-00000006.pt")]
     assert ModelCheckpoint().best_model_path == ""  # no monitor: nothing ranked
+    # a ranking restored outside a fit names no path, nor a score without its path, until it is told its directory
+    restored = ModelCheckpoint(monitor="val/score")
+    restored.load_state_dict(best_k.state_dict())
+    assert (restored.best_model_path, restored.best_model_score, restored.best_k_models) == ("", None, {})
+    restored.ranked_in(directory)
+    assert restored.best_model_path == str(directory / "best-00000004.pt")
+    assert restored.best_model_score == pytest.approx(0.1)
     # fit() again on the finished run (Lightning's idiom to get the best path): nothing trains, the ranking reads
     run, best_k = _fit_ranking_two_best(tmp_path, 6, resume="last")
     assert run.state.global_step == 6 and best_k.best_model_path == str(directory / "best-00000004.pt")
@@ -340,7 +347,8 @@ def test_kth_best_model_path_kth_value_current_score_and_dirpath_read_as_lightni
 
 
 @pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),
-                                            ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"])])  # fmt: skip
+                                            ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"]),
+                                            ("protected", [".."])])  # fmt: skip
 def test_a_restored_ranking_naming_no_best_k_file_is_refused_before_pruning_deletes_it(tmp_path, key, entry):
     """An edited checkpoint whose ranking named 'notes.txt' (0.5, pushed out of the top 2 by step 4's 0.1) had the
     resumed run delete that file of the user's from its checkpoints directory ('../../notes.txt' too: pruning took

@@ -534,7 +534,7 @@ def test_o3_recasts_optimizer_state_made_before_initialize(make):
     assert model.weight.dtype == torch.half and torch.isfinite(model.weight).all()
 
 
-@pytest.mark.parametrize("num_losses", [0, -1, 1.5, True, "2", 10**8])
+@pytest.mark.parametrize("num_losses", [0, -1, 1.5, True, "2", 1025, 10**8])
 def test_a_num_losses_that_is_no_count_of_scalers_is_named(num_losses):
     """10**8 (a typo) made a scaler each for the better part of an hour: bounded as precision.num_losses is."""
     model = _model()

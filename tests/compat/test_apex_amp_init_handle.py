@@ -352,7 +352,7 @@ def test_wrap_optimizers_num_loss_follows_initializes_num_losses():
     handle = amp.init()
     try:
         sgd = torch.optim.SGD(_fp16_exact_linear().parameters(), lr=0.1)
-        for bad in (0, True, 1.5, 10**8):
+        for bad in (0, True, 1.5, 1025, 10**8):  # 1025: one past the bound, refused before any scaler is made
             with pytest.raises(ValueError, match=rf"^num_loss={bad!r}: expected an integer in \[1, 1024\]"):
                 handle.wrap_optimizer(sgd, num_loss=bad)
         assert len(handle.wrap_optimizer(sgd, num_loss=np.int64(2))._loss_scaler) == 2

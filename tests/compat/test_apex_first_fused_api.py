@@ -202,6 +202,10 @@ def test_the_successor_fusedadam_is_built_without_the_first_ones_arguments(shim)
     ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": math.inf}}, r"init_scale=inf: expected a fin"),
     ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_window": math.nan}}, r"scale_window=nan: expected an"),
     ({"dynamic_loss_scale": "False"}, r"dynamic_loss_scale must be True or False, got 'False'"),
+    ({"verbose": "False"}, r"verbose must be True or False, got 'False'"),  # "False" printed every message
+    # 1e39 is finite for Python, inf for the float32 loss it scales: every step overflowed
+    ({"static_loss_scale": 1e39}, r"static_loss_scale=1e\+39: a loss scale must lie in float32's range"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 1e39}}, r"init_scale=1e\+39: a loss scale mu"),
 ])  # fmt: skip
 def test_bad_wrapper_arguments_are_named_and_leave_the_optimizer_as_it_was(kwargs, message):
     param = torch.nn.Parameter(torch.randn(2).half())

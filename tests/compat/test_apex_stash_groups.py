@@ -91,6 +91,12 @@ def test_levels_without_masters_list_the_parameters_by_dtype(opt_level, low):
     assert [id(p) for p in stash.all_fp32_params] == ([] if low else every)
     assert not hasattr(stash, "fp16_groups")  # so weight-averaging wrappers take the parameters as they are
     assert _fp16_fp32_pairs(optimizer) == []
+    # O2's lists are absent, as in Apex: read as empty, a zero_grad over all_fp16_params + all_fp32_from_fp32_params
+    # cleared no O1 gradient
+    for o2_only in ("all_fp32_from_fp16_params", "all_fp32_from_fp32_params"):
+        assert not hasattr(stash, o2_only)
+        with pytest.raises(AttributeError, match=rf"_amp_stash.{o2_only} is Apex's list with master weights \(O2\)"):
+            getattr(stash, o2_only)
 
 
 def _swap_in_sampled_weight(optimizer: torch.optim.Optimizer, bank: torch.Tensor, seed: int) -> torch.nn.Parameter:

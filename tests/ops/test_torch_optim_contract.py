@@ -187,6 +187,9 @@ def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_re
     with pytest.raises(ValueError, match=r"another order \(parameter 0 is '0.weight' there, '1.weight' here\)"):
         reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     assert len(reordered.state) == 0
+    not_names = copy.deepcopy(optimizer.state_dict())  # a tool's state dict whose param_names are no names
+    not_names["param_groups"][0]["param_names"][1] = 7
+    make(named[2:] + named[:2]).load_state_dict(not_names)  # by position, as torch loads it
 
     def by_name(opt, state_dict):
         saved, ours = state_dict["param_groups"][0], opt.param_groups[0]["param_names"]
