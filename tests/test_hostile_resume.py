@@ -18,7 +18,7 @@ from torch import nn
 from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_cfg, toy_model
 
-from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.checkpoint_io import FORMAT_KEY, FORMAT_VERSION, CheckpointError
 from ampkit.trainer.run_life import resolve_checkpoint
 
 QUIET = {"logging.tensorboard": False, "trainer.progress_bar": False, "trainer.max_epochs": 1}
@@ -339,13 +339,33 @@ def test_the_checkpoint_named_beside_one_is_never_itself_nor_a_link_to_it(tmp_pa
 
     older, newer = tmp_path / "step-00000002.pt", tmp_path / "step-00000004.pt"
     for step, path in ((2, older), (4, newer)):
-        torch.save({"loop": {"epoch": 0, "global_step": step}}, path)
+        torch.save({FORMAT_KEY: FORMAT_VERSION, "loop": {"epoch": 0, "global_step": step}}, path)
     os.link(newer, tmp_path / "last.pt")
     (tmp_path / "best.pt").symlink_to(newer.name)
     assert newest_whole_beside(newer) == older
     assert newest_whole_beside(older) == newer  # the step file before its aliases of the same moment
-    torch.save({"model": {}}, tmp_path / "step-00000008.pt")  # no loop position: nothing a resume could take
+    torch.save({FORMAT_KEY: FORMAT_VERSION, "model": {}}, tmp_path / "step-00000008.pt")  # no loop position
     assert newest_whole_beside(older) == newer
+    older.unlink()
+    assert newest_whole_beside(newer) is None
+
+
+def test_the_checkpoint_named_beside_one_is_of_a_format_this_ampkit_reads(tmp_path):
+    """A step file refused for its newer format (written by a newer ampkit) has ``last.pt`` beside it as a copy
+    (ModelCheckpoint copies, it does not link): the hint named that copy, which is refused for the same reason, as
+    the checkpoint to take instead; it names an older file this ampkit reads, or nothing. A file that is no ampkit
+    checkpoint at all is never named either."""
+    from ampkit.trainer.run_life import load_with_fallback_hint
+    from ampkit.trainer.sharded_checkpoint import newest_whole_beside
+
+    older, newer = tmp_path / "step-00000002.pt", tmp_path / "step-00000004.pt"
+    torch.save({FORMAT_KEY: FORMAT_VERSION, "loop": {"epoch": 0, "global_step": 2}}, older)
+    torch.save({FORMAT_KEY: FORMAT_VERSION + 1, "loop": {"epoch": 0, "global_step": 4}}, newer)
+    shutil.copyfile(newer, tmp_path / "last.pt")
+    torch.save({"loop": {"epoch": 0, "global_step": 6}}, tmp_path / "step-00000006.pt")  # no format entry
+    with pytest.raises(CheckpointError, match=f"this ampkit reads up to {FORMAT_VERSION}") as refused:
+        load_with_fallback_hint(newer)
+    assert str(refused.value).endswith(f"the newest whole checkpoint beside it is '{older}'")
     older.unlink()
     assert newest_whole_beside(newer) is None
 

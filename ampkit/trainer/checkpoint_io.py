@@ -316,6 +316,13 @@ def file_fingerprint(path: str | os.PathLike | IO[bytes]) -> str | None:
     return digest.hexdigest()
 
 
+def readable_format(checkpoint: Any) -> bool:
+    """Whether ``checkpoint`` (as loaded or peeked) is an ampkit checkpoint of a format this ampkit reads: what
+    :func:`load_checkpoint` checks after the bytes load, so a hint never names a file it would refuse the same way."""
+    version = checkpoint.get(FORMAT_KEY) if isinstance(checkpoint, dict) else None
+    return isinstance(version, int) and not isinstance(version, bool) and version <= FORMAT_VERSION
+
+
 def damaged_record(path: str | os.PathLike | IO[bytes]) -> str | None:
     """What is damaged in checkpoint file ``path`` (a copy cut short or torn, a disk's error), found by reading every
     record of its zip archive against the size and CRC-32 in the archive's directory, which torch.load checks not:

@@ -36,6 +36,7 @@ from ampkit.trainer.checkpoint_io import (
     is_periodic_checkpoint_name,
     load_checkpoint,
     peek_checkpoint,
+    readable_format,
     refuse_protected,
     save_atomic,
     write_errors_surfaced,
@@ -289,11 +290,12 @@ def _same(path: Path, other: Path) -> bool:
 
 
 def _holds(path: Path, sections: tuple[str, ...]) -> bool:
-    """Whether checkpoint ``path`` can be read and holds ``sections`` (memory-mapped: the tensors are not read); a
-    sharded one's ``trainer.pt`` lacks the model and optimizers its shards hold."""
+    """Whether checkpoint ``path`` can be read, is of a format this ampkit reads (a copy of a file refused for its
+    newer format is refused alike) and holds ``sections`` (memory-mapped: the tensors are not read); a sharded one's
+    ``trainer.pt`` lacks the model and optimizers its shards hold."""
     checkpoint = peek_checkpoint(path / TRAINER_FILE if path.is_dir() else path)
     needed = [s for s in sections if not (path.is_dir() and s in ("model", "optimizers"))]
-    return checkpoint is not None and all(section in checkpoint for section in needed)
+    return readable_format(checkpoint) and all(section in checkpoint for section in needed)
 
 
 def _resume_instead(path: Path, env: DistributedEnv) -> str:
