@@ -1,0 +1,166 @@
+"""Round eighteen of real Apex programs, one pattern per test (written here after the programs' own code, CPU-sized):
+
+- hpcaitech/ColossalAI's Apex mode (``colossalai/amp/apex_amp``): ``convert_to_apex_amp`` passes the config's whole
+  ``fp16`` dict, every documented key spelt out with its default (``None`` for most), to ``amp.initialize``; its
+  ``ApexAMPOptimizer`` wrapper scales the loss into the inner optimizer and clips ``amp.master_params`` with its
+  own float32-only norm; ``GradAccumOptimizer`` accumulates by dividing each loss, with no ``delay_unscale``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+# ColossalAI's documented Apex config: every key of ``amp.initialize`` with its default value written out.
+_COLOSSAL_APEX_FP16 = dict(
+    mode="apex", enabled=True, opt_level="O1", cast_model_type=None, patch_torch_functions=None,
+    keep_batchnorm_fp32=None, master_weights=None, loss_scale=None, cast_model_outputs=None, num_losses=1,
+    verbosity=0, min_loss_scale=None, max_loss_scale=16777216.0,
+)  # fmt: skip
+
+
+class _Config(dict):
+    """ColossalAI's ``Config``: a dict whose keys read as attributes."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _clip_grad_norm_fp32(parameters, max_norm: float) -> float:
+    """ColossalAI's clipping outline: float32 gradients only (it asserts), the norm as a Python float."""
+    params = [p for p in parameters if p.grad is not None]
+    assert all(p.grad.dtype == torch.float32 for p in params), "expected gradient to be dtype torch.float"
+    total_norm = sum(float(torch.norm(p.grad.detach(), 2.0)) ** 2 for p in params) ** 0.5
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in params:
+            p.grad.detach().mul_(clip_coeff)
+    return total_norm
+
+
+class _OptimizerWrapper:
+    """ColossalAI's ``OptimizerWrapper``: holds ``optim`` and forwards the optimizer's API to it."""
+
+    def __init__(self, optim):
+        self.optim = optim
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    def step(self, *args, **kwargs):
+        return self.optim.step(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        self.optim.zero_grad(*args, **kwargs)
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, *args, **kwargs):
+        self.optim.load_state_dict(*args, **kwargs)
+
+
+class _ApexAMPOptimizer(_OptimizerWrapper):
+    def backward(self, loss):
+        import apex.amp as apex_amp
+
+        with apex_amp.scale_loss(loss, self.optim) as scaled_loss:
+            scaled_loss.backward()
+
+    def clip_grad_norm(self, model, max_norm):
+        import apex.amp as apex_amp
+
+        if max_norm > 0:
+            return _clip_grad_norm_fp32(apex_amp.master_params(self.optim), max_norm)
+
+
+def _convert_to_apex_amp(model, optimizer, amp_config):
+    import apex.amp as apex_amp
+
+    model, optimizer = apex_amp.initialize(model, optimizer, **amp_config)
+    return model, _ApexAMPOptimizer(optimizer)
+
+
+class _GradAccumOptimizer(_OptimizerWrapper):
+    """ColossalAI's ``GradAccumOptimizer``: zeroes only after a step, steps (and clips) every ``accumulate_size``
+    backwards, each loss divided by ``accumulate_size``."""
+
+    def __init__(self, optim, accumulate_size):
+        super().__init__(optim)
+        self.accumulate_size, self.accumulate_step = accumulate_size, 0
+
+    def zero_grad(self, *args, **kwargs):
+        if self.accumulate_step == 0:
+            self.optim.zero_grad(*args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        if self.accumulate_step < self.accumulate_size:
+            return None
+        self.accumulate_step = 0
+        return self.optim.step(*args, **kwargs)
+
+    def clip_grad_norm(self, model, max_norm):
+        if self.accumulate_step >= self.accumulate_size:
+            return self.optim.clip_grad_norm(model, max_norm)
+
+    def backward(self, loss):
+        self.accumulate_step += 1
+        self.optim.backward(loss / self.accumulate_size)
+
+
+def _colossal_run(opt_level: str, iterations: int = 8):
+    """ColossalAI's engine loop: ``zero_grad``, forward, criterion, ``backward``, then ``step`` (which clips)."""
+    import apex.amp as apex_amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    fp16 = _Config(_COLOSSAL_APEX_FP16, opt_level=opt_level)
+    mode = fp16.pop("mode")  # colossalai.initialize pops the mode and hands the rest on
+    assert mode == "apex"
+    model, optimizer = _convert_to_apex_amp(model, optimizer, fp16)
+    optimizer = _GradAccumOptimizer(optimizer, accumulate_size=2)
+    losses, norms = [], []
+    for i in range(iterations):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        optimizer.backward(loss)
+        norm = optimizer.clip_grad_norm(model, 0.3)
+        optimizer.step()
+        losses.append(loss.item())
+        if norm is not None:
+            norms.append(norm)
+    masters = [p.detach().float().clone() for p in apex_amp.master_params(optimizer.optim.optim)]
+    return losses, norms, masters, apex_amp._amp_state.loss_scalers[0].loss_scale()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_colossalai_apex_mode_with_every_key_spelt_out_accumulates_and_clips_as_float32(shim, opt_level):
+    """Every key of ColossalAI's documented config reaches ``initialize`` (``None`` meaning the level's default); two
+    micro-batches per step, each unscaled at its ``scale_loss`` exit, then the float32 masters clipped to 0.3. The
+    run tracks O0's: the same clip norms (the clip bites every step), losses and weights."""
+    runs = {level: _colossal_run(level) for level in ("O0", opt_level)}
+    (losses, norms, masters, scale), (losses0, norms0, masters0, scale0) = runs[opt_level], runs["O0"]
+    assert scale0 == 1.0 and scale == 2.0**16  # None keeps each level's own loss scale
+    assert len(norms) == len(norms0) == 4 and all(n > 0.3 and math.isfinite(n) for n in norms0)
+    torch.testing.assert_close(norms, norms0, rtol=1e-2, atol=0)
+    torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
+    for ours, full in zip(masters, masters0, strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
