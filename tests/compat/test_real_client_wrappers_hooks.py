@@ -3,11 +3,16 @@
 - hpcaitech/ColossalAI's Apex mode (``colossalai/amp/apex_amp``): ``convert_to_apex_amp`` passes the config's whole
   ``fp16`` dict, every documented key spelt out with its default (``None`` for most), to ``amp.initialize``; its
   ``ApexAMPOptimizer`` wrapper scales the loss into the inner optimizer and clips ``amp.master_params`` with its
-  own float32-only norm; ``GradAccumOptimizer`` accumulates by dividing each loss, with no ``delay_unscale``.
+  own float32-only norm; ``GradAccumOptimizer`` accumulates by dividing each loss, with no ``delay_unscale``;
+- a detectron2 fork's ``ApexTrainer`` (soldierofhell/detectron2, ``detectron2/engine/apex_trainer.py``): detectron2's
+  optimizer (one param group per parameter, its class swapped for a gradient-clipping subclass) through
+  ``amp.initialize``, a ``WarmupMultiStepLR`` built on the amp optimizer, ``{model, optimizer, scheduler}``
+  checkpoints with no amp state.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -164,3 +169,141 @@ def test_colossalai_apex_mode_with_every_key_spelt_out_accumulates_and_clips_as_
     torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
     for ours, full in zip(masters, masters0, strict=True):
         torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
+
+
+class _TwoLossDetector(torch.nn.Module):
+    """A detectron2 meta-architecture in outline: a backbone with a frozen-statistics norm, two heads, and a loss
+    dict returned in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GroupNorm(4, 16), torch.nn.ReLU())
+        self.cls_head, self.box_head = torch.nn.Linear(16, 3), torch.nn.Linear(16, 4)
+
+    def forward(self, batched_inputs):
+        x, labels, boxes = batched_inputs
+        features = self.backbone(x)
+        return {
+            "loss_cls": F.cross_entropy(self.cls_head(features).float(), labels),
+            "loss_box_reg": F.smooth_l1_loss(self.box_head(features).float(), boxes),
+        }
+
+
+def _d2_build_optimizer(model: torch.nn.Module, base_lr: float = 0.05) -> torch.optim.Optimizer:
+    """detectron2's 2020 ``build_optimizer``: one param group per parameter (biases at twice the lr, no weight
+    decay on norms), then ``maybe_add_gradient_clipping``, which swaps the instance's class for a subclass whose
+    ``step`` clips each parameter by value before calling the parent's."""
+    groups = []
+    for module in model.modules():
+        for name, value in module.named_parameters(recurse=False):
+            lr, weight_decay = base_lr, 1e-4
+            if isinstance(module, torch.nn.GroupNorm):
+                weight_decay = 0.0
+            if name == "bias":
+                lr = base_lr * 2
+            groups.append({"params": [value], "lr": lr, "weight_decay": weight_decay})
+    optimizer = torch.optim.SGD(groups, base_lr, momentum=0.9)
+
+    def clipped_step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                torch.nn.utils.clip_grad_value_(p, 0.05)
+        super(type(self), self).step(closure)
+
+    optimizer_type = type(optimizer)
+    optimizer.__class__ = type(optimizer_type.__name__ + "WithGradientClip", (optimizer_type,), {"step": clipped_step})
+    return optimizer
+
+
+class _WarmupMultiStepLR(torch.optim.lr_scheduler.LRScheduler):
+    """detectron2's ``WarmupMultiStepLR``: linear warmup, then a decay at each milestone."""
+
+    def __init__(self, optimizer, milestones, gamma=0.1, warmup_iters=3, warmup_factor=0.1, last_epoch=-1):
+        self.milestones, self.gamma = milestones, gamma
+        self.warmup_iters, self.warmup_factor = warmup_iters, warmup_factor
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        warmup = 1.0
+        if self.last_epoch < self.warmup_iters:
+            alpha = self.last_epoch / self.warmup_iters
+            warmup = self.warmup_factor * (1 - alpha) + alpha
+        decay = self.gamma ** sum(m <= self.last_epoch for m in self.milestones)
+        return [base_lr * warmup * decay for base_lr in self.base_lrs]
+
+
+class _ApexTrainer:
+    """A detectron2 fork's ``ApexTrainer``: model, optimizer, ``amp.initialize`` (O1), then the scheduler on the
+    amp optimizer, a checkpointer of ``{model, optimizer, scheduler}`` (no amp state), and ``run_step``."""
+
+    def __init__(self, opt_level: str):
+        from apex import amp
+
+        torch.manual_seed(0)
+        model = _TwoLossDetector()
+        optimizer = _d2_build_optimizer(model)
+        self.model, self.optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+        self.scheduler = _WarmupMultiStepLR(self.optimizer, milestones=[6])
+        self.iter = 0
+
+    def run_step(self) -> dict:
+        from apex import amp
+
+        g = torch.Generator().manual_seed(self.iter)
+        data = (
+            torch.randn(16, 6, generator=g),
+            torch.randint(0, 3, (16,), generator=g),
+            torch.randn(16, 4, generator=g),
+        )
+        loss_dict = self.model(data)
+        losses = sum(loss for loss in loss_dict.values())
+        if not torch.isfinite(losses).all():  # _detect_anomaly
+            raise FloatingPointError(f"Loss became infinite or NaN at iteration={self.iter}!")
+        self.optimizer.zero_grad()
+        with amp.scale_loss(losses, self.optimizer) as scaled_loss:
+            scaled_loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()  # the LRScheduler hook, after every iteration
+        self.iter += 1
+        return {k: v.item() for k, v in loss_dict.items()}
+
+    def checkpoint(self) -> dict:
+        return {
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "iteration": self.iter,
+        }
+
+    def resume(self, checkpoint: dict) -> None:
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.iter = checkpoint["iteration"]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_detectron2_apex_trainer_with_a_class_swapped_clipping_optimizer_trains_and_resumes(shim, opt_level):
+    """The fork's ``ApexTrainer`` over detectron2's optimizer: per-parameter groups and the class swapped for
+    ``SGDWithGradientClip`` before ``initialize``. The clipping step clips what the optimizer steps (the fp32 masters
+    at O2) and the scheduler built on the amp optimizer counts the steps. The losses track O0's; a trainer built
+    again and resumed from the checkpoint goes on bit for bit."""
+    reference = _ApexTrainer("O0")
+    losses0 = [reference.run_step() for _ in range(8)]
+
+    trainer = _ApexTrainer(opt_level)
+    assert type(trainer.optimizer).__name__ == "SGDWithGradientClip"
+    losses = [trainer.run_step() for _ in range(4)]
+    checkpoint = trainer.checkpoint()
+    losses += [trainer.run_step() for _ in range(4)]
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(0.005)  # past the milestone at iteration 6
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [g["lr"] for g in reference.optimizer.param_groups]
+    for ours, full in zip(losses, losses0, strict=True):
+        for key in full:
+            assert ours[key] == pytest.approx(full[key], abs=5e-3), key
+
+    resumed = _ApexTrainer(opt_level)
+    resumed.resume(checkpoint)
+    assert [resumed.run_step() for _ in range(4)] == losses[4:]
+    for a, b in zip(resumed.model.state_dict().values(), trainer.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
