@@ -7,7 +7,11 @@
 - a detectron2 fork's ``ApexTrainer`` (soldierofhell/detectron2, ``detectron2/engine/apex_trainer.py``): detectron2's
   optimizer (one param group per parameter, its class swapped for a gradient-clipping subclass) through
   ``amp.initialize``, a ``WarmupMultiStepLR`` built on the amp optimizer, ``{model, optimizer, scheduler}``
-  checkpoints with no amp state.
+  checkpoints with no amp state;
+- NVIDIA DeepLearningExamples' Transformer-XL (``PyTorch/LanguageModeling/Transformer-XL/pytorch/train.py``,
+  ``--fp16 --amp apex``): ``register_half_function(torch, 'einsum')`` before anything is built, a memory carried
+  between segments, the model's gradients set to None, ``--batch_chunk`` chunks each in their own ``scale_loss``, the
+  loss cast back with ``type_as``, a hand warmup then ``CosineAnnealingLR.step(epoch)``, ``amp_state`` on restart.
 """
 
 from __future__ import annotations
@@ -307,3 +311,110 @@ def test_detectron2_apex_trainer_with_a_class_swapped_clipping_optimizer_trains_
     assert [resumed.run_step() for _ in range(4)] == losses[4:]
     for a, b in zip(resumed.model.state_dict().values(), trainer.model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _MemLM(torch.nn.Module):
+    """Transformer-XL's ``MemTransformerLM`` in outline: einsum attention over the segment and a detached memory of
+    the previous one, a per-token loss returned with the new memory."""
+
+    def __init__(self, n_token: int = 20, d_model: int = 8, mem_len: int = 4) -> None:
+        super().__init__()
+        self.mem_len = mem_len
+        self.word_emb = torch.nn.Embedding(n_token, d_model)
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=False)
+        self.r_w_bias = torch.nn.Parameter(torch.zeros(d_model))
+        self.norm = torch.nn.LayerNorm(d_model)
+        self.out = torch.nn.Linear(d_model, n_token)
+
+    def forward(self, data, target, mems):
+        hidden = self.word_emb(data)  # [len, batch, d]
+        cat = hidden if mems is None else torch.cat([mems.to(hidden.dtype), hidden], 0)
+        q, k, v = self.qkv(cat).chunk(3, dim=-1)
+        q = q[-hidden.size(0) :] + self.r_w_bias  # r_w_bias stays float32 under O1: einsum needs the half cast
+        score = torch.einsum("ibd,jbd->ijb", q, k) / 8**0.5
+        attn = torch.einsum("ijb,jbd->ibd", score.softmax(1), v)
+        out = self.norm(hidden + attn)
+        loss = F.cross_entropy(self.out(out).flatten(0, 1).float(), target.flatten(), reduction="none")
+        new_mems = cat[-self.mem_len :].detach()
+        return loss.view_as(target).type_as(self.out(out)), new_mems
+
+
+def _txl_train(opt_level: str, steps: int, restart: dict | None = None, batch_chunk: int = 2):
+    """DLE Transformer-XL's ``train.py --fp16 --amp apex``: ``register_half_function(torch, 'einsum')`` first,
+    ``initialize``, the model's gradients set to None, chunks each in their own ``scale_loss`` (``delay_unscale``
+    only under DDP), the loss cast back with ``type_as``, clipping through ``amp.master_params``, a hand warmup of
+    ``param_groups[0]['lr']`` then ``CosineAnnealingLR.step(step - warmup)``, and ``amp_state`` in the checkpoint."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = _MemLM()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 10, eta_min=0.001)
+    train_step, warmup_step = 0, 2
+    if restart is not None:
+        model.load_state_dict(restart["model_state"])
+        optimizer.load_state_dict(restart["optimizer_state"])
+        scheduler.load_state_dict(restart["scheduler_state"])
+        amp.load_state_dict(restart["amp_state"])
+        train_step = restart["train_step"]
+    losses, steps_per_epoch = [], 3
+    while train_step < steps:
+        if train_step % steps_per_epoch == 0:
+            mems = [None] * batch_chunk  # train() starts each epoch without memory; so does a restart
+        g = torch.Generator().manual_seed(train_step)
+        data = torch.randint(0, 20, (5, 4), generator=g)
+        target = torch.randint(0, 20, (5, 4), generator=g)
+        for param in model.parameters():
+            param.grad = None
+        train_loss = 0.0
+        for i, (data_i, target_i) in enumerate(
+            zip(torch.chunk(data, batch_chunk, 1), torch.chunk(target, batch_chunk, 1), strict=True)
+        ):
+            loss, mems[i] = model(data_i.contiguous(), target_i.contiguous(), mems[i])
+            loss = loss.float().mean().type_as(loss) / batch_chunk
+            with amp.scale_loss(loss, optimizer, delay_unscale=False) as scaled_loss:
+                scaled_loss.backward()
+            train_loss += loss.float().item()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.25)
+        optimizer.step()
+        train_step += 1
+        if train_step < warmup_step:
+            optimizer.param_groups[0]["lr"] = 0.01 * train_step / warmup_step
+        else:
+            with pytest.warns(UserWarning, match="epoch parameter"):  # torch deprecates step(epoch); TXL passes it
+                scheduler.step(train_step - warmup_step)
+        losses.append(train_loss)
+    checkpoint = {
+        "model_state": copy.deepcopy(model.state_dict()),
+        "optimizer_state": copy.deepcopy(optimizer.state_dict()),
+        "scheduler_state": scheduler.state_dict(),
+        "amp_state": amp.state_dict(),
+        "train_step": train_step,
+    }
+    return losses, checkpoint, [p.detach().float().clone() for p in amp.master_params(optimizer)]
+
+
+def test_dle_transformer_xl_chunks_type_as_losses_and_restarts_with_amp_state(shim):
+    """At O1 the per-token loss is half, and the script casts its mean back to half (``type_as``): the scaled
+    gradient, 2**16, passes through that cast and overflows, so the first step is skipped and the scale halves, as
+    under Apex. At O2 the model's outputs come back float32 (Apex's output cast), so nothing overflows. Both then
+    track O0. Restarted at an epoch's end from the checkpoint, amp state included, O1 goes on bit for bit."""
+    from apex import amp
+
+    amp.register_half_function(torch, "einsum")  # train.py's __main__, before main() builds anything
+    losses0, _, masters0 = _txl_train("O0", 6)
+    for opt_level, scale, atol in (("O2", 2.0**16, 1e-3), ("O1", 2.0**15, 5e-2)):
+        losses, _, masters = _txl_train(opt_level, 6)
+        assert amp._amp_state.loss_scalers[0].loss_scale() == scale, opt_level
+        torch.testing.assert_close(losses, losses0, rtol=0, atol=atol)
+        if opt_level == "O2":  # O1's weights are one Adam step (lr 0.01) behind where the skip left them
+            for ours, full in zip(masters, masters0, strict=True):
+                torch.testing.assert_close(ours, full, rtol=0, atol=atol)
+        first, checkpoint, _ = _txl_train(opt_level, 3)
+        rest, _, resumed = _txl_train(opt_level, 6, restart=checkpoint)
+        # O2 rebuilds its masters from the saved half weights, as Apex did: close, not equal
+        exact = 0 if opt_level == "O1" else 1e-3
+        torch.testing.assert_close(first + rest, losses, rtol=0, atol=exact)
+        for ours, full in zip(resumed, masters, strict=True):
+            torch.testing.assert_close(ours, full, rtol=0, atol=exact)
