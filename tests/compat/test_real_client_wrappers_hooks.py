@@ -418,3 +418,31 @@ def test_dle_transformer_xl_chunks_type_as_losses_and_restarts_with_amp_state(sh
         torch.testing.assert_close(first + rest, losses, rtol=0, atol=exact)
         for ours, full in zip(resumed, masters, strict=True):
             torch.testing.assert_close(ours, full, rtol=0, atol=exact)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_sparse_embedding_in_the_amp_optimizer_trains_as_at_o0(shim, opt_level):
+    """Transformer-XL's ``--sample_softmax`` gives its word embedding sparse gradients; it keeps them in a second
+    optimizer outside amp, but a script that hands the whole model to one SGD passes them to ``scale_loss``. Their
+    unscale raised NotImplementedError from torch's op (no sparse kernel); now they are unscaled through their values
+    as torch's ``GradScaler`` does, accumulated over two chunks, and training follows O0."""
+    from apex import amp
+
+    finals = {}
+    for level in ("O0", opt_level):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(12, 4, sparse=True), "head": torch.nn.Linear(4, 1)})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=level, loss_scale=1024.0, verbosity=0)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            ids, y = torch.randint(0, 12, (2, 8), generator=g), torch.randn(2, 8, generator=g)
+            optimizer.zero_grad()
+            for chunk in range(2):
+                loss = F.mse_loss(model["head"](model["emb"](ids[chunk])).squeeze(-1).float(), y[chunk]) / 2
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+            optimizer.step()
+        finals[level] = [p.detach().float().clone() for p in amp.master_params(optimizer)]
+    for ours, full in zip(finals[opt_level], finals["O0"], strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)
