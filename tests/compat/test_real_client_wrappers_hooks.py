@@ -11,7 +11,10 @@
 - NVIDIA DeepLearningExamples' Transformer-XL (``PyTorch/LanguageModeling/Transformer-XL/pytorch/train.py``,
   ``--fp16 --amp apex``): ``register_half_function(torch, 'einsum')`` before anything is built, a memory carried
   between segments, the model's gradients set to None, ``--batch_chunk`` chunks each in their own ``scale_loss``, the
-  loss cast back with ``type_as``, a hand warmup then ``CosineAnnealingLR.step(epoch)``, ``amp_state`` on restart.
+  loss cast back with ``type_as``, a hand warmup then ``CosineAnnealingLR.step(epoch)``, ``amp_state`` on restart;
+- modelscope's ``ApexAMPOptimizerHook`` (``modelscope/trainers/hooks/optimizer/apex_optimizer_hook.py``): the model
+  initialized out of its ``DataParallel`` and put back bare, losses divided in place, accumulation without
+  ``delay_unscale``, the model's parameters clipped.
 """
 
 from __future__ import annotations
@@ -446,3 +449,62 @@ def test_a_sparse_embedding_in_the_amp_optimizer_trains_as_at_o0(shim, opt_level
         finals[level] = [p.detach().float().clone() for p in amp.master_params(optimizer)]
     for ours, full in zip(finals[opt_level], finals["O0"], strict=True):
         torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)
+
+
+class _ModelScopeHookTrainer:
+    """modelscope's ``EpochBasedTrainer`` in outline, driven by its ``ApexAMPOptimizerHook``: ``before_run``
+    initializes the model inside a ``DataParallel`` (``trainer.model.module``) and puts the bare amp model back;
+    ``after_train_iter`` divides each loss key in place by ``cumulative_iters``, scales each into the optimizer and
+    every ``cumulative_iters`` iterations clips the model's parameters and steps."""
+
+    def __init__(self, opt_level: str, cumulative_iters: int = 2, max_norm: float = 0.3):
+        from apex import amp
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.model = torch.nn.DataParallel(net)  # no GPU: DataParallel only holds the module
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.02)
+        self.cumulative_iters, self.max_norm, self.iter = cumulative_iters, max_norm, 0
+        if hasattr(self.model, "module"):
+            self.model, self.optimizer = amp.initialize(self.model.module, self.optimizer, opt_level=opt_level)
+        else:
+            self.model, self.optimizer = amp.initialize(self.model, self.optimizer, opt_level=opt_level)
+        self.optimizer.zero_grad()
+        self.norms: list[float] = []
+
+    def train_iter(self) -> float:
+        from apex import amp
+
+        g = torch.Generator().manual_seed(self.iter)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        train_outputs = {"loss": F.cross_entropy(self.model(x).float(), y)}
+        value = train_outputs["loss"].item()
+        for k in ["loss"]:
+            train_outputs[k] /= self.cumulative_iters  # in place on the loss tensor
+        for k in ["loss"]:
+            with amp.scale_loss(train_outputs[k], self.optimizer) as scaled_loss:
+                scaled_loss.backward()
+        self.iter += 1
+        if self.iter % self.cumulative_iters == 0:
+            params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+            self.norms.append(float(torch.nn.utils.clip_grad_norm_(params, self.max_norm)))
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return value
+
+
+def test_modelscope_apex_hook_unwraps_data_parallel_and_accumulates_at_o1_as_at_o0(shim):
+    """modelscope's ``ApexAMPOptimizerHook`` at its default O1: the DataParallel wrapper is dropped for the amp
+    model, the losses divided in place, two iterations accumulated without ``delay_unscale``, and the model's
+    parameters (the fp32 weights O1 keeps, so their gradients are unscaled) clipped: the clip norms and losses follow
+    O0's, and the clip bites every step."""
+    runs = {}
+    for opt_level in ("O0", "O1"):
+        trainer = _ModelScopeHookTrainer(opt_level)
+        assert not isinstance(trainer.model, torch.nn.DataParallel)
+        losses = [trainer.train_iter() for _ in range(8)]
+        runs[opt_level] = losses, trainer.norms
+    (losses, norms), (losses0, norms0) = runs["O1"], runs["O0"]
+    assert len(norms0) == 4 and min(norms0) > 0.3
+    torch.testing.assert_close(norms, norms0, rtol=1e-2, atol=0)
+    torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
