@@ -40,3 +40,13 @@ def test_total_norm_of_a_non_finite_gradient_is_non_finite_as_torch_says(bad):
 def test_a_half_precision_list_overflows_as_it_does_in_torch():
     tensors = [torch.full((4,), 60000.0, dtype=torch.float16)] * 2  # each norm 120000 > fp16 max
     assert torch.equal(total_norm(tensors), torch.nn.utils.get_total_norm(tensors, foreach=True))
+
+
+def test_a_sparse_gradient_counts_through_its_summed_values():
+    """An ``Embedding(sparse=True)`` gradient, uncoalesced (row 1 twice): its norm is the dense gradient's. No torch
+    norm kernel takes sparse tensors, so this raised NotImplementedError in the Trainer's grad norm."""
+    sparse = torch.sparse_coo_tensor(
+        [[1, 3, 1]], torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), (5, 2), check_invariants=True
+    )
+    dense = torch.ones(3)
+    assert torch.equal(total_norm([sparse, dense]), total_norm([sparse.to_dense(), dense]))

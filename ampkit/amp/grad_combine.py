@@ -46,11 +46,13 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     model: the kernel's ~30 us Python dispatch would cost more than the whole pass), elsewhere, and
     without a compiler, torch's ``_amp_foreach_non_finite_check_and_unscale_``, which reads ``inv_scale``
     on the device (no sync on CUDA, where it also beats ampkit's kernel). Both compute ``x * inv_scale``
-    in float32: same bits.
+    in float32: same bits. A sparse tensor (an ``Embedding(sparse=True)`` gradient) is scaled and checked through
+    its values, as torch's ``GradScaler`` does; coalesce a half one first, so that no duplicate sum overflows later.
     """
     if not tensors:
         return
-    tensors = local_shards(tensors)  # FSDP's sharded gradients: ranks agree on found_inf afterwards
+    # FSDP's sharded gradients: ranks agree on found_inf afterwards
+    tensors = [t._values() if t.is_sparse else t for t in local_shards(tensors)]
     if (
         found_inf.is_cpu
         and sum(map(torch.Tensor.numel, tensors)) >= KERNEL_MIN_NUMEL
@@ -104,6 +106,36 @@ class _Flags:
         for flag in flags[1:]:
             total = total + flag.to(total.device)
         return total
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _coalesced_if_half(grad: torch.Tensor) -> torch.Tensor:
+    """A half sparse gradient summed over its duplicate indices before its check (torch's ``GradScaler`` does the
+    same): two finite fp16 duplicates may sum to inf after the check passed."""
+    return grad.coalesce() if grad.is_sparse and grad.dtype in _HALF else grad
+
+
+def _add_stashed(grads: list[torch.Tensor], stashes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads[i] + stashes[i]`` for each pair, in place where the result stays dense (one foreach op for the dense
+    pairs); returns the tensors that hold the sums, to put back as ``.grad``."""
+    dense = [i for i, (g, s) in enumerate(zip(grads, stashes, strict=True)) if not (g.is_sparse or s.is_sparse)]
+    if dense:
+        torch._foreach_add_([grads[i] for i in dense], [stashes[i] for i in dense])
+    sums = list(grads)
+    for i, (grad, stash) in enumerate(zip(grads, stashes, strict=True)):
+        if not (grad.is_sparse or stash.is_sparse):
+            continue
+        if not grad.is_sparse:
+            grad.add_(stash)
+        elif not stash.is_sparse:
+            sums[i] = stash.add_(grad)
+        elif grad.dtype in _HALF or stash.dtype in _HALF:  # CPU adds no half sparse tensors: sum in float32
+            sums[i] = (grad.float() + stash.float()).coalesce().to(grad.dtype)
+        else:
+            sums[i] = grad + stash
+    return sums
 
 
 def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -405,7 +437,7 @@ class GradientCombiner:
         next backward comes at another scale); returns False with flat buffers, which it leaves alone."""
         if not self._pending or self.flat:
             return False
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad._values() if p.grad.is_sparse else p.grad for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, ratio)
         return True
@@ -453,6 +485,7 @@ class GradientCombiner:
         fresh: list[torch.Tensor] = []
         with_stash: list[torch.Tensor] = []
         stashes: list[torch.Tensor] = []
+        stashed_owners: list[torch.Tensor] = []
         for k, i in enumerate(self._self_idx):
             p, stash = params[i], self._stash[k]
             self._stash[k] = None
@@ -462,13 +495,17 @@ class GradientCombiner:
                     p.grad = stash
                 continue
             reached.append(i)
+            if grad.is_sparse:
+                p.grad = grad = _coalesced_if_half(grad)
             if stash is None:
                 fresh.append(grad)
             else:
                 with_stash.append(grad)
                 stashes.append(stash)
+                stashed_owners.append(p)
         upcast: list[torch.Tensor] = []
         upcast_targets: list[torch.Tensor] = []
+        upcast_owners: list[torch.Tensor] = []
         for i in self._master_idx:
             p, owner = params[i], owners[i]
             grad = p.grad
@@ -477,13 +514,14 @@ class GradientCombiner:
             reached.append(i)
             if not self.keep_param_grads:
                 p.grad = None
-            new = grad.detach().to(owner.dtype, copy=True)
+            new = _coalesced_if_half(grad.detach()).to(owner.dtype, copy=True)
             if owner.grad is None:
                 owner.grad = new
                 fresh.append(new)
             else:
                 upcast.append(new)
                 upcast_targets.append(owner.grad)
+                upcast_owners.append(owner)
         with torch.no_grad():
             tensors = fresh + with_stash + upcast
             if self._device is not None:  # the common case: one device, no grouping
@@ -491,10 +529,10 @@ class GradientCombiner:
             else:
                 for device, group in _by_device(tensors).items():
                     unscale_and_check_(group, flags.get(device), _inv_scale(scaler, device))
-            if with_stash:
-                torch._foreach_add_(with_stash, stashes)
-            if upcast:
-                torch._foreach_add_(upcast_targets, upcast)
+            for owner, total in zip(stashed_owners, _add_stashed(with_stash, stashes), strict=True):
+                owner.grad = total
+            for owner, total in zip(upcast_owners, _add_stashed(upcast_targets, upcast), strict=True):
+                owner.grad = total
         reached.sort()
         return CombineResult(flags.merged(self._fallback_device()), tuple([params[i] for i in reached]))
 

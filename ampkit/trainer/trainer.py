@@ -336,7 +336,9 @@ def _reached_by_scaled_loss(opt_state: OptimizerState, losses: dict[Any, LossSta
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The total L2 norm of ``tensors``, bit for bit ``torch.nn.utils.get_total_norm(tensors, foreach=True)``
     but with one device move per group of (device, dtype) instead of one per tensor: a third of its time on
-    a small model, and a step's worth of tiny ops fewer on a large one."""
+    a small model, and a step's worth of tiny ops fewer on a large one. A sparse gradient (an
+    ``Embedding(sparse=True)``'s) counts through its coalesced values: no norm kernel takes sparse tensors."""
+    tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
     first_device = tensors[0].device
     norms: list[torch.Tensor] = []
     for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():

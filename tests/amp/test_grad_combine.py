@@ -352,3 +352,47 @@ def test_params_with_masters_keep_their_scaled_grads_only_when_asked(keep):
         else:
             assert all(p.grad is None for p in params)
     assert all(torch.equal(m.grad, a + b) for m, a, b in zip(masters, first, second, strict=True))
+
+
+class _SparseLookup(torch.nn.Module):
+    """An ``Embedding(sparse=True)`` and a dense head: the embedding's gradient is sparse, with repeated rows."""
+
+    def __init__(self, dtype: torch.dtype, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(6, 3, sparse=sparse).to(dtype)
+        self.head = torch.nn.Linear(3, 1).to(dtype)
+
+    def loss(self, ids: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.head(self.emb(ids)).float().pow(2).sum() * scale
+
+
+@pytest.mark.parametrize("masters", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_gradients_are_unscaled_checked_and_accumulated_as_dense_ones(dtype, masters):
+    """Two backwards into an ``Embedding(sparse=True)`` (ids repeated): the combined gradient equals the dense
+    embedding's, with fp32 masters too; an inf among the sparse values is flagged. torch's unscale op takes no
+    sparse tensor, so combine() raised NotImplementedError (Apex's O1/O2 and the Trainer reached it)."""
+    results = {}
+    for sparse in (False, True):
+        model = _SparseLookup(dtype, sparse)
+        params = list(model.parameters())
+        owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+        combiner = GradientCombiner(params, owners)
+        for ids, scale in ((torch.tensor([1, 4, 1]), 1024.0), (torch.tensor([4, 2, 2, 2]), 256.0)):
+            combiner.prepare_backward()
+            model.loss(ids, scale).backward()
+            result = combiner.combine(scale)
+            assert read_flags([result.found_inf]) == [False]
+        grads = [(o if masters else p).grad for p, o in zip(params, owners or params, strict=True)]
+        assert grads[0].is_sparse == sparse
+        results[sparse] = [g.to_dense() if g.is_sparse else g for g in grads]
+    for with_sparse, with_dense in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(with_sparse, with_dense, rtol=1e-3 if dtype == torch.float16 else 0, atol=0)
+
+    model = _SparseLookup(dtype, sparse=True)
+    combiner = GradientCombiner(list(model.parameters()))
+    combiner.prepare_backward()
+    model.loss(torch.tensor([0]), 1.0).backward()
+    model.emb.weight.grad._values()[0, 0] = float("inf")
+    assert read_flags([combiner.combine(1.0).found_inf]) == [True]

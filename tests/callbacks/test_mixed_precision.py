@@ -791,3 +791,39 @@ def test_a_parameter_unfrozen_mid_run_is_checked_for_inf_without_a_scaler(tmp_pa
     trainer = _fit_unfreeze(tmp_path, poison=6, opt_level="O1", dtype="bfloat16", skip_nonfinite=True)
     assert trainer.optimizer_state[trainer.optimizer].skipped_steps == 1
     assert all(torch.isfinite(p).all() for p in trainer.module.parameters())
+
+
+class SparseEmbeddingTrainer(ampkit.Trainer):
+    """An ``Embedding(sparse=True)`` under SGD: its gradients are sparse tensors with repeated rows."""
+
+    def configure_model(self):
+        torch.manual_seed(0)
+        return nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "head": nn.Linear(4, 1)})
+
+    def configure_optimizers(self):
+        # named after a submodule, as the Recorder expects; it trains the whole model
+        return [{"optimizer": torch.optim.SGD(self.module.parameters(), lr=0.1), "name": "emb"}]
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 10, (6, 8), generator=gen)
+        return [(i, torch.randn(8, generator=gen) / 4) for i in ids]
+
+    def training_step(self, batch):
+        ids, y = batch
+        return nn.functional.mse_loss(self.model["head"](self.model["emb"](ids)).squeeze(-1).float(), y)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_sparse_embedding_gradients_are_unscaled_clipped_and_logged(tmp_path, opt_level):
+    """Sparse gradients through the loss scaler, clipping and the logged grad norm: the run follows float32. torch's
+    unscale op and norm kernels take no sparse tensor, so the first backward raised NotImplementedError."""
+    clip = {"clip_grad_norm": 0.05, "max_epochs": 2}
+    reference, _ = fit(SparseEmbeddingTrainer, tmp_path / "fp32", trainer_cfg=clip, opt_level="O0")
+    trainer, recorder = fit(
+        SparseEmbeddingTrainer, tmp_path / opt_level, trainer_cfg=clip, opt_level=opt_level, dtype="float16",
+        init_scale=1024.0, logging={"tensorboard": True},
+    )  # fmt: skip
+    assert recorder.skipped == []
+    for name, value in params_of(reference).items():
+        torch.testing.assert_close(params_of(trainer)[name].float(), value, rtol=0, atol=2e-3)
