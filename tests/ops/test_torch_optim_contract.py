@@ -691,3 +691,20 @@ def test_adagrads_initial_accumulator_is_in_its_state_from_construction_and_resu
         run(opt, [p for group in opt.param_groups for p in group["params"]], 0, 3)
         torch.testing.assert_close([p for group in opt.param_groups for p in group["params"]], theirs)
         torch.testing.assert_close(opt.state_dict()["state"], twin.state_dict()["state"])
+
+
+def test_adagrad_share_memory_shares_each_sum_as_torchs_for_hogwild_training():
+    """``torch.optim.Adagrad.share_memory()`` (Hogwild: processes stepping one model) was an AttributeError; a group
+    added since construction, whose state torch.optim would not have yet (a KeyError there), is shared too."""
+    params = make_params()
+    optimizer = FusedAdagrad(params[:2], lr=0.1, initial_accumulator_value=0.2)
+    optimizer.add_param_group({"params": params[2:]})
+    twin = torch.optim.Adagrad(copies(params[:2]), lr=0.1, initial_accumulator_value=0.2)
+    optimizer.share_memory()
+    twin.share_memory()
+    assert all(optimizer.state[p]["sum"].is_shared() for p in params)
+    assert all(twin.state[p]["sum"].is_shared() for p in twin.param_groups[0]["params"])
+    assert_same({i: optimizer.state_dict()["state"][i] for i in (0, 1)}, twin.state_dict()["state"])
+    assert_same(optimizer.state_dict()["state"][2]["sum"], torch.full_like(params[2], 0.2))
+    run(optimizer, params, 0, 1)
+    assert all(optimizer.state[p]["sum"].is_shared() and optimizer.state[p]["step"] == 1 for p in params)

@@ -87,6 +87,16 @@ class FusedAdagrad(FusedOptimizer):
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
 
+    def share_memory(self) -> None:
+        """Move each ``sum`` to shared memory, as ``torch.optim.Adagrad.share_memory`` (Hogwild training across
+        processes); a parameter of a group added since gets its state now, so that it is shared too."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state, group)
+                state["sum"].share_memory_()
+
     def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
         return not self.adagrad_w_mode and acc_dtype(param) == param.dtype
 
