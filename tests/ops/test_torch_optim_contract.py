@@ -184,9 +184,10 @@ def test_a_state_dict_naming_the_parameters_in_another_order_is_refused_and_a_re
     optimizer.step()
     named = list(model.named_parameters())
     reordered = make(named[2:] + named[:2])
+    kept = copy.deepcopy(reordered.state_dict())  # empty, or Adagrad's state from construction
     with pytest.raises(ValueError, match=r"another order \(parameter 0 is '0.weight' there, '1.weight' here\)"):
         reordered.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    assert len(reordered.state) == 0
+    assert_same(reordered.state_dict()["state"], kept["state"])
     not_names = copy.deepcopy(optimizer.state_dict())  # a tool's state dict whose param_names are no names
     not_names["param_groups"][0]["param_names"][1] = 7
     make(named[2:] + named[:2]).load_state_dict(not_names)  # by position, as torch loads it
@@ -375,12 +376,13 @@ def test_parameters_without_gradients_are_left_alone_and_get_no_state(name):
     params = make_params()
     optimizer = OPTIMIZERS[name](params)
     untouched = params[1].detach().clone()
+    at_construction = copy.deepcopy(optimizer.state.get(params[1], {}))
     for step in range(2):
         for i, (p, g) in enumerate(zip(params, grads_of(step), strict=True)):
             p.grad = None if i == 1 else g
         optimizer.step()
     assert_same(params[1], untouched)
-    assert params[1] not in optimizer.state
+    assert_same(optimizer.state.get(params[1], {}), at_construction)  # none, or Adagrad's initial state, as torch's
     assert all(len(optimizer.state[p]) > 0 for p in (params[0], params[2]))
 
 
@@ -389,9 +391,10 @@ def test_a_step_with_no_gradients_at_all_changes_nothing(name):
     params = make_params()
     optimizer = OPTIMIZERS[name](params)
     before = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(optimizer.state_dict())
     optimizer.step()
     assert_same(params, before)
-    assert len(optimizer.state) == 0
+    assert_same(optimizer.state_dict(), saved)  # no state made (Adagrad's, made at construction as torch's, kept)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -648,3 +651,63 @@ def test_a_compiled_function_calling_step_trains_as_the_eager_step(name):
         train_step(models[0], optimizers[0])
         compiled(models[1], optimizers[1])
     assert_same(list(models[1].parameters()), list(models[0].parameters()))
+
+
+@pytest.mark.parametrize("name", list(TORCH_TWINS))
+def test_before_the_first_step_the_state_is_torch_optims_and_a_step_without_gradients_keeps_it(name):
+    """What torch.optim holds before any step, side by side: nothing, except Adagrad, whose constructor makes each
+    parameter's ``sum`` and ``step`` (FusedAdagrad made them at the first step, so its ``state_dict()`` was empty and
+    ``state[p]["sum"]`` a KeyError). A step with no gradient at all changes neither; a group added later gets its
+    state at its first step in both."""
+    make = TORCH_TWINS[name][0]
+    ours, theirs = make_params(), make_params()
+    optimizer, twin = make(ours, None), torch_twin(name, theirs)
+    assert_same(optimizer.state_dict()["state"], twin.state_dict()["state"])
+    for opt in (optimizer, twin):
+        opt.step()
+    assert_same(optimizer.state_dict()["state"], twin.state_dict()["state"])
+    assert_same(ours, theirs)
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    twin.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert_same(optimizer.state_dict()["state"], twin.state_dict()["state"])
+
+
+def test_adagrads_initial_accumulator_is_in_its_state_from_construction_and_resumes_as_torchs():
+    """``initial_accumulator_value`` read back from the state before any step, as torch's; a checkpoint saved before
+    stepping, by torch.optim.Adagrad or by an earlier FusedAdagrad (no state at all), resumes as torch's run. Unlike
+    torch, which fills every group from the constructor's value, a group's own value is kept."""
+    options = dict(lr=0.1, lr_decay=1e-3, weight_decay=0.01, initial_accumulator_value=0.3)
+    ours, theirs = make_params(), make_params()
+    optimizer = FusedAdagrad([{"params": ours[:2]}, {"params": ours[2:], "initial_accumulator_value": 1.5}], **options)
+    assert all(torch.equal(optimizer.state[p]["sum"], torch.full_like(p, 0.3)) for p in ours[:2])
+    assert torch.equal(optimizer.state[ours[2]]["sum"], torch.full_like(ours[2], 1.5))
+    assert all(optimizer.state[p]["step"] == 0 for p in ours)
+
+    twin = torch.optim.Adagrad(theirs, **options)
+    from_torch = FusedAdagrad(copies(theirs), lr=0.1, lr_decay=1e-3, weight_decay=0.01)  # its own value: 0
+    from_torch.load_state_dict(copy.deepcopy(twin.state_dict()))
+    earlier = FusedAdagrad(copies(theirs), **options)  # a checkpoint of an earlier FusedAdagrad, saved before a step
+    earlier.load_state_dict({"state": {}, "param_groups": copy.deepcopy(twin.state_dict()["param_groups"])})
+    resumed = [from_torch, earlier]
+    run(twin, theirs, 0, 3)
+    for opt in resumed:
+        run(opt, [p for group in opt.param_groups for p in group["params"]], 0, 3)
+        torch.testing.assert_close([p for group in opt.param_groups for p in group["params"]], theirs)
+        torch.testing.assert_close(opt.state_dict()["state"], twin.state_dict()["state"])
+
+
+def test_adagrad_share_memory_shares_each_sum_as_torchs_for_hogwild_training():
+    """``torch.optim.Adagrad.share_memory()`` (Hogwild: processes stepping one model) was an AttributeError; a group
+    added since construction, whose state torch.optim would not have yet (a KeyError there), is shared too."""
+    params = make_params()
+    optimizer = FusedAdagrad(params[:2], lr=0.1, initial_accumulator_value=0.2)
+    optimizer.add_param_group({"params": params[2:]})
+    twin = torch.optim.Adagrad(copies(params[:2]), lr=0.1, initial_accumulator_value=0.2)
+    optimizer.share_memory()
+    twin.share_memory()
+    assert all(optimizer.state[p]["sum"].is_shared() for p in params)
+    assert all(twin.state[p]["sum"].is_shared() for p in twin.param_groups[0]["params"])
+    assert_same({i: optimizer.state_dict()["state"][i] for i in (0, 1)}, twin.state_dict()["state"])
+    assert_same(optimizer.state_dict()["state"][2]["sum"], torch.full_like(params[2], 0.2))
+    run(optimizer, params, 0, 1)
+    assert all(optimizer.state[p]["sum"].is_shared() and optimizer.state[p]["step"] == 1 for p in params)

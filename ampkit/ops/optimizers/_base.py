@@ -238,14 +238,30 @@ def check_hyper(
     else:
         bound, finite_word = f">= {low}", "finite " if finite else ""
         high, closed = math.inf, not finite
-    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype.is_floating_point and not value.is_meta:
+    if isinstance(value, Tensor) and value.numel() != 1:  # torch.optim's words for it
+        raise ValueError(f"Invalid {name}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+    if isinstance(value, Tensor) and value.dtype.is_floating_point and not value.is_meta:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
         )
     if not (value >= low) or not (value <= high if closed else value < high):
-        raise ValueError(f"Invalid {name}: {value!r} (expected a {finite_word}value {bound})")
+        theirs = _torch_words(name)
+        also = f"; torch.optim: Invalid {theirs}: {value}" if theirs else ""
+        raise ValueError(f"Invalid {name}: {value!r} (expected a {finite_word}value {bound}{also})")
+
+
+def _torch_words(name: str) -> str | None:
+    """How ``torch.optim``'s constructors name the hyper-parameter ``name`` in their ``Invalid ...`` errors (None where
+    torch has none), so code and ported tests matching torch's message match ours too."""
+    if name in ("lr", "eps"):
+        return "learning rate" if name == "lr" else "epsilon value"
+    if name in ("betas[0]", "betas[1]"):
+        return f"beta parameter at index {name[6]}"
+    if name in ("weight_decay", "momentum", "rho", "lr_decay", "initial_accumulator_value", "alpha"):
+        return f"{name} value"
+    return None
 
 
 # The hyper-parameters a param group may carry, whichever optimizer it belongs to: (low, high or None). Checked on

@@ -26,6 +26,10 @@ from ampkit.ops.optimizers._kernels import op
 class FusedAdagrad(FusedOptimizer):
     """Adagrad as ``torch.optim.Adagrad`` (state ``step``, ``sum``).
 
+    As torch's, the constructor creates each parameter's state (``sum`` filled with ``initial_accumulator_value``,
+    ``step`` 0), so ``state_dict()`` before the first step holds it; a group added later gets its state at its first
+    step. Each group's own ``initial_accumulator_value`` is used (torch reads the constructor's for every group).
+
     Buckets of float32/float64 parameters without master weights or ``adagrad_w_mode`` run
     ``torch._fused_adagrad_`` where ``backend`` routes them there and torch has it (its CPU kernel only, in torch
     2.11-2.13): the update is then bit-identical to ``torch.optim.Adagrad(fused=True)``.
@@ -75,10 +79,23 @@ class FusedAdagrad(FusedOptimizer):
             maximize=maximize,
         )
         super().__init__(params, defaults, master_weights, set_grad_none, backend)
+        for group in self.param_groups:  # torch.optim.Adagrad's state exists from construction, not the first step
+            for p in group["params"]:
+                self._init_state(p, self.state[p], group)
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
+
+    def share_memory(self) -> None:
+        """Move each ``sum`` to shared memory, as ``torch.optim.Adagrad.share_memory`` (Hogwild training across
+        processes); a parameter of a group added since gets its state now, so that it is shared too."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state, group)
+                state["sum"].share_memory_()
 
     def _torch_can_run(self, group: dict[str, Any], param: Tensor) -> bool:
         return not self.adagrad_w_mode and acc_dtype(param) == param.dtype
