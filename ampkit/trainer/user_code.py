@@ -24,7 +24,7 @@ class UserCodeError(TypeError, ValueError):
 def check_loss(loss: torch.Tensor, loss_id: Any) -> None:
     """A loss ``backward`` can use: a real scalar tensor that requires grad (three reads per backward), and a
     ``loss_id`` that can name its scaler."""
-    if not isinstance(loss_id, Hashable):
+    if type(loss_id) is not int and not isinstance(loss_id, Hashable):  # an int, as most are, skips the ABC check
         raise UserCodeError(
             f"backward(loss_id={loss_id!r}): a loss id is a name or a number, not a {type(loss_id).__name__}"
         )
