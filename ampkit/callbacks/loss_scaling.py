@@ -156,6 +156,10 @@ class LossScaling(Callback):
 
     def scaler(self, loss_id: Any = 0) -> LossScaler:
         """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
+        if type(loss_id) is int or type(loss_id) is str:  # asked at every backward: these pass the checks below
+            scaler = self.scalers.get(loss_id)
+            if scaler is not None:
+                return scaler
         # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
         # refused before; numpy's int64 was refused unless its scaler existed
         if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
