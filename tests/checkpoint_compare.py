@@ -9,6 +9,9 @@ import torch
 # What legitimately differs between two runs of one training: where they were written, and when (the TensorBoard
 # events of the checkpoint's step carry their wall times and steps/s).
 RUN_SPECIFIC = {("config", "run_dir"), ("callbacks", "TensorBoardLogger", "step_events")}
+# Which throughput figures a run logged depends on where it was cut: a resume starts a new window, its first
+# iteration left out as warm-up, so a run resumed near its end may log none where the uninterrupted one did.
+TIMING_TAGS = {("curve_kind",): "perf/"}
 
 
 def differences(a: Any, b: Any, path: tuple[Any, ...] = ()) -> list[str]:
@@ -16,6 +19,8 @@ def differences(a: Any, b: Any, path: tuple[Any, ...] = ()) -> list[str]:
     if path in RUN_SPECIFIC:
         return []
     where = ".".join(map(str, path)) or "<root>"
+    if path in TIMING_TAGS and isinstance(a, dict) and isinstance(b, dict):
+        a, b = ({k: v for k, v in d.items() if not str(k).startswith(TIMING_TAGS[path])} for d in (a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return [f"{where}: keys differ ({sorted(map(str, a.keys() ^ b.keys()))})"]

@@ -695,7 +695,7 @@ def _cannot_delete(where: Path | list, *args) -> None:
     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), "checkpoints")
 
 
-def _disk_full(obj, path: Path) -> None:
+def _disk_full(obj, path: Path, *args, **kwargs) -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 

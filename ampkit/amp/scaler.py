@@ -91,6 +91,8 @@ def overflow_verdict(found_inf: Any, name: str = "found_inf") -> bool:
     """An iteration's overflow verdict as a bool: a bool or number (non-zero: overflow), or a one-element tensor
     (read: a sync on CUDA). Anything else was taken by its truthiness: ``None`` as no overflow, ``"no"`` as one.
     ``name``: the argument as the caller's API spells it, for the error."""
+    if found_inf is True or found_inf is False:  # the Trainer's agreed verdict, once an iteration
+        return found_inf
     if isinstance(found_inf, torch.Tensor):
         if found_inf.numel() != 1:
             raise ValueError(f"{name} must be a one-element tensor, got shape {tuple(found_inf.shape)}")

@@ -150,8 +150,9 @@ class LossScaling(Callback):
 
     def scaler(self, loss_id: Any = 0) -> LossScaler:
         """The scaler of ``loss_id`` (an int, numpy's too, or a name), created on first use."""
-        # checked before the look-up: True and 1.0 hash as 1, so they took loss 1's scaler once it existed, and were
-        # refused before; numpy's int64 was refused unless its scaler existed
+        # checked before the look-up (an int or a name at once: asked at every backward): True and 1.0 hash as 1, so
+        # they took loss 1's scaler once it existed, and were refused before; numpy's int64 was refused unless its
+        # scaler existed
         loss_id = loss_id_key(loss_id)
         scaler = self.scalers.get(loss_id)
         if scaler is not None:

@@ -24,6 +24,8 @@ def checked_count(value: Any, owner: object, method: str) -> int | None:
     """
     if value is None:
         return None
+    if type(value) is int and value >= 0:  # asked at every batch: an int skips the ABC check below
+        return value
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         if value >= 0:
             return int(value)

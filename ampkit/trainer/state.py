@@ -83,6 +83,8 @@ class LossScaleUpdater(Protocol):
 def loss_id_key(loss_id: Any) -> int | str:
     """``loss_id`` as the key of its loss's scaler and facts: an int (numpy's made one) or a name; else a TypeError.
     True and 1.0 hash as 1, and a tensor by identity: a new key (and a new scaler) at each backward."""
+    if type(loss_id) is int or type(loss_id) is str:  # nearly every call (each backward): no ABC check
+        return loss_id
     if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral | str):
         raise TypeError(f"loss_id={loss_id!r}: expected an int or a str, not a {type(loss_id).__name__}")
     return loss_id if isinstance(loss_id, int | str) else int(loss_id)

@@ -302,6 +302,8 @@ def _refuse_or_skip(sched: SchedulerSpec, problem: str) -> None:
 def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
     """log()'s ``name`` argument as a bool: ``None`` is ``default`` (Lightning's "the hook's default") where there is
     one; ``"False"`` or 2 is an error, where it was silently on."""
+    if value is True or value is False:  # what nearly every call passes: log() may run several times a step
+        return value
     if value is None and default is not None:
         return default
     if is_switch(value):
@@ -875,7 +877,9 @@ class Trainer:
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
-        refused = sorted(name for name, given in others.items() if not _asks_what_log_does(name, given))
+        refused = (
+            sorted(name for name, given in others.items() if not _asks_what_log_does(name, given)) if others else ()
+        )
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
             got = ", ".join(f"{name}={others[name]!r}" for name in refused)
@@ -883,7 +887,8 @@ class Trainer:
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         always = _log_switch(tag, "always", always, default=None)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+        valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
+        if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
             raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
         if self.evaluation_step is not None:
             instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
@@ -895,7 +900,7 @@ class Trainer:
                     "(its mean, a norm) or each element under a tag of its own"
                 )
             value = value.detach()
-        elif not isinstance(value, numbers.Real):
+        elif type(value) is not float and not isinstance(value, numbers.Real):
             metric = (  # a torchmetrics Metric, which Lightning's log() computes and resets itself
                 "; for a metric object, log its value (metric(preds, target) per step, or metric.compute() in "
                 "on_train_epoch_end, then metric.reset())"
