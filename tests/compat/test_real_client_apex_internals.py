@@ -629,6 +629,31 @@ def _lightning_fork_patch_optimizer(optimizer) -> None:
     optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)
 
 
+def _fork_build(opt_level, state=None, wrap=None):
+    """The fork's model and amp optimizer (its patch applied, then ``wrap``), loaded from ``state`` as it resumes."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    if state is not None:
+        model.load_state_dict(state["model"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    _lightning_fork_patch_optimizer(optimizer)
+    if wrap is not None:
+        wrap(optimizer)
+    if state is not None:
+        optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+    return model, optimizer
+
+
+def _fork_loss(model, i):
+    """Batch ``i``'s loss: the same batches in an uninterrupted run and a resumed one."""
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    return F.mse_loss(model(x).float(), y)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_lightning_fork_defers_its_optimizer_checkpoint_and_enters_scale_loss_by_hand(shim, opt_level):
     """The fork's plugin also enters ``amp.scale_loss`` by hand (``__enter__``, ``backward``, ``__exit__(None, None,
@@ -638,36 +663,22 @@ def test_lightning_fork_defers_its_optimizer_checkpoint_and_enters_scale_loss_by
     ``_lazy_init_maybe_master_weights``, as Apex's did, which loads the checkpoint once more."""
     from apex import amp
 
-    def build(state=None):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        if state is not None:
-            model.load_state_dict(state["model"])
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
-        _lightning_fork_patch_optimizer(optimizer)
-        if state is not None:
-            optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        return model, optimizer
-
     def train(model, optimizer, first, count):
         for i in range(first, first + count):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
             optimizer.zero_grad()
-            context = amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer)
+            context = amp.scale_loss(_fork_loss(model, i), optimizer)
             context.__enter__().backward()
             assert not context.__exit__(None, None, None)
             optimizer.step()
 
-    model, optimizer = build()
+    model, optimizer = _fork_build(opt_level)
     train(model, optimizer, 0, 6)
     uninterrupted = [p.detach().clone() for p in amp.master_params(optimizer)]
-    model, optimizer = build()
+    model, optimizer = _fork_build(opt_level)
     train(model, optimizer, 0, 3)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     assert "master_params" in state["optimizer"]
-    model, optimizer = build(state)
+    model, optimizer = _fork_build(opt_level, state)
     train(model, optimizer, 3, 3)
     for ours, theirs in zip(amp.master_params(optimizer), uninterrupted, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
@@ -683,32 +694,23 @@ def test_lightning_fork_resumes_an_apex_checkpoint_with_the_masters_its_lazy_ini
 
     calls = []
 
-    def build(state=None):
-        calls.clear()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        if state is not None:
-            model.load_state_dict(state["model"])
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0, verbosity=0)
-        _lightning_fork_patch_optimizer(optimizer)
+    def counted(optimizer):
         wrapped = optimizer._lazy_init_maybe_master_weights
 
-        def counted(self):
+        def lazy_init(self):
             calls.append(self)
             wrapped()
 
-        optimizer._lazy_init_maybe_master_weights = types.MethodType(counted, optimizer)
-        if state is not None:
-            optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        return model, optimizer
+        optimizer._lazy_init_maybe_master_weights = types.MethodType(lazy_init, optimizer)
+
+    def build(state=None):
+        calls.clear()
+        return _fork_build("O2", state, counted)
 
     def train(model, optimizer, first, count):
         for i in range(first, first + count):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
             optimizer.zero_grad()
-            with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+            with amp.scale_loss(_fork_loss(model, i), optimizer) as scaled_loss:
                 scaled_loss.backward()
             optimizer.step()
 
