@@ -49,10 +49,15 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     in float32: same bits. A sparse tensor (an ``Embedding(sparse=True)`` gradient) is scaled and checked through
     its values, as torch's ``GradScaler`` does; coalesce a half one first, so that no duplicate sum overflows later.
     """
+    _unscale_and_check_strided_([t._values() if t.is_sparse else t for t in tensors], found_inf, inv_scale)
+
+
+def _unscale_and_check_strided_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """:func:`unscale_and_check_` of tensors none of which is sparse (a caller that read each one's layout already
+    skips a second look at every tensor)."""
     if not tensors:
         return
-    # FSDP's sharded gradients: ranks agree on found_inf afterwards
-    tensors = [t._values() if t.is_sparse else t for t in local_shards(tensors)]
+    tensors = local_shards(tensors)  # FSDP's sharded gradients: ranks agree on found_inf afterwards
     if (
         found_inf.is_cpu
         and sum(map(torch.Tensor.numel, tensors)) >= KERNEL_MIN_NUMEL
@@ -479,6 +484,7 @@ class GradientCombiner:
         # (owner, grad, other) pairs with a sparse side, summed one by one; the dense pairs (every pair of a model
         # without sparse gradients) in one foreach op, as before sparse gradients were taken: no per-pair work
         sparse_sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        sparse_seen = False  # whether a new gradient is sparse: unscaled through its values
         for k, i in enumerate(self._self_idx):
             p, stash = params[i], self._stash[k]
             self._stash[k] = None
@@ -491,6 +497,7 @@ class GradientCombiner:
             sparse = grad.is_sparse
             if sparse:
                 p.grad = grad = _coalesced_if_half(grad)
+                sparse_seen = True
             if stash is None:
                 fresh.append(grad)
             elif sparse or stash.is_sparse:
@@ -509,11 +516,14 @@ class GradientCombiner:
             reached.append(i)
             if not self.keep_param_grads:
                 p.grad = None
-            new = _coalesced_if_half(grad.detach()).to(owner.dtype, copy=True)
+            grad, sparse = grad.detach(), grad.is_sparse
+            if sparse:
+                grad, sparse_seen = _coalesced_if_half(grad), True
+            new = grad.to(owner.dtype, copy=True)
             if owner.grad is None:
                 owner.grad = new
                 fresh.append(new)
-            elif new.is_sparse or owner.grad.is_sparse:
+            elif sparse or owner.grad.is_sparse:
                 fresh.append(new)
                 sparse_sums.append((owner, owner.grad, new))
             else:
@@ -521,11 +531,12 @@ class GradientCombiner:
                 upcast_targets.append(owner.grad)
         with torch.no_grad():
             tensors = fresh + with_stash + upcast
+            unscale = unscale_and_check_ if sparse_seen else _unscale_and_check_strided_
             if self._device is not None:  # the common case: one device, no grouping
-                unscale_and_check_(tensors, flags.get(self._device), _inv_scale(scaler, self._device))
+                unscale(tensors, flags.get(self._device), _inv_scale(scaler, self._device))
             else:
                 for device, group in _by_device(tensors).items():
-                    unscale_and_check_(group, flags.get(device), _inv_scale(scaler, device))
+                    unscale(group, flags.get(device), _inv_scale(scaler, device))
             if with_stash:
                 torch._foreach_add_(with_stash, stashes)
             if upcast:
