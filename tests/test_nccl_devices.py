@@ -252,6 +252,11 @@ def test_nccl_with_a_cpu_device_is_refused_before_the_group_is_joined(nccl, monk
     cfg.distributed.backend, cfg.trainer.device = "nccl", "cpu"
     with pytest.raises(ConfigError, match=r"'distributed.backend': nccl takes CUDA tensors only, but trainer.device"):
         distributed.setup_distributed(cfg)
+    # trainer.device=cuda where torch sees no GPU: said so, not that the device setting trains on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg.trainer.device = "cuda"
+    with pytest.raises(ConfigError, match=r"nccl takes CUDA tensors only, but this machine has no usable CUDA GPU"):
+        distributed.setup_distributed(cfg)
 
 
 class Predicts(ToyTrainer):

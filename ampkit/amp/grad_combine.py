@@ -49,10 +49,15 @@ def unscale_and_check_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv
     in float32: same bits. A sparse tensor (an ``Embedding(sparse=True)`` gradient) is scaled and checked through
     its values, as torch's ``GradScaler`` does; coalesce a half one first, so that no duplicate sum overflows later.
     """
+    _unscale_and_check_strided_([t._values() if t.is_sparse else t for t in tensors], found_inf, inv_scale)
+
+
+def _unscale_and_check_strided_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """:func:`unscale_and_check_` of tensors none of which is sparse (a caller that read each one's layout already
+    skips a second look at every tensor)."""
     if not tensors:
         return
-    # FSDP's sharded gradients: ranks agree on found_inf afterwards
-    tensors = [t._values() if t.is_sparse else t for t in local_shards(tensors)]
+    tensors = local_shards(tensors)  # FSDP's sharded gradients: ranks agree on found_inf afterwards
     if (
         found_inf.is_cpu
         and sum(map(torch.Tensor.numel, tensors)) >= KERNEL_MIN_NUMEL
@@ -117,25 +122,16 @@ def _coalesced_if_half(grad: torch.Tensor) -> torch.Tensor:
     return grad.coalesce() if grad.is_sparse and grad.dtype in _HALF else grad
 
 
-def _add_stashed(grads: list[torch.Tensor], stashes: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads[i] + stashes[i]`` for each pair, in place where the result stays dense (one foreach op for the dense
-    pairs); returns the tensors that hold the sums, to put back as ``.grad``."""
-    dense = [i for i, (g, s) in enumerate(zip(grads, stashes, strict=True)) if not (g.is_sparse or s.is_sparse)]
-    if dense:
-        torch._foreach_add_([grads[i] for i in dense], [stashes[i] for i in dense])
-    sums = list(grads)
-    for i, (grad, stash) in enumerate(zip(grads, stashes, strict=True)):
-        if not (grad.is_sparse or stash.is_sparse):
-            continue
-        if not grad.is_sparse:
-            grad.add_(stash)
-        elif not stash.is_sparse:
-            sums[i] = stash.add_(grad)
-        elif grad.dtype in _HALF or stash.dtype in _HALF:  # CPU adds no half sparse tensors: sum in float32
-            sums[i] = (grad.float() + stash.float()).coalesce().to(grad.dtype)
-        else:
-            sums[i] = grad + stash
-    return sums
+def _sparse_sum(grad: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``grad + other`` where either is sparse, in place where the result stays dense; returns the tensor that holds
+    the sum, to put back as ``.grad`` (the dense pairs of a combine take one foreach op instead)."""
+    if not grad.is_sparse:
+        return grad.add_(other)
+    if not other.is_sparse:
+        return other.add_(grad)
+    if grad.dtype in _HALF or other.dtype in _HALF:  # CPU adds no half sparse tensors: sum in float32
+        return (grad.float() + other.float()).coalesce().to(grad.dtype)
+    return grad + other
 
 
 def _by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -485,7 +481,10 @@ class GradientCombiner:
         fresh: list[torch.Tensor] = []
         with_stash: list[torch.Tensor] = []
         stashes: list[torch.Tensor] = []
-        stashed_owners: list[torch.Tensor] = []
+        # (owner, grad, other) pairs with a sparse side, summed one by one; the dense pairs (every pair of a model
+        # without sparse gradients) in one foreach op, as before sparse gradients were taken: no per-pair work
+        sparse_sums: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        sparse_seen = False  # whether a new gradient is sparse: unscaled through its values
         for k, i in enumerate(self._self_idx):
             p, stash = params[i], self._stash[k]
             self._stash[k] = None
@@ -495,17 +494,20 @@ class GradientCombiner:
                     p.grad = stash
                 continue
             reached.append(i)
-            if grad.is_sparse:
+            sparse = grad.is_sparse
+            if sparse:
                 p.grad = grad = _coalesced_if_half(grad)
+                sparse_seen = True
             if stash is None:
                 fresh.append(grad)
+            elif sparse or stash.is_sparse:
+                fresh.append(grad)
+                sparse_sums.append((p, grad, stash))
             else:
                 with_stash.append(grad)
                 stashes.append(stash)
-                stashed_owners.append(p)
         upcast: list[torch.Tensor] = []
         upcast_targets: list[torch.Tensor] = []
-        upcast_owners: list[torch.Tensor] = []
         for i in self._master_idx:
             p, owner = params[i], owners[i]
             grad = p.grad
@@ -514,25 +516,33 @@ class GradientCombiner:
             reached.append(i)
             if not self.keep_param_grads:
                 p.grad = None
-            new = _coalesced_if_half(grad.detach()).to(owner.dtype, copy=True)
+            grad, sparse = grad.detach(), grad.is_sparse
+            if sparse:
+                grad, sparse_seen = _coalesced_if_half(grad), True
+            new = grad.to(owner.dtype, copy=True)
             if owner.grad is None:
                 owner.grad = new
                 fresh.append(new)
+            elif sparse or owner.grad.is_sparse:
+                fresh.append(new)
+                sparse_sums.append((owner, owner.grad, new))
             else:
                 upcast.append(new)
                 upcast_targets.append(owner.grad)
-                upcast_owners.append(owner)
         with torch.no_grad():
             tensors = fresh + with_stash + upcast
+            unscale = unscale_and_check_ if sparse_seen else _unscale_and_check_strided_
             if self._device is not None:  # the common case: one device, no grouping
-                unscale_and_check_(tensors, flags.get(self._device), _inv_scale(scaler, self._device))
+                unscale(tensors, flags.get(self._device), _inv_scale(scaler, self._device))
             else:
                 for device, group in _by_device(tensors).items():
-                    unscale_and_check_(group, flags.get(device), _inv_scale(scaler, device))
-            for owner, total in zip(stashed_owners, _add_stashed(with_stash, stashes), strict=True):
-                owner.grad = total
-            for owner, total in zip(upcast_owners, _add_stashed(upcast_targets, upcast), strict=True):
-                owner.grad = total
+                    unscale(group, flags.get(device), _inv_scale(scaler, device))
+            if with_stash:
+                torch._foreach_add_(with_stash, stashes)
+            if upcast:
+                torch._foreach_add_(upcast_targets, upcast)
+            for owner, grad, other in sparse_sums:
+                owner.grad = _sparse_sum(grad, other)
         reached.sort()
         return CombineResult(flags.merged(self._fallback_device()), tuple([params[i] for i in reached]))
 

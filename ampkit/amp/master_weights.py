@@ -99,9 +99,11 @@ class MasterWeights:
             raise ValueError(
                 f"checkpoint holds {len(saved)} master weights but the optimizer has {len(self._low_masters)}"
             )
-        for i, (master, value) in enumerate(zip(self._low_masters, saved, strict=True)):
-            if value.shape != master.shape:
-                raise ValueError(f"master_params[{i}] has shape {tuple(value.shape)}, expected {tuple(master.shape)}")
+        for i, (master, value) in enumerate(zip(self._low_masters, saved, strict=True)):  # all, before any copy
+            if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+                got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+                raise ValueError(f"master_params[{i}] is {got}, expected a tensor of shape {tuple(master.shape)}")
+        for master, value in zip(self._low_masters, saved, strict=True):
             master.copy_(value)
         stale = [(p, m) for p, m in zip(self._low, self._low_masters, strict=True) if not torch.equal(p, m.to(p.dtype))]
         if stale:

@@ -277,7 +277,8 @@ class LossScaler:
         grown = state.scale * self.growth_factor
         if self.max_scale is not None:
             grown = torch.clamp_max(grown, self.max_scale)
-        grown = torch.where(grown > FLOAT32_SCALES[1], state.scale, grown)  # as update()
+        if self.max_scale is None or self.max_scale > FLOAT32_SCALES[1]:  # (a cap within float32, the default: no op)
+            grown = torch.where(grown > FLOAT32_SCALES[1], state.scale, grown)  # as update()
         backed_off = torch.clamp_min(state.scale * self.backoff_factor, self.floor)
         state.set(
             torch.where(overflow, backed_off, torch.where(grows, grown, state.scale)),

@@ -386,13 +386,14 @@ class ModelCheckpoint(KeyedByMonitor):
         best_k, kept, protected = dict(state.get("best_k", {})), list(state.get("kept", [])), state.get("protected", [])
         newest = state.get("newest")  # absent before this ampkit, and before a first save
         self._check_names([*best_k, *kept], [*protected, *([] if newest is None else [newest])])
-        self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
         current = state.get("current_score")  # as newest
         if current is not None and (isinstance(current, bool) or not isinstance(current, numbers.Real)):
             raise CheckpointError(
                 f"the checkpoint's {self.state_key} state holds current_score {current!r}, which is no number: the "
                 "checkpoint was edited or is damaged; resume an earlier one"
             )
+        # Only once all of it is checked: a refused state leaves the ranking this callback had.
+        self.best_k, self.kept, self._protected_before = best_k, kept, list(protected)
         self._newest = newest
         self._restored = True
         self._ranked_by = {key: state[key] for key in ("monitor", "mode") if key in state}

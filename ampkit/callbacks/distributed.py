@@ -61,17 +61,17 @@ class DistributedSync(Callback):
 
     # ---------------------------------------------------------------- set-up
     def on_fit_start(self, trainer) -> None:
-        if self.sync_batchnorm:
-            trainer.module = convert_sync_batchnorm(trainer.module)
-            trainer.model = trainer.module
+        if self.sync_batchnorm:  # the batch norms are replaced in place: trainer.model (compiled) runs them as is
+            converted = convert_sync_batchnorm(trainer.module)
+            if converted is not trainer.module:  # the root itself was one: what wrapped it holds the old one
+                trainer.module, trainer.model = converted, _compiled_if_asked(trainer, converted)
         if self.grad_sync == "ddp":
             self._unwrapped = trainer.model
             device_ids = [trainer.device.index] if trainer.device.type == "cuda" else None
             # DDP over the compiled module: dynamo stops at a compiled DDP wrapper's forward (its _inside_ddp_forward
             # is not traced) and went on only into a model of the user's own class; an nn.Sequential compiled no
             # graph. Either way dynamo's DDP optimizer splits the graph at DDP's buckets (it asks for the active DDP)
-            compiled = compiles_whole_model(trainer.cfg)
-            inner = torch.compile(trainer.module, mode=trainer.cfg.trainer.compile_mode) if compiled else trainer.module
+            inner = _compiled_if_asked(trainer, trainer.module)
             self._ddp = torch.nn.parallel.DistributedDataParallel(inner, device_ids=device_ids, **self.ddp_kwargs)
             trainer.model = self._ddp
             self._watch = self._ddp.register_forward_pre_hook(self._note_forward)
@@ -264,3 +264,11 @@ def unused_parameter_names(names: list[str], message: str) -> str:
         return "some"
     indices = [int(i) for i in found.group(1).split()]
     return ", ".join(repr(names[i]) if i < len(names) else str(i) for i in indices)
+
+
+def _compiled_if_asked(trainer, module: torch.nn.Module) -> Any:
+    """``module`` compiled where ``trainer.compile: true`` asks for the whole model (as the model set-up compiles
+    it), else ``module`` itself."""
+    if not compiles_whole_model(trainer.cfg):
+        return module
+    return torch.compile(module, mode=trainer.cfg.trainer.compile_mode)

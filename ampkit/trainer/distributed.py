@@ -118,10 +118,15 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
     if backend == "nccl" and not on_gpu:  # every collective of the run would hand NCCL a CPU tensor, and fail
+        why = (
+            f"trainer.device is '{cfg.trainer.device}', so the run trains on the CPU"
+            if torch.cuda.is_available()
+            else "this machine has no usable CUDA GPU"
+        )
+        fix = "or trainer.device=cuda" if torch.cuda.is_available() else "or run where CUDA is available"
         raise ConfigError(
-            f"config key 'distributed.backend': nccl takes CUDA tensors only, but trainer.device is "
-            f"'{cfg.trainer.device}', so the run trains on the CPU: use distributed.backend=gloo (or auto) for CPU "
-            "processes, or trainer.device=cuda"
+            f"config key 'distributed.backend': nccl takes CUDA tensors only, but {why}: use "
+            f"distributed.backend=gloo (or auto) for CPU processes, {fix}"
         )
     if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(

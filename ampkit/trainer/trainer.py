@@ -340,7 +340,16 @@ def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     but with one device move per group of (device, dtype) instead of one per tensor: a third of its time on
     a small model, and a step's worth of tiny ops fewer on a large one. A sparse gradient (an
     ``Embedding(sparse=True)``'s) counts through its coalesced values: no norm kernel takes sparse tensors."""
-    tensors = [t.coalesce()._values() if t.is_sparse else t for t in tensors]
+    try:
+        return _dense_total_norm(tensors)
+    except NotImplementedError:  # a sparse tensor's refusal: looked for then, not in every tensor at every step
+        if not any(t.is_sparse for t in tensors):
+            raise
+    return _dense_total_norm([t.coalesce()._values() if t.is_sparse else t for t in tensors])
+
+
+def _dense_total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`total_norm` of strided tensors; a NotImplementedError for a sparse one (before any result)."""
     first_device = tensors[0].device
     norms: list[torch.Tensor] = []
     for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([tensors]).items():

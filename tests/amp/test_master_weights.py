@@ -161,3 +161,15 @@ def test_load_state_dict_errors():
         masters.load_state_dict({"master_params": [torch.zeros(1)]})
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         MasterWeights([torch.zeros(1)])
+
+
+def test_a_refused_load_leaves_every_master_as_it_was():
+    """A state whose last master has the wrong shape (or is no tensor) is refused before any master is copied: the
+    loop copied the first ones, so the masters no longer matched the model they had trained."""
+    _, _, masters = build(torch.float16)
+    before = [m.clone() for m in masters.master_params]
+    for last in (torch.zeros(2), [0.0]):
+        state = {"master_params": [torch.full_like(m, 7.0) for m in masters._low_masters[:-1]] + [last]}
+        with pytest.raises(ValueError, match=r"master_params\[3\] is (shape \(2,\)|a list), expected a tensor"):
+            masters.load_state_dict(state)
+        assert all(torch.equal(m, b) for m, b in zip(masters.master_params, before, strict=True))

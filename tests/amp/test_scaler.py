@@ -265,3 +265,26 @@ def test_follows_torch_grad_scaler_through_overflows_and_growth_and_resumes_from
             host = LossScaler(max_scale=None, **knobs)
             host.load_state_dict(grad_scaler.state_dict())
     assert grad_scaler.get_scale() != 2.0**10  # the sequence moved the scale
+
+
+def test_the_device_update_under_a_float32_cap_runs_no_float32_check():
+    """Under ``max_scale`` within float32 (2**24, the default) no grown scale can pass float32's largest: the check
+    for it was two more device ops at every update (kernel launches on a GPU). Without a cap it runs and holds."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for max_scale, checked in ((2.0**24, False), (None, True)):
+        scaler = LossScaler(init_scale=2.0**127, max_scale=max_scale, growth_interval=1)
+        scaler.keep_on_device(torch.device("cpu"))
+        with Ops() as ops:
+            scaler.update_on_device(torch.tensor(0.0))
+        assert ("gt" in ops.names) == checked, ops.names
+        assert scaler.scale_loss(torch.ones(())).item() == (2.0**24 if max_scale else 2.0**127)

@@ -77,3 +77,24 @@ def test_every_rank_syncs_the_buffers_at_an_evaluation_s_start_and_ddp_syncs_non
     sync._ddp = bare = _DDPBuffers(has_buffers=False)  # no buffers (or broadcast_buffers=False): no collective
     getattr(sync, start)(trainer)
     assert (bare.synced, bare.require_forward_param_sync) == (0, True)
+
+
+def test_sync_batchnorm_keeps_the_compiled_model_it_converts_in_place():
+    """``distributed.sync_batchnorm`` with ``trainer.compile: true``: the batch norms are replaced inside the model,
+    which the compiled model runs as is; setting ``trainer.model`` to the bare module ran a grad_sync=step fit
+    uncompiled, and handed a DDP fit's end the bare module. A model that is one batch norm is compiled anew."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ampkit.ops.sync_batchnorm import SyncBatchNorm
+
+    cfg = OmegaConf.create({"trainer": {"compile": True, "compile_mode": "default"}})
+    module = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+    compiled = torch.compile(module)
+    trainer = types.SimpleNamespace(module=module, model=compiled, cfg=cfg)
+    DistributedSync("step", sync_batchnorm=True).on_fit_start(trainer)
+    assert trainer.module is module and trainer.model is compiled and isinstance(module[1], SyncBatchNorm)
+    alone = torch.nn.BatchNorm1d(4)
+    trainer = types.SimpleNamespace(module=alone, model=torch.compile(alone), cfg=cfg)
+    DistributedSync("step", sync_batchnorm=True).on_fit_start(trainer)
+    assert isinstance(trainer.module, SyncBatchNorm) and trainer.model._orig_mod is trainer.module

@@ -346,6 +346,17 @@ def test_kth_best_model_path_kth_value_current_score_and_dirpath_read_as_lightni
     assert tied.kth_best_model_path == str(directory / "best-00000002.pt")  # the oldest of the tied, as Lightning's
 
 
+def test_a_refused_current_score_leaves_the_ranking_it_had():
+    """A state with a current_score that is no number is refused after nothing changed: the ranking, kept files and
+    protected names were taken first, so the refused checkpoint's ranking stood in the callback."""
+    callback = ModelCheckpoint(monitor="val/score")
+    callback.load_state_dict({"best_k": {"best-00000002.pt": 0.3}, "kept": [], "protected": [], "current_score": 0.3})
+    edited = {"best_k": {"best-00000009.pt": 0.1}, "kept": ["best-00000005.pt"], "current_score": "0.1"}
+    with pytest.raises(checkpoint_module.CheckpointError, match="current_score '0.1', which is no number"):
+        callback.load_state_dict(edited)
+    assert (callback.best_k, callback.kept, callback.current_score) == ({"best-00000002.pt": 0.3}, [], 0.3)
+
+
 @pytest.mark.parametrize(("key", "entry"), [("best_k", {"notes.txt": 0.5}), ("best_k", {"../../notes.txt": 0.5}),
                                             ("kept", ["../notes.txt"]), ("protected", ["/tmp/notes.txt"]),
                                             ("protected", [".."])])  # fmt: skip

@@ -348,9 +348,9 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
     """:func:`check_group_hypers`' rules again at a step, for values written into ``param_groups[index]`` since it
     was added (a scheduler's, a config's): a string, None or a two-element tensor failed deep in torch's dispatcher,
     and ``betas=(0.9, 1.5)`` or ``lr=nan`` turned every weight NaN. One pass over the group's items: a float in
-    range or a bool flag costs a look-up and two comparisons."""
+    range (an int too: ``weight_decay=0``, FusedAdam's default) or a bool flag costs a look-up and two comparisons."""
     for key, value in group.items():
-        if type(value) is float:
+        if type(value) is float or type(value) is int:
             bounds = _STEP_BOUNDS.get(key)
             if bounds is None or bounds[0] <= value < bounds[1]:
                 continue
