@@ -111,7 +111,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         statistics of the wrong channels first."""
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
-        if input.shape[1] != self.num_features:  # also the RuntimeError torch raised, for code that catches it
+        per_channel = self.affine or self.running_mean is not None  # else any channel count normalizes, as torch's
+        if per_channel and input.shape[1] != self.num_features:  # also torch's RuntimeError, for code that catches it
             raise NormShapeError(
                 f"{type(self).__name__}({self.num_features}) got an input of {input.shape[1]} channels (shape "
                 f"{list(input.shape)}); dimension 1 holds the channels"

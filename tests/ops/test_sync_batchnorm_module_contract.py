@@ -162,6 +162,15 @@ def test_an_input_of_other_channels_is_named_before_the_batch_counts(cls):
             layer(torch.randn(2, 3, 5))
 
 
+def test_a_layer_without_per_channel_state_takes_any_channel_count_as_torchs_does():
+    """``affine=False, track_running_stats=False`` holds nothing per channel: torch's batch norm normalizes an input
+    of any channel count, and so does ours, with the same values."""
+    ours = SyncBatchNorm(4, affine=False, track_running_stats=False)
+    theirs = torch.nn.BatchNorm1d(4, affine=False, track_running_stats=False)
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-12)
+
+
 def test_eps_0_is_refused_where_batch_statistics_normalize_and_taken_on_running_ones():
     """torch's BatchNorm takes eps=0 and its training forward fails with 'batch_norm eps must be positive' naming no
     layer; the synced path divided a channel of equal values by 0. Evaluation on running statistics serves it."""
