@@ -430,8 +430,16 @@ class ModelCheckpoint(KeyedByMonitor):
             return self._save(trainer, filename, best)
 
     def _save(self, trainer, filename: str, best: str | None) -> Path | None:
+        previous = self._newest
         if filename != best:  # a step or epoch file (a best-k one alone is named after its ranking), recorded first:
             self._newest = Path(filename).stem if trainer.sharded else filename  # its own state names it
+        try:
+            return self._write_everywhere(trainer, filename, best)
+        except BaseException:  # a failed save (a full disk): best_model_path names the file before it, which is there
+            self._newest = previous
+            raise
+
+    def _write_everywhere(self, trainer, filename: str, best: str | None) -> Path | None:
         checkpoint = trainer.checkpoint_dict()  # every rank assembles: hooks may need collectives
         if (entry := unloadable_entry(checkpoint)) is not None:  # found at the first save, not at the resume
             raise CheckpointError(

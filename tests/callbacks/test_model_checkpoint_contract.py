@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -396,6 +397,30 @@ def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightn
     ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[again]).fit(resume="last")
     assert again.best_model_path == str(directory / "step-00000007.pt")
     assert again.last_model_path == str(directory / "last.pt")
+
+
+def test_without_a_monitor_a_failed_save_leaves_best_model_path_naming_the_file_before_it(tmp_path, monkeypatch):
+    """The newest file's name is recorded before the save (the checkpoint's own state names it): a save that fails
+    (a full disk) left best_model_path naming a file that was never written."""
+    import errno
+    import os
+
+    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.num_sanity_val_steps": 0}
+    periodic = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)
+    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[periodic])
+    written = checkpoint_module.save_atomic
+
+    def full_from_step_6(obj, path, *args, **kwargs):
+        if Path(path).name == "step-00000006.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return written(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_atomic", full_from_step_6)
+    with pytest.raises(Exception, match="No space left on device"):
+        run.fit()
+    directory = run.version_dir / "checkpoints"
+    assert periodic.best_model_path == str(directory / "step-00000003.pt")
+    assert load_checkpoint(periodic.best_model_path)["loop"]["global_step"] == 3
 
 
 def test_a_restored_current_score_that_is_no_number_is_refused_by_name(tmp_path):
