@@ -315,10 +315,15 @@ class ModelCheckpoint(KeyedByMonitor):
         """Save this moment under its periodic name and/or as a best-k file. The ranking takes in the pending
         validation first, so every file of one moment holds one state; ``last.pt`` moves last, so a kill
         before it leaves the previous moment as the one a resume repeats from."""
+        ranking = self.best_k, self._current
         best, dropped = self._rank_pending(trainer)
         if periodic is None and best is None:
             return
-        self.save(trainer, periodic or best, best=best)
+        try:
+            self.save(trainer, periodic or best, best=best)
+        except BaseException:  # a failed save (a full disk): the ranking names only files that were written
+            self.best_k, self._current = ranking
+            raise
         # Rank zero deletes what left the ranking; its failure (a file it may not delete) stops every rank here, or
         # the others would train on into a collective it never joins. Every rank ranks rank zero's value from one
         # state, so all of them drop the same files and take this collective, or none does (most saves drop none).

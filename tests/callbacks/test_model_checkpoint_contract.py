@@ -423,6 +423,35 @@ def test_without_a_monitor_a_failed_save_leaves_best_model_path_naming_the_file_
     assert load_checkpoint(periodic.best_model_path)["loop"]["global_step"] == 3
 
 
+def test_a_failed_best_k_save_leaves_the_ranking_naming_only_files_written(tmp_path, monkeypatch):
+    """The ranking takes a better value in before its file is written (the file's own state holds the ranking): a
+    save that failed (a full disk) left best_model_path, best_k_models and current_score naming a file never
+    written."""
+    import errno
+    import os
+
+    written = checkpoint_module.save_atomic
+
+    def full_at_step_4(obj, path, *args, **kwargs):
+        if Path(path).name == "best-00000004.pt":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return written(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_atomic", full_at_step_4)
+    trainer = type("Scripted", (ScriptedScores,), {"scores": SCORES})
+    settings = {**QUIET, "data.n": 48, "trainer.max_epochs": 1, "trainer.val_every_n_steps": 1,
+                "trainer.num_sanity_val_steps": 0, "checkpoint.every_n_epochs": 0,
+                "checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2}  # fmt: skip
+    run = trainer(toy_cfg(tmp_path, **settings))
+    with pytest.raises(Exception, match="No space left on device"):
+        run.fit()
+    ranked = next(cb for cb in run.callbacks if isinstance(cb, ModelCheckpoint))
+    directory = run.version_dir / "checkpoints"
+    assert ranked.best_model_path == str(directory / "best-00000002.pt") and ranked.current_score == pytest.approx(0.3)
+    assert set(ranked.best_k_models) == {str(directory / "best-00000002.pt"), str(directory / "best-00000001.pt")}
+    assert all(Path(path).is_file() for path in ranked.best_k_models)
+
+
 def test_a_restored_current_score_that_is_no_number_is_refused_by_name(tmp_path):
     keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
     run = _fit(tmp_path, SCORES, **keys)
