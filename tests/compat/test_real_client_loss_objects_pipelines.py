@@ -1,0 +1,128 @@
+"""Round nineteen of real Apex programs, one pattern per test (written here after the programs' own code, CPU-sized):
+
+- kerosene (``kerosene/training/trainers.py``, 2019-20): an ``ApexLoss`` object that carries its loss id and optimizer,
+  is combined by arithmetic (``+``, ``*``, ``/``, ``mean()``) and backpropagates through
+  ``amp.scale_loss(loss, optimizer, loss_id=...)`` with ``scaled_loss.backward(gradient, retain_graph, create_graph)``
+  positional; each model trainer calls ``amp.initialize`` on its own model with ``num_losses`` = number of trainers;
+- ESPnet's ``asr.py --train-dtype O1`` updater: the loss divided by ``accum_grad``, the model's parameters clipped, and
+  ``optimizer.step()`` left out when the gradient norm is nan;
+- microsoft/varuna's pipeline stages call ``amp.scale_loss(..., delay_overflow_check=True, last_partition=...)``, a
+  keyword of varuna's own ``apex.patch``, not of Apex.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+class _ApexLoss:
+    """kerosene's ``ApexLoss``: a loss tensor with its amp loss id and optimizer, combined in place by arithmetic."""
+
+    def __init__(self, loss_id, loss, optimizer):
+        self._loss_id, self._loss, self._optimizer = loss_id, loss, optimizer
+
+    @property
+    def loss(self):
+        return self._loss
+
+    def backward(self, gradient=None, retain_graph=False, create_graph=False):
+        from apex import amp
+
+        with amp.scale_loss(self._loss, self._optimizer, loss_id=self._loss_id) as scaled_loss:
+            scaled_loss.backward(gradient, retain_graph, create_graph)
+
+    def mean(self):
+        self._loss = torch.mean(self._loss)
+        return self
+
+    def __add__(self, other):
+        self._loss = torch.add(self._loss, other.loss if isinstance(other, _ApexLoss) else other)
+        return self
+
+    def __mul__(self, other):
+        self._loss = torch.mul(self._loss, other.loss if isinstance(other, _ApexLoss) else other)
+        return self
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        self._loss = torch.div(self._loss, other.loss if isinstance(other, _ApexLoss) else other)
+        return self
+
+
+class _ModelTrainer:
+    """kerosene's ``ApexModule``/``ModelTrainer``: one model and its optimizer, ``initialize``d on their own."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def initialize(self, amp_id: int, num_losses: int, opt_level: str) -> None:
+        from apex import amp
+
+        self.amp_id = amp_id
+        self.model, self.optimizer = amp.initialize(
+            self.model, self.optimizer, opt_level=opt_level, num_losses=num_losses, verbosity=0
+        )
+
+    def compute_loss(self, loss):
+        return _ApexLoss(self.amp_id, loss, self.optimizer)
+
+
+def _kerosene_run(opt_level: str, iterations: int = 6):
+    """A segmenter and a discriminator trained kerosene's way: an adversarial term added to the segmenter's loss,
+    which keeps its graph (``retain_graph``) for the discriminator's loss on the same prediction."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    seg = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    disc = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    trainers = [
+        _ModelTrainer(seg, torch.optim.SGD(seg.parameters(), lr=0.1)),
+        _ModelTrainer(disc, torch.optim.SGD(disc.parameters(), lr=0.1)),
+    ]
+    for amp_id, trainer in enumerate(trainers):
+        trainer.initialize(amp_id, num_losses=len(trainers), opt_level=opt_level)
+    seg_t, disc_t = trainers
+    losses = []
+    for i in range(iterations):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        seg_t.optimizer.zero_grad()
+        pred = seg_t.model(x)
+        seg_loss = seg_t.compute_loss(F.cross_entropy(pred.float(), y, reduction="none")).mean()
+        adv = disc_t.model(pred.softmax(-1)).float().mean()
+        total = seg_loss * 0.5 + adv * 0.1
+        total.backward(None, True)  # retain_graph, positional, as kerosene passes it on
+        seg_t.optimizer.step()
+        disc_t.optimizer.zero_grad()  # the adversarial term's gradients were scaled by loss 0's scale: dropped here
+        disc_loss = disc_t.compute_loss(disc_t.model(pred.detach().softmax(-1)).float().pow(2)).mean() / 2
+        disc_loss.backward()
+        disc_t.optimizer.step()
+        losses.append((total.loss.item(), disc_loss.loss.item()))
+    weights = [p.detach().float().clone() for t in trainers for p in amp.master_params(t.optimizer)]
+    return losses, weights, [s.loss_scale() for s in amp._amp_state.loss_scalers]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_kerosene_apex_loss_objects_train_two_models_as_float32(shim, opt_level):
+    """Two ``initialize`` calls (one per trainer, ``num_losses=2`` each), losses built by arithmetic on ``ApexLoss``
+    objects, the first backward keeping its graph through the positional ``retain_graph``: the losses and weights
+    follow O0's run, and each loss id has its own dynamic scale."""
+    (losses, weights, scales), (losses0, weights0, scales0) = _kerosene_run(opt_level), _kerosene_run("O0")
+    assert scales0 == [1.0, 1.0] and scales == [2.0**16, 2.0**16]
+    torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
+    for ours, full in zip(weights, weights0, strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
