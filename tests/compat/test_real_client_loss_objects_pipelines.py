@@ -126,3 +126,42 @@ def test_kerosene_apex_loss_objects_train_two_models_as_float32(shim, opt_level)
     torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
     for ours, full in zip(weights, weights0, strict=True):
         torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
+
+
+def _varuna_stages(opt_level: str, last_partition_keyword: bool):
+    """Two pipeline stages in one process, varuna's way: the last stage backpropagates its loss, the first the
+    activations it sent, with the gradient the last stage sent back (``delay_overflow_check=True`` on both)."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(6, 16), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt_first = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt_last = torch.optim.SGD(last.parameters(), lr=0.1)
+    [first, last], [opt_first, opt_last] = amp.initialize(
+        [first, last], [opt_first, opt_last], opt_level=opt_level, verbosity=0
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    sent = first(x)
+    received = sent.detach().requires_grad_()
+    loss = F.cross_entropy(last(received).float(), y)
+    extra = {"last_partition": True} if last_partition_keyword else {}
+    with amp.scale_loss(loss, opt_last, delay_overflow_check=True, **extra) as scaled_loss:
+        scaled_loss.backward()
+    grad_back = received.grad  # scaled by the loss scale: the next stage's backward multiplied it
+    scale = amp._amp_state.loss_scalers[0].loss_scale()
+    with amp.scale_loss(sent, opt_first, delay_overflow_check=True) as scaled_sent:
+        scaled_sent.backward(grad_back.to(scaled_sent.dtype) / scale)
+    return [p.grad.float().clone() for p in (*first.parameters(), *last.parameters())]
+
+
+def test_varuna_last_partition_keyword_is_refused_naming_what_to_write_instead(shim):
+    """``last_partition`` is varuna's patch of Apex, not Apex's: a ``TypeError`` (as stock Apex raised) that names
+    varuna's patch and the rewrite. The rewrite, the received gradient divided by the scale, gives the first stage
+    the gradients of the whole float32 model."""
+    with pytest.raises(TypeError, match=r"last_partition.*varuna.*apex\.patch.*loss_scale\(\)"):
+        _varuna_stages("O1", last_partition_keyword=True)
+    grads, grads0 = _varuna_stages("O1", last_partition_keyword=False), _varuna_stages("O0", False)
+    for ours, full in zip(grads, grads0, strict=True):
+        assert math.isfinite(ours.abs().max().item())
+        torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)
