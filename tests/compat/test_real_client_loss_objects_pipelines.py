@@ -165,3 +165,59 @@ def test_varuna_last_partition_keyword_is_refused_naming_what_to_write_instead(s
     for ours, full in zip(grads, grads0, strict=True):
         assert math.isfinite(ours.abs().max().item())
         torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)
+
+
+class _NoamOpt:
+    """ESPnet's ``NoamOpt``: sets the learning rate from its own step count, then steps ``self.optimizer``."""
+
+    def __init__(self, model_size: int, factor: float, warmup: int, optimizer) -> None:
+        self.optimizer, self._step, self.warmup, self.factor, self.model_size = optimizer, 0, warmup, factor, model_size
+
+    def rate(self) -> float:
+        return self.factor * self.model_size**-0.5 * min(self._step**-0.5, self._step * self.warmup**-1.5)
+
+    def step(self) -> None:
+        self._step += 1
+        for p in self.optimizer.param_groups:
+            p["lr"] = self.rate()
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+
+def test_espnet_updater_nan_guard_leaves_apex_skip_for_the_next_update(shim, capsys):
+    """ESPnet's ``--train-dtype O1 --opt noam --accum-grad 2``: ``amp.initialize`` on ``NoamOpt.optimizer``, each
+    micro-batch's loss divided by ``accum_grad`` in its own ``scale_loss``, the model's parameters clipped, and no
+    ``step()`` when the norm is nan. A nan input overflows: ESPnet skips that update itself, so the one-shot skip amp
+    installed stays for the next update, which Apex skipped too (printing its overflow message then). The loss scale
+    halves once, and every later update steps."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = _NoamOpt(8, 1.0, 25, torch.optim.Adam(model.parameters(), lr=0, betas=(0.9, 0.98), eps=1e-9))
+    model, optimizer.optimizer = amp.initialize(model, optimizer.optimizer, opt_level="O1", verbosity=0)
+    accum_grad, changed, skipped_by_guard = 2, [], []
+    for update in range(5):
+        before = [p.detach().clone() for p in model.parameters()]
+        for micro in range(accum_grad):
+            g = torch.Generator().manual_seed(10 * update + micro)
+            x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+            if update == 1 and micro == 0:
+                x[0, 0] = float("nan")
+            loss = F.cross_entropy(model(x).float(), y) / accum_grad
+            with amp.scale_loss(loss, optimizer.optimizer) as scaled_loss:
+                scaled_loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        skipped_by_guard.append(math.isnan(grad_norm))
+        if not math.isnan(grad_norm):
+            amp._amp_state.verbosity = 1 if update == 2 else 0  # the message of the pending skip, where it fires
+            optimizer.step()
+        optimizer.zero_grad()
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)))
+    assert skipped_by_guard == [False, True, False, False, False]
+    assert changed == [True, False, False, True, True]
+    assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" in capsys.readouterr().out
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    assert optimizer._step == 4  # NoamOpt counted the update amp skipped, as under Apex
