@@ -6,12 +6,16 @@
   positional; each model trainer calls ``amp.initialize`` on its own model with ``num_losses`` = number of trainers;
 - ESPnet's ``asr.py --train-dtype O1`` updater: the loss divided by ``accum_grad``, the model's parameters clipped, and
   ``optimizer.step()`` left out when the gradient norm is nan;
+- Huawei vega's trainer with ``horovod`` (``vega/trainer/trainer_torch.py``, ``_set_amp_loss``): Horovod's
+  ``DistributedOptimizer`` passed to ``amp.initialize``, ``optimizer.synchronize()`` inside the ``scale_loss`` block,
+  then ``optimizer.step()`` under ``optimizer.skip_synchronize()``;
 - microsoft/varuna's pipeline stages call ``amp.scale_loss(..., delay_overflow_check=True, last_partition=...)``, a
   keyword of varuna's own ``apex.patch``, not of Apex.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -221,3 +225,94 @@ def test_espnet_updater_nan_guard_leaves_apex_skip_for_the_next_update(shim, cap
     assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" in capsys.readouterr().out
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
     assert optimizer._step == 4  # NoamOpt counted the update amp skipped, as under Apex
+
+
+class _HorovodDistributedOptimizer(torch.optim.Optimizer):
+    """horovod.torch's ``_DistributedOptimizer`` in outline: a hook on each parameter's gradient accumulator starts
+    an allreduce of ``p.grad``; ``synchronize()`` starts one for each parameter whose hook did not fire, waits for
+    them and writes each result into ``p.grad`` with ``set_``. Here one rank averages with a rank whose gradients are
+    zero, so a synchronized gradient is half the local one."""
+
+    def __init__(self, params, named_parameters):
+        super(self.__class__, self).__init__(params)
+        self._parameter_names = {v: k for k, v in named_parameters}
+        self._handles, self._grad_accs, self._should_synchronize = {}, [], True
+        self._requires_update = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    grad_acc.register_hook(self._make_hook(p))
+                    self._grad_accs.append(grad_acc)
+
+    def _allreduce_grad_async(self, p):
+        return p.grad.detach().clone() / 2  # allreduce_async_(op=Average) over two ranks
+
+    def _make_hook(self, p):
+        def hook(*ignore):
+            self._handles[p] = self._allreduce_grad_async(p)
+
+        return hook
+
+    def synchronize(self):
+        for p in self._requires_update - set(self._handles):
+            if p.grad is not None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for p, output in self._handles.items():
+            p.grad.set_(output)
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            self.synchronize()
+        return super(self.__class__, self).step(closure)
+
+
+def _horovod_distributed_optimizer(optimizer, named_parameters):
+    """``hvd.DistributedOptimizer``: a class made on the fly from the optimizer's own and Horovod's methods."""
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_HorovodDistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters)
+
+
+def _vega_horovod_run(opt_level: str, iterations: int = 6):
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    optimizer = _horovod_distributed_optimizer(optimizer, model.named_parameters())
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0)
+    losses = []
+    for i in range(iterations):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+            optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        losses.append(loss.item())
+    return losses, [p.detach().float().clone() for p in amp.master_params(optimizer)]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_vega_horovod_synchronize_inside_scale_loss_steps_on_the_averaged_gradients(shim, opt_level):
+    """Horovod writes the averaged gradients into ``p.grad`` inside the ``scale_loss`` block; the block's exit
+    unscales those, and the step (its own synchronize skipped) uses them: O1 and O2 follow O0's run, which steps on
+    the averaged (halved) gradients. At O2 the hooks Horovod put on the float32 parameters' accumulators no longer
+    fire once the model is cast (torch makes new ones for the half parameters, with Apex too):
+    ``synchronize()`` allreduces those parameters itself, as Horovod does for any parameter its hooks missed."""
+    (losses, weights), (losses0, weights0) = _vega_horovod_run(opt_level), _vega_horovod_run("O0")
+    torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
+    for ours, full in zip(weights, weights0, strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
