@@ -61,6 +61,7 @@ def scale_loss(
     model: torch.nn.Module | None = None,
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
+    **fork_keywords: Any,
 ) -> Iterator[torch.Tensor]:
     """Yield ``loss.float() * scale`` of scaler ``loss_id``; on exit unscale the new gradients of ``optimizers``.
 
@@ -70,12 +71,14 @@ def scale_loss(
     that prints ``Gradient overflow.  Skipping step, loss scaler K reducing loss scale to S``.
     ``delay_unscale=True`` leaves the gradients scaled until the next non-delayed ``scale_loss``;
     ``delay_overflow_check=True`` unscales but neither updates the scale nor skips (as in Apex).
-    ``model`` is accepted for Apex compatibility and unused.
+    ``model`` is accepted for Apex compatibility and unused. Keywords that patched copies of Apex added
+    (varuna's ``last_partition``) are a ``TypeError`` saying what to write with Apex's own API.
 
     Example:
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:  # doctest: +SKIP
         ...     scaled_loss.backward()
     """
+    _refuse_fork_keywords(fork_keywords)
     if not _amp_state.initialized:
         raise RuntimeError(
             "Invoked 'with amp.scale_loss', but internal Amp state has not been initialized. "
@@ -146,6 +149,29 @@ def scale_loss(
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
     _clear_cast_cache()
+
+
+# Keywords that forks of Apex added to scale_loss, each with what to write instead with Apex's own API.
+_FORK_KEYWORDS = {
+    "last_partition": (
+        "microsoft/varuna's patched Apex (its apex.patch) added it for pipeline stages: with "
+        "last_partition=False it yielded the loss unscaled, because the gradient a stage receives from the next one "
+        "is already scaled. With Apex's own scale_loss, backpropagate that gradient divided by the scale: "
+        "scaled_loss.backward(grad / amp._amp_state.loss_scalers[loss_id].loss_scale()), which gives the same "
+        "gradients (exactly, for the power-of-two dynamic scales)"
+    ),
+}
+
+
+def _refuse_fork_keywords(keywords: dict[str, Any]) -> None:
+    """A keyword Apex's ``scale_loss`` never had is a ``TypeError`` (as in Apex), naming the fork it came from."""
+    for name, value in keywords.items():
+        known = ", ".join(f"'{p}'" for p in ("loss", "optimizers", "loss_id", "model", "delay_unscale"))
+        why = _FORK_KEYWORDS.get(name, "Apex's scale_loss has no such keyword")
+        raise TypeError(
+            f"amp.scale_loss() got an unexpected keyword argument {name!r} ({name}={value!r}): {why}. Apex's "
+            f"scale_loss takes {known} and 'delay_overflow_check'."
+        )
 
 
 def _clear_cast_cache() -> None:
