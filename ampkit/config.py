@@ -155,7 +155,7 @@ class PrecisionConfig:
     scale_window: int | None = None  # Apex's name for growth_interval
     min_scale: float | None = None  # floor of the dynamic scale (null: 2^-126, where 1/scale still fits a float32)
     max_scale: float | None = 16777216.0  # cap of the dynamic scale (null: none)
-    num_losses: int | None = None  # int loss_ids must be below it; named loss_ids are always accepted
+    num_losses: int | None = None  # with a loss scale, int loss_ids must be below it; names are always accepted
     combine_grad: bool = False  # one flat gradient buffer per dtype
     keep_batchnorm_fp32: Any = None  # True | False | "True" | "False"
     master_weights: bool | None = None  # fp32 master copies of low-precision weights in the optimizer (null: O2's)
