@@ -1424,13 +1424,17 @@ class Trainer:
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted, max_steps, first_batch, first_step = True, self.settings.max_steps, s.batches_done, s.global_step
+        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch
+        # (under torchrun one rank's ask waits for the ranks' next agreement, as a stop asked mid-epoch does).
+        stopped_at_start = self._stopping()
+        exhausted, max_steps, first_batch = not stopped_at_start, self.settings.max_steps, s.batches_done
+        first_step = s.global_step
         # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
         ahead = self.settings.accumulate_grad_batches > 1 and not (
             self._train_length_known and not self._agree_each_batch
         )
         self._rng_before_fetch = None  # set by _flag_last while it fetches ahead
-        batches = self._epoch_batches(ahead)
+        batches = iter(()) if stopped_at_start else self._epoch_batches(ahead)
         if ahead:
             batches = self._flag_last(batches)
         self._loop_phase = "fetch"
@@ -1448,7 +1452,7 @@ class Trainer:
             self._loop_phase = "fetch"
         self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
-        if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
+        if not ran and first_batch == 0 and not stopped_at_start:  # else every epoch would end at once, training none
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         if ran and exhausted and not self._agree_each_batch and s.batches_done < (self._num_train_batches or 0):
             self._short_epoch()
