@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import subprocess
@@ -45,6 +46,30 @@ def test_colon_times_are_read_as_written_not_as_yaml_base_60_numbers(tmp_path):
     assert cfg.trainer.max_time == 600 and cfg.trainer.max_epochs == 3
     _, cfg = load_config(path, ["trainer.max_time=1:30"])  # hours and minutes, or minutes and seconds?
     assert duration_seconds(cfg.trainer.max_time) is None
+
+
+@pytest.mark.parametrize(
+    "max_time", [{"days": 1, "hours": 5}, datetime.timedelta(days=1, hours=5)], ids=["dict", "timedelta"]
+)
+def test_max_time_takes_lightning_s_dict_and_timedelta_forms(tmp_path, max_time):
+    """Lightning's ``Trainer(max_time={"days": 1, "hours": 5})`` or a ``timedelta``: both were refused (the timedelta
+    as 'not a supported primitive type')."""
+    from ampkit.callbacks import MaxTime, default_callbacks
+
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"]["max_time"] = max_time
+    trainer = ToyTrainer(cfg)
+    timers = [cb for cb in default_callbacks(trainer) if isinstance(cb, MaxTime)]
+    assert [timer.max_time_s for timer in timers] == [29 * 3600]
+    assert cfg["trainer"]["max_time"] is max_time  # the caller's config stays as written
+
+
+@pytest.mark.parametrize("max_time", [{"hour": 5}, {"hours": "5"}, {}, {"hours": 0}, datetime.timedelta(0)])
+def test_a_max_time_dict_of_no_duration_is_refused_naming_timedelta_s_keywords(tmp_path, max_time):
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"]["max_time"] = max_time
+    with pytest.raises(ConfigError, match=r"trainer\.max_time.*timedelta's keywords \(weeks, days, hours, minutes"):
+        ToyTrainer(cfg)
 
 
 def test_unknown_key_names_dotted_path_and_valid_keys(tmp_path, monkeypatch):
