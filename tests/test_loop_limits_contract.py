@@ -223,6 +223,22 @@ def test_a_max_epochs_below_minus_one_is_refused_naming_what_minus_one_means(tmp
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": -2}))
 
 
+@pytest.mark.parametrize(("overrides", "counted"), [({}, 3), ({"trainer.val_every_n_epochs": 0}, 0)])
+def test_num_val_batches_is_unknown_before_the_set_up_and_0_where_the_fit_never_validates(tmp_path, overrides, counted):
+    """Lightning's num_val_batches counts 0 under limit_val_batches=0 (here: val_every_n_epochs=0); read before the
+    fit it was an AttributeError naming a private attribute, and with validation off it counted the loader's 3."""
+    seen = []
+
+    class Reads(Callback):
+        def on_fit_start(self, trainer) -> None:
+            seen.append(trainer.num_val_batches)
+
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **overrides), callbacks=[Reads()])
+    assert trainer.num_val_batches is None
+    trainer.fit()
+    assert seen == [counted] and trainer.num_val_batches == counted
+
+
 def test_validation_runs_after_every_nth_epoch_and_not_after_a_last_epoch_off_the_interval(tmp_path):
     _, positions = _fit(tmp_path, **{"data.n": 16, "trainer.max_epochs": 5, "trainer.val_every_n_epochs": 2,
                                      "trainer.num_sanity_val_steps": 0})  # fmt: skip
