@@ -557,7 +557,29 @@ def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:
     return paths
 
 
+# What the value of Lightning's setting that a key replaces means here, where its type is the key's error (a float for
+# an int): the type error alone leaves a port's user guessing what to write.
+_LIGHTNING_VALUES: dict[str, str] = {
+    "trainer.val_every_n_steps": (
+        "it takes a count of iterations: Lightning's fractional val_check_interval is that share of an epoch's "
+        "iterations (num_train_batches / accumulate_grad_batches), e.g. 100 for 0.25 of 400"
+    ),
+    "trainer.val_every_n_epochs": (
+        "Lightning's check_val_every_n_epoch=None, validation only every val_check_interval batches, is 0 here beside "
+        "trainer.val_every_n_steps"
+    ),
+}
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
+    error = _explain_plainly(exc, schema)
+    full_key = str(getattr(exc, "full_key", "") or "")
+    if full_key in _LIGHTNING_VALUES and not str(error).startswith("unknown"):
+        return ConfigError(f"{error}; {_LIGHTNING_VALUES[full_key]}")
+    return error
+
+
+def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     full_key = str(getattr(exc, "full_key", "") or "")
     message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
     key = str(getattr(exc, "key", None) or "")

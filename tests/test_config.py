@@ -72,6 +72,23 @@ def test_a_max_time_dict_of_no_duration_is_refused_naming_timedelta_s_keywords(t
         ToyTrainer(cfg)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("val_every_n_steps", 0.25, r"could not be converted to Integer; .*fractional val_check_interval is that share "
+         r"of an epoch's iterations \(num_train_batches / accumulate_grad_batches\)"),
+        ("val_every_n_epochs", None, r"is empty \(null\).*; Lightning's check_val_every_n_epoch=None.* is 0 here"),
+    ],
+)  # fmt: skip
+def test_lightning_s_value_of_another_type_is_refused_saying_what_it_is_here(tmp_path, key, value, said):
+    """A port's val_check_interval=0.25 written as val_every_n_steps, or check_val_every_n_epoch=None: the type error
+    alone left them guessing."""
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"][key] = value
+    with pytest.raises(ConfigError, match=rf"config key 'trainer\.{key}'.*{said}"):
+        ToyTrainer(cfg)
+
+
 def test_unknown_key_names_dotted_path_and_valid_keys(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError) as err:
