@@ -69,6 +69,7 @@ def test_max_epochs_and_max_steps_end_the_run_at_whichever_comes_first(tmp_path,
     assert trainer.state.global_step == len(positions.batches) == steps
     assert len(positions.epoch_ends) == -(-steps // 8)
     assert sum(step % 8 == 0 for _, step in positions.epoch_ends) == epochs_ended
+    assert trainer.state.epoch == epochs_ended  # whole epochs: Lightning's current_epoch counts a cut one too
 
 
 def test_max_epochs_minus_one_leaves_the_run_s_length_to_max_steps_as_in_lightning(tmp_path):
