@@ -780,9 +780,23 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     wrong = _interpolated_non_bool(cfg)
     if wrong is not None:
         raise wrong
+    written = _max_time_written(sources)
+    if isinstance(written, Mapping):  # merged, {days: 1} under {hours: 5} would silently add up to 29 hours
+        OmegaConf.update(cfg, "trainer.max_time", written, merge=False)
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _max_time_written(sources: tuple[Any, ...]) -> Any:
+    """The ``trainer.max_time`` of the last of ``sources`` that sets it (None where none does): a duration dict takes
+    the place of an earlier one whole, as any other value does."""
+    found = None
+    for source in sources:
+        trainer = source.get("trainer") if isinstance(source, dict | DictConfig) else None
+        if isinstance(trainer, dict | DictConfig) and "max_time" in trainer:
+            found = trainer["max_time"]
+    return found
 
 
 def _max_time_in_seconds(source: Any) -> Any:

@@ -64,6 +64,19 @@ def test_max_time_takes_lightning_s_dict_and_timedelta_forms(tmp_path, max_time)
     assert cfg["trainer"]["max_time"] is max_time  # the caller's config stays as written
 
 
+def test_a_max_time_dict_overriding_another_takes_its_place_whole(tmp_path):
+    """Merged as config sections are, ``{minutes: 2}`` over a YAML's ``{days: 1, hours: 5}`` trained for 29 hours
+    and 2 minutes, without a word."""
+    path = _write(tmp_path, "trainer_class: toy_trainers:ToyTrainer\ntrainer:\n  max_time: {days: 1, hours: 5}\n")
+    _, cfg = load_config(path, ["trainer.max_time={minutes: 2}"])
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"minutes": 2}
+    _, cfg = load_config(path, ["trainer.max_epochs=2"])  # not overridden: the file's
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"days": 1, "hours": 5}
+    first = {"trainer_class": "toy_trainers:ToyTrainer", "trainer": {"max_time": {"hours": 5}}}
+    cfg = build_config(Config, first, {"trainer": {"max_time": {"seconds": 30}}})
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"seconds": 30}
+
+
 @pytest.mark.parametrize("max_time", [{"hour": 5}, {"hours": "5"}, {}, {"hours": 0}, datetime.timedelta(0)])
 def test_a_max_time_dict_of_no_duration_is_refused_naming_timedelta_s_keywords(tmp_path, max_time):
     cfg = toy_cfg(tmp_path)
