@@ -8,6 +8,7 @@ anywhere fail before training with the dotted path, the bad value and what would
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import importlib
 import importlib.machinery
@@ -17,7 +18,7 @@ import os
 import re
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -48,7 +49,7 @@ class TrainerConfig:
 
     max_epochs: int = 1  # epochs to train (max_steps may stop it earlier); -1: no limit, as in Lightning
     max_steps: int = -1  # iterations (optimizer steps incl. skipped ones); -1 = no limit
-    max_time: Any = None  # wall-clock limit of training (a resume counts on): seconds, "HH:MM:SS" or "DD:HH:MM:SS"
+    max_time: Any = None  # training's wall-clock limit (a resume counts on): seconds, "[DD:]HH:MM:SS", {hours: 5}
     accumulate_grad_batches: int = 1  # batches per iteration: gradients accumulate, optimizers step once
     limit_train_batches: int | float | None = None  # batches per epoch: a count, or a fraction (0.25); null: all
     limit_val_batches: int | float | None = None  # batches per validation: a count, or a fraction of them; null: all
@@ -258,11 +259,30 @@ _METRIC_NAME = names_a_metric, "a metric's name, such as val/loss"
 _INT64_EXCEPT = frozenset({"trainer.seed"})
 
 
+# The keywords of ``datetime.timedelta``, which Lightning's ``max_time`` takes as a dict (``{"days": 1, "hours": 5}``).
+DURATION_UNITS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
 def duration_seconds(value: Any) -> float | None:
-    """Seconds in ``value``: a number of seconds, ``"HH:MM:SS"`` or ``"DD:HH:MM:SS"`` (Lightning's ``max_time``);
-    None if none of these (``"1:30"`` too: hours and minutes, or minutes and seconds?)."""
+    """Seconds in ``value``: a number of seconds, ``"HH:MM:SS"`` or ``"DD:HH:MM:SS"``, a ``datetime.timedelta`` or a
+    dict of its keywords (Lightning's ``max_time`` forms); None if none of these (``"1:30"`` too: hours and minutes,
+    or minutes and seconds?), or if it is no time at all."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, Mapping):
+        units = dict(value.items())
+        if not units or any(
+            key not in DURATION_UNITS or isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n)
+            for key, n in units.items()
+        ):
+            return None
+        try:
+            value = datetime.timedelta(**units)
+        except OverflowError:  # more days than a timedelta holds: no limit anyone means
+            return None
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+        return seconds if seconds > 0 else None
     if isinstance(value, int | float):
         return float(value) if value > 0 and math.isfinite(value) else None
     parts = str(value).split(":")
@@ -280,7 +300,8 @@ VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.max_steps": ((lambda v: v >= -1), "-1 (no limit) or an integer >= 0"),
     "trainer.max_time": (
         (lambda v: v is None or duration_seconds(v) is not None),
-        'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00)',
+        'null (no limit), a number of seconds > 0, "HH:MM:SS" or "DD:HH:MM:SS" (e.g. 12:00:00 or 1:00:00:00), or a '
+        f"dict of timedelta's keywords ({', '.join(DURATION_UNITS)}), e.g. {{days: 1, hours: 5}}",
     ),
     "trainer.accumulate_grad_batches": _at_least(1),
     "trainer.limit_train_batches": _optional(_BATCH_LIMIT, "all batches; ampkit validate validates alone"),
@@ -536,7 +557,29 @@ def _key_paths(node: DictConfig, prefix: str = "") -> list[str]:
     return paths
 
 
+# What the value of Lightning's setting that a key replaces means here, where its type is the key's error (a float for
+# an int): the type error alone leaves a port's user guessing what to write.
+_LIGHTNING_VALUES: dict[str, str] = {
+    "trainer.val_every_n_steps": (
+        "it takes a count of iterations: Lightning's fractional val_check_interval is that share of an epoch's "
+        "iterations (num_train_batches / accumulate_grad_batches), e.g. 100 for 0.25 of 400"
+    ),
+    "trainer.val_every_n_epochs": (
+        "Lightning's check_val_every_n_epoch=None, validation only every val_check_interval batches, is 0 here beside "
+        "trainer.val_every_n_steps"
+    ),
+}
+
+
 def _explain(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
+    error = _explain_plainly(exc, schema)
+    full_key = str(getattr(exc, "full_key", "") or "")
+    if full_key in _LIGHTNING_VALUES and not str(error).startswith("unknown"):
+        return ConfigError(f"{error}; {_LIGHTNING_VALUES[full_key]}")
+    return error
+
+
+def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigError:
     full_key = str(getattr(exc, "full_key", "") or "")
     message = str(getattr(exc, "msg", None) or exc).splitlines()[0]
     key = str(getattr(exc, "key", None) or "")
@@ -725,6 +768,7 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     if not (isinstance(schema_class, type) and dataclasses.is_dataclass(schema_class)):
         raise ConfigError(f"config_class must be a dataclass extending ampkit.Config, got {schema_class!r}")
     schema = OmegaConf.structured(schema_class)
+    sources = tuple(_max_time_in_seconds(source) for source in sources)
     wrong = _wrong_shape(schema, sources)  # also before merging: OmegaConf reads trainer.progress_bar=2 as true
     if wrong is not None:
         raise wrong
@@ -736,9 +780,32 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
     wrong = _interpolated_non_bool(cfg)
     if wrong is not None:
         raise wrong
+    written = _max_time_written(sources)
+    if isinstance(written, Mapping):  # merged, {days: 1} under {hours: 5} would silently add up to 29 hours
+        OmegaConf.update(cfg, "trainer.max_time", written, merge=False)
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
     return cfg
+
+
+def _max_time_written(sources: tuple[Any, ...]) -> Any:
+    """The ``trainer.max_time`` of the last of ``sources`` that sets it (None where none does): a duration dict takes
+    the place of an earlier one whole, as any other value does."""
+    found = None
+    for source in sources:
+        trainer = source.get("trainer") if isinstance(source, dict | DictConfig) else None
+        if isinstance(trainer, dict | DictConfig) and "max_time" in trainer:
+            found = trainer["max_time"]
+    return found
+
+
+def _max_time_in_seconds(source: Any) -> Any:
+    """``source`` with a ``datetime.timedelta`` as ``trainer.max_time`` (Lightning's form, which OmegaConf cannot hold)
+    given as its seconds, in a copy: the caller's dict stays as written."""
+    trainer = source.get("trainer") if isinstance(source, dict) else None
+    if not (isinstance(trainer, dict) and isinstance(trainer.get("max_time"), datetime.timedelta)):
+        return source
+    return {**source, "trainer": {**trainer, "max_time": trainer["max_time"].total_seconds()}}
 
 
 _UNSET_VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)")

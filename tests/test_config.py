@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import subprocess
@@ -45,6 +46,60 @@ def test_colon_times_are_read_as_written_not_as_yaml_base_60_numbers(tmp_path):
     assert cfg.trainer.max_time == 600 and cfg.trainer.max_epochs == 3
     _, cfg = load_config(path, ["trainer.max_time=1:30"])  # hours and minutes, or minutes and seconds?
     assert duration_seconds(cfg.trainer.max_time) is None
+
+
+@pytest.mark.parametrize(
+    "max_time", [{"days": 1, "hours": 5}, datetime.timedelta(days=1, hours=5)], ids=["dict", "timedelta"]
+)
+def test_max_time_takes_lightning_s_dict_and_timedelta_forms(tmp_path, max_time):
+    """Lightning's ``Trainer(max_time={"days": 1, "hours": 5})`` or a ``timedelta``: both were refused (the timedelta
+    as 'not a supported primitive type')."""
+    from ampkit.callbacks import MaxTime, default_callbacks
+
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"]["max_time"] = max_time
+    trainer = ToyTrainer(cfg)
+    timers = [cb for cb in default_callbacks(trainer) if isinstance(cb, MaxTime)]
+    assert [timer.max_time_s for timer in timers] == [29 * 3600]
+    assert cfg["trainer"]["max_time"] is max_time  # the caller's config stays as written
+
+
+def test_a_max_time_dict_overriding_another_takes_its_place_whole(tmp_path):
+    """Merged as config sections are, ``{minutes: 2}`` over a YAML's ``{days: 1, hours: 5}`` trained for 29 hours
+    and 2 minutes, without a word."""
+    path = _write(tmp_path, "trainer_class: toy_trainers:ToyTrainer\ntrainer:\n  max_time: {days: 1, hours: 5}\n")
+    _, cfg = load_config(path, ["trainer.max_time={minutes: 2}"])
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"minutes": 2}
+    _, cfg = load_config(path, ["trainer.max_epochs=2"])  # not overridden: the file's
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"days": 1, "hours": 5}
+    first = {"trainer_class": "toy_trainers:ToyTrainer", "trainer": {"max_time": {"hours": 5}}}
+    cfg = build_config(Config, first, {"trainer": {"max_time": {"seconds": 30}}})
+    assert OmegaConf.to_container(cfg.trainer.max_time) == {"seconds": 30}
+
+
+@pytest.mark.parametrize("max_time", [{"hour": 5}, {"hours": "5"}, {}, {"hours": 0}, datetime.timedelta(0)])
+def test_a_max_time_dict_of_no_duration_is_refused_naming_timedelta_s_keywords(tmp_path, max_time):
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"]["max_time"] = max_time
+    with pytest.raises(ConfigError, match=r"trainer\.max_time.*timedelta's keywords \(weeks, days, hours, minutes"):
+        ToyTrainer(cfg)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("val_every_n_steps", 0.25, r"could not be converted to Integer; .*fractional val_check_interval is that share "
+         r"of an epoch's iterations \(num_train_batches / accumulate_grad_batches\)"),
+        ("val_every_n_epochs", None, r"is empty \(null\).*; Lightning's check_val_every_n_epoch=None.* is 0 here"),
+    ],
+)  # fmt: skip
+def test_lightning_s_value_of_another_type_is_refused_saying_what_it_is_here(tmp_path, key, value, said):
+    """A port's val_check_interval=0.25 written as val_every_n_steps, or check_val_every_n_epoch=None: the type error
+    alone left them guessing."""
+    cfg = toy_cfg(tmp_path)
+    cfg["trainer"][key] = value
+    with pytest.raises(ConfigError, match=rf"config key 'trainer\.{key}'.*{said}"):
+        ToyTrainer(cfg)
 
 
 def test_unknown_key_names_dotted_path_and_valid_keys(tmp_path, monkeypatch):

@@ -287,3 +287,25 @@ def test_a_resume_loads_the_checkpoint_after_set_up_and_before_on_fit_start_then
     epoch_end = ["on_train_epoch_end", "on_save_checkpoint"]  # epoch-1.pt, which is last.pt too: not saved again
     assert calls == [*set_up, "on_train_start", "on_train_epoch_start", *batch(steps=step()), *epoch_end,
                      "on_train_end", "on_fit_end"]  # fmt: skip
+
+
+class StopsAtSecondEpochStart(Callback):
+    """A port's ``on_train_epoch_start`` deciding the run is done (a schedule of epochs it counts itself)."""
+
+    def on_train_epoch_start(self, trainer):
+        if trainer.state.epoch == 1:
+            trainer.state.should_stop = True
+
+
+def test_a_stop_asked_in_on_train_epoch_start_trains_no_batch_of_that_epoch_as_lightning_s_does(tmp_path):
+    """Lightning's epoch loop asks should_stop before its first batch: the epoch runs no batch, no validation, and
+    on_train_epoch_end still fires. It trained one batch of it (one step more than the port's run)."""
+    calls: list = []
+    trainer = RecordingTrainer(toy_cfg(tmp_path, **{**QUIET, "data.n": 24, "trainer.max_epochs": 3,
+                                                    "trainer.num_sanity_val_steps": 0}),
+                               callbacks=[Recorder(calls), StopsAtSecondEpochStart()])  # fmt: skip
+    trainer.calls = calls
+    trainer.fit()
+    first = [call for _ in range(3) for call in batch(steps=step())]
+    assert calls == fit_of(first, VALIDATION, ["on_train_epoch_end", "on_train_epoch_start"])
+    assert (trainer.state.global_step, trainer.state.epoch, trainer.state.batches_done) == (3, 1, 0)

@@ -69,6 +69,7 @@ def test_max_epochs_and_max_steps_end_the_run_at_whichever_comes_first(tmp_path,
     assert trainer.state.global_step == len(positions.batches) == steps
     assert len(positions.epoch_ends) == -(-steps // 8)
     assert sum(step % 8 == 0 for _, step in positions.epoch_ends) == epochs_ended
+    assert trainer.state.epoch == epochs_ended  # whole epochs: Lightning's current_epoch counts a cut one too
 
 
 def test_max_epochs_minus_one_leaves_the_run_s_length_to_max_steps_as_in_lightning(tmp_path):
@@ -221,6 +222,22 @@ def test_a_max_epochs_below_minus_one_is_refused_naming_what_minus_one_means(tmp
     with pytest.raises(ConfigError, match=r"'trainer.max_epochs': -2 is invalid; expected -1 \(no limit: max_steps, "
                        r"max_time or a stop ends the run\) or >= 0"):  # fmt: skip
         ToyTrainer(toy_cfg(tmp_path, **{"trainer.max_epochs": -2}))
+
+
+@pytest.mark.parametrize(("overrides", "counted"), [({}, 3), ({"trainer.val_every_n_epochs": 0}, 0)])
+def test_num_val_batches_is_unknown_before_the_set_up_and_0_where_the_fit_never_validates(tmp_path, overrides, counted):
+    """Lightning's num_val_batches counts 0 under limit_val_batches=0 (here: val_every_n_epochs=0); read before the
+    fit it was an AttributeError naming a private attribute, and with validation off it counted the loader's 3."""
+    seen = []
+
+    class Reads(Callback):
+        def on_fit_start(self, trainer) -> None:
+            seen.append(trainer.num_val_batches)
+
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **overrides), callbacks=[Reads()])
+    assert trainer.num_val_batches is None
+    trainer.fit()
+    assert seen == [counted] and trainer.num_val_batches == counted
 
 
 def test_validation_runs_after_every_nth_epoch_and_not_after_a_last_epoch_off_the_interval(tmp_path):

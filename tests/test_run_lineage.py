@@ -482,7 +482,9 @@ def test_an_early_stopped_run_is_finished_until_a_stopping_key_changes(
     assert resumed.version_dir.name == "version_0" and resumed.state.global_step > stopped_at
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(3600, "01:00:00"), ("00:00:00:01", 1.0)])
+@pytest.mark.parametrize(
+    ("saved", "resumed"), [(3600, "01:00:00"), ("00:00:00:01", 1.0), ({"minutes": 60}, "01:00:00")]
+)
 def test_a_stopping_key_spelt_another_way_is_no_change(tmp_path, capsys, saved, resumed):
     """``trainer.max_time`` 3600 and "01:00:00" are one duration (``precision.dtype`` bf16 and bfloat16 one dtype):
     the stopped run stays finished, and the resume warns of no changed config."""

@@ -75,10 +75,10 @@ class Monitor:
         if self.per_epoch or (trainer.num_val_batches != 0 and (t.val_every_n_epochs or t.val_every_n_steps)):
             return
         which = f"config key '{self.setting}'" if self.setting else f"monitor '{self.metric}'"
-        why = (
-            "no val_dataloader()"
-            if trainer.num_val_batches == 0
-            else "trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=0"
+        why = (  # num_val_batches is 0 for both: validation turned off says so first
+            "trainer.val_every_n_epochs=0 and trainer.val_every_n_steps=0"
+            if not (t.val_every_n_epochs or t.val_every_n_steps)
+            else "no val_dataloader()"
         )
         raise MonitorNotFoundError(
             f"{which}: '{self.metric}' is a validation metric, but this run never validates ({why}), so nothing "

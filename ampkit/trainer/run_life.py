@@ -306,6 +306,9 @@ def _settings(config: dict[str, Any] | DictConfig, spelt: bool = False) -> dict[
     compares what the settings mean, not how they were written."""
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
+    trainer = config.get("trainer")
+    if not spelt and isinstance(trainer, dict) and isinstance(trainer.get("max_time"), dict):  # {hours: 1}: one key
+        config = {**config, "trainer": {**trainer, "max_time": duration_seconds(trainer["max_time"])}}
     flat = flatten(config, sep=".")
     if spelt:
         return flat

@@ -492,6 +492,8 @@ class Trainer:
         self._num_train_batches: int | None = None
         self._train_limit: int | None = None  # trainer.limit_train_batches as a count (None: all)
         self._val_limit: int | None = None  # trainer.limit_val_batches as a count (None: all)
+        self._val_loader: Any = None  # val_dataloader(), once per fit's set-up, after train_dataloader()
+        self._val_loaded = False  # this fit's set-up asked val_dataloader(): num_val_batches is known
         self._train_length_known = True  # len(train loader) works: each epoch's last batch is known by its index
         self._at_last_batch = False  # a loader without a length: the batch running now is its epoch's last
         # Where an epoch's loop is, for an exception's note: "fetch" (the loader's next batch) or "batch" (its step)
@@ -1164,8 +1166,15 @@ class Trainer:
 
     @property
     def num_val_batches(self) -> int | None:
-        """Batches per validation run (after ``limit_val_batches``); 0 without validation, None if unknown."""
-        return 0 if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
+        """Batches per validation run of a fit (after ``limit_val_batches``); 0 where the fit never validates (no
+        loader, or ``val_every_n_epochs`` and ``val_every_n_steps`` both 0, as Lightning's ``limit_val_batches=0``
+        counts 0), None if unknown: a loader without a length, or before the fit's set-up asked ``val_dataloader()``
+        (after ``configure_optimizers``)."""
+        if not self._val_loaded:
+            return None
+        if self._val_loader is None or self.settings.val_every_n_epochs == self._val_every_n_steps == 0:
+            return 0
+        return _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
 
     @property
     def global_rank(self) -> int:
@@ -1424,13 +1433,17 @@ class Trainer:
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        exhausted, max_steps, first_batch, first_step = True, self.settings.max_steps, s.batches_done, s.global_step
+        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch
+        # (under torchrun one rank's ask waits for the ranks' next agreement, as a stop asked mid-epoch does).
+        stopped_at_start = self._stopping()
+        exhausted, max_steps, first_batch = not stopped_at_start, self.settings.max_steps, s.batches_done
+        first_step = s.global_step
         # An epoch's partial accumulation window steps at its end, also where another rank's stream ends it early.
         ahead = self.settings.accumulate_grad_batches > 1 and not (
             self._train_length_known and not self._agree_each_batch
         )
         self._rng_before_fetch = None  # set by _flag_last while it fetches ahead
-        batches = self._epoch_batches(ahead)
+        batches = iter(()) if stopped_at_start else self._epoch_batches(ahead)
         if ahead:
             batches = self._flag_last(batches)
         self._loop_phase = "fetch"
@@ -1448,7 +1461,7 @@ class Trainer:
             self._loop_phase = "fetch"
         self._at_last_batch, self._loop_phase = False, None
         ran = s.batches_done > first_batch  # a resume at an epoch's last batch runs none of it
-        if not ran and first_batch == 0:  # else every epoch from here on would end at once, training nothing
+        if not ran and first_batch == 0 and not stopped_at_start:  # else every epoch would end at once, training none
             raise exhausted_loader_error(s.epoch, self._num_train_batches)
         if ran and exhausted and not self._agree_each_batch and s.batches_done < (self._num_train_batches or 0):
             self._short_epoch()
@@ -2024,6 +2037,7 @@ class Trainer:
 
     def _setup(self, start: FitStart) -> None:
         self._train_loader = None  # a second fit() asks train_dataloader() again
+        self._val_loaded = False  # and val_dataloader(), after it: the earlier fit's count is not this one's
         self._hooks = _NoHooksYet()  # an earlier run's, until this one's callbacks are set up
         self._stop_agreed = self._stop_heard = self._preempt_agreed = False
         self._said_empty_validation = False  # a validation stream that yielded nothing is said once per fit
@@ -2065,7 +2079,9 @@ class Trainer:
             )
             if said is not None:
                 rank_zero_warn(said)
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, self.num_val_batches, self.world_size)
+        self._val_loaded = True
+        count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
+        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.world_size)
         self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
