@@ -399,23 +399,28 @@ def test_without_a_monitor_best_model_path_names_the_newest_checkpoint_as_lightn
     assert again.last_model_path == str(directory / "last.pt")
 
 
-def test_without_a_monitor_a_failed_save_leaves_best_model_path_naming_the_file_before_it(tmp_path, monkeypatch):
-    """The newest file's name is recorded before the save (the checkpoint's own state names it): a save that fails
-    (a full disk) left best_model_path naming a file that was never written."""
+def _disk_full_when_writing(name: str, monkeypatch) -> None:
+    """ModelCheckpoint's writes fail as on a full disk when the file written is named ``name``."""
     import errno
     import os
 
-    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.num_sanity_val_steps": 0}
-    periodic = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)
-    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[periodic])
     written = checkpoint_module.save_atomic
 
-    def full_from_step_6(obj, path, *args, **kwargs):
-        if Path(path).name == "step-00000006.pt":
+    def save_atomic(obj, path, *args, **kwargs):
+        if Path(path).name == name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return written(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "save_atomic", full_from_step_6)
+    monkeypatch.setattr(checkpoint_module, "save_atomic", save_atomic)
+
+
+def test_without_a_monitor_a_failed_save_leaves_best_model_path_naming_the_file_before_it(tmp_path, monkeypatch):
+    """The newest file's name is recorded before the save (the checkpoint's own state names it): a save that fails
+    (a full disk) left best_model_path naming a file that was never written."""
+    settings = {**QUIET, "checkpoint.enabled": False, "trainer.max_steps": 7, "trainer.num_sanity_val_steps": 0}
+    periodic = ModelCheckpoint(every_n_steps=3, every_n_epochs=0)
+    run = ToyTrainer(toy_cfg(tmp_path, **settings), callbacks=[periodic])
+    _disk_full_when_writing("step-00000006.pt", monkeypatch)
     with pytest.raises(Exception, match="No space left on device"):
         run.fit()
     directory = run.version_dir / "checkpoints"
@@ -427,17 +432,7 @@ def test_a_failed_best_k_save_leaves_the_ranking_naming_only_files_written(tmp_p
     """The ranking takes a better value in before its file is written (the file's own state holds the ranking): a
     save that failed (a full disk) left best_model_path, best_k_models and current_score naming a file never
     written."""
-    import errno
-    import os
-
-    written = checkpoint_module.save_atomic
-
-    def full_at_step_4(obj, path, *args, **kwargs):
-        if Path(path).name == "best-00000004.pt":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return written(obj, path, *args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_module, "save_atomic", full_at_step_4)
+    _disk_full_when_writing("best-00000004.pt", monkeypatch)
     trainer = type("Scripted", (ScriptedScores,), {"scores": SCORES})
     settings = {**QUIET, "data.n": 48, "trainer.max_epochs": 1, "trainer.val_every_n_steps": 1,
                 "trainer.num_sanity_val_steps": 0, "checkpoint.every_n_epochs": 0,
