@@ -330,6 +330,11 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
         raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch.optim's rule and words
+        raise ValueError(
+            f"Invalid betas{where}: {tuple(betas)!r} mixes a tensor and a number; betas must be either both floats or "
+            "both Tensors"
+        )
     return tuple(betas)
 
 
