@@ -4,11 +4,13 @@ compile (skips as eager under a loss scaler), and compile settings that would co
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from toy_trainers import ToyTrainer, toy_cfg
+from torch import nn
+from toy_trainers import ToyTrainer, toy_cfg, toy_model
 
 import ampkit
 from ampkit.callbacks.checkpointing_report import CheckpointingReport
@@ -186,6 +188,38 @@ def test_the_compile_report_stays_quiet_when_training_runs_the_compiled_code(tmp
         trainer.fit()
         assert trainer.state.global_step == 2
     assert not [w for w in recwarn if "trainer.compile" in str(w.message)]
+
+
+class _NeverCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = toy_model()
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.net(x)
+
+
+class _DynamoSkips(ToyTrainer):
+    def configure_model(self):
+        return _NeverCompiled()
+
+
+def test_the_compile_report_tells_a_frame_dynamo_skipped_from_graphs_its_cache_had(tmp_path, capsys):
+    """Both said "compiled 0 graphs" with no warning: code that ran eagerly (dynamo looked at the frame and compiled
+    nothing: here a torch.compiler.disable) is warned of, naming the setting and dynamo's reason; a second fit's
+    compiled model, served from this process's cache, is said to be."""
+    quiet = {"trainer.max_steps": 1, "trainer.progress_bar": False, "logging.tensorboard": False}
+    with pytest.warns(UserWarning, match=r"'trainer.compile'=true: compiled code ran .* dynamo compiled no graph of it "
+                      r"\(Skip inlining `torch.compiler.disable\(\)`d function\), so it ran eagerly"):  # fmt: skip
+        _DynamoSkips(toy_cfg(tmp_path / "skipped", **{"trainer.compile": True}, **quiet)).fit()
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        for name in ("first", "again"):
+            ToyTrainer(toy_cfg(tmp_path / name, **{"trainer.compile": True}, **quiet)).fit()
+    said = capsys.readouterr()
+    assert "compiled 0 graphs (this process's cache had them)" in said.out + said.err
+    assert not [w for w in heard if "dynamo compiled no graph" in str(w.message)]
 
 
 @pytest.mark.parametrize("setting", [True, "[Tanh]"])

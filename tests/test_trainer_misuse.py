@@ -688,3 +688,26 @@ def test_validate_after_a_fit_that_failed_while_setting_up_evaluates_as_before_a
     assert trainer.validate() == ToyTrainer(toy_cfg(tmp_path / "b", **QUIET)).validate()
     trainer.fit()
     assert trainer.state.global_step == 1
+
+
+class _RecordsHooks(ToyTrainer):
+    def on_train_start(self):
+        self.heard.append("on_train_start")
+
+    def on_fit_end(self):
+        self.heard.append("on_fit_end")
+
+
+@pytest.mark.parametrize("key", ["trainer.max_epochs", "trainer.max_steps"])
+def test_a_limit_of_zero_trains_nothing_and_leaves_no_checkpoint_as_in_lightning(tmp_path, key, capsys):
+    """Lightning's fit with max_epochs=0 (or max_steps=0) runs no training hook and saves nothing; here it wrote a
+    step-0 checkpoint of the untrained model in a new version_N, which a resume then took as the run's end."""
+    trainer = _RecordsHooks(toy_cfg(tmp_path, **{key: 0, "trainer.progress_bar": False}))
+    trainer.heard = []
+    trainer.fit()
+    assert trainer.heard == ["on_fit_end"] and trainer.state.global_step == 0
+    said = capsys.readouterr()
+    assert f"trainer.{key.split('.')[1]}=0 (as in Lightning); nothing was saved" in said.out + said.err
+    assert list((tmp_path / "run").iterdir()) == []  # no version_N, no checkpoint
+    with pytest.raises(ampkit.CheckpointError, match=r"resume='last': no checkpoint under run_dir"):
+        ToyTrainer(toy_cfg(tmp_path, **QUIET)).fit(resume="last")

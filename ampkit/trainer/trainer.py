@@ -1344,15 +1344,16 @@ class Trainer:
             except BaseException:  # a failure or a Ctrl-C: nothing trained, so a version_N made for it leaves no trace
                 self._discard_version_dir = True
                 raise
-            self.fire("on_train_start")
-            self._agree_stop()  # a hook of one rank may already have asked
-            while not self._finished():
-                self._run_epoch()
-                self._stop_if_preempted()
-            if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
-                rank_zero_warn(self._unsaid_skips)
-            self._log_the_last_iteration()
-            self.fire("on_train_end")
+            if not self._nothing_to_train():
+                self.fire("on_train_start")
+                self._agree_stop()  # a hook of one rank may already have asked
+                while not self._finished():
+                    self._run_epoch()
+                    self._stop_if_preempted()
+                if self._unsaid_skips:  # the scale backed off to the end: the run changed nothing
+                    rank_zero_warn(self._unsaid_skips)
+                self._log_the_last_iteration()
+                self.fire("on_train_end")
         except BaseException as exc:
             failure = exc
             self._explain(exc)
@@ -1361,6 +1362,22 @@ class Trainer:
             raise
         finally:
             self._fire_every_one("on_fit_end", failure=failure)
+
+    def _nothing_to_train(self) -> bool:
+        """``trainer.max_epochs=0`` or ``max_steps=0`` (a fresh run: a resume of one is finished before this): as in
+        Lightning the fit validates and trains nothing, so no training hook runs, no checkpoint of the untrained
+        model is written, and the version_N made for it goes again."""
+        t = self.settings
+        zero = "max_epochs" if t.max_epochs == 0 else "max_steps" if t.max_steps == 0 else None
+        if zero is None:
+            return False
+        self._discard_version_dir = True
+        if self.is_global_zero:
+            say(
+                f"ampkit: fit() trained nothing: trainer.{zero}=0 (as in Lightning); "
+                "nothing was saved. Set it >= 1, or -1 for no limit"
+            )
+        return True
 
     def _plan_fit(self, resume: str | os.PathLike | None) -> FitStart:
         """:func:`plan_fit` from this process's own look at ``run_dir`` (rank zero's, under torchrun)."""

@@ -82,6 +82,44 @@ def test_larc_leaves_a_zero_parameter_or_gradient_to_the_wrapped_optimizer():
     torch.testing.assert_close(bias.detach(), torch.tensor([-0.05, 0.1, -0.2]))
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "clip", "message"),
+    [
+        ("weight_decay", "1e-4", False, r"Invalid weight_decay of LARC.param_groups\[1\]: '1e-4' is a str"),
+        ("weight_decay", float("nan"), True, r"Invalid weight_decay of LARC.param_groups\[1\]: nan"),
+        ("lr", "0.1", True, r"Invalid lr of LARC.param_groups\[1\]: '0.1' is a str"),
+        ("lr", None, True, r"Invalid lr of LARC.param_groups\[1\]: None is a NoneType"),
+    ],
+)
+def test_larc_names_a_bad_group_setting_before_touching_any_group(key, value, clip, message):
+    """A scheduler or config writing a string into a group failed deep in LARC's arithmetic (a raw TypeError naming
+    nothing) after the earlier groups' gradients were rescaled and their weight decay switched off for good."""
+    first, second = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    first.grad, second.grad = torch.full((3,), 0.5), torch.full((3,), 0.5)
+    larc = LARC(torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=0.1, weight_decay=0.01), clip=clip)
+    larc.param_groups[1][key] = value
+    with pytest.raises((TypeError, ValueError), match=message):
+        larc.step()
+    assert larc.param_groups[0]["weight_decay"] == 0.01
+    assert torch.equal(first.grad, torch.full((3,), 0.5)) and torch.equal(first.detach(), torch.ones(3))
+
+
+def test_larc_without_clipping_reads_no_lr():
+    """Apex's LARC reads a group's lr only to clip: without clipping it is the wrapped optimizer's business."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.full((3,), 0.5)
+
+    class NoLr(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": None})
+
+        def step(self, closure=None):
+            return None
+
+    LARC(NoLr([weight]), clip=False).step()  # a LARS scaling: the gradient is rescaled, no lr is needed
+    assert not torch.equal(weight.grad, torch.full((3,), 0.5))
+
+
 def test_convert_syncbn_model_replaces_batchnorms_and_keeps_their_state():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
     bn = model[1][0]

@@ -390,3 +390,28 @@ def test_a_scaler_tensor_on_the_meta_device_is_refused_by_name(name, argument):
         p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match=rf"step\(\): {argument} is on the meta device"):
         opt.step(**{argument: torch.ones((), device="meta")})
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "message"),
+    [
+        ("grad_scale", torch.tensor(True), r"grad_scale must be a floating-point one-element tensor .* torch.bool"),
+        ("grad_scale", True, r"grad_scale must be a number or a one-element float32 tensor, got True"),
+        ("grad_scale", torch.tensor(1024), r"grad_scale must be a floating-point one-element tensor .* torch.int64"),
+        ("grad_scale", torch.tensor(2 + 1j), r"grad_scale must be a floating-point .* torch.complex64"),
+        ("found_inf", torch.tensor(1j), r"found_inf must be a real one-element tensor .* torch.complex64"),
+    ],
+)
+@pytest.mark.parametrize("name", ["adam", "sgd", "lamb"])
+def test_a_scaler_tensor_of_no_float_kind_is_refused_by_name(name, argument, value, message):
+    """torch's fused optimizers read grad_scale and found_inf as float32 and refuse other dtypes: a bool scale was
+    taken as a scale of 1 (the gradients stepped on 1024 times too large), a complex one or a complex flag of 1j
+    (which skips nothing once its real part is read) lost a part silently."""
+    params = make_params(torch.float32)
+    opt = EVERY_OPTIMIZER[name](params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match=rf"step\(\): {message}"):
+        opt.step(**{argument: value})
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))

@@ -378,6 +378,23 @@ BAD_CALLS = {
         lambda: (lambda a, b: mt.unscale_l2norm([a, b], 1.0, flag(), out=[a, a]))(ones(3), ones(3)),
         r"`out\[\d\]` shares memory with `(inputs|out)\[\d\]`",
     ),
+    # the flag, which any chunk that sees an inf writes, may share memory with nothing it reads or writes
+    "flag_inside_an_in_place_tensor": (
+        lambda: (lambda t: mt.scale_([ones(2), t], 2.0, t[:1]))(ones(4)),
+        r"`found_inf` shares memory with `(inputs|out)\[1\]`; pass a flag tensor of its own",
+    ),
+    "flag_over_an_output": (
+        lambda: (lambda o: mt.axpby_(1.0, [ones(3)], 1.0, [ones(3)], [o], o[2:].view(torch.int32)))(ones(3)),
+        r"`found_inf` shares memory with `out\[0\]`",
+    ),
+    "flag_over_a_stash": (
+        lambda: (lambda s: mt.combine_([ones(2)], [s], [ones(2)], 1.0, s[1:]))(ones(2)),
+        r"`found_inf` shares memory with `stash\[0\]`",
+    ),
+    "flag_over_a_norm_input": (
+        lambda: (lambda x: mt.unscale_l2norm([ones(2), x], 1.0, x[3:]))(ones(4)),
+        r"`found_inf` shares memory with `inputs\[1\]`",
+    ),
 }
 
 

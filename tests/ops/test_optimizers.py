@@ -1268,6 +1268,22 @@ def test_betas_from_an_omegaconf_config_are_taken_as_torch_optim_takes_them(cls)
 
 
 @pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
+def test_betas_mixing_a_tensor_and_a_number_are_refused_as_torch_optim_refuses_them(cls):
+    """torch.optim.Adam raises 'betas must be either both floats or both Tensors' for ``(tensor(0.9), 0.999)``; the
+    fused optimizers took it, at construction and written into a group before a step."""
+    message = r"mixes a tensor and a number; betas must be either both floats or both Tensors"
+    with pytest.raises(ValueError, match=r"Invalid betas: \(tensor\(0.9000\), 0.99\) " + message):
+        cls(make_params()[:1], lr=0.1, betas=(torch.tensor(0.9), 0.99))
+    params = make_params()[:1]
+    params[0].grad = torch.ones_like(params[0])
+    optimizer = cls(params, lr=0.1, betas=(torch.tensor(0.9), torch.tensor(0.99)))  # both tensors: torch's other way
+    optimizer.step()
+    optimizer.param_groups[0]["betas"] = (0.9, torch.tensor(0.99))
+    with pytest.raises(ValueError, match=rf"Invalid betas of {cls.__name__}.param_groups\[0\]: .* {message}"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedNovoGrad], ids=lambda c: c.__name__)
 def test_a_numpy_bool_switch_is_taken_and_kept_as_a_bool_so_the_checkpoint_loads_weights_only(cls):
     """Apex's bindings took numpy's ``bool_`` as a bool; the fused optimizers refused it. Kept as a Python bool, the
     optimizer's state dict still loads with ``weights_only=True`` (numpy's type is not on its allow-list)."""

@@ -11,6 +11,7 @@ import torch
 
 from ampkit.ops._dtypes import accumulate_dtype
 from ampkit.ops._switches import checked_switch
+from ampkit.ops.optimizers._base import check_group_at_step
 
 
 class LARC:
@@ -75,8 +76,17 @@ class LARC:
         """Add ``param_group`` to the wrapped optimizer."""
         self.optim.add_param_group(param_group)
 
+    def _check_groups(self) -> None:
+        """The fused optimizers' step-time rules on what LARC reads of each group, all groups before any is touched:
+        a string ``weight_decay`` or ``lr`` failed in the arithmetic naming neither, after earlier groups' gradients
+        were rescaled and their weight decay switched off."""
+        for index, group in enumerate(self.optim.param_groups):
+            read = ("weight_decay", "lr") if self.clip else ("weight_decay",)  # Apex reads lr only to clip
+            check_group_at_step("LARC", index, {key: group[key] for key in read if key in group})
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Rescale the gradients layer by layer, then step the wrapped optimizer."""
+        self._check_groups()
         with torch.no_grad():
             saved_weight_decays = []
             for group in self.optim.param_groups:

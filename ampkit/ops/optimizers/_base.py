@@ -66,7 +66,15 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
             raise RuntimeError(f"step(): {name} must be a one-element tensor, got shape {tuple(value.shape)}")
         if value.is_meta:  # its value decides the step; torch's copy out of it named neither the argument nor why
             raise ValueError(f"step(): {name} is on the meta device, which holds no value; pass a real tensor")
+        # torch's fused optimizers read both as float32; a bool scale was taken as 1, a complex one lost its part
+        if value.is_complex() or (name == "grad_scale" and not value.is_floating_point()):
+            kind = "a floating-point" if name == "grad_scale" else "a real"
+            raise ArgumentTypeError(
+                f"step(): {name} must be {kind} one-element tensor (GradScaler's float32), got a {value.dtype} tensor"
+            )
         return value
+    if name == "grad_scale" and isinstance(value, bool):
+        raise ArgumentTypeError(f"step(): grad_scale must be a number or a one-element float32 tensor, got {value!r}")
     if isinstance(value, bool | numbers.Real):
         if name == "grad_scale" and not valid_scale(value):  # a host number is checked for free
             raise ValueError(
@@ -322,6 +330,11 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
         raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
         check_hyper(f"betas[{i}]{where}", beta, 0.0, 1.0)
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):  # torch.optim's rule and words
+        raise ValueError(
+            f"Invalid betas{where}: {tuple(betas)!r} mixes a tensor and a number; betas must be either both floats or "
+            "both Tensors"
+        )
     return tuple(betas)
 
 

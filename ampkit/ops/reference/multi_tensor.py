@@ -94,10 +94,10 @@ class _Span(NamedTuple):
     written: bool
 
 
-def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Sequence]) -> None:
+def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Sequence], flag: torch.Tensor) -> None:
     """No written tensor shares memory with a tensor of another index, read or written (the kernels run every index's
-    chunks in parallel). Sorted by address: O(n log n). Tensors that are not dense are left out, as torch leaves
-    them."""
+    chunks in parallel), and the overflow flag, which any chunk may write, with none. Sorted by address: O(n log n).
+    Tensors that are not dense are left out, as torch leaves them."""
     spans = [
         _Span(*_byte_range(t), name, i, is_written)
         for lists, is_written in ((read, False), (written, True))
@@ -105,6 +105,7 @@ def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Seque
         for i, t in enumerate(tensors)
         if t is not None and t.numel() and is_dense(t)
     ]
+    spans.append(_Span(*_byte_range(flag), "found_inf", -1, True))
     if not any(span.written for span in spans):
         return
     open_spans: list[_Span] = []  # begun before the current one and not ended
@@ -112,7 +113,12 @@ def _check_separate(op: str, read: dict[str, Sequence], written: dict[str, Seque
         open_spans = [s for s in open_spans if s.end > span.begin]
         for earlier in open_spans:
             if earlier.index != span.index and (earlier.written or span.written):
-                w, r = (earlier, span) if earlier.written else (span, earlier)
+                w, r = (earlier, span) if earlier.written and span.index != -1 else (span, earlier)
+                if w.index == -1:
+                    raise RuntimeError(
+                        f"{op}: `found_inf` shares memory with `{r.name}[{r.index}]`; pass a flag tensor of its own, "
+                        "e.g. torch.zeros(1)"
+                    )
                 raise RuntimeError(
                     f"{op}: `{w.name}[{w.index}]` shares memory with `{r.name}[{r.index}]`; an output may be its own "
                     "index's input (in place), never another index's tensor"
@@ -150,7 +156,7 @@ def scale_(
     _check_list(op, inputs, "inputs", device)
     _check_list(op, outputs, "out", device, like=inputs)
     _check_writable_list(op, outputs, "out", inputs, "inputs")
-    _check_separate(op, {"inputs": inputs}, {"out": outputs})
+    _check_separate(op, {"inputs": inputs}, {"out": outputs}, found_inf)
     seen = False
     for x, out in zip(inputs, outputs, strict=True):
         acc = _acc_dtype(x.dtype, out.dtype)
@@ -190,7 +196,7 @@ def axpby_(
             )
     _check_writable_list(op, out, "out", x, "x")
     _check_writable_list(op, out, "out", y, "y")
-    _check_separate(op, {"x": x, "y": y}, {"out": out})
+    _check_separate(op, {"x": x, "y": y}, {"out": out}, found_inf)
     seen = False
     for xi, yi, oi in zip(x, y, out, strict=True):
         acc = _acc_dtype(xi.dtype, oi.dtype)
@@ -234,7 +240,7 @@ def combine_(
                 f"{op}: `stash[{i}]` has dtype {s.dtype} but `out[{i}]` has {out[i].dtype}; they must match"
             )
         _check_writable(op, out[i], "out", i, s, "stash")
-    _check_separate(op, {"new": new, "stash": stash}, {"out": out})
+    _check_separate(op, {"new": new, "stash": stash}, {"out": out}, found_inf)
     seen = False
     for i, (ni, oi) in enumerate(zip(new, out, strict=True)):
         acc = _acc_dtype(ni.dtype, oi.dtype)
@@ -274,7 +280,7 @@ def unscale_l2norm(
     _check_list(op, outputs, "out", device, like=inputs)
     if outputs:
         _check_writable_list(op, outputs, "out", inputs, "inputs")
-        _check_separate(op, {"inputs": inputs}, {"out": outputs})
+    _check_separate(op, {"inputs": inputs}, {"out": outputs}, found_inf)
     return _norms(inputs, outputs, inv_scale, found_inf, per_tensor, device)
 
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace ampkit {
@@ -65,14 +66,25 @@ inline void check_writable(const char* op, at::TensorList out, const char* name,
   for (size_t i = 0; i < out.size(); ++i) check_writable(op, out[i], name, i, read[i], read_name);
 }
 
-// One tensor of a multi-tensor call as check_separate sees it: its list's name, its index there, and whether the
-// op writes it.
+// One tensor of a multi-tensor call as check_separate sees it: its list's name, its index there (kNoIndex for a
+// tensor of no list, the overflow flag), and whether the op writes it.
+constexpr size_t kNoIndex = static_cast<size_t>(-1);
+
 struct Operand {
   const at::Tensor* tensor;
   const char* name;
   size_t index;
   bool written;
 };
+
+inline std::string operand_name(const Operand& o) {
+  return o.index == kNoIndex ? std::string(o.name) : std::string(o.name) + "[" + std::to_string(o.index) + "]";
+}
+
+// The overflow flag is written by every chunk that sees an inf: it may share memory with no tensor of the call.
+inline void add_flag(std::vector<Operand>& operands, const at::Tensor& flag, const char* name) {
+  operands.push_back({&flag, name, kNoIndex, true});
+}
 
 inline void add_written(std::vector<Operand>& operands, at::TensorList out, const char* name) {
   for (size_t i = 0; i < out.size(); ++i) operands.push_back({&out[i], name, i, true});
@@ -116,10 +128,12 @@ inline void check_separate(const char* op, const std::vector<Operand>& operands)
       const Operand& a = *earlier->operand;
       const Operand& b = *span.operand;
       if (a.index == b.index || !(a.written || b.written)) continue;
-      const Operand& w = a.written ? a : b;
-      const Operand& r = a.written ? b : a;
-      TORCH_CHECK(false, op, ": `", w.name, "[", w.index, "]` shares memory with `", r.name, "[", r.index,
-                  "]`; an output may be its own index's input (in place), never another index's tensor");
+      const Operand& w = a.written && b.index != kNoIndex ? a : b;  // the flag named first, as it is the odd one
+      const Operand& r = &w == &a ? b : a;
+      TORCH_CHECK(w.index != kNoIndex, op, ": `", w.name, "` shares memory with `", operand_name(r),
+                  "`; pass a flag tensor of its own, e.g. torch.zeros(1)");
+      TORCH_CHECK(false, op, ": `", operand_name(w), "` shares memory with `", operand_name(r),
+                  "`; an output may be its own index's input (in place), never another index's tensor");
     }
     open.push_back(&span);
   }

@@ -20,9 +20,10 @@ inline void check_scale_args(const char* op, at::TensorList inputs, at::TensorLi
   check_list_like(op, outputs, "out", inputs, device);
   check_writable(op, outputs, "out", inputs, "inputs");
   std::vector<Operand> operands;
-  operands.reserve(2 * inputs.size());
+  operands.reserve(2 * inputs.size() + 1);
   add_written(operands, outputs, "out");
   add_read(operands, inputs, "inputs", outputs);
+  add_flag(operands, flag, "found_inf");
   check_separate(op, operands);
 }
 
@@ -44,10 +45,11 @@ inline void check_axpby_args(const char* op, at::TensorList x, at::TensorList y,
   check_writable(op, out, "out", x, "x");
   check_writable(op, out, "out", y, "y");
   std::vector<Operand> operands;
-  operands.reserve(3 * x.size());
+  operands.reserve(3 * x.size() + 1);
   add_written(operands, out, "out");
   add_read(operands, x, "x", out);
   add_read(operands, y, "y", out);
+  add_flag(operands, flag, "found_inf");
   check_separate(op, operands);
 }
 
@@ -77,10 +79,11 @@ inline std::vector<at::Tensor> check_combine_args(const char* op, at::TensorList
     stashed[i] = entry->contiguous();
   }
   std::vector<Operand> operands;
-  operands.reserve(3 * fresh.size());
+  operands.reserve(3 * fresh.size() + 1);
   add_written(operands, out, "out");
   add_read(operands, fresh, "new", out);
   add_read(operands, given, "stash", out);
+  add_flag(operands, flag, "found_inf");
   check_separate(op, operands);
   return stashed;
 }
@@ -94,9 +97,10 @@ inline void check_unscale_l2norm_args(const char* op, at::TensorList inputs, at:
   check_list_like(op, outputs, "out", inputs, device);
   check_writable(op, outputs, "out", inputs, "inputs");
   std::vector<Operand> operands;
-  operands.reserve(2 * inputs.size());
+  operands.reserve(2 * inputs.size() + 1);
   add_written(operands, outputs, "out");
   add_read(operands, inputs, "inputs", outputs);
+  add_flag(operands, flag, "found_inf");
   check_separate(op, operands);
 }
 
