@@ -456,7 +456,8 @@ class _CtrlCAtStep(ampkit.Callback):
 def test_config_records_say_which_config_trained_each_step_also_back_to_the_first(tmp_path):
     """lr 0.05 is interrupted after step 8, lr 0.01 at step 10 (before a checkpoint), lr 0.02 after step 16; the
     first config then finishes the run. Its return at step 16 was recorded nowhere (it equals config.yaml), so the
-    records said lr 0.02 trained to the end; and the resume at step 8 that saved nothing kept its record."""
+    records said lr 0.02 trained to the end. The resume at step 8 that saved nothing keeps its record beside the
+    second one's: replaced, nothing said which config wrote its steps' TensorBoard points."""
     common = {"trainer.max_epochs": 3, "checkpoint.every_n_steps": 4, "logging.tensorboard": False}
     for lr, stop, resume in ((0.05, 8, None), (0.01, 10, "last"), (0.02, 16, "last"), (0.05, -1, "last")):
         with contextlib.suppress(KeyboardInterrupt):
@@ -465,7 +466,8 @@ def test_config_records_say_which_config_trained_each_step_also_back_to_the_firs
     records = {p.name: OmegaConf.load(p).lr for p in version.glob("config*.yaml")}
     assert records == {
         "config.yaml": 0.05,
-        "config.resumed_at_step_8.yaml": 0.02,
+        "config.resumed_at_step_8.yaml": 0.01,
+        "config.resumed_at_step_8.1.yaml": 0.02,
         "config.resumed_at_step_16.yaml": 0.05,
     }
 
