@@ -67,6 +67,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     DamagedCheckpointError,
     deletable,
+    from_storage,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
@@ -648,9 +649,12 @@ def open_version_dir(
         if exc.strerror == PROTECTED:
             raise RunDirectoryError(_protected_record(Path(exc.filename))) from None
         where = exc.filename or version_dir or run_dir
-        raise RunDirectoryError(
-            f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
-            f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+        raise from_storage(
+            RunDirectoryError(
+                f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
+                f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+            ),
+            exc,
         ) from None
     return version_dir, lock
 
