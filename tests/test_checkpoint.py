@@ -992,3 +992,27 @@ def test_a_change_the_trainer_s_own_batch_end_makes_at_a_checkpoint_s_step_is_in
     resumed.fit(resume=step_4)
     assert not resumed.module[0].weight.requires_grad
     torch.testing.assert_close(resumed.module[0].weight.detach(), load_checkpoint(step_4)["model"]["0.weight"])
+
+
+def test_a_storage_failure_is_told_from_a_permission_refusal_also_when_dcp_gathered_it_from_a_rank():
+    """ampkit fit's status 74 (the disk failed: retry once there is room, or elsewhere) reads storage_errno; a sharded
+    save's failure comes as DCP's CheckpointException gathering each rank's error, the OSError behind it."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from ampkit.trainer.checkpoint_io import from_storage, storage_errno
+
+    def raised(exc: BaseException):
+        try:
+            raise exc
+        except BaseException as caught:
+            return _wrap_exception(caught)
+
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    gathered = CheckpointException("save failed", {0: raised(ValueError("a bug")), 1: raised(quota)})
+    assert storage_errno(gathered) == errno.EDQUOT
+    assert storage_errno(CheckpointException("save failed", {0: raised(ValueError("a bug"))})) is None
+    for code in (errno.ENOSPC, errno.EIO, errno.EROFS):
+        assert storage_errno(OSError(code, os.strerror(code))) == code
+    assert storage_errno(PermissionError(errno.EACCES, "write-protected")) is None
+    error = from_storage(CheckpointError("could not write checkpoint"), quota)
+    assert pickle.loads(pickle.dumps(error)).storage_errno == errno.EDQUOT  # as it travels to the other ranks
