@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -334,11 +336,12 @@ class ModelCheckpoint(KeyedByMonitor):
     def _drop(self, trainer, dropped: list[str]) -> None:
         """Delete the best-k files ``dropped`` from the ranking (rank zero; a write-protected one stays)."""
         directory = trainer.version_dir / "checkpoints"
-        for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
-            if trainer.sharded:
-                remove_sharded(directory / name)
-            else:
-                (directory / name).unlink(missing_ok=True)
+        with _deleting(directory, f"out of the save_top_k={self.save_top_k} best"):
+            for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
+                if trainer.sharded:
+                    remove_sharded(directory / name)
+                else:
+                    (directory / name).unlink(missing_ok=True)
 
     def _rank_pending(self, trainer) -> tuple[str | None, list[str]]:
         """Enter the pending validation value into the best-k ranking: (this moment's best-k file name if it
@@ -480,9 +483,13 @@ class ModelCheckpoint(KeyedByMonitor):
         self._prune(directory)
         return path
 
-    def _prune(self, directory: Path) -> None:
-        if self.keep_last is not None and self._writes_periodic:
-            prune_periodic(directory, self.keep_last, self._protected)
+    def _prune(self, directory: Path, sharded: bool = False) -> None:
+        """Delete the periodic checkpoints ``keep_last`` no longer keeps. A deletion that fails (an I/O error, a
+        read-only remount, a folder without write permission) stops the run in one line: what was saved is whole."""
+        if self.keep_last is None or not self._writes_periodic:
+            return
+        with _deleting(directory, f"older than the keep_last={self.keep_last} newest checkpoints"):
+            (prune_sharded if sharded else prune_periodic)(directory, self.keep_last, self._protected)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
@@ -502,8 +509,8 @@ class ModelCheckpoint(KeyedByMonitor):
         failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
         if (failed := broadcast_object(failed, trainer.dist)) is not None:
             raise _save_failed(Path(failed[0]), failed[1].strerror or str(failed[1]), directory / LAST, path, failed[1])
-        if trainer.is_global_zero and self.keep_last is not None and self._writes_periodic:
-            prune_sharded(directory, self.keep_last, self._protected)
+        if self.keep_last is not None and self._writes_periodic:  # rank zero's failure stops every rank, as above
+            decided_by_rank_zero(partial(self._prune, directory, sharded=True), trainer.dist)
         trainer.rank_zero_last = directory / LAST  # every rank: a failure's note names rank zero's
         return path
 
@@ -543,6 +550,20 @@ def _moment(trainer) -> dict[str, Any]:
     """What a checkpoint saved now would record of the run's course: its loop position, whether it stopped, and the
     step of its latest validation (one run after this step's save, as a stop's, is saved again at the end)."""
     return {**trainer.loop_position(), "stopped_early": trainer.stop_reason(), "validated_at": trainer.val_metrics_step}
+
+
+@contextmanager
+def _deleting(directory: Path, why: str) -> Iterator[None]:
+    """A failed deletion of a checkpoint that ``why`` drops (an I/O error, a read-only remount, a folder without write
+    permission) as one line: what the run saved is whole."""
+    try:
+        yield
+    except OSError as exc:
+        said = (
+            f"could not delete '{exc.filename or directory}' ({why}: {exc.strerror or exc}); the checkpoints saved are "
+            "whole, and --resume last continues from the newest"
+        )
+        raise from_storage(CheckpointError(said), exc) from None
 
 
 def _save_failed(writing: Path, reason: str, last: Path, written: Path | None, cause: BaseException) -> CheckpointError:
