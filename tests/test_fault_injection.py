@@ -207,3 +207,23 @@ def test_a_storage_failure_at_any_write_stops_in_one_line_and_leaves_every_check
         resumed.fit(resume="last")
     assert resumed.fit_start.loop["global_step"] == step and resumed.state.global_step == 6
     assert checkpoint_damage(resolve_checkpoint(run, "last")) is None
+
+
+def test_a_lock_the_failing_disk_will_not_let_go_leaves_the_runs_own_error_in_one_line(tmp_path, monkeypatch):
+    """A read-only remount fails the save and then the removal of run.lock as the fit ends: the removal's bare OSError
+    took the place of the save's one line (and of the teardown after it). It is a warning now."""
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if Path(path).name == LOCK_FILE:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_unlink(path, *args, **kwargs)
+
+    def save(obj, f, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.warns(UserWarning, match="could not remove the run lock '.*run.lock' \\(Read-only file system\\)"):
+        with pytest.raises(CheckpointError, match="could not write checkpoint .*step-00000002.pt' \\(Read-only file"):
+            ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN)).fit()

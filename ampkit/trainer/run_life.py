@@ -990,9 +990,16 @@ class RunLock:
         )
 
     def release(self) -> None:
-        """Give the lock back (only if it is still this run's)."""
+        """Give the lock back (only if it is still this run's). Where the disk refuses (a read-only remount, an I/O
+        error) it says so and goes on: the release comes as a fit ends, and its error took the place of the run's own
+        (the save that failed on that same disk) and of the teardown after it. Once this process has ended, a later
+        run on this host takes the lock over as stale."""
         if self._mine is not None and self._holder() == self._mine:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:
+                rank_zero_warn(f"could not remove the run lock '{self.path}' ({exc.strerror or exc}); it is stale once "
+                               "this process has ended")  # fmt: skip
         self._mine = None
 
 
