@@ -27,7 +27,7 @@ from ampkit.callbacks.nonfinite_guard import NonFiniteError
 from ampkit.config import Config, ConfigError, builtin_configs, load_config
 from ampkit.config_docs import help_text
 from ampkit.trainer.batch_layout import RescaledResume
-from ampkit.trainer.checkpoint_io import CheckpointError
+from ampkit.trainer.checkpoint_io import STORAGE_EXIT_STATUS, CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
 from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
@@ -251,6 +251,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         print(f"ampkit: error: {exc} (--debug shows the traceback)", file=sys.stderr)
+        if getattr(exc, "storage_errno", None) is not None:  # the disk failed, not the run: it may go on elsewhere
+            return STORAGE_EXIT_STATUS
         return 1 if isinstance(exc, DistributedError | NonFiniteError) else 2  # failed runs, not bad input
     except Exception as exc:  # a set-up method's error, or a cast model's dtype clash: one line; else a traceback
         line = getattr(exc, SETUP_ERROR_LINE, None)

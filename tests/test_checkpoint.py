@@ -456,7 +456,8 @@ class _CtrlCAtStep(ampkit.Callback):
 def test_config_records_say_which_config_trained_each_step_also_back_to_the_first(tmp_path):
     """lr 0.05 is interrupted after step 8, lr 0.01 at step 10 (before a checkpoint), lr 0.02 after step 16; the
     first config then finishes the run. Its return at step 16 was recorded nowhere (it equals config.yaml), so the
-    records said lr 0.02 trained to the end; and the resume at step 8 that saved nothing kept its record."""
+    records said lr 0.02 trained to the end. The resume at step 8 that saved nothing keeps its record beside the
+    second one's: replaced, nothing said which config wrote its steps' TensorBoard points."""
     common = {"trainer.max_epochs": 3, "checkpoint.every_n_steps": 4, "logging.tensorboard": False}
     for lr, stop, resume in ((0.05, 8, None), (0.01, 10, "last"), (0.02, 16, "last"), (0.05, -1, "last")):
         with contextlib.suppress(KeyboardInterrupt):
@@ -465,7 +466,8 @@ def test_config_records_say_which_config_trained_each_step_also_back_to_the_firs
     records = {p.name: OmegaConf.load(p).lr for p in version.glob("config*.yaml")}
     assert records == {
         "config.yaml": 0.05,
-        "config.resumed_at_step_8.yaml": 0.02,
+        "config.resumed_at_step_8.yaml": 0.01,
+        "config.resumed_at_step_8.1.yaml": 0.02,
         "config.resumed_at_step_16.yaml": 0.05,
     }
 
@@ -990,3 +992,27 @@ def test_a_change_the_trainer_s_own_batch_end_makes_at_a_checkpoint_s_step_is_in
     resumed.fit(resume=step_4)
     assert not resumed.module[0].weight.requires_grad
     torch.testing.assert_close(resumed.module[0].weight.detach(), load_checkpoint(step_4)["model"]["0.weight"])
+
+
+def test_a_storage_failure_is_told_from_a_permission_refusal_also_when_dcp_gathered_it_from_a_rank():
+    """ampkit fit's status 74 (the disk failed: retry once there is room, or elsewhere) reads storage_errno; a sharded
+    save's failure comes as DCP's CheckpointException gathering each rank's error, the OSError behind it."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from ampkit.trainer.checkpoint_io import from_storage, storage_errno
+
+    def raised(exc: BaseException):
+        try:
+            raise exc
+        except BaseException as caught:
+            return _wrap_exception(caught)
+
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    gathered = CheckpointException("save failed", {0: raised(ValueError("a bug")), 1: raised(quota)})
+    assert storage_errno(gathered) == errno.EDQUOT
+    assert storage_errno(CheckpointException("save failed", {0: raised(ValueError("a bug"))})) is None
+    for code in (errno.ENOSPC, errno.EIO, errno.EROFS):
+        assert storage_errno(OSError(code, os.strerror(code))) == code
+    assert storage_errno(PermissionError(errno.EACCES, "write-protected")) is None
+    error = from_storage(CheckpointError("could not write checkpoint"), quota)
+    assert pickle.loads(pickle.dumps(error)).storage_errno == errno.EDQUOT  # as it travels to the other ranks

@@ -9,18 +9,23 @@ milliseconds, not an interpreter start; the seed is printed so a failing schedul
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 
+import pytest
+import torch
 from checkpoint_compare import assert_same_checkpoint
-from toy_trainers import fit_toy_resuming, toy_cfg
+from toy_trainers import ToyTrainer, fit_toy_resuming, toy_cfg
 
-from ampkit.trainer.checkpoint_io import load_checkpoint
-from ampkit.trainer.run_life import LOCK_FILE, resolve_checkpoint
+from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
+from ampkit.trainer.run_life import LOCK_FILE, RunDirectoryError, resolve_checkpoint
+from ampkit.trainer.sharded_checkpoint import checkpoint_damage
 
 KILLS = 20
 SETTINGS = {
@@ -106,3 +111,119 @@ def test_random_sigkills_and_sigints_then_every_resume_is_bit_identical(tmp_path
     assert proc.exitcode == 0, f"seed {seed}: a restarted run failed"
     _assert_finished_and_tidy(run_dir, reference)
     assert len(resumed_from) >= KILLS // 4, f"seed {seed}: kills landed at too few steps: {sorted(resumed_from)}"
+
+
+# ------------------------------------------------------------------ storage failures injected in-process
+# A run with periodic, best-k and end saves; a file system call fails at its N-th call with what a full disk, a dying
+# device or a read-only remount raises. The indices land on each kind of write of a 6-step run (found by counting:
+# a checkpoint's own file, its best-k copy, best, last, an fsync, a sharded save's links, an event file).
+FAILING_RUN = {
+    "trainer.max_epochs": 3,
+    "data.n": 16,
+    "trainer.progress_bar": False,
+    "checkpoint.every_n_steps": 2,
+    "checkpoint.keep_last": 2,
+    "trainer.val_every_n_steps": 3,
+    "checkpoint.monitor": "val/mse",
+    "checkpoint.save_top_k": 2,
+}
+SHARDED = {"distributed.strategy": "fsdp", "distributed.fsdp.shard_modules": "[Linear]"}
+
+
+def _event_file_write():
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    return RecordWriter, "write"
+
+
+_CALLS = {
+    "os.replace": lambda: (os, "replace"),
+    "os.fsync": lambda: (os, "fsync"),
+    "os.copy_file_range": lambda: (os, "copy_file_range"),
+    "os.unlink": lambda: (os, "unlink"),
+    "os.unlink of a best-k file": lambda: (os, "unlink"),
+    "torch.save": lambda: (torch, "save"),
+    "event file": _event_file_write,
+}
+
+
+@pytest.mark.parametrize(
+    ("call", "n", "failure", "sharded"),
+    [
+        ("os.replace", 7, errno.EIO, False),  # last.pt at the second save
+        ("os.fsync", 6, errno.ENOSPC, False),
+        ("os.copy_file_range", 3, errno.ENOSPC, False),  # a best-k copy
+        ("torch.save", 4, errno.EROFS, False),
+        ("event file", 5, errno.EIO, False),
+        ("os.unlink", 2, errno.EROFS, False),  # keep_last's pruning: a bare OSError's traceback
+        ("os.unlink of a best-k file", 1, errno.EIO, False),  # one pushed out of the top k: alike
+        ("os.replace", 4, errno.EIO, True),  # the last link of the second save: its temp link was left
+        ("os.replace", 11, errno.EROFS, True),  # the best link
+        ("os.fsync", 9, errno.ENOSPC, True),
+    ],
+)
+def test_a_storage_failure_at_any_write_stops_in_one_line_and_leaves_every_checkpoint_whole(
+    tmp_path, monkeypatch, call, n, failure, sharded
+):
+    """Whatever write fails: the run stops with one line carrying the failure's errno (ampkit fit's status 74), every
+    checkpoint name left loads whole, no temp file is left, nothing outside the run directory changes, and
+    --resume last continues from last and finishes the run."""
+    settings = {**FAILING_RUN, **(SHARDED if sharded else {})}
+    if call.endswith("best-k file"):  # a validation at every step, the mse rising: each pushes one out of the top 2
+        settings.update({"trainer.val_every_n_steps": 1, "checkpoint.mode": "max"})
+    (tmp_path / "notes.txt").write_text("the user's")
+    outside = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    owner, name = _CALLS[call]()
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        if call.endswith("best-k file") and not Path(args[0]).name.startswith("best-"):
+            return real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError(failure, os.strerror(failure))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the changed-validation and FSDP notes
+        with pytest.raises((CheckpointError, RunDirectoryError)) as raised:
+            ToyTrainer(toy_cfg(tmp_path, **settings)).fit()
+    monkeypatch.undo()
+    assert raised.value.storage_errno == failure and "\n" not in str(raised.value)
+    assert os.strerror(failure) in str(raised.value)
+    run = tmp_path / "run"
+    assert not [p for p in tmp_path.rglob(".*") if p.name != ".metadata"]  # DCP's own name, inside a checkpoint
+    checkpoints = run / "version_0" / "checkpoints"
+    assert {p.name: checkpoint_damage(p) for p in checkpoints.iterdir()} == {
+        p.name: None for p in checkpoints.iterdir()
+    }
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and run not in p.parents} == outside
+    last = resolve_checkpoint(run, "last")
+    step = load_checkpoint(last / "trainer.pt" if sharded else last)["loop"]["global_step"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a newer whole checkpoint beside last is named
+        resumed = ToyTrainer(toy_cfg(tmp_path, **settings))
+        resumed.fit(resume="last")
+    assert resumed.fit_start.loop["global_step"] == step and resumed.state.global_step == 6
+    assert checkpoint_damage(resolve_checkpoint(run, "last")) is None
+
+
+def test_a_lock_the_failing_disk_will_not_let_go_leaves_the_runs_own_error_in_one_line(tmp_path, monkeypatch):
+    """A read-only remount fails the save and then the removal of run.lock as the fit ends: the removal's bare OSError
+    took the place of the save's one line (and of the teardown after it). It is a warning now."""
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if Path(path).name == LOCK_FILE:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_unlink(path, *args, **kwargs)
+
+    def save(obj, f, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.warns(UserWarning, match="could not remove the run lock '.*run.lock' \\(Read-only file system\\)"):
+        with pytest.raises(CheckpointError, match="could not write checkpoint .*step-00000002.pt' \\(Read-only file"):
+            ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN)).fit()

@@ -732,3 +732,23 @@ def test_a_kill_while_pruning_a_sharded_checkpoint_leaves_no_half_of_it(tmp_path
     assert all(is_sharded_checkpoint(p) for p in checkpoints.iterdir() if not p.name.startswith("."))
     ToyTrainer(toy_cfg(tmp_path, **settings)).fit(resume="last")
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last", "step-00000003"]
+
+
+def test_a_failed_move_of_a_link_over_a_copied_last_puts_the_copy_back_and_leaves_no_temp(tmp_path, monkeypatch):
+    """Where a copy of the run has ``last`` as a whole directory, the link's move sets it aside first; a full disk at
+    the move itself left the copy under ``.last.old`` and the temp link beside it, with no ``last`` at all."""
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "last").mkdir()
+    (tmp_path / "last" / "trainer.pt").write_bytes(b"the copied checkpoint")
+    real_replace = os.replace
+
+    def replace(source, target):
+        if Path(source).name == ".last.tmp":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="No space left on device"):
+        sharded_checkpoint.point_last_at(tmp_path / "step-00000004")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000004"]
+    assert (tmp_path / "last" / "trainer.pt").read_bytes() == b"the copied checkpoint"

@@ -38,9 +38,9 @@ def _config(tmp_path, trainer_class: str = "toy_trainers:ToyTrainer", **settings
     return str(config)
 
 
-def _one_line_error(capsys, argv: list[str]) -> str:
+def _one_line_error(capsys, argv: list[str], status: int = 2) -> str:
     capsys.readouterr()
-    assert main(argv) == 2
+    assert main(argv) == status
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ampkit: error: "), lines
     return lines[0]
@@ -281,7 +281,7 @@ def test_a_full_disk_while_creating_the_run_is_one_line_and_leaves_no_version(tr
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(run_life, "write_text_atomic", disk_full)
-    line = _one_line_error(capsys, ["fit", "--config", config])
+    line = _one_line_error(capsys, ["fit", "--config", config], status=74)
     assert "version_1/config.yaml' (No space left on device)" in line and "no checkpoint was touched" in line
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["version_0"]
     assert _files(tmp_path / "runs") == before
@@ -301,7 +301,7 @@ def test_a_full_disk_in_the_middle_of_a_checkpoint_keeps_last_and_leaves_no_temp
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoint_io.torch, "save", full_mid_write)
-    line = _one_line_error(capsys, ["fit", "--config", config])
+    line = _one_line_error(capsys, ["fit", "--config", config], status=74)
     monkeypatch.undo()
     assert "step-00000006.pt' (No space left on device); last.pt still holds the previous checkpoint" in line
     checkpoints = tmp_path / "runs" / "version_0" / "checkpoints"
@@ -371,7 +371,7 @@ def test_a_checkpoint_file_whose_write_fails_midway_names_the_reason_and_keeps_l
         return io.BufferedWriter(FullDisk(fd, room=1000, failure=failure))
 
     monkeypatch.setattr(os, "fdopen", fdopen)
-    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"], status=74)
     assert line.startswith(
         f"ampkit: error: could not write checkpoint '{checkpoints / 'step-00000006.pt'}' ({os.strerror(failure)}); "
         "last.pt still holds the previous checkpoint, and --resume last continues from it"
@@ -402,7 +402,7 @@ def test_an_io_error_that_leaves_the_file_system_read_only_is_named_and_its_temp
 
     monkeypatch.setattr(torch, "save", io_error)
     monkeypatch.setattr(Path, "unlink", unlink)
-    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"])
+    line = _one_line_error(capsys, ["fit", "--config", config, "trainer.max_steps=6", "--resume", "last"], status=74)
     monkeypatch.undo()
     assert f"could not write checkpoint '{checkpoints / 'step-00000006.pt'}' (Input/output error); last.pt" in line
     (temp,) = [p for p in checkpoints.iterdir() if p.name.startswith(".step-00000006.pt.")]

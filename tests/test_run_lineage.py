@@ -759,3 +759,22 @@ def test_what_each_node_sees_at_a_checkpoints_path_tells_a_copy_from_another_che
     (node1 / "__1_0.distcp").unlink()
     assert difference(view_of(node1), zeros) == "lacks its shard file(s) __1_0.distcp"
     assert difference(view_of(tmp_path / "node2"), zeros) == "has no checkpoint there"
+
+
+def test_a_config_record_is_never_replaced_even_past_a_gap_in_its_numbers(tmp_path):
+    """A second resume from one step writes config.resumed_at_step_N.<K>.yaml after the highest K there (one the
+    user deleted leaves a gap that a count would fill by replacing the newest); a resume with the config in effect
+    (the newest record of its step) writes nothing."""
+    from omegaconf import OmegaConf
+
+    from ampkit.trainer.run_life import FitStart, save_config
+
+    records = {"config.yaml": 0.1, "config.resumed_at_step_8.yaml": 0.2, "config.resumed_at_step_8.2.yaml": 0.3}
+    for name, lr in records.items():
+        OmegaConf.save(OmegaConf.create({"lr": lr}), tmp_path / name)
+    start = FitStart(version_dir=tmp_path)
+    save_config(tmp_path, OmegaConf.create({"lr": 0.3}), 8, start)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(records)
+    save_config(tmp_path, OmegaConf.create({"lr": 0.4}), 8, start)
+    found = {p.name: OmegaConf.load(p).lr for p in tmp_path.iterdir()}
+    assert found == {**records, "config.resumed_at_step_8.3.yaml": 0.4}

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     copy_atomic,
     deletable,
+    from_storage,
     is_best_k_checkpoint_name,
     save_atomic,
     unloadable_entry,
@@ -333,11 +336,12 @@ class ModelCheckpoint(KeyedByMonitor):
     def _drop(self, trainer, dropped: list[str]) -> None:
         """Delete the best-k files ``dropped`` from the ranking (rank zero; a write-protected one stays)."""
         directory = trainer.version_dir / "checkpoints"
-        for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
-            if trainer.sharded:
-                remove_sharded(directory / name)
-            else:
-                (directory / name).unlink(missing_ok=True)
+        with _deleting(directory, f"out of the save_top_k={self.save_top_k} best"):
+            for name in (old.name for old in deletable([directory / name for name in dropped], self._protected)):
+                if trainer.sharded:
+                    remove_sharded(directory / name)
+                else:
+                    (directory / name).unlink(missing_ok=True)
 
     def _rank_pending(self, trainer) -> tuple[str | None, list[str]]:
         """Enter the pending validation value into the best-k ranking: (this moment's best-k file name if it
@@ -475,13 +479,17 @@ class ModelCheckpoint(KeyedByMonitor):
                     copy_atomic(path, writing := directory / "best.pt")
             copy_atomic(path, writing := directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
-            raise _save_failed(writing, exc.strerror or str(exc), directory / "last.pt", path) from None
+            raise _save_failed(writing, exc.strerror or str(exc), directory / "last.pt", path, exc) from None
         self._prune(directory)
         return path
 
-    def _prune(self, directory: Path) -> None:
-        if self.keep_last is not None and self._writes_periodic:
-            prune_periodic(directory, self.keep_last, self._protected)
+    def _prune(self, directory: Path, sharded: bool = False) -> None:
+        """Delete the periodic checkpoints ``keep_last`` no longer keeps. A deletion that fails (an I/O error, a
+        read-only remount, a folder without write permission) stops the run in one line: what was saved is whole."""
+        if self.keep_last is None or not self._writes_periodic:
+            return
+        with _deleting(directory, f"older than the keep_last={self.keep_last} newest checkpoints"):
+            (prune_sharded if sharded else prune_periodic)(directory, self.keep_last, self._protected)
 
     def _save_sharded(self, trainer, checkpoint: dict[str, Any], name: str, best: str | None) -> Path:
         directory, path = trainer.version_dir / "checkpoints", None
@@ -495,19 +503,19 @@ class ModelCheckpoint(KeyedByMonitor):
             reason = write_failure(exc)
             if reason is None:
                 raise
-            raise _save_failed(writing, reason, directory / LAST, path) from None
+            raise _save_failed(writing, reason, directory / LAST, path, exc) from None
         # Rank zero moves the links; its failure (a write-protected copy of a checkpoint in a link's place) stops every
         # rank, or the others would train on into a collective it never joins.
         failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
         if (failed := broadcast_object(failed, trainer.dist)) is not None:
-            raise _save_failed(Path(failed[0]), failed[1], directory / LAST, path)
-        if trainer.is_global_zero and self.keep_last is not None and self._writes_periodic:
-            prune_sharded(directory, self.keep_last, self._protected)
+            raise _save_failed(Path(failed[0]), failed[1].strerror or str(failed[1]), directory / LAST, path, failed[1])
+        if self.keep_last is not None and self._writes_periodic:  # rank zero's failure stops every rank, as above
+            decided_by_rank_zero(partial(self._prune, directory, sharded=True), trainer.dist)
         trainer.rank_zero_last = directory / LAST  # every rank: a failure's note names rank zero's
         return path
 
-    def _point_links(self, directory: Path, path: Path, best: str | None) -> tuple[str, str] | None:
-        """Point ``best`` (when this moment ranked) and ``last`` at their checkpoints; ``(link, reason)`` of the one
+    def _point_links(self, directory: Path, path: Path, best: str | None) -> tuple[str, OSError] | None:
+        """Point ``best`` (when this moment ranked) and ``last`` at their checkpoints; ``(link, error)`` of the one
         that could not be, or None."""
         writing = directory / "best"
         try:
@@ -516,7 +524,7 @@ class ModelCheckpoint(KeyedByMonitor):
             writing = directory / LAST
             point_last_at(path)
         except OSError as exc:
-            return str(writing), exc.strerror or str(exc)
+            return str(writing), exc
         return None
 
 
@@ -544,13 +552,27 @@ def _moment(trainer) -> dict[str, Any]:
     return {**trainer.loop_position(), "stopped_early": trainer.stop_reason(), "validated_at": trainer.val_metrics_step}
 
 
-def _save_failed(writing: Path, reason: str, last: Path, written: Path | None) -> CheckpointError:
-    """The one-line error of a save that failed writing ``writing``: what is left to resume from (``last``, or the
-    ``written`` checkpoint of a run's first save whose ``last`` could not be made)."""
+@contextmanager
+def _deleting(directory: Path, why: str) -> Iterator[None]:
+    """A failed deletion of a checkpoint that ``why`` drops (an I/O error, a read-only remount, a folder without write
+    permission) as one line: what the run saved is whole."""
+    try:
+        yield
+    except OSError as exc:
+        said = (
+            f"could not delete '{exc.filename or directory}' ({why}: {exc.strerror or exc}); the checkpoints saved are "
+            "whole, and --resume last continues from the newest"
+        )
+        raise from_storage(CheckpointError(said), exc) from None
+
+
+def _save_failed(writing: Path, reason: str, last: Path, written: Path | None, cause: BaseException) -> CheckpointError:
+    """The one-line error of a save that failed writing ``writing`` (for ``cause``): what is left to resume from
+    (``last``, or the ``written`` checkpoint of a run's first save whose ``last`` could not be made)."""
     if last.is_file() or is_sharded_checkpoint(last):
         left = f"{last.name} still holds the previous checkpoint, and --resume last continues from it"
     elif written is not None:  # the run's first save: its checkpoint is whole, only last is missing
         left = f"'{written}' was written whole: resume it by its path"
     else:
         left = "this run has no checkpoint yet: free space (or get write access) and start it again"
-    return CheckpointError(f"could not write checkpoint '{writing}' ({reason}); {left}")
+    return from_storage(CheckpointError(f"could not write checkpoint '{writing}' ({reason}); {left}"), cause)

@@ -24,6 +24,7 @@ from ampkit.config import flatten
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.trainer.checkpoint_io import from_storage
 from ampkit.trainer.distributed import decided_by_rank_zero
 from ampkit.trainer.logger import Logger, check_image
 from ampkit.trainer.run_life import RunDirectoryError
@@ -37,9 +38,12 @@ def writing_events(log_dir: Path, failed: Callable[[RunDirectoryError], None] | 
     try:
         yield
     except OSError as exc:
-        error = RunDirectoryError(
-            f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
-            "access) there, or set logging.tensorboard=false; no checkpoint was touched"
+        error = from_storage(
+            RunDirectoryError(
+                f"cannot write TensorBoard events under '{log_dir}' ({exc.strerror or exc}): free space (or get write "
+                "access) there, or set logging.tensorboard=false; no checkpoint was touched"
+            ),
+            exc,
         )
         error.__suppress_context__ = True  # the OSError names no file: this line says it all
         if failed is None:

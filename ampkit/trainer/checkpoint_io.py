@@ -16,12 +16,14 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.trainer.foreign_checkpoint import foreign_contents
+
+_E = TypeVar("_E", bound=BaseException)
 
 FORMAT_KEY = "ampkit_checkpoint"
 FORMAT_VERSION = 1
@@ -59,6 +61,31 @@ class DamagedCheckpointError(CheckpointError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, Path | None]]:  # it travels to the other ranks whole
         return type(self), (str(self), self.damage, self.fallback)
+
+
+# A storage failure: the disk under the run failed it (full, over quota, an I/O error, remounted read-only), not its
+# config or its checkpoints, so the run can go on from its newest checkpoint once there is room (or on another disk or
+# machine). ``ampkit fit`` exits with its own status for it (STORAGE_EXIT_STATUS, sysexits' EX_IOERR).
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+STORAGE_EXIT_STATUS = 74
+
+
+def storage_errno(exc: BaseException) -> int | None:
+    """The errno of the storage failure ``exc`` is (an OSError, or DCP's exception gathering one from a rank), or
+    None when it is none."""
+    if isinstance(exc, OSError):
+        return exc.errno if exc.errno in STORAGE_ERRNOS else None
+    if type(exc).__name__ != "CheckpointException":  # DCP's; not imported: that costs start-up
+        return None
+    found = (storage_errno(err) for err, _ in getattr(exc, "failures", {}).values() if isinstance(err, BaseException))
+    return next((n for n in found if n is not None), None)
+
+
+def from_storage(error: _E, cause: BaseException) -> _E:
+    """``error`` (the one line a failed write raises) with ``storage_errno``, :func:`storage_errno` of the ``cause``
+    it replaces: an attribute, so it travels to the other ranks with the error."""
+    error.storage_errno = storage_errno(cause)
+    return error
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -67,6 +67,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     DamagedCheckpointError,
     deletable,
+    from_storage,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
     load_checkpoint,
@@ -649,29 +650,24 @@ def open_version_dir(
         if not isinstance(exc, OSError):
             raise
         if exc.strerror == PROTECTED:
-            raise RunDirectoryError(_protected_record(Path(exc.filename), global_step)) from None
+            raise RunDirectoryError(_protected_record(Path(exc.filename))) from None
         where = exc.filename or version_dir or run_dir
-        raise RunDirectoryError(
-            f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
-            f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+        raise from_storage(
+            RunDirectoryError(
+                f"cannot write '{where}' ({exc.strerror or exc}): free space or write access under run_dir "
+                f"'{run_dir}', or choose another run_dir; nothing was trained and no checkpoint was touched"
+            ),
+            exc,
         ) from None
     return version_dir, lock
 
 
-def _protected_record(path: Path, global_step: int) -> str:
-    """Why a run cannot start over ``path``, a record of its version directory the user write-protected, and the
-    ways on (a resume from a step again, with another config, replaces the record an earlier one left there)."""
-    if _RESUMED_CONFIG.match(path.name):
-        why = (
-            f"it records the config of an earlier resume from step {global_step}, which this resume, with another "
-            "config, would replace"
-        )
-        ways = ", move it elsewhere to keep it, or resume with the config it holds"
-    else:
-        why, ways = "this run would replace it", " or move it elsewhere to keep it"
+def _protected_record(path: Path) -> str:
+    """Why a run cannot start over ``path``, a record of its version directory the user write-protected."""
     return (
-        f"'{path}' is write-protected (chmod a-w): {why}, and ampkit never replaces such a file. Make it writable "
-        f"again (chmod u+w) to let it be replaced{ways}; nothing was trained and no checkpoint was touched"
+        f"'{path}' is write-protected (chmod a-w): this run would replace it, and ampkit never replaces such a file. "
+        "Make it writable again (chmod u+w) to let it be replaced or move it elsewhere to keep it; nothing was "
+        "trained and no checkpoint was touched"
     )
 
 
@@ -714,29 +710,35 @@ def lineage(start: FitStart) -> dict[str, Any]:
 def save_config(version_dir: Path, cfg: DictConfig, global_step: int, start: FitStart) -> None:
     """``config.yaml`` (a branch's names its origin in a comment); a resume with a config other than the one in
     effect at its step (the newest record up to it) adds ``config.resumed_at_step_N.yaml``, so the records say
-    which config trained each step. ``config.yaml`` is never replaced (a damaged or edited one is kept)."""
+    which config trained each step. No record is ever replaced (a damaged or edited ``config.yaml`` is kept): a
+    second resume from step N with yet another config adds ``config.resumed_at_step_N.1.yaml``, as the first one's
+    record says which config wrote what it left (its TensorBoard points, a prediction file)."""
     text = OmegaConf.to_yaml(cfg, resolve=True)
     if start.branched_from is not None:
         text = f"{_BRANCH_HEADER} {start.branched_from.absolute()} at global step {global_step}\n{text}"
-    in_effect = _config_in_effect(version_dir, global_step)
+    records = _config_records(version_dir)
+    in_effect = max(((key, p) for key, p in records if key[0] <= global_step), default=None)
     if in_effect is None:
         write_text_atomic(text, version_dir / "config.yaml")
-    elif _without_header(in_effect.read_text(errors="replace")) != _without_header(text):
-        # A record of this same step is an earlier resume's that saved nothing after it: this one replaces it.
-        write_text_atomic(text, version_dir / f"config.resumed_at_step_{global_step}.yaml")
+    elif _without_header(in_effect[1].read_text(errors="replace")) != _without_header(text):
+        again = max((n + 1 for (step, n), _ in records if step == global_step), default=0)
+        suffix = f".{again}" if again else ""
+        write_text_atomic(text, version_dir / f"config.resumed_at_step_{global_step}{suffix}.yaml")
 
 
 _BRANCH_HEADER = "# branched from"
-_RESUMED_CONFIG = re.compile(r"^config\.resumed_at_step_(\d+)\.yaml$")
+_RESUMED_CONFIG = re.compile(r"^config\.resumed_at_step_(\d+)(?:\.(\d+))?\.yaml$")
 
 
-def _config_in_effect(version_dir: Path, global_step: int) -> Path | None:
-    """The newest config record of ``version_dir`` up to ``global_step`` (``config.yaml`` or a
-    ``config.resumed_at_step_N.yaml``), or None when it has none."""
-    resumed = [(int(m.group(1)), p) for p in version_dir.iterdir() if (m := _RESUMED_CONFIG.match(p.name))]
-    newest = max(((n, p) for n, p in resumed if n <= global_step and p.is_file()), default=None)
-    first = version_dir / "config.yaml"
-    return newest[1] if newest is not None else first if first.is_file() else None
+def _config_records(version_dir: Path) -> list[tuple[tuple[int, int], Path]]:
+    """``version_dir``'s config records, each keyed by ``(step, n)`` in the order they were written: ``config.yaml``
+    ``(-1, 0)``, ``config.resumed_at_step_N.yaml`` ``(N, 0)``, its later namesake ``config.resumed_at_step_N.K.yaml``
+    ``(N, K)``."""
+    records = [((-1, 0), version_dir / "config.yaml")]
+    for path in version_dir.iterdir():
+        if m := _RESUMED_CONFIG.match(path.name):
+            records.append(((int(m.group(1)), int(m.group(2) or 0)), path))
+    return [(key, path) for key, path in records if path.is_file()]
 
 
 def _without_header(text: str) -> str:
@@ -754,7 +756,7 @@ _RANDOM = r"\.[a-z0-9_]+\.tmp"  # mkstemp's random part
 _TEMP_FILE = re.compile(rf"^\.{_CHECKPOINT}\.pt{_RANDOM}$")
 _TEMP_SHARDED = re.compile(rf"^\.{_CHECKPOINT}\.tmp$")
 _SET_ASIDE = re.compile(rf"^\.({_CHECKPOINT})\.old$")
-_TEMP_TEXT = re.compile(rf"^\.(?:config(?:\.resumed_at_step_\d+)?|lineage)\.yaml{_RANDOM}$")
+_TEMP_TEXT = re.compile(rf"^\.(?:config(?:\.resumed_at_step_\d+(?:\.\d+)?)?|lineage)\.yaml{_RANDOM}$")
 _LOCK_TEMP = re.compile(rf"^\.{re.escape(LOCK_FILE)}\.(?:(\d+)\.tmp|stale\.(\d+))$")
 
 
@@ -991,9 +993,16 @@ class RunLock:
         )
 
     def release(self) -> None:
-        """Give the lock back (only if it is still this run's)."""
+        """Give the lock back (only if it is still this run's). Where the disk refuses (a read-only remount, an I/O
+        error) it says so and goes on: the release comes as a fit ends, and its error took the place of the run's own
+        (the save that failed on that same disk) and of the teardown after it. Once this process has ended, a later
+        run on this host takes the lock over as stale."""
         if self._mine is not None and self._holder() == self._mine:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as exc:
+                rank_zero_warn(f"could not remove the run lock '{self.path}' ({exc.strerror or exc}); it is stale once "
+                               "this process has ended")  # fmt: skip
         self._mine = None
 
 

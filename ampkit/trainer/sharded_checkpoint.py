@@ -16,7 +16,7 @@ import re
 import shutil
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -366,11 +366,19 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     os.symlink(path.name, tmp)
     aside = link.with_name(f".{alias}.old")
     copied = link.is_dir() and not link.is_symlink()
-    if copied:  # a symlink cannot be renamed over a directory
-        refuse_protected(link)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(link, aside)
-    os.replace(tmp, link)
+    try:
+        if copied:  # a symlink cannot be renamed over a directory
+            refuse_protected(link)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(link, aside)
+        os.replace(tmp, link)
+    except BaseException:  # a full disk, an I/O error: no temp link is left, and a copy set aside is put back
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if copied and not link.exists() and not link.is_symlink():
+            with suppress(OSError):
+                os.replace(aside, link)
+        raise
     _fsync_dir(path.parent)
     if copied:
         shutil.rmtree(aside, ignore_errors=True)

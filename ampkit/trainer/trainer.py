@@ -100,6 +100,7 @@ from ampkit.trainer.checkpoint_io import (
     FORMAT_KEY,
     FORMAT_VERSION,
     CheckpointError,
+    from_storage,
     peek_checkpoint,
     save_atomic,
     unloadable_entry,
@@ -1832,7 +1833,8 @@ class Trainer:
                     "replace it, or name a new file"
                 )
             except OSError as exc:  # a full disk, a read-only folder: nothing half-written is left
-                failure = RunDirectoryError(f"cannot write predictions to '{path}' ({exc.strerror or exc})")
+                said = f"cannot write predictions to '{path}' ({exc.strerror or exc})"
+                failure = from_storage(RunDirectoryError(said), exc)
             raise_the_first_failure(failure, self.dist)
             self.predictions_path = checked[0]
 
