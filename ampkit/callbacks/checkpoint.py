@@ -242,12 +242,13 @@ class ModelCheckpoint(KeyedByMonitor):
             return
         ranked = {name for cb in peers for name in (*cb.best_k, *cb.kept)}  # any ModelCheckpoint's ranking stays
         unranked = [best for best in directory.glob("best-*") if best.name not in ranked]
-        for best in deletable(sorted(unranked), self._protected):  # pushed out of the top k, or written after last
-            if is_best_k_checkpoint_name(best.name, sharded=False):
-                best.unlink(missing_ok=True)
-            elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True) and is_sharded_checkpoint(best):
-                if not best.is_symlink():  # a directory the ranking lacks: a whole model and optimizer state
-                    remove_sharded(best)
+        with _deleting(directory, "a best file out of the ranking the resume restored"):
+            for best in deletable(sorted(unranked), self._protected):  # out of the top k, or written after last
+                if is_best_k_checkpoint_name(best.name, sharded=False):
+                    best.unlink(missing_ok=True)
+                elif trainer.sharded and is_best_k_checkpoint_name(best.name, sharded=True):
+                    if is_sharded_checkpoint(best) and not best.is_symlink():  # a whole model and optimizer state
+                        remove_sharded(best)
         if trainer.sharded:
             self._copy_resumed_moment(trainer, directory)
             self._relink_best(directory)

@@ -447,6 +447,30 @@ def test_a_failed_best_k_save_leaves_the_ranking_naming_only_files_written(tmp_p
     assert all(Path(path).is_file() for path in ranked.best_k_models)
 
 
+def test_a_best_file_a_resume_cannot_delete_stops_it_in_one_line(tmp_path, monkeypatch):
+    """The tidy at a resume deletes best files out of the restored ranking (a kill between a save and last's move
+    leaves one); one it cannot delete (an I/O error, a read-only remount) was a bare OSError traceback."""
+    import errno
+    import os
+    import shutil
+
+    keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 1, "trainer.max_steps": 3}
+    run = _fit(tmp_path, SCORES, **keys)
+    directory = run.version_dir / "checkpoints"
+    shutil.copyfile(directory / "last.pt", directory / "best-00000005.pt")  # out of the ranking
+    unlink = Path.unlink
+
+    def failing(path, *args, **kwargs):
+        if path.name == "best-00000005.pt":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", failing)
+    with pytest.raises(checkpoint_module.CheckpointError, match=r"could not delete '.*best-00000005.pt' \(a best file"):
+        _fit(tmp_path, SCORES, resume="last", **{**keys, "trainer.max_steps": 6})
+    assert (directory / "best-00000005.pt").is_file()
+
+
 def test_a_restored_current_score_that_is_no_number_is_refused_by_name(tmp_path):
     keys = {"checkpoint.monitor": "val/score", "checkpoint.save_top_k": 2, "trainer.max_steps": 3}
     run = _fit(tmp_path, SCORES, **keys)
