@@ -99,7 +99,7 @@ class CompileReport(Callback):
                 "stops it (a torch.compiler.disable, a recompile limit...) or set trainer.compile=false"
             )
         elif trainer.is_global_zero:
-            cached = "" if graphs else " (this process's cache had them)"
+            cached = "" if graphs else " (none new: this process's cache had them, or dynamo's recompile limit was hit)"
             say_above_the_bars(f"ampkit: compiled {counted(graphs, 'graph')}{cached}; first iteration {took:.1f} s")
 
     def on_fit_end(self, trainer) -> None:
