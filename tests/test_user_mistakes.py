@@ -978,6 +978,9 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
         _ = trainer.trainer
     with pytest.raises(AttributeError, match=r"'callback_metrics' \(Lightning's name; here it is self.val_metrics "):
         _ = trainer.callback_metrics  # after fit, as a Lightning test reads the last metrics
+    for name in ("callback_metrics", "logged_metrics"):  # a port's .item() on them meets a float: said up front
+        with pytest.raises(AttributeError, match=r"its values Python floats where Lightning's are tensors"):
+            getattr(trainer, name)
     with pytest.raises(AttributeError, match=r"'checkpoint_callback' \(Lightning's name; here it is the ModelCheckp"):
         _ = trainer.checkpoint_callback.best_model_path  # after fit, to load the best model
     with pytest.raises(AttributeError, match=r"^'ReadsLightningsEpoch' object has no attribute 'epoch_count'$"):

@@ -23,11 +23,12 @@ LIGHTNING_NAMES: dict[str, str] = {
     "callback_metrics": (
         "self.val_metrics (the latest validation's means, named as validation_step returns them), "
         "self.validation_end_values (what its on_validation_end hooks logged) and self.monitor_values() (this "
-        "training epoch's on_epoch means), each kept after fit()"
+        "training epoch's on_epoch means), each kept after fit(), its values Python floats where Lightning's "
+        "are tensors: a port's .item() is the value itself"
     ),
     "logged_metrics": (
         "nothing kept per step: log() hands its values to TensorBoard; self.epoch_scalars holds the latest epoch's "
-        "on_epoch means"
+        "on_epoch means, its values Python floats where Lightning's are tensors"
     ),
     "progress_bar_metrics": (
         "nothing: the bar shows what training_step returns, and the epoch line the epoch means of on_epoch tags and "
