@@ -24,7 +24,10 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     ),
     "default_root_dir": "run_dir",
     "enable_progress_bar": "trainer.progress_bar",
-    "enable_checkpointing": "checkpoint.enabled",
+    "enable_checkpointing": (
+        "checkpoint.enabled, which switches the config's ModelCheckpoint off; one given in code still saves (Lightning "
+        "refuses one beside enable_checkpointing=False)"
+    ),
     "strategy": "distributed.strategy",
     "fast_dev_run": (
         "no config key: trainer.max_epochs=1 trainer.limit_train_batches=1 trainer.limit_val_batches=1 "

@@ -40,6 +40,9 @@ from ampkit.config import Config, build_config
         ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
         ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
         ("trainer.logger=false", "(Lightning's logger; here it is logging.tensorboard)"),
+        ("trainer.enable_checkpointing=false", "(Lightning's enable_checkpointing; here it is checkpoint.enabled, "
+                                               "which switches the config's ModelCheckpoint off; one given in code "
+                                               "still saves"),
         ("checkpoint.save_weights_only=true", "(Lightning's save_weights_only has no config key here: a checkpoint "
                                               "holds everything a resume needs; ampkit.load_model(path)"),
         ("trainer.reload_dataloaders_every_n_epochs=1", "(Lightning's reload_dataloaders_every_n_epochs has no config "
@@ -79,6 +82,20 @@ def test_the_fast_dev_run_recipe_runs_one_batch_of_each_and_writes_no_checkpoint
     assert (counts.train_batches, counts.validation_batches) == (1, 1)
     written = {p.name for p in trainer.version_dir.rglob("*")}
     assert not any(name.endswith(".pt") or name.startswith("events.out") for name in written), written
+
+
+def test_checkpoint_enabled_false_switches_off_the_config_s_checkpoint_only(tmp_path):
+    """As the enable_checkpointing hint and the config reference say: the config's ModelCheckpoint writes nothing,
+    one given in code still saves (where Lightning refuses the pair)."""
+    settings = {"checkpoint.enabled": False, "checkpoint.every_n_steps": 2, "trainer.max_steps": 4,
+                "trainer.progress_bar": False, "logging.tensorboard": False}  # fmt: skip
+    off = ToyTrainer(toy_cfg(tmp_path / "off", **settings))
+    off.fit()
+    assert not list(off.version_dir.rglob("*.pt")) and not any(isinstance(c, ModelCheckpoint) for c in off.callbacks)
+    mine = ModelCheckpoint(every_n_steps=2, every_n_epochs=0)
+    coded = ToyTrainer(toy_cfg(tmp_path / "coded", **settings), callbacks=[mine])
+    coded.fit()
+    assert {p.name for p in coded.version_dir.rglob("*.pt")} >= {"last.pt", "step-00000004.pt"}
 
 
 class TwoOptimizers(ToyTrainer):
