@@ -32,7 +32,8 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     "fast_dev_run": (
         "no config key: trainer.max_epochs=1 trainer.limit_train_batches=1 trainer.limit_val_batches=1 "
         "trainer.num_sanity_val_steps=0 checkpoint.enabled=false logging.tensorboard=false runs one batch of "
-        "training and one of validation, writing no checkpoint nor TensorBoard events"
+        "training and one of validation, writing no checkpoint nor TensorBoard events (for Lightning's "
+        "fast_dev_run=N, N batches of each, set both limits to N)"
     ),
     "overfit_batches": (
         "no config key: trainer.limit_train_batches=N with an unshuffled train_dataloader() trains on the same N "

@@ -68,18 +68,24 @@ class Counts(Callback):
         self.validation_batches += 1
 
 
-def test_the_fast_dev_run_recipe_runs_one_batch_of_each_and_writes_no_checkpoint_nor_events(tmp_path):
-    """The settings the fast_dev_run error names, as written there, do what Lightning's fast_dev_run does."""
+@pytest.mark.parametrize("batches", [1, 3])
+def test_the_fast_dev_run_recipe_runs_its_batches_of_each_and_writes_no_checkpoint_nor_events(tmp_path, batches):
+    """The settings the fast_dev_run error names, as written there (Lightning's fast_dev_run=N: both limits N), do
+    what Lightning's fast_dev_run does."""
     with pytest.raises(ConfigError) as caught:
-        build_config(Config, OmegaConf.from_dotlist(["trainer.fast_dev_run=true"]))
-    settings = str(caught.value).partition("no config key here: ")[2].partition(" runs ")[0].split()
+        build_config(Config, OmegaConf.from_dotlist([f"trainer.fast_dev_run={batches if batches > 1 else 'true'}"]))
+    said = str(caught.value)
+    settings = said.partition("no config key here: ")[2].partition(" runs ")[0].split()
+    assert "(for Lightning's fast_dev_run=N, N batches of each, set both limits to N)" in said
     counts = Counts()
     overrides = dict(setting.split("=") for setting in settings)
+    for limit in ("trainer.limit_train_batches", "trainer.limit_val_batches"):
+        overrides[limit] = batches
     trainer = ToyTrainer(toy_cfg(tmp_path, **overrides, **{"trainer.progress_bar": False}), callbacks=[counts])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit()
-    assert (counts.train_batches, counts.validation_batches) == (1, 1)
+    assert (counts.train_batches, counts.validation_batches) == (batches, batches)
     written = {p.name for p in trainer.version_dir.rglob("*")}
     assert not any(name.endswith(".pt") or name.startswith("events.out") for name in written), written
 
