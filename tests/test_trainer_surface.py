@@ -255,6 +255,8 @@ class LogsWithLightningOptionsAtWhatLogDoes(ToyTrainer):
         options = {"prog_bar": False, "logger": True, "sync_dist": False, "rank_zero_only": False}
         self.log("spelt_out", loss, on_epoch=True, enable_graph=False, reduce_fx="mean", **options)
         self.log("torch_mean", loss, on_epoch=True, reduce_fx=torch.mean)
+        self.log("avg", loss, on_epoch=True, reduce_fx="avg")  # Lightning's other name for the mean, and its case
+        self.log("capitalised", loss, on_epoch=True, reduce_fx="Mean")
         return loss
 
 
@@ -267,10 +269,12 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
     trainer.fit()
     means = trainer.monitor_values()
     assert means["plain_epoch"] == means["spelt_out_epoch"] == means["torch_mean_epoch"]
+    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"]
     trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET))
     for refused, shown in [
         ({"sync_dist": 0}, "sync_dist=0"),
         ({"reduce_fx": "max"}, "reduce_fx='max'"),
+        ({"reduce_fx": "median"}, "reduce_fx='median'"),  # not Lightning's either
         ({"reduce_fx": torch.max}, "reduce_fx=<built-in method max"),
         ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
         ({"logger": False}, "got logger=False, which"),

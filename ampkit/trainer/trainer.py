@@ -276,13 +276,16 @@ _LOG_OPTION_AS_HERE: dict[str, tuple[Any, ...]] = {
     "sync_dist": (False,),  # each rank's own value
     "rank_zero_only": (False,),  # every rank may log; rank zero writes
     "enable_graph": (False,),  # values are detached
-    "reduce_fx": ("mean", torch.mean),  # an on_epoch value is the epoch's mean
+    "reduce_fx": ("mean", "avg", torch.mean),  # an on_epoch value is the epoch's mean (Lightning's "avg" is one)
 }
 
 
 def _asks_what_log_does(option: str, value: Any) -> bool:
-    """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it."""
+    """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it (a ``reduce_fx``
+    name in any case, as Lightning reads ``"Mean"``)."""
     same_as_here = _LOG_OPTION_AS_HERE.get(option, ())
+    if isinstance(value, str) and option == "reduce_fx":
+        value = value.lower()
     return any(value is same or (isinstance(value, str) and value == same) for same in same_as_here)
 
 
