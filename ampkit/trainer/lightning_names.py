@@ -50,6 +50,19 @@ LIGHTNING_NAMES: dict[str, str] = {
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
     "estimated_stepping_batches": "self.num_training_steps",
+    "num_training_batches": "self.num_train_batches (this rank's batches per epoch, after limit_train_batches)",
+    "max_epochs": "self.cfg.trainer.max_epochs",
+    "max_steps": "self.cfg.trainer.max_steps",
+    "accumulate_grad_batches": "self.cfg.trainer.accumulate_grad_batches",
+    "num_sanity_val_steps": "self.cfg.trainer.num_sanity_val_steps",
+    "check_val_every_n_epoch": "self.cfg.trainer.val_every_n_epochs",
+    "val_check_interval": "self.cfg.trainer.val_every_n_steps (in iterations counted over the whole run)",
+    "log_every_n_steps": "self.cfg.logging.log_every_n_steps",
+    "log_dir": "self.version_dir (the run's version_N directory; TensorBoard writes under its tensorboard/)",
+    "default_root_dir": "self.cfg.run_dir",
+    "lightning_module": "self (a Trainer is Lightning's module and trainer in one)",
+    "local_rank": "self.dist.local_rank",
+    "sanity_checking": "self.state.stage == 'sanity' (the validation before training)",
     "lr_schedulers": (
         "nothing to step: each scheduler configure_optimizers returned steps after its optimizer's steps, as its "
         "interval and frequency say, under manual optimization too (a scheduler stepped again here would step twice)"
