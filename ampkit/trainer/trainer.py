@@ -899,13 +899,10 @@ class Trainer:
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
-        # An epoch's values are reduced where on_epoch is set, and in on_train_epoch_end (Lightning's default there).
-        reduced = on_epoch or self._epoch_means_taken
-        refused = (
-            sorted(name for name, given in others.items() if not _asks_what_log_does(name, given, reduced))
-            if others
-            else ()
-        )
+        refused: list[str] = []
+        if others:  # Lightning's options; values are reduced where on_epoch is set and in on_train_epoch_end
+            reduced = on_epoch or self._epoch_means_taken
+            refused = sorted(name for name, given in others.items() if not _asks_what_log_does(name, given, reduced))
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
             got = ", ".join(f"{name}={others[name]!r}" for name in refused)
