@@ -72,7 +72,7 @@ class TrainerConfig:
 class CheckpointConfig:
     """Where and when to write checkpoints (``<run_dir>/version_N/checkpoints``)."""
 
-    enabled: bool = True  # false: write no checkpoints at all
+    enabled: bool = True  # false: the config's ModelCheckpoint is off (one given in code still saves)
     every_n_steps: int = 0  # a step-N.pt every N iterations (0: never)
     every_n_epochs: int = 1  # an epoch-N.pt every N epochs (0: never)
     keep_last: int = 2  # step/epoch files kept besides last.pt

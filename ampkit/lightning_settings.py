@@ -24,12 +24,16 @@ LIGHTNING_SETTINGS: dict[str, str] = {
     ),
     "default_root_dir": "run_dir",
     "enable_progress_bar": "trainer.progress_bar",
-    "enable_checkpointing": "checkpoint.enabled",
+    "enable_checkpointing": (
+        "checkpoint.enabled, which switches the config's ModelCheckpoint off; one given in code still saves (Lightning "
+        "refuses one beside enable_checkpointing=False)"
+    ),
     "strategy": "distributed.strategy",
     "fast_dev_run": (
         "no config key: trainer.max_epochs=1 trainer.limit_train_batches=1 trainer.limit_val_batches=1 "
         "trainer.num_sanity_val_steps=0 checkpoint.enabled=false logging.tensorboard=false runs one batch of "
-        "training and one of validation, writing no checkpoint nor TensorBoard events"
+        "training and one of validation, writing no checkpoint nor TensorBoard events (for Lightning's "
+        "fast_dev_run=N, N batches of each, set both limits to N)"
     ),
     "overfit_batches": (
         "no config key: trainer.limit_train_batches=N with an unshuffled train_dataloader() trains on the same N "

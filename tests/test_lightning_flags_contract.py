@@ -40,6 +40,9 @@ from ampkit.config import Config, build_config
         ("early_stopping.check_on_train_epoch_end=true", "(Lightning's check_on_train_epoch_end has no config key"),
         ("checkpoint.save_last=true", "(Lightning's save_last has no config key here: last.pt is always written)"),
         ("trainer.logger=false", "(Lightning's logger; here it is logging.tensorboard)"),
+        ("trainer.enable_checkpointing=false", "(Lightning's enable_checkpointing; here it is checkpoint.enabled, "
+                                               "which switches the config's ModelCheckpoint off; one given in code "
+                                               "still saves"),
         ("checkpoint.save_weights_only=true", "(Lightning's save_weights_only has no config key here: a checkpoint "
                                               "holds everything a resume needs; ampkit.load_model(path)"),
         ("trainer.reload_dataloaders_every_n_epochs=1", "(Lightning's reload_dataloaders_every_n_epochs has no config "
@@ -65,20 +68,40 @@ class Counts(Callback):
         self.validation_batches += 1
 
 
-def test_the_fast_dev_run_recipe_runs_one_batch_of_each_and_writes_no_checkpoint_nor_events(tmp_path):
-    """The settings the fast_dev_run error names, as written there, do what Lightning's fast_dev_run does."""
+@pytest.mark.parametrize("batches", [1, 3])
+def test_the_fast_dev_run_recipe_runs_its_batches_of_each_and_writes_no_checkpoint_nor_events(tmp_path, batches):
+    """The settings the fast_dev_run error names, as written there (Lightning's fast_dev_run=N: both limits N), do
+    what Lightning's fast_dev_run does."""
     with pytest.raises(ConfigError) as caught:
-        build_config(Config, OmegaConf.from_dotlist(["trainer.fast_dev_run=true"]))
-    settings = str(caught.value).partition("no config key here: ")[2].partition(" runs ")[0].split()
+        build_config(Config, OmegaConf.from_dotlist([f"trainer.fast_dev_run={batches if batches > 1 else 'true'}"]))
+    said = str(caught.value)
+    settings = said.partition("no config key here: ")[2].partition(" runs ")[0].split()
+    assert "(for Lightning's fast_dev_run=N, N batches of each, set both limits to N)" in said
     counts = Counts()
     overrides = dict(setting.split("=") for setting in settings)
+    for limit in ("trainer.limit_train_batches", "trainer.limit_val_batches"):
+        overrides[limit] = batches
     trainer = ToyTrainer(toy_cfg(tmp_path, **overrides, **{"trainer.progress_bar": False}), callbacks=[counts])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit()
-    assert (counts.train_batches, counts.validation_batches) == (1, 1)
+    assert (counts.train_batches, counts.validation_batches) == (batches, batches)
     written = {p.name for p in trainer.version_dir.rglob("*")}
     assert not any(name.endswith(".pt") or name.startswith("events.out") for name in written), written
+
+
+def test_checkpoint_enabled_false_switches_off_the_config_s_checkpoint_only(tmp_path):
+    """As the enable_checkpointing hint and the config reference say: the config's ModelCheckpoint writes nothing,
+    one given in code still saves (where Lightning refuses the pair)."""
+    settings = {"checkpoint.enabled": False, "checkpoint.every_n_steps": 2, "trainer.max_steps": 4,
+                "trainer.progress_bar": False, "logging.tensorboard": False}  # fmt: skip
+    off = ToyTrainer(toy_cfg(tmp_path / "off", **settings))
+    off.fit()
+    assert not list(off.version_dir.rglob("*.pt")) and not any(isinstance(c, ModelCheckpoint) for c in off.callbacks)
+    mine = ModelCheckpoint(every_n_steps=2, every_n_epochs=0)
+    coded = ToyTrainer(toy_cfg(tmp_path / "coded", **settings), callbacks=[mine])
+    coded.fit()
+    assert {p.name for p in coded.version_dir.rglob("*.pt")} >= {"last.pt", "step-00000004.pt"}
 
 
 class TwoOptimizers(ToyTrainer):

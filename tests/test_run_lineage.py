@@ -500,6 +500,27 @@ def test_a_stopping_key_spelt_another_way_is_no_change(tmp_path, capsys, saved, 
     assert _files(tmp_path / "run") == before and "stopped early" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("saved", "resumed", "said"),
+    [
+        ({"hours": 1}, {"hours": 2}, "trainer.max_time: {'hours': 1} -> {'hours': 2}"),
+        ("01:00:00", {"hours": 2}, "trainer.max_time: 01:00:00 -> {'hours': 2}"),
+        ({"hours": 1}, 7200, "trainer.max_time: {'hours': 1} -> 7200"),
+    ],
+)
+def test_a_changed_max_time_dict_is_named_whole_as_written(tmp_path, saved, resumed, said):
+    """A resume's changed-config warning names ``trainer.max_time`` with both values as written: a dict was split
+    into ``trainer.max_time.hours`` (said absent beside another form) and {hours: 1} -> {hours: 2} said nothing."""
+    common = {**QUIET, "trainer.max_epochs": -1}
+    ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_steps": 1, "trainer.max_time": saved})).fit()
+    again = ToyTrainer(toy_cfg(tmp_path, **common, **{"trainer.max_steps": 2, "trainer.max_time": resumed}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.fit(resume="last")
+    changed = [str(w.message) for w in caught if "changed config" in str(w.message)]
+    assert len(changed) == 1 and changed[0].endswith(f"with a changed config: {said}"), changed
+
+
 @pytest.mark.parametrize("value", [0, -5, "1h", "00:00:00:00", "soon", True])
 def test_a_bad_max_time_names_the_key_and_the_valid_forms(tmp_path, value):
     from ampkit.config import ConfigError

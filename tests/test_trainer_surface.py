@@ -255,23 +255,32 @@ class LogsWithLightningOptionsAtWhatLogDoes(ToyTrainer):
         options = {"prog_bar": False, "logger": True, "sync_dist": False, "rank_zero_only": False}
         self.log("spelt_out", loss, on_epoch=True, enable_graph=False, reduce_fx="mean", **options)
         self.log("torch_mean", loss, on_epoch=True, reduce_fx=torch.mean)
+        self.log("avg", loss, on_epoch=True, reduce_fx="avg")  # Lightning's other name for the mean, and its case
+        self.log("capitalised", loss, on_epoch=True, reduce_fx="Mean")
+        self.log("peak", loss, reduce_fx="max")  # on_step only: Lightning reduces nothing, its max is the value
+        self.log("least", loss, reduce_fx=torch.min)
         return loss
 
 
 def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp_path):
-    """A port spelling out Lightning's defaults (sync_dist=False, reduce_fx="mean") logs as without them; the same
-    options at other values, or a 0 for a False, are still refused by name and value."""
+    """A port spelling out Lightning's defaults (sync_dist=False, reduce_fx="mean") logs as without them, as does
+    one giving an on_step value a reduce_fx (Lightning reduces only epoch values); the same options at other values,
+    or a 0 for a False, are still refused by name and value."""
     from ampkit.trainer.user_code import UserCodeError
 
     trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1}))
     trainer.fit()
     means = trainer.monitor_values()
     assert means["plain_epoch"] == means["spelt_out_epoch"] == means["torch_mean_epoch"]
+    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"]
     trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET))
+    trainer.log("peak", 2.0, reduce_fx="MAX")  # outside a batch: written at once, as without reduce_fx
+    assert [(tag, value) for tag, value, _ in trainer.logged_scalars] == [("peak", 2.0)]
     for refused, shown in [
         ({"sync_dist": 0}, "sync_dist=0"),
-        ({"reduce_fx": "max"}, "reduce_fx='max'"),
-        ({"reduce_fx": torch.max}, "reduce_fx=<built-in method max"),
+        ({"reduce_fx": "max", "on_epoch": True}, "reduce_fx='max'"),  # an epoch's max, which log() does not take
+        ({"reduce_fx": "median"}, "reduce_fx='median'"),  # not Lightning's either, even on_step
+        ({"reduce_fx": torch.max, "on_epoch": True}, "reduce_fx=<built-in method max"),
         ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
         ({"logger": False}, "got logger=False, which"),
         ({"rank_zero_only": True}, "got rank_zero_only=True, which"),

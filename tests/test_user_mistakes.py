@@ -978,6 +978,9 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
         _ = trainer.trainer
     with pytest.raises(AttributeError, match=r"'callback_metrics' \(Lightning's name; here it is self.val_metrics "):
         _ = trainer.callback_metrics  # after fit, as a Lightning test reads the last metrics
+    for name in ("callback_metrics", "logged_metrics"):  # a port's .item() on them meets a float: said up front
+        with pytest.raises(AttributeError, match=r"its values Python floats where Lightning's are tensors"):
+            getattr(trainer, name)
     with pytest.raises(AttributeError, match=r"'checkpoint_callback' \(Lightning's name; here it is the ModelCheckp"):
         _ = trainer.checkpoint_callback.best_model_path  # after fit, to load the best model
     with pytest.raises(AttributeError, match=r"^'ReadsLightningsEpoch' object has no attribute 'epoch_count'$"):
@@ -985,6 +988,20 @@ def test_lightnings_attribute_names_give_the_ampkit_spelling(tmp_path):
     trainer.optimizers = {"a": trainer.optimizer, "b": trainer.optimizer}
     with pytest.raises(AttributeError, match=r"there are 2 optimizers \(a, b\); use self.optimizers\[name\]"):
         _ = trainer.optimizer
+
+
+def test_lightnings_trainer_attributes_give_a_spelling_that_reads_here(tmp_path):
+    """A ported test reading trainer.max_epochs or trainer.log_dir after a fit hears the ampkit spelling, and that
+    spelling (the part before any parenthesis) reads on the Trainer: it met a bare AttributeError."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_steps": 1}))
+    trainer.fit()
+    for name in ["num_training_batches", "max_epochs", "max_steps", "accumulate_grad_batches", "num_sanity_val_steps",
+                 "check_val_every_n_epoch", "val_check_interval", "log_every_n_steps", "log_dir", "default_root_dir",
+                 "lightning_module", "local_rank", "sanity_checking"]:  # fmt: skip
+        with pytest.raises(AttributeError, match=rf"'{name}' \(Lightning's name; here it is ") as caught:
+            getattr(trainer, name)
+        spelling = str(caught.value).partition("here it is ")[2].partition(" (")[0].removesuffix(")")
+        eval(spelling, {}, {"self": trainer})  # the spelling is ours: it must read on a fitted Trainer
 
 
 class _StopsAsLightningDoes(ampkit.Callback):

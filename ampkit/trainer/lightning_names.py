@@ -23,11 +23,12 @@ LIGHTNING_NAMES: dict[str, str] = {
     "callback_metrics": (
         "self.val_metrics (the latest validation's means, named as validation_step returns them), "
         "self.validation_end_values (what its on_validation_end hooks logged) and self.monitor_values() (this "
-        "training epoch's on_epoch means), each kept after fit()"
+        "training epoch's on_epoch means), each kept after fit(), its values Python floats where Lightning's "
+        "are tensors: a port's .item() is the value itself"
     ),
     "logged_metrics": (
         "nothing kept per step: log() hands its values to TensorBoard; self.epoch_scalars holds the latest epoch's "
-        "on_epoch means"
+        "on_epoch means, its values Python floats where Lightning's are tensors"
     ),
     "progress_bar_metrics": (
         "nothing: the bar shows what training_step returns, and the epoch line the epoch means of on_epoch tags and "
@@ -49,6 +50,19 @@ LIGHTNING_NAMES: dict[str, str] = {
     "print": "print() under if self.is_global_zero",
     "batch_idx": "self.state.batch_idx",
     "estimated_stepping_batches": "self.num_training_steps",
+    "num_training_batches": "self.num_train_batches (this rank's batches per epoch, after limit_train_batches)",
+    "max_epochs": "self.cfg.trainer.max_epochs",
+    "max_steps": "self.cfg.trainer.max_steps",
+    "accumulate_grad_batches": "self.cfg.trainer.accumulate_grad_batches",
+    "num_sanity_val_steps": "self.cfg.trainer.num_sanity_val_steps",
+    "check_val_every_n_epoch": "self.cfg.trainer.val_every_n_epochs",
+    "val_check_interval": "self.cfg.trainer.val_every_n_steps (in iterations counted over the whole run)",
+    "log_every_n_steps": "self.cfg.logging.log_every_n_steps",
+    "log_dir": "self.version_dir (the run's version_N directory; TensorBoard writes under its tensorboard/)",
+    "default_root_dir": "self.cfg.run_dir",
+    "lightning_module": "self (a Trainer is Lightning's module and trainer in one)",
+    "local_rank": "self.dist.local_rank",
+    "sanity_checking": "self.state.stage == 'sanity' (the validation before training)",
     "lr_schedulers": (
         "nothing to step: each scheduler configure_optimizers returned steps after its optimizer's steps, as its "
         "interval and frequency say, under manual optimization too (a scheduler stepped again here would step twice)"

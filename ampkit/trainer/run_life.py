@@ -302,14 +302,16 @@ def _stopping_key(key: str) -> bool:
 
 
 def _settings(config: dict[str, Any] | DictConfig, spelt: bool = False) -> dict[str, Any]:
-    """``config`` flattened to dotted keys; unless ``spelt``, a value with several spellings in its one meaning
-    (``trainer.max_time`` ``3600`` or ``"01:00:00"``, ``precision.dtype`` ``bf16`` or ``bfloat16``), so a resume
-    compares what the settings mean, not how they were written."""
+    """``config`` flattened to dotted keys (a ``trainer.max_time`` dict is one key, not one per unit); unless
+    ``spelt``, a value with several spellings in its one meaning (``trainer.max_time`` ``3600``, ``"01:00:00"`` or
+    ``{hours: 1}``, ``precision.dtype`` ``bf16`` or ``bfloat16``), so a resume compares what the settings mean, not
+    how they were written."""
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
     trainer = config.get("trainer")
-    if not spelt and isinstance(trainer, dict) and isinstance(trainer.get("max_time"), dict):  # {hours: 1}: one key
-        config = {**config, "trainer": {**trainer, "max_time": duration_seconds(trainer["max_time"])}}
+    if isinstance(trainer, dict) and isinstance(trainer.get("max_time"), dict):  # {hours: 1}: one key, as written
+        written = trainer["max_time"]
+        config = {**config, "trainer": {**trainer, "max_time": str(written) if spelt else duration_seconds(written)}}
     flat = flatten(config, sep=".")
     if spelt:
         return flat

@@ -276,12 +276,20 @@ _LOG_OPTION_AS_HERE: dict[str, tuple[Any, ...]] = {
     "sync_dist": (False,),  # each rank's own value
     "rank_zero_only": (False,),  # every rank may log; rank zero writes
     "enable_graph": (False,),  # values are detached
-    "reduce_fx": ("mean", torch.mean),  # an on_epoch value is the epoch's mean
 }
+# Lightning's reductions (its log() refuses any other): by name in any case ("avg" is its mean), or the function.
+_REDUCTIONS: dict[Any, str] = {"avg": "mean", **{name: name for name in ("mean", "max", "min", "sum")}}
+_REDUCTIONS.update({torch.mean: "mean", torch.max: "max", torch.min: "min", torch.sum: "sum"})
+_REDUCTIONS.update({max: "max", min: "min", sum: "sum"})
 
 
-def _asks_what_log_does(option: str, value: Any) -> bool:
-    """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it."""
+def _asks_what_log_does(option: str, value: Any, reduced: bool) -> bool:
+    """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it: a ``reduce_fx``
+    of Lightning's that is its mean, or any where the value is not ``reduced`` (Lightning reduces on_epoch values
+    only, so an on_step one's max is its value)."""
+    if option == "reduce_fx":
+        kind = _REDUCTIONS.get(value.lower() if isinstance(value, str) else value) if value.__hash__ else None
+        return kind == "mean" or (kind is not None and not reduced)
     same_as_here = _LOG_OPTION_AS_HERE.get(option, ())
     return any(value is same or (isinstance(value, str) and value == same) for same in same_as_here)
 
@@ -889,15 +897,16 @@ class Trainer:
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
-        refused = (
-            sorted(name for name, given in others.items() if not _asks_what_log_does(name, given)) if others else ()
-        )
+        on_step = _log_switch(tag, "on_step", on_step, default=True)
+        on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
+        refused: list[str] = []
+        if others:  # Lightning's options; values are reduced where on_epoch is set and in on_train_epoch_end
+            reduced = on_epoch or self._epoch_means_taken
+            refused = sorted(name for name, given in others.items() if not _asks_what_log_does(name, given, reduced))
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
             got = ", ".join(f"{name}={others[name]!r}" for name in refused)
             raise UserCodeError(f"log('{tag}') got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
-        on_step = _log_switch(tag, "on_step", on_step, default=True)
-        on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         always = _log_switch(tag, "always", always, default=None)
         valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
         if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
