@@ -212,3 +212,18 @@ def test_a_post_amp_backward_that_unscales_by_itself_keeps_the_gradients_stashed
         reference(_batch(i)).pow(2).mean().backward()
     for master, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
         torch.testing.assert_close(master.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["_prepare_amp_backward", "_post_amp_backward"])
+def test_a_replacement_that_skips_amps_own_method_under_combine_grad_is_refused_naming_it(shim, name):
+    """With ``combine_grad=True`` (Ascend's flat gradient buffers) only amp's own methods know the buffers: a no-op
+    replacement is refused naming the method and what to do, where the combiner's own error named neither."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", combine_grad=True, verbosity=0)
+    setattr(optimizer, name, types.MethodType(lambda opt, *scaler: None, optimizer))
+    with pytest.raises(RuntimeError, match=rf"optimizer\.{name} was replaced by .*call the original"):
+        with amp.scale_loss(model(_batch(0)).sum(), optimizer) as scaled_loss:
+            scaled_loss.backward()

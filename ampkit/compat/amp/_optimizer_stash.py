@@ -272,6 +272,7 @@ class AmpOptimizerStash:
         if not delayed and not self.combiner.pending:
             self.optimizer._prepare_amp_backward()
         if not self.combiner.pending:
+            self._refuse_flat_without_own("_prepare_amp_backward", "prepared")
             self.lazy_init()
             self.combiner.adopt_scaled_grads()
 
@@ -284,10 +285,23 @@ class AmpOptimizerStash:
             return self.combine(scaler).found_inf
         self.optimizer._post_amp_backward(scaler)
         if self.combiner.pending:
+            self._refuse_flat_without_own("_post_amp_backward", "unscaled")
             self.pending_scale = None
             self.combiner.release()
             self._settle_kept_model_grads()
         return None
+
+    def _refuse_flat_without_own(self, name: str, done: str) -> None:
+        """combine_grad's flat buffers know only what amp's own methods did: a replacement that skips them is an error
+        naming it (the combiner said only that flat buffers need prepare_backward)."""
+        if self.combine_grad:
+            method = getattr(self.optimizer, name)
+            raise RuntimeError(
+                f"optimizer.{name} was replaced by {getattr(method, '__qualname__', type(method).__name__)}, which "
+                "did not call amp's own: "
+                f"with combine_grad=True the flat gradient buffers are {done} by amp's own method only; call the "
+                "original from the replacement, or initialize without combine_grad"
+            )
 
     def _masters_with_model_grads(self) -> list[torch.Tensor]:
         """The masters whose model parameter holds a gradient (zeroed in place by Apex's O2 ``zero_grad``) as a
