@@ -2,7 +2,9 @@
 
 - a speech runner (``core/runner/base_runner.py``) whose model backpropagates part of its loss inside its forward,
   at the scale it reads from amp, and that replaces ``optimizer._prepare_amp_backward`` by a no-op so that amp
-  stashes none of those gradients: they are unscaled (and checked for inf) with the loss's own;
+  stashes none of those gradients: they are unscaled (and checked for inf) with the loss's own; and its ``BMUF``,
+  which writes a block-momentum update into the masters and pushes them into the model through
+  ``optimizer._master_params_to_model_params()`` where the optimizer has it (Apex's O2);
 - a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients;
 - code that calls an O2 optimizer's ``zero_grad`` before the first backward, then reads the masters in
   ``param_groups``: Apex's O2 ``zero_grad`` ran the lazy init, which built the masters from the model;
@@ -227,3 +229,51 @@ def test_a_replacement_that_skips_amps_own_method_under_combine_grad_is_refused_
     with pytest.raises(RuntimeError, match=rf"optimizer\.{name} was replaced by .*call the original"):
         with amp.scale_loss(model(_batch(0)).sum(), optimizer) as scaled_loss:
             scaled_loss.backward()
+
+
+class _BlockMomentum:
+    """The runner's ``BMUF`` optimizer in outline (one worker, so its allreduce is the identity): every ``block``
+    steps the masters jump by a block-momentum update from their global copy, then, "for amp level O2", the masters
+    are pushed into the model through ``optimizer._master_params_to_model_params()`` when the optimizer has it."""
+
+    def __init__(self, optimizer, block: int = 2, block_lr: float = 1.0, block_momentum: float = 0.5) -> None:
+        from apex import amp
+
+        self.optimizer, self.block, self.block_lr, self.block_momentum = optimizer, block, block_lr, block_momentum
+        self.params = list(amp.master_params(optimizer))
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.delta = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self, iters: int) -> None:
+        if (iters + 1) % self.block:
+            return
+        for param, delta, global_param in zip(self.params, self.delta, self.global_params, strict=True):
+            delta.copy_(self.block_momentum * delta + self.block_lr * (param - global_param))
+            param.copy_(global_param + delta)
+            global_param.copy_(param)
+        if hasattr(self.optimizer, "_master_params_to_model_params"):
+            self.optimizer._master_params_to_model_params()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_block_momentum_sync_on_the_masters_reaches_the_model_through_master_params_to_model_params(shim, opt_level):
+    """The runner's BMUF writes its block update into ``amp.master_params`` and, where the optimizer has Apex's O2
+    ``_master_params_to_model_params`` (O2 only, as in Apex: O1 has no masters), pushes them into the fp16 model, so
+    the next forward runs on the synced weights. amp's O2 optimizer lacked it: the model ran one block stale."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    assert hasattr(optimizer, "_master_params_to_model_params") == (opt_level == "O2")
+    bmuf = _BlockMomentum(optimizer)
+    for iters in range(4):
+        optimizer.zero_grad()
+        x = _batch(iters)
+        with amp.scale_loss(model(x.half() if opt_level == "O2" else x).float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        bmuf.step(iters)
+        for weight, master in zip(model.parameters(), amp.master_params(optimizer), strict=True):
+            assert torch.equal(weight, master.to(weight.dtype))

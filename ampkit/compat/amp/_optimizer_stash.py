@@ -367,7 +367,7 @@ class AmpOptimizerStash:
             with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
                 result = original_step()
             if stash.master_weights is not None:
-                stash.master_weights.copy_to_model()
+                self._master_params_to_model_params()  # through the attribute, as Apex's O2 step called it
                 stash.clear_master_grads()
             return result
 
@@ -453,6 +453,13 @@ class AmpOptimizerStash:
 
         def lazy_init_maybe_master_weights(self: Any) -> None:
             stash.take_over_model_weights()
+
+        if stash.master_weights is not None:  # Apex's O2 only: code asks hasattr() whether there are masters to push
+
+            def master_params_to_model_params(self: Any) -> None:
+                stash.master_weights.copy_to_model()
+
+            optimizer._master_params_to_model_params = types.MethodType(master_params_to_model_params, optimizer)
 
         # amp's own, told from a script's replacement by ``replaced``
         self._own_methods = {"_prepare_amp_backward": prepare_amp_backward, "_post_amp_backward": post_amp_backward}
