@@ -277,3 +277,29 @@ def test_a_block_momentum_sync_on_the_masters_reaches_the_model_through_master_p
         bmuf.step(iters)
         for weight, master in zip(model.parameters(), amp.master_params(optimizer), strict=True):
             assert torch.equal(weight, master.to(weight.dtype))
+
+
+def test_a_copy_of_apexs_o1_post_amp_backward_accumulates_through_apexs_helper_as_float32(shim):
+    """A copy of Apex's O1 ``_post_amp_backward`` (no masters): each dtype's parameters and Apex's stash of them
+    (``_amp_stash.all_fp16_grad_stash`` / ``all_fp32_grad_stash``) through ``post_backward_models_are_masters``. amp
+    adds back what it stashed, so two backwards without a ``zero_grad`` accumulate as in float32."""
+    from apex import amp
+
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=512.0, verbosity=0)
+
+    def post_amp_backward(self, scaler):
+        stash = self._amp_stash
+        for params, stashed in ((stash.all_fp16_params, stash.all_fp16_grad_stash),
+                                (stash.all_fp32_params, stash.all_fp32_grad_stash)):  # fmt: skip
+            amp._process_optimizer.post_backward_models_are_masters(scaler, params, stashed)
+
+    optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+    for i in range(2):
+        with amp.scale_loss(model(_batch(i)).float().pow(2).mean(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        reference(_batch(i)).pow(2).mean().backward()
+    for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)

@@ -102,12 +102,23 @@ class AmpOptimizerStash:
         self._o2_only("all_fp32_from_fp32_params")
         return [p for group in self.fp32_from_fp32_groups for p in group]
 
+    # Apex's stashes of gradients from before a backward, which a replaced ``_post_amp_backward`` hands to
+    # ``_process_optimizer.post_backward_models_are_masters`` with their parameters: all None here, since amp keeps
+    # that stash itself and adds it back after the replacement returns.
     @property
     def all_fp32_from_fp32_grad_stash(self) -> list[None]:
-        """Apex's O2 stash of :attr:`all_fp32_from_fp32_params`' gradients from before a backward, which a replaced
-        ``_post_amp_backward`` hands to ``_process_optimizer.post_backward_models_are_masters``: all None here, since
-        amp keeps that stash itself and adds it back after the replacement returns."""
+        """Apex's O2 stash for :attr:`all_fp32_from_fp32_params` (all None: amp keeps the stash)."""
         return [None] * len(self.all_fp32_from_fp32_params)
+
+    @property
+    def all_fp16_grad_stash(self) -> list[None]:
+        """Apex's stash for :attr:`all_fp16_params` (all None: amp keeps the stash)."""
+        return [None] * len(self.all_fp16_params)
+
+    @property
+    def all_fp32_grad_stash(self) -> list[None]:
+        """Apex's O1/O3 stash for :attr:`all_fp32_params` (all None: amp keeps the stash)."""
+        return [None] * len(self.all_fp32_params)
 
     def _o2_only(self, name: str) -> None:
         """Refuse an O2 list without masters, as Apex's missing attribute did: an empty list read there made a
