@@ -454,6 +454,26 @@ class GradientCombiner:
         self._pending = True
         self._stash = [None] * len(self._self_idx)
 
+    def release(self) -> None:
+        """End a prepared backward whose gradients the caller unscaled itself (a script's own Apex
+        ``_post_amp_backward``): the stashed gradients are added back to what the backward left, unchecked.
+
+        Raises:
+            RuntimeError: with flat buffers, whose stash lives in the buffers and is not handed out.
+        """
+        if not self._pending:
+            return
+        if self.flat:
+            raise RuntimeError("flat gradient buffers (combine_grad=True) are unscaled by combine() only")
+        self._pending = False
+        with torch.no_grad():
+            for k, i in enumerate(self._self_idx):
+                p, stash = self.params[i], self._stash[k]
+                self._stash[k] = None
+                if stash is None:
+                    continue
+                p.grad = stash if p.grad is None else _sparse_sum(p.grad, stash)
+
     def combine(self, scaler: LossScaler | float, found_inf: torch.Tensor | None = None) -> CombineResult:
         """Unscale the gradients that arrived since :meth:`prepare_backward` by ``scaler`` (a
         :class:`LossScaler` or a scale), check them for inf/nan and add the stash.

@@ -183,7 +183,8 @@ def test_removed_or_cuda_only_apex_modules_programs_import_name_what_to_use(shim
 
 # Every module of Apex's tree at its last commit with amp (May 2025), its tests and examples aside: served ...
 _APEX_MODULES_SERVED = """
-apex apex._autocast_utils apex.amp apex.amp._amp_state apex.amp._initialize apex.amp.amp apex.amp.frontend
+apex apex._autocast_utils apex.amp apex.amp._amp_state apex.amp._initialize apex.amp._process_optimizer apex.amp.amp
+apex.amp.frontend
 apex.amp.handle apex.amp.lists apex.amp.lists.functional_overrides apex.amp.lists.tensor_overrides
 apex.amp.lists.torch_overrides apex.amp.scaler apex.amp.utils apex.contrib apex.contrib.clip_grad
 apex.contrib.clip_grad.clip_grad apex.contrib.focal_loss apex.contrib.focal_loss.focal_loss apex.contrib.optimizers
@@ -210,8 +211,7 @@ apex.parallel.optimized_sync_batchnorm_kernel apex.transformer
 apex.transformer.pipeline_parallel.schedules.fwd_bwd_pipelining_with_interleaving
 """.split()
 # ... except amp's internal modules, which name what apex.amp provides.
-_APEX_AMP_INTERNALS = ["apex.amp._process_optimizer", "apex.amp.compat", "apex.amp.opt", "apex.amp.rnn_compat",
-                       "apex.amp.wrap"]  # fmt: skip
+_APEX_AMP_INTERNALS = ["apex.amp.compat", "apex.amp.opt", "apex.amp.rnn_compat", "apex.amp.wrap"]
 
 
 def test_every_module_of_apexs_last_tree_is_served_or_refused_naming_what_to_use(shim):

@@ -14,7 +14,7 @@
   ``apex.amp.register_half_function(torch, "einsum")`` before ``initialize`` so that XLNet's attention einsums run in
   half at O1;
 - onnxruntime-training's ``ApexAMPModifier``: a ``zero_grad`` over the stash's lists and a replaced
-  ``_post_amp_backward`` written against Apex's internals, which amp does not call.
+  ``_post_amp_backward`` written against Apex's ``_process_optimizer``, which amp calls as Apex did.
 """
 
 from __future__ import annotations
@@ -399,11 +399,13 @@ def test_run_squads_einsum_registered_half_before_initialize_runs_xlnets_attenti
     torch.testing.assert_close(losses[opt_level], losses["O0"], rtol=0, atol=2e-3)
 
 
-def _ort_apex_amp_modifier(optimizer) -> None:
+def _ort_apex_amp_modifier(optimizer, calls: list[str]) -> None:
     """onnxruntime-training's ``ApexAMPModifier`` (what its ``FP16_Optimizer(optimizer)`` applies to an amp optimizer
     once ``import amp_C`` works and the optimizer has ``_post_amp_backward`` and ``zero_grad``): a faster copy of
-    Apex's O2 ``_post_amp_backward``, written against Apex's internals, and a ``zero_grad`` over the stash's lists
-    that sets the gradients to None."""
+    Apex's O2 ``_post_amp_backward`` (its fused kernel unscales the fp16 gradients into new fp32 master gradients,
+    flagging inf/nan in ``scaler._overflow_buf``; here the scaler's own ``unscale`` stands in for it) that hands the
+    fp32 parameters to Apex's ``_process_optimizer.post_backward_models_are_masters``, and a ``zero_grad`` over the
+    stash's lists that sets the gradients to None."""
     import types
 
     import amp_C  # noqa: F401  (its requirement check)
@@ -413,7 +415,19 @@ def _ort_apex_amp_modifier(optimizer) -> None:
     def post_backward_with_master_weights(self, scaler):
         from apex import amp as apex_amp
 
-        apex_amp._process_optimizer.post_backward_models_are_masters(scaler, [], [])  # Apex's internal module
+        calls.append("post")
+        stash = self._amp_stash
+        self._amp_lazy_init()
+        model_grads, master_grads = [], []
+        for param, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params, strict=True):
+            if param.grad is not None:
+                master.grad = torch.empty_like(master)
+                model_grads.append(param.grad)
+                master_grads.append(master.grad)
+        scaler.unscale(model_grads, master_grads, scaler._loss_scale)
+        apex_amp._process_optimizer.post_backward_models_are_masters(
+            scaler, stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash
+        )
 
     def zero_grad(self, set_to_none=True):
         stash = self._amp_stash
@@ -431,19 +445,21 @@ def _ort_apex_amp_modifier(optimizer) -> None:
     optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
 
 
-def test_onnxruntimes_apex_amp_modifier_trains_at_o2_on_amps_own_unscale(shim):
-    """``amp.scale_loss`` unscales through the stash, not through ``optimizer._post_amp_backward``: onnxruntime's
-    replacement, which reaches into ``apex.amp._process_optimizer`` (not served), is never called, and the run follows
-    O0. Its ``zero_grad`` (gradients to None, the model's and the masters') is the optimizer's from then on."""
+def test_onnxruntimes_apex_amp_modifier_unscales_through_its_replaced_post_backward_at_o2(shim):
+    """``amp.scale_loss`` calls ``optimizer._post_amp_backward`` through the attribute, as Apex did: onnxruntime's
+    replacement unscales every backward (fp16 gradients into the masters, the batch norm's fp32 ones through
+    ``apex.amp._process_optimizer``), the run follows O0, and the inf it flags skips that step and halves the scale.
+    Its ``zero_grad`` (gradients to None, the model's and the masters') is the optimizer's from then on."""
     from apex import amp
 
     finals = {}
     for opt_level in ("O0", "O2"):
         model = _bn_mlp()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+        calls: list[str] = []
         if opt_level == "O2":
-            _ort_apex_amp_modifier(optimizer)
+            _ort_apex_amp_modifier(optimizer, calls)
         for i in range(5):
             g = torch.Generator().manual_seed(i)
             x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
@@ -453,5 +469,17 @@ def test_onnxruntimes_apex_amp_modifier_trains_at_o2_on_amps_own_unscale(shim):
                 scaled_loss.backward()
             optimizer.step()
         finals[opt_level] = [p.detach().float().clone() for p in amp.master_params(optimizer)]
+        assert calls == (["post"] * 5 if opt_level == "O2" else [])
+        if opt_level == "O2":  # an inf in a batch norm (fp32) gradient, flagged by Apex's helper: a skipped step
+            before = [p.detach().clone() for p in amp.master_params(optimizer)]
+            scale = amp._amp_state.loss_scalers[0].loss_scale()
+            optimizer.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(x).float(), y), optimizer) as scaled_loss:
+                scaled_loss.backward()
+                model[1].weight.grad[0] = float("inf")
+            optimizer.step()
+            assert amp._amp_state.loss_scalers[0].loss_scale() == scale / 2
+            for after, was in zip(amp.master_params(optimizer), before, strict=True):
+                assert torch.equal(after, was)
     for ours, full in zip(finals["O2"], finals["O0"], strict=True):
         torch.testing.assert_close(ours, full, rtol=0, atol=2e-3)

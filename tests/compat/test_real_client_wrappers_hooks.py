@@ -508,3 +508,38 @@ def test_modelscope_apex_hook_unwraps_data_parallel_and_accumulates_at_o1_as_at_
     assert len(norms0) == 4 and min(norms0) > 0.3
     torch.testing.assert_close(norms, norms0, rtol=1e-2, atol=0)
     torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
+
+
+def test_modelscope_apex_hook_at_o2_clips_the_scaled_model_gradients_not_the_masters_and_round_trips_amp(shim):
+    """modelscope's hook at O2: its clip runs over the model's fp16 parameters, whose gradients stay scaled after the
+    ``scale_loss`` exit (only the fp32 masters are unscaled), so under Apex it never reached the step: the run follows
+    an O0 run without clipping, as it did there. ``amp.state_dict()`` carries the loss scale into a fresh run."""
+    from apex import amp
+
+    runs = {}
+    for opt_level, max_norm in (("O0", float("inf")), ("O2", 0.3)):
+        trainer = _ModelScopeHookTrainer(opt_level, max_norm=max_norm)
+        runs[opt_level] = [trainer.train_iter() for _ in range(8)], trainer
+    (losses, trainer), (losses0, _) = runs["O2"], runs["O0"]
+    torch.testing.assert_close(losses, losses0, rtol=0, atol=5e-3)
+    assert all(p.dtype == torch.float16 for p in trainer.model.parameters())
+    assert all(m.dtype == torch.float32 for m in amp.master_params(trainer.optimizer))
+    state = amp.state_dict()
+    assert state == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 8}}  # one update per backward
+    _ModelScopeHookTrainer("O2")
+    amp.load_state_dict(state)
+    assert amp.state_dict() == state
+
+
+def test_colossalai_apex_mode_at_o3_has_no_masters_so_its_float32_only_clip_refuses_as_under_apex(shim):
+    """ColossalAI's Apex mode at O3 (its config's ``None`` keys keep O3's own values): no masters, so
+    ``amp.master_params`` are the fp16 model's parameters and ColossalAI's own clip, which takes float32 gradients
+    only, stops at its assert as it did under Apex; the static scale of 1 round-trips through ``amp.state_dict()``."""
+    import apex.amp as apex_amp
+
+    with pytest.raises(AssertionError, match="expected gradient to be dtype torch.float"):
+        _colossal_run("O3")
+    state = apex_amp.state_dict()
+    assert state == {"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}}  # scale_loss short-circuits at 1, as Apex
+    apex_amp.load_state_dict(state)
+    assert apex_amp.state_dict() == state

@@ -14,6 +14,9 @@ from ampkit.compat._exported_names import keep_exported_names
 # apex.amp._initialize.applier is reached as an attribute (catalyst)
 from ampkit.compat.amp import _initialize as _initialize
 
+# apex.amp._process_optimizer.post_backward_models_are_masters is reached as an attribute (onnxruntime-training)
+from ampkit.compat.amp import _process_optimizer as _process_optimizer
+
 # apex.amp.lists: the O1 cast tables scripts edit before initialize (NVIDIA's Tacotron 2: amp.lists.functional_...)
 from ampkit.compat.amp import lists as lists
 

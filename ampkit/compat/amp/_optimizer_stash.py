@@ -102,6 +102,24 @@ class AmpOptimizerStash:
         self._o2_only("all_fp32_from_fp32_params")
         return [p for group in self.fp32_from_fp32_groups for p in group]
 
+    # Apex's stashes of gradients from before a backward, which a replaced ``_post_amp_backward`` hands to
+    # ``_process_optimizer.post_backward_models_are_masters`` with their parameters: all None here, since amp keeps
+    # that stash itself and adds it back after the replacement returns.
+    @property
+    def all_fp32_from_fp32_grad_stash(self) -> list[None]:
+        """Apex's O2 stash for :attr:`all_fp32_from_fp32_params` (all None: amp keeps the stash)."""
+        return [None] * len(self.all_fp32_from_fp32_params)
+
+    @property
+    def all_fp16_grad_stash(self) -> list[None]:
+        """Apex's stash for :attr:`all_fp16_params` (all None: amp keeps the stash)."""
+        return [None] * len(self.all_fp16_params)
+
+    @property
+    def all_fp32_grad_stash(self) -> list[None]:
+        """Apex's O1/O3 stash for :attr:`all_fp32_params` (all None: amp keeps the stash)."""
+        return [None] * len(self.all_fp32_params)
+
     def _o2_only(self, name: str) -> None:
         """Refuse an O2 list without masters, as Apex's missing attribute did: an empty list read there made a
         hand-written ``zero_grad`` over ``all_fp16_params + all_fp32_from_fp32_params`` clear no O1 gradient."""
@@ -182,14 +200,16 @@ class AmpOptimizerStash:
             if master is not param and not torch.equal(master.to(param.dtype), param):
                 master.copy_(param)
 
-    def lazy_init(self) -> None:
-        """Apex's ``_amp_lazy_init`` (first backward, step): the first time, call the optimizer's
+    def lazy_init(self, take_over: bool = True) -> None:
+        """Apex's ``_amp_lazy_init`` (first backward, step, O2 zero_grad): the first time, call the optimizer's
         ``_lazy_init_maybe_master_weights`` through the attribute, as Apex did, so a script's wrapper of it runs (a
-        Lightning fork reloads its deferred checkpoint there); every time, take over weights loaded since."""
+        Lightning fork reloads its deferred checkpoint there); every time where ``take_over``, take over weights
+        loaded since (a zero_grad leaves that to the backward: a resume may load the model after it)."""
         if not self.lazy_init_called:
             self.optimizer._lazy_init_maybe_master_weights()
             self.lazy_init_called = True
-        self.take_over_model_weights()
+        if take_over:
+            self.take_over_model_weights()
 
     def take_over_model_weights(self) -> None:
         """ampkit's ``_lazy_init_maybe_master_weights``: the masters take over weights loaded into the model since
@@ -238,11 +258,61 @@ class AmpOptimizerStash:
         """Unscale the new gradients by ``scaler`` and add the stash."""
         self.pending_scale = None
         result = self.combiner.combine(scaler)
+        self._settle_kept_model_grads()
+        return result
+
+    def _settle_kept_model_grads(self) -> None:
         for master in self._kept_model_grads:
             if master.grad is None:
                 master.grad = torch.zeros_like(master)
         self._kept_model_grads = []
-        return result
+
+    def replaced(self, name: str) -> bool:
+        """Whether a script replaced amp's ``optimizer.<name>`` (one of Apex's per-optimizer methods), so that
+        ``scale_loss`` calls the replacement, as Apex called them through the attribute."""
+        return getattr(getattr(self.optimizer, name, None), "__func__", None) is not self._own_methods[name]
+
+    def before_backward(self, delayed: bool) -> None:
+        """``scale_loss``'s step before its backward: amp's own prepare, or a script's ``_prepare_amp_backward``
+        called where Apex called it (not for a ``delay_unscale`` backward, nor while one is pending). Gradients
+        that no prepare stashed count as this backward's, as under Apex: a no-op replacement lets gradients that
+        a model's forward backpropagated at the loss scale be unscaled (and checked) with the loss's."""
+        if not self.replaced("_prepare_amp_backward"):
+            self.prepare_backward(delayed=delayed)
+            return
+        if not delayed and not self.combiner.pending:
+            self.optimizer._prepare_amp_backward()
+        if not self.combiner.pending:
+            self._refuse_flat_without_own("_prepare_amp_backward", "prepared")
+            self.lazy_init()
+            self.combiner.adopt_scaled_grads()
+
+    def after_backward(self, scaler: LossScaler) -> torch.Tensor | None:
+        """``scale_loss``'s unscale after its backward: amp's own (its unsynced found_inf flag returned), or a
+        script's ``_post_amp_backward(scaler)`` called as Apex called it (None returned: its verdict is in the
+        scaler's ``_overflow_buf``). A replacement that unscaled by itself, without amp's own, gets the gradients
+        stashed before the backward added back to what it left, as Apex's stash of them was."""
+        if not self.replaced("_post_amp_backward"):
+            return self.combine(scaler).found_inf
+        self.optimizer._post_amp_backward(scaler)
+        if self.combiner.pending:
+            self._refuse_flat_without_own("_post_amp_backward", "unscaled")
+            self.pending_scale = None
+            self.combiner.release()
+            self._settle_kept_model_grads()
+        return None
+
+    def _refuse_flat_without_own(self, name: str, done: str) -> None:
+        """combine_grad's flat buffers know only what amp's own methods did: a replacement that skips them is an error
+        naming it (the combiner said only that flat buffers need prepare_backward)."""
+        if self.combine_grad:
+            method = getattr(self.optimizer, name)
+            raise RuntimeError(
+                f"optimizer.{name} was replaced by {getattr(method, '__qualname__', type(method).__name__)}, which "
+                "did not call amp's own: "
+                f"with combine_grad=True the flat gradient buffers are {done} by amp's own method only; call the "
+                "original from the replacement, or initialize without combine_grad"
+            )
 
     def _masters_with_model_grads(self) -> list[torch.Tensor]:
         """The masters whose model parameter holds a gradient (zeroed in place by Apex's O2 ``zero_grad``) as a
@@ -308,7 +378,7 @@ class AmpOptimizerStash:
             with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
                 result = original_step()
             if stash.master_weights is not None:
-                stash.master_weights.copy_to_model()
+                self._master_params_to_model_params()  # through the attribute, as Apex's O2 step called it
                 stash.clear_master_grads()
             return result
 
@@ -316,6 +386,10 @@ class AmpOptimizerStash:
             # Inside a scale_loss block (NeMo zeroes the gradients there on a nan loss and `continue`s) the block's
             # exit still unscales, as Apex's did: the backward it prepared stays prepared, with nothing stashed.
             keep_pending = stash.in_scale_loss
+            if stash.master_weights is not None:
+                # Apex's O2 zero_grad ran the lazy init (its first call only): masters read from param_groups after
+                # a zero_grad before the first backward hold the weights loaded into the model since initialize
+                stash.lazy_init(take_over=False)
             if stash.master_weights is not None and set_to_none is None:
                 # Apex's O2 zero_grad (it took no argument): the model's gradients zeroed in place, so code reading
                 # them after zero_grad (p.grad.zero_(), a norm) finds tensors, and the fp32 masters' set to None
@@ -391,6 +465,15 @@ class AmpOptimizerStash:
         def lazy_init_maybe_master_weights(self: Any) -> None:
             stash.take_over_model_weights()
 
+        if stash.master_weights is not None:  # Apex's O2 only: code asks hasattr() whether there are masters to push
+
+            def master_params_to_model_params(self: Any) -> None:
+                stash.master_weights.copy_to_model()
+
+            optimizer._master_params_to_model_params = types.MethodType(master_params_to_model_params, optimizer)
+
+        # amp's own, told from a script's replacement by ``replaced``
+        self._own_methods = {"_prepare_amp_backward": prepare_amp_backward, "_post_amp_backward": post_amp_backward}
         optimizer._prepare_amp_backward = types.MethodType(prepare_amp_backward, optimizer)
         optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
         optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)

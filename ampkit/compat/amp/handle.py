@@ -128,7 +128,7 @@ def scale_loss(
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
     for stash in stashes:
-        stash.prepare_backward(delayed=delay_unscale)
+        stash.before_backward(delayed=delay_unscale)  # a script's replaced optimizer._prepare_amp_backward runs here
         stash.match_pending_scale(scaler.loss_scale())
         stash.in_scale_loss = True
     try:
@@ -139,11 +139,14 @@ def scale_loss(
     if delay_unscale:
         _clear_cast_cache()
         return
+    # cleared first, as Apex: a script's replaced optimizer._post_amp_backward leaves its verdict in _overflow_buf
+    scaler.clear_overflow_state()
     with _casts_disabled():  # amp's own arithmetic is not the model's: no O1 casts inside it
-        flags = [stash.combine(scaler).found_inf for stash in stashes]
-    scaler.clear_overflow_state()  # also with delay_overflow_check, as Apex: no stale verdict in _has_overflow
+        flags = [stash.after_backward(scaler) for stash in stashes]
     if not delay_overflow_check:
-        found_inf = any(read_flags(flags))
+        found_inf = any(read_flags([flag for flag in flags if flag is not None]))
+        if not found_inf and any(flag is None for flag in flags):
+            found_inf = scaler._has_overflow or bool(scaler._overflow_buf.item())
         scaler.update(found_inf)
         if found_inf and scaler.dynamic:
             for stash in stashes:

@@ -1,0 +1,305 @@
+"""Round twenty of real Apex programs, one pattern per test (written here after the programs' own code, CPU-sized):
+
+- a speech runner (``core/runner/base_runner.py``) whose model backpropagates part of its loss inside its forward,
+  at the scale it reads from amp, and that replaces ``optimizer._prepare_amp_backward`` by a no-op so that amp
+  stashes none of those gradients: they are unscaled (and checked for inf) with the loss's own; and its ``BMUF``,
+  which writes a block-momentum update into the masters and pushes them into the model through
+  ``optimizer._master_params_to_model_params()`` where the optimizer has it (Apex's O2);
+- a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients;
+- code that calls an O2 optimizer's ``zero_grad`` before the first backward, then reads the masters in
+  ``param_groups``: Apex's O2 ``zero_grad`` ran the lazy init, which built the masters from the model;
+- DeepSpeed's engine with an ``"amp"`` config section: ``amp.initialize(module, optimizer, **amp_params)`` at O2,
+  ``delay_unscale`` off the accumulation boundary, ``amp.master_params`` clipped at the boundary, and Megatron's
+  ``apex.transformer`` import guarded by ``except ImportError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ampkit.compat import install_apex_shim, uninstall_apex_shim
+
+
+@pytest.fixture
+def shim():
+    install_apex_shim()
+    yield
+    uninstall_apex_shim()
+
+
+def _mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+
+
+def _joint_and_rest(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runner's two parts of the loss: the 'jointer' one its forward backpropagates, and the rest."""
+    return out[:, 0].pow(2).mean(), (out[:, 1] - 1).abs().mean()
+
+
+def test_a_runner_backpropagating_inside_its_forward_has_those_gradients_unscaled_through_a_no_op_prepare(shim):
+    """With ``_prepare_amp_backward`` replaced by a no-op, ``scale_loss`` calls it (as Apex did) and stashes nothing,
+    so gradients that the forward backpropagated at amp's scale are unscaled with the loss's: the run's gradients are
+    the float32 reference's, and an inf among the forward's gradients skips the step and halves the scale. amp's own
+    prepare counted them as already unscaled (65536 times too large) and never checked them."""
+    from apex import amp
+
+    model, accum = _mlp(), 2
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O0", loss_scale="dynamic", verbosity=0)
+    optimizer._prepare_amp_backward = types.MethodType(lambda opt: "", optimizer)  # the runner's before_train
+    scaler = amp._amp_state.loss_scalers[0]
+    for step in range(3):
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        for i in range(accum):
+            x = _batch(step * accum + i)
+            joint, rest = _joint_and_rest(model(x))
+            blow_up = 1e38 if step == 2 and i == 0 else 1.0  # the forward's part overflows once
+            (joint * blow_up * scaler.loss_scale() / accum).backward(retain_graph=True)  # inside the forward
+            with amp.scale_loss(rest / accum, optimizer, delay_unscale=i + 1 < accum) as scaled_loss:
+                scaled_loss.backward()
+            ref_joint, ref_rest = _joint_and_rest(reference(x))
+            ((ref_joint + ref_rest) / accum).backward()
+        if step < 2:
+            for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(ours.grad, ref.grad)
+            optimizer.step()
+            ref_optimizer.step()
+        else:
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            assert scaler.loss_scale() == 2.0**15
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_wrapped_post_amp_backward_runs_once_per_unscaling_backward_and_sees_unscaled_master_gradients(shim):
+    """``scale_loss`` calls ``optimizer._post_amp_backward(loss_scaler)`` through the attribute, as Apex did: a
+    script's wrapper (here one that records each backward's master-gradient norm) runs after amp's own unscale,
+    once per backward that unscales (not for ``delay_unscale`` ones), and amp's overflow verdict still skips."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=1024.0, verbosity=0)
+    norms: list[float] = []
+    amps_own = optimizer._post_amp_backward
+
+    def post_amp_backward(self, loss_scaler):
+        amps_own(loss_scaler)
+        norms.append(float(torch.cat([p.grad.flatten() for p in amp.master_params(self)]).norm()))
+
+    optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+    reference = _mlp()
+    for delayed in (True, False):
+        loss = F.mse_loss(model(_batch(0).half()).float(), torch.zeros(8, 2))
+        with amp.scale_loss(loss, optimizer, delay_unscale=delayed) as scaled_loss:
+            scaled_loss.backward()
+    F.mse_loss(reference(_batch(0)), torch.zeros(8, 2)).mul(2).backward()
+    expected = float(torch.cat([p.grad.flatten() for p in reference.parameters()]).norm())
+    assert len(norms) == 1 and norms[0] == pytest.approx(expected, rel=2e-2)
+
+
+def test_an_o2_zero_grad_before_the_first_backward_builds_the_masters_from_the_model_as_apex_did(shim):
+    """Apex's O2 ``zero_grad`` ran ``_amp_lazy_init``: weights loaded into the model after ``initialize`` are in the
+    masters that ``param_groups`` holds right after it (not only after the first backward), and a script's wrapper of
+    ``_lazy_init_maybe_master_weights`` runs there, once."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    calls: list[str] = []
+    amps_own = optimizer._lazy_init_maybe_master_weights
+
+    def lazy_init_maybe_master_weights(self):
+        calls.append("lazy init")
+        amps_own()
+
+    optimizer._lazy_init_maybe_master_weights = types.MethodType(lazy_init_maybe_master_weights, optimizer)
+    pretrained = _mlp(seed=1)
+    model.load_state_dict(pretrained.state_dict())  # cast into the fp16 model
+    optimizer.zero_grad()
+    optimizer.zero_grad()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    for master, weight in zip(masters, pretrained.parameters(), strict=True):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, weight.half().float(), rtol=0, atol=0)
+    assert calls == ["lazy init"] and optimizer._amp_stash.lazy_init_called
+
+
+def test_deepspeeds_amp_section_trains_at_o2_with_accumulation_and_megatrons_guarded_import_falls_back(shim):
+    """DeepSpeed's engine with ``"amp": {"enabled": true, "opt_level": "O2", ...}``: the section less ``enabled`` goes
+    to ``amp.initialize`` as keywords, it logs ``amp.__path__``, micro-batches off the accumulation boundary backward
+    with ``delay_unscale=True``, and at the boundary ``amp.master_params`` are clipped and the optimizer steps: the
+    run follows float32's, less the first step, skipped (its accumulation overflowed fp16 at 2**16, as under Apex).
+    Its Megatron path guards ``from apex.transformer import ...`` with ``except ImportError``, which the shim's
+    refusal (naming what to use) is."""
+    from apex import amp
+
+    try:
+        from apex.transformer import parallel_state  # noqa: F401
+    except ImportError as error:
+        assert "torch.distributed.tensor.parallel" in str(error)
+    else:
+        raise AssertionError("apex.transformer was served")
+    config = {"enabled": True, "opt_level": "O2", "loss_scale": "dynamic", "min_loss_scale": 1.0}
+    amp_params = {key: value for key, value in config.items() if key != "enabled"}
+    finals = {}
+    for half in (False, True):
+        module = _mlp()
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        if half:
+            assert amp.__path__
+            module, optimizer = amp.initialize(module, optimizer, verbosity=0, **amp_params)
+        accum = 2
+        for micro_step in range(6):
+            x = _batch(micro_step)
+            loss = F.mse_loss(module(x.half() if half else x).float(), torch.ones(8, 2)) / accum
+            boundary = (micro_step + 1) % accum == 0
+            if half:
+                with amp.scale_loss(loss, optimizer, delay_unscale=not boundary) as scaled_loss:
+                    scaled_loss.backward()
+            else:
+                loss.backward()
+            if boundary:
+                params = amp.master_params(optimizer) if half else module.parameters()
+                torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+                if half or micro_step > 1:  # 2**16 overflows the first accumulation in fp16: amp skips that step
+                    optimizer.step()
+                optimizer.zero_grad()
+        finals[half] = [p.detach().float() for p in (amp.master_params(optimizer) if half else module.parameters())]
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    for ours, full in zip(finals[True], finals[False], strict=True):
+        torch.testing.assert_close(ours, full, rtol=0, atol=5e-3)
+
+
+def test_a_post_amp_backward_that_unscales_by_itself_keeps_the_gradients_stashed_before_the_backward(shim):
+    """A replacement written against Apex's internals (onnxruntime-training's, through
+    ``apex.amp._process_optimizer.post_backward_models_are_masters``) unscales only the new gradients; the float32
+    gradients amp stashed before the backward are added back after it, so two backwards accumulate as in float32."""
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale=256.0, verbosity=0)
+
+    def post_amp_backward(self, scaler):  # unscales by itself, as a copy of Apex's O2 one does
+        stash = self._amp_stash
+        for param, master in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params, strict=True):
+            if param.grad is not None:
+                new = param.grad.float() / scaler.loss_scale()
+                master.grad = new if master.grad is None else master.grad + new
+        amp._process_optimizer.post_backward_models_are_masters(
+            scaler, stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash
+        )
+
+    optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+    for i in range(2):  # two backwards, no zero_grad between them
+        with amp.scale_loss(model(_batch(i).half()).float().pow(2).mean(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        reference(_batch(i)).pow(2).mean().backward()
+    for master, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
+        torch.testing.assert_close(master.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["_prepare_amp_backward", "_post_amp_backward"])
+def test_a_replacement_that_skips_amps_own_method_under_combine_grad_is_refused_naming_it(shim, name):
+    """With ``combine_grad=True`` (Ascend's flat gradient buffers) only amp's own methods know the buffers: a no-op
+    replacement is refused naming the method and what to do, where the combiner's own error named neither."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", combine_grad=True, verbosity=0)
+    setattr(optimizer, name, types.MethodType(lambda opt, *scaler: None, optimizer))
+    with pytest.raises(RuntimeError, match=rf"optimizer\.{name} was replaced by .*call the original"):
+        with amp.scale_loss(model(_batch(0)).sum(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+
+
+class _BlockMomentum:
+    """The runner's ``BMUF`` optimizer in outline (one worker, so its allreduce is the identity): every ``block``
+    steps the masters jump by a block-momentum update from their global copy, then, "for amp level O2", the masters
+    are pushed into the model through ``optimizer._master_params_to_model_params()`` when the optimizer has it."""
+
+    def __init__(self, optimizer, block: int = 2, block_lr: float = 1.0, block_momentum: float = 0.5) -> None:
+        from apex import amp
+
+        self.optimizer, self.block, self.block_lr, self.block_momentum = optimizer, block, block_lr, block_momentum
+        self.params = list(amp.master_params(optimizer))
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.delta = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self, iters: int) -> None:
+        if (iters + 1) % self.block:
+            return
+        for param, delta, global_param in zip(self.params, self.delta, self.global_params, strict=True):
+            delta.copy_(self.block_momentum * delta + self.block_lr * (param - global_param))
+            param.copy_(global_param + delta)
+            global_param.copy_(param)
+        if hasattr(self.optimizer, "_master_params_to_model_params"):
+            self.optimizer._master_params_to_model_params()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_block_momentum_sync_on_the_masters_reaches_the_model_through_master_params_to_model_params(shim, opt_level):
+    """The runner's BMUF writes its block update into ``amp.master_params`` and, where the optimizer has Apex's O2
+    ``_master_params_to_model_params`` (O2 only, as in Apex: O1 has no masters), pushes them into the fp16 model, so
+    the next forward runs on the synced weights. amp's O2 optimizer lacked it: the model ran one block stale."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    assert hasattr(optimizer, "_master_params_to_model_params") == (opt_level == "O2")
+    bmuf = _BlockMomentum(optimizer)
+    for iters in range(4):
+        optimizer.zero_grad()
+        x = _batch(iters)
+        with amp.scale_loss(model(x.half() if opt_level == "O2" else x).float().pow(2).mean(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        bmuf.step(iters)
+        for weight, master in zip(model.parameters(), amp.master_params(optimizer), strict=True):
+            assert torch.equal(weight, master.to(weight.dtype))
+
+
+def test_a_copy_of_apexs_o1_post_amp_backward_accumulates_through_apexs_helper_as_float32(shim):
+    """A copy of Apex's O1 ``_post_amp_backward`` (no masters): each dtype's parameters and Apex's stash of them
+    (``_amp_stash.all_fp16_grad_stash`` / ``all_fp32_grad_stash``) through ``post_backward_models_are_masters``. amp
+    adds back what it stashed, so two backwards without a ``zero_grad`` accumulate as in float32."""
+    from apex import amp
+
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", loss_scale=512.0, verbosity=0)
+
+    def post_amp_backward(self, scaler):
+        stash = self._amp_stash
+        for params, stashed in ((stash.all_fp16_params, stash.all_fp16_grad_stash),
+                                (stash.all_fp32_params, stash.all_fp32_grad_stash)):  # fmt: skip
+            amp._process_optimizer.post_backward_models_are_masters(scaler, params, stashed)
+
+    optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+    for i in range(2):
+        with amp.scale_loss(model(_batch(i)).float().pow(2).mean(), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        reference(_batch(i)).pow(2).mean().backward()
+    for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)
