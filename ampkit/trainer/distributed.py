@@ -102,32 +102,20 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
     check_launch_environment()
     world_size, local_rank = launched_world_size(), launch_int("LOCAL_RANK")
+    backend, on_gpu = _checked_backend(cfg)  # one rule alone or under torchrun: a config that one refuses, both do
     if world_size <= 1:
-        if cfg.distributed.strategy != "fsdp" or dist.is_initialized():
+        if cfg.distributed.strategy != "fsdp":
+            return DistributedEnv()
+        device = resolve_device(cfg.trainer.device)
+        if on_gpu and device.index is not None:  # trainer.device=cuda:1: NCCL and FSDP stage on the current device
+            torch.cuda.set_device(device.index)
+        if dist.is_initialized():
             return DistributedEnv()
         # FSDP needs a process group even alone: one process shards trivially, so its checkpoints are
         # the same DCP format as a multi-rank run's and resume at any world size.
-        on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
         dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)  # fmt: skip
         return DistributedEnv(owns_group=True)
-    backend = cfg.distributed.backend
-    on_gpu = torch.cuda.is_available() and resolve_device(cfg.trainer.device).type == "cuda"
-    if backend == "auto":
-        backend = "nccl" if on_gpu else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
-    if backend == "nccl" and not on_gpu:  # every collective of the run would hand NCCL a CPU tensor, and fail
-        why = (
-            f"trainer.device is '{cfg.trainer.device}', so the run trains on the CPU"
-            if torch.cuda.is_available()
-            else "this machine has no usable CUDA GPU"
-        )
-        fix = "or trainer.device=cuda" if torch.cuda.is_available() else "or run where CUDA is available"
-        raise ConfigError(
-            f"config key 'distributed.backend': nccl takes CUDA tensors only, but {why}: use "
-            f"distributed.backend=gloo (or auto) for CPU processes, {fix}"
-        )
     if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(
             f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
@@ -144,6 +132,33 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                           owns_group=owns)  # fmt: skip
+
+
+def _checked_backend(cfg: DictConfig) -> tuple[str, bool]:
+    """``distributed.backend`` as the run would use it (``auto`` resolved) and whether the run trains on a GPU.
+
+    Raises:
+        ConfigError: nccl for a run on the CPU (every collective would hand NCCL a CPU tensor), also in a single
+            process, whose config would fail once launched on more.
+    """
+    backend = cfg.distributed.backend
+    on_gpu = torch.cuda.is_available() and resolve_device(cfg.trainer.device).type == "cuda"
+    if backend == "auto":
+        backend = "nccl" if on_gpu else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
+    if backend == "nccl" and not on_gpu:
+        why = (
+            f"trainer.device is '{cfg.trainer.device}', so the run trains on the CPU"
+            if torch.cuda.is_available()
+            else "this machine has no usable CUDA GPU"
+        )
+        fix = "or trainer.device=cuda" if torch.cuda.is_available() else "or run where CUDA is available"
+        raise ConfigError(
+            f"config key 'distributed.backend': nccl takes CUDA tensors only, but {why}: use "
+            f"distributed.backend=gloo (or auto) for CPU processes, {fix}"
+        )
+    return backend, on_gpu
 
 
 _rendezvous: tuple[dist.Store, int, int] | None = None  # torchrun's store, this rank, world size: kept for the process
