@@ -478,18 +478,27 @@ class StopAtStep3(ampkit.Callback):
             trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s rule"
 
 
+class StopAtEpoch1Start(ampkit.Callback):
+    """Asks to stop as the second epoch starts, before any of its batches."""
+
+    def on_train_epoch_start(self, trainer):
+        if trainer.state.epoch == 1:
+            trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s epoch rule"
+
+
 def stop_runs(out: Path, base: dict) -> dict:
     """One fit per way to stop, each asked on some ranks only: the step every rank ended at, and rank zero's last
-    checkpoint (loop position and recorded stop)."""
+    checkpoint (loop position and recorded stop). Two epochs for the stop asked at an epoch's start, one otherwise."""
     rule = StopAtStep3
     asked_on = {"rank 1": {1: [rule()]}, "rank 0": {0: [rule()]}, "both": {0: [rule()], 1: [rule()]},
                 "early stopping on rank 1": {1: [EarlyStopping("val/mse", "max", 1, min_delta=1e9)]},
-                "max_time on rank 1": {1: [MaxTime(1e-3)]}}  # fmt: skip
+                "max_time on rank 1": {1: [MaxTime(1e-3)]}, "epoch start on rank 1": {1: [StopAtEpoch1Start()]}}  # fmt: skip
     runs = {}
     for name, callbacks in asked_on.items():
         run_dir = out / name.replace(" ", "_")
+        epochs = 2 if name.startswith("epoch start") else 1
         cfg = {**base, "run_dir": str(run_dir), "data": {"batch_size": 4}, "logging": {"tensorboard": False,
-               "log_every_n_steps": 100}, "trainer": {**base["trainer"], "max_epochs": 1, "val_every_n_steps": 3,
+               "log_every_n_steps": 100}, "trainer": {**base["trainer"], "max_epochs": epochs, "val_every_n_steps": 3,
                "num_sanity_val_steps": 0}, "distributed": {"timeout_s": 10}}  # fmt: skip
         trainer = Plain(cfg, callbacks=callbacks.get(RANK, []))
         trainer.fit()

@@ -198,6 +198,11 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
         assert ended == rank1["runs"][name][0] == step, name
         assert loop == {"epoch": 0, "batches_done": step, "global_step": step}, name
         assert stopped.startswith(reason), (name, stopped)
+    # Asked in on_train_epoch_start on rank 1 alone: both ranks trained a step of that epoch (the one process trains
+    # none) before the stop was agreed at its end. They agree as the epoch starts, and train none of it.
+    ended, loop, stopped = rank0["runs"]["epoch start on rank 1"]
+    assert ended == rank1["runs"]["epoch start on rank 1"][0] == 8
+    assert loop["global_step"] == 8 and stopped.startswith("rank 1: rank 1's epoch rule"), (loop, stopped)
 
 
 def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):

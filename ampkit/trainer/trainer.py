@@ -1416,11 +1416,11 @@ class Trainer:
 
     def _agree_stop(self) -> None:
         """Under torchrun, whether any rank set ``state.should_stop`` or got a SIGTERM: one small collective, run by
-        every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
-        iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
-        stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
-        checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and raised here
-        on every rank."""
+        every rank at the same points (an iteration that logs, after a validation, an epoch's start and end, and the
+        end of an iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did,
+        every rank stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early
+        stop: its checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and
+        raised here on every rank."""
         self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
@@ -1451,8 +1451,9 @@ class Trainer:
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch
-        # (under torchrun one rank's ask waits for the ranks' next agreement, as a stop asked mid-epoch does).
+        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch;
+        # under torchrun the ranks agree on it here (one rank's ask left every rank training a step of the epoch).
+        self._agree_stop()
         stopped_at_start = self._stopping()
         exhausted, max_steps, first_batch = not stopped_at_start, self.settings.max_steps, s.batches_done
         first_step = s.global_step
