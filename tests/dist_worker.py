@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
+from ampkit import cli as ampkit_cli
 from ampkit.callbacks import EarlyStopping, MaxTime
 from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.callbacks import tensorboard as tensorboard_module
@@ -492,7 +495,8 @@ def stop_runs(out: Path, base: dict) -> dict:
     rule = StopAtStep3
     asked_on = {"rank 1": {1: [rule()]}, "rank 0": {0: [rule()]}, "both": {0: [rule()], 1: [rule()]},
                 "early stopping on rank 1": {1: [EarlyStopping("val/mse", "max", 1, min_delta=1e9)]},
-                "max_time on rank 1": {1: [MaxTime(1e-3)]}, "epoch start on rank 1": {1: [StopAtEpoch1Start()]}}  # fmt: skip
+                "max_time on rank 1": {1: [MaxTime(1e-3)]},
+                "epoch start on rank 1": {1: [StopAtEpoch1Start()]}}  # fmt: skip
     runs = {}
     for name, callbacks in asked_on.items():
         run_dir = out / name.replace(" ", "_")
@@ -619,6 +623,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
+    outcomes["disk_full_cli"] = _cli_fit({**cfg, "run_dir": "clirun", "trainer_class": "dist_worker:Plain"})
     checkpoint_module.save_atomic = saving
     outcomes["failed_at_step_3"] = _noted(FailsAtStep3({**cfg, "run_dir": "failing"}))
     return {"outcomes": outcomes}
@@ -712,7 +717,7 @@ def _outcome(
     trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None, predict: str | None = None
 ) -> tuple:
     """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``, ``predict(output=predict)``),
-    or the error's type and message and the seconds it took to come."""
+    or the error's type, message and ``storage_errno`` (None where it has none) and the seconds it took to come."""
     start = time.monotonic()
     try:
         if predict:
@@ -720,8 +725,19 @@ def _outcome(
         else:
             trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
     except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - start
+        return type(exc).__name__, str(exc), getattr(exc, "storage_errno", None), time.monotonic() - start
     return "trained", trainer.state.global_step, trainer.module.state_dict()
+
+
+def _cli_fit(cfg: dict) -> tuple[int, list[str]]:
+    """``ampkit fit --config`` of ``cfg`` (written as this rank's YAML), as ``python -m ampkit`` runs it: the status
+    the process would exit with, and the lines of its stderr that say ``ampkit: error:``."""
+    path = Path(f"cli.rank{RANK}.yaml")
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = ampkit_cli.main(["fit", "--config", str(path)])
+    return status, [line for line in stderr.getvalue().splitlines() if line.startswith("ampkit: error:")]
 
 
 def main(scenario: str, out: Path) -> None:
