@@ -309,6 +309,15 @@ class DuplicatedEvaluation(Plain):
         return self.validation_step(batch)
 
 
+class UnevenValidationLists(Plain):
+    """Per-rank lists of validation batches, their counts known up front: 3 on rank 0, 1 on rank 1."""
+
+    def val_dataloader(self):
+        x, y = toy_dataset(16, seed=7).tensors
+        batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
+        return batches[:3] if RANK == 0 else batches[3:]
+
+
 class OptimizerFailsOnRank1(Plain):
     def configure_optimizers(self):
         if RANK == 1:
@@ -912,10 +921,14 @@ def main(scenario: str, out: Path) -> None:
         evaluated = DuplicatedEvaluation({**cfg, "trainer": {**cpu, "max_epochs": 1, "val_every_n_steps": 2}})
         calls = {"fit": evaluated.fit, "validate": evaluated.validate, "test": evaluated.test,
                  "predict": evaluated.predict}  # fmt: skip
+        # counts known up front and unequal: a collective in validation_step could not line up, which is said
+        lists = UnevenValidationLists({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
+        uneven_lists = {"fit": warned(lists.fit), "validate": warned(lists.validate)}
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
                  "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
                  "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),
-                 "evaluated": {call: warned(run) for call, run in calls.items()}}  # fmt: skip
+                 "evaluated": {call: warned(run) for call, run in calls.items()},
+                 "uneven_lists": uneven_lists}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order

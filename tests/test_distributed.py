@@ -341,6 +341,16 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
         outcome = "every rank predicts every sample" if call == "predict" else "every rank evaluates every sample"
         assert outcome in same[0]
     assert not any("same first batch" in w for said in rank1["evaluated"].values() for w in said)  # rank zero's
+    # Validation batches per rank known up front and unequal (3 and 1): a collective of the user's in
+    # validation_step cannot line up across the ranks, and nothing said so; rank zero does as each pass is set up
+    # (a fit's, a validate()'s). Streams (counts unknown) and evenly sharded data are not named.
+    uneven = "val_dataloader() gives the ranks different numbers of batches (rank 0: 3, rank 1: 1)"
+    for call in ("fit", "validate"):
+        said = [w for w in rank0["uneven_lists"][call] if "different numbers of batches" in w]
+        assert len(said) == 1 and said[0].startswith(uneven), (call, said)
+        assert "collective of your own in validation_step" in said[0] and "gather in on_validation_end" in said[0]
+    quiet = [*rank1["uneven_lists"].values(), rank0["normed_warned"], *rank0["evaluated"].values()]
+    assert not any("different numbers of batches (" in w for warned in quiet for w in warned)
 
 
 def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone(monkeypatch):

@@ -491,6 +491,29 @@ def evened_by_agreement(loader: Any) -> bool:
     return not isinstance(batches, EvaluationBatches) and not isinstance(sampler, DistributedSampler)
 
 
+def warn_of_uneven_evaluation(
+    loader: Any, limit: int | None, env: DistributedEnv, source: str, step: str, end_hook: str
+) -> None:
+    """Under DDP, where every rank knows how many batches its pass over evaluation ``loader`` runs (per-rank lists)
+    and the counts differ, rank zero warns that a collective of the user's in ``step`` cannot line up across ranks
+    (``end_hook``: where to gather instead).
+    One gather of a number, as the pass is set up; every rank joins it (ranks evened by ampkit's sharding or a
+    ``DistributedSampler``, and those whose count is unknown, send None). Under FSDP the shorter ranks pad instead."""
+    if not env.enabled:
+        return
+    counts = gather_object(counted_batches(loader, limit, source) if evened_by_agreement(loader) else None, env)
+    if None in counts or len(set(counts)) == 1:
+        return
+    shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+    rank_zero_warn(
+        f"{source} gives the ranks different numbers of batches ({shown}): each rank runs its own and the ranks meet "
+        f"only at the pass's end, so a collective of your own in {step} (an all_gather of predictions) would not line "
+        f"up across ranks: the rank with more batches meets the others' end-of-pass collective instead, to fail or "
+        f"wait until distributed.timeout_s. Give every rank as many batches (a map-style dataset, which ampkit "
+        f"shards evenly), or gather in {end_hook}"
+    )
+
+
 def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -> Iterator[tuple[Any, bool]]:
     """``(batch, real)``: this rank's ``batches``, then its last one again (``real`` False: its results are
     dropped) until every rank's ran out, so every rank runs as many forwards, as FSDP's collectives in each need.

@@ -127,6 +127,7 @@ from ampkit.trainer.distributed import (
     raise_the_first_failure,
     setup_distributed,
     teardown_distributed,
+    warn_of_uneven_evaluation,
     while_every_rank_has_a_batch,
 )
 from ampkit.trainer.duplicated_data import EvaluationFirstBatch, FirstBatchComparison
@@ -1931,17 +1932,20 @@ class Trainer:
             self.fire(f"on_{stage.hook}_start")
             step = getattr(self, stage.step)
             first_batch = EvaluationFirstBatch(loader, self.dist, f"{stage.dataloader}()")  # every rank alike?
+            limit = None
+            if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
+                limit = batch_limit(
+                    self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
+                )
+            if not self.sharded:  # under FSDP the shorter ranks pad
+                source, end_hook = f"{stage.dataloader}()", f"on_{stage.hook}_end"
+                warn_of_uneven_evaluation(loader, limit, self.dist, source, stage.step, end_hook)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
-                batch_end, limit = None, None
-                if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
-                    batch_end = "on_validation_batch_end"
-                    limit = batch_limit(
-                        self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
-                    )
+                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, limit, batch_end, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
@@ -2103,6 +2107,10 @@ class Trainer:
         count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.world_size)
         self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
+        if self._val_loader is not None and not self.sharded:  # under FSDP the shorter ranks pad
+            warn_of_uneven_evaluation(
+                self._val_loader, self._val_limit, self.dist, "val_dataloader()", "validation_step", "on_validation_end"
+            )
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
