@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ from torn_checkpoint import tear
 from toy_trainers import ToyTrainer, toy_dataset
 
 import ampkit
+from ampkit import cli as ampkit_cli
 from ampkit.callbacks import EarlyStopping, MaxTime
 from ampkit.callbacks import checkpoint as checkpoint_module
 from ampkit.callbacks import tensorboard as tensorboard_module
@@ -306,6 +309,15 @@ class DuplicatedEvaluation(Plain):
         return self.validation_step(batch)
 
 
+class UnevenValidationLists(Plain):
+    """Per-rank lists of validation batches, their counts known up front: 3 on rank 0, 1 on rank 1."""
+
+    def val_dataloader(self):
+        x, y = toy_dataset(16, seed=7).tensors
+        batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
+        return batches[:3] if RANK == 0 else batches[3:]
+
+
 class OptimizerFailsOnRank1(Plain):
     def configure_optimizers(self):
         if RANK == 1:
@@ -478,18 +490,28 @@ class StopAtStep3(ampkit.Callback):
             trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s rule"
 
 
+class StopAtEpoch1Start(ampkit.Callback):
+    """Asks to stop as the second epoch starts, before any of its batches."""
+
+    def on_train_epoch_start(self, trainer):
+        if trainer.state.epoch == 1:
+            trainer.state.should_stop, trainer.state.stop_reason = True, f"rank {RANK}'s epoch rule"
+
+
 def stop_runs(out: Path, base: dict) -> dict:
     """One fit per way to stop, each asked on some ranks only: the step every rank ended at, and rank zero's last
-    checkpoint (loop position and recorded stop)."""
+    checkpoint (loop position and recorded stop). Two epochs for the stop asked at an epoch's start, one otherwise."""
     rule = StopAtStep3
     asked_on = {"rank 1": {1: [rule()]}, "rank 0": {0: [rule()]}, "both": {0: [rule()], 1: [rule()]},
                 "early stopping on rank 1": {1: [EarlyStopping("val/mse", "max", 1, min_delta=1e9)]},
-                "max_time on rank 1": {1: [MaxTime(1e-3)]}}  # fmt: skip
+                "max_time on rank 1": {1: [MaxTime(1e-3)]},
+                "epoch start on rank 1": {1: [StopAtEpoch1Start()]}}  # fmt: skip
     runs = {}
     for name, callbacks in asked_on.items():
         run_dir = out / name.replace(" ", "_")
+        epochs = 2 if name.startswith("epoch start") else 1
         cfg = {**base, "run_dir": str(run_dir), "data": {"batch_size": 4}, "logging": {"tensorboard": False,
-               "log_every_n_steps": 100}, "trainer": {**base["trainer"], "max_epochs": 1, "val_every_n_steps": 3,
+               "log_every_n_steps": 100}, "trainer": {**base["trainer"], "max_epochs": epochs, "val_every_n_steps": 3,
                "num_sanity_val_steps": 0}, "distributed": {"timeout_s": 10}}  # fmt: skip
         trainer = Plain(cfg, callbacks=callbacks.get(RANK, []))
         trainer.fit()
@@ -610,6 +632,7 @@ def rank_zero_decides(out: Path, base: dict) -> dict:
     if RANK == 0:
         checkpoint_module.save_atomic = _disk_full
     outcomes["disk_full"] = _outcome(Plain(cfg))
+    outcomes["disk_full_cli"] = _cli_fit({**cfg, "run_dir": "clirun", "trainer_class": "dist_worker:Plain"})
     checkpoint_module.save_atomic = saving
     outcomes["failed_at_step_3"] = _noted(FailsAtStep3({**cfg, "run_dir": "failing"}))
     return {"outcomes": outcomes}
@@ -703,7 +726,7 @@ def _outcome(
     trainer: ampkit.Trainer, resume: str | None = None, validate: str | None = None, predict: str | None = None
 ) -> tuple:
     """``("trained", step, model)`` of ``fit(resume)`` (or ``validate(ckpt=validate)``, ``predict(output=predict)``),
-    or the error's type and message and the seconds it took to come."""
+    or the error's type, message and ``storage_errno`` (None where it has none) and the seconds it took to come."""
     start = time.monotonic()
     try:
         if predict:
@@ -711,8 +734,19 @@ def _outcome(
         else:
             trainer.validate(ckpt=validate) if validate else trainer.fit(resume=resume)
     except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - start
+        return type(exc).__name__, str(exc), getattr(exc, "storage_errno", None), time.monotonic() - start
     return "trained", trainer.state.global_step, trainer.module.state_dict()
+
+
+def _cli_fit(cfg: dict) -> tuple[int, list[str]]:
+    """``ampkit fit --config`` of ``cfg`` (written as this rank's YAML), as ``python -m ampkit`` runs it: the status
+    the process would exit with, and the lines of its stderr that say ``ampkit: error:``."""
+    path = Path(f"cli.rank{RANK}.yaml")
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        status = ampkit_cli.main(["fit", "--config", str(path)])
+    return status, [line for line in stderr.getvalue().splitlines() if line.startswith("ampkit: error:")]
 
 
 def main(scenario: str, out: Path) -> None:
@@ -887,10 +921,14 @@ def main(scenario: str, out: Path) -> None:
         evaluated = DuplicatedEvaluation({**cfg, "trainer": {**cpu, "max_epochs": 1, "val_every_n_steps": 2}})
         calls = {"fit": evaluated.fit, "validate": evaluated.validate, "test": evaluated.test,
                  "predict": evaluated.predict}  # fmt: skip
+        # counts known up front and unequal: a collective in validation_step could not line up, which is said
+        lists = UnevenValidationLists({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
+        uneven_lists = {"fit": warned(lists.fit), "validate": warned(lists.validate)}
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
                  "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
                  "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),
-                 "evaluated": {call: warned(run) for call, run in calls.items()}}  # fmt: skip
+                 "evaluated": {call: warned(run) for call, run in calls.items()},
+                 "uneven_lists": uneven_lists}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order

@@ -3,6 +3,7 @@ from a process that has imported torch already (tests/rank_forkserver.py), so a 
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 import subprocess
@@ -198,6 +199,11 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
         assert ended == rank1["runs"][name][0] == step, name
         assert loop == {"epoch": 0, "batches_done": step, "global_step": step}, name
         assert stopped.startswith(reason), (name, stopped)
+    # Asked in on_train_epoch_start on rank 1 alone: both ranks trained a step of that epoch (the one process trains
+    # none) before the stop was agreed at its end. They agree as the epoch starts, and train none of it.
+    ended, loop, stopped = rank0["runs"]["epoch start on rank 1"]
+    assert ended == rank1["runs"]["epoch start on rank 1"][0] == 8
+    assert loop["global_step"] == 8 and stopped.startswith("rank 1: rank 1's epoch rule"), (loop, stopped)
 
 
 def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):
@@ -335,6 +341,16 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
         outcome = "every rank predicts every sample" if call == "predict" else "every rank evaluates every sample"
         assert outcome in same[0]
     assert not any("same first batch" in w for said in rank1["evaluated"].values() for w in said)  # rank zero's
+    # Validation batches per rank known up front and unequal (3 and 1): a collective of the user's in
+    # validation_step cannot line up across the ranks, and nothing said so; rank zero does as each pass is set up
+    # (a fit's, a validate()'s). Streams (counts unknown) and evenly sharded data are not named.
+    uneven = "val_dataloader() gives the ranks different numbers of batches (rank 0: 3, rank 1: 1)"
+    for call in ("fit", "validate"):
+        said = [w for w in rank0["uneven_lists"][call] if "different numbers of batches" in w]
+        assert len(said) == 1 and said[0].startswith(uneven), (call, said)
+        assert "collective of your own in validation_step" in said[0] and "gather in on_validation_end" in said[0]
+    quiet = [*rank1["uneven_lists"].values(), rank0["normed_warned"], *rank0["evaluated"].values()]
+    assert not any("different numbers of batches (" in w for warned in quiet for w in warned)
 
 
 def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone(monkeypatch):
@@ -791,16 +807,17 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
     cases = [("none", "resuming", "no checkpoint there"), ("validate", "validate: loading", "no checkpoint there"),
              ("older", "resuming", "another checkpoint there (epoch 0, step 2)")]  # fmt: skip
     for case, doing, seen in cases:
-        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
-        kind, message, _ = outcomes[0][case]
+        assert outcomes[0][case][:3] == outcomes[1][case][:3], case
+        kind, message, storage, _ = outcomes[0][case]
+        assert storage is None
         assert kind == "CheckpointError"
         assert message.startswith(f"{doing} 'run/version_0/checkpoints/last.pt' (epoch 1, step 4 on rank 0): rank 1 ")
         assert f"rank 1 (host {host}) has {seen}. Every rank reads" in message
         assert "must be on a file system every node shares (NFS, Lustre, GPFS), not a node-local disk" in message
     # A copy whose tensor bytes were torn (its zip directory intact: the fingerprint is rank 0's) was loaded by
     # rank 1 without a word, its optimizer state other than rank 0's; its records are now read against their CRC-32s.
-    assert outcomes[0]["torn"][:2] == outcomes[1]["torn"][:2]
-    kind, message, _ = outcomes[1]["torn"]
+    assert outcomes[0]["torn"][:3] == outcomes[1]["torn"][:3]
+    kind, message, _, _ = outcomes[1]["torn"]
     assert kind == "CheckpointError"
     assert f"(epoch 1, step 4 on rank 0): rank 1 (host {host}) has a damaged copy: its record 'data/" in message
     assert "is not as written (BadZipFile: Bad CRC-32 for file" in message
@@ -818,20 +835,32 @@ def test_what_rank_zero_decides_or_refuses_at_a_fit_s_start_and_saves_every_rank
                              ("drop_refused", "CheckpointError", "(out of the save_top_k=1 best: Permission denied)"),
                              ("look_refused", "PermissionError", "Permission denied"),
                              ("events_refused", "RunDirectoryError", no_events)]:  # fmt: skip
-        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        assert outcomes[0][case][:3] == outcomes[1][case][:3], case
         assert outcomes[1][case][0] == kind and said in outcomes[1][case][1]
-        assert outcomes[1][case][2] < 5
+        assert outcomes[1][case][3] < 5
     # Rank 1 cannot write its shard of the predictions (a full disk): rank 0 returned as if the output were whole.
     unwritten = "cannot write predictions to 'unwritten.rank1.pt' (No space left on device)"
-    assert outcomes[0]["predict_unwritten"][:2] == outcomes[1]["predict_unwritten"][:2] == ("RunDirectoryError",
-                                                                                              unwritten)  # fmt: skip
+    unwritten_outcome = ("RunDirectoryError", unwritten, errno.ENOSPC)
+    assert outcomes[0]["predict_unwritten"][:3] == outcomes[1]["predict_unwritten"][:3] == unwritten_outcome
+    # A full disk on one rank is a storage failure on every rank (ampkit fit's status 74: retry once there is room),
+    # its errno carried with the error; a refused permission is none. Through the CLI, both ranks exit 74 with the
+    # one line of the rank whose disk filled (rank 1 exited 2, as for bad input, where the mark was lost on the way).
+    full_disk = {"disk_full", "events_refused", "events_fail_mid_run", "events_fail_at_the_end", "predict_unwritten"}
+    kinds = ("CheckpointError", "RunDirectoryError", "PermissionError")
+    failed = {case for case, outcome in outcomes[0].items() if outcome and outcome[0] in kinds}
+    assert full_disk < failed and {"prune_refused", "drop_refused", "look_refused"} < failed
+    for case in failed:
+        assert outcomes[0][case][2] == outcomes[1][case][2] == (errno.ENOSPC if case in full_disk else None), case
+    said = "ampkit: error: could not write checkpoint 'clirun/version_0/checkpoints/step-00000002.pt' (No space left"
+    for status, lines in (outcomes[0]["disk_full_cli"], outcomes[1]["disk_full_cli"]):
+        assert status == 74 and len(lines) == 1 and lines[0].startswith(said), (status, lines)
     # Rank 0's event files fail mid-run (a full disk): every rank stops with its error within an iteration or two,
     # where rank 1 trained on into the next step's all-reduce and failed there with a DistributedError; the newest
     # checkpoint (saved before the ranks met) resumes to the end on both. Where they fail as the fit ends (closing
     # the writer), after the loop's last agreement, every rank raises it as its fit returns.
     mid_run = "cannot write TensorBoard events under 'midrun/version_0/tensorboard' (No space left on device)"
     for case, run in [("events_fail_mid_run", "midrun"), ("events_fail_at_the_end", "endrun")]:
-        assert outcomes[0][case][:2] == outcomes[1][case][:2], case
+        assert outcomes[0][case][:3] == outcomes[1][case][:3], case
         assert outcomes[1][case][0] == "RunDirectoryError"
         assert mid_run.replace("midrun", run) in outcomes[1][case][1]
     (step0, *resumed0), (step1, *resumed1) = outcomes[0]["resumed_after_events"], outcomes[1]["resumed_after_events"]

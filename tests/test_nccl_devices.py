@@ -246,17 +246,53 @@ def test_nccl_with_a_cpu_device_is_refused_before_the_group_is_joined(nccl, monk
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     cfg = OmegaConf.structured(Config)
-    cfg.distributed.backend, cfg.trainer.device = "nccl", "cpu"
-    with pytest.raises(ConfigError, match=r"'distributed.backend': nccl takes CUDA tensors only, but trainer.device"):
-        distributed.setup_distributed(cfg)
-    # trainer.device=cuda where torch sees no GPU: said so, not that the device setting trains on the CPU
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg.trainer.device = "cuda"
-    with pytest.raises(ConfigError, match=r"nccl takes CUDA tensors only, but this machine has no usable CUDA GPU"):
-        distributed.setup_distributed(cfg)
+    # One rule for one process and for torchrun's: a single process (with a group for FSDP, or none) ran silently,
+    # and its config then failed once launched on more.
+    for world_size, strategy in [("2", "ddp"), ("1", "ddp"), ("1", "fsdp")]:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        cfg.distributed.strategy, cfg.distributed.backend, cfg.trainer.device = strategy, "nccl", "cpu"
+        with pytest.raises(ConfigError, match=r"'distributed.backend': nccl takes CUDA tensors only, but trainer.dev"):
+            distributed.setup_distributed(cfg)
+        # trainer.device=cuda where torch sees no GPU: said so, not that the device setting trains on the CPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        cfg.trainer.device = "cuda"
+        with pytest.raises(ConfigError, match=r"nccl takes CUDA tensors only, but this machine has no usable CUDA GPU"):
+            distributed.setup_distributed(cfg)
+        cfg.trainer.device = "cpu"
+        with pytest.raises(ConfigError, match=r"no usable CUDA GPU: use distributed.backend=gloo \(or auto\)"):
+            distributed.setup_distributed(cfg)
+
+
+@pytest.mark.parametrize(
+    ("device", "strategy", "set_to"),
+    [("cuda:1", "fsdp", [1]), ("cuda", "fsdp", []), ("cpu", "fsdp", []), ("cuda:1", "ddp", [])],
+)
+def test_a_single_process_fsdp_run_on_another_gpu_makes_it_the_current_device_before_its_group(
+    monkeypatch, device, strategy, set_to
+):
+    """One process's FSDP group is NCCL's for CUDA tensors, which (with FSDP's own staging) works on the current
+    device: on trainer.device=cuda:1 that was cuda:0, which no call set. What a CPU machine can show: the calls, in
+    their order, with torch.cuda's answers pretended (``cuda`` alone is the current device already; no group, none)."""
+    from omegaconf import OmegaConf
+
+    from ampkit.config import Config
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("group", backend)))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = OmegaConf.structured(Config)
+    cfg.trainer.device, cfg.distributed.strategy = device, strategy
+    env = distributed.setup_distributed(cfg)
+    group = [("group", "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl")] if strategy == "fsdp" else []
+    assert calls == [("set_device", index) for index in set_to] + group
+    assert env.owns_group == (strategy == "fsdp")
 
 
 class Predicts(ToyTrainer):

@@ -102,32 +102,20 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
     """Join the process group torchrun describes (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``...), if any."""
     check_launch_environment()
     world_size, local_rank = launched_world_size(), launch_int("LOCAL_RANK")
+    backend, on_gpu = _checked_backend(cfg)  # one rule alone or under torchrun: a config that one refuses, both do
     if world_size <= 1:
-        if cfg.distributed.strategy != "fsdp" or dist.is_initialized():
+        if cfg.distributed.strategy != "fsdp":
+            return DistributedEnv()
+        device = resolve_device(cfg.trainer.device)
+        if on_gpu and device.index is not None:  # trainer.device=cuda:1: NCCL and FSDP stage on the current device
+            torch.cuda.set_device(device.index)
+        if dist.is_initialized():
             return DistributedEnv()
         # FSDP needs a process group even alone: one process shards trivially, so its checkpoints are
         # the same DCP format as a multi-rank run's and resume at any world size.
-        on_gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
         dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)  # fmt: skip
         return DistributedEnv(owns_group=True)
-    backend = cfg.distributed.backend
-    on_gpu = torch.cuda.is_available() and resolve_device(cfg.trainer.device).type == "cuda"
-    if backend == "auto":
-        backend = "nccl" if on_gpu else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
-    if backend == "nccl" and not on_gpu:  # every collective of the run would hand NCCL a CPU tensor, and fail
-        why = (
-            f"trainer.device is '{cfg.trainer.device}', so the run trains on the CPU"
-            if torch.cuda.is_available()
-            else "this machine has no usable CUDA GPU"
-        )
-        fix = "or trainer.device=cuda" if torch.cuda.is_available() else "or run where CUDA is available"
-        raise ConfigError(
-            f"config key 'distributed.backend': nccl takes CUDA tensors only, but {why}: use "
-            f"distributed.backend=gloo (or auto) for CPU processes, {fix}"
-        )
     if (backend == "nccl" or on_gpu) and local_rank >= torch.cuda.device_count():  # gloo too trains on cuda:LOCAL_RANK
         raise ConfigError(
             f"LOCAL_RANK {local_rank} needs cuda:{local_rank}, but this machine has {torch.cuda.device_count()} "
@@ -144,6 +132,33 @@ def setup_distributed(cfg: DictConfig) -> DistributedEnv:
         dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return DistributedEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                           owns_group=owns)  # fmt: skip
+
+
+def _checked_backend(cfg: DictConfig) -> tuple[str, bool]:
+    """``distributed.backend`` as the run would use it (``auto`` resolved) and whether the run trains on a GPU.
+
+    Raises:
+        ConfigError: nccl for a run on the CPU (every collective would hand NCCL a CPU tensor), also in a single
+            process, whose config would fail once launched on more.
+    """
+    backend = cfg.distributed.backend
+    on_gpu = torch.cuda.is_available() and resolve_device(cfg.trainer.device).type == "cuda"
+    if backend == "auto":
+        backend = "nccl" if on_gpu else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"config key 'distributed.backend': '{backend}' is not supported; use auto, gloo or nccl")
+    if backend == "nccl" and not on_gpu:
+        why = (
+            f"trainer.device is '{cfg.trainer.device}', so the run trains on the CPU"
+            if torch.cuda.is_available()
+            else "this machine has no usable CUDA GPU"
+        )
+        fix = "or trainer.device=cuda" if torch.cuda.is_available() else "or run where CUDA is available"
+        raise ConfigError(
+            f"config key 'distributed.backend': nccl takes CUDA tensors only, but {why}: use "
+            f"distributed.backend=gloo (or auto) for CPU processes, {fix}"
+        )
+    return backend, on_gpu
 
 
 _rendezvous: tuple[dist.Store, int, int] | None = None  # torchrun's store, this rank, world size: kept for the process
@@ -474,6 +489,29 @@ def evened_by_agreement(loader: Any) -> bool:
 
     sampler, batches = getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)
     return not isinstance(batches, EvaluationBatches) and not isinstance(sampler, DistributedSampler)
+
+
+def warn_of_uneven_evaluation(
+    loader: Any, limit: int | None, env: DistributedEnv, source: str, step: str, end_hook: str
+) -> None:
+    """Under DDP, where every rank knows how many batches its pass over evaluation ``loader`` runs (per-rank lists)
+    and the counts differ, rank zero warns that a collective of the user's in ``step`` cannot line up across ranks
+    (``end_hook``: where to gather instead).
+    One gather of a number, as the pass is set up; every rank joins it (ranks evened by ampkit's sharding or a
+    ``DistributedSampler``, and those whose count is unknown, send None). Under FSDP the shorter ranks pad instead."""
+    if not env.enabled:
+        return
+    counts = gather_object(counted_batches(loader, limit, source) if evened_by_agreement(loader) else None, env)
+    if None in counts or len(set(counts)) == 1:
+        return
+    shown = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(counts))
+    rank_zero_warn(
+        f"{source} gives the ranks different numbers of batches ({shown}): each rank runs its own and the ranks meet "
+        f"only at the pass's end, so a collective of your own in {step} (an all_gather of predictions) would not line "
+        f"up across ranks: the rank with more batches meets the others' end-of-pass collective instead, to fail or "
+        f"wait until distributed.timeout_s. Give every rank as many batches (a map-style dataset, which ampkit "
+        f"shards evenly), or gather in {end_hook}"
+    )
 
 
 def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -> Iterator[tuple[Any, bool]]:

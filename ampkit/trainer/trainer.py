@@ -127,6 +127,7 @@ from ampkit.trainer.distributed import (
     raise_the_first_failure,
     setup_distributed,
     teardown_distributed,
+    warn_of_uneven_evaluation,
     while_every_rank_has_a_batch,
 )
 from ampkit.trainer.duplicated_data import EvaluationFirstBatch, FirstBatchComparison
@@ -1425,11 +1426,11 @@ class Trainer:
 
     def _agree_stop(self) -> None:
         """Under torchrun, whether any rank set ``state.should_stop`` or got a SIGTERM: one small collective, run by
-        every rank at the same points (an iteration that logs, after a validation, an epoch's end, and the end of an
-        iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did, every rank
-        stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early stop: its
-        checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and raised here
-        on every rank."""
+        every rank at the same points (an iteration that logs, after a validation, an epoch's start and end, and the
+        end of an iteration whose facts' collective carried a rank's ask), where the ranks meet anyway. When one did,
+        every rank stops there, with ``stop_reason`` naming the ranks that asked and why (a SIGTERM's stop is no early
+        stop: its checkpoint resumes). A rank's own failure (:meth:`fail_on_every_rank`) is asked the same way, and
+        raised here on every rank."""
         self._stop_heard = False
         if not self.dist.enabled or self._stop_agreed:
             return
@@ -1460,8 +1461,9 @@ class Trainer:
                 opt_state.epoch_steps = opt_state.epoch_skipped_steps = 0
         self.module.train()
         self.fire("on_train_epoch_start")
-        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch
-        # (under torchrun one rank's ask waits for the ranks' next agreement, as a stop asked mid-epoch does).
+        # A stop asked there trains no batch of this epoch, as in Lightning, whose epoch loop asks before each batch;
+        # under torchrun the ranks agree on it here (one rank's ask left every rank training a step of the epoch).
+        self._agree_stop()
         stopped_at_start = self._stopping()
         exhausted, max_steps, first_batch = not stopped_at_start, self.settings.max_steps, s.batches_done
         first_step = s.global_step
@@ -1939,17 +1941,20 @@ class Trainer:
             self.fire(f"on_{stage.hook}_start")
             step = getattr(self, stage.step)
             first_batch = EvaluationFirstBatch(loader, self.dist, f"{stage.dataloader}()")  # every rank alike?
+            limit = None
+            if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
+                limit = batch_limit(
+                    self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
+                )
+            if not self.sharded:  # under FSDP the shorter ranks pad
+                source, end_hook = f"{stage.dataloader}()", f"on_{stage.hook}_end"
+                warn_of_uneven_evaluation(loader, limit, self.dist, source, stage.step, end_hook)
             if stage is PREDICT:
                 result = collect_predictions(self, loader, step, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty)
                 self.fire("on_predict_end", result)
             else:
-                batch_end, limit = None, None
-                if stage is VALIDATE:  # trainer.limit_val_batches holds as in fit's validations (and Lightning's)
-                    batch_end = "on_validation_batch_end"
-                    limit = batch_limit(
-                        self.settings.limit_val_batches, loader, "trainer.limit_val_batches", "val_dataloader()"
-                    )
+                batch_end = "on_validation_batch_end" if stage is VALIDATE else None
                 result = average_metrics(self, loader, step, limit, batch_end, first_batch)
                 warn_of_an_empty_pass(stage, loader, self.evaluated_batches, self.dist, said_empty or limit == 0)
                 if stage is VALIDATE:
@@ -2111,6 +2116,10 @@ class Trainer:
         count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
         self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.world_size)
         self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
+        if self._val_loader is not None and not self.sharded:  # under FSDP the shorter ranks pad
+            warn_of_uneven_evaluation(
+                self._val_loader, self._val_limit, self.dist, "val_dataloader()", "validation_step", "on_validation_end"
+            )
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
             self.cfg,
