@@ -674,8 +674,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
         """The step of an optimizer whose kernels take host numbers; ``prefetched`` is ``_read_with_scaler``'s
-        vector, read (float64, on the host)."""
-        self.step_with_grad_factor(grad_factor)
+        vector, read (float64, on the host). The groups are checked already: by ``step`` or ``step_with_grad_factor``,
+        once a step."""
+        self._step_by_factor(grad_factor)
 
     @staticmethod
     def _unscale_(grads: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None = None) -> None:
@@ -720,6 +721,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         check_grad_factor(grad_factor)
         self._check_groups_at_step()
+        self._step_by_factor(grad_factor)
+
+    def _step_by_factor(self, grad_factor: float) -> None:
+        """:meth:`step_with_grad_factor` past its checks: every bucket's kernel with ``grad_factor``."""
         for group, buckets in self._all_buckets():
             factor = -grad_factor if group.get("maximize", False) else grad_factor
             self._steps_from_group(group, buckets)
