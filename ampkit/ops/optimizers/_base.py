@@ -72,6 +72,11 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
             raise ArgumentTypeError(
                 f"step(): {name} must be {kind} one-element tensor (GradScaler's float32), got a {value.dtype} tensor"
             )
+        if name == "grad_scale" and value.dtype != torch.float32:  # was converted without a word
+            raise ArgumentTypeError(
+                f"step(): grad_scale must be a float32 one-element tensor (GradScaler's), got a {value.dtype} tensor; "
+                "torch's fused optimizers refuse it too ('expected scalar type Float'): pass grad_scale.float()"
+            )
         return value
     if name == "grad_scale" and isinstance(value, bool):
         raise ArgumentTypeError(f"step(): grad_scale must be a number or a one-element float32 tensor, got {value!r}")
