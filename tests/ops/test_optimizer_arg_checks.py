@@ -3,9 +3,9 @@ tensors as torch's fused ops take them, checked once a step."""
 
 import pytest
 import torch
+from fused_optimizer_cases import OPTIMIZERS
 
 from ampkit.ops.optimizers import _base
-from fused_optimizer_cases import OPTIMIZERS
 
 
 def _model_params():
@@ -55,3 +55,35 @@ def _torch_fused_adam(dtype):
     optimizer = torch.optim.Adam([p], fused=True)
     optimizer.grad_scale, optimizer.found_inf = torch.tensor(2.0, dtype=dtype), torch.tensor(0.0)
     optimizer.step()
+
+
+def _inside(name: str, params, optimizer) -> torch.Tensor:
+    """A one-element float32 view into what ``name`` names: the second parameter, its .grad or a state tensor."""
+    if name == "param":
+        return params[1].data.view(-1)[2:3]
+    if name == "grad":
+        return params[1].grad.view(-1)[2:3]
+    state = next(v for k, v in optimizer.state[params[1]].items() if k != "step" and v.numel() > 1)
+    return state.view(-1)[2:3]
+
+
+@pytest.mark.parametrize("inside", ["param", "grad", "state"])
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_scaler_tensor_inside_a_parameter_its_grad_or_state_is_refused_by_every_optimizer(name, argument, inside):
+    """Whoever's kernels run the bucket: torch's fused Adam took a grad_scale inside a gradient and divided the later
+    gradients by the scale the step had already changed; the host-read optimizers unscaled by it the same way."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params, backend="torch") if name.startswith("adam") else OPTIMIZERS[name](params)
+    optimizer.step()  # the state exists
+    for p in params:
+        p.grad = torch.ones_like(p)
+    shared = _inside(inside, params, optimizer)
+    shared.fill_(0.0 if argument == "found_inf" else 2.0)
+    before = [p.detach().clone() for p in params]
+    other = {"found_inf": torch.tensor(0.0)} if argument == "grad_scale" else {"grad_scale": torch.tensor(2.0)}
+    where = r"param_groups\[0\]\['params'\]\[1\]"
+    with pytest.raises(RuntimeError, match=rf"step\(\): {argument} shares memory with {where}.*of its own"):
+        optimizer.step(**{argument: shared}, **other)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard
+from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard, shares_memory
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -647,6 +647,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_groups_at_step()
         found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
         grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
+        self._refuse_shared_scaler(ScalerTensors(grad_scale, found_inf))
         if self._scaler_in_kernel:
             if grad_scale is not None:
                 found_inf = _skip_on_bad_scale(found_inf, grad_scale)
@@ -664,6 +665,28 @@ class FusedOptimizer(torch.optim.Optimizer):
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
             self._unscale_(grads, grad_scale)
         return loss
+
+    def _refuse_shared_scaler(self, scaler: ScalerTensors) -> None:
+        """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, as the
+        kernels refuse it: they and torch's fused ops read it while writing those (the gradients unscaled too), so a
+        scale inside a gradient was read as changed by the step. Only a tensor viewing a larger buffer is looked for
+        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each."""
+        for name, t in zip(ScalerTensors._fields, scaler, strict=True):
+            if t is None or t.untyped_storage().nbytes() <= t.element_size():
+                continue
+            for g, group in enumerate(self.param_groups):
+                for i, p in enumerate(group["params"]):
+                    state = self.state.get(p) or {}
+                    held = {"": p, "'s .grad": p.grad}
+                    held.update((f"'s state[{key!r}]", v) for key, v in state.items() if isinstance(v, Tensor))
+                    for what, other in held.items():
+                        if other is not None and shares_memory(local_shard(t), local_shard(other)):
+                            raise RuntimeError(
+                                f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
+                                f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
+                                f"the written-to tensor refer to a single memory location); pass a {name} of its own, "
+                                "e.g. its clone()"
+                            )
 
     def _check_groups_at_step(self) -> None:
         """:func:`check_group_at_step` on every group, before anything is read or stepped."""
