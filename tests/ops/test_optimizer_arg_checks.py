@@ -87,3 +87,71 @@ def test_a_scaler_tensor_inside_a_parameter_its_grad_or_state_is_refused_by_ever
         optimizer.step(**{argument: shared}, **other)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
+
+
+BETAS_OPTIMIZERS = ["adamw", "adam_l2", "adamp", "lamb", "mixed_precision_lamb", "novograd"]
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-dim", "1-element"])
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_tensor_betas_step_exactly_as_their_numbers(name, shape, backend):
+    """torch.optim takes one-element tensor betas; torch's fused ops refused a (1,)-shaped one ('invalid combination of
+    arguments') and NovoGrad took 1 - beta in float32. Both are now read once, as float64 host numbers."""
+    betas = (torch.tensor(0.8).reshape(shape), torch.tensor(0.95).reshape(shape))
+    numbers = tuple(float(b) for b in betas)  # the same float32-rounded values
+    results = []
+    for value in (betas, numbers):
+        params = _model_params()
+        optimizer = OPTIMIZERS[name](params, betas=value, backend=backend)
+        for _ in range(3):
+            optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, monkeypatch):
+    """int betas are numbers (YAML reads ``betas: [0, 0.999]``'s 0 as one; Apex and torch's NAdam/RAdam take them):
+    they step as their floats, and the step-time check no longer sends them down its slow path each step."""
+    results = []
+    for betas in ((0, 0.5), (0.0, 0.5)):
+        params = _model_params()
+        optimizer = OPTIMIZERS[name](params, betas=betas)
+        optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    slow = []
+    monkeypatch.setattr(_base, "_check_group_value", lambda *args: slow.append(args))
+    optimizer.param_groups[0].update(betas=(0, 0), weight_decay=0)
+    optimizer.step()
+    assert slow == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_betas_and_lr_on_the_gpu_are_checked_at_step_without_a_host_sync(name):
+    params = [p.cuda() for p in _model_params()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    betas = (torch.tensor(0.8, device="cuda"), torch.tensor(0.95, device="cuda"))
+    optimizer = OPTIMIZERS[name](params, betas=betas)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer._check_groups_at_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    optimizer.step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_meta_lr_written_into_a_group_is_refused_by_name_at_step(name):
+    """The step-time check let any one-element float tensor off the CPU by unread, a meta one too, which then failed
+    in a kernel's read ('Tensor.item() cannot be called on meta tensors'), naming neither the group nor the key."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")
+    with pytest.raises(ValueError, match=rf"Invalid lr of {type(optimizer).__name__}.param_groups\[0\]: .*meta"):
+        optimizer.step()

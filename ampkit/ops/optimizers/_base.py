@@ -343,6 +343,18 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     return tuple(betas)
 
 
+def host_betas(group: dict[str, Any]) -> tuple[float, float]:
+    """The group's betas as host numbers, which every kernel here (and torch's fused ops) takes them as. Tensor betas
+    (both are, or neither: :func:`check_betas`) are read in one transfer: passed as they are, the dispatcher read each
+    with ``item()``, two host syncs a bucket on a GPU, and torch's ops refused a one-element tensor of one dimension."""
+    beta1, beta2 = group["betas"]
+    if not isinstance(beta1, Tensor):
+        return beta1, beta2
+    pair = torch.stack([b.to(device=beta1.device, dtype=torch.float64).reshape(()) for b in (beta1, beta2)])
+    beta1, beta2 = pair.tolist()
+    return beta1, beta2
+
+
 def check_group_hypers(group: dict[str, Any]) -> None:
     """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
     ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read; torch's
@@ -376,7 +388,7 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
             continue
         elif key == "betas" and type(value) is tuple and len(value) == 2:
             beta1, beta2 = value
-            if type(beta1) is float and type(beta2) is float and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0:
+            if type(beta1) in _NUMBER_TYPES and type(beta2) in _NUMBER_TYPES and 0 <= beta1 < 1 and 0 <= beta2 < 1:
                 continue
         if key in _STEP_BOUNDS or key in _FLAG_KEYS or key == "betas":
             _check_group_value(f"{key} of {owner}.param_groups[{index}]", key, value)
@@ -384,19 +396,30 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
 
 def _check_group_value(name: str, key: str, value: Any) -> None:
     """The slow path of :func:`check_group_at_step`: the rule of ``key``. A one-element float tensor off the CPU (a
-    capturable ``lr``) is checked for its shape and dtype, its value never read (a host sync each step)."""
+    capturable ``lr``, betas on the GPU) is checked for its shape and dtype, its value never read (a host sync each
+    step, where the kernels' one read of the betas is :func:`host_betas`')."""
     if key in GROUP_HYPER_RULES:
-        off_cpu = isinstance(value, Tensor) and value.device.type != "cpu"
-        if off_cpu and value.numel() == 1 and value.is_floating_point():
+        if _unread_on_device(value):
             return
         low, high = GROUP_HYPER_RULES[key]
         check_hyper(name, value, low, high, closed=high == math.inf)
     elif key in _FLAG_KEYS:
         check_flag(name, value)
     elif key == "betas":
+        pair = isinstance(value, tuple | list) and len(value) == 2
+        if pair and _unread_on_device(value[0]) and _unread_on_device(value[1]):
+            return
         check_betas(value, name[len(key) :])
 
 
+def _unread_on_device(value: Any) -> bool:
+    """Whether ``value`` is a one-element float tensor off the CPU: its shape and dtype are checked, its value left
+    unread at a step (a host sync); it was checked when its group was added."""
+    off_cpu = isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")  # meta holds no value at all
+    return off_cpu and value.numel() == 1 and value.is_floating_point()
+
+
+_NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
 # check_group_at_step's fast path: (low, high) of each hyper-parameter; a value at ``high`` (inf where inf is
 # allowed) takes the slow path, which accepts it
 _STEP_BOUNDS = {key: (low, math.inf if high is None else high) for key, (low, high) in GROUP_HYPER_RULES.items()}
