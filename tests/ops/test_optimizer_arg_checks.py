@@ -155,3 +155,26 @@ def test_a_meta_lr_written_into_a_group_is_refused_by_name_at_step(name):
     optimizer.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")
     with pytest.raises(ValueError, match=rf"Invalid lr of {type(optimizer).__name__}.param_groups\[0\]: .*meta"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("norm_type", [1, -1, False, "2", None, float("nan")])
+def test_novograds_norm_type_is_checked_when_added_and_at_step_as_at_construction(norm_type):
+    """Only the constructor checked it: a group added or edited with norm_type=1 (or None, '2') stepped with the
+    max-abs norm, the branch any value but 2 took; False passed even there, as 0."""
+    from ampkit.ops.optimizers import FusedNovoGrad
+
+    message = rf"Invalid norm_type.*: {norm_type!r} \(expected 2 \(L2\) or 0 \(max abs\)"
+    with pytest.raises(ValueError, match=message):
+        FusedNovoGrad(_model_params(), norm_type=norm_type)
+    params = _model_params()
+    optimizer = FusedNovoGrad(params[:1])
+    with pytest.raises(ValueError, match=message):
+        optimizer.add_param_group({"params": params[1:], "norm_type": norm_type})
+    assert len(optimizer.param_groups) == 1
+    optimizer.param_groups[0]["norm_type"] = norm_type
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match=rf"Invalid norm_type of FusedNovoGrad.param_groups\[0\]: {norm_type!r}"):
+        optimizer.step()
+    assert torch.equal(params[0], before)
+    optimizer.param_groups[0]["norm_type"] = 0
+    optimizer.step()

@@ -296,6 +296,19 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
 }
 
 
+# The options a param group may carry that take one of a few numbers: (the numbers, what they mean).
+GROUP_CHOICES: dict[str, tuple[tuple[int, ...], str]] = {
+    "norm_type": ((0, 2), "2 (L2) or 0 (max abs), as Apex's FusedNovoGrad"),
+}
+
+
+def check_choice(name: str, value: Any, key: str) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is one of ``GROUP_CHOICES[key]``'s numbers (not a bool)."""
+    choices, meaning = GROUP_CHOICES[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r} (expected {meaning})")
+
+
 # The on/off options a param group may carry, whichever optimizer it belongs to: True or False (or Apex's 0 and 1).
 GROUP_FLAGS = (
     "adam_w_mode",
@@ -365,6 +378,9 @@ def check_group_hypers(group: dict[str, Any]) -> None:
     for key in GROUP_FLAGS:
         if key in group:
             check_flag(f"{key} of a param group", group[key])
+    for key in GROUP_CHOICES:
+        if key in group:
+            check_choice(f"{key} of a param group", group[key], key)
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
     if group.get("differentiable"):  # torch.optim's switch, in a group of the user's or from a torch checkpoint
@@ -381,16 +397,20 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
     range (an int too: ``weight_decay=0``, FusedAdam's default) or a bool flag costs a look-up and two comparisons."""
     for key, value in group.items():
         if type(value) is float or type(value) is int:
-            bounds = _STEP_BOUNDS.get(key)
-            if bounds is None or bounds[0] <= value < bounds[1]:
-                continue
+            if key in GROUP_CHOICES:
+                if value in GROUP_CHOICES[key][0]:
+                    continue
+            else:
+                bounds = _STEP_BOUNDS.get(key)
+                if bounds is None or bounds[0] <= value < bounds[1]:
+                    continue
         elif type(value) is bool and key in _FLAG_KEYS:
             continue
         elif key == "betas" and type(value) is tuple and len(value) == 2:
             beta1, beta2 = value
             if type(beta1) in _NUMBER_TYPES and type(beta2) in _NUMBER_TYPES and 0 <= beta1 < 1 and 0 <= beta2 < 1:
                 continue
-        if key in _STEP_BOUNDS or key in _FLAG_KEYS or key == "betas":
+        if key in _STEP_BOUNDS or key in _FLAG_KEYS or key in GROUP_CHOICES or key == "betas":
             _check_group_value(f"{key} of {owner}.param_groups[{index}]", key, value)
 
 
@@ -405,6 +425,8 @@ def _check_group_value(name: str, key: str, value: Any) -> None:
         check_hyper(name, value, low, high, closed=high == math.inf)
     elif key in _FLAG_KEYS:
         check_flag(name, value)
+    elif key in GROUP_CHOICES:
+        check_choice(name, value, key)
     elif key == "betas":
         pair = isinstance(value, tuple | list) and len(value) == 2
         if pair and _unread_on_device(value[0]) and _unread_on_device(value[1]):

@@ -16,6 +16,7 @@ from ampkit.ops.optimizers._base import (
     _scalar_on,
     acc_dtype,
     check_betas,
+    check_choice,
     check_flag,
     check_grad_factor,
     check_hyper,
@@ -65,8 +66,7 @@ class FusedNovoGrad(FusedOptimizer):
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
-        if norm_type not in (0, 2):
-            raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
+        check_choice("norm_type", norm_type, "norm_type")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         betas = check_betas(betas)
