@@ -5,7 +5,7 @@ import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS
 
-from ampkit.ops.optimizers import _base
+from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedSGD, _base
 
 
 def _model_params():
@@ -178,3 +178,38 @@ def test_novograds_norm_type_is_checked_when_added_and_at_step_as_at_constructio
     assert torch.equal(params[0], before)
     optimizer.param_groups[0]["norm_type"] = 0
     optimizer.step()
+
+
+TORCH_ROUTABLE = {  # the optimizers torch has a fused op for, each hyper-parameter left to the test
+    "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, **kw),
+    "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, adam_w_mode=False, **kw),
+    "sgd": lambda p, **kw: FusedSGD(p, lr=0.1, **{"momentum": 0.9, **kw}),
+    "adagrad": lambda p, **kw: FusedAdagrad(p, lr=0.1, **kw),
+}
+TORCH_ROUTED_HYPERS = [
+    ("adamw", "eps"),
+    ("adamw", "weight_decay"),
+    ("adam_l2", "weight_decay"),
+    ("sgd", "momentum"),
+    ("sgd", "dampening"),
+    ("sgd", "weight_decay"),
+    ("adagrad", "lr_decay"),
+    ("adagrad", "eps"),
+    ("adagrad", "initial_accumulator_value"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+@pytest.mark.parametrize(("name", "key"), TORCH_ROUTED_HYPERS)
+def test_a_one_element_tensor_hyperparameter_steps_as_its_number_on_every_backend(name, key, backend):
+    """The group checks take a one-element tensor of shape (1,) (as torch.optim's constructors do); ampkit's kernels
+    stepped with it, but torch's fused ops refused it deep in the dispatcher ('invalid combination of arguments'),
+    and Adagrad's initial_accumulator_value failed in full_like."""
+    results = []
+    for value in (torch.tensor([0.25]), 0.25):
+        params = _model_params()
+        optimizer = TORCH_ROUTABLE[name](params, **{key: value}, backend=backend)
+        for _ in range(2):
+            optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops._backend import lr_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -181,8 +181,8 @@ class FusedAdam(FusedOptimizer):
                 lr=lr_for_torch_op(group["lr"], bucket.device),
                 beta1=beta1,
                 beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
+                weight_decay=number_for_torch_op(group["weight_decay"]),
+                eps=number_for_torch_op(group["eps"]),
                 maximize=group["maximize"],
                 grad_scale=scaler.grad_scale,
                 found_inf=scaler.found_inf,
