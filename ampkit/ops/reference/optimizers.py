@@ -125,9 +125,11 @@ def _check_scaler(
                 f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
                 f"{t.dtype} of shape {list(t.shape)} on {t.device}"
             )
+        begin, end = t.data_ptr(), t.data_ptr() + t.nbytes  # a look at each address first: this runs every step
         for list_name, values in lists.items():
             for i, other in enumerate(values):
-                if shares_memory(t, other):
+                start = other.data_ptr()
+                if start < end and begin < start + other.nbytes and shares_memory(t, other):
                     raise RuntimeError(
                         f"{op}: {name} shares memory with {list_name}[{i}], which the step writes (torch: some "
                         "elements of the input tensor and the written-to tensor refer to a single memory location); "
