@@ -124,6 +124,7 @@ def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, 
     slow = []
     monkeypatch.setattr(_base, "_check_group_value", lambda *args: slow.append(args))
     optimizer.param_groups[0].update(betas=(0, 0), weight_decay=0)
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "betas": [0.5, 0.9]})  # a list
     optimizer.step()
     assert slow == []
 

@@ -406,7 +406,7 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
                     continue
         elif type(value) is bool and key in _FLAG_KEYS:
             continue
-        elif key == "betas" and type(value) is tuple and len(value) == 2:
+        elif key == "betas" and type(value) in (tuple, list) and len(value) == 2:  # a list: add_param_group's, YAML's
             beta1, beta2 = value
             if type(beta1) in _NUMBER_TYPES and type(beta2) in _NUMBER_TYPES and 0 <= beta1 < 1 and 0 <= beta2 < 1:
                 continue
