@@ -442,6 +442,7 @@ def _unread_on_device(value: Any) -> bool:
 
 
 _NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
+
 # check_group_at_step's fast path: (low, high) of each hyper-parameter; a value at ``high`` (inf where inf is
 # allowed) takes the slow path, which accepts it
 _STEP_BOUNDS = {key: (low, math.inf if high is None else high) for key, (low, high) in GROUP_HYPER_RULES.items()}
