@@ -49,6 +49,16 @@ def rows_are_blocks(t: Tensor) -> bool:
     return t.stride(0) == t.numel() // t.size(0)
 
 
+def shares_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether dense ``a`` and ``b`` hold a byte in common, as ``at::get_overlap_status`` judges it (one storage, byte
+    ranges that meet); tensors it cannot judge (not dense) and empty ones count as apart, as there."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or not (is_dense(a) and is_dense(b)):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return a.data_ptr() < b.data_ptr() + b.numel() * b.element_size() and b.data_ptr() < a.data_ptr() + a.nbytes
+
+
 def first_overlap(tensors: Sequence[Tensor]) -> tuple[int, int] | None:
     """Indices ``(i, j)``, ``i < j``, of two of ``tensors`` (dense ones) whose memory overlaps, or None. Sorted by
     address, each compared with the next: if any two overlap, two neighbours do. Empty tensors hold no memory."""

@@ -506,6 +506,30 @@ def test_bad_scaler_tensors_are_named(argument, value, message, side):
         (kernel("adam_step") if side == "kernel" else ref.adam_step)(**args, **{argument: value})
 
 
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("case", SCALER_CASES)
+@pytest.mark.parametrize("side", ["kernel", "reference"])
+def test_a_scaler_tensor_sharing_memory_with_a_list_is_refused_before_anything_moves(case, argument, side):
+    """The kernels read grad_scale and found_inf while they write every list in parallel chunks (the unscaled
+    gradients too): one inside a parameter, gradient, state or step counter was read before or after a chunk wrote
+    it (torch's fused ops take it and divide the later gradients by the changed scale)."""
+    name, build = CASES[case]
+    step = kernel(name) if side == "kernel" else getattr(ref, name)
+    lists = [key for key, value in build(torch.float32, torch.float32, False).items() if isinstance(value, list)]
+    for key in [k for k in lists if build(torch.float32, torch.float32, False)[k]]:
+        args = build(torch.float32, torch.float32, False)
+        shared = args[key][1] if key == "steps" else args[key][1].view(-1)[3:4]
+        other = "found_inf" if argument == "grad_scale" else "grad_scale"
+        before = clone_args(args)
+        with pytest.raises(RuntimeError, match=rf"{name}: {argument} shares memory with {key}\[1\], which the step"):
+            step(**args, **{argument: shared, other: one(0.0 if other == "found_inf" else 1.0)})
+        for k in lists:
+            assert all(torch.equal(a, b) for a, b in zip(args[k], before[k], strict=True)), (key, k)
+    args = build(torch.float32, torch.float32, False)
+    buffer = torch.ones(4)  # a view of a buffer no list holds is not refused
+    step(**args, **{argument: buffer[2:3], other: one(0.0 if other == "found_inf" else 1.0)})
+
+
 BAD_INPUTS = [
     ("length", lambda a: a.update(exp_avgs=a["exp_avgs"][:-1]), r"exp_avgs has \d+ tensors but params has"),
     ("shape", lambda a: a["grads"].__setitem__(2, torch.randn(4)), r"grads\[2\] has shape"),

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ampkit.ops._backend import resolve_backend, torch_has_fused_op
 from ampkit.ops._errors import ArgumentTypeError, StateDictKeyError
-from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard
+from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shard, shares_memory
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
@@ -71,6 +71,11 @@ def _as_tensor(value: Tensor | float | None, name: str) -> Tensor | None:
             kind = "a floating-point" if name == "grad_scale" else "a real"
             raise ArgumentTypeError(
                 f"step(): {name} must be {kind} one-element tensor (GradScaler's float32), got a {value.dtype} tensor"
+            )
+        if name == "grad_scale" and value.dtype != torch.float32:  # was converted without a word
+            raise ArgumentTypeError(
+                f"step(): grad_scale must be a float32 one-element tensor (GradScaler's), got a {value.dtype} tensor; "
+                "torch's fused optimizers refuse it too ('expected scalar type Float'): pass grad_scale.float()"
             )
         return value
     if name == "grad_scale" and isinstance(value, bool):
@@ -291,6 +296,19 @@ GROUP_HYPER_RULES: dict[str, tuple[float, float | None]] = {
 }
 
 
+# The options a param group may carry that take one of a few numbers: (the numbers, what they mean).
+GROUP_CHOICES: dict[str, tuple[tuple[int, ...], str]] = {
+    "norm_type": ((0, 2), "2 (L2) or 0 (max abs), as Apex's FusedNovoGrad"),
+}
+
+
+def check_choice(name: str, value: Any, key: str) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is one of ``GROUP_CHOICES[key]``'s numbers (not a bool)."""
+    choices, meaning = GROUP_CHOICES[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r} (expected {meaning})")
+
+
 # The on/off options a param group may carry, whichever optimizer it belongs to: True or False (or Apex's 0 and 1).
 GROUP_FLAGS = (
     "adam_w_mode",
@@ -338,6 +356,18 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     return tuple(betas)
 
 
+def host_betas(group: dict[str, Any]) -> tuple[float, float]:
+    """The group's betas as host numbers, which every kernel here (and torch's fused ops) takes them as. Tensor betas
+    (both are, or neither: :func:`check_betas`) are read in one transfer: passed as they are, the dispatcher read each
+    with ``item()``, two host syncs a bucket on a GPU, and torch's ops refused a one-element tensor of one dimension."""
+    beta1, beta2 = group["betas"]
+    if not isinstance(beta1, Tensor):
+        return beta1, beta2
+    pair = torch.stack([b.to(device=beta1.device, dtype=torch.float64).reshape(()) for b in (beta1, beta2)])
+    beta1, beta2 = pair.tolist()
+    return beta1, beta2
+
+
 def check_group_hypers(group: dict[str, Any]) -> None:
     """:func:`check_hyper` on each known hyper-parameter of ``group`` (see :data:`GROUP_HYPER_RULES`), its
     ``betas`` and :func:`check_flag` on its on/off options, named as ``param_groups[i]['lr']`` would be read; torch's
@@ -348,6 +378,9 @@ def check_group_hypers(group: dict[str, Any]) -> None:
     for key in GROUP_FLAGS:
         if key in group:
             check_flag(f"{key} of a param group", group[key])
+    for key in GROUP_CHOICES:
+        if key in group:
+            check_choice(f"{key} of a param group", group[key], key)
     if "betas" in group:
         check_betas(group["betas"], " of a param group")
     if group.get("differentiable"):  # torch.optim's switch, in a group of the user's or from a torch checkpoint
@@ -364,33 +397,51 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
     range (an int too: ``weight_decay=0``, FusedAdam's default) or a bool flag costs a look-up and two comparisons."""
     for key, value in group.items():
         if type(value) is float or type(value) is int:
-            bounds = _STEP_BOUNDS.get(key)
-            if bounds is None or bounds[0] <= value < bounds[1]:
-                continue
+            if key in GROUP_CHOICES:
+                if value in GROUP_CHOICES[key][0]:
+                    continue
+            else:
+                bounds = _STEP_BOUNDS.get(key)
+                if bounds is None or bounds[0] <= value < bounds[1]:
+                    continue
         elif type(value) is bool and key in _FLAG_KEYS:
             continue
-        elif key == "betas" and type(value) is tuple and len(value) == 2:
+        elif key == "betas" and type(value) in (tuple, list) and len(value) == 2:  # a list: add_param_group's, YAML's
             beta1, beta2 = value
-            if type(beta1) is float and type(beta2) is float and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0:
+            if type(beta1) in _NUMBER_TYPES and type(beta2) in _NUMBER_TYPES and 0 <= beta1 < 1 and 0 <= beta2 < 1:
                 continue
-        if key in _STEP_BOUNDS or key in _FLAG_KEYS or key == "betas":
+        if key in _STEP_BOUNDS or key in _FLAG_KEYS or key in GROUP_CHOICES or key == "betas":
             _check_group_value(f"{key} of {owner}.param_groups[{index}]", key, value)
 
 
 def _check_group_value(name: str, key: str, value: Any) -> None:
     """The slow path of :func:`check_group_at_step`: the rule of ``key``. A one-element float tensor off the CPU (a
-    capturable ``lr``) is checked for its shape and dtype, its value never read (a host sync each step)."""
+    capturable ``lr``, betas on the GPU) is checked for its shape and dtype, its value never read (a host sync each
+    step, where the kernels' one read of the betas is :func:`host_betas`')."""
     if key in GROUP_HYPER_RULES:
-        off_cpu = isinstance(value, Tensor) and value.device.type != "cpu"
-        if off_cpu and value.numel() == 1 and value.is_floating_point():
+        if _unread_on_device(value):
             return
         low, high = GROUP_HYPER_RULES[key]
         check_hyper(name, value, low, high, closed=high == math.inf)
     elif key in _FLAG_KEYS:
         check_flag(name, value)
+    elif key in GROUP_CHOICES:
+        check_choice(name, value, key)
     elif key == "betas":
+        pair = isinstance(value, tuple | list) and len(value) == 2
+        if pair and _unread_on_device(value[0]) and _unread_on_device(value[1]):
+            return
         check_betas(value, name[len(key) :])
 
+
+def _unread_on_device(value: Any) -> bool:
+    """Whether ``value`` is a one-element float tensor off the CPU: its shape and dtype are checked, its value left
+    unread at a step (a host sync); it was checked when its group was added."""
+    off_cpu = isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")  # meta holds no value at all
+    return off_cpu and value.numel() == 1 and value.is_floating_point()
+
+
+_NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
 
 # check_group_at_step's fast path: (low, high) of each hyper-parameter; a value at ``high`` (inf where inf is
 # allowed) takes the slow path, which accepts it
@@ -642,6 +693,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_groups_at_step()
         found_inf = _as_tensor(getattr(self, "found_inf", None) if found_inf is None else found_inf, "found_inf")
         grad_scale = _as_tensor(getattr(self, "grad_scale", None) if grad_scale is None else grad_scale, "grad_scale")
+        self._refuse_shared_scaler(ScalerTensors(grad_scale, found_inf))
         if self._scaler_in_kernel:
             if grad_scale is not None:
                 found_inf = _skip_on_bad_scale(found_inf, grad_scale)
@@ -660,6 +712,28 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._unscale_(grads, grad_scale)
         return loss
 
+    def _refuse_shared_scaler(self, scaler: ScalerTensors) -> None:
+        """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, as the
+        kernels refuse it: they and torch's fused ops read it while writing those (the gradients unscaled too), so a
+        scale inside a gradient was read as changed by the step. Only a tensor viewing a larger buffer is looked for
+        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each."""
+        for name, t in zip(ScalerTensors._fields, scaler, strict=True):
+            if t is None or t.untyped_storage().nbytes() <= t.element_size():
+                continue
+            for g, group in enumerate(self.param_groups):
+                for i, p in enumerate(group["params"]):
+                    state = self.state.get(p) or {}
+                    held = {"": p, "'s .grad": p.grad}
+                    held.update((f"'s state[{key!r}]", v) for key, v in state.items() if isinstance(v, Tensor))
+                    for what, other in held.items():
+                        if other is not None and shares_memory(local_shard(t), local_shard(other)):
+                            raise RuntimeError(
+                                f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
+                                f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
+                                f"the written-to tensor refer to a single memory location); pass a {name} of its own, "
+                                "e.g. its clone()"
+                            )
+
     def _check_groups_at_step(self) -> None:
         """:func:`check_group_at_step` on every group, before anything is read or stepped."""
         owner = type(self).__name__
@@ -674,8 +748,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _step_on_host(self, grad_factor: float, prefetched: Tensor | None) -> None:
         """The step of an optimizer whose kernels take host numbers; ``prefetched`` is ``_read_with_scaler``'s
-        vector, read (float64, on the host)."""
-        self.step_with_grad_factor(grad_factor)
+        vector, read (float64, on the host). The groups are checked already: by ``step`` or ``step_with_grad_factor``,
+        once a step."""
+        self._step_by_factor(grad_factor)
 
     @staticmethod
     def _unscale_(grads: list[Tensor], grad_scale: Tensor, found_inf: Tensor | None = None) -> None:
@@ -720,6 +795,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         check_grad_factor(grad_factor)
         self._check_groups_at_step()
+        self._step_by_factor(grad_factor)
+
+    def _step_by_factor(self, grad_factor: float) -> None:
+        """:meth:`step_with_grad_factor` past its checks: every bucket's kernel with ``grad_factor``."""
         for group, buckets in self._all_buckets():
             factor = -grad_factor if group.get("maximize", False) else grad_factor
             self._steps_from_group(group, buckets)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops._backend import lr_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -85,7 +85,8 @@ class FusedAdagrad(FusedOptimizer):
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        state["sum"] = torch.full_like(param, group["initial_accumulator_value"], dtype=acc_dtype(param))
+        initial = group["initial_accumulator_value"]  # a one-element tensor is taken as its number, as torch's is
+        state["sum"] = torch.full_like(param, float(initial), dtype=acc_dtype(param))
 
     def share_memory(self) -> None:
         """Move each ``sum`` to shared memory, as ``torch.optim.Adagrad.share_memory`` (Hogwild training across
@@ -133,9 +134,9 @@ class FusedAdagrad(FusedOptimizer):
                 bucket.state_list("sum"),
                 steps,
                 lr=lr_for_torch_op(group["lr"], bucket.device),
-                lr_decay=group["lr_decay"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
+                lr_decay=number_for_torch_op(group["lr_decay"]),
+                weight_decay=number_for_torch_op(group["weight_decay"]),
+                eps=number_for_torch_op(group["eps"]),
                 maximize=group["maximize"],
                 grad_scale=scaler.grad_scale,
                 found_inf=scaler.found_inf,

@@ -23,6 +23,7 @@ from ampkit.ops.optimizers._base import (
     check_grad_factor,
     check_hyper,
     eager_under_compile,
+    host_betas,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -127,7 +128,7 @@ class FusedLAMB(FusedOptimizer):
         return buf
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = host_betas(group)
         lamb_step(
             bucket.params,
             bucket.grads,

@@ -16,10 +16,12 @@ from ampkit.ops.optimizers._base import (
     _scalar_on,
     acc_dtype,
     check_betas,
+    check_choice,
     check_flag,
     check_grad_factor,
     check_hyper,
     eager_under_compile,
+    host_betas,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -64,8 +66,7 @@ class FusedNovoGrad(FusedOptimizer):
         check_flag("amsgrad", amsgrad)  # before it is read: "False" was refused as amsgrad=True
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True).")
-        if norm_type not in (0, 2):
-            raise ValueError(f"FusedNovoGrad: norm_type={norm_type!r}; expected 2 (L2) or 0 (max abs), as Apex")
+        check_choice("norm_type", norm_type, "norm_type")
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         betas = check_betas(betas)
@@ -134,7 +135,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     @staticmethod
     def _blended(group: dict[str, Any], bucket: Bucket, factor: float | Tensor) -> Tensor:
-        beta2 = group["betas"][1]
+        beta2 = host_betas(group)[1]
         previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
         if group["norm_type"] == 2:  # Apex's blend of per-tensor norms: sqrt(b2 * v^2 + (1 - b2) * n^2) ...
             norms = multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double() * factor
@@ -160,7 +161,7 @@ class FusedNovoGrad(FusedOptimizer):
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, blended: Tensor, blended_on_host: Tensor
     ) -> None:
         """Store the bucket's blended norms and run its kernel, which reads the denominators on the host."""
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = host_betas(group)
         step = group["step"]
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _RequiredParameter, required
 
-from ampkit.ops._backend import lr_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -229,10 +229,10 @@ class FusedSGD(FusedOptimizer):
                 bucket.params,
                 bucket.grads,
                 buffers,
-                weight_decay=group["weight_decay"],
-                momentum=group["momentum"],
+                weight_decay=number_for_torch_op(group["weight_decay"]),
+                momentum=number_for_torch_op(group["momentum"]),
                 lr=lr_for_torch_op(group["lr"], bucket.device),
-                dampening=group["dampening"],
+                dampening=number_for_torch_op(group["dampening"]),
                 nesterov=group["nesterov"],
                 maximize=group["maximize"],
                 is_first_step=first_step,

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ampkit.ops._layout import shares_memory
+
 TensorList = Sequence[Tensor]
 
 
@@ -32,6 +34,7 @@ def _check_lists(
     master_params: TensorList = (),
     optional: dict[str, tuple[TensorList, bool]] | None = None,
     vectors: dict[str, Tensor] | None = None,
+    scaler: tuple[Tensor | None, Tensor | None] = (None, None),
     **lists: TensorList,
 ) -> None:
     """The kernels' argument checks (``csrc/optimizers/list_checks.h``), with their messages, all made before anything
@@ -40,7 +43,8 @@ def _check_lists(
     whether these options use it)) empty unless used; float32 ``master_params`` only for half params; one-element
     float step counters; host ``vectors`` (LAMB's ratios, NovoGrad's denominators) with one entry per param. Without
     them an int parameter was stepped and truncated, a complex one lost its imaginary part, and a list one tensor
-    short (or one tensor on another device) stepped every parameter before it, then failed naming no list."""
+    short (or one tensor on another device) stepped every parameter before it, then failed naming no list. Last,
+    GradScaler's ``scaler`` tensors (``grad_scale``, ``found_inf``) as :func:`_check_scaler` takes them."""
     for i, p in enumerate(params):
         if p.dtype not in _FLOATS:
             raise RuntimeError(f"{op}: params[{i}] has dtype {p.dtype}; expected float32, float64, float16 or bfloat16")
@@ -103,6 +107,34 @@ def _check_lists(
                 f"{op}: {name} must be a float64 vector with one entry per param ({len(params)}); got {vector.dtype} "
                 f"of shape {list(vector.shape)} on {vector.device}"
             )
+    _check_scaler(op, params, scaler, {"params": params, **matched})
+
+
+def _check_scaler(
+    op: str, params: TensorList, scaler: tuple[Tensor | None, Tensor | None], lists: dict[str, TensorList]
+) -> None:
+    """torch's GradScaler contract, checked as the kernels check it: ``grad_scale`` and ``found_inf`` are absent or
+    one-element float32 tensors on the params' device (an int flag or a float64 scale was taken here, which the kernels
+    refuse), sharing memory with no tensor of the call: the kernels read them while writing every list in parallel
+    chunks, so a flag or scale inside a parameter, gradient or counter was read before or after a chunk wrote it."""
+    for name, t in zip(("grad_scale", "found_inf"), scaler, strict=True):
+        if t is None or not len(params):
+            continue
+        if t.numel() != 1 or t.dtype != torch.float32 or t.device != params[0].device:
+            raise RuntimeError(
+                f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
+                f"{t.dtype} of shape {list(t.shape)} on {t.device}"
+            )
+        begin, end = t.data_ptr(), t.data_ptr() + t.nbytes  # a look at each address first: this runs every step
+        for list_name, values in lists.items():
+            for i, other in enumerate(values):
+                start = other.data_ptr()
+                if start < end and begin < start + other.nbytes and shares_memory(t, other):
+                    raise RuntimeError(
+                        f"{op}: {name} shares memory with {list_name}[{i}], which the step writes (torch: some "
+                        "elements of the input tensor and the written-to tensor refer to a single memory location); "
+                        f"pass a {name} of its own, e.g. its clone()"
+                    )
 
 
 def _bump(step: Tensor) -> float:
@@ -110,20 +142,8 @@ def _bump(step: Tensor) -> float:
     return float(step.item())
 
 
-def _scaler_skips(op: str, params: TensorList, grad_scale: Tensor | None, found_inf: Tensor | None) -> bool:
-    """torch's GradScaler contract, checked as the kernels check it: ``grad_scale`` and ``found_inf`` are absent or
-    one-element float32 tensors on the params' device, and a non-zero ``found_inf`` skips the whole step (read on
-    the host here). An int flag or a float64 scale was taken here, which the kernels refuse."""
-    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
-        if (
-            t is not None
-            and len(params)
-            and (t.numel() != 1 or t.dtype != torch.float32 or t.device != params[0].device)
-        ):
-            raise RuntimeError(
-                f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
-                f"{t.dtype} of shape {list(t.shape)} on {t.device}"
-            )
+def _scaler_skips(found_inf: Tensor | None) -> bool:
+    """Whether a non-zero ``found_inf`` (checked by :func:`_check_scaler`) skips the whole step; read on the host."""
     return found_inf is not None and float(found_inf) != 0
 
 
@@ -179,12 +199,13 @@ def adam_step(
         params,
         master_params=master_params,
         optional={"max_exp_avg_sqs": (max_exp_avg_sqs, amsgrad)},
+        scaler=(grad_scale, found_inf),
         grads=grads,
         exp_avgs=exp_avgs,
         exp_avg_sqs=exp_avg_sqs,
         steps=steps,
     )
-    if _scaler_skips("adam_step", params, grad_scale, found_inf):
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -231,9 +252,10 @@ def sgd_step(
         params,
         master_params=master_params,
         optional={"momentum_buffers": (momentum_buffers, momentum != 0)},
+        scaler=(grad_scale, found_inf),
         grads=grads,
     )
-    if _scaler_skips("sgd_step", params, grad_scale, found_inf):
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -263,8 +285,16 @@ def adagrad_step(
     found_inf: Tensor | None = None,
 ) -> None:
     """Adagrad step, torch.optim semantics."""
-    _check_lists("adagrad_step", params, master_params=master_params, grads=grads, state_sums=state_sums, steps=steps)
-    if _scaler_skips("adagrad_step", params, grad_scale, found_inf):
+    _check_lists(
+        "adagrad_step",
+        params,
+        master_params=master_params,
+        scaler=(grad_scale, found_inf),
+        grads=grads,
+        state_sums=state_sums,
+        steps=steps,
+    )
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -289,6 +319,7 @@ def _check_rmsprop_lists(
     *,
     centered: bool,
     momentum: float,
+    scaler: tuple[Tensor | None, Tensor | None],
 ) -> None:
     """Both RMSprops' lists: ``grad_avgs`` only where centered, ``momentum_buffers`` only with momentum."""
     _check_lists(
@@ -296,6 +327,7 @@ def _check_rmsprop_lists(
         params,
         master_params=master_params,
         optional={"grad_avgs": (grad_avgs, centered), "momentum_buffers": (momentum_buffers, momentum > 0)},
+        scaler=scaler,
         grads=grads,
         square_avgs=square_avgs,
         steps=steps,
@@ -323,8 +355,8 @@ def rmsprop_step(
 ) -> None:
     """RMSprop step (centered, momentum), torch.optim semantics."""
     lists = (params, grads, square_avgs, grad_avgs, momentum_buffers, master_params, steps)
-    _check_rmsprop_lists("rmsprop_step", *lists, centered=centered, momentum=momentum)
-    if _scaler_skips("rmsprop_step", params, grad_scale, found_inf):
+    _check_rmsprop_lists("rmsprop_step", *lists, centered=centered, momentum=momentum, scaler=(grad_scale, found_inf))
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -372,8 +404,10 @@ def rmsprop_tf_step(
 ) -> None:
     """TensorFlow-style RMSprop (timm's RMSpropTF): eps inside the sqrt, optional lr inside momentum."""
     lists = (params, grads, square_avgs, grad_avgs, momentum_buffers, master_params, steps)
-    _check_rmsprop_lists("rmsprop_tf_step", *lists, centered=centered, momentum=momentum)
-    if _scaler_skips("rmsprop_tf_step", params, grad_scale, found_inf):
+    _check_rmsprop_lists(
+        "rmsprop_tf_step", *lists, centered=centered, momentum=momentum, scaler=(grad_scale, found_inf)
+    )
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):
@@ -427,12 +461,13 @@ def adadelta_step(
         "adadelta_step",
         params,
         master_params=master_params,
+        scaler=(grad_scale, found_inf),
         grads=grads,
         square_avgs=square_avgs,
         acc_deltas=acc_deltas,
         steps=steps,
     )
-    if _scaler_skips("adadelta_step", params, grad_scale, found_inf):
+    if _scaler_skips(found_inf):
         return
     grad_factor = _unscaled_factor(grad_factor, grad_scale)
     for i in range(len(params)):

@@ -3,6 +3,7 @@
 // dispatch over (parameter, gradient) pairs. No parallel loops and no device code here.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace ampkit {
@@ -21,7 +23,8 @@ inline bool is_supported_float(at::ScalarType t) {
 }
 
 // Validates the lists of one multi-tensor optimizer call against `params` (the list that defines the
-// number of tensors, their sizes and strides). Every message names the op and the list.
+// number of tensors, their sizes and strides). Every message names the op and the list. The lists checked are
+// remembered for the call, so that GradScaler's tensors (checked last, `scaling`) are checked against each.
 class ListChecker {
  public:
   // `device_type`: where this kernel runs (CPU or CUDA); every list must sit on params[0]'s device.
@@ -52,6 +55,7 @@ class ListChecker {
   void same_layout(const char* name, at::TensorList list, at::ScalarType dtype) const {
     TORCH_CHECK(list.size() == params_.size(), op_, ": ", name, " has ", list.size(), " tensors but params has ",
                 params_.size());
+    checked_.emplace_back(name, list);
     for (size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& t = list[i];
       TORCH_CHECK(t.device() == params_[i].device(), op_, ": ", name, "[", i, "] is on ", t.device(), "; expected ",
@@ -100,6 +104,7 @@ class ListChecker {
   // float64 on the CPU), so a CUDA kernel can skip a step and leave its count unchanged without a host read.
   void steps(at::TensorList steps) const {
     count("steps", steps);
+    checked_.emplace_back("steps", steps);
     for (size_t i = 0; i < steps.size(); ++i) {
       const at::Tensor& s = steps[i];
       const bool ok_dtype = s.scalar_type() == at::kFloat || (s.is_cpu() && s.scalar_type() == at::kDouble);
@@ -112,6 +117,7 @@ class ListChecker {
   // Step counters read on the host (LAMB, whose trust ratios are host numbers anyway).
   void host_steps(at::TensorList steps) const {
     count("steps", steps);
+    checked_.emplace_back("steps", steps);
     for (size_t i = 0; i < steps.size(); ++i) {
       const at::Tensor& s = steps[i];
       TORCH_CHECK(s.device().is_cpu() && s.numel() == 1 &&
@@ -122,10 +128,12 @@ class ListChecker {
   }
 
   // torch's GradScaler contract: `grad_scale` and `found_inf` are absent or one-element float32 tensors on
-  // the params' device.
+  // the params' device, sharing memory with no tensor of the call (checked after every list).
   void scaling(const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) const {
     scalar("grad_scale", grad_scale);
     scalar("found_inf", found_inf);
+    apart("grad_scale", grad_scale);
+    apart("found_inf", found_inf);
   }
 
   std::vector<int64_t> numels() const {
@@ -147,8 +155,28 @@ class ListChecker {
                 t->scalar_type(), " of shape ", t->sizes(), " on ", t->device());
   }
 
+  // The kernels read `t` while they write every list (the unscaled gradients too), in parallel chunks: one that is
+  // part of a parameter, a gradient or a counter would be read before or after a chunk wrote it.
+  void apart(const char* name, const std::optional<at::Tensor>& t) const {
+    if (!t.has_value()) return;
+    apart_from(name, *t, "params", params_);
+    for (const auto& [list_name, list] : checked_) apart_from(name, *t, list_name, list);
+  }
+
+  void apart_from(const char* name, const at::Tensor& t, const char* list_name, at::TensorList list) const {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::MemOverlapStatus status = at::get_overlap_status(t, list[i]);
+      TORCH_CHECK(status == at::MemOverlapStatus::No || status == at::MemOverlapStatus::TooHard, op_, ": ", name,
+                  " shares memory with ", list_name, "[", i,
+                  "], which the step writes (torch: some elements of the input tensor and the written-to tensor "
+                  "refer to a single memory location); pass a ",
+                  name, " of its own, e.g. its clone()");
+    }
+  }
+
   const char* op_;
   at::TensorList params_;
+  mutable std::vector<std::pair<const char*, at::TensorList>> checked_;  // (name, list) of each list checked
 };
 
 // Adds one to a step counter and returns the new value.

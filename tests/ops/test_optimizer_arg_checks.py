@@ -1,0 +1,216 @@
+"""The fused optimizers' argument checks as a class: each hyper-parameter as torch.optim checks it, GradScaler's
+tensors as torch's fused ops take them, checked once a step."""
+
+import pytest
+import torch
+from fused_optimizer_cases import OPTIMIZERS
+
+from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedSGD, _base
+
+
+def _model_params():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("how", ["step", "scaled step", "step_with_grad_factor"])
+def test_each_group_is_checked_once_a_step(name, how, monkeypatch):
+    """The host-read optimizers (AdamP's first) ran the step-time group check twice: step() checked, then the
+    step_with_grad_factor it called checked again."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name]([{"params": params[:1]}, {"params": params[1:]}])
+    seen = []
+    monkeypatch.setattr(_base, "check_group_at_step", lambda owner, index, group: seen.append(index))
+    if how == "step":
+        optimizer.step()
+    elif how == "scaled step":
+        optimizer.step(grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+    else:
+        optimizer.step_with_grad_factor(0.5)
+    assert seen == [0, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_grad_scale_of_another_float_dtype_is_refused_as_torchs_fused_adam_refuses_it(name, dtype):
+    """torch.optim.Adam(fused=True) refuses it ('expected scalar type Float'); every fused optimizer here converted
+    it to float32 without a word (a float16 scale of 2**16 is inf: the step was skipped for good)."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(TypeError, match=rf"grad_scale must be a float32 one-element tensor .* got a {dtype} tensor"):
+        optimizer.step(grad_scale=torch.tensor(2.0, dtype=dtype), found_inf=torch.tensor(0.0))
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    with pytest.raises(RuntimeError, match="expected scalar type Float"):  # torch's own refusal, the spec
+        _torch_fused_adam(dtype)
+
+
+def _torch_fused_adam(dtype):
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    optimizer = torch.optim.Adam([p], fused=True)
+    optimizer.grad_scale, optimizer.found_inf = torch.tensor(2.0, dtype=dtype), torch.tensor(0.0)
+    optimizer.step()
+
+
+def _inside(name: str, params, optimizer) -> torch.Tensor:
+    """A one-element float32 view into what ``name`` names: the second parameter, its .grad or a state tensor."""
+    if name == "param":
+        return params[1].data.view(-1)[2:3]
+    if name == "grad":
+        return params[1].grad.view(-1)[2:3]
+    state = next(v for k, v in optimizer.state[params[1]].items() if k != "step" and v.numel() > 1)
+    return state.view(-1)[2:3]
+
+
+@pytest.mark.parametrize("inside", ["param", "grad", "state"])
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_scaler_tensor_inside_a_parameter_its_grad_or_state_is_refused_by_every_optimizer(name, argument, inside):
+    """Whoever's kernels run the bucket: torch's fused Adam took a grad_scale inside a gradient and divided the later
+    gradients by the scale the step had already changed; the host-read optimizers unscaled by it the same way."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params, backend="torch") if name.startswith("adam") else OPTIMIZERS[name](params)
+    optimizer.step()  # the state exists
+    for p in params:
+        p.grad = torch.ones_like(p)
+    shared = _inside(inside, params, optimizer)
+    shared.fill_(0.0 if argument == "found_inf" else 2.0)
+    before = [p.detach().clone() for p in params]
+    other = {"found_inf": torch.tensor(0.0)} if argument == "grad_scale" else {"grad_scale": torch.tensor(2.0)}
+    where = r"param_groups\[0\]\['params'\]\[1\]"
+    with pytest.raises(RuntimeError, match=rf"step\(\): {argument} shares memory with {where}.*of its own"):
+        optimizer.step(**{argument: shared}, **other)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
+
+
+BETAS_OPTIMIZERS = ["adamw", "adam_l2", "adamp", "lamb", "mixed_precision_lamb", "novograd"]
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-dim", "1-element"])
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_tensor_betas_step_exactly_as_their_numbers(name, shape, backend):
+    """torch.optim takes one-element tensor betas; torch's fused ops refused a (1,)-shaped one ('invalid combination of
+    arguments') and NovoGrad took 1 - beta in float32. Both are now read once, as float64 host numbers."""
+    betas = (torch.tensor(0.8).reshape(shape), torch.tensor(0.95).reshape(shape))
+    numbers = tuple(float(b) for b in betas)  # the same float32-rounded values
+    results = []
+    for value in (betas, numbers):
+        params = _model_params()
+        optimizer = OPTIMIZERS[name](params, betas=value, backend=backend)
+        for _ in range(3):
+            optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, monkeypatch):
+    """int betas are numbers (YAML reads ``betas: [0, 0.999]``'s 0 as one; Apex and torch's NAdam/RAdam take them):
+    they step as their floats, and the step-time check no longer sends them down its slow path each step."""
+    results = []
+    for betas in ((0, 0.5), (0.0, 0.5)):
+        params = _model_params()
+        optimizer = OPTIMIZERS[name](params, betas=betas)
+        optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    slow = []
+    monkeypatch.setattr(_base, "_check_group_value", lambda *args: slow.append(args))
+    optimizer.param_groups[0].update(betas=(0, 0), weight_decay=0)
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "betas": [0.5, 0.9]})  # a list
+    optimizer.step()
+    assert slow == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_betas_and_lr_on_the_gpu_are_checked_at_step_without_a_host_sync(name):
+    params = [p.cuda() for p in _model_params()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    betas = (torch.tensor(0.8, device="cuda"), torch.tensor(0.95, device="cuda"))
+    optimizer = OPTIMIZERS[name](params, betas=betas)
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-3, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer._check_groups_at_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    optimizer.step()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_meta_lr_written_into_a_group_is_refused_by_name_at_step(name):
+    """The step-time check let any one-element float tensor off the CPU by unread, a meta one too, which then failed
+    in a kernel's read ('Tensor.item() cannot be called on meta tensors'), naming neither the group nor the key."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.1, device="meta")
+    with pytest.raises(ValueError, match=rf"Invalid lr of {type(optimizer).__name__}.param_groups\[0\]: .*meta"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("norm_type", [1, -1, False, "2", None, float("nan")])
+def test_novograds_norm_type_is_checked_when_added_and_at_step_as_at_construction(norm_type):
+    """Only the constructor checked it: a group added or edited with norm_type=1 (or None, '2') stepped with the
+    max-abs norm, the branch any value but 2 took; False passed even there, as 0."""
+    from ampkit.ops.optimizers import FusedNovoGrad
+
+    message = rf"Invalid norm_type.*: {norm_type!r} \(expected 2 \(L2\) or 0 \(max abs\)"
+    with pytest.raises(ValueError, match=message):
+        FusedNovoGrad(_model_params(), norm_type=norm_type)
+    params = _model_params()
+    optimizer = FusedNovoGrad(params[:1])
+    with pytest.raises(ValueError, match=message):
+        optimizer.add_param_group({"params": params[1:], "norm_type": norm_type})
+    assert len(optimizer.param_groups) == 1
+    optimizer.param_groups[0]["norm_type"] = norm_type
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match=rf"Invalid norm_type of FusedNovoGrad.param_groups\[0\]: {norm_type!r}"):
+        optimizer.step()
+    assert torch.equal(params[0], before)
+    optimizer.param_groups[0]["norm_type"] = 0
+    optimizer.step()
+
+
+TORCH_ROUTABLE = {  # the optimizers torch has a fused op for, each hyper-parameter left to the test
+    "adamw": lambda p, **kw: FusedAdam(p, lr=1e-2, **kw),
+    "adam_l2": lambda p, **kw: FusedAdam(p, lr=1e-2, adam_w_mode=False, **kw),
+    "sgd": lambda p, **kw: FusedSGD(p, lr=0.1, **{"momentum": 0.9, **kw}),
+    "adagrad": lambda p, **kw: FusedAdagrad(p, lr=0.1, **kw),
+}
+TORCH_ROUTED_HYPERS = [
+    ("adamw", "eps"),
+    ("adamw", "weight_decay"),
+    ("adam_l2", "weight_decay"),
+    ("sgd", "momentum"),
+    ("sgd", "dampening"),
+    ("sgd", "weight_decay"),
+    ("adagrad", "lr_decay"),
+    ("adagrad", "eps"),
+    ("adagrad", "initial_accumulator_value"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "ampkit"])
+@pytest.mark.parametrize(("name", "key"), TORCH_ROUTED_HYPERS)
+def test_a_one_element_tensor_hyperparameter_steps_as_its_number_on_every_backend(name, key, backend):
+    """The group checks take a one-element tensor of shape (1,) (as torch.optim's constructors do); ampkit's kernels
+    stepped with it, but torch's fused ops refused it deep in the dispatcher ('invalid combination of arguments'),
+    and Adagrad's initial_accumulator_value failed in full_like."""
+    results = []
+    for value in (torch.tensor([0.25]), 0.25):
+        params = _model_params()
+        optimizer = TORCH_ROUTABLE[name](params, **{key: value}, backend=backend)
+        for _ in range(2):
+            optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
