@@ -182,3 +182,20 @@ def test_a_script_leaving_a_preemption_uncaught_exits_143_with_its_traceback_and
     )
     (out, err), status = results["raise"]
     assert status == subprocess.CompletedProcess([], -signal.SIGINT).returncode, err  # Python's own: killed by SIGINT
+
+
+def test_an_interactive_session_goes_on_after_an_uncaught_preemption(monkeypatch):
+    """In the REPL (or python -i after the script) an uncaught exception is printed and the session goes on: the hook
+    ending Python with 143 there would close it."""
+    from ampkit.trainer.preemption import uncaught_exits_with_signal_status
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: printed.append(value))
+    uncaught_exits_with_signal_status()
+    stop = Preempted("SIGTERM: stopped at step 3")
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    sys.excepthook(Preempted, stop, None)
+    monkeypatch.delattr(sys, "ps1")
+    with pytest.raises(SystemExit) as exits:
+        sys.excepthook(Preempted, stop, None)
+    assert exits.value.code == 143 and printed == [stop, stop]
