@@ -635,12 +635,12 @@ def open_version_dir(
     run_dir: str | os.PathLike, start: FitStart, cfg: DictConfig, global_step: int
 ) -> tuple[Path, RunLock]:
     """The version directory this fit writes, locked before anything is written there: created (with its
-    lineage) for a fresh run or a branch; its config saved. Rank zero only. Its real path (symlinks resolved, as
-    Lightning's ModelCheckpoint takes its dirpath): a run_dir symlink re-pointed mid-run (or a chdir under a relative
-    one) would have sent the next saves into another run's checkpoints, over its last.pt."""
+    lineage) for a fresh run or a branch; its config saved. Rank zero only. Reached through a symlink, it is named
+    by its real path (as Lightning's ModelCheckpoint takes its dirpath): a run_dir symlink re-pointed mid-run sent
+    the next saves into another run's checkpoints, over its last.pt."""
     version_dir, lock = start.version_dir, None
     try:
-        version_dir = (version_dir if version_dir is not None else new_version_dir(run_dir)).resolve()
+        version_dir = _real(version_dir if version_dir is not None else new_version_dir(run_dir))
         lock = RunLock(version_dir)
         lock.acquire()
         if start.branched_from is not None:
@@ -664,6 +664,13 @@ def open_version_dir(
             exc,
         ) from None
     return version_dir, lock
+
+
+def _real(version_dir: Path) -> Path:
+    """``version_dir`` by its real path where a symlink leads there; else as given (a relative run_dir's stays
+    relative in what the run prints)."""
+    real = version_dir.resolve()
+    return version_dir if real == Path(os.path.abspath(version_dir)) else real
 
 
 def _protected_record(path: Path) -> str:
