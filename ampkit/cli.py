@@ -30,7 +30,14 @@ from ampkit.trainer.batch_layout import RescaledResume
 from ampkit.trainer.checkpoint_io import STORAGE_EXIT_STATUS, CheckpointError
 from ampkit.trainer.distributed import DistributedError
 from ampkit.trainer.ordering import CallbackOrderError
-from ampkit.trainer.preemption import HungUp, Preempted, signal_raises
+from ampkit.trainer.preemption import (
+    INTERRUPT_EXIT_STATUS,
+    SIGHUP_EXIT_STATUS,
+    SIGTERM_EXIT_STATUS,
+    HungUp,
+    Preempted,
+    signal_raises,
+)
 from ampkit.trainer.run_life import RunDirectoryError, loop_of, resolve_checkpoint
 from ampkit.trainer.user_code import SETUP_ERROR_LINE, UserCodeError
 from ampkit.wording import counted
@@ -269,7 +276,8 @@ def _run(args: argparse.Namespace) -> int:
             stopped_at = None if trainer is None else trainer.state.global_step
             hint = _resume_hint(cfg, stopped_at) if args.command == "fit" else ""
             print(f"ampkit: {how}{hint}", file=sys.stderr)
-        return 143 if sigterm else 129 if isinstance(exc, HungUp) else 130
+        hung_up = isinstance(exc, HungUp)
+        return SIGTERM_EXIT_STATUS if sigterm else SIGHUP_EXIT_STATUS if hung_up else INTERRUPT_EXIT_STATUS
     if not trainer.is_global_zero:
         return 0
     if args.command == "fit" and trainer.fit_start.finished:

@@ -9,6 +9,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -1016,3 +1017,21 @@ def test_a_storage_failure_is_told_from_a_permission_refusal_also_when_dcp_gathe
     assert storage_errno(PermissionError(errno.EACCES, "write-protected")) is None
     error = from_storage(CheckpointError("could not write checkpoint"), quota)
     assert pickle.loads(pickle.dumps(error)).storage_errno == errno.EDQUOT  # as it travels to the other ranks
+
+
+def test_a_checkpoints_folder_replaced_by_a_file_mid_run_is_named_and_the_file_kept(tmp_path):
+    """A file put in the checkpoints folder's place while the run trains stopped the next save with mkdir's bare
+    'File exists' and advice to free space; the line names the file now, which ampkit leaves as it is."""
+
+    class FolderBecomesFile(ToyTrainer):
+        def on_train_batch_end(self, outputs, batch) -> None:
+            if self.state.global_step == 3:
+                checkpoints = self.version_dir / "checkpoints"
+                shutil.rmtree(checkpoints)
+                checkpoints.write_text("my file")
+
+    settings = {"trainer.max_epochs": 2, "logging.tensorboard": False, "checkpoint.every_n_steps": 2}
+    run = FolderBecomesFile(toy_cfg(tmp_path, **settings))
+    with pytest.raises(CheckpointError, match=r"\('.*/checkpoints' is a file now, not the checkpoints folder; "):
+        run.fit()
+    assert (run.version_dir / "checkpoints").read_text() == "my file"

@@ -10,6 +10,7 @@ milliseconds, not an interpreter start; the seed is printed so a failing schedul
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
 import random
@@ -23,6 +24,7 @@ import torch
 from checkpoint_compare import assert_same_checkpoint
 from toy_trainers import ToyTrainer, fit_toy_resuming, toy_cfg
 
+import ampkit
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
 from ampkit.trainer.run_life import LOCK_FILE, RunDirectoryError, resolve_checkpoint
 from ampkit.trainer.sharded_checkpoint import checkpoint_damage
@@ -227,3 +229,49 @@ def test_a_lock_the_failing_disk_will_not_let_go_leaves_the_runs_own_error_in_on
     with pytest.warns(UserWarning, match="could not remove the run lock '.*run.lock' \\(Read-only file system\\)"):
         with pytest.raises(CheckpointError, match="could not write checkpoint .*step-00000002.pt' \\(Read-only file"):
             ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN)).fit()
+
+
+def test_a_fit_retried_in_the_same_process_takes_over_the_lock_its_failed_disk_kept(tmp_path, monkeypatch):
+    """A script that retries fit(resume="last") once the disk is fine again (or a notebook's second fit()) was refused
+    by its own process's stuck run.lock (its removal failed as the first fit ended), naming this live pid. Another
+    fit() of this process that holds the lock now is still refused."""
+    real_unlink, real_save = os.unlink, torch.save
+    read_only = []
+
+    def unlink(path, *args, **kwargs):
+        if read_only and Path(path).name == LOCK_FILE:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_unlink(path, *args, **kwargs)
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("loop", {}).get("global_step") == 4:  # remounted after step 2's save
+            read_only.append(True)
+        if read_only:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(torch, "save", save)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stuck lock's warning, pinned above
+        with pytest.raises(CheckpointError, match="step-00000004.pt' \\(Read-only file"):
+            ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN)).fit()
+    lock = tmp_path / "run" / "version_0" / LOCK_FILE
+    assert json.loads(lock.read_text())["pid"] == os.getpid()  # stuck, naming this live process
+    monkeypatch.undo()  # the disk is fine again
+
+    class StartAnother(ampkit.Callback):  # a fit() nested in a live one of this process: refused, as before
+        refusal = None
+
+        def on_train_start(self, trainer) -> None:
+            with pytest.raises(RunDirectoryError, match=f"in use by pid {os.getpid()}") as refused:
+                ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN)).fit(resume="last")
+            StartAnother.refusal = refused
+
+    retried = ToyTrainer(toy_cfg(tmp_path, **FAILING_RUN), callbacks=[StartAnother()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        retried.fit(resume="last")
+    assert StartAnother.refusal is not None
+    assert retried.version_dir == lock.parent and retried.fit_start.loop["global_step"] == 3  # its best-k save
+    assert retried.state.global_step == 6 and not lock.exists()

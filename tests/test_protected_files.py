@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
@@ -203,3 +204,38 @@ def test_a_write_protected_checkpoint_is_warned_about_once_in_a_run_not_at_every
         said.append([str(w.message) for w in caught if "write-protected" in str(w.message)])
     assert len(said[0]) == 1 and str(kept) in said[0][0] and said[1] == []
     assert kept.is_file() and resumed.version_dir.name == "version_0"
+
+
+def test_pruning_keeps_a_users_file_under_a_checkpoint_s_name(tmp_path):
+    """A file of the user's in checkpoints/ under a name ampkit gives checkpoints (notes, a torch.save of weights, a
+    best-k file copied in from another run's folder would be a checkpoint and goes) was deleted by a resume's tidy
+    (best-*) and by keep_last's pruning (step-*), as if the run had written it."""
+    settings = {
+        **QUIET,
+        "trainer.max_epochs": 2,
+        "checkpoint.every_n_steps": 2,
+        "checkpoint.keep_last": 2,
+        "trainer.val_every_n_steps": 3,
+        "checkpoint.monitor": "val/mse",
+        "checkpoint.save_top_k": 2,
+    }
+    first = ToyTrainer(toy_cfg(tmp_path, **settings))
+    first.fit()
+    checkpoints = first.version_dir / "checkpoints"
+    mine = {
+        checkpoints / "best-00000001.pt": b"my notes",
+        checkpoints / "step-00000001.pt": b"my notes, again",
+        checkpoints / "epoch-0001.pt": b"",
+    }
+    for path, text in mine.items():
+        path.write_bytes(text)
+    weights = checkpoints / "best-00000002.pt"
+    torch.save({"weight": torch.ones(2)}, weights)
+    with pytest.warns(UserWarning, match="best-00000001.pt' holds no ampkit checkpoint: ampkit keeps it") as caught:
+        ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.max_epochs": 4})).fit(resume="last")
+    assert {path: path.read_bytes() for path in mine} == mine
+    assert torch.load(weights)["weight"].tolist() == [1.0, 1.0]
+    kept = sorted(str(w.message).split("'")[1].rpartition("/")[2] for w in caught if "holds no" in str(w.message))
+    assert kept == ["best-00000001.pt", "best-00000002.pt", "epoch-0001.pt", "step-00000001.pt"]  # once each
+    periodic = sorted(p.name for p in checkpoints.glob("*") if p not in mine and p.name.startswith(("step", "epoch")))
+    assert periodic == ["epoch-0004.pt", "step-00000032.pt"]  # keep_last still prunes the run's own

@@ -799,3 +799,28 @@ def test_a_config_record_is_never_replaced_even_past_a_gap_in_its_numbers(tmp_pa
     save_config(tmp_path, OmegaConf.create({"lr": 0.4}), 8, start)
     found = {p.name: OmegaConf.load(p).lr for p in tmp_path.iterdir()}
     assert found == {**records, "config.resumed_at_step_8.3.yaml": 0.4}
+
+
+def test_a_run_dir_symlink_re_pointed_mid_run_does_not_send_the_saves_into_another_run(tmp_path):
+    """run_dir is a symlink (runs/current -> runs/exp-a) that the user re-points at another experiment while the run
+    trains: the next saves followed the link into exp-b/version_0 and replaced that run's last.pt and epoch file, and
+    the lock stayed behind in exp-a. The run writes where it locked: the link's target when it started."""
+    settings = {**QUIET, "trainer.max_epochs": 2, "checkpoint.every_n_steps": 2, "checkpoint.keep_last": 1}
+    a, b, link = tmp_path / "exp-a", tmp_path / "exp-b", tmp_path / "current"
+    a.mkdir()
+    other = ToyTrainer({**toy_cfg(tmp_path, **settings), "run_dir": str(b)})
+    other.fit()
+    theirs = _files(b)
+    link.symlink_to(a)
+
+    class RePointed(ToyTrainer):
+        def on_train_batch_end(self, outputs, batch) -> None:
+            if self.state.global_step == 3:
+                link.unlink()
+                link.symlink_to(b)
+
+    run = RePointed({**toy_cfg(tmp_path, **settings), "run_dir": str(link)})
+    run.fit()
+    assert _files(b) == theirs
+    assert run.version_dir == a / "version_0" and not (a / "version_0" / LOCK_FILE).exists()
+    assert load_checkpoint(a / "version_0" / "checkpoints" / "last.pt")["loop"]["global_step"] == 16

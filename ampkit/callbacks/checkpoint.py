@@ -480,7 +480,10 @@ class ModelCheckpoint(KeyedByMonitor):
                     copy_atomic(path, writing := directory / "best.pt")
             copy_atomic(path, writing := directory / "last.pt")
         except OSError as exc:  # a full disk, a quota, a read-only remount: the previous files are whole
-            raise _save_failed(writing, exc.strerror or str(exc), directory / "last.pt", path, exc) from None
+            reason = exc.strerror or str(exc)
+            if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit
+                reason = f"'{directory}' is a file now, not the checkpoints folder; ampkit leaves it as it is"
+            raise _save_failed(writing, reason, directory / "last.pt", path, exc) from None
         self._prune(directory)
         return path
 

@@ -175,18 +175,45 @@ def refuse_protected(path: str | os.PathLike) -> None:
 
 
 def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[Path]:
-    """``checkpoints`` less the write-protected ones (``chmod a-w``: the user keeps them), each named in one warning
-    (once per ``warned``, which records it): pruning neither deletes nor counts them."""
+    """``checkpoints`` less those ampkit keeps, each named in one warning (once per ``warned``, which records it):
+    write-protected ones (``chmod a-w``: the user keeps them), and files under a checkpoint's name that hold no
+    ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes nor counts them."""
     warned = set() if warned is None else warned
-    kept = [path for path in checkpoints if write_protected(path)]
-    for path in kept:
+    kept = {path: why for path in checkpoints if (why := _kept_because(path))}
+    for path, why in kept.items():
         if path not in warned:
             warned.add(path)
             rank_zero_warn(
-                f"'{path}' is write-protected (chmod a-w): ampkit keeps it, outside the checkpoints that keep_last and "
-                "save_top_k count; make it writable again (chmod u+w) to let them delete it"
+                f"'{path}' {why}: ampkit keeps it, outside the checkpoints that keep_last and save_top_k count; "
+                + (
+                    "make it writable again (chmod u+w) to let them delete it"
+                    if why.startswith("is write")
+                    else "move it out of the checkpoints folder, or delete it yourself"
+                )
             )
     return [path for path in checkpoints if path not in kept]
+
+
+def _kept_because(path: Path) -> str | None:
+    """Why pruning keeps ``path`` (see :func:`deletable`), or None."""
+    if write_protected(path):
+        return "is write-protected (chmod a-w)"
+    try:
+        info = path.stat()
+    except OSError:  # gone: nothing to keep
+        return None
+    identity = (str(path), info.st_ino, info.st_mtime_ns, info.st_size)
+    if stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity):
+        return "holds no ampkit checkpoint"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _holds_ampkit_checkpoint(path: str, inode: int, mtime_ns: int, size: int) -> bool:
+    """Whether file ``path`` reads as an ampkit checkpoint (without its tensors); keyed by its identity, so each file
+    is read once however many saves prune beside it."""
+    checkpoint = peek_checkpoint(path)
+    return checkpoint is not None and FORMAT_KEY in checkpoint
 
 
 # os.link's errors on a file system that has no hard links (an object-store mount: s3fs, gcsfuse, blobfuse; FAT):

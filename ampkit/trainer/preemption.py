@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,7 +32,54 @@ class Preempted(KeyboardInterrupt):
 
 class HungUp(KeyboardInterrupt):
     """SIGHUP (the terminal or ssh session of the run closed), raised where the process is: the run unwinds as from a
-    Ctrl-C (its lock released, what it saved left to resume), where SIGHUP's default action ends it without a word."""
+    Ctrl-C (its lock released, what it saved left to resume), where SIGHUP's default action ends it without a word;
+    exit status 129."""
+
+
+# The shell's status of a process its signal ended (128 + its number): what `ampkit fit` and, left uncaught, a
+# script's Preempted or HungUp exit with, so a wrapper or a scheduler (Slurm's RequeueExit=143) tells them apart.
+SIGTERM_EXIT_STATUS = 128 + signal.SIGTERM
+SIGHUP_EXIT_STATUS = 128 + signal.SIGHUP
+INTERRUPT_EXIT_STATUS = 128 + signal.SIGINT
+
+
+def signal_exit_status(exc: BaseException) -> int | None:
+    """The exit status of a process that ``exc``, a stop by a signal, ends: None for any other exception."""
+    if isinstance(exc, Preempted):
+        return SIGTERM_EXIT_STATUS
+    if isinstance(exc, HungUp):
+        return SIGHUP_EXIT_STATUS
+    return None
+
+
+class _ExitsWithSignalStatus:
+    """``sys.excepthook`` that has the hook it wraps print an uncaught exception (its traceback, the resume line),
+    then ends Python with :func:`signal_exit_status` of a :class:`Preempted` or :class:`HungUp`: Python's own is 1
+    (only a plain ``KeyboardInterrupt`` gets 130). A ``SystemExit`` raised here ends it as ``sys.exit`` does, so
+    ``atexit`` handlers still run. Left as it was in an interactive session (``python -i``, IPython), which goes on."""
+
+    def __init__(self, previous: Callable[..., Any]) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        self.previous(kind, value, tb)
+        status = signal_exit_status(value)
+        if status is not None and not _interactive():
+            raise SystemExit(status)
+
+
+def _interactive() -> bool:
+    """Whether Python goes on after an uncaught exception: ``python -i``, the REPL, or an IPython shell."""
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", None)
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1") or (shell is not None and shell() is not None)
+
+
+def uncaught_exits_with_signal_status() -> None:
+    """Have a :class:`Preempted` or :class:`HungUp` that the script leaves uncaught end Python with ``ampkit fit``'s
+    status (143, 129), as a process the signal ended would: set as ``fit()`` raises one, over the hook there then."""
+    if not isinstance(sys.excepthook, _ExitsWithSignalStatus):
+        sys.excepthook = _ExitsWithSignalStatus(sys.excepthook)
 
 
 def interrupt_note(exc: KeyboardInterrupt, step: int, newest: Any, saved: int | None = None) -> str:

@@ -30,9 +30,9 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
   checkpoint set aside by an interrupted save is put back, never deleted.
 * A run holds ``version_N/run.lock`` (its pid, host and process start) while it writes there; a second run into
   that directory is refused, naming both. A lock whose process is gone on this host (a SIGKILLed run, or a pid
-  now another process's after a reboot or a container restart) is stale and taken over. Under ``torchrun``
-  only rank zero takes it. The tidying above takes each idle directory's lock for a moment; a run starting there
-  meanwhile waits for it, not refused.
+  now another process's after a reboot or a container restart), or one of this process whose removal the disk
+  refused, is stale and taken over. Under ``torchrun`` only rank zero takes it. The tidying above takes each idle
+  directory's lock for a moment; a run starting there meanwhile waits for it, not refused.
 * ``predict(output=...)`` never writes over a checkpoint: an output inside a ``checkpoints/`` folder or on a
   file that holds an ampkit checkpoint is refused; an existing file only with ``overwrite`` (never a write-protected
   one); an existing directory (or a path ending in ``/``) gets ``predictions.pt`` inside it; a symlink is written
@@ -41,9 +41,11 @@ config. Its rules, stated once (nothing a user wrote is ever overwritten or dele
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import time
@@ -635,10 +637,12 @@ def open_version_dir(
     run_dir: str | os.PathLike, start: FitStart, cfg: DictConfig, global_step: int
 ) -> tuple[Path, RunLock]:
     """The version directory this fit writes, locked before anything is written there: created (with its
-    lineage) for a fresh run or a branch; its config saved. Rank zero only."""
+    lineage) for a fresh run or a branch; its config saved. Rank zero only. Reached through a symlink, it is named
+    by its real path (as Lightning's ModelCheckpoint takes its dirpath): a run_dir symlink re-pointed mid-run sent
+    the next saves into another run's checkpoints, over its last.pt."""
     version_dir, lock = start.version_dir, None
     try:
-        version_dir = version_dir if version_dir is not None else new_version_dir(run_dir)
+        version_dir = _real(version_dir if version_dir is not None else new_version_dir(run_dir))
         lock = RunLock(version_dir)
         lock.acquire()
         if start.branched_from is not None:
@@ -662,6 +666,13 @@ def open_version_dir(
             exc,
         ) from None
     return version_dir, lock
+
+
+def _real(version_dir: Path) -> Path:
+    """``version_dir`` by its real path where a symlink leads there; else as given (a relative run_dir's stays
+    relative in what the run prints)."""
+    real = version_dir.resolve()
+    return version_dir if real == Path(os.path.abspath(version_dir)) else real
 
 
 def _protected_record(path: Path) -> str:
@@ -864,6 +875,21 @@ def _made_by_a_run(version_dir: Path) -> bool:
 # ----------------------------------------------------------------------------------------- the lock
 TIDYING_WAIT_S = 30.0  # how long a run waits for another process's tidying of its version directory
 
+# The locks this process writes are named ``<its token>.<N>``; those of its RunLocks holding one now are in _held.
+# A lock of this process that none holds was left by a release the disk refused: the next fit() takes it over.
+_token = secrets.token_hex(8)
+_count = itertools.count()
+_held: set[str] = set()
+
+
+def _new_process_token() -> None:
+    global _token
+    _token = secrets.token_hex(8)  # a forked child's locks are its own; the parent's stay the parent's
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_new_process_token)
+
 
 def _pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
@@ -922,6 +948,8 @@ class RunLock:
             return False
         if holder.get("host") != socket.gethostname():
             return False
+        if _left_here(holder):
+            return True
         pid = int(holder.get("pid", -1))
         if not _pid_alive(pid):
             return True
@@ -932,6 +960,7 @@ class RunLock:
         """Take the lock, taking over a stale one and waiting out another process's tidying; a
         :class:`RunDirectoryError` naming a live holder."""
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        mine["lock"] = f"{_token}.{next(_count)}"
         if (started := _process_start(os.getpid())) is not None:
             mine["started"] = started
         if self.tidying:
@@ -944,6 +973,7 @@ class RunLock:
                 try:
                     os.link(tmp, self.path)  # creates the lock with its content at once, or fails if there is one
                     self._mine = mine
+                    _held.add(mine["lock"])
                     return
                 except FileExistsError:
                     holder = self._holder()
@@ -998,14 +1028,28 @@ class RunLock:
         """Give the lock back (only if it is still this run's). Where the disk refuses (a read-only remount, an I/O
         error) it says so and goes on: the release comes as a fit ends, and its error took the place of the run's own
         (the save that failed on that same disk) and of the teardown after it. Once this process has ended, a later
-        run on this host takes the lock over as stale."""
+        run on this host takes the lock over as stale, as does a later ``fit()`` of this process."""
         if self._mine is not None and self._holder() == self._mine:
             try:
                 self.path.unlink(missing_ok=True)
             except OSError as exc:
-                rank_zero_warn(f"could not remove the run lock '{self.path}' ({exc.strerror or exc}); it is stale once "
-                               "this process has ended")  # fmt: skip
+                rank_zero_warn(f"could not remove the run lock '{self.path}' ({exc.strerror or exc}); it is stale: "
+                               "a later fit() takes it over, of this process or another")  # fmt: skip
+        if self._mine is not None:
+            _held.discard(self._mine["lock"])
         self._mine = None
+
+
+def _left_here(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` is a lock this process wrote and no RunLock of it holds now: its release failed (a
+    read-only remount, an I/O error), and a retried or second ``fit()`` of this process must not be refused by it."""
+    lock = holder.get("lock")
+    return (
+        holder.get("pid") == os.getpid()
+        and isinstance(lock, str)
+        and lock.startswith(f"{_token}.")
+        and lock not in _held
+    )
 
 
 # ----------------------------------------------------------------------------------------- predict's output

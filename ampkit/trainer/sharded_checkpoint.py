@@ -386,8 +386,8 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
 
 def periodic_checkpoints(directory: Path, sharded: bool) -> list[Path]:
     """ampkit's periodic checkpoints in ``directory`` (``step-*``/``epoch-*`` files, or shard directories), oldest
-    first: the only candidates pruning deletes and a lost ``last`` falls back to (a user's files are never among
-    them)."""
+    first: the only candidates pruning deletes and a lost ``last`` falls back to. A user's file under such a name
+    that holds no ampkit checkpoint is among them; pruning keeps it (``checkpoint_io.deletable``)."""
     kind = is_sharded_checkpoint if sharded else Path.is_file
     found = [p for p in directory.iterdir() if is_periodic_checkpoint_name(p.name, sharded) and kind(p)]
     return sorted(found, key=training_order)

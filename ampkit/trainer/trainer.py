@@ -181,7 +181,13 @@ from ampkit.trainer.own_hooks import (
 )
 from ampkit.trainer.param_groups import TRAINABLE_KEY, restore_trainable, trainable_record
 from ampkit.trainer.parameter_reach import ParameterReach
-from ampkit.trainer.preemption import Preempted, interrupt_note, sighup_raises, sigterm_asks_to_stop
+from ampkit.trainer.preemption import (
+    Preempted,
+    interrupt_note,
+    sighup_raises,
+    sigterm_asks_to_stop,
+    uncaught_exits_with_signal_status,
+)
 from ampkit.trainer.process_runs import enter_run, leave_run
 from ampkit.trainer.rng import (
     capture_callers_rng,
@@ -1250,6 +1256,8 @@ class Trainer:
                 newest = self._newest_checkpoint()
                 saved = None if newest is None else (loop_of(newest) or {}).get("global_step")
                 exc.add_note(interrupt_note(exc, self.state.global_step, newest, saved))
+            if isinstance(exc, KeyboardInterrupt):  # a SIGTERM's or SIGHUP's stop ends a script as ampkit fit's does
+                uncaught_exits_with_signal_status()
             failure = exc
             raise
         finally:
