@@ -20,6 +20,7 @@ from types import TracebackType
 
 import ampkit
 from ampkit.compat import _child_shim
+from ampkit.compat.parallel.distributed import leave_the_group_at_exit
 from ampkit.compat.shim import install_apex_shim, served_module_name
 
 _USAGE = "usage: python -m ampkit.legacy [--force-shim] [--] (SCRIPT | -m MODULE) [ARGS...]"
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if local_rank is not None:  # the script's own first argument, where the launcher would have put it
         args.insert(2 if args[0] == "-m" else 1, _local_rank_flag(local_rank, _program_source(args)))
     shim_installed = install_apex_shim(force=force)
+    leave_the_group_at_exit()  # whichever DDP the program uses: its process group, if it leaves one up
     if shim_installed:
         _share_shim_with_child_processes()
     if args[0] == "-m":

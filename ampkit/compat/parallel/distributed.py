@@ -61,11 +61,13 @@ import inspect
 import itertools
 import math
 import numbers
+import sys
 import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -230,15 +232,33 @@ def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
 
 
 @functools.cache
-def _leave_the_group_at_exit() -> None:
-    """Once a process: destroy the default process group at exit, while Python still runs, where the program left it
-    up (Apex's scripts never destroyed theirs). Left to the interpreter's teardown, gloo's threads outlived it and
-    about one exit in four aborted ('terminate called without an active exception', status 134) after the script
-    had printed its result."""
+def leave_the_group_at_exit() -> None:
+    """Once a process: leave the default process group at exit, while Python still runs, where the program left it
+    up (Apex's scripts never destroyed theirs).
+
+    gloo's worker threads drop their last reference to a finished collective's tensors after the caller has moved
+    on; a tensor Python made (a ``reduce_tensor`` of the loss to print) then needs the GIL to be freed. A script
+    that exits right after such a collective starts the interpreter's shutdown first, the worker thread gets the
+    GIL too late and is ended mid-release, and the process aborts after its output ("terminate called without an
+    active exception", status 134, about one exit in four). After a clean run the ranks first wait for each other
+    in a barrier, which releases the GIL until every earlier collective is done with (as ``fit()``'s teardown
+    does); after an uncaught exception they do not, as a peer may be gone."""
+    uncaught: list[type[BaseException]] = []
+    printing_hook = sys.excepthook
+
+    def noting_uncaught(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        uncaught.append(kind)
+        printing_hook(kind, value, traceback)
+
+    sys.excepthook = noting_uncaught
 
     def leave() -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if not uncaught and dist.get_backend() == "gloo":
+            with contextlib.suppress(RuntimeError):  # a peer that is gone: nothing left to wait for
+                dist.barrier()
+        dist.destroy_process_group()
 
     atexit.register(leave)
 
@@ -293,7 +313,7 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         prof: bool = False,
         **torch_ddp_kwargs: Any,
     ) -> None:
-        _leave_the_group_at_exit()
+        leave_the_group_at_exit()
         if shared_param is not None:
             raise ValueError(
                 "shared_param is no longer supported as an option (as in Apex); it was misleadingly named. "
