@@ -376,6 +376,7 @@ _FOREIGN_SPELLINGS = {
         "bf16-true": "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16",
         "16-true": "Lightning's model in float16: opt_level O3",
         **dict.fromkeys(("32-true", "32", "fp32", "float32"), "float32: opt_level O0"),
+        **{f"o{n}": f"opt_level O{n}, with a capital letter O" for n in range(6)},  # a lowercase or padded spelling
     }
 }
 

@@ -317,6 +317,8 @@ def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
         ("bf16-true", "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16"),
         ("32-true", "float32: opt_level O0"),
         ("BF16-Mixed", "Lightning's autocast in bfloat16: opt_level O4"),  # named in any letter case
+        ("o1", "opt_level O1, with a capital letter O"),  # a lowercase o said only "not the number zero"
+        ("o5", "opt_level O5, with a capital letter O"),
     ],
 )
 def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_same(tmp_path, value, same):
@@ -388,3 +390,15 @@ def test_a_pair_key_given_another_length_is_named(value, said):
     with pytest.raises(ConfigError, match=rf"^config key 'optim.betas': {said}"):
         load_config("gpt", [f"optim.betas={value}"])
     assert tuple(load_config("gpt", ["optim.betas=[0.8,0.9]"])[1].optim.betas) == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("value", ["Dynamic", "DYNAMIC", "2**16"])
+def test_a_bad_loss_scale_names_every_form_the_key_takes(tmp_path, value):
+    """The config takes 'none' (no scaler) beside Apex's 'dynamic' and numbers: its error named only Apex's two, and
+    a capitalised 'Dynamic' was not told apart from any other word."""
+    cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1", "precision.loss_scale": value})
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(cfg)
+    said = str(caught.value)
+    assert f"config key 'precision.loss_scale': {value!r}: expected 'dynamic', 'none' (no loss scaler) or a" in said
+    assert ("written exactly 'dynamic'" in said) == (value.lower() == "dynamic")

@@ -91,6 +91,11 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
     """Return ``"dynamic"`` or a positive finite float, as Apex's ``float(value)`` rule allows."""
     if value == "dynamic":
         return "dynamic"
+    if isinstance(value, str) and value.strip().lower() == "dynamic":  # Apex compares the exact word
+        raise ValueError(
+            f"{option}={value!r}: expected 'dynamic' or a positive number "
+            "(written exactly 'dynamic': lowercase, no spaces)"
+        )
     if isinstance(value, bool):
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number")
     try:
@@ -169,9 +174,11 @@ def resolve_opt_level(
         torch.bfloat16
     """
     if opt_level not in OPT_LEVELS:
+        meant = str(opt_level).strip().upper() if isinstance(opt_level, str) else None
+        hint = f" Did you mean {meant!r}? The O is a capital letter." if meant in OPT_LEVELS else ""
         raise RuntimeError(
             f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
-            "Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero."
+            f"Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero.{hint}"
         )
     if not is_switch(enabled):
         raise ValueError(f"enabled={enabled!r}: expected True or False")
