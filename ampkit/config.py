@@ -663,7 +663,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             return None
         for key, value in source.items():
             child = node._get_node(key) if isinstance(key, str) and key in node else None
-            if isinstance(child, FloatNode) and _beyond_float(value):  # OmegaConf: a bare OverflowError
+            if isinstance(child, FloatNode) and beyond_float(value):  # OmegaConf: a bare OverflowError
                 return ConfigError(
                     f"config key '{prefix}{key}': an integer of {len(str(abs(value)))} digits is out of range; "
                     f"expected a float, between -{sys.float_info.max:.4g} and {sys.float_info.max:.4g}"
@@ -714,7 +714,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
     return None
 
 
-def _beyond_float(value: Any) -> bool:
+def beyond_float(value: Any) -> bool:
     """Whether ``value`` is an integer too large for a float (``float(value)`` raises OverflowError)."""
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
 
