@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
-from ampkit.wording import counted
+from ampkit.wording import beyond_float, counted, integer_digits
 
 
 class ConfigError(ValueError):
@@ -665,7 +665,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             child = node._get_node(key) if isinstance(key, str) and key in node else None
             if isinstance(child, FloatNode) and beyond_float(value):  # OmegaConf: a bare OverflowError
                 return ConfigError(
-                    f"config key '{prefix}{key}': an integer of {len(str(abs(value)))} digits is out of range; "
+                    f"config key '{prefix}{key}': {integer_digits(value)} is out of range; "
                     f"expected a float, between -{sys.float_info.max:.4g} and {sys.float_info.max:.4g}"
                 )
             if isinstance(child, BooleanNode) and not _reads_as_bool(value):
@@ -712,11 +712,6 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
         if found is not None:
             return found
     return None
-
-
-def beyond_float(value: Any) -> bool:
-    """Whether ``value`` is an integer too large for a float (``float(value)`` raises OverflowError)."""
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
 
 
 def _tuple_length(node: Any) -> int | None:

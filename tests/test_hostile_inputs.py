@@ -682,3 +682,35 @@ def test_empty_overrides_and_an_empty_config_name_say_they_are_empty(tmp_path, c
 def test_a_run_dir_holding_a_nul_character_is_refused_at_construction(tmp_path):
     with pytest.raises(ConfigError, match=r"'run_dir': 'a\\x00b' is invalid; expected a non-empty path without NUL"):
         ToyTrainer({"run_dir": "a\0b", "trainer": {"device": "cpu"}})
+
+
+def _fused_adam_stepped_with_lr(lr):
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = ampkit.ops.FusedAdam([param], lr=0.1)
+    optimizer.param_groups[0]["lr"] = lr  # as a scheduler or a config writes it, checked at the step
+    optimizer.step()
+
+
+_HUGE = 10**400  # a count or a product of counts: a Python int no float holds
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: ampkit.callbacks.GradientClipping(_HUGE), "GradientClipping: max_norm: "),
+        (lambda: ampkit.callbacks.MaxTime(_HUGE), "MaxTime: max_time_s: "),
+        (lambda: ampkit.callbacks.EarlyStopping("val/loss", divergence_threshold=_HUGE), "divergence_threshold "),
+        (lambda: ampkit.callbacks.LossScaling("dynamic", init_scale=_HUGE), "init_scale: "),
+        (lambda: ampkit.ops.scale_([torch.ones(3)], _HUGE, torch.zeros(1)), "`factor` must be a number within"),
+        (lambda: ampkit.ops.FusedAdam([torch.nn.Parameter(torch.ones(3))], lr=_HUGE), "Invalid lr: "),
+        (lambda: _fused_adam_stepped_with_lr(_HUGE), "Invalid lr of FusedAdam.param_groups[0]: "),
+        (lambda: ampkit.ops.fused_layer_norm(torch.ones(2, 4), (4,), _HUGE), "eps must be a finite number >= 0, got "),
+    ],
+)
+def test_an_integer_no_float_holds_is_named_where_a_number_is_taken(call, named):
+    """Each was a bare "OverflowError: int too large to convert to float" naming neither the argument nor the value
+    (at construction, or at the step that read it): now a ValueError naming both, the value by its digit count."""
+    with pytest.raises(ValueError) as caught:
+        call()
+    assert named in str(caught.value) and "an integer of 401 digits" in str(caught.value)

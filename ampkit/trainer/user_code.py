@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from ampkit.config import AMPKIT_KEYS, beyond_float, flatten
+from ampkit.config import AMPKIT_KEYS, flatten
 from ampkit.trainer.state import loss_id_key
-from ampkit.wording import counted
+from ampkit.wording import beyond_float, counted, integer_digits
 
 
 class UserCodeError(TypeError, ValueError):
@@ -137,7 +137,7 @@ def refuse_beyond_float(what: str, value: Any) -> None:
     and written to TensorBoard as floats. ``what`` names where it came from (``log('acc')``)."""
     if beyond_float(value):
         raise UserCodeError(
-            f"{what}: an integer of {len(str(abs(value)))} digits is beyond a float's range (+-1.8e308), which the "
+            f"{what}: {integer_digits(value)} is beyond a float's range (+-1.8e308), which the "
             "mean, the console and TensorBoard read it as; give a value within it"
         )
 
