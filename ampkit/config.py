@@ -272,7 +272,11 @@ def duration_seconds(value: Any) -> float | None:
     if isinstance(value, Mapping):
         units = dict(value.items())
         if not units or any(
-            key not in DURATION_UNITS or isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n)
+            key not in DURATION_UNITS
+            or isinstance(n, bool)
+            or not isinstance(n, int | float)
+            or beyond_float(n)  # math.isfinite raised a bare OverflowError
+            or not math.isfinite(n)
             for key, n in units.items()
         ):
             return None
@@ -284,13 +288,13 @@ def duration_seconds(value: Any) -> float | None:
         seconds = value.total_seconds()
         return seconds if seconds > 0 else None
     if isinstance(value, int | float):
-        return float(value) if value > 0 and math.isfinite(value) else None
+        return float(value) if value > 0 and not beyond_float(value) and math.isfinite(value) else None
     parts = str(value).split(":")
     if len(parts) not in (3, 4) or not all(part.strip().isdigit() for part in parts):
         return None
     days, hours, minutes, seconds = (int(part) for part in [*(["0"] * (4 - len(parts))), *parts])
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    return float(total) if total > 0 else None
+    return float(total) if total > 0 and not beyond_float(total) else None
 
 
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
@@ -404,7 +408,8 @@ def check_values(cfg: DictConfig) -> None:
     dotted key and what is valid."""
     out_of_range = _integers_out_of_range(cfg)
     problems = [
-        f"config key '{key}': {value} is out of range; expected a 64-bit integer, in [-2**63, 2**63)"
+        f"config key '{key}': {integer_digits(value) if beyond_float(value) else value} is out of range; expected a "
+        "64-bit integer, in [-2**63, 2**63)"
         for key, value in out_of_range.items()
     ]
     for key, (ok, valid) in VALUE_RULES.items():

@@ -402,3 +402,24 @@ def test_a_bad_loss_scale_names_every_form_the_key_takes(tmp_path, value):
     said = str(caught.value)
     assert f"config key 'precision.loss_scale': {value!r}: expected 'dynamic', 'none' (no loss scaler) or a" in said
     assert ("written exactly 'dynamic'" in said) == (value.lower() == "dynamic")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("precision.loss_scale", 10**400, "'precision.loss_scale': an integer of 401 digits: a static loss scale must"),
+        ("trainer.max_time", 10**400, "'trainer.max_time': 1000"),
+        ("trainer.max_time", {"hours": 10**400}, "'trainer.max_time': {'hours': 1000"),
+        ("trainer.max_time", "1" + "0" * 400 + ":00:00", "'trainer.max_time': '1000"),
+        ("trainer.max_steps", 10**400, "'trainer.max_steps': an integer of 401 digits is out of range; expected a 64"),
+    ],
+)
+def test_an_integer_no_float_holds_is_a_config_error_naming_the_key(tmp_path, key, value, said):
+    """The first four were a bare "OverflowError: int too large to convert to float" naming no key; an int key's
+    range error showed all 401 digits."""
+    section, name = key.split(".")
+    cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1"})
+    cfg.setdefault(section, {})[name] = value
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(cfg)
+    assert said in str(caught.value)

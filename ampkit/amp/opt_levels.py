@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ampkit.ops._switches import is_switch
+from ampkit.wording import integer_digits
 
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
@@ -100,6 +101,11 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number")
     try:
         scale = float(value)
+    except OverflowError:  # an int no float holds: float() named neither it nor the option
+        raise ValueError(
+            f"{option}={integer_digits(value)}: a static loss scale must lie in float32's range of scales, 2**-126 "
+            f"to {FLOAT32_SCALES[1]:.4g}"
+        ) from None
     except (TypeError, ValueError):
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
     if not (math.isfinite(scale) and scale > 0):
