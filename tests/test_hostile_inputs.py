@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
+from ampkit.callbacks.throughput import sample_worth
 from ampkit.cli import main
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
@@ -706,6 +708,8 @@ _HUGE = 10**400  # a count or a product of counts: a Python int no float holds
         (lambda: ampkit.ops.FusedAdam([torch.nn.Parameter(torch.ones(3))], lr=_HUGE), "Invalid lr: "),
         (lambda: _fused_adam_stepped_with_lr(_HUGE), "Invalid lr of FusedAdam.param_groups[0]: "),
         (lambda: ampkit.ops.fused_layer_norm(torch.ones(2, 4), (4,), _HUGE), "eps must be a finite number >= 0, got "),
+        (lambda: ampkit.callbacks.TensorBoardLogger(10, flush_secs=_HUGE), "TensorBoardLogger: flush_secs="),
+        (lambda: sample_worth(SimpleNamespace(tokens_per_sample=_HUGE), "tokens_per_sample", "tokens"), "tokens_per"),
     ],
 )
 def test_an_integer_no_float_holds_is_named_where_a_number_is_taken(call, named):
