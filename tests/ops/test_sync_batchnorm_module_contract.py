@@ -202,3 +202,5 @@ def test_a_conversion_of_no_module_or_with_no_process_group_names_the_argument(c
         convert(model, process_group="group")
     assert type(model[0]) is nn.BatchNorm1d  # refused before any layer was replaced
     assert isinstance(convert(model)[0], SyncBatchNorm)
+    with pytest.raises(TypeError, match=r"^SyncBatchNorm: process_group must be None \(every rank\) or a torch"):
+        SyncBatchNorm(3, process_group="group")
