@@ -184,9 +184,10 @@ class CompileReport(Callback):
         if unheard > 0:  # dynamo's warnings were silenced (its log level): its counters still count each hit
             from torch._dynamo import config
 
+            key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
             rank_zero_warn(
                 f"config key 'trainer.compile'={_shown(trainer.cfg.trainer.compile)}: dynamo reached its recompile "
-                f"limit (torch._dynamo.config.recompile_limit = {config.recompile_limit}) "
+                f"limit (torch._dynamo.config.{key} = {getattr(config, key, '?')}) "
                 f"{counted(unheard, 'time')} in this fit, so code it gave up on ran eagerly; {_LIMIT_CAUSE}; "
                 'TORCH_LOGS="recompiles" names the frames and guards'
             )
