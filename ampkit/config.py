@@ -595,6 +595,10 @@ def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigE
             f"config key '{full_key}' is written with a dot inside one mapping; nest it ({first}: {{{rest}: ...}} in "
             "YAML, a dict in a dict in Python): the dotted form is for key=value overrides"
         )
+    if type(exc).__name__ == "MissingMandatoryValue":  # a '???' (MISSING) field of the schema nothing set
+        return ConfigError(
+            f"config key '{full_key}' is required and has no value (the schema's '???'); set it, e.g. {full_key}=..."
+        )
     empty = re.fullmatch(r"Incompatible value 'None' for field of type '(.+)'", message)
     if empty:  # key= on the command line, "key:" with no value in YAML
         return ConfigError(f"config key '{full_key}' is empty (null); expected a value of type {empty.group(1)}")
@@ -703,6 +707,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                     f"leave it out for the defaults: {keys}"
                 )
             if value is not None and not isinstance(value, dict):
+                keys = keys or f"a mapping of its own keys, e.g. {prefix}{key}={{name: value}}"  # a dict-typed field
                 return ConfigError(
                     f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
                     f"({prefix}{key}.<key>=...): {keys}"

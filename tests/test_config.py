@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.config import Config, ConfigError, build_config, load_config
@@ -422,4 +423,39 @@ def test_an_integer_no_float_holds_is_a_config_error_naming_the_key(tmp_path, ke
     cfg.setdefault(section, {})[name] = value
     with pytest.raises(ConfigError) as caught:
         ToyTrainer(cfg)
+    assert said in str(caught.value)
+
+
+@dataclasses.dataclass
+class _OptimWithRequiredLr:
+    lr: float = MISSING
+    schedule: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _RequiredLrConfig(Config):
+    optim: _OptimWithRequiredLr = dataclasses.field(default_factory=_OptimWithRequiredLr)
+
+
+class _RequiredLrTrainer(ToyTrainer):
+    config_class = _RequiredLrConfig
+
+
+@pytest.mark.parametrize(
+    ("optim", "said"),
+    [
+        ({}, "config key 'optim.lr' is required and has no value (the schema's '???'); set it, e.g. optim.lr=..."),
+        ({"lr": "???"}, "config key 'optim.lr' is required and has no value"),
+        (
+            {"lr": 0.1, "schedule": [1, 2]},
+            "config key 'optim.schedule' is a section, not a value ([1, 2]); set its keys instead "
+            "(optim.schedule.<key>=...): a mapping of its own keys, e.g. optim.schedule={name: value}",
+        ),
+    ],
+)
+def test_a_required_key_left_unset_and_a_free_mapping_given_a_list_say_what_to_write(tmp_path, optim, said):
+    """OmegaConf's "Missing mandatory value: lr" and a section message ending in ': ' (a dict field names no keys of
+    its own) said neither what the key needs nor how to write it."""
+    with pytest.raises(ConfigError) as caught:
+        _RequiredLrTrainer({"run_dir": str(tmp_path), "trainer": {"device": "cpu"}, "optim": optim})
     assert said in str(caught.value)
