@@ -735,7 +735,7 @@ def _tuple_length(node: Any) -> int | None:
 def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
     """``(dotted key, value text)`` of each ``key=value`` override, each checked on its own so an error names it."""
     pairs = []
-    for item in overrides:
+    for index, item in enumerate(overrides):
         key, equals, value = item.partition("=")
         # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
         key = key.removeprefix("++").removeprefix("+")
@@ -746,7 +746,13 @@ def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
                 f"value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
             )
         if not equals or not key:
-            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
+            after = overrides[index + 1 : index + 2]
+            meant = (  # "trainer.max_epochs 3": LightningCLI's and argparse's spelling, a space for the '='
+                f"; a value after a space is not taken: write {key}={after[0]}"
+                if key and after and "=" not in after[0]
+                else " (e.g. trainer.max_epochs=3)"
+            )
+            raise ConfigError(f"override '{item}' is not of the form key=value{meant}")
         if not all(part.strip() == part and part for part in key.split(".")):
             raise ConfigError(
                 f"override '{item}': key '{key}' has an empty or space-padded part; expected a dotted key such as "

@@ -630,6 +630,13 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
         (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
         (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
+        # LightningCLI's "--key value" without its dashes: the value after the space was not named
+        (
+            "trainer.max_steps 3",
+            "override 'trainer.max_steps' is not of the form key=value; a value after a space is "
+            "not taken: write trainer.max_steps=3",
+        ),
+        ("trainer.max_steps", "override 'trainer.max_steps' is not of the form key=value (e.g. trainer.max_epochs=3)"),
     ],
     ids=[
         "unclosed list",
@@ -641,10 +648,12 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         "tilde with value",
         "huge",
         "-huge",
+        "value after a space",
+        "no value",
     ],
 )
 def test_an_override_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, override, message):
-    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), *override.split(" ")])
     assert message in line
 
 
