@@ -177,9 +177,23 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     args, rest = parser.parse_known_args(argv)
     unknown = [arg for arg in rest if arg.startswith("-") or "=" not in arg]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{_dashed_override_hint(unknown, argv)}")
     args.overrides = [*getattr(args, "overrides", []), *rest]
     return args
+
+
+def _dashed_override_hint(unknown: list[str], argv: list[str]) -> str:
+    """For ``--trainer.max_epochs=3`` or ``--trainer.max_epochs 3`` (argparse's or LightningCLI's spelling of a config
+    key): the override as ampkit reads it, ``trainer.max_epochs=3``."""
+    for arg in unknown:
+        key, equals, value = arg.lstrip("-").partition("=")
+        if not arg.startswith("--") or not (equals or "." in key):
+            continue
+        after = argv[argv.index(arg) + 1 :][:1]
+        if not equals and after and not after[0].startswith("-") and "=" not in after[0]:
+            value = after[0]
+        return f"; a config key is set without dashes, as key=value: {key}={value or '<value>'}"
+    return ""
 
 
 def _metrics(prefix: str, metrics: dict[str, float], logged: Container[str] = ()) -> str:

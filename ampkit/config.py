@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
-from ampkit.wording import counted
+from ampkit.wording import beyond_float, counted, integer_digits
 
 
 class ConfigError(ValueError):
@@ -272,7 +272,11 @@ def duration_seconds(value: Any) -> float | None:
     if isinstance(value, Mapping):
         units = dict(value.items())
         if not units or any(
-            key not in DURATION_UNITS or isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n)
+            key not in DURATION_UNITS
+            or isinstance(n, bool)
+            or not isinstance(n, int | float)
+            or beyond_float(n)  # math.isfinite raised a bare OverflowError
+            or not math.isfinite(n)
             for key, n in units.items()
         ):
             return None
@@ -284,13 +288,13 @@ def duration_seconds(value: Any) -> float | None:
         seconds = value.total_seconds()
         return seconds if seconds > 0 else None
     if isinstance(value, int | float):
-        return float(value) if value > 0 and math.isfinite(value) else None
+        return float(value) if value > 0 and not beyond_float(value) and math.isfinite(value) else None
     parts = str(value).split(":")
     if len(parts) not in (3, 4) or not all(part.strip().isdigit() for part in parts):
         return None
     days, hours, minutes, seconds = (int(part) for part in [*(["0"] * (4 - len(parts))), *parts])
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    return float(total) if total > 0 else None
+    return float(total) if total > 0 and not beyond_float(total) else None
 
 
 # Every value a schema type cannot constrain, with what is valid (other precision keys: checked by its callbacks).
@@ -376,6 +380,7 @@ _FOREIGN_SPELLINGS = {
         "bf16-true": "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16",
         "16-true": "Lightning's model in float16: opt_level O3",
         **dict.fromkeys(("32-true", "32", "fp32", "float32"), "float32: opt_level O0"),
+        **{f"o{n}": f"opt_level O{n}, with a capital letter O" for n in range(6)},  # a lowercase or padded spelling
     }
 }
 
@@ -403,7 +408,8 @@ def check_values(cfg: DictConfig) -> None:
     dotted key and what is valid."""
     out_of_range = _integers_out_of_range(cfg)
     problems = [
-        f"config key '{key}': {value} is out of range; expected a 64-bit integer, in [-2**63, 2**63)"
+        f"config key '{key}': {integer_digits(value) if beyond_float(value) else value} is out of range; expected a "
+        "64-bit integer, in [-2**63, 2**63)"
         for key, value in out_of_range.items()
     ]
     for key, (ok, valid) in VALUE_RULES.items():
@@ -589,6 +595,10 @@ def _explain_plainly(exc: OmegaConfBaseException, schema: DictConfig) -> ConfigE
             f"config key '{full_key}' is written with a dot inside one mapping; nest it ({first}: {{{rest}: ...}} in "
             "YAML, a dict in a dict in Python): the dotted form is for key=value overrides"
         )
+    if type(exc).__name__ == "MissingMandatoryValue":  # a '???' (MISSING) field of the schema nothing set
+        return ConfigError(
+            f"config key '{full_key}' is required and has no value (the schema's '???'); set it, e.g. {full_key}=..."
+        )
     empty = re.fullmatch(r"Incompatible value 'None' for field of type '(.+)'", message)
     if empty:  # key= on the command line, "key:" with no value in YAML
         return ConfigError(f"config key '{full_key}' is empty (null); expected a value of type {empty.group(1)}")
@@ -662,9 +672,9 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
             return None
         for key, value in source.items():
             child = node._get_node(key) if isinstance(key, str) and key in node else None
-            if isinstance(child, FloatNode) and _beyond_float(value):  # OmegaConf: a bare OverflowError
+            if isinstance(child, FloatNode) and beyond_float(value):  # OmegaConf: a bare OverflowError
                 return ConfigError(
-                    f"config key '{prefix}{key}': an integer of {len(str(abs(value)))} digits is out of range; "
+                    f"config key '{prefix}{key}': {integer_digits(value)} is out of range; "
                     f"expected a float, between -{sys.float_info.max:.4g} and {sys.float_info.max:.4g}"
                 )
             if isinstance(child, BooleanNode) and not _reads_as_bool(value):
@@ -697,6 +707,7 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
                     f"leave it out for the defaults: {keys}"
                 )
             if value is not None and not isinstance(value, dict):
+                keys = keys or f"a mapping of its own keys, e.g. {prefix}{key}={{name: value}}"  # a dict-typed field
                 return ConfigError(
                     f"config key '{prefix}{key}' is a section, not a value ({value!r}); set its keys instead "
                     f"({prefix}{key}.<key>=...): {keys}"
@@ -713,11 +724,6 @@ def _wrong_shape(schema: DictConfig, sources: tuple[Any, ...]) -> ConfigError | 
     return None
 
 
-def _beyond_float(value: Any) -> bool:
-    """Whether ``value`` is an integer too large for a float (``float(value)`` raises OverflowError)."""
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max
-
-
 def _tuple_length(node: Any) -> int | None:
     """The fixed length of a ``tuple[float, float]`` key's node; None for any other node (``tuple[int, ...]`` too)."""
     if not isinstance(node, TupleConfig):
@@ -729,7 +735,7 @@ def _tuple_length(node: Any) -> int | None:
 def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
     """``(dotted key, value text)`` of each ``key=value`` override, each checked on its own so an error names it."""
     pairs = []
-    for item in overrides:
+    for index, item in enumerate(overrides):
         key, equals, value = item.partition("=")
         # Hydra's "+key=value" (add) and "++key=value" (add or override): the schema decides which keys exist.
         key = key.removeprefix("++").removeprefix("+")
@@ -740,7 +746,13 @@ def _override_pairs(overrides: list[str]) -> list[tuple[str, str]]:
                 f"value; leave out the override to keep {name}'s default, or set it ({name}=<value>)"
             )
         if not equals or not key:
-            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.max_epochs=3)")
+            after = overrides[index + 1 : index + 2]
+            meant = (  # "trainer.max_epochs 3": LightningCLI's and argparse's spelling, a space for the '='
+                f"; a value after a space is not taken: write {key}={after[0]}"
+                if key and after and "=" not in after[0]
+                else " (e.g. trainer.max_epochs=3)"
+            )
+            raise ConfigError(f"override '{item}' is not of the form key=value{meant}")
         if not all(part.strip() == part and part for part in key.split(".")):
             raise ConfigError(
                 f"override '{item}': key '{key}' has an empty or space-padded part; expected a dotted key such as "

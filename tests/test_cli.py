@@ -122,6 +122,23 @@ def test_overrides_may_come_on_both_sides_of_an_option(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        (["--trainer.max_epochs=3"], "trainer.max_epochs=3"),
+        (["--trainer.max_epochs", "3"], "trainer.max_epochs=3"),  # LightningCLI's spelling
+        (["--lr=0.1"], "lr=0.1"),
+        (["--trainer.max_epochs"], "trainer.max_epochs=<value>"),
+    ],
+)
+def test_a_config_key_given_as_an_option_is_shown_as_an_override(tmp_path, capsys, given, meant):
+    """argparse's answer, "unrecognized arguments: --trainer.max_epochs=3", did not say how ampkit takes a key."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", _config(tmp_path), *given])
+    assert exit_info.value.code == 2
+    assert f"a config key is set without dashes, as key=value: {meant}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("command", "option", "first", "second"),
     [
         ("fit", "--config", None, "other.yaml"),

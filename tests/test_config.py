@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 from toy_trainers import ToyTrainer, toy_cfg
 
 from ampkit.config import Config, ConfigError, build_config, load_config
@@ -317,6 +318,8 @@ def test_resolved_config_is_saved_in_the_run_directory(tmp_path):
         ("bf16-true", "Lightning's model in bfloat16: opt_level O3 with precision.dtype=bfloat16"),
         ("32-true", "float32: opt_level O0"),
         ("BF16-Mixed", "Lightning's autocast in bfloat16: opt_level O4"),  # named in any letter case
+        ("o1", "opt_level O1, with a capital letter O"),  # a lowercase o said only "not the number zero"
+        ("o5", "opt_level O5, with a capital letter O"),
     ],
 )
 def test_a_lightning_precision_as_opt_level_names_the_opt_level_that_does_the_same(tmp_path, value, same):
@@ -388,3 +391,71 @@ def test_a_pair_key_given_another_length_is_named(value, said):
     with pytest.raises(ConfigError, match=rf"^config key 'optim.betas': {said}"):
         load_config("gpt", [f"optim.betas={value}"])
     assert tuple(load_config("gpt", ["optim.betas=[0.8,0.9]"])[1].optim.betas) == (0.8, 0.9)
+
+
+@pytest.mark.parametrize("value", ["Dynamic", "DYNAMIC", "2**16"])
+def test_a_bad_loss_scale_names_every_form_the_key_takes(tmp_path, value):
+    """The config takes 'none' (no scaler) beside Apex's 'dynamic' and numbers: its error named only Apex's two, and
+    a capitalised 'Dynamic' was not told apart from any other word."""
+    cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1", "precision.loss_scale": value})
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(cfg)
+    said = str(caught.value)
+    assert f"config key 'precision.loss_scale': {value!r}: expected 'dynamic', 'none' (no loss scaler) or a" in said
+    assert ("written exactly 'dynamic'" in said) == (value.lower() == "dynamic")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("precision.loss_scale", 10**400, "'precision.loss_scale': an integer of 401 digits: a static loss scale must"),
+        ("trainer.max_time", 10**400, "'trainer.max_time': 1000"),
+        ("trainer.max_time", {"hours": 10**400}, "'trainer.max_time': {'hours': 1000"),
+        ("trainer.max_time", "1" + "0" * 400 + ":00:00", "'trainer.max_time': '1000"),
+        ("trainer.max_steps", 10**400, "'trainer.max_steps': an integer of 401 digits is out of range; expected a 64"),
+    ],
+)
+def test_an_integer_no_float_holds_is_a_config_error_naming_the_key(tmp_path, key, value, said):
+    """The first four were a bare "OverflowError: int too large to convert to float" naming no key; an int key's
+    range error showed all 401 digits."""
+    section, name = key.split(".")
+    cfg = toy_cfg(tmp_path, **{"precision.opt_level": "O1"})
+    cfg.setdefault(section, {})[name] = value
+    with pytest.raises(ConfigError) as caught:
+        ToyTrainer(cfg)
+    assert said in str(caught.value)
+
+
+@dataclasses.dataclass
+class _OptimWithRequiredLr:
+    lr: float = MISSING
+    schedule: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _RequiredLrConfig(Config):
+    optim: _OptimWithRequiredLr = dataclasses.field(default_factory=_OptimWithRequiredLr)
+
+
+class _RequiredLrTrainer(ToyTrainer):
+    config_class = _RequiredLrConfig
+
+
+@pytest.mark.parametrize(
+    ("optim", "said"),
+    [
+        ({}, "config key 'optim.lr' is required and has no value (the schema's '???'); set it, e.g. optim.lr=..."),
+        ({"lr": "???"}, "config key 'optim.lr' is required and has no value"),
+        (
+            {"lr": 0.1, "schedule": [1, 2]},
+            "config key 'optim.schedule' is a section, not a value ([1, 2]); set its keys instead "
+            "(optim.schedule.<key>=...): a mapping of its own keys, e.g. optim.schedule={name: value}",
+        ),
+    ],
+)
+def test_a_required_key_left_unset_and_a_free_mapping_given_a_list_say_what_to_write(tmp_path, optim, said):
+    """OmegaConf's "Missing mandatory value: lr" and a section message ending in ': ' (a dict field names no keys of
+    its own) said neither what the key needs nor how to write it."""
+    with pytest.raises(ConfigError) as caught:
+        _RequiredLrTrainer({"run_dir": str(tmp_path), "trainer": {"device": "cpu"}, "optim": optim})
+    assert said in str(caught.value)

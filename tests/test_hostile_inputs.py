@@ -11,6 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader
 from toy_trainers import ToyTrainer, toy_cfg, toy_dataset
 
 import ampkit
+from ampkit.callbacks.throughput import sample_worth
 from ampkit.cli import main
 from ampkit.config import ConfigError, load_config
 from ampkit.trainer.checkpoint_io import CheckpointError, load_checkpoint
@@ -628,6 +630,13 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         # a float key given an integer no float holds: OmegaConf's bare OverflowError, a traceback naming no key
         (f"lr={10**400}", "config key 'lr': an integer of 401 digits is out of range; expected a float, between -"),
         (f"logging.peak_tflops=-{10**400}", "config key 'logging.peak_tflops': an integer of 401 digits"),
+        # LightningCLI's "--key value" without its dashes: the value after the space was not named
+        (
+            "trainer.max_steps 3",
+            "override 'trainer.max_steps' is not of the form key=value; a value after a space is "
+            "not taken: write trainer.max_steps=3",
+        ),
+        ("trainer.max_steps", "override 'trainer.max_steps' is not of the form key=value (e.g. trainer.max_epochs=3)"),
     ],
     ids=[
         "unclosed list",
@@ -639,10 +648,12 @@ def test_an_omegaconf_config_gets_the_schema_s_defaults_and_types(tmp_path):
         "tilde with value",
         "huge",
         "-huge",
+        "value after a space",
+        "no value",
     ],
 )
 def test_an_override_that_cannot_be_read_is_one_line_naming_it(tmp_path, capsys, override, message):
-    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), override])
+    line = _one_line_error(capsys, ["fit", "--config", _config(tmp_path), *override.split(" ")])
     assert message in line
 
 
@@ -682,3 +693,37 @@ def test_empty_overrides_and_an_empty_config_name_say_they_are_empty(tmp_path, c
 def test_a_run_dir_holding_a_nul_character_is_refused_at_construction(tmp_path):
     with pytest.raises(ConfigError, match=r"'run_dir': 'a\\x00b' is invalid; expected a non-empty path without NUL"):
         ToyTrainer({"run_dir": "a\0b", "trainer": {"device": "cpu"}})
+
+
+def _fused_adam_stepped_with_lr(lr):
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    optimizer = ampkit.ops.FusedAdam([param], lr=0.1)
+    optimizer.param_groups[0]["lr"] = lr  # as a scheduler or a config writes it, checked at the step
+    optimizer.step()
+
+
+_HUGE = 10**400  # a count or a product of counts: a Python int no float holds
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda: ampkit.callbacks.GradientClipping(_HUGE), "GradientClipping: max_norm: "),
+        (lambda: ampkit.callbacks.MaxTime(_HUGE), "MaxTime: max_time_s: "),
+        (lambda: ampkit.callbacks.EarlyStopping("val/loss", divergence_threshold=_HUGE), "divergence_threshold "),
+        (lambda: ampkit.callbacks.LossScaling("dynamic", init_scale=_HUGE), "init_scale: "),
+        (lambda: ampkit.ops.scale_([torch.ones(3)], _HUGE, torch.zeros(1)), "`factor` must be a number within"),
+        (lambda: ampkit.ops.FusedAdam([torch.nn.Parameter(torch.ones(3))], lr=_HUGE), "Invalid lr: "),
+        (lambda: _fused_adam_stepped_with_lr(_HUGE), "Invalid lr of FusedAdam.param_groups[0]: "),
+        (lambda: ampkit.ops.fused_layer_norm(torch.ones(2, 4), (4,), _HUGE), "eps must be a finite number >= 0, got "),
+        (lambda: ampkit.callbacks.TensorBoardLogger(10, flush_secs=_HUGE), "TensorBoardLogger: flush_secs="),
+        (lambda: sample_worth(SimpleNamespace(tokens_per_sample=_HUGE), "tokens_per_sample", "tokens"), "tokens_per"),
+    ],
+)
+def test_an_integer_no_float_holds_is_named_where_a_number_is_taken(call, named):
+    """Each was a bare "OverflowError: int too large to convert to float" naming neither the argument nor the value
+    (at construction, or at the step that read it): now a ValueError naming both, the value by its digit count."""
+    with pytest.raises(ValueError) as caught:
+        call()
+    assert named in str(caught.value) and "an integer of 401 digits" in str(caught.value)

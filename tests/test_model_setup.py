@@ -3,7 +3,9 @@ compile (skips as eager under a loss scaler), and compile settings that would co
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import warnings
 
 import pytest
@@ -223,6 +225,60 @@ def test_the_compile_report_tells_a_frame_dynamo_skipped_from_graphs_its_cache_h
     said = capsys.readouterr()
     assert "compiled 0 graphs (none new: this process's cache had them" in said.out + said.err
     assert not [w for w in heard if "dynamo compiled no graph" in str(w.message)]
+
+
+class _Tempered(nn.Module):
+    """A model whose forward reads a Python float the training step changes: dynamo guards on its value, so each
+    new value compiles again until the recompile limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = toy_model()
+        self.temperature = 1.0
+
+    def forward(self, x):
+        return self.net(x) * self.temperature
+
+
+class _Retempers(ToyTrainer):
+    def configure_model(self):
+        return _Tempered()
+
+    def training_step(self, batch):
+        self.module.temperature = 1.0 + self.state.global_step / 10
+        return super().training_step(batch)
+
+
+def test_the_compile_report_names_the_frame_that_reached_the_recompile_limit(tmp_path, monkeypatch):
+    """Past torch._dynamo.config.recompile_limit dynamo stops compiling a frame and runs it eagerly, which the
+    report said nothing of: it now names the frame, the limit and its config key, the guard that failed and the
+    usual cause, once, at the step it happened. The eager backend (inductor builds C++ for minutes on a CPU)."""
+    torch._dynamo.reset()  # earlier compiles in this process count against the limit
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: compile_(model, **{**kw, "backend": "eager"}))
+    quiet = {"trainer.max_steps": 5, "trainer.progress_bar": False, "logging.tensorboard": False,
+             "trainer.val_every_n_steps": 0, "checkpoint.enabled": False}  # fmt: skip
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    handlers_before = list(dynamo_log.handlers)
+    limit_reached = r"dynamo reached torch\._dynamo\.config\.recompile_limit = 2 recompiling 'forward' \("
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning) as caught:
+        _Retempers(toy_cfg(tmp_path, **{"trainer.compile": True}, **quiet)).fit()
+    said = [str(w.message) for w in caught if "recompile" in str(w.message)]
+    assert len(said) == 1, said
+    assert re.search(limit_reached, said[0]), said[0]
+    assert "test_model_setup.py" in said[0] and "the guard that failed last:" in said[0]
+    assert "temperature" in said[0] and "the usual cause is a shape or a Python value" in said[0]
+    assert dynamo_log.handlers == handlers_before  # the report listened for this fit only
+
+    # With dynamo's warnings silenced the report still counts the hit (dynamo's counters), without the frame.
+    torch._dynamo.reset()
+    monkeypatch.setattr(dynamo_log, "disabled", True)
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning) as caught:
+        _Retempers(toy_cfg(tmp_path / "silenced", **{"trainer.compile": True}, **quiet)).fit()
+    said = [str(w.message) for w in caught if "recompile" in str(w.message)]
+    assert len(said) == 1, said
+    assert "reached its recompile limit (torch._dynamo.config.recompile_limit = 2) 1 time in this fit" in said[0]
+    assert 'TORCH_LOGS="recompiles" names the frames' in said[0]
 
 
 @pytest.mark.parametrize("setting", [True, "[Tanh]"])

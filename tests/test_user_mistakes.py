@@ -244,6 +244,17 @@ class VectorMetric(ToyTrainer):
         return {"mse": (self.model(batch[0]).squeeze(1) - batch[1]).square()}
 
 
+class HugeIntMetric(ToyTrainer):  # a count or a product of counts, of more digits than a float holds
+    def validation_step(self, batch):
+        return {"mse": 10**400}
+
+
+class HugeIntLogged(ToyTrainer):
+    def training_step(self, batch):
+        self.log("train/count", 10**400)
+        return super().training_step(batch)
+
+
 class LossIdList(ToyTrainer):
     automatic_optimization = False
 
@@ -324,6 +335,9 @@ class EmptyBatch(ToyTrainer):
         ("NoLoader", "train_dataloader() returned a NoneType; expected a DataLoader or another iterable of batches"),
         ("TwoValidationLoaders", "val_dataloader() returned a list of 2 DataLoaders; it returns one iterable of"),
         ("VectorMetric", "returned metric 'mse' as a Tensor of shape (8,); each metric is a number or a one-element"),
+        # both were a bare "OverflowError: int too large to convert to float" from the mean or a logger
+        ("HugeIntMetric", "returned metric 'mse': an integer of 401 digits is beyond a float's range (+-1.8e308)"),
+        ("HugeIntLogged", "log('train/count'): an integer of 401 digits is beyond a float's range (+-1.8e308)"),
         ("LossIdList", "backward(loss_id=[1]): a loss id is a name or an integer, not a list"),
         ("LossIdTensor", "backward(loss_id=tensor(0)): a loss id is a name or an integer, not a Tensor"),
         ("UnknownOptimizerName", "backward(optimizer='adam'): no optimizer has that name; configure_optimizers() made"),

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ampkit.ops._switches import is_switch
+from ampkit.wording import integer_digits
 
 __all__ = ["OPT_LEVELS", "OptLevelProperties", "parse_dtype", "parse_loss_scale", "resolve_opt_level"]
 
@@ -91,10 +92,20 @@ def parse_loss_scale(value: Any, option: str = "loss_scale") -> LossScale:
     """Return ``"dynamic"`` or a positive finite float, as Apex's ``float(value)`` rule allows."""
     if value == "dynamic":
         return "dynamic"
+    if isinstance(value, str) and value.strip().lower() == "dynamic":  # Apex compares the exact word
+        raise ValueError(
+            f"{option}={value!r}: expected 'dynamic' or a positive number "
+            "(written exactly 'dynamic': lowercase, no spaces)"
+        )
     if isinstance(value, bool):
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number")
     try:
         scale = float(value)
+    except OverflowError:  # an int no float holds: float() named neither it nor the option
+        raise ValueError(
+            f"{option}={integer_digits(value)}: a static loss scale must lie in float32's range of scales, 2**-126 "
+            f"to {FLOAT32_SCALES[1]:.4g}"
+        ) from None
     except (TypeError, ValueError):
         raise ValueError(f"{option}={value!r}: expected 'dynamic' or a positive number") from None
     if not (math.isfinite(scale) and scale > 0):
@@ -169,9 +180,11 @@ def resolve_opt_level(
         torch.bfloat16
     """
     if opt_level not in OPT_LEVELS:
+        meant = str(opt_level).strip().upper() if isinstance(opt_level, str) else None
+        hint = f" Did you mean {meant!r}? The O is a capital letter." if meant in OPT_LEVELS else ""
         raise RuntimeError(
             f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'. "
-            "Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero."
+            f"Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero.{hint}"
         )
     if not is_switch(enabled):
         raise ValueError(f"enabled={enabled!r}: expected True or False")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ampkit.amp.opt_levels import FLOAT32_SCALES, parse_loss_scale
+from ampkit.wording import integer_digits
 
 __all__ = ["LossScaler"]
 
@@ -38,7 +39,10 @@ def positive_option(value: Any, option: str, *, above_one: bool = False, below_o
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{option}={value!r}: expected a number")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int of more digits than a float holds: float() names neither it nor the option
+        raise ValueError(f"{option}: {integer_digits(int(value))}: expected a finite number > 0") from None
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{option}={value!r}: expected a finite number > 0")
     if above_one and value <= 1.0:

@@ -14,7 +14,7 @@ from ampkit.lightning_settings import LIGHTNING_ZERO, lightning_arguments_error
 from ampkit.ops._switches import checked_switch
 from ampkit.trainer.callback import Phase
 from ampkit.trainer.console import say
-from ampkit.wording import counted
+from ampkit.wording import beyond_float, counted, integer_digits
 
 
 class EarlyStopping(KeyedByMonitor):
@@ -54,9 +54,13 @@ class EarlyStopping(KeyedByMonitor):
         self.monitor = Monitor(monitor, mode, min_delta, key="early_stopping.monitor")
         for name, value in (("stopping_threshold", stopping_threshold), ("divergence_threshold", divergence_threshold)):
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            ):  # a str failed in math.isfinite naming neither; True was a threshold of 1
-                raise ValueError(f"{name} {value!r} is invalid; expected a finite number or None")
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or beyond_float(value)
+                or not math.isfinite(value)
+            ):  # a str (or an int no float holds) failed in math.isfinite naming neither; True was a threshold of 1
+                shown = integer_digits(value) if beyond_float(value) else repr(value)
+                raise ValueError(f"{name} {shown} is invalid; expected a finite number or None")
         if (
             stopping_threshold is not None
             and divergence_threshold is not None

@@ -42,7 +42,8 @@ def _config_error(exc: Exception, precision: DictConfig) -> ConfigError:
     it: by the dotted key (``config key 'precision.dtype': ...``) where it names one of the section's keys."""
     named = re.fullmatch(r"(\w+)=(.*)", str(exc), re.DOTALL)
     if named and named.group(1) in precision:
-        return ConfigError(f"config key 'precision.{named.group(1)}': {named.group(2)}")
+        said = named.group(2).replace("'dynamic' or", f"'dynamic', '{NO_LOSS_SCALE}' (no loss scaler) or")
+        return ConfigError(f"config key 'precision.{named.group(1)}': {said}")
     return ConfigError(f"config section 'precision': {exc}")
 
 

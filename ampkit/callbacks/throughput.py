@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.opt_levels import parse_dtype
 from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.trainer.callback import Callback, Phase
+from ampkit.wording import beyond_float, integer_digits
 
 # Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
 # Keys are matched against torch.cuda.get_device_name() lower-cased; longer keys first (h100 nvl before h100).
@@ -121,7 +122,7 @@ def sample_worth(trainer, name: str, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if math.isfinite(value) and value > 0:
+        if not beyond_float(value) and math.isfinite(value) and value > 0:  # a float's range: its rates are floats
             return value
         problem, error = " is invalid", ValueError
     else:
@@ -131,7 +132,8 @@ def sample_worth(trainer, name: str, what: str) -> float | None:
     elif isinstance(value, torch.Tensor):
         problem += " (use .item())"
     raise error(
-        f"{type(trainer).__name__}.{name}: {value!r}{problem}; expected a finite number > 0 ({what}), or None "
+        f"{type(trainer).__name__}.{name}: {integer_digits(value) if beyond_float(value) else repr(value)}{problem}; "
+        f"expected a finite number > 0 ({what}), or None "
         "for no such figures"
     )
 

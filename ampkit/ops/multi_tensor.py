@@ -34,6 +34,7 @@ import torch
 from ampkit.ops._build import CSRC_DIR, register_family
 from ampkit.ops._switches import is_switch
 from ampkit.ops.reference import multi_tensor as reference
+from ampkit.wording import beyond_float, integer_digits
 
 __all__ = [
     "L2Norm",
@@ -153,6 +154,8 @@ def _factor(value: float | torch.Tensor, name: str) -> float:
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number or a one-element tensor, got {type(value).__name__}")
+    if beyond_float(value):  # float() raised a bare OverflowError, naming neither
+        raise ValueError(f"`{name}` must be a number within a float's range, got {integer_digits(value)}")
     return float(value)
 
 

@@ -51,6 +51,7 @@ from ampkit.ops._errors import ArgumentTypeError
 from ampkit.ops._switches import checked_switch
 from ampkit.ops._transforms import transforms_active
 from ampkit.ops.reference import norms as reference
+from ampkit.wording import beyond_float, integer_digits
 
 __all__ = [
     "FusedLayerNorm",
@@ -136,6 +137,8 @@ def _check_eps(op: str, eps: float) -> None:
         return
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ArgumentTypeError(f"{op}: eps must be a finite number >= 0, got {eps!r} (a {type(eps).__name__})")
+    if beyond_float(eps):  # passes 0 <= eps < inf, then float() in the op raised a bare OverflowError
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {integer_digits(eps)}")
     if not 0 <= eps < math.inf:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 

@@ -102,6 +102,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         affine = checked_switch(name, "affine", affine)
         track_running_stats = checked_switch(name, "track_running_stats", track_running_stats)
         _check_numbers(name, num_features, eps, momentum)
+        check_process_group(process_group, name)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
@@ -144,6 +145,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
         """Replace every ``_BatchNorm`` in ``module`` by this class, sharing parameters and buffers."""
+        check_convertible(module, process_group, f"{cls.__name__}.convert_sync_batchnorm")
         converted = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, cls):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
@@ -158,8 +160,28 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return converted
 
 
+def check_convertible(module: Any, process_group: Any, where: str) -> None:
+    """Refuse what no conversion takes, before a layer is replaced: a ``module`` that is no ``nn.Module`` (it failed
+    as "'str' object has no attribute 'parameters'"), or a ``process_group`` :func:`check_process_group` refuses."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{where}: module must be a torch.nn.Module, got {type(module).__name__}")
+    check_process_group(process_group, where)
+
+
+def check_process_group(process_group: Any, where: str) -> None:
+    """Refuse a ``process_group`` that is neither None (the world) nor a torch.distributed group: a layer would keep
+    it until its first synced forward failed in a collective."""
+    group_type = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if process_group is not None and (group_type is None or not isinstance(process_group, group_type)):
+        raise TypeError(
+            f"{where}: process_group must be None (every rank) or a torch.distributed group "
+            f"(torch.distributed.new_group(ranks)), got {type(process_group).__name__}"
+        )
+
+
 def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
     """Synchronise ``module``'s batch norms: torch's SyncBatchNorm on CUDA, :class:`SyncBatchNorm` elsewhere."""
+    check_convertible(module, process_group, "convert_sync_batchnorm")
     on_cuda = any(p.is_cuda for p in module.parameters())
     if on_cuda:
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)

@@ -251,6 +251,7 @@ from ampkit.trainer.user_code import (
     long_epoch_message,
     never_stepped,
     nothing_trained_warning,
+    refuse_beyond_float,
     short_epoch_message,
     training_step_loss_error,
 )
@@ -938,6 +939,8 @@ class Trainer:
             raise UserCodeError(
                 f"log('{tag}'): expected a number or a one-element tensor, got {type(value).__name__}{metric}"
             )
+        elif type(value) is not float:  # every logger and mean reads it as a float
+            refuse_beyond_float(f"log('{tag}')", value)
         if self._fx in _EVALUATION_ENDS:  # the set's value (an AUC over it), as Lightning's on_*_epoch_end logs one
             self._log_evaluation_value(tag, value, step)
             return

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from ampkit.config import AMPKIT_KEYS, flatten
 from ampkit.trainer.state import loss_id_key
-from ampkit.wording import counted
+from ampkit.wording import beyond_float, counted, integer_digits
 
 
 class UserCodeError(TypeError, ValueError):
@@ -132,6 +132,16 @@ def training_step_loss_error(out: Any) -> UserCodeError:
     )
 
 
+def refuse_beyond_float(what: str, value: Any) -> None:
+    """Refuse an integer no float holds (``float()`` of it raises a bare OverflowError): metrics are averaged, shown
+    and written to TensorBoard as floats. ``what`` names where it came from (``log('acc')``)."""
+    if beyond_float(value):
+        raise UserCodeError(
+            f"{what}: {integer_digits(value)} is beyond a float's range (+-1.8e308), which the "
+            "mean, the console and TensorBoard read it as; give a value within it"
+        )
+
+
 def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
     """``validation_step``/``test_step``'s return value: a dict of metric name to number or scalar tensor."""
     if not isinstance(metrics, dict):
@@ -157,6 +167,7 @@ def check_metrics(metrics: Any, method: str) -> dict[str, Any]:
                 f"{method} returned metric {key!r} as a {type(value).__name__}{shape}; each metric is a number or a "
                 "one-element tensor (reduce it: .mean())"
             )
+        refuse_beyond_float(f"{method} returned metric {key!r}", value)
     return metrics
 
 

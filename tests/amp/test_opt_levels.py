@@ -111,6 +111,24 @@ def test_bad_loss_scale_names_the_option(bad):
         parse_loss_scale(bad)
 
 
+@pytest.mark.parametrize("bad", ["Dynamic", "DYNAMIC", " dynamic"])
+def test_a_loss_scale_spelling_dynamic_otherwise_is_told_the_spelling(bad):
+    """Apex compares loss_scale with the exact word 'dynamic': another case or spaces is refused, saying so."""
+    with pytest.raises(
+        ValueError, match=rf"loss_scale={bad!r}: expected 'dynamic' or a .* \(written exactly 'dynamic'"
+    ):
+        resolve_opt_level("O1", loss_scale=bad)
+
+
+@pytest.mark.parametrize(("bad", "meant"), [("o1", "O1"), ("o2", "O2"), (" O3", "O3")])
+def test_an_opt_level_in_another_case_or_padded_names_the_level_meant(bad, meant):
+    with pytest.raises(RuntimeError, match=rf"Unexpected optimization level {bad!r}.*Did you mean '{meant}'\?"):
+        resolve_opt_level(bad)
+    with pytest.raises(RuntimeError) as caught:
+        resolve_opt_level("01")  # the number zero: no level is meant
+    assert "Did you mean" not in str(caught.value)
+
+
 @pytest.mark.parametrize("bad", [1e40, "1e-50"])
 def test_a_static_loss_scale_outside_float32_s_range_is_refused_naming_the_range(bad):
     with pytest.raises(ValueError, match=r"must lie in float32's range of scales, 2\*\*-126 to 3.403e\+38"):

@@ -582,7 +582,7 @@ def test_initializing_the_same_optimizer_twice_is_an_error():
 
 
 def test_wrapped_models_and_cast_models_are_rejected():
-    with pytest.raises(RuntimeError, match="AFTER"):
+    with pytest.raises(RuntimeError, match=r"AFTER .*: pass the model it wraps \(its \.module\) and wrap the model"):
         amp.initialize(torch.nn.DataParallel(_model()), opt_level="O1", verbosity=0)
     with pytest.raises(RuntimeError, match="do not need to call .half"):
         amp.initialize(_model().half(), opt_level="O1", verbosity=0)
@@ -817,6 +817,20 @@ def test_models_or_optimizers_given_as_a_generator_are_named_as_passed():
         amp.initialize(model, (o for o in [_sgd(model)]), verbosity=0)
     models, optimizers = amp.initialize((model,), [_sgd(model)], verbosity=0)  # a tuple and a list: as passed
     assert type(models) is tuple and type(optimizers) is list
+
+
+def test_a_single_model_or_optimizer_of_another_type_is_named_as_passed():
+    """A dict or a string passed alone was "models[0] is a dict", an index into a list the caller never made; a dict
+    is told how to pass its values. In a list the index stays."""
+    model = _model()
+    with pytest.raises(TypeError, match=r"^models is a dict; .* or a list of them \(for a dict's values, pass list\("):
+        amp.initialize({"generator": model}, _sgd(model), verbosity=0)
+    with pytest.raises(TypeError, match=r"^optimizers is a str; expected a torch.optim.Optimizer or LARC, or a list"):
+        amp.initialize(model, "sgd", verbosity=0)
+    with pytest.raises(TypeError, match=r"^optimizers is a dict; .*\(for a dict's values, pass list\(optimizers"):
+        amp.initialize(model, {"g": _sgd(model)}, verbosity=0)
+    with pytest.raises(TypeError, match=r"^models\[1\] is a str; amp.initialize expects a torch.nn.Module"):
+        amp.initialize([model, "head"], _sgd(model), verbosity=0)
 
 
 def test_an_optimizer_listed_twice_in_scale_loss_is_unscaled_once():

@@ -14,7 +14,8 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from ampkit.compat.parallel import SyncBatchNorm as ApexSyncBatchNorm
-from ampkit.ops import SyncBatchNorm
+from ampkit.compat.parallel import convert_syncbn_model
+from ampkit.ops import SyncBatchNorm, convert_sync_batchnorm
 
 BATCH_NORMS = {
     "affine": {},
@@ -181,3 +182,25 @@ def test_eps_0_is_refused_where_batch_statistics_normalize_and_taken_on_running_
     assert torch.isfinite(layer.eval()(torch.randn(4, 3))).all()
     with pytest.raises(ValueError, match=r"eps=0.0 must be > 0"):  # no running statistics: batch ones, in eval too
         SyncBatchNorm(3, eps=0.0, track_running_stats=False).eval()(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize(
+    ("convert", "where"),
+    [
+        (convert_sync_batchnorm, "convert_sync_batchnorm"),
+        (SyncBatchNorm.convert_sync_batchnorm, "SyncBatchNorm.convert_sync_batchnorm"),
+        (convert_syncbn_model, "convert_syncbn_model"),
+    ],
+)
+def test_a_conversion_of_no_module_or_with_no_process_group_names_the_argument(convert, where):
+    """A string for the model was "'str' object has no attribute 'parameters'"; a string for the group was taken by
+    every converted layer, to fail only in its first synced forward's collective."""
+    with pytest.raises(TypeError, match=rf"^{where}: module must be a torch.nn.Module, got str"):
+        convert("model")
+    model = nn.Sequential(nn.BatchNorm1d(3))
+    with pytest.raises(TypeError, match=rf"^{where}: process_group must be None \(every rank\) or a torch.distributed"):
+        convert(model, process_group="group")
+    assert type(model[0]) is nn.BatchNorm1d  # refused before any layer was replaced
+    assert isinstance(convert(model)[0], SyncBatchNorm)
+    with pytest.raises(TypeError, match=r"^SyncBatchNorm: process_group must be None \(every rank\) or a torch"):
+        SyncBatchNorm(3, process_group="group")

@@ -55,15 +55,29 @@ def _as_list(value: Any, name: str) -> tuple[list[Any], type | None]:
     return [value], None
 
 
-def _check_models(models: list[Any]) -> None:
+def _item(name: str, i: int, single: bool) -> str:
+    """How an error names the ``i``-th of ``name``: by index only where the caller passed a list (``models[1]``), as
+    a single object is ``models`` itself."""
+    return name if single else f"{name}[{i}]"
+
+
+def _values_hint(name: str, value: Any) -> str:
+    return f" (for a dict's values, pass list({name}.values()))" if isinstance(value, Mapping) else ""
+
+
+def _check_models(models: list[Any], single: bool = False) -> None:
     for i, model in enumerate(models):
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             raise RuntimeError(
                 f"Incoming model {i} is an instance of {type(model).__name__}. Parallel wrappers should only "
-                "be applied to the model(s) AFTER the model(s) have been returned from amp.initialize."
+                "be applied to the model(s) AFTER the model(s) have been returned from amp.initialize: pass the "
+                "model it wraps (its .module) and wrap the model amp.initialize returns."
             )
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"models[{i}] is a {type(model).__name__}; amp.initialize expects torch.nn.Module(s)")
+            raise TypeError(
+                f"{_item('models', i, single)} is a {type(model).__name__}; amp.initialize expects a torch.nn.Module "
+                f"or a list of them{_values_hint('models', model)}"
+            )
         if _amp_state.allow_incoming_model_not_fp32:
             continue
         for name, param in model.named_parameters():
@@ -116,7 +130,7 @@ def _check_masters_unshared(optimizers: list[Any]) -> None:
                     )
 
 
-def _check_optimizers(optimizers: list[Any]) -> None:
+def _check_optimizers(optimizers: list[Any], single: bool = False) -> None:
     for i, optimizer in enumerate(optimizers):
         if type(optimizer).__name__ == "FP16_Optimizer":
             raise RuntimeError(
@@ -125,7 +139,8 @@ def _check_optimizers(optimizers: list[Any]) -> None:
             )
         if not _is_optimizer(optimizer):
             raise TypeError(
-                f"optimizers[{i}] is a {type(optimizer).__name__}; expected a torch.optim.Optimizer or LARC"
+                f"{_item('optimizers', i, single)} is a {type(optimizer).__name__}; expected a torch.optim.Optimizer "
+                f"or LARC, or a list of them{_values_hint('optimizers', optimizer)}"
             )
         if hasattr(optimizer, "_amp_stash"):
             raise RuntimeError(
@@ -278,9 +293,9 @@ def initialize(
     model_list, models_container = _as_list(models, "models")
     optimizers_given = optimizers is not None
     optimizer_list, optimizers_container = _as_list(optimizers, "optimizers") if optimizers_given else ([], None)
-    _check_models(model_list)
+    _check_models(model_list, single=models_container is None)
     _check_scripted(model_list, properties, cast_model_outputs)
-    _check_optimizers(optimizer_list)
+    _check_optimizers(optimizer_list, single=optimizers_container is None)
     if properties.master_weights:
         _check_masters_unshared(optimizer_list)
     scalers = [

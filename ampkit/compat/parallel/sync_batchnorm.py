@@ -111,6 +111,7 @@ def convert_syncbn_model(
     statistics and ``num_batches_tracked`` shared with the originals). As in Apex, which builds each replacement
     afresh, the new layers start in training mode whatever mode the originals were in."""
     channel_last = checked_switch("convert_syncbn_model", "channel_last", channel_last)  # before the model changes
+    _ops.check_convertible(module, process_group, "convert_syncbn_model")
     already_synced = {id(sub) for sub in module.modules() if isinstance(sub, SyncBatchNorm)}
     converted = SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     for sub in converted.modules():

@@ -18,6 +18,7 @@ import functools
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shar
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
+from ampkit.wording import beyond_float, integer_digits
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -259,6 +261,8 @@ def check_hyper(
         raise ArgumentTypeError(
             f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
         )
+    if beyond_float(value):  # passes value < inf, then every step's float() raised a bare OverflowError
+        raise ValueError(f"Invalid {name}: {integer_digits(value)} (expected a {finite_word}value {bound})")
     if not (value >= low) or not (value <= high if closed else value < high):
         theirs = _torch_words(name)
         also = f"; torch.optim: Invalid {theirs}: {value}" if theirs else ""
@@ -443,9 +447,13 @@ def _unread_on_device(value: Any) -> bool:
 
 _NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
 
-# check_group_at_step's fast path: (low, high) of each hyper-parameter; a value at ``high`` (inf where inf is
-# allowed) takes the slow path, which accepts it
-_STEP_BOUNDS = {key: (low, math.inf if high is None else high) for key, (low, high) in GROUP_HYPER_RULES.items()}
+# check_group_at_step's fast path: (low, high) of each hyper-parameter, high at most the largest float; a value at
+# or past it (inf where inf is allowed, which the slow path accepts; an int no float holds, which it refuses) takes
+# the slow path
+_STEP_BOUNDS = {
+    key: (low, min(math.inf if high is None else high, sys.float_info.max))
+    for key, (low, high) in GROUP_HYPER_RULES.items()
+}
 _FLAG_KEYS = frozenset(GROUP_FLAGS)
 
 
