@@ -188,10 +188,12 @@ def _fresh_group_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
 def teardown_distributed(env: DistributedEnv, clean: bool = True, failure: BaseException | None = None) -> None:
     """Destroy the process group; after a clean run, only once every rank got here.
 
-    A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail,
-    which aborts that process ("terminate called without an active exception") after all its work is
-    done. The barrier makes ranks leave together; after an exception it is skipped (a peer may be dead), and
-    this rank's own ``failure`` is left on the store first, for the peers' diagnosis to name.
+    A rank that exits while a peer still has gloo work in flight makes the peer's transport thread fail, and a
+    gloo worker thread that frees the last collective's Python tensor after the interpreter began shutting down
+    is ended mid-release: either aborts the process ("terminate called without an active exception") after all
+    its work is done. The barrier makes ranks leave together, and releases the GIL to those threads while it
+    waits; after an exception it is skipped (a peer may be dead), and this rank's own ``failure`` is left on the
+    store first, for the peers' diagnosis to name.
     """
     if env.owns_group and dist.is_initialized():
         if clean:
