@@ -312,10 +312,18 @@ class DuplicatedEvaluation(Plain):
 class UnevenValidationLists(Plain):
     """Per-rank lists of validation batches, their counts known up front: 3 on rank 0, 1 on rank 1."""
 
+    rank1_batches = slice(3, None)
+
     def val_dataloader(self):
         x, y = toy_dataset(16, seed=7).tensors
         batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
-        return batches[:3] if RANK == 0 else batches[3:]
+        return batches[:3] if RANK == 0 else batches[self.rank1_batches]
+
+
+class EmptyValidationListOnRank1(UnevenValidationLists):
+    """The same, with none on rank 1: fit() drops an empty validation loader, there alone."""
+
+    rank1_batches = slice(0, 0)
 
 
 class OptimizerFailsOnRank1(Plain):
@@ -924,6 +932,9 @@ def main(scenario: str, out: Path) -> None:
         # counts known up front and unequal: a collective in validation_step could not line up, which is said
         lists = UnevenValidationLists({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
         uneven_lists = {"fit": warned(lists.fit), "validate": warned(lists.validate)}
+        # rank 1's list empty: it dropped its loader before the gather of the counts, which rank 0 waited in
+        empty_on_1 = EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
+        uneven_lists["fit, empty on rank 1"] = warned(empty_on_1.fit)
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
                  "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
                  "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),

@@ -162,6 +162,25 @@ def test_which_optimizers_take_a_device_verdict():
     assert not takes_device_found_inf(Custom(params, fused=True))
 
 
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+def test_an_agreed_flag_reaches_the_step_as_gradscalers_own_tensor(flag, monkeypatch):
+    """Under torchrun the ranks' agreed flags view one all-reduce buffer (any_rank_on_device); handed on as a view,
+    ampkit's fused step looked for it among every parameter, gradient and state tensor: ms a step at 200 params."""
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = ampkit.ops.FusedAdam(params, lr=0.1)
+    optimizer.step()  # its state exists
+    before = [p.detach().clone() for p in params]
+    agreed = torch.tensor([flag, 0.0, 0.0]).unbind()  # as the all-reduce hands them back
+    looks = []
+    monkeypatch.setattr(ampkit.ops.optimizers._base, "shares_memory", lambda a, b: looks.append(b) or False)
+    device_skip.step_with_found_inf(optimizer, agreed[0], lambda opt: opt.step())
+    assert looks == []
+    assert all(torch.equal(p, b) == (flag == 1.0) for p, b in zip(params, before, strict=True))
+    assert not hasattr(optimizer, "found_inf")
+
+
 def test_auto_keeps_verdicts_on_the_device_on_cuda_only():
     assert uses_device_verdicts("auto", torch.device("cuda", 0), sharded=False)
     assert not uses_device_verdicts("auto", torch.device("cpu"), sharded=False)

@@ -298,7 +298,10 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
 
     A validation stream with no batch on rank 1, under DDP with a BatchNorm: rank 0's first validation forward
     broadcast the buffers (DDP does at the first forward after a training one), which rank 1 never ran, and the fit
-    failed after the timeout; every rank syncs them before the pass now, and both get rank 0's model's mean."""
+    failed after the timeout; every rank syncs them before the pass now, and both get rank 0's model's mean.
+
+    A per-rank validation list empty on rank 1: fit() dropped it there before the gather of the ranks' counts, which
+    rank 0 alone joined, and the set-up failed on diverged collectives; the empty rank joins it and is named."""
     results = launch("uneven_batches", tmp_path, timeout=120)
     rank0, rank1 = _ok(results)
     refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
@@ -344,10 +347,10 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
     # Validation batches per rank known up front and unequal (3 and 1): a collective of the user's in
     # validation_step cannot line up across the ranks, and nothing said so; rank zero does as each pass is set up
     # (a fit's, a validate()'s). Streams (counts unknown) and evenly sharded data are not named.
-    uneven = "val_dataloader() gives the ranks different numbers of batches (rank 0: 3, rank 1: 1)"
-    for call in ("fit", "validate"):
+    uneven = "val_dataloader() gives the ranks different numbers of batches (rank 0: 3, rank 1: {})"
+    for call, rank1_count in (("fit", 1), ("validate", 1), ("fit, empty on rank 1", 0)):
         said = [w for w in rank0["uneven_lists"][call] if "different numbers of batches" in w]
-        assert len(said) == 1 and said[0].startswith(uneven), (call, said)
+        assert len(said) == 1 and said[0].startswith(uneven.format(rank1_count)), (call, said)
         assert "collective of your own in validation_step" in said[0] and "gather in on_validation_end" in said[0]
     quiet = [*rank1["uneven_lists"].values(), rank0["normed_warned"], *rank0["evaluated"].values()]
     assert not any("different numbers of batches (" in w for warned in quiet for w in warned)

@@ -65,6 +65,10 @@ def nonfinite_flag(norm: torch.Tensor) -> torch.Tensor:
 def step_with_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, step) -> None:
     """Run ``step(optimizer)`` with ``found_inf`` set as GradScaler sets it (``grad_scale`` None: the gradients
     are already unscaled), then take the attributes off again."""
+    if found_inf.untyped_storage().nbytes() > found_inf.element_size():
+        # GradScaler's flag holds its memory alone; the ranks' agreed flags view one all-reduce buffer, and a view
+        # made a fused optimizer look for it among every parameter, gradient and state tensor (ms a step)
+        found_inf = found_inf.clone()
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:
         step(optimizer)
