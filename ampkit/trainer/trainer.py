@@ -2034,10 +2034,12 @@ class Trainer:
         if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
             return
         newest = self._newest_checkpoint()
+        deleted = self.rank_zero_last if newest is None else None  # saved (or resumed), then deleted by hand
         # the batch is set before its first hook runs, so None there is the batch the loader gave
         none = self._fx in ("on_train_batch_start", "training_step") and self._batch is None
+        phase, fetched = self._loop_phase, self._fetched_ahead
         exception.add_note(
-            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module, none)
+            loop_position_note(exception, phase, self.state, fetched, newest, self.module, none, deleted)
         )
         self._loop_phase = None
 
