@@ -107,7 +107,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
-from ampkit.trainer.devices import resolve_device
+from ampkit.trainer.devices import rank_device, resolve_device
 from ampkit.trainer.distributed import (
     DistributedEnv,
     DistributedError,
@@ -1336,7 +1336,7 @@ class Trainer:
         self.dist = setup_distributed(self.cfg)
         rank_zero_only.rank = self.dist.rank
         if self.dist.enabled and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.dist.local_rank)
+            self.device = rank_device(self.device, self.dist.local_rank)
         self._on_cpu = self.device.type == "cpu"
         check_same_config(self.cfg, self.dist)
 
