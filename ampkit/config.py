@@ -978,6 +978,16 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     return plain(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
+def one_max_time(config: dict[str, Any], value: Callable[[Mapping[str, Any]], Any] = str) -> dict[str, Any]:
+    """``config`` with a ``trainer.max_time`` dict (``{hours: 1}``) replaced by ``value`` of it (by default the dict as
+    written): one setting, so a flattened view of the config (a message, TensorBoard's hparams) shows one key, not one
+    per unit (``trainer.max_time.hours``)."""
+    trainer = config.get("trainer")
+    if not (isinstance(trainer, dict) and isinstance(trainer.get("max_time"), Mapping)):
+        return config
+    return {**config, "trainer": {**trainer, "max_time": value(trainer["max_time"])}}
+
+
 def flatten(cfg: DictConfig | dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     """``{"a/b": value}`` with TensorBoard-friendly scalars (lists and None become strings)."""
     container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg

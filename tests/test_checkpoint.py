@@ -1035,3 +1035,35 @@ def test_a_checkpoints_folder_replaced_by_a_file_mid_run_is_named_and_the_file_k
     with pytest.raises(CheckpointError, match=r"\('.*/checkpoints' is a file now, not the checkpoints folder; "):
         run.fit()
     assert (run.version_dir / "checkpoints").read_text() == "my file"
+
+
+@pytest.mark.parametrize("deleted", ["folder", "last.pt"])
+def test_a_full_disk_after_the_checkpoints_were_deleted_mid_run_says_so(tmp_path, monkeypatch, deleted):
+    """The user deletes the checkpoints folder (or last.pt) while the run trains, then the next save finds the disk
+    full: the line says the run's checkpoint was deleted and what is left, where it said 'this run has no checkpoint
+    yet', advice for a run that never saved."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class DeletesThenFills(ToyTrainer):
+        def on_train_batch_end(self, outputs, batch) -> None:
+            if self.state.global_step == 3:
+                checkpoints = self.version_dir / "checkpoints"
+                shutil.rmtree(checkpoints) if deleted == "folder" else (checkpoints / "last.pt").unlink()
+                monkeypatch.setattr(torch, "save", full)
+
+    settings = {"trainer.max_epochs": 1, "logging.tensorboard": False, "checkpoint.every_n_steps": 2}
+    run = DeletesThenFills(toy_cfg(tmp_path, **settings))
+    checkpoints = tmp_path / "run" / "version_0" / "checkpoints"
+    left = (
+        ", and no other checkpoint of the run is left: free space (or get write access) and start it again"
+        if deleted == "folder"
+        else f"; '{checkpoints / 'step-00000002.pt'}' is the newest checkpoint left: resume it by its path"
+    )
+    said = f"(No space left on device); '{checkpoints / 'last.pt'}' was deleted while the run trained"
+    with pytest.raises(CheckpointError, match=re.escape(said + left)) as raised:
+        run.fit()
+    assert raised.value.__notes__[-1].endswith(
+        f"the newest checkpoint, '{checkpoints / 'last.pt'}', was deleted while the run trained"
+    )

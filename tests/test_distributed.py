@@ -884,6 +884,35 @@ def test_ranks_launched_with_different_configs_fail_at_start_up(tmp_path):
         assert "trainer.max_steps: rank 0 has 1, rank 1 has 2" in r.stderr
 
 
+def test_ranks_whose_max_time_dicts_differ_are_named_by_the_setting_as_written(monkeypatch):
+    """max_time {hours: 1} on rank 0 and {minutes: 90} on rank 1: one setting named with both values as written, where
+    the message listed trainer.max_time.hours and trainer.max_time.minutes, one unit each (a pretend gather of the
+    two ranks' configs, in one process)."""
+    import torch.distributed as dist
+
+    from ampkit import ConfigError
+    from ampkit.config import Config
+    from ampkit.trainer.distributed import DistributedEnv, check_same_config
+
+    def config(max_time):
+        cfg = OmegaConf.structured(Config)
+        cfg.trainer.max_time = max_time
+        return cfg
+
+    sent = []
+
+    def all_gather_object(out, value):  # two ranks: rank 1 sends what this process sent first
+        sent.append(value)
+        out[:] = [value, sent[0]]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    env = DistributedEnv(rank=0, world_size=2)
+    check_same_config(config({"minutes": 90}), env)  # rank 1's config, alike on both ranks
+    shown = "trainer.max_time: rank 0 has \"{'hours': 1}\", rank 1 has \"{'minutes': 90}\")"
+    with pytest.raises(ConfigError, match=re.escape(f"ranks were launched with different configs ({shown}")):
+        check_same_config(config({"hours": 1}), env)
+
+
 def test_plain_dataloaders_are_sharded_and_reseeded_per_epoch():
     from ampkit.trainer.distributed import DistributedEnv, distributed_loader
 

@@ -323,3 +323,25 @@ def test_a_fit_validate_and_predict_hand_nccl_only_tensors_on_this_ranks_gpu(ncc
         trainer.predict()
     names = {name for name, _, _ in nccl.calls}
     assert {"all_reduce", "all_gather_object", "broadcast_object_list"} <= names, names
+
+
+@pytest.mark.parametrize(("device", "said"), [("cuda:1", True), ("cuda", False)])
+def test_a_gpu_index_in_trainer_device_under_torchrun_is_named_once_as_each_rank_takes_its_local_rank(
+    nccl, tmp_path, monkeypatch, device, said
+):
+    """trainer.device=cuda:1 under torchrun: each rank trains on cuda:LOCAL_RANK (rank zero here on cuda:0), so the
+    index is not used; it was replaced without a word. ``cuda`` alone says nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a group the script made: torchrun's rank 0 of 2 on this machine
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    trainer = ToyTrainer(toy_cfg(tmp_path, **{"trainer.device": device}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._start_distributed()
+    assert trainer.device == GPU
+    named = [str(w.message) for w in caught if "trainer.device=" in str(w.message)]
+    expected = ["trainer.device=cuda:1 is not used: under torchrun each rank trains on cuda:LOCAL_RANK (cuda:0 on "
+                "local rank 0, cuda:1 on local rank 1, ...); set trainer.device=cuda (or auto), and choose the GPUs "
+                "with CUDA_VISIBLE_DEVICES"]  # fmt: skip
+    assert named == (expected if said else [])

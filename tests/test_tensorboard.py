@@ -79,6 +79,17 @@ def test_tags_steps_values_and_hparams(tmp_path):
     assert start.hparams["lr"].number_value == 0.01
 
 
+def test_a_max_time_dict_is_one_hparam_as_written(tmp_path):
+    """Lightning's max_time {hours: 1, minutes: 30} is one setting: the HParams tab shows it under trainer/max_time
+    as written, where it split into trainer/max_time/hours and trainer/max_time/minutes."""
+    cfg = toy_cfg(tmp_path, **{"trainer.max_epochs": 1, "trainer.max_time": {"hours": 1, "minutes": 30}})
+    trainer = ToyTrainer(cfg)
+    trainer.fit()
+    start = _hparams_plugin_data(_events(trainer), "_hparams_/session_start_info").session_start_info
+    assert [name for name in start.hparams if name.startswith("trainer/max_time")] == ["trainer/max_time"]
+    assert start.hparams["trainer/max_time"].string_value == "{'hours': 1, 'minutes': 30}"
+
+
 def test_steps_per_sec_counts_every_step_since_the_last_log_step(tmp_path, monkeypatch):
     """The rate is the steps between two log steps over the time between them: on a clock that runs 0.25 s a step
     it is 4 steps/s at every log step, whatever log_every_n_steps is."""

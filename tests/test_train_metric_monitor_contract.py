@@ -156,6 +156,35 @@ def test_a_train_tag_never_logged_is_an_error_naming_the_tags_that_were(tmp_path
         _fit(tmp_path, [0.5, 0.2], **{key: "train/acc"})
 
 
+class BareScores(EpochScores):
+    """Logs its score as 'score', on_step and on_epoch: written as score_step and score_epoch, no train/ tag."""
+
+    def training_step(self, batch):
+        self.log("score", self.scores[self.state.epoch], on_step=True, on_epoch=True)
+        return ToyTrainer.training_step(self, batch)
+
+
+@pytest.mark.parametrize("key", ["checkpoint.monitor", "early_stopping.monitor"])
+def test_a_train_monitor_of_a_tag_logged_without_its_prefix_names_the_log_call_to_write(tmp_path, key):
+    """log('score') for a train/score monitor: the message names 'score' as logged (not TensorBoard's score_epoch)
+    and the train/ tag to log it under; it read 'which logged score_epoch', naming neither."""
+    message = (
+        r"'train/score' is no epoch mean of epoch 0, which logged score; 'score' is logged without the train/ "
+        r"prefix a monitored tag needs; log it as self\.log\('train/score', value, on_epoch=True\)$"
+    )
+    with pytest.warns(UserWarning, match=r"gave it no value \(self\.log\('score'\) logs it without the train/ pref"):
+        with pytest.raises(MonitorNotFoundError, match=message):
+            type("Scripted", (BareScores,), {"scores": [0.5]})(toy_cfg(tmp_path, **{**QUIET, key: "train/score"})).fit()
+
+
+def test_a_train_monitor_never_logged_names_the_train_tags_it_could_watch(tmp_path):
+    """Logged on_step too, train/score is named as logged and as a monitor would name it, not as train/score_epoch."""
+    trainer = type("OnStepToo", (EpochScores,), {"on_step": True})
+    message = r"which logged train/score; monitor one of train/score, or log 'train/acc' in every epoch"
+    with pytest.raises(MonitorNotFoundError, match=message):
+        _fit(tmp_path, [0.5], trainer=trainer, **{"checkpoint.monitor": "train/acc"})
+
+
 def test_a_train_tag_nothing_gives_a_value_is_named_at_the_first_iteration_not_an_epoch_later(tmp_path):
     """The epoch's end stops the run without the value: a warning after the first iteration (its hooks included,
     which may log it) lets a long first epoch be stopped before it is spent."""
@@ -247,16 +276,20 @@ def test_a_plateau_scheduler_steps_on_a_train_epoch_mean_without_validation(tmp_
 
 
 @pytest.mark.parametrize(
-    ("interval", "monitor", "error", "message"),
+    ("interval", "monitor", "logs", "error", "message"),
     [
-        ("step", "train/score", ConfigError, r"monitors 'train/score', an epoch mean known at epoch ends only, but "
-                                             r"steps every step: give it 'interval': 'epoch'"),
-        ("epoch", "train/acc", MonitorNotFoundError, r"monitors 'train/acc', but epoch 0 logged train/score: log it in "
-                                                     r"training_step with self\.log\('train/acc'"),
+        ("step", "train/score", EpochScores, ConfigError, r"monitors 'train/score', an epoch mean known at epoch ends "
+                                                          r"only, but steps every step: give it 'interval': 'epoch'"),
+        ("epoch", "train/acc", EpochScores, MonitorNotFoundError, r"monitors 'train/acc', but epoch 0 logged "
+                                                                  r"train/score: log it in training_step with "
+                                                                  r"self\.log\('train/acc'"),
+        ("epoch", "train/score", BareScores, MonitorNotFoundError, r"monitors 'train/score', but epoch 0 logged score: "
+                                                                   r"'score' is logged without the train/ prefix a "
+                                                                   r"monitored tag needs; log it"),
     ],
 )  # fmt: skip
-def test_a_plateau_scheduler_s_train_monitor_it_cannot_read_is_named(tmp_path, interval, monitor, error, message):
-    trainer = type("Plateau", (PlateauOnTrainScore,), {"interval": interval, "monitor": monitor})
+def test_a_plateau_scheduler_s_train_monitor_it_cannot_read_is_named(tmp_path, interval, monitor, logs, error, message):
+    trainer = type("Plateau", (PlateauOnTrainScore, logs), {"interval": interval, "monitor": monitor})
     with pytest.raises(error, match=message):
         _fit(tmp_path, [0.5, 0.2], trainer=trainer)
 

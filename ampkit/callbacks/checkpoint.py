@@ -33,10 +33,12 @@ from ampkit.trainer.sharded_checkpoint import (
     LAST,
     copy_sharded,
     is_sharded_checkpoint,
+    periodic_checkpoints,
     point_last_at,
     prune_sharded,
     remove_sharded,
     save_sharded,
+    training_order,
     write_failure,
 )
 from ampkit.trainer.waiting import barrier
@@ -483,7 +485,7 @@ class ModelCheckpoint(KeyedByMonitor):
             reason = exc.strerror or str(exc)
             if directory.exists() and not directory.is_dir():  # mkdir's bare "File exists" named no culprit
                 reason = f"'{directory}' is a file now, not the checkpoints folder; ampkit leaves it as it is"
-            raise _save_failed(writing, reason, directory / "last.pt", path, exc) from None
+            raise _save_failed(writing, reason, directory / "last.pt", path, exc, trainer.rank_zero_last) from None
         self._prune(directory)
         return path
 
@@ -507,12 +509,13 @@ class ModelCheckpoint(KeyedByMonitor):
             reason = write_failure(exc)
             if reason is None:
                 raise
-            raise _save_failed(writing, reason, directory / LAST, path, exc) from None
+            raise _save_failed(writing, reason, directory / LAST, path, exc, trainer.rank_zero_last) from None
         # Rank zero moves the links; its failure (a write-protected copy of a checkpoint in a link's place) stops every
         # rank, or the others would train on into a collective it never joins.
         failed = self._point_links(directory, path, best) if trainer.is_global_zero else None
         if (failed := broadcast_object(failed, trainer.dist)) is not None:
-            raise _save_failed(Path(failed[0]), failed[1].strerror or str(failed[1]), directory / LAST, path, failed[1])
+            reason = failed[1].strerror or str(failed[1])
+            raise _save_failed(Path(failed[0]), reason, directory / LAST, path, failed[1], trainer.rank_zero_last)
         if self.keep_last is not None and self._writes_periodic:  # rank zero's failure stops every rank, as above
             decided_by_rank_zero(partial(self._prune, directory, sharded=True), trainer.dist)
         trainer.rank_zero_last = directory / LAST  # every rank: a failure's note names rank zero's
@@ -570,13 +573,26 @@ def _deleting(directory: Path, why: str) -> Iterator[None]:
         raise from_storage(CheckpointError(said), exc) from None
 
 
-def _save_failed(writing: Path, reason: str, last: Path, written: Path | None, cause: BaseException) -> CheckpointError:
+def _save_failed(
+    writing: Path, reason: str, last: Path, written: Path | None, cause: BaseException, before: Path | None
+) -> CheckpointError:
     """The one-line error of a save that failed writing ``writing`` (for ``cause``): what is left to resume from
-    (``last``, or the ``written`` checkpoint of a run's first save whose ``last`` could not be made)."""
+    (``last``, or the ``written`` checkpoint of a run's first save whose ``last`` could not be made). ``before``: the
+    run's newest checkpoint until this save (``last`` where this run saved or resumed one; None, or another version's,
+    where it has none), so a ``last`` deleted while it trained is told from one never saved."""
     if last.is_file() or is_sharded_checkpoint(last):
         left = f"{last.name} still holds the previous checkpoint, and --resume last continues from it"
     elif written is not None:  # the run's first save: its checkpoint is whole, only last is missing
         left = f"'{written}' was written whole: resume it by its path"
-    else:
+    elif before is None or before.resolve() != last.resolve():
         left = "this run has no checkpoint yet: free space (or get write access) and start it again"
+    else:  # saved or resumed from, then deleted by hand (the checkpoints folder with it, often)
+        folder = last.parent
+        left_there = periodic_checkpoints(folder, False) + periodic_checkpoints(folder, True) if folder.is_dir() else []
+        newest = max(left_there, key=training_order, default=None)
+        left = f"'{before}' was deleted while the run trained" + (
+            f"; '{newest}' is the newest checkpoint left: resume it by its path"
+            if newest is not None
+            else ", and no other checkpoint of the run is left: free space (or get write access) and start it again"
+        )
     return from_storage(CheckpointError(f"could not write checkpoint '{writing}' ({reason}); {left}"), cause)

@@ -11,7 +11,7 @@ from ampkit.config import names_a_metric
 from ampkit.trainer.callback import Callback
 from ampkit.trainer.distributed import broadcast_object
 from ampkit.trainer.optimizers import MonitorNotFoundError
-from ampkit.trainer.sanity import is_training_metric
+from ampkit.trainer.sanity import is_training_metric, unprefixed_note
 
 MODES = ("min", "max")
 
@@ -95,11 +95,19 @@ class Monitor:
         value = trainer.monitored_epoch_value(self.key)
         if value is not None:
             return float(value)
-        logged = ", ".join(broadcast_object(sorted(trainer.monitor_values()), trainer.dist)) or "none"
+        names = broadcast_object(trainer.monitor_value_names(), trainer.dist)
+        if unprefixed := unprefixed_note(self.metric, names):
+            advice = f"{unprefixed}log it as self.log('{self.metric}', value, on_epoch=True)"
+        else:
+            others = [name for name in names if is_training_metric(name)]
+            instead = f"monitor one of {', '.join(others)}, or " if others else ""
+            advice = (
+                f"{instead}log '{self.metric}' in every epoch, e.g. self.log('{self.metric}', loss, on_epoch=True) "
+                "in training_step, or monitor a value training_step returns (train/loss: its loss)"
+            )
         raise MonitorNotFoundError(
             f"{self._named()}: '{self.metric}' is no epoch mean of epoch {trainer.state.epoch}, which logged "
-            f"{logged}; a monitored train/ tag is logged in every epoch, e.g. self.log('{self.metric}', loss, "
-            "on_epoch=True) in training_step, or is a value training_step returns (train/loss: its loss)"
+            f"{', '.join(names) or 'none'}; {advice}"
         )
 
     def state_dict(self) -> dict[str, str]:

@@ -20,7 +20,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import OmegaConf
 
 from ampkit.amp.scaler import interval_option
-from ampkit.config import flatten
+from ampkit.config import flatten, one_max_time
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.trainer.callback import Callback, Phase
@@ -514,7 +514,9 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _hparams_summaries(trainer, metrics: dict[str, float]) -> tuple[Any, Any, Any]:
-    """TensorBoard's (experiment, session start, session end) summaries for the flattened config."""
+    """TensorBoard's (experiment, session start, session end) summaries for the flattened config (a
+    ``trainer.max_time`` dict is one value, as written, not one hparam per unit)."""
     from torch.utils.tensorboard.summary import hparams  # imports tensorboard's protobufs: only when logging
 
-    return hparams(flatten(OmegaConf.to_container(trainer.cfg, resolve=True, enum_to_str=True)), metrics)
+    config = OmegaConf.to_container(trainer.cfg, resolve=True, enum_to_str=True)
+    return hparams(flatten(one_max_time(config)), metrics)

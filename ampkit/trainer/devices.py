@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from ampkit.config import ConfigError
 
@@ -32,3 +33,15 @@ def resolve_device(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{where}: '{name}' requested but CUDA is not available; use auto or cpu")
     return device
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The GPU a rank of several trains on: ``cuda:LOCAL_RANK``, one GPU each, also where ``trainer.device`` names
+    one (``cuda:1``), which would put every rank on it; that index is named once (rank zero), not dropped unsaid."""
+    if device.index is not None:
+        rank_zero_warn(
+            f"trainer.device={device} is not used: under torchrun each rank trains on cuda:LOCAL_RANK (cuda:0 on local "
+            f"rank 0, cuda:1 on local rank 1, ...); set trainer.device=cuda (or auto), and choose the GPUs with "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", local_rank)

@@ -18,7 +18,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import read_flags
-from ampkit.config import ConfigError, flatten
+from ampkit.config import ConfigError, flatten, one_max_time
 from ampkit.trainer.batch_counts import loader_length
 from ampkit.trainer.devices import resolve_device
 from ampkit.trainer.launch_env import check_launch_environment, launch_int
@@ -311,7 +311,7 @@ def check_same_config(cfg: DictConfig, env: DistributedEnv) -> None:
     """Fail at start-up, on every rank, when ranks were launched with different configs."""
     if not env.enabled:
         return
-    flat = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), sep=".")
+    flat = flatten(one_max_time(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)), sep=".")  # as written
     digest = hashlib.sha256(repr(sorted(flat.items())).encode()).hexdigest()
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, (digest, flat))

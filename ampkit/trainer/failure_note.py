@@ -28,12 +28,15 @@ def loop_position_note(
     newest_checkpoint: Path | None,
     module: torch.nn.Module | None = None,
     batch_is_none: bool = False,
+    deleted: Path | None = None,
 ) -> str:
     """One line naming the batch and epoch that ``phase`` (``"fetch"``: ``train_dataloader()`` was producing the
     next batch; ``"batch"``: the step of the current one) was at, why where that is plain (the default collate_fn
     refusing the samples), and the checkpoint ``--resume last`` continues from. ``fetched_ahead``: batches the loop
     fetched beyond the one running (1 when it reads one ahead); ``module``: the model, whose parameters an in-place
-    change autograd refused may name; ``batch_is_none``: the batch that step took was None."""
+    change autograd refused may name; ``batch_is_none``: the batch that step took was None; ``deleted``: the
+    checkpoint ``--resume last`` would have continued from, gone where no ``newest_checkpoint`` is left (deleted by
+    hand while the run trained)."""
     if phase == "fetch":
         where = f"while train_dataloader() produced batch {state.batches_done + fetched_ahead} of epoch {state.epoch}"
         where += _collate_hint(exception)
@@ -50,7 +53,9 @@ def loop_position_note(
                 "backward, e.g. a forward or hook updating it under torch.no_grad(): change parameters only in the "
                 "optimizer step, or use a copy)"
             )
-    if newest_checkpoint is None:
+    if newest_checkpoint is None and deleted is not None:
+        kept = f"the newest checkpoint, '{deleted}', was deleted while the run trained"
+    elif newest_checkpoint is None:
         kept = "no checkpoint was saved before it"
     else:
         kept = (

@@ -59,7 +59,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.amp import parse_dtype
-from ampkit.config import AMPKIT_KEYS, duration_seconds, flatten
+from ampkit.config import AMPKIT_KEYS, duration_seconds, flatten, one_max_time
 from ampkit.trainer.checkpoint_io import (
     BEST_K_STEM,
     FORMAT_KEY,
@@ -310,11 +310,7 @@ def _settings(config: dict[str, Any] | DictConfig, spelt: bool = False) -> dict[
     how they were written."""
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True, enum_to_str=True)
-    trainer = config.get("trainer")
-    if isinstance(trainer, dict) and isinstance(trainer.get("max_time"), dict):  # {hours: 1}: one key, as written
-        written = trainer["max_time"]
-        config = {**config, "trainer": {**trainer, "max_time": str(written) if spelt else duration_seconds(written)}}
-    flat = flatten(config, sep=".")
+    flat = flatten(one_max_time(config, str if spelt else duration_seconds), sep=".")
     if spelt:
         return flat
     for key, meaning in _MEANING.items():

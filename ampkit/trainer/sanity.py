@@ -5,6 +5,7 @@ metric is monitored and a warning otherwise (at set-up), and a sanity validation
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -37,6 +38,13 @@ def epoch_mean(means: dict[str, float], metric: str) -> float | None:
     """A monitored ``train/`` tag's value among an epoch's ``means`` (``train/loss_epoch`` for ``train/loss`` logged
     with ``on_step`` too, as Lightning's monitors find it), or None when it was not logged."""
     return means.get(metric, means.get(f"{metric}_epoch"))
+
+
+def unprefixed_note(metric: str, logged: Iterable[str]) -> str:
+    """``"'m' is logged without the train/ prefix...; "`` where a monitor of ``train/m`` found ``m`` among the
+    ``logged`` names (only train/ tags are training metrics), else ``""``: the start of a message's advice."""
+    bare = metric.removeprefix("train/")
+    return f"'{bare}' is logged without the train/ prefix a monitored tag needs; " if bare in logged else ""
 
 
 def monitored_metrics(cfg: DictConfig, training: bool = False) -> dict[str, str]:

@@ -107,7 +107,7 @@ from ampkit.trainer.checkpoint_io import (
 )
 from ampkit.trainer.console import say
 from ampkit.trainer.device_skip import DeviceVerdicts, step_with_found_inf, takes_device_found_inf, uses_device_verdicts
-from ampkit.trainer.devices import resolve_device
+from ampkit.trainer.devices import rank_device, resolve_device
 from ampkit.trainer.distributed import (
     DistributedEnv,
     DistributedError,
@@ -226,6 +226,7 @@ from ampkit.trainer.sanity import (
     epoch_mean,
     is_training_metric,
     sanity_validate,
+    unprefixed_note,
     usable_validation_loader,
 )
 from ampkit.trainer.sharded_checkpoint import (
@@ -1038,6 +1039,11 @@ class Trainer:
         late = {tag: float(value) for tag, value in self._epoch_end_values.items()}
         return {**self.epoch_scalars, **late}
 
+    def monitor_value_names(self) -> list[str]:
+        """The names of :meth:`monitor_values` as log() was given them (``m`` for the ``m_epoch`` of ``log('m',
+        on_step=True, on_epoch=True)``, ``train/loss`` for the returned loss's mean): what a message says was logged."""
+        return sorted({tag if tag in self._epoch_fx else tag.removesuffix("_epoch") for tag in self.monitor_values()})
+
     def monitored_epoch_value(self, metric: str) -> float | None:
         """This epoch's value of the monitored ``train/`` tag ``metric`` among :meth:`monitor_values` (or its
         ``_epoch`` mean), rank zero's on every rank (the value TensorBoard shows), so that every rank ranks, stops
@@ -1098,10 +1104,16 @@ class Trainer:
                 "on_epoch=True) (on_step=True too keeps its per-step curve)"
             )
         for tag in unheard:
+            bare = tag.removeprefix("train/")
+            unprefixed = (
+                f" (self.log('{bare}') logs it without the train/ prefix a monitored tag needs)"
+                if bare in self._epoch_fx
+                else ""
+            )
             rank_zero_warn(
-                f"'{tag}' is monitored, but the first iteration gave it no value: its epoch mean, read at each epoch's "
-                f"end, comes from self.log('{tag}', value, on_epoch=True) in training_step or a value training_step "
-                f"returns under '{tag.removeprefix('train/')}'; without one the run stops at this epoch's end"
+                f"'{tag}' is monitored, but the first iteration gave it no value{unprefixed}: its epoch mean, read at "
+                f"each epoch's end, comes from self.log('{tag}', value, on_epoch=True) in training_step or a value "
+                f"training_step returns under '{bare}'; without one the run stops at this epoch's end"
             )
 
     def _check_one_hook_logs(self, tag: str) -> None:
@@ -1324,7 +1336,7 @@ class Trainer:
         self.dist = setup_distributed(self.cfg)
         rank_zero_only.rank = self.dist.rank
         if self.dist.enabled and self.device.type == "cuda":
-            self.device = torch.device("cuda", self.dist.local_rank)
+            self.device = rank_device(self.device, self.dist.local_rank)
         self._on_cpu = self.device.type == "cpu"
         check_same_config(self.cfg, self.dist)
 
@@ -1774,10 +1786,11 @@ class Trainer:
         if value is not None:
             step_scheduler(sched, optimizer, value)
             return
-        logged = ", ".join(broadcast_object(sorted(self.monitor_values()), self.dist)) or "none"
+        logged = broadcast_object(self.monitor_value_names(), self.dist)
         problem = (
             f"{_scheduler_name(sched, optimizer)} monitors '{sched.monitor}', but epoch {self.state.epoch} logged "
-            f"{logged}: log it in training_step with self.log('{sched.monitor}', value, on_epoch=True), or in "
+            f"{', '.join(logged) or 'none'}: {unprefixed_note(sched.monitor, logged)}log it in training_step with "
+            f"self.log('{sched.monitor}', value, on_epoch=True), or in "
             "on_train_epoch_end by the Trainer's own hook or a callback that saves no checkpoints (epoch-interval "
             "schedulers step before the checkpoint writers' on_train_epoch_end, whose save then holds the stepped "
             "schedulers)"
@@ -2021,10 +2034,12 @@ class Trainer:
         if self._loop_phase is None or not isinstance(exception, Exception) or not hasattr(exception, "add_note"):
             return
         newest = self._newest_checkpoint()
+        deleted = self.rank_zero_last if newest is None else None  # saved (or resumed), then deleted by hand
         # the batch is set before its first hook runs, so None there is the batch the loader gave
         none = self._fx in ("on_train_batch_start", "training_step") and self._batch is None
+        phase, fetched = self._loop_phase, self._fetched_ahead
         exception.add_note(
-            loop_position_note(exception, self._loop_phase, self.state, self._fetched_ahead, newest, self.module, none)
+            loop_position_note(exception, phase, self.state, fetched, newest, self.module, none, deleted)
         )
         self._loop_phase = None
 

@@ -139,6 +139,40 @@ def test_an_o2_zero_grad_before_the_first_backward_builds_the_masters_from_the_m
     assert calls == ["lazy init"] and optimizer._amp_stash.lazy_init_called
 
 
+def test_a_replaced_amp_lazy_init_runs_where_apex_called_it_and_a_checkpoint_loaded_after_zero_grad_is_trained(shim):
+    """A script's wrapper of ``optimizer._amp_lazy_init`` runs where Apex called it through the attribute: at an O2
+    ``zero_grad`` and before and after each backward's unscale (it was never called: amp called its own). A model
+    checkpoint loaded after a ``zero_grad`` that follows an optimizer checkpoint without masters is still what the
+    masters take over at the backward, as with amp's own lazy init."""
+    from apex import amp
+
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    calls: list[str] = []
+    amps_own = optimizer._amp_lazy_init
+
+    def amp_lazy_init(self):
+        calls.append("lazy init")
+        amps_own()
+
+    optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
+    optimizer.zero_grad()
+    assert calls == ["lazy init"]
+    plain = {key: value for key, value in optimizer.state_dict().items() if key in ("state", "param_groups")}
+    optimizer.load_state_dict(plain)  # torch's checkpoint: no masters, so they come from the model again
+    optimizer.zero_grad()
+    pretrained = _mlp(seed=1)
+    model.load_state_dict(pretrained.state_dict())  # loaded after that zero_grad
+    loss = F.mse_loss(model(_batch(0).half()).float(), torch.zeros(8, 2))
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()  # lr 0: the masters stay the weights they took over, and are pushed into the model
+    assert calls == ["lazy init"] * 4  # two zero_grads, then before and after the backward's unscale
+    for master, weight in zip(amp.master_params(optimizer), pretrained.parameters(), strict=True):
+        torch.testing.assert_close(master, weight.half().float(), rtol=0, atol=0)
+
+
 def test_deepspeeds_amp_section_trains_at_o2_with_accumulation_and_megatrons_guarded_import_falls_back(shim):
     """DeepSpeed's engine with ``"amp": {"enabled": true, "opt_level": "O2", ...}``: the section less ``enabled`` goes
     to ``amp.initialize`` as keywords, it logs ``amp.__path__``, micro-batches off the accumulation boundary backward

@@ -49,6 +49,7 @@ class AmpOptimizerStash:
         self.in_scale_loss = False  # inside an amp.scale_loss block of this optimizer (they do not nest)
         self.pending_scale: float | None = None  # the loss scale of gradients a delayed unscale left in .grad
         self.lazy_init_called = False  # Apex's flag: set by the first backward (or _amp_lazy_init)
+        self._lazy_take_over = True  # what amp's own _amp_lazy_init does, called from a script's replacement of it
         self.master_weights = MasterWeights(inner_optimizer(optimizer)) if properties.master_weights else None
         if self.master_weights is not None and fp32_values:
             self._seed_masters(fp32_values)
@@ -201,10 +202,23 @@ class AmpOptimizerStash:
                 master.copy_(param)
 
     def lazy_init(self, take_over: bool = True) -> None:
-        """Apex's ``_amp_lazy_init`` (first backward, step, O2 zero_grad): the first time, call the optimizer's
-        ``_lazy_init_maybe_master_weights`` through the attribute, as Apex did, so a script's wrapper of it runs (a
-        Lightning fork reloads its deferred checkpoint there); every time where ``take_over``, take over weights
-        loaded since (a zero_grad leaves that to the backward: a resume may load the model after it)."""
+        """Apex's ``self._amp_lazy_init()`` (before and after each backward, O2 zero_grad): called through the
+        attribute where a script replaced it, so the replacement runs where Apex's did; its call of amp's own keeps
+        ``take_over`` (see :meth:`own_lazy_init`)."""
+        if not self.replaced("_amp_lazy_init"):
+            self.own_lazy_init(take_over)
+            return
+        self._lazy_take_over = take_over
+        try:
+            self.optimizer._amp_lazy_init()
+        finally:
+            self._lazy_take_over = True
+
+    def own_lazy_init(self, take_over: bool = True) -> None:
+        """amp's own ``_amp_lazy_init``: the first time, call the optimizer's ``_lazy_init_maybe_master_weights``
+        through the attribute, as Apex did, so a script's wrapper of it runs (a Lightning fork reloads its deferred
+        checkpoint there); every time where ``take_over``, take over weights loaded since (a zero_grad leaves that to
+        the backward: a resume may load the model after it)."""
         if not self.lazy_init_called:
             self.optimizer._lazy_init_maybe_master_weights()
             self.lazy_init_called = True
@@ -255,7 +269,8 @@ class AmpOptimizerStash:
         self.pending_scale = scale
 
     def combine(self, scaler: LossScaler) -> CombineResult:
-        """Unscale the new gradients by ``scaler`` and add the stash."""
+        """Unscale the new gradients by ``scaler`` and add the stash (after the lazy init, as Apex's unscale ran it)."""
+        self.lazy_init()
         self.pending_scale = None
         result = self.combiner.combine(scaler)
         self._settle_kept_model_grads()
@@ -374,7 +389,7 @@ class AmpOptimizerStash:
                     "multiplied by the loss scale and not unscaled onto what the optimizer steps; end the "
                     "accumulation with a scale_loss without delay_unscale, then step"
                 )
-            stash.lazy_init()  # as Apex's step: a first step without a scaled backward still sets it up
+            stash.own_lazy_init()  # a first step without a scaled backward still sets it up (Apex's never called it)
             with disable_casts():  # O1's casts are for the model's maths: an optimizer's own matmuls stay float32
                 result = original_step()
             if stash.master_weights is not None:
@@ -460,7 +475,7 @@ class AmpOptimizerStash:
             overflow_buf.masked_fill_((found_inf.reshape(-1)[:1] != 0).to(overflow_buf.device), 1)
 
         def amp_lazy_init(self: Any) -> None:
-            stash.lazy_init()
+            stash.own_lazy_init(stash._lazy_take_over)
 
         def lazy_init_maybe_master_weights(self: Any) -> None:
             stash.take_over_model_weights()
@@ -473,7 +488,11 @@ class AmpOptimizerStash:
             optimizer._master_params_to_model_params = types.MethodType(master_params_to_model_params, optimizer)
 
         # amp's own, told from a script's replacement by ``replaced``
-        self._own_methods = {"_prepare_amp_backward": prepare_amp_backward, "_post_amp_backward": post_amp_backward}
+        self._own_methods = {
+            "_prepare_amp_backward": prepare_amp_backward,
+            "_post_amp_backward": post_amp_backward,
+            "_amp_lazy_init": amp_lazy_init,
+        }
         optimizer._prepare_amp_backward = types.MethodType(prepare_amp_backward, optimizer)
         optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
         optimizer._amp_lazy_init = types.MethodType(amp_lazy_init, optimizer)
