@@ -321,9 +321,16 @@ class UnevenValidationLists(Plain):
 
 
 class EmptyValidationListOnRank1(UnevenValidationLists):
-    """The same, with none on rank 1: fit() drops an empty validation loader, there alone."""
+    """The same, with none on rank 1: it runs each validation with no batch, meeting rank 0's collectives."""
 
     rank1_batches = slice(0, 0)
+
+
+class ValidationLoaderOnRank0Only(UnevenValidationLists):
+    """Rank 1's val_dataloader() returns None, rank 0's batches: refused on every rank at set-up."""
+
+    def val_dataloader(self):
+        return super().val_dataloader() if RANK == 0 else None
 
 
 class OptimizerFailsOnRank1(Plain):
@@ -868,7 +875,13 @@ def main(scenario: str, out: Path) -> None:
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-        torch.save({"val": val, "predictions": len(predictions), "refused": refused}, out / f"rank{RANK}.pt")
+        try:  # a fit's: rank 1 keeps its empty list (as under DDP), and its sanity pass refuses it on every rank
+            EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
+            fit_refused = ""
+        except ValueError as exc:
+            fit_refused = str(exc)
+        saved = {"val": val, "predictions": len(predictions), "refused": refused, "fit_refused": fit_refused}
+        torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":
         trainer = MetricsPerRank({**base, "checkpoint": {"enabled": False}, "trainer": {**cpu, "max_steps": 1}})
@@ -932,14 +945,25 @@ def main(scenario: str, out: Path) -> None:
         # counts known up front and unequal: a collective in validation_step could not line up, which is said
         lists = UnevenValidationLists({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
         uneven_lists = {"fit": warned(lists.fit), "validate": warned(lists.validate)}
-        # rank 1's list empty: it dropped its loader before the gather of the counts, which rank 0 waited in
-        empty_on_1 = EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1, "num_sanity_val_steps": 0}})
+        empty_validated: list[dict] = []
+        # rank 1's list empty: it dropped its loader, there alone, and rank 0 waited in the sanity pass's gather
+        empty_on_1 = EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1}})
         uneven_lists["fit, empty on rank 1"] = warned(empty_on_1.fit)
+        uneven_lists["validate, empty on rank 1"] = warned(lambda: empty_validated.append(empty_on_1.validate()))
+        # a fit that never validates gathers no counts, and says nothing of them
+        never = {**cpu, "max_steps": 1, "val_every_n_epochs": 0, "val_every_n_steps": 0}
+        uneven_lists["fit, never validates"] = warned(UnevenValidationLists({**cfg, "trainer": never}).fit)
+        try:
+            ValidationLoaderOnRank0Only({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
+            loader_refused = ""
+        except ValueError as exc:
+            loader_refused = str(exc)
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
                  "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
                  "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),
                  "evaluated": {call: warned(run) for call, run in calls.items()},
-                 "uneven_lists": uneven_lists}  # fmt: skip
+                 "uneven_lists": uneven_lists, "empty_on_1_val": [empty_on_1.val_metrics, *empty_validated],
+                 "empty_on_1_model": empty_on_1.module.state_dict(), "loader_refused": loader_refused}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order

@@ -263,7 +263,8 @@ def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shor
     """A validation IterableDataset with 3 batches on rank 0 and 1 on rank 1: every FSDP forward is a collective, so
     rank 0's second forward met rank 1's metric all-reduce and both aborted on gloo's size mismatch. Rank 1 now runs
     filler batches, dropped from the metric (equal to one process's) and the predictions; a rank with none at all
-    is refused on every rank, naming it."""
+    is refused on every rank, naming it, also in a fit (whose set-up dropped an empty list on that rank alone, and
+    the other waited in its sanity pass until the timeout)."""
     from dist_worker import Plain
 
     class AllThirteen(Plain):
@@ -278,6 +279,7 @@ def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shor
     assert [rank0["predictions"], rank1["predictions"]] == [3, 1]
     for rank in (rank0, rank1):
         assert rank["refused"].startswith("val_dataloader() gives rank(s) 1 no batch while other ranks have 1 or more")
+        assert rank["fit_refused"].startswith("val_dataloader() gives rank(s) 1 no batch"), rank["fit_refused"]
 
 
 @pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])
@@ -300,8 +302,10 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
     broadcast the buffers (DDP does at the first forward after a training one), which rank 1 never ran, and the fit
     failed after the timeout; every rank syncs them before the pass now, and both get rank 0's model's mean.
 
-    A per-rank validation list empty on rank 1: fit() dropped it there before the gather of the ranks' counts, which
-    rank 0 alone joined, and the set-up failed on diverged collectives; the empty rank joins it and is named."""
+    A per-rank validation list empty on rank 1: fit() dropped it there alone, and rank 0 waited in the sanity pass's
+    gather until the timeout; rank 1 now runs each pass with no batch (as validate() did), and both ranks get rank
+    0's mean. A val_dataloader() returning None on rank 1 only is refused on both at set-up, naming the ranks; a fit
+    that never validates gathers no counts and names none."""
     results = launch("uneven_batches", tmp_path, timeout=120)
     rank0, rank1 = _ok(results)
     refused = "train_dataloader() gives the ranks different numbers of batches per epoch (rank 0: 10, rank 1: 6)"
@@ -348,12 +352,31 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
     # validation_step cannot line up across the ranks, and nothing said so; rank zero does as each pass is set up
     # (a fit's, a validate()'s). Streams (counts unknown) and evenly sharded data are not named.
     uneven = "val_dataloader() gives the ranks different numbers of batches (rank 0: 3, rank 1: {})"
-    for call, rank1_count in (("fit", 1), ("validate", 1), ("fit, empty on rank 1", 0)):
+    cases = (("fit", 1), ("validate", 1), ("fit, empty on rank 1", 0), ("validate, empty on rank 1", 0))
+    for call, rank1_count in cases:
         said = [w for w in rank0["uneven_lists"][call] if "different numbers of batches" in w]
         assert len(said) == 1 and said[0].startswith(uneven.format(rank1_count)), (call, said)
         assert "collective of your own in validation_step" in said[0] and "gather in on_validation_end" in said[0]
     quiet = [*rank1["uneven_lists"].values(), rank0["normed_warned"], *rank0["evaluated"].values()]
+    quiet.append(rank0["uneven_lists"]["fit, never validates"])
     assert not any("different numbers of batches (" in w for warned in quiet for w in warned)
+    # Rank 1's list empty: both ranks validated (fit's last validation, then validate()), with rank 0's 12 samples.
+    from dist_worker import EmptyValidationListOnRank1
+
+    _equal(rank0["empty_on_1_model"], rank1["empty_on_1_model"])
+    model = EmptyValidationListOnRank1.configure_model(None)
+    model.load_state_dict(rank0["empty_on_1_model"])
+    x, y = toy_dataset(16, seed=7)[:12]
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model(x).squeeze(1), y).item()
+    assert len(rank0["empty_on_1_val"]) == len(rank1["empty_on_1_val"]) == 2
+    for val in (*rank0["empty_on_1_val"], *rank1["empty_on_1_val"]):
+        assert val["mse"] == pytest.approx(expected, rel=1e-5)
+    assert not any("validation is skipped" in w for w in rank0["uneven_lists"]["fit, empty on rank 1"])
+    for rank in (rank0, rank1):
+        assert rank["loader_refused"].startswith(
+            "val_dataloader() returned None on rank(s) 1 but a loader on rank(s) 0"
+        ), rank["loader_refused"]
 
 
 def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone(monkeypatch):

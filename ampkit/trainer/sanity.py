@@ -12,6 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import ConfigError
+from ampkit.trainer.distributed import DistributedEnv, gather_object
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
 from ampkit.trainer.user_code import no_batches_message
@@ -106,19 +107,38 @@ def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
                 )
 
 
-def usable_validation_loader(cfg: DictConfig, loader: Any, num_batches: int | None, world_size: int = 1) -> Any:
+def usable_validation_loader(
+    cfg: DictConfig, loader: Any, num_batches: int | None, env: DistributedEnv, validates: bool = True
+) -> Any:
     """``loader``, or None when it has no batches (with a warning that validation is skipped, naming why as the train
-    loader's error does); no validation data at all is an error when a metric is monitored."""
-    empty = loader is not None and num_batches == 0
-    if loader is not None and not empty:
+    loader's error does); no validation data at all is an error when a metric is monitored.
+
+    Under torchrun the ranks decide together (one gather, at set-up): every rank takes part in each validation, whose
+    end gathers their metrics, so one whose loader is empty while another's has batches keeps it and runs each pass
+    with none (its metrics weigh nothing, as in ``validate()``); a loader on some ranks only is refused on all. In a
+    fit that never ``validates`` each rank decides alone, with no gather: no pass runs to wait in."""
+    mine = (loader is not None, num_batches)
+    ranks = gather_object(mine, env) if validates else [mine]
+    given = [rank for rank, (has_loader, _) in enumerate(ranks) if has_loader]
+    if given and len(given) < len(ranks):
+        missing = [rank for rank in range(len(ranks)) if rank not in given]
+        raise ValueError(
+            f"val_dataloader() returned None on rank(s) {', '.join(map(str, missing))} but a loader on rank(s) "
+            f"{', '.join(map(str, given))}: every rank takes part in each validation (its end gathers every rank's "
+            "metrics), so the others would wait there until distributed.timeout_s; return a loader on every rank (an "
+            "empty list on a rank with no batches; a map-style DataLoader is sharded across the ranks for you), or "
+            "None on every rank to not validate"
+        )
+    empty = bool(given) and all(count == 0 for _, count in ranks)
+    if given and not empty:
         return loader
     monitors = monitored_metrics(cfg)
     if monitors:
         key, metric = next(iter(monitors.items()))
-        why = _no_validation_batches(loader, world_size, "validation never runs") if empty else None
+        why = _no_validation_batches(loader, env.world_size, "validation never runs") if empty else None
         raise ConfigError(f"config key '{key}': monitors '{metric}', but {why or 'val_dataloader() returned None'}")
     if empty:
-        rank_zero_warn(_no_validation_batches(loader, world_size, "validation is skipped"))
+        rank_zero_warn(_no_validation_batches(loader, env.world_size, "validation is skipped"))
     return None
 
 

@@ -2140,12 +2140,13 @@ class Trainer:
                 rank_zero_warn(said)
         self._val_loaded = True
         count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
-        # Before an empty loader is dropped below: a rank whose list is empty joins the gather too (and is named)
-        if self._val_loader is not None and not self.sharded:  # under FSDP the shorter ranks pad
+        # The ranks keep or drop the loader together: one whose list is empty runs each pass with none (and is named)
+        validates = self.settings.val_every_n_epochs > 0 or self._val_every_n_steps > 0
+        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.dist, validates)
+        if self._val_loader is not None and validates and not self.sharded:  # under FSDP the shorter ranks pad
             warn_of_uneven_evaluation(
                 self._val_loader, self._val_limit, self.dist, "val_dataloader()", "validation_step", "on_validation_end"
             )
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.world_size)
         self._val_first_batch = EvaluationFirstBatch(self._val_loader, self.dist, "val_dataloader()")  # fit's first
         check_epoch_scheduler_monitors(self)
         for why in idle_settings(
