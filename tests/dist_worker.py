@@ -958,12 +958,18 @@ def main(scenario: str, out: Path) -> None:
             loader_refused = ""
         except ValueError as exc:
             loader_refused = str(exc)
+        try:  # a standalone validate() alike: rank 1 alone raising left rank 0 waiting in its set-up gathers
+            ValidationLoaderOnRank0Only({**cfg, "trainer": cpu}).validate()
+            validate_refused = ""
+        except ValueError as exc:
+            validate_refused = str(exc)
         saved = {"refused": refused, "global_step": trainer.state.global_step, "sharded": sharded,
                  "duplicated": duplicated, "model": trainer.module.state_dict(), "normed_val": normed.val_metrics,
                  "normed_warned": normed_warned, "normed_model": normed.module.state_dict(),
                  "evaluated": {call: warned(run) for call, run in calls.items()},
                  "uneven_lists": uneven_lists, "empty_on_1_val": [empty_on_1.val_metrics, *empty_validated],
-                 "empty_on_1_model": empty_on_1.module.state_dict(), "loader_refused": loader_refused}  # fmt: skip
+                 "empty_on_1_model": empty_on_1.module.state_dict(), "loader_refused": loader_refused,
+                 "validate_refused": validate_refused}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "uneven_stream_accumulate":  # every rank fetches one ahead: their collectives stay in order

@@ -374,9 +374,8 @@ def test_ranks_with_unequal_batches_never_wait_for_the_timeout(tmp_path):
         assert val["mse"] == pytest.approx(expected, rel=1e-5)
     assert not any("validation is skipped" in w for w in rank0["uneven_lists"]["fit, empty on rank 1"])
     for rank in (rank0, rank1):
-        assert rank["loader_refused"].startswith(
-            "val_dataloader() returned None on rank(s) 1 but a loader on rank(s) 0"
-        ), rank["loader_refused"]
+        for refused in (rank["loader_refused"], rank["validate_refused"]):
+            assert refused.startswith("val_dataloader() returned None on rank(s) 1 but a loader on rank(s) 0"), refused
 
 
 def test_the_first_batch_fingerprint_tells_contents_and_the_check_leaves_sampled_loaders_alone(monkeypatch):

@@ -107,6 +107,21 @@ def check_epoch_scheduler_monitors(trainer: Trainer) -> None:
                 )
 
 
+def refuse_a_loader_on_some_ranks(source: str, given: list[bool], otherwise: str) -> None:
+    """Raise naming the ranks unless ``source`` gave a loader on every rank or on none (``given``: per rank). Every
+    rank takes part in each pass, whose end gathers every rank's results: the ranks with a loader would wait there
+    for the others until the timeout."""
+    if any(given) and not all(given):
+        missing = ", ".join(str(rank) for rank, has in enumerate(given) if not has)
+        present = ", ".join(str(rank) for rank, has in enumerate(given) if has)
+        raise ValueError(
+            f"{source} returned None on rank(s) {missing} but a loader on rank(s) {present}: every rank takes part in "
+            "each pass (its end gathers every rank's results), so the others would wait there until "
+            "distributed.timeout_s; return a loader on every rank (an empty list on a rank with no batches; a "
+            f"map-style DataLoader is sharded across the ranks for you), {otherwise}"
+        )
+
+
 def usable_validation_loader(
     cfg: DictConfig, loader: Any, num_batches: int | None, env: DistributedEnv, validates: bool = True
 ) -> Any:
@@ -119,18 +134,10 @@ def usable_validation_loader(
     fit that never ``validates`` each rank decides alone, with no gather: no pass runs to wait in."""
     mine = (loader is not None, num_batches)
     ranks = gather_object(mine, env) if validates else [mine]
-    given = [rank for rank, (has_loader, _) in enumerate(ranks) if has_loader]
-    if given and len(given) < len(ranks):
-        missing = [rank for rank in range(len(ranks)) if rank not in given]
-        raise ValueError(
-            f"val_dataloader() returned None on rank(s) {', '.join(map(str, missing))} but a loader on rank(s) "
-            f"{', '.join(map(str, given))}: every rank takes part in each validation (its end gathers every rank's "
-            "metrics), so the others would wait there until distributed.timeout_s; return a loader on every rank (an "
-            "empty list on a rank with no batches; a map-style DataLoader is sharded across the ranks for you), or "
-            "None on every rank to not validate"
-        )
-    empty = bool(given) and all(count == 0 for _, count in ranks)
-    if given and not empty:
+    given = [has_loader for has_loader, _ in ranks]
+    refuse_a_loader_on_some_ranks("val_dataloader()", given, "or None on every rank to not validate")
+    empty = any(given) and all(count == 0 for _, count in ranks)
+    if any(given) and not empty:
         return loader
     monitors = monitored_metrics(cfg)
     if monitors:

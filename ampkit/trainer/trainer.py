@@ -225,6 +225,7 @@ from ampkit.trainer.sanity import (
     check_monitors_can_be_met,
     epoch_mean,
     is_training_metric,
+    refuse_a_loader_on_some_ranks,
     sanity_validate,
     unprefixed_note,
     usable_validation_loader,
@@ -1952,6 +1953,8 @@ class Trainer:
         if fresh:
             self._setup_callbacks()
         loader = check_loader(call_setup_method(self, stage.dataloader), stage.dataloader, optional=True)
+        given = gather_object(loader is not None, self.dist)  # one rank's None alone: the others would wait
+        refuse_a_loader_on_some_ranks(f"{stage.dataloader}()", given, "or define none")
         if loader is None:
             raise NotImplementedError(
                 f"{type(self).__name__}.{stage.name}() needs {stage.dataloader}() to return batches"
