@@ -129,6 +129,36 @@ def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, 
     assert slow == []
 
 
+@pytest.mark.parametrize("how", ["step", "scaled step", "step_with_grad_factor"])
+@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
+def test_tensor_betas_and_lr_are_read_once_a_group_a_step_and_anew_at_the_next(name, how, monkeypatch):
+    """Read by each bucket (NovoGrad's twice), tensor betas cost a host sync a bucket on a GPU: they and a tensor lr
+    are read once a group a step, and a value changed in place since (a scheduler's ``lr.fill_``) is the next step's."""
+    params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
+    params[-1].grad = torch.randn_like(params[-1])
+    optimizer = OPTIMIZERS[name](params, betas=(torch.tensor(0.8), torch.tensor(0.95)))
+    optimizer.param_groups[0]["lr"] = torch.tensor(1e-2)
+    reads = []
+    host_numbers = _base.host_numbers
+    monkeypatch.setattr(_base, "host_numbers", lambda values: reads.append(len(values)) or host_numbers(values))
+
+    scaler = {"grad_scale": torch.tensor(1.0), "found_inf": torch.tensor(0.0)} if how == "scaled step" else {}
+
+    def step():
+        if how == "step_with_grad_factor":
+            optimizer.step_with_grad_factor(1.0)
+        else:
+            optimizer.step(**scaler)
+
+    step()
+    assert reads == [3]  # lr and both betas, in one read for the group's two buckets
+    optimizer.param_groups[0]["lr"].fill_(0.0)
+    before = [p.detach().clone() for p in params]
+    step()
+    assert reads == [3, 3]
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "the step read last step's lr"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
 def test_betas_and_lr_on_the_gpu_are_checked_at_step_without_a_host_sync(name):
