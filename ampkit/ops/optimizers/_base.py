@@ -733,17 +733,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, as the
         kernels refuse it: they and torch's fused ops read it while writing those (the gradients unscaled too), so a
         scale inside a gradient was read as changed by the step. Only a tensor viewing a larger buffer is looked for
-        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each."""
+        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each; where one is,
+        each tensor of the step costs one address compare with the buffer's span (a tensor sharing memory with it
+        starts inside that buffer), and only one starting there is compared in full."""
+        spans = []
         for name, t in zip(ScalerTensors._fields, scaler, strict=True):
-            if t is None or t.untyped_storage().nbytes() <= t.element_size():
-                continue
-            for g, group in enumerate(self.param_groups):
-                for i, p in enumerate(group["params"]):
-                    state = self.state.get(p) or {}
-                    held = {"": p, "'s .grad": p.grad}
-                    held.update((f"'s state[{key!r}]", v) for key, v in state.items() if isinstance(v, Tensor))
-                    for what, other in held.items():
-                        if other is not None and shares_memory(local_shard(t), local_shard(other)):
+            storage = None if t is None else local_shard(t).untyped_storage()
+            if storage is not None and storage.nbytes() > t.element_size():
+                spans.append((name, local_shard(t), storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        if not spans:
+            return
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                held = [p, p.grad, *state.values()] if state else [p, p.grad]
+                for k, other in enumerate(held):
+                    if not isinstance(other, Tensor):
+                        continue
+                    other = local_shard(other)
+                    try:
+                        address = other.data_ptr()
+                    except RuntimeError:  # no storage (a sparse gradient, refused as its bucket is built)
+                        continue
+                    for name, t, begin, end in spans:
+                        if begin <= address < end and shares_memory(t, other):
+                            what = ("", "'s .grad")[k] if k < 2 else f"'s state[{list(state)[k - 2]!r}]"
                             raise RuntimeError(
                                 f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
                                 f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
