@@ -148,33 +148,39 @@ def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, 
 
 
 @pytest.mark.parametrize("how", ["step", "scaled step", "step_with_grad_factor"])
-@pytest.mark.parametrize("name", BETAS_OPTIMIZERS)
-def test_tensor_betas_and_lr_are_read_once_a_group_a_step_and_anew_at_the_next(name, how, monkeypatch):
-    """Read by each bucket (NovoGrad's twice), tensor betas cost a host sync a bucket on a GPU: they and a tensor lr
-    are read once a group a step, and a value changed in place since (a scheduler's ``lr.fill_``) is the next step's."""
-    params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
-    params[-1].grad = torch.randn_like(params[-1])
-    optimizer = OPTIMIZERS[name](params, betas=(torch.tensor(0.8), torch.tensor(0.95)))
-    optimizer.param_groups[0]["lr"] = torch.tensor(1e-2)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensor_hyperparameters_are_read_once_a_group_a_step_and_anew_at_the_next(name, how, monkeypatch):
+    """Read by each bucket (NovoGrad's betas twice), a tensor lr, betas or eps cost a host sync apiece a bucket on a
+    GPU: a group's are read together once a step, and a value changed in place since (a scheduler's ``lr.fill_``) is
+    the next step's. The reference kernels took them as tensors, and stepped in their float32 (Adagrad's lr_decay)."""
+    twins = []
+    for tensors in (True, False):  # tensor hyper-parameters, and their numbers (exact in float32)
+        params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
+        params[-1].grad = torch.randn_like(params[-1])
+        hypers = {"lr": 2.0**-7, "eps": 2.0**-20, **({"betas": (0.75, 0.9375)} if name in BETAS_OPTIMIZERS else {})}
+        if tensors:
+            hypers = {k: tuple(map(torch.tensor, v)) if k == "betas" else torch.tensor(v) for k, v in hypers.items()}
+        optimizer = OPTIMIZERS[name](params, backend="ampkit")
+        optimizer.param_groups[0].update(hypers)
+        twins.append((optimizer, params))
     reads = []
     host_numbers = _base.host_numbers
     monkeypatch.setattr(_base, "host_numbers", lambda values: reads.append(len(values)) or host_numbers(values))
-
     scaler = {"grad_scale": torch.tensor(1.0), "found_inf": torch.tensor(0.0)} if how == "scaled step" else {}
-
-    def step():
-        if how == "step_with_grad_factor":
-            optimizer.step_with_grad_factor(1.0)
-        else:
-            optimizer.step(**scaler)
-
-    step()
-    assert reads == [3]  # lr and both betas, in one read for the group's two buckets
-    optimizer.param_groups[0]["lr"].fill_(0.0)
-    before = [p.detach().clone() for p in params]
-    step()
-    assert reads == [3, 3]
-    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)), "the step read last step's lr"
+    for lr in (None, 2.0**-5):
+        for optimizer, _ in twins:
+            group = optimizer.param_groups[0]
+            if lr is not None and isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # in place, as a scheduler changes a tensor lr
+            elif lr is not None:
+                group["lr"] = lr
+            if how == "step_with_grad_factor":
+                optimizer.step_with_grad_factor(1.0)
+            else:
+                optimizer.step(**scaler)
+    assert len(reads) == 4 and reads[0] >= 2  # a step of each: lr, eps (and more) in one read for both buckets
+    (_, stepped), (_, expected) = twins
+    assert all(torch.equal(a, b) for a, b in zip(stepped, expected, strict=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
