@@ -622,7 +622,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
-        self._host_hypers: dict[tuple[int, tuple[str, ...]], list[float]] = {}  # this step's reads: group_numbers
+        self._host_hypers: dict[int, dict[str, Any]] = {}  # id(param group) -> this step's reads (group_numbers)
         self.set_grad_none = bool(set_grad_none)
         # The constructor's groups are checked for shared memory once, together: group by group (torch adds them one
         # at a time) the check went over every parameter again, quadratic in the groups of per-parameter settings.
@@ -865,16 +865,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         return [(group, self._buckets(group)) for group in self.param_groups]
 
     def group_numbers(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[float]:
-        """The group's ``keys`` as host numbers (``betas`` as its two), in order: read once a step however many
-        buckets the group has (:func:`host_numbers`: one transfer for the tensors on a GPU), where each bucket read
-        each tensor again, a host sync apiece. A tensor changed in place (a scheduler's ``lr.fill_``) is read anew at
-        the next step's :meth:`_all_buckets`."""
-        memo = (id(group), keys)
-        numbers = self._host_hypers.get(memo)
-        if numbers is None:
-            values = [v for key in keys for v in (group[key] if key == "betas" else (group[key],))]
-            numbers = self._host_hypers[memo] = host_numbers(values)
-        return numbers
+        """The group's ``keys`` as host numbers (``betas`` as its two), in order: each read once a step however many
+        buckets the group has, those not read yet this step together (:func:`host_numbers`: one transfer for the
+        tensors on a GPU), where each bucket read each tensor again, a host sync apiece. A tensor changed in place (a
+        scheduler's ``lr.fill_``) is read anew at the next step's :meth:`_all_buckets`."""
+        known = self._host_hypers.setdefault(id(group), {})
+        missing = [key for key in keys if key not in known]
+        if missing:
+            values = [v for key in missing for v in (group[key] if key == "betas" else (group[key],))]
+            read = iter(host_numbers(values))
+            known.update((key, (next(read), next(read)) if key == "betas" else next(read)) for key in missing)
+        return [n for key in keys for n in (known[key] if key == "betas" else (known[key],))]
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         """The group's parameters with gradients in buckets of one (param dtype, grad dtype, device), state created

@@ -142,7 +142,7 @@ class FusedAdam(FusedOptimizer):
             self._torch_update(group, bucket, scaler)
             return
         amsgrad = group["amsgrad"]
-        lr, beta1, beta2 = self.group_numbers(group, ("lr", "betas"))
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         op("adam_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -154,8 +154,8 @@ class FusedAdam(FusedOptimizer):
             lr,
             beta1,
             beta2,
-            group["eps"],
-            group["weight_decay"],
+            eps,
+            weight_decay,
             group["adam_w_mode"],
             amsgrad,
             group["bias_correction"],

@@ -72,7 +72,9 @@ class FusedAdamP(FusedOptimizer):
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        lr, beta1, beta2 = self.group_numbers(group, ("lr", "betas"))
+        lr, beta1, beta2, eps, weight_decay, delta, wd_ratio = self.group_numbers(
+            group, ("lr", "betas", "eps", "weight_decay", "delta", "wd_ratio")
+        )
         # The kernels sum each row of a weight over its block of memory; a weight stored transposed has its rows
         # spread across memory, so its bucket takes the reference's torch ops, which index rows as torch does.
         step = op("adamp_step", bucket.device) if all(map(rows_are_blocks, bucket.params)) else reference.adamp_step
@@ -86,10 +88,10 @@ class FusedAdamP(FusedOptimizer):
             lr,
             beta1,
             beta2,
-            group["eps"],
-            group["weight_decay"],
-            group["delta"],
-            group["wd_ratio"],
+            eps,
+            weight_decay,
+            delta,
+            wd_ratio,
             group["nesterov"],
             grad_factor,
         )

@@ -127,7 +127,7 @@ class FusedLAMB(FusedOptimizer):
         return buf
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        lr, beta1, beta2 = self.group_numbers(group, ("lr", "betas"))
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         lamb_step(
             bucket.params,
             bucket.grads,
@@ -139,8 +139,8 @@ class FusedLAMB(FusedOptimizer):
             lr=lr,
             beta1=beta1,
             beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            eps=eps,
+            weight_decay=weight_decay,
             adam_w_mode=group["adam_w_mode"],
             grad_averaging=group["grad_averaging"],
             bias_correction=group["bias_correction"],

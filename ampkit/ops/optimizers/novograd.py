@@ -127,7 +127,7 @@ class FusedNovoGrad(FusedOptimizer):
         for group in self.param_groups:
             for bucket in self._buckets(group):
                 factor = unscale if isinstance(unscale, float) else 1.0 / _scalar_on(unscale, bucket.device).double()
-                beta2 = self.group_numbers(group, ("lr", "betas"))[2]
+                beta2 = self.group_numbers(group, ("betas",))[1]
                 self._blends.append((group, bucket, self._blended(group, bucket, factor, beta2)))
         if not self._blends:
             return None
@@ -161,12 +161,12 @@ class FusedNovoGrad(FusedOptimizer):
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, blended: Tensor, blended_on_host: Tensor
     ) -> None:
         """Store the bucket's blended norms and run its kernel, which reads the denominators on the host."""
-        lr, beta1, beta2 = self.group_numbers(group, ("lr", "betas"))  # read by _blend_norms this step
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         step = group["step"]
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
-        denoms = (blended_on_host / bc2_sqrt + group["eps"]).contiguous()
+        denoms = (blended_on_host / bc2_sqrt + eps).contiguous()
         op("novograd_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -175,7 +175,7 @@ class FusedNovoGrad(FusedOptimizer):
             denoms,
             lr,
             beta1,
-            group["weight_decay"],
+            weight_decay,
             group["reg_inside_moment"],
             group["grad_averaging"],
             bc1,

@@ -155,7 +155,7 @@ class FusedSGD(FusedOptimizer):
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
-        momentum = group["momentum"]
+        momentum, dampening = self.group_numbers(group, ("momentum", "dampening"))
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
@@ -170,7 +170,7 @@ class FusedSGD(FusedOptimizer):
         # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero for
         # the next one. With dampening the first step differs: the new buffers start at zero and wait on a device
         # flag (_PendingFirstStep) that tells the kernels whether their first step is still to come: no host read.
-        dampened = scaler.found_inf is not None and group["dampening"] != 0
+        dampened = scaler.found_inf is not None and dampening != 0
         created: _PendingFirstStep | None = None
         fresh_ids: set[int] = set()  # buffers made from uninitialised memory: their first step is this one
         wholes = bucket.whole_params if bucket.sharded else bucket.params  # a sharded buffer is a DTensor as its param
