@@ -45,13 +45,6 @@ def torch_has_fused_op(op_name: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op_name}", key)
 
 
-def number_for_torch_op(value: float | torch.Tensor) -> float:
-    """A hyper-parameter other than ``lr`` (``eps``, ``weight_decay``, ``momentum``...) as torch's fused ops take it: a
-    number. A one-element tensor is read as its number, as the dispatcher reads a 0-dim one; it refused one of shape
-    ``(1,)`` ('invalid combination of arguments'), which ampkit's kernels and the group checks take."""
-    return float(value) if isinstance(value, torch.Tensor) else value
-
-
 def lr_for_torch_op(lr: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
     """``lr`` as torch's fused ops take it: a number, or a tensor on the parameters' device (a CPU tensor is
     read as a number there, as ``torch.optim`` does, which costs no device sync)."""

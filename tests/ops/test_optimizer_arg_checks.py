@@ -89,6 +89,24 @@ def test_a_scaler_tensor_inside_a_parameter_its_grad_or_state_is_refused_by_ever
     optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_scaler_viewing_a_buffer_is_compared_in_full_only_with_tensors_starting_inside_it(name, monkeypatch):
+    """A grad_scale/found_inf viewing a larger buffer (a flat buffer of scalars, an all-reduced pair) was compared in
+    full with every parameter, gradient and state tensor each step: about 1 ms at 200 parameters. Each now costs an
+    address compare, and the step goes on; one inside a parameter is still refused (the test above)."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    optimizer.step()  # the state exists
+    buffer = torch.tensor([2.0, 0.0, 5.0])
+    looks = []
+    shares_memory = _base.shares_memory
+    monkeypatch.setattr(_base, "shares_memory", lambda a, b: looks.append(b) or shares_memory(a, b))
+    before = [p.detach().clone() for p in params]
+    optimizer.step(grad_scale=buffer[0:1], found_inf=buffer[1:2])
+    assert looks == []
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 BETAS_OPTIMIZERS = ["adamw", "adam_l2", "adamp", "lamb", "mixed_precision_lamb", "novograd"]
 
 
@@ -127,6 +145,45 @@ def test_int_betas_and_an_int_weight_decay_take_the_step_checks_fast_path(name, 
     optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "betas": [0.5, 0.9]})  # a list
     optimizer.step()
     assert slow == []
+
+
+@pytest.mark.parametrize("how", ["step", "scaled step", "step_with_grad_factor"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensor_hyperparameters_are_read_once_a_group_a_step_and_anew_at_the_next(name, how, monkeypatch):
+    """Read by each bucket (NovoGrad's betas twice), a tensor lr, betas or eps cost a host sync apiece a bucket on a
+    GPU: a group's are read together once a step, and a value changed in place since (a scheduler's ``lr.fill_``) is
+    the next step's. The reference kernels took them as tensors, and stepped in their float32 (Adagrad's lr_decay)."""
+    twins = []
+    for tensors in (True, False):  # tensor hyper-parameters, and their numbers (exact in float32)
+        params = [*_model_params(), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]  # a second bucket
+        params[-1].grad = torch.randn_like(params[-1])
+        optimizer = OPTIMIZERS[name](params, backend="ampkit")
+        hypers = {"lr": 2.0**-7, "eps": 2.0**-20, "betas": (0.75, 0.9375)}
+        hypers = {k: v for k, v in hypers.items() if k in optimizer.defaults}
+        if tensors:
+            hypers = {k: tuple(map(torch.tensor, v)) if k == "betas" else torch.tensor(v) for k, v in hypers.items()}
+        optimizer.param_groups[0].update(hypers)
+        twins.append((optimizer, params))
+    reads = []
+    host_numbers = _base.host_numbers
+    count = lambda values: reads.append(sum(isinstance(v, torch.Tensor) for v in values))  # noqa: E731
+    monkeypatch.setattr(_base, "host_numbers", lambda values: count(values) or host_numbers(values))
+    scaler = {"grad_scale": torch.tensor(1.0), "found_inf": torch.tensor(0.0)} if how == "scaled step" else {}
+    for lr in (None, 2.0**-5):
+        for optimizer, _ in twins:
+            group = optimizer.param_groups[0]
+            if lr is not None and isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # in place, as a scheduler changes a tensor lr
+            elif lr is not None:
+                group["lr"] = lr
+            if how == "step_with_grad_factor":
+                optimizer.step_with_grad_factor(1.0)
+            else:
+                optimizer.step(**scaler)
+    tensors = len(hypers) + ("betas" in hypers)  # lr, eps and both betas where the optimizer has them
+    assert sum(reads) == 2 * tensors  # each once a step, for both buckets
+    (_, stepped), (_, expected) = twins
+    assert all(torch.equal(a, b) for a, b in zip(stepped, expected, strict=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

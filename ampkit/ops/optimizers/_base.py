@@ -360,16 +360,24 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     return tuple(betas)
 
 
-def host_betas(group: dict[str, Any]) -> tuple[float, float]:
-    """The group's betas as host numbers, which every kernel here (and torch's fused ops) takes them as. Tensor betas
-    (both are, or neither: :func:`check_betas`) are read in one transfer: passed as they are, the dispatcher read each
-    with ``item()``, two host syncs a bucket on a GPU, and torch's ops refused a one-element tensor of one dimension."""
-    beta1, beta2 = group["betas"]
-    if not isinstance(beta1, Tensor):
-        return beta1, beta2
-    pair = torch.stack([b.to(device=beta1.device, dtype=torch.float64).reshape(()) for b in (beta1, beta2)])
-    beta1, beta2 = pair.tolist()
-    return beta1, beta2
+def host_numbers(values: Sequence[float | Tensor]) -> list[float]:
+    """``values`` as host numbers, which every kernel here (and torch's fused ops) takes: a number as it is, a
+    one-element CPU tensor by ``item()`` (no copy, no new tensor), and those on a GPU all in one transfer (one host
+    sync for all, where each read alone synchronized once)."""
+    numbers = list(values)
+    off_cpu = []
+    for i, value in enumerate(numbers):
+        if isinstance(value, Tensor):
+            if value.device.type == "cpu":
+                numbers[i] = value.item()
+            else:
+                off_cpu.append(i)
+    if off_cpu:
+        device = numbers[off_cpu[0]].device
+        read = torch.stack([numbers[i].to(device=device, dtype=torch.float64).reshape(()) for i in off_cpu]).tolist()
+        for i, value in zip(off_cpu, read, strict=True):
+            numbers[i] = value
+    return numbers
 
 
 def check_group_hypers(group: dict[str, Any]) -> None:
@@ -421,7 +429,7 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
 def _check_group_value(name: str, key: str, value: Any) -> None:
     """The slow path of :func:`check_group_at_step`: the rule of ``key``. A one-element float tensor off the CPU (a
     capturable ``lr``, betas on the GPU) is checked for its shape and dtype, its value never read (a host sync each
-    step, where the kernels' one read of the betas is :func:`host_betas`')."""
+    step, where the kernels' one read a step is :meth:`FusedOptimizer.group_numbers`')."""
     if key in GROUP_HYPER_RULES:
         if _unread_on_device(value):
             return
@@ -591,7 +599,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     _steps_per_group: bool = False
     _initial_step: int = 0  # the group count a fresh group starts from (FusedMixedPrecisionLamb's ``step``)
     # Per-instance caches (dicts) rebuilt on use: neither pickled nor deep-copied.
-    _scratch_attrs: tuple[str, ...] = ("_plans",)
+    _scratch_attrs: tuple[str, ...] = ("_plans", "_host_hypers")
     # torch's fused op that can run a bucket of this optimizer (``torch._fused_adam_`` and kin), or None.
     _torch_op: str | None = None
     _memory_check_deferred: bool = False  # True while the constructor adds its groups (checked once after)
@@ -614,6 +622,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.backend = resolve_backend(backend, type(self).__name__)
         self._plans: dict[int, _BucketPlan] = {}  # id(param group) -> its buckets as last built
+        self._host_hypers: dict[int, dict[str, Any]] = {}  # id(param group) -> this step's reads (group_numbers)
         self.set_grad_none = bool(set_grad_none)
         # The constructor's groups are checked for shared memory once, together: group by group (torch adds them one
         # at a time) the check went over every parameter again, quadratic in the groups of per-parameter settings.
@@ -724,17 +733,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, as the
         kernels refuse it: they and torch's fused ops read it while writing those (the gradients unscaled too), so a
         scale inside a gradient was read as changed by the step. Only a tensor viewing a larger buffer is looked for
-        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each."""
+        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each; where one is,
+        each tensor of the step costs one address compare with the buffer's span (a tensor sharing memory with it
+        starts inside that buffer), and only one starting there is compared in full."""
+        spans = []
         for name, t in zip(ScalerTensors._fields, scaler, strict=True):
-            if t is None or t.untyped_storage().nbytes() <= t.element_size():
-                continue
-            for g, group in enumerate(self.param_groups):
-                for i, p in enumerate(group["params"]):
-                    state = self.state.get(p) or {}
-                    held = {"": p, "'s .grad": p.grad}
-                    held.update((f"'s state[{key!r}]", v) for key, v in state.items() if isinstance(v, Tensor))
-                    for what, other in held.items():
-                        if other is not None and shares_memory(local_shard(t), local_shard(other)):
+            storage = None if t is None else local_shard(t).untyped_storage()
+            if storage is not None and storage.nbytes() > t.element_size():
+                spans.append((name, local_shard(t), storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        if not spans:
+            return
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                held = [p, p.grad, *state.values()] if state else [p, p.grad]
+                for k, other in enumerate(held):
+                    if not isinstance(other, Tensor):
+                        continue
+                    other = local_shard(other)
+                    try:
+                        address = other.data_ptr()
+                    except RuntimeError:  # no storage (a sparse gradient, refused as its bucket is built)
+                        continue
+                    for name, t, begin, end in spans:
+                        if begin <= address < end and shares_memory(t, other):
+                            what = ("", "'s .grad")[k] if k < 2 else f"'s state[{list(state)[k - 2]!r}]"
                             raise RuntimeError(
                                 f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
                                 f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
@@ -836,8 +859,23 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _all_buckets(self) -> list[tuple[dict[str, Any], list[Bucket]]]:
         """Every group with its buckets, all built before any is stepped: a gradient refused in a later group
-        (``_check_grad``) then stops the step before an earlier group's parameters have moved."""
+        (``_check_grad``) then stops the step before an earlier group's parameters have moved. The start of a step's
+        pass over the groups: the host numbers read by the last one (:meth:`group_numbers`) are dropped."""
+        self._host_hypers = {}
         return [(group, self._buckets(group)) for group in self.param_groups]
+
+    def group_numbers(self, group: dict[str, Any], keys: tuple[str, ...]) -> list[float]:
+        """The group's ``keys`` as host numbers (``betas`` as its two), in order: each read once a step however many
+        buckets the group has, those not read yet this step together (:func:`host_numbers`: one transfer for the
+        tensors on a GPU), where each bucket read each tensor again, a host sync apiece. A tensor changed in place (a
+        scheduler's ``lr.fill_``) is read anew at the next step's :meth:`_all_buckets`."""
+        known = self._host_hypers.setdefault(id(group), {})
+        missing = [key for key in keys if key not in known]
+        if missing:
+            values = [v for key in missing for v in (group[key] if key == "betas" else (group[key],))]
+            read = iter(host_numbers(values))
+            known.update((key, (next(read), next(read)) if key == "betas" else next(read)) for key in missing)
+        return [n for key in keys for n in (known[key] if key == "betas" else (known[key],))]
 
     def _buckets(self, group: dict[str, Any]) -> list[Bucket]:
         """The group's parameters with gradients in buckets of one (param dtype, grad dtype, device), state created

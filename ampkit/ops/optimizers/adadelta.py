@@ -50,6 +50,7 @@ class FusedAdadelta(FusedOptimizer):
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
+        lr, rho, eps, weight_decay = self.group_numbers(group, ("lr", "rho", "eps", "weight_decay"))
         op("adadelta_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -57,10 +58,10 @@ class FusedAdadelta(FusedOptimizer):
             bucket.state_list("acc_delta"),
             bucket.masters(),
             bucket.state_list("step"),
-            group["lr"],
-            group["rho"],
-            group["eps"],
-            group["weight_decay"],
+            lr,
+            rho,
+            eps,
+            weight_decay,
             grad_factor,
             *scaler,
         )

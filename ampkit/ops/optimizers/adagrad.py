@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -107,9 +107,9 @@ class FusedAdagrad(FusedOptimizer):
         if self._routes_to_torch(group, bucket, grad_factor, scaler):
             self._torch_update(group, bucket, scaler)
             return
-        weight_decay = group["weight_decay"]
+        lr, lr_decay, weight_decay, eps = self.group_numbers(group, ("lr", "lr_decay", "weight_decay", "eps"))
         if self.adagrad_w_mode and weight_decay != 0:  # w -= lr * (g / (sqrt(sum) + eps) + wd * w)
-            decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            decay_weights_(bucket.masters() or bucket.params, 1.0 - lr * weight_decay, scaler.found_inf)
             weight_decay = 0.0
         op("adagrad_step", bucket.device)(
             bucket.params,
@@ -117,16 +117,17 @@ class FusedAdagrad(FusedOptimizer):
             bucket.state_list("sum"),
             bucket.masters(),
             bucket.state_list("step"),
-            group["lr"],
-            group["lr_decay"],
+            lr,
+            lr_decay,
             weight_decay,
-            group["eps"],
+            eps,
             grad_factor,
             *scaler,
         )
 
     def _torch_update(self, group: dict[str, Any], bucket: Bucket, scaler: ScalerTensors) -> None:
         """The bucket's step as ``torch.optim.Adagrad(fused=True)`` takes it (counters: :func:`torch_step_counts`)."""
+        lr_decay, weight_decay, eps = self.group_numbers(group, ("lr_decay", "weight_decay", "eps"))
         with torch_step_counts(bucket, scaler.found_inf) as steps:
             torch._fused_adagrad_(
                 bucket.params,
@@ -134,9 +135,9 @@ class FusedAdagrad(FusedOptimizer):
                 bucket.state_list("sum"),
                 steps,
                 lr=lr_for_torch_op(group["lr"], bucket.device),
-                lr_decay=number_for_torch_op(group["lr_decay"]),
-                weight_decay=number_for_torch_op(group["weight_decay"]),
-                eps=number_for_torch_op(group["eps"]),
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
                 maximize=group["maximize"],
                 grad_scale=scaler.grad_scale,
                 found_inf=scaler.found_inf,

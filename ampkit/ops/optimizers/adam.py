@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -18,7 +18,6 @@ from ampkit.ops.optimizers._base import (
     check_betas,
     check_flag,
     check_hyper,
-    host_betas,
     torch_step_counts,
 )
 from ampkit.ops.optimizers._kernels import op
@@ -143,7 +142,7 @@ class FusedAdam(FusedOptimizer):
             self._torch_update(group, bucket, scaler)
             return
         amsgrad = group["amsgrad"]
-        beta1, beta2 = host_betas(group)
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         op("adam_step", bucket.device)(
             bucket.params,
             bucket.grads,
@@ -152,11 +151,11 @@ class FusedAdam(FusedOptimizer):
             bucket.state_list("max_exp_avg_sq") if amsgrad else [],
             bucket.masters(),
             bucket.state_list("step"),
-            float(group["lr"]),
+            lr,
             beta1,
             beta2,
-            group["eps"],
-            group["weight_decay"],
+            eps,
+            weight_decay,
             group["adam_w_mode"],
             amsgrad,
             group["bias_correction"],
@@ -167,7 +166,7 @@ class FusedAdam(FusedOptimizer):
     def _torch_update(self, group: dict[str, Any], bucket: Bucket, scaler: ScalerTensors) -> None:
         """The bucket's step as ``torch.optim.Adam``/``AdamW(fused=True)`` takes it: counters advanced around the
         op and taken back on the device where ``found_inf`` made the op skip."""
-        beta1, beta2 = host_betas(group)
+        beta1, beta2, weight_decay, eps = self.group_numbers(group, ("betas", "weight_decay", "eps"))
         fused = torch._fused_adamw_ if group["adam_w_mode"] else torch._fused_adam_
         with torch_step_counts(bucket, scaler.found_inf) as steps:
             fused(
@@ -181,8 +180,8 @@ class FusedAdam(FusedOptimizer):
                 lr=lr_for_torch_op(group["lr"], bucket.device),
                 beta1=beta1,
                 beta2=beta2,
-                weight_decay=number_for_torch_op(group["weight_decay"]),
-                eps=number_for_torch_op(group["eps"]),
+                weight_decay=weight_decay,
+                eps=eps,
                 maximize=group["maximize"],
                 grad_scale=scaler.grad_scale,
                 found_inf=scaler.found_inf,

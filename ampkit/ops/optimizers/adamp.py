@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ampkit.ops._layout import rows_are_blocks
-from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper, host_betas
+from ampkit.ops.optimizers._base import Bucket, FusedOptimizer, acc_dtype, check_betas, check_hyper
 from ampkit.ops.optimizers._kernels import op
 from ampkit.ops.reference import optimizers as reference
 
@@ -72,7 +72,9 @@ class FusedAdamP(FusedOptimizer):
         state["exp_avg_sq"] = torch.zeros_like(param, dtype=acc_dtype(param))
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        beta1, beta2 = host_betas(group)
+        lr, beta1, beta2, eps, weight_decay, delta, wd_ratio = self.group_numbers(
+            group, ("lr", "betas", "eps", "weight_decay", "delta", "wd_ratio")
+        )
         # The kernels sum each row of a weight over its block of memory; a weight stored transposed has its rows
         # spread across memory, so its bucket takes the reference's torch ops, which index rows as torch does.
         step = op("adamp_step", bucket.device) if all(map(rows_are_blocks, bucket.params)) else reference.adamp_step
@@ -83,13 +85,13 @@ class FusedAdamP(FusedOptimizer):
             bucket.state_list("exp_avg_sq"),
             bucket.masters(),
             bucket.state_list("step"),
-            group["lr"],
+            lr,
             beta1,
             beta2,
-            group["eps"],
-            group["weight_decay"],
-            group["delta"],
-            group["wd_ratio"],
+            eps,
+            weight_decay,
+            delta,
+            wd_ratio,
             group["nesterov"],
             grad_factor,
         )

@@ -23,7 +23,6 @@ from ampkit.ops.optimizers._base import (
     check_grad_factor,
     check_hyper,
     eager_under_compile,
-    host_betas,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -128,7 +127,7 @@ class FusedLAMB(FusedOptimizer):
         return buf
 
     def _update(self, group: dict[str, Any], bucket: Bucket, grad_factor: float) -> None:
-        beta1, beta2 = host_betas(group)
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         lamb_step(
             bucket.params,
             bucket.grads,
@@ -137,11 +136,11 @@ class FusedLAMB(FusedOptimizer):
             [self._update_buffer(p) for p in bucket.params],
             bucket.masters(),
             bucket.state_list("step"),
-            lr=group["lr"],
+            lr=lr,
             beta1=beta1,
             beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            eps=eps,
+            weight_decay=weight_decay,
             adam_w_mode=group["adam_w_mode"],
             grad_averaging=group["grad_averaging"],
             bias_correction=group["bias_correction"],

@@ -21,7 +21,6 @@ from ampkit.ops.optimizers._base import (
     check_grad_factor,
     check_hyper,
     eager_under_compile,
-    host_betas,
 )
 from ampkit.ops.optimizers._kernels import op
 
@@ -124,18 +123,19 @@ class FusedNovoGrad(FusedOptimizer):
         on the device, which divides them). Kept with their buckets for ``_step_on_host``: nothing is stored yet,
         as the step may be skipped."""
         self._blends = []
+        self._host_hypers = {}  # this step's pass over the groups (as _all_buckets starts one)
         for group in self.param_groups:
             for bucket in self._buckets(group):
                 factor = unscale if isinstance(unscale, float) else 1.0 / _scalar_on(unscale, bucket.device).double()
-                self._blends.append((group, bucket, self._blended(group, bucket, factor)))
+                beta2 = self.group_numbers(group, ("betas",))[1]
+                self._blends.append((group, bucket, self._blended(group, bucket, factor, beta2)))
         if not self._blends:
             return None
         device = self._blends[0][2].device
         return torch.cat([blended.to(device) for _, _, blended in self._blends])
 
     @staticmethod
-    def _blended(group: dict[str, Any], bucket: Bucket, factor: float | Tensor) -> Tensor:
-        beta2 = host_betas(group)[1]
+    def _blended(group: dict[str, Any], bucket: Bucket, factor: float | Tensor, beta2: float) -> Tensor:
         previous = torch.stack(bucket.state_list("exp_avg_sq")).to(torch.float64)
         if group["norm_type"] == 2:  # Apex's blend of per-tensor norms: sqrt(b2 * v^2 + (1 - b2) * n^2) ...
             norms = multi_tensor.l2norm(bucket.grads, per_tensor=True).per_tensor.double() * factor
@@ -161,21 +161,21 @@ class FusedNovoGrad(FusedOptimizer):
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, blended: Tensor, blended_on_host: Tensor
     ) -> None:
         """Store the bucket's blended norms and run its kernel, which reads the denominators on the host."""
-        beta1, beta2 = host_betas(group)
+        lr, beta1, beta2, eps, weight_decay = self.group_numbers(group, ("lr", "betas", "eps", "weight_decay"))
         step = group["step"]
         torch._foreach_copy_(bucket.state_list("exp_avg_sq"), list(blended.unbind()))
         bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2_sqrt = math.sqrt(1 - beta2**step) if group["bias_correction"] else 1.0
-        denoms = (blended_on_host / bc2_sqrt + group["eps"]).contiguous()
+        denoms = (blended_on_host / bc2_sqrt + eps).contiguous()
         op("novograd_step", bucket.device)(
             bucket.params,
             bucket.grads,
             bucket.state_list("exp_avg"),
             bucket.masters(),
             denoms,
-            group["lr"],
+            lr,
             beta1,
-            group["weight_decay"],
+            weight_decay,
             group["reg_inside_moment"],
             group["grad_averaging"],
             bc1,

@@ -48,19 +48,22 @@ class _RMSpropFamily(FusedOptimizer):
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
+        lr, alpha, eps, weight_decay, momentum = self.group_numbers(
+            group, ("lr", "alpha", "eps", "weight_decay", "momentum")
+        )
         op(self._op, bucket.device)(
             bucket.params,
             bucket.grads,
             bucket.state_list("square_avg"),
             bucket.state_list("grad_avg") if group["centered"] else [],
-            bucket.state_list("momentum_buffer") if group["momentum"] > 0 else [],
+            bucket.state_list("momentum_buffer") if momentum > 0 else [],
             bucket.masters(),
             bucket.state_list("step"),
-            group["lr"],
-            group["alpha"],
-            group["eps"],
-            group["weight_decay"],
-            group["momentum"],
+            lr,
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
             group["centered"],
             *(group[name] for name in self._extra_options),
             grad_factor,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _RequiredParameter, required
 
-from ampkit.ops._backend import lr_for_torch_op, number_for_torch_op
+from ampkit.ops._backend import lr_for_torch_op
 from ampkit.ops.optimizers._base import (
     NO_SCALER,
     Bucket,
@@ -155,7 +155,7 @@ class FusedSGD(FusedOptimizer):
     def _update(
         self, group: dict[str, Any], bucket: Bucket, grad_factor: float, scaler: ScalerTensors = NO_SCALER
     ) -> None:
-        momentum = group["momentum"]
+        momentum, dampening = self.group_numbers(group, ("momentum", "dampening"))
         if momentum == 0:
             self._launch(group, bucket, [], False, grad_factor, scaler)
             return
@@ -170,7 +170,7 @@ class FusedSGD(FusedOptimizer):
         # writes: such buffers start at zero and take the usual update, and a skipped step leaves them at zero for
         # the next one. With dampening the first step differs: the new buffers start at zero and wait on a device
         # flag (_PendingFirstStep) that tells the kernels whether their first step is still to come: no host read.
-        dampened = scaler.found_inf is not None and group["dampening"] != 0
+        dampened = scaler.found_inf is not None and dampening != 0
         created: _PendingFirstStep | None = None
         fresh_ids: set[int] = set()  # buffers made from uninitialised memory: their first step is this one
         wholes = bucket.whole_params if bucket.sharded else bucket.params  # a sharded buffer is a DTensor as its param
@@ -225,14 +225,15 @@ class FusedSGD(FusedOptimizer):
         scaler: ScalerTensors,
     ) -> None:
         if self._routes_to_torch(group, bucket, grad_factor, scaler):
+            weight_decay, momentum, dampening = self.group_numbers(group, ("weight_decay", "momentum", "dampening"))
             torch._fused_sgd_(
                 bucket.params,
                 bucket.grads,
                 buffers,
-                weight_decay=number_for_torch_op(group["weight_decay"]),
-                momentum=number_for_torch_op(group["momentum"]),
+                weight_decay=weight_decay,
+                momentum=momentum,
                 lr=lr_for_torch_op(group["lr"], bucket.device),
-                dampening=number_for_torch_op(group["dampening"]),
+                dampening=dampening,
                 nesterov=group["nesterov"],
                 maximize=group["maximize"],
                 is_first_step=first_step,
@@ -240,19 +241,21 @@ class FusedSGD(FusedOptimizer):
                 found_inf=scaler.found_inf,
             )
             return
-        weight_decay = group["weight_decay"]
+        lr, weight_decay, momentum, dampening = self.group_numbers(
+            group, ("lr", "weight_decay", "momentum", "dampening")
+        )
         if self.wd_after_momentum and weight_decay != 0:  # w -= lr * (momentum update + wd * w)
-            decay_weights_(bucket.masters() or bucket.params, 1.0 - group["lr"] * weight_decay, scaler.found_inf)
+            decay_weights_(bucket.masters() or bucket.params, 1.0 - lr * weight_decay, scaler.found_inf)
             weight_decay = 0.0
         sgd_step(
             bucket.params,
             bucket.grads,
             buffers,
             bucket.masters(),
-            lr=group["lr"],
+            lr=lr,
             weight_decay=weight_decay,
-            momentum=group["momentum"],
-            dampening=group["dampening"],
+            momentum=momentum,
+            dampening=dampening,
             nesterov=group["nesterov"],
             first_step=first_step,
             grad_factor=grad_factor,

@@ -117,19 +117,30 @@ def _check_scaler(
     one-element float32 tensors on the params' device (an int flag or a float64 scale was taken here, which the kernels
     refuse), sharing memory with no tensor of the call: the kernels read them while writing every list in parallel
     chunks, so a flag or scale inside a parameter, gradient or counter was read before or after a chunk wrote it."""
-    for name, t in zip(("grad_scale", "found_inf"), scaler, strict=True):
-        if t is None or not len(params):
-            continue
+    given = [(name, t) for name, t in zip(("grad_scale", "found_inf"), scaler, strict=True) if t is not None]
+    if not given or not len(params):
+        return
+    for name, t in given:
         if t.numel() != 1 or t.dtype != torch.float32 or t.device != params[0].device:
             raise RuntimeError(
                 f"{op}: {name} must be a one-element float32 tensor on {params[0].device} (the params' device); got "
                 f"{t.dtype} of shape {list(t.shape)} on {t.device}"
             )
-        begin, end = t.data_ptr(), t.data_ptr() + t.nbytes  # a look at each address first: this runs every step
+    # This runs every step where no kernel is built: each tensor of the lists costs one address read, gathered in a
+    # set. A tensor sharing memory with a scaler tensor starts inside its storage, so a scaler holding its memory
+    # alone (GradScaler's 4 bytes) is a few set look-ups; only a storage holding a tensor's start is searched in full.
+    starts: set[int] = set()
+    for values in lists.values():
+        starts.update(map(Tensor.data_ptr, values))
+    for name, t in given:
+        storage = t.untyped_storage()
+        begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        small = end - begin <= 16
+        if not (any(a in starts for a in range(begin, end)) if small else any(begin <= a < end for a in starts)):
+            continue
         for list_name, values in lists.items():
             for i, other in enumerate(values):
-                start = other.data_ptr()
-                if start < end and begin < start + other.nbytes and shares_memory(t, other):
+                if begin <= other.data_ptr() < end and shares_memory(t, other):
                     raise RuntimeError(
                         f"{op}: {name} shares memory with {list_name}[{i}], which the step writes (torch: some "
                         "elements of the input tensor and the written-to tensor refer to a single memory location); "
