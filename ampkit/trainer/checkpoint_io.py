@@ -180,31 +180,26 @@ def deletable(checkpoints: list[Path], warned: set[Path] | None = None) -> list[
     ampkit checkpoint (a user's own, copied or saved there). Pruning neither deletes nor counts them."""
     warned = set() if warned is None else warned
     kept = {path: why for path in checkpoints if (why := _kept_because(path))}
-    for path, why in kept.items():
+    for path, (why, fix) in kept.items():
         if path not in warned:
             warned.add(path)
             rank_zero_warn(
-                f"'{path}' {why}: ampkit keeps it, outside the checkpoints that keep_last and save_top_k count; "
-                + (
-                    "make it writable again (chmod u+w) to let them delete it"
-                    if why.startswith("is write")
-                    else "move it out of the checkpoints folder, or delete it yourself"
-                )
+                f"'{path}' {why}: ampkit keeps it, outside the checkpoints that keep_last and save_top_k count; {fix}"
             )
     return [path for path in checkpoints if path not in kept]
 
 
-def _kept_because(path: Path) -> str | None:
-    """Why pruning keeps ``path`` (see :func:`deletable`), or None."""
+def _kept_because(path: Path) -> tuple[str, str] | None:
+    """Why pruning keeps ``path`` (see :func:`deletable`) and what lets it go, or None."""
     if write_protected(path):
-        return "is write-protected (chmod a-w)"
+        return "is write-protected (chmod a-w)", "make it writable again (chmod u+w) to let them delete it"
     try:
         info = path.stat()
     except OSError:  # gone: nothing to keep
         return None
     identity = (str(path), info.st_ino, info.st_mtime_ns, info.st_size)
     if stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity):
-        return "holds no ampkit checkpoint"
+        return "holds no ampkit checkpoint", "move it out of the checkpoints folder, or delete it yourself"
     return None
 
 
