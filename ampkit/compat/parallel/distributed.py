@@ -62,6 +62,7 @@ import itertools
 import math
 import numbers
 import sys
+import time
 import warnings
 import weakref
 from collections import defaultdict
@@ -231,6 +232,11 @@ def _trainable_while_torch_wraps(module: torch.nn.Module) -> Iterator[None]:
                 param.requires_grad_(False)
 
 
+# How long a rank leaving a gloo group at exit lets gloo's threads take the GIL: they need microseconds of it, and
+# a loaded machine's scheduler runs a waiting thread within some tens of milliseconds.
+_GLOO_RELEASE_GRACE_S = 0.1
+
+
 @functools.cache
 def leave_the_group_at_exit() -> None:
     """Once a process: leave the default process group at exit, while Python still runs, where the program left it
@@ -242,7 +248,9 @@ def leave_the_group_at_exit() -> None:
     GIL too late and is ended mid-release, and the process aborts after its output ("terminate called without an
     active exception", status 134, about one exit in four). After a clean run the ranks first wait for each other
     in a barrier, which releases the GIL until every earlier collective is done with (as ``fit()``'s teardown
-    does); after an uncaught exception they do not, as a peer may be gone."""
+    does); after an uncaught exception they do not, as a peer may be gone. The barrier ends when the collectives are
+    done, not when gloo's threads have let go of them: a thread the scheduler left waiting (two loaded cores) may
+    still hold one, so each rank then sleeps a moment, the GIL free, before Python shuts down."""
     uncaught: list[type[BaseException]] = []
     printing_hook = sys.excepthook
 
@@ -255,9 +263,11 @@ def leave_the_group_at_exit() -> None:
     def leave() -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if not uncaught and dist.get_backend() == "gloo":
-            with contextlib.suppress(RuntimeError):  # a peer that is gone: nothing left to wait for
-                dist.barrier()
+        if dist.get_backend() == "gloo":
+            if not uncaught:
+                with contextlib.suppress(RuntimeError):  # a peer that is gone: nothing left to wait for
+                    dist.barrier()
+            time.sleep(_GLOO_RELEASE_GRACE_S)
         dist.destroy_process_group()
 
     atexit.register(leave)
