@@ -5,7 +5,8 @@
   stashes none of those gradients: they are unscaled (and checked for inf) with the loss's own; and its ``BMUF``,
   which writes a block-momentum update into the masters and pushes them into the model through
   ``optimizer._master_params_to_model_params()`` where the optimizer has it (Apex's O2);
-- a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients;
+- a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients (and one that records
+  the scale there for its own step, as Apex's ``FusedSGD`` with ``materialize_master_grads=False`` did);
 - code that calls an O2 optimizer's ``zero_grad`` before the first backward, then reads the masters in
   ``param_groups``: Apex's O2 ``zero_grad`` ran the lazy init, which built the masters from the model;
 - DeepSpeed's engine with an ``"amp"`` config section: ``amp.initialize(module, optimizer, **amp_params)`` at O2,
@@ -337,3 +338,71 @@ def test_a_copy_of_apexs_o1_post_amp_backward_accumulates_through_apexs_helper_a
         reference(_batch(i)).pow(2).mean().backward()
     for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+class _OldFusedSGD:
+    """Apex's FusedSGD with ``materialize_master_grads=False`` at O2, in outline: its ``_post_amp_backward`` left the
+    model's fp16 gradients at the loss scale and recorded that scale (``most_recent_scale``, the lower of this
+    backward's and the one recorded since the last step, with ``scale_set_by_backward``); its step divided by it,
+    updated the masters and reset both. ``make`` builds it on apex.optimizers.FusedSGD, which has Apex's attributes."""
+
+    @staticmethod
+    def make(params, lr: float):
+        from apex.optimizers import FusedSGD
+
+        class OldFusedSGD(FusedSGD):
+            @torch.no_grad()
+            def step(self, closure=None):
+                stash = self._amp_stash
+                for models, masters in zip(stash.fp16_groups, stash.fp32_from_fp16_groups, strict=True):
+                    for model, master in zip(models, masters, strict=True):
+                        if model.grad is not None:
+                            master.sub_(model.grad.float() / self.most_recent_scale, alpha=lr)
+                self.most_recent_scale, self.scale_set_by_backward = 1.0, False
+
+        return OldFusedSGD(params, lr=lr, materialize_master_grads=False)
+
+    @staticmethod
+    def record_scale(optimizer) -> list[tuple[float, bool]]:
+        """Wrap amp's ``_post_amp_backward`` to record the scale as Apex's FusedSGD one did; returns the record seen
+        before each step (or skip)."""
+        amps_own, seen = optimizer._post_amp_backward, []
+
+        def post_amp_backward(self, scaler):
+            amps_own(scaler)
+            scale = scaler.loss_scale()
+            self.most_recent_scale = min(scale, self.most_recent_scale) if self.scale_set_by_backward else scale
+            self.scale_set_by_backward = True
+            seen.append((self.most_recent_scale, self.scale_set_by_backward))
+
+        optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+        return seen
+
+
+def test_a_skipped_step_resets_the_scale_apexs_fused_sgd_recorded_and_the_next_step_trains(shim):
+    """An overflow's skipped step resets ``most_recent_scale`` to 1 and ``scale_set_by_backward`` to False on an
+    optimizer that has them (Apex's FusedSGD), as Apex's skip did: the record belonged to the gradients the skip
+    throws away (amp kept 65536 and True past the skip). The next, normal step trains as float32 does."""
+    from apex import amp
+
+    model, reference = _mlp(), _mlp()
+    optimizer = _OldFusedSGD.make(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    seen = _OldFusedSGD.record_scale(optimizer)
+    scaler = amp._amp_state.loss_scalers[0]
+    for blow_up in (float("inf"), 1.0):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(_batch(0).half()).float() * blow_up, torch.zeros(8, 2))
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if blow_up != 1.0:
+            assert seen == [(2.0**16, True)] and scaler.loss_scale() == 2.0**15
+            assert (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
+    assert seen[1] == (2.0**15, True) and (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
+    F.mse_loss(reference(_batch(0)), torch.zeros(8, 2)).backward()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.sub_(param.grad, alpha=0.1)
+    for master, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
+        torch.testing.assert_close(master, ref, rtol=0, atol=2e-3)

@@ -348,7 +348,8 @@ class AmpOptimizerStash:
                 master.grad = None
 
     def schedule_skip(self, loss_id: int, scaler: LossScaler) -> None:
-        """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message."""
+        """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message and, as
+        Apex's did, drops the skipped gradients' masters and the scale an Apex FusedSGD recorded for them."""
         if self.already_patched:
             return
         optimizer = self.optimizer
@@ -361,6 +362,11 @@ class AmpOptimizerStash:
                 f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to {scaler.loss_scale()}"
             )
             self.clear_master_grads()
+            if hasattr(optimizer, "most_recent_scale"):
+                # Apex's FusedSGD (materialize_master_grads=False) recorded the scale its gradients were left at
+                # for its step to divide by; the skip drops those gradients, and with them the record, as Apex did
+                optimizer.most_recent_scale = 1.0
+                optimizer.scale_set_by_backward = False
             optimizer.step = real_step
             self.already_patched = False
 
