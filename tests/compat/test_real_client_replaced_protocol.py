@@ -266,6 +266,72 @@ def test_a_replacement_that_skips_amps_own_method_under_combine_grad_is_refused_
             scaled_loss.backward()
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_post_amp_backward_refused_under_combine_grad_says_the_backward_ran_and_gives_back_the_gradients(
+    shim, opt_level
+):
+    """Whether a replaced ``_post_amp_backward`` calls amp's own is known only once it returned, after the backward:
+    the refusal says the backward ran, its gradients are dropped and those from before it are back in ``.grad``
+    (unscaled) with the scale unchanged, so the run goes on once the original is restored. They stayed scaled in the
+    flat buffers and pending: the next step was refused as following a delay_unscale backward."""
+    from apex import amp
+
+    model, reference = _mlp(), _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, combine_grad=True, verbosity=0)
+    half = opt_level == "O2"
+    amps_own, scaler = optimizer._post_amp_backward, amp._amp_state.loss_scalers[0]
+
+    def backward(i: int) -> None:
+        loss = F.mse_loss(model(_batch(i).half() if half else _batch(i)).float(), torch.zeros(8, 2))
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        F.mse_loss(reference(_batch(i)), torch.zeros(8, 2)).backward()
+
+    backward(0)
+    before = [p.grad.clone() for p in amp.master_params(optimizer)]
+    optimizer._post_amp_backward = types.MethodType(lambda opt, loss_scaler: None, optimizer)
+    with pytest.raises(RuntimeError, match=r"call the original.*The backward ran: its gradients .* were dropped"):
+        backward(1)  # raised at the block's exit: the reference has backward 0's gradients only
+    optimizer._post_amp_backward = amps_own
+    assert scaler.loss_scale() == 2.0**16
+    for grad, kept in zip((p.grad for p in amp.master_params(optimizer)), before, strict=True):
+        assert torch.equal(grad, kept)
+    backward(1)
+    for ours, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize(("name", "which"), [("_prepare_amp_backward", 1), ("_post_amp_backward", 0)])
+def test_a_refused_method_of_one_optimizer_leaves_none_of_a_scale_loss_s_optimizers_pending(shim, name, which):
+    """``scale_loss`` prepares, then unscales, its optimizers one by one: when one's replacement is refused
+    (combine_grad), the others this block prepared are not left pending but get their gradients back as they were.
+    A first optimizer prepared before the second's refused prepare stayed prepared for good (every later
+    ``scale_loss`` of it was refused as nested in this one); a second left after the first's refused unscale kept the
+    backward's gradients scaled, and the next backward was unscaled with them."""
+    from apex import amp
+
+    model = _mlp()
+    optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    model, optimizers = amp.initialize(model, optimizers, opt_level="O1", combine_grad=True, verbosity=0)
+
+    def backward() -> None:
+        with amp.scale_loss(F.mse_loss(model(_batch(0)), torch.zeros(8, 2)), optimizers) as scaled_loss:
+            scaled_loss.backward()
+
+    backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    amps_own = getattr(optimizers[which], name)
+    setattr(optimizers[which], name, types.MethodType(lambda opt, *scaler: None, optimizers[which]))
+    with pytest.raises(RuntimeError, match=rf"optimizer\.{name} was replaced"):
+        backward()
+    assert all(torch.equal(p.grad, kept) for p, kept in zip(model.parameters(), before, strict=True))
+    setattr(optimizers[which], name, amps_own)
+    backward()
+    for param, kept in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(param.grad, 2 * kept, rtol=2e-3, atol=1e-5)
+
+
 class _BlockMomentum:
     """The runner's ``BMUF`` optimizer in outline (one worker, so its allreduce is the identity): every ``block``
     steps the masters jump by a block-momentum update from their global copy, then, "for amp level O2", the masters
