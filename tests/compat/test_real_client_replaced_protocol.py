@@ -9,6 +9,7 @@
   the scale there for its own step, as Apex's ``FusedSGD`` with ``materialize_master_grads=False`` did);
 - code that calls an O2 optimizer's ``zero_grad`` before the first backward, then reads the masters in
   ``param_groups``: Apex's O2 ``zero_grad`` ran the lazy init, which built the masters from the model;
+- a model-parallel trainer that patches ``apex.amp.scaler.LossScaler.update_scale`` to agree the overflow across ranks;
 - DeepSpeed's engine with an ``"amp"`` config section: ``amp.initialize(module, optimizer, **amp_params)`` at O2,
   ``delay_unscale`` off the accumulation boundary, ``amp.master_params`` clipped at the boundary, and Megatron's
   ``apex.transformer`` import guarded by ``except ImportError``.
@@ -472,3 +473,50 @@ def test_a_skipped_step_resets_the_scale_apexs_fused_sgd_recorded_and_the_next_s
             param.sub_(param.grad, alpha=0.1)
     for master, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
         torch.testing.assert_close(master, ref, rtol=0, atol=2e-3)
+
+
+def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_decides_the_skip(shim, monkeypatch):
+    """A model-parallel trainer's ``monkey_patch_apex_amp_scaler`` replaces ``apex.amp.scaler.LossScaler.update_scale``
+    by a copy of Apex's that first takes the MAX of ``_has_overflow`` over the ranks (here another rank's verdict,
+    given). ``scale_loss`` decides the skip through ``loss_scaler.update_scale()``, as Apex did, so another rank's
+    overflow skips this rank's clean step and halves its scale too. amp updated its scaler directly, and
+    ``apex.amp.scaler.LossScaler`` was not the class of amp's scalers: the patch never ran, and the ranks drifted."""
+    from apex import amp
+
+    other_ranks_overflowed = [False, True, False]
+
+    def update_scale(self):
+        if self.has_fused_kernel and self.dynamic and not self._has_overflow:
+            self._has_overflow = self._overflow_buf.item()
+        self._has_overflow = max(self._has_overflow, other_ranks_overflowed.pop(0))  # the client's all_reduce(MAX)
+        if self._has_overflow and self.dynamic:
+            should_skip = True
+            if self._min_loss_scale:
+                self._loss_scale = max(self._min_loss_scale, self._loss_scale / 2.0)
+            else:
+                self._loss_scale = self._loss_scale / 2.0
+            self._unskipped = 0
+        else:
+            should_skip = False
+            self._unskipped += 1
+        if self._unskipped == self._scale_seq_len and self.dynamic:
+            self._loss_scale = min(self._max_loss_scale, self._loss_scale * 2.0)
+            self._unskipped = 0
+        return should_skip
+
+    monkeypatch.setattr(amp.scaler.LossScaler, "update_scale", update_scale)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert isinstance(scaler, amp.scaler.LossScaler)
+    changed = []
+    for i in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(_batch(i)), torch.zeros(8, 2)), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)))
+    assert changed == [True, False, True] and other_ranks_overflowed == []
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}

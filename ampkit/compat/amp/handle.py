@@ -146,11 +146,10 @@ def scale_loss(
     with _casts_disabled(), _none_left_pending(stashes, unscaling=True):  # no O1 casts in amp's own maths
         flags = [stash.after_backward(scaler) for stash in stashes]
     if not delay_overflow_check:
-        found_inf = any(read_flags([flag for flag in flags if flag is not None]))
-        if not found_inf and any(flag is None for flag in flags):
-            found_inf = scaler._has_overflow or bool(scaler._overflow_buf.item())
-        scaler.update(found_inf)
-        if found_inf and scaler.dynamic:
+        if any(read_flags([flag for flag in flags if flag is not None])):
+            scaler._overflow_buf.fill_(1)  # where Apex's unscale left an overflow: a replaced post's verdict is there
+        # through the attribute, as Apex: a script's replacement (one agreeing the overflow across ranks) decides
+        if scaler.update_scale():
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
     _clear_cast_cache()
