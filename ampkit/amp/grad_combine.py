@@ -255,6 +255,20 @@ class _FlatGroup:
             self.dirty = True
             self._restore_none(set(reached))
 
+    def drop(self) -> None:
+        """Undo :meth:`prepare`: the backward's gradients are dropped and the buffer holds what it held before (the
+        gradient-owning buffer of masters was never touched); ``.grad`` point at the buffers again."""
+        with torch.no_grad():
+            for tensors, views in ((self.params, self.views), (self.owners or [], self.owner_views)):
+                for t, view in zip(tensors, views, strict=True):
+                    if t.grad is not None and t.grad is not view:
+                        t.grad = view
+            if self.owners is None and self.has_stash:
+                self.buffer.copy_(self.stash)
+            else:
+                self.buffer.zero_()
+            self._restore_none(set())
+
     def _restore_none(self, reached: set[int]) -> None:
         """Give ``.grad = None`` back to holders that had none and that no backward reached."""
         holders = self.params if self.owners is None else self.owners
@@ -473,6 +487,23 @@ class GradientCombiner:
                 if stash is None:
                     continue
                 p.grad = stash if p.grad is None else _sparse_sum(p.grad, stash)
+
+    def drop_pending(self) -> None:
+        """End a prepared backward by dropping the gradients it produced: each ``.grad`` is back to what it held
+        before :meth:`prepare_backward` (a param that had none has none), still unscaled; a no-op when nothing is
+        pending. For a backward whose gradients cannot be unscaled (a replaced unscale that skipped flat buffers)."""
+        if not self._pending:
+            return
+        self._pending = False
+        self._reached.clear()
+        if self.flat:
+            for group in self._groups:
+                group.drop()
+            return
+        for k, i in enumerate(self._self_idx):
+            self.params[i].grad, self._stash[k] = self._stash[k], None
+        for i in self._master_idx:
+            self.params[i].grad = None
 
     def combine(self, scaler: LossScaler | float, found_inf: torch.Tensor | None = None) -> CombineResult:
         """Unscale the gradients that arrived since :meth:`prepare_backward` by ``scaler`` (a

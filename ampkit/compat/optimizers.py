@@ -116,6 +116,33 @@ def _fused_adam_step(base: type) -> Callable[..., Any]:
     return step
 
 
+def _fused_sgd_step(base: type) -> Callable[..., Any]:
+    def step(self: Any, closure: Any = None, **kwargs: Any) -> Any:
+        """One step, as ``base.step``, each gradient divided by ``most_recent_scale`` (the scale Apex's amp backward
+        recorded there for a FusedSGD with ``materialize_master_grads=False``; 1 otherwise), which is then reset to 1
+        with ``scale_set_by_backward`` to False, as Apex's step did: a scale a script recorded was ignored, and the
+        step took its gradients still scaled."""
+        scale = self.most_recent_scale
+        try:
+            if scale == 1.0:
+                return _unhooked(base.step)(self, closure, **kwargs)
+            if kwargs:
+                raise ValueError(
+                    f"FusedSGD.step got {sorted(kwargs)} while most_recent_scale={scale!r} says the gradients are "
+                    "scaled by it: unscale them one way (set most_recent_scale to 1.0, or pass no grad_scale)"
+                )
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self.step_with_grad_factor(1.0 / scale)
+            return loss
+        finally:
+            self.most_recent_scale, self.scale_set_by_backward = 1.0, False
+
+    return step
+
+
 def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` without the wrapper torch puts around a class's ``step`` (hooks, profiler record) when the class's first
     optimizer is built: called from the subclass's own wrapped ``step``, ``base``'s hooks ran a second time once any
@@ -161,6 +188,8 @@ def _apex_class(name: str, base: type) -> type:
     }
     if name in _GROUP_STEP_NAMES:
         namespace["_steps_per_group"] = True
+    if name == "FusedSGD":
+        namespace["step"] = _fused_sgd_step(base)
     if name == "FusedAdam":
         namespace["param_groups_master"] = property(_param_groups_master)
         namespace["step"] = _fused_adam_step(base)

@@ -227,6 +227,33 @@ def test_zero_grad_keeping_the_pending_backward_drops_the_stash_and_combines_wha
 
 
 @pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("masters", [False, True])
+def test_drop_pending_gives_back_the_gradients_from_before_the_backward(flat, masters):
+    """``drop_pending`` (a backward that cannot be unscaled): the gradients it produced are gone, those from before it
+    are back unscaled, a holder that had none has none, nothing is pending, and the next backward combines as usual."""
+    params = make_params(torch.float16)
+    owners = [p.detach().float().requires_grad_() for p in params] if masters else None
+    combiner = GradientCombiner(params, owners, flat=flat)
+    holders = owners if masters else params
+    combiner.prepare_backward()
+    backward_with(params, [torch.ones(p.shape) for p in params[:2]] + [None], 2.0)
+    combiner.combine(2.0)
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 5.0) for p in params], 2.0)
+    combiner.drop_pending()
+    assert not combiner.pending
+    assert all(torch.equal(h.grad, torch.ones_like(h)) for h in holders[:2]) and holders[2].grad is None
+    if masters:  # the model's own gradients, of the dropped backward, are gone too
+        assert all(p.grad is None or not p.grad.any() for p in params)
+    combiner.drop_pending()  # nothing pending: a no-op
+    combiner.prepare_backward()
+    backward_with(params, [torch.full(p.shape, 3.0) for p in params], 2.0)
+    combiner.combine(2.0)
+    assert all(torch.equal(h.grad, torch.full_like(h, 4.0)) for h in holders[:2])
+    assert torch.equal(holders[2].grad, torch.full_like(holders[2], 3.0))
+
+
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan])
 def test_a_scale_that_is_not_finite_and_positive_is_named_and_loses_nothing(flat, scale):
     """A scale of 0 raised ZeroDivisionError halfway through combine(), after the stashed gradients (an earlier

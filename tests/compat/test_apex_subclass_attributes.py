@@ -220,3 +220,25 @@ def test_fp16_optimizer_carries_apexs_copy_op_and_buffer():
                          [optimizer.all_fp32_from_fp16_params, optimizer.all_fp16_params], 1.0)  # fmt: skip
     for model_param, master in zip(optimizer.all_fp16_params, optimizer.all_fp32_from_fp16_params, strict=True):
         assert torch.equal(model_param, master.half())
+
+
+def test_fused_sgd_divides_by_the_scale_recorded_in_most_recent_scale_and_resets_it_as_apex_did():
+    """Apex's FusedSGD stepped on each gradient times ``1/most_recent_scale`` (the scale amp's backward left its
+    gradients at, with ``materialize_master_grads=False``) and reset it to 1 and ``scale_set_by_backward`` to False.
+    The step ignored a scale recorded there, taking the gradients 1024 times too large, and kept it."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5))
+    twin = torch.nn.Parameter(param.detach().clone())
+    optimizer = optimizers.FusedSGD([param], lr=0.1, momentum=0.9)
+    reference = torch.optim.SGD([twin], lr=0.1, momentum=0.9)
+    for scale in (1024.0, 1.0, 256.0):
+        grad = torch.randn(5)
+        param.grad, twin.grad = grad * scale, grad.clone()
+        optimizer.most_recent_scale, optimizer.scale_set_by_backward = scale, scale != 1.0
+        optimizer.step()
+        reference.step()
+        assert (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
+        torch.testing.assert_close(param, twin)
+    optimizer.most_recent_scale = 8.0
+    with pytest.raises(ValueError, match=r"grad_scale.*most_recent_scale=8\.0"):
+        optimizer.step(grad_scale=torch.ones(1))

@@ -5,9 +5,11 @@
   stashes none of those gradients: they are unscaled (and checked for inf) with the loss's own; and its ``BMUF``,
   which writes a block-momentum update into the masters and pushes them into the model through
   ``optimizer._master_params_to_model_params()`` where the optimizer has it (Apex's O2);
-- a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients;
+- a script that wraps ``optimizer._post_amp_backward`` to see each backward's unscaled gradients (and one that records
+  the scale there for its own step, as Apex's ``FusedSGD`` with ``materialize_master_grads=False`` did);
 - code that calls an O2 optimizer's ``zero_grad`` before the first backward, then reads the masters in
   ``param_groups``: Apex's O2 ``zero_grad`` ran the lazy init, which built the masters from the model;
+- a model-parallel trainer that patches ``apex.amp.scaler.LossScaler.update_scale`` to agree the overflow across ranks;
 - DeepSpeed's engine with an ``"amp"`` config section: ``amp.initialize(module, optimizer, **amp_params)`` at O2,
   ``delay_unscale`` off the accumulation boundary, ``amp.master_params`` clipped at the boundary, and Megatron's
   ``apex.transformer`` import guarded by ``except ImportError``.
@@ -265,6 +267,72 @@ def test_a_replacement_that_skips_amps_own_method_under_combine_grad_is_refused_
             scaled_loss.backward()
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_post_amp_backward_refused_under_combine_grad_says_the_backward_ran_and_gives_back_the_gradients(
+    shim, opt_level
+):
+    """Whether a replaced ``_post_amp_backward`` calls amp's own is known only once it returned, after the backward:
+    the refusal says the backward ran, its gradients are dropped and those from before it are back in ``.grad``
+    (unscaled) with the scale unchanged, so the run goes on once the original is restored. They stayed scaled in the
+    flat buffers and pending: the next step was refused as following a delay_unscale backward."""
+    from apex import amp
+
+    model, reference = _mlp(), _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, combine_grad=True, verbosity=0)
+    half = opt_level == "O2"
+    amps_own, scaler = optimizer._post_amp_backward, amp._amp_state.loss_scalers[0]
+
+    def backward(i: int) -> None:
+        loss = F.mse_loss(model(_batch(i).half() if half else _batch(i)).float(), torch.zeros(8, 2))
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        F.mse_loss(reference(_batch(i)), torch.zeros(8, 2)).backward()
+
+    backward(0)
+    before = [p.grad.clone() for p in amp.master_params(optimizer)]
+    optimizer._post_amp_backward = types.MethodType(lambda opt, loss_scaler: None, optimizer)
+    with pytest.raises(RuntimeError, match=r"call the original.*The backward ran: its gradients .* were dropped"):
+        backward(1)  # raised at the block's exit: the reference has backward 0's gradients only
+    optimizer._post_amp_backward = amps_own
+    assert scaler.loss_scale() == 2.0**16
+    for grad, kept in zip((p.grad for p in amp.master_params(optimizer)), before, strict=True):
+        assert torch.equal(grad, kept)
+    backward(1)
+    for ours, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize(("name", "which"), [("_prepare_amp_backward", 1), ("_post_amp_backward", 0)])
+def test_a_refused_method_of_one_optimizer_leaves_none_of_a_scale_loss_s_optimizers_pending(shim, name, which):
+    """``scale_loss`` prepares, then unscales, its optimizers one by one: when one's replacement is refused
+    (combine_grad), the others this block prepared are not left pending but get their gradients back as they were.
+    A first optimizer prepared before the second's refused prepare stayed prepared for good (every later
+    ``scale_loss`` of it was refused as nested in this one); a second left after the first's refused unscale kept the
+    backward's gradients scaled, and the next backward was unscaled with them."""
+    from apex import amp
+
+    model = _mlp()
+    optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    model, optimizers = amp.initialize(model, optimizers, opt_level="O1", combine_grad=True, verbosity=0)
+
+    def backward() -> None:
+        with amp.scale_loss(F.mse_loss(model(_batch(0)), torch.zeros(8, 2)), optimizers) as scaled_loss:
+            scaled_loss.backward()
+
+    backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    amps_own = getattr(optimizers[which], name)
+    setattr(optimizers[which], name, types.MethodType(lambda opt, *scaler: None, optimizers[which]))
+    with pytest.raises(RuntimeError, match=rf"optimizer\.{name} was replaced"):
+        backward()
+    assert all(torch.equal(p.grad, kept) for p, kept in zip(model.parameters(), before, strict=True))
+    setattr(optimizers[which], name, amps_own)
+    backward()
+    for param, kept in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(param.grad, 2 * kept, rtol=2e-3, atol=1e-5)
+
+
 class _BlockMomentum:
     """The runner's ``BMUF`` optimizer in outline (one worker, so its allreduce is the identity): every ``block``
     steps the masters jump by a block-momentum update from their global copy, then, "for amp level O2", the masters
@@ -337,3 +405,118 @@ def test_a_copy_of_apexs_o1_post_amp_backward_accumulates_through_apexs_helper_a
         reference(_batch(i)).pow(2).mean().backward()
     for ours, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, ref.grad, rtol=2e-2, atol=2e-3)
+
+
+class _OldFusedSGD:
+    """Apex's FusedSGD with ``materialize_master_grads=False`` at O2, in outline: its ``_post_amp_backward`` left the
+    model's fp16 gradients at the loss scale and recorded that scale (``most_recent_scale``, the lower of this
+    backward's and the one recorded since the last step, with ``scale_set_by_backward``); its step divided by it,
+    updated the masters and reset both. ``make`` builds it on apex.optimizers.FusedSGD, which has Apex's attributes."""
+
+    @staticmethod
+    def make(params, lr: float):
+        from apex.optimizers import FusedSGD
+
+        class OldFusedSGD(FusedSGD):
+            @torch.no_grad()
+            def step(self, closure=None):
+                stash = self._amp_stash
+                for models, masters in zip(stash.fp16_groups, stash.fp32_from_fp16_groups, strict=True):
+                    for model, master in zip(models, masters, strict=True):
+                        if model.grad is not None:
+                            master.sub_(model.grad.float() / self.most_recent_scale, alpha=lr)
+                self.most_recent_scale, self.scale_set_by_backward = 1.0, False
+
+        return OldFusedSGD(params, lr=lr, materialize_master_grads=False)
+
+    @staticmethod
+    def record_scale(optimizer) -> list[tuple[float, bool]]:
+        """Wrap amp's ``_post_amp_backward`` to record the scale as Apex's FusedSGD one did; returns the record seen
+        before each step (or skip)."""
+        amps_own, seen = optimizer._post_amp_backward, []
+
+        def post_amp_backward(self, scaler):
+            amps_own(scaler)
+            scale = scaler.loss_scale()
+            self.most_recent_scale = min(scale, self.most_recent_scale) if self.scale_set_by_backward else scale
+            self.scale_set_by_backward = True
+            seen.append((self.most_recent_scale, self.scale_set_by_backward))
+
+        optimizer._post_amp_backward = types.MethodType(post_amp_backward, optimizer)
+        return seen
+
+
+def test_a_skipped_step_resets_the_scale_apexs_fused_sgd_recorded_and_the_next_step_trains(shim):
+    """An overflow's skipped step resets ``most_recent_scale`` to 1 and ``scale_set_by_backward`` to False on an
+    optimizer that has them (Apex's FusedSGD), as Apex's skip did: the record belonged to the gradients the skip
+    throws away (amp kept 65536 and True past the skip). The next, normal step trains as float32 does."""
+    from apex import amp
+
+    model, reference = _mlp(), _mlp()
+    optimizer = _OldFusedSGD.make(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    seen = _OldFusedSGD.record_scale(optimizer)
+    scaler = amp._amp_state.loss_scalers[0]
+    for blow_up in (float("inf"), 1.0):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(_batch(0).half()).float() * blow_up, torch.zeros(8, 2))
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        if blow_up != 1.0:
+            assert seen == [(2.0**16, True)] and scaler.loss_scale() == 2.0**15
+            assert (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
+    assert seen[1] == (2.0**15, True) and (optimizer.most_recent_scale, optimizer.scale_set_by_backward) == (1.0, False)
+    F.mse_loss(reference(_batch(0)), torch.zeros(8, 2)).backward()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.sub_(param.grad, alpha=0.1)
+    for master, ref in zip(amp.master_params(optimizer), reference.parameters(), strict=True):
+        torch.testing.assert_close(master, ref, rtol=0, atol=2e-3)
+
+
+def test_a_patched_loss_scaler_update_scale_agreeing_the_overflow_across_ranks_decides_the_skip(shim, monkeypatch):
+    """A model-parallel trainer's ``monkey_patch_apex_amp_scaler`` replaces ``apex.amp.scaler.LossScaler.update_scale``
+    by a copy of Apex's that first takes the MAX of ``_has_overflow`` over the ranks (here another rank's verdict,
+    given). ``scale_loss`` decides the skip through ``loss_scaler.update_scale()``, as Apex did, so another rank's
+    overflow skips this rank's clean step and halves its scale too. amp updated its scaler directly, and
+    ``apex.amp.scaler.LossScaler`` was not the class of amp's scalers: the patch never ran, and the ranks drifted."""
+    from apex import amp
+
+    other_ranks_overflowed = [False, True, False]
+
+    def update_scale(self):
+        if self.has_fused_kernel and self.dynamic and not self._has_overflow:
+            self._has_overflow = self._overflow_buf.item()
+        self._has_overflow = max(self._has_overflow, other_ranks_overflowed.pop(0))  # the client's all_reduce(MAX)
+        if self._has_overflow and self.dynamic:
+            should_skip = True
+            if self._min_loss_scale:
+                self._loss_scale = max(self._min_loss_scale, self._loss_scale / 2.0)
+            else:
+                self._loss_scale = self._loss_scale / 2.0
+            self._unskipped = 0
+        else:
+            should_skip = False
+            self._unskipped += 1
+        if self._unskipped == self._scale_seq_len and self.dynamic:
+            self._loss_scale = min(self._max_loss_scale, self._loss_scale * 2.0)
+            self._unskipped = 0
+        return should_skip
+
+    monkeypatch.setattr(amp.scaler.LossScaler, "update_scale", update_scale)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    assert isinstance(scaler, amp.scaler.LossScaler)
+    changed = []
+    for i in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        with amp.scale_loss(F.mse_loss(model(_batch(i)), torch.zeros(8, 2)), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        changed.append(not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)))
+    assert changed == [True, False, True] and other_ranks_overflowed == []
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}

@@ -311,22 +311,37 @@ class AmpOptimizerStash:
             return self.combine(scaler).found_inf
         self.optimizer._post_amp_backward(scaler)
         if self.combiner.pending:
-            self._refuse_flat_without_own("_post_amp_backward", "unscaled")
+            if self.combine_grad:  # known only now that it returned: scale_loss drops the backward's gradients
+                self._refuse_flat_without_own(
+                    "_post_amp_backward",
+                    "unscaled",
+                    ". The backward ran: its gradients (and those of the delay_unscale backwards before it) were "
+                    "dropped from this optimizer's parameters, whose .grad hold what they held before them, "
+                    "unscaled, and the loss scale was not updated; run them again",
+                )
             self.pending_scale = None
             self.combiner.release()
             self._settle_kept_model_grads()
         return None
 
-    def _refuse_flat_without_own(self, name: str, done: str) -> None:
+    def drop_backward(self) -> None:
+        """Drop the gradients of a prepared backward that cannot be unscaled: ``.grad`` are back as they were before
+        it, nothing stays pending (a step or the next ``scale_loss`` would otherwise take them still scaled)."""
+        self.combiner.drop_pending()
+        self.pending_scale = None
+        self._kept_model_grads = []
+
+    def _refuse_flat_without_own(self, name: str, done: str, state: str = "") -> None:
         """combine_grad's flat buffers know only what amp's own methods did: a replacement that skips them is an error
-        naming it (the combiner said only that flat buffers need prepare_backward)."""
+        naming it (the combiner said only that flat buffers need prepare_backward), and ``state`` says what became of
+        the gradients."""
         if self.combine_grad:
             method = getattr(self.optimizer, name)
             raise RuntimeError(
                 f"optimizer.{name} was replaced by {getattr(method, '__qualname__', type(method).__name__)}, which "
                 "did not call amp's own: "
                 f"with combine_grad=True the flat gradient buffers are {done} by amp's own method only; call the "
-                "original from the replacement, or initialize without combine_grad"
+                "original from the replacement, or initialize without combine_grad" + state
             )
 
     def _masters_with_model_grads(self) -> list[torch.Tensor]:
@@ -348,7 +363,8 @@ class AmpOptimizerStash:
                 master.grad = None
 
     def schedule_skip(self, loss_id: int, scaler: LossScaler) -> None:
-        """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message."""
+        """Replace the next ``optimizer.step()`` by a one-shot skip that prints Apex's overflow message and, as
+        Apex's did, drops the skipped gradients' masters and the scale an Apex FusedSGD recorded for them."""
         if self.already_patched:
             return
         optimizer = self.optimizer
@@ -361,6 +377,11 @@ class AmpOptimizerStash:
                 f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to {scaler.loss_scale()}"
             )
             self.clear_master_grads()
+            if hasattr(optimizer, "most_recent_scale"):
+                # Apex's FusedSGD (materialize_master_grads=False) recorded the scale its gradients were left at
+                # for its step to divide by; the skip drops those gradients, and with them the record, as Apex did
+                optimizer.most_recent_scale = 1.0
+                optimizer.scale_set_by_backward = False
             optimizer.step = real_step
             self.already_patched = False
 

@@ -127,9 +127,11 @@ def scale_loss(
         if scaler.dynamic:
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
+    with _none_left_pending(stashes, unscaling=False):
+        for stash in stashes:
+            stash.before_backward(delayed=delay_unscale)  # a script's replaced _prepare_amp_backward runs here
+            stash.match_pending_scale(scaler.loss_scale())
     for stash in stashes:
-        stash.before_backward(delayed=delay_unscale)  # a script's replaced optimizer._prepare_amp_backward runs here
-        stash.match_pending_scale(scaler.loss_scale())
         stash.in_scale_loss = True
     try:
         yield loss.float() * scaler.loss_scale()
@@ -141,17 +143,32 @@ def scale_loss(
         return
     # cleared first, as Apex: a script's replaced optimizer._post_amp_backward leaves its verdict in _overflow_buf
     scaler.clear_overflow_state()
-    with _casts_disabled():  # amp's own arithmetic is not the model's: no O1 casts inside it
+    with _casts_disabled(), _none_left_pending(stashes, unscaling=True):  # no O1 casts in amp's own maths
         flags = [stash.after_backward(scaler) for stash in stashes]
     if not delay_overflow_check:
-        found_inf = any(read_flags([flag for flag in flags if flag is not None]))
-        if not found_inf and any(flag is None for flag in flags):
-            found_inf = scaler._has_overflow or bool(scaler._overflow_buf.item())
-        scaler.update(found_inf)
-        if found_inf and scaler.dynamic:
+        if any(read_flags([flag for flag in flags if flag is not None])):
+            scaler._overflow_buf.fill_(1)  # where Apex's unscale left an overflow: a replaced post's verdict is there
+        # through the attribute, as Apex: a script's replacement (one agreeing the overflow across ranks) decides
+        if scaler.update_scale():
             for stash in stashes:
                 stash.schedule_skip(loss_id, scaler)
     _clear_cast_cache()
+
+
+@contextlib.contextmanager
+def _none_left_pending(stashes: list[Any], *, unscaling: bool) -> Iterator[None]:
+    """Where preparing (``unscaling=False``) or unscaling one optimizer of a ``scale_loss`` fails, no other is left
+    pending: what this block prepared, or the backward's gradients not yet unscaled, are dropped, and ``.grad`` hold
+    what they held before (a first optimizer stayed prepared for good, and each later ``scale_loss`` of it was refused
+    as nested in this one). An accumulation of ``delay_unscale`` backwards pending before a failed prepare is kept."""
+    pending_before = [stash.combiner.pending for stash in stashes]
+    try:
+        yield
+    except BaseException:
+        for stash, was_pending in zip(stashes, pending_before, strict=True):
+            if stash.combiner.pending and (unscaling or not was_pending):
+                stash.drop_backward()
+        raise
 
 
 # Keywords that forks of Apex added to scale_loss, each with what to write instead with Apex's own API.

@@ -11,12 +11,18 @@ from typing import Any
 
 import torch
 
-from ampkit.amp import LossScaler
+from ampkit.amp import LossScaler as EngineLossScaler
 from ampkit.amp.scaler import float32_scale, overflow_verdict
 
 
-class ApexLossScaler(LossScaler):
-    """An engine :class:`~ampkit.amp.LossScaler` that also answers to Apex's attribute names."""
+class ApexLossScaler(EngineLossScaler):
+    """An engine :class:`~ampkit.amp.LossScaler` that also answers to Apex's attribute names; ``amp.scale_loss``
+    decides each skip through its :meth:`update_scale`, so a script's replacement of it (on this class, which
+    ``apex.amp.scaler.LossScaler`` names, or on one scaler) decides there, as under Apex."""
+
+    # Apex's class flag: with amp_C, unscale leaves the overflow in ``_overflow_buf`` for update_scale to read (so
+    # do amp's unscales here); replacements of update_scale copied from Apex test it
+    has_fused_kernel = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -117,3 +123,8 @@ class ApexLossScaler(LossScaler):
             found_inf = bool(self._overflow_buf.item())
         self.update(found_inf)
         return found_inf and self.dynamic
+
+
+# Apex's name for the class of amp's scalers: a script's patch of ``apex.amp.scaler.LossScaler.update_scale`` (an
+# overflow agreed across ranks) reaches ``_amp_state.loss_scalers``, which the engine's class did not.
+LossScaler = ApexLossScaler
