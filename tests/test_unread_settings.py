@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from toy_trainers import ToyTrainer, toy_cfg
 
-from ampkit.config import load_config
+from ampkit.config import ConfigError, load_config
 from ampkit.trainer.unread_settings import unread_settings
 
 GAN = Path(__file__).resolve().parents[1] / "configs" / "gan.yaml"
@@ -156,3 +156,16 @@ def test_a_sharded_run_names_the_skip_verdict_it_does_not_read(tmp_path):
         "distributed.strategy=fsdp reads every skip verdict on the host, so this run does not read "
         "trainer.skip_verdict=device"
     ]
+
+
+def test_ddp_s_bucket_size_is_refused_under_fsdp_as_its_other_ddp_knobs(tmp_path):
+    """bucket_cap_mb was the one DDP knob FSDP dropped without a word; find_unused_parameters, static_graph and
+    gradient_as_bucket_view were refused already."""
+    fsdp = {"distributed.strategy": "fsdp", "distributed.bucket_cap_mb": 50}
+    with pytest.raises(
+        ConfigError,
+        match=r"config key 'distributed.bucket_cap_mb': 50.0 cannot be used with distributed.strategy: fsdp "
+        r"\(it is a DDP knob\)",
+    ):
+        ToyTrainer(toy_cfg(tmp_path, **fsdp))
+    ToyTrainer(toy_cfg(tmp_path, **{"distributed.strategy": "fsdp", "distributed.bucket_cap_mb": 25}))  # its default
