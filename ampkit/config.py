@@ -28,6 +28,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf, TupleConfig
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import AnyNode, BooleanNode, FloatNode, PathNode
 
+from ampkit.config_sources import remember_sources, sources_of
 from ampkit.lightning_settings import LIGHTNING_SETTINGS, LIGHTNING_ZERO
 from ampkit.wording import beyond_float, counted, integer_digits
 
@@ -797,7 +798,18 @@ def build_config(schema_class: type, *sources: Any) -> DictConfig:
         OmegaConf.update(cfg, "trainer.max_time", written, merge=False)
     _expand_paths(cfg)
     OmegaConf.set_struct(cfg, True)
+    remember_sources(cfg, _written_sources(sources))
     return cfg
+
+
+def _written_sources(sources: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``sources`` as the plain mappings someone wrote: a config built before stands for the sources it was built
+    from (a loaded config keeps its file and its overrides apart)."""
+    written: list[Any] = []
+    for source in sources:
+        known = sources_of(source)
+        written.extend(known if known is not None else (_plain(source),))
+    return tuple(written)
 
 
 def _max_time_written(sources: tuple[Any, ...]) -> Any:

@@ -207,3 +207,47 @@ def _describe_mixed_precision(precision: DictConfig) -> str:
     if unscaled:
         return runs + (", skip_nonfinite" if _skips_nonfinite(p, props, unscaled) else "")
     return f"{runs}, loss scale {props.loss_scale}"
+
+
+# The dynamic loss scaler's knobs: read by a scaler whose scale adapts, by nothing else.
+DYNAMIC_SCALER_KEYS = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "scale_window",
+    "min_scale",
+    "max_scale",
+    "max_overflows_at_min_scale",
+)
+# Read by LossScaling alone: no loss scaler and no master weights leave them unread.
+_SCALER_KEYS = (*DYNAMIC_SCALER_KEYS, "warn_consecutive_skips", "num_losses", "combine_grad")
+# What casting and master weights read, which float32 (O0) has none of.
+_CASTING_KEYS = ("dtype", "keep_batchnorm_fp32", "master_weights", "cast_model_outputs", "cast_modules")
+
+
+def unread_precision_keys(precision: DictConfig) -> dict[str, str]:
+    """``{key of the section: why the run does not read it}`` for the keys this opt level and loss scale leave
+    unread (O0's dtype, a static or absent scaler's growth knobs); ``{}`` for a section no level resolves from."""
+    try:
+        props = resolve_precision(precision)
+    except ConfigError:  # not a run's section (GPT's 'auto', a file's half-written one): nothing to say of it
+        return {}
+    unscaled = _without_scaler(precision, props)
+    if props.opt_level == "O0" and (precision.loss_scale is None or unscaled):
+        why = "precision.opt_level=O0 trains in float32, with no loss scaler"
+        return dict.fromkeys((*_CASTING_KEYS, "skip_nonfinite", *_SCALER_KEYS), why)
+    unread: dict[str, str] = {}
+    if props.opt_level == "O0":
+        unread |= dict.fromkeys(("dtype", "keep_batchnorm_fp32"), "precision.opt_level=O0 trains in float32")
+    if unscaled:
+        why = (
+            "precision.loss_scale=none: there is no loss scaler"
+            if _unscaled(precision)
+            else "bfloat16 has no loss scaler unless precision.loss_scale asks for one"
+        )
+        unread |= dict.fromkeys(_SCALER_KEYS if not props.master_weights else DYNAMIC_SCALER_KEYS, why)
+    elif not props.dynamic_loss_scale:
+        why = f"precision.loss_scale={props.loss_scale:g} is a static scale (dynamic: one that adapts)"
+        unread |= dict.fromkeys(DYNAMIC_SCALER_KEYS, why)
+    return unread

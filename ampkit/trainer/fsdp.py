@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ampkit.amp import OptLevelProperties
-from ampkit.config import ConfigError
+from ampkit.config import ConfigError, DistributedConfig
 from ampkit.trainer.module_names import has_forward, modules_named
 
 STRATEGIES = ("ddp", "fsdp")
@@ -77,6 +77,7 @@ def validate_strategy(cfg: DictConfig) -> None:
         "distributed.find_unused_parameters": (d.find_unused_parameters, "it is a DDP knob"),
         "distributed.static_graph": (d.static_graph, "it is a DDP knob"),
         "distributed.gradient_as_bucket_view": (d.gradient_as_bucket_view, "it is a DDP knob"),
+        "distributed.bucket_cap_mb": (d.bucket_cap_mb != DistributedConfig.bucket_cap_mb, "it is a DDP knob"),
     }
     for key, (bad, why) in conflicts.items():
         if bad:

@@ -238,6 +238,7 @@ from ampkit.trainer.sharded_checkpoint import (
 )
 from ampkit.trainer.state import BackwardState, LoopState, LossState, OptimizerState, skip_verdict
 from ampkit.trainer.state_misfit import check_optimizer_fits, check_schedulers_fit, load_model_state
+from ampkit.trainer.unread_settings import unread_settings
 from ampkit.trainer.user_code import (
     SETUP_ERROR_LINE,
     UserCodeError,
@@ -2161,6 +2162,8 @@ class Trainer:
             self.num_training_steps,
             self._specs,
         ):
+            rank_zero_warn(why)
+        for why in unread_settings(self.cfg, self.config_class, self.world_size, self._val_loader is not None):
             rank_zero_warn(why)
         self._setup_callbacks()
         on_device = uses_device_verdicts(self.settings.skip_verdict, self.device, self.sharded) and not any(

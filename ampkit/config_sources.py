@@ -1,0 +1,79 @@
+"""Which keys of a built config someone wrote, and in which source: the YAML file, the command line, a dict in Python.
+
+A built config holds every key of its schema, so it no longer tells a value someone wrote from a default. Each
+config :func:`~ampkit.config.build_config` returns remembers its sources (in merge order) here, and a config built from
+it takes them over, so ``load_config``'s file and overrides stay apart inside the Trainer. A change made in place
+later (``trainer.cfg.precision.dtype = "bfloat16"`` in a notebook) counts as one more source.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+_NOT_SET = object()
+
+# id(built config) -> (its sources as plain mappings, its plain values when built); dropped with the config.
+_REMEMBERED: dict[int, tuple[tuple[Mapping[str, Any], ...], dict[str, Any]]] = {}
+
+
+def remember_sources(cfg: DictConfig, sources: tuple[Mapping[str, Any], ...]) -> None:
+    """Note that ``cfg`` was built from ``sources`` (plain mappings, in merge order)."""
+    if id(cfg) not in _REMEMBERED:
+        weakref.finalize(cfg, _REMEMBERED.pop, id(cfg), None)
+    _REMEMBERED[id(cfg)] = (tuple(sources), OmegaConf.to_container(cfg))
+
+
+def sources_of(cfg: Any) -> tuple[Mapping[str, Any], ...] | None:
+    """The sources a built ``cfg`` came from, with its changes made in place since as a last one; None where
+    ``cfg`` was not built by ``build_config`` (then what it holds is all anyone wrote)."""
+    remembered = _REMEMBERED.get(id(cfg)) if isinstance(cfg, DictConfig) else None
+    if remembered is None:
+        return None
+    sources, built = remembered
+    changed = _changes(built, OmegaConf.to_container(cfg))
+    return (*sources, changed) if changed else sources
+
+
+def _changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """The leaves of ``after`` whose value differs from ``before``'s, nested as in ``after``."""
+    changed: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key, _NOT_SET)
+        if isinstance(value, Mapping) and isinstance(old, Mapping):
+            inner = _changes(old, value)
+            if inner:
+                changed[key] = inner
+        elif value != old:
+            changed[key] = value
+    return changed
+
+
+def written_value(source: Any, key: str) -> Any:
+    """The value dotted ``key`` has in a plain ``source`` mapping, or ``NOT_SET`` where it does not set it."""
+    node = source
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _NOT_SET
+        node = node[part]
+    return node
+
+
+def is_set(value: Any) -> bool:
+    """Whether :func:`written_value` found a value."""
+    return value is not _NOT_SET
+
+
+def merged(base: Mapping[str, Any], *sources: Any) -> dict[str, Any]:
+    """``base`` with each of ``sources`` laid over it, mapping by mapping (plain values, nothing checked)."""
+    out = dict(base)
+    for source in sources:
+        if not isinstance(source, Mapping):
+            continue
+        for key, value in source.items():
+            old = out.get(key)
+            out[key] = merged(old, value) if isinstance(old, Mapping) and isinstance(value, Mapping) else value
+    return out
