@@ -875,12 +875,18 @@ def main(scenario: str, out: Path) -> None:
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-        try:  # a fit's: rank 1 keeps its empty list (as under DDP), and its sanity pass refuses it on every rank
-            EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
-            fit_refused = ""
-        except ValueError as exc:
-            fit_refused = str(exc)
-        saved = {"val": val, "predictions": len(predictions), "refused": refused, "fit_refused": fit_refused}
+        fit_refused, trained = [], []
+        for sanity in (2, 0):  # a fit's: rank 1's empty list is refused on every rank at set-up, sanity pass or not
+            empty_on_1 = EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1,
+                                                                        "num_sanity_val_steps": sanity}})  # fmt: skip
+            try:
+                empty_on_1.fit()
+                fit_refused.append("")
+            except ValueError as exc:
+                fit_refused.append(str(exc))
+            trained.append(empty_on_1.state.global_step)
+        saved = {"val": val, "predictions": len(predictions), "refused": refused, "fit_refused": fit_refused,
+                 "trained": trained}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":

@@ -2145,7 +2145,9 @@ class Trainer:
         count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
         # The ranks keep or drop the loader together: one whose list is empty runs each pass with none (and is named)
         validates = self.settings.val_every_n_epochs > 0 or self._val_every_n_steps > 0
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.dist, validates)
+        self._val_loader = usable_validation_loader(
+            self.cfg, self._val_loader, count, self.dist, validates, self.sharded
+        )
         if self._val_loader is not None and validates and not self.sharded:  # under FSDP the shorter ranks pad
             warn_of_uneven_evaluation(
                 self._val_loader, self._val_limit, self.dist, "val_dataloader()", "validation_step", "on_validation_end"
