@@ -206,13 +206,21 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
     assert loop["global_step"] == 8 and stopped.startswith("rank 1: rank 1's epoch rule"), (loop, stopped)
 
 
-def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):
+@pytest.mark.parametrize("scenario", ["train_monitor", "train_monitor_rank_zero_only"])
+def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path, scenario):
     """Each rank logs an epoch mean of its own; ranking, early stopping and a plateau scheduler use rank zero's, the
     one TensorBoard shows, on every rank: the run stops where rank zero's values say (step 16), not where rank 1's
     would (12), and the learning rate halved twice on every rank (rank 1's values alone would halve it thrice).
     best_model_path names rank zero's file on every rank (rank 1, without a version_dir, read ''), as Lightning's, so
-    a test(ckpt=...) every rank runs gets one path."""
-    rank0, rank1 = _ok(launch("train_monitor", tmp_path, timeout=120))
+    a test(ckpt=...) every rank runs gets one path.
+
+    The same where rank 0 alone logs it with Lightning's rank_zero_only=True (which was refused), batch_size and
+    add_dataloader_idx; sync_dist=True, taken in one process, is refused on both ranks, naming what to do instead."""
+    rank0, rank1 = _ok(launch(scenario, tmp_path, timeout=120))
+    if scenario == "train_monitor_rank_zero_only":
+        for rank in (rank0, rank1):
+            assert rank["sync_refused"].startswith("log('train/synced') got sync_dist=True, which it does not take")
+            assert "under torchrun each rank logs its own value and rank zero's is written" in rank["sync_refused"]
     reason = "early stopping: train/score did not improve on 0.2 for 2 epochs"
     assert rank0["stopped"] == rank1["stopped"] == (16, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 4)

@@ -10,6 +10,7 @@ import torch
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
 
 from ampkit import Callback
+from ampkit.trainer.distributed import DistributedEnv
 
 QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -239,11 +240,12 @@ class LogsWithLightningOptions(ToyTrainer):
 
 
 def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
-    """Lightning's prog_bar/sync_dist: one UserCodeError naming them and log()'s own options, not a TypeError."""
+    """Lightning's prog_bar: one UserCodeError naming it and log()'s own options, not a TypeError; sync_dist=True
+    beside it is taken in one process, where Lightning syncs nothing either."""
     from ampkit.trainer.user_code import UserCodeError
 
     trainer = LogsWithLightningOptions(toy_cfg(tmp_path, **QUIET))
-    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar=True, sync_dist=True, which it does "
+    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar=True, which it does "
                        r"not take: log\(\) takes on_step, on_epoch, always and step; the progress"):  # fmt: skip
         trainer.fit()
 
@@ -259,6 +261,10 @@ class LogsWithLightningOptionsAtWhatLogDoes(ToyTrainer):
         self.log("capitalised", loss, on_epoch=True, reduce_fx="Mean")
         self.log("peak", loss, reduce_fx="max")  # on_step only: Lightning reduces nothing, its max is the value
         self.log("least", loss, reduce_fx=torch.min)
+        # one process: sync_dist=True syncs nothing, as in Lightning; the rest change nothing at any value
+        lightning = {"sync_dist": True, "sync_dist_group": None, "rank_zero_only": True, "add_dataloader_idx": False,
+                     "metric_attribute": "acc", "batch_size": None}  # fmt: skip
+        self.log("synced", loss, on_epoch=True, **lightning)
         return loss
 
 
@@ -272,7 +278,7 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
     trainer.fit()
     means = trainer.monitor_values()
     assert means["plain_epoch"] == means["spelt_out_epoch"] == means["torch_mean_epoch"]
-    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"]
+    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"] == means["synced_epoch"]
     trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET))
     trainer.log("peak", 2.0, reduce_fx="MAX")  # outside a batch: written at once, as without reduce_fx
     assert [(tag, value) for tag, value, _ in trainer.logged_scalars] == [("peak", 2.0)]
@@ -283,27 +289,42 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
         ({"reduce_fx": torch.max, "on_epoch": True}, "reduce_fx=<built-in method max"),
         ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
         ({"logger": False}, "got logger=False, which"),
-        ({"rank_zero_only": True}, "got rank_zero_only=True, which"),
-        ({"enable_graph": True}, "got enable_graph=True, which"),
+        ({"rank_zero_only": 1}, "got rank_zero_only=1, which"),
+        ({"add_dataloader_idx": "no"}, "got add_dataloader_idx='no', which"),
+        ({"enable_graph": True}, "got enable_graph=True, which it does not take: "),
+        ({"enable_graph": True}, "; log() detaches every value and keeps no graph: keep the tensor yourself"),
+        ({"batch_size": 0}, "log('x', batch_size=0): batch_size is the batch's weight in an on_epoch mean: an "),
+        ({"batch_size": 2.5}, "log('x', batch_size=2.5): batch_size is the batch's weight"),
+        ({"batch_size": True}, "log('x', batch_size=True): batch_size is the batch's weight"),
     ]:
         with pytest.raises(UserCodeError, match=re.escape(shown)):
             trainer.log("x", 1.0, **refused)
+    trainer.dist = DistributedEnv(0, 2)  # under torchrun: rank zero's value alone is written, so a sync is refused
+    with pytest.raises(UserCodeError, match=r"got sync_dist=True, which it does not take: .*; under torchrun each "
+                       r"rank logs its own value .* all-reduce it across the ranks yourself first"):  # fmt: skip
+        trainer.log("x", 1.0, sync_dist=True)
 
 
 class LogsWithABatchSize(ToyTrainer):
+    """Logs its batch index with a batch_size of its own (index + 1), and its loss with batch_size given on_step only,
+    where Lightning weighs nothing."""
+
     def training_step(self, batch):
         loss = super().training_step(batch)
-        self.log("train/acc", 0.5, on_epoch=True, batch_size=3)
+        self.log("train/index", float(self.state.batch_idx), on_epoch=True, batch_size=self.state.batch_idx + 1)
+        self.log("train/index_by_samples", float(self.state.batch_idx), on_epoch=True)
+        self.log("train/loss_now", loss, batch_size=3)
         return loss
 
 
-def test_log_with_lightning_s_batch_size_names_samples_in_which_weighs_epoch_means_here(tmp_path):
-    """Refused with log()'s own options only: nothing said where the batch's weight in the epoch mean comes from."""
-    from ampkit.trainer.user_code import UserCodeError
-
-    with pytest.raises(UserCodeError, match=r"got batch_size=3, which it does not take: .*; an on_epoch mean weighs "
-                       r"each batch by samples_in\(batch\) \(override it for Lightning's batch_size\)"):  # fmt: skip
-        LogsWithABatchSize(toy_cfg(tmp_path, **QUIET)).fit()
+def test_log_weighs_an_epoch_mean_by_lightning_s_batch_size(tmp_path):
+    """Lightning's batch_size is the value's weight in its epoch mean: it was refused, and a port had to move the
+    weight into samples_in. Without it the weight is samples_in(batch), as before."""
+    trainer = LogsWithABatchSize(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1, "data.n": 40}))
+    trainer.fit()  # 5 batches of 8
+    means = trainer.monitor_values()
+    assert means["train/index_epoch"] == pytest.approx(sum(i * (i + 1) for i in range(5)) / sum(range(1, 6)))
+    assert means["train/index_by_samples_epoch"] == pytest.approx(2.0)
 
 
 class PlateauEachEpoch(ToyTrainer):
