@@ -343,3 +343,36 @@ def test_an_epoch_scheduler_stepping_before_the_first_validation_is_refused_befo
                        r"after trainer.val_every_n_epochs=2: give it 'frequency': 2"):  # fmt: skip
         trainer.fit()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda t: t.validate(ckpt_path="best"), "validate() takes ckpt: Lightning's ckpt_path is ckpt= here"),
+        (
+            lambda t: t.test(ckpt_path="last"),
+            "test() takes ckpt: Lightning's ckpt_path is ckpt= here (test(ckpt='last')",
+        ),
+        (lambda t: t.fit(ckpt_path="last"), "fit() takes resume: Lightning's ckpt_path is resume= here"),
+        (lambda t: t.validate(t), "Lightning's validate(model, ...) takes a model or loaders first; here the Trainer "),
+        (
+            lambda t: t.fit(torch.nn.Linear(2, 2)),
+            "fit() takes resume: Lightning's fit(model, ...) takes a model or loaders first",
+        ),
+        (lambda t: t.test(None, [1]), "its test_dataloader() returns the batches: the first argument is ckpt"),
+        (
+            lambda t: t.validate(dataloaders=[1]),
+            "Lightning's dataloaders has no place here: the Trainer's val_dataloader",
+        ),
+        (lambda t: t.test(verbose=False), "Lightning's verbose has no place here: test() prints nothing and returns"),
+        (lambda t: t.predict(return_predictions=True), "predict() takes ckpt, output, overwrite: Lightning's return_"),
+        (lambda t: t.validate(ckpt_pth="last"), "validate() takes ckpt: it has no argument 'ckpt_pth'"),
+    ],
+)
+def test_lightning_s_arguments_to_fit_and_evaluation_name_what_does_their_work(tmp_path, call, said):
+    """trainer.test(ckpt_path="best"), trainer.fit(model): Python's bare TypeError ('unexpected keyword argument
+    ckpt_path'), or for a model or loader given first, a message about checkpoint paths naming no Lightning habit."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(TypeError, match=re.escape(said)):
+        call(trainer)
+    assert not (tmp_path / "run").exists()  # refused before anything ran

@@ -149,7 +149,12 @@ from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
-from ampkit.trainer.lightning_names import LIGHTNING_NAMES, keyword_settings_error, missing_attribute
+from ampkit.trainer.lightning_names import (
+    LIGHTNING_NAMES,
+    keyword_settings_error,
+    missing_attribute,
+    refuses_lightning_arguments,
+)
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
@@ -1272,6 +1277,7 @@ class Trainer:
             self._rank_failure = error
 
     # ----------------------------------------------------------------- fit
+    @refuses_lightning_arguments
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
 
@@ -1859,6 +1865,7 @@ class Trainer:
         self._agree_stop()  # early stopping takes effect at once on every rank
 
     # ----------------------------------------------------------------- validate, test, predict
+    @refuses_lightning_arguments
     def validate(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
         """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
 
@@ -1869,11 +1876,13 @@ class Trainer:
         """
         return self._evaluate(VALIDATE, ckpt)
 
+    @refuses_lightning_arguments
     def test(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
         """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics and what ``on_test_end``
         hooks logged (``ckpt`` and the values as in validate)."""
         return self._evaluate(TEST, ckpt)
 
+    @refuses_lightning_arguments
     def predict(
         self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None, overwrite: bool = False
     ) -> list[Any]:
