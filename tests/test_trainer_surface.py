@@ -376,3 +376,25 @@ def test_lightning_s_arguments_to_fit_and_evaluation_name_what_does_their_work(t
     with pytest.raises(TypeError, match=re.escape(said)):
         call(trainer)
     assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+class WritesThroughTheExperiment(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.logger.experiment.add_scalar("loss", loss.item(), self.state.global_step)
+        return loss
+
+
+def test_lightning_s_logger_attributes_name_ampkit_s_way(tmp_path):
+    """self.logger.experiment.add_scalar(...), Lightning's way to the SummaryWriter, was a bare AttributeError; it
+    names self.log and the logger's own methods, under TensorBoard and on a logger that drops everything."""
+    from ampkit.trainer.logger import Logger
+
+    trainer = WritesThroughTheExperiment(toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 1}))
+    with pytest.raises(AttributeError, match=r"'TensorBoardWriter' object has no attribute 'experiment' \(Lightning's "
+                       r"name; here it is self.log\(tag, value\) for scalars, and self.logger.log_image"):  # fmt: skip
+        trainer.fit()
+    with pytest.raises(AttributeError, match=r"no attribute 'log_metrics' \(Lightning's name; here it is self.log"):
+        Logger().log_metrics({"acc": 1.0})
+    with pytest.raises(AttributeError, match=r"^'Logger' object has no attribute 'nothing_of_lightning's'$"):
+        getattr(Logger(), "nothing_of_lightning's")

@@ -128,11 +128,31 @@ def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[s
     return found
 
 
-def missing_attribute(obj: Any, name: str) -> AttributeError:
-    """The AttributeError for ``obj.name``: with the ampkit spelling when ``name`` is Lightning's."""
+# What a Lightning logger's attributes are called on ``trainer.logger`` (ampkit's Logger), for a ported
+# ``self.logger.experiment.add_scalar(...)``.
+LIGHTNING_LOGGER_NAMES: dict[str, str] = {
+    "experiment": (
+        "self.log(tag, value) for scalars, and self.logger.log_image, log_histogram and log_text for the rest, "
+        "which write in the run's step order and stop the run on a failed write"
+    ),
+    "log_metrics": "self.log(tag, value) for each metric",
+    "log_hyperparams": "nothing: the run's config is written as TensorBoard hparams at the start of each fit",
+    "log_graph": "nothing: the model's graph is not written",
+    "log_dir": "self.version_dir / 'tensorboard' (the event files' directory, while TensorBoard logs)",
+    "save_dir": "self.cfg.run_dir",
+    "root_dir": "self.cfg.run_dir",
+    "version": "self.version_dir.name (version_N)",
+    "name": "self.version_dir.name (version_N) under self.cfg.run_dir",
+    "finalize": "nothing: the TensorBoard logger closes its files at the end of each fit",
+    "save": "nothing: the TensorBoard logger flushes its files itself",
+}
+
+
+def missing_attribute(obj: Any, name: str, names: dict[str, str] = LIGHTNING_NAMES) -> AttributeError:
+    """The AttributeError for ``obj.name``: with the ampkit spelling when ``name`` is Lightning's (among ``names``)."""
     message = f"'{type(obj).__name__}' object has no attribute '{name}'"
-    if name in LIGHTNING_NAMES:
-        message += f" (Lightning's name; here it is {LIGHTNING_NAMES[name]})"
+    if name in names:
+        message += f" (Lightning's name; here it is {names[name]})"
     return AttributeError(message, name=name, obj=obj)
 
 
