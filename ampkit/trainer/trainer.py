@@ -942,6 +942,9 @@ class Trainer:
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
+        if self.evaluation_step is not None:  # before its options: a port's prog_bar or sync_dist there is not the fix
+            instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
+            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         refused: list[str] = []
@@ -960,9 +963,6 @@ class Trainer:
         valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
         if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
             raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
-        if self.evaluation_step is not None:
-            instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
-            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
                 raise UserCodeError(
