@@ -61,6 +61,25 @@ class RankScores(Plain):
         return {"optimizer": sgd, "lr_scheduler": {"scheduler": plateau, "monitor": "train/score"}}
 
 
+class RankZeroOnlyScores(RankScores):
+    """The same scores, logged by rank 0 alone with Lightning's rank_zero_only=True (and its batch_size and
+    add_dataloader_idx); each rank's first batch asks for sync_dist=True, which two ranks refuse."""
+
+    sync_refused: str = ""
+
+    def training_step(self, batch):
+        if self.state.global_step == 0:
+            try:
+                self.log("train/synced", 1.0, sync_dist=True)
+            except ampkit.trainer.user_code.UserCodeError as exc:
+                self.sync_refused = str(exc)
+        if RANK == 0:
+            score = self.scores[0][self.state.epoch]
+            options = {"rank_zero_only": True, "batch_size": 4, "add_dataloader_idx": False}
+            self.log("train/score", score, on_step=False, on_epoch=True, **options)
+        return Plain.training_step(self, batch)
+
+
 class RankValidationScores(RankScores):
     """Validates each epoch; its on_validation_end logs a val_auc of its own on each rank (an AUC over that rank's
     shard): rank 1's alone would stop a patience of 1 after epoch 2, rank 0's after epoch 3; a ReduceLROnPlateau
@@ -875,12 +894,18 @@ def main(scenario: str, out: Path) -> None:
             refused = ""
         except ValueError as exc:
             refused = str(exc)
-        try:  # a fit's: rank 1 keeps its empty list (as under DDP), and its sanity pass refuses it on every rank
-            EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1}}).fit()
-            fit_refused = ""
-        except ValueError as exc:
-            fit_refused = str(exc)
-        saved = {"val": val, "predictions": len(predictions), "refused": refused, "fit_refused": fit_refused}
+        fit_refused, trained = [], []
+        for sanity in (2, 0):  # a fit's: rank 1's empty list is refused on every rank at set-up, sanity pass or not
+            empty_on_1 = EmptyValidationListOnRank1({**cfg, "trainer": {**cpu, "max_steps": 1,
+                                                                        "num_sanity_val_steps": sanity}})  # fmt: skip
+            try:
+                empty_on_1.fit()
+                fit_refused.append("")
+            except ValueError as exc:
+                fit_refused.append(str(exc))
+            trained.append(empty_on_1.state.global_step)
+        saved = {"val": val, "predictions": len(predictions), "refused": refused, "fit_refused": fit_refused,
+                 "trained": trained}  # fmt: skip
         torch.save(saved, out / f"rank{RANK}.pt")
         return
     elif scenario == "metrics_per_rank":
@@ -912,11 +937,11 @@ def main(scenario: str, out: Path) -> None:
     elif scenario == "sigterm_logging_rarely":  # no logging iteration to agree the stop at before the epoch's end
         torch.save(preempted_then_resumed(out, base, FusedSgdToy, log_every=1000), out / f"rank{RANK}.pt")
         return
-    elif scenario == "train_monitor":
+    elif scenario in ("train_monitor", "train_monitor_rank_zero_only"):
         cfg = {**base, "checkpoint": {"monitor": "train/score", "every_n_epochs": 0},
                "early_stopping": {"monitor": "train/score", "patience": 2}, "trainer": {**cpu, "max_epochs": 5},
                "distributed": {"timeout_s": 30}}  # fmt: skip
-        trainer = RankScores(cfg)
+        trainer = (RankScores if scenario == "train_monitor" else RankZeroOnlyScores)(cfg)
     elif scenario == "val_end_monitor":
         cfg = {**base, "checkpoint": {"monitor": "val_auc", "every_n_epochs": 0},
                "early_stopping": {"monitor": "val_auc", "patience": 1}, "trainer": {**cpu, "max_epochs": 4},
@@ -1056,7 +1081,9 @@ def main(scenario: str, out: Path) -> None:
         extra["scales"] = {str(k): v for k, v in scaling.scales.items()}
     if scenario.startswith("overflow"):
         extra["facts_on_device"] = trainer.facts_on_device
-    if scenario in ("train_monitor", "val_end_monitor"):
+    if scenario == "train_monitor_rank_zero_only":
+        extra["sync_refused"] = trainer.sync_refused
+    if scenario in ("train_monitor", "train_monitor_rank_zero_only", "val_end_monitor"):
         extra["stopped"] = (trainer.state.global_step, trainer.state.stop_reason)
         extra["lr"] = trainer.optimizer.param_groups[0]["lr"]
         extra["best_model_path"] = next(cb for cb in trainer.callbacks if cb.name == "ModelCheckpoint").best_model_path

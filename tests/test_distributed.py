@@ -206,13 +206,21 @@ def test_a_stop_asked_on_some_ranks_stops_every_rank_at_one_step_with_one_checkp
     assert loop["global_step"] == 8 and stopped.startswith("rank 1: rank 1's epoch rule"), (loop, stopped)
 
 
-def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path):
+@pytest.mark.parametrize("scenario", ["train_monitor", "train_monitor_rank_zero_only"])
+def test_a_train_monitor_ranks_and_stops_on_rank_zero_s_epoch_mean_on_every_rank(tmp_path, scenario):
     """Each rank logs an epoch mean of its own; ranking, early stopping and a plateau scheduler use rank zero's, the
     one TensorBoard shows, on every rank: the run stops where rank zero's values say (step 16), not where rank 1's
     would (12), and the learning rate halved twice on every rank (rank 1's values alone would halve it thrice).
     best_model_path names rank zero's file on every rank (rank 1, without a version_dir, read ''), as Lightning's, so
-    a test(ckpt=...) every rank runs gets one path."""
-    rank0, rank1 = _ok(launch("train_monitor", tmp_path, timeout=120))
+    a test(ckpt=...) every rank runs gets one path.
+
+    The same where rank 0 alone logs it with Lightning's rank_zero_only=True (which was refused), batch_size and
+    add_dataloader_idx; sync_dist=True, taken in one process, is refused on both ranks, naming what to do instead."""
+    rank0, rank1 = _ok(launch(scenario, tmp_path, timeout=120))
+    if scenario == "train_monitor_rank_zero_only":
+        for rank in (rank0, rank1):
+            assert rank["sync_refused"].startswith("log('train/synced') got sync_dist=True, which it does not take")
+            assert "under torchrun each rank logs its own value and rank zero's is written" in rank["sync_refused"]
     reason = "early stopping: train/score did not improve on 0.2 for 2 epochs"
     assert rank0["stopped"] == rank1["stopped"] == (16, reason)
     assert rank0["lr"] == rank1["lr"] == pytest.approx(0.05 / 4)
@@ -264,7 +272,8 @@ def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shor
     rank 0's second forward met rank 1's metric all-reduce and both aborted on gloo's size mismatch. Rank 1 now runs
     filler batches, dropped from the metric (equal to one process's) and the predictions; a rank with none at all
     is refused on every rank, naming it, also in a fit (whose set-up dropped an empty list on that rank alone, and
-    the other waited in its sanity pass until the timeout)."""
+    the other waited in its sanity pass until the timeout). A fit refuses it at set-up, before its first training
+    step, with num_sanity_val_steps=0 too (it trained up to its first validation, which refused it)."""
     from dist_worker import Plain
 
     class AllThirteen(Plain):
@@ -279,7 +288,10 @@ def test_an_uneven_stream_of_evaluation_batches_under_fsdp_is_padded_on_the_shor
     assert [rank0["predictions"], rank1["predictions"]] == [3, 1]
     for rank in (rank0, rank1):
         assert rank["refused"].startswith("val_dataloader() gives rank(s) 1 no batch while other ranks have 1 or more")
-        assert rank["fit_refused"].startswith("val_dataloader() gives rank(s) 1 no batch"), rank["fit_refused"]
+        for refused in rank["fit_refused"]:
+            assert refused.startswith("val_dataloader() gives rank(s) 1 no batch while other ranks have 3 or more: "
+                                      "under distributed.strategy=fsdp"), refused  # fmt: skip
+        assert rank["trained"] == [0, 0]
 
 
 @pytest.mark.parametrize(("size", "drop_last"), [(25, False), (25, True), (1, False), (24, False)])

@@ -10,6 +10,7 @@ import torch
 from toy_trainers import ManualOptimization, ToyTrainer, toy_cfg
 
 from ampkit import Callback
+from ampkit.trainer.distributed import DistributedEnv
 
 QUIET = {"checkpoint.enabled": False, "logging.tensorboard": False, "trainer.progress_bar": False}
 
@@ -239,11 +240,12 @@ class LogsWithLightningOptions(ToyTrainer):
 
 
 def test_log_with_lightning_only_options_names_what_does_their_work(tmp_path):
-    """Lightning's prog_bar/sync_dist: one UserCodeError naming them and log()'s own options, not a TypeError."""
+    """Lightning's prog_bar: one UserCodeError naming it and log()'s own options, not a TypeError; sync_dist=True
+    beside it is taken in one process, where Lightning syncs nothing either."""
     from ampkit.trainer.user_code import UserCodeError
 
     trainer = LogsWithLightningOptions(toy_cfg(tmp_path, **QUIET))
-    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar=True, sync_dist=True, which it does "
+    with pytest.raises(UserCodeError, match=r"log\('train_loss'\) got prog_bar=True, which it does "
                        r"not take: log\(\) takes on_step, on_epoch, always and step; the progress"):  # fmt: skip
         trainer.fit()
 
@@ -259,6 +261,10 @@ class LogsWithLightningOptionsAtWhatLogDoes(ToyTrainer):
         self.log("capitalised", loss, on_epoch=True, reduce_fx="Mean")
         self.log("peak", loss, reduce_fx="max")  # on_step only: Lightning reduces nothing, its max is the value
         self.log("least", loss, reduce_fx=torch.min)
+        # one process: sync_dist=True syncs nothing, as in Lightning; the rest change nothing at any value
+        lightning = {"sync_dist": True, "sync_dist_group": None, "rank_zero_only": True, "add_dataloader_idx": False,
+                     "metric_attribute": "acc", "batch_size": None}  # fmt: skip
+        self.log("synced", loss, on_epoch=True, **lightning)
         return loss
 
 
@@ -272,7 +278,7 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
     trainer.fit()
     means = trainer.monitor_values()
     assert means["plain_epoch"] == means["spelt_out_epoch"] == means["torch_mean_epoch"]
-    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"]
+    assert means["plain_epoch"] == means["avg_epoch"] == means["capitalised_epoch"] == means["synced_epoch"]
     trainer = LogsWithLightningOptionsAtWhatLogDoes(toy_cfg(tmp_path, **QUIET))
     trainer.log("peak", 2.0, reduce_fx="MAX")  # outside a batch: written at once, as without reduce_fx
     assert [(tag, value) for tag, value, _ in trainer.logged_scalars] == [("peak", 2.0)]
@@ -283,27 +289,42 @@ def test_log_takes_lightning_options_at_the_values_that_ask_for_what_it_does(tmp
         ({"reduce_fx": torch.max, "on_epoch": True}, "reduce_fx=<built-in method max"),
         ({"prog_bar": True, "logger": True}, "got prog_bar=True, which"),
         ({"logger": False}, "got logger=False, which"),
-        ({"rank_zero_only": True}, "got rank_zero_only=True, which"),
-        ({"enable_graph": True}, "got enable_graph=True, which"),
+        ({"rank_zero_only": 1}, "got rank_zero_only=1, which"),
+        ({"add_dataloader_idx": "no"}, "got add_dataloader_idx='no', which"),
+        ({"enable_graph": True}, "got enable_graph=True, which it does not take: "),
+        ({"enable_graph": True}, "; log() detaches every value and keeps no graph: keep the tensor yourself"),
+        ({"batch_size": 0}, "log('x', batch_size=0): batch_size is the batch's weight in an on_epoch mean: an "),
+        ({"batch_size": 2.5}, "log('x', batch_size=2.5): batch_size is the batch's weight"),
+        ({"batch_size": True}, "log('x', batch_size=True): batch_size is the batch's weight"),
     ]:
         with pytest.raises(UserCodeError, match=re.escape(shown)):
             trainer.log("x", 1.0, **refused)
+    trainer.dist = DistributedEnv(0, 2)  # under torchrun: rank zero's value alone is written, so a sync is refused
+    with pytest.raises(UserCodeError, match=r"got sync_dist=True, which it does not take: .*; under torchrun each "
+                       r"rank logs its own value .* all-reduce it across the ranks yourself first"):  # fmt: skip
+        trainer.log("x", 1.0, sync_dist=True)
 
 
 class LogsWithABatchSize(ToyTrainer):
+    """Logs its batch index with a batch_size of its own (index + 1), and its loss with batch_size given on_step only,
+    where Lightning weighs nothing."""
+
     def training_step(self, batch):
         loss = super().training_step(batch)
-        self.log("train/acc", 0.5, on_epoch=True, batch_size=3)
+        self.log("train/index", float(self.state.batch_idx), on_epoch=True, batch_size=self.state.batch_idx + 1)
+        self.log("train/index_by_samples", float(self.state.batch_idx), on_epoch=True)
+        self.log("train/loss_now", loss, batch_size=3)
         return loss
 
 
-def test_log_with_lightning_s_batch_size_names_samples_in_which_weighs_epoch_means_here(tmp_path):
-    """Refused with log()'s own options only: nothing said where the batch's weight in the epoch mean comes from."""
-    from ampkit.trainer.user_code import UserCodeError
-
-    with pytest.raises(UserCodeError, match=r"got batch_size=3, which it does not take: .*; an on_epoch mean weighs "
-                       r"each batch by samples_in\(batch\) \(override it for Lightning's batch_size\)"):  # fmt: skip
-        LogsWithABatchSize(toy_cfg(tmp_path, **QUIET)).fit()
+def test_log_weighs_an_epoch_mean_by_lightning_s_batch_size(tmp_path):
+    """Lightning's batch_size is the value's weight in its epoch mean: it was refused, and a port had to move the
+    weight into samples_in. Without it the weight is samples_in(batch), as before."""
+    trainer = LogsWithABatchSize(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 1, "data.n": 40}))
+    trainer.fit()  # 5 batches of 8
+    means = trainer.monitor_values()
+    assert means["train/index_epoch"] == pytest.approx(sum(i * (i + 1) for i in range(5)) / sum(range(1, 6)))
+    assert means["train/index_by_samples_epoch"] == pytest.approx(2.0)
 
 
 class PlateauEachEpoch(ToyTrainer):
@@ -322,3 +343,58 @@ def test_an_epoch_scheduler_stepping_before_the_first_validation_is_refused_befo
                        r"after trainer.val_every_n_epochs=2: give it 'frequency': 2"):  # fmt: skip
         trainer.fit()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda t: t.validate(ckpt_path="best"), "validate() takes ckpt: Lightning's ckpt_path is ckpt= here"),
+        (
+            lambda t: t.test(ckpt_path="last"),
+            "test() takes ckpt: Lightning's ckpt_path is ckpt= here (test(ckpt='last')",
+        ),
+        (lambda t: t.fit(ckpt_path="last"), "fit() takes resume: Lightning's ckpt_path is resume= here"),
+        (lambda t: t.validate(t), "Lightning's validate(model, ...) takes a model or loaders first; here the Trainer "),
+        (
+            lambda t: t.fit(torch.nn.Linear(2, 2)),
+            "fit() takes resume: Lightning's fit(model, ...) takes a model or loaders first",
+        ),
+        (lambda t: t.test(None, [1]), "its test_dataloader() returns the batches: the first argument is ckpt"),
+        (
+            lambda t: t.validate(dataloaders=[1]),
+            "Lightning's dataloaders has no place here: the Trainer's val_dataloader",
+        ),
+        (lambda t: t.test(verbose=False), "Lightning's verbose has no place here: test() prints nothing and returns"),
+        (lambda t: t.predict(return_predictions=True), "predict() takes ckpt, output, overwrite: Lightning's return_"),
+        (lambda t: t.validate(ckpt_pth="last"), "validate() takes ckpt: it has no argument 'ckpt_pth'"),
+    ],
+)
+def test_lightning_s_arguments_to_fit_and_evaluation_name_what_does_their_work(tmp_path, call, said):
+    """trainer.test(ckpt_path="best"), trainer.fit(model): Python's bare TypeError ('unexpected keyword argument
+    ckpt_path'), or for a model or loader given first, a message about checkpoint paths naming no Lightning habit."""
+    trainer = ToyTrainer(toy_cfg(tmp_path, **QUIET))
+    with pytest.raises(TypeError, match=re.escape(said)):
+        call(trainer)
+    assert not (tmp_path / "run").exists()  # refused before anything ran
+
+
+class WritesThroughTheExperiment(ToyTrainer):
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.logger.experiment.add_scalar("loss", loss.item(), self.state.global_step)
+        return loss
+
+
+def test_lightning_s_logger_attributes_name_ampkit_s_way(tmp_path):
+    """self.logger.experiment.add_scalar(...), Lightning's way to the SummaryWriter, was a bare AttributeError; it
+    names self.log and the logger's own methods, under TensorBoard and on a logger that drops everything."""
+    from ampkit.trainer.logger import Logger
+
+    trainer = WritesThroughTheExperiment(toy_cfg(tmp_path, **{"trainer.progress_bar": False, "trainer.max_steps": 1}))
+    with pytest.raises(AttributeError, match=r"'TensorBoardWriter' object has no attribute 'experiment' \(Lightning's "
+                       r"name; here it is self.log\(tag, value\) for scalars, and self.logger.log_image"):  # fmt: skip
+        trainer.fit()
+    with pytest.raises(AttributeError, match=r"no attribute 'log_metrics' \(Lightning's name; here it is self.log"):
+        Logger().log_metrics({"acc": 1.0})
+    with pytest.raises(AttributeError, match=r"^'Logger' object has no attribute 'nothing_of_lightning's'$"):
+        getattr(Logger(), "nothing_of_lightning's")

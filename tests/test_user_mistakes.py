@@ -461,15 +461,20 @@ def test_a_submodule_called_directly_in_evaluation_names_precision_cast_modules(
 
 
 class LogsInValidationStep(ToyTrainer):  # Lightning's way: self.log in validation_step
+    options: dict = {}
+
     def validation_step(self, batch):
         metrics = super().validation_step(batch)
-        self.log("val_mse", next(iter(metrics.values())))
+        self.log("val_mse", next(iter(metrics.values())), **self.options)
         return metrics
 
 
-def test_log_in_an_evaluation_step_is_refused_naming_what_to_return(tmp_path):
-    """It wrote the sanity batches' values at step 0 and dropped the rest: the step returns its metrics instead."""
+@pytest.mark.parametrize("options", [{}, {"prog_bar": True, "sync_dist": True}])
+def test_log_in_an_evaluation_step_is_refused_naming_what_to_return(tmp_path, monkeypatch, options):
+    """It wrote the sanity batches' values at step 0 and dropped the rest: the step returns its metrics instead. A
+    port's usual prog_bar=True there was refused first, naming the progress bar rather than this fix."""
     expected = r"log\('val_mse'\) in validation_step: it returns its metrics \(e.g. \{'acc': acc\}\), each averaged"
+    monkeypatch.setattr(LogsInValidationStep, "options", options)
     with pytest.raises(UserCodeError, match=expected):
         LogsInValidationStep(toy_cfg(tmp_path, **QUIET)).fit()
     with pytest.raises(UserCodeError, match=expected):

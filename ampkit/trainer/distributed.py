@@ -516,6 +516,16 @@ def warn_of_uneven_evaluation(
     )
 
 
+def no_batch_under_fsdp(source: str, empty: list[int], others_have: int) -> ValueError:
+    """The error for ranks ``empty`` that ``source`` gives no batch while the others have ``others_have`` or more:
+    under FSDP every forward is a collective, so a rank with nothing to run leaves the others' forwards unmet."""
+    return ValueError(
+        f"{source} gives rank(s) {', '.join(map(str, empty))} no batch while other ranks have {others_have} or more: "
+        "under distributed.strategy=fsdp every rank runs each forward together, so each needs a batch; give every "
+        "rank a share of the data (a map-style dataset is sharded for you)"
+    )
+
+
 def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -> Iterator[tuple[Any, bool]]:
     """``(batch, real)``: this rank's ``batches``, then its last one again (``real`` False: its results are
     dropped) until every rank's ran out, so every rank runs as many forwards, as FSDP's collectives in each need.
@@ -533,12 +543,7 @@ def padded_to_the_longest_rank(batches: Any, env: DistributedEnv, source: str) -
         if not any(has):
             return
         if not all(had):
-            empty = ", ".join(str(rank) for rank, any_batch in enumerate(had) if not any_batch)
-            raise ValueError(
-                f"{source} gives rank(s) {empty} no batch while other ranks have {done + 1} or more: under "
-                "distributed.strategy=fsdp every rank runs each forward together, so each needs a batch; give every "
-                "rank a share of the data (a map-style dataset is sharded for you)"
-            )
+            raise no_batch_under_fsdp(source, [rank for rank, any_batch in enumerate(had) if not any_batch], done + 1)
         done += 1
         if batch is _NO_BATCH:
             yield last, False

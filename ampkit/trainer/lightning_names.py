@@ -1,11 +1,15 @@
 """What a LightningModule's attributes are called on a Trainer, for the AttributeError a ported step meets.
 
 A Trainer is both Lightning's module and its trainer, so ``self.current_epoch`` or ``self.trainer.global_step``
-has an ampkit spelling; the error names it instead of only saying the attribute does not exist."""
+has an ampkit spelling; the error names it instead of only saying the attribute does not exist. So do the
+TypeErrors of Lightning's arguments to fit/validate/test/predict (``ckpt_path=``, a model given first)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
+from collections.abc import Callable
 from typing import Any
 
 from ampkit.lightning_settings import LIGHTNING_SETTINGS
@@ -124,11 +128,31 @@ def lightning_only_hooks(cls: type, base: type, hooks: dict[str, str]) -> list[s
     return found
 
 
-def missing_attribute(obj: Any, name: str) -> AttributeError:
-    """The AttributeError for ``obj.name``: with the ampkit spelling when ``name`` is Lightning's."""
+# What a Lightning logger's attributes are called on ``trainer.logger`` (ampkit's Logger), for a ported
+# ``self.logger.experiment.add_scalar(...)``.
+LIGHTNING_LOGGER_NAMES: dict[str, str] = {
+    "experiment": (
+        "self.log(tag, value) for scalars, and self.logger.log_image, log_histogram and log_text for the rest, "
+        "which write in the run's step order and stop the run on a failed write"
+    ),
+    "log_metrics": "self.log(tag, value) for each metric",
+    "log_hyperparams": "nothing: the run's config is written as TensorBoard hparams at the start of each fit",
+    "log_graph": "nothing: the model's graph is not written",
+    "log_dir": "self.version_dir / 'tensorboard' (the event files' directory, while TensorBoard logs)",
+    "save_dir": "self.cfg.run_dir",
+    "root_dir": "self.cfg.run_dir",
+    "version": "self.version_dir.name (version_N)",
+    "name": "self.version_dir.name (version_N) under self.cfg.run_dir",
+    "finalize": "nothing: the TensorBoard logger closes its files at the end of each fit",
+    "save": "nothing: the TensorBoard logger flushes its files itself",
+}
+
+
+def missing_attribute(obj: Any, name: str, names: dict[str, str] = LIGHTNING_NAMES) -> AttributeError:
+    """The AttributeError for ``obj.name``: with the ampkit spelling when ``name`` is Lightning's (among ``names``)."""
     message = f"'{type(obj).__name__}' object has no attribute '{name}'"
-    if name in LIGHTNING_NAMES:
-        message += f" (Lightning's name; here it is {LIGHTNING_NAMES[name]})"
+    if name in names:
+        message += f" (Lightning's name; here it is {names[name]})"
     return AttributeError(message, name=name, obj=obj)
 
 
@@ -145,3 +169,74 @@ def keyword_settings_error(class_name: str, schema: type, names: list[str]) -> s
         f"{class_name}() takes a config, not settings as keyword arguments ({'; '.join(found)}); pass them in cfg, "
         f"e.g. {class_name}({{'trainer': {{'max_epochs': 3}}}})"
     )
+
+
+# Lightning's arguments of Trainer.fit/validate/test/predict -> what does their work here ({method}: the method called,
+# {ckpt}: its checkpoint argument, {loader}: its dataloader method).
+LIGHTNING_RUN_ARGUMENTS: dict[str, str] = {
+    "ckpt_path": "is {ckpt}= here ({method}({ckpt}='last'), 'best' or a path)",
+    "model": "has no place here: the Trainer is the module, so call {method}() on it",
+    "dataloaders": "has no place here: the Trainer's {loader}() returns the batches",
+    "train_dataloaders": "has no place here: the Trainer's train_dataloader() returns the batches",
+    "val_dataloaders": "has no place here: the Trainer's val_dataloader() returns the batches",
+    "datamodule": "has no place here: the Trainer's *_dataloader() methods return the batches",
+    "verbose": "has no place here: {method}() prints nothing and returns its results (ampkit {method} prints them)",
+    "return_predictions": "has no place here: predict() returns them always (output= saves them too)",
+    "weights_only": "has no place here: every checkpoint is loaded with weights_only=True",
+}
+_RUN_ARGUMENT_NAMES = {
+    "fit": ("resume", "train_dataloader"),
+    "validate": ("ckpt", "val_dataloader"),
+    "test": ("ckpt", "test_dataloader"),
+    "predict": ("ckpt", "predict_dataloader"),
+}
+
+
+def _looks_like_lightning_positional(value: Any) -> bool:
+    """Whether a run method's first argument is what Lightning's takes there (a model, a Trainer, a DataLoader)
+    rather than a checkpoint: anything with parameters or a training_step, or an iterable that is no path."""
+    if isinstance(value, str | os.PathLike | bytes):
+        return False
+    return callable(getattr(value, "parameters", None)) or hasattr(value, "training_step") or hasattr(value, "__iter__")
+
+
+def run_arguments_error(method: str, args: tuple[Any, ...], kwargs: dict[str, Any], takes: list[str]) -> TypeError:
+    """The TypeError for a call of ``method`` (fit, validate, test, predict) whose ``args``/``kwargs`` its parameters
+    (``takes``) do not fit: each of Lightning's arguments named with what does its work here, as Python's own
+    message names none."""
+    ckpt, loader = _RUN_ARGUMENT_NAMES[method]
+    fill = {"method": method, "ckpt": ckpt, "loader": loader}
+    said = []
+    if len(args) > len(takes) or (args and _looks_like_lightning_positional(args[0])):
+        said.append(
+            f"Lightning's {method}(model, ...) takes a model or loaders first; here the Trainer is the module (call "
+            f"{method}() on it) and its {loader}() returns the batches: the first argument is {ckpt}, a checkpoint"
+        )
+    for name in kwargs:
+        if name in takes:
+            continue
+        if name in LIGHTNING_RUN_ARGUMENTS:
+            said.append(f"Lightning's {name} {LIGHTNING_RUN_ARGUMENTS[name].format(**fill)}")
+        else:
+            said.append(f"it has no argument '{name}'")
+    return TypeError(f"{method}() takes {', '.join(takes)}: " + "; ".join(said or ["those arguments do not fit"]))
+
+
+def refuses_lightning_arguments(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a Trainer's fit/validate/test/predict so that Lightning's arguments (``ckpt_path``, a model, loaders)
+    are refused naming what does their work here, not with Python's bare 'unexpected keyword argument'."""
+    signature = inspect.signature(method)
+    takes = list(signature.parameters)[1:]
+
+    @functools.wraps(method)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(self, *args, **kwargs)
+            fits = not (args and _looks_like_lightning_positional(args[0]))
+        except TypeError:
+            fits = False
+        if not fits:
+            raise run_arguments_error(method.__name__, args, kwargs, takes)
+        return method(self, *args, **kwargs)
+
+    return checked

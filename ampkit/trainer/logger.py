@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ampkit.trainer.lightning_names import LIGHTNING_LOGGER_NAMES, missing_attribute
 
 
 class Logger:
@@ -12,6 +16,9 @@ class Logger:
     code can always call ``self.logger.log_image(...)`` without checking which loggers are on. ``step``
     defaults to the current iteration.
     """
+
+    def __getattr__(self, name: str) -> Any:  # only names the class lacks: Lightning's get its ampkit spelling
+        raise missing_attribute(self, name, LIGHTNING_LOGGER_NAMES)
 
     def log_image(self, tag: str, image: torch.Tensor, step: int | None = None) -> None:
         """An image: ``(H, W)`` or ``(C, H, W)`` with C in 1, 3, 4; floats in [0, 1] or uint8."""

@@ -12,7 +12,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from ampkit.config import ConfigError
-from ampkit.trainer.distributed import DistributedEnv, gather_object
+from ampkit.trainer.distributed import DistributedEnv, gather_object, no_batch_under_fsdp
 from ampkit.trainer.evaluation import average_metrics
 from ampkit.trainer.rng import capture_rng, restore_rng
 from ampkit.trainer.user_code import no_batches_message
@@ -122,20 +122,38 @@ def refuse_a_loader_on_some_ranks(source: str, given: list[bool], otherwise: str
         )
 
 
+def refuse_an_empty_rank_under_fsdp(source: str, counts: list[int | None]) -> None:
+    """Raise where ``source`` is known to give a rank no batch while another has some (``counts``: per rank, None
+    where unknown): under FSDP each pass would refuse it on every rank, so a fit refuses it before training."""
+    empty = [rank for rank, count in enumerate(counts) if count == 0]
+    others = [count for count in counts if count]
+    if empty and others:
+        raise no_batch_under_fsdp(source, empty, min(others))
+
+
 def usable_validation_loader(
-    cfg: DictConfig, loader: Any, num_batches: int | None, env: DistributedEnv, validates: bool = True
+    cfg: DictConfig,
+    loader: Any,
+    num_batches: int | None,
+    env: DistributedEnv,
+    validates: bool = True,
+    sharded: bool = False,
 ) -> Any:
     """``loader``, or None when it has no batches (with a warning that validation is skipped, naming why as the train
     loader's error does); no validation data at all is an error when a metric is monitored.
 
     Under torchrun the ranks decide together (one gather, at set-up): every rank takes part in each validation, whose
     end gathers their metrics, so one whose loader is empty while another's has batches keeps it and runs each pass
-    with none (its metrics weigh nothing, as in ``validate()``); a loader on some ranks only is refused on all. In a
-    fit that never ``validates`` each rank decides alone, with no gather: no pass runs to wait in."""
+    with none (its metrics weigh nothing, as in ``validate()``); a loader on some ranks only is refused on all, and so
+    is, under FSDP (``sharded``), a rank known to have no batch while another has some, which the first validation
+    would refuse after training up to it. In a fit that never ``validates`` each rank decides alone, with no gather:
+    no pass runs to wait in."""
     mine = (loader is not None, num_batches)
     ranks = gather_object(mine, env) if validates else [mine]
     given = [has_loader for has_loader, _ in ranks]
     refuse_a_loader_on_some_ranks("val_dataloader()", given, "or None on every rank to not validate")
+    if sharded and validates:
+        refuse_an_empty_rank_under_fsdp("val_dataloader()", [count for _, count in ranks])
     empty = any(given) and all(count == 0 for _, count in ranks)
     if any(given) and not empty:
         return loader

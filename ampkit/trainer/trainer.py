@@ -143,12 +143,18 @@ from ampkit.trainer.evaluation import (
     warn_of_an_empty_pass,
     warn_of_no_batches,
 )
+from ampkit.trainer.evaluation_results import EvaluationResults
 from ampkit.trainer.failure_note import loop_position_note
 from ampkit.trainer.finite_weights import check_saved_weights_finite
 from ampkit.trainer.fsdp import backward_to, full_norm, uses_fsdp, validate_strategy
 from ampkit.trainer.idle_settings import idle_settings
 from ampkit.trainer.launch_env import check_launch_environment
-from ampkit.trainer.lightning_names import LIGHTNING_NAMES, keyword_settings_error, missing_attribute
+from ampkit.trainer.lightning_names import (
+    LIGHTNING_NAMES,
+    keyword_settings_error,
+    missing_attribute,
+    refuses_lightning_arguments,
+)
 from ampkit.trainer.loader_rng import capture_generators, restore_generators, set_sampler_epoch
 from ampkit.trainer.loader_workers import StartedWorkers
 from ampkit.trainer.logger import Logger
@@ -271,12 +277,21 @@ _LOG_OPTIONS = (
     "log() takes on_step, on_epoch, always and step; the progress bar shows the values training_step returns "
     "beside 'loss', and the epoch line the epoch means of on_epoch tags and what on_train_epoch_end hooks log "
     "(Lightning's prog_bar), every value goes to TensorBoard (no logger=False), and each value is this rank's, as "
-    "Lightning's without sync_dist"
+    "Lightning's without sync_dist; Lightning's batch_size, rank_zero_only, add_dataloader_idx, sync_dist_group and "
+    "metric_attribute are taken too"
 )
 # What does the work of Lightning's log() options that change a value's meaning, named where one is given.
 _LOG_OPTION_INSTEAD = {
-    "batch_size": "an on_epoch mean weighs each batch by samples_in(batch) (override it for Lightning's batch_size)",
+    "batch_size": (
+        "batch_size is the batch's weight in an on_epoch mean: an integer >= 1, or None for samples_in(batch)"
+    ),
     "reduce_fx": "an on_epoch value is the epoch's mean; for a max or a sum, log it yourself in on_train_epoch_end",
+    "sync_dist": (
+        "under torchrun each rank logs its own value and rank zero's is written and monitored (sync_dist=True is "
+        "taken in one process, where there is nothing to sync): all-reduce it across the ranks yourself first "
+        "(torch.distributed.all_reduce), or return it from validation_step, whose means cover every rank's samples"
+    ),
+    "enable_graph": "log() detaches every value and keeps no graph: keep the tensor yourself where you need its graph",
 }
 
 # Lightning's log() options at the values that ask for what log() does here anyway: a port that spells them out
@@ -284,20 +299,29 @@ _LOG_OPTION_INSTEAD = {
 _LOG_OPTION_AS_HERE: dict[str, tuple[Any, ...]] = {
     "prog_bar": (False,),  # the bar shows what training_step returns, never a log() value
     "logger": (True,),  # every value goes to TensorBoard
-    "sync_dist": (False,),  # each rank's own value
-    "rank_zero_only": (False,),  # every rank may log; rank zero writes
+    "sync_dist": (False,),  # each rank's own value (True in one process too: see _asks_what_log_does)
+    "rank_zero_only": (False, True),  # every rank may log; rank zero's values are written and monitored
     "enable_graph": (False,),  # values are detached
+    "add_dataloader_idx": (True, False),  # log() runs in training and evaluation-end hooks: no loader index to add
 }
+# Lightning's log() options that change nothing here at any value: the group of a sync_dist (refused by name under
+# torchrun, a no-op in one process), and the attribute of a torchmetrics object (whose value is refused, by name).
+_LOG_OPTION_IGNORED = ("sync_dist_group", "metric_attribute")
 # Lightning's reductions (its log() refuses any other): by name in any case ("avg" is its mean), or the function.
 _REDUCTIONS: dict[Any, str] = {"avg": "mean", **{name: name for name in ("mean", "max", "min", "sum")}}
 _REDUCTIONS.update({torch.mean: "mean", torch.max: "max", torch.min: "min", torch.sum: "sum"})
 _REDUCTIONS.update({max: "max", min: "min", sum: "sum"})
 
 
-def _asks_what_log_does(option: str, value: Any, reduced: bool) -> bool:
+def _asks_what_log_does(option: str, value: Any, reduced: bool, distributed: bool) -> bool:
     """Whether Lightning's log() ``option`` at ``value`` asks for what log() does here without it: a ``reduce_fx``
     of Lightning's that is its mean, or any where the value is not ``reduced`` (Lightning reduces on_epoch values
-    only, so an on_step one's max is its value)."""
+    only, so an on_step one's max is its value); ``sync_dist=True`` where no other rank is ``distributed``, as
+    Lightning syncs nothing in one process; a ``batch_size`` (checked where it weighs a value)."""
+    if option in _LOG_OPTION_IGNORED or option == "batch_size":
+        return True
+    if option == "sync_dist" and value is True:
+        return not distributed
     if option == "reduce_fx":
         kind = _REDUCTIONS.get(value.lower() if isinstance(value, str) else value) if value.__hash__ else None
         return kind == "mean" or (kind is not None and not reduced)
@@ -330,6 +354,16 @@ def _log_switch(tag: str, name: str, value: Any, default: bool | None) -> bool:
         return bool(value)
     or_none = " or None (the hook's default)" if default is not None else ""
     raise UserCodeError(f"log('{tag}', {name}={value!r}): expected True or False{or_none}")
+
+
+def _log_batch_size(tag: str, batch_size: Any) -> int | None:
+    """log()'s ``batch_size`` (Lightning's): the value's weight in an on_epoch mean, an integer >= 1; None (its
+    default) leaves the weight to ``samples_in(batch)``."""
+    if batch_size is None or (type(batch_size) is int and batch_size >= 1):
+        return batch_size
+    if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) and batch_size >= 1:
+        return int(batch_size)
+    raise UserCodeError(f"log('{tag}', batch_size={batch_size!r}): {_LOG_OPTION_INSTEAD['batch_size']}")
 
 
 def _every(n: int, count: int) -> bool:
@@ -902,29 +936,34 @@ class Trainer:
         ``_step`` and ``_epoch`` suffixes. In ``on_validation_end``/``on_test_end`` it is the evaluated set's value
         (an AUC over it): written once under ``tag``, monitorable, and returned by validate()/test().
         Lightning's ``prog_bar``, ``sync_dist``, ``reduce_fx``... are taken at the values that ask for what log()
-        does anyway (``sync_dist=False``, ``reduce_fx="mean"``) and refused at others, naming what does their work.
+        does anyway (``sync_dist=False``, or True in one process; ``reduce_fx="mean"``) and refused at others, naming
+        what does their work; ``batch_size`` weighs the value in its epoch mean, as in Lightning.
         ``None`` for ``on_step``/``on_epoch`` is Lightning's "the hook's default", which these defaults are.
         """
         if not isinstance(tag, str) or not tag.strip():  # a number or tuple would be written under its str()
             what = "empty" if isinstance(tag, str) else type(tag).__name__
             raise UserCodeError(f"log(tag={tag!r}): the tag is {what}; expected a string such as 'train/acc'")
+        if self.evaluation_step is not None:  # before its options: a port's prog_bar or sync_dist there is not the fix
+            instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
+            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         on_step = _log_switch(tag, "on_step", on_step, default=True)
         on_epoch = _log_switch(tag, "on_epoch", on_epoch, default=False)
         refused: list[str] = []
         if others:  # Lightning's options; values are reduced where on_epoch is set and in on_train_epoch_end
             reduced = on_epoch or self._epoch_means_taken
-            refused = sorted(name for name, given in others.items() if not _asks_what_log_does(name, given, reduced))
+            distributed = self.dist.enabled
+            refused = sorted(
+                name for name, given in others.items() if not _asks_what_log_does(name, given, reduced, distributed)
+            )
         if refused:
             instead = "".join(f"; {_LOG_OPTION_INSTEAD[name]}" for name in refused if name in _LOG_OPTION_INSTEAD)
             got = ", ".join(f"{name}={others[name]!r}" for name in refused)
             raise UserCodeError(f"log('{tag}') got {got}, which it does not take: {_LOG_OPTIONS}{instead}")
+        weight = _log_batch_size(tag, others.get("batch_size"))
         always = _log_switch(tag, "always", always, default=None)
         valid_step = step is None or (type(step) is int and step >= 0)  # the usual cases, without an ABC check
         if not valid_step and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
             raise UserCodeError(f"log('{tag}', step={step!r}): expected None (this iteration) or an integer >= 0")
-        if self.evaluation_step is not None:
-            instead = INSTEAD_OF_LOG.get(self.evaluation_step, "log() is for training")
-            raise UserCodeError(f"log('{tag}') in {self.evaluation_step}: {instead}")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:  # a one-line error at the CLI, as the user's code can fix it from the message
                 raise UserCodeError(
@@ -990,7 +1029,7 @@ class Trainer:
                 # ... and a monitor's (Lightning's pattern: an epoch metric computed and logged there).
                 self._epoch_end_values[epoch_tag] = value
                 return
-            self._add_to_epoch_sum(epoch_tag, value)
+            self._add_to_epoch_sum(epoch_tag, value, weight)
 
     def _log_evaluation_value(self, tag: str, value: float | torch.Tensor, step: int | None) -> None:
         """A value an ``on_validation_end``/``on_test_end`` hook logs: the evaluated set's, kept for monitors and for
@@ -1061,10 +1100,12 @@ class Trainer:
             value = broadcast_object(self.validation_end_values.get(metric), self.dist)
         return value
 
-    def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor) -> None:
-        """Add ``value`` to ``tag``'s epoch mean, weighted by the batch's size (1 outside a batch), as validation
-        metrics and Lightning's epoch means are; a tensor stays on its device (no host read)."""
-        weight = (self.state.batch_size or 1) if self._batch is not None else 1
+    def _add_to_epoch_sum(self, tag: str, value: float | torch.Tensor, weight: int | None = None) -> None:
+        """Add ``value`` to ``tag``'s epoch mean, weighted by ``weight`` (log()'s ``batch_size``) or else the batch's
+        size (1 outside a batch), as validation metrics and Lightning's epoch means are; a tensor stays on its device
+        (no host read)."""
+        if weight is None:
+            weight = (self.state.batch_size or 1) if self._batch is not None else 1
         total = self._epoch_sums.setdefault(tag, [0.0, 0])
         total[0] += (value.float() if isinstance(value, torch.Tensor) else float(value)) * weight
         total[1] += weight
@@ -1237,6 +1278,7 @@ class Trainer:
             self._rank_failure = error
 
     # ----------------------------------------------------------------- fit
+    @refuses_lightning_arguments
     def fit(self, resume: str | os.PathLike | None = None) -> None:
         """Train. ``resume``: a checkpoint path, or ``"last"``/``"best"`` for the newest one under ``run_dir``.
 
@@ -1824,20 +1866,24 @@ class Trainer:
         self._agree_stop()  # early stopping takes effect at once on every rank
 
     # ----------------------------------------------------------------- validate, test, predict
-    def validate(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+    @refuses_lightning_arguments
+    def validate(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
         """Run ``validation_step`` over ``val_dataloader()`` once; returns the averaged metrics.
 
         ``ckpt``: ``"last"``, ``"best"`` (the newest under ``run_dir``), a path, or None for the current weights.
         Runs under the configured precision and, under ``torchrun``, each rank on its shard. Beside the means (keyed
-        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values.
+        as the step returned them) it returns what ``on_validation_end`` hooks logged, by tag, rank zero's values:
+        one dict, which Lightning's ``validate()[0]`` reads too.
         """
         return self._evaluate(VALIDATE, ckpt)
 
-    def test(self, ckpt: str | os.PathLike | None = None) -> dict[str, float]:
+    @refuses_lightning_arguments
+    def test(self, ckpt: str | os.PathLike | None = None) -> EvaluationResults:
         """Run ``test_step`` over ``test_dataloader()`` once; returns the averaged metrics and what ``on_test_end``
         hooks logged (``ckpt`` and the values as in validate)."""
         return self._evaluate(TEST, ckpt)
 
+    @refuses_lightning_arguments
     def predict(
         self, ckpt: str | os.PathLike | None = None, output: str | os.PathLike | None = None, overwrite: bool = False
     ) -> list[Any]:
@@ -1989,7 +2035,8 @@ class Trainer:
                     self.val_metrics = result
                 self._fire_evaluation_end(f"on_{stage.hook}_end", result)
                 logged = self.validation_end_values if stage is VALIDATE else self.test_end_values
-                result = {**result, **broadcast_object(logged, self.dist)}  # rank zero's, as monitors read them
+                logged = broadcast_object(logged, self.dist)  # rank zero's, as monitors read them
+                result = EvaluationResults(stage.name, {**result, **logged})
         except BaseException as exc:  # as in fit: callbacks undo what they started (precision's autocast)
             if self._running == stage.name:  # from a hook, the outer run fires it, once, as the error unwinds it
                 self._explain(exc)
@@ -2146,7 +2193,9 @@ class Trainer:
         count = None if self._val_loader is None else _batches_in(self._val_loader, self._val_limit, "val_dataloader()")
         # The ranks keep or drop the loader together: one whose list is empty runs each pass with none (and is named)
         validates = self.settings.val_every_n_epochs > 0 or self._val_every_n_steps > 0
-        self._val_loader = usable_validation_loader(self.cfg, self._val_loader, count, self.dist, validates)
+        self._val_loader = usable_validation_loader(
+            self.cfg, self._val_loader, count, self.dist, validates, self.sharded
+        )
         if self._val_loader is not None and validates and not self.sharded:  # under FSDP the shorter ranks pad
             warn_of_uneven_evaluation(
                 self._val_loader, self._val_limit, self.dist, "val_dataloader()", "validation_step", "on_validation_end"
