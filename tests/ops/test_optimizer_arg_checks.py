@@ -107,6 +107,65 @@ def test_a_scaler_viewing_a_buffer_is_compared_in_full_only_with_tensors_startin
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
+def _one_element_params():
+    """A parameter and a one-element one (a scalar temperature, a gain), each with a gradient."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(()))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _own_one_element(what: str, params, optimizer) -> torch.Tensor:
+    """A tensor the step writes that holds its one element alone, as GradScaler's scale does: the one-element
+    parameter (by ``.data``, another tensor object), its .grad, or the first one-element state tensor (a step count,
+    NovoGrad's per-tensor moment, SGD's momentum of the one-element parameter)."""
+    if what == "param":
+        return params[1].data
+    if what == "grad":
+        return params[1].grad
+    return next(v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == 1)
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("what", ["param", "grad", "state", "param at the first step"])
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_one_element_parameter_grad_or_state_as_a_scaler_is_refused_on_every_route(name, argument, what, backend):
+    """Only a scaler viewing a larger buffer was looked for: ampkit's Adam kernel refused a one-element gradient as
+    grad_scale, but torch's fused ops stepped with it (the gradient unscaled by itself), the host-read optimizers
+    divided the gradients by a scale the step had just changed, and found_inf was taken everywhere."""
+    params = _one_element_params()
+    optimizer = OPTIMIZERS[name](params, backend=backend)
+    if what != "param at the first step":
+        optimizer.step()  # the state exists, and the buckets are kept
+    shared = _own_one_element(what.split()[0], params, optimizer)
+    shared.fill_(0.0 if argument == "found_inf" else 2.0)
+    before = [p.detach().clone() for p in params]
+    other = {"found_inf": torch.tensor(0.0)} if argument == "grad_scale" else {"grad_scale": torch.tensor(2.0)}
+    where = r"param_groups\[0\]\['params'\]\[[01]\]"
+    with pytest.raises(RuntimeError, match=rf"^{type(optimizer).__name__}\.step\(\): {argument} shares memory with {where}"):
+        optimizer.step(**{argument: shared}, **other)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_scalers_of_their_own_are_looked_up_without_a_pass_over_the_tensors(name, monkeypatch):
+    """GradScaler's scale and flag each hold their memory alone: with the buckets kept, the step finds them among
+    no parameter, gradient or state by a look-up per group, not by comparing every tensor (a pass over all of them
+    each step, as long again as the rest of a small model's step)."""
+    params = _one_element_params()
+    optimizer = OPTIMIZERS[name](params)
+    optimizer.step()
+    scans = []
+    monkeypatch.setattr(optimizer, "_refuse_group_overlap", lambda *args: scans.append(args))
+    before = [p.detach().clone() for p in params]
+    optimizer.step(grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+    assert scans == []
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 BETAS_OPTIMIZERS = ["adamw", "adam_l2", "adamp", "lamb", "mixed_precision_lamb", "novograd"]
 
 
