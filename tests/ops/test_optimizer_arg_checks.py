@@ -5,7 +5,7 @@ import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS
 
-from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedSGD, _base
+from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD, _base
 
 
 def _model_params():
@@ -124,7 +124,8 @@ def _own_one_element(what: str, params, optimizer) -> torch.Tensor:
         return params[1].data
     if what == "grad":
         return params[1].grad
-    return next(v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == 1)
+    held = (v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+    return next(v for v in held if v.numel() == 1)
 
 
 @pytest.mark.parametrize("backend", ["ampkit", "torch"])
@@ -144,7 +145,8 @@ def test_a_one_element_parameter_grad_or_state_as_a_scaler_is_refused_on_every_r
     before = [p.detach().clone() for p in params]
     other = {"found_inf": torch.tensor(0.0)} if argument == "grad_scale" else {"grad_scale": torch.tensor(2.0)}
     where = r"param_groups\[0\]\['params'\]\[[01]\]"
-    with pytest.raises(RuntimeError, match=rf"^{type(optimizer).__name__}\.step\(\): {argument} shares memory with {where}"):
+    message = rf"^{type(optimizer).__name__}\.step\(\): {argument} shares memory with {where}"
+    with pytest.raises(RuntimeError, match=message):
         optimizer.step(**{argument: shared}, **other)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
@@ -330,3 +332,53 @@ def test_a_one_element_tensor_hyperparameter_steps_as_its_number_on_every_backen
             optimizer.step()
         results.append(params)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+TORCH_TWINS = {  # each fused optimizer torch.optim has one of, with its number hyper-parameters (both take them)
+    "adam": (
+        lambda p, **kw: FusedAdam(p, adam_w_mode=False, **kw),
+        torch.optim.Adam,
+        ("lr", "eps", "weight_decay"),
+    ),
+    "adamw": (FusedAdam, torch.optim.AdamW, ("lr", "eps", "weight_decay")),
+    "sgd": (FusedSGD, torch.optim.SGD, ("lr", "momentum", "dampening", "weight_decay")),
+    "adagrad": (
+        FusedAdagrad,
+        torch.optim.Adagrad,
+        ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
+    ),
+    "adadelta": (FusedAdadelta, torch.optim.Adadelta, ("lr", "rho", "eps", "weight_decay")),
+    "rmsprop": (FusedRMSprop, torch.optim.RMSprop, ("lr", "alpha", "eps", "weight_decay", "momentum")),
+}
+
+
+@pytest.mark.parametrize(
+    "value", [True, False, torch.tensor(True), torch.tensor(1)], ids=["True", "False", "tensor(True)", "tensor(1)"]
+)
+@pytest.mark.parametrize("twin", sorted(TORCH_TWINS))
+def test_a_bool_or_an_integer_tensor_hyperparameter_is_its_number_as_in_torch(twin, value):
+    """``lr=True`` is torch.optim's 1 (a bool is an int), as a one-element integer or bool tensor is its number: each
+    torch.optim twin takes them, the fused optimizers refused them ('True is a bool'). They step as the float."""
+    ours, theirs, keys = TORCH_TWINS[twin]
+    for key in keys:
+        extra = {"lr": 0.1} if key != "lr" else {}
+        theirs([torch.nn.Parameter(torch.ones(2))], **{key: value}, **extra)  # the spec: torch takes it
+        results = []
+        for given in (value, float(value)):
+            params = _model_params()
+            optimizer = ours(params, **{key: given}, **extra)
+            for _ in range(2):
+                optimizer.step()
+            results.append(params)
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), key
+
+
+@pytest.mark.parametrize("twin", ["adam", "adamw"])
+def test_a_bool_beta_is_refused_in_torchs_words(twin):
+    """True is 1, out of [0, 1): refused as torch.optim.Adam refuses it, naming the index."""
+    ours, theirs, _ = TORCH_TWINS[twin]
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: True"):
+        theirs([torch.nn.Parameter(torch.ones(2))], betas=(0.9, True))
+    message = r"Invalid betas\[1\]: True .*torch.optim: Invalid beta parameter at index 1: True"
+    with pytest.raises(ValueError, match=message):
+        ours(_model_params(), betas=(0.9, True))

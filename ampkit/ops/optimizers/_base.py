@@ -268,9 +268,10 @@ def check_hyper(
     name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False, finite: bool = True
 ) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
-    when given, ``value <= high`` when ``closed``); a one-element tensor counts as its number. One of another type
-    is also a TypeError, as in torch. With no ``high`` it must also be finite unless ``finite`` is False: an infinite
-    ``lr``, ``eps`` or ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
+    when given, ``value <= high`` when ``closed``); a bool counts as 0 or 1 and a one-element tensor of a real dtype as
+    its number, as torch.optim takes them (``lr=True`` is 1). One of another type is also a TypeError, as in torch.
+    With no ``high`` it must also be finite unless ``finite`` is False: an infinite ``lr``, ``eps`` or
+    ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
     finite_word = ""
     if high is not None:
         bound = f"in [{low}, {high}{']' if closed else ')'}"
@@ -279,9 +280,9 @@ def check_hyper(
         high, closed = math.inf, not finite
     if isinstance(value, Tensor) and value.numel() != 1:  # torch.optim's words for it
         raise ValueError(f"Invalid {name}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
-    if isinstance(value, Tensor) and value.dtype.is_floating_point and not value.is_meta:
+    if isinstance(value, Tensor) and not value.is_complex() and not value.is_meta:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
         )
@@ -471,10 +472,10 @@ def _check_group_value(name: str, key: str, value: Any) -> None:
 
 
 def _unread_on_device(value: Any) -> bool:
-    """Whether ``value`` is a one-element float tensor off the CPU: its shape and dtype are checked, its value left
+    """Whether ``value`` is a one-element real tensor off the CPU: its shape and dtype are checked, its value left
     unread at a step (a host sync); it was checked when its group was added."""
     off_cpu = isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")  # meta holds no value at all
-    return off_cpu and value.numel() == 1 and value.is_floating_point()
+    return off_cpu and value.numel() == 1 and not value.is_complex()
 
 
 _NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
