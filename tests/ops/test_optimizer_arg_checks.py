@@ -382,3 +382,24 @@ def test_a_bool_beta_is_refused_in_torchs_words(twin):
     message = r"Invalid betas\[1\]: True .*torch.optim: Invalid beta parameter at index 1: True"
     with pytest.raises(ValueError, match=message):
         ours(_model_params(), betas=(0.9, True))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_number_other_than_0_or_1_written_into_a_groups_flag_is_refused_at_step(name):
+    """The constructor and add_param_group refuse ``amsgrad=2``; written into ``param_groups`` later, the step's fast
+    path let any int or float of a flag by (2, 0.5, -1 stepped as True), as no bounds were kept for it."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    flags = [key for key, value in optimizer.defaults.items() if type(value) is bool and key in _base.GROUP_FLAGS]
+    assert flags
+    for key in flags:
+        before = [p.detach().clone() for p in params]
+        kept = optimizer.param_groups[0][key]
+        for value in (2, 0.5, -1):
+            optimizer.param_groups[0][key] = value
+            with pytest.raises(TypeError, match=rf"Invalid {key} of {type(optimizer).__name__}\.param_groups\[0\]"):
+                optimizer.step()
+            assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        optimizer.param_groups[0][key] = int(kept)  # Apex's 0/1 spelling steps
+        optimizer.step()
+        optimizer.param_groups[0][key] = kept

@@ -439,8 +439,11 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
                     continue
             else:
                 bounds = _STEP_BOUNDS.get(key)
-                if bounds is None or bounds[0] <= value < bounds[1]:
-                    continue
+                if bounds is not None:
+                    if bounds[0] <= value < bounds[1]:
+                        continue
+                elif key not in _FLAG_KEYS or (type(value) is int and 0 <= value <= 1):
+                    continue  # a key with no rule, or a flag's 0 or 1 (Apex's); amsgrad=2 stepped as True
         elif type(value) is bool and key in _FLAG_KEYS:
             continue
         elif key == "betas" and type(value) in (tuple, list) and len(value) == 2:  # a list: add_param_group's, YAML's
