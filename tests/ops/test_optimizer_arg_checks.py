@@ -403,3 +403,16 @@ def test_a_number_other_than_0_or_1_written_into_a_groups_flag_is_refused_at_ste
         optimizer.param_groups[0][key] = int(kept)  # Apex's 0/1 spelling steps
         optimizer.step()
         optimizer.param_groups[0][key] = kept
+
+
+def test_an_integer_tensor_lr_goes_to_torchs_fused_ops_as_float32_off_the_cpu():
+    """A group now takes a one-element integer or bool tensor lr as its number; torch's fused ops read a tensor lr off
+    the CPU as floating point, so it is handed to them as float32 (the meta device stands in for a GPU: only its
+    dtype is looked at), and a float one as it is."""
+    from ampkit.ops._backend import lr_for_torch_op
+
+    meta = torch.device("meta")
+    for lr in (torch.tensor(1, device=meta), torch.tensor(True, device=meta)):
+        assert lr_for_torch_op(lr, meta).dtype == torch.float32
+    assert lr_for_torch_op(torch.tensor(0.5, dtype=torch.float64, device=meta), meta).dtype == torch.float64
+    assert lr_for_torch_op(torch.tensor(1), torch.device("cpu")) == 1.0
