@@ -152,12 +152,16 @@ def test_a_one_element_parameter_grad_or_state_as_a_scaler_is_refused_on_every_r
     optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
 
 
+@pytest.mark.parametrize("copied", [False, True], ids=["grads as their params", "a grad of other strides"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_scalers_of_their_own_are_looked_up_without_a_pass_over_the_tensors(name, monkeypatch):
-    """GradScaler's scale and flag each hold their memory alone: with the buckets kept, the step finds them among
-    no parameter, gradient or state by a look-up per group, not by comparing every tensor (a pass over all of them
-    each step, as long again as the rest of a small model's step)."""
+def test_scalers_of_their_own_are_looked_up_without_a_pass_over_the_tensors(name, copied, monkeypatch):
+    """GradScaler's scale and flag each hold their memory alone: after a group's first step, the step finds them
+    among no parameter, gradient or state by a look-up per group, not by comparing every tensor (a pass over all of
+    them each step, as long again as the rest of a small model's step); a group whose gradient is copied each step
+    (strides other than its parameter's) too."""
     params = _one_element_params()
+    if copied:
+        params[0].grad = params[0].grad.t().contiguous().t()
     optimizer = OPTIMIZERS[name](params)
     optimizer.step()
     scans = []

@@ -199,6 +199,7 @@ class _BucketPlan:
     resets: int
     buckets: list[Bucket]
     slots: list[list[int]]
+    reusable: bool = True  # False: kept for the one-element look-up only (a copied gradient is made anew each step)
     filled: list[dict[str, Any]] = field(init=False)
     _one_element: frozenset[int] | None = field(default=None, init=False)
     _one_element_params: list[int] | None = field(default=None, init=False)
@@ -207,7 +208,9 @@ class _BucketPlan:
         self.filled = [s for bucket in self.buckets for s in bucket.states if s]
 
     def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: StateMap) -> bool:
-        if state is not self.state or state.resets != self.resets or layout != self.layout or not all(self.filled):
+        if not self.reusable or layout != self.layout or not all(self.filled):
+            return False
+        if state is not self.state or state.resets != self.resets:
             return False
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
 
@@ -968,8 +971,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 bucket.adopt_outside_writes()  # the versions a kept plan compares with next step
         if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
             self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, buckets, slots)
-        else:
-            self._plans.pop(id(group), None)
+        else:  # kept without its buckets, whose gradient copies would stay alive until the next step
+            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, [], [], False)
         return buckets
 
     def _build_buckets(self, group: dict[str, Any], grads: list[Tensor | None]) -> tuple[list[Bucket], list[list[int]]]:
