@@ -1,6 +1,7 @@
 """The fused optimizers' argument checks as a class: each hyper-parameter as torch.optim checks it, GradScaler's
 tensors as torch's fused ops take them, checked once a step."""
 
+import numpy as np
 import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS
@@ -357,12 +358,15 @@ TORCH_TWINS = {  # each fused optimizer torch.optim has one of, with its number 
 
 
 @pytest.mark.parametrize(
-    "value", [True, False, torch.tensor(True), torch.tensor(1)], ids=["True", "False", "tensor(True)", "tensor(1)"]
+    "value",
+    [True, False, np.bool_(True), torch.tensor(True), torch.tensor(1)],
+    ids=["True", "False", "np.True_", "tensor(True)", "tensor(1)"],
 )
 @pytest.mark.parametrize("twin", sorted(TORCH_TWINS))
 def test_a_bool_or_an_integer_tensor_hyperparameter_is_its_number_as_in_torch(twin, value):
-    """``lr=True`` is torch.optim's 1 (a bool is an int), as a one-element integer or bool tensor is its number: each
-    torch.optim twin takes them, the fused optimizers refused them ('True is a bool'). They step as the float."""
+    """``lr=True`` is torch.optim's 1 (a bool is an int; numpy's too), as a one-element integer or bool tensor is its
+    number: each torch.optim twin takes them, the fused optimizers refused them ('True is a bool'). They step as the
+    float."""
     ours, theirs, keys = TORCH_TWINS[twin]
     for key in keys:
         extra = {"lr": 0.1} if key != "lr" else {}

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -285,6 +286,8 @@ def check_hyper(
         raise ValueError(f"Invalid {name}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
     if isinstance(value, Tensor) and not value.is_complex() and not value.is_meta:
         value = value.item()
+    elif isinstance(value, np.bool_):  # numpy's bool is no numbers.Real, but is torch.optim's 0 or 1 as a bool is
+        value = bool(value)
     if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
