@@ -33,7 +33,13 @@ from ampkit.compat._wrapped_optimizer import PromotedOptimizerAttributes
 from ampkit.compat._wrapper_state import require_wrapper_keys
 from ampkit.ops._switches import checked_switch
 from ampkit.ops.multi_tensor import unscale_l2norm
-from ampkit.ops.optimizers._base import check_betas, check_group_at_step, check_group_hypers, check_hyper
+from ampkit.ops.optimizers._base import (
+    check_betas,
+    check_group_at_step,
+    check_group_hypers,
+    check_hyper,
+    host_numbers,
+)
 
 # Constructor arguments of the first FusedAdam that its successor does not take: any of them selects this class.
 LEGACY_ONLY_ARGUMENTS = ("eps_inside_sqrt", "max_grad_norm", "use_mt", "amp_scale_adjustment")
@@ -193,13 +199,17 @@ class LegacyFusedAdam(torch.optim.Optimizer):
             group_grads = [None] * len(params) if group_grads is None else list(group_grads)
             group_outputs = [None] * len(params) if group_outputs is None else list(group_outputs)
             chosen = [g if g is not None else p.grad for p, g in zip(params, group_grads, strict=True)]
+            # read once a group a step, as host numbers: tensor ones were read (and computed with) per parameter
+            lr, beta1, beta2, eps, weight_decay, max_grad_norm = host_numbers(
+                [group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["max_grad_norm"]]
+            )
             combined_scale = float(scale)
-            if group["max_grad_norm"] > 0:
+            if max_grad_norm > 0:
                 if norm is None:
                     present = [g for g in chosen if g is not None]
                     flag = torch.zeros(1, device=present[0].device if present else "cpu")
                     norm = unscale_l2norm(present, 1.0, flag).total
-                clip = (float(norm) / combined_scale + 1e-6) / group["max_grad_norm"]
+                clip = (float(norm) / combined_scale + 1e-6) / max_grad_norm
                 if clip > 1:
                     combined_scale = clip * combined_scale
             for p, grad, output in zip(params, chosen, group_outputs, strict=True):
@@ -215,9 +225,9 @@ class LegacyFusedAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                first_adam_update(p, output, state["exp_avg"], state["exp_avg_sq"], grad, group["lr"],
-                                  *group["betas"], group["eps"], combined_scale, state["step"], self.eps_mode,
-                                  int(group["bias_correction"]), group["weight_decay"])  # fmt: skip
+                first_adam_update(p, output, state["exp_avg"], state["exp_avg_sq"], grad, lr, beta1, beta2, eps,
+                                  combined_scale, state["step"], self.eps_mode, int(group["bias_correction"]),
+                                  weight_decay)  # fmt: skip
         return loss
 
 

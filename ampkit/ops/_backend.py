@@ -47,9 +47,10 @@ def torch_has_fused_op(op_name: str, device_type: str) -> bool:
 
 def lr_for_torch_op(lr: float | torch.Tensor, device: torch.device) -> float | torch.Tensor:
     """``lr`` as torch's fused ops take it: a number, or a tensor on the parameters' device (a CPU tensor is
-    read as a number there, as ``torch.optim`` does, which costs no device sync)."""
+    read as a number there, as ``torch.optim`` does, which costs no device sync); an integer or bool tensor, which
+    the groups take as its number, as a float32 one."""
     if not isinstance(lr, torch.Tensor):
         return float(lr)
     if lr.device.type == "cpu":
         return float(lr)
-    return lr.to(device, non_blocking=True)
+    return lr.to(device, dtype=lr.dtype if lr.is_floating_point() else torch.float32, non_blocking=True)

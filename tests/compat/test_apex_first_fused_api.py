@@ -65,6 +65,47 @@ def test_the_update_is_the_first_kernels(bias_correction, eps_inside_sqrt, max_g
     assert [optimizer.state[p]["step"] for p in params] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_tensor_hyperparameters_are_read_once_a_group_a_step_and_step_as_their_numbers(max_grad_norm, monkeypatch):
+    """Each parameter's update read the group's lr, betas, eps and weight decay again, and with tensor ones computed
+    its step size in float32 (a read and a sync per tensor on a GPU): they are read once a group a step, as host
+    numbers, and step exactly as those numbers, which the float64 formula matches."""
+    from ampkit.compat import legacy_fused_adam
+
+    hyper = dict(lr=2.0**-7, b1=0.75, b2=0.9375, eps=2.0**-10, decay=2.0**-4)  # exact in float32
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(13), torch.randn(1)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(3)]
+    reads = []
+    host_numbers = legacy_fused_adam.host_numbers
+    monkeypatch.setattr(legacy_fused_adam, "host_numbers", lambda values: reads.append(values) or host_numbers(values))
+    stepped = []
+    for as_tensor in (True, False):
+        number = torch.tensor if as_tensor else float
+        params = [p.clone() for p in start]
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": number(hyper["lr"] / 2)}]
+        optimizer = LegacyFusedAdam(groups, lr=number(hyper["lr"]), betas=(number(hyper["b1"]), number(hyper["b2"])),
+                                    eps=number(hyper["eps"]), weight_decay=number(hyper["decay"]),
+                                    max_grad_norm=number(max_grad_norm))  # fmt: skip
+        for step_grads in grads:
+            optimizer.step(grads=[step_grads[:2], step_grads[2:]])  # one list a group
+        stepped.append(params)
+    assert len(reads) == 2 * 2 * 3  # twice (tensors, numbers) each group's values once a step, 3 steps
+    assert all(torch.equal(a, b) for a, b in zip(*stepped, strict=True))
+    ref = [p.double() for p in start]
+    moments = [(torch.zeros_like(r), torch.zeros_like(r)) for r in ref]
+    for step, step_grads in enumerate(grads, start=1):
+        for index, (r, (m, v), g) in enumerate(zip(ref, moments, step_grads, strict=True)):
+            in_group = step_grads[2:] if index == 2 else step_grads[:2]
+            norm = math.sqrt(sum(x.double().square().sum().item() for x in in_group))
+            clip = (norm + 1e-6) / max_grad_norm if max_grad_norm > 0 else 1.0
+            group_hyper = {**hyper, "lr": hyper["lr"] / 2} if index == 2 else hyper
+            first_kernel_step(r, m, v, g.double(), scale=max(clip, 1.0), step=step, eps_inside_sqrt=False,
+                              bias_correction=True, **group_hyper)  # fmt: skip
+    for p, r in zip(stepped[1], ref, strict=True):
+        torch.testing.assert_close(p.double(), r, rtol=2e-6, atol=2e-7)
+
+
 def test_grad_norms_given_per_group_are_used_for_clipping():
     """FP16_Optimizer hands each group's norm of the scaled grads: a given norm decides the clip, not p.grad."""
     p = torch.ones(4)

@@ -1,11 +1,12 @@
 """The fused optimizers' argument checks as a class: each hyper-parameter as torch.optim checks it, GradScaler's
 tensors as torch's fused ops take them, checked once a step."""
 
+import numpy as np
 import pytest
 import torch
 from fused_optimizer_cases import OPTIMIZERS
 
-from ampkit.ops.optimizers import FusedAdagrad, FusedAdam, FusedSGD, _base
+from ampkit.ops.optimizers import FusedAdadelta, FusedAdagrad, FusedAdam, FusedRMSprop, FusedSGD, _base
 
 
 def _model_params():
@@ -104,6 +105,71 @@ def test_a_scaler_viewing_a_buffer_is_compared_in_full_only_with_tensors_startin
     before = [p.detach().clone() for p in params]
     optimizer.step(grad_scale=buffer[0:1], found_inf=buffer[1:2])
     assert looks == []
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def _one_element_params():
+    """A parameter and a one-element one (a scalar temperature, a gain), each with a gradient."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 4)), torch.nn.Parameter(torch.randn(()))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _own_one_element(what: str, params, optimizer) -> torch.Tensor:
+    """A tensor the step writes that holds its one element alone, as GradScaler's scale does: the one-element
+    parameter (by ``.data``, another tensor object), its .grad, or the first one-element state tensor (a step count,
+    NovoGrad's per-tensor moment, SGD's momentum of the one-element parameter)."""
+    if what == "param":
+        return params[1].data
+    if what == "grad":
+        return params[1].grad
+    held = (v for p in params for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+    return next(v for v in held if v.numel() == 1)
+
+
+@pytest.mark.parametrize("backend", ["ampkit", "torch"])
+@pytest.mark.parametrize("what", ["param", "grad", "state", "param at the first step"])
+@pytest.mark.parametrize("argument", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_one_element_parameter_grad_or_state_as_a_scaler_is_refused_on_every_route(name, argument, what, backend):
+    """Only a scaler viewing a larger buffer was looked for: ampkit's Adam kernel refused a one-element gradient as
+    grad_scale, but torch's fused ops stepped with it (the gradient unscaled by itself), the host-read optimizers
+    divided the gradients by a scale the step had just changed, and found_inf was taken everywhere."""
+    params = _one_element_params()
+    optimizer = OPTIMIZERS[name](params, backend=backend)
+    if what != "param at the first step":
+        optimizer.step()  # the state exists, and the buckets are kept
+    shared = _own_one_element(what.split()[0], params, optimizer)
+    shared.fill_(0.0 if argument == "found_inf" else 2.0)
+    before = [p.detach().clone() for p in params]
+    other = {"found_inf": torch.tensor(0.0)} if argument == "grad_scale" else {"grad_scale": torch.tensor(2.0)}
+    where = r"param_groups\[0\]\['params'\]\[[01]\]"
+    message = rf"^{type(optimizer).__name__}\.step\(\): {argument} shares memory with {where}"
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.step(**{argument: shared}, **other)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    optimizer.step(**{argument: shared.clone()}, **other)  # its clone steps
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["grads as their params", "a grad of other strides"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_scalers_of_their_own_are_looked_up_without_a_pass_over_the_tensors(name, copied, monkeypatch):
+    """GradScaler's scale and flag each hold their memory alone: after a group's first step, the step finds them
+    among no parameter, gradient or state by a look-up per group, not by comparing every tensor (a pass over all of
+    them each step, as long again as the rest of a small model's step); a group whose gradient is copied each step
+    (strides other than its parameter's) too."""
+    params = _one_element_params()
+    if copied:
+        params[0].grad = params[0].grad.t().contiguous().t()
+    optimizer = OPTIMIZERS[name](params)
+    optimizer.step()
+    scans = []
+    monkeypatch.setattr(optimizer, "_refuse_group_overlap", lambda *args: scans.append(args))
+    before = [p.detach().clone() for p in params]
+    optimizer.step(grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+    assert scans == []
     assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
 
 
@@ -271,3 +337,90 @@ def test_a_one_element_tensor_hyperparameter_steps_as_its_number_on_every_backen
             optimizer.step()
         results.append(params)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+TORCH_TWINS = {  # each fused optimizer torch.optim has one of, with its number hyper-parameters (both take them)
+    "adam": (
+        lambda p, **kw: FusedAdam(p, adam_w_mode=False, **kw),
+        torch.optim.Adam,
+        ("lr", "eps", "weight_decay"),
+    ),
+    "adamw": (FusedAdam, torch.optim.AdamW, ("lr", "eps", "weight_decay")),
+    "sgd": (FusedSGD, torch.optim.SGD, ("lr", "momentum", "dampening", "weight_decay")),
+    "adagrad": (
+        FusedAdagrad,
+        torch.optim.Adagrad,
+        ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value"),
+    ),
+    "adadelta": (FusedAdadelta, torch.optim.Adadelta, ("lr", "rho", "eps", "weight_decay")),
+    "rmsprop": (FusedRMSprop, torch.optim.RMSprop, ("lr", "alpha", "eps", "weight_decay", "momentum")),
+}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, np.bool_(True), torch.tensor(True), torch.tensor(1)],
+    ids=["True", "False", "np.True_", "tensor(True)", "tensor(1)"],
+)
+@pytest.mark.parametrize("twin", sorted(TORCH_TWINS))
+def test_a_bool_or_an_integer_tensor_hyperparameter_is_its_number_as_in_torch(twin, value):
+    """``lr=True`` is torch.optim's 1 (a bool is an int; numpy's too), as a one-element integer or bool tensor is its
+    number: each torch.optim twin takes them, the fused optimizers refused them ('True is a bool'). They step as the
+    float."""
+    ours, theirs, keys = TORCH_TWINS[twin]
+    for key in keys:
+        extra = {"lr": 0.1} if key != "lr" else {}
+        theirs([torch.nn.Parameter(torch.ones(2))], **{key: value}, **extra)  # the spec: torch takes it
+        results = []
+        for given in (value, float(value)):
+            params = _model_params()
+            optimizer = ours(params, **{key: given}, **extra)
+            for _ in range(2):
+                optimizer.step()
+            results.append(params)
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), key
+
+
+@pytest.mark.parametrize("twin", ["adam", "adamw"])
+def test_a_bool_beta_is_refused_in_torchs_words(twin):
+    """True is 1, out of [0, 1): refused as torch.optim.Adam refuses it, naming the index."""
+    ours, theirs, _ = TORCH_TWINS[twin]
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: True"):
+        theirs([torch.nn.Parameter(torch.ones(2))], betas=(0.9, True))
+    message = r"Invalid betas\[1\]: True .*torch.optim: Invalid beta parameter at index 1: True"
+    with pytest.raises(ValueError, match=message):
+        ours(_model_params(), betas=(0.9, True))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_number_other_than_0_or_1_written_into_a_groups_flag_is_refused_at_step(name):
+    """The constructor and add_param_group refuse ``amsgrad=2``; written into ``param_groups`` later, the step's fast
+    path let any int or float of a flag by (2, 0.5, -1 stepped as True), as no bounds were kept for it."""
+    params = _model_params()
+    optimizer = OPTIMIZERS[name](params)
+    flags = [key for key, value in optimizer.defaults.items() if type(value) is bool and key in _base.GROUP_FLAGS]
+    assert flags
+    for key in flags:
+        before = [p.detach().clone() for p in params]
+        kept = optimizer.param_groups[0][key]
+        for value in (2, 0.5, -1):
+            optimizer.param_groups[0][key] = value
+            with pytest.raises(TypeError, match=rf"Invalid {key} of {type(optimizer).__name__}\.param_groups\[0\]"):
+                optimizer.step()
+            assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        optimizer.param_groups[0][key] = int(kept)  # Apex's 0/1 spelling steps
+        optimizer.step()
+        optimizer.param_groups[0][key] = kept
+
+
+def test_an_integer_tensor_lr_goes_to_torchs_fused_ops_as_float32_off_the_cpu():
+    """A group now takes a one-element integer or bool tensor lr as its number; torch's fused ops read a tensor lr off
+    the CPU as floating point, so it is handed to them as float32 (the meta device stands in for a GPU: only its
+    dtype is looked at), and a float one as it is."""
+    from ampkit.ops._backend import lr_for_torch_op
+
+    meta = torch.device("meta")
+    for lr in (torch.tensor(1, device=meta), torch.tensor(True, device=meta)):
+        assert lr_for_torch_op(lr, meta).dtype == torch.float32
+    assert lr_for_torch_op(torch.tensor(0.5, dtype=torch.float64, device=meta), meta).dtype == torch.float64
+    assert lr_for_torch_op(torch.tensor(1), torch.device("cpu")) == 1.0

@@ -416,6 +416,29 @@ def test_torch_adams_decoupled_weight_decay_in_a_group_is_refused_where_it_says_
     assert len(optimizer.param_groups) == 1 and "decoupled_weight_decay" not in optimizer.param_groups[0]
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_torch_adams_decoupled_weight_decay_keyword_is_taken_where_it_agrees_with_adam_w_mode(decoupled):
+    """torch.optim.Adam(params, decoupled_weight_decay=True) was an 'unexpected keyword argument' for FusedAdam, which
+    takes the key in a param group: the keyword follows the group's rule, and steps as adam_w_mode says."""
+    torch.optim.Adam(make_params(torch.float32), decoupled_weight_decay=decoupled)  # the spec takes it
+    results = []
+    for extra in ({"decoupled_weight_decay": decoupled}, {}):
+        torch.manual_seed(0)
+        params = make_params(torch.float32)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = FusedAdam(params, weight_decay=0.1, adam_w_mode=decoupled, **extra)
+        optimizer.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert "decoupled_weight_decay" not in optimizer.defaults
+    message = rf"decoupled_weight_decay={decoupled} .* and adam_w_mode={not decoupled}: FusedAdam reads adam_w_mode"
+    with pytest.raises(ValueError, match=message):
+        FusedAdam(make_params(torch.float32), adam_w_mode=not decoupled, decoupled_weight_decay=decoupled)
+    with pytest.raises(TypeError, match=r"Invalid decoupled_weight_decay: 'yes' is a str"):
+        FusedAdam(make_params(torch.float32), decoupled_weight_decay="yes")
+
+
 # ----------------------------------------------------------------- GradScaler contract, zero_grad
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -199,15 +200,42 @@ class _BucketPlan:
     resets: int
     buckets: list[Bucket]
     slots: list[list[int]]
+    reusable: bool = True  # False: kept for the one-element look-up only (a copied gradient is made anew each step)
     filled: list[dict[str, Any]] = field(init=False)
+    _one_element: frozenset[int] | None = field(default=None, init=False)
+    _one_element_params: list[int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.filled = [s for bucket in self.buckets for s in bucket.states if s]
 
     def fits(self, params: list[Tensor], layout: list[tuple[Any, ...] | None], state: StateMap) -> bool:
-        if state is not self.state or state.resets != self.resets or layout != self.layout or not all(self.filled):
+        if not self.reusable or layout != self.layout or not all(self.filled):
+            return False
+        if state is not self.state or state.resets != self.resets:
             return False
         return len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+
+    def holds_state_of(self, params: list[Tensor], state: StateMap) -> bool:
+        """Whether no state tensor was made or loaded since, as far as a look costing nothing per parameter tells: the
+        same state map, no entry replaced or removed, as many parameters, the same first (a state tensor replaced by
+        hand, or a parameter swapped in place further down the group's list, is not seen)."""
+        if state is not self.state or state.resets != self.resets or len(params) != len(self.params):
+            return False
+        return not params or params[0] is self.params[0]
+
+    def one_element_addresses(self) -> frozenset[int]:
+        """The addresses of the group's one-element state tensors (every step count), found once for the plan: the
+        only state a one-element tensor of its own (GradScaler's scale) could be."""
+        if self._one_element is None:
+            held = (local_shard(v) for p in self.params for v in self.state.get(p, {}).values())
+            self._one_element = frozenset(t.data_ptr() for t in held if isinstance(t, Tensor) and t.numel() == 1)
+        return self._one_element
+
+    def one_element_params(self) -> list[int]:
+        """The indices of the group's one-element parameters, whose own and gradients' addresses are read each step."""
+        if self._one_element_params is None:
+            self._one_element_params = [i for i, p in enumerate(self.params) if local_shard(p).numel() == 1]
+        return self._one_element_params
 
 
 def read_together(
@@ -244,9 +272,10 @@ def check_hyper(
     name: str, value: float, low: float = 0.0, high: float | None = None, *, closed: bool = False, finite: bool = True
 ) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a number with ``low <= value`` (and ``value < high``
-    when given, ``value <= high`` when ``closed``); a one-element tensor counts as its number. One of another type
-    is also a TypeError, as in torch. With no ``high`` it must also be finite unless ``finite`` is False: an infinite
-    ``lr``, ``eps`` or ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
+    when given, ``value <= high`` when ``closed``); a bool counts as 0 or 1 and a one-element tensor of a real dtype as
+    its number, as torch.optim takes them (``lr=True`` is 1). One of another type is also a TypeError, as in torch.
+    With no ``high`` it must also be finite unless ``finite`` is False: an infinite ``lr``, ``eps`` or
+    ``weight_decay`` passes ``>= 0`` and turns every weight inf or NaN, or freezes it."""
     finite_word = ""
     if high is not None:
         bound = f"in [{low}, {high}{']' if closed else ')'}"
@@ -255,9 +284,11 @@ def check_hyper(
         high, closed = math.inf, not finite
     if isinstance(value, Tensor) and value.numel() != 1:  # torch.optim's words for it
         raise ValueError(f"Invalid {name}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
-    if isinstance(value, Tensor) and value.dtype.is_floating_point and not value.is_meta:
+    if isinstance(value, Tensor) and not value.is_complex() and not value.is_meta:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    elif isinstance(value, np.bool_):  # numpy's bool is no numbers.Real, but is torch.optim's 0 or 1 as a bool is
+        value = bool(value)
+    if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
             f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
         )
@@ -414,8 +445,11 @@ def check_group_at_step(owner: str, index: int, group: dict[str, Any]) -> None:
                     continue
             else:
                 bounds = _STEP_BOUNDS.get(key)
-                if bounds is None or bounds[0] <= value < bounds[1]:
-                    continue
+                if bounds is not None:
+                    if bounds[0] <= value < bounds[1]:
+                        continue
+                elif key not in _FLAG_KEYS or (type(value) is int and 0 <= value <= 1):
+                    continue  # a key with no rule, or a flag's 0 or 1 (Apex's); amsgrad=2 stepped as True
         elif type(value) is bool and key in _FLAG_KEYS:
             continue
         elif key == "betas" and type(value) in (tuple, list) and len(value) == 2:  # a list: add_param_group's, YAML's
@@ -447,10 +481,10 @@ def _check_group_value(name: str, key: str, value: Any) -> None:
 
 
 def _unread_on_device(value: Any) -> bool:
-    """Whether ``value`` is a one-element float tensor off the CPU: its shape and dtype are checked, its value left
+    """Whether ``value`` is a one-element real tensor off the CPU: its shape and dtype are checked, its value left
     unread at a step (a host sync); it was checked when its group was added."""
     off_cpu = isinstance(value, Tensor) and value.device.type not in ("cpu", "meta")  # meta holds no value at all
-    return off_cpu and value.numel() == 1 and value.is_floating_point()
+    return off_cpu and value.numel() == 1 and not value.is_complex()
 
 
 _NUMBER_TYPES = (float, int)  # check_group_at_step's fast path: a bool (an int's subclass) is not one of them
@@ -730,40 +764,68 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _refuse_shared_scaler(self, scaler: ScalerTensors) -> None:
-        """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, as the
-        kernels refuse it: they and torch's fused ops read it while writing those (the gradients unscaled too), so a
-        scale inside a gradient was read as changed by the step. Only a tensor viewing a larger buffer is looked for
-        among them (GradScaler's own hold their memory alone), so the usual step pays one look at each; where one is,
-        each tensor of the step costs one address compare with the buffer's span (a tensor sharing memory with it
-        starts inside that buffer), and only one starting there is compared in full."""
-        spans = []
+        """Refuse a ``grad_scale`` or ``found_inf`` sharing memory with a parameter, its gradient or its state, on every
+        route alike: ampkit's kernels refuse it, torch's fused ops took it, and they and the host-read steps read it
+        while writing those (the gradients unscaled too), so a scale inside a gradient was read as changed by the step.
+        A tensor sharing a scaler's memory starts inside the scaler's storage: each tensor of a group costs one address
+        compare with that span, and only one starting there is compared in full. A scaler whose storage is its one
+        element (GradScaler's, or a step count or a one-element parameter passed by mistake) is looked up among the
+        one-element tensors of each group's kept buckets instead (:meth:`_BucketPlan.one_element_addresses`), so the
+        usual step pays no pass over its tensors; a group with none kept is compared tensor by tensor."""
+        spans, singles = [], []
         for name, t in zip(ScalerTensors._fields, scaler, strict=True):
-            storage = None if t is None else local_shard(t).untyped_storage()
-            if storage is not None and storage.nbytes() > t.element_size():
-                spans.append((name, local_shard(t), storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-        if not spans:
+            if t is None:
+                continue
+            t = local_shard(t)
+            storage = t.untyped_storage()
+            begin, size = storage.data_ptr(), storage.nbytes()
+            (spans if size > t.element_size() else singles).append((name, t, begin, begin + size))
+        if not spans and not singles:
             return
+        addresses = [begin for _, _, begin, _ in singles]
         for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                state = self.state.get(p)
-                held = [p, p.grad, *state.values()] if state else [p, p.grad]
-                for k, other in enumerate(held):
-                    if not isinstance(other, Tensor):
-                        continue
-                    other = local_shard(other)
-                    try:
-                        address = other.data_ptr()
-                    except RuntimeError:  # no storage (a sparse gradient, refused as its bucket is built)
-                        continue
-                    for name, t, begin, end in spans:
-                        if begin <= address < end and shares_memory(t, other):
-                            what = ("", "'s .grad")[k] if k < 2 else f"'s state[{list(state)[k - 2]!r}]"
-                            raise RuntimeError(
-                                f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
-                                f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
-                                f"the written-to tensor refer to a single memory location); pass a {name} of its own, "
-                                "e.g. its clone()"
-                            )
+            if spans or self._may_hold_scaler(group, addresses):
+                self._refuse_group_overlap(g, group, spans + singles)
+
+    def _may_hold_scaler(self, group: dict[str, Any], addresses: list[int]) -> bool:
+        """Whether one of ``group``'s parameters, gradients or state tensors may start at one of ``addresses`` (those
+        of one-element scalers): from the group's kept buckets where they still fit it, else True."""
+        plan = self._plans.get(id(group))
+        params = group["params"]
+        if plan is None or not plan.holds_state_of(params, self.state):
+            return True
+        held = plan.one_element_addresses()
+        for i in plan.one_element_params():  # read anew: ``p.data = ...`` and each step's gradient move them
+            p, grad = local_shard(params[i]), params[i].grad
+            if p.data_ptr() in addresses or (grad is not None and grad.layout != torch.strided):
+                return True  # a sparse gradient has no address: the step refuses it as its bucket is built
+            if grad is not None and local_shard(grad).data_ptr() in addresses:
+                return True
+        return not held.isdisjoint(addresses)
+
+    def _refuse_group_overlap(self, g: int, group: dict[str, Any], spans: list[tuple[str, Tensor, int, int]]) -> None:
+        """Raise naming the first tensor of ``group`` (its parameters, gradients, state) that starts inside one of
+        ``spans`` (a scaler's storage) and shares memory with that scaler."""
+        for i, p in enumerate(group["params"]):
+            state = self.state.get(p)
+            held = [p, p.grad, *state.values()] if state else [p, p.grad]
+            for k, other in enumerate(held):
+                if not isinstance(other, Tensor):
+                    continue
+                other = local_shard(other)
+                try:
+                    address = other.data_ptr()
+                except RuntimeError:  # no storage (a sparse gradient, refused as its bucket is built)
+                    continue
+                for name, t, begin, end in spans:
+                    if begin <= address < end and shares_memory(t, other):
+                        what = ("", "'s .grad")[k] if k < 2 else f"'s state[{list(state)[k - 2]!r}]"
+                        raise RuntimeError(
+                            f"{type(self).__name__}.step(): {name} shares memory with param_groups[{g}]['params']"
+                            f"[{i}]{what}, which the step writes (torch: some elements of the input tensor and "
+                            f"the written-to tensor refer to a single memory location); pass a {name} of its own, "
+                            "e.g. its clone()"
+                        )
 
     def _check_groups_at_step(self) -> None:
         """:func:`check_group_at_step` on every group, before anything is read or stepped."""
@@ -912,8 +974,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 bucket.adopt_outside_writes()  # the versions a kept plan compares with next step
         if not any(b.copied_grads for b in buckets):  # a copied gradient is made anew each step
             self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, buckets, slots)
-        else:
-            self._plans.pop(id(group), None)
+        else:  # kept without its buckets, whose gradient copies would stay alive until the next step
+            self._plans[id(group)] = _BucketPlan(list(params), layout, self.state, self.state.resets, [], [], False)
         return buckets
 
     def _build_buckets(self, group: dict[str, Any], grads: list[Tensor | None]) -> tuple[list[Bucket], list[list[int]]]:

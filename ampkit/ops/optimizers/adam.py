@@ -69,7 +69,11 @@ class FusedAdam(FusedOptimizer):
         *,
         maximize: bool = False,
         backend: str | None = None,
+        decoupled_weight_decay: bool | None = None,
     ) -> None:
+        if decoupled_weight_decay is not None:  # torch.optim.Adam's switch: taken where it says what adam_w_mode does
+            check_flag("decoupled_weight_decay", decoupled_weight_decay)
+            _refuse_other_decay("FusedAdam is given", decoupled_weight_decay, adam_w_mode)
         check_hyper("lr", lr)
         check_hyper("eps", eps)
         betas = check_betas(betas)
@@ -94,12 +98,7 @@ class FusedAdam(FusedOptimizer):
         if "decoupled_weight_decay" not in group:
             return
         check_flag("decoupled_weight_decay of a param group", group["decoupled_weight_decay"])
-        if bool(group["decoupled_weight_decay"]) != bool(group["adam_w_mode"]):
-            raise ValueError(
-                f"A param group gives decoupled_weight_decay={group['decoupled_weight_decay']!r} (torch.optim.Adam's "
-                f"name) and adam_w_mode={group['adam_w_mode']!r}: FusedAdam reads adam_w_mode (True: AdamW's decay, "
-                "False: L2 as torch.optim.Adam); set that one"
-            )
+        _refuse_other_decay("A param group gives", group["decoupled_weight_decay"], group["adam_w_mode"])
         del group["decoupled_weight_decay"]
 
     def _init_state(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
@@ -186,3 +185,14 @@ class FusedAdam(FusedOptimizer):
                 grad_scale=scaler.grad_scale,
                 found_inf=scaler.found_inf,
             )
+
+
+def _refuse_other_decay(who: str, decoupled_weight_decay: Any, adam_w_mode: Any) -> None:
+    """Raise ValueError where torch.optim.Adam's ``decoupled_weight_decay`` says other than ``adam_w_mode``, which is
+    what the step reads: one of the two would be dropped without a word."""
+    if bool(decoupled_weight_decay) != bool(adam_w_mode):
+        raise ValueError(
+            f"{who} decoupled_weight_decay={decoupled_weight_decay!r} (torch.optim.Adam's name) and "
+            f"adam_w_mode={adam_w_mode!r}: FusedAdam reads adam_w_mode (True: AdamW's decay, False: L2 as "
+            "torch.optim.Adam); set that one"
+        )
