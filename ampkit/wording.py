@@ -12,6 +12,12 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+def type_of(value: Any) -> str:
+    """``"an int"``, ``"a float"``, ``"a Tensor"``: the article and type name a message says a value is."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def beyond_float(value: Any) -> bool:
     """Whether ``value`` is an integer too large for a float (``float(value)`` raises OverflowError)."""
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max

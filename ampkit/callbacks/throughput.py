@@ -29,7 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from ampkit.amp.opt_levels import parse_dtype
 from ampkit.amp.scaler import interval_option, positive_option
 from ampkit.trainer.callback import Callback, Phase
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, integer_digits, type_of
 
 # Dense peak TFLOP/s by compute dtype ("tf32": float32 matmuls on tensor cores), from NVIDIA's data sheets.
 # Keys are matched against torch.cuda.get_device_name() lower-cased; longer keys first (h100 nvl before h100).
@@ -126,7 +126,7 @@ def sample_worth(trainer, name: str, what: str) -> float | None:
             return value
         problem, error = " is invalid", ValueError
     else:
-        problem, error = f" is a {type(value).__name__}, not a number", TypeError
+        problem, error = f" is {type_of(value)}, not a number", TypeError
     if callable(value):  # a method: the figure is an attribute, read once when training starts, never called
         problem += f" (it is not called: set self.{name} = ... in configure_model, or make it a @property)"
     elif isinstance(value, torch.Tensor):

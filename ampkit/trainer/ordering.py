@@ -7,6 +7,7 @@ from typing import Any
 
 from ampkit.trainer.callback import Callback, run_order
 from ampkit.trainer.user_code import UserCodeError
+from ampkit.wording import type_of
 
 FROM_CONFIG = "the config"  # a built-in callback's source in order_callbacks: this, or "the config's <key>"
 
@@ -71,7 +72,7 @@ def callback_list(value: Any, where: str) -> list[Callback]:
         return []
     if isinstance(value, Mapping):  # iterating it would name its keys
         raise UserCodeError(
-            f"{where} is a {type(value).__name__} (keys {list(value)[:5]}); expected a Callback instance or a list of "
+            f"{where} is {type_of(value)} (keys {list(value)[:5]}); expected a Callback instance or a list of "
             "them (a dict's callbacks: list(d.values()))"
         )
     if isinstance(value, str | bytes):  # iterating it would name its characters

@@ -23,6 +23,7 @@ from ampkit.compat.amp.handle import init
 from ampkit.compat.amp.properties import O0, O1, O2, O3, O4, O5, Properties, opt_levels  # noqa: F401 - Apex's
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import is_switch
+from ampkit.wording import type_of
 
 # What amp.load_state_dict got before the first initialize: loaded into the scalers that initialize makes.
 _held_state: dict[str, Any] | None = None
@@ -49,7 +50,7 @@ def _as_list(value: Any, name: str) -> tuple[list[Any], type | None]:
         return list(value), type(value)
     if isinstance(value, Iterator):  # was "models[0] is a generator", an index into a list the caller never made
         raise TypeError(
-            f"{name} is a {type(value).__name__}; amp.initialize takes one {name[:-1]} or a list of them: pass "
+            f"{name} is {type_of(value)}; amp.initialize takes one {name[:-1]} or a list of them: pass "
             f"list(...) of it, and unpack the list it hands back"
         )
     return [value], None
@@ -75,7 +76,7 @@ def _check_models(models: list[Any], single: bool = False) -> None:
             )
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
-                f"{_item('models', i, single)} is a {type(model).__name__}; amp.initialize expects a torch.nn.Module "
+                f"{_item('models', i, single)} is {type_of(model)}; amp.initialize expects a torch.nn.Module "
                 f"or a list of them{_values_hint('models', model)}"
             )
         if _amp_state.allow_incoming_model_not_fp32:
@@ -139,7 +140,7 @@ def _check_optimizers(optimizers: list[Any], single: bool = False) -> None:
             )
         if not _is_optimizer(optimizer):
             raise TypeError(
-                f"{_item('optimizers', i, single)} is a {type(optimizer).__name__}; expected a torch.optim.Optimizer "
+                f"{_item('optimizers', i, single)} is {type_of(optimizer)}; expected a torch.optim.Optimizer "
                 f"or LARC, or a list of them{_values_hint('optimizers', optimizer)}"
             )
         if hasattr(optimizer, "_amp_stash"):

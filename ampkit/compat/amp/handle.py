@@ -19,6 +19,7 @@ from ampkit.compat.amp._amp_state import _amp_state, maybe_print
 from ampkit.compat.amp.functions import disable_casts as disable_casts  # Apex defined it here: apex.amp.handle
 from ampkit.compat.amp.scaler import ApexLossScaler
 from ampkit.ops._switches import checked_switch, is_switch
+from ampkit.wording import type_of
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:
@@ -92,7 +93,7 @@ def scale_loss(
     # Apex indexed its list of scalers with loss_id: numpy's integers and bools (True: loss 1) index it as well
     if not isinstance(loss_id, numbers.Integral):
         raise TypeError(
-            f"loss_id={loss_id!r} is a {type(loss_id).__name__}; loss ids are the integers 0..{len(scalers) - 1} "
+            f"loss_id={loss_id!r} is {type_of(loss_id)}; loss ids are the integers 0..{len(scalers) - 1} "
             f"(amp.initialize was called with num_losses={len(scalers)})"
         )
     given, loss_id = loss_id, int(loss_id)

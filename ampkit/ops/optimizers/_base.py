@@ -34,7 +34,7 @@ from ampkit.ops._layout import dtensor_type, first_overlap, is_dense, local_shar
 from ampkit.ops._switches import is_switch
 from ampkit.ops.multi_tensor import read_scalars
 from ampkit.ops.optimizers._state_map import StateMap
-from ampkit.wording import beyond_float, integer_digits
+from ampkit.wording import beyond_float, integer_digits, type_of
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float64, *_HALF_DTYPES)
@@ -290,7 +290,7 @@ def check_hyper(
         value = bool(value)
     if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
-            f"Invalid {name}: {value!r} is a {type(value).__name__} (expected a {finite_word}number {bound})"
+            f"Invalid {name}: {value!r} is {type_of(value)} (expected a {finite_word}number {bound})"
         )
     if beyond_float(value):  # passes value < inf, then every step's float() raised a bare OverflowError
         raise ValueError(f"Invalid {name}: {integer_digits(value)} (expected a {finite_word}value {bound})")
@@ -370,7 +370,7 @@ def check_flag(name: str, value: Any) -> None:
         return
     hint = " (betas go by keyword: the third positional argument is bias_correction, as in Apex)"
     hint = hint if name.startswith("bias_correction") and isinstance(value, tuple | list) else ""
-    raise ArgumentTypeError(f"Invalid {name}: {value!r} is a {type(value).__name__} (expected True or False){hint}")
+    raise ArgumentTypeError(f"Invalid {name}: {value!r} is {type_of(value)} (expected True or False){hint}")
 
 
 def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
@@ -378,7 +378,7 @@ def check_betas(betas: Any, where: str = "") -> tuple[Any, Any]:
     torch.optim takes them); else a ValueError (a float there is a positional call gone astray)."""
     expected = "(expected two numbers in [0.0, 1.0))"
     if not isinstance(betas, Sequence) or isinstance(betas, str | bytes):
-        raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is a {type(betas).__name__} {expected}")
+        raise ArgumentTypeError(f"Invalid betas{where}: {betas!r} is {type_of(betas)} {expected}")
     if len(betas) != 2:
         raise ValueError(f"Invalid betas{where}: {betas!r} {expected}")
     for i, beta in enumerate(betas):
@@ -526,15 +526,13 @@ def check_state_dict_layout(owner: str, state_dict: Any, tensor_keys: Iterable[s
     tensor_keys = set(tensor_keys)
     for pid, entry in states.items():
         if not isinstance(entry, Mapping):
-            raise TypeError(f"{where}: saved state[{pid!r}] is a {type(entry).__name__}, expected a dict")
+            raise TypeError(f"{where}: saved state[{pid!r}] is {type_of(entry)}, expected a dict")
         for key, value in entry.items():
             if key == "step":
                 if isinstance(value, bool) or not isinstance(value, numbers.Real | Tensor):
                     raise TypeError(f"{where}: saved state[{pid!r}]['step'] is {value!r:.40}, expected a number")
             elif key in tensor_keys and value is not None and not isinstance(value, Tensor):
-                raise TypeError(
-                    f"{where}: saved state[{pid!r}][{key!r}] is a {type(value).__name__}, expected a tensor"
-                )
+                raise TypeError(f"{where}: saved state[{pid!r}][{key!r}] is {type_of(value)}, expected a tensor")
 
 
 def refuse_reordered_names(owner: str, saved_groups: Sequence[Any], groups: Sequence[dict[str, Any]]) -> None:
