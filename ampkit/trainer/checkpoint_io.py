@@ -193,14 +193,34 @@ def _kept_because(path: Path) -> tuple[str, str] | None:
     """Why pruning keeps ``path`` (see :func:`deletable`) and what lets it go, or None."""
     if write_protected(path):
         return "is write-protected (chmod a-w)", "make it writable again (chmod u+w) to let them delete it"
-    try:
-        info = path.stat()
-    except OSError:  # gone: nothing to keep
-        return None
-    identity = (str(path), info.st_ino, info.st_mtime_ns, info.st_size)
-    if stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity):
+    if foreign_file(path):
         return "holds no ampkit checkpoint", "move it out of the checkpoints folder, or delete it yourself"
     return None
+
+
+# A file under a name ampkit gives its checkpoints (last.pt, best.pt, step-N.pt...) that holds no ampkit checkpoint
+# is the user's (notes, a torch.save of weights put there): ampkit never deletes or replaces it.
+FOREIGN = (
+    "holds no ampkit checkpoint, so it is yours and ampkit never replaces it: move it out of the checkpoints folder"
+)
+
+
+def foreign_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file (or a symlink to one) that holds no ampkit checkpoint: a user's own under a
+    checkpoint's name. Each file is read once (without its tensors) however often this asks."""
+    try:
+        info = os.stat(path)
+    except OSError:  # gone, or unreadable: nothing there to keep
+        return False
+    identity = (os.fspath(path), info.st_ino, info.st_mtime_ns, info.st_size)
+    return stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity)
+
+
+def refuse_foreign(path: str | os.PathLike) -> None:
+    """A ``FileExistsError`` naming ``path`` when it is a :func:`foreign_file`: a save there would replace the user's
+    file with a checkpoint."""
+    if foreign_file(path):
+        raise FileExistsError(errno.EEXIST, FOREIGN, os.fspath(path))
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,6 +323,20 @@ def copy_atomic(source: Path, alias: Path) -> None:
     who rewrites one checkpoint in place (``torch.save(ck, "last.pt")``) changes that one, not every name of it."""
     _replace_atomically(alias, "wb", lambda f: _copy_bytes(source, f))
     _fsync_dir(alias.parent)
+
+
+_NUMBERED_NAMES = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
+
+
+def _expected_instead(name: str) -> str:
+    """What a load expected of a foreign file named ``name``: a file at a checkpoint's own name was put there by
+    someone else (ampkit wrote no such file), and a run would never replace it."""
+    if name in ("last.pt", "best.pt") or any(named(name, False) for named in _NUMBERED_NAMES):
+        return (
+            f"ampkit did not write it, though {name} is the name of one of its checkpoints: a file of yours put there, "
+            "which a run never replaces; move it out of the checkpoints folder to resume the run"
+        )
+    return "Expected a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
 
 
 # Words of torch's weights-only unpickler when a pickle names code (a GLOBAL, a reduce call, a class), as
@@ -547,8 +581,8 @@ def _load_open(path: Path, file: IO[bytes]) -> dict[str, Any]:
         )
     if not isinstance(checkpoint, dict) or FORMAT_KEY not in checkpoint:
         raise CheckpointError(
-            f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. Expected "
-            "a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
+            f"'{path}' is not an ampkit checkpoint (no '{FORMAT_KEY}' entry): {foreign_contents(checkpoint)}. "
+            + _expected_instead(path.name)
         )
     if isinstance(checkpoint[FORMAT_KEY], bool) or not isinstance(checkpoint[FORMAT_KEY], int):
         raise CheckpointError(

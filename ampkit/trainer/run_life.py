@@ -69,6 +69,7 @@ from ampkit.trainer.checkpoint_io import (
     CheckpointError,
     DamagedCheckpointError,
     deletable,
+    foreign_file,
     from_storage,
     is_best_k_checkpoint_name,
     is_periodic_checkpoint_name,
@@ -520,6 +521,12 @@ def plan_fit(
             f"run_dir to '{version_dir.parent}')"
         )
         version_dir = None
+    if version_dir is not None and (yours := _users_file_in_the_way(version_dir, loop)) is not None:
+        raise CheckpointError(
+            f"'{yours}' holds no ampkit checkpoint (a file of yours under a name ampkit gives its checkpoints), and "
+            f"continuing the run in '{version_dir}' from '{path}' would write that name: move it out of "
+            f"'{yours.parent}' (or rename it) and resume again; nothing was trained and nothing written"
+        )
     return FitStart(
         checkpoint_path=path,
         checkpoint=None if sharded else checkpoint,
@@ -563,6 +570,21 @@ def _protected_alias(version_dir: Path) -> Path | None:
     checkpoints = version_dir / "checkpoints"
     aliases = [checkpoints / name for name in ("last.pt", "best.pt", "last", "best")]
     return next((a for a in aliases if a.exists() and not a.is_symlink() and write_protected(a)), None)
+
+
+def _users_file_in_the_way(version_dir: Path, loop: dict[str, int]) -> Path | None:
+    """The first file in ``version_dir``'s ``checkpoints/`` that holds no ampkit checkpoint (a user's own) under a
+    name a run continued from ``loop`` writes: ``last.pt``, ``best.pt``, or a step, epoch or best-k file past that
+    position; or None. Its first save would stop there: found before training instead."""
+    checkpoints = version_dir / "checkpoints"
+    past = {"step": loop.get("global_step", 0), "best": loop.get("global_step", 0), "epoch": loop.get("epoch", 0)}
+
+    def written_later(name: str) -> bool:
+        numbered = re.fullmatch(r"(step|epoch|best)-(\d+)\.pt", name)
+        return name in ("last.pt", "best.pt") or (numbered is not None and int(numbered[2]) > past[numbered[1]])
+
+    names = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
+    return next((checkpoints / n for n in names if written_later(n) and foreign_file(checkpoints / n)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
