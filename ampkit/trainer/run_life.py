@@ -663,6 +663,8 @@ def open_version_dir(
         version_dir = _real(version_dir if version_dir is not None else new_version_dir(run_dir))
         lock = RunLock(version_dir)
         lock.acquire()
+        if start.version_dir is not None:
+            _refuse_if_written_since(start)
         if start.branched_from is not None:
             write_text_atomic(OmegaConf.to_yaml(lineage(start)), version_dir / LINEAGE_FILE)
         save_config(version_dir, cfg, global_step, start)
@@ -684,6 +686,20 @@ def open_version_dir(
             exc,
         ) from None
     return version_dir, lock
+
+
+def _refuse_if_written_since(start: FitStart) -> None:
+    """A :class:`RunDirectoryError` where the run ``start`` continues saved a newer checkpoint after this fit read
+    its own (another run, resumed at once, took the lock first and trained): continuing would write the older state
+    over its ``last`` and prune its files by the older position."""
+    last = _last_of(start.version_dir)
+    now = loop_of(last) if last is not None else None
+    if now is not None and now != start.loop:
+        raise RunDirectoryError(
+            f"'{last}' changed after this run read '{start.checkpoint_path}' ({position_text(start.loop)}; now "
+            f"{position_text(now)}): another run wrote '{start.version_dir}' meanwhile, and continuing would write "
+            "the older state over it. Nothing was trained or written: resume again to continue from the newest"
+        )
 
 
 def _real(version_dir: Path) -> Path:
