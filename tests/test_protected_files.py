@@ -291,3 +291,36 @@ def test_resume_last_of_a_users_file_at_last_pt_says_whose_it_is(tmp_path):
         ToyTrainer(toy_cfg(tmp_path, **QUIET, **{"trainer.max_epochs": 2})).fit(resume="last")
     assert "Expected a file" not in str(raised.value) and "epoch-0001.pt" in str(raised.value)
     assert list(torch.load(last, weights_only=True)) == ["weight"]
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_a_sharded_resume_refuses_to_replace_a_users_own_best(tmp_path, kind):
+    """A sharded run's best is a link; a file or a folder of the user's put at its name (exported weights) was
+    replaced by the link at the resumed run's next best, the folder deleted as if it were a copy of a checkpoint."""
+    settings = {**QUIET, "distributed.strategy": "fsdp", "checkpoint.monitor": "val/mse", "trainer.val_every_n_steps": 4}
+    first = ToyTrainer(toy_cfg(tmp_path, **settings))
+    first.fit()
+    mine = first.version_dir / "checkpoints" / "best"
+    mine.unlink()
+    if kind == "directory":
+        mine.mkdir()
+        (mine / "model.safetensors").write_bytes(b"my exported weights")
+    else:
+        mine.write_bytes(b"my notes")
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(str(mine))}' holds no ampkit checkpoint"):
+        ToyTrainer(toy_cfg(tmp_path, **settings, **{"trainer.max_epochs": 3})).fit(resume="last")
+    assert _files(tmp_path) == before
+
+
+def test_moving_a_sharded_alias_never_replaces_a_users_file_there(tmp_path):
+    """The save's own guard, below the resume's check: a file of the user's put at last while the run trains."""
+    from ampkit.trainer.sharded_checkpoint import point_last_at
+
+    (tmp_path / "step-00000001").mkdir()
+    mine = tmp_path / "last"
+    mine.write_bytes(b"my notes")
+    with pytest.raises(FileExistsError, match="holds no ampkit checkpoint") as raised:
+        point_last_at(tmp_path / "step-00000001")
+    assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000001"]  # no temp link left

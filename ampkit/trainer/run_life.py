@@ -92,6 +92,7 @@ from ampkit.trainer.sharded_checkpoint import (
     newest_whole_beside,
     periodic_checkpoints,
     training_order,
+    users_own_alias,
 )
 
 LOCK_FILE = "run.lock"
@@ -521,7 +522,7 @@ def plan_fit(
             f"run_dir to '{version_dir.parent}')"
         )
         version_dir = None
-    if version_dir is not None and (yours := _users_file_in_the_way(version_dir, loop)) is not None:
+    if version_dir is not None and (yours := _users_file_in_the_way(version_dir, loop, sharded)) is not None:
         raise CheckpointError(
             f"'{yours}' holds no ampkit checkpoint (a file of yours under a name ampkit gives its checkpoints), and "
             f"continuing the run in '{version_dir}' from '{path}' would write that name: move it out of "
@@ -572,11 +573,13 @@ def _protected_alias(version_dir: Path) -> Path | None:
     return next((a for a in aliases if a.exists() and not a.is_symlink() and write_protected(a)), None)
 
 
-def _users_file_in_the_way(version_dir: Path, loop: dict[str, int]) -> Path | None:
+def _users_file_in_the_way(version_dir: Path, loop: dict[str, int], sharded: bool) -> Path | None:
     """The first file in ``version_dir``'s ``checkpoints/`` that holds no ampkit checkpoint (a user's own) under a
-    name a run continued from ``loop`` writes: ``last.pt``, ``best.pt``, or a step, epoch or best-k file past that
-    position; or None. Its first save would stop there: found before training instead."""
+    name a run continued from ``loop`` writes, or None: ``last.pt``, ``best.pt`` or a step, epoch or best-k file past
+    that position; a ``sharded`` run's ``last``/``best`` (:func:`users_own_alias`). Its save would stop there."""
     checkpoints = version_dir / "checkpoints"
+    if sharded:
+        return next((checkpoints / n for n in ("last", "best") if users_own_alias(checkpoints / n)), None)
     past = {"step": loop.get("global_step", 0), "best": loop.get("global_step", 0), "epoch": loop.get("epoch", 0)}
 
     def written_later(name: str) -> bool:

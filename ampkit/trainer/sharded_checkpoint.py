@@ -10,6 +10,7 @@ renames the finished directory into place, so a crash mid-save leaves the previo
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -26,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ampkit.trainer.checkpoint_io import (
+    FOREIGN,
     CheckpointError,
     _fsync_dir,
     copy_atomic,
@@ -354,6 +356,15 @@ def write_failure(exc: BaseException) -> str | None:
     return f"{reasons} on rank {', '.join(str(rank) for rank in sorted(failed))}"
 
 
+def users_own_alias(link: Path) -> bool:
+    """Whether ``link``, a sharded run's ``last`` or ``best``, is something of the user's that moving the alias would
+    replace: a file, or a directory holding no part of a sharded checkpoint (not the link, nor a copy of a checkpoint
+    that a tool following links made)."""
+    if link.is_symlink() or not link.exists():
+        return False
+    return not link.is_dir() or not (is_sharded_checkpoint(link) or missing_sharded_parts(link))
+
+
 def point_last_at(path: Path, alias: str = LAST) -> None:
     """Make ``alias`` (``last``, or ``best``) beside ``path`` a symlink to it, replaced atomically (rank zero).
 
@@ -361,6 +372,8 @@ def point_last_at(path: Path, alias: str = LAST) -> None:
     whole checkpoint directory: it is set aside (as ``.<alias>.old``, which a tidy puts back after a kill) and goes
     once the link is in its place, as ``last.pt`` is replaced by the newer one."""
     link = path.parent / alias
+    if users_own_alias(link):
+        raise FileExistsError(errno.EEXIST, FOREIGN, str(link))
     tmp = path.parent / f".{alias}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(path.name, tmp)
