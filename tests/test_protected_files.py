@@ -293,15 +293,23 @@ def test_resume_last_of_a_users_file_at_last_pt_says_whose_it_is(tmp_path):
     assert list(torch.load(last, weights_only=True)) == ["weight"]
 
 
-@pytest.mark.parametrize("kind", ["file", "directory"])
-def test_a_sharded_resume_refuses_to_replace_a_users_own_best(tmp_path, kind):
+@pytest.mark.parametrize(("name", "kind"), [("best", "file"), ("best", "directory"), ("step-00000020", "directory")])
+def test_a_sharded_resume_refuses_to_replace_a_users_own_file_or_folder(tmp_path, name, kind):
     """A sharded run's best is a link; a file or a folder of the user's put at its name (exported weights) was
-    replaced by the link at the resumed run's next best, the folder deleted as if it were a copy of a checkpoint."""
-    settings = {**QUIET, "distributed.strategy": "fsdp", "checkpoint.monitor": "val/mse", "trainer.val_every_n_steps": 4}
+    replaced by the link at the resumed run's next best, the folder deleted as if it were a copy of a checkpoint; one
+    at a later step's name was set aside and deleted by that step's save."""
+    settings = {
+        **QUIET,
+        "distributed.strategy": "fsdp",
+        "checkpoint.monitor": "val/mse",
+        "trainer.val_every_n_steps": 4,
+        "checkpoint.every_n_steps": 4,
+    }
     first = ToyTrainer(toy_cfg(tmp_path, **settings))
     first.fit()
-    mine = first.version_dir / "checkpoints" / "best"
-    mine.unlink()
+    mine = first.version_dir / "checkpoints" / name
+    if mine.is_symlink():
+        mine.unlink()
     if kind == "directory":
         mine.mkdir()
         (mine / "model.safetensors").write_bytes(b"my exported weights")
@@ -324,3 +332,18 @@ def test_moving_a_sharded_alias_never_replaces_a_users_file_there(tmp_path):
         point_last_at(tmp_path / "step-00000001")
     assert raised.value.filename == str(mine) and mine.read_bytes() == b"my notes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000001"]  # no temp link left
+
+
+def test_a_sharded_save_never_sets_aside_and_deletes_a_users_folder_at_its_name(tmp_path):
+    """A save (here a best-k copy) into a name where a folder of the user's stands moved it aside and deleted it."""
+    from ampkit.trainer.sharded_checkpoint import copy_sharded
+
+    source = tmp_path / "step-00000001"
+    source.mkdir()
+    (source / ".metadata").write_bytes(b"m")
+    mine = tmp_path / "best-00000001"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds no ampkit checkpoint"):
+        copy_sharded(source, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"

@@ -92,7 +92,7 @@ from ampkit.trainer.sharded_checkpoint import (
     newest_whole_beside,
     periodic_checkpoints,
     training_order,
-    users_own_alias,
+    users_own_at,
 )
 
 LOCK_FILE = "run.lock"
@@ -575,19 +575,20 @@ def _protected_alias(version_dir: Path) -> Path | None:
 
 def _users_file_in_the_way(version_dir: Path, loop: dict[str, int], sharded: bool) -> Path | None:
     """The first file in ``version_dir``'s ``checkpoints/`` that holds no ampkit checkpoint (a user's own) under a
-    name a run continued from ``loop`` writes, or None: ``last.pt``, ``best.pt`` or a step, epoch or best-k file past
-    that position; a ``sharded`` run's ``last``/``best`` (:func:`users_own_alias`). Its save would stop there."""
+    name a run continued from ``loop`` writes, or None: ``last``, ``best``, or a step, epoch or best-k name past that
+    position (``.pt`` files; a ``sharded`` run's directories and links: :func:`users_own_at`). Its save would stop
+    there."""
     checkpoints = version_dir / "checkpoints"
-    if sharded:
-        return next((checkpoints / n for n in ("last", "best") if users_own_alias(checkpoints / n)), None)
     past = {"step": loop.get("global_step", 0), "best": loop.get("global_step", 0), "epoch": loop.get("epoch", 0)}
+    suffix, users_own = ("", users_own_at) if sharded else (".pt", foreign_file)
 
     def written_later(name: str) -> bool:
-        numbered = re.fullmatch(r"(step|epoch|best)-(\d+)\.pt", name)
-        return name in ("last.pt", "best.pt") or (numbered is not None and int(numbered[2]) > past[numbered[1]])
+        numbered = re.fullmatch(rf"(step|epoch|best)-(\d+){re.escape(suffix)}", name)
+        aliases = (f"last{suffix}", f"best{suffix}")
+        return name in aliases or (numbered is not None and int(numbered[2]) > past[numbered[1]])
 
     names = sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else []
-    return next((checkpoints / n for n in names if written_later(n) and foreign_file(checkpoints / n)), None)
+    return next((checkpoints / n for n in names if written_later(n) and users_own(checkpoints / n)), None)
 
 
 # Keys whose change is the point of a resume (train longer) or names where it runs, not how it trains.
