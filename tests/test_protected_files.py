@@ -347,3 +347,15 @@ def test_a_sharded_save_never_sets_aside_and_deletes_a_users_folder_at_its_name(
     with pytest.raises(FileExistsError, match="holds no ampkit checkpoint"):
         copy_sharded(source, mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_a_run_does_not_read_back_the_checkpoints_it_wrote_to_tell_them_from_a_users(tmp_path, monkeypatch):
+    """Each save read last.pt (and each file pruning passed) back to see that it was no file of the user's: for a
+    model of a few thousand tensors that read cost 70% of the save's time again."""
+    from ampkit.trainer import checkpoint_io
+
+    read: list[str] = []
+    monkeypatch.setattr(checkpoint_io, "_holds_ampkit_checkpoint", lambda path, *identity: read.append(path) or True)
+    settings = {**QUIET, "checkpoint.every_n_steps": 1, "checkpoint.keep_last": 1, "checkpoint.monitor": "val/mse"}
+    ToyTrainer(toy_cfg(tmp_path, **{**settings, "trainer.val_every_n_steps": 2})).fit()
+    assert read == []

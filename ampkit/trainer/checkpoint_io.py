@@ -208,12 +208,30 @@ FOREIGN = (
 def foreign_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a file (or a symlink to one) that holds no ampkit checkpoint: a user's own under a
     checkpoint's name. Each file is read once (without its tensors) however often this asks."""
+    identity = _identity(path)
+    return identity is not None and identity not in _WRITTEN and not _holds_ampkit_checkpoint(*identity)
+
+
+# The identities of the checkpoint files this process wrote (or copied from one it wrote): known to be ampkit's
+# without a read, which for a large one (thousands of tensors) costs most of a save's time. The newest few are kept.
+_WRITTEN: dict[tuple[str, int, int, int], None] = {}
+
+
+def _identity(path: str | os.PathLike) -> tuple[str, int, int, int] | None:
+    """``(path, inode, mtime, size)`` of the regular file ``path`` (a symlink read where it leads), or None."""
     try:
         info = os.stat(path)
-    except OSError:  # gone, or unreadable: nothing there to keep
-        return False
-    identity = (os.fspath(path), info.st_ino, info.st_mtime_ns, info.st_size)
-    return stat.S_ISREG(info.st_mode) and not _holds_ampkit_checkpoint(*identity)
+    except OSError:  # gone, or unreadable
+        return None
+    return (os.fspath(path), info.st_ino, info.st_mtime_ns, info.st_size) if stat.S_ISREG(info.st_mode) else None
+
+
+def _remember_written(path: Path) -> None:
+    """Record checkpoint file ``path``, just written by this process, as ampkit's (see :data:`_WRITTEN`)."""
+    if (identity := _identity(path)) is not None:
+        _WRITTEN[identity] = None
+        while len(_WRITTEN) > 256:
+            del _WRITTEN[next(iter(_WRITTEN))]
 
 
 def refuse_foreign(path: str | os.PathLike) -> None:
@@ -286,6 +304,8 @@ def save_atomic(obj: Any, path: str | os.PathLike, replace: bool = True) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     _replace_atomically(path, "wb", lambda f: torch.save(obj, f), replace)
     _fsync_dir(path.parent)
+    if isinstance(obj, dict) and FORMAT_KEY in obj:
+        _remember_written(path)
     return path
 
 
@@ -321,8 +341,11 @@ def _copy_bytes(source: Path, target: IO) -> None:
 def copy_atomic(source: Path, alias: Path) -> None:
     """Make ``alias`` a copy of ``source``, atomically (as :func:`save_atomic` writes). A copy, not a link: a user
     who rewrites one checkpoint in place (``torch.save(ck, "last.pt")``) changes that one, not every name of it."""
+    ours = _identity(source) in _WRITTEN
     _replace_atomically(alias, "wb", lambda f: _copy_bytes(source, f))
     _fsync_dir(alias.parent)
+    if ours:
+        _remember_written(alias)
 
 
 _NUMBERED_NAMES = (is_periodic_checkpoint_name, is_best_k_checkpoint_name)
