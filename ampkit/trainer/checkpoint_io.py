@@ -357,7 +357,7 @@ def _expected_instead(name: str) -> str:
     if name in ("last.pt", "best.pt") or any(named(name, False) for named in _NUMBERED_NAMES):
         return (
             f"ampkit did not write it, though {name} is the name of one of its checkpoints: a file of yours put there, "
-            "which a run never replaces; move it out of the checkpoints folder to resume the run"
+            "which a run never replaces; move it out of the checkpoints folder"
         )
     return "Expected a file ampkit's ModelCheckpoint wrote (last.pt, step-N.pt)"
 
